@@ -1,0 +1,55 @@
+"""The ``Communicator`` protocol: what a data plane offers the engines.
+
+Both the TCP and the NCCL communicators implement it, so framing and engines are
+written once. Every call that waits takes a timeout; a communicator that times out or
+loses a peer raises a ``TransferError`` and is unusable afterwards (``abort()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+class TransferError(RuntimeError):
+    """The data plane failed: a peer was lost, refused, or a wait timed out."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A wait exceeded its timeout; the communicator has been aborted."""
+
+
+class PeerLost(TransferError, ConnectionError):
+    """A peer disconnected; the message names the peer and the byte offset."""
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """One rank's end of a broadcast group of ``world_size`` ranks.
+
+    ``buffer`` is a contiguous byte buffer: a numpy array / memoryview for TCP, a
+    device array (``__cuda_array_interface__`` or ``__dlpack__``) for NCCL. On the
+    root it is sent; on every other rank it is overwritten with the root's bytes.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def warmup(self, *, timeout: float | None = None) -> None:
+        """All ranks present before any broadcast (NCCL: a 1-element SUM all-reduce)."""
+
+    def broadcast(self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
+        """Broadcast ``buffer`` from ``root``.
+
+        Without ``stream`` it returns once the buffer may be reused (bounded by
+        ``timeout``). With a device ``stream`` (NCCL) it only enqueues; the caller
+        orders reuse after that stream, which is what lets chunks overlap.
+        """
+
+    def abort(self) -> None:
+        """Tear down at once without waiting on peers; later calls raise."""
+
+    def close(self) -> None:
+        """Orderly shutdown after a successful session."""

@@ -1,0 +1,276 @@
+"""Init and update info: the JSON bodies of ``/init_weight_transfer_engine`` and
+``/update_weights``, parsed strictly on both sides.
+
+Every parser rejects unknown keys, wrong types and out-of-limit values with a
+``ValueError`` naming the field, so a malformed payload fails the request instead of
+sizing a buffer, joining a wrong group or hanging a collective.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Self
+
+from weightwire.shared.dtypes import wire_dtype
+from weightwire.shared.limits import LIMITS
+from weightwire.shared.meta import ParamMeta, validate_shape
+
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
+DEFAULT_PACKED_NUM_BUFFERS = 2
+NCCL_UNIQUE_ID_BYTES = 128
+TCP_SECRET_BYTES = 128
+
+
+def _check_type(name: str, value: object, kind: type | tuple[type, ...], *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # bool is an int subclass: an int field given true/false is a caller bug.
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        want = " or ".join(k.__name__ for k in kinds)
+        raise ValueError(f"{name} must be {want}, got {type(value).__name__} {value!r:.60}")
+
+
+class _StrictInfo:
+    """Mixin: strict ``from_dict`` / ``to_dict`` / JSON round-trip for info dataclasses."""
+
+    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {}
+    _secret_fields: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_dict(cls, data: object) -> Self:
+        ctx = cls.__name__
+        if not isinstance(data, dict):
+            raise ValueError(f"{ctx} must be a JSON object, got {type(data).__name__}")
+        known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = [k for k in data if k not in known]
+        if unknown:
+            raise ValueError(f"{ctx}: unknown keys {sorted(map(str, unknown))}; allowed: {sorted(known)}")
+        for name, f in known.items():
+            required = f.default is MISSING and f.default_factory is MISSING
+            if required and name not in data:
+                raise ValueError(f"{ctx}: missing required field {name!r}")
+            if name in data:
+                optional = f.default is None
+                _check_type(f"{ctx}.{name}", data[name], cls._types[name], optional=optional)
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON body; unset optional fields are dropped (a stock vLLM only sees the mode in use)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}  # type: ignore[arg-type]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Self:
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{cls.__name__}: body is not valid JSON ({exc})") from None
+        return cls.from_dict(data)
+
+    def __repr__(self) -> str:
+        # Secrets (unique ids, TCP secrets) must never reach logs or reprs.
+        parts = [
+            f"{f.name}={'<redacted>' if f.name in self._secret_fields else repr(getattr(self, f.name))}"
+            for f in fields(self)  # type: ignore[arg-type]
+        ]
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _check_wire_params(ctx: str, buffer_size: int, num_buffers: int, world_size: int, rank_offset: int) -> None:
+    if not 1 <= buffer_size <= LIMITS.max_buffer_size_bytes:
+        raise ValueError(f"{ctx}.packed_buffer_size_bytes must be in [1, {LIMITS.max_buffer_size_bytes}], got {buffer_size}")
+    if not 1 <= num_buffers <= LIMITS.max_num_buffers:
+        raise ValueError(f"{ctx}.packed_num_buffers must be in [1, {LIMITS.max_num_buffers}], got {num_buffers}")
+    if not 2 <= world_size <= LIMITS.max_world_size:
+        raise ValueError(f"{ctx}.world_size must be in [2, {LIMITS.max_world_size}], got {world_size}")
+    if not 1 <= rank_offset < world_size:
+        raise ValueError(f"{ctx}.rank_offset must be in [1, world_size), got {rank_offset} with world_size {world_size}")
+
+
+def decode_secret(ctx: str, value: str, nbytes: int) -> bytes:
+    """Strict standard (RFC 4648, not URL-safe) base64 of exactly ``nbytes`` bytes."""
+    try:
+        raw = base64.b64decode(value.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        raise ValueError(f"{ctx} is not strict standard base64 (URL-safe '-'/'_' is refused)") from None
+    if len(raw) != nbytes:
+        raise ValueError(f"{ctx} must decode to exactly {nbytes} bytes, got {len(raw)}")
+    return raw
+
+
+def encode_secret(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class NCCLInitInfo(_StrictInfo):
+    """Worker init info for vLLM's dense ``nccl`` backend (and ``weightwire_nccl``).
+
+    Exactly one rendezvous: ``master_address`` + ``master_port`` (torch TCPStore) or
+    ``nccl_unique_id_b64`` (a torch-free trainer mints the id). Defaults are vLLM's
+    worker defaults (``packed`` false); our trainer engines always send all three wire
+    params explicitly so the two sides cannot disagree.
+    """
+
+    backend: ClassVar[str] = "nccl"
+    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
+        "master_address": str, "master_port": int, "nccl_unique_id_b64": str,
+        "rank_offset": int, "world_size": int, "packed": bool,
+        "packed_buffer_size_bytes": int, "packed_num_buffers": int,
+    }
+    _secret_fields: ClassVar[tuple[str, ...]] = ("nccl_unique_id_b64",)
+
+    master_address: str | None = None
+    master_port: int | None = None
+    nccl_unique_id_b64: str | None = None
+    rank_offset: int
+    world_size: int
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+
+    def __post_init__(self) -> None:
+        ctx = type(self).__name__
+        store = self.master_address is not None or self.master_port is not None
+        if store and self.nccl_unique_id_b64 is not None:
+            raise ValueError(f"{ctx}: give either master_address/master_port or nccl_unique_id_b64, not both")
+        if not store and self.nccl_unique_id_b64 is None:
+            raise ValueError(f"{ctx}: no rendezvous: give master_address/master_port or nccl_unique_id_b64")
+        if store and (self.master_address is None or self.master_port is None):
+            raise ValueError(f"{ctx}: master_address and master_port must be given together")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"{ctx}.master_port must be in [1, 65535], got {self.master_port}")
+        _ = self.unique_id_bytes
+        _check_wire_params(ctx, self.packed_buffer_size_bytes, self.packed_num_buffers, self.world_size, self.rank_offset)
+
+    @property
+    def unique_id_bytes(self) -> bytes | None:
+        if self.nccl_unique_id_b64 is None:
+            return None
+        return decode_secret(f"{type(self).__name__}.nccl_unique_id_b64", self.nccl_unique_id_b64, NCCL_UNIQUE_ID_BYTES)
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class WeightwireNCCLInitInfo(NCCLInitInfo):
+    """``weightwire_nccl``: vLLM's fields plus a receive timeout (stock vLLM has none)."""
+
+    backend: ClassVar[str] = "weightwire_nccl"
+    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {**NCCLInitInfo._types, "timeout_s": float}
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_timeout(type(self).__name__, self.timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class TCPInitInfo(_StrictInfo):
+    """``weightwire_tcp``: the trainer (rank 0) listens at ``host:port``; each worker
+    connects and proves ``secret_b64`` (128 random bytes) before any weight byte flows."""
+
+    backend: ClassVar[str] = "weightwire_tcp"
+    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
+        "host": str, "port": int, "secret_b64": str, "rank_offset": int, "world_size": int,
+        "packed": bool, "packed_buffer_size_bytes": int, "packed_num_buffers": int, "timeout_s": float,
+    }
+    _secret_fields: ClassVar[tuple[str, ...]] = ("secret_b64",)
+
+    host: str
+    port: int
+    secret_b64: str
+    rank_offset: int
+    world_size: int
+    packed: bool = True
+    packed_buffer_size_bytes: int = 64 << 20
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        ctx = type(self).__name__
+        if not self.host or len(self.host) > 255:
+            raise ValueError(f"{ctx}.host must be a host name or address, got {self.host!r:.60}")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"{ctx}.port must be in [1, 65535], got {self.port}")
+        _ = self.secret
+        _check_wire_params(ctx, self.packed_buffer_size_bytes, self.packed_num_buffers, self.world_size, self.rank_offset)
+        _check_timeout(ctx, self.timeout_s)
+
+    @property
+    def secret(self) -> bytes:
+        return decode_secret(f"{type(self).__name__}.secret_b64", self.secret_b64, TCP_SECRET_BYTES)
+
+
+def _check_timeout(ctx: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= 86_400):
+        raise ValueError(f"{ctx}.timeout_s must be in (0, 86400] seconds, got {value!r}")
+
+
+INIT_INFO_TYPES: dict[str, type[NCCLInitInfo] | type[TCPInitInfo]] = {
+    cls.backend: cls for cls in (NCCLInitInfo, WeightwireNCCLInitInfo, TCPInitInfo)
+}
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class UpdateInfo(_StrictInfo):
+    """Per-round metadata: three equal-length lists in broadcast order.
+
+    All three empty means "reuse the previous round's metadata" on servers >= 0.33
+    (see ``version.ServerFeatures.reuse_metadata``); on older ones, zero tensors.
+    """
+
+    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {"names": list, "dtype_names": list, "shapes": list}
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if n > LIMITS.max_tensors:
+            raise ValueError(f"names lists {n} tensors, over the limit {LIMITS.max_tensors}")
+        for key in ("dtype_names", "shapes"):
+            if len(getattr(self, key)) != n:
+                raise ValueError(f"{key} has {len(getattr(self, key))} entries but names has {n}")
+        total = 0
+        for i, (name, dtype, shape) in enumerate(zip(self.names, self.dtype_names, self.shapes)):
+            if not isinstance(name, str) or not name or len(name) > LIMITS.max_name_length:
+                raise ValueError(f"names[{i}] must be a non-empty string of <= {LIMITS.max_name_length} chars")
+            try:
+                row = wire_dtype(dtype)
+            except ValueError as exc:
+                raise ValueError(f"dtype_names[{i}]: {exc}") from None
+            dims = validate_shape(shape, field=f"shapes[{i}]")
+            nbytes = math.prod(dims) * row.itemsize
+            if nbytes > LIMITS.max_tensor_bytes:
+                raise ValueError(f"shapes[{i}] {list(dims)} is {nbytes} bytes, over the per-tensor limit {LIMITS.max_tensor_bytes}")
+            total += nbytes
+        if total > LIMITS.max_round_bytes:
+            raise ValueError(f"shapes total {total} bytes, over the per-round limit {LIMITS.max_round_bytes}")
+        if len(set(self.names)) != n:
+            seen: set[str] = set()
+            dup = next(x for x in self.names if x in seen or seen.add(x))  # type: ignore[func-returns-value]
+            raise ValueError(f"names lists {dup!r} more than once")
+
+    @property
+    def reuses_previous(self) -> bool:
+        return not self.names
+
+    def metas(self) -> list[ParamMeta]:
+        return [ParamMeta(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
+
+    @classmethod
+    def from_metas(cls, metas: list[ParamMeta]) -> UpdateInfo:
+        return cls(names=[m.name for m in metas], dtype_names=[m.dtype for m in metas], shapes=[list(m.shape) for m in metas])
+
+    def __repr__(self) -> str:
+        return f"UpdateInfo({len(self.names)} tensors)"

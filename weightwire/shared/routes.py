@@ -1,0 +1,49 @@
+"""The HTTP route table of vLLM's weight-sync API (dev-mode routes, root path).
+
+Client and reference server both read this table, so a path or body key can only be
+wrong in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str
+    method: str
+    path: str
+    body_key: str | None = None
+    """Top-level JSON key wrapping the payload (``init_info``), if any."""
+    weight_route: bool = True
+    """Guarded by the reference server's ``--api-key``."""
+
+
+INIT = Route("init_weight_transfer_engine", "POST", "/init_weight_transfer_engine", "init_info")
+START = Route("start_weight_update", "POST", "/start_weight_update")
+START_DRAFT = Route("start_draft_weight_update", "POST", "/start_draft_weight_update")
+UPDATE = Route("update_weights", "POST", "/update_weights", "update_info")
+FINISH = Route("finish_weight_update", "POST", "/finish_weight_update", "weight_version")
+SHUTDOWN = Route("shutdown_weight_transfer_engine", "POST", "/shutdown_weight_transfer_engine")
+UPDATE_VERSION = Route("update_weight_version", "POST", "/update_weight_version", "new_version")
+WEIGHT_INFO = Route("weight_info", "GET", "/weight_info")
+WEIGHT_CHECKER = Route("weight_checker", "POST", "/weight_checker", "action")
+WORLD_SIZE = Route("get_world_size", "GET", "/get_world_size")
+PAUSE = Route("pause", "POST", "/pause")
+RESUME = Route("resume", "POST", "/resume")
+IS_PAUSED = Route("is_paused", "GET", "/is_paused")
+VERSION = Route("version", "GET", "/version", weight_route=False)
+HEALTH = Route("health", "GET", "/health", weight_route=False)
+COMPLETIONS = Route("completions", "POST", "/v1/completions", weight_route=False)
+
+ROUTES: dict[str, Route] = {
+    r.name: r
+    for r in (
+        INIT, START, START_DRAFT, UPDATE, FINISH, SHUTDOWN, UPDATE_VERSION, WEIGHT_INFO,
+        WEIGHT_CHECKER, WORLD_SIZE, PAUSE, RESUME, IS_PAUSED, VERSION, HEALTH, COMPLETIONS,
+    )
+}
+
+PAUSE_MODES = ("abort", "wait", "keep")
+CHECKER_ACTIONS = ("checksum", "reset", "compare")

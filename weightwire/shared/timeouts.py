@@ -1,0 +1,39 @@
+"""Every blocking wait's default timeout, in one place.
+
+NCCL collectives and vLLM's routes have no timeout of their own; each wait in
+weightwire takes its bound from here (or from a caller's override), so no step can
+block forever. Override per engine with ``Timeouts(...)`` or process-wide with
+``WEIGHTWIRE_TIMEOUT_<FIELD>`` environment variables (seconds).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    http_s: float = 300.0
+    """One control-plane HTTP call (init and update block while workers receive)."""
+    connect_s: float = 60.0
+    """Rendezvous: NCCL ``ncclCommInitRank`` / TCP accept of every receiver."""
+    warmup_s: float = 60.0
+    """The warm-up all-reduce / TCP hello exchange after rendezvous."""
+    transfer_s: float = 300.0
+    """One broadcast (a chunk or a tensor) from start to landed on every receiver."""
+
+    @classmethod
+    def from_env(cls) -> Timeouts:
+        values: dict[str, float] = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"WEIGHTWIRE_TIMEOUT_{f.name.upper()}")
+            if raw is not None:
+                value = float(raw)
+                if not value > 0:
+                    raise ValueError(f"WEIGHTWIRE_TIMEOUT_{f.name.upper()} must be > 0, got {raw!r}")
+                values[f.name] = value
+        return replace(cls(), **values)
+
+
+DEFAULT_TIMEOUTS = Timeouts()
