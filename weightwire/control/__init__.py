@@ -1,0 +1,11 @@
+"""Control plane: clients that drive a vLLM server's weight-sync routes.
+
+``HTTPWeightSyncClient`` (httpx) for servers, ``RayWeightSyncClient`` for engine
+actors (``ray`` imported lazily). Both raise ``WeightSyncError`` on any failure.
+"""
+
+from weightwire.control.client import HTTPWeightSyncClient
+from weightwire.control.errors import WeightSyncError
+from weightwire.control.ray_client import RayWeightSyncClient
+
+__all__ = ["HTTPWeightSyncClient", "RayWeightSyncClient", "WeightSyncError"]

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from weightwire.shared.limits import bounded_repr
+
 
 @dataclass(frozen=True)
 class WireDType:
@@ -59,7 +61,7 @@ def wire_dtype(name: object) -> WireDType:
     """Look up a wire dtype by name; unknown names raise naming the supported set."""
     if not isinstance(name, str) or name not in WIRE_DTYPES:
         raise ValueError(
-            f"unsupported dtype {name!r}; supported wire dtypes: {', '.join(SUPPORTED_DTYPES)}"
+            f"unsupported dtype {bounded_repr(name)}; supported wire dtypes: {', '.join(SUPPORTED_DTYPES)}"
         )
     return WIRE_DTYPES[name]
 

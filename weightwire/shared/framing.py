@@ -66,14 +66,28 @@ def plan(metas: Sequence[ParamMeta], *, packed: bool, buffer_size_bytes: int) ->
 
 
 def pack_host(arrays: Sequence[np.ndarray], chunk: Chunk, out: np.ndarray | None = None) -> np.ndarray:
-    """Concatenate the chunk's arrays' bytes into a uint8 buffer (``out`` if given)."""
+    """Concatenate the chunk's arrays' bytes into a uint8 buffer (``out`` if given).
+
+    Each array must have exactly the byte size the plan gave its slot: a short array
+    would otherwise leave stale bytes in the buffer that the receiver loads as
+    weights. Big-endian arrays are converted, since the wire is little-endian.
+    """
     if out is None:
         out = np.empty(chunk.nbytes, dtype=np.uint8)
-    elif out.dtype != np.uint8 or out.size < chunk.nbytes:
-        raise ValueError(f"pack buffer must be uint8 of >= {chunk.nbytes} bytes")
-    for arr, offset in zip(arrays, chunk.offsets, strict=True):
-        flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-        out[offset : offset + flat.size] = flat
+    elif out.dtype != np.uint8 or out.ndim != 1 or out.size < chunk.nbytes:
+        raise ValueError(f"pack buffer must be a 1-D uint8 array of >= {chunk.nbytes} bytes")
+    if len(arrays) != len(chunk):
+        raise ValueError(f"chunk holds {len(chunk)} tensors, got {len(arrays)} arrays")
+    ends = (*chunk.offsets[1:], chunk.nbytes)
+    for i, (arr, offset, end) in enumerate(zip(arrays, chunk.offsets, ends, strict=True)):
+        arr = np.asarray(arr)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        if arr.nbytes != end - offset:
+            raise ValueError(
+                f"tensor {chunk.start + i} of the round has {arr.nbytes} bytes, its slot has {end - offset}"
+            )
+        out[offset:end] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
     return out[: chunk.nbytes]
 
 

@@ -17,7 +17,8 @@ def layer_key(name: str) -> str | None:
     """The prefix through the outermost index (``model.layers.3``), or None."""
     parts = name.split(".")
     for i, part in enumerate(parts):
-        if part.isdigit():
+        # ASCII only: str.isdigit() also accepts '²' and other Unicode digits.
+        if part.isascii() and part.isdigit():
             return ".".join(parts[: i + 1])
     return None
 

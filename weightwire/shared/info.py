@@ -16,8 +16,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
 from weightwire.shared.dtypes import wire_dtype
-from weightwire.shared.limits import LIMITS
-from weightwire.shared.meta import ParamMeta, validate_shape
+from weightwire.shared.limits import LIMITS, bounded_repr
+from weightwire.shared.meta import ParamMeta, load_json, validate_shape
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
@@ -35,7 +35,7 @@ def _check_type(name: str, value: object, kind: type | tuple[type, ...], *, opti
         ok = True
     if not ok:
         want = " or ".join(k.__name__ for k in kinds)
-        raise ValueError(f"{name} must be {want}, got {type(value).__name__} {value!r:.60}")
+        raise ValueError(f"{name} must be {want}, got {type(value).__name__} {bounded_repr(value)}")
 
 
 class _StrictInfo:
@@ -52,7 +52,10 @@ class _StrictInfo:
         known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
         unknown = [k for k in data if k not in known]
         if unknown:
-            raise ValueError(f"{ctx}: unknown keys {sorted(map(str, unknown))}; allowed: {sorted(known)}")
+            # Bounded: a hostile body may carry a million junk keys.
+            shown = ", ".join(bounded_repr(k) for k in unknown[:5])
+            more = f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""
+            raise ValueError(f"{ctx}: unknown keys {shown}{more}; allowed: {', '.join(sorted(known))}")
         for name, f in known.items():
             required = f.default is MISSING and f.default_factory is MISSING
             if required and name not in data:
@@ -71,11 +74,7 @@ class _StrictInfo:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Self:
-        try:
-            data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{cls.__name__}: body is not valid JSON ({exc})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(load_json(text, cls.__name__))
 
     def __repr__(self) -> str:
         # Secrets (unique ids, TCP secrets) must never reach logs or reprs.
@@ -99,6 +98,14 @@ def _check_wire_params(ctx: str, buffer_size: int, num_buffers: int, world_size:
 
 def decode_secret(ctx: str, value: str, nbytes: int) -> bytes:
     """Strict standard (RFC 4648, not URL-safe) base64 of exactly ``nbytes`` bytes."""
+    if not isinstance(value, str):
+        raise ValueError(f"{ctx} must be a base64 string, got {type(value).__name__}")
+    encoded_len = 4 * ((nbytes + 2) // 3)
+    if len(value) != encoded_len:
+        # Checked before decoding so a megabyte "id" is refused without work.
+        raise ValueError(
+            f"{ctx} must be {encoded_len} base64 characters ({nbytes} bytes), got {len(value)} characters"
+        )
     try:
         raw = base64.b64decode(value.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError, ValueError):
@@ -148,6 +155,8 @@ class NCCLInitInfo(_StrictInfo):
             raise ValueError(f"{ctx}: no rendezvous: give master_address/master_port or nccl_unique_id_b64")
         if store and (self.master_address is None or self.master_port is None):
             raise ValueError(f"{ctx}: master_address and master_port must be given together")
+        if self.master_address is not None:
+            _check_host(f"{ctx}.master_address", self.master_address)
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ValueError(f"{ctx}.master_port must be in [1, 65535], got {self.master_port}")
         _ = self.unique_id_bytes
@@ -197,8 +206,7 @@ class TCPInitInfo(_StrictInfo):
 
     def __post_init__(self) -> None:
         ctx = type(self).__name__
-        if not self.host or len(self.host) > 255:
-            raise ValueError(f"{ctx}.host must be a host name or address, got {self.host!r:.60}")
+        _check_host(f"{ctx}.host", self.host)
         if not 1 <= self.port <= 65535:
             raise ValueError(f"{ctx}.port must be in [1, 65535], got {self.port}")
         _ = self.secret
@@ -211,8 +219,18 @@ class TCPInitInfo(_StrictInfo):
 
 
 def _check_timeout(ctx: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= 86_400):
-        raise ValueError(f"{ctx}.timeout_s must be in (0, 86400] seconds, got {value!r}")
+    # No math.isfinite here: it raises OverflowError on ints beyond float range; the
+    # chained comparison is exact for ints and false for nan.
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 86_400
+    if not ok:
+        raise ValueError(f"{ctx}.timeout_s must be in (0, 86400] seconds, got {bounded_repr(value)}")
+
+
+def _check_host(ctx: str, host: str) -> None:
+    # A host name is at most 253 characters; whitespace or control characters mean a
+    # mangled config, better refused here than as an opaque resolver error later.
+    if not host or len(host) > 255 or any(c.isspace() or not c.isprintable() for c in host):
+        raise ValueError(f"{ctx} must be a host name or address, got {bounded_repr(host)}")
 
 
 INIT_INFO_TYPES: dict[str, type[NCCLInitInfo] | type[TCPInitInfo]] = {
@@ -242,7 +260,7 @@ class UpdateInfo(_StrictInfo):
             if len(getattr(self, key)) != n:
                 raise ValueError(f"{key} has {len(getattr(self, key))} entries but names has {n}")
         total = 0
-        for i, (name, dtype, shape) in enumerate(zip(self.names, self.dtype_names, self.shapes)):
+        for i, (name, dtype, shape) in enumerate(zip(self.names, self.dtype_names, self.shapes, strict=True)):
             if not isinstance(name, str) or not name or len(name) > LIMITS.max_name_length:
                 raise ValueError(f"names[{i}] must be a non-empty string of <= {LIMITS.max_name_length} chars")
             try:
@@ -266,7 +284,7 @@ class UpdateInfo(_StrictInfo):
         return not self.names
 
     def metas(self) -> list[ParamMeta]:
-        return [ParamMeta(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
+        return [ParamMeta(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtype_names, self.shapes, strict=True)]
 
     @classmethod
     def from_metas(cls, metas: list[ParamMeta]) -> UpdateInfo:

@@ -23,3 +23,29 @@ class Limits:
 
 
 LIMITS = Limits()
+
+
+def bounded_repr(value: object, limit: int = 60) -> str:
+    """A short, always-safe description of an untrusted value for error messages.
+
+    Plain ``repr`` is unsafe on parsed input: a deeply nested list raises
+    ``RecursionError``, an int of more than 4300 digits raises an unrelated
+    ``ValueError``, and a megabyte string would be copied into the message.
+    (``reprlib`` is not used because it still calls ``repr`` on ints.)
+    """
+    if value is None or isinstance(value, (bool, float)):
+        return repr(value)
+    if isinstance(value, int):
+        bits = value.bit_length()
+        return repr(value) if bits <= 128 else f"<int of {bits} bits>"
+    if isinstance(value, (str, bytes, bytearray)):
+        head = repr(value[:limit])
+        return head if len(value) <= limit else f"{head}... ({len(value)} long)"
+    small = isinstance(value, (list, tuple)) and len(value) <= 8
+    if small and all(v is None or isinstance(v, (bool, int, float)) for v in value):  # type: ignore[union-attr]
+        text = "[" + ", ".join(bounded_repr(v, limit) for v in value) + "]"  # type: ignore[union-attr]
+        if len(text) <= 4 * limit:
+            return text
+    if isinstance(value, (list, tuple, dict, set)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return f"<{type(value).__name__}>"

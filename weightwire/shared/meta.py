@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.shared.dtypes import wire_dtype
-from weightwire.shared.limits import LIMITS
+from weightwire.shared.limits import LIMITS, bounded_repr
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,15 @@ class ParamMeta:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+            raise ValueError(f"ParamMeta.name must be a non-empty string, got {bounded_repr(self.name)}")
         if len(self.name) > LIMITS.max_name_length:
             raise ValueError(
-                f"name is {len(self.name)} characters, over the limit {LIMITS.max_name_length}"
+                f"ParamMeta.name is {len(self.name)} characters, over the limit {LIMITS.max_name_length}"
             )
-        row = wire_dtype(self.dtype)
+        try:
+            row = wire_dtype(self.dtype)
+        except ValueError as exc:
+            raise ValueError(f"dtype of {self.name!r}: {exc}") from None
         shape = validate_shape(self.shape, field=f"shape of {self.name!r}")
         object.__setattr__(self, "shape", shape)
         if row.itemsize * math.prod(shape) > LIMITS.max_tensor_bytes:
@@ -41,9 +44,15 @@ class ParamMeta:
                 f"per-tensor limit of {LIMITS.max_tensor_bytes} bytes"
             )
         if self.owners is not None:
+            if not isinstance(self.owners, (list, tuple)):
+                raise ValueError(f"owners of {self.name!r} must be a list of ints, got {bounded_repr(self.owners)}")
             owners = tuple(self.owners)
-            if not owners or not all(type(r) is int and r >= 0 for r in owners):
-                raise ValueError(f"owners of {self.name!r} must be non-negative ints, got {owners}")
+            # bool is an int subclass: [True] is a caller bug, not rank 1.
+            if not owners or not all(type(r) is int and 0 <= r < LIMITS.max_world_size for r in owners):
+                raise ValueError(
+                    f"owners of {self.name!r} must be a non-empty list of ranks in "
+                    f"[0, {LIMITS.max_world_size}), got {bounded_repr(self.owners)}"
+                )
             object.__setattr__(self, "owners", owners)
 
     @property
@@ -65,42 +74,60 @@ class ParamMeta:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ParamMeta:
+    def from_dict(cls, data: object) -> ParamMeta:
+        """Strict parse: unknown keys, missing fields and wrong types raise ``ValueError``."""
         if not isinstance(data, dict):
             raise ValueError(f"ParamMeta must be a JSON object, got {type(data).__name__}")
-        unknown = set(data) - {"name", "dtype", "shape", "owners"}
+        unknown = [k for k in data if k not in {"name", "dtype", "shape", "owners"}]
         if unknown:
-            raise ValueError(f"unknown ParamMeta keys: {sorted(unknown)}")
+            shown = ", ".join(bounded_repr(k) for k in unknown[:5])
+            raise ValueError(f"ParamMeta: unknown keys {shown}; allowed: dtype, name, owners, shape")
         for key in ("name", "dtype", "shape"):
             if key not in data:
-                raise ValueError(f"ParamMeta is missing field {key!r}")
+                raise ValueError(f"ParamMeta: missing required field {key!r}")
         owners = data.get("owners")
         if owners is not None and not isinstance(owners, list):
-            raise ValueError(f"owners must be a list, got {type(owners).__name__}")
+            raise ValueError(f"ParamMeta.owners must be a list, got {type(owners).__name__}")
         return cls(data["name"], data["dtype"], data["shape"], None if owners is None else tuple(owners))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
     @classmethod
-    def from_json(cls, text: str) -> ParamMeta:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> ParamMeta:
+        return cls.from_dict(load_json(text, "ParamMeta"))
+
+
+def load_json(text: object, ctx: str) -> object:
+    """``json.loads`` that only ever raises ``ValueError`` (naming ``ctx``).
+
+    The stdlib decoder raises ``RecursionError`` on deep nesting and ``TypeError`` on
+    non-text input; a request handler that only expects ``ValueError`` would turn
+    those into a crash instead of a clear rejection.
+    """
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise ValueError(f"{ctx}: body must be JSON text, got {type(text).__name__}")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise ValueError(f"{ctx}: body is not valid JSON ({reason})") from None
 
 
 def validate_shape(shape: object, *, field: str = "shape") -> tuple[int, ...]:
     """A shape as a tuple of non-negative ints; bools, floats and huge ranks refused."""
     if not isinstance(shape, (list, tuple)):
-        raise ValueError(f"{field} must be a list of ints, got {type(shape).__name__}")
+        raise ValueError(f"{field} must be a list of ints, got {bounded_repr(shape)}")
     if len(shape) > LIMITS.max_rank:
         raise ValueError(f"{field} has {len(shape)} dims, over the limit {LIMITS.max_rank}")
     dims: list[int] = []
     for dim in shape:
         # bool is an int subclass; a shape of [True] is a bug, not a 1.
         if type(dim) is not int:
-            raise ValueError(f"{field} has a non-integer dim {dim!r}")
+            raise ValueError(f"{field} has a non-integer dim {bounded_repr(dim)}")
         if dim < 0:
             raise ValueError(f"{field} has a negative dim {dim}")
         if dim > LIMITS.max_tensor_bytes:
-            raise ValueError(f"{field} has dim {dim}, over the limit {LIMITS.max_tensor_bytes}")
+            raise ValueError(f"{field} has dim {bounded_repr(dim)}, over the limit {LIMITS.max_tensor_bytes}")
         dims.append(dim)
     return tuple(dims)

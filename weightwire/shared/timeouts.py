@@ -8,6 +8,7 @@ block forever. Override per engine with ``Timeouts(...)`` or process-wide with
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields, replace
 
@@ -25,14 +26,21 @@ class Timeouts:
 
     @classmethod
     def from_env(cls) -> Timeouts:
+        """Defaults overridden by ``WEIGHTWIRE_TIMEOUT_<FIELD>``; a bad value raises naming the variable."""
         values: dict[str, float] = {}
         for f in fields(cls):
-            raw = os.environ.get(f"WEIGHTWIRE_TIMEOUT_{f.name.upper()}")
-            if raw is not None:
+            var = f"WEIGHTWIRE_TIMEOUT_{f.name.upper()}"
+            raw = os.environ.get(var)
+            if raw is None:
+                continue
+            try:
                 value = float(raw)
-                if not value > 0:
-                    raise ValueError(f"WEIGHTWIRE_TIMEOUT_{f.name.upper()} must be > 0, got {raw!r}")
-                values[f.name] = value
+            except ValueError:
+                raise ValueError(f"{var} must be a number of seconds, got {raw[:60]!r}") from None
+            # inf would silently mean "wait forever", the very thing timeouts exist to stop.
+            if not 0 < value < math.inf:
+                raise ValueError(f"{var} must be a finite number of seconds > 0, got {raw[:60]!r}")
+            values[f.name] = value
         return replace(cls(), **values)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from weightwire.shared.limits import bounded_repr
+
 # (first version with the feature, feature name, what changed)
 VERSION_GATES: tuple[tuple[tuple[int, int], str, str], ...] = (
     ((0, 28), "packed_in_init", "packed / buffer geometry travel in the init info, not per round"),
@@ -17,14 +19,15 @@ VERSION_GATES: tuple[tuple[tuple[int, int], str, str], ...] = (
     ((0, 33), "reuse_metadata", "empty update-info lists reuse the previous round's metadata"),
 )
 
-_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)")
+# Digit runs are bounded so int() never meets a 5000-digit "version".
+_VERSION_RE = re.compile(r"^\s*v?(\d{1,9})\.(\d{1,9})(?!\d)")
 
 
 def parse_version(text: str) -> tuple[int, int]:
     """``"0.33.1.dev4+gabc"`` -> ``(0, 33)``; anything unparsable raises ``ValueError``."""
     match = _VERSION_RE.match(text) if isinstance(text, str) else None
     if match is None:
-        raise ValueError(f"cannot parse server version {text!r}")
+        raise ValueError(f"cannot parse server version {bounded_repr(text)}")
     return int(match.group(1)), int(match.group(2))
 
 

@@ -1,0 +1,54 @@
+"""The PyTorch side: ``ModuleSource``, ``TorchTrainerEngine``, the worker engines and
+vLLM plugin (``torch_side.worker``), and the reference server (``torch_side.server``).
+
+Never imports jax. Importing this package is cheap: it loads neither torch nor vLLM;
+each export is resolved on first attribute access, so the vLLM plugin entry point
+(``torch_side.worker.plugin``) can be imported in every vLLM process for free.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    "ModuleSource": "weightwire.torch_side.source",
+    "describe_tensor": "weightwire.torch_side.source",
+    "torch_dtype": "weightwire.torch_side.dtypes",
+    "wire_name": "weightwire.torch_side.dtypes",
+    "TorchTrainerEngine": "weightwire.torch_side.trainer",
+    "HFModelHost": "weightwire.torch_side.worker.hf_host",
+    "WeightwireTCPEngine": "weightwire.torch_side.worker.engines",
+    "WeightwireNCCLEngine": "weightwire.torch_side.worker.engines",
+}
+
+__all__ = [
+    "HFModelHost",
+    "ModuleSource",
+    "TorchTrainerEngine",
+    "WeightwireNCCLEngine",
+    "WeightwireTCPEngine",
+    "describe_tensor",
+    "torch_dtype",
+    "wire_name",
+]
+
+if TYPE_CHECKING:
+    from weightwire.torch_side.dtypes import torch_dtype, wire_name
+    from weightwire.torch_side.source import ModuleSource, describe_tensor
+    from weightwire.torch_side.trainer import TorchTrainerEngine
+    from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine
+    from weightwire.torch_side.worker.hf_host import HFModelHost
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightwire.torch_side' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,14 @@
+"""Framework-neutral trainer round driver shared by the JAX and torch engines.
+
+``TrainerInitInfo`` configures, ``TrainerEngine`` drives rounds, ``RoundMetrics``
+reports them; ``backends`` holds the rendezvous per backend and ``packing`` the
+host / device data paths. Framework engines: ``weightwire.jax_side.engine`` and
+``weightwire.torch_side.trainer``.
+"""
+
+from weightwire.trainer.engine import EngineBroken, TrainerEngine
+from weightwire.trainer.info import BACKENDS, TrainerInitInfo
+from weightwire.trainer.metrics import RoundMetrics
+from weightwire.trainer.verify import VerifyError
+
+__all__ = ["BACKENDS", "EngineBroken", "RoundMetrics", "TrainerEngine", "TrainerInitInfo", "VerifyError"]

@@ -1,0 +1,178 @@
+"""HTTPWeightSyncClient against fake servers (httpx.MockTransport)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from weightwire.control import HTTPWeightSyncClient, WeightSyncError
+
+
+class Servers:
+    """Several fake vLLM servers behind one transport, told apart by host."""
+
+    def __init__(self, world: dict[str, int], versions: dict[str, str] | None = None) -> None:
+        self.world = world
+        self.versions = versions or {}
+        self.seen: list[tuple[str, str, str, object, dict[str, str]]] = []
+        self.responses: dict[tuple[str, str], httpx.Response] = {}
+        self.block: dict[tuple[str, str], threading.Event] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        body = json.loads(request.content) if request.content else None
+        with self.lock:
+            self.seen.append((host, request.method, path, body, dict(request.url.params)))
+        if (host, path) in self.block:
+            self.block[host, path].wait(10)
+        if (host, path) in self.responses:
+            return self.responses[host, path]
+        if path == "/get_world_size":
+            return httpx.Response(200, json={"world_size": self.world[host]})
+        if path == "/version":
+            return httpx.Response(200, json={"version": self.versions.get(host, "0.33.0")})
+        return httpx.Response(200, json={"message": "ok"})
+
+    def client(self, **kw: object) -> HTTPWeightSyncClient:
+        urls = [f"http://{h}:8000" for h in self.world]
+        return HTTPWeightSyncClient(urls if len(urls) > 1 else urls[0], timeout=5, transport=httpx.MockTransport(self), **kw)
+
+    def calls(self, path: str) -> list[tuple[str, object]]:
+        return sorted((h, b) for h, _, p, b, _ in self.seen if p == path)
+
+
+def test_the_four_calls_send_vllm_bodies() -> None:
+    servers = Servers({"a": 2})
+    client = servers.client()
+    client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 3})
+    client.start_weight_update()
+    client.update_weights({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]})
+    client.finish_weight_update()
+    client.finish_weight_update("7")
+    got = [(m, p, b) for _, m, p, b, _ in servers.seen]
+    assert got == [
+        ("POST", "/init_weight_transfer_engine", {"init_info": {"rank_offset": 1, "world_size": 3}}),
+        ("POST", "/start_weight_update", None),
+        ("POST", "/update_weights", {"update_info": {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}}),
+        ("POST", "/finish_weight_update", None),
+        ("POST", "/finish_weight_update", {"weight_version": "7"}),
+    ]
+
+
+def test_errors_carry_route_status_message_and_server() -> None:
+    servers = Servers({"a": 1})
+    servers.responses["a", "/update_weights"] = httpx.Response(400, json={"error": "names[0] must be a non-empty string"})
+    servers.responses["a", "/init_weight_transfer_engine"] = httpx.Response(
+        422, json={"detail": [{"loc": ["body", "init_info"], "msg": "Field required", "type": "missing"}]})
+    servers.responses["a", "/start_weight_update"] = httpx.Response(500, text="Internal Server Error")
+    servers.responses["a", "/finish_weight_update"] = httpx.Response(
+        500, json={"error": {"message": "finish_weight_update called without start", "type": "InternalServerError"}})
+    client = servers.client()
+    with pytest.raises(WeightSyncError) as info:
+        client.update_weights({"names": [""], "dtype_names": ["float32"], "shapes": [[1]]})
+    e = info.value
+    assert (e.route, e.status, e.message, e.server) == ("update_weights", 400, "names[0] must be a non-empty string", "http://a:8000")
+    assert str(e) == "update_weights failed on http://a:8000 (status 400): names[0] must be a non-empty string"
+    with pytest.raises(WeightSyncError, match=r"status 422\): body\.init_info: Field required"):
+        client.init_weight_transfer_engine({})
+    with pytest.raises(WeightSyncError, match=r"start_weight_update .*status 500\): Internal Server Error"):
+        client.start_weight_update()
+    with pytest.raises(WeightSyncError, match="called without start"):
+        client.finish_weight_update("1")
+
+
+def test_no_response_is_an_error_with_no_status() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused")
+
+    client = HTTPWeightSyncClient("http://down:1", transport=httpx.MockTransport(refuse))
+    with pytest.raises(WeightSyncError, match=r"start_weight_update failed on http://down:1 \(no response\): ConnectError") as info:
+        client.start_weight_update()
+    assert info.value.status is None
+
+
+def test_several_servers_are_driven_as_one() -> None:
+    servers = Servers({"a": 2, "b": 4, "c": 1})
+    client = servers.client()
+    assert client.get_world_size() == 7
+    assert client.world_sizes == [2, 4, 1]
+    client.init_weight_transfer_engine({"nccl_unique_id_b64": "x", "rank_offset": 1, "world_size": 8})
+    offsets = {h: b["init_info"]["rank_offset"] for h, b in servers.calls("/init_weight_transfer_engine")}
+    assert offsets == {"a": 1, "b": 3, "c": 7}  # each server's workers get their own ranks
+    client.start_weight_update()
+    client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    client.finish_weight_update("3")
+    for path in ("/start_weight_update", "/update_weights", "/finish_weight_update"):
+        assert [h for h, _ in servers.calls(path)] == ["a", "b", "c"]
+    assert client.version() == "0.33.0"
+    assert [q for _, _, p, _, q in servers.seen if p == "/get_world_size"] == [{"include_dp": "true"}] * 3
+
+
+def test_servers_that_disagree_on_version_are_refused() -> None:
+    client = Servers({"a": 1, "b": 1}, versions={"b": "0.32.0"}).client()
+    with pytest.raises(ValueError, match=r"different versions \(http://a:8000=0\.33\.0, http://b:8000=0\.32\.0\)"):
+        client.version()
+
+
+def test_first_failure_is_raised_without_waiting_for_a_blocked_replica() -> None:
+    servers = Servers({"a": 1, "b": 1})
+    servers.block["a", "/update_weights"] = release = threading.Event()  # replica a still receiving
+    servers.responses["b", "/update_weights"] = httpx.Response(500, json={"error": "worker 1 died"})
+    client = servers.client()
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"http://b:8000 \(status 500\): worker 1 died"):
+        client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    assert time.monotonic() - start < 2.0
+    release.set()
+
+
+def test_pause_resume_checker_info_and_auth() -> None:
+    servers = Servers({"a": 1})
+    client = servers.client(api_key="sk-secret-123")
+    client.pause("wait")
+    client.pause(clear_cache=False)
+    client.resume()
+    client.weight_checker("checksum")
+    client.weight_checker("compare", baseline={"w": "ab"})
+    assert client.weight_info() == [{"message": "ok"}]
+    client.shutdown_weight_transfer_engine()
+    seen = [(p, b, q) for _, _, p, b, q in servers.seen]
+    assert seen[:5] == [
+        ("/pause", None, {"mode": "wait"}),
+        ("/pause", None, {"mode": "keep", "clear_cache": "false"}),
+        ("/resume", None, {}),
+        ("/weight_checker", {"action": "checksum"}, {}),
+        ("/weight_checker", {"action": "compare", "baseline": {"w": "ab"}}, {}),
+    ]
+    assert seen[-1][0] == "/shutdown_weight_transfer_engine"
+    with pytest.raises(ValueError, match="pause mode must be one of"):
+        client.pause("drop")
+    with pytest.raises(ValueError, match="weight_checker action must be one of"):
+        client.weight_checker("reload")
+    assert "sk-secret" not in repr(client)
+
+
+def test_api_key_travels_as_bearer_token() -> None:
+    headers: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        headers.append(request.headers.get("authorization"))
+        return httpx.Response(200, json={})
+
+    HTTPWeightSyncClient("http://a:1", api_key="k1", transport=httpx.MockTransport(handler)).resume()
+    HTTPWeightSyncClient("http://a:1", transport=httpx.MockTransport(handler)).resume()
+    assert headers == ["Bearer k1", None]
+
+
+def test_bad_construction_is_refused() -> None:
+    with pytest.raises(ValueError, match="http"):
+        HTTPWeightSyncClient("vllm:8000")
+    with pytest.raises(ValueError, match="same server twice"):
+        HTTPWeightSyncClient(["http://a:1", "http://a:1"])
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        HTTPWeightSyncClient("http://a:1", timeout=0)

@@ -1,0 +1,157 @@
+"""A test-local trainer: drives the HTTP routes with the bodies vLLM's own client posts
+and broadcasts over ``weightwire.transport.tcp`` with ``shared.framing.pack_host``.
+
+Deliberately independent of weightwire's trainer engines: the server is checked
+against the raw wire contract, not against our own client.
+
+Also runnable as a subprocess (``python _sender.py``) that is killed mid-round by the
+transactional test: it reads commands as JSON lines on stdin.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import numpy as np
+
+from weightwire.shared.framing import pack_host, plan
+from weightwire.shared.meta import ParamMeta
+from weightwire.transport.tcp import TCPRendezvous
+
+TIMEOUT_S = 30.0
+
+
+class VLLMStyleClient:
+    """The requests vLLM 0.33's ``HTTPVLLMWeightSyncClient`` makes, literally: the same
+    paths (base_url + "/" + path), the same bodies (``{"init_info": ...}``,
+    ``{"update_info": ...}``, ``{"weight_version": ...}`` or no body at all), and
+    ``raise_for_status`` on the reply. httpx stands in for requests (not installed);
+    ``json=None`` sends no body with either library."""
+
+    def __init__(self, base_url: str, timeout: float = 300, headers: dict[str, str] | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.headers = headers or {}
+
+    def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+        response = httpx.post(f"{self.base_url}/{path}", json=json, timeout=self.timeout, headers=self.headers)
+        response.raise_for_status()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("shutdown_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self._post("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._post("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
+
+
+class Background:
+    """Run a call in a thread; ``result()`` re-raises its exception (bounded wait)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._out: list[Any] = []
+        self._err: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._out.append(fn())
+            except BaseException as exc:  # handed to the test thread
+                self._err.append(exc)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def result(self, timeout: float = TIMEOUT_S) -> Any:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError("background call did not return in time")
+        if self._err:
+            raise self._err[0]
+        return self._out[0]
+
+
+def update_info_of(weights: dict[str, np.ndarray]) -> dict[str, Any]:
+    return {"names": list(weights), "dtype_names": [str(a.dtype) for a in weights.values()],
+            "shapes": [list(a.shape) for a in weights.values()]}
+
+
+class TCPSender:
+    """Rank 0 of a ``weightwire_tcp`` group against one server with ``replicas`` workers."""
+
+    def __init__(self, client: VLLMStyleClient, *, replicas: int, buffer_size: int = 8192) -> None:
+        self.client, self.replicas, self.buffer_size = client, replicas, buffer_size
+        self.comm: Any = None
+
+    def init(self, **overrides: Any) -> None:
+        rv = TCPRendezvous(world_size=self.replicas + 1)
+        info = {**rv.init_fields(), "rank_offset": 1, "world_size": self.replicas + 1, "packed": True,
+                "packed_buffer_size_bytes": self.buffer_size, "packed_num_buffers": 2, "timeout_s": TIMEOUT_S,
+                **overrides}
+        posted = Background(lambda: self.client.init_weight_transfer_engine(info))
+        try:
+            self.comm = rv.accept(timeout=TIMEOUT_S)
+            self.comm.warmup(timeout=TIMEOUT_S)
+        finally:
+            rv.close()
+        posted.result()
+
+    def chunks(self, weights: dict[str, np.ndarray]) -> list[np.ndarray]:
+        metas = [ParamMeta(n, str(a.dtype), a.shape) for n, a in weights.items()]
+        arrays = list(weights.values())
+        return [pack_host(arrays[c.start:c.stop], c)
+                for c in plan(metas, packed=True, buffer_size_bytes=self.buffer_size)]
+
+    def send_update(self, weights: dict[str, np.ndarray], update_info: Any = None,
+                    after_chunk: Callable[[int], None] | None = None) -> Background:
+        """POST update_weights in the background and broadcast every chunk; returns the POST."""
+        body = update_info_of(weights) if update_info is None else update_info
+        posted = Background(lambda: self.client.update_weights(body))
+        for i, buf in enumerate(self.chunks(weights)):
+            self.comm.broadcast(buf, timeout=TIMEOUT_S)
+            if after_chunk is not None:
+                after_chunk(i)
+        return posted
+
+    def round(self, weights: dict[str, np.ndarray], version: str | None = None) -> None:
+        self.client.start_weight_update()
+        self.send_update(weights).result()
+        self.client.finish_weight_update(version)
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+
+
+def _subprocess_main() -> int:
+    """Commands on stdin: {"base_url", "replicas", "weights_npz"} then it inits, starts,
+    broadcasts ONE chunk of the update, prints "sent-one-chunk" and blocks until killed."""
+    cfg = json.loads(sys.stdin.readline())
+    client = VLLMStyleClient(cfg["base_url"])
+    sender = TCPSender(client, replicas=cfg["replicas"], buffer_size=cfg["buffer_size"])
+    weights = dict(np.load(cfg["weights_npz"]))
+    sender.init()
+    client.start_weight_update()
+    Background(lambda: client.update_weights(update_info_of(weights)))
+    first = sender.chunks(weights)[0]
+    sender.comm.broadcast(first, timeout=TIMEOUT_S)
+    print("sent-one-chunk", flush=True)
+    sys.stdin.readline()  # blocks: the test kills this process here
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_subprocess_main())

@@ -1,0 +1,246 @@
+"""One real server (1 replica, ``--api-key``): auth, session rules, body validation,
+pause modes. Every error must be JSON with the reason, never a 500 or a traceback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from _server_sender import TCPSender, VLLMStyleClient
+
+from weightwire.shared.routes import ROUTES
+
+KEY = "test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, tiny_llama: str):
+    return server_factory(["--model", tiny_llama, "--replicas", "1", "--api-key", KEY, "--max-body-bytes", "65536"])
+
+
+@pytest.fixture(scope="module")
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture()
+def clean(http: httpx.Client) -> Iterator[None]:
+    """Each test starts and ends with no open round, no engine, not paused."""
+    yield
+    http.post("/resume")
+    info = http.get("/weight_info").json()["session"]
+    if info["state"] == "round_active":
+        http.post("/finish_weight_update")
+    http.post("/shutdown_weight_transfer_engine")
+
+
+def err(resp: httpx.Response, status: int, *fragments: str) -> dict:
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    assert "Traceback" not in resp.text
+    body = resp.json()
+    message = body["error"]["message"]
+    assert body["detail"] == message and body["error"]["code"] == status
+    for frag in fragments:
+        assert frag in message, (frag, message)
+    return body
+
+
+def sender(server) -> TCPSender:
+    return TCPSender(VLLMStyleClient(server.url, headers=AUTH), replicas=1)
+
+
+# ---------------------------------------------------------------- auth
+@pytest.mark.parametrize("route", [r for r in ROUTES.values() if r.weight_route or r.path.startswith("/v1")],
+                         ids=lambda r: r.name)
+def test_every_guarded_route_needs_the_key(server, route) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}):
+        resp = httpx.request(route.method, server.url + route.path, headers=headers, timeout=30)
+        body = err(resp, 401, "API key")
+        assert resp.headers["www-authenticate"] == "Bearer"
+        assert body["error"]["type"] == "authentication_error"
+
+
+def test_right_key_passes_and_open_routes_need_none(server, http: httpx.Client) -> None:
+    assert http.get("/get_world_size").json() == {"world_size": 1}
+    assert http.get("/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 1}
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json() == {"version": "0.33.0+weightwire.0.1.0"}
+    assert http.get("/weight_info").json()["weight_version"] == "default"
+
+
+# ---------------------------------------------------------------- session rules
+def test_rules_before_init(http: httpx.Client, clean) -> None:
+    err(http.post("/start_weight_update"), 409, "not initialized", "/init_weight_transfer_engine")
+    err(http.post("/update_weights", json={"update_info": {"names": [], "dtype_names": [], "shapes": []}}),
+        409, "cannot update weights", "not initialized")
+    err(http.post("/finish_weight_update"), 409, "cannot finish", "not initialized")
+    err(http.post("/start_draft_weight_update"), 400, "no speculative-decoding draft model")
+    assert http.post("/shutdown_weight_transfer_engine").status_code == 200  # idempotent
+
+
+def test_rules_within_a_session(server, http: httpx.Client, clean) -> None:
+    s = sender(server)
+    try:
+        s.init()
+        err(http.post("/update_weights", json={"update_info": {"names": [], "dtype_names": [], "shapes": []}}),
+            409, "no weight update is active", "/start_weight_update")
+        err(http.post("/finish_weight_update"), 409, "no weight update is active")
+        assert http.post("/start_weight_update").status_code == 200
+        err(http.post("/start_weight_update"), 409, "already active", "/finish_weight_update")
+        err(http.post("/shutdown_weight_transfer_engine"), 409, "weight update is active")
+        err(http.post("/weight_checker", json={"action": "reset"}), 409, "while a weight update is active")
+        assert http.get("/weight_info").json()["session"]["state"] == "round_active"
+        # An empty round commits nothing and keeps the version unless one is given.
+        r = http.post("/finish_weight_update", json={"weight_version": "empty-1"})
+        assert r.status_code == 200 and r.json()["weight_version"] == "empty-1"
+        assert http.get("/weight_info").json()["weight_version"] == "empty-1"
+        assert http.post("/shutdown_weight_transfer_engine").json() == {"message": "Weight transfer shut down"}
+        err(http.post("/start_weight_update"), 409, "not initialized")
+    finally:
+        s.close()
+
+
+def test_malformed_update_in_a_round_aborts_the_session(server, http: httpx.Client, clean) -> None:
+    s = sender(server)
+    try:
+        s.init()
+        http.post("/start_weight_update").raise_for_status()
+        bad = {"names": ["model.norm.weight"], "dtype_names": ["float32"]}
+        err(http.post("/update_weights", json={"update_info": bad}), 422, "update_info", "shapes has 0 entries but names has 1",
+            "round was aborted")
+        info = http.get("/weight_info").json()
+        assert info["session"]["state"] == "uninitialized" and "shapes" in info["session"]["last_error"]
+        err(http.post("/finish_weight_update"), 409, "not initialized")
+    finally:
+        s.close()
+
+
+def test_init_info_world_size_must_fit_the_replicas(http: httpx.Client, clean) -> None:
+    info = {"host": "127.0.0.1", "port": 1, "secret_b64": "A" * 172 + "==", "rank_offset": 1, "world_size": 2}
+    info["secret_b64"] = "QUJD" * 42 + "QUI="  # 128 bytes
+    err(http.post("/init_weight_transfer_engine", json={"init_info": {**info, "rank_offset": 2, "world_size": 3}}),
+        422, "init_info.world_size 3 is too small", "ranks 2..2")
+    err(http.post("/init_weight_transfer_engine", json={"init_info": {**info, "port": 0}}),
+        422, "TCPInitInfo.port must be in [1, 65535]")
+    err(http.post("/init_weight_transfer_engine", json={"init_info": {**info, "master_port": 5}}),
+        422, "unknown keys ['master_port']")
+
+
+def test_init_against_a_dead_sender_fails_cleanly(http: httpx.Client, clean) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    info = {"host": "127.0.0.1", "port": port, "secret_b64": "QUJD" * 42 + "QUI=", "rank_offset": 1,
+            "world_size": 2, "timeout_s": 1.0}
+    body = err(http.post("/init_weight_transfer_engine", json={"init_info": info}), 504, "replica 0")
+    assert "init_weight_transfer_engine failed" in body["detail"]
+    assert http.get("/weight_info").json()["session"]["state"] == "uninitialized"
+
+
+# ---------------------------------------------------------------- malformed bodies
+POSTS = [r for r in ROUTES.values() if r.method == "POST" and r.name not in ("pause",)]
+
+
+@pytest.mark.parametrize("route", POSTS, ids=lambda r: r.name)
+@pytest.mark.parametrize("raw", [b"{", b"\xff\xfe{}", b"[1,", b'{"a": NaN}', b"nul"], ids=repr)
+def test_non_json_and_non_utf8_bodies_are_400(http: httpx.Client, route, raw: bytes) -> None:
+    resp = http.post(route.path, content=raw, headers={"content-type": "application/json"})
+    body = err(resp, 400, "request body is not valid")
+    assert body["error"]["param"] == "body"
+
+
+@pytest.mark.parametrize(("path", "payload", "status", "fragments"), [
+    ("/init_weight_transfer_engine", {}, 400, ["missing the required field 'init_info'"]),
+    ("/init_weight_transfer_engine", None, 400, ["expected a JSON object with 'init_info'"]),
+    ("/init_weight_transfer_engine", [1], 422, ["must be a JSON object"]),
+    ("/init_weight_transfer_engine", {"init_info": 5}, 422, ["init_info must be a JSON object"]),
+    ("/init_weight_transfer_engine", {"init_info": {}, "x": 1}, 422, ["unknown field(s) ['x']"]),
+    ("/init_weight_transfer_engine", {"init_info": {"port": "80"}}, 422, ["init_info"]),
+    ("/update_weights", {"info": {}}, 400, ["missing the required field 'update_info'"]),
+    ("/finish_weight_update", {"weight_version": 3}, 422, ["weight_version must be a non-empty string"]),
+    ("/finish_weight_update", {"version": "v"}, 422, ["unknown field(s) ['version']"]),
+    ("/update_weight_version", {}, 400, ["'new_version'"]),
+    ("/update_weight_version", {"new_version": ["v"]}, 422, ["new_version must be a non-empty string"]),
+    ("/weight_checker", {}, 400, ["'action'"]),
+    ("/weight_checker", {"action": "explode"}, 422, ["action must be one of ['checksum', 'reset', 'compare']"]),
+    ("/weight_checker", {"action": "compare"}, 400, ["requires a 'baseline' object"]),
+    ("/weight_checker", {"action": "compare", "baseline": {"a": 1}}, 422, ["baseline must be an object"]),
+    ("/start_weight_update", {"x": 1}, 422, ["this route accepts no body"]),
+    ("/v1/completions", {"prompt": 5}, 400, ["prompt must be"]),
+    ("/v1/completions", {"prompt": "x", "n": 1000}, 400, ["n must be an integer in [1, 64]"]),
+    ("/v1/completions", {"prompt": [7] * 250, "max_tokens": 10}, 400, ["exceeds the model's 256 positions"]),
+])
+def test_malformed_bodies_name_the_field(http: httpx.Client, path, payload, status, fragments, clean) -> None:
+    resp = http.post(path, json=payload) if payload is not None else http.post(path)
+    err(resp, status, *fragments)
+
+
+def test_query_params_are_validated(http: httpx.Client, clean) -> None:
+    err(http.post("/pause", params={"mode": "nap"}), 422, "mode must be one of ['abort', 'wait', 'keep']")
+    err(http.get("/get_world_size", params={"include_dp": "maybe"}), 422, "include_dp must be true or false")
+    assert http.get("/is_paused").json() == {"is_paused": False}
+
+
+def test_body_size_limit_is_413(http: httpx.Client) -> None:
+    big = b'{"init_info": "' + b"x" * 70000 + b'"}'
+    err(http.post("/init_weight_transfer_engine", content=big), 413, "exceeds the limit of 65536 bytes")
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must hold while streaming
+        for _ in range(20):
+            yield b" " * 8192
+
+    err(http.post("/update_weights", content=chunks()), 413, "exceeds the limit")
+
+
+def test_unknown_route_and_method_are_json(http: httpx.Client) -> None:
+    err(http.get("/nope"), 404, "Not Found")
+    err(http.get("/init_weight_transfer_engine"), 405, "Method Not Allowed")
+
+
+# ---------------------------------------------------------------- pause
+def _complete(http: httpx.Client, **kw) -> httpx.Response:
+    return http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, **kw})
+
+
+def test_pause_abort_and_wait_refuse_new_requests(http: httpx.Client, clean) -> None:
+    for mode in ("abort", "wait"):
+        assert http.post("/pause", params={"mode": mode}).json() == {"status": "paused"}
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        err(_complete(http), 503, f"paused (mode={mode})", "/resume")
+        assert http.post("/resume").json() == {"status": "resumed"}
+        assert _complete(http).status_code == 200
+
+
+def test_pause_keep_queues_until_resume(http: httpx.Client, clean) -> None:
+    http.post("/pause", params={"mode": "keep"}).raise_for_status()
+    out: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: out.append(_complete(http)))
+    t.start()
+    time.sleep(1.0)
+    assert not out, "a request must wait while paused with mode=keep"
+    http.post("/resume").raise_for_status()
+    t.join(60)
+    assert out and out[0].status_code == 200 and out[0].json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_pause_abort_stops_a_running_generation(http: httpx.Client, clean) -> None:
+    out: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: out.append(_complete(http, max_tokens=200, ignore_eos=True)))
+    t.start()
+    time.sleep(0.5)
+    http.post("/pause", params={"mode": "abort"}).raise_for_status()
+    t.join(60)
+    assert out, "the aborted request must return"
+    if out[0].status_code == 200:
+        choice = out[0].json()["choices"][0]
+        assert choice["finish_reason"] == "abort"
+        assert out[0].json()["usage"]["completion_tokens"] < 200
+    else:  # it was still queued behind nothing? then it is refused, never a 500
+        err(out[0], 503, "aborted by /pause")

@@ -1,0 +1,258 @@
+"""Layer grouping, version gates, timeouts from the environment, ``checked_iter``,
+route table and dtype table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from weightwire.shared import (
+    DEFAULT_TIMEOUTS,
+    ROUTES,
+    VERSION_GATES,
+    WIRE_DTYPES,
+    ParamMeta,
+    ServerFeatures,
+    SourceMismatch,
+    Timeouts,
+    WeightSource,
+    checked_iter,
+    layer_key,
+    layerwise_groups,
+    parse_version,
+    wire_dtype,
+    wire_name_of_numpy,
+)
+
+
+def m(name: str, dtype: str = "float32", shape: tuple[int, ...] = (2,)) -> ParamMeta:
+    return ParamMeta(name, dtype, shape)
+
+
+def names(groups: list[list[ParamMeta]]) -> list[list[str]]:
+    return [[x.name for x in g] for g in groups]
+
+
+# --- layerwise_groups ---------------------------------------------------------------
+
+
+def test_layer_key_is_outermost_index() -> None:
+    assert layer_key("model.layers.3.mlp.experts.7.w1.weight") == "model.layers.3"
+    assert layer_key("model.layers.12.self_attn.q_proj.weight") == "model.layers.12"
+    assert layer_key("transformer.h.0.attn.c_attn.weight") == "transformer.h.0"
+    assert layer_key("model.embed_tokens.weight") is None
+    assert layer_key("lm_head.weight") is None
+    assert layer_key("model.layers.².weight") is None  # Unicode digit is not an index
+
+
+def test_groups_follow_seed_semantics() -> None:
+    seq = [
+        "model.embed_tokens.weight",
+        "model.rotary.inv_freq",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        # A MoE layer: expert indices are inner, so the whole layer is one group.
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.mlp.experts.0.w1.weight",
+        "model.layers.1.mlp.experts.1.w1.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
+    assert names(layerwise_groups([m(n) for n in seq])) == [
+        ["model.embed_tokens.weight", "model.rotary.inv_freq"],
+        ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight"],
+        [
+            "model.layers.1.self_attn.q_proj.weight",
+            "model.layers.1.mlp.experts.0.w1.weight",
+            "model.layers.1.mlp.experts.1.w1.weight",
+            "model.layers.1.mlp.gate.weight",
+        ],
+        ["model.norm.weight", "lm_head.weight"],
+    ]
+
+
+def test_unindexed_runs_split_by_layers_are_separate_groups() -> None:
+    seq = ["a.weight", "model.layers.0.w", "b.weight", "model.layers.1.w", "c.weight", "d.weight"]
+    assert names(layerwise_groups([m(n) for n in seq])) == [
+        ["a.weight"], ["model.layers.0.w"], ["b.weight"], ["model.layers.1.w"], ["c.weight", "d.weight"],
+    ]
+
+
+def test_empty_metadata_has_no_groups() -> None:
+    assert layerwise_groups([]) == []
+
+
+def test_non_contiguous_layer_raises_naming_the_name() -> None:
+    seq = ["model.layers.0.a", "model.layers.1.a", "model.layers.0.b"]
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.b' belongs to 'model\.layers\.0'"):
+        layerwise_groups([m(n) for n in seq])
+    # An un-indexed name in between also closes the layer.
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.b'"):
+        layerwise_groups([m(n) for n in ["model.layers.0.a", "norm", "model.layers.0.b"]])
+
+
+def test_source_groups_and_iter_groups() -> None:
+    class Src(WeightSource):
+        def __init__(self, held: set[str] | None) -> None:
+            self.held = held
+
+        def metadata(self) -> list[ParamMeta]:
+            return [m("emb"), m("l.0.a"), m("l.0.b"), m("l.1.a"), m("norm")]
+
+        def __iter__(self):
+            return iter([(x.name, x.name) for x in self.metadata()])
+
+        def held_names(self) -> set[str] | None:
+            return self.held
+
+    assert names(Src(None).groups()) == [["emb"], ["l.0.a", "l.0.b"], ["l.1.a"], ["norm"]]
+    assert names(Src({"l.1.a"}).groups()) == [["l.1.a"]]
+    batches = [[n for n, _ in b] for b in Src(None).iter_groups()]
+    assert batches == [["emb"], ["l.0.a", "l.0.b"], ["l.1.a"], ["norm"]]
+
+
+# --- version gates ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [("0.33.0", (0, 33)), ("0.32.0+cpu", (0, 32)), ("0.33.1.dev4+gabc", (0, 33)), ("v0.30.1", (0, 30)),
+     ("0.33.0+weightwire.0.1.0", (0, 33)), (" 1.2", (1, 2)), ("0.28", (0, 28))],
+)
+def test_parse_version(text: str, parsed: tuple[int, int]) -> None:
+    assert parse_version(text) == parsed
+
+
+@pytest.mark.parametrize("text", ["", "garbage", "0", "v", "0.x.1", "1" * 5000 + ".2", "0." + "3" * 20, None, 33])
+def test_parse_version_garbage(text: object) -> None:
+    with pytest.raises(ValueError, match="cannot parse server version"):
+        parse_version(text)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("version", "flags"),
+    [
+        ("0.27.9", (False, False, False, False)),
+        ("0.28.0", (True, False, False, False)),
+        ("0.29.1", (True, False, False, False)),
+        ("0.30.0", (True, True, False, False)),
+        ("0.32.0+cpu", (True, True, True, False)),
+        ("0.33.0", (True, True, True, True)),
+        ("0.33.1.dev4+gabc", (True, True, True, True)),
+        ("1.0.0", (True, True, True, True)),
+    ],
+)
+def test_server_features(version: str, flags: tuple[bool, bool, bool, bool]) -> None:
+    f = ServerFeatures.for_version(version)
+    assert (f.packed_in_init, f.unique_id_rendezvous, f.shutdown_route, f.reuse_metadata) == flags
+
+
+def test_gate_table_rows() -> None:
+    assert [(first, name) for first, name, _ in VERSION_GATES] == [
+        ((0, 28), "packed_in_init"), ((0, 30), "unique_id_rendezvous"),
+        ((0, 32), "shutdown_route"), ((0, 33), "reuse_metadata"),
+    ]
+
+
+def test_require_names_feature_and_version() -> None:
+    ServerFeatures.for_version("0.33.0").require("reuse_metadata", "empty update info")
+    with pytest.raises(ValueError, match=r"0\.32\.0\+cpu lacks reuse_metadata \(needs >= 0\.33\): empty"):
+        ServerFeatures.for_version("0.32.0+cpu").require("reuse_metadata", "empty update info")
+    with pytest.raises(ValueError, match=r"lacks unique_id_rendezvous \(needs >= 0\.30\)"):
+        ServerFeatures.for_version("0.29.0").require("unique_id_rendezvous", "torch-free trainer")
+
+
+# --- Timeouts -------------------------------------------------------------------
+
+
+def test_timeouts_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("HTTP_S", "CONNECT_S", "WARMUP_S", "TRANSFER_S"):
+        monkeypatch.delenv(f"WEIGHTWIRE_TIMEOUT_{var}", raising=False)
+    assert Timeouts.from_env() == DEFAULT_TIMEOUTS == Timeouts(300.0, 60.0, 60.0, 300.0)
+    monkeypatch.setenv("WEIGHTWIRE_TIMEOUT_CONNECT_S", "2.5")
+    monkeypatch.setenv("WEIGHTWIRE_TIMEOUT_TRANSFER_S", "10")
+    t = Timeouts.from_env()
+    assert (t.http_s, t.connect_s, t.warmup_s, t.transfer_s) == (300.0, 2.5, 60.0, 10.0)
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "nan", "inf", "abc", ""])
+def test_timeouts_from_env_rejects(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("WEIGHTWIRE_TIMEOUT_WARMUP_S", raw)
+    with pytest.raises(ValueError, match="WEIGHTWIRE_TIMEOUT_WARMUP_S"):
+        Timeouts.from_env()
+
+
+# --- checked_iter --------------------------------------------------------------------
+
+
+def describe(arr: np.ndarray) -> tuple[str, tuple[int, ...]]:
+    return wire_name_of_numpy(arr.dtype), arr.shape
+
+
+DECLARED = [ParamMeta("a", "float32", (2,)), ParamMeta("b", "int8", (3, 1)), ParamMeta("c", "float16", ())]
+GOOD = [("a", np.zeros(2, np.float32)), ("b", np.zeros((3, 1), np.int8)), ("c", np.float16(1).reshape(()))]
+
+
+def test_checked_iter_passes_matching_stream() -> None:
+    out = list(checked_iter(iter(GOOD), DECLARED, describe))
+    assert [n for n, _ in out] == ["a", "b", "c"]
+    assert all(x is y for (_, x), (_, y) in zip(out, GOOD, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("pairs", "match", "ok_before"),
+    [
+        (GOOD + [("d", np.zeros(1, np.float32))], "more tensors than metadata declared \\(3\\); first extra is 'd'", 3),
+        (GOOD[:2], "source yielded 2 tensors but metadata declared 3; first missing is 'c'", 2),
+        ([GOOD[1], GOOD[0], GOOD[2]], "index 0: declared 'a' float32 \\[2\\], got 'b' int8 \\[3, 1\\]", 0),
+        ([GOOD[0], ("b", np.zeros((3, 1), np.uint8)), GOOD[2]], "index 1: declared 'b' int8 .*got 'b' uint8", 1),
+        ([GOOD[0], ("b", np.zeros((1, 3), np.int8)), GOOD[2]], "index 1: declared 'b' int8 \\[3, 1\\], got 'b' int8 \\[1, 3\\]", 1),
+        ([GOOD[0], GOOD[1], ("c", np.zeros(1, np.float16))], "declared 'c' float16 \\[\\], got 'c' float16 \\[1\\]", 2),
+    ],
+    ids=["extra", "missing", "reordered", "redtyped", "reshaped", "scalar_vs_vector"],
+)
+def test_checked_iter_mismatch(pairs: list, match: str, ok_before: int) -> None:
+    seen: list[str] = []
+    with pytest.raises(SourceMismatch, match=match):
+        for name, _ in checked_iter(iter(pairs), DECLARED, describe):
+            seen.append(name)
+    # The bad tensor is never handed on: only the matching prefix was yielded.
+    assert len(seen) == ok_before
+    assert issubclass(SourceMismatch, ValueError)
+
+
+# --- tables --------------------------------------------------------------------
+
+
+def test_dtype_table() -> None:
+    assert {n: r.itemsize for n, r in WIRE_DTYPES.items()} == {
+        "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
+        "int32": 4, "int64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1, "bool": 1,
+    }
+    for name, row in WIRE_DTYPES.items():
+        assert wire_name_of_numpy(row.numpy) == name
+        assert wire_dtype(name) is row
+    with pytest.raises(ValueError, match="unsupported dtype 'complex64'"):
+        wire_dtype("complex64")
+    with pytest.raises(ValueError, match="complex64 has no wire name"):
+        wire_name_of_numpy(np.complex64)
+
+
+def test_route_table() -> None:
+    got = {n: (r.method, r.path, r.body_key) for n, r in ROUTES.items() if r.weight_route}
+    assert got == {
+        "init_weight_transfer_engine": ("POST", "/init_weight_transfer_engine", "init_info"),
+        "start_weight_update": ("POST", "/start_weight_update", None),
+        "start_draft_weight_update": ("POST", "/start_draft_weight_update", None),
+        "update_weights": ("POST", "/update_weights", "update_info"),
+        "finish_weight_update": ("POST", "/finish_weight_update", "weight_version"),
+        "shutdown_weight_transfer_engine": ("POST", "/shutdown_weight_transfer_engine", None),
+        "update_weight_version": ("POST", "/update_weight_version", "new_version"),
+        "weight_info": ("GET", "/weight_info", None),
+        "weight_checker": ("POST", "/weight_checker", "action"),
+        "get_world_size": ("GET", "/get_world_size", None),
+        "pause": ("POST", "/pause", None),
+        "resume": ("POST", "/resume", None),
+        "is_paused": ("GET", "/is_paused", None),
+    }

@@ -1,0 +1,53 @@
+"""Run ``_tcp_sender.py`` as a separate process and read its JSON lines with timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from typing import Any
+
+SENDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tcp_sender.py")
+
+
+class SenderProcess:
+    """A trainer stand-in process; every read is bounded, and it is always killed."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=env,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(config) + "\n")
+        self.proc.stdin.flush()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def read(self, timeout: float = 60.0) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"sender said nothing for {timeout}s") from None
+        if line is None:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise AssertionError(f"sender exited (rc={self.proc.poll()}): {err[-2000:]}")
+        return json.loads(line)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)

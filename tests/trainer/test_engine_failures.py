@@ -1,0 +1,170 @@
+"""Failure handling: every failure returns promptly with the real cause, never a hang."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+import weightwire.trainer.engine as engine_mod
+from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
+from weightwire.control.errors import WeightSyncError
+from weightwire.jax_side.dtypes import describe
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.source import SourceMismatch
+from weightwire.shared.timeouts import Timeouts
+from weightwire.trainer import EngineBroken, TrainerInitInfo
+from weightwire.trainer.backends import Backend, Rendezvous, register_backend, unregister_backend
+
+FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=30)
+
+
+def init(server: FakeServer, source: DictSource | None = None, backend: str = "fake_host", **kw: Any) -> JAXTrainerEngine:
+    info = TrainerInitInfo(backend=backend, timeouts=kw.pop("timeouts", FAST), **kw)
+    return JAXTrainerEngine.trainer_init(info, client=server.client(), source=source or DictSource(numpy_weights(), describe))
+
+
+def test_rejected_update_surfaces_while_the_broadcast_would_block() -> None:
+    FAKE.comm = FakeComm(block=True)  # a broadcast nobody receives: returns only when aborted
+    server = FakeServer()
+    server.fail["update_weights"] = (400, "update_info.shapes[3] has a negative dim -1")
+    engine = init(server)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError) as info:
+        engine.send_weights()
+    assert time.monotonic() - start < 5.0  # not the 30 s transfer timeout
+    err = info.value
+    assert (err.route, err.status, err.server) == ("update_weights", 400, "http://fake:8000")
+    assert "negative dim -1" in err.message and "negative dim -1" in str(err)
+    assert any("data plane then failed" in note for note in getattr(err, "__notes__", []))
+    assert FAKE.comm.aborted.is_set()
+    assert "finish_weight_update" not in server.routes()
+    with pytest.raises(EngineBroken, match="WeightSyncError"):
+        engine.send_weights()
+
+
+def test_transport_failure_is_raised_when_the_server_stays_silent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_mod, "_GRACE_S", 0.3)
+
+    class LosingComm(FakeComm):
+        def broadcast(self, buffer: Any, **kw: Any) -> None:
+            raise PeerLost("rank 1 (10.0.0.2:5555) closed the connection at byte 0 of 200")
+
+    FAKE.comm = LosingComm()
+    server = FakeServer()
+    release = threading.Event()
+    server.hooks["update_weights"] = lambda body: release.wait(10)  # the worker never answers
+    engine = init(server)
+    start = time.monotonic()
+    with pytest.raises(PeerLost, match="rank 1 .* closed the connection"):
+        engine.send_weights()
+    assert time.monotonic() - start < 3.0
+    assert FAKE.comm.aborted.is_set()
+    release.set()
+
+
+def test_source_mismatch_wins_over_the_consequent_server_error() -> None:
+    FAKE.comm = FakeComm()
+    weights = numpy_weights()
+
+    class Liar(DictSource):
+        def __iter__(self):  # iteration yields a different shape than metadata declared
+            for name, array in super().__iter__():
+                yield name, (array[:2] if name == "model.layers.0.mlp.up_proj.weight" else array)
+
+    server = FakeServer()
+    server.fail["update_weights"] = (500, "PeerLost: trainer vanished")
+    engine = init(server, Liar(weights, describe))
+    with pytest.raises(SourceMismatch, match=r"declared 'model\.layers\.0\.mlp\.up_proj\.weight' float16 \[12, 8\], got .* \[2, 8\]"):
+        engine.send_weights()
+    assert FAKE.comm.aborted.is_set()
+
+
+def test_update_that_never_returns_times_out() -> None:
+    FAKE.comm = FakeComm()
+    server = FakeServer()
+    release = threading.Event()
+    server.hooks["update_weights"] = lambda body: release.wait(10)
+    engine = init(server, timeouts=Timeouts(http_s=0.5, connect_s=5, warmup_s=5, transfer_s=5))
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout, match="update_weights did not return within 0.5 s"):
+        engine.send_weights()
+    assert time.monotonic() - start < 3.0
+    release.set()
+
+
+class StuckJoin(Backend):
+    """A rendezvous whose workers never arrive: join blocks until cancelled or timed out."""
+
+    name: ClassVar[str] = "stuck_join"
+    on_device: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def open(self, info: Any, *, world_size: int) -> Rendezvous:
+        backend = self
+
+        class _Rdv(Rendezvous):
+            def join(self, *, timeout: float) -> Any:
+                if backend.cancelled.wait(timeout):
+                    raise TransferError("rendezvous closed while waiting")
+                raise TransferTimeout(f"nobody joined within {timeout} s")
+
+            def cancel(self) -> None:
+                backend.cancelled.set()
+
+        return _Rdv({"secret_b64": "never-logged"})
+
+
+@pytest.fixture
+def stuck() -> StuckJoin:
+    backend = StuckJoin()
+    register_backend(backend, replace=True)
+    yield backend
+    unregister_backend(backend.name)
+
+
+def test_rejected_init_returns_at_once_and_cancels_the_rendezvous(stuck: StuckJoin) -> None:
+    server = FakeServer()
+    server.fail["init_weight_transfer_engine"] = (400, "TCPInitInfo: unknown keys 'bogus'")
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"init_weight_transfer_engine failed on http://fake:8000 \(status 400\): TCPInitInfo: unknown keys"):
+        init(server, backend="stuck_join")
+    assert time.monotonic() - start < 2.0
+    assert stuck.cancelled.wait(2.0)
+
+
+def test_rendezvous_that_nobody_joins_times_out(stuck: StuckJoin, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_mod, "_GRACE_S", 0.3)
+    server = FakeServer()
+    release = threading.Event()
+    server.hooks["init_weight_transfer_engine"] = lambda body: release.wait(10)  # workers still joining
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout, match="nobody joined within 0.5 s"):
+        init(server, backend="stuck_join", timeouts=Timeouts(http_s=10, connect_s=0.5, warmup_s=1, transfer_s=1))
+    assert time.monotonic() - start < 3.0
+    release.set()
+
+
+def test_secrets_stay_out_of_reprs_and_errors(stuck: StuckJoin) -> None:
+    server = FakeServer()
+    server.fail["init_weight_transfer_engine"] = (500, "boom")
+    with pytest.raises(WeightSyncError) as info:
+        init(server, backend="stuck_join")
+    assert "never-logged" not in str(info.value)
+    assert "never-logged" not in repr(stuck.open(TrainerInitInfo(), world_size=2))
+
+
+def test_values_changing_between_rounds_arrive() -> None:
+    FAKE.comm = FakeComm()
+    weights = {"w": np.zeros(4, np.float32)}
+    engine = init(FakeServer(), DictSource(weights, describe))
+    for step in range(3):
+        weights["w"] = np.full(4, step, np.float32)
+        engine.send_weights()
+    assert FAKE.comm.broadcasts == [np.full(4, s, np.float32).tobytes() for s in range(3)]

@@ -1,0 +1,365 @@
+"""CPU-side tests of the NCCL transport: no GPU, no CuPy needed.
+
+The import/availability tests run against the real environment (CuPy absent, or
+hidden). The logic tests (init timeout, watchdog, abort, argument checks) drive
+``NCCLCommunicator`` through a minimal in-memory stand-in for CuPy's API, so what is
+asserted is our own control flow: which NCCL calls are made, with which arguments,
+and what is raised when NCCL never answers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import weightwire.transport.nccl as nccl_mod
+from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.transport.nccl import (
+    NCCLCommunicator,
+    NCCLUnavailable,
+    format_nccl_version,
+    unique_id_to_bytes,
+    unique_id_to_signed_tuple,
+)
+from weightwire.transport.nccl_buffers import stream_pointer
+
+UID = bytes(range(128))
+
+
+# -- a minimal stand-in for the parts of CuPy the communicator touches ------------------------
+
+
+class FakeStream:
+    def __init__(self, non_blocking: bool = False, ptr: int = 0x5000) -> None:
+        self.ptr = ptr
+
+    def __enter__(self) -> FakeStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class FakeExternalStream(FakeStream):
+    def __init__(self, ptr: int, device_id: int = -1) -> None:
+        self.ptr, self.device_id = ptr, device_id
+
+
+class FakeArray:
+    def __init__(self, nbytes: int, *, ptr: int = 0xA000, device: int = 0, contiguous: bool = True) -> None:
+        self.nbytes, self.shape, self.strides = nbytes, (nbytes,), (1,)
+        self.data = SimpleNamespace(ptr=ptr)
+        self.device = SimpleNamespace(id=device)
+        self.flags = SimpleNamespace(c_contiguous=contiguous)
+
+
+class FakeCupy:
+    """``complete`` decides whether recorded events report done (False = NCCL hangs)."""
+
+    ndarray = FakeArray
+    float32 = "float32"
+
+    def __init__(self, *, complete: bool = True, devices: int = 2) -> None:
+        self.complete = complete
+        self.current_device: dict[str, int] = {}
+        fake = self
+
+        class Device:
+            def __init__(self, index: int) -> None:
+                self.index = index
+
+            def use(self) -> None:
+                fake.current_device[threading.current_thread().name] = self.index
+
+            def __enter__(self) -> Device:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                return None
+
+        class Event:
+            def __init__(self, block: bool = False, disable_timing: bool = False) -> None:
+                self.recorded_on = None
+
+            def record(self, stream: FakeStream) -> None:
+                self.recorded_on = stream
+
+            @property
+            def done(self) -> bool:
+                return fake.complete
+
+        runtime = SimpleNamespace(getDeviceCount=lambda: devices, getDevice=lambda: 0)
+        self.cuda = SimpleNamespace(
+            Device=Device, Event=Event, Stream=FakeStream, ExternalStream=FakeExternalStream, runtime=runtime
+        )
+
+    def zeros(self, n: int, dtype: object) -> FakeArray:
+        return FakeArray(4 * n, ptr=0xB000)
+
+
+class FakeComm:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.async_error: Exception | None = None
+
+    def allReduce(self, *args: object) -> None:  # noqa: N802  (CuPy's spelling)
+        self.calls.append(("allReduce", *args))
+
+    def broadcast(self, *args: object) -> None:
+        self.calls.append(("broadcast", *args))
+
+    def check_async_error(self) -> None:
+        if self.async_error is not None:
+            raise self.async_error
+
+    def abort(self) -> None:
+        self.calls.append(("abort",))
+
+    def destroy(self) -> None:
+        self.calls.append(("destroy",))
+
+
+def make_comm(*, complete: bool = True, rank: int = 0, world_size: int = 2) -> tuple[NCCLCommunicator, FakeComm, FakeCupy]:
+    cp, raw = FakeCupy(complete=complete), FakeComm()
+    return NCCLCommunicator(raw, rank=rank, world_size=world_size, device=0, cp=cp, version="2.28.9"), raw, cp
+
+
+def names(raw: FakeComm) -> list[str]:
+    return [c[0] for c in raw.calls]
+
+
+# -- without CuPy --------------------------------------------------------------------------------
+
+
+def test_import_without_cupy_is_harmless_and_pulls_no_framework() -> None:
+    code = (
+        "import sys; sys.modules['cupy'] = None\n"
+        "import weightwire.transport.nccl as n\n"
+        "assert not n.nccl_available()\n"
+        "assert 'torch' not in sys.modules and 'jax' not in sys.modules, sorted(sys.modules)\n"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_use_without_cupy_raises_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert nccl_mod.nccl_available() is False
+    for call in (nccl_mod.mint_unique_id, nccl_mod.nccl_version):
+        with pytest.raises(NCCLUnavailable, match=r"needs CuPy with NCCL.*cupy-cuda13x"):
+            call()
+    with pytest.raises(NCCLUnavailable, match="needs CuPy with NCCL"):
+        NCCLCommunicator.join(unique_id=UID, rank=0, world_size=2, timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"unique_id": b"x" * 127}, "unique_id must be 128 bytes, got 127 bytes"),
+        ({"unique_id": "a" * 128}, "unique_id must be 128 bytes, got str"),
+        ({"world_size": 0}, "world_size must be a positive int"),
+        ({"rank": 2}, r"rank must be an int in \[0, 2\), got 2"),
+        ({"rank": True}, "rank must be an int"),
+        ({"timeout": 0}, "timeout must be a positive finite number"),
+        ({"timeout": float("inf")}, "timeout must be a positive finite number"),
+    ],
+)
+def test_join_checks_arguments_before_touching_cupy(
+    monkeypatch: pytest.MonkeyPatch, kwargs: dict, message: str
+) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # validation must come first
+    args = {"unique_id": UID, "rank": 0, "world_size": 2, "timeout": 5.0, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        NCCLCommunicator.join(**args)
+
+
+def test_unique_id_round_trips_through_cupy13_signed_tuple() -> None:
+    signed = unique_id_to_signed_tuple(bytes(range(256)))
+    assert min(signed) == -128 and max(signed) == 127
+    for raw in (bytes(range(128)), bytes(range(128, 256))):
+        assert unique_id_to_bytes(unique_id_to_signed_tuple(raw)) == raw
+        assert unique_id_to_bytes(raw) == raw
+    with pytest.raises(ValueError, match="must be 128 bytes, got 3"):
+        unique_id_to_bytes(b"abc")
+    with pytest.raises(TypeError, match="unexpected NCCL unique id type str"):
+        unique_id_to_bytes("x" * 128)
+
+
+def test_nccl_version_codes() -> None:
+    assert format_nccl_version(22809) == "2.28.9"
+    assert format_nccl_version(21805) == "2.18.5"
+    assert format_nccl_version(2708) == "2.7.8"
+
+
+def test_stream_pointer_accepts_stream_shapes_and_refuses_others() -> None:
+    class CudaStreamProtocol:
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, 0x77)
+
+    assert stream_pointer(0x42) == 0x42
+    assert stream_pointer(SimpleNamespace(cuda_stream=0x43)) == 0x43  # torch.cuda.Stream
+    assert stream_pointer(SimpleNamespace(ptr=0x44)) == 0x44  # CuPy stream
+    assert stream_pointer(CudaStreamProtocol()) == 0x77
+    for bad in (True, "0x1", 1.5):
+        with pytest.raises(TypeError, match="stream"):
+            stream_pointer(bad)
+
+
+# -- join: the init watchdog -------------------------------------------------------------------
+
+
+def fake_nccl(comm_factory: object) -> SimpleNamespace:
+    return SimpleNamespace(available=True, NcclCommunicator=comm_factory, get_version=lambda: 22809)
+
+
+def test_join_times_out_naming_rank_and_world_and_aborts_a_late_communicator(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate, late = threading.Event(), FakeComm()
+
+    def never_until_released(world: int, uid: bytes, rank: int) -> FakeComm:
+        gate.wait(30)  # a peer that never arrives, until the test lets it
+        return late
+
+    cp = FakeCupy()
+    monkeypatch.setattr(nccl_mod, "_cupy", lambda: (cp, fake_nccl(never_until_released)))
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout, match=r"rank 1 of world size 3 .*never joined"):
+        NCCLCommunicator.join(unique_id=UID, rank=1, world_size=3, device=1, timeout=0.3)
+    assert time.monotonic() - start < 5
+    gate.set()
+    deadline = time.monotonic() + 10
+    while names(late) != ["abort"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert names(late) == ["abort"], "a communicator completed after the timeout must be aborted"
+    assert 1 in cp.current_device.values(), "init must run with the requested CUDA device current"
+
+
+def test_join_falls_back_to_signed_tuple_for_older_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[object] = []
+
+    def cupy13(world: int, uid: object, rank: int) -> FakeComm:
+        if not isinstance(uid, tuple):
+            raise TypeError("Argument 'commId' has incorrect type (expected tuple, got bytes)")
+        seen.append(uid)
+        return FakeComm()
+
+    monkeypatch.setattr(nccl_mod, "_cupy", lambda: (FakeCupy(), fake_nccl(cupy13)))
+    uid = bytes(range(128, 256))
+    comm = NCCLCommunicator.join(unique_id=uid, rank=0, world_size=2, timeout=5)
+    assert seen == [unique_id_to_signed_tuple(uid)]
+    assert (comm.rank, comm.world_size, comm.device, comm.version) == (0, 2, 0, "2.28.9")
+    assert "unique" not in repr(comm) and str(list(uid[:4])) not in repr(comm)
+
+
+def test_join_failure_is_transfer_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(world: int, uid: bytes, rank: int) -> FakeComm:
+        raise RuntimeError("NCCL_ERROR_INVALID_USAGE: bad rank")
+
+    monkeypatch.setattr(nccl_mod, "_cupy", lambda: (FakeCupy(), fake_nccl(broken)))
+    with pytest.raises(TransferError, match="rank 0 of world size 2.*NCCL_ERROR_INVALID_USAGE"):
+        NCCLCommunicator.join(unique_id=UID, rank=0, world_size=2, timeout=5)
+    with pytest.raises(ValueError, match=r"device must be a CUDA device index in \[0, 2\), got 5"):
+        NCCLCommunicator.join(unique_id=UID, rank=0, world_size=2, device=5, timeout=5)
+
+
+# -- collectives and the synchronize watchdog ---------------------------------------------------
+
+
+def test_warmup_is_one_float32_sum_all_reduce_then_sync() -> None:
+    comm, raw, _ = make_comm()
+    comm.warmup(timeout=1)
+    assert raw.calls == [("allReduce", 0xB000, 0xB000, 1, 7, 0, 0x5000)]
+
+
+def test_broadcast_sends_uint8_in_place_and_only_enqueues_on_a_given_stream() -> None:
+    comm, raw, cp = make_comm(complete=False)  # nothing ever completes: any wait would time out
+    comm.broadcast(FakeArray(1000, ptr=0xC000), root=1, stream=0x99)
+    comm.broadcast(FakeArray(10, ptr=0xD000), stream=SimpleNamespace(cuda_stream=0x98))
+    assert raw.calls == [("broadcast", 0xC000, 0xC000, 1000, 1, 1, 0x99), ("broadcast", 0xD000, 0xD000, 10, 1, 0, 0x98)]
+    cp.complete = True
+    comm.broadcast(FakeArray(7, ptr=0xE000), timeout=1)  # internal stream, waits
+    assert raw.calls[-1] == ("broadcast", 0xE000, 0xE000, 7, 1, 0, 0x5000)
+
+
+def test_broadcast_typed_uses_the_tensor_dtype_and_checks_its_size() -> None:
+    comm, raw, _ = make_comm()
+    comm.broadcast_typed(FakeArray(64), nccl_dtype=9, count=32, timeout=1)  # bf16
+    assert raw.calls == [("broadcast", 0xA000, 0xA000, 32, 9, 0, 0x5000)]
+    with pytest.raises(ValueError, match="32 elements of ncclDataType_t 7 are 128 bytes but the buffer holds 64"):
+        comm.broadcast_typed(FakeArray(64), nccl_dtype=7, count=32, timeout=1)
+    with pytest.raises(ValueError, match="unknown ncclDataType_t 42"):
+        comm.broadcast_typed(FakeArray(64), nccl_dtype=42, count=64)
+
+
+def test_synchronize_timeout_aborts_and_raises_then_communicator_is_dead() -> None:
+    comm, raw, _ = make_comm(complete=False, rank=1, world_size=4)
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout, match=r"within 0.3 s on rank 1 of world size 4 .*communicator aborted"):
+        comm.broadcast(FakeArray(8), root=0, timeout=0.3)
+    assert 0.3 <= time.monotonic() - start < 5
+    assert names(raw) == ["broadcast", "abort"]
+    with pytest.raises(TransferError, match="is aborted: NCCL work did not finish"):
+        comm.broadcast(FakeArray(8), timeout=1)
+    comm.abort()
+    comm.close()
+    assert names(raw) == ["broadcast", "abort"], "abort/close after an abort must not touch NCCL again"
+
+
+def test_async_remote_error_raises_peer_lost_and_aborts() -> None:
+    comm, raw, _ = make_comm(complete=False)
+    raw.async_error = type("NcclError", (RuntimeError,), {"status": 6})("NCCL_ERROR_REMOTE_ERROR: peer exited")
+    with pytest.raises(PeerLost, match="asynchronous error on rank 0 of world size 2.*peer exited"):
+        comm.synchronize(None, timeout=10)
+    assert names(raw) == ["abort"]
+
+
+def test_abort_from_another_thread_ends_a_wait() -> None:
+    comm, raw, _ = make_comm(complete=False)
+    threading.Timer(0.2, comm.abort).start()
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="aborted by abort"):
+        comm.synchronize(None, timeout=30)
+    assert time.monotonic() - start < 5
+    assert names(raw) == ["abort"]
+
+
+def test_buffers_nccl_cannot_read_are_refused_by_name() -> None:
+    torch = pytest.importorskip("torch")
+    comm, raw, _ = make_comm()
+    with pytest.raises(ValueError, match=r"host \(CPU\) memory; NCCL needs a CUDA device buffer"):
+        comm.broadcast(np.zeros(4, dtype=np.uint8), timeout=1)
+    with pytest.raises(ValueError, match=r"host \(CPU\) memory"):
+        comm.broadcast(torch.zeros(4, dtype=torch.bfloat16), timeout=1)
+    with pytest.raises(TypeError, match="must be a CUDA device array .* got bytes"):
+        comm.broadcast(b"abcd", timeout=1)
+    with pytest.raises(ValueError, match="must be C-contiguous"):
+        comm.broadcast(FakeArray(8, contiguous=False), timeout=1)
+    with pytest.raises(ValueError, match="lives on CUDA device 1 but this communicator .* is on device 0"):
+        comm.broadcast(FakeArray(8, device=1), timeout=1)
+    with pytest.raises(ValueError, match=r"root must be a rank in \[0, 2\), got 2"):
+        comm.broadcast(FakeArray(8), root=2, timeout=1)
+    assert raw.calls == [], "nothing may reach NCCL for a refused buffer"
+
+
+def test_close_destroys_once() -> None:
+    comm, raw, _ = make_comm()
+    comm.close()
+    comm.close()
+    comm.abort()
+    assert names(raw) == ["destroy"]
+    with pytest.raises(TransferError, match="is closed"):
+        comm.warmup(timeout=1)
+
+
+def test_empty_buffer_skips_nccl_like_nccl_itself() -> None:
+    comm, raw, _ = make_comm(complete=False)  # a wait would time out: there must be none
+    comm.broadcast(FakeArray(0, ptr=0), timeout=0.5)
+    comm.broadcast_typed(FakeArray(0, ptr=0), nccl_dtype=9, count=0, timeout=0.5)
+    assert raw.calls == []

@@ -1,0 +1,226 @@
+"""TCP data plane failures: refused peers, lost peers, stalls, aborts. Each ends in a
+clear ``TransferError`` within its timeout, never a hang or silent garbage."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import secrets
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from test_tcp_peer import Peers
+
+from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.transport import tcp_wire as wire
+from weightwire.transport.tcp import TCPCommunicator, TCPRendezvous
+
+
+def connect(rendezvous: TCPRendezvous, rank: int, *, secret: bytes | None = None, world_size: int | None = None,
+            timeout: float = 10) -> TCPCommunicator:
+    return TCPCommunicator.connect(host=rendezvous.host, port=rendezvous.port, secret=secret or rendezvous.secret,
+                                   rank=rank, world_size=world_size or rendezvous.world_size, timeout=timeout)
+
+
+def raw_auth(rendezvous: TCPRendezvous, rank: int, world_size: int) -> int:
+    """A hand-rolled client with the right secret claiming any rank; returns the verdict code."""
+    with socket.create_connection((rendezvous.host, rendezvous.port), timeout=10) as sock:
+        deadline = time.monotonic() + 10
+        _, _, server_nonce = wire.HELLO.unpack(wire.recv_exact(sock, wire.HELLO.size, deadline))
+        nonce = secrets.token_bytes(32)
+        tag = wire.client_tag(rendezvous.secret, server_nonce, nonce, rank, world_size)
+        sock.sendall(wire.AUTH.pack(wire.AUTH_MAGIC, rank, world_size, nonce, tag))
+        _, code, _ = wire.VERDICT.unpack(wire.recv_exact(sock, wire.VERDICT.size, deadline))
+        return code
+
+
+def test_wrong_secret_is_refused_on_both_sides_and_accept_waits_for_the_real_receiver(caplog):
+    rendezvous = TCPRendezvous(world_size=2)
+    with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.WARNING, logger="weightwire.transport.tcp"):
+        accepted = pool.submit(rendezvous.accept, timeout=20)
+        with pytest.raises(TransferError, match=r"refused rank 1 \(world_size 2\): wrong secret"):
+            connect(rendezvous, 1, secret=secrets.token_bytes(128))
+        assert not accepted.done()
+        good = connect(rendezvous, 1)
+        root = accepted.result(timeout=20)
+    assert re.search(r"refused 127\.0\.0\.1:\d+: claimed rank 1: wrong secret", caplog.text)
+    assert rendezvous.init_fields()["secret_b64"] not in caplog.text
+    assert root.world_size == 2 and good.rank == 1
+    root.close()
+    good.close()
+
+
+def test_accept_times_out_naming_missing_rank_and_the_refusal():
+    rendezvous = TCPRendezvous(world_size=2)
+    with ThreadPoolExecutor(1) as pool:
+        accepted = pool.submit(rendezvous.accept, timeout=1.5)
+        with pytest.raises(TransferError, match="wrong secret"):
+            connect(rendezvous, 1, secret=bytes(128))
+        with pytest.raises(TransferTimeout, match=r"rank\(s\) \[1\] of world_size 2 did not join within 1.5 s; refused: .*wrong secret"):
+            accepted.result(timeout=10)
+
+
+def test_receiver_refuses_a_sender_that_cannot_prove_the_secret():
+    """A listener at the advertised address that never knew the secret must get no weights."""
+    secret = secrets.token_bytes(128)
+    fake = socket.create_server(("127.0.0.1", 0))
+    seen: list[bytes] = []
+
+    def impostor() -> None:
+        conn, _ = fake.accept()
+        with conn:
+            deadline = time.monotonic() + 10
+            conn.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.PROTOCOL_VERSION, secrets.token_bytes(32)))
+            wire.recv_exact(conn, wire.AUTH.size, deadline)
+            conn.sendall(wire.VERDICT.pack(wire.VERDICT_MAGIC, wire.OK, secrets.token_bytes(32)))
+            with contextlib.suppress(wire.WireShort):  # the receiver hangs up instead of confirming
+                seen.append(wire.recv_exact(conn, wire.FRAME.size, deadline))
+
+    thread = threading.Thread(target=impostor)
+    thread.start()
+    with pytest.raises(TransferError, match="did not prove the shared secret; refusing to receive weights"):
+        TCPCommunicator.connect(host="127.0.0.1", port=fake.getsockname()[1], secret=secret, rank=1, world_size=2, timeout=10)
+    thread.join(timeout=10)
+    fake.close()
+    assert seen == []
+
+
+def test_rank_handling_duplicates_out_of_range_and_world_size():
+    rendezvous = TCPRendezvous(world_size=3)
+    with ThreadPoolExecutor(2) as pool:
+        accepted = pool.submit(rendezvous.accept, timeout=2)
+        first = connect(rendezvous, 1)
+        with pytest.raises(TransferError, match="refused rank 1 .*rank already connected"):
+            connect(rendezvous, 1)
+        with pytest.raises(TransferError, match="world_size differs"):
+            connect(rendezvous, 2, world_size=4)
+        assert raw_auth(rendezvous, 3, 3) == wire.BAD_RANK
+        assert raw_auth(rendezvous, 0, 3) == wire.BAD_RANK
+        with pytest.raises(TransferTimeout, match=r"rank\(s\) \[2\] of world_size 3 did not join"):
+            accepted.result(timeout=10)
+    first.close()
+    with pytest.raises(ValueError, match=r"receiver rank must be an int in \[1, 3\)"):
+        connect(rendezvous, 3)
+    with pytest.raises(ValueError, match="128 bytes"):
+        connect(rendezvous, 1, secret=b"short")
+
+
+def test_receiver_that_never_connects_times_out_accept_naming_missing_ranks():
+    rendezvous = TCPRendezvous(world_size=4)
+    with ThreadPoolExecutor(1) as pool:
+        accepted = pool.submit(rendezvous.accept, timeout=1.0)
+        two = connect(rendezvous, 2)
+        with pytest.raises(TransferTimeout, match=r"rank\(s\) \[1, 3\] of world_size 4 did not join within 1 s"):
+            accepted.result(timeout=10)
+    with pytest.raises(PeerLost, match=r"lost rank 0 \(sender at 127.0.0.1:\d+\) before warm-up"):
+        two.warmup(timeout=5)  # the rendezvous dropped it: no hang
+
+
+def test_silent_connection_does_not_block_the_rendezvous():
+    rendezvous = TCPRendezvous(world_size=2)
+    mute = socket.create_connection((rendezvous.host, rendezvous.port))
+    with ThreadPoolExecutor(1) as pool:
+        accepted = pool.submit(rendezvous.accept, timeout=10)
+        time.sleep(0.2)
+        good = connect(rendezvous, 1)
+        root = accepted.result(timeout=10)
+    mute.settimeout(10)
+    assert len(wire.recv_exact(mute, wire.HELLO.size, time.monotonic() + 10)) == wire.HELLO.size
+    assert mute.recv(1) == b""  # dropped once accept() finished, not left holding a thread
+    mute.close()
+    root.close()
+    good.close()
+
+
+def test_connect_times_out_when_nobody_accepts():
+    rendezvous = TCPRendezvous(world_size=2)  # listening, but accept() never called
+    with pytest.raises(TransferTimeout, match="handshake .* did not finish in time"):
+        connect(rendezvous, 1, timeout=0.5)
+    port = rendezvous.port
+    rendezvous.close()
+    with pytest.raises(TransferTimeout, match=f"could not connect to the TCP sender at 127.0.0.1:{port}"):
+        TCPCommunicator.connect(host="127.0.0.1", port=port, secret=bytes(128), rank=1, world_size=2, timeout=0.5)
+
+
+def _pair() -> tuple[TCPCommunicator, TCPCommunicator]:
+    rendezvous = TCPRendezvous(world_size=2)
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(connect, rendezvous, 1)
+        return rendezvous.accept(timeout=10), fut.result(timeout=10)
+
+
+def test_warmup_times_out_naming_the_rank_that_never_said_ready():
+    root, recv = _pair()
+    with pytest.raises(TransferTimeout, match=r"warm-up: no ready from rank 1 \(127.0.0.1:\d+\) within 0.5 s"):
+        root.warmup(timeout=0.5)
+    with pytest.raises(PeerLost, match="lost rank 0"):
+        recv.warmup(timeout=5)  # the root aborted, so the receiver fails fast too
+
+
+def test_stalled_receiver_makes_broadcast_time_out():
+    root, recv = _pair()  # recv never reads: kernel buffers fill, then the sender must give up
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout, match=r"broadcast #0 of 268435456 bytes did not reach every receiver within 1 s; still sending to: rank 1 \(127.0.0.1:\d+\) at byte \d+"):
+        root.broadcast(np.zeros(256 << 20, dtype=np.uint8), timeout=1.0)
+    assert time.monotonic() - start < 10
+    with pytest.raises(TransferError, match="aborted"):
+        root.broadcast(b"x")
+    recv.close()
+
+
+def test_abort_wakes_a_blocked_receiver():
+    root, recv = _pair()
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(recv.broadcast, np.empty(10, dtype=np.uint8), timeout=60)
+        time.sleep(0.2)
+        with pytest.raises(RuntimeError, match="must be sequential"):
+            recv.warmup(timeout=1)  # frames of two calls would interleave on one stream
+        recv.abort()
+        with pytest.raises(TransferError, match="aborted"):
+            fut.result(timeout=5)
+    root.close()
+
+
+def test_receiver_killed_mid_transfer_makes_the_sender_raise():
+    with Peers() as peers, TCPRendezvous(world_size=3) as rendezvous:
+        config = {**rendezvous.init_fields(), "world_size": 3, "packed": True, "buffer_size": 1 << 20,
+                  "metas": [{"name": "w", "dtype": "uint8", "shape": [128 << 20]}]}
+        healthy = peers.spawn("recv", {**config, "rank": 1})
+        doomed = peers.spawn("recv", {**config, "rank": 2, "stall": True})
+        root = rendezvous.accept(timeout=60)
+        root.warmup(timeout=60)
+        doomed.expect("warm")
+        killer = threading.Timer(0.5, doomed.kill)
+        killer.start()
+        with pytest.raises(TransferError, match=r"rank 2 \(127.0.0.1:\d+\)") as info:
+            root.broadcast(np.zeros(128 << 20, dtype=np.uint8), timeout=60)
+        killer.join()
+        assert isinstance(info.value, PeerLost), info.value
+        assert re.search(r"at byte \d+ of 134217728 of broadcast #0", str(info.value))
+        healthy.result(timeout=30)  # finishes (bytes or a PeerLost), never hangs
+
+
+def test_sender_killed_mid_transfer_makes_receivers_raise_peer_lost():
+    total = 128 << 20
+    with Peers() as peers:
+        sender = peers.spawn("send", {"world_size": 3, "nbytes": total})
+        fields = sender.expect("listening")
+        del fields["event"]
+        config = {**fields, "world_size": 3, "packed": True, "buffer_size": 1 << 20, "delay_s": 1.5,
+                  "metas": [{"name": "w", "dtype": "uint8", "shape": [total]}]}
+        receivers = [peers.spawn("recv", {**config, "rank": r}) for r in (1, 2)]
+        sender.expect("sending")
+        time.sleep(0.3)  # sender blocked on full socket buffers; receivers have not started reading
+        sender.kill()
+        for receiver in receivers:
+            receiver.expect("warm")
+            result = receiver.result(timeout=30)
+            assert result["type"] == "PeerLost", result
+            match = re.search(rf"lost rank 0 \(sender at 127.0.0.1:\d+\) at byte (\d+) of {total} of broadcast #0", result["error"])
+            assert match, result["error"]
+            assert 0 < int(match.group(1)) < total

@@ -1,0 +1,218 @@
+"""``HTTPWeightSyncClient``: vLLM's weight-sync HTTP routes, driven over httpx.
+
+It satisfies the four-call client protocol trainer engines use
+(``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``) and adds the routes a sync needs around them (world size,
+version, pause/resume, weight info and checksums, shutdown).
+
+Several base URLs (independent DP replicas) are driven as one: every call reaches
+every server concurrently and returns once all answered, so no replica is left on
+stale weights; the first failure is raised at once (see ``fanout.fan_out``). Any
+non-2xx answer raises ``WeightSyncError`` carrying the route, status, server message
+and base URL. The API key, when given, travels as a bearer token and never appears
+in reprs, logs or errors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from weightwire.control.errors import WeightSyncError, server_message
+from weightwire.control.fanout import fan_out
+from weightwire.shared import routes
+from weightwire.shared.routes import CHECKER_ACTIONS, PAUSE_MODES, Route
+
+
+class HTTPWeightSyncClient:
+    """Drive one or more vLLM servers' weight-sync routes.
+
+    ``timeout`` bounds every single HTTP call (init and update block while the
+    workers rendezvous and receive, so it must cover a whole transfer).
+    ``transport`` is for tests (``httpx.MockTransport``).
+    """
+
+    def __init__(
+        self,
+        base_url: str | Sequence[str],
+        *,
+        timeout: float = 300,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+            raise ValueError(f"base_url must be one or more http(s):// URLs, got {urls!r:.200}")
+        if len(set(urls)) != len(urls):
+            raise ValueError("base_url lists the same server twice; every replica would get each call twice")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.base_urls = [u.rstrip("/") for u in urls]
+        self.timeout = float(timeout)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        http_timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, 30.0))
+        self._clients = [
+            httpx.Client(base_url=u, timeout=http_timeout, headers=headers, transport=transport)
+            for u in self.base_urls
+        ]
+        self._world_sizes: list[int] | None = None
+
+    def __repr__(self) -> str:
+        return f"HTTPWeightSyncClient({self.base_urls!r}, timeout={self.timeout})"
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _request(self, i: int, route: Route, body: Any = None, params: dict[str, Any] | None = None) -> Any:
+        server = self.base_urls[i]
+        kwargs: dict[str, Any] = {"params": params}
+        if body is not None:
+            kwargs["content"] = json.dumps(body).encode()
+            kwargs["headers"] = {"Content-Type": "application/json"}
+        try:
+            response = self._clients[i].request(route.method, route.path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise WeightSyncError(route.name, None, f"no answer within {self.timeout} s ({type(exc).__name__})", server) from None
+        except httpx.HTTPError as exc:
+            raise WeightSyncError(route.name, None, f"{type(exc).__name__}: {exc}", server) from None
+        if not 200 <= response.status_code < 300:
+            fallback = response.reason_phrase or "error"
+            raise WeightSyncError(route.name, response.status_code, server_message(response.content, fallback=fallback), server)
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    def _all(self, route: Route, body: Any = None, params: dict[str, Any] | None = None,
+             bodies: Sequence[Any] | None = None) -> list[Any]:
+        """Call ``route`` on every server (``bodies[i]`` for server i when given)."""
+        calls = [
+            (lambda i=i: self._request(i, route, body if bodies is None else bodies[i], params))
+            for i in range(len(self._clients))
+        ]
+        # Each call is bounded by the httpx timeout; the outer bound only guards a stuck thread.
+        return fan_out(calls, timeout=self.timeout + 30.0, name=f"weightwire-{route.name}")
+
+    # -- the four-call protocol ---------------------------------------------------------
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+        """POST the worker init info to every server.
+
+        With several servers, each one's workers need their own ``rank_offset``: a
+        single dict carrying ``rank_offset`` is shifted by the world sizes of the
+        servers before it (from ``get_world_size``), so callers write the payload once.
+        A list gives each server its own dict verbatim.
+        """
+        if isinstance(init_info, dict):
+            bodies = [{"init_info": info} for info in self._per_server_init(init_info)]
+        else:
+            infos = list(init_info)
+            if len(infos) != len(self._clients):
+                raise ValueError(f"got {len(infos)} init infos for {len(self._clients)} servers")
+            bodies = [{"init_info": info} for info in infos]
+        self._all(routes.INIT, bodies=bodies)
+
+    def start_weight_update(self) -> None:
+        self._all(routes.START)
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """POST one round's update info; returns once every worker received and loaded."""
+        self._all(routes.UPDATE, {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise TypeError(f"weight_version must be a str, got {type(weight_version).__name__}")
+        self._all(routes.FINISH, None if weight_version is None else {"weight_version": weight_version})
+
+    # -- the routes around a round -----------------------------------------------------
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._all(routes.SHUTDOWN)
+
+    def get_world_size(self) -> int:
+        """Inference ranks across every server (TP*PP*DP each, summed)."""
+        sizes = []
+        for i, reply in enumerate(self._all(routes.WORLD_SIZE, params={"include_dp": "true"})):
+            size = reply.get("world_size") if isinstance(reply, dict) else None
+            if type(size) is not int or size < 1:
+                raise WeightSyncError(routes.WORLD_SIZE.name, 200, f"reply has no positive world_size: {reply!r:.200}", self.base_urls[i])
+            sizes.append(size)
+        self._world_sizes = sizes
+        return sum(sizes)
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """Per-server world sizes (fetched on first use)."""
+        if self._world_sizes is None:
+            self.get_world_size()
+        assert self._world_sizes is not None
+        return list(self._world_sizes)
+
+    def pause(self, mode: str = "keep", *, clear_cache: bool | None = None) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        params: dict[str, Any] = {"mode": mode}
+        if clear_cache is not None:
+            params["clear_cache"] = "true" if clear_cache else "false"
+        self._all(routes.PAUSE, params=params)
+
+    def resume(self) -> None:
+        self._all(routes.RESUME)
+
+    def is_paused(self) -> list[bool]:
+        return [bool(r.get("is_paused")) if isinstance(r, dict) else False for r in self._all(routes.IS_PAUSED)]
+
+    def weight_info(self) -> list[dict[str, Any]]:
+        """Each server's ``{"weight_version": ...}``."""
+        return self._all(routes.WEIGHT_INFO)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._all(routes.UPDATE_VERSION, {"new_version": new_version})
+
+    def weight_checker(self, action: str, baseline: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """Each server's answer to ``/weight_checker`` (``checksum``: ``{"checksums": {...}}``)."""
+        if action not in CHECKER_ACTIONS:
+            raise ValueError(f"weight_checker action must be one of {CHECKER_ACTIONS}, got {action!r}")
+        body: dict[str, Any] = {"action": action}
+        if baseline is not None:
+            body["baseline"] = baseline
+        return self._all(routes.WEIGHT_CHECKER, body)
+
+    def version(self) -> str:
+        """The servers' version string; servers that disagree are an error."""
+        replies = self._all(routes.VERSION)
+        versions = []
+        for i, reply in enumerate(replies):
+            v = reply.get("version") if isinstance(reply, dict) else reply
+            if not isinstance(v, str) or not v:
+                raise WeightSyncError(routes.VERSION.name, 200, f"reply has no version string: {reply!r:.200}", self.base_urls[i])
+            versions.append(v)
+        if len(set(versions)) > 1:
+            listed = ", ".join(f"{u}={v}" for u, v in zip(self.base_urls, versions, strict=True))
+            raise ValueError(f"servers run different versions ({listed}); drive one version at a time")
+        return versions[0]
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _per_server_init(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
+        if len(self._clients) == 1 or "rank_offset" not in init_info:
+            return [init_info] * len(self._clients)
+        offset, out = init_info["rank_offset"], []
+        for size in self.world_sizes:
+            out.append({**init_info, "rank_offset": offset})
+            offset += size
+        return out
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()
+
+    def __enter__(self) -> HTTPWeightSyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,73 @@
+"""Errors raised by the control-plane clients.
+
+A trainer engine surfaces these unchanged, so a failed sync reads as "server X
+refused route Y with status Z: <its message>" rather than as a secondary transport
+error or an opaque ``HTTPStatusError``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_MAX_MESSAGE = 2000
+
+
+class WeightSyncError(RuntimeError):
+    """A weight-sync call failed on one server.
+
+    ``route`` is the route name (``update_weights``), ``status`` the HTTP status (or
+    ``None`` when no response arrived: connection refused, timeout), ``message`` the
+    server's own error text, ``server`` the base URL (or actor) that failed.
+    """
+
+    def __init__(self, route: str, status: int | None, message: str, server: str) -> None:
+        self.route = route
+        self.status = status
+        self.message = message
+        self.server = server
+        where = f"status {status}" if status is not None else "no response"
+        super().__init__(f"{route} failed on {server} ({where}): {message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keeps the exception copyable by concurrent.futures / logging machinery.
+        return (type(self), (self.route, self.status, self.message, self.server))
+
+
+def server_message(body: bytes, *, fallback: str = "") -> str:
+    """The human-readable error text in a response body, bounded in length.
+
+    vLLM answers with ``{"error": "..."}`` from its routes, ``{"detail": ...}`` from
+    FastAPI validation, and ``{"error": {"message": ...}}`` from its generic handler;
+    anything else is shown as text.
+    """
+    text = body[: 4 * _MAX_MESSAGE].decode("utf-8", errors="replace").strip()
+    try:
+        data = json.loads(body) if len(body) <= 1 << 20 else None
+    except (ValueError, RecursionError):
+        data = None
+    if isinstance(data, dict):
+        for key in ("error", "detail", "message"):
+            if key in data:
+                text = _flatten(data[key])
+                break
+    text = text or fallback
+    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
+
+
+def _flatten(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and "message" in value:
+        return _flatten(value["message"])
+    if isinstance(value, list):
+        # FastAPI validation errors: [{"loc": [...], "msg": "...", ...}, ...]
+        parts = []
+        for item in value[:10]:
+            if isinstance(item, dict) and "msg" in item:
+                loc = ".".join(str(p) for p in item.get("loc", []))
+                parts.append(f"{loc}: {item['msg']}" if loc else str(item["msg"]))
+            else:
+                parts.append(str(item))
+        return "; ".join(parts)
+    return json.dumps(value)[:_MAX_MESSAGE]

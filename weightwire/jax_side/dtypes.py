@@ -1,0 +1,52 @@
+"""JAX dtype <-> wire dtype name.
+
+JAX dtypes are numpy / ml_dtypes dtypes, so the shared table is the single source of
+truth; this module adds what is JAX-specific: 64-bit types exist only with
+``jax_enable_x64``, and without it a cast to ``float64`` silently yields ``float32``.
+Refusing that up front keeps a declared wire dtype from disagreeing with the bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from weightwire.shared.dtypes import SUPPORTED_DTYPES, wire_dtype
+
+_X64_ONLY = frozenset({"float64", "int64"})
+
+
+def wire_name(dtype: Any) -> str:
+    """The wire name of a JAX / numpy dtype; ``ValueError`` naming the supported set."""
+    try:
+        np_dtype = np.dtype(dtype)
+    except TypeError as exc:
+        raise ValueError(f"{dtype!r} is not a dtype; supported wire dtypes: {', '.join(SUPPORTED_DTYPES)}") from exc
+    for name in SUPPORTED_DTYPES:
+        if wire_dtype(name).numpy == np_dtype:
+            return name
+    raise ValueError(f"jax dtype {np_dtype} has no wire name; supported: {', '.join(SUPPORTED_DTYPES)}")
+
+
+def jax_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype JAX uses for ``dtype`` (a wire name or any dtype-like).
+
+    Raises ``ValueError`` for names outside the wire table and for 64-bit dtypes while
+    ``jax_enable_x64`` is off (JAX would quietly produce a 32-bit array instead).
+    """
+    name = dtype if isinstance(dtype, str) and dtype in SUPPORTED_DTYPES else wire_name(dtype)
+    if name in _X64_ONLY and not jax.config.read("jax_enable_x64"):
+        raise ValueError(f"dtype {name} needs jax_enable_x64 (JAX would produce a 32-bit array instead)")
+    return wire_dtype(name).numpy
+
+
+def describe(array: Any) -> tuple[str, tuple[int, ...]]:
+    """``(wire dtype name, shape)`` of an array or ShapeDtypeStruct, for ``checked_iter``."""
+    return wire_name(array.dtype), tuple(int(d) for d in array.shape)
+
+
+def is_floating(dtype: Any) -> bool:
+    """True for the float dtypes a source-wide cast applies to (ints and bools keep theirs)."""
+    return bool(jax.numpy.issubdtype(np.dtype(dtype), jax.numpy.floating))

@@ -1,0 +1,51 @@
+"""``JAXTrainerEngine``: push a JAX trainer's weights into vLLM, torch-free.
+
+Usage (identical for ``TorchTrainerEngine``, with a ``ModuleSource``)::
+
+    client = HTTPWeightSyncClient("http://vllm:8000")
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="nccl"), client=client, source=PytreeSource(params, naming))
+    for step in ...:
+        ...train...
+        engine.send_weights()          # every trainer rank calls it
+    engine.shutdown()
+
+The round protocol lives in ``weightwire.trainer.engine``; this class only says how
+a JAX array is described, read back to the host (TCP) and packed on the GPU (NCCL).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from weightwire.jax_side.dtypes import describe as _describe
+from weightwire.trainer.engine import TrainerEngine
+from weightwire.trainer.packing import DevicePacker
+
+
+class JAXTrainerEngine(TrainerEngine):
+    """Trainer engine over a ``WeightSource`` yielding JAX (or numpy) arrays."""
+
+    def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
+        return _describe(tensor)
+
+    def host_bytes(self, tensor: Any) -> np.ndarray:
+        # np.asarray on a jax.Array is a device_get (zero-copy for CPU arrays).
+        array = np.asarray(tensor)
+        if array.dtype.byteorder == ">":  # the wire is little-endian
+            array = array.astype(array.dtype.newbyteorder("<"))
+        return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+    def prefetch_host(self, tensors: list[Any]) -> None:
+        # Start every device-to-host copy of the chunk before the first one is awaited.
+        for tensor in tensors:
+            if isinstance(tensor, jax.Array):
+                tensor.copy_to_host_async()
+
+    def device_packer(self, device: int | None) -> DevicePacker:
+        from weightwire.jax_side.packing import JaxDevicePacker  # noqa: PLC0415
+
+        return JaxDevicePacker(device)

@@ -1,0 +1,334 @@
+"""One Linen decoder covering the Llama-like families (Llama/Mistral, Qwen2, Qwen3, Gemma).
+
+The differences between these families are switches on ``DecoderConfig`` (biases, q/k
+norms, Gemma's norm and embedding conventions, activation). Parameter paths mirror HF
+names (``params/model/layers_0/self_attn/q_proj/kernel``), and three JAX-side layout
+switches exist only to exercise the naming layer's transforms against a real model:
+``scan_layers`` (one stacked ``layers`` subtree), ``fused_qkv`` / ``fused_gate_up`` (one
+Dense where HF has several Linear), ``head_axes`` (DenseGeneral with explicit head axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from weightwire.jax_side.models.common import (
+    RMSNorm,
+    apply_rotary,
+    attend,
+    attention_bias,
+    dense_init,
+    positions_for,
+    rope_inv_freq,
+    rotary,
+)
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "gemma": {"gemma_norm": True, "embed_scale": True, "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+}
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Architecture (HF field names) plus JAX-side layout switches. Frozen, so hashable:
+    usable as a ``jax.jit`` static argument."""
+
+    family: str = "llama"
+    vocab_size: int = 128
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q, k, v and o (Llama's attention_bias, Qwen3's)
+    qkv_bias: bool = False  # q, k, v only (Qwen2)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3
+    gemma_norm: bool = False  # RMSNorm computes x * (1 + w)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+    hidden_act: str = "silu"
+    scan_layers: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    head_axes: bool = False
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown family {self.family!r}; known: {', '.join(FAMILIES)}")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(_ACTIVATIONS)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must divide by num_attention_heads when head_dim is not given")
+        if self.fused_qkv and self.head_axes:
+            raise ValueError("fused_qkv and head_axes are alternative layouts; pick one")
+        rope_inv_freq(self.head_dim_, self.rope_theta, self.rope_scaling_dict)  # fail early on a bad rope
+
+    @classmethod
+    def for_family(cls, family: str, **overrides: Any) -> DecoderConfig:
+        """A config with the family's fixed traits (e.g. Qwen2's qkv bias) filled in."""
+        if family not in _FAMILY_DEFAULTS:
+            raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+        return cls(family=family, **{**_FAMILY_DEFAULTS[family], **overrides})
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], **overrides: Any) -> DecoderConfig:
+        """From an HF ``config.json`` dict (``model_type`` picks the family).
+
+        ``overrides`` set JAX-side switches (``scan_layers=True``, ``dtype=...``).
+        """
+        family = hf.get("model_type", "llama")
+        if family not in _FAMILY_DEFAULTS:
+            raise ValueError(f"model_type {family!r} is not a decoder family here; known: {', '.join(FAMILIES)}")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        kw: dict[str, Any] = {
+            "vocab_size": hf["vocab_size"],
+            "hidden_size": hf["hidden_size"],
+            "intermediate_size": hf["intermediate_size"],
+            "num_hidden_layers": hf["num_hidden_layers"],
+            "num_attention_heads": hf["num_attention_heads"],
+            "num_key_value_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            "head_dim": hf.get("head_dim"),
+            "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "rope_theta": float(theta),
+            "rope_scaling": None if rope["rope_type"] == "default" else tuple(sorted(rope.items())),
+            "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+            "tie_word_embeddings": hf.get("tie_word_embeddings", _FAMILY_DEFAULTS[family].get("tie_word_embeddings", False)),
+        }
+        if family in ("llama", "mistral", "qwen3"):
+            kw["attention_bias"] = bool(hf.get("attention_bias", False))
+        if family in ("llama", "mistral"):
+            kw["mlp_bias"] = bool(hf.get("mlp_bias", False))
+        act = hf.get("hidden_activation") or hf.get("hidden_act")
+        if act:
+            kw["hidden_act"] = act
+        return cls.for_family(family, **{**kw, **overrides})
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The HF ``config.json`` fields of this architecture (layout switches dropped)."""
+        out: dict[str, Any] = {
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim_,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_theta": self.rope_theta, **self.rope_scaling_dict},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": self.hidden_act,
+        }
+        if self.family in ("llama", "mistral", "qwen3"):
+            out["attention_bias"] = self.attention_bias
+        if self.family in ("llama", "mistral"):
+            out["mlp_bias"] = self.mlp_bias
+        if self.family == "gemma":
+            out["hidden_activation"] = self.hidden_act
+        return out
+
+    def preset_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``presets.preset(self.family, ...)`` matching this pytree."""
+        return {
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "qkv_bias": self.qkv_bias,
+            "mlp_bias": self.mlp_bias,
+            "qk_norm": self.qk_norm,
+            "scan_layers": self.scan_layers,
+            "fused_qkv": self.fused_qkv,
+            "fused_gate_up": self.fused_gate_up,
+            "head_axes": self.head_axes,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim_,
+            "intermediate_size": self.intermediate_size,
+        }
+
+    def replace(self, **changes: Any) -> DecoderConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def head_dim_(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling or {"rope_type": "default"})
+
+    @property
+    def jdtype(self) -> Any:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def jparam_dtype(self) -> Any:
+        return jnp.dtype(self.param_dtype)
+
+
+def _dense(cfg: DecoderConfig, features: int, name: str, bias: bool) -> nn.Dense:
+    return nn.Dense(features, use_bias=bias, dtype=cfg.jdtype, param_dtype=cfg.jparam_dtype,
+                    kernel_init=dense_init(), name=name)
+
+
+def _norm(cfg: DecoderConfig, name: str) -> RMSNorm:
+    return RMSNorm(cfg.rms_norm_eps, cfg.gemma_norm, cfg.jdtype, cfg.jparam_dtype, name=name)
+
+
+class Attention(nn.Module):
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, bias: jax.Array) -> jax.Array:
+        c = self.cfg
+        heads, kv, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim_
+        b, t = x.shape[:2]
+        qkv_bias = c.qkv_bias or c.attention_bias
+        if c.fused_qkv:
+            qkv = _dense(c, (heads + 2 * kv) * dim, "qkv_proj", qkv_bias)(x)
+            q, k, v = jnp.split(qkv, [heads * dim, (heads + kv) * dim], axis=-1)
+        elif c.head_axes:
+            def general(n: int, name: str) -> nn.DenseGeneral:
+                return nn.DenseGeneral((n, dim), axis=-1, use_bias=qkv_bias, dtype=c.jdtype,
+                                       param_dtype=c.jparam_dtype, kernel_init=dense_init(), name=name)
+            q, k, v = general(heads, "q_proj")(x), general(kv, "k_proj")(x), general(kv, "v_proj")(x)
+        else:
+            q = _dense(c, heads * dim, "q_proj", qkv_bias)(x)
+            k = _dense(c, kv * dim, "k_proj", qkv_bias)(x)
+            v = _dense(c, kv * dim, "v_proj", qkv_bias)(x)
+        q, k, v = q.reshape(b, t, heads, dim), k.reshape(b, t, kv, dim), v.reshape(b, t, kv, dim)
+        if c.qk_norm:
+            q, k = _norm(c, "q_norm")(q), _norm(c, "k_norm")(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attend(q, k, v, bias, dim**-0.5)
+        if c.head_axes:
+            return nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=c.attention_bias, dtype=c.jdtype,
+                                   param_dtype=c.jparam_dtype, kernel_init=dense_init(),
+                                   name="o_proj")(out.reshape(b, t, heads, dim))
+        return _dense(c, c.hidden_size, "o_proj", c.attention_bias)(out)
+
+
+class MLP(nn.Module):
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.cfg
+        if c.fused_gate_up:
+            gate, up = jnp.split(_dense(c, 2 * c.intermediate_size, "gate_up_proj", c.mlp_bias)(x), 2, axis=-1)
+        else:
+            gate = _dense(c, c.intermediate_size, "gate_proj", c.mlp_bias)(x)
+            up = _dense(c, c.intermediate_size, "up_proj", c.mlp_bias)(x)
+        return _dense(c, c.hidden_size, "down_proj", c.mlp_bias)(_ACTIVATIONS[c.hidden_act](gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, bias: jax.Array) -> jax.Array:
+        x = x + Attention(self.cfg, name="self_attn")(_norm(self.cfg, "input_layernorm")(x), cos, sin, bias)
+        return x + MLP(self.cfg, name="mlp")(_norm(self.cfg, "post_attention_layernorm")(x))
+
+
+class _ScannedLayer(DecoderLayer):
+    """``DecoderLayer`` in ``nn.scan``'s carry form."""
+
+    def __call__(self, x, cos, sin, bias):  # type: ignore[override]
+        return super().__call__(x, cos, sin, bias), None
+
+
+class DecoderModel(nn.Module):
+    cfg: DecoderConfig
+
+    def setup(self) -> None:
+        c = self.cfg
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jdtype, param_dtype=c.jparam_dtype,
+                                     embedding_init=dense_init())
+        if c.scan_layers:
+            stack = nn.scan(_ScannedLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers)
+            self.layers = stack(c)
+        else:
+            self.layers = [DecoderLayer(c) for _ in range(c.num_hidden_layers)]
+        self.norm = _norm(c, "norm")
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None, attention_mask: jax.Array | None) -> jax.Array:
+        c = self.cfg
+        x = self.embed_tokens(tokens)
+        if c.embed_scale:
+            x = x * jnp.asarray(np.float32(math.sqrt(c.hidden_size))).astype(x.dtype)
+        cos, sin = rotary(positions_for(tokens, positions), rope_inv_freq(c.head_dim_, c.rope_theta,
+                                                                             c.rope_scaling_dict), x.dtype)
+        bias = attention_bias(tokens, attention_mask, x.dtype)
+        if c.scan_layers:
+            x, _ = self.layers(x, cos, sin, bias)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, bias)
+        return self.norm(x)
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        return self.embed_tokens.attend(h)
+
+
+class CausalLM(nn.Module):
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 attention_mask: jax.Array | None = None) -> jax.Array:
+        model = DecoderModel(self.cfg, name="model")
+        h = model(tokens, positions, attention_mask)
+        if self.cfg.tie_word_embeddings:
+            return model.attend(h)
+        return _dense(self.cfg, self.cfg.vocab_size, "lm_head", False)(h)
+
+
+def init(rng: jax.Array, cfg: DecoderConfig) -> dict[str, Any]:
+    """Random parameters ``{"params": {...}}`` (normal(0.02) matrices, HF-default norms)."""
+    return CausalLM(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))
+
+
+def apply(params: Any, tokens: jax.Array, cfg: DecoderConfig, *, positions: jax.Array | None = None,
+          attention_mask: jax.Array | None = None) -> jax.Array:
+    """Logits ``[B, T, vocab]`` for int ``tokens [B, T]``. Pure; jit with ``cfg`` static.
+
+    ``attention_mask`` (1 = real token) masks padded keys; ``positions`` default to 0..T-1.
+    """
+    return CausalLM(cfg).apply(params, tokens, positions, attention_mask)

@@ -1,0 +1,43 @@
+"""Flax (Linen) Llama, numerically the same architecture as HF ``LlamaForCausalLM``
+(RMSNorm, rotary with HF's rotate_half convention, grouped-query attention, SwiGLU).
+
+Stable API (the demo and benchmarks build on it)::
+
+    cfg = LlamaConfig.from_hf_config(hf_config_dict)   # or LlamaConfig(hidden_size=64, ...)
+    params = init(jax.random.key(0), cfg)               # {"params": {...}}
+    logits = apply(params, tokens, cfg)                 # jit with cfg static
+    naming(cfg)                                         # the matching weightwire Naming
+
+``LlamaConfig(scan_layers=True)`` stores the layers as one stacked subtree; the preset
+maps both layouts to the same HF names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from weightwire.jax_side.models import decoder
+from weightwire.jax_side.models.decoder import DecoderConfig
+from weightwire.jax_side.naming import Naming
+from weightwire.jax_side.presets import preset
+
+LlamaConfig = DecoderConfig
+"""The config dataclass (``family`` defaults to ``"llama"``); ``LlamaConfig.from_hf_config(d)``
+reads an HF ``config.json`` dict, ``cfg.to_hf_config()`` writes one."""
+
+
+def init(rng: jax.Array, cfg: DecoderConfig) -> dict[str, Any]:
+    """Random parameters ``{"params": {...}}``."""
+    return decoder.init(rng, cfg)
+
+
+def apply(params: Any, tokens: jax.Array, cfg: DecoderConfig, **kw: Any) -> jax.Array:
+    """Logits ``[B, T, vocab]``; keyword ``attention_mask`` / ``positions`` as in ``decoder.apply``."""
+    return decoder.apply(params, tokens, cfg, **kw)
+
+
+def naming(cfg: DecoderConfig) -> Naming:
+    """The preset ``Naming`` matching ``init(rng, cfg)``'s pytree."""
+    return preset(cfg.family, **cfg.preset_kwargs())

@@ -1,0 +1,442 @@
+"""Declarative pytree-leaf -> HF-name mapping, with per-rule layout transforms.
+
+A ``Rule`` matches leaf paths (``params/model/layers_0/self_attn/q_proj/kernel``: keys
+joined by ``/``) and names the HF tensor(s) the leaf becomes, with a chain of transforms
+between the two. ``Naming.resolve(tree)`` turns rules plus a concrete pytree structure into
+a ``Plan``: the ordered list of HF tensors, each built from one or more leaves. Everything
+that can be wrong with a mapping (a leaf nobody claims, two leaves landing on one name, a
+transform that does not fit the leaf's shape, a split that would drop data) is found here,
+from shapes alone, so a bad mapping fails when the source is built rather than half way
+through a broadcast that vLLM's workers are already waiting on.
+
+Pattern syntax: ``{name}`` captures one path component, ``{name:regex}`` captures a regex
+(no braces inside), ``*`` any run inside one component, ``**`` anything; the rest is
+literal. Target templates are ``str.format`` strings over the captured names, plus
+``{layer}`` for a ``Stacked`` leaf.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from weightwire.jax_side.dtypes import jax_dtype
+from weightwire.jax_side.transforms import (
+    AddScalar,
+    Cast,
+    Concat,
+    MergeAxes,
+    Op,
+    Reshape,
+    RulePart,
+    Slice,
+    Split,
+    Stacked,
+    Transpose,
+    chain,
+    run_entry,
+)
+from weightwire.shared.groups import layer_key
+
+
+class NamingError(ValueError):
+    """A mapping that cannot be right; the message names the leaf paths involved."""
+
+
+@dataclass(frozen=True, init=False)
+class Rule:
+    """``Rule(pattern, target, *parts, optional=False)``.
+
+    ``target``: a template, a tuple of templates (with ``Split``), or ``None`` to drop the
+    matched leaves (e.g. rotary caches the server does not take). A rule that matches no
+    leaf is an error unless ``optional``. The first rule matching a path claims it.
+    """
+
+    pattern: str
+    target: str | tuple[str, ...] | None
+    parts: tuple[RulePart, ...]
+    optional: bool
+    regex: re.Pattern[str]
+
+    def __init__(self, pattern: str, target: str | tuple[str, ...] | None, *parts: RulePart,
+                 optional: bool = False) -> None:
+        for attr, value in (("pattern", pattern), ("target", target), ("parts", tuple(parts)),
+                            ("optional", optional), ("regex", compile_pattern(pattern))):
+            object.__setattr__(self, attr, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        where = f"rule {self.pattern!r}"
+        for i, part in enumerate(self.parts):
+            if not isinstance(part, RulePart):
+                raise NamingError(f"{where}: {part!r} is not a transform (Op, Stacked, Split, Concat or Cast)")
+            if isinstance(part, Stacked) and i != 0:
+                raise NamingError(f"{where}: Stacked must be the first part")
+        kinds = [type(p) for p in self.parts]
+        for kind in (Stacked, Split, Concat, Cast):
+            if kinds.count(kind) > 1:
+                raise NamingError(f"{where}: at most one {kind.__name__}")
+        if Split in kinds and Concat in kinds:
+            raise NamingError(f"{where}: Split and Concat cannot share a rule")
+        if Concat in kinds and kinds[-1] not in (Concat, Cast):
+            raise NamingError(f"{where}: Concat must be the last transform")
+        split = self.split
+        if self.target is None:
+            if self.parts:
+                raise NamingError(f"{where}: a drop rule (target None) takes no transforms")
+            return
+        templates = (self.target,) if isinstance(self.target, str) else tuple(self.target)
+        if split is None and len(templates) != 1:
+            raise NamingError(f"{where}: several targets need a Split")
+        if split is not None and (len(templates) != len(split.sizes) or any(s <= 0 for s in split.sizes)):
+            raise NamingError(f"{where}: Split sizes {list(split.sizes)} must be positive, one per target "
+                              f"({len(templates)} given)")
+        concat = self.concat
+        if concat is not None and not 0 <= concat.index < concat.count:
+            raise NamingError(f"{where}: Concat index {concat.index} outside 0..{concat.count - 1}")
+        allowed = set(self.regex.groupindex) | ({"layer"} if self.stacked else set())
+        for tpl in templates:
+            fields = {f for _, f, _, _ in string.Formatter().parse(tpl) if f is not None}
+            unknown = fields - allowed
+            if unknown or "" in fields:
+                raise NamingError(f"{where}: target {tpl!r} uses {sorted(unknown) or ['{}']}, not captured by the "
+                                  f"pattern (captures: {sorted(allowed)})")
+
+    @property
+    def templates(self) -> tuple[str, ...]:
+        if self.target is None:
+            return ()
+        return (self.target,) if isinstance(self.target, str) else tuple(self.target)
+
+    @property
+    def stacked(self) -> Stacked | None:
+        return next((p for p in self.parts if isinstance(p, Stacked)), None)
+
+    @property
+    def split(self) -> Split | None:
+        return next((p for p in self.parts if isinstance(p, Split)), None)
+
+    @property
+    def concat(self) -> Concat | None:
+        return next((p for p in self.parts if isinstance(p, Concat)), None)
+
+    @property
+    def cast(self) -> str | None:
+        c = next((p for p in self.parts if isinstance(p, Cast)), None)
+        return None if c is None else c.dtype
+
+    def op_chains(self) -> list[tuple[Op, ...]]:
+        """One chain of ``Op`` per target (a ``Split`` becomes one ``Slice`` per piece)."""
+        ops = [p for p in self.parts if isinstance(p, (Op, Split))]
+        split = self.split
+        if split is None:
+            return [tuple(ops)]
+        at = ops.index(split)
+        chains, start = [], 0
+        for size in split.sizes:
+            chains.append((*ops[:at], Slice(split.axis, start, start + size), *ops[at + 1 :]))
+            start += size
+        return chains
+
+
+def drop(pattern: str, *, optional: bool = True) -> Rule:
+    """A rule that drops the leaves it matches (optional by default)."""
+    return Rule(pattern, None, optional=optional)
+
+
+_TOKEN = re.compile(r"\{(\w+)(?::([^{}]*))?\}|\*\*|\*")
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """Compile the pattern syntax described in the module docstring into a regex."""
+    if not isinstance(pattern, str) or not pattern:
+        raise NamingError(f"pattern must be a non-empty string, got {pattern!r}")
+    out, pos = [], 0
+    for m in _TOKEN.finditer(pattern):
+        out.append(re.escape(pattern[pos : m.start()]))
+        if m.group(0) == "**":
+            out.append(".*")
+        elif m.group(0) == "*":
+            out.append("[^/]*")
+        else:
+            out.append(f"(?P<{m.group(1)}>{m.group(2) if m.group(2) is not None else '[^/]+'})")
+        pos = m.end()
+    out.append(re.escape(pattern[pos:]))
+    try:
+        return re.compile("".join(out))
+    except re.error as exc:
+        raise NamingError(f"bad pattern {pattern!r}: {exc}") from exc
+
+
+# --------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Piece:
+    """One input of an HF tensor: leaf ``leaf`` (flatten index), layer ``layer`` of its
+    stacked axis if any, then ``ops``."""
+
+    leaf: int
+    path: str
+    layer: int | None
+    stack_axis: int | None
+    ops: tuple[Op, ...]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One HF tensor: its pieces (several only when fused by ``Concat``)."""
+
+    name: str
+    pieces: tuple[Piece, ...]
+    concat_axis: int | None
+    cast: str | None
+
+    @property
+    def structure(self) -> tuple[Any, ...]:
+        """Everything static about the transform (the jit cache key, with dtype and shapes)."""
+        return (tuple((p.stack_axis, p.ops) for p in self.pieces), self.concat_axis)
+
+    @property
+    def is_identity(self) -> bool:
+        return len(self.pieces) == 1 and self.pieces[0].stack_axis is None and not self.pieces[0].ops
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A resolved mapping for one pytree structure (leaf shapes and dtypes included)."""
+
+    treedef: Any
+    paths: tuple[str, ...]
+    avals: tuple[jax.ShapeDtypeStruct, ...]
+    entries: tuple[Entry, ...]
+    dropped: tuple[str, ...]
+
+    def matches(self, treedef: Any, leaves: Sequence[Any]) -> bool:
+        return treedef == self.treedef and all(
+            tuple(x.shape) == a.shape and x.dtype == a.dtype for x, a in zip(leaves, self.avals, strict=True))
+
+
+def path_str(keypath: Sequence[Any]) -> str:
+    """``params/model/layers_0/...`` from a JAX key path (NNX's trailing ``.value`` dropped)."""
+    parts = []
+    for k in keypath:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    if keypath and type(keypath[-1]).__name__ == "GetAttrKey" and parts[-1] == "value":
+        parts.pop()
+    return "/".join(parts)
+
+
+def _show(paths: Sequence[str], limit: int = 12) -> str:
+    shown = ", ".join(repr(p) for p in paths[:limit])
+    return shown + (f" ... ({len(paths)} in all)" if len(paths) > limit else "")
+
+
+class Naming:
+    """An ordered rule set. ``strip``: leading path components ignored when matching
+    (presets strip ``params``, so both ``variables`` and ``variables['params']`` work)."""
+
+    def __init__(self, rules: Sequence[Rule], *, strip: Sequence[str] = ()) -> None:
+        self.rules = tuple(rules)
+        if not self.rules:
+            raise NamingError("a Naming needs at least one rule")
+        for r in self.rules:
+            if not isinstance(r, Rule):
+                raise NamingError(f"{r!r} is not a Rule")
+        self.strip = tuple(strip)
+
+    def __repr__(self) -> str:
+        return f"Naming({len(self.rules)} rules, strip={self.strip})"
+
+    def _match(self, path: str) -> tuple[int, re.Match[str]] | None:
+        comps = path.split("/")
+        while len(comps) > 1 and comps[0] in self.strip:
+            comps = comps[1:]
+        key = "/".join(comps)
+        for i, rule in enumerate(self.rules):
+            m = rule.regex.fullmatch(key)
+            if m is not None:
+                return i, m
+        return None
+
+    def resolve(self, tree: Any) -> Plan:
+        """Resolve against ``tree`` (arrays or ``ShapeDtypeStruct``s; data never read)."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        if not flat:
+            raise NamingError("the pytree has no leaves")
+        paths = tuple(path_str(kp) for kp, _ in flat)
+        avals = tuple(_aval(p, x) for p, (_, x) in zip(paths, flat, strict=True))
+        unclaimed, dropped, used = [], [], [False] * len(self.rules)
+        # name -> list of (piece, rule index, part, concat, cast)
+        claims: dict[str, list[tuple[Piece, int, int, Concat | None, str | None]]] = {}
+        for leaf, (path, aval) in enumerate(zip(paths, avals, strict=True)):
+            hit = self._match(path)
+            if hit is None:
+                unclaimed.append(path)
+                continue
+            ri, m = hit
+            rule = self.rules[ri]
+            used[ri] = True
+            if rule.target is None:
+                dropped.append(path)
+                continue
+            _check_split(rule, path, aval)
+            for layer, fields in _layers(rule, m, path, aval):
+                for part, (tpl, ops) in enumerate(zip(rule.templates, rule.op_chains(), strict=True)):
+                    piece = Piece(leaf, path, layer, None if layer is None else rule.stacked.axis, ops)
+                    claims.setdefault(tpl.format(**fields), []).append((piece, ri, part, rule.concat, rule.cast))
+        if unclaimed:
+            raise NamingError(f"no naming rule claims these pytree leaves: {_show(unclaimed)}; add a rule for each, "
+                              "or a drop rule (target None) for leaves the server does not take")
+        missing = [r.pattern for r, u in zip(self.rules, used, strict=True) if not u and not r.optional]
+        if missing:
+            raise NamingError(f"naming rules matched no pytree leaf: {_show(missing)}; leaves look like "
+                              f"{_show(paths, 4)}")
+        entries = [self._entry(name, got) for name, got in claims.items()]
+        order = _order_keys(entries, claims, len(self.rules))
+        entries = [e for _, e in sorted(zip(order, entries, strict=True), key=lambda t: t[0])]
+        plan = Plan(treedef, paths, avals, tuple(entries), tuple(dropped))
+        for entry in plan.entries:
+            out_aval(plan, entry, None)  # a transform that does not fit its leaf fails here
+        return plan
+
+    @staticmethod
+    def _entry(name: str, got: list[tuple[Piece, int, int, Concat | None, str | None]]) -> Entry:
+        if len(got) == 1 and got[0][3] is None:
+            piece, _, _, _, cast = got[0]
+            return Entry(name, (piece,), None, cast)
+        concats = [c for _, _, _, c, _ in got]
+        if any(c is None for c in concats):
+            raise NamingError(f"pytree leaves {_show([g[0].path for g in got])} all map to HF name {name!r}; "
+                              "each HF name must come from exactly one leaf (or be declared a Concat)")
+        count, axis = concats[0].count, concats[0].axis
+        indices = sorted(c.index for c in concats)
+        if indices != list(range(count)) or any(c.count != count or c.axis != axis for c in concats):
+            raise NamingError(f"HF name {name!r} fuses {count} parts along axis {axis}, but got part indices "
+                              f"{indices} from {_show([g[0].path for g in got])}")
+        casts = {g[4] for g in got}
+        if len(casts) != 1:
+            raise NamingError(f"parts of fused HF name {name!r} pin different dtypes: {sorted(map(str, casts))}")
+        ordered = sorted(got, key=lambda g: g[3].index)
+        return Entry(name, tuple(g[0] for g in ordered), axis, casts.pop())
+
+
+def _aval(path: str, x: Any) -> jax.ShapeDtypeStruct:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise NamingError(f"pytree leaf {path!r} is a {type(x).__name__}, not an array")
+    return jax.ShapeDtypeStruct(tuple(int(d) for d in x.shape), x.dtype)
+
+
+def _layers(rule: Rule, m: re.Match[str], path: str, aval: jax.ShapeDtypeStruct) -> list[tuple[int | None, dict]]:
+    fields = m.groupdict()
+    stacked = rule.stacked
+    if stacked is None:
+        return [(None, fields)]
+    if not -len(aval.shape) <= stacked.axis < len(aval.shape):
+        raise NamingError(f"pytree leaf {path!r} has shape {list(aval.shape)}: no layer axis {stacked.axis} "
+                          f"(rule {rule.pattern!r} says it is stacked)")
+    n = aval.shape[stacked.axis]
+    return [(i, {**fields, "layer": i + stacked.offset}) for i in range(n)]
+
+
+def _order_keys(entries: list[Entry], claims: dict[str, list[Any]], n_rules: int) -> list[tuple[Any, ...]]:
+    """HF order with each layer contiguous: un-layered tensors whose rule precedes every
+    layered rule, then layers (per layer prefix, by index, then rule order), then the rest."""
+    info = []
+    for e in entries:
+        got = claims[e.name]
+        rule = min(g[1] for g in got)
+        part = min(g[2] for g in got)
+        leaf = min(p.leaf for p in e.pieces)
+        key = layer_key(e.name)
+        info.append((e, rule, part, leaf, key))
+    layered_rules = [rule for _, rule, _, _, key in info if key is not None]
+    first_layered = min(layered_rules, default=n_rules)
+    prefix_rank: dict[str, tuple[int, int]] = {}
+    for _, rule, _, _, key in sorted(info, key=lambda t: (t[1], t[3])):
+        if key is not None:
+            prefix_rank.setdefault(key.rsplit(".", 1)[0], (rule, len(prefix_rank)))
+    keys = []
+    for e, rule, part, leaf, key in info:
+        if key is None:
+            keys.append((0 if rule < first_layered else 2, (0, 0), 0, rule, part, leaf, e.name))
+        else:
+            prefix, index = key.rsplit(".", 1)
+            keys.append((1, prefix_rank[prefix], int(index), rule, part, leaf, e.name))
+    return keys
+
+
+_AVAL_CACHE: dict[tuple[Any, ...], jax.ShapeDtypeStruct] = {}
+
+
+def out_aval(plan: Plan, entry: Entry, dtype: Any) -> jax.ShapeDtypeStruct:
+    """The HF tensor's shape and dtype by abstract evaluation (no device work, no transfer).
+
+    ``dtype``: the source-wide cast for float tensors (``None`` keeps the leaf dtype).
+    Raises ``NamingError`` naming the leaf when a transform does not fit its shape, or a
+    split's sizes do not add up to the axis (a silent ``Slice`` would drop data).
+    """
+    ins = tuple(plan.avals[p.leaf] for p in entry.pieces)
+    target = _out_dtype(entry, ins[0].dtype, dtype)
+    key = (entry.structure, tuple((a.shape, a.dtype) for a in ins), target)
+    hit = _AVAL_CACHE.get(key)
+    if hit is not None:
+        return hit
+    idxs = tuple(None if p.stack_axis is None else jax.ShapeDtypeStruct((), jnp.int32) for p in entry.pieces)
+    try:
+        res = jax.eval_shape(lambda xs, ix: run_entry(entry.structure, xs, ix, target), ins, idxs)
+    except NamingError:
+        raise
+    except Exception as exc:  # jax raises TypeError/ValueError variants; we re-raise with the paths
+        raise NamingError(f"transform for HF name {entry.name!r} does not fit pytree leaf "
+                          f"{_show([p.path for p in entry.pieces])} of shape "
+                          f"{[list(a.shape) for a in ins]}: {exc}") from exc
+    out = jax.ShapeDtypeStruct(tuple(res.shape), res.dtype)
+    _AVAL_CACHE[key] = out
+    return out
+
+
+def _check_split(rule: Rule, path: str, aval: jax.ShapeDtypeStruct) -> None:
+    """A Split must consume its whole axis: a remainder would be silently dropped."""
+    split = rule.split
+    if split is None:
+        return
+    shape = aval.shape
+    if rule.stacked is not None:
+        ax = rule.stacked.axis % len(shape)
+        shape = shape[:ax] + shape[ax + 1 :]
+    ops = [p for p in rule.parts if isinstance(p, (Op, Split))]
+    pre_ops = ops[: ops.index(split)]
+    try:
+        pre = jax.eval_shape(lambda x: chain(pre_ops, x), jax.ShapeDtypeStruct(shape, aval.dtype))
+        dim = pre.shape[split.axis]
+    except Exception as exc:
+        raise NamingError(f"transform of pytree leaf {path!r} (shape {list(aval.shape)}) before its Split "
+                          f"fails: {exc}") from exc
+    if sum(split.sizes) != dim:
+        raise NamingError(f"Split sizes {list(split.sizes)} of pytree leaf {path!r} add up to {sum(split.sizes)}, "
+                          f"but axis {split.axis} has {dim}; a remainder would be silently dropped")
+
+
+def _out_dtype(entry: Entry, leaf_dtype: Any, dtype: Any) -> Any:
+    if entry.cast is not None:
+        return jax_dtype(entry.cast)
+    if dtype is not None and jnp.issubdtype(leaf_dtype, jnp.floating):
+        return jax_dtype(dtype)
+    return leaf_dtype
+
+
+
+__all__ = [
+    "AddScalar", "Cast", "Concat", "Entry", "MergeAxes", "Naming", "NamingError", "Op", "Piece", "Plan",
+    "Reshape", "Rule", "Slice", "Split", "Stacked", "Transpose", "drop", "out_aval", "path_str", "run_entry",
+]

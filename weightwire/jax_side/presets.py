@@ -1,0 +1,183 @@
+"""Naming presets for the model families users train: ``preset(family, **options)``.
+
+Leaf paths follow the Flax convention of naming modules after the HF ones (what the
+reference models in ``weightwire.jax_side.models`` do, and what most Flax ports do):
+``params/model/layers_3/self_attn/q_proj/kernel`` or, with scanned layers, one stacked
+``params/model/layers/...`` subtree. The leading ``params`` component is optional.
+
+Rules are listed in HF ``state_dict`` order, which fixes the metadata order: embeddings,
+then each layer whole, then the final norm and ``lm_head``. Options not given take the
+family's HF defaults; an unknown option is a ``TypeError`` (a typo silently ignored
+would produce a mapping that fails much later, on the server).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from weightwire.jax_side.naming import (
+    AddScalar,
+    Concat,
+    MergeAxes,
+    Naming,
+    NamingError,
+    Op,
+    Rule,
+    Split,
+    Stacked,
+    Transpose,
+)
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
+
+_DECODER: dict[str, Any] = {
+    "tie_word_embeddings": False,
+    "attention_bias": False,  # bias on q, k, v and o
+    "qkv_bias": False,  # bias on q, k, v only (Qwen2)
+    "mlp_bias": False,
+    "qk_norm": False,  # per-head RMSNorm on q and k (Qwen3)
+    "scan_layers": False,  # one stacked `layers` subtree, leading axis = layer
+    "fused_qkv": False,  # one `qkv_proj` Dense -> HF q_proj, k_proj, v_proj
+    "fused_gate_up": False,  # one `gate_up_proj` Dense -> HF gate_proj, up_proj
+    "head_axes": False,  # DenseGeneral q/k/v kernels [hidden, heads, head_dim], o [heads, head_dim, hidden]
+    "norm_scale_offset": 0.0,  # added to every norm scale (-1.0: JAX stores Gemma's 1 + w)
+    "num_attention_heads": None,  # sizes: needed only for fused_qkv / fused_gate_up
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "intermediate_size": None,
+    "extra_rules": (),  # rules tried before the preset's own (overrides, drops)
+}
+_FAMILY: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "gemma": {"tie_word_embeddings": True},
+}
+_GPT2: dict[str, Any] = {
+    "tie_word_embeddings": True,
+    "scan_layers": False,
+    "separate_qkv": False,  # JAX keeps q/k/v apart -> fused into HF's c_attn
+    "extra_rules": (),
+}
+
+
+def preset(family: str, **options: Any) -> Naming:
+    """The ``Naming`` for ``family`` (see ``FAMILIES``) with the given layout options."""
+    if family == "gpt2":
+        return _gpt2(**_options(family, _GPT2, options))
+    if family not in _FAMILY:
+        raise ValueError(f"unknown preset family {family!r}; known: {', '.join(FAMILIES)}")
+    return _decoder(**_options(family, {**_DECODER, **_FAMILY[family]}, options))
+
+
+def _options(family: str, defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise TypeError(f"preset {family!r} has no option(s) {unknown}; options: {sorted(defaults)}")
+    return {**defaults, **given}
+
+
+def _need(opts: dict[str, Any], why: str, *keys: str) -> list[int]:
+    missing = [k for k in keys if not opts.get(k)]
+    if missing:
+        raise NamingError(f"{why} needs the size option(s) {missing}")
+    return [int(opts[k]) for k in keys]
+
+
+def _decoder(**o: Any) -> Naming:
+    stack: tuple[Stacked, ...] = (Stacked(),) if o["scan_layers"] else ()
+    src = "model/layers" if o["scan_layers"] else "model/layers_{layer:\\d+}"
+    dst = "model.layers.{layer}"
+    t = Transpose()
+    norm_ops: tuple[Op, ...] = (AddScalar(float(o["norm_scale_offset"])),) if o["norm_scale_offset"] else ()
+    qkv_bias = o["qkv_bias"] or o["attention_bias"]
+    rules: list[Rule] = [*o["extra_rules"], Rule("model/embed_tokens/embedding", "model.embed_tokens.weight")]
+
+    def linear(jax: str, hf: str, bias: bool, kernel_ops: tuple[Op, ...] = (t,), bias_ops: tuple[Op, ...] = ()) -> None:
+        rules.append(Rule(f"{src}/{jax}/kernel", f"{dst}.{hf}.weight", *stack, *kernel_ops))
+        if bias:
+            rules.append(Rule(f"{src}/{jax}/bias", f"{dst}.{hf}.bias", *stack, *bias_ops))
+
+    if o["fused_qkv"]:
+        heads, kv, dim = _need(o, "fused_qkv", "num_attention_heads", "num_key_value_heads", "head_dim")
+        sizes = (heads * dim, kv * dim, kv * dim)
+        names = tuple(f"{dst}.self_attn.{p}_proj" for p in "qkv")
+        rules.append(Rule(f"{src}/self_attn/qkv_proj/kernel", tuple(f"{n}.weight" for n in names), *stack, t,
+                          Split(0, sizes)))
+        if qkv_bias:
+            rules.append(Rule(f"{src}/self_attn/qkv_proj/bias", tuple(f"{n}.bias" for n in names), *stack,
+                              Split(0, sizes)))
+    else:
+        # DenseGeneral keeps heads as their own axes; HF Linear has them merged.
+        kernel = (MergeAxes(1, 2), t) if o["head_axes"] else (t,)
+        bias = (MergeAxes(0, 1),) if o["head_axes"] else ()
+        for p in "qkv":
+            linear(f"self_attn/{p}_proj", f"self_attn.{p}_proj", qkv_bias, kernel, bias)
+    linear("self_attn/o_proj", "self_attn.o_proj", o["attention_bias"], (MergeAxes(0, 1), t) if o["head_axes"] else (t,))
+    if o["qk_norm"]:
+        for p in "qk":
+            rules.append(Rule(f"{src}/self_attn/{p}_norm/scale", f"{dst}.self_attn.{p}_norm.weight", *stack, *norm_ops))
+    if o["fused_gate_up"]:
+        (inter,) = _need(o, "fused_gate_up", "intermediate_size")
+        names = (f"{dst}.mlp.gate_proj", f"{dst}.mlp.up_proj")
+        rules.append(Rule(f"{src}/mlp/gate_up_proj/kernel", tuple(f"{n}.weight" for n in names), *stack, t,
+                          Split(0, (inter, inter))))
+        if o["mlp_bias"]:
+            rules.append(Rule(f"{src}/mlp/gate_up_proj/bias", tuple(f"{n}.bias" for n in names), *stack,
+                              Split(0, (inter, inter))))
+    else:
+        linear("mlp/gate_proj", "mlp.gate_proj", o["mlp_bias"])
+        linear("mlp/up_proj", "mlp.up_proj", o["mlp_bias"])
+    linear("mlp/down_proj", "mlp.down_proj", o["mlp_bias"])
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        rules.append(Rule(f"{src}/{norm}/scale", f"{dst}.{norm}.weight", *stack, *norm_ops))
+    rules.append(Rule("model/norm/scale", "model.norm.weight", *norm_ops))
+    if not o["tie_word_embeddings"]:
+        # Tied models send no lm_head: the server ties it to the embedding it just received.
+        rules.append(Rule("lm_head/kernel", "lm_head.weight", t))
+    return Naming(rules, strip=("params",))
+
+
+def _gpt2(**o: Any) -> Naming:
+    # HF GPT-2 uses Conv1D, whose weight is already [in, out] like a Flax kernel: no transposes.
+    stack: tuple[Stacked, ...] = (Stacked(),) if o["scan_layers"] else ()
+    src = "transformer/h" if o["scan_layers"] else "transformer/h_{layer:\\d+}"
+    dst = "transformer.h.{layer}"
+    rules: list[Rule] = [
+        *o["extra_rules"],
+        Rule("transformer/wte/embedding", "transformer.wte.weight"),
+        Rule("transformer/wpe/embedding", "transformer.wpe.weight"),
+    ]
+
+    def affine(jax: str, hf: str, weight: str = "kernel") -> None:
+        rules.append(Rule(f"{src}/{jax}/{weight}", f"{dst}.{hf}.weight", *stack))
+        rules.append(Rule(f"{src}/{jax}/bias", f"{dst}.{hf}.bias", *stack))
+
+    affine("ln_1", "ln_1", "scale")
+    if o["separate_qkv"]:
+        for i, p in enumerate("qkv"):
+            rules.append(Rule(f"{src}/attn/{p}_proj/kernel", f"{dst}.attn.c_attn.weight", *stack, Concat(1, i, 3)))
+            rules.append(Rule(f"{src}/attn/{p}_proj/bias", f"{dst}.attn.c_attn.bias", *stack, Concat(0, i, 3)))
+    else:
+        affine("attn/c_attn", "attn.c_attn")
+    affine("attn/c_proj", "attn.c_proj")
+    affine("ln_2", "ln_2", "scale")
+    affine("mlp/c_fc", "mlp.c_fc")
+    affine("mlp/c_proj", "mlp.c_proj")
+    rules.append(Rule("transformer/ln_f/scale", "transformer.ln_f.weight"))
+    rules.append(Rule("transformer/ln_f/bias", "transformer.ln_f.bias"))
+    if not o["tie_word_embeddings"]:
+        rules.append(Rule("lm_head/kernel", "lm_head.weight", Transpose()))
+    return Naming(rules, strip=("params",))
+
+
+def generic(mapping: Sequence[tuple[str, str | None]], *, transpose_kernels: bool = True) -> Naming:
+    """A flat rule set from ``(pattern, target)`` pairs; ``*/kernel`` leaves are transposed
+    when ``transpose_kernels`` (Flax Dense -> torch Linear)."""
+    rules = []
+    for pattern, target in mapping:
+        ops = (Transpose(),) if transpose_kernels and target is not None and pattern.endswith("kernel") else ()
+        rules.append(Rule(pattern, target, *ops))
+    return Naming(rules)

@@ -1,0 +1,162 @@
+"""Token generation for ``/v1/completions`` inside a worker process.
+
+A plain KV-cached decode loop over a Hugging Face causal LM: greedy when
+``temperature == 0``, otherwise sampling from a ``torch.Generator`` seeded by the
+request (so a seeded request is reproducible). Logprobs are the raw model's
+log-softmax of the sampled token (temperature and top-p/top-k shape only the
+sampling), which is what a trainer needs for importance ratios.
+
+Hand-written rather than ``model.generate``: we need per-step raw logprobs, a
+cancellation check between steps (``/pause?mode=abort``) and exact control of the
+generator, none of which ``generate`` exposes together.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token once the mass before it already reaches top_p (the first always stays).
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+class Generator:
+    """Serves completion requests (parsed by ``completions.parse_completion_request``)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, device: torch.device, model_name: str, max_model_len: int) -> None:
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def _encode(self, prompt: str | list[int], index: int) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if not ids:
+            raise ValueError(f"prompt[{index}] encodes to zero tokens")
+        return ids
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    @torch.no_grad()
+    def _decode_rows(
+        self, ids: list[int], req: dict[str, Any], gen: torch.Generator, cancelled: Callable[[], bool]
+    ) -> list[tuple[dict[str, Any], int]]:
+        n, max_tokens, temperature = req["n"], req["max_tokens"], req["temperature"]
+        want_top = req["logprobs"] or 0
+        rows = torch.tensor([ids] * n, dtype=torch.long, device=self.device)
+        out = self.model(input_ids=rows, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1, :].float()
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        tops: list[list[dict[str, float]]] = [[] for _ in range(n)]
+        finish = ["length"] * n
+        done = [False] * n
+        for step in range(max_tokens):
+            logp = torch.log_softmax(logits, dim=-1)
+            if temperature == 0.0:
+                nxt = torch.argmax(logits, dim=-1)
+            else:
+                probs = torch.softmax(_filter_logits(logits / temperature, req["top_k"], req["top_p"]), dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            chosen = logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1).tolist()
+            nxt_list = nxt.tolist()
+            top_vals = top_idx = None
+            if want_top:
+                top_vals, top_idx = torch.topk(logp, want_top, dim=-1)
+                top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
+            for i in range(n):
+                if done[i]:
+                    continue
+                tokens[i].append(nxt_list[i])
+                lps[i].append(chosen[i])
+                if top_idx is not None and top_vals is not None:
+                    entry = {self._piece(t): v for t, v in zip(top_idx[i], top_vals[i], strict=True)}
+                    entry.setdefault(self._piece(nxt_list[i]), chosen[i])
+                    tops[i].append(entry)
+                if nxt_list[i] == self.eos_token_id and not req["ignore_eos"]:
+                    done[i], finish[i] = True, "stop"
+            if all(done) or step == max_tokens - 1:
+                break
+            if cancelled():
+                finish = ["abort" if not d else f for d, f in zip(done, finish, strict=True)]
+                break
+            out = self.model(input_ids=nxt.view(n, 1), past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1, :].float()
+        return [
+            (self._choice(tokens[i], lps[i], tops[i] if want_top else None, finish[i], req), len(tokens[i]))
+            for i in range(n)
+        ]
+
+    def _choice(
+        self, tokens: list[int], lps: list[float], tops: list[dict[str, float]] | None, finish: str, req: dict[str, Any]
+    ) -> dict[str, Any]:
+        visible = tokens[:-1] if finish == "stop" else tokens  # the EOS token is not text
+        choice: dict[str, Any] = {
+            "text": self.tokenizer.decode(visible, skip_special_tokens=True),
+            "finish_reason": finish,
+            "logprobs": None,
+        }
+        if req["logprobs"] is not None:
+            pieces = [self._piece(t) for t in tokens]
+            offsets, pos = [], 0
+            for piece in pieces:
+                offsets.append(pos)
+                pos += len(piece)
+            choice["logprobs"] = {"tokens": pieces, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+        if req["return_token_ids"]:
+            choice["token_ids"] = tokens
+        return choice
+
+    def complete(self, req: dict[str, Any], cancelled: Callable[[], bool]) -> dict[str, Any]:
+        """One OpenAI ``text_completion`` response for a parsed request."""
+        gen = torch.Generator(device=self.device)
+        if req["seed"] is None:
+            gen.seed()
+        else:
+            gen.manual_seed(req["seed"] % (1 << 64))
+        encoded = [self._encode(p, i) for i, p in enumerate(req["prompts"])]
+        for i, ids in enumerate(encoded):
+            if len(ids) + req["max_tokens"] > self.max_model_len:
+                raise ValueError(
+                    f"prompt[{i}] has {len(ids)} tokens; with max_tokens={req['max_tokens']} that exceeds the "
+                    f"model's {self.max_model_len} positions"
+                )
+        choices: list[dict[str, Any]] = []
+        completion_tokens = 0
+        for p_index, ids in enumerate(encoded):
+            for j, (choice, count) in enumerate(self._decode_rows(ids, req, gen, cancelled)):
+                choice["index"] = p_index * req["n"] + j
+                if req["return_token_ids"]:
+                    choice["prompt_token_ids"] = ids
+                completion_tokens += count
+                choices.append(choice)
+        prompt_tokens = sum(len(ids) for ids in encoded)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.get("model") or self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }

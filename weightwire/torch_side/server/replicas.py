@@ -1,0 +1,266 @@
+"""API side of the worker processes: spawn, talk JSON lines, fan out, fail fast.
+
+Each replica is one ``worker_proc`` subprocess owning one model and one transfer
+engine (rank ``rank_offset + i`` of the transfer group). The API process writes one
+JSON object per line to the worker's stdin and reads one per line from its stdout:
+
+    request  {"id": 7, "op": "update", "args": {...}}
+    reply    {"id": 7, "ok": true, "result": ...}
+           | {"id": 7, "ok": false, "kind": "invalid|conflict|transfer|timeout|internal", "error": "..."}
+
+JSON instead of pickle: a pickle stream is code execution for whoever can write
+into it; these messages carry nothing but metadata and small results.
+
+Every wait is bounded: a reply that does not come within the call's timeout becomes a
+504 naming the replica, and a worker that exits fails all of its pending calls at
+once (its stdout reaches EOF) instead of leaving them hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# A reply line can hold a model's checksums or a batch of logprobs; asyncio's 64 KiB
+# default line limit would cut those off.
+_LINE_LIMIT = 256 << 20
+
+KIND_STATUS = {
+    "invalid": 400, "conflict": 409, "transfer": 502, "timeout": 504, "internal": 500, "dead": 503, "aborted": 503,
+}
+"""HTTP status for each failure kind a worker (or the pool) reports."""
+
+
+class ReplicaError(Exception):
+    """One replica failed one call; ``status`` is the HTTP status it maps to."""
+
+    def __init__(self, replica: int, kind: str, message: str) -> None:
+        super().__init__(f"replica {replica}: {message}")
+        self.replica, self.kind, self.message = replica, kind, message
+        self.status = KIND_STATUS.get(kind, 500)
+
+
+class FanOutError(Exception):
+    """A fan-out in which at least one replica failed; ``errors[0]`` is the first failure."""
+
+    def __init__(self, op: str, errors: Sequence[ReplicaError]) -> None:
+        self.op, self.errors = op, list(errors)
+        self.status = self.errors[0].status
+        super().__init__("; ".join(str(e) for e in self.errors))
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker process needs to start (passed as JSON on its command line)."""
+
+    model_dir: str
+    backend: str
+    device: str
+    replicas: int
+    threads: int
+    index: int = 0
+
+
+class Replica:
+    """One worker subprocess and its in-flight calls."""
+
+    def __init__(self, index: int, proc: asyncio.subprocess.Process) -> None:
+        self.index = index
+        self.proc = proc
+        self.info: dict[str, Any] = {}
+        self.inflight_generations = 0
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._write_lock = asyncio.Lock()
+        self._dead_reason: str | None = None
+        self._reader = asyncio.create_task(self._read_loop(), name=f"weightwire-replica-{index}-reader")
+
+    @property
+    def alive(self) -> bool:
+        return self._dead_reason is None
+
+    async def _read_loop(self) -> None:
+        assert self.proc.stdout is not None
+        try:
+            while True:
+                try:
+                    line = await self.proc.stdout.readline()
+                except (ValueError, asyncio.LimitOverrunError):
+                    self._die("sent a reply line over the size limit")
+                    break
+                if not line:
+                    code = await _wait_exit(self.proc, 5.0)
+                    self._die(f"worker process exited (code {code})")
+                    break
+                try:
+                    msg = json.loads(line)
+                    msg_id = msg["id"]
+                except (ValueError, KeyError, TypeError):
+                    self._die(f"sent a malformed reply line {line[:80]!r}")
+                    break
+                self._resolve(msg_id, msg)
+        except asyncio.CancelledError:
+            self._die("replica pool closed")
+            raise
+
+    def _resolve(self, msg_id: int, msg: dict[str, Any]) -> None:
+        if msg_id == 0:
+            if self._ready.done():
+                return
+            if msg.get("ok"):
+                self._ready.set_result(msg.get("result") or {})
+            else:
+                self._ready.set_exception(ReplicaError(self.index, "internal", f"failed to start: {msg.get('error')}"))
+            return
+        fut = self._pending.pop(msg_id, None)
+        if fut is None or fut.done():
+            return  # a reply to a call that already timed out on this side
+        if msg.get("ok"):
+            fut.set_result(msg.get("result"))
+        else:
+            fut.set_exception(ReplicaError(self.index, str(msg.get("kind", "internal")), str(msg.get("error"))))
+
+    def _die(self, reason: str) -> None:
+        if self._dead_reason is None:
+            self._dead_reason = reason
+        err = ReplicaError(self.index, "dead", reason)
+        if not self._ready.done():
+            self._ready.set_exception(err)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+
+    async def wait_ready(self, timeout: float) -> dict[str, Any]:
+        try:
+            self.info = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+        except TimeoutError:
+            raise ReplicaError(self.index, "timeout", f"worker did not become ready within {timeout:.0f}s") from None
+        return self.info
+
+    async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float) -> Any:
+        """Send one request and wait (at most ``timeout`` s) for its reply."""
+        if self._dead_reason is not None:
+            raise ReplicaError(self.index, "dead", self._dead_reason)
+        msg_id = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[msg_id] = fut
+        line = json.dumps({"id": msg_id, "op": op, "args": args or {}}, separators=(",", ":")) + "\n"
+        assert self.proc.stdin is not None
+        try:
+            async with self._write_lock:
+                self.proc.stdin.write(line.encode())
+                await asyncio.wait_for(self.proc.stdin.drain(), timeout)
+        except (ConnectionError, TimeoutError) as exc:
+            self._pending.pop(msg_id, None)
+            self._die(f"cannot send {op!r} to the worker ({type(exc).__name__})")
+            raise ReplicaError(self.index, "dead", self._dead_reason or "worker gone") from None
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            self._pending.pop(msg_id, None)
+            raise ReplicaError(self.index, "timeout", f"no reply to {op!r} within {timeout:.0f}s") from None
+
+    async def close(self, grace: float) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(Exception):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # EOF: the worker exits on its own
+            if await _wait_exit(self.proc, grace) is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                await _wait_exit(self.proc, grace)
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._reader
+
+
+async def _wait_exit(proc: asyncio.subprocess.Process, timeout: float) -> int | None:
+    try:
+        return await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        return None
+
+
+class ReplicaPool:
+    """All worker processes of one server; fans weight operations out to every one."""
+
+    def __init__(self, replicas: list[Replica]) -> None:
+        self.replicas = replicas
+
+    @classmethod
+    async def start(cls, spec: WorkerSpec, *, startup_timeout: float = 300.0) -> ReplicaPool:
+        """Spawn ``spec.replicas`` workers and wait until each loaded its model."""
+        replicas: list[Replica] = []
+        try:
+            for i in range(spec.replicas):
+                payload = json.dumps(asdict(WorkerSpec(**{**asdict(spec), "index": i})))
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "weightwire.torch_side.server.worker_proc", payload,
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None,
+                    limit=_LINE_LIMIT, env={**os.environ, "WEIGHTWIRE_PARENT_PID": str(os.getpid())},
+                )
+                replicas.append(Replica(i, proc))
+            await asyncio.gather(*(r.wait_ready(startup_timeout) for r in replicas))
+        except BaseException:
+            await asyncio.gather(*(r.close(2.0) for r in replicas), return_exceptions=True)
+            raise
+        return cls(replicas)
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    async def fan_out(
+        self, op: str, args: Sequence[dict[str, Any]] | dict[str, Any] | None = None, *,
+        timeout: float, abort_on_failure: bool = False,
+    ) -> list[Any]:
+        """Run ``op`` on every replica concurrently; return their results in order.
+
+        ``args`` is one dict for all or one per replica. With ``abort_on_failure`` the
+        first failure aborts the transfer engine on every replica at once, so the
+        others (and the trainer) stop waiting for bytes that will never come.
+        """
+        per = list(args) if isinstance(args, Sequence) else [args or {}] * len(self.replicas)
+        if len(per) != len(self.replicas):
+            raise ValueError(f"{op}: {len(per)} argument sets for {len(self.replicas)} replicas")
+        tasks = [asyncio.ensure_future(r.call(op, a, timeout=timeout)) for r, a in zip(self.replicas, per, strict=True)]
+        errors: list[ReplicaError] = []
+        aborted = False
+        for fut in asyncio.as_completed(tasks):
+            try:
+                await fut
+            except ReplicaError as exc:
+                errors.append(exc)
+                if abort_on_failure and not aborted:
+                    aborted = True
+                    await self.abort_all()
+        if errors:
+            raise FanOutError(op, errors)
+        return [t.result() for t in tasks]
+
+    async def abort_all(self, timeout: float = 30.0) -> None:
+        """Tear down every replica's transfer engine now (handled out of band by workers)."""
+        await asyncio.gather(
+            *(r.call("abort", timeout=timeout) for r in self.replicas if r.alive), return_exceptions=True
+        )
+
+    def pick(self) -> Replica:
+        """The live replica with the fewest generations in flight (lowest index on ties)."""
+        live = [r for r in self.replicas if r.alive]
+        if not live:
+            raise ReplicaError(-1, "dead", "no live replica to serve the request")
+        return min(live, key=lambda r: (r.inflight_generations, r.index))
+
+    def health(self) -> list[dict[str, Any]]:
+        return [{"replica": r.index, "alive": r.alive, "pid": r.proc.pid, "error": r._dead_reason} for r in self.replicas]
+
+    async def close(self, grace: float = 5.0) -> None:
+        await asyncio.gather(*(r.close(grace) for r in self.replicas), return_exceptions=True)

@@ -1,0 +1,137 @@
+"""The weight-sync session: which route may run when, and what a failure resets.
+
+vLLM's rules, enforced before any worker is touched:
+
+- ``start`` / ``update`` / ``finish`` before ``init`` -> refused (no transfer engine);
+- ``start`` twice without ``finish`` -> refused;
+- ``update`` or ``finish`` without ``start`` -> refused;
+- ``shutdown`` while a round is active -> refused;
+- a failed ``init`` / ``start`` / ``update`` / ``finish`` clears the session: the
+  trainer must ``init`` again.
+
+One rule vLLM lacks: a round is a transaction. Received tensors are staged by the
+workers and committed at ``finish``; a round that fails leaves the previous weights
+and ``weight_version`` untouched. ``weight_version`` lives here, in the API process,
+and changes only after every replica committed.
+
+Only one weight operation runs at a time (``operation``): a second one arriving
+while, say, an update is still receiving is refused with 409 instead of
+interleaving with it on the workers.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SessionError(Exception):
+    """A request the session's state forbids; ``status`` is the HTTP status to return."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Phase(enum.Enum):
+    NO_ENGINE = "uninitialized"
+    READY = "ready"
+    ROUND = "round_active"
+
+
+_NEED_INIT = "weight transfer engine is not initialized: POST /init_weight_transfer_engine first"
+
+
+@dataclass
+class Session:
+    """State of the one trainer session a server accepts at a time."""
+
+    phase: Phase = Phase.NO_ENGINE
+    weight_version: str = "default"
+    init_info: Any = None
+    """The parsed init info of the live engine (``TCPInitInfo`` / ``NCCLInitInfo``)."""
+    updates_in_round: int = 0
+    rounds_committed: int = 0
+    rounds_failed: int = 0
+    last_error: str | None = None
+    busy: str | None = field(default=None)
+
+    # -- guards: raise SessionError or return --------------------------------------
+    def check_start(self) -> None:
+        if self.phase is Phase.NO_ENGINE:
+            raise SessionError(409, f"cannot start a weight update: {_NEED_INIT}")
+        if self.phase is Phase.ROUND:
+            raise SessionError(409, "a weight update is already active: POST /finish_weight_update before starting another")
+
+    def check_update(self) -> None:
+        if self.phase is Phase.NO_ENGINE:
+            raise SessionError(409, f"cannot update weights: {_NEED_INIT}")
+        if self.phase is not Phase.ROUND:
+            raise SessionError(409, "no weight update is active: POST /start_weight_update before /update_weights")
+
+    def check_finish(self) -> None:
+        if self.phase is Phase.NO_ENGINE:
+            raise SessionError(409, f"cannot finish a weight update: {_NEED_INIT}")
+        if self.phase is not Phase.ROUND:
+            raise SessionError(409, "no weight update is active: POST /start_weight_update before /finish_weight_update")
+
+    def check_shutdown(self) -> None:
+        if self.phase is Phase.ROUND:
+            raise SessionError(
+                409, "a weight update is active: finish it (POST /finish_weight_update) before shutting the engine down"
+            )
+
+    # -- transitions ----------------------------------------------------------------
+    def initialized(self, init_info: Any) -> None:
+        self.phase, self.init_info, self.updates_in_round, self.last_error = Phase.READY, init_info, 0, None
+
+    def started(self) -> None:
+        self.phase, self.updates_in_round = Phase.ROUND, 0
+
+    def updated(self) -> None:
+        self.updates_in_round += 1
+
+    def committed(self, weight_version: str | None) -> None:
+        self.phase, self.updates_in_round = Phase.READY, 0
+        self.rounds_committed += 1
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def shut_down(self) -> None:
+        self.phase, self.init_info, self.updates_in_round = Phase.NO_ENGINE, None, 0
+
+    def failed(self, reason: str) -> None:
+        """Any failed weight operation: the engine is gone, the weights and version stay."""
+        if self.phase is Phase.ROUND:
+            self.rounds_failed += 1
+        self.phase, self.init_info, self.updates_in_round, self.last_error = Phase.NO_ENGINE, None, 0, reason
+
+    # -- mutual exclusion --------------------------------------------------------------
+    @asynccontextmanager
+    async def operation(self, name: str) -> AsyncIterator[None]:
+        """Hold the session for one weight operation; refuse (409) if another runs.
+
+        Refusing rather than queueing: a trainer that posts a second operation while
+        the first still runs has lost track of its round, and queueing would hide that.
+        The event loop is single-threaded, so check-and-set needs no lock.
+        """
+        if self.busy is not None:
+            raise SessionError(409, f"another weight operation ({self.busy}) is in progress; retry when it returns")
+        self.busy = name
+        try:
+            yield
+        finally:
+            self.busy = None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "state": self.phase.value,
+            "busy": self.busy,
+            "rounds_committed": self.rounds_committed,
+            "rounds_failed": self.rounds_failed,
+            "last_error": self.last_error,
+        }

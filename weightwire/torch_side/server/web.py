@@ -1,0 +1,146 @@
+"""HTTP plumbing: error bodies, strict JSON bodies, the size limit, no tracebacks.
+
+Every error reply has one shape, readable by OpenAI clients (``error.message``) and
+by FastAPI-style clients (``detail``)::
+
+    {"error": {"message": "...", "type": "...", "param": "init_info" | null, "code": 422},
+     "detail": "..."}
+
+A bug in a handler becomes a 500 that names the exception type only; the traceback
+goes to the server log, never to the client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("weightwire.server")
+
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          409: "conflict_error", 413: "request_too_large", 422: "invalid_request_error",
+          500: "internal_error", 502: "transfer_error", 503: "unavailable_error", 504: "timeout_error"}
+
+
+class ApiError(Exception):
+    """Raised by handlers; becomes an error reply with ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_response(
+    status: int, message: str, *, param: str | None = None, kind: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind or _TYPES.get(status, "error"), "param": param, "code": status},
+            "detail": message}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request) -> Any:
+    """The parsed body, or ``None`` when it is empty. Non-UTF-8 / non-JSON -> 400."""
+    raw = await request.body()
+    if not raw.strip():
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"request body is not valid UTF-8 (bad byte at offset {exc.start})", param="body") from None
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", param="body") from None
+
+
+async def read_object(request: Request, *, allowed: Iterable[str], required: Iterable[str] = ()) -> dict[str, Any]:
+    """A JSON-object body with only ``allowed`` keys; missing required key -> 400, unknown -> 422."""
+    body = await read_json(request)
+    allowed, required = set(allowed), list(required)
+    if body is None:
+        if required:
+            raise ApiError(400, f"request body is empty; expected a JSON object with {required[0]!r}", param=required[0])
+        return {}
+    if not isinstance(body, dict):
+        raise ApiError(422, f"request body must be a JSON object, got {type(body).__name__}", param="body")
+    for key in required:
+        if key not in body:
+            raise ApiError(400, f"request body is missing the required field {key!r}", param=key)
+    unknown = sorted(k for k in body if k not in allowed)
+    if unknown:
+        raise ApiError(422, f"unknown field(s) {unknown}; this route accepts {sorted(allowed) or 'no body'}", param=unknown[0])
+    return body
+
+
+async def read_no_body(request: Request) -> None:
+    """Routes that take no body accept nothing, ``null`` or ``{}``."""
+    await read_object(request, allowed=())
+
+
+class BodyTooLarge(ApiError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes", param="body")
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI: refuse bodies over ``max_bytes`` by header, and by count when streamed."""
+
+    def __init__(self, app: Any, *, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            exc = BodyTooLarge(self.max_bytes) if length.isdigit() else ApiError(400, "bad Content-Length header")
+            await error_response(exc.status, exc.message, param="body")(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)  # reaches the ApiError handler
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, param=exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = (exc.errors() or [{}])[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        return error_response(422, f"{where}: {first.get('msg', 'invalid')}", param=where)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal server error ({type(exc).__name__}); details are in the server log")

@@ -1,0 +1,288 @@
+"""A replica's worker process: one model, one ``HFModelHost``, one transfer engine.
+
+Started by ``replicas.ReplicaPool`` as ``python -m weightwire.torch_side.server.worker_proc SPEC``
+and driven with JSON lines on stdin/stdout (protocol in ``replicas``). Three lanes,
+so a long receive never stalls what must stay responsive:
+
+- the *control* thread runs weight operations in order (init, start, update,
+  finish, shutdown): they block on the network;
+- the *serve* thread runs generation, checksums and reset under ``model_lock``;
+  ``finish`` takes the same lock to commit, so a request sees either the old
+  weights or the new ones, never a mix (staged tensors never touch parameters);
+- the stdin reader handles ``abort`` / ``cancel`` / ``ping`` itself, at once:
+  ``abort`` must reach a receive that is blocked on the control thread.
+
+The process exits when stdin reaches EOF or the parent process disappears, so
+workers never outlive a killed API server.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, BinaryIO
+
+from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.torch_side.server.replicas import WorkerSpec
+
+log = logging.getLogger("weightwire.server.worker")
+
+_OUT_OF_BAND = ("abort", "cancel", "ping")
+_CONTROL_OPS = ("init", "start", "update", "finish", "shutdown")
+_SERVE_OPS = ("generate", "checksum", "reset")
+
+
+class GenerationAborted(Exception):
+    """A queued generation dropped by ``/pause?mode=abort``."""
+
+
+def classify(exc: BaseException) -> str:
+    """Failure kind (see ``replicas.KIND_STATUS``) of an exception raised by an operation."""
+    from weightwire.torch_side.worker.core import WeightReceiveError
+
+    if isinstance(exc, GenerationAborted):
+        return "aborted"
+    if isinstance(exc, WeightReceiveError) and exc.__cause__ is not None:
+        return classify(exc.__cause__)
+    if isinstance(exc, (TransferTimeout, TimeoutError)):
+        return "timeout"
+    if isinstance(exc, (TransferError, ConnectionError)):
+        return "transfer"
+    if isinstance(exc, (ValueError, TypeError)):
+        return "invalid"
+    if isinstance(exc, RuntimeError) and not isinstance(exc, WeightReceiveError):
+        return "conflict"  # the engine's session rules
+    return "internal"
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from weightwire.torch_side.server.generate import Generator
+        from weightwire.torch_side.worker import HFModelHost
+
+        self.spec = spec
+        torch.set_num_threads(max(1, spec.threads))
+        if spec.device == "cuda":
+            self.device = torch.device("cuda", spec.index % max(1, torch.cuda.device_count()))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device(spec.device)
+        self.model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype="auto").to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+        self.host = HFModelHost(self.model)
+        cfg = self.model.config
+        self.max_model_len = int(getattr(cfg, "max_position_embeddings", 2048))
+        self.vocab_size = int(cfg.vocab_size)
+        self.generator = Generator(
+            self.model, self.tokenizer, device=self.device,
+            model_name=os.path.basename(os.path.normpath(spec.model_dir)), max_model_len=self.max_model_len,
+        )
+        self.model_lock = threading.Lock()
+        self.engine: Any = None
+        self.cancel_epoch = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "device": str(self.device), "vocab_size": self.vocab_size,
+                "max_model_len": self.max_model_len, "params": len(self.host.param_names())}
+
+    # -- control lane ---------------------------------------------------------------
+    def _new_engine(self) -> Any:
+        from weightwire.torch_side.worker import WeightwireNCCLEngine, WeightwireTCPEngine
+
+        cls = WeightwireTCPEngine if self.spec.backend == "weightwire_tcp" else WeightwireNCCLEngine
+        return cls.standalone(model=self.host, device=self.device, worker_rank=self.spec.index)
+
+    def op_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        self._teardown()
+        engine = self._new_engine()
+        info = engine.parse_init_info(init_info)
+        try:
+            engine.init_transfer_engine(info)
+        except BaseException:
+            engine.shutdown()
+            raise
+        self.engine = engine
+        return {"rank": info.rank_offset + self.spec.index}
+
+    def _require_engine(self) -> Any:
+        if self.engine is None:
+            raise RuntimeError("weight transfer engine is not initialized on this replica")
+        return self.engine
+
+    def op_start(self) -> None:
+        self._require_engine().start_weight_update()
+
+    def op_update(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        engine = self._require_engine()
+        engine.update_weights(update_info)
+        stats = engine.last_stats
+        return {} if stats is None else {"tensors": stats.tensors, "chunks": stats.chunks,
+                                         "nbytes": stats.nbytes, "seconds": stats.seconds}
+
+    def op_finish(self) -> None:
+        engine = self._require_engine()
+        with self.model_lock:  # the commit copies into parameters a generation may be reading
+            engine.finish_weight_update()
+
+    def op_shutdown(self) -> None:
+        self._teardown()
+
+    def _teardown(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()  # aborts an open round; the served weights stay
+        self.host.abort_round()
+
+    def abort_link(self) -> None:
+        """Out of band: wake a receive blocked on the control thread by aborting its link."""
+        engine = self.engine
+        link = getattr(getattr(engine, "_core", None), "_link", None)
+        if link is not None:
+            try:
+                link.abort()
+            except Exception:
+                log.exception("aborting the receive link failed")
+
+    # -- serve lane ---------------------------------------------------------------------
+    def op_generate(self, request: dict[str, Any], epoch: int) -> dict[str, Any]:
+        def cancelled() -> bool:
+            return self.cancel_epoch != epoch
+
+        with self.model_lock:
+            if cancelled():
+                raise GenerationAborted("request aborted by /pause?mode=abort before it started")
+            return self.generator.complete(request, cancelled)
+
+    def op_checksum(self) -> dict[str, str]:
+        with self.model_lock:
+            return self.host.state_checksums()
+
+    def op_reset(self) -> None:
+        """Zero every weight, so a later compare shows which tensors an update did not write."""
+        import torch
+
+        with self.model_lock, torch.no_grad():
+            for p in self.model.parameters():
+                p.zero_()
+
+
+class Loop:
+    """Reads requests, dispatches them to lanes, writes replies (one line each, locked)."""
+
+    def __init__(self, worker: Worker, out: BinaryIO) -> None:
+        self.worker, self.out = worker, out
+        self.write_lock = threading.Lock()
+        self.control = cf.ThreadPoolExecutor(1, thread_name_prefix="weightwire-control")
+        self.serve = cf.ThreadPoolExecutor(1, thread_name_prefix="weightwire-serve")
+
+    def reply(self, msg: dict[str, Any]) -> None:
+        data = (json.dumps(msg, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        with self.write_lock:
+            self.out.write(data)
+            self.out.flush()
+
+    def run_op(self, msg_id: int, op: str, fn: Any, kwargs: dict[str, Any]) -> None:
+        try:
+            result = fn(**kwargs)
+        except BaseException as exc:
+            kind = classify(exc)
+            if kind == "internal":
+                traceback.print_exc(file=sys.stderr)  # the API returns no traceback; the log keeps it
+            if op in ("init", "start", "update", "finish"):
+                try:
+                    self.worker._teardown()  # a failed weight op ends the session on this replica
+                except Exception:
+                    log.exception("teardown after a failed %s failed", op)
+            self.reply({"id": msg_id, "ok": False, "kind": kind, "error": f"{type(exc).__name__}: {exc}"})
+            return
+        self.reply({"id": msg_id, "ok": True, "result": result})
+
+    def dispatch(self, msg: dict[str, Any]) -> None:
+        msg_id, op, args = msg.get("id"), msg.get("op"), msg.get("args") or {}
+        w = self.worker
+        if op == "ping":
+            self.reply({"id": msg_id, "ok": True, "result": w.describe()})
+        elif op == "cancel":
+            w.cancel_epoch += 1
+            self.reply({"id": msg_id, "ok": True, "result": None})
+        elif op == "abort":
+            w.abort_link()
+            # The control lane finishes the failing op (if any) first, then tears down.
+            self.control.submit(self.run_op, msg_id, "abort", w._teardown, {})
+        elif op in _CONTROL_OPS:
+            self.control.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
+        elif op == "generate":
+            # The epoch is read now, on arrival: a /pause?mode=abort also drops queued requests.
+            self.serve.submit(self.run_op, msg_id, op, w.op_generate, {**args, "epoch": w.cancel_epoch})
+        elif op in _SERVE_OPS:
+            self.serve.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
+        else:
+            self.reply({"id": msg_id, "ok": False, "kind": "invalid", "error": f"unknown op {op!r}"})
+
+
+def _claim_stdout() -> BinaryIO:
+    """Keep the real stdout for replies; point fd 1 at stderr so stray prints can't corrupt them."""
+    proto = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return proto
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGTERM us the moment the API process dies (best effort)."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux / no glibc: the stdin-EOF and parent-pid watches still apply
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _die_with_parent()
+    out = _claim_stdout()
+    logging.basicConfig(level=os.environ.get("WEIGHTWIRE_LOG_LEVEL", "WARNING"), stream=sys.stderr)
+    parent = int(os.environ.get("WEIGHTWIRE_PARENT_PID", os.getppid()))
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="weightwire-parent-watch").start()
+    spec = WorkerSpec(**json.loads(argv[0]))
+    try:
+        worker = Worker(spec)
+    except BaseException as exc:
+        traceback.print_exc(file=sys.stderr)
+        out.write((json.dumps({"id": 0, "ok": False, "error": f"{type(exc).__name__}: {exc}"}) + "\n").encode())
+        return 1
+    loop = Loop(worker, out)
+    loop.reply({"id": 0, "ok": True, "result": worker.describe()})
+    for line in sys.stdin.buffer:
+        try:
+            msg = json.loads(line)
+            if not isinstance(msg, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            log.error("dropping a malformed request line")
+            continue
+        loop.dispatch(msg)
+    os._exit(0)  # EOF: the API server is gone; do not wait for a blocked receive
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""``TorchTrainerEngine``: the JAX engine's API for PyTorch trainers.
+
+Same ``trainer_init`` / ``send_weights`` / ``shutdown`` (the round protocol is in
+``weightwire.trainer.engine``), over a torch ``WeightSource`` such as
+``ModuleSource``. Every trainer rank calls ``send_weights``: rank 0 sends, the
+others iterate the source so their FSDP ``full_tensor()`` gathers match rank 0's.
+
+Bytes: a tensor is flattened and viewed as ``uint8`` before it meets numpy or cupy,
+because neither has a bfloat16 / float8 dtype; the view reinterprets, never converts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from weightwire.torch_side.dtypes import wire_name
+from weightwire.trainer.engine import TrainerEngine
+from weightwire.trainer.packing import DevicePacker
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a tensor's C-order bytes (a copy only if non-contiguous)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class TorchTrainerEngine(TrainerEngine):
+    """Trainer engine over a ``WeightSource`` yielding torch tensors."""
+
+    def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
+        return wire_name(tensor.dtype), tuple(tensor.shape)
+
+    def host_bytes(self, tensor: Any) -> np.ndarray:
+        return tensor_bytes(tensor).cpu().numpy()
+
+    def device_packer(self, device: int | None) -> DevicePacker:
+        return TorchDevicePacker(device)
+
+
+class TorchDevicePacker(DevicePacker):
+    """Packs with ``torch.cat`` on torch-created streams handed to NCCL as cupy streams.
+
+    Each stream first waits on the caller's current stream, so packing reads the
+    weights the trainer last wrote; the packed buffer is allocated on that stream, so
+    the caching allocator cannot hand it out again before the stream moved past it.
+    """
+
+    def __init__(self, device: int | None) -> None:
+        import cupy  # noqa: PLC0415  (GPU hosts only)
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("the NCCL path needs CUDA tensors: torch sees no GPU")
+        self._cupy = cupy
+        index = torch.cuda.current_device() if device is None else device
+        self._device = torch.device("cuda", index)
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def new_stream(self) -> Any:
+        stream = torch.cuda.Stream(device=self._device)
+        self._streams[stream.cuda_stream] = stream
+        return self._cupy.cuda.ExternalStream(stream.cuda_stream, self._device.index)
+
+    def _flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor_bytes(tensor.to(self._device, non_blocking=True))
+
+    def _on(self, stream: Any, make: Any) -> Any:
+        torch_stream = self._streams[stream.ptr]
+        torch_stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(torch_stream):
+            flat = make()
+            # Imported while the torch stream is current, so dlpack adds no extra wait.
+            with self._cupy.cuda.Device(self._device.index), stream:
+                return self._cupy.from_dlpack(flat)
+
+    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any) -> Any:
+        buf = self._on(stream, lambda: torch.cat([self._flat(t) for t in tensors]))
+        if buf.size != nbytes:
+            raise ValueError(f"packed chunk has {buf.size} bytes, the plan says {nbytes}")
+        return buf
+
+    def wire(self, tensor: Any, stream: Any) -> Any:
+        return self._on(stream, lambda: self._flat(tensor))

@@ -1,0 +1,58 @@
+"""The receiving side: worker engines, receive links, ``HFModelHost`` and the vLLM plugin.
+
+Where a byte lands: ``connect`` (rendezvous) -> ``receive`` (links, unpack) ->
+``core`` (session rules, failure handling, ``load_weights``) -> the model
+(``hf_host.HFModelHost`` in the reference server, vLLM's model inside vLLM).
+
+Import-light: nothing below is imported until used, and ``vllm_engines`` (the only
+module importing vLLM) is imported by vLLM's factory alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    "WeightwireTCPEngine": "weightwire.torch_side.worker.engines",
+    "WeightwireNCCLEngine": "weightwire.torch_side.worker.engines",
+    "EngineFacade": "weightwire.torch_side.worker.engines",
+    "WeightReceiveError": "weightwire.torch_side.worker.core",
+    "ReceiveStats": "weightwire.torch_side.worker.core",
+    "HFModelHost": "weightwire.torch_side.worker.hf_host",
+    "publish_unique_id": "weightwire.torch_side.worker.connect",
+    "fetch_unique_id": "weightwire.torch_side.worker.connect",
+    "register": "weightwire.torch_side.worker.plugin",
+}
+
+__all__ = [
+    "EngineFacade",
+    "HFModelHost",
+    "ReceiveStats",
+    "WeightReceiveError",
+    "WeightwireNCCLEngine",
+    "WeightwireTCPEngine",
+    "fetch_unique_id",
+    "publish_unique_id",
+    "register",
+]
+
+if TYPE_CHECKING:
+    from weightwire.torch_side.worker.connect import fetch_unique_id, publish_unique_id
+    from weightwire.torch_side.worker.core import ReceiveStats, WeightReceiveError
+    from weightwire.torch_side.worker.engines import EngineFacade, WeightwireNCCLEngine, WeightwireTCPEngine
+    from weightwire.torch_side.worker.hf_host import HFModelHost
+    from weightwire.torch_side.worker.plugin import register
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightwire.torch_side.worker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

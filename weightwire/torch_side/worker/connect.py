@@ -1,0 +1,95 @@
+"""Rendezvous: from a validated init info to a connected, warmed-up ``ReceiveLink``.
+
+The transports are imported here, lazily, so that a TCP-only CPU worker never
+imports cupy and a process that only registers the plugin imports neither.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES, TCPInitInfo, WeightwireNCCLInitInfo
+from weightwire.torch_side.worker.receive import NCCLLink, ReceiveLink, TCPLink
+
+UNIQUE_ID_KEY = "weightwire/nccl_unique_id/v1"
+"""TCPStore key under which a weightwire trainer publishes the 128-byte NCCL unique id
+(address/port rendezvous of ``weightwire_nccl``)."""
+
+
+def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> ReceiveLink:
+    """Dial the trainer at ``info.host:info.port`` as ``rank``, prove the secret, warm up."""
+    from weightwire.transport.tcp import TCPCommunicator  # noqa: PLC0415  (lazy transport)
+
+    comm = TCPCommunicator.connect(
+        host=info.host, port=info.port, secret=info.secret, rank=rank,
+        world_size=info.world_size, timeout=info.timeout_s,
+    )
+    try:
+        comm.warmup(timeout=info.timeout_s)
+    except BaseException:
+        comm.abort()
+        raise
+    return TCPLink(comm, device=device, timeout_s=info.timeout_s, depth=info.packed_num_buffers)
+
+
+def connect_nccl(info: WeightwireNCCLInitInfo, *, rank: int, device: torch.device) -> ReceiveLink:
+    """Join the trainer's NCCL group as ``rank`` on ``device`` and run the warm-up all-reduce.
+
+    The unique id comes from the init info, or (address/port mode) from the
+    trainer's TCPStore under ``UNIQUE_ID_KEY``; see ``publish_unique_id``.
+    """
+    from weightwire.transport.nccl import NCCLCommunicator  # noqa: PLC0415  (cupy only on GPU hosts)
+
+    if device.type != "cuda":
+        raise ValueError(f"weightwire_nccl needs a CUDA worker device, got {device}")
+    uid = info.unique_id_bytes
+    if uid is None:
+        assert info.master_address is not None and info.master_port is not None  # __post_init__ ensures
+        uid = fetch_unique_id(info.master_address, info.master_port, timeout_s=info.timeout_s)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    comm = NCCLCommunicator.join(
+        unique_id=uid, rank=rank, world_size=info.world_size, device=index, timeout=info.timeout_s
+    )
+    try:
+        comm.warmup(timeout=info.timeout_s)
+    except BaseException:
+        comm.abort()
+        raise
+    return NCCLLink(comm, device=torch.device("cuda", index), timeout_s=info.timeout_s, depth=info.packed_num_buffers)
+
+
+def publish_unique_id(host: str, port: int, unique_id: bytes, *, timeout_s: float) -> Any:
+    """Trainer side of the address/port mode: host a TCPStore holding the unique id.
+
+    Keep the returned store alive until every worker joined (the init request
+    returned). The store is unauthenticated, like vLLM's own: anyone who reaches the
+    port can read the id, so bind it to a trusted network.
+    """
+    if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
+        raise ValueError(f"unique id must be {NCCL_UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+    store = torch.distributed.TCPStore(
+        host, port, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    store.set(UNIQUE_ID_KEY, unique_id)
+    return store
+
+
+def fetch_unique_id(host: str, port: int, *, timeout_s: float) -> bytes:
+    """Worker side: read the unique id from the trainer's TCPStore (waits up to ``timeout_s``)."""
+    try:
+        store = torch.distributed.TCPStore(
+            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        uid = bytes(store.get(UNIQUE_ID_KEY))
+    except Exception as exc:  # torch raises DistStoreError / RuntimeError variants
+        raise TimeoutError(
+            f"weightwire_nccl: could not read the NCCL unique id from the TCPStore at {host}:{port} "
+            f"within {timeout_s:.0f}s ({type(exc).__name__}); is the trainer publishing it?"
+        ) from None
+    if len(uid) != NCCL_UNIQUE_ID_BYTES:
+        raise ValueError(f"TCPStore at {host}:{port} holds a {len(uid)}-byte unique id, expected {NCCL_UNIQUE_ID_BYTES}")
+    return uid

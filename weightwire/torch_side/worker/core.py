@@ -1,0 +1,302 @@
+"""``_ReceiverCore``: every rule of the worker side, independent of who hosts it.
+
+The vLLM adapters (``vllm_engines``) and the standalone engines (``engines``) are
+thin shells over this class, so the reference server and a real vLLM worker run the
+same code for session rules, metadata reuse, pipelining, loading and failure
+handling.
+
+Failure rule: any error while a round is receiving aborts the communicator (the
+trainer then fails fast with ``PeerLost`` instead of waiting out its timeout, and a
+half-read byte stream is never resumed), aborts the round (the model's
+``abort_round`` and the host framework's abort) and raises. The engine must be
+re-initialized (``init_transfer_engine``) before the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from weightwire.shared.framing import Chunk, plan
+from weightwire.shared.groups import layer_key
+from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared.meta import ParamMeta
+from weightwire.torch_side.worker.receive import ReceiveLink, unpack_chunk
+
+log = logging.getLogger("weightwire.torch_side.worker")
+
+InitInfo = TCPInitInfo | WeightwireNCCLInitInfo
+Connect = Callable[..., ReceiveLink]  # (info, *, rank, device) -> ReceiveLink
+LOAD_BATCHING = ("chunk", "group")
+
+
+class WeightReceiveError(RuntimeError):
+    """A round failed while receiving or loading; the round and the communicator were aborted."""
+
+
+class FrameworkHooks(Protocol):
+    """What the hosting framework does around a round (vLLM: layerwise reload)."""
+
+    def begin(self, model: Any) -> None: ...
+    def commit(self, model: Any, model_config: Any) -> None: ...
+    def abort(self, model: Any, model_config: Any) -> None: ...
+    def receive_context(self) -> AbstractContextManager[Any]: ...
+
+
+@dataclass(frozen=True)
+class ReceiveStats:
+    """What the last ``receive`` moved: for logs, benchmarks and the reference server."""
+
+    tensors: int
+    chunks: int
+    nbytes: int
+    seconds: float
+
+
+class _ReceiverCore:
+    """Session state machine + receive pipeline for one worker.
+
+    ``target()`` returns ``(model, model_config)`` at call time, because vLLM may
+    retarget a session at the speculative draft model.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        device: torch.device,
+        target: Callable[[], tuple[Any, Any]],
+        connect: Connect,
+        info_type: type[InitInfo],
+        worker_rank: int = 0,
+        framework: FrameworkHooks | None = None,
+        load_batching: str = "chunk",
+    ) -> None:
+        if load_batching not in LOAD_BATCHING:
+            raise ValueError(f"load_batching must be one of {LOAD_BATCHING}, got {load_batching!r}")
+        if type(worker_rank) is not int or worker_rank < 0:
+            raise ValueError(f"worker_rank must be a non-negative int, got {worker_rank!r}")
+        self.backend = backend
+        self.device = device
+        self._target = target
+        self._connect = connect
+        self._info_type = info_type
+        self._worker_rank = worker_rank
+        self._framework = framework
+        self._load_batching = load_batching
+        self._link: ReceiveLink | None = None
+        self._info: InitInfo | None = None
+        self._broken: str | None = None
+        self._active = False
+        # Previous round's metadata per target model (main vs draft), for the
+        # 0.33 "empty lists = reuse" shorthand; the plan is cached with it.
+        self._last: dict[int, tuple[Any, list[ParamMeta], list[Chunk]]] = {}
+        self.last_stats: ReceiveStats | None = None
+
+    # ---------------------------------------------------------------- session
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @property
+    def initialized(self) -> bool:
+        return self._link is not None
+
+    def init(self, info: InitInfo) -> None:
+        if not isinstance(info, self._info_type):
+            raise TypeError(f"{self.backend}: init info must be {self._info_type.__name__}, got {type(info).__name__}")
+        if self._active:
+            raise RuntimeError(f"{self.backend}: cannot re-initialize while a weight update is active")
+        rank = info.rank_offset + self._worker_rank
+        if rank >= info.world_size:
+            raise ValueError(
+                f"{self.backend}: this worker's rank {rank} (rank_offset {info.rank_offset} + worker "
+                f"{self._worker_rank}) is outside world_size {info.world_size}; world_size must be "
+                "1 + the number of inference workers (GET /get_world_size)"
+            )
+        self._close_link()
+        self._last.clear()
+        self._link = self._connect(info, rank=rank, device=self.device)
+        self._info = info
+        self._broken = None
+        log.info("%s: joined as rank %d of %d (packed=%s)", self.backend, rank, info.world_size, info.packed)
+
+    def start(self) -> None:
+        if self._active:
+            raise RuntimeError(f"{self.backend}: start_weight_update called twice; call finish_weight_update first")
+        if self._link is None:
+            self._raise_not_ready()
+        model, _ = self._target()
+        if self._framework is not None:
+            self._framework.begin(model)
+        try:
+            _call_hook(model, "begin_round")
+        except BaseException:
+            self._abort_hooks()
+            raise
+        self._active = True
+
+    def finish(self) -> None:
+        if not self._active:
+            raise RuntimeError(f"{self.backend}: finish_weight_update called without start_weight_update")
+        model, model_config = self._target()
+        try:
+            _call_hook(model, "commit_round")
+        except BaseException:
+            self._abort_hooks()
+            self._active = False
+            raise
+        self._active = False
+        if self._framework is not None:
+            self._framework.commit(model, model_config)
+
+    def shutdown(self) -> None:
+        """Idempotent teardown; an active round is aborted (shutdown never raises for it)."""
+        if self._active:
+            self._abort_hooks()
+            self._active = False
+        self._close_link()
+        self._info = None
+        self._last.clear()
+
+    # ---------------------------------------------------------------- receive
+    def receive_dict(self, update: dict[str, Any]) -> None:
+        """Parse then receive; a malformed body also aborts, since the trainer is already sending."""
+        self._require_ready()
+        try:
+            info = UpdateInfo.from_dict(update)
+        except ValueError as exc:
+            self._fail(exc, "parsing the update info")
+            raise ValueError(f"{exc} (round and communicator aborted)") from exc
+        self.receive(info)
+
+    def receive(self, update: UpdateInfo) -> None:
+        self._require_ready()
+        assert self._link is not None and self._info is not None
+        model, _ = self._target()
+        try:
+            metas, chunks = self._resolve(model, update)
+        except ValueError as exc:
+            self._fail(exc, "resolving the update info")
+            raise ValueError(f"{exc} (round and communicator aborted)") from exc
+        started = time.perf_counter()
+        progress = [-1]  # index of the chunk being received or loaded
+        try:
+            with self._framework.receive_context() if self._framework is not None else nullcontext():
+                for pairs in self._stream(metas, chunks, progress):
+                    model.load_weights(pairs)
+        except BaseException as exc:
+            where = f"at chunk {progress[0] + 1}/{len(chunks)}" if progress[0] >= 0 else "before the first chunk"
+            self._fail(exc, where)
+            raise WeightReceiveError(
+                f"{self.backend}: round failed {where} ({type(exc).__name__}: {exc}); the round was "
+                "aborted and the communicator closed; call init_weight_transfer_engine again"
+            ) from exc
+        self.last_stats = ReceiveStats(len(metas), len(chunks), sum(c.nbytes for c in chunks), time.perf_counter() - started)
+
+    def _stream(
+        self, metas: list[ParamMeta], chunks: list[Chunk], progress: list[int]
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Load batches in order, with up to ``depth`` chunks posted ahead of the one
+        being loaded; ``progress[0]`` tracks the chunk in hand, for error messages."""
+        link = self._link
+        assert link is not None and self._info is not None
+        packed = self._info.packed
+        posted = 0
+        batch: list[tuple[str, torch.Tensor]] = []
+        key: object = object()
+        for i, chunk in enumerate(chunks):
+            progress[0] = i
+            while posted < len(chunks) and posted < i + link.depth:
+                link.post(posted, chunks[posted], metas, packed=packed)
+                posted += 1
+            pairs = unpack_chunk(link.wait(i), metas, chunk)
+            if self._load_batching == "chunk":
+                if pairs:
+                    yield pairs
+                continue
+            # "group": one load_weights call per decoder layer, across chunk edges
+            for name, tensor in pairs:
+                k = layer_key(name)
+                if batch and k != key:
+                    yield batch
+                    batch = []
+                key = k
+                batch.append((name, tensor))
+        if batch:
+            yield batch
+
+    def _resolve(self, model: Any, update: UpdateInfo) -> tuple[list[ParamMeta], list[Chunk]]:
+        assert self._info is not None
+        if update.reuses_previous:
+            cached = self._last.get(id(model))
+            if cached is None or cached[0] is not model:
+                raise ValueError(
+                    f"{self.backend}: update info has empty names/dtype_names/shapes (reuse the previous "
+                    "round's metadata) but this engine has received no round since init"
+                )
+            return cached[1], cached[2]
+        metas = update.metas()
+        chunks = plan(metas, packed=self._info.packed, buffer_size_bytes=self._info.packed_buffer_size_bytes)
+        self._last[id(model)] = (model, metas, chunks)
+        return metas, chunks
+
+    # ---------------------------------------------------------------- failure
+    def _require_ready(self) -> None:
+        if self._link is None:
+            self._raise_not_ready()
+        if not self._active:
+            raise RuntimeError(f"{self.backend}: update_weights called without start_weight_update")
+
+    def _raise_not_ready(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(
+                f"{self.backend}: the communicator was aborted after a failed round ({self._broken}); "
+                "call init_weight_transfer_engine again"
+            )
+        raise RuntimeError(f"{self.backend}: not initialized; call init_weight_transfer_engine first")
+
+    def _fail(self, exc: BaseException, where: str) -> None:
+        self._broken = f"{type(exc).__name__} {where}"
+        link, self._link = self._link, None
+        if link is not None:
+            try:
+                link.abort()
+            except Exception:  # the original error is the one to report
+                log.exception("%s: communicator abort failed", self.backend)
+        self._abort_hooks()
+        self._active = False
+        log.error("%s: round failed %s: %s: %s", self.backend, where, type(exc).__name__, exc)
+
+    def _abort_hooks(self) -> None:
+        model, model_config = self._target()
+        try:
+            _call_hook(model, "abort_round")
+        except Exception:
+            log.exception("%s: model.abort_round failed", self.backend)
+        if self._framework is not None:
+            try:
+                self._framework.abort(model, model_config)
+            except Exception:
+                log.exception("%s: framework abort failed", self.backend)
+
+    def _close_link(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            try:
+                link.close()
+            except Exception:
+                log.exception("%s: communicator close failed; aborting it", self.backend)
+                link.abort()
+
+
+def _call_hook(model: Any, name: str) -> None:
+    hook = getattr(model, name, None)
+    if callable(hook):
+        hook()

@@ -1,0 +1,120 @@
+"""Worker engines for ``weightwire_tcp`` and ``weightwire_nccl``, outside vLLM.
+
+``EngineFacade`` maps vLLM's ``WeightTransferEngine`` method set onto
+``_ReceiverCore``; the standalone classes here (used by the reference server) and the
+vLLM subclasses in ``vllm_engines`` both inherit it, so they behave identically.
+
+Wire params (packed, buffer size, number of buffers, timeout) come from the init
+info only: the trainer sends all of them, so the two sides cannot disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.torch_side.worker.connect import connect_nccl, connect_tcp
+from weightwire.torch_side.worker.core import ReceiveStats, _ReceiverCore
+
+
+class EngineFacade:
+    """vLLM's worker-engine method set, delegated to ``self._core``.
+
+    ``init_info_cls`` / ``update_info_cls`` are the strict ``shared`` parsers: unknown
+    keys, wrong types and out-of-limit values fail the request with a ``ValueError``
+    naming the field before anything is allocated or joined.
+    """
+
+    backend: str
+    init_info_cls: type[TCPInitInfo] | type[WeightwireNCCLInitInfo]
+    update_info_cls = UpdateInfo
+    _core: _ReceiverCore
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        return self.init_info_cls.from_dict(init_dict)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:
+        return UpdateInfo.from_dict(update_dict)
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        if isinstance(init_info, dict):
+            init_info = self.parse_init_info(init_info)
+        self._core.init(init_info)
+
+    def start_weight_update(self) -> None:
+        self._core.start()
+
+    def receive_weights(self, update_info: UpdateInfo) -> None:
+        if not isinstance(update_info, UpdateInfo):
+            raise TypeError(f"receive_weights takes an UpdateInfo, got {type(update_info).__name__}")
+        self._core.receive(update_info)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Parse, receive and load; returns once the new weights are on the device."""
+        self._core.receive_dict(update_info)
+        if self._core.device.type == "cuda":
+            # load_weights may have queued copies; the next forward pass must see them.
+            torch.cuda.current_stream(self._core.device).synchronize()
+
+    def finish_weight_update(self) -> None:
+        self._core.finish()
+
+    def shutdown(self) -> None:
+        self._core.shutdown()
+
+    @property
+    def last_stats(self) -> ReceiveStats | None:
+        """Tensors, chunks, bytes and seconds of the last ``update_weights``."""
+        return self._core.last_stats
+
+
+class _StandaloneEngine(EngineFacade):
+    """An engine loading into any object with ``load_weights`` (e.g. ``HFModelHost``)."""
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        device: torch.device | str | None = None,
+        worker_rank: int = 0,
+        load_batching: str = "chunk",
+    ) -> None:
+        if not callable(getattr(model, "load_weights", None)):
+            raise TypeError(f"model must have a load_weights(list[(name, tensor)]) method, got {type(model).__name__}")
+        self.model = model
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._core = _ReceiverCore(
+            backend=self.backend, device=self.device, target=lambda: (self.model, None),
+            connect=self._connect, info_type=self.init_info_cls, worker_rank=worker_rank,
+            load_batching=load_batching,
+        )
+
+    @classmethod
+    def standalone(
+        cls, *, model: Any, device: torch.device | str | None = None, worker_rank: int = 0, load_batching: str = "chunk"
+    ) -> Any:
+        """The reference server's constructor: ``worker_rank`` is this replica's index
+        among the server's workers (its wire rank is ``rank_offset + worker_rank``)."""
+        return cls(model=model, device=device, worker_rank=worker_rank, load_batching=load_batching)
+
+    @staticmethod
+    def _connect(info: Any, *, rank: int, device: torch.device) -> Any:
+        raise NotImplementedError
+
+
+class WeightwireTCPEngine(_StandaloneEngine):
+    """``weightwire_tcp`` receiver: CPU or GPU worker, TCP data plane."""
+
+    backend = "weightwire_tcp"
+    init_info_cls = TCPInitInfo
+    _connect = staticmethod(connect_tcp)
+
+
+class WeightwireNCCLEngine(_StandaloneEngine):
+    """``weightwire_nccl`` receiver: GPU worker, NCCL data plane via cupy, with timeouts."""
+
+    backend = "weightwire_nccl"
+    init_info_cls = WeightwireNCCLInitInfo
+    _connect = staticmethod(connect_nccl)

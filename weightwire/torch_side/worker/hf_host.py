@@ -1,0 +1,144 @@
+"""``HFModelHost``: a transactional ``load_weights`` over a Hugging Face transformers model.
+
+The reference server's stand-in for vLLM's model: the engine hands it
+``(hf_name, tensor)`` batches during a round; they are *staged*, validated on
+arrival, and copied into the parameters only at ``commit_round``. A round that fails
+midway (``abort_round``) therefore leaves the served weights exactly as they were,
+never a mix of two versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterable
+
+import torch
+
+
+class HFModelHost:
+    """Stages and commits weight rounds into ``hf_model``'s parameters.
+
+    Names are the model's ``named_parameters()`` names (the HF checkpoint names).
+    A tied alias (``lm_head.weight`` when tied to the input embeddings) is accepted
+    and lands in the shared parameter; sending both names in one round is allowed
+    only with identical values.
+
+    A dtype that differs from the parameter's is refused, because a silent cast would
+    make the served weights differ from the trainer's bytes. ``cast_to_param_dtype=True``
+    accepts it and casts at commit (lossy when narrowing, e.g. float32 -> bfloat16).
+
+    ``load_weights`` keeps references to the tensors it is given until the round
+    ends; callers must not reuse their memory meanwhile (the weightwire engines hand
+    over freshly allocated chunk buffers).
+    """
+
+    def __init__(self, hf_model: torch.nn.Module, *, cast_to_param_dtype: bool = False) -> None:
+        if not isinstance(hf_model, torch.nn.Module):
+            raise TypeError(f"HFModelHost needs a torch.nn.Module, got {type(hf_model).__name__}")
+        self.model = hf_model
+        self.cast_to_param_dtype = cast_to_param_dtype
+        self._params: dict[str, torch.nn.Parameter] = dict(hf_model.named_parameters())
+        # alias name -> canonical (first) name of the same Parameter object
+        canonical = {id(p): n for n, p in self._params.items()}
+        self._alias: dict[str, str] = {
+            name: canonical[id(p)] for name, p in hf_model.named_parameters(remove_duplicate=False)
+        }
+        self._tied = any(a != c for a, c in self._alias.items())
+        self._stage: dict[str, torch.Tensor] | None = None
+        self._lock = threading.Lock()
+        self.rounds_committed = 0
+
+    # ------------------------------------------------------------------ round
+    @property
+    def in_round(self) -> bool:
+        return self._stage is not None
+
+    def begin_round(self) -> None:
+        with self._lock:
+            if self._stage is not None:
+                raise RuntimeError("HFModelHost: begin_round while a round is open; commit or abort it first")
+            self._stage = {}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Validate and stage ``(name, tensor)`` pairs; returns the canonical names staged.
+
+        Raises ``ValueError`` naming the tensor for an unknown name, a shape or dtype
+        mismatch, or a conflicting duplicate. The round stays open: the engine
+        decides to abort it.
+        """
+        with self._lock:
+            if self._stage is None:
+                raise RuntimeError("HFModelHost: load_weights outside a round; call begin_round first")
+            staged: set[str] = set()
+            for name, tensor in weights:
+                key = self._check(name, tensor)
+                previous = self._stage.get(key)
+                if previous is not None and not torch.equal(previous, tensor):
+                    raise ValueError(
+                        f"HFModelHost: {name!r} received twice in one round with different values"
+                        + (f" (alias of {key!r})" if key != name else "")
+                    )
+                self._stage[key] = tensor.detach()
+                staged.add(key)
+            return staged
+
+    def _check(self, name: str, tensor: torch.Tensor) -> str:
+        key = self._alias.get(name)
+        if key is None:
+            sample = ", ".join(list(self._params)[:3])
+            raise ValueError(f"HFModelHost: unknown weight name {name!r} (model has {len(self._params)} parameters, e.g. {sample})")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"HFModelHost: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        param = self._params[key]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"HFModelHost: {name!r} has shape {list(tensor.shape)}, the parameter has {list(param.shape)}")
+        if tensor.dtype != param.dtype and not self.cast_to_param_dtype:
+            raise ValueError(
+                f"HFModelHost: {name!r} has dtype {tensor.dtype}, the parameter has {param.dtype}; "
+                "refusing a silent cast (construct HFModelHost(..., cast_to_param_dtype=True) to allow it)"
+            )
+        return key
+
+    def commit_round(self) -> int:
+        """Copy every staged tensor into its parameter; returns how many were applied."""
+        with self._lock:
+            if self._stage is None:
+                raise RuntimeError("HFModelHost: commit_round without begin_round")
+            stage, self._stage = self._stage, None
+            with torch.no_grad():
+                for key, tensor in stage.items():
+                    self._params[key].copy_(tensor)
+                if self._tied:
+                    self._retie()
+            self.rounds_committed += 1
+            return len(stage)
+
+    def abort_round(self) -> None:
+        """Drop the staged tensors; the parameters are untouched. Safe without a round."""
+        with self._lock:
+            self._stage = None
+
+    def _retie(self) -> None:
+        # copy_ writes into the shared Parameter, so ties survive; this guards
+        # against code that replaced one side of a tie with a new Parameter.
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            key = self._alias.get(name)
+            if key is not None and param is not self._params[key] and hasattr(self.model, "tie_weights"):
+                self.model.tie_weights()
+                return
+
+    # ------------------------------------------------------------- inspection
+    def param_names(self) -> list[str]:
+        return list(self._params)
+
+    def state_checksums(self) -> dict[str, str]:
+        """``{hf_name: sha256 hex of the parameter's raw C-order bytes}`` (tied aliases once)."""
+        with self._lock:
+            return {name: tensor_sha256(p) for name, p in self._params.items()}
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's raw little-endian C-order bytes (any dtype, bf16 included)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()

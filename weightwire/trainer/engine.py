@@ -1,0 +1,344 @@
+"""``TrainerEngine``: the round driver both framework engines share.
+
+Lifecycle (every trainer rank calls each step; only rank 0 touches the wire):
+
+1. ``trainer_init``: read the server version (feature gates) and world size; open the
+   backend's rendezvous; POST the worker init info on a side thread while rank 0
+   joins; warm up; then check the POST. The wire params ride in that init info.
+2. ``send_weights``: [pause] -> ``start_weight_update`` -> ``update_weights`` on a side
+   thread *concurrently with* the broadcasts (workers receive inside that request) ->
+   ``finish_weight_update(version)`` -> [resume] -> [verify]. Other ranks only iterate
+   the source, so they stay in any trainer-side gathers.
+3. ``shutdown``: tell the servers, close the communicator.
+
+Failure rules, each preventing a hang or a misleading error: a failed update POST
+aborts the communicator so a broadcast blocked on a worker that gave up returns at
+once; the side thread is never joined on an error path; when the data plane failed
+only because the server rejected the round, the server's error is raised (it names
+the real cause), not the secondary transfer error. A round that failed after the
+first broadcast leaves the communicator aborted: the engine refuses further rounds.
+
+Framework engines implement only ``describe``, ``host_bytes``, ``device_packer`` (and
+may override ``tensor_sha256`` / ``prefetch_host``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from abc import ABC, abstractmethod
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Self
+
+import numpy as np
+
+from weightwire.control.fanout import spawn
+from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.framing import Chunk, plan
+from weightwire.shared.info import UpdateInfo
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.source import WeightSource, checked_iter
+from weightwire.shared.version import ServerFeatures
+from weightwire.trainer.backends import get_backend
+from weightwire.trainer.info import TrainerInitInfo
+from weightwire.trainer.metrics import PhaseClock, RoundMetrics
+from weightwire.trainer.packing import DevicePacker, DevicePipeline, HostPipeline, chunked
+from weightwire.trainer.verify import compare_checksums
+
+logger = logging.getLogger("weightwire.trainer")
+
+_GRACE_S = 2.0
+"""How long a failed data plane waits for the server's verdict before raising its own
+(a worker that failed answers its request within milliseconds)."""
+
+
+class EngineBroken(RuntimeError):
+    """A previous round failed mid-transfer; the communicator is aborted."""
+
+
+class TrainerEngine(ABC):
+    """Shared trainer-side engine; see the module docstring for the protocol."""
+
+    # -- framework hooks ------------------------------------------------------------
+
+    @abstractmethod
+    def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
+        """``(wire dtype name, shape)`` of a yielded tensor."""
+
+    @abstractmethod
+    def host_bytes(self, tensor: Any) -> np.ndarray:
+        """The tensor's C-order little-endian bytes as a flat ``uint8`` host array."""
+
+    def prefetch_host(self, tensors: list[Any]) -> None:
+        """Start device-to-host copies of a chunk before ``host_bytes`` is called."""
+        return None
+
+    def device_packer(self, device: int | None) -> DevicePacker:
+        raise NotImplementedError(f"{type(self).__name__} cannot pack on a device")
+
+    def tensor_sha256(self, tensor: Any) -> str:
+        return hashlib.sha256(memoryview(self.host_bytes(tensor))).hexdigest()
+
+    # -- construction ------------------------------------------------------------------
+
+    def __init__(self, init_info: TrainerInitInfo, *, client: Any, source: WeightSource) -> None:
+        self.info = init_info
+        self.client = client
+        self.source = source
+        self.features: ServerFeatures | None = None
+        self._backend = get_backend(init_info.backend)
+        self._comm: Any = None
+        self._pipeline: HostPipeline | DevicePipeline | None = None
+        self._sent_metas: list[ParamMeta] | None = None
+        self._rounds = 0
+        self._broken: BaseException | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        role = "sender" if self.info.is_sender else f"rank {self.info.rank}"
+        return f"{type(self).__name__}(backend={self.info.backend!r}, {role}, rounds={self._rounds})"
+
+    @classmethod
+    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: WeightSource | None = None) -> Self:
+        """Rendezvous with the inference side (rank 0) and return a ready engine."""
+        if not isinstance(init_info, TrainerInitInfo):
+            raise TypeError(f"init_info must be a TrainerInitInfo, got {type(init_info).__name__}")
+        if not isinstance(source, WeightSource):
+            raise TypeError(f"{cls.__name__} needs a WeightSource, got {type(source).__name__}")
+        engine = cls(init_info, client=client, source=source)
+        if init_info.is_sender:
+            engine._check_client()
+            engine._connect()
+        return engine
+
+    def _check_client(self) -> None:
+        needed = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"]
+        if self.info.verify:
+            needed.append("weight_checker")
+        if self.info.pause_mode is not None:
+            needed += ["pause", "resume"]
+        if self.info.server_version is None:
+            needed.append("version")
+        if self.info.inference_world_size is None:
+            needed.append("get_world_size")
+        missing = [m for m in needed if not callable(getattr(self.client, m, None))]
+        if missing:
+            raise TypeError(
+                f"client {type(self.client).__name__} lacks {', '.join(missing)} (give server_version / "
+                "inference_world_size in TrainerInitInfo, or drop verify / pause_mode)"
+            )
+
+    def _connect(self) -> None:
+        t = self.info.timeouts
+        version = self.info.server_version or self.client.version()
+        self.features = ServerFeatures.for_version(version)
+        self._backend.check_server(self.features)
+        world = self.info.inference_world_size or self.client.get_world_size()
+        # Made before any rendezvous so a trainer without a usable device fails here,
+        # not after the workers joined.
+        packer = self.device_packer(self.info.device) if self._backend.on_device else None
+        rdv = self._backend.open(self.info, world_size=1 + world)
+        post = spawn(lambda: self.client.init_weight_transfer_engine(rdv.payload), name="weightwire-init")
+        post.add_done_callback(lambda f: rdv.cancel() if f.exception() is not None else None)
+        join = spawn(lambda: rdv.join(timeout=t.connect_s), name="weightwire-join")
+        logger.info("rendezvous: backend=%s world_size=%d server=%s", self.info.backend, 1 + world, version)
+        done, _ = wait([post, join], timeout=t.connect_s + _GRACE_S, return_when=FIRST_EXCEPTION)
+        if post in done and post.exception() is not None:
+            join.add_done_callback(_abort_late)  # rank 0 may still join later; release it then
+            raise post.exception()  # type: ignore[misc]
+        if join not in done:
+            join.add_done_callback(_abort_late)
+            rdv.cancel()
+            raise TransferTimeout(f"rank 0 rendezvous ({self.info.backend}) did not complete within {t.connect_s} s")
+        try:
+            comm = join.result()
+        except BaseException as exc:
+            raise _real_cause(exc, post) from None
+        try:
+            comm.warmup(timeout=t.warmup_s)
+            post.result(timeout=t.http_s)
+            if self._backend.on_device:
+                assert packer is not None
+                hold = self.info.packed_buffer_size_bytes * self.info.packed_num_buffers
+                self._pipeline = DevicePipeline(comm, packer, num_buffers=self.info.packed_num_buffers,
+                                                timeout=t.transfer_s, hold_bytes=hold)
+            else:
+                self._pipeline = HostPipeline(comm, self.host_bytes, num_buffers=self.info.packed_num_buffers,
+                                              timeout=t.transfer_s, prefetch=self.prefetch_host)
+        except BaseException as exc:
+            comm.abort()
+            if isinstance(exc, FutureTimeout):
+                raise TransferTimeout(f"init_weight_transfer_engine did not return within {t.http_s} s") from None
+            raise _real_cause(exc, post) from None
+        self._comm = comm
+
+    # -- a round -----------------------------------------------------------------------------
+
+    def send_weights(self, weight_version: str | None = None) -> RoundMetrics:
+        """Push the source's current weights; every trainer rank calls this.
+
+        Returns once every worker loaded the round and (rank 0) the servers committed
+        ``weight_version`` (default: ``"1"``, ``"2"``, ... per successful round).
+        """
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} was shut down")
+        if self._broken is not None:
+            raise EngineBroken(
+                f"a previous round failed ({type(self._broken).__name__}: {self._broken}); "
+                "call shutdown() and trainer_init() again"
+            ) from self._broken
+        clock = PhaseClock()
+        with clock("metadata"):
+            metas = self.source.metadata()
+        if not self.info.is_sender:
+            with clock("transfer"):
+                for _ in self.source:
+                    pass
+            return RoundMetrics(None, 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
+        version = str(self._rounds + 1) if weight_version is None else weight_version
+        if not isinstance(version, str) or not version:
+            raise ValueError(f"weight_version must be a non-empty str, got {weight_version!r}")
+        metrics = self._sender_round(metas, version, clock)
+        self._rounds += 1
+        logger.info("%s", metrics.summary())
+        return metrics
+
+    def _sender_round(self, metas: list[ParamMeta], version: str, clock: PhaseClock) -> RoundMetrics:
+        assert self.features is not None and self._comm is not None
+        with clock("metadata"):
+            reuse = self.features.reuse_metadata and self._sent_metas is not None and metas == self._sent_metas
+            payload = (UpdateInfo() if reuse else UpdateInfo.from_metas(metas)).to_dict()
+            chunks = plan(metas, packed=self.info.packed, buffer_size_bytes=self.info.packed_buffer_size_bytes)
+        digests: dict[str, str] | None = {} if self.info.verify else None
+        paused = False
+        try:
+            with clock("control"):
+                if self.info.pause_mode is not None:
+                    self.client.pause(self.info.pause_mode)
+                    paused = True
+                self.client.start_weight_update()
+            self._sent_metas = None  # until finish succeeds, the worker's copy is unknown
+            with clock("transfer"):
+                nbytes, count = self._transfer(payload, metas, chunks, digests)
+            with clock("finish"):
+                self.client.finish_weight_update(version)
+                self._sent_metas = metas
+                if paused:
+                    paused = False
+                    self.client.resume()
+        finally:
+            if paused:
+                _best_effort_resume(self.client)
+        if digests is not None:
+            with clock("verify"):
+                compare_checksums(digests, self.client.weight_checker("checksum"))
+        return RoundMetrics(version, nbytes, len(metas), count, reuse, seconds=clock.seconds)
+
+    def _transfer(self, payload: dict[str, Any], metas: list[ParamMeta], chunks: list[Chunk],
+                  digests: dict[str, str] | None) -> tuple[int, int]:
+        comm, pipeline, t = self._comm, self._pipeline, self.info.timeouts
+        stop = threading.Event()
+
+        def on_update_done(future: Future) -> None:
+            if future.exception() is not None:
+                # The workers gave up on this round: nothing will ever receive the
+                # pending broadcast, so unblock it now instead of at its timeout.
+                stop.set()
+                comm.abort()
+
+        update = spawn(lambda: self.client.update_weights(payload), name="weightwire-update")
+        update.add_done_callback(on_update_done)
+        pairs = checked_iter(self.source, metas, self.describe)
+        if digests is not None:
+            pairs = _tap(pairs, digests, self.tensor_sha256)
+        prepared = chunked(pairs, chunks)
+        try:
+            if isinstance(pipeline, DevicePipeline):
+                sent = pipeline.send_packed(prepared, stop) if self.info.packed else pipeline.send_unpacked(prepared, metas, stop)
+            else:
+                assert pipeline is not None
+                sent = pipeline.send(prepared, stop)
+            update.result(timeout=t.http_s)
+            return sent
+        except BaseException as exc:
+            stop.set()
+            self._broken = exc
+            comm.abort()
+            if isinstance(exc, FutureTimeout):
+                raise TransferTimeout(f"update_weights did not return within {t.http_s} s after the last broadcast") from None
+            cause = _real_cause(exc, update)
+            if cause is exc:
+                raise
+            self._broken = cause
+            raise cause from None
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Release the servers' engines and close the communicator (idempotent).
+
+        The server call runs concurrently with the local close: neither side's
+        teardown may wait on the other's.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        comm, self._comm, self._pipeline = self._comm, None, None
+        if comm is None:
+            return
+        post: Future | None = None
+        if self.features is not None and self.features.shutdown_route and hasattr(self.client, "shutdown_weight_transfer_engine"):
+            post = spawn(self.client.shutdown_weight_transfer_engine, name="weightwire-shutdown")
+        if self._broken is not None:
+            comm.abort()
+        else:
+            comm.close()
+        if post is not None:
+            post.result(timeout=self.info.timeouts.http_s)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _tap(pairs: Any, digests: dict[str, str], sha: Any) -> Any:
+    for name, tensor in pairs:
+        digests[name] = sha(tensor)
+        yield name, tensor
+
+
+def _real_cause(exc: BaseException, post: Future) -> BaseException:
+    """The server's error when the data plane failed because the server gave up.
+
+    A transfer error right after a rejected POST is a consequence; the POST's answer
+    (route, status, server message) says why. Waits briefly for that answer.
+    """
+    if isinstance(exc, TransferError):
+        try:
+            post.exception(timeout=_GRACE_S)
+        except FutureTimeout:
+            return exc
+    if post.done() and post.exception() is not None and isinstance(exc, TransferError):
+        cause = post.exception()
+        assert cause is not None
+        cause.add_note(f"the data plane then failed: {type(exc).__name__}: {exc}")
+        return cause
+    return exc
+
+
+def _abort_late(join: Future) -> None:
+    if join.exception() is None:
+        join.result().abort()
+
+
+def _best_effort_resume(client: Any) -> None:
+    # Called only on a failure path: the round's own error is what the caller must
+    # see, so a resume failure is logged, not raised.
+    try:
+        client.resume()
+    except Exception as exc:
+        logger.warning("resume after a failed round also failed: %s", exc)

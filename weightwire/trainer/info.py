@@ -1,0 +1,82 @@
+"""``TrainerInitInfo``: how a caller configures a trainer engine.
+
+The wire params (``packed``, buffer size, number of buffers) travel to the workers
+inside the init info the engine posts, so trainer and worker cannot frame a round
+differently. Everything is validated at construction, on every trainer rank, before
+any rendezvous starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
+from weightwire.shared.limits import LIMITS
+from weightwire.shared.routes import PAUSE_MODES
+from weightwire.shared.timeouts import DEFAULT_TIMEOUTS, Timeouts
+
+BACKENDS = ("nccl", "weightwire_nccl", "weightwire_tcp")
+"""Built-in backends; ``trainer.backends.register_backend`` may add more."""
+
+
+@dataclass(kw_only=True)
+class TrainerInitInfo:
+    """Trainer-side configuration.
+
+    - ``backend``: ``nccl`` (stock vLLM dense NCCL, unique-id rendezvous, vLLM >= 0.30),
+      ``weightwire_nccl`` (the same plus a worker-side timeout; needs the weightwire
+      plugin), ``weightwire_tcp`` (no GPU needed; needs the plugin).
+    - ``rank``: this trainer process's rank; rank 0 sends, the others only iterate the
+      source so they stay in the trainer-side gathers (FSDP ``full_tensor``).
+    - ``packed`` / ``packed_buffer_size_bytes`` / ``packed_num_buffers``: wire params.
+    - ``tcp_bind_host`` / ``tcp_advertise_host``: where the TCP rendezvous listens and
+      the address workers dial (set it when workers are on other hosts).
+    - ``device``: CUDA ordinal of the NCCL sender (``None``: the current device).
+    - ``pause_mode``: pause generation around every round (``keep``/``wait``/``abort``).
+    - ``verify``: after each round, compare the servers' per-tensor sha256 with what
+      was sent (costs a host copy of every tensor; a debugging aid).
+    - ``server_version`` / ``inference_world_size``: for clients that cannot ask the
+      server (a custom adapter with only the four calls).
+    """
+
+    backend: str = "nccl"
+    rank: int = 0
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    timeouts: Timeouts = DEFAULT_TIMEOUTS
+    tcp_bind_host: str = "127.0.0.1"
+    tcp_advertise_host: str | None = None
+    device: int | None = None
+    pause_mode: str | None = None
+    verify: bool = False
+    server_version: str | None = None
+    inference_world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        from weightwire.trainer.backends import backend_names  # noqa: PLC0415  (registry imports this module)
+
+        if self.backend not in backend_names():
+            raise ValueError(f"unknown backend {self.backend!r}; known: {', '.join(backend_names())}")
+        if type(self.rank) is not int or self.rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {self.rank!r}")
+        if type(self.packed) is not bool:
+            raise ValueError(f"packed must be a bool, got {self.packed!r}")
+        size, count = self.packed_buffer_size_bytes, self.packed_num_buffers
+        if type(size) is not int or not 1 <= size <= LIMITS.max_buffer_size_bytes:
+            raise ValueError(f"packed_buffer_size_bytes must be an int in [1, {LIMITS.max_buffer_size_bytes}], got {size!r}")
+        if type(count) is not int or not 1 <= count <= LIMITS.max_num_buffers:
+            raise ValueError(f"packed_num_buffers must be an int in [1, {LIMITS.max_num_buffers}], got {count!r}")
+        if not isinstance(self.timeouts, Timeouts):
+            raise ValueError(f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}")
+        if self.pause_mode is not None and self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be None or one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        if self.device is not None and (type(self.device) is not int or self.device < 0):
+            raise ValueError(f"device must be a CUDA ordinal (int >= 0) or None, got {self.device!r}")
+        world = self.inference_world_size
+        if world is not None and (type(world) is not int or not 1 <= world < LIMITS.max_world_size):
+            raise ValueError(f"inference_world_size must be a positive int, got {world!r}")
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == 0

@@ -1,0 +1,267 @@
+"""Loopback control shim: drive a standalone worker engine without HTTP.
+
+For GPU tests and benchmarks on machines without fastapi/uvicorn: a receiver process
+hosts one weightwire worker engine (``WeightwireNCCLEngine`` / ``WeightwireTCPEngine``)
+loading into a ``TensorStoreHost``, and answers the weight-sync calls over a local
+socket; ``LoopbackClient`` speaks the same calls as ``HTTPWeightSyncClient``, so a
+trainer engine cannot tell the difference.
+
+Protocol: one request per connection, one JSON line each way (no pickle):
+``{"op": "<route name>", "body": {...}}`` -> ``{"ok": true, "result": ...}`` or
+``{"ok": false, "status": 400|500, "error": "..."}``.
+
+Run a receiver::
+
+    python -m weightwire.trainer.loopback --backend weightwire_nccl --device cuda:0
+
+It prints ``weightwire loopback ready on HOST:PORT``; ``spawn_loopback`` starts one
+and waits for that line. Only this module's ``serve`` imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from weightwire.control.errors import WeightSyncError
+
+READY = "weightwire loopback ready on "
+LOOPBACK_VERSION = "0.33.0+weightwire.loopback"
+_MAX_LINE = 256 << 20  # an update info for a very large model is a few MB of JSON
+
+
+def _send_line(sock: socket.socket, obj: Any) -> None:
+    sock.sendall(json.dumps(obj).encode() + b"\n")
+
+
+def _recv_line(sock: socket.socket) -> Any:
+    with sock.makefile("rb") as f:
+        line = f.readline(_MAX_LINE + 1)
+    if not line.endswith(b"\n"):
+        raise ValueError("loopback peer closed the connection or sent an over-long line")
+    return json.loads(line)
+
+
+class LoopbackClient:
+    """Client half: the ``HTTPWeightSyncClient`` call set over the loopback socket."""
+
+    def __init__(self, address: str, *, timeout: float = 300.0) -> None:
+        host, _, port = address.rpartition(":")
+        self.address, self._host, self._port, self.timeout = address, host, int(port), timeout
+
+    def __repr__(self) -> str:
+        return f"LoopbackClient({self.address!r})"
+
+    def call(self, op: str, body: Mapping[str, Any] | None = None) -> Any:
+        try:
+            with socket.create_connection((self._host, self._port), timeout=self.timeout) as sock:
+                _send_line(sock, {"op": op, "body": dict(body or {})})
+                reply = _recv_line(sock)
+        except (OSError, ValueError) as exc:
+            raise WeightSyncError(op, None, f"{type(exc).__name__}: {exc}", self.address) from None
+        if not reply.get("ok"):
+            raise WeightSyncError(op, reply.get("status", 500), str(reply.get("error")), self.address)
+        return reply.get("result")
+
+    def version(self) -> str:
+        return self.call("version")["version"]
+
+    def get_world_size(self) -> int:
+        return int(self.call("get_world_size")["world_size"])
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.call("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.call("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.call("finish_weight_update", {} if weight_version is None else {"weight_version": weight_version})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.call("shutdown_weight_transfer_engine")
+
+    def weight_info(self) -> list[dict[str, Any]]:
+        return [self.call("weight_info")]
+
+    def weight_checker(self, action: str, baseline: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        return [self.call("weight_checker", {"action": action, "baseline": baseline})]
+
+    def pause(self, mode: str = "keep") -> None:
+        self.call("pause", {"mode": mode})
+
+    def resume(self) -> None:
+        self.call("resume")
+
+    def stats(self) -> dict[str, Any] | None:
+        """The receiver's last ``update_weights`` statistics (tensors, bytes, seconds)."""
+        return self.call("stats")
+
+    def exit(self) -> None:
+        self.call("exit")
+
+
+def spawn_loopback(backend: str, device: str, *, env: Mapping[str, str] | None = None,
+                   timeout: float = 120.0) -> tuple[subprocess.Popen, LoopbackClient]:
+    """Start a receiver process and return it with a connected client (kill it when done)."""
+    cmd = [sys.executable, "-m", "weightwire.trainer.loopback", "--backend", backend, "--device", device]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+    found: list[str] = []
+    seen: list[str] = []
+
+    def scan() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith(READY) and not found:
+                found.append(line[len(READY):].strip())
+        # keep draining so the child never blocks on a full pipe
+
+    threading.Thread(target=scan, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not found and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not found:
+        proc.kill()
+        raise RuntimeError(f"loopback receiver did not start within {timeout} s:\n{''.join(seen)[-4000:]}")
+    return proc, LoopbackClient(found[0])
+
+
+# ----------------------------------------------------------------------------- receiver
+
+
+class TensorStoreHost:
+    """A model stand-in: keeps every received tensor (a copy) by name, per round.
+
+    Staged per round (``begin_round`` / ``commit_round`` / ``abort_round``) like the
+    reference server's host, so a failed round leaves the previous weights intact.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, Any] = {}
+        self._staged: dict[str, Any] | None = None
+
+    def begin_round(self) -> None:
+        self._staged = {}
+
+    def load_weights(self, weights: Any) -> set[str]:
+        target = self.tensors if self._staged is None else self._staged
+        names = set()
+        for name, tensor in weights:
+            target[name] = tensor.detach().clone()  # the engine may reuse its receive buffer
+            names.add(name)
+        return names
+
+    def commit_round(self) -> int:
+        staged, self._staged = self._staged or {}, None
+        self.tensors.update(staged)
+        return len(staged)
+
+    def abort_round(self) -> None:
+        self._staged = None
+
+    def state_checksums(self) -> dict[str, str]:
+        from weightwire.torch_side.worker.hf_host import tensor_sha256  # noqa: PLC0415
+
+        return {name: tensor_sha256(t) for name, t in self.tensors.items()}
+
+
+def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    import torch  # noqa: PLC0415
+
+    from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine  # noqa: PLC0415
+
+    engine_cls = WeightwireTCPEngine if backend == "weightwire_tcp" else WeightwireNCCLEngine
+    store = TensorStoreHost()
+    engine = engine_cls.standalone(model=store, device=torch.device(device))
+    state: dict[str, Any] = {"version": "default", "paused": False}
+    lock, done = threading.Lock(), threading.Event()
+
+    def run(op: str, body: dict[str, Any]) -> Any:
+        if op == "version":
+            return {"version": LOOPBACK_VERSION}
+        if op == "get_world_size":
+            return {"world_size": 1}
+        if op in ("pause", "resume"):
+            state["paused"] = op == "pause"
+            return {"status": op}
+        if op == "weight_info":
+            return {"weight_version": state["version"]}
+        if op == "exit":
+            done.set()
+            return None
+        with lock:  # session calls are serialized, as a worker's RPC queue would
+            if op == "init_weight_transfer_engine":
+                engine.init_transfer_engine(engine.parse_init_info(body["init_info"]))
+            elif op == "start_weight_update":
+                engine.start_weight_update()
+            elif op == "update_weights":
+                engine.update_weights(body["update_info"])
+            elif op == "finish_weight_update":
+                engine.finish_weight_update()
+                if body.get("weight_version") is not None:
+                    state["version"] = body["weight_version"]
+            elif op == "shutdown_weight_transfer_engine":
+                engine.shutdown()
+            elif op == "weight_checker":
+                return {"checksums": store.state_checksums()}
+            elif op == "stats":
+                stats = engine.last_stats
+                return None if stats is None else {k: v for k, v in vars(stats).items() if isinstance(v, (int, float, str))}
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        return None
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            try:
+                request = _recv_line(conn)
+                result = run(str(request["op"]), request.get("body") or {})
+                reply = {"ok": True, "result": result}
+            except (ValueError, KeyError, TypeError) as exc:
+                reply = {"ok": False, "status": 400, "error": f"{type(exc).__name__}: {exc}"}
+            except Exception as exc:
+                reply = {"ok": False, "status": 500, "error": f"{type(exc).__name__}: {exc}"}
+            try:
+                _send_line(conn, reply)
+            except OSError:
+                pass
+
+    listener = socket.create_server((host, port))
+    listener.settimeout(0.2)
+    print(f"{READY}{host}:{listener.getsockname()[1]}", flush=True)
+    with listener:
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+    engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=("weightwire_nccl", "weightwire_tcp", "nccl"), required=True)
+    parser.add_argument("--device", default="cpu", help="torch device of the receiver, e.g. cuda:0")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    serve(args.backend, args.device, host=args.host, port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""``RoundMetrics``: what one ``send_weights`` moved and where its time went."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RoundMetrics:
+    """One round, as seen by this trainer rank.
+
+    Phases (seconds): ``metadata`` (declare the round, build the update info),
+    ``control`` (pause + ``start_weight_update``), ``transfer`` (broadcasts and the
+    concurrent ``update_weights`` until every worker loaded), ``finish``
+    (``finish_weight_update`` + resume), ``verify`` (checksum comparison, if on).
+    ``gbps`` is payload bytes over the transfer phase, in GB/s (1e9). A non-sender
+    rank reports ``sender=False`` and only its iteration time under ``transfer``.
+    """
+
+    version: str | None
+    nbytes: int
+    tensors: int
+    chunks: int
+    reused_metadata: bool
+    sender: bool = True
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def gbps(self) -> float:
+        seconds = self.seconds.get("transfer", 0.0)
+        return self.nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        """One log line (no names, no secrets)."""
+        phases = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.seconds.items())
+        reuse = " reused-metadata" if self.reused_metadata else ""
+        return (
+            f"round {self.version}: {self.tensors} tensors, {self.nbytes / 1e6:.1f} MB in {self.chunks} "
+            f"broadcasts, {self.gbps:.2f} GB/s{reuse}; {phases} total={self.total_seconds * 1e3:.1f}ms"
+        )
+
+
+class PhaseClock:
+    """Accumulates wall time per phase: ``with clock("transfer"): ...``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._name: str | None = None
+        self._start = 0.0
+
+    def __call__(self, name: str) -> PhaseClock:
+        self._name = name
+        return self
+
+    def __enter__(self) -> PhaseClock:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._name is not None
+        self.seconds[self._name] = self.seconds.get(self._name, 0.0) + time.perf_counter() - self._start
+        self._name = None

@@ -1,0 +1,204 @@
+"""Rank 0's data path: cut a round into broadcasts and keep the wire busy.
+
+Two pipelines, both fed ``(Chunk, tensors)`` pairs in plan order (``chunked``):
+
+- ``HostPipeline`` (TCP): the caller's thread turns chunk k+1 into host bytes while a
+  sender thread broadcasts chunk k. At most ``num_buffers`` chunks exist as host
+  bytes at once. A chunk goes out as its list of parts (one logical buffer, no
+  concatenation copy).
+- ``DevicePipeline`` (NCCL): chunk k is packed into a fresh device buffer by the
+  framework's ``DevicePacker`` and its broadcast is enqueued on stream
+  ``k % num_buffers``, so packing k+1 overlaps broadcasting k. The host waits only
+  when a stream slot comes round again (for the chunk ``num_buffers`` back) and at
+  the final drain; every wait goes through ``comm.synchronize`` with a timeout.
+
+Framework code lives behind two hooks: ``host_bytes(tensor)`` and ``DevicePacker``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.dtypes import wire_dtype
+from weightwire.shared.framing import Chunk
+from weightwire.shared.meta import ParamMeta
+
+Prepared = tuple[Chunk, list[Any]]
+HostBytes = Callable[[Any], np.ndarray]
+
+
+class RoundAborted(TransferError):
+    """The round was stopped from outside (the update POST failed) between broadcasts."""
+
+
+def chunked(pairs: Iterable[tuple[str, Any]], chunks: Sequence[Chunk]) -> Iterator[Prepared]:
+    """Group a checked ``(name, tensor)`` stream by the round's plan.
+
+    After the last chunk the stream is pulled once more, so ``checked_iter``'s end
+    check (an extra or a missing tensor) fires before the round is declared done.
+    """
+    it = iter(pairs)
+    for chunk in chunks:
+        tensors = [tensor for _, tensor in itertools.islice(it, len(chunk))]
+        yield chunk, tensors
+    next(it, None)
+
+
+class HostPipeline:
+    """Host-byte broadcasts with one chunk in preparation while another is sent."""
+
+    def __init__(self, comm: Any, host_bytes: HostBytes, *, num_buffers: int, timeout: float,
+                 prefetch: Callable[[list[Any]], None] | None = None) -> None:
+        self._comm = comm
+        self._host_bytes = host_bytes
+        self._depth = max(1, num_buffers - 1)  # queued chunks; one more is on the wire
+        self._timeout = timeout
+        self._prefetch = prefetch
+
+    def send(self, prepared: Iterable[Prepared], stop: threading.Event) -> tuple[int, int]:
+        """Broadcast every chunk; returns ``(bytes, broadcasts)`` once all were sent."""
+        work: queue.Queue[list[np.ndarray] | None] = queue.Queue(maxsize=self._depth)
+        failure: list[BaseException] = []
+        thread = threading.Thread(target=self._sender, args=(work, stop, failure), name="weightwire-send", daemon=True)
+        thread.start()
+        nbytes = count = 0
+        try:
+            for chunk, tensors in prepared:
+                if self._prefetch is not None:
+                    self._prefetch(tensors)
+                parts = [self._host_bytes(t) for t in tensors]
+                got = sum(p.nbytes for p in parts)
+                if got != chunk.nbytes:
+                    raise ValueError(f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}")
+                self._put(work, parts, stop, failure)
+                nbytes, count = nbytes + got, count + 1
+            self._put(work, None, stop, failure)
+            # Each queued broadcast is bounded by its own timeout; this only guards the thread.
+            thread.join(self._timeout * (self._depth + 1) + 5.0)
+            if thread.is_alive():
+                raise TransferTimeout(f"host sender did not drain within {self._timeout * (self._depth + 1):.0f} s")
+        except BaseException:
+            stop.set()
+            if failure:  # the sender's error is the cause; ours is a consequence
+                raise failure[0] from None
+            raise
+        if failure:
+            raise failure[0]
+        return nbytes, count
+
+    def _put(self, work: queue.Queue, item: Any, stop: threading.Event, failure: list[BaseException]) -> None:
+        while True:
+            if failure:
+                raise failure[0]
+            if stop.is_set():
+                raise RoundAborted("round stopped while chunks were still queued")
+            try:
+                work.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def _sender(self, work: queue.Queue, stop: threading.Event, failure: list[BaseException]) -> None:
+        try:
+            while not stop.is_set():
+                try:
+                    parts = work.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if parts is None:
+                    return
+                self._comm.broadcast(parts, root=0, timeout=self._timeout)
+        except BaseException as exc:
+            failure.append(exc)
+            stop.set()
+
+
+class DevicePacker(ABC):
+    """Framework hook for the NCCL path. Buffers are cupy arrays on the comm's device;
+    "stream-ordered" means: safe to read by later work enqueued on ``stream``, with no
+    host synchronization."""
+
+    @abstractmethod
+    def new_stream(self) -> Any:
+        """A cupy stream (``Stream`` or ``ExternalStream``) on the sender's device."""
+
+    @abstractmethod
+    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any) -> Any:
+        """A fresh ``uint8`` buffer of ``nbytes``: the tensors' C-order bytes back to
+        back, stream-ordered on ``stream``; it stays valid while referenced."""
+
+    @abstractmethod
+    def wire(self, tensor: Any, stream: Any) -> Any:
+        """A buffer holding one tensor's bytes (zero-copy where possible), stream-ordered."""
+
+
+class DevicePipeline:
+    """Device-buffer broadcasts on ``num_buffers`` rotating streams.
+
+    Streams are created once per engine: a caching allocator keys freed blocks by
+    stream, so fresh streams every round would strand memory. Buffers in flight are
+    held on ``self`` until their stream is known complete, also across an error (the
+    caller aborts the communicator, which stops the kernels that read them).
+    """
+
+    def __init__(self, comm: Any, packer: DevicePacker, *, num_buffers: int, timeout: float, hold_bytes: int) -> None:
+        self._comm = comm
+        self._packer = packer
+        self._timeout = timeout
+        self._hold_bytes = hold_bytes
+        self._streams = [packer.new_stream() for _ in range(num_buffers)]
+        self._in_flight: list[list[Any]] = [[] for _ in range(num_buffers)]
+
+    def _sync(self, slot: int) -> None:
+        self._comm.synchronize(self._streams[slot], timeout=self._timeout)
+        self._in_flight[slot].clear()
+
+    def drain(self) -> None:
+        for slot in range(len(self._streams)):
+            self._sync(slot)
+
+    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event) -> tuple[int, int]:
+        n = len(self._streams)
+        nbytes = count = 0
+        for k, (chunk, tensors) in enumerate(prepared):
+            if stop.is_set():
+                raise RoundAborted("round stopped between chunks")
+            slot = k % n
+            if self._in_flight[slot]:
+                self._sync(slot)  # the chunk n back on this stream: its buffer may now be dropped
+            stream = self._streams[slot]
+            buf = self._packer.pack(tensors, chunk.nbytes, stream)
+            self._in_flight[slot].append((buf, tensors))
+            self._comm.broadcast(buf, root=0, timeout=self._timeout, stream=stream)
+            nbytes, count = nbytes + chunk.nbytes, count + 1
+        self.drain()
+        return nbytes, count
+
+    def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event) -> tuple[int, int]:
+        """One broadcast per tensor with its own NCCL dtype (what a stock vLLM worker posts)."""
+        stream, held = self._streams[0], 0
+        nbytes = count = 0
+        for chunk, tensors in prepared:
+            if stop.is_set():
+                raise RoundAborted("round stopped between tensors")
+            meta = metas[chunk.start]
+            buf = self._packer.wire(tensors[0], stream)
+            self._in_flight[0].append((buf, tensors))
+            self._comm.broadcast_typed(buf, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel,
+                                       root=0, timeout=self._timeout, stream=stream)
+            held += meta.nbytes
+            nbytes, count = nbytes + meta.nbytes, count + 1
+            if held > self._hold_bytes:  # bounds memory held by per-tensor temporaries (casts)
+                self._sync(0)
+                held = 0
+        self.drain()
+        return nbytes, count
+

@@ -1,0 +1,424 @@
+"""NCCL data plane through CuPy's NCCL binding (imported lazily; any CuPy wheel name).
+
+Ranks join one communicator from a 128-byte unique id, run the one-element float32
+SUM all-reduce a vLLM worker issues right after init, then broadcast device buffers.
+NCCL has no timeouts (init waits forever for a missing peer, a collective spins
+forever on a dead one), so every wait here is bounded:
+
+* ``join`` runs the blocking init in a daemon thread and gives up after ``timeout``.
+  CuPy 14's ``NcclConfig`` has no ``blocking`` field, so a stuck init cannot be
+  interrupted: the thread stays parked in NCCL (a bootstrap socket, no GPU work) and
+  a communicator that a late peer still completes is aborted at once.
+* ``synchronize`` polls an event; on timeout or an async NCCL error it calls
+  ``ncclCommAbort`` (the spinning kernels exit) and raises.
+
+One thread drives a communicator; ``abort()`` may come from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES
+from weightwire.shared.timeouts import Timeouts
+from weightwire.transport.nccl_buffers import DeviceBytes, event_done, resolve_buffer, stream_pointer
+
+# ncclDataType_t / ncclRedOp_t values from nccl.h (stable ABI).
+NCCL_UINT8, NCCL_FLOAT32, NCCL_SUM = 1, 7, 0
+NCCL_ITEMSIZE: dict[int, int] = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
+_NCCL_REMOTE_ERROR = 6
+
+# Polling: spin (yielding the GIL) long enough to cover a whole large round, since a
+# sleep's wake-up latency would cost several percent of a 45 ms 16 GB transfer; then
+# back off so a long or hung wait does not burn a core until its timeout.
+_SPIN_S = 0.2
+_MAX_SLEEP_S = 1e-3
+_ASYNC_CHECK_EVERY_S = 0.01
+
+
+class NCCLUnavailable(RuntimeError):
+    """CuPy (with its NCCL binding) or a CUDA device is missing on this machine."""
+
+
+def _cupy() -> tuple[Any, Any]:
+    """``(cupy, cupy.cuda.nccl)`` or ``NCCLUnavailable`` saying how to get them."""
+    try:
+        import cupy  # noqa: PLC0415  (optional dependency, GPU hosts only)
+        from cupy.cuda import nccl  # noqa: PLC0415
+    except Exception as exc:  # ImportError, or OSError/RuntimeError from CUDA libraries
+        raise NCCLUnavailable(
+            "the NCCL transport needs CuPy with NCCL: install weightwire[cuda13] (cupy-cuda13x) or "
+            f"weightwire[cuda12] (cupy-cuda12x) on a CUDA machine; import failed: {exc}"
+        ) from exc
+    if not getattr(nccl, "available", False):
+        raise NCCLUnavailable("CuPy is installed but its NCCL library could not be loaded (libnccl.so.2 missing?)")
+    return cupy, nccl
+
+
+def nccl_available() -> bool:
+    """True when CuPy's NCCL binding loads and at least one CUDA device is visible."""
+    try:
+        cp, _ = _cupy()
+        return int(cp.cuda.runtime.getDeviceCount()) > 0
+    except Exception:
+        return False
+
+
+def format_nccl_version(code: int) -> str:
+    """``ncclGetVersion`` code -> ``"2.28.9"`` (codes below 2.9 used ``x*1000 + y*100 + z``)."""
+    if code >= 10000:
+        return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+    return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
+
+
+def nccl_version() -> str:
+    """The runtime NCCL version CuPy loaded, e.g. ``"2.28.9"``; keep it equal to the workers'."""
+    _, nccl = _cupy()
+    return format_nccl_version(int(nccl.get_version()))
+
+
+def unique_id_to_bytes(raw: object) -> bytes:
+    """Normalize ``get_unique_id()`` output: bytes (CuPy >= 14) or a tuple of signed chars."""
+    if isinstance(raw, (bytes, bytearray)):
+        out = bytes(raw)
+    elif isinstance(raw, (tuple, list)) and all(type(x) is int and -128 <= x <= 255 for x in raw):
+        out = bytes(x & 0xFF for x in raw)
+    else:
+        raise TypeError(f"unexpected NCCL unique id type {type(raw).__name__}")
+    if len(out) != NCCL_UNIQUE_ID_BYTES:
+        raise ValueError(f"NCCL unique id must be {NCCL_UNIQUE_ID_BYTES} bytes, got {len(out)}")
+    return out
+
+
+def unique_id_to_signed_tuple(uid: bytes) -> tuple[int, ...]:
+    """The tuple form CuPy < 14 takes: ``char`` is signed, so bytes >= 128 become negative."""
+    return tuple(b - 256 if b >= 128 else b for b in uid)
+
+
+def mint_unique_id() -> bytes:
+    """A fresh 128-byte ``ncclUniqueId`` (a secret: whoever holds it can join the group)."""
+    _, nccl = _cupy()
+    return unique_id_to_bytes(nccl.get_unique_id())
+
+
+def _check_join_args(unique_id: object, rank: object, world_size: object, timeout: object) -> bytes:
+    if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != NCCL_UNIQUE_ID_BYTES:
+        got = f"{len(unique_id)} bytes" if isinstance(unique_id, (bytes, bytearray)) else type(unique_id).__name__
+        raise ValueError(f"unique_id must be {NCCL_UNIQUE_ID_BYTES} bytes, got {got}")
+    if type(world_size) is not int or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if type(rank) is not int or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+    _check_seconds(timeout)
+    return bytes(unique_id)
+
+
+def _check_seconds(timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a positive finite number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+class _InitBox:
+    """Hand-off between the init thread and ``join``: whichever side loses the race
+    (a late init after a timeout) cleans up, so no communicator is ever leaked live."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.comm: Any = None
+        self.error: BaseException | None = None
+        self.abandoned = False
+
+    def finish(self, comm: Any, error: BaseException | None) -> None:
+        with self.lock:
+            late = self.abandoned
+            if not late:
+                self.comm, self.error = comm, error
+        if late and comm is not None:
+            with suppress(Exception):  # nobody is left to tell
+                comm.abort()
+        self.done.set()
+
+    def abandon(self) -> bool:
+        """Mark abandoned unless a result already arrived (then False: use it)."""
+        with self.lock:
+            if self.comm is not None or self.error is not None:
+                return False
+            self.abandoned = True
+            return True
+
+
+def _init_in_thread(box: _InitBox, cp: Any, nccl: Any, uid: bytes, rank: int, world_size: int, device: int) -> None:
+    comm, error = None, None
+    try:
+        # The CUDA current device is per thread; NCCL binds the communicator to it.
+        cp.cuda.Device(device).use()
+        try:
+            comm = nccl.NcclCommunicator(world_size, uid, rank)
+        except TypeError:
+            # CuPy < 14 takes the id as a tuple of signed chars. The type check fails
+            # before NCCL is entered, so retrying cannot double-join.
+            comm = nccl.NcclCommunicator(world_size, unique_id_to_signed_tuple(uid), rank)
+    except BaseException as exc:
+        error = exc
+    box.finish(comm, error)
+
+
+class NCCLCommunicator:
+    """One rank of an NCCL broadcast group (implements ``shared.communicator.Communicator``)."""
+
+    def __init__(self, comm: Any, *, rank: int, world_size: int, device: int, cp: Any, version: str) -> None:
+        """Wrap an initialized CuPy ``NcclCommunicator``; use ``join`` to make one."""
+        self._comm = comm
+        self._rank, self._world_size, self.device, self.version = rank, world_size, device, version
+        self._cp = cp
+        self._lock = threading.Lock()
+        self._state = "open"
+        self._reason = ""
+        self._stream: Any = None
+        self._external: dict[int, Any] = {}
+        self._inflight: dict[int, list[Any]] = {}
+
+    @classmethod
+    def join(
+        cls, *, unique_id: bytes, rank: int, world_size: int, device: int | None = None, timeout: float
+    ) -> NCCLCommunicator:
+        """Enter ``ncclCommInitRank`` as ``rank`` of ``world_size`` on CUDA ``device``
+        (default: the current one). Every rank must enter concurrently; if they have not
+        all arrived within ``timeout`` seconds this raises ``TransferTimeout``."""
+        uid = _check_join_args(unique_id, rank, world_size, timeout)
+        cp, nccl = _cupy()
+        count = int(cp.cuda.runtime.getDeviceCount())
+        if device is None:
+            device = int(cp.cuda.runtime.getDevice())
+        if type(device) is not int or not 0 <= device < count:
+            raise ValueError(f"device must be a CUDA device index in [0, {count}), got {device!r}")
+        version = format_nccl_version(int(nccl.get_version()))
+        box = _InitBox()
+        threading.Thread(
+            target=_init_in_thread, args=(box, cp, nccl, uid, rank, world_size, device),
+            name=f"weightwire-nccl-init-rank{rank}", daemon=True,
+        ).start()
+        if not box.done.wait(timeout) and box.abandon():
+            raise TransferTimeout(
+                f"NCCL rendezvous timed out after {timeout:g} s: rank {rank} of world size {world_size} "
+                f"(CUDA device {device}) waited in ncclCommInitRank for peers that never joined; every "
+                f"rank must join with the same unique id at the same time"
+            )
+        box.done.wait()  # the result is in (or arriving): finish() sets done right after storing it
+        if box.error is not None:
+            raise TransferError(
+                f"NCCL init failed for rank {rank} of world size {world_size} on CUDA device {device}: {box.error}"
+            ) from box.error
+        return cls(box.comm, rank=rank, world_size=world_size, device=device, cp=cp, version=version)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def cupy_communicator(self) -> Any:
+        """The underlying CuPy ``NcclCommunicator`` (benchmarks' raw baseline). Calls made
+        on it directly bypass every timeout and check of this class."""
+        return self._live()
+
+    def __repr__(self) -> str:
+        return (
+            f"NCCLCommunicator(rank={self._rank}, world_size={self._world_size}, device={self.device}, "
+            f"nccl={self.version}, state={self._state})"
+        )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _on_device(self) -> Iterator[None]:
+        with self._cp.cuda.Device(self.device):
+            yield
+
+    def _where(self) -> str:
+        return f"rank {self._rank} of world size {self._world_size}"
+
+    def _live(self) -> Any:
+        """The CuPy communicator, or ``TransferError`` once aborted/closed (by any thread)."""
+        comm = self._comm
+        if self._state != "open" or comm is None:
+            raise TransferError(f"NCCL communicator ({self._where()}) is {self._state}{self._reason}; join a new one")
+        return comm
+
+    def _fail(self, exc: TransferError) -> TransferError:
+        """Abort (never waits on peers) and hand back ``exc`` for the caller to raise."""
+        self._abort(f": {exc}")
+        return exc
+
+    def _cupy_stream(self, stream: Any) -> Any:
+        cp = self._cp
+        if stream is None:
+            if self._stream is None:
+                with self._on_device():
+                    self._stream = cp.cuda.Stream(non_blocking=True)
+            return self._stream
+        if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+            return stream
+        ptr = stream_pointer(stream)
+        if ptr not in self._external:
+            self._external[ptr] = cp.cuda.ExternalStream(ptr, self.device)
+        return self._external[ptr]
+
+    # -- Communicator API ------------------------------------------------------------------
+
+    def warmup(self, *, timeout: float | None = None) -> None:
+        """The one-element float32 SUM all-reduce every vLLM worker issues right after init.
+
+        Must precede any broadcast, or every rank deadlocks in mismatched collectives."""
+        comm = self._live()
+        stream = self._cupy_stream(None)
+        with self._on_device(), stream:
+            # Allocated and zeroed on our own stream so the all-reduce is ordered after it.
+            one = self._cp.zeros(1, dtype=self._cp.float32)
+            try:
+                comm.allReduce(one.data.ptr, one.data.ptr, 1, NCCL_FLOAT32, NCCL_SUM, stream.ptr)
+            except Exception as exc:
+                raise self._fail(TransferError(f"NCCL warm-up all-reduce failed on {self._where()}: {exc}")) from exc
+        self.synchronize(stream, timeout=Timeouts.from_env().warmup_s if timeout is None else timeout)
+
+    def broadcast(self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
+        """Broadcast ``buffer``'s bytes (as uint8) from ``root``; receivers are overwritten.
+
+        ``stream=None``: runs on an internal stream and waits (bounded by ``timeout``).
+        With a stream (CuPy stream, torch stream or raw pointer) it only enqueues; call
+        ``synchronize(stream, timeout=...)`` before reusing the buffer."""
+        self._run(buffer, root=root, timeout=timeout, stream=stream, typed=None)
+
+    def broadcast_typed(
+        self, buffer: Any, *, nccl_dtype: int, count: int, root: int = 0,
+        timeout: float | None = None, stream: Any = None,
+    ) -> None:
+        """Unpacked mode: broadcast ``count`` elements of ``ncclDataType_t`` ``nccl_dtype``,
+        the way a stock vLLM worker receives each tensor (``WIRE_DTYPES[name].nccl``)."""
+        if nccl_dtype not in NCCL_ITEMSIZE:
+            raise ValueError(f"unknown ncclDataType_t {nccl_dtype!r}; known: {sorted(NCCL_ITEMSIZE)}")
+        if type(count) is not int or count < 0:
+            raise ValueError(f"count must be a non-negative int, got {count!r}")
+        self._run(buffer, root=root, timeout=timeout, stream=stream, typed=(nccl_dtype, count))
+
+    def _run(self, buffer: Any, *, root: int, timeout: float | None, stream: Any, typed: tuple[int, int] | None) -> None:
+        comm = self._live()
+        if type(root) is not int or not 0 <= root < self._world_size:
+            raise ValueError(f"root must be a rank in [0, {self._world_size}), got {root!r}")
+        cs = self._cupy_stream(stream)
+        with self._on_device():
+            view = resolve_buffer(buffer, self._cp, cs, sync_fallback=stream is None)
+        self._check_view(view)
+        dtype, count = (NCCL_UINT8, view.nbytes) if typed is None else typed
+        if count * NCCL_ITEMSIZE[dtype] != view.nbytes:
+            raise ValueError(
+                f"broadcast_typed: {count} elements of ncclDataType_t {dtype} are "
+                f"{count * NCCL_ITEMSIZE[dtype]} bytes but the buffer holds {view.nbytes}"
+            )
+        if count == 0:
+            return  # NCCL discards empty collectives, so skipping the call is the same on the wire
+        try:
+            # In place (send == recv) on every rank; NCCL ignores the send pointer off-root.
+            comm.broadcast(view.ptr, view.ptr, count, dtype, root, cs.ptr)
+        except Exception as exc:
+            raise self._fail(TransferError(f"NCCL broadcast of {view.nbytes} bytes failed on {self._where()}: {exc}")) from exc
+        if stream is None:
+            self.synchronize(cs, timeout=Timeouts.from_env().transfer_s if timeout is None else timeout)
+        else:
+            # The exporter's memory must outlive the enqueued kernel even if the caller
+            # drops its reference; released when this stream is next synchronized.
+            self._inflight.setdefault(cs.ptr, []).append(view.owner)
+
+    def _check_view(self, view: DeviceBytes) -> None:
+        if view.device is not None and view.device != self.device:
+            raise ValueError(
+                f"buffer lives on CUDA device {view.device} but this communicator ({self._where()}) is on device {self.device}"
+            )
+
+    def synchronize(self, stream: Any, *, timeout: float) -> None:
+        """Wait until all work enqueued on ``stream`` so far has finished, at most ``timeout``
+        seconds. On timeout or an NCCL async error: abort the communicator and raise
+        (``TransferTimeout`` / ``PeerLost`` / ``TransferError``). This is the watchdog that
+        turns an NCCL hang into an exception."""
+        comm = self._live()
+        timeout = _check_seconds(timeout)
+        cp = self._cp
+        cs = self._cupy_stream(stream)
+        with self._on_device():
+            event = cp.cuda.Event(block=False, disable_timing=True)
+            event.record(cs)
+        start = time.monotonic()
+        deadline, last_check, pause = start + timeout, start, 2e-5
+        while not event_done(event):
+            now = time.monotonic()
+            if now - last_check >= _ASYNC_CHECK_EVERY_S:
+                self._live()  # raises if another thread aborted us meanwhile
+                self._check_async_error(comm)
+                last_check = now
+            if now >= deadline:
+                raise self._fail(TransferTimeout(
+                    f"NCCL work did not finish within {timeout:g} s on {self._where()} (CUDA device "
+                    f"{self.device}): a peer is missing, stalled or sending a different collective; "
+                    f"communicator aborted"
+                ))
+            if now - start < _SPIN_S:
+                time.sleep(0)  # yields the GIL, returns within microseconds
+            else:
+                time.sleep(min(pause, max(deadline - now, 0.0)))
+                pause = min(pause * 2, _MAX_SLEEP_S)
+        self._inflight.pop(cs.ptr, None)
+
+    def _check_async_error(self, comm: Any) -> None:
+        try:
+            comm.check_async_error()
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            kind = PeerLost if status == _NCCL_REMOTE_ERROR else TransferError
+            raise self._fail(kind(f"NCCL reported an asynchronous error on {self._where()}: {exc}")) from exc
+
+    def abort(self) -> None:
+        """``ncclCommAbort``: tear down now without waiting on peers; later calls raise."""
+        self._abort(" by abort()")
+
+    def _abort(self, reason: str) -> None:
+        with self._lock:
+            if self._state != "open":
+                return
+            self._state, self._reason = "aborted", reason
+            comm, self._comm = self._comm, None
+        with suppress(Exception):  # an abort must not raise over the error that caused it
+            comm.abort()
+        self._inflight.clear()
+
+    def close(self, *, timeout: float = 30.0) -> None:
+        """Orderly ``ncclCommDestroy`` after a successful session (idempotent; no-op after abort)."""
+        with self._lock:
+            if self._state != "open":
+                return
+            self._state, self._reason = "closed", ""
+            comm, self._comm = self._comm, None
+        errors: list[BaseException] = []
+
+        def destroy() -> None:
+            try:
+                comm.destroy()
+            except BaseException as exc:
+                errors.append(exc)
+
+        worker = threading.Thread(target=destroy, name="weightwire-nccl-destroy", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise TransferTimeout(f"ncclCommDestroy did not return within {timeout:g} s on {self._where()}")
+        if errors:
+            raise TransferError(f"ncclCommDestroy failed on {self._where()}: {errors[0]}") from errors[0]

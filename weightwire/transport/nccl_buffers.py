@@ -1,0 +1,119 @@
+"""Device buffers and streams for the NCCL communicator, framework-neutral.
+
+Turns whatever a caller hands ``NCCLCommunicator`` (a CuPy, JAX or torch array, or a
+stream object / pointer) into a raw device pointer, byte size and device index
+without copying, and without importing JAX or torch: their arrays are reached through
+DLPack, the CUDA array interface or duck-typed attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# DLPack device types (dlpack.h) NCCL can read from.
+_KDL_CUDA, _KDL_CUDA_MANAGED = 2, 13
+_KDL_NAMES = {1: "host (CPU)", 3: "pinned host", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 10: "ROCm"}
+
+
+@dataclass(frozen=True)
+class DeviceBytes:
+    """A contiguous device buffer seen as bytes; ``owner`` keeps the memory alive."""
+
+    ptr: int
+    nbytes: int
+    device: int | None
+    owner: Any
+
+
+def resolve_buffer(buffer: Any, cp: Any, stream: Any, *, sync_fallback: bool) -> DeviceBytes:
+    """Zero-copy pointer and byte size of a CuPy / JAX / torch (or any DLPack or CUDA
+    array interface) device array, with the exporter's pending writes ordered before
+    ``stream``. Host memory, strided views and sharded arrays are refused by name.
+
+    DLPack is preferred because it carries that stream ordering. Dtypes CuPy cannot
+    represent (float8) fall back to the framework's raw pointer, which orders by
+    waiting: the device (torch, when ``sync_fallback``) or the array (JAX)."""
+    if isinstance(buffer, cp.ndarray):
+        return _from_cupy(buffer, buffer)
+    if hasattr(buffer, "__dlpack__") and hasattr(buffer, "__dlpack_device__"):
+        kind = int(buffer.__dlpack_device__()[0])
+        if kind not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
+            where = _KDL_NAMES.get(kind, f"DLPack device type {kind}")
+            raise ValueError(f"broadcast buffer is in {where} memory; NCCL needs a CUDA device buffer")
+        try:
+            with stream:  # CuPy passes the current stream to __dlpack__(stream=...)
+                arr = cp.from_dlpack(buffer)
+        except Exception as exc:
+            return _raw_or_raise(buffer, cp, sync_fallback, exc)
+        return _from_cupy(arr, (arr, buffer))
+    try:
+        has_cai = hasattr(buffer, "__cuda_array_interface__")
+    except Exception as exc:  # torch raises TypeError for dtypes the interface cannot spell
+        return _raw_or_raise(buffer, cp, sync_fallback, exc)
+    if has_cai:
+        try:
+            with stream:
+                arr = cp.asarray(buffer)
+        except Exception as exc:
+            return _raw_or_raise(buffer, cp, sync_fallback, exc)
+        return _from_cupy(arr, (arr, buffer))
+    return _raw_or_raise(buffer, cp, sync_fallback, None)
+
+
+def _from_cupy(arr: Any, owner: Any) -> DeviceBytes:
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"broadcast buffer must be C-contiguous, got shape {arr.shape} with strides {arr.strides}")
+    return DeviceBytes(int(arr.data.ptr), int(arr.nbytes), int(arr.device.id), owner)
+
+
+def _raw_or_raise(buffer: Any, cp: Any, sync: bool, cause: Exception | None) -> DeviceBytes:
+    if callable(getattr(buffer, "data_ptr", None)) and callable(getattr(buffer, "element_size", None)):  # torch
+        if not getattr(buffer, "is_cuda", False):
+            raise ValueError(f"broadcast buffer is a {type(buffer).__name__} on {buffer.device}; NCCL needs CUDA")
+        if not buffer.is_contiguous():
+            raise ValueError(f"broadcast buffer must be contiguous, got strides {tuple(buffer.stride())}")
+        device = int(buffer.get_device())
+        if sync:
+            # The producer's stream is unknown without torch: wait for the whole device.
+            with cp.cuda.Device(device):
+                cp.cuda.runtime.deviceSynchronize()
+        return DeviceBytes(int(buffer.data_ptr()), int(buffer.numel()) * int(buffer.element_size()), device, buffer)
+    if callable(getattr(buffer, "unsafe_buffer_pointer", None)):  # JAX
+        devices = list(buffer.devices())
+        if len(devices) != 1:
+            raise ValueError(f"broadcast buffer is sharded over {len(devices)} devices; gather it onto one first")
+        device = getattr(devices[0], "local_hardware_id", None)
+        if int(buffer.nbytes) == 0:  # an empty array may have no buffer to point at
+            return DeviceBytes(0, 0, device, buffer)
+        buffer.block_until_ready()
+        return DeviceBytes(int(buffer.unsafe_buffer_pointer()), int(buffer.nbytes), device, buffer)
+    why = f" ({cause})" if cause is not None else ""
+    raise TypeError(
+        "broadcast buffer must be a CUDA device array (CuPy, JAX or torch: __dlpack__ or "
+        f"__cuda_array_interface__), got {type(buffer).__name__}{why}"
+    ) from cause
+
+
+def event_done(event: Any) -> bool:
+    # CuPy has exposed Event.done as a property; tolerate a method too.
+    done = event.done
+    return bool(done() if callable(done) else done)
+
+
+def stream_pointer(stream: Any) -> int:
+    """A raw ``cudaStream_t`` from an int, a torch stream, a ``__cuda_stream__`` object
+    or anything with ``.ptr``."""
+    if isinstance(stream, bool):
+        raise TypeError("stream must be a CUDA stream or a stream pointer, got a bool")
+    if isinstance(stream, int):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    for attr in ("cuda_stream", "ptr"):
+        value = getattr(stream, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    raise TypeError(
+        f"stream must be a CuPy/torch CUDA stream, a __cuda_stream__ object or an int pointer, got {type(stream).__name__}"
+    )

@@ -1,0 +1,391 @@
+"""TCP data plane: rank 0 (the trainer) broadcasts host buffers to every receiver.
+
+Stdlib sockets on purpose: no extra dependency on either side, zero-copy
+``sendmsg(memoryview)`` / ``recv_into`` a preallocated buffer, and a broadcast from
+one sender needs nothing more than one connection per receiver (no collectives
+library, no message broker). The wire format (handshake, frame headers) is documented
+in ``weightwire.transport.tcp_wire``.
+
+Failure contract: every wait is bounded by a timeout; a lost peer raises ``PeerLost``
+naming the peer and byte offset, a timeout ``TransferTimeout``, a desynchronized
+stream or refused handshake ``TransferError``. After any of them the communicator is
+aborted (every socket shut down) and later calls raise.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import queue
+import secrets
+import selectors
+import socket
+import threading
+import time
+from typing import Any
+
+from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.info import encode_secret
+from weightwire.shared.limits import LIMITS
+from weightwire.shared.timeouts import DEFAULT_TIMEOUTS
+from weightwire.transport import tcp_wire as wire
+from weightwire.transport.tcp_rendezvous import TCPRendezvous, check_secret, dial
+
+__all__ = ["SOCKET_BUFFER_BYTES", "TCPCommunicator", "TCPRendezvous", "check_secret", "encode_secret"]
+
+logger = logging.getLogger(__name__)
+
+SOCKET_BUFFER_BYTES = wire.DEFAULT_SOCKET_BUFFER_BYTES
+
+
+def _positive(name: str, value: float) -> float:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+class _Link:
+    """One connection to a peer; on the root, optionally served by a persistent sender thread."""
+
+    def __init__(self, rank: int, sock: socket.socket, addr: str) -> None:
+        self.rank = rank
+        self.sock = sock
+        self.addr = addr
+        self.progress = [0]
+        self.jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} ({self.addr})"
+
+
+class _Batch:
+    """Completion of one broadcast across links; the first error wins."""
+
+    def __init__(self, ranks: set[int]) -> None:
+        self.cv = threading.Condition()
+        self.pending = set(ranks)
+        self.error: TransferError | None = None
+
+    def done(self, rank: int, error: TransferError | None) -> None:
+        with self.cv:
+            self.pending.discard(rank)
+            if error is not None and self.error is None:
+                self.error = error
+            self.cv.notify_all()
+
+    def wait(self, deadline: float) -> bool:
+        with self.cv:
+            return self.cv.wait_for(lambda: not self.pending or self.error is not None, timeout=max(0.0, deadline - time.monotonic()))
+
+
+class TCPCommunicator:
+    """One rank's end of a TCP broadcast group (``shared.communicator.Communicator``).
+
+    Build it with ``TCPRendezvous.accept`` (rank 0) or ``TCPCommunicator.connect``
+    (receivers). Only rank 0 broadcasts. Holds no secret after the handshake.
+    """
+
+    def __init__(self, *, rank: int, world_size: int, links: list[_Link],
+                 transfer_timeout: float | None = None, warmup_timeout: float | None = None) -> None:
+        self._rank = rank
+        self._world_size = world_size
+        self._links = links
+        self._transfer_timeout = _positive(
+            "transfer_timeout", DEFAULT_TIMEOUTS.transfer_s if transfer_timeout is None else transfer_timeout)
+        self._warmup_timeout = _positive("warmup_timeout", DEFAULT_TIMEOUTS.warmup_s if warmup_timeout is None else warmup_timeout)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._busy = threading.Lock()  # one warmup/broadcast at a time: frames must not interleave
+        self._state = "open"
+        self._active = 0
+        self._fds_closed = False
+        self._failure: TransferError | None = None
+        self._workers = []
+        if rank == 0:  # the caller's thread serves links[0]; one persistent thread per other link
+            for link in links[1:]:
+                worker = threading.Thread(target=self._serve, args=(link,), name=f"weightwire-tcp-send-{link.rank}", daemon=True)
+                worker.start()
+                self._workers.append(worker)
+
+    # -- construction (receiver side) ------------------------------------------------
+
+    @classmethod
+    def connect(cls, *, host: str, port: int, secret: bytes, rank: int, world_size: int, timeout: float,
+                transfer_timeout: float | None = None, warmup_timeout: float | None = None,
+                socket_buffer_bytes: int | None = SOCKET_BUFFER_BYTES) -> TCPCommunicator:
+        """Dial the sender, prove the secret, verify the sender's proof; bounded by ``timeout``."""
+        check_secret(secret)
+        if type(world_size) is not int or not 2 <= world_size <= LIMITS.max_world_size:
+            raise ValueError(f"world_size must be an int in [2, {LIMITS.max_world_size}], got {world_size!r}")
+        if type(rank) is not int or not 1 <= rank < world_size:
+            raise ValueError(f"receiver rank must be an int in [1, {world_size}), got {rank!r}")
+        deadline = time.monotonic() + _positive("timeout", timeout)
+        where = f"rank 0 (sender at {host}:{port})"
+        sock = dial(host, port, deadline, socket_buffer_bytes)
+        try:
+            _client_handshake(sock, secret, rank, world_size, deadline, where)
+        except BaseException:
+            sock.close()
+            raise
+        logger.info("TCP rank %d joined %s", rank, where)
+        return cls(rank=rank, world_size=world_size, links=[_Link(0, sock, f"sender at {host}:{port}")],
+                   transfer_timeout=transfer_timeout, warmup_timeout=warmup_timeout)
+
+    # -- Communicator protocol -------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def warmup(self, *, timeout: float | None = None) -> None:
+        """Every receiver says ready, then the root says go: all peers present before any broadcast."""
+        limit = self._warmup_timeout if timeout is None else _positive("timeout", timeout)
+        deadline = time.monotonic() + limit
+        self._enter()
+        try:
+            if self._rank == 0:
+                self._root_warmup(deadline, limit)
+            else:
+                self._send(self._links[0], [wire.frame(wire.TAG_READY)], deadline, "warm-up")
+                self._expect(self._links[0], wire.TAG_GO, deadline, limit, "warm-up (waiting for go)")
+        finally:
+            self._leave()
+
+    def broadcast(self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
+        """Root: send ``buffer`` (or a list of parts, one logical buffer) to every receiver
+        concurrently; returns once the bytes are handed to the kernel. Receiver: fill
+        ``buffer`` (or its parts, in order) with exactly that many bytes. ``stream`` is
+        ignored: TCP is always synchronous."""
+        del stream
+        if root != 0:
+            raise ValueError(f"the TCP communicator broadcasts only from rank 0, got root={root}")
+        views = wire.byte_views(buffer, writable=self._rank != 0)
+        nbytes = sum(len(v) for v in views)
+        limit = self._transfer_timeout if timeout is None else _positive("timeout", timeout)
+        deadline = time.monotonic() + limit
+        self._enter()
+        seq, self._seq = self._seq, (self._seq + 1) & 0xFFFFFFFF
+        try:
+            if self._rank == 0:
+                self._root_broadcast(views, nbytes, seq, deadline, limit)
+            else:
+                self._recv_broadcast(views, nbytes, seq, deadline, limit)
+        finally:
+            self._leave()
+
+    def abort(self) -> None:
+        """Shut every socket down at once (waking blocked threads); later calls raise."""
+        self._teardown("aborted")
+
+    def close(self) -> None:
+        self._teardown("closed")
+
+    def __enter__(self) -> TCPCommunicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        peers = ", ".join(str(link) for link in self._links)
+        return f"TCPCommunicator(rank={self._rank}, world_size={self._world_size}, state={self._state}, peers=[{peers}])"
+
+    # -- root ------------------------------------------------------------------------
+
+    def _root_broadcast(self, views: list[memoryview], nbytes: int, seq: int, deadline: float, limit: float) -> None:
+        payload = [memoryview(wire.frame(wire.TAG_BROADCAST, seq, nbytes)), *views]
+        batch = _Batch({link.rank for link in self._links})
+        job = (payload, deadline, batch, seq, nbytes, limit)
+        with self._lock:
+            self._active += len(self._links) - 1  # released by each worker when its job ends
+        for link in self._links[1:]:
+            link.jobs.put(job)
+        self._send_job(self._links[0], *job)
+        if not batch.wait(deadline):
+            raise self._fail(self._timeout_error(batch, seq, nbytes, limit))
+        if batch.error is not None:
+            raise self._fail(batch.error)
+
+    def _serve(self, link: _Link) -> None:
+        while (job := link.jobs.get()) is not None:
+            try:
+                self._send_job(link, *job)
+            finally:
+                self._exit()
+
+    def _send_job(self, link: _Link, payload: list[memoryview], deadline: float, batch: _Batch,
+                  seq: int, nbytes: int, limit: float) -> None:
+        link.progress = [0]
+        try:
+            wire.send_all(link.sock, payload, deadline, link.progress)
+        except wire.WireShort as short:
+            if short.timed_out:
+                err: TransferError = self._timeout_error(batch, seq, nbytes, limit)
+            else:
+                offset = max(0, short.offset - wire.FRAME.size)
+                err = self._lost(link, f"at byte {offset} of {nbytes} of broadcast #{seq}", short.cause)
+            batch.done(link.rank, err)
+            self._fail(err)  # wake the other senders at once
+        else:
+            batch.done(link.rank, None)
+
+    def _timeout_error(self, batch: _Batch, seq: int, nbytes: int, limit: float) -> TransferTimeout:
+        with batch.cv:
+            pending = sorted(batch.pending)
+        behind = [f"{link} at byte {max(0, link.progress[0] - wire.FRAME.size)}" for link in self._links if link.rank in pending]
+        return TransferTimeout(
+            f"TCP broadcast #{seq} of {nbytes} bytes did not reach every receiver within {limit:g} s; "
+            f"still sending to: {', '.join(behind) or 'none'} (receiver stalled or too slow)"
+        )
+
+    def _root_warmup(self, deadline: float, limit: float) -> None:
+        waiting = {link.sock: link for link in self._links}
+        with selectors.DefaultSelector() as sel:
+            for sock, link in waiting.items():
+                sel.register(sock, selectors.EVENT_READ, link)
+            while waiting:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = ", ".join(str(link) for link in sorted(waiting.values(), key=lambda x: x.rank))
+                    raise self._fail(TransferTimeout(f"TCP warm-up: no ready from {missing} within {limit:g} s"))
+                for key, _ in sel.select(remaining):
+                    link = key.data
+                    self._expect(link, wire.TAG_READY, deadline, limit, "warm-up")
+                    sel.unregister(link.sock)
+                    del waiting[link.sock]
+        for link in self._links:
+            self._send(link, [wire.frame(wire.TAG_GO)], deadline, "warm-up (go)")
+
+    # -- receiver --------------------------------------------------------------------
+
+    def _recv_broadcast(self, views: list[memoryview], nbytes: int, seq: int, deadline: float, limit: float) -> None:
+        link = self._links[0]
+        length = self._expect(link, wire.TAG_BROADCAST, deadline, limit, f"broadcast #{seq}", seq=seq)
+        if length != nbytes:
+            raise self._fail(TransferError(
+                f"TCP stream desynchronized at broadcast #{seq}: this receiver expected {nbytes} bytes, "
+                f"the sender sent {length}; the two sides disagree on the framing plan (update info or buffer size)"
+            ))
+        progress = [0]
+        try:
+            for view in views:
+                wire.recv_into(link.sock, view, deadline, progress)
+        except wire.WireShort as short:
+            where = f"at byte {short.offset} of {nbytes} of broadcast #{seq}"
+            if short.timed_out:
+                raise self._fail(TransferTimeout(f"TCP receive from {link} stalled {where} after {limit:g} s")) from None
+            raise self._fail(self._lost(link, where, short.cause)) from None
+
+    # -- shared helpers --------------------------------------------------------------
+
+    def _send(self, link: _Link, chunks: list[bytes], deadline: float, what: str) -> None:
+        try:
+            wire.send_all(link.sock, [memoryview(c) for c in chunks], deadline, [0])
+        except wire.WireShort as short:
+            if short.timed_out:
+                raise self._fail(TransferTimeout(f"TCP {what}: sending to {link} timed out")) from None
+            raise self._fail(self._lost(link, f"during {what}", short.cause)) from None
+
+    def _expect(self, link: _Link, tag: bytes, deadline: float, limit: float, what: str, *, seq: int | None = None) -> int:
+        """Read one frame header from ``link``; check its tag (and seq); return its length."""
+        try:
+            got_tag, got_seq, length = wire.FRAME.unpack(wire.recv_exact(link.sock, wire.FRAME.size, deadline))
+        except wire.WireShort as short:
+            if short.timed_out:
+                raise self._fail(TransferTimeout(f"TCP {what}: nothing from {link} within {limit:g} s")) from None
+            raise self._fail(self._lost(link, f"before {what} (header byte {short.offset} of {wire.FRAME.size})", short.cause)) from None
+        if got_tag != tag:
+            raise self._fail(TransferError(f"TCP stream desynchronized during {what}: expected frame {tag!r} from {link}, got {got_tag!r}"))
+        if seq is not None and got_seq != seq:
+            raise self._fail(TransferError(f"TCP stream desynchronized: expected broadcast #{seq} from {link}, got #{got_seq}"))
+        return length
+
+    def _lost(self, link: _Link, where: str, cause: str) -> TransferError:
+        if self._state != "open":
+            return TransferError(f"TCP communicator (rank {self._rank}) was {self._state} {where} with {link}")
+        return PeerLost(f"lost {link} {where}: {cause}")
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._state != "open":
+                reason = f": {self._failure}" if self._failure is not None else ""
+                raise TransferError(f"TCP communicator (rank {self._rank}) is {self._state}{reason}")
+            if not self._busy.acquire(blocking=False):
+                raise RuntimeError("TCPCommunicator: warmup/broadcast called while another is in progress; calls must be sequential")
+            self._active += 1
+
+    def _leave(self) -> None:
+        self._busy.release()
+        self._exit()
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._active -= 1
+            close_now = self._state != "open" and self._active == 0 and not self._fds_closed
+            self._fds_closed |= close_now
+        if close_now:
+            self._close_fds()
+
+    def _fail(self, error: TransferError) -> TransferError:
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+            first = self._failure
+        self.abort()
+        return first
+
+    def _teardown(self, state: str) -> None:
+        with self._lock:
+            if self._state == "open":
+                self._state = state
+            if not self._fds_closed:
+                for link in self._links:
+                    wire.shutdown_quietly(link.sock)
+            # Never close an fd another thread may still be inside: the last _exit closes them.
+            close_now = self._active == 0 and not self._fds_closed
+            self._fds_closed |= close_now
+        for link in self._links[1:] if self._rank == 0 else ():
+            link.jobs.put(None)
+        if close_now:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        for link in self._links:
+            link.sock.close()
+
+
+def _client_handshake(sock: socket.socket, secret: bytes, rank: int, world_size: int, deadline: float, where: str) -> None:
+    try:
+        magic, version, server_nonce = wire.HELLO.unpack(wire.recv_exact(sock, wire.HELLO.size, deadline))
+        if magic != wire.HELLO_MAGIC or version != wire.PROTOCOL_VERSION:
+            raise TransferError(f"{where} is not a weightwire TCP sender of protocol v{wire.PROTOCOL_VERSION}")
+        client_nonce = secrets.token_bytes(wire.NONCE_BYTES)
+        tag = wire.client_tag(secret, server_nonce, client_nonce, rank, world_size)
+        auth = wire.AUTH.pack(wire.AUTH_MAGIC, rank, world_size, client_nonce, tag)
+        wire.send_all(sock, [memoryview(auth)], deadline, [0])
+        magic, code, proof = wire.VERDICT.unpack(wire.recv_exact(sock, wire.VERDICT.size, deadline))
+        if magic != wire.VERDICT_MAGIC:
+            raise TransferError(f"{where} answered the handshake with garbage")
+        if code != wire.OK:
+            reason = wire.REFUSALS.get(code, f"code {code}")
+            raise TransferError(f"{where} refused rank {rank} (world_size {world_size}): {reason}")
+        expected = wire.server_tag(secret, client_nonce, server_nonce, rank, world_size)
+        if not hmac.compare_digest(proof, expected):  # constant time
+            raise TransferError(f"{where} did not prove the shared secret; refusing to receive weights from it")
+        wire.send_all(sock, [memoryview(wire.frame(wire.TAG_CONFIRM))], deadline, [0])
+    except wire.WireShort as short:
+        if short.timed_out:
+            raise TransferTimeout(f"TCP handshake with {where} did not finish in time (is the sender in accept()?)") from None
+        raise PeerLost(f"lost {where} during the handshake: {short.cause}") from None
+
+
+def root_communicator(links: list[tuple[int, socket.socket, str]], world_size: int, *,
+                      transfer_timeout: float | None, warmup_timeout: float | None) -> TCPCommunicator:
+    """Rank 0's communicator over the authenticated connections (used by ``TCPRendezvous.accept``)."""
+    return TCPCommunicator(rank=0, world_size=world_size, links=[_Link(r, s, a) for r, s, a in sorted(links, key=lambda x: x[0])],
+                           transfer_timeout=transfer_timeout, warmup_timeout=warmup_timeout)

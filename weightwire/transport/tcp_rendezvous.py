@@ -1,0 +1,293 @@
+"""Rank 0's side of the TCP rendezvous: listen, authenticate every receiver, hand over.
+
+Each incoming connection is authenticated on its own short-lived thread, so a slow or
+hostile client cannot hold up the legitimate receivers; ``accept`` returns once every
+rank ``1 .. world_size-1`` has joined, or raises naming the ones that did not.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
+from weightwire.shared.limits import LIMITS
+from weightwire.transport import tcp_wire as wire
+
+if TYPE_CHECKING:
+    from weightwire.transport.tcp import TCPCommunicator
+
+logger = logging.getLogger("weightwire.transport.tcp")
+
+_MAX_PENDING_HANDSHAKES = 64  # connections mid-handshake; more are dropped (connection flood)
+_ACCEPT_POLL_S = 0.1  # how often the acceptor thread notices accept() has finished
+
+
+def check_secret(secret: object) -> bytes:
+    if not isinstance(secret, bytes) or len(secret) != TCP_SECRET_BYTES:
+        size = len(secret) if isinstance(secret, bytes) else type(secret).__name__
+        raise ValueError(f"secret must be exactly {TCP_SECRET_BYTES} bytes, got {size}")
+    return secret
+
+
+def dial(host: str, port: int, deadline: float, buffer_bytes: int | None) -> socket.socket:
+    """Connect to ``host:port``, retrying refused connections (the sender may be starting) until ``deadline``."""
+    last = "no address"
+    while True:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise TransferError(f"cannot resolve TCP sender {host}:{port}: {exc}") from None
+        for family, kind, proto, _, addr in infos:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            sock = socket.socket(family, kind, proto)
+            try:
+                wire.tune(sock, buffer_bytes)  # before connect: the window scale is fixed by the SYN
+                sock.settimeout(remaining)
+                sock.connect(addr)
+                return sock
+            except OSError as exc:
+                sock.close()
+                last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() + 0.05 >= deadline:
+            raise TransferTimeout(f"could not connect to the TCP sender at {host}:{port} in time ({last})")
+        time.sleep(0.05)
+
+
+class TCPRendezvous:
+    """Listens for the receivers of one broadcast group; binds at construction.
+
+    ``host``/``port`` are what receivers dial; ``secret`` (128 random bytes) is what they
+    must prove. Neither the secret nor anything derived from it appears in ``repr``
+    or logs.
+    """
+
+    def __init__(self, *, world_size: int, bind_host: str = "127.0.0.1", port: int = 0,
+                 advertise_host: str | None = None, secret: bytes | None = None,
+                 socket_buffer_bytes: int | None = wire.DEFAULT_SOCKET_BUFFER_BYTES) -> None:
+        if type(world_size) is not int or not 2 <= world_size <= LIMITS.max_world_size:
+            raise ValueError(f"world_size must be an int in [2, {LIMITS.max_world_size}], got {world_size!r}")
+        if type(port) is not int or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+        self._secret = check_secret(secrets.token_bytes(TCP_SECRET_BYTES) if secret is None else secret)
+        self.world_size = world_size
+        self._buffer_bytes = socket_buffer_bytes
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            wire.tune(listener, socket_buffer_bytes)  # accepted sockets inherit the buffer sizes
+            listener.bind((bind_host, port))
+            listener.listen(min(world_size + 16, 4096))
+        except OSError as exc:
+            listener.close()
+            raise TransferError(f"cannot listen on {bind_host}:{port}: {exc}") from None
+        self._listener = listener
+        self.port: int = listener.getsockname()[1]
+        host = advertise_host or bind_host
+        if host in ("0.0.0.0", "::", ""):
+            listener.close()
+            raise ValueError(f"bind_host {bind_host!r} is not an address receivers can dial; pass advertise_host")
+        self.host: str = host
+        self._cv = threading.Condition()
+        self._state = "open"  # open -> accepting -> done | closed
+        self._claimed: set[int] = set()
+        self._joined: dict[int, tuple[socket.socket, str]] = {}
+        self._pending: set[socket.socket] = set()
+        self._refusals: list[str] = []
+
+    @property
+    def secret(self) -> bytes:
+        return self._secret
+
+    def init_fields(self) -> dict[str, object]:
+        """The ``TCPInitInfo`` fields receivers need: ``host``, ``port``, ``secret_b64``."""
+        return {"host": self.host, "port": self.port, "secret_b64": encode_secret(self._secret)}
+
+    def accept(self, *, timeout: float, transfer_timeout: float | None = None,
+               warmup_timeout: float | None = None) -> TCPCommunicator:
+        """Wait until ranks ``1 .. world_size-1`` have all authenticated; then stop listening.
+
+        Raises ``TransferTimeout`` naming the missing ranks (and any refused
+        connections) if they have not all joined within ``timeout``.
+        """
+        from weightwire.transport.tcp import _positive, root_communicator  # noqa: PLC0415  (tcp imports us)
+
+        limit = _positive("timeout", timeout)
+        with self._cv:
+            if self._state != "open":
+                raise TransferError(f"TCPRendezvous.accept() called on a rendezvous that is {self._state}")
+            self._state = "accepting"
+        deadline = time.monotonic() + limit
+        acceptor = threading.Thread(target=self._accept_loop, args=(deadline,), name="weightwire-tcp-accept", daemon=True)
+        acceptor.start()
+        want = self.world_size - 1
+        with self._cv:
+            self._cv.wait_for(lambda: len(self._joined) == want or self._state != "accepting",
+                              timeout=max(0.0, deadline - time.monotonic()))
+            complete = len(self._joined) == want and self._state == "accepting"
+            if complete:
+                self._state = "done"
+                links = [(rank, sock, addr) for rank, (sock, addr) in self._joined.items()]
+                self._joined.clear()
+            missing = sorted(set(range(1, self.world_size)) - set(self._joined))
+            refusals = list(self._refusals)
+            state = self._state
+            stragglers = list(self._pending)
+        for sock in stragglers:  # half-done handshakes (mute or late clients): wake and drop them
+            wire.shutdown_quietly(sock)
+        acceptor.join(timeout=2 * _ACCEPT_POLL_S + 1)  # it polls the state; then its listener fd is free
+        self._shut_listener()
+        if not complete:
+            self.close()
+            if state == "closed":
+                raise TransferError("TCPRendezvous was closed while accept() was waiting")
+            extra = f"; refused: {'; '.join(refusals)}" if refusals else ""
+            raise TransferTimeout(
+                f"TCP rendezvous at {self.host}:{self.port}: rank(s) {missing} of world_size {self.world_size} "
+                f"did not join within {limit:g} s{extra}"
+            )
+        logger.info("TCP rendezvous at %s:%d: all %d receivers joined", self.host, self.port, want)
+        return root_communicator(links, self.world_size, transfer_timeout=transfer_timeout, warmup_timeout=warmup_timeout)
+
+    def close(self) -> None:
+        """Stop listening and drop every connection not yet handed to a communicator."""
+        with self._cv:
+            accepting = self._state == "accepting"
+            if self._state != "done":
+                self._state = "closed"
+            joined = [s for s, _ in self._joined.values()]
+            pending = list(self._pending)
+            self._joined.clear()
+            self._cv.notify_all()
+        if not accepting:  # else accept() closes it once its acceptor thread has left accept()
+            self._shut_listener()
+        for sock in pending:
+            wire.shutdown_quietly(sock)  # wakes its handshake thread, which closes it
+        for sock in joined:
+            wire.shutdown_quietly(sock)
+            sock.close()
+
+    def __enter__(self) -> TCPRendezvous:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TCPRendezvous(host={self.host!r}, port={self.port}, world_size={self.world_size}, state={self._state})"
+
+    # -- internals -------------------------------------------------------------------
+
+    def _shut_listener(self) -> None:
+        with self._cv:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+
+    def _accept_loop(self, deadline: float) -> None:
+        with self._cv:
+            listener = self._listener
+        if listener is None:
+            return
+        listener.settimeout(_ACCEPT_POLL_S)
+        while time.monotonic() < deadline:
+            with self._cv:
+                if self._state != "accepting":
+                    return
+            try:
+                conn, addr = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # listener closed
+            with self._cv:
+                if len(self._pending) >= _MAX_PENDING_HANDSHAKES or self._state != "accepting":
+                    conn.close()
+                    continue
+                self._pending.add(conn)
+            peer = _fmt_addr(addr)
+            threading.Thread(target=self._handshake, args=(conn, peer, deadline),
+                             name="weightwire-tcp-handshake", daemon=True).start()
+
+    def _handshake(self, conn: socket.socket, peer: str, deadline: float) -> None:
+        claimed: int | None = None
+        keep = False
+        try:
+            wire.tune(conn, self._buffer_bytes)
+            server_nonce = secrets.token_bytes(wire.NONCE_BYTES)
+            hello = wire.HELLO.pack(wire.HELLO_MAGIC, wire.PROTOCOL_VERSION, server_nonce)
+            wire.send_all(conn, [memoryview(hello)], deadline, [0])
+            magic, rank, world_size, client_nonce, tag = wire.AUTH.unpack(wire.recv_exact(conn, wire.AUTH.size, deadline))
+            if magic != wire.AUTH_MAGIC:
+                self._refuse(peer, "did not speak the weightwire TCP protocol")
+                return
+            code = self._judge(rank, world_size, server_nonce, client_nonce, tag)
+            proof = wire.server_tag(self._secret, client_nonce, server_nonce, rank, world_size) if code == wire.OK else bytes(32)
+            if code == wire.OK:
+                claimed = rank
+            wire.send_all(conn, [memoryview(wire.VERDICT.pack(wire.VERDICT_MAGIC, code, proof))], deadline, [0])
+            if code != wire.OK:
+                self._refuse(peer, f"claimed rank {rank}: {wire.REFUSALS[code]}")
+                return
+            confirm, _, _ = wire.FRAME.unpack(wire.recv_exact(conn, wire.FRAME.size, deadline))
+            if confirm != wire.TAG_CONFIRM:
+                self._refuse(peer, f"rank {rank} sent {confirm!r} instead of confirming the handshake")
+                return
+            with self._cv:
+                if self._state == "accepting":
+                    self._joined[rank] = (conn, peer)
+                    self._pending.discard(conn)
+                    keep = True
+                    self._cv.notify_all()
+        except (wire.WireShort, OSError) as exc:
+            short = exc if isinstance(exc, wire.WireShort) else wire.WireShort(0, cause=str(exc))
+            if claimed is not None:  # it dropped us after our proof: it holds a different secret
+                self._refuse(peer, f"rank {claimed} rejected the sender's proof or left ({short.cause or 'timeout'})")
+            else:
+                logger.info("TCP rendezvous: connection from %s ended during the handshake", peer)
+        finally:
+            if not keep:
+                with self._cv:
+                    self._pending.discard(conn)
+                    if claimed is not None and claimed not in self._joined:
+                        self._claimed.discard(claimed)
+                wire.shutdown_quietly(conn)
+                conn.close()
+
+    def _judge(self, rank: int, world_size: int, server_nonce: bytes, client_nonce: bytes, tag: bytes) -> int:
+        """Verdict for one AUTH: the secret first (an impostor learns nothing else), then rank and size."""
+        expected = wire.client_tag(self._secret, server_nonce, client_nonce, rank, world_size)
+        if not hmac.compare_digest(tag, expected):  # constant time
+            return wire.BAD_SECRET
+        if world_size != self.world_size:
+            return wire.WORLD_SIZE_MISMATCH
+        if not 1 <= rank < self.world_size:
+            return wire.BAD_RANK
+        with self._cv:
+            if self._state != "accepting":
+                return wire.CLOSED
+            if rank in self._claimed:
+                return wire.DUPLICATE_RANK
+            self._claimed.add(rank)
+        return wire.OK
+
+    def _refuse(self, peer: str, reason: str) -> None:
+        logger.warning("TCP rendezvous refused %s: %s", peer, reason)
+        with self._cv:
+            self._refusals.append(f"{peer} {reason}")
+
+
+def _fmt_addr(addr: object) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return str(addr)
+

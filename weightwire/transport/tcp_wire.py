@@ -1,0 +1,244 @@
+"""Wire format of the ``weightwire_tcp`` data plane, and the socket loops that move it.
+
+All integers are big-endian. One TCP connection per receiver, opened by the receiver
+to the sender (rank 0), which listens at ``host:port`` from ``TCPInitInfo``.
+
+Handshake (proves the 128-byte shared secret in both directions; the secret itself
+never crosses the wire, only HMAC-SHA256 tags over fresh random nonces)::
+
+    sender  -> receiver  HELLO    40 B  "WWTC" | version u32 | server_nonce 32 B
+    receiver -> sender   AUTH     76 B  "WWAU" | rank u32 | world_size u32 |
+                                        client_nonce 32 B | client_tag 32 B
+    sender  -> receiver  VERDICT  40 B  "WWVD" | code u32 | server_tag 32 B
+                                        (code != 0: refused, tag all zeros, sender closes)
+    receiver -> sender   frame "WWOK"   the receiver accepted the sender's proof
+
+    client_tag = HMAC-SHA256(secret, "weightwire/tcp/v1/client" | server_nonce | client_nonce | rank | world_size)
+    server_tag = HMAC-SHA256(secret, "weightwire/tcp/v1/server" | client_nonce | server_nonce | rank | world_size)
+
+The sender checks the client tag before anything else (so an unauthenticated peer
+learns nothing but "wrong secret"), then the rank (in ``[1, world_size)``, not yet
+taken) and world size. Verdict codes are ``REFUSALS`` below.
+
+After the handshake every message starts with a 16-byte frame header::
+
+    tag 4 B | seq u32 | length u64
+
+    "WWRD" receiver -> sender   warm-up: ready (seq 0, length 0)
+    "WWGO" sender -> receiver   warm-up: go, every receiver is ready (seq 0, length 0)
+    "WWBC" sender -> receiver   broadcast number ``seq`` (0, 1, 2, ... mod 2**32 per
+                                connection), followed by exactly ``length`` payload bytes
+
+The payload is the root's buffer bytes, unframed; a list of parts is sent back to back
+as one payload. A receiver compares tag, seq and length against what it expects
+before writing a single payload byte into its buffer, so a desynchronized stream (the
+two sides disagree on the framing plan) fails with a ``TransferError`` naming both
+values instead of loading misaligned weights. There is no per-broadcast
+acknowledgement: the control plane's ``/update_weights`` response reports what
+landed, and a receiver that fails closes its socket, which the sender sees on its
+next send.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import hmac
+import socket
+import struct
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+NONCE_BYTES = 32
+TAG_BYTES = 32
+
+HELLO = struct.Struct("!4sI32s")
+AUTH = struct.Struct("!4sII32s32s")
+VERDICT = struct.Struct("!4sI32s")
+FRAME = struct.Struct("!4sIQ")
+
+HELLO_MAGIC = b"WWTC"
+AUTH_MAGIC = b"WWAU"
+VERDICT_MAGIC = b"WWVD"
+TAG_CONFIRM = b"WWOK"
+TAG_READY = b"WWRD"
+TAG_GO = b"WWGO"
+TAG_BROADCAST = b"WWBC"
+
+OK = 0
+BAD_SECRET = 1
+BAD_RANK = 2
+DUPLICATE_RANK = 3
+WORLD_SIZE_MISMATCH = 4
+CLOSED = 5
+REFUSALS: dict[int, str] = {
+    BAD_SECRET: "wrong secret (the receiver's HMAC did not match)",
+    BAD_RANK: "rank out of range",
+    DUPLICATE_RANK: "rank already connected",
+    WORLD_SIZE_MISMATCH: "world_size differs from the sender's",
+    CLOSED: "the rendezvous is no longer accepting",
+}
+
+DEFAULT_SOCKET_BUFFER_BYTES: int | None = 4 << 20
+"""Minimum kernel send/receive buffer per data socket (see ``tune``; ``None``: leave as is)."""
+
+_CLIENT_LABEL = b"weightwire/tcp/v1/client"
+_SERVER_LABEL = b"weightwire/tcp/v1/server"
+_IOV_BATCH = 64  # well under IOV_MAX (1024 on Linux and macOS)
+# A dead peer must surface as EPIPE, not kill an embedding process that restored SIGPIPE.
+_SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
+
+
+def client_tag(secret: bytes, server_nonce: bytes, client_nonce: bytes, rank: int, world_size: int) -> bytes:
+    msg = _CLIENT_LABEL + server_nonce + client_nonce + struct.pack("!II", rank, world_size)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def server_tag(secret: bytes, client_nonce: bytes, server_nonce: bytes, rank: int, world_size: int) -> bytes:
+    msg = _SERVER_LABEL + client_nonce + server_nonce + struct.pack("!II", rank, world_size)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def frame(tag: bytes, seq: int = 0, length: int = 0) -> bytes:
+    return FRAME.pack(tag, seq & 0xFFFFFFFF, length)
+
+
+class WireShort(Exception):
+    """A socket loop stopped early: ``offset`` bytes had moved; ``timed_out`` or ``cause``."""
+
+    def __init__(self, offset: int, *, timed_out: bool = False, cause: str = "") -> None:
+        super().__init__(offset, timed_out, cause)
+        self.offset = offset
+        self.timed_out = timed_out
+        self.cause = cause
+
+
+def byte_view(obj: object, *, writable: bool) -> memoryview:
+    """A flat ``uint8`` memoryview of a host buffer, without copying.
+
+    Refuses non-contiguous or (for receiving) read-only buffers instead of silently
+    sending from / receiving into a temporary copy.
+    """
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise ValueError(f"buffer must be C-contiguous, got a strided array of shape {obj.shape}")
+        # via uint8: memoryview cannot export ml_dtypes (bfloat16, float8) formats
+        obj = obj.reshape(-1).view(np.uint8)
+    try:
+        view = memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"TCP buffers must be host memory (numpy array, memoryview, bytes-like), got {type(obj).__name__}; "
+            "copy device arrays to the host first"
+        ) from None
+    if not view.c_contiguous:
+        raise ValueError("buffer must be C-contiguous")
+    if writable and view.readonly:
+        raise ValueError(f"receive buffer is read-only ({type(obj).__name__}); pass a writable array")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def byte_views(buffer: object, *, writable: bool) -> list[memoryview]:
+    """One logical buffer as its list of parts (a single buffer is a list of one)."""
+    parts = buffer if isinstance(buffer, (list, tuple)) else [buffer]
+    return [byte_view(part, writable=writable) for part in parts]
+
+
+def send_all(sock: socket.socket, views: Sequence[memoryview], deadline: float, progress: list[int]) -> None:
+    """Send ``views`` back to back by ``deadline`` (``time.monotonic``), zero-copy.
+
+    ``sendmsg`` gathers header and parts into one syscall without concatenating them.
+    ``progress[0]`` counts bytes handed to the kernel, for error messages.
+    """
+    pending = [v for v in views if len(v)]
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise WireShort(progress[0], timed_out=True)
+        try:
+            sock.settimeout(remaining)
+            sent = sock.sendmsg(pending[:_IOV_BATCH], (), _SEND_FLAGS)
+        except TimeoutError:
+            raise WireShort(progress[0], timed_out=True) from None
+        except OSError as exc:
+            raise WireShort(progress[0], cause=_describe(exc)) from None
+        progress[0] += sent
+        while sent:
+            head = len(pending[0])
+            if sent >= head:
+                sent -= head
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][sent:]
+                sent = 0
+
+
+def recv_into(sock: socket.socket, view: memoryview, deadline: float, progress: list[int] | None = None) -> None:
+    """Fill ``view`` exactly by ``deadline``; EOF, reset or timeout raise ``WireShort``."""
+    total = len(view)
+    got = 0
+    base = progress[0] if progress is not None else 0
+    while got < total:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise WireShort(base + got, timed_out=True)
+        try:
+            sock.settimeout(remaining)
+            n = sock.recv_into(view[got:], total - got)
+        except TimeoutError:
+            raise WireShort(base + got, timed_out=True) from None
+        except OSError as exc:
+            raise WireShort(base + got, cause=_describe(exc)) from None
+        if n == 0:
+            raise WireShort(base + got, cause="connection closed by peer")
+        got += n
+        if progress is not None:
+            progress[0] = base + got
+
+
+def recv_exact(sock: socket.socket, nbytes: int, deadline: float) -> bytes:
+    buf = bytearray(nbytes)
+    recv_into(sock, memoryview(buf), deadline)
+    return bytes(buf)
+
+
+def tune(sock: socket.socket, buffer_bytes: int | None) -> None:
+    """TCP_NODELAY (frames are small and latency-bound), and kernel buffers of at least
+    ``buffer_bytes`` each way.
+
+    An explicit SO_SNDBUF/SO_RCVBUF turns Linux's buffer autotuning off and is capped
+    at ``net.core.[rw]mem_max``, so it is only set where autotuning could not reach
+    ``buffer_bytes`` by itself. On loopback (2-core host) autotuning moved 1 GiB at
+    ~2.8 GB/s against ~2.3 GB/s with a fixed 4 MiB. ``None`` never touches them.
+    """
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes:
+        buffer_bytes = min(buffer_bytes, 0x7FFFFFFF)  # a C int; the kernel caps it at [rw]mem_max anyway
+        if _autotune_ceiling("tcp_wmem") < buffer_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        if _autotune_ceiling("tcp_rmem") < buffer_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+@functools.cache
+def _autotune_ceiling(name: str) -> int:
+    """Largest buffer Linux autotuning may grow a socket to (0 where unknown: not Linux)."""
+    try:
+        with open(f"/proc/sys/net/ipv4/{name}") as f:
+            return int(f.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def shutdown_quietly(sock: socket.socket) -> None:
+    """Shut both directions down, waking any thread blocked on the socket; never raises."""
+    with contextlib.suppress(OSError):  # already reset or closed by the peer
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _describe(exc: OSError) -> str:
+    return f"{type(exc).__name__}: {exc.strerror or exc}"
