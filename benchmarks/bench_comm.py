@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -142,12 +143,19 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
 
 
 def _load_bench_nccl() -> Any:
-    """``bench_nccl(*, total_bytes, buffer_bytes, repeats) -> dict`` from bench_comm_nccl.py (GPU hosts only)."""
+    """``bench_nccl(*, total_bytes, buffer_bytes, repeats) -> dict`` from bench_comm_nccl.py (GPU hosts).
+
+    Imported only when asked for, so the TCP benchmark runs where cupy is missing.
+    """
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)  # works both as `python benchmarks/bench_comm.py` and imported as a module
     try:
-        from benchmarks.bench_comm_nccl import bench_nccl  # noqa: PLC0415
-    except ImportError:
-        sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-        from bench_comm_nccl import bench_nccl  # type: ignore[no-redef]  # noqa: PLC0415
+        from bench_comm_nccl import bench_nccl  # noqa: PLC0415
+    except ModuleNotFoundError as exc:
+        if exc.name != "bench_comm_nccl":
+            raise
+        raise SystemExit("the NCCL benchmark (benchmarks/bench_comm_nccl.py) is not available here") from None
     return bench_nccl
 
 

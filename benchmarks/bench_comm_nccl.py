@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         report = _worker(args.worker, json.loads(Path(args.config).read_text()))
         print(json.dumps(report), flush=True)
         os._exit(0)  # skip interpreter teardown racing NCCL's threads
+    import signal  # noqa: PLC0415
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so bench_nccl's finally kills both ranks
     sizes = tuple(int(s) << 20 for s in args.sizes_mib.split(","))
     result = bench_nccl(total_bytes=args.total_mib << 20, repeats=args.repeats, sizes=sizes, min_iters=args.min_iters)
     if args.json:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -137,8 +138,9 @@ class TCPSender:
 
 
 def _subprocess_main() -> int:
-    """Commands on stdin: {"base_url", "replicas", "weights_npz"} then it inits, starts,
-    broadcasts ONE chunk of the update, prints "sent-one-chunk" and blocks until killed."""
+    """Reads {"base_url", "replicas", "weights_npz", "buffer_size"} on stdin; inits, starts,
+    posts the update, waits until the server is receiving it, broadcasts ONE chunk of
+    several, prints "sent-one-chunk" and blocks until killed."""
     cfg = json.loads(sys.stdin.readline())
     client = VLLMStyleClient(cfg["base_url"])
     sender = TCPSender(client, replicas=cfg["replicas"], buffer_size=cfg["buffer_size"])
@@ -146,6 +148,11 @@ def _subprocess_main() -> int:
     sender.init()
     client.start_weight_update()
     Background(lambda: client.update_weights(update_info_of(weights)))
+    deadline = time.monotonic() + TIMEOUT_S
+    while httpx.get(f"{cfg['base_url']}/weight_info").json()["session"]["busy"] != "update_weights":
+        if time.monotonic() > deadline:  # the server must be inside update_weights, receiving
+            raise TimeoutError("update_weights never started on the server")
+        time.sleep(0.02)
     first = sender.chunks(weights)[0]
     sender.comm.broadcast(first, timeout=TIMEOUT_S)
     print("sent-one-chunk", flush=True)

@@ -1,4 +1,4 @@
-"""Run ``_tcp_sender.py`` as a separate process and read its JSON lines with timeouts."""
+"""Run ``_sender.py`` as a separate process and read its JSON lines with timeouts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Any
 
-SENDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tcp_sender.py")
+SENDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sender.py")
 
 
 class SenderProcess:

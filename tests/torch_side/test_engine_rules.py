@@ -181,7 +181,7 @@ def test_session_rules():
 def test_parsers_are_strict_and_rank_is_checked():
     engine, _ = make_engine(worker_rank=1)
     good = {"host": "127.0.0.1", "port": 9, "secret_b64": encode_secret(bytes(128)), "rank_offset": 1, "world_size": 2}
-    with pytest.raises(ValueError, match=r"unknown keys 'bogus'"):
+    with pytest.raises(ValueError, match=r"unknown keys \W*bogus"):
         engine.parse_init_info({**good, "bogus": 1})
     with pytest.raises(ValueError, match="dtype_names has 0 entries but names has 1"):
         engine.parse_update_info({"names": ["a"], "dtype_names": [], "shapes": []})

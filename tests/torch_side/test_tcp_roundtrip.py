@@ -1,6 +1,6 @@
 """Acceptance: a trainer process -> weightwire_tcp engine + HFModelHost over TCP on CPU.
 
-The sender is a separate process (``_tcp_sender.py``: TCPRendezvous + shared framing);
+The sender is a separate process (``_sender.py``: TCPRendezvous + shared framing);
 the receiver is the real engine loading a tiny Llama. Three rounds of changed weights
 must land bit-exactly (sha256 of every parameter equal on both sides).
 """

@@ -40,9 +40,9 @@ def replica_checksums(client: HTTPWeightSyncClient) -> list[dict[str, str]]:
 
 
 def run_rounds(client: HTTPWeightSyncClient, engine: Any, perturb: Any, digests: Any) -> None:
-    before = replica_checksums(client)[0]
     try:
         for step in (1, 2, 3):
+            before = replica_checksums(client)[0]
             perturb(step)
             metrics = engine.send_weights()  # verify=True: the engine checked every replica too
             want = digests()
@@ -50,24 +50,42 @@ def run_rounds(client: HTTPWeightSyncClient, engine: Any, perturb: Any, digests:
             assert metrics.nbytes > 0 and metrics.chunks >= 1
             for replica in replica_checksums(client):
                 assert {n: replica.get(n) for n in want} == want
-            assert all(before[n] != d for n, d in want.items())  # every tensor really changed
+            assert all(before[n] != d for n, d in want.items())  # every tensor really changed this round
             assert client.weight_info()[0]["weight_version"] == str(step)
     finally:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
-def test_jax_engine_rounds_over_tcp(server_url: str, packed: bool) -> None:
+def jax_pytree_source() -> tuple[Any, Any]:
+    """The Flax llama built from the tiny-llama config.json, exported by PytreeSource."""
+    import json
+
+    import jax
+
+    from weightwire.jax_side.models import llama
+    from weightwire.jax_side.source import PytreeSource
+
+    with open(os.path.join(model_dir(), "config.json")) as f:
+        cfg = llama.LlamaConfig.from_hf_config(json.load(f))
+    state = {"params": llama.init(jax.random.key(0), cfg)}
+    noise = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype), state["params"])
+
+    def perturb(step: int) -> None:
+        state["params"] = jax.tree.map(lambda x, n: x + (1e-3 * step) * n, state["params"], noise)
+
+    return PytreeSource(lambda: state["params"], llama.naming(cfg)), perturb
+
+
+def jax_dict_source() -> tuple[Any, Any]:
+    """HF-named jnp arrays loaded from the tiny-llama safetensors."""
     import jax
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
     from tests.trainer.fakes import DictSource
     from weightwire.jax_side.dtypes import describe
-    from weightwire.jax_side.engine import JAXTrainerEngine
 
     params = {k: jnp.asarray(v) for k, v in load_file(os.path.join(model_dir(), "model.safetensors")).items()}
-    source = DictSource(params, describe)
     key = jax.random.PRNGKey(0)
     noise = {k: jax.random.normal(jax.random.fold_in(key, i), v.shape, v.dtype) for i, (k, v) in enumerate(params.items())}
 
@@ -75,8 +93,18 @@ def test_jax_engine_rounds_over_tcp(server_url: str, packed: bool) -> None:
         for k in params:
             params[k] = params[k] + jnp.asarray(1e-3 * step, params[k].dtype) * noise[k]
 
-    def digests() -> dict[str, str]:
-        return {k: hashlib.sha256(np.asarray(v).tobytes()).hexdigest() for k, v in params.items()}
+    return DictSource(params, describe), perturb
+
+
+@pytest.mark.parametrize(("make_source", "packed"), [(jax_pytree_source, True), (jax_dict_source, False)],
+                         ids=["pytree-packed", "dict-unpacked"])
+def test_jax_engine_rounds_over_tcp(server_url: str, make_source: Any, packed: bool) -> None:
+    from weightwire.jax_side.engine import JAXTrainerEngine
+
+    source, perturb = make_source()
+
+    def digests() -> dict[str, str]:  # what the source yields now, i.e. what must have arrived
+        return {k: hashlib.sha256(np.asarray(v).tobytes()).hexdigest() for k, v in source}
 
     client = HTTPWeightSyncClient(server_url, timeout=120)
     info = TrainerInitInfo(backend="weightwire_tcp", packed=packed, packed_buffer_size_bytes=64 << 10,

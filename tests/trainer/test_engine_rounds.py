@@ -131,6 +131,8 @@ def test_verify_compares_every_sent_tensor() -> None:
     del server.checksums["lm_head.weight"]
     with pytest.raises(VerifyError, match="absent on the server"):
         engine.send_weights()
+    # A verify failure comes after the commit: versions keep counting committed rounds.
+    assert [b["weight_version"] for b in server.bodies("finish_weight_update")] == ["1", "2", "3"]
 
 
 def test_non_sender_rank_only_iterates() -> None:
@@ -195,3 +197,17 @@ def test_trainer_init_validates_inputs() -> None:
         client=FourCalls(), source=source)
     assert FAKE.opened[-1] == 3 and engine.features is not None and engine.features.reuse_metadata
     assert get_backend("fake_host") is FAKE
+
+
+def test_verify_checks_every_replica_of_every_server() -> None:
+    from weightwire.trainer.verify import compare_checksums
+
+    sent = {"a": "01", "b": "02"}
+    good = {"checksums": sent, "replica_checksums": [sent, sent]}
+    compare_checksums(sent, [good, {"checksums": dict(sent, c="03")}])
+    bad_replica = {"checksums": sent, "replica_checksums": [sent, {"a": "01", "b": "ff"}]}
+    with pytest.raises(VerifyError, match=r"server 1 replica 1: 1 of 2 tensors differ from what was sent: b$") as info:
+        compare_checksums(sent, [good, bad_replica])
+    assert info.value.mismatched == {"server 1 replica 1": ["b"]}
+    with pytest.raises(VerifyError, match="without a checksums map"):
+        compare_checksums(sent, [{"status": "reset"}])

@@ -40,8 +40,10 @@ class Peer:
         self.proc.stdin.close()
         self._events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._stderr: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr or ()), daemon=True).start()
+        self._readers = [threading.Thread(target=self._pump, daemon=True),
+                         threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr or ()), daemon=True)]
+        for reader in self._readers:
+            reader.start()
 
     def _pump(self) -> None:
         for line in self.proc.stdout or ():
@@ -73,6 +75,11 @@ class Peer:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
+        for reader in self._readers:  # the pipes hit EOF once the process is gone
+            reader.join(timeout=10)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 class Peers(list[Peer]):

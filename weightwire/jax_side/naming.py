@@ -257,11 +257,14 @@ class Naming:
     def __repr__(self) -> str:
         return f"Naming({len(self.rules)} rules, strip={self.strip})"
 
-    def _match(self, path: str) -> tuple[int, re.Match[str]] | None:
+    def _key(self, path: str) -> str:
         comps = path.split("/")
         while len(comps) > 1 and comps[0] in self.strip:
             comps = comps[1:]
-        key = "/".join(comps)
+        return "/".join(comps)
+
+    def _match(self, path: str) -> tuple[int, re.Match[str]] | None:
+        key = self._key(path)
         for i, rule in enumerate(self.rules):
             m = rule.regex.fullmatch(key)
             if m is not None:
@@ -297,7 +300,9 @@ class Naming:
         if unclaimed:
             raise NamingError(f"no naming rule claims these pytree leaves: {_show(unclaimed)}; add a rule for each, "
                               "or a drop rule (target None) for leaves the server does not take")
-        missing = [r.pattern for r, u in zip(self.rules, used, strict=True) if not u and not r.optional]
+        # A rule shadowed by an earlier one (an override) is not a typo; one that fits no path is.
+        missing = [r.pattern for r, u in zip(self.rules, used, strict=True)
+                   if not u and not r.optional and not any(r.regex.fullmatch(self._key(p)) for p in paths)]
         if missing:
             raise NamingError(f"naming rules matched no pytree leaf: {_show(missing)}; leaves look like "
                               f"{_show(paths, 4)}")
@@ -364,15 +369,21 @@ def _order_keys(entries: list[Entry], claims: dict[str, list[Any]], n_rules: int
     prefix_rank: dict[str, tuple[int, int]] = {}
     for _, rule, _, _, key in sorted(info, key=lambda t: (t[1], t[3])):
         if key is not None:
-            prefix_rank.setdefault(key.rsplit(".", 1)[0], (rule, len(prefix_rank)))
+            prefix_rank.setdefault(_split_key(key)[0], (rule, len(prefix_rank)))
     keys = []
     for e, rule, part, leaf, key in info:
         if key is None:
             keys.append((0 if rule < first_layered else 2, (0, 0), 0, rule, part, leaf, e.name))
         else:
-            prefix, index = key.rsplit(".", 1)
-            keys.append((1, prefix_rank[prefix], int(index), rule, part, leaf, e.name))
+            prefix, index = _split_key(key)
+            keys.append((1, prefix_rank[prefix], index, rule, part, leaf, e.name))
     return keys
+
+
+def _split_key(key: str) -> tuple[str, int]:
+    """``model.layers.3`` -> (``model.layers``, 3); a bare ``3`` -> ("", 3)."""
+    head, _, index = key.rpartition(".")
+    return head, int(index)
 
 
 _AVAL_CACHE: dict[tuple[Any, ...], jax.ShapeDtypeStruct] = {}

@@ -53,9 +53,9 @@ class _StrictInfo:
         unknown = [k for k in data if k not in known]
         if unknown:
             # Bounded: a hostile body may carry a million junk keys.
-            shown = ", ".join(bounded_repr(k) for k in unknown[:5])
+            shown = ", ".join(bounded_repr(k) for k in sorted(unknown, key=str)[:5])
             more = f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""
-            raise ValueError(f"{ctx}: unknown keys {shown}{more}; allowed: {', '.join(sorted(known))}")
+            raise ValueError(f"{ctx}: unknown keys [{shown}]{more}; allowed: {sorted(known)}")
         for name, f in known.items():
             required = f.default is MISSING and f.default_factory is MISSING
             if required and name not in data:

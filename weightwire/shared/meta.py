@@ -80,8 +80,8 @@ class ParamMeta:
             raise ValueError(f"ParamMeta must be a JSON object, got {type(data).__name__}")
         unknown = [k for k in data if k not in {"name", "dtype", "shape", "owners"}]
         if unknown:
-            shown = ", ".join(bounded_repr(k) for k in unknown[:5])
-            raise ValueError(f"ParamMeta: unknown keys {shown}; allowed: dtype, name, owners, shape")
+            shown = ", ".join(bounded_repr(k) for k in sorted(unknown, key=str)[:5])
+            raise ValueError(f"ParamMeta: unknown keys [{shown}]; allowed: ['dtype', 'name', 'owners', 'shape']")
         for key in ("name", "dtype", "shape"):
             if key not in data:
                 raise ValueError(f"ParamMeta: missing required field {key!r}")

@@ -27,8 +27,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Self
 
@@ -144,11 +145,18 @@ class TrainerEngine(ABC):
         post.add_done_callback(lambda f: rdv.cancel() if f.exception() is not None else None)
         join = spawn(lambda: rdv.join(timeout=t.connect_s), name="weightwire-join")
         logger.info("rendezvous: backend=%s world_size=%d server=%s", self.info.backend, 1 + world, version)
-        done, _ = wait([post, join], timeout=t.connect_s + _GRACE_S, return_when=FIRST_EXCEPTION)
-        if post in done and post.exception() is not None:
+        # Wait for the join, unless the POST fails first (the server refused the init
+        # info: no worker will ever arrive). A POST that succeeds first is not an end.
+        deadline = time.monotonic() + t.connect_s + _GRACE_S
+        while not join.done() and not (post.done() and post.exception() is not None):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            wait([join] if post.done() else [post, join], timeout=remaining, return_when=FIRST_COMPLETED)
+        if not join.done() and post.done() and post.exception() is not None:
             join.add_done_callback(_abort_late)  # rank 0 may still join later; release it then
             raise post.exception()  # type: ignore[misc]
-        if join not in done:
+        if not join.done():
             join.add_done_callback(_abort_late)
             rdv.cancel()
             raise TransferTimeout(f"rank 0 rendezvous ({self.info.backend}) did not complete within {t.connect_s} s")
@@ -201,7 +209,6 @@ class TrainerEngine(ABC):
         if not isinstance(version, str) or not version:
             raise ValueError(f"weight_version must be a non-empty str, got {weight_version!r}")
         metrics = self._sender_round(metas, version, clock)
-        self._rounds += 1
         logger.info("%s", metrics.summary())
         return metrics
 
@@ -225,6 +232,7 @@ class TrainerEngine(ABC):
             with clock("finish"):
                 self.client.finish_weight_update(version)
                 self._sent_metas = metas
+                self._rounds += 1  # committed: the next automatic version moves on even if verify fails
                 if paused:
                     paused = False
                     self.client.resume()

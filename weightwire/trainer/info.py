@@ -8,12 +8,12 @@ any rendezvous starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.routes import PAUSE_MODES
-from weightwire.shared.timeouts import DEFAULT_TIMEOUTS, Timeouts
+from weightwire.shared.timeouts import Timeouts
 
 BACKENDS = ("nccl", "weightwire_nccl", "weightwire_tcp")
 """Built-in backends; ``trainer.backends.register_backend`` may add more."""
@@ -33,6 +33,8 @@ class TrainerInitInfo:
       the address workers dial (set it when workers are on other hosts).
     - ``device``: CUDA ordinal of the NCCL sender (``None``: the current device).
     - ``pause_mode``: pause generation around every round (``keep``/``wait``/``abort``).
+    - ``timeouts``: every wait's bound (default: ``Timeouts.from_env()``, so
+      ``WEIGHTWIRE_TIMEOUT_<FIELD>`` variables apply).
     - ``verify``: after each round, compare the servers' per-tensor sha256 with what
       was sent (costs a host copy of every tensor; a debugging aid).
     - ``server_version`` / ``inference_world_size``: for clients that cannot ask the
@@ -44,7 +46,7 @@ class TrainerInitInfo:
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    timeouts: Timeouts = DEFAULT_TIMEOUTS
+    timeouts: Timeouts = field(default_factory=Timeouts.from_env)
     tcp_bind_host: str = "127.0.0.1"
     tcp_advertise_host: str | None = None
     device: int | None = None

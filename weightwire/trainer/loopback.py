@@ -21,6 +21,7 @@ and waits for that line. Only this module's ``serve`` imports torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -234,10 +235,8 @@ def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) 
                 reply = {"ok": False, "status": 400, "error": f"{type(exc).__name__}: {exc}"}
             except Exception as exc:
                 reply = {"ok": False, "status": 500, "error": f"{type(exc).__name__}: {exc}"}
-            try:
+            with contextlib.suppress(OSError):  # the client gave up; nothing to tell it
                 _send_line(conn, reply)
-            except OSError:
-                pass
 
     listener = socket.create_server((host, port))
     listener.settimeout(0.2)

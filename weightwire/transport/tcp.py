@@ -3,8 +3,15 @@
 Stdlib sockets on purpose: no extra dependency on either side, zero-copy
 ``sendmsg(memoryview)`` / ``recv_into`` a preallocated buffer, and a broadcast from
 one sender needs nothing more than one connection per receiver (no collectives
-library, no message broker). The wire format (handshake, frame headers) is documented
-in ``weightwire.transport.tcp_wire``.
+library, no message broker). The wire format (HMAC handshake, and the 16-byte header
+``tag | seq | length`` in front of every broadcast that turns a framing disagreement
+into an error instead of misloaded weights) is documented in
+``weightwire.transport.tcp_wire``.
+
+Rank 0 sends to several receivers concurrently: its calling thread serves the first
+link and one persistent thread per further link serves the rest (no thread per
+broadcast). One warmup/broadcast at a time per communicator; ``abort`` may come from
+any thread.
 
 Failure contract: every wait is bounded by a timeout; a lost peer raises ``PeerLost``
 naming the peer and byte offset, a timeout ``TransferTimeout``, a desynchronized
@@ -26,13 +33,12 @@ import time
 from typing import Any
 
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
-from weightwire.shared.info import encode_secret
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.timeouts import DEFAULT_TIMEOUTS
 from weightwire.transport import tcp_wire as wire
 from weightwire.transport.tcp_rendezvous import TCPRendezvous, check_secret, dial
 
-__all__ = ["SOCKET_BUFFER_BYTES", "TCPCommunicator", "TCPRendezvous", "check_secret", "encode_secret"]
+__all__ = ["SOCKET_BUFFER_BYTES", "TCPCommunicator", "TCPRendezvous"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +107,7 @@ class TCPCommunicator:
         self._active = 0
         self._fds_closed = False
         self._failure: TransferError | None = None
-        self._workers = []
+        self._workers: list[threading.Thread] = []
         if rank == 0:  # the caller's thread serves links[0]; one persistent thread per other link
             for link in links[1:]:
                 worker = threading.Thread(target=self._serve, args=(link,), name=f"weightwire-tcp-send-{link.rank}", daemon=True)
@@ -201,10 +207,12 @@ class TCPCommunicator:
         payload = [memoryview(wire.frame(wire.TAG_BROADCAST, seq, nbytes)), *views]
         batch = _Batch({link.rank for link in self._links})
         job = (payload, deadline, batch, seq, nbytes, limit)
-        with self._lock:
+        with self._lock:  # queued while open, so each job precedes teardown's stop sentinel
+            if self._state != "open":
+                raise TransferError(f"TCP communicator (rank 0) was {self._state} before broadcast #{seq}")
             self._active += len(self._links) - 1  # released by each worker when its job ends
-        for link in self._links[1:]:
-            link.jobs.put(job)
+            for link in self._links[1:]:
+                link.jobs.put(job)
         self._send_job(self._links[0], *job)
         if not batch.wait(deadline):
             raise self._fail(self._timeout_error(batch, seq, nbytes, limit))

@@ -31,6 +31,8 @@ from weightwire.jax_side.models.common import (
     rope_inv_freq,
     rotary,
 )
+from weightwire.jax_side.naming import Naming
+from weightwire.jax_side.presets import preset
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -332,3 +334,8 @@ def apply(params: Any, tokens: jax.Array, cfg: DecoderConfig, *, positions: jax.
     ``attention_mask`` (1 = real token) masks padded keys; ``positions`` default to 0..T-1.
     """
     return CausalLM(cfg).apply(params, tokens, positions, attention_mask)
+
+
+def naming(cfg: DecoderConfig) -> Naming:
+    """The preset ``Naming`` matching ``init(rng, cfg)``'s pytree."""
+    return preset(cfg.family, **cfg.preset_kwargs())

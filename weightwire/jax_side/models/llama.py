@@ -21,7 +21,6 @@ import jax
 from weightwire.jax_side.models import decoder
 from weightwire.jax_side.models.decoder import DecoderConfig
 from weightwire.jax_side.naming import Naming
-from weightwire.jax_side.presets import preset
 
 LlamaConfig = DecoderConfig
 """The config dataclass (``family`` defaults to ``"llama"``); ``LlamaConfig.from_hf_config(d)``
@@ -40,4 +39,9 @@ def apply(params: Any, tokens: jax.Array, cfg: DecoderConfig, **kw: Any) -> jax.
 
 def naming(cfg: DecoderConfig) -> Naming:
     """The preset ``Naming`` matching ``init(rng, cfg)``'s pytree."""
-    return preset(cfg.family, **cfg.preset_kwargs())
+    return decoder.naming(cfg)
+
+
+def config(**overrides: Any) -> DecoderConfig:
+    """A tiny-by-default Llama config; keywords override any field."""
+    return DecoderConfig.for_family("llama", **overrides)

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["build_parser", "serve_main"]
 
@@ -89,6 +92,20 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _graceful_server(uvicorn: Any, config: Any) -> Any:
+    """uvicorn's server, except that after a SIGINT/SIGTERM shutdown it returns instead
+    of re-raising the signal: the workers are then closed in order and we exit 0."""
+
+    class Server(uvicorn.Server):  # type: ignore[misc, name-defined]
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()
+
+    return Server(config)
+
+
 async def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -121,7 +138,7 @@ async def _serve(args: argparse.Namespace) -> int:
         app = create_app(ServerState(pool=pool, options=options))
         config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, server_header=False)
-        server = uvicorn.Server(config)
+        server = _graceful_server(uvicorn, config)
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)

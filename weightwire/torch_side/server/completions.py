@@ -8,7 +8,9 @@ Supported: ``prompt`` (a string, a list of token ids, or a batch of either),
 ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``logprobs``
 (log-probabilities of the sampled tokens under the raw model distribution, plus the
 top ``logprobs`` alternatives; OpenAI's legacy shape), ``seed``, ``n``, ``ignore_eos``,
-``return_token_ids``. OpenAI fields this server cannot honour are refused when set to
+and vLLM's ``return_token_ids`` / ``return_tokens_as_token_ids`` (token strings become
+``"token_id:<id>"``, so byte pieces that decode alike stay distinct keys in
+``top_logprobs``). OpenAI fields this server cannot honour are refused when set to
 anything but their neutral value, rather than silently ignored.
 """
 
@@ -43,6 +45,7 @@ class CompletionRequest:
     n: int = 1
     ignore_eos: bool = False
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     model: str | None = None
 
     def to_worker(self) -> dict[str, Any]:
@@ -137,7 +140,7 @@ def _prompts(body: dict[str, Any], vocab_size: int) -> list[str | list[int]]:
 
 _KNOWN = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "logprobs", "seed", "n",
-    "ignore_eos", "return_token_ids", *_NEUTRAL, *_IGNORED,
+    "ignore_eos", "return_token_ids", "return_tokens_as_token_ids", *_NEUTRAL, *_IGNORED,
 }
 
 
@@ -167,5 +170,6 @@ def parse_completion_request(body: object, *, vocab_size: int, max_model_len: in
         n=_integer(body, "n", 1, 1, MAX_N) or 1,
         ignore_eos=_boolean(body, "ignore_eos"),
         return_token_ids=_boolean(body, "return_token_ids"),
+        return_tokens_as_token_ids=_boolean(body, "return_tokens_as_token_ids"),
         model=model,
     )

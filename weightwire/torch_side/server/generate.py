@@ -51,8 +51,8 @@ class Generator:
             raise ValueError(f"prompt[{index}] encodes to zero tokens")
         return ids
 
-    def _piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _piece(self, token_id: int, as_ids: bool = False) -> str:
+        return f"token_id:{token_id}" if as_ids else self.tokenizer.decode([token_id])
 
     @torch.no_grad()
     def _decode_rows(
@@ -60,6 +60,7 @@ class Generator:
     ) -> list[tuple[dict[str, Any], int]]:
         n, max_tokens, temperature = req["n"], req["max_tokens"], req["temperature"]
         want_top = req["logprobs"] or 0
+        as_ids = req["return_tokens_as_token_ids"]
         rows = torch.tensor([ids] * n, dtype=torch.long, device=self.device)
         out = self.model(input_ids=rows, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1, :].float()
@@ -87,8 +88,11 @@ class Generator:
                 tokens[i].append(nxt_list[i])
                 lps[i].append(chosen[i])
                 if top_idx is not None and top_vals is not None:
-                    entry = {self._piece(t): v for t, v in zip(top_idx[i], top_vals[i], strict=True)}
-                    entry.setdefault(self._piece(nxt_list[i]), chosen[i])
+                    entry: dict[str, float] = {}
+                    for t, v in zip(top_idx[i], top_vals[i], strict=True):
+                        # Descending order: when two ids decode alike, the likelier one keeps the key.
+                        entry.setdefault(self._piece(t, as_ids), v)
+                    entry.setdefault(self._piece(nxt_list[i], as_ids), chosen[i])
                     tops[i].append(entry)
                 if nxt_list[i] == self.eos_token_id and not req["ignore_eos"]:
                     done[i], finish[i] = True, "stop"
@@ -114,7 +118,7 @@ class Generator:
             "logprobs": None,
         }
         if req["logprobs"] is not None:
-            pieces = [self._piece(t) for t in tokens]
+            pieces = [self._piece(t, req["return_tokens_as_token_ids"]) for t in tokens]
             offsets, pos = [], 0
             for piece in pieces:
                 offsets.append(pos)

@@ -95,10 +95,12 @@ def _config_dict(name: str) -> dict[str, Any]:
 
 
 def recipe_hash(name: str, seed: int = 0) -> str:
-    """Hash of everything that determines the built files (the cache key)."""
-    import tokenizers
-    import torch
-    import transformers
+    """Hash of everything that determines the built files (the cache key).
+
+    Library versions come from package metadata, not imports: resolving a cached
+    model must not cost the API process a torch import.
+    """
+    from importlib.metadata import version
 
     recipe = {
         "format": _FORMAT_VERSION,
@@ -107,7 +109,7 @@ def recipe_hash(name: str, seed: int = 0) -> str:
         "config": _config_dict(name),
         "corpus": _corpus(),
         # Random init and BPE training can change across library versions.
-        "versions": [torch.__version__, transformers.__version__, tokenizers.__version__],
+        "versions": [version("torch"), version("transformers"), version("tokenizers")],
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
 
@@ -149,7 +151,9 @@ def _train_tokenizer(out_dir: Path) -> None:
 def _build_into(name: str, out_dir: Path, seed: int) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     cfg = _config_dict(name)
     config = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
     fork_devices: list[int] = []

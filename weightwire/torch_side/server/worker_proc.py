@@ -66,11 +66,13 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         from weightwire.torch_side.server.generate import Generator
         from weightwire.torch_side.worker import HFModelHost
 
         self.spec = spec
+        hf_logging.disable_progress_bar()  # the worker's stderr is the server's log
         torch.set_num_threads(max(1, spec.threads))
         if spec.device == "cuda":
             self.device = torch.device("cuda", spec.index % max(1, torch.cuda.device_count()))

@@ -1,0 +1,296 @@
+"""Full weight-sync rounds on two GPUs: JAX trainer engine (GPU0) -> torch worker engine (GPU1).
+
+    python benchmarks/bench_sync.py --out bench_sync.md [--models qwen2-0.5b,qwen2-1.5b,llama3-8b]
+        [--buffers-mib 256,1024] [--num-buffers 1,2,3] [--no-unpacked] [--rounds 5] [--warmup 2]
+
+Parameter sets have the HF names and shapes of real models (synthetic bf16 values).
+The sender drives ``JAXTrainerEngine.trainer_init(TrainerInitInfo(backend=
+"weightwire_nccl", ...), client=ShimClient, source=DictSource)`` and ``send_weights()``.
+The receiver process runs ``WeightwireNCCLEngine.standalone(model=Sink)`` behind a
+tiny JSON-over-local-socket control shim (no HTTP server needed: the GPU host has no
+fastapi/uvicorn); ``Sink.load_weights`` only counts what arrived.
+
+Per config: seconds per round (median of ``--rounds`` after ``--warmup``), GB/s
+(1e9 B/s), the ratio to raw NCCL (CuPy ``bcast`` of the same chunk sizes, same run,
+separate communicator), the control-plane ms (``RoundMetrics`` control + finish
+phases), and peak extra GPU memory per side (sender: JAX + CuPy bytes in use,
+sampled every ~1 ms; receiver: torch peak allocated) next to the bound
+``num_buffers x buffer + largest tensor``. A config that fails is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_sync_shim import ShimClient, raw_rounds, receiver_main, rpc
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+MODELS: dict[str, dict[str, Any]] = {  # from the models' HF config.json
+    "qwen2-0.5b": dict(hidden=896, inter=4864, layers=24, heads=14, kv=2, head_dim=64, vocab=151936, tied=True, bias=True),
+    "qwen2-1.5b": dict(hidden=1536, inter=8960, layers=28, heads=12, kv=2, head_dim=128, vocab=151936, tied=True, bias=True),
+    "llama3-8b": dict(hidden=4096, inter=14336, layers=32, heads=32, kv=8, head_dim=128, vocab=128256, tied=False, bias=False),
+}
+
+
+def hf_shapes(c: dict[str, Any]) -> list[tuple[str, list[int]]]:
+    """HF checkpoint names and shapes, in state-dict order (one layer's names contiguous)."""
+    h, q, kv = c["hidden"], c["heads"] * c["head_dim"], c["kv"] * c["head_dim"]
+    out = [("model.embed_tokens.weight", [c["vocab"], h])]
+    for i in range(c["layers"]):
+        p = f"model.layers.{i}."
+        for proj, rows in (("q", q), ("k", kv), ("v", kv)):
+            out.append((f"{p}self_attn.{proj}_proj.weight", [rows, h]))
+            if c["bias"]:
+                out.append((f"{p}self_attn.{proj}_proj.bias", [rows]))
+        out += [(f"{p}self_attn.o_proj.weight", [h, q]), (f"{p}mlp.gate_proj.weight", [c["inter"], h]),
+                (f"{p}mlp.up_proj.weight", [c["inter"], h]), (f"{p}mlp.down_proj.weight", [h, c["inter"]]),
+                (f"{p}input_layernorm.weight", [h]), (f"{p}post_attention_layernorm.weight", [h])]
+    out.append(("model.norm.weight", [h]))
+    if not c["tied"]:
+        out.append(("lm_head.weight", [c["vocab"], h]))
+    return out
+
+
+# -- sender ----------------------------------------------------------------------------------
+
+
+def make_source(params: dict[str, Any]) -> Any:
+    from weightwire.shared.meta import ParamMeta  # noqa: PLC0415
+    from weightwire.shared.source import WeightSource  # noqa: PLC0415
+
+    class DictSource(WeightSource):
+        def __init__(self) -> None:
+            self._metas = [ParamMeta(n, "bfloat16", tuple(a.shape)) for n, a in params.items()]
+
+        def metadata(self) -> list[ParamMeta]:
+            return self._metas
+
+        def __iter__(self) -> Any:
+            return iter(params.items())
+
+    return DictSource()
+
+
+class MemSampler:
+    """Peak of (JAX + CuPy) device bytes in use above the baseline, polled in a thread."""
+
+    def __init__(self) -> None:
+        import cupy as cp  # noqa: PLC0415
+        import jax  # noqa: PLC0415
+
+        self._dev, self._pool = jax.devices()[0], cp.get_default_memory_pool()
+        self.base = self.peak = self.sample()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> int:
+        stats = self._dev.memory_stats() or {}
+        return int(stats.get("bytes_in_use", 0)) + int(self._pool.used_bytes())
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self.sample())
+
+    def __enter__(self) -> MemSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.peak = max(self.peak, self.sample())
+
+
+def run_config(model: str, params: dict[str, Any], packed: bool, buf: int, nb: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    from weightwire.jax_side.engine import JAXTrainerEngine  # noqa: PLC0415
+    from weightwire.shared.framing import plan  # noqa: PLC0415
+    from weightwire.shared.timeouts import Timeouts  # noqa: PLC0415
+    from weightwire.trainer.info import TrainerInitInfo  # noqa: PLC0415
+    from weightwire.transport.nccl import mint_unique_id  # noqa: PLC0415
+
+    t = cfg["timeout"]
+    row: dict[str, Any] = {"model": model, "mode": f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked",
+                           "nbytes": sum(int(a.nbytes) for a in params.values()), "tensors": len(params)}
+    source, client = make_source(params), ShimClient(cfg["port"], timeout=t + 60)
+    metas = source.metadata()
+    row["largest"] = max(m.nbytes for m in metas)
+    row["bound"] = nb * buf + row["largest"] if packed else row["largest"]
+    wanted = dict(backend="weightwire_nccl", packed=packed, packed_buffer_size_bytes=buf, packed_num_buffers=nb, device=0,
+                  server_version="0.33.0", inference_world_size=1,
+                  timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t))
+    known = {f.name for f in dataclasses.fields(TrainerInitInfo)}
+    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(**{k: v for k, v in wanted.items() if k in known}),
+                                           client=client, source=source)
+    try:
+        for _ in range(cfg["warmup"]):
+            engine.send_weights()
+        walls, control = [], []
+        for _ in range(cfg["rounds"]):
+            start = time.perf_counter()
+            metrics = engine.send_weights()
+            walls.append(time.perf_counter() - start)
+            control.append(sum(metrics.seconds.get(k, 0.0) for k in ("control", "finish")))
+        row["chunks"] = metrics.chunks
+        rpc(cfg["port"], "mem_reset", t)
+        with MemSampler() as mem:
+            engine.send_weights()
+        got = rpc(cfg["port"], "mem_peak", t)
+        row.update(send_extra=mem.peak - mem.base, recv_extra=got["peak_extra"],
+                   loaded_ok=got["nbytes"] == row["nbytes"] and got["tensors"] == row["tensors"])
+    finally:
+        engine.shutdown()
+    row.update(round_s=statistics.median(walls), control_ms=1e3 * statistics.median(control), walls=walls)
+    sizes = [c.nbytes for c in plan(metas, packed=packed, buffer_size_bytes=buf) if c.nbytes]
+    uid = mint_unique_id()
+    rpc(cfg["port"], "raw_begin", t, uid_b64=base64.b64encode(uid).decode(), sizes=sizes,
+        rounds=cfg["warmup"] + cfg["rounds"], timeout=t)
+    raw = raw_rounds(uid, 0, sizes, cfg["warmup"] + cfg["rounds"], t)[cfg["warmup"]:]
+    rx = rpc(cfg["port"], "raw_end", t + 30, timeout=t)
+    if "error" in rx:
+        raise RuntimeError(f"raw receiver: {rx['error']}")
+    row.update(raw_s=statistics.median(raw), raw_walls=raw)
+    return row
+
+
+def build_params(model: str) -> dict[str, Any]:
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    key, out = jax.random.PRNGKey(0), {}
+    for i, (name, shape) in enumerate(hf_shapes(MODELS[model])):
+        if len(shape) == 1:
+            out[name] = jnp.ones(shape, jnp.bfloat16)
+        else:
+            out[name] = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+    jax.block_until_ready(list(out.values()))
+    return out
+
+
+def sender_main(cfg: dict[str, Any]) -> None:
+    from weightwire.transport.nccl import nccl_available  # noqa: PLC0415
+
+    rows: list[dict[str, Any]] = []
+    if not nccl_available():
+        rows.append({"model": "-", "mode": "-", "error": "no CuPy NCCL / CUDA device on the sender"})
+        cfg["models"] = []
+    for model in cfg["models"]:
+        if time.time() > cfg["deadline"] - 60:
+            rows.append({"model": model, "mode": "-", "error": "skipped: out of time"})
+            continue
+        params = build_params(model)
+        configs = [(True, b, n) for b in cfg["buffers"] for n in cfg["num_buffers"]]
+        configs += [(False, cfg["buffers"][0], 1)] if cfg["unpacked"] else []
+        for packed, buf, nb in configs:
+            if time.time() > cfg["deadline"] - 30:
+                rows.append({"model": model, "mode": f"{'packed' if packed else 'unpacked'}", "error": "skipped: out of time"})
+                continue
+            try:
+                rows.append(run_config(model, params, packed, buf, nb, cfg))
+            except Exception as exc:
+                rows.append({"model": model, "mode": f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked",
+                             "error": f"{type(exc).__name__}: {exc}"[:300]})
+            print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
+        del params
+    print(json.dumps(rows), flush=True)
+    os._exit(0)
+
+
+# -- parent ----------------------------------------------------------------------------------
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| model | GB/round | mode | chunks | s/round | GB/s | raw NCCL s | ratio | control ms "
+            "| sender extra GiB | receiver extra GiB | bound GiB | loaded |\n" + "|---" * 13 + "|\n")
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | | {r['mode']} | | | | | | | | | | {r['error']} |")
+            continue
+        gb = r["nbytes"] / 1e9
+        lines.append(
+            f"| {r['model']} | {gb:.2f} | {r['mode']} | {r['chunks']} | {r['round_s']:.4f} | {gb / r['round_s']:.1f} "
+            f"| {r['raw_s']:.4f} | {r['raw_s'] / r['round_s']:.3f} | {r['control_ms']:.1f} | {r['send_extra'] / GIB:.2f} "
+            f"| {r['recv_extra'] / GIB:.2f} | {r['bound'] / GIB:.2f} | {'ok' if r['loaded_ok'] else 'MISMATCH'} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def _spawn(role: str, gpu: int, cfg: dict[str, Any], path: Path) -> subprocess.Popen:
+    path.write_text(json.dumps(cfg))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen([sys.executable, __file__, "--role", role, "--config", str(path)], env=env,
+                            stdout=subprocess.PIPE if role == "sender" else None, text=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--buffers-mib", default="256,1024")
+    ap.add_argument("--num-buffers", default="1,2,3")
+    ap.add_argument("--no-unpacked", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=60.0, help="per-wait timeout (NCCL, control calls)")
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="stop starting new configs after this")
+    ap.add_argument("--out", help="also write the markdown table here (and the raw rows to OUT.json)")
+    ap.add_argument("--role", choices=("sender", "receiver"), help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.role:
+        cfg = json.loads(Path(args.config).read_text())
+        (sender_main if args.role == "sender" else receiver_main)(cfg)
+        return 0
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+    import signal  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: kill both children
+    deadline = time.time() + args.deadline_s
+    with tempfile.TemporaryDirectory(prefix="weightwire-bench-sync-") as tmp:
+        port_file = Path(tmp, "port")
+        receiver = _spawn("receiver", 1, {"port_file": str(port_file), "deadline": deadline + 60}, Path(tmp, "r.json"))
+        sender = None
+        try:
+            while not port_file.exists():
+                if receiver.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("receiver process did not start its control shim")
+                time.sleep(0.1)
+            port = int(port_file.read_text())
+            cfg = {"port": port, "models": args.models.split(","), "deadline": deadline, "timeout": args.timeout,
+                   "buffers": [int(b) << 20 for b in args.buffers_mib.split(",")], "rounds": max(1, args.rounds),
+                   "num_buffers": [int(n) for n in args.num_buffers.split(",")], "warmup": args.warmup,
+                   "unpacked": not args.no_unpacked}
+            sender = _spawn("sender", 0, cfg, Path(tmp, "s.json"))
+            out, _ = sender.communicate(timeout=args.deadline_s + 120)
+            rows = json.loads([line for line in out.splitlines() if line.startswith("[")][-1])
+            with contextlib.suppress(OSError):
+                rpc(port, "quit", 10)
+        finally:
+            for proc in (sender, receiver):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+    text = table(rows)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+        Path(args.out + ".json").write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Control shim for ``bench_sync.py``: the receiver process and the sender's client.
+
+The GPU host has no HTTP server stack, so the four weight-sync calls travel as one
+JSON line each way over a fresh local TCP connection per call (``rpc``), to a
+``Receiver`` that drives ``WeightwireNCCLEngine.standalone`` exactly as the reference
+server would. It also runs the raw-NCCL baseline's receiving half and reports the
+receiver's peak extra GPU memory. Loopback only; a benchmark aid, not a product API.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import socketserver
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+# -- control shim: one JSON line each way per call, a fresh local connection per call -------------
+
+
+def rpc(port: int, call: str, timeout: float, **args: Any) -> Any:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall((json.dumps({"call": call, "args": args}) + "\n").encode())
+        line = sock.makefile("rb").readline()
+    if not line:
+        raise ConnectionError(f"receiver closed the connection during {call}")
+    reply = json.loads(line)
+    if not reply["ok"]:
+        raise RuntimeError(f"receiver {call} failed: {reply['error']}")
+    return reply.get("result")
+
+
+class ShimClient:
+    """The four weight-sync calls (plus shutdown) forwarded to the receiver process."""
+
+    def __init__(self, port: int, timeout: float) -> None:
+        self.port, self.timeout = port, timeout
+        self.seconds: dict[str, list[float]] = {}
+
+    def _call(self, call: str, **args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return rpc(self.port, call, self.timeout, **args)
+        finally:
+            self.seconds.setdefault(call, []).append(time.perf_counter() - start)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._call("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version=weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("shutdown_weight_transfer_engine")
+
+
+class Sink:
+    """Stands in for the model: counts what ``load_weights`` received."""
+
+    def __init__(self) -> None:
+        self.tensors = self.nbytes = 0
+
+    def load_weights(self, weights: list[tuple[str, Any]]) -> set[str]:
+        for _, t in weights:
+            self.tensors += 1
+            self.nbytes += t.numel() * t.element_size()
+        return {name for name, _ in weights}
+
+
+class Receiver:
+    """Receiver-process state behind the shim (engine calls are serialized by a lock)."""
+
+    def __init__(self) -> None:
+        import torch  # noqa: PLC0415
+
+        self.torch, self.device = torch, torch.device("cuda", 0)
+        self.sink, self.engine, self.lock = Sink(), None, threading.Lock()
+        self.raw: dict[str, Any] = {}
+        self.base = 0
+
+    def handle(self, call: str, args: dict[str, Any]) -> Any:
+        if call.startswith("raw_"):
+            return getattr(self, call)(**args)
+        if call == "mem_reset":
+            self.torch.cuda.reset_peak_memory_stats(self.device)
+            self.base, self.sink.tensors, self.sink.nbytes = self.torch.cuda.memory_allocated(self.device), 0, 0
+            return None
+        if call == "mem_peak":
+            peak = self.torch.cuda.max_memory_allocated(self.device) - self.base
+            return {"peak_extra": peak, "tensors": self.sink.tensors, "nbytes": self.sink.nbytes}
+        with self.lock:
+            if call == "init_weight_transfer_engine":
+                from weightwire.torch_side.worker import WeightwireNCCLEngine  # noqa: PLC0415
+
+                if self.engine is not None:
+                    self.engine.shutdown()
+                self.engine = WeightwireNCCLEngine.standalone(model=self.sink, device=self.device)
+                self.engine.init_transfer_engine(self.engine.parse_init_info(args["init_info"]))
+            elif call == "start_weight_update":
+                self.engine.start_weight_update()
+            elif call == "update_weights":
+                self.engine.update_weights(args["update_info"])
+            elif call == "finish_weight_update":
+                self.engine.finish_weight_update()
+            elif call == "shutdown_weight_transfer_engine":
+                engine, self.engine = self.engine, None
+                if engine is not None:
+                    engine.shutdown()
+            else:
+                raise ValueError(f"unknown call {call!r}")
+        return None
+
+    def raw_begin(self, uid_b64: str, sizes: list[int], rounds: int, timeout: float) -> None:
+        self.raw = {"thread": threading.Thread(target=self._raw_loop, daemon=True,
+                                               args=(base64.b64decode(uid_b64), 1, sizes, rounds, timeout, self._store_raw))}
+        self.raw["thread"].start()
+
+    def _store_raw(self, result: dict[str, Any]) -> None:
+        self.raw["result"] = result
+
+    def raw_end(self, timeout: float) -> dict[str, Any]:
+        self.raw["thread"].join(timeout)
+        return self.raw.get("result", {"error": "raw receive did not finish"})
+
+    @staticmethod
+    def _raw_loop(uid: bytes, rank: int, sizes: list[int], rounds: int, timeout: float, done: Any) -> None:
+        try:
+            done({"times": raw_rounds(uid, rank, sizes, rounds, timeout)})
+        except Exception as exc:
+            done({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def raw_rounds(uid: bytes, rank: int, sizes: list[int], rounds: int, timeout: float) -> list[float]:
+    """Raw CuPy NCCL: each round broadcasts ``sizes`` back to back on one stream, one buffer."""
+    import cupy as cp  # noqa: PLC0415
+
+    from weightwire.transport.nccl import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, NCCLCommunicator  # noqa: PLC0415
+
+    comm = NCCLCommunicator.join(unique_id=uid, rank=rank, world_size=2, device=0, timeout=timeout)
+    comm.warmup(timeout=timeout)
+    raw, stream = comm.cupy_communicator, cp.cuda.Stream(non_blocking=True)
+    with stream:
+        buf, flag = cp.zeros(max(sizes), dtype=cp.uint8), cp.zeros(1, dtype=cp.float32)
+    times = []
+    for _ in range(rounds):
+        raw.allReduce(flag.data.ptr, flag.data.ptr, 1, NCCL_FLOAT32, NCCL_SUM, stream.ptr)  # barrier
+        comm.synchronize(stream, timeout=timeout)
+        start = time.perf_counter()
+        for size in sizes:
+            raw.bcast(buf.data.ptr, size, NCCL_UINT8, 0, stream.ptr)
+        comm.synchronize(stream, timeout=timeout)
+        times.append(time.perf_counter() - start)
+    comm.close()
+    del buf
+    cp.get_default_memory_pool().free_all_blocks()
+    return times
+
+
+def receiver_main(cfg: dict[str, Any]) -> None:
+    receiver = Receiver()
+    stop = threading.Event()
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            msg = json.loads(self.rfile.readline(1 << 24))
+            try:
+                if msg["call"] == "quit":
+                    stop.set()
+                    result = None
+                else:
+                    result = receiver.handle(msg["call"], msg["args"])
+                reply = {"ok": True, "result": result}
+            except Exception as exc:
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            self.wfile.write((json.dumps(reply) + "\n").encode())
+
+    socketserver.ThreadingTCPServer.daemon_threads = True
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        Path(cfg["port_file"] + ".tmp").write_text(str(server.server_address[1]))
+        os.replace(cfg["port_file"] + ".tmp", cfg["port_file"])
+        stop.wait(cfg["deadline"] - time.time())
+        server.shutdown()
+    os._exit(0)

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# One batch of GPU work on a 2-GPU host (NCCL tests, then the benchmarks), run from
+# the repository root or anywhere:
+#
+#   OUT=/path/to/out bash benchmarks/gpu_session.sh [all | env tests comm sync others ...]
+#
+# all = env tests comm sync (tests/gpu only); `others` runs the repository's other
+# @pytest.mark.gpu tests (engines, worker).
+#
+# Every step runs under `timeout`, logs to $OUT/<step>.log and appends its exit code
+# to $OUT/summary.txt; a failing step never stops the next. The steps of one call
+# share a wall-clock budget (BUDGET_S, default 580 s) so a call fits in a 10-minute
+# command; to give every step its full limit, run `env tests comm`, then `sync`.
+# Needs no installs: weightwire is put on PYTHONPATH, pytest-timeout is optional.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-session-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+BUDGET_S="${BUDGET_S:-580}"
+START_S=$(date +%s)
+
+# Seconds a step may use: its own limit, capped by what is left of the session budget.
+limit_for() {
+  local want=$1 left
+  left=$(( BUDGET_S - ($(date +%s) - START_S) - 5 ))
+  [ "$left" -lt "$want" ] && want=$left
+  [ "$want" -lt 10 ] && want=10
+  echo "$want"
+}
+
+run_step() {  # run_step NAME LIMIT_S CMD...
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  t0=$(date +%s)
+  echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/summary.txt"
+  timeout --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "== $name exit=$rc after $(( $(date +%s) - t0 ))s$([ $rc -eq 124 ] && echo ' (TIMED OUT)')" | tee -a "$OUT/summary.txt"
+  tail -n 40 "$OUT/$name.log"
+  return 0
+}
+
+step_env() {
+  run_step env "$(limit_for 60)" bash -c "nvidia-smi; nvidia-smi topo -m; '$PY' - <<'EOF'
+import importlib, sys
+print('python', sys.version.split()[0])
+for name in ('cupy', 'jax', 'torch', 'numpy', 'ml_dtypes', 'pytest', 'pytest_timeout'):
+    try:
+        print(name, getattr(importlib.import_module(name), '__version__', 'present'))
+    except Exception as exc:
+        print(name, 'MISSING', type(exc).__name__)
+from weightwire.transport import nccl
+print('nccl_available', nccl.nccl_available(), 'version', nccl.nccl_version() if nccl.nccl_available() else '-')
+import jax
+print('jax devices', jax.devices())
+EOF"
+}
+
+step_tests() {
+  local extra=()
+  "$PY" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout=900)
+  # addopts is cleared: the project's default deselects gpu tests and needs pytest-timeout.
+  run_step tests "$(limit_for 330)" "$PY" -m pytest -o addopts="" -p no:cacheprovider -m gpu -rA -q tests/gpu \
+    --junitxml="$OUT/gpu-tests.xml" "${extra[@]}"
+}
+
+step_others() {  # the other GPU-marked tests of the repository (engines, worker)
+  local extra=()
+  "$PY" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout=900)
+  run_step others "$(limit_for 560)" "$PY" -m pytest -o addopts="" -p no:cacheprovider -m gpu -rA -q tests \
+    --ignore=tests/gpu --ignore=tests/interop --junitxml="$OUT/gpu-tests-others.xml" "${extra[@]}"
+}
+
+step_comm() {
+  local limit
+  limit=$(limit_for 150)
+  run_step comm "$limit" "$PY" benchmarks/bench_comm.py --transport nccl --repeats 7 --json
+  if ! grep -q '^{"nccl"' "$OUT/comm.log"; then  # bench_comm.py printed no result line: run ours directly
+    run_step comm_direct "$(limit_for 150)" "$PY" benchmarks/bench_comm_nccl.py --repeats 7 --json "$OUT/bench_comm_nccl.json"
+  fi
+}
+
+step_sync() {
+  local limit
+  limit=$(limit_for 560)
+  run_step sync "$limit" "$PY" benchmarks/bench_sync.py --out "$OUT/bench_sync.md" --deadline-s $(( limit > 120 ? limit - 90 : 30 ))
+}
+
+MODE="${1:-all}"
+if [ "$MODE" = all ]; then
+  set -- env tests comm sync
+fi
+echo "gpu_session $(date -u +%FT%TZ) steps: $* (python: $PY)" | tee -a "$OUT/summary.txt"
+for step in "$@"; do
+  case "$step" in
+    env | tests | comm | sync | others) "step_$step" ;;
+    *) echo "unknown step $step (env, tests, comm, sync, others, all)" | tee -a "$OUT/summary.txt" ;;
+  esac
+done
+cat "$OUT/summary.txt"

@@ -1,0 +1,342 @@
+"""Fault-injection harness: a real reference server in its own process group, a torch
+trainer engine in the test process, and probes that read the server's state.
+
+Everything a case asserts about the receiver comes from the server's own routes
+(``/weight_checker`` checksums, ``/weight_info`` version and session), never from the
+trainer's view, so a round that "succeeded" on the trainer but not on the server is
+caught.
+
+The model served is a random Llama of about 64 MB (``build_fault_model``): larger
+than what loopback socket buffers can absorb (4 MiB send + up to 32 MiB autotuned
+receive here), so a receiver that stops reading really stalls the sender instead of
+the whole round vanishing into kernel buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.source import WeightSource
+from weightwire.shared.timeouts import Timeouts
+
+FAULT_TIMEOUTS = Timeouts(http_s=20.0, connect_s=8.0, warmup_s=8.0, transfer_s=3.0)
+"""Short on purpose: every case must end (error raised, state checked) in seconds."""
+CLIENT_TIMEOUT_S = 12.0
+"""The HTTP client's own per-call bound (covers the worker's 3 s receive timeout)."""
+GRACE_S = 4.0
+"""Slack on top of a timeout for "raised within the timeout": thread wake-ups, the
+engine's 2 s wait for the server's verdict, a loaded 2-core CI machine."""
+START_TIMEOUT_S = 180.0
+READY = re.compile(r"^weightwire server ready on (http://\S+)$")
+
+# hidden 512, 4 layers, intermediate 2048, vocab 512: ~64 MB of float32.
+MODEL_SHAPE = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 4,
+               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
+BUFFER_BYTES = 4 << 20
+
+
+# ----------------------------------------------------------------------------- model
+def llama_shapes(vocab: int, shape: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """``named_parameters()`` names and shapes of an untied HF ``LlamaForCausalLM``."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out.update({
+            p + "self_attn.q_proj.weight": (shape["num_attention_heads"] * shape["head_dim"], h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, shape["num_attention_heads"] * shape["head_dim"]),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        })
+    out["model.norm.weight"] = (h,)
+    out["lm_head.weight"] = (vocab, h)
+    return out
+
+
+def build_fault_model(out: Path) -> Path:
+    """An HF model dir: tiny-llama's tokenizer and config, scaled to ``MODEL_SHAPE``.
+
+    The weights are written with numpy (no transformers import in the test process);
+    the server checks on load that every name and shape matches its model class.
+    """
+    from safetensors.numpy import save_file
+
+    from weightwire.torch_side.server.tiny import tiny_model_dir
+
+    src = Path(tiny_model_dir("tiny-llama"))
+    out.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        if item.name not in ("model.safetensors", "config.json"):
+            shutil.copy2(item, out / item.name)
+    config = json.loads((src / "config.json").read_text())
+    config.update(MODEL_SHAPE)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    rng = np.random.default_rng(0)
+    weights = {name: (rng.standard_normal(s, dtype=np.float32) * 0.02)
+               for name, s in llama_shapes(config["vocab_size"], MODEL_SHAPE).items()}
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+def load_weights(model_dir: Path) -> dict[str, Any]:
+    """The checkpoint as torch tensors (the trainer's starting point)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def sha256_of(tensor: Any) -> str:
+    from weightwire.torch_side.trainer import tensor_bytes
+
+    return hashlib.sha256(tensor_bytes(tensor).numpy()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- source
+class TensorSource(WeightSource):
+    """Name -> torch tensor, with two fault knobs.
+
+    ``hook(i)`` runs just before tensor ``i`` is yielded (the trainer is mid-round: the
+    update POST is in flight and earlier chunks are on the wire). ``mutate`` rewrites
+    the iteration only, so metadata and iteration disagree as a buggy source would.
+    """
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self.tensors = dict(tensors)
+        self.hook: Callable[[int], None] | None = None
+        self.mutate: Callable[[list[tuple[str, Any]]], list[tuple[str, Any]]] | None = None
+
+    def metadata(self) -> list[ParamMeta]:
+        from weightwire.torch_side.dtypes import wire_name
+
+        return [ParamMeta(n, wire_name(t.dtype), tuple(t.shape)) for n, t in self.tensors.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        pairs = list(self.tensors.items())
+        if self.mutate is not None:
+            pairs = self.mutate(pairs)
+        for i, pair in enumerate(pairs):
+            if self.hook is not None:
+                self.hook(i)
+            yield pair
+
+    def perturb(self, step: int) -> dict[str, str]:
+        """New values for every tensor; returns their expected server checksums."""
+        for name, t in self.tensors.items():
+            self.tensors[name] = t + np.float32(1e-3 * step)
+        return self.expected()
+
+    def expected(self) -> dict[str, str]:
+        return {n: sha256_of(t) for n, t in self.tensors.items()}
+
+
+def hook_at(index: int, action: Callable[[], None]) -> Callable[[int], None]:
+    """A source hook that runs ``action`` once, when tensor ``index`` is about to be yielded."""
+    fired = threading.Event()
+
+    def hook(i: int) -> None:
+        if i == index and not fired.is_set():
+            fired.set()
+            action()
+
+    return hook
+
+
+# ----------------------------------------------------------------------------- server
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+    return kids
+
+
+@dataclass
+class Server:
+    """One ``python -m weightwire.torch_side.server`` in its own session/process group."""
+
+    proc: subprocess.Popen[str]
+    url: str
+    log_path: Path
+    stdout: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def worker_pids(self) -> dict[int, int]:
+        """Replica index -> pid, read from each worker's command line (its JSON spec)."""
+        out: dict[int, int] = {}
+        for pid in _children(self.pid):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if b"weightwire.torch_side.server.worker_proc" in argv:
+                    out[json.loads(argv[argv.index(b"weightwire.torch_side.server.worker_proc") + 1])["index"]] = pid
+        return out
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the API process and every worker at once (a crashed host)."""
+        self.signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGCONT)  # a stopped group cannot handle SIGTERM
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.signal_group(signal.SIGKILL)  # workers, should any remain
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def launch(model: str | Path, log_path: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
+    """Start a server on a free loopback port; wait (bounded) for its ready line."""
+    log = open(log_path, "w")  # noqa: SIM115  (the child writes to it for its whole life)
+    cmd = [sys.executable, "-m", "weightwire.torch_side.server", "--model", str(model), "--port", "0",
+           "--backend", "weightwire_tcp", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    lines: list[str] = []
+    found = threading.Event()
+    url: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # keeps draining: the server never blocks on a full pipe
+            lines.append(line.rstrip("\n"))
+            m = READY.match(lines[-1])
+            if m and not url:
+                url.append(m.group(1))
+                found.set()
+        found.set()
+
+    threading.Thread(target=pump, daemon=True, name="server-stdout").start()
+    if not found.wait(START_TIMEOUT_S) or not url:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        raise RuntimeError(f"server did not become ready: {lines!r}\n{log_path.read_text()[-3000:]}")
+    return Server(proc, url[0], log_path, lines)
+
+
+# ----------------------------------------------------------------------------- probes
+class Probe:
+    """Reads the server's state with plain httpx (independent of weightwire's client)."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
+        self.http = httpx.Client(base_url=url, timeout=30, headers=headers)
+
+    def checksums(self) -> list[dict[str, str]]:
+        r = self.http.post("/weight_checker", json={"action": "checksum"})
+        assert r.status_code == 200, r.text
+        return r.json()["replica_checksums"]
+
+    def version(self) -> str:
+        return self.http.get("/weight_info").json()["weight_version"]
+
+    def session(self) -> dict[str, Any]:
+        return self.http.get("/weight_info").json()["session"]
+
+    def wait_session(self, pred: Callable[[dict[str, Any]], bool], timeout: float) -> tuple[dict[str, Any], float]:
+        """Poll ``/weight_info`` until ``pred(session)``; returns it and the seconds waited."""
+        start = time.monotonic()
+        while True:
+            s = self.session()
+            if pred(s):
+                return s, time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"server session never reached the expected state within {timeout} s: {s}")
+            time.sleep(0.05)
+
+    def greedy(self, prompt: str = "The trainer sends") -> dict[str, Any]:
+        r = self.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                    "logprobs": 1, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return {"text": choice["text"], "logprobs": choice["logprobs"]["token_logprobs"]}
+
+    def close(self) -> None:
+        self.http.close()
+
+
+# ----------------------------------------------------------------------------- trainer
+def client_for(url: str, **kw: Any) -> Any:
+    from weightwire.control import HTTPWeightSyncClient
+
+    return HTTPWeightSyncClient(url, timeout=kw.pop("timeout", CLIENT_TIMEOUT_S), **kw)
+
+
+def engine_for(url: str, source: TensorSource, *, client: Any = None, **info: Any) -> Any:
+    """A ``TorchTrainerEngine`` on ``weightwire_tcp`` with the short fault timeouts."""
+    from weightwire.torch_side.trainer import TorchTrainerEngine
+    from weightwire.trainer import TrainerInitInfo
+
+    init = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=BUFFER_BYTES,
+                           timeouts=info.pop("timeouts", FAULT_TIMEOUTS), **info)
+    return TorchTrainerEngine.trainer_init(init, client=client or client_for(url), source=source)
+
+
+def quiet_shutdown(engine: Any) -> None:
+    """Shut an engine down after a fault; its own error is not what the case tests."""
+    with contextlib.suppress(Exception):
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def elapsed() -> Iterator[list[float]]:
+    """``with elapsed() as t: ...`` then ``t[0]`` is the seconds the block took (even if it raised)."""
+    box = [0.0]
+    start = time.monotonic()
+    try:
+        yield box
+    finally:
+        box[0] = time.monotonic() - start
+
+
+def fresh_round(url: str, source: TensorSource, probe: Probe, step: int, version: str) -> dict[str, str]:
+    """A new engine (fresh init) pushes a changed model; every replica must hold it exactly."""
+    engine = engine_for(url, source)
+    try:
+        want = source.perturb(step)
+        metrics = engine.send_weights(version)
+        assert metrics.version == version
+    finally:
+        engine.shutdown()
+    assert_weights(probe, want, version)
+    return want
+
+
+def assert_weights(probe: Probe, want: dict[str, str], version: str) -> None:
+    """Every replica holds exactly ``want`` and the server reports ``version``."""
+    for i, replica in enumerate(probe.checksums()):
+        assert replica == want, f"replica {i} differs in {sorted(k for k in want if replica.get(k) != want[k])[:5]}"
+    assert probe.version() == version

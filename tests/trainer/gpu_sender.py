@@ -1,0 +1,150 @@
+"""GPU trainer process for ``test_engine_nccl_gpu.py`` (and a quick manual benchmark).
+
+Builds a Llama-shaped weight set of ``--mib`` MiB on the visible GPU (JAX or torch),
+drives a loopback receiver (``weightwire.trainer.loopback``) through ``--rounds``
+rounds with a trainer engine, compares the receiver's per-tensor sha256 with the
+sent tensors after every round, and prints one JSON line with the results.
+
+    CUDA_VISIBLE_DEVICES=0 python tests/trainer/gpu_sender.py --address 127.0.0.1:PORT \
+        --framework jax --backend weightwire_nccl --packed 1 --mib 1100
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from typing import Any
+
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.source import WeightSource
+from weightwire.shared.timeouts import Timeouts
+from weightwire.trainer import TrainerInitInfo
+from weightwire.trainer.loopback import LoopbackClient
+
+HIDDEN, KV, FFN = 4096, 1024, 8192
+
+
+def shapes(mib: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """HF-named tensors: bf16 matrices up to ``mib`` MiB, plus odd sizes and dtypes."""
+    out = [("model.embed_tokens.weight", "bfloat16", (8003, HIDDEN))]
+    per_layer = [("self_attn.q_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.k_proj.weight", (KV, HIDDEN)),
+                 ("self_attn.v_proj.weight", (KV, HIDDEN)), ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+                 ("mlp.gate_proj.weight", (FFN, HIDDEN)), ("mlp.up_proj.weight", (FFN, HIDDEN)),
+                 ("mlp.down_proj.weight", (HIDDEN, FFN))]
+    total, layer = 8003 * HIDDEN * 2, 0
+    while total < mib << 20:
+        p = f"model.layers.{layer}."
+        out.append((p + "input_layernorm.weight", "float32", (HIDDEN,)))
+        for name, shape in per_layer:
+            out.append((p + name, "bfloat16", shape))
+            total += shape[0] * shape[1] * 2
+        out.append((p + "post_attention_layernorm.weight", "float32", (HIDDEN,)))
+        layer += 1
+    out += [("model.norm.weight", "float32", (HIDDEN,)), ("model.odd.half", "float16", (7,)),
+            ("model.odd.scalar", "float32", ()), ("model.odd.ids", "int32", (3, 5)),
+            ("model.odd.fp8", "float8_e4m3fn", (33,)), ("lm_head.weight", "bfloat16", (8003, HIDDEN))]
+    return out
+
+
+class Dict(WeightSource):
+    def __init__(self, tensors: dict[str, Any], metas: list[ParamMeta]) -> None:
+        self.tensors, self._metas = tensors, metas
+
+    def metadata(self) -> list[ParamMeta]:
+        return self._metas
+
+    def __iter__(self):
+        yield from self.tensors.items()
+
+
+def jax_side(spec: list, seed: int) -> tuple[Any, dict[str, Any], Any]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from weightwire.jax_side.engine import JAXTrainerEngine
+
+    key = jax.random.PRNGKey(seed)
+    tensors = {}
+    for i, (name, dtype, shape) in enumerate(spec):
+        k = jax.random.fold_in(key, i)
+        if dtype == "int32":
+            tensors[name] = jax.random.randint(k, shape, -1000, 1000, jnp.int32)
+        else:
+            tensors[name] = jax.random.normal(k, shape, jnp.float32).astype(jnp.dtype(dtype))
+    jax.block_until_ready(tensors)
+
+    def sha(x: Any) -> str:
+        return hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest()
+
+    return JAXTrainerEngine, tensors, sha
+
+
+def torch_side(spec: list, seed: int) -> tuple[Any, dict[str, Any], Any]:
+    import torch
+
+    from weightwire.torch_side.trainer import TorchTrainerEngine, tensor_bytes
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    tensors = {}
+    for name, dtype, shape in spec:
+        if dtype == "int32":
+            tensors[name] = torch.randint(-1000, 1000, shape, generator=gen, device="cuda", dtype=torch.int32)
+        else:
+            tensors[name] = torch.randn(shape, generator=gen, device="cuda").to(getattr(torch, dtype))
+    torch.cuda.synchronize()
+
+    def sha(x: Any) -> str:
+        return hashlib.sha256(tensor_bytes(x).cpu().numpy()).hexdigest()
+
+    return TorchTrainerEngine, tensors, sha
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--framework", choices=("jax", "torch"), required=True)
+    ap.add_argument("--backend", default="weightwire_nccl")
+    ap.add_argument("--packed", type=int, default=1)
+    ap.add_argument("--buffer-mib", type=int, default=256)
+    ap.add_argument("--num-buffers", type=int, default=2)
+    ap.add_argument("--mib", type=int, default=1100)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    spec = shapes(args.mib)
+    metas = [ParamMeta(n, d, s) for n, d, s in spec]
+    build = jax_side if args.framework == "jax" else torch_side
+    client = LoopbackClient(args.address, timeout=300)
+    info = TrainerInitInfo(backend=args.backend, packed=bool(args.packed), device=0,
+                           packed_buffer_size_bytes=args.buffer_mib << 20, packed_num_buffers=args.num_buffers,
+                           timeouts=Timeouts(http_s=300, connect_s=120, warmup_s=60, transfer_s=120))
+    engine_cls, tensors, sha = build(spec, 0)
+    source = Dict(tensors, metas)
+    engine = engine_cls.trainer_init(info, client=client, source=source)
+    rounds = []
+    try:
+        for r in range(args.rounds):
+            if r:
+                source.tensors = build(spec, r)[1]  # fresh values every round
+            start = time.perf_counter()
+            metrics = engine.send_weights()
+            wall = time.perf_counter() - start
+            sent = {n: sha(t) for n, t in source.tensors.items()}
+            (reply,) = client.weight_checker("checksum")
+            bad = sorted(n for n, d in sent.items() if reply["checksums"].get(n) != d)
+            rounds.append({"version": metrics.version, "nbytes": metrics.nbytes, "chunks": metrics.chunks,
+                           "gbps": metrics.gbps, "wall_s": wall, "seconds": metrics.seconds,
+                           "reused_metadata": metrics.reused_metadata, "mismatched": bad,
+                           "receiver": client.stats(), "weight_version": client.weight_info()[0]["weight_version"],
+                           "digests": sent})
+    finally:
+        engine.shutdown()
+    print(json.dumps({"ok": True, "tensors": len(spec), "rounds": rounds}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

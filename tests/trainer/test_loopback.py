@@ -1,0 +1,57 @@
+"""The loopback control shim (used by the GPU test and benchmarks), exercised on CPU:
+a JAX trainer engine drives a WeightwireTCPEngine receiver process through it."""
+
+from __future__ import annotations
+
+import hashlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.trainer.fakes import DictSource
+from weightwire.control.errors import WeightSyncError
+from weightwire.jax_side.dtypes import describe
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.shared.timeouts import Timeouts
+from weightwire.trainer import TrainerInitInfo
+from weightwire.trainer.loopback import LOOPBACK_VERSION, spawn_loopback
+
+
+@pytest.fixture(scope="module")
+def loopback():
+    proc, client = spawn_loopback("weightwire_tcp", "cpu", timeout=120)
+    try:
+        yield client
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_loopback_receiver_gets_exact_bytes(loopback) -> None:
+    rng = np.random.default_rng(1)
+    weights = {
+        "model.embed_tokens.weight": rng.standard_normal((300, 64)).astype(ml_dtypes.bfloat16),
+        "model.layers.0.mlp.gate_proj.weight": rng.standard_normal((64, 96)).astype(np.float32),
+        "model.layers.0.mlp.scale": np.array(0.5, np.float16),
+        "model.norm.weight": rng.standard_normal(64).astype(np.float32),
+    }
+    assert loopback.version() == LOOPBACK_VERSION and loopback.get_world_size() == 1
+    info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10, verify=True,
+                           timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30))
+    engine = JAXTrainerEngine.trainer_init(info, client=loopback, source=DictSource(weights, describe))
+    try:
+        for step in range(2):
+            weights["model.norm.weight"] = weights["model.norm.weight"] + np.float32(step + 1)
+            engine.send_weights()
+            (reply,) = loopback.weight_checker("checksum")
+            want = {n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for n, a in weights.items()}
+            assert reply["checksums"] == want
+            assert loopback.weight_info() == [{"weight_version": str(step + 1)}]
+            stats = loopback.stats()
+            assert stats is not None and stats["nbytes"] == sum(a.nbytes for a in weights.values())
+            assert stats["tensors"] == len(weights)
+    finally:
+        engine.shutdown()
+    with pytest.raises(WeightSyncError, match=r"start_weight_update failed on 127\.0\.0\.1:\d+ \(status 500\)"):
+        loopback.start_weight_update()  # the session was shut down: the receiver refuses

@@ -1,0 +1,185 @@
+"""Packing pipelines: the JAX fused packer against the numpy reference, the device
+pipeline's stream rotation (with a recording communicator), the host pipeline's
+error propagation and bounded read-ahead."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from weightwire.jax_side.packing import pack_bytes
+from weightwire.shared.communicator import PeerLost
+from weightwire.shared.dtypes import wire_dtype
+from weightwire.shared.framing import pack_host, plan
+from weightwire.shared.meta import ParamMeta
+from weightwire.trainer.packing import DevicePacker, DevicePipeline, HostPipeline, RoundAborted, chunked
+
+
+def mixed() -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    return [
+        rng.standard_normal((5, 3)).astype(ml_dtypes.bfloat16),
+        np.array(2.5, np.float32),
+        np.array([True, False, True, True]),
+        rng.standard_normal(9).astype(ml_dtypes.float8_e4m3fn),
+        np.zeros((0, 4), np.float16),
+        rng.integers(-9, 9, (2, 2)).astype(np.int32),
+        rng.standard_normal((3, 1)).astype(np.float16),
+    ]
+
+
+def test_jax_fused_pack_matches_the_numpy_reference() -> None:
+    arrays = mixed()
+    metas = [ParamMeta(f"t{i}", np.dtype(a.dtype).name if a.dtype != np.bool_ else "bool", a.shape) for i, a in enumerate(arrays)]
+    for chunk in plan(metas, packed=True, buffer_size_bytes=20):
+        got = np.asarray(pack_bytes([jnp.asarray(a) for a in arrays[chunk.start : chunk.stop]]))
+        assert got.dtype == np.uint8 and got.tobytes() == pack_host(arrays[chunk.start : chunk.stop], chunk).tobytes()
+    whole = np.asarray(pack_bytes([jnp.asarray(a) for a in arrays]))
+    assert whole.tobytes() == b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+
+
+class NumpyPacker(DevicePacker):
+    def __init__(self) -> None:
+        self.streams = 0
+
+    def new_stream(self) -> str:
+        self.streams += 1
+        return f"s{self.streams - 1}"
+
+    def pack(self, tensors: Any, nbytes: int, stream: Any) -> np.ndarray:
+        return np.concatenate([np.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in tensors])
+
+    def wire(self, tensor: Any, stream: Any) -> np.ndarray:
+        return np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
+
+
+class StreamComm:
+    """Records enqueue / synchronize order per stream; nothing runs asynchronously."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+
+    def broadcast(self, buf: Any, *, root: int, timeout: float, stream: Any) -> None:
+        self.log.append(("bcast", stream, bytes(buf)))
+
+    def broadcast_typed(self, buf: Any, *, nccl_dtype: int, count: int, root: int, timeout: float, stream: Any) -> None:
+        self.log.append(("typed", stream, nccl_dtype, count, bytes(buf)))
+
+    def synchronize(self, stream: Any, *, timeout: float) -> None:
+        self.log.append(("sync", stream))
+
+
+def test_device_pipeline_rotates_streams_and_waits_only_on_slot_reuse() -> None:
+    arrays = [np.full(3, i, np.float32) for i in range(5)]
+    metas = [ParamMeta(f"t{i}", "float32", (3,)) for i in range(5)]
+    chunks = plan(metas, packed=True, buffer_size_bytes=12)  # 12 is not > 12: two tensors per chunk
+    comm, packer = StreamComm(), NumpyPacker()
+    assert [len(c) for c in chunks] == [2, 2, 1]
+    pipe = DevicePipeline(comm, packer, num_buffers=2, timeout=5, hold_bytes=1 << 20)
+    nbytes, count = pipe.send_packed(chunked(zip([m.name for m in metas], arrays, strict=True), chunks), threading.Event())
+    assert (nbytes, count) == (60, len(chunks)) and packer.streams == 2
+    kinds = [(e[0], e[1]) for e in comm.log]
+    # chunk k goes on stream k % 2; stream s is synchronized before its second use; all drained at the end
+    want: list[tuple] = []
+    for k in range(len(chunks)):
+        if k >= 2:
+            want.append(("sync", f"s{k % 2}"))
+        want.append(("bcast", f"s{k % 2}"))
+    want += [("sync", "s0"), ("sync", "s1")]
+    assert kinds == want
+    sent = b"".join(e[2] for e in comm.log if e[0] == "bcast")
+    assert sent == b"".join(a.tobytes() for a in arrays)
+
+
+def test_device_pipeline_unpacked_uses_each_tensors_nccl_dtype() -> None:
+    arrays = [np.ones((2, 3), ml_dtypes.bfloat16), np.arange(4, dtype=np.int32), np.array(1.0, np.float32)]
+    names = ["a", "b", "c"]
+    metas = [ParamMeta("a", "bfloat16", (2, 3)), ParamMeta("b", "int32", (4,)), ParamMeta("c", "float32", ())]
+    comm = StreamComm()
+    pipe = DevicePipeline(comm, NumpyPacker(), num_buffers=2, timeout=5, hold_bytes=16)
+    pipe.send_unpacked(chunked(zip(names, arrays, strict=True), plan(metas, packed=False, buffer_size_bytes=1)), metas, threading.Event())
+    typed = [e for e in comm.log if e[0] == "typed"]
+    assert [(e[2], e[3]) for e in typed] == [(wire_dtype(m.dtype).nccl, m.numel) for m in metas]
+    assert [e[4] for e in typed] == [a.tobytes() for a in arrays]
+    # 12 + 16 bytes held exceeds hold_bytes=16 after the second tensor: one early sync, then the drain
+    assert [e for e in comm.log if e[0] == "sync"] == [("sync", "s0"), ("sync", "s0"), ("sync", "s1")]
+
+
+def test_device_pipeline_stops_between_chunks_when_asked() -> None:
+    stop = threading.Event()
+    stop.set()
+    pipe = DevicePipeline(StreamComm(), NumpyPacker(), num_buffers=2, timeout=5, hold_bytes=1)
+    metas = [ParamMeta("a", "float32", (1,))]
+    with pytest.raises(RoundAborted):
+        pipe.send_packed(chunked([("a", np.zeros(1, np.float32))], plan(metas, packed=True, buffer_size_bytes=4)), stop)
+
+
+class HostComm:
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.sent: list[bytes] = []
+        self.fail_at = fail_at
+        self.gate = threading.Semaphore(0)
+        self.gated = False
+
+    def broadcast(self, parts: list, *, root: int, timeout: float) -> None:
+        if self.gated:
+            self.gate.acquire(timeout=5)
+        if self.fail_at is not None and len(self.sent) == self.fail_at:
+            raise PeerLost("rank 1 closed the connection at byte 0 of 4")
+        self.sent.append(b"".join(bytes(p) for p in parts))
+
+
+def host_round(n: int) -> tuple[list[ParamMeta], list[np.ndarray], list]:
+    arrays = [np.full(1, i, np.float32) for i in range(n)]
+    metas = [ParamMeta(f"t{i}", "float32", (1,)) for i in range(n)]
+    return metas, arrays, plan(metas, packed=False, buffer_size_bytes=1)
+
+
+def test_host_pipeline_raises_the_senders_error_and_stops_reading() -> None:
+    metas, arrays, chunks = host_round(50)
+    pulled: list[int] = []
+
+    def pairs():
+        for i, (m, a) in enumerate(zip(metas, arrays, strict=True)):
+            pulled.append(i)
+            yield m.name, a
+
+    comm = HostComm(fail_at=2)
+    pipe = HostPipeline(comm, lambda a: a.view(np.uint8), num_buffers=2, timeout=5)
+    with pytest.raises(PeerLost, match="rank 1 closed"):
+        pipe.send(chunked(pairs(), chunks), threading.Event())
+    assert len(comm.sent) == 2 and len(pulled) < 10  # stopped soon after the failure, not at the end
+
+
+def test_host_pipeline_reads_ahead_at_most_num_buffers_chunks() -> None:
+    metas, arrays, chunks = host_round(12)
+    comm = HostComm()
+    comm.gated = True
+    ahead: list[int] = []
+
+    def host_bytes(a: np.ndarray) -> np.ndarray:
+        ahead.append(int(a[0]) - len(comm.sent))  # chunks prepared beyond what was sent
+        return a.view(np.uint8)
+
+    pipe = HostPipeline(comm, host_bytes, num_buffers=3, timeout=5)
+    done = threading.Event()
+    result: list = []
+
+    def run() -> None:
+        result.append(pipe.send(chunked(zip([m.name for m in metas], arrays, strict=True), chunks), threading.Event()))
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    for _ in range(12):
+        time.sleep(0.05)  # let the producer run as far ahead as it may
+        comm.gate.release()
+    assert done.wait(10)
+    assert result == [(48, 12)] and comm.sent == [a.tobytes() for a in arrays]
+    # One on the wire, num_buffers - 1 queued, one being prepared: never more, and it does read ahead.
+    assert max(ahead) == 3

@@ -1,0 +1,236 @@
+"""``weightwire doctor URL``: can a trainer sync weights into this server, and how fast?
+
+Probes, in order: ``GET /version`` (and the feature gates it implies), the dev-mode
+routes (``/weight_info``, ``/get_world_size``, ``/is_paused``: 404 means the server
+runs without ``VLLM_SERVER_DEV_MODE=1``), the configured weight-transfer backend
+(vLLM's dev-mode ``/server_info``), world size, NCCL versions on both sides, and, on
+the reference server only, a timed 1-tensor round over ``weightwire_tcp``.
+
+The round never changes what the server serves: it rewrites one tensor with bytes
+the server's own checksum proves it already holds (a freshly initialised norm is all
+ones), keeps the served ``weight_version``, and is skipped when no such tensor
+exists or a trainer session is active (re-initialising would cut that trainer off).
+Its numpy engine needs neither jax nor torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+from rich.console import Console
+
+from weightwire.shared.dtypes import wire_name_of_numpy
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.source import WeightSource
+from weightwire.shared.version import VERSION_GATES, ServerFeatures
+from weightwire.trainer.engine import TrainerEngine
+
+_MARK = {"ok": "[green]ok  [/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "info": "[cyan]info[/]",
+         "skip": "[dim]skip[/]"}
+
+
+class _Report:
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.failed = False
+
+    def __call__(self, level: str, topic: str, text: str) -> None:
+        self.failed |= level == "fail"
+        self.console.print(f"{_MARK[level]} {topic:<18} {text}", highlight=False)
+
+
+class NumpyTrainerEngine(TrainerEngine):
+    """A trainer engine over numpy arrays (host bytes only: TCP)."""
+
+    def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
+        return wire_name_of_numpy(tensor.dtype), tuple(tensor.shape)
+
+    def host_bytes(self, tensor: Any) -> np.ndarray:
+        return np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
+
+
+class OneTensorSource(WeightSource):
+    """A source of exactly one named numpy array."""
+
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self.name, self.array = name, np.ascontiguousarray(array)
+        self._meta = ParamMeta(name, wire_name_of_numpy(self.array.dtype), tuple(self.array.shape))
+
+    def metadata(self) -> list[ParamMeta]:
+        return [self._meta]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        yield self.name, self.array
+
+
+def known_tensor(checksums: dict[str, str], max_len: int = 16384) -> tuple[str, np.ndarray] | None:
+    """A ``(name, array)`` whose bytes the server provably holds: a 1-D all-ones or
+    all-zeros tensor (fresh norms, biases) of a common dtype whose sha256 matches."""
+    import ml_dtypes  # noqa: PLC0415
+
+    wanted = {digest: name for name, digest in checksums.items() if "norm" in name or name.endswith("bias")}
+    if not wanted:
+        return None
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
+        for fill in (1.0, 0.0):
+            for n in range(8, max_len + 1, 8):
+                array = np.full(n, fill, dtype=dtype)
+                name = wanted.get(hashlib.sha256(array.tobytes()).hexdigest())
+                if name is not None:
+                    return name, array
+    return None
+
+
+def _get(http: httpx.Client, path: str, **params: Any) -> tuple[int | None, Any]:
+    try:
+        reply = http.get(path, params=params or None)
+    except httpx.HTTPError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    try:
+        return reply.status_code, reply.json()
+    except ValueError:
+        return reply.status_code, reply.text[:200]
+
+
+def run_doctor(url: str, *, api_key: str | None = None, timeout: float = 15.0, round_trip: bool = True,
+               console: Console | None = None) -> int:
+    """Print a report; 0 if nothing blocks a weight sync, 1 otherwise."""
+    console = console or Console()
+    say = _Report(console)
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=url, timeout=timeout, headers=headers) as http:
+        status, body = _get(http, "/version")
+        version = body.get("version") if status == 200 and isinstance(body, dict) else None
+        if not isinstance(version, str):
+            say("fail", "server", f"GET {url}/version -> {status or 'no answer'}: {body!r:.200}")
+            return 1
+        reference = "+weightwire" in version
+        say("ok", "server", f"{url} version {version}" + (" (weightwire reference server)" if reference else ""))
+        try:
+            features = ServerFeatures.for_version(version)
+        except ValueError as exc:
+            say("fail", "features", str(exc))
+            return 1
+        gates = ", ".join(f"{name} {'yes' if getattr(features, name) else 'NO'}" for _, name, _ in VERSION_GATES)
+        say("ok" if features.packed_in_init else "fail", "features", gates)
+        if not features.unique_id_rendezvous:
+            say("warn", "features", "before 0.30: the torch-free NCCL rendezvous (nccl_unique_id_b64) is missing")
+
+        probes = {path: _get(http, path) for path in ("/weight_info", "/get_world_size", "/is_paused")}
+        codes = {path: code for path, (code, _) in probes.items()}
+        if all(code == 404 for code in codes.values()):
+            say("fail", "dev-mode routes", "404 on /weight_info, /get_world_size, /is_paused: the server runs "
+                "without VLLM_SERVER_DEV_MODE=1, so the weight-sync routes do not exist; restart it with it set")
+            return 1
+        if any(code in (401, 403) for code in codes.values()):
+            say("fail", "dev-mode routes", f"refused ({codes}): pass --api-key (or WEIGHTWIRE_API_KEY)")
+            return 1
+        bad = {p: c for p, c in codes.items() if c != 200}
+        say("fail" if bad else "ok", "dev-mode routes", f"present; {bad or 'all answer 200'}")
+        info = probes["/weight_info"][1] if codes["/weight_info"] == 200 else {}
+        world = probes["/get_world_size"][1] if codes["/get_world_size"] == 200 else {}
+        paused = probes["/is_paused"][1] if codes["/is_paused"] == 200 else {}
+        say("info", "state", f"weight_version {info.get('weight_version')!r}, world size "
+            f"{world.get('world_size')!r}, paused {paused.get('is_paused')!r}")
+
+        backend = _backend(http, say, reference)
+        _nccl(http, say, reference)
+    if round_trip:
+        _round(url, say, api_key=api_key, reference=reference, backend=backend, info=info)
+    else:
+        say("skip", "1-tensor round", "--no-round")
+    if say.failed:
+        console.print("[bold red]doctor: a blocking problem was found (see FAIL above)[/]")
+        return 1
+    console.print("[bold green]doctor: nothing blocks a weight sync[/]")
+    return 0
+
+
+def _backend(http: httpx.Client, say: _Report, reference: bool) -> str | None:
+    if reference:
+        say("info", "backend", "the reference server does not report it (its --backend flag); the round below "
+            "tells weightwire_tcp apart")
+        return None
+    status, body = _get(http, "/server_info", config_format="json")
+    if status != 200 or not isinstance(body, dict):
+        say("warn", "backend", f"GET /server_info -> {status}: cannot read the weight-transfer config")
+        return None
+    config = (body.get("vllm_config") or {}).get("weight_transfer_config") if isinstance(body.get("vllm_config"), dict) else None
+    name = config.get("backend") if isinstance(config, dict) else None
+    if not name:
+        say("fail", "backend", "no weight-transfer backend configured: start vLLM with "
+            "--weight-transfer-config '{\"backend\": \"nccl\"}' (or weightwire_tcp / weightwire_nccl with the plugin)")
+        return None
+    hint = {"nccl": "trainer needs GPUs + cupy (--transport nccl)",
+            "weightwire_tcp": "served by the weightwire plugin; works on CPU",
+            "weightwire_nccl": "served by the weightwire plugin; trainer needs GPUs + cupy"}.get(name, "")
+    say("ok", "backend", f"{name}" + (f" ({hint})" if hint else ""))
+    return str(name)
+
+
+def _nccl(http: httpx.Client, say: _Report, reference: bool) -> None:
+    try:
+        from weightwire.transport.nccl import nccl_available, nccl_version  # noqa: PLC0415
+
+        local = nccl_version() if nccl_available() else "n/a (no cupy with NCCL, or no CUDA device)"
+    except Exception as exc:  # noqa: BLE001  (any CUDA/cupy failure means "not available here")
+        local = f"n/a ({type(exc).__name__})"
+    remote = "n/a (not reported by the server)"
+    if not reference:
+        status, body = _get(http, "/server_info", config_format="json")
+        env = body.get("system_env") if status == 200 and isinstance(body, dict) else None
+        if isinstance(env, dict):
+            found = {k: v for k, v in env.items() if "nccl" in k.lower() and v}
+            if found:
+                remote = ", ".join(f"{k}={v}" for k, v in found.items())
+    say("info", "NCCL", f"trainer {local}; server {remote} (NCCL versions must match)")
+
+
+def _round(url: str, say: _Report, *, api_key: str | None, reference: bool, backend: str | None,
+           info: dict[str, Any]) -> None:
+    from weightwire.control.client import HTTPWeightSyncClient  # noqa: PLC0415
+    from weightwire.trainer.info import TrainerInitInfo  # noqa: PLC0415
+
+    if not reference:
+        say("skip", "1-tensor round", "only against the reference server (a real vLLM would reload a layer)")
+        return
+    if backend not in (None, "weightwire_tcp"):
+        say("skip", "1-tensor round", f"the server's backend is {backend}, not weightwire_tcp")
+        return
+    session = info.get("session") if isinstance(info.get("session"), dict) else {}
+    if session.get("state") not in (None, "uninitialized"):
+        say("skip", "1-tensor round", f"a trainer session is {session.get('state')}; re-initialising would cut it off")
+        return
+    with HTTPWeightSyncClient(url, timeout=60.0, api_key=api_key) as client:
+        before = client.weight_checker("checksum")[0].get("checksums", {})
+        found = known_tensor(before)
+        if found is None:
+            say("skip", "1-tensor round", "no served tensor with provably known bytes (the round would change "
+                "weights)")
+            return
+        name, array = found
+        t0 = time.perf_counter()
+        try:
+            engine = NumpyTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp"), client=client,
+                                                     source=OneTensorSource(name, array))
+        except Exception as exc:  # noqa: BLE001  (report, do not crash the doctor)
+            refused = getattr(exc, "status", None) in (400, 422)
+            say("warn" if refused else "fail", "1-tensor round",
+                f"weightwire_tcp init {'refused (is the server on another backend?)' if refused else 'failed'}: {exc}")
+            return
+        init_s = time.perf_counter() - t0
+        try:
+            metrics = engine.send_weights(weight_version=str(info.get("weight_version") or "default"))
+        finally:
+            engine.shutdown()
+        after = client.weight_checker("checksum")[0].get("checksums", {})
+    same = after == before
+    say("ok" if same else "fail", "1-tensor round",
+        f"weightwire_tcp: rendezvous {init_s * 1e3:.1f} ms, round {metrics.total_seconds * 1e3:.1f} ms "
+        f"({name}, {metrics.nbytes} bytes); served weights {'unchanged' if same else 'CHANGED'}")

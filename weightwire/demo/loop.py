@@ -1,0 +1,282 @@
+"""``weightwire demo``: an on-policy RL loop whose every step ends in a weight sync.
+
+One step: sample completions from the server (``/v1/completions``, token ids and
+logprobs) -> score them (``reward.CharReward``) -> one REINFORCE step in JAX
+(``policy.Policy``) -> ``send_weights()`` -> prove the sync landed:
+
+- the server now reports the weight version just sent (``GET /weight_info``);
+- its greedy completion of a fixed prompt carries log-probabilities equal to the
+  JAX policy's for the same tokens (``|diff| < tolerance``, fp32);
+- the next step's rollouts, sampled by the server, carry log-probabilities equal to
+  the JAX policy's (checked inside the policy step, before it changes the params).
+
+Before the first step the same fixed-prompt check proves that server and policy
+start from identical weights. The demo succeeds (``DemoResult.ok``) only if every
+check passed and the reward rose (mean of the last third of the steps above the
+mean of the first third).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import numpy as np
+from rich.console import Console
+
+from weightwire.demo.render import StartupProgress, StepRow, StepTable
+
+TRANSPORTS = {"tcp": "weightwire_tcp", "nccl": "nccl"}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    server: str | None = None
+    """Drive this server; ``None`` starts the embedded reference server."""
+    model_dir: str | None = None
+    """The server's model directory (required with ``server``): the policy's initial weights."""
+    model: str = "tiny-llama"
+    """Embedded server only: tiny model to build and serve."""
+    steps: int = 12
+    transport: str = "tcp"
+    backend: str | None = None
+    """Override the backend (default: ``weightwire_tcp`` for tcp; ``nccl`` for an external
+    server with nccl, ``weightwire_nccl`` for the embedded one)."""
+    batch: int = 16
+    """Completions per step: ``batch / samples_per_prompt`` prompts, ``samples_per_prompt`` each."""
+    samples_per_prompt: int = 4
+    prompt_len: int = 8
+    max_tokens: int = 16
+    lr: float = 3e-2
+    target: str = "e"
+    tolerance: float = 1e-3
+    check_tokens: int = 8
+    seed: int = 0
+    api_key: str | None = None
+    served_model: str | None = None
+    """``model`` field of completion requests (a vLLM serving several names needs it)."""
+    server_gpu: str = "1"
+    """Embedded server with nccl: the GPU it uses (``CUDA_VISIBLE_DEVICES``); JAX uses its device 0."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.server is not None and self.model_dir is None:
+            raise ValueError("--server needs --model-dir: the directory the server loaded, so the JAX policy "
+                             "starts from the same weights and tokenizer")
+        for name, lo in (("steps", 1), ("batch", 1), ("prompt_len", 1), ("max_tokens", 1), ("check_tokens", 1)):
+            if getattr(self, name) < lo:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(self, name)}")
+        if self.samples_per_prompt < 1 or self.batch % self.samples_per_prompt:
+            raise ValueError(f"--batch {self.batch} must be a multiple of --samples-per-prompt {self.samples_per_prompt}")
+        if not self.tolerance > 0:
+            raise ValueError(f"tolerance must be > 0, got {self.tolerance}")
+
+    @property
+    def backend_name(self) -> str:
+        if self.backend is not None:
+            return self.backend
+        if self.transport == "nccl" and self.server is None:
+            return "weightwire_nccl"
+        return TRANSPORTS[self.transport]
+
+
+@dataclass
+class DemoResult:
+    rewards: list[float] = field(default_factory=list)
+    max_diffs: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    sync_seconds: list[float] = field(default_factory=list)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """Summed over steps: rollouts, train, sync, check."""
+    startup_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def rose(self) -> bool:
+        if len(self.rewards) < 2:
+            return False
+        k = max(1, len(self.rewards) // 3)
+        return float(np.mean(self.rewards[-k:])) > float(np.mean(self.rewards[:k]))
+
+    @property
+    def ok(self) -> bool:
+        return self.rose and not self.failures and len(self.max_diffs) > 0
+
+
+def _fixed_prompt_check(completions, policy, prompt: np.ndarray, n_tokens: int) -> float:  # noqa: ANN001
+    """Max |server logprob - policy logprob| over the server's greedy completion of ``prompt``."""
+    out = completions.generate(prompt[None, :], max_tokens=n_tokens, temperature=0.0)
+    mine = policy.logprobs(out.sequences)[:, prompt.shape[0] - 1:]
+    return float(np.max(np.abs(mine - out.logprobs)))
+
+
+def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResult:
+    console = console or Console()
+    result = DemoResult()
+    t_start = time.perf_counter()
+    with ExitStack() as stack:
+        ctx = _start(cfg, console, stack)
+        result.startup_seconds = time.perf_counter() - t_start
+        _train(cfg, console, ctx, result)
+    result.total_seconds = time.perf_counter() - t_start
+    _verdict(cfg, console, result)
+    return result
+
+
+@dataclass
+class _Context:
+    url: str
+    model_dir: str
+    policy: object
+    reward: object
+    completions: object
+    client: object
+    engine: object
+
+
+def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
+    from weightwire.demo.server import EmbeddedServer, build_tiny_model  # noqa: PLC0415
+
+    backend = cfg.backend_name
+    server: EmbeddedServer | None = None
+    with StartupProgress(console, phases=6 if cfg.server is None else 3) as prog:
+        if cfg.server is None:
+            # The server loads while this process builds the policy: the two start-ups overlap.
+            prog.phase(f"launching the reference server ({backend}, child process)")
+            nccl = backend != "weightwire_tcp"
+            server = EmbeddedServer(cfg.model_dir or cfg.model, backend=backend, device="cuda" if nccl else "cpu",
+                                    cuda_visible_devices=cfg.server_gpu if nccl else None)
+            stack.callback(server.stop)
+            server.launch()
+            prog.phase(f"locating {cfg.model} (child process; built and cached on first use)")
+            model_dir = cfg.model_dir or build_tiny_model(cfg.model)
+        else:
+            model_dir = str(cfg.model_dir)
+        prog.phase("importing JAX, loading the checkpoint into the Flax policy")
+        import jax  # noqa: PLC0415
+
+        from weightwire.control.client import HTTPWeightSyncClient  # noqa: PLC0415
+        from weightwire.demo.policy import Policy  # noqa: PLC0415
+        from weightwire.demo.reward import CharReward  # noqa: PLC0415
+        from weightwire.demo.rollout import CompletionsClient  # noqa: PLC0415
+        from weightwire.demo.weights import load_decoder  # noqa: PLC0415
+        from weightwire.jax_side.engine import JAXTrainerEngine  # noqa: PLC0415
+        from weightwire.jax_side.models import decoder  # noqa: PLC0415
+        from weightwire.jax_side.source import PytreeSource  # noqa: PLC0415
+        from weightwire.trainer.info import TrainerInitInfo  # noqa: PLC0415
+
+        if backend != "weightwire_tcp" and jax.default_backend() != "gpu":
+            raise RuntimeError(f"--transport nccl needs JAX on a CUDA GPU (JAX runs on {jax.default_backend()}); "
+                               "use --transport tcp on a CPU-only host")
+        model_cfg, params = load_decoder(model_dir)
+        policy = Policy(model_cfg, params, lr=cfg.lr)
+        reward = CharReward.from_model_dir(model_dir, model_cfg.vocab_size, cfg.target)
+        prog.phase("compiling the policy (jit)")
+        dummy = np.zeros((cfg.batch, cfg.prompt_len + cfg.max_tokens), np.int32)
+        policy.warmup(dummy, cfg.prompt_len)
+        policy.logprobs(dummy[:1, : cfg.prompt_len + cfg.check_tokens])
+        if server is not None:
+            prog.phase("waiting for the reference server")
+            url = server.wait_ready()
+        else:
+            url = str(cfg.server).rstrip("/")
+        prog.phase(f"weight-transfer rendezvous with {url} ({backend})")
+        client = HTTPWeightSyncClient(url, timeout=120.0, api_key=cfg.api_key)
+        stack.callback(client.close)
+        source = PytreeSource(lambda: policy.params, decoder.naming(model_cfg))
+        info = TrainerInitInfo(backend=backend, packed_buffer_size_bytes=64 << 20,
+                               device=0 if backend != "weightwire_tcp" else None)
+        engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
+        stack.callback(engine.shutdown)
+        completions = CompletionsClient(url, api_key=cfg.api_key, model=cfg.served_model)
+        stack.callback(completions.close)
+    return _Context(url, model_dir, policy, reward, completions, client, engine)
+
+
+def _train(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult) -> None:
+    policy, reward, completions, client, engine = ctx.policy, ctx.reward, ctx.completions, ctx.client, ctx.engine
+    rng = np.random.default_rng(cfg.seed)
+    low, high = min(3, reward.n_tokens - 1), reward.n_tokens  # skip the tiny tokenizer's special ids
+    fixed = rng.integers(low, high, cfg.prompt_len).astype(np.int32)
+    diff0 = _fixed_prompt_check(completions, policy, fixed, cfg.check_tokens)
+    result.max_diffs.append(diff0)
+    same = diff0 < cfg.tolerance
+    console.print(
+        f"step-0 weights: server and JAX policy {'agree' if same else '[bold red]DIFFER[/]'} "
+        f"(max |Δlogp| {diff0:.1e} over a {cfg.check_tokens}-token greedy completion; tolerance "
+        f"{cfg.tolerance:.0e}); reward = fraction of completion tokens containing {cfg.target!r}, "
+        f"random-policy rate {reward.base_rate:.3f}", highlight=False)
+    if not same:
+        result.failures.append(
+            f"step 0: the server's weights differ from {ctx.model_dir} (max |Δlogp| {diff0:.2e}); serve that "
+            "directory, in float32 (vLLM on CPU downcasts to bfloat16 unless --dtype float32), unmodified")
+    table = StepTable(console, cfg.target)
+    with table.shown():
+        for step in range(cfg.steps):
+            clock: dict[str, float] = {}
+            t = time.perf_counter()
+            prompts = rng.integers(low, high, (cfg.batch // cfg.samples_per_prompt, cfg.prompt_len)).astype(np.int32)
+            rollouts = completions.generate(prompts, max_tokens=cfg.max_tokens, temperature=1.0,
+                                            n=cfg.samples_per_prompt)
+            t = _lap(clock, "rollouts", t)
+            hits = reward.hits(rollouts.completions)
+            _, mine = policy.step(rollouts.sequences, cfg.prompt_len, hits)
+            rollout_diff = float(np.max(np.abs(mine - rollouts.logprobs)))
+            t = _lap(clock, "train", t)
+            version = str(step + 1)
+            metrics = engine.send_weights(weight_version=version)
+            t = _lap(clock, "sync", t)
+            served = client.weight_info()[0].get("weight_version")
+            check_diff = _fixed_prompt_check(completions, policy, fixed, cfg.check_tokens)
+            _lap(clock, "check", t)
+            max_diff = max(rollout_diff, check_diff)
+            notes = []
+            if served != version:
+                notes.append(f"server reports version {served!r}")
+            if max_diff >= cfg.tolerance:
+                notes.append("logprobs differ")
+            for note in notes:
+                result.failures.append(f"step {step + 1}: {note} (max |Δlogp| {max_diff:.2e})")
+            result.rewards.append(float(hits.mean()))
+            result.max_diffs.append(max_diff)
+            result.sync_seconds.append(metrics.total_seconds)
+            for k, v in clock.items():
+                result.phase_seconds[k] = result.phase_seconds.get(k, 0.0) + v
+            table.add(StepRow(
+                step=step + 1, reward=float(hits.mean()), sample=reward.text(rollouts.completions[0]),
+                sync_ms=metrics.total_seconds * 1e3, megabytes=metrics.nbytes / 1e6, gbps=metrics.gbps,
+                version=str(served), max_diff=max_diff, ok=not notes, step_s=sum(clock.values()),
+                note="; ".join(notes)))
+
+
+def _lap(clock: dict[str, float], name: str, since: float) -> float:
+    now = time.perf_counter()
+    clock[name] = now - since
+    return now
+
+
+def _verdict(cfg: DemoConfig, console: Console, result: DemoResult) -> None:
+    k = max(1, len(result.rewards) // 3)
+    first, last = float(np.mean(result.rewards[:k])), float(np.mean(result.rewards[-k:]))
+    torch_free = "torch" not in sys.modules
+    sync_ms = 1e3 * float(np.median(result.sync_seconds)) if result.sync_seconds else float("nan")
+    console.print(
+        f"reward {first:.3f} -> {last:.3f} (mean of first / last {k} step(s)); "
+        f"{len(result.max_diffs)} sync checks, max |Δlogp| {max(result.max_diffs):.1e}; median sync "
+        f"{sync_ms:.1f} ms; start-up {result.startup_seconds:.1f} s, total {result.total_seconds:.1f} s; "
+        f"trainer process imported torch: {'no' if torch_free else 'yes'}", highlight=False)
+    if result.phase_seconds:
+        spent = ", ".join(f"{k} {v:.1f} s" for k, v in result.phase_seconds.items())
+        console.print(f"time in steps: {spent}", highlight=False)
+    for failure in result.failures:
+        console.print(f"[bold red]check failed:[/] {failure}", highlight=False)
+    if not result.rose:
+        console.print(f"[bold red]the reward did not rise[/] ({first:.3f} -> {last:.3f}); try more --steps "
+                      "or a larger --lr", highlight=False)
+    if result.ok:
+        console.print("[bold green]PASS[/]: the reward rose and every sync check passed", highlight=False)
+    else:
+        console.print("[bold red]FAIL[/]", highlight=False)

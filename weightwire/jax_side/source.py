@@ -1,0 +1,230 @@
+"""``PytreeSource``: the ``WeightSource`` a JAX trainer hands to the engine.
+
+Where the bytes come from: the leaves of the params pytree, transformed on device by
+jitted functions compiled once per (transform chain, shapes, dtype) and reused for every
+layer, then placed whole on one target device. No host round trip anywhere: a sharded
+leaf (several local devices) is transformed where it lives and the result moved with a
+device-to-device ``jax.device_put`` to the target; ``metadata()`` is abstract evaluation
+only. Nothing is donated.
+
+Lifetime of handed-out arrays: each is an ordinary ``jax.Array`` the consumer may keep
+as long as it likes; the source additionally keeps a reference to the item (or, for
+``iter_groups``, the group) it yielded last, until the next one or the end of the pass,
+so a consumer holding only a raw device pointer (DLPack, NCCL) is safe until it asks for
+more. When an output is exactly a leaf (no transform, same dtype, already on the target),
+the leaf itself is handed out: it stays valid until the trainer replaces or donates it,
+so finish a sync before the next training step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from weightwire.jax_side.dtypes import describe, jax_dtype, wire_name
+from weightwire.jax_side.naming import Entry, Naming, Plan, out_aval, run_entry
+from weightwire.shared.groups import layerwise_groups
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.source import WeightSource, checked_iter
+
+Signature = tuple[tuple[Any, Any], ...]
+_COMPILED: dict[Signature, Callable[..., tuple[jax.Array, ...]]] = {}
+
+
+def _compiled(signature: Signature) -> Callable[..., tuple[jax.Array, ...]]:
+    """One jitted function per group signature; ``jax.jit`` then caches per input shape,
+    so a model's N identical layers compile once."""
+    fn = _COMPILED.get(signature)
+    if fn is None:
+
+        def run(inputs: Sequence[Sequence[jax.Array]], idx: jax.Array | None) -> tuple[jax.Array, ...]:
+            outs, k = [], 0
+            for (structure, dtype), xs in zip(signature, inputs, strict=True):
+                idxs = []
+                for stack_axis, _ in structure[0]:
+                    idxs.append(None if stack_axis is None else idx[k])
+                    k += stack_axis is not None
+                outs.append(run_entry(structure, xs, idxs, dtype))
+            return tuple(outs)
+
+        fn = _COMPILED[signature] = jax.jit(run)
+    return fn
+
+
+class PytreeSource(WeightSource):
+    """``PytreeSource(params, naming, *, dtype=None, device=None)``.
+
+    ``params``: a pytree of arrays, or a zero-argument callable returning the current one
+    (a training loop's live state; called once per ``metadata()`` and once per pass, and
+    once here so that mapping errors surface now). ``dtype``: wire dtype for float leaves
+    (``"bfloat16"``, ``jnp.bfloat16``, ...); ``None`` keeps each leaf's. ``device``: where
+    yielded arrays live (default: the first local device).
+    """
+
+    def __init__(self, params: Any, naming: Naming, *, dtype: Any = None,
+                 device: jax.Device | int | None = None) -> None:
+        if not isinstance(naming, Naming):
+            raise TypeError(f"naming must be a weightwire Naming, got {type(naming).__name__}")
+        self._get: Callable[[], Any] = params if _is_callable_source(params) else (lambda: params)
+        self._naming = naming
+        self._dtype = None if dtype is None else wire_name(jax_dtype(dtype))
+        devices = jax.local_devices()
+        if device is None:
+            device = devices[0]
+        elif isinstance(device, int):
+            if not 0 <= device < len(devices):
+                raise ValueError(f"device index {device} out of range: {len(devices)} local devices")
+            device = devices[device]
+        self._device: jax.Device = device
+        self._target = SingleDeviceSharding(device)
+        self._plan: Plan | None = None
+        self._metas: list[ParamMeta] = []
+        self._declared: list[ParamMeta] | None = None
+        self._current()
+
+    def __repr__(self) -> str:
+        return (f"PytreeSource({len(self._metas)} tensors, dtype={self._dtype or 'as-is'}, "
+                f"device={self._device})")
+
+    @property
+    def device(self) -> jax.Device:
+        return self._device
+
+    # -- the plan for the params as they are now
+    def _current(self) -> tuple[Plan, list[Any]]:
+        tree = self._get()
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if self._plan is None or not self._plan.matches(treedef, leaves):
+            plan = self._naming.resolve(tree)
+            metas = []
+            for e in plan.entries:
+                aval = out_aval(plan, e, self._dtype)
+                try:
+                    metas.append(ParamMeta(e.name, wire_name(aval.dtype), aval.shape))
+                except ValueError as exc:
+                    raise ValueError(f"HF tensor {e.name!r} from {[p.path for p in e.pieces]}: {exc}") from exc
+            layerwise_groups(metas)  # a preset that interleaves layers fails here, not on the worker
+            self._plan, self._metas = plan, metas
+        return self._plan, leaves
+
+    # -- WeightSource
+    def metadata(self) -> list[ParamMeta]:
+        """Names, wire dtypes and shapes in HF order; shapes only, no device work or transfer.
+
+        The answer is remembered: later passes are checked against it, so params that
+        changed shape or dtype after a round's metadata went out fail before sending.
+        """
+        self._current()
+        self._declared = list(self._metas)
+        return list(self._metas)
+
+    def held_names(self) -> set[str] | None:
+        """``None`` when every leaf is fully addressable from this process (always, single
+        host); otherwise the names whose leaves are."""
+        plan, leaves = self._current()
+        if all(_addressable(x) for x in leaves):
+            return None
+        return {e.name for e in plan.entries if all(_addressable(leaves[p.leaf]) for p in e.pieces)}
+
+    def __iter__(self) -> Iterator[tuple[str, jax.Array]]:
+        """A fresh pass: ``(hf_name, jax.Array on the target device)`` in metadata order,
+        checked against ``metadata()`` (``SourceMismatch`` names the first divergence)."""
+        plan, leaves, todo, declared = self._pass()
+        return checked_iter(self._produce(plan, leaves, [[e] for e, _ in todo]), declared, describe)
+
+    def iter_groups(self) -> Iterator[list[tuple[str, jax.Array]]]:
+        """The same stream one layer group at a time, each group built by one jitted call."""
+        plan, leaves, todo, declared = self._pass()
+        by_name = dict((m.name, e) for e, m in todo)
+        batches = [[by_name[m.name] for m in g] for g in layerwise_groups([m for _, m in todo])]
+        pairs = checked_iter(self._produce(plan, leaves, batches), declared, describe)
+        for batch in batches:
+            group = [next(pairs) for _ in batch]
+            yield group
+        for _ in pairs:  # drains the checker: raises if the stream had extra or missing tensors
+            pass
+
+    # -- production
+    def _pass(self) -> tuple[Plan, list[Any], list[tuple[Entry, ParamMeta]], list[ParamMeta]]:
+        """This pass's (entry, meta) pairs, and the metadata to check them against: what
+        ``metadata()`` last declared (the receiver sized its buffers from that), else the
+        current plan's."""
+        plan, leaves = self._current()
+        held = self.held_names()
+        todo = [(e, m) for e, m in zip(plan.entries, self._metas, strict=True) if held is None or e.name in held]
+        declared = self._metas if self._declared is None else self._declared
+        return plan, leaves, todo, [m for m in declared if held is None or m.name in held]
+
+    def _produce(self, plan: Plan, leaves: list[Any], batches: list[list[Entry]]) -> Iterator[tuple[str, jax.Array]]:
+        for batch in batches:
+            arrays = self._run(plan, leaves, batch)
+            for entry, array in zip(batch, arrays, strict=True):
+                yield entry.name, array
+            # `arrays` (the reference the module docstring promises) lives until the next batch
+
+    def _run(self, plan: Plan, leaves: list[Any], batch: list[Entry]) -> list[jax.Array]:
+        outs: list[jax.Array | None] = [None] * len(batch)
+        todo: list[tuple[int, Entry, Any]] = []
+        for k, e in enumerate(batch):
+            dtype = out_aval(plan, e, self._dtype).dtype
+            leaf = leaves[e.pieces[0].leaf]
+            if e.is_identity and leaf.dtype == dtype and self._on_target(leaf):
+                outs[k] = leaf
+            else:
+                todo.append((k, e, dtype))
+        if todo:
+            inputs = [[self._as_device_array(leaves[p.leaf]) for p in e.pieces] for _, e, _ in todo]
+            if len({_device_ids(x) for xs in inputs for x in xs}) > 1:
+                # One jit needs one device set; inputs spread over several are gathered on the
+                # target first (device to device). Whole stacked leaves move here: rare layouts only.
+                inputs = [[jax.device_put(x, self._target) for x in xs] for xs in inputs]
+            layers = [p.layer for _, e, _ in todo for p in e.pieces if p.stack_axis is not None]
+            idx = None
+            if layers:
+                idx = np.asarray(layers, np.int32)
+                where = _replicated(inputs[0][0].sharding)
+                if where is not None:
+                    idx = jax.device_put(idx, where)
+            signature = tuple((e.structure, np.dtype(d)) for _, e, d in todo)
+            results = list(_compiled(signature)(inputs, idx))
+            away = [i for i, r in enumerate(results) if not self._on_target(r)]
+            if away:
+                moved = jax.device_put([results[i] for i in away], self._target)
+                for i, r in zip(away, moved, strict=True):
+                    results[i] = r
+            for (k, _, _), r in zip(todo, results, strict=True):
+                outs[k] = r
+        return outs  # type: ignore[return-value]
+
+    def _on_target(self, x: Any) -> bool:
+        return isinstance(x, jax.Array) and x.sharding.device_set == {self._device}
+
+    def _as_device_array(self, x: Any) -> jax.Array:
+        # Host (numpy) leaves must be uploaded somewhere; the target is where they end up.
+        return x if isinstance(x, jax.Array) else jax.device_put(x, self._target)
+
+
+def _is_callable_source(params: Any) -> bool:
+    return callable(params) and not isinstance(params, (dict, list, tuple)) and not hasattr(params, "shape")
+
+
+def _addressable(x: Any) -> bool:
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+def _device_ids(x: jax.Array) -> tuple[int, ...]:
+    return tuple(sorted(d.id for d in x.sharding.device_set))
+
+
+def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
+    """A replicated sharding over ``sharding``'s devices, so the layer-index vector is
+    placed explicitly (no implicit host-to-device transfer inside the jitted call)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    if len(sharding.device_set) == 1:
+        return SingleDeviceSharding(next(iter(sharding.device_set)))
+    return None  # other sharding kinds: let jit place the (tiny) index vector itself
