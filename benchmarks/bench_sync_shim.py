@@ -22,7 +22,7 @@ from typing import Any
 # -- control shim: one JSON line each way per call, a fresh local connection per call -------------
 
 
-def rpc(port: int, call: str, timeout: float, **args: Any) -> Any:
+def rpc(port: int, call: str, timeout: float, /, **args: Any) -> Any:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall((json.dumps({"call": call, "args": args}) + "\n").encode())
         line = sock.makefile("rb").readline()

@@ -18,6 +18,8 @@ OUT="${OUT:-$PWD/gpu-session-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# NVLink multicast stays off on the shared H200 hosts (it can take the GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 BUDGET_S="${BUDGET_S:-580}"
 START_S=$(date +%s)

@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
@@ -45,6 +46,9 @@ GRACE_S = 4.0
 """Slack on top of a timeout for "raised within the timeout": thread wake-ups, the
 engine's 2 s wait for the server's verdict, a loaded 2-core CI machine."""
 START_TIMEOUT_S = 180.0
+API_KEY = "faults-key-6d1f0c2b9a"
+"""Every fault server runs with ``--api-key``: the weight routes are exercised authenticated."""
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 READY = re.compile(r"^weightwire server ready on (http://\S+)$")
 
 # hidden 512, 4 layers, intermediate 2048, vocab 512: ~64 MB of float32.
@@ -218,13 +222,18 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def launch(model: str | Path, log_path: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
-    """Start a server on a free loopback port; wait (bounded) for its ready line."""
+def launch(model: str | Path, log_path: Path, *extra: str, env: dict[str, str] | None = None,
+           api_key: str | None = API_KEY) -> Server:
+    """Start a server on a free port (loopback unless ``--host`` is in ``extra``); wait
+    (bounded) for its ready line. Its stderr (logs of the API and every worker) goes to
+    ``log_path``; its stdout is kept in ``Server.stdout``."""
     log = open(log_path, "w")  # noqa: SIM115  (the child writes to it for its whole life)
     cmd = [sys.executable, "-m", "weightwire.torch_side.server", "--model", str(model), "--port", "0",
-           "--backend", "weightwire_tcp", *extra]
+           "--backend", "weightwire_tcp", *(["--api-key", api_key] if api_key else []), *extra]
+    # The workers bound their own rendezvous and warm-up (Timeouts.from_env): short here too.
+    short = {f"WEIGHTWIRE_TIMEOUT_{k.upper()}": str(v) for k, v in vars(FAULT_TIMEOUTS).items()}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **short, **(env or {})})
     lines: list[str] = []
     found = threading.Event()
     url: list[str] = []
@@ -253,7 +262,7 @@ class Probe:
     """Reads the server's state with plain httpx (independent of weightwire's client)."""
 
     def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
-        self.http = httpx.Client(base_url=url, timeout=30, headers=headers)
+        self.http = httpx.Client(base_url=url, timeout=30, headers=AUTH if headers is None else headers)
 
     def checksums(self) -> list[dict[str, str]]:
         r = self.http.post("/weight_checker", json={"action": "checksum"})
@@ -290,9 +299,20 @@ class Probe:
 
 # ----------------------------------------------------------------------------- trainer
 def client_for(url: str, **kw: Any) -> Any:
+    """An ``HTTPWeightSyncClient`` that also records the init infos it posted (they hold the
+    session secret, which the security tests look for in every log)."""
     from weightwire.control import HTTPWeightSyncClient
 
-    return HTTPWeightSyncClient(url, timeout=kw.pop("timeout", CLIENT_TIMEOUT_S), **kw)
+    class Recording(HTTPWeightSyncClient):
+        posted: list[Any]
+
+        def init_weight_transfer_engine(self, init_info: Any) -> None:
+            self.posted.append(init_info)
+            super().init_weight_transfer_engine(init_info)
+
+    client = Recording(url, timeout=kw.pop("timeout", CLIENT_TIMEOUT_S), api_key=kw.pop("api_key", API_KEY), **kw)
+    client.posted = []
+    return client
 
 
 def engine_for(url: str, source: TensorSource, *, client: Any = None, **info: Any) -> Any:
@@ -340,3 +360,41 @@ def assert_weights(probe: Probe, want: dict[str, str], version: str) -> None:
     for i, replica in enumerate(probe.checksums()):
         assert replica == want, f"replica {i} differs in {sorted(k for k in want if replica.get(k) != want[k])[:5]}"
     assert probe.version() == version
+
+
+def listening_sockets(pid: int | str = "self") -> set[str]:
+    """``host:port`` of every TCP socket in LISTEN state owned by ``pid`` (from /proc)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    out = set()
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: TCP_LISTEN
+                    addr, port = cols[1].split(":")
+                    host = _proc_addr(addr, width)
+                    out.add(f"{host if width == 8 else f'[{host}]'}:{int(port, 16)}")
+    return out
+
+
+def _proc_addr(hexaddr: str, width: int) -> str:
+    import ipaddress
+
+    raw = bytes.fromhex(hexaddr)
+    # /proc prints each 32-bit word in host (little-endian) order.
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(raw)) if width == 8 else str(ipaddress.IPv6Address(raw))
+
+
+def known_bug(ok: bool, bug: str) -> None:
+    """Call last in a case, after every other assertion: a documented defect in code this
+    suite does not own turns the case into an xfail naming it (docs/reliability.md,
+    "Known defects"), and the case passes by itself once the defect is fixed."""
+    if not ok:
+        pytest.xfail(f"known defect: {bug}")

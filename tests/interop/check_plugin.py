@@ -9,7 +9,7 @@ It loads vLLM's general plugins (twice: vLLM may), resolves both backend names
 through ``WeightTransferEngineFactory``, constructs each engine the way a vLLM worker
 does (``create_engine(config, vllm_config, device, model)``), then runs a real
 ``weightwire_tcp`` session on CPU through the vLLM subclass: init, two rounds (the
-second with the 0.33 reuse shorthand), finish, shutdown. Prints one JSON line and
+second with the 0.33 reuse shorthand), finish, shutdown. Prints one ``WEIGHTWIRE_CHECK {json}`` line and
 exits 0 on success; any failed check raises.
 
 ``--llm`` also starts an offline ``vllm.LLM`` on a tiny Llama with
@@ -117,7 +117,15 @@ def main() -> None:
     thread.join(timeout=30)
     rdv.close()
     assert not errors, errors
-    print(json.dumps({"ok": True, "vllm": vllm.__version__, "resolved": resolved, "rounds": len(rounds)}))
+    report({"ok": True, "vllm": vllm.__version__, "resolved": resolved, "rounds": len(rounds)})
+
+
+RESULT_PREFIX = "WEIGHTWIRE_CHECK "
+
+
+def report(result: dict) -> None:
+    """One prefixed JSON line: vLLM writes its own lines to stdout too."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
 def _tiny_dirs(root: str) -> tuple[str, str]:
@@ -201,6 +209,6 @@ if __name__ == "__main__":
         import tempfile  # noqa: PLC0415
 
         with tempfile.TemporaryDirectory() as tmp:
-            print(json.dumps(check_llm(tmp)))
+            report(check_llm(tmp))
     else:
         main()

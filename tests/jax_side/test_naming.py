@@ -187,9 +187,22 @@ def test_preset_rejects_unknown_family_and_option() -> None:
 def test_preset_model_mismatch_is_reported_at_construction() -> None:
     from weightwire.jax_side.models import llama
 
+    def shapes(cfg):  # abstract params: resolution needs shapes only
+        return jax.eval_shape(lambda: llama.init(jax.random.key(0), cfg))
+
     cfg = llama.config(tie_word_embeddings=True)
-    params = llama.init(jax.random.key(0), cfg)
     with pytest.raises(NamingError, match=r"matched no pytree leaf: 'lm_head/kernel'"):
-        PytreeSource(params, preset("llama"))  # preset expects an untied lm_head
+        PytreeSource(shapes(cfg), preset("llama"))  # preset expects an untied lm_head
     with pytest.raises(NamingError, match=r"no naming rule claims.*q_norm"):
-        PytreeSource(llama.init(jax.random.key(0), cfg.replace(qk_norm=True)), preset("llama", tie_word_embeddings=True))
+        PytreeSource(shapes(cfg.replace(qk_norm=True)), preset("llama", tie_word_embeddings=True))
+    assert len(PytreeSource(shapes(cfg), llama.naming(cfg)).metadata()) == 1 + 2 * 9 + 1
+
+
+def test_stacked_rule_on_a_scalar_leaf_names_it() -> None:
+    with pytest.raises(NamingError, match=r"pytree leaf 'layers/w' has shape \[\]: no layer axis 0"):
+        Naming([Rule("layers/w", "l.{layer}.w", Stacked(), Split(0, (1,)))]).resolve({"layers": {"w": jnp.float32(1)}})
+
+
+def test_leaf_that_is_not_an_array_is_named() -> None:
+    with pytest.raises(NamingError, match=r"pytree leaf 'step' is a str, not an array"):
+        Naming([Rule("**", "x")]).resolve({"step": "3"})

@@ -66,12 +66,10 @@ def _hf_order(cfg: Any) -> list[str]:
 
 DECODER_CASES = [
     ("llama", {}),
-    ("llama", {"scan_layers": True}),
     ("llama", {"fused_qkv": True, "fused_gate_up": True, "attention_bias": True, "mlp_bias": True}),
     ("llama", {"head_axes": True, "attention_bias": True, "tie_word_embeddings": True}),
     ("llama", {"rope_scaling": (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
                                 ("original_max_position_embeddings", 8), ("rope_type", "llama3"))}),
-    ("mistral", {}),
     ("qwen2", {}),
     ("qwen2", {"tie_word_embeddings": True, "fused_qkv": True, "scan_layers": True}),
     ("qwen3", {}),
@@ -148,3 +146,58 @@ def test_bf16_cast_logits_close_to_fp32(family: str, options: dict[str, Any]) ->
     err = np.abs(ours - ref).max()
     assert err < 0.05 * scale, (err, scale)
     assert err > 0  # really went through bf16
+
+
+HF_SMALL = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
+def test_from_hf_config_of_a_real_hf_config_maps_onto_its_state_dict(family: str) -> None:
+    import transformers
+
+    hf_cfg = transformers.AutoConfig.for_model(family, **HF_SMALL)
+    cfg = decoder.DecoderConfig.from_hf_config(hf_cfg.to_dict())
+    assert cfg.family == family and cfg.tie_word_embeddings == hf_cfg.tie_word_embeddings
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    want = {n: tuple(t.shape) for n, t in model.state_dict().items()
+            if not (hf_cfg.tie_word_embeddings and n == "lm_head.weight")}
+    metas = PytreeSource(decoder.init(jax.random.key(0), cfg), decoder.naming(cfg)).metadata()
+    assert {m.name: m.shape for m in metas} == want
+
+
+def test_llama_from_hf_config_dict_with_llama3_rope_matches_logits() -> None:
+    import transformers
+
+    from weightwire.jax_side.models import llama
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 4}
+    hf_dict = transformers.LlamaConfig(**HF_SMALL, rope_parameters=rope, tie_word_embeddings=True).to_dict()
+    cfg = llama.LlamaConfig.from_hf_config(hf_dict)
+    params = perturbed(llama.init(jax.random.key(0), cfg))
+    ref, _ = _hf_logits(cfg, PytreeSource(params, llama.naming(cfg)))
+    np.testing.assert_allclose(np.asarray(llama.apply(params, jnp.asarray(TOKENS), cfg)), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_left_padding_mask_and_positions_match_hf() -> None:
+    import torch
+    import transformers
+
+    from weightwire.jax_side.models import llama
+
+    cfg = llama.config(head_dim=16)
+    params = perturbed(llama.init(jax.random.key(0), cfg))
+    mask = np.ones_like(TOKENS)
+    mask[0, :3] = 0  # row 0 left-padded by 3
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf_config()),
+                                                          attn_implementation="eager").eval()
+    model.load_state_dict({n: _to_torch(a) for n, a in PytreeSource(params, llama.naming(cfg))}, strict=True)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(TOKENS), attention_mask=torch.from_numpy(mask),
+                    position_ids=torch.from_numpy(positions)).logits.numpy()
+    ours = np.asarray(llama.apply(params, jnp.asarray(TOKENS), cfg, attention_mask=jnp.asarray(mask),
+                                  positions=jnp.asarray(positions)))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4, atol=1e-4)

@@ -197,3 +197,13 @@ def test_preset_accepts_inner_params_dict_too(scanned) -> None:
     names_outer = [m.name for m in PytreeSource(params, llama.naming(cfg)).metadata()]
     names_inner = [m.name for m in PytreeSource(params["params"], preset("llama", scan_layers=True)).metadata()]
     assert names_outer == names_inner
+
+
+def test_preset_drops_rotary_tables(scanned) -> None:
+    params, cfg = scanned
+    with_cache = {"params": {**params["params"], "model": {**params["params"]["model"],
+                                                            "rotary_emb": {"inv_freq": jnp.ones(4)}}}}
+    plain = PytreeSource(params, llama.naming(cfg)).metadata()
+    src = PytreeSource(with_cache, llama.naming(cfg))
+    assert src.metadata() == plain
+    assert src._plan.dropped == ("params/model/rotary_emb/inv_freq",)

@@ -227,3 +227,53 @@ def test_weight_checker_compare_and_reset(server, http: httpx.Client, base_weigh
     finally:
         sender.close()
     assert_serves(http, reference, base_weights)
+
+
+def test_one_failing_replica_fails_the_round_for_all(server, http: httpx.Client, base_weights) -> None:
+    """vLLM's list form gives replica 1 a transposed lm_head (same bytes, wrong shape): only
+    replica 1 fails, yet replica 0's staged round is aborted too and nothing changes."""
+    before_sums, version = checksums(http), http.get("/weight_info").json()["weight_version"]
+    new = perturbed(base_weights, 11)
+    good = update_info_of(new)
+    bad = json.loads(json.dumps(good))
+    i = bad["names"].index("lm_head.weight")
+    bad["shapes"][i] = bad["shapes"][i][::-1]
+    client = VLLMStyleClient(server.url)
+    sender = TCPSender(client, replicas=2)
+    try:
+        sender.init()
+        client.start_weight_update()
+        with pytest.raises(httpx.HTTPStatusError) as info:
+            try:
+                sender.send_update(new, update_info=[good, bad]).result()
+            except TransferError:
+                raise AssertionError("the POST, not the broadcast, must report the failure") from None
+    finally:
+        sender.close()
+    detail = info.value.response.json()["detail"]
+    assert info.value.response.status_code == 400
+    assert "replica 1: " in detail and "replica 0: " not in detail and "lm_head.weight" in detail
+    assert checksums(http) == before_sums
+    after = http.get("/weight_info").json()
+    assert after["weight_version"] == version and after["session"]["state"] == "uninitialized"
+
+
+def test_stalled_sender_times_out_and_keeps_old_weights(server, http: httpx.Client, base_weights) -> None:
+    before_sums, version = checksums(http), http.get("/weight_info").json()["weight_version"]
+    client = VLLMStyleClient(server.url)
+    sender = TCPSender(client, replicas=2)
+    try:
+        sender.init(timeout_s=2.0)
+        client.start_weight_update()
+        started = time.monotonic()
+        with pytest.raises(httpx.HTTPStatusError) as info:
+            client.update_weights(update_info_of(perturbed(base_weights, 12)))  # and never broadcast
+        elapsed = time.monotonic() - started
+    finally:
+        sender.close()
+    resp = info.value.response
+    assert resp.status_code == 504, resp.text
+    assert "replica" in resp.json()["detail"] and "TransferTimeout" in resp.json()["detail"]
+    assert 1.5 < elapsed < 20
+    assert checksums(http) == before_sums
+    assert http.get("/weight_info").json()["weight_version"] == version

@@ -27,7 +27,8 @@ def test_build_writes_a_loadable_hf_dir(name: str, tiny_cache: Path, tmp_path: P
     assert cfg["architectures"] == [arch]
     assert cfg["torch_dtype"] == "float32"
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-            cfg["intermediate_size"], cfg["vocab_size"], cfg["max_position_embeddings"]) == (64, 2, 4, 2, 128, 512, 256)
+            cfg["intermediate_size"], cfg["vocab_size"], cfg["max_position_embeddings"]) == (64, 2, 2, 1, 128, 512, 256)
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] >= 32  # vLLM's CPU attention needs head size >= 32
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == arch and model.dtype == torch.float32

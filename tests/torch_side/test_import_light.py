@@ -28,6 +28,7 @@ def test_package_import_is_light():
 
 @pytest.mark.parametrize("what", [
     "from weightwire.torch_side import ModuleSource, HFModelHost, WeightwireTCPEngine, WeightwireNCCLEngine",
+    "from weightwire.torch_side import TorchTrainerEngine",
     "from weightwire.torch_side.worker import register; register()",
     "import weightwire.torch_side.worker.connect, weightwire.torch_side.worker.core, weightwire.torch_side.worker.receive",
 ])

@@ -20,6 +20,12 @@ VLLM_PYTHON = os.environ.get("WEIGHTWIRE_VLLM_PYTHON", "/work/vllm_venv/bin/pyth
 CHECK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "interop", "check_plugin.py")
 
 
+def _result(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("WEIGHTWIRE_CHECK ")]
+    assert lines, f"no result line in: {stdout[-2000:]}"
+    return json.loads(lines[-1].removeprefix("WEIGHTWIRE_CHECK "))
+
+
 def test_entry_point_is_declared():
     (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "weightwire"]
     assert ep.value == "weightwire.torch_side.worker.plugin:register"
@@ -71,7 +77,7 @@ def test_register_is_lazy_and_idempotent(monkeypatch):
 def test_plugin_and_tcp_engine_inside_real_vllm():
     proc = subprocess.run([VLLM_PYTHON, CHECK], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _result(proc.stdout)
     assert result["ok"] and result["rounds"] == 2
     assert set(result["resolved"]) == {"weightwire_tcp", "weightwire_nccl"}
 
@@ -85,4 +91,4 @@ def test_weights_pushed_into_offline_vllm_generate_like_hf(tmp_path):
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), WEIGHTWIRE_CACHE=str(tmp_path / "ww"))
     proc = subprocess.run([VLLM_PYTHON, CHECK, "--llm"], capture_output=True, text=True, timeout=540, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["llm_ok"]
+    assert _result(proc.stdout)["llm_ok"]

@@ -208,7 +208,7 @@ def _train(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult)
         f"step-0 weights: server and JAX policy {'agree' if same else '[bold red]DIFFER[/]'} "
         f"(max |Δlogp| {diff0:.1e} over a {cfg.check_tokens}-token greedy completion; tolerance "
         f"{cfg.tolerance:.0e}); reward = fraction of completion tokens containing {cfg.target!r}, "
-        f"random-policy rate {reward.base_rate:.3f}", highlight=False)
+        f"random-policy rate {reward.base_rate:.3f}", highlight=False, soft_wrap=True)
     if not same:
         result.failures.append(
             f"step 0: the server's weights differ from {ctx.model_dir} (max |Δlogp| {diff0:.2e}); serve that "
@@ -267,16 +267,16 @@ def _verdict(cfg: DemoConfig, console: Console, result: DemoResult) -> None:
         f"reward {first:.3f} -> {last:.3f} (mean of first / last {k} step(s)); "
         f"{len(result.max_diffs)} sync checks, max |Δlogp| {max(result.max_diffs):.1e}; median sync "
         f"{sync_ms:.1f} ms; start-up {result.startup_seconds:.1f} s, total {result.total_seconds:.1f} s; "
-        f"trainer process imported torch: {'no' if torch_free else 'yes'}", highlight=False)
+        f"trainer process imported torch: {'no' if torch_free else 'yes'}", highlight=False, soft_wrap=True)
     if result.phase_seconds:
         spent = ", ".join(f"{k} {v:.1f} s" for k, v in result.phase_seconds.items())
-        console.print(f"time in steps: {spent}", highlight=False)
+        console.print(f"time in steps: {spent}", highlight=False, soft_wrap=True)
     for failure in result.failures:
-        console.print(f"[bold red]check failed:[/] {failure}", highlight=False)
+        console.print(f"[bold red]check failed:[/] {failure}", highlight=False, soft_wrap=True)
     if not result.rose:
         console.print(f"[bold red]the reward did not rise[/] ({first:.3f} -> {last:.3f}); try more --steps "
-                      "or a larger --lr", highlight=False)
+                      "or a larger --lr", highlight=False, soft_wrap=True)
     if result.ok:
-        console.print("[bold green]PASS[/]: the reward rose and every sync check passed", highlight=False)
+        console.print("[bold green]PASS[/]: the reward rose and every sync check passed", highlight=False, soft_wrap=True)
     else:
-        console.print("[bold red]FAIL[/]", highlight=False)
+        console.print("[bold red]FAIL[/]", highlight=False, soft_wrap=True)

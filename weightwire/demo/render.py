@@ -105,5 +105,5 @@ class StepTable:
             return
         if not self._plain_header:
             self._plain_header = True
-            self.console.print(" | ".join(_COLUMNS), highlight=False)
-        self.console.print(" | ".join(cells), highlight=False)
+            self.console.print(" | ".join(_COLUMNS), highlight=False, soft_wrap=True)
+        self.console.print(" | ".join(cells), highlight=False, soft_wrap=True)

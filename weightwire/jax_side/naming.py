@@ -24,15 +24,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from weightwire.jax_side.dtypes import jax_dtype
 from weightwire.jax_side.transforms import (
     AddScalar,
     Cast,
     Concat,
+    Entry,
     MergeAxes,
+    NamingError,
     Op,
+    Piece,
+    Plan,
     Reshape,
     RulePart,
     Slice,
@@ -40,13 +42,11 @@ from weightwire.jax_side.transforms import (
     Stacked,
     Transpose,
     chain,
+    out_aval,
     run_entry,
+    show_paths,
 )
 from weightwire.shared.groups import layer_key
-
-
-class NamingError(ValueError):
-    """A mapping that cannot be right; the message names the leaf paths involved."""
 
 
 @dataclass(frozen=True, init=False)
@@ -175,52 +175,6 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
 
 
 # --------------------------------------------------------------------- the plan
-@dataclass(frozen=True)
-class Piece:
-    """One input of an HF tensor: leaf ``leaf`` (flatten index), layer ``layer`` of its
-    stacked axis if any, then ``ops``."""
-
-    leaf: int
-    path: str
-    layer: int | None
-    stack_axis: int | None
-    ops: tuple[Op, ...]
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One HF tensor: its pieces (several only when fused by ``Concat``)."""
-
-    name: str
-    pieces: tuple[Piece, ...]
-    concat_axis: int | None
-    cast: str | None
-
-    @property
-    def structure(self) -> tuple[Any, ...]:
-        """Everything static about the transform (the jit cache key, with dtype and shapes)."""
-        return (tuple((p.stack_axis, p.ops) for p in self.pieces), self.concat_axis)
-
-    @property
-    def is_identity(self) -> bool:
-        return len(self.pieces) == 1 and self.pieces[0].stack_axis is None and not self.pieces[0].ops
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A resolved mapping for one pytree structure (leaf shapes and dtypes included)."""
-
-    treedef: Any
-    paths: tuple[str, ...]
-    avals: tuple[jax.ShapeDtypeStruct, ...]
-    entries: tuple[Entry, ...]
-    dropped: tuple[str, ...]
-
-    def matches(self, treedef: Any, leaves: Sequence[Any]) -> bool:
-        return treedef == self.treedef and all(
-            tuple(x.shape) == a.shape and x.dtype == a.dtype for x, a in zip(leaves, self.avals, strict=True))
-
-
 def path_str(keypath: Sequence[Any]) -> str:
     """``params/model/layers_0/...`` from a JAX key path (NNX's trailing ``.value`` dropped)."""
     parts = []
@@ -234,11 +188,6 @@ def path_str(keypath: Sequence[Any]) -> str:
     if keypath and type(keypath[-1]).__name__ == "GetAttrKey" and parts[-1] == "value":
         parts.pop()
     return "/".join(parts)
-
-
-def _show(paths: Sequence[str], limit: int = 12) -> str:
-    shown = ", ".join(repr(p) for p in paths[:limit])
-    return shown + (f" ... ({len(paths)} in all)" if len(paths) > limit else "")
 
 
 class Naming:
@@ -292,20 +241,21 @@ class Naming:
             if rule.target is None:
                 dropped.append(path)
                 continue
+            layers = _layers(rule, m, path, aval)
             _check_split(rule, path, aval)
-            for layer, fields in _layers(rule, m, path, aval):
+            for layer, fields in layers:
                 for part, (tpl, ops) in enumerate(zip(rule.templates, rule.op_chains(), strict=True)):
                     piece = Piece(leaf, path, layer, None if layer is None else rule.stacked.axis, ops)
                     claims.setdefault(tpl.format(**fields), []).append((piece, ri, part, rule.concat, rule.cast))
         if unclaimed:
-            raise NamingError(f"no naming rule claims these pytree leaves: {_show(unclaimed)}; add a rule for each, "
+            raise NamingError(f"no naming rule claims these pytree leaves: {show_paths(unclaimed)}; add a rule for each, "
                               "or a drop rule (target None) for leaves the server does not take")
         # A rule shadowed by an earlier one (an override) is not a typo; one that fits no path is.
         missing = [r.pattern for r, u in zip(self.rules, used, strict=True)
                    if not u and not r.optional and not any(r.regex.fullmatch(self._key(p)) for p in paths)]
         if missing:
-            raise NamingError(f"naming rules matched no pytree leaf: {_show(missing)}; leaves look like "
-                              f"{_show(paths, 4)}")
+            raise NamingError(f"naming rules matched no pytree leaf: {show_paths(missing)}; leaves look like "
+                              f"{show_paths(paths, 4)}")
         entries = [self._entry(name, got) for name, got in claims.items()]
         order = _order_keys(entries, claims, len(self.rules))
         entries = [e for _, e in sorted(zip(order, entries, strict=True), key=lambda t: t[0])]
@@ -321,13 +271,13 @@ class Naming:
             return Entry(name, (piece,), None, cast)
         concats = [c for _, _, _, c, _ in got]
         if any(c is None for c in concats):
-            raise NamingError(f"pytree leaves {_show([g[0].path for g in got])} all map to HF name {name!r}; "
+            raise NamingError(f"pytree leaves {show_paths([g[0].path for g in got])} all map to HF name {name!r}; "
                               "each HF name must come from exactly one leaf (or be declared a Concat)")
         count, axis = concats[0].count, concats[0].axis
         indices = sorted(c.index for c in concats)
         if indices != list(range(count)) or any(c.count != count or c.axis != axis for c in concats):
             raise NamingError(f"HF name {name!r} fuses {count} parts along axis {axis}, but got part indices "
-                              f"{indices} from {_show([g[0].path for g in got])}")
+                              f"{indices} from {show_paths([g[0].path for g in got])}")
         casts = {g[4] for g in got}
         if len(casts) != 1:
             raise NamingError(f"parts of fused HF name {name!r} pin different dtypes: {sorted(map(str, casts))}")
@@ -386,36 +336,6 @@ def _split_key(key: str) -> tuple[str, int]:
     return head, int(index)
 
 
-_AVAL_CACHE: dict[tuple[Any, ...], jax.ShapeDtypeStruct] = {}
-
-
-def out_aval(plan: Plan, entry: Entry, dtype: Any) -> jax.ShapeDtypeStruct:
-    """The HF tensor's shape and dtype by abstract evaluation (no device work, no transfer).
-
-    ``dtype``: the source-wide cast for float tensors (``None`` keeps the leaf dtype).
-    Raises ``NamingError`` naming the leaf when a transform does not fit its shape, or a
-    split's sizes do not add up to the axis (a silent ``Slice`` would drop data).
-    """
-    ins = tuple(plan.avals[p.leaf] for p in entry.pieces)
-    target = _out_dtype(entry, ins[0].dtype, dtype)
-    key = (entry.structure, tuple((a.shape, a.dtype) for a in ins), target)
-    hit = _AVAL_CACHE.get(key)
-    if hit is not None:
-        return hit
-    idxs = tuple(None if p.stack_axis is None else jax.ShapeDtypeStruct((), jnp.int32) for p in entry.pieces)
-    try:
-        res = jax.eval_shape(lambda xs, ix: run_entry(entry.structure, xs, ix, target), ins, idxs)
-    except NamingError:
-        raise
-    except Exception as exc:  # jax raises TypeError/ValueError variants; we re-raise with the paths
-        raise NamingError(f"transform for HF name {entry.name!r} does not fit pytree leaf "
-                          f"{_show([p.path for p in entry.pieces])} of shape "
-                          f"{[list(a.shape) for a in ins]}: {exc}") from exc
-    out = jax.ShapeDtypeStruct(tuple(res.shape), res.dtype)
-    _AVAL_CACHE[key] = out
-    return out
-
-
 def _check_split(rule: Rule, path: str, aval: jax.ShapeDtypeStruct) -> None:
     """A Split must consume its whole axis: a remainder would be silently dropped."""
     split = rule.split
@@ -436,15 +356,6 @@ def _check_split(rule: Rule, path: str, aval: jax.ShapeDtypeStruct) -> None:
     if sum(split.sizes) != dim:
         raise NamingError(f"Split sizes {list(split.sizes)} of pytree leaf {path!r} add up to {sum(split.sizes)}, "
                           f"but axis {split.axis} has {dim}; a remainder would be silently dropped")
-
-
-def _out_dtype(entry: Entry, leaf_dtype: Any, dtype: Any) -> Any:
-    if entry.cast is not None:
-        return jax_dtype(entry.cast)
-    if dtype is not None and jnp.issubdtype(leaf_dtype, jnp.floating):
-        return jax_dtype(dtype)
-    return leaf_dtype
-
 
 
 __all__ = [

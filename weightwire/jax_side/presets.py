@@ -27,6 +27,7 @@ from weightwire.jax_side.naming import (
     Split,
     Stacked,
     Transpose,
+    drop,
 )
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
@@ -137,6 +138,8 @@ def _decoder(**o: Any) -> Naming:
     if not o["tie_word_embeddings"]:
         # Tied models send no lm_head: the server ties it to the embedding it just received.
         rules.append(Rule("lm_head/kernel", "lm_head.weight", t))
+    # Rotary tables some Flax ports keep in the tree: recomputed by the server, never sent.
+    rules += [drop("**rotary_emb**"), drop("**inv_freq")]
     return Naming(rules, strip=("params",))
 
 

@@ -125,10 +125,7 @@ class PytreeSource(WeightSource):
     def held_names(self) -> set[str] | None:
         """``None`` when every leaf is fully addressable from this process (always, single
         host); otherwise the names whose leaves are."""
-        plan, leaves = self._current()
-        if all(_addressable(x) for x in leaves):
-            return None
-        return {e.name for e in plan.entries if all(_addressable(leaves[p.leaf]) for p in e.pieces)}
+        return _held(*self._current())
 
     def __iter__(self) -> Iterator[tuple[str, jax.Array]]:
         """A fresh pass: ``(hf_name, jax.Array on the target device)`` in metadata order,
@@ -154,7 +151,7 @@ class PytreeSource(WeightSource):
         ``metadata()`` last declared (the receiver sized its buffers from that), else the
         current plan's."""
         plan, leaves = self._current()
-        held = self.held_names()
+        held = _held(plan, leaves)
         todo = [(e, m) for e, m in zip(plan.entries, self._metas, strict=True) if held is None or e.name in held]
         declared = self._metas if self._declared is None else self._declared
         return plan, leaves, todo, [m for m in declared if held is None or m.name in held]
@@ -201,7 +198,9 @@ class PytreeSource(WeightSource):
         return outs  # type: ignore[return-value]
 
     def _on_target(self, x: Any) -> bool:
-        return isinstance(x, jax.Array) and x.sharding.device_set == {self._device}
+        # memory_kind: a pinned-host array on the right device is still host memory.
+        return (isinstance(x, jax.Array) and x.sharding.device_set == {self._device}
+                and x.sharding.memory_kind in (None, self._target.memory_kind))
 
     def _as_device_array(self, x: Any) -> jax.Array:
         # Host (numpy) leaves must be uploaded somewhere; the target is where they end up.
@@ -210,6 +209,12 @@ class PytreeSource(WeightSource):
 
 def _is_callable_source(params: Any) -> bool:
     return callable(params) and not isinstance(params, (dict, list, tuple)) and not hasattr(params, "shape")
+
+
+def _held(plan: Plan, leaves: list[Any]) -> set[str] | None:
+    if all(_addressable(x) for x in leaves):
+        return None
+    return {e.name for e in plan.entries if all(_addressable(leaves[p.leaf]) for p in e.pieces)}
 
 
 def _addressable(x: Any) -> bool:

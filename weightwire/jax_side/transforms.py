@@ -3,6 +3,10 @@
 Every transform is a frozen dataclass: hashable, shape-generic and traceable, so the
 source can key compiled ``jax.jit`` functions on (transform chain, input shapes, dtype)
 and reuse one compilation for every layer of a model.
+
+The second half holds the resolved plan (``Piece``/``Entry``/``Plan``) that
+``naming.Naming.resolve`` produces and ``source.PytreeSource`` executes, and ``out_aval``:
+a plan entry's output shape and dtype by abstract evaluation.
 """
 
 from __future__ import annotations
@@ -13,6 +17,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from weightwire.jax_side.dtypes import jax_dtype
+
+
+class NamingError(ValueError):
+    """A mapping that cannot be right; the message names the leaf paths involved."""
 
 
 class Op:
@@ -141,3 +151,93 @@ def chain(ops: Sequence[Op], x: jax.Array) -> jax.Array:
     for op in ops:
         x = op(x)
     return x
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One input of an HF tensor: leaf ``leaf`` (flatten index), layer ``layer`` of its
+    stacked axis if any, then ``ops``."""
+
+    leaf: int
+    path: str
+    layer: int | None
+    stack_axis: int | None
+    ops: tuple[Op, ...]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One HF tensor: its pieces (several only when fused by ``Concat``)."""
+
+    name: str
+    pieces: tuple[Piece, ...]
+    concat_axis: int | None
+    cast: str | None
+
+    @property
+    def structure(self) -> tuple[Any, ...]:
+        """Everything static about the transform (the jit cache key, with dtype and shapes)."""
+        return (tuple((p.stack_axis, p.ops) for p in self.pieces), self.concat_axis)
+
+    @property
+    def is_identity(self) -> bool:
+        return len(self.pieces) == 1 and self.pieces[0].stack_axis is None and not self.pieces[0].ops
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A resolved mapping for one pytree structure (leaf shapes and dtypes included)."""
+
+    treedef: Any
+    paths: tuple[str, ...]
+    avals: tuple[jax.ShapeDtypeStruct, ...]
+    entries: tuple[Entry, ...]
+    dropped: tuple[str, ...]
+
+    def matches(self, treedef: Any, leaves: Sequence[Any]) -> bool:
+        return treedef == self.treedef and all(
+            tuple(x.shape) == a.shape and x.dtype == a.dtype for x, a in zip(leaves, self.avals, strict=True))
+
+
+_AVAL_CACHE: dict[tuple[Any, ...], jax.ShapeDtypeStruct] = {}
+
+
+def out_aval(plan: Plan, entry: Entry, dtype: Any) -> jax.ShapeDtypeStruct:
+    """The HF tensor's shape and dtype by abstract evaluation (no device work, no transfer).
+
+    ``dtype``: the source-wide cast for float tensors (``None`` keeps the leaf dtype).
+    Raises ``NamingError`` naming the leaf when a transform does not fit its shape.
+    Cached per (transform structure, input shapes, dtype): metadata of an 80-layer model
+    costs one abstract evaluation per distinct tensor kind, not per tensor.
+    """
+    ins = tuple(plan.avals[p.leaf] for p in entry.pieces)
+    target = _out_dtype(entry, ins[0].dtype, dtype)
+    key = (entry.structure, tuple((a.shape, a.dtype) for a in ins), target)
+    hit = _AVAL_CACHE.get(key)
+    if hit is not None:
+        return hit
+    idxs = tuple(None if p.stack_axis is None else jax.ShapeDtypeStruct((), jnp.int32) for p in entry.pieces)
+    try:
+        res = jax.eval_shape(lambda xs, ix: run_entry(entry.structure, xs, ix, target), ins, idxs)
+    except NamingError:
+        raise
+    except Exception as exc:  # jax raises TypeError/ValueError variants; we re-raise with the paths
+        raise NamingError(f"transform for HF name {entry.name!r} does not fit pytree leaf "
+                          f"{show_paths([p.path for p in entry.pieces])} of shape "
+                          f"{[list(a.shape) for a in ins]}: {exc}") from exc
+    out = jax.ShapeDtypeStruct(tuple(res.shape), res.dtype)
+    _AVAL_CACHE[key] = out
+    return out
+
+
+def _out_dtype(entry: Entry, leaf_dtype: Any, dtype: Any) -> Any:
+    if entry.cast is not None:
+        return jax_dtype(entry.cast)
+    if dtype is not None and jnp.issubdtype(leaf_dtype, jnp.floating):
+        return jax_dtype(dtype)
+    return leaf_dtype
+
+
+def show_paths(paths: Sequence[str], limit: int = 12) -> str:
+    shown = ", ".join(repr(p) for p in paths[:limit])
+    return shown + (f" ... ({len(paths)} in all)" if len(paths) > limit else "")

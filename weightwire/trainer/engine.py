@@ -59,6 +59,19 @@ class EngineBroken(RuntimeError):
     """A previous round failed mid-transfer; the communicator is aborted."""
 
 
+class ControlTimeout(TimeoutError):
+    """A control-plane call (init / update POST) did not answer within ``Timeouts.http_s``."""
+
+
+def _await(future: Future, timeout: float, what: str) -> Any:
+    try:
+        return future.result(timeout=timeout)
+    except FutureTimeout:
+        if future.done():  # the call itself raised a TimeoutError: that is its answer
+            raise
+        raise ControlTimeout(f"{what} did not return within {timeout} s") from None
+
+
 class TrainerEngine(ABC):
     """Shared trainer-side engine; see the module docstring for the protocol."""
 
@@ -166,7 +179,7 @@ class TrainerEngine(ABC):
             raise _real_cause(exc, post) from None
         try:
             comm.warmup(timeout=t.warmup_s)
-            post.result(timeout=t.http_s)
+            _await(post, t.http_s, "init_weight_transfer_engine")
             if self._backend.on_device:
                 assert packer is not None
                 hold = self.info.packed_buffer_size_bytes * self.info.packed_num_buffers
@@ -177,8 +190,6 @@ class TrainerEngine(ABC):
                                               timeout=t.transfer_s, prefetch=self.prefetch_host)
         except BaseException as exc:
             comm.abort()
-            if isinstance(exc, FutureTimeout):
-                raise TransferTimeout(f"init_weight_transfer_engine did not return within {t.http_s} s") from None
             raise _real_cause(exc, post) from None
         self._comm = comm
 
@@ -268,14 +279,12 @@ class TrainerEngine(ABC):
             else:
                 assert pipeline is not None
                 sent = pipeline.send(prepared, stop)
-            update.result(timeout=t.http_s)
+            _await(update, t.http_s, "update_weights (after the last broadcast)")
             return sent
         except BaseException as exc:
             stop.set()
             self._broken = exc
             comm.abort()
-            if isinstance(exc, FutureTimeout):
-                raise TransferTimeout(f"update_weights did not return within {t.http_s} s after the last broadcast") from None
             cause = _real_cause(exc, update)
             if cause is exc:
                 raise

@@ -401,24 +401,28 @@ class NCCLCommunicator:
         self._inflight.clear()
 
     def close(self, *, timeout: float = 30.0) -> None:
-        """Orderly ``ncclCommDestroy`` after a successful session (idempotent; no-op after abort)."""
+        """Orderly end of a successful session (idempotent; no-op after abort).
+
+        Waits (bounded by ``timeout``) for this rank's in-flight broadcasts, then frees the
+        communicator with ``ncclCommAbort``. Not ``ncclCommDestroy``: since NCCL 2.18 it
+        finalizes with the peers, and a trainer and a worker end their sessions at
+        unrelated times (a server keeps its engine until shutdown), so a destroy can
+        block for as long as the other side lives. With nothing in flight, abort releases
+        the same resources locally and never waits on a peer.
+        """
+        with self._lock:
+            if self._state != "open":
+                return
+            pending = list(self._inflight)
+        for stream_ptr in pending:
+            self.synchronize(self._cupy_stream(stream_ptr), timeout=timeout)  # aborts and raises if a peer stalls
         with self._lock:
             if self._state != "open":
                 return
             self._state, self._reason = "closed", ""
             comm, self._comm = self._comm, None
-        errors: list[BaseException] = []
-
-        def destroy() -> None:
-            try:
-                comm.destroy()
-            except BaseException as exc:
-                errors.append(exc)
-
-        worker = threading.Thread(target=destroy, name="weightwire-nccl-destroy", daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if worker.is_alive():
-            raise TransferTimeout(f"ncclCommDestroy did not return within {timeout:g} s on {self._where()}")
-        if errors:
-            raise TransferError(f"ncclCommDestroy failed on {self._where()}: {errors[0]}") from errors[0]
+        try:
+            with self._on_device():
+                comm.abort()
+        except Exception as exc:
+            raise TransferError(f"releasing the NCCL communicator failed on {self._where()}: {exc}") from exc

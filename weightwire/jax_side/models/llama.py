@@ -6,6 +6,7 @@ Stable API (the demo and benchmarks build on it)::
     cfg = LlamaConfig.from_hf_config(hf_config_dict)   # or LlamaConfig(hidden_size=64, ...)
     params = init(jax.random.key(0), cfg)               # {"params": {...}}
     logits = apply(params, tokens, cfg)                 # jit with cfg static
+    fn = make_apply(cfg); fn(params, tokens, attention_mask)  # bound and jitted
     naming(cfg)                                         # the matching weightwire Naming
 
 ``LlamaConfig(scan_layers=True)`` stores the layers as one stacked subtree; the preset
@@ -14,6 +15,7 @@ maps both layouts to the same HF names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -45,3 +47,12 @@ def naming(cfg: DecoderConfig) -> Naming:
 def config(**overrides: Any) -> DecoderConfig:
     """A tiny-by-default Llama config; keywords override any field."""
     return DecoderConfig.for_family("llama", **overrides)
+
+
+def make_apply(cfg: DecoderConfig) -> Callable[..., jax.Array]:
+    """``apply`` with ``cfg`` bound and jitted: ``fn(params, tokens, attention_mask=None)``."""
+
+    def fn(params: Any, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+        return decoder.apply(params, tokens, cfg, attention_mask=attention_mask)
+
+    return jax.jit(fn)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from weightwire import __version__
 from weightwire.shared.info import INIT_INFO_TYPES, UpdateInfo
 from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES
+from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.server.auth import ApiKeyMiddleware
 from weightwire.torch_side.server.completions import CompletionRequestError, parse_completion_request
 from weightwire.torch_side.server.pause import PauseGate
@@ -72,7 +73,7 @@ def _route(name: str) -> str:
 def _fail(state: ServerState, what: str, exc: FanOutError) -> ApiError:
     """Clear the session after a failed weight operation and describe what survived."""
     state.session.failed(f"{what}: {exc}")
-    failed = {e.replica for e in exc.errors}
+    failed = {e.replica for e in exc.errors} | set(exc.aborted)
     ok = [r.index for r in state.pool.replicas if r.index not in failed]
     tail = (f"; the previous weights and weight_version {state.session.weight_version!r} are still served; "
             "POST /init_weight_transfer_engine to start a new session")
@@ -110,7 +111,10 @@ def create_app(state: ServerState) -> FastAPI:
                 f"init_info.world_size {info.world_size} is too small: this server's {state.replicas} worker(s) "
                 f"take ranks {info.rank_offset}..{info.rank_offset + state.replicas - 1} (GET /get_world_size)"
             ), param="init_info.world_size")
-        timeout = float(getattr(info, "timeout_s", opts.op_timeout_s)) + 30.0
+        # Workers bound the rendezvous and warm-up by their own Timeouts (same environment
+        # as ours); this backstop only has to outlast both.
+        local = Timeouts.from_env()
+        timeout = local.connect_s + local.warmup_s + 30.0
         async with session.operation("init_weight_transfer_engine"):
             try:
                 await pool.fan_out("init", {"init_info": raw}, timeout=timeout, abort_on_failure=True)
@@ -262,7 +266,7 @@ def create_app(state: ServerState) -> FastAPI:
         dead = [r for r in replicas if not r["alive"]]
         if dead:
             return error_response(503, "; ".join(f"replica {r['replica']}: {r['error']}" for r in dead))
-        return JSONResponse({})
+        return JSONResponse({"replicas": replicas})
 
     # ------------------------------------------------------------------ completions
     @app.post(_route("completions"))

@@ -48,12 +48,19 @@ class ReplicaError(Exception):
 
 
 class FanOutError(Exception):
-    """A fan-out in which at least one replica failed; ``errors[0]`` is the first failure."""
+    """A fan-out in which at least one replica failed; ``errors[0]`` is the first failure.
 
-    def __init__(self, op: str, errors: Sequence[ReplicaError]) -> None:
-        self.op, self.errors = op, list(errors)
+    ``aborted`` lists replicas that failed only because the fan-out aborted them after
+    that first failure; their (secondary) errors are left out of the message.
+    """
+
+    def __init__(self, op: str, errors: Sequence[ReplicaError], aborted: Sequence[int] = ()) -> None:
+        self.op, self.errors, self.aborted = op, list(errors), list(aborted)
         self.status = self.errors[0].status
-        super().__init__("; ".join(str(e) for e in self.errors))
+        text = "; ".join(str(e) for e in self.errors)
+        if self.aborted:
+            text += f"; replica(s) {self.aborted} failed too (or were aborted after it)"
+        super().__init__(text)
 
 
 @dataclass(frozen=True)
@@ -233,17 +240,19 @@ class ReplicaPool:
             raise ValueError(f"{op}: {len(per)} argument sets for {len(self.replicas)} replicas")
         tasks = [asyncio.ensure_future(r.call(op, a, timeout=timeout)) for r, a in zip(self.replicas, per, strict=True)]
         errors: list[ReplicaError] = []
-        aborted = False
+        secondary: list[int] = []
         for fut in asyncio.as_completed(tasks):
             try:
                 await fut
             except ReplicaError as exc:
+                if errors and abort_on_failure:
+                    secondary.append(exc.replica)
+                    continue
                 errors.append(exc)
-                if abort_on_failure and not aborted:
-                    aborted = True
+                if abort_on_failure:
                     await self.abort_all()
         if errors:
-            raise FanOutError(op, errors)
+            raise FanOutError(op, errors, sorted(secondary))
         return [t.result() for t in tasks]
 
     async def abort_all(self, timeout: float = 30.0) -> None:
@@ -260,7 +269,8 @@ class ReplicaPool:
         return min(live, key=lambda r: (r.inflight_generations, r.index))
 
     def health(self) -> list[dict[str, Any]]:
-        return [{"replica": r.index, "alive": r.alive, "pid": r.proc.pid, "error": r._dead_reason} for r in self.replicas]
+        return [{"replica": r.index, "alive": r.alive, "generations_in_flight": r.inflight_generations,
+                 "error": r._dead_reason} for r in self.replicas]
 
     async def close(self, grace: float = 5.0) -> None:
         await asyncio.gather(*(r.close(grace) for r in self.replicas), return_exceptions=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 TINY_NAMES = ("tiny-llama", "tiny-qwen2")
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 _VOCAB_SIZE = 512
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -42,8 +42,11 @@ _ARCH: dict[str, dict[str, Any]] = {
 _SHAPE: dict[str, Any] = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    # head_dim 32 = 64 / 2: vLLM's CPU attention supports head sizes >= 32 only, and its
+    # Qwen2 derives head_dim from hidden / heads (ignoring config.head_dim), so 4 heads
+    # (head_dim 16) would not run in the interop lane. 2 query heads share 1 KV head (GQA).
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
     "intermediate_size": 128,
     "vocab_size": _VOCAB_SIZE,
     "max_position_embeddings": 256,

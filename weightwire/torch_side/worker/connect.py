@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES, TCPInitInfo, WeightwireNCCLInitInfo
+from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.receive import NCCLLink, ReceiveLink, TCPLink
 
 UNIQUE_ID_KEY = "weightwire/nccl_unique_id/v1"
@@ -20,15 +21,20 @@ UNIQUE_ID_KEY = "weightwire/nccl_unique_id/v1"
 
 
 def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> ReceiveLink:
-    """Dial the trainer at ``info.host:info.port`` as ``rank``, prove the secret, warm up."""
+    """Dial the trainer at ``info.host:info.port`` as ``rank``, prove the secret, warm up.
+
+    Rendezvous and warm-up are bounded by this worker's own ``Timeouts``; the init
+    info's ``timeout_s`` bounds each transfer.
+    """
     from weightwire.transport.tcp import TCPCommunicator  # noqa: PLC0415  (lazy transport)
 
+    local = Timeouts.from_env()
     comm = TCPCommunicator.connect(
         host=info.host, port=info.port, secret=info.secret, rank=rank,
-        world_size=info.world_size, timeout=info.timeout_s,
+        world_size=info.world_size, timeout=local.connect_s,
     )
     try:
-        comm.warmup(timeout=info.timeout_s)
+        comm.warmup(timeout=local.warmup_s)
     except BaseException:
         comm.abort()
         raise
@@ -45,16 +51,19 @@ def connect_nccl(info: WeightwireNCCLInitInfo, *, rank: int, device: torch.devic
 
     if device.type != "cuda":
         raise ValueError(f"weightwire_nccl needs a CUDA worker device, got {device}")
+    # Rendezvous and warm-up are bounded by this worker's own Timeouts; the trainer's
+    # timeout_s (init info) bounds each transfer, where both sides must agree.
+    local = Timeouts.from_env()
     uid = info.unique_id_bytes
     if uid is None:
         assert info.master_address is not None and info.master_port is not None  # __post_init__ ensures
-        uid = fetch_unique_id(info.master_address, info.master_port, timeout_s=info.timeout_s)
+        uid = fetch_unique_id(info.master_address, info.master_port, timeout_s=local.connect_s)
     index = device.index if device.index is not None else torch.cuda.current_device()
     comm = NCCLCommunicator.join(
-        unique_id=uid, rank=rank, world_size=info.world_size, device=index, timeout=info.timeout_s
+        unique_id=uid, rank=rank, world_size=info.world_size, device=index, timeout=local.connect_s
     )
     try:
-        comm.warmup(timeout=info.timeout_s)
+        comm.warmup(timeout=local.warmup_s)
     except BaseException:
         comm.abort()
         raise

@@ -1,19 +1,24 @@
-"""weightwire_nccl engine on two GPUs: a sender process on cuda:0 (NCCLCommunicator rank 0),
-the engine + HFModelHost on cuda:1 in this process. Run on the GPU host: ``pytest -m gpu``."""
+"""Worker engines on GPUs (run on the GPU host: ``pytest -m gpu``).
+
+weightwire_nccl: a sender process on cuda:0 (NCCLCommunicator rank 0), the engine +
+HFModelHost on cuda:1 in this process. weightwire_tcp on a CUDA worker: bytes land in
+pinned staging buffers and are copied to the device.
+"""
 
 from __future__ import annotations
 
 import base64
+import secrets
 import time
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightwire.shared.info import UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo, encode_secret
 from weightwire.torch_side.source import ModuleSource
 from weightwire.torch_side.worker.core import WeightReceiveError
-from weightwire.torch_side.worker.engines import WeightwireNCCLEngine
+from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine
 from weightwire.torch_side.worker.hf_host import HFModelHost
 
 from ._procs import SenderProcess
@@ -79,4 +84,34 @@ def test_nccl_silent_sender_times_out_and_keeps_weights(tmp_path):
         assert host.state_checksums() == before and not host.in_round
     finally:
         engine.shutdown()
+        sender.kill()
+
+
+@pytest.mark.gpu(count=1)
+def test_tcp_engine_on_a_cuda_worker(tmp_path):
+    trainer_named = list(ModuleSource(tiny_llama(seed=1, dtype=torch.bfloat16)))
+    save_file(dict(trainer_named), str(tmp_path / "trainer.safetensors"))
+    secret = secrets.token_bytes(128)
+    sender = SenderProcess({
+        "dtype": "bfloat16", "packed": True, "buffer_size": 4096, "rounds": 2, "world_size": 2,
+        "weights": str(tmp_path / "trainer.safetensors"), "names": [n for n, _ in trainer_named],
+        "secret_b64": encode_secret(secret),
+    })
+    engine = None
+    try:
+        port = sender.read()["port"]
+        host = HFModelHost(tiny_llama(seed=99, dtype=torch.bfloat16).to("cuda:0"))
+        engine = WeightwireTCPEngine.standalone(model=host, device="cuda:0")
+        engine.init_transfer_engine(TCPInitInfo(
+            host="127.0.0.1", port=port, secret_b64=encode_secret(secret), rank_offset=1, world_size=2,
+            packed=True, packed_buffer_size_bytes=4096, packed_num_buffers=3, timeout_s=60.0))
+        update = UpdateInfo.from_metas(ModuleSource(host.model).metadata()).to_dict()
+        for r in range(2):
+            engine.start_weight_update()
+            engine.update_weights(update)
+            engine.finish_weight_update()
+            assert host.state_checksums() == sender.read()["checksums"], f"round {r} differs"
+    finally:
+        if engine is not None:
+            engine.shutdown()
         sender.kill()

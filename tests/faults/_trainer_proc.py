@@ -1,0 +1,41 @@
+"""A trainer process that dies mid-broadcast: ``python -m tests.faults._trainer_proc CONFIG_JSON``.
+
+Config: ``{"url", "model_dir", "kill_at"}``. It runs one good round (version ``t1``),
+prints ``{"committed": {name: sha256}}`` as one JSON line, then starts a second
+round and SIGKILLs itself just before yielding tensor ``kill_at``, once the server
+is inside ``update_weights``: earlier chunks are on the wire, as in a trainer crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from tests.faults.harness import Probe, TensorSource, engine_for, hook_at, load_weights
+
+
+def main() -> int:
+    cfg = json.loads(sys.argv[1])
+    source = TensorSource(load_weights(Path(cfg["model_dir"])))
+    engine = engine_for(cfg["url"], source)
+    committed = source.perturb(101)
+    engine.send_weights("t1")
+    print(json.dumps({"committed": committed}), flush=True)
+    probe = Probe(cfg["url"])
+
+    def die() -> None:  # once the server is inside update_weights, receiving this round
+        probe.wait_session(lambda s: s["busy"] == "update_weights", timeout=10)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    source.hook = hook_at(cfg["kill_at"], die)
+    source.perturb(102)
+    engine.send_weights("t2")
+    print(json.dumps({"error": "the second round finished although the process should be dead"}), flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
