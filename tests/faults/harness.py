@@ -56,6 +56,11 @@ MODEL_SHAPE = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers
                "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
 BUFFER_BYTES = 4 << 20
 
+LAUNCHED: list[Server] = []
+"""Every server this test session started (the security checks read all their logs)."""
+POSTED_INIT_INFOS: list[Any] = []
+"""Every init info a test client posted: each holds a session secret that must never be logged."""
+
 
 # ----------------------------------------------------------------------------- model
 def llama_shapes(vocab: int, shape: dict[str, int]) -> dict[str, tuple[int, ...]]:
@@ -254,7 +259,9 @@ def launch(model: str | Path, log_path: Path, *extra: str, env: dict[str, str] |
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         raise RuntimeError(f"server did not become ready: {lines!r}\n{log_path.read_text()[-3000:]}")
-    return Server(proc, url[0], log_path, lines)
+    server = Server(proc, url[0], log_path, lines)
+    LAUNCHED.append(server)
+    return server
 
 
 # ----------------------------------------------------------------------------- probes
@@ -308,6 +315,7 @@ def client_for(url: str, **kw: Any) -> Any:
 
         def init_weight_transfer_engine(self, init_info: Any) -> None:
             self.posted.append(init_info)
+            POSTED_INIT_INFOS.append(init_info)
             super().init_weight_transfer_engine(init_info)
 
     client = Recording(url, timeout=kw.pop("timeout", CLIENT_TIMEOUT_S), api_key=kw.pop("api_key", API_KEY), **kw)
@@ -398,3 +406,16 @@ def known_bug(ok: bool, bug: str) -> None:
     "Known defects"), and the case passes by itself once the defect is fixed."""
     if not ok:
         pytest.xfail(f"known defect: {bug}")
+
+
+def observe(**values: Any) -> None:
+    """Record what a case observed (error texts, seconds) as one JSON line in the file named
+    by ``$WEIGHTWIRE_FAULTS_OBSERVE``: the source of the "observed" column of the fault
+    table in docs/reliability.md. A no-op when the variable is unset."""
+    path = os.environ.get("WEIGHTWIRE_FAULTS_OBSERVE")
+    if not path:
+        return
+    case = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    row = {"case": case, **{k: (round(v, 2) if isinstance(v, float) else str(v)[:300]) for k, v in values.items()}}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")

@@ -34,6 +34,7 @@ from tests.faults.harness import (
     known_bug,
     launch,
     load_weights,
+    observe,
     quiet_shutdown,
     sha256_of,
 )
@@ -96,8 +97,9 @@ def test_server_refuses_a_stale_world_size(servers: Servers, source: TensorSourc
     422 naming world_size, at once; the rendezvous is cancelled; nothing changed."""
     probe = servers.probe
     before = probe.checksums()
-    with elapsed() as t, pytest.raises(WeightSyncError, match=r"status 422.*world_size 2 is too small.*2 worker"):
+    with elapsed() as t, pytest.raises(WeightSyncError, match=r"status 422.*world_size 2 is too small.*2 worker") as info:
         engine_for(servers.current.url, source, inference_world_size=1)
+    observe(trainer=info.value, trainer_s=t[0])
     assert t[0] < GRACE_S
     assert probe.checksums() == before and probe.version() == "default"
     fresh_round(servers.current.url, source, probe, 201, "after-stale-world-size")
@@ -119,6 +121,7 @@ def test_trainer_dies_mid_broadcast(servers: Servers, fault_model: Path, source:
     committed = json.loads(out.splitlines()[0])["committed"]
     # The worker sees the dead connection at once, not after its 3 s receive timeout.
     state, waited = wait_idle(probe, FAULT_TIMEOUTS.transfer_s + GRACE_S)
+    observe(server=state["last_error"], server_s_after_exit=waited)
     assert waited < FAULT_TIMEOUTS.transfer_s, waited
     assert state["state"] == "uninitialized" and state["rounds_failed"] >= 1, state
     assert "lost rank 0" in state["last_error"] and "connection closed by peer" in state["last_error"], state
@@ -133,8 +136,10 @@ def test_server_dies_before_broadcast(servers: Servers, source: TensorSource, ch
         source.perturb(203)
         engine.send_weights("b1")
         servers.current.kill()
-        with elapsed() as t, pytest.raises(WeightSyncError, match=r"start_weight_update failed .*no response.*Connect"):
+        with elapsed() as t, pytest.raises(WeightSyncError, match=r"start_weight_update failed .*no response.*Connect"
+                                           ) as info:
             engine.send_weights("b2")
+        observe(trainer=info.value, trainer_s=t[0])
         assert t[0] < GRACE_S
         with elapsed() as t:  # returns or says why, never hangs on the dead server
             try:
@@ -158,6 +163,7 @@ def test_server_dies_mid_broadcast(servers: Servers, source: TensorSource, check
         source.perturb(206)
         with elapsed() as t, pytest.raises((WeightSyncError, TransferError)) as info:
             engine.send_weights("d2")
+        observe(trainer=f"{type(info.value).__name__}: {info.value}", trainer_s=t[0])
         assert t[0] < FAULT_TIMEOUTS.transfer_s + GRACE_S, t[0]
         assert any(w in str(info.value) for w in ("lost rank", "disconnected", "Connection", "connection")), info.value
     finally:
@@ -185,20 +191,23 @@ def test_replica_dies_while_the_other_lives(servers: Servers, source: TensorSour
         assert t[0] < FAULT_TIMEOUTS.transfer_s + GRACE_S, t[0]
         # The trainer lost rank 2 (replica 1) first; the server's answer lists replica 1 as failed.
         told = f"{info.value} {getattr(info.value, '__notes__', '')}"
+        observe(trainer=told, trainer_s=t[0])
         assert "lost rank 2" in told or "replica 1" in told, told
         assert "[1]" in told or "replica 1" in told, told
     finally:
         source.hook = None
         quiet_shutdown(engine)
     state, waited = wait_idle(probe, FAULT_TIMEOUTS.transfer_s + GRACE_S)
+    observe(server=state["last_error"])
     assert state["state"] == "uninitialized" and "replica 1" in state["last_error"], state
     assert probe.version() == "r1"
     health = probe.http.get("/health")
     assert health.status_code == 503 and "replica 1" in health.text, health.text
     # The live replica aborted its half of the round: it still serves r1, token for token.
     assert probe.greedy() == served
-    with elapsed() as t, pytest.raises(WeightSyncError, match=r"status 503.*replica 1"):
+    with elapsed() as t, pytest.raises(WeightSyncError, match=r"status 503.*replica 1") as init_info:
         engine_for(servers.current.url, source)  # the dead replica is named, never a hang
+    observe(init_after=init_info.value, init_after_s=t[0])
     assert t[0] < FAULT_TIMEOUTS.connect_s + GRACE_S
     init_seconds = t[0]
     headline = str(info.value)

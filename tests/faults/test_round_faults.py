@@ -33,6 +33,7 @@ from tests.faults.harness import (
     hook_at,
     known_bug,
     listening_sockets,
+    observe,
     quiet_shutdown,
 )
 from weightwire.control import WeightSyncError
@@ -64,9 +65,11 @@ def test_server_refuses_init(shared_server: Server, probe: Probe, source: Tensor
     after its 8 s rendezvous timeout, with its listening socket closed."""
     weights, version = committed(probe)
     listening = listening_sockets()
-    with elapsed() as t, pytest.raises(WeightSyncError, match=r"init_weight_transfer_engine failed .*status 401.*API key"):
+    with elapsed() as t, pytest.raises(WeightSyncError, match=r"init_weight_transfer_engine failed .*status 401.*API key"
+                                       ) as info:
         engine_for(shared_server.url, source, client=client_for(shared_server.url, api_key="wrong"),
                    inference_world_size=1)
+    observe(trainer=info.value, trainer_s=t[0])
     assert t[0] < GRACE_S
     deadline = time.monotonic() + 3
     while listening_sockets() != listening and time.monotonic() < deadline:
@@ -86,6 +89,7 @@ def test_update_posted_without_start(shared_server: Server, probe: Probe, source
         meta = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[512]]}
         with elapsed() as t:
             resp = probe.http.post("/update_weights", json={"update_info": meta})
+        observe(server=f"{resp.status_code} {resp.json()['error']['message']}", server_s=t[0])
         assert resp.status_code == 409 and t[0] < GRACE_S, resp.text
         assert "no weight update is active: POST /start_weight_update" in resp.json()["error"]["message"]
         assert probe.session()["state"] == "ready"  # refused before the session was touched
@@ -105,6 +109,7 @@ def test_finish_without_update(shared_server: Server, probe: Probe, source: Tens
         assert probe.http.post("/start_weight_update").status_code == 200
         with elapsed() as t:
             resp = probe.http.post("/finish_weight_update", json={"weight_version": "f2-never-sent"})
+        observe(server=f"{resp.status_code} {resp.text}", server_s=t[0])
         assert t[0] < GRACE_S and resp.status_code < 500, resp.text
         assert probe.checksums()[0] == want  # no byte of a new round was ever loaded
         version_after = probe.version()
@@ -142,6 +147,7 @@ def test_second_trainer_init_while_a_round_is_in_flight(shared_server: Server, p
         source.hook = None
         quiet_shutdown(a)
     assert refused and seconds[0] < GRACE_S, "the second trainer's init was not refused"
+    observe(second_trainer=refused[0], second_trainer_s=seconds[0])
     assert refused[0].status == 409 and "another weight operation (update_weights)" in refused[0].message
     assert_weights(probe, want, "a1")
     fresh_round(url, source, probe, 7, "after-second-trainer")
@@ -160,6 +166,7 @@ def test_second_trainer_takes_over_an_idle_session(shared_server: Server, probe:
         source.perturb(9)
         with elapsed() as t, pytest.raises((WeightSyncError, TransferError)) as info:
             a.send_weights("a2")
+        observe(first_trainer=info.value, first_trainer_s=t[0], server=probe.session()["last_error"])
         assert t[0] < FAULT_TIMEOUTS.transfer_s + GRACE_S, f"A's stale round took {t[0]:.1f} s to fail"
         assert "init_weight_transfer_engine" in str(info.value) or "lost" in str(info.value), info.value
         assert_weights(probe, want, "a1")
@@ -182,6 +189,7 @@ def test_shutdown_during_a_round(shared_server: Server, probe: Probe, source: Te
                                           answers.append(probe.http.post("/shutdown_weight_transfer_engine"))))
         want = source.perturb(11)
         engine.send_weights("s1")
+        observe(shutdown_during_update=f"{answers[0].status_code} {answers[0].json()['error']['message']}")
         assert answers[0].status_code == 409 and "a weight update is active" in answers[0].text, answers[0].text
         assert_weights(probe, want, "s1")
         assert probe.http.post("/start_weight_update").status_code == 200
@@ -203,12 +211,14 @@ def test_shutdown_during_a_round(shared_server: Server, probe: Probe, source: Te
 
         source.hook = hook_at(4, close_from_another_thread)
         source.perturb(12)
-        with elapsed() as t, pytest.raises((TransferError, RuntimeError), match=r"closed|shut down"):
+        with elapsed() as t, pytest.raises((TransferError, RuntimeError), match=r"closed|shut down") as info:
             engine.send_weights("s3")
+        observe(trainer=info.value, trainer_s=t[0])
         assert t[0] < GRACE_S
         closer[0].join(FAULT_TIMEOUTS.http_s)
         assert not closer[0].is_alive(), "engine.shutdown() hung while a round was in flight"
-        assert wait_idle(probe, FAULT_TIMEOUTS.transfer_s + GRACE_S) < FAULT_TIMEOUTS.transfer_s + GRACE_S
+        waited = wait_idle(probe, FAULT_TIMEOUTS.transfer_s + GRACE_S)
+        observe(server=probe.session()["last_error"], server_s=waited)
         assert_weights(probe, want, "s2")
     finally:
         source.hook = None
@@ -250,10 +260,12 @@ def test_source_metadata_and_iteration_disagree(shared_server: Server, probe: Pr
         engine.send_weights("m1")
         source.mutate = mutate
         source.perturb(15)
-        with elapsed() as t, pytest.raises(SourceMismatch, match=message):
+        with elapsed() as t, pytest.raises(SourceMismatch, match=message) as info:
             engine.send_weights("m2")
         assert t[0] < GRACE_S
-        assert wait_idle(probe, FAULT_TIMEOUTS.transfer_s + GRACE_S) < FAULT_TIMEOUTS.transfer_s
+        waited = wait_idle(probe, FAULT_TIMEOUTS.transfer_s + GRACE_S)
+        observe(trainer=info.value, trainer_s=t[0], server=probe.session(), server_s=waited)
+        assert waited < FAULT_TIMEOUTS.transfer_s
         assert_weights(probe, want, "m1")
     finally:
         source.mutate = None
@@ -280,12 +292,14 @@ def test_receiver_stops_reading(shared_server: Server, probe: Probe, source: Ten
         source.perturb(18)
         try:
             with elapsed() as t, pytest.raises(TransferTimeout, match=r"did not reach every receiver within 3 s; "
-                                               r"still sending to: rank 1 .*\(receiver stalled or too slow\)"):
+                                               r"still sending to: rank 1 .*\(receiver stalled or too slow\)"
+                                               ) as info:
                 engine.send_weights("n2")
         finally:
             shared_server.signal_group(signal.SIGCONT)
         assert stopped.is_set() and t[0] < FAULT_TIMEOUTS.transfer_s + GRACE_S, t[0]
-        state, _ = probe.wait_session(lambda s: s["busy"] is None, timeout=FAULT_TIMEOUTS.transfer_s + GRACE_S)
+        state, waited = probe.wait_session(lambda s: s["busy"] is None, timeout=FAULT_TIMEOUTS.transfer_s + GRACE_S)
+        observe(trainer=info.value, trainer_s=t[0], server=state["last_error"], server_s_after_resume=waited)
         assert state["state"] == "uninitialized" and "round failed" in state["last_error"], state
         assert_weights(probe, want, "n1")
     finally:
@@ -303,11 +317,13 @@ def test_control_plane_stalls(shared_server: Server, probe: Probe, source: Tenso
         engine.send_weights("h1")
         shared_server.signal_group(signal.SIGSTOP)
         try:
-            with elapsed() as t, pytest.raises(WeightSyncError, match=r"start_weight_update failed .*no answer within 3"):
+            with elapsed() as t, pytest.raises(WeightSyncError, match=r"start_weight_update failed .*no answer within 3"
+                                               ) as info:
                 engine.send_weights("h2")
         finally:
             shared_server.signal_group(signal.SIGCONT)
         assert t[0] < 3.0 + GRACE_S
+        observe(trainer=info.value, trainer_s=t[0], server=probe.session())
         assert_weights(probe, want, "h1")
     finally:
         quiet_shutdown(engine)

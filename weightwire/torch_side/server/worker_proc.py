@@ -148,12 +148,8 @@ class Worker:
     def abort_link(self) -> None:
         """Out of band: wake a receive blocked on the control thread by aborting its link."""
         engine = self.engine
-        link = getattr(getattr(engine, "_core", None), "_link", None)
-        if link is not None:
-            try:
-                link.abort()
-            except Exception:
-                log.exception("aborting the receive link failed")
+        if engine is not None:
+            engine.abort_transfer()
 
     # -- serve lane ---------------------------------------------------------------------
     def op_generate(self, request: dict[str, Any], epoch: int) -> dict[str, Any]:

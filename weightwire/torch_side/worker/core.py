@@ -165,6 +165,16 @@ class _ReceiverCore:
         self._info = None
         self._last.clear()
 
+    def abort_link(self) -> None:
+        """Abort the communicator without touching round state (safe from another thread:
+        a communicator's abort never blocks and wakes its blocked calls)."""
+        link = self._link
+        if link is not None:
+            try:
+                link.abort()
+            except Exception:
+                log.exception("%s: aborting the receive link failed", self.backend)
+
     # ---------------------------------------------------------------- receive
     def receive_dict(self, update: dict[str, Any]) -> None:
         """Parse then receive; a malformed body also aborts, since the trainer is already sending."""
@@ -191,6 +201,7 @@ class _ReceiverCore:
             with self._framework.receive_context() if self._framework is not None else nullcontext():
                 for pairs in self._stream(metas, chunks, progress):
                     model.load_weights(pairs)
+                    del pairs  # let the chunk buffer go before the next one is posted
         except BaseException as exc:
             where = f"at chunk {progress[0] + 1}/{len(chunks)}" if progress[0] >= 0 else "before the first chunk"
             self._fail(exc, where)
@@ -220,6 +231,9 @@ class _ReceiverCore:
             if self._load_batching == "chunk":
                 if pairs:
                     yield pairs
+                # Drop this chunk's views before the next post allocates: holding them
+                # would keep num_buffers + 1 chunk buffers alive at once.
+                del pairs
                 continue
             # "group": one load_weights call per decoder layer, across chunk edges
             for name, tensor in pairs:
@@ -229,6 +243,7 @@ class _ReceiverCore:
                     batch = []
                 key = k
                 batch.append((name, tensor))
+            pairs = tensor = None  # type: ignore[assignment]  # same reason as above
         if batch:
             yield batch
 

@@ -64,6 +64,12 @@ class EngineFacade:
     def shutdown(self) -> None:
         self._core.shutdown()
 
+    def abort_transfer(self) -> None:
+        """Out of band, from any thread: abort the data link so a receive blocked in
+        ``update_weights`` raises now instead of at its timeout. The round then fails
+        through its normal path (hooks aborted, weights kept)."""
+        self._core.abort_link()
+
     @property
     def last_stats(self) -> ReceiveStats | None:
         """Tensors, chunks, bytes and seconds of the last ``update_weights``."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from weightwire.shared.communicator import TransferTimeout
+from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
@@ -110,7 +110,10 @@ class TCPLink(ReceiveLink):
     def post(self, index: int, chunk: Chunk, metas: Sequence[ParamMeta], *, packed: bool) -> None:
         host = self._host_buffer(index, chunk.nbytes)
         view = host.numpy()[: chunk.nbytes]
-        future = self._pool.submit(self.communicator.broadcast, view, root=0, timeout=self.timeout_s)
+        try:
+            future = self._pool.submit(self.communicator.broadcast, view, root=0, timeout=self.timeout_s)
+        except RuntimeError:  # the pool is shut down: abort() ran, possibly from another thread
+            raise TransferError(f"TCP receive link was aborted before chunk {index} was posted") from None
         self._pending[index] = (future, host, chunk.nbytes)
 
     def wait(self, index: int) -> torch.Tensor:
