@@ -49,6 +49,8 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--api-key", default=os.environ.get("WEIGHTWIRE_API_KEY"), help="bearer token for the server")
     p.add_argument("--served-model", default=None, help="'model' field of completion requests (if the server needs it)")
+    p.add_argument("--resync", action="store_true",
+                   help="with --server: if its weights differ from --model-dir, push the policy's first")
     p.add_argument("--server-gpu", default=d.server_gpu, help="embedded server + nccl: its CUDA_VISIBLE_DEVICES")
 
 
@@ -63,7 +65,7 @@ def _run_demo(args: argparse.Namespace) -> int:
                          transport=args.transport, backend=args.backend, batch=args.batch,
                          max_tokens=args.max_tokens, lr=args.lr, target=args.target, tolerance=args.tolerance,
                          seed=args.seed, api_key=args.api_key, served_model=args.served_model,
-                         server_gpu=args.server_gpu)
+                         resync=args.resync, server_gpu=args.server_gpu)
     except ValueError as exc:
         print(f"weightwire demo: error: {exc}", file=sys.stderr)
         return 2

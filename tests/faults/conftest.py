@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.harness import Probe, Server, TensorSource, build_fault_model, launch, load_weights
+from tests.faults.harness import Probe, TensorSource, build_fault_model, load_weights
+from tests.faults.servers import Server, launch
 
 DEBUG_ENV = {"WEIGHTWIRE_LOG_LEVEL": "DEBUG"}  # the workers' log level
 

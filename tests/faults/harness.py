@@ -18,21 +18,15 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-import pytest
 
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
@@ -45,19 +39,15 @@ CLIENT_TIMEOUT_S = 12.0
 GRACE_S = 4.0
 """Slack on top of a timeout for "raised within the timeout": thread wake-ups, the
 engine's 2 s wait for the server's verdict, a loaded 2-core CI machine."""
-START_TIMEOUT_S = 180.0
 API_KEY = "faults-key-6d1f0c2b9a"
 """Every fault server runs with ``--api-key``: the weight routes are exercised authenticated."""
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-READY = re.compile(r"^weightwire server ready on (http://\S+)$")
 
 # hidden 512, 4 layers, intermediate 2048, vocab 512: ~64 MB of float32.
 MODEL_SHAPE = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 4,
                "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
 BUFFER_BYTES = 4 << 20
 
-LAUNCHED: list[Server] = []
-"""Every server this test session started (the security checks read all their logs)."""
 POSTED_INIT_INFOS: list[Any] = []
 """Every init info a test client posted: each holds a session secret that must never be logged."""
 
@@ -170,100 +160,6 @@ def hook_at(index: int, action: Callable[[], None]) -> Callable[[int], None]:
     return hook
 
 
-# ----------------------------------------------------------------------------- server
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
-                kids += [int(x) for x in f.read().split()]
-    return kids
-
-
-@dataclass
-class Server:
-    """One ``python -m weightwire.torch_side.server`` in its own session/process group."""
-
-    proc: subprocess.Popen[str]
-    url: str
-    log_path: Path
-    stdout: list[str] = field(default_factory=list)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def worker_pids(self) -> dict[int, int]:
-        """Replica index -> pid, read from each worker's command line (its JSON spec)."""
-        out: dict[int, int] = {}
-        for pid in _children(self.pid):
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                if b"weightwire.torch_side.server.worker_proc" in argv:
-                    out[json.loads(argv[argv.index(b"weightwire.torch_side.server.worker_proc") + 1])["index"]] = pid
-        return out
-
-    def signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL the API process and every worker at once (a crashed host)."""
-        self.signal_group(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.signal_group(signal.SIGCONT)  # a stopped group cannot handle SIGTERM
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.signal_group(signal.SIGKILL)  # workers, should any remain
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def launch(model: str | Path, log_path: Path, *extra: str, env: dict[str, str] | None = None,
-           api_key: str | None = API_KEY) -> Server:
-    """Start a server on a free port (loopback unless ``--host`` is in ``extra``); wait
-    (bounded) for its ready line. Its stderr (logs of the API and every worker) goes to
-    ``log_path``; its stdout is kept in ``Server.stdout``."""
-    log = open(log_path, "w")  # noqa: SIM115  (the child writes to it for its whole life)
-    cmd = [sys.executable, "-m", "weightwire.torch_side.server", "--model", str(model), "--port", "0",
-           "--backend", "weightwire_tcp", *(["--api-key", api_key] if api_key else []), *extra]
-    # The workers bound their own rendezvous and warm-up (Timeouts.from_env): short here too.
-    short = {f"WEIGHTWIRE_TIMEOUT_{k.upper()}": str(v) for k, v in vars(FAULT_TIMEOUTS).items()}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **short, **(env or {})})
-    lines: list[str] = []
-    found = threading.Event()
-    url: list[str] = []
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # keeps draining: the server never blocks on a full pipe
-            lines.append(line.rstrip("\n"))
-            m = READY.match(lines[-1])
-            if m and not url:
-                url.append(m.group(1))
-                found.set()
-        found.set()
-
-    threading.Thread(target=pump, daemon=True, name="server-stdout").start()
-    if not found.wait(START_TIMEOUT_S) or not url:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        raise RuntimeError(f"server did not become ready: {lines!r}\n{log_path.read_text()[-3000:]}")
-    server = Server(proc, url[0], log_path, lines)
-    LAUNCHED.append(server)
-    return server
-
-
 # ----------------------------------------------------------------------------- probes
 class Probe:
     """Reads the server's state with plain httpx (independent of weightwire's client)."""
@@ -368,44 +264,6 @@ def assert_weights(probe: Probe, want: dict[str, str], version: str) -> None:
     for i, replica in enumerate(probe.checksums()):
         assert replica == want, f"replica {i} differs in {sorted(k for k in want if replica.get(k) != want[k])[:5]}"
     assert probe.version() == version
-
-
-def listening_sockets(pid: int | str = "self") -> set[str]:
-    """``host:port`` of every TCP socket in LISTEN state owned by ``pid`` (from /proc)."""
-    inodes = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-    out = set()
-    for table, width in (("tcp", 8), ("tcp6", 32)):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # 0A: TCP_LISTEN
-                    addr, port = cols[1].split(":")
-                    host = _proc_addr(addr, width)
-                    out.add(f"{host if width == 8 else f'[{host}]'}:{int(port, 16)}")
-    return out
-
-
-def _proc_addr(hexaddr: str, width: int) -> str:
-    import ipaddress
-
-    raw = bytes.fromhex(hexaddr)
-    # /proc prints each 32-bit word in host (little-endian) order.
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    return str(ipaddress.ip_address(raw)) if width == 8 else str(ipaddress.IPv6Address(raw))
-
-
-def known_bug(ok: bool, bug: str) -> None:
-    """Call last in a case, after every other assertion: a documented defect in code this
-    suite does not own turns the case into an xfail naming it (docs/reliability.md,
-    "Known defects"), and the case passes by itself once the defect is fixed."""
-    if not ok:
-        pytest.xfail(f"known defect: {bug}")
 
 
 def observe(**values: Any) -> None:

@@ -23,7 +23,6 @@ from tests.faults.harness import (
     FAULT_TIMEOUTS,
     GRACE_S,
     Probe,
-    Server,
     TensorSource,
     assert_weights,
     client_for,
@@ -31,13 +30,12 @@ from tests.faults.harness import (
     engine_for,
     fresh_round,
     hook_at,
-    known_bug,
-    launch,
     load_weights,
     observe,
     quiet_shutdown,
     sha256_of,
 )
+from tests.faults.servers import Server, launch
 from weightwire.control import WeightSyncError
 from weightwire.shared.communicator import TransferError
 
@@ -221,7 +219,7 @@ def test_replica_dies_while_the_other_lives(servers: Servers, source: TensorSour
         defects.append(f"an init while a replica is dead took {init_seconds:.1f} s (the trainer's connect timeout) "
                        "instead of failing at once (the server fans it out to the live replica, whose rendezvous "
                        "the 'abort' op cannot reach: worker_proc.abort_link sees no link before init returns)")
-    known_bug(not defects, "; ".join(defects))
+    assert not defects, "; ".join(defects)
 
 
 def test_client_names_the_route_when_no_server_listens(source: TensorSource) -> None:

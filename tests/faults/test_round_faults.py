@@ -23,7 +23,6 @@ from tests.faults.harness import (
     FAULT_TIMEOUTS,
     GRACE_S,
     Probe,
-    Server,
     TensorSource,
     assert_weights,
     client_for,
@@ -31,11 +30,10 @@ from tests.faults.harness import (
     engine_for,
     fresh_round,
     hook_at,
-    known_bug,
-    listening_sockets,
     observe,
     quiet_shutdown,
 )
+from tests.faults.servers import Server, listening_sockets
 from weightwire.control import WeightSyncError
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.source import SourceMismatch
@@ -116,9 +114,9 @@ def test_finish_without_update(shared_server: Server, probe: Probe, source: Tens
     finally:
         quiet_shutdown(engine)
     fresh_round(shared_server.url, source, probe, 5, "after-finish-without-update")
-    known_bug(resp.status_code == 409 and version_after == "f1",
-              f"finish_weight_update without any update_weights was accepted ({resp.status_code}) and "
-              f"set weight_version to {version_after!r} although no weight arrived (session.check_finish)")
+    assert resp.status_code == 409 and version_after == "f1", (
+        f"finish_weight_update without any update_weights was accepted ({resp.status_code}) and "
+        f"set weight_version to {version_after!r} although no weight arrived")
 
 
 # ----------------------------------------------------------------------------- two trainers

@@ -23,16 +23,14 @@ import pytest
 
 from tests.faults.harness import (
     API_KEY,
-    LAUNCHED,
     POSTED_INIT_INFOS,
     Probe,
-    Server,
     TensorSource,
     assert_weights,
     client_for,
     engine_for,
-    listening_sockets,
 )
+from tests.faults.servers import LAUNCHED, Server, listening_sockets
 from weightwire.shared.communicator import TransferError
 from weightwire.shared.routes import ROUTES
 

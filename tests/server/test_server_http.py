@@ -96,10 +96,11 @@ def test_rules_within_a_session(server, http: httpx.Client, clean) -> None:
         err(http.post("/shutdown_weight_transfer_engine"), 409, "weight update is active")
         err(http.post("/weight_checker", json={"action": "reset"}), 409, "while a weight update is active")
         assert http.get("/weight_info").json()["session"]["state"] == "round_active"
-        # An empty round commits nothing and keeps the version unless one is given.
-        r = http.post("/finish_weight_update", json={"weight_version": "empty-1"})
-        assert r.status_code == 200 and r.json()["weight_version"] == "empty-1"
-        assert http.get("/weight_info").json()["weight_version"] == "empty-1"
+        # A round with no update commits nothing: the version must not move (a trainer
+        # whose update never arrived must not see its version reported as served).
+        before = http.get("/weight_info").json()["weight_version"]
+        err(http.post("/finish_weight_update", json={"weight_version": "empty-1"}), 409, "no weights were sent")
+        assert http.get("/weight_info").json()["weight_version"] == before
         assert http.post("/shutdown_weight_transfer_engine").json() == {"message": "Weight transfer shut down"}
         err(http.post("/start_weight_update"), 409, "not initialized")
     finally:

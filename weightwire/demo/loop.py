@@ -44,12 +44,12 @@ class DemoConfig:
     backend: str | None = None
     """Override the backend (default: ``weightwire_tcp`` for tcp; ``nccl`` for an external
     server with nccl, ``weightwire_nccl`` for the embedded one)."""
-    batch: int = 16
+    batch: int = 64
     """Completions per step: ``batch / samples_per_prompt`` prompts, ``samples_per_prompt`` each."""
     samples_per_prompt: int = 4
     prompt_len: int = 8
     max_tokens: int = 16
-    lr: float = 3e-2
+    lr: float = 0.1
     target: str = "e"
     tolerance: float = 1e-3
     check_tokens: int = 8
@@ -57,6 +57,8 @@ class DemoConfig:
     api_key: str | None = None
     served_model: str | None = None
     """``model`` field of completion requests (a vLLM serving several names needs it)."""
+    resync: bool = False
+    """External server whose weights may have changed: push the policy's weights first."""
     server_gpu: str = "1"
     """Embedded server with nccl: the GPU it uses (``CUDA_VISIBLE_DEVICES``); JAX uses its device 0."""
 
@@ -209,10 +211,21 @@ def _train(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult)
         f"(max |Δlogp| {diff0:.1e} over a {cfg.check_tokens}-token greedy completion; tolerance "
         f"{cfg.tolerance:.0e}); reward = fraction of completion tokens containing {cfg.target!r}, "
         f"random-policy rate {reward.base_rate:.3f}", highlight=False, soft_wrap=True)
+    if not same and cfg.resync and cfg.server is not None:
+        engine.send_weights(weight_version="0")
+        diff0 = _fixed_prompt_check(completions, policy, fixed, cfg.check_tokens)
+        result.max_diffs.append(diff0)
+        same = diff0 < cfg.tolerance
+        console.print(f"--resync: pushed the policy's initial weights as version '0'; now "
+                      f"{'agree' if same else '[bold red]still DIFFER[/]'} (max |Δlogp| {diff0:.1e})",
+                      highlight=False, soft_wrap=True)
     if not same:
         result.failures.append(
-            f"step 0: the server's weights differ from {ctx.model_dir} (max |Δlogp| {diff0:.2e}); serve that "
-            "directory, in float32 (vLLM on CPU downcasts to bfloat16 unless --dtype float32), unmodified")
+            f"step 0: the server's weights differ from {ctx.model_dir} (max |Δlogp| {diff0:.2e}). Serve that "
+            "directory unmodified and in float32 (vLLM on CPU downcasts float32 checkpoints to bfloat16 unless "
+            "started with --dtype float32)" + ("" if cfg.server is None or cfg.resync else
+                                               ", or pass --resync if an earlier run changed the server's weights"))
+        return
     table = StepTable(console, cfg.target)
     with table.shown():
         for step in range(cfg.steps):
@@ -259,24 +272,24 @@ def _lap(clock: dict[str, float], name: str, since: float) -> float:
 
 
 def _verdict(cfg: DemoConfig, console: Console, result: DemoResult) -> None:
-    k = max(1, len(result.rewards) // 3)
-    first, last = float(np.mean(result.rewards[:k])), float(np.mean(result.rewards[-k:]))
     torch_free = "torch" not in sys.modules
-    sync_ms = 1e3 * float(np.median(result.sync_seconds)) if result.sync_seconds else float("nan")
-    console.print(
-        f"reward {first:.3f} -> {last:.3f} (mean of first / last {k} step(s)); "
-        f"{len(result.max_diffs)} sync checks, max |Δlogp| {max(result.max_diffs):.1e}; median sync "
-        f"{sync_ms:.1f} ms; start-up {result.startup_seconds:.1f} s, total {result.total_seconds:.1f} s; "
-        f"trainer process imported torch: {'no' if torch_free else 'yes'}", highlight=False, soft_wrap=True)
-    if result.phase_seconds:
-        spent = ", ".join(f"{k} {v:.1f} s" for k, v in result.phase_seconds.items())
+    if result.rewards:
+        k = max(1, len(result.rewards) // 3)
+        first, last = float(np.mean(result.rewards[:k])), float(np.mean(result.rewards[-k:]))
+        sync_ms = 1e3 * float(np.median(result.sync_seconds))
+        console.print(
+            f"reward {first:.3f} -> {last:.3f} (mean of first / last {k} step(s)); "
+            f"{len(result.max_diffs)} sync checks, max |Δlogp| {max(result.max_diffs):.1e}; median sync "
+            f"{sync_ms:.1f} ms; start-up {result.startup_seconds:.1f} s, total {result.total_seconds:.1f} s; "
+            f"trainer process imported torch: {'no' if torch_free else 'yes'}", highlight=False, soft_wrap=True)
+        spent = ", ".join(f"{name} {v:.1f} s" for name, v in result.phase_seconds.items())
         console.print(f"time in steps: {spent}", highlight=False, soft_wrap=True)
+        if not result.rose:
+            console.print(f"[bold red]the reward did not rise[/] ({first:.3f} -> {last:.3f}); try more --steps "
+                          "or a larger --lr", highlight=False, soft_wrap=True)
     for failure in result.failures:
         console.print(f"[bold red]check failed:[/] {failure}", highlight=False, soft_wrap=True)
-    if not result.rose:
-        console.print(f"[bold red]the reward did not rise[/] ({first:.3f} -> {last:.3f}); try more --steps "
-                      "or a larger --lr", highlight=False, soft_wrap=True)
     if result.ok:
-        console.print("[bold green]PASS[/]: the reward rose and every sync check passed", highlight=False, soft_wrap=True)
+        console.print("[bold green]PASS[/]: the reward rose and every sync check passed", highlight=False)
     else:
-        console.print("[bold red]FAIL[/]", highlight=False, soft_wrap=True)
+        console.print("[bold red]FAIL[/]", highlight=False)

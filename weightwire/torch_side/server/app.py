@@ -70,6 +70,15 @@ def _route(name: str) -> str:
     return ROUTES[name].path
 
 
+def _require_live(pool: ReplicaPool) -> None:
+    """A dead worker never rejoins (no respawn): refuse at once instead of letting the
+    live ones wait out a rendezvous it will never join."""
+    dead = [r for r in pool.health() if not r["alive"]]
+    if dead:
+        raise ApiError(503, "; ".join(f"replica {r['replica']}: {r['error']}" for r in dead)
+                       + "; the reference server does not respawn workers: restart it")
+
+
 def _fail(state: ServerState, what: str, exc: FanOutError) -> ApiError:
     """Clear the session after a failed weight operation and describe what survived."""
     state.session.failed(f"{what}: {exc}")
@@ -115,6 +124,7 @@ def create_app(state: ServerState) -> FastAPI:
         # as ours); this backstop only has to outlast both.
         local = Timeouts.from_env()
         timeout = local.connect_s + local.warmup_s + 30.0
+        _require_live(pool)
         async with session.operation("init_weight_transfer_engine"):
             try:
                 await pool.fan_out("init", {"init_info": raw}, timeout=timeout, abort_on_failure=True)
@@ -172,7 +182,12 @@ def create_app(state: ServerState) -> FastAPI:
                 await pool.fan_out("finish", timeout=opts.op_timeout_s, abort_on_failure=True)
             except FanOutError as exc:
                 raise _fail(state, "finish_weight_update", exc) from None
-            session.committed(version)
+            empty = session.updates_in_round == 0
+            session.closed_empty() if empty else session.committed(version)
+        if empty:
+            raise ApiError(409, "no weights were sent in this round (POST /update_weights before "
+                                f"/finish_weight_update): the round was closed and weight_version stays "
+                                f"{session.weight_version!r}")
         return {"message": "Weight update finished", "weight_version": session.weight_version}
 
     @app.post(_route("shutdown_weight_transfer_engine"))

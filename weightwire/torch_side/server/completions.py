@@ -16,7 +16,6 @@ anything but their neutral value, rather than silently ignored.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -75,7 +74,9 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
     v = body.get(key, default)
     if v is None:
         return default
-    if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v) or not lo <= v <= hi:
+    # No math.isfinite: it raises OverflowError on ints past float range (10**400); the
+    # chained comparison is exact for ints and false for nan and +-inf.
+    if not (_is_int(v) or isinstance(v, float)) or not lo <= v <= hi:
         raise CompletionRequestError(key, f"{key} must be a number in [{lo}, {hi}], got {v!r:.40}")
     return float(v)
 

@@ -245,10 +245,10 @@ class ReplicaPool:
             try:
                 await fut
             except ReplicaError as exc:
-                if errors and abort_on_failure:
+                if errors and abort_on_failure and exc.kind != "dead":
                     secondary.append(exc.replica)
                     continue
-                errors.append(exc)
+                errors.insert(0, exc) if exc.kind == "dead" else errors.append(exc)
                 if abort_on_failure:
                     await self.abort_all()
         if errors:

@@ -101,6 +101,10 @@ class Session:
         if weight_version is not None:
             self.weight_version = weight_version
 
+    def closed_empty(self) -> None:
+        """A finish with no update in the round: the round ends, nothing was committed."""
+        self.phase, self.updates_in_round = Phase.READY, 0
+
     def shut_down(self) -> None:
         self.phase, self.init_info, self.updates_in_round = Phase.NO_ENGINE, None, 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("weightwire.server")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 
@@ -62,9 +64,19 @@ async def read_json(request: Request) -> Any:
     except UnicodeDecodeError as exc:
         raise ApiError(400, f"request body is not valid UTF-8 (bad byte at offset {exc.start})", param="body") from None
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        value = json.loads(text, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", param="body") from None
+    # "\ud800" is a valid JSON escape but decodes to a lone surrogate, which no reply can
+    # encode (stored as weight_version it breaks every later /weight_info). Only a body
+    # holding such an escape pays for the full check.
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
+                                "which is not valid Unicode text", param="body") from None
+    return value
 
 
 async def read_object(request: Request, *, allowed: Iterable[str], required: Iterable[str] = ()) -> dict[str, Any]:

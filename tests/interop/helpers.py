@@ -1,0 +1,60 @@
+"""Helpers of the interop lane: the server handle and the Hugging Face reference decode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+import torch
+
+MAX_TOKENS = 12
+PROMPTS = [[5, 17, 42, 99, 123, 7, 256, 300], [3, 4, 5, 6], [400, 401, 402, 403, 404, 405], [77]]
+
+
+@dataclass(frozen=True)
+class VLLMServer:
+    url: str
+    model_dir: str
+
+    def greedy(self, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], list[list[float]]]:
+        """The server's greedy token ids and their logprobs, one row per prompt."""
+        reply = httpx.post(f"{self.url}/v1/completions", timeout=120, json={
+            "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
+            "ignore_eos": True, "return_token_ids": True,
+        })
+        assert reply.status_code == 200, reply.text
+        choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
+        return [c["token_ids"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices]
+
+    def weight_version(self) -> str:
+        return httpx.get(f"{self.url}/weight_info", timeout=30).json()["weight_version"]
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS,
+              max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy decoding with full recomputation (no cache, no generate() config): the
+    plainest reference there is. Returns token ids and their float32 logprobs."""
+    out_ids, out_lps = [], []
+    for prompt in prompts:
+        ids, lps = list(prompt), []
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            nxt = int(torch.argmax(logits))
+            ids.append(nxt)
+            lps.append(float(logp[nxt]))
+        out_ids.append(ids[len(prompt):])
+        out_lps.append(lps)
+    return out_ids, out_lps
+
+
+def assert_same_greedy(server: VLLMServer, model: torch.nn.Module, what: str) -> list[list[int]]:
+    """Server greedy == HF greedy, token for token (and logprobs within 1e-3)."""
+    got, got_lp = server.greedy()
+    want, want_lp = hf_greedy(model)
+    assert got == want, f"{what}: vLLM greedy {got} != Hugging Face {want}"
+    diff = float(np.max(np.abs(np.asarray(got_lp) - np.asarray(want_lp))))
+    assert diff < 1e-3, f"{what}: logprobs differ by {diff}"
+    return got
