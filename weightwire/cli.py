@@ -55,6 +55,8 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    # JAX would otherwise grab most of every visible GPU, starving an inference server there.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from rich.console import Console  # noqa: PLC0415
 
     from weightwire.demo.loop import DemoConfig, run_demo  # noqa: PLC0415

@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 
-def fill(session: int, chunk: int) -> int:
-    return (31 * session + 7 * chunk + 1) % 251
+def fill(session: str, chunk: int) -> int:
+    # Keyed by the session's name, not its position: a survivor runs ["s1", "s2"] while a
+    # fresh peer runs ["s2"] alone, and both must agree on s2's bytes.
+    return (31 * sum(map(ord, session)) + 7 * chunk + 1) % 251
 
 
 def unique_id(cfg: dict[str, Any], name: str) -> bytes:
@@ -54,15 +56,17 @@ def run_session(cfg: dict[str, Any], index: int, name: str) -> dict[str, Any]:
     from weightwire.transport.nccl import NCCLCommunicator
 
     rank = 0 if cfg["role"] == "sender" else 1
+    # The join waits longer than one transfer timeout: a survivor reaches a new session
+    # only after its watchdog has declared the previous one dead (up to ``timeout``).
     comm = NCCLCommunicator.join(unique_id=unique_id(cfg, name), rank=rank, world_size=2, device=0,
-                                 timeout=cfg["timeout"])
+                                 timeout=cfg["timeout"] * 3)
     comm.warmup(timeout=cfg["timeout"])
     report: dict[str, Any] = {"ok": 0}
     for k in range(cfg["nchunks"]):
         if index == 0 and cfg.get("die_after") == k:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        buf = cp.full(cfg["nbytes"], fill(index, k), dtype=cp.uint8) if rank == 0 else cp.zeros(cfg["nbytes"], cp.uint8)
+        buf = cp.full(cfg["nbytes"], fill(name, k), dtype=cp.uint8) if rank == 0 else cp.zeros(cfg["nbytes"], cp.uint8)
         start = time.monotonic()
         try:
             comm.broadcast(buf, root=0, timeout=cfg["timeout"])
@@ -75,7 +79,7 @@ def run_session(cfg: dict[str, Any], index: int, name: str) -> dict[str, Any]:
             except Exception as again:
                 report["after"] = type(again).__name__
             return report
-        if rank == 1 and not bool((buf == fill(index, k)).all()):
+        if rank == 1 and not bool((buf == fill(name, k)).all()):
             report["corrupt_chunk"] = k
             return report
         report["ok"] += 1

@@ -41,7 +41,7 @@ class _Report:
 
     def __call__(self, level: str, topic: str, text: str) -> None:
         self.failed |= level == "fail"
-        self.console.print(f"{_MARK[level]} {topic:<18} {text}", highlight=False)
+        self.console.print(f"{_MARK[level]} {topic:<18} {text}", highlight=False, soft_wrap=True)
 
 
 class NumpyTrainerEngine(TrainerEngine):

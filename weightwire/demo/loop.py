@@ -22,6 +22,7 @@ import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -108,7 +109,7 @@ class DemoResult:
         return self.rose and not self.failures and len(self.max_diffs) > 0
 
 
-def _fixed_prompt_check(completions, policy, prompt: np.ndarray, n_tokens: int) -> float:  # noqa: ANN001
+def _fixed_prompt_check(completions: Any, policy: Any, prompt: np.ndarray, n_tokens: int) -> float:
     """Max |server logprob - policy logprob| over the server's greedy completion of ``prompt``."""
     out = completions.generate(prompt[None, :], max_tokens=n_tokens, temperature=0.0)
     mine = policy.logprobs(out.sequences)[:, prompt.shape[0] - 1:]
@@ -130,19 +131,27 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResult:
 
 @dataclass
 class _Context:
+    """What the steps need; typed loosely so importing this module stays free of jax."""
+
     url: str
     model_dir: str
-    policy: object
-    reward: object
-    completions: object
-    client: object
-    engine: object
+    policy: Any
+    reward: Any
+    completions: Any
+    client: Any
+    engine: Any
 
 
 def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
     from weightwire.demo.server import EmbeddedServer, build_tiny_model  # noqa: PLC0415
 
     backend = cfg.backend_name
+    if backend != "weightwire_tcp":
+        import jax  # noqa: PLC0415  (checked before any child starts: fail in seconds, not after)
+
+        if jax.default_backend() != "gpu":
+            raise RuntimeError(f"--transport nccl needs JAX on a CUDA GPU (JAX runs on {jax.default_backend()}); "
+                               "use --transport tcp on a CPU-only host")
     server: EmbeddedServer | None = None
     with StartupProgress(console, phases=6 if cfg.server is None else 3) as prog:
         if cfg.server is None:
@@ -158,8 +167,6 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
         else:
             model_dir = str(cfg.model_dir)
         prog.phase("importing JAX, loading the checkpoint into the Flax policy")
-        import jax  # noqa: PLC0415
-
         from weightwire.control.client import HTTPWeightSyncClient  # noqa: PLC0415
         from weightwire.demo.policy import Policy  # noqa: PLC0415
         from weightwire.demo.reward import CharReward  # noqa: PLC0415
@@ -170,9 +177,6 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
         from weightwire.jax_side.source import PytreeSource  # noqa: PLC0415
         from weightwire.trainer.info import TrainerInitInfo  # noqa: PLC0415
 
-        if backend != "weightwire_tcp" and jax.default_backend() != "gpu":
-            raise RuntimeError(f"--transport nccl needs JAX on a CUDA GPU (JAX runs on {jax.default_backend()}); "
-                               "use --transport tcp on a CPU-only host")
         model_cfg, params = load_decoder(model_dir)
         policy = Policy(model_cfg, params, lr=cfg.lr)
         reward = CharReward.from_model_dir(model_dir, model_cfg.vocab_size, cfg.target)

@@ -39,9 +39,10 @@ class CompletionsClient:
     """Thin client over one server's ``/v1/completions`` (no retries: a failure is loud)."""
 
     def __init__(self, base_url: str, *, timeout: float = 120.0, api_key: str | None = None,
-                 model: str | None = None) -> None:
+                 model: str | None = None, transport: httpx.BaseTransport | None = None) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers)
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers,
+                                  transport=transport)
         self._model = model
 
     def close(self) -> None:

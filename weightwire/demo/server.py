@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 READY_RE = re.compile(r"weightwire server ready on (http://\S+)")
@@ -57,13 +58,14 @@ class EmbeddedServer:
 
     def __init__(self, model: str, *, backend: str = "weightwire_tcp", device: str = "cpu",
                  cuda_visible_devices: str | None = None, threads: int | None = 1,
-                 startup_timeout: float = 300.0) -> None:
+                 extra_args: Sequence[str] = (), startup_timeout: float = 300.0) -> None:
         self.model = model
         """A model directory or a tiny model name (the server resolves it)."""
         self.backend = backend
         self.device = device
         self.cuda_visible_devices = cuda_visible_devices
         self.threads = threads
+        self.extra_args = list(extra_args)
         """torch threads per worker. One by default: a tiny model gains nothing from more, and on a
         small host extra OpenMP threads contend with the trainer (measured: 16 prompts x 16 tokens
         took 2-3 s with 2 threads under load, 0.15 s with 1)."""
@@ -90,6 +92,7 @@ class EmbeddedServer:
                "--backend", self.backend, "--device", self.device]
         if self.threads is not None:
             cmd += ["--threads", str(self.threads)]
+        cmd += self.extra_args
         env = dict(os.environ)
         if self.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices

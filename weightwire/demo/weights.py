@@ -97,6 +97,8 @@ def pytree_from_hf(naming: Naming, template: Any, tensors: Mapping[str, Any]) ->
     for i, path in enumerate(plan.paths):
         if path in dropped and isinstance(leaves_t[i], jax.Array):
             leaves[i] = leaves_t[i]
+    # Guard: a Naming only ever partitions and rearranges leaves, so this holds by
+    # construction; if a future transform breaks that, refuse rather than load garbage.
     back = _forward(plan, leaves)
     for name, y in back.items():
         ref = jnp.asarray(np.asarray(tensors[name])).astype(y.dtype)

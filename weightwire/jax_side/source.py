@@ -18,6 +18,7 @@ so finish a sync before the next training step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -178,7 +179,7 @@ class PytreeSource(WeightSource):
             if len({_device_ids(x) for xs in inputs for x in xs}) > 1:
                 # One jit needs one device set; inputs spread over several are gathered on the
                 # target first (device to device). Whole stacked leaves move here: rare layouts only.
-                inputs = [[jax.device_put(x, self._target) for x in xs] for xs in inputs]
+                inputs = [[self._to_target(x) for x in xs] for xs in inputs]
             layers = [p.layer for _, e, _ in todo for p in e.pieces if p.stack_axis is not None]
             idx = None
             if layers:
@@ -189,10 +190,8 @@ class PytreeSource(WeightSource):
             signature = tuple((e.structure, np.dtype(d)) for _, e, d in todo)
             results = list(_compiled(signature)(inputs, idx))
             away = [i for i, r in enumerate(results) if not self._on_target(r)]
-            if away:
-                moved = jax.device_put([results[i] for i in away], self._target)
-                for i, r in zip(away, moved, strict=True):
-                    results[i] = r
+            for i in away:
+                results[i] = self._to_target(results[i])
             for (k, _, _), r in zip(todo, results, strict=True):
                 outs[k] = r
         return outs  # type: ignore[return-value]
@@ -202,9 +201,35 @@ class PytreeSource(WeightSource):
         return (isinstance(x, jax.Array) and x.sharding.device_set == {self._device}
                 and x.sharding.memory_kind in (None, self._target.memory_kind))
 
+    def _to_target(self, x: jax.Array) -> jax.Array:
+        """``x`` whole on the target device, device to device only.
+
+        ``jax.device_put`` of a multi-device array onto one device takes a slow path
+        through host memory on GPU (seen with jax 0.11: a D2H copy per shard). Instead
+        the array is all-gathered on its own devices by XLA (replicated output sharding)
+        and the target's replica is taken as is, or copied over from another device.
+        """
+        if len(x.sharding.device_set) > 1:
+            if not x.is_fully_replicated:
+                where = _replicated(x.sharding)
+                if where is None:
+                    raise ValueError(f"cannot gather an array with sharding {x.sharding} on device; "
+                                     "use NamedSharding or a single device")
+                x = _replicate_on(where)(x)
+            shards = {s.device: s.data for s in x.addressable_shards}
+            x = shards.get(self._device, next(iter(shards.values())))
+        return x if self._on_target(x) else jax.device_put(x, self._target)
+
     def _as_device_array(self, x: Any) -> jax.Array:
         # Host (numpy) leaves must be uploaded somewhere; the target is where they end up.
         return x if isinstance(x, jax.Array) else jax.device_put(x, self._target)
+
+
+@functools.lru_cache(maxsize=64)
+def _replicate_on(where: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Array]:
+    """A jitted identity whose output is replicated over ``where``: XLA all-gathers the
+    shards over the devices' own links, never through the host."""
+    return jax.jit(lambda a: a, out_shardings=where)
 
 
 def _is_callable_source(params: Any) -> bool:

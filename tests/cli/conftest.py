@@ -1,0 +1,44 @@
+"""Shared fixtures: the tiny model directory and reference-server launchers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from weightwire.demo.server import EmbeddedServer
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> str:
+    from weightwire.torch_side.server.tiny import tiny_model_dir  # noqa: PLC0415
+
+    return tiny_model_dir("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def launch_server() -> Iterator[Callable[..., EmbeddedServer]]:
+    """``launch_server(model, replicas=1)``: a launched (not yet ready) reference server; call
+    ``wait_ready()`` for its URL. Start several before waiting so their start-ups overlap.
+    Every server is stopped at module end."""
+    servers: list[EmbeddedServer] = []
+
+    def launch(model: str, *, replicas: int = 1) -> EmbeddedServer:
+        server = EmbeddedServer(model, startup_timeout=180, extra_args=["--replicas", str(replicas)])
+        servers.append(server)
+        server.launch()
+        return server
+
+    try:
+        yield launch
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``weightwire ARGS`` in a fresh interpreter (the real entry point, no state shared)."""
+    return subprocess.run([sys.executable, "-m", "weightwire.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)

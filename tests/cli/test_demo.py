@@ -1,0 +1,138 @@
+"""``weightwire demo`` end to end, and the pieces it is built from."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.cli.conftest import run_cli
+from weightwire.demo.loop import DemoConfig, DemoResult
+from weightwire.demo.reward import CharReward
+from weightwire.demo.rollout import CompletionsClient, RolloutError
+from weightwire.demo.weights import CheckpointError, load_decoder, pytree_from_hf, read_safetensors
+from weightwire.jax_side.models import decoder
+
+ROW = re.compile(r"^(\d+) \| ([0-9.]+) \| .* \| (\S+) \| (\S+)$")
+
+
+def test_default_demo_rises_and_every_sync_check_passes() -> None:
+    done = run_cli("demo", timeout=400)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "server and JAX policy agree" in out
+    rows = [m for m in (ROW.match(line) for line in out.splitlines()) if m]
+    assert [int(m.group(1)) for m in rows] == list(range(1, DemoConfig().steps + 1))
+    assert all(m.group(4) == "ok" for m in rows), out
+    rewards = [float(m.group(2)) for m in rows]
+    assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.2, rewards
+    assert "PASS" in out and "trainer process imported torch: no" in out
+
+
+def test_demo_exits_nonzero_when_a_sync_check_fails() -> None:
+    # No two fp32 implementations agree to 1e-12: the step-0 check must fail and say why.
+    done = run_cli("demo", "--steps", "2", "--tolerance", "1e-12", timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = " ".join(done.stdout.split())
+    assert "check failed: step 0: the server's weights differ" in out and "FAIL" in out
+
+
+def test_demo_result_judges_the_reward_trend() -> None:
+    assert DemoResult(rewards=[0.2, 0.3, 0.5], max_diffs=[0.0]).ok
+    assert not DemoResult(rewards=[0.2, 0.3, 0.2], max_diffs=[0.0]).ok
+    assert not DemoResult(rewards=[0.2, 0.9], max_diffs=[0.0], failures=["x"]).ok
+    assert not DemoResult(rewards=[0.5], max_diffs=[0.0]).ok  # one step cannot show a rise
+
+
+# ---------------------------------------------------------------- checkpoint -> Flax
+@pytest.mark.parametrize("layout", [{}, {"scan_layers": True}, {"fused_qkv": True, "fused_gate_up": True}])
+def test_checkpoint_loads_into_every_flax_layout_with_hf_logits(tiny_dir: str, layout: dict) -> None:
+    cfg, params = load_decoder(tiny_dir, **layout)
+    tokens = np.array([[5, 17, 42, 99, 123, 7, 256]])
+    mine = np.asarray(decoder.apply(params, jnp.asarray(tokens), cfg))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(mine, ref, atol=2e-5)
+
+
+def test_loader_names_missing_and_misshaped_tensors(tiny_dir: str) -> None:
+    cfg, _ = load_decoder(tiny_dir)
+    template = jax.eval_shape(lambda: decoder.init(jax.random.key(0), cfg))
+    tensors = read_safetensors(tiny_dir)
+    naming = decoder.naming(cfg)
+    with pytest.raises(CheckpointError, match="lacks 1 tensor.*model.norm.weight"):
+        pytree_from_hf(naming, template, {k: v for k, v in tensors.items() if k != "model.norm.weight"})
+    with pytest.raises(CheckpointError, match="model.norm.weight: checkpoint shape \\[63\\], model expects \\[64\\]"):
+        pytree_from_hf(naming, template, {**tensors, "model.norm.weight": np.ones(63, np.float32)})
+    with pytest.raises(CheckpointError, match="does not map, e.g. \\['extra.weight'\\]"):
+        pytree_from_hf(naming, template, {**tensors, "extra.weight": np.ones(2, np.float32)})
+
+
+# ---------------------------------------------------------------- reward and rollouts
+def test_reward_counts_tokens_containing_the_target() -> None:
+    reward = CharReward(["", "e", "the", "a", "xyz"], "e")
+    assert reward.hits(np.array([[1, 2, 3, 4]])).tolist() == [[1.0, 1.0, 0.0, 0.0]]
+    assert reward.score(np.array([[1, 2, 3, 4], [3, 3, 3, 1]])).tolist() == [0.5, 0.25]
+    assert reward.text([2, 3]) == "thea"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        reward.hits(np.array([5]))
+    with pytest.raises(ValueError, match="no token of the vocabulary contains 'q'"):
+        CharReward(["a", "b"], "q")
+
+
+def _mock(reply: dict) -> CompletionsClient:
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=reply))
+    return CompletionsClient("http://server", transport=transport)
+
+
+def _choice(i: int, ids: list[int], prompt: list[int]) -> dict:
+    return {"index": i, "token_ids": ids, "prompt_token_ids": prompt,
+            "logprobs": {"token_logprobs": [-1.0] * len(ids)}}
+
+
+def test_rollouts_come_back_prompt_major() -> None:
+    prompts = np.array([[7, 8], [9, 10]])
+    reply = {"choices": [_choice(i, [100 + i, 200 + i], prompts[i // 2].tolist()) for i in (3, 1, 0, 2)]}
+    out = _mock(reply).generate(prompts, max_tokens=2, temperature=1.0, n=2)
+    assert out.completions.tolist() == [[100, 200], [101, 201], [102, 202], [103, 203]]
+    assert out.sequences[2].tolist() == [9, 10, 102, 202]
+
+
+@pytest.mark.parametrize(("choice", "message"), [
+    (_choice(0, [1, 2, 3], [7]), "expected 2 token_ids"),
+    (_choice(0, [1, 2], [0, 7]), "did it add a BOS token"),
+    ({"index": 0, "token_ids": [1, 2], "logprobs": None}, "expected 2 token_logprobs"),
+])
+def test_rollouts_refuse_a_reply_they_cannot_train_on(choice: dict, message: str) -> None:
+    with pytest.raises(RolloutError, match=message):
+        _mock({"choices": [choice]}).generate(np.array([[7]]), max_tokens=2, temperature=1.0)
+
+
+def test_rollouts_surface_http_errors() -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(400, json={"error": "bad max_tokens"}))
+    with pytest.raises(RolloutError, match="HTTP 400.*bad max_tokens"):
+        CompletionsClient("http://server", transport=transport).generate(np.array([[7]]), max_tokens=2,
+                                                                         temperature=1.0)
+
+
+def test_tiny_model_fits_vllm_cpu_attention(tiny_dir: str) -> None:
+    # The tiny model the demo serves must be one vLLM's CPU attention accepts (head_dim >= 32).
+    hf = json.loads(Path(tiny_dir, "config.json").read_text())
+    assert hf["hidden_size"] // hf["num_attention_heads"] >= 32
+
+
+def test_sample_column_stays_on_one_line() -> None:
+    from weightwire.demo.render import _sample_markup  # noqa: PLC0415
+
+    shown = _sample_markup("ab\ne\x85[x]\u2028", "e")
+    assert "\n" not in shown and "\x85" not in shown and "\u2028" not in shown
+    assert "[bold green]e[/]" in shown and "\\[x]" in shown  # the target is highlighted, markup escaped
