@@ -42,7 +42,8 @@ def _fmt(value: float | None, spec: str) -> str:
 def _sample_markup(text: str, char: str, width: int = 28) -> str:
     # Byte-level tokens decode to any character, line breaks and controls included: keep one line.
     shown = "".join(c if c.isprintable() else "·" for c in text)[:width]
-    return "".join(f"[bold green]{escape(c)}[/]" if c == char else escape(c) for c in shown)
+    # Escape whole runs: rich only recognises "[x]" as a tag when it sees it whole.
+    return f"[bold green]{escape(char)}[/]".join(escape(part) for part in shown.split(char))
 
 
 class StartupProgress:
