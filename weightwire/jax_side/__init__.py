@@ -2,7 +2,7 @@
 
 Import-light on purpose: importing this package loads neither jax nor torch; the names
 below are resolved on first attribute access. Nothing under ``weightwire.jax_side`` may
-import torch, because a JAX trainer host usually has none.
+depend on torch: a JAX trainer host usually has none.
 """
 
 from __future__ import annotations
