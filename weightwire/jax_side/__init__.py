@@ -7,8 +7,7 @@ depend on torch: a JAX trainer host usually has none.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from weightwire._lazy import lazy_exports
 
 _LAZY = {
     "PytreeSource": "weightwire.jax_side.source",
@@ -22,14 +21,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -8,8 +8,9 @@ each export is resolved on first attribute access, so the vLLM plugin entry poin
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from weightwire._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "ModuleSource": "weightwire.torch_side.source",
@@ -41,14 +42,4 @@ if TYPE_CHECKING:
     from weightwire.torch_side.worker.hf_host import HFModelHost
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'weightwire.torch_side' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -10,8 +10,9 @@ module importing vLLM) is imported by vLLM's factory alone.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from weightwire._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "WeightwireTCPEngine": "weightwire.torch_side.worker.engines",
@@ -45,14 +46,4 @@ if TYPE_CHECKING:
     from weightwire.torch_side.worker.plugin import register
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'weightwire.torch_side.worker' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
