@@ -106,7 +106,7 @@ class JaxTrainer:
     def __init__(self, model_dir: str) -> None:
         import jax
 
-        from weightwire.demo.weights import load_decoder
+        from weightwire.jax_side.checkpoint import load_decoder
         from weightwire.jax_side.models import decoder
         from weightwire.jax_side.source import PytreeSource
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.demo.weights import pytree_from_hf, read_safetensors
+from weightwire.jax_side.checkpoint import pytree_from_hf, read_safetensors
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.naming import Naming, Rule
 from weightwire.jax_side.source import PytreeSource

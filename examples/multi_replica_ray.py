@@ -33,7 +33,7 @@ import numpy as np
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.demo.policy import token_logprobs
 from weightwire.demo.rollout import CompletionsClient
-from weightwire.demo.weights import load_decoder
+from weightwire.jax_side.checkpoint import load_decoder
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.models import decoder
 from weightwire.jax_side.source import PytreeSource

@@ -18,7 +18,7 @@ from tests.cli.conftest import run_cli
 from weightwire.demo.loop import DemoConfig, DemoResult
 from weightwire.demo.reward import CharReward
 from weightwire.demo.rollout import CompletionsClient, RolloutError
-from weightwire.demo.weights import CheckpointError, load_decoder, pytree_from_hf, read_safetensors
+from weightwire.jax_side.checkpoint import CheckpointError, load_decoder, pytree_from_hf, read_safetensors
 from weightwire.jax_side.models import decoder
 
 ROW = re.compile(r"^(\d+) \| ([0-9.]+) \| .* \| (\S+) \| (\S+)$")

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.interop.helpers import VLLMServer, assert_same_greedy
 from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.demo.weights import load_decoder
+from weightwire.jax_side.checkpoint import load_decoder
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.models import decoder
 from weightwire.jax_side.source import PytreeSource

@@ -252,3 +252,9 @@ def test_pause_abort_stops_a_running_generation(http: httpx.Client, clean) -> No
         assert out[0].json()["usage"]["completion_tokens"] < 240
     else:  # cancelled while still queued in the worker: refused, never a 500
         err(out[0], 503, "aborted by /pause")
+
+
+def test_server_info_reports_the_backend_like_vllm(http: httpx.Client) -> None:
+    """Doctor and trainers read the backend from vLLM's /server_info shape."""
+    got = http.get("/server_info").json()
+    assert got["vllm_config"]["weight_transfer_config"]["backend"] == "weightwire_tcp"

@@ -252,6 +252,7 @@ def test_route_table() -> None:
         "weight_info": ("GET", "/weight_info", None),
         "weight_checker": ("POST", "/weight_checker", "action"),
         "get_world_size": ("GET", "/get_world_size", None),
+        "server_info": ("GET", "/server_info", None),
         "pause": ("POST", "/pause", None),
         "resume": ("POST", "/resume", None),
         "is_paused": ("GET", "/is_paused", None),

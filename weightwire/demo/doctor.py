@@ -139,7 +139,7 @@ def run_doctor(url: str, *, api_key: str | None = None, timeout: float = 15.0, r
         say("info", "state", f"weight_version {info.get('weight_version')!r}, world size "
             f"{world.get('world_size')!r}, paused {paused.get('is_paused')!r}")
 
-        backend = _backend(http, say, reference)
+        backend = _backend(http, say)
         _nccl(http, say, reference)
     if round_trip:
         _round(url, say, api_key=api_key, reference=reference, backend=backend, info=info)
@@ -152,11 +152,7 @@ def run_doctor(url: str, *, api_key: str | None = None, timeout: float = 15.0, r
     return 0
 
 
-def _backend(http: httpx.Client, say: _Report, reference: bool) -> str | None:
-    if reference:
-        say("info", "backend", "the reference server does not report it (its --backend flag); the round below "
-            "tells weightwire_tcp apart")
-        return None
+def _backend(http: httpx.Client, say: _Report) -> str | None:
     status, body = _get(http, "/server_info", config_format="json")
     if status != 200 or not isinstance(body, dict):
         say("warn", "backend", f"GET /server_info -> {status}: cannot read the weight-transfer config")

@@ -171,7 +171,7 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
         from weightwire.demo.policy import Policy  # noqa: PLC0415
         from weightwire.demo.reward import CharReward  # noqa: PLC0415
         from weightwire.demo.rollout import CompletionsClient  # noqa: PLC0415
-        from weightwire.demo.weights import load_decoder  # noqa: PLC0415
+        from weightwire.jax_side.checkpoint import load_decoder  # noqa: PLC0415
         from weightwire.jax_side.engine import JAXTrainerEngine  # noqa: PLC0415
         from weightwire.jax_side.models import decoder  # noqa: PLC0415
         from weightwire.jax_side.source import PytreeSource  # noqa: PLC0415

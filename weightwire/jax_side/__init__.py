@@ -16,6 +16,8 @@ _LAZY = {
     "Rule": "weightwire.jax_side.naming",
     "NamingError": "weightwire.jax_side.naming",
     "JAXTrainerEngine": "weightwire.jax_side.engine",
+    "pytree_from_hf": "weightwire.jax_side.checkpoint",
+    "load_decoder": "weightwire.jax_side.checkpoint",
 }
 
 __all__ = sorted(_LAZY)

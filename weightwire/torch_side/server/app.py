@@ -211,6 +211,11 @@ def create_app(state: ServerState) -> FastAPI:
         session.weight_version = version
         return {"success": True, "new_version": version}
 
+    @app.get(_route("server_info"))
+    async def server_info() -> dict[str, Any]:
+        # The part of vLLM's dev-mode /server_info a trainer reads: the configured backend.
+        return {"server": "weightwire-reference", "vllm_config": {"weight_transfer_config": {"backend": opts.backend}}}
+
     @app.get(_route("weight_info"))
     async def weight_info() -> dict[str, Any]:
         return {"weight_version": session.weight_version, "session": session.describe()}

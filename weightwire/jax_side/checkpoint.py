@@ -1,7 +1,9 @@
 """Load a Hugging Face checkpoint directory into a Flax pytree: a preset run backwards.
 
-The demo's policy must start from exactly the weights the server serves, so it reads
-the server's own ``model.safetensors`` and maps HF names back onto pytree leaves.
+A JAX trainer (and the demo's policy) must start from exactly the weights the server
+serves, so this reads the server's own ``model.safetensors`` and maps HF names back
+onto pytree leaves: ``pytree_from_hf(naming, template, tensors)``, or
+``load_decoder(model_dir)`` for the reference decoder models.
 
 There is no hand-written inverse per preset. A naming plan's forward map (leaves ->
 HF tensors) only rearranges elements (transpose, reshape, split, concat, stack) and
