@@ -8,9 +8,12 @@ own where they appear.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeVar
 
 from weightwire.shared.meta import ParamMeta
+
+T = TypeVar("T")
 
 
 def layer_key(name: str) -> str | None:
@@ -48,3 +51,20 @@ def layerwise_groups(metadata: Sequence[ParamMeta]) -> list[list[ParamMeta]]:
         groups.append([meta])
         keys.append(key)
     return groups
+
+
+def batch_by_layer(pairs: Iterable[tuple[str, T]]) -> Iterator[list[tuple[str, T]]]:
+    """Batch a ``(name, value)`` stream into runs sharing a ``layer_key`` (one decoder
+    layer, or one run of un-indexed names), in stream order. Only the batch being
+    built is referenced, so a consumer that drops each batch bounds memory to a layer."""
+    batch: list[tuple[str, T]] = []
+    key: object = object()
+    for name, value in pairs:
+        k = layer_key(name)
+        if batch and k != key:
+            yield batch
+            batch = []
+        key = k
+        batch.append((name, value))
+    if batch:
+        yield batch

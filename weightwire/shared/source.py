@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from weightwire.shared.groups import layer_key, layerwise_groups
+from weightwire.shared.groups import batch_by_layer, layerwise_groups
 from weightwire.shared.meta import ParamMeta
 
 Describe = Callable[[Any], tuple[str, tuple[int, ...]]]
@@ -45,17 +45,7 @@ class WeightSource(ABC):
 
     def iter_groups(self) -> Iterator[list[tuple[str, Any]]]:
         """The same stream as iteration, batched one layer group at a time."""
-        batch: list[tuple[str, Any]] = []
-        key: object = object()
-        for name, tensor in self:
-            k = layer_key(name)
-            if batch and k != key:
-                yield batch
-                batch = []
-            key = k
-            batch.append((name, tensor))
-        if batch:
-            yield batch
+        return batch_by_layer(self)
 
 
 def checked_iter(

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from weightwire.shared.framing import Chunk, plan
-from weightwire.shared.groups import layer_key
+from weightwire.shared.groups import batch_by_layer
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.worker.receive import ReceiveLink, unpack_chunk
@@ -215,37 +215,31 @@ class _ReceiverCore:
         self, metas: list[ParamMeta], chunks: list[Chunk], progress: list[int]
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Load batches in order, with up to ``depth`` chunks posted ahead of the one
-        being loaded; ``progress[0]`` tracks the chunk in hand, for error messages."""
+        being loaded; ``progress[0]`` tracks the chunk in hand, for error messages.
+        Batches are whole chunks, or ("group") one decoder layer across chunk edges."""
+        chunk_batches = self._chunks(metas, chunks, progress)
+        if self._load_batching == "chunk":
+            return chunk_batches
+        return batch_by_layer(pair for batch in chunk_batches for pair in batch)
+
+    def _chunks(
+        self, metas: list[ParamMeta], chunks: list[Chunk], progress: list[int]
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         link = self._link
         assert link is not None and self._info is not None
         packed = self._info.packed
         posted = 0
-        batch: list[tuple[str, torch.Tensor]] = []
-        key: object = object()
         for i, chunk in enumerate(chunks):
             progress[0] = i
             while posted < len(chunks) and posted < i + link.depth:
                 link.post(posted, chunks[posted], metas, packed=packed)
                 posted += 1
             pairs = unpack_chunk(link.wait(i), metas, chunk)
-            if self._load_batching == "chunk":
-                if pairs:
-                    yield pairs
-                # Drop this chunk's views before the next post allocates: holding them
-                # would keep num_buffers + 1 chunk buffers alive at once.
-                del pairs
-                continue
-            # "group": one load_weights call per decoder layer, across chunk edges
-            for name, tensor in pairs:
-                k = layer_key(name)
-                if batch and k != key:
-                    yield batch
-                    batch = []
-                key = k
-                batch.append((name, tensor))
-            pairs = tensor = None  # type: ignore[assignment]  # same reason as above
-        if batch:
-            yield batch
+            if pairs:
+                yield pairs
+            # Drop this chunk's views before the next post allocates: holding them
+            # would keep num_buffers + 1 chunk buffers alive at once.
+            del pairs
 
     def _resolve(self, model: Any, update: UpdateInfo) -> tuple[list[ParamMeta], list[Chunk]]:
         assert self._info is not None
