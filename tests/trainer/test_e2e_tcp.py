@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.trainer.server_proc import reference_server
 from weightwire.control import HTTPWeightSyncClient
+from weightwire.demo.server import EmbeddedServer
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 
@@ -22,8 +22,9 @@ TIMEOUTS = Timeouts(http_s=120, connect_s=60, warmup_s=60, transfer_s=60)
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    with reference_server("--model", "tiny-llama", "--backend", "weightwire_tcp", "--replicas", "2") as url:
-        yield url
+    with EmbeddedServer("tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180) as server:
+        assert server.url is not None
+        yield server.url
 
 
 def model_dir() -> str:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.server_proc import reference_server
 from weightwire.control import HTTPWeightSyncClient
+from weightwire.demo.server import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,9 @@ def test_sharded_source_fans_out_to_two_receivers_bit_exact() -> None:
     from weightwire.torch_side.server.tiny import resolve_model
 
     config = os.path.join(resolve_model("tiny-llama"), "config.json")
-    with reference_server("--model", "tiny-llama", "--backend", "weightwire_tcp", "--replicas", "2") as url:
+    with EmbeddedServer("tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180) as server:
+        url = server.url
+        assert url is not None
         client = HTTPWeightSyncClient(url, timeout=60)
         assert client.get_world_size() == 2
         proc = subprocess.run(

@@ -79,6 +79,16 @@ def _require_live(pool: ReplicaPool) -> None:
                        + "; the reference server does not respawn workers: restart it")
 
 
+async def _fan_out_or_fail(state: ServerState, what: str, op: str, args: Any = None, *, timeout: float,
+                           abort_on_failure: bool = False) -> list[Any]:
+    """Run a weight operation on every replica; on failure clear the session and raise
+    the HTTP error that says what survived."""
+    try:
+        return await state.pool.fan_out(op, args, timeout=timeout, abort_on_failure=abort_on_failure)
+    except FanOutError as exc:
+        raise _fail(state, what, exc) from None
+
+
 def _fail(state: ServerState, what: str, exc: FanOutError) -> ApiError:
     """Clear the session after a failed weight operation and describe what survived."""
     state.session.failed(f"{what}: {exc}")
@@ -126,10 +136,7 @@ def create_app(state: ServerState) -> FastAPI:
         timeout = local.connect_s + local.warmup_s + 30.0
         _require_live(pool)
         async with session.operation("init_weight_transfer_engine"):
-            try:
-                await pool.fan_out("init", {"init_info": raw}, timeout=timeout, abort_on_failure=True)
-            except FanOutError as exc:
-                raise _fail(state, "init_weight_transfer_engine", exc) from None
+            await _fan_out_or_fail(state, "init_weight_transfer_engine", "init", {"init_info": raw}, timeout=timeout, abort_on_failure=True)
             session.initialized(info)
         return {"message": "Weight transfer initialized"}
 
@@ -138,10 +145,7 @@ def create_app(state: ServerState) -> FastAPI:
         await read_no_body(request)
         session.check_start()
         async with session.operation("start_weight_update"):
-            try:
-                await pool.fan_out("start", timeout=opts.op_timeout_s, abort_on_failure=True)
-            except FanOutError as exc:
-                raise _fail(state, "start_weight_update", exc) from None
+            await _fan_out_or_fail(state, "start_weight_update", "start", timeout=opts.op_timeout_s, abort_on_failure=True)
             session.started()
         return {"message": "Weight update started"}
 
@@ -164,11 +168,8 @@ def create_app(state: ServerState) -> FastAPI:
                 session.failed(f"update_weights: {exc.message}")
                 raise ApiError(exc.status, f"{exc.message}; the round was aborted, POST "
                                            "/init_weight_transfer_engine to start again", param=exc.param) from None
-            try:
-                results = await pool.fan_out("update", [{"update_info": p} for p in per],
+            results = await _fan_out_or_fail(state, "update_weights", "update", [{"update_info": p} for p in per],
                                              timeout=opts.round_timeout_s, abort_on_failure=True)
-            except FanOutError as exc:
-                raise _fail(state, "update_weights", exc) from None
             session.updated()
         return {"message": "Weights updated", "replicas": results}
 
@@ -178,10 +179,7 @@ def create_app(state: ServerState) -> FastAPI:
         version = _version_field(body, "weight_version", optional=True)
         session.check_finish()
         async with session.operation("finish_weight_update"):
-            try:
-                await pool.fan_out("finish", timeout=opts.op_timeout_s, abort_on_failure=True)
-            except FanOutError as exc:
-                raise _fail(state, "finish_weight_update", exc) from None
+            await _fan_out_or_fail(state, "finish_weight_update", "finish", timeout=opts.op_timeout_s, abort_on_failure=True)
             empty = session.updates_in_round == 0
             session.closed_empty() if empty else session.committed(version)
         if empty:
@@ -195,10 +193,7 @@ def create_app(state: ServerState) -> FastAPI:
         await read_no_body(request)
         session.check_shutdown()
         async with session.operation("shutdown_weight_transfer_engine"):
-            try:
-                await pool.fan_out("shutdown", timeout=opts.op_timeout_s)
-            except FanOutError as exc:
-                raise _fail(state, "shutdown_weight_transfer_engine", exc) from None
+            await _fan_out_or_fail(state, "shutdown_weight_transfer_engine", "shutdown", timeout=opts.op_timeout_s)
             session.shut_down()
         return {"message": "Weight transfer shut down"}
 
