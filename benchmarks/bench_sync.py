@@ -1,21 +1,28 @@
-"""Full weight-sync rounds on two GPUs: JAX trainer engine (GPU0) -> torch worker engine (GPU1).
+"""Full weight-sync rounds on two GPUs: trainer engine (GPU0) -> torch worker engine (GPU1).
 
-    python benchmarks/bench_sync.py --out bench_sync.md [--models qwen2-0.5b,qwen2-1.5b,llama3-8b]
-        [--buffers-mib 256,1024] [--num-buffers 1,2,3] [--no-unpacked] [--rounds 5] [--warmup 2]
+    python benchmarks/bench_sync.py --out bench_sync.md [--engines jax,torch] [--control http,shim]
+        [--models qwen2-0.5b,qwen2-1.5b,llama3-8b] [--buffers-mib 256,1024] [--num-buffers 1,2,3]
+        [--no-unpacked] [--rounds 5] [--warmup 2]
 
 Parameter sets have the HF names and shapes of real models (synthetic bf16 values).
-The sender drives ``JAXTrainerEngine.trainer_init(TrainerInitInfo(backend=
-"weightwire_nccl", ...), client=ShimClient, source=DictSource)`` and ``send_weights()``.
-The receiver process runs ``WeightwireNCCLEngine.standalone(model=Sink)`` behind a
-tiny JSON-over-local-socket control shim (no HTTP server needed: the GPU host has no
-fastapi/uvicorn); ``Sink.load_weights`` only counts what arrived.
+The sender drives ``JAXTrainerEngine`` (JAX arrays) or ``TorchTrainerEngine`` (torch
+tensors) ``.trainer_init(TrainerInitInfo(backend="weightwire_nccl", ...))`` and
+``send_weights()``. The receiver process runs ``WeightwireNCCLEngine.standalone(model=Sink)``
+(``Sink.load_weights`` only counts what arrived) behind one of two control planes:
+
+- ``http``: the reference server's routes (FastAPI app, uvicorn, loopback) driven by
+  ``HTTPWeightSyncClient`` -- what a trainer pays against a server (``bench_sync_http.py``);
+- ``shim``: one JSON line per call over a fresh local socket (``bench_sync_shim.py``),
+  for hosts without fastapi/uvicorn.
 
 Per config: seconds per round (median of ``--rounds`` after ``--warmup``), GB/s
-(1e9 B/s), the ratio to raw NCCL (CuPy ``bcast`` of the same chunk sizes, same run,
-separate communicator), the control-plane ms (``RoundMetrics`` control + finish
-phases), and peak extra GPU memory per side (sender: JAX + CuPy bytes in use,
-sampled every ~1 ms; receiver: torch peak allocated) next to the bound
-``num_buffers x buffer + largest tensor``. A config that fails is reported as such.
+(1e9 B/s), the ratio to raw NCCL (CuPy ``bcast`` of the same chunk sizes back to back
+on one stream, same run, separate communicator), the control-plane ms per round
+(``start`` + ``finish``, from ``RoundMetrics``), and peak extra GPU memory per side
+next to the bound ``num_buffers x buffer + largest tensor``: sender = peak over the
+measured round of (JAX or torch bytes in use + CuPy pool bytes in use) minus the same
+before ``trainer_init`` (so the rotating buffers kept between rounds count); receiver =
+torch peak allocated minus the level before the round. A config that fails is reported as such.
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ def make_source(params: dict[str, Any]) -> Any:
 
     class DictSource(WeightSource):
         def __init__(self) -> None:
-            self._metas = [ParamMeta(n, "bfloat16", tuple(a.shape)) for n, a in params.items()]
+            self._metas = [ParamMeta(n, "bfloat16", tuple(int(d) for d in a.shape)) for n, a in params.items()]
 
         def metadata(self) -> list[ParamMeta]:
             return self._metas
@@ -85,20 +92,28 @@ def make_source(params: dict[str, Any]) -> Any:
 
 
 class MemSampler:
-    """Peak of (JAX + CuPy) device bytes in use above the baseline, polled in a thread."""
+    """Peak of (framework + CuPy pool) device bytes in use, polled in a thread, above ``base``."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: str, base: int | None = None) -> None:
         import cupy as cp  # noqa: PLC0415
-        import jax  # noqa: PLC0415
 
-        self._dev, self._pool = jax.devices()[0], cp.get_default_memory_pool()
-        self.base = self.peak = self.sample()
+        self._pool = cp.get_default_memory_pool()
+        if engine == "jax":
+            import jax  # noqa: PLC0415
+
+            dev = jax.devices()[0]
+            self._framework = lambda: int((dev.memory_stats() or {}).get("bytes_in_use", 0))
+        else:
+            import torch  # noqa: PLC0415
+
+            self._framework = lambda: int(torch.cuda.memory_allocated(0))
+        self.base = self.sample() if base is None else base
+        self.peak = self.sample()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> int:
-        stats = self._dev.memory_stats() or {}
-        return int(stats.get("bytes_in_use", 0)) + int(self._pool.used_bytes())
+        return self._framework() + int(self._pool.used_bytes())
 
     def _run(self) -> None:
         while not self._stop.wait(0.001):
@@ -114,17 +129,28 @@ class MemSampler:
         self.peak = max(self.peak, self.sample())
 
 
-def run_config(model: str, params: dict[str, Any], packed: bool, buf: int, nb: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    from weightwire.jax_side.engine import JAXTrainerEngine  # noqa: PLC0415
+def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: bool, buf: int, nb: int,
+               cfg: dict[str, Any]) -> dict[str, Any]:
     from weightwire.shared.framing import plan  # noqa: PLC0415
     from weightwire.shared.timeouts import Timeouts  # noqa: PLC0415
     from weightwire.trainer.info import TrainerInitInfo  # noqa: PLC0415
     from weightwire.transport.nccl import mint_unique_id  # noqa: PLC0415
 
+    if engine_kind == "jax":
+        from weightwire.jax_side.engine import JAXTrainerEngine as Engine  # noqa: PLC0415
+    else:
+        from weightwire.torch_side.trainer import TorchTrainerEngine as Engine  # noqa: PLC0415
     t = cfg["timeout"]
-    row: dict[str, Any] = {"model": model, "mode": f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked",
+    row: dict[str, Any] = {"engine": engine_kind, "control": cfg["control"], "model": model,
+                           "mode": f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked",
                            "nbytes": sum(int(a.nbytes) for a in params.values()), "tensors": len(params)}
-    source, client = make_source(params), ShimClient(cfg["port"], timeout=t + 60)
+    source = make_source(params)
+    if cfg["control"] == "http":
+        from weightwire.control.client import HTTPWeightSyncClient  # noqa: PLC0415
+
+        client: Any = HTTPWeightSyncClient(cfg["url"], timeout=t + 60)
+    else:
+        client = ShimClient(cfg["port"], timeout=t + 60)
     metas = source.metadata()
     row["largest"] = max(m.nbytes for m in metas)
     row["bound"] = nb * buf + row["largest"] if packed else row["largest"]
@@ -132,27 +158,34 @@ def run_config(model: str, params: dict[str, Any], packed: bool, buf: int, nb: i
                   server_version="0.33.0", inference_world_size=1,
                   timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t))
     known = {f.name for f in dataclasses.fields(TrainerInitInfo)}
-    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(**{k: v for k, v in wanted.items() if k in known}),
-                                           client=client, source=source)
+    base = MemSampler(engine_kind).sample()  # before the engine: its kept buffers count as extra
+    engine = Engine.trainer_init(TrainerInitInfo(**{k: v for k, v in wanted.items() if k in known}),
+                                 client=client, source=source)
     try:
         for _ in range(cfg["warmup"]):
             engine.send_weights()
-        walls, control = [], []
+        walls, control, finish = [], [], []
         for _ in range(cfg["rounds"]):
             start = time.perf_counter()
             metrics = engine.send_weights()
             walls.append(time.perf_counter() - start)
-            control.append(sum(metrics.seconds.get(k, 0.0) for k in ("control", "finish")))
+            control.append(metrics.seconds.get("control", 0.0))
+            finish.append(metrics.seconds.get("finish", 0.0))
         row["chunks"] = metrics.chunks
+        row["phases_ms"] = {k: round(v * 1e3, 2) for k, v in metrics.seconds.items()}
         rpc(cfg["port"], "mem_reset", t)
-        with MemSampler() as mem:
+        with MemSampler(engine_kind, base) as mem:
             engine.send_weights()
         got = rpc(cfg["port"], "mem_peak", t)
         row.update(send_extra=mem.peak - mem.base, recv_extra=got["peak_extra"],
                    loaded_ok=got["nbytes"] == row["nbytes"] and got["tensors"] == row["tensors"])
     finally:
         engine.shutdown()
-    row.update(round_s=statistics.median(walls), control_ms=1e3 * statistics.median(control), walls=walls)
+        close = getattr(client, "close", None)
+        if close is not None:
+            close()
+    row.update(round_s=statistics.median(walls), control_ms=1e3 * statistics.median(control),
+               finish_ms=1e3 * statistics.median(finish), walls=walls)
     sizes = [c.nbytes for c in plan(metas, packed=packed, buffer_size_bytes=buf) if c.nbytes]
     uid = mint_unique_id()
     rpc(cfg["port"], "raw_begin", t, uid_b64=base64.b64encode(uid).decode(), sizes=sizes,
@@ -165,7 +198,19 @@ def run_config(model: str, params: dict[str, Any], packed: bool, buf: int, nb: i
     return row
 
 
-def build_params(model: str) -> dict[str, Any]:
+def build_params(model: str, engine: str) -> dict[str, Any]:
+    """Synthetic bf16 weights with the model's HF names and shapes, on the sender's GPU."""
+    if engine == "torch":
+        import torch  # noqa: PLC0415
+
+        gen, out = torch.Generator(device="cuda").manual_seed(0), {}
+        for name, shape in hf_shapes(MODELS[model]):
+            if len(shape) == 1:
+                out[name] = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
+            else:
+                out[name] = (torch.randn(shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+        torch.cuda.synchronize()
+        return out
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -182,25 +227,28 @@ def build_params(model: str) -> dict[str, Any]:
 def sender_main(cfg: dict[str, Any]) -> None:
     from weightwire.transport.nccl import nccl_available  # noqa: PLC0415
 
+    engine, control = cfg["engine"], cfg["control"]
     rows: list[dict[str, Any]] = []
     if not nccl_available():
-        rows.append({"model": "-", "mode": "-", "error": "no CuPy NCCL / CUDA device on the sender"})
+        rows.append({"engine": engine, "control": control, "model": "-", "mode": "-",
+                     "error": "no CuPy NCCL / CUDA device on the sender"})
         cfg["models"] = []
     for model in cfg["models"]:
         if time.time() > cfg["deadline"] - 60:
-            rows.append({"model": model, "mode": "-", "error": "skipped: out of time"})
+            rows.append({"engine": engine, "control": control, "model": model, "mode": "-", "error": "skipped: out of time"})
             continue
-        params = build_params(model)
+        params = build_params(model, engine)
         configs = [(True, b, n) for b in cfg["buffers"] for n in cfg["num_buffers"]]
         configs += [(False, cfg["buffers"][0], 1)] if cfg["unpacked"] else []
         for packed, buf, nb in configs:
+            mode = f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked"
             if time.time() > cfg["deadline"] - 30:
-                rows.append({"model": model, "mode": f"{'packed' if packed else 'unpacked'}", "error": "skipped: out of time"})
+                rows.append({"engine": engine, "control": control, "model": model, "mode": mode, "error": "skipped: out of time"})
                 continue
             try:
-                rows.append(run_config(model, params, packed, buf, nb, cfg))
+                rows.append(run_config(engine, model, params, packed, buf, nb, cfg))
             except Exception as exc:
-                rows.append({"model": model, "mode": f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked",
+                rows.append({"engine": engine, "control": control, "model": model, "mode": mode,
                              "error": f"{type(exc).__name__}: {exc}"[:300]})
             print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
         del params
@@ -212,18 +260,21 @@ def sender_main(cfg: dict[str, Any]) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | GB/round | mode | chunks | s/round | GB/s | raw NCCL s | ratio | control ms "
-            "| sender extra GiB | receiver extra GiB | bound GiB | loaded |\n" + "|---" * 13 + "|\n")
+    head = ("| engine | control | model | GB/round | mode | chunks | s/round | GB/s | raw NCCL s | ratio | start ms "
+            "| finish ms | ratio w/o start+finish | sender extra GiB | receiver extra GiB | bound GiB | loaded |\n" + "|---" * 17 + "|\n")
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | | {r['mode']} | | | | | | | | | | {r['error']} |")
+            lines.append(f"| {r.get('engine', '-')} | {r.get('control', '-')} | {r['model']} | | {r['mode']} "
+                         f"| | | | | | | | | | | | {r['error']} |")
             continue
         gb = r["nbytes"] / 1e9
         lines.append(
-            f"| {r['model']} | {gb:.2f} | {r['mode']} | {r['chunks']} | {r['round_s']:.4f} | {gb / r['round_s']:.1f} "
-            f"| {r['raw_s']:.4f} | {r['raw_s'] / r['round_s']:.3f} | {r['control_ms']:.1f} | {r['send_extra'] / GIB:.2f} "
-            f"| {r['recv_extra'] / GIB:.2f} | {r['bound'] / GIB:.2f} | {'ok' if r['loaded_ok'] else 'MISMATCH'} |")
+            f"| {r['engine']} | {r['control']} | {r['model']} | {gb:.2f} | {r['mode']} | {r['chunks']} "
+            f"| {r['round_s']:.4f} | {gb / r['round_s']:.1f} | {r['raw_s']:.4f} | {r['raw_s'] / r['round_s']:.3f} "
+            f"| {r['control_ms']:.2f} | {r['finish_ms']:.2f} "
+            f"| {r['raw_s'] / (r['round_s'] - (r['control_ms'] + r['finish_ms']) / 1e3):.3f} | {r['send_extra'] / GIB:.2f} | {r['recv_extra'] / GIB:.2f} "
+            f"| {r['bound'] / GIB:.2f} | {'ok' if r['loaded_ok'] else 'MISMATCH'} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -237,6 +288,8 @@ def _spawn(role: str, gpu: int, cfg: dict[str, Any], path: Path) -> subprocess.P
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="jax,torch", help="trainer engines to run: jax, torch")
+    ap.add_argument("--control", default="http", help="control planes to run: http, shim (comma-separated)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--buffers-mib", default="256,1024")
     ap.add_argument("--num-buffers", default="1,2,3")
@@ -256,11 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         ap.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+    engines, controls = args.engines.split(","), args.control.split(",")
+    if set(engines) - {"jax", "torch"} or set(controls) - {"http", "shim"}:
+        ap.error("--engines takes jax,torch and --control takes http,shim")
     import signal  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: kill both children
     deadline = time.time() + args.deadline_s
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="weightwire-bench-sync-") as tmp:
         port_file = Path(tmp, "port")
         receiver = _spawn("receiver", 1, {"port_file": str(port_file), "deadline": deadline + 60}, Path(tmp, "r.json"))
@@ -270,16 +327,25 @@ def main(argv: list[str] | None = None) -> int:
                 if receiver.poll() is not None or time.time() > deadline:
                     raise RuntimeError("receiver process did not start its control shim")
                 time.sleep(0.1)
-            port = int(port_file.read_text())
-            cfg = {"port": port, "models": args.models.split(","), "deadline": deadline, "timeout": args.timeout,
-                   "buffers": [int(b) << 20 for b in args.buffers_mib.split(",")], "rounds": max(1, args.rounds),
-                   "num_buffers": [int(n) for n in args.num_buffers.split(",")], "warmup": args.warmup,
-                   "unpacked": not args.no_unpacked}
-            sender = _spawn("sender", 0, cfg, Path(tmp, "s.json"))
-            out, _ = sender.communicate(timeout=args.deadline_s + 120)
-            rows = json.loads([line for line in out.splitlines() if line.startswith("[")][-1])
+            where = json.loads(port_file.read_text())
+            for engine in engines:
+                for control in controls:
+                    if control == "http" and where["url"] is None:
+                        rows.append({"engine": engine, "control": control, "model": "-", "mode": "-",
+                                     "error": "receiver has no fastapi/uvicorn: no HTTP control plane"})
+                        continue
+                    cfg = {"port": where["port"], "url": where["url"], "engine": engine, "control": control,
+                           "models": args.models.split(","), "deadline": deadline, "timeout": args.timeout,
+                           "buffers": [int(b) << 20 for b in args.buffers_mib.split(",")], "rounds": max(1, args.rounds),
+                           "num_buffers": [int(n) for n in args.num_buffers.split(",")], "warmup": args.warmup,
+                           "unpacked": not args.no_unpacked}
+                    sender = _spawn("sender", 0, cfg, Path(tmp, f"s-{engine}-{control}.json"))
+                    out, _ = sender.communicate(timeout=max(30.0, deadline - time.time() + 120))
+                    got = [line for line in out.splitlines() if line.startswith("[")]
+                    rows += json.loads(got[-1]) if got else [{"engine": engine, "control": control, "model": "-",
+                                                              "mode": "-", "error": f"sender exited {sender.returncode}"}]
             with contextlib.suppress(OSError):
-                rpc(port, "quit", 10)
+                rpc(where["port"], "quit", 10)
         finally:
             for proc in (sender, receiver):
                 if proc is not None and proc.poll() is None:

@@ -77,6 +77,10 @@ class Sink:
         return {name for name, _ in weights}
 
 
+_SHIM_OPS = {"init_weight_transfer_engine": "init", "start_weight_update": "start", "update_weights": "update",
+             "finish_weight_update": "finish", "shutdown_weight_transfer_engine": "shutdown"}
+
+
 class Receiver:
     """Receiver-process state behind the shim (engine calls are serialized by a lock)."""
 
@@ -98,27 +102,47 @@ class Receiver:
         if call == "mem_peak":
             peak = self.torch.cuda.max_memory_allocated(self.device) - self.base
             return {"peak_extra": peak, "tensors": self.sink.tensors, "nbytes": self.sink.nbytes}
+        op = _SHIM_OPS.get(call)
+        if op is None:
+            raise ValueError(f"unknown call {call!r}")
+        return self.op(op, args)
+
+    def op(self, op: str, args: dict[str, Any]) -> Any:
+        """One worker operation, named as the reference server's replicas name them."""
         with self.lock:
-            if call == "init_weight_transfer_engine":
+            if op == "init":
                 from weightwire.torch_side.worker import WeightwireNCCLEngine  # noqa: PLC0415
 
                 if self.engine is not None:
                     self.engine.shutdown()
                 self.engine = WeightwireNCCLEngine.standalone(model=self.sink, device=self.device)
-                self.engine.init_transfer_engine(self.engine.parse_init_info(args["init_info"]))
-            elif call == "start_weight_update":
-                self.engine.start_weight_update()
-            elif call == "update_weights":
-                self.engine.update_weights(args["update_info"])
-            elif call == "finish_weight_update":
-                self.engine.finish_weight_update()
-            elif call == "shutdown_weight_transfer_engine":
+                info = self.engine.parse_init_info(args["init_info"])
+                self.engine.init_transfer_engine(info)
+                return {"rank": info.rank_offset}
+            if op == "shutdown":
                 engine, self.engine = self.engine, None
                 if engine is not None:
                     engine.shutdown()
+                return None
+            if self.engine is None:
+                raise RuntimeError("weight transfer engine is not initialized")
+            if op == "start":
+                self.engine.start_weight_update()
+            elif op == "update":
+                self.engine.update_weights(args["update_info"])
+                stats = self.engine.last_stats
+                return {} if stats is None else {"tensors": stats.tensors, "chunks": stats.chunks, "nbytes": stats.nbytes}
+            elif op == "finish":
+                self.engine.finish_weight_update()
             else:
-                raise ValueError(f"unknown call {call!r}")
+                raise ValueError(f"unknown operation {op!r}")
         return None
+
+    def abort(self) -> None:
+        """Out of band (no lock: an update may hold it): unblock a receive in flight."""
+        engine = self.engine
+        if engine is not None:
+            engine.abort_transfer()
 
     def raw_begin(self, uid_b64: str, sizes: list[int], rounds: int, timeout: float) -> None:
         self.raw = {"thread": threading.Thread(target=self._raw_loop, daemon=True,
@@ -184,10 +208,17 @@ def receiver_main(cfg: dict[str, Any]) -> None:
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             self.wfile.write((json.dumps(reply) + "\n").encode())
 
+    url = None
+    try:
+        from bench_sync_http import serve_http  # noqa: PLC0415
+
+        url, _ = serve_http(receiver)
+    except ImportError as exc:  # no fastapi/uvicorn here: the shim control plane only
+        print(f"bench receiver: no HTTP control plane ({exc})", flush=True)
     socketserver.ThreadingTCPServer.daemon_threads = True
     with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        Path(cfg["port_file"] + ".tmp").write_text(str(server.server_address[1]))
+        Path(cfg["port_file"] + ".tmp").write_text(json.dumps({"port": server.server_address[1], "url": url}))
         os.replace(cfg["port_file"] + ".tmp", cfg["port_file"])
         stop.wait(cfg["deadline"] - time.time())
         server.shutdown()

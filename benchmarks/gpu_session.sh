@@ -4,8 +4,12 @@
 #
 #   OUT=/path/to/out bash benchmarks/gpu_session.sh [all | env tests comm sync others ...]
 #
-# all = env tests comm sync (tests/gpu only); `others` runs the repository's other
-# @pytest.mark.gpu tests (engines, worker).
+# all = deps env tests comm sync (tests/gpu only); `others` runs the repository's other
+# @pytest.mark.gpu tests (engines, worker); `pack` runs bench_pack.py. `deps` installs
+# the wheels in .whl/gpu (fastapi, uvicorn, ...: the GPU host lacks them; fetch with
+# `pip download -d .whl/gpu --only-binary=:all: --python-version 3.12 fastapi uvicorn`)
+# into a private target dir put on PYTHONPATH, so `sync` can time the HTTP control plane.
+# SYNC_ARGS adds arguments to bench_sync.py (e.g. "--models llama3-8b --engines jax").
 #
 # Every step runs under `timeout`, logs to $OUT/<step>.log and appends its exit code
 # to $OUT/summary.txt; a failing step never stops the next. The steps of one call
@@ -88,18 +92,38 @@ step_comm() {
 step_sync() {
   local limit
   limit=$(limit_for 560)
-  run_step sync "$limit" "$PY" benchmarks/bench_sync.py --out "$OUT/bench_sync.md" --deadline-s $(( limit > 120 ? limit - 90 : 30 ))
+  # shellcheck disable=SC2086  # SYNC_ARGS is a list of arguments
+  run_step sync "$limit" "$PY" benchmarks/bench_sync.py --out "$OUT/bench_sync.md" \
+    --deadline-s $(( limit > 120 ? limit - 90 : 30 )) ${SYNC_ARGS:-}
+}
+
+step_pack() {
+  run_step pack "$(limit_for 120)" "$PY" benchmarks/bench_pack.py --chunk-mib 1024
+}
+
+step_deps() {
+  local target=/tmp/weightwire-gpu-deps
+  if ! ls .whl/gpu/*.whl >/dev/null 2>&1; then
+    echo "== deps: no wheels in .whl/gpu, skipped" | tee -a "$OUT/summary.txt"
+    return 0
+  fi
+  # --no-deps and only what the host lacks: its own numpy/anyio/idna stay in charge.
+  run_step deps "$(limit_for 120)" "$PY" -m pip install --quiet --no-index --no-deps --target "$target" \
+    .whl/gpu/fastapi-*.whl .whl/gpu/starlette-*.whl .whl/gpu/pydantic-*.whl .whl/gpu/pydantic_core-*.whl \
+    .whl/gpu/uvicorn-*.whl .whl/gpu/h11-*.whl .whl/gpu/annotated_types-*.whl .whl/gpu/annotated_doc-*.whl \
+    .whl/gpu/typing_inspection-*.whl .whl/gpu/click-*.whl
+  export PYTHONPATH="$PYTHONPATH:$target"
 }
 
 MODE="${1:-all}"
 if [ "$MODE" = all ]; then
-  set -- env tests comm sync
+  set -- deps env tests comm sync
 fi
 echo "gpu_session $(date -u +%FT%TZ) steps: $* (python: $PY)" | tee -a "$OUT/summary.txt"
 for step in "$@"; do
   case "$step" in
-    env | tests | comm | sync | others) "step_$step" ;;
-    *) echo "unknown step $step (env, tests, comm, sync, others, all)" | tee -a "$OUT/summary.txt" ;;
+    deps | env | tests | comm | sync | others | pack) "step_$step" ;;
+    *) echo "unknown step $step (deps, env, tests, comm, sync, others, pack, all)" | tee -a "$OUT/summary.txt" ;;
   esac
 done
 cat "$OUT/summary.txt"

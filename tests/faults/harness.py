@@ -46,7 +46,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # hidden 512, 4 layers, intermediate 2048, vocab 512: ~64 MB of float32.
 MODEL_SHAPE = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 4,
                "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
-BUFFER_BYTES = 4 << 20
+BUFFER_BYTES = 64 << 10  # below the first tensor's size: a hook at tensor >= 1 fires after start
 
 POSTED_INIT_INFOS: list[Any] = []
 """Every init info a test client posted: each holds a session secret that must never be logged."""

@@ -73,21 +73,46 @@ def test_transport_failure_is_raised_when_the_server_stays_silent(monkeypatch: p
     release.set()
 
 
+class Liar(DictSource):
+    """Iteration yields a different shape than metadata declared, while ``lying``."""
+
+    lying = True
+
+    def __iter__(self):
+        for name, array in super().__iter__():
+            bad = self.lying and name == "model.layers.0.mlp.up_proj.weight"
+            yield name, (array[:2] if bad else array)
+
+
+MISMATCH = r"declared 'model\.layers\.0\.mlp\.up_proj\.weight' float16 \[12, 8\], got .* \[2, 8\]"
+
+
 def test_source_mismatch_wins_over_the_consequent_server_error() -> None:
     FAKE.comm = FakeComm()
-    weights = numpy_weights()
-
-    class Liar(DictSource):
-        def __iter__(self):  # iteration yields a different shape than metadata declared
-            for name, array in super().__iter__():
-                yield name, (array[:2] if name == "model.layers.0.mlp.up_proj.weight" else array)
-
     server = FakeServer()
+    # The worker notices only once the trainer gave up (its abort), as a real one would.
+    server.hooks["update_weights"] = lambda body: FAKE.comm.aborted.wait(10)
     server.fail["update_weights"] = (500, "PeerLost: trainer vanished")
-    engine = init(server, Liar(weights, describe))
-    with pytest.raises(SourceMismatch, match=r"declared 'model\.layers\.0\.mlp\.up_proj\.weight' float16 \[12, 8\], got .* \[2, 8\]"):
+    # Small chunks: the lie sits in a later chunk, after the first broadcasts went out.
+    engine = init(server, Liar(numpy_weights(), describe), packed=True, packed_buffer_size_bytes=64)
+    with pytest.raises(SourceMismatch, match=MISMATCH):
         engine.send_weights()
     assert FAKE.comm.aborted.is_set()
+    assert FAKE.comm.broadcasts  # the failure really came after bytes went out
+
+
+def test_mismatch_in_the_first_chunk_sends_nothing_and_keeps_the_engine() -> None:
+    FAKE.comm = FakeComm()
+    server = FakeServer()
+    source = Liar(numpy_weights(), describe)
+    engine = init(server, source)  # one chunk: the lie is found before the control plane runs
+    with pytest.raises(SourceMismatch, match=MISMATCH):
+        engine.send_weights()
+    assert not FAKE.comm.aborted.is_set() and not FAKE.comm.broadcasts
+    assert "start_weight_update" not in server.routes()
+    source.lying = False
+    metrics = engine.send_weights()  # nothing went out, so nothing is broken
+    assert metrics.version == "1" and server.routes()[-3:] == ["start_weight_update", "update_weights", "finish_weight_update"]
 
 
 def test_update_that_never_returns_times_out() -> None:

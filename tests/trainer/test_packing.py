@@ -52,7 +52,7 @@ class NumpyPacker(DevicePacker):
         self.streams += 1
         return f"s{self.streams - 1}"
 
-    def pack(self, tensors: Any, nbytes: int, stream: Any) -> np.ndarray:
+    def pack(self, tensors: Any, nbytes: int, stream: Any, slot: int) -> np.ndarray:
         return np.concatenate([np.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in tensors])
 
     def wire(self, tensor: Any, stream: Any) -> np.ndarray:

@@ -1,14 +1,17 @@
 """JAX device packing for the NCCL data path.
 
-A chunk is packed by one jitted XLA computation: every tensor bitcast to the widest
-word its byte size allows, flattened and concatenated into a fresh device buffer (one fused kernel, no host
-round trip). The buffer reaches NCCL through ``cupy.from_dlpack`` (zero-copy: same
-device pointer) entered under the broadcast's stream; JAX then makes that stream
-wait for the packing to finish, so no host synchronization is needed per chunk.
+``JaxDevicePacker`` (what the engine uses) gathers a chunk's arrays into the slot's
+reusable CuPy buffer with one device-to-device copy per array, read straight from
+each array's device buffer (``unsafe_buffer_pointer``): no XLA computation, no new
+allocation, at the device's copy rate. Unpacked rounds hand NCCL the array's own
+buffer. The host waits for a chunk's arrays to be computed (``block_until_ready``)
+before enqueueing the copies: they are read outside XLA's stream order.
 
-Bitcast, not ``astype``: the wire carries raw bytes; a conversion would change them.
-``bool`` is the exception XLA refuses to bitcast; its bytes are 0/1, which
-``astype(uint8)`` reproduces exactly.
+``pack_words`` / ``pack_bytes`` are the XLA alternative (one fused concatenate per
+chunk, bitcast to the widest word that fits), kept as the reference the benchmark
+compares against and for callers that want a JAX array. Bitcast, not ``astype``: the
+wire carries raw bytes. ``bool`` is the exception XLA refuses to bitcast; its bytes
+are 0/1, which ``astype(uint8)`` reproduces exactly.
 """
 
 from __future__ import annotations
@@ -22,10 +25,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from weightwire.trainer.packing import DevicePacker
-
-# cupy has no bfloat16 / float8 dtypes: those tensors cross as their bytes.
-_CUPY_NATIVE = frozenset({"float16", "float32", "float64", "int8", "uint8", "int32", "int64"})
-
 
 _WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -83,15 +82,13 @@ def pack_bytes(tensors: Sequence[Any]) -> jax.Array:
     return words if words.dtype == jnp.uint8 else _words_to_bytes(words)
 
 
-def _bytes_of(x: jax.Array) -> jax.Array:
-    return _concat_words(1, x)
-
-
 class JaxDevicePacker(DevicePacker):
     """Packs JAX arrays on the GPU whose CUDA ordinal is ``device`` (default: current)."""
 
     def __init__(self, device: int | None) -> None:
         import cupy  # noqa: PLC0415  (GPU hosts only)
+
+        from weightwire.transport.nccl_buffers import SlotBuffers  # noqa: PLC0415
 
         self._cupy = cupy
         self._ordinal = cupy.cuda.runtime.getDevice() if device is None else device
@@ -101,6 +98,7 @@ class JaxDevicePacker(DevicePacker):
             seen = [getattr(d, "local_hardware_id", d.id) for d in gpus]
             raise RuntimeError(f"JAX has no GPU with CUDA ordinal {self._ordinal} (JAX GPUs: {seen}); NCCL packs on the sender's GPU")
         self._device = match[0]
+        self._buffers = SlotBuffers(cupy, self._ordinal)
 
     def new_stream(self) -> Any:
         with self._cupy.cuda.Device(self._ordinal):
@@ -111,23 +109,35 @@ class JaxDevicePacker(DevicePacker):
             return x
         return jax.device_put(x, self._device)
 
-    def _import(self, array: jax.Array, stream: Any) -> Any:
-        # Entered under ``stream`` so cupy passes it to __dlpack__ and XLA orders the
-        # stream after the array's producer instead of blocking the host.
-        with self._cupy.cuda.Device(self._ordinal), stream:
-            return self._cupy.from_dlpack(array)
+    def _regions(self, arrays: Sequence[jax.Array]) -> list[Any]:
+        from weightwire.transport.nccl_buffers import DeviceBytes  # noqa: PLC0415
 
-    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any) -> Any:
-        words = pack_words([self._here(t) for t in tensors])
-        got = words.size * words.dtype.itemsize
-        if got != nbytes:
-            raise ValueError(f"packed chunk has {got} bytes, the plan says {nbytes}")
-        return self._import(words, stream).view(self._cupy.uint8)  # zero-copy byte view
+        # The copies read the buffers outside XLA's stream order: wait until they hold
+        # their values (a no-op for arrays computed long ago, e.g. the trainer's params).
+        jax.block_until_ready(list(arrays))
+        out = []
+        for x in arrays:
+            nbytes = int(x.size) * jnp.dtype(x.dtype).itemsize
+            # An empty array may have no buffer to point at; it contributes no bytes.
+            out.append(DeviceBytes(int(x.unsafe_buffer_pointer()) if nbytes else 0, nbytes, self._ordinal, x))
+        return out
+
+    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any, slot: int) -> Any:
+        return self._buffers.gather(slot, self._regions([self._here(t) for t in tensors]), nbytes, stream)
 
     def wire(self, tensor: Any, stream: Any) -> Any:
-        x = self._here(tensor)
-        from weightwire.jax_side.dtypes import wire_name  # noqa: PLC0415
+        (region,) = self._regions([self._here(tensor)])
+        cp = self._cupy
+        if region.nbytes == 0:
+            with cp.cuda.Device(self._ordinal):
+                return cp.empty(0, dtype=cp.uint8)
+        # Zero-copy for every dtype (CuPy has no bfloat16 / float8 to import them as);
+        # ``owner`` keeps the JAX array alive as long as the CuPy view.
+        memory = cp.cuda.UnownedMemory(region.ptr, region.nbytes, region.owner, self._ordinal)
+        return cp.ndarray((region.nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(memory, 0))
 
-        if wire_name(x.dtype) in _CUPY_NATIVE:
-            return self._import(x, stream)
-        return self._import(_bytes_of(x), stream)
+    def settled(self, slot: int) -> None:
+        self._buffers.settled(slot)
+
+    def release(self) -> None:
+        self._buffers.release()

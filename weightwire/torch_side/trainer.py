@@ -43,15 +43,19 @@ class TorchTrainerEngine(TrainerEngine):
 
 
 class TorchDevicePacker(DevicePacker):
-    """Packs with ``torch.cat`` on torch-created streams handed to NCCL as cupy streams.
+    """Gathers torch tensors into the slot's reusable buffer, on torch-created streams
+    handed to NCCL as CuPy streams.
 
     Each stream first waits on the caller's current stream, so packing reads the
-    weights the trainer last wrote; the packed buffer is allocated on that stream, so
-    the caching allocator cannot hand it out again before the stream moved past it.
+    weights the trainer last wrote. Staging copies (another device, non-contiguous)
+    are made on the slot's stream and held by the pipeline until that stream is
+    synchronized, so the caching allocator cannot recycle them under the copy.
     """
 
     def __init__(self, device: int | None) -> None:
         import cupy  # noqa: PLC0415  (GPU hosts only)
+
+        from weightwire.transport.nccl_buffers import SlotBuffers  # noqa: PLC0415
 
         if not torch.cuda.is_available():
             raise RuntimeError("the NCCL path needs CUDA tensors: torch sees no GPU")
@@ -59,29 +63,33 @@ class TorchDevicePacker(DevicePacker):
         index = torch.cuda.current_device() if device is None else device
         self._device = torch.device("cuda", index)
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._buffers = SlotBuffers(cupy, index)
 
     def new_stream(self) -> Any:
         stream = torch.cuda.Stream(device=self._device)
         self._streams[stream.cuda_stream] = stream
         return self._cupy.cuda.ExternalStream(stream.cuda_stream, self._device.index)
 
-    def _flat(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor_bytes(tensor.to(self._device, non_blocking=True))
-
-    def _on(self, stream: Any, make: Any) -> Any:
+    def _flats(self, tensors: Sequence[Any], stream: Any) -> list[torch.Tensor]:
         torch_stream = self._streams[stream.ptr]
         torch_stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(torch_stream):
-            flat = make()
-            # Imported while the torch stream is current, so dlpack adds no extra wait.
-            with self._cupy.cuda.Device(self._device.index), stream:
-                return self._cupy.from_dlpack(flat)
+            return [tensor_bytes(t.to(self._device, non_blocking=True)) for t in tensors]
 
-    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any) -> Any:
-        buf = self._on(stream, lambda: torch.cat([self._flat(t) for t in tensors]))
-        if buf.size != nbytes:
-            raise ValueError(f"packed chunk has {buf.size} bytes, the plan says {nbytes}")
-        return buf
+    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any, slot: int) -> Any:
+        from weightwire.transport.nccl_buffers import DeviceBytes  # noqa: PLC0415
+
+        parts = [DeviceBytes(f.data_ptr(), f.numel(), self._device.index, f) for f in self._flats(tensors, stream)]
+        return self._buffers.gather(slot, parts, nbytes, stream)
 
     def wire(self, tensor: Any, stream: Any) -> Any:
-        return self._on(stream, lambda: self._flat(tensor))
+        (flat,) = self._flats([tensor], stream)
+        # Imported while the slot's stream is current, so dlpack adds no extra wait.
+        with self._cupy.cuda.Device(self._device.index), stream:
+            return self._cupy.from_dlpack(flat)
+
+    def settled(self, slot: int) -> None:
+        self._buffers.settled(slot)
+
+    def release(self) -> None:
+        self._buffers.release()

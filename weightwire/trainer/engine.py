@@ -5,10 +5,12 @@ Lifecycle (every trainer rank calls each step; only rank 0 touches the wire):
 1. ``trainer_init``: read the server version (feature gates) and world size; open the
    backend's rendezvous; POST the worker init info on a side thread while rank 0
    joins; warm up; then check the POST. The wire params ride in that init info.
-2. ``send_weights``: [pause] -> ``start_weight_update`` -> ``update_weights`` on a side
-   thread *concurrently with* the broadcasts (workers receive inside that request) ->
-   ``finish_weight_update(version)`` -> [resume] -> [verify]. Other ranks only iterate
-   the source, so they stay in any trainer-side gathers.
+2. ``send_weights``: pack the first chunk -> [pause] -> ``start_weight_update`` ->
+   ``update_weights`` on a side thread *concurrently with* the broadcasts (workers
+   receive inside that request) -> ``finish_weight_update(version)`` -> [resume] ->
+   [verify]. The first pack overlaps the start round trip; no byte is broadcast before
+   start returned. Other ranks only iterate the source, so they stay in any
+   trainer-side gathers.
 3. ``shutdown``: tell the servers, close the communicator.
 
 Failure rules, each preventing a hang or a misleading error: a failed update POST
@@ -231,15 +233,20 @@ class TrainerEngine(ABC):
             chunks = plan(metas, packed=self.info.packed, buffer_size_bytes=self.info.packed_buffer_size_bytes)
         digests: dict[str, str] | None = {} if self.info.verify else None
         paused = False
+
+        def control() -> None:
+            # Runs inside the transfer, once the first chunk is packed (see _transfer).
+            nonlocal paused
+            if self.info.pause_mode is not None:
+                self.client.pause(self.info.pause_mode)
+                paused = True
+            self.client.start_weight_update()
+
         try:
-            with clock("control"):
-                if self.info.pause_mode is not None:
-                    self.client.pause(self.info.pause_mode)
-                    paused = True
-                self.client.start_weight_update()
             self._sent_metas = None  # until finish succeeds, the worker's copy is unknown
+            clock.seconds["control"] = 0.0  # booked from inside the transfer (listed first)
             with clock("transfer"):
-                nbytes, count = self._transfer(payload, metas, chunks, digests)
+                nbytes, count = self._transfer(payload, metas, chunks, digests, control, clock)
             with clock("finish"):
                 self.client.finish_weight_update(version)
                 self._sent_metas = metas
@@ -256,9 +263,18 @@ class TrainerEngine(ABC):
         return RoundMetrics(version, nbytes, len(metas), count, reuse, seconds=clock.seconds)
 
     def _transfer(self, payload: dict[str, Any], metas: list[ParamMeta], chunks: list[Chunk],
-                  digests: dict[str, str] | None) -> tuple[int, int]:
+                  digests: dict[str, str] | None, control: Any, clock: PhaseClock) -> tuple[int, int]:
+        """The data plane with the control plane folded in.
+
+        The pipeline prepares the first chunk, then calls ``begin``: pause + start (the
+        ``control`` phase), then the update POST on a side thread; only then does the
+        first byte go out. So the first chunk's packing overlaps the start round trip.
+        A failure before ``begin`` finished sent nothing: the pipeline is settled and
+        the engine stays usable. After it, the failure rules of the module docstring apply.
+        """
         comm, pipeline, t = self._comm, self._pipeline, self.info.timeouts
         stop = threading.Event()
+        update: list[Future] = []
 
         def on_update_done(future: Future) -> None:
             if future.exception() is not None:
@@ -267,25 +283,42 @@ class TrainerEngine(ABC):
                 stop.set()
                 comm.abort()
 
-        update = spawn(lambda: self.client.update_weights(payload), name="weightwire-update")
-        update.add_done_callback(on_update_done)
+        def begin() -> None:
+            started = time.perf_counter()
+            try:
+                control()
+            finally:
+                clock.shift("transfer", "control", time.perf_counter() - started)
+            future = spawn(lambda: self.client.update_weights(payload), name="weightwire-update")
+            future.add_done_callback(on_update_done)
+            update.append(future)
+
         pairs = checked_iter(self.source, metas, self.describe)
         if digests is not None:
             pairs = _tap(pairs, digests, self.tensor_sha256)
         prepared = chunked(pairs, chunks)
         try:
             if isinstance(pipeline, DevicePipeline):
-                sent = pipeline.send_packed(prepared, stop) if self.info.packed else pipeline.send_unpacked(prepared, metas, stop)
+                sent = (pipeline.send_packed(prepared, stop, begin) if self.info.packed
+                        else pipeline.send_unpacked(prepared, metas, stop, begin))
             else:
                 assert pipeline is not None
-                sent = pipeline.send(prepared, stop)
-            _await(update, t.http_s, "update_weights (after the last broadcast)")
+                sent = pipeline.send(prepared, stop, begin)
+            _await(update[0], t.http_s, "update_weights (after the last broadcast)")
             return sent
         except BaseException as exc:
             stop.set()
+            if not update:  # nothing went on the wire: settle the local work, keep the engine
+                if isinstance(pipeline, DevicePipeline):
+                    try:
+                        pipeline.drain()
+                    except BaseException as drain_exc:
+                        self._broken = drain_exc
+                        comm.abort()
+                raise
             self._broken = exc
             comm.abort()
-            cause = _real_cause(exc, update)
+            cause = _real_cause(exc, update[0])
             if cause is exc:
                 raise
             self._broken = cause
@@ -302,9 +335,11 @@ class TrainerEngine(ABC):
         if self._closed:
             return
         self._closed = True
-        comm, self._comm, self._pipeline = self._comm, None, None
+        comm, pipeline, self._comm, self._pipeline = self._comm, self._pipeline, None, None
         if comm is None:
             return
+        if isinstance(pipeline, DevicePipeline):
+            pipeline.close()
         post: Future | None = None
         if self.features is not None and self.features.shutdown_route and hasattr(self.client, "shutdown_weight_transfer_engine"):
             post = spawn(self.client.shutdown_weight_transfer_engine, name="weightwire-shutdown")

@@ -57,6 +57,13 @@ class PhaseClock:
         self._name = name
         return self
 
+    def shift(self, source: str, target: str, seconds: float) -> None:
+        """Book ``seconds`` that were spent inside ``source``'s span under ``target`` instead.
+
+        Callable while ``source`` is open: its share is subtracted when it closes."""
+        self.seconds[source] = self.seconds.get(source, 0.0) - seconds
+        self.seconds[target] = self.seconds.get(target, 0.0) + seconds
+
     def __enter__(self) -> PhaseClock:
         self._start = time.perf_counter()
         return self

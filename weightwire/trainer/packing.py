@@ -6,11 +6,16 @@ Two pipelines, both fed ``(Chunk, tensors)`` pairs in plan order (``chunked``):
   sender thread broadcasts chunk k. At most ``num_buffers`` chunks exist as host
   bytes at once. A chunk goes out as its list of parts (one logical buffer, no
   concatenation copy).
-- ``DevicePipeline`` (NCCL): chunk k is packed into a fresh device buffer by the
-  framework's ``DevicePacker`` and its broadcast is enqueued on stream
-  ``k % num_buffers``, so packing k+1 overlaps broadcasting k. The host waits only
-  when a stream slot comes round again (for the chunk ``num_buffers`` back) and at
-  the final drain; every wait goes through ``comm.synchronize`` with a timeout.
+- ``DevicePipeline`` (NCCL): chunk k is gathered into slot ``k % num_buffers``'s
+  reusable device buffer by the framework's ``DevicePacker`` and broadcast on that
+  slot's stream, so packing k+1 overlaps broadcasting k. The host waits only when a
+  slot comes round again (for the chunk ``num_buffers`` back) and at the final
+  drain; every wait goes through ``comm.synchronize`` with a timeout.
+
+Both take a ``begin`` callback, run once the first chunk is prepared and before its
+first byte goes out: the engine puts the control plane there (``start_weight_update``,
+then the update POST), so the first chunk's packing overlaps those round trips
+instead of following them. If ``begin`` raises, nothing was broadcast.
 
 Framework code lives behind two hooks: ``host_bytes(tensor)`` and ``DevicePacker``.
 """
@@ -33,6 +38,7 @@ from weightwire.shared.meta import ParamMeta
 
 Prepared = tuple[Chunk, list[Any]]
 HostBytes = Callable[[Any], np.ndarray]
+Begin = Callable[[], None] | None
 
 
 class RoundAborted(TransferError):
@@ -63,7 +69,7 @@ class HostPipeline:
         self._timeout = timeout
         self._prefetch = prefetch
 
-    def send(self, prepared: Iterable[Prepared], stop: threading.Event) -> tuple[int, int]:
+    def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None) -> tuple[int, int]:
         """Broadcast every chunk; returns ``(bytes, broadcasts)`` once all were sent."""
         work: queue.Queue[list[np.ndarray] | None] = queue.Queue(maxsize=self._depth)
         failure: list[BaseException] = []
@@ -78,8 +84,10 @@ class HostPipeline:
                 got = sum(p.nbytes for p in parts)
                 if got != chunk.nbytes:
                     raise ValueError(f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}")
+                begin = _run_once(begin)
                 self._put(work, parts, stop, failure)
                 nbytes, count = nbytes + got, count + 1
+            begin = _run_once(begin)
             self._put(work, None, stop, failure)
             # Each queued broadcast is bounded by its own timeout; this only guards the thread.
             thread.join(self._timeout * (self._depth + 1) + 5.0)
@@ -122,22 +130,31 @@ class HostPipeline:
 
 
 class DevicePacker(ABC):
-    """Framework hook for the NCCL path. Buffers are cupy arrays on the comm's device;
+    """Framework hook for the NCCL path. Buffers are CuPy arrays on the sender's device;
     "stream-ordered" means: safe to read by later work enqueued on ``stream``, with no
-    host synchronization."""
+    further host synchronization."""
 
     @abstractmethod
     def new_stream(self) -> Any:
-        """A cupy stream (``Stream`` or ``ExternalStream``) on the sender's device."""
+        """A CuPy stream (``Stream`` or ``ExternalStream``) on the sender's device."""
 
     @abstractmethod
-    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any) -> Any:
-        """A fresh ``uint8`` buffer of ``nbytes``: the tensors' C-order bytes back to
-        back, stream-ordered on ``stream``; it stays valid while referenced."""
+    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any, slot: int) -> Any:
+        """A ``uint8`` buffer of ``nbytes``: the tensors' C-order bytes back to back,
+        stream-ordered on ``stream``. It may be slot ``slot``'s reused buffer: the
+        pipeline packs into a slot only after the broadcast that last read it ended."""
 
     @abstractmethod
     def wire(self, tensor: Any, stream: Any) -> Any:
         """A buffer holding one tensor's bytes (zero-copy where possible), stream-ordered."""
+
+    def settled(self, slot: int) -> None:
+        """Everything enqueued on slot ``slot``'s stream finished: drop what ``pack`` kept alive for it."""
+        return None
+
+    def release(self) -> None:
+        """Free any buffers kept between rounds (the engine is shutting down)."""
+        return None
 
 
 class DevicePipeline:
@@ -160,12 +177,17 @@ class DevicePipeline:
     def _sync(self, slot: int) -> None:
         self._comm.synchronize(self._streams[slot], timeout=self._timeout)
         self._in_flight[slot].clear()
+        self._packer.settled(slot)
 
     def drain(self) -> None:
         for slot in range(len(self._streams)):
             self._sync(slot)
 
-    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event) -> tuple[int, int]:
+    def close(self) -> None:
+        self._in_flight = [[] for _ in self._streams]
+        self._packer.release()
+
+    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None) -> tuple[int, int]:
         n = len(self._streams)
         nbytes = count = 0
         for k, (chunk, tensors) in enumerate(prepared):
@@ -175,14 +197,17 @@ class DevicePipeline:
             if self._in_flight[slot]:
                 self._sync(slot)  # the chunk n back on this stream: its buffer may now be dropped
             stream = self._streams[slot]
-            buf = self._packer.pack(tensors, chunk.nbytes, stream)
+            buf = self._packer.pack(tensors, chunk.nbytes, stream, slot)
             self._in_flight[slot].append((buf, tensors))
+            begin = _run_once(begin)  # the control plane's round trips overlap the first pack
             self._comm.broadcast(buf, root=0, timeout=self._timeout, stream=stream)
             nbytes, count = nbytes + chunk.nbytes, count + 1
+        _run_once(begin)
         self.drain()
         return nbytes, count
 
-    def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event) -> tuple[int, int]:
+    def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
+                      begin: Begin = None) -> tuple[int, int]:
         """One broadcast per tensor with its own NCCL dtype (what a stock vLLM worker posts)."""
         stream, held = self._streams[0], 0
         nbytes = count = 0
@@ -192,6 +217,7 @@ class DevicePipeline:
             meta = metas[chunk.start]
             buf = self._packer.wire(tensors[0], stream)
             self._in_flight[0].append((buf, tensors))
+            begin = _run_once(begin)
             self._comm.broadcast_typed(buf, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel,
                                        root=0, timeout=self._timeout, stream=stream)
             held += meta.nbytes
@@ -199,6 +225,14 @@ class DevicePipeline:
             if held > self._hold_bytes:  # bounds memory held by per-tensor temporaries (casts)
                 self._sync(0)
                 held = 0
+        _run_once(begin)
         self.drain()
         return nbytes, count
 
+
+
+def _run_once(begin: Begin) -> None:
+    """Call ``begin`` if it is still pending; returns the new pending value (always ``None``)."""
+    if begin is not None:
+        begin()
+    return None
