@@ -22,7 +22,9 @@ on one stream, same run, separate communicator), the control-plane ms per round
 next to the bound ``num_buffers x buffer + largest tensor``: sender = peak over the
 measured round of (JAX or torch bytes in use + CuPy pool bytes in use) minus the same
 before ``trainer_init`` (so the rotating buffers kept between rounds count); receiver =
-torch peak allocated minus the level before the round. A config that fails is reported as such.
+torch peak allocated minus the level before the round. One more round per config is
+traced (``bench_sync_trace.py``: control calls, broadcast enqueues, CUDA events) and
+kept in the JSON rows as ``timeline``. A config that fails is reported as such.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_sync_shim import ShimClient, raw_rounds, receiver_main, rpc
+from bench_sync_trace import trace_round
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -173,6 +176,7 @@ def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: boo
             finish.append(metrics.seconds.get("finish", 0.0))
         row["chunks"] = metrics.chunks
         row["phases_ms"] = {k: round(v * 1e3, 2) for k, v in metrics.seconds.items()}
+        row["timeline"] = trace_round(engine, lambda: rpc(cfg["port"], "trace", t))
         rpc(cfg["port"], "mem_reset", t)
         with MemSampler(engine_kind, base) as mem:
             engine.send_weights()
@@ -278,9 +282,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def _spawn(role: str, gpu: int, cfg: dict[str, Any], path: Path) -> subprocess.Popen:
+def _spawn(role: str, gpu: int | None, cfg: dict[str, Any], path: Path) -> subprocess.Popen:
     path.write_text(json.dumps(cfg))
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="" if gpu is None else str(gpu), XLA_PYTHON_CLIENT_PREALLOCATE="false")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return subprocess.Popen([sys.executable, __file__, "--role", role, "--config", str(path)], env=env,
                             stdout=subprocess.PIPE if role == "sender" else None, text=True)
@@ -299,11 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="per-wait timeout (NCCL, control calls)")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="stop starting new configs after this")
     ap.add_argument("--out", help="also write the markdown table here (and the raw rows to OUT.json)")
-    ap.add_argument("--role", choices=("sender", "receiver"), help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=("sender", "receiver", "api"), help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.role:
         cfg = json.loads(Path(args.config).read_text())
+        if args.role == "api":
+            from bench_sync_http import api_main  # noqa: PLC0415
+
+            api_main(cfg)
         (sender_main if args.role == "sender" else receiver_main)(cfg)
         return 0
     unknown = [m for m in args.models.split(",") if m not in MODELS]
@@ -321,18 +329,26 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="weightwire-bench-sync-") as tmp:
         port_file = Path(tmp, "port")
         receiver = _spawn("receiver", 1, {"port_file": str(port_file), "deadline": deadline + 60}, Path(tmp, "r.json"))
-        sender = None
+        sender = api = None
         try:
             while not port_file.exists():
                 if receiver.poll() is not None or time.time() > deadline:
                     raise RuntimeError("receiver process did not start its control shim")
                 time.sleep(0.1)
-            where = json.loads(port_file.read_text())
+            where = {"port": int(port_file.read_text()), "url": None}
+            if "http" in controls:
+                url_file = Path(tmp, "url")
+                api = _spawn("api", None, {"port": where["port"], "url_file": str(url_file), "timeout": args.timeout + 60,
+                                           "deadline": deadline + 60}, Path(tmp, "a.json"))
+                while not url_file.exists() and api.poll() is None and time.time() < deadline:
+                    time.sleep(0.1)
+                if url_file.exists():
+                    where["url"] = json.loads(url_file.read_text())["url"]
             for engine in engines:
                 for control in controls:
                     if control == "http" and where["url"] is None:
                         rows.append({"engine": engine, "control": control, "model": "-", "mode": "-",
-                                     "error": "receiver has no fastapi/uvicorn: no HTTP control plane"})
+                                     "error": "the API process did not start (fastapi/uvicorn missing?)"})
                         continue
                     cfg = {"port": where["port"], "url": where["url"], "engine": engine, "control": control,
                            "models": args.models.split(","), "deadline": deadline, "timeout": args.timeout,
@@ -347,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 rpc(where["port"], "quit", 10)
         finally:
-            for proc in (sender, receiver):
+            for proc in (sender, api, receiver):
                 if proc is not None and proc.poll() is None:
                     proc.kill()
     text = table(rows)

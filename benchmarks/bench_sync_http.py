@@ -1,14 +1,15 @@
 """HTTP control plane for ``bench_sync.py --control http``: the reference server's routes
 (``weightwire.torch_side.server.app.create_app``: validation, session rules, fan-out)
-served by uvicorn inside the benchmark's receiver process.
+served by uvicorn in their own process, as in the reference server and in vLLM (API
+server and GPU workers are separate processes: the worker's receive loop never
+competes with the HTTP stack for one interpreter).
 
-The server's replicas normally are worker processes holding an HF model; here one
-in-process "replica" drives the receiver's ``WeightwireNCCLEngine`` (loading into the
-benchmark's ``Sink``), so an 8B-shaped synthetic set needs no 16 GB checkpoint on
-disk. What is measured is everything a trainer's round trip pays on loopback:
+The server's replicas normally are worker processes holding an HF model; here the one
+"replica" is the benchmark's receiver process (``WeightwireNCCLEngine`` loading into a
+``Sink``), reached over the shim's local socket, so an 8B-shaped synthetic set needs no
+16 GB checkpoint on disk. What a trainer's round trip pays on loopback is all here:
 ``HTTPWeightSyncClient`` (httpx), uvicorn, FastAPI routing, body validation, the
-session lock and the fan-out; not the reference server's JSON pipe to its worker
-processes (a vLLM server has its own, different hop there).
+session lock, the fan-out and one local hop to the worker.
 """
 
 from __future__ import annotations
@@ -27,8 +28,51 @@ class _Replica:
     alive: bool = True
 
 
+_OPS = {"init": "init_weight_transfer_engine", "start": "start_weight_update", "update": "update_weights",
+        "finish": "finish_weight_update", "shutdown": "shutdown_weight_transfer_engine"}
+
+
+class ShimReceiver:
+    """The receiver process's worker operations over one kept-open shim connection
+    (like the reference server's pipe to a worker: no connect, no thread hop per call);
+    an abort goes over a fresh connection so it can overtake an update in flight."""
+
+    def __init__(self, port: int, timeout: float) -> None:
+        self.port, self.timeout = port, timeout
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock: asyncio.Lock | None = None
+
+    async def call(self, op: str, args: dict[str, Any]) -> Any:
+        import json  # noqa: PLC0415
+
+        call = _OPS.get(op)
+        if call is None:
+            raise ValueError(f"unknown operation {op!r}")
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._conn is None:
+                self._conn = await asyncio.open_connection("127.0.0.1", self.port, limit=1 << 26)
+            reader, writer = self._conn
+            writer.write((json.dumps({"call": call, "args": args}) + "\n").encode())
+            await writer.drain()
+            line = await reader.readline()
+        if not line:
+            self._conn = None
+            raise ConnectionError(f"receiver closed the connection during {call}")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise RuntimeError(reply["error"])
+        return reply.get("result")
+
+    def abort(self) -> None:
+        from bench_sync_shim import rpc  # noqa: PLC0415
+
+        rpc(self.port, "abort", self.timeout)
+
+
 class InProcessPool:
-    """The part of ``ReplicaPool`` the weight routes use, over one in-process engine."""
+    """The part of ``ReplicaPool`` the weight routes use, over one receiver."""
 
     def __init__(self, receiver: Any) -> None:
         self._receiver = receiver
@@ -45,7 +89,7 @@ class InProcessPool:
 
         one = (args[0] if isinstance(args, list) else args) or {}
         try:
-            result = await asyncio.wait_for(asyncio.to_thread(self._receiver.op, op, one), timeout)
+            result = await asyncio.wait_for(self._receiver.call(op, one), timeout)
         except Exception as exc:
             if abort_on_failure:
                 await self.abort_all()
@@ -76,3 +120,16 @@ def serve_http(receiver: Any, *, timeout: float = 60.0) -> tuple[str, Any]:
             raise RuntimeError("uvicorn did not start within the timeout")
         time.sleep(0.02)
     return f"http://127.0.0.1:{port}", server
+
+
+def api_main(cfg: dict[str, Any]) -> None:
+    """The API-server process: serve the routes until the deadline, forwarding to the receiver."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    url, _ = serve_http(ShimReceiver(cfg["port"], cfg["timeout"]))
+    Path(cfg["url_file"] + ".tmp").write_text(json.dumps({"url": url}))
+    os.replace(cfg["url_file"] + ".tmp", cfg["url_file"])
+    time.sleep(max(0.0, cfg["deadline"] - time.time()))
+    os._exit(0)

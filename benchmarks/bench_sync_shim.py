@@ -91,10 +91,15 @@ class Receiver:
         self.sink, self.engine, self.lock = Sink(), None, threading.Lock()
         self.raw: dict[str, Any] = {}
         self.base = 0
+        self.trace: dict[str, Any] = {}  # last update's perf_counter() marks (one clock for all processes)
 
     def handle(self, call: str, args: dict[str, Any]) -> Any:
         if call.startswith("raw_"):
             return getattr(self, call)(**args)
+        if call == "abort":
+            return self.abort()
+        if call == "trace":
+            return dict(self.trace)
         if call == "mem_reset":
             self.torch.cuda.reset_peak_memory_stats(self.device)
             self.base, self.sink.tensors, self.sink.nbytes = self.torch.cuda.memory_allocated(self.device), 0, 0
@@ -118,6 +123,7 @@ class Receiver:
                 self.engine = WeightwireNCCLEngine.standalone(model=self.sink, device=self.device)
                 info = self.engine.parse_init_info(args["init_info"])
                 self.engine.init_transfer_engine(info)
+                self._trace_link()
                 return {"rank": info.rank_offset}
             if op == "shutdown":
                 engine, self.engine = self.engine, None
@@ -129,7 +135,9 @@ class Receiver:
             if op == "start":
                 self.engine.start_weight_update()
             elif op == "update":
+                self.trace = {"update_enter": time.perf_counter(), "posts": [], "waits": []}
                 self.engine.update_weights(args["update_info"])
+                self.trace["update_exit"] = time.perf_counter()
                 stats = self.engine.last_stats
                 return {} if stats is None else {"tensors": stats.tensors, "chunks": stats.chunks, "nbytes": stats.nbytes}
             elif op == "finish":
@@ -137,6 +145,23 @@ class Receiver:
             else:
                 raise ValueError(f"unknown operation {op!r}")
         return None
+
+    def _trace_link(self) -> None:
+        """Time-stamp the receive link's posts and completed waits (bench only: private access)."""
+        link = self.engine._core._link
+        post, wait = link.post, link.wait
+
+        def traced_post(*a: Any, **k: Any) -> Any:
+            out = post(*a, **k)
+            self.trace.setdefault("posts", []).append(time.perf_counter())
+            return out
+
+        def traced_wait(*a: Any, **k: Any) -> Any:
+            out = wait(*a, **k)
+            self.trace.setdefault("waits", []).append(time.perf_counter())
+            return out
+
+        link.post, link.wait = traced_post, traced_wait
 
     def abort(self) -> None:
         """Out of band (no lock: an update may hold it): unblock a receive in flight."""
@@ -196,29 +221,29 @@ def receiver_main(cfg: dict[str, Any]) -> None:
 
     class Handler(socketserver.StreamRequestHandler):
         def handle(self) -> None:
-            msg = json.loads(self.rfile.readline(1 << 24))
-            try:
-                if msg["call"] == "quit":
-                    stop.set()
-                    result = None
-                else:
-                    result = receiver.handle(msg["call"], msg["args"])
-                reply = {"ok": True, "result": result}
-            except Exception as exc:
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            self.wfile.write((json.dumps(reply) + "\n").encode())
+            # One JSON line per request; a client may keep the connection for many.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while not stop.is_set():
+                line = self.rfile.readline(1 << 26)
+                if not line:
+                    return
+                msg = json.loads(line)
+                try:
+                    if msg["call"] == "quit":
+                        stop.set()
+                        result = None
+                    else:
+                        result = receiver.handle(msg["call"], msg["args"])
+                    reply = {"ok": True, "result": result}
+                except Exception as exc:
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                self.wfile.write((json.dumps(reply) + "\n").encode())
+                self.wfile.flush()
 
-    url = None
-    try:
-        from bench_sync_http import serve_http  # noqa: PLC0415
-
-        url, _ = serve_http(receiver)
-    except ImportError as exc:  # no fastapi/uvicorn here: the shim control plane only
-        print(f"bench receiver: no HTTP control plane ({exc})", flush=True)
     socketserver.ThreadingTCPServer.daemon_threads = True
     with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        Path(cfg["port_file"] + ".tmp").write_text(json.dumps({"port": server.server_address[1], "url": url}))
+        Path(cfg["port_file"] + ".tmp").write_text(str(server.server_address[1]))
         os.replace(cfg["port_file"] + ".tmp", cfg["port_file"])
         stop.wait(cfg["deadline"] - time.time())
         server.shutdown()

@@ -111,7 +111,7 @@ step_deps() {
   run_step deps "$(limit_for 120)" "$PY" -m pip install --quiet --no-index --no-deps --target "$target" \
     .whl/gpu/fastapi-*.whl .whl/gpu/starlette-*.whl .whl/gpu/pydantic-*.whl .whl/gpu/pydantic_core-*.whl \
     .whl/gpu/uvicorn-*.whl .whl/gpu/h11-*.whl .whl/gpu/annotated_types-*.whl .whl/gpu/annotated_doc-*.whl \
-    .whl/gpu/typing_inspection-*.whl .whl/gpu/click-*.whl
+    .whl/gpu/typing_inspection-*.whl .whl/gpu/click-*.whl .whl/gpu/opentelemetry_api-*.whl
   export PYTHONPATH="$PYTHONPATH:$target"
 }
 

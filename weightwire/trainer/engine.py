@@ -108,6 +108,7 @@ class TrainerEngine(ABC):
         self._comm: Any = None
         self._pipeline: HostPipeline | DevicePipeline | None = None
         self._sent_metas: list[ParamMeta] | None = None
+        self._planned: tuple[list[ParamMeta], list[Chunk]] | None = None
         self._rounds = 0
         self._broken: BaseException | None = None
         self._closed = False
@@ -230,7 +231,7 @@ class TrainerEngine(ABC):
         with clock("metadata"):
             reuse = self.features.reuse_metadata and self._sent_metas is not None and metas == self._sent_metas
             payload = (UpdateInfo() if reuse else UpdateInfo.from_metas(metas)).to_dict()
-            chunks = plan(metas, packed=self.info.packed, buffer_size_bytes=self.info.packed_buffer_size_bytes)
+            chunks = self._plan(metas)
         digests: dict[str, str] | None = {} if self.info.verify else None
         paused = False
 
@@ -261,6 +262,15 @@ class TrainerEngine(ABC):
             with clock("verify"):
                 compare_checksums(digests, self.client.weight_checker("checksum"))
         return RoundMetrics(version, nbytes, len(metas), count, reuse, seconds=clock.seconds)
+
+    def _plan(self, metas: list[ParamMeta]) -> list[Chunk]:
+        """The round's chunks; the same metadata as last round reuses its plan (every
+        round of a training run, in practice: the plan is on the critical path)."""
+        if self._planned is not None and self._planned[0] == metas:
+            return self._planned[1]
+        chunks = plan(metas, packed=self.info.packed, buffer_size_bytes=self.info.packed_buffer_size_bytes)
+        self._planned = (list(metas), chunks)
+        return chunks
 
     def _transfer(self, payload: dict[str, Any], metas: list[ParamMeta], chunks: list[Chunk],
                   digests: dict[str, str] | None, control: Any, clock: PhaseClock) -> tuple[int, int]:
