@@ -149,19 +149,24 @@ class Receiver:
     def _trace_link(self) -> None:
         """Time-stamp the receive link's posts and completed waits (bench only: private access)."""
         link = self.engine._core._link
-        post, wait = link.post, link.wait
+        post, wait, bcast = link.post, link.wait, link.communicator.broadcast
 
         def traced_post(*a: Any, **k: Any) -> Any:
+            self.trace.setdefault("post_enter", []).append(time.perf_counter())
             out = post(*a, **k)
             self.trace.setdefault("posts", []).append(time.perf_counter())
             return out
+
+        def traced_bcast(*a: Any, **k: Any) -> Any:
+            self.trace.setdefault("bcast_enter", []).append(time.perf_counter())
+            return bcast(*a, **k)
 
         def traced_wait(*a: Any, **k: Any) -> Any:
             out = wait(*a, **k)
             self.trace.setdefault("waits", []).append(time.perf_counter())
             return out
 
-        link.post, link.wait = traced_post, traced_wait
+        link.post, link.wait, link.communicator.broadcast = traced_post, traced_wait, traced_bcast
 
     def abort(self) -> None:
         """Out of band (no lock: an update may hold it): unblock a receive in flight."""

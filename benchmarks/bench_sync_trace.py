@@ -90,6 +90,8 @@ def trace_round(engine: Any, receiver_trace: Any = None) -> dict[str, Any]:
         out["receiver"] = {
             "update": [ms(rx["update_enter"]), ms(rx["update_exit"])],
             "first_post": ms(rx["posts"][0]) if rx["posts"] else None,
+            # [entered post, entered the communicator's broadcast, post returned]
+            "first_post_parts": [ms(rx[k][0]) for k in ("post_enter", "bcast_enter", "posts") if rx.get(k)],
             "last_wait_done": ms(rx["waits"][-1]) if rx["waits"] else None,
         }
     if gpu_spans:
