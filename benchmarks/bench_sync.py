@@ -161,6 +161,13 @@ def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: boo
                   server_version="0.33.0", inference_world_size=1,
                   timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t))
     known = {f.name for f in dataclasses.fields(TrainerInitInfo)}
+    if cfg["control"] == "http":  # the floor of one round trip here: GET /version, no worker behind it
+        samples = []
+        for _ in range(30):
+            began = time.perf_counter()
+            client.version()
+            samples.append(time.perf_counter() - began)
+        row["http_rtt_ms"] = 1e3 * statistics.median(samples)
     base = MemSampler(engine_kind).sample()  # before the engine: its kept buffers count as extra
     engine = Engine.trainer_init(TrainerInitInfo(**{k: v for k, v in wanted.items() if k in known}),
                                  client=client, source=source)

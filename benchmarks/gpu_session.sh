@@ -9,6 +9,7 @@
 # the wheels in .whl/gpu (fastapi, uvicorn, ...: the GPU host lacks them; fetch with
 # `pip download -d .whl/gpu --only-binary=:all: --python-version 3.12 fastapi uvicorn`)
 # into a private target dir put on PYTHONPATH, so `sync` can time the HTTP control plane.
+# uvloop and httptools are what a vLLM server runs (fastapi[standard]); uvicorn picks them up.
 # SYNC_ARGS adds arguments to bench_sync.py (e.g. "--models llama3-8b --engines jax").
 #
 # Every step runs under `timeout`, logs to $OUT/<step>.log and appends its exit code
@@ -111,7 +112,8 @@ step_deps() {
   run_step deps "$(limit_for 120)" "$PY" -m pip install --quiet --no-index --no-deps --target "$target" \
     .whl/gpu/fastapi-*.whl .whl/gpu/starlette-*.whl .whl/gpu/pydantic-*.whl .whl/gpu/pydantic_core-*.whl \
     .whl/gpu/uvicorn-*.whl .whl/gpu/h11-*.whl .whl/gpu/annotated_types-*.whl .whl/gpu/annotated_doc-*.whl \
-    .whl/gpu/typing_inspection-*.whl .whl/gpu/click-*.whl .whl/gpu/opentelemetry_api-*.whl
+    .whl/gpu/typing_inspection-*.whl .whl/gpu/click-*.whl .whl/gpu/opentelemetry_api-*.whl \
+    .whl/gpu/uvloop-*.whl .whl/gpu/httptools-*.whl
   export PYTHONPATH="$PYTHONPATH:$target"
 }
 

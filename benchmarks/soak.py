@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=args.buffer_bytes)
     samples: list[dict[str, Any]] = []
     seconds: list[float] = []
+    control: list[float] = []  # start + finish round trips (RoundMetrics), the control plane's share
     verified = sessions = 0
     start = time.monotonic()
     stop_reason = f"{args.rounds} rounds done"
@@ -203,8 +204,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sessions += 1
             trainer.perturb(r)
             t0 = time.perf_counter()
-            engine.send_weights(str(r))
+            metrics = engine.send_weights(str(r))
             seconds.append(time.perf_counter() - t0)
+            control.append(metrics.seconds.get("control", 0.0) + metrics.seconds.get("finish", 0.0))
             if r % args.verify_every == 0 or r == 1:
                 verify(client, trainer.digests(), str(r))
                 verified += 1
@@ -227,6 +229,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"engine": args.engine, "replicas": args.replicas, "rounds": r, "sessions": sessions,
             "verified_rounds": verified, "stop": stop_reason, "wall_s": round(time.monotonic() - start, 1),
             "round_ms": {"median": 1e3 * sorted(seconds)[len(seconds) // 2], "max": 1e3 * max(seconds)},
+            "control_ms": {"median": 1e3 * sorted(control)[len(control) // 2],
+                           "p90": 1e3 * sorted(control)[int(len(control) * 0.9)]},
             "samples": samples}
 
 
@@ -262,7 +266,8 @@ def main() -> int:
     result = run(args)
     print(f"soak: {result['rounds']} rounds ({result['stop']}), {result['sessions']} sessions, "
           f"{result['verified_rounds']} verified, {result['wall_s']} s, round median "
-          f"{result['round_ms']['median']:.1f} ms (max {result['round_ms']['max']:.1f} ms); "
+          f"{result['round_ms']['median']:.1f} ms (max {result['round_ms']['max']:.1f} ms), control plane "
+          f"(start + finish) median {result['control_ms']['median']:.2f} ms (p90 {result['control_ms']['p90']:.2f}); "
           f"{args.engine} engine, {args.replicas} replica(s)")
     print(table(result, args.settle))
     if args.json:

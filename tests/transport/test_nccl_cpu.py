@@ -365,3 +365,50 @@ def test_empty_buffer_skips_nccl_like_nccl_itself() -> None:
     comm.broadcast(FakeArray(0, ptr=0), timeout=0.5)
     comm.broadcast_typed(FakeArray(0, ptr=0), nccl_dtype=9, count=0, timeout=0.5)
     assert raw.calls == []
+
+
+def test_device_bytes_pass_through_unresolved_and_are_checked_like_any_buffer() -> None:
+    from weightwire.transport.nccl_buffers import DeviceBytes
+
+    comm, raw, _ = make_comm(complete=False)
+    owner = object()
+    comm.broadcast(DeviceBytes(0xF000, 256, 0, owner), stream=0x77)
+    comm.broadcast_typed(DeviceBytes(0xF100, 64, 0, owner), nccl_dtype=9, count=32, stream=0x77)
+    assert raw.calls == [("broadcast", 0xF000, 0xF000, 256, 1, 0, 0x77), ("broadcast", 0xF100, 0xF100, 32, 9, 0, 0x77)]
+    with pytest.raises(ValueError, match="buffer lives on CUDA device 1 but this communicator"):
+        comm.broadcast(DeviceBytes(0xF200, 8, 1, owner), stream=0x77)
+
+
+def test_slot_buffers_copy_parts_back_to_back_and_reuse_each_slot() -> None:
+    from weightwire.transport.nccl_buffers import DeviceBytes, SlotBuffers
+
+    copies: list[tuple[int, int, int, int, int]] = []
+    allocated: list[int] = []
+
+    class Buf:
+        def __init__(self, n: int, ptr: int) -> None:
+            self.nbytes, self.data = n, SimpleNamespace(ptr=ptr)
+
+        def __getitem__(self, s: slice) -> Buf:
+            return Buf(s.stop, self.data.ptr)
+
+    cp = FakeCupy()
+    cp.uint8 = "uint8"
+    cp.empty = lambda n, dtype: (allocated.append(n), Buf(n, 0x10000 * len(allocated)))[1]
+    cp.cuda.runtime.memcpyAsync = lambda dst, src, n, kind, stream: copies.append((dst, src, n, kind, stream))
+    cp.cuda.runtime.memcpyDeviceToDevice = 3
+    cp.get_default_memory_pool = lambda: SimpleNamespace(free_all_blocks=lambda: None)
+    slots = SlotBuffers(cp, 0)
+    parts = [DeviceBytes(0xA0, 10, 0, None), DeviceBytes(0, 0, 0, None), DeviceBytes(0xB0, 6, 0, None)]
+    out = slots.gather(0, parts, 16, FakeStream(ptr=0x55))
+    assert out.nbytes == 16 and copies == [(0x10000, 0xA0, 10, 3, 0x55), (0x1000A, 0xB0, 6, 3, 0x55)]
+    slots.gather(0, parts[:1], 10, FakeStream(ptr=0x55))  # fits: the slot's buffer is reused
+    assert allocated == [16] and copies[-1][0] == 0x10000
+    slots.gather(0, parts + parts, 32, FakeStream(ptr=0x55))  # grows
+    assert allocated == [16, 32] and slots.held_bytes() == 32
+    with pytest.raises(ValueError, match="chunk tensors hold 16 bytes, the plan says 17"):
+        slots.gather(1, parts, 17, FakeStream())
+    with pytest.raises(ValueError, match=r"chunk tensors live on CUDA devices \[1\]; the sender packs on device 0"):
+        slots.gather(1, [DeviceBytes(0xC0, 4, 1, None)], 4, FakeStream())
+    slots.release()
+    assert slots.held_bytes() == 0

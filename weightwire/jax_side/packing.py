@@ -126,15 +126,10 @@ class JaxDevicePacker(DevicePacker):
         return self._buffers.gather(slot, self._regions([self._here(t) for t in tensors]), nbytes, stream)
 
     def wire(self, tensor: Any, stream: Any) -> Any:
+        # The array's own buffer, zero-copy for every dtype (CuPy has no bfloat16 /
+        # float8 to import them as); ``owner`` keeps the array alive while NCCL reads it.
         (region,) = self._regions([self._here(tensor)])
-        cp = self._cupy
-        if region.nbytes == 0:
-            with cp.cuda.Device(self._ordinal):
-                return cp.empty(0, dtype=cp.uint8)
-        # Zero-copy for every dtype (CuPy has no bfloat16 / float8 to import them as);
-        # ``owner`` keeps the JAX array alive as long as the CuPy view.
-        memory = cp.cuda.UnownedMemory(region.ptr, region.nbytes, region.owner, self._ordinal)
-        return cp.ndarray((region.nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(memory, 0))
+        return region
 
     def settled(self, slot: int) -> None:
         self._buffers.settled(slot)

@@ -146,7 +146,8 @@ class DevicePacker(ABC):
 
     @abstractmethod
     def wire(self, tensor: Any, stream: Any) -> Any:
-        """A buffer holding one tensor's bytes (zero-copy where possible), stream-ordered."""
+        """One tensor's bytes for the communicator (a CuPy array, or a ``DeviceBytes``
+        pointer whose producer is already ordered before ``stream``); zero-copy where possible."""
 
     def settled(self, slot: int) -> None:
         """Everything enqueued on slot ``slot``'s stream finished: drop what ``pack`` kept alive for it."""

@@ -32,9 +32,13 @@ def resolve_buffer(buffer: Any, cp: Any, stream: Any, *, sync_fallback: bool) ->
     array interface) device array, with the exporter's pending writes ordered before
     ``stream``. Host memory, strided views and sharded arrays are refused by name.
 
-    DLPack is preferred because it carries that stream ordering. Dtypes CuPy cannot
+    A ``DeviceBytes`` passes through as is: the caller already ordered its producer
+    before ``stream`` (a receiver's fresh buffer, say), and skips DLPack's per-call
+    cost. DLPack is otherwise preferred because it carries that stream ordering. Dtypes CuPy cannot
     represent (float8) fall back to the framework's raw pointer, which orders by
     waiting: the device (torch, when ``sync_fallback``) or the array (JAX)."""
+    if isinstance(buffer, DeviceBytes):  # already resolved; its producer vouches for stream order
+        return buffer
     if isinstance(buffer, cp.ndarray):
         return _from_cupy(buffer, buffer)
     if hasattr(buffer, "__dlpack__") and hasattr(buffer, "__dlpack_device__"):
@@ -167,11 +171,11 @@ class SlotBuffers:
         out = self.slot(slot, nbytes)
         self._owners[slot] = parts  # sources (staging copies included) live until the slot settles
         runtime, base, offset = self._cp.cuda.runtime, int(out.data.ptr), 0
+        copy, kind, sptr = runtime.memcpyAsync, runtime.memcpyDeviceToDevice, stream_pointer(stream)
         with self._cp.cuda.Device(self._device):
             for part in parts:
                 if part.nbytes:
-                    runtime.memcpyAsync(base + offset, part.ptr, part.nbytes, runtime.memcpyDeviceToDevice,
-                                        stream_pointer(stream))
+                    copy(base + offset, part.ptr, part.nbytes, kind, sptr)
                 offset += part.nbytes
         return out
 
