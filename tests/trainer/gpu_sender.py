@@ -27,8 +27,9 @@ from weightwire.trainer.loopback import LoopbackClient
 HIDDEN, KV, FFN = 4096, 1024, 8192
 
 
-def shapes(mib: int) -> list[tuple[str, str, tuple[int, ...]]]:
-    """HF-named tensors: bf16 matrices up to ``mib`` MiB, plus odd sizes and dtypes."""
+def shapes(mib: int, framework: str = "torch") -> list[tuple[str, str, tuple[int, ...]]]:
+    """HF-named tensors: bf16 matrices up to ``mib`` MiB, plus odd sizes in every wire
+    dtype (JAX without x64 has no float64 / int64 arrays: those are torch only)."""
     out = [("model.embed_tokens.weight", "bfloat16", (8003, HIDDEN))]
     per_layer = [("self_attn.q_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.k_proj.weight", (KV, HIDDEN)),
                  ("self_attn.v_proj.weight", (KV, HIDDEN)), ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
@@ -45,7 +46,11 @@ def shapes(mib: int) -> list[tuple[str, str, tuple[int, ...]]]:
         layer += 1
     out += [("model.norm.weight", "float32", (HIDDEN,)), ("model.odd.half", "float16", (7,)),
             ("model.odd.scalar", "float32", ()), ("model.odd.ids", "int32", (3, 5)),
-            ("model.odd.fp8", "float8_e4m3fn", (33,)), ("lm_head.weight", "bfloat16", (8003, HIDDEN))]
+            ("model.odd.fp8", "float8_e4m3fn", (33,)), ("model.odd.fp8b", "float8_e5m2", (17, 3)),
+            ("model.odd.i8", "int8", (11,)), ("model.odd.u8", "uint8", (13,)), ("model.odd.mask", "bool", (9, 2))]
+    if framework == "torch":
+        out += [("model.odd.f64", "float64", (5,)), ("model.odd.i64", "int64", (2, 3))]
+    out.append(("lm_head.weight", "bfloat16", (8003, HIDDEN)))
     return out
 
 
@@ -71,8 +76,11 @@ def jax_side(spec: list, seed: int) -> tuple[Any, dict[str, Any], Any]:
     tensors = {}
     for i, (name, dtype, shape) in enumerate(spec):
         k = jax.random.fold_in(key, i)
-        if dtype == "int32":
-            tensors[name] = jax.random.randint(k, shape, -1000, 1000, jnp.int32)
+        if dtype == "bool":
+            tensors[name] = jax.random.bernoulli(k, 0.5, shape)
+        elif dtype in ("int8", "uint8", "int32"):
+            info = jnp.iinfo(dtype)
+            tensors[name] = jax.random.randint(k, shape, max(info.min, -1000), min(info.max, 1000), jnp.dtype(dtype))
         else:
             tensors[name] = jax.random.normal(k, shape, jnp.float32).astype(jnp.dtype(dtype))
     jax.block_until_ready(tensors)
@@ -91,8 +99,14 @@ def torch_side(spec: list, seed: int) -> tuple[Any, dict[str, Any], Any]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     tensors = {}
     for name, dtype, shape in spec:
-        if dtype == "int32":
-            tensors[name] = torch.randint(-1000, 1000, shape, generator=gen, device="cuda", dtype=torch.int32)
+        if dtype == "bool":
+            tensors[name] = torch.randint(0, 2, shape, generator=gen, device="cuda").bool()
+        elif dtype in ("int8", "uint8", "int32", "int64"):
+            info = torch.iinfo(getattr(torch, dtype))
+            tensors[name] = torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen,
+                                          device="cuda", dtype=getattr(torch, dtype))
+        elif dtype == "float64":
+            tensors[name] = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64)
         else:
             tensors[name] = torch.randn(shape, generator=gen, device="cuda").to(getattr(torch, dtype))
     torch.cuda.synchronize()
@@ -114,7 +128,7 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=1100)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    spec = shapes(args.mib)
+    spec = shapes(args.mib, args.framework)
     metas = [ParamMeta(n, d, s) for n, d, s in spec]
     build = jax_side if args.framework == "jax" else torch_side
     client = LoopbackClient(args.address, timeout=300)
