@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Self
@@ -273,7 +274,7 @@ class TrainerEngine(ABC):
         return chunks
 
     def _transfer(self, payload: dict[str, Any], metas: list[ParamMeta], chunks: list[Chunk],
-                  digests: dict[str, str] | None, control: Any, clock: PhaseClock) -> tuple[int, int]:
+                  digests: dict[str, str] | None, control: Callable[[], None], clock: PhaseClock) -> tuple[int, int]:
         """The data plane with the control plane folded in.
 
         The pipeline prepares the first chunk, then calls ``begin``: pause + start (the
@@ -348,8 +349,6 @@ class TrainerEngine(ABC):
         comm, pipeline, self._comm, self._pipeline = self._comm, self._pipeline, None, None
         if comm is None:
             return
-        if isinstance(pipeline, DevicePipeline):
-            pipeline.close()
         post: Future | None = None
         if self.features is not None and self.features.shutdown_route and hasattr(self.client, "shutdown_weight_transfer_engine"):
             post = spawn(self.client.shutdown_weight_transfer_engine, name="weightwire-shutdown")
@@ -357,6 +356,8 @@ class TrainerEngine(ABC):
             comm.abort()
         else:
             comm.close()
+        if isinstance(pipeline, DevicePipeline):
+            pipeline.close()  # after the communicator: no kernel may still read its buffers
         if post is not None:
             post.result(timeout=self.info.timeouts.http_s)
 

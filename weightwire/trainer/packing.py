@@ -231,7 +231,6 @@ class DevicePipeline:
         return nbytes, count
 
 
-
 def _run_once(begin: Begin) -> None:
     """Call ``begin`` if it is still pending; returns the new pending value (always ``None``)."""
     if begin is not None:

@@ -33,9 +33,9 @@ def resolve_buffer(buffer: Any, cp: Any, stream: Any, *, sync_fallback: bool) ->
     ``stream``. Host memory, strided views and sharded arrays are refused by name.
 
     A ``DeviceBytes`` passes through as is: the caller already ordered its producer
-    before ``stream`` (a receiver's fresh buffer, say), and skips DLPack's per-call
-    cost. DLPack is otherwise preferred because it carries that stream ordering. Dtypes CuPy cannot
-    represent (float8) fall back to the framework's raw pointer, which orders by
+    before ``stream`` (a receiver's fresh buffer, say) and skips DLPack's per-call cost.
+    Otherwise DLPack is preferred because it carries that stream ordering. Dtypes CuPy
+    cannot represent (float8) fall back to the framework's raw pointer, which orders by
     waiting: the device (torch, when ``sync_fallback``) or the array (JAX)."""
     if isinstance(buffer, DeviceBytes):  # already resolved; its producer vouches for stream order
         return buffer
