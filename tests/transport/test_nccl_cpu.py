@@ -27,7 +27,7 @@ from weightwire.transport.nccl import (
     unique_id_to_bytes,
     unique_id_to_signed_tuple,
 )
-from weightwire.transport.nccl_buffers import stream_pointer
+from weightwire.transport.nccl_buffers import DeviceBytes, stream_pointer
 
 UID = bytes(range(128))
 
@@ -368,8 +368,6 @@ def test_empty_buffer_skips_nccl_like_nccl_itself() -> None:
 
 
 def test_device_bytes_pass_through_unresolved_and_are_checked_like_any_buffer() -> None:
-    from weightwire.transport.nccl_buffers import DeviceBytes
-
     comm, raw, _ = make_comm(complete=False)
     owner = object()
     comm.broadcast(DeviceBytes(0xF000, 256, 0, owner), stream=0x77)
@@ -380,7 +378,7 @@ def test_device_bytes_pass_through_unresolved_and_are_checked_like_any_buffer() 
 
 
 def test_slot_buffers_copy_parts_back_to_back_and_reuse_each_slot() -> None:
-    from weightwire.transport.nccl_buffers import DeviceBytes, SlotBuffers
+    from weightwire.transport.nccl_buffers import SlotBuffers
 
     copies: list[tuple[int, int, int, int, int]] = []
     allocated: list[int] = []
@@ -412,3 +410,47 @@ def test_slot_buffers_copy_parts_back_to_back_and_reuse_each_slot() -> None:
         slots.gather(1, [DeviceBytes(0xC0, 4, 1, None)], 4, FakeStream())
     slots.release()
     assert slots.held_bytes() == 0
+
+
+def test_framework_arrays_become_device_bytes_without_copies() -> None:
+    from weightwire.transport.nccl_buffers import array_device_bytes, tensor_device_bytes
+
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.arange(12, dtype=jnp.bfloat16).reshape(3, 4)
+    x.block_until_ready()
+    view = array_device_bytes(x)
+    assert (view.ptr, view.nbytes, view.owner) == (x.unsafe_buffer_pointer(), 24, x)
+    empty = array_device_bytes(jnp.zeros((0, 4), jnp.float32))
+    assert (empty.ptr, empty.nbytes) == (0, 0)
+
+    class CudaTensor:  # the torch surface tensor_device_bytes reads, on "device 1"
+        is_cuda, device = True, "cuda:1"
+
+        def __init__(self, contiguous: bool = True) -> None:
+            self.contiguous = contiguous
+
+        def is_contiguous(self) -> bool:
+            return self.contiguous
+
+        def stride(self) -> tuple[int, ...]:
+            return (1, 3)
+
+        def numel(self) -> int:
+            return 6
+
+        def element_size(self) -> int:
+            return 2
+
+        def data_ptr(self) -> int:
+            return 0xBEEF
+
+        def get_device(self) -> int:
+            return 1
+
+    t = CudaTensor()
+    assert tensor_device_bytes(t) == DeviceBytes(0xBEEF, 12, 1, t)
+    with pytest.raises(ValueError, match=r"must be contiguous, got strides \(1, 3\)"):
+        tensor_device_bytes(CudaTensor(contiguous=False))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="is a Tensor on cpu; NCCL needs CUDA"):
+        tensor_device_bytes(torch.zeros(2))

@@ -110,17 +110,12 @@ class JaxDevicePacker(DevicePacker):
         return jax.device_put(x, self._device)
 
     def _regions(self, arrays: Sequence[jax.Array]) -> list[Any]:
-        from weightwire.transport.nccl_buffers import DeviceBytes  # noqa: PLC0415
+        from weightwire.transport.nccl_buffers import array_device_bytes  # noqa: PLC0415
 
         # The copies read the buffers outside XLA's stream order: wait until they hold
         # their values (a no-op for arrays computed long ago, e.g. the trainer's params).
         jax.block_until_ready(list(arrays))
-        out = []
-        for x in arrays:
-            nbytes = int(x.size) * jnp.dtype(x.dtype).itemsize
-            # An empty array may have no buffer to point at; it contributes no bytes.
-            out.append(DeviceBytes(int(x.unsafe_buffer_pointer()) if nbytes else 0, nbytes, self._ordinal, x))
-        return out
+        return [array_device_bytes(x) for x in arrays]
 
     def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any, slot: int) -> Any:
         return self._buffers.gather(slot, self._regions([self._here(t) for t in tensors]), nbytes, stream)

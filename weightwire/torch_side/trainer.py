@@ -77,18 +77,17 @@ class TorchDevicePacker(DevicePacker):
             return [tensor_bytes(t.to(self._device, non_blocking=True)) for t in tensors]
 
     def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any, slot: int) -> Any:
-        from weightwire.transport.nccl_buffers import DeviceBytes  # noqa: PLC0415
+        from weightwire.transport.nccl_buffers import tensor_device_bytes  # noqa: PLC0415
 
-        parts = [DeviceBytes(f.data_ptr(), f.numel(), self._device.index, f) for f in self._flats(tensors, stream)]
-        return self._buffers.gather(slot, parts, nbytes, stream)
+        return self._buffers.gather(slot, [tensor_device_bytes(f) for f in self._flats(tensors, stream)], nbytes, stream)
 
     def wire(self, tensor: Any, stream: Any) -> Any:
-        from weightwire.transport.nccl_buffers import DeviceBytes  # noqa: PLC0415
+        from weightwire.transport.nccl_buffers import tensor_device_bytes  # noqa: PLC0415
 
-        (flat,) = self._flats([tensor], stream)
         # A raw pointer, not DLPack: the slot's stream already waits on the trainer's
         # stream (``_flats``), and a DLPack import costs ~0.2 ms per tensor.
-        return DeviceBytes(flat.data_ptr(), flat.numel(), self._device.index, flat)
+        (flat,) = self._flats([tensor], stream)
+        return tensor_device_bytes(flat)
 
     def settled(self, slot: int) -> None:
         self._buffers.settled(slot)

@@ -72,27 +72,46 @@ def _from_cupy(arr: Any, owner: Any) -> DeviceBytes:
     return DeviceBytes(int(arr.data.ptr), int(arr.nbytes), int(arr.device.id), owner)
 
 
+def tensor_device_bytes(tensor: Any) -> DeviceBytes:
+    """A torch CUDA tensor's own bytes (duck-typed: ``data_ptr`` / ``element_size``).
+
+    Zero-copy and without DLPack; ordering its producer before the reading stream is
+    the caller's job. Refuses host and non-contiguous tensors by name."""
+    if not getattr(tensor, "is_cuda", False):
+        raise ValueError(f"broadcast buffer is a {type(tensor).__name__} on {tensor.device}; NCCL needs CUDA")
+    if not tensor.is_contiguous():
+        raise ValueError(f"broadcast buffer must be contiguous, got strides {tuple(tensor.stride())}")
+    nbytes = int(tensor.numel()) * int(tensor.element_size())
+    return DeviceBytes(int(tensor.data_ptr()), nbytes, int(tensor.get_device()), tensor)
+
+
+def array_device_bytes(array: Any) -> DeviceBytes:
+    """A single-device JAX array's own buffer (duck-typed: ``unsafe_buffer_pointer``).
+
+    Zero-copy; the caller must have waited for the array (``block_until_ready``): the
+    pointer is read outside XLA's stream order. Refuses sharded arrays by name."""
+    devices = list(array.devices())
+    if len(devices) != 1:
+        raise ValueError(f"broadcast buffer is sharded over {len(devices)} devices; gather it onto one first")
+    device = getattr(devices[0], "local_hardware_id", None)
+    nbytes = int(array.nbytes)
+    if nbytes == 0:  # an empty array may have no buffer to point at
+        return DeviceBytes(0, 0, device, array)
+    return DeviceBytes(int(array.unsafe_buffer_pointer()), nbytes, device, array)
+
+
 def _raw_or_raise(buffer: Any, cp: Any, sync: bool, cause: Exception | None) -> DeviceBytes:
     if callable(getattr(buffer, "data_ptr", None)) and callable(getattr(buffer, "element_size", None)):  # torch
-        if not getattr(buffer, "is_cuda", False):
-            raise ValueError(f"broadcast buffer is a {type(buffer).__name__} on {buffer.device}; NCCL needs CUDA")
-        if not buffer.is_contiguous():
-            raise ValueError(f"broadcast buffer must be contiguous, got strides {tuple(buffer.stride())}")
-        device = int(buffer.get_device())
+        view = tensor_device_bytes(buffer)
         if sync:
             # The producer's stream is unknown without torch: wait for the whole device.
-            with cp.cuda.Device(device):
+            with cp.cuda.Device(view.device):
                 cp.cuda.runtime.deviceSynchronize()
-        return DeviceBytes(int(buffer.data_ptr()), int(buffer.numel()) * int(buffer.element_size()), device, buffer)
+        return view
     if callable(getattr(buffer, "unsafe_buffer_pointer", None)):  # JAX
-        devices = list(buffer.devices())
-        if len(devices) != 1:
-            raise ValueError(f"broadcast buffer is sharded over {len(devices)} devices; gather it onto one first")
-        device = getattr(devices[0], "local_hardware_id", None)
-        if int(buffer.nbytes) == 0:  # an empty array may have no buffer to point at
-            return DeviceBytes(0, 0, device, buffer)
-        buffer.block_until_ready()
-        return DeviceBytes(int(buffer.unsafe_buffer_pointer()), int(buffer.nbytes), device, buffer)
+        if int(buffer.nbytes):
+            buffer.block_until_ready()
+        return array_device_bytes(buffer)
     why = f" ({cause})" if cause is not None else ""
     raise TypeError(
         "broadcast buffer must be a CUDA device array (CuPy, JAX or torch: __dlpack__ or "

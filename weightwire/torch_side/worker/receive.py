@@ -27,7 +27,7 @@ from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.dtypes import torch_dtype
-from weightwire.transport.nccl_buffers import DeviceBytes
+from weightwire.transport.nccl_buffers import tensor_device_bytes
 
 # Extra seconds a pipelined wait allows beyond the communicator's own per-broadcast
 # timeout, so the communicator's clearer TransferTimeout wins the race.
@@ -169,7 +169,7 @@ class NCCLLink(ReceiveLink):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # Handed over as a raw pointer: the wait above already orders it, and going
         # through DLPack costs ~0.2 ms per chunk on the round's critical path.
-        view = DeviceBytes(buf.data_ptr(), chunk.nbytes, self.device.index, buf)
+        view = tensor_device_bytes(buf)
         if packed:
             self.communicator.broadcast(view, root=0, timeout=self.timeout_s, stream=stream.cuda_stream)
         else:
