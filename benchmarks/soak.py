@@ -25,17 +25,16 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from weightwire.demo.server import ReadyLine
+
 REPO = Path(__file__).resolve().parents[1]
-READY = re.compile(r"^weightwire server ready on (http://\S+)$")
 
 
 def proc_stats(pid: int | str) -> dict[str, int]:
@@ -65,22 +64,11 @@ class Server:
         self.log = open(log, "w")  # noqa: SIM115  (the server writes to it for its lifetime)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True,
                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        found = threading.Event()
-        self.url = ""
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                m = READY.match(line.strip())
-                if m and not self.url:
-                    self.url = m.group(1)
-                    found.set()
-            found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(300) or not self.url:
+        ready = ReadyLine(self.proc)
+        if not ready.wait(300) or ready.url is None:
             self.stop()
             raise RuntimeError(f"server did not start; see {log}")
+        self.url = ready.url
         self.workers = children(self.proc.pid)
 
     def stats(self) -> dict[str, dict[str, int]]:

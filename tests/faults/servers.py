@@ -7,18 +7,16 @@ import contextlib
 import ipaddress
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.faults.harness import API_KEY, FAULT_TIMEOUTS
+from weightwire.demo.server import ReadyLine
 
 START_TIMEOUT_S = 180.0
-READY = re.compile(r"^weightwire server ready on (http://\S+)$")
 LAUNCHED: list[Server] = []
 """Every server this test session started (the security checks read all their logs)."""
 
@@ -91,27 +89,13 @@ def launch(model: str | Path, log_path: Path, *extra: str, env: dict[str, str] |
     short = {f"WEIGHTWIRE_TIMEOUT_{k.upper()}": str(v) for k, v in vars(FAULT_TIMEOUTS).items()}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **short, **(env or {})})
-    lines: list[str] = []
-    found = threading.Event()
-    url: list[str] = []
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # keeps draining: the server never blocks on a full pipe
-            lines.append(line.rstrip("\n"))
-            m = READY.match(lines[-1])
-            if m and not url:
-                url.append(m.group(1))
-                found.set()
-        found.set()
-
-    threading.Thread(target=pump, daemon=True, name="server-stdout").start()
-    if not found.wait(START_TIMEOUT_S) or not url:
+    ready = ReadyLine(proc)
+    if not ready.wait(START_TIMEOUT_S) or ready.url is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        raise RuntimeError(f"server did not become ready: {lines!r}\n{log_path.read_text()[-3000:]}")
-    server = Server(proc, url[0], log_path, lines)
+        raise RuntimeError(f"server did not become ready: {ready.lines!r}\n{log_path.read_text()[-3000:]}")
+    server = Server(proc, ready.url, log_path, ready.lines)
     LAUNCHED.append(server)
     return server
 

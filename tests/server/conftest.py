@@ -4,17 +4,16 @@ server launcher (one real ``python -m weightwire.torch_side.server`` per test mo
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-READY = re.compile(r"^weightwire server ready on (http://\S+)$")
+from weightwire.demo.server import ReadyLine
+
 START_TIMEOUT_S = 120.0
 
 
@@ -66,26 +65,12 @@ def launch_server(args: list[str], log_path: Path, *, env: dict[str, str] | None
         [sys.executable, "-m", "weightwire.torch_side.server", "--port", "0", *args],
         stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})},
     )
-    lines: list[str] = []
-    found = threading.Event()
-    url: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            m = READY.match(lines[-1])
-            if m and not url:
-                url.append(m.group(1))
-                found.set()
-        found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not found.wait(START_TIMEOUT_S) or not url:
+    ready = ReadyLine(proc)
+    if not ready.wait(START_TIMEOUT_S) or ready.url is None:
         proc.kill()
         proc.wait(10)
-        raise RuntimeError(f"server did not print its ready line; stdout={lines!r}\n{log_path.read_text()[-4000:]}")
-    return ServerProc(proc, url[0], log_path, lines)
+        raise RuntimeError(f"server did not print its ready line; stdout={ready.lines!r}\n{log_path.read_text()[-4000:]}")
+    return ServerProc(proc, ready.url, log_path, ready.lines)
 
 
 @pytest.fixture(scope="module")

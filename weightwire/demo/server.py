@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 READY_RE = re.compile(r"weightwire server ready on (http://\S+)")
+"""The one line ``python -m weightwire.torch_side.server`` prints once it serves."""
 
 
 class ChildError(RuntimeError):
@@ -50,6 +51,35 @@ def build_tiny_model(name: str = "tiny-llama", *, seed: int = 0, timeout: float 
     return path
 
 
+class ReadyLine:
+    """Reads a server child's stdout for the child's whole life (a full pipe would block
+    it), keeps every line in ``lines`` and notes the URL of the first ready line.
+
+    Every launcher of the reference server (the demo's, the tests', the soak's) waits on
+    this, so the ready line is parsed in one place.
+    """
+
+    def __init__(self, proc: subprocess.Popen[str], *, name: str = "weightwire-server-stdout") -> None:
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._done = threading.Event()  # the ready line came, or stdout closed
+        threading.Thread(target=self._pump, args=(proc,), name=name, daemon=True).start()
+
+    def _pump(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            m = READY_RE.search(line) if self.url is None else None
+            if m:
+                self.url = m.group(1)
+                self._done.set()
+        self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        """True once the ready line came or stdout closed within ``timeout`` (then read ``url``)."""
+        return self._done.wait(timeout)
+
+
 class EmbeddedServer:
     """``python -m weightwire.torch_side.server`` in a child process, on a free port.
 
@@ -72,8 +102,7 @@ class EmbeddedServer:
         self.startup_timeout = startup_timeout
         self.url: str | None = None
         self._proc: subprocess.Popen[str] | None = None
-        self._found: list[str] = []
-        self._ready = threading.Event()
+        self._ready: ReadyLine | None = None
         self._deadline = 0.0
         self._log = Path(tempfile.mkstemp(prefix="weightwire-demo-server-", suffix=".log")[1])
 
@@ -100,33 +129,22 @@ class EmbeddedServer:
             self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
                                           start_new_session=True)
         self._deadline = time.monotonic() + self.startup_timeout
-        proc, found, ready = self._proc, self._found, self._ready
-
-        def read() -> None:  # the pipe must be drained for the child's whole life
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                m = READY_RE.search(line)
-                if m and not found:
-                    found.append(m.group(1))
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, name="weightwire-demo-server-stdout", daemon=True).start()
+        self._ready = ReadyLine(self._proc, name="weightwire-demo-server-stdout")
 
     def wait_ready(self) -> str:
         """Block until the ready line (bounded by ``startup_timeout`` from ``launch``)."""
-        if self._proc is None:
+        if self._proc is None or self._ready is None:
             raise ChildError("the reference server was not launched")
         while not self._ready.wait(0.1):
             if time.monotonic() > self._deadline:
                 self.stop()
                 raise ChildError(f"the reference server did not get ready within {self.startup_timeout:.0f} s; "
                                  f"its log:\n{_tail(self._log)}")
-        if not self._found:
+        if self._ready.url is None:
             code = self._proc.wait(timeout=10)
             raise ChildError(f"the reference server exited (code {code}) before it was ready; its log:\n"
                              f"{_tail(self._log)}")
-        self.url = self._found[0]
+        self.url = self._ready.url
         return self.url
 
     def alive(self) -> bool:
