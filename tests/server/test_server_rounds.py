@@ -88,16 +88,21 @@ def assert_serves(http: httpx.Client, reference, weights: dict[str, np.ndarray])
     return choice
 
 
+def one_session(url: str, weights: dict[str, np.ndarray], version: str) -> None:
+    """A fresh init and one round, as a vLLM-style trainer would send it to both replicas."""
+    sender = TCPSender(VLLMStyleClient(url), replicas=2)
+    try:
+        sender.init()
+        sender.round(weights, version)
+    finally:
+        sender.close()
+
+
 def test_vllm_client_bodies_drive_a_real_round(server, http: httpx.Client, base_weights, reference) -> None:
     before = assert_serves(http, reference, base_weights)
     assert http.get("/get_world_size").json() == {"world_size": 2}
     new = perturbed(base_weights, 1)
-    sender = TCPSender(VLLMStyleClient(server.url), replicas=2)
-    try:
-        sender.init()
-        sender.round(new, "step-1")
-    finally:
-        sender.close()
+    one_session(server.url, new, "step-1")
     assert http.get("/weight_info").json()["weight_version"] == "step-1"
     after = assert_serves(http, reference, new)
     assert after["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
@@ -175,12 +180,7 @@ def test_sender_killed_mid_round_keeps_old_weights(server, http: httpx.Client, b
     assert after["logprobs"]["token_logprobs"] == before["logprobs"]["token_logprobs"]  # bit-identical
     # The next session works.
     new = perturbed(base_weights, 5)
-    sender = TCPSender(VLLMStyleClient(server.url), replicas=2)
-    try:
-        sender.init()
-        sender.round(new, "after-kill")
-    finally:
-        sender.close()
+    one_session(server.url, new, "after-kill")
     assert http.get("/weight_info").json()["weight_version"] == "after-kill"
     assert_serves(http, reference, new)
 
@@ -220,12 +220,7 @@ def test_weight_checker_compare_and_reset(server, http: httpx.Client, base_weigh
     assert http.post("/weight_checker", json={"action": "reset"}).json() == {"status": "reset"}
     zeros = {k: np.zeros_like(v) for k, v in base_weights.items()}
     assert checksums(http) == [sha(zeros), sha(zeros)]
-    sender = TCPSender(VLLMStyleClient(server.url), replicas=2)
-    try:
-        sender.init()
-        sender.round(base_weights, "restored")
-    finally:
-        sender.close()
+    one_session(server.url, base_weights, "restored")
     assert_serves(http, reference, base_weights)
 
 
