@@ -28,10 +28,6 @@ class _Replica:
     alive: bool = True
 
 
-_OPS = {"init": "init_weight_transfer_engine", "start": "start_weight_update", "update": "update_weights",
-        "finish": "finish_weight_update", "shutdown": "shutdown_weight_transfer_engine"}
-
-
 class ShimReceiver:
     """The receiver process's worker operations over one kept-open shim connection
     (like the reference server's pipe to a worker: no connect, no thread hop per call);
@@ -45,21 +41,18 @@ class ShimReceiver:
     async def call(self, op: str, args: dict[str, Any]) -> Any:
         import json  # noqa: PLC0415
 
-        call = _OPS.get(op)
-        if call is None:
-            raise ValueError(f"unknown operation {op!r}")
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             if self._conn is None:
                 self._conn = await asyncio.open_connection("127.0.0.1", self.port, limit=1 << 26)
             reader, writer = self._conn
-            writer.write((json.dumps({"call": call, "args": args}) + "\n").encode())
+            writer.write((json.dumps({"call": f"op:{op}", "args": args}) + "\n").encode())
             await writer.drain()
             line = await reader.readline()
         if not line:
             self._conn = None
-            raise ConnectionError(f"receiver closed the connection during {call}")
+            raise ConnectionError(f"receiver closed the connection during {op}")
         reply = json.loads(line)
         if not reply["ok"]:
             raise RuntimeError(reply["error"])

@@ -107,6 +107,8 @@ class Receiver:
         if call == "mem_peak":
             peak = self.torch.cuda.max_memory_allocated(self.device) - self.base
             return {"peak_extra": peak, "tensors": self.sink.tensors, "nbytes": self.sink.nbytes}
+        if call.startswith("op:"):  # a worker operation by its replica name (the HTTP API process)
+            return self.op(call[3:], args)
         op = _SHIM_OPS.get(call)
         if op is None:
             raise ValueError(f"unknown call {call!r}")
