@@ -176,11 +176,11 @@ def test_trainer_init_validates_inputs() -> None:
     server = FakeServer()
     with pytest.raises(ValueError, match="unknown backend 'ipc'"):
         TrainerInitInfo(backend="ipc")
-    with pytest.raises(ValueError, match="pause_mode must be None or one of"):
+    with pytest.raises(ValueError, match="pause_mode must be None, 'auto' or one of"):
         TrainerInitInfo(pause_mode="stop")
     with pytest.raises(ValueError, match="packed_num_buffers must be an int in"):
         TrainerInitInfo(packed_num_buffers=0)
-    with pytest.raises(TypeError, match="needs a WeightSource"):
+    with pytest.raises(TypeError, match="a weight source needs metadata and iteration; NoneType lacks"):
         JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="fake_host"), client=server.client(), source=None)
 
     class FourCalls:  # a minimal adapter: the four calls only

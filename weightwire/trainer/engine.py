@@ -38,12 +38,14 @@ from typing import Any, Self
 
 import numpy as np
 
+from weightwire.control.errors import WeightSyncError
+from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.source import WeightSource, checked_iter
+from weightwire.shared.source import WeightSource, as_source, checked_iter
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.info import TrainerInitInfo
@@ -113,18 +115,29 @@ class TrainerEngine(ABC):
         self._rounds = 0
         self._broken: BaseException | None = None
         self._closed = False
+        self._pause_mode = None if init_info.pause_mode == "auto" else init_info.pause_mode
 
     def __repr__(self) -> str:
         role = "sender" if self.info.is_sender else f"rank {self.info.rank}"
         return f"{type(self).__name__}(backend={self.info.backend!r}, {role}, rounds={self._rounds})"
 
     @classmethod
-    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: WeightSource | None = None) -> Self:
-        """Rendezvous with the inference side (rank 0) and return a ready engine."""
+    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: Any = None) -> Self:
+        """Rendezvous with the inference side (rank 0) and return a ready engine.
+
+        ``source`` is a ``WeightSource`` or any object shaped like one (vLLM's
+        ``ModuleSource``: see ``shared.source.as_source``). ``client`` needs the four
+        round calls; what else it lacks is asked of its ``base_url`` when it has one
+        (vLLM's ``HTTPVLLMWeightSyncClient``: see ``control.fallback``).
+        """
         if not isinstance(init_info, TrainerInitInfo):
             raise TypeError(f"init_info must be a TrainerInitInfo, got {type(init_info).__name__}")
-        if not isinstance(source, WeightSource):
-            raise TypeError(f"{cls.__name__} needs a WeightSource, got {type(source).__name__}")
+        try:
+            source = as_source(source)
+        except TypeError as exc:
+            raise TypeError(f"{cls.__name__}: {exc}") from None
+        if init_info.is_sender:
+            client = with_fallback_routes(client, timeout=init_info.timeouts.http_s)
         engine = cls(init_info, client=client, source=source)
         if init_info.is_sender:
             engine._check_client()
@@ -133,9 +146,15 @@ class TrainerEngine(ABC):
 
     def _check_client(self) -> None:
         needed = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"]
+        if self.info.pause_mode == "auto":
+            can_pause = all(callable(getattr(self.client, m, None)) for m in ("pause", "resume"))
+            self._pause_mode = "keep" if can_pause else None
+            if not can_pause:
+                logger.warning("client %s cannot pause generation: rounds run under live traffic "
+                               "(vLLM crashes when a request meets a layer mid-reload)", type(self.client).__name__)
         if self.info.verify:
             needed.append("weight_checker")
-        if self.info.pause_mode is not None:
+        if self._pause_mode is not None:
             needed += ["pause", "resume"]
         if self.info.server_version is None:
             needed.append("version")
@@ -239,9 +258,8 @@ class TrainerEngine(ABC):
         def control() -> None:
             # Runs inside the transfer, once the first chunk is packed (see _transfer).
             nonlocal paused
-            if self.info.pause_mode is not None:
-                self.client.pause(self.info.pause_mode)
-                paused = True
+            if self._pause_mode is not None:
+                paused = self._pause()
             self.client.start_weight_update()
 
         try:
@@ -263,6 +281,18 @@ class TrainerEngine(ABC):
             with clock("verify"):
                 compare_checksums(digests, self.client.weight_checker("checksum"))
         return RoundMetrics(version, nbytes, len(metas), count, reuse, seconds=clock.seconds)
+
+    def _pause(self) -> bool:
+        """Pause generation for the round; ``False`` when ``auto`` found no pause route."""
+        try:
+            self.client.pause(self._pause_mode)
+        except WeightSyncError as exc:
+            if self.info.pause_mode != "auto" or exc.status != 404:
+                raise
+            logger.warning("server has no /pause route (%s): rounds run under live traffic", exc)
+            self._pause_mode = None
+            return False
+        return True
 
     def _plan(self, metas: list[ParamMeta]) -> list[Chunk]:
         """The round's chunks; the same metadata as last round reuses its plan (every
@@ -358,8 +388,12 @@ class TrainerEngine(ABC):
             comm.close()
         if isinstance(pipeline, DevicePipeline):
             pipeline.close()  # after the communicator: no kernel may still read its buffers
-        if post is not None:
-            post.result(timeout=self.info.timeouts.http_s)
+        try:
+            if post is not None:
+                post.result(timeout=self.info.timeouts.http_s)
+        finally:
+            if isinstance(self.client, FallbackClient):
+                self.client.close()  # only the connections the engine opened itself
 
     def __enter__(self) -> Self:
         return self

@@ -33,6 +33,9 @@ class TrainerInitInfo:
       the address workers dial (set it when workers are on other hosts).
     - ``device``: CUDA ordinal of the NCCL sender (``None``: the current device).
     - ``pause_mode``: pause generation around every round (``keep``/``wait``/``abort``).
+      The default ``auto`` pauses with ``keep`` whenever the client can pause (a round
+      run under live traffic crashes vLLM: its layerwise reload puts layers on the
+      meta device mid-round); ``None`` never pauses.
     - ``timeouts``: every wait's bound (default: ``Timeouts.from_env()``, so
       ``WEIGHTWIRE_TIMEOUT_<FIELD>`` variables apply).
     - ``verify``: after each round, compare the servers' per-tensor sha256 with what
@@ -50,7 +53,7 @@ class TrainerInitInfo:
     tcp_bind_host: str = "127.0.0.1"
     tcp_advertise_host: str | None = None
     device: int | None = None
-    pause_mode: str | None = None
+    pause_mode: str | None = "auto"
     verify: bool = False
     server_version: str | None = None
     inference_world_size: int | None = None
@@ -71,8 +74,8 @@ class TrainerInitInfo:
             raise ValueError(f"packed_num_buffers must be an int in [1, {LIMITS.max_num_buffers}], got {count!r}")
         if not isinstance(self.timeouts, Timeouts):
             raise ValueError(f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}")
-        if self.pause_mode is not None and self.pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be None or one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        if self.pause_mode is not None and self.pause_mode not in ("auto", *PAUSE_MODES):
+            raise ValueError(f"pause_mode must be None, 'auto' or one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.device is not None and (type(self.device) is not int or self.device < 0):
             raise ValueError(f"device must be a CUDA ordinal (int >= 0) or None, got {self.device!r}")
         world = self.inference_world_size
