@@ -41,6 +41,9 @@ class Backend(ABC):
     name: ClassVar[str]
     on_device: ClassVar[bool]
     """True: chunks are packed in device memory and broadcast on CUDA streams."""
+    stock_receiver: ClassVar[bool] = False
+    """True: the workers run vLLM's own receive code, so rounds go through
+    ``trainer.stock.plan_for_stock`` (refusal / aligned reordering) first."""
 
     def check_server(self, features: ServerFeatures) -> None:
         """Raise ``ValueError`` if the server's version lacks what this backend needs."""
@@ -56,6 +59,7 @@ class NCCLBackend(Backend):
 
     name: ClassVar[str] = "nccl"
     on_device: ClassVar[bool] = True
+    stock_receiver: ClassVar[bool] = True
 
     def check_server(self, features: ServerFeatures) -> None:
         features.require("unique_id_rendezvous", "a torch-free trainer joins NCCL through nccl_unique_id_b64")
@@ -82,6 +86,7 @@ class WeightwireNCCLBackend(NCCLBackend):
     """``weightwire_nccl``: vLLM's NCCL fields plus the worker-side receive timeout."""
 
     name: ClassVar[str] = "weightwire_nccl"
+    stock_receiver: ClassVar[bool] = False  # the plugin's receiver takes any offset, dtype and shape
 
     def _payload(self, info: TrainerInitInfo, unique_id: bytes, world_size: int) -> dict[str, Any]:
         return WeightwireNCCLInitInfo(

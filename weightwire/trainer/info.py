@@ -14,6 +14,7 @@ from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PAC
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.routes import PAUSE_MODES
 from weightwire.shared.timeouts import Timeouts
+from weightwire.shared.version import ServerFeatures
 
 BACKENDS = ("nccl", "weightwire_nccl", "weightwire_tcp")
 """Built-in backends; ``trainer.backends.register_backend`` may add more."""
@@ -41,7 +42,11 @@ class TrainerInitInfo:
     - ``verify``: after each round, compare the servers' per-tensor sha256 with what
       was sent (costs a host copy of every tensor; a debugging aid).
     - ``server_version`` / ``inference_world_size``: for clients that cannot ask the
-      server (a custom adapter with only the four calls).
+      server (a custom adapter with only the four calls). A client that can ask is
+      still asked, and a ``server_version`` naming another release is refused.
+    - ``version_override``: gate the server as this known vLLM release (``"0.33"``)
+      whatever it reports: the explicit way past a fail-closed gate (a pre-release or
+      a version newer than weightwire knows). Logged at every init.
     """
 
     backend: str = "nccl"
@@ -57,6 +62,7 @@ class TrainerInitInfo:
     verify: bool = False
     server_version: str | None = None
     inference_world_size: int | None = None
+    version_override: str | None = None
 
     def __post_init__(self) -> None:
         from weightwire.trainer.backends import backend_names  # noqa: PLC0415  (registry imports this module)
@@ -78,6 +84,8 @@ class TrainerInitInfo:
             raise ValueError(f"pause_mode must be None, 'auto' or one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.device is not None and (type(self.device) is not int or self.device < 0):
             raise ValueError(f"device must be a CUDA ordinal (int >= 0) or None, got {self.device!r}")
+        if self.version_override is not None:
+            ServerFeatures.for_version("0.0", override=self.version_override)  # an unknown release fails here
         world = self.inference_world_size
         if world is not None and (type(world) is not int or not 1 <= world < LIMITS.max_world_size):
             raise ValueError(f"inference_world_size must be a positive int, got {world!r}")
