@@ -24,7 +24,10 @@ import httpx
 from weightwire.control.errors import WeightSyncError, server_message
 from weightwire.control.fanout import fan_out
 from weightwire.shared import routes
-from weightwire.shared.routes import CHECKER_ACTIONS, PAUSE_MODES, Route
+from weightwire.shared.routes import CHECKER_ACTIONS, PAUSE_MODES, SESSION_HEADER, Route
+
+_OWNED = frozenset(r.name for r in (routes.START, routes.UPDATE, routes.FINISH, routes.SHUTDOWN))
+"""Routes that carry the session id an init reply returned (``SESSION_HEADER``)."""
 
 
 class HTTPWeightSyncClient:
@@ -59,6 +62,8 @@ class HTTPWeightSyncClient:
             for u in self.base_urls
         ]
         self._world_sizes: list[int] | None = None
+        self._sessions: list[str | None] = [None] * len(urls)
+        """Per server: the ``session_id`` its last init returned (servers that return none: None)."""
 
     def __repr__(self) -> str:
         return f"HTTPWeightSyncClient({self.base_urls!r}, timeout={self.timeout})"
@@ -68,9 +73,14 @@ class HTTPWeightSyncClient:
     def _request(self, i: int, route: Route, body: Any = None, params: dict[str, Any] | None = None) -> Any:
         server = self.base_urls[i]
         kwargs: dict[str, Any] = {"params": params}
+        headers: dict[str, str] = {}
         if body is not None:
             kwargs["content"] = json.dumps(body).encode()
-            kwargs["headers"] = {"Content-Type": "application/json"}
+            headers["Content-Type"] = "application/json"
+        if route.name in _OWNED and self._sessions[i] is not None:
+            headers[SESSION_HEADER] = self._sessions[i]  # type: ignore[assignment]
+        if headers:
+            kwargs["headers"] = headers
         try:
             response = self._clients[i].request(route.method, route.path, **kwargs)
         except httpx.TimeoutException as exc:
@@ -114,7 +124,12 @@ class HTTPWeightSyncClient:
             if len(infos) != len(self._clients):
                 raise ValueError(f"got {len(infos)} init infos for {len(self._clients)} servers")
             bodies = [{"init_info": info} for info in infos]
-        self._all(routes.INIT, bodies=bodies)
+        self._sessions = [None] * len(self._clients)  # a failed init leaves no session to claim
+        replies = self._all(routes.INIT, bodies=bodies)
+        # A server that owns sessions returns an id; later weight calls prove with it that
+        # they come from this session, so a newer trainer's init makes them fail fast.
+        self._sessions = [r.get("session_id") if isinstance(r, dict) and isinstance(r.get("session_id"), str)
+                          else None for r in replies]
 
     def start_weight_update(self) -> None:
         self._all(routes.START)

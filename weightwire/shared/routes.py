@@ -48,3 +48,7 @@ ROUTES: dict[str, Route] = {
 
 PAUSE_MODES = ("abort", "wait", "keep")
 CHECKER_ACTIONS = ("checksum", "reset", "compare")
+
+SESSION_HEADER = "X-Weightwire-Session"
+"""Carries the ``session_id`` an init reply returned on the session's later weight calls;
+the reference server refuses (409) a call whose session a newer init replaced."""

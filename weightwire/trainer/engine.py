@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -408,7 +409,8 @@ class TrainerEngine(ABC):
             return
         post: Future | None = None
         if self.features is not None and self.features.shutdown_route and hasattr(self.client, "shutdown_weight_transfer_engine"):
-            post = spawn(self.client.shutdown_weight_transfer_engine, name="weightwire-shutdown")
+            wait_s = self.info.timeouts.transfer_s + _GRACE_S
+            post = spawn(lambda: _shutdown_when_settled(self.client, wait_s), name="weightwire-shutdown")
         if self._broken is not None:
             comm.abort()
         else:
@@ -416,8 +418,18 @@ class TrainerEngine(ABC):
         if isinstance(pipeline, DevicePipeline):
             pipeline.close()  # after the communicator: no kernel may still read its buffers
         try:
-            if post is not None:
+            if post is None:
+                return
+            # Called from a `finally` after a failed round, the caller's own error is what
+            # matters: a shutdown failure is logged, never raised over it.
+            failing = sys.exc_info()[1]
+            try:
                 post.result(timeout=self.info.timeouts.http_s)
+            except BaseException as exc:
+                if failing is None:
+                    raise
+                logger.warning("shutdown_weight_transfer_engine failed while %s propagated: %s",
+                               type(failing).__name__, exc)
         finally:
             if isinstance(self.client, FallbackClient):
                 self.client.close()  # only the connections the engine opened itself
@@ -452,6 +464,27 @@ def _real_cause(exc: BaseException, post: Future) -> BaseException:
         cause.add_note(f"the data plane then failed: {type(exc).__name__}: {exc}")
         return cause
     return exc
+
+
+_SETTLE_POLL_S = 0.05
+
+
+def _shutdown_when_settled(client: Any, wait_s: float) -> None:
+    """``shutdown_weight_transfer_engine``, retried while the server answers 409 because it
+    has not yet failed the round this trainer just abandoned (its workers notice the dead
+    link within one broadcast timeout); bounded by ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client.shutdown_weight_transfer_engine()
+            return
+        except Exception as exc:
+            message = str(getattr(exc, "message", exc))
+            settling = getattr(exc, "status", None) == 409 and (
+                "a weight update is active" in message or "another weight operation" in message)
+            if not settling or time.monotonic() + _SETTLE_POLL_S >= deadline:
+                raise
+        time.sleep(_SETTLE_POLL_S)
 
 
 def _abort_late(join: Future) -> None:

@@ -43,6 +43,9 @@ def build_parser(prog: str = "weightwire serve") -> argparse.ArgumentParser:
     p.add_argument("--op-timeout", type=float, default=300.0, help="seconds for start/finish/shutdown/checks")
     p.add_argument("--round-timeout", type=float, default=3600.0, help="backstop seconds for one update_weights")
     p.add_argument("--generate-timeout", type=float, default=600.0)
+    p.add_argument("--round-lease", type=float, default=None,
+                   help="abort a round after this many idle seconds without a weight call from its trainer "
+                        "(default: the trainer's per-broadcast timeout from its init info)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for workers to load the model")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     return p
@@ -55,8 +58,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--replicas must be in [1, 64], got {args.replicas}"
     if args.backend == "weightwire_nccl" and args.device != "cuda":
         return "--backend weightwire_nccl needs --device cuda"
-    for name in ("op_timeout", "round_timeout", "generate_timeout", "startup_timeout"):
-        if not getattr(args, name) > 0:
+    for name in ("op_timeout", "round_timeout", "generate_timeout", "startup_timeout", "round_lease"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be > 0"
     if args.max_body_bytes < 1024:
         return "--max-body-bytes must be >= 1024"
@@ -136,6 +139,7 @@ async def _serve(args: argparse.Namespace) -> int:
             api_key=args.api_key or os.environ.get("WEIGHTWIRE_API_KEY") or None,
             max_body_bytes=args.max_body_bytes, op_timeout_s=args.op_timeout,
             round_timeout_s=args.round_timeout, generate_timeout_s=args.generate_timeout,
+            lease_s=args.round_lease,
         )
         app = create_app(ServerState(pool=pool, options=options))
         config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="off",

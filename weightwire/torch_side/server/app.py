@@ -9,6 +9,7 @@ all of them (bounded); a replica's failure comes back naming the replica.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,10 +18,11 @@ from fastapi.responses import JSONResponse
 
 from weightwire import __version__
 from weightwire.shared.info import INIT_INFO_TYPES, UpdateInfo
-from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES
+from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.server.auth import ApiKeyMiddleware
 from weightwire.torch_side.server.completions import CompletionRequestError, parse_completion_request
+from weightwire.torch_side.server.lease import RoundLease
 from weightwire.torch_side.server.pause import PauseGate
 from weightwire.torch_side.server.replicas import FanOutError, ReplicaError, ReplicaPool
 from weightwire.torch_side.server.session import Phase, Session, SessionError
@@ -39,6 +41,11 @@ SERVER_VERSION = f"0.33.0+weightwire.{__version__}"
 """We implement vLLM 0.33's semantics (metadata reuse, shutdown route), so clients gate on 0.33."""
 
 _MAX_VERSION_CHARS = 1024
+_VERDICT_GRACE_S = 10.0
+"""How much longer than its own ``timeout_s`` the API waits for a worker's finish verdict:
+the worker decides (commit or not) within ``timeout_s``; this only covers a wedged one."""
+
+log = logging.getLogger("weightwire.server")
 
 
 @dataclass
@@ -52,6 +59,9 @@ class ServerOptions:
     round_timeout_s: float = 3600.0
     """Backstop for one update_weights (the engines time out each chunk on their own)."""
     generate_timeout_s: float = 600.0
+    lease_s: float | None = None
+    """Round lease (see ``lease``); default: the init info's ``timeout_s`` (the trainer's
+    per-broadcast bound), else ``Timeouts.from_env().transfer_s``."""
 
 
 @dataclass
@@ -60,6 +70,7 @@ class ServerState:
     options: ServerOptions
     session: Session = field(default_factory=Session)
     gate: PauseGate = field(default_factory=PauseGate)
+    lease: RoundLease = field(default_factory=RoundLease)
 
     @property
     def replicas(self) -> int:
@@ -108,11 +119,34 @@ def create_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.options.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, api_key=state.options.api_key)  # outermost: before any body is read
-    opts, session, pool, gate = state.options, state.session, state.pool, state.gate
+    opts, session, pool, gate, lease = state.options, state.session, state.pool, state.gate, state.lease
 
     @app.exception_handler(SessionError)
     async def _session_error(_: Request, exc: SessionError) -> JSONResponse:
         return error_response(exc.status, exc.message)
+
+    def owner(request: Request, route: str) -> None:
+        session.check_owner(request.headers.get(SESSION_HEADER), route)
+
+    def arm_lease() -> None:
+        """(Re)start the round lease after start / each update returned."""
+        seconds = opts.lease_s
+        if seconds is None:
+            raw = getattr(session.init_info, "timeout_s", None)
+            seconds = float(raw) if isinstance(raw, (int, float)) else Timeouts.from_env().transfer_s
+        round_id = session.round_id
+
+        async def expire() -> None:
+            if session.phase is not Phase.ROUND or session.round_id != round_id or session.busy is not None:
+                return  # the round moved on (or an operation now decides its fate)
+            async with session.operation("round lease"):
+                reason = (f"round lease expired: the trainer sent no weight call for {seconds:g} s during its round; "
+                          f"the round was aborted and weight_version {session.weight_version!r} is still served")
+                session.failed(reason)
+                log.warning("%s", reason)
+                await pool.abort_all()
+
+        lease.arm(seconds, expire)
 
     # ------------------------------------------------------------------ session
     @app.post(_route("init_weight_transfer_engine"))
@@ -136,17 +170,20 @@ def create_app(state: ServerState) -> FastAPI:
         timeout = local.connect_s + local.warmup_s + 30.0
         _require_live(pool)
         async with session.operation("init_weight_transfer_engine"):
+            lease.disarm()
             await _fan_out_or_fail(state, "init_weight_transfer_engine", "init", {"init_info": raw}, timeout=timeout, abort_on_failure=True)
-            session.initialized(info)
-        return {"message": "Weight transfer initialized"}
+            session_id = session.initialized(info)
+        return {"message": "Weight transfer initialized", "session_id": session_id}
 
     @app.post(_route("start_weight_update"))
     async def start_weight_update(request: Request) -> dict[str, Any]:
         await read_no_body(request)
+        owner(request, "start_weight_update")
         session.check_start()
         async with session.operation("start_weight_update"):
             await _fan_out_or_fail(state, "start_weight_update", "start", timeout=opts.op_timeout_s, abort_on_failure=True)
             session.started()
+            arm_lease()
         return {"message": "Weight update started"}
 
     @app.post(_route("start_draft_weight_update"))
@@ -158,8 +195,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post(_route("update_weights"))
     async def update_weights(request: Request) -> dict[str, Any]:
         body = await read_object(request, allowed=("update_info",), required=("update_info",))
+        owner(request, "update_weights")
         session.check_update()
         async with session.operation("update_weights"):
+            lease.disarm()
             try:
                 per = _parse_update_payload(body["update_info"], state.replicas)
             except ApiError as exc:
@@ -171,15 +210,21 @@ def create_app(state: ServerState) -> FastAPI:
             results = await _fan_out_or_fail(state, "update_weights", "update", [{"update_info": p} for p in per],
                                              timeout=opts.round_timeout_s, abort_on_failure=True)
             session.updated()
+            arm_lease()
         return {"message": "Weights updated", "replicas": results}
 
     @app.post(_route("finish_weight_update"))
     async def finish_weight_update(request: Request) -> dict[str, Any]:
         body = await read_object(request, allowed=("weight_version",))
         version = _version_field(body, "weight_version", optional=True)
+        owner(request, "finish_weight_update")
         session.check_finish()
         async with session.operation("finish_weight_update"):
-            await _fan_out_or_fail(state, "finish_weight_update", "finish", timeout=opts.op_timeout_s, abort_on_failure=True)
+            lease.disarm()
+            # The worker itself gives up on the model lock after op_timeout (and then
+            # commits nothing); our wait only has to outlast that verdict.
+            await _fan_out_or_fail(state, "finish_weight_update", "finish", {"timeout_s": opts.op_timeout_s},
+                                   timeout=opts.op_timeout_s + _VERDICT_GRACE_S, abort_on_failure=True)
             empty = session.updates_in_round == 0
             session.closed_empty() if empty else session.committed(version)
         if empty:
@@ -191,8 +236,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post(_route("shutdown_weight_transfer_engine"))
     async def shutdown_weight_transfer_engine(request: Request) -> dict[str, Any]:
         await read_no_body(request)
+        owner(request, "shutdown_weight_transfer_engine")
         session.check_shutdown()
         async with session.operation("shutdown_weight_transfer_engine"):
+            lease.disarm()
             await _fan_out_or_fail(state, "shutdown_weight_transfer_engine", "shutdown", timeout=opts.op_timeout_s)
             session.shut_down()
         return {"message": "Weight transfer shut down"}

@@ -12,6 +12,11 @@ so a long receive never stalls what must stay responsive:
 - the stdin reader handles ``abort`` / ``cancel`` / ``ping`` itself, at once:
   ``abort`` must reach a receive that is blocked on the control thread.
 
+A finish waits for the model lock at most its ``timeout_s`` and never commits after
+an ``abort`` that arrived while it waited: otherwise the API, having answered "timed
+out, the previous weights are served", would be contradicted by a commit that lands
+when the blocking generation ends.
+
 The process exits when stdin reaches EOF or the parent process disappears, so
 workers never outlive a killed API server.
 """
@@ -43,12 +48,21 @@ class GenerationAborted(Exception):
     """A queued generation dropped by ``/pause?mode=abort``."""
 
 
+class CommitAborted(Exception):
+    """A finish whose round was aborted (``abort`` op) before it could commit."""
+
+
+_LOCK_POLL_S = 0.05  # how often a finish waiting for the model lock looks for an abort
+
+
 def classify(exc: BaseException) -> str:
     """Failure kind (see ``replicas.KIND_STATUS``) of an exception raised by an operation."""
     from weightwire.torch_side.worker.core import WeightReceiveError
 
     if isinstance(exc, GenerationAborted):
         return "aborted"
+    if isinstance(exc, CommitAborted):
+        return "transfer"
     if isinstance(exc, WeightReceiveError) and exc.__cause__ is not None:
         return classify(exc.__cause__)
     if isinstance(exc, (TransferTimeout, TimeoutError)):
@@ -92,6 +106,8 @@ class Worker:
         self.model_lock = threading.Lock()
         self.engine: Any = None
         self.cancel_epoch = 0
+        self.abort_epoch = 0
+        """Bumped by every ``abort``; a finish commits only if it is unchanged since its arrival."""
 
     def describe(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "device": str(self.device), "vocab_size": self.vocab_size,
@@ -131,10 +147,26 @@ class Worker:
         return {} if stats is None else {"tensors": stats.tensors, "chunks": stats.chunks,
                                          "nbytes": stats.nbytes, "seconds": stats.seconds}
 
-    def op_finish(self) -> None:
+    def op_finish(self, epoch: int | None = None, timeout_s: float | None = None) -> None:
+        """Commit the staged round under the model lock (a generation may be reading the
+        parameters). Raises ``TimeoutError`` if the lock is not free within ``timeout_s``
+        and ``CommitAborted`` if an abort arrived since the request did; either way
+        nothing is committed and the caller's teardown drops the staged round."""
         engine = self._require_engine()
-        with self.model_lock:  # the commit copies into parameters a generation may be reading
+        epoch = self.abort_epoch if epoch is None else epoch
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.model_lock.acquire(timeout=_LOCK_POLL_S):
+            if self.abort_epoch != epoch:
+                raise CommitAborted("the round was aborted while finish waited for the model; nothing was committed")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"the model stayed busy (a generation held it) for {timeout_s:g} s, so the round "
+                                   "was not committed")
+        try:
+            if self.abort_epoch != epoch:
+                raise CommitAborted("the round was aborted before finish could commit; nothing was committed")
             engine.finish_weight_update()
+        finally:
+            self.model_lock.release()
 
     def op_shutdown(self) -> None:
         self._teardown()
@@ -214,9 +246,13 @@ class Loop:
             w.cancel_epoch += 1
             self.reply({"id": msg_id, "ok": True, "result": None})
         elif op == "abort":
+            w.abort_epoch += 1  # first: a finish waiting for the model lock must not commit now
             w.abort_link()
             # The control lane finishes the failing op (if any) first, then tears down.
             self.control.submit(self.run_op, msg_id, "abort", w._teardown, {})
+        elif op == "finish":
+            # The abort epoch is read on arrival: an abort sent after this finish cancels it.
+            self.control.submit(self.run_op, msg_id, op, w.op_finish, {**args, "epoch": w.abort_epoch})
         elif op in _CONTROL_OPS:
             self.control.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
         elif op == "generate":
