@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"weightwire {__version__}",
                         help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve,bench,doctor}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve,bench,doctor}",
+                                help="the command to run")
     _demo_parser(sub)
     # serve and bench parse their own arguments (main() hands them over before this parser runs);
     # these entries only list them in `weightwire --help`.
