@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from weightwire._cli import BACKENDS, CommandError
+from weightwire._extras import require
 from weightwire.demo.render import StartupProgress, StepRow, StepTable
-
-TRANSPORTS = {"tcp": "weightwire_tcp", "nccl": "nccl"}
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,9 @@ class DemoConfig:
     model: str = "tiny-llama"
     """Embedded server only: tiny model to build and serve."""
     steps: int = 12
-    transport: str = "tcp"
-    backend: str | None = None
-    """Override the backend (default: ``weightwire_tcp`` for tcp; ``nccl`` for an external
-    server with nccl, ``weightwire_nccl`` for the embedded one)."""
+    backend: str = "weightwire_tcp"
+    """Weight-transfer backend (``weightwire._cli.BACKENDS``). ``nccl`` against the embedded
+    server means its NCCL backend, ``weightwire_nccl`` (the reference server has no stock ``nccl``)."""
     batch: int = 64
     """Completions per step: ``batch / samples_per_prompt`` prompts, ``samples_per_prompt`` each."""
     samples_per_prompt: int = 4
@@ -64,8 +63,8 @@ class DemoConfig:
     """Embedded server with nccl: the GPU it uses (``CUDA_VISIBLE_DEVICES``); JAX uses its device 0."""
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.server is not None and self.model_dir is None:
             raise ValueError("--server needs --model-dir: the directory the server loaded, so the JAX policy "
                              "starts from the same weights and tokenizer")
@@ -79,11 +78,9 @@ class DemoConfig:
 
     @property
     def backend_name(self) -> str:
-        if self.backend is not None:
-            return self.backend
-        if self.transport == "nccl" and self.server is None:
+        if self.backend == "nccl" and self.server is None:
             return "weightwire_nccl"
-        return TRANSPORTS[self.transport]
+        return self.backend
 
 
 @dataclass
@@ -146,12 +143,17 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
     from weightwire.demo.server import EmbeddedServer, build_tiny_model  # noqa: PLC0415
 
     backend = cfg.backend_name
+    # Checked before any child starts: a missing extra fails in milliseconds with the extra's name.
+    require("jax", "flax", "optax", "safetensors", "tokenizers", purpose="weightwire demo's JAX policy")
+    if cfg.server is None:
+        require("torch", "transformers", "fastapi", "uvicorn",
+                purpose="the embedded reference server (or pass --server URL --model-dir DIR)")
     if backend != "weightwire_tcp":
-        import jax  # noqa: PLC0415  (checked before any child starts: fail in seconds, not after)
+        import jax  # noqa: PLC0415
 
         if jax.default_backend() != "gpu":
-            raise RuntimeError(f"--transport nccl needs JAX on a CUDA GPU (JAX runs on {jax.default_backend()}); "
-                               "use --transport tcp on a CPU-only host")
+            raise CommandError(f"--backend {cfg.backend} needs JAX on a CUDA GPU (JAX runs on "
+                               f"{jax.default_backend()}); use --backend weightwire_tcp on a CPU-only host")
     server: EmbeddedServer | None = None
     with StartupProgress(console, phases=6 if cfg.server is None else 3) as prog:
         if cfg.server is None:

@@ -21,8 +21,9 @@ from weightwire.shared.info import INIT_INFO_TYPES, UpdateInfo
 from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.server.auth import ApiKeyMiddleware
-from weightwire.torch_side.server.completions import CompletionRequestError, parse_completion_request
+from weightwire.torch_side.server.completions import CompletionRequest, CompletionRequestError, parse_completion_request
 from weightwire.torch_side.server.lease import RoundLease
+from weightwire.torch_side.server.openai import check_model, install_openai_routes
 from weightwire.torch_side.server.pause import PauseGate
 from weightwire.torch_side.server.replicas import FanOutError, ReplicaError, ReplicaPool
 from weightwire.torch_side.server.session import Phase, Session, SessionError
@@ -62,6 +63,10 @@ class ServerOptions:
     lease_s: float | None = None
     """Round lease (see ``lease``); default: the init info's ``timeout_s`` (the trainer's
     per-broadcast bound), else ``Timeouts.from_env().transfer_s``."""
+    model_dir: str | None = None
+    """Shown as ``root`` by ``/v1/models``."""
+    model_aliases: tuple[str, ...] = ()
+    """Other ``model`` names a request may use for the served model (the ``--model`` value, its path)."""
 
 
 @dataclass
@@ -339,24 +344,34 @@ def create_app(state: ServerState) -> FastAPI:
             req = parse_completion_request(body, vocab_size=info["vocab_size"], max_model_len=info["max_model_len"])
         except CompletionRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
-        await gate.admit(opts.generate_timeout_s)
-        try:
-            replica = pool.pick()
-        except ReplicaError as exc:
-            raise ApiError(exc.status, str(exc)) from None
-        replica.inflight_generations += 1
-        gate.enter()
-        try:
-            result = await replica.call("generate", {"request": req.to_worker()}, timeout=opts.generate_timeout_s)
-        except ReplicaError as exc:
-            raise ApiError(exc.status, str(exc)) from None
-        finally:
-            replica.inflight_generations -= 1
-            gate.leave()
+        check_model(opts, req)
+        result, index = await generate_on_a_replica(state, req)
         result["model"] = req.model or opts.model_name
-        return JSONResponse(result, headers={"x-weightwire-replica": str(replica.index)})
+        return JSONResponse(result, headers={"x-weightwire-replica": str(index)})
 
+    install_openai_routes(app, state, generate_on_a_replica)
     return app
+
+
+async def generate_on_a_replica(state: ServerState, req: CompletionRequest) -> tuple[dict[str, Any], int]:
+    """Run one parsed completion request on a replica: pause gate, replica choice, accounting.
+    Returns the worker's ``text_completion`` result and the replica's index."""
+    opts, pool, gate = state.options, state.pool, state.gate
+    await gate.admit(opts.generate_timeout_s)
+    try:
+        replica = pool.pick()
+    except ReplicaError as exc:
+        raise ApiError(exc.status, str(exc)) from None
+    replica.inflight_generations += 1
+    gate.enter()
+    try:
+        result = await replica.call("generate", {"request": req.to_worker()}, timeout=opts.generate_timeout_s)
+    except ReplicaError as exc:
+        raise ApiError(exc.status, str(exc)) from None
+    finally:
+        replica.inflight_generations -= 1
+        gate.leave()
+    return result, replica.index
 
 
 async def _fan_out_or_raise(pool: ReplicaPool, op: str, timeout: float) -> Any:

@@ -292,6 +292,9 @@ def _die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Ctrl-C reaches the whole process group; the API process owns shutdown (it closes our
+    # stdin), so a worker ignores SIGINT instead of dying mid-reply with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     out = _claim_stdout()
     logging.basicConfig(level=os.environ.get("WEIGHTWIRE_LOG_LEVEL", "WARNING"), stream=sys.stderr)

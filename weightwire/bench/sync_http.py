@@ -59,7 +59,7 @@ class ShimReceiver:
         return reply.get("result")
 
     def abort(self) -> None:
-        from bench_sync_shim import rpc  # noqa: PLC0415
+        from weightwire.bench.sync_shim import rpc  # noqa: PLC0415
 
         rpc(self.port, "abort", self.timeout)
 
