@@ -250,6 +250,12 @@ class TrainerEngine(ABC):
         version = str(self._rounds + 1) if weight_version is None else weight_version
         if not isinstance(version, str) or not version:
             raise ValueError(f"weight_version must be a non-empty str, got {weight_version!r}")
+        if self._displaced():
+            self._broken = EngineBroken(
+                "a server closed this trainer's data link: another trainer initialized and took the session "
+                "over, or the server restarted; nothing was sent. Call trainer_init() again to take it back"
+            )
+            raise self._broken
         if draft:
             assert self.features is not None
             self.features.require("draft_route", "a draft round starts with /start_draft_weight_update")
@@ -395,20 +401,27 @@ class TrainerEngine(ABC):
 
     # -- teardown ------------------------------------------------------------------------------
 
+    def _displaced(self) -> bool:
+        """Did a server drop this trainer's link (checked between rounds, no traffic)?"""
+        probe = getattr(self._comm, "peer_closed", None)
+        return self._broken is None and callable(probe) and bool(probe())
+
     def shutdown(self) -> None:
         """Release the servers' engines and close the communicator (idempotent).
 
         The server call runs concurrently with the local close: neither side's
-        teardown may wait on the other's.
+        teardown may wait on the other's. A displaced trainer (its link closed by the
+        server) does not post: the server's engine belongs to another trainer now.
         """
         if self._closed:
             return
         self._closed = True
+        displaced = self._displaced()
         comm, pipeline, self._comm, self._pipeline = self._comm, self._pipeline, None, None
         if comm is None:
             return
         post: Future | None = None
-        if self.features is not None and self.features.shutdown_route and hasattr(self.client, "shutdown_weight_transfer_engine"):
+        if not displaced and self.features is not None and self.features.shutdown_route and hasattr(self.client, "shutdown_weight_transfer_engine"):
             wait_s = self.info.timeouts.transfer_s + _GRACE_S
             post = spawn(lambda: _shutdown_when_settled(self.client, wait_s), name="weightwire-shutdown")
         if self._broken is not None:
