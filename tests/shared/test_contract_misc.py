@@ -298,4 +298,5 @@ def test_route_table() -> None:
         "pause": ("POST", "/pause", None),
         "resume": ("POST", "/resume", None),
         "is_paused": ("GET", "/is_paused", None),
+        "abort_requests": ("POST", "/abort_requests", "request_ids"),
     }

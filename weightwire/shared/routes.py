@@ -33,6 +33,7 @@ WORLD_SIZE = Route("get_world_size", "GET", "/get_world_size")
 PAUSE = Route("pause", "POST", "/pause")
 RESUME = Route("resume", "POST", "/resume")
 IS_PAUSED = Route("is_paused", "GET", "/is_paused")
+ABORT_REQUESTS = Route("abort_requests", "POST", "/abort_requests", "request_ids")
 SERVER_INFO = Route("server_info", "GET", "/server_info")
 VERSION = Route("version", "GET", "/version", weight_route=False)
 HEALTH = Route("health", "GET", "/health", weight_route=False)
@@ -42,7 +43,7 @@ ROUTES: dict[str, Route] = {
     r.name: r
     for r in (
         INIT, START, START_DRAFT, UPDATE, FINISH, SHUTDOWN, UPDATE_VERSION, WEIGHT_INFO,
-        WEIGHT_CHECKER, WORLD_SIZE, PAUSE, RESUME, IS_PAUSED, SERVER_INFO, VERSION, HEALTH, COMPLETIONS,
+        WEIGHT_CHECKER, WORLD_SIZE, PAUSE, RESUME, IS_PAUSED, ABORT_REQUESTS, SERVER_INFO, VERSION, HEALTH, COMPLETIONS,
     )
 }
 

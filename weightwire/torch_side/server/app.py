@@ -313,6 +313,18 @@ def create_app(state: ServerState) -> FastAPI:
             await gate.drain(opts.generate_timeout_s)
         return {"status": "paused"}
 
+    @app.post(_route("abort_requests"))
+    async def abort_requests(request: Request) -> dict[str, Any]:
+        # vLLM's route: abort in-flight requests without pausing; no ids = all of them.
+        body = await read_object(request, allowed=("request_ids",))
+        if body.get("request_ids"):
+            raise ApiError(400, "this server aborts all in-flight requests at once; omit request_ids",
+                           param="request_ids")
+        aborted = sum(r.inflight_generations for r in pool.replicas)
+        with contextlib.suppress(FanOutError):  # a dead replica has nothing in flight to cancel
+            await pool.fan_out("cancel", timeout=30.0)
+        return {"status": "aborted", "aborted": aborted}
+
     @app.post(_route("resume"))
     async def resume(request: Request) -> dict[str, Any]:
         await read_no_body(request)
