@@ -125,8 +125,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def _session_error(_: Request, exc: SessionError) -> JSONResponse:
         return error_response(exc.status, exc.message)
 
-    def owner(request: Request, route: str) -> None:
-        session.check_owner(request.headers.get(SESSION_HEADER), route)
+    def owner(request: Request, route: str, *, idempotent: bool = False) -> None:
+        session.check_owner(request.headers.get(SESSION_HEADER), route, idempotent=idempotent)
 
     def arm_lease() -> None:
         """(Re)start the round lease after start / each update returned."""
@@ -236,7 +236,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post(_route("shutdown_weight_transfer_engine"))
     async def shutdown_weight_transfer_engine(request: Request) -> dict[str, Any]:
         await read_no_body(request)
-        owner(request, "shutdown_weight_transfer_engine")
+        owner(request, "shutdown_weight_transfer_engine", idempotent=True)
         session.check_shutdown()
         async with session.operation("shutdown_weight_transfer_engine"):
             lease.disarm()
