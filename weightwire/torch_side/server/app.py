@@ -8,6 +8,7 @@ all of them (bounded); a replica's failure comes back naming the replica.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
@@ -200,7 +201,8 @@ def create_app(state: ServerState) -> FastAPI:
         async with session.operation("update_weights"):
             lease.disarm()
             try:
-                per = _parse_update_payload(body["update_info"], state.replicas)
+                # A round's metadata can list a million names: validate off the event loop.
+                per = await asyncio.to_thread(_parse_update_payload, body["update_info"], state.replicas)
             except ApiError as exc:
                 # The trainer is already broadcasting: tear the group down so it fails fast.
                 await pool.abort_all()
@@ -336,7 +338,10 @@ def create_app(state: ServerState) -> FastAPI:
         body = await read_json(request)
         info = pool.replicas[0].info
         try:
-            req = parse_completion_request(body, vocab_size=info["vocab_size"], max_model_len=info["max_model_len"])
+            # Off the loop: a body near the size limit holds millions of token ids to check.
+            req = await asyncio.to_thread(parse_completion_request, body, vocab_size=info["vocab_size"],
+                                          max_model_len=info["max_model_len"],
+                                          max_prompt_chars=info.get("max_prompt_chars"))
         except CompletionRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         await gate.admit(opts.generate_timeout_s)
