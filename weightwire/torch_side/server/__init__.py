@@ -60,9 +60,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="weight-transfer backend the workers run: weightwire_tcp (CPU or GPU; alias tcp) or "
                         "weightwire_nccl (needs --device cuda) (default weightwire_tcp)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the workers hold the model (default cpu)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /version "
-                        "(default: $WEIGHTWIRE_API_KEY if set)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="require 'Authorization: Bearer KEY' on every route but /health and /version, KEY "
+                          "being this file's content (trailing newline stripped); default: $WEIGHTWIRE_API_KEY")
+    key.add_argument("--api-key", default=None,
+                     help="the key itself; avoid: a command line is visible to every user of the host "
+                          "(ps, /proc/PID/cmdline)")
     p.add_argument("--replicas", type=int, default=1, help="worker processes = ranks in the transfer group")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / replicas)")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20,
@@ -111,6 +115,25 @@ def _check_model(model: str) -> str | None:
     return None
 
 
+def resolve_api_key(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> tuple[str | None, str | None]:
+    """``(key, warning)``: from ``--api-key-file``, ``--api-key`` (with a warning: the
+    process list shows it) or ``$WEIGHTWIRE_API_KEY``. Raises ``ValueError`` for an
+    unreadable or empty key file."""
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.read().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file!r}: cannot read it ({type(exc).__name__})") from None
+        if not key.strip():
+            raise ValueError(f"--api-key-file {args.api_key_file!r} is empty")
+        return key, None
+    if args.api_key:
+        return args.api_key, ("--api-key on the command line is visible to every user of this host (ps, "
+                              "/proc/PID/cmdline); pass it in $WEIGHTWIRE_API_KEY or --api-key-file instead")
+    return environ.get("WEIGHTWIRE_API_KEY") or None, None
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     """Run the server until SIGINT/SIGTERM. Returns the process exit code (``weightwire._cli``'s
     codes: 0 stopped after serving, 2 bad arguments, 3 an error stopped it, 130 Ctrl-C while starting)."""
@@ -120,6 +143,14 @@ def serve_main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse already printed the usage error
         return int(exc.code or 0)
     problem = _check(args) or _check_model(args.model)
+    if problem is None:
+        try:
+            args.api_key, warning = resolve_api_key(args, os.environ)
+        except ValueError as exc:
+            problem = str(exc)
+        else:
+            if warning:
+                print(f"weightwire serve: warning: {warning}", file=sys.stderr)
     if problem:
         return fail(PROG, problem, EXIT_USAGE)
     try:
@@ -203,7 +234,7 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
         options = ServerOptions(
             backend=args.backend,
             model_name=args.model if args.model in TINY_NAMES else os.path.basename(os.path.normpath(model_dir)),
-            api_key=args.api_key or os.environ.get("WEIGHTWIRE_API_KEY") or None,
+            api_key=args.api_key,
             max_body_bytes=args.max_body_bytes, op_timeout_s=args.op_timeout,
             round_timeout_s=args.round_timeout, generate_timeout_s=args.generate_timeout,
             lease_s=args.round_lease,

@@ -8,6 +8,7 @@ all of them (bounded); a replica's failure comes back naming the replica.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
@@ -130,8 +131,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def _session_error(_: Request, exc: SessionError) -> JSONResponse:
         return error_response(exc.status, exc.message)
 
-    def owner(request: Request, route: str) -> None:
-        session.check_owner(request.headers.get(SESSION_HEADER), route)
+    def owner(request: Request, route: str, *, idempotent: bool = False) -> None:
+        session.check_owner(request.headers.get(SESSION_HEADER), route, idempotent=idempotent)
 
     def arm_lease() -> None:
         """(Re)start the round lease after start / each update returned."""
@@ -205,7 +206,8 @@ def create_app(state: ServerState) -> FastAPI:
         async with session.operation("update_weights"):
             lease.disarm()
             try:
-                per = _parse_update_payload(body["update_info"], state.replicas)
+                # A round's metadata can list a million names: validate off the event loop.
+                per = await asyncio.to_thread(_parse_update_payload, body["update_info"], state.replicas)
             except ApiError as exc:
                 # The trainer is already broadcasting: tear the group down so it fails fast.
                 await pool.abort_all()
@@ -241,7 +243,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post(_route("shutdown_weight_transfer_engine"))
     async def shutdown_weight_transfer_engine(request: Request) -> dict[str, Any]:
         await read_no_body(request)
-        owner(request, "shutdown_weight_transfer_engine")
+        owner(request, "shutdown_weight_transfer_engine", idempotent=True)
         session.check_shutdown()
         async with session.operation("shutdown_weight_transfer_engine"):
             lease.disarm()
@@ -353,7 +355,10 @@ def create_app(state: ServerState) -> FastAPI:
         body = await read_json(request)
         info = pool.replicas[0].info
         try:
-            req = parse_completion_request(body, vocab_size=info["vocab_size"], max_model_len=info["max_model_len"])
+            # Off the loop: a body near the size limit holds millions of token ids to check.
+            req = await asyncio.to_thread(parse_completion_request, body, vocab_size=info["vocab_size"],
+                                          max_model_len=info["max_model_len"],
+                                          max_prompt_chars=info.get("max_prompt_chars"))
         except CompletionRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         check_model(opts, req)

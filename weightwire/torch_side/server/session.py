@@ -73,13 +73,15 @@ class Session:
     """Bumped by every start: a round lease only ever aborts the round it was armed for."""
 
     # -- ownership ----------------------------------------------------------------------
-    def check_owner(self, claimed: str | None, route: str) -> None:
+    def check_owner(self, claimed: str | None, route: str, *, idempotent: bool = False) -> None:
         """Refuse (409) a request that names a session other than the live one.
 
-        The live id is never echoed: a stale trainer must not learn how to act for
-        the trainer that replaced it.
+        ``idempotent`` (shutdown): a session that merely ended (failed, shut down) may
+        still be shut down, a no-op; only a newer live session is protected. The live
+        id is never echoed: a stale trainer must not learn how to act for the trainer
+        that replaced it.
         """
-        if claimed is None or claimed == self.session_id:
+        if claimed is None or claimed == self.session_id or (idempotent and self.session_id is None):
             return
         if self.session_id is None:
             ended = f" ({self.last_error})" if self.last_error else ""

@@ -99,6 +99,12 @@ class Worker:
         cfg = self.model.config
         self.max_model_len = int(getattr(cfg, "max_position_embeddings", 2048))
         self.vocab_size = int(cfg.vocab_size)
+        # No token spans more characters than its vocabulary string (byte-level BPE: one
+        # character per byte); x4 covers normalizers that merge characters (NFKC). A text
+        # prompt longer than this cannot fit max_model_len, and the API refuses it before
+        # anyone spends seconds tokenizing it on the serve lane.
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_model_len * max(1, longest) * 4
         self.generator = Generator(
             self.model, self.tokenizer, device=self.device,
             model_name=os.path.basename(os.path.normpath(spec.model_dir)), max_model_len=self.max_model_len,
@@ -111,7 +117,8 @@ class Worker:
 
     def describe(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "device": str(self.device), "vocab_size": self.vocab_size,
-                "max_model_len": self.max_model_len, "params": len(self.host.param_names())}
+                "max_model_len": self.max_model_len, "max_prompt_chars": self.max_prompt_chars,
+                "params": len(self.host.param_names())}
 
     # -- control lane ---------------------------------------------------------------
     def _new_engine(self) -> Any:
