@@ -24,7 +24,7 @@ from typing import Any
 
 __all__ = ["build_parser", "serve_main"]
 
-BACKENDS = ("weightwire_tcp", "weightwire_nccl")
+BACKENDS = ("weightwire_tcp", "weightwire_nccl", "weightwire_ipc")
 
 
 def build_parser(prog: str = "weightwire serve") -> argparse.ArgumentParser:
@@ -53,8 +53,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--port must be in [0, 65535], got {args.port}"
     if not 1 <= args.replicas <= 64:
         return f"--replicas must be in [1, 64], got {args.replicas}"
-    if args.backend == "weightwire_nccl" and args.device != "cuda":
-        return "--backend weightwire_nccl needs --device cuda"
+    if args.backend in ("weightwire_nccl", "weightwire_ipc") and args.device != "cuda":
+        return f"--backend {args.backend} needs --device cuda"
     for name in ("op_timeout", "round_timeout", "generate_timeout", "startup_timeout"):
         if not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be > 0"

@@ -102,6 +102,8 @@ class Worker:
         from weightwire.torch_side.worker import WeightwireNCCLEngine, WeightwireTCPEngine
 
         cls = WeightwireTCPEngine if self.spec.backend == "weightwire_tcp" else WeightwireNCCLEngine
+        if self.spec.backend == "weightwire_ipc":
+            from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine as cls  # noqa: N813, PLC0415
         return cls.standalone(model=self.host, device=self.device, worker_rank=self.spec.index)
 
     def op_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
