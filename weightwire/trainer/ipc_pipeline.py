@@ -24,7 +24,7 @@ from typing import Any
 
 from weightwire.shared.communicator import TransferError
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.packing import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted, _run_once
+from weightwire.trainer.packing import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
 from weightwire.transport.ipc import MEMCPY_DEVICE_TO_DEVICE, check_int, record, stream_wait, sync_stream
 from weightwire.transport.ipc_trainer import IPCSenderComm
 from weightwire.transport.nccl_buffers import stream_pointer
@@ -77,18 +77,29 @@ class IPCPipeline(DevicePipeline):
     # -- a round ----------------------------------------------------------------------------
 
     def _send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin) -> tuple[int, int]:
-        comm, slots, cp = self._comm, self._comm.slots, self._comm.cp
+        slots, cp = self._comm.slots, self._comm.cp
         if not slots.allocated:
             slots.allocate()
             self._remap = True
         copy = cp.cuda.runtime.memcpyAsync
         size, n = slots.nbytes, slots.count
+        # The control plane (pause, start, then the update POST) runs beside the first
+        # fills instead of before them: the slots are this side's own memory, and no
+        # piece is announced before it returned. Joined on every exit path.
+        starter = _Starter(begin)
+        try:
+            return self._pump(prepared, stop, starter, copy, size, n)
+        finally:
+            starter.join()
+
+    def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter, copy: Any,
+              size: int, n: int) -> tuple[int, int]:
+        comm, slots, cp = self._comm, self._comm.slots, self._comm.cp
         nbytes = pieces = 0
-        state = {"begin": begin}
 
         def flush(ci: int, slot: int, offset: int, fill: int) -> None:
             record(cp, slots.events[slot], self._sptr)
-            state["begin"] = _run_once(state["begin"])  # start + update POST: nothing is announced before them
+            starter.wait()  # start + update POST: nothing is announced before them
             if self._remap:
                 self._announce_slots()
             msg = {"op": "ready", "c": ci, "s": slot, "o": offset, "n": fill}
@@ -126,7 +137,7 @@ class IPCPipeline(DevicePipeline):
                     pieces += 1
                     self._next = (self._next + 1) % n
                 nbytes += chunk.nbytes
-            state["begin"] = _run_once(state["begin"])
+            starter.wait()
             self._end_round()
         self.rounds += 1
         return nbytes, pieces
@@ -176,3 +187,33 @@ class IPCPipeline(DevicePipeline):
             sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=min(self._timeout, 30.0), what="the fill stream")
         except Exception:  # a fill stream that will not settle: leak the slots rather than free memory under a copy
             self._comm.slots.ptrs = []
+
+
+class _Starter:
+    """Runs the round's ``begin`` (control plane) on a helper thread from the start."""
+
+    def __init__(self, begin: Begin) -> None:
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if begin is not None:
+            self._thread = threading.Thread(target=self._run, args=(begin,), name="weightwire-ipc-begin", daemon=True)
+            self._thread.start()
+
+    def _run(self, begin: Any) -> None:
+        try:
+            begin()
+        except BaseException as exc:
+            self._error = exc
+
+    def join(self) -> None:
+        # Each control call is bounded by the client's own HTTP timeout.
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait(self) -> None:
+        """Block until ``begin`` returned; re-raise its error here."""
+        self.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._thread = None
+            raise error

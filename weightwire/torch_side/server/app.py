@@ -309,6 +309,9 @@ def create_app(state: ServerState) -> FastAPI:
         result["model"] = req.model or opts.model_name
         return JSONResponse(result, headers={"x-weightwire-replica": str(replica.index)})
 
+    from weightwire.torch_side.server.sleep_routes import install_sleep_routes  # noqa: PLC0415
+
+    install_sleep_routes(app, state)
     return app
 
 

@@ -35,7 +35,7 @@ from weightwire.torch_side.server.replicas import WorkerSpec
 log = logging.getLogger("weightwire.server.worker")
 
 _OUT_OF_BAND = ("abort", "cancel", "ping")
-_CONTROL_OPS = ("init", "start", "update", "finish", "shutdown")
+_CONTROL_OPS = ("init", "start", "update", "finish", "shutdown", "sleep", "wake")
 _SERVE_OPS = ("generate", "checksum", "reset")
 
 
@@ -140,6 +140,19 @@ class Worker:
 
     def op_shutdown(self) -> None:
         self._teardown()
+
+    def op_sleep(self, level: int) -> dict[str, Any]:
+        from weightwire.torch_side.server.sleep import ModelSleeper  # noqa: PLC0415
+
+        with self.model_lock:  # never under a generation or a commit
+            if getattr(self, "sleeper", None) is None:
+                self.sleeper = ModelSleeper(self.model, self.device)
+            return {"freed_bytes": self.sleeper.sleep(level), "level": self.sleeper.level}
+
+    def op_wake(self, tags: list[str] | None = None) -> dict[str, Any]:
+        sleeper = getattr(self, "sleeper", None)
+        with self.model_lock:
+            return {"awake": True if sleeper is None else sleeper.wake(tags)}
 
     def _teardown(self) -> None:
         engine, self.engine = self.engine, None
