@@ -256,4 +256,7 @@ def test_route_table() -> None:
         "pause": ("POST", "/pause", None),
         "resume": ("POST", "/resume", None),
         "is_paused": ("GET", "/is_paused", None),
+        "sleep": ("POST", "/sleep", None),
+        "wake_up": ("POST", "/wake_up", None),
+        "is_sleeping": ("GET", "/is_sleeping", None),
     }
