@@ -50,6 +50,8 @@ class IPCShimReceiver(bench_sync_shim.Receiver):
     """The shim's receiver with the IPC engine instead of NCCL (same Sink, same memory probes)."""
 
     def op(self, op: str, args: dict[str, Any]) -> Any:
+        if op == "update" and os.environ.get("BENCH_PROFILE") and self.sink.nbytes == 0:
+            return _profiled("worker update", lambda: super(IPCShimReceiver, self).op(op, args))
         if op != "init":
             return super().op(op, args)
         from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine  # noqa: PLC0415
@@ -61,6 +63,21 @@ class IPCShimReceiver(bench_sync_shim.Receiver):
             info = self.engine.parse_init_info(args["init_info"])
             self.engine.init_transfer_engine(info)
             return {"rank": info.rank_offset}
+
+
+def _profiled(what: str, fn: Any) -> Any:
+    """Run ``fn`` under cProfile and print the top functions by own time (to stderr)."""
+    import cProfile  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn)
+    finally:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        print(f"--- profile: {what}\n{text.getvalue()}", file=sys.stderr, flush=True)
 
 
 def ceiling_s(engine: Any, params: dict[str, Any], nbytes: int, reps: int) -> float:
@@ -127,7 +144,10 @@ def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf:
             finish.append(metrics.seconds.get("finish", 0.0))
         row.update(pieces=metrics.chunks, phases_ms={k: round(v * 1e3, 2) for k, v in metrics.seconds.items()})
         rpc(cfg["port"], "mem_reset", t)
-        engine.send_weights()
+        if os.environ.get("BENCH_PROFILE") and nbytes < 4 * GIB:
+            _profiled(f"trainer round {kind} {model} {mode}", engine.send_weights)
+        else:
+            engine.send_weights()
         got = rpc(cfg["port"], "mem_peak", t)
         row.update(trainer_extra=nb * buf, trainer_between=engine._pipeline.held_bytes(),
                    worker_extra=got["peak_extra"], loaded_ok=got["nbytes"] == nbytes and got["tensors"] == len(params))

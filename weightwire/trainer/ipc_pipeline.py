@@ -25,7 +25,15 @@ from typing import Any
 from weightwire.shared.communicator import TransferError
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.packing import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
-from weightwire.transport.ipc import MEMCPY_DEVICE_TO_DEVICE, check_int, record, stream_wait, sync_stream
+from weightwire.transport.ipc import (
+    MEMCPY_DEVICE_TO_DEVICE,
+    check_int,
+    record,
+    stream_wait,
+    sync_stream,
+    wait_event_host,
+    wait_mode,
+)
 from weightwire.transport.ipc_trainer import IPCSenderComm
 from weightwire.transport.nccl_buffers import stream_pointer
 
@@ -46,6 +54,7 @@ class IPCPipeline(DevicePipeline):
         self._pending = [False] * comm.slots.count  # slot written, its free not yet seen
         self._next = 0
         self._remap = False  # release-after-round: new handles to announce before the next piece
+        self._host_wait = wait_mode() == "host"
         self.rounds = 0
 
     # -- the DevicePipeline surface ---------------------------------------------------------
@@ -153,7 +162,11 @@ class IPCPipeline(DevicePipeline):
             msg = ch.expect("free", deadline=deadline, what=f"the release of IPC slot {slot}", alive=comm.alive)
             if check_int(msg, "s", 0, comm.slots.count - 1, ch.peer) != slot:
                 raise TransferError(f"{ch.peer} released IPC slot {msg['s']} where slot {slot} was due")
-            stream_wait(comm.cp, self._sptr, comm.free_events[w][slot])
+            if self._host_wait:
+                wait_event_host(comm.cp, comm.free_events[w][slot], deadline=deadline,
+                                what=f"{ch.peer}'s copy-out of IPC slot {slot}", alive=comm.alive)
+            else:
+                stream_wait(comm.cp, self._sptr, comm.free_events[w][slot])
         self._pending[slot] = False
 
     def _end_round(self) -> None:

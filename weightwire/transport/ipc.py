@@ -22,6 +22,7 @@ ways with the session's 128-byte secret (HMAC challenge); only ``send_bytes`` /
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ MEMCPY_DEVICE_TO_DEVICE = 3
 CUDA_ERROR_NOT_READY = 600
 MAX_MESSAGE_BYTES = 1 << 20
 _POLL_S = 0.05
+DEFAULT_WAIT = "device"
 _SPIN_S = 0.2
 
 
@@ -96,6 +98,47 @@ def stream_wait(cp: Any, stream_ptr: int, event: int) -> None:
 
 def record(cp: Any, event: int, stream_ptr: int) -> None:
     cp.cuda.runtime.eventRecord(event, stream_ptr)
+
+
+def wait_mode() -> str:
+    """Where a side waits for its peer's event: ``device`` (``cudaStreamWaitEvent``: no host
+    round trip, but a stream blocked on another process's event keeps its context
+    scheduled) or ``host`` (poll ``cudaEventQuery``, then enqueue). ``WEIGHTWIRE_IPC_WAIT``."""
+    mode = os.environ.get("WEIGHTWIRE_IPC_WAIT", DEFAULT_WAIT)
+    if mode not in ("device", "host"):
+        raise ValueError(f"WEIGHTWIRE_IPC_WAIT must be 'device' or 'host', got {mode[:20]!r}")
+    return mode
+
+
+def event_query(cp: Any, event: int) -> bool:
+    """True once ``event``'s last record completed (an IPC event of another process too)."""
+    try:
+        status = cp.cuda.runtime.eventQuery(event)
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        if getattr(exc, "status", None) == CUDA_ERROR_NOT_READY:
+            return False
+        raise
+    if status in (0, None):
+        return True
+    if status == CUDA_ERROR_NOT_READY:
+        return False
+    raise TransferError(f"cudaEventQuery failed with status {status}")
+
+
+def wait_event_host(cp: Any, event: int, *, deadline: float, what: str, alive: Callable[[], None]) -> None:
+    """Poll ``event`` until done, bounded by ``deadline`` (spin first: a piece takes ~0.1-1 ms)."""
+    start = time.monotonic()
+    pause = 2e-5
+    while not event_query(cp, event):
+        now = time.monotonic()
+        alive()
+        if now >= deadline:
+            raise TransferTimeout(f"{what} did not complete within the timeout (the peer's GPU work stalled)")
+        if now - start < _SPIN_S:
+            time.sleep(0)
+        else:
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, 1e-3)
 
 
 def sync_stream(cp: Any, device: int, stream_ptr: int, *, timeout: float, what: str,

@@ -40,6 +40,8 @@ from weightwire.transport.ipc import (
     run_bounded,
     stream_wait,
     sync_stream,
+    wait_event_host,
+    wait_mode,
 )
 
 
@@ -126,6 +128,7 @@ class IPCLink(ReceiveLink):
         super().__init__(communicator, device=device, timeout_s=timeout_s, depth=depth)
         self._stream = torch.cuda.Stream(device=device)
         self._pending: dict[int, tuple[torch.Tensor, Chunk, bool]] = {}
+        self._host_wait = wait_mode() == "host"
 
     def post(self, index: int, chunk: Chunk, metas: Sequence[ParamMeta], *, packed: bool) -> None:
         buf = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
@@ -154,7 +157,11 @@ class IPCLink(ReceiveLink):
                     )
                 slot = check_int(msg, "s", 0, count - 1, ch.peer)
                 n = check_int(msg, "n", 1, min(chunk.nbytes - got, rx.info.packed_buffer_size_bytes), ch.peer)
-                stream_wait(cp, sptr, rx.ready[slot])
+                if self._host_wait:
+                    wait_event_host(cp, rx.ready[slot], deadline=deadline, what=f"the trainer's fill of IPC slot {slot}",
+                                    alive=rx.alive)
+                else:
+                    stream_wait(cp, sptr, rx.ready[slot])
                 cp.cuda.runtime.memcpyAsync(base + got, rx.slots.ptrs[slot], n, MEMCPY_DEVICE_TO_DEVICE, sptr)
                 record(cp, rx.free[slot], sptr)
                 ch.send({"op": "free", "s": slot})
