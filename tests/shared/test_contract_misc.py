@@ -299,4 +299,7 @@ def test_route_table() -> None:
         "resume": ("POST", "/resume", None),
         "is_paused": ("GET", "/is_paused", None),
         "abort_requests": ("POST", "/abort_requests", "request_ids"),
+        "sleep": ("POST", "/sleep", None),
+        "wake_up": ("POST", "/wake_up", None),
+        "is_sleeping": ("GET", "/is_sleeping", None),
     }

@@ -223,6 +223,29 @@ class HTTPWeightSyncClient:
     def resume(self) -> None:
         self._all(routes.RESUME)
 
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's ``/sleep``: level 0 pauses generation, 1 offloads weights to host memory,
+        2 discards them (send a full round after ``wake_up``). ``mode`` is the pause mode."""
+        if type(level) is not int or level not in routes.SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {routes.SLEEP_LEVELS}, got {level!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._all(routes.SLEEP, params={"level": level, "mode": mode})
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> list[bool]:
+        """vLLM's ``/wake_up`` (``tags``: weights / kv_cache / scheduling; None: all);
+        per server, whether it is fully awake now."""
+        if isinstance(tags, str):
+            raise TypeError("tags must be a list of tag names, not one string")
+        bad = [t for t in tags or () if t not in routes.WAKE_TAGS]
+        if bad:
+            raise ValueError(f"unknown wake_up tags {bad}; known: {list(routes.WAKE_TAGS)}")
+        replies = self._all(routes.WAKE_UP, params={"tags": list(tags)} if tags else None)
+        return [isinstance(r, dict) and r.get("status") == "awake" for r in replies]
+
+    def is_sleeping(self) -> list[bool]:
+        return [bool(r.get("is_sleeping")) if isinstance(r, dict) else False for r in self._all(routes.IS_SLEEPING)]
+
     def is_paused(self) -> list[bool]:
         return [bool(r.get("is_paused")) if isinstance(r, dict) else False for r in self._all(routes.IS_PAUSED)]
 

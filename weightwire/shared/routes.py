@@ -53,3 +53,11 @@ CHECKER_ACTIONS = ("checksum", "reset", "compare")
 SESSION_HEADER = "X-Weightwire-Session"
 """Carries the ``session_id`` an init reply returned on the session's later weight calls;
 the reference server refuses (409) a call whose session a newer init replaced."""
+
+# vLLM's sleep mode (dev-mode routes): /sleep?level=0|1|2&mode=..., /wake_up?tags=weights&tags=kv_cache.
+SLEEP = Route("sleep", "POST", "/sleep")
+WAKE_UP = Route("wake_up", "POST", "/wake_up")
+IS_SLEEPING = Route("is_sleeping", "GET", "/is_sleeping")
+ROUTES.update({r.name: r for r in (SLEEP, WAKE_UP, IS_SLEEPING)})
+SLEEP_LEVELS = (0, 1, 2)
+WAKE_TAGS = ("weights", "kv_cache", "scheduling")

@@ -212,8 +212,8 @@ class TrainerEngine(ABC):
             if self._backend.on_device:
                 assert packer is not None
                 hold = self.info.packed_buffer_size_bytes * self.info.packed_num_buffers
-                self._pipeline = DevicePipeline(comm, packer, num_buffers=self.info.packed_num_buffers,
-                                                timeout=t.transfer_s, hold_bytes=hold)
+                self._pipeline = self._backend.device_pipeline(comm, packer, num_buffers=self.info.packed_num_buffers,
+                                                               timeout=t.transfer_s, hold_bytes=hold)
             else:
                 self._pipeline = HostPipeline(comm, self.host_bytes, num_buffers=self.info.packed_num_buffers,
                                               timeout=t.transfer_s, prefetch=self.prefetch_host)

@@ -16,7 +16,7 @@ from weightwire.shared.routes import PAUSE_MODES
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
 
-BACKENDS = ("nccl", "weightwire_nccl", "weightwire_tcp")
+BACKENDS = ("nccl", "weightwire_nccl", "weightwire_tcp", "weightwire_ipc")
 """Built-in backends; ``trainer.backends.register_backend`` may add more."""
 
 
@@ -26,7 +26,8 @@ class TrainerInitInfo:
 
     - ``backend``: ``nccl`` (stock vLLM dense NCCL, unique-id rendezvous, vLLM >= 0.30),
       ``weightwire_nccl`` (the same plus a worker-side timeout; needs the weightwire
-      plugin), ``weightwire_tcp`` (no GPU needed; needs the plugin).
+      plugin), ``weightwire_tcp`` (no GPU needed; needs the plugin), ``weightwire_ipc``
+      (trainer and workers on one host, CUDA IPC; needs the plugin).
     - ``rank``: this trainer process's rank; rank 0 sends, the others only iterate the
       source so they stay in the trainer-side gathers (FSDP ``full_tensor``).
     - ``packed`` / ``packed_buffer_size_bytes`` / ``packed_num_buffers``: wire params.
@@ -37,6 +38,8 @@ class TrainerInitInfo:
       The default ``auto`` pauses with ``keep`` whenever the client can pause (a round
       run under live traffic crashes vLLM: its layerwise reload puts layers on the
       meta device mid-round); ``None`` never pauses.
+    - ``ipc_release_after_round``: ``weightwire_ipc`` frees its slots after every round
+      (the memory goes back to training; handles are re-exported next round).
     - ``timeouts``: every wait's bound (default: ``Timeouts.from_env()``, so
       ``WEIGHTWIRE_TIMEOUT_<FIELD>`` variables apply).
     - ``verify``: after each round, compare the servers' per-tensor sha256 with what
@@ -63,6 +66,7 @@ class TrainerInitInfo:
     server_version: str | None = None
     inference_world_size: int | None = None
     version_override: str | None = None
+    ipc_release_after_round: bool = False
 
     def __post_init__(self) -> None:
         from weightwire.trainer.backends import backend_names  # noqa: PLC0415  (registry imports this module)
@@ -80,6 +84,8 @@ class TrainerInitInfo:
             raise ValueError(f"packed_num_buffers must be an int in [1, {LIMITS.max_num_buffers}], got {count!r}")
         if not isinstance(self.timeouts, Timeouts):
             raise ValueError(f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}")
+        if type(self.ipc_release_after_round) is not bool:
+            raise ValueError(f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}")
         if self.pause_mode is not None and self.pause_mode not in ("auto", *PAUSE_MODES):
             raise ValueError(f"pause_mode must be None, 'auto' or one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.device is not None and (type(self.device) is not int or self.device < 0):

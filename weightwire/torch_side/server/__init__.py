@@ -39,7 +39,7 @@ from weightwire._extras import MissingExtra, require
 
 __all__ = ["build_parser", "serve_main"]
 
-BACKENDS = ("weightwire_tcp", "weightwire_nccl")
+BACKENDS = ("weightwire_tcp", "weightwire_nccl", "weightwire_ipc")
 PROG = "weightwire serve"
 
 
@@ -92,8 +92,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--port must be in [0, 65535], got {args.port}"
     if not 1 <= args.replicas <= 64:
         return f"--replicas must be in [1, 64], got {args.replicas}"
-    if args.backend == "weightwire_nccl" and args.device != "cuda":
-        return "--backend weightwire_nccl needs --device cuda"
+    if args.backend in ("weightwire_nccl", "weightwire_ipc") and args.device != "cuda":
+        return f"--backend {args.backend} needs --device cuda"
     for name in ("op_timeout", "round_timeout", "generate_timeout", "startup_timeout", "round_lease"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be > 0"

@@ -367,6 +367,9 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(result, headers={"x-weightwire-replica": str(index)})
 
     install_openai_routes(app, state, generate_on_a_replica)
+    from weightwire.torch_side.server.sleep_routes import install_sleep_routes  # noqa: PLC0415
+
+    install_sleep_routes(app, state)
     return app
 
 

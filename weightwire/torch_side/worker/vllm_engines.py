@@ -26,6 +26,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared.ipc_info import IPCInitInfo
 from weightwire.torch_side.worker.connect import connect_nccl, connect_tcp
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
@@ -222,3 +223,17 @@ class VllmWeightwireNCCLEngine(_VllmEngine):
     init_info_cls = WeightwireNCCLInitInfo
     update_info_cls = UpdateInfo
     _connect = staticmethod(connect_nccl)
+
+
+class VllmWeightwireIPCEngine(_VllmEngine):
+    """``--weight-transfer-config '{"backend": "weightwire_ipc"}'``: CUDA IPC from a trainer on this host."""
+
+    backend = "weightwire_ipc"
+    init_info_cls = IPCInitInfo  # type: ignore[assignment]
+    update_info_cls = UpdateInfo
+
+    @staticmethod
+    def _connect(info: Any, *, rank: int, device: torch.device) -> Any:
+        from weightwire.torch_side.worker.ipc_link import connect_ipc  # noqa: PLC0415
+
+        return connect_ipc(info, rank=rank, device=device)
