@@ -162,16 +162,20 @@ def test_session_rules():
         engine.update_weights({"names": [], "dtype_names": [], "shapes": []})
     with pytest.raises(RuntimeError, match="without start_weight_update"):
         engine.finish_weight_update()
-    sender = ThreadSender(lambda comm: None)
+    # The sender stays connected while the rules are checked: a second init is refused only
+    # while the round's trainer is alive (a vanished trainer's round is dropped as stale).
+    release = threading.Event()
+    sender = ThreadSender(lambda comm: release.wait(60))
     engine.init_transfer_engine(sender.info())
     with pytest.raises(RuntimeError, match="without start_weight_update"):
         engine.update_weights({"names": [], "dtype_names": [], "shapes": []})
     engine.start_weight_update()
     with pytest.raises(RuntimeError, match="called twice"):
         engine.start_weight_update()
-    with pytest.raises(RuntimeError, match="while a weight update is active"):
+    with pytest.raises(RuntimeError, match="refused: a weight update of session .* is in progress"):
         engine.init_transfer_engine(sender.info())
     engine.finish_weight_update()
+    release.set()
     assert host.rounds_committed == 1
     engine.shutdown()
     engine.shutdown()  # idempotent
