@@ -101,7 +101,7 @@ def guarded(prog: str, run: Callable[[], int]) -> int:
 
 
 class Progress:
-    """Start-up progress as plain lines: ``prog: message`` on stdout, flushed at once.
+    """Start-up progress as plain lines: ``prog: message`` on ``stream`` (stdout), flushed at once.
 
     Used where output goes to a pipe or a CI log (no live terminal widget), so a slow
     start shows what it is doing while it does it.

@@ -49,7 +49,7 @@ def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
     (["--model", "tiny-llama", "--replicas", "0"], 2, "--replicas must be in [1, 64]"),
     (["--model", "tiny-llama", "--backend", "weightwire_nccl"], 2, "weightwire_nccl needs --device cuda"),
     (["--model", "tiny-llama", "--port", "70000"], 2, "--port must be in [0, 65535]"),
-    (["--model", "/nonexistent/model"], 1, "neither tiny-llama / tiny-qwen2 nor a directory"),
+    (["--model", "/nonexistent/model"], 2, "'/nonexistent/model': no such directory"),
     (["--model", "tiny-llama", "--backend", "nccl"], 2, "invalid choice: 'nccl'"),
 ])
 def test_cli_errors_exit_nonzero_with_a_reason(argv, code, message, capsys, tiny_cache) -> None:

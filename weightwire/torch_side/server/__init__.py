@@ -3,9 +3,9 @@
 ``weightwire serve --model DIR|tiny-llama|tiny-qwen2`` (or
 ``python -m weightwire.torch_side.server``) starts an API process (FastAPI +
 uvicorn, loopback by default) and ``--replicas`` worker processes, each one rank of
-the transfer group. It prints exactly one line ``weightwire server ready on
-http://HOST:PORT`` once it accepts requests (``--port 0`` picks a free port and
-prints the real one).
+the transfer group. It prints exactly one line on stdout, ``weightwire server ready on
+http://HOST:PORT``, once it accepts requests (``--port 0`` picks a free port and
+prints the real one); what it loads and the routes it serves go to stderr.
 
 Layout: ``app`` (routes) -> ``session`` (round rules) -> ``replicas`` (JSON-lines
 fan-out) -> ``worker_proc`` (model + ``HFModelHost`` + engine) -> ``generate``.
@@ -177,7 +177,8 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
     from weightwire.torch_side.server.tiny import TINY_NAMES, resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    say = Progress(PROG)
+    # stderr: stdout carries only the ready line, which launchers parse.
+    say = Progress(PROG, sys.stderr)
     if args.model in TINY_NAMES:
         from weightwire.torch_side.server.tiny import cache_root  # noqa: PLC0415
 
