@@ -84,6 +84,11 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --server: if its weights differ from --model-dir, push the policy's first")
     p.add_argument("--server-gpu", default=d.server_gpu,
                    help=f"embedded server with an NCCL backend: its CUDA_VISIBLE_DEVICES (default {d.server_gpu})")
+    p.add_argument("--colocated", action="store_true",
+                   help="trainer and embedded server on ONE GPU, synced over CUDA IPC (weightwire_ipc); "
+                        "the server sleeps while the policy trains")
+    p.add_argument("--sleep-level", type=int, default=d.sleep_level, choices=(0, 1, 2),
+                   help=f"--colocated: the server's sleep level during training (default {d.sleep_level})")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -100,7 +105,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         cfg = DemoConfig(server=args.server, model_dir=args.model_dir, model=args.model, steps=args.steps,
                          backend=backend, batch=args.batch, max_tokens=args.max_tokens, lr=args.lr,
                          target=args.target, tolerance=args.tolerance, seed=args.seed, api_key=args.api_key,
-                         served_model=args.served_model, resync=args.resync, server_gpu=args.server_gpu)
+                         served_model=args.served_model, resync=args.resync, server_gpu=args.server_gpu,
+                         colocated=args.colocated, sleep_level=args.sleep_level)
     except ValueError as exc:
         return fail("weightwire demo", str(exc), EXIT_USAGE)
     result = run_demo(cfg, Console())

@@ -79,16 +79,18 @@ class Server:
 
 def launch(model: str | Path, log_path: Path, *extra: str, env: dict[str, str] | None = None,
            api_key: str | None = API_KEY) -> Server:
-    """Start a server on a free port (loopback unless ``--host`` is in ``extra``); wait
+    """Start a server on a free port (loopback unless ``--host`` is in ``extra``; the API key in
+    ``$WEIGHTWIRE_API_KEY``, never on a command line); wait
     (bounded) for its ready line. Its stderr (logs of the API and every worker) goes to
     ``log_path``; its stdout is kept in ``Server.stdout``."""
     log = open(log_path, "w")  # noqa: SIM115  (the child writes to it for its whole life)
     cmd = [sys.executable, "-m", "weightwire.torch_side.server", "--model", str(model), "--port", "0",
-           "--backend", "weightwire_tcp", *(["--api-key", api_key] if api_key else []), *extra]
+           "--backend", "weightwire_tcp", *extra]
     # The workers bound their own rendezvous and warm-up (Timeouts.from_env): short here too.
     short = {f"WEIGHTWIRE_TIMEOUT_{k.upper()}": str(v) for k, v in vars(FAULT_TIMEOUTS).items()}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **short, **(env or {})})
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **short,
+                                 **({"WEIGHTWIRE_API_KEY": api_key} if api_key else {}), **(env or {})})
     ready = ReadyLine(proc)
     if not ready.wait(START_TIMEOUT_S) or ready.url is None:
         with contextlib.suppress(ProcessLookupError):

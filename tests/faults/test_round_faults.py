@@ -10,6 +10,7 @@ and a fresh init + round afterwards lands exactly.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -100,7 +101,7 @@ def test_update_posted_without_start(shared_server: Server, probe: Probe, source
 
 
 def test_finish_without_update(shared_server: Server, probe: Probe, source: TensorSource) -> None:
-    engine = engine_for(shared_server.url, source)
+    engine = engine_for(shared_server.url, source, timeouts=SLOW_RECEIVE)  # the lease outlives the probe's calls
     try:
         want = source.perturb(4)
         engine.send_weights("f1")
@@ -152,27 +153,118 @@ def test_second_trainer_init_while_a_round_is_in_flight(shared_server: Server, p
 
 
 def test_second_trainer_takes_over_an_idle_session(shared_server: Server, probe: Probe, source: TensorSource) -> None:
-    """Between rounds the last init wins (vLLM's semantics): A's next round then fails fast
-    with the server's reason, and the weights A committed stay served."""
+    """Between rounds the last init wins (vLLM's semantics), and the session now has an
+    owner: A's next round and A's shutdown are refused (409, naming the takeover) before
+    any worker is touched, so B's session survives A and B carries on; A's weights stay
+    served until B commits."""
     url = shared_server.url
     a = engine_for(url, source)
     b = None
     try:
         want = source.perturb(8)
         a.send_weights("a1")
-        b = engine_for(url, TensorSource(source.tensors))  # accepted: A's session was idle
+        b_source = TensorSource(source.tensors)
+        b = engine_for(url, b_source)  # accepted: A's session was idle
         source.perturb(9)
-        with elapsed() as t, pytest.raises((WeightSyncError, TransferError)) as info:
+        with elapsed() as t, pytest.raises(WeightSyncError) as info:
             a.send_weights("a2")
-        observe(first_trainer=info.value, first_trainer_s=t[0], server=probe.session()["last_error"])
-        assert t[0] < FAULT_TIMEOUTS.transfer_s + GRACE_S, f"A's stale round took {t[0]:.1f} s to fail"
-        assert "init_weight_transfer_engine" in str(info.value) or "lost" in str(info.value), info.value
+        observe(first_trainer=info.value, first_trainer_s=t[0], server=probe.session())
+        assert t[0] < GRACE_S, f"A's stale round took {t[0]:.1f} s to fail"
+        assert info.value.status == 409 and "was replaced by a newer /init_weight_transfer_engine" in info.value.message
         assert_weights(probe, want, "a1")
+        assert probe.session()["state"] == "ready", "A's refused round disturbed B's session"
+        with pytest.raises(WeightSyncError, match=r"status 409.*shutdown_weight_transfer_engine refused.*replaced"):
+            a.shutdown()
+        assert probe.session()["state"] == "ready", "A's shutdown killed B's session"
+        want = b_source.perturb(10)
+        b.send_weights("b1")  # B's session is intact: no re-init
+        assert_weights(probe, want, "b1")
     finally:
         quiet_shutdown(a)
         if b is not None:
             quiet_shutdown(b)
     fresh_round(url, source, probe, 10, "after-takeover")
+
+
+def test_round_lease_aborts_a_round_whose_trainer_went_quiet(shared_server: Server, probe: Probe,
+                                                             source: TensorSource) -> None:
+    """A round started and then abandoned (the trainer vanished after start): the server
+    aborts it by itself once the lease (the trainer's transfer_s) runs out; no manual
+    finish; the committed weights and version stay served."""
+    engine = engine_for(shared_server.url, source)
+    try:
+        want = source.perturb(30)
+        engine.send_weights("l1")
+        assert probe.http.post("/start_weight_update").status_code == 200  # ... and nobody follows up
+        state, waited = probe.wait_session(lambda s: s["state"] != "round_active",
+                                           timeout=FAULT_TIMEOUTS.transfer_s + 30)
+        observe(server=state["last_error"], server_s=waited)
+        assert state["state"] == "uninitialized" and state["busy"] is None, state
+        assert "round lease expired" in state["last_error"] and "'l1' is still served" in state["last_error"], state
+        assert_weights(probe, want, "l1")
+    finally:
+        quiet_shutdown(engine)
+    fresh_round(shared_server.url, source, probe, 31, "after-lease")
+
+
+class _TrainerBug(Exception):
+    pass
+
+
+def test_shutdown_right_after_a_failed_round_keeps_the_round_error(shared_server: Server, probe: Probe,
+                                                                   source: TensorSource) -> None:
+    """``try: send_weights() finally: shutdown()`` after a trainer-side failure mid-round,
+    while the server has not yet failed the round (its worker is frozen until the first
+    shutdown attempt was answered 409 "a weight update is active"): the caller sees its
+    own error, the shutdown waits for the server's verdict and then really happens, and
+    the caller's next cleanup step still runs."""
+    url = shared_server.url
+    worker = shared_server.worker_pids()[0]
+    client = client_for(url)
+    real_shutdown = client.shutdown_weight_transfer_engine
+    answers: list[str] = []
+
+    def shutdown_then_unfreeze() -> None:
+        try:
+            real_shutdown()
+            answers.append("ok")
+        except WeightSyncError as exc:
+            answers.append(f"{exc.status} {exc.message}")
+            os.kill(worker, signal.SIGCONT)  # the server can now fail the round
+            raise
+
+    client.shutdown_weight_transfer_engine = shutdown_then_unfreeze  # type: ignore[method-assign]
+    engine = engine_for(url, source, client=client)
+    closed: list[bool] = []
+
+    def bug() -> None:
+        wait_busy(probe, "update_weights")  # the server is receiving: the failure is mid-round
+        os.kill(worker, signal.SIGSTOP)
+        raise _TrainerBug("the trainer's own bug, mid-round")
+
+    try:
+        want = source.perturb(32)
+        engine.send_weights("x1")
+        source.hook = hook_at(3, bug)
+        source.perturb(33)
+        with pytest.raises(_TrainerBug):
+            try:
+                engine.send_weights("x2")
+            finally:
+                engine.shutdown()
+                closed.append(True)  # the caller's next cleanup step (client.close()) still runs
+    finally:
+        os.kill(worker, signal.SIGCONT)
+        source.hook = None
+        quiet_shutdown(engine)
+    observe(shutdown_answers=answers)
+    assert closed == [True]
+    assert answers[0].startswith("409") and "a weight update is active" in answers[0], answers
+    assert answers[-1] == "ok", answers
+    state = probe.session()
+    assert state["state"] == "uninitialized" and state["busy"] is None, state
+    assert_weights(probe, want, "x1")
+    fresh_round(url, source, probe, 34, "after-shutdown-after-failure")
 
 
 # ----------------------------------------------------------------------------- shutdown

@@ -222,6 +222,7 @@ def test_secrets_never_in_logs_or_reprs(shared_server: Server, probe: Probe, sou
         texts[f"server {i} stdout"] = "\n".join(server.stdout)
     # The workers log each join at INFO (nothing logs below it today): proof the logs were verbose.
     assert "joined as rank 1" in shared_server.log(), "the shared server's logs are not verbose"
+    texts["API process cmdline"] = Path(f"/proc/{shared_server.pid}/cmdline").read_bytes().decode(errors="replace")
     for pid in shared_server.worker_pids().values():
         texts[f"worker {pid} cmdline"] = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     secrets = [info["secret_b64"] for info in POSTED_INIT_INFOS if isinstance(info, dict) and "secret_b64" in info]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,9 +19,28 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny_llama: str):
-    return server_factory(["--model", tiny_llama, "--replicas", "1", "--api-key", KEY, "--max-body-bytes", "65536"],
+def server(server_factory, tiny_llama: str, tmp_path_factory: pytest.TempPathFactory):
+    # The key from a file (with the trailing newline an editor leaves): every auth case of
+    # this module runs against --api-key-file, and the key is on no command line.
+    key_file = tmp_path_factory.mktemp("key") / "api-key"
+    key_file.write_text(KEY + "\n")
+    return server_factory(["--model", tiny_llama, "--replicas", "1", "--api-key-file", str(key_file),
+                           "--max-body-bytes", "65536"],
                           env={"WEIGHTWIRE_TIMEOUT_CONNECT_S": "2"})  # the dead-sender test waits this long
+
+
+def test_api_key_is_not_on_the_server_command_line(server) -> None:
+    cmdline = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().decode()
+    assert KEY not in cmdline and "--api-key-file" in cmdline
+    assert "warning" not in server.log()
+
+
+def test_a_huge_text_prompt_is_refused_before_tokenizing(http: httpx.Client) -> None:
+    """The 64 KiB body limit of this server allows ~60 K characters; tiny-llama's 256
+    positions hold far fewer, which the API knows without tokenizing."""
+    resp = http.post("/v1/completions", json={"prompt": "word " * 12_000, "max_tokens": 1})
+    assert resp.status_code == 400, resp.text
+    assert "60000 characters: more tokens than the model's positions" in resp.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")

@@ -112,3 +112,43 @@ def test_bearer_check() -> None:
     assert bearer_matches(b"bearer  s3cret-key ", key)
     for bad in (None, b"", b"s3cret-key", b"Basic s3cret-key", b"Bearer s3cret-ke", b"Bearer s3cret-key2", b"Bearer"):
         assert not bearer_matches(bad, key), bad
+
+
+def test_api_key_sources(tmp_path) -> None:
+    """--api-key-file (trailing newline stripped) and $WEIGHTWIRE_API_KEY carry no warning;
+    --api-key on argv works but warns that the process list shows it; a bad file is an error."""
+    from weightwire.torch_side.server import build_parser, resolve_api_key
+
+    key_file = tmp_path / "key"
+    key_file.write_text("k-from-file\n")
+    parse = build_parser().parse_args
+    assert resolve_api_key(parse(["--model", "m", "--api-key-file", str(key_file)]), {}) == ("k-from-file", None)
+    assert resolve_api_key(parse(["--model", "m"]), {"WEIGHTWIRE_API_KEY": "k-env"}) == ("k-env", None)
+    assert resolve_api_key(parse(["--model", "m"]), {}) == (None, None)
+    key, warning = resolve_api_key(parse(["--model", "m", "--api-key", "k-argv"]), {"WEIGHTWIRE_API_KEY": "k-env"})
+    assert key == "k-argv" and warning is not None and "visible to every user" in warning
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_api_key(parse(["--model", "m", "--api-key-file", str(tmp_path / "empty")]), {})
+    with pytest.raises(ValueError, match="cannot read it"):
+        resolve_api_key(parse(["--model", "m", "--api-key-file", str(tmp_path / "missing")]), {})
+    with pytest.raises(SystemExit):  # one source of the key, not two
+        parse(["--model", "m", "--api-key", "a", "--api-key-file", str(key_file)])
+
+
+def test_session_ownership_rules() -> None:
+    s = Session()
+    first = s.initialized(object())
+    s.check_owner(first, "start_weight_update")
+    s.check_owner(None, "start_weight_update")  # stock clients send no session: vLLM's rules
+    second = s.initialized(object())
+    assert second != first
+    _raises(lambda: s.check_owner(first, "start_weight_update"), 409, "replaced by a newer")
+    _raises(lambda: s.check_owner(first, "shutdown_weight_transfer_engine", idempotent=True), 409, "replaced")
+    s.failed("replica 0: PeerLost")
+    _raises(lambda: s.check_owner(second, "finish_weight_update"), 409, r"has ended \(replica 0: PeerLost\)")
+    s.check_owner(second, "shutdown_weight_transfer_engine", idempotent=True)  # ended: shutdown is a no-op
+    with pytest.raises(SessionError) as info:
+        s.initialized(object())
+        s.check_owner(first, "update_weights")
+    assert s.session_id is not None and s.session_id not in info.value.message  # never echoed

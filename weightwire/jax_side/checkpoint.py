@@ -66,7 +66,7 @@ def _forward(plan: Plan, leaves: list[jax.Array]) -> dict[str, jax.Array]:
     out = {}
     for entry in plan.entries:
         xs = [leaves[p.leaf] for p in entry.pieces]
-        idxs = [None if p.stack_axis is None else p.layer for p in entry.pieces]
+        idxs = [p.indices for p in entry.pieces]
         out[entry.name] = run_entry(entry.structure, xs, idxs, xs[0].dtype)
     return out
 

@@ -3,6 +3,11 @@
 Each incoming connection is authenticated on its own short-lived thread, so a slow or
 hostile client cannot hold up the legitimate receivers; ``accept`` returns once every
 rank ``1 .. world_size-1`` has joined, or raises naming the ones that did not.
+
+Idle connections cannot lock the workers out: a peer gets ``HANDSHAKE_S`` to prove
+the secret (a real worker needs one round trip), and when ``_MAX_PENDING_HANDSHAKES``
+unproven peers are pending the oldest is dropped to make room for the newcomer
+(workers retry a handshake that was dropped, see ``worker.connect``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("weightwire.transport.tcp")
 
-_MAX_PENDING_HANDSHAKES = 64  # connections mid-handshake; more are dropped (connection flood)
+_MAX_PENDING_HANDSHAKES = 64  # unproven connections mid-handshake; beyond, the oldest is dropped
+HANDSHAKE_S = 5.0
+"""Seconds a connection has to complete the handshake (each step: hello out, AUTH in,
+verdict out, confirm in), within the rendezvous' own deadline. Far above one loopback
+or datacenter round trip; short enough that idle peers free their slots quickly."""
 _ACCEPT_POLL_S = 0.1  # how often the acceptor thread notices accept() has finished
 
 
@@ -101,7 +110,8 @@ class TCPRendezvous:
         self._state = "open"  # open -> accepting -> done | closed
         self._claimed: set[int] = set()
         self._joined: dict[int, tuple[socket.socket, str]] = {}
-        self._pending: set[socket.socket] = set()
+        self._pending: dict[socket.socket, bool] = {}
+        """Connections mid-handshake, oldest first -> whether they proved the secret."""
         self._refusals: list[str] = []
 
     @property
@@ -209,18 +219,28 @@ class TCPRendezvous:
                 continue
             except OSError:
                 return  # listener closed
+            evicted: socket.socket | None = None
             with self._cv:
-                if len(self._pending) >= _MAX_PENDING_HANDSHAKES or self._state != "accepting":
+                if self._state != "accepting":
                     conn.close()
                     continue
-                self._pending.add(conn)
+                unproven = [c for c, proven in self._pending.items() if not proven]
+                if len(unproven) >= _MAX_PENDING_HANDSHAKES:
+                    evicted = unproven[0]
+                    del self._pending[evicted]  # its handshake thread closes it once woken
+                self._pending[conn] = False
+            if evicted is not None:
+                wire.shutdown_quietly(evicted)
+                logger.info("TCP rendezvous: %d unproven handshakes pending; dropped the oldest",
+                            _MAX_PENDING_HANDSHAKES)
             peer = _fmt_addr(addr)
             threading.Thread(target=self._handshake, args=(conn, peer, deadline),
                              name="weightwire-tcp-handshake", daemon=True).start()
 
-    def _handshake(self, conn: socket.socket, peer: str, deadline: float) -> None:
+    def _handshake(self, conn: socket.socket, peer: str, rendezvous_deadline: float) -> None:
         claimed: int | None = None
         keep = False
+        deadline = min(rendezvous_deadline, time.monotonic() + HANDSHAKE_S)
         try:
             wire.tune(conn, self._buffer_bytes)
             server_nonce = secrets.token_bytes(wire.NONCE_BYTES)
@@ -234,6 +254,9 @@ class TCPRendezvous:
             proof = wire.server_tag(self._secret, client_nonce, server_nonce, rank, world_size) if code == wire.OK else bytes(32)
             if code == wire.OK:
                 claimed = rank
+                with self._cv:
+                    if conn in self._pending:
+                        self._pending[conn] = True  # proven: never evicted to make room
             wire.send_all(conn, [memoryview(wire.VERDICT.pack(wire.VERDICT_MAGIC, code, proof))], deadline, [0])
             if code != wire.OK:
                 self._refuse(peer, f"claimed rank {rank}: {wire.REFUSALS[code]}")
@@ -245,7 +268,7 @@ class TCPRendezvous:
             with self._cv:
                 if self._state == "accepting":
                     self._joined[rank] = (conn, peer)
-                    self._pending.discard(conn)
+                    self._pending.pop(conn, None)
                     keep = True
                     self._cv.notify_all()
         except (wire.WireShort, OSError) as exc:
@@ -257,7 +280,7 @@ class TCPRendezvous:
         finally:
             if not keep:
                 with self._cv:
-                    self._pending.discard(conn)
+                    self._pending.pop(conn, None)
                     if claimed is not None and claimed not in self._joined:
                         self._claimed.discard(claimed)
                 wire.shutdown_quietly(conn)

@@ -3,9 +3,9 @@
 ``weightwire serve --model DIR|tiny-llama|tiny-qwen2`` (or
 ``python -m weightwire.torch_side.server``) starts an API process (FastAPI +
 uvicorn, loopback by default) and ``--replicas`` worker processes, each one rank of
-the transfer group. It prints exactly one line on stdout, ``weightwire server ready on
-http://HOST:PORT``, once it accepts requests (``--port 0`` picks a free port and
-prints the real one); what it loads and the routes it serves go to stderr.
+the transfer group. It prints the line ``weightwire server ready on http://HOST:PORT`` once, when it
+accepts requests (``--port 0`` picks a free port and prints the real one); lines
+before it say what it loads, the line after it which routes it serves.
 
 Layout: ``app`` (routes) -> ``session`` (round rules) -> ``replicas`` (JSON-lines
 fan-out) -> ``worker_proc`` (model + ``HFModelHost`` + engine) -> ``generate``.
@@ -39,7 +39,7 @@ from weightwire._extras import MissingExtra, require
 
 __all__ = ["build_parser", "serve_main"]
 
-BACKENDS = ("weightwire_tcp", "weightwire_nccl")
+BACKENDS = ("weightwire_tcp", "weightwire_nccl", "weightwire_ipc")
 PROG = "weightwire serve"
 
 
@@ -60,9 +60,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="weight-transfer backend the workers run: weightwire_tcp (CPU or GPU; alias tcp) or "
                         "weightwire_nccl (needs --device cuda) (default weightwire_tcp)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the workers hold the model (default cpu)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /version "
-                        "(default: $WEIGHTWIRE_API_KEY if set)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="require 'Authorization: Bearer KEY' on every route but /health and /version, KEY "
+                          "being this file's content (trailing newline stripped); default: $WEIGHTWIRE_API_KEY")
+    key.add_argument("--api-key", default=None,
+                     help="the key itself; avoid: a command line is visible to every user of the host "
+                          "(ps, /proc/PID/cmdline)")
     p.add_argument("--replicas", type=int, default=1, help="worker processes = ranks in the transfer group")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / replicas)")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20,
@@ -73,6 +77,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="backstop seconds for one update_weights (default 3600)")
     p.add_argument("--generate-timeout", type=float, default=600.0,
                    help="seconds for one completion request, and for /pause?mode=wait to drain (default 600)")
+    p.add_argument("--round-lease", type=float, default=None,
+                   help="abort a round after this many idle seconds without a weight call from its trainer "
+                        "(default: the trainer's per-broadcast timeout from its init info)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds for the workers to load the model (default 600)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
@@ -85,10 +92,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--port must be in [0, 65535], got {args.port}"
     if not 1 <= args.replicas <= 64:
         return f"--replicas must be in [1, 64], got {args.replicas}"
-    if args.backend == "weightwire_nccl" and args.device != "cuda":
-        return "--backend weightwire_nccl needs --device cuda"
-    for name in ("op_timeout", "round_timeout", "generate_timeout", "startup_timeout"):
-        if not getattr(args, name) > 0:
+    if args.backend in ("weightwire_nccl", "weightwire_ipc") and args.device != "cuda":
+        return f"--backend {args.backend} needs --device cuda"
+    for name in ("op_timeout", "round_timeout", "generate_timeout", "startup_timeout", "round_lease"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be > 0"
     if args.max_body_bytes < 1024:
         return "--max-body-bytes must be >= 1024"
@@ -108,6 +115,25 @@ def _check_model(model: str) -> str | None:
     return None
 
 
+def resolve_api_key(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> tuple[str | None, str | None]:
+    """``(key, warning)``: from ``--api-key-file``, ``--api-key`` (with a warning: the
+    process list shows it) or ``$WEIGHTWIRE_API_KEY``. Raises ``ValueError`` for an
+    unreadable or empty key file."""
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.read().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file!r}: cannot read it ({type(exc).__name__})") from None
+        if not key.strip():
+            raise ValueError(f"--api-key-file {args.api_key_file!r} is empty")
+        return key, None
+    if args.api_key:
+        return args.api_key, ("--api-key on the command line is visible to every user of this host (ps, "
+                              "/proc/PID/cmdline); pass it in $WEIGHTWIRE_API_KEY or --api-key-file instead")
+    return environ.get("WEIGHTWIRE_API_KEY") or None, None
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     """Run the server until SIGINT/SIGTERM. Returns the process exit code (``weightwire._cli``'s
     codes: 0 stopped after serving, 2 bad arguments, 3 an error stopped it, 130 Ctrl-C while starting)."""
@@ -117,6 +143,14 @@ def serve_main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse already printed the usage error
         return int(exc.code or 0)
     problem = _check(args) or _check_model(args.model)
+    if problem is None:
+        try:
+            args.api_key, warning = resolve_api_key(args, os.environ)
+        except ValueError as exc:
+            problem = str(exc)
+        else:
+            if warning:
+                print(f"weightwire serve: warning: {warning}", file=sys.stderr)
     if problem:
         return fail(PROG, problem, EXIT_USAGE)
     try:
@@ -177,8 +211,8 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
     from weightwire.torch_side.server.tiny import TINY_NAMES, resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    # stderr: stdout carries only the ready line, which launchers parse.
-    say = Progress(PROG, sys.stderr)
+    # stdout, before and after the ready line (launchers match that one line and ignore the rest).
+    say = Progress(PROG)
     if args.model in TINY_NAMES:
         from weightwire.torch_side.server.tiny import cache_root  # noqa: PLC0415
 
@@ -201,9 +235,10 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
         options = ServerOptions(
             backend=args.backend,
             model_name=args.model if args.model in TINY_NAMES else os.path.basename(os.path.normpath(model_dir)),
-            api_key=args.api_key or os.environ.get("WEIGHTWIRE_API_KEY") or None,
+            api_key=args.api_key,
             max_body_bytes=args.max_body_bytes, op_timeout_s=args.op_timeout,
             round_timeout_s=args.round_timeout, generate_timeout_s=args.generate_timeout,
+            lease_s=args.round_lease,
             model_dir=os.path.abspath(model_dir), model_aliases=(args.model, model_dir, os.path.abspath(model_dir)),
         )
         app = create_app(ServerState(pool=pool, options=options))

@@ -8,7 +8,9 @@ all of them (bounded); a replica's failure comes back naming the replica.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,10 +19,11 @@ from fastapi.responses import JSONResponse
 
 from weightwire import __version__
 from weightwire.shared.info import INIT_INFO_TYPES, UpdateInfo
-from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES
+from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.server.auth import ApiKeyMiddleware
 from weightwire.torch_side.server.completions import CompletionRequest, CompletionRequestError, parse_completion_request
+from weightwire.torch_side.server.lease import RoundLease
 from weightwire.torch_side.server.openai import check_model, install_openai_routes
 from weightwire.torch_side.server.pause import PauseGate
 from weightwire.torch_side.server.replicas import FanOutError, ReplicaError, ReplicaPool
@@ -40,6 +43,11 @@ SERVER_VERSION = f"0.33.0+weightwire.{__version__}"
 """We implement vLLM 0.33's semantics (metadata reuse, shutdown route), so clients gate on 0.33."""
 
 _MAX_VERSION_CHARS = 1024
+_VERDICT_GRACE_S = 10.0
+"""How much longer than its own ``timeout_s`` the API waits for a worker's finish verdict:
+the worker decides (commit or not) within ``timeout_s``; this only covers a wedged one."""
+
+log = logging.getLogger("weightwire.server")
 
 
 @dataclass
@@ -53,6 +61,9 @@ class ServerOptions:
     round_timeout_s: float = 3600.0
     """Backstop for one update_weights (the engines time out each chunk on their own)."""
     generate_timeout_s: float = 600.0
+    lease_s: float | None = None
+    """Round lease (see ``lease``); default: the init info's ``timeout_s`` (the trainer's
+    per-broadcast bound), else ``Timeouts.from_env().transfer_s``."""
     model_dir: str | None = None
     """Shown as ``root`` by ``/v1/models``."""
     model_aliases: tuple[str, ...] = ()
@@ -65,6 +76,7 @@ class ServerState:
     options: ServerOptions
     session: Session = field(default_factory=Session)
     gate: PauseGate = field(default_factory=PauseGate)
+    lease: RoundLease = field(default_factory=RoundLease)
 
     @property
     def replicas(self) -> int:
@@ -113,11 +125,34 @@ def create_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.options.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, api_key=state.options.api_key)  # outermost: before any body is read
-    opts, session, pool, gate = state.options, state.session, state.pool, state.gate
+    opts, session, pool, gate, lease = state.options, state.session, state.pool, state.gate, state.lease
 
     @app.exception_handler(SessionError)
     async def _session_error(_: Request, exc: SessionError) -> JSONResponse:
         return error_response(exc.status, exc.message)
+
+    def owner(request: Request, route: str, *, idempotent: bool = False) -> None:
+        session.check_owner(request.headers.get(SESSION_HEADER), route, idempotent=idempotent)
+
+    def arm_lease() -> None:
+        """(Re)start the round lease after start / each update returned."""
+        seconds = opts.lease_s
+        if seconds is None:
+            raw = getattr(session.init_info, "timeout_s", None)
+            seconds = float(raw) if isinstance(raw, (int, float)) else Timeouts.from_env().transfer_s
+        round_id = session.round_id
+
+        async def expire() -> None:
+            if session.phase is not Phase.ROUND or session.round_id != round_id or session.busy is not None:
+                return  # the round moved on (or an operation now decides its fate)
+            async with session.operation("round lease"):
+                reason = (f"round lease expired: the trainer sent no weight call for {seconds:g} s during its round; "
+                          f"the round was aborted and weight_version {session.weight_version!r} is still served")
+                session.failed(reason)
+                log.warning("%s", reason)
+                await pool.abort_all()
+
+        lease.arm(seconds, expire)
 
     # ------------------------------------------------------------------ session
     @app.post(_route("init_weight_transfer_engine"))
@@ -141,17 +176,20 @@ def create_app(state: ServerState) -> FastAPI:
         timeout = local.connect_s + local.warmup_s + 30.0
         _require_live(pool)
         async with session.operation("init_weight_transfer_engine"):
+            lease.disarm()
             await _fan_out_or_fail(state, "init_weight_transfer_engine", "init", {"init_info": raw}, timeout=timeout, abort_on_failure=True)
-            session.initialized(info)
-        return {"message": "Weight transfer initialized"}
+            session_id = session.initialized(info)
+        return {"message": "Weight transfer initialized", "session_id": session_id}
 
     @app.post(_route("start_weight_update"))
     async def start_weight_update(request: Request) -> dict[str, Any]:
         await read_no_body(request)
+        owner(request, "start_weight_update")
         session.check_start()
         async with session.operation("start_weight_update"):
             await _fan_out_or_fail(state, "start_weight_update", "start", timeout=opts.op_timeout_s, abort_on_failure=True)
             session.started()
+            arm_lease()
         return {"message": "Weight update started"}
 
     @app.post(_route("start_draft_weight_update"))
@@ -163,10 +201,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post(_route("update_weights"))
     async def update_weights(request: Request) -> dict[str, Any]:
         body = await read_object(request, allowed=("update_info",), required=("update_info",))
+        owner(request, "update_weights")
         session.check_update()
         async with session.operation("update_weights"):
+            lease.disarm()
             try:
-                per = _parse_update_payload(body["update_info"], state.replicas)
+                # A round's metadata can list a million names: validate off the event loop.
+                per = await asyncio.to_thread(_parse_update_payload, body["update_info"], state.replicas)
             except ApiError as exc:
                 # The trainer is already broadcasting: tear the group down so it fails fast.
                 await pool.abort_all()
@@ -176,15 +217,21 @@ def create_app(state: ServerState) -> FastAPI:
             results = await _fan_out_or_fail(state, "update_weights", "update", [{"update_info": p} for p in per],
                                              timeout=opts.round_timeout_s, abort_on_failure=True)
             session.updated()
+            arm_lease()
         return {"message": "Weights updated", "replicas": results}
 
     @app.post(_route("finish_weight_update"))
     async def finish_weight_update(request: Request) -> dict[str, Any]:
         body = await read_object(request, allowed=("weight_version",))
         version = _version_field(body, "weight_version", optional=True)
+        owner(request, "finish_weight_update")
         session.check_finish()
         async with session.operation("finish_weight_update"):
-            await _fan_out_or_fail(state, "finish_weight_update", "finish", timeout=opts.op_timeout_s, abort_on_failure=True)
+            lease.disarm()
+            # The worker itself gives up on the model lock after op_timeout (and then
+            # commits nothing); our wait only has to outlast that verdict.
+            await _fan_out_or_fail(state, "finish_weight_update", "finish", {"timeout_s": opts.op_timeout_s},
+                                   timeout=opts.op_timeout_s + _VERDICT_GRACE_S, abort_on_failure=True)
             empty = session.updates_in_round == 0
             session.closed_empty() if empty else session.committed(version)
         if empty:
@@ -196,8 +243,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post(_route("shutdown_weight_transfer_engine"))
     async def shutdown_weight_transfer_engine(request: Request) -> dict[str, Any]:
         await read_no_body(request)
+        owner(request, "shutdown_weight_transfer_engine", idempotent=True)
         session.check_shutdown()
         async with session.operation("shutdown_weight_transfer_engine"):
+            lease.disarm()
             await _fan_out_or_fail(state, "shutdown_weight_transfer_engine", "shutdown", timeout=opts.op_timeout_s)
             session.shut_down()
         return {"message": "Weight transfer shut down"}
@@ -266,6 +315,18 @@ def create_app(state: ServerState) -> FastAPI:
             await gate.drain(opts.generate_timeout_s)
         return {"status": "paused"}
 
+    @app.post(_route("abort_requests"))
+    async def abort_requests(request: Request) -> dict[str, Any]:
+        # vLLM's route: abort in-flight requests without pausing; no ids = all of them.
+        body = await read_object(request, allowed=("request_ids",))
+        if body.get("request_ids"):
+            raise ApiError(400, "this server aborts all in-flight requests at once; omit request_ids",
+                           param="request_ids")
+        aborted = sum(r.inflight_generations for r in pool.replicas)
+        with contextlib.suppress(FanOutError):  # a dead replica has nothing in flight to cancel
+            await pool.fan_out("cancel", timeout=30.0)
+        return {"status": "aborted", "aborted": aborted}
+
     @app.post(_route("resume"))
     async def resume(request: Request) -> dict[str, Any]:
         await read_no_body(request)
@@ -294,7 +355,10 @@ def create_app(state: ServerState) -> FastAPI:
         body = await read_json(request)
         info = pool.replicas[0].info
         try:
-            req = parse_completion_request(body, vocab_size=info["vocab_size"], max_model_len=info["max_model_len"])
+            # Off the loop: a body near the size limit holds millions of token ids to check.
+            req = await asyncio.to_thread(parse_completion_request, body, vocab_size=info["vocab_size"],
+                                          max_model_len=info["max_model_len"],
+                                          max_prompt_chars=info.get("max_prompt_chars"))
         except CompletionRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         check_model(opts, req)
@@ -303,6 +367,9 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(result, headers={"x-weightwire-replica": str(index)})
 
     install_openai_routes(app, state, generate_on_a_replica)
+    from weightwire.torch_side.server.sleep_routes import install_sleep_routes  # noqa: PLC0415
+
+    install_sleep_routes(app, state)
     return app
 
 

@@ -111,7 +111,7 @@ def _token_ids(v: list[Any], where: str, vocab_size: int) -> list[int]:
     return list(v)
 
 
-def _prompts(body: dict[str, Any], vocab_size: int) -> list[str | list[int]]:
+def _prompts(body: dict[str, Any], vocab_size: int, max_chars: int | None = None) -> list[str | list[int]]:
     if "prompt" not in body:
         raise CompletionRequestError("prompt", "prompt is required")
     p = body["prompt"]
@@ -137,8 +137,13 @@ def _prompts(body: dict[str, Any], vocab_size: int) -> list[str | list[int]]:
             "prompt", "prompt must be a non-empty string, a list of token ids, or a list of those"
         )
     for i, item in enumerate(out):
+        where = "prompt" if len(out) == 1 else f"prompt[{i}]"
         if isinstance(item, str) and not item:
-            raise CompletionRequestError("prompt", f"prompt{'' if len(out) == 1 else f'[{i}]'} is an empty string")
+            raise CompletionRequestError("prompt", f"{where} is an empty string")
+        if isinstance(item, str) and max_chars is not None and len(item) > max_chars:
+            raise CompletionRequestError("prompt", (
+                f"{where} has {len(item)} characters: more tokens than the model's positions, whatever the "
+                f"tokenizer makes of it (at most {max_chars} characters can fit)"))
     return out
 
 
@@ -148,8 +153,12 @@ _KNOWN = {
 }
 
 
-def parse_completion_request(body: object, *, vocab_size: int, max_model_len: int) -> CompletionRequest:
-    """Validate a ``/v1/completions`` body; raise ``CompletionRequestError`` naming the field."""
+def parse_completion_request(body: object, *, vocab_size: int, max_model_len: int,
+                             max_prompt_chars: int | None = None) -> CompletionRequest:
+    """Validate a ``/v1/completions`` body; raise ``CompletionRequestError`` naming the field.
+
+    ``max_prompt_chars`` (from the worker: no token spans more) refuses a text prompt
+    that cannot fit ``max_model_len`` before it is tokenized."""
     if not isinstance(body, dict):
         raise CompletionRequestError("body", f"body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(k for k in body if k not in _KNOWN)
@@ -163,9 +172,16 @@ def parse_completion_request(body: object, *, vocab_size: int, max_model_len: in
     if model is not None and not isinstance(model, str):
         raise CompletionRequestError("model", f"model must be a string, got {type(model).__name__}")
     top_k = _integer(body, "top_k", -1, -1, 1 << 20)
+    prompts = _prompts(body, vocab_size, max_prompt_chars)
+    max_tokens = _integer(body, "max_tokens", 16, 1, max_model_len) or 16
+    for i, item in enumerate(prompts):
+        if isinstance(item, list) and len(item) + max_tokens > max_model_len:
+            raise CompletionRequestError("prompt", (
+                f"prompt{'' if len(prompts) == 1 else f'[{i}]'} has {len(item)} tokens; with max_tokens={max_tokens} "
+                f"that exceeds the model's {max_model_len} positions"))
     return CompletionRequest(
-        prompts=_prompts(body, vocab_size),
-        max_tokens=_integer(body, "max_tokens", 16, 1, max_model_len) or 16,
+        prompts=prompts,
+        max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=-1 if top_k in (None, 0) else int(top_k),

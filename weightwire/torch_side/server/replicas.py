@@ -38,6 +38,13 @@ KIND_STATUS = {
 """HTTP status for each failure kind a worker (or the pool) reports."""
 
 
+_BULKY_OPS = frozenset({"update"})
+
+
+def _encode_line(message: dict[str, Any]) -> str:
+    return json.dumps(message, separators=(",", ":")) + "\n"
+
+
 class ReplicaError(Exception):
     """One replica failed one call; ``status`` is the HTTP status it maps to."""
 
@@ -160,7 +167,11 @@ class Replica:
         msg_id = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = fut
-        line = json.dumps({"id": msg_id, "op": op, "args": args or {}}, separators=(",", ":")) + "\n"
+        message = {"id": msg_id, "op": op, "args": args or {}}
+        if op in _BULKY_OPS:  # a round's metadata: seconds of encoding that must not stall the loop
+            line = await asyncio.to_thread(_encode_line, message)
+        else:
+            line = _encode_line(message)
         assert self.proc.stdin is not None
         try:
             async with self._write_lock:

@@ -17,11 +17,19 @@ and changes only after every replica committed.
 Only one weight operation runs at a time (``operation``): a second one arriving
 while, say, an update is still receiving is refused with 409 instead of
 interleaving with it on the workers.
+
+Sessions have an owner. Every successful init mints a ``session_id`` (returned in the
+init reply); a client that sends it back in the ``X-Weightwire-Session`` header on
+start / update / finish / shutdown is refused with 409 once a newer init replaced its
+session, so a displaced trainer can neither block serving with a round nobody sends
+bytes for nor shut down the trainer that replaced it. Requests without the header
+(stock vLLM clients) keep vLLM's last-init-wins semantics.
 """
 
 from __future__ import annotations
 
 import enum
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -59,6 +67,29 @@ class Session:
     rounds_failed: int = 0
     last_error: str | None = None
     busy: str | None = field(default=None)
+    session_id: str | None = None
+    """Minted by every successful init; the owner of the live engine."""
+    round_id: int = 0
+    """Bumped by every start: a round lease only ever aborts the round it was armed for."""
+
+    # -- ownership ----------------------------------------------------------------------
+    def check_owner(self, claimed: str | None, route: str, *, idempotent: bool = False) -> None:
+        """Refuse (409) a request that names a session other than the live one.
+
+        ``idempotent`` (shutdown): a session that merely ended (failed, shut down) may
+        still be shut down, a no-op; only a newer live session is protected. The live
+        id is never echoed: a stale trainer must not learn how to act for the trainer
+        that replaced it.
+        """
+        if claimed is None or claimed == self.session_id or (idempotent and self.session_id is None):
+            return
+        if self.session_id is None:
+            ended = f" ({self.last_error})" if self.last_error else ""
+            raise SessionError(409, f"{route} refused: this trainer's session {claimed[:40]!r} has ended{ended}; "
+                                    "POST /init_weight_transfer_engine to start a new one")
+        raise SessionError(409, f"{route} refused: this trainer's session {claimed[:40]!r} was replaced by a newer "
+                                "/init_weight_transfer_engine from another trainer; nothing was changed. "
+                                "Re-initialize (trainer_init) to take over again")
 
     # -- guards: raise SessionError or return --------------------------------------
     def check_start(self) -> None:
@@ -86,11 +117,15 @@ class Session:
             )
 
     # -- transitions ----------------------------------------------------------------
-    def initialized(self, init_info: Any) -> None:
+    def initialized(self, init_info: Any) -> str:
+        """A new engine is live; returns the new session's id."""
         self.phase, self.init_info, self.updates_in_round, self.last_error = Phase.READY, init_info, 0, None
+        self.session_id = secrets.token_urlsafe(12)
+        return self.session_id
 
     def started(self) -> None:
         self.phase, self.updates_in_round = Phase.ROUND, 0
+        self.round_id += 1
 
     def updated(self) -> None:
         self.updates_in_round += 1
@@ -106,13 +141,14 @@ class Session:
         self.phase, self.updates_in_round = Phase.READY, 0
 
     def shut_down(self) -> None:
-        self.phase, self.init_info, self.updates_in_round = Phase.NO_ENGINE, None, 0
+        self.phase, self.init_info, self.updates_in_round, self.session_id = Phase.NO_ENGINE, None, 0, None
 
     def failed(self, reason: str) -> None:
         """Any failed weight operation: the engine is gone, the weights and version stay."""
         if self.phase is Phase.ROUND:
             self.rounds_failed += 1
         self.phase, self.init_info, self.updates_in_round, self.last_error = Phase.NO_ENGINE, None, 0, reason
+        self.session_id = None
 
     # -- mutual exclusion --------------------------------------------------------------
     @asynccontextmanager

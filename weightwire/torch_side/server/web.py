@@ -12,6 +12,7 @@ goes to the server log, never to the client.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -22,11 +23,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("weightwire.server")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+INLINE_PARSE_BYTES = 256 << 10
+"""Bodies above this are parsed on a worker thread: a 64 MB update body takes seconds to
+decode, and on the event loop that would stall every other request (``/health`` too)."""
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           409: "conflict_error", 413: "request_too_large", 422: "invalid_request_error",
@@ -54,9 +59,28 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+class ClientGone(ApiError):
+    """The client closed the connection before sending its whole body (a trainer that
+    aborted, a dropped connection): nothing to answer and nothing worth a traceback."""
+
+    def __init__(self) -> None:
+        super().__init__(400, "the client disconnected before sending the whole request body", param="body")
+
+
 async def read_json(request: Request) -> Any:
     """The parsed body, or ``None`` when it is empty. Non-UTF-8 / non-JSON -> 400."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        log.info("%s %s: the client disconnected mid-body", request.method, request.url.path)
+        raise ClientGone() from None
+    if len(raw) > INLINE_PARSE_BYTES:
+        return await asyncio.to_thread(parse_json, raw)
+    return parse_json(raw)
+
+
+def parse_json(raw: bytes) -> Any:
+    """``read_json``'s parser (pure; runs on a thread for big bodies)."""
     if not raw.strip():
         return None
     try:

@@ -12,6 +12,11 @@ so a long receive never stalls what must stay responsive:
 - the stdin reader handles ``abort`` / ``cancel`` / ``ping`` itself, at once:
   ``abort`` must reach a receive that is blocked on the control thread.
 
+A finish waits for the model lock at most its ``timeout_s`` and never commits after
+an ``abort`` that arrived while it waited: otherwise the API, having answered "timed
+out, the previous weights are served", would be contradicted by a commit that lands
+when the blocking generation ends.
+
 The process exits when stdin reaches EOF or the parent process disappears, so
 workers never outlive a killed API server.
 """
@@ -35,12 +40,19 @@ from weightwire.torch_side.server.replicas import WorkerSpec
 log = logging.getLogger("weightwire.server.worker")
 
 _OUT_OF_BAND = ("abort", "cancel", "ping")
-_CONTROL_OPS = ("init", "start", "update", "finish", "shutdown")
+_CONTROL_OPS = ("init", "start", "update", "finish", "shutdown", "sleep", "wake")
 _SERVE_OPS = ("generate", "checksum", "reset")
 
 
 class GenerationAborted(Exception):
     """A queued generation dropped by ``/pause?mode=abort``."""
+
+
+class CommitAborted(Exception):
+    """A finish whose round was aborted (``abort`` op) before it could commit."""
+
+
+_LOCK_POLL_S = 0.05  # how often a finish waiting for the model lock looks for an abort
 
 
 def classify(exc: BaseException) -> str:
@@ -49,6 +61,8 @@ def classify(exc: BaseException) -> str:
 
     if isinstance(exc, GenerationAborted):
         return "aborted"
+    if isinstance(exc, CommitAborted):
+        return "transfer"
     if isinstance(exc, WeightReceiveError) and exc.__cause__ is not None:
         return classify(exc.__cause__)
     if isinstance(exc, (TransferTimeout, TimeoutError)):
@@ -85,6 +99,12 @@ class Worker:
         cfg = self.model.config
         self.max_model_len = int(getattr(cfg, "max_position_embeddings", 2048))
         self.vocab_size = int(cfg.vocab_size)
+        # No token spans more characters than its vocabulary string (byte-level BPE: one
+        # character per byte); x4 covers normalizers that merge characters (NFKC). A text
+        # prompt longer than this cannot fit max_model_len, and the API refuses it before
+        # anyone spends seconds tokenizing it on the serve lane.
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_model_len * max(1, longest) * 4
         self.generator = Generator(
             self.model, self.tokenizer, device=self.device,
             model_name=os.path.basename(os.path.normpath(spec.model_dir)), max_model_len=self.max_model_len,
@@ -92,16 +112,21 @@ class Worker:
         self.model_lock = threading.Lock()
         self.engine: Any = None
         self.cancel_epoch = 0
+        self.abort_epoch = 0
+        """Bumped by every ``abort``; a finish commits only if it is unchanged since its arrival."""
 
     def describe(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "device": str(self.device), "vocab_size": self.vocab_size,
-                "max_model_len": self.max_model_len, "params": len(self.host.param_names())}
+                "max_model_len": self.max_model_len, "max_prompt_chars": self.max_prompt_chars,
+                "params": len(self.host.param_names())}
 
     # -- control lane ---------------------------------------------------------------
     def _new_engine(self) -> Any:
         from weightwire.torch_side.worker import WeightwireNCCLEngine, WeightwireTCPEngine
 
         cls = WeightwireTCPEngine if self.spec.backend == "weightwire_tcp" else WeightwireNCCLEngine
+        if self.spec.backend == "weightwire_ipc":
+            from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine as cls  # noqa: N813, PLC0415
         return cls.standalone(model=self.host, device=self.device, worker_rank=self.spec.index)
 
     def op_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
@@ -131,13 +156,42 @@ class Worker:
         return {} if stats is None else {"tensors": stats.tensors, "chunks": stats.chunks,
                                          "nbytes": stats.nbytes, "seconds": stats.seconds}
 
-    def op_finish(self) -> None:
+    def op_finish(self, epoch: int | None = None, timeout_s: float | None = None) -> None:
+        """Commit the staged round under the model lock (a generation may be reading the
+        parameters). Raises ``TimeoutError`` if the lock is not free within ``timeout_s``
+        and ``CommitAborted`` if an abort arrived since the request did; either way
+        nothing is committed and the caller's teardown drops the staged round."""
         engine = self._require_engine()
-        with self.model_lock:  # the commit copies into parameters a generation may be reading
+        epoch = self.abort_epoch if epoch is None else epoch
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.model_lock.acquire(timeout=_LOCK_POLL_S):
+            if self.abort_epoch != epoch:
+                raise CommitAborted("the round was aborted while finish waited for the model; nothing was committed")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"the model stayed busy (a generation held it) for {timeout_s:g} s, so the round "
+                                   "was not committed")
+        try:
+            if self.abort_epoch != epoch:
+                raise CommitAborted("the round was aborted before finish could commit; nothing was committed")
             engine.finish_weight_update()
+        finally:
+            self.model_lock.release()
 
     def op_shutdown(self) -> None:
         self._teardown()
+
+    def op_sleep(self, level: int) -> dict[str, Any]:
+        from weightwire.torch_side.server.sleep import ModelSleeper  # noqa: PLC0415
+
+        with self.model_lock:  # never under a generation or a commit
+            if getattr(self, "sleeper", None) is None:
+                self.sleeper = ModelSleeper(self.model, self.device)
+            return {"freed_bytes": self.sleeper.sleep(level), "level": self.sleeper.level}
+
+    def op_wake(self, tags: list[str] | None = None) -> dict[str, Any]:
+        sleeper = getattr(self, "sleeper", None)
+        with self.model_lock:
+            return {"awake": True if sleeper is None else sleeper.wake(tags)}
 
     def _teardown(self) -> None:
         engine, self.engine = self.engine, None
@@ -214,9 +268,13 @@ class Loop:
             w.cancel_epoch += 1
             self.reply({"id": msg_id, "ok": True, "result": None})
         elif op == "abort":
+            w.abort_epoch += 1  # first: a finish waiting for the model lock must not commit now
             w.abort_link()
             # The control lane finishes the failing op (if any) first, then tears down.
             self.control.submit(self.run_op, msg_id, "abort", w._teardown, {})
+        elif op == "finish":
+            # The abort epoch is read on arrival: an abort sent after this finish cancels it.
+            self.control.submit(self.run_op, msg_id, op, w.op_finish, {**args, "epoch": w.abort_epoch})
         elif op in _CONTROL_OPS:
             self.control.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
         elif op == "generate":

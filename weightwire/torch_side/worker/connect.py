@@ -7,6 +7,8 @@ imports cupy and a process that only registers the plugin imports neither.
 from __future__ import annotations
 
 import datetime
+import logging
+import time
 from typing import Any
 
 import torch
@@ -14,6 +16,8 @@ import torch
 from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES, TCPInitInfo, WeightwireNCCLInitInfo
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.receive import NCCLLink, ReceiveLink, TCPLink
+
+log = logging.getLogger("weightwire.worker")
 
 UNIQUE_ID_KEY = "weightwire/nccl_unique_id/v1"
 """TCPStore key under which a weightwire trainer publishes the 128-byte NCCL unique id
@@ -24,15 +28,27 @@ def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> Receiv
     """Dial the trainer at ``info.host:info.port`` as ``rank``, prove the secret, warm up.
 
     Rendezvous and warm-up are bounded by this worker's own ``Timeouts``; the init
-    info's ``timeout_s`` bounds each transfer.
+    info's ``timeout_s`` bounds each transfer. A handshake the sender dropped before
+    its verdict (it sheds idle connections when flooded) is retried until
+    ``connect_s`` runs out; a refusal (wrong secret, rank, size) is not.
     """
+    from weightwire.shared.communicator import PeerLost  # noqa: PLC0415
     from weightwire.transport.tcp import TCPCommunicator  # noqa: PLC0415  (lazy transport)
 
     local = Timeouts.from_env()
-    comm = TCPCommunicator.connect(
-        host=info.host, port=info.port, secret=info.secret, rank=rank,
-        world_size=info.world_size, timeout=local.connect_s,
-    )
+    deadline = time.monotonic() + local.connect_s
+    while True:
+        try:
+            comm = TCPCommunicator.connect(
+                host=info.host, port=info.port, secret=info.secret, rank=rank,
+                world_size=info.world_size, timeout=max(0.001, deadline - time.monotonic()),
+            )
+            break
+        except PeerLost as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("rank %d: the TCP sender dropped the handshake (%s); retrying", rank, exc)
+            time.sleep(0.05)  # a sender that drops at once (closing) must not be spun on
     try:
         comm.warmup(timeout=local.warmup_s)
     except BaseException:

@@ -1,0 +1,116 @@
+"""A worker's finish never commits once the API gave up on it.
+
+Drives the worker process's real request loop (``worker_proc.Loop``: lanes, out-of-band
+abort, replies) with the model lock held as a long generation would hold it. The
+engine is a recorder: what is asserted is whether the loop let a commit through.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import pytest
+
+from weightwire.torch_side.server.worker_proc import Loop, Worker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class RecordingEngine:
+    def __init__(self) -> None:
+        self.commits = 0
+        self.shutdowns = 0
+
+    def finish_weight_update(self) -> None:
+        self.commits += 1
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+    def abort_transfer(self) -> None:
+        pass
+
+
+class Host:
+    def abort_round(self) -> None:
+        pass
+
+
+class Replies:
+    """The loop's output stream: one JSON reply per line, waitable by id."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.by_id: dict[int, dict[str, Any]] = {}
+
+    def write(self, data: bytes) -> None:
+        with self.cv:
+            for line in data.decode().splitlines():
+                msg = json.loads(line)
+                self.by_id[msg["id"]] = msg
+            self.cv.notify_all()
+
+    def flush(self) -> None:
+        pass
+
+    def wait(self, msg_id: int, timeout: float = 30) -> dict[str, Any]:
+        with self.cv:
+            assert self.cv.wait_for(lambda: msg_id in self.by_id, timeout), f"no reply to request {msg_id}"
+            return self.by_id[msg_id]
+
+
+def make_loop() -> tuple[Loop, Worker, RecordingEngine, Replies]:
+    worker = Worker.__new__(Worker)  # no model: only the lanes and the lock are under test
+    worker.model_lock = threading.Lock()
+    worker.engine = engine = RecordingEngine()
+    worker.host = Host()
+    worker.cancel_epoch = 0
+    worker.abort_epoch = 0
+    out = Replies()
+    return Loop(worker, out), worker, engine, out  # type: ignore[arg-type]
+
+
+def settle(loop: Loop) -> None:
+    """Wait until every request queued on the control lane has run."""
+    loop.control.submit(lambda: None).result(timeout=30)
+
+
+def test_finish_that_cannot_take_the_model_in_time_commits_nothing_ever() -> None:
+    loop, worker, engine, out = make_loop()
+    worker.model_lock.acquire()  # a long generation is running
+    try:
+        loop.dispatch({"id": 1, "op": "finish", "args": {"timeout_s": 0.2}})
+        reply = out.wait(1)  # answered while the generation still holds the model
+    finally:
+        worker.model_lock.release()  # ... and then it ends
+    settle(loop)
+    assert reply["ok"] is False and reply["kind"] == "timeout", reply
+    assert "was not committed" in reply["error"]
+    assert engine.commits == 0, "the finish committed after it had been reported as timed out"
+    assert engine.shutdowns == 1 and worker.engine is None  # the staged round was dropped
+
+
+def test_abort_cancels_a_finish_waiting_for_the_model() -> None:
+    """The API's backstop: after its own timeout it aborts; a finish still waiting for the
+    lock must then never commit, even once the lock is free."""
+    loop, worker, engine, out = make_loop()
+    worker.model_lock.acquire()
+    try:
+        loop.dispatch({"id": 1, "op": "finish", "args": {}})
+        loop.dispatch({"id": 2, "op": "abort", "args": {}})
+        reply = out.wait(1)
+    finally:
+        worker.model_lock.release()
+    out.wait(2)
+    settle(loop)
+    assert reply["ok"] is False and "aborted" in reply["error"], reply
+    assert engine.commits == 0, "a finish committed after the round was aborted"
+
+
+def test_finish_commits_when_the_model_is_free() -> None:
+    loop, _, engine, out = make_loop()
+    loop.dispatch({"id": 1, "op": "finish", "args": {"timeout_s": 5}})
+    assert out.wait(1) == {"id": 1, "ok": True, "result": None}
+    assert engine.commits == 1
