@@ -57,8 +57,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
     p.add_argument("--backend", type=backend_name, choices=BACKENDS, default="weightwire_tcp",
-                   help="weight-transfer backend the workers run: weightwire_tcp (CPU or GPU; alias tcp) or "
-                        "weightwire_nccl (needs --device cuda) (default weightwire_tcp)")
+                   help="weight-transfer backend the workers run: weightwire_tcp (CPU or GPU; alias tcp), "
+                        "weightwire_nccl or weightwire_ipc (CUDA IPC, trainer on the same GPU) (both need "
+                        "--device cuda) (default weightwire_tcp)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the workers hold the model (default cpu)")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key-file", default=None, metavar="PATH",
