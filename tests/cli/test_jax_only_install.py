@@ -66,6 +66,9 @@ def test_the_jax_extra_installs_no_torch(jax_venv: Path) -> None:
     assert "site-packages" in lines[0]  # the wheel, not the checkout
     assert lines[1] == "True" and lines[2] == "Apache-2.0"  # one version source; the license it ships
     assert "weightwire/py.typed" in lines[3] and "LICENSE" in lines[3]
+    # The README's JAX example imports only what [jax] installs (tokenizers, optax, ...).
+    example = _run(jax_venv, "python", str(ROOT / "examples" / "jax_flax_to_vllm_gpu.py"), "--help")
+    assert example.returncode == 0 and "--model-dir" in example.stdout, example.stderr[-2000:]
 
 
 def test_load_decoder_and_a_verified_round_without_torch(setup: tuple[Path, str], tiny_dir: str) -> None:
