@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bench_sync_shim
-from bench_sync import MODELS, build_params, make_source
-from bench_sync_shim import ShimClient, receiver_main, rpc
+from weightwire.bench import sync_shim as bench_sync_shim
+from weightwire.bench.sync import MODELS, build_params, make_source
+from weightwire.bench.sync_shim import ShimClient, receiver_main, rpc
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30

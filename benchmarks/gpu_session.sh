@@ -84,7 +84,7 @@ step_others() {  # the other GPU-marked tests of the repository (engines, worker
 step_comm() {
   local limit
   limit=$(limit_for 150)
-  run_step comm "$limit" "$PY" -m weightwire.bench.comm --transport nccl --repeats 7 --json
+  run_step comm "$limit" "$PY" -m weightwire.bench.comm --backend nccl --repeats 7 --json
   if ! grep -q '^{"nccl"' "$OUT/comm.log"; then  # weightwire.bench.comm printed no result line: run ours directly
     run_step comm_direct "$(limit_for 150)" "$PY" -m weightwire.bench.comm_nccl --repeats 7 --json "$OUT/bench_comm_nccl.json"
   fi

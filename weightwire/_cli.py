@@ -39,8 +39,9 @@ exit codes:
   {EXIT_INTERRUPTED}  interrupted by Ctrl-C before it finished
 """
 
-BACKENDS = ("weightwire_tcp", "weightwire_nccl", "nccl")
-"""vLLM weight-transfer backend names, spelled the same on every command."""
+BACKENDS = ("weightwire_tcp", "weightwire_nccl", "nccl", "weightwire_ipc")
+"""vLLM weight-transfer backend names, spelled the same on every command (each command takes
+the ones it can run)."""
 BACKEND_ALIASES = {"tcp": "weightwire_tcp"}
 """Short spellings accepted wherever a backend is (``tcp`` is unambiguous; ``nccl`` is vLLM's own)."""
 
@@ -101,7 +102,7 @@ def guarded(prog: str, run: Callable[[], int]) -> int:
 
 
 class Progress:
-    """Start-up progress as plain lines: ``prog: message`` on stdout, flushed at once.
+    """Start-up progress as plain lines: ``prog: message`` on ``stream`` (stdout), flushed at once.
 
     Used where output goes to a pipe or a CI log (no live terminal widget), so a slow
     start shows what it is doing while it does it.

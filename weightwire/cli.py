@@ -51,7 +51,7 @@ examples:
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
-    from weightwire.demo.loop import DemoConfig  # noqa: PLC0415  (light: no jax at import)
+    from weightwire.demo.loop import DEMO_BACKENDS, DemoConfig  # noqa: PLC0415  (light: no jax at import)
 
     d = DemoConfig()
     p = sub.add_parser("demo", help="RL loop: JAX policy -> server, weights synced every step",
@@ -63,7 +63,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
                         "`weightwire serve --model tiny-llama` prints the directory of its tiny model")
     p.add_argument("--model", default=d.model, help=f"embedded server: tiny model to serve (default {d.model})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"RL steps (default {d.steps})")
-    p.add_argument("--backend", type=backend_name, choices=BACKENDS, default=None,
+    p.add_argument("--backend", type=backend_name, choices=DEMO_BACKENDS, default=None,
                    help="weight-transfer backend: weightwire_tcp (CPU is fine; alias tcp), nccl (stock vLLM, GPUs; "
                         "the embedded server runs it as weightwire_nccl), weightwire_nccl (GPUs) "
                         f"(default {d.backend})")

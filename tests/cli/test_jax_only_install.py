@@ -57,8 +57,18 @@ def test_the_jax_extra_installs_no_torch(jax_venv: Path) -> None:
     names = {p["name"].lower() for p in json.loads(listed.stdout)}
     assert {"jax", "flax", "safetensors", "tokenizers", "weightwire"} <= names
     assert not {n for n in names if n == "torch" or n.startswith(("torch", "nvidia-"))}, sorted(names)
-    where = _run(jax_venv, "python", "-c", "import weightwire, sys; print(weightwire.__file__)")
-    assert "site-packages" in where.stdout, where.stdout + where.stderr  # the wheel, not the checkout
+    probe = ("import importlib.metadata as md, pathlib, weightwire; d = md.distribution('weightwire'); "
+             "print(weightwire.__file__); print(d.version == weightwire.__version__); print(d.metadata['License-Expression']); "
+             "print(sorted(str(f) for f in d.files if f.name in ('py.typed', 'LICENSE')))")
+    where = _run(jax_venv, "python", "-c", probe)
+    lines = where.stdout.splitlines()
+    assert len(lines) == 4, where.stdout + where.stderr
+    assert "site-packages" in lines[0]  # the wheel, not the checkout
+    assert lines[1] == "True" and lines[2] == "Apache-2.0"  # one version source; the license it ships
+    assert "weightwire/py.typed" in lines[3] and "LICENSE" in lines[3]
+    # The README's JAX example imports only what [jax] installs (tokenizers, optax, ...).
+    example = _run(jax_venv, "python", str(ROOT / "examples" / "jax_flax_to_vllm_gpu.py"), "--help")
+    assert example.returncode == 0 and "--model-dir" in example.stdout, example.stderr[-2000:]
 
 
 def test_load_decoder_and_a_verified_round_without_torch(setup: tuple[Path, str], tiny_dir: str) -> None:

@@ -32,6 +32,9 @@ from weightwire._cli import BACKENDS, CommandError
 from weightwire._extras import require
 from weightwire.demo.render import StartupProgress, StepRow, StepTable
 
+DEMO_BACKENDS = tuple(b for b in BACKENDS if b != "weightwire_ipc")
+"""``--backend`` choices; ``weightwire_ipc`` comes with ``--colocated`` (one GPU for both)."""
+
 
 @dataclass(frozen=True)
 class DemoConfig:
@@ -69,8 +72,9 @@ class DemoConfig:
     """``--colocated``: the server's sleep level while the policy trains (vLLM's levels)."""
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend not in DEMO_BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(DEMO_BACKENDS)}, got {self.backend!r} "
+                             "(weightwire_ipc: pass --colocated)")
         if self.server is not None and self.model_dir is None:
             raise ValueError("--server needs --model-dir: the directory the server loaded, so the JAX policy "
                              "starts from the same weights and tokenizer")

@@ -3,9 +3,9 @@
 ``weightwire serve --model DIR|tiny-llama|tiny-qwen2`` (or
 ``python -m weightwire.torch_side.server``) starts an API process (FastAPI +
 uvicorn, loopback by default) and ``--replicas`` worker processes, each one rank of
-the transfer group. It prints exactly one line ``weightwire server ready on
-http://HOST:PORT`` once it accepts requests (``--port 0`` picks a free port and
-prints the real one).
+the transfer group. It prints the line ``weightwire server ready on http://HOST:PORT`` once, when it
+accepts requests (``--port 0`` picks a free port and prints the real one); lines
+before it say what it loads, the line after it which routes it serves.
 
 Layout: ``app`` (routes) -> ``session`` (round rules) -> ``replicas`` (JSON-lines
 fan-out) -> ``worker_proc`` (model + ``HFModelHost`` + engine) -> ``generate``.
@@ -57,8 +57,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
     p.add_argument("--backend", type=backend_name, choices=BACKENDS, default="weightwire_tcp",
-                   help="weight-transfer backend the workers run: weightwire_tcp (CPU or GPU; alias tcp) or "
-                        "weightwire_nccl (needs --device cuda) (default weightwire_tcp)")
+                   help="weight-transfer backend the workers run: weightwire_tcp (CPU or GPU; alias tcp), "
+                        "weightwire_nccl or weightwire_ipc (CUDA IPC, trainer on the same GPU) (both need "
+                        "--device cuda) (default weightwire_tcp)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the workers hold the model (default cpu)")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key-file", default=None, metavar="PATH",
@@ -211,6 +212,7 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
     from weightwire.torch_side.server.tiny import TINY_NAMES, resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    # stdout, before and after the ready line (launchers match that one line and ignore the rest).
     say = Progress(PROG)
     if args.model in TINY_NAMES:
         from weightwire.torch_side.server.tiny import cache_root  # noqa: PLC0415
