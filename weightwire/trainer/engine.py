@@ -5,7 +5,9 @@ Lifecycle (every trainer rank calls each step; only rank 0 touches the wire):
 1. ``trainer_init``: read the server version (feature gates) and world size; open the
    backend's rendezvous; POST the worker init info on a side thread while rank 0
    joins; warm up; then check the POST. The wire params ride in that init info.
-2. ``send_weights``: pack the first chunk -> [pause] -> ``start_weight_update`` ->
+2. ``send_weights``: plan (a stock ``nccl`` worker's round is checked, maybe reordered
+   or refused, by ``trainer.stock``, before any call) -> pack the first chunk ->
+   [verify snapshot] -> [pause] -> ``start_weight_update`` (``start_draft_weight_update``) ->
    ``update_weights`` on a side thread *concurrently with* the broadcasts (workers
    receive inside that request) -> ``finish_weight_update(version)`` -> [resume] ->
    [verify]. The first pack overlaps the start round trip; no byte is broadcast before
@@ -233,6 +235,8 @@ class TrainerEngine(ABC):
         if draft:
             assert self.features is not None
             self.features.require("draft_route", "a draft round starts with /start_draft_weight_update")
+            if not callable(getattr(self.client, "start_draft_weight_update", None)):
+                raise TypeError(f"client {type(self.client).__name__} lacks start_draft_weight_update")
         metrics = self._sender_round(metas, version, clock, draft)
         logger.info("%s", metrics.summary())
         return metrics
