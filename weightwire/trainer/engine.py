@@ -48,7 +48,7 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, checked_iter
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
-from weightwire.trainer.gating import server_features
+from weightwire.trainer.gating import require_draft_model, server_features
 from weightwire.trainer.info import TrainerInitInfo
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.packing import DevicePacker, DevicePipeline, HostPipeline, chunked
@@ -115,6 +115,7 @@ class TrainerEngine(ABC):
         self._sent_metas: dict[bool, list[ParamMeta]] = {}  # per target (draft or not): what its worker holds
         self._planned: tuple[list[ParamMeta], WirePlan, list[Chunk]] | None = None
         self._verifier = RoundVerifier() if init_info.verify else None
+        self._draft_confirmed = False
         self._rounds = 0
         self._broken: BaseException | None = None
         self._closed = False
@@ -237,6 +238,9 @@ class TrainerEngine(ABC):
             self.features.require("draft_route", "a draft round starts with /start_draft_weight_update")
             if not callable(getattr(self.client, "start_draft_weight_update", None)):
                 raise TypeError(f"client {type(self.client).__name__} lacks start_draft_weight_update")
+            if not self._draft_confirmed:
+                require_draft_model(self.client)
+                self._draft_confirmed = True  # the server's config cannot change without a restart
         metrics = self._sender_round(metas, version, clock, draft)
         logger.info("%s", metrics.summary())
         return metrics
