@@ -54,5 +54,6 @@ def test_abort_requests_with_nothing_in_flight_and_bad_bodies(server, client: HT
 
 
 def test_draft_round_is_refused_with_the_reason(client: HTTPWeightSyncClient) -> None:
+    assert client.has_draft_model() == [False]  # what a trainer engine asks before a draft round
     with pytest.raises(WeightSyncError, match=r"start_draft_weight_update failed .*400.*no speculative-decoding draft"):
         client.start_draft_weight_update()

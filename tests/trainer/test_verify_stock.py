@@ -35,6 +35,7 @@ class FakeVLLM(FakeServer):
         self.drop: set[str] = set()  # HF names whose load this fake "loses"
         self.corrupt: str | None = None
         self.empty: set[str] = set()  # vLLM params reported as empty bytes (CPU repacking)
+        self.draft = True  # /server_info shows a speculative_config
         self.hooks["finish_weight_update"] = self._load
 
     def _load(self, body: object) -> None:
@@ -50,6 +51,10 @@ class FakeVLLM(FakeServer):
             self.parts[self.corrupt][part] = self.parts[self.corrupt][part] + 1
 
     def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            self.calls.append(("server_info", None))
+            spec = {"method": "eagle", "num_speculative_tokens": 2} if self.draft else None
+            return httpx.Response(200, json={"vllm_config": {"speculative_config": spec}})
         if request.url.path != "/weight_checker" or "weight_checker" in self.fail:
             return super().handler(request)
         self.calls.append(("weight_checker", None))
@@ -160,14 +165,27 @@ def test_draft_round_starts_with_the_draft_route_and_checks_the_target_is_untouc
     server.hooks.pop("finish_weight_update")  # the draft model is not in vLLM's checker
     engine = engine_for(server, weights(0), pause_mode="keep")
     report = engine.send_weights(draft=True).verify
-    assert server.routes()[-7:] == ["weight_checker", "pause", "start_draft_weight_update", "update_weights",
-                                    "finish_weight_update", "resume", "weight_checker"]
+    assert server.routes()[-8:] == ["server_info", "weight_checker", "pause", "start_draft_weight_update",
+                                    "update_weights", "finish_weight_update", "resume", "weight_checker"]
     assert report.mode == "draft" and "target model did not change" in report.proves
     engine.send_weights(draft=True)  # the draft's metadata cache is its own: full metadata went first
     first, second = server.bodies("update_weights")
     assert first["update_info"]["names"] and second["update_info"]["names"] == []
     engine.send_weights()  # the target has not seen this metadata yet: full again
     assert server.bodies("update_weights")[2]["update_info"]["names"]
+
+
+def test_draft_round_without_a_draft_model_is_refused_before_any_call() -> None:
+    # vLLM 0.32 answers /start_draft_weight_update without a draft model by killing its engine core.
+    server = FakeVLLM(weights(99))
+    server.draft = False
+    engine = engine_for(server, weights(0), pause_mode="keep")
+    before = len(server.calls)
+    with pytest.raises(ValueError, match=r"server\(s\) 0 show no speculative draft model .*kill vLLM's engine core"):
+        engine.send_weights(draft=True)
+    assert server.routes()[before:] == ["server_info"]  # asked, then nothing: no pause, no start, no byte
+    assert not FAKE.comm.broadcasts
+    engine.send_weights()  # the engine is still usable for the target
 
 
 def test_draft_round_that_changes_the_target_fails_verify() -> None:

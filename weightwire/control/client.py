@@ -197,6 +197,22 @@ class HTTPWeightSyncClient:
         parallel = config.get("parallel_config") if isinstance(config, dict) else None
         return parallel if isinstance(parallel, dict) else None
 
+    def has_draft_model(self) -> list[bool]:
+        """Per server: does ``/server_info`` show a speculative draft model (``speculative_config``)?
+
+        Asked before a draft round: vLLM (seen on 0.32) answers ``/start_draft_weight_update``
+        on a server without one with a worker error that kills its engine core."""
+        out = []
+        for i in range(len(self._clients)):
+            try:
+                reply = self._request(i, routes.SERVER_INFO, params={"config_format": "json"})
+            except WeightSyncError:
+                out.append(False)
+                continue
+            config = reply.get("vllm_config") if isinstance(reply, dict) else None
+            out.append(isinstance(config, dict) and isinstance(config.get("speculative_config"), dict))
+        return out
+
     @property
     def rank_layout(self) -> RankLayout:
         """The servers' rank layout (fetched on first use)."""

@@ -9,6 +9,8 @@ host / device data paths. Framework engines: ``weightwire.jax_side.engine`` and
 from weightwire.trainer.engine import EngineBroken, TrainerEngine
 from weightwire.trainer.info import BACKENDS, TrainerInitInfo
 from weightwire.trainer.metrics import RoundMetrics
-from weightwire.trainer.verify import VerifyError
+from weightwire.trainer.stock import StockRefusal
+from weightwire.trainer.verify import VerifyError, VerifyReport
 
-__all__ = ["BACKENDS", "EngineBroken", "RoundMetrics", "TrainerEngine", "TrainerInitInfo", "VerifyError"]
+__all__ = ["BACKENDS", "EngineBroken", "RoundMetrics", "StockRefusal", "TrainerEngine", "TrainerInitInfo",
+           "VerifyError", "VerifyReport"]

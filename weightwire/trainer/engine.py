@@ -5,7 +5,9 @@ Lifecycle (every trainer rank calls each step; only rank 0 touches the wire):
 1. ``trainer_init``: read the server version (feature gates) and world size; open the
    backend's rendezvous; POST the worker init info on a side thread while rank 0
    joins; warm up; then check the POST. The wire params ride in that init info.
-2. ``send_weights``: pack the first chunk -> [pause] -> ``start_weight_update`` ->
+2. ``send_weights``: plan (a stock ``nccl`` worker's round is checked, maybe reordered
+   or refused, by ``trainer.stock``, before any call) -> pack the first chunk ->
+   [verify snapshot] -> [pause] -> ``start_weight_update`` (``start_draft_weight_update``) ->
    ``update_weights`` on a side thread *concurrently with* the broadcasts (workers
    receive inside that request) -> ``finish_weight_update(version)`` -> [resume] ->
    [verify]. The first pack overlaps the start round trip; no byte is broadcast before
@@ -49,7 +51,7 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, as_source, checked_iter
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
-from weightwire.trainer.gating import server_features
+from weightwire.trainer.gating import require_draft_model, server_features
 from weightwire.trainer.info import TrainerInitInfo
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.packing import DevicePacker, DevicePipeline, HostPipeline, chunked
@@ -116,6 +118,7 @@ class TrainerEngine(ABC):
         self._sent_metas: dict[bool, list[ParamMeta]] = {}  # per target (draft or not): what its worker holds
         self._planned: tuple[list[ParamMeta], WirePlan, list[Chunk]] | None = None
         self._verifier = RoundVerifier() if init_info.verify else None
+        self._draft_confirmed = False
         self._rounds = 0
         self._broken: BaseException | None = None
         self._closed = False
@@ -259,6 +262,11 @@ class TrainerEngine(ABC):
         if draft:
             assert self.features is not None
             self.features.require("draft_route", "a draft round starts with /start_draft_weight_update")
+            if not callable(getattr(self.client, "start_draft_weight_update", None)):
+                raise TypeError(f"client {type(self.client).__name__} lacks start_draft_weight_update")
+            if not self._draft_confirmed:
+                require_draft_model(self.client)
+                self._draft_confirmed = True  # the server's config cannot change without a restart
         metrics = self._sender_round(metas, version, clock, draft)
         logger.info("%s", metrics.summary())
         return metrics

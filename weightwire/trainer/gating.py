@@ -42,3 +42,22 @@ def server_features(info: Any, client: Any) -> ServerFeatures:
     if info.version_override is not None:
         logger.warning("server version %s gated by override as %s", version, info.version_override)
     return features
+
+
+def require_draft_model(client: Any) -> None:
+    """Refuse a draft round unless every server confirms a speculative draft model.
+
+    A stock vLLM (seen on 0.32) asked to start a draft update without one raises in
+    its worker, and that kills the engine core: the server is gone, not just the round.
+    So the answer must be a confirmed yes (``client.has_draft_model()``), never a guess.
+    """
+    ask = getattr(client, "has_draft_model", None)
+    if not callable(ask):
+        raise TypeError(f"client {type(client).__name__} cannot confirm a speculative draft model (no "
+                        "has_draft_model()); a draft round on a server without one kills vLLM's engine")
+    answers = list(ask())
+    missing = [i for i, ok in enumerate(answers) if not ok]
+    if not answers or missing:
+        which = ", ".join(str(i) for i in missing) or "all"
+        raise ValueError(f"server(s) {which} show no speculative draft model (/server_info has no "
+                         "speculative_config); a draft round there would kill vLLM's engine core. Nothing was sent")

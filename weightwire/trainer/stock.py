@@ -8,8 +8,10 @@ from its code (0.28-0.33):
   which torch allows only at a byte offset that is a multiple of the itemsize (zero-size
   tensors included). All versions.
 - packed consumer before 0.32 reshapes with ``view(*shape)``: a scalar (shape ``[]``)
-  raises ``TypeError``. Sending it as ``[1]`` is no fix: the model's loader checks the
-  shape against the parameter's.
+  raises ``TypeError``. Rewriting it as ``[1]`` is not done: vLLM's default loader would
+  take a one-element tensor for a one-element parameter, but parameter-specific loaders
+  (quantization scales, the usual scalars) differ by model and version, and a guess that
+  is wrong fails mid-round. Unpacked mode carries scalars unchanged.
 - unpacked mode: the NCCL wrapper maps no NCCL type for ``bool`` and ``float8_e5m2``.
 
 Where a legal fix exists it is preferred: tensors may be reordered *within a layer
