@@ -26,6 +26,18 @@ FEATURES = {
 }
 
 
+# Perturbation scale per model: tiny random Gemma's scaled, tied embedding dominates its
+# logits (greedy repeats the last prompt token) until the weights move by ~0.2.
+SCALE = {"tiny-gemma": 0.2}
+DEFAULT_SCALE = 0.05
+
+
+def scale_for(model_dir: str) -> float:
+    from pathlib import Path  # noqa: PLC0415
+
+    return SCALE.get(Path(model_dir).name, DEFAULT_SCALE)
+
+
 def hf_model(model_dir: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 

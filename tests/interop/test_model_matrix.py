@@ -14,7 +14,7 @@ import torch
 from tests.interop.conftest import serve
 from tests.interop.helpers import VLLMServer, assert_same_greedy
 from tests.interop.launcher import Launcher
-from tests.interop.models import MATRIX, hf_model, jax_params, load_into_hf, perturbed
+from tests.interop.models import MATRIX, hf_model, jax_params, load_into_hf, perturbed, scale_for
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.source import PytreeSource
@@ -44,9 +44,10 @@ def test_three_jax_rounds_then_one_torch_round_match_hugging_face(model_server: 
     info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10, pause_mode="keep")
     engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
     previous = original
+    scale = scale_for(server.model_dir)
     try:
         for r in (1, 2, 3):
-            live["params"] = perturbed(params0, seed=r)
+            live["params"] = perturbed(params0, seed=r, scale=scale)
             metrics = engine.send_weights(weight_version=f"jax-{r}")
             assert metrics.chunks > 1 and metrics.tensors == len(source.metadata())
             assert server.weight_version() == f"jax-{r}"
@@ -62,7 +63,7 @@ def test_three_jax_rounds_then_one_torch_round_match_hugging_face(model_server: 
         gen = torch.Generator().manual_seed(11)
         with torch.no_grad():
             for p in hf.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+                p.add_(scale * torch.randn(p.shape, generator=gen))
         torch_engine.send_weights(weight_version="torch-1")
         assert server.weight_version() == "torch-1"
         tokens = assert_same_greedy(server, hf, "torch round")

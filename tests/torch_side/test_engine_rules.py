@@ -162,24 +162,37 @@ def test_session_rules():
         engine.update_weights({"names": [], "dtype_names": [], "shapes": []})
     with pytest.raises(RuntimeError, match="without start_weight_update"):
         engine.finish_weight_update()
-    # The sender stays connected while the rules are checked: a second init is refused only
-    # while the round's trainer is alive (a vanished trainer's round is dropped as stale).
     release = threading.Event()
-    sender = ThreadSender(lambda comm: release.wait(60))
+    sender = ThreadSender(lambda comm: release.wait(20))  # keeps its link open: a live session
     engine.init_transfer_engine(sender.info())
     with pytest.raises(RuntimeError, match="without start_weight_update"):
         engine.update_weights({"names": [], "dtype_names": [], "shapes": []})
     engine.start_weight_update()
     with pytest.raises(RuntimeError, match="called twice"):
         engine.start_weight_update()
-    with pytest.raises(RuntimeError, match="refused: a weight update of session .* is in progress"):
-        engine.init_transfer_engine(sender.info())
+    other = ThreadSender(lambda comm: None)
+    with pytest.raises(RuntimeError, match=r"refused: a weight update of session \w+ is in progress"):
+        engine.init_transfer_engine(other.info())  # a second trainer mid-round of a live one
     engine.finish_weight_update()
-    release.set()
     assert host.rounds_committed == 1
+    release.set()
     engine.shutdown()
     engine.shutdown()  # idempotent
     sender.join()
+    other.rdv.close()
+
+
+def test_a_stale_round_is_dropped_by_the_next_init():
+    engine, host = make_engine()
+    first = ThreadSender(lambda comm: None)  # closes its link right after warm-up: the trainer is gone
+    engine.init_transfer_engine(first.info())
+    engine.start_weight_update()
+    first.join()
+    second = ThreadSender(lambda comm: None)
+    engine.init_transfer_engine(second.info())  # not refused: the open round is stale
+    assert not engine._core.active and host.rounds_committed == 0
+    engine.shutdown()
+    second.join()
 
 
 def test_parsers_are_strict_and_rank_is_checked():

@@ -149,7 +149,7 @@ class _ReceiverCore:
                     f"(last call {time.monotonic() - self._touched:.0f} s ago); a new trainer can init once "
                     f"it finished, or once it is gone (link closed, or idle for {self.lease_s:.0f} s)"
                 )
-            log.warning("%s: aborting the stale round of session %s (%s); weights unchanged",
+            log.warning("%s: aborting the stale round of session %s (%s)",
                         self.backend, self.session, stale)
             self._drop_round(f"stale: {stale}")
         rank = info.rank_offset + self._worker_rank

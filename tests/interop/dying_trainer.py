@@ -1,0 +1,60 @@
+"""A JAX trainer that stops at a chosen point of a round and waits to be SIGKILLed.
+
+    python tests/interop/dying_trainer.py URL MODEL_DIR PHASE SEED
+
+PHASE: ``after_start`` (start_weight_update answered), ``mid_update`` (about half of
+the round's tensors sent, the update POST in flight), ``before_finish`` (every byte
+sent and the update answered, finish not posted). Prints ``PHASE <phase>`` when it
+got there, then blocks; the interop fault cases kill it with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from tests.interop.models import jax_params, perturbed
+from weightwire.control.client import HTTPWeightSyncClient
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.jax_side.source import PytreeSource
+from weightwire.trainer.info import TrainerInitInfo
+
+
+def _reached(phase: str) -> None:
+    print(f"PHASE {phase}", flush=True)
+    threading.Event().wait()  # until SIGKILL
+
+
+class _StallingSource(PytreeSource):
+    """Yields the first ``stop_after`` tensors, then stalls (mid-update)."""
+
+    stop_after = 0
+
+    def __iter__(self):  # type: ignore[override]
+        for i, pair in enumerate(super().__iter__()):
+            if i == self.stop_after:
+                _reached("mid_update")
+            yield pair
+
+
+def main() -> None:
+    url, model_dir, phase, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    params, naming = jax_params(model_dir)
+    params = perturbed(params, seed)
+    source_cls = _StallingSource if phase == "mid_update" else PytreeSource
+    source = source_cls(lambda: params, naming)
+    _StallingSource.stop_after = len(source.metadata()) // 2
+    client = HTTPWeightSyncClient(url, timeout=120)
+    if phase == "after_start":
+        real = client.start_weight_update
+        client.start_weight_update = lambda: (real(), _reached(phase))  # type: ignore[method-assign]
+    elif phase == "before_finish":
+        client.finish_weight_update = lambda *a, **k: _reached(phase)  # type: ignore[method-assign]
+    info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10)
+    engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
+    engine.send_weights(weight_version=f"dying-{phase}")
+    print("PHASE finished (should not happen)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

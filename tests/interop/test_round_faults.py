@@ -1,0 +1,295 @@
+"""Fault cases against a real vLLM (the tiny Llama): every round ends in state (a) or (b).
+
+(a) every tensor loaded, greedy == Hugging Face on the new weights, the new version;
+(b) the round refused or dropped: greedy == Hugging Face on the *previous* weights
+(ids and logprobs), the weight checker's checksums unchanged, the previous version.
+Each case is followed by a fresh trainer's successful round (state (a)), with no
+manual finish. All cases share one vLLM; the module ends with the checkpoint restored.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.interop.helpers import PROMPTS, VLLMServer, assert_same_greedy
+from tests.interop.models import hf_model, jax_params, load_into_hf, perturbed
+from weightwire.control.client import HTTPWeightSyncClient
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.jax_side.source import PytreeSource
+from weightwire.torch_side.source import ModuleSource
+from weightwire.torch_side.trainer import TorchTrainerEngine
+from weightwire.trainer.engine import EngineBroken
+from weightwire.trainer.info import TrainerInitInfo
+
+pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
+REPO = Path(__file__).resolve().parents[2]
+PACKED_16K = 16 << 10
+
+
+@dataclass
+class Served:
+    """What the server must be serving now: the HF twin of its weights and its version."""
+
+    server: VLLMServer
+    hf: torch.nn.Module
+    version: str
+    seed: int = 100
+
+    def checksums(self) -> dict:
+        reply = httpx.post(f"{self.server.url}/weight_checker", json={"action": "checksum"}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    def assert_state_b(self, what: str, before: dict) -> None:
+        """The previous weights exactly, under the previous version."""
+        assert self.server.weight_version() == self.version, f"{what}: version moved"
+        assert_same_greedy(self.server, self.hf, f"{what}: previous weights")
+        assert self.checksums() == before, f"{what}: weight checksums changed"
+
+    def fresh_round(self, what: str) -> list[list[int]]:
+        """A new JAX trainer's round (no manual finish first): state (a)."""
+        self.seed += 1
+        previous, _ = self.server.greedy()
+        params, naming = jax_params(self.server.model_dir)
+        params = perturbed(params, self.seed)
+        source = PytreeSource(lambda: params, naming)
+        version = f"fresh-{self.seed}"
+        with HTTPWeightSyncClient(self.server.url, timeout=120) as client:
+            engine = JAXTrainerEngine.trainer_init(_info(), client=client, source=source)
+            try:
+                engine.send_weights(weight_version=version)
+            finally:
+                engine.shutdown()
+        assert self.server.weight_version() == version
+        load_into_hf(self.hf, source)
+        self.version = version
+        tokens = assert_same_greedy(self.server, self.hf, f"{what}: fresh round")
+        assert tokens != previous, f"{what}: the fresh round did not change the output"
+        return tokens
+
+
+def _info(**kw: object) -> TrainerInitInfo:
+    return TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=PACKED_16K, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def served(launcher, model_dirs, tmp_path_factory) -> Iterator[Served]:  # noqa: ANN001
+    from tests.interop.conftest import serve  # noqa: PLC0415
+
+    server = serve(launcher, model_dirs, "tiny-llama", tmp_path_factory.getbasetemp() / "models")
+    state = Served(server, hf_model(server.model_dir), server.weight_version())
+    assert_same_greedy(server, state.hf, "before the fault cases")  # the checkpoint's weights
+    yield state
+    # Leave the checkpoint's weights for the tests that run next on this server.
+    pristine = hf_model(server.model_dir)
+    with HTTPWeightSyncClient(server.url, timeout=120) as client:
+        engine = TorchTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp"), client=client,
+                                                 source=ModuleSource(pristine))
+        try:
+            engine.send_weights(weight_version="checkpoint")
+        finally:
+            engine.shutdown()
+    assert_same_greedy(server, pristine, "checkpoint restored after the fault cases")
+
+
+# ---------------------------------------------------------------- trainer death
+@pytest.mark.parametrize("phase", ["after_start", "mid_update", "before_finish"])
+def test_trainer_sigkilled_mid_round_leaves_previous_weights(served: Served, phase: str) -> None:
+    before = served.checksums()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen([sys.executable, str(REPO / "tests/interop/dying_trainer.py"), served.server.url,
+                              served.server.model_dir, phase, "7"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        lines = []
+        assert child.stdout is not None
+        for line in child.stdout:  # blocks until the child reports its phase (or dies)
+            lines.append(line)
+            if line.startswith("PHASE"):
+                break
+        assert lines and lines[-1].strip() == f"PHASE {phase}", "".join(lines[-30:])
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+    # State (b): serving goes on with the previous weights, though the round never ended.
+    served.assert_state_b(f"trainer killed {phase}", before)
+    served.fresh_round(f"after a trainer killed {phase}")
+
+
+# ---------------------------------------------------------------- bad update info
+def _bad_source(kind: str, hf: torch.nn.Module) -> torch.nn.Module:
+    bad = hf_model(hf.name_or_path)
+    bad.load_state_dict(hf.state_dict())
+    layer = bad.model.layers[0]
+    with torch.no_grad():
+        if kind == "wrong_shape":  # transposed: metadata and bytes consistent, shape wrong
+            layer.self_attn.k_proj.weight = torch.nn.Parameter(layer.self_attn.k_proj.weight.t().contiguous())
+        elif kind == "wrong_dtype":  # a float32 norm sent as bfloat16
+            bad.model.norm.weight = torch.nn.Parameter(bad.model.norm.weight.to(torch.bfloat16))
+        elif kind == "unknown_name":
+            bad.model.register_parameter("extra_scale", torch.nn.Parameter(torch.ones(4)))
+        elif kind == "missing_tensor":
+            del layer.mlp.up_proj._parameters["weight"]
+    return bad
+
+
+BAD = {
+    "wrong_shape": "'model.layers.0.self_attn.k_proj.weight' has shape [64, 32], the model's is [32, 64]",
+    "wrong_dtype": "'model.norm.weight' is bfloat16, the model holds it as float32 (no silent cast)",
+    "unknown_name": "'model.extra_scale' is not a tensor of the model",
+    "missing_tensor": "layer 'model.layers.0' is incomplete: missing 'model.layers.0.mlp.up_proj.weight'",
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_bad_update_info_is_refused_before_any_byte(served: Served, kind: str) -> None:
+    before = served.checksums()
+    source = ModuleSource(_bad_source(kind, served.hf))
+    with HTTPWeightSyncClient(served.server.url, timeout=120) as client:
+        engine = TorchTrainerEngine.trainer_init(_info(), client=client, source=source)
+        try:
+            with pytest.raises(Exception) as err:
+                engine.send_weights(weight_version=f"bad-{kind}")
+            assert BAD[kind] in str(err.value), str(err.value)
+            assert "refused before any byte was received" in str(err.value)
+        finally:
+            engine.shutdown()
+    served.assert_state_b(f"refused {kind}", before)
+    served.fresh_round(f"after a refused {kind}")
+
+
+# ---------------------------------------------------------------- session ownership
+def _jax_engine(served: Served, seed: int, client: HTTPWeightSyncClient) -> tuple[JAXTrainerEngine, PytreeSource]:
+    params, naming = jax_params(served.server.model_dir)
+    params = perturbed(params, seed)
+    source = PytreeSource(lambda: params, naming)
+    return JAXTrainerEngine.trainer_init(_info(), client=client, source=source), source
+
+
+def test_second_trainer_between_rounds_displaces_the_first(served: Served) -> None:
+    with HTTPWeightSyncClient(served.server.url, timeout=120) as ca, \
+            HTTPWeightSyncClient(served.server.url, timeout=120) as cb:
+        a, _ = _jax_engine(served, 201, ca)
+        a.send_weights(weight_version="A-1")
+        b, b_source = _jax_engine(served, 202, cb)  # takes the session over between rounds
+        try:
+            before = served.checksums()
+            with pytest.raises(EngineBroken, match="another trainer initialized and took the session over"):
+                a.send_weights(weight_version="A-2")  # fails fast: nothing posted, nothing sent
+            a.shutdown()  # must not tear down B's session
+            assert served.server.weight_version() == "A-1"
+            assert served.checksums() == before
+            b.send_weights(weight_version="B-1")
+            load_into_hf(served.hf, b_source)
+            served.version = "B-1"
+            assert_same_greedy(served.server, served.hf, "B's round after A was displaced")
+        finally:
+            b.shutdown()
+    served.fresh_round("after the displacement")
+
+
+@pytest.mark.parametrize("when", ["after_start", "before_finish"])
+def test_second_trainer_mid_round_is_refused(served: Served, when: str) -> None:
+    refusals: list[str] = []
+    with HTTPWeightSyncClient(served.server.url, timeout=120) as ca, \
+            HTTPWeightSyncClient(served.server.url, timeout=120) as cb:
+        params_b, naming = jax_params(served.server.model_dir)
+        intruder_source = PytreeSource(lambda: params_b, naming)
+
+        def intrude() -> None:
+            try:
+                intruder = JAXTrainerEngine.trainer_init(_info(), client=cb, source=intruder_source)
+            except Exception as exc:  # noqa: BLE001  (the refusal is what this test wants)
+                refusals.append(str(exc))
+            else:
+                intruder.shutdown()
+                refusals.append("ACCEPTED")
+
+        a, a_source = _jax_engine(served, 301, ca)
+        hook: Callable[..., None]
+        if when == "after_start":
+            real_start = ca.start_weight_update
+
+            def hook() -> None:
+                real_start()
+                intrude()
+            ca.start_weight_update = hook  # type: ignore[method-assign]
+        else:
+            real_finish = ca.finish_weight_update
+
+            def hook(*args: object, **kwargs: object) -> None:
+                intrude()
+                real_finish(*args, **kwargs)
+            ca.finish_weight_update = hook  # type: ignore[method-assign]
+        try:
+            # after_start: A's bytes wait while B's init is refused; A's round then completes.
+            a.send_weights(weight_version=f"A-{when}")
+        finally:
+            a.shutdown()
+    assert len(refusals) == 1 and "refused: a weight update of session" in refusals[0], refusals
+    load_into_hf(served.hf, a_source)
+    served.version = f"A-{when}"
+    assert served.server.weight_version() == served.version
+    assert_same_greedy(served.server, served.hf, f"A's round with an intruder {when}")
+    served.fresh_round(f"after an intruder {when}")
+
+
+# ---------------------------------------------------------------- live traffic
+def test_live_completions_during_five_rounds_default_settings(served: Served) -> None:
+    stop = threading.Event()
+    done: list[int] = [0, 0, 0]
+    errors: list[str] = []
+
+    def client_loop(i: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            while not stop.is_set():
+                reply = http.post(f"{served.server.url}/v1/completions", json={
+                    "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 8, "temperature": 0.0})
+                if reply.status_code != 200:
+                    errors.append(f"{reply.status_code}: {reply.text[:200]}")
+                    return
+                done[i] += 1
+
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    params0, naming = jax_params(served.server.model_dir)
+    live = {"params": params0}
+    source = PytreeSource(lambda: live["params"], naming)
+    try:
+        with HTTPWeightSyncClient(served.server.url, timeout=120) as client:
+            # Default settings: no pause_mode given (the coordinator is changing the default to "keep").
+            engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp",
+                                                                   packed_buffer_size_bytes=PACKED_16K),
+                                                   client=client, source=source)
+            try:
+                for r in range(1, 6):
+                    live["params"] = perturbed(params0, 400 + r)
+                    engine.send_weights(weight_version=f"live-{r}")
+                    assert served.server.weight_version() == f"live-{r}"
+            finally:
+                engine.shutdown()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=150)
+    assert not errors, errors[:3]
+    assert all(n > 0 for n in done), done
+    load_into_hf(served.hf, source)
+    served.version = "live-5"
+    assert_same_greedy(served.server, served.hf, "after 5 rounds under live traffic")
+    print(f"live completions during 5 rounds: {done} (total {sum(done)}), errors 0")
