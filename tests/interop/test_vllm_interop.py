@@ -8,6 +8,7 @@ original weights back, except the demo, which runs last.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -98,6 +99,19 @@ def test_torch_trainer_round_matches_hugging_face(vllm_server: VLLMServer) -> No
     finally:
         engine.shutdown()
         client.close()
+
+
+def test_vllm_trainer_api_plugs_in_without_hints(vllm_server: VLLMServer) -> None:
+    """vLLM's own ``ModuleSource`` and ``HTTPVLLMWeightSyncClient`` (run in the vLLM venv,
+    the only one that has them) drive our torch engine with no version/world-size hints."""
+    venv = os.environ.get("WEIGHTWIRE_INTEROP_VENV")
+    assert venv, "run.sh exports WEIGHTWIRE_INTEROP_VENV"
+    done = subprocess.run(
+        [os.path.join(venv, "bin", "python"), "-m", "tests.interop._vllm_api_trainer", vllm_server.url,
+         vllm_server.model_dir], capture_output=True, text=True, timeout=600, check=False,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -49,7 +49,7 @@ def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
     (["--model", "tiny-llama", "--replicas", "0"], 2, "--replicas must be in [1, 64]"),
     (["--model", "tiny-llama", "--backend", "weightwire_nccl"], 2, "weightwire_nccl needs --device cuda"),
     (["--model", "tiny-llama", "--port", "70000"], 2, "--port must be in [0, 65535]"),
-    (["--model", "/nonexistent/model"], 1, "neither tiny-llama / tiny-qwen2 nor a directory"),
+    (["--model", "/nonexistent/model"], 2, "no such directory (or pass tiny-llama / tiny-qwen2)"),
     (["--model", "tiny-llama", "--backend", "nccl"], 2, "invalid choice: 'nccl'"),
 ])
 def test_cli_errors_exit_nonzero_with_a_reason(argv, code, message, capsys, tiny_cache) -> None:
@@ -65,7 +65,10 @@ def qwen(server_factory, tiny_cache):
 
 def test_ready_line_names_the_real_port(qwen) -> None:
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+", qwen.url) and not qwen.url.endswith(":0")
-    assert qwen.lines == [f"weightwire server ready on {qwen.url}"]
+    # The progress lines say what is loaded; the ready line comes once, after them.
+    assert qwen.lines[-2] == f"weightwire server ready on {qwen.url}"
+    assert qwen.lines.count(f"weightwire server ready on {qwen.url}") == 1
+    assert any("loading" in line and "tiny-qwen2" in line for line in qwen.lines[:-2])
 
 
 def test_seeded_sampling_is_reproducible_and_shaped_like_openai(qwen) -> None:

@@ -116,51 +116,93 @@ def test_source_groups_and_iter_groups() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "parsed"),
-    [("0.33.0", (0, 33)), ("0.32.0+cpu", (0, 32)), ("0.33.1.dev4+gabc", (0, 33)), ("v0.30.1", (0, 30)),
-     ("0.33.0+weightwire.0.1.0", (0, 33)), (" 1.2", (1, 2)), ("0.28", (0, 28))],
+    ("text", "release"),
+    [("0.33.0", (0, 33, 0)), ("0.32.0+cpu", (0, 32, 0)), ("0.33.1.dev4+gabc", (0, 33, 1)), ("v0.30.1", (0, 30, 1)),
+     ("0.33.0+weightwire.0.1.0", (0, 33, 0)), (" 1.2", (1, 2)), ("0.28", (0, 28))],
 )
-def test_parse_version(text: str, parsed: tuple[int, int]) -> None:
-    assert parse_version(text) == parsed
+def test_parse_version(text: str, release: tuple[int, ...]) -> None:
+    assert parse_version(text).release == release
 
 
-@pytest.mark.parametrize("text", ["", "garbage", "0", "v", "0.x.1", "1" * 5000 + ".2", "0." + "3" * 20, None, 33])
+@pytest.mark.parametrize("text", ["", "garbage", "v", "0.x.1", "1" * 5000 + ".2", "0." + "3" * 200, None, 33])
 def test_parse_version_garbage(text: object) -> None:
     with pytest.raises(ValueError, match="cannot parse server version"):
         parse_version(text)  # type: ignore[arg-type]
 
 
+_ALL = ("packed_in_init", "draft_route", "abort_route", "unique_id_rendezvous", "shutdown_route",
+        "weight_checker_route", "packed_scalars", "reuse_metadata")
+
+
+def _on(*names: str) -> set[str]:
+    return set(names)
+
+
+_R28 = _on("packed_in_init", "draft_route", "abort_route")
+_R30 = _R28 | {"unique_id_rendezvous"}
+_R32 = _R30 | {"shutdown_route", "weight_checker_route", "packed_scalars"}
+_R33 = _R32 | {"reuse_metadata"}
+
+
 @pytest.mark.parametrize(
-    ("version", "flags"),
+    ("version", "enabled", "release"),
     [
-        ("0.27.9", (False, False, False, False)),
-        ("0.28.0", (True, False, False, False)),
-        ("0.29.1", (True, False, False, False)),
-        ("0.30.0", (True, True, False, False)),
-        ("0.32.0+cpu", (True, True, True, False)),
-        ("0.33.0", (True, True, True, True)),
-        ("0.33.1.dev4+gabc", (True, True, True, True)),
-        ("1.0.0", (True, True, True, True)),
+        # release
+        ("0.28.0", _R28, (0, 28)), ("0.29.1", _R28, (0, 29)), ("0.30.0", _R30, (0, 30)), ("0.31.0", _R30, (0, 31)),
+        ("0.32.0", _R32, (0, 32)), ("0.33.0", _R33, (0, 33)), ("0.33.2", _R33, (0, 33)),
+        ("0.33.0.post1", _R33, (0, 33)),
+        # local build of a release: gated as the release
+        ("0.32.0+cpu", _R32, (0, 32)), ("0.33.0+weightwire.0.1.0", _R33, (0, 33)),
+        # pre-release / dev build of a known minor: before it, so gated as the previous one
+        ("0.33.0rc1", _R32, (0, 32)), ("0.32.0rc2", _R30, (0, 31)), ("0.33.0.dev5+g1a2b", _R32, (0, 32)),
+        ("0.30.0b1", _R28, (0, 29)), ("0.33.1rc1", _R33, (0, 33)),
+        # unknown future: newest known row, minus what may have changed
+        ("0.34.0.dev12+g0123abc", _R32, (0, 33)), ("0.35.1", _R32, (0, 33)), ("1.0.0", _R32, (0, 33)),
+        # too old
+        ("0.27.9", set(), None), ("0.28.0rc1", set(), None),
     ],
 )
-def test_server_features(version: str, flags: tuple[bool, bool, bool, bool]) -> None:
+def test_server_features(version: str, enabled: set[str], release: tuple[int, int] | None) -> None:
     f = ServerFeatures.for_version(version)
-    assert (f.packed_in_init, f.unique_id_rendezvous, f.shutdown_route, f.reuse_metadata) == flags
+    assert set(f.enabled()) == enabled
+    assert {n for n in _ALL if getattr(f, n)} == enabled
+    assert f.release == release
 
 
 def test_gate_table_rows() -> None:
     assert [(first, name) for first, name, _ in VERSION_GATES] == [
-        ((0, 28), "packed_in_init"), ((0, 30), "unique_id_rendezvous"),
-        ((0, 32), "shutdown_route"), ((0, 33), "reuse_metadata"),
+        ((0, 28), "packed_in_init"), ((0, 28), "draft_route"), ((0, 28), "abort_route"),
+        ((0, 30), "unique_id_rendezvous"), ((0, 32), "shutdown_route"), ((0, 32), "weight_checker_route"),
+        ((0, 32), "packed_scalars"), ((0, 33), "reuse_metadata"),
     ]
 
 
-def test_require_names_feature_and_version() -> None:
+def test_require_names_feature_version_and_basis() -> None:
     ServerFeatures.for_version("0.33.0").require("reuse_metadata", "empty update info")
-    with pytest.raises(ValueError, match=r"0\.32\.0\+cpu lacks reuse_metadata \(needs >= 0\.33\): empty"):
+    with pytest.raises(ValueError, match=r"0\.32\.0\+cpu lacks reuse_metadata \(needs >= 0\.33; server is release "
+                       r"0\.32\): empty"):
         ServerFeatures.for_version("0.32.0+cpu").require("reuse_metadata", "empty update info")
-    with pytest.raises(ValueError, match=r"lacks unique_id_rendezvous \(needs >= 0\.30\)"):
+    with pytest.raises(ValueError, match=r"lacks unique_id_rendezvous \(needs >= 0\.30"):
         ServerFeatures.for_version("0.29.0").require("unique_id_rendezvous", "torch-free trainer")
+    with pytest.raises(ValueError, match=r"0\.33\.0rc1 lacks reuse_metadata \(needs >= 0\.33; server is a "
+                       r"pre-release of 0\.33: gated as 0\.32\)"):
+        ServerFeatures.for_version("0.33.0rc1").require("reuse_metadata", "x")
+    with pytest.raises(ValueError, match=r"0\.35\.1 lacks reuse_metadata \(its wire form changed in 0\.33 and "
+                       r"the server \(newer than the newest known release 0\.33\) may have changed it again"):
+        ServerFeatures.for_version("0.35.1").require("reuse_metadata", "x")
+    with pytest.raises(ValueError, match=r"older than the oldest supported release 0\.28"):
+        ServerFeatures.for_version("0.27.0").require("packed_in_init", "x")
+
+
+def test_version_override_is_explicit_and_reported() -> None:
+    f = ServerFeatures.for_version("0.35.1", override="0.33")
+    assert f.reuse_metadata and f.release == (0, 33)
+    assert f.basis == "user override: gated as 0.33 (server says 0.35.1)"
+    assert not ServerFeatures.for_version("0.33.0", override="0.31.0").packed_scalars
+    with pytest.raises(ValueError, match=r"version override '0\.40' is not a known release \(0\.28, .*0\.33\)"):
+        ServerFeatures.for_version("0.33.0", override="0.40")
+    with pytest.raises(ValueError, match="cannot parse server version 'nope'"):
+        ServerFeatures.for_version("0.33.0", override="nope")
 
 
 # --- Timeouts -------------------------------------------------------------------
@@ -256,4 +298,8 @@ def test_route_table() -> None:
         "pause": ("POST", "/pause", None),
         "resume": ("POST", "/resume", None),
         "is_paused": ("GET", "/is_paused", None),
+        "abort_requests": ("POST", "/abort_requests", "request_ids"),
+        "sleep": ("POST", "/sleep", None),
+        "wake_up": ("POST", "/wake_up", None),
+        "is_sleeping": ("GET", "/is_sleeping", None),
     }

@@ -19,6 +19,7 @@ from weightwire.shared import (
     WeightwireNCCLInitInfo,
     encode_secret,
 )
+from weightwire.shared.ipc_info import IPCInitInfo
 
 # Bytes 0xfb 0xff encode to "+/" in standard base64 and to "-_" in the URL-safe
 # alphabet, so this id tells the two apart.
@@ -149,6 +150,7 @@ def test_nccl_defaults_and_round_trip() -> None:
 def test_init_info_types_by_backend() -> None:
     assert dict(INIT_INFO_TYPES) == {
         "nccl": NCCLInitInfo, "weightwire_nccl": WeightwireNCCLInitInfo, "weightwire_tcp": TCPInitInfo,
+        "weightwire_ipc": IPCInitInfo,
     }
 
 

@@ -55,14 +55,24 @@ def shapes(mib: int, framework: str = "torch") -> list[tuple[str, str, tuple[int
 
 
 class Dict(WeightSource):
-    def __init__(self, tensors: dict[str, Any], metas: list[ParamMeta]) -> None:
+    def __init__(self, tensors: dict[str, Any], metas: list[ParamMeta], *, stop_at: int = -1, stop: str = "") -> None:
         self.tensors, self._metas = tensors, metas
+        self.stop_at, self.stop = stop_at, stop  # fault tests: die / pause when yielding tensor ``stop_at``
 
     def metadata(self) -> list[ParamMeta]:
         return self._metas
 
     def __iter__(self):
-        yield from self.tensors.items()
+        for i, item in enumerate(self.tensors.items()):
+            if i == self.stop_at and self.stop == "kill":
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies mid-round, nothing cleaned up
+            if i == self.stop_at and self.stop == "pause":
+                print("PAUSED", flush=True)  # the test kills the worker now, then says go on
+                sys.stdin.readline()
+            yield item
 
 
 def jax_side(spec: list, seed: int) -> tuple[Any, dict[str, Any], Any]:
@@ -127,6 +137,9 @@ def main() -> int:
     ap.add_argument("--num-buffers", type=int, default=2)
     ap.add_argument("--mib", type=int, default=1100)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--release", type=int, default=0, help="weightwire_ipc: free the slots after every round")
+    ap.add_argument("--stop-at", type=int, default=-1, help="fault tests: tensor index of round 1 to stop at")
+    ap.add_argument("--stop", choices=("", "kill", "pause"), default="")
     args = ap.parse_args()
     spec = shapes(args.mib, args.framework)
     metas = [ParamMeta(n, d, s) for n, d, s in spec]
@@ -134,28 +147,38 @@ def main() -> int:
     client = LoopbackClient(args.address, timeout=300)
     info = TrainerInitInfo(backend=args.backend, packed=bool(args.packed), device=0,
                            packed_buffer_size_bytes=args.buffer_mib << 20, packed_num_buffers=args.num_buffers,
-                           timeouts=Timeouts(http_s=300, connect_s=120, warmup_s=60, transfer_s=120))
+                           timeouts=Timeouts(http_s=300, connect_s=120, warmup_s=60, transfer_s=120),
+                           ipc_release_after_round=bool(args.release))
     engine_cls, tensors, sha = build(spec, 0)
-    source = Dict(tensors, metas)
+    source = Dict(tensors, metas, stop_at=args.stop_at, stop=args.stop)
     engine = engine_cls.trainer_init(info, client=client, source=source)
     rounds = []
     try:
         for r in range(args.rounds):
             if r:
                 source.tensors = build(spec, r)[1]  # fresh values every round
+                source.stop_at = -1
             start = time.perf_counter()
-            metrics = engine.send_weights()
+            try:
+                metrics = engine.send_weights()
+            except Exception as exc:  # fault tests read the error the trainer got
+                print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+                return 3
             wall = time.perf_counter() - start
             sent = {n: sha(t) for n, t in source.tensors.items()}
             (reply,) = client.weight_checker("checksum")
             bad = sorted(n for n, d in sent.items() if reply["checksums"].get(n) != d)
-            rounds.append({"version": metrics.version, "nbytes": metrics.nbytes, "chunks": metrics.chunks,
+            held = getattr(engine._pipeline, "held_bytes", None)
+            rounds.append({"trainer_extra": held() if held is not None else None, "version": metrics.version, "nbytes": metrics.nbytes, "chunks": metrics.chunks,
                            "gbps": metrics.gbps, "wall_s": wall, "seconds": metrics.seconds,
                            "reused_metadata": metrics.reused_metadata, "mismatched": bad,
                            "receiver": client.stats(), "weight_version": client.weight_info()[0]["weight_version"],
                            "digests": sent})
     finally:
-        engine.shutdown()
+        try:
+            engine.shutdown()
+        except Exception as exc:  # after a failed round the server may be gone: the round's error was printed
+            print(f"shutdown after the rounds failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     print(json.dumps({"ok": True, "tensors": len(spec), "rounds": rounds}), flush=True)
     return 0
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from weightwire.control.dp import RankLayout, ServerTopology, plan_ranks
 from weightwire.control.errors import WeightSyncError, server_message
 from weightwire.control.fanout import fan_out
 from weightwire.shared import routes
@@ -61,7 +62,8 @@ class HTTPWeightSyncClient:
             httpx.Client(base_url=u, timeout=http_timeout, headers=headers, transport=transport)
             for u in self.base_urls
         ]
-        self._world_sizes: list[int] | None = None
+        self._layout: RankLayout | None = None
+        self._servers: list[ServerTopology] = []
         self._sessions: list[str | None] = [None] * len(urls)
         """Per server: the ``session_id`` its last init returned (servers that return none: None)."""
 
@@ -134,6 +136,10 @@ class HTTPWeightSyncClient:
     def start_weight_update(self) -> None:
         self._all(routes.START)
 
+    def start_draft_weight_update(self) -> None:
+        """Open a round that loads into the speculative draft model (update/finish unchanged)."""
+        self._all(routes.START_DRAFT)
+
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         """POST one round's update info; returns once every worker received and loaded."""
         self._all(routes.UPDATE, {"update_info": update_info})
@@ -149,23 +155,62 @@ class HTTPWeightSyncClient:
         self._all(routes.SHUTDOWN)
 
     def get_world_size(self) -> int:
-        """Inference ranks across every server (TP*PP*DP each, summed)."""
+        """Inference ranks in the group across every server (see ``control.dp``).
+
+        Independent servers add up; the API servers of one external- or hybrid-LB DP
+        deployment each report the deployment's global size and count once.
+        """
+        self._servers = self._topology()
+        self._layout = plan_ranks(self._servers)
+        return self._layout.total
+
+    def _sizes(self, include_dp: bool) -> list[int]:
         sizes = []
-        for i, reply in enumerate(self._all(routes.WORLD_SIZE, params={"include_dp": "true"})):
+        params = {"include_dp": "true" if include_dp else "false"}
+        for i, reply in enumerate(self._all(routes.WORLD_SIZE, params=params)):
             size = reply.get("world_size") if isinstance(reply, dict) else None
             if type(size) is not int or size < 1:
                 raise WeightSyncError(routes.WORLD_SIZE.name, 200, f"reply has no positive world_size: {reply!r:.200}", self.base_urls[i])
             sizes.append(size)
-        self._world_sizes = sizes
-        return sum(sizes)
+        return sizes
+
+    def _topology(self) -> list[ServerTopology]:
+        total, per_dp = self._sizes(True), self._sizes(False)
+        out = []
+        for i, (url, size, per) in enumerate(zip(self.base_urls, total, per_dp, strict=True)):
+            parallel = None
+            if size != per:  # DP on this server: which DP ranks does its API drive?
+                parallel = self._parallel_config(i)
+                if parallel is None and len(self._clients) > 1:
+                    raise ValueError(f"{url} runs data parallelism ({size} ranks, {per} per DP rank) but does not "
+                                     "answer /server_info, so its DP layout (internal or external load balancing) "
+                                     "is unknown; pass one init info per server instead")
+            out.append(ServerTopology(url, size, per, parallel))
+        return out
+
+    def _parallel_config(self, i: int) -> dict[str, Any] | None:
+        try:
+            reply = self._request(i, routes.SERVER_INFO, params={"config_format": "json"})
+        except WeightSyncError:
+            return None
+        config = reply.get("vllm_config") if isinstance(reply, dict) else None
+        parallel = config.get("parallel_config") if isinstance(config, dict) else None
+        return parallel if isinstance(parallel, dict) else None
+
+    @property
+    def rank_layout(self) -> RankLayout:
+        """The servers' rank layout (fetched on first use)."""
+        if self._layout is None:
+            self.get_world_size()
+        assert self._layout is not None
+        return self._layout
 
     @property
     def world_sizes(self) -> list[int]:
-        """Per-server world sizes (fetched on first use)."""
-        if self._world_sizes is None:
+        """Per-server world sizes with DP (``/get_world_size?include_dp=true``; fetched on first use)."""
+        if self._layout is None:
             self.get_world_size()
-        assert self._world_sizes is not None
-        return list(self._world_sizes)
+        return [s.world_size for s in self._servers]
 
     def pause(self, mode: str = "keep", *, clear_cache: bool | None = None) -> None:
         if mode not in PAUSE_MODES:
@@ -178,12 +223,41 @@ class HTTPWeightSyncClient:
     def resume(self) -> None:
         self._all(routes.RESUME)
 
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's ``/sleep``: level 0 pauses generation, 1 offloads weights to host memory,
+        2 discards them (send a full round after ``wake_up``). ``mode`` is the pause mode."""
+        if type(level) is not int or level not in routes.SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {routes.SLEEP_LEVELS}, got {level!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._all(routes.SLEEP, params={"level": level, "mode": mode})
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> list[bool]:
+        """vLLM's ``/wake_up`` (``tags``: weights / kv_cache / scheduling; None: all);
+        per server, whether it is fully awake now."""
+        if isinstance(tags, str):
+            raise TypeError("tags must be a list of tag names, not one string")
+        bad = [t for t in tags or () if t not in routes.WAKE_TAGS]
+        if bad:
+            raise ValueError(f"unknown wake_up tags {bad}; known: {list(routes.WAKE_TAGS)}")
+        replies = self._all(routes.WAKE_UP, params={"tags": list(tags)} if tags else None)
+        return [isinstance(r, dict) and r.get("status") == "awake" for r in replies]
+
+    def is_sleeping(self) -> list[bool]:
+        return [bool(r.get("is_sleeping")) if isinstance(r, dict) else False for r in self._all(routes.IS_SLEEPING)]
+
     def is_paused(self) -> list[bool]:
         return [bool(r.get("is_paused")) if isinstance(r, dict) else False for r in self._all(routes.IS_PAUSED)]
 
     def weight_info(self) -> list[dict[str, Any]]:
         """Each server's ``{"weight_version": ...}``."""
         return self._all(routes.WEIGHT_INFO)
+
+    def abort_requests(self, request_ids: Sequence[str] | None = None) -> list[Any]:
+        """Abort in-flight requests on every server without pausing; ``None``: all of them."""
+        if request_ids is not None and (isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids)):
+            raise TypeError("request_ids must be a list of request id strings (or None for all)")
+        return self._all(routes.ABORT_REQUESTS, {} if request_ids is None else {"request_ids": list(request_ids)})
 
     def update_weight_version(self, new_version: str) -> None:
         self._all(routes.UPDATE_VERSION, {"new_version": new_version})
@@ -216,11 +290,8 @@ class HTTPWeightSyncClient:
     def _per_server_init(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
         if len(self._clients) == 1 or "rank_offset" not in init_info:
             return [init_info] * len(self._clients)
-        offset, out = init_info["rank_offset"], []
-        for size in self.world_sizes:
-            out.append({**init_info, "rank_offset": offset})
-            offset += size
-        return out
+        shift = init_info["rank_offset"] - 1  # layout offsets start at 1 (the trainer is rank 0)
+        return [{**init_info, "rank_offset": offset + shift} for offset in self.rank_layout.offsets]
 
     def close(self) -> None:
         for client in self._clients:

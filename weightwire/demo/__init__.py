@@ -4,7 +4,6 @@
 - ``policy``   the Flax policy and its REINFORCE + Adam step.
 - ``reward``   the visible reward (fraction of tokens containing a target character).
 - ``rollout``  ``/v1/completions`` in token ids, with the server's logprobs.
-- ``weights``  an HF checkpoint loaded into any Flax layout by running a preset backwards.
 - ``server``   the child processes: tiny-model build and the embedded reference server.
 - ``render``   rich output; ``doctor`` the server check.
 

@@ -18,6 +18,7 @@ mean of the first third).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import ExitStack
@@ -27,9 +28,9 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from weightwire._cli import BACKENDS, CommandError
+from weightwire._extras import require
 from weightwire.demo.render import StartupProgress, StepRow, StepTable
-
-TRANSPORTS = {"tcp": "weightwire_tcp", "nccl": "nccl"}
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,9 @@ class DemoConfig:
     model: str = "tiny-llama"
     """Embedded server only: tiny model to build and serve."""
     steps: int = 12
-    transport: str = "tcp"
-    backend: str | None = None
-    """Override the backend (default: ``weightwire_tcp`` for tcp; ``nccl`` for an external
-    server with nccl, ``weightwire_nccl`` for the embedded one)."""
+    backend: str = "weightwire_tcp"
+    """Weight-transfer backend (``weightwire._cli.BACKENDS``). ``nccl`` against the embedded
+    server means its NCCL backend, ``weightwire_nccl`` (the reference server has no stock ``nccl``)."""
     batch: int = 64
     """Completions per step: ``batch / samples_per_prompt`` prompts, ``samples_per_prompt`` each."""
     samples_per_prompt: int = 4
@@ -62,10 +62,15 @@ class DemoConfig:
     """External server whose weights may have changed: push the policy's weights first."""
     server_gpu: str = "1"
     """Embedded server with nccl: the GPU it uses (``CUDA_VISIBLE_DEVICES``); JAX uses its device 0."""
+    colocated: bool = False
+    """Trainer and embedded server on ONE GPU (JAX's device 0), synced over ``weightwire_ipc``;
+    each step is generate -> ``/sleep`` -> train -> ``/wake_up`` -> sync."""
+    sleep_level: int = 1
+    """``--colocated``: the server's sleep level while the policy trains (vLLM's levels)."""
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.server is not None and self.model_dir is None:
             raise ValueError("--server needs --model-dir: the directory the server loaded, so the JAX policy "
                              "starts from the same weights and tokenizer")
@@ -76,14 +81,18 @@ class DemoConfig:
             raise ValueError(f"--batch {self.batch} must be a multiple of --samples-per-prompt {self.samples_per_prompt}")
         if not self.tolerance > 0:
             raise ValueError(f"tolerance must be > 0, got {self.tolerance}")
+        if self.colocated and self.server is not None:
+            raise ValueError("--colocated starts the reference server on this GPU itself; drop --server")
+        if self.sleep_level not in (0, 1, 2):
+            raise ValueError(f"--sleep-level must be 0, 1 or 2, got {self.sleep_level}")
 
     @property
     def backend_name(self) -> str:
-        if self.backend is not None:
-            return self.backend
-        if self.transport == "nccl" and self.server is None:
+        if self.colocated:
+            return "weightwire_ipc"
+        if self.backend == "nccl" and self.server is None:
             return "weightwire_nccl"
-        return TRANSPORTS[self.transport]
+        return self.backend
 
 
 @dataclass
@@ -146,20 +155,28 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
     from weightwire.demo.server import EmbeddedServer, build_tiny_model  # noqa: PLC0415
 
     backend = cfg.backend_name
+    # Checked before any child starts: a missing extra fails in milliseconds with the extra's name.
+    require("jax", "flax", "optax", "safetensors", "tokenizers", purpose="weightwire demo's JAX policy")
+    if cfg.server is None:
+        require("torch", "transformers", "fastapi", "uvicorn",
+                purpose="the embedded reference server (or pass --server URL --model-dir DIR)")
     if backend != "weightwire_tcp":
-        import jax  # noqa: PLC0415  (checked before any child starts: fail in seconds, not after)
+        import jax  # noqa: PLC0415
 
         if jax.default_backend() != "gpu":
-            raise RuntimeError(f"--transport nccl needs JAX on a CUDA GPU (JAX runs on {jax.default_backend()}); "
-                               "use --transport tcp on a CPU-only host")
+            raise CommandError(f"--backend {backend} needs JAX on a CUDA GPU (JAX runs on "
+                               f"{jax.default_backend()}); use --backend weightwire_tcp on a CPU-only host")
     server: EmbeddedServer | None = None
     with StartupProgress(console, phases=6 if cfg.server is None else 3) as prog:
         if cfg.server is None:
             # The server loads while this process builds the policy: the two start-ups overlap.
             prog.phase(f"launching the reference server ({backend}, child process)")
             nccl = backend != "weightwire_tcp"
+            gpu = cfg.server_gpu
+            if cfg.colocated:  # the GPU JAX calls device 0
+                gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
             server = EmbeddedServer(cfg.model_dir or cfg.model, backend=backend, device="cuda" if nccl else "cpu",
-                                    cuda_visible_devices=cfg.server_gpu if nccl else None)
+                                    cuda_visible_devices=gpu if nccl else None)
             stack.callback(server.stop)
             server.launch()
             prog.phase(f"locating {cfg.model} (child process; built and cached on first use)")
@@ -239,9 +256,13 @@ def _train(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult)
             rollouts = completions.generate(prompts, max_tokens=cfg.max_tokens, temperature=1.0,
                                             n=cfg.samples_per_prompt)
             t = _lap(clock, "rollouts", t)
+            if cfg.colocated:  # the server gives its GPU memory back while the policy trains
+                client.sleep(cfg.sleep_level, mode="wait")
             hits = reward.hits(rollouts.completions)
             _, mine = policy.step(rollouts.sequences, cfg.prompt_len, hits)
             rollout_diff = float(np.max(np.abs(mine - rollouts.logprobs)))
+            if cfg.colocated:
+                client.wake_up()
             t = _lap(clock, "train", t)
             version = str(step + 1)
             metrics = engine.send_weights(weight_version=version)

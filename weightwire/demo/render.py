@@ -6,6 +6,7 @@ printed as one plain line as soon as the step ends, so progress is visible eithe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,9 +48,17 @@ def _sample_markup(text: str, char: str, width: int = 28) -> str:
 
 
 class StartupProgress:
-    """``with StartupProgress(console, phases) as p: p.phase("..."); ...``"""
+    """``with StartupProgress(console, phases) as p: p.phase("..."); ...``
+
+    On a terminal a live bar; otherwise (a pipe, a CI log) one plain line per phase as it
+    starts, with the seconds since start-up began, because a live bar in a pipe prints
+    nothing until it stops and a slow start would look hung.
+    """
 
     def __init__(self, console: Console, phases: int) -> None:
+        self._console, self._phases, self._index = console, phases, 0
+        self._plain = not console.is_terminal
+        self._t0 = time.perf_counter()
         self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                                   console=console, transient=False)
@@ -57,16 +66,26 @@ class StartupProgress:
         self._started = False
 
     def phase(self, description: str) -> None:
+        self._index += 1
+        if self._plain:
+            self._console.print(f"[{self._index}/{self._phases}] {description} ({time.perf_counter() - self._t0:.1f} s)",
+                                markup=False, highlight=False, soft_wrap=True)
+            return
         if self._started:
             self._progress.advance(self._task)
         self._started = True
         self._progress.update(self._task, description=description)
 
     def __enter__(self) -> StartupProgress:
-        self._progress.start()
+        if not self._plain:
+            self._progress.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._plain:
+            if exc[0] is None:
+                self._console.print(f"ready after {time.perf_counter() - self._t0:.1f} s", highlight=False)
+            return
         if exc[0] is None:
             self._progress.update(self._task, completed=self._progress.tasks[0].total, description="ready")
         self._progress.stop()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from weightwire._extras import require
+
 
 class CharReward:
     """Per-token hits ``mask[token_id]`` from the decoded text of every vocabulary id."""
@@ -38,6 +40,7 @@ class CharReward:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{model_dir} has no tokenizer.json; the reward needs the token texts")
+        require("tokenizers", purpose="decoding the token texts")
         from tokenizers import Tokenizer  # noqa: PLC0415  (Rust library, torch-free)
 
         tok = Tokenizer.from_file(str(path))

@@ -7,7 +7,11 @@ depend on torch: a JAX trainer host usually has none.
 
 from __future__ import annotations
 
+from weightwire._extras import require
 from weightwire._lazy import lazy_exports
+
+# find_spec only (jax is not imported): a host without the extra learns which one to install.
+require("jax", purpose="weightwire.jax_side")
 
 _LAZY = {
     "PytreeSource": "weightwire.jax_side.source",

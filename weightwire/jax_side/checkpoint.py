@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weightwire._extras import require
 from weightwire.jax_side.naming import Naming, Plan
 from weightwire.jax_side.transforms import run_entry
 
@@ -46,6 +47,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of every ``*.safetensors`` shard in ``model_dir``, as numpy arrays."""
+    require("safetensors", purpose="reading a checkpoint")
     from safetensors.numpy import load_file  # noqa: PLC0415  (optional dependency, torch-free)
 
     shards = sorted(Path(model_dir).glob("*.safetensors"))
@@ -64,7 +66,7 @@ def _forward(plan: Plan, leaves: list[jax.Array]) -> dict[str, jax.Array]:
     out = {}
     for entry in plan.entries:
         xs = [leaves[p.leaf] for p in entry.pieces]
-        idxs = [None if p.stack_axis is None else p.layer for p in entry.pieces]
+        idxs = [p.indices for p in entry.pieces]
         out[entry.name] = run_entry(entry.structure, xs, idxs, xs[0].dtype)
     return out
 

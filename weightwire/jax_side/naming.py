@@ -12,11 +12,12 @@ through a broadcast that vLLM's workers are already waiting on.
 Pattern syntax: ``{name}`` captures one path component, ``{name:regex}`` captures a regex
 (no braces inside), ``*`` any run inside one component, ``**`` anything; the rest is
 literal. Target templates are ``str.format`` strings over the captured names, plus
-``{layer}`` for a ``Stacked`` leaf.
+each ``Stacked`` part's field (``{layer}`` by default; ``{expert}`` for stacked experts).
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import string
 from collections.abc import Sequence
@@ -76,10 +77,13 @@ class Rule:
         for i, part in enumerate(self.parts):
             if not isinstance(part, RulePart):
                 raise NamingError(f"{where}: {part!r} is not a transform (Op, Stacked, Split, Concat or Cast)")
-            if isinstance(part, Stacked) and i != 0:
-                raise NamingError(f"{where}: Stacked must be the first part")
+            if isinstance(part, Stacked) and not all(isinstance(p, Stacked) for p in self.parts[:i]):
+                raise NamingError(f"{where}: Stacked must be the first part(s)")
+        fields = [s.field for s in self.stacks]
+        if len(set(fields)) != len(fields):
+            raise NamingError(f"{where}: Stacked parts need distinct fields, got {fields}")
         kinds = [type(p) for p in self.parts]
-        for kind in (Stacked, Split, Concat, Cast):
+        for kind in (Split, Concat, Cast):
             if kinds.count(kind) > 1:
                 raise NamingError(f"{where}: at most one {kind.__name__}")
         if Split in kinds and Concat in kinds:
@@ -100,7 +104,10 @@ class Rule:
         concat = self.concat
         if concat is not None and not 0 <= concat.index < concat.count:
             raise NamingError(f"{where}: Concat index {concat.index} outside 0..{concat.count - 1}")
-        allowed = set(self.regex.groupindex) | ({"layer"} if self.stacked else set())
+        clash = set(fields) & set(self.regex.groupindex)
+        if clash:
+            raise NamingError(f"{where}: {sorted(clash)} is both a pattern capture and a Stacked field")
+        allowed = set(self.regex.groupindex) | set(fields)
         for tpl in templates:
             fields = {f for _, f, _, _ in string.Formatter().parse(tpl) if f is not None}
             unknown = fields - allowed
@@ -115,8 +122,8 @@ class Rule:
         return (self.target,) if isinstance(self.target, str) else tuple(self.target)
 
     @property
-    def stacked(self) -> Stacked | None:
-        return next((p for p in self.parts if isinstance(p, Stacked)), None)
+    def stacks(self) -> tuple[Stacked, ...]:
+        return tuple(p for p in self.parts if isinstance(p, Stacked))
 
     @property
     def split(self) -> Split | None:
@@ -228,8 +235,8 @@ class Naming:
         paths = tuple(path_str(kp) for kp, _ in flat)
         avals = tuple(_aval(p, x) for p, (_, x) in zip(paths, flat, strict=True))
         unclaimed, dropped, used = [], [], [False] * len(self.rules)
-        # name -> list of (piece, rule index, part, concat, cast)
-        claims: dict[str, list[tuple[Piece, int, int, Concat | None, str | None]]] = {}
+        # name -> list of (piece, rule index, part, concat, cast, stack position)
+        claims: dict[str, list[tuple[Piece, int, int, Concat | None, str | None, int]]] = {}
         for leaf, (path, aval) in enumerate(zip(paths, avals, strict=True)):
             hit = self._match(path)
             if hit is None:
@@ -241,12 +248,13 @@ class Naming:
             if rule.target is None:
                 dropped.append(path)
                 continue
-            layers = _layers(rule, m, path, aval)
+            axes, combos = _stack_indices(rule, m, path, aval)
             _check_split(rule, path, aval)
-            for layer, fields in layers:
-                for part, (tpl, ops) in enumerate(zip(rule.templates, rule.op_chains(), strict=True)):
-                    piece = Piece(leaf, path, layer, None if layer is None else rule.stacked.axis, ops)
-                    claims.setdefault(tpl.format(**fields), []).append((piece, ri, part, rule.concat, rule.cast))
+            chains = rule.op_chains()
+            for seq, (indices, fields) in enumerate(combos):
+                for part, (tpl, ops) in enumerate(zip(rule.templates, chains, strict=True)):
+                    piece = Piece(leaf, path, indices, axes, ops)
+                    claims.setdefault(tpl.format(**fields), []).append((piece, ri, part, rule.concat, rule.cast, seq))
         if unclaimed:
             raise NamingError(f"no naming rule claims these pytree leaves: {show_paths(unclaimed)}; add a rule for each, "
                               "or a drop rule (target None) for leaves the server does not take")
@@ -265,11 +273,11 @@ class Naming:
         return plan
 
     @staticmethod
-    def _entry(name: str, got: list[tuple[Piece, int, int, Concat | None, str | None]]) -> Entry:
+    def _entry(name: str, got: list[tuple[Piece, int, int, Concat | None, str | None, int]]) -> Entry:
         if len(got) == 1 and got[0][3] is None:
-            piece, _, _, _, cast = got[0]
+            piece, _, _, _, cast, _ = got[0]
             return Entry(name, (piece,), None, cast)
-        concats = [c for _, _, _, c, _ in got]
+        concats = [g[3] for g in got]
         if any(c is None for c in concats):
             raise NamingError(f"pytree leaves {show_paths([g[0].path for g in got])} all map to HF name {name!r}; "
                               "each HF name must come from exactly one leaf (or be declared a Concat)")
@@ -291,29 +299,55 @@ def _aval(path: str, x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(int(d) for d in x.shape), x.dtype)
 
 
-def _layers(rule: Rule, m: re.Match[str], path: str, aval: jax.ShapeDtypeStruct) -> list[tuple[int | None, dict]]:
+def _stack_axes(rule: Rule, path: str, aval: jax.ShapeDtypeStruct) -> list[tuple[int, Stacked]]:
+    """The rule's stacked axes of this leaf, normalised, highest axis first."""
+    rank = len(aval.shape)
+    out = []
+    for st in rule.stacks:
+        if not -rank <= st.axis < rank:
+            raise NamingError(f"pytree leaf {path!r} has shape {list(aval.shape)}: no {st.field} axis {st.axis} "
+                              f"(rule {rule.pattern!r} says it is stacked)")
+        out.append((st.axis % rank, st))
+    if len({a for a, _ in out}) != len(out):
+        raise NamingError(f"rule {rule.pattern!r} stacks pytree leaf {path!r} twice along one axis")
+    return sorted(out, key=lambda t: -t[0])
+
+
+def _stack_indices(rule: Rule, m: re.Match[str], path: str,
+                   aval: jax.ShapeDtypeStruct) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], dict]]]:
+    """``(stack axes, [(indices, template fields), ...])``: one combination per HF tensor,
+    ordered by the rules' own Stacked order (layer-major for ``Stacked(0), Stacked(1, field="expert")``)."""
     fields = m.groupdict()
-    stacked = rule.stacked
-    if stacked is None:
-        return [(None, fields)]
-    if not -len(aval.shape) <= stacked.axis < len(aval.shape):
-        raise NamingError(f"pytree leaf {path!r} has shape {list(aval.shape)}: no layer axis {stacked.axis} "
-                          f"(rule {rule.pattern!r} says it is stacked)")
-    n = aval.shape[stacked.axis]
-    return [(i, {**fields, "layer": i + stacked.offset}) for i in range(n)]
+    stacked = _stack_axes(rule, path, aval)
+    if not stacked:
+        return (), [((), fields)]
+    axes = tuple(a for a, _ in stacked)
+    # Iterate in declaration order (outer loop = first Stacked), store indices highest axis first.
+    declared = sorted(range(len(stacked)), key=lambda k: rule.stacks.index(stacked[k][1]))
+    combos = []
+    for combo in itertools.product(*(range(aval.shape[stacked[k][0]]) for k in declared)):
+        idx = [0] * len(stacked)
+        f = dict(fields)
+        for k, i in zip(declared, combo, strict=True):
+            idx[k] = i
+            f[stacked[k][1].field] = i + stacked[k][1].offset
+        combos.append((tuple(idx), f))
+    return axes, combos
 
 
 def _order_keys(entries: list[Entry], claims: dict[str, list[Any]], n_rules: int) -> list[tuple[Any, ...]]:
     """HF order with each layer contiguous: un-layered tensors whose rule precedes every
-    layered rule, then layers (per layer prefix, by index, then rule order), then the rest."""
+    layered rule, then layers (per layer prefix, by index, then rule order), then the rest.
+    Within one rule and leaf, stacked tensors keep their index order (expert 2 before 10)."""
     info = []
     for e in entries:
         got = claims[e.name]
         rule = min(g[1] for g in got)
         part = min(g[2] for g in got)
         leaf = min(p.leaf for p in e.pieces)
+        seq = min(g[5] for g in got)
         key = layer_key(e.name)
-        info.append((e, rule, part, leaf, key))
+        info.append((e, rule, (part, seq), leaf, key))
     layered_rules = [rule for _, rule, _, _, key in info if key is not None]
     first_layered = min(layered_rules, default=n_rules)
     prefix_rank: dict[str, tuple[int, int]] = {}
@@ -342,8 +376,7 @@ def _check_split(rule: Rule, path: str, aval: jax.ShapeDtypeStruct) -> None:
     if split is None:
         return
     shape = aval.shape
-    if rule.stacked is not None:
-        ax = rule.stacked.axis % len(shape)
+    for ax, _ in _stack_axes(rule, path, aval):  # highest first: earlier removals shift nothing
         shape = shape[:ax] + shape[ax + 1 :]
     ops = [p for p in rule.parts if isinstance(p, (Op, Split))]
     pre_ops = ops[: ops.index(split)]

@@ -126,6 +126,10 @@ class JaxDevicePacker(DevicePacker):
         (region,) = self._regions([self._here(tensor)])
         return region
 
+    def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
+        # One readiness wait for the whole chunk (the IPC path copies from these buffers).
+        return self._regions([self._here(t) for t in tensors])
+
     def settled(self, slot: int) -> None:
         self._buffers.settled(slot)
 

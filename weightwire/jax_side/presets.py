@@ -13,7 +13,7 @@ would produce a mapping that fails much later, on the server).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from weightwire.jax_side.naming import (
@@ -29,8 +29,10 @@ from weightwire.jax_side.naming import (
     Transpose,
     drop,
 )
+from weightwire.jax_side.preset_layers import hf_fused_mlp_rules, hf_fused_qkv_rules, moe_rules
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
+            "qwen2_moe", "qwen3_moe", "mixtral", "gpt2")
 
 _DECODER: dict[str, Any] = {
     "tie_word_embeddings": False,
@@ -48,6 +50,13 @@ _DECODER: dict[str, Any] = {
     "head_dim": None,
     "intermediate_size": None,
     "extra_rules": (),  # rules tried before the preset's own (overrides, drops)
+    # -- families beyond the Llama core (rule blocks in ``preset_layers``)
+    "moe": None,  # "qwen" (mlp.gate, mlp.experts.{e}.*_proj) or "mixtral" (block_sparse_moe.*.w1/w2/w3)
+    "shared_expert": False,  # Qwen2-MoE: mlp.shared_expert.* and mlp.shared_expert_gate
+    "expert_axis": 0,  # expert axis of a per-layer expert kernel [experts, in, out]
+    "moe_intermediate_size": None,  # needed only for fused_gate_up with experts
+    "sandwich_norms": False,  # Gemma 2/3: pre_/post_feedforward_layernorm besides the usual two
+    "hf_fused": False,  # Phi-3: HF has qkv_proj and gate_up_proj; JAX q/k/v (gate/up) are fused into them
 }
 _FAMILY: dict[str, dict[str, Any]] = {
     "llama": {},
@@ -55,7 +64,15 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "gemma": {"tie_word_embeddings": True},
+    "llama3": {},  # Llama 3.x: same names; rope scaling and (3.2) tied heads live in config.json
+    "gemma2": {"tie_word_embeddings": True, "sandwich_norms": True},
+    "gemma3": {"tie_word_embeddings": True, "sandwich_norms": True, "qk_norm": True},
+    "phi3": {"hf_fused": True},
+    "qwen2_moe": {"qkv_bias": True, "moe": "qwen", "shared_expert": True},
+    "qwen3_moe": {"qk_norm": True, "moe": "qwen"},
+    "mixtral": {"moe": "mixtral"},
 }
+_SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 _GPT2: dict[str, Any] = {
     "tie_word_embeddings": True,
     "scan_layers": False,
@@ -64,12 +81,36 @@ _GPT2: dict[str, Any] = {
 }
 
 
+_REGISTERED: dict[str, tuple[Callable[..., Naming], dict[str, Any]]] = {}
+
+
+def register_family(family: str, build: Callable[..., Naming], defaults: Mapping[str, Any]) -> None:
+    """Make ``preset(family, **options)`` return ``build(**{**defaults, **options})``.
+
+    ``defaults`` lists every option ``build`` takes, so a misspelt option is a
+    ``TypeError`` here as for the built-in families. Built-in names cannot be replaced
+    (a silently swapped Llama mapping would mis-send every user's weights); registering
+    the same custom name again replaces it (re-running a notebook cell).
+    """
+    if family in FAMILIES:
+        raise ValueError(f"{family!r} is a built-in preset family; pick another name, or pass extra_rules to it")
+    if not callable(build):
+        raise TypeError(f"build must be a callable returning a Naming, got {type(build).__name__}")
+    _REGISTERED[family] = (build, dict(defaults))
+
+
 def preset(family: str, **options: Any) -> Naming:
-    """The ``Naming`` for ``family`` (see ``FAMILIES``) with the given layout options."""
+    """The ``Naming`` for ``family`` (see ``FAMILIES``, or ``register_family``) with the given layout options."""
+    if family in _REGISTERED:
+        build, defaults = _REGISTERED[family]
+        naming = build(**_options(family, defaults, options))
+        if not isinstance(naming, Naming):
+            raise TypeError(f"the builder registered for {family!r} returned {type(naming).__name__}, not a Naming")
+        return naming
     if family == "gpt2":
         return _gpt2(**_options(family, _GPT2, options))
     if family not in _FAMILY:
-        raise ValueError(f"unknown preset family {family!r}; known: {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown preset family {family!r}; known: {', '.join((*FAMILIES, *_REGISTERED))}")
     return _decoder(**_options(family, {**_DECODER, **_FAMILY[family]}, options))
 
 
@@ -101,7 +142,9 @@ def _decoder(**o: Any) -> Naming:
         if bias:
             rules.append(Rule(f"{src}/{jax}/bias", f"{dst}.{hf}.bias", *stack, *bias_ops))
 
-    if o["fused_qkv"]:
+    if o["hf_fused"]:
+        rules += hf_fused_qkv_rules(o, src, dst, stack, qkv_bias)
+    elif o["fused_qkv"]:
         heads, kv, dim = _need(o, "fused_qkv", "num_attention_heads", "num_key_value_heads", "head_dim")
         sizes = (heads * dim, kv * dim, kv * dim)
         names = tuple(f"{dst}.self_attn.{p}_proj" for p in "qkv")
@@ -120,7 +163,11 @@ def _decoder(**o: Any) -> Naming:
     if o["qk_norm"]:
         for p in "qk":
             rules.append(Rule(f"{src}/self_attn/{p}_norm/scale", f"{dst}.self_attn.{p}_norm.weight", *stack, *norm_ops))
-    if o["fused_gate_up"]:
+    if o["moe"]:
+        rules += moe_rules(o, src, dst, stack)
+    elif o["hf_fused"]:
+        rules += hf_fused_mlp_rules(o, src, dst, stack)
+    elif o["fused_gate_up"]:
         (inter,) = _need(o, "fused_gate_up", "intermediate_size")
         names = (f"{dst}.mlp.gate_proj", f"{dst}.mlp.up_proj")
         rules.append(Rule(f"{src}/mlp/gate_up_proj/kernel", tuple(f"{n}.weight" for n in names), *stack, t,
@@ -131,8 +178,9 @@ def _decoder(**o: Any) -> Naming:
     else:
         linear("mlp/gate_proj", "mlp.gate_proj", o["mlp_bias"])
         linear("mlp/up_proj", "mlp.up_proj", o["mlp_bias"])
-    linear("mlp/down_proj", "mlp.down_proj", o["mlp_bias"])
-    for norm in ("input_layernorm", "post_attention_layernorm"):
+    if not (o["moe"] or o["hf_fused"]):
+        linear("mlp/down_proj", "mlp.down_proj", o["mlp_bias"])
+    for norm in ("input_layernorm", "post_attention_layernorm", *(_SANDWICH if o["sandwich_norms"] else ())):
         rules.append(Rule(f"{src}/{norm}/scale", f"{dst}.{norm}.weight", *stack, *norm_ops))
     rules.append(Rule("model/norm/scale", "model.norm.weight", *norm_ops))
     if not o["tie_word_embeddings"]:

@@ -46,9 +46,9 @@ def _compiled(signature: Signature) -> Callable[..., tuple[jax.Array, ...]]:
             outs, k = [], 0
             for (structure, dtype), xs in zip(signature, inputs, strict=True):
                 idxs = []
-                for stack_axis, _ in structure[0]:
-                    idxs.append(None if stack_axis is None else idx[k])
-                    k += stack_axis is not None
+                for stack_axes, _ in structure[0]:
+                    idxs.append(tuple(idx[k + j] for j in range(len(stack_axes))))
+                    k += len(stack_axes)
                 outs.append(run_entry(structure, xs, idxs, dtype))
             return tuple(outs)
 
@@ -180,7 +180,7 @@ class PytreeSource(WeightSource):
                 # One jit needs one device set; inputs spread over several are gathered on the
                 # target first (device to device). Whole stacked leaves move here: rare layouts only.
                 inputs = [[self._to_target(x) for x in xs] for xs in inputs]
-            layers = [p.layer for _, e, _ in todo for p in e.pieces if p.stack_axis is not None]
+            layers = [i for _, e, _ in todo for p in e.pieces for i in p.indices]
             idx = None
             if layers:
                 idx = np.asarray(layers, np.int32)

@@ -96,11 +96,17 @@ class Slice(Op):
 # ----------------------------------------------------------- structural rule parts
 @dataclass(frozen=True)
 class Stacked:
-    """The leaf carries a leading (or ``axis``) layer dimension, as scanned layers do:
-    one HF tensor per index, ``{layer}`` = index + ``offset``. Must be a rule's first part."""
+    """The leaf carries a leading (or ``axis``) stacked dimension, as scanned layers do:
+    one HF tensor per index, ``{field}`` = index + ``offset`` in the target.
+
+    A rule may stack several axes with distinct fields (a scanned MoE expert kernel
+    ``[layers, experts, d, f]`` is ``Stacked(0), Stacked(1, field="expert")``); one HF
+    tensor per index combination. ``axis`` counts in the leaf's own shape. Stacked
+    parts come first in a rule."""
 
     axis: int = 0
     offset: int = 0
+    field: str = "layer"
 
 
 @dataclass(frozen=True)
@@ -132,14 +138,17 @@ class Cast:
 RulePart = Op | Stacked | Split | Concat | Cast
 
 
-def run_entry(structure: tuple[Any, ...], xs: Sequence[jax.Array], idxs: Sequence[jax.Array | None],
+def run_entry(structure: tuple[Any, ...], xs: Sequence[jax.Array], idxs: Sequence[Sequence[Any]],
               out_dtype: Any) -> jax.Array:
-    """Apply one entry's transform (traceable; used under ``jax.jit`` and ``jax.eval_shape``)."""
+    """Apply one entry's transform (traceable; used under ``jax.jit`` and ``jax.eval_shape``).
+
+    ``idxs``: per piece, one index (int or traced scalar) per ``stack_axes`` entry."""
     pieces, concat_axis = structure
     parts = []
-    for (stack_axis, ops), x, idx in zip(pieces, xs, idxs, strict=True):
-        if stack_axis is not None:
-            x = jax.lax.dynamic_index_in_dim(x, idx, stack_axis, keepdims=False)
+    for (stack_axes, ops), x, idx in zip(pieces, xs, idxs, strict=True):
+        # Axes are indexed highest first (``Piece.stack_axes``), so each stays valid.
+        for axis, i in zip(stack_axes, idx, strict=True):
+            x = jax.lax.dynamic_index_in_dim(x, i, axis, keepdims=False)
         for op in ops:
             x = op(x)
         parts.append(x)
@@ -155,13 +164,14 @@ def chain(ops: Sequence[Op], x: jax.Array) -> jax.Array:
 
 @dataclass(frozen=True)
 class Piece:
-    """One input of an HF tensor: leaf ``leaf`` (flatten index), layer ``layer`` of its
-    stacked axis if any, then ``ops``."""
+    """One input of an HF tensor: leaf ``leaf`` (flatten index), indexed at ``indices``
+    along ``stack_axes`` (non-negative, highest first, so indexing one axis leaves the
+    next valid; both empty for an unstacked leaf), then ``ops``."""
 
     leaf: int
     path: str
-    layer: int | None
-    stack_axis: int | None
+    indices: tuple[int, ...]
+    stack_axes: tuple[int, ...]
     ops: tuple[Op, ...]
 
 
@@ -177,11 +187,11 @@ class Entry:
     @property
     def structure(self) -> tuple[Any, ...]:
         """Everything static about the transform (the jit cache key, with dtype and shapes)."""
-        return (tuple((p.stack_axis, p.ops) for p in self.pieces), self.concat_axis)
+        return (tuple((p.stack_axes, p.ops) for p in self.pieces), self.concat_axis)
 
     @property
     def is_identity(self) -> bool:
-        return len(self.pieces) == 1 and self.pieces[0].stack_axis is None and not self.pieces[0].ops
+        return len(self.pieces) == 1 and not self.pieces[0].stack_axes and not self.pieces[0].ops
 
 
 @dataclass(frozen=True)
@@ -216,7 +226,7 @@ def out_aval(plan: Plan, entry: Entry, dtype: Any) -> jax.ShapeDtypeStruct:
     hit = _AVAL_CACHE.get(key)
     if hit is not None:
         return hit
-    idxs = tuple(None if p.stack_axis is None else jax.ShapeDtypeStruct((), jnp.int32) for p in entry.pieces)
+    idxs = tuple(tuple(jax.ShapeDtypeStruct((), jnp.int32) for _ in p.stack_axes) for p in entry.pieces)
     try:
         res = jax.eval_shape(lambda xs, ix: run_entry(entry.structure, xs, ix, target), ins, idxs)
     except NamingError:

@@ -292,3 +292,9 @@ class UpdateInfo(_StrictInfo):
 
     def __repr__(self) -> str:
         return f"UpdateInfo({len(self.names)} tensors)"
+
+
+# weightwire_ipc's init info lives in its own module (it imports the helpers above).
+from weightwire.shared.ipc_info import IPCInitInfo  # noqa: E402
+
+INIT_INFO_TYPES[IPCInitInfo.backend] = IPCInitInfo  # type: ignore[assignment]

@@ -33,6 +33,7 @@ WORLD_SIZE = Route("get_world_size", "GET", "/get_world_size")
 PAUSE = Route("pause", "POST", "/pause")
 RESUME = Route("resume", "POST", "/resume")
 IS_PAUSED = Route("is_paused", "GET", "/is_paused")
+ABORT_REQUESTS = Route("abort_requests", "POST", "/abort_requests", "request_ids")
 SERVER_INFO = Route("server_info", "GET", "/server_info")
 VERSION = Route("version", "GET", "/version", weight_route=False)
 HEALTH = Route("health", "GET", "/health", weight_route=False)
@@ -42,7 +43,7 @@ ROUTES: dict[str, Route] = {
     r.name: r
     for r in (
         INIT, START, START_DRAFT, UPDATE, FINISH, SHUTDOWN, UPDATE_VERSION, WEIGHT_INFO,
-        WEIGHT_CHECKER, WORLD_SIZE, PAUSE, RESUME, IS_PAUSED, SERVER_INFO, VERSION, HEALTH, COMPLETIONS,
+        WEIGHT_CHECKER, WORLD_SIZE, PAUSE, RESUME, IS_PAUSED, ABORT_REQUESTS, SERVER_INFO, VERSION, HEALTH, COMPLETIONS,
     )
 }
 
@@ -52,3 +53,11 @@ CHECKER_ACTIONS = ("checksum", "reset", "compare")
 SESSION_HEADER = "X-Weightwire-Session"
 """Carries the ``session_id`` an init reply returned on the session's later weight calls;
 the reference server refuses (409) a call whose session a newer init replaced."""
+
+# vLLM's sleep mode (dev-mode routes): /sleep?level=0|1|2&mode=..., /wake_up?tags=weights&tags=kv_cache.
+SLEEP = Route("sleep", "POST", "/sleep")
+WAKE_UP = Route("wake_up", "POST", "/wake_up")
+IS_SLEEPING = Route("is_sleeping", "GET", "/is_sleeping")
+ROUTES.update({r.name: r for r in (SLEEP, WAKE_UP, IS_SLEEPING)})
+SLEEP_LEVELS = (0, 1, 2)
+WAKE_TAGS = ("weights", "kv_cache", "scheduling")

@@ -48,6 +48,70 @@ class WeightSource(ABC):
         return batch_by_layer(self)
 
 
+def as_source(obj: Any) -> WeightSource:
+    """``obj`` as a ``WeightSource``: ours as is, or any object shaped like one.
+
+    Duck typing, so vLLM's own trainer-side sources plug in unchanged: ``metadata``
+    may be a method (vLLM <= 0.32, ours) or a property (vLLM 0.33's cached
+    property); its items need ``name``, ``dtype`` (a wire name, or a framework
+    dtype whose ``str`` is ``torch.<name>`` / ``<name>``) and ``shape``; tensors come
+    from ``__iter__`` or, failing that, ``iter_full()``. Anything else is refused
+    here, naming what is missing, before any rendezvous.
+    """
+    if isinstance(obj, WeightSource):
+        return obj
+    has_meta = hasattr(type(obj), "metadata") or hasattr(obj, "metadata")
+    has_iter = callable(getattr(type(obj), "__iter__", None)) or callable(getattr(obj, "iter_full", None))
+    if not (has_meta and has_iter):
+        missing = [w for w, ok in (("metadata", has_meta), ("__iter__ or iter_full()", has_iter)) if not ok]
+        raise TypeError(
+            f"a weight source needs metadata and iteration; {type(obj).__name__} lacks {' and '.join(missing)}"
+        )
+    return _DuckSource(obj)
+
+
+class _DuckSource(WeightSource):
+    """Adapts a source-shaped object (e.g. vLLM's ``ModuleSource``) to ``WeightSource``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._raw: Any = None
+        self._metas: list[ParamMeta] = []
+
+    def __repr__(self) -> str:
+        return f"as_source({self.inner!r})"
+
+    def metadata(self) -> list[ParamMeta]:
+        raw = self.inner.metadata
+        raw = raw() if callable(raw) else raw
+        if raw is not self._raw:  # vLLM caches its list: convert it once, not every round
+            self._metas = [_to_meta(m) for m in raw]
+            self._raw = raw
+        return list(self._metas)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        if callable(getattr(type(self.inner), "__iter__", None)):
+            return iter(self.inner)
+        return iter(self.inner.iter_full())
+
+    def held_names(self) -> set[str] | None:
+        held = getattr(self.inner, "held_names", None)
+        names = held() if callable(held) else None
+        return None if names is None else set(names)
+
+
+def _to_meta(item: Any) -> ParamMeta:
+    if isinstance(item, ParamMeta):
+        return item
+    try:
+        name, dtype, shape = item.name, item.dtype, item.shape
+    except AttributeError:
+        raise TypeError(f"metadata items need name, dtype and shape; got {type(item).__name__}") from None
+    dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    owners = getattr(item, "owners", None)
+    return ParamMeta(name, dtype_name, tuple(shape), None if owners is None else tuple(owners))
+
+
 def checked_iter(
     pairs: Iterable[tuple[str, Any]], metas: Sequence[ParamMeta], describe: Describe
 ) -> Iterator[tuple[str, Any]]:

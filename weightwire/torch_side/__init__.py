@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from weightwire._extras import require
 from weightwire._lazy import lazy_exports
+
+# find_spec only (torch is not imported): a host without the extra learns which one to install.
+require("torch", purpose="weightwire.torch_side")
 
 _EXPORTS: dict[str, str] = {
     "ModuleSource": "weightwire.torch_side.source",

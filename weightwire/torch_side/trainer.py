@@ -89,6 +89,23 @@ class TorchDevicePacker(DevicePacker):
         (flat,) = self._flats([tensor], stream)
         return tensor_device_bytes(flat)
 
+    def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
+        from weightwire.transport.nccl_buffers import DeviceBytes, tensor_device_bytes  # noqa: PLC0415
+
+        # Contiguous tensors already on this device are read in place (a raw pointer: the
+        # per-tensor work is on a small model's critical path); the rest go through
+        # ``_flats`` (staging copies on the stream). Either way the stream first waits
+        # on the trainer's current stream.
+        torch_stream = self._streams[stream.ptr]
+        torch_stream.wait_stream(torch.cuda.current_stream(self._device))
+        out: list[Any] = []
+        for t in tensors:
+            if t.is_cuda and t.device == self._device and t.is_contiguous():
+                out.append(DeviceBytes(t.data_ptr(), t.numel() * t.element_size(), self._device.index, t))
+            else:
+                out.append(tensor_device_bytes(self._flats([t], stream)[0]))
+        return out
+
     def settled(self, slot: int) -> None:
         self._buffers.settled(slot)
 

@@ -41,6 +41,9 @@ class Backend(ABC):
     name: ClassVar[str]
     on_device: ClassVar[bool]
     """True: chunks are packed in device memory and broadcast on CUDA streams."""
+    stock_receiver: ClassVar[bool] = False
+    """True: the workers run vLLM's own receive code, so rounds go through
+    ``trainer.stock.plan_for_stock`` (refusal / aligned reordering) first."""
 
     def check_server(self, features: ServerFeatures) -> None:
         """Raise ``ValueError`` if the server's version lacks what this backend needs."""
@@ -50,12 +53,19 @@ class Backend(ABC):
     def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
         """Prepare rank 0's endpoint for a group of ``world_size`` ranks (trainer included)."""
 
+    def device_pipeline(self, comm: Any, packer: Any, *, num_buffers: int, timeout: float, hold_bytes: int) -> Any:
+        """The on-device data path over ``comm`` (NCCL: slot buffers broadcast on rotating streams)."""
+        from weightwire.trainer.packing import DevicePipeline  # noqa: PLC0415
+
+        return DevicePipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+
 
 class NCCLBackend(Backend):
     """Stock vLLM ``nccl``: rank 0 mints an NCCL unique id and ships it base64-encoded."""
 
     name: ClassVar[str] = "nccl"
     on_device: ClassVar[bool] = True
+    stock_receiver: ClassVar[bool] = True
 
     def check_server(self, features: ServerFeatures) -> None:
         features.require("unique_id_rendezvous", "a torch-free trainer joins NCCL through nccl_unique_id_b64")
@@ -82,6 +92,7 @@ class WeightwireNCCLBackend(NCCLBackend):
     """``weightwire_nccl``: vLLM's NCCL fields plus the worker-side receive timeout."""
 
     name: ClassVar[str] = "weightwire_nccl"
+    stock_receiver: ClassVar[bool] = False  # the plugin's receiver takes any offset, dtype and shape
 
     def _payload(self, info: TrainerInitInfo, unique_id: bytes, world_size: int) -> dict[str, Any]:
         return WeightwireNCCLInitInfo(
@@ -143,7 +154,49 @@ class _TCPRendezvous(Rendezvous):
         self._rdv.close()
 
 
-_REGISTRY: dict[str, Backend] = {b.name: b for b in (NCCLBackend(), WeightwireNCCLBackend(), TCPBackend())}
+class IPCBackend(Backend):
+    """``weightwire_ipc``: trainer and workers on one host (same GPU or peer GPUs), CUDA IPC.
+
+    Rank 0 allocates the slot ring, exports its memory and ready-event handles in the
+    init info (JSON, base64) and listens on loopback for the workers' control channels."""
+
+    name: ClassVar[str] = "weightwire_ipc"
+    on_device: ClassVar[bool] = True
+
+    def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
+        from weightwire.transport.ipc import ipc_available  # noqa: PLC0415  (cupy only where IPC is used)
+        from weightwire.transport.ipc_trainer import IPCRendezvous  # noqa: PLC0415
+
+        if not ipc_available():
+            raise RuntimeError(f"backend {self.name!r} needs cupy and a CUDA device on the trainer host")
+        rdv = IPCRendezvous(
+            world_size=world_size, device=info.device, slot_bytes=info.packed_buffer_size_bytes,
+            num_slots=info.packed_num_buffers, packed=info.packed, timeout_s=float(info.timeouts.transfer_s),
+            release_after_round=info.ipc_release_after_round,
+        )
+        return _IPCRendezvous(rdv.payload, rdv)
+
+    def device_pipeline(self, comm: Any, packer: Any, *, num_buffers: int, timeout: float, hold_bytes: int) -> Any:
+        from weightwire.trainer.ipc_pipeline import IPCPipeline  # noqa: PLC0415
+
+        return IPCPipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+
+
+class _IPCRendezvous(Rendezvous):
+    def __init__(self, payload: dict[str, Any], rdv: Any) -> None:
+        super().__init__(payload)
+        self._rdv = rdv
+
+    def join(self, *, timeout: float) -> Communicator:
+        return self._rdv.join(timeout=timeout)
+
+    def cancel(self) -> None:
+        self._rdv.cancel()
+
+
+_REGISTRY: dict[str, Backend] = {
+    b.name: b for b in (NCCLBackend(), WeightwireNCCLBackend(), TCPBackend(), IPCBackend())
+}
 assert tuple(_REGISTRY) == BACKENDS
 
 

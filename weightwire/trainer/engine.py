@@ -39,18 +39,22 @@ from typing import Any, Self
 
 import numpy as np
 
+from weightwire.control.errors import WeightSyncError
+from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.source import WeightSource, checked_iter
+from weightwire.shared.source import WeightSource, as_source, checked_iter
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
+from weightwire.trainer.gating import server_features
 from weightwire.trainer.info import TrainerInitInfo
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.packing import DevicePacker, DevicePipeline, HostPipeline, chunked
-from weightwire.trainer.verify import compare_checksums
+from weightwire.trainer.stock import WirePlan, plan_for_stock
+from weightwire.trainer.verify import RoundVerifier
 
 logger = logging.getLogger("weightwire.trainer")
 
@@ -109,23 +113,35 @@ class TrainerEngine(ABC):
         self._backend = get_backend(init_info.backend)
         self._comm: Any = None
         self._pipeline: HostPipeline | DevicePipeline | None = None
-        self._sent_metas: list[ParamMeta] | None = None
-        self._planned: tuple[list[ParamMeta], list[Chunk]] | None = None
+        self._sent_metas: dict[bool, list[ParamMeta]] = {}  # per target (draft or not): what its worker holds
+        self._planned: tuple[list[ParamMeta], WirePlan, list[Chunk]] | None = None
+        self._verifier = RoundVerifier() if init_info.verify else None
         self._rounds = 0
         self._broken: BaseException | None = None
         self._closed = False
+        self._pause_mode = None if init_info.pause_mode == "auto" else init_info.pause_mode
 
     def __repr__(self) -> str:
         role = "sender" if self.info.is_sender else f"rank {self.info.rank}"
         return f"{type(self).__name__}(backend={self.info.backend!r}, {role}, rounds={self._rounds})"
 
     @classmethod
-    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: WeightSource | None = None) -> Self:
-        """Rendezvous with the inference side (rank 0) and return a ready engine."""
+    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: Any = None) -> Self:
+        """Rendezvous with the inference side (rank 0) and return a ready engine.
+
+        ``source`` is a ``WeightSource`` or any object shaped like one (vLLM's
+        ``ModuleSource``: see ``shared.source.as_source``). ``client`` needs the four
+        round calls; what else it lacks is asked of its ``base_url`` when it has one
+        (vLLM's ``HTTPVLLMWeightSyncClient``: see ``control.fallback``).
+        """
         if not isinstance(init_info, TrainerInitInfo):
             raise TypeError(f"init_info must be a TrainerInitInfo, got {type(init_info).__name__}")
-        if not isinstance(source, WeightSource):
-            raise TypeError(f"{cls.__name__} needs a WeightSource, got {type(source).__name__}")
+        try:
+            source = as_source(source)
+        except TypeError as exc:
+            raise TypeError(f"{cls.__name__}: {exc}") from None
+        if init_info.is_sender:
+            client = with_fallback_routes(client, timeout=init_info.timeouts.http_s)
         engine = cls(init_info, client=client, source=source)
         if init_info.is_sender:
             engine._check_client()
@@ -134,9 +150,15 @@ class TrainerEngine(ABC):
 
     def _check_client(self) -> None:
         needed = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"]
+        if self.info.pause_mode == "auto":
+            can_pause = all(callable(getattr(self.client, m, None)) for m in ("pause", "resume"))
+            self._pause_mode = "keep" if can_pause else None
+            if not can_pause:
+                logger.warning("client %s cannot pause generation: rounds run under live traffic "
+                               "(vLLM crashes when a request meets a layer mid-reload)", type(self.client).__name__)
         if self.info.verify:
             needed.append("weight_checker")
-        if self.info.pause_mode is not None:
+        if self._pause_mode is not None:
             needed += ["pause", "resume"]
         if self.info.server_version is None:
             needed.append("version")
@@ -151,9 +173,11 @@ class TrainerEngine(ABC):
 
     def _connect(self) -> None:
         t = self.info.timeouts
-        version = self.info.server_version or self.client.version()
-        self.features = ServerFeatures.for_version(version)
+        self.features = server_features(self.info, self.client)
+        version = self.features.version
         self._backend.check_server(self.features)
+        if self.info.verify:
+            self.features.require("weight_checker_route", "verify=True compares /weight_checker before and after rounds")
         world = self.info.inference_world_size or self.client.get_world_size()
         # Made before any rendezvous so a trainer without a usable device fails here,
         # not after the workers joined.
@@ -188,8 +212,8 @@ class TrainerEngine(ABC):
             if self._backend.on_device:
                 assert packer is not None
                 hold = self.info.packed_buffer_size_bytes * self.info.packed_num_buffers
-                self._pipeline = DevicePipeline(comm, packer, num_buffers=self.info.packed_num_buffers,
-                                                timeout=t.transfer_s, hold_bytes=hold)
+                self._pipeline = self._backend.device_pipeline(comm, packer, num_buffers=self.info.packed_num_buffers,
+                                                               timeout=t.transfer_s, hold_bytes=hold)
             else:
                 self._pipeline = HostPipeline(comm, self.host_bytes, num_buffers=self.info.packed_num_buffers,
                                               timeout=t.transfer_s, prefetch=self.prefetch_host)
@@ -200,11 +224,13 @@ class TrainerEngine(ABC):
 
     # -- a round -----------------------------------------------------------------------------
 
-    def send_weights(self, weight_version: str | None = None) -> RoundMetrics:
+    def send_weights(self, weight_version: str | None = None, *, draft: bool = False) -> RoundMetrics:
         """Push the source's current weights; every trainer rank calls this.
 
         Returns once every worker loaded the round and (rank 0) the servers committed
         ``weight_version`` (default: ``"1"``, ``"2"``, ... per successful round).
+        ``draft=True`` opens the round with ``start_draft_weight_update``: the source's
+        tensors load into the speculative draft model instead of the target.
         """
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} was shut down")
@@ -224,35 +250,45 @@ class TrainerEngine(ABC):
         version = str(self._rounds + 1) if weight_version is None else weight_version
         if not isinstance(version, str) or not version:
             raise ValueError(f"weight_version must be a non-empty str, got {weight_version!r}")
-        metrics = self._sender_round(metas, version, clock)
+        if self._displaced():
+            self._broken = EngineBroken(
+                "a server closed this trainer's data link: another trainer initialized and took the session "
+                "over, or the server restarted; nothing was sent. Call trainer_init() again to take it back"
+            )
+            raise self._broken
+        if draft:
+            assert self.features is not None
+            self.features.require("draft_route", "a draft round starts with /start_draft_weight_update")
+        metrics = self._sender_round(metas, version, clock, draft)
         logger.info("%s", metrics.summary())
         return metrics
 
-    def _sender_round(self, metas: list[ParamMeta], version: str, clock: PhaseClock) -> RoundMetrics:
+    def _sender_round(self, metas: list[ParamMeta], version: str, clock: PhaseClock, draft: bool) -> RoundMetrics:
         assert self.features is not None and self._comm is not None
         with clock("metadata"):
-            reuse = self.features.reuse_metadata and self._sent_metas is not None and metas == self._sent_metas
-            payload = (UpdateInfo() if reuse else UpdateInfo.from_metas(metas)).to_dict()
-            chunks = self._plan(metas)
+            wire, chunks = self._plan(metas)  # a stock worker's refusal is raised here, before any call
+            reuse = self.features.reuse_metadata and self._sent_metas.get(draft) == metas
+            payload = (UpdateInfo() if reuse else UpdateInfo.from_metas(wire.metas)).to_dict()
         digests: dict[str, str] | None = {} if self.info.verify else None
         paused = False
 
         def control() -> None:
             # Runs inside the transfer, once the first chunk is packed (see _transfer).
             nonlocal paused
-            if self.info.pause_mode is not None:
-                self.client.pause(self.info.pause_mode)
-                paused = True
-            self.client.start_weight_update()
+            if self._verifier is not None:
+                self._verifier.before_round(self.client)
+            if self._pause_mode is not None:
+                paused = self._pause()
+            (self.client.start_draft_weight_update if draft else self.client.start_weight_update)()
 
         try:
-            self._sent_metas = None  # until finish succeeds, the worker's copy is unknown
+            self._sent_metas.pop(draft, None)  # until finish succeeds, the worker's copy is unknown
             clock.seconds["control"] = 0.0  # booked from inside the transfer (listed first)
             with clock("transfer"):
-                nbytes, count = self._transfer(payload, metas, chunks, digests, control, clock)
+                nbytes, count = self._transfer(payload, metas, wire, chunks, digests, control, clock)
             with clock("finish"):
                 self.client.finish_weight_update(version)
-                self._sent_metas = metas
+                self._sent_metas[draft] = metas
                 self._rounds += 1  # committed: the next automatic version moves on even if verify fails
                 if paused:
                     paused = False
@@ -260,21 +296,41 @@ class TrainerEngine(ABC):
         finally:
             if paused:
                 _best_effort_resume(self.client)
-        if digests is not None:
+        report = None
+        if self._verifier is not None and digests is not None:
             with clock("verify"):
-                compare_checksums(digests, self.client.weight_checker("checksum"))
-        return RoundMetrics(version, nbytes, len(metas), count, reuse, seconds=clock.seconds)
+                report = self._verifier.after_round(self.client, digests, version, draft=draft)
+        return RoundMetrics(version, nbytes, len(metas), count, reuse, seconds=clock.seconds, verify=report)
 
-    def _plan(self, metas: list[ParamMeta]) -> list[Chunk]:
-        """The round's chunks; the same metadata as last round reuses its plan (every
-        round of a training run, in practice: the plan is on the critical path)."""
+    def _pause(self) -> bool:
+        """Pause generation for the round; ``False`` when ``auto`` found no pause route."""
+        try:
+            self.client.pause(self._pause_mode)
+        except WeightSyncError as exc:
+            if self.info.pause_mode != "auto" or exc.status != 404:
+                raise
+            logger.warning("server has no /pause route (%s): rounds run under live traffic", exc)
+            self._pause_mode = None
+            return False
+        return True
+
+    def _plan(self, metas: list[ParamMeta]) -> tuple[WirePlan, list[Chunk]]:
+        """The round's wire order and chunks; the same metadata as last round reuses its
+        plan (every round of a training run, in practice: the plan is on the critical path).
+        A stock ``nccl`` worker gets the checked (maybe reordered) plan, or a refusal."""
         if self._planned is not None and self._planned[0] == metas:
-            return self._planned[1]
-        chunks = plan(metas, packed=self.info.packed, buffer_size_bytes=self.info.packed_buffer_size_bytes)
-        self._planned = (list(metas), chunks)
-        return chunks
+            return self._planned[1], self._planned[2]
+        size = self.info.packed_buffer_size_bytes
+        if self._backend.stock_receiver:
+            assert self.features is not None
+            wire = plan_for_stock(metas, features=self.features, packed=self.info.packed, buffer_size_bytes=size)
+        else:
+            wire = WirePlan(list(metas))
+        chunks = plan(wire.metas, packed=self.info.packed, buffer_size_bytes=size)
+        self._planned = (list(metas), wire, chunks)
+        return wire, chunks
 
-    def _transfer(self, payload: dict[str, Any], metas: list[ParamMeta], chunks: list[Chunk],
+    def _transfer(self, payload: dict[str, Any], metas: list[ParamMeta], wire: WirePlan, chunks: list[Chunk],
                   digests: dict[str, str] | None, control: Callable[[], None], clock: PhaseClock) -> tuple[int, int]:
         """The data plane with the control plane folded in.
 
@@ -308,11 +364,11 @@ class TrainerEngine(ABC):
         pairs = checked_iter(self.source, metas, self.describe)
         if digests is not None:
             pairs = _tap(pairs, digests, self.tensor_sha256)
-        prepared = chunked(pairs, chunks)
+        prepared = chunked(wire.reorder(pairs), chunks)
         try:
             if isinstance(pipeline, DevicePipeline):
                 sent = (pipeline.send_packed(prepared, stop, begin) if self.info.packed
-                        else pipeline.send_unpacked(prepared, metas, stop, begin))
+                        else pipeline.send_unpacked(prepared, wire.metas, stop, begin))
             else:
                 assert pipeline is not None
                 sent = pipeline.send(prepared, stop, begin)
@@ -336,22 +392,36 @@ class TrainerEngine(ABC):
             self._broken = cause
             raise cause from None
 
+    def abort_requests(self, request_ids: list[str] | None = None) -> None:
+        """Rank 0: abort in-flight generation on every server without pausing (all when ``None``)."""
+        if self.info.is_sender:
+            assert self.features is not None, "trainer_init() first"
+            self.features.require("abort_route", "abort_requests posts /abort_requests")
+            self.client.abort_requests(request_ids)
+
     # -- teardown ------------------------------------------------------------------------------
+
+    def _displaced(self) -> bool:
+        """Did a server drop this trainer's link (checked between rounds, no traffic)?"""
+        probe = getattr(self._comm, "peer_closed", None)
+        return self._broken is None and callable(probe) and bool(probe())
 
     def shutdown(self) -> None:
         """Release the servers' engines and close the communicator (idempotent).
 
         The server call runs concurrently with the local close: neither side's
-        teardown may wait on the other's.
+        teardown may wait on the other's. A displaced trainer (its link closed by the
+        server) does not post: the server's engine belongs to another trainer now.
         """
         if self._closed:
             return
         self._closed = True
+        displaced = self._displaced()
         comm, pipeline, self._comm, self._pipeline = self._comm, self._pipeline, None, None
         if comm is None:
             return
         post: Future | None = None
-        if self.features is not None and self.features.shutdown_route and hasattr(self.client, "shutdown_weight_transfer_engine"):
+        if not displaced and self.features is not None and self.features.shutdown_route and hasattr(self.client, "shutdown_weight_transfer_engine"):
             # The server fails an abandoned round within one broadcast timeout (its worker's
             # receive) or its round lease (the same bound): twice that, plus slack.
             wait_s = 2 * self.info.timeouts.transfer_s + _GRACE_S
@@ -362,18 +432,22 @@ class TrainerEngine(ABC):
             comm.close()
         if isinstance(pipeline, DevicePipeline):
             pipeline.close()  # after the communicator: no kernel may still read its buffers
-        if post is None:
-            return
-        # Called from a `finally` after a failed round, the caller's own error is what
-        # matters: a shutdown failure is logged, never raised over it.
-        failing = sys.exc_info()[1]
         try:
-            post.result(timeout=self.info.timeouts.http_s)
-        except BaseException as exc:
-            if failing is None:
-                raise
-            logger.warning("shutdown_weight_transfer_engine failed while %s propagated: %s",
-                           type(failing).__name__, exc)
+            if post is None:
+                return
+            # Called from a `finally` after a failed round, the caller's own error is what
+            # matters: a shutdown failure is logged, never raised over it.
+            failing = sys.exc_info()[1]
+            try:
+                post.result(timeout=self.info.timeouts.http_s)
+            except BaseException as exc:
+                if failing is None:
+                    raise
+                logger.warning("shutdown_weight_transfer_engine failed while %s propagated: %s",
+                               type(failing).__name__, exc)
+        finally:
+            if isinstance(self.client, FallbackClient):
+                self.client.close()  # only the connections the engine opened itself
 
     def __enter__(self) -> Self:
         return self

@@ -14,8 +14,9 @@ from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PAC
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.routes import PAUSE_MODES
 from weightwire.shared.timeouts import Timeouts
+from weightwire.shared.version import ServerFeatures
 
-BACKENDS = ("nccl", "weightwire_nccl", "weightwire_tcp")
+BACKENDS = ("nccl", "weightwire_nccl", "weightwire_tcp", "weightwire_ipc")
 """Built-in backends; ``trainer.backends.register_backend`` may add more."""
 
 
@@ -25,7 +26,8 @@ class TrainerInitInfo:
 
     - ``backend``: ``nccl`` (stock vLLM dense NCCL, unique-id rendezvous, vLLM >= 0.30),
       ``weightwire_nccl`` (the same plus a worker-side timeout; needs the weightwire
-      plugin), ``weightwire_tcp`` (no GPU needed; needs the plugin).
+      plugin), ``weightwire_tcp`` (no GPU needed; needs the plugin), ``weightwire_ipc``
+      (trainer and workers on one host, CUDA IPC; needs the plugin).
     - ``rank``: this trainer process's rank; rank 0 sends, the others only iterate the
       source so they stay in the trainer-side gathers (FSDP ``full_tensor``).
     - ``packed`` / ``packed_buffer_size_bytes`` / ``packed_num_buffers``: wire params.
@@ -33,12 +35,21 @@ class TrainerInitInfo:
       the address workers dial (set it when workers are on other hosts).
     - ``device``: CUDA ordinal of the NCCL sender (``None``: the current device).
     - ``pause_mode``: pause generation around every round (``keep``/``wait``/``abort``).
+      The default ``auto`` pauses with ``keep`` whenever the client can pause (a round
+      run under live traffic crashes vLLM: its layerwise reload puts layers on the
+      meta device mid-round); ``None`` never pauses.
+    - ``ipc_release_after_round``: ``weightwire_ipc`` frees its slots after every round
+      (the memory goes back to training; handles are re-exported next round).
     - ``timeouts``: every wait's bound (default: ``Timeouts.from_env()``, so
       ``WEIGHTWIRE_TIMEOUT_<FIELD>`` variables apply).
     - ``verify``: after each round, compare the servers' per-tensor sha256 with what
       was sent (costs a host copy of every tensor; a debugging aid).
     - ``server_version`` / ``inference_world_size``: for clients that cannot ask the
-      server (a custom adapter with only the four calls).
+      server (a custom adapter with only the four calls). A client that can ask is
+      still asked, and a ``server_version`` naming another release is refused.
+    - ``version_override``: gate the server as this known vLLM release (``"0.33"``)
+      whatever it reports: the explicit way past a fail-closed gate (a pre-release or
+      a version newer than weightwire knows). Logged at every init.
     """
 
     backend: str = "nccl"
@@ -50,10 +61,12 @@ class TrainerInitInfo:
     tcp_bind_host: str = "127.0.0.1"
     tcp_advertise_host: str | None = None
     device: int | None = None
-    pause_mode: str | None = None
+    pause_mode: str | None = "auto"
     verify: bool = False
     server_version: str | None = None
     inference_world_size: int | None = None
+    version_override: str | None = None
+    ipc_release_after_round: bool = False
 
     def __post_init__(self) -> None:
         from weightwire.trainer.backends import backend_names  # noqa: PLC0415  (registry imports this module)
@@ -71,10 +84,14 @@ class TrainerInitInfo:
             raise ValueError(f"packed_num_buffers must be an int in [1, {LIMITS.max_num_buffers}], got {count!r}")
         if not isinstance(self.timeouts, Timeouts):
             raise ValueError(f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}")
-        if self.pause_mode is not None and self.pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be None or one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        if type(self.ipc_release_after_round) is not bool:
+            raise ValueError(f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}")
+        if self.pause_mode is not None and self.pause_mode not in ("auto", *PAUSE_MODES):
+            raise ValueError(f"pause_mode must be None, 'auto' or one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.device is not None and (type(self.device) is not int or self.device < 0):
             raise ValueError(f"device must be a CUDA ordinal (int >= 0) or None, got {self.device!r}")
+        if self.version_override is not None:
+            ServerFeatures.for_version("0.0", override=self.version_override)  # an unknown release fails here
         world = self.inference_world_size
         if world is not None and (type(world) is not int or not 1 <= world < LIMITS.max_world_size):
             raise ValueError(f"inference_world_size must be a positive int, got {world!r}")

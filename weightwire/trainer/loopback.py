@@ -185,6 +185,8 @@ def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) 
     from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine  # noqa: PLC0415
 
     engine_cls = WeightwireTCPEngine if backend == "weightwire_tcp" else WeightwireNCCLEngine
+    if backend == "weightwire_ipc":
+        from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine as engine_cls  # noqa: N813, PLC0415
     store = TensorStoreHost()
     engine = engine_cls.standalone(model=store, device=torch.device(device))
     state: dict[str, Any] = {"version": "default", "paused": False}
@@ -218,6 +220,11 @@ def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) 
                 engine.shutdown()
             elif op == "weight_checker":
                 return {"checksums": store.state_checksums()}
+            elif op == "memory":  # worker-side device memory: what a colocated budget must leave free
+                dev = torch.device(device)
+                if dev.type != "cuda":
+                    return None
+                return {"allocated": torch.cuda.memory_allocated(dev), "peak": torch.cuda.max_memory_allocated(dev)}
             elif op == "stats":
                 stats = engine.last_stats
                 return None if stats is None else {k: v for k, v in vars(stats).items() if isinstance(v, (int, float, str))}
@@ -253,7 +260,7 @@ def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("weightwire_nccl", "weightwire_tcp", "nccl"), required=True)
+    parser.add_argument("--backend", choices=("weightwire_nccl", "weightwire_tcp", "weightwire_ipc", "nccl"), required=True)
     parser.add_argument("--device", default="cpu", help="torch device of the receiver, e.g. cuda:0")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class RoundMetrics:
     reused_metadata: bool
     sender: bool = True
     seconds: dict[str, float] = field(default_factory=dict)
+    verify: Any = None
+    """``verify.VerifyReport`` of the round when ``verify=True``: what the check proved."""
 
     @property
     def total_seconds(self) -> float:

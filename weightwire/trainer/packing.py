@@ -149,6 +149,11 @@ class DevicePacker(ABC):
         """One tensor's bytes for the communicator (a CuPy array, or a ``DeviceBytes``
         pointer whose producer is already ordered before ``stream``); zero-copy where possible."""
 
+    def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
+        """Each tensor's own device bytes (``DeviceBytes``), zero-copy where possible and
+        ordered before ``stream``: the IPC path copies them straight into its slots."""
+        return [self.wire(t, stream) for t in tensors]
+
     def settled(self, slot: int) -> None:
         """Everything enqueued on slot ``slot``'s stream finished: drop what ``pack`` kept alive for it."""
         return None

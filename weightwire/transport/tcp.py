@@ -26,6 +26,7 @@ import logging
 import math
 import queue
 import secrets
+import select
 import selectors
 import socket
 import threading
@@ -183,6 +184,28 @@ class TCPCommunicator:
                 self._recv_broadcast(views, nbytes, seq, deadline, limit)
         finally:
             self._leave()
+
+    def peer_closed(self) -> bool:
+        """True if this communicator is closed or a peer closed its connection (checked
+        without blocking or consuming data; only valid between broadcasts, when no peer
+        has anything to send). Lets a worker see that its trainer is gone, and a trainer
+        that a worker dropped it (another trainer took the session over)."""
+        if self._state != "open":
+            return True
+        for link in self._links:
+            try:
+                poller = select.poll()
+                poller.register(link.sock, select.POLLIN)
+                if not poller.poll(0):
+                    continue  # nothing to read: the peer is still there
+                # Readable with no data means an orderly close (EOF).
+                if link.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return True
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return True
+        return False
 
     def abort(self) -> None:
         """Shut every socket down at once (waking blocked threads); later calls raise."""

@@ -4,3 +4,7 @@
 is separate. Each family module offers ``init(rng, cfg)``, ``apply(params, tokens, cfg)``
 and ``naming(cfg)``. For tests, demos and benchmarks, not for speed.
 """
+
+from weightwire._extras import require
+
+require("flax", purpose="weightwire.jax_side.models")

@@ -16,24 +16,50 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+from weightwire._cli import (
+    EXIT_CODES_HELP,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    HelpFormatter,
+    Progress,
+    backend_name,
+    fail,
+)
+from weightwire._extras import MissingExtra, require
 
 __all__ = ["build_parser", "serve_main"]
 
-BACKENDS = ("weightwire_tcp", "weightwire_nccl")
+BACKENDS = ("weightwire_tcp", "weightwire_nccl", "weightwire_ipc")
+PROG = "weightwire serve"
 
 
-def build_parser(prog: str = "weightwire serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Serve a model with vLLM's weight-sync API (reference server).")
-    p.add_argument("--model", required=True, help="HF model directory, or tiny-llama / tiny-qwen2 (built locally)")
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Serve a model with vLLM's weight-sync API and OpenAI-compatible completions "
+                               "(the reference server).",
+        epilog="examples:\n  weightwire serve --model tiny-llama --port 0     # a tiny random Llama, built and cached\n"
+               "  weightwire serve --model ./qwen2.5-0.5b --api-key $KEY\n\n" + EXIT_CODES_HELP,
+        formatter_class=HelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="HF model directory (config.json + safetensors + tokenizer), or tiny-llama / tiny-qwen2: "
+                        "a tiny random model built on first use and cached under $WEIGHTWIRE_CACHE "
+                        "(default ~/.cache/weightwire); the directory is printed at start-up")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
-    p.add_argument("--backend", choices=BACKENDS, default="weightwire_tcp")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--backend", type=backend_name, choices=BACKENDS, default="weightwire_tcp",
+                   help="weight-transfer backend the workers run: weightwire_tcp (CPU or GPU; alias tcp) or "
+                        "weightwire_nccl (needs --device cuda) (default weightwire_tcp)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the workers hold the model (default cpu)")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="require 'Authorization: Bearer KEY' on every route but /health and /version, KEY "
@@ -43,15 +69,21 @@ def build_parser(prog: str = "weightwire serve") -> argparse.ArgumentParser:
                           "(ps, /proc/PID/cmdline)")
     p.add_argument("--replicas", type=int, default=1, help="worker processes = ranks in the transfer group")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / replicas)")
-    p.add_argument("--max-body-bytes", type=int, default=64 << 20)
-    p.add_argument("--op-timeout", type=float, default=300.0, help="seconds for start/finish/shutdown/checks")
-    p.add_argument("--round-timeout", type=float, default=3600.0, help="backstop seconds for one update_weights")
-    p.add_argument("--generate-timeout", type=float, default=600.0)
+    p.add_argument("--max-body-bytes", type=int, default=64 << 20,
+                   help="largest request body accepted, bytes (default 64 MiB); larger ones get 413")
+    p.add_argument("--op-timeout", type=float, default=300.0,
+                   help="seconds for start/finish/shutdown/checks on every worker (default 300)")
+    p.add_argument("--round-timeout", type=float, default=3600.0,
+                   help="backstop seconds for one update_weights (default 3600)")
+    p.add_argument("--generate-timeout", type=float, default=600.0,
+                   help="seconds for one completion request, and for /pause?mode=wait to drain (default 600)")
     p.add_argument("--round-lease", type=float, default=None,
                    help="abort a round after this many idle seconds without a weight call from its trainer "
                         "(default: the trainer's per-broadcast timeout from its init info)")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for workers to load the model")
-    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds for the workers to load the model (default 600)")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="server log level, on stderr (default warning)")
     return p
 
 
@@ -60,13 +92,26 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--port must be in [0, 65535], got {args.port}"
     if not 1 <= args.replicas <= 64:
         return f"--replicas must be in [1, 64], got {args.replicas}"
-    if args.backend == "weightwire_nccl" and args.device != "cuda":
-        return "--backend weightwire_nccl needs --device cuda"
+    if args.backend in ("weightwire_nccl", "weightwire_ipc") and args.device != "cuda":
+        return f"--backend {args.backend} needs --device cuda"
     for name in ("op_timeout", "round_timeout", "generate_timeout", "startup_timeout", "round_lease"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be > 0"
     if args.max_body_bytes < 1024:
         return "--max-body-bytes must be >= 1024"
+    return None
+
+
+def _check_model(model: str) -> str | None:
+    from weightwire.torch_side.server.tiny import TINY_NAMES  # noqa: PLC0415  (light: no torch at import)
+
+    if model in TINY_NAMES:
+        return None
+    path = Path(model)
+    if not path.exists():
+        return f"--model {model!r}: no such directory (or pass tiny-llama / tiny-qwen2)"
+    if not (path / "config.json").is_file():
+        return f"--model {model!r} is neither {' / '.join(TINY_NAMES)} nor a directory with config.json"
     return None
 
 
@@ -90,13 +135,14 @@ def resolve_api_key(args: argparse.Namespace, environ: dict[str, str] | os._Envi
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """Run the server until SIGINT/SIGTERM. Returns the process exit code."""
+    """Run the server until SIGINT/SIGTERM. Returns the process exit code (``weightwire._cli``'s
+    codes: 0 stopped after serving, 2 bad arguments, 3 an error stopped it, 130 Ctrl-C while starting)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed the usage error
         return int(exc.code or 0)
-    problem = _check(args)
+    problem = _check(args) or _check_model(args.model)
     if problem is None:
         try:
             args.api_key, warning = resolve_api_key(args, os.environ)
@@ -106,15 +152,27 @@ def serve_main(argv: list[str] | None = None) -> int:
             if warning:
                 print(f"weightwire serve: warning: {warning}", file=sys.stderr)
     if problem:
-        print(f"weightwire serve: error: {problem}", file=sys.stderr)
-        return 2
+        return fail(PROG, problem, EXIT_USAGE)
     try:
-        return asyncio.run(_serve(args))
+        # Before anything starts: a host without the extra gets one line naming it.
+        require("torch", "transformers", "fastapi", "uvicorn", "safetensors", purpose=PROG)
+    except MissingExtra as exc:
+        return fail(PROG, str(exc))
+    served: list[bool] = []
+    try:
+        return asyncio.run(_serve(args, served))
     except KeyboardInterrupt:
-        return 0
-    except (ValueError, OSError, RuntimeError) as exc:
-        print(f"weightwire serve: error: {exc}", file=sys.stderr)
-        return 1
+        if served:
+            return EXIT_OK
+        print(f"{PROG}: interrupted while starting", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return fail(PROG, f"cannot listen on {args.host}:{args.port}: the address is already in use (is another "
+                              "server running there? choose another --port, or --port 0 for a free one)")
+        return fail(PROG, str(exc))
+    except (ValueError, RuntimeError) as exc:
+        return fail(PROG, str(exc))
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -142,20 +200,29 @@ def _graceful_server(uvicorn: Any, config: Any) -> Any:
     return Server(config)
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
     import logging
 
     import uvicorn
 
     from weightwire.torch_side.server.app import ServerOptions, ServerState, create_app
+    from weightwire.torch_side.server.openai import describe_routes
     from weightwire.torch_side.server.replicas import ReplicaError, ReplicaPool, WorkerSpec
     from weightwire.torch_side.server.tiny import TINY_NAMES, resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    say = Progress(PROG)
+    if args.model in TINY_NAMES:
+        from weightwire.torch_side.server.tiny import cache_root  # noqa: PLC0415
+
+        say(f"{args.model}: a tiny random model, built on first use and cached under {cache_root()} "
+            "($WEIGHTWIRE_CACHE)")
     model_dir = resolve_model(args.model)
     # Bind before the (slow) worker start: a taken port fails in milliseconds, not after loading.
     sock = _bind(args.host, args.port)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    say(f"loading {os.path.abspath(model_dir)} into {args.replicas} worker process(es) on {args.device} "
+        f"(backend {args.backend}, {threads} torch thread(s) each)")
     spec = WorkerSpec(model_dir=model_dir, backend=args.backend, device=args.device,
                       replicas=args.replicas, threads=threads)
     try:
@@ -171,6 +238,7 @@ async def _serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes, op_timeout_s=args.op_timeout,
             round_timeout_s=args.round_timeout, generate_timeout_s=args.generate_timeout,
             lease_s=args.round_lease,
+            model_dir=os.path.abspath(model_dir), model_aliases=(args.model, model_dir, os.path.abspath(model_dir)),
         )
         app = create_app(ServerState(pool=pool, options=options))
         config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="off",
@@ -183,8 +251,10 @@ async def _serve(args: argparse.Namespace) -> int:
             host, port = sock.getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             print(f"weightwire server ready on http://{shown}:{port}", flush=True)
+            served.append(True)
+            say(describe_routes(app, options.model_name))
         await serving
-        return 0 if server.started else 1
+        return EXIT_OK if server.started else EXIT_ERROR
     finally:
         await pool.close()
         sock.close()

@@ -22,8 +22,9 @@ from weightwire.shared.info import INIT_INFO_TYPES, UpdateInfo
 from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.server.auth import ApiKeyMiddleware
-from weightwire.torch_side.server.completions import CompletionRequestError, parse_completion_request
+from weightwire.torch_side.server.completions import CompletionRequest, CompletionRequestError, parse_completion_request
 from weightwire.torch_side.server.lease import RoundLease
+from weightwire.torch_side.server.openai import check_model, install_openai_routes
 from weightwire.torch_side.server.pause import PauseGate
 from weightwire.torch_side.server.replicas import FanOutError, ReplicaError, ReplicaPool
 from weightwire.torch_side.server.session import Phase, Session, SessionError
@@ -63,6 +64,10 @@ class ServerOptions:
     lease_s: float | None = None
     """Round lease (see ``lease``); default: the init info's ``timeout_s`` (the trainer's
     per-broadcast bound), else ``Timeouts.from_env().transfer_s``."""
+    model_dir: str | None = None
+    """Shown as ``root`` by ``/v1/models``."""
+    model_aliases: tuple[str, ...] = ()
+    """Other ``model`` names a request may use for the served model (the ``--model`` value, its path)."""
 
 
 @dataclass
@@ -310,6 +315,18 @@ def create_app(state: ServerState) -> FastAPI:
             await gate.drain(opts.generate_timeout_s)
         return {"status": "paused"}
 
+    @app.post(_route("abort_requests"))
+    async def abort_requests(request: Request) -> dict[str, Any]:
+        # vLLM's route: abort in-flight requests without pausing; no ids = all of them.
+        body = await read_object(request, allowed=("request_ids",))
+        if body.get("request_ids"):
+            raise ApiError(400, "this server aborts all in-flight requests at once; omit request_ids",
+                           param="request_ids")
+        aborted = sum(r.inflight_generations for r in pool.replicas)
+        with contextlib.suppress(FanOutError):  # a dead replica has nothing in flight to cancel
+            await pool.fan_out("cancel", timeout=30.0)
+        return {"status": "aborted", "aborted": aborted}
+
     @app.post(_route("resume"))
     async def resume(request: Request) -> dict[str, Any]:
         await read_no_body(request)
@@ -344,24 +361,37 @@ def create_app(state: ServerState) -> FastAPI:
                                           max_prompt_chars=info.get("max_prompt_chars"))
         except CompletionRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
-        await gate.admit(opts.generate_timeout_s)
-        try:
-            replica = pool.pick()
-        except ReplicaError as exc:
-            raise ApiError(exc.status, str(exc)) from None
-        replica.inflight_generations += 1
-        gate.enter()
-        try:
-            result = await replica.call("generate", {"request": req.to_worker()}, timeout=opts.generate_timeout_s)
-        except ReplicaError as exc:
-            raise ApiError(exc.status, str(exc)) from None
-        finally:
-            replica.inflight_generations -= 1
-            gate.leave()
+        check_model(opts, req)
+        result, index = await generate_on_a_replica(state, req)
         result["model"] = req.model or opts.model_name
-        return JSONResponse(result, headers={"x-weightwire-replica": str(replica.index)})
+        return JSONResponse(result, headers={"x-weightwire-replica": str(index)})
 
+    install_openai_routes(app, state, generate_on_a_replica)
+    from weightwire.torch_side.server.sleep_routes import install_sleep_routes  # noqa: PLC0415
+
+    install_sleep_routes(app, state)
     return app
+
+
+async def generate_on_a_replica(state: ServerState, req: CompletionRequest) -> tuple[dict[str, Any], int]:
+    """Run one parsed completion request on a replica: pause gate, replica choice, accounting.
+    Returns the worker's ``text_completion`` result and the replica's index."""
+    opts, pool, gate = state.options, state.pool, state.gate
+    await gate.admit(opts.generate_timeout_s)
+    try:
+        replica = pool.pick()
+    except ReplicaError as exc:
+        raise ApiError(exc.status, str(exc)) from None
+    replica.inflight_generations += 1
+    gate.enter()
+    try:
+        result = await replica.call("generate", {"request": req.to_worker()}, timeout=opts.generate_timeout_s)
+    except ReplicaError as exc:
+        raise ApiError(exc.status, str(exc)) from None
+    finally:
+        replica.inflight_generations -= 1
+        gate.leave()
+    return result, replica.index
 
 
 async def _fan_out_or_raise(pool: ReplicaPool, op: str, timeout: float) -> Any:

@@ -46,6 +46,9 @@ class CompletionRequest:
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     model: str | None = None
+    messages: list[dict[str, str]] | None = None
+    """``/v1/chat/completions``: the worker renders these with the tokenizer's chat template
+    (then ``prompts`` is empty)."""
 
     def to_worker(self) -> dict[str, Any]:
         return asdict(self)

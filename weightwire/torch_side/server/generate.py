@@ -51,6 +51,21 @@ class Generator:
             raise ValueError(f"prompt[{index}] encodes to zero tokens")
         return ids
 
+    def _chat_prompts(self, req: dict[str, Any]) -> list[list[int]]:
+        """``[ids]`` of ``req["messages"]`` rendered by the tokenizer's chat template; ``[]`` for a
+        plain completion. Tokenized without special tokens, as vLLM does: the template writes them."""
+        messages = req.get("messages")
+        if not messages:
+            return []
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template (no 'chat_template' in its tokenizer "
+                             "config), so /v1/chat/completions cannot render messages; use /v1/completions")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not ids:
+            raise ValueError("the chat template rendered the messages to zero tokens")
+        return [ids]
+
     def _piece(self, token_id: int, as_ids: bool = False) -> str:
         return f"token_id:{token_id}" if as_ids else self.tokenizer.decode([token_id])
 
@@ -135,7 +150,7 @@ class Generator:
             gen.seed()
         else:
             gen.manual_seed(req["seed"] % (1 << 64))
-        encoded = [self._encode(p, i) for i, p in enumerate(req["prompts"])]
+        encoded = [self._encode(p, i) for i, p in enumerate(self._chat_prompts(req) or req["prompts"])]
         for i, ids in enumerate(encoded):
             if len(ids) + req["max_tokens"] > self.max_model_len:
                 raise ValueError(

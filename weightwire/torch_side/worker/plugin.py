@@ -20,6 +20,7 @@ ENGINE_MODULE = "weightwire.torch_side.worker.vllm_engines"
 BACKENDS: dict[str, str] = {
     "weightwire_tcp": "VllmWeightwireTCPEngine",
     "weightwire_nccl": "VllmWeightwireNCCLEngine",
+    "weightwire_ipc": "VllmWeightwireIPCEngine",
 }
 
 

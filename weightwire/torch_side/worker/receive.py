@@ -79,6 +79,12 @@ class ReceiveLink(ABC):
     def abort(self) -> None:
         self.communicator.abort()
 
+    def peer_closed(self) -> bool:
+        """True when the trainer is known to be gone (it closed the link). Only TCP can
+        tell without traffic; an NCCL peer's death shows only as a timeout."""
+        probe = getattr(self.communicator, "peer_closed", None)
+        return bool(probe()) if callable(probe) else False
+
     def close(self) -> None:
         self.communicator.close()
 

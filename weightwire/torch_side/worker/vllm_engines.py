@@ -5,16 +5,20 @@ Imported only by vLLM's ``WeightTransferEngineFactory`` (registered lazily by
 constructs ``cls(config, vllm_config, device, model)``; that signature and the
 worker-side method set are the same in vLLM 0.32 and 0.33.
 
-Inside vLLM a round is bracketed by vLLM's layerwise reload, as vLLM's own
-checkpoint-format engines do: start readies every layer to buffer incoming tensors,
-and a layer is processed and copied into the running kernels once all of its
-tensors arrived; finish processes the rest (attention layers, layers that got
-nothing) and restores layers that received no tensor.
+Inside vLLM a round is staged (see ``core``): start and update leave the model as
+it is; the update info is checked against the served checkpoint (``ModelSpec``)
+before a byte is received; finish applies the whole round inside vLLM's layerwise
+reload, as vLLM's own checkpoint-format engines do (a layer is processed and copied
+into the running kernels once all of its tensors arrived; the rest is finalized),
+then refreshes tied heads. A worker runs one call at a time, so no request ever sees
+a layer on the meta device, and a round that fails before finish changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -22,15 +26,67 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared.ipc_info import IPCInitInfo
 from weightwire.torch_side.worker.connect import connect_nccl, connect_tcp
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
+from weightwire.torch_side.worker.spec import ModelSpec
 
 log = logging.getLogger("weightwire.torch_side.worker")
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for parameters shared between modules (a tied head's
+    ``lm_head.weight`` -> ``model.embed_tokens.weight``), first name in module order
+    canonical, as vLLM's loader resolves them."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(param), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
 class LayerwiseReload:
-    """``FrameworkHooks`` for vLLM: layerwise reload around each round."""
+    """``FrameworkHooks`` for vLLM: layerwise reload around each round, tied heads, and
+    the worker's own round flag."""
+
+    def __init__(self) -> None:
+        self._aliases: dict[str, str] | None = None
+        self.worker: Any = None  # weakref.ref to vLLM's worker, once seen (see _VllmEngine)
+
+    def aliases(self, model: Any) -> dict[str, str]:
+        if self._aliases is None:
+            self._aliases = tied_aliases(model)
+        return self._aliases
+
+    def prepare(self, model: Any, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        # vLLM's loader skips a tied alias and raises if its canonical tensor is not in
+        # the same load_weights call; the values are one tensor, so keep one name.
+        aliases = self.aliases(model)
+        if not aliases:
+            return pairs
+        names = {n for n, _ in pairs}
+        out = []
+        for name, tensor in pairs:
+            canonical = aliases.get(name)
+            if canonical is None:
+                out.append((name, tensor))
+            elif canonical not in names:
+                out.append((canonical, tensor))
+        return out
+
+    def round_dropped(self) -> None:
+        # A round dropped by weightwire itself (stale trainer, shutdown) must also clear
+        # vLLM's worker flag, or the next trainer's start is refused as "already active".
+        worker = self.worker() if self.worker is not None else None
+        if worker is not None and getattr(worker, "_weight_update_active", False):
+            worker._weight_update_active = False
+            engine = getattr(worker, "weight_transfer_engine", None)
+            reset = getattr(engine, "reset_weight_update_target", None)
+            if callable(reset):
+                reset()
 
     def begin(self, model: Any) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: PLC0415
@@ -41,12 +97,22 @@ class LayerwiseReload:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # noqa: PLC0415
 
         finalize_layerwise_reload(model, model_config)
+        refresh_tied(model, self.aliases(model))
 
     def abort(self, model: Any, model_config: Any) -> None:
-        # vLLM's reload has no rollback: layers that completed already hold new
-        # weights. Finalizing puts untouched layers' old tensors back so the model
-        # can still serve; the error raised to the trainer says to resend a round.
-        log.warning("weight update aborted mid-round: vLLM weights are now partly updated; resend a full round")
+        # Layers that completed already hold new weights (vLLM's reload has no
+        # rollback). A layer still buffering must not be replayed: finalizing would
+        # materialize it with the buffered (possibly bad) tensors and uninitialized
+        # memory for the rest. Emptying its buffer makes finalize put its untouched
+        # original tensors back.
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info  # noqa: PLC0415
+
+        for layer in model.modules():
+            info = get_layerwise_info(layer)
+            if info.can_load() and info.load_numel > 0:
+                info.loaded_weights.clear()
+                info.load_numel = 0
+        log.warning("weight update aborted while applying: incomplete layers keep their previous weights")
         self.commit(model, model_config)
 
     def receive_context(self) -> AbstractContextManager[Any]:
@@ -59,6 +125,51 @@ class LayerwiseReload:
         # A round may carry a subset of a draft model's tensors; vLLM's own engines
         # switch the completeness check off while loading them too.
         return disable_mtp_completeness_check()
+
+
+def refresh_tied(model: Any, aliases: dict[str, str]) -> None:
+    """Re-run the post-load processing of modules holding a tied alias.
+
+    vLLM loads a tied tensor once, under its canonical name; on CPU the head's linear
+    layer keeps a pre-packed copy of the weight made at startup, which a reload of the
+    embedding does not redo (the head keeps the checkpoint's values). On CUDA the
+    processing is a no-op: the head reads the shared parameter directly.
+    """
+    owners = {name.rsplit(".", 1)[0] for name in aliases}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        method = getattr(module, "quant_method", None)
+        if prefix in owners and callable(getattr(method, "process_weights_after_loading", None)):
+            method.process_weights_after_loading(module)
+
+
+def checkpoint_spec(model_config: Any, model: Any) -> ModelSpec | None:
+    """The served checkpoint's spec (local safetensors + served dtype), or None."""
+    model_dir = getattr(model_config, "model", None)
+    dtype = getattr(model_config, "dtype", None)
+    served = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
+    if not isinstance(model_dir, str):
+        return None
+    spec = ModelSpec.from_checkpoint(model_dir, served_dtype=served, aliases=tied_aliases(model))
+    if spec is None:
+        log.warning("no local safetensors under %s: update info is not checked against the model", model_dir)
+    return spec
+
+
+def _find_worker(engine: Any) -> Any:
+    """vLLM's worker that owns ``engine``: the caller of ``init_transfer_engine``.
+
+    vLLM keeps its own "update active" flag on the worker; weightwire must clear it
+    when it drops a stale round, and the engine is given no handle to the worker.
+    """
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and getattr(candidate, "weight_transfer_engine", None) is engine:
+            return candidate
+        frame = frame.f_back
+    return None
 
 
 def worker_rank(parallel_config: Any) -> int:
@@ -74,6 +185,7 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):  # type: ignore[misc]
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         WeightTransferEngine.__init__(self, config, vllm_config, device, model)
+        self._reload = LayerwiseReload()
         self._core = _ReceiverCore(
             backend=self.backend,
             device=torch.device(device),
@@ -81,8 +193,18 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):  # type: ignore[misc]
             connect=type(self)._connect,
             info_type=self.init_info_cls,
             worker_rank=worker_rank(self.parallel_config),
-            framework=LayerwiseReload(),
+            framework=self._reload,
+            staged=True,
+            # The served checkpoint describes the main model only; a draft round is not pre-checked.
+            spec=lambda: checkpoint_spec(self.model_config, model) if self.model is model else None,
         )
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        if self._reload.worker is None:
+            worker = _find_worker(self)
+            if worker is not None:
+                self._reload.worker = weakref.ref(worker)
+        super().init_transfer_engine(init_info)
 
 
 class VllmWeightwireTCPEngine(_VllmEngine):
@@ -101,3 +223,17 @@ class VllmWeightwireNCCLEngine(_VllmEngine):
     init_info_cls = WeightwireNCCLInitInfo
     update_info_cls = UpdateInfo
     _connect = staticmethod(connect_nccl)
+
+
+class VllmWeightwireIPCEngine(_VllmEngine):
+    """``--weight-transfer-config '{"backend": "weightwire_ipc"}'``: CUDA IPC from a trainer on this host."""
+
+    backend = "weightwire_ipc"
+    init_info_cls = IPCInitInfo  # type: ignore[assignment]
+    update_info_cls = UpdateInfo
+
+    @staticmethod
+    def _connect(info: Any, *, rank: int, device: torch.device) -> Any:
+        from weightwire.torch_side.worker.ipc_link import connect_ipc  # noqa: PLC0415
+
+        return connect_ipc(info, rank=rank, device=device)

@@ -1,6 +1,6 @@
 """Full weight-sync rounds on two GPUs: trainer engine (GPU0) -> torch worker engine (GPU1).
 
-    python benchmarks/bench_sync.py --out bench_sync.md [--engines jax,torch] [--control http,shim]
+    weightwire bench --sync --out bench_sync.md [--engines jax,torch] [--control http,shim]
         [--models qwen2-0.5b,qwen2-1.5b,llama3-8b] [--buffers-mib 256,1024] [--num-buffers 1,2,3]
         [--no-unpacked] [--rounds 5] [--warmup 2]
 
@@ -43,10 +43,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_sync_shim import ShimClient, raw_rounds, receiver_main, rpc
-from bench_sync_trace import trace_round
+from weightwire._cli import CommandError, HelpFormatter
+from weightwire._extras import require
+from weightwire.bench.sync_shim import ShimClient, raw_rounds, receiver_main, rpc
+from weightwire.bench.sync_trace import trace_round
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the directory holding the weightwire package
 GIB = 1 << 30
 MODELS: dict[str, dict[str, Any]] = {  # from the models' HF config.json
     "qwen2-0.5b": dict(hidden=896, inter=4864, layers=24, heads=14, kv=2, head_dim=64, vocab=151936, tied=True, bias=True),
@@ -293,30 +295,44 @@ def _spawn(role: str, gpu: int | None, cfg: dict[str, Any], path: Path) -> subpr
     path.write_text(json.dumps(cfg))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="" if gpu is None else str(gpu), XLA_PYTHON_CLIENT_PREALLOCATE="false")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return subprocess.Popen([sys.executable, __file__, "--role", role, "--config", str(path)], env=env,
+    return subprocess.Popen([sys.executable, "-m", "weightwire.bench.sync", "--role", role, "--config", str(path)], env=env,
                             stdout=subprocess.PIPE if role == "sender" else None, text=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engines", default="jax,torch", help="trainer engines to run: jax, torch")
+def _gpus() -> int:
+    """CUDA devices torch sees (the receiver is a torch worker engine)."""
+    require("torch", purpose="weightwire bench --sync")
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split("\n")[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--engines", default="jax,torch", help="trainer engines to run: jax, torch (comma-separated)")
     ap.add_argument("--control", default="http", help="control planes to run: http, shim (comma-separated)")
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--buffers-mib", default="256,1024")
-    ap.add_argument("--num-buffers", default="1,2,3")
-    ap.add_argument("--no-unpacked", action="store_true")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--models", default=",".join(MODELS), help="parameter sets (HF names and shapes of these models)")
+    ap.add_argument("--buffers-mib", default="256,1024", help="packed buffer sizes to try, MiB (comma-separated)")
+    ap.add_argument("--num-buffers", default="1,2,3", help="packed buffer counts to try (comma-separated)")
+    ap.add_argument("--no-unpacked", action="store_true", help="skip the unpacked (one broadcast per tensor) mode")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per config (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds per config first")
     ap.add_argument("--timeout", type=float, default=60.0, help="per-wait timeout (NCCL, control calls)")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="stop starting new configs after this")
     ap.add_argument("--out", help="also write the markdown table here (and the raw rows to OUT.json)")
     ap.add_argument("--role", choices=("sender", "receiver", "api"), help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
+    ap = build_parser(prog)
     args = ap.parse_args(argv)
     if args.role:
         cfg = json.loads(Path(args.config).read_text())
         if args.role == "api":
-            from bench_sync_http import api_main  # noqa: PLC0415
+            from weightwire.bench.sync_http import api_main  # noqa: PLC0415
 
             api_main(cfg)
         (sender_main if args.role == "sender" else receiver_main)(cfg)
@@ -327,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     engines, controls = args.engines.split(","), args.control.split(",")
     if set(engines) - {"jax", "torch"} or set(controls) - {"http", "shim"}:
         ap.error("--engines takes jax,torch and --control takes http,shim")
+    gpus = _gpus()
+    if gpus < 2:
+        # Refuse before spawning anything: on a CPU host every config would fail and the table be empty.
+        raise CommandError(f"weightwire bench --sync needs two CUDA GPUs (trainer on GPU 0, receiver on GPU 1); "
+                           f"torch sees {gpus}. On a CPU host run `weightwire bench` (the TCP data plane)")
     import signal  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 

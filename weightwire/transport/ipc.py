@@ -1,0 +1,370 @@
+"""CUDA IPC data plane (``weightwire_ipc``): slots, handles, events and the control channel.
+
+Framework-neutral and torch-free: CUDA is reached through CuPy's runtime binding on
+raw pointers, so a JAX trainer uses this module without torch. The trainer
+``cudaMalloc``s its slot buffers itself (``cudaIpcGetMemHandle`` refuses JAX's own
+array buffers, and exports only whole allocations, never a pool's sub-block) and
+creates one interprocess "ready" event per slot; every worker opens those once per
+session and creates its own "free" events, exported back in its hello.
+
+Per piece of a chunk (at most one slot of bytes) the host sends one small JSON
+message each way; the ordering itself is device-side: the worker's copy stream waits
+on the slot's ready event, the trainer's fill stream on every worker's free event.
+A message is sent only after the event it names was recorded, so a wait never sees a
+stale record. Every host wait is bounded (``Channel.recv``, ``sync_stream``); a dead
+peer shows up as ``PeerLost`` at once (its end of the channel closes).
+
+The channel is ``multiprocessing.connection`` over loopback TCP, authenticated both
+ways with the session's 128-byte secret (HMAC challenge); only ``send_bytes`` /
+``recv_bytes`` are used, never its pickling ``send`` / ``recv``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.info import encode_secret
+from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
+
+CUDA_EVENT_DISABLE_TIMING, CUDA_EVENT_INTERPROCESS = 0x2, 0x4
+CUDA_IPC_LAZY_PEER_ACCESS = 0x1
+MEMCPY_DEVICE_TO_DEVICE = 3
+CUDA_ERROR_NOT_READY = 600
+MAX_MESSAGE_BYTES = 1 << 20
+_POLL_S = 0.05
+DEFAULT_WAIT = "device"
+_SPIN_S = 0.2
+
+
+class IPCUnavailable(RuntimeError):
+    """CuPy or a CUDA device is missing, so CUDA IPC cannot be used here."""
+
+
+def cupy_module() -> Any:
+    try:
+        import cupy  # noqa: PLC0415  (optional dependency, GPU hosts only)
+    except Exception as exc:
+        raise IPCUnavailable(
+            "weightwire_ipc needs CuPy on a CUDA machine: install weightwire[cuda13] (cupy-cuda13x) or "
+            f"weightwire[cuda12]; import failed: {exc}"
+        ) from exc
+    return cupy
+
+
+def ipc_available() -> bool:
+    try:
+        return int(cupy_module().cuda.runtime.getDeviceCount()) > 0
+    except Exception:
+        return False
+
+
+def device_uuid(cp: Any, ordinal: int) -> str:
+    """The GPU's UUID as lower-case hex ("" when the binding does not report it)."""
+    raw = cp.cuda.runtime.getDeviceProperties(ordinal).get("uuid", b"")
+    return bytes(raw).hex() if isinstance(raw, (bytes, bytearray)) else ""
+
+
+# -- events -------------------------------------------------------------------------
+
+
+def new_ipc_event(cp: Any) -> int:
+    return int(cp.cuda.runtime.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING | CUDA_EVENT_INTERPROCESS))
+
+
+def event_handle(cp: Any, event: int) -> bytes:
+    raw = bytes(cp.cuda.runtime.ipcGetEventHandle(event))
+    if len(raw) != IPC_HANDLE_BYTES:
+        raise TransferError(f"cudaIpcGetEventHandle returned {len(raw)} bytes, expected {IPC_HANDLE_BYTES}")
+    return raw
+
+
+def open_event(cp: Any, handle: bytes, what: str) -> int:
+    try:
+        return int(cp.cuda.runtime.ipcOpenEventHandle(handle))
+    except Exception as exc:
+        raise TransferError(f"cannot open {what} (cudaIpcOpenEventHandle: {exc}); is the peer on this host and alive?") from exc
+
+
+def stream_wait(cp: Any, stream_ptr: int, event: int) -> None:
+    cp.cuda.runtime.streamWaitEvent(stream_ptr, event, 0)
+
+
+def record(cp: Any, event: int, stream_ptr: int) -> None:
+    cp.cuda.runtime.eventRecord(event, stream_ptr)
+
+
+def wait_mode() -> str:
+    """Where a side waits for its peer's event: ``device`` (``cudaStreamWaitEvent``: no host
+    round trip, but a stream blocked on another process's event keeps its context
+    scheduled) or ``host`` (poll ``cudaEventQuery``, then enqueue). ``WEIGHTWIRE_IPC_WAIT``."""
+    mode = os.environ.get("WEIGHTWIRE_IPC_WAIT", DEFAULT_WAIT)
+    if mode not in ("device", "host"):
+        raise ValueError(f"WEIGHTWIRE_IPC_WAIT must be 'device' or 'host', got {mode[:20]!r}")
+    return mode
+
+
+def event_query(cp: Any, event: int) -> bool:
+    """True once ``event``'s last record completed (an IPC event of another process too)."""
+    try:
+        status = cp.cuda.runtime.eventQuery(event)
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        if getattr(exc, "status", None) == CUDA_ERROR_NOT_READY:
+            return False
+        raise
+    if status in (0, None):
+        return True
+    if status == CUDA_ERROR_NOT_READY:
+        return False
+    raise TransferError(f"cudaEventQuery failed with status {status}")
+
+
+def wait_event_host(cp: Any, event: int, *, deadline: float, what: str, alive: Callable[[], None]) -> None:
+    """Poll ``event`` until done, bounded by ``deadline`` (spin first: a piece takes ~0.1-1 ms)."""
+    start = time.monotonic()
+    pause = 2e-5
+    while not event_query(cp, event):
+        now = time.monotonic()
+        alive()
+        if now >= deadline:
+            raise TransferTimeout(f"{what} did not complete within the timeout (the peer's GPU work stalled)")
+        if now - start < _SPIN_S:
+            time.sleep(0)
+        else:
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, 1e-3)
+
+
+def sync_stream(cp: Any, device: int, stream_ptr: int, *, timeout: float, what: str,
+                alive: Callable[[], None] | None = None) -> None:
+    """Wait (bounded) until everything enqueued on ``stream_ptr`` so far finished."""
+    with cp.cuda.Device(device):
+        event = cp.cuda.Event(block=False, disable_timing=True)
+        event.record(cp.cuda.ExternalStream(stream_ptr, device))
+    start = time.monotonic()
+    deadline, pause = start + timeout, 2e-5
+    while not _done(event):
+        now = time.monotonic()
+        if alive is not None:
+            alive()
+        if now >= deadline:
+            raise TransferTimeout(f"{what} did not finish on CUDA device {device} within {timeout:g} s")
+        if now - start < _SPIN_S:
+            time.sleep(0)
+        else:
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, 1e-3)
+
+
+def _done(event: Any) -> bool:
+    done = event.done
+    return bool(done() if callable(done) else done)
+
+
+# -- the control channel ------------------------------------------------------------
+
+
+class Channel:
+    """One authenticated loopback connection carrying small JSON messages."""
+
+    def __init__(self, conn: Any, peer: str) -> None:
+        self._conn = conn
+        self.peer = peer
+        self._aborted = False
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self._aborted:
+            raise TransferError(f"IPC control channel to {self.peer} was aborted")
+        try:
+            self._conn.send_bytes(json.dumps(msg, separators=(",", ":")).encode())
+        except Exception as exc:
+            raise PeerLost(f"lost {self.peer} while sending {msg.get('op')!r}: {type(exc).__name__}: {exc}") from None
+
+    def recv(self, *, deadline: float, what: str, alive: Callable[[], None] | None = None) -> dict[str, Any]:
+        """The next message, or ``TransferTimeout`` at ``deadline`` / ``PeerLost`` at EOF."""
+        while True:
+            if alive is not None:
+                alive()
+            if self._aborted:
+                raise TransferError(f"IPC control channel to {self.peer} was aborted while waiting for {what}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"no {what} from {self.peer} within the timeout (is it alive and in the round?)")
+            try:
+                if self._conn.poll(min(left, _POLL_S)):
+                    raw = self._conn.recv_bytes(MAX_MESSAGE_BYTES)
+                    break
+            except EOFError:
+                raise PeerLost(f"{self.peer} closed the IPC control channel while this side waited for {what} "
+                               "(the process exited or aborted its session)") from None
+            except Exception as exc:
+                if self._aborted:
+                    raise TransferError(f"IPC control channel to {self.peer} was aborted while waiting for {what}") from None
+                raise PeerLost(f"lost {self.peer} while waiting for {what}: {type(exc).__name__}: {exc}") from None
+        try:
+            msg = json.loads(raw)
+        except ValueError:
+            raise TransferError(f"{self.peer} sent a control message that is not JSON") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+            raise TransferError(f"{self.peer} sent a control message without an 'op': {raw[:80]!r}")
+        return msg
+
+    def expect(self, op: str, *, deadline: float, what: str, alive: Callable[[], None] | None = None) -> dict[str, Any]:
+        msg = self.recv(deadline=deadline, what=what, alive=alive)
+        if msg["op"] != op:
+            raise TransferError(f"{self.peer} sent {msg['op']!r} where {what} ({op!r}) was due: the two sides disagree on the round")
+        return msg
+
+    def abort(self) -> None:
+        self._aborted = True
+        with suppress(Exception):
+            self._conn.close()
+
+    close = abort
+
+
+def check_int(msg: dict[str, Any], key: str, lo: int, hi: int, peer: str) -> int:
+    value = msg.get(key)
+    if type(value) is not int or not lo <= value <= hi:
+        raise TransferError(f"{peer} sent {msg.get('op')!r} with {key}={value!r}, outside [{lo}, {hi}]")
+    return value
+
+
+def run_bounded(fn: Callable[[], Any], *, timeout: float, what: str, on_late: Callable[[Any], None]) -> Any:
+    """Run a blocking call (accept, connect + challenge) in a daemon thread, bounded by
+    ``timeout``; a result that arrives after the timeout is handed to ``on_late``."""
+    box: dict[str, Any] = {}
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:
+            box["error"] = exc
+        else:
+            with lock:
+                late = box.get("abandoned", False)
+                box["result"] = result
+            if late:
+                on_late(result)
+        done.set()
+
+    threading.Thread(target=target, name=f"weightwire-ipc-{what}", daemon=True).start()
+    if not done.wait(timeout):
+        with lock:
+            if "result" not in box:
+                box["abandoned"] = True
+                raise TransferTimeout(f"IPC {what} did not complete within {timeout:g} s")
+        done.wait()
+    if "error" in box:
+        err = box["error"]
+        if isinstance(err, TransferError):
+            raise err
+        raise TransferError(f"IPC {what} failed: {type(err).__name__}: {err}") from err
+    return box["result"]
+
+
+# -- trainer-side slots -------------------------------------------------------------
+
+
+class IPCSlots:
+    """``count`` slot buffers of ``nbytes`` on ``device``, plus one ready event each.
+
+    Raw ``cudaMalloc`` (not a memory pool): an IPC handle names a whole allocation.
+    ``free_memory`` / ``allocate`` implement release-after-round: the events stay
+    (workers keep them open), the buffers and their handles are new each time.
+    """
+
+    def __init__(self, cp: Any, device: int, nbytes: int, count: int) -> None:
+        self._cp, self.device, self.nbytes, self.count = cp, int(device), int(nbytes), int(count)
+        self.ptrs: list[int] = []
+        self.events: list[int] = []
+        with cp.cuda.Device(self.device):
+            try:
+                self.events = [new_ipc_event(cp) for _ in range(count)]
+                self.allocate()
+            except BaseException:
+                self.destroy()
+                raise
+
+    def allocate(self) -> None:
+        if self.ptrs:
+            return
+        runtime = self._cp.cuda.runtime
+        with self._cp.cuda.Device(self.device):
+            try:
+                for _ in range(self.count):
+                    self.ptrs.append(int(runtime.malloc(self.nbytes)))
+            except Exception as exc:
+                self.free_memory()
+                raise TransferError(
+                    f"cannot allocate {self.count} IPC slot(s) of {self.nbytes} bytes on CUDA device {self.device}: {exc} "
+                    "(lower packed_buffer_size_bytes / packed_num_buffers, or XLA_PYTHON_CLIENT_MEM_FRACTION)"
+                ) from exc
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.ptrs)
+
+    def held_bytes(self) -> int:
+        return self.nbytes * len(self.ptrs)
+
+    def mem_handles_b64(self) -> list[str]:
+        runtime = self._cp.cuda.runtime
+        with self._cp.cuda.Device(self.device):
+            return [encode_secret(bytes(runtime.ipcGetMemHandle(p))) for p in self.ptrs]
+
+    def event_handles_b64(self) -> list[str]:
+        with self._cp.cuda.Device(self.device):
+            return [encode_secret(event_handle(self._cp, e)) for e in self.events]
+
+    def free_memory(self) -> None:
+        ptrs, self.ptrs = self.ptrs, []
+        with self._cp.cuda.Device(self.device):
+            for p in ptrs:
+                with suppress(Exception):
+                    self._cp.cuda.runtime.free(p)
+
+    def destroy(self) -> None:
+        self.free_memory()
+        events, self.events = self.events, []
+        for e in events:
+            with suppress(Exception):
+                self._cp.cuda.runtime.eventDestroy(e)
+
+
+class OpenedSlots:
+    """A worker's mappings of the trainer's slots (``cudaIpcOpenMemHandle``, once per session)."""
+
+    def __init__(self, cp: Any, device: int, handles: list[bytes]) -> None:
+        self._cp, self.device = cp, int(device)
+        self.ptrs: list[int] = []
+        self.open(handles)
+
+    def open(self, handles: list[bytes]) -> None:
+        self.close()
+        runtime = self._cp.cuda.runtime
+        with self._cp.cuda.Device(self.device):
+            for i, h in enumerate(handles):
+                try:
+                    self.ptrs.append(int(runtime.ipcOpenMemHandle(h, CUDA_IPC_LAZY_PEER_ACCESS)))
+                except Exception as exc:
+                    self.close()
+                    raise TransferError(
+                        f"cannot open the trainer's IPC slot {i} (cudaIpcOpenMemHandle: {exc}); the trainer must run on "
+                        "this host, be alive, and its GPU be reachable from this one (same GPU or peer access)"
+                    ) from exc
+
+    def close(self) -> None:
+        ptrs, self.ptrs = self.ptrs, []
+        with self._cp.cuda.Device(self.device):
+            for p in ptrs:
+                with suppress(Exception):
+                    self._cp.cuda.runtime.ipcCloseMemHandle(p)

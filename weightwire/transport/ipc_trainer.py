@@ -1,0 +1,185 @@
+"""The trainer's end of ``weightwire_ipc``: rendezvous and communicator (rank 0).
+
+``IPCRendezvous`` allocates the slots and their ready events, exports the handles
+(for the init info) and listens on loopback; ``join`` accepts every worker, reads its
+hello (rank, free-event handles, GPU) and opens those events. The slots are made
+once per session and reused every round (``release_after_round`` frees them between
+rounds instead). ``IPCSenderComm`` holds it all; the piece pump that uses it is
+``weightwire.trainer.ipc_pipeline.IPCPipeline``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from contextlib import suppress
+from multiprocessing.connection import Listener
+from typing import Any
+
+from weightwire.shared.communicator import TransferError
+from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
+from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
+from weightwire.transport.ipc import Channel, IPCSlots, check_int, cupy_module, device_uuid, open_event, run_bounded
+
+logger = logging.getLogger("weightwire.transport.ipc")
+
+
+class IPCSenderComm:
+    """Rank 0 of an IPC group: the slots, one channel and the free events per worker."""
+
+    def __init__(self, cp: Any, slots: IPCSlots, channels: list[Channel], free_events: list[list[int]],
+                 peer_uuids: list[str], release_after_round: bool) -> None:
+        self.cp, self.slots, self.channels, self.free_events = cp, slots, channels, free_events
+        self.peer_uuids = peer_uuids
+        self.release_after_round = release_after_round
+        self._state = "open"
+        self._lock = threading.Lock()
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.channels)
+
+    @property
+    def same_gpu(self) -> list[bool]:
+        """Per worker: does it run on the trainer's GPU (False: a peer GPU of this host)?"""
+        mine = device_uuid(self.cp, self.slots.device)
+        return [bool(mine) and u == mine for u in self.peer_uuids]
+
+    def alive(self) -> None:
+        if self._state != "open":
+            raise TransferError(f"IPC communicator is {self._state}; call trainer_init again")
+
+    def warmup(self, *, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (60.0 if timeout is None else timeout)
+        for ch in self.channels:
+            ch.send({"op": "ping"})
+        for ch in self.channels:
+            ch.expect("pong", deadline=deadline, what="the warm-up answer", alive=self.alive)
+
+    def broadcast(self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
+        raise TransferError("weightwire_ipc moves rounds through IPCPipeline, not broadcast()")
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._state != "open":
+                return
+            self._state = "aborted"
+        for ch in self.channels:
+            ch.abort()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._state != "open":
+                return
+            self._state = "closed"
+        for ch in self.channels:
+            ch.close()
+
+    def release(self) -> None:
+        """Free the slots and events (after the fill stream was synchronized or the session ended)."""
+        self.slots.destroy()
+        for events in self.free_events:
+            for e in events:
+                with suppress(Exception):
+                    self.cp.cuda.runtime.eventDestroy(e)
+        self.free_events = []
+
+
+class IPCRendezvous:
+    """Slots + listener for one session; ``payload`` is the worker init info."""
+
+    def __init__(self, *, world_size: int, device: int | None, slot_bytes: int, num_slots: int,
+                 packed: bool, timeout_s: float, release_after_round: bool, bind_host: str = "127.0.0.1") -> None:
+        cp = cupy_module()
+        self._cp = cp
+        self.device = int(cp.cuda.runtime.getDevice()) if device is None else int(device)
+        self.world_size = world_size
+        self._secret = secrets.token_bytes(TCP_SECRET_BYTES)
+        self.slots = IPCSlots(cp, self.device, slot_bytes, num_slots)
+        self._release = release_after_round
+        try:
+            self._listener = Listener((bind_host, 0), family="AF_INET", authkey=self._secret)
+            host, port = self._listener.address
+            self.payload = IPCInitInfo(
+                host=host, port=port, secret_b64=encode_secret(self._secret), rank_offset=1, world_size=world_size,
+                mem_handles_b64=self.slots.mem_handles_b64(), event_handles_b64=self.slots.event_handles_b64(),
+                device_uuid=device_uuid(cp, self.device), packed=packed, packed_buffer_size_bytes=slot_bytes,
+                packed_num_buffers=num_slots, timeout_s=timeout_s, release_after_round=release_after_round,
+            ).to_dict()
+        except BaseException:
+            self.slots.destroy()
+            raise
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"IPCRendezvous(device={self.device}, world_size={self.world_size}, <handles redacted>)"
+
+    def join(self, *, timeout: float) -> IPCSenderComm:
+        deadline = time.monotonic() + timeout
+        want = self.world_size - 1
+        accepted: list[Any] = []
+
+        def accept_all() -> list[Any]:
+            while len(accepted) < want:
+                try:
+                    accepted.append(self._listener.accept())
+                except OSError:
+                    if self._closed:
+                        raise
+                    continue  # a client that failed the challenge: keep listening for the real ones
+            return accepted
+
+        try:
+            conns = run_bounded(accept_all, timeout=timeout, what="accept of every worker",
+                                on_late=lambda cs: [c.close() for c in cs])
+        except BaseException:
+            for c in accepted:
+                with suppress(Exception):
+                    c.close()
+            self.cancel()
+            raise
+        self._close_listener()
+        channels, frees, uuids, ranks = [], [], [], set()
+        try:
+            for i, conn in enumerate(conns):
+                ch = Channel(conn, f"IPC worker connection {i}")
+                channels.append(ch)
+                hello = ch.expect("hello", deadline=deadline, what="the worker's hello")
+                rank = check_int(hello, "rank", 1, self.world_size - 1, ch.peer)
+                if rank in ranks:
+                    raise TransferError(f"two IPC workers claim rank {rank}")
+                ranks.add(rank)
+                ch.peer = f"IPC worker rank {rank}"
+                handles = decode_handles(f"{ch.peer} hello.free", hello.get("free"))
+                if len(handles) != self.slots.count:
+                    raise TransferError(f"{ch.peer} exported {len(handles)} free events for {self.slots.count} slots")
+                with self._cp.cuda.Device(self.device):
+                    frees.append([open_event(self._cp, h, f"{ch.peer}'s free event {s}") for s, h in enumerate(handles)])
+                uuid = hello.get("uuid")
+                uuids.append(uuid if isinstance(uuid, str) else "")
+        except BaseException:
+            for ch in channels:
+                ch.abort()
+            self.slots.destroy()
+            raise
+        order = sorted(range(len(channels)), key=lambda k: channels[k].peer)
+        comm = IPCSenderComm(self._cp, self.slots, [channels[k] for k in order], [frees[k] for k in order],
+                             [uuids[k] for k in order], self._release)
+        logger.info("IPC rendezvous: %d worker(s) joined; same GPU: %s", want, comm.same_gpu)
+        return comm
+
+    def _close_listener(self) -> None:
+        self._closed = True
+        with suppress(Exception):
+            self._listener.close()
+
+    def cancel(self) -> None:
+        """The init POST failed or the join timed out: stop listening, free the slots."""
+        self._close_listener()
+        self.slots.destroy()
