@@ -223,6 +223,8 @@ def test_client_names_the_route_when_no_server_listens(source: TensorSource) -> 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    with elapsed() as t, pytest.raises(WeightSyncError, match=r"version failed on .* \(no response\): ConnectError"):
+    with elapsed() as t, pytest.raises(WeightSyncError, match=r"version failed on .* \(no response\): ConnectError"
+                                       ) as info:
         engine_for(url, source, client=client_for(url))
+    observe(trainer=info.value, trainer_s=t[0])
     assert t[0] < GRACE_S

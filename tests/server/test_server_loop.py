@@ -108,3 +108,54 @@ def test_a_huge_update_body_does_not_stall_the_event_loop(monkeypatch: pytest.Mo
     statuses = asyncio.run(scenario())
     assert held == [True], "the update's validation blocked the event loop: /health could not answer meanwhile"
     assert statuses == (200, 200)
+
+
+def _client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)
+
+
+def test_round_lease_aborts_an_idle_round_and_weight_calls_rearm_it() -> None:
+    state = ServerState(pool=RecordingPool(), options=ServerOptions(lease_s=0.2))  # type: ignore[arg-type]
+    state.session.initialized(object())
+    state.session.weight_version = "v1"
+    app = create_app(state)
+
+    async def scenario() -> None:
+        async with _client(app) as http:
+            assert (await http.post("/start_weight_update")).status_code == 200
+            assert state.lease.armed
+            meta = {"update_info": {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]]}}
+            assert (await http.post("/update_weights", json=meta)).status_code == 200
+            assert state.lease.armed and state.session.phase is Phase.ROUND  # re-armed, round still open
+            while state.session.phase is Phase.ROUND:  # the trainer is gone: nobody posts finish
+                await asyncio.sleep(0.02)
+
+    asyncio.run(scenario())
+    assert state.session.phase is Phase.NO_ENGINE and state.session.weight_version == "v1"
+    assert "round lease expired" in (state.session.last_error or "")
+    assert state.pool.calls == ["start", "update", "abort"]  # type: ignore[attr-defined]
+
+
+def test_a_stale_session_is_refused_before_any_worker_is_touched() -> None:
+    from weightwire.shared.info import encode_secret
+    from weightwire.shared.routes import SESSION_HEADER
+
+    state = ServerState(pool=RecordingPool(), options=ServerOptions())  # type: ignore[arg-type]
+    app = create_app(state)
+    init = {"init_info": {"host": "127.0.0.1", "port": 5000, "secret_b64": encode_secret(b"s" * 128),
+                          "rank_offset": 1, "world_size": 2}}
+
+    async def scenario() -> None:
+        async with _client(app) as http:
+            first = (await http.post("/init_weight_transfer_engine", json=init)).json()["session_id"]
+            second = (await http.post("/init_weight_transfer_engine", json=init)).json()["session_id"]
+            assert first != second
+            state.pool.calls.clear()  # type: ignore[attr-defined]
+            for route in ("/start_weight_update", "/shutdown_weight_transfer_engine"):
+                resp = await http.post(route, headers={SESSION_HEADER: first})
+                assert resp.status_code == 409 and "replaced by a newer" in resp.text, resp.text
+                assert second not in resp.text
+            assert state.pool.calls == []  # type: ignore[attr-defined]
+            assert (await http.post("/start_weight_update", headers={SESSION_HEADER: second})).status_code == 200
+
+    asyncio.run(scenario())

@@ -430,7 +430,9 @@ class TrainerEngine(ABC):
             return
         post: Future | None = None
         if not displaced and self.features is not None and self.features.shutdown_route and hasattr(self.client, "shutdown_weight_transfer_engine"):
-            wait_s = self.info.timeouts.transfer_s + _GRACE_S
+            # The server fails an abandoned round within one broadcast timeout (its worker's
+            # receive) or its round lease (the same bound): twice that, plus slack.
+            wait_s = 2 * self.info.timeouts.transfer_s + _GRACE_S
             post = spawn(lambda: _shutdown_when_settled(self.client, wait_s), name="weightwire-shutdown")
         if self._broken is not None:
             comm.abort()
