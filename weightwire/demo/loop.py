@@ -161,6 +161,10 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
     if backend != "weightwire_tcp":
         import jax  # noqa: PLC0415  (checked before any child starts: fail in seconds, not after)
 
+        # XLA's default f32 matmul on a GPU is reduced precision (TF32); the server computes
+        # in full f32, so the sync checks would see ~1e-3 log-prob differences that are not
+        # a sync fault (seen with --colocated on an H200).
+        jax.config.update("jax_default_matmul_precision", "highest")
         if jax.default_backend() != "gpu":
             raise RuntimeError(f"--transport nccl / --colocated need JAX on a CUDA GPU (JAX runs on {jax.default_backend()}); "
                                "use --transport tcp on a CPU-only host")

@@ -28,9 +28,11 @@ from weightwire.trainer.packing import Begin, DevicePacker, DevicePipeline, Prep
 from weightwire.transport.ipc import (
     MEMCPY_DEVICE_TO_DEVICE,
     check_int,
+    dump_trace,
     record,
     stream_wait,
     sync_stream,
+    trace,
     wait_event_host,
     wait_mode,
 )
@@ -95,11 +97,14 @@ class IPCPipeline(DevicePipeline):
         # The control plane (pause, start, then the update POST) runs beside the first
         # fills instead of before them: the slots are this side's own memory, and no
         # piece is announced before it returned. Joined on every exit path.
+        trace("round")
         starter = _Starter(begin)
         try:
             return self._pump(prepared, stop, starter, copy, size, n)
         finally:
             starter.join()
+            trace("end")
+            dump_trace("trainer")
 
     def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter, copy: Any,
               size: int, n: int) -> tuple[int, int]:
@@ -108,6 +113,7 @@ class IPCPipeline(DevicePipeline):
 
         def flush(ci: int, slot: int, offset: int, fill: int) -> None:
             record(cp, slots.events[slot], self._sptr)
+            trace(f"filled {slot}")
             starter.wait()  # start + update POST: nothing is announced before them
             if self._remap:
                 self._announce_slots()
@@ -168,6 +174,7 @@ class IPCPipeline(DevicePipeline):
             else:
                 stream_wait(comm.cp, self._sptr, comm.free_events[w][slot])
         self._pending[slot] = False
+        trace(f"acquired {slot}")
 
     def _end_round(self) -> None:
         """Collect the last releases, settle the fill stream (bounded), and with
@@ -215,6 +222,7 @@ class _Starter:
     def _run(self, begin: Any) -> None:
         try:
             begin()
+            trace("begun")
         except BaseException as exc:
             self._error = exc
 

@@ -43,6 +43,24 @@ DEFAULT_WAIT = "device"
 _SPIN_S = 0.2
 
 
+_TRACE_TO = os.environ.get("WEIGHTWIRE_IPC_TRACE")
+_trace: list[tuple[float, str]] = []
+
+
+def trace(event: str) -> None:
+    """Debug aid (``WEIGHTWIRE_IPC_TRACE=/path/prefix``): a host timestamp per protocol step,
+    written per round by ``dump_trace``; one clock (``perf_counter``) for every process."""
+    if _TRACE_TO is not None:
+        _trace.append((time.perf_counter(), event))
+
+
+def dump_trace(side: str) -> None:
+    if _TRACE_TO is not None and _trace:
+        with open(f"{_TRACE_TO}.{side}.{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps(_trace) + "\n")
+        _trace.clear()
+
+
 class IPCUnavailable(RuntimeError):
     """CuPy or a CUDA device is missing, so CUDA IPC cannot be used here."""
 

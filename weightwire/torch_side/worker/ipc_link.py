@@ -33,6 +33,7 @@ from weightwire.transport.ipc import (
     check_int,
     cupy_module,
     device_uuid,
+    dump_trace,
     event_handle,
     new_ipc_event,
     open_event,
@@ -40,6 +41,7 @@ from weightwire.transport.ipc import (
     run_bounded,
     stream_wait,
     sync_stream,
+    trace,
     wait_event_host,
     wait_mode,
 )
@@ -144,7 +146,9 @@ class IPCLink(ReceiveLink):
         got, base, count = 0, buf.data_ptr(), len(rx.ready)
         with cp.cuda.Device(rx.device):
             while got < chunk.nbytes:
+                trace(f"wait c{index}")
                 msg = ch.recv(deadline=deadline, what=f"piece at byte {got} of chunk {index}", alive=rx.alive)
+                trace(f"got {msg.get('s')}")
                 if msg["op"] == "slots":
                     self._remap(msg)
                     continue
@@ -173,6 +177,8 @@ class IPCLink(ReceiveLink):
                 ch.send({"op": "closed"})
         buf.record_stream(self._stream)
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        if last:
+            dump_trace("worker")
         return buf
 
     def _remap(self, msg: dict[str, Any]) -> None:
