@@ -11,9 +11,9 @@ order, a dead worker, a refused start).
 
 from __future__ import annotations
 
+import socket
 import threading
 from contextlib import nullcontext
-from multiprocessing import Pipe
 from typing import Any
 
 import pytest
@@ -22,7 +22,8 @@ from weightwire.shared.communicator import PeerLost, TransferError
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.ipc_pipeline import IPCPipeline
-from weightwire.transport.ipc import Channel, IPCSlots
+from weightwire.transport.ipc import IPCSlots
+from weightwire.transport.ipc_channel import Channel
 from weightwire.transport.ipc_trainer import IPCSenderComm
 from weightwire.transport.nccl_buffers import DeviceBytes
 
@@ -144,7 +145,7 @@ def _setup(total: int, *, slot: int = 100, count: int = 2, release: bool = False
     log: list = []
     cp = FakeCupy(log)
     slots = IPCSlots(cp, 0, slot, count)
-    a, b = Pipe()
+    a, b = socket.socketpair()
     comm = IPCSenderComm(cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12][:count]], [""], release)
     worker = FakeWorker(b, total, release=release, misbehave=misbehave)
     worker.start()
@@ -193,7 +194,7 @@ def test_release_after_round_frees_slots_and_announces_new_ones() -> None:
     assert not slots.allocated and pipe.held_bytes() == 0
     assert [("free", p) for p in first] == [e for e in log if e[0] == "free"]  # only after the worker's "closed"
     # The next round of the same session: fresh buffers, announced before its first piece.
-    a, b = Pipe()
+    a, b = socket.socketpair()
     pipe._comm.channels[0] = Channel(a, "IPC worker rank 1")
     second = FakeWorker(b, 50, release=True)
     second.start()

@@ -166,7 +166,7 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
         # a sync fault (seen with --colocated on an H200).
         jax.config.update("jax_default_matmul_precision", "highest")
         if jax.default_backend() != "gpu":
-            raise RuntimeError(f"--transport nccl / --colocated need JAX on a CUDA GPU (JAX runs on {jax.default_backend()}); "
+            raise RuntimeError(f"{'--colocated' if cfg.colocated else '--transport nccl'} needs JAX on a CUDA GPU (JAX runs on {jax.default_backend()}); "
                                "use --transport tcp on a CPU-only host")
     server: EmbeddedServer | None = None
     with StartupProgress(console, phases=6 if cfg.server is None else 3) as prog:

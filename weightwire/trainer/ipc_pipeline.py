@@ -22,12 +22,11 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.packing import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
 from weightwire.transport.ipc import (
     MEMCPY_DEVICE_TO_DEVICE,
-    check_int,
     dump_trace,
     record,
     stream_wait,
@@ -36,6 +35,7 @@ from weightwire.transport.ipc import (
     wait_event_host,
     wait_mode,
 )
+from weightwire.transport.ipc_channel import check_int
 from weightwire.transport.ipc_trainer import IPCSenderComm
 from weightwire.transport.nccl_buffers import stream_pointer
 
@@ -98,7 +98,7 @@ class IPCPipeline(DevicePipeline):
         # fills instead of before them: the slots are this side's own memory, and no
         # piece is announced before it returned. Joined on every exit path.
         trace("round")
-        starter = _Starter(begin)
+        starter = _Starter(begin, timeout=_CONTROL_BOUND_S + self._timeout)
         try:
             return self._pump(prepared, stop, starter, copy, size, n)
         finally:
@@ -209,10 +209,16 @@ class IPCPipeline(DevicePipeline):
             self._comm.slots.ptrs = []
 
 
+_CONTROL_BOUND_S = 2 * 300.0
+"""Backstop for the control plane's thread: its calls are each bounded by the client's
+own HTTP timeout (``Timeouts.http_s``, 300 s by default); this only guards a client that is not."""
+
+
 class _Starter:
     """Runs the round's ``begin`` (control plane) on a helper thread from the start."""
 
-    def __init__(self, begin: Begin) -> None:
+    def __init__(self, begin: Begin, *, timeout: float) -> None:
+        self._timeout = timeout
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if begin is not None:
@@ -227,9 +233,11 @@ class _Starter:
             self._error = exc
 
     def join(self) -> None:
-        # Each control call is bounded by the client's own HTTP timeout.
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(self._timeout)
+            if self._thread.is_alive():
+                raise TransferTimeout(f"the control plane (pause / start / update POST) did not return within "
+                                      f"{self._timeout:g} s")
 
     def wait(self) -> None:
         """Block until ``begin`` returned; re-raise its error here."""
