@@ -38,7 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 # (model, packed, slot MiB, slots, release after round, engines)
 CONFIGS = [
-    ("llama3-8b", True, 1024, 2, False, "jax,torch"), ("llama3-8b", True, 512, 2, False, "jax"),
+    ("llama3-8b", True, 1024, 2, False, "jax,torch"), ("llama3-8b", True, 2048, 2, False, "jax,torch"),
+    ("llama3-8b", True, 4096, 2, False, "jax"),
+    ("llama3-8b", True, 1024, 4, False, "jax"), ("llama3-8b", True, 512, 2, False, "jax"),
     ("llama3-8b", True, 256, 4, False, "jax"), ("llama3-8b", True, 1024, 1, False, "jax"),
     ("llama3-8b", True, 1024, 2, True, "jax"), ("llama3-8b", False, 1024, 2, False, "jax"),
     ("qwen2-0.5b", True, 1024, 2, False, "jax,torch"), ("qwen2-0.5b", True, 256, 2, False, "jax,torch"),

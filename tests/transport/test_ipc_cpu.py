@@ -5,9 +5,9 @@ registration. The GPU paths are in ``tests/gpu/test_ipc_gpu.py``."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
-from multiprocessing import Pipe
 
 import pytest
 
@@ -16,7 +16,7 @@ from weightwire.shared.info import INIT_INFO_TYPES, encode_secret
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES, IPCInitInfo
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.info import TrainerInitInfo
-from weightwire.transport.ipc import Channel, check_int, run_bounded
+from weightwire.transport.ipc_channel import Channel, Listener, check_int, dial
 
 SECRET = encode_secret(bytes(range(128)))
 HANDLE = encode_secret(bytes(range(IPC_HANDLE_BYTES)))
@@ -68,7 +68,7 @@ def test_backend_is_registered_on_device_and_knob_is_checked() -> None:
 
 
 def _pair() -> tuple[Channel, Channel]:
-    a, b = Pipe()
+    a, b = socket.socketpair()
     return Channel(a, "peer A"), Channel(b, "peer B")
 
 
@@ -85,7 +85,7 @@ def test_channel_reports_a_dead_peer_as_peer_lost() -> None:
     a, b = _pair()
     b.abort()  # the peer's end closes, as when its process dies
     with pytest.raises(PeerLost, match="peer A closed the IPC control channel while this side waited for a piece"):
-        Channel(a._conn, "peer A").recv(deadline=time.monotonic() + 5, what="a piece")
+        a.recv(deadline=time.monotonic() + 5, what="a piece")
 
 
 def test_channel_wait_is_bounded() -> None:
@@ -96,10 +96,10 @@ def test_channel_wait_is_bounded() -> None:
 
 def test_channel_refuses_garbage_and_out_of_step_messages() -> None:
     a, b = _pair()
-    b._conn.send_bytes(b"\x80not json")
+    b.send_raw(b"\x80not json", "junk")
     with pytest.raises(TransferError, match="not JSON"):
         a.recv(deadline=time.monotonic() + 5, what="x")
-    b._conn.send_bytes(b"[1, 2]")
+    b.send_raw(b"[1, 2]", "junk")
     with pytest.raises(TransferError, match="without an 'op'"):
         a.recv(deadline=time.monotonic() + 5, what="x")
     b.send({"op": "free", "s": 0})
@@ -135,16 +135,62 @@ def test_channel_abort_from_another_thread_wakes_a_waiter() -> None:
     assert isinstance(errors[0], TransferError) and "aborted" in str(errors[0])
 
 
-def test_run_bounded_times_out_and_hands_a_late_result_over() -> None:
-    release, late = threading.Event(), threading.Event()
+def test_channel_refuses_an_oversized_frame_before_reading_it() -> None:
+    a, b = _pair()
+    b._sock.sendall((1 << 30).to_bytes(4, "big"))
+    with pytest.raises(TransferError, match="1073741824-byte control message, over the limit"):
+        a.recv(deadline=time.monotonic() + 5, what="x")
 
-    def slow() -> str:
-        release.wait(10)
-        return "conn"
 
-    with pytest.raises(TransferTimeout, match="IPC accept did not complete within"):
-        run_bounded(slow, timeout=0.05, what="accept", on_late=lambda r: late.set())
-    release.set()
-    assert late.wait(10)
-    with pytest.raises(TransferError, match="IPC connect failed: ConnectionRefusedError"):
-        run_bounded(lambda: (_ for _ in ()).throw(ConnectionRefusedError("no")), timeout=5, what="connect", on_late=print)
+def _dial_in_thread(port: int, secret: bytes, out: list) -> threading.Thread:
+    def run() -> None:
+        try:
+            out.append(dial("127.0.0.1", port, secret, timeout=10, peer="the trainer"))
+        except BaseException as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_handshake_admits_the_secret_holder_and_refuses_a_stray_client() -> None:
+    secret = bytes(range(128))
+    listener = Listener("127.0.0.1", secret)
+    port = listener.address[1]
+    stray: list = []
+    good: list = []
+    t1 = _dial_in_thread(port, b"w" * 128, stray)  # wrong secret: refused, the listener keeps waiting
+    t1.join(10)
+    t2 = _dial_in_thread(port, secret, good)
+    (trainer_side,) = listener.accept(1, timeout=10)
+    t2.join(10)
+    listener.close()
+    assert isinstance(stray[0], TransferError), stray
+    worker_side = good[0]
+    assert isinstance(worker_side, Channel)
+    worker_side.send({"op": "hello", "rank": 1})
+    assert trainer_side.expect("hello", deadline=time.monotonic() + 5, what="hello")["rank"] == 1
+
+
+def test_worker_refuses_a_trainer_that_cannot_prove_the_secret() -> None:
+    listener = Listener("127.0.0.1", b"t" * 128)  # a listener with another secret
+    out: list = []
+    thread = _dial_in_thread(listener.address[1], b"w" * 128, out)
+    with pytest.raises(TransferTimeout, match="1 of 1 worker\\(s\\) did not join"):
+        listener.accept(1, timeout=0.5)  # it refuses the worker's proof too
+    thread.join(10)
+    listener.close()
+    assert isinstance(out[0], (TransferError,)), out
+
+
+def test_accept_is_bounded_and_cancellable() -> None:
+    listener = Listener("127.0.0.1", b"s" * 128)
+    with pytest.raises(TransferTimeout, match="IPC rendezvous: 2 of 2 worker\\(s\\) did not join within"):
+        listener.accept(2, timeout=0.1)
+    errors: list = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(TransferError, listener.accept, 1, timeout=30)))
+    thread.start()
+    listener.close()  # the init request failed: the join must end now, not at its timeout
+    thread.join(10)
+    assert not thread.is_alive() and "cancelled" in str(errors[0].value)

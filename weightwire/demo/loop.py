@@ -167,8 +167,13 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
     if backend != "weightwire_tcp":
         import jax  # noqa: PLC0415
 
+        # XLA's default f32 matmul on a GPU is reduced precision (TF32); the server computes
+        # in full f32, so the sync checks would see ~1e-3 log-prob differences that are not
+        # a sync fault (seen with --colocated on an H200).
+        jax.config.update("jax_default_matmul_precision", "highest")
         if jax.default_backend() != "gpu":
-            raise CommandError(f"--backend {backend} needs JAX on a CUDA GPU (JAX runs on "
+            what = "--colocated" if cfg.colocated else f"--backend {backend}"
+            raise CommandError(f"{what} needs JAX on a CUDA GPU (JAX runs on "
                                f"{jax.default_backend()}); use --backend weightwire_tcp on a CPU-only host")
     server: EmbeddedServer | None = None
     with StartupProgress(console, phases=6 if cfg.server is None else 3) as prog:

@@ -22,18 +22,20 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.packing import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
 from weightwire.transport.ipc import (
     MEMCPY_DEVICE_TO_DEVICE,
-    check_int,
+    dump_trace,
     record,
     stream_wait,
     sync_stream,
+    trace,
     wait_event_host,
     wait_mode,
 )
+from weightwire.transport.ipc_channel import check_int
 from weightwire.transport.ipc_trainer import IPCSenderComm
 from weightwire.transport.nccl_buffers import stream_pointer
 
@@ -95,11 +97,14 @@ class IPCPipeline(DevicePipeline):
         # The control plane (pause, start, then the update POST) runs beside the first
         # fills instead of before them: the slots are this side's own memory, and no
         # piece is announced before it returned. Joined on every exit path.
-        starter = _Starter(begin)
+        trace("round")
+        starter = _Starter(begin, timeout=_CONTROL_BOUND_S + self._timeout)
         try:
             return self._pump(prepared, stop, starter, copy, size, n)
         finally:
             starter.join()
+            trace("end")
+            dump_trace("trainer")
 
     def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter, copy: Any,
               size: int, n: int) -> tuple[int, int]:
@@ -108,6 +113,7 @@ class IPCPipeline(DevicePipeline):
 
         def flush(ci: int, slot: int, offset: int, fill: int) -> None:
             record(cp, slots.events[slot], self._sptr)
+            trace(f"filled {slot}")
             starter.wait()  # start + update POST: nothing is announced before them
             if self._remap:
                 self._announce_slots()
@@ -168,6 +174,7 @@ class IPCPipeline(DevicePipeline):
             else:
                 stream_wait(comm.cp, self._sptr, comm.free_events[w][slot])
         self._pending[slot] = False
+        trace(f"acquired {slot}")
 
     def _end_round(self) -> None:
         """Collect the last releases, settle the fill stream (bounded), and with
@@ -202,10 +209,16 @@ class IPCPipeline(DevicePipeline):
             self._comm.slots.ptrs = []
 
 
+_CONTROL_BOUND_S = 2 * 300.0
+"""Backstop for the control plane's thread: its calls are each bounded by the client's
+own HTTP timeout (``Timeouts.http_s``, 300 s by default); this only guards a client that is not."""
+
+
 class _Starter:
     """Runs the round's ``begin`` (control plane) on a helper thread from the start."""
 
-    def __init__(self, begin: Begin) -> None:
+    def __init__(self, begin: Begin, *, timeout: float) -> None:
+        self._timeout = timeout
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if begin is not None:
@@ -215,13 +228,16 @@ class _Starter:
     def _run(self, begin: Any) -> None:
         try:
             begin()
+            trace("begun")
         except BaseException as exc:
             self._error = exc
 
     def join(self) -> None:
-        # Each control call is bounded by the client's own HTTP timeout.
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(self._timeout)
+            if self._thread.is_alive():
+                raise TransferTimeout(f"the control plane (pause / start / update POST) did not return within "
+                                      f"{self._timeout:g} s")
 
     def wait(self) -> None:
         """Block until ``begin`` returned; re-raise its error here."""

@@ -14,22 +14,20 @@ A message is sent only after the event it names was recorded, so a wait never se
 stale record. Every host wait is bounded (``Channel.recv``, ``sync_stream``); a dead
 peer shows up as ``PeerLost`` at once (its end of the channel closes).
 
-The channel is ``multiprocessing.connection`` over loopback TCP, authenticated both
-ways with the session's 128-byte secret (HMAC challenge); only ``send_bytes`` /
-``recv_bytes`` are used, never its pickling ``send`` / ``recv``.
+The control channel (``ipc_channel``) is loopback TCP, authenticated both ways with
+the session's 128-byte secret (HMAC challenge), carrying length-prefixed JSON.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.info import encode_secret
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
 
@@ -41,6 +39,24 @@ MAX_MESSAGE_BYTES = 1 << 20
 _POLL_S = 0.05
 DEFAULT_WAIT = "device"
 _SPIN_S = 0.2
+
+
+_TRACE_TO = os.environ.get("WEIGHTWIRE_IPC_TRACE")
+_trace: list[tuple[float, str]] = []
+
+
+def trace(event: str) -> None:
+    """Debug aid (``WEIGHTWIRE_IPC_TRACE=/path/prefix``): a host timestamp per protocol step,
+    written per round by ``dump_trace``; one clock (``perf_counter``) for every process."""
+    if _TRACE_TO is not None:
+        _trace.append((time.perf_counter(), event))
+
+
+def dump_trace(side: str) -> None:
+    if _TRACE_TO is not None and _trace:
+        with open(f"{_TRACE_TO}.{side}.{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps(_trace) + "\n")
+        _trace.clear()
 
 
 class IPCUnavailable(RuntimeError):
@@ -165,110 +181,6 @@ def sync_stream(cp: Any, device: int, stream_ptr: int, *, timeout: float, what: 
 def _done(event: Any) -> bool:
     done = event.done
     return bool(done() if callable(done) else done)
-
-
-# -- the control channel ------------------------------------------------------------
-
-
-class Channel:
-    """One authenticated loopback connection carrying small JSON messages."""
-
-    def __init__(self, conn: Any, peer: str) -> None:
-        self._conn = conn
-        self.peer = peer
-        self._aborted = False
-
-    def send(self, msg: dict[str, Any]) -> None:
-        if self._aborted:
-            raise TransferError(f"IPC control channel to {self.peer} was aborted")
-        try:
-            self._conn.send_bytes(json.dumps(msg, separators=(",", ":")).encode())
-        except Exception as exc:
-            raise PeerLost(f"lost {self.peer} while sending {msg.get('op')!r}: {type(exc).__name__}: {exc}") from None
-
-    def recv(self, *, deadline: float, what: str, alive: Callable[[], None] | None = None) -> dict[str, Any]:
-        """The next message, or ``TransferTimeout`` at ``deadline`` / ``PeerLost`` at EOF."""
-        while True:
-            if alive is not None:
-                alive()
-            if self._aborted:
-                raise TransferError(f"IPC control channel to {self.peer} was aborted while waiting for {what}")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferTimeout(f"no {what} from {self.peer} within the timeout (is it alive and in the round?)")
-            try:
-                if self._conn.poll(min(left, _POLL_S)):
-                    raw = self._conn.recv_bytes(MAX_MESSAGE_BYTES)
-                    break
-            except EOFError:
-                raise PeerLost(f"{self.peer} closed the IPC control channel while this side waited for {what} "
-                               "(the process exited or aborted its session)") from None
-            except Exception as exc:
-                if self._aborted:
-                    raise TransferError(f"IPC control channel to {self.peer} was aborted while waiting for {what}") from None
-                raise PeerLost(f"lost {self.peer} while waiting for {what}: {type(exc).__name__}: {exc}") from None
-        try:
-            msg = json.loads(raw)
-        except ValueError:
-            raise TransferError(f"{self.peer} sent a control message that is not JSON") from None
-        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-            raise TransferError(f"{self.peer} sent a control message without an 'op': {raw[:80]!r}")
-        return msg
-
-    def expect(self, op: str, *, deadline: float, what: str, alive: Callable[[], None] | None = None) -> dict[str, Any]:
-        msg = self.recv(deadline=deadline, what=what, alive=alive)
-        if msg["op"] != op:
-            raise TransferError(f"{self.peer} sent {msg['op']!r} where {what} ({op!r}) was due: the two sides disagree on the round")
-        return msg
-
-    def abort(self) -> None:
-        self._aborted = True
-        with suppress(Exception):
-            self._conn.close()
-
-    close = abort
-
-
-def check_int(msg: dict[str, Any], key: str, lo: int, hi: int, peer: str) -> int:
-    value = msg.get(key)
-    if type(value) is not int or not lo <= value <= hi:
-        raise TransferError(f"{peer} sent {msg.get('op')!r} with {key}={value!r}, outside [{lo}, {hi}]")
-    return value
-
-
-def run_bounded(fn: Callable[[], Any], *, timeout: float, what: str, on_late: Callable[[Any], None]) -> Any:
-    """Run a blocking call (accept, connect + challenge) in a daemon thread, bounded by
-    ``timeout``; a result that arrives after the timeout is handed to ``on_late``."""
-    box: dict[str, Any] = {}
-    lock = threading.Lock()
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            result = fn()
-        except BaseException as exc:
-            box["error"] = exc
-        else:
-            with lock:
-                late = box.get("abandoned", False)
-                box["result"] = result
-            if late:
-                on_late(result)
-        done.set()
-
-    threading.Thread(target=target, name=f"weightwire-ipc-{what}", daemon=True).start()
-    if not done.wait(timeout):
-        with lock:
-            if "result" not in box:
-                box["abandoned"] = True
-                raise TransferTimeout(f"IPC {what} did not complete within {timeout:g} s")
-        done.wait()
-    if "error" in box:
-        err = box["error"]
-        if isinstance(err, TransferError):
-            raise err
-        raise TransferError(f"IPC {what} failed: {type(err).__name__}: {err}") from err
-    return box["result"]
 
 
 # -- trainer-side slots -------------------------------------------------------------

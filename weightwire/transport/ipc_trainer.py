@@ -15,13 +15,13 @@ import secrets
 import threading
 import time
 from contextlib import suppress
-from multiprocessing.connection import Listener
 from typing import Any
 
 from weightwire.shared.communicator import TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
-from weightwire.transport.ipc import Channel, IPCSlots, check_int, cupy_module, device_uuid, open_event, run_bounded
+from weightwire.transport.ipc import IPCSlots, cupy_module, device_uuid, open_event
+from weightwire.transport.ipc_channel import Channel, Listener, check_int
 
 logger = logging.getLogger("weightwire.transport.ipc")
 
@@ -104,7 +104,7 @@ class IPCRendezvous:
         self.slots = IPCSlots(cp, self.device, slot_bytes, num_slots)
         self._release = release_after_round
         try:
-            self._listener = Listener((bind_host, 0), family="AF_INET", authkey=self._secret)
+            self._listener = Listener(bind_host, self._secret)
             host, port = self._listener.address
             self.payload = IPCInitInfo(
                 host=host, port=port, secret_b64=encode_secret(self._secret), rank_offset=1, world_size=world_size,
@@ -122,33 +122,16 @@ class IPCRendezvous:
 
     def join(self, *, timeout: float) -> IPCSenderComm:
         deadline = time.monotonic() + timeout
-        want = self.world_size - 1
-        accepted: list[Any] = []
-
-        def accept_all() -> list[Any]:
-            while len(accepted) < want:
-                try:
-                    accepted.append(self._listener.accept())
-                except OSError:
-                    if self._closed:
-                        raise
-                    continue  # a client that failed the challenge: keep listening for the real ones
-            return accepted
-
         try:
-            conns = run_bounded(accept_all, timeout=timeout, what="accept of every worker",
-                                on_late=lambda cs: [c.close() for c in cs])
+            accepted = self._listener.accept(self.world_size - 1, timeout=timeout)
         except BaseException:
-            for c in accepted:
-                with suppress(Exception):
-                    c.close()
             self.cancel()
             raise
         self._close_listener()
+        want = len(accepted)
         channels, frees, uuids, ranks = [], [], [], set()
         try:
-            for i, conn in enumerate(conns):
-                ch = Channel(conn, f"IPC worker connection {i}")
+            for ch in accepted:
                 channels.append(ch)
                 hello = ch.expect("hello", deadline=deadline, what="the worker's hello")
                 rank = check_int(hello, "rank", 1, self.world_size - 1, ch.peer)
@@ -164,7 +147,7 @@ class IPCRendezvous:
                 uuid = hello.get("uuid")
                 uuids.append(uuid if isinstance(uuid, str) else "")
         except BaseException:
-            for ch in channels:
+            for ch in accepted:
                 ch.abort()
             self.slots.destroy()
             raise

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import suppress
-from multiprocessing.connection import Client
 from typing import Any
 
 import torch
@@ -28,21 +27,21 @@ from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.receive import ReceiveLink
 from weightwire.transport.ipc import (
     MEMCPY_DEVICE_TO_DEVICE,
-    Channel,
     OpenedSlots,
-    check_int,
     cupy_module,
     device_uuid,
+    dump_trace,
     event_handle,
     new_ipc_event,
     open_event,
     record,
-    run_bounded,
     stream_wait,
     sync_stream,
+    trace,
     wait_event_host,
     wait_mode,
 )
+from weightwire.transport.ipc_channel import Channel, check_int, dial
 
 
 class IPCReceiver:
@@ -104,13 +103,12 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> Receiv
             slots.close()
             raise
     try:
-        conn = run_bounded(lambda: Client((info.host, info.port), family="AF_INET", authkey=info.secret),
-                           timeout=local.connect_s, what=f"connect to the trainer at {info.host}:{info.port}",
-                           on_late=lambda c: c.close())
+        channel = dial(info.host, info.port, info.secret, timeout=local.connect_s,
+                       peer=f"the IPC trainer at {info.host}:{info.port}")
     except BaseException:
         slots.close()
         raise
-    receiver = IPCReceiver(cp, index, Channel(conn, f"the IPC trainer at {info.host}:{info.port}"), slots, ready, free, info)
+    receiver = IPCReceiver(cp, index, channel, slots, ready, free, info)
     try:
         receiver.channel.send(hello)
         receiver.warmup(timeout=local.warmup_s)
@@ -144,7 +142,9 @@ class IPCLink(ReceiveLink):
         got, base, count = 0, buf.data_ptr(), len(rx.ready)
         with cp.cuda.Device(rx.device):
             while got < chunk.nbytes:
+                trace(f"wait c{index}")
                 msg = ch.recv(deadline=deadline, what=f"piece at byte {got} of chunk {index}", alive=rx.alive)
+                trace(f"got {msg.get('s')}")
                 if msg["op"] == "slots":
                     self._remap(msg)
                     continue
@@ -173,6 +173,8 @@ class IPCLink(ReceiveLink):
                 ch.send({"op": "closed"})
         buf.record_stream(self._stream)
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        if last:
+            dump_trace("worker")
         return buf
 
     def _remap(self, msg: dict[str, Any]) -> None:

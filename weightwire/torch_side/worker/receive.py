@@ -45,11 +45,12 @@ def unpack_chunk(buffer: torch.Tensor, metas: Sequence[ParamMeta], chunk: Chunk)
     out: list[tuple[str, torch.Tensor]] = []
     for meta, offset in zip(metas[chunk.start : chunk.stop], chunk.offsets, strict=True):
         dtype = torch_dtype(meta.dtype)
-        if meta.nbytes == 0:  # torch cannot reinterpret an empty slice's (zero) stride
+        nbytes = meta.nbytes  # once: each property call re-derives it (per tensor, per round)
+        if nbytes == 0:  # torch cannot reinterpret an empty slice's (zero) stride
             out.append((meta.name, torch.empty(meta.shape, dtype=dtype, device=buffer.device)))
             continue
-        raw = buffer[offset : offset + meta.nbytes]
-        if offset % meta.itemsize:
+        raw = buffer[offset : offset + nbytes]
+        if offset % dtype.itemsize:
             raw = raw.clone()
         out.append((meta.name, raw.view(dtype).view(meta.shape)))
     return out

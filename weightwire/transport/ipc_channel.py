@@ -1,0 +1,217 @@
+"""The control channel of ``weightwire_ipc``: loopback TCP, small JSON messages.
+
+Why not ``multiprocessing.connection``: its ``recv`` unpickles, and weightwire keeps
+every pickling module out of the package (``tests/faults/test_security.py``). This is
+a stdlib socket with a 4-byte big-endian length in front of each JSON message
+(``MAX_MESSAGE_BYTES`` at most), and a mutual HMAC-SHA256 challenge over the session's
+128-byte secret before any message: the worker proves it got the secret from the
+init info, the trainer proves it is the one that minted it. Every wait is bounded; a
+peer that dies closes its end and the other side raises ``PeerLost`` at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+
+MAX_MESSAGE_BYTES = 1 << 20
+NONCE_BYTES = 32
+_POLL_S = 0.05
+_CLIENT, _SERVER = b"weightwire-ipc/1 worker", b"weightwire-ipc/1 trainer"
+
+
+class Channel:
+    """One connection; single-threaded use, except ``abort`` (any thread)."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        with suppress(OSError):  # a message per piece: no Nagle delay (tests use Unix socket pairs)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._buf = bytearray()
+        self.peer = peer
+        self._aborted = False
+
+    # -- raw frames -----------------------------------------------------------------
+
+    def send_raw(self, payload: bytes, what: str) -> None:
+        if self._aborted:
+            raise TransferError(f"IPC control channel to {self.peer} was aborted")
+        try:
+            self._sock.settimeout(30.0)  # a few hundred bytes into a loopback socket buffer
+            self._sock.sendall(len(payload).to_bytes(4, "big") + payload)
+        except Exception as exc:
+            if self._aborted:
+                raise TransferError(f"IPC control channel to {self.peer} was aborted") from None
+            raise PeerLost(f"lost {self.peer} while sending {what}: {type(exc).__name__}: {exc}") from None
+
+    def _fill(self, n: int, deadline: float, what: str, alive: Callable[[], None] | None) -> None:
+        while len(self._buf) < n:
+            if alive is not None:
+                alive()
+            if self._aborted:
+                raise TransferError(f"IPC control channel to {self.peer} was aborted while waiting for {what}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"no {what} from {self.peer} within the timeout (is it alive and in the round?)")
+            try:
+                self._sock.settimeout(min(left, _POLL_S))
+                data = self._sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            except Exception as exc:
+                if self._aborted:
+                    raise TransferError(f"IPC control channel to {self.peer} was aborted while waiting for {what}") from None
+                raise PeerLost(f"lost {self.peer} while waiting for {what}: {type(exc).__name__}: {exc}") from None
+            if not data:
+                if self._aborted:
+                    raise TransferError(f"IPC control channel to {self.peer} was aborted while waiting for {what}")
+                raise PeerLost(f"{self.peer} closed the IPC control channel while this side waited for {what} "
+                               "(the process exited or aborted its session)")
+            self._buf += data
+
+    def recv_raw(self, *, deadline: float, what: str, alive: Callable[[], None] | None = None) -> bytes:
+        self._fill(4, deadline, what, alive)
+        n = int.from_bytes(self._buf[:4], "big")
+        if n > MAX_MESSAGE_BYTES:
+            raise TransferError(f"{self.peer} sent a {n}-byte control message, over the limit {MAX_MESSAGE_BYTES}")
+        self._fill(4 + n, deadline, what, alive)
+        raw = bytes(self._buf[4:4 + n])
+        del self._buf[:4 + n]
+        return raw
+
+    # -- JSON messages ------------------------------------------------------------------
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.send_raw(json.dumps(msg, separators=(",", ":")).encode(), repr(msg.get("op")))
+
+    def recv(self, *, deadline: float, what: str, alive: Callable[[], None] | None = None) -> dict[str, Any]:
+        """The next message, or ``TransferTimeout`` at ``deadline`` / ``PeerLost`` at EOF."""
+        raw = self.recv_raw(deadline=deadline, what=what, alive=alive)
+        try:
+            msg = json.loads(raw)
+        except ValueError:
+            raise TransferError(f"{self.peer} sent a control message that is not JSON") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+            raise TransferError(f"{self.peer} sent a control message without an 'op': {raw[:80]!r}")
+        return msg
+
+    def expect(self, op: str, *, deadline: float, what: str, alive: Callable[[], None] | None = None) -> dict[str, Any]:
+        msg = self.recv(deadline=deadline, what=what, alive=alive)
+        if msg["op"] != op:
+            raise TransferError(f"{self.peer} sent {msg['op']!r} where {what} ({op!r}) was due: the two sides disagree on the round")
+        return msg
+
+    def abort(self) -> None:
+        self._aborted = True
+        with suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a recv in another thread
+        with suppress(OSError):
+            self._sock.close()
+
+    close = abort
+
+
+def _tag(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+
+
+def accept_handshake(ch: Channel, secret: bytes, deadline: float) -> None:
+    """Trainer side: challenge the worker, check its proof, prove ourselves."""
+    mine = secrets.token_bytes(NONCE_BYTES)
+    ch.send_raw(mine, "the challenge")
+    answer = ch.recv_raw(deadline=deadline, what="the worker's proof")
+    theirs, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
+    if len(theirs) != NONCE_BYTES or not hmac.compare_digest(proof, _tag(secret, _CLIENT, mine, theirs)):
+        raise TransferError(f"{ch.peer} did not prove the session secret; connection refused")
+    ch.send_raw(_tag(secret, _SERVER, theirs, mine), "the trainer's proof")
+
+
+def dial(host: str, port: int, secret: bytes, *, timeout: float, peer: str) -> Channel:
+    """Worker side: connect, answer the challenge, check the trainer's proof (bounded)."""
+    deadline = time.monotonic() + timeout
+    try:
+        sock = socket.create_connection((host, port), timeout=max(0.1, min(timeout, 30.0)))
+    except OSError as exc:
+        raise TransferError(f"cannot connect to {peer}: {exc}") from None
+    ch = Channel(sock, peer)
+    try:
+        challenge = ch.recv_raw(deadline=deadline, what="the challenge")
+        if len(challenge) != NONCE_BYTES:
+            raise TransferError(f"{peer} is not a weightwire IPC trainer (bad challenge)")
+        mine = secrets.token_bytes(NONCE_BYTES)
+        ch.send_raw(mine + _tag(secret, _CLIENT, challenge, mine), "the proof")
+        proof = ch.recv_raw(deadline=deadline, what="the trainer's proof")
+        if not hmac.compare_digest(proof, _tag(secret, _SERVER, mine, challenge)):
+            raise TransferError(f"{peer} did not prove the session secret; refusing to receive weights from it")
+    except BaseException:
+        ch.abort()
+        raise
+    return ch
+
+
+class Listener:
+    """Loopback listener accepting ``want`` authenticated workers before a deadline."""
+
+    def __init__(self, bind_host: str, secret: bytes) -> None:
+        self._sock = socket.create_server((bind_host, 0))
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._secret = secret
+        self._closed = threading.Event()
+
+    def accept(self, want: int, *, timeout: float) -> list[Channel]:
+        deadline = time.monotonic() + timeout
+        got: list[Channel] = []
+        refused: list[str] = []
+        try:
+            while len(got) < want:
+                if self._closed.is_set():
+                    raise TransferError("the IPC rendezvous was cancelled (the init request failed)")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    why = f"; refused: {'; '.join(refused[:3])}" if refused else ""
+                    raise TransferTimeout(f"IPC rendezvous: {want - len(got)} of {want} worker(s) did not join "
+                                          f"within {timeout:g} s{why}")
+                try:
+                    self._sock.settimeout(min(left, _POLL_S))
+                    sock, addr = self._sock.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    if self._closed.is_set():
+                        raise TransferError("the IPC rendezvous was cancelled (the init request failed)") from None
+                    raise
+                ch = Channel(sock, f"IPC worker connection from {addr[0]}:{addr[1]}")
+                try:
+                    accept_handshake(ch, self._secret, min(deadline, time.monotonic() + 10.0))
+                except TransferError as exc:  # a stray or wrong client: keep waiting for the real ones
+                    refused.append(str(exc))
+                    ch.abort()
+                    continue
+                got.append(ch)
+        except BaseException:
+            for ch in got:
+                ch.abort()
+            raise
+        return got
+
+    def close(self) -> None:
+        self._closed.set()
+        with suppress(OSError):
+            self._sock.close()
+
+
+def check_int(msg: dict[str, Any], key: str, lo: int, hi: int, peer: str) -> int:
+    value = msg.get(key)
+    if type(value) is not int or not lo <= value <= hi:
+        raise TransferError(f"{peer} sent {msg.get('op')!r} with {key}={value!r}, outside [{lo}, {hi}]")
+    return value
