@@ -11,10 +11,12 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from hf_tiny import HF_FAMILIES, jax_template, n_experts, tiny_checkpoint
+from hf_tiny import HF_FAMILIES, n_experts, tiny_checkpoint
 
 from weightwire.jax_side import PytreeSource, preset
 from weightwire.jax_side.checkpoint import CheckpointError, pytree_from_hf, read_safetensors
+from weightwire.jax_side.layouts import preset_for_hf
+from weightwire.jax_side.layouts import preset_layout as jax_template
 from weightwire.jax_side.naming import Naming, NamingError, Rule, Stacked, Transpose
 from weightwire.shared import layerwise_groups
 
@@ -30,18 +32,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dic
         d = tmp_path_factory.mktemp(family)
         out[family] = (tiny_checkpoint(family, d), read_safetensors(d))
     return out
-
-
-def options(family: str, hf: dict[str, Any], **layout: Any) -> dict[str, Any]:
-    """The preset options a user passes for this config and JAX layout."""
-    o: dict[str, Any] = {"tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)), **layout}
-    if layout.get("fused_qkv") and family != "phi3":
-        o.update(num_attention_heads=hf["num_attention_heads"], num_key_value_heads=hf["num_key_value_heads"],
-                 head_dim=hf["head_dim"])
-    if layout.get("fused_gate_up") and family != "phi3":
-        o.update(moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-                 intermediate_size=hf["intermediate_size"])
-    return o
 
 
 def checkpoint_for(naming: Any, template: Any, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -73,7 +63,7 @@ CASES = [
 def test_hf_checkpoint_round_trips_bit_for_bit(checkpoints, family: str, layout: dict[str, Any]) -> None:
     hf, tensors = checkpoints[family]
     template = jax_template(family, hf, **layout)
-    naming = preset(family, **options(family, hf, **layout))
+    naming = preset_for_hf(family, hf, **layout)
     want = checkpoint_for(naming, template, tensors)
     params = pytree_from_hf(naming, template, want)
     sent = {name: np.asarray(a) for name, a in PytreeSource(params, naming)}
@@ -87,7 +77,7 @@ def test_moe_experts_are_sliced_from_the_stacked_kernel(checkpoints, family: str
     # The stacked JAX kernel [layers, experts, in, out] holds expert e of layer l at [l, e]:
     # its transpose is HF's per-expert [out, in] weight.
     hf, tensors = checkpoints[family]
-    naming = preset(family, **options(family, hf, scan_layers=True))
+    naming = preset_for_hf(family, hf, scan_layers=True)
     params = pytree_from_hf(naming, jax_template(family, hf, scan_layers=True), tensors)
     block, (gate, down) = ("block_sparse_moe", ("w1", "w2")) if family == "mixtral" else ("mlp", ("gate_proj", "down_proj"))
     experts = params["params"]["model"]["layers"][block]["experts"]
@@ -102,7 +92,7 @@ def test_moe_experts_are_sliced_from_the_stacked_kernel(checkpoints, family: str
 def test_moe_metadata_is_layer_contiguous_with_experts_in_numeric_order(checkpoints) -> None:
     hf, _ = checkpoints["qwen3_moe"]
     hf = {**hf, "num_experts": 12}
-    naming = preset("qwen3_moe", **options("qwen3_moe", hf, scan_layers=True))
+    naming = preset_for_hf("qwen3_moe", hf, scan_layers=True)
     metas = PytreeSource(jax_template("qwen3_moe", hf, scan_layers=True), naming).metadata()
     groups = layerwise_groups(metas)
     assert [len(g) for g in groups] == [1, 8 + 1 + 3 * 12, 8 + 1 + 3 * 12, 2]
