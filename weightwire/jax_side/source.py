@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from weightwire.jax_side.dtypes import describe, jax_dtype, wire_name
 from weightwire.jax_side.naming import Entry, Naming, Plan, out_aval, run_entry
 from weightwire.jax_side.transforms import out_avals
+from weightwire.jax_side.trees import kind_of, params_tree
 from weightwire.shared.groups import layerwise_groups
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, checked_iter
@@ -65,9 +66,12 @@ def _compiled(signature: Signature) -> Callable[..., tuple[jax.Array, ...]]:
 class PytreeSource(WeightSource):
     """``PytreeSource(params, naming, *, dtype=None, device=None)``.
 
-    ``params``: a pytree of arrays, or a zero-argument callable returning the current one
-    (a training loop's live state; called once per ``metadata()`` and once per pass, and
-    once here so that mapping errors surface now). ``dtype``: wire dtype for float leaves
+    ``params``: a pytree of arrays, a Flax NNX ``Module`` / ``nnx.State`` or an Equinox
+    ``Module`` (``trees.params_tree``: their parameter arrays), or a zero-argument
+    callable returning any of these (a training loop's live state; called once per
+    ``metadata()`` and once per pass, and once here so that mapping errors surface now).
+    An NNX module is updated in place by its optimizer, so passing it is already live;
+    an Equinox model is replaced each step, so pass ``lambda: state.model``. ``dtype``: wire dtype for float leaves
     (``"bfloat16"``, ``jnp.bfloat16``, ...); ``None`` keeps each leaf's. ``device``: where
     yielded arrays live (default: the first local device).
     """
@@ -105,7 +109,7 @@ class PytreeSource(WeightSource):
 
     # -- the plan for the params as they are now
     def _current(self) -> tuple[Plan, list[Any]]:
-        tree = self._get()
+        tree = params_tree(self._get())
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if self._plan is None or not self._plan.matches(treedef, leaves):
             plan = self._naming.resolve(tree)
@@ -269,7 +273,9 @@ def _replicate_on(where: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Arr
 
 
 def _is_callable_source(params: Any) -> bool:
-    return callable(params) and not isinstance(params, (dict, list, tuple)) and not hasattr(params, "shape")
+    # NNX and Equinox modules are callable (their forward pass) but are trees, not getters.
+    return (callable(params) and not isinstance(params, (dict, list, tuple)) and not hasattr(params, "shape")
+            and kind_of(params) == "pytree")
 
 
 def _held(plan: Plan, leaves: list[Any]) -> set[str] | None:
