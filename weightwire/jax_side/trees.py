@@ -45,4 +45,4 @@ def params_tree(obj: Any) -> Any:
     nnx = sys.modules["flax.nnx"]
     if kind == "nnx-module":
         return nnx.state(obj, nnx.Param)
-    return obj.filter(nnx.Param)
+    return nnx.filter_state(obj, nnx.Param)
