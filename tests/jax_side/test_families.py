@@ -153,3 +153,43 @@ def test_stacking_one_axis_twice_is_refused() -> None:
     naming = Naming([Rule("w", "a.{layer}.{expert}", Stacked(0), Stacked(-2, field="expert"))])
     with pytest.raises(NamingError, match="twice along one axis"):
         naming.resolve({"w": jax.ShapeDtypeStruct((2, 3), jax.numpy.float32)})
+
+
+# ------------------------------------------------------- our JAX forward vs HF torch logits
+FORWARD_CASES = [
+    ("phi3", {}),
+    ("phi3", {"fused_qkv": True, "fused_gate_up": True, "scan_layers": True}),
+    ("qwen3_moe", {}),
+    ("qwen3_moe", {"scan_layers": True, "norm_topk_prob": True}),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 24}),
+    ("mixtral", {"scan_layers": True}),
+]
+
+
+@pytest.mark.parametrize(("family", "cfg_options"), FORWARD_CASES,
+                         ids=[f"{f}-{'-'.join(o) or 'plain'}" for f, o in FORWARD_CASES])
+def test_reference_forward_matches_hf_loaded_from_what_we_send(tmp_path, family: str, cfg_options: dict) -> None:
+    # What we send, saved as a checkpoint and loaded by transformers' own from_pretrained
+    # (which fuses per-expert tensors into its in-memory layout): no missing or unexpected
+    # tensor, and the logits of our JAX forward.
+    import torch
+    import transformers
+    from jaxside_util import perturbed
+    from safetensors.numpy import save_file
+
+    from weightwire.jax_side.models import decoder
+
+    extra = {"moe_intermediate_size": 16} if family != "mixtral" and family != "phi3" else {}
+    cfg = decoder.DecoderConfig.for_family(family, head_dim=16, **extra, **cfg_options)
+    params = perturbed(decoder.init(jax.random.key(0), cfg))
+    sent = {n: np.asarray(a) for n, a in PytreeSource(params, decoder.naming(cfg), dtype="float32")}
+    transformers.AutoConfig.for_model(**cfg.to_hf_config()).save_pretrained(tmp_path)
+    save_file(sent, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", output_loading_info=True, dtype=torch.float32)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 9))
+    with torch.no_grad():
+        ref = model.eval()(torch.from_numpy(tokens)).logits.numpy()
+    ours = np.asarray(decoder.apply(params, jax.numpy.asarray(tokens), cfg))
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
