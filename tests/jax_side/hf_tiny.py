@@ -1,5 +1,5 @@
 """Tiny random Hugging Face checkpoints of each preset family (transformers, offline), and
-the abstract JAX pytree each preset's documented layout expects for them.
+``n_experts`` of a config (the layouts themselves: ``weightwire.jax_side.layouts``).
 
 ``tiny_checkpoint(family, dir)`` writes what ``save_pretrained`` writes (the on-disk
 names vLLM loads: per-expert MoE tensors, Phi-3's fused projections), with every
@@ -13,9 +13,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
-
-import jax
-import jax.numpy as jnp
 
 TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
@@ -53,60 +50,3 @@ def tiny_checkpoint(family: str, out: Path, seed: int = 0, **overrides: Any) -> 
 
 def n_experts(hf: dict[str, Any]) -> int:
     return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-
-
-def jax_template(family: str, hf: dict[str, Any], *, scan_layers: bool = False, fused_qkv: bool = False,
-                 fused_gate_up: bool = False, dtype: Any = jnp.float32) -> dict[str, Any]:
-    """Shapes of the preset's JAX layout (``{"params": ...}``) for HF config ``hf``:
-    ``[in, out]`` kernels, stacked ``[experts, in, out]`` expert kernels, optional
-    scanned ``layers`` subtree (layer axis first)."""
-    d, v, n = hf["hidden_size"], hf["vocab_size"], hf["num_hidden_layers"]
-    h, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    hd, f = hf.get("head_dim") or d // h, hf["intermediate_size"]
-    lead = (n,) if scan_layers else ()
-
-    def s(*shape: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((*lead, *shape), dtype)
-
-    def k(i: int, o: int) -> dict[str, Any]:
-        return {"kernel": s(i, o)}
-
-    attn: dict[str, Any] = ({"qkv_proj": k(d, (h + 2 * kv) * hd)} if fused_qkv else
-                            {"q_proj": k(d, h * hd), "k_proj": k(d, kv * hd), "v_proj": k(d, kv * hd)})
-    attn["o_proj"] = k(h * hd, d)
-    if family in ("qwen2_moe",):
-        for p in ("q_proj", "k_proj", "v_proj"):
-            attn[p]["bias"] = s(attn[p]["kernel"].shape[-1])
-    if family in ("gemma3", "qwen3_moe"):
-        attn["q_norm"], attn["k_norm"] = {"scale": s(hd)}, {"scale": s(hd)}
-    layer: dict[str, Any] = {"self_attn": attn, "input_layernorm": {"scale": s(d)},
-                             "post_attention_layernorm": {"scale": s(d)}}
-    if family.startswith("gemma"):
-        layer["pre_feedforward_layernorm"] = {"scale": s(d)}
-        layer["post_feedforward_layernorm"] = {"scale": s(d)}
-    e = n_experts(hf)
-    if e:
-        m = hf["moe_intermediate_size"] if family != "mixtral" else f
-        names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-        experts = ({"gate_up_proj": {"kernel": s(e, d, 2 * m)}} if fused_gate_up else
-                   {names[0]: {"kernel": s(e, d, m)}, names[1]: {"kernel": s(e, d, m)}})
-        experts[names[2]] = {"kernel": s(e, m, d)}
-        block: dict[str, Any] = {"gate": k(d, e), "experts": experts}
-        if family == "qwen2_moe":
-            sf = hf["shared_expert_intermediate_size"]
-            block["shared_expert"] = {"gate_proj": k(d, sf), "up_proj": k(d, sf), "down_proj": k(sf, d)}
-            block["shared_expert_gate"] = k(d, 1)
-        layer["block_sparse_moe" if family == "mixtral" else "mlp"] = block
-    else:
-        mlp = {"gate_up_proj": k(d, 2 * f)} if fused_gate_up else {"gate_proj": k(d, f), "up_proj": k(d, f)}
-        layer["mlp"] = {**mlp, "down_proj": k(f, d)}
-    model: dict[str, Any] = {"embed_tokens": {"embedding": jax.ShapeDtypeStruct((v, d), dtype)},
-                             "norm": {"scale": jax.ShapeDtypeStruct((d,), dtype)}}
-    if scan_layers:
-        model["layers"] = layer
-    else:
-        model.update({f"layers_{i}": layer for i in range(n)})
-    tree: dict[str, Any] = {"model": model}
-    if not hf.get("tie_word_embeddings", False):
-        tree["lm_head"] = {"kernel": jax.ShapeDtypeStruct((d, v), dtype)}
-    return {"params": tree}

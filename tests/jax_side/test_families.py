@@ -11,10 +11,12 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from hf_tiny import HF_FAMILIES, jax_template, n_experts, tiny_checkpoint
+from hf_tiny import HF_FAMILIES, n_experts, tiny_checkpoint
 
 from weightwire.jax_side import PytreeSource, preset
 from weightwire.jax_side.checkpoint import CheckpointError, pytree_from_hf, read_safetensors
+from weightwire.jax_side.layouts import preset_for_hf
+from weightwire.jax_side.layouts import preset_layout as jax_template
 from weightwire.jax_side.naming import Naming, NamingError, Rule, Stacked, Transpose
 from weightwire.shared import layerwise_groups
 
@@ -30,18 +32,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dic
         d = tmp_path_factory.mktemp(family)
         out[family] = (tiny_checkpoint(family, d), read_safetensors(d))
     return out
-
-
-def options(family: str, hf: dict[str, Any], **layout: Any) -> dict[str, Any]:
-    """The preset options a user passes for this config and JAX layout."""
-    o: dict[str, Any] = {"tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)), **layout}
-    if layout.get("fused_qkv") and family != "phi3":
-        o.update(num_attention_heads=hf["num_attention_heads"], num_key_value_heads=hf["num_key_value_heads"],
-                 head_dim=hf["head_dim"])
-    if layout.get("fused_gate_up") and family != "phi3":
-        o.update(moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-                 intermediate_size=hf["intermediate_size"])
-    return o
 
 
 def checkpoint_for(naming: Any, template: Any, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -73,7 +63,7 @@ CASES = [
 def test_hf_checkpoint_round_trips_bit_for_bit(checkpoints, family: str, layout: dict[str, Any]) -> None:
     hf, tensors = checkpoints[family]
     template = jax_template(family, hf, **layout)
-    naming = preset(family, **options(family, hf, **layout))
+    naming = preset_for_hf(family, hf, **layout)
     want = checkpoint_for(naming, template, tensors)
     params = pytree_from_hf(naming, template, want)
     sent = {name: np.asarray(a) for name, a in PytreeSource(params, naming)}
@@ -87,7 +77,7 @@ def test_moe_experts_are_sliced_from_the_stacked_kernel(checkpoints, family: str
     # The stacked JAX kernel [layers, experts, in, out] holds expert e of layer l at [l, e]:
     # its transpose is HF's per-expert [out, in] weight.
     hf, tensors = checkpoints[family]
-    naming = preset(family, **options(family, hf, scan_layers=True))
+    naming = preset_for_hf(family, hf, scan_layers=True)
     params = pytree_from_hf(naming, jax_template(family, hf, scan_layers=True), tensors)
     block, (gate, down) = ("block_sparse_moe", ("w1", "w2")) if family == "mixtral" else ("mlp", ("gate_proj", "down_proj"))
     experts = params["params"]["model"]["layers"][block]["experts"]
@@ -102,7 +92,7 @@ def test_moe_experts_are_sliced_from_the_stacked_kernel(checkpoints, family: str
 def test_moe_metadata_is_layer_contiguous_with_experts_in_numeric_order(checkpoints) -> None:
     hf, _ = checkpoints["qwen3_moe"]
     hf = {**hf, "num_experts": 12}
-    naming = preset("qwen3_moe", **options("qwen3_moe", hf, scan_layers=True))
+    naming = preset_for_hf("qwen3_moe", hf, scan_layers=True)
     metas = PytreeSource(jax_template("qwen3_moe", hf, scan_layers=True), naming).metadata()
     groups = layerwise_groups(metas)
     assert [len(g) for g in groups] == [1, 8 + 1 + 3 * 12, 8 + 1 + 3 * 12, 2]
@@ -163,3 +153,43 @@ def test_stacking_one_axis_twice_is_refused() -> None:
     naming = Naming([Rule("w", "a.{layer}.{expert}", Stacked(0), Stacked(-2, field="expert"))])
     with pytest.raises(NamingError, match="twice along one axis"):
         naming.resolve({"w": jax.ShapeDtypeStruct((2, 3), jax.numpy.float32)})
+
+
+# ------------------------------------------------------- our JAX forward vs HF torch logits
+FORWARD_CASES = [
+    ("phi3", {}),
+    ("phi3", {"fused_qkv": True, "fused_gate_up": True, "scan_layers": True}),
+    ("qwen3_moe", {}),
+    ("qwen3_moe", {"scan_layers": True, "norm_topk_prob": True}),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 24}),
+    ("mixtral", {"scan_layers": True}),
+]
+
+
+@pytest.mark.parametrize(("family", "cfg_options"), FORWARD_CASES,
+                         ids=[f"{f}-{'-'.join(o) or 'plain'}" for f, o in FORWARD_CASES])
+def test_reference_forward_matches_hf_loaded_from_what_we_send(tmp_path, family: str, cfg_options: dict) -> None:
+    # What we send, saved as a checkpoint and loaded by transformers' own from_pretrained
+    # (which fuses per-expert tensors into its in-memory layout): no missing or unexpected
+    # tensor, and the logits of our JAX forward.
+    import torch
+    import transformers
+    from jaxside_util import perturbed
+    from safetensors.numpy import save_file
+
+    from weightwire.jax_side.models import decoder
+
+    extra = {"moe_intermediate_size": 16} if family != "mixtral" and family != "phi3" else {}
+    cfg = decoder.DecoderConfig.for_family(family, head_dim=16, **extra, **cfg_options)
+    params = perturbed(decoder.init(jax.random.key(0), cfg))
+    sent = {n: np.asarray(a) for n, a in PytreeSource(params, decoder.naming(cfg), dtype="float32")}
+    transformers.AutoConfig.for_model(**cfg.to_hf_config()).save_pretrained(tmp_path)
+    save_file(sent, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", output_loading_info=True, dtype=torch.float32)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 9))
+    with torch.no_grad():
+        ref = model.eval()(torch.from_numpy(tokens)).logits.numpy()
+    ours = np.asarray(decoder.apply(params, jax.numpy.asarray(tokens), cfg))
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)

@@ -8,6 +8,7 @@ Refusing that up front keeps a declared wire dtype from disagreeing with the byt
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -18,8 +19,22 @@ from weightwire.shared.dtypes import SUPPORTED_DTYPES, wire_dtype
 _X64_ONLY = frozenset({"float64", "int64"})
 
 
+_NAMES: dict[Any, str] = {}  # dtype -> wire name: ``describe`` runs twice per tensor per round
+
+
 def wire_name(dtype: Any) -> str:
     """The wire name of a JAX / numpy dtype; ``ValueError`` naming the supported set."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype-like, resolved the slow way
+        pass
+    name = _wire_name(dtype)
+    with contextlib.suppress(TypeError):
+        _NAMES[dtype] = name
+    return name
+
+
+def _wire_name(dtype: Any) -> str:
     try:
         np_dtype = np.dtype(dtype)
     except TypeError as exc:
@@ -44,7 +59,7 @@ def jax_dtype(dtype: Any) -> np.dtype:
 
 def describe(array: Any) -> tuple[str, tuple[int, ...]]:
     """``(wire dtype name, shape)`` of an array or ShapeDtypeStruct, for ``checked_iter``."""
-    return wire_name(array.dtype), tuple(int(d) for d in array.shape)
+    return wire_name(array.dtype), tuple(map(int, array.shape))
 
 
 def is_floating(dtype: Any) -> bool:

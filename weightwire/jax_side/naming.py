@@ -44,6 +44,7 @@ from weightwire.jax_side.transforms import (
     Transpose,
     chain,
     out_aval,
+    out_avals,
     run_entry,
     show_paths,
 )
@@ -250,11 +251,11 @@ class Naming:
                 continue
             axes, combos = _stack_indices(rule, m, path, aval)
             _check_split(rule, path, aval)
-            chains = rule.op_chains()
+            chains, concat, cast = rule.op_chains(), rule.concat, rule.cast
             for seq, (indices, fields) in enumerate(combos):
                 for part, (tpl, ops) in enumerate(zip(rule.templates, chains, strict=True)):
                     piece = Piece(leaf, path, indices, axes, ops)
-                    claims.setdefault(tpl.format(**fields), []).append((piece, ri, part, rule.concat, rule.cast, seq))
+                    claims.setdefault(tpl.format(**fields), []).append((piece, ri, part, concat, cast, seq))
         if unclaimed:
             raise NamingError(f"no naming rule claims these pytree leaves: {show_paths(unclaimed)}; add a rule for each, "
                               "or a drop rule (target None) for leaves the server does not take")
@@ -268,8 +269,7 @@ class Naming:
         order = _order_keys(entries, claims, len(self.rules))
         entries = [e for _, e in sorted(zip(order, entries, strict=True), key=lambda t: t[0])]
         plan = Plan(treedef, paths, avals, tuple(entries), tuple(dropped))
-        for entry in plan.entries:
-            out_aval(plan, entry, None)  # a transform that does not fit its leaf fails here
+        out_avals(plan, None)  # a transform that does not fit its leaf fails here
         return plan
 
     @staticmethod
@@ -342,12 +342,13 @@ def _order_keys(entries: list[Entry], claims: dict[str, list[Any]], n_rules: int
     info = []
     for e in entries:
         got = claims[e.name]
-        rule = min(g[1] for g in got)
-        part = min(g[2] for g in got)
-        leaf = min(p.leaf for p in e.pieces)
-        seq = min(g[5] for g in got)
-        key = layer_key(e.name)
-        info.append((e, rule, (part, seq), leaf, key))
+        if len(got) == 1:
+            _, rule, part, _, _, seq = got[0]
+            leaf = e.pieces[0].leaf
+        else:
+            rule, part = min(g[1] for g in got), min(g[2] for g in got)
+            seq, leaf = min(g[5] for g in got), min(p.leaf for p in e.pieces)
+        info.append((e, rule, (part, seq), leaf, layer_key(e.name)))
     layered_rules = [rule for _, rule, _, _, key in info if key is not None]
     first_layered = min(layered_rules, default=n_rules)
     prefix_rank: dict[str, tuple[int, int]] = {}

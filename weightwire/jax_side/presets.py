@@ -13,6 +13,7 @@ would produce a mapping that fails much later, on the server).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,7 @@ _DECODER: dict[str, Any] = {
     "moe_intermediate_size": None,  # needed only for fused_gate_up with experts
     "sandwich_norms": False,  # Gemma 2/3: pre_/post_feedforward_layernorm besides the usual two
     "hf_fused": False,  # Phi-3: HF has qkv_proj and gate_up_proj; JAX q/k/v (gate/up) are fused into them
+    "leaf_style": "flax",  # "torch": Equinox-style leaves (Linear `weight` [out, in], norms/embeddings `weight`)
 }
 _FAMILY: dict[str, dict[str, Any]] = {
     "llama": {},
@@ -108,10 +110,18 @@ def preset(family: str, **options: Any) -> Naming:
             raise TypeError(f"the builder registered for {family!r} returned {type(naming).__name__}, not a Naming")
         return naming
     if family == "gpt2":
-        return _gpt2(**_options(family, _GPT2, options))
+        return _list_indices(_gpt2(**_options(family, _GPT2, options)))
     if family not in _FAMILY:
         raise ValueError(f"unknown preset family {family!r}; known: {', '.join((*FAMILIES, *_REGISTERED))}")
-    return _decoder(**_options(family, {**_DECODER, **_FAMILY[family]}, options))
+    o = _options(family, {**_DECODER, **_FAMILY[family]}, options)
+    naming = _decoder(**o)
+    if o["leaf_style"] == "torch":
+        if o["head_axes"]:
+            raise NamingError("leaf_style='torch' has no head_axes layout (a torch-style weight is [out, in])")
+        naming = torch_style(naming, skip=len(o["extra_rules"]))
+    elif o["leaf_style"] != "flax":
+        raise NamingError(f"leaf_style must be 'flax' or 'torch', got {o['leaf_style']!r}")
+    return _list_indices(naming)
 
 
 def _options(family: str, defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
@@ -232,3 +242,40 @@ def generic(mapping: Sequence[tuple[str, str | None]], *, transpose_kernels: boo
         ops = (Transpose(),) if transpose_kernels and target is not None and pattern.endswith("kernel") else ()
         rules.append(Rule(pattern, target, *ops))
     return Naming(rules)
+
+
+_INDEXED = re.compile(r"_(\{layer:\\d\+\})")
+_FLAX_LEAF = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
+
+
+def _list_indices(naming: Naming) -> Naming:
+    """Unrolled layers as Linen names them (``layers_3``) or as a Python list inside an NNX
+    or Equinox module flattens (``layers/3``): both match."""
+    rules = [r if not _INDEXED.search(r.pattern) else
+             Rule(_INDEXED.sub(r"{_sep:[_/]}\1", r.pattern), r.target, *r.parts, optional=r.optional)
+             for r in naming.rules]
+    return Naming(rules, strip=naming.strip)
+
+
+def torch_style(naming: Naming, *, skip: int = 0) -> Naming:
+    """The same mapping for a tree whose leaves follow torch's conventions, as Equinox's
+    ``nn.Linear`` / ``nn.Embedding`` / ``nn.RMSNorm`` do: ``weight`` instead of Flax's
+    ``kernel`` / ``embedding`` / ``scale``, and linear weights already ``[out, in]``
+    (each kernel rule's leading transpose is dropped; a split or fuse after it then cuts
+    the same HF axis). The first ``skip`` rules (a preset's ``extra_rules``, written by
+    the user for their own tree) are kept as they are."""
+    rules = list(naming.rules[:skip])
+    for r in naming.rules[skip:]:
+        head, _, leaf = r.pattern.rpartition("/")
+        if r.target is None or leaf not in _FLAX_LEAF:
+            rules.append(r)
+            continue
+        parts = list(r.parts)
+        if leaf == "kernel":
+            first = next((i for i, p in enumerate(parts) if isinstance(p, Op)), None)
+            if first is None or parts[first] != Transpose():
+                raise NamingError(f"rule {r.pattern!r}: no leading transpose to drop for a torch-style weight")
+            del parts[first]
+        rules.append(Rule(f"{head}/{_FLAX_LEAF[leaf]}" if head else _FLAX_LEAF[leaf], r.target, *parts,
+                          optional=r.optional))
+    return Naming(rules, strip=naming.strip)

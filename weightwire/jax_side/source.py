@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -28,23 +29,29 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from weightwire.jax_side.dtypes import describe, jax_dtype, wire_name
 from weightwire.jax_side.naming import Entry, Naming, Plan, out_aval, run_entry
+from weightwire.jax_side.transforms import out_avals
+from weightwire.jax_side.trees import kind_of, params_tree
 from weightwire.shared.groups import layerwise_groups
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, checked_iter
 
-Signature = tuple[tuple[Any, Any], ...]
+Signature = tuple[tuple[Any, Any, tuple[int, ...]], ...]
+"""Per output: (entry structure, output dtype, positions of its pieces' leaves in the
+call's deduplicated input list)."""
 _COMPILED: dict[Signature, Callable[..., tuple[jax.Array, ...]]] = {}
 
 
 def _compiled(signature: Signature) -> Callable[..., tuple[jax.Array, ...]]:
     """One jitted function per group signature; ``jax.jit`` then caches per input shape,
-    so a model's N identical layers compile once."""
+    so a model's N identical layers compile once. Each distinct leaf is one argument
+    however many outputs read it (a stacked expert kernel feeds 128 of them)."""
     fn = _COMPILED.get(signature)
     if fn is None:
 
-        def run(inputs: Sequence[Sequence[jax.Array]], idx: jax.Array | None) -> tuple[jax.Array, ...]:
+        def run(inputs: Sequence[jax.Array], idx: jax.Array | None) -> tuple[jax.Array, ...]:
             outs, k = [], 0
-            for (structure, dtype), xs in zip(signature, inputs, strict=True):
+            for structure, dtype, slots in signature:
+                xs = [inputs[s] for s in slots]
                 idxs = []
                 for stack_axes, _ in structure[0]:
                     idxs.append(tuple(idx[k + j] for j in range(len(stack_axes))))
@@ -59,9 +66,12 @@ def _compiled(signature: Signature) -> Callable[..., tuple[jax.Array, ...]]:
 class PytreeSource(WeightSource):
     """``PytreeSource(params, naming, *, dtype=None, device=None)``.
 
-    ``params``: a pytree of arrays, or a zero-argument callable returning the current one
-    (a training loop's live state; called once per ``metadata()`` and once per pass, and
-    once here so that mapping errors surface now). ``dtype``: wire dtype for float leaves
+    ``params``: a pytree of arrays, a Flax NNX ``Module`` / ``nnx.State`` or an Equinox
+    ``Module`` (``trees.params_tree``: their parameter arrays), or a zero-argument
+    callable returning any of these (a training loop's live state; called once per
+    ``metadata()`` and once per pass, and once here so that mapping errors surface now).
+    An NNX module is updated in place by its optimizer, so passing it is already live;
+    an Equinox model is replaced each step, so pass ``lambda: state.model``. ``dtype``: wire dtype for float leaves
     (``"bfloat16"``, ``jnp.bfloat16``, ...); ``None`` keeps each leaf's. ``device``: where
     yielded arrays live (default: the first local device).
     """
@@ -84,6 +94,8 @@ class PytreeSource(WeightSource):
         self._target = SingleDeviceSharding(device)
         self._plan: Plan | None = None
         self._metas: list[ParamMeta] = []
+        self._batches: dict[tuple[int, ...], _Batch] = {}  # per plan: static half of each batch's call
+        self._groups: list[list[Entry]] | None = None  # per plan: the full pass's layer groups
         self._declared: list[ParamMeta] | None = None
         self._current()
 
@@ -97,19 +109,18 @@ class PytreeSource(WeightSource):
 
     # -- the plan for the params as they are now
     def _current(self) -> tuple[Plan, list[Any]]:
-        tree = self._get()
+        tree = params_tree(self._get())
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if self._plan is None or not self._plan.matches(treedef, leaves):
             plan = self._naming.resolve(tree)
             metas = []
-            for e in plan.entries:
-                aval = out_aval(plan, e, self._dtype)
+            for e, aval in zip(plan.entries, out_avals(plan, self._dtype), strict=True):
                 try:
                     metas.append(ParamMeta(e.name, wire_name(aval.dtype), aval.shape))
                 except ValueError as exc:
                     raise ValueError(f"HF tensor {e.name!r} from {[p.path for p in e.pieces]}: {exc}") from exc
             layerwise_groups(metas)  # a preset that interleaves layers fails here, not on the worker
-            self._plan, self._metas = plan, metas
+            self._plan, self._metas, self._batches, self._groups = plan, metas, {}, None
         return self._plan, leaves
 
     # -- WeightSource
@@ -137,8 +148,13 @@ class PytreeSource(WeightSource):
     def iter_groups(self) -> Iterator[list[tuple[str, jax.Array]]]:
         """The same stream one layer group at a time, each group built by one jitted call."""
         plan, leaves, todo, declared = self._pass()
-        by_name = dict((m.name, e) for e, m in todo)
-        batches = [[by_name[m.name] for m in g] for g in layerwise_groups([m for _, m in todo])]
+        if len(todo) == len(plan.entries) and self._groups is not None:
+            batches = self._groups
+        else:
+            by_name = dict((m.name, e) for e, m in todo)
+            batches = [[by_name[m.name] for m in g] for g in layerwise_groups([m for _, m in todo])]
+            if len(todo) == len(plan.entries):
+                self._groups = batches
         pairs = checked_iter(self._produce(plan, leaves, batches), declared, describe)
         for batch in batches:
             group = [next(pairs) for _ in batch]
@@ -164,36 +180,51 @@ class PytreeSource(WeightSource):
                 yield entry.name, array
             # `arrays` (the reference the module docstring promises) lives until the next batch
 
+    def _batch(self, plan: Plan, batch: list[Entry]) -> _Batch:
+        """What is static about one batch's call, built once per plan: the per-tensor
+        Python work (dtypes, signature hashing, layer indices) is paid on the first
+        pass only, so later rounds cost one dispatch per group, not per tensor."""
+        key = tuple(id(e) for e in batch)
+        hit = self._batches.get(key)
+        if hit is not None:
+            return hit
+        dtypes = [out_aval(plan, e, self._dtype).dtype for e in batch]
+        same = [e.is_identity and plan.avals[e.pieces[0].leaf].dtype == d for e, d in zip(batch, dtypes, strict=True)]
+        jitted = [k for k, s in enumerate(same) if not s]
+        slot: dict[int, int] = {}
+        for k in jitted:
+            for p in batch[k].pieces:
+                slot.setdefault(p.leaf, len(slot))
+        signature = tuple((batch[k].structure, np.dtype(dtypes[k]), tuple(slot[p.leaf] for p in batch[k].pieces))
+                          for k in jitted)
+        layers = [i for k in jitted for p in batch[k].pieces for i in p.indices]
+        hit = _Batch([k for k, s in enumerate(same) if s], jitted, list(slot),
+                     _compiled(signature) if jitted else None, np.asarray(layers, np.int32) if layers else None)
+        self._batches[key] = hit
+        return hit
+
     def _run(self, plan: Plan, leaves: list[Any], batch: list[Entry]) -> list[jax.Array]:
+        b = self._batch(plan, batch)
         outs: list[jax.Array | None] = [None] * len(batch)
-        todo: list[tuple[int, Entry, Any]] = []
-        for k, e in enumerate(batch):
-            dtype = out_aval(plan, e, self._dtype).dtype
-            leaf = leaves[e.pieces[0].leaf]
-            if e.is_identity and leaf.dtype == dtype and self._on_target(leaf):
-                outs[k] = leaf
-            else:
-                todo.append((k, e, dtype))
-        if todo:
-            inputs = [[self._as_device_array(leaves[p.leaf]) for p in e.pieces] for _, e, _ in todo]
-            if len({_device_ids(x) for xs in inputs for x in xs}) > 1:
+        for k in b.direct:
+            leaf = leaves[batch[k].pieces[0].leaf]
+            # Handed out as is when already on the target; else one device-to-device copy.
+            outs[k] = leaf if self._on_target(leaf) else self._to_target(self._as_device_array(leaf))
+        if b.jitted:
+            inputs = [self._as_device_array(leaves[i]) for i in b.leaves]
+            if len({_device_ids(x) for x in inputs}) > 1:
                 # One jit needs one device set; inputs spread over several are gathered on the
                 # target first (device to device). Whole stacked leaves move here: rare layouts only.
-                inputs = [[self._to_target(x) for x in xs] for xs in inputs]
-            layers = [i for _, e, _ in todo for p in e.pieces for i in p.indices]
-            idx = None
-            if layers:
-                idx = np.asarray(layers, np.int32)
-                where = _replicated(inputs[0][0].sharding)
+                inputs = [self._to_target(x) for x in inputs]
+            idx = b.idx
+            if idx is not None:
+                where = _replicated(inputs[0].sharding)
                 if where is not None:
                     idx = jax.device_put(idx, where)
-            signature = tuple((e.structure, np.dtype(d)) for _, e, d in todo)
-            results = list(_compiled(signature)(inputs, idx))
-            away = [i for i, r in enumerate(results) if not self._on_target(r)]
-            for i in away:
-                results[i] = self._to_target(results[i])
-            for (k, _, _), r in zip(todo, results, strict=True):
-                outs[k] = r
+            assert b.fn is not None
+            results = list(b.fn(inputs, idx))
+            for k, r in zip(b.jitted, results, strict=True):
+                outs[k] = r if self._on_target(r) else self._to_target(r)
         return outs  # type: ignore[return-value]
 
     def _on_target(self, x: Any) -> bool:
@@ -225,6 +256,15 @@ class PytreeSource(WeightSource):
         return x if isinstance(x, jax.Array) else jax.device_put(x, self._target)
 
 
+@dataclass(frozen=True)
+class _Batch:
+    direct: list[int]  # batch positions handed out from a leaf as is (or copied to the target)
+    jitted: list[int]  # batch positions built by ``fn``, in its output order
+    leaves: list[int]  # the distinct leaves ``fn`` takes, in argument order
+    fn: Callable[..., tuple[jax.Array, ...]] | None
+    idx: np.ndarray | None  # every stacked piece's indices, flattened in signature order
+
+
 @functools.lru_cache(maxsize=64)
 def _replicate_on(where: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Array]:
     """A jitted identity whose output is replicated over ``where``: XLA all-gathers the
@@ -233,7 +273,9 @@ def _replicate_on(where: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Arr
 
 
 def _is_callable_source(params: Any) -> bool:
-    return callable(params) and not isinstance(params, (dict, list, tuple)) and not hasattr(params, "shape")
+    # NNX and Equinox modules are callable (their forward pass) but are trees, not getters.
+    return (callable(params) and not isinstance(params, (dict, list, tuple)) and not hasattr(params, "shape")
+            and kind_of(params) == "pytree")
 
 
 def _held(plan: Plan, leaves: list[Any]) -> set[str] | None:

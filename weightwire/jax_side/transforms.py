@@ -240,6 +240,25 @@ def out_aval(plan: Plan, entry: Entry, dtype: Any) -> jax.ShapeDtypeStruct:
     return out
 
 
+def out_avals(plan: Plan, dtype: Any) -> list[jax.ShapeDtypeStruct]:
+    """``out_aval`` of every entry, in plan order.
+
+    Entries cut from one stacked leaf by one rule (every expert of every layer) share
+    their piece layout; they are looked up once, keyed by leaf and the identity of the
+    rule's op chain, so an 18k-tensor MoE plan costs a few dozen cache lookups rather
+    than hashing every transform tuple 18k times.
+    """
+    memo: dict[tuple[Any, ...], jax.ShapeDtypeStruct] = {}
+    out = []
+    for e in plan.entries:
+        key = (e.concat_axis, e.cast, *((p.leaf, p.stack_axes, id(p.ops)) for p in e.pieces))
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = out_aval(plan, e, dtype)
+        out.append(hit)
+    return out
+
+
 def _out_dtype(entry: Entry, leaf_dtype: Any, dtype: Any) -> Any:
     if entry.cast is not None:
         return jax_dtype(entry.cast)

@@ -369,7 +369,7 @@ class TrainerEngine(ABC):
             future.add_done_callback(on_update_done)
             update.append(future)
 
-        pairs = checked_iter(self.source, metas, self.describe)
+        pairs = checked_iter(_stream(self.source), metas, self.describe)
         if digests is not None:
             pairs = _tap(pairs, digests, self.tensor_sha256)
         prepared = chunked(wire.reorder(pairs), chunks)
@@ -462,6 +462,16 @@ class TrainerEngine(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _stream(source: WeightSource) -> Any:
+    """The round's ``(name, tensor)`` stream. A source that overrides ``iter_groups``
+    (``PytreeSource``: one jitted call per layer group) is driven per group, so a
+    per-expert MoE costs one device dispatch per layer instead of one per tensor; any
+    other source is iterated as is (the default grouping would only buffer a layer)."""
+    if type(source).iter_groups is WeightSource.iter_groups:
+        return iter(source)
+    return (pair for group in source.iter_groups() for pair in group)
 
 
 def _tap(pairs: Any, digests: dict[str, str], sha: Any) -> Any:

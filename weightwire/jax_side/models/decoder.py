@@ -1,4 +1,5 @@
-"""One Linen decoder covering the Llama-like families (Llama/Mistral, Qwen2, Qwen3, Gemma).
+"""One Linen decoder covering the Llama-like families (Llama/Mistral, Qwen2, Qwen3, Gemma,
+Phi-3) and their mixture-of-experts variants (Qwen2-MoE, Qwen3-MoE, Mixtral; ``moe.py``).
 
 The differences between these families are switches on ``DecoderConfig`` (biases, q/k
 norms, Gemma's norm and embedding conventions, activation). Parameter paths mirror HF
@@ -31,16 +32,22 @@ from weightwire.jax_side.models.common import (
     rope_inv_freq,
     rotary,
 )
+from weightwire.jax_side.models.moe import MoE
 from weightwire.jax_side.naming import Naming
 from weightwire.jax_side.presets import preset
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "qwen2_moe", "qwen3_moe", "mixtral")
+_MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "gemma": {"gemma_norm": True, "embed_scale": True, "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    "phi3": {},  # Llama's computation; HF fuses qkv_proj and gate_up_proj (the preset fuses on send)
+    "qwen2_moe": {"qkv_bias": True, "num_experts": 4},
+    "qwen3_moe": {"qk_norm": True, "num_experts": 4},
+    "mixtral": {"num_experts": 4, "norm_topk_prob": True},  # Mixtral always renormalises the top-k
 }
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -79,6 +86,11 @@ class DecoderConfig:
     fused_qkv: bool = False
     fused_gate_up: bool = False
     head_axes: bool = False
+    num_experts: int = 0  # > 0: every layer's MLP is a sparse MoE (moe.MoE)
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None  # default: intermediate_size
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
 
@@ -94,6 +106,11 @@ class DecoderConfig:
             )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must divide by num_attention_heads when head_dim is not given")
+        if (self.family in _MOE_FAMILIES) != (self.num_experts > 0):
+            raise ValueError(f"family {self.family!r} with num_experts={self.num_experts}: MoE families need "
+                             "experts, dense ones none")
+        if self.num_experts and self.fused_gate_up:
+            raise ValueError("fused_gate_up is not implemented for MoE experts in the reference model")
         if self.fused_qkv and self.head_axes:
             raise ValueError("fused_qkv and head_axes are alternative layouts; pick one")
         rope_inv_freq(self.head_dim_, self.rope_theta, self.rope_scaling_dict)  # fail early on a bad rope
@@ -135,6 +152,12 @@ class DecoderConfig:
             kw["attention_bias"] = bool(hf.get("attention_bias", False))
         if family in ("llama", "mistral"):
             kw["mlp_bias"] = bool(hf.get("mlp_bias", False))
+        if family in _MOE_FAMILIES:
+            kw["num_experts"] = hf.get("num_experts") or hf["num_local_experts"]
+            kw["num_experts_per_tok"] = hf["num_experts_per_tok"]
+            kw["moe_intermediate_size"] = hf.get("moe_intermediate_size")
+            kw["norm_topk_prob"] = family == "mixtral" or bool(hf.get("norm_topk_prob", False))
+            kw["shared_expert_intermediate_size"] = hf.get("shared_expert_intermediate_size") or 0
         act = hf.get("hidden_activation") or hf.get("hidden_act")
         if act:
             kw["hidden_act"] = act
@@ -163,6 +186,16 @@ class DecoderConfig:
             out["mlp_bias"] = self.mlp_bias
         if self.family == "gemma":
             out["hidden_activation"] = self.hidden_act
+        if self.family == "phi3":
+            out["pad_token_id"] = None  # Phi3Config's default (32000) lies outside a tiny vocabulary
+        if self.family == "mixtral":
+            out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+        elif self.num_experts:
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size_, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=1, mlp_only_layers=[])
+            if self.family == "qwen2_moe":
+                out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return out
 
     def preset_kwargs(self) -> dict[str, Any]:
@@ -185,6 +218,10 @@ class DecoderConfig:
 
     def replace(self, **changes: Any) -> DecoderConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def moe_intermediate_size_(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def head_dim_(self) -> int:
@@ -264,8 +301,13 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, bias: jax.Array) -> jax.Array:
-        x = x + Attention(self.cfg, name="self_attn")(_norm(self.cfg, "input_layernorm")(x), cos, sin, bias)
-        return x + MLP(self.cfg, name="mlp")(_norm(self.cfg, "post_attention_layernorm")(x))
+        c = self.cfg
+        x = x + Attention(c, name="self_attn")(_norm(c, "input_layernorm")(x), cos, sin, bias)
+        h = _norm(c, "post_attention_layernorm")(x)
+        if c.num_experts:
+            block = "block_sparse_moe" if c.family == "mixtral" else "mlp"
+            return x + MoE(c, _ACTIVATIONS[c.hidden_act], name=block)(h)
+        return x + MLP(c, name="mlp")(h)
 
 
 class _ScannedLayer(DecoderLayer):
