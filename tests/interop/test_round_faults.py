@@ -25,6 +25,7 @@ import torch
 from tests.interop.helpers import PROMPTS, VLLMServer, assert_same_greedy
 from tests.interop.models import hf_model, jax_params, load_into_hf, perturbed
 from weightwire.control.client import HTTPWeightSyncClient
+from weightwire.control.errors import WeightSyncError
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.source import PytreeSource
 from weightwire.torch_side.source import ModuleSource
@@ -167,7 +168,14 @@ def test_bad_update_info_is_refused_before_any_byte(served: Served, kind: str) -
             assert BAD[kind] in str(err.value), str(err.value)
             assert "refused before any byte was received" in str(err.value)
         finally:
-            engine.shutdown()
+            try:
+                engine.shutdown()
+            except WeightSyncError as exc:
+                # Seen once under load: the client reused a keep-alive connection that
+                # uvicorn had just closed (its 5 s idle timeout) and got a reset; the
+                # server never saw the call. Any other shutdown error fails the case.
+                if "(no response)" not in str(exc):
+                    raise
     served.assert_state_b(f"refused {kind}", before)
     served.fresh_round(f"after a refused {kind}")
 

@@ -114,6 +114,7 @@ class TrainerEngine(ABC):
         self.features: ServerFeatures | None = None
         self._backend = get_backend(init_info.backend)
         self._comm: Any = None
+        self._was_displaced = False  # a server dropped our link: another trainer owns the session
         self._pipeline: HostPipeline | DevicePipeline | None = None
         self._sent_metas: dict[bool, list[ParamMeta]] = {}  # per target (draft or not): what its worker holds
         self._planned: tuple[list[ParamMeta], WirePlan, list[Chunk]] | None = None
@@ -254,6 +255,7 @@ class TrainerEngine(ABC):
         if not isinstance(version, str) or not version:
             raise ValueError(f"weight_version must be a non-empty str, got {weight_version!r}")
         if self._displaced():
+            self._was_displaced = True
             self._broken = EngineBroken(
                 "a server closed this trainer's data link: another trainer initialized and took the session "
                 "over, or the server restarted; nothing was sent. Call trainer_init() again to take it back"
@@ -411,6 +413,8 @@ class TrainerEngine(ABC):
 
     def _displaced(self) -> bool:
         """Did a server drop this trainer's link (checked between rounds, no traffic)?"""
+        if self._was_displaced:
+            return True
         probe = getattr(self._comm, "peer_closed", None)
         return self._broken is None and callable(probe) and bool(probe())
 
