@@ -16,6 +16,7 @@ import itertools
 import json
 import threading
 import time
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -39,7 +40,7 @@ class TrainerGroup(Protocol):
         """The value published under ``key``; ``GroupTimeout`` if none within ``timeout`` s."""
 
 
-_namespaces = itertools.count()
+_namespaces: weakref.WeakKeyDictionary[Any, itertools.count] = weakref.WeakKeyDictionary()
 
 
 class Exchange:
@@ -48,8 +49,9 @@ class Exchange:
 
     def __init__(self, group: TrainerGroup) -> None:
         self.group = group
-        # Engines are built in the same order on every rank, so the namespace agrees.
-        self._ns = next(_namespaces)
+        # Engines are built over a group in the same order on every rank, so the n-th
+        # exchange over each rank's group object gets the same namespace.
+        self._ns = next(_namespaces.setdefault(group, itertools.count()))
         self._seq = 0
 
     def _key(self, name: str, rank: int) -> str:
