@@ -1,9 +1,9 @@
 """Subprocess body of test_multi_source_cpu: one trainer rank of a 2-process trainer.
 
 ``python _multi_source_rank.py MODE RANK PORT URL OUT``; MODE is ``jax`` (jax.distributed,
-params sharded across both processes' CPU devices, ``MultiProcessSource``), ``torch``
-(gloo ranks, each a full HF copy, ``OwnedSource`` splits the layers) or ``faults`` (torch
-ranks: an orphan name, disagreeing metadata, a broadcaster that dies mid-turn). Rank 0
+params sharded across both processes' CPU devices, ``MultiProcessSource``) or ``torch``
+(gloo ranks, each a full HF copy, ``OwnedSource`` splits the layers; then the faults: an
+orphan name, disagreeing metadata, a broadcaster that dies mid-turn). Rank 0
 writes a JSON report to OUT: what the server holds after every round and what the
 unsharded model says it must hold, per-round seconds, and error messages.
 """
@@ -134,7 +134,14 @@ def torch_owner(name: str) -> int:
 
 
 def run_torch() -> dict[str, Any]:
+    """Rounds with owners, then (same process group) the fault cases."""
     torch, model = torch_setup()
+    report = torch_rounds(torch, model)
+    report.update(torch_faults(model))
+    return report
+
+
+def torch_rounds(torch: Any, model: Any) -> dict[str, Any]:
     from weightwire.shared.owned import OwnedSource
     from weightwire.torch_side.group import TorchStoreGroup
     from weightwire.torch_side.source import ModuleSource
@@ -167,8 +174,7 @@ def run_torch() -> dict[str, Any]:
     return report
 
 
-def run_faults() -> dict[str, Any]:
-    torch, model = torch_setup()
+def torch_faults(model: Any) -> dict[str, Any]:
     from weightwire.shared.owned import OwnedSource
     from weightwire.torch_side.group import TorchStoreGroup
     from weightwire.torch_side.source import ModuleSource
@@ -185,7 +191,7 @@ def run_faults() -> dict[str, Any]:
     class Dying(ModuleSource):  # rank 1 dies after its first tensors went out
         def __iter__(self):  # type: ignore[no-untyped-def]
             for i, pair in enumerate(super().__iter__()):
-                if i == 6:
+                if i == 14:  # 4 of its own tensors (layer 1 starts at 10), some chunks, are out
                     os._exit(17)
                 yield pair
 
@@ -214,7 +220,7 @@ def run_faults() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    report = {"jax": run_jax, "torch": run_torch, "faults": run_faults}[MODE]()
+    report = {"jax": run_jax, "torch": run_torch}[MODE]()
     if RANK == 0:
         with open(OUT, "w") as f:
             json.dump(report, f)

@@ -80,20 +80,26 @@ def test_jax_processes_sharded_two_broadcasters(server_url: str, tmp_path: Path)
           "single", [round(r["seconds"], 3) for r in report["single"]])
 
 
-def test_torch_ranks_with_owners(server_url: str, tmp_path: Path) -> None:
-    report, codes = run_ranks("torch", server_url, tmp_path)
-    assert codes == [0, 0]
+@pytest.fixture(scope="module")
+def torch_report(server_url: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[int]]:
+    return run_ranks("torch", server_url, tmp_path_factory.mktemp("torch"))
+
+
+def test_torch_ranks_with_owners(torch_report: tuple[dict[str, Any], list[int]]) -> None:
+    report, _ = torch_report
     check_rounds(report["rounds"])
     check_rounds(report["single"])
     print("torch per-round s: multi", [round(r["seconds"], 3) for r in report["rounds"]],
           "single", [round(r["seconds"], 3) for r in report["single"]])
 
 
-def test_faults_name_the_rank(server_url: str, tmp_path: Path) -> None:
-    report, codes = run_ranks("faults", server_url, tmp_path)
+def test_faults_name_the_rank(torch_report: tuple[dict[str, Any], list[int]]) -> None:
+    report, codes = torch_report
     errors = report["errors"]
+    print("fault messages:", json.dumps(errors, indent=1))
     assert codes == [0, 17]  # rank 1 died in the last case
     assert "trainer rank 1" in errors["orphan"] and "'lm_head.weight'" in errors["orphan"], errors
     assert "does not hold it" in errors["orphan"]
     assert "disagree on the metadata: rank(s) [1]" in errors["disagree"], errors
     assert "turn of trainer rank 1 (src 1" in errors["dies"], errors
+    assert "from src 1" in errors["dies"], errors  # the worker names the broadcaster it lost

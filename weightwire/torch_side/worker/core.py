@@ -205,6 +205,8 @@ class _ReceiverCore:
                     del pairs  # let the chunk buffer go before the next one is posted
         except BaseException as exc:
             where = f"at chunk {progress[0] + 1}/{len(chunks)}" if progress[0] >= 0 else "before the first chunk"
+            if update.src:
+                where += f" from src {update.src}"  # several broadcasters: name the one this turn lost
             self._fail(exc, where)
             raise WeightReceiveError(
                 f"{self.backend}: round failed {where} ({type(exc).__name__}: {exc}); the round was "
