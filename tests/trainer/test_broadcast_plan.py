@@ -258,3 +258,51 @@ def test_exchange_read_is_bounded_and_names_the_rank() -> None:
     group = DictGroup.make(2)[0]
     with pytest.raises(GroupTimeout, match=r"trainer rank 1 did not publish 'x' within 0\.0\d* s"):
         Exchange(group).allgather("x", 1, timeout=0.05)
+
+
+def test_group_with_one_broadcaster_uses_the_ordinary_round_and_shares_the_verdict() -> None:
+    """All owners unset: rank 0 sends alone (plain payload, no ``src``); rank 1 only
+    iterates and returns rank 0's committed version; a refused round fails both ranks."""
+    from tests.trainer.fakes import FAKE, FakeComm, FakeServer
+    from weightwire.jax_side.dtypes import describe
+    from weightwire.jax_side.engine import JAXTrainerEngine
+    from weightwire.trainer.multi_source import RoundFailed
+
+    FAKE.comm = FakeComm()
+    server = FakeServer()
+    groups = DictGroup.make(2)
+    tensors = {"model.layers.0.w": np.arange(4, dtype=np.float32), "model.layers.1.w": np.ones(3, np.float32)}
+    results: list[Any] = [None, None]
+    sources = [DictSource(dict(tensors), describe) for _ in range(2)]
+
+    def rank(r: int, fail: bool) -> None:
+        try:
+            cfg = TrainerInitInfo(backend="fake_host", rank=r, pause_mode=None)
+            engine = JAXTrainerEngine.trainer_init(cfg, client=server.client(), source=sources[r], group=groups[r])
+            results[r] = [engine.send_weights().version]
+            if fail:
+                server.fail_route = "update_weights"  # type: ignore[attr-defined]
+            results[r].append(engine.send_weights().version)
+        except BaseException as exc:  # recorded per rank
+            results[r] = [*(results[r] or []), exc]
+
+    real = server.handler
+
+    def handler(request: Any) -> Any:
+        import httpx
+
+        if getattr(server, "fail_route", None) and request.url.path.endswith("/update_weights"):
+            return httpx.Response(500, json={"message": "worker exploded"})
+        return real(request)
+
+    server.handler = handler  # type: ignore[method-assign]
+    threads = [threading.Thread(target=rank, args=(r, r == 0)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results[0][0] == results[1][0] == "1"
+    assert "src" not in server.bodies("update_weights")[0]["update_info"]
+    assert sources[1].iterations == 2  # rank 1 iterated both rounds
+    assert not isinstance(results[0][1], str) and "worker exploded" in str(results[0][1])
+    assert isinstance(results[1][1], RoundFailed) and "trainer rank 0 reported the round failed" in str(results[1][1])
