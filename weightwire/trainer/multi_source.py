@@ -276,7 +276,17 @@ class MultiSource:
         # islice: the pipeline must not pull past this turn (the next item may be a
         # later turn's gather, which can wait on a broadcaster blocked until its turn).
         mine = itertools.islice(pairs, len(turn.metas))
-        return pipeline.send(chunked(mine, self._chunks[turn.src]), stop)
+        begin = None if turn.rank == 0 else (lambda: self._await_go(turn))
+        return pipeline.send(chunked(mine, self._chunks[turn.src]), stop, begin)
+
+    def _await_go(self, turn: Turn) -> None:
+        """A broadcaster's first byte waits for its turn's request (its first chunk is
+        packed meanwhile): bytes queued behind earlier turns would run down the
+        per-broadcast timeout for as long as those turns take."""
+        t = self.engine.info.timeouts
+        go = self.x.get(f"go{turn.src}", 0, t.http_s * (turn.src + 1) + t.transfer_s)
+        if not go:
+            raise RoundFailed(f"trainer rank 0 ended the round before the turn of rank {turn.rank} (src {turn.src})")
 
     def _lead(self, bplan: BroadcastPlan, metas: list[ParamMeta], version: str | None, clock: PhaseClock,
               draft: bool) -> RoundMetrics:
@@ -295,6 +305,8 @@ class MultiSource:
         for turn in bplan.turns:
             self._sent.pop((draft, turn.src), None)  # unknown until finish succeeds
         stop = threading.Event()
+        self._went: set[int] = set()
+        self._go_lock = threading.Lock()
         failed: list[tuple[Turn, BaseException]] = []
         paused = False
         nbytes = count = 0
@@ -330,6 +342,8 @@ class MultiSource:
                     e.client.resume()
         except BaseException as exc:
             self._break(exc)
+            for turn in bplan.turns:  # release broadcasters still waiting for their turn
+                self._go(turn, False)
             self.x.post("verdict", {"error": f"{type(exc).__name__}: {exc}", "version": None})
             if paused:
                 try:
@@ -342,6 +356,14 @@ class MultiSource:
         logger.info("%s (%d broadcasters)", metrics.summary(), len(bplan.turns))
         return metrics
 
+    def _go(self, turn: Turn, go: bool) -> None:
+        # Each key once per round (the JAX store refuses to overwrite); rank 0's own turn needs none.
+        with self._go_lock:
+            if turn.rank == 0 or turn.src in self._went:
+                return
+            self._went.add(turn.src)
+        self.x.post(f"go{turn.src}", go)
+
     def _run_turns(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], stop: threading.Event,
                    failed: list[tuple[Turn, BaseException]]) -> None:
         """The turns' ``update_weights``, one after another (a worker receives one turn at a time)."""
@@ -349,6 +371,7 @@ class MultiSource:
         for turn, payload in zip(bplan.turns, payloads, strict=True):
             if stop.is_set():
                 return
+            self._go(turn, True)
             try:
                 _wait(spawn(lambda p=payload: e.client.update_weights(p), name="weightwire-update"), t.http_s)
             except BaseException as exc:
