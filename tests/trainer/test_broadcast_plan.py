@@ -19,7 +19,14 @@ from weightwire.shared.owned import OwnedSource
 from weightwire.torch_side.source import ModuleSource
 from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 from weightwire.torch_side.worker.hf_host import HFModelHost
-from weightwire.trainer.broadcast_plan import PlanError, check_agreement, check_holders, digest, plan_broadcast
+from weightwire.trainer.broadcast_plan import (
+    PlanError,
+    check_agreement,
+    check_holders,
+    check_receiver,
+    digest,
+    plan_broadcast,
+)
 from weightwire.trainer.group import DictGroup, Exchange, GroupTimeout
 from weightwire.trainer.info import TrainerInitInfo
 
@@ -306,3 +313,15 @@ def test_group_with_one_broadcaster_uses_the_ordinary_round_and_shares_the_verdi
     assert sources[1].iterations == 2  # rank 1 iterated both rounds
     assert not isinstance(results[0][1], str) and "worker exploded" in str(results[0][1])
     assert isinstance(results[1][1], RoundFailed) and "trainer rank 0 reported the round failed" in str(results[1][1])
+
+
+def test_receiver_gate() -> None:
+    multi, single = plan_broadcast([m("w", 0), m("v", 1)]), plan_broadcast([m("w")])
+    check_receiver(single, "nccl", stock=True, on_device=True, verify=True)  # src 0 only: any receiver
+    check_receiver(multi, "weightwire_tcp", stock=False, on_device=False, verify=False)
+    with pytest.raises(PlanError, match="receives only from src 0"):
+        check_receiver(multi, "nccl", stock=True, on_device=True, verify=False)
+    with pytest.raises(PlanError, match="over 'weightwire_nccl' are not implemented on the trainer side"):
+        check_receiver(multi, "weightwire_nccl", stock=False, on_device=True, verify=False)
+    with pytest.raises(PlanError, match="verify=True is not supported"):
+        check_receiver(multi, "weightwire_tcp", stock=False, on_device=False, verify=True)

@@ -21,7 +21,11 @@ anything is sent):
    must include it (an orphan name would leave the worker waiting for bytes nobody
    sends);
 5. metadata is identical on every rank: ``digest`` is exchanged over the trainer's own
-   group (``TrainerGroup.exchange``) and a disagreement names the ranks.
+   group (``trainer.group.Exchange``) and a disagreement names the ranks.
+
+Version gate (``check_receiver``): a plan with several broadcasters goes only to our
+plugin's receivers (a stock vLLM 0.33 worker takes only ``src`` 0), refused before any
+request.
 """
 
 from __future__ import annotations
@@ -146,3 +150,22 @@ def check_agreement(digests: Sequence[str]) -> None:
             f"{digests[0][:12]} vs {', '.join(digests[r][:12] for r in odd)}); every rank must declare "
             "the same names, dtypes, shapes and owners in the same order"
         )
+
+
+def check_receiver(plan: BroadcastPlan, backend: str, *, stock: bool, on_device: bool, verify: bool) -> None:
+    """The version gate: several broadcasters only to receivers that take ``src != 0``
+    (our plugin's), and, on the trainer side, only over host pipelines (TCP)."""
+    if not plan.multi:
+        return
+    if stock:
+        raise PlanError(
+            f"the metadata has broadcasting ranks {list(plan.group_ranks)}, but backend {backend!r} runs "
+            "vLLM's own receiver, which (vLLM 0.33) receives only from src 0; use weightwire_tcp, or make "
+            "rank 0 the first owner of every parameter")
+    if on_device:
+        raise PlanError(
+            f"several broadcasting ranks over {backend!r} are not implemented on the trainer side (the "
+            "workers take src); use weightwire_tcp")
+    if verify:
+        raise PlanError("verify=True is not supported with several broadcasting ranks (rank 0 holds only "
+                        "its own slice's digests); check with /weight_checker instead")

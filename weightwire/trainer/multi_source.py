@@ -42,6 +42,7 @@ from weightwire.trainer.broadcast_plan import (
     Turn,
     check_agreement,
     check_holders,
+    check_receiver,
     digest,
     plan_broadcast,
 )
@@ -100,7 +101,9 @@ class MultiSource:
             try:
                 bplan = self._plan(metas)
                 check_holders(bplan, self.rank, self.engine.source.held_names())
-                self._gate(bplan)
+                b = self.engine._backend
+                check_receiver(bplan, b.name, stock=b.stock_receiver, on_device=b.on_device,
+                               verify=self.engine.info.verify)
             except (PlanError, ValueError, TypeError) as exc:
                 error = str(exc)
         values = self.x.allgather(name, {"digest": digest(metas), "error": error, **extra}, timeout)
@@ -110,24 +113,6 @@ class MultiSource:
         check_agreement([v["digest"] for v in values])
         assert bplan is not None
         return bplan, values
-
-    def _gate(self, bplan: BroadcastPlan) -> None:
-        """Several broadcasters only to receivers that take ``src != 0``, and only on host pipelines."""
-        if not bplan.multi:
-            return
-        backend = self.engine.info.backend
-        if self.engine._backend.stock_receiver:
-            raise PlanError(
-                f"the metadata has broadcasting ranks {list(bplan.group_ranks)}, but backend {backend!r} runs "
-                "vLLM's own receiver, which (vLLM 0.33) receives only from src 0; use weightwire_tcp, or make "
-                "rank 0 the first owner of every parameter")
-        if self.engine._backend.on_device:
-            raise PlanError(
-                f"several broadcasting ranks over {backend!r} are not implemented on the trainer side (the "
-                "workers take src); use weightwire_tcp")
-        if self.engine.info.verify:
-            raise PlanError("verify=True is not supported with several broadcasting ranks (rank 0 holds only "
-                            "its own slice's digests); check with /weight_checker instead")
 
     # -- init ---------------------------------------------------------------------------
 
