@@ -185,12 +185,20 @@ class WeightwireNCCLInitInfo(NCCLInitInfo):
 @dataclass(frozen=True, kw_only=True, repr=False)
 class TCPInitInfo(_StrictInfo):
     """``weightwire_tcp``: the trainer (rank 0) listens at ``host:port``; each worker
-    connects and proves ``secret_b64`` (128 random bytes) before any weight byte flows."""
+    connects and proves ``secret_b64`` (128 random bytes) before any weight byte flows.
+
+    Several broadcasting trainer ranks (``rank_offset > 1``): ``sources`` lists the
+    endpoints of group ranks ``1 .. rank_offset-1`` (``{"host", "port", "secret_b64"}``
+    each; ``host``/``port``/``secret_b64`` above are rank 0's). Every broadcaster listens
+    on its own endpoint and every worker dials all of them, so each turn's bytes come
+    straight from its ``src``; in each broadcaster's star the worker is rank
+    ``rank - rank_offset + 1`` of ``world_size - rank_offset + 1``."""
 
     backend: ClassVar[str] = "weightwire_tcp"
     _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
         "host": str, "port": int, "secret_b64": str, "rank_offset": int, "world_size": int,
         "packed": bool, "packed_buffer_size_bytes": int, "packed_num_buffers": int, "timeout_s": float,
+        "sources": list,
     }
     _secret_fields: ClassVar[tuple[str, ...]] = ("secret_b64",)
 
@@ -203,6 +211,7 @@ class TCPInitInfo(_StrictInfo):
     packed_buffer_size_bytes: int = 64 << 20
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     timeout_s: float = 300.0
+    sources: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         ctx = type(self).__name__
@@ -212,10 +221,34 @@ class TCPInitInfo(_StrictInfo):
         _ = self.secret
         _check_wire_params(ctx, self.packed_buffer_size_bytes, self.packed_num_buffers, self.world_size, self.rank_offset)
         _check_timeout(ctx, self.timeout_s)
+        want = self.rank_offset - 1
+        got = 0 if self.sources is None else len(self.sources)
+        if got != want:
+            raise ValueError(f"{ctx}.sources must list the {want} broadcasting rank(s) 1..{want} of rank_offset "
+                             f"{self.rank_offset} (one endpoint each), got {got}")
+        _ = self.endpoints
 
     @property
     def secret(self) -> bytes:
         return decode_secret(f"{type(self).__name__}.secret_b64", self.secret_b64, TCP_SECRET_BYTES)
+
+    @property
+    def endpoints(self) -> list[tuple[str, int, bytes]]:
+        """``(host, port, secret)`` of every broadcaster, by group rank (rank 0 first)."""
+        ctx = type(self).__name__
+        out = [(self.host, self.port, self.secret)]
+        for i, item in enumerate(self.sources or (), start=1):
+            where = f"{ctx}.sources[{i - 1}]"
+            if not isinstance(item, dict) or set(item) != {"host", "port", "secret_b64"}:
+                raise ValueError(f"{where} must be an object with exactly host, port, secret_b64")
+            host, port = item["host"], item["port"]
+            _check_type(f"{where}.host", host, str, optional=False)
+            _check_type(f"{where}.port", port, int, optional=False)
+            _check_host(f"{where}.host", host)
+            if not 1 <= port <= 65535:
+                raise ValueError(f"{where}.port must be in [1, 65535], got {port}")
+            out.append((host, port, decode_secret(f"{where}.secret_b64", item["secret_b64"], TCP_SECRET_BYTES)))
+        return out
 
 
 def _check_timeout(ctx: str, value: float) -> None:
@@ -244,15 +277,28 @@ class UpdateInfo(_StrictInfo):
 
     All three empty means "reuse the previous round's metadata" on servers >= 0.33
     (see ``version.ServerFeatures.reuse_metadata``); on older ones, zero tensors.
+    ``src`` is the transfer-group rank that broadcasts this turn (several broadcasting
+    trainer ranks); it is omitted from the body when 0, so single-broadcaster payloads
+    stay exactly what a stock vLLM (which only takes ``src=0``) reads.
     """
 
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {"names": list, "dtype_names": list, "shapes": list}
+    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {"names": list, "dtype_names": list, "shapes": list,
+                                                             "src": int}
 
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
+    src: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if not self.src:
+            del out["src"]
+        return out
 
     def __post_init__(self) -> None:
+        if not 0 <= self.src < LIMITS.max_world_size:
+            raise ValueError(f"src must be a group rank in [0, {LIMITS.max_world_size}), got {self.src}")
         n = len(self.names)
         if n > LIMITS.max_tensors:
             raise ValueError(f"names lists {n} tensors, over the limit {LIMITS.max_tensors}")
@@ -291,7 +337,8 @@ class UpdateInfo(_StrictInfo):
         return cls(names=[m.name for m in metas], dtype_names=[m.dtype for m in metas], shapes=[list(m.shape) for m in metas])
 
     def __repr__(self) -> str:
-        return f"UpdateInfo({len(self.names)} tensors)"
+        src = f", src={self.src}" if self.src else ""
+        return f"UpdateInfo({len(self.names)} tensors{src})"
 
 
 # weightwire_ipc's init info lives in its own module (it imports the helpers above).

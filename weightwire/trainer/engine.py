@@ -124,14 +124,19 @@ class TrainerEngine(ABC):
         self._broken: BaseException | None = None
         self._closed = False
         self._pause_mode = None if init_info.pause_mode == "auto" else init_info.pause_mode
+        self._multi: Any = None  # trainer.multi_source.MultiSource when built with a TrainerGroup
 
     def __repr__(self) -> str:
         role = "sender" if self.info.is_sender else f"rank {self.info.rank}"
         return f"{type(self).__name__}(backend={self.info.backend!r}, {role}, rounds={self._rounds})"
 
     @classmethod
-    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: Any = None) -> Self:
+    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: Any = None, group: Any = None) -> Self:
         """Rendezvous with the inference side (rank 0) and return a ready engine.
+
+        ``group`` (a ``trainer.group.TrainerGroup``, given on every rank): the trainer's
+        processes agree on the broadcast plan, and the parameters' first owners each
+        broadcast their share (``trainer.multi_source``).
 
         ``source`` is a ``WeightSource`` or any object shaped like one (vLLM's
         ``ModuleSource``: see ``shared.source.as_source``). ``client`` needs the four
@@ -149,6 +154,12 @@ class TrainerEngine(ABC):
         engine = cls(init_info, client=client, source=source)
         if init_info.is_sender:
             engine._check_client()
+        if group is not None:
+            from weightwire.trainer.multi_source import MultiSource  # noqa: PLC0415
+
+            engine._multi = MultiSource(engine, group)
+            engine._multi.connect()
+        elif init_info.is_sender:
             engine._connect()
         return engine
 
@@ -175,7 +186,7 @@ class TrainerEngine(ABC):
                 "inference_world_size in TrainerInitInfo, or drop verify / pause_mode)"
             )
 
-    def _connect(self) -> None:
+    def _connect(self, extend: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         t = self.info.timeouts
         self.features = server_features(self.info, self.client)
         version = self.features.version
@@ -187,6 +198,12 @@ class TrainerEngine(ABC):
         # not after the workers joined.
         packer = self.device_packer(self.info.device) if self._backend.on_device else None
         rdv = self._backend.open(self.info, world_size=1 + world)
+        if extend is not None:  # several broadcasters: the group's fields (multi_source)
+            try:
+                rdv.payload = extend(rdv.payload)
+            except BaseException:
+                rdv.cancel()
+                raise
         post = spawn(lambda: self.client.init_weight_transfer_engine(rdv.payload), name="weightwire-init")
         post.add_done_callback(lambda f: rdv.cancel() if f.exception() is not None else None)
         join = spawn(lambda: rdv.join(timeout=t.connect_s), name="weightwire-join")
@@ -243,6 +260,11 @@ class TrainerEngine(ABC):
                 f"a previous round failed ({type(self._broken).__name__}: {self._broken}); "
                 "call shutdown() and trainer_init() again"
             ) from self._broken
+        if self._multi is not None:
+            if draft and self.info.is_sender:
+                assert self.features is not None
+                self.features.require("draft_route", "a draft round starts with /start_draft_weight_update")
+            return self._multi.send(weight_version, draft)
         clock = PhaseClock()
         with clock("metadata"):
             metas = self.source.metadata()
@@ -251,9 +273,7 @@ class TrainerEngine(ABC):
                 for _ in self.source:
                     pass
             return RoundMetrics(None, 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
-        version = str(self._rounds + 1) if weight_version is None else weight_version
-        if not isinstance(version, str) or not version:
-            raise ValueError(f"weight_version must be a non-empty str, got {weight_version!r}")
+        version = self._next_version(weight_version)
         if self._displaced():
             self._was_displaced = True
             self._broken = EngineBroken(
@@ -272,6 +292,12 @@ class TrainerEngine(ABC):
         metrics = self._sender_round(metas, version, clock, draft)
         logger.info("%s", metrics.summary())
         return metrics
+
+    def _next_version(self, weight_version: str | None) -> str:
+        version = str(self._rounds + 1) if weight_version is None else weight_version
+        if not isinstance(version, str) or not version:
+            raise ValueError(f"weight_version must be a non-empty str, got {weight_version!r}")
+        return version
 
     def _sender_round(self, metas: list[ParamMeta], version: str, clock: PhaseClock, draft: bool) -> RoundMetrics:
         assert self.features is not None and self._comm is not None
@@ -428,6 +454,8 @@ class TrainerEngine(ABC):
         if self._closed:
             return
         self._closed = True
+        if self._multi is not None:
+            self._multi.shutdown()
         displaced = self._displaced()
         comm, pipeline, self._comm, self._pipeline = self._comm, self._pipeline, None, None
         if comm is None:

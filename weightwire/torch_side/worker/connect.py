@@ -37,24 +37,40 @@ def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> Receiv
 
     local = Timeouts.from_env()
     deadline = time.monotonic() + local.connect_s
-    while True:
-        try:
-            comm = TCPCommunicator.connect(
-                host=info.host, port=info.port, secret=info.secret, rank=rank,
-                world_size=info.world_size, timeout=max(0.001, deadline - time.monotonic()),
-            )
-            break
-        except PeerLost as exc:
-            if time.monotonic() >= deadline:
-                raise
-            log.info("rank %d: the TCP sender dropped the handshake (%s); retrying", rank, exc)
-            time.sleep(0.05)  # a sender that drops at once (closing) must not be spun on
+    # Each broadcaster is the root of its own star: rank 0's (rank_offset 1) is the
+    # whole group; with several, the worker's star rank skips the other trainer ranks.
+    star_rank = rank - info.rank_offset + 1
+    star_world = info.world_size - info.rank_offset + 1
+    links: list[ReceiveLink] = []
     try:
-        comm.warmup(timeout=local.warmup_s)
+        for src, (host, port, secret) in enumerate(info.endpoints):
+            while True:
+                try:
+                    comm = TCPCommunicator.connect(
+                        host=host, port=port, secret=secret, rank=star_rank,
+                        world_size=star_world, timeout=max(0.001, deadline - time.monotonic()),
+                    )
+                    break
+                except PeerLost as exc:
+                    if time.monotonic() >= deadline:
+                        raise
+                    log.info("rank %d: TCP sender src %d dropped the handshake (%s); retrying", rank, src, exc)
+                    time.sleep(0.05)  # a sender that drops at once (closing) must not be spun on
+            try:
+                comm.warmup(timeout=local.warmup_s)
+            except BaseException:
+                comm.abort()
+                raise
+            links.append(TCPLink(comm, device=device, timeout_s=info.timeout_s, depth=info.packed_num_buffers))
     except BaseException:
-        comm.abort()
+        for link in links:
+            link.abort()
         raise
-    return TCPLink(comm, device=device, timeout_s=info.timeout_s, depth=info.packed_num_buffers)
+    if len(links) == 1:
+        return links[0]
+    from weightwire.torch_side.worker.sources import MultiSourceLink  # noqa: PLC0415
+
+    return MultiSourceLink(links)
 
 
 def connect_nccl(info: WeightwireNCCLInitInfo, *, rank: int, device: torch.device) -> ReceiveLink:
@@ -83,7 +99,9 @@ def connect_nccl(info: WeightwireNCCLInitInfo, *, rank: int, device: torch.devic
     except BaseException:
         comm.abort()
         raise
-    return NCCLLink(comm, device=torch.device("cuda", index), timeout_s=info.timeout_s, depth=info.packed_num_buffers)
+    link = NCCLLink(comm, device=torch.device("cuda", index), timeout_s=info.timeout_s, depth=info.packed_num_buffers)
+    link.senders = info.rank_offset  # every trainer rank below the offset may be a turn's src
+    return link
 
 
 def publish_unique_id(host: str, port: int, unique_id: bytes, *, timeout_s: float) -> Any:

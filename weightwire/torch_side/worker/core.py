@@ -126,7 +126,7 @@ class _ReceiverCore:
         self._active = False
         # Previous round's metadata per target model (main vs draft), for the
         # 0.33 "empty lists = reuse" shorthand; the plan is cached with it.
-        self._last: dict[int, tuple[Any, list[ParamMeta], list[Chunk]]] = {}
+        self._last: dict[tuple[int, int], tuple[Any, list[ParamMeta], list[Chunk]]] = {}
         self.last_stats: ReceiveStats | None = None
 
     # ---------------------------------------------------------------- session
@@ -265,6 +265,7 @@ class _ReceiverCore:
         model, _ = self._target()
         self._touched = time.monotonic()
         try:
+            link = self._link.for_src(update.src)  # several broadcasters: this turn's sender
             metas, chunks = self._resolve(model, update)
             spec = self._model_spec()
             if spec is not None and not update.reuses_previous:
@@ -277,16 +278,18 @@ class _ReceiverCore:
         try:
             if self._staged_mode:
                 received: list[tuple[str, torch.Tensor]] = []
-                for pairs in self._chunks(metas, chunks, progress):
+                for pairs in self._chunks(link, metas, chunks, progress):
                     received.extend(pairs)
                 self._staged.extend(received)  # only once every byte of this update landed
             else:
                 with self._framework.receive_context() if self._framework is not None else nullcontext():
-                    for pairs in self._stream(metas, chunks, progress):
+                    for pairs in self._stream(link, metas, chunks, progress):
                         model.load_weights(pairs)
                         del pairs  # let the chunk buffer go before the next one is posted
         except BaseException as exc:
             where = f"at chunk {progress[0] + 1}/{len(chunks)}" if progress[0] >= 0 else "before the first chunk"
+            if update.src:
+                where += f" from src {update.src}"  # several broadcasters: name the one this turn lost
             self._fail(exc, where)
             raise WeightReceiveError(
                 f"{self.backend}: round failed {where} ({type(exc).__name__}: {exc}); the round was "
@@ -307,21 +310,20 @@ class _ReceiverCore:
         return cached[1]
 
     def _stream(
-        self, metas: list[ParamMeta], chunks: list[Chunk], progress: list[int]
+        self, link: ReceiveLink, metas: list[ParamMeta], chunks: list[Chunk], progress: list[int]
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Load batches in order, with up to ``depth`` chunks posted ahead of the one
         being loaded; ``progress[0]`` tracks the chunk in hand, for error messages.
         Batches are whole chunks, or ("group") one decoder layer across chunk edges."""
-        chunk_batches = self._chunks(metas, chunks, progress)
+        chunk_batches = self._chunks(link, metas, chunks, progress)
         if self._load_batching == "chunk":
             return chunk_batches
         return batch_by_layer(pair for batch in chunk_batches for pair in batch)
 
     def _chunks(
-        self, metas: list[ParamMeta], chunks: list[Chunk], progress: list[int]
+        self, link: ReceiveLink, metas: list[ParamMeta], chunks: list[Chunk], progress: list[int]
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        link = self._link
-        assert link is not None and self._info is not None
+        assert self._info is not None
         packed = self._info.packed
         posted = 0
         for i, chunk in enumerate(chunks):
@@ -338,8 +340,9 @@ class _ReceiverCore:
 
     def _resolve(self, model: Any, update: UpdateInfo) -> tuple[list[ParamMeta], list[Chunk]]:
         assert self._info is not None
+        key = (id(model), update.src)  # reuse is per broadcaster: each turn has its own slice
         if update.reuses_previous:
-            cached = self._last.get(id(model))
+            cached = self._last.get(key)
             if cached is None or cached[0] is not model:
                 raise ValueError(
                     f"{self.backend}: update info has empty names/dtype_names/shapes (reuse the previous "
@@ -348,7 +351,7 @@ class _ReceiverCore:
             return cached[1], cached[2]
         metas = update.metas()
         chunks = plan(metas, packed=self._info.packed, buffer_size_bytes=self._info.packed_buffer_size_bytes)
-        self._last[id(model)] = (model, metas, chunks)
+        self._last[key] = (model, metas, chunks)
         return metas, chunks
 
     # ---------------------------------------------------------------- failure

@@ -16,6 +16,7 @@ in flight, not how many allocations exist.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -76,6 +77,14 @@ class ReceiveLink(ABC):
 
     @abstractmethod
     def wait(self, index: int) -> torch.Tensor: ...
+
+    def for_src(self, src: int) -> ReceiveLink:
+        """The link that receives a turn broadcast by group rank ``src`` (see
+        ``sources.MultiSourceLink``); a single-sender link takes only ``src`` 0."""
+        if src != 0:
+            raise ValueError(f"update info names src {src}, but this engine was initialized with one "
+                             "broadcasting trainer rank (rank_offset 1): only src 0 can be received")
+        return self
 
     def abort(self) -> None:
         self.communicator.abort()
@@ -167,6 +176,16 @@ class NCCLLink(ReceiveLink):
         super().__init__(communicator, device=device, timeout_s=timeout_s, depth=depth)
         self._streams = [torch.cuda.Stream(device=device) for _ in range(self.depth)]
         self._pending: dict[int, tuple[torch.Tensor, torch.cuda.Stream]] = {}
+        self.senders = 1  # trainer ranks below rank_offset: the roots this link may receive from
+        self._root = 0
+
+    def for_src(self, src: int) -> ReceiveLink:
+        """One NCCL group, several roots: a view of this link that receives from ``src``."""
+        if not 0 <= src < self.senders:
+            raise ValueError(f"NCCL update src must be a broadcasting trainer rank in [0, {self.senders}), got {src}")
+        view = copy.copy(self)  # shares the communicator, streams and pending chunks
+        view._root = src
+        return view
 
     def post(self, index: int, chunk: Chunk, metas: Sequence[ParamMeta], *, packed: bool) -> None:
         stream = self._streams[index % self.depth]
@@ -178,11 +197,11 @@ class NCCLLink(ReceiveLink):
         # through DLPack costs ~0.2 ms per chunk on the round's critical path.
         view = tensor_device_bytes(buf)
         if packed:
-            self.communicator.broadcast(view, root=0, timeout=self.timeout_s, stream=stream.cuda_stream)
+            self.communicator.broadcast(view, root=self._root, timeout=self.timeout_s, stream=stream.cuda_stream)
         else:
             meta = metas[chunk.start]
             self.communicator.broadcast_typed(
-                view, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel, root=0,
+                view, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel, root=self._root,
                 timeout=self.timeout_s, stream=stream.cuda_stream,
             )
         buf.record_stream(stream)

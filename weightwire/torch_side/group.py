@@ -1,0 +1,45 @@
+"""``TorchStoreGroup``: a ``trainer.group.TrainerGroup`` over torch.distributed's store.
+
+The c10d store (the ``TCPStore`` behind ``init_process_group``) is what the ranks
+already rendezvoused through; reading it is bounded by a timeout, unlike a gloo
+collective with a dead peer. Pass ``store`` explicitly, or let it take the default
+process group's.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+from weightwire.trainer.group import GroupTimeout
+
+
+class TorchStoreGroup:
+    def __init__(self, store: Any = None, *, rank: int | None = None, size: int | None = None) -> None:
+        if store is None:
+            if not dist.is_initialized():
+                raise RuntimeError("TorchStoreGroup needs a store, or torch.distributed.init_process_group first")
+            store = dist.distributed_c10d._get_default_store()
+        self._store = store
+        self._rank = dist.get_rank() if rank is None else rank
+        self._size = dist.get_world_size() if size is None else size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def publish(self, key: str, value: str) -> None:
+        self._store.set(key, value)
+
+    def read(self, key: str, timeout: float) -> str:
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # torch raises DistStoreError / RuntimeError variants on timeout
+            raise GroupTimeout(f"{key}: {type(exc).__name__}") from None
+        return bytes(self._store.get(key)).decode()

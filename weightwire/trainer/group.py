@@ -1,0 +1,109 @@
+"""``TrainerGroup``: the trainer's own processes, as a tiny key-value exchange.
+
+Several broadcasting ranks must agree before anything is sent (the same metadata, the
+broadcasters' TCP endpoints, whether the round committed). That agreement travels over
+the store the trainer already has (``jax.distributed``'s coordination service, torch's
+c10d store), never over the data plane, and every read is bounded by a timeout, so a
+rank that died or diverged turns into an error naming it instead of a hang.
+
+Implementations: ``weightwire.jax_side.multiprocess.JaxProcessGroup`` and
+``weightwire.torch_side.group.TorchStoreGroup``; tests may use ``DictGroup``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+import weakref
+from typing import Any, Protocol, runtime_checkable
+
+
+class GroupTimeout(TimeoutError):
+    """A trainer rank did not publish its part within the timeout (it died, hung or diverged)."""
+
+
+@runtime_checkable
+class TrainerGroup(Protocol):
+    """``rank`` / ``size`` of this process; ``publish`` once per key, ``read`` any rank's key."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def publish(self, key: str, value: str) -> None: ...
+
+    def read(self, key: str, timeout: float) -> str:
+        """The value published under ``key``; ``GroupTimeout`` if none within ``timeout`` s."""
+
+
+_namespaces: weakref.WeakKeyDictionary[Any, itertools.count] = weakref.WeakKeyDictionary()
+
+
+class Exchange:
+    """Lockstep exchanges over a ``TrainerGroup``: every rank calls the same sequence of
+    ``allgather`` / ``post`` / ``get``, so the n-th call on each rank uses the same key."""
+
+    def __init__(self, group: TrainerGroup) -> None:
+        self.group = group
+        # Engines are built over a group in the same order on every rank, so the n-th
+        # exchange over each rank's group object gets the same namespace.
+        self._ns = next(_namespaces.setdefault(group, itertools.count()))
+        self._seq = 0
+
+    def _key(self, name: str, rank: int) -> str:
+        return f"weightwire/{self._ns}/{self._seq}/{name}/{rank}"
+
+    def step(self) -> None:
+        self._seq += 1
+
+    def post(self, name: str, value: Any) -> None:
+        self.group.publish(self._key(name, self.group.rank), json.dumps(value))
+
+    def get(self, name: str, rank: int, timeout: float) -> Any:
+        try:
+            return json.loads(self.group.read(self._key(name, rank), timeout))
+        except GroupTimeout:
+            raise GroupTimeout(f"trainer rank {rank} did not publish {name!r} within {timeout:g} s "
+                               "(it died, hung, or is running a different step)") from None
+
+    def allgather(self, name: str, value: Any, timeout: float) -> list[Any]:
+        self.post(name, value)
+        deadline = time.monotonic() + timeout
+        return [value if r == self.group.rank else self.get(name, r, max(0.001, deadline - time.monotonic()))
+                for r in range(self.group.size)]
+
+
+class DictGroup:
+    """In-process group over a shared dict (tests, threads standing in for ranks)."""
+
+    def __init__(self, rank: int, size: int, shared: dict[str, str], cv: threading.Condition) -> None:
+        self._rank, self._size, self._shared, self._cv = rank, size, shared, cv
+
+    @classmethod
+    def make(cls, size: int) -> list[DictGroup]:
+        shared: dict[str, str] = {}
+        cv = threading.Condition()
+        return [cls(r, size, shared, cv) for r in range(size)]
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def publish(self, key: str, value: str) -> None:
+        with self._cv:
+            self._shared[key] = value
+            self._cv.notify_all()
+
+    def read(self, key: str, timeout: float) -> str:
+        with self._cv:
+            if not self._cv.wait_for(lambda: key in self._shared, timeout=timeout):
+                raise GroupTimeout(key)
+            return self._shared[key]
