@@ -5,6 +5,12 @@ reference models in ``weightwire.jax_side.models`` do, and what most Flax ports 
 ``params/model/layers_3/self_attn/q_proj/kernel`` or, with scanned layers, one stacked
 ``params/model/layers/...`` subtree. The leading ``params`` component is optional.
 
+Unrolled layers may also be a list (``layers/3``, as NNX and Equinox flatten). MoE
+families stack each expert projection (``mlp/experts/gate_proj/kernel [experts, in,
+out]``, scanned ``[layers, experts, in, out]``) and send one HF tensor per expert;
+``leaf_style="torch"`` takes Equinox-style ``weight [out, in]`` leaves. A new family is
+one builder function registered with ``register_family`` (see ``examples/add_a_family.py``).
+
 Rules are listed in HF ``state_dict`` order, which fixes the metadata order: embeddings,
 then each layer whole, then the final norm and ``lm_head``. Options not given take the
 family's HF defaults; an unknown option is a ``TypeError`` (a typo silently ignored
