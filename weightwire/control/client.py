@@ -31,6 +31,11 @@ _OWNED = frozenset(r.name for r in (routes.START, routes.UPDATE, routes.FINISH, 
 """Routes that carry the session id an init reply returned (``SESSION_HEADER``)."""
 
 
+_LIMITS = httpx.Limits(keepalive_expiry=2.0)
+"""Idle connections are dropped before uvicorn's 5 s keep-alive (vLLM's and ours) closes them:
+a POST on a connection the server just closed fails with a reset and is never retried."""
+
+
 class HTTPWeightSyncClient:
     """Drive one or more vLLM servers' weight-sync routes.
 
@@ -59,7 +64,7 @@ class HTTPWeightSyncClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         http_timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, 30.0))
         self._clients = [
-            httpx.Client(base_url=u, timeout=http_timeout, headers=headers, transport=transport)
+            httpx.Client(base_url=u, timeout=http_timeout, headers=headers, transport=transport, limits=_LIMITS)
             for u in self.base_urls
         ]
         self._layout: RankLayout | None = None
