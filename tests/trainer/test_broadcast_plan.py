@@ -95,8 +95,11 @@ def test_tcp_init_info_lists_every_broadcaster() -> None:
     sender = ThreadSender(lambda comm: None)
     base = {**sender.rdv.init_fields(), "world_size": 4}
     try:
-        with pytest.raises(ValueError, match=r"sources must list the 1 broadcasting rank\(s\) 1..1"):
-            TCPInitInfo(**base, rank_offset=2)
+        # More broadcasters than trainer ranks below the workers is refused; a rank_offset past
+        # the broadcasters (a later data-parallel server) is not.
+        with pytest.raises(ValueError, match=r"sources lists 1 broadcasting rank\(s\) besides rank 0, but rank_offset 1"):
+            TCPInitInfo(**base, rank_offset=1, sources=[sender.rdv.init_fields()])
+        assert TCPInitInfo(**base, rank_offset=2).broadcasters == 1
         with pytest.raises(ValueError, match=r"sources\[0\] must be an object with exactly host, port, secret_b64"):
             TCPInitInfo(**base, rank_offset=2, sources=[{"host": "h"}])
         info = TCPInitInfo.from_dict({**base, "rank_offset": 2, "sources": [sender.rdv.init_fields()]})

@@ -187,12 +187,17 @@ class TCPInitInfo(_StrictInfo):
     """``weightwire_tcp``: the trainer (rank 0) listens at ``host:port``; each worker
     connects and proves ``secret_b64`` (128 random bytes) before any weight byte flows.
 
-    Several broadcasting trainer ranks (``rank_offset > 1``): ``sources`` lists the
-    endpoints of group ranks ``1 .. rank_offset-1`` (``{"host", "port", "secret_b64"}``
-    each; ``host``/``port``/``secret_b64`` above are rank 0's). Every broadcaster listens
+    Several broadcasting trainer ranks: ``sources`` lists the endpoints of group ranks
+    ``1 .. B-1`` (``{"host", "port", "secret_b64"}`` each; ``host``/``port``/``secret_b64``
+    above are rank 0's), so ``B = 1 + len(sources)`` broadcasters. Every broadcaster listens
     on its own endpoint and every worker dials all of them, so each turn's bytes come
     straight from its ``src``; in each broadcaster's star the worker is rank
-    ``rank - rank_offset + 1`` of ``world_size - rank_offset + 1``."""
+    ``rank - B + 1`` of ``world_size - B + 1``. ``rank_offset`` is where this server's
+    workers start: ``B`` for the first server, more for later data-parallel servers."""
+
+    @property
+    def broadcasters(self) -> int:
+        return 1 + (0 if self.sources is None else len(self.sources))
 
     backend: ClassVar[str] = "weightwire_tcp"
     _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
@@ -221,11 +226,10 @@ class TCPInitInfo(_StrictInfo):
         _ = self.secret
         _check_wire_params(ctx, self.packed_buffer_size_bytes, self.packed_num_buffers, self.world_size, self.rank_offset)
         _check_timeout(ctx, self.timeout_s)
-        want = self.rank_offset - 1
         got = 0 if self.sources is None else len(self.sources)
-        if got != want:
-            raise ValueError(f"{ctx}.sources must list the {want} broadcasting rank(s) 1..{want} of rank_offset "
-                             f"{self.rank_offset} (one endpoint each), got {got}")
+        if got + 1 > self.rank_offset:
+            raise ValueError(f"{ctx}.sources lists {got} broadcasting rank(s) besides rank 0, but rank_offset "
+                             f"{self.rank_offset} leaves only {self.rank_offset - 1} trainer rank(s) below the workers")
         _ = self.endpoints
 
     @property

@@ -37,10 +37,11 @@ def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> Receiv
 
     local = Timeouts.from_env()
     deadline = time.monotonic() + local.connect_s
-    # Each broadcaster is the root of its own star: rank 0's (rank_offset 1) is the
-    # whole group; with several, the worker's star rank skips the other trainer ranks.
-    star_rank = rank - info.rank_offset + 1
-    star_world = info.world_size - info.rank_offset + 1
+    # Each broadcaster is the root of its own star: with one it is the whole group; with
+    # several, the worker's star rank skips the other trainer ranks (not rank_offset: a
+    # later data-parallel server's workers start past the earlier servers' ones).
+    star_rank = rank - info.broadcasters + 1
+    star_world = info.world_size - info.broadcasters + 1
     links: list[ReceiveLink] = []
     try:
         for src, (host, port, secret) in enumerate(info.endpoints):
