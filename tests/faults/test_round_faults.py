@@ -379,8 +379,9 @@ def test_source_metadata_and_iteration_disagree(shared_server: Server, probe: Pr
 def test_receiver_stops_reading(shared_server: Server, probe: Probe, source: TensorSource) -> None:
     """SIGSTOP the server's process group mid-broadcast: the send buffers fill, the trainer's
     broadcast watchdog fires after transfer_s; once resumed, the worker finds the dead
-    connection, fails the round and keeps its weights."""
-    engine = engine_for(shared_server.url, source)
+    connection, fails the round and keeps its weights. (No pause around the round: the
+    failed round's resume would wait out the HTTP timeout on the frozen server.)"""
+    engine = engine_for(shared_server.url, source, pause_mode=None)
     stopped = threading.Event()
 
     def freeze() -> None:
@@ -416,7 +417,8 @@ def test_receiver_stops_reading(shared_server: Server, probe: Probe, source: Ten
 def test_control_plane_stalls(shared_server: Server, probe: Probe, source: TensorSource) -> None:
     """SIGSTOP the server between rounds: the next HTTP call times out after the client's
     timeout and says which route; the weights stay; a fresh init recovers."""
-    engine = engine_for(shared_server.url, source, client=client_for(shared_server.url, timeout=3.0))
+    # No pause: a timed-out /pause would be read after SIGCONT and leave generation paused.
+    engine = engine_for(shared_server.url, source, client=client_for(shared_server.url, timeout=3.0), pause_mode=None)
     try:
         want = source.perturb(20)
         engine.send_weights("h1")
