@@ -406,7 +406,11 @@ def test_receiver_stops_reading(shared_server: Server, probe: Probe, source: Ten
         state, waited = probe.wait_session(lambda s: s["busy"] is None and s["state"] != "round_active",
                                            timeout=FAULT_TIMEOUTS.transfer_s + 30)
         observe(trainer=info.value, trainer_s=t[0], server=state["last_error"], server_s_after_resume=waited)
-        assert state["state"] == "uninitialized" and "round failed" in state["last_error"], state
+        # Who ends the round depends on where the freeze caught the server: the worker (its
+        # sender is gone) or, when the update POST was not yet read, the round lease (the
+        # frozen seconds count). Either way the round is aborted and n1 stays served.
+        assert state["state"] == "uninitialized", state
+        assert "round failed" in state["last_error"] or "round lease expired" in state["last_error"], state
         assert_weights(probe, want, "n1")
     finally:
         source.hook = None
