@@ -48,7 +48,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         prog=prog, description="Serve a model with vLLM's weight-sync API and OpenAI-compatible completions "
                                "(the reference server).",
         epilog="examples:\n  weightwire serve --model tiny-llama --port 0     # a tiny random Llama, built and cached\n"
-               "  weightwire serve --model ./qwen2.5-0.5b --api-key $KEY\n\n" + EXIT_CODES_HELP,
+               "  WEIGHTWIRE_API_KEY=$KEY weightwire serve --model ./qwen2.5-0.5b\n\n" + EXIT_CODES_HELP,
         formatter_class=HelpFormatter)
     p.add_argument("--model", required=True,
                    help="HF model directory (config.json + safetensors + tokenizer), or tiny-llama / tiny-qwen2: "
