@@ -30,11 +30,13 @@ class _StallingSource(PytreeSource):
 
     stop_after = 0
 
-    def __iter__(self):  # type: ignore[override]
-        for i, pair in enumerate(super().__iter__()):
-            if i == self.stop_after:
+    def iter_groups(self):  # type: ignore[override]  (the engine drives a source group by group)
+        sent = 0
+        for group in super().iter_groups():
+            if sent >= self.stop_after:
                 _reached("mid_update")
-            yield pair
+            sent += len(group)
+            yield group
 
 
 def main() -> None:

@@ -34,10 +34,20 @@ ROUND = ["pause", "start_weight_update", "update_weights", "finish_weight_update
 
 
 @pytest.fixture(autouse=True)
-def fresh_comm() -> FakeComm:
+def fresh_comm(monkeypatch: pytest.MonkeyPatch) -> FakeComm:
     FAKE.comm = FakeComm()
     FAKE.opened.clear()
+    # The fake backend stands in for a stock worker here: auto pauses only those.
+    monkeypatch.setattr(type(FAKE), "stock_receiver", True)
     return FAKE.comm
+
+
+def test_auto_does_not_pause_a_staging_plugin_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    server = FakeServer()
+    engine = engine_for(server.client(), DictSource(numpy_weights(), describe))
+    engine.send_weights()
+    assert round_routes(server) == ROUND[1:4]
 
 
 def engine_for(client: Any, source: Any, **info: Any) -> JAXTrainerEngine:

@@ -166,9 +166,14 @@ class TrainerEngine(ABC):
     def _check_client(self) -> None:
         needed = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"]
         if self.info.pause_mode == "auto":
+            # Only a stock worker loads into the running model mid-round (layerwise reload puts
+            # layers on the meta device: a request scheduled then crashes vLLM). The plugin
+            # workers stage a round and apply it in one call at finish, so they need no pause,
+            # and not pausing there means a trainer that dies mid-round cannot leave the
+            # server paused with nobody to resume it.
             can_pause = all(callable(getattr(self.client, m, None)) for m in ("pause", "resume"))
-            self._pause_mode = "keep" if can_pause else None
-            if not can_pause:
+            self._pause_mode = "keep" if can_pause and self._backend.stock_receiver else None
+            if self._backend.stock_receiver and not can_pause:
                 logger.warning("client %s cannot pause generation: rounds run under live traffic "
                                "(vLLM crashes when a request meets a layer mid-reload)", type(self.client).__name__)
         if self.info.verify:

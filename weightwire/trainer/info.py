@@ -35,9 +35,11 @@ class TrainerInitInfo:
       the address workers dial (set it when workers are on other hosts).
     - ``device``: CUDA ordinal of the NCCL sender (``None``: the current device).
     - ``pause_mode``: pause generation around every round (``keep``/``wait``/``abort``).
-      The default ``auto`` pauses with ``keep`` whenever the client can pause (a round
-      run under live traffic crashes vLLM: its layerwise reload puts layers on the
-      meta device mid-round); ``None`` never pauses.
+      The default ``auto`` pauses with ``keep`` around rounds to a stock ``nccl`` worker
+      whenever the client can pause (a round run under live traffic crashes vLLM: its
+      layerwise reload puts layers on the meta device mid-round); the plugin backends
+      stage a round and apply it at finish in one worker call, so ``auto`` does not pause
+      them. ``None`` never pauses.
     - ``ipc_release_after_round``: ``weightwire_ipc`` frees its slots after every round
       (the memory goes back to training; handles are re-exported next round).
     - ``timeouts``: every wait's bound (default: ``Timeouts.from_env()``, so
