@@ -220,12 +220,7 @@ class TCPInitInfo(_StrictInfo):
 
     def __post_init__(self) -> None:
         ctx = type(self).__name__
-        _check_host(f"{ctx}.host", self.host)
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"{ctx}.port must be in [1, 65535], got {self.port}")
-        _ = self.secret
-        _check_wire_params(ctx, self.packed_buffer_size_bytes, self.packed_num_buffers, self.world_size, self.rank_offset)
-        _check_timeout(ctx, self.timeout_s)
+        _check_listener(ctx, self)
         got = 0 if self.sources is None else len(self.sources)
         if got + 1 > self.rank_offset:
             raise ValueError(f"{ctx}.sources lists {got} broadcasting rank(s) besides rank 0, but rank_offset "
@@ -253,6 +248,17 @@ class TCPInitInfo(_StrictInfo):
                 raise ValueError(f"{where}.port must be in [1, 65535], got {port}")
             out.append((host, port, decode_secret(f"{where}.secret_b64", item["secret_b64"], TCP_SECRET_BYTES)))
         return out
+
+
+def _check_listener(ctx: str, info: Any) -> None:
+    """The fields every trainer-listens, workers-dial init info shares (TCP, IPC): endpoint,
+    secret, wire params and timeout."""
+    _check_host(f"{ctx}.host", info.host)
+    if not 1 <= info.port <= 65535:
+        raise ValueError(f"{ctx}.port must be in [1, 65535], got {info.port}")
+    _ = info.secret
+    _check_wire_params(ctx, info.packed_buffer_size_bytes, info.packed_num_buffers, info.world_size, info.rank_offset)
+    _check_timeout(ctx, info.timeout_s)
 
 
 def _check_timeout(ctx: str, value: float) -> None:

@@ -18,9 +18,7 @@ from typing import ClassVar
 from weightwire.shared.info import (
     DEFAULT_PACKED_NUM_BUFFERS,
     TCP_SECRET_BYTES,
-    _check_host,
-    _check_timeout,
-    _check_wire_params,
+    _check_listener,
     _StrictInfo,
     decode_secret,
 )
@@ -70,12 +68,7 @@ class IPCInitInfo(_StrictInfo):
 
     def __post_init__(self) -> None:
         ctx = type(self).__name__
-        _check_host(f"{ctx}.host", self.host)
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"{ctx}.port must be in [1, 65535], got {self.port}")
-        _ = self.secret
-        _check_wire_params(ctx, self.packed_buffer_size_bytes, self.packed_num_buffers, self.world_size, self.rank_offset)
-        _check_timeout(ctx, self.timeout_s)
+        _check_listener(ctx, self)
         for key in ("mem_handles_b64", "event_handles_b64"):
             got = getattr(self, key)
             if len(got) != self.packed_num_buffers:
