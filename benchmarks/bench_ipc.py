@@ -113,12 +113,12 @@ def ceiling_s(engine: Any, params: dict[str, Any], nbytes: int, reps: int) -> fl
 def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf: int, nb: int, release: bool,
                cfg: dict[str, Any]) -> dict[str, Any]:
     from weightwire.shared.timeouts import Timeouts  # noqa: PLC0415
-    from weightwire.trainer.info import TrainerInitInfo  # noqa: PLC0415
+    from weightwire.trainer.config import TrainerInitInfo  # noqa: PLC0415
 
     if kind == "jax":
         from weightwire.jax_side.engine import JAXTrainerEngine as Engine  # noqa: PLC0415
     else:
-        from weightwire.torch_side.trainer import TorchTrainerEngine as Engine  # noqa: PLC0415
+        from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine  # noqa: PLC0415
     t = cfg["timeout"]
     nbytes = sum(int(a.nbytes) for a in params.values())
     mode = (f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked") + (" release" if release else "")

@@ -35,8 +35,8 @@ from weightwire.jax_side.layouts import preset_for_hf, preset_layout
 from weightwire.jax_side.naming import Naming, Rule
 from weightwire.jax_side.source import PytreeSource
 from weightwire.shared.timeouts import Timeouts
-from weightwire.trainer.info import TrainerInitInfo
-from weightwire.trainer.loopback import spawn_loopback
+from weightwire.testing.loopback import spawn_loopback
+from weightwire.trainer.config import TrainerInitInfo
 
 QWEN3_30B_A3B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
                  "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,

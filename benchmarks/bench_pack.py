@@ -5,7 +5,7 @@ one contiguous buffer, against a plain device-to-device copy of the same bytes.
 
 The packer must outrun NVLink (~370 GB/s) by a wide margin, or packing, not the wire,
 bounds a round. Prints GB/s for: byte-wise concatenate (the first packer), word-wise
-concatenate (``weightwire.jax_side.packing.pack_words``), the engine's packer
+concatenate (``weightwire.jax_side.packer.pack_words``), the engine's packer
 (``JaxDevicePacker.pack``: one device-to-device copy per tensor into a reused slot
 buffer) and ``jnp.copy`` of one buffer of the same size (the copy-bandwidth ceiling).
 """
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from weightwire.jax_side.packing import JaxDevicePacker, pack_words
+from weightwire.jax_side.packer import JaxDevicePacker, pack_words
 
 
 @jax.jit

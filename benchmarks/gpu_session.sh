@@ -59,7 +59,7 @@ for name in ('cupy', 'jax', 'torch', 'numpy', 'ml_dtypes', 'pytest', 'pytest_tim
         print(name, getattr(importlib.import_module(name), '__version__', 'present'))
     except Exception as exc:
         print(name, 'MISSING', type(exc).__name__)
-from weightwire.transport import nccl
+from weightwire.backends.nccl import comm as nccl
 print('nccl_available', nccl.nccl_available(), 'version', nccl.nccl_version() if nccl.nccl_available() else '-')
 import jax
 print('jax devices', jax.devices())

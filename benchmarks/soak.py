@@ -142,12 +142,12 @@ class TorchTrainer:
             self.tensors[n].add_(1e-4 * (1 + step % 7))
 
     def digests(self) -> dict[str, str]:
-        from weightwire.torch_side.trainer import tensor_bytes
+        from weightwire.torch_side.sender.engine import tensor_bytes
 
         return {n: hashlib.sha256(tensor_bytes(t).numpy()).hexdigest() for n, t in self.tensors.items()}
 
     def engine(self, info: Any, client: Any) -> Any:
-        from weightwire.torch_side.trainer import TorchTrainerEngine
+        from weightwire.torch_side.sender.engine import TorchTrainerEngine
 
         return TorchTrainerEngine.trainer_init(info, client=client, source=self.source)
 

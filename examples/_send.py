@@ -24,7 +24,7 @@ def report_and_send(source: PytreeSource, args: argparse.Namespace, label: str) 
         return
     from weightwire.control.client import HTTPWeightSyncClient
     from weightwire.jax_side.engine import JAXTrainerEngine
-    from weightwire.trainer.info import TrainerInitInfo
+    from weightwire.trainer.config import TrainerInitInfo
 
     client = HTTPWeightSyncClient(args.server, timeout=300)
     engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend=args.backend), client=client, source=source)

@@ -43,7 +43,7 @@ from weightwire.jax_side.checkpoint import load_decoder
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.models import decoder
 from weightwire.jax_side.source import PytreeSource
-from weightwire.trainer.info import TrainerInitInfo
+from weightwire.trainer.config import TrainerInitInfo
 
 SENTENCE = "The trainer sends fresh weights to the inference server after every step."
 

@@ -40,7 +40,7 @@ from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.naming import Naming, Rule
 from weightwire.jax_side.source import PytreeSource
 from weightwire.jax_side.transforms import MergeAxes, Stacked, Transpose
-from weightwire.trainer.info import TrainerInitInfo
+from weightwire.trainer.config import TrainerInitInfo
 
 L = "decoder/layers"
 HF = "model.layers.{layer}"

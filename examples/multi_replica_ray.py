@@ -37,7 +37,7 @@ from weightwire.jax_side.checkpoint import load_decoder
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.models import decoder
 from weightwire.jax_side.source import PytreeSource
-from weightwire.trainer.info import TrainerInitInfo
+from weightwire.trainer.config import TrainerInitInfo
 
 PROMPT = np.asarray([5, 17, 42, 99, 123, 7], np.int32)
 

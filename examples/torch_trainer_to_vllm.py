@@ -28,9 +28,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.torch_side.source import ModuleSource
-from weightwire.torch_side.trainer import TorchTrainerEngine
-from weightwire.trainer.info import TrainerInitInfo
+from weightwire.torch_side.sender.engine import TorchTrainerEngine
+from weightwire.torch_side.sender.source import ModuleSource
+from weightwire.trainer.config import TrainerInitInfo
 
 SENTENCE = "The trainer sends fresh weights to the inference server after every step."
 

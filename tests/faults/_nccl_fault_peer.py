@@ -31,7 +31,7 @@ def fill(session: str, chunk: int) -> int:
 
 
 def unique_id(cfg: dict[str, Any], name: str) -> bytes:
-    from weightwire.transport.nccl import mint_unique_id
+    from weightwire.backends.nccl.comm import mint_unique_id
 
     path = Path(cfg["dir"]) / f"{name}.uid"
     if cfg["role"] == "sender":
@@ -53,7 +53,7 @@ def unique_id(cfg: dict[str, Any], name: str) -> bytes:
 def run_session(cfg: dict[str, Any], index: int, name: str) -> dict[str, Any]:
     import cupy as cp
 
-    from weightwire.transport.nccl import NCCLCommunicator
+    from weightwire.backends.nccl.comm import NCCLCommunicator
 
     rank = 0 if cfg["role"] == "sender" else 1
     # The join waits longer than one transfer timeout: a survivor reaches a new session

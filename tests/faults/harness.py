@@ -105,7 +105,7 @@ def load_weights(model_dir: Path) -> dict[str, Any]:
 
 
 def sha256_of(tensor: Any) -> str:
-    from weightwire.torch_side.trainer import tensor_bytes
+    from weightwire.torch_side.sender.engine import tensor_bytes
 
     return hashlib.sha256(tensor_bytes(tensor).numpy()).hexdigest()
 
@@ -221,7 +221,7 @@ def client_for(url: str, **kw: Any) -> Any:
 
 def engine_for(url: str, source: TensorSource, *, client: Any = None, **info: Any) -> Any:
     """A ``TorchTrainerEngine`` on ``weightwire_tcp`` with the short fault timeouts."""
-    from weightwire.torch_side.trainer import TorchTrainerEngine
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
     from weightwire.trainer import TrainerInitInfo
 
     init = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=BUFFER_BYTES,

@@ -62,7 +62,7 @@ def test_tcp_impostor_is_refused_and_the_real_worker_joins(shared_server: Server
     """Before the server sees the init info, an impostor who knows the trainer's host and
     port (not the secret) dials in claiming rank 1; it is refused, the real worker then
     proves the secret as rank 1, and the round lands."""
-    from weightwire.transport.tcp import TCPCommunicator
+    from weightwire.backends.tcp.comm import TCPCommunicator
 
     refused: list[BaseException] = []
 
@@ -86,7 +86,7 @@ def test_tcp_impostor_is_refused_and_the_real_worker_joins(shared_server: Server
             t.join(10)
             self.inner.init_weight_transfer_engine(init_info)
 
-    caplog.set_level(logging.WARNING, logger="weightwire.transport.tcp")
+    caplog.set_level(logging.WARNING, logger="weightwire.backends.tcp.comm")
     engine = engine_for(shared_server.url, source, client=Impostor(client_for(shared_server.url)))
     try:
         want = source.perturb(301)
@@ -109,9 +109,9 @@ def test_every_session_has_a_fresh_128_byte_secret(shared_server: Server, source
 
 # ----------------------------------------------------------------------------- loopback
 def test_server_and_rendezvous_bind_loopback_by_default(shared_server: Server) -> None:
+    from weightwire.backends.tcp.comm import TCPRendezvous
     from weightwire.torch_side.server import build_parser
     from weightwire.trainer import TrainerInitInfo
-    from weightwire.transport.tcp import TCPRendezvous
 
     assert build_parser().parse_args(["--model", "m"]).host == "127.0.0.1"
     assert shared_server.url.startswith("http://127.0.0.1:")

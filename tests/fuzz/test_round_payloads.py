@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from tests.fuzz.inproc import FuzzServer, rss_kib
 from tests.fuzz.strategies import update_infos
+from weightwire.backends.tcp.comm import TCPRendezvous
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.routes import ROUTES
-from weightwire.transport.tcp import TCPRendezvous
 
 RSS_SLACK_KIB = 64 << 10  # 64 MiB: allocator noise, never a buffer sized from a payload
 

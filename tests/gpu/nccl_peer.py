@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from weightwire.backends.nccl.comm import NCCLCommunicator, mint_unique_id
 from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.framing import plan_packed
 from weightwire.shared.meta import ParamMeta
-from weightwire.transport.nccl import NCCLCommunicator, mint_unique_id
 
 
 def metas_of(cfg: dict[str, Any]) -> list[ParamMeta]:

@@ -17,8 +17,8 @@ from vllm.distributed.weight_transfer.base import ModuleSource
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from tests.interop.helpers import VLLMServer, assert_same_greedy
-from weightwire.torch_side.trainer import TorchTrainerEngine
-from weightwire.trainer.info import TrainerInitInfo
+from weightwire.torch_side.sender.engine import TorchTrainerEngine
+from weightwire.trainer.config import TrainerInitInfo
 
 
 def main(url: str, model_dir: str) -> None:

@@ -52,11 +52,11 @@ def main() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: PLC0415
     from vllm.plugins import load_general_plugins  # noqa: PLC0415
 
+    from weightwire.backends.tcp.comm import TCPRendezvous  # noqa: PLC0415
     from weightwire.shared.framing import pack_host, plan  # noqa: PLC0415
     from weightwire.shared.info import UpdateInfo  # noqa: PLC0415
     from weightwire.shared.meta import ParamMeta  # noqa: PLC0415
     from weightwire.torch_side.worker import plugin  # noqa: PLC0415
-    from weightwire.transport.tcp import TCPRendezvous  # noqa: PLC0415
 
     load_general_plugins()
     plugin.register()  # a second registration must be a quiet no-op
@@ -150,10 +150,10 @@ def check_llm(root: str) -> dict:
     from vllm import LLM, SamplingParams  # noqa: PLC0415
     from vllm.config.weight_transfer import WeightTransferConfig  # noqa: PLC0415
 
+    from weightwire.backends.tcp.comm import TCPRendezvous  # noqa: PLC0415
     from weightwire.shared.framing import pack_host, plan  # noqa: PLC0415
     from weightwire.shared.info import UpdateInfo  # noqa: PLC0415
-    from weightwire.torch_side.source import ModuleSource  # noqa: PLC0415
-    from weightwire.transport.tcp import TCPRendezvous  # noqa: PLC0415
+    from weightwire.torch_side.sender.source import ModuleSource  # noqa: PLC0415
 
     d0, d1 = _tiny_dirs(root)
     ids = AutoTokenizer.from_pretrained(d0)("the quick brown fox", return_tensors="pt").input_ids

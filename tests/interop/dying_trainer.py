@@ -17,7 +17,7 @@ from tests.interop.models import jax_params, perturbed
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.source import PytreeSource
-from weightwire.trainer.info import TrainerInitInfo
+from weightwire.trainer.config import TrainerInitInfo
 
 
 def _reached(phase: str) -> None:

@@ -18,9 +18,9 @@ from tests.interop.models import MATRIX, hf_model, jax_params, load_into_hf, per
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.source import PytreeSource
-from weightwire.torch_side.source import ModuleSource
-from weightwire.torch_side.trainer import TorchTrainerEngine
-from weightwire.trainer.info import TrainerInitInfo
+from weightwire.torch_side.sender.engine import TorchTrainerEngine
+from weightwire.torch_side.sender.source import ModuleSource
+from weightwire.trainer.config import TrainerInitInfo
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(900)]
 

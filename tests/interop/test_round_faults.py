@@ -28,10 +28,10 @@ from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.control.errors import WeightSyncError
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.source import PytreeSource
-from weightwire.torch_side.source import ModuleSource
-from weightwire.torch_side.trainer import TorchTrainerEngine
+from weightwire.torch_side.sender.engine import TorchTrainerEngine
+from weightwire.torch_side.sender.source import ModuleSource
+from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.engine import EngineBroken
-from weightwire.trainer.info import TrainerInitInfo
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]

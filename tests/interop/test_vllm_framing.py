@@ -30,14 +30,14 @@ import pytest
 import torch
 
 from tests.trainer.fakes import DictSource
+from weightwire.backends.nccl.stock import StockRefusal
+from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.info import TCPInitInfo, UpdateInfo
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.backends import TCPBackend, register_backend
-from weightwire.trainer.stock import StockRefusal
-from weightwire.transport.tcp import TCPCommunicator
-from weightwire.transport.tcp_rendezvous import TCPRendezvous
 
 pytestmark = pytest.mark.interop
 T = 30.0
@@ -270,7 +270,7 @@ def _engine(kind: str, weights: dict[str, np.ndarray], size: int, client: VLLMCo
         tensors = {n: a if a.dtype.itemsize == 8 else jnp.asarray(a) for n, a in weights.items()}
         return JAXTrainerEngine.trainer_init(info, client=client, source=DictSource(tensors, describe))
     from weightwire.torch_side.dtypes import wire_name
-    from weightwire.torch_side.trainer import TorchTrainerEngine
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
 
     tensors = {n: _to_torch(a) for n, a in weights.items()}
     return TorchTrainerEngine.trainer_init(info, client=client, source=DictSource(

@@ -24,9 +24,9 @@ from weightwire.jax_side.checkpoint import load_decoder
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.models import decoder
 from weightwire.jax_side.source import PytreeSource
-from weightwire.torch_side.source import ModuleSource
-from weightwire.torch_side.trainer import TorchTrainerEngine
-from weightwire.trainer.info import TrainerInitInfo
+from weightwire.torch_side.sender.engine import TorchTrainerEngine
+from weightwire.torch_side.sender.source import ModuleSource
+from weightwire.trainer.config import TrainerInitInfo
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 

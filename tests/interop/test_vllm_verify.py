@@ -15,7 +15,7 @@ from weightwire.jax_side.checkpoint import load_decoder
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.models import decoder
 from weightwire.jax_side.source import PytreeSource
-from weightwire.trainer.info import TrainerInitInfo
+from weightwire.trainer.config import TrainerInitInfo
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 NORM = "model.layers.0.input_layernorm.weight"

@@ -1,5 +1,5 @@
 """A test-local trainer: drives the HTTP routes with the bodies vLLM's own client posts
-and broadcasts over ``weightwire.transport.tcp`` with ``shared.framing.pack_host``.
+and broadcasts over ``weightwire.backends.tcp.comm`` with ``shared.framing.pack_host``.
 
 Deliberately independent of weightwire's trainer engines: the server is checked
 against the raw wire contract, not against our own client.
@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import numpy as np
 
+from weightwire.backends.tcp.comm import TCPRendezvous
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.meta import ParamMeta
-from weightwire.transport.tcp import TCPRendezvous
 
 TIMEOUT_S = 30.0
 

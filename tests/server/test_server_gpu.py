@@ -26,9 +26,9 @@ def test_nccl_round_into_a_cuda_worker(tiny_llama: str, monkeypatch: pytest.Monk
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
+    from weightwire.backends.nccl.comm import NCCLCommunicator, mint_unique_id
     from weightwire.torch_side.server.completions import parse_completion_request
     from weightwire.torch_side.server.replicas import ReplicaPool, WorkerSpec
-    from weightwire.transport.nccl import NCCLCommunicator, mint_unique_id
 
     cp.cuda.Device(0).use()
     cp.zeros(1)  # the test process owns GPU 0 before the worker env narrows to GPU 1

@@ -51,7 +51,7 @@ def main() -> None:
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     from weightwire.shared.source import checked_iter  # noqa: PLC0415
-    from weightwire.torch_side.source import ModuleSource, describe_tensor  # noqa: PLC0415
+    from weightwire.torch_side.sender.source import ModuleSource, describe_tensor  # noqa: PLC0415
 
     model = build()
     reference = {n: sha(p) for n, p in model.named_parameters()}

@@ -34,14 +34,14 @@ def emit(obj: dict) -> None:
 
 def connect(cfg: dict):
     if cfg.get("backend", "weightwire_tcp") == "weightwire_tcp":
-        from weightwire.transport.tcp import TCPRendezvous  # noqa: PLC0415
+        from weightwire.backends.tcp.comm import TCPRendezvous  # noqa: PLC0415
 
         rdv = TCPRendezvous(world_size=cfg["world_size"], secret=base64.b64decode(cfg["secret_b64"]))
         emit({"port": rdv.port})
         comm = rdv.accept(timeout=60)
         rdv.close()
     else:
-        from weightwire.transport.nccl import NCCLCommunicator  # noqa: PLC0415
+        from weightwire.backends.nccl.comm import NCCLCommunicator  # noqa: PLC0415
 
         torch.cuda.set_device(0)
         comm = NCCLCommunicator.join(unique_id=base64.b64decode(cfg["unique_id_b64"]), rank=0,

@@ -9,14 +9,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from weightwire.backends.tcp.comm import TCPCommunicator, TCPRendezvous
 from weightwire.shared.communicator import TransferError
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, encode_secret
-from weightwire.torch_side.source import ModuleSource
+from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.torch_side.worker.core import WeightReceiveError
 from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine
 from weightwire.torch_side.worker.hf_host import HFModelHost
-from weightwire.transport.tcp import TCPCommunicator, TCPRendezvous
 
 pytestmark = pytest.mark.timeout(60)
 

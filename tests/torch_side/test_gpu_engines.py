@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo, encode_secret
-from weightwire.torch_side.source import ModuleSource
+from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.torch_side.worker.core import WeightReceiveError
 from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine
 from weightwire.torch_side.worker.hf_host import HFModelHost
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(300)]
 
 
 def _start(cfg: dict, tmp_path, *, timeout_s: float = 60.0):
-    from weightwire.transport.nccl import mint_unique_id  # noqa: PLC0415  (cupy: GPU hosts only)
+    from weightwire.backends.nccl.comm import mint_unique_id  # noqa: PLC0415  (cupy: GPU hosts only)
 
     dtype = getattr(torch, cfg["dtype"])
     trainer_named = list(ModuleSource(tiny_llama(seed=1, dtype=dtype)))

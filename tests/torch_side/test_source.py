@@ -7,7 +7,7 @@ import torch
 
 from weightwire.shared.groups import layerwise_groups
 from weightwire.shared.source import SourceMismatch, WeightSource, checked_iter
-from weightwire.torch_side.source import ModuleSource, describe_tensor
+from weightwire.torch_side.sender.source import ModuleSource, describe_tensor
 
 from ._tiny import tiny_llama
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, encode_secret
-from weightwire.torch_side.source import ModuleSource
+from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.torch_side.worker.core import WeightReceiveError
 from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 from weightwire.torch_side.worker.hf_host import HFModelHost

@@ -143,9 +143,9 @@ def run_torch() -> dict[str, Any]:
 
 def torch_rounds(torch: Any, model: Any) -> dict[str, Any]:
     from weightwire.shared.owned import OwnedSource
-    from weightwire.torch_side.group import TorchStoreGroup
-    from weightwire.torch_side.source import ModuleSource
-    from weightwire.torch_side.trainer import TorchTrainerEngine, tensor_bytes
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine, tensor_bytes
+    from weightwire.torch_side.sender.group import TorchStoreGroup
+    from weightwire.torch_side.sender.source import ModuleSource
 
     full = ModuleSource(model)
     source = OwnedSource(full, torch_owner, rank=RANK)
@@ -176,9 +176,9 @@ def torch_rounds(torch: Any, model: Any) -> dict[str, Any]:
 
 def torch_faults(model: Any) -> dict[str, Any]:
     from weightwire.shared.owned import OwnedSource
-    from weightwire.torch_side.group import TorchStoreGroup
-    from weightwire.torch_side.source import ModuleSource
-    from weightwire.torch_side.trainer import TorchTrainerEngine
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.torch_side.sender.group import TorchStoreGroup
+    from weightwire.torch_side.sender.source import ModuleSource
 
     client = HTTPWeightSyncClient(URL, timeout=60)
     group = TorchStoreGroup()

@@ -1,7 +1,7 @@
 """GPU trainer process for ``test_engine_nccl_gpu.py`` (and a quick manual benchmark).
 
 Builds a Llama-shaped weight set of ``--mib`` MiB on the visible GPU (JAX or torch),
-drives a loopback receiver (``weightwire.trainer.loopback``) through ``--rounds``
+drives a loopback receiver (``weightwire.testing.loopback``) through ``--rounds``
 rounds with a trainer engine, compares the receiver's per-tensor sha256 with the
 sent tensors after every round, and prints one JSON line with the results.
 
@@ -21,8 +21,8 @@ from typing import Any
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.shared.timeouts import Timeouts
+from weightwire.testing.loopback import LoopbackClient
 from weightwire.trainer import TrainerInitInfo
-from weightwire.trainer.loopback import LoopbackClient
 
 HIDDEN, KV, FFN = 4096, 1024, 8192
 
@@ -104,7 +104,7 @@ def jax_side(spec: list, seed: int) -> tuple[Any, dict[str, Any], Any]:
 def torch_side(spec: list, seed: int) -> tuple[Any, dict[str, Any], Any]:
     import torch
 
-    from weightwire.torch_side.trainer import TorchTrainerEngine, tensor_bytes
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine, tensor_bytes
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     tensors = {}

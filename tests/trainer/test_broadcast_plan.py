@@ -16,7 +16,7 @@ from tests.trainer.fakes import DictSource
 from weightwire.shared.info import TCPInitInfo, UpdateInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.owned import OwnedSource
-from weightwire.torch_side.source import ModuleSource
+from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 from weightwire.torch_side.worker.hf_host import HFModelHost
 from weightwire.trainer.broadcast_plan import (
@@ -27,8 +27,8 @@ from weightwire.trainer.broadcast_plan import (
     digest,
     plan_broadcast,
 )
+from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.group import DictGroup, Exchange, GroupTimeout
-from weightwire.trainer.info import TrainerInitInfo
 
 pytestmark = pytest.mark.timeout(60)
 

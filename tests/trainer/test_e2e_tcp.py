@@ -118,8 +118,8 @@ def test_torch_engine_rounds_over_tcp(server_url: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from weightwire.torch_side.source import ModuleSource
-    from weightwire.torch_side.trainer import TorchTrainerEngine, tensor_bytes
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine, tensor_bytes
+    from weightwire.torch_side.sender.source import ModuleSource
 
     model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.float32)
     source = ModuleSource(model)

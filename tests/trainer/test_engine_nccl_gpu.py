@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from weightwire.trainer.loopback import spawn_loopback
+from weightwire.testing.loopback import spawn_loopback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SENDER = os.path.join(ROOT, "tests", "trainer", "gpu_sender.py")

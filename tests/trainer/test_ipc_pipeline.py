@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
+from weightwire.backends.ipc.channel import Channel
+from weightwire.backends.ipc.pipeline import IPCPipeline
+from weightwire.backends.ipc.slots import IPCSlots
+from weightwire.backends.ipc.trainer import IPCSenderComm
+from weightwire.backends.nccl.buffers import DeviceBytes
 from weightwire.shared.communicator import PeerLost, TransferError
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.ipc_pipeline import IPCPipeline
-from weightwire.transport.ipc import IPCSlots
-from weightwire.transport.ipc_channel import Channel
-from weightwire.transport.ipc_trainer import IPCSenderComm
-from weightwire.transport.nccl_buffers import DeviceBytes
 
 
 class FakeRuntime:

@@ -14,8 +14,8 @@ from weightwire.control.errors import WeightSyncError
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.timeouts import Timeouts
+from weightwire.testing.loopback import LOOPBACK_VERSION, spawn_loopback
 from weightwire.trainer import TrainerInitInfo
-from weightwire.trainer.loopback import LOOPBACK_VERSION, spawn_loopback
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from weightwire.jax_side.packing import pack_bytes
+from weightwire.jax_side.packer import pack_bytes
 from weightwire.shared.communicator import PeerLost
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.packing import DevicePacker, DevicePipeline, HostPipeline, RoundAborted, chunked
+from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, RoundAborted, chunked
 
 
 def mixed() -> list[np.ndarray]:

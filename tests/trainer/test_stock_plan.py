@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.trainer.fakes import DictSource, FakeBackend, FakeServer
+from weightwire.backends.nccl.stock import StockRefusal, plan_for_stock
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.dtypes import WIRE_DTYPES
@@ -22,7 +23,6 @@ from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.backends import register_backend
-from weightwire.trainer.stock import StockRefusal, plan_for_stock
 
 F33, F31 = ServerFeatures.for_version("0.33.0"), ServerFeatures.for_version("0.31.0")
 BIG = 1 << 20

@@ -14,8 +14,8 @@ import torch
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.timeouts import Timeouts
-from weightwire.torch_side.source import describe_tensor
-from weightwire.torch_side.trainer import TorchTrainerEngine
+from weightwire.torch_side.sender.engine import TorchTrainerEngine
+from weightwire.torch_side.sender.source import describe_tensor
 from weightwire.trainer import TrainerInitInfo
 
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
@@ -77,9 +77,9 @@ def test_other_ranks_iterate_without_touching_the_wire() -> None:
 def test_engines_import_only_their_own_framework() -> None:
     code = (
         "import sys\n"
-        "import weightwire.jax_side.engine, weightwire.jax_side.packing, weightwire.trainer, weightwire.trainer.loopback\n"
+        "import weightwire.jax_side.engine, weightwire.jax_side.packer, weightwire.trainer, weightwire.testing.loopback\n"
         "assert 'torch' not in sys.modules, 'jax side imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    code = "import sys\nimport weightwire.torch_side.trainer\nassert 'jax' not in sys.modules, 'torch side imported jax'\n"
+    code = "import sys\nimport weightwire.torch_side.sender.engine\nassert 'jax' not in sys.modules, 'torch side imported jax'\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -42,7 +42,7 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
 
 def _tcp_receiver(config: dict[str, Any]) -> None:
     """Child process: receive the raw and the weightwire rounds, acknowledge each, report a digest."""
-    from weightwire.transport.tcp import TCPCommunicator  # noqa: PLC0415  (keep import time out of the parent's clock)
+    from weightwire.backends.tcp.comm import TCPCommunicator  # noqa: PLC0415  (keep import time out of the parent's clock)
 
     count = config["total_bytes"] // config["buffer_bytes"]
     buf = np.empty(config["buffer_bytes"], dtype=np.uint8)
@@ -75,7 +75,7 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
     ``socket_buffer_bytes``: the communicator's minimum socket buffers (-1: its default,
     ``None``: leave the kernel's); the raw loop always keeps the kernel's defaults.
     """
-    from weightwire.transport.tcp import SOCKET_BUFFER_BYTES, TCPRendezvous  # noqa: PLC0415
+    from weightwire.backends.tcp.comm import SOCKET_BUFFER_BYTES, TCPRendezvous  # noqa: PLC0415
 
     if socket_buffer_bytes == -1:
         socket_buffer_bytes = SOCKET_BUFFER_BYTES

@@ -43,7 +43,7 @@ def _worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank: join, warm up, run the schedule, return its timings (seconds per block)."""
     import cupy as cp  # noqa: PLC0415
 
-    from weightwire.transport.nccl import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, NCCLCommunicator, mint_unique_id  # noqa: PLC0415
+    from weightwire.backends.nccl.comm import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, NCCLCommunicator, mint_unique_id  # noqa: PLC0415
 
     uid_path = cfg["uid_path"]
     if rank == 0:

@@ -136,15 +136,15 @@ class MemSampler:
 
 def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: bool, buf: int, nb: int,
                cfg: dict[str, Any]) -> dict[str, Any]:
+    from weightwire.backends.nccl.comm import mint_unique_id  # noqa: PLC0415
     from weightwire.shared.framing import plan  # noqa: PLC0415
     from weightwire.shared.timeouts import Timeouts  # noqa: PLC0415
-    from weightwire.trainer.info import TrainerInitInfo  # noqa: PLC0415
-    from weightwire.transport.nccl import mint_unique_id  # noqa: PLC0415
+    from weightwire.trainer.config import TrainerInitInfo  # noqa: PLC0415
 
     if engine_kind == "jax":
         from weightwire.jax_side.engine import JAXTrainerEngine as Engine  # noqa: PLC0415
     else:
-        from weightwire.torch_side.trainer import TorchTrainerEngine as Engine  # noqa: PLC0415
+        from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine  # noqa: PLC0415
     t = cfg["timeout"]
     row: dict[str, Any] = {"engine": engine_kind, "control": cfg["control"], "model": model,
                            "mode": f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked",
@@ -238,7 +238,7 @@ def build_params(model: str, engine: str) -> dict[str, Any]:
 
 
 def sender_main(cfg: dict[str, Any]) -> None:
-    from weightwire.transport.nccl import nccl_available  # noqa: PLC0415
+    from weightwire.backends.nccl.comm import nccl_available  # noqa: PLC0415
 
     engine, control = cfg["engine"], cfg["control"]
     rows: list[dict[str, Any]] = []

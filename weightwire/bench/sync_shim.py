@@ -200,7 +200,7 @@ def raw_rounds(uid: bytes, rank: int, sizes: list[int], rounds: int, timeout: fl
     """Raw CuPy NCCL: each round broadcasts ``sizes`` back to back on one stream, one buffer."""
     import cupy as cp  # noqa: PLC0415
 
-    from weightwire.transport.nccl import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, NCCLCommunicator  # noqa: PLC0415
+    from weightwire.backends.nccl.comm import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, NCCLCommunicator  # noqa: PLC0415
 
     comm = NCCLCommunicator.join(unique_id=uid, rank=rank, world_size=2, device=0, timeout=timeout)
     comm.warmup(timeout=timeout)

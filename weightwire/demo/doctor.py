@@ -172,7 +172,7 @@ def _backend(http: httpx.Client, say: _Report) -> str | None:
 
 def _nccl(http: httpx.Client, say: _Report, reference: bool) -> None:
     try:
-        from weightwire.transport.nccl import nccl_available, nccl_version  # noqa: PLC0415
+        from weightwire.backends.nccl.comm import nccl_available, nccl_version  # noqa: PLC0415
 
         local = nccl_version() if nccl_available() else "n/a (no cupy with NCCL, or no CUDA device)"
     except Exception as exc:  # noqa: BLE001  (any CUDA/cupy failure means "not available here")
@@ -191,7 +191,7 @@ def _nccl(http: httpx.Client, say: _Report, reference: bool) -> None:
 def _round(url: str, say: _Report, *, api_key: str | None, reference: bool, backend: str | None,
            info: dict[str, Any]) -> None:
     from weightwire.control.client import HTTPWeightSyncClient  # noqa: PLC0415
-    from weightwire.trainer.info import TrainerInitInfo  # noqa: PLC0415
+    from weightwire.trainer.config import TrainerInitInfo  # noqa: PLC0415
 
     if not reference:
         say("skip", "1-tensor round", "only against the reference server (a real vLLM would reload a layer)")

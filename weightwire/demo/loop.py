@@ -201,7 +201,7 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
         from weightwire.jax_side.engine import JAXTrainerEngine  # noqa: PLC0415
         from weightwire.jax_side.models import decoder  # noqa: PLC0415
         from weightwire.jax_side.source import PytreeSource  # noqa: PLC0415
-        from weightwire.trainer.info import TrainerInitInfo  # noqa: PLC0415
+        from weightwire.trainer.config import TrainerInitInfo  # noqa: PLC0415
 
         model_cfg, params = load_decoder(model_dir)
         policy = Policy(model_cfg, params, lr=cfg.lr)

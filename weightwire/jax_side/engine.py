@@ -23,7 +23,7 @@ import numpy as np
 
 from weightwire.jax_side.dtypes import describe as _describe
 from weightwire.trainer.engine import TrainerEngine
-from weightwire.trainer.packing import DevicePacker
+from weightwire.trainer.pipelines import DevicePacker
 
 
 class JAXTrainerEngine(TrainerEngine):
@@ -46,6 +46,6 @@ class JAXTrainerEngine(TrainerEngine):
                 tensor.copy_to_host_async()
 
     def device_packer(self, device: int | None) -> DevicePacker:
-        from weightwire.jax_side.packing import JaxDevicePacker  # noqa: PLC0415
+        from weightwire.jax_side.packer import JaxDevicePacker  # noqa: PLC0415
 
         return JaxDevicePacker(device)

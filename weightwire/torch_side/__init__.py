@@ -17,11 +17,11 @@ from weightwire._lazy import lazy_exports
 require("torch", purpose="weightwire.torch_side")
 
 _EXPORTS: dict[str, str] = {
-    "ModuleSource": "weightwire.torch_side.source",
-    "describe_tensor": "weightwire.torch_side.source",
+    "ModuleSource": "weightwire.torch_side.sender.source",
+    "describe_tensor": "weightwire.torch_side.sender.source",
     "torch_dtype": "weightwire.torch_side.dtypes",
     "wire_name": "weightwire.torch_side.dtypes",
-    "TorchTrainerEngine": "weightwire.torch_side.trainer",
+    "TorchTrainerEngine": "weightwire.torch_side.sender.engine",
     "HFModelHost": "weightwire.torch_side.worker.hf_host",
     "WeightwireTCPEngine": "weightwire.torch_side.worker.engines",
     "WeightwireNCCLEngine": "weightwire.torch_side.worker.engines",
@@ -40,8 +40,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from weightwire.torch_side.dtypes import torch_dtype, wire_name
-    from weightwire.torch_side.source import ModuleSource, describe_tensor
-    from weightwire.torch_side.trainer import TorchTrainerEngine
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.torch_side.sender.source import ModuleSource, describe_tensor
     from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine
     from weightwire.torch_side.worker.hf_host import HFModelHost
 

@@ -3,13 +3,13 @@
 ``TrainerInitInfo`` configures, ``TrainerEngine`` drives rounds, ``RoundMetrics``
 reports them; ``backends`` holds the rendezvous per backend and ``packing`` the
 host / device data paths. Framework engines: ``weightwire.jax_side.engine`` and
-``weightwire.torch_side.trainer``.
+``weightwire.torch_side.sender.engine``.
 """
 
+from weightwire.backends.nccl.stock import StockRefusal
+from weightwire.trainer.config import BACKENDS, TrainerInitInfo
 from weightwire.trainer.engine import EngineBroken, TrainerEngine
-from weightwire.trainer.info import BACKENDS, TrainerInitInfo
 from weightwire.trainer.metrics import RoundMetrics
-from weightwire.trainer.stock import StockRefusal
 from weightwire.trainer.verify import VerifyError, VerifyReport
 
 __all__ = ["BACKENDS", "EngineBroken", "RoundMetrics", "StockRefusal", "TrainerEngine", "TrainerInitInfo",

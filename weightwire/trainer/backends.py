@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from weightwire.shared.communicator import Communicator
 from weightwire.shared.info import NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo, encode_secret
 from weightwire.shared.version import ServerFeatures
-from weightwire.trainer.info import BACKENDS, TrainerInitInfo
+from weightwire.trainer.config import BACKENDS, TrainerInitInfo
 
 
 class Rendezvous(ABC):
@@ -43,7 +43,7 @@ class Backend(ABC):
     """True: chunks are packed in device memory and broadcast on CUDA streams."""
     stock_receiver: ClassVar[bool] = False
     """True: the workers run vLLM's own receive code, so rounds go through
-    ``trainer.stock.plan_for_stock`` (refusal / aligned reordering) first."""
+    ``backends.nccl.stock.plan_for_stock`` (refusal / aligned reordering) first."""
 
     def check_server(self, features: ServerFeatures) -> None:
         """Raise ``ValueError`` if the server's version lacks what this backend needs."""
@@ -55,7 +55,7 @@ class Backend(ABC):
 
     def device_pipeline(self, comm: Any, packer: Any, *, num_buffers: int, timeout: float, hold_bytes: int) -> Any:
         """The on-device data path over ``comm`` (NCCL: slot buffers broadcast on rotating streams)."""
-        from weightwire.trainer.packing import DevicePipeline  # noqa: PLC0415
+        from weightwire.trainer.pipelines import DevicePipeline  # noqa: PLC0415
 
         return DevicePipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
 
@@ -80,7 +80,7 @@ class NCCLBackend(Backend):
         ).to_dict()
 
     def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
-        from weightwire.transport import nccl  # noqa: PLC0415  (cupy only where NCCL is used)
+        from weightwire.backends.nccl import comm as nccl  # noqa: PLC0415  (cupy only where NCCL is used)
 
         if not nccl.nccl_available():
             raise RuntimeError(f"backend {self.name!r} needs cupy with NCCL and a CUDA device on the trainer host")
@@ -110,7 +110,7 @@ class _NCCLRendezvous(Rendezvous):
         self._device = device
 
     def join(self, *, timeout: float) -> Communicator:
-        from weightwire.transport.nccl import NCCLCommunicator  # noqa: PLC0415
+        from weightwire.backends.nccl.comm import NCCLCommunicator  # noqa: PLC0415
 
         return NCCLCommunicator.join(
             unique_id=self._unique_id, rank=0, world_size=self._world_size, device=self._device, timeout=timeout
@@ -124,7 +124,7 @@ class TCPBackend(Backend):
     on_device: ClassVar[bool] = False
 
     def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
-        from weightwire.transport.tcp import TCPRendezvous  # noqa: PLC0415
+        from weightwire.backends.tcp.comm import TCPRendezvous  # noqa: PLC0415
 
         rdv = TCPRendezvous(world_size=world_size, bind_host=info.tcp_bind_host, advertise_host=info.tcp_advertise_host)
         try:
@@ -164,8 +164,8 @@ class IPCBackend(Backend):
     on_device: ClassVar[bool] = True
 
     def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
-        from weightwire.transport.ipc import ipc_available  # noqa: PLC0415  (cupy only where IPC is used)
-        from weightwire.transport.ipc_trainer import IPCRendezvous  # noqa: PLC0415
+        from weightwire.backends.ipc.slots import ipc_available  # noqa: PLC0415  (cupy only where IPC is used)
+        from weightwire.backends.ipc.trainer import IPCRendezvous  # noqa: PLC0415
 
         if not ipc_available():
             raise RuntimeError(f"backend {self.name!r} needs cupy and a CUDA device on the trainer host")
@@ -177,7 +177,7 @@ class IPCBackend(Backend):
         return _IPCRendezvous(rdv.payload, rdv)
 
     def device_pipeline(self, comm: Any, packer: Any, *, num_buffers: int, timeout: float, hold_bytes: int) -> Any:
-        from weightwire.trainer.ipc_pipeline import IPCPipeline  # noqa: PLC0415
+        from weightwire.backends.ipc.pipeline import IPCPipeline  # noqa: PLC0415
 
         return IPCPipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
 

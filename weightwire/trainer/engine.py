@@ -6,7 +6,7 @@ Lifecycle (every trainer rank calls each step; only rank 0 touches the wire):
    backend's rendezvous; POST the worker init info on a side thread while rank 0
    joins; warm up; then check the POST. The wire params ride in that init info.
 2. ``send_weights``: plan (a stock ``nccl`` worker's round is checked, maybe reordered
-   or refused, by ``trainer.stock``, before any call) -> pack the first chunk ->
+   or refused, by ``backends.nccl.stock``, before any call) -> pack the first chunk ->
    [verify snapshot] -> [pause] -> ``start_weight_update`` (``start_draft_weight_update``) ->
    ``update_weights`` on a side thread *concurrently with* the broadcasts (workers
    receive inside that request) -> ``finish_weight_update(version)`` -> [resume] ->
@@ -41,6 +41,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from weightwire.backends.nccl.stock import WirePlan, plan_for_stock
 from weightwire.control.errors import WeightSyncError
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
@@ -51,11 +52,10 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, as_source, checked_iter
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
+from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.gating import require_draft_model, server_features
-from weightwire.trainer.info import TrainerInitInfo
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
-from weightwire.trainer.packing import DevicePacker, DevicePipeline, HostPipeline, chunked
-from weightwire.trainer.stock import WirePlan, plan_for_stock
+from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, chunked
 from weightwire.trainer.verify import RoundVerifier
 
 logger = logging.getLogger("weightwire.trainer")

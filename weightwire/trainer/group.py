@@ -7,7 +7,7 @@ c10d store), never over the data plane, and every read is bounded by a timeout, 
 rank that died or diverged turns into an error naming it instead of a hang.
 
 Implementations: ``weightwire.jax_side.multiprocess.JaxProcessGroup`` and
-``weightwire.torch_side.group.TorchStoreGroup``; tests may use ``DictGroup``.
+``weightwire.torch_side.sender.group.TorchStoreGroup``; tests may use ``DictGroup``.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from weightwire.trainer.broadcast_plan import (
 from weightwire.trainer.gating import server_features
 from weightwire.trainer.group import Exchange, GroupTimeout, TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
-from weightwire.trainer.packing import HostPipeline, chunked
+from weightwire.trainer.pipelines import HostPipeline, chunked
 
 if TYPE_CHECKING:
     from weightwire.trainer.engine import TrainerEngine
@@ -151,7 +151,7 @@ class MultiSource:
         if bplan.turn_of(self.rank) is None:
             self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
-        from weightwire.transport.tcp import TCPRendezvous  # noqa: PLC0415
+        from weightwire.backends.tcp.comm import TCPRendezvous  # noqa: PLC0415
 
         rdv = TCPRendezvous(world_size=1 + workers, bind_host=e.info.tcp_bind_host,
                             advertise_host=e.info.tcp_advertise_host)

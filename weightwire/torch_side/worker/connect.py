@@ -32,8 +32,8 @@ def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> Receiv
     its verdict (it sheds idle connections when flooded) is retried until
     ``connect_s`` runs out; a refusal (wrong secret, rank, size) is not.
     """
+    from weightwire.backends.tcp.comm import TCPCommunicator  # noqa: PLC0415  (lazy transport)
     from weightwire.shared.communicator import PeerLost  # noqa: PLC0415
-    from weightwire.transport.tcp import TCPCommunicator  # noqa: PLC0415  (lazy transport)
 
     local = Timeouts.from_env()
     deadline = time.monotonic() + local.connect_s
@@ -80,7 +80,7 @@ def connect_nccl(info: WeightwireNCCLInitInfo, *, rank: int, device: torch.devic
     The unique id comes from the init info, or (address/port mode) from the
     trainer's TCPStore under ``UNIQUE_ID_KEY``; see ``publish_unique_id``.
     """
-    from weightwire.transport.nccl import NCCLCommunicator  # noqa: PLC0415  (cupy only on GPU hosts)
+    from weightwire.backends.nccl.comm import NCCLCommunicator  # noqa: PLC0415  (cupy only on GPU hosts)
 
     if device.type != "cuda":
         raise ValueError(f"weightwire_nccl needs a CUDA worker device, got {device}")

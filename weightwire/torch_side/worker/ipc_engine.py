@@ -1,15 +1,15 @@
 """``WeightwireIPCEngine``: the ``weightwire_ipc`` receiver outside vLLM (reference server).
 
 Same session rules and failure handling as the other engines (``_ReceiverCore``); the
-data plane is ``ipc_link``: the trainer's slots opened once per session, one
+data plane is ``backends.ipc.worker``: the trainer's slots opened once per session, one
 copy-out per piece.
 """
 
 from __future__ import annotations
 
+from weightwire.backends.ipc.worker import connect_ipc
 from weightwire.shared.ipc_info import IPCInitInfo
 from weightwire.torch_side.worker.engines import _StandaloneEngine
-from weightwire.torch_side.worker.ipc_link import connect_ipc
 
 
 class WeightwireIPCEngine(_StandaloneEngine):

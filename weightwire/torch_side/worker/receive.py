@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
+from weightwire.backends.nccl.buffers import tensor_device_bytes
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.dtypes import torch_dtype
-from weightwire.transport.nccl_buffers import tensor_device_bytes
 
 # Extra seconds a pipelined wait allows beyond the communicator's own per-broadcast
 # timeout, so the communicator's clearer TransferTimeout wins the race.

@@ -234,6 +234,6 @@ class VllmWeightwireIPCEngine(_VllmEngine):
 
     @staticmethod
     def _connect(info: Any, *, rank: int, device: torch.device) -> Any:
-        from weightwire.torch_side.worker.ipc_link import connect_ipc  # noqa: PLC0415
+        from weightwire.backends.ipc.worker import connect_ipc  # noqa: PLC0415
 
         return connect_ipc(info, rank=rank, device=device)

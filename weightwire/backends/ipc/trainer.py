@@ -5,7 +5,7 @@
 hello (rank, free-event handles, GPU) and opens those events. The slots are made
 once per session and reused every round (``release_after_round`` frees them between
 rounds instead). ``IPCSenderComm`` holds it all; the piece pump that uses it is
-``weightwire.trainer.ipc_pipeline.IPCPipeline``.
+``weightwire.backends.ipc.pipeline.IPCPipeline``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import time
 from contextlib import suppress
 from typing import Any
 
+from weightwire.backends.ipc.channel import Channel, Listener, check_int
+from weightwire.backends.ipc.slots import IPCSlots, cupy_module, device_uuid, open_event
 from weightwire.shared.communicator import TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
-from weightwire.transport.ipc import IPCSlots, cupy_module, device_uuid, open_event
-from weightwire.transport.ipc_channel import Channel, Listener, check_int
 
-logger = logging.getLogger("weightwire.transport.ipc")
+logger = logging.getLogger("weightwire.backends.ipc.slots")
 
 
 class IPCSenderComm:

@@ -22,10 +22,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from weightwire.shared.communicator import TransferError, TransferTimeout
-from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.packing import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
-from weightwire.transport.ipc import (
+from weightwire.backends.ipc.channel import check_int
+from weightwire.backends.ipc.slots import (
     MEMCPY_DEVICE_TO_DEVICE,
     dump_trace,
     record,
@@ -35,9 +33,11 @@ from weightwire.transport.ipc import (
     wait_event_host,
     wait_mode,
 )
-from weightwire.transport.ipc_channel import check_int
-from weightwire.transport.ipc_trainer import IPCSenderComm
-from weightwire.transport.nccl_buffers import stream_pointer
+from weightwire.backends.ipc.trainer import IPCSenderComm
+from weightwire.backends.nccl.buffers import stream_pointer
+from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.meta import ParamMeta
+from weightwire.trainer.pipelines import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
 
 
 class IPCPipeline(DevicePipeline):

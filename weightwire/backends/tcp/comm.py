@@ -6,7 +6,7 @@ one sender needs nothing more than one connection per receiver (no collectives
 library, no message broker). The wire format (HMAC handshake, and the 16-byte header
 ``tag | seq | length`` in front of every broadcast that turns a framing disagreement
 into an error instead of misloaded weights) is documented in
-``weightwire.transport.tcp_wire``.
+``weightwire.backends.tcp.wire``.
 
 Rank 0 sends to several receivers concurrently: its calling thread serves the first
 link and one persistent thread per further link serves the rest (no thread per
@@ -33,11 +33,11 @@ import threading
 import time
 from typing import Any
 
+from weightwire.backends.tcp import wire
+from weightwire.backends.tcp.rendezvous import TCPRendezvous, check_secret, dial
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.timeouts import DEFAULT_TIMEOUTS
-from weightwire.transport import tcp_wire as wire
-from weightwire.transport.tcp_rendezvous import TCPRendezvous, check_secret, dial
 
 __all__ = ["SOCKET_BUFFER_BYTES", "TCPCommunicator", "TCPRendezvous"]
 

@@ -19,7 +19,7 @@ import torch
 
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.trainer.engine import TrainerEngine
-from weightwire.trainer.packing import DevicePacker
+from weightwire.trainer.pipelines import DevicePacker
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ class TorchDevicePacker(DevicePacker):
     def __init__(self, device: int | None) -> None:
         import cupy  # noqa: PLC0415  (GPU hosts only)
 
-        from weightwire.transport.nccl_buffers import SlotBuffers  # noqa: PLC0415
+        from weightwire.backends.nccl.buffers import SlotBuffers  # noqa: PLC0415
 
         if not torch.cuda.is_available():
             raise RuntimeError("the NCCL path needs CUDA tensors: torch sees no GPU")
@@ -77,12 +77,12 @@ class TorchDevicePacker(DevicePacker):
             return [tensor_bytes(t.to(self._device, non_blocking=True)) for t in tensors]
 
     def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any, slot: int) -> Any:
-        from weightwire.transport.nccl_buffers import tensor_device_bytes  # noqa: PLC0415
+        from weightwire.backends.nccl.buffers import tensor_device_bytes  # noqa: PLC0415
 
         return self._buffers.gather(slot, [tensor_device_bytes(f) for f in self._flats(tensors, stream)], nbytes, stream)
 
     def wire(self, tensor: Any, stream: Any) -> Any:
-        from weightwire.transport.nccl_buffers import tensor_device_bytes  # noqa: PLC0415
+        from weightwire.backends.nccl.buffers import tensor_device_bytes  # noqa: PLC0415
 
         # A raw pointer, not DLPack: the slot's stream already waits on the trainer's
         # stream (``_flats``), and a DLPack import costs ~0.2 ms per tensor.
@@ -90,7 +90,7 @@ class TorchDevicePacker(DevicePacker):
         return tensor_device_bytes(flat)
 
     def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
-        from weightwire.transport.nccl_buffers import DeviceBytes, tensor_device_bytes  # noqa: PLC0415
+        from weightwire.backends.nccl.buffers import DeviceBytes, tensor_device_bytes  # noqa: PLC0415
 
         # Contiguous tensors already on this device are read in place (a raw pointer: the
         # per-tensor work is on a small model's critical path); the rest go through

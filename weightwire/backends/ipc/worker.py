@@ -18,14 +18,8 @@ from typing import Any
 
 import torch
 
-from weightwire.shared.communicator import TransferError
-from weightwire.shared.framing import Chunk
-from weightwire.shared.info import encode_secret
-from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
-from weightwire.shared.meta import ParamMeta
-from weightwire.shared.timeouts import Timeouts
-from weightwire.torch_side.worker.receive import ReceiveLink
-from weightwire.transport.ipc import (
+from weightwire.backends.ipc.channel import Channel, check_int, dial
+from weightwire.backends.ipc.slots import (
     MEMCPY_DEVICE_TO_DEVICE,
     OpenedSlots,
     cupy_module,
@@ -41,7 +35,13 @@ from weightwire.transport.ipc import (
     wait_event_host,
     wait_mode,
 )
-from weightwire.transport.ipc_channel import Channel, check_int, dial
+from weightwire.shared.communicator import TransferError
+from weightwire.shared.framing import Chunk
+from weightwire.shared.info import encode_secret
+from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.timeouts import Timeouts
+from weightwire.torch_side.worker.receive import ReceiveLink
 
 
 class IPCReceiver:

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
+from weightwire.backends.ipc.channel import Channel, Listener, check_int, dial
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.info import INIT_INFO_TYPES, encode_secret
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES, IPCInitInfo
 from weightwire.trainer.backends import get_backend
-from weightwire.trainer.info import TrainerInitInfo
-from weightwire.transport.ipc_channel import Channel, Listener, check_int, dial
+from weightwire.trainer.config import TrainerInitInfo
 
 SECRET = encode_secret(bytes(range(128)))
 HANDLE = encode_secret(bytes(range(IPC_HANDLE_BYTES)))

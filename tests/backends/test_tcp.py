@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from test_tcp_peer import Peers, digest
 
+from weightwire.backends.tcp.comm import TCPCommunicator, TCPRendezvous
 from weightwire.shared.communicator import Communicator, TransferError
 from weightwire.shared.dtypes import SUPPORTED_DTYPES, wire_dtype
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
-from weightwire.transport.tcp import TCPCommunicator, TCPRendezvous
 
 BIG = 256 << 20
 

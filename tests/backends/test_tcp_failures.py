@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from test_tcp_peer import Peers
 
+from weightwire.backends.tcp import wire
+from weightwire.backends.tcp.comm import TCPCommunicator, TCPRendezvous
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
-from weightwire.transport import tcp_wire as wire
-from weightwire.transport.tcp import TCPCommunicator, TCPRendezvous
 
 
 def connect(rendezvous: TCPRendezvous, rank: int, *, secret: bytes | None = None, world_size: int | None = None,
@@ -41,7 +41,7 @@ def raw_auth(rendezvous: TCPRendezvous, rank: int, world_size: int) -> int:
 
 def test_wrong_secret_is_refused_on_both_sides_and_accept_waits_for_the_real_receiver(caplog):
     rendezvous = TCPRendezvous(world_size=2)
-    with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.WARNING, logger="weightwire.transport.tcp"):
+    with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.WARNING, logger="weightwire.backends.tcp.comm"):
         accepted = pool.submit(rendezvous.accept, timeout=20)
         with pytest.raises(TransferError, match=r"refused rank 1 \(world_size 2\): wrong secret"):
             connect(rendezvous, 1, secret=secrets.token_bytes(128))

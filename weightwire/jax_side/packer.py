@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from weightwire.trainer.packing import DevicePacker
+from weightwire.trainer.pipelines import DevicePacker
 
 _WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -88,7 +88,7 @@ class JaxDevicePacker(DevicePacker):
     def __init__(self, device: int | None) -> None:
         import cupy  # noqa: PLC0415  (GPU hosts only)
 
-        from weightwire.transport.nccl_buffers import SlotBuffers  # noqa: PLC0415
+        from weightwire.backends.nccl.buffers import SlotBuffers  # noqa: PLC0415
 
         self._cupy = cupy
         self._ordinal = cupy.cuda.runtime.getDevice() if device is None else device
@@ -110,7 +110,7 @@ class JaxDevicePacker(DevicePacker):
         return jax.device_put(x, self._device)
 
     def _regions(self, arrays: Sequence[jax.Array]) -> list[Any]:
-        from weightwire.transport.nccl_buffers import array_device_bytes  # noqa: PLC0415
+        from weightwire.backends.nccl.buffers import array_device_bytes  # noqa: PLC0415
 
         # The copies read the buffers outside XLA's stream order: wait until they hold
         # their values (a no-op for arrays computed long ago, e.g. the trainer's params).

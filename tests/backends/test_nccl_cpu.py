@@ -18,16 +18,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import weightwire.transport.nccl as nccl_mod
-from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
-from weightwire.transport.nccl import (
+import weightwire.backends.nccl.comm as nccl_mod
+from weightwire.backends.nccl.buffers import DeviceBytes, stream_pointer
+from weightwire.backends.nccl.comm import (
     NCCLCommunicator,
     NCCLUnavailable,
     format_nccl_version,
     unique_id_to_bytes,
     unique_id_to_signed_tuple,
 )
-from weightwire.transport.nccl_buffers import DeviceBytes, stream_pointer
+from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 
 UID = bytes(range(128))
 
@@ -140,7 +140,7 @@ def names(raw: FakeComm) -> list[str]:
 def test_import_without_cupy_is_harmless_and_pulls_no_framework() -> None:
     code = (
         "import sys; sys.modules['cupy'] = None\n"
-        "import weightwire.transport.nccl as n\n"
+        "import weightwire.backends.nccl.comm as n\n"
         "assert not n.nccl_available()\n"
         "assert 'torch' not in sys.modules and 'jax' not in sys.modules, sorted(sys.modules)\n"
         "print('ok')"
@@ -378,7 +378,7 @@ def test_device_bytes_pass_through_unresolved_and_are_checked_like_any_buffer() 
 
 
 def test_slot_buffers_copy_parts_back_to_back_and_reuse_each_slot() -> None:
-    from weightwire.transport.nccl_buffers import SlotBuffers
+    from weightwire.backends.nccl.buffers import SlotBuffers
 
     copies: list[tuple[int, int, int, int, int]] = []
     allocated: list[int] = []
@@ -413,7 +413,7 @@ def test_slot_buffers_copy_parts_back_to_back_and_reuse_each_slot() -> None:
 
 
 def test_framework_arrays_become_device_bytes_without_copies() -> None:
-    from weightwire.transport.nccl_buffers import array_device_bytes, tensor_device_bytes
+    from weightwire.backends.nccl.buffers import array_device_bytes, tensor_device_bytes
 
     jnp = pytest.importorskip("jax.numpy")
     x = jnp.arange(12, dtype=jnp.bfloat16).reshape(3, 4)

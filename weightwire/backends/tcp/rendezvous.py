@@ -20,15 +20,15 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from weightwire.backends.tcp import wire
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.limits import LIMITS
-from weightwire.transport import tcp_wire as wire
 
 if TYPE_CHECKING:
-    from weightwire.transport.tcp import TCPCommunicator
+    from weightwire.backends.tcp.comm import TCPCommunicator
 
-logger = logging.getLogger("weightwire.transport.tcp")
+logger = logging.getLogger("weightwire.backends.tcp.comm")
 
 _MAX_PENDING_HANDSHAKES = 64  # unproven connections mid-handshake; beyond, the oldest is dropped
 HANDSHAKE_S = 5.0
@@ -129,7 +129,7 @@ class TCPRendezvous:
         Raises ``TransferTimeout`` naming the missing ranks (and any refused
         connections) if they have not all joined within ``timeout``.
         """
-        from weightwire.transport.tcp import _positive, root_communicator  # noqa: PLC0415  (tcp imports us)
+        from weightwire.backends.tcp.comm import _positive, root_communicator  # noqa: PLC0415  (tcp imports us)
 
         limit = _positive("timeout", timeout)
         with self._cv:

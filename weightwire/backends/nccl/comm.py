@@ -23,10 +23,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+from weightwire.backends.nccl.buffers import DeviceBytes, event_done, resolve_buffer, stream_pointer
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES
 from weightwire.shared.timeouts import Timeouts
-from weightwire.transport.nccl_buffers import DeviceBytes, event_done, resolve_buffer, stream_pointer
 
 # ncclDataType_t / ncclRedOp_t values from nccl.h (stable ABI).
 NCCL_UINT8, NCCL_FLOAT32, NCCL_SUM = 1, 7, 0

@@ -12,7 +12,7 @@ Protocol: one request per connection, one JSON line each way (no pickle):
 
 Run a receiver::
 
-    python -m weightwire.trainer.loopback --backend weightwire_nccl --device cuda:0
+    python -m weightwire.testing.loopback --backend weightwire_nccl --device cuda:0
 
 It prints ``weightwire loopback ready on HOST:PORT``; ``spawn_loopback`` starts one
 and waits for that line. Only this module's ``serve`` imports torch.
@@ -116,7 +116,7 @@ class LoopbackClient:
 def spawn_loopback(backend: str, device: str, *, env: Mapping[str, str] | None = None,
                    timeout: float = 120.0) -> tuple[subprocess.Popen, LoopbackClient]:
     """Start a receiver process and return it with a connected client (kill it when done)."""
-    cmd = [sys.executable, "-m", "weightwire.trainer.loopback", "--backend", backend, "--device", device]
+    cmd = [sys.executable, "-m", "weightwire.testing.loopback", "--backend", backend, "--device", device]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     found: list[str] = []

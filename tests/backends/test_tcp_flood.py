@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from weightwire.backends.tcp import rendezvous as tcp_rendezvous
+from weightwire.backends.tcp import wire
+from weightwire.backends.tcp.comm import TCPCommunicator, TCPRendezvous
 from weightwire.shared.communicator import PeerLost
-from weightwire.transport import tcp_rendezvous
-from weightwire.transport import tcp_wire as wire
-from weightwire.transport.tcp import TCPCommunicator, TCPRendezvous
 
 
 def idle_peer(rendezvous: TCPRendezvous) -> socket.socket:
