@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
+from weightwire import backends
 from weightwire._extras import missing_extra
 
 EXIT_OK = 0
@@ -39,10 +40,10 @@ exit codes:
   {EXIT_INTERRUPTED}  interrupted by Ctrl-C before it finished
 """
 
-BACKENDS = ("weightwire_tcp", "weightwire_nccl", "nccl", "weightwire_ipc")
-"""vLLM weight-transfer backend names, spelled the same on every command (each command takes
-the ones it can run)."""
-BACKEND_ALIASES = {"tcp": "weightwire_tcp"}
+BACKENDS = backends.BACKEND_NAMES
+"""vLLM weight-transfer backend names (the registry's), spelled the same on every command
+(each command takes the ones it can run)."""
+BACKEND_ALIASES = backends.ALIASES
 """Short spellings accepted wherever a backend is (``tcp`` is unambiguous; ``nccl`` is vLLM's own)."""
 
 
@@ -68,7 +69,7 @@ class CommandError(Exception):
 
 def backend_name(value: str) -> str:
     """argparse ``type=``: an alias -> its backend name (``choices`` then checks the result)."""
-    return BACKEND_ALIASES.get(value, value)
+    return backends.canonical(value)
 
 
 def fail(prog: str, message: str, code: int = EXIT_ERROR, *, stream: TextIO | None = None) -> int:

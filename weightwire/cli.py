@@ -100,7 +100,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.backend is not None and args.transport is not None:
         return fail("weightwire demo", "--transport is the old spelling of --backend: pass one of them", EXIT_USAGE)
-    backend = args.backend or {"tcp": "weightwire_tcp", "nccl": "nccl", None: DemoConfig.backend}[args.transport]
+    # The old --transport values are the alias tcp and the name nccl: the registry maps both.
+    backend = args.backend or (backend_name(args.transport) if args.transport else DemoConfig.backend)
     try:
         cfg = DemoConfig(server=args.server, model_dir=args.model_dir, model=args.model, steps=args.steps,
                          backend=backend, batch=args.batch, max_tokens=args.max_tokens, lr=args.lr,

@@ -68,8 +68,8 @@ def test_worker_retries_a_dropped_handshake(monkeypatch: pytest.MonkeyPatch) -> 
     """The worker side (``connect_tcp``): the first handshake is dropped by the sender, the
     retry joins; a refusal is not retried."""
     torch = pytest.importorskip("torch")
+    from weightwire.backends.tcp import worker as tcp_worker
     from weightwire.shared.info import TCPInitInfo, encode_secret
-    from weightwire.torch_side.worker import connect as worker_connect
 
     rendezvous = TCPRendezvous(world_size=2)
     info = TCPInitInfo(host=rendezvous.host, port=rendezvous.port, secret_b64=encode_secret(rendezvous.secret),
@@ -91,7 +91,7 @@ def test_worker_retries_a_dropped_handshake(monkeypatch: pytest.MonkeyPatch) -> 
 
     with ThreadPoolExecutor(1) as pool:
         accepted = pool.submit(sender)
-        link = worker_connect.connect_tcp(info, rank=1, device=torch.device("cpu"))
+        link = tcp_worker.connect_tcp(info, rank=1, device=torch.device("cpu"))
         root = accepted.result(timeout=30)
     assert len(calls) == 2
     with contextlib.suppress(Exception):

@@ -61,9 +61,9 @@ def main() -> None:
     load_general_plugins()
     plugin.register()  # a second registration must be a quiet no-op
     resolved = {}
-    for name, class_name in plugin.BACKENDS.items():
+    for name, (module, class_name) in plugin.engines().items():
         cls = WeightTransferEngineFactory._registry[name]()
-        assert cls.__name__ == class_name and cls.__module__ == plugin.ENGINE_MODULE, cls
+        assert cls.__name__ == class_name and cls.__module__ == module, cls
         assert issubclass(cls, WeightTransferEngine)
         resolved[name] = f"{cls.__module__}.{cls.__name__}"
 

@@ -33,11 +33,12 @@ from tests.trainer.fakes import DictSource
 from weightwire.backends.nccl.stock import StockRefusal
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
+from weightwire.backends.tcp.trainer import TCPBackend
 from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.info import TCPInitInfo, UpdateInfo
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
-from weightwire.trainer.backends import TCPBackend, register_backend
+from weightwire.trainer.backends import register_backend
 
 pytestmark = pytest.mark.interop
 T = 30.0

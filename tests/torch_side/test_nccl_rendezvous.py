@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from weightwire.torch_side.worker.connect import fetch_unique_id, publish_unique_id
+from weightwire.backends.nccl.worker import fetch_unique_id, publish_unique_id
 
 pytestmark = pytest.mark.timeout(60)
 

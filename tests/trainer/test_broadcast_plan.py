@@ -171,8 +171,9 @@ def test_single_sender_worker_refuses_src_1() -> None:
 
 def test_nccl_link_receives_from_the_turns_root(monkeypatch: pytest.MonkeyPatch) -> None:
     """``weightwire_nccl``: one communicator, the turn's ``src`` is the broadcast root."""
+    from weightwire.backends.nccl import worker as nccl_worker
     from weightwire.shared.framing import plan
-    from weightwire.torch_side.worker import receive
+    from weightwire.torch_side.worker.receive import ReceiveLink
 
     calls: list[int] = []
 
@@ -191,9 +192,9 @@ def test_nccl_link_receives_from_the_turns_root(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    monkeypatch.setattr(receive, "tensor_device_bytes", lambda buf: buf)
-    link = receive.NCCLLink.__new__(receive.NCCLLink)
-    receive.ReceiveLink.__init__(link, Comm(), device=torch.device("cpu"), timeout_s=5, depth=2)
+    monkeypatch.setattr(nccl_worker, "tensor_device_bytes", lambda buf: buf)
+    link = nccl_worker.NCCLLink.__new__(nccl_worker.NCCLLink)
+    ReceiveLink.__init__(link, Comm(), device=torch.device("cpu"), timeout_s=5, depth=2)
     link._streams, link._pending, link.senders, link._root = [Stream(), Stream()], {}, 3, 0
     metas = [m("w")]
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=64)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from weightwire import backends
 from weightwire._cli import HelpFormatter, backend_name
 
 _RECEIVER_ROLE = "tcp-receiver"
@@ -155,13 +156,13 @@ def _load_bench_nccl() -> Any:
 
 # Backend names as on every other command; the benchmark measures the communicator each uses
 # (weightwire_nccl and stock nccl share NCCLCommunicator's data path). Old --transport values stay.
-_BACKEND_TO_TRANSPORT = {"weightwire_tcp": "tcp", "nccl": "nccl", "weightwire_nccl": "nccl", "all": "all"}
+_BACKEND_TO_TRANSPORT = {backends.TCP: "tcp", backends.NCCL: "nccl", backends.WEIGHTWIRE_NCCL: "nccl", "all": "all"}
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split("\n")[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--backend", type=backend_name, choices=tuple(_BACKEND_TO_TRANSPORT), default="weightwire_tcp",
+    parser.add_argument("--backend", type=backend_name, choices=tuple(_BACKEND_TO_TRANSPORT), default=backends.TCP,
                         help="data plane to measure: weightwire_tcp (TCPCommunicator, CPU loopback; alias tcp), "
                              "nccl or weightwire_nccl (NCCLCommunicator, two GPUs), all (both)")
     parser.add_argument("--transport", dest="backend", choices=("tcp", "nccl", "all"),

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from weightwire import backends
 from weightwire._cli import CommandError, HelpFormatter
 from weightwire._extras import require
 from weightwire.bench.sync_shim import ShimClient, raw_rounds, receiver_main, rpc
@@ -159,7 +160,7 @@ def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: boo
     metas = source.metadata()
     row["largest"] = max(m.nbytes for m in metas)
     row["bound"] = nb * buf + row["largest"] if packed else row["largest"]
-    wanted = dict(backend="weightwire_nccl", packed=packed, packed_buffer_size_bytes=buf, packed_num_buffers=nb, device=0,
+    wanted = dict(backend=backends.WEIGHTWIRE_NCCL, packed=packed, packed_buffer_size_bytes=buf, packed_num_buffers=nb, device=0,
                   server_version="0.33.0", inference_world_size=1,
                   timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t))
     known = {f.name for f in dataclasses.fields(TrainerInitInfo)}

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightwire import backends
+
 
 @dataclass
 class _Replica:
@@ -93,7 +95,7 @@ class InProcessPool:
         await asyncio.to_thread(self._receiver.abort)
 
 
-def serve_http(receiver: Any, *, timeout: float = 60.0, backend: str = "weightwire_nccl") -> tuple[str, Any]:
+def serve_http(receiver: Any, *, timeout: float = 60.0, backend: str = backends.WEIGHTWIRE_NCCL) -> tuple[str, Any]:
     """Start the reference server's app for ``receiver`` on a loopback port; returns
     ``(url, uvicorn.Server)``."""
     import uvicorn  # noqa: PLC0415
@@ -121,7 +123,7 @@ def api_main(cfg: dict[str, Any]) -> None:
     import os  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    url, _ = serve_http(ShimReceiver(cfg["port"], cfg["timeout"]), backend=cfg.get("backend", "weightwire_nccl"))
+    url, _ = serve_http(ShimReceiver(cfg["port"], cfg["timeout"]), backend=cfg.get("backend", backends.WEIGHTWIRE_NCCL))
     Path(cfg["url_file"] + ".tmp").write_text(json.dumps({"url": url}))
     os.replace(cfg["url_file"] + ".tmp", cfg["url_file"])
     time.sleep(max(0.0, cfg["deadline"] - time.time()))

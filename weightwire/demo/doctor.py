@@ -24,6 +24,7 @@ import httpx
 import numpy as np
 from rich.console import Console
 
+from weightwire import backends
 from weightwire.shared.dtypes import wire_name_of_numpy
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
@@ -163,9 +164,9 @@ def _backend(http: httpx.Client, say: _Report) -> str | None:
         say("fail", "backend", "no weight-transfer backend configured: start vLLM with "
             "--weight-transfer-config '{\"backend\": \"nccl\"}' (or weightwire_tcp / weightwire_nccl with the plugin)")
         return None
-    hint = {"nccl": "trainer needs GPUs + cupy (--transport nccl)",
-            "weightwire_tcp": "served by the weightwire plugin; works on CPU",
-            "weightwire_nccl": "served by the weightwire plugin; trainer needs GPUs + cupy"}.get(name, "")
+    hint = {backends.NCCL: "trainer needs GPUs + cupy (--transport nccl)",
+            backends.TCP: "served by the weightwire plugin; works on CPU",
+            backends.WEIGHTWIRE_NCCL: "served by the weightwire plugin; trainer needs GPUs + cupy"}.get(name, "")
     say("ok", "backend", f"{name}" + (f" ({hint})" if hint else ""))
     return str(name)
 
@@ -196,7 +197,7 @@ def _round(url: str, say: _Report, *, api_key: str | None, reference: bool, back
     if not reference:
         say("skip", "1-tensor round", "only against the reference server (a real vLLM would reload a layer)")
         return
-    if backend not in (None, "weightwire_tcp"):
+    if backend not in (None, backends.TCP):
         say("skip", "1-tensor round", f"the server's backend is {backend}, not weightwire_tcp")
         return
     session = info.get("session") if isinstance(info.get("session"), dict) else {}
@@ -213,7 +214,7 @@ def _round(url: str, say: _Report, *, api_key: str | None, reference: bool, back
         name, array = found
         t0 = time.perf_counter()
         try:
-            engine = NumpyTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp"), client=client,
+            engine = NumpyTrainerEngine.trainer_init(TrainerInitInfo(backend=backends.TCP), client=client,
                                                      source=OneTensorSource(name, array))
         except Exception as exc:  # noqa: BLE001  (report, do not crash the doctor)
             refused = getattr(exc, "status", None) in (400, 422)

@@ -28,12 +28,13 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from weightwire._cli import BACKENDS, CommandError
+from weightwire import backends
+from weightwire._cli import CommandError
 from weightwire._extras import require
 from weightwire.demo.render import StartupProgress, StepRow, StepTable
 
-DEMO_BACKENDS = tuple(b for b in BACKENDS if b != "weightwire_ipc")
-"""``--backend`` choices; ``weightwire_ipc`` comes with ``--colocated`` (one GPU for both)."""
+DEMO_BACKENDS = tuple(name for name in backends.BACKEND_NAMES if not backends.SPECS[name].same_host)
+"""``--backend`` choices; ``weightwire_ipc`` (one host) comes with ``--colocated`` (one GPU for both)."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class DemoConfig:
     model: str = "tiny-llama"
     """Embedded server only: tiny model to build and serve."""
     steps: int = 12
-    backend: str = "weightwire_tcp"
-    """Weight-transfer backend (``weightwire._cli.BACKENDS``). ``nccl`` against the embedded
+    backend: str = backends.TCP
+    """Weight-transfer backend (``weightwire.backends.BACKEND_NAMES``). ``nccl`` against the embedded
     server means its NCCL backend, ``weightwire_nccl`` (the reference server has no stock ``nccl``)."""
     batch: int = 64
     """Completions per step: ``batch / samples_per_prompt`` prompts, ``samples_per_prompt`` each."""
@@ -93,9 +94,9 @@ class DemoConfig:
     @property
     def backend_name(self) -> str:
         if self.colocated:
-            return "weightwire_ipc"
-        if self.backend == "nccl" and self.server is None:
-            return "weightwire_nccl"
+            return backends.IPC
+        if self.backend == backends.NCCL and self.server is None:
+            return backends.WEIGHTWIRE_NCCL
         return self.backend
 
 
@@ -159,12 +160,13 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
     from weightwire.demo.server import EmbeddedServer, build_tiny_model  # noqa: PLC0415
 
     backend = cfg.backend_name
+    on_gpu = backends.get(backend).needs_cuda
     # Checked before any child starts: a missing extra fails in milliseconds with the extra's name.
     require("jax", "flax", "optax", "safetensors", "tokenizers", purpose="weightwire demo's JAX policy")
     if cfg.server is None:
         require("torch", "transformers", "fastapi", "uvicorn",
                 purpose="the embedded reference server (or pass --server URL --model-dir DIR)")
-    if backend != "weightwire_tcp":
+    if on_gpu:
         import jax  # noqa: PLC0415
 
         # XLA's default f32 matmul on a GPU is reduced precision (TF32); the server computes
@@ -180,12 +182,11 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
         if cfg.server is None:
             # The server loads while this process builds the policy: the two start-ups overlap.
             prog.phase(f"launching the reference server ({backend}, child process)")
-            nccl = backend != "weightwire_tcp"
             gpu = cfg.server_gpu
             if cfg.colocated:  # the GPU JAX calls device 0
                 gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-            server = EmbeddedServer(cfg.model_dir or cfg.model, backend=backend, device="cuda" if nccl else "cpu",
-                                    cuda_visible_devices=gpu if nccl else None)
+            server = EmbeddedServer(cfg.model_dir or cfg.model, backend=backend, device="cuda" if on_gpu else "cpu",
+                                    cuda_visible_devices=gpu if on_gpu else None)
             stack.callback(server.stop)
             server.launch()
             prog.phase(f"locating {cfg.model} (child process; built and cached on first use)")
@@ -220,7 +221,7 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
         stack.callback(client.close)
         source = PytreeSource(lambda: policy.params, decoder.naming(model_cfg))
         info = TrainerInitInfo(backend=backend, packed_buffer_size_bytes=64 << 20,
-                               device=0 if backend != "weightwire_tcp" else None)
+                               device=0 if on_gpu else None)
         engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
         stack.callback(engine.shutdown)
         completions = CompletionsClient(url, api_key=cfg.api_key, model=cfg.served_model)

@@ -19,6 +19,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from weightwire import backends
+
 READY_RE = re.compile(r"weightwire server ready on (http://\S+)")
 """The one line ``python -m weightwire.torch_side.server`` prints once it serves."""
 
@@ -86,7 +88,7 @@ class EmbeddedServer:
     Use as a context manager; ``url`` is set once the server printed its ready line.
     """
 
-    def __init__(self, model: str, *, backend: str = "weightwire_tcp", device: str = "cpu",
+    def __init__(self, model: str, *, backend: str = backends.TCP, device: str = "cpu",
                  cuda_visible_devices: str | None = None, threads: int | None = 1,
                  extra_args: Sequence[str] = (), startup_timeout: float = 300.0) -> None:
         self.model = model

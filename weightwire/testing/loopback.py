@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from weightwire import backends
 from weightwire.control.errors import WeightSyncError
 
 READY = "weightwire loopback ready on "
@@ -182,11 +183,8 @@ class TensorStoreHost:
 def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) -> None:
     import torch  # noqa: PLC0415
 
-    from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine  # noqa: PLC0415
-
-    engine_cls = WeightwireTCPEngine if backend == "weightwire_tcp" else WeightwireNCCLEngine
-    if backend == "weightwire_ipc":
-        from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine as engine_cls  # noqa: N813, PLC0415
+    # Stock nccl is received by the weightwire_nccl engine here (the registry says so).
+    engine_cls = backends.load(backends.get(backend).worker_engine)
     store = TensorStoreHost()
     engine = engine_cls.standalone(model=store, device=torch.device(device))
     state: dict[str, Any] = {"version": "default", "paused": False}
@@ -260,7 +258,7 @@ def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("weightwire_nccl", "weightwire_tcp", "weightwire_ipc", "nccl"), required=True)
+    parser.add_argument("--backend", choices=backends.BACKEND_NAMES, required=True)
     parser.add_argument("--device", default="cpu", help="torch device of the receiver, e.g. cuda:0")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from weightwire.backends import NCCL
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.routes import PAUSE_MODES
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
-
-BACKENDS = ("nccl", "weightwire_nccl", "weightwire_tcp", "weightwire_ipc")
-"""Built-in backends; ``trainer.backends.register_backend`` may add more."""
 
 
 @dataclass(kw_only=True)
@@ -54,7 +52,7 @@ class TrainerInitInfo:
       a version newer than weightwire knows). Logged at every init.
     """
 
-    backend: str = "nccl"
+    backend: str = NCCL
     rank: int = 0
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
@@ -71,7 +69,9 @@ class TrainerInitInfo:
     ipc_release_after_round: bool = False
 
     def __post_init__(self) -> None:
-        from weightwire.trainer.backends import backend_names  # noqa: PLC0415  (registry imports this module)
+        # Runtime-registered backends (register_backend) count too. Imported here so that
+        # trainer.backends -> config (type names only) is the one direction between them.
+        from weightwire.trainer.backends import backend_names  # noqa: PLC0415
 
         if self.backend not in backend_names():
             raise ValueError(f"unknown backend {self.backend!r}; known: {', '.join(backend_names())}")

@@ -5,7 +5,9 @@
 hello (rank, free-event handles, GPU) and opens those events. The slots are made
 once per session and reused every round (``release_after_round`` frees them between
 rounds instead). ``IPCSenderComm`` holds it all; the piece pump that uses it is
-``weightwire.backends.ipc.pipeline.IPCPipeline``.
+``weightwire.backends.ipc.pipeline.IPCPipeline``. ``IPCBackend`` is the registry's
+trainer part (``weightwire.backends``): it opens an ``IPCRendezvous`` and makes that
+pipeline the round's data path.
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ import secrets
 import threading
 import time
 from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from weightwire.backends import IPC
 from weightwire.backends.ipc.channel import Channel, Listener, check_int
-from weightwire.backends.ipc.slots import IPCSlots, cupy_module, device_uuid, open_event
-from weightwire.shared.communicator import TransferError
+from weightwire.backends.ipc.slots import IPCSlots, cupy_module, device_uuid, ipc_available, open_event
+from weightwire.shared.communicator import Communicator, TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
+from weightwire.trainer.backends import Backend, Rendezvous
+
+if TYPE_CHECKING:
+    from weightwire.trainer.config import TrainerInitInfo
 
 logger = logging.getLogger("weightwire.backends.ipc.slots")
 
@@ -166,3 +173,42 @@ class IPCRendezvous:
         """The init POST failed or the join timed out: stop listening, free the slots."""
         self._close_listener()
         self.slots.destroy()
+
+
+class IPCBackend(Backend):
+    """``weightwire_ipc``: trainer and workers on one host (same GPU or peer GPUs), CUDA IPC.
+
+    Rank 0 allocates the slot ring, exports its memory and ready-event handles in the
+    init info (JSON, base64) and listens on loopback for the workers' control channels."""
+
+    name: ClassVar[str] = IPC
+    on_device: ClassVar[bool] = True
+
+    def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
+        if not ipc_available():
+            raise RuntimeError(f"backend {self.name!r} needs cupy and a CUDA device on the trainer host")
+        rdv = IPCRendezvous(
+            world_size=world_size, device=info.device, slot_bytes=info.packed_buffer_size_bytes,
+            num_slots=info.packed_num_buffers, packed=info.packed, timeout_s=float(info.timeouts.transfer_s),
+            release_after_round=info.ipc_release_after_round,
+        )
+        return _PendingIPC(rdv.payload, rdv)
+
+    def device_pipeline(self, comm: Any, packer: Any, *, num_buffers: int, timeout: float, hold_bytes: int) -> Any:
+        from weightwire.backends.ipc.pipeline import IPCPipeline  # noqa: PLC0415
+
+        return IPCPipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+
+
+class _PendingIPC(Rendezvous):
+    """The engine's view of an ``IPCRendezvous`` (payload posted, join pending)."""
+
+    def __init__(self, payload: dict[str, Any], rdv: IPCRendezvous) -> None:
+        super().__init__(payload)
+        self._rdv = rdv
+
+    def join(self, *, timeout: float) -> Communicator:
+        return self._rdv.join(timeout=timeout)
+
+    def cancel(self) -> None:
+        self._rdv.cancel()

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from weightwire import backends
 from weightwire._cli import (
     EXIT_CODES_HELP,
     EXIT_ERROR,
@@ -39,7 +40,8 @@ from weightwire._extras import MissingExtra, require
 
 __all__ = ["build_parser", "serve_main"]
 
-BACKENDS = ("weightwire_tcp", "weightwire_nccl", "weightwire_ipc")
+BACKENDS = backends.PLUGIN_BACKENDS
+"""``--backend`` choices: the reference server stands in for a vLLM with the weightwire plugin."""
 PROG = "weightwire serve"
 
 
@@ -56,7 +58,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "(default ~/.cache/weightwire); the directory is printed at start-up")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
-    p.add_argument("--backend", type=backend_name, choices=BACKENDS, default="weightwire_tcp",
+    p.add_argument("--backend", type=backend_name, choices=BACKENDS, default=backends.TCP,
                    help="weight-transfer backend the workers run: weightwire_tcp (CPU or GPU; alias tcp), "
                         "weightwire_nccl or weightwire_ipc (CUDA IPC, trainer on the same GPU) (both need "
                         "--device cuda) (default weightwire_tcp)")
@@ -93,7 +95,7 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--port must be in [0, 65535], got {args.port}"
     if not 1 <= args.replicas <= 64:
         return f"--replicas must be in [1, 64], got {args.replicas}"
-    if args.backend in ("weightwire_nccl", "weightwire_ipc") and args.device != "cuda":
+    if backends.get(args.backend).needs_cuda and args.device != "cuda":
         return f"--backend {args.backend} needs --device cuda"
     for name in ("op_timeout", "round_timeout", "generate_timeout", "startup_timeout", "round_lease"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:

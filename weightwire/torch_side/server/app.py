@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from weightwire import __version__
+from weightwire import __version__, backends
 from weightwire.shared.info import INIT_INFO_TYPES, UpdateInfo
 from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
@@ -52,7 +52,7 @@ log = logging.getLogger("weightwire.server")
 
 @dataclass
 class ServerOptions:
-    backend: str = "weightwire_tcp"
+    backend: str = backends.TCP
     model_name: str = "model"
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

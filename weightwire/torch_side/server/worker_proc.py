@@ -34,6 +34,7 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
+from weightwire import backends
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.torch_side.server.replicas import WorkerSpec
 
@@ -122,11 +123,7 @@ class Worker:
 
     # -- control lane ---------------------------------------------------------------
     def _new_engine(self) -> Any:
-        from weightwire.torch_side.worker import WeightwireNCCLEngine, WeightwireTCPEngine
-
-        cls = WeightwireTCPEngine if self.spec.backend == "weightwire_tcp" else WeightwireNCCLEngine
-        if self.spec.backend == "weightwire_ipc":
-            from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine as cls  # noqa: N813, PLC0415
+        cls = backends.load(backends.get(self.spec.backend).worker_engine)
         return cls.standalone(model=self.host, device=self.device, worker_rank=self.spec.index)
 
     def op_init(self, init_info: dict[str, Any]) -> dict[str, Any]:

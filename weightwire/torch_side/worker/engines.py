@@ -5,7 +5,9 @@
 vLLM subclasses in ``vllm_engines`` both inherit it, so they behave identically.
 
 Wire params (packed, buffer size, number of buffers, timeout) come from the init
-info only: the trainer sends all of them, so the two sides cannot disagree.
+info only: the trainer sends all of them, so the two sides cannot disagree. The data
+link comes from ``connect.connect``, which finds the backend's connect function in the
+registry (``weightwire.backends``) by the init info's ``backend``.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from typing import Any
 
 import torch
 
+from weightwire.backends import TCP, WEIGHTWIRE_NCCL
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
-from weightwire.torch_side.worker.connect import connect_nccl, connect_tcp
+from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import ReceiveStats, _ReceiverCore
 
 
@@ -105,22 +108,18 @@ class _StandaloneEngine(EngineFacade):
         among the server's workers (its wire rank is ``rank_offset + worker_rank``)."""
         return cls(model=model, device=device, worker_rank=worker_rank, load_batching=load_batching)
 
-    @staticmethod
-    def _connect(info: Any, *, rank: int, device: torch.device) -> Any:
-        raise NotImplementedError
+    _connect = staticmethod(connect)
 
 
 class WeightwireTCPEngine(_StandaloneEngine):
     """``weightwire_tcp`` receiver: CPU or GPU worker, TCP data plane."""
 
-    backend = "weightwire_tcp"
+    backend = TCP
     init_info_cls = TCPInitInfo
-    _connect = staticmethod(connect_tcp)
 
 
 class WeightwireNCCLEngine(_StandaloneEngine):
     """``weightwire_nccl`` receiver: GPU worker, NCCL data plane via cupy, with timeouts."""
 
-    backend = "weightwire_nccl"
+    backend = WEIGHTWIRE_NCCL
     init_info_cls = WeightwireNCCLInitInfo
-    _connect = staticmethod(connect_nccl)

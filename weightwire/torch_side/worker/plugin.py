@@ -1,10 +1,12 @@
-"""The vLLM general plugin: makes ``weightwire_tcp`` / ``weightwire_nccl`` valid backends.
+"""The vLLM general plugin: makes weightwire's backends (``weightwire_tcp``, ...) valid in vLLM.
 
 Declared in pyproject as the ``vllm.general_plugins`` entry point ``weightwire``, so
 vLLM runs ``register()`` in every process it starts (API server, engine core, each
 worker); ``--weight-transfer-config '{"backend": "weightwire_tcp"}'`` then resolves in
-all of them. Registration is by module path: the engine module (and with it cupy
-or the TCP transport) is imported only when a worker actually creates the engine.
+all of them. It registers every registry entry that has a ``vllm_engine``
+(``weightwire.backends.PLUGIN_BACKENDS``), so a backend added there is registered
+here too. Registration is by module path: the engine module (and with it cupy or the
+TCP transport) is imported only when a worker actually creates the engine.
 
 Safe everywhere: without vLLM ``register()`` logs at debug level and returns, and
 calling it again (vLLM may load plugins more than once per process) is a no-op.
@@ -14,29 +16,33 @@ from __future__ import annotations
 
 import logging
 
+from weightwire import backends
+
 log = logging.getLogger("weightwire.torch_side.worker.plugin")
 
-ENGINE_MODULE = "weightwire.torch_side.worker.vllm_engines"
-BACKENDS: dict[str, str] = {
-    "weightwire_tcp": "VllmWeightwireTCPEngine",
-    "weightwire_nccl": "VllmWeightwireNCCLEngine",
-    "weightwire_ipc": "VllmWeightwireIPCEngine",
-}
+
+def engines() -> dict[str, tuple[str, str]]:
+    """``{backend name: (engine module, engine class name)}``: what ``register`` registers."""
+    out = {}
+    for name in backends.PLUGIN_BACKENDS:
+        module, _, class_name = str(backends.SPECS[name].vllm_engine).partition(":")
+        out[name] = (module, class_name)
+    return out
 
 
 def register() -> None:
-    """Register both backends with vLLM's ``WeightTransferEngineFactory`` (idempotent)."""
+    """Register the plugin backends with vLLM's ``WeightTransferEngineFactory`` (idempotent)."""
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: PLC0415
     except ImportError as exc:
         log.debug("weightwire plugin: vLLM weight transfer is not importable (%s); nothing registered", exc)
         return
-    for name, class_name in BACKENDS.items():
+    for name, (module, class_name) in engines().items():
         try:
-            WeightTransferEngineFactory.register_engine(name, ENGINE_MODULE, class_name)
+            WeightTransferEngineFactory.register_engine(name, module, class_name)
         except ValueError:
             # vLLM 0.32 and 0.33 both refuse a duplicate name with ValueError; a
             # second plugin load in the same process lands here.
             log.debug("weightwire plugin: backend %r already registered", name)
         else:
-            log.debug("weightwire plugin: registered backend %r -> %s.%s", name, ENGINE_MODULE, class_name)
+            log.debug("weightwire plugin: registered backend %r -> %s.%s", name, module, class_name)

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from weightwire.backends import IPC, TCP, WEIGHTWIRE_NCCL
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.ipc_info import IPCInitInfo
-from weightwire.torch_side.worker.connect import connect_nccl, connect_tcp
+from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
 from weightwire.torch_side.worker.spec import ModelSpec
@@ -181,7 +182,7 @@ def worker_rank(parallel_config: Any) -> int:
 
 
 class _VllmEngine(EngineFacade, WeightTransferEngine):  # type: ignore[misc]
-    _connect: Any
+    _connect = staticmethod(connect)  # the backend's connect, found in the registry by the init info
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         WeightTransferEngine.__init__(self, config, vllm_config, device, model)
@@ -210,30 +211,22 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):  # type: ignore[misc]
 class VllmWeightwireTCPEngine(_VllmEngine):
     """``--weight-transfer-config '{"backend": "weightwire_tcp"}'``: TCP data plane, CPU or GPU workers."""
 
-    backend = "weightwire_tcp"
+    backend = TCP
     init_info_cls = TCPInitInfo
     update_info_cls = UpdateInfo
-    _connect = staticmethod(connect_tcp)
 
 
 class VllmWeightwireNCCLEngine(_VllmEngine):
     """``--weight-transfer-config '{"backend": "weightwire_nccl"}'``: NCCL via cupy, with timeouts."""
 
-    backend = "weightwire_nccl"
+    backend = WEIGHTWIRE_NCCL
     init_info_cls = WeightwireNCCLInitInfo
     update_info_cls = UpdateInfo
-    _connect = staticmethod(connect_nccl)
 
 
 class VllmWeightwireIPCEngine(_VllmEngine):
     """``--weight-transfer-config '{"backend": "weightwire_ipc"}'``: CUDA IPC from a trainer on this host."""
 
-    backend = "weightwire_ipc"
+    backend = IPC
     init_info_cls = IPCInitInfo  # type: ignore[assignment]
     update_info_cls = UpdateInfo
-
-    @staticmethod
-    def _connect(info: Any, *, rank: int, device: torch.device) -> Any:
-        from weightwire.backends.ipc.worker import connect_ipc  # noqa: PLC0415
-
-        return connect_ipc(info, rank=rank, device=device)

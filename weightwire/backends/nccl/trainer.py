@@ -1,0 +1,74 @@
+"""Rank 0's side of ``nccl`` (stock vLLM) and ``weightwire_nccl``: mint the unique id, join.
+
+Both ship a freshly minted NCCL unique id base64-encoded in the worker init info
+(vLLM >= 0.30's ``nccl_unique_id_b64``: a torch-free trainer cannot host vLLM's
+TCPStore rendezvous), then join the group as rank 0 while the init POST is in flight.
+``weightwire_nccl`` adds the worker-side receive timeout that stock vLLM lacks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from weightwire.backends import NCCL, WEIGHTWIRE_NCCL
+from weightwire.backends.nccl import comm as nccl
+from weightwire.shared.communicator import Communicator
+from weightwire.shared.info import NCCLInitInfo, WeightwireNCCLInitInfo, encode_secret
+from weightwire.shared.version import ServerFeatures
+from weightwire.trainer.backends import Backend, Rendezvous
+
+if TYPE_CHECKING:
+    from weightwire.trainer.config import TrainerInitInfo
+
+
+class NCCLBackend(Backend):
+    """Stock vLLM ``nccl``: rank 0 mints an NCCL unique id and ships it base64-encoded."""
+
+    name: ClassVar[str] = NCCL
+    on_device: ClassVar[bool] = True
+    stock_receiver: ClassVar[bool] = True
+
+    def check_server(self, features: ServerFeatures) -> None:
+        features.require("unique_id_rendezvous", "a torch-free trainer joins NCCL through nccl_unique_id_b64")
+
+    def _payload(self, info: TrainerInitInfo, unique_id: bytes, world_size: int) -> dict[str, Any]:
+        # Built through the shared dataclass so the payload is validated exactly as the
+        # worker will parse it, and carries exactly vLLM's fields.
+        return NCCLInitInfo(
+            nccl_unique_id_b64=encode_secret(unique_id), rank_offset=1, world_size=world_size,
+            packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
+            packed_num_buffers=info.packed_num_buffers,
+        ).to_dict()
+
+    def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
+        if not nccl.nccl_available():  # cupy is imported here, on first use, not with this module
+            raise RuntimeError(f"backend {self.name!r} needs cupy with NCCL and a CUDA device on the trainer host")
+        unique_id = nccl.mint_unique_id()
+        return _NCCLRendezvous(self._payload(info, unique_id, world_size), unique_id, world_size, info.device)
+
+
+class WeightwireNCCLBackend(NCCLBackend):
+    """``weightwire_nccl``: vLLM's NCCL fields plus the worker-side receive timeout."""
+
+    name: ClassVar[str] = WEIGHTWIRE_NCCL
+    stock_receiver: ClassVar[bool] = False  # the plugin's receiver takes any offset, dtype and shape
+
+    def _payload(self, info: TrainerInitInfo, unique_id: bytes, world_size: int) -> dict[str, Any]:
+        return WeightwireNCCLInitInfo(
+            nccl_unique_id_b64=encode_secret(unique_id), rank_offset=1, world_size=world_size,
+            packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
+            packed_num_buffers=info.packed_num_buffers, timeout_s=float(info.timeouts.transfer_s),
+        ).to_dict()
+
+
+class _NCCLRendezvous(Rendezvous):
+    def __init__(self, payload: dict[str, Any], unique_id: bytes, world_size: int, device: int | None) -> None:
+        super().__init__(payload)
+        self._unique_id = unique_id
+        self._world_size = world_size
+        self._device = device
+
+    def join(self, *, timeout: float) -> Communicator:
+        return nccl.NCCLCommunicator.join(
+            unique_id=self._unique_id, rank=0, world_size=self._world_size, device=self._device, timeout=timeout
+        )
