@@ -50,6 +50,7 @@ from weightwire.trainer.gating import server_features
 from weightwire.trainer.group import Exchange, GroupTimeout, TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.pipelines import HostPipeline, chunked
+from weightwire.trainer.transfer import await_call
 
 if TYPE_CHECKING:
     from weightwire.trainer.engine import TrainerEngine
@@ -395,6 +396,4 @@ class MultiSource:
 
 
 def _wait(future: Future, timeout: float) -> Any:
-    from weightwire.trainer.engine import _await  # noqa: PLC0415  (engine imports this module)
-
-    return _await(future, timeout, "update_weights")
+    return await_call(future, timeout, "update_weights")
