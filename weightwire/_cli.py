@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from weightwire._extras import missing_extra
+from weightwire.shared.errors import WeightwireError
 
 EXIT_OK = 0
 """Success; also ``serve`` stopped by Ctrl-C / SIGTERM after it was serving."""
@@ -58,7 +59,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-class CommandError(Exception):
+class CommandError(WeightwireError):
     """An expected failure a command reports as one line (no type name, no traceback hint)."""
 
     def __init__(self, message: str, code: int = EXIT_ERROR) -> None:

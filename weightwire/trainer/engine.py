@@ -46,6 +46,7 @@ from weightwire.control.errors import WeightSyncError
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
 from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.errors import ControlTimeout, RoundError
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
@@ -65,12 +66,8 @@ _GRACE_S = 2.0
 (a worker that failed answers its request within milliseconds)."""
 
 
-class EngineBroken(RuntimeError):
-    """A previous round failed mid-transfer; the communicator is aborted."""
-
-
-class ControlTimeout(TimeoutError):
-    """A control-plane call (init / update POST) did not answer within ``Timeouts.http_s``."""
+class EngineBroken(RoundError, RuntimeError):
+    """A previous round failed mid-transfer; the communicator is aborted: ``trainer_init`` a fresh engine."""
 
 
 def _await(future: Future, timeout: float, what: str) -> Any:
@@ -79,7 +76,7 @@ def _await(future: Future, timeout: float, what: str) -> Any:
     except FutureTimeout:
         if future.done():  # the call itself raised a TimeoutError: that is its answer
             raise
-        raise ControlTimeout(f"{what} did not return within {timeout} s") from None
+        raise ControlTimeout(f"{what} did not return within {timeout} s", route=what.split()[0]) from None
 
 
 class TrainerEngine(ABC):

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
+from weightwire.shared.errors import WeightwireError
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.groups import batch_by_layer
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
@@ -54,7 +55,7 @@ Connect = Callable[..., ReceiveLink]  # (info, *, rank, device) -> ReceiveLink
 LOAD_BATCHING = ("chunk", "group")
 
 
-class WeightReceiveError(RuntimeError):
+class WeightReceiveError(WeightwireError, RuntimeError):
     """A round failed while receiving or loading; the round and the communicator were aborted."""
 
 
