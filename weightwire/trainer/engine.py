@@ -39,6 +39,7 @@ from weightwire.backends.nccl.stock import WirePlan, plan_for_stock
 from weightwire.control.errors import WeightSyncError
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
+from weightwire.shared.errors import ControlTimeout, RoundError
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
@@ -50,7 +51,6 @@ from weightwire.trainer.gating import check_client, require_draft_model, server_
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, chunked
 from weightwire.trainer.transfer import (
-    ControlTimeout,
     Transfer,
     await_call,
     best_effort_resume,
@@ -64,11 +64,11 @@ from weightwire.trainer.verify import RoundVerifier
 
 logger = logging.getLogger("weightwire.trainer")
 
-__all__ = ["ControlTimeout", "EngineBroken", "TrainerEngine"]  # ControlTimeout: defined in trainer.transfer
+__all__ = ["ControlTimeout", "EngineBroken", "TrainerEngine"]  # ControlTimeout: defined in shared.errors
 
 
-class EngineBroken(RuntimeError):
-    """A previous round failed mid-transfer; the communicator is aborted."""
+class EngineBroken(RoundError, RuntimeError):
+    """A previous round failed mid-transfer; the communicator is aborted: ``trainer_init`` a fresh engine."""
 
 
 class TrainerEngine(ABC):

@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from weightwire.control.fanout import spawn
+from weightwire.shared.errors import RoundError
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import TCPInitInfo, UpdateInfo
 from weightwire.shared.meta import ParamMeta
@@ -60,7 +61,7 @@ logger = logging.getLogger("weightwire.trainer")
 _GRACE_S = 2.0  # how long rank 0 waits for a failed broadcaster's own account of the failure
 
 
-class RoundFailed(RuntimeError):
+class RoundFailed(RoundError, RuntimeError):
     """Another trainer rank reported that this round failed; the message names it."""
 
 

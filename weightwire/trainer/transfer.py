@@ -27,6 +27,7 @@ from typing import Any
 
 from weightwire.control.fanout import spawn
 from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.errors import ControlTimeout
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.metrics import PhaseClock
@@ -41,9 +42,6 @@ _GRACE_S = 2.0
 _SETTLE_POLL_S = 0.05
 
 
-class ControlTimeout(TimeoutError):
-    """A control-plane call (init / update POST) did not answer within ``Timeouts.http_s``."""
-
 
 def await_call(future: Future, timeout: float, what: str) -> Any:
     """The POST's answer (or its own error); ``ControlTimeout`` naming ``what`` if none came in time."""
@@ -52,7 +50,7 @@ def await_call(future: Future, timeout: float, what: str) -> Any:
     except FutureTimeout:
         if future.done():  # the call itself raised a TimeoutError: that is its answer
             raise
-        raise ControlTimeout(f"{what} did not return within {timeout} s") from None
+        raise ControlTimeout(f"{what} did not return within {timeout} s", route=what.split()[0]) from None
 
 
 def real_cause(exc: BaseException, post: Future) -> BaseException:

@@ -52,6 +52,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from weightwire.shared.errors import WeightwireError
+
 PROTOCOL_VERSION = 1
 NONCE_BYTES = 32
 TAG_BYTES = 32
@@ -107,7 +109,7 @@ def frame(tag: bytes, seq: int = 0, length: int = 0) -> bytes:
     return FRAME.pack(tag, seq & 0xFFFFFFFF, length)
 
 
-class WireShort(Exception):
+class WireShort(WeightwireError):
     """A socket loop stopped early: ``offset`` bytes had moved; ``timed_out`` or ``cause``."""
 
     def __init__(self, offset: int, *, timed_out: bool = False, cause: str = "") -> None:

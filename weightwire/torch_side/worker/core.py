@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from weightwire.shared.errors import WeightwireError
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.load import (
@@ -62,7 +63,7 @@ InitInfo = TCPInitInfo | WeightwireNCCLInitInfo
 Connect = Callable[..., ReceiveLink]  # (info, *, rank, device) -> ReceiveLink
 
 
-class WeightReceiveError(RuntimeError):
+class WeightReceiveError(WeightwireError, RuntimeError):
     """A round failed while receiving or loading; the round and the communicator were aborted."""
 
 
