@@ -124,7 +124,7 @@ class TCPBackend(Backend):
     on_device: ClassVar[bool] = False
 
     def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
-        from weightwire.backends.tcp.comm import TCPRendezvous  # noqa: PLC0415
+        from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
 
         rdv = TCPRendezvous(world_size=world_size, bind_host=info.tcp_bind_host, advertise_host=info.tcp_advertise_host)
         try:
