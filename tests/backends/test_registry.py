@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from weightwire import backends
-from weightwire.shared.info import INIT_INFO_TYPES, TCPInitInfo, encode_secret
+from weightwire.shared.info import TCPInitInfo, encode_secret
+from weightwire.shared.init_infos import INIT_INFO_TYPES
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

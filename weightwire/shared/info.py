@@ -277,11 +277,6 @@ def _check_host(ctx: str, host: str) -> None:
         raise ConfigError(f"{ctx} must be a host name or address, got {bounded_repr(host)}")
 
 
-INIT_INFO_TYPES: dict[str, type[NCCLInitInfo] | type[TCPInitInfo]] = {
-    cls.backend: cls for cls in (NCCLInitInfo, WeightwireNCCLInitInfo, TCPInitInfo)
-}
-
-
 @dataclass(frozen=True, kw_only=True, repr=False)
 class UpdateInfo(_StrictInfo):
     """Per-round metadata: three equal-length lists in broadcast order.
@@ -351,8 +346,3 @@ class UpdateInfo(_StrictInfo):
         src = f", src={self.src}" if self.src else ""
         return f"UpdateInfo({len(self.names)} tensors{src})"
 
-
-# weightwire_ipc's init info lives in its own module (it imports the helpers above).
-from weightwire.shared.ipc_info import IPCInitInfo  # noqa: E402
-
-INIT_INFO_TYPES[IPCInitInfo.backend] = IPCInitInfo  # type: ignore[assignment]
