@@ -21,11 +21,8 @@ aborted (every socket shut down) and later calls raise.
 
 from __future__ import annotations
 
-import hmac
 import logging
-import math
 import queue
-import secrets
 import select
 import selectors
 import socket
@@ -34,7 +31,7 @@ import time
 from typing import Any
 
 from weightwire.backends.tcp import wire
-from weightwire.backends.tcp.rendezvous import TCPRendezvous, check_secret, dial
+from weightwire.backends.tcp.rendezvous import TCPRendezvous, check_secret, client_handshake, dial, positive_seconds
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.timeouts import DEFAULT_TIMEOUTS
@@ -44,12 +41,6 @@ __all__ = ["SOCKET_BUFFER_BYTES", "TCPCommunicator", "TCPRendezvous"]
 logger = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = wire.DEFAULT_SOCKET_BUFFER_BYTES
-
-
-def _positive(name: str, value: float) -> float:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 class _Link:
@@ -98,9 +89,9 @@ class TCPCommunicator:
         self._rank = rank
         self._world_size = world_size
         self._links = links
-        self._transfer_timeout = _positive(
+        self._transfer_timeout = positive_seconds(
             "transfer_timeout", DEFAULT_TIMEOUTS.transfer_s if transfer_timeout is None else transfer_timeout)
-        self._warmup_timeout = _positive("warmup_timeout", DEFAULT_TIMEOUTS.warmup_s if warmup_timeout is None else warmup_timeout)
+        self._warmup_timeout = positive_seconds("warmup_timeout", DEFAULT_TIMEOUTS.warmup_s if warmup_timeout is None else warmup_timeout)
         self._seq = 0
         self._lock = threading.Lock()
         self._busy = threading.Lock()  # one warmup/broadcast at a time: frames must not interleave
@@ -127,11 +118,11 @@ class TCPCommunicator:
             raise ValueError(f"world_size must be an int in [2, {LIMITS.max_world_size}], got {world_size!r}")
         if type(rank) is not int or not 1 <= rank < world_size:
             raise ValueError(f"receiver rank must be an int in [1, {world_size}), got {rank!r}")
-        deadline = time.monotonic() + _positive("timeout", timeout)
+        deadline = time.monotonic() + positive_seconds("timeout", timeout)
         where = f"rank 0 (sender at {host}:{port})"
         sock = dial(host, port, deadline, socket_buffer_bytes)
         try:
-            _client_handshake(sock, secret, rank, world_size, deadline, where)
+            client_handshake(sock, secret, rank, world_size, deadline, where)
         except BaseException:
             sock.close()
             raise
@@ -151,7 +142,7 @@ class TCPCommunicator:
 
     def warmup(self, *, timeout: float | None = None) -> None:
         """Every receiver says ready, then the root says go: all peers present before any broadcast."""
-        limit = self._warmup_timeout if timeout is None else _positive("timeout", timeout)
+        limit = self._warmup_timeout if timeout is None else positive_seconds("timeout", timeout)
         deadline = time.monotonic() + limit
         self._enter()
         try:
@@ -173,7 +164,7 @@ class TCPCommunicator:
             raise ValueError(f"the TCP communicator broadcasts only from rank 0, got root={root}")
         views = wire.byte_views(buffer, writable=self._rank != 0)
         nbytes = sum(len(v) for v in views)
-        limit = self._transfer_timeout if timeout is None else _positive("timeout", timeout)
+        limit = self._transfer_timeout if timeout is None else positive_seconds("timeout", timeout)
         deadline = time.monotonic() + limit
         self._enter()
         seq, self._seq = self._seq, (self._seq + 1) & 0xFFFFFFFF
@@ -388,31 +379,6 @@ class TCPCommunicator:
     def _close_fds(self) -> None:
         for link in self._links:
             link.sock.close()
-
-
-def _client_handshake(sock: socket.socket, secret: bytes, rank: int, world_size: int, deadline: float, where: str) -> None:
-    try:
-        magic, version, server_nonce = wire.HELLO.unpack(wire.recv_exact(sock, wire.HELLO.size, deadline))
-        if magic != wire.HELLO_MAGIC or version != wire.PROTOCOL_VERSION:
-            raise TransferError(f"{where} is not a weightwire TCP sender of protocol v{wire.PROTOCOL_VERSION}")
-        client_nonce = secrets.token_bytes(wire.NONCE_BYTES)
-        tag = wire.client_tag(secret, server_nonce, client_nonce, rank, world_size)
-        auth = wire.AUTH.pack(wire.AUTH_MAGIC, rank, world_size, client_nonce, tag)
-        wire.send_all(sock, [memoryview(auth)], deadline, [0])
-        magic, code, proof = wire.VERDICT.unpack(wire.recv_exact(sock, wire.VERDICT.size, deadline))
-        if magic != wire.VERDICT_MAGIC:
-            raise TransferError(f"{where} answered the handshake with garbage")
-        if code != wire.OK:
-            reason = wire.REFUSALS.get(code, f"code {code}")
-            raise TransferError(f"{where} refused rank {rank} (world_size {world_size}): {reason}")
-        expected = wire.server_tag(secret, client_nonce, server_nonce, rank, world_size)
-        if not hmac.compare_digest(proof, expected):  # constant time
-            raise TransferError(f"{where} did not prove the shared secret; refusing to receive weights from it")
-        wire.send_all(sock, [memoryview(wire.frame(wire.TAG_CONFIRM))], deadline, [0])
-    except wire.WireShort as short:
-        if short.timed_out:
-            raise TransferTimeout(f"TCP handshake with {where} did not finish in time (is the sender in accept()?)") from None
-        raise PeerLost(f"lost {where} during the handshake: {short.cause}") from None
 
 
 def root_communicator(links: list[tuple[int, socket.socket, str]], world_size: int, *,

@@ -1,4 +1,5 @@
-"""Rank 0's side of the TCP rendezvous: listen, authenticate every receiver, hand over.
+"""The TCP rendezvous, both ends: rank 0 listens, authenticates every receiver and hands
+over (``TCPRendezvous``); a receiver dials and proves the secret (``dial``, ``client_handshake``).
 
 Each incoming connection is authenticated on its own short-lived thread, so a slow or
 hostile client cannot hold up the legitimate receivers; ``accept`` returns once every
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import secrets
 import socket
 import threading
@@ -21,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from weightwire.backends.tcp import wire
-from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.limits import LIMITS
 
@@ -69,6 +71,40 @@ def dial(host: str, port: int, deadline: float, buffer_bytes: int | None) -> soc
         if time.monotonic() + 0.05 >= deadline:
             raise TransferTimeout(f"could not connect to the TCP sender at {host}:{port} in time ({last})")
         time.sleep(0.05)
+
+
+def positive_seconds(name: str, value: float) -> float:
+    """``value`` as float seconds; ``ValueError`` naming ``name`` unless finite and > 0."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def client_handshake(sock: socket.socket, secret: bytes, rank: int, world_size: int, deadline: float, where: str) -> None:
+    """A receiver's half of the handshake on a dialed socket: check the sender's hello,
+    prove the secret, verify the sender's proof, confirm; bounded by ``deadline``."""
+    try:
+        magic, version, server_nonce = wire.HELLO.unpack(wire.recv_exact(sock, wire.HELLO.size, deadline))
+        if magic != wire.HELLO_MAGIC or version != wire.PROTOCOL_VERSION:
+            raise TransferError(f"{where} is not a weightwire TCP sender of protocol v{wire.PROTOCOL_VERSION}")
+        client_nonce = secrets.token_bytes(wire.NONCE_BYTES)
+        tag = wire.client_tag(secret, server_nonce, client_nonce, rank, world_size)
+        auth = wire.AUTH.pack(wire.AUTH_MAGIC, rank, world_size, client_nonce, tag)
+        wire.send_all(sock, [memoryview(auth)], deadline, [0])
+        magic, code, proof = wire.VERDICT.unpack(wire.recv_exact(sock, wire.VERDICT.size, deadline))
+        if magic != wire.VERDICT_MAGIC:
+            raise TransferError(f"{where} answered the handshake with garbage")
+        if code != wire.OK:
+            reason = wire.REFUSALS.get(code, f"code {code}")
+            raise TransferError(f"{where} refused rank {rank} (world_size {world_size}): {reason}")
+        expected = wire.server_tag(secret, client_nonce, server_nonce, rank, world_size)
+        if not hmac.compare_digest(proof, expected):  # constant time
+            raise TransferError(f"{where} did not prove the shared secret; refusing to receive weights from it")
+        wire.send_all(sock, [memoryview(wire.frame(wire.TAG_CONFIRM))], deadline, [0])
+    except wire.WireShort as short:
+        if short.timed_out:
+            raise TransferTimeout(f"TCP handshake with {where} did not finish in time (is the sender in accept()?)") from None
+        raise PeerLost(f"lost {where} during the handshake: {short.cause}") from None
 
 
 class TCPRendezvous:
@@ -129,9 +165,9 @@ class TCPRendezvous:
         Raises ``TransferTimeout`` naming the missing ranks (and any refused
         connections) if they have not all joined within ``timeout``.
         """
-        from weightwire.backends.tcp.comm import _positive, root_communicator  # noqa: PLC0415  (tcp imports us)
+        from weightwire.backends.tcp.comm import root_communicator  # noqa: PLC0415  (comm imports us)
 
-        limit = _positive("timeout", timeout)
+        limit = positive_seconds("timeout", timeout)
         with self._cv:
             if self._state != "open":
                 raise TransferError(f"TCPRendezvous.accept() called on a rendezvous that is {self._state}")
