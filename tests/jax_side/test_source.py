@@ -136,6 +136,23 @@ def test_shape_change_after_metadata_is_caught_naming_the_tensor() -> None:
     assert [describe(a) for _, a in src] == [("float32", (2,)), ("bfloat16", (2,))]
 
 
+def test_checks_own_stream_only_for_what_metadata_last_declared() -> None:
+    # The engine skips its own checked_iter exactly when this says True: the source's
+    # passes are checked against that list already (one check per tensor, not two).
+    state = {"a": jnp.zeros((2,)), "b": jnp.zeros((2,))}
+    src = PytreeSource(lambda: state, Naming([Rule("{x}", "{x}")]))
+    assert not src.checks_own_stream(src._metas)  # nothing declared yet: nothing checks against it
+    metas = src.metadata()
+    assert src.checks_own_stream(metas)
+    assert not src.checks_own_stream(metas[:1])  # a subset (e.g. one broadcaster's turn) is not the same list
+    state["b"] = jnp.zeros((3,))
+    assert src.checks_own_stream(metas)  # still the declared list: the pass below raises, not the engine
+    with pytest.raises(SourceMismatch, match="declared 'b' float32 \\[2\\]"):
+        list(src.iter_groups())
+    redeclared = src.metadata()  # b is (3,) now
+    assert src.checks_own_stream(redeclared) and not src.checks_own_stream(metas)
+
+
 def test_host_numpy_leaves_and_device_choice() -> None:
     naming = Naming([Rule("w", "w", Transpose())])
     (_, out), = list(PytreeSource({"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}, naming, device=0))

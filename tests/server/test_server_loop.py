@@ -14,7 +14,6 @@ import httpx
 import pytest
 
 from weightwire.shared.info import UpdateInfo
-from weightwire.torch_side.server import app as app_module
 from weightwire.torch_side.server.app import ServerOptions, ServerState, create_app
 from weightwire.torch_side.server.session import Phase
 
@@ -91,7 +90,7 @@ def test_a_huge_update_body_does_not_stall_the_event_loop(monkeypatch: pytest.Mo
         held.append(health_done.wait(10))  # on the event loop this wait starves /health
         return real(cls, data)
 
-    monkeypatch.setattr(app_module.UpdateInfo, "from_dict", classmethod(slow_from_dict))
+    monkeypatch.setattr(UpdateInfo, "from_dict", classmethod(slow_from_dict))
     state = make_state()
     app = create_app(state)
 

@@ -211,3 +211,31 @@ def test_verify_checks_every_replica_of_every_server() -> None:
     assert info.value.mismatched == {"server 1 replica 1": ["b"]}
     with pytest.raises(VerifyError, match="without a checksums map"):
         compare_checksums(sent, [{"status": "reset"}])
+
+
+def test_a_pytree_source_round_describes_each_tensor_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The source checks its own pass against metadata(); the engine must not check it again
+    # (checked_iter twice per tensor was a hop on the byte path), and the bytes are unchanged.
+    import jax.numpy as jnp
+
+    import weightwire.jax_side.engine as jax_engine_mod
+    import weightwire.jax_side.source as jax_source_mod
+    from weightwire.jax_side import PytreeSource
+    from weightwire.jax_side.naming import Naming, Rule
+
+    calls: list[str] = []
+
+    def counting(tensor: object) -> tuple[str, tuple[int, ...]]:
+        calls.append("describe")
+        return describe(tensor)
+
+    monkeypatch.setattr(jax_source_mod, "describe", counting)
+    monkeypatch.setattr(jax_engine_mod, "_describe", counting)
+    params = {"a": jnp.arange(4.0), "b": jnp.ones((2, 3), jnp.bfloat16)}
+    source = PytreeSource(params, Naming([Rule("{x}", "{x}")]))
+    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
+                                           client=FakeServer().client(), source=source)
+    calls.clear()
+    engine.send_weights()
+    assert calls == ["describe"] * len(params)
+    assert FAKE.comm.broadcasts == [np.asarray(a).tobytes() for a in params.values()]

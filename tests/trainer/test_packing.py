@@ -4,8 +4,11 @@ error propagation and bounded read-ahead."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import jax.numpy as jnp
@@ -13,12 +16,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from weightwire.backends.nccl.buffers import DeviceBytes
 from weightwire.jax_side.packer import pack_bytes
 from weightwire.shared.communicator import PeerLost
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, RoundAborted, chunked
+from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, RoundAborted, SlotPacker, chunked
 
 
 def mixed() -> list[np.ndarray]:
@@ -57,6 +61,43 @@ class NumpyPacker(DevicePacker):
 
     def wire(self, tensor: Any, stream: Any) -> np.ndarray:
         return np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
+
+
+def test_slot_packer_packs_a_chunk_from_regions_and_sends_one_tensor_as_its_region(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The shared half of both framework packers: pack = the regions gathered back to back
+    # into the slot's buffer on the stream; wire = the one tensor's own region.
+    copies: list[tuple[int, int, int, int]] = []
+
+    class Buf:
+        def __init__(self, n: int) -> None:
+            self.nbytes, self.data = n, SimpleNamespace(ptr=0x1000)
+
+        def __getitem__(self, s: slice) -> Buf:
+            return Buf(s.stop)
+
+    runtime = SimpleNamespace(memcpyDeviceToDevice=3,
+                              memcpyAsync=lambda dst, src, n, kind, stream: copies.append((dst, src, n, stream)))
+    cupy = SimpleNamespace(uint8="uint8", empty=lambda n, dtype: Buf(n),
+                           cuda=SimpleNamespace(runtime=runtime, Device=lambda d: contextlib.nullcontext()),
+                           get_default_memory_pool=lambda: SimpleNamespace(free_all_blocks=lambda: None))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+
+    class Packer(SlotPacker):
+        def new_stream(self) -> Any:
+            return 0x55
+
+        def regions(self, tensors: Any, stream: Any) -> list[Any]:
+            return [DeviceBytes(ptr, n, 0, None) for ptr, n in tensors]
+
+    packer = Packer(0)
+    out = packer.pack([(0xA0, 10), (0xB0, 6)], 16, 0x55, slot=0)
+    assert out.nbytes == 16 and copies == [(0x1000, 0xA0, 10, 0x55), (0x100A, 0xB0, 6, 0x55)]
+    assert packer.wire((0xC0, 4), 0x55) == DeviceBytes(0xC0, 4, 0, None)
+    with pytest.raises(ValueError, match="chunk tensors hold 16 bytes, the plan says 20"):
+        packer.pack([(0xA0, 10), (0xB0, 6)], 20, 0x55, slot=1)
+    packer.settled(0)
+    packer.release()
+    assert packer._buffers.held_bytes() == 0
 
 
 class StreamComm:

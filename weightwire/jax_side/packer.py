@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from weightwire.trainer.pipelines import DevicePacker
+from weightwire.trainer.pipelines import SlotPacker
 
 _WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -82,56 +82,39 @@ def pack_bytes(tensors: Sequence[Any]) -> jax.Array:
     return words if words.dtype == jnp.uint8 else _words_to_bytes(words)
 
 
-class JaxDevicePacker(DevicePacker):
+class JaxDevicePacker(SlotPacker):
     """Packs JAX arrays on the GPU whose CUDA ordinal is ``device`` (default: current)."""
 
     def __init__(self, device: int | None) -> None:
         import cupy  # noqa: PLC0415  (GPU hosts only)
 
-        from weightwire.backends.nccl.buffers import SlotBuffers  # noqa: PLC0415
-
-        self._cupy = cupy
-        self._ordinal = cupy.cuda.runtime.getDevice() if device is None else device
+        ordinal = cupy.cuda.runtime.getDevice() if device is None else device
         gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-        match = [d for d in gpus if getattr(d, "local_hardware_id", d.id) == self._ordinal]
+        match = [d for d in gpus if getattr(d, "local_hardware_id", d.id) == ordinal]
         if not match:
             seen = [getattr(d, "local_hardware_id", d.id) for d in gpus]
-            raise RuntimeError(f"JAX has no GPU with CUDA ordinal {self._ordinal} (JAX GPUs: {seen}); NCCL packs on the sender's GPU")
+            raise RuntimeError(f"JAX has no GPU with CUDA ordinal {ordinal} (JAX GPUs: {seen}); NCCL packs on the sender's GPU")
         self._device = match[0]
-        self._buffers = SlotBuffers(cupy, self._ordinal)
+        super().__init__(ordinal)
 
     def new_stream(self) -> Any:
         with self._cupy.cuda.Device(self._ordinal):
             return self._cupy.cuda.Stream(non_blocking=True)
 
+    def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
+        """The arrays' own buffers (``unsafe_buffer_pointer``), zero-copy for every dtype
+        (CuPy has no bfloat16 / float8 to import them as); ``owner`` keeps each array
+        alive while NCCL or the slot copy reads it."""
+        from weightwire.backends.nccl.buffers import array_device_bytes  # noqa: PLC0415
+
+        arrays = [self._here(t) for t in tensors]
+        # The copies read the buffers outside XLA's stream order: wait until they hold
+        # their values (a no-op for arrays computed long ago, e.g. the trainer's params).
+        # One readiness wait for the whole chunk.
+        jax.block_until_ready(arrays)
+        return [array_device_bytes(x) for x in arrays]
+
     def _here(self, x: Any) -> jax.Array:
         if isinstance(x, jax.Array) and x.devices() == {self._device}:
             return x
         return jax.device_put(x, self._device)
-
-    def _regions(self, arrays: Sequence[jax.Array]) -> list[Any]:
-        from weightwire.backends.nccl.buffers import array_device_bytes  # noqa: PLC0415
-
-        # The copies read the buffers outside XLA's stream order: wait until they hold
-        # their values (a no-op for arrays computed long ago, e.g. the trainer's params).
-        jax.block_until_ready(list(arrays))
-        return [array_device_bytes(x) for x in arrays]
-
-    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any, slot: int) -> Any:
-        return self._buffers.gather(slot, self._regions([self._here(t) for t in tensors]), nbytes, stream)
-
-    def wire(self, tensor: Any, stream: Any) -> Any:
-        # The array's own buffer, zero-copy for every dtype (CuPy has no bfloat16 /
-        # float8 to import them as); ``owner`` keeps the array alive while NCCL reads it.
-        (region,) = self._regions([self._here(tensor)])
-        return region
-
-    def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
-        # One readiness wait for the whole chunk (the IPC path copies from these buffers).
-        return self._regions([self._here(t) for t in tensors])
-
-    def settled(self, slot: int) -> None:
-        self._buffers.settled(slot)
-
-    def release(self) -> None:
-        self._buffers.release()

@@ -97,6 +97,7 @@ class PytreeSource(WeightSource):
         self._batches: dict[tuple[int, ...], _Batch] = {}  # per plan: static half of each batch's call
         self._groups: list[list[Entry]] | None = None  # per plan: the full pass's layer groups
         self._declared: list[ParamMeta] | None = None
+        self._declared_whole = False  # metadata() found every leaf addressable (see checks_own_stream)
         self._current()
 
     def __repr__(self) -> str:
@@ -130,9 +131,15 @@ class PytreeSource(WeightSource):
         The answer is remembered: later passes are checked against it, so params that
         changed shape or dtype after a round's metadata went out fail before sending.
         """
-        self._current()
+        plan, leaves = self._current()
         self._declared = list(self._metas)
+        self._declared_whole = _held(plan, leaves) is None
         return list(self._metas)
+
+    def checks_own_stream(self, metas: Sequence[ParamMeta]) -> bool:
+        """``True`` for the metadata this source last declared while it held every tensor:
+        each pass is ``checked_iter``-ed against exactly that list."""
+        return self._declared_whole and self._declared == list(metas)
 
     def held_names(self) -> set[str] | None:
         """``None`` when every leaf is fully addressable from this process (always, single

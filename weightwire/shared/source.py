@@ -44,6 +44,12 @@ class WeightSource(ABC):
         """The same stream as iteration, batched one layer group at a time."""
         return batch_by_layer(self)
 
+    def checks_own_stream(self, metas: Sequence[ParamMeta]) -> bool:
+        """Whether every pass (iteration and ``iter_groups``) already raises ``SourceMismatch``
+        against exactly ``metas`` (each name, dtype and shape, extra and missing tensors).
+        The engine then skips its own ``checked_iter``: one check per tensor, not two."""
+        return False
+
 
 def as_source(obj: Any) -> WeightSource:
     """``obj`` as a ``WeightSource``: ours as is, or any object shaped like one.

@@ -319,7 +319,9 @@ class TrainerEngine(ABC):
                   digests: dict[str, str] | None, control: Callable[[], None], clock: PhaseClock) -> tuple[int, int]:
         """The round's checked stream through the pipeline (``trainer.transfer.Transfer``)."""
         assert self._pipeline is not None
-        pairs = checked_iter(tensor_stream(self.source), metas, self.describe)
+        pairs = tensor_stream(self.source)
+        if not self.source.checks_own_stream(metas):  # PytreeSource checks its own passes
+            pairs = checked_iter(pairs, metas, self.describe)
         if digests is not None:
             pairs = tap(pairs, digests, self.tensor_sha256)
         step = Transfer(self._comm, self._pipeline, post_update=lambda: self.client.update_weights(payload),

@@ -17,7 +17,8 @@ first byte goes out: the engine puts the control plane there (``start_weight_upd
 then the update POST), so the first chunk's packing overlaps those round trips
 instead of following them. If ``begin`` raises, nothing was broadcast.
 
-Framework code lives behind two hooks: ``host_bytes(tensor)`` and ``DevicePacker``.
+Framework code lives behind two hooks: ``host_bytes(tensor)`` and ``DevicePacker`` (whose
+shared implementation, ``SlotPacker``, leaves a framework only ``new_stream`` and ``regions``).
 """
 
 from __future__ import annotations
@@ -161,6 +162,41 @@ class DevicePacker(ABC):
     def release(self) -> None:
         """Free any buffers kept between rounds (the engine is shutting down)."""
         return None
+
+
+class SlotPacker(DevicePacker):
+    """The ``DevicePacker`` both framework packers are: a chunk is gathered into the slot's
+    reusable buffer (``backends.nccl.buffers.SlotBuffers``: one device-to-device copy per
+    tensor) from the tensors' own device bytes, and an unpacked tensor goes out as its
+    own bytes. A framework implements ``new_stream`` and ``regions`` only; ``regions``
+    must order each tensor's producer before ``stream``.
+    """
+
+    def __init__(self, ordinal: int) -> None:
+        import cupy  # noqa: PLC0415  (GPU hosts only)
+
+        from weightwire.backends.nccl.buffers import SlotBuffers  # noqa: PLC0415
+
+        self._cupy = cupy
+        self._ordinal = ordinal
+        self._buffers = SlotBuffers(cupy, ordinal)
+
+    @abstractmethod
+    def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
+        """Each tensor's own device bytes (``DeviceBytes``), zero-copy where possible."""
+
+    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any, slot: int) -> Any:
+        return self._buffers.gather(slot, self.regions(tensors, stream), nbytes, stream)
+
+    def wire(self, tensor: Any, stream: Any) -> Any:
+        (region,) = self.regions([tensor], stream)
+        return region
+
+    def settled(self, slot: int) -> None:
+        self._buffers.settled(slot)
+
+    def release(self) -> None:
+        self._buffers.release()
 
 
 class DevicePipeline:

@@ -5,7 +5,8 @@ SUM all-reduce a vLLM worker issues right after init, then broadcast device buff
 NCCL has no timeouts (init waits forever for a missing peer, a collective spins
 forever on a dead one), so every wait here is bounded:
 
-* ``join`` runs the blocking init in a daemon thread and gives up after ``timeout``.
+* ``join`` runs the blocking init in a daemon thread and gives up after ``timeout``
+  (``backends.nccl.join.init_rank``).
   CuPy 14's ``NcclConfig`` has no ``blocking`` field, so a stuck init cannot be
   interrupted: the thread stays parked in NCCL (a bootstrap socket, no GPU work) and
   a communicator that a late peer still completes is aborted at once.
@@ -24,9 +25,10 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 from weightwire.backends.nccl.buffers import DeviceBytes, event_done, resolve_buffer, stream_pointer
+from weightwire.backends.nccl.join import check_join_args, check_seconds, init_rank, unique_id_to_bytes
+from weightwire.backends.nccl.join import unique_id_to_signed_tuple as unique_id_to_signed_tuple  # re-export
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.errors import UnavailableError
-from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES
 from weightwire.shared.timeouts import Timeouts
 
 # ncclDataType_t / ncclRedOp_t values from nccl.h (stable ABI).
@@ -83,92 +85,10 @@ def nccl_version() -> str:
     return format_nccl_version(int(nccl.get_version()))
 
 
-def unique_id_to_bytes(raw: object) -> bytes:
-    """Normalize ``get_unique_id()`` output: bytes (CuPy >= 14) or a tuple of signed chars."""
-    if isinstance(raw, (bytes, bytearray)):
-        out = bytes(raw)
-    elif isinstance(raw, (tuple, list)) and all(type(x) is int and -128 <= x <= 255 for x in raw):
-        out = bytes(x & 0xFF for x in raw)
-    else:
-        raise TypeError(f"unexpected NCCL unique id type {type(raw).__name__}")
-    if len(out) != NCCL_UNIQUE_ID_BYTES:
-        raise ValueError(f"NCCL unique id must be {NCCL_UNIQUE_ID_BYTES} bytes, got {len(out)}")
-    return out
-
-
-def unique_id_to_signed_tuple(uid: bytes) -> tuple[int, ...]:
-    """The tuple form CuPy < 14 takes: ``char`` is signed, so bytes >= 128 become negative."""
-    return tuple(b - 256 if b >= 128 else b for b in uid)
-
-
 def mint_unique_id() -> bytes:
     """A fresh 128-byte ``ncclUniqueId`` (a secret: whoever holds it can join the group)."""
     _, nccl = _cupy()
     return unique_id_to_bytes(nccl.get_unique_id())
-
-
-def _check_join_args(unique_id: object, rank: object, world_size: object, timeout: object) -> bytes:
-    if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != NCCL_UNIQUE_ID_BYTES:
-        got = f"{len(unique_id)} bytes" if isinstance(unique_id, (bytes, bytearray)) else type(unique_id).__name__
-        raise ValueError(f"unique_id must be {NCCL_UNIQUE_ID_BYTES} bytes, got {got}")
-    if type(world_size) is not int or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if type(rank) is not int or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-    _check_seconds(timeout)
-    return bytes(unique_id)
-
-
-def _check_seconds(timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise ValueError(f"timeout must be a positive finite number of seconds, got {timeout!r}")
-    return float(timeout)
-
-
-class _InitBox:
-    """Hand-off between the init thread and ``join``: whichever side loses the race
-    (a late init after a timeout) cleans up, so no communicator is ever leaked live."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        self.comm: Any = None
-        self.error: BaseException | None = None
-        self.abandoned = False
-
-    def finish(self, comm: Any, error: BaseException | None) -> None:
-        with self.lock:
-            late = self.abandoned
-            if not late:
-                self.comm, self.error = comm, error
-        if late and comm is not None:
-            with suppress(Exception):  # nobody is left to tell
-                comm.abort()
-        self.done.set()
-
-    def abandon(self) -> bool:
-        """Mark abandoned unless a result already arrived (then False: use it)."""
-        with self.lock:
-            if self.comm is not None or self.error is not None:
-                return False
-            self.abandoned = True
-            return True
-
-
-def _init_in_thread(box: _InitBox, cp: Any, nccl: Any, uid: bytes, rank: int, world_size: int, device: int) -> None:
-    comm, error = None, None
-    try:
-        # The CUDA current device is per thread; NCCL binds the communicator to it.
-        cp.cuda.Device(device).use()
-        try:
-            comm = nccl.NcclCommunicator(world_size, uid, rank)
-        except TypeError:
-            # CuPy < 14 takes the id as a tuple of signed chars. The type check fails
-            # before NCCL is entered, so retrying cannot double-join.
-            comm = nccl.NcclCommunicator(world_size, unique_id_to_signed_tuple(uid), rank)
-    except BaseException as exc:
-        error = exc
-    box.finish(comm, error)
 
 
 class NCCLCommunicator:
@@ -193,7 +113,7 @@ class NCCLCommunicator:
         """Enter ``ncclCommInitRank`` as ``rank`` of ``world_size`` on CUDA ``device``
         (default: the current one). Every rank must enter concurrently; if they have not
         all arrived within ``timeout`` seconds this raises ``TransferTimeout``."""
-        uid = _check_join_args(unique_id, rank, world_size, timeout)
+        uid = check_join_args(unique_id, rank, world_size, timeout)
         cp, nccl = _cupy()
         count = int(cp.cuda.runtime.getDeviceCount())
         if device is None:
@@ -201,23 +121,8 @@ class NCCLCommunicator:
         if type(device) is not int or not 0 <= device < count:
             raise ValueError(f"device must be a CUDA device index in [0, {count}), got {device!r}")
         version = format_nccl_version(int(nccl.get_version()))
-        box = _InitBox()
-        threading.Thread(
-            target=_init_in_thread, args=(box, cp, nccl, uid, rank, world_size, device),
-            name=f"weightwire-nccl-init-rank{rank}", daemon=True,
-        ).start()
-        if not box.done.wait(timeout) and box.abandon():
-            raise TransferTimeout(
-                f"NCCL rendezvous timed out after {timeout:g} s: rank {rank} of world size {world_size} "
-                f"(CUDA device {device}) waited in ncclCommInitRank for peers that never joined; every "
-                f"rank must join with the same unique id at the same time"
-            )
-        box.done.wait()  # the result is in (or arriving): finish() sets done right after storing it
-        if box.error is not None:
-            raise TransferError(
-                f"NCCL init failed for rank {rank} of world size {world_size} on CUDA device {device}: {box.error}"
-            ) from box.error
-        return cls(box.comm, rank=rank, world_size=world_size, device=device, cp=cp, version=version)
+        raw = init_rank(cp, nccl, uid, rank=rank, world_size=world_size, device=device, timeout=timeout)
+        return cls(raw, rank=rank, world_size=world_size, device=device, cp=cp, version=version)
 
     @property
     def rank(self) -> int:
@@ -352,7 +257,7 @@ class NCCLCommunicator:
         (``TransferTimeout`` / ``PeerLost`` / ``TransferError``). This is the watchdog that
         turns an NCCL hang into an exception."""
         comm = self._live()
-        timeout = _check_seconds(timeout)
+        timeout = check_seconds(timeout)
         cp = self._cp
         cs = self._cupy_stream(stream)
         with self._on_device():

@@ -66,22 +66,26 @@ class WirePlan:
 
         Buffers one span at a time: the span covers the source indices a run of wire
         positions draws from, which is one layer group since the order never crosses one.
+        In source order the stream itself comes back (no per-tensor hop on the byte path).
         """
         if self.order is None:
-            yield from pairs
-            return
-        it = iter(pairs)
-        held: dict[int, tuple[str, Any]] = {}
-        pulled = 0
-        for src in self.order:
-            while src not in held:
-                item = next(it, None)
-                if item is None:
-                    return  # short stream: checked_iter upstream raises with the name
-                held[pulled] = item
-                pulled += 1
-            yield held.pop(src)
-        yield from it  # extra tensors reach checked_iter's end check
+            return iter(pairs)
+        return _reordered(iter(pairs), self.order)
+
+
+def _reordered(it: Iterator[tuple[str, Any]], order: tuple[int, ...]) -> Iterator[tuple[str, Any]]:
+    """``WirePlan.reorder`` with a permutation: ``order[i]`` is wire tensor ``i``'s source index."""
+    held: dict[int, tuple[str, Any]] = {}
+    pulled = 0
+    for src in order:
+        while src not in held:
+            item = next(it, None)
+            if item is None:
+                return  # short stream: checked_iter upstream raises with the name
+            held[pulled] = item
+            pulled += 1
+        yield held.pop(src)
+    yield from it  # extra tensors reach checked_iter's end check
 
 
 def _align(offset: int) -> int:

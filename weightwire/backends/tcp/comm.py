@@ -21,10 +21,8 @@ aborted (every socket shut down) and later calls raise.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import queue
-import secrets
 import select
 import selectors
 import socket
@@ -123,7 +121,7 @@ class TCPCommunicator:
         where = f"rank 0 (sender at {host}:{port})"
         sock = wire.dial(host, port, deadline, socket_buffer_bytes)
         try:
-            _client_handshake(sock, secret, rank, world_size, deadline, where)
+            wire.client_handshake(sock, secret, rank, world_size, deadline, where)
         except BaseException:
             sock.close()
             raise
@@ -380,31 +378,6 @@ class TCPCommunicator:
     def _close_fds(self) -> None:
         for link in self._links:
             link.sock.close()
-
-
-def _client_handshake(sock: socket.socket, secret: bytes, rank: int, world_size: int, deadline: float, where: str) -> None:
-    try:
-        magic, version, server_nonce = wire.HELLO.unpack(wire.recv_exact(sock, wire.HELLO.size, deadline))
-        if magic != wire.HELLO_MAGIC or version != wire.PROTOCOL_VERSION:
-            raise TransferError(f"{where} is not a weightwire TCP sender of protocol v{wire.PROTOCOL_VERSION}")
-        client_nonce = secrets.token_bytes(wire.NONCE_BYTES)
-        tag = wire.client_tag(secret, server_nonce, client_nonce, rank, world_size)
-        auth = wire.AUTH.pack(wire.AUTH_MAGIC, rank, world_size, client_nonce, tag)
-        wire.send_all(sock, [memoryview(auth)], deadline, [0])
-        magic, code, proof = wire.VERDICT.unpack(wire.recv_exact(sock, wire.VERDICT.size, deadline))
-        if magic != wire.VERDICT_MAGIC:
-            raise TransferError(f"{where} answered the handshake with garbage")
-        if code != wire.OK:
-            reason = wire.REFUSALS.get(code, f"code {code}")
-            raise TransferError(f"{where} refused rank {rank} (world_size {world_size}): {reason}")
-        expected = wire.server_tag(secret, client_nonce, server_nonce, rank, world_size)
-        if not hmac.compare_digest(proof, expected):  # constant time
-            raise TransferError(f"{where} did not prove the shared secret; refusing to receive weights from it")
-        wire.send_all(sock, [memoryview(wire.frame(wire.TAG_CONFIRM))], deadline, [0])
-    except wire.WireShort as short:
-        if short.timed_out:
-            raise TransferTimeout(f"TCP handshake with {where} did not finish in time (is the sender in accept()?)") from None
-        raise PeerLost(f"lost {where} during the handshake: {short.cause}") from None
 
 
 def root_communicator(links: list[tuple[int, socket.socket, str]], world_size: int, *,

@@ -1,4 +1,5 @@
-"""Rank 0's side of the TCP rendezvous: listen, authenticate every receiver, hand over.
+"""The TCP rendezvous, both ends: rank 0 listens, authenticates every receiver and hands
+over (``TCPRendezvous``); a receiver dials and proves the secret (``wire.dial``, ``wire.client_handshake``).
 
 Each incoming connection is authenticated on its own short-lived thread, so a slow or
 hostile client cannot hold up the legitimate receivers; ``accept`` returns once every

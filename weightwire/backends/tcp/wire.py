@@ -46,6 +46,7 @@ import functools
 import hashlib
 import hmac
 import math
+import secrets
 import socket
 import struct
 import time
@@ -53,7 +54,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.errors import WeightwireError
 from weightwire.shared.info import TCP_SECRET_BYTES
 
@@ -288,3 +289,30 @@ def dial(host: str, port: int, deadline: float, buffer_bytes: int | None) -> soc
         if time.monotonic() + 0.05 >= deadline:
             raise TransferTimeout(f"could not connect to the TCP sender at {host}:{port} in time ({last})")
         time.sleep(0.05)
+
+
+def client_handshake(sock: socket.socket, secret: bytes, rank: int, world_size: int, deadline: float, where: str) -> None:
+    """A receiver's half of the handshake on a dialed socket: check the sender's hello,
+    prove the secret, verify the sender's proof, confirm; bounded by ``deadline``."""
+    try:
+        magic, version, server_nonce = HELLO.unpack(recv_exact(sock, HELLO.size, deadline))
+        if magic != HELLO_MAGIC or version != PROTOCOL_VERSION:
+            raise TransferError(f"{where} is not a weightwire TCP sender of protocol v{PROTOCOL_VERSION}")
+        client_nonce = secrets.token_bytes(NONCE_BYTES)
+        tag = client_tag(secret, server_nonce, client_nonce, rank, world_size)
+        auth = AUTH.pack(AUTH_MAGIC, rank, world_size, client_nonce, tag)
+        send_all(sock, [memoryview(auth)], deadline, [0])
+        magic, code, proof = VERDICT.unpack(recv_exact(sock, VERDICT.size, deadline))
+        if magic != VERDICT_MAGIC:
+            raise TransferError(f"{where} answered the handshake with garbage")
+        if code != OK:
+            reason = REFUSALS.get(code, f"code {code}")
+            raise TransferError(f"{where} refused rank {rank} (world_size {world_size}): {reason}")
+        expected = server_tag(secret, client_nonce, server_nonce, rank, world_size)
+        if not hmac.compare_digest(proof, expected):  # constant time
+            raise TransferError(f"{where} did not prove the shared secret; refusing to receive weights from it")
+        send_all(sock, [memoryview(frame(TAG_CONFIRM))], deadline, [0])
+    except WireShort as short:
+        if short.timed_out:
+            raise TransferTimeout(f"TCP handshake with {where} did not finish in time (is the sender in accept()?)") from None
+        raise PeerLost(f"lost {where} during the handshake: {short.cause}") from None

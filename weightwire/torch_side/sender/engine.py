@@ -19,7 +19,7 @@ import torch
 
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.trainer.engine import TrainerEngine
-from weightwire.trainer.pipelines import DevicePacker
+from weightwire.trainer.pipelines import DevicePacker, SlotPacker
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,60 +42,36 @@ class TorchTrainerEngine(TrainerEngine):
         return TorchDevicePacker(device)
 
 
-class TorchDevicePacker(DevicePacker):
-    """Gathers torch tensors into the slot's reusable buffer, on torch-created streams
-    handed to NCCL as CuPy streams.
+class TorchDevicePacker(SlotPacker):
+    """Resolves torch tensors to their device bytes on torch-created streams handed to
+    NCCL as CuPy streams (packing into the slot's buffer is ``SlotPacker``'s).
 
     Each stream first waits on the caller's current stream, so packing reads the
     weights the trainer last wrote. Staging copies (another device, non-contiguous)
-    are made on the slot's stream and held by the pipeline until that stream is
-    synchronized, so the caching allocator cannot recycle them under the copy.
+    are made on the slot's stream and kept alive by their ``DeviceBytes`` (held by the
+    slot's buffers or the pipeline) until that stream is synchronized, so the caching
+    allocator cannot recycle them under the copy.
     """
 
     def __init__(self, device: int | None) -> None:
-        import cupy  # noqa: PLC0415  (GPU hosts only)
-
-        from weightwire.backends.nccl.buffers import SlotBuffers  # noqa: PLC0415
-
         if not torch.cuda.is_available():
             raise RuntimeError("the NCCL path needs CUDA tensors: torch sees no GPU")
-        self._cupy = cupy
         index = torch.cuda.current_device() if device is None else device
         self._device = torch.device("cuda", index)
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._buffers = SlotBuffers(cupy, index)
+        super().__init__(index)
 
     def new_stream(self) -> Any:
         stream = torch.cuda.Stream(device=self._device)
         self._streams[stream.cuda_stream] = stream
         return self._cupy.cuda.ExternalStream(stream.cuda_stream, self._device.index)
 
-    def _flats(self, tensors: Sequence[Any], stream: Any) -> list[torch.Tensor]:
-        torch_stream = self._streams[stream.ptr]
-        torch_stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(torch_stream):
-            return [tensor_bytes(t.to(self._device, non_blocking=True)) for t in tensors]
-
-    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any, slot: int) -> Any:
-        from weightwire.backends.nccl.buffers import tensor_device_bytes  # noqa: PLC0415
-
-        return self._buffers.gather(slot, [tensor_device_bytes(f) for f in self._flats(tensors, stream)], nbytes, stream)
-
-    def wire(self, tensor: Any, stream: Any) -> Any:
-        from weightwire.backends.nccl.buffers import tensor_device_bytes  # noqa: PLC0415
-
-        # A raw pointer, not DLPack: the slot's stream already waits on the trainer's
-        # stream (``_flats``), and a DLPack import costs ~0.2 ms per tensor.
-        (flat,) = self._flats([tensor], stream)
-        return tensor_device_bytes(flat)
-
     def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
         from weightwire.backends.nccl.buffers import DeviceBytes, tensor_device_bytes  # noqa: PLC0415
 
-        # Contiguous tensors already on this device are read in place (a raw pointer: the
-        # per-tensor work is on a small model's critical path); the rest go through
-        # ``_flats`` (staging copies on the stream). Either way the stream first waits
-        # on the trainer's current stream.
+        # Contiguous tensors already on this device are read in place: a raw pointer, not
+        # DLPack (~0.2 ms per tensor, on a small model's critical path); the stream already
+        # waits on the trainer's. The rest get a staging copy on the stream.
         torch_stream = self._streams[stream.ptr]
         torch_stream.wait_stream(torch.cuda.current_stream(self._device))
         out: list[Any] = []
@@ -103,11 +79,6 @@ class TorchDevicePacker(DevicePacker):
             if t.is_cuda and t.device == self._device and t.is_contiguous():
                 out.append(DeviceBytes(t.data_ptr(), t.numel() * t.element_size(), self._device.index, t))
             else:
-                out.append(tensor_device_bytes(self._flats([t], stream)[0]))
+                with torch.cuda.stream(torch_stream):
+                    out.append(tensor_device_bytes(tensor_bytes(t.to(self._device, non_blocking=True))))
         return out
-
-    def settled(self, slot: int) -> None:
-        self._buffers.settled(slot)
-
-    def release(self) -> None:
-        self._buffers.release()

@@ -1,0 +1,48 @@
+"""What every route group of the reference server reads: its options and its state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from weightwire import __version__, backends
+from weightwire.torch_side.server.lease import RoundLease
+from weightwire.torch_side.server.pause import PauseGate
+from weightwire.torch_side.server.replicas import ReplicaPool
+from weightwire.torch_side.server.session import Session
+from weightwire.torch_side.server.web import DEFAULT_MAX_BODY_BYTES
+
+SERVER_VERSION = f"0.33.0+weightwire.{__version__}"
+"""We implement vLLM 0.33's semantics (metadata reuse, shutdown route), so clients gate on 0.33."""
+
+
+@dataclass
+class ServerOptions:
+    backend: str = backends.TCP
+    model_name: str = "model"
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    op_timeout_s: float = 300.0
+    """start / finish / shutdown / checksum / reset: local work on each replica."""
+    round_timeout_s: float = 3600.0
+    """Backstop for one update_weights (the engines time out each chunk on their own)."""
+    generate_timeout_s: float = 600.0
+    lease_s: float | None = None
+    """Round lease (see ``lease``); default: the init info's ``timeout_s`` (the trainer's
+    per-broadcast bound), else ``Timeouts.from_env().transfer_s``."""
+    model_dir: str | None = None
+    """Shown as ``root`` by ``/v1/models``."""
+    model_aliases: tuple[str, ...] = ()
+    """Other ``model`` names a request may use for the served model (the ``--model`` value, its path)."""
+
+
+@dataclass
+class ServerState:
+    pool: ReplicaPool
+    options: ServerOptions
+    session: Session = field(default_factory=Session)
+    gate: PauseGate = field(default_factory=PauseGate)
+    lease: RoundLease = field(default_factory=RoundLease)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.pool)
