@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.slots import (
@@ -33,11 +33,13 @@ from weightwire.backends.ipc.slots import (
     wait_event_host,
     wait_mode,
 )
-from weightwire.backends.ipc.trainer import IPCSenderComm
 from weightwire.backends.nccl.buffers import stream_pointer
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.pipelines import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
+
+if TYPE_CHECKING:  # the trainer module makes this pipeline (IPCBackend.device_pipeline)
+    from weightwire.backends.ipc.trainer import IPCSenderComm
 
 
 class IPCPipeline(DevicePipeline):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightwire.backends import TCP
-from weightwire.backends.tcp.comm import TCPRendezvous
+from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.communicator import Communicator
 from weightwire.shared.info import TCPInitInfo
 from weightwire.trainer.backends import Backend, Rendezvous

@@ -1,7 +1,6 @@
 """The receiving side: worker engines, receive links, ``HFModelHost`` and the vLLM plugin.
 
-Where a byte lands: ``connect`` (rendezvous, through the backend registry: each
-backend's link is ``weightwire.backends.<name>.worker``) -> ``receive`` (unpack) ->
+Where a byte lands: ``connect`` (rendezvous) -> ``receive`` (links, unpack) ->
 ``core`` (session rules, failure handling, ``load_weights``) -> the model
 (``hf_host.HFModelHost`` in the reference server, vLLM's model inside vLLM).
 
@@ -23,8 +22,8 @@ _EXPORTS: dict[str, str] = {
     "WeightReceiveError": "weightwire.torch_side.worker.core",
     "ReceiveStats": "weightwire.torch_side.worker.core",
     "HFModelHost": "weightwire.torch_side.worker.hf_host",
-    "publish_unique_id": "weightwire.backends.nccl.worker",
-    "fetch_unique_id": "weightwire.backends.nccl.worker",
+    "publish_unique_id": "weightwire.torch_side.worker.connect",
+    "fetch_unique_id": "weightwire.torch_side.worker.connect",
     "register": "weightwire.torch_side.worker.plugin",
 }
 
@@ -42,7 +41,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from weightwire.backends.nccl.worker import fetch_unique_id, publish_unique_id
+    from weightwire.torch_side.worker.connect import fetch_unique_id, publish_unique_id
     from weightwire.torch_side.worker.core import ReceiveStats, WeightReceiveError
     from weightwire.torch_side.worker.engines import EngineFacade, WeightwireNCCLEngine, WeightwireTCPEngine
     from weightwire.torch_side.worker.hf_host import HFModelHost
