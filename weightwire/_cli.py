@@ -16,6 +16,7 @@ from typing import TextIO
 
 from weightwire import backends
 from weightwire._extras import missing_extra
+from weightwire.shared.errors import WeightwireError
 
 EXIT_OK = 0
 """Success; also ``serve`` stopped by Ctrl-C / SIGTERM after it was serving."""
@@ -59,7 +60,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-class CommandError(Exception):
+class CommandError(WeightwireError):
     """An expected failure a command reports as one line (no type name, no traceback hint)."""
 
     def __init__(self, message: str, code: int = EXIT_ERROR) -> None:

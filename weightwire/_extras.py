@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 
+from weightwire.shared.errors import UnavailableError
+
 EXTRA_OF: dict[str, str] = {
     "jax": "jax", "jaxlib": "jax", "flax": "jax", "optax": "jax", "safetensors": "jax", "tokenizers": "jax",
     "torch": "torch", "fastapi": "torch", "starlette": "torch", "uvicorn": "torch", "transformers": "torch",
@@ -20,7 +22,7 @@ EXTRA_OF: dict[str, str] = {
 """Top-level module -> the extra that installs it (``cupy``: ``[cuda12]`` or ``[cuda13]``)."""
 
 
-class MissingExtra(ModuleNotFoundError):
+class MissingExtra(UnavailableError, ModuleNotFoundError):
     """An optional dependency is not installed; the message names the extra that installs it.
 
     A ``ModuleNotFoundError`` so existing ``except ImportError`` handlers keep working.

@@ -13,7 +13,8 @@ import pytest
 
 from weightwire.backends.ipc.channel import Channel, Listener, check_int, dial
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
-from weightwire.shared.info import INIT_INFO_TYPES, encode_secret
+from weightwire.shared.info import encode_secret
+from weightwire.shared.init_infos import INIT_INFO_TYPES
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES, IPCInitInfo
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo

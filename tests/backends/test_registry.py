@@ -17,11 +17,7 @@ import pytest
 
 from weightwire import backends
 from weightwire.shared.info import TCPInitInfo, encode_secret
-
-try:  # the name -> init info table moves to its own shared module in the same redesign (issue #18)
-    from weightwire.shared.init_infos import INIT_INFO_TYPES
-except ImportError:
-    from weightwire.shared.info import INIT_INFO_TYPES
+from weightwire.shared.init_infos import INIT_INFO_TYPES
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

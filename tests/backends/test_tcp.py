@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from test_tcp_peer import Peers, digest
 
-from weightwire.backends.tcp.comm import TCPCommunicator, TCPRendezvous
+from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.communicator import Communicator, TransferError
 from weightwire.shared.dtypes import SUPPORTED_DTYPES, wire_dtype
 from weightwire.shared.framing import pack_host, plan

@@ -17,7 +17,8 @@ import pytest
 from test_tcp_peer import Peers
 
 from weightwire.backends.tcp import wire
-from weightwire.backends.tcp.comm import TCPCommunicator, TCPRendezvous
+from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 
 

@@ -16,7 +16,8 @@ import pytest
 
 from weightwire.backends.tcp import rendezvous as tcp_rendezvous
 from weightwire.backends.tcp import wire
-from weightwire.backends.tcp.comm import TCPCommunicator, TCPRendezvous
+from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.communicator import PeerLost
 
 

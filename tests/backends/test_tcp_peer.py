@@ -130,7 +130,7 @@ def _recv(cfg: dict[str, Any]) -> None:
 
 
 def _send(cfg: dict[str, Any]) -> None:
-    from weightwire.backends.tcp.comm import TCPRendezvous  # noqa: PLC0415
+    from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
 
     rendezvous = TCPRendezvous(world_size=cfg["world_size"])
     _emit({"event": "listening", **rendezvous.init_fields()})

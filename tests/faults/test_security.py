@@ -109,7 +109,7 @@ def test_every_session_has_a_fresh_128_byte_secret(shared_server: Server, source
 
 # ----------------------------------------------------------------------------- loopback
 def test_server_and_rendezvous_bind_loopback_by_default(shared_server: Server) -> None:
-    from weightwire.backends.tcp.comm import TCPRendezvous
+    from weightwire.backends.tcp.rendezvous import TCPRendezvous
     from weightwire.torch_side.server import build_parser
     from weightwire.trainer import TrainerInitInfo
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from tests.fuzz.inproc import FuzzServer, rss_kib
 from tests.fuzz.strategies import update_infos
-from weightwire.backends.tcp.comm import TCPRendezvous
+from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.routes import ROUTES
 

@@ -52,7 +52,7 @@ def main() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: PLC0415
     from vllm.plugins import load_general_plugins  # noqa: PLC0415
 
-    from weightwire.backends.tcp.comm import TCPRendezvous  # noqa: PLC0415
+    from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
     from weightwire.shared.framing import pack_host, plan  # noqa: PLC0415
     from weightwire.shared.info import UpdateInfo  # noqa: PLC0415
     from weightwire.shared.meta import ParamMeta  # noqa: PLC0415
@@ -150,7 +150,7 @@ def check_llm(root: str) -> dict:
     from vllm import LLM, SamplingParams  # noqa: PLC0415
     from vllm.config.weight_transfer import WeightTransferConfig  # noqa: PLC0415
 
-    from weightwire.backends.tcp.comm import TCPRendezvous  # noqa: PLC0415
+    from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
     from weightwire.shared.framing import pack_host, plan  # noqa: PLC0415
     from weightwire.shared.info import UpdateInfo  # noqa: PLC0415
     from weightwire.torch_side.sender.source import ModuleSource  # noqa: PLC0415

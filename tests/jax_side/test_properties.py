@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from weightwire.jax_side import PytreeSource
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.naming import Naming, Rule, Stacked, Transpose
-from weightwire.shared import layerwise_groups
+from weightwire.shared.groups import layerwise_groups
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_]
 KEYS = ["a", "b", "layers_0", "layers_1", "0", "1", "kernel", "stack", "w"]

@@ -18,7 +18,8 @@ from weightwire.jax_side import PytreeSource, preset
 from weightwire.jax_side.dtypes import describe, jax_dtype, wire_name
 from weightwire.jax_side.models import llama
 from weightwire.jax_side.naming import Naming, Rule, Transpose
-from weightwire.shared import SUPPORTED_DTYPES, SourceMismatch, layerwise_groups
+from weightwire.shared import SUPPORTED_DTYPES, SourceMismatch
+from weightwire.shared.groups import layerwise_groups
 
 CFG = llama.config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from weightwire.backends.tcp.comm import TCPRendezvous
+from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.meta import ParamMeta
 

@@ -16,13 +16,12 @@ from weightwire.shared import (
     SourceMismatch,
     Timeouts,
     WeightSource,
-    checked_iter,
-    layer_key,
-    layerwise_groups,
     parse_version,
     wire_dtype,
-    wire_name_of_numpy,
 )
+from weightwire.shared.dtypes import wire_name_of_numpy
+from weightwire.shared.groups import layer_key, layerwise_groups
+from weightwire.shared.source import checked_iter
 
 
 def m(name: str, dtype: str = "float32", shape: tuple[int, ...] = (2,)) -> ParamMeta:

@@ -9,17 +9,9 @@ import json
 
 import pytest
 
-from weightwire.shared import (
-    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-    INIT_INFO_TYPES,
-    NCCLInitInfo,
-    ParamMeta,
-    TCPInitInfo,
-    UpdateInfo,
-    WeightwireNCCLInitInfo,
-    encode_secret,
-)
-from weightwire.shared.ipc_info import IPCInitInfo
+from weightwire.shared import IPCInitInfo, NCCLInitInfo, ParamMeta, TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, encode_secret
+from weightwire.shared.init_infos import INIT_INFO_TYPES
 
 # Bytes 0xfb 0xff encode to "+/" in standard base64 and to "-_" in the URL-safe
 # alphabet, so this id tells the two apart.

@@ -20,8 +20,8 @@ from weightwire.shared import (
     TCPInitInfo,
     UpdateInfo,
     WeightwireNCCLInitInfo,
-    encode_secret,
 )
+from weightwire.shared.info import encode_secret
 
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

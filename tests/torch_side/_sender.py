@@ -34,7 +34,7 @@ def emit(obj: dict) -> None:
 
 def connect(cfg: dict):
     if cfg.get("backend", "weightwire_tcp") == "weightwire_tcp":
-        from weightwire.backends.tcp.comm import TCPRendezvous  # noqa: PLC0415
+        from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
 
         rdv = TCPRendezvous(world_size=cfg["world_size"], secret=base64.b64decode(cfg["secret_b64"]))
         emit({"port": rdv.port})

@@ -9,7 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from weightwire.backends.tcp.comm import TCPCommunicator, TCPRendezvous
+from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.communicator import TransferError
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, encode_secret

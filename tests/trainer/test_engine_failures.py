@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-import weightwire.trainer.engine as engine_mod
+import weightwire.trainer.transfer as transfer_mod
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
 from weightwire.control.errors import WeightSyncError
 from weightwire.jax_side.dtypes import describe
@@ -53,7 +53,7 @@ def test_rejected_update_surfaces_while_the_broadcast_would_block() -> None:
     TransferTimeout("NCCL work did not finish within 5 s on rank 0 of world size 2"),
 ])
 def test_transport_failure_is_raised_when_the_server_stays_silent(monkeypatch: pytest.MonkeyPatch, error: TransferError) -> None:
-    monkeypatch.setattr(engine_mod, "_GRACE_S", 0.3)
+    monkeypatch.setattr(transfer_mod, "_GRACE_S", 0.3)
 
     class LosingComm(FakeComm):
         def broadcast(self, buffer: Any, **kw: Any) -> None:
@@ -171,7 +171,7 @@ def test_rejected_init_returns_at_once_and_cancels_the_rendezvous(stuck: StuckJo
 
 
 def test_rendezvous_that_nobody_joins_times_out(stuck: StuckJoin, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_mod, "_GRACE_S", 0.3)
+    monkeypatch.setattr(transfer_mod, "_GRACE_S", 0.3)
     server = FakeServer()
     release = threading.Event()
     server.hooks["init_weight_transfer_engine"] = lambda body: release.wait(10)  # workers still joining

@@ -76,7 +76,8 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
     ``socket_buffer_bytes``: the communicator's minimum socket buffers (-1: its default,
     ``None``: leave the kernel's); the raw loop always keeps the kernel's defaults.
     """
-    from weightwire.backends.tcp.comm import SOCKET_BUFFER_BYTES, TCPRendezvous  # noqa: PLC0415
+    from weightwire.backends.tcp.comm import SOCKET_BUFFER_BYTES  # noqa: PLC0415
+    from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
 
     if socket_buffer_bytes == -1:
         socket_buffer_bytes = SOCKET_BUFFER_BYTES

@@ -8,30 +8,12 @@ error or an opaque ``HTTPStatusError``.
 from __future__ import annotations
 
 import json
-from typing import Any
+
+from weightwire.shared.errors import WeightSyncError
+
+__all__ = ["WeightSyncError", "server_message"]  # WeightSyncError: defined in shared.errors, re-exported
 
 _MAX_MESSAGE = 2000
-
-
-class WeightSyncError(RuntimeError):
-    """A weight-sync call failed on one server.
-
-    ``route`` is the route name (``update_weights``), ``status`` the HTTP status (or
-    ``None`` when no response arrived: connection refused, timeout), ``message`` the
-    server's own error text, ``server`` the base URL (or actor) that failed.
-    """
-
-    def __init__(self, route: str, status: int | None, message: str, server: str) -> None:
-        self.route = route
-        self.status = status
-        self.message = message
-        self.server = server
-        where = f"status {status}" if status is not None else "no response"
-        super().__init__(f"{route} failed on {server} ({where}): {message}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Keeps the exception copyable by concurrent.futures / logging machinery.
-        return (type(self), (self.route, self.status, self.message, self.server))
 
 
 def server_message(body: bytes, *, fallback: str = "") -> str:

@@ -14,10 +14,11 @@ from typing import Any
 import httpx
 import numpy as np
 
+from weightwire.shared.errors import WeightwireError
 from weightwire.shared.routes import COMPLETIONS
 
 
-class RolloutError(RuntimeError):
+class RolloutError(WeightwireError, RuntimeError):
     """The server's completion reply is unusable (HTTP error or an unexpected shape)."""
 
 

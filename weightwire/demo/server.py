@@ -20,12 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from weightwire import backends
+from weightwire.shared.errors import WeightwireError
 
 READY_RE = re.compile(r"weightwire server ready on (http://\S+)")
 """The one line ``python -m weightwire.torch_side.server`` prints once it serves."""
 
 
-class ChildError(RuntimeError):
+class ChildError(WeightwireError, RuntimeError):
     """A child process failed or did not get ready in time."""
 
 

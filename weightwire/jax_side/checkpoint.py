@@ -32,9 +32,10 @@ import numpy as np
 from weightwire._extras import require
 from weightwire.jax_side.naming import Naming, Plan
 from weightwire.jax_side.transforms import run_entry
+from weightwire.shared.errors import ConfigError
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConfigError):
     """The checkpoint directory does not fit the model / naming it is loaded into."""
 
 

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from weightwire.jax_side.dtypes import jax_dtype
+from weightwire.shared.errors import ConfigError
 
 
-class NamingError(ValueError):
+class NamingError(ConfigError):
     """A mapping that cannot be right; the message names the leaf paths involved."""
 
 

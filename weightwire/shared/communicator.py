@@ -9,17 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 
-class TransferError(RuntimeError):
-    """The data plane failed: a peer was lost, refused, or a wait timed out."""
-
-
-class TransferTimeout(TransferError, TimeoutError):
-    """A wait exceeded its timeout; the communicator has been aborted."""
-
-
-class PeerLost(TransferError, ConnectionError):
-    """A peer disconnected; the message names the peer and the byte offset."""
+__all__ = ["Communicator", "PeerLost", "TransferError", "TransferTimeout"]  # the errors: re-exported
 
 
 @runtime_checkable

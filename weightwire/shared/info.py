@@ -2,7 +2,7 @@
 ``/update_weights``, parsed strictly on both sides.
 
 Every parser rejects unknown keys, wrong types and out-of-limit values with a
-``ValueError`` naming the field, so a malformed payload fails the request instead of
+``ConfigError`` (a ``ValueError``) naming the field, so a malformed payload fails the request instead of
 sizing a buffer, joining a wrong group or hanging a collective.
 """
 
@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
 from weightwire.shared.dtypes import wire_dtype
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import LIMITS, bounded_repr
 from weightwire.shared.meta import ParamMeta, load_json, validate_shape
 
@@ -35,7 +36,7 @@ def _check_type(name: str, value: object, kind: type | tuple[type, ...], *, opti
         ok = True
     if not ok:
         want = " or ".join(k.__name__ for k in kinds)
-        raise ValueError(f"{name} must be {want}, got {type(value).__name__} {bounded_repr(value)}")
+        raise ConfigError(f"{name} must be {want}, got {type(value).__name__} {bounded_repr(value)}")
 
 
 class _StrictInfo:
@@ -48,18 +49,18 @@ class _StrictInfo:
     def from_dict(cls, data: object) -> Self:
         ctx = cls.__name__
         if not isinstance(data, dict):
-            raise ValueError(f"{ctx} must be a JSON object, got {type(data).__name__}")
+            raise ConfigError(f"{ctx} must be a JSON object, got {type(data).__name__}")
         known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
         unknown = [k for k in data if k not in known]
         if unknown:
             # Bounded: a hostile body may carry a million junk keys.
             shown = ", ".join(bounded_repr(k) for k in sorted(unknown, key=str)[:5])
             more = f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""
-            raise ValueError(f"{ctx}: unknown keys [{shown}]{more}; allowed: {sorted(known)}")
+            raise ConfigError(f"{ctx}: unknown keys [{shown}]{more}; allowed: {sorted(known)}")
         for name, f in known.items():
             required = f.default is MISSING and f.default_factory is MISSING
             if required and name not in data:
-                raise ValueError(f"{ctx}: missing required field {name!r}")
+                raise ConfigError(f"{ctx}: missing required field {name!r}")
             if name in data:
                 optional = f.default is None
                 _check_type(f"{ctx}.{name}", data[name], cls._types[name], optional=optional)
@@ -87,31 +88,31 @@ class _StrictInfo:
 
 def _check_wire_params(ctx: str, buffer_size: int, num_buffers: int, world_size: int, rank_offset: int) -> None:
     if not 1 <= buffer_size <= LIMITS.max_buffer_size_bytes:
-        raise ValueError(f"{ctx}.packed_buffer_size_bytes must be in [1, {LIMITS.max_buffer_size_bytes}], got {buffer_size}")
+        raise ConfigError(f"{ctx}.packed_buffer_size_bytes must be in [1, {LIMITS.max_buffer_size_bytes}], got {buffer_size}")
     if not 1 <= num_buffers <= LIMITS.max_num_buffers:
-        raise ValueError(f"{ctx}.packed_num_buffers must be in [1, {LIMITS.max_num_buffers}], got {num_buffers}")
+        raise ConfigError(f"{ctx}.packed_num_buffers must be in [1, {LIMITS.max_num_buffers}], got {num_buffers}")
     if not 2 <= world_size <= LIMITS.max_world_size:
-        raise ValueError(f"{ctx}.world_size must be in [2, {LIMITS.max_world_size}], got {world_size}")
+        raise ConfigError(f"{ctx}.world_size must be in [2, {LIMITS.max_world_size}], got {world_size}")
     if not 1 <= rank_offset < world_size:
-        raise ValueError(f"{ctx}.rank_offset must be in [1, world_size), got {rank_offset} with world_size {world_size}")
+        raise ConfigError(f"{ctx}.rank_offset must be in [1, world_size), got {rank_offset} with world_size {world_size}")
 
 
 def decode_secret(ctx: str, value: str, nbytes: int) -> bytes:
     """Strict standard (RFC 4648, not URL-safe) base64 of exactly ``nbytes`` bytes."""
     if not isinstance(value, str):
-        raise ValueError(f"{ctx} must be a base64 string, got {type(value).__name__}")
+        raise ConfigError(f"{ctx} must be a base64 string, got {type(value).__name__}")
     encoded_len = 4 * ((nbytes + 2) // 3)
     if len(value) != encoded_len:
         # Checked before decoding so a megabyte "id" is refused without work.
-        raise ValueError(
+        raise ConfigError(
             f"{ctx} must be {encoded_len} base64 characters ({nbytes} bytes), got {len(value)} characters"
         )
     try:
         raw = base64.b64decode(value.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError, ValueError):
-        raise ValueError(f"{ctx} is not strict standard base64 (URL-safe '-'/'_' is refused)") from None
+        raise ConfigError(f"{ctx} is not strict standard base64 (URL-safe '-'/'_' is refused)") from None
     if len(raw) != nbytes:
-        raise ValueError(f"{ctx} must decode to exactly {nbytes} bytes, got {len(raw)}")
+        raise ConfigError(f"{ctx} must decode to exactly {nbytes} bytes, got {len(raw)}")
     return raw
 
 
@@ -150,15 +151,15 @@ class NCCLInitInfo(_StrictInfo):
         ctx = type(self).__name__
         store = self.master_address is not None or self.master_port is not None
         if store and self.nccl_unique_id_b64 is not None:
-            raise ValueError(f"{ctx}: give either master_address/master_port or nccl_unique_id_b64, not both")
+            raise ConfigError(f"{ctx}: give either master_address/master_port or nccl_unique_id_b64, not both")
         if not store and self.nccl_unique_id_b64 is None:
-            raise ValueError(f"{ctx}: no rendezvous: give master_address/master_port or nccl_unique_id_b64")
+            raise ConfigError(f"{ctx}: no rendezvous: give master_address/master_port or nccl_unique_id_b64")
         if store and (self.master_address is None or self.master_port is None):
-            raise ValueError(f"{ctx}: master_address and master_port must be given together")
+            raise ConfigError(f"{ctx}: master_address and master_port must be given together")
         if self.master_address is not None:
             _check_host(f"{ctx}.master_address", self.master_address)
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
-            raise ValueError(f"{ctx}.master_port must be in [1, 65535], got {self.master_port}")
+            raise ConfigError(f"{ctx}.master_port must be in [1, 65535], got {self.master_port}")
         _ = self.unique_id_bytes
         _check_wire_params(ctx, self.packed_buffer_size_bytes, self.packed_num_buffers, self.world_size, self.rank_offset)
 
@@ -223,7 +224,7 @@ class TCPInitInfo(_StrictInfo):
         _check_listener(ctx, self)
         got = 0 if self.sources is None else len(self.sources)
         if got + 1 > self.rank_offset:
-            raise ValueError(f"{ctx}.sources lists {got} broadcasting rank(s) besides rank 0, but rank_offset "
+            raise ConfigError(f"{ctx}.sources lists {got} broadcasting rank(s) besides rank 0, but rank_offset "
                              f"{self.rank_offset} leaves only {self.rank_offset - 1} trainer rank(s) below the workers")
         _ = self.endpoints
 
@@ -239,13 +240,13 @@ class TCPInitInfo(_StrictInfo):
         for i, item in enumerate(self.sources or (), start=1):
             where = f"{ctx}.sources[{i - 1}]"
             if not isinstance(item, dict) or set(item) != {"host", "port", "secret_b64"}:
-                raise ValueError(f"{where} must be an object with exactly host, port, secret_b64")
+                raise ConfigError(f"{where} must be an object with exactly host, port, secret_b64")
             host, port = item["host"], item["port"]
             _check_type(f"{where}.host", host, str, optional=False)
             _check_type(f"{where}.port", port, int, optional=False)
             _check_host(f"{where}.host", host)
             if not 1 <= port <= 65535:
-                raise ValueError(f"{where}.port must be in [1, 65535], got {port}")
+                raise ConfigError(f"{where}.port must be in [1, 65535], got {port}")
             out.append((host, port, decode_secret(f"{where}.secret_b64", item["secret_b64"], TCP_SECRET_BYTES)))
         return out
 
@@ -255,7 +256,7 @@ def _check_listener(ctx: str, info: Any) -> None:
     secret, wire params and timeout."""
     _check_host(f"{ctx}.host", info.host)
     if not 1 <= info.port <= 65535:
-        raise ValueError(f"{ctx}.port must be in [1, 65535], got {info.port}")
+        raise ConfigError(f"{ctx}.port must be in [1, 65535], got {info.port}")
     _ = info.secret
     _check_wire_params(ctx, info.packed_buffer_size_bytes, info.packed_num_buffers, info.world_size, info.rank_offset)
     _check_timeout(ctx, info.timeout_s)
@@ -266,19 +267,14 @@ def _check_timeout(ctx: str, value: float) -> None:
     # chained comparison is exact for ints and false for nan.
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 86_400
     if not ok:
-        raise ValueError(f"{ctx}.timeout_s must be in (0, 86400] seconds, got {bounded_repr(value)}")
+        raise ConfigError(f"{ctx}.timeout_s must be in (0, 86400] seconds, got {bounded_repr(value)}")
 
 
 def _check_host(ctx: str, host: str) -> None:
     # A host name is at most 253 characters; whitespace or control characters mean a
     # mangled config, better refused here than as an opaque resolver error later.
     if not host or len(host) > 255 or any(c.isspace() or not c.isprintable() for c in host):
-        raise ValueError(f"{ctx} must be a host name or address, got {bounded_repr(host)}")
-
-
-INIT_INFO_TYPES: dict[str, type[NCCLInitInfo] | type[TCPInitInfo]] = {
-    cls.backend: cls for cls in (NCCLInitInfo, WeightwireNCCLInitInfo, TCPInitInfo)
-}
+        raise ConfigError(f"{ctx} must be a host name or address, got {bounded_repr(host)}")
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
@@ -308,32 +304,32 @@ class UpdateInfo(_StrictInfo):
 
     def __post_init__(self) -> None:
         if not 0 <= self.src < LIMITS.max_world_size:
-            raise ValueError(f"src must be a group rank in [0, {LIMITS.max_world_size}), got {self.src}")
+            raise ConfigError(f"src must be a group rank in [0, {LIMITS.max_world_size}), got {self.src}")
         n = len(self.names)
         if n > LIMITS.max_tensors:
-            raise ValueError(f"names lists {n} tensors, over the limit {LIMITS.max_tensors}")
+            raise ConfigError(f"names lists {n} tensors, over the limit {LIMITS.max_tensors}")
         for key in ("dtype_names", "shapes"):
             if len(getattr(self, key)) != n:
-                raise ValueError(f"{key} has {len(getattr(self, key))} entries but names has {n}")
+                raise ConfigError(f"{key} has {len(getattr(self, key))} entries but names has {n}")
         total = 0
         for i, (name, dtype, shape) in enumerate(zip(self.names, self.dtype_names, self.shapes, strict=True)):
             if not isinstance(name, str) or not name or len(name) > LIMITS.max_name_length:
-                raise ValueError(f"names[{i}] must be a non-empty string of <= {LIMITS.max_name_length} chars")
+                raise ConfigError(f"names[{i}] must be a non-empty string of <= {LIMITS.max_name_length} chars")
             try:
                 row = wire_dtype(dtype)
             except ValueError as exc:
-                raise ValueError(f"dtype_names[{i}]: {exc}") from None
+                raise ConfigError(f"dtype_names[{i}]: {exc}") from None
             dims = validate_shape(shape, field=f"shapes[{i}]")
             nbytes = math.prod(dims) * row.itemsize
             if nbytes > LIMITS.max_tensor_bytes:
-                raise ValueError(f"shapes[{i}] {list(dims)} is {nbytes} bytes, over the per-tensor limit {LIMITS.max_tensor_bytes}")
+                raise ConfigError(f"shapes[{i}] {list(dims)} is {nbytes} bytes, over the per-tensor limit {LIMITS.max_tensor_bytes}")
             total += nbytes
         if total > LIMITS.max_round_bytes:
-            raise ValueError(f"shapes total {total} bytes, over the per-round limit {LIMITS.max_round_bytes}")
+            raise ConfigError(f"shapes total {total} bytes, over the per-round limit {LIMITS.max_round_bytes}")
         if len(set(self.names)) != n:
             seen: set[str] = set()
             dup = next(x for x in self.names if x in seen or seen.add(x))  # type: ignore[func-returns-value]
-            raise ValueError(f"names lists {dup!r} more than once")
+            raise ConfigError(f"names lists {dup!r} more than once")
 
     @property
     def reuses_previous(self) -> bool:
@@ -350,8 +346,3 @@ class UpdateInfo(_StrictInfo):
         src = f", src={self.src}" if self.src else ""
         return f"UpdateInfo({len(self.names)} tensors{src})"
 
-
-# weightwire_ipc's init info lives in its own module (it imports the helpers above).
-from weightwire.shared.ipc_info import IPCInitInfo  # noqa: E402
-
-INIT_INFO_TYPES[IPCInitInfo.backend] = IPCInitInfo  # type: ignore[assignment]

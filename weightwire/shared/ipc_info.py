@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import (
     DEFAULT_PACKED_NUM_BUFFERS,
     TCP_SECRET_BYTES,
@@ -72,11 +73,11 @@ class IPCInitInfo(_StrictInfo):
         for key in ("mem_handles_b64", "event_handles_b64"):
             got = getattr(self, key)
             if len(got) != self.packed_num_buffers:
-                raise ValueError(f"{ctx}.{key} must list one handle per slot ({self.packed_num_buffers}), got {len(got)}")
+                raise ConfigError(f"{ctx}.{key} must list one handle per slot ({self.packed_num_buffers}), got {len(got)}")
         _ = self.mem_handles, self.event_handles
         uuid = self.device_uuid
         if len(uuid) > 64 or any(c not in "0123456789abcdef-" for c in uuid):
-            raise ValueError(f"{ctx}.device_uuid must be a lower-case hex GPU UUID, got {bounded_repr(uuid)}")
+            raise ConfigError(f"{ctx}.device_uuid must be a lower-case hex GPU UUID, got {bounded_repr(uuid)}")
 
     @property
     def secret(self) -> bytes:
@@ -94,5 +95,5 @@ class IPCInitInfo(_StrictInfo):
 def decode_handles(ctx: str, values: object) -> list[bytes]:
     """A list of base64 CUDA IPC handles, each exactly ``IPC_HANDLE_BYTES`` raw bytes."""
     if not isinstance(values, list):
-        raise ValueError(f"{ctx} must be a list of base64 strings, got {type(values).__name__}")
+        raise ConfigError(f"{ctx} must be a list of base64 strings, got {type(values).__name__}")
     return [decode_secret(f"{ctx}[{i}]", v, IPC_HANDLE_BYTES) for i, v in enumerate(values)]

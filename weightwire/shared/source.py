@@ -14,15 +14,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from weightwire.shared.errors import SourceMismatch
 from weightwire.shared.groups import batch_by_layer, layerwise_groups
 from weightwire.shared.meta import ParamMeta
 
 Describe = Callable[[Any], tuple[str, tuple[int, ...]]]
 """Maps a yielded tensor to its ``(wire dtype name, shape)``."""
-
-
-class SourceMismatch(ValueError):
-    """Iteration disagreed with ``metadata()``; raised before the bad tensor is sent."""
 
 
 class WeightSource(ABC):

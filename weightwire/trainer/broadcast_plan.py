@@ -35,10 +35,11 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.meta import ParamMeta
 
 
-class PlanError(ValueError):
+class PlanError(ConfigError):
     """The metadata cannot be broadcast by this set of ranks; the message names the rank and name."""
 
 

@@ -3,7 +3,7 @@
 The wire params (``packed``, buffer size, number of buffers) travel to the workers
 inside the init info the engine posts, so trainer and worker cannot frame a round
 differently. Everything is validated at construction, on every trainer rank, before
-any rendezvous starts.
+any rendezvous starts; a bad value raises ``ConfigError`` (a ``ValueError``) naming the field.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from weightwire.backends import NCCL
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.routes import PAUSE_MODES
@@ -74,29 +75,29 @@ class TrainerInitInfo:
         from weightwire.trainer.backends import backend_names  # noqa: PLC0415
 
         if self.backend not in backend_names():
-            raise ValueError(f"unknown backend {self.backend!r}; known: {', '.join(backend_names())}")
+            raise ConfigError(f"unknown backend {self.backend!r}; known: {', '.join(backend_names())}")
         if type(self.rank) is not int or self.rank < 0:
-            raise ValueError(f"rank must be a non-negative int, got {self.rank!r}")
+            raise ConfigError(f"rank must be a non-negative int, got {self.rank!r}")
         if type(self.packed) is not bool:
-            raise ValueError(f"packed must be a bool, got {self.packed!r}")
+            raise ConfigError(f"packed must be a bool, got {self.packed!r}")
         size, count = self.packed_buffer_size_bytes, self.packed_num_buffers
         if type(size) is not int or not 1 <= size <= LIMITS.max_buffer_size_bytes:
-            raise ValueError(f"packed_buffer_size_bytes must be an int in [1, {LIMITS.max_buffer_size_bytes}], got {size!r}")
+            raise ConfigError(f"packed_buffer_size_bytes must be an int in [1, {LIMITS.max_buffer_size_bytes}], got {size!r}")
         if type(count) is not int or not 1 <= count <= LIMITS.max_num_buffers:
-            raise ValueError(f"packed_num_buffers must be an int in [1, {LIMITS.max_num_buffers}], got {count!r}")
+            raise ConfigError(f"packed_num_buffers must be an int in [1, {LIMITS.max_num_buffers}], got {count!r}")
         if not isinstance(self.timeouts, Timeouts):
-            raise ValueError(f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}")
+            raise ConfigError(f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}")
         if type(self.ipc_release_after_round) is not bool:
-            raise ValueError(f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}")
+            raise ConfigError(f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}")
         if self.pause_mode is not None and self.pause_mode not in ("auto", *PAUSE_MODES):
-            raise ValueError(f"pause_mode must be None, 'auto' or one of {PAUSE_MODES}, got {self.pause_mode!r}")
+            raise ConfigError(f"pause_mode must be None, 'auto' or one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.device is not None and (type(self.device) is not int or self.device < 0):
-            raise ValueError(f"device must be a CUDA ordinal (int >= 0) or None, got {self.device!r}")
+            raise ConfigError(f"device must be a CUDA ordinal (int >= 0) or None, got {self.device!r}")
         if self.version_override is not None:
             ServerFeatures.for_version("0.0", override=self.version_override)  # an unknown release fails here
         world = self.inference_world_size
         if world is not None and (type(world) is not int or not 1 <= world < LIMITS.max_world_size):
-            raise ValueError(f"inference_world_size must be a positive int, got {world!r}")
+            raise ConfigError(f"inference_world_size must be a positive int, got {world!r}")
 
     @property
     def is_sender(self) -> bool:

@@ -15,11 +15,8 @@ Lifecycle (every trainer rank calls each step; only rank 0 touches the wire):
    trainer-side gathers.
 3. ``shutdown``: tell the servers, close the communicator.
 
-Failure rules, each preventing a hang or a misleading error: a failed update POST
-aborts the communicator so a broadcast blocked on a worker that gave up returns at
-once; the side thread is never joined on an error path; when the data plane failed
-only because the server rejected the round, the server's error is raised (it names
-the real cause), not the secondary transfer error. A round that failed after the
+The concurrency of steps 1 and 2 and its failure rules (which error is raised, what
+aborts what) live in ``weightwire.trainer.transfer``. A round that failed after the
 first broadcast leaves the communicator aborted: the engine refuses further rounds.
 
 Framework engines implement only ``describe``, ``host_bytes``, ``device_packer`` (and
@@ -31,12 +28,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import sys
-import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from typing import Any, Self
 
 import numpy as np
@@ -45,7 +39,7 @@ from weightwire.backends.nccl.stock import WirePlan, plan_for_stock
 from weightwire.control.errors import WeightSyncError
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
-from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.errors import ControlTimeout, RoundError
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
@@ -53,33 +47,28 @@ from weightwire.shared.source import WeightSource, as_source, checked_iter
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
-from weightwire.trainer.gating import require_draft_model, server_features
+from weightwire.trainer.gating import check_client, require_draft_model, server_features
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, chunked
+from weightwire.trainer.transfer import (
+    Transfer,
+    await_call,
+    best_effort_resume,
+    join_beside_init,
+    real_cause,
+    shutdown_when_settled,
+    tap,
+    tensor_stream,
+)
 from weightwire.trainer.verify import RoundVerifier
 
 logger = logging.getLogger("weightwire.trainer")
 
-_GRACE_S = 2.0
-"""How long a failed data plane waits for the server's verdict before raising its own
-(a worker that failed answers its request within milliseconds)."""
+__all__ = ["ControlTimeout", "EngineBroken", "TrainerEngine"]  # ControlTimeout: defined in shared.errors
 
 
-class EngineBroken(RuntimeError):
-    """A previous round failed mid-transfer; the communicator is aborted."""
-
-
-class ControlTimeout(TimeoutError):
-    """A control-plane call (init / update POST) did not answer within ``Timeouts.http_s``."""
-
-
-def _await(future: Future, timeout: float, what: str) -> Any:
-    try:
-        return future.result(timeout=timeout)
-    except FutureTimeout:
-        if future.done():  # the call itself raised a TimeoutError: that is its answer
-            raise
-        raise ControlTimeout(f"{what} did not return within {timeout} s") from None
+class EngineBroken(RoundError, RuntimeError):
+    """A previous round failed mid-transfer; the communicator is aborted: ``trainer_init`` a fresh engine."""
 
 
 class TrainerEngine(ABC):
@@ -164,32 +153,7 @@ class TrainerEngine(ABC):
         return engine
 
     def _check_client(self) -> None:
-        needed = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"]
-        if self.info.pause_mode == "auto":
-            # Only a stock worker loads into the running model mid-round (layerwise reload puts
-            # layers on the meta device: a request scheduled then crashes vLLM). The plugin
-            # workers stage a round and apply it in one call at finish, so they need no pause,
-            # and not pausing there means a trainer that dies mid-round cannot leave the
-            # server paused with nobody to resume it.
-            can_pause = all(callable(getattr(self.client, m, None)) for m in ("pause", "resume"))
-            self._pause_mode = "keep" if can_pause and self._backend.stock_receiver else None
-            if self._backend.stock_receiver and not can_pause:
-                logger.warning("client %s cannot pause generation: rounds run under live traffic "
-                               "(vLLM crashes when a request meets a layer mid-reload)", type(self.client).__name__)
-        if self.info.verify:
-            needed.append("weight_checker")
-        if self._pause_mode is not None:
-            needed += ["pause", "resume"]
-        if self.info.server_version is None:
-            needed.append("version")
-        if self.info.inference_world_size is None:
-            needed.append("get_world_size")
-        missing = [m for m in needed if not callable(getattr(self.client, m, None))]
-        if missing:
-            raise TypeError(
-                f"client {type(self.client).__name__} lacks {', '.join(missing)} (give server_version / "
-                "inference_world_size in TrainerInitInfo, or drop verify / pause_mode)"
-            )
+        self._pause_mode = check_client(self.info, self.client, stock_receiver=self._backend.stock_receiver)
 
     def _connect(self, extend: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         t = self.info.timeouts
@@ -209,32 +173,12 @@ class TrainerEngine(ABC):
             except BaseException:
                 rdv.cancel()
                 raise
-        post = spawn(lambda: self.client.init_weight_transfer_engine(rdv.payload), name="weightwire-init")
-        post.add_done_callback(lambda f: rdv.cancel() if f.exception() is not None else None)
-        join = spawn(lambda: rdv.join(timeout=t.connect_s), name="weightwire-join")
         logger.info("rendezvous: backend=%s world_size=%d server=%s", self.info.backend, 1 + world, version)
-        # Wait for the join, unless the POST fails first (the server refused the init
-        # info: no worker will ever arrive). A POST that succeeds first is not an end.
-        deadline = time.monotonic() + t.connect_s + _GRACE_S
-        while not join.done() and not (post.done() and post.exception() is not None):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            wait([join] if post.done() else [post, join], timeout=remaining, return_when=FIRST_COMPLETED)
-        if not join.done() and post.done() and post.exception() is not None:
-            join.add_done_callback(_abort_late)  # rank 0 may still join later; release it then
-            raise post.exception()  # type: ignore[misc]
-        if not join.done():
-            join.add_done_callback(_abort_late)
-            rdv.cancel()
-            raise TransferTimeout(f"rank 0 rendezvous ({self.info.backend}) did not complete within {t.connect_s} s")
-        try:
-            comm = join.result()
-        except BaseException as exc:
-            raise _real_cause(exc, post) from None
+        comm, post = join_beside_init(rdv, lambda: self.client.init_weight_transfer_engine(rdv.payload),
+                                      connect_s=t.connect_s, what=self.info.backend)
         try:
             comm.warmup(timeout=t.warmup_s)
-            _await(post, t.http_s, "init_weight_transfer_engine")
+            await_call(post, t.http_s, "init_weight_transfer_engine")
             if self._backend.on_device:
                 assert packer is not None
                 hold = self.info.packed_buffer_size_bytes * self.info.packed_num_buffers
@@ -245,7 +189,7 @@ class TrainerEngine(ABC):
                                               timeout=t.transfer_s, prefetch=self.prefetch_host)
         except BaseException as exc:
             comm.abort()
-            raise _real_cause(exc, post) from None
+            raise real_cause(exc, post) from None
         self._comm = comm
 
     # -- a round -----------------------------------------------------------------------------
@@ -336,7 +280,7 @@ class TrainerEngine(ABC):
                     self.client.resume()
         finally:
             if paused:
-                _best_effort_resume(self.client)
+                best_effort_resume(self.client)
         report = None
         if self._verifier is not None and digests is not None:
             with clock("verify"):
@@ -373,65 +317,18 @@ class TrainerEngine(ABC):
 
     def _transfer(self, payload: dict[str, Any], metas: list[ParamMeta], wire: WirePlan, chunks: list[Chunk],
                   digests: dict[str, str] | None, control: Callable[[], None], clock: PhaseClock) -> tuple[int, int]:
-        """The data plane with the control plane folded in.
-
-        The pipeline prepares the first chunk, then calls ``begin``: pause + start (the
-        ``control`` phase), then the update POST on a side thread; only then does the
-        first byte go out. So the first chunk's packing overlaps the start round trip.
-        A failure before ``begin`` finished sent nothing: the pipeline is settled and
-        the engine stays usable. After it, the failure rules of the module docstring apply.
-        """
-        comm, pipeline, t = self._comm, self._pipeline, self.info.timeouts
-        stop = threading.Event()
-        update: list[Future] = []
-
-        def on_update_done(future: Future) -> None:
-            if future.exception() is not None:
-                # The workers gave up on this round: nothing will ever receive the
-                # pending broadcast, so unblock it now instead of at its timeout.
-                stop.set()
-                comm.abort()
-
-        def begin() -> None:
-            started = time.perf_counter()
-            try:
-                control()
-            finally:
-                clock.shift("transfer", "control", time.perf_counter() - started)
-            future = spawn(lambda: self.client.update_weights(payload), name="weightwire-update")
-            future.add_done_callback(on_update_done)
-            update.append(future)
-
-        pairs = checked_iter(_stream(self.source), metas, self.describe)
+        """The round's checked stream through the pipeline (``trainer.transfer.Transfer``)."""
+        assert self._pipeline is not None
+        pairs = checked_iter(tensor_stream(self.source), metas, self.describe)
         if digests is not None:
-            pairs = _tap(pairs, digests, self.tensor_sha256)
-        prepared = chunked(wire.reorder(pairs), chunks)
+            pairs = tap(pairs, digests, self.tensor_sha256)
+        step = Transfer(self._comm, self._pipeline, post_update=lambda: self.client.update_weights(payload),
+                        control=control, clock=clock, http_s=self.info.timeouts.http_s)
         try:
-            if isinstance(pipeline, DevicePipeline):
-                sent = (pipeline.send_packed(prepared, stop, begin) if self.info.packed
-                        else pipeline.send_unpacked(prepared, wire.metas, stop, begin))
-            else:
-                assert pipeline is not None
-                sent = pipeline.send(prepared, stop, begin)
-            _await(update[0], t.http_s, "update_weights (after the last broadcast)")
-            return sent
-        except BaseException as exc:
-            stop.set()
-            if not update:  # nothing went on the wire: settle the local work, keep the engine
-                if isinstance(pipeline, DevicePipeline):
-                    try:
-                        pipeline.drain()
-                    except BaseException as drain_exc:
-                        self._broken = drain_exc
-                        comm.abort()
-                raise
-            self._broken = exc
-            comm.abort()
-            cause = _real_cause(exc, update[0])
-            if cause is exc:
-                raise
-            self._broken = cause
-            raise cause from None
+            return step.run(chunked(wire.reorder(pairs), chunks), wire.metas, packed=self.info.packed)
+        finally:
+            if step.broken is not None:
+                self._broken = step.broken
 
     def abort_requests(self, request_ids: list[str] | None = None) -> None:
         """Rank 0: abort in-flight generation on every server without pausing (all when ``None``)."""
@@ -467,10 +364,8 @@ class TrainerEngine(ABC):
             return
         post: Future | None = None
         if not displaced and self.features is not None and self.features.shutdown_route and hasattr(self.client, "shutdown_weight_transfer_engine"):
-            # The server fails an abandoned round within one broadcast timeout (its worker's
-            # receive) or its round lease (the same bound): twice that, plus slack.
-            wait_s = 2 * self.info.timeouts.transfer_s + _GRACE_S
-            post = spawn(lambda: _shutdown_when_settled(self.client, wait_s), name="weightwire-shutdown")
+            transfer_s = self.info.timeouts.transfer_s
+            post = spawn(lambda: shutdown_when_settled(self.client, transfer_s), name="weightwire-shutdown")
         if self._broken is not None:
             comm.abort()
         else:
@@ -500,72 +395,3 @@ class TrainerEngine(ABC):
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-
-def _stream(source: WeightSource) -> Any:
-    """The round's ``(name, tensor)`` stream. A source that overrides ``iter_groups``
-    (``PytreeSource``: one jitted call per layer group) is driven per group, so a
-    per-expert MoE costs one device dispatch per layer instead of one per tensor; any
-    other source is iterated as is (the default grouping would only buffer a layer)."""
-    if type(source).iter_groups is WeightSource.iter_groups:
-        return iter(source)
-    return (pair for group in source.iter_groups() for pair in group)
-
-
-def _tap(pairs: Any, digests: dict[str, str], sha: Any) -> Any:
-    for name, tensor in pairs:
-        digests[name] = sha(tensor)
-        yield name, tensor
-
-
-def _real_cause(exc: BaseException, post: Future) -> BaseException:
-    """The server's error when the data plane failed because the server gave up.
-
-    A transfer error right after a rejected POST is a consequence; the POST's answer
-    (route, status, server message) says why. Waits briefly for that answer.
-    """
-    if isinstance(exc, TransferError):
-        try:
-            post.exception(timeout=_GRACE_S)
-        except FutureTimeout:
-            return exc
-    if post.done() and post.exception() is not None and isinstance(exc, TransferError):
-        cause = post.exception()
-        assert cause is not None
-        cause.add_note(f"the data plane then failed: {type(exc).__name__}: {exc}")
-        return cause
-    return exc
-
-
-_SETTLE_POLL_S = 0.05
-
-
-def _shutdown_when_settled(client: Any, wait_s: float) -> None:
-    """``shutdown_weight_transfer_engine``, retried while the server answers 409 because it
-    has not yet failed the round this trainer just abandoned (its workers notice the dead
-    link within one broadcast timeout); bounded by ``wait_s``."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            client.shutdown_weight_transfer_engine()
-            return
-        except Exception as exc:
-            message = str(getattr(exc, "message", exc))
-            settling = getattr(exc, "status", None) == 409 and (
-                "a weight update is active" in message or "another weight operation" in message)
-            if not settling or time.monotonic() + _SETTLE_POLL_S >= deadline:
-                raise
-        time.sleep(_SETTLE_POLL_S)
-
-
-def _abort_late(join: Future) -> None:
-    if join.exception() is None:
-        join.result().abort()
-
-
-def _best_effort_resume(client: Any) -> None:
-    # Called only on a failure path: the round's own error is what the caller must
-    # see, so a resume failure is logged, not raised.
-    try:
-        client.resume()
-    except Exception as exc:
-        logger.warning("resume after a failed round also failed: %s", exc)

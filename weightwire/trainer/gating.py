@@ -61,3 +61,38 @@ def require_draft_model(client: Any) -> None:
         which = ", ".join(str(i) for i in missing) or "all"
         raise ValueError(f"server(s) {which} show no speculative draft model (/server_info has no "
                          "speculative_config); a draft round there would kill vLLM's engine core. Nothing was sent")
+
+
+def check_client(info: Any, client: Any, *, stock_receiver: bool) -> str | None:
+    """The round's pause mode (``None``: no pause), after refusing a client that lacks a
+    call this engine will make (``TypeError`` naming every missing one, before any rendezvous).
+
+    ``pause_mode="auto"`` resolves here: only a stock worker loads into the running model
+    mid-round (layerwise reload puts layers on the meta device: a request scheduled then
+    crashes vLLM). The plugin workers stage a round and apply it in one call at finish,
+    so they need no pause, and not pausing there means a trainer that dies mid-round
+    cannot leave the server paused with nobody to resume it.
+    """
+    needed = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"]
+    pause_mode = None if info.pause_mode == "auto" else info.pause_mode
+    if info.pause_mode == "auto":
+        can_pause = all(callable(getattr(client, m, None)) for m in ("pause", "resume"))
+        pause_mode = "keep" if can_pause and stock_receiver else None
+        if stock_receiver and not can_pause:
+            logger.warning("client %s cannot pause generation: rounds run under live traffic "
+                           "(vLLM crashes when a request meets a layer mid-reload)", type(client).__name__)
+    if info.verify:
+        needed.append("weight_checker")
+    if pause_mode is not None:
+        needed += ["pause", "resume"]
+    if info.server_version is None:
+        needed.append("version")
+    if info.inference_world_size is None:
+        needed.append("get_world_size")
+    missing = [m for m in needed if not callable(getattr(client, m, None))]
+    if missing:
+        raise TypeError(
+            f"client {type(client).__name__} lacks {', '.join(missing)} (give server_version / "
+            "inference_world_size in TrainerInitInfo, or drop verify / pause_mode)"
+        )
+    return pause_mode

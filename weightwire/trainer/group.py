@@ -19,8 +19,10 @@ import time
 import weakref
 from typing import Any, Protocol, runtime_checkable
 
+from weightwire.shared.errors import RoundError
 
-class GroupTimeout(TimeoutError):
+
+class GroupTimeout(RoundError, TimeoutError):
     """A trainer rank did not publish its part within the timeout (it died, hung or diverged)."""
 
 

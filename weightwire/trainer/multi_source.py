@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from weightwire.control.fanout import spawn
+from weightwire.shared.errors import RoundError
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import TCPInitInfo, UpdateInfo
 from weightwire.shared.meta import ParamMeta
@@ -50,6 +51,7 @@ from weightwire.trainer.gating import server_features
 from weightwire.trainer.group import Exchange, GroupTimeout, TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.pipelines import HostPipeline, chunked
+from weightwire.trainer.transfer import await_call
 
 if TYPE_CHECKING:
     from weightwire.trainer.engine import TrainerEngine
@@ -59,7 +61,7 @@ logger = logging.getLogger("weightwire.trainer")
 _GRACE_S = 2.0  # how long rank 0 waits for a failed broadcaster's own account of the failure
 
 
-class RoundFailed(RuntimeError):
+class RoundFailed(RoundError, RuntimeError):
     """Another trainer rank reported that this round failed; the message names it."""
 
 
@@ -151,7 +153,7 @@ class MultiSource:
         if bplan.turn_of(self.rank) is None:
             self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
-        from weightwire.backends.tcp.comm import TCPRendezvous  # noqa: PLC0415
+        from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
 
         rdv = TCPRendezvous(world_size=1 + workers, bind_host=e.info.tcp_bind_host,
                             advertise_host=e.info.tcp_advertise_host)
@@ -395,6 +397,4 @@ class MultiSource:
 
 
 def _wait(future: Future, timeout: float) -> Any:
-    from weightwire.trainer.engine import _await  # noqa: PLC0415  (engine imports this module)
-
-    return _await(future, timeout, "update_weights")
+    return await_call(future, timeout, "update_weights")

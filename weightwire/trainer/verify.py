@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightwire.shared.errors import WeightwireError
+
 VLLM_KEY = re.compile(r"^dp\d+:pp\d+:pcp\d+:tp\d+:(.+)$")
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
@@ -42,7 +44,7 @@ _STACKED = ((".q_proj.", ".qkv_proj."), (".k_proj.", ".qkv_proj."), (".v_proj.",
             (".gate_proj.", ".gate_up_proj."), (".up_proj.", ".gate_up_proj."))
 
 
-class VerifyError(RuntimeError):
+class VerifyError(WeightwireError, RuntimeError):
     """The servers' state disagrees with the round; names the tensors / parameters."""
 
     def __init__(self, message: str, mismatched: dict[str, list[str]], *, committed: bool = False,

@@ -28,6 +28,7 @@ from contextlib import suppress
 from typing import Any
 
 from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.errors import UnavailableError
 from weightwire.shared.info import encode_secret
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
 
@@ -59,7 +60,7 @@ def dump_trace(side: str) -> None:
         _trace.clear()
 
 
-class IPCUnavailable(RuntimeError):
+class IPCUnavailable(UnavailableError, RuntimeError):
     """CuPy or a CUDA device is missing, so CUDA IPC cannot be used here."""
 
 

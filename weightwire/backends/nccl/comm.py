@@ -25,6 +25,7 @@ from typing import Any
 
 from weightwire.backends.nccl.buffers import DeviceBytes, event_done, resolve_buffer, stream_pointer
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.errors import UnavailableError
 from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES
 from weightwire.shared.timeouts import Timeouts
 
@@ -41,7 +42,7 @@ _MAX_SLEEP_S = 1e-3
 _ASYNC_CHECK_EVERY_S = 0.01
 
 
-class NCCLUnavailable(RuntimeError):
+class NCCLUnavailable(UnavailableError, RuntimeError):
     """CuPy (with its NCCL binding) or a CUDA device is missing on this machine."""
 
 

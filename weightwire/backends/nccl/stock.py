@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightwire.shared.errors import ConfigError, WeightwireError
 from weightwire.shared.framing import plan_packed
 from weightwire.shared.groups import layer_key
 from weightwire.shared.meta import ParamMeta
@@ -38,7 +39,7 @@ UNPACKED_REFUSED_DTYPES = ("bool", "float8_e5m2")
 """No NCCL type in vLLM's ``pynccl_wrapper`` (0.28-0.33): its per-tensor broadcast raises."""
 
 
-class StockRefusal(ValueError):
+class StockRefusal(ConfigError):
     """A stock vLLM worker cannot receive ``tensor``; ``reason`` says why. Nothing was sent."""
 
     def __init__(self, tensor: str, reason: str, version: str) -> None:
@@ -134,7 +135,9 @@ def _aligned_order(metas: Sequence[ParamMeta], buffer_size_bytes: int) -> list[i
     return order
 
 
-class _NoOrder(Exception):
+class _NoOrder(WeightwireError):
+    """Internal: no order of a layer group aligns every tensor; ``plan_for_stock`` turns it into ``StockRefusal``."""
+
     def __init__(self, index: int, offset: int, group: list[int]) -> None:
         self.index, self.offset, self.group = index, offset, group
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import queue
 import secrets
 import select
@@ -34,22 +33,15 @@ import time
 from typing import Any
 
 from weightwire.backends.tcp import wire
-from weightwire.backends.tcp.rendezvous import TCPRendezvous, check_secret, dial
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.timeouts import DEFAULT_TIMEOUTS
 
-__all__ = ["SOCKET_BUFFER_BYTES", "TCPCommunicator", "TCPRendezvous"]
+__all__ = ["SOCKET_BUFFER_BYTES", "TCPCommunicator"]
 
 logger = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = wire.DEFAULT_SOCKET_BUFFER_BYTES
-
-
-def _positive(name: str, value: float) -> float:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 class _Link:
@@ -98,9 +90,9 @@ class TCPCommunicator:
         self._rank = rank
         self._world_size = world_size
         self._links = links
-        self._transfer_timeout = _positive(
+        self._transfer_timeout = wire.positive_seconds(
             "transfer_timeout", DEFAULT_TIMEOUTS.transfer_s if transfer_timeout is None else transfer_timeout)
-        self._warmup_timeout = _positive("warmup_timeout", DEFAULT_TIMEOUTS.warmup_s if warmup_timeout is None else warmup_timeout)
+        self._warmup_timeout = wire.positive_seconds("warmup_timeout", DEFAULT_TIMEOUTS.warmup_s if warmup_timeout is None else warmup_timeout)
         self._seq = 0
         self._lock = threading.Lock()
         self._busy = threading.Lock()  # one warmup/broadcast at a time: frames must not interleave
@@ -122,14 +114,14 @@ class TCPCommunicator:
                 transfer_timeout: float | None = None, warmup_timeout: float | None = None,
                 socket_buffer_bytes: int | None = SOCKET_BUFFER_BYTES) -> TCPCommunicator:
         """Dial the sender, prove the secret, verify the sender's proof; bounded by ``timeout``."""
-        check_secret(secret)
+        wire.check_secret(secret)
         if type(world_size) is not int or not 2 <= world_size <= LIMITS.max_world_size:
             raise ValueError(f"world_size must be an int in [2, {LIMITS.max_world_size}], got {world_size!r}")
         if type(rank) is not int or not 1 <= rank < world_size:
             raise ValueError(f"receiver rank must be an int in [1, {world_size}), got {rank!r}")
-        deadline = time.monotonic() + _positive("timeout", timeout)
+        deadline = time.monotonic() + wire.positive_seconds("timeout", timeout)
         where = f"rank 0 (sender at {host}:{port})"
-        sock = dial(host, port, deadline, socket_buffer_bytes)
+        sock = wire.dial(host, port, deadline, socket_buffer_bytes)
         try:
             _client_handshake(sock, secret, rank, world_size, deadline, where)
         except BaseException:
@@ -151,7 +143,7 @@ class TCPCommunicator:
 
     def warmup(self, *, timeout: float | None = None) -> None:
         """Every receiver says ready, then the root says go: all peers present before any broadcast."""
-        limit = self._warmup_timeout if timeout is None else _positive("timeout", timeout)
+        limit = self._warmup_timeout if timeout is None else wire.positive_seconds("timeout", timeout)
         deadline = time.monotonic() + limit
         self._enter()
         try:
@@ -173,7 +165,7 @@ class TCPCommunicator:
             raise ValueError(f"the TCP communicator broadcasts only from rank 0, got root={root}")
         views = wire.byte_views(buffer, writable=self._rank != 0)
         nbytes = sum(len(v) for v in views)
-        limit = self._transfer_timeout if timeout is None else _positive("timeout", timeout)
+        limit = self._transfer_timeout if timeout is None else wire.positive_seconds("timeout", timeout)
         deadline = time.monotonic() + limit
         self._enter()
         seq, self._seq = self._seq, (self._seq + 1) & 0xFFFFFFFF

@@ -18,15 +18,12 @@ import secrets
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from weightwire.backends.tcp import wire
+from weightwire.backends.tcp.comm import TCPCommunicator, root_communicator
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.limits import LIMITS
-
-if TYPE_CHECKING:
-    from weightwire.backends.tcp.comm import TCPCommunicator
 
 logger = logging.getLogger("weightwire.backends.tcp.comm")
 
@@ -36,39 +33,6 @@ HANDSHAKE_S = 5.0
 verdict out, confirm in), within the rendezvous' own deadline. Far above one loopback
 or datacenter round trip; short enough that idle peers free their slots quickly."""
 _ACCEPT_POLL_S = 0.1  # how often the acceptor thread notices accept() has finished
-
-
-def check_secret(secret: object) -> bytes:
-    if not isinstance(secret, bytes) or len(secret) != TCP_SECRET_BYTES:
-        size = len(secret) if isinstance(secret, bytes) else type(secret).__name__
-        raise ValueError(f"secret must be exactly {TCP_SECRET_BYTES} bytes, got {size}")
-    return secret
-
-
-def dial(host: str, port: int, deadline: float, buffer_bytes: int | None) -> socket.socket:
-    """Connect to ``host:port``, retrying refused connections (the sender may be starting) until ``deadline``."""
-    last = "no address"
-    while True:
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise TransferError(f"cannot resolve TCP sender {host}:{port}: {exc}") from None
-        for family, kind, proto, _, addr in infos:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            sock = socket.socket(family, kind, proto)
-            try:
-                wire.tune(sock, buffer_bytes)  # before connect: the window scale is fixed by the SYN
-                sock.settimeout(remaining)
-                sock.connect(addr)
-                return sock
-            except OSError as exc:
-                sock.close()
-                last = f"{type(exc).__name__}: {exc}"
-        if time.monotonic() + 0.05 >= deadline:
-            raise TransferTimeout(f"could not connect to the TCP sender at {host}:{port} in time ({last})")
-        time.sleep(0.05)
 
 
 class TCPRendezvous:
@@ -86,7 +50,7 @@ class TCPRendezvous:
             raise ValueError(f"world_size must be an int in [2, {LIMITS.max_world_size}], got {world_size!r}")
         if type(port) is not int or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
-        self._secret = check_secret(secrets.token_bytes(TCP_SECRET_BYTES) if secret is None else secret)
+        self._secret = wire.check_secret(secrets.token_bytes(TCP_SECRET_BYTES) if secret is None else secret)
         self.world_size = world_size
         self._buffer_bytes = socket_buffer_bytes
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
@@ -129,9 +93,7 @@ class TCPRendezvous:
         Raises ``TransferTimeout`` naming the missing ranks (and any refused
         connections) if they have not all joined within ``timeout``.
         """
-        from weightwire.backends.tcp.comm import _positive, root_communicator  # noqa: PLC0415  (tcp imports us)
-
-        limit = _positive("timeout", timeout)
+        limit = wire.positive_seconds("timeout", timeout)
         with self._cv:
             if self._state != "open":
                 raise TransferError(f"TCPRendezvous.accept() called on a rendezvous that is {self._state}")

@@ -45,12 +45,17 @@ import contextlib
 import functools
 import hashlib
 import hmac
+import math
 import socket
 import struct
 import time
 from collections.abc import Sequence
 
 import numpy as np
+
+from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.errors import WeightwireError
+from weightwire.shared.info import TCP_SECRET_BYTES
 
 PROTOCOL_VERSION = 1
 NONCE_BYTES = 32
@@ -107,7 +112,7 @@ def frame(tag: bytes, seq: int = 0, length: int = 0) -> bytes:
     return FRAME.pack(tag, seq & 0xFFFFFFFF, length)
 
 
-class WireShort(Exception):
+class WireShort(WeightwireError):
     """A socket loop stopped early: ``offset`` bytes had moved; ``timed_out`` or ``cause``."""
 
     def __init__(self, offset: int, *, timed_out: bool = False, cause: str = "") -> None:
@@ -242,3 +247,44 @@ def shutdown_quietly(sock: socket.socket) -> None:
 
 def _describe(exc: OSError) -> str:
     return f"{type(exc).__name__}: {exc.strerror or exc}"
+
+
+def positive_seconds(name: str, value: float) -> float:
+    """``value`` as seconds; ``ValueError`` naming ``name`` unless a finite number > 0."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def check_secret(secret: object) -> bytes:
+    """``secret`` if it is exactly ``TCP_SECRET_BYTES`` bytes; ``ValueError`` otherwise."""
+    if not isinstance(secret, bytes) or len(secret) != TCP_SECRET_BYTES:
+        size = len(secret) if isinstance(secret, bytes) else type(secret).__name__
+        raise ValueError(f"secret must be exactly {TCP_SECRET_BYTES} bytes, got {size}")
+    return secret
+
+
+def dial(host: str, port: int, deadline: float, buffer_bytes: int | None) -> socket.socket:
+    """Connect to ``host:port``, retrying refused connections (the sender may be starting) until ``deadline``."""
+    last = "no address"
+    while True:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise TransferError(f"cannot resolve TCP sender {host}:{port}: {exc}") from None
+        for family, kind, proto, _, addr in infos:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            sock = socket.socket(family, kind, proto)
+            try:
+                tune(sock, buffer_bytes)  # before connect: the window scale is fixed by the SYN
+                sock.settimeout(remaining)
+                sock.connect(addr)
+                return sock
+            except OSError as exc:
+                sock.close()
+                last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() + 0.05 >= deadline:
+            raise TransferTimeout(f"could not connect to the TCP sender at {host}:{port} in time ({last})")
+        time.sleep(0.05)

@@ -18,7 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from weightwire import __version__, backends
-from weightwire.shared.info import INIT_INFO_TYPES, UpdateInfo
+from weightwire.shared.info import UpdateInfo
+from weightwire.shared.init_infos import INIT_INFO_TYPES
 from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.server.auth import ApiKeyMiddleware

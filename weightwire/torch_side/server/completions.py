@@ -19,12 +19,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from weightwire.shared.errors import ReferenceServerError
+
 MAX_N = 64
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 256
 
 
-class CompletionRequestError(ValueError):
+class CompletionRequestError(ReferenceServerError, ValueError):
     """A completion body that cannot be served; ``param`` names the offending field."""
 
     def __init__(self, param: str, message: str) -> None:

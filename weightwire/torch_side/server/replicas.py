@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from weightwire.shared.errors import ReferenceServerError
+
 # A reply line can hold a model's checksums or a batch of logprobs; asyncio's 64 KiB
 # default line limit would cut those off.
 _LINE_LIMIT = 256 << 20
@@ -45,7 +47,7 @@ def _encode_line(message: dict[str, Any]) -> str:
     return json.dumps(message, separators=(",", ":")) + "\n"
 
 
-class ReplicaError(Exception):
+class ReplicaError(ReferenceServerError):
     """One replica failed one call; ``status`` is the HTTP status it maps to."""
 
     def __init__(self, replica: int, kind: str, message: str) -> None:
@@ -54,7 +56,7 @@ class ReplicaError(Exception):
         self.status = KIND_STATUS.get(kind, 500)
 
 
-class FanOutError(Exception):
+class FanOutError(ReferenceServerError):
     """A fan-out in which at least one replica failed; ``errors[0]`` is the first failure.
 
     ``aborted`` lists replicas that failed only because the fan-out aborted them after

@@ -35,8 +35,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightwire.shared.errors import ReferenceServerError
 
-class SessionError(Exception):
+
+class SessionError(ReferenceServerError):
     """A request the session's state forbids; ``status`` is the HTTP status to return."""
 
     def __init__(self, status: int, message: str) -> None:

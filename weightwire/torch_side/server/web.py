@@ -25,6 +25,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from weightwire.shared.errors import ReferenceServerError
+
 log = logging.getLogger("weightwire.server")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
@@ -38,7 +40,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           500: "internal_error", 502: "transfer_error", 503: "unavailable_error", 504: "timeout_error"}
 
 
-class ApiError(Exception):
+class ApiError(ReferenceServerError):
     """Raised by handlers; becomes an error reply with ``status``."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
@@ -128,6 +130,8 @@ async def read_no_body(request: Request) -> None:
 
 
 class BodyTooLarge(ApiError):
+    """A request body over ``--max-body-bytes``: a 413 reply, nothing is parsed."""
+
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"request body exceeds the limit of {limit} bytes", param="body")
 

@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 
 from weightwire import backends
 from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.errors import ReferenceServerError
 from weightwire.torch_side.server.replicas import WorkerSpec
 
 log = logging.getLogger("weightwire.server.worker")
@@ -45,11 +46,11 @@ _CONTROL_OPS = ("init", "start", "update", "finish", "shutdown", "sleep", "wake"
 _SERVE_OPS = ("generate", "checksum", "reset")
 
 
-class GenerationAborted(Exception):
+class GenerationAborted(ReferenceServerError):
     """A queued generation dropped by ``/pause?mode=abort``."""
 
 
-class CommitAborted(Exception):
+class CommitAborted(ReferenceServerError):
     """A finish whose round was aborted (``abort`` op) before it could commit."""
 
 

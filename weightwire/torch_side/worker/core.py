@@ -32,51 +32,39 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
 
 import torch
 
-from weightwire.shared.framing import Chunk, plan
-from weightwire.shared.groups import batch_by_layer
+from weightwire.shared.errors import WeightwireError
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
-from weightwire.shared.meta import ParamMeta
 from weightwire.shared.timeouts import Timeouts
-from weightwire.torch_side.worker.receive import ReceiveLink, unpack_chunk
+from weightwire.torch_side.worker.load import (
+    LOAD_BATCHING,
+    FrameworkHooks,
+    MetaCache,
+    ReceiveStats,
+    call_hook,
+    load_batches,
+    load_staged,
+    receive_chunks,
+)
+from weightwire.torch_side.worker.receive import ReceiveLink
 from weightwire.torch_side.worker.spec import ModelSpec
 
 log = logging.getLogger("weightwire.torch_side.worker")
 
+# Re-exported: the load path's names were defined here before the split.
+__all__ = ["LOAD_BATCHING", "FrameworkHooks", "ReceiveStats", "WeightReceiveError", "_ReceiverCore"]
+
 InitInfo = TCPInitInfo | WeightwireNCCLInitInfo
 Connect = Callable[..., ReceiveLink]  # (info, *, rank, device) -> ReceiveLink
-LOAD_BATCHING = ("chunk", "group")
 
 
-class WeightReceiveError(RuntimeError):
+class WeightReceiveError(WeightwireError, RuntimeError):
     """A round failed while receiving or loading; the round and the communicator were aborted."""
-
-
-class FrameworkHooks(Protocol):
-    """What the hosting framework does around a round (vLLM: layerwise reload)."""
-
-    def begin(self, model: Any) -> None: ...
-    def commit(self, model: Any, model_config: Any) -> None: ...
-    def abort(self, model: Any, model_config: Any) -> None: ...
-    def receive_context(self) -> AbstractContextManager[Any]: ...
-    def prepare(self, model: Any, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]: ...
-    def round_dropped(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class ReceiveStats:
-    """What the last ``receive`` moved: for logs, benchmarks and the reference server."""
-
-    tensors: int
-    chunks: int
-    nbytes: int
-    seconds: float
 
 
 class _ReceiverCore:
@@ -124,9 +112,7 @@ class _ReceiverCore:
         self._info: InitInfo | None = None
         self._broken: str | None = None
         self._active = False
-        # Previous round's metadata per target model (main vs draft), for the
-        # 0.33 "empty lists = reuse" shorthand; the plan is cached with it.
-        self._last: dict[tuple[int, int], tuple[Any, list[ParamMeta], list[Chunk]]] = {}
+        self._plans = MetaCache(backend)
         self.last_stats: ReceiveStats | None = None
 
     # ---------------------------------------------------------------- session
@@ -160,7 +146,7 @@ class _ReceiverCore:
                 "1 + the number of inference workers (GET /get_world_size)"
             )
         self._close_link()
-        self._last.clear()
+        self._plans.clear()
         self._link = self._connect(info, rank=rank, device=self.device)
         self._info = info
         self._broken = None
@@ -182,7 +168,7 @@ class _ReceiverCore:
         if self._framework is not None:
             self._framework.begin(model)
         try:
-            _call_hook(model, "begin_round")
+            call_hook(model, "begin_round")
         except BaseException:
             self._abort_hooks()
             raise
@@ -199,7 +185,7 @@ class _ReceiverCore:
             return
         model, model_config = self._target()
         try:
-            _call_hook(model, "commit_round")
+            call_hook(model, "commit_round")
         except BaseException:
             self._abort_hooks()
             self._active = False
@@ -215,10 +201,7 @@ class _ReceiverCore:
             staged = self._framework.prepare(model, staged)
             self._framework.begin(model)
         try:
-            _call_hook(model, "begin_round")
-            for batch in batch_by_layer(staged):
-                model.load_weights(batch)
-            _call_hook(model, "commit_round")
+            load_staged(model, staged)
         except BaseException as exc:
             self._abort_hooks()
             raise WeightReceiveError(
@@ -235,7 +218,7 @@ class _ReceiverCore:
             self._drop_round("shutdown")
         self._close_link()
         self._info = None
-        self._last.clear()
+        self._plans.clear()
         self.session = None
 
     def abort_link(self) -> None:
@@ -266,7 +249,8 @@ class _ReceiverCore:
         self._touched = time.monotonic()
         try:
             link = self._link.for_src(update.src)  # several broadcasters: this turn's sender
-            metas, chunks = self._resolve(model, update)
+            metas, chunks = self._plans.resolve(model, update, packed=self._info.packed,
+                                               buffer_size_bytes=self._info.packed_buffer_size_bytes)
             spec = self._model_spec()
             if spec is not None and not update.reuses_previous:
                 spec.check(metas)
@@ -278,12 +262,13 @@ class _ReceiverCore:
         try:
             if self._staged_mode:
                 received: list[tuple[str, torch.Tensor]] = []
-                for pairs in self._chunks(link, metas, chunks, progress):
+                for pairs in receive_chunks(link, metas, chunks, packed=self._info.packed, progress=progress):
                     received.extend(pairs)
                 self._staged.extend(received)  # only once every byte of this update landed
             else:
                 with self._framework.receive_context() if self._framework is not None else nullcontext():
-                    for pairs in self._stream(link, metas, chunks, progress):
+                    chunk_pairs = receive_chunks(link, metas, chunks, packed=self._info.packed, progress=progress)
+                    for pairs in load_batches(chunk_pairs, self._load_batching):
                         model.load_weights(pairs)
                         del pairs  # let the chunk buffer go before the next one is posted
         except BaseException as exc:
@@ -308,51 +293,6 @@ class _ReceiverCore:
             cached = (model, self._spec_fn())
             self._specs[id(model)] = cached
         return cached[1]
-
-    def _stream(
-        self, link: ReceiveLink, metas: list[ParamMeta], chunks: list[Chunk], progress: list[int]
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Load batches in order, with up to ``depth`` chunks posted ahead of the one
-        being loaded; ``progress[0]`` tracks the chunk in hand, for error messages.
-        Batches are whole chunks, or ("group") one decoder layer across chunk edges."""
-        chunk_batches = self._chunks(link, metas, chunks, progress)
-        if self._load_batching == "chunk":
-            return chunk_batches
-        return batch_by_layer(pair for batch in chunk_batches for pair in batch)
-
-    def _chunks(
-        self, link: ReceiveLink, metas: list[ParamMeta], chunks: list[Chunk], progress: list[int]
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        assert self._info is not None
-        packed = self._info.packed
-        posted = 0
-        for i, chunk in enumerate(chunks):
-            progress[0] = i
-            while posted < len(chunks) and posted < i + link.depth:
-                link.post(posted, chunks[posted], metas, packed=packed)
-                posted += 1
-            pairs = unpack_chunk(link.wait(i), metas, chunk)
-            if pairs:
-                yield pairs
-            # Drop this chunk's views before the next post allocates: holding them
-            # would keep num_buffers + 1 chunk buffers alive at once.
-            del pairs
-
-    def _resolve(self, model: Any, update: UpdateInfo) -> tuple[list[ParamMeta], list[Chunk]]:
-        assert self._info is not None
-        key = (id(model), update.src)  # reuse is per broadcaster: each turn has its own slice
-        if update.reuses_previous:
-            cached = self._last.get(key)
-            if cached is None or cached[0] is not model:
-                raise ValueError(
-                    f"{self.backend}: update info has empty names/dtype_names/shapes (reuse the previous "
-                    "round's metadata) but this engine has received no round since init"
-                )
-            return cached[1], cached[2]
-        metas = update.metas()
-        chunks = plan(metas, packed=self._info.packed, buffer_size_bytes=self._info.packed_buffer_size_bytes)
-        self._last[key] = (model, metas, chunks)
-        return metas, chunks
 
     # ---------------------------------------------------------------- failure
     def _require_ready(self) -> None:
@@ -415,7 +355,7 @@ class _ReceiverCore:
     def _abort_hooks(self) -> None:
         model, model_config = self._target()
         try:
-            _call_hook(model, "abort_round")
+            call_hook(model, "abort_round")
         except Exception:
             log.exception("%s: model.abort_round failed", self.backend)
         if self._framework is not None:
@@ -433,8 +373,3 @@ class _ReceiverCore:
                 log.exception("%s: communicator close failed; aborting it", self.backend)
                 link.abort()
 
-
-def _call_hook(model: Any, name: str) -> None:
-    hook = getattr(model, name, None)
-    if callable(hook):
-        hook()

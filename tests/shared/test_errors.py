@@ -1,0 +1,314 @@
+"""One exception root: every exception class in ``weightwire/`` derives from
+``WeightwireError``, the tree at the top of ``weightwire/shared/errors.py`` is the code's
+tree, and the builtin bases callers already catch (``ValueError``, ``TimeoutError``,
+``ConnectionError``, ``ImportError``) are kept."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import copy
+import importlib
+import json
+import pickle
+import re
+import subprocess
+import sys
+from concurrent.futures import Future
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import weightwire
+from weightwire.shared import errors
+from weightwire.shared.errors import (
+    ConfigError,
+    ControlTimeout,
+    PeerLost,
+    SourceMismatch,
+    TransferError,
+    TransferTimeout,
+    WeightSyncError,
+    WeightwireError,
+)
+
+PACKAGE = Path(weightwire.__file__).parent
+ERRORS_MODULE = "weightwire.shared.errors"
+
+_PROBE = r"""
+import importlib, json, pkgutil
+import weightwire
+from weightwire.shared.errors import WeightwireError
+
+NOT_IMPORTED_HERE = {"vllm": "needs vLLM (the GPU / interop lanes have it)", "cupy": "needs CuPy and a CUDA device"}
+classes, skipped = {}, {}
+for info in pkgutil.walk_packages(weightwire.__path__, "weightwire."):
+    if info.name.rsplit(".", 1)[-1] == "__main__":
+        skipped[info.name] = "runs a command line on import"
+        continue
+    try:
+        module = importlib.import_module(info.name)
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").split(".")[0]
+        if top not in NOT_IMPORTED_HERE:
+            raise
+        skipped[info.name] = NOT_IMPORTED_HERE[top]
+        continue
+    for value in vars(module).values():
+        if isinstance(value, type) and issubclass(value, BaseException) and value.__module__.startswith("weightwire"):
+            classes[f"{value.__module__}.{value.__qualname__}"] = issubclass(value, WeightwireError)
+print(json.dumps({"classes": classes, "skipped": skipped}))
+"""
+
+
+@cache
+def _import_walk() -> dict:
+    """Imports every module under ``weightwire/`` in a fresh interpreter (importing them
+    here would leave vLLM / the engines in ``sys.modules`` for later tests) and reports
+    each exception class found (``True`` when it derives from ``WeightwireError``)."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
+                          cwd=PACKAGE.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _base_names(node: ast.ClassDef) -> list[str]:
+    return [ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases]
+
+
+@cache
+def _static_exception_classes() -> dict[str, tuple[str, list[str]]]:
+    """``name -> (file, base names)`` for every class under ``weightwire/`` whose bases
+    reach a builtin exception, read from source (no import needed)."""
+    classes: dict[str, tuple[str, list[str]]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                classes[f"{path.relative_to(PACKAGE.parent)}:{node.name}"] = (node.name, _base_names(node))
+    by_name: dict[str, list[str]] = {}
+    for name, bases in classes.values():
+        by_name.setdefault(name, []).extend(bases)
+
+    def is_builtin_exception(name: str) -> bool:
+        value = getattr(builtins, name, None)
+        return isinstance(value, type) and issubclass(value, BaseException)
+
+    exc_names: set[str] = set()
+    grew = True
+    while grew:
+        grew = False
+        for name, bases in by_name.items():
+            if name not in exc_names and any(is_builtin_exception(b) or b in exc_names for b in bases):
+                exc_names.add(name)
+                grew = True
+    return {key: (key.split(":")[0], bases) for key, (name, bases) in classes.items() if name in exc_names}
+
+
+# -- (a) every exception class derives from WeightwireError ----------------------------------
+
+
+def test_every_importable_exception_class_derives_from_the_root() -> None:
+    found = _import_walk()["classes"]
+    assert len(found) >= 30, sorted(found)  # the walk really found the library's classes
+    outside = sorted(name for name, derives in found.items() if not derives)
+    assert not outside, f"exception classes not deriving from WeightwireError: {outside}"
+
+
+def test_the_import_walk_skips_only_modules_that_need_missing_gpu_packages() -> None:
+    for name, reason in _import_walk()["skipped"].items():
+        assert name.endswith("__main__") or name == "weightwire.torch_side.worker.vllm_engines", (name, reason)
+
+
+def test_every_exception_class_in_the_source_derives_from_the_root() -> None:
+    """Covers modules the import walk skips (vLLM / CuPy ones): a class's bases, by name,
+    must lead to ``WeightwireError``."""
+    static = _static_exception_classes()
+    bases_of = {key.split(":")[1]: bases for key, (_, bases) in static.items()}
+    assert len(static) >= 30, sorted(static)
+
+    def reaches_root(name: str, seen: frozenset[str] = frozenset()) -> bool:
+        if name == "WeightwireError":
+            return True
+        if name in seen or name not in bases_of:
+            return False
+        return any(reaches_root(b, seen | {name}) for b in bases_of[name])
+
+    outside = sorted(key for key in static if not reaches_root(key.split(":")[1]))
+    assert not outside, f"exception classes whose bases do not lead to WeightwireError: {outside}"
+    assert bases_of["WeightwireError"] == ["Exception"]
+
+
+def test_the_static_walk_sees_every_class_the_import_walk_sees() -> None:
+    static_names = {key.split(":")[1] for key in _static_exception_classes()}
+    runtime_names = {name.rsplit(".", 1)[1] for name in _import_walk()["classes"]}
+    assert runtime_names <= static_names, sorted(runtime_names - static_names)
+
+
+# -- (b) the tree in the module docstring is the code's tree ----------------------------------
+
+_TREE_LINE = re.compile(r"^(?P<indent> *)(?P<name>\w+)(?: \((?P<mixins>[\w, ]+)\))?(?: +\[(?P<module>[\w.]+)\])?$")
+
+
+def _documented_tree() -> list[tuple[int, str, set[str], str]]:
+    """``(depth, name, builtin mixins, defining module)`` per line of the docstring's tree."""
+    doc = errors.__doc__ or ""
+    block = doc.split("::\n\n", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in block.splitlines():
+        body = line[4:]  # the literal block's own indent
+        match = _TREE_LINE.match(body)
+        assert match, f"unparsable tree line {line!r}"
+        indent = len(match["indent"])
+        assert indent % 2 == 0, line
+        mixins = {m.strip() for m in match["mixins"].split(",")} if match["mixins"] else set()
+        rows.append((indent // 2, match["name"], mixins, match["module"] or ERRORS_MODULE))
+    return rows
+
+
+def test_the_documented_tree_matches_the_classes() -> None:
+    rows = _documented_tree()
+    assert rows[0][:2] == (0, "WeightwireError")
+    parents: list[type] = []
+    for depth, name, mixins, module in rows:
+        cls = getattr(importlib.import_module(module), name)
+        assert cls.__module__ == module, f"{name} is defined in {cls.__module__}, the tree says {module}"
+        del parents[depth:]
+        assert len(parents) == depth, f"{name}: indented below no parent"
+        if parents:
+            assert parents[-1] in cls.__bases__, f"{name}: the tree's parent {parents[-1].__name__} is not a direct base"
+        own = {b.__name__ for b in cls.__bases__ if not issubclass(b, WeightwireError)}
+        if cls is WeightwireError:
+            own = set()  # the root's Exception base is implied
+        assert own == mixins, f"{name}: builtin bases {sorted(own)}, the tree says {sorted(mixins)}"
+        parents.append(cls)
+
+
+def test_the_documented_tree_lists_exactly_the_classes_that_exist() -> None:
+    documented = [name for _, name, _, _ in _documented_tree()]
+    assert len(documented) == len(set(documented)), "a class listed twice"
+    existing = {key.split(":")[1] for key in _static_exception_classes()}
+    assert set(documented) == existing, {"undocumented": sorted(existing - set(documented)),
+                                         "gone": sorted(set(documented) - existing)}
+
+
+def test_every_class_defined_in_the_errors_module_is_in_the_tree_and_documented() -> None:
+    documented = {name for _, name, _, module in _documented_tree() if module == ERRORS_MODULE}
+    defined = {name for name, value in vars(errors).items()
+               if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == ERRORS_MODULE}
+    assert documented == defined
+    for name in defined:
+        assert (getattr(errors, name).__doc__ or "").strip(), f"{name} has no docstring"
+
+
+# -- (c) the builtin mixins callers already catch ---------------------------------------------
+
+
+def test_builtin_mixins_are_kept() -> None:
+    from weightwire._extras import MissingExtra
+    from weightwire.backends.nccl.stock import StockRefusal
+    from weightwire.jax_side.transforms import NamingError
+    from weightwire.trainer.engine import EngineBroken
+    from weightwire.trainer.group import GroupTimeout
+
+    assert issubclass(PeerLost, TransferError) and issubclass(PeerLost, ConnectionError)
+    for timeout in (TransferTimeout, ControlTimeout, GroupTimeout):
+        assert issubclass(timeout, TimeoutError), timeout
+    assert issubclass(ControlTimeout, WeightSyncError) and issubclass(ControlTimeout, TimeoutError)
+    assert not issubclass(ControlTimeout, TransferError)  # a control-plane failure, not the data plane
+    for value_error in (ConfigError, SourceMismatch, StockRefusal, NamingError):
+        assert issubclass(value_error, ValueError), value_error
+    assert issubclass(MissingExtra, ModuleNotFoundError)
+    for runtime in (TransferError, WeightSyncError, EngineBroken):
+        assert issubclass(runtime, RuntimeError), runtime
+
+
+def test_old_import_paths_give_the_same_classes() -> None:
+    from weightwire.control import WeightSyncError as from_control
+    from weightwire.control.errors import WeightSyncError as from_control_errors
+    from weightwire.shared import PeerLost as from_shared
+    from weightwire.shared.communicator import PeerLost as from_communicator
+    from weightwire.shared.communicator import TransferError as transfer_from_communicator
+    from weightwire.shared.source import SourceMismatch as from_source
+    from weightwire.trainer.engine import ControlTimeout as from_engine
+
+    assert from_control is from_control_errors is WeightSyncError
+    assert from_shared is from_communicator is PeerLost
+    assert transfer_from_communicator is TransferError
+    assert from_source is SourceMismatch
+    assert from_engine is ControlTimeout
+
+
+# -- (d) real raises --------------------------------------------------------------------------
+
+
+def test_a_bad_init_info_is_a_value_error_and_a_weightwire_error_naming_the_field() -> None:
+    from weightwire.shared.info import TCPInitInfo
+
+    good = {"host": "127.0.0.1", "port": 40000, "secret_b64": "A" * 172 + "==", "rank_offset": 1, "world_size": 2}
+    with pytest.raises(ValueError, match=r"\.port must be in \[1, 65535\], got 0") as caught:
+        TCPInitInfo.from_dict({**good, "port": 0})
+    assert isinstance(caught.value, ConfigError) and isinstance(caught.value, WeightwireError)
+    with pytest.raises(ConfigError, match="unknown keys.*'prot'"):
+        TCPInitInfo.from_dict({**good, "prot": 1})
+
+
+def test_a_bad_trainer_init_info_is_a_config_error_naming_the_field() -> None:
+    from weightwire.trainer.config import TrainerInitInfo
+
+    with pytest.raises(ConfigError, match="packed_num_buffers must be an int") as caught:
+        TrainerInitInfo(backend="weightwire_tcp", packed_num_buffers=0)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_a_source_that_disagrees_with_its_metadata_raises_a_config_error() -> None:
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.shared.source import checked_iter
+
+    metas = [ParamMeta("w", "float32", (2,))]
+    pairs = checked_iter([("w", None), ("extra", None)], metas, lambda _t: ("float32", (2,)))
+    with pytest.raises(SourceMismatch, match="first extra is 'extra'") as caught:
+        list(pairs)
+    assert isinstance(caught.value, ConfigError) and isinstance(caught.value, ValueError)
+
+
+def test_a_stock_refusal_is_a_config_error() -> None:
+    from weightwire.backends.nccl.stock import StockRefusal, plan_for_stock
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.shared.version import ServerFeatures
+
+    metas = [ParamMeta("mask", "bool", (4,))]
+    with pytest.raises(StockRefusal, match="'mask'") as caught:
+        plan_for_stock(metas, features=ServerFeatures.for_version("0.33.0"), packed=False, buffer_size_bytes=1 << 20)
+    assert isinstance(caught.value, ConfigError) and isinstance(caught.value, ValueError)
+
+
+def test_an_unanswered_control_call_is_a_weight_sync_error_and_a_timeout() -> None:
+    from weightwire.trainer.transfer import await_call as _await
+
+    with pytest.raises(WeightSyncError, match=r"^update_weights \(after the last broadcast\) did not return "
+                                              r"within 0.01 s$") as caught:
+        _await(Future(), 0.01, "update_weights (after the last broadcast)")
+    exc = caught.value
+    assert isinstance(exc, ControlTimeout) and isinstance(exc, TimeoutError)
+    assert (exc.route, exc.status) == ("update_weights", None)
+
+
+def test_control_plane_errors_survive_pickle_and_copy() -> None:
+    refused = WeightSyncError("update_weights", 409, "busy", "http://a")
+    timeout = ControlTimeout("init did not return within 1 s", route="init_weight_transfer_engine", server="http://b")
+    for exc in (refused, timeout):
+        for clone in (pickle.loads(pickle.dumps(exc)), copy.copy(exc)):
+            assert type(clone) is type(exc) and str(clone) == str(exc)
+            assert (clone.route, clone.status, clone.message, clone.server) == (
+                exc.route, exc.status, exc.message, exc.server)
+
+
+def test_a_missing_extra_is_an_import_error_and_a_weightwire_error() -> None:
+    from weightwire._extras import MissingExtra, require
+
+    with pytest.raises(ImportError, match="this test needs 'not_installed_xyz': pip install not_installed_xyz") as caught:
+        require("not_installed_xyz", purpose="this test")
+    assert isinstance(caught.value, MissingExtra) and isinstance(caught.value, WeightwireError)
+    assert caught.value.name == "not_installed_xyz"
+    assert 'pip install "weightwire[jax]"' in str(MissingExtra("flax"))

@@ -1,0 +1,333 @@
+"""The package's import graph, computed statically, keeps the layout's promises.
+
+Read from the source with ``ast`` (nothing is imported, so a rule holds on hosts
+that lack a framework too): every ``import`` of every module under ``weightwire/``,
+marked module-level or function-level (imports under ``if TYPE_CHECKING:`` never run
+and are skipped). Module-level imports run when a module is imported; function-level
+ones are how a framework is kept out until it is needed, so the framework rules read
+module-level imports only.
+
+Rules (``docs/architecture.md``):
+
+- no import cycle between weightwire modules, counting function-level imports (one that
+  imports back a module importing it is a cycle the interpreter merely survives);
+- ``shared`` imports nothing of weightwire outside ``shared`` (at any level) and no
+  jax/torch/cupy/flax (module level);
+- ``jax_side`` never reaches torch or ``torch_side``, ``torch_side`` never reaches
+  jax/flax or ``jax_side`` (transitively, through module-level imports, counting the
+  parent packages a submodule import runs);
+- ``trainer`` and ``control`` reach no framework and neither side (transitively);
+- in ``backends``, only modules named ``worker`` may import torch at module level, and
+  cupy is imported inside functions only.
+
+A failure names the offending import path, module by module.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "weightwire"
+
+JAX = frozenset({"jax", "jaxlib", "flax"})
+TORCH = frozenset({"torch"})
+CUPY = frozenset({"cupy", "cupyx"})
+
+# Cycles that other parts of the redesign (issue #18) remove; empty once they are merged.
+# Each entry: the sorted module set of the cycle's strongly connected component.
+KNOWN_CYCLES: list[frozenset[str]] = [
+    # config.py imports backends.backend_names back inside a function: the backend registry
+    # rework of issue #18 (helper r1) removes it; delete this entry after that merge.
+    frozenset({"weightwire.trainer.backends", "weightwire.trainer.config"}),
+    # multi_source.py imports engine._await back inside a function: the engine split of
+    # issue #18 (helper r4) moves it out; delete this entry after that merge.
+    frozenset({"weightwire.trainer.engine", "weightwire.trainer.multi_source"}),
+]
+
+
+@dataclass
+class Module:
+    name: str
+    is_package: bool
+    internal: set[str] = field(default_factory=set)
+    """weightwire modules imported at module level (explicit imports only)."""
+    external: dict[str, int] = field(default_factory=dict)
+    """top-level names of non-weightwire modules imported at module level -> line."""
+    lines: dict[str, int] = field(default_factory=dict)
+    """weightwire module -> the line of its module-level import."""
+    lazy_internal: set[str] = field(default_factory=set)
+    """weightwire modules imported inside functions (and not at module level)."""
+    lazy_lines: dict[str, int] = field(default_factory=dict)
+
+    def imports(self) -> dict[str, int]:
+        """Every weightwire module this one imports, at any level -> the line."""
+        return {**self.lazy_lines, **self.lines}
+
+
+def _module_name(path: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    if is_package:
+        parts = parts[:-1]
+    return ".".join(parts), is_package
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.Module) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement with ``True`` when it runs at module import time."""
+
+    def walk(nodes: Iterable[ast.AST], top: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+        for node in nodes:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                yield node, top
+            elif isinstance(node, ast.If) and _is_type_checking(node.test):
+                yield from walk(node.orelse, top)  # the ``if TYPE_CHECKING`` body never runs
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                yield from walk(ast.iter_child_nodes(node), False)
+            else:
+                yield from walk(ast.iter_child_nodes(node), top)
+
+    return walk(tree.body, True)
+
+
+def _resolve(module: Module, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.name.split(".")
+    if not module.is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def build_graph() -> dict[str, Module]:
+    modules: dict[str, Module] = {}
+    trees: dict[str, ast.Module] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name, is_package = _module_name(path)
+        modules[name] = Module(name, is_package)
+        trees[name] = ast.parse(path.read_text(), filename=str(path))
+    for name, tree in trees.items():
+        module = modules[name]
+        for node, top in _imports(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = _resolve(module, node)
+                # ``from pkg import sub`` imports the submodule ``pkg.sub`` when there is one.
+                targets = [base, *(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules)]
+            for target in targets:
+                if target.split(".")[0] != "weightwire":
+                    if top:
+                        module.external.setdefault(target.split(".")[0], node.lineno)
+                    continue
+                # ``import weightwire.a.b`` binds a module that exists; a name in it is no module.
+                while target not in modules:
+                    target = target.rpartition(".")[0]
+                if target == name:
+                    continue
+                if top:
+                    module.internal.add(target)
+                    module.lines.setdefault(target, node.lineno)
+                else:
+                    module.lazy_internal.add(target)
+                    module.lazy_lines.setdefault(target, node.lineno)
+        module.lazy_internal -= module.internal
+    return modules
+
+
+GRAPH = build_graph()
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _runtime_edges(name: str) -> Iterator[tuple[str, str]]:
+    """What importing ``name`` runs, each with how: its module-level imports, and before
+    each the parent packages Python imports first."""
+    for target in sorted(GRAPH[name].internal):
+        line = GRAPH[name].lines[target]
+        for parent in _parents(target):
+            if parent in GRAPH and parent != name:
+                yield parent, f"line {line}: import {target} runs package {parent}"
+        yield target, f"line {line}"
+
+
+def reach(start: str) -> dict[str, list[str]]:
+    """Every weightwire module importing ``start`` runs -> the import path to it, as text."""
+    paths = {p: [f"{p} (package of {start})"] for p in _parents(start) if p in GRAPH}
+    paths[start] = [start]
+    todo = [*paths]
+    while todo:
+        current = todo.pop()
+        for target, how in _runtime_edges(current):
+            if target not in paths:
+                paths[target] = [*paths[current][:-1], f"{paths[current][-1]} ({how})", target]
+                todo.append(target)
+    return paths
+
+
+def forbidden_reach(start: str, frameworks: frozenset[str], packages: tuple[str, ...]) -> list[str]:
+    """Each import path from ``start`` to a forbidden framework or weightwire package."""
+    found = []
+    for module, path in sorted(reach(start).items()):
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            found.append(" -> ".join(path))
+        for ext in sorted(set(GRAPH[module].external) & frameworks):
+            hops = [*path[:-1], f"{path[-1]} (line {GRAPH[module].external[ext]})", ext]
+            found.append(" -> ".join(hops))
+    return found
+
+
+def _in(package: str) -> list[str]:
+    return sorted(m for m in GRAPH if m == package or m.startswith(package + "."))
+
+
+def cycles() -> list[tuple[frozenset[str], list[str]]]:
+    """Each strongly connected component of the import graph (Tarjan), with one concrete
+    cycle through it to print.
+
+    Function-level imports count: one that imports back a module importing it at module
+    level is a cycle the interpreter merely does not trip over (the ``# comm imports us``
+    kind), and it couples the two modules all the same."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(GRAPH[v].imports()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    out = []
+    for component in components:
+        start = min(component)
+        # Shortest way back to ``start`` inside the component: the cycle to print.
+        paths = {start: [start]}
+        frontier = [start]
+        cycle: list[str] = []
+        while frontier and not cycle:
+            nxt = []
+            for v in frontier:
+                for w in sorted(set(GRAPH[v].imports()) & component):
+                    if w == start:
+                        cycle = [*paths[v], start]
+                        cycle = [f"{a} (line {GRAPH[a].imports()[b]})" for a, b in zip(cycle, cycle[1:], strict=False)]
+                        cycle.append(start)
+                        break
+                    if w not in paths:
+                        paths[w] = [*paths[v], w]
+                        nxt.append(w)
+                if cycle:
+                    break
+            frontier = nxt
+        out.append((frozenset(component), cycle))
+    return out
+
+
+# -- the graph reader itself ------------------------------------------------------------------
+
+
+def test_the_graph_sees_the_package() -> None:
+    # A reader that found nothing would pass every rule below.
+    assert len(GRAPH) > 100 and "weightwire.trainer.engine" in GRAPH
+    engine = GRAPH["weightwire.trainer.engine"]
+    assert "weightwire.trainer.config" in engine.internal, engine.internal
+    # Function-level imports are recorded apart: the jax side's packer imports jax at module level.
+    assert "jax" in GRAPH["weightwire.jax_side.packer"].external
+
+
+def test_a_cycle_and_a_leak_are_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The checks fail on a planted edge: shared -> trainer -> shared is a cycle and a leak.
+    meta = GRAPH["weightwire.shared.meta"]
+    monkeypatch.setattr(meta, "internal", meta.internal | {"weightwire.trainer.config"})
+    monkeypatch.setitem(meta.lines, "weightwire.trainer.config", 1)
+    assert any({"weightwire.shared.meta", "weightwire.trainer.config"} <= c for c, _ in cycles())
+    leaks = forbidden_reach("weightwire.shared.meta", TORCH, ("weightwire.trainer",))
+    assert leaks and leaks[0].startswith(
+        "weightwire.shared.meta (line 1: import weightwire.trainer.config runs package weightwire.trainer)"), leaks
+
+
+def test_a_function_level_import_back_is_a_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    # limits is imported by info at module level; a lazy import of info inside limits closes a cycle.
+    limits = GRAPH["weightwire.shared.limits"]
+    monkeypatch.setitem(limits.lazy_lines, "weightwire.shared.info", 7)
+    found = [cycle for c, cycle in cycles() if {"weightwire.shared.info", "weightwire.shared.limits"} <= c]
+    assert found and "weightwire.shared.limits (line 7)" in " -> ".join(found[0]), found
+
+
+# -- the rules ---------------------------------------------------------------------------------
+
+
+def test_no_import_cycles() -> None:
+    found = [" -> ".join(cycle) for component, cycle in cycles() if component not in KNOWN_CYCLES]
+    assert found == [], "import cycles:\n" + "\n".join(found)
+
+
+def test_known_cycles_still_exist() -> None:
+    # An entry of KNOWN_CYCLES that no longer cycles must be deleted, so the exception cannot linger.
+    stale = [sorted(known) for known in KNOWN_CYCLES if known not in {c for c, _ in cycles()}]
+    assert stale == [], f"remove from KNOWN_CYCLES: {stale}"
+
+
+@pytest.mark.parametrize("name", _in("weightwire.shared"))
+def test_shared_is_a_sink(name: str) -> None:
+    module = GRAPH[name]
+    outside = sorted(t for t in module.internal | module.lazy_internal
+                     if not (t == "weightwire.shared" or t.startswith("weightwire.shared.")))
+    assert outside == [], f"{name} imports weightwire modules outside shared: {outside}"
+    assert forbidden_reach(name, JAX | TORCH | CUPY, ()) == []
+
+
+@pytest.mark.parametrize("name", _in("weightwire.jax_side"))
+def test_jax_side_never_reaches_torch(name: str) -> None:
+    assert forbidden_reach(name, TORCH, ("weightwire.torch_side",)) == []
+
+
+@pytest.mark.parametrize("name", _in("weightwire.torch_side"))
+def test_torch_side_never_reaches_jax(name: str) -> None:
+    assert forbidden_reach(name, JAX, ("weightwire.jax_side",)) == []
+
+
+@pytest.mark.parametrize("name", _in("weightwire.trainer") + _in("weightwire.control"))
+def test_trainer_and_control_reach_no_framework(name: str) -> None:
+    assert forbidden_reach(name, JAX | TORCH | CUPY, ("weightwire.jax_side", "weightwire.torch_side")) == []
+
+
+@pytest.mark.parametrize("name", _in("weightwire.backends"))
+def test_backends_import_torch_in_worker_modules_only_and_cupy_lazily(name: str) -> None:
+    frameworks = CUPY if name.rpartition(".")[2] == "worker" else TORCH | CUPY
+    assert forbidden_reach(name, frameworks, ()) == []

@@ -1,0 +1,146 @@
+"""Every exception weightwire raises derives from ``WeightwireError``.
+
+The tree (indent = subclass; builtin mixins in parentheses; ``[module]`` where a class is
+defined outside this module)::
+
+    WeightwireError
+      ConfigError (ValueError)
+        SourceMismatch
+        NamingError                          [weightwire.jax_side.transforms]
+        CheckpointError                      [weightwire.jax_side.checkpoint]
+        PlanError                            [weightwire.trainer.broadcast_plan]
+        StockRefusal                         [weightwire.backends.nccl.stock]
+      TransferError (RuntimeError)
+        TransferTimeout (TimeoutError)
+        PeerLost (ConnectionError)
+        RoundAborted                         [weightwire.trainer.pipelines]
+      WeightSyncError (RuntimeError)
+        ControlTimeout (TimeoutError)
+      RoundError
+        EngineBroken (RuntimeError)          [weightwire.trainer.engine]
+        RoundFailed (RuntimeError)           [weightwire.trainer.multi_source]
+        GroupTimeout (TimeoutError)          [weightwire.trainer.group]
+      VerifyError (RuntimeError)             [weightwire.trainer.verify]
+      WeightReceiveError (RuntimeError)      [weightwire.torch_side.worker.core]
+      UnavailableError
+        MissingExtra (ModuleNotFoundError)   [weightwire._extras]
+        NCCLUnavailable (RuntimeError)       [weightwire.backends.nccl.comm]
+        IPCUnavailable (RuntimeError)        [weightwire.backends.ipc.slots]
+      ReferenceServerError
+        ApiError                             [weightwire.torch_side.server.web]
+          ClientGone                         [weightwire.torch_side.server.web]
+          BodyTooLarge                       [weightwire.torch_side.server.web]
+        SessionError                         [weightwire.torch_side.server.session]
+        ReplicaError                         [weightwire.torch_side.server.replicas]
+        FanOutError                          [weightwire.torch_side.server.replicas]
+        GenerationAborted                    [weightwire.torch_side.server.worker_proc]
+        CommitAborted                        [weightwire.torch_side.server.worker_proc]
+        CompletionRequestError (ValueError)  [weightwire.torch_side.server.completions]
+      CommandError                           [weightwire._cli]
+      RolloutError (RuntimeError)            [weightwire.demo.rollout]
+      ChildError (RuntimeError)              [weightwire.demo.server]
+      WireShort                              [weightwire.backends.tcp.wire]
+      _NoOrder                               [weightwire.backends.nccl.stock]
+
+What to catch:
+
+- ``ConfigError`` (a ``ValueError``): fix your input (an init info, a naming, a source,
+  a backend that cannot carry a tensor). Nothing was sent; retrying cannot help.
+- ``WeightSyncError``: a server refused a call (``status`` is its HTTP status) or did not
+  answer (``status is None``; ``ControlTimeout`` for the engine's own bound).
+- ``TransferError``, ``RoundError``, ``WeightSyncError`` with ``status`` ``None`` / 5xx:
+  the round failed and the server kept its previous weights; retry the round (after a
+  mid-transfer failure the engine is ``EngineBroken``: ``trainer_init`` a fresh one).
+- ``UnavailableError``: this machine lacks a package, CuPy or a CUDA device; install it
+  or pick another backend.
+- ``WeightwireError``: anything weightwire raised on purpose (anything else is a bug).
+
+Where each class lives: the classes every layer raises or catches (the contract's data
+plane and control plane errors, ``ConfigError``, ``SourceMismatch``) are defined here;
+their old homes (``shared.communicator``, ``shared.source``, ``control.errors``,
+``trainer.engine``) re-export them, so every existing import path keeps working. A class
+used by one layer only stays in that layer's module, deriving from its branch here. Every
+class keeps the builtin bases it had before the tree existed (a ``StockRefusal`` is still
+a ``ValueError``, ``PeerLost`` still a ``ConnectionError``): an ``except ValueError``
+written against an older weightwire catches exactly what it caught then.
+``tests/shared/test_errors.py`` checks that this tree matches the code.
+
+numpy-free and imports nothing else of weightwire: every layer can import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WeightwireError(Exception):
+    """The root: raised only by weightwire; catch it to handle every failure it reports."""
+
+
+class ConfigError(WeightwireError, ValueError):
+    """Bad user input (init info, naming, source, plan); fix the input, nothing was sent."""
+
+
+class SourceMismatch(ConfigError):
+    """Iteration disagreed with ``metadata()``; raised before the bad tensor is sent: fix the source."""
+
+
+class TransferError(WeightwireError, RuntimeError):
+    """The data plane failed: a peer was lost, refused, or a wait timed out; the round failed."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A wait exceeded its timeout; the communicator has been aborted: retry with a fresh engine."""
+
+
+class PeerLost(TransferError, ConnectionError):
+    """A peer disconnected; the message names the peer and the byte offset: retry the round."""
+
+
+class WeightSyncError(WeightwireError, RuntimeError):
+    """A weight-sync call failed on one server: it refused (``status``) or did not answer.
+
+    ``route`` is the route name (``update_weights``), ``status`` the HTTP status (or
+    ``None`` when no response arrived: connection refused, timeout), ``message`` the
+    server's own error text, ``server`` the base URL (or actor) that failed.
+    """
+
+    def __init__(self, route: str, status: int | None, message: str, server: str) -> None:
+        self.route = route
+        self.status = status
+        self.message = message
+        self.server = server
+        where = f"status {status}" if status is not None else "no response"
+        super().__init__(f"{route} failed on {server} ({where}): {message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keeps the exception copyable by concurrent.futures / logging machinery.
+        return (type(self), (self.route, self.status, self.message, self.server))
+
+
+class ControlTimeout(WeightSyncError, TimeoutError):
+    """A control-plane call (init / update POST) did not answer within ``Timeouts.http_s``.
+
+    A ``WeightSyncError`` with ``status`` ``None`` (no answer), so one ``except
+    WeightSyncError`` covers every control-plane failure; its message is the engine's own
+    text (``"<what> did not return within <s> s"``), without the server prefix.
+    """
+
+    def __init__(self, message: str, *, route: str = "", server: str = "") -> None:
+        self.route, self.status, self.message, self.server = route, None, message, server
+        Exception.__init__(self, message)  # not WeightSyncError's "<route> failed on ..." text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message,), {"route": self.route, "server": self.server})
+
+
+class RoundError(WeightwireError):
+    """A trainer-side round failed outside the data plane and the server (an engine or rank state)."""
+
+
+class UnavailableError(WeightwireError):
+    """This machine lacks something (a package, CuPy, a CUDA device): install it or pick another backend."""
+
+
+class ReferenceServerError(WeightwireError):
+    """Raised inside the reference server and turned into its HTTP reply; a trainer sees a ``WeightSyncError``."""

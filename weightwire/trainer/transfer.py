@@ -1,0 +1,234 @@
+"""The two steps where a control-plane POST runs beside the data plane, and their failure rules.
+
+- ``join_beside_init``: rank 0 joins the backend's rendezvous while the worker init info
+  is POSTed on a side thread (the workers join from inside that request).
+- ``Transfer.run``: a round's broadcasts, with ``start_weight_update`` folded in after
+  the first chunk is prepared and the ``update_weights`` POST on a side thread
+  *concurrently with* the broadcasts (workers receive inside that request).
+
+Failure rules, each preventing a hang or a misleading error: a failed update POST
+aborts the communicator so a broadcast blocked on a worker that gave up returns at
+once; a side thread is never joined on an error path; when the data plane failed
+only because the server rejected the call, the server's error is raised (it names
+the real cause, ``real_cause``), not the secondary transfer error; every wait on a
+POST has a timeout (``await_call``). A round that failed after its first broadcast
+leaves the communicator aborted (``Transfer.broken``): the engine refuses further rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from weightwire.control.fanout import spawn
+from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.errors import ControlTimeout
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.source import WeightSource
+from weightwire.trainer.metrics import PhaseClock
+from weightwire.trainer.pipelines import DevicePipeline, HostPipeline, Prepared
+
+logger = logging.getLogger(__name__)
+
+_GRACE_S = 2.0
+"""How long a failed data plane waits for the server's verdict before raising its own
+(a worker that failed answers its request within milliseconds)."""
+
+_SETTLE_POLL_S = 0.05
+
+
+
+def await_call(future: Future, timeout: float, what: str) -> Any:
+    """The POST's answer (or its own error); ``ControlTimeout`` naming ``what`` if none came in time."""
+    try:
+        return future.result(timeout=timeout)
+    except FutureTimeout:
+        if future.done():  # the call itself raised a TimeoutError: that is its answer
+            raise
+        raise ControlTimeout(f"{what} did not return within {timeout} s", route=what.split()[0]) from None
+
+
+def real_cause(exc: BaseException, post: Future) -> BaseException:
+    """The server's error when the data plane failed because the server gave up.
+
+    A transfer error right after a rejected POST is a consequence; the POST's answer
+    (route, status, server message) says why. Waits briefly for that answer.
+    """
+    if isinstance(exc, TransferError):
+        try:
+            post.exception(timeout=_GRACE_S)
+        except FutureTimeout:
+            return exc
+    if post.done() and post.exception() is not None and isinstance(exc, TransferError):
+        cause = post.exception()
+        assert cause is not None
+        cause.add_note(f"the data plane then failed: {type(exc).__name__}: {exc}")
+        return cause
+    return exc
+
+
+# -- init ----------------------------------------------------------------------------------
+
+
+def join_beside_init(rdv: Any, post_init: Callable[[], Any], *, connect_s: float, what: str) -> tuple[Any, Future]:
+    """Join ``rdv`` while ``post_init`` runs on a side thread; returns ``(comm, post)``.
+
+    Waits for the join unless the POST fails first (the server refused the init info:
+    no worker will ever arrive; its error is raised). A POST that succeeds first is not
+    an end. A join that is still pending when this gives up is aborted if it lands later.
+    """
+    post = spawn(post_init, name="weightwire-init")
+    post.add_done_callback(lambda f: rdv.cancel() if f.exception() is not None else None)
+    join = spawn(lambda: rdv.join(timeout=connect_s), name="weightwire-join")
+    deadline = time.monotonic() + connect_s + _GRACE_S
+    while not join.done() and not (post.done() and post.exception() is not None):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        wait([join] if post.done() else [post, join], timeout=remaining, return_when=FIRST_COMPLETED)
+    if not join.done() and post.done() and post.exception() is not None:
+        join.add_done_callback(_abort_late)  # rank 0 may still join later; release it then
+        raise post.exception()  # type: ignore[misc]
+    if not join.done():
+        join.add_done_callback(_abort_late)
+        rdv.cancel()
+        raise TransferTimeout(f"rank 0 rendezvous ({what}) did not complete within {connect_s} s")
+    try:
+        return join.result(), post
+    except BaseException as exc:
+        raise real_cause(exc, post) from None
+
+
+def _abort_late(join: Future) -> None:
+    if join.exception() is None:
+        join.result().abort()
+
+
+# -- a round -------------------------------------------------------------------------------
+
+
+class Transfer:
+    """One round's data plane with the control plane folded in.
+
+    The pipeline prepares the first chunk, then calls ``begin``: ``control`` (pause +
+    start, booked as the ``control`` phase), then the update POST on a side thread;
+    only then does the first byte go out, so the first chunk's packing overlaps the
+    start round trip. A failure before ``begin`` finished sent nothing: the pipeline is
+    settled and ``broken`` stays ``None`` (the engine stays usable). After it,
+    ``broken`` is the error the engine must refuse further rounds with.
+    """
+
+    def __init__(self, comm: Any, pipeline: HostPipeline | DevicePipeline, *, post_update: Callable[[], Any],
+                 control: Callable[[], None], clock: PhaseClock, http_s: float) -> None:
+        self._comm = comm
+        self._pipeline = pipeline
+        self._post_update = post_update
+        self._control = control
+        self._clock = clock
+        self._http_s = http_s
+        self._stop = threading.Event()
+        self._update: Future | None = None
+        self.broken: BaseException | None = None
+
+    def run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta], *, packed: bool) -> tuple[int, int]:
+        """Broadcast ``prepared``; returns ``(bytes, broadcasts)`` once the update POST answered."""
+        pipeline, stop = self._pipeline, self._stop
+        try:
+            if isinstance(pipeline, DevicePipeline):
+                sent = (pipeline.send_packed(prepared, stop, self._begin) if packed
+                        else pipeline.send_unpacked(prepared, wire_metas, stop, self._begin))
+            else:
+                sent = pipeline.send(prepared, stop, self._begin)
+            assert self._update is not None
+            await_call(self._update, self._http_s, "update_weights (after the last broadcast)")
+            return sent
+        except BaseException as exc:
+            stop.set()
+            if self._update is None:  # nothing went on the wire: settle the local work, keep the engine
+                if isinstance(pipeline, DevicePipeline):
+                    try:
+                        pipeline.drain()
+                    except BaseException as drain_exc:
+                        self.broken = drain_exc
+                        self._comm.abort()
+                raise
+            self.broken = exc
+            self._comm.abort()
+            cause = real_cause(exc, self._update)
+            if cause is exc:
+                raise
+            self.broken = cause
+            raise cause from None
+
+    def _begin(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._control()
+        finally:
+            self._clock.shift("transfer", "control", time.perf_counter() - started)
+        future = spawn(self._post_update, name="weightwire-update")
+        future.add_done_callback(self._on_update_done)
+        self._update = future
+
+    def _on_update_done(self, future: Future) -> None:
+        if future.exception() is not None:
+            # The workers gave up on this round: nothing will ever receive the
+            # pending broadcast, so unblock it now instead of at its timeout.
+            self._stop.set()
+            self._comm.abort()
+
+
+def tensor_stream(source: WeightSource) -> Iterator[tuple[str, Any]]:
+    """The round's ``(name, tensor)`` stream. A source that overrides ``iter_groups``
+    (``PytreeSource``: one jitted call per layer group) is driven per group, so a
+    per-expert MoE costs one device dispatch per layer instead of one per tensor; any
+    other source is iterated as is (the default grouping would only buffer a layer)."""
+    if type(source).iter_groups is WeightSource.iter_groups:
+        return iter(source)
+    return (pair for group in source.iter_groups() for pair in group)
+
+
+def tap(pairs: Iterable[tuple[str, Any]], digests: dict[str, str],
+        sha: Callable[[Any], str]) -> Iterator[tuple[str, Any]]:
+    """``pairs`` unchanged, recording each tensor's digest for the round's verify step."""
+    for name, tensor in pairs:
+        digests[name] = sha(tensor)
+        yield name, tensor
+
+
+# -- around a round ------------------------------------------------------------------------
+
+
+def shutdown_when_settled(client: Any, transfer_s: float) -> None:
+    """``shutdown_weight_transfer_engine``, retried while the server answers 409 because it
+    has not yet failed the round this trainer just abandoned.
+
+    The server fails an abandoned round within one broadcast timeout (its worker's
+    receive) or its round lease (the same bound): bounded by twice that, plus slack.
+    """
+    deadline = time.monotonic() + 2 * transfer_s + _GRACE_S
+    while True:
+        try:
+            client.shutdown_weight_transfer_engine()
+            return
+        except Exception as exc:
+            message = str(getattr(exc, "message", exc))
+            settling = getattr(exc, "status", None) == 409 and (
+                "a weight update is active" in message or "another weight operation" in message)
+            if not settling or time.monotonic() + _SETTLE_POLL_S >= deadline:
+                raise
+        time.sleep(_SETTLE_POLL_S)
+
+
+def best_effort_resume(client: Any) -> None:
+    """``client.resume()`` on a failure path: the round's own error is what the caller
+    must see, so a resume failure is logged, not raised."""
+    try:
+        client.resume()
+    except Exception as exc:
+        logger.warning("resume after a failed round also failed: %s", exc)
