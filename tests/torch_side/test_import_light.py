@@ -31,6 +31,7 @@ def test_package_import_is_light():
     "from weightwire.torch_side import TorchTrainerEngine",
     "from weightwire.torch_side.worker import register; register()",
     "import weightwire.torch_side.worker.connect, weightwire.torch_side.worker.core, weightwire.torch_side.worker.receive",
+    "import weightwire.backends.tcp.worker, weightwire.backends.nccl.worker, weightwire.backends.ipc.worker",
 ])
 def test_torch_side_modules_never_load_jax(what):
     loaded = _loaded(what)

@@ -1,6 +1,7 @@
 """The receiving side: worker engines, receive links, ``HFModelHost`` and the vLLM plugin.
 
-Where a byte lands: ``connect`` (rendezvous) -> ``receive`` (links, unpack) ->
+Where a byte lands: ``connect`` (rendezvous, through the backend registry: each
+backend's link is ``weightwire.backends.<name>.worker``) -> ``receive`` (unpack) ->
 ``core`` (session rules, failure handling, ``load_weights``) -> the model
 (``hf_host.HFModelHost`` in the reference server, vLLM's model inside vLLM).
 
@@ -22,8 +23,8 @@ _EXPORTS: dict[str, str] = {
     "WeightReceiveError": "weightwire.torch_side.worker.core",
     "ReceiveStats": "weightwire.torch_side.worker.core",
     "HFModelHost": "weightwire.torch_side.worker.hf_host",
-    "publish_unique_id": "weightwire.torch_side.worker.connect",
-    "fetch_unique_id": "weightwire.torch_side.worker.connect",
+    "publish_unique_id": "weightwire.backends.nccl.worker",
+    "fetch_unique_id": "weightwire.backends.nccl.worker",
     "register": "weightwire.torch_side.worker.plugin",
 }
 
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from weightwire.torch_side.worker.connect import fetch_unique_id, publish_unique_id
+    from weightwire.backends.nccl.worker import fetch_unique_id, publish_unique_id
     from weightwire.torch_side.worker.core import ReceiveStats, WeightReceiveError
     from weightwire.torch_side.worker.engines import EngineFacade, WeightwireNCCLEngine, WeightwireTCPEngine
     from weightwire.torch_side.worker.hf_host import HFModelHost
