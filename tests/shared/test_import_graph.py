@@ -41,14 +41,7 @@ CUPY = frozenset({"cupy", "cupyx"})
 
 # Cycles that other parts of the redesign (issue #18) remove; empty once they are merged.
 # Each entry: the sorted module set of the cycle's strongly connected component.
-KNOWN_CYCLES: list[frozenset[str]] = [
-    # config.py imports backends.backend_names back inside a function: the backend registry
-    # rework of issue #18 (helper r1) removes it; delete this entry after that merge.
-    frozenset({"weightwire.trainer.backends", "weightwire.trainer.config"}),
-    # multi_source.py imports engine._await back inside a function: the engine split of
-    # issue #18 (helper r4) moves it out; delete this entry after that merge.
-    frozenset({"weightwire.trainer.engine", "weightwire.trainer.multi_source"}),
-]
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 @dataclass
