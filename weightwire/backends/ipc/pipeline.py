@@ -38,7 +38,7 @@ from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.pipelines import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
 
-if TYPE_CHECKING:  # the trainer module makes this pipeline (IPCBackend.device_pipeline)
+if TYPE_CHECKING:  # the rendezvous (ipc.trainer) builds this pipeline: a runtime import would cycle
     from weightwire.backends.ipc.trainer import IPCSenderComm
 
 
