@@ -186,3 +186,15 @@ def test_plugin_backend_names_are_written_once_in_code() -> None:
     found = {str(p.relative_to(ROOT)): sorted(_code_strings(p) & names)
              for p in sorted((ROOT / "weightwire").rglob("*.py")) if p not in allowed}
     assert {p: n for p, n in found.items() if n} == {}
+
+
+def test_the_nccl_store_rendezvous_keeps_its_public_path() -> None:
+    pytest.importorskip("torch")
+    from weightwire.backends.nccl import worker as nccl_worker  # noqa: PLC0415
+    from weightwire.torch_side import worker  # noqa: PLC0415
+    from weightwire.torch_side.worker import connect  # noqa: PLC0415
+
+    assert worker.publish_unique_id is connect.publish_unique_id is nccl_worker.publish_unique_id
+    assert worker.fetch_unique_id is connect.fetch_unique_id is nccl_worker.fetch_unique_id
+    with pytest.raises(AttributeError, match="no attribute 'connect_tcp'"):
+        _ = connect.connect_tcp  # the per-backend functions live in their packages only

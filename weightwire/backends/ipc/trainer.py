@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightwire.backends import IPC
 from weightwire.backends.ipc.channel import Channel, Listener, check_int
+from weightwire.backends.ipc.pipeline import IPCPipeline
 from weightwire.backends.ipc.slots import IPCSlots, cupy_module, device_uuid, ipc_available, open_event
 from weightwire.shared.communicator import Communicator, TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
@@ -195,8 +196,6 @@ class IPCBackend(Backend):
         return _PendingIPC(rdv.payload, rdv)
 
     def device_pipeline(self, comm: Any, packer: Any, *, num_buffers: int, timeout: float, hold_bytes: int) -> Any:
-        from weightwire.backends.ipc.pipeline import IPCPipeline  # noqa: PLC0415
-
         return IPCPipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
 
 

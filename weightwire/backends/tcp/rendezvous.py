@@ -8,7 +8,7 @@ rank ``1 .. world_size-1`` has joined, or raises naming the ones that did not.
 Idle connections cannot lock the workers out: a peer gets ``HANDSHAKE_S`` to prove
 the secret (a real worker needs one round trip), and when ``_MAX_PENDING_HANDSHAKES``
 unproven peers are pending the oldest is dropped to make room for the newcomer
-(workers retry a handshake that was dropped, see ``worker.connect``).
+(workers retry a handshake that was dropped, see ``tcp.worker.connect_tcp``).
 """
 
 from __future__ import annotations

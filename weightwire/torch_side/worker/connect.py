@@ -5,6 +5,10 @@
 (``weightwire.backends.<name>.worker``) and is imported on the first init, so a
 TCP-only CPU worker never imports the NCCL or IPC code (nor cupy), and a process
 that only registers the plugin imports none of them.
+
+``publish_unique_id`` / ``fetch_unique_id`` (the ``weightwire_nccl`` address/port
+rendezvous, ``weightwire.backends.nccl.worker``) are also reachable here, imported on
+first use: this is the path ``weightwire.torch_side.worker`` exports them from.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ if TYPE_CHECKING:
 
     from weightwire.torch_side.worker.receive import ReceiveLink
 
+_NCCL_STORE = ("publish_unique_id", "fetch_unique_id", "UNIQUE_ID_KEY")
+
 
 def connect(info: Any, *, rank: int, device: torch.device) -> ReceiveLink:
     """Join the trainer's group as ``rank`` on ``device`` with ``info`` (a shared init info)."""
@@ -27,3 +33,9 @@ def connect(info: Any, *, rank: int, device: torch.device) -> ReceiveLink:
                          f"a weightwire worker speaks {', '.join(backends.PLUGIN_BACKENDS)}")
     link: ReceiveLink = backends.load(spec.connect)(info, rank=rank, device=device)
     return link
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NCCL_STORE:
+        return backends.load(f"weightwire.backends.nccl.worker:{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
