@@ -14,6 +14,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from weightwire import backends
 from weightwire.torch_side.worker import plugin
 
 VLLM_PYTHON = os.environ.get("WEIGHTWIRE_VLLM_PYTHON", "/work/vllm_venv/bin/python")
@@ -80,7 +81,7 @@ def test_plugin_and_tcp_engine_inside_real_vllm():
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = _result(proc.stdout)
     assert result["ok"] and result["rounds"] == 2
-    assert set(result["resolved"]) == {"weightwire_tcp", "weightwire_nccl"}
+    assert set(result["resolved"]) == set(backends.PLUGIN_BACKENDS)
 
 
 @pytest.mark.interop
