@@ -50,7 +50,7 @@ What to catch:
   answer (``status is None``; ``ControlTimeout`` for the engine's own bound).
 - ``TransferError``, ``RoundError``, ``WeightSyncError`` with ``status`` ``None`` / 5xx:
   the round failed and the server kept its previous weights; retry the round (after a
-  mid-transfer failure the engine is ``EngineBroken``: ``trainer_init`` a fresh one).
+  mid-transfer failure the engine is ``EngineBroken``: ``shutdown()`` and ``trainer_init()`` again).
 - ``UnavailableError``: this machine lacks a package, CuPy or a CUDA device; install it
   or pick another backend.
 - ``WeightwireError``: anything weightwire raised on purpose (anything else is a bug).

@@ -67,7 +67,7 @@ _GRACE_S = 2.0
 
 
 class EngineBroken(RoundError, RuntimeError):
-    """A previous round failed mid-transfer; the communicator is aborted: ``trainer_init`` a fresh engine."""
+    """A previous round failed mid-transfer (communicator aborted): ``shutdown()``, then ``trainer_init()`` again."""
 
 
 def _await(future: Future, timeout: float, what: str) -> Any:
