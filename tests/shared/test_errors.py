@@ -192,6 +192,13 @@ def test_the_documented_tree_lists_exactly_the_classes_that_exist() -> None:
                                          "gone": sorted(set(documented) - existing)}
 
 
+def test_docs_errors_md_shows_the_same_tree() -> None:
+    doc = (PACKAGE.parent / "docs" / "errors.md").read_text()
+    block = (errors.__doc__ or "").split("::\n\n", 1)[1].split("\n\n", 1)[0]
+    tree = "\n".join(line[4:] for line in block.splitlines())
+    assert f"```\n{tree}\n```" in doc, "docs/errors.md's tree differs from weightwire/shared/errors.py's"
+
+
 def test_every_class_defined_in_the_errors_module_is_in_the_tree_and_documented() -> None:
     documented = {name for _, name, _, module in _documented_tree() if module == ERRORS_MODULE}
     defined = {name for name, value in vars(errors).items()

@@ -50,7 +50,7 @@ What to catch:
   answer (``status is None``; ``ControlTimeout`` for the engine's own bound).
 - ``TransferError``, ``RoundError``, ``WeightSyncError`` with ``status`` ``None`` / 5xx:
   the round failed and the server kept its previous weights; retry the round (after a
-  mid-transfer failure the engine is ``EngineBroken``: ``trainer_init`` a fresh one).
+  mid-transfer failure the engine is ``EngineBroken``: ``shutdown()`` and ``trainer_init()`` again).
 - ``UnavailableError``: this machine lacks a package, CuPy or a CUDA device; install it
   or pick another backend.
 - ``WeightwireError``: anything weightwire raised on purpose (anything else is a bug).
@@ -62,7 +62,9 @@ their old homes (``shared.communicator``, ``shared.source``, ``control.errors``,
 used by one layer only stays in that layer's module, deriving from its branch here. Every
 class keeps the builtin bases it had before the tree existed (a ``StockRefusal`` is still
 a ``ValueError``, ``PeerLost`` still a ``ConnectionError``): an ``except ValueError``
-written against an older weightwire catches exactly what it caught then.
+written against an older weightwire catches what it caught then. One class gained a base:
+``ControlTimeout`` is now a ``WeightSyncError`` (hence also a ``RuntimeError``), so one
+``except WeightSyncError`` covers every control-plane failure.
 ``tests/shared/test_errors.py`` checks that this tree matches the code.
 
 numpy-free and imports nothing else of weightwire: every layer can import it.
@@ -86,7 +88,7 @@ class SourceMismatch(ConfigError):
 
 
 class TransferError(WeightwireError, RuntimeError):
-    """The data plane failed: a peer was lost, refused, or a wait timed out; the round failed."""
+    """The data plane failed (a peer lost or refused, a wait timed out): the round failed; re-init and retry."""
 
 
 class TransferTimeout(TransferError, TimeoutError):
@@ -135,7 +137,7 @@ class ControlTimeout(WeightSyncError, TimeoutError):
 
 
 class RoundError(WeightwireError):
-    """A trainer-side round failed outside the data plane and the server (an engine or rank state)."""
+    """A round failed on the trainer side (a broken engine, a failed or silent rank): re-init, then retry it."""
 
 
 class UnavailableError(WeightwireError):

@@ -68,7 +68,7 @@ __all__ = ["ControlTimeout", "EngineBroken", "TrainerEngine"]  # ControlTimeout:
 
 
 class EngineBroken(RoundError, RuntimeError):
-    """A previous round failed mid-transfer; the communicator is aborted: ``trainer_init`` a fresh engine."""
+    """A previous round failed mid-transfer (communicator aborted): ``shutdown()``, then ``trainer_init()`` again."""
 
 
 class TrainerEngine(ABC):
