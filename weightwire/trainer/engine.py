@@ -58,7 +58,7 @@ from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, chunked
 from weightwire.trainer.verify import RoundVerifier
 
-logger = logging.getLogger("weightwire.trainer")
+logger = logging.getLogger(__name__)
 
 _GRACE_S = 2.0
 """How long a failed data plane waits for the server's verdict before raising its own

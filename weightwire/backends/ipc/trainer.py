@@ -23,7 +23,7 @@ from weightwire.shared.communicator import TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
 
-logger = logging.getLogger("weightwire.backends.ipc.slots")
+logger = logging.getLogger(__name__)
 
 
 class IPCSenderComm:

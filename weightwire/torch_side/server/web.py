@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-log = logging.getLogger("weightwire.server")
+log = logging.getLogger(__name__)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20

@@ -17,7 +17,7 @@ from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES, TCPInitInfo, Weightwire
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.receive import NCCLLink, ReceiveLink, TCPLink
 
-log = logging.getLogger("weightwire.worker")
+log = logging.getLogger(__name__)
 
 UNIQUE_ID_KEY = "weightwire/nccl_unique_id/v1"
 """TCPStore key under which a weightwire trainer publishes the 128-byte NCCL unique id

@@ -47,7 +47,7 @@ from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.receive import ReceiveLink, unpack_chunk
 from weightwire.torch_side.worker.spec import ModelSpec
 
-log = logging.getLogger("weightwire.torch_side.worker")
+log = logging.getLogger(__name__)
 
 InitInfo = TCPInitInfo | WeightwireNCCLInitInfo
 Connect = Callable[..., ReceiveLink]  # (info, *, rank, device) -> ReceiveLink

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("weightwire.torch_side.worker.plugin")
+log = logging.getLogger(__name__)
 
 ENGINE_MODULE = "weightwire.torch_side.worker.vllm_engines"
 BACKENDS: dict[str, str] = {
