@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from weightwire.jax_side.source import PytreeSource
+from weightwire import HTTPWeightSyncClient, JAXTrainerEngine, PytreeSource, TrainerInitInfo
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -22,10 +22,6 @@ def report_and_send(source: PytreeSource, args: argparse.Namespace, label: str) 
           f"{sum(m.nbytes for m in metas) / 1e6:.2f} MB; first {metas[0].name}, last {metas[-1].name}")
     if not args.server:
         return
-    from weightwire.control.client import HTTPWeightSyncClient
-    from weightwire.jax_side.engine import JAXTrainerEngine
-    from weightwire.trainer.config import TrainerInitInfo
-
     client = HTTPWeightSyncClient(args.server, timeout=300)
     engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend=args.backend), client=client, source=source)
     try:

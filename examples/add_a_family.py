@@ -22,8 +22,18 @@ import tempfile
 
 import numpy as np
 
-from weightwire.jax_side.naming import Naming, Rule, Stacked, Transpose, drop
-from weightwire.jax_side.presets import preset, register_family
+from weightwire import (
+    Naming,
+    PytreeSource,
+    Rule,
+    Stacked,
+    Transpose,
+    drop,
+    preset,
+    pytree_from_hf,
+    read_safetensors,
+    register_family,
+)
 
 
 # ---------------------------------------------------------------- the family: 30 lines
@@ -78,9 +88,6 @@ def olmo2_layout(hf: dict, *, scan_layers: bool) -> dict:
 
 def main() -> int:
     import transformers
-
-    from weightwire.jax_side.checkpoint import pytree_from_hf, read_safetensors
-    from weightwire.jax_side.source import PytreeSource
 
     cfg = transformers.AutoConfig.for_model("olmo2", vocab_size=128, hidden_size=32, intermediate_size=48,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

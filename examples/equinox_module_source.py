@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from _send import parser, report_and_send
 
-from weightwire.jax_side import PytreeSource, preset
+from weightwire import PytreeSource, preset
 
 D, F, V, H, KV, HD, LAYERS = 64, 128, 256, 4, 2, 16, 2
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 import jax
 from _send import parser, report_and_send
 
-from weightwire.jax_side import PytreeSource
-from weightwire.jax_side.checkpoint import load_decoder
+from weightwire import PytreeSource, load_decoder
 from weightwire.jax_side.models import decoder
 
 

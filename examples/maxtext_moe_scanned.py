@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from _send import parser, report_and_send
 
-from weightwire.jax_side import PytreeSource
-from weightwire.jax_side.naming import MergeAxes, Naming, Rule, Stacked, Transpose
+from weightwire import MergeAxes, Naming, PytreeSource, Rule, Stacked, Transpose
 
 L, HF, MOE = "decoder/layers", "model.layers.{layer}", "model.layers.{layer}.block_sparse_moe"
 SCAN, EXPERT, T = Stacked(axis=1), Stacked(axis=0, field="expert"), Transpose()

@@ -34,13 +34,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.jax_side.checkpoint import pytree_from_hf, read_safetensors
-from weightwire.jax_side.engine import JAXTrainerEngine
-from weightwire.jax_side.naming import Naming, Rule
-from weightwire.jax_side.source import PytreeSource
-from weightwire.jax_side.transforms import MergeAxes, Stacked, Transpose
-from weightwire.trainer.config import TrainerInitInfo
+from weightwire import (
+    HTTPWeightSyncClient,
+    JAXTrainerEngine,
+    MergeAxes,
+    Naming,
+    PytreeSource,
+    Rule,
+    Stacked,
+    TrainerInitInfo,
+    Transpose,
+    pytree_from_hf,
+    read_safetensors,
+)
 
 L = "decoder/layers"
 HF = "model.layers.{layer}"

@@ -26,20 +26,40 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.demo.policy import token_logprobs
-from weightwire.demo.rollout import CompletionsClient
-from weightwire.jax_side.checkpoint import load_decoder
-from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire import (
+    HTTPWeightSyncClient,
+    JAXTrainerEngine,
+    PytreeSource,
+    RayWeightSyncClient,
+    TrainerInitInfo,
+    load_decoder,
+)
 from weightwire.jax_side.models import decoder
-from weightwire.jax_side.source import PytreeSource
-from weightwire.trainer.config import TrainerInitInfo
 
 PROMPT = np.asarray([5, 17, 42, 99, 123, 7], np.int32)
+
+
+def token_logprobs(params: Any, seqs: jax.Array, cfg: decoder.DecoderConfig) -> jax.Array:
+    """``[B, T-1]``: log p(seqs[:, t+1] | seqs[:, :t+1]) under the JAX model, in float32."""
+    logits = decoder.apply(params, seqs[:, :-1], cfg).astype(jnp.float32)
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), seqs[:, 1:, None], axis=-1)[..., 0]
+
+
+def greedy(url: str, prompt: np.ndarray, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The server's greedy completion of ``prompt``, in token ids over ``/v1/completions``:
+    ``(prompt + completion [1, P+N], the server's log-probability of each completion token [1, N])``."""
+    reply = httpx.post(f"{url.rstrip('/')}/v1/completions", timeout=120, json={
+        "prompt": prompt.tolist(), "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    reply.raise_for_status()
+    choice = reply.json()["choices"][0]
+    sequence = np.asarray([[*prompt.tolist(), *choice["token_ids"]]], np.int32)
+    return sequence, np.asarray([choice["logprobs"]["token_logprobs"]], np.float32)
 
 
 def perturb(params: Any, seed: int, scale: float = 0.02) -> Any:
@@ -54,8 +74,6 @@ def ray_replicas(model: str, replicas: int, tp: int) -> tuple[Any, list[Any]]:
     import ray  # noqa: PLC0415
     import vllm  # noqa: PLC0415
     from vllm import LLM  # noqa: PLC0415
-
-    from weightwire.control.ray_client import RayWeightSyncClient  # noqa: PLC0415
 
     ray.init(ignore_reinit_error=True)
     actor = ray.remote(num_gpus=tp)(LLM)
@@ -84,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg, params0 = load_decoder(model_dir)
     if args.ray:
         client, _handles = ray_replicas(model_dir, args.replicas, args.tp)
-        completions: list[CompletionsClient] = []
+        urls: list[str] = []  # vllm.LLM actors serve no HTTP: versions are checked, log-probs are not
     else:
         client = HTTPWeightSyncClient(args.urls, timeout=300)
-        completions = [CompletionsClient(u) for u in args.urls]
+        urls = args.urls
     live = {"params": params0}
     source = PytreeSource(lambda: live["params"], decoder.naming(cfg))
     on_gpu = args.backend != "weightwire_tcp"
@@ -100,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             m = engine.send_weights(weight_version=f"step-{step}")
             versions = [info["weight_version"] for info in client.weight_info()]
             diffs = []
-            for c in completions:
-                out = c.generate(PROMPT[None], max_tokens=8, temperature=0.0)
-                mine = np.asarray(token_logprobs(live["params"], jnp.asarray(out.sequences), cfg))[:, len(PROMPT) - 1:]
-                diffs.append(float(np.max(np.abs(mine - out.logprobs))))
+            for url in urls:
+                sequence, served = greedy(url, PROMPT, max_tokens=8)
+                mine = np.asarray(token_logprobs(live["params"], jnp.asarray(sequence), cfg))[:, len(PROMPT) - 1:]
+                diffs.append(float(np.max(np.abs(mine - served))))
             ok = all(v == f"step-{step}" for v in versions) and all(d < 1e-3 for d in diffs)
             print(f"step {step}: sync {m.total_seconds * 1e3:.1f} ms, versions {versions}, "
                   f"max |dlogp| per replica {[f'{d:.1e}' for d in diffs]} {'ok' if ok else 'MISMATCH'}", flush=True)
@@ -111,8 +129,6 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
     finally:
         engine.shutdown()
-        for c in completions:
-            c.close()
     return 0
 
 

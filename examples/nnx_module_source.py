@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from _send import parser, report_and_send
 from flax import nnx
 
-from weightwire.jax_side import PytreeSource, preset
+from weightwire import PytreeSource, preset
 
 D, F, V, H, KV, HD, E, LAYERS = 64, 32, 256, 4, 2, 16, 8, 2
 

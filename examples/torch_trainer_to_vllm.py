@@ -27,10 +27,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.torch_side.sender.engine import TorchTrainerEngine
-from weightwire.torch_side.sender.source import ModuleSource
-from weightwire.trainer.config import TrainerInitInfo
+from weightwire import HTTPWeightSyncClient, ModuleSource, TorchTrainerEngine, TrainerInitInfo
 
 SENTENCE = "The trainer sends fresh weights to the inference server after every step."
 

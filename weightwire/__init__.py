@@ -1,14 +1,69 @@
 """weightwire: push trainer weights (JAX or PyTorch) into vLLM inference workers.
 
-Layout, following a byte from trainer to worker:
+Layout, following a byte from trainer to worker (``docs/architecture.md``):
 
-- ``shared``      the wire contract both sides import (numpy only).
-- ``jax_side``    pytree -> HF names, ``PytreeSource``, ``JAXTrainerEngine`` (no torch).
-- ``torch_side``  ``ModuleSource``, ``TorchTrainerEngine``, worker engines, vLLM plugin,
-                  reference server (no jax).
-- ``transport``   the communicators that move bytes (TCP, NCCL via cupy); framework-free.
-- ``control``     the HTTP / Ray clients that drive a vLLM server's weight-sync routes.
-- ``trainer``     the framework-neutral round driver both trainer engines share.
+- ``shared``     the contract both sides import (numpy only): metadata, init infos, framing, routes, errors.
+- ``backends``   one package per wire (``tcp``, ``nccl``, ``ipc``): its bytes on both sides, and the registry.
+- ``trainer``    the framework-neutral round driver (``TrainerInitInfo``, ``RoundMetrics``, verify).
+- ``control``    the HTTP / Ray clients that drive a vLLM server's weight-sync routes.
+- ``jax_side``   pytree -> HF names, ``PytreeSource``, ``JAXTrainerEngine`` (never torch).
+- ``torch_side`` ``sender`` (``ModuleSource``, ``TorchTrainerEngine``), ``worker`` (engines, vLLM plugin),
+                 ``server`` (the reference server); never jax.
+- ``testing``    test doubles for users' tests (a loopback receiver).
+
+``from weightwire import JAXTrainerEngine, PytreeSource, TrainerInitInfo, ...``: every name
+below is imported on first use, so ``import weightwire`` loads no framework (nor httpx).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from weightwire._lazy import attach
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is imported on first use
+    from weightwire._extras import MissingExtra as MissingExtra
+    from weightwire.backends.nccl.stock import StockRefusal as StockRefusal
+    from weightwire.control.client import HTTPWeightSyncClient as HTTPWeightSyncClient
+    from weightwire.control.errors import WeightSyncError as WeightSyncError
+    from weightwire.control.ray_client import RayWeightSyncClient as RayWeightSyncClient
+    from weightwire.jax_side import JAXTrainerEngine as JAXTrainerEngine
+    from weightwire.jax_side import MergeAxes as MergeAxes
+    from weightwire.jax_side import Naming as Naming
+    from weightwire.jax_side import NamingError as NamingError
+    from weightwire.jax_side import PytreeSource as PytreeSource
+    from weightwire.jax_side import Rule as Rule
+    from weightwire.jax_side import Stacked as Stacked
+    from weightwire.jax_side import Transpose as Transpose
+    from weightwire.jax_side import drop as drop
+    from weightwire.jax_side import load_decoder as load_decoder
+    from weightwire.jax_side import preset as preset
+    from weightwire.jax_side import pytree_from_hf as pytree_from_hf
+    from weightwire.jax_side import read_safetensors as read_safetensors
+    from weightwire.jax_side import register_family as register_family
+    from weightwire.shared.communicator import PeerLost as PeerLost
+    from weightwire.shared.communicator import TransferError as TransferError
+    from weightwire.shared.communicator import TransferTimeout as TransferTimeout
+    from weightwire.shared.errors import ConfigError as ConfigError
+    from weightwire.shared.errors import WeightwireError as WeightwireError
+    from weightwire.shared.info import NCCLInitInfo as NCCLInitInfo
+    from weightwire.shared.info import TCPInitInfo as TCPInitInfo
+    from weightwire.shared.info import UpdateInfo as UpdateInfo
+    from weightwire.shared.info import WeightwireNCCLInitInfo as WeightwireNCCLInitInfo
+    from weightwire.shared.ipc_info import IPCInitInfo as IPCInitInfo
+    from weightwire.shared.meta import ParamMeta as ParamMeta
+    from weightwire.shared.source import SourceMismatch as SourceMismatch
+    from weightwire.shared.source import WeightSource as WeightSource
+    from weightwire.shared.timeouts import Timeouts as Timeouts
+    from weightwire.torch_side import ModuleSource as ModuleSource
+    from weightwire.torch_side import TorchTrainerEngine as TorchTrainerEngine
+    from weightwire.trainer.config import TrainerInitInfo as TrainerInitInfo
+    from weightwire.trainer.engine import ControlTimeout as ControlTimeout
+    from weightwire.trainer.engine import EngineBroken as EngineBroken
+    from weightwire.trainer.metrics import RoundMetrics as RoundMetrics
+    from weightwire.trainer.verify import VerifyError as VerifyError
+    from weightwire.trainer.verify import VerifyReport as VerifyReport
+
+__getattr__, __dir__ = attach(__name__, globals())

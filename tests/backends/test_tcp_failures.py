@@ -42,7 +42,7 @@ def raw_auth(rendezvous: TCPRendezvous, rank: int, world_size: int) -> int:
 
 def test_wrong_secret_is_refused_on_both_sides_and_accept_waits_for_the_real_receiver(caplog):
     rendezvous = TCPRendezvous(world_size=2)
-    with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.WARNING, logger="weightwire.backends.tcp.comm"):
+    with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.WARNING, logger="weightwire.backends.tcp.rendezvous"):
         accepted = pool.submit(rendezvous.accept, timeout=20)
         with pytest.raises(TransferError, match=r"refused rank 1 \(world_size 2\): wrong secret"):
             connect(rendezvous, 1, secret=secrets.token_bytes(128))

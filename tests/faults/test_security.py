@@ -86,7 +86,7 @@ def test_tcp_impostor_is_refused_and_the_real_worker_joins(shared_server: Server
             t.join(10)
             self.inner.init_weight_transfer_engine(init_info)
 
-    caplog.set_level(logging.WARNING, logger="weightwire.backends.tcp.comm")
+    caplog.set_level(logging.WARNING, logger="weightwire.backends.tcp.rendezvous")
     engine = engine_for(shared_server.url, source, client=Impostor(client_for(shared_server.url)))
     try:
         want = source.perturb(301)

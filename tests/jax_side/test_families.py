@@ -18,7 +18,7 @@ from weightwire.jax_side.checkpoint import CheckpointError, pytree_from_hf, read
 from weightwire.jax_side.layouts import preset_for_hf
 from weightwire.jax_side.layouts import preset_layout as jax_template
 from weightwire.jax_side.naming import Naming, NamingError, Rule, Stacked, Transpose
-from weightwire.shared import layerwise_groups
+from weightwire.shared.groups import layerwise_groups
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -60,8 +60,3 @@ def jax_dtype(dtype: Any) -> np.dtype:
 def describe(array: Any) -> tuple[str, tuple[int, ...]]:
     """``(wire dtype name, shape)`` of an array or ShapeDtypeStruct, for ``checked_iter``."""
     return wire_name(array.dtype), tuple(map(int, array.shape))
-
-
-def is_floating(dtype: Any) -> bool:
-    """True for the float dtypes a source-wide cast applies to (ints and bools keep theirs)."""
-    return bool(jax.numpy.issubdtype(np.dtype(dtype), jax.numpy.floating))

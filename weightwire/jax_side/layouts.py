@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from weightwire.jax_side.naming import Naming
-from weightwire.jax_side.presets import preset
+from weightwire.jax_side.preset_layers import MOE_STYLES
+from weightwire.jax_side.presets import DECODER_FAMILIES, family_options, preset
 
-LAYOUT_FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-                   "qwen2_moe", "qwen3_moe", "mixtral")
-_TIED = ("gemma", "gemma2", "gemma3")  # HF's default when config.json omits tie_word_embeddings
+# What sets the families apart is read from the presets' table (``presets.family_options``),
+# so a layout cannot disagree with the preset that maps it.
+LAYOUT_FAMILIES = DECODER_FAMILIES
 
 
 def n_experts(hf: dict[str, Any]) -> int:
@@ -35,6 +36,7 @@ def preset_layout(family: str, hf: dict[str, Any], *, scan_layers: bool = False,
     **layout)`` maps; the layout switches are the preset options of the same names."""
     if family not in LAYOUT_FAMILIES:
         raise ValueError(f"no layout for family {family!r}; known: {', '.join(LAYOUT_FAMILIES)}")
+    opts = family_options(family)
     d, v, n = hf["hidden_size"], hf["vocab_size"], hf["num_hidden_layers"]
     h, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     hd, f = hf.get("head_dim") or d // h, hf["intermediate_size"]
@@ -49,29 +51,29 @@ def preset_layout(family: str, hf: dict[str, Any], *, scan_layers: bool = False,
     attn: dict[str, Any] = ({"qkv_proj": k(d, (h + 2 * kv) * hd)} if fused_qkv else
                             {"q_proj": k(d, h * hd), "k_proj": k(d, kv * hd), "v_proj": k(d, kv * hd)})
     attn["o_proj"] = k(h * hd, d)
-    if family in ("qwen2", "qwen2_moe"):
+    if opts["qkv_bias"]:
         for p in ("q_proj", "k_proj", "v_proj"):
             attn[p]["bias"] = s(attn[p]["kernel"].shape[-1])
-    if family in ("qwen3", "gemma3", "qwen3_moe"):
+    if opts["qk_norm"]:
         attn["q_norm"], attn["k_norm"] = {"scale": s(hd)}, {"scale": s(hd)}
     layer: dict[str, Any] = {"self_attn": attn, "input_layernorm": {"scale": s(d)},
                              "post_attention_layernorm": {"scale": s(d)}}
-    if family in ("gemma2", "gemma3"):
+    if opts["sandwich_norms"]:
         layer["pre_feedforward_layernorm"] = {"scale": s(d)}
         layer["post_feedforward_layernorm"] = {"scale": s(d)}
     e = n_experts(hf)
     if e:
-        m = hf["moe_intermediate_size"] if family != "mixtral" else f
-        names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        block_name, router, experts_name, names = MOE_STYLES[opts["moe"]]
+        m = f if opts["moe"] == "mixtral" else hf["moe_intermediate_size"]  # Mixtral's are intermediate_size wide
         experts = ({"gate_up_proj": {"kernel": s(e, d, 2 * m)}} if fused_gate_up else
                    {names[0]: {"kernel": s(e, d, m)}, names[1]: {"kernel": s(e, d, m)}})
         experts[names[2]] = {"kernel": s(e, m, d)}
-        block: dict[str, Any] = {"gate": k(d, e), "experts": experts}
-        if family == "qwen2_moe":
+        block: dict[str, Any] = {router: k(d, e), experts_name: experts}
+        if opts["shared_expert"]:
             sf = hf["shared_expert_intermediate_size"]
             block["shared_expert"] = {"gate_proj": k(d, sf), "up_proj": k(d, sf), "down_proj": k(sf, d)}
             block["shared_expert_gate"] = k(d, 1)
-        layer["block_sparse_moe" if family == "mixtral" else "mlp"] = block
+        layer[block_name] = block
     else:
         mlp = {"gate_up_proj": k(d, 2 * f)} if fused_gate_up else {"gate_proj": k(d, f), "up_proj": k(d, f)}
         layer["mlp"] = {**mlp, "down_proj": k(f, d)}
@@ -91,9 +93,11 @@ def preset_for_hf(family: str, hf: dict[str, Any], **layout: Any) -> Naming:
     """``preset(family, ...)`` with the options an HF config fixes (tied head, the sizes
     fused layouts need) filled in from ``hf``; ``layout``: the JAX-side switches
     (``scan_layers``, ``fused_qkv``, ``fused_gate_up``, ...)."""
-    o: dict[str, Any] = {"tie_word_embeddings": bool(hf.get("tie_word_embeddings", family in _TIED)), **layout}
+    # HF's default when config.json omits tie_word_embeddings is the family's own.
+    tied = hf.get("tie_word_embeddings", family_options(family)["tie_word_embeddings"])
+    o: dict[str, Any] = {"tie_word_embeddings": bool(tied), **layout}
     heads = hf["num_attention_heads"]
-    if family != "phi3":  # Phi-3's HF tensors are fused already: nothing to cut
+    if not family_options(family)["hf_fused"]:  # Phi-3's HF tensors are fused already: nothing to cut
         if layout.get("fused_qkv"):
             o.setdefault("num_attention_heads", heads)
             o.setdefault("num_key_value_heads", hf.get("num_key_value_heads") or heads)

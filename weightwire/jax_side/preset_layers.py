@@ -27,7 +27,9 @@ MOE_STYLES = {
 _T = Transpose()
 
 
-def _need(o: dict[str, Any], why: str, *keys: str) -> list[int]:
+def need_sizes(o: dict[str, Any], why: str, *keys: str) -> list[int]:
+    """The size options ``keys`` of ``o`` as ints; ``NamingError`` naming the missing ones
+    (a fused layout cannot be cut without them)."""
     missing = [k for k in keys if not o.get(k)]
     if missing:
         raise NamingError(f"{why} needs the size option(s) {missing}")
@@ -48,7 +50,7 @@ def moe_rules(o: dict[str, Any], src: str, dst: str, stack: tuple[Stacked, ...])
     jx = f"{src}/{block}/{experts}"
     rules = [Rule(f"{src}/{block}/{router}/kernel", f"{dst}.{block}.{router}.weight", *stack, _T)]
     if o["fused_gate_up"]:
-        (inter,) = _need(o, "fused_gate_up with experts", "moe_intermediate_size")
+        (inter,) = need_sizes(o, "fused_gate_up with experts", "moe_intermediate_size")
         rules.append(Rule(f"{jx}/gate_up_proj/kernel", (f"{hf}.{gate}.weight", f"{hf}.{up}.weight"), *per_expert,
                            _T, Split(0, (inter, inter))))
     else:

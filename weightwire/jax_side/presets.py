@@ -36,10 +36,7 @@ from weightwire.jax_side.naming import (
     Transpose,
     drop,
 )
-from weightwire.jax_side.preset_layers import hf_fused_mlp_rules, hf_fused_qkv_rules, moe_rules
-
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-            "qwen2_moe", "qwen3_moe", "mixtral", "gpt2")
+from weightwire.jax_side.preset_layers import hf_fused_mlp_rules, hf_fused_qkv_rules, moe_rules, need_sizes
 
 _DECODER: dict[str, Any] = {
     "tie_word_embeddings": False,
@@ -67,12 +64,14 @@ _DECODER: dict[str, Any] = {
     "leaf_style": "flax",  # "torch": Equinox-style leaves (Linear `weight` [out, in], norms/embeddings `weight`)
 }
 _FAMILY: dict[str, dict[str, Any]] = {
+    # The one table of what sets the decoder families apart (``family_options``): the
+    # layouts (``layouts``) and the reference models (``models.decoder``) read it too.
     "llama": {},
+    "llama3": {},  # Llama 3.x: same names; rope scaling and (3.2) tied heads live in config.json
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "gemma": {"tie_word_embeddings": True},
-    "llama3": {},  # Llama 3.x: same names; rope scaling and (3.2) tied heads live in config.json
     "gemma2": {"tie_word_embeddings": True, "sandwich_norms": True},
     "gemma3": {"tie_word_embeddings": True, "sandwich_norms": True, "qk_norm": True},
     "phi3": {"hf_fused": True},
@@ -80,6 +79,10 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"qk_norm": True, "moe": "qwen"},
     "mixtral": {"moe": "mixtral"},
 }
+DECODER_FAMILIES: tuple[str, ...] = tuple(_FAMILY)
+"""The families ``preset`` builds from the Llama-style decoder rules."""
+FAMILIES: tuple[str, ...] = (*DECODER_FAMILIES, "gpt2")
+"""Every built-in preset family."""
 _SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 _GPT2: dict[str, Any] = {
     "tie_word_embeddings": True,
@@ -90,6 +93,15 @@ _GPT2: dict[str, Any] = {
 
 
 _REGISTERED: dict[str, tuple[Callable[..., Naming], dict[str, Any]]] = {}
+
+
+def family_options(family: str) -> dict[str, Any]:
+    """Every decoder option of ``family``'s preset: the shared defaults with the family's own
+    switches applied (``qkv_bias``, ``qk_norm``, ``tie_word_embeddings``, ``moe``, ...).
+    ``ValueError`` for a family that is not a built-in decoder family."""
+    if family not in _FAMILY:
+        raise ValueError(f"{family!r} is not a built-in decoder family; known: {', '.join(DECODER_FAMILIES)}")
+    return {**_DECODER, **_FAMILY[family]}
 
 
 def register_family(family: str, build: Callable[..., Naming], defaults: Mapping[str, Any]) -> None:
@@ -119,7 +131,7 @@ def preset(family: str, **options: Any) -> Naming:
         return _list_indices(_gpt2(**_options(family, _GPT2, options)))
     if family not in _FAMILY:
         raise ValueError(f"unknown preset family {family!r}; known: {', '.join((*FAMILIES, *_REGISTERED))}")
-    o = _options(family, {**_DECODER, **_FAMILY[family]}, options)
+    o = _options(family, family_options(family), options)
     naming = _decoder(**o)
     if o["leaf_style"] == "torch":
         if o["head_axes"]:
@@ -135,13 +147,6 @@ def _options(family: str, defaults: dict[str, Any], given: dict[str, Any]) -> di
     if unknown:
         raise TypeError(f"preset {family!r} has no option(s) {unknown}; options: {sorted(defaults)}")
     return {**defaults, **given}
-
-
-def _need(opts: dict[str, Any], why: str, *keys: str) -> list[int]:
-    missing = [k for k in keys if not opts.get(k)]
-    if missing:
-        raise NamingError(f"{why} needs the size option(s) {missing}")
-    return [int(opts[k]) for k in keys]
 
 
 def _decoder(**o: Any) -> Naming:
@@ -161,7 +166,7 @@ def _decoder(**o: Any) -> Naming:
     if o["hf_fused"]:
         rules += hf_fused_qkv_rules(o, src, dst, stack, qkv_bias)
     elif o["fused_qkv"]:
-        heads, kv, dim = _need(o, "fused_qkv", "num_attention_heads", "num_key_value_heads", "head_dim")
+        heads, kv, dim = need_sizes(o, "fused_qkv", "num_attention_heads", "num_key_value_heads", "head_dim")
         sizes = (heads * dim, kv * dim, kv * dim)
         names = tuple(f"{dst}.self_attn.{p}_proj" for p in "qkv")
         rules.append(Rule(f"{src}/self_attn/qkv_proj/kernel", tuple(f"{n}.weight" for n in names), *stack, t,
@@ -184,7 +189,7 @@ def _decoder(**o: Any) -> Naming:
     elif o["hf_fused"]:
         rules += hf_fused_mlp_rules(o, src, dst, stack)
     elif o["fused_gate_up"]:
-        (inter,) = _need(o, "fused_gate_up", "intermediate_size")
+        (inter,) = need_sizes(o, "fused_gate_up", "intermediate_size")
         names = (f"{dst}.mlp.gate_proj", f"{dst}.mlp.up_proj")
         rules.append(Rule(f"{src}/mlp/gate_up_proj/kernel", tuple(f"{n}.weight" for n in names), *stack, t,
                           Split(0, (inter, inter))))

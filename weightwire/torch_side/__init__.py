@@ -1,9 +1,11 @@
-"""The PyTorch side: ``ModuleSource``, ``TorchTrainerEngine``, the worker engines and
-vLLM plugin (``torch_side.worker``), and the reference server (``torch_side.server``).
+"""The PyTorch side: ``ModuleSource``, ``TorchTrainerEngine`` (``torch_side.sender``), the
+worker engines and vLLM plugin (``torch_side.worker``), and the reference server
+(``torch_side.server``).
 
 Never imports jax. Importing this package is cheap: it loads neither torch nor vLLM;
 each export is resolved on first attribute access, so the vLLM plugin entry point
-(``torch_side.worker.plugin``) can be imported in every vLLM process for free.
+(``torch_side.worker.plugin``) can be imported in every vLLM process for free. The
+worker names come through ``torch_side.worker``, whose own list says where they live.
 """
 
 from __future__ import annotations
@@ -11,39 +13,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from weightwire._extras import require
-from weightwire._lazy import lazy_exports
+from weightwire._lazy import attach
 
 # find_spec only (torch is not imported): a host without the extra learns which one to install.
 require("torch", purpose="weightwire.torch_side")
 
-_EXPORTS: dict[str, str] = {
-    "ModuleSource": "weightwire.torch_side.sender.source",
-    "describe_tensor": "weightwire.torch_side.sender.source",
-    "torch_dtype": "weightwire.torch_side.dtypes",
-    "wire_name": "weightwire.torch_side.dtypes",
-    "TorchTrainerEngine": "weightwire.torch_side.sender.engine",
-    "HFModelHost": "weightwire.torch_side.worker.hf_host",
-    "WeightwireTCPEngine": "weightwire.torch_side.worker.engines",
-    "WeightwireNCCLEngine": "weightwire.torch_side.worker.engines",
-}
+if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is imported on first use
+    from weightwire.torch_side.dtypes import torch_dtype as torch_dtype
+    from weightwire.torch_side.dtypes import wire_name as wire_name
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine as TorchTrainerEngine
+    from weightwire.torch_side.sender.source import ModuleSource as ModuleSource
+    from weightwire.torch_side.sender.source import describe_tensor as describe_tensor
+    from weightwire.torch_side.worker import HFModelHost as HFModelHost
+    from weightwire.torch_side.worker import WeightwireNCCLEngine as WeightwireNCCLEngine
+    from weightwire.torch_side.worker import WeightwireTCPEngine as WeightwireTCPEngine
 
-__all__ = [
-    "HFModelHost",
-    "ModuleSource",
-    "TorchTrainerEngine",
-    "WeightwireNCCLEngine",
-    "WeightwireTCPEngine",
-    "describe_tensor",
-    "torch_dtype",
-    "wire_name",
-]
-
-if TYPE_CHECKING:
-    from weightwire.torch_side.dtypes import torch_dtype, wire_name
-    from weightwire.torch_side.sender.engine import TorchTrainerEngine
-    from weightwire.torch_side.sender.source import ModuleSource, describe_tensor
-    from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine
-    from weightwire.torch_side.worker.hf_host import HFModelHost
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = attach(__name__, globals())

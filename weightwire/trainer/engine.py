@@ -62,7 +62,7 @@ from weightwire.trainer.transfer import (
 )
 from weightwire.trainer.verify import RoundVerifier
 
-logger = logging.getLogger("weightwire.trainer")
+logger = logging.getLogger(__name__)
 
 __all__ = ["ControlTimeout", "EngineBroken", "TrainerEngine"]  # ControlTimeout: defined in shared.errors
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
 
-logger = logging.getLogger("weightwire.trainer")
+logger = logging.getLogger(__name__)
 
 
 def server_features(info: Any, client: Any) -> ServerFeatures:

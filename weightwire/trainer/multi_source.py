@@ -56,7 +56,7 @@ from weightwire.trainer.transfer import await_call
 if TYPE_CHECKING:
     from weightwire.trainer.engine import TrainerEngine
 
-logger = logging.getLogger("weightwire.trainer")
+logger = logging.getLogger(__name__)
 
 _GRACE_S = 2.0  # how long rank 0 waits for a failed broadcaster's own account of the failure
 

@@ -31,7 +31,7 @@ from weightwire.trainer.backends import Backend, Rendezvous
 if TYPE_CHECKING:
     from weightwire.trainer.config import TrainerInitInfo
 
-logger = logging.getLogger("weightwire.backends.ipc.slots")
+logger = logging.getLogger(__name__)
 
 
 class IPCSenderComm:

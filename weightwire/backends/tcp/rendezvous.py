@@ -26,7 +26,7 @@ from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.limits import LIMITS
 
-logger = logging.getLogger("weightwire.backends.tcp.comm")
+logger = logging.getLogger(__name__)
 
 _MAX_PENDING_HANDSHAKES = 64  # unproven connections mid-handshake; beyond, the oldest is dropped
 HANDSHAKE_S = 5.0

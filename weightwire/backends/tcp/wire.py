@@ -60,7 +60,6 @@ from weightwire.shared.info import TCP_SECRET_BYTES
 
 PROTOCOL_VERSION = 1
 NONCE_BYTES = 32
-TAG_BYTES = 32
 
 HELLO = struct.Struct("!4sI32s")
 AUTH = struct.Struct("!4sII32s32s")

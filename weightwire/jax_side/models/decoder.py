@@ -34,21 +34,27 @@ from weightwire.jax_side.models.common import (
 )
 from weightwire.jax_side.models.moe import MoE
 from weightwire.jax_side.naming import Naming
-from weightwire.jax_side.presets import preset
+from weightwire.jax_side.presets import family_options, preset
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "qwen2_moe", "qwen3_moe", "mixtral")
-_MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {"qkv_bias": True},
-    "qwen3": {"qk_norm": True},
-    "gemma": {"gemma_norm": True, "embed_scale": True, "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True},
-    "phi3": {},  # Llama's computation; HF fuses qkv_proj and gate_up_proj (the preset fuses on send)
-    "qwen2_moe": {"qkv_bias": True, "num_experts": 4},
-    "qwen3_moe": {"qk_norm": True, "num_experts": 4},
+"""The preset families this reference model computes (phi3: Llama's computation; HF fuses
+qkv_proj and gate_up_proj, which the preset fuses on send)."""
+_MOE_FAMILIES = tuple(f for f in FAMILIES if family_options(f)["moe"])
+# A family's traits the preset also has are read from the presets' table (one source);
+# only what the forward pass alone needs is written here.
+_PRESET_TRAITS = ("qkv_bias", "qk_norm", "tie_word_embeddings")
+_MODEL_TRAITS: dict[str, dict[str, Any]] = {
+    "gemma": {"gemma_norm": True, "embed_scale": True, "hidden_act": "gelu_pytorch_tanh"},
+    "qwen2_moe": {"num_experts": 4},
+    "qwen3_moe": {"num_experts": 4},
     "mixtral": {"num_experts": 4, "norm_topk_prob": True},  # Mixtral always renormalises the top-k
 }
+
+
+def _family_defaults(family: str) -> dict[str, Any]:
+    options = family_options(family)
+    return {**{k: options[k] for k in _PRESET_TRAITS if options[k]}, **_MODEL_TRAITS.get(family, {})}
+
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -118,9 +124,9 @@ class DecoderConfig:
     @classmethod
     def for_family(cls, family: str, **overrides: Any) -> DecoderConfig:
         """A config with the family's fixed traits (e.g. Qwen2's qkv bias) filled in."""
-        if family not in _FAMILY_DEFAULTS:
+        if family not in FAMILIES:
             raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
-        return cls(family=family, **{**_FAMILY_DEFAULTS[family], **overrides})
+        return cls(family=family, **{**_family_defaults(family), **overrides})
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides: Any) -> DecoderConfig:
@@ -129,7 +135,7 @@ class DecoderConfig:
         ``overrides`` set JAX-side switches (``scan_layers=True``, ``dtype=...``).
         """
         family = hf.get("model_type", "llama")
-        if family not in _FAMILY_DEFAULTS:
+        if family not in FAMILIES:
             raise ValueError(f"model_type {family!r} is not a decoder family here; known: {', '.join(FAMILIES)}")
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
@@ -146,7 +152,7 @@ class DecoderConfig:
             "rope_theta": float(theta),
             "rope_scaling": None if rope["rope_type"] == "default" else tuple(sorted(rope.items())),
             "max_position_embeddings": hf.get("max_position_embeddings", 2048),
-            "tie_word_embeddings": hf.get("tie_word_embeddings", _FAMILY_DEFAULTS[family].get("tie_word_embeddings", False)),
+            "tie_word_embeddings": hf.get("tie_word_embeddings", family_options(family)["tie_word_embeddings"]),
         }
         if family in ("llama", "mistral", "qwen3"):
             kw["attention_bias"] = bool(hf.get("attention_bias", False))

@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from weightwire.shared.errors import ReferenceServerError
 
-log = logging.getLogger("weightwire.server")
+log = logging.getLogger(__name__)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20

@@ -39,9 +39,8 @@ from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.errors import ReferenceServerError
 from weightwire.torch_side.server.replicas import WorkerSpec
 
-log = logging.getLogger("weightwire.server.worker")
+log = logging.getLogger(__name__)
 
-_OUT_OF_BAND = ("abort", "cancel", "ping")
 _CONTROL_OPS = ("init", "start", "update", "finish", "shutdown", "sleep", "wake")
 _SERVE_OPS = ("generate", "checksum", "reset")
 

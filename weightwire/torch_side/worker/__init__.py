@@ -13,41 +13,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from weightwire._lazy import lazy_exports
+from weightwire._lazy import attach
 
-_EXPORTS: dict[str, str] = {
-    "WeightwireTCPEngine": "weightwire.torch_side.worker.engines",
-    "WeightwireNCCLEngine": "weightwire.torch_side.worker.engines",
-    "WeightwireIPCEngine": "weightwire.torch_side.worker.ipc_engine",
-    "EngineFacade": "weightwire.torch_side.worker.engines",
-    "WeightReceiveError": "weightwire.torch_side.worker.core",
-    "ReceiveStats": "weightwire.torch_side.worker.core",
-    "HFModelHost": "weightwire.torch_side.worker.hf_host",
-    "publish_unique_id": "weightwire.backends.nccl.worker",
-    "fetch_unique_id": "weightwire.backends.nccl.worker",
-    "register": "weightwire.torch_side.worker.plugin",
-}
+if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is imported on first use
+    from weightwire.backends.nccl.worker import fetch_unique_id as fetch_unique_id
+    from weightwire.backends.nccl.worker import publish_unique_id as publish_unique_id
+    from weightwire.torch_side.worker.core import ReceiveStats as ReceiveStats
+    from weightwire.torch_side.worker.core import WeightReceiveError as WeightReceiveError
+    from weightwire.torch_side.worker.engines import EngineFacade as EngineFacade
+    from weightwire.torch_side.worker.engines import WeightwireNCCLEngine as WeightwireNCCLEngine
+    from weightwire.torch_side.worker.engines import WeightwireTCPEngine as WeightwireTCPEngine
+    from weightwire.torch_side.worker.hf_host import HFModelHost as HFModelHost
+    from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine as WeightwireIPCEngine
+    from weightwire.torch_side.worker.plugin import register as register
 
-__all__ = [
-    "EngineFacade",
-    "HFModelHost",
-    "ReceiveStats",
-    "WeightReceiveError",
-    "WeightwireIPCEngine",
-    "WeightwireNCCLEngine",
-    "WeightwireTCPEngine",
-    "fetch_unique_id",
-    "publish_unique_id",
-    "register",
-]
-
-if TYPE_CHECKING:
-    from weightwire.backends.nccl.worker import fetch_unique_id, publish_unique_id
-    from weightwire.torch_side.worker.core import ReceiveStats, WeightReceiveError
-    from weightwire.torch_side.worker.engines import EngineFacade, WeightwireNCCLEngine, WeightwireTCPEngine
-    from weightwire.torch_side.worker.hf_host import HFModelHost
-    from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine
-    from weightwire.torch_side.worker.plugin import register
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = attach(__name__, globals())

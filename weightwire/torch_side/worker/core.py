@@ -54,7 +54,7 @@ from weightwire.torch_side.worker.load import (
 from weightwire.torch_side.worker.receive import ReceiveLink
 from weightwire.torch_side.worker.spec import ModelSpec
 
-log = logging.getLogger("weightwire.torch_side.worker")
+log = logging.getLogger(__name__)
 
 # Re-exported: the load path's names were defined here before the split.
 __all__ = ["LOAD_BATCHING", "FrameworkHooks", "ReceiveStats", "WeightReceiveError", "_ReceiverCore"]

@@ -18,7 +18,7 @@ import logging
 
 from weightwire import backends
 
-log = logging.getLogger("weightwire.torch_side.worker.plugin")
+log = logging.getLogger(__name__)
 
 
 def engines() -> dict[str, tuple[str, str]]:

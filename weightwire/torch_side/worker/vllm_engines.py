@@ -33,7 +33,7 @@ from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
 from weightwire.torch_side.worker.spec import ModelSpec
 
-log = logging.getLogger("weightwire.torch_side.worker")
+log = logging.getLogger(__name__)
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
