@@ -31,7 +31,7 @@ _VERDICT_GRACE_S = 10.0
 """How much longer than its own ``timeout_s`` the API waits for a worker's finish verdict:
 the worker decides (commit or not) within ``timeout_s``; this only covers a wedged one."""
 
-log = logging.getLogger("weightwire.server")
+log = logging.getLogger(__name__)
 
 
 def install_weight_routes(app: FastAPI, state: ServerState) -> None:
