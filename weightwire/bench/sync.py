@@ -140,7 +140,9 @@ def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: boo
     from weightwire.shared.framing import plan  # noqa: PLC0415
     from weightwire.shared.timeouts import Timeouts  # noqa: PLC0415
     from weightwire.trainer.config import TrainerInitInfo  # noqa: PLC0415
+    from weightwire.trainer.engine import TrainerEngine  # noqa: PLC0415
 
+    Engine: type[TrainerEngine]
     if engine_kind == "jax":
         from weightwire.jax_side.engine import JAXTrainerEngine as Engine  # noqa: PLC0415
     else:
@@ -159,7 +161,7 @@ def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: boo
     metas = source.metadata()
     row["largest"] = max(m.nbytes for m in metas)
     row["bound"] = nb * buf + row["largest"] if packed else row["largest"]
-    wanted = dict(backend="weightwire_nccl", packed=packed, packed_buffer_size_bytes=buf, packed_num_buffers=nb, device=0,
+    wanted: dict[str, Any] = dict(backend="weightwire_nccl", packed=packed, packed_buffer_size_bytes=buf, packed_num_buffers=nb, device=0,
                   server_version="0.33.0", inference_world_size=1,
                   timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t))
     known = {f.name for f in dataclasses.fields(TrainerInitInfo)}
@@ -213,10 +215,11 @@ def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: boo
 
 def build_params(model: str, engine: str) -> dict[str, Any]:
     """Synthetic bf16 weights with the model's HF names and shapes, on the sender's GPU."""
+    out: dict[str, Any] = {}
     if engine == "torch":
         import torch  # noqa: PLC0415
 
-        gen, out = torch.Generator(device="cuda").manual_seed(0), {}
+        gen = torch.Generator(device="cuda").manual_seed(0)
         for name, shape in hf_shapes(MODELS[model]):
             if len(shape) == 1:
                 out[name] = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
@@ -227,7 +230,7 @@ def build_params(model: str, engine: str) -> dict[str, Any]:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    key, out = jax.random.PRNGKey(0), {}
+    key = jax.random.PRNGKey(0)
     for i, (name, shape) in enumerate(hf_shapes(MODELS[model])):
         if len(shape) == 1:
             out[name] = jnp.ones(shape, jnp.bfloat16)
@@ -363,7 +366,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
                 if receiver.poll() is not None or time.time() > deadline:
                     raise RuntimeError("receiver process did not start its control shim")
                 time.sleep(0.1)
-            where = {"port": int(port_file.read_text()), "url": None}
+            where: dict[str, Any] = {"port": int(port_file.read_text()), "url": None}
             if "http" in controls:
                 url_file = Path(tmp, "url")
                 api = _spawn("api", None, {"port": where["port"], "url_file": str(url_file), "timeout": args.timeout + 60,

@@ -182,9 +182,13 @@ class TensorStoreHost:
 def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) -> None:
     import torch  # noqa: PLC0415
 
-    from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine  # noqa: PLC0415
+    from weightwire.torch_side.worker.engines import (  # noqa: PLC0415
+        WeightwireNCCLEngine,
+        WeightwireTCPEngine,
+        _StandaloneEngine,
+    )
 
-    engine_cls = WeightwireTCPEngine if backend == "weightwire_tcp" else WeightwireNCCLEngine
+    engine_cls: type[_StandaloneEngine] = WeightwireTCPEngine if backend == "weightwire_tcp" else WeightwireNCCLEngine
     if backend == "weightwire_ipc":
         from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine as engine_cls  # noqa: N813, PLC0415
     store = TensorStoreHost()

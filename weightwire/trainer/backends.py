@@ -11,12 +11,17 @@ never logged and never part of a repr.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from weightwire.shared.communicator import Communicator
+from weightwire.shared.communicator import Communicator, DeviceCommunicator
 from weightwire.shared.info import NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo, encode_secret
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.config import BACKENDS, TrainerInitInfo
+
+if TYPE_CHECKING:
+    from weightwire.backends.ipc.trainer import IPCRendezvous, IPCSenderComm
+    from weightwire.backends.tcp.rendezvous import TCPRendezvous
+    from weightwire.trainer.pipelines import DevicePacker, DevicePipeline
 
 
 class Rendezvous(ABC):
@@ -53,11 +58,13 @@ class Backend(ABC):
     def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
         """Prepare rank 0's endpoint for a group of ``world_size`` ranks (trainer included)."""
 
-    def device_pipeline(self, comm: Any, packer: Any, *, num_buffers: int, timeout: float, hold_bytes: int) -> Any:
+    def device_pipeline(self, comm: Communicator, packer: DevicePacker, *, num_buffers: int, timeout: float,
+                        hold_bytes: int) -> DevicePipeline:
         """The on-device data path over ``comm`` (NCCL: slot buffers broadcast on rotating streams)."""
         from weightwire.trainer.pipelines import DevicePipeline  # noqa: PLC0415
 
-        return DevicePipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+        # An on_device backend's join returns a stream-ordered communicator (NCCLCommunicator).
+        return DevicePipeline(cast(DeviceCommunicator, comm), packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
 
 
 class NCCLBackend(Backend):
@@ -140,7 +147,7 @@ class TCPBackend(Backend):
 
 
 class _TCPRendezvous(Rendezvous):
-    def __init__(self, payload: dict[str, Any], rdv: Any) -> None:
+    def __init__(self, payload: dict[str, Any], rdv: TCPRendezvous) -> None:
         super().__init__(payload)
         self._rdv = rdv
 
@@ -176,14 +183,16 @@ class IPCBackend(Backend):
         )
         return _IPCRendezvous(rdv.payload, rdv)
 
-    def device_pipeline(self, comm: Any, packer: Any, *, num_buffers: int, timeout: float, hold_bytes: int) -> Any:
+    def device_pipeline(self, comm: Communicator, packer: DevicePacker, *, num_buffers: int, timeout: float,
+                        hold_bytes: int) -> DevicePipeline:
         from weightwire.backends.ipc.pipeline import IPCPipeline  # noqa: PLC0415
 
-        return IPCPipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+        # comm is what _IPCRendezvous.join returned.
+        return IPCPipeline(cast("IPCSenderComm", comm), packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
 
 
 class _IPCRendezvous(Rendezvous):
-    def __init__(self, payload: dict[str, Any], rdv: Any) -> None:
+    def __init__(self, payload: dict[str, Any], rdv: IPCRendezvous) -> None:
         super().__init__(payload)
         self._rdv = rdv
 

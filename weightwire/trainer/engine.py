@@ -37,7 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import numpy as np
 
@@ -45,7 +45,8 @@ from weightwire.backends.nccl.stock import WirePlan, plan_for_stock
 from weightwire.control.errors import WeightSyncError
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
-from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.client import ROUND_CALLS, EngineClient, WeightSyncClient
+from weightwire.shared.communicator import Communicator, TransferError, TransferTimeout
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
@@ -103,17 +104,18 @@ class TrainerEngine(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot pack on a device")
 
     def tensor_sha256(self, tensor: Any) -> str:
-        return hashlib.sha256(memoryview(self.host_bytes(tensor))).hexdigest()
+        return hashlib.sha256(self.host_bytes(tensor).data).hexdigest()  # .data: the array's memoryview
 
     # -- construction ------------------------------------------------------------------
 
-    def __init__(self, init_info: TrainerInitInfo, *, client: Any, source: WeightSource) -> None:
+    def __init__(self, init_info: TrainerInitInfo, *, client: WeightSyncClient, source: WeightSource) -> None:
         self.info = init_info
-        self.client = client
+        # The optional calls are checked by name (_check_client) or guarded where called.
+        self.client = cast(EngineClient, client)
         self.source = source
         self.features: ServerFeatures | None = None
         self._backend = get_backend(init_info.backend)
-        self._comm: Any = None
+        self._comm: Communicator | None = None
         self._was_displaced = False  # a server dropped our link: another trainer owns the session
         self._pipeline: HostPipeline | DevicePipeline | None = None
         self._sent_metas: dict[bool, list[ParamMeta]] = {}  # per target (draft or not): what its worker holds
@@ -131,7 +133,8 @@ class TrainerEngine(ABC):
         return f"{type(self).__name__}(backend={self.info.backend!r}, {role}, rounds={self._rounds})"
 
     @classmethod
-    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: Any = None, group: Any = None) -> Self:
+    def trainer_init(cls, init_info: TrainerInitInfo, *, client: WeightSyncClient, source: Any = None,
+                     group: Any = None) -> Self:
         """Rendezvous with the inference side (rank 0) and return a ready engine.
 
         ``group`` (a ``trainer.group.TrainerGroup``, given on every rank): the trainer's
@@ -164,7 +167,7 @@ class TrainerEngine(ABC):
         return engine
 
     def _check_client(self) -> None:
-        needed = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"]
+        needed = list(ROUND_CALLS)
         if self.info.pause_mode == "auto":
             # Only a stock worker loads into the running model mid-round (layerwise reload puts
             # layers on the meta device: a request scheduled then crashes vLLM). The plugin
@@ -209,7 +212,7 @@ class TrainerEngine(ABC):
             except BaseException:
                 rdv.cancel()
                 raise
-        post = spawn(lambda: self.client.init_weight_transfer_engine(rdv.payload), name="weightwire-init")
+        post: Future[Any] = spawn(lambda: self.client.init_weight_transfer_engine(rdv.payload), name="weightwire-init")
         post.add_done_callback(lambda f: rdv.cancel() if f.exception() is not None else None)
         join = spawn(lambda: rdv.join(timeout=t.connect_s), name="weightwire-join")
         logger.info("rendezvous: backend=%s world_size=%d server=%s", self.info.backend, 1 + world, version)
@@ -346,6 +349,7 @@ class TrainerEngine(ABC):
     def _pause(self) -> bool:
         """Pause generation for the round; ``False`` when ``auto`` found no pause route."""
         try:
+            assert self._pause_mode is not None  # callers pause only with a mode
             self.client.pause(self._pause_mode)
         except WeightSyncError as exc:
             if self.info.pause_mode != "auto" or exc.status != 404:
@@ -382,6 +386,7 @@ class TrainerEngine(ABC):
         the engine stays usable. After it, the failure rules of the module docstring apply.
         """
         comm, pipeline, t = self._comm, self._pipeline, self.info.timeouts
+        assert comm is not None  # _sender_round checked it
         stop = threading.Event()
         update: list[Future] = []
 
@@ -539,7 +544,7 @@ def _real_cause(exc: BaseException, post: Future) -> BaseException:
 _SETTLE_POLL_S = 0.05
 
 
-def _shutdown_when_settled(client: Any, wait_s: float) -> None:
+def _shutdown_when_settled(client: EngineClient, wait_s: float) -> None:
     """``shutdown_weight_transfer_engine``, retried while the server answers 409 because it
     has not yet failed the round this trainer just abandoned (its workers notice the dead
     link within one broadcast timeout); bounded by ``wait_s``."""
@@ -562,7 +567,7 @@ def _abort_late(join: Future) -> None:
         join.result().abort()
 
 
-def _best_effort_resume(client: Any) -> None:
+def _best_effort_resume(client: EngineClient) -> None:
     # Called only on a failure path: the round's own error is what the caller must
     # see, so a resume failure is logged, not raised.
     try:

@@ -10,14 +10,15 @@ explicit escape hatch ("treat this server as release X"); it is logged on every 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from weightwire.shared.client import ServerControls
 from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
+from weightwire.trainer.config import TrainerInitInfo
 
 logger = logging.getLogger("weightwire.trainer")
 
 
-def server_features(info: Any, client: Any) -> ServerFeatures:
+def server_features(info: TrainerInitInfo, client: ServerControls) -> ServerFeatures:
     """The ``ServerFeatures`` for this engine (``ValueError`` naming what disagrees)."""
     stated = info.server_version
     asked = None
@@ -44,7 +45,7 @@ def server_features(info: Any, client: Any) -> ServerFeatures:
     return features
 
 
-def require_draft_model(client: Any) -> None:
+def require_draft_model(client: object) -> None:
     """Refuse a draft round unless every server confirms a speculative draft model.
 
     A stock vLLM (seen on 0.32) asked to start a draft update without one raises in

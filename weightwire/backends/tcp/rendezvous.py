@@ -18,7 +18,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from weightwire.backends.tcp import wire
 from weightwire.shared.communicator import TransferError, TransferTimeout
@@ -71,6 +71,14 @@ def dial(host: str, port: int, deadline: float, buffer_bytes: int | None) -> soc
         time.sleep(0.05)
 
 
+class ListenerFields(TypedDict):
+    """What a receiver dials and proves (``TCPInitInfo``'s ``host``, ``port``, ``secret_b64``)."""
+
+    host: str
+    port: int
+    secret_b64: str
+
+
 class TCPRendezvous:
     """Listens for the receivers of one broadcast group; binds at construction.
 
@@ -99,7 +107,7 @@ class TCPRendezvous:
         except OSError as exc:
             listener.close()
             raise TransferError(f"cannot listen on {bind_host}:{port}: {exc}") from None
-        self._listener = listener
+        self._listener: socket.socket | None = listener
         self.port: int = listener.getsockname()[1]
         host = advertise_host or bind_host
         if host in ("0.0.0.0", "::", ""):
@@ -118,7 +126,7 @@ class TCPRendezvous:
     def secret(self) -> bytes:
         return self._secret
 
-    def init_fields(self) -> dict[str, object]:
+    def init_fields(self) -> ListenerFields:
         """The ``TCPInitInfo`` fields receivers need: ``host``, ``port``, ``secret_b64``."""
         return {"host": self.host, "port": self.port, "secret_b64": encode_secret(self._secret)}
 

@@ -93,7 +93,8 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device(spec.device)
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype="auto").to(self.device).eval()
+        # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound (self: the model).
+        self.model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype="auto").to(self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
         self.host = HFModelHost(self.model)
         cfg = self.model.config
@@ -123,8 +124,9 @@ class Worker:
     # -- control lane ---------------------------------------------------------------
     def _new_engine(self) -> Any:
         from weightwire.torch_side.worker import WeightwireNCCLEngine, WeightwireTCPEngine
+        from weightwire.torch_side.worker.engines import _StandaloneEngine
 
-        cls = WeightwireTCPEngine if self.spec.backend == "weightwire_tcp" else WeightwireNCCLEngine
+        cls: type[_StandaloneEngine] = WeightwireTCPEngine if self.spec.backend == "weightwire_tcp" else WeightwireNCCLEngine
         if self.spec.backend == "weightwire_ipc":
             from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine as cls  # noqa: N813, PLC0415
         return cls.standalone(model=self.host, device=self.device, worker_rank=self.spec.index)
@@ -243,7 +245,7 @@ class Loop:
             self.out.write(data)
             self.out.flush()
 
-    def run_op(self, msg_id: int, op: str, fn: Any, kwargs: dict[str, Any]) -> None:
+    def run_op(self, msg_id: int | None, op: str, fn: Any, kwargs: dict[str, Any]) -> None:
         try:
             result = fn(**kwargs)
         except BaseException as exc:
