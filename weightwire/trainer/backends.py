@@ -64,7 +64,8 @@ class Backend(ABC):
         from weightwire.trainer.pipelines import DevicePipeline  # noqa: PLC0415
 
         # An on_device backend's join returns a stream-ordered communicator (NCCLCommunicator).
-        return DevicePipeline(cast(DeviceCommunicator, comm), packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+        return DevicePipeline(cast(DeviceCommunicator, comm), packer, num_buffers=num_buffers, timeout=timeout,
+                              hold_bytes=hold_bytes)
 
 
 class NCCLBackend(Backend):
@@ -188,7 +189,8 @@ class IPCBackend(Backend):
         from weightwire.backends.ipc.pipeline import IPCPipeline  # noqa: PLC0415
 
         # comm is what _IPCRendezvous.join returned.
-        return IPCPipeline(cast("IPCSenderComm", comm), packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+        return IPCPipeline(cast("IPCSenderComm", comm), packer, num_buffers=num_buffers, timeout=timeout,
+                           hold_bytes=hold_bytes)
 
 
 class _IPCRendezvous(Rendezvous):
