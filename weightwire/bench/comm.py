@@ -47,7 +47,7 @@ def _tcp_receiver(config: dict[str, Any]) -> None:
 
     count = config["total_bytes"] // config["buffer_bytes"]
     buf = np.empty(config["buffer_bytes"], dtype=np.uint8)
-    view = memoryview(buf)
+    view = buf.data  # the array's memoryview (numpy's stubs type the buffer protocol only on 3.12+)
     raw = socket.create_connection((config["host"], config["raw_port"]), timeout=120)
     raw.settimeout(None)
     comm = TCPCommunicator.connect(host=config["host"], port=config["port"], secret=base64.b64decode(config["secret_b64"]),
@@ -58,11 +58,11 @@ def _tcp_receiver(config: dict[str, Any]) -> None:
     for _ in range(config["repeats"]):
         for _ in range(count):
             _recv_exact_into(raw, view)
-        digests["raw"] = hashlib.sha256(buf).hexdigest()
+        digests["raw"] = hashlib.sha256(view).hexdigest()
         raw.sendall(b"r")
         for _ in range(count):
             comm.broadcast(buf)
-        digests["weightwire"] = hashlib.sha256(buf).hexdigest()
+        digests["weightwire"] = hashlib.sha256(view).hexdigest()
         raw.sendall(b"w")
     comm.close()
     raw.close()
@@ -86,7 +86,7 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
         raise ValueError("total_bytes must be a multiple of buffer_bytes")
     count = total_bytes // buffer_bytes
     data = np.random.default_rng(0).integers(0, 256, buffer_bytes, dtype=np.uint8)
-    expected = hashlib.sha256(data).hexdigest()
+    expected = hashlib.sha256(data.data).hexdigest()
     raw_listener = socket.create_server(("127.0.0.1", 0))
     rendezvous = TCPRendezvous(world_size=2, socket_buffer_bytes=socket_buffer_bytes)
     config = {**rendezvous.init_fields(), "raw_port": raw_listener.getsockname()[1], "total_bytes": total_bytes,
@@ -103,7 +103,7 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
         raw.settimeout(None)
         comm = rendezvous.accept(timeout=60, transfer_timeout=120)
         comm.warmup(timeout=60)
-        payload = memoryview(data)
+        payload = data.data
         raw_s, ww_s = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()

@@ -103,7 +103,9 @@ def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: boo
     from weightwire.shared.framing import plan  # noqa: PLC0415
     from weightwire.shared.timeouts import Timeouts  # noqa: PLC0415
     from weightwire.trainer.config import TrainerInitInfo  # noqa: PLC0415
+    from weightwire.trainer.engine import TrainerEngine  # noqa: PLC0415
 
+    Engine: type[TrainerEngine]
     if engine_kind == "jax":
         from weightwire.jax_side.engine import JAXTrainerEngine as Engine  # noqa: PLC0415
     else:
@@ -122,7 +124,7 @@ def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: boo
     metas = source.metadata()
     row["largest"] = max(m.nbytes for m in metas)
     row["bound"] = nb * buf + row["largest"] if packed else row["largest"]
-    wanted = dict(backend=backends.WEIGHTWIRE_NCCL, packed=packed, packed_buffer_size_bytes=buf, packed_num_buffers=nb, device=0,
+    wanted: dict[str, Any] = dict(backend=backends.WEIGHTWIRE_NCCL, packed=packed, packed_buffer_size_bytes=buf, packed_num_buffers=nb, device=0,
                   server_version="0.33.0", inference_world_size=1,
                   timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t))
     known = {f.name for f in dataclasses.fields(TrainerInitInfo)}
@@ -300,7 +302,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
                 if receiver.poll() is not None or time.time() > deadline:
                     raise RuntimeError("receiver process did not start its control shim")
                 time.sleep(0.1)
-            where = {"port": int(port_file.read_text()), "url": None}
+            where: dict[str, Any] = {"port": int(port_file.read_text()), "url": None}
             if "http" in controls:
                 url_file = Path(tmp, "url")
                 api = _spawn("api", None, {"port": where["port"], "url_file": str(url_file), "timeout": args.timeout + 60,

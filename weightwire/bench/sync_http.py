@@ -18,7 +18,10 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from weightwire.torch_side.server.replicas import ReplicaPool
 
 from weightwire import backends
 
@@ -103,7 +106,9 @@ def serve_http(receiver: Any, *, timeout: float = 60.0, backend: str = backends.
     from weightwire.torch_side.server import _bind  # noqa: PLC0415  (the server's own socket set-up: TCP_NODELAY)
     from weightwire.torch_side.server.app import ServerOptions, ServerState, create_app  # noqa: PLC0415
 
-    app = create_app(ServerState(pool=InProcessPool(receiver), options=ServerOptions(backend=backend)))
+    # InProcessPool has the part of ReplicaPool the weight routes use (duck-typed stand-in).
+    pool = cast("ReplicaPool", InProcessPool(receiver))
+    app = create_app(ServerState(pool=pool, options=ServerOptions(backend=backend)))
     sock = _bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",

@@ -65,11 +65,12 @@ def build_params(model: str, engine: str) -> dict[str, Any]:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    key, out = jax.random.PRNGKey(0), {}
+    key = jax.random.PRNGKey(0)
+    jout: dict[str, Any] = {}
     for i, (name, shape) in enumerate(hf_shapes(MODELS[model])):
         if len(shape) == 1:
-            out[name] = jnp.ones(shape, jnp.bfloat16)
+            jout[name] = jnp.ones(shape, jnp.bfloat16)
         else:
-            out[name] = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
-    jax.block_until_ready(list(out.values()))
-    return out
+            jout[name] = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+    jax.block_until_ready(list(jout.values()))
+    return jout

@@ -88,7 +88,8 @@ class Receiver:
         import torch  # noqa: PLC0415
 
         self.torch, self.device = torch, torch.device("cuda", 0)
-        self.sink, self.engine, self.lock = Sink(), None, threading.Lock()
+        self.sink, self.lock = Sink(), threading.Lock()
+        self.engine: Any = None  # a WeightwireNCCLEngine once initialized
         self.raw: dict[str, Any] = {}
         self.base = 0
         self.trace: dict[str, Any] = {}  # last update's perf_counter() marks (one clock for all processes)

@@ -84,8 +84,9 @@ class HTTPWeightSyncClient:
         if body is not None:
             kwargs["content"] = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
-        if route.name in _OWNED and self._sessions[i] is not None:
-            headers[SESSION_HEADER] = self._sessions[i]  # type: ignore[assignment]
+        session = self._sessions[i]
+        if route.name in _OWNED and session is not None:
+            headers[SESSION_HEADER] = session
         if headers:
             kwargs["headers"] = headers
         try:

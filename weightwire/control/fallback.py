@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from weightwire.shared.client import WeightSyncClient
+
+if TYPE_CHECKING:
+    from weightwire.control.client import HTTPWeightSyncClient
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +29,7 @@ OPTIONAL_CALLS = ("version", "get_world_size", "pause", "resume", "weight_checke
 class FallbackClient:
     """The user's client for what it has; an ``HTTPWeightSyncClient`` on its server for the rest."""
 
-    def __init__(self, client: Any, extra: Any, filled: Sequence[str]) -> None:
+    def __init__(self, client: WeightSyncClient, extra: HTTPWeightSyncClient, filled: Sequence[str]) -> None:
         self.inner = client
         self.extra = extra
         self.filled = tuple(filled)
@@ -44,7 +49,7 @@ class FallbackClient:
         self.extra.close()
 
 
-def _server_urls(client: Any) -> list[str] | None:
+def _server_urls(client: object) -> list[str] | None:
     urls = getattr(client, "base_urls", None)
     if urls is None:
         url = getattr(client, "base_url", None)
@@ -54,7 +59,7 @@ def _server_urls(client: Any) -> list[str] | None:
     return [str(u) for u in urls]
 
 
-def with_fallback_routes(client: Any, *, timeout: float) -> Any:
+def with_fallback_routes(client: WeightSyncClient, *, timeout: float) -> WeightSyncClient:
     """``client`` itself when it has every optional call or names no server; else a
     ``FallbackClient`` answering the missing ones from ``client``'s ``base_url``."""
     missing = [name for name in OPTIONAL_CALLS if not callable(getattr(client, name, None))]

@@ -50,8 +50,8 @@ def fan_out(calls: Sequence[Callable[[], T]], *, timeout: float | None, name: st
     futures = [spawn(call, name=f"{name}-{i}") for i, call in enumerate(calls)]
     done, pending = wait(futures, timeout=timeout, return_when=FIRST_EXCEPTION)
     for future in futures:
-        if future in done and future.exception() is not None:
-            raise future.exception()  # type: ignore[misc]
+        if future in done and (exc := future.exception()) is not None:
+            raise exc
     if pending:
         raise TimeoutError(f"{name}: {len(pending)} of {len(futures)} servers did not answer within {timeout} s")
     try:

@@ -200,7 +200,9 @@ def _round(url: str, say: _Report, *, api_key: str | None, reference: bool, back
     if backend not in (None, backends.TCP):
         say("skip", "1-tensor round", f"the server's backend is {backend}, not weightwire_tcp")
         return
-    session = info.get("session") if isinstance(info.get("session"), dict) else {}
+    session = info.get("session")
+    if not isinstance(session, dict):
+        session = {}
     if session.get("state") not in (None, "uninitialized"):
         say("skip", "1-tensor round", f"a trainer session is {session.get('state')}; re-initialising would cut it off")
         return

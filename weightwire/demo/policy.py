@@ -55,9 +55,9 @@ class Policy:
 
     def warmup(self, seqs: np.ndarray, prompt_len: int) -> None:
         """Compile the step for ``seqs``' shape; the result is discarded (the step is pure)."""
-        seqs = jnp.asarray(seqs, jnp.int32)
-        advantages = jnp.zeros((seqs.shape[0], seqs.shape[1] - prompt_len), jnp.float32)
-        jax.block_until_ready(self._update(self.params, self._opt_state, seqs, advantages, prompt_len=prompt_len))
+        tokens = jnp.asarray(seqs, jnp.int32)
+        advantages = jnp.zeros((tokens.shape[0], tokens.shape[1] - prompt_len), jnp.float32)
+        jax.block_until_ready(self._update(self.params, self._opt_state, tokens, advantages, prompt_len=prompt_len))
 
     def logprobs(self, seqs: np.ndarray) -> np.ndarray:
         """Per-token log-probabilities of ``seqs[:, 1:]`` under the current params."""

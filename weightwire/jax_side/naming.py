@@ -110,9 +110,9 @@ class Rule:
             raise NamingError(f"{where}: {sorted(clash)} is both a pattern capture and a Stacked field")
         allowed = set(self.regex.groupindex) | set(fields)
         for tpl in templates:
-            fields = {f for _, f, _, _ in string.Formatter().parse(tpl) if f is not None}
-            unknown = fields - allowed
-            if unknown or "" in fields:
+            used = {f for _, f, _, _ in string.Formatter().parse(tpl) if f is not None}
+            unknown = used - allowed
+            if unknown or "" in used:
                 raise NamingError(f"{where}: target {tpl!r} uses {sorted(unknown) or ['{}']}, not captured by the "
                                   f"pattern (captures: {sorted(allowed)})")
 
@@ -141,14 +141,16 @@ class Rule:
 
     def op_chains(self) -> list[tuple[Op, ...]]:
         """One chain of ``Op`` per target (a ``Split`` becomes one ``Slice`` per piece)."""
-        ops = [p for p in self.parts if isinstance(p, (Op, Split))]
         split = self.split
         if split is None:
-            return [tuple(ops)]
-        at = ops.index(split)
-        chains, start = [], 0
+            return [tuple(p for p in self.parts if isinstance(p, Op))]
+        at = self.parts.index(split)  # a rule has at most one Split (checked at construction)
+        before = tuple(p for p in self.parts[:at] if isinstance(p, Op))
+        after = tuple(p for p in self.parts[at + 1 :] if isinstance(p, Op))
+        chains: list[tuple[Op, ...]] = []
+        start = 0
         for size in split.sizes:
-            chains.append((*ops[:at], Slice(split.axis, start, start + size), *ops[at + 1 :]))
+            chains.append((*before, Slice(split.axis, start, start + size), *after))
             start += size
         return chains
 
@@ -277,8 +279,9 @@ class Naming:
         if len(got) == 1 and got[0][3] is None:
             piece, _, _, _, cast, _ = got[0]
             return Entry(name, (piece,), None, cast)
-        concats = [g[3] for g in got]
-        if any(c is None for c in concats):
+        fused = [(g[3], g) for g in got if g[3] is not None]
+        concats = [c for c, _ in fused]
+        if len(fused) != len(got):
             raise NamingError(f"pytree leaves {show_paths([g[0].path for g in got])} all map to HF name {name!r}; "
                               "each HF name must come from exactly one leaf (or be declared a Concat)")
         count, axis = concats[0].count, concats[0].axis
@@ -289,7 +292,7 @@ class Naming:
         casts = {g[4] for g in got}
         if len(casts) != 1:
             raise NamingError(f"parts of fused HF name {name!r} pin different dtypes: {sorted(map(str, casts))}")
-        ordered = sorted(got, key=lambda g: g[3].index)
+        ordered = [g for _, g in sorted(fused, key=lambda cg: cg[0].index)]
         return Entry(name, tuple(g[0] for g in ordered), axis, casts.pop())
 
 
@@ -379,8 +382,7 @@ def _check_split(rule: Rule, path: str, aval: jax.ShapeDtypeStruct) -> None:
     shape = aval.shape
     for ax, _ in _stack_axes(rule, path, aval):  # highest first: earlier removals shift nothing
         shape = shape[:ax] + shape[ax + 1 :]
-    ops = [p for p in rule.parts if isinstance(p, (Op, Split))]
-    pre_ops = ops[: ops.index(split)]
+    pre_ops = [p for p in rule.parts[: rule.parts.index(split)] if isinstance(p, Op)]
     try:
         pre = jax.eval_shape(lambda x: chain(pre_ops, x), jax.ShapeDtypeStruct(shape, aval.dtype))
         dim = pre.shape[split.axis]

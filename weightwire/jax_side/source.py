@@ -54,7 +54,11 @@ def _compiled(signature: Signature) -> Callable[..., tuple[jax.Array, ...]]:
                 xs = [inputs[s] for s in slots]
                 idxs = []
                 for stack_axes, _ in structure[0]:
-                    idxs.append(tuple(idx[k + j] for j in range(len(stack_axes))))
+                    picked: tuple[jax.Array, ...] = ()
+                    if stack_axes:
+                        assert idx is not None  # a group with stacked leaves is called with their indices
+                        picked = tuple(idx[k + j] for j in range(len(stack_axes)))
+                    idxs.append(picked)
                     k += len(stack_axes)
                 outs.append(run_entry(structure, xs, idxs, dtype))
             return tuple(outs)
@@ -296,7 +300,8 @@ def _addressable(x: Any) -> bool:
 
 
 def _device_ids(x: jax.Array) -> tuple[int, ...]:
-    return tuple(sorted(d.id for d in x.sharding.device_set))
+    devices: set[Any] = x.sharding.device_set  # jaxlib's Device has no stub: its .id is unknown to mypy
+    return tuple(sorted(d.id for d in devices))
 
 
 def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:

@@ -1,7 +1,8 @@
 """The ``Communicator`` protocol: what a data plane offers the engines.
 
-Both the TCP and the NCCL communicators implement it, so framing and engines are
-written once. Every call that waits takes a timeout; a communicator that times out or
+The TCP, NCCL and IPC communicators implement it (structurally: none inherits), so
+framing and engines are written once; ``DeviceCommunicator`` adds the stream-ordered
+calls the on-device pipeline needs (NCCL). Every call that waits takes a timeout; a communicator that times out or
 loses a peer raises a ``TransferError`` and is unusable afterwards (``abort()``).
 """
 
@@ -45,3 +46,21 @@ class Communicator(Protocol):
 
     def close(self) -> None:
         """Orderly shutdown after a successful session."""
+
+
+@runtime_checkable
+class DeviceCommunicator(Communicator, Protocol):
+    """A communicator whose broadcasts are enqueued on device streams (NCCL).
+
+    ``trainer.pipelines.DevicePipeline`` broadcasts with a ``stream`` and waits only
+    through ``synchronize``, so a hung peer surfaces as a timeout, never a stuck host.
+    """
+
+    def broadcast_typed(self, buffer: Any, *, nccl_dtype: int, count: int, root: int = 0,
+                        timeout: float | None = None, stream: Any = None) -> None:
+        """Broadcast ``count`` elements of ``ncclDataType_t`` ``nccl_dtype`` (unpacked rounds:
+        the way a stock vLLM worker receives each tensor)."""
+
+    def synchronize(self, stream: Any, *, timeout: float) -> None:
+        """Wait for the work enqueued on ``stream``, at most ``timeout`` s; on timeout or a
+        peer's failure abort the communicator and raise a ``TransferError``."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import DTypeLike
 
 from weightwire.shared.limits import bounded_repr
 
@@ -32,7 +33,7 @@ _NCCL_INT8, _NCCL_UINT8, _NCCL_INT32, _NCCL_INT64 = 0, 1, 2, 4
 _NCCL_FLOAT16, _NCCL_FLOAT32, _NCCL_FLOAT64, _NCCL_BFLOAT16 = 6, 7, 8, 9
 
 
-def _row(name: str, dtype: object, nccl: int) -> WireDType:
+def _row(name: str, dtype: DTypeLike, nccl: int) -> WireDType:
     np_dtype = np.dtype(dtype)
     return WireDType(name, np_dtype, np_dtype.itemsize, nccl)
 

@@ -75,9 +75,15 @@ def _fmt(release: tuple[int, int]) -> str:
     return f"{release[0]}.{release[1]}"
 
 
+def _minor(release: tuple[int, ...]) -> tuple[int, int]:
+    """``(major, minor)`` of a PEP 440 release tuple (``1`` is ``1.0``)."""
+    padded = release + (0,)
+    return padded[0], padded[1]
+
+
 def resolve_release(version: Version) -> tuple[tuple[int, int] | None, bool, str]:
     """``(known row, is_newer_than_known, why)`` for a parsed version (see the module docstring)."""
-    minor = (version.release + (0,))[:2]
+    minor = _minor(version.release)
     newest, oldest = KNOWN_RELEASES[-1], KNOWN_RELEASES[0]
     if minor > newest:
         return newest, True, f"newer than the newest known release {_fmt(newest)}"
@@ -117,12 +123,13 @@ class ServerFeatures:
         parsed = parse_version(version)
         if override is not None:
             forced = parse_version(override)
-            row = (forced.release + (0,))[:2]
-            if row not in KNOWN_RELEASES:
+            forced_row = _minor(forced.release)
+            if forced_row not in KNOWN_RELEASES:
                 known = ", ".join(_fmt(r) for r in KNOWN_RELEASES)
                 raise ValueError(f"version override {override!r} is not a known release ({known})")
-            flags = {f.name: row >= f.first for f in FEATURES}
-            return cls(version, row, f"user override: gated as {_fmt(row)} (server says {version})", **flags)
+            flags = {f.name: forced_row >= f.first for f in FEATURES}
+            return cls(version, forced_row, f"user override: gated as {_fmt(forced_row)} (server says {version})",
+                       **flags)
         row, newer, why = resolve_release(parsed)
         flags = {f.name: row is not None and row >= f.first and (f.carries_forward or not newer) for f in FEATURES}
         return cls(version, row, why, **flags)

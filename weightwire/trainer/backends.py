@@ -17,14 +17,17 @@ register fakes; users may add their own transports).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from weightwire import backends as registry
-from weightwire.shared.communicator import Communicator
+from weightwire.shared.communicator import Communicator, DeviceCommunicator
 from weightwire.shared.version import ServerFeatures
 
 if TYPE_CHECKING:
     from weightwire.trainer.config import TrainerInitInfo
+
+if TYPE_CHECKING:
+    from weightwire.trainer.pipelines import DevicePacker, DevicePipeline
 
 
 class Rendezvous(ABC):
@@ -61,11 +64,14 @@ class Backend(ABC):
     def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
         """Prepare rank 0's endpoint for a group of ``world_size`` ranks (trainer included)."""
 
-    def device_pipeline(self, comm: Any, packer: Any, *, num_buffers: int, timeout: float, hold_bytes: int) -> Any:
+    def device_pipeline(self, comm: Communicator, packer: DevicePacker, *, num_buffers: int, timeout: float,
+                        hold_bytes: int) -> DevicePipeline:
         """The on-device data path over ``comm`` (NCCL: slot buffers broadcast on rotating streams)."""
         from weightwire.trainer.pipelines import DevicePipeline  # noqa: PLC0415
 
-        return DevicePipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+        # An on_device backend's join returns a stream-ordered communicator (NCCLCommunicator).
+        return DevicePipeline(cast(DeviceCommunicator, comm), packer, num_buffers=num_buffers, timeout=timeout,
+                              hold_bytes=hold_bytes)
 
 
 _ADDED: dict[str, Backend] = {}

@@ -31,7 +31,7 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import numpy as np
 
@@ -39,6 +39,8 @@ from weightwire.backends.nccl.stock import WirePlan, plan_for_stock
 from weightwire.control.errors import WeightSyncError
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
+from weightwire.shared.client import EngineClient, WeightSyncClient
+from weightwire.shared.communicator import Communicator
 from weightwire.shared.errors import ControlTimeout, RoundError
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import UpdateInfo
@@ -92,17 +94,18 @@ class TrainerEngine(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot pack on a device")
 
     def tensor_sha256(self, tensor: Any) -> str:
-        return hashlib.sha256(memoryview(self.host_bytes(tensor))).hexdigest()
+        return hashlib.sha256(self.host_bytes(tensor).data).hexdigest()  # .data: the array's memoryview
 
     # -- construction ------------------------------------------------------------------
 
-    def __init__(self, init_info: TrainerInitInfo, *, client: Any, source: WeightSource) -> None:
+    def __init__(self, init_info: TrainerInitInfo, *, client: WeightSyncClient, source: WeightSource) -> None:
         self.info = init_info
-        self.client = client
+        # The optional calls are checked by name (_check_client) or guarded where called.
+        self.client = cast(EngineClient, client)
         self.source = source
         self.features: ServerFeatures | None = None
         self._backend = get_backend(init_info.backend)
-        self._comm: Any = None
+        self._comm: Communicator | None = None
         self._was_displaced = False  # a server dropped our link: another trainer owns the session
         self._pipeline: HostPipeline | DevicePipeline | None = None
         self._sent_metas: dict[bool, list[ParamMeta]] = {}  # per target (draft or not): what its worker holds
@@ -120,7 +123,8 @@ class TrainerEngine(ABC):
         return f"{type(self).__name__}(backend={self.info.backend!r}, {role}, rounds={self._rounds})"
 
     @classmethod
-    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: Any = None, group: Any = None) -> Self:
+    def trainer_init(cls, init_info: TrainerInitInfo, *, client: WeightSyncClient, source: Any = None,
+                     group: Any = None) -> Self:
         """Rendezvous with the inference side (rank 0) and return a ready engine.
 
         ``group`` (a ``trainer.group.TrainerGroup``, given on every rank): the trainer's
@@ -290,6 +294,7 @@ class TrainerEngine(ABC):
     def _pause(self) -> bool:
         """Pause generation for the round; ``False`` when ``auto`` found no pause route."""
         try:
+            assert self._pause_mode is not None  # callers pause only with a mode
             self.client.pause(self._pause_mode)
         except WeightSyncError as exc:
             if self.info.pause_mode != "auto" or exc.status != 404:

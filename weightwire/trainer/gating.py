@@ -10,14 +10,15 @@ explicit escape hatch ("treat this server as release X"); it is logged on every 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from weightwire.shared.client import ROUND_CALLS, ServerControls
 from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
+from weightwire.trainer.config import TrainerInitInfo
 
 logger = logging.getLogger(__name__)
 
 
-def server_features(info: Any, client: Any) -> ServerFeatures:
+def server_features(info: TrainerInitInfo, client: ServerControls) -> ServerFeatures:
     """The ``ServerFeatures`` for this engine (``ValueError`` naming what disagrees)."""
     stated = info.server_version
     asked = None
@@ -44,7 +45,7 @@ def server_features(info: Any, client: Any) -> ServerFeatures:
     return features
 
 
-def require_draft_model(client: Any) -> None:
+def require_draft_model(client: object) -> None:
     """Refuse a draft round unless every server confirms a speculative draft model.
 
     A stock vLLM (seen on 0.32) asked to start a draft update without one raises in
@@ -63,7 +64,7 @@ def require_draft_model(client: Any) -> None:
                          "speculative_config); a draft round there would kill vLLM's engine core. Nothing was sent")
 
 
-def check_client(info: Any, client: Any, *, stock_receiver: bool) -> str | None:
+def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool) -> str | None:
     """The round's pause mode (``None``: no pause), after refusing a client that lacks a
     call this engine will make (``TypeError`` naming every missing one, before any rendezvous).
 
@@ -73,7 +74,7 @@ def check_client(info: Any, client: Any, *, stock_receiver: bool) -> str | None:
     so they need no pause, and not pausing there means a trainer that dies mid-round
     cannot leave the server paused with nobody to resume it.
     """
-    needed = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"]
+    needed = list(ROUND_CALLS)
     pause_mode = None if info.pause_mode == "auto" else info.pause_mode
     if info.pause_mode == "auto":
         can_pause = all(callable(getattr(client, m, None)) for m in ("pause", "resume"))

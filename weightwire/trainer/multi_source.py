@@ -24,14 +24,16 @@ broadcasters; a single-broadcaster plan goes through the engine's ordinary path.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from weightwire.control.fanout import spawn
+from weightwire.shared.communicator import Communicator
 from weightwire.shared.errors import RoundError
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import TCPInitInfo, UpdateInfo
@@ -77,7 +79,7 @@ class MultiSource:
         self._group_ranks: tuple[int, ...] | None = None
         self._planned: tuple[list[ParamMeta], BroadcastPlan] | None = None
         self._chunks: dict[int, list[Chunk]] = {}
-        self._comm: Any = None  # a non-zero broadcaster's own star
+        self._comm: Communicator | None = None  # a non-zero broadcaster's own star
         self._pipeline: HostPipeline | None = None
         self._sent: dict[tuple[bool, int], tuple[ParamMeta, ...]] = {}  # rank 0: what each src's slice is on the workers
 
@@ -251,9 +253,9 @@ class MultiSource:
             self._break(exc)
             raise
         if verdict["error"]:
-            exc = RoundFailed(f"trainer rank 0 reported the round failed: {verdict['error']}")
-            self._break(exc)
-            raise exc
+            failure = RoundFailed(f"trainer rank 0 reported the round failed: {verdict['error']}")
+            self._break(failure)
+            raise failure
         return verdict
 
     def _send_turn(self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event,
@@ -308,14 +310,16 @@ class MultiSource:
                 pairs = checked_iter(iter(e.source), list(mine.metas) if mine else [], e.describe)
                 try:
                     if mine is not None:
-                        nbytes, count = self._send_turn(mine, pairs, stop, e._pipeline)
+                        # Several broadcasters run only on host pipelines (check_receiver refused the rest).
+                        nbytes, count = self._send_turn(mine, pairs, stop, cast(HostPipeline, e._pipeline))
                     for _ in pairs:
                         pass
                 except BaseException as exc:
                     if not failed:
                         failed.append((mine or bplan.turns[0], exc))
                     stop.set()
-                    e._comm.abort()
+                    if e._comm is not None:
+                        e._comm.abort()
                 _wait(turns, t.http_s * (len(bplan.turns) + 1))
             if failed:
                 raise self._turn_error(*failed[0])
@@ -360,7 +364,7 @@ class MultiSource:
                 return
             self._go(turn, True)
             try:
-                _wait(spawn(lambda p=payload: e.client.update_weights(p), name="weightwire-update"), t.http_s)
+                _wait(spawn(functools.partial(e.client.update_weights, payload), name="weightwire-update"), t.http_s)
             except BaseException as exc:
                 failed.append((turn, exc))
                 stop.set()

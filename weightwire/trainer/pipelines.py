@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.communicator import Communicator, DeviceCommunicator, TransferError, TransferTimeout
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
@@ -62,7 +62,7 @@ def chunked(pairs: Iterable[tuple[str, Any]], chunks: Sequence[Chunk]) -> Iterat
 class HostPipeline:
     """Host-byte broadcasts with one chunk in preparation while another is sent."""
 
-    def __init__(self, comm: Any, host_bytes: HostBytes, *, num_buffers: int, timeout: float,
+    def __init__(self, comm: Communicator, host_bytes: HostBytes, *, num_buffers: int, timeout: float,
                  prefetch: Callable[[list[Any]], None] | None = None) -> None:
         self._comm = comm
         self._host_bytes = host_bytes
@@ -208,7 +208,8 @@ class DevicePipeline:
     caller aborts the communicator, which stops the kernels that read them).
     """
 
-    def __init__(self, comm: Any, packer: DevicePacker, *, num_buffers: int, timeout: float, hold_bytes: int) -> None:
+    def __init__(self, comm: DeviceCommunicator, packer: DevicePacker, *, num_buffers: int, timeout: float,
+                 hold_bytes: int) -> None:
         self._comm = comm
         self._packer = packer
         self._timeout = timeout
@@ -272,7 +273,7 @@ class DevicePipeline:
         return nbytes, count
 
 
-def _run_once(begin: Begin) -> None:
+def _run_once(begin: Begin) -> Begin:
     """Call ``begin`` if it is still pending; returns the new pending value (always ``None``)."""
     if begin is not None:
         begin()

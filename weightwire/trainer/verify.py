@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightwire.shared.client import ServerControls
 from weightwire.shared.errors import WeightwireError
 
 VLLM_KEY = re.compile(r"^dp\d+:pp\d+:pcp\d+:tp\d+:(.+)$")
@@ -136,6 +137,8 @@ def diff_round(sent: Mapping[str, str], before: Sequence[Any], after: Sequence[A
     if len(before) != len(after):
         raise VerifyError(f"weight_checker answered {len(before)} servers before the round, {len(after)} after", {})
     targets = {vllm_param_name(n) for n in sent}
+    moved: set[str] | None
+    still: set[str] | None
     if previous is not None and set(previous) == set(sent):
         moved = {vllm_param_name(n) for n, d in sent.items() if previous[n] != d}
         still = targets - moved
@@ -198,11 +201,11 @@ class RoundVerifier:
         self._previous: dict[str, str] | None = None
         self._last_after: list[Any] | None = None
 
-    def before_round(self, client: Any) -> None:
+    def before_round(self, client: ServerControls) -> None:
         """Snapshot the checker; called before ``start_weight_update`` (a failure here sent nothing)."""
         self._before = list(client.weight_checker("checksum"))
 
-    def after_round(self, client: Any, sent: dict[str, str], weight_version: str, *,
+    def after_round(self, client: ServerControls, sent: dict[str, str], weight_version: str, *,
                     draft: bool = False) -> VerifyReport:
         """Check the committed round; any failure is a ``VerifyError`` with ``committed=True``.
 

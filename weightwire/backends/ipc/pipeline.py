@@ -45,6 +45,10 @@ if TYPE_CHECKING:  # the rendezvous (ipc.trainer) builds this pipeline: a runtim
 class IPCPipeline(DevicePipeline):
     """Pieces through the slot ring; same entry points as ``DevicePipeline``."""
 
+    # Not a DeviceCommunicator (no streams to synchronize): every DevicePipeline method
+    # that would call one is overridden here, so the narrower base type never applies.
+    _comm: IPCSenderComm  # type: ignore[assignment]
+
     def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
                  hold_bytes: int) -> None:
         self._comm = comm
@@ -71,7 +75,7 @@ class IPCPipeline(DevicePipeline):
         return self._send(prepared, stop, begin)
 
     def drain(self) -> None:
-        self._sync("the IPC fill stream")
+        self._sync_fill("the IPC fill stream")
         self._in_flight[0].clear()
 
     def close(self) -> None:
@@ -185,7 +189,7 @@ class IPCPipeline(DevicePipeline):
         n = comm.slots.count
         for k in range(n):  # oldest piece first: releases arrive in ring order
             self._acquire((self._next + k) % n)
-        self._sync("the IPC fill stream at the end of the round")
+        self._sync_fill("the IPC fill stream at the end of the round")
         self._in_flight[0].clear()
         if comm.release_after_round:
             deadline = time.monotonic() + self._timeout
@@ -199,7 +203,7 @@ class IPCPipeline(DevicePipeline):
             ch.send(msg)
         self._remap = False
 
-    def _sync(self, what: str) -> None:
+    def _sync_fill(self, what: str) -> None:
         comm = self._comm
         sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=self._timeout, what=what, alive=comm.alive)
 

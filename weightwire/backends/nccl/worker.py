@@ -74,7 +74,7 @@ def publish_unique_id(host: str, port: int, unique_id: bytes, *, timeout_s: floa
         host, port, is_master=True, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    store.set(UNIQUE_ID_KEY, unique_id)
+    store.set(UNIQUE_ID_KEY, unique_id)  # type: ignore[arg-type]  # TCPStore takes bytes too; torch's stub says str
     return store
 
 

@@ -19,6 +19,7 @@ import secrets
 import socket
 import threading
 import time
+from typing import TypedDict
 
 from weightwire.backends.tcp import wire
 from weightwire.backends.tcp.comm import TCPCommunicator, root_communicator
@@ -34,6 +35,14 @@ HANDSHAKE_S = 5.0
 verdict out, confirm in), within the rendezvous' own deadline. Far above one loopback
 or datacenter round trip; short enough that idle peers free their slots quickly."""
 _ACCEPT_POLL_S = 0.1  # how often the acceptor thread notices accept() has finished
+
+
+class ListenerFields(TypedDict):
+    """What a receiver dials and proves (``TCPInitInfo``'s ``host``, ``port``, ``secret_b64``)."""
+
+    host: str
+    port: int
+    secret_b64: str
 
 
 class TCPRendezvous:
@@ -64,7 +73,7 @@ class TCPRendezvous:
         except OSError as exc:
             listener.close()
             raise TransferError(f"cannot listen on {bind_host}:{port}: {exc}") from None
-        self._listener = listener
+        self._listener: socket.socket | None = listener
         self.port: int = listener.getsockname()[1]
         host = advertise_host or bind_host
         if host in ("0.0.0.0", "::", ""):
@@ -83,7 +92,7 @@ class TCPRendezvous:
     def secret(self) -> bytes:
         return self._secret
 
-    def init_fields(self) -> dict[str, object]:
+    def init_fields(self) -> ListenerFields:
         """The ``TCPInitInfo`` fields receivers need: ``host``, ``port``, ``secret_b64``."""
         return {"host": self.host, "port": self.port, "secret_b64": encode_secret(self._secret)}
 

@@ -50,7 +50,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> np.ndarray:
     """Inverse rotary frequencies (float32), ``default`` or ``llama3`` scaling."""
     inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
-    kind = (scaling or {}).get("rope_type", "default")
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", "default")
     if kind == "default":
         return inv
     if kind != "llama3":

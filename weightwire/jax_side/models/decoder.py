@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -319,7 +319,8 @@ class DecoderLayer(nn.Module):
 class _ScannedLayer(DecoderLayer):
     """``DecoderLayer`` in ``nn.scan``'s carry form."""
 
-    def __call__(self, x, cos, sin, bias):  # type: ignore[override]
+    # Unannotated on purpose: nn.scan's carry form returns (carry, None), not DecoderLayer's Array.
+    def __call__(self, x, cos, sin, bias):
         return super().__call__(x, cos, sin, bias), None
 
 
@@ -333,7 +334,8 @@ class DecoderModel(nn.Module):
         if c.scan_layers:
             stack = nn.scan(_ScannedLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers)
-            self.layers = stack(c)
+            # One scanned module or a list of layers, by cfg.scan_layers (flax setup attribute).
+            self.layers: Any = stack(c)
         else:
             self.layers = [DecoderLayer(c) for _ in range(c.num_hidden_layers)]
         self.norm = _norm(c, "norm")
@@ -372,7 +374,8 @@ class CausalLM(nn.Module):
 
 def init(rng: jax.Array, cfg: DecoderConfig) -> dict[str, Any]:
     """Random parameters ``{"params": {...}}`` (normal(0.02) matrices, HF-default norms)."""
-    return CausalLM(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))
+    # A plain dict: flax returns a FrozenDict only when flax_return_frozendict is set.
+    return cast(dict[str, Any], CausalLM(cfg).init(rng, jnp.zeros((1, 1), jnp.int32)))
 
 
 def apply(params: Any, tokens: jax.Array, cfg: DecoderConfig, *, positions: jax.Array | None = None,
@@ -381,7 +384,8 @@ def apply(params: Any, tokens: jax.Array, cfg: DecoderConfig, *, positions: jax.
 
     ``attention_mask`` (1 = real token) masks padded keys; ``positions`` default to 0..T-1.
     """
-    return CausalLM(cfg).apply(params, tokens, positions, attention_mask)
+    # Without mutable=..., apply returns the output alone (no (output, state) pair).
+    return cast(jax.Array, CausalLM(cfg).apply(params, tokens, positions, attention_mask))
 
 
 def naming(cfg: DecoderConfig) -> Naming:

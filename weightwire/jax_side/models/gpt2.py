@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -154,13 +154,15 @@ def config(**overrides: Any) -> GPT2Config:
 
 def init(rng: jax.Array, cfg: GPT2Config) -> dict[str, Any]:
     """Random parameters ``{"params": {...}}``."""
-    return GPT2LMHead(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))
+    # A plain dict: flax returns a FrozenDict only when flax_return_frozendict is set.
+    return cast(dict[str, Any], GPT2LMHead(cfg).init(rng, jnp.zeros((1, 1), jnp.int32)))
 
 
 def apply(params: Any, tokens: jax.Array, cfg: GPT2Config, *, positions: jax.Array | None = None,
           attention_mask: jax.Array | None = None) -> jax.Array:
     """Logits ``[B, T, vocab]``. Pure; jit with ``cfg`` static."""
-    return GPT2LMHead(cfg).apply(params, tokens, positions, attention_mask)
+    # Without mutable=..., apply returns the output alone (no (output, state) pair).
+    return cast(jax.Array, GPT2LMHead(cfg).apply(params, tokens, positions, attention_mask))
 
 
 def naming(cfg: GPT2Config) -> Naming:

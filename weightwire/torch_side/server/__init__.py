@@ -193,7 +193,7 @@ def _graceful_server(uvicorn: Any, config: Any) -> Any:
     """uvicorn's server, except that after a SIGINT/SIGTERM shutdown it returns instead
     of re-raising the signal: the workers are then closed in order and we exit 0."""
 
-    class Server(uvicorn.Server):  # type: ignore[misc, name-defined]
+    class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             with super().capture_signals():

@@ -93,10 +93,11 @@ class Generator:
                 nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
             chosen = logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1).tolist()
             nxt_list = nxt.tolist()
-            top_vals = top_idx = None
+            top_vals: list[Any] | None = None
+            top_idx: list[Any] | None = None
             if want_top:
-                top_vals, top_idx = torch.topk(logp, want_top, dim=-1)
-                top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
+                top = torch.topk(logp, want_top, dim=-1)
+                top_vals, top_idx = top.values.tolist(), top.indices.tolist()
             for i in range(n):
                 if done[i]:
                     continue

@@ -21,7 +21,7 @@ from weightwire.torch_side.server.web import ApiError, read_no_body
 
 def install_sleep_routes(app: FastAPI, state: Any) -> None:
     pool, gate, opts = state.pool, state.gate, state.options
-    asleep = {"level": None}
+    asleep: dict[str, int | None] = {"level": None}
 
     async def fan_out(op: str, args: dict[str, Any]) -> list[Any]:
         try:

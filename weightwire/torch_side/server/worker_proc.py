@@ -94,7 +94,8 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device(spec.device)
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype="auto").to(self.device).eval()
+        # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound (self: the model).
+        self.model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype="auto").to(self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
         self.host = HFModelHost(self.model)
         cfg = self.model.config
@@ -240,7 +241,7 @@ class Loop:
             self.out.write(data)
             self.out.flush()
 
-    def run_op(self, msg_id: int, op: str, fn: Any, kwargs: dict[str, Any]) -> None:
+    def run_op(self, msg_id: int | None, op: str, fn: Any, kwargs: dict[str, Any]) -> None:
         try:
             result = fn(**kwargs)
         except BaseException as exc:

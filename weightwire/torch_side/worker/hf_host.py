@@ -124,8 +124,9 @@ class HFModelHost:
         # against code that replaced one side of a tie with a new Parameter.
         for name, param in self.model.named_parameters(remove_duplicate=False):
             key = self._alias.get(name)
-            if key is not None and param is not self._params[key] and hasattr(self.model, "tie_weights"):
-                self.model.tie_weights()
+            tie = getattr(self.model, "tie_weights", None)  # transformers' PreTrainedModel method
+            if key is not None and param is not self._params[key] and tie is not None:
+                tie()
                 return
 
     # ------------------------------------------------------------- inspection
@@ -141,4 +142,4 @@ class HFModelHost:
 def tensor_sha256(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's raw little-endian C-order bytes (any dtype, bf16 included)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
+    return hashlib.sha256(flat.view(torch.uint8).numpy().data).hexdigest()

@@ -20,6 +20,7 @@ import logging
 import sys
 import weakref
 from contextlib import AbstractContextManager, nullcontext
+from types import FrameType
 from typing import Any
 
 import torch
@@ -138,9 +139,9 @@ def refresh_tied(model: Any, aliases: dict[str, str]) -> None:
     """
     owners = {name.rsplit(".", 1)[0] for name in aliases}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        method = getattr(module, "quant_method", None)
-        if prefix in owners and callable(getattr(method, "process_weights_after_loading", None)):
-            method.process_weights_after_loading(module)
+        process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
+        if prefix in owners and callable(process):
+            process(module)
 
 
 def checkpoint_spec(model_config: Any, model: Any) -> ModelSpec | None:
@@ -162,7 +163,7 @@ def _find_worker(engine: Any) -> Any:
     vLLM keeps its own "update active" flag on the worker; weightwire must clear it
     when it drops a stale round, and the engine is given no handle to the worker.
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(8):
         if frame is None:
             break
@@ -175,13 +176,13 @@ def _find_worker(engine: Any) -> Any:
 
 def worker_rank(parallel_config: Any) -> int:
     """This worker's index across all data-parallel replicas (trainer rank excluded)."""
-    dp_index = getattr(parallel_config, "data_parallel_index", None)
+    dp_index: Any = getattr(parallel_config, "data_parallel_index", None)
     if dp_index is None:
         dp_index = getattr(parallel_config, "data_parallel_rank", 0)
     return int(dp_index) * int(parallel_config.world_size) + int(parallel_config.rank)
 
 
-class _VllmEngine(EngineFacade, WeightTransferEngine):  # type: ignore[misc]
+class _VllmEngine(EngineFacade, WeightTransferEngine):
     _connect = staticmethod(connect)  # the backend's connect, found in the registry by the init info
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:

@@ -1,0 +1,82 @@
+"""The client protocols: what a trainer engine calls on the object that drives the servers.
+
+A client is anything with the four round calls (``WeightSyncClient``): ours
+(``control.HTTPWeightSyncClient``, ``control.RayWeightSyncClient``), vLLM's own
+``HTTPVLLMWeightSyncClient``, or a user's adapter. They match structurally; none
+inherits from these classes. The calls around a round (``ServerControls``) are each
+optional: the engine checks the ones its configuration needs by name when it starts
+(``callable(getattr(client, name, None))``), so a client that lacks one fails at
+``trainer_init`` with the missing names instead of mid-round.
+
+Parameters are positional-only: clients name them differently (``init_info`` /
+``info``) and the engine always passes them positionally. Return values are ``object``:
+the engine ignores what a round call returns, so any client's answer is accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+ROUND_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+"""The four calls every client must have (the members of ``WeightSyncClient``)."""
+
+CONTROL_CALLS = ("version", "get_world_size", "pause", "resume", "weight_checker", "start_draft_weight_update",
+                 "has_draft_model", "abort_requests", "shutdown_weight_transfer_engine")
+"""The optional calls (the members of ``ServerControls``)."""
+
+
+@runtime_checkable
+class WeightSyncClient(Protocol):
+    """The four round calls: open the data plane, then per round start / update / finish.
+
+    ``update_weights`` blocks while the workers receive, so the engine calls it on a
+    side thread concurrently with the broadcasts."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], /) -> object: ...
+
+    def start_weight_update(self) -> object: ...
+
+    def update_weights(self, update_info: dict[str, Any], /) -> object: ...
+
+    def finish_weight_update(self, weight_version: str, /) -> object: ...
+
+
+@runtime_checkable
+class ServerControls(Protocol):
+    """The calls around a round; each one is optional (see the module docstring)."""
+
+    def version(self) -> str:
+        """The servers' vLLM version (feature gates); else ``TrainerInitInfo.server_version``."""
+        ...
+
+    def get_world_size(self) -> int:
+        """Inference ranks across the servers; else ``TrainerInitInfo.inference_world_size``."""
+        ...
+
+    def pause(self, mode: str, /) -> object:
+        """Pause generation for a round (``pause_mode``); needs ``resume``."""
+        ...
+
+    def resume(self) -> object: ...
+
+    def weight_checker(self, action: str, /) -> Iterable[Any]:
+        """One answer per server to ``/weight_checker`` (``verify=True``)."""
+        ...
+
+    def start_draft_weight_update(self) -> object:
+        """Open a round into the speculative draft model (``send_weights(draft=True)``)."""
+        ...
+
+    def has_draft_model(self) -> Iterable[bool]:
+        """Per server: is there a draft model? Asked before the first draft round."""
+        ...
+
+    def abort_requests(self, request_ids: list[str] | None, /) -> object: ...
+
+    def shutdown_weight_transfer_engine(self) -> object: ...
+
+
+class EngineClient(WeightSyncClient, ServerControls, Protocol):
+    """How an engine holds its client: the round calls, and the optional calls it may
+    use once it checked them present (an unchecked one is guarded where it is called)."""
