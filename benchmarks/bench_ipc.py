@@ -5,7 +5,7 @@
 
 Three processes on the same GPU: the trainer (``JAXTrainerEngine`` torch-free, or
 ``TorchTrainerEngine``) with synthetic bf16 weights of the model's HF shapes; the
-reference server's FastAPI routes served by uvicorn (``bench_sync_http``); and the
+reference server's FastAPI routes served by uvicorn (``weightwire.bench.sync_http``); and the
 worker (``WeightwireIPCEngine.standalone(model=Sink)``: the sink counts what arrived and
 keeps nothing, so the worker does one copy-out per byte and the trainer one pack copy).
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_sync_shim.Receiver = IPCShimReceiver  # receiver_main builds the class it finds here
             receiver_main(cfg)
         elif args.role == "api":
-            from bench_sync_http import api_main  # noqa: PLC0415
+            from weightwire.bench.sync_http import api_main  # noqa: PLC0415
 
             api_main(cfg)
         else:
