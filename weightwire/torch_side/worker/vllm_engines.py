@@ -94,6 +94,7 @@ class LayerwiseReload:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: PLC0415
 
         initialize_layerwise_reload(model)
+        repack_cpu_moe_on_reload(model)
 
     def commit(self, model: Any, model_config: Any) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # noqa: PLC0415
@@ -142,6 +143,41 @@ def refresh_tied(model: Any, aliases: dict[str, str]) -> None:
         process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
         if prefix in owners and callable(process):
             process(module)
+
+
+def repack_cpu_moe_on_reload(model: Any) -> None:
+    """Make a reload of a fused-MoE layer redo the CPU experts' weight prepacking.
+
+    vLLM 0.32's unquantized MoE method prepacks w13/w2 into the CPU grouped-gemm
+    layout only on its first ``process_weights_after_loading``; on a weight update it
+    copies the new, unpacked weights into the packed parameters and skips the prepack,
+    so the CPU kernel reads them in the wrong layout (vLLM's greedy output after a round
+    differs from HF's on the same weights; found by the real-vLLM family lane). Each
+    such layer's method gets a per-instance wrapper (installed once) that prepacks
+    again after a reprocess; it runs only for layers vLLM actually reprocesses, so an
+    untouched layer is never packed twice. A no-op off CPU and on other vLLM versions.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (  # noqa: PLC0415
+            CPUUnquantizedExperts,
+        )
+    except ImportError:
+        return
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_weightwire_repacks", False):
+            continue
+        process = method.process_weights_after_loading
+
+        def reprocess(layer: Any, _process: Any = process, _method: Any = method) -> None:
+            _process(layer)
+            # Installed after startup: every call here is a weight update.
+            _method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+        method.process_weights_after_loading = reprocess
+        method._weightwire_repacks = True
 
 
 def checkpoint_spec(model_config: Any, model: Any) -> ModelSpec | None:
