@@ -300,10 +300,18 @@ def test_known_cycles_still_exist() -> None:
 @pytest.mark.parametrize("name", _in("weightwire.shared"))
 def test_shared_is_a_sink(name: str) -> None:
     module = GRAPH[name]
+    # weightwire._lazy (stdlib only, checked below) gives shared/__init__ its lazy exports.
     outside = sorted(t for t in module.internal | module.lazy_internal
-                     if not (t == "weightwire.shared" or t.startswith("weightwire.shared.")))
+                     if not (t in ("weightwire.shared", "weightwire._lazy") or t.startswith("weightwire.shared.")))
     assert outside == [], f"{name} imports weightwire modules outside shared: {outside}"
     assert forbidden_reach(name, JAX | TORCH | CUPY, ()) == []
+
+
+def test_the_lazy_helper_imports_nothing_of_weightwire() -> None:
+    # shared may import it only because it is a leaf: stdlib, no weightwire module, no framework.
+    helper = GRAPH["weightwire._lazy"]
+    assert helper.internal | helper.lazy_internal <= {"weightwire"}, helper.internal | helper.lazy_internal
+    assert not set(helper.external) & (JAX | TORCH | CUPY | {"numpy"}), helper.external
 
 
 @pytest.mark.parametrize("name", _in("weightwire.jax_side"))

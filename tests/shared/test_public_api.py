@@ -41,7 +41,8 @@ def _exports(package: str) -> dict[str, str]:
 
 
 def test_the_lazy_packages() -> None:
-    assert LAZY_PACKAGES == ["weightwire", "weightwire.jax_side", "weightwire.torch_side", "weightwire.torch_side.worker"]
+    assert LAZY_PACKAGES == [
+        "weightwire", "weightwire.jax_side", "weightwire.shared", "weightwire.torch_side", "weightwire.torch_side.worker"]
 
 
 @pytest.mark.parametrize("package", LAZY_PACKAGES)

@@ -7,37 +7,52 @@ HTTP routes, the server-version gates, the ``Communicator`` protocol a transport
 implements, the source protocol, timeouts and limits, and the data-plane errors.
 """
 
-from weightwire.shared.communicator import Communicator
-from weightwire.shared.dtypes import SUPPORTED_DTYPES, WIRE_DTYPES, WireDType, wire_dtype
-from weightwire.shared.errors import (
-    ConfigError,
-    ControlTimeout,
-    PeerLost,
-    ReferenceServerError,
-    RoundError,
-    SourceMismatch,
-    TransferError,
-    TransferTimeout,
-    UnavailableError,
-    WeightSyncError,
-    WeightwireError,
-)
-from weightwire.shared.framing import Chunk, pack_host, plan, plan_packed, plan_unpacked, unpack_host
-from weightwire.shared.info import NCCLInitInfo, TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
-from weightwire.shared.ipc_info import IPCInitInfo
-from weightwire.shared.limits import LIMITS, Limits
-from weightwire.shared.meta import ParamMeta
-from weightwire.shared.routes import ROUTES, Route
-from weightwire.shared.source import WeightSource
-from weightwire.shared.timeouts import DEFAULT_TIMEOUTS, Timeouts
-from weightwire.shared.version import VERSION_GATES, ServerFeatures, parse_version
+from __future__ import annotations
 
-__all__ = [
-    "ConfigError", "ControlTimeout", "ReferenceServerError", "RoundError", "UnavailableError",
-    "WeightSyncError", "WeightwireError",
-    "Chunk", "Communicator", "DEFAULT_TIMEOUTS", "IPCInitInfo", "LIMITS", "Limits", "NCCLInitInfo", "ParamMeta",
-    "PeerLost", "ROUTES", "Route", "SUPPORTED_DTYPES", "ServerFeatures", "SourceMismatch", "TCPInitInfo",
-    "Timeouts", "TransferError", "TransferTimeout", "UpdateInfo", "VERSION_GATES", "WIRE_DTYPES", "WeightSource",
-    "WeightwireNCCLInitInfo", "WireDType", "pack_host", "parse_version", "plan", "plan_packed", "plan_unpacked",
-    "unpack_host", "wire_dtype",
-]
+from typing import TYPE_CHECKING
+
+from weightwire._lazy import attach
+
+# Lazy, like the other packages: importing one contract module (``shared.errors`` from
+# the CLI's extras check, say) must not import numpy through this package.
+if TYPE_CHECKING:  # the export list (``weightwire._lazy``)
+    from weightwire.shared.communicator import Communicator as Communicator
+    from weightwire.shared.dtypes import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+    from weightwire.shared.dtypes import WIRE_DTYPES as WIRE_DTYPES
+    from weightwire.shared.dtypes import WireDType as WireDType
+    from weightwire.shared.dtypes import wire_dtype as wire_dtype
+    from weightwire.shared.errors import ConfigError as ConfigError
+    from weightwire.shared.errors import ControlTimeout as ControlTimeout
+    from weightwire.shared.errors import PeerLost as PeerLost
+    from weightwire.shared.errors import ReferenceServerError as ReferenceServerError
+    from weightwire.shared.errors import RoundError as RoundError
+    from weightwire.shared.errors import SourceMismatch as SourceMismatch
+    from weightwire.shared.errors import TransferError as TransferError
+    from weightwire.shared.errors import TransferTimeout as TransferTimeout
+    from weightwire.shared.errors import UnavailableError as UnavailableError
+    from weightwire.shared.errors import WeightSyncError as WeightSyncError
+    from weightwire.shared.errors import WeightwireError as WeightwireError
+    from weightwire.shared.framing import Chunk as Chunk
+    from weightwire.shared.framing import pack_host as pack_host
+    from weightwire.shared.framing import plan as plan
+    from weightwire.shared.framing import plan_packed as plan_packed
+    from weightwire.shared.framing import plan_unpacked as plan_unpacked
+    from weightwire.shared.framing import unpack_host as unpack_host
+    from weightwire.shared.info import NCCLInitInfo as NCCLInitInfo
+    from weightwire.shared.info import TCPInitInfo as TCPInitInfo
+    from weightwire.shared.info import UpdateInfo as UpdateInfo
+    from weightwire.shared.info import WeightwireNCCLInitInfo as WeightwireNCCLInitInfo
+    from weightwire.shared.ipc_info import IPCInitInfo as IPCInitInfo
+    from weightwire.shared.limits import LIMITS as LIMITS
+    from weightwire.shared.limits import Limits as Limits
+    from weightwire.shared.meta import ParamMeta as ParamMeta
+    from weightwire.shared.routes import ROUTES as ROUTES
+    from weightwire.shared.routes import Route as Route
+    from weightwire.shared.source import WeightSource as WeightSource
+    from weightwire.shared.timeouts import DEFAULT_TIMEOUTS as DEFAULT_TIMEOUTS
+    from weightwire.shared.timeouts import Timeouts as Timeouts
+    from weightwire.shared.version import VERSION_GATES as VERSION_GATES
+    from weightwire.shared.version import ServerFeatures as ServerFeatures
+    from weightwire.shared.version import parse_version as parse_version
+
+__getattr__, __dir__ = attach(__name__, globals())

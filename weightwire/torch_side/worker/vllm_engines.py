@@ -164,7 +164,7 @@ def repack_cpu_moe_on_reload(model: Any) -> None:
     except ImportError:
         return
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
+        method: Any = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_weightwire_repacks", False):
