@@ -1,0 +1,103 @@
+"""``docs/architecture.md`` matches the code: every ``file:function`` of the byte path
+exists, and every file the tree names is where the tree says it is.
+
+Read statically (``ast``), so a rename or a move in the code fails here until the
+architecture document follows it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = (ROOT / "docs" / "architecture.md").read_text()
+PACKAGE = ROOT / "weightwire"
+
+# `path/file.py:Name.attr` (optionally followed by `-> _other` frames of the same class).
+_REF = re.compile(r"`([a-z_/]+\.py):([A-Za-z_][\w.]*)`")
+
+
+def _byte_path_section() -> str:
+    return DOC[DOC.index("## The path of one byte"):]
+
+
+def _defined(path: Path) -> set[str]:
+    """Every ``name`` and ``Class.method`` defined at the top level of ``path``."""
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names |= {f"{node.name}.{item.name}" for item in node.body
+                      if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)}
+    return names
+
+
+REFS = sorted(set(_REF.findall(_byte_path_section())))
+
+
+def test_the_byte_path_names_enough_frames() -> None:
+    assert len(REFS) >= 20, REFS
+
+
+@pytest.mark.parametrize(("file", "name"), REFS)
+def test_every_byte_path_frame_exists(file: str, name: str) -> None:
+    path = PACKAGE / file
+    assert path.is_file(), f"docs/architecture.md names {file}, which is not under weightwire/"
+    assert name in _defined(path), f"docs/architecture.md names {file}:{name}, which {file} does not define"
+
+
+def _tree_block() -> str:
+    start = DOC.index("## The tree")
+    block = DOC[start:DOC.index("## Import rules")]
+    return block[block.index("```") + 3: block.rindex("```")]
+
+
+_PY = re.compile(r"(?<![\w/.`])([a-z_0-9]+\.py)\b")
+
+
+def _tree_files() -> list[str]:
+    """``dir/file.py`` for every ``*.py`` the tree names, under the directory it is listed in.
+
+    A line opening with ``dir/`` starts that directory (files on the same line and on
+    deeper-indented lines below belong to it); a line listing several ``dir/`` names is
+    a plain listing at its parent's level.
+    """
+    out: list[str] = []
+    stack: list[tuple[int, str]] = []
+    for line in _tree_block().splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        words = line.split()
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        dirs = [w for w in words if len(w) > 1 and w.endswith("/") and not w.startswith("(")]
+        opens = words[0].endswith("/") and len(dirs) == 1
+        if opens:
+            stack.append((indent, words[0]))
+        prefix = "".join(d for _, d in stack)
+        if not prefix.startswith("weightwire/"):
+            continue
+        text = line.split("`")[0]  # code spans quote commands, not files
+        out += [prefix + name for name in _PY.findall(text)]
+    return out
+
+
+def test_every_file_in_the_tree_exists() -> None:
+    files = _tree_files()
+    assert len(files) >= 15, files
+    missing = [f for f in files if not (ROOT / f).is_file()]
+    assert missing == [], f"docs/architecture.md's tree names files that do not exist: {missing}"
+
+
+def test_every_package_is_in_the_tree() -> None:
+    packages = sorted(p.parent.relative_to(PACKAGE).as_posix() for p in PACKAGE.glob("*/__init__.py"))
+    tree = _tree_block()
+    missing = [p for p in packages if f"{p}/" not in tree]
+    assert missing == [], f"packages missing from docs/architecture.md's tree: {missing}"
