@@ -56,7 +56,7 @@ class IPCShimReceiver(bench_sync_shim.Receiver):
             return _profiled("worker update", lambda: super(IPCShimReceiver, self).op(op, args))
         if op != "init":
             return super().op(op, args)
-        from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine  # noqa: PLC0415
+        from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine
 
         with self.lock:
             if self.engine is not None:
@@ -69,9 +69,9 @@ class IPCShimReceiver(bench_sync_shim.Receiver):
 
 def _profiled(what: str, fn: Any) -> Any:
     """Run ``fn`` under cProfile and print the top functions by own time (to stderr)."""
-    import cProfile  # noqa: PLC0415
-    import io  # noqa: PLC0415
-    import pstats  # noqa: PLC0415
+    import cProfile
+    import io
+    import pstats
 
     prof = cProfile.Profile()
     try:
@@ -84,7 +84,7 @@ def _profiled(what: str, fn: Any) -> Any:
 
 def ceiling_s(engine: Any, params: dict[str, Any], nbytes: int, reps: int) -> float:
     """Two device copies of the round's bytes: tensors -> A (one copy each), then A -> B."""
-    import cupy as cp  # noqa: PLC0415
+    import cupy as cp
 
     pipe = engine._pipeline
     stream = pipe._stream
@@ -112,20 +112,20 @@ def ceiling_s(engine: Any, params: dict[str, Any], nbytes: int, reps: int) -> fl
 
 def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf: int, nb: int, release: bool,
                cfg: dict[str, Any]) -> dict[str, Any]:
-    from weightwire.shared.timeouts import Timeouts  # noqa: PLC0415
-    from weightwire.trainer.config import TrainerInitInfo  # noqa: PLC0415
+    from weightwire.shared.timeouts import Timeouts
+    from weightwire.trainer.config import TrainerInitInfo
 
     if kind == "jax":
-        from weightwire.jax_side.engine import JAXTrainerEngine as Engine  # noqa: PLC0415
+        from weightwire.jax_side.engine import JAXTrainerEngine as Engine
     else:
-        from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine  # noqa: PLC0415
+        from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine
     t = cfg["timeout"]
     nbytes = sum(int(a.nbytes) for a in params.values())
     mode = (f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked") + (" release" if release else "")
     row: dict[str, Any] = {"engine": kind, "control": cfg["control"], "model": model, "mode": mode,
                            "nbytes": nbytes, "tensors": len(params)}
     if cfg["control"] == "http":
-        from weightwire.control.client import HTTPWeightSyncClient  # noqa: PLC0415
+        from weightwire.control.client import HTTPWeightSyncClient
 
         client: Any = HTTPWeightSyncClient(cfg["url"], timeout=t + 60)
     else:
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_sync_shim.Receiver = IPCShimReceiver  # receiver_main builds the class it finds here
             receiver_main(cfg)
         elif args.role == "api":
-            from weightwire.bench.sync_http import api_main  # noqa: PLC0415
+            from weightwire.bench.sync_http import api_main
 
             api_main(cfg)
         else:

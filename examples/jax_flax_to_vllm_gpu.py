@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     state = {"params": params, "opt": opt.init(params)}
 
     @jax.jit
-    def train_step(params, opt_state):  # noqa: ANN001, ANN202
-        def loss_fn(p):  # noqa: ANN001, ANN202
+    def train_step(params, opt_state):
+        def loss_fn(p):
             return -jnp.mean(token_logprobs(p, seq, cfg))
 
         loss, grads = jax.value_and_grad(loss_fn)(params)

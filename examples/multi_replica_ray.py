@@ -71,9 +71,9 @@ def perturb(params: Any, seed: int, scale: float = 0.02) -> Any:
 
 def ray_replicas(model: str, replicas: int, tp: int) -> tuple[Any, list[Any]]:
     """``vllm.LLM`` actors with the NCCL weight-transfer backend, and a client over them."""
-    import ray  # noqa: PLC0415
-    import vllm  # noqa: PLC0415
-    from vllm import LLM  # noqa: PLC0415
+    import ray
+    import vllm
+    from vllm import LLM
 
     ray.init(ignore_reinit_error=True)
     actor = ray.remote(num_gpus=tp)(LLM)

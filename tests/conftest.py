@@ -11,7 +11,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 def _cuda_device_count() -> int:
     try:
-        import cupy  # noqa: PLC0415  (optional: only GPU hosts have it)
+        import cupy  # optional: only GPU hosts have it
 
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:

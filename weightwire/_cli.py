@@ -94,7 +94,7 @@ def guarded(prog: str, run: Callable[[], int]) -> int:
         raise
     except CommandError as exc:
         return fail(prog, str(exc), exc.code)
-    except Exception as exc:  # noqa: BLE001  (one clear line instead of a traceback)
+    except Exception as exc:  # one clear line instead of a traceback
         if debug:
             raise
         extra = missing_extra(exc)

@@ -51,7 +51,7 @@ examples:
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
-    from weightwire.demo.loop import DEMO_BACKENDS, DemoConfig  # noqa: PLC0415  (light: no jax at import)
+    from weightwire.demo.loop import DEMO_BACKENDS, DemoConfig  # light: no jax at import
 
     d = DemoConfig()
     p = sub.add_parser("demo", help="RL loop: JAX policy -> server, weights synced every step",
@@ -94,9 +94,9 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     # JAX would otherwise grab most of every visible GPU, starving an inference server there.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from rich.console import Console  # noqa: PLC0415
+    from rich.console import Console
 
-    from weightwire.demo.loop import DemoConfig, run_demo  # noqa: PLC0415
+    from weightwire.demo.loop import DemoConfig, run_demo
 
     if args.backend is not None and args.transport is not None:
         return fail("weightwire demo", "--transport is the old spelling of --backend: pass one of them", EXIT_USAGE)
@@ -119,11 +119,11 @@ def _run_bench(argv: list[str]) -> int:
     if argv[:1] == ["--"]:  # `bench -- --help`, the pass-through spelling of earlier versions
         argv = argv[1:]
     if "--sync" in argv:
-        from weightwire.bench import sync  # noqa: PLC0415
+        from weightwire.bench import sync
 
         rest = [a for a in argv if a != "--sync"]
         return guarded("weightwire bench --sync", lambda: sync.main(rest, prog="weightwire bench --sync"))
-    from weightwire.bench import comm  # noqa: PLC0415
+    from weightwire.bench import comm
 
     def run() -> int:
         parser = comm.build_parser("weightwire bench")
@@ -137,7 +137,7 @@ def _run_bench(argv: list[str]) -> int:
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
-    from weightwire.demo.doctor import run_doctor  # noqa: PLC0415
+    from weightwire.demo.doctor import run_doctor
 
     return run_doctor(args.url, api_key=args.api_key, timeout=args.timeout, round_trip=not args.no_round)
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "serve":
         # Everything after `serve` belongs to the server's own parser (its --help included).
         def serve() -> int:
-            from weightwire.torch_side.server import serve_main  # noqa: PLC0415
+            from weightwire.torch_side.server import serve_main
 
             return serve_main(argv[1:])
 

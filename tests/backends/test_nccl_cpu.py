@@ -108,7 +108,7 @@ class FakeComm:
         self.calls: list[tuple] = []
         self.async_error: Exception | None = None
 
-    def allReduce(self, *args: object) -> None:  # noqa: N802  (CuPy's spelling)
+    def allReduce(self, *args: object) -> None:  # CuPy's spelling
         self.calls.append(("allReduce", *args))
 
     def broadcast(self, *args: object) -> None:

@@ -47,7 +47,7 @@ def test_names_agree_with_the_shared_init_infos() -> None:
 
 @pytest.mark.parametrize("name", backends.BACKEND_NAMES)
 def test_trainer_backend_matches_its_entry(name: str) -> None:
-    from weightwire.trainer.backends import Backend, get_backend  # noqa: PLC0415
+    from weightwire.trainer.backends import Backend, get_backend
 
     spec = backends.SPECS[name]
     cls = backends.load(spec.trainer)
@@ -96,7 +96,7 @@ class FakeFactory:
 
 
 def test_plugin_registers_exactly_the_entries_with_a_vllm_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightwire.torch_side.worker import plugin  # noqa: PLC0415
+    from weightwire.torch_side.worker import plugin
 
     for mod in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
         monkeypatch.setitem(sys.modules, mod, types.ModuleType(mod))
@@ -111,9 +111,9 @@ def test_plugin_registers_exactly_the_entries_with_a_vllm_engine(monkeypatch: py
 
 
 def test_commands_offer_the_registry_names() -> None:
-    from weightwire import _cli  # noqa: PLC0415
-    from weightwire.demo.loop import DEMO_BACKENDS  # noqa: PLC0415
-    from weightwire.torch_side.server import build_parser  # noqa: PLC0415
+    from weightwire import _cli
+    from weightwire.demo.loop import DEMO_BACKENDS
+    from weightwire.torch_side.server import build_parser
 
     assert _cli.BACKENDS is backends.BACKEND_NAMES
     (action,) = [a for a in build_parser()._actions if "--backend" in a.option_strings]
@@ -135,8 +135,8 @@ def test_import_pulls_no_framework_and_nothing_else() -> None:
 
 
 def test_unknown_names_are_refused_naming_the_known_ones() -> None:
-    from weightwire.trainer.backends import get_backend  # noqa: PLC0415
-    from weightwire.trainer.config import TrainerInitInfo  # noqa: PLC0415
+    from weightwire.trainer.backends import get_backend
+    from weightwire.trainer.config import TrainerInitInfo
 
     known = ", ".join(backends.BACKEND_NAMES)
     for call in (lambda: backends.get("weightwire_udp"), lambda: get_backend("weightwire_udp"),
@@ -151,10 +151,10 @@ def test_unknown_names_are_refused_naming_the_known_ones() -> None:
 
 def test_worker_connect_dispatches_through_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
-    from weightwire.backends.tcp import worker as tcp_worker  # noqa: PLC0415
-    from weightwire.shared.info import NCCLInitInfo  # noqa: PLC0415
-    from weightwire.torch_side.worker.connect import connect  # noqa: PLC0415
-    from weightwire.torch_side.worker.engines import WeightwireTCPEngine  # noqa: PLC0415
+    from weightwire.backends.tcp import worker as tcp_worker
+    from weightwire.shared.info import NCCLInitInfo
+    from weightwire.torch_side.worker.connect import connect
+    from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 
     calls: list[tuple[Any, int]] = []
     monkeypatch.setattr(tcp_worker, "connect_tcp", lambda info, *, rank, device: calls.append((info, rank)) or "link")
@@ -190,9 +190,9 @@ def test_plugin_backend_names_are_written_once_in_code() -> None:
 
 def test_the_nccl_store_rendezvous_keeps_its_public_path() -> None:
     pytest.importorskip("torch")
-    from weightwire.backends.nccl import worker as nccl_worker  # noqa: PLC0415
-    from weightwire.torch_side import worker  # noqa: PLC0415
-    from weightwire.torch_side.worker import connect  # noqa: PLC0415
+    from weightwire.backends.nccl import worker as nccl_worker
+    from weightwire.torch_side import worker
+    from weightwire.torch_side.worker import connect
 
     assert worker.publish_unique_id is connect.publish_unique_id is nccl_worker.publish_unique_id
     assert worker.fetch_unique_id is connect.fetch_unique_id is nccl_worker.fetch_unique_id

@@ -103,7 +103,7 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 def _recv(cfg: dict[str, Any]) -> None:
-    from weightwire.backends.tcp.comm import TCPCommunicator  # noqa: PLC0415
+    from weightwire.backends.tcp.comm import TCPCommunicator
 
     comm = TCPCommunicator.connect(host=cfg["host"], port=cfg["port"], secret=base64.b64decode(cfg["secret_b64"]),
                                    rank=cfg["rank"], world_size=cfg["world_size"], timeout=cfg.get("timeout", 30),
@@ -130,7 +130,7 @@ def _recv(cfg: dict[str, Any]) -> None:
 
 
 def _send(cfg: dict[str, Any]) -> None:
-    from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
+    from weightwire.backends.tcp.rendezvous import TCPRendezvous
 
     rendezvous = TCPRendezvous(world_size=cfg["world_size"])
     _emit({"event": "listening", **rendezvous.init_fields()})

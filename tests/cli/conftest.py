@@ -13,7 +13,7 @@ from weightwire.demo.server import EmbeddedServer
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> str:
-    from weightwire.torch_side.server.tiny import tiny_model_dir  # noqa: PLC0415
+    from weightwire.torch_side.server.tiny import tiny_model_dir
 
     return tiny_model_dir("tiny-llama")
 

@@ -68,7 +68,7 @@ def test_bench_refuses_bad_sizes_as_a_usage_error() -> None:
 class _Stub(BaseHTTPRequestHandler):
     routes: dict[str, tuple[int, Any]] = {}
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         status, body = self.routes.get(self.path.split("?")[0], (404, {"detail": "Not Found"}))
         data = json.dumps(body).encode()
         self.send_response(status)

@@ -135,7 +135,7 @@ def test_tiny_model_fits_vllm_cpu_attention(tiny_dir: str) -> None:
 
 
 def test_sample_column_stays_on_one_line() -> None:
-    from weightwire.demo.render import _sample_markup  # noqa: PLC0415
+    from weightwire.demo.render import _sample_markup
 
     shown = _sample_markup("ab\ne\x85[x]\u2028", "e")
     assert "\n" not in shown and "\x85" not in shown and "\u2028" not in shown

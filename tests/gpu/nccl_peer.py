@@ -70,8 +70,8 @@ def join(cfg: dict[str, Any], report: dict[str, Any], uid: bytes, rank: int) -> 
 
 
 def make_jax_arrays(metas: list[ParamMeta], seed: int) -> list[Any]:
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
+    import jax
+    import jax.numpy as jnp
 
     uints = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
     out = []
@@ -88,8 +88,8 @@ def make_jax_arrays(metas: list[ParamMeta], seed: int) -> list[Any]:
 
 
 def jax_as_bytes(x: Any) -> Any:
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
+    import jax
+    import jax.numpy as jnp
 
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint8).reshape(-1)
@@ -97,10 +97,10 @@ def jax_as_bytes(x: Any) -> Any:
 
 
 def jax_sender(cfg: dict[str, Any], report: dict[str, Any]) -> None:
-    import jax  # noqa: PLC0415
+    import jax
 
     jax.config.update("jax_enable_x64", True)  # float64 / int64 tensors
-    import jax.numpy as jnp  # noqa: PLC0415
+    import jax.numpy as jnp
 
     metas = metas_of(cfg)
     arrays = make_jax_arrays(metas, cfg["seed"])
@@ -139,14 +139,14 @@ def jax_sender(cfg: dict[str, Any], report: dict[str, Any]) -> None:
 
 
 def torch_digest(t: Any) -> list[Any]:
-    import torch  # noqa: PLC0415
+    import torch
 
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
     return [str(t.dtype).removeprefix("torch."), list(t.shape), hashlib.sha256(raw).hexdigest()]
 
 
 def torch_receiver(cfg: dict[str, Any], report: dict[str, Any]) -> None:
-    import torch  # noqa: PLC0415
+    import torch
 
     metas = metas_of(cfg)
     dev = torch.device("cuda", 0)

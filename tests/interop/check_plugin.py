@@ -46,17 +46,17 @@ class Recorder(torch.nn.Module):
 
 
 def main() -> None:
-    import vllm  # noqa: PLC0415
-    from vllm.config.weight_transfer import WeightTransferConfig  # noqa: PLC0415
-    from vllm.distributed.weight_transfer.base import WeightTransferEngine  # noqa: PLC0415
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: PLC0415
-    from vllm.plugins import load_general_plugins  # noqa: PLC0415
+    import vllm
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
 
-    from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
-    from weightwire.shared.framing import pack_host, plan  # noqa: PLC0415
-    from weightwire.shared.info import UpdateInfo  # noqa: PLC0415
-    from weightwire.shared.meta import ParamMeta  # noqa: PLC0415
-    from weightwire.torch_side.worker import plugin  # noqa: PLC0415
+    from weightwire.backends.tcp.rendezvous import TCPRendezvous
+    from weightwire.shared.framing import pack_host, plan
+    from weightwire.shared.info import UpdateInfo
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.torch_side.worker import plugin
 
     load_general_plugins()
     plugin.register()  # a second registration must be a quiet no-op
@@ -129,7 +129,7 @@ def report(result: dict) -> None:
 
 
 def _tiny_dirs(root: str) -> tuple[str, str]:
-    from weightwire.torch_side.server.tiny import build_tiny  # noqa: PLC0415
+    from weightwire.torch_side.server.tiny import build_tiny
 
     dirs = []
     for seed in (0, 1):
@@ -146,14 +146,14 @@ def _tiny_dirs(root: str) -> tuple[str, str]:
 
 
 def check_llm(root: str) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
-    from vllm import LLM, SamplingParams  # noqa: PLC0415
-    from vllm.config.weight_transfer import WeightTransferConfig  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.config.weight_transfer import WeightTransferConfig
 
-    from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
-    from weightwire.shared.framing import pack_host, plan  # noqa: PLC0415
-    from weightwire.shared.info import UpdateInfo  # noqa: PLC0415
-    from weightwire.torch_side.sender.source import ModuleSource  # noqa: PLC0415
+    from weightwire.backends.tcp.rendezvous import TCPRendezvous
+    from weightwire.shared.framing import pack_host, plan
+    from weightwire.shared.info import UpdateInfo
+    from weightwire.torch_side.sender.source import ModuleSource
 
     d0, d1 = _tiny_dirs(root)
     ids = AutoTokenizer.from_pretrained(d0)("the quick brown fox", return_tensors="pt").input_ids
@@ -206,7 +206,7 @@ def check_llm(root: str) -> dict:
 
 if __name__ == "__main__":
     if "--llm" in sys.argv:
-        import tempfile  # noqa: PLC0415
+        import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             report(check_llm(tmp))

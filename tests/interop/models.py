@@ -33,7 +33,7 @@ DEFAULT_SCALE = 0.05
 
 
 def scale_for(model_dir: str) -> float:
-    from pathlib import Path  # noqa: PLC0415
+    from pathlib import Path
 
     return SCALE.get(Path(model_dir).name, DEFAULT_SCALE)
 

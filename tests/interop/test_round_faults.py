@@ -85,8 +85,8 @@ def _info(**kw: object) -> TrainerInitInfo:
 
 
 @pytest.fixture(scope="module")
-def served(launcher, model_dirs, tmp_path_factory) -> Iterator[Served]:  # noqa: ANN001
-    from tests.interop.conftest import serve  # noqa: PLC0415
+def served(launcher, model_dirs, tmp_path_factory) -> Iterator[Served]:
+    from tests.interop.conftest import serve
 
     server = serve(launcher, model_dirs, "tiny-llama", tmp_path_factory.getbasetemp() / "models")
     state = Served(server, hf_model(server.model_dir), server.weight_version())
@@ -221,7 +221,7 @@ def test_second_trainer_mid_round_is_refused(served: Served, when: str) -> None:
         def intrude() -> None:
             try:
                 intruder = JAXTrainerEngine.trainer_init(_info(), client=cb, source=intruder_source)
-            except Exception as exc:  # noqa: BLE001  (the refusal is what this test wants)
+            except Exception as exc:  # the refusal is what this test wants
                 refusals.append(str(exc))
             else:
                 intruder.shutdown()

@@ -61,12 +61,12 @@ def vllm_rank_formula(path: str) -> Callable[[int, int, int, int], int]:
         code = ast.Module(body=[ast.FunctionDef("_rank", args, stmts, [], None, type_params=[])], type_ignores=[])
         call = "_rank(init_info, parallel_config)"
     namespace: dict = {}
-    exec(compile(ast.fix_missing_locations(code), path, "exec"), namespace)  # noqa: S102  (vLLM's own lines)
+    exec(compile(ast.fix_missing_locations(code), path, "exec"), namespace)  # vLLM's own lines
 
     def formula(rank_offset: int, dp_index: int, per_dp: int, rank: int) -> int:
         env = {**namespace, "init_info": SimpleNamespace(rank_offset=rank_offset),
                "parallel_config": SimpleNamespace(data_parallel_index=dp_index, world_size=per_dp, rank=rank)}
-        return eval(call, env)  # noqa: S307
+        return eval(call, env)
 
     return formula
 

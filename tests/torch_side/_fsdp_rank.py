@@ -47,11 +47,11 @@ def main() -> None:
     rank, port = int(sys.argv[1]), int(sys.argv[2])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
-    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
-    from weightwire.shared.source import checked_iter  # noqa: PLC0415
-    from weightwire.torch_side.sender.source import ModuleSource, describe_tensor  # noqa: PLC0415
+    from weightwire.shared.source import checked_iter
+    from weightwire.torch_side.sender.source import ModuleSource, describe_tensor
 
     model = build()
     reference = {n: sha(p) for n, p in model.named_parameters()}

@@ -17,14 +17,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from _tiny import checksums, perturb, to_numpy  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import torch
+from _tiny import checksums, perturb, to_numpy
+from safetensors.torch import load_file
 
-from weightwire.shared.dtypes import wire_dtype  # noqa: E402
-from weightwire.shared.framing import pack_host, plan  # noqa: E402
-from weightwire.shared.meta import ParamMeta  # noqa: E402
-from weightwire.torch_side.dtypes import wire_name  # noqa: E402
+from weightwire.shared.dtypes import wire_dtype
+from weightwire.shared.framing import pack_host, plan
+from weightwire.shared.meta import ParamMeta
+from weightwire.torch_side.dtypes import wire_name
 
 
 def emit(obj: dict) -> None:
@@ -34,14 +34,14 @@ def emit(obj: dict) -> None:
 
 def connect(cfg: dict):
     if cfg.get("backend", "weightwire_tcp") == "weightwire_tcp":
-        from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
+        from weightwire.backends.tcp.rendezvous import TCPRendezvous
 
         rdv = TCPRendezvous(world_size=cfg["world_size"], secret=base64.b64decode(cfg["secret_b64"]))
         emit({"port": rdv.port})
         comm = rdv.accept(timeout=60)
         rdv.close()
     else:
-        from weightwire.backends.nccl.comm import NCCLCommunicator  # noqa: PLC0415
+        from weightwire.backends.nccl.comm import NCCLCommunicator
 
         torch.cuda.set_device(0)
         comm = NCCLCommunicator.join(unique_id=base64.b64decode(cfg["unique_id_b64"]), rank=0,

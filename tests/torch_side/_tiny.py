@@ -10,7 +10,7 @@ import torch
 
 
 def tiny_llama(*, seed: int = 0, dtype: torch.dtype = torch.float32, tied: bool = False) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415  (slow import, only when used)
+    from transformers import LlamaConfig, LlamaForCausalLM  # slow import, only when used
 
     config = LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

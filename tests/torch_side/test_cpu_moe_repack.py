@@ -45,7 +45,7 @@ def vllm_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     monkeypatch.setitem(sys.modules, base.__name__, base)
     monkeypatch.setitem(sys.modules, cpu_moe.__name__, cpu_moe)
     monkeypatch.delitem(sys.modules, "weightwire.torch_side.worker.vllm_engines", raising=False)
-    import weightwire.torch_side.worker.vllm_engines as mod  # noqa: PLC0415
+    import weightwire.torch_side.worker.vllm_engines as mod
 
     yield mod
     # Imported against the stubs: never leave it for other tests (monkeypatch then

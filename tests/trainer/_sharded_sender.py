@@ -12,19 +12,19 @@ import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
-import hashlib  # noqa: E402
-import json  # noqa: E402
+import hashlib
+import json
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from weightwire.control import HTTPWeightSyncClient  # noqa: E402
-from weightwire.jax_side.engine import JAXTrainerEngine  # noqa: E402
-from weightwire.jax_side.models import llama  # noqa: E402
-from weightwire.jax_side.source import PytreeSource  # noqa: E402
-from weightwire.shared.timeouts import Timeouts  # noqa: E402
-from weightwire.trainer import TrainerInitInfo  # noqa: E402
+from weightwire.control import HTTPWeightSyncClient
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.jax_side.models import llama
+from weightwire.jax_side.source import PytreeSource
+from weightwire.shared.timeouts import Timeouts
+from weightwire.trainer import TrainerInitInfo
 
 
 def main(url: str, config_path: str) -> None:

@@ -38,7 +38,7 @@ class FakeRuntime:
         self._next += 1000
         return self._next
 
-    def eventCreateWithFlags(self, flags: int) -> int:  # noqa: N802  (CUDA's names)
+    def eventCreateWithFlags(self, flags: int) -> int:  # CUDA's names
         return self._new()
 
     def malloc(self, n: int) -> int:
@@ -49,25 +49,25 @@ class FakeRuntime:
     def free(self, ptr: int) -> None:
         self.log.append(("free", ptr))
 
-    def eventDestroy(self, e: int) -> None:  # noqa: N802
+    def eventDestroy(self, e: int) -> None:
         pass
 
-    def ipcGetMemHandle(self, ptr: int) -> bytes:  # noqa: N802
+    def ipcGetMemHandle(self, ptr: int) -> bytes:
         return ptr.to_bytes(8, "little") * 8
 
-    def ipcGetEventHandle(self, e: int) -> bytes:  # noqa: N802
+    def ipcGetEventHandle(self, e: int) -> bytes:
         return e.to_bytes(8, "little") * 8
 
-    def memcpyAsync(self, dst: int, src: int, n: int, kind: int, stream: int) -> None:  # noqa: N802
+    def memcpyAsync(self, dst: int, src: int, n: int, kind: int, stream: int) -> None:
         self.log.append(("copy", dst, src, n))
 
-    def eventRecord(self, event: int, stream: int) -> None:  # noqa: N802
+    def eventRecord(self, event: int, stream: int) -> None:
         self.log.append(("record", event))
 
-    def streamWaitEvent(self, stream: int, event: int, flags: int) -> None:  # noqa: N802
+    def streamWaitEvent(self, stream: int, event: int, flags: int) -> None:
         self.log.append(("wait", event))
 
-    def getDeviceProperties(self, i: int) -> dict:  # noqa: N802
+    def getDeviceProperties(self, i: int) -> dict:
         return {"uuid": b"\x01" * 16}
 
 

@@ -43,7 +43,7 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
 
 def _tcp_receiver(config: dict[str, Any]) -> None:
     """Child process: receive the raw and the weightwire rounds, acknowledge each, report a digest."""
-    from weightwire.backends.tcp.comm import TCPCommunicator  # noqa: PLC0415  (keep import time out of the parent's clock)
+    from weightwire.backends.tcp.comm import TCPCommunicator  # keep import time out of the parent's clock
 
     count = config["total_bytes"] // config["buffer_bytes"]
     buf = np.empty(config["buffer_bytes"], dtype=np.uint8)
@@ -76,8 +76,8 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
     ``socket_buffer_bytes``: the communicator's minimum socket buffers (-1: its default,
     ``None``: leave the kernel's); the raw loop always keeps the kernel's defaults.
     """
-    from weightwire.backends.tcp.comm import SOCKET_BUFFER_BYTES  # noqa: PLC0415
-    from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
+    from weightwire.backends.tcp.comm import SOCKET_BUFFER_BYTES
+    from weightwire.backends.tcp.rendezvous import TCPRendezvous
 
     if socket_buffer_bytes == -1:
         socket_buffer_bytes = SOCKET_BUFFER_BYTES
@@ -150,7 +150,7 @@ def _load_bench_nccl() -> Any:
 
     Imported only when asked for, so the TCP benchmark runs where cupy is missing.
     """
-    from weightwire.bench.comm_nccl import bench_nccl  # noqa: PLC0415
+    from weightwire.bench.comm_nccl import bench_nccl
 
     return bench_nccl
 

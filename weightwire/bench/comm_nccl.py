@@ -41,9 +41,9 @@ DEFAULT_SIZES = (64 << 20, 256 << 20, 1 << 30)
 
 def _worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank: join, warm up, run the schedule, return its timings (seconds per block)."""
-    import cupy as cp  # noqa: PLC0415
+    import cupy as cp
 
-    from weightwire.backends.nccl.comm import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, NCCLCommunicator, mint_unique_id  # noqa: PLC0415
+    from weightwire.backends.nccl.comm import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, NCCLCommunicator, mint_unique_id
 
     uid_path = cfg["uid_path"]
     if rank == 0:
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         report = _worker(args.worker, json.loads(Path(args.config).read_text()))
         print(json.dumps(report), flush=True)
         os._exit(0)  # skip interpreter teardown racing NCCL's threads
-    import signal  # noqa: PLC0415
+    import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so bench_nccl's finally kills both ranks
     sizes = tuple(int(s) << 20 for s in args.sizes_mib.split(","))

@@ -63,16 +63,16 @@ class MemSampler:
     """Peak of (framework + CuPy pool) device bytes in use, polled in a thread, above ``base``."""
 
     def __init__(self, engine: str, base: int | None = None) -> None:
-        import cupy as cp  # noqa: PLC0415
+        import cupy as cp
 
         self._pool = cp.get_default_memory_pool()
         if engine == "jax":
-            import jax  # noqa: PLC0415
+            import jax
 
             dev = jax.devices()[0]
             self._framework = lambda: int((dev.memory_stats() or {}).get("bytes_in_use", 0))
         else:
-            import torch  # noqa: PLC0415
+            import torch
 
             self._framework = lambda: int(torch.cuda.memory_allocated(0))
         self.base = self.sample() if base is None else base
@@ -99,24 +99,24 @@ class MemSampler:
 
 def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: bool, buf: int, nb: int,
                cfg: dict[str, Any]) -> dict[str, Any]:
-    from weightwire.backends.nccl.comm import mint_unique_id  # noqa: PLC0415
-    from weightwire.shared.framing import plan  # noqa: PLC0415
-    from weightwire.shared.timeouts import Timeouts  # noqa: PLC0415
-    from weightwire.trainer.config import TrainerInitInfo  # noqa: PLC0415
-    from weightwire.trainer.engine import TrainerEngine  # noqa: PLC0415
+    from weightwire.backends.nccl.comm import mint_unique_id
+    from weightwire.shared.framing import plan
+    from weightwire.shared.timeouts import Timeouts
+    from weightwire.trainer.config import TrainerInitInfo
+    from weightwire.trainer.engine import TrainerEngine
 
     Engine: type[TrainerEngine]
     if engine_kind == "jax":
-        from weightwire.jax_side.engine import JAXTrainerEngine as Engine  # noqa: PLC0415
+        from weightwire.jax_side.engine import JAXTrainerEngine as Engine
     else:
-        from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine  # noqa: PLC0415
+        from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine
     t = cfg["timeout"]
     row: dict[str, Any] = {"engine": engine_kind, "control": cfg["control"], "model": model,
                            "mode": f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked",
                            "nbytes": sum(int(a.nbytes) for a in params.values()), "tensors": len(params)}
     source = make_source(params)
     if cfg["control"] == "http":
-        from weightwire.control.client import HTTPWeightSyncClient  # noqa: PLC0415
+        from weightwire.control.client import HTTPWeightSyncClient
 
         client: Any = HTTPWeightSyncClient(cfg["url"], timeout=t + 60)
     else:
@@ -177,7 +177,7 @@ def run_config(engine_kind: str, model: str, params: dict[str, Any], packed: boo
 
 
 def sender_main(cfg: dict[str, Any]) -> None:
-    from weightwire.backends.nccl.comm import nccl_available  # noqa: PLC0415
+    from weightwire.backends.nccl.comm import nccl_available
 
     engine, control = cfg["engine"], cfg["control"]
     rows: list[dict[str, Any]] = []
@@ -241,7 +241,7 @@ def _spawn(role: str, gpu: int | None, cfg: dict[str, Any], path: Path) -> subpr
 def _gpus() -> int:
     """CUDA devices torch sees (the receiver is a torch worker engine)."""
     require("torch", purpose="weightwire bench --sync")
-    import torch  # noqa: PLC0415
+    import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     if args.role:
         cfg = json.loads(Path(args.config).read_text())
         if args.role == "api":
-            from weightwire.bench.sync_http import api_main  # noqa: PLC0415
+            from weightwire.bench.sync_http import api_main
 
             api_main(cfg)
         (sender_main if args.role == "sender" else receiver_main)(cfg)
@@ -287,8 +287,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         # Refuse before spawning anything: on a CPU host every config would fail and the table be empty.
         raise CommandError(f"weightwire bench --sync needs two CUDA GPUs (trainer on GPU 0, receiver on GPU 1); "
                            f"torch sees {gpus}. On a CPU host run `weightwire bench` (the TCP data plane)")
-    import signal  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
+    import signal
+    import tempfile
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: kill both children
     deadline = time.time() + args.deadline_s

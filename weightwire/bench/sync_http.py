@@ -44,7 +44,7 @@ class ShimReceiver:
         self._lock: asyncio.Lock | None = None
 
     async def call(self, op: str, args: dict[str, Any]) -> Any:
-        import json  # noqa: PLC0415
+        import json
 
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -64,7 +64,7 @@ class ShimReceiver:
         return reply.get("result")
 
     def abort(self) -> None:
-        from weightwire.bench.sync_shim import rpc  # noqa: PLC0415
+        from weightwire.bench.sync_shim import rpc
 
         rpc(self.port, "abort", self.timeout)
 
@@ -83,7 +83,7 @@ class InProcessPool:
         return [{"replica": 0, "alive": True, "generations_in_flight": 0, "error": None}]
 
     async def fan_out(self, op: str, args: Any = None, *, timeout: float, abort_on_failure: bool = False) -> list[Any]:
-        from weightwire.torch_side.server.replicas import FanOutError, ReplicaError  # noqa: PLC0415
+        from weightwire.torch_side.server.replicas import FanOutError, ReplicaError
 
         one = (args[0] if isinstance(args, list) else args) or {}
         try:
@@ -101,10 +101,10 @@ class InProcessPool:
 def serve_http(receiver: Any, *, timeout: float = 60.0, backend: str = backends.WEIGHTWIRE_NCCL) -> tuple[str, Any]:
     """Start the reference server's app for ``receiver`` on a loopback port; returns
     ``(url, uvicorn.Server)``."""
-    import uvicorn  # noqa: PLC0415
+    import uvicorn
 
-    from weightwire.torch_side.server import _bind  # noqa: PLC0415  (the server's own socket set-up: TCP_NODELAY)
-    from weightwire.torch_side.server.app import ServerOptions, ServerState, create_app  # noqa: PLC0415
+    from weightwire.torch_side.server import _bind  # the server's own socket set-up: TCP_NODELAY
+    from weightwire.torch_side.server.app import ServerOptions, ServerState, create_app
 
     # InProcessPool has the part of ReplicaPool the weight routes use (duck-typed stand-in).
     pool = cast("ReplicaPool", InProcessPool(receiver))
@@ -124,9 +124,9 @@ def serve_http(receiver: Any, *, timeout: float = 60.0, backend: str = backends.
 
 def api_main(cfg: dict[str, Any]) -> None:
     """The API-server process: serve the routes until the deadline, forwarding to the receiver."""
-    import json  # noqa: PLC0415
-    import os  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
+    import json
+    import os
+    from pathlib import Path
 
     url, _ = serve_http(ShimReceiver(cfg["port"], cfg["timeout"]), backend=cfg.get("backend", backends.WEIGHTWIRE_NCCL))
     Path(cfg["url_file"] + ".tmp").write_text(json.dumps({"url": url}))

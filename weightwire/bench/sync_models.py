@@ -33,8 +33,8 @@ def hf_shapes(c: dict[str, Any]) -> list[tuple[str, list[int]]]:
 
 
 def make_source(params: dict[str, Any]) -> Any:
-    from weightwire.shared.meta import ParamMeta  # noqa: PLC0415
-    from weightwire.shared.source import WeightSource  # noqa: PLC0415
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.shared.source import WeightSource
 
     class DictSource(WeightSource):
         def __init__(self) -> None:
@@ -52,7 +52,7 @@ def make_source(params: dict[str, Any]) -> Any:
 def build_params(model: str, engine: str) -> dict[str, Any]:
     """Synthetic bf16 weights with the model's HF names and shapes, on the sender's GPU."""
     if engine == "torch":
-        import torch  # noqa: PLC0415
+        import torch
 
         gen, out = torch.Generator(device="cuda").manual_seed(0), {}
         for name, shape in hf_shapes(MODELS[model]):
@@ -62,8 +62,8 @@ def build_params(model: str, engine: str) -> dict[str, Any]:
                 out[name] = (torch.randn(shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
         torch.cuda.synchronize()
         return out
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
+    import jax
+    import jax.numpy as jnp
 
     key = jax.random.PRNGKey(0)
     jout: dict[str, Any] = {}

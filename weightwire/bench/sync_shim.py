@@ -85,7 +85,7 @@ class Receiver:
     """Receiver-process state behind the shim (engine calls are serialized by a lock)."""
 
     def __init__(self) -> None:
-        import torch  # noqa: PLC0415
+        import torch
 
         self.torch, self.device = torch, torch.device("cuda", 0)
         self.sink, self.lock = Sink(), threading.Lock()
@@ -119,7 +119,7 @@ class Receiver:
         """One worker operation, named as the reference server's replicas name them."""
         with self.lock:
             if op == "init":
-                from weightwire.torch_side.worker import WeightwireNCCLEngine  # noqa: PLC0415
+                from weightwire.torch_side.worker import WeightwireNCCLEngine
 
                 if self.engine is not None:
                     self.engine.shutdown()
@@ -199,9 +199,9 @@ class Receiver:
 
 def raw_rounds(uid: bytes, rank: int, sizes: list[int], rounds: int, timeout: float) -> list[float]:
     """Raw CuPy NCCL: each round broadcasts ``sizes`` back to back on one stream, one buffer."""
-    import cupy as cp  # noqa: PLC0415
+    import cupy as cp
 
-    from weightwire.backends.nccl.comm import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, NCCLCommunicator  # noqa: PLC0415
+    from weightwire.backends.nccl.comm import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, NCCLCommunicator
 
     comm = NCCLCommunicator.join(unique_id=uid, rank=rank, world_size=2, device=0, timeout=timeout)
     comm.warmup(timeout=timeout)

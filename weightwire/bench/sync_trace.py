@@ -54,7 +54,7 @@ def trace_round(engine: Any, receiver_trace: Any = None) -> dict[str, Any]:
 
     ``receiver_trace()`` (optional) returns the receiver's marks for the round, in
     ``time.perf_counter()`` seconds: one monotonic clock for every process on the host."""
-    import cupy as cp  # noqa: PLC0415
+    import cupy as cp
 
     pipeline = engine._pipeline
     bcasts: list[tuple[float, Any, Any]] = []

@@ -66,7 +66,7 @@ def with_fallback_routes(client: WeightSyncClient, *, timeout: float) -> WeightS
     urls = _server_urls(client) if missing else None
     if not missing or urls is None:
         return client
-    from weightwire.control.client import HTTPWeightSyncClient  # noqa: PLC0415  (httpx only when needed)
+    from weightwire.control.client import HTTPWeightSyncClient  # httpx only when needed
 
     extra = HTTPWeightSyncClient(urls if len(urls) > 1 else urls[0], timeout=timeout)
     log.info("%s lacks %s: asking %s directly", type(client).__name__, ", ".join(missing), ", ".join(urls))

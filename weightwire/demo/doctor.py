@@ -72,7 +72,7 @@ class OneTensorSource(WeightSource):
 def known_tensor(checksums: dict[str, str], max_len: int = 16384) -> tuple[str, np.ndarray] | None:
     """A ``(name, array)`` whose bytes the server provably holds: a 1-D all-ones or
     all-zeros tensor (fresh norms, biases) of a common dtype whose sha256 matches."""
-    import ml_dtypes  # noqa: PLC0415
+    import ml_dtypes
 
     wanted = {digest: name for name, digest in checksums.items() if "norm" in name or name.endswith("bias")}
     if not wanted:
@@ -173,10 +173,10 @@ def _backend(http: httpx.Client, say: _Report) -> str | None:
 
 def _nccl(http: httpx.Client, say: _Report, reference: bool) -> None:
     try:
-        from weightwire.backends.nccl.comm import nccl_available, nccl_version  # noqa: PLC0415
+        from weightwire.backends.nccl.comm import nccl_available, nccl_version
 
         local = nccl_version() if nccl_available() else "n/a (no cupy with NCCL, or no CUDA device)"
-    except Exception as exc:  # noqa: BLE001  (any CUDA/cupy failure means "not available here")
+    except Exception as exc:  # any CUDA/cupy failure means "not available here"
         local = f"n/a ({type(exc).__name__})"
     remote = "n/a (not reported by the server)"
     if not reference:
@@ -191,8 +191,8 @@ def _nccl(http: httpx.Client, say: _Report, reference: bool) -> None:
 
 def _round(url: str, say: _Report, *, api_key: str | None, reference: bool, backend: str | None,
            info: dict[str, Any]) -> None:
-    from weightwire.control.client import HTTPWeightSyncClient  # noqa: PLC0415
-    from weightwire.trainer.config import TrainerInitInfo  # noqa: PLC0415
+    from weightwire.control.client import HTTPWeightSyncClient
+    from weightwire.trainer.config import TrainerInitInfo
 
     if not reference:
         say("skip", "1-tensor round", "only against the reference server (a real vLLM would reload a layer)")
@@ -218,7 +218,7 @@ def _round(url: str, say: _Report, *, api_key: str | None, reference: bool, back
         try:
             engine = NumpyTrainerEngine.trainer_init(TrainerInitInfo(backend=backends.TCP), client=client,
                                                      source=OneTensorSource(name, array))
-        except Exception as exc:  # noqa: BLE001  (report, do not crash the doctor)
+        except Exception as exc:  # report, do not crash the doctor
             refused = getattr(exc, "status", None) in (400, 422)
             say("warn" if refused else "fail", "1-tensor round",
                 f"weightwire_tcp init {'refused (is the server on another backend?)' if refused else 'failed'}: {exc}")

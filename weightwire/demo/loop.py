@@ -157,7 +157,7 @@ class _Context:
 
 
 def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
-    from weightwire.demo.server import EmbeddedServer, build_tiny_model  # noqa: PLC0415
+    from weightwire.demo.server import EmbeddedServer, build_tiny_model
 
     backend = cfg.backend_name
     on_gpu = backends.get(backend).needs_cuda
@@ -167,7 +167,7 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
         require("torch", "transformers", "fastapi", "uvicorn",
                 purpose="the embedded reference server (or pass --server URL --model-dir DIR)")
     if on_gpu:
-        import jax  # noqa: PLC0415
+        import jax
 
         # XLA's default f32 matmul on a GPU is reduced precision (TF32); the server computes
         # in full f32, so the sync checks would see ~1e-3 log-prob differences that are not
@@ -194,15 +194,15 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
         else:
             model_dir = str(cfg.model_dir)
         prog.phase("importing JAX, loading the checkpoint into the Flax policy")
-        from weightwire.control.client import HTTPWeightSyncClient  # noqa: PLC0415
-        from weightwire.demo.policy import Policy  # noqa: PLC0415
-        from weightwire.demo.reward import CharReward  # noqa: PLC0415
-        from weightwire.demo.rollout import CompletionsClient  # noqa: PLC0415
-        from weightwire.jax_side.checkpoint import load_decoder  # noqa: PLC0415
-        from weightwire.jax_side.engine import JAXTrainerEngine  # noqa: PLC0415
-        from weightwire.jax_side.models import decoder  # noqa: PLC0415
-        from weightwire.jax_side.source import PytreeSource  # noqa: PLC0415
-        from weightwire.trainer.config import TrainerInitInfo  # noqa: PLC0415
+        from weightwire.control.client import HTTPWeightSyncClient
+        from weightwire.demo.policy import Policy
+        from weightwire.demo.reward import CharReward
+        from weightwire.demo.rollout import CompletionsClient
+        from weightwire.jax_side.checkpoint import load_decoder
+        from weightwire.jax_side.engine import JAXTrainerEngine
+        from weightwire.jax_side.models import decoder
+        from weightwire.jax_side.source import PytreeSource
+        from weightwire.trainer.config import TrainerInitInfo
 
         model_cfg, params = load_decoder(model_dir)
         policy = Policy(model_cfg, params, lr=cfg.lr)

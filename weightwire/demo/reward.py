@@ -41,7 +41,7 @@ class CharReward:
         if not path.is_file():
             raise ValueError(f"{model_dir} has no tokenizer.json; the reward needs the token texts")
         require("tokenizers", purpose="decoding the token texts")
-        from tokenizers import Tokenizer  # noqa: PLC0415  (Rust library, torch-free)
+        from tokenizers import Tokenizer  # Rust library, torch-free
 
         tok = Tokenizer.from_file(str(path))
         n = tok.get_vocab_size()

@@ -49,7 +49,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of every ``*.safetensors`` shard in ``model_dir``, as numpy arrays."""
     require("safetensors", purpose="reading a checkpoint")
-    from safetensors.numpy import load_file  # noqa: PLC0415  (optional dependency, torch-free)
+    from safetensors.numpy import load_file  # optional dependency, torch-free
 
     shards = sorted(Path(model_dir).glob("*.safetensors"))
     if not shards:
@@ -121,7 +121,7 @@ def load_decoder(model_dir: str | Path, **overrides: Any) -> tuple[Any, Any]:
     ``overrides`` set JAX-side layout switches (``scan_layers=True``, ...); the loaded
     pytree follows them, the checkpoint stays the same.
     """
-    from weightwire.jax_side.models import decoder  # noqa: PLC0415
+    from weightwire.jax_side.models import decoder
 
     hf = read_hf_config(model_dir)
     try:

@@ -46,6 +46,6 @@ class JAXTrainerEngine(TrainerEngine):
                 tensor.copy_to_host_async()
 
     def device_packer(self, device: int | None) -> DevicePacker:
-        from weightwire.jax_side.packer import JaxDevicePacker  # noqa: PLC0415
+        from weightwire.jax_side.packer import JaxDevicePacker
 
         return JaxDevicePacker(device)

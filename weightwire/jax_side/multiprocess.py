@@ -99,7 +99,7 @@ class MultiProcessSource(PytreeSource):
             del arrays  # a non-broadcaster frees the group now; a broadcaster once it asks for more
 
     def iter_groups(self) -> Iterator[list[tuple[str, jax.Array]]]:
-        from weightwire.shared.groups import batch_by_layer  # noqa: PLC0415
+        from weightwire.shared.groups import batch_by_layer
 
         return batch_by_layer(iter(self))
 
@@ -108,7 +108,7 @@ class JaxProcessGroup:
     """``TrainerGroup`` over the ``jax.distributed`` coordination service's key-value store."""
 
     def __init__(self) -> None:
-        from jax._src.distributed import global_state  # noqa: PLC0415  (the public API has no KV store)
+        from jax._src.distributed import global_state  # the public API has no KV store
 
         if global_state.client is None:
             raise RuntimeError("JaxProcessGroup needs jax.distributed.initialize() first")

@@ -86,7 +86,7 @@ class JaxDevicePacker(SlotPacker):
     """Packs JAX arrays on the GPU whose CUDA ordinal is ``device`` (default: current)."""
 
     def __init__(self, device: int | None) -> None:
-        import cupy  # noqa: PLC0415  (GPU hosts only)
+        import cupy  # GPU hosts only
 
         ordinal = cupy.cuda.runtime.getDevice() if device is None else device
         gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
@@ -105,7 +105,7 @@ class JaxDevicePacker(SlotPacker):
         """The arrays' own buffers (``unsafe_buffer_pointer``), zero-copy for every dtype
         (CuPy has no bfloat16 / float8 to import them as); ``owner`` keeps each array
         alive while NCCL or the slot copy reads it."""
-        from weightwire.backends.nccl.buffers import array_device_bytes  # noqa: PLC0415
+        from weightwire.backends.nccl.buffers import array_device_bytes
 
         arrays = [self._here(t) for t in tensors]
         # The copies read the buffers outside XLA's stream order: wait until they hold

@@ -175,13 +175,13 @@ class TensorStoreHost:
         self._staged = None
 
     def state_checksums(self) -> dict[str, str]:
-        from weightwire.torch_side.worker.hf_host import tensor_sha256  # noqa: PLC0415
+        from weightwire.torch_side.worker.hf_host import tensor_sha256
 
         return {name: tensor_sha256(t) for name, t in self.tensors.items()}
 
 
 def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) -> None:
-    import torch  # noqa: PLC0415
+    import torch
 
     # Stock nccl is received by the weightwire_nccl engine here (the registry says so).
     engine_cls = backends.load(backends.get(backend).worker_engine)

@@ -67,7 +67,7 @@ class Backend(ABC):
     def device_pipeline(self, comm: Communicator, packer: DevicePacker, *, num_buffers: int, timeout: float,
                         hold_bytes: int) -> DevicePipeline:
         """The on-device data path over ``comm`` (NCCL: slot buffers broadcast on rotating streams)."""
-        from weightwire.trainer.pipelines import DevicePipeline  # noqa: PLC0415
+        from weightwire.trainer.pipelines import DevicePipeline
 
         # An on_device backend's join returns a stream-ordered communicator (NCCLCommunicator).
         return DevicePipeline(cast(DeviceCommunicator, comm), packer, num_buffers=num_buffers, timeout=timeout,

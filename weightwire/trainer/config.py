@@ -72,7 +72,7 @@ class TrainerInitInfo:
     def __post_init__(self) -> None:
         # Runtime-registered backends (register_backend) count too. Imported here so that
         # trainer.backends -> config (type names only) is the one direction between them.
-        from weightwire.trainer.backends import backend_names  # noqa: PLC0415
+        from weightwire.trainer.backends import backend_names
 
         if self.backend not in backend_names():
             raise ConfigError(f"unknown backend {self.backend!r}; known: {', '.join(backend_names())}")

@@ -148,7 +148,7 @@ class TrainerEngine(ABC):
         if init_info.is_sender:
             engine._check_client()
         if group is not None:
-            from weightwire.trainer.multi_source import MultiSource  # noqa: PLC0415
+            from weightwire.trainer.multi_source import MultiSource
 
             engine._multi = MultiSource(engine, group)
             engine._multi.connect()

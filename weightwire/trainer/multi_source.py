@@ -155,7 +155,7 @@ class MultiSource:
         if bplan.turn_of(self.rank) is None:
             self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
-        from weightwire.backends.tcp.rendezvous import TCPRendezvous  # noqa: PLC0415
+        from weightwire.backends.tcp.rendezvous import TCPRendezvous
 
         rdv = TCPRendezvous(world_size=1 + workers, bind_host=e.info.tcp_bind_host,
                             advertise_host=e.info.tcp_advertise_host)

@@ -173,9 +173,9 @@ class SlotPacker(DevicePacker):
     """
 
     def __init__(self, ordinal: int) -> None:
-        import cupy  # noqa: PLC0415  (GPU hosts only)
+        import cupy  # GPU hosts only
 
-        from weightwire.backends.nccl.buffers import SlotBuffers  # noqa: PLC0415
+        from weightwire.backends.nccl.buffers import SlotBuffers
 
         self._cupy = cupy
         self._ordinal = ordinal

@@ -66,7 +66,7 @@ class IPCUnavailable(UnavailableError, RuntimeError):
 
 def cupy_module() -> Any:
     try:
-        import cupy  # noqa: PLC0415  (optional dependency, GPU hosts only)
+        import cupy  # optional dependency, GPU hosts only
     except Exception as exc:
         raise IPCUnavailable(
             "weightwire_ipc needs CuPy on a CUDA machine: install weightwire[cuda13] (cupy-cuda13x) or "

@@ -51,8 +51,8 @@ class NCCLUnavailable(UnavailableError, RuntimeError):
 def _cupy() -> tuple[Any, Any]:
     """``(cupy, cupy.cuda.nccl)`` or ``NCCLUnavailable`` saying how to get them."""
     try:
-        import cupy  # noqa: PLC0415  (optional dependency, GPU hosts only)
-        from cupy.cuda import nccl  # noqa: PLC0415
+        import cupy  # optional dependency, GPU hosts only
+        from cupy.cuda import nccl
     except Exception as exc:  # ImportError, or OSError/RuntimeError from CUDA libraries
         raise NCCLUnavailable(
             "the NCCL transport needs CuPy with NCCL: install weightwire[cuda13] (cupy-cuda13x) or "

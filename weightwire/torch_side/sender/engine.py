@@ -67,7 +67,7 @@ class TorchDevicePacker(SlotPacker):
         return self._cupy.cuda.ExternalStream(stream.cuda_stream, self._device.index)
 
     def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
-        from weightwire.backends.nccl.buffers import DeviceBytes, tensor_device_bytes  # noqa: PLC0415
+        from weightwire.backends.nccl.buffers import DeviceBytes, tensor_device_bytes
 
         # Contiguous tensors already on this device are read in place: a raw pointer, not
         # DLPack (~0.2 ms per tensor, on a small model's critical path); the stream already

@@ -106,7 +106,7 @@ def _check(args: argparse.Namespace) -> str | None:
 
 
 def _check_model(model: str) -> str | None:
-    from weightwire.torch_side.server.tiny import TINY_NAMES  # noqa: PLC0415  (light: no torch at import)
+    from weightwire.torch_side.server.tiny import TINY_NAMES  # light: no torch at import
 
     if model in TINY_NAMES:
         return None
@@ -217,7 +217,7 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
     # stdout, before and after the ready line (launchers match that one line and ignore the rest).
     say = Progress(PROG)
     if args.model in TINY_NAMES:
-        from weightwire.torch_side.server.tiny import cache_root  # noqa: PLC0415
+        from weightwire.torch_side.server.tiny import cache_root
 
         say(f"{args.model}: a tiny random model, built on first use and cached under {cache_root()} "
             "($WEIGHTWIRE_CACHE)")

@@ -43,7 +43,7 @@ def create_app(state: ServerState) -> FastAPI:
     install_control_routes(app, state)
     _completion_routes(app, state)
     install_openai_routes(app, state, generate_on_a_replica)
-    from weightwire.torch_side.server.sleep_routes import install_sleep_routes  # noqa: PLC0415
+    from weightwire.torch_side.server.sleep_routes import install_sleep_routes
 
     install_sleep_routes(app, state)
     return app

@@ -32,7 +32,7 @@ class ModelSleeper:
 
     def sleep(self, level: int) -> int:
         """Returns the device bytes freed (0 at level 0, or when already asleep)."""
-        import torch  # noqa: PLC0415
+        import torch
 
         if level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
@@ -55,7 +55,7 @@ class ModelSleeper:
 
     def wake(self, tags: Sequence[str] | None) -> bool:
         """Bring back what ``tags`` name (None: everything); True once fully awake."""
-        import torch  # noqa: PLC0415
+        import torch
 
         unknown = [t for t in tags or () if t not in WAKE_TAGS]
         if unknown:

@@ -179,7 +179,7 @@ class Worker:
         self._teardown()
 
     def op_sleep(self, level: int) -> dict[str, Any]:
-        from weightwire.torch_side.server.sleep import ModelSleeper  # noqa: PLC0415
+        from weightwire.torch_side.server.sleep import ModelSleeper
 
         with self.model_lock:  # never under a generation or a commit
             if getattr(self, "sleeper", None) is None:

@@ -33,7 +33,7 @@ def engines() -> dict[str, tuple[str, str]]:
 def register() -> None:
     """Register the plugin backends with vLLM's ``WeightTransferEngineFactory`` (idempotent)."""
     try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: PLC0415
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError as exc:
         log.debug("weightwire plugin: vLLM weight transfer is not importable (%s); nothing registered", exc)
         return

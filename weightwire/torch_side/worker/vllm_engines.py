@@ -91,13 +91,13 @@ class LayerwiseReload:
                 reset()
 
     def begin(self, model: Any) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: PLC0415
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(model)
         repack_cpu_moe_on_reload(model)
 
     def commit(self, model: Any, model_config: Any) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # noqa: PLC0415
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(model, model_config)
         refresh_tied(model, self.aliases(model))
@@ -108,7 +108,7 @@ class LayerwiseReload:
         # materialize it with the buffered (possibly bad) tensors and uninitialized
         # memory for the rest. Emptying its buffer makes finalize put its untouched
         # original tensors back.
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info  # noqa: PLC0415
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         for layer in model.modules():
             info = get_layerwise_info(layer)
@@ -120,7 +120,7 @@ class LayerwiseReload:
 
     def receive_context(self) -> AbstractContextManager[Any]:
         try:
-            from vllm.model_executor.model_loader.mtp_validation import (  # noqa: PLC0415
+            from vllm.model_executor.model_loader.mtp_validation import (
                 disable_mtp_completeness_check,
             )
         except ImportError:  # older vLLM without MTP completeness checks
@@ -158,7 +158,7 @@ def repack_cpu_moe_on_reload(model: Any) -> None:
     untouched layer is never packed twice. A no-op off CPU and on other vLLM versions.
     """
     try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (  # noqa: PLC0415
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
             CPUUnquantizedExperts,
         )
     except ImportError:
