@@ -321,11 +321,17 @@ def test_group_with_one_broadcaster_uses_the_ordinary_round_and_shares_the_verdi
 
 def test_receiver_gate() -> None:
     multi, single = plan_broadcast([m("w", 0), m("v", 1)]), plan_broadcast([m("w")])
-    check_receiver(single, "nccl", stock=True, on_device=True, verify=True)  # src 0 only: any receiver
-    check_receiver(multi, "weightwire_tcp", stock=False, on_device=False, verify=False)
+    check_receiver(single, "nccl", stock=True, several=None)  # src 0 only: any receiver
+    check_receiver(multi, "weightwire_tcp", stock=False, several="stars")
+    check_receiver(multi, "weightwire_nccl", stock=False, several="group")
     with pytest.raises(PlanError, match="receives only from src 0"):
-        check_receiver(multi, "nccl", stock=True, on_device=True, verify=False)
-    with pytest.raises(PlanError, match="over 'weightwire_nccl' are not implemented on the trainer side"):
-        check_receiver(multi, "weightwire_nccl", stock=False, on_device=True, verify=False)
-    with pytest.raises(PlanError, match="verify=True is not supported"):
-        check_receiver(multi, "weightwire_tcp", stock=False, on_device=False, verify=True)
+        check_receiver(multi, "nccl", stock=True, several=None)
+    with pytest.raises(PlanError, match="backend 'weightwire_ipc' carries one broadcaster only"):
+        check_receiver(multi, "weightwire_ipc", stock=False, several=None)
+
+
+def test_backends_declare_how_they_carry_several_broadcasters() -> None:
+    from weightwire.trainer.backends import get_backend
+
+    shapes = {n: get_backend(n).several_broadcasters for n in ("weightwire_tcp", "weightwire_nccl", "nccl", "weightwire_ipc")}
+    assert shapes == {"weightwire_tcp": "stars", "weightwire_nccl": "group", "nccl": None, "weightwire_ipc": None}

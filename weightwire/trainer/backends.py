@@ -55,6 +55,12 @@ class Backend(ABC):
     stock_receiver: ClassVar[bool] = False
     """True: the workers run vLLM's own receive code, so rounds go through
     ``backends.nccl.stock.plan_for_stock`` (refusal / aligned reordering) first."""
+    several_broadcasters: ClassVar[str | None] = None
+    """How several broadcasting trainer ranks share this wire (``trainer.multi_source``):
+    ``"stars"``: each broadcaster opens its own rendezvous and the workers dial every one
+    (TCP); ``"group"``: one communicator of every broadcaster and worker, each turn
+    broadcast with root = its ``src`` while the other group members receive and discard
+    (NCCL: ``peer_fields`` / ``join_peer``); ``None``: refused by ``check_receiver``."""
 
     def check_server(self, features: ServerFeatures) -> None:
         """Raise ``ValueError`` if the server's version lacks what this backend needs."""
@@ -63,6 +69,16 @@ class Backend(ABC):
     @abstractmethod
     def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
         """Prepare rank 0's endpoint for a group of ``world_size`` ranks (trainer included)."""
+
+    def peer_fields(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """``"group"`` backends: what another broadcaster needs from rank 0's worker init
+        info to join the same communicator (a secret: it travels only over the trainer's group)."""
+        raise NotImplementedError(f"backend {self.name!r} has no shared group for several broadcasters")
+
+    def join_peer(self, info: TrainerInitInfo, fields: dict[str, Any], *, rank: int, timeout: float) -> Communicator:
+        """``"group"`` backends: a non-zero broadcaster joins rank 0's communicator as group
+        rank ``rank`` (its ``src``); raises within ``timeout`` if the group never completes."""
+        raise NotImplementedError(f"backend {self.name!r} has no shared group for several broadcasters")
 
     def device_pipeline(self, comm: Communicator, packer: DevicePacker, *, num_buffers: int, timeout: float,
                         hold_bytes: int) -> DevicePipeline:

@@ -24,8 +24,11 @@ anything is sent):
    group (``trainer.group.Exchange``) and a disagreement names the ranks.
 
 Version gate (``check_receiver``): a plan with several broadcasters goes only to our
-plugin's receivers (a stock vLLM 0.33 worker takes only ``src`` 0), refused before any
-request.
+plugin's receivers (a stock vLLM 0.33 worker takes only ``src`` 0) over a backend that
+carries several (``weightwire_tcp``: a star per broadcaster; ``weightwire_nccl``: one
+group, a root per turn; not ``weightwire_ipc``), refused before any request.
+``verify=True`` covers every broadcaster: each one digests its own slice and rank 0
+checks their union (``trainer.multi_source``).
 """
 
 from __future__ import annotations
@@ -153,20 +156,19 @@ def check_agreement(digests: Sequence[str]) -> None:
         )
 
 
-def check_receiver(plan: BroadcastPlan, backend: str, *, stock: bool, on_device: bool, verify: bool) -> None:
+def check_receiver(plan: BroadcastPlan, backend: str, *, stock: bool, several: str | None) -> None:
     """The version gate: several broadcasters only to receivers that take ``src != 0``
-    (our plugin's), and, on the trainer side, only over host pipelines (TCP)."""
+    (our plugin's), over a backend that can carry them (``Backend.several_broadcasters``:
+    TCP stars, or one NCCL group with a root per turn)."""
     if not plan.multi:
         return
     if stock:
         raise PlanError(
             f"the metadata has broadcasting ranks {list(plan.group_ranks)}, but backend {backend!r} runs "
-            "vLLM's own receiver, which (vLLM 0.33) receives only from src 0; use weightwire_tcp, or make "
-            "rank 0 the first owner of every parameter")
-    if on_device:
+            "vLLM's own receiver, which (vLLM 0.33) receives only from src 0; use weightwire_tcp or "
+            "weightwire_nccl, or make rank 0 the first owner of every parameter")
+    if several not in ("stars", "group"):
         raise PlanError(
-            f"several broadcasting ranks over {backend!r} are not implemented on the trainer side (the "
-            "workers take src); use weightwire_tcp")
-    if verify:
-        raise PlanError("verify=True is not supported with several broadcasting ranks (rank 0 holds only "
-                        "its own slice's digests); check with /weight_checker instead")
+            f"the metadata has broadcasting ranks {list(plan.group_ranks)}, but backend {backend!r} carries "
+            "one broadcaster only; use weightwire_tcp or weightwire_nccl, or make rank 0 the first owner "
+            "of every parameter")

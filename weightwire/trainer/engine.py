@@ -159,7 +159,8 @@ class TrainerEngine(ABC):
     def _check_client(self) -> None:
         self._pause_mode = check_client(self.info, self.client, stock_receiver=self._backend.stock_receiver)
 
-    def _connect(self, extend: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+    def _connect(self, extend: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                 trainer_ranks: int = 1) -> None:  # trainer_ranks > 1: broadcasters sharing one NCCL group
         t = self.info.timeouts
         self.features = server_features(self.info, self.client)
         version = self.features.version
@@ -170,14 +171,14 @@ class TrainerEngine(ABC):
         # Made before any rendezvous so a trainer without a usable device fails here,
         # not after the workers joined.
         packer = self.device_packer(self.info.device) if self._backend.on_device else None
-        rdv = self._backend.open(self.info, world_size=1 + world)
+        rdv = self._backend.open(self.info, world_size=trainer_ranks + world)
         if extend is not None:  # several broadcasters: the group's fields (multi_source)
             try:
                 rdv.payload = extend(rdv.payload)
             except BaseException:
                 rdv.cancel()
                 raise
-        logger.info("rendezvous: backend=%s world_size=%d server=%s", self.info.backend, 1 + world, version)
+        logger.info("rendezvous: backend=%s world_size=%d server=%s", self.info.backend, trainer_ranks + world, version)
         comm, post = join_beside_init(rdv, lambda: self.client.init_weight_transfer_engine(rdv.payload),
                                       connect_s=t.connect_s, what=self.info.backend)
         try:

@@ -159,6 +159,11 @@ class DevicePacker(ABC):
         """Everything enqueued on slot ``slot``'s stream finished: drop what ``pack`` kept alive for it."""
         return None
 
+    def receive_buffer(self, nbytes: int, slot: int) -> Any:
+        """A ``uint8`` device buffer of ``nbytes`` for another broadcaster's chunk, which is
+        received and dropped (several broadcasters in one NCCL group: ``DevicePipeline.discard``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot receive another broadcaster's chunks")
+
     def release(self) -> None:
         """Free any buffers kept between rounds (the engine is shutting down)."""
         return None
@@ -195,6 +200,9 @@ class SlotPacker(DevicePacker):
     def settled(self, slot: int) -> None:
         self._buffers.settled(slot)
 
+    def receive_buffer(self, nbytes: int, slot: int) -> Any:
+        return self._buffers.slot(slot, nbytes)
+
     def release(self) -> None:
         self._buffers.release()
 
@@ -230,7 +238,9 @@ class DevicePipeline:
         self._in_flight = [[] for _ in self._streams]
         self._packer.release()
 
-    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None) -> tuple[int, int]:
+    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None,
+                    root: int = 0) -> tuple[int, int]:
+        """``root``: this rank's rank in the group (a non-zero broadcaster's ``src``)."""
         n = len(self._streams)
         nbytes = count = 0
         for k, (chunk, tensors) in enumerate(prepared):
@@ -243,14 +253,36 @@ class DevicePipeline:
             buf = self._packer.pack(tensors, chunk.nbytes, stream, slot)
             self._in_flight[slot].append((buf, tensors))
             begin = _run_once(begin)  # the control plane's round trips overlap the first pack
-            self._comm.broadcast(buf, root=0, timeout=self._timeout, stream=stream)
+            self._comm.broadcast(buf, root=root, timeout=self._timeout, stream=stream)
             nbytes, count = nbytes + chunk.nbytes, count + 1
         _run_once(begin)
         self.drain()
         return nbytes, count
 
+    def discard(self, chunks: Sequence[Chunk], metas: Sequence[ParamMeta], *, root: int, packed: bool,
+                stop: threading.Event) -> None:
+        """Receive another broadcaster's turn (``root``) and drop it: an NCCL broadcast is
+        collective over the whole communicator, so a group member that skipped it would
+        hang every other member. Same slot rotation and waits as ``send_packed``."""
+        n = len(self._streams)
+        for k, chunk in enumerate(chunks):
+            if stop.is_set():
+                raise RoundAborted("round stopped between received chunks")
+            slot = k % n
+            if self._in_flight[slot]:
+                self._sync(slot)
+            buf = self._packer.receive_buffer(chunk.nbytes, slot)
+            self._in_flight[slot].append(buf)
+            if packed:
+                self._comm.broadcast(buf, root=root, timeout=self._timeout, stream=self._streams[slot])
+            else:
+                meta = metas[chunk.start]
+                self._comm.broadcast_typed(buf, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel,
+                                           root=root, timeout=self._timeout, stream=self._streams[slot])
+        self.drain()
+
     def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
-                      begin: Begin = None) -> tuple[int, int]:
+                      begin: Begin = None, root: int = 0) -> tuple[int, int]:
         """One broadcast per tensor with its own NCCL dtype (what a stock vLLM worker posts)."""
         stream, held = self._streams[0], 0
         nbytes = count = 0
@@ -262,7 +294,7 @@ class DevicePipeline:
             self._in_flight[0].append((buf, tensors))
             begin = _run_once(begin)
             self._comm.broadcast_typed(buf, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel,
-                                       root=0, timeout=self._timeout, stream=stream)
+                                       root=root, timeout=self._timeout, stream=stream)
             held += meta.nbytes
             nbytes, count = nbytes + meta.nbytes, count + 1
             if held > self._hold_bytes:  # bounds memory held by per-tensor temporaries (casts)

@@ -67,11 +67,13 @@ class IPCPipeline(DevicePipeline):
 
     # -- the DevicePipeline surface ---------------------------------------------------------
 
-    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None) -> tuple[int, int]:
+    # root: IPC carries one broadcaster (check_receiver refuses several), always rank 0.
+    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None,
+                    root: int = 0) -> tuple[int, int]:
         return self._send(prepared, stop, begin)
 
     def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
-                      begin: Begin = None) -> tuple[int, int]:
+                      begin: Begin = None, root: int = 0) -> tuple[int, int]:
         return self._send(prepared, stop, begin)
 
     def drain(self) -> None:

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from weightwire.backends import NCCL, WEIGHTWIRE_NCCL
 from weightwire.backends.nccl import comm as nccl
 from weightwire.shared.communicator import Communicator
-from weightwire.shared.info import NCCLInitInfo, WeightwireNCCLInitInfo, encode_secret
+from weightwire.shared.info import (
+    NCCL_UNIQUE_ID_BYTES,
+    NCCLInitInfo,
+    WeightwireNCCLInitInfo,
+    decode_secret,
+    encode_secret,
+)
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import Backend, Rendezvous
 
@@ -52,6 +58,7 @@ class WeightwireNCCLBackend(NCCLBackend):
 
     name: ClassVar[str] = WEIGHTWIRE_NCCL
     stock_receiver: ClassVar[bool] = False  # the plugin's receiver takes any offset, dtype and shape
+    several_broadcasters: ClassVar[str | None] = "group"  # one communicator, each turn's root is its src
 
     def _payload(self, info: TrainerInitInfo, unique_id: bytes, world_size: int) -> dict[str, Any]:
         return WeightwireNCCLInitInfo(
@@ -59,6 +66,17 @@ class WeightwireNCCLBackend(NCCLBackend):
             packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
             packed_num_buffers=info.packed_num_buffers, timeout_s=float(info.timeouts.transfer_s),
         ).to_dict()
+
+
+    def peer_fields(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return {"nccl_unique_id_b64": payload["nccl_unique_id_b64"], "world_size": payload["world_size"]}
+
+    def join_peer(self, info: TrainerInitInfo, fields: dict[str, Any], *, rank: int, timeout: float) -> Communicator:
+        if not nccl.nccl_available():
+            raise RuntimeError(f"backend {self.name!r} needs cupy with NCCL and a CUDA device on every broadcasting rank")
+        unique_id = decode_secret("nccl_unique_id_b64", fields["nccl_unique_id_b64"], NCCL_UNIQUE_ID_BYTES)
+        return nccl.NCCLCommunicator.join(unique_id=unique_id, rank=rank, world_size=int(fields["world_size"]),
+                                          device=info.device, timeout=timeout)
 
 
 class _NCCLRendezvous(Rendezvous):

@@ -23,6 +23,7 @@ class TCPBackend(Backend):
 
     name: ClassVar[str] = TCP
     on_device: ClassVar[bool] = False
+    several_broadcasters: ClassVar[str | None] = "stars"  # each broadcaster listens; workers dial every star
 
     def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
         rdv = TCPRendezvous(world_size=world_size, bind_host=info.tcp_bind_host, advertise_host=info.tcp_advertise_host)

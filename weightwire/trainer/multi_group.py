@@ -1,0 +1,214 @@
+"""Several broadcasters in one communicator (``weightwire_nccl``): a rank's part of the turns.
+
+The transfer group is rank 0, each distinct first owner (ascending) and the inference
+workers, all in one NCCL communicator; turn ``src`` is broadcast with root ``src``. An
+NCCL broadcast is collective over the whole communicator, so every group trainer rank
+takes part in every turn: it broadcasts its own slice and receives-and-drops every
+other (``DevicePipeline.discard``); a member that skipped a turn would hang them all.
+Ranks outside the group only iterate their source.
+
+Two activities per group rank, never on the communicator at the same time:
+
+- the caller's thread iterates the source once (its own slice, then the later turns'
+  trainer-side gathers, which may be collectives of their own: JAX multi-process
+  gathers, FSDP ``full_tensor``) and broadcasts its own slice;
+- a driver thread walks the turns in order, receiving the others' slices; at this
+  rank's own turn it hands over (``_reached``) and waits for the broadcasts to end
+  (``_done``). Rank 0's driver also posts each turn's ``update_weights`` just before
+  the turn and waits for it after, so a worker receives one turn at a time.
+
+The first own chunk's tensors are produced while earlier turns are still being
+received; packing and its first byte wait for ``_reached``, which keeps the
+communicator's order identical on every member. Every wait is bounded (each chunk by ``transfer_s``, each request by
+``http_s``); the first failure aborts this rank's communicator and names its turn.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+from weightwire.control.fanout import spawn
+from weightwire.shared.communicator import Communicator, TransferTimeout
+from weightwire.shared.framing import Chunk
+from weightwire.shared.timeouts import Timeouts
+from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
+from weightwire.trainer.multi_base import MultiBase
+from weightwire.trainer.pipelines import DevicePipeline, RoundAborted, chunked
+from weightwire.trainer.transfer import await_call
+
+Update = Callable[[Turn], Future]
+"""Rank 0: start turn ``turn``'s ``update_weights`` on a side thread."""
+
+
+class GroupTurns:
+    """One round's turns on one group rank; ``failed`` holds the first ``(turn, error)``."""
+
+    def __init__(self, rank: int, bplan: BroadcastPlan, chunks: dict[int, list[Chunk]], pipeline: DevicePipeline,
+                 comm: Communicator, *, packed: bool, timeouts: Timeouts, update: Update | None = None) -> None:
+        self.rank, self.plan, self.chunks, self.pipeline, self.comm = rank, bplan, chunks, pipeline, comm
+        self.packed, self.t, self.update = packed, timeouts, update
+        self.stop = threading.Event()
+        self.failed: list[tuple[Turn, BaseException]] = []
+        self._lock = threading.Lock()
+        self._reached = threading.Event()  # every turn before this rank's own was received
+        self._done = threading.Event()  # this rank's own broadcasts ended (or failed)
+
+    def fail(self, turn: Turn, exc: BaseException) -> None:
+        """Record the first failure and abort: the other members' waits end in their timeouts."""
+        with self._lock:
+            if not self.failed:
+                self.failed.append((turn, exc))
+        self.stop.set()
+        self.comm.abort()
+        self._reached.set()
+
+    def _bound(self, turn: Turn) -> float:
+        """How long a whole turn may take: its request plus one broadcast timeout per chunk."""
+        return self.t.http_s + self.t.transfer_s * (len(self.chunks[turn.src]) + 1)
+
+    def run(self, pairs: Iterator[tuple[str, Any]]) -> tuple[int, int]:
+        """This rank's part of every turn; ``(bytes, broadcasts)`` it sent itself."""
+        mine = self.plan.turn_of(self.rank)
+        driver = spawn(self._drive, name="weightwire-group-turns")
+        nbytes = count = 0
+        try:
+            if mine is not None:
+                # islice: the pipeline must not pull past this turn (the next item's gather
+                # may be a collective the other ranks join only after this turn).
+                own = chunked(itertools.islice(pairs, len(mine.metas)), self.chunks[mine.src])
+                # The first chunk's tensors are pulled before waiting, so this rank joins the
+                # earlier turns' trainer-side gathers; it is packed only once the driver is
+                # idle, because packing and receiving share the pipeline's slots and streams.
+                first = next(own, None)
+                self._await_reached(mine)
+                prepared = own if first is None else itertools.chain([first], own)
+                if self.packed:
+                    nbytes, count = self.pipeline.send_packed(prepared, self.stop, root=mine.src)
+                else:
+                    nbytes, count = self.pipeline.send_unpacked(prepared, mine.metas, self.stop, root=mine.src)
+            if not self.stop.is_set():
+                for _ in pairs:  # the later turns' gathers; raises on an extra tensor
+                    pass
+        except BaseException as exc:
+            self.fail(mine or self.plan.turns[-1], exc)
+        finally:
+            self._done.set()
+        total = sum(self._bound(t) for t in self.plan.turns)
+        try:
+            await_call(driver, total, "the group's turns")
+        except BaseException as exc:
+            self.fail(self.plan.turns[-1], exc)
+        return nbytes, count
+
+    def _await_reached(self, turn: Turn) -> None:
+        earlier = [t for t in self.plan.turns if t.src < turn.src]
+        bound = sum(self._bound(t) for t in earlier) + self.t.http_s
+        if not self._reached.wait(bound):
+            raise TransferTimeout(f"the turns before src {turn.src} did not end within {bound:g} s")
+        if self.stop.is_set():
+            raise RoundAborted(f"the round failed before the turn of trainer rank {turn.rank} (src {turn.src})")
+
+    def _drive(self) -> None:
+        for turn in self.plan.turns:
+            if self.stop.is_set():
+                return
+            future = None
+            try:
+                if self.update is not None:
+                    future = self.update(turn)
+                    future.add_done_callback(functools.partial(self._failed_call, turn))
+                if turn.rank == self.rank:
+                    self._reached.set()
+                    if not self._done.wait(self._bound(turn)):
+                        raise TransferTimeout(f"this rank's own broadcasts did not end within {self._bound(turn):g} s")
+                else:
+                    self.pipeline.discard(self.chunks[turn.src], turn.metas, root=turn.src, packed=self.packed,
+                                          stop=self.stop)
+                if self.stop.is_set():
+                    return
+                if future is not None:
+                    await_call(future, self.t.http_s, "update_weights")
+            except BaseException as exc:
+                self.fail(turn, exc)
+                return
+        self._reached.set()
+
+    def _failed_call(self, turn: Turn, future: Future) -> None:
+        # A refused request means no worker joins this turn's broadcasts: stop now
+        # rather than after a broadcast timeout.
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None:
+            self.fail(turn, exc)
+
+
+class GroupWire(MultiBase):
+    """``MultiSource``'s ``"group"`` wire: one communicator, joined at init, ``GroupTurns`` per round."""
+
+    def _connect_group(self, bplan: BroadcastPlan) -> None:
+        """One communicator for the group (see the module docstring, step 1 ``"group"``)."""
+        e, t = self.engine, self.engine.info.timeouts
+        backend, size = e._backend, len(bplan.group_ranks)
+        if self.rank == 0:
+            posted = False
+
+            def extend(payload: dict[str, Any]) -> dict[str, Any]:
+                nonlocal posted
+                out = {**payload, "rank_offset": size}
+                self.x.post("group", {"error": None, "fields": backend.peer_fields(out)})
+                posted = True
+                return out
+
+            try:
+                self._report("joined", lambda: e._connect(extend=extend, trainer_ranks=size))
+            except BaseException as exc:
+                if not posted:  # the other broadcasters wait for these fields: tell them now
+                    self.x.post("group", {"error": f"{type(exc).__name__}: {exc}"})
+                raise
+            self._await_all("ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s)
+            return
+        if not bplan.in_group(self.rank):
+            self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
+            return
+        comm = None
+        try:
+            packer = e.device_packer(e.info.device)  # before the rendezvous: a rank without a device fails first
+            fields = self._await_ok("group", t.connect_s + t.http_s)["fields"]
+            comm = backend.join_peer(e.info, fields, rank=bplan.group_ranks.index(self.rank), timeout=t.connect_s)
+            comm.warmup(timeout=t.warmup_s)
+            hold = e.info.packed_buffer_size_bytes * e.info.packed_num_buffers
+            self._pipeline = backend.device_pipeline(comm, packer, num_buffers=e.info.packed_num_buffers,
+                                                     timeout=t.transfer_s, hold_bytes=hold)
+        except BaseException as exc:
+            if comm is not None:
+                comm.abort()
+            self.x.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
+            raise
+        self._comm = comm
+        self.x.post("ready", {"error": None})
+        self._await_ok("joined", t.http_s + t.warmup_s)
+
+    def _group_turns(self, bplan: BroadcastPlan, update: Callable[[Turn], Future] | None = None) -> GroupTurns:
+        e = self.engine
+        pipeline, comm = (e._pipeline, e._comm) if self.rank == 0 else (self._pipeline, self._comm)
+        assert isinstance(pipeline, DevicePipeline) and comm is not None
+        return GroupTurns(self.rank, bplan, self._chunks, pipeline, comm, packed=e.info.packed,
+                          timeouts=e.info.timeouts, update=update)
+
+    def _group_lead(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], pairs: Iterator[tuple[str, Any]],
+                    failed: list[tuple[Turn, BaseException]]) -> tuple[int, int]:
+        """Rank 0's transfer over one group: each turn's request, then its collective (``multi_group``)."""
+        e = self.engine
+        by_src = {turn.src: payload for turn, payload in zip(bplan.turns, payloads, strict=True)}
+
+        def update(turn: Turn) -> Future:
+            return spawn(functools.partial(e.client.update_weights, by_src[turn.src]), name="weightwire-update")
+
+        turns = self._group_turns(bplan, update)
+        out = turns.run(pairs)
+        failed.extend(turns.failed)
+        return out
