@@ -70,7 +70,10 @@ class MultiBase:
             self._await_ok(name, timeout, rank=r)
 
     def _turn_error(self, turn: Turn, exc: BaseException) -> BaseException:
-        note = "" if self.rank == 0 else f" (seen by trainer rank {self.rank})"
+        """A failed turn, named by its broadcaster (rank and ``src``) on every rank, with the
+        broadcaster's own account when it gave one within ``_GRACE_S``."""
+        seen = "" if self.rank == 0 else f" (seen by trainer rank {self.rank})"
+        note = ""
         if turn.rank not in (0, self.rank):
             try:
                 status = self.x.get("status", turn.rank, _GRACE_S)
@@ -79,7 +82,7 @@ class MultiBase:
             except GroupTimeout:
                 note = f"; rank {turn.rank} did not report within {_GRACE_S:g} s (it may have died)"
         err = RoundFailed(f"turn of trainer rank {turn.rank} (src {turn.src}, {len(turn.metas)} tensors from "
-                          f"{turn.metas[0].name!r}) failed{note}: {type(exc).__name__}: {exc}")
+                          f"{turn.metas[0].name!r}) failed{seen}: {type(exc).__name__}: {exc}{note}")
         err.__cause__ = exc
         return err
 

@@ -163,7 +163,8 @@ class MultiSource(StarWire, GroupWire):
                         pass
         except BaseException as exc:
             self._break(exc)
-            self.x.post("status", {"error": f"{type(exc).__name__}: {exc}"})
+            own = exc.__cause__ if isinstance(exc, RoundFailed) and exc.__cause__ is not None else exc
+            self.x.post("status", {"error": f"{type(own).__name__}: {own}"})  # the cause, not its wrapper
             raise
         self.x.post("status", {"error": None, "digests": digests})
         verdict = self._await_verdict(bplan, t)
