@@ -135,16 +135,18 @@ def torch_owner(name: str) -> int:
 
 def run_torch() -> dict[str, Any]:
     """Rounds with owners, then (same process group) the fault cases."""
+    from weightwire.torch_side.sender.group import TorchStoreGroup
+
     torch, model = torch_setup()
-    report = torch_rounds(torch, model)
-    report.update(torch_faults(model))
+    group = TorchStoreGroup()  # one for every engine: each engine's exchange gets its own namespace
+    report = torch_rounds(torch, model, group)
+    report.update(torch_faults(model, group))
     return report
 
 
-def torch_rounds(torch: Any, model: Any) -> dict[str, Any]:
+def torch_rounds(torch: Any, model: Any, group: Any) -> dict[str, Any]:
     from weightwire.shared.owned import OwnedSource
     from weightwire.torch_side.sender.engine import TorchTrainerEngine, tensor_bytes
-    from weightwire.torch_side.sender.group import TorchStoreGroup
     from weightwire.torch_side.sender.source import ModuleSource
 
     full = ModuleSource(model)
@@ -159,12 +161,22 @@ def torch_rounds(torch: Any, model: Any) -> dict[str, Any]:
         return {n: hashlib.sha256(tensor_bytes(t).numpy()).hexdigest() for n, t in full}
 
     client = HTTPWeightSyncClient(URL, timeout=60)
-    engine = TorchTrainerEngine.trainer_init(info(), client=client, source=source, group=TorchStoreGroup())
+    engine = TorchTrainerEngine.trainer_init(info(), client=client, source=source, group=group)
     try:
         multi = rounds(engine, client, perturb, expected)
     finally:
         engine.shutdown()
     report: dict[str, Any] = {"rounds": multi}
+    # verify=True with both broadcasters: rank 0 checks the union of both slices' digests
+    engine = TorchTrainerEngine.trainer_init(info(verify=True), client=client, source=source, group=group)
+    try:
+        verified = engine.send_weights()
+        if RANK == 0:
+            assert verified.verify is not None
+            report["verify"] = {"mode": verified.verify.mode, "checked": verified.verify.checked,
+                                "tensors": len(full.metadata())}
+    finally:
+        engine.shutdown()
     if RANK == 0:
         single = TorchTrainerEngine.trainer_init(info(rank=0), client=client, source=full)
         try:
@@ -174,14 +186,12 @@ def torch_rounds(torch: Any, model: Any) -> dict[str, Any]:
     return report
 
 
-def torch_faults(model: Any) -> dict[str, Any]:
+def torch_faults(model: Any, group: Any) -> dict[str, Any]:
     from weightwire.shared.owned import OwnedSource
     from weightwire.torch_side.sender.engine import TorchTrainerEngine
-    from weightwire.torch_side.sender.group import TorchStoreGroup
     from weightwire.torch_side.sender.source import ModuleSource
 
     client = HTTPWeightSyncClient(URL, timeout=60)
-    group = TorchStoreGroup()
     errors: dict[str, str] = {}
 
     class Forgetful(ModuleSource):  # rank 1 cannot produce the LM head it is the first owner of

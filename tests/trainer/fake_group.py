@@ -47,6 +47,7 @@ class FakeWorld:
         self.seq = [0] * size
         self.calls: dict[int, dict[int, tuple[str, int, int, Any]]] = {}
         self.data: dict[int, bytes] = {}
+        self.errors: dict[int, str] = {}
         self.aborted: set[int] = set()
         self.roots: list[int] = []  # the root of every completed broadcast, in order
 
@@ -64,10 +65,10 @@ class FakeWorld:
             calls[rank] = (kind, root, nbytes, buffer)
             if len(calls) == self.size:
                 shapes = {(c[0], c[1], c[2]) for c in calls.values()}
-                if len(shapes) != 1:
+                if len(shapes) != 1:  # every member of the collective fails alike
+                    self.errors[k] = f"fake NCCL collective {k}: members disagree: {sorted(shapes)}"
                     self.data[k] = b""
                     self.cv.notify_all()
-                    raise TransferError(f"fake NCCL collective {k}: members disagree: {sorted(shapes)}")
                 if kind == "broadcast":
                     src = calls[root][3]
                     parts = src if isinstance(src, list) else [src]
@@ -82,6 +83,8 @@ class FakeWorld:
                                       f"{timeout:g} s for ranks {missing}")
             if rank in self.aborted:
                 raise TransferError(f"fake NCCL rank {rank} was aborted during collective {k}")
+            if k in self.errors:
+                raise TransferError(self.errors[k])
             got = self.data[k]
             if kind == "broadcast" and rank != root:
                 if len(got) != nbytes:

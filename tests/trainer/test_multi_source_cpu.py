@@ -5,7 +5,8 @@
   both processes' devices; ``MultiProcessSource`` gathers each layer group with XLA
   collectives and each process broadcasts its share. 3 rounds; every replica holds the
   unsharded model's bytes after each.
-- torch: 2 gloo ranks, ``OwnedSource`` gives layer 0 to rank 0 and the rest to rank 1.
+- torch: 2 gloo ranks, ``OwnedSource`` gives layer 0 to rank 0 and the rest to rank 1;
+  then one ``verify=True`` round (rank 0 checks both slices' digests).
 - faults: an orphan name, ranks that disagree on the metadata, a broadcaster that dies
   mid-turn: each a clear error naming the rank / name, within the timeouts.
 """
@@ -89,6 +90,10 @@ def test_torch_ranks_with_owners(torch_report: tuple[dict[str, Any], list[int]])
     report, _ = torch_report
     check_rounds(report["rounds"])
     check_rounds(report["single"])
+    # verify=True over both broadcasters: every tensor of both slices checked on both replicas
+    assert report["verify"] == {"mode": "digest", "checked": report["verify"]["tensors"],
+                                "tensors": report["verify"]["tensors"]}
+    assert report["verify"]["tensors"] > 10
     print("torch per-round s: multi", [round(r["seconds"], 3) for r in report["rounds"]],
           "single", [round(r["seconds"], 3) for r in report["single"]])
 
