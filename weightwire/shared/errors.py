@@ -18,7 +18,7 @@ defined outside this module)::
         ControlTimeout (TimeoutError)
       RoundError
         EngineBroken (RuntimeError)          [weightwire.trainer.engine]
-        RoundFailed (RuntimeError)           [weightwire.trainer.multi_source]
+        RoundFailed (RuntimeError)           [weightwire.trainer.multi_base]
         GroupTimeout (TimeoutError)          [weightwire.trainer.group]
       VerifyError (RuntimeError)             [weightwire.trainer.verify]
       WeightReceiveError (RuntimeError)      [weightwire.torch_side.worker.core]

@@ -59,6 +59,7 @@ from weightwire.trainer.multi_base import RoundFailed
 from weightwire.trainer.multi_group import GroupWire
 from weightwire.trainer.multi_star import StarWire
 from weightwire.trainer.multi_verify import gather_digests, verdict_of, verify_union
+from weightwire.trainer.pipelines import DevicePipeline
 from weightwire.trainer.transfer import tap
 
 if TYPE_CHECKING:
@@ -280,9 +281,12 @@ class MultiSource(StarWire, GroupWire):
 
     def shutdown(self) -> None:
         comm, self._comm = self._comm, None
+        pipeline, self._pipeline = self._pipeline, None
         if comm is not None:
             if self.engine._broken is not None:
                 comm.abort()
             else:
                 comm.close()
+        if isinstance(pipeline, DevicePipeline):
+            pipeline.close()  # after the communicator: no kernel may still read its buffers
 
