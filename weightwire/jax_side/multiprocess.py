@@ -30,7 +30,7 @@ from weightwire.jax_side.naming import Naming
 from weightwire.jax_side.source import PytreeSource
 from weightwire.shared.groups import layerwise_groups
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.group import GroupTimeout
+from weightwire.trainer.group import StoreGroup
 
 
 def assign_broadcasters(groups: list[list[ParamMeta]], processes: int) -> list[int]:
@@ -104,7 +104,7 @@ class MultiProcessSource(PytreeSource):
         return batch_by_layer(iter(self))
 
 
-class JaxProcessGroup:
+class JaxProcessGroup(StoreGroup):
     """``TrainerGroup`` over the ``jax.distributed`` coordination service's key-value store."""
 
     def __init__(self) -> None:
@@ -112,23 +112,12 @@ class JaxProcessGroup:
 
         if global_state.client is None:
             raise RuntimeError("JaxProcessGroup needs jax.distributed.initialize() first")
+        super().__init__(jax.process_index(), jax.process_count())
         self._client = global_state.client
-        self._rank = jax.process_index()
-        self._size = jax.process_count()
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def publish(self, key: str, value: str) -> None:
+    def _set(self, key: str, value: str) -> None:
         self._client.key_value_set(key, value)
 
-    def read(self, key: str, timeout: float) -> str:
-        try:
-            return self._client.blocking_key_value_get(key, max(1, int(timeout * 1000)))
-        except Exception as exc:  # XLA raises a runtime error (DEADLINE_EXCEEDED) on timeout
-            raise GroupTimeout(f"{key}: {type(exc).__name__}") from None
+    def _get(self, key: str, timeout: float) -> str:
+        # XLA raises a runtime error (DEADLINE_EXCEEDED) on timeout: StoreGroup.read names the key
+        return self._client.blocking_key_value_get(key, max(1, int(timeout * 1000)))

@@ -6,8 +6,8 @@ the store the trainer already has (``jax.distributed``'s coordination service, t
 c10d store), never over the data plane, and every read is bounded by a timeout, so a
 rank that died or diverged turns into an error naming it instead of a hang.
 
-Implementations: ``weightwire.jax_side.multiprocess.JaxProcessGroup`` and
-``weightwire.torch_side.sender.group.TorchStoreGroup``; tests may use ``DictGroup``.
+Implementations (each a ``StoreGroup``): ``weightwire.jax_side.multiprocess.JaxProcessGroup``
+and ``weightwire.torch_side.sender.group.TorchStoreGroup``; tests may use ``DictGroup``.
 """
 
 from __future__ import annotations
@@ -79,17 +79,15 @@ class Exchange:
                 for r in range(self.group.size)]
 
 
-class DictGroup:
-    """In-process group over a shared dict (tests, threads standing in for ranks)."""
+class StoreGroup:
+    """The shared part of a ``TrainerGroup`` over a key-value store: ``rank`` / ``size`` and
+    a bounded read that turns the store's own timeout error (whatever its type) into a
+    ``GroupTimeout`` naming the key. Subclasses implement ``_set`` and ``_get``."""
 
-    def __init__(self, rank: int, size: int, shared: dict[str, str], cv: threading.Condition) -> None:
-        self._rank, self._size, self._shared, self._cv = rank, size, shared, cv
-
-    @classmethod
-    def make(cls, size: int) -> list[DictGroup]:
-        shared: dict[str, str] = {}
-        cv = threading.Condition()
-        return [cls(r, size, shared, cv) for r in range(size)]
+    def __init__(self, rank: int, size: int) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in a group of size {size}")
+        self._rank, self._size = rank, size
 
     @property
     def rank(self) -> int:
@@ -99,12 +97,44 @@ class DictGroup:
     def size(self) -> int:
         return self._size
 
+    def _set(self, key: str, value: str) -> None:
+        raise NotImplementedError
+
+    def _get(self, key: str, timeout: float) -> str:
+        """The value under ``key``, waiting at most ``timeout`` s; raise anything on timeout."""
+        raise NotImplementedError
+
     def publish(self, key: str, value: str) -> None:
+        self._set(key, value)
+
+    def read(self, key: str, timeout: float) -> str:
+        try:
+            return self._get(key, timeout)
+        except GroupTimeout:
+            raise
+        except Exception as exc:  # each store raises its own type on timeout (DistStoreError, XLA's, ...)
+            raise GroupTimeout(f"{key}: {type(exc).__name__}") from None
+
+
+class DictGroup(StoreGroup):
+    """In-process group over a shared dict (tests, threads standing in for ranks)."""
+
+    def __init__(self, rank: int, size: int, shared: dict[str, str], cv: threading.Condition) -> None:
+        super().__init__(rank, size)
+        self._shared, self._cv = shared, cv
+
+    @classmethod
+    def make(cls, size: int) -> list[DictGroup]:
+        shared: dict[str, str] = {}
+        cv = threading.Condition()
+        return [cls(r, size, shared, cv) for r in range(size)]
+
+    def _set(self, key: str, value: str) -> None:
         with self._cv:
             self._shared[key] = value
             self._cv.notify_all()
 
-    def read(self, key: str, timeout: float) -> str:
+    def _get(self, key: str, timeout: float) -> str:
         with self._cv:
             if not self._cv.wait_for(lambda: key in self._shared, timeout=timeout):
                 raise GroupTimeout(key)

@@ -13,33 +13,22 @@ from typing import Any
 
 import torch.distributed as dist
 
-from weightwire.trainer.group import GroupTimeout
+from weightwire.trainer.group import StoreGroup
 
 
-class TorchStoreGroup:
+class TorchStoreGroup(StoreGroup):
     def __init__(self, store: Any = None, *, rank: int | None = None, size: int | None = None) -> None:
         if store is None:
             if not dist.is_initialized():
                 raise RuntimeError("TorchStoreGroup needs a store, or torch.distributed.init_process_group first")
             store = dist.distributed_c10d._get_default_store()
+        super().__init__(dist.get_rank() if rank is None else rank, dist.get_world_size() if size is None else size)
         self._store = store
-        self._rank = dist.get_rank() if rank is None else rank
-        self._size = dist.get_world_size() if size is None else size
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def publish(self, key: str, value: str) -> None:
+    def _set(self, key: str, value: str) -> None:
         self._store.set(key, value)
 
-    def read(self, key: str, timeout: float) -> str:
-        try:
-            self._store.wait([key], datetime.timedelta(seconds=timeout))
-        except Exception as exc:  # torch raises DistStoreError / RuntimeError variants on timeout
-            raise GroupTimeout(f"{key}: {type(exc).__name__}") from None
+    def _get(self, key: str, timeout: float) -> str:
+        # torch raises DistStoreError / RuntimeError variants on timeout: StoreGroup.read names the key
+        self._store.wait([key], datetime.timedelta(seconds=timeout))
         return bytes(self._store.get(key)).decode()
