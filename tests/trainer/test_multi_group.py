@@ -220,3 +220,20 @@ def test_verify_covers_every_broadcaster_and_names_a_bad_tensors_broadcaster() -
         assert isinstance(run.results[r][1], RoundFailed) and bad in str(run.results[r][1])
         assert run.results[r][2].version == "3"  # a committed round whose check failed breaks nothing
     assert third.verify.checked == len(model())
+
+
+def test_weightwire_nccl_hands_the_other_broadcasters_only_the_join_fields() -> None:
+    """The real backend's group hooks, as far as they run without cupy: the peer fields
+    are the unique id and the group's world size, and joining needs NCCL on that rank."""
+    from weightwire.backends.nccl import comm as nccl
+    from weightwire.trainer.backends import get_backend
+
+    backend = get_backend("weightwire_nccl")
+    payload = {"nccl_unique_id_b64": "A" * 172, "world_size": 5, "rank_offset": 3, "packed": True, "timeout_s": 9.0}
+    assert backend.peer_fields(payload) == {"nccl_unique_id_b64": "A" * 172, "world_size": 5}
+    if not nccl.nccl_available():
+        with pytest.raises(RuntimeError, match="needs cupy with NCCL and a CUDA device on every broadcasting rank"):
+            backend.join_peer(TrainerInitInfo(backend="weightwire_nccl"), backend.peer_fields(payload), rank=1,
+                              timeout=1)
+    with pytest.raises(NotImplementedError, match="no shared group"):
+        get_backend("weightwire_tcp").peer_fields(payload)
