@@ -142,6 +142,32 @@ def test_rounds_land_the_unsharded_model_on_every_worker(size: int, owner: Calla
         assert all(m.nbytes == 0 for m in run.results[1])  # outside the group: iterates only
 
 
+class Lockstep(DictSource):
+    """Every rank's iteration meets at each tensor (a barrier over all trainer ranks), as
+    JAX multi-process gathers or FSDP ``full_tensor`` do: a rank that stops iterating
+    while it waits for a broadcast would block every other rank's next gather."""
+
+    def __init__(self, tensors: dict[str, Any], barrier: threading.Barrier) -> None:
+        super().__init__(tensors, describe)
+        self.barrier = barrier
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for pair in super().__iter__():
+            self.barrier.wait(10)  # BrokenBarrierError instead of a hang
+            yield pair
+
+
+def test_rounds_with_collective_gathers_do_not_deadlock() -> None:
+    """3 broadcasters of 4 ranks whose sources gather in lockstep: each rank joins the later
+    turns' gathers while its driver thread receives those turns."""
+    barrier = threading.Barrier(4)
+    run = Run(4, three_of_four, inner=lambda r, t: Lockstep(t, barrier)).go()
+    for r, results in enumerate(run.results):
+        assert [m.version for m in results] == ["1", "2", "3"], (r, results)
+    for step, held in enumerate(run.held, 1):
+        assert held == [sha(model(step))] * 2, f"round {step}"
+
+
 def test_a_member_that_skips_a_turn_makes_the_round_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fake is a real collective: without the receive-and-drop the members' collectives
     no longer match and the round fails (a broken ``discard`` cannot pass)."""

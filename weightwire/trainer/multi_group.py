@@ -91,6 +91,9 @@ class GroupTurns:
                     nbytes, count = self.pipeline.send_packed(prepared, self.stop, root=mine.src)
                 else:
                     nbytes, count = self.pipeline.send_unpacked(prepared, mine.metas, self.stop, root=mine.src)
+            # Before the later turns' gathers: the driver must receive those turns while this
+            # thread joins their gathers, or a collective source would wait on itself.
+            self._done.set()
             if not self.stop.is_set():
                 for _ in pairs:  # the later turns' gathers; raises on an extra tensor
                     pass
