@@ -271,6 +271,21 @@ def test_exchange_read_is_bounded_and_names_the_rank() -> None:
         Exchange(group).allgather("x", 1, timeout=0.05)
 
 
+def test_exchanges_over_separate_group_objects_of_one_store_do_not_collide() -> None:
+    """A group object built per engine over the same store: the second engine's
+    exchange must not read the first one's keys (its namespace is per store and rank)."""
+    first = DictGroup.make(2)
+    shared, cv = first[0]._shared, first[0]._cv
+    again = [DictGroup(r, 2, shared, cv) for r in range(2)]
+    a = [Exchange(g) for g in first]
+    b = [Exchange(g) for g in again]
+    a[1].post("x", "from engine a")
+    with pytest.raises(GroupTimeout):
+        b[0].get("x", 1, timeout=0.05)  # engine b's rank 1 has not published yet
+    b[1].post("x", "from engine b")
+    assert (a[0].get("x", 1, timeout=1.0), b[0].get("x", 1, timeout=1.0)) == ("from engine a", "from engine b")
+
+
 def test_group_with_one_broadcaster_uses_the_ordinary_round_and_shares_the_verdict() -> None:
     """All owners unset: rank 0 sends alone (plain payload, no ``src``); rank 1 only
     iterates and returns rank 0's committed version; a refused round fails both ranks."""

@@ -115,6 +115,10 @@ class JaxProcessGroup(StoreGroup):
         super().__init__(jax.process_index(), jax.process_count())
         self._client = global_state.client
 
+    @property
+    def store(self) -> object:
+        return self._client
+
     def _set(self, key: str, value: str) -> None:
         self._client.key_value_set(key, value)
 

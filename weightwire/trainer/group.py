@@ -16,7 +16,6 @@ import itertools
 import json
 import threading
 import time
-import weakref
 from typing import Any, Protocol, runtime_checkable
 
 from weightwire.shared.errors import RoundError
@@ -42,7 +41,25 @@ class TrainerGroup(Protocol):
         """The value published under ``key``; ``GroupTimeout`` if none within ``timeout`` s."""
 
 
-_namespaces: weakref.WeakKeyDictionary[Any, itertools.count] = weakref.WeakKeyDictionary()
+_namespaces: dict[tuple[int, int], tuple[Any, itertools.count]] = {}
+_namespaces_lock = threading.Lock()
+
+
+def _namespace(group: TrainerGroup) -> int:
+    """The next exchange namespace over ``group``'s store.
+
+    Keyed by (store, rank), not by the group object: two group objects over one store
+    (a ``TorchStoreGroup()`` built per engine) would otherwise both start at 0 and read
+    each other's keys; the rank keeps ranks that share a process (threads in tests)
+    apart. Strong references: stores live as long as the process anyway, and an ``id``
+    must not be reused while its counter is kept.
+    """
+    identity = getattr(group, "store", None)
+    if identity is None:
+        identity = group
+    with _namespaces_lock:
+        entry = _namespaces.setdefault((id(identity), group.rank), (identity, itertools.count()))
+        return next(entry[1])
 
 
 class Exchange:
@@ -52,8 +69,8 @@ class Exchange:
     def __init__(self, group: TrainerGroup) -> None:
         self.group = group
         # Engines are built over a group in the same order on every rank, so the n-th
-        # exchange over each rank's group object gets the same namespace.
-        self._ns = next(_namespaces.setdefault(group, itertools.count()))
+        # exchange over each rank's store gets the same namespace.
+        self._ns = _namespace(group)
         self._seq = 0
 
     def _key(self, name: str, rank: int) -> str:
@@ -97,6 +114,12 @@ class StoreGroup:
     def size(self) -> int:
         return self._size
 
+    @property
+    def store(self) -> object:
+        """The underlying store: ``Exchange`` numbers its namespaces per (store, rank), so
+        every group object over one store must return the same object here."""
+        return self
+
     def _set(self, key: str, value: str) -> None:
         raise NotImplementedError
 
@@ -122,6 +145,10 @@ class DictGroup(StoreGroup):
     def __init__(self, rank: int, size: int, shared: dict[str, str], cv: threading.Condition) -> None:
         super().__init__(rank, size)
         self._shared, self._cv = shared, cv
+
+    @property
+    def store(self) -> object:
+        return self._shared
 
     @classmethod
     def make(cls, size: int) -> list[DictGroup]:

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from weightwire.trainer.group import StoreGroup
 
+_DEFAULT_STORE = object()  # the default process group's store, however many wrappers of it we hold
+
 
 class TorchStoreGroup(StoreGroup):
     def __init__(self, store: Any = None, *, rank: int | None = None, size: int | None = None) -> None:
@@ -22,8 +24,15 @@ class TorchStoreGroup(StoreGroup):
             if not dist.is_initialized():
                 raise RuntimeError("TorchStoreGroup needs a store, or torch.distributed.init_process_group first")
             store = dist.distributed_c10d._get_default_store()
+            identity: object = _DEFAULT_STORE  # each lookup may return a fresh wrapper of the same store
+        else:
+            identity = store
         super().__init__(dist.get_rank() if rank is None else rank, dist.get_world_size() if size is None else size)
-        self._store = store
+        self._store, self._identity = store, identity
+
+    @property
+    def store(self) -> object:
+        return self._identity
 
     def _set(self, key: str, value: str) -> None:
         self._store.set(key, value)
