@@ -30,6 +30,12 @@ IPC_HANDLE_BYTES = 64
 
 DEFAULT_IPC_SLOT_BYTES = 1 << 30
 
+IPC_MODES = ("pull", "push")
+"""``weightwire_ipc`` data paths, negotiated in the control channel's hello (not in the
+init info, so a worker that predates them still parses it): ``pull`` = the trainer
+writes into the worker's receive buffers (one copy per byte), ``push`` = the slot ring
+(two copies)."""
+
 
 @dataclass(frozen=True, kw_only=True, repr=False)
 class IPCInitInfo(_StrictInfo):
