@@ -38,6 +38,8 @@ class PullWorker(threading.Thread):
     def __init__(self, conn: Any, sizes: list[int], *, ids: list[int] | None = None, depth: int = 2,
                  release: bool = False, misbehave: str = "") -> None:
         super().__init__(daemon=True)
+        self.gate = threading.Event()  # set by the round's begin: a real worker names nothing before the update POST
+        self.gate.set()
         self.ch, self.sizes, self.depth, self.release, self.misbehave = Channel(conn, "trainer"), sizes, depth, release, misbehave
         self.ids = ids if ids is not None else list(range(len(sizes)))
         self.named: set[int] = set()
@@ -60,6 +62,9 @@ class PullWorker(threading.Thread):
 
     def run(self) -> None:
         try:
+            while not self.gate.wait(0.05):
+                if self.ch._aborted:
+                    return
             posted = 0
             for c in range(len(self.sizes)):
                 while posted < len(self.sizes) and posted < c + self.depth:
@@ -177,12 +182,15 @@ def test_a_wrong_chunk_and_a_silent_worker_are_bounded() -> None:
 
 def test_a_refused_start_announces_nothing_and_unpacked_is_refused() -> None:
     _, _, worker, pipe = _setup([60])
+    worker.gate.clear()  # no update POST, so the worker never names a buffer
 
     def begin() -> None:
         raise RuntimeError("start_weight_update failed: 409")
 
+    start = time.monotonic()
     with pytest.raises(RuntimeError, match="409"):
         pipe.send_packed(_prepared([60], 50), threading.Event(), begin)
+    assert time.monotonic() - start < 2  # at once, not at the 5 s transfer timeout
     pipe._comm.abort()
     worker.join(10)
     assert worker.seen == []

@@ -158,6 +158,11 @@ class IPCPullPipeline(DevicePipeline):
         copy = cp.cuda.runtime.memcpyAsync
         sptr = self._sptr
         nbytes = count = 0
+
+        def alive() -> None:
+            comm.alive()
+            starter.check()
+
         with cp.cuda.Device(comm.slots.device):
             for ci, (chunk, tensors) in enumerate(prepared):
                 if stop.is_set():
@@ -173,14 +178,14 @@ class IPCPullPipeline(DevicePipeline):
                     continue
                 deadline = time.monotonic() + self._timeout
                 for ch, bufs in zip(comm.channels, self._buffers, strict=True):
-                    msg = ch.expect("want", deadline=deadline, what=f"the receive buffer of chunk {ci}", alive=comm.alive)
+                    msg = ch.expect("want", deadline=deadline, what=f"the receive buffer of chunk {ci}", alive=alive)
                     if check_int(msg, "c", 0, 1 << 62, ch.peer) != ci:
                         raise TransferError(f"{ch.peer} asked for chunk {msg['c']} where chunk {ci} was due: "
                                             "trainer and worker disagree on the round's plan")
                     ptr, free = bufs.resolve(msg, chunk.nbytes)
                     if self._host_wait:
                         wait_event_host(cp, free, deadline=deadline, what=f"{ch.peer}'s release of buffer {msg['b']}",
-                                        alive=comm.alive)
+                                        alive=alive)
                     else:
                         stream_wait(cp, sptr, free)
                     off = 0
