@@ -45,16 +45,15 @@ logger = logging.getLogger(__name__)
 ALIGN = 2 << 20  # allocation granularity of cudaMalloc's large blocks
 
 
-def size_class(nbytes: int, buffer_size: int) -> int:
-    """The allocation size for a chunk of ``nbytes``: every chunk in
-    ``(buffer_size / 2, buffer_size]`` (nearly all packed chunks) shares one class, so
-    buffers are interchangeable between chunks; a smaller or oversized chunk gets its
-    own class (rounded up to ``ALIGN``), reused by the same chunk of the next round."""
+def size_class(nbytes: int) -> int:
+    """The allocation size for a chunk of ``nbytes``: rounded up to a quarter of its
+    power of two (at least ``ALIGN``), so at most ~25% is wasted and the near-equal
+    chunks of a packed round (``buffer_size`` plus up to one tensor each) share a
+    class and can take each other's buffers."""
     if nbytes < 1:
         raise ValueError(f"a receive buffer holds at least one byte, got {nbytes}")
-    if buffer_size // 2 < nbytes <= buffer_size:
-        return buffer_size
-    return -(-nbytes // ALIGN) * ALIGN
+    granule = max(ALIGN, (1 << (nbytes.bit_length() - 1)) // 4)
+    return -(-nbytes // granule) * granule
 
 
 @dataclass
@@ -82,8 +81,8 @@ class _Lease:
 class ReceivePool:
     """Exported receive buffers of one worker session (see the module docstring)."""
 
-    def __init__(self, cp: Any, device: int, buffer_size: int) -> None:
-        self._cp, self.device, self.buffer_size = cp, int(device), int(buffer_size)
+    def __init__(self, cp: Any, device: int) -> None:
+        self._cp, self.device = cp, int(device)
         self._buffers: dict[int, PoolBuffer] = {}
         self._next_id = 0
         self._lock = threading.Lock()  # the lease finalizers run on whichever thread drops the last view
@@ -95,12 +94,14 @@ class ReceivePool:
         """A free buffer for a chunk of ``nbytes`` (allocated and exported if none fits),
         its free event recorded on ``stream_ptr`` (the stream the buffer's previous
         readers were ordered on: torch's current stream), now ``filling``."""
-        want = size_class(nbytes, self.buffer_size)
+        want = size_class(nbytes)
         with self._lock:
             if self.closed:
                 raise TransferError("the IPC receive pool is closed")
-            buf = next((b for b in self._buffers.values()
-                        if b.state == "free" and not b.retired and b.nbytes == want), None)
+            # Best fit within one class up: a free buffer is taken rather than a new one allocated.
+            fits = [b for b in self._buffers.values()
+                    if b.state == "free" and not b.retired and want <= b.nbytes <= want + want // 4]
+            buf = min(fits, key=lambda b: b.nbytes) if fits else None
             if buf is not None:
                 buf.state = "filling"
         if buf is None:

@@ -231,7 +231,7 @@ class IPCPullLink(ReceiveLink):
 
     def __init__(self, communicator: IPCReceiver, *, device: torch.device, timeout_s: float, depth: int) -> None:
         super().__init__(communicator, device=device, timeout_s=timeout_s, depth=depth)
-        self.pool = ReceivePool(communicator.cp, communicator.device, communicator.info.packed_buffer_size_bytes)
+        self.pool = ReceivePool(communicator.cp, communicator.device)
         self._pending: dict[int, tuple[Any, Chunk, bool]] = {}
         self._host_wait = wait_mode() == "host"
 
