@@ -75,7 +75,7 @@ def test_a_buffer_is_reused_only_after_its_lease_died() -> None:
     pool, rt = _pool()
     a = pool.acquire(100 * MIB, stream_ptr=7)
     first = pool.describe(a)
-    assert set(first) == {"b", "h", "f"} and pool.describe(a) == {"b": a.id}  # handles once per session
+    assert set(first) == {"b", "cap", "h", "f"} and first["cap"] == a.nbytes and pool.describe(a) == {"b": a.id}  # handles once per session
     lease = pool.lease(a, 100 * MIB)
     assert lease.__cuda_array_interface__["data"] == (a.ptr, False)
     assert lease.__cuda_array_interface__["shape"] == (100 * MIB,)

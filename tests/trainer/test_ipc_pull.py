@@ -36,12 +36,13 @@ class PullWorker(threading.Thread):
     """Names buffer ``ids[c]`` for chunk ``c`` (handles on first use), reads each "ready"."""
 
     def __init__(self, conn: Any, sizes: list[int], *, ids: list[int] | None = None, depth: int = 2,
-                 release: bool = False, misbehave: str = "") -> None:
+                 release: bool = False, misbehave: str = "", cap: int = 0) -> None:
         super().__init__(daemon=True)
         self.gate = threading.Event()  # set by the round's begin: a real worker names nothing before the update POST
         self.gate.set()
         self.ch, self.sizes, self.depth, self.release, self.misbehave = Channel(conn, "trainer"), sizes, depth, release, misbehave
         self.ids = ids if ids is not None else list(range(len(sizes)))
+        self.cap = cap  # announced capacity (0: the first chunk's size)
         self.named: set[int] = set()
         self.seen: list[dict] = []
 
@@ -49,7 +50,7 @@ class PullWorker(threading.Thread):
         bid = self.ids[c]
         msg: dict[str, Any] = {"op": "want", "c": c, "b": bid, "n": self.sizes[c]}
         if bid not in self.named or self.misbehave == "reannounce":
-            msg.update(h=handle(100 + bid), f=handle(200 + bid))
+            msg.update(h=handle(100 + bid), f=handle(200 + bid), cap=self.cap or self.sizes[c])
             self.named.add(bid)
         if self.misbehave == "short":
             msg["n"] -= 1
@@ -86,14 +87,15 @@ class PullCupy(FakeCupy):
         rt.ipcOpenEventHandle = lambda h: int.from_bytes(h[:8], "little")
 
 
-def _setup(sizes: list[int], *, release: bool = False, misbehave: str = "", ids: list[int] | None = None):
+def _setup(sizes: list[int], *, release: bool = False, misbehave: str = "", ids: list[int] | None = None,
+           cap: int = 0):
     log: list = []
     cp = PullCupy(log)
     slots = IPCSlots(cp, 0, 100, 2)
     slots.free_memory()  # pull mode: the ring's buffers go at join, its ready events stay
     a, b = socket.socketpair()
     comm = IPCSenderComm(cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], release, "pull")
-    worker = PullWorker(b, sizes, release=release, misbehave=misbehave, ids=ids)
+    worker = PullWorker(b, sizes, release=release, misbehave=misbehave, ids=ids, cap=cap)
     worker.start()
     return log, slots, worker, IPCPullPipeline(comm, FakePacker(), num_buffers=2, timeout=5.0, hold_bytes=0)
 
@@ -156,6 +158,20 @@ def test_a_worker_out_of_step_is_refused_by_name(misbehave: str, needle: str) ->
         assert isinstance(err.value, PeerLost)
 
 
+def test_a_buffer_takes_a_larger_chunk_within_its_announced_capacity() -> None:
+    # Chunk 2 (80 B) reuses buffer 0, first named for chunk 0 (60 B) with a capacity of 80.
+    log, _, worker, pipe = _setup([60, 70, 80], ids=[0, 1, 0], cap=80)
+    assert pipe.send_packed(_prepared([60, 70, 80], 50), threading.Event()) == (210, 3)
+    worker.join(10)
+    assert [e[1:] for e in log if e[0] == "copy"][-1] == (10_000 * 100, 3_000_000, 80)
+
+
+def test_a_chunk_over_the_buffers_capacity_is_refused() -> None:
+    _, _, _, pipe = _setup([60, 70, 80], ids=[0, 1, 0])  # capacity = the first chunk's 60 B
+    with pytest.raises(TransferError, match="named buffer 0 of 60 bytes for a chunk of 80"):
+        pipe.send_packed(_prepared([60, 70, 80], 50), threading.Event())
+
+
 def test_a_reannounced_buffer_is_refused() -> None:
     _, _, _, pipe = _setup([60, 60, 60], ids=[0, 1, 0], misbehave="reannounce")
     with pytest.raises(TransferError, match="announced buffer 0 again"):
@@ -169,7 +185,9 @@ def test_a_wrong_chunk_and_a_silent_worker_are_bounded() -> None:
     with pytest.raises(TransferError, match="with b=-1, outside"):
         bufs.resolve({"op": "want", "c": 0, "b": -1, "n": 4}, 4)
     with pytest.raises(TransferError, match="want.h must be 88 base64 characters"):
-        bufs.resolve({"op": "want", "c": 0, "b": 0, "n": 4, "h": "AAAA", "f": handle(1)}, 4)
+        bufs.resolve({"op": "want", "c": 0, "b": 0, "n": 4, "h": "AAAA", "f": handle(1), "cap": 4}, 4)
+    with pytest.raises(TransferError, match="with cap=3, outside \\[4, "):
+        bufs.resolve({"op": "want", "c": 0, "b": 0, "n": 4, "h": handle(1), "f": handle(1), "cap": 3}, 4)
     slots = IPCSlots(cp, 0, 100, 2)
     a, _b = socket.socketpair()
     comm = IPCSenderComm(cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "pull")
@@ -196,3 +214,54 @@ def test_a_refused_start_announces_nothing_and_unpacked_is_refused() -> None:
     assert worker.seen == []
     with pytest.raises(TransferError, match="packed rounds only"):
         pipe.send_unpacked([], [ParamMeta("t", "uint8", (1,))], threading.Event())
+
+
+def _join(monkeypatch: pytest.MonkeyPatch, *, packed: bool, mode: str, offer: list[str] | None):
+    """A real rendezvous (fake CUDA) joined by one worker whose hello offers ``offer``."""
+    from weightwire.backends.ipc import trainer as ipc_trainer
+    from weightwire.backends.ipc.channel import dial
+    from weightwire.shared.ipc_info import IPCInitInfo
+
+    log: list = []
+    monkeypatch.setattr(ipc_trainer, "cupy_module", lambda: PullCupy(log))
+    rdv = ipc_trainer.IPCRendezvous(world_size=2, device=0, slot_bytes=100, num_slots=2, packed=packed,
+                                    timeout_s=5.0, release_after_round=False, mode=mode)
+    info = IPCInitInfo.from_dict(rdv.payload)  # the init info is the same whatever the mode
+    got: list = []
+
+    def worker() -> None:
+        ch = dial(info.host, info.port, info.secret, timeout=5, peer="trainer")
+        hello: dict[str, Any] = {"op": "hello", "rank": 1, "free": [handle(7), handle(8)], "uuid": ""}
+        if offer is not None:
+            hello["modes"] = offer
+        ch.send(hello)
+        with pytest.raises(TransferError):  # whatever came, then the trainer's end closed
+            while True:
+                got.append(ch.recv(deadline=time.monotonic() + 5, what="x"))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    comm = rdv.join(timeout=5)
+    comm.close()
+    thread.join(10)
+    return comm, rdv, got
+
+
+@pytest.mark.parametrize(("packed", "mode", "offer", "want", "told"), [
+    (True, "pull", ["pull", "push"], "pull", [{"op": "mode", "mode": "pull"}]),
+    (True, "pull", None, "push", []),  # a worker that predates modes: push, told nothing
+    (True, "pull", ["push", "later-mode"], "push", [{"op": "mode", "mode": "push"}]),
+    (False, "pull", ["push"], "push", [{"op": "mode", "mode": "push"}]),  # unpacked: push
+    (True, "push", ["pull", "push"], "push", [{"op": "mode", "mode": "push"}]),
+])
+def test_the_hello_negotiates_the_mode(monkeypatch: pytest.MonkeyPatch, packed: bool, mode: str,
+                                       offer: list[str] | None, want: str, told: list[dict]) -> None:
+    comm, rdv, got = _join(monkeypatch, packed=packed, mode=mode, offer=offer)
+    assert comm.mode == want and got == told
+    assert rdv.slots.allocated == (want == "push")  # pull frees the ring at once; its ready events stay
+    assert len(rdv.slots.events) == 2
+
+
+def test_a_malformed_mode_offer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TransferError, match="hello.modes"):
+        _join(monkeypatch, packed=True, mode="pull", offer="pull")  # type: ignore[arg-type]

@@ -111,10 +111,12 @@ class ReceivePool:
         return buf
 
     def describe(self, buf: PoolBuffer) -> dict[str, Any]:
-        """The buffer's part of a "want" message: its id, plus its memory and free-event
-        handles the first time this session names it (the trainer opens them once)."""
+        """The buffer's part of a "want" message: its id, plus its capacity and its memory
+        and free-event handles the first time this session names it (the trainer opens
+        them once and checks every later chunk against that capacity)."""
         out: dict[str, Any] = {"b": buf.id}
         if not buf.announced:
+            out["cap"] = buf.nbytes  # the buffer may later take a larger chunk of its class
             with self._cp.cuda.Device(self.device):
                 out["h"] = encode_secret(bytes(self._cp.cuda.runtime.ipcGetMemHandle(buf.ptr)))
                 out["f"] = encode_secret(event_handle(self._cp, buf.event))

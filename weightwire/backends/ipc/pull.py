@@ -6,8 +6,9 @@ stream, one device copy per byte, in the trainer's context only, and no slot rin
 this side (trainer-side extra memory ~0). Per chunk, one small JSON message each way:
 
 - worker -> trainer ``{"op": "want", "c": chunk, "b": buffer id, "n": bytes}``, with
-  ``"h"`` (its ``cudaIpcMemHandle_t``) and ``"f"`` (its free event) the first time the
-  session names buffer ``b``; the worker records that free event (after the buffer's
+  ``"cap"`` (its size), ``"h"`` (its ``cudaIpcMemHandle_t``) and ``"f"`` (its free
+  event) the first time the session names buffer ``b``, every later chunk checked
+  against ``cap``; the worker records that free event (after the buffer's
   previous readers) before it sends the message;
 - trainer -> worker ``{"op": "ready", "c": chunk, "e": k}`` once the copies were
   enqueued and ready event ``k = chunk % packed_num_buffers`` (the init info's event
@@ -79,15 +80,16 @@ class WorkerBuffers:
                                 "trainer and worker disagree on the round's plan")
         known = self.mapped.get(bid)
         if known is not None:
-            if "h" in msg or "f" in msg:
+            if "h" in msg or "f" in msg or "cap" in msg:
                 raise TransferError(f"{self.peer} announced buffer {bid} again (ids are never reused in a session)")
-            if known[1] < n:
+            if known[1] < n:  # a copy past the end would write into whatever follows it
                 raise TransferError(f"{self.peer} named buffer {bid} of {known[1]} bytes for a chunk of {n}")
             return known[0], known[2]
         if len(self.mapped) >= MAX_BUFFERS:
             raise TransferError(f"{self.peer} named more than {MAX_BUFFERS} receive buffers in one session")
-        if "h" not in msg or "f" not in msg:
+        if "h" not in msg or "f" not in msg or "cap" not in msg:
             raise TransferError(f"{self.peer} named buffer {bid} without its handles (first use in this session)")
+        cap = check_int(msg, "cap", n, 1 << 62, self.peer)
         try:
             mem = decode_secret(f"{self.peer} want.h", msg["h"], IPC_HANDLE_BYTES)
             ev = decode_secret(f"{self.peer} want.f", msg["f"], IPC_HANDLE_BYTES)
@@ -106,7 +108,7 @@ class WorkerBuffers:
                 with suppress(Exception):
                     runtime.ipcCloseMemHandle(ptr)
                 raise
-        self.mapped[bid] = (ptr, n, event)
+        self.mapped[bid] = (ptr, cap, event)
         return ptr, event
 
     def close(self) -> None:
