@@ -5,6 +5,10 @@ ready" interprocess events (``cudaIpcEventHandle_t``) travel as standard base64 
 their 64 raw bytes, never pickled. The control channel (``host:port``, proven with
 ``secret_b64``) carries the per-piece "ready" / "free" messages, also as JSON.
 
+The data path (pull: the trainer writes into the worker's buffers; push: the slot ring)
+is not a field here: it is negotiated in the control channel's hello (``IPC_MODES``), so
+this info parses the same on a worker that predates pull mode, which then gets push.
+
 Parsed strictly like every other init info: a wrong count of handles, a handle of
 the wrong length or a slot size over the limits fails the request naming the field,
 before a worker opens anything.
