@@ -118,7 +118,7 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> Receiv
         first = channel.recv(deadline=time.monotonic() + local.warmup_s, what="the session's mode", alive=receiver.alive)
         mode = "push"
         if first["op"] == "mode":  # a trainer that predates modes goes straight to the warm-up ping
-            mode = first.get("mode")  # type: ignore[assignment]
+            mode = str(first.get("mode"))
             if mode not in ("pull", "push") or (mode == "pull" and not info.packed):
                 raise TransferError(f"{channel.peer} chose IPC mode {str(mode)[:20]!r}, which this worker did not offer")
             first = channel.recv(deadline=time.monotonic() + local.warmup_s, what="the trainer's warm-up",
