@@ -1,20 +1,23 @@
 """Colocated weight sync on ONE GPU over ``weightwire_ipc``, through the reference server's HTTP routes.
 
     python benchmarks/bench_ipc.py --out bench_ipc.md [--engines jax,torch] [--models llama3-8b,qwen2-0.5b]
-        [--rounds 5] [--warmup 2] [--control http|shim]
+        [--rounds 5] [--warmup 2] [--control http|shim] [--modes pull,push]
 
 Three processes on the same GPU: the trainer (``JAXTrainerEngine`` torch-free, or
 ``TorchTrainerEngine``) with synthetic bf16 weights of the model's HF shapes; the
 reference server's FastAPI routes served by uvicorn (``weightwire.bench.sync_http``); and the
 worker (``WeightwireIPCEngine.standalone(model=Sink)``: the sink counts what arrived and
-keeps nothing, so the worker does one copy-out per byte and the trainer one pack copy).
+keeps nothing). Push mode: the trainer copies into its slots, the worker copies each
+piece out (two device copies per byte); pull mode: the trainer copies straight into
+the worker's pooled receive buffers (one copy).
 
 Per config: seconds per round (median of ``--rounds`` after ``--warmup``: the whole
 ``send_weights``, HTTP start / update / finish included), GB/s, and the ratio to the
-same run's ceiling: two device copies of the same bytes back to back (every tensor
-into one buffer, then that buffer into another; CUDA events, median); the control
-ms (start) and finish ms; trainer extra memory (the slot ring, raw ``cudaMalloc``)
-and worker extra (torch peak over a round). Same-host-other-GPU is not measured (one GPU).
+same run's ceilings: two device copies of the same bytes back to back (every tensor
+into one buffer, then that buffer into another; CUDA events, median) and one (every
+tensor into one buffer); the control ms (start) and finish ms; trainer extra memory
+(push: the slot ring, raw ``cudaMalloc``; pull: none) and worker extra (torch peak
+over a round, plus pull mode's receive pool). Same-host-other-GPU is not measured (one GPU).
 """
 
 from __future__ import annotations
@@ -36,20 +39,25 @@ from weightwire.bench.sync_shim import ShimClient, receiver_main, rpc
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
-# (model, packed, slot MiB, slots, release after round, engines)
+# (model, packed, buffer MiB, buffers, release after round, engines, IPC modes)
 CONFIGS = [
-    ("llama3-8b", True, 1024, 2, False, "jax,torch"), ("llama3-8b", True, 2048, 2, False, "jax,torch"),
-    ("llama3-8b", True, 4096, 2, False, "jax"),
-    ("llama3-8b", True, 1024, 4, False, "jax"), ("llama3-8b", True, 512, 2, False, "jax"),
-    ("llama3-8b", True, 256, 4, False, "jax"), ("llama3-8b", True, 1024, 1, False, "jax"),
-    ("llama3-8b", True, 1024, 2, True, "jax"), ("llama3-8b", False, 1024, 2, False, "jax"),
-    ("qwen2-0.5b", True, 1024, 2, False, "jax,torch"), ("qwen2-0.5b", True, 256, 2, False, "jax,torch"),
-    ("qwen2-0.5b", True, 1024, 1, False, "jax"), ("qwen2-0.5b", False, 1024, 2, False, "jax,torch"),
+    ("llama3-8b", True, 1024, 2, False, "jax,torch", "pull,push"), ("llama3-8b", True, 2048, 2, False, "jax", "pull,push"),
+    ("llama3-8b", True, 256, 2, False, "jax", "pull"), ("llama3-8b", True, 1024, 1, False, "jax", "pull"),
+    ("llama3-8b", True, 1024, 2, True, "jax", "pull,push"), ("llama3-8b", False, 1024, 2, False, "jax", "push"),
+    ("qwen2-0.5b", True, 1024, 2, False, "jax,torch", "pull,push"), ("qwen2-0.5b", True, 256, 2, False, "jax,torch", "pull,push"),
+    ("qwen2-0.5b", True, 1024, 2, True, "jax", "pull"), ("qwen2-0.5b", False, 1024, 2, False, "jax", "push"),
 ]
-
 
 class IPCShimReceiver(bench_sync_shim.Receiver):
     """The shim's receiver with the IPC engine instead of NCCL (same Sink, same memory probes)."""
+
+    def handle(self, call: str, args: dict[str, Any]) -> Any:
+        out = super().handle(call, args)
+        if call == "mem_peak":  # pull mode's pool is raw cudaMalloc: not in torch's counters
+            link = getattr(getattr(self.engine, "_core", None), "_link", None)
+            held = getattr(link, "held_bytes", None)
+            out["pool"] = int(held()) if callable(held) else 0
+        return out
 
     def op(self, op: str, args: dict[str, Any]) -> Any:
         if op == "update" and os.environ.get("BENCH_PROFILE") and self.sink.nbytes == 0:
@@ -82,8 +90,9 @@ def _profiled(what: str, fn: Any) -> Any:
         print(f"--- profile: {what}\n{text.getvalue()}", file=sys.stderr, flush=True)
 
 
-def ceiling_s(engine: Any, params: dict[str, Any], nbytes: int, reps: int) -> float:
-    """Two device copies of the round's bytes: tensors -> A (one copy each), then A -> B."""
+def ceilings_s(engine: Any, params: dict[str, Any], nbytes: int, reps: int) -> tuple[float, float]:
+    """Two device copies of the round's bytes (tensors -> A, one copy each, then A -> B:
+    what push does) and one (tensors -> A: what pull does); CUDA events, medians."""
     import cupy as cp
 
     pipe = engine._pipeline
@@ -92,26 +101,28 @@ def ceiling_s(engine: Any, params: dict[str, Any], nbytes: int, reps: int) -> fl
     a, b = cp.cuda.runtime.malloc(nbytes), cp.cuda.runtime.malloc(nbytes)
     try:
         sptr = int(getattr(stream, "ptr", 0))
-        times = []
+        two, one = [], []
         for _ in range(reps + 1):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start, mid, end = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
             start.record(cp.cuda.ExternalStream(sptr))
             off = 0
             for r in regions:
                 cp.cuda.runtime.memcpyAsync(a + off, r.ptr, r.nbytes, 3, sptr)
                 off += r.nbytes
+            mid.record(cp.cuda.ExternalStream(sptr))
             cp.cuda.runtime.memcpyAsync(b, a, nbytes, 3, sptr)
             end.record(cp.cuda.ExternalStream(sptr))
             end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-        return statistics.median(times[1:])
+            two.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+            one.append(cp.cuda.get_elapsed_time(start, mid) / 1e3)
+        return statistics.median(two[1:]), statistics.median(one[1:])
     finally:
         cp.cuda.runtime.free(a)
         cp.cuda.runtime.free(b)
 
 
 def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf: int, nb: int, release: bool,
-               cfg: dict[str, Any]) -> dict[str, Any]:
+               ipc_mode: str, cfg: dict[str, Any]) -> dict[str, Any]:
     from weightwire.shared.timeouts import Timeouts
     from weightwire.trainer.config import TrainerInitInfo
 
@@ -121,7 +132,7 @@ def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf:
         from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine
     t = cfg["timeout"]
     nbytes = sum(int(a.nbytes) for a in params.values())
-    mode = (f"packed {buf >> 20} MiB x{nb}" if packed else "unpacked") + (" release" if release else "")
+    mode = (f"{ipc_mode} packed {buf >> 20} MiB x{nb}" if packed else "push unpacked") + (" release" if release else "")
     row: dict[str, Any] = {"engine": kind, "control": cfg["control"], "model": model, "mode": mode,
                            "nbytes": nbytes, "tensors": len(params)}
     if cfg["control"] == "http":
@@ -132,6 +143,7 @@ def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf:
         client = ShimClient(cfg["port"], timeout=t + 60)
     info = TrainerInitInfo(backend="weightwire_ipc", packed=packed, packed_buffer_size_bytes=buf, packed_num_buffers=nb,
                            device=0, server_version="0.33.0", inference_world_size=1, ipc_release_after_round=release,
+                           ipc_mode=ipc_mode,
                            timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t))
     engine = Engine.trainer_init(info, client=client, source=make_source(params))
     try:
@@ -151,10 +163,12 @@ def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf:
         else:
             engine.send_weights()
         got = rpc(cfg["port"], "mem_peak", t)
-        row.update(trainer_extra=nb * buf, trainer_between=engine._pipeline.held_bytes(),
-                   worker_extra=got["peak_extra"], loaded_ok=got["nbytes"] == nbytes and got["tensors"] == len(params))
+        pull = type(engine._pipeline).__name__ == "IPCPullPipeline"
+        row.update(ipc_mode="pull" if pull else "push", trainer_extra=0 if pull else nb * buf,
+                   trainer_between=engine._pipeline.held_bytes(), worker_extra=got["peak_extra"] + got.get("pool", 0),
+                   worker_pool=got.get("pool", 0), loaded_ok=got["nbytes"] == nbytes and got["tensors"] == len(params))
         if not release:
-            row["ceiling_s"] = ceiling_s(engine, params, nbytes, 5)
+            row["ceiling_s"], row["ceiling1_s"] = ceilings_s(engine, params, nbytes, 5)
     finally:
         engine.shutdown()
         getattr(client, "close", lambda: None)()
@@ -167,18 +181,21 @@ def sender_main(cfg: dict[str, Any]) -> None:
     rows = []
     kind = cfg["engine"]
     for model in cfg["models"]:
-        todo = [c for c in CONFIGS if c[0] == model and kind in c[5].split(",")]
+        todo = [(*c[:5], m) for c in CONFIGS if c[0] == model and kind in c[5].split(",")
+                for m in c[6].split(",") if m in cfg["modes"]]
         if not todo:
             continue
         params = build_params(model, kind)
-        for _, packed, mib, nb, release, _ in todo:
+        for _, packed, mib, nb, release, ipc_mode in todo:
             if time.time() > cfg["deadline"] - 20:
-                rows.append({"engine": kind, "model": model, "mode": f"{mib} MiB x{nb}", "error": "skipped: out of time"})
+                rows.append({"engine": kind, "model": model, "mode": f"{ipc_mode} {mib} MiB x{nb}",
+                             "error": "skipped: out of time"})
                 continue
             try:
-                rows.append(run_config(kind, model, params, packed, mib << 20, nb, release, cfg))
+                rows.append(run_config(kind, model, params, packed, mib << 20, nb, release, ipc_mode, cfg))
             except Exception as exc:
-                rows.append({"engine": kind, "model": model, "mode": f"{mib} MiB x{nb}", "error": f"{type(exc).__name__}: {exc}"[:300]})
+                rows.append({"engine": kind, "model": model, "mode": f"{ipc_mode} {mib} MiB x{nb}",
+                             "error": f"{type(exc).__name__}: {exc}"[:300]})
             print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
         del params
     print(json.dumps(rows), flush=True)
@@ -186,18 +203,20 @@ def sender_main(cfg: dict[str, Any]) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| engine | control | model | GB/round | mode | pieces | ms/round | GB/s | 2-copy ceiling ms | ratio "
-            "| start ms | finish ms | trainer extra GiB (between rounds) | worker extra GiB | loaded |\n" + "|---" * 15 + "|\n")
+    head = ("| engine | control | model | GB/round | mode | chunks | ms/round | GB/s | 2-copy ceiling ms | ratio "
+            "| 1-copy ceiling ms | ratio | start ms | finish ms | trainer extra GiB (between rounds) | worker extra GiB "
+            "| loaded |\n" + "|---" * 17 + "|\n")
     out = []
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['engine']} | | {r['model']} | | {r['mode']} | | | | | | | | | | {r['error']} |")
+            out.append(f"| {r['engine']} | | {r['model']} | | {r['mode']} | | | | | | | | | | | | {r['error']} |")
             continue
         gb, s = r["nbytes"] / 1e9, r["round_s"]
-        ceil = r.get("ceiling_s")
+        c2, c1 = r.get("ceiling_s"), r.get("ceiling1_s")
         out.append(
             f"| {r['engine']} | {r['control']} | {r['model']} | {gb:.2f} | {r['mode']} | {r['pieces']} | {s * 1e3:.2f} "
-            f"| {gb / s:.0f} | {'' if ceil is None else f'{ceil * 1e3:.2f}'} | {'' if ceil is None else f'{ceil / s:.3f}'} "
+            f"| {gb / s:.0f} | {'' if c2 is None else f'{c2 * 1e3:.2f}'} | {'' if c2 is None else f'{c2 / s:.3f}'} "
+            f"| {'' if c1 is None else f'{c1 * 1e3:.2f}'} | {'' if c1 is None else f'{c1 / s:.3f}'} "
             f"| {r['control_ms']:.2f} | {r['finish_ms']:.2f} | {r['trainer_extra'] / GIB:.2f} ({r['trainer_between'] / GIB:.2f}) "
             f"| {r['worker_extra'] / GIB:.2f} | {'ok' if r['loaded_ok'] else 'MISMATCH'} |")
     return head + "\n".join(out) + "\n"
@@ -216,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", default="jax,torch")
     ap.add_argument("--models", default="llama3-8b,qwen2-0.5b")
     ap.add_argument("--control", default="http", choices=("http", "shim"))
+    ap.add_argument("--modes", default="pull,push", help="IPC data paths to run: pull (one copy), push (slot ring)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=60.0)
@@ -261,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                 url = json.loads(url_file.read_text())["url"]
             for kind in args.engines.split(","):
                 cfg = {"port": port, "url": url, "engine": kind, "control": args.control, "models": args.models.split(","),
-                       "deadline": deadline, "timeout": args.timeout, "rounds": args.rounds, "warmup": args.warmup}
+                       "deadline": deadline, "timeout": args.timeout, "rounds": args.rounds, "warmup": args.warmup,
+                       "modes": args.modes.split(",")}
                 sender = _spawn("sender", cfg, Path(tmp, f"s-{kind}.json"))
                 procs.append(sender)
                 out, _ = sender.communicate(timeout=max(30.0, deadline - time.time() + 120))

@@ -2,8 +2,9 @@
 ``WeightwireIPCEngine`` receiver process on the same device, driven through the
 loopback control shim.
 
-A ~1.1 GiB Llama-shaped set with a tensor of every wire dtype, packed and unpacked,
-two rounds of fresh values: the receiver's per-tensor sha256 must equal the
+A ~1.1 GiB Llama-shaped set with a tensor of every wire dtype, packed (pull mode:
+the trainer writes into the worker's buffers; push mode: the slot ring) and unpacked
+(push only), two rounds of fresh values: the receiver's per-tensor sha256 must equal the
 sender's after each. Then the knobs (one slot; release after round) and the two
 faults: the trainer killed mid-round, the worker killed mid-round; both must end
 in a named ``PeerLost`` (the peer's end of the channel closed), not a timeout.
@@ -28,7 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SENDER = os.path.join(ROOT, "tests", "trainer", "gpu_sender.py")
 BASE = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-CASES = [("jax", 1), ("jax", 0), ("torch", 1), ("torch", 0)]
+CASES = [("jax", 1, "pull"), ("jax", 1, "push"), ("jax", 0, "push"), ("torch", 1, "pull"), ("torch", 1, "push"),
+         ("torch", 0, "push")]
+PIPELINE = {"pull": "IPCPullPipeline", "push": "IPCPipeline"}
 
 
 def _sender(address: str, framework: str, *extra: str, **popen: object) -> list[str]:
@@ -66,35 +69,42 @@ def _run(framework: str, *extra: str, rounds: int = 2) -> tuple[dict, object]:
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("framework", "packed"), CASES, ids=[f"{f}-{'packed' if p else 'unpacked'}" for f, p in CASES])
-def test_ipc_rounds_arrive_bit_exact_on_one_gpu(framework: str, packed: int) -> None:
-    result, _ = _run(framework, "--packed", str(packed), "--buffer-mib", "256", "--num-buffers", "2")
+@pytest.mark.parametrize(("framework", "packed", "mode"), CASES,
+                         ids=[f"{f}-{'packed' if p else 'unpacked'}-{m}" for f, p, m in CASES])
+def test_ipc_rounds_arrive_bit_exact_on_one_gpu(framework: str, packed: int, mode: str) -> None:
+    result, _ = _run(framework, "--packed", str(packed), "--buffer-mib", "256", "--num-buffers", "2", "--ipc-mode", mode)
     rounds = _check_rounds(result, 2)
     # Independent of the sender's own check: what the receiver holds now is the last round.
     assert result["final_checksums"] == rounds[-1]["digests"]
-    assert rounds[-1]["trainer_extra"] == 2 * (256 << 20)  # the slot ring, kept between rounds
+    assert rounds[-1]["pipeline"] == PIPELINE[mode]  # unpacked sessions negotiate push
+    # push: the slot ring, kept between rounds; pull: no slots (chunks land in the worker's buffers)
+    assert rounds[-1]["trainer_extra"] == (2 * (256 << 20) if mode == "push" else 0)
     for i, r in enumerate(rounds):
-        print(f"ipc {framework}/{'packed' if packed else 'unpacked'} round {i + 1}: {r['nbytes'] / 1e9:.2f} GB, "
+        print(f"ipc {framework}/{'packed' if packed else 'unpacked'}/{mode} round {i + 1}: {r['nbytes'] / 1e9:.2f} GB, "
               f"{r['chunks']} pieces, {r['gbps']:.1f} GB/s, wall {r['wall_s'] * 1e3:.1f} ms, worker memory {result['memory']}")
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
-def test_ipc_one_slot_and_release_after_round() -> None:
-    result, _ = _run("torch", "--packed", "1", "--buffer-mib", "128", "--num-buffers", "1", "--release", "1")
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_ipc_one_slot_and_release_after_round(mode: str) -> None:
+    result, _ = _run("torch", "--packed", "1", "--buffer-mib", "128", "--num-buffers", "1", "--release", "1",
+                     "--ipc-mode", mode)
     rounds = _check_rounds(result, 2)
     assert result["final_checksums"] == rounds[-1]["digests"]
-    assert [r["trainer_extra"] for r in rounds] == [0, 0]  # slots freed after every round
-    print(f"ipc one slot + release: {[round(r['wall_s'] * 1e3, 1) for r in rounds]} ms per round")
+    assert [r["trainer_extra"] for r in rounds] == [0, 0]  # slots freed after every round (pull: none at all)
+    assert rounds[-1]["pipeline"] == PIPELINE[mode]
+    print(f"ipc {mode} one buffer + release: {[round(r['wall_s'] * 1e3, 1) for r in rounds]} ms per round")
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_ipc_trainer_killed_mid_round_fails_the_worker_with_peer_lost() -> None:
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_ipc_trainer_killed_mid_round_fails_the_worker_with_peer_lost(mode: str) -> None:
     proc, client = spawn_loopback("weightwire_ipc", "cuda:0", env=BASE, timeout=180)
     try:
         out = subprocess.run(_sender(client.address, "jax", "--packed", "1", "--buffer-mib", "128", "--rounds", "1",
-                                     "--stop", "kill", "--stop-at", "20"),
+                                     "--stop", "kill", "--stop-at", "20", "--ipc-mode", mode),
                              env={**os.environ, **BASE}, capture_output=True, text=True, timeout=600)
         assert out.returncode == -signal.SIGKILL, f"sender was meant to die by SIGKILL:\n{out.stderr[-3000:]}"
         # Session calls are serialized in the receiver: this answers once the dead
@@ -115,10 +125,11 @@ def test_ipc_trainer_killed_mid_round_fails_the_worker_with_peer_lost() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_ipc_worker_killed_mid_round_fails_the_trainer_with_a_clear_error() -> None:
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_ipc_worker_killed_mid_round_fails_the_trainer_with_a_clear_error(mode: str) -> None:
     proc, client = spawn_loopback("weightwire_ipc", "cuda:0", env=BASE, timeout=180)
     sender = subprocess.Popen(_sender(client.address, "jax", "--packed", "1", "--buffer-mib", "128", "--rounds", "1",
-                                      "--stop", "pause", "--stop-at", "20"),
+                                      "--stop", "pause", "--stop-at", "20", "--ipc-mode", mode),
                               env={**os.environ, **BASE}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:

@@ -138,6 +138,7 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=1100)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--release", type=int, default=0, help="weightwire_ipc: free the slots after every round")
+    ap.add_argument("--ipc-mode", choices=("pull", "push"), default="pull", help="weightwire_ipc: data path of packed rounds")
     ap.add_argument("--stop-at", type=int, default=-1, help="fault tests: tensor index of round 1 to stop at")
     ap.add_argument("--stop", choices=("", "kill", "pause"), default="")
     args = ap.parse_args()
@@ -148,7 +149,7 @@ def main() -> int:
     info = TrainerInitInfo(backend=args.backend, packed=bool(args.packed), device=0,
                            packed_buffer_size_bytes=args.buffer_mib << 20, packed_num_buffers=args.num_buffers,
                            timeouts=Timeouts(http_s=300, connect_s=120, warmup_s=60, transfer_s=120),
-                           ipc_release_after_round=bool(args.release))
+                           ipc_release_after_round=bool(args.release), ipc_mode=args.ipc_mode)
     engine_cls, tensors, sha = build(spec, 0)
     source = Dict(tensors, metas, stop_at=args.stop_at, stop=args.stop)
     engine = engine_cls.trainer_init(info, client=client, source=source)
@@ -169,7 +170,8 @@ def main() -> int:
             (reply,) = client.weight_checker("checksum")
             bad = sorted(n for n, d in sent.items() if reply["checksums"].get(n) != d)
             held = getattr(engine._pipeline, "held_bytes", None)
-            rounds.append({"trainer_extra": held() if held is not None else None, "version": metrics.version, "nbytes": metrics.nbytes, "chunks": metrics.chunks,
+            rounds.append({"trainer_extra": held() if held is not None else None,
+                           "pipeline": type(engine._pipeline).__name__, "version": metrics.version, "nbytes": metrics.nbytes, "chunks": metrics.chunks,
                            "gbps": metrics.gbps, "wall_s": wall, "seconds": metrics.seconds,
                            "reused_metadata": metrics.reused_metadata, "mismatched": bad,
                            "receiver": client.stats(), "weight_version": client.weight_info()[0]["weight_version"],

@@ -40,7 +40,12 @@ class TrainerInitInfo:
       stage a round and apply it at finish in one worker call, so ``auto`` does not pause
       them. ``None`` never pauses.
     - ``ipc_release_after_round``: ``weightwire_ipc`` frees its slots after every round
-      (the memory goes back to training; handles are re-exported next round).
+      (the memory goes back to training; handles are re-exported next round); in pull
+      mode the workers free their receive buffers instead.
+    - ``ipc_mode``: ``weightwire_ipc``'s data path for packed rounds: ``pull`` (default:
+      the trainer writes straight into the workers' receive buffers, one device copy
+      per byte, no slots kept) or ``push`` (the slot ring: two copies). A worker that
+      predates pull mode, and every unpacked session, gets push.
     - ``timeouts``: every wait's bound (default: ``Timeouts.from_env()``, so
       ``WEIGHTWIRE_TIMEOUT_<FIELD>`` variables apply).
     - ``verify``: after each round, compare the servers' per-tensor sha256 with what
@@ -68,6 +73,7 @@ class TrainerInitInfo:
     inference_world_size: int | None = None
     version_override: str | None = None
     ipc_release_after_round: bool = False
+    ipc_mode: str = "pull"
 
     def __post_init__(self) -> None:
         # Runtime-registered backends (register_backend) count too. Imported here so that
@@ -89,6 +95,8 @@ class TrainerInitInfo:
             raise ConfigError(f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}")
         if type(self.ipc_release_after_round) is not bool:
             raise ConfigError(f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}")
+        if self.ipc_mode not in ("pull", "push"):
+            raise ConfigError(f"ipc_mode must be 'pull' or 'push', got {self.ipc_mode!r}")
         if self.pause_mode is not None and self.pause_mode not in ("auto", *PAUSE_MODES):
             raise ConfigError(f"pause_mode must be None, 'auto' or one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.device is not None and (type(self.device) is not int or self.device < 0):

@@ -247,6 +247,12 @@ class _Starter:
                 raise TransferTimeout(f"the control plane (pause / start / update POST) did not return within "
                                       f"{self._timeout:g} s")
 
+    def check(self) -> None:
+        """Re-raise ``begin``'s error if it already failed (pull mode waits for the workers'
+        first message, which never comes when the start was refused)."""
+        if self._error is not None:
+            self.wait()
+
     def wait(self) -> None:
         """Block until ``begin`` returned; re-raise its error here."""
         self.join()

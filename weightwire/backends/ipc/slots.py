@@ -1,5 +1,10 @@
 """CUDA IPC data plane (``weightwire_ipc``): slots, handles, events and the control channel.
 
+What follows is push mode (the slot ring); in pull mode (``backends.ipc.pull``, the
+default for packed sessions) the slots are freed right after the join, their ready
+events stay, and the trainer writes straight into the worker's buffers
+(``backends.ipc.pool``). The CUDA helpers here serve both.
+
 Framework-neutral and torch-free: CUDA is reached through CuPy's runtime binding on
 raw pointers, so a JAX trainer uses this module without torch. The trainer
 ``cudaMalloc``s its slot buffers itself (``cudaIpcGetMemHandle`` refuses JAX's own

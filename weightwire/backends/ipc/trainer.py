@@ -2,9 +2,18 @@
 
 ``IPCRendezvous`` allocates the slots and their ready events, exports the handles
 (for the init info) and listens on loopback; ``join`` accepts every worker, reads its
-hello (rank, free-event handles, GPU) and opens those events. The slots are made
-once per session and reused every round (``release_after_round`` frees them between
-rounds instead). ``IPCSenderComm`` holds it all; the piece pump that uses it is
+hello (rank, free-event handles, GPU, the modes it takes) and opens those events.
+
+Mode (issue 19): ``pull`` (the trainer copies straight into the workers' receive
+buffers, ``backends.ipc.pull``: one device copy per byte) or ``push`` (the slot ring,
+``backends.ipc.pipeline``: two copies). The init info is the same for both, slots
+included, so a worker that predates pull mode still joins: its hello lists no
+``modes`` and it gets push. A newer worker lists the modes it takes and is told the
+session's mode (``{"op": "mode"}``) before the warm-up; pull is chosen when the
+trainer asks for it (``TrainerInitInfo.ipc_mode``), the rounds are packed and every
+worker takes it, and then the slots are freed at once (only their ready events
+stay). The slots are made once per session and reused every round
+(``release_after_round`` frees them between rounds instead). ``IPCSenderComm`` holds it all; the piece pump that uses it is
 ``weightwire.backends.ipc.pipeline.IPCPipeline``. ``IPCBackend`` is the registry's
 trainer part (``weightwire.backends``): it opens an ``IPCRendezvous`` and makes that
 pipeline the round's data path.
@@ -22,10 +31,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from weightwire.backends import IPC
 from weightwire.backends.ipc.channel import Channel, Listener, check_int
 from weightwire.backends.ipc.pipeline import IPCPipeline
+from weightwire.backends.ipc.pull import IPCPullPipeline
 from weightwire.backends.ipc.slots import IPCSlots, cupy_module, device_uuid, ipc_available, open_event
 from weightwire.shared.communicator import Communicator, TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
-from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
+from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo, decode_handles
 from weightwire.trainer.backends import Backend, Rendezvous
 
 if TYPE_CHECKING:
@@ -38,9 +48,10 @@ class IPCSenderComm:
     """Rank 0 of an IPC group: the slots, one channel and the free events per worker."""
 
     def __init__(self, cp: Any, slots: IPCSlots, channels: list[Channel], free_events: list[list[int]],
-                 peer_uuids: list[str], release_after_round: bool) -> None:
+                 peer_uuids: list[str], release_after_round: bool, mode: str = "push") -> None:
         self.cp, self.slots, self.channels, self.free_events = cp, slots, channels, free_events
         self.peer_uuids = peer_uuids
+        self.mode = mode
         self.release_after_round = release_after_round
         self._state = "open"
         self._lock = threading.Lock()
@@ -103,7 +114,8 @@ class IPCRendezvous:
     """Slots + listener for one session; ``payload`` is the worker init info."""
 
     def __init__(self, *, world_size: int, device: int | None, slot_bytes: int, num_slots: int,
-                 packed: bool, timeout_s: float, release_after_round: bool, bind_host: str = "127.0.0.1") -> None:
+                 packed: bool, timeout_s: float, release_after_round: bool, bind_host: str = "127.0.0.1",
+                 mode: str = "push") -> None:
         cp = cupy_module()
         self._cp = cp
         self.device = int(cp.cuda.runtime.getDevice()) if device is None else int(device)
@@ -111,6 +123,7 @@ class IPCRendezvous:
         self._secret = secrets.token_bytes(TCP_SECRET_BYTES)
         self.slots = IPCSlots(cp, self.device, slot_bytes, num_slots)
         self._release = release_after_round
+        self._want_pull = mode == "pull" and packed
         try:
             self._listener = Listener(bind_host, self._secret)
             host, port = self._listener.address
@@ -137,7 +150,7 @@ class IPCRendezvous:
             raise
         self._close_listener()
         want = len(accepted)
-        channels, frees, uuids, ranks = [], [], [], set()
+        channels, frees, uuids, ranks, offers = [], [], [], set(), []
         try:
             for ch in accepted:
                 channels.append(ch)
@@ -154,6 +167,13 @@ class IPCRendezvous:
                     frees.append([open_event(self._cp, h, f"{ch.peer}'s free event {s}") for s, h in enumerate(handles)])
                 uuid = hello.get("uuid")
                 uuids.append(uuid if isinstance(uuid, str) else "")
+                offers.append(_modes(hello, ch.peer))
+            mode = "pull" if self._want_pull and all("pull" in o for o in offers) else "push"
+            for ch, offer in zip(channels, offers, strict=True):
+                if offer:  # a worker that predates modes takes push and is told nothing
+                    ch.send({"op": "mode", "mode": mode})
+            if mode == "pull":
+                self.slots.free_memory()  # no worker opened them; the ready events stay
         except BaseException:
             for ch in accepted:
                 ch.abort()
@@ -161,8 +181,8 @@ class IPCRendezvous:
             raise
         order = sorted(range(len(channels)), key=lambda k: channels[k].peer)
         comm = IPCSenderComm(self._cp, self.slots, [channels[k] for k in order], [frees[k] for k in order],
-                             [uuids[k] for k in order], self._release)
-        logger.info("IPC rendezvous: %d worker(s) joined; same GPU: %s", want, comm.same_gpu)
+                             [uuids[k] for k in order], self._release, mode)
+        logger.info("IPC rendezvous: %d worker(s) joined; mode %s; same GPU: %s", want, mode, comm.same_gpu)
         return comm
 
     def _close_listener(self) -> None:
@@ -191,12 +211,23 @@ class IPCBackend(Backend):
         rdv = IPCRendezvous(
             world_size=world_size, device=info.device, slot_bytes=info.packed_buffer_size_bytes,
             num_slots=info.packed_num_buffers, packed=info.packed, timeout_s=float(info.timeouts.transfer_s),
-            release_after_round=info.ipc_release_after_round,
+            release_after_round=info.ipc_release_after_round, mode=info.ipc_mode,
         )
         return _PendingIPC(rdv.payload, rdv)
 
     def device_pipeline(self, comm: Any, packer: Any, *, num_buffers: int, timeout: float, hold_bytes: int) -> Any:
+        if getattr(comm, "mode", "push") == "pull":
+            return IPCPullPipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
         return IPCPipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+
+
+def _modes(hello: dict[str, Any], peer: str) -> list[str]:
+    """The modes a worker's hello offers ([] for a worker that predates modes: push)."""
+    offer = hello.get("modes", [])
+    if not isinstance(offer, list) or len(offer) > 8 or not all(isinstance(m, str) for m in offer):
+        raise TransferError(f"{peer} sent hello.modes {str(offer)[:80]}, not a short list of mode names "
+                            f"(known: {', '.join(IPC_MODES)})")
+    return [m for m in offer if m in IPC_MODES]  # a later worker's modes this trainer does not know: ignored
 
 
 class _PendingIPC(Rendezvous):

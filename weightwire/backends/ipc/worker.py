@@ -1,7 +1,14 @@
-"""The worker's end of ``weightwire_ipc``: connect (open the trainer's slots once per
-session) and ``IPCLink`` (copy each piece out of its slot into the chunk's buffer).
+"""The worker's end of ``weightwire_ipc``: connect (say which modes this worker takes,
+learn the session's), then ``IPCPullLink`` (pull mode) or ``IPCLink`` (push mode).
 
-Per piece: the copy stream waits (on the device) for the slot's ready event, copies
+Pull (packed rounds, the default): each chunk lands in a buffer of this worker's
+``ReceivePool`` (exported once, reused every round); ``post`` names it to the trainer
+("want", after recording the buffer's free event on torch's current stream), the
+trainer copies the chunk's tensors straight into it and says "ready"; ``wait`` makes
+the current stream wait on the ready event and hands the buffer to torch as a lease
+(``pool.ReceivePool.lease``): no copy on this side.
+
+Push, per piece (the trainer's slots opened once per session): the copy stream waits (on the device) for the slot's ready event, copies
 the piece into the chunk's fresh buffer, records this worker's free event for the
 slot and only then says "free" to the trainer, which refills the slot after that
 event. The copy-out is needed: vLLM's layerwise reload and ``HFModelHost`` keep the
@@ -19,6 +26,7 @@ from typing import Any
 import torch
 
 from weightwire.backends.ipc.channel import Channel, check_int, dial
+from weightwire.backends.ipc.pool import ReceivePool
 from weightwire.backends.ipc.slots import (
     MEMCPY_DEVICE_TO_DEVICE,
     OpenedSlots,
@@ -84,39 +92,49 @@ class IPCReceiver:
 
 
 def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> ReceiveLink:
-    """Open the trainer's slots and ready events, dial its channel, say hello, warm up."""
+    """Dial the trainer's channel, say hello (with the modes this worker takes), learn the
+    session's mode, open the trainer's events (and, in push mode, its slots), warm up."""
     if device.type != "cuda":
         raise ValueError(f"weightwire_ipc needs a CUDA worker device, got {device}")
     cp = cupy_module()
     index = device.index if device.index is not None else torch.cuda.current_device()
     local = Timeouts.from_env()
     with cp.cuda.Device(index):
-        slots = OpenedSlots(cp, index, info.mem_handles)
-        ready: list[int] = []
-        free: list[int] = []
-        try:
-            ready = [open_event(cp, h, f"the trainer's ready event {s}") for s, h in enumerate(info.event_handles)]
-            free = [new_ipc_event(cp) for _ in range(info.packed_num_buffers)]
-            hello = {"op": "hello", "rank": rank, "free": [encode_secret(event_handle(cp, e)) for e in free],
-                     "uuid": device_uuid(cp, index)}
-        except BaseException:
-            slots.close()
-            raise
+        ready = [open_event(cp, h, f"the trainer's ready event {s}") for s, h in enumerate(info.event_handles)]
+        free = [new_ipc_event(cp) for _ in range(info.packed_num_buffers)]
+        hello = {"op": "hello", "rank": rank, "free": [encode_secret(event_handle(cp, e)) for e in free],
+                 "uuid": device_uuid(cp, index), "modes": ["pull", "push"] if info.packed else ["push"]}
     try:
         channel = dial(info.host, info.port, info.secret, timeout=local.connect_s,
                        peer=f"the IPC trainer at {info.host}:{info.port}")
     except BaseException:
-        slots.close()
+        for e in free:
+            with suppress(Exception):
+                cp.cuda.runtime.eventDestroy(e)
         raise
-    receiver = IPCReceiver(cp, index, channel, slots, ready, free, info)
+    receiver = IPCReceiver(cp, index, channel, OpenedSlots(cp, index, []), ready, free, info)
     try:
         receiver.channel.send(hello)
-        receiver.warmup(timeout=local.warmup_s)
+        first = channel.recv(deadline=time.monotonic() + local.warmup_s, what="the session's mode", alive=receiver.alive)
+        mode = "push"
+        if first["op"] == "mode":  # a trainer that predates modes goes straight to the warm-up ping
+            mode = str(first.get("mode"))
+            if mode not in ("pull", "push") or (mode == "pull" and not info.packed):
+                raise TransferError(f"{channel.peer} chose IPC mode {str(mode)[:20]!r}, which this worker did not offer")
+            first = channel.recv(deadline=time.monotonic() + local.warmup_s, what="the trainer's warm-up",
+                                 alive=receiver.alive)
+        if first["op"] != "ping":
+            raise TransferError(f"{channel.peer} sent {first['op']!r} where the warm-up ('ping') was due")
+        if mode == "push":
+            with cp.cuda.Device(index):
+                receiver.slots.open(info.mem_handles)
+        channel.send({"op": "pong"})
     except BaseException:
         receiver.abort()
         receiver.close()
         raise
-    return IPCLink(receiver, device=torch.device("cuda", index), timeout_s=info.timeout_s, depth=info.packed_num_buffers)
+    cls = IPCPullLink if mode == "pull" else IPCLink
+    return cls(receiver, device=torch.device("cuda", index), timeout_s=info.timeout_s, depth=info.packed_num_buffers)
 
 
 class IPCLink(ReceiveLink):
@@ -206,3 +224,69 @@ class IPCLink(ReceiveLink):
             super().close()
         else:
             self.communicator.abort()
+
+
+class IPCPullLink(ReceiveLink):
+    """Chunks written by the trainer straight into this worker's pool (module docstring)."""
+
+    def __init__(self, communicator: IPCReceiver, *, device: torch.device, timeout_s: float, depth: int) -> None:
+        super().__init__(communicator, device=device, timeout_s=timeout_s, depth=depth)
+        self.pool = ReceivePool(communicator.cp, communicator.device)
+        self._pending: dict[int, tuple[Any, Chunk, bool]] = {}
+        self._host_wait = wait_mode() == "host"
+
+    def post(self, index: int, chunk: Chunk, metas: Sequence[ParamMeta], *, packed: bool) -> None:
+        rx: IPCReceiver = self.communicator
+        rx.alive()
+        if chunk.nbytes == 0:  # nothing to write (a round of empty tensors)
+            self._pending[index] = (None, chunk, chunk.stop == len(metas))
+            return
+        # The free event goes on torch's current stream: a reused buffer's last readers
+        # (the previous round's loads) were ordered there, as the caching allocator assumes.
+        buf = self.pool.acquire(chunk.nbytes, torch.cuda.current_stream(self.device).cuda_stream)
+        self._pending[index] = (buf, chunk, chunk.stop == len(metas))
+        rx.channel.send({"op": "want", "c": index, "n": chunk.nbytes, **self.pool.describe(buf)})
+
+    def wait(self, index: int) -> torch.Tensor:
+        buf, chunk, last = self._pending.pop(index)
+        rx: IPCReceiver = self.communicator
+        cp, ch = rx.cp, rx.channel
+        deadline = time.monotonic() + self.timeout_s
+        if buf is None:
+            out = torch.empty(0, dtype=torch.uint8, device=self.device)
+        else:
+            trace(f"wait c{index}")
+            msg = ch.expect("ready", deadline=deadline, what=f"chunk {index}", alive=rx.alive)
+            if check_int(msg, "c", 0, 1 << 62, ch.peer) != index:
+                raise TransferError(f"{ch.peer} announced chunk {msg['c']} where chunk {index} was due: "
+                                    "trainer and worker disagree on the round's plan")
+            event = rx.ready[check_int(msg, "e", 0, len(rx.ready) - 1, ch.peer)]
+            with cp.cuda.Device(rx.device):
+                if self._host_wait:
+                    wait_event_host(cp, event, deadline=deadline, what=f"the trainer's fill of chunk {index}",
+                                    alive=rx.alive)
+                else:
+                    stream_wait(cp, torch.cuda.current_stream(self.device).cuda_stream, event)
+            out = torch.as_tensor(self.pool.lease(buf, chunk.nbytes), device=self.device)
+        if last and rx.info.release_after_round:
+            # The trainer closed its mappings of every buffer: the pool may be freed now.
+            ch.expect("unmapped", deadline=deadline, what="the trainer's close of its mappings", alive=rx.alive)
+            self.pool.retire_all()
+        if last:
+            dump_trace("worker")
+        return out
+
+    def held_bytes(self) -> int:
+        """Worker-side memory of the pool (raw ``cudaMalloc``: not in torch's counters)."""
+        return self.pool.held_bytes()
+
+    def abort(self) -> None:
+        self._pending.clear()
+        super().abort()
+        self.pool.close()  # a buffer the trainer may still be writing stays allocated
+        self.communicator.close()
+
+    def close(self) -> None:
+        self._pending.clear()
+        self.pool.close()
+        super().close()

@@ -2,8 +2,9 @@
 
 Same session rules and failure handling as the other engines (``_ReceiverCore``); the
 data plane is ``backends.ipc.worker`` (found through the registry, as for every
-engine): the trainer's slots opened once per session, one
-copy-out per piece.
+engine): pull mode (packed, the default) lends the trainer exported receive buffers it
+writes into, no copy here; push mode opens the trainer's slots once per session and
+copies each piece out.
 """
 
 from __future__ import annotations

@@ -1,0 +1,228 @@
+"""The worker's end of pull mode on CPU: ``connect_ipc`` against a scripted trainer on a
+real control channel, with a fake CUDA runtime and torch's CUDA calls stubbed.
+
+Checked: the hello offers both modes (push only for an unpacked session), the session's
+mode is taken from the trainer's answer (an old trainer's bare ping means push), and
+``IPCPullLink`` names a pool buffer per chunk (handles once), waits on the ready event the
+trainer names, hands the buffer to torch as a lease, frees the pool only after "unmapped"
+with release-after-round, refuses a round out of step by name, and reports a dead trainer
+as ``PeerLost`` without freeing a buffer the trainer may still be writing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import pytest
+import torch
+
+from weightwire.backends.ipc import worker as ipc_worker
+from weightwire.backends.ipc.channel import Channel, Listener
+from weightwire.shared.communicator import PeerLost, TransferError
+from weightwire.shared.framing import plan
+from weightwire.shared.info import encode_secret
+from weightwire.shared.ipc_info import IPCInitInfo
+from weightwire.shared.meta import ParamMeta
+
+SECRET = bytes(range(128))
+
+
+def handle(n: int) -> str:
+    return encode_secret(n.to_bytes(8, "little") * 8)
+
+
+class Runtime:
+    CUDARuntimeError = RuntimeError
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self._next = 0
+
+    def _new(self) -> int:
+        self._next += 1
+        return self._next
+
+    def eventCreateWithFlags(self, flags: int) -> int:  # CUDA's names
+        return self._new()
+
+    def ipcGetEventHandle(self, e: int) -> bytes:
+        return e.to_bytes(8, "little") * 8
+
+    def ipcOpenEventHandle(self, h: bytes) -> int:
+        return 1000 + int.from_bytes(h[:8], "little")
+
+    def ipcGetMemHandle(self, p: int) -> bytes:
+        return p.to_bytes(8, "little") * 8
+
+    def ipcOpenMemHandle(self, h: bytes, flags: int) -> int:
+        self.log.append(("open_slot",))
+        return self._new() << 32
+
+    def ipcCloseMemHandle(self, p: int) -> None:
+        pass
+
+    def malloc(self, n: int) -> int:
+        ptr = self._new() << 32
+        self.log.append(("malloc", ptr, n))
+        return ptr
+
+    def free(self, p: int) -> None:
+        self.log.append(("free", p))
+
+    def eventDestroy(self, e: int) -> None:
+        pass
+
+    def eventRecord(self, e: int, s: int) -> None:
+        self.log.append(("record", e, s))
+
+    def streamWaitEvent(self, s: int, e: int, flags: int) -> None:
+        self.log.append(("wait", s, e))
+
+    def getDeviceProperties(self, i: int) -> dict:
+        return {"uuid": b"\x02" * 16}
+
+
+class Cupy:
+    def __init__(self) -> None:
+        self.cuda = type("cuda", (), {})()
+        self.cuda.runtime = Runtime()
+        self.cuda.Device = lambda i: nullcontext()
+
+
+@pytest.fixture
+def cp(monkeypatch: pytest.MonkeyPatch) -> Cupy:
+    fake = Cupy()
+    monkeypatch.setattr(ipc_worker, "cupy_module", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 77})())
+    leases: list = []
+
+    def as_tensor(obj: Any, device: Any = None) -> Any:  # keeps the lease, as torch's CAI tensor does
+        leases.append(obj)
+        return obj
+
+    monkeypatch.setattr(torch, "as_tensor", as_tensor)
+    fake.leases = leases  # type: ignore[attr-defined]
+    return fake
+
+
+def _info(port: int, *, packed: bool = True, release: bool = False) -> IPCInitInfo:
+    return IPCInitInfo(host="127.0.0.1", port=port, secret_b64=encode_secret(SECRET), rank_offset=1, world_size=2,
+                       mem_handles_b64=[handle(5), handle(6)], event_handles_b64=[handle(1), handle(2)],
+                       packed=packed, packed_buffer_size_bytes=100, packed_num_buffers=2, timeout_s=5.0,
+                       release_after_round=release)
+
+
+def _connect(trainer_script: Any, **info_kw: Any) -> tuple[Any, Channel, dict]:
+    """``connect_ipc`` against a trainer whose join + warm-up is ``trainer_script(channel, hello)``."""
+    listener = Listener("127.0.0.1", SECRET)
+    box: dict = {}
+
+    def trainer() -> None:
+        (ch,) = listener.accept(1, timeout=10)
+        box["ch"] = ch
+        box["hello"] = ch.expect("hello", deadline=time.monotonic() + 5, what="hello")
+        trainer_script(ch, box["hello"])
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        link = ipc_worker.connect_ipc(_info(listener.address[1], **info_kw), rank=1, device=torch.device("cuda", 0))
+    finally:
+        thread.join(10)
+        listener.close()
+    return link, box["ch"], box["hello"]
+
+
+def _pull(ch: Channel, hello: dict) -> None:
+    ch.send({"op": "mode", "mode": "pull"})
+    ch.send({"op": "ping"})
+    ch.expect("pong", deadline=time.monotonic() + 5, what="pong")
+
+
+def _round(sizes: list[int]) -> tuple[list[ParamMeta], list]:
+    metas = [ParamMeta(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
+    return metas, plan(metas, packed=True, buffer_size_bytes=50)
+
+
+def test_pull_link_names_buffers_and_hands_them_on_after_the_ready_event(cp: Cupy) -> None:
+    link, ch, hello = _connect(_pull)
+    assert hello["modes"] == ["pull", "push"] and isinstance(link, ipc_worker.IPCPullLink)
+    assert ("open_slot",) not in cp.cuda.runtime.log  # pull: the trainer's slots are never mapped
+    metas, chunks = _round([60, 70])
+    link.post(0, chunks[0], metas, packed=True)
+    link.post(1, chunks[1], metas, packed=True)
+    deadline = time.monotonic() + 5
+    w0, w1 = (ch.expect("want", deadline=deadline, what="want") for _ in range(2))
+    assert (w0["c"], w0["n"], w1["c"], w1["n"]) == (0, 60, 1, 70) and {"h", "f", "cap"} <= set(w0)
+    assert w0["cap"] >= 60 and w0["b"] != w1["b"]
+    ch.send({"op": "ready", "c": 0, "e": 1})
+    lease = link.wait(0)
+    assert ("wait", 77, 1002) in cp.cuda.runtime.log  # torch's current stream waits on ready event 1
+    assert lease.__cuda_array_interface__["shape"] == (60,)
+    # Once torch let chunk 0 go, its buffer serves the next chunk: named again without handles.
+    cp.leases.clear()  # type: ignore[attr-defined]
+    del lease
+    link.post(2, chunks[0], metas, packed=True)
+    again = ch.expect("want", deadline=deadline, what="want")
+    assert again["b"] == w0["b"] and "h" not in again and "cap" not in again
+    assert len([e for e in cp.cuda.runtime.log if e[0] == "malloc"]) == 2
+    link.close()
+
+
+def test_an_old_trainer_gets_push_and_an_unpacked_session_offers_push_only(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list = []
+    monkeypatch.setattr(ipc_worker, "IPCLink", lambda rx, **kw: made.append(rx) or rx)
+
+    def old_trainer(ch: Channel, hello: dict) -> None:
+        ch.send({"op": "ping"})  # predates modes: straight to the warm-up
+        ch.expect("pong", deadline=time.monotonic() + 5, what="pong")
+
+    rx, _, hello = _connect(old_trainer, packed=False)
+    assert hello["modes"] == ["push"] and made == [rx]
+    assert ("open_slot",) in cp.cuda.runtime.log  # push: the slots are opened once the mode is known
+    rx.close()
+
+
+def test_a_mode_the_worker_did_not_offer_is_refused(cp: Cupy) -> None:
+    def pushy(ch: Channel, hello: dict) -> None:
+        ch.send({"op": "mode", "mode": "pull"})  # but the session is unpacked
+        with pytest.raises(TransferError):
+            ch.recv(deadline=time.monotonic() + 5, what="x")
+
+    with pytest.raises(TransferError, match="chose IPC mode 'pull', which this worker did not offer"):
+        _connect(pushy, packed=False)
+
+
+def test_release_after_round_frees_the_pool_only_after_unmapped(cp: Cupy) -> None:
+    link, ch, _ = _connect(_pull, release=True)
+    metas, chunks = _round([60])
+    link.post(0, chunks[0], metas, packed=True)
+    ch.expect("want", deadline=time.monotonic() + 5, what="want")
+    ch.send({"op": "ready", "c": 0, "e": 0})
+    ch.send({"op": "unmapped"})
+    link.wait(0)
+    assert not [e for e in cp.cuda.runtime.log if e[0] == "free"]  # torch still holds the chunk
+    cp.leases.clear()  # type: ignore[attr-defined]  # the round is loaded: the lease dies, the buffer goes
+    assert [e[0] for e in cp.cuda.runtime.log if e[0] == "free"] == ["free"] and link.held_bytes() == 0
+    link.close()
+
+
+def test_out_of_step_and_dead_trainers_are_named_and_in_flight_buffers_stay(cp: Cupy) -> None:
+    link, ch, _ = _connect(_pull)
+    metas, chunks = _round([60, 70])
+    link.post(0, chunks[0], metas, packed=True)
+    link.post(1, chunks[1], metas, packed=True)
+    ch.send({"op": "ready", "c": 1, "e": 0})
+    with pytest.raises(TransferError, match="announced chunk 1 where chunk 0 was due"):
+        link.wait(0)
+    link2, ch2, _ = _connect(_pull)
+    link2.post(0, chunks[0], metas, packed=True)
+    ch2.abort()  # the trainer dies mid-round
+    with pytest.raises(PeerLost, match="closed the IPC control channel while this side waited for chunk 0"):
+        link2.wait(0)
+    link2.abort()
+    assert not [e for e in cp.cuda.runtime.log if e[0] == "free"]  # the trainer may still be writing them
+    link.abort()

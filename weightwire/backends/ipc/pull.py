@@ -1,0 +1,245 @@
+"""``IPCPullPipeline``: rank 0's one-copy data path of ``weightwire_ipc`` (pull mode, packed rounds).
+
+The trainer writes each chunk straight into the worker's own receive buffer
+(``backends.ipc.pool.ReceivePool``): one ``cudaMemcpyAsync`` per tensor on the fill
+stream, one device copy per byte, in the trainer's context only, and no slot ring on
+this side (trainer-side extra memory ~0). Per chunk, one small JSON message each way:
+
+- worker -> trainer ``{"op": "want", "c": chunk, "b": buffer id, "n": bytes}``, with
+  ``"cap"`` (its size), ``"h"`` (its ``cudaIpcMemHandle_t``) and ``"f"`` (its free
+  event) the first time the session names buffer ``b``, every later chunk checked
+  against ``cap``; the worker records that free event (after the buffer's
+  previous readers) before it sends the message;
+- trainer -> worker ``{"op": "ready", "c": chunk, "e": k}`` once the copies were
+  enqueued and ready event ``k = chunk % packed_num_buffers`` (the init info's event
+  handles) recorded after them.
+
+The fill stream waits on the buffer's free event on the device, the worker's stream
+on the ready event: no host round trip on the data's path. Ready event ``k`` is
+recorded again only after the "want" of chunk ``c + depth`` arrived, which the worker
+sends after its wait on ``k`` for chunk ``c`` was enqueued, so no wait sees a later
+record. Handles are opened once per session (cached by id; the worker never reuses an
+id); with release-after-round the trainer closes every mapping after the round and
+says "unmapped", and only then does the worker free its pool.
+
+Every host wait is bounded by the transfer timeout; a dead worker is ``PeerLost``
+(its channel end closed). On close, mappings are closed only after the fill stream
+settled: a mapping that a copy may still write through is left open (leaked), never
+closed under it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any
+
+from weightwire.backends.ipc.channel import check_int
+from weightwire.backends.ipc.pipeline import _CONTROL_BOUND_S, _Starter
+from weightwire.backends.ipc.slots import (
+    CUDA_IPC_LAZY_PEER_ACCESS,
+    MEMCPY_DEVICE_TO_DEVICE,
+    dump_trace,
+    open_event,
+    record,
+    stream_wait,
+    sync_stream,
+    trace,
+    wait_event_host,
+    wait_mode,
+)
+from weightwire.backends.nccl.buffers import stream_pointer
+from weightwire.shared.communicator import TransferError
+from weightwire.shared.info import decode_secret
+from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
+from weightwire.shared.meta import ParamMeta
+from weightwire.trainer.pipelines import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
+
+if TYPE_CHECKING:
+    from weightwire.backends.ipc.trainer import IPCSenderComm
+
+MAX_BUFFERS = 1 << 16
+"""Buffers one worker may name in a session (a bound on what the trainer maps for it)."""
+
+
+class WorkerBuffers:
+    """One worker's receive buffers as this trainer mapped them: id -> (pointer, bytes, free event)."""
+
+    def __init__(self, cp: Any, device: int, peer: str) -> None:
+        self._cp, self.device, self.peer = cp, int(device), peer
+        self.mapped: dict[int, tuple[int, int, int]] = {}
+
+    def resolve(self, msg: dict[str, Any], chunk_bytes: int) -> tuple[int, int]:
+        """``(pointer, free event)`` of the buffer a "want" names, opened on first sight."""
+        bid = check_int(msg, "b", 0, 1 << 62, self.peer)
+        n = check_int(msg, "n", 1, 1 << 62, self.peer)
+        if n != chunk_bytes:
+            raise TransferError(f"{self.peer} wants {n} bytes for chunk {msg.get('c')} where the plan has {chunk_bytes}: "
+                                "trainer and worker disagree on the round's plan")
+        known = self.mapped.get(bid)
+        if known is not None:
+            if "h" in msg or "f" in msg or "cap" in msg:
+                raise TransferError(f"{self.peer} announced buffer {bid} again (ids are never reused in a session)")
+            if known[1] < n:  # a copy past the end would write into whatever follows it
+                raise TransferError(f"{self.peer} named buffer {bid} of {known[1]} bytes for a chunk of {n}")
+            return known[0], known[2]
+        if len(self.mapped) >= MAX_BUFFERS:
+            raise TransferError(f"{self.peer} named more than {MAX_BUFFERS} receive buffers in one session")
+        if "h" not in msg or "f" not in msg or "cap" not in msg:
+            raise TransferError(f"{self.peer} named buffer {bid} without its handles (first use in this session)")
+        cap = check_int(msg, "cap", n, 1 << 62, self.peer)
+        try:
+            mem = decode_secret(f"{self.peer} want.h", msg["h"], IPC_HANDLE_BYTES)
+            ev = decode_secret(f"{self.peer} want.f", msg["f"], IPC_HANDLE_BYTES)
+        except ValueError as exc:  # a malformed message of the peer's: a protocol error, not a config one
+            raise TransferError(str(exc)) from None
+        runtime = self._cp.cuda.runtime
+        with self._cp.cuda.Device(self.device):
+            try:
+                ptr = int(runtime.ipcOpenMemHandle(mem, CUDA_IPC_LAZY_PEER_ACCESS))
+            except Exception as exc:
+                raise TransferError(f"cannot open {self.peer}'s receive buffer {bid} (cudaIpcOpenMemHandle: {exc}); "
+                                    "the worker must run on this host and its GPU be reachable from this one") from exc
+            try:
+                event = open_event(self._cp, ev, f"{self.peer}'s free event of buffer {bid}")
+            except BaseException:
+                with suppress(Exception):
+                    runtime.ipcCloseMemHandle(ptr)
+                raise
+        self.mapped[bid] = (ptr, cap, event)
+        return ptr, event
+
+    def close(self) -> None:
+        mapped, self.mapped = self.mapped, {}
+        with self._cp.cuda.Device(self.device):
+            for ptr, _, event in mapped.values():
+                with suppress(Exception):
+                    self._cp.cuda.runtime.ipcCloseMemHandle(ptr)
+                with suppress(Exception):
+                    self._cp.cuda.runtime.eventDestroy(event)
+
+
+class IPCPullPipeline(DevicePipeline):
+    """Chunks straight into the workers' buffers; same entry points as ``DevicePipeline``."""
+
+    _comm: IPCSenderComm  # type: ignore[assignment]  # no DeviceCommunicator: every user is overridden
+
+    def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
+                 hold_bytes: int) -> None:
+        self._comm = comm
+        self._packer = packer
+        self._timeout = timeout
+        self._hold_bytes = hold_bytes
+        self._stream = packer.new_stream()
+        self._streams = [self._stream]
+        self._sptr = stream_pointer(self._stream)
+        self._in_flight: list[list[Any]] = [[]]
+        self._depth = len(comm.slots.events)
+        self._buffers = [WorkerBuffers(comm.cp, comm.slots.device, ch.peer) for ch in comm.channels]
+        self._host_wait = wait_mode() == "host"
+        self.rounds = 0
+
+    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None) -> tuple[int, int]:
+        trace("round")
+        starter = _Starter(begin, timeout=_CONTROL_BOUND_S + self._timeout)
+        try:
+            return self._pump(prepared, stop, starter)
+        finally:
+            starter.join()
+            trace("end")
+            dump_trace("trainer")
+
+    def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
+                      begin: Begin = None) -> tuple[int, int]:
+        raise TransferError("weightwire_ipc pull mode carries packed rounds only (the session negotiated push otherwise)")
+
+    def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> tuple[int, int]:
+        comm, cp = self._comm, self._comm.cp
+        copy = cp.cuda.runtime.memcpyAsync
+        sptr = self._sptr
+        nbytes = count = 0
+
+        def alive() -> None:
+            comm.alive()
+            starter.check()
+
+        with cp.cuda.Device(comm.slots.device):
+            for ci, (chunk, tensors) in enumerate(prepared):
+                if stop.is_set():
+                    raise RoundAborted("round stopped between chunks")
+                comm.alive()
+                regions = self._packer.regions(tensors, self._stream)
+                got = sum(r.nbytes for r in regions)
+                if got != chunk.nbytes:
+                    raise ValueError(f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}")
+                self._in_flight[0].append(regions)
+                count += 1
+                if not chunk.nbytes:  # nothing to write: the worker names no buffer for it either
+                    continue
+                deadline = time.monotonic() + self._timeout
+                for ch, bufs in zip(comm.channels, self._buffers, strict=True):
+                    msg = ch.expect("want", deadline=deadline, what=f"the receive buffer of chunk {ci}", alive=alive)
+                    if check_int(msg, "c", 0, 1 << 62, ch.peer) != ci:
+                        raise TransferError(f"{ch.peer} asked for chunk {msg['c']} where chunk {ci} was due: "
+                                            "trainer and worker disagree on the round's plan")
+                    ptr, free = bufs.resolve(msg, chunk.nbytes)
+                    if self._host_wait:
+                        wait_event_host(cp, free, deadline=deadline, what=f"{ch.peer}'s release of buffer {msg['b']}",
+                                        alive=alive)
+                    else:
+                        stream_wait(cp, sptr, free)
+                    off = 0
+                    for r in regions:
+                        copy(ptr + off, r.ptr, r.nbytes, MEMCPY_DEVICE_TO_DEVICE, sptr)
+                        off += r.nbytes
+                k = ci % self._depth
+                record(cp, comm.slots.events[k], sptr)
+                trace(f"filled {ci}")
+                starter.wait()  # start + update POST: nothing is announced before they returned
+                ready = {"op": "ready", "c": ci, "e": k}
+                for ch in comm.channels:
+                    ch.send(ready)
+                nbytes += chunk.nbytes
+            starter.wait()
+            self._sync_fill("the IPC fill stream at the end of the round")
+            self._in_flight[0].clear()
+            if comm.release_after_round:
+                self._unmap()
+        self.rounds += 1
+        return nbytes, count
+
+    def _unmap(self) -> None:
+        """Release-after-round: close every mapping (the fill stream settled), then let
+        the workers free their buffers."""
+        for bufs in self._buffers:
+            bufs.close()
+        for ch in self._comm.channels:
+            ch.send({"op": "unmapped"})
+
+    def _sync_fill(self, what: str) -> None:
+        comm = self._comm
+        sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=self._timeout, what=what, alive=comm.alive)
+
+    def drain(self) -> None:
+        self._sync_fill("the IPC fill stream")
+        self._in_flight[0].clear()
+
+    def close(self) -> None:
+        comm = self._comm
+        try:
+            sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=min(self._timeout, 30.0), what="the fill stream")
+        except Exception:  # a copy may still write through the mappings: leave them open
+            self._buffers = []
+        finally:
+            for bufs in self._buffers:
+                bufs.close()
+            self._buffers = []
+            self._in_flight = [[]]
+            comm.release()
+            self._packer.release()
+
+    def held_bytes(self) -> int:
+        """Trainer-side extra device memory: none (the chunks land in the workers' buffers)."""
+        return self._comm.slots.held_bytes()
