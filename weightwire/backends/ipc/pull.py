@@ -141,7 +141,8 @@ class IPCPullPipeline(DevicePipeline):
         self._host_wait = wait_mode() == "host"
         self.rounds = 0
 
-    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None) -> tuple[int, int]:
+    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None,
+                    root: int = 0) -> tuple[int, int]:
         trace("round")
         starter = _Starter(begin, timeout=_CONTROL_BOUND_S + self._timeout)
         try:
@@ -152,7 +153,7 @@ class IPCPullPipeline(DevicePipeline):
             dump_trace("trainer")
 
     def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
-                      begin: Begin = None) -> tuple[int, int]:
+                      begin: Begin = None, root: int = 0) -> tuple[int, int]:
         raise TransferError("weightwire_ipc pull mode carries packed rounds only (the session negotiated push otherwise)")
 
     def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> tuple[int, int]:
