@@ -29,37 +29,18 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
-import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _score import logprob_gap, token_logprobs
 from tokenizers import Tokenizer
 
 from weightwire import HTTPWeightSyncClient, JAXTrainerEngine, PytreeSource, TrainerInitInfo, load_decoder
 from weightwire.jax_side.models import decoder
 
 SENTENCE = "The trainer sends fresh weights to the inference server after every step."
-
-
-def token_logprobs(params: Any, seqs: jax.Array, cfg: decoder.DecoderConfig) -> jax.Array:
-    """``[B, T-1]``: log p(seqs[:, t+1] | seqs[:, :t+1]) under the JAX model, in float32."""
-    logits = decoder.apply(params, seqs[:, :-1], cfg).astype(jnp.float32)
-    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), seqs[:, 1:, None], axis=-1)[..., 0]
-
-
-def greedy(url: str, prompt: np.ndarray, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """The server's greedy completion of ``prompt``, in token ids over ``/v1/completions``:
-    ``(prompt + completion [1, P+N], the server's log-probability of each completion token [1, N])``."""
-    reply = httpx.post(f"{url.rstrip('/')}/v1/completions", timeout=120, json={
-        "prompt": prompt.tolist(), "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
-        "ignore_eos": True, "return_token_ids": True})
-    reply.raise_for_status()
-    choice = reply.json()["choices"][0]
-    sequence = np.asarray([[*prompt.tolist(), *choice["token_ids"]]], np.int32)
-    return sequence, np.asarray([choice["logprobs"]["token_logprobs"]], np.float32)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(1, args.steps + 1):
             state["params"], state["opt"], loss = train_step(state["params"], state["opt"])
             m = engine.send_weights(weight_version=f"step-{step}")
-            sequence, served = greedy(args.server, prompt, max_tokens=8)
-            mine = np.asarray(token_logprobs(state["params"], jnp.asarray(sequence), cfg))[:, len(prompt) - 1:]
-            diff = float(np.max(np.abs(mine - served)))
+            diff = logprob_gap(args.server, state["params"], cfg, prompt)
             print(f"step {step}: loss {float(loss):.4f}  sync {m.total_seconds * 1e3:.1f} ms  "
                   f"{m.nbytes / 1e6:.1f} MB  {m.gbps:.2f} GB/s  server vs JAX max |dlogp| {diff:.2e}", flush=True)
     finally:

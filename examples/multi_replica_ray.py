@@ -26,10 +26,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import httpx
 import jax
-import jax.numpy as jnp
 import numpy as np
+from _score import logprob_gap
 
 from weightwire import (
     HTTPWeightSyncClient,
@@ -42,24 +41,6 @@ from weightwire import (
 from weightwire.jax_side.models import decoder
 
 PROMPT = np.asarray([5, 17, 42, 99, 123, 7], np.int32)
-
-
-def token_logprobs(params: Any, seqs: jax.Array, cfg: decoder.DecoderConfig) -> jax.Array:
-    """``[B, T-1]``: log p(seqs[:, t+1] | seqs[:, :t+1]) under the JAX model, in float32."""
-    logits = decoder.apply(params, seqs[:, :-1], cfg).astype(jnp.float32)
-    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), seqs[:, 1:, None], axis=-1)[..., 0]
-
-
-def greedy(url: str, prompt: np.ndarray, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """The server's greedy completion of ``prompt``, in token ids over ``/v1/completions``:
-    ``(prompt + completion [1, P+N], the server's log-probability of each completion token [1, N])``."""
-    reply = httpx.post(f"{url.rstrip('/')}/v1/completions", timeout=120, json={
-        "prompt": prompt.tolist(), "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
-        "ignore_eos": True, "return_token_ids": True})
-    reply.raise_for_status()
-    choice = reply.json()["choices"][0]
-    sequence = np.asarray([[*prompt.tolist(), *choice["token_ids"]]], np.int32)
-    return sequence, np.asarray([choice["logprobs"]["token_logprobs"]], np.float32)
 
 
 def perturb(params: Any, seed: int, scale: float = 0.02) -> Any:
@@ -117,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             live["params"] = perturb(params0, seed=step)
             m = engine.send_weights(weight_version=f"step-{step}")
             versions = [info["weight_version"] for info in client.weight_info()]
-            diffs = []
-            for url in urls:
-                sequence, served = greedy(url, PROMPT, max_tokens=8)
-                mine = np.asarray(token_logprobs(live["params"], jnp.asarray(sequence), cfg))[:, len(PROMPT) - 1:]
-                diffs.append(float(np.max(np.abs(mine - served))))
+            diffs = [logprob_gap(url, live["params"], cfg, PROMPT) for url in urls]
             ok = all(v == f"step-{step}" for v in versions) and all(d < 1e-3 for d in diffs)
             print(f"step {step}: sync {m.total_seconds * 1e3:.1f} ms, versions {versions}, "
                   f"max |dlogp| per replica {[f'{d:.1e}' for d in diffs]} {'ok' if ok else 'MISMATCH'}", flush=True)

@@ -43,8 +43,8 @@ def test_every_example_is_covered() -> None:
     kinds = ["_send.py", "add_a_family.py", "equinox_module_source.py", "linen_params_source.py",
              "maxtext_moe_scanned.py", "nnx_module_source.py"]
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted([
-        "jax_flax_to_vllm_gpu.py", "maxtext_style_scanned_layers.py", "multi_replica_ray.py",
-        "torch_trainer_to_vllm.py", *kinds])
+        "_score.py", "jax_flax_to_vllm_gpu.py", "maxtext_style_scanned_layers.py", "multi_replica_ray.py",
+        "torch_trainer_to_vllm.py", *kinds])  # _score.py: the JAX-vs-server check of the two decoder examples
 
 
 def test_jax_flax_example_over_tcp(servers: tuple[str, str], tiny_dir: str) -> None:

@@ -12,11 +12,13 @@ does (``create_engine(config, vllm_config, device, model)``), then runs a real
 second with the 0.33 reuse shorthand), finish, shutdown. Prints one ``WEIGHTWIRE_CHECK {json}`` line and
 exits 0 on success; any failed check raises.
 
-``--llm`` also starts an offline ``vllm.LLM`` on a tiny Llama with
+``--llm`` instead starts an offline ``vllm.LLM`` on a tiny Llama with
 ``weight_transfer_config={"backend": "weightwire_tcp"}``, pushes another seed's
 weights in two packed rounds (multi-chunk; the second reuses the metadata) through
 vLLM's layerwise reload, and checks greedy tokens equal Hugging Face's before and
 after. Set ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE=1`` and scratch cache dirs.
+``--all`` runs both in one process (one vLLM import instead of two: the interop lane's
+way) and prints both result lines.
 """
 
 from __future__ import annotations
@@ -205,10 +207,10 @@ def check_llm(root: str) -> dict:
 
 
 if __name__ == "__main__":
-    if "--llm" in sys.argv:
+    if "--llm" not in sys.argv:
+        main()
+    if "--llm" in sys.argv or "--all" in sys.argv:
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             report(check_llm(tmp))
-    else:
-        main()

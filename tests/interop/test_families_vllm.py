@@ -1,10 +1,11 @@
 """The preset families beyond the model matrix against a real vLLM: 2 JAX rounds each.
 
-Each family gets a tiny random Hugging Face checkpoint (``save_pretrained``'s on-disk
-names, the ones vLLM loads: per-expert MoE tensors, Phi-3's fused projections) and its
-own vLLM. The JAX side holds the preset's documented layout (``layouts.preset_layout``:
-stacked ``[experts, in, out]`` expert kernels, separate q/k/v and gate/up for Phi-3),
-loaded from the checkpoint with ``pytree_from_hf``. After each round vLLM's greedy ids
+Each family (``families.FAMILIES``, all of them by default) gets a tiny random Hugging
+Face checkpoint (``save_pretrained``'s on-disk names, the ones vLLM loads: per-expert
+MoE tensors, Phi-3's fused projections) and its own vLLM. The JAX side holds the
+preset's documented layout (``layouts.preset_layout``: stacked ``[experts, in, out]``
+expert kernels, separate q/k/v and gate/up for Phi-3), loaded from the checkpoint with
+``pytree_from_hf``. After each round vLLM's greedy ids
 and logprobs must equal Hugging Face's on a checkpoint written from exactly the tensors
 sent (loaded through ``from_pretrained``, so HF's own checkpoint conversion, e.g. of
 per-expert names into fused expert parameters, applies), and differ from the previous
@@ -18,7 +19,6 @@ logits; Llama 3's rope scaling starts at 32 positions).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -29,8 +29,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
+from tests.interop.families import FAMILIES, build_family
 from tests.interop.helpers import VLLMServer, assert_same_greedy
 from tests.interop.launcher import Launcher
 from weightwire.control.client import HTTPWeightSyncClient
@@ -43,70 +44,24 @@ from weightwire.trainer.config import TrainerInitInfo
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(900)]
 
-# vLLM's CPU attention needs head_dim >= 32: 2 query heads of 32 share 1 KV head (GQA).
-# Vocab 512: the tiny tokenizer's (the prompts use ids up to 405).
-_SHAPE: dict[str, Any] = {
-    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "head_dim": 32, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 256,
-    "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, "rms_norm_eps": 1e-6,
-}
-# 4 experts, top 2; the CPU MoE kernel wants hidden and expert width divisible by 32.
-_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
-
-# preset family -> (HF model_type, architecture, config overrides, what the row exercises)
-FAMILIES: dict[str, tuple[str, str, dict[str, Any], str]] = {
-    "phi3": ("phi3", "Phi3ForCausalLM", {"tie_word_embeddings": False},
-             "HF-fused qkv_proj / gate_up_proj built from separate JAX q/k/v and gate/up kernels"),
-    "gemma2": ("gemma2", "Gemma2ForCausalLM",
-               {"attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "query_pre_attn_scalar": 24,
-                "sliding_window": 8, "hidden_activation": "gelu_pytorch_tanh"},
-               "tied, sandwich norms, (1+w) norms, attention and final soft caps, sliding window"),
-    "gemma3": ("gemma3_text", "Gemma3ForCausalLM",
-               {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
-                "query_pre_attn_scalar": 24, "hidden_activation": "gelu_pytorch_tanh"},
-               "tied, sandwich norms, q/k norm, local + global layers"),
-    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM", {**_MOE, "num_experts": 4, "norm_topk_prob": True},
-                  "stacked experts -> per-expert mlp.experts.{e}, router, q/k norm"),
-    "mixtral": ("mixtral", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2},
-                "stacked experts -> block_sparse_moe.experts.{e}.w1/w2/w3"),
-    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM",
-                  {**_MOE, "num_experts": 4, "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1,
-                   "mlp_only_layers": []},
-                  "stacked experts, shared expert + its gate, qkv bias"),
-    "llama3": ("llama", "LlamaForCausalLM",
-               {"tie_word_embeddings": True, "rope_parameters": {
-                   "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
-               "tied head (3.2), llama3 rope scaling"),
-}
-# Each vLLM start costs the lane 1-1.5 min, so it runs the families that add most coverage
-# over the matrix: Phi-3's fused projections, Gemma 2's extra norms and soft caps, both MoE
-# naming styles. The others passed once (see docs/vllm-compat.md) and run with
-# WEIGHTWIRE_INTEROP_FAMILIES=all or a comma list of families.
-LANE = ("phi3", "gemma2", "qwen3_moe", "mixtral")
-LEFT_OUT = {
-    "gemma3": "its norms are gemma2's plus Qwen3's q/k norm (matrix)",
-    "qwen2_moe": "its experts are named as qwen3_moe's; adds the shared expert",
-    "llama3": "Llama's tensor names; rope scaling and the tied head are config",
-}
-
 
 def selected_families() -> tuple[str, ...]:
+    """Every family by default; ``WEIGHTWIRE_INTEROP_FAMILIES`` (a comma list) runs a
+    subset, e.g. while working on one preset (``all`` is the default spelled out)."""
     raw = os.environ.get("WEIGHTWIRE_INTEROP_FAMILIES", "").strip()
-    if not raw:
-        return LANE
-    if raw == "all":
+    if not raw or raw == "all":
         return tuple(FAMILIES)
     names = tuple(n.strip() for n in raw.split(",") if n.strip())
     unknown = sorted(set(names) - set(FAMILIES))
     if unknown:
         raise ValueError(f"WEIGHTWIRE_INTEROP_FAMILIES names unknown families {unknown}; known: {', '.join(FAMILIES)}")
     return names
+
+
 # Round noise (embedding, every other leaf). A tiny random Gemma's scaled, tied embedding
 # dominates its logits (greedy repeats the last prompt token) unless the layers move more
 # than it; at (0.05, 0.2) Gemma 2's final soft cap moves the logprobs by > 0.1.
 SCALE = {"gemma2": (0.05, 0.2), "gemma3": (0.05, 0.2)}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def round_params(params: Any, seed: int, family: str) -> Any:
@@ -117,25 +72,6 @@ def round_params(params: Any, seed: int, family: str) -> Any:
     noisy = [x + (embed if "embed_tokens" in jax.tree_util.keystr(path) else rest) * jax.random.normal(k, x.shape, x.dtype)
              for (path, x), k in zip(leaves, keys, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, noisy)
-
-
-def build_family(family: str, out: Path, tokenizer_dir: Path) -> Path:
-    """A tiny random checkpoint of ``family`` with the tiny models' offline tokenizer."""
-    model_type, arch, extra, _ = FAMILIES[family]
-    config = AutoConfig.for_model(model_type, **{**_SHAPE, **extra})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out)
-    for name in _TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, out / name)
-    path = out / "config.json"
-    data = json.loads(path.read_text())
-    # vLLM 0.32's config parsing reads torch_dtype; transformers 5 writes dtype.
-    data.update({"torch_dtype": "float32", "dtype": "float32", "architectures": [arch]})
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    return out
 
 
 def hf_reference(model_dir: str, sent: dict[str, np.ndarray], out: Path) -> torch.nn.Module:
@@ -162,8 +98,7 @@ def family_server(request: pytest.FixtureRequest, launcher: Launcher, tokenizer_
                   tmp_path_factory: pytest.TempPathFactory) -> tuple[str, VLLMServer]:
     family = request.param
     if family not in selected_families():
-        pytest.skip(f"{family} left out of the lane's time budget ({LEFT_OUT.get(family, 'not selected')}); "
-                    "WEIGHTWIRE_INTEROP_FAMILIES=all runs it")
+        pytest.skip(f"{family} not in WEIGHTWIRE_INTEROP_FAMILIES")
     name = f"tiny-{family}"
     model_dir = build_family(family, tmp_path_factory.mktemp(name), tokenizer_dir)
     return family, launcher.get(name, str(model_dir)).server
