@@ -46,6 +46,12 @@ class RoundAborted(TransferError):
     """The round was stopped from outside (the update POST failed) between broadcasts."""
 
 
+def check_chunk_bytes(chunk: Chunk, got: int) -> None:
+    """The bytes a chunk's tensors produced must be what the plan (and so the workers) expect."""
+    if got != chunk.nbytes:
+        raise ValueError(f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}")
+
+
 def chunked(pairs: Iterable[tuple[str, Any]], chunks: Sequence[Chunk]) -> Iterator[Prepared]:
     """Group a checked ``(name, tensor)`` stream by the round's plan.
 
@@ -83,8 +89,7 @@ class HostPipeline:
                     self._prefetch(tensors)
                 parts = [self._host_bytes(t) for t in tensors]
                 got = sum(p.nbytes for p in parts)
-                if got != chunk.nbytes:
-                    raise ValueError(f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}")
+                check_chunk_bytes(chunk, got)
                 begin = _run_once(begin)
                 self._put(work, parts, stop, failure)
                 nbytes, count = nbytes + got, count + 1

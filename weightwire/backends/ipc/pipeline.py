@@ -1,4 +1,5 @@
-"""``IPCPipeline``: rank 0's data path for ``weightwire_ipc``.
+"""``IPCPipeline``: rank 0's push data path for ``weightwire_ipc`` (the slot ring), and
+``IPCDataPath``, the part it shares with the pull path (``backends.ipc.pull``).
 
 A round is the plan's chunks (packed or unpacked framing, as for NCCL); each chunk
 goes through the ring of IPC slots as *pieces* of at most one slot. The framework's
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from weightwire.backends.ipc.channel import check_int
@@ -35,15 +36,19 @@ from weightwire.backends.ipc.slots import (
 )
 from weightwire.backends.nccl.buffers import stream_pointer
 from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.pipelines import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
+from weightwire.trainer.pipelines import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted, check_chunk_bytes
 
 if TYPE_CHECKING:  # the rendezvous (ipc.trainer) builds this pipeline: a runtime import would cycle
     from weightwire.backends.ipc.trainer import IPCSenderComm
 
 
-class IPCPipeline(DevicePipeline):
-    """Pieces through the slot ring; same entry points as ``DevicePipeline``."""
+class IPCDataPath(DevicePipeline):
+    """What both IPC data paths (push: ``IPCPipeline``; pull: ``ipc.pull.IPCPullPipeline``)
+    share: one fill stream, the control plane on a side thread beside the first fills,
+    each chunk's device regions checked against the plan and held until the fill stream
+    settled."""
 
     # Not a DeviceCommunicator (no streams to synchronize): every DevicePipeline method
     # that would call one is overridden here, so the narrower base type never applies.
@@ -59,11 +64,47 @@ class IPCPipeline(DevicePipeline):
         self._streams = [self._stream]
         self._sptr = stream_pointer(self._stream)
         self._in_flight: list[list[Any]] = [[]]
+        self._host_wait = wait_mode() == "host"
+        self.rounds = 0
+
+    def _run(self, begin: Begin, pump: Callable[[_Starter], tuple[int, int]]) -> tuple[int, int]:
+        """``pump`` a round with the control plane (pause, start, then the update POST)
+        running beside the first fills; the pump announces nothing before it returned.
+        Joined on every exit path."""
+        trace("round")
+        starter = _Starter(begin, timeout=_CONTROL_BOUND_S + self._timeout)
+        try:
+            return pump(starter)
+        finally:
+            starter.join()
+            trace("end")
+            dump_trace("trainer")
+
+    def _regions(self, chunk: Chunk, tensors: list[Any]) -> list[Any]:
+        """The chunk's device regions, checked against the plan, held until the fill stream settled."""
+        regions = self._packer.regions(tensors, self._stream)
+        check_chunk_bytes(chunk, sum(r.nbytes for r in regions))
+        self._in_flight[0].append(regions)
+        return regions
+
+    def _sync_fill(self, what: str) -> None:
+        comm = self._comm
+        sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=self._timeout, what=what, alive=comm.alive)
+
+    def drain(self) -> None:
+        self._sync_fill("the IPC fill stream")
+        self._in_flight[0].clear()
+
+
+class IPCPipeline(IPCDataPath):
+    """Pieces through the slot ring; same entry points as ``DevicePipeline``."""
+
+    def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
+                 hold_bytes: int) -> None:
+        super().__init__(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
         self._pending = [False] * comm.slots.count  # slot written, its free not yet seen
         self._next = 0
         self._remap = False  # release-after-round: new handles to announce before the next piece
-        self._host_wait = wait_mode() == "host"
-        self.rounds = 0
 
     # -- the DevicePipeline surface ---------------------------------------------------------
 
@@ -75,10 +116,6 @@ class IPCPipeline(DevicePipeline):
     def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
                       begin: Begin = None, root: int = 0) -> tuple[int, int]:
         return self._send(prepared, stop, begin)
-
-    def drain(self) -> None:
-        self._sync_fill("the IPC fill stream")
-        self._in_flight[0].clear()
 
     def close(self) -> None:
         try:
@@ -102,17 +139,8 @@ class IPCPipeline(DevicePipeline):
             self._remap = True
         copy = cp.cuda.runtime.memcpyAsync
         size, n = slots.nbytes, slots.count
-        # The control plane (pause, start, then the update POST) runs beside the first
-        # fills instead of before them: the slots are this side's own memory, and no
-        # piece is announced before it returned. Joined on every exit path.
-        trace("round")
-        starter = _Starter(begin, timeout=_CONTROL_BOUND_S + self._timeout)
-        try:
-            return self._pump(prepared, stop, starter, copy, size, n)
-        finally:
-            starter.join()
-            trace("end")
-            dump_trace("trainer")
+        # The slots are this side's own memory: filling them may start before start returned.
+        return self._run(begin, lambda starter: self._pump(prepared, stop, starter, copy, size, n))
 
     def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter, copy: Any,
               size: int, n: int) -> tuple[int, int]:
@@ -135,11 +163,7 @@ class IPCPipeline(DevicePipeline):
                 if stop.is_set():
                     raise RoundAborted("round stopped between chunks")
                 comm.alive()
-                regions = self._packer.regions(tensors, self._stream)
-                got = sum(r.nbytes for r in regions)
-                if got != chunk.nbytes:
-                    raise ValueError(f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}")
-                self._in_flight[0].append(regions)
+                regions = self._regions(chunk, tensors)
                 offset, slot, fill, base = 0, -1, 0, 0
                 for region in regions:
                     done = 0
@@ -204,10 +228,6 @@ class IPCPipeline(DevicePipeline):
         for ch in self._comm.channels:
             ch.send(msg)
         self._remap = False
-
-    def _sync_fill(self, what: str) -> None:
-        comm = self._comm
-        sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=self._timeout, what=what, alive=comm.alive)
 
     def _sync_quietly(self) -> None:
         try:

@@ -37,25 +37,22 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from weightwire.backends.ipc.channel import check_int
-from weightwire.backends.ipc.pipeline import _CONTROL_BOUND_S, _Starter
+from weightwire.backends.ipc.pipeline import IPCDataPath, _Starter
 from weightwire.backends.ipc.slots import (
     CUDA_IPC_LAZY_PEER_ACCESS,
     MEMCPY_DEVICE_TO_DEVICE,
-    dump_trace,
     open_event,
     record,
     stream_wait,
     sync_stream,
     trace,
     wait_event_host,
-    wait_mode,
 )
-from weightwire.backends.nccl.buffers import stream_pointer
 from weightwire.shared.communicator import TransferError
 from weightwire.shared.info import decode_secret
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.pipelines import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted
+from weightwire.trainer.pipelines import Begin, DevicePacker, Prepared, RoundAborted
 
 if TYPE_CHECKING:
     from weightwire.backends.ipc.trainer import IPCSenderComm
@@ -121,36 +118,18 @@ class WorkerBuffers:
                     self._cp.cuda.runtime.eventDestroy(event)
 
 
-class IPCPullPipeline(DevicePipeline):
+class IPCPullPipeline(IPCDataPath):
     """Chunks straight into the workers' buffers; same entry points as ``DevicePipeline``."""
-
-    _comm: IPCSenderComm  # type: ignore[assignment]  # no DeviceCommunicator: every user is overridden
 
     def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
                  hold_bytes: int) -> None:
-        self._comm = comm
-        self._packer = packer
-        self._timeout = timeout
-        self._hold_bytes = hold_bytes
-        self._stream = packer.new_stream()
-        self._streams = [self._stream]
-        self._sptr = stream_pointer(self._stream)
-        self._in_flight: list[list[Any]] = [[]]
+        super().__init__(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
         self._depth = len(comm.slots.events)
         self._buffers = [WorkerBuffers(comm.cp, comm.slots.device, ch.peer) for ch in comm.channels]
-        self._host_wait = wait_mode() == "host"
-        self.rounds = 0
 
     def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None,
                     root: int = 0) -> tuple[int, int]:
-        trace("round")
-        starter = _Starter(begin, timeout=_CONTROL_BOUND_S + self._timeout)
-        try:
-            return self._pump(prepared, stop, starter)
-        finally:
-            starter.join()
-            trace("end")
-            dump_trace("trainer")
+        return self._run(begin, lambda starter: self._pump(prepared, stop, starter))
 
     def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
                       begin: Begin = None, root: int = 0) -> tuple[int, int]:
@@ -171,11 +150,7 @@ class IPCPullPipeline(DevicePipeline):
                 if stop.is_set():
                     raise RoundAborted("round stopped between chunks")
                 comm.alive()
-                regions = self._packer.regions(tensors, self._stream)
-                got = sum(r.nbytes for r in regions)
-                if got != chunk.nbytes:
-                    raise ValueError(f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}")
-                self._in_flight[0].append(regions)
+                regions = self._regions(chunk, tensors)
                 count += 1
                 if not chunk.nbytes:  # nothing to write: the worker names no buffer for it either
                     continue
@@ -218,14 +193,6 @@ class IPCPullPipeline(DevicePipeline):
             bufs.close()
         for ch in self._comm.channels:
             ch.send({"op": "unmapped"})
-
-    def _sync_fill(self, what: str) -> None:
-        comm = self._comm
-        sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=self._timeout, what=what, alive=comm.alive)
-
-    def drain(self) -> None:
-        self._sync_fill("the IPC fill stream")
-        self._in_flight[0].clear()
 
     def close(self) -> None:
         comm = self._comm
