@@ -226,3 +226,76 @@ def test_out_of_step_and_dead_trainers_are_named_and_in_flight_buffers_stay(cp: 
     link2.abort()
     assert not [e for e in cp.cuda.runtime.log if e[0] == "free"]  # the trainer may still be writing them
     link.abort()
+
+
+# -- early wants: the round's first buffers named at its start ----------------------------
+
+
+def _pull_early(ch: Channel, hello: dict) -> None:
+    ch.send({"op": "mode", "mode": "pull", "early": True})
+    ch.send({"op": "ping"})
+    ch.expect("pong", deadline=time.monotonic() + 5, what="pong")
+
+
+def _one_round(link: Any, ch: Channel, chunks: list, metas: list, *, wants: int) -> list[dict]:
+    """Post and load every chunk (readies sent at once); returns the wants the trainer saw."""
+    deadline = time.monotonic() + 5
+    for i, chunk in enumerate(chunks):
+        link.post(i, chunk, metas, packed=True)
+    got = [ch.expect("want", deadline=deadline, what="want") for _ in range(wants)]
+    for i in range(len(chunks)):
+        ch.send({"op": "ready", "c": i, "e": i % 2})
+        link.wait(i)
+    return got
+
+
+def test_round_start_names_the_last_rounds_buffers_early_and_post_then_asks_nothing(cp: Cupy) -> None:
+    link, ch, _ = _connect(_pull_early)
+    metas, chunks = _round([60, 70])
+    first = _one_round(link, ch, chunks, metas, wants=2)
+    cp.leases.clear()  # type: ignore[attr-defined]  # round 1 loaded: its buffers are free again
+    link.round_started()
+    early = ch.expect("early", deadline=time.monotonic() + 5, what="early")
+    assert [(w["c"], w["n"], w["b"]) for w in early["wants"]] == [(0, 60, first[0]["b"]), (1, 70, first[1]["b"])]
+    assert not any("h" in w for w in early["wants"])  # known to the trainer since round 1
+    _one_round(link, ch, chunks, metas, wants=0)
+    assert ch.discard_delivered("want") == 0  # round 2 asked for nothing
+    assert len([e for e in cp.cuda.runtime.log if e[0] == "malloc"]) == 2
+    link.close()
+
+
+def test_an_early_buffer_of_another_size_goes_back_and_the_chunk_is_asked_for(cp: Cupy) -> None:
+    link, ch, _ = _connect(_pull_early)
+    metas, chunks = _round([60, 70])
+    first = _one_round(link, ch, chunks, metas, wants=2)
+    cp.leases.clear()  # type: ignore[attr-defined]
+    link.round_started()
+    ch.expect("early", deadline=time.monotonic() + 5, what="early")
+    metas2, chunks2 = _round([66])  # the plan changed: one chunk of 66 B
+    (want,) = _one_round(link, ch, chunks2, metas2, wants=1)
+    # 66 B shares chunk 0's size class: the early buffer went back to the pool and is named again.
+    assert (want["c"], want["n"], want["b"]) == (0, 66, first[0]["b"])
+    assert len([e for e in cp.cuda.runtime.log if e[0] == "malloc"]) == 2
+    cp.leases.clear()  # type: ignore[attr-defined]
+    assert link.pool._buffers[first[1]["b"]].state == "free"  # chunk 1's early buffer was let go at the end
+    link.close()
+
+
+def test_a_buffer_still_leased_is_not_named_early_and_nothing_is_allocated(cp: Cupy) -> None:
+    link, ch, _ = _connect(_pull_early)
+    metas, chunks = _round([60])
+    _one_round(link, ch, chunks, metas, wants=1)  # torch still holds chunk 0 (cp.leases)
+    link.round_started()
+    assert ch.discard_delivered("early") == 0
+    assert len([e for e in cp.cuda.runtime.log if e[0] == "malloc"]) == 1
+    link.close()
+
+
+def test_a_trainer_that_did_not_offer_early_wants_gets_none(cp: Cupy) -> None:
+    link, ch, _ = _connect(_pull)
+    metas, chunks = _round([60])
+    _one_round(link, ch, chunks, metas, wants=1)
+    cp.leases.clear()  # type: ignore[attr-defined]
+    link.round_started()
+    _one_round(link, ch, chunks, metas, wants=1)  # asked for on demand, as before
+    link.close()

@@ -36,7 +36,7 @@ class PullWorker(threading.Thread):
     """Names buffer ``ids[c]`` for chunk ``c`` (handles on first use), reads each "ready"."""
 
     def __init__(self, conn: Any, sizes: list[int], *, ids: list[int] | None = None, depth: int = 2,
-                 release: bool = False, misbehave: str = "", cap: int = 0) -> None:
+                 release: bool = False, misbehave: str = "", cap: int = 0, early: dict[int, int] | None = None) -> None:
         super().__init__(daemon=True)
         self.gate = threading.Event()  # set by the round's begin: a real worker names nothing before the update POST
         self.gate.set()
@@ -45,8 +45,17 @@ class PullWorker(threading.Thread):
         self.cap = cap  # announced capacity (0: the first chunk's size)
         self.named: set[int] = set()
         self.seen: list[dict] = []
+        self.early = early or {}  # chunk -> bytes named at the round's start (before any want)
+
+    def handles(self, bid: int, n: int) -> dict[str, Any]:
+        if bid in self.named:
+            return {}
+        self.named.add(bid)
+        return {"h": handle(100 + bid), "f": handle(200 + bid), "cap": self.cap or n}
 
     def want(self, c: int) -> None:
+        if self.early.get(c) == self.sizes[c]:
+            return  # named early for this size: the trainer fills it unasked
         bid = self.ids[c]
         msg: dict[str, Any] = {"op": "want", "c": c, "b": bid, "n": self.sizes[c]}
         if bid not in self.named or self.misbehave == "reannounce":
@@ -63,6 +72,9 @@ class PullWorker(threading.Thread):
 
     def run(self) -> None:
         try:
+            if self.early:
+                self.ch.send({"op": "early", "wants": [{"c": c, "n": n, "b": self.ids[c], **self.handles(self.ids[c], n)}
+                                                       for c, n in self.early.items()]})
             while not self.gate.wait(0.05):
                 if self.ch._aborted:
                     return
@@ -88,15 +100,16 @@ class PullCupy(FakeCupy):
 
 
 def _setup(sizes: list[int], *, release: bool = False, misbehave: str = "", ids: list[int] | None = None,
-           cap: int = 0):
+           cap: int = 0, early: dict[int, int] | None = None, start: bool = True):
     log: list = []
     cp = PullCupy(log)
     slots = IPCSlots(cp, 0, 100, 2)
     slots.free_memory()  # pull mode: the ring's buffers go at join, its ready events stay
     a, b = socket.socketpair()
     comm = IPCSenderComm(cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], release, "pull")
-    worker = PullWorker(b, sizes, release=release, misbehave=misbehave, ids=ids, cap=cap)
-    worker.start()
+    worker = PullWorker(b, sizes, release=release, misbehave=misbehave, ids=ids, cap=cap, early=early)
+    if start:
+        worker.start()
     return log, slots, worker, IPCPullPipeline(comm, FakePacker(), num_buffers=2, timeout=5.0, hold_bytes=0)
 
 
@@ -248,7 +261,7 @@ def _join(monkeypatch: pytest.MonkeyPatch, *, packed: bool, mode: str, offer: li
 
 
 @pytest.mark.parametrize(("packed", "mode", "offer", "want", "told"), [
-    (True, "pull", ["pull", "push"], "pull", [{"op": "mode", "mode": "pull"}]),
+    (True, "pull", ["pull", "push"], "pull", [{"op": "mode", "mode": "pull", "early": True}]),
     (True, "pull", None, "push", []),  # a worker that predates modes: push, told nothing
     (True, "pull", ["push", "later-mode"], "push", [{"op": "mode", "mode": "push"}]),
     (False, "pull", ["push"], "push", [{"op": "mode", "mode": "push"}]),  # unpacked: push
@@ -265,3 +278,59 @@ def test_the_hello_negotiates_the_mode(monkeypatch: pytest.MonkeyPatch, packed: 
 def test_a_malformed_mode_offer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(TransferError, match="hello.modes"):
         _join(monkeypatch, packed=True, mode="pull", offer="pull")  # type: ignore[arg-type]
+
+
+# -- early wants: buffers named at the round's start ----------------------------------------
+
+
+def test_early_buffers_are_filled_before_the_start_returned_and_need_no_want() -> None:
+    log, slots, worker, pipe = _setup([60, 60], ids=[4, 5], early={0: 60, 1: 60})
+    worker.gate.clear()  # the update POST (which would bring wants) is not out yet
+    copied = threading.Event()
+    rt = pipe._comm.cp.cuda.runtime
+    plain = rt.memcpyAsync
+    rt.memcpyAsync = lambda *a: (plain(*a), copied.set())
+
+    def begin() -> None:  # the start: its reply is only back once chunk 0 is in the early buffer
+        assert copied.wait(5), "the trainer waited for the start before filling an early buffer"
+        worker.gate.set()
+
+    assert pipe.send_packed(_prepared([60, 60], 50), threading.Event(), begin) == (120, 2)
+    worker.join(10)
+    assert [(m["c"], m["e"]) for m in worker.seen] == [(0, 0), (1, 1)]
+    assert [e[1] for e in log if e[0] == "copy"] == [10_000 * 104, 10_000 * 105]
+    assert [e[1] for e in log if e[0] == "open"] == [104, 105]
+
+
+def test_an_early_buffer_named_for_another_size_is_skipped_for_the_chunks_want() -> None:
+    # The plan changed (chunk 0 is 60 B now, named early for 50): both sides drop it.
+    log, _, worker, pipe = _setup([60, 60], ids=[0, 1], early={0: 50, 1: 60})
+    worker.ids = [7, 1]  # the want for chunk 0 names another buffer
+    assert pipe.send_packed(_prepared([60, 60], 50), threading.Event()) == (120, 2)
+    worker.join(10)
+    assert [e[1] for e in log if e[0] == "copy"] == [10_000 * 107, 10_000 * 101]
+
+
+def test_early_wants_left_from_an_earlier_round_are_void() -> None:
+    log, _, worker, pipe = _setup([60], ids=[3], start=False)
+    worker.ch.send({"op": "early", "wants": [{"c": 0, "n": 60, "b": 9, "h": handle(109), "f": handle(209), "cap": 60}]})
+    worker.start()  # this round's worker names buffer 3 on demand
+    pipe.send_packed(_prepared([60], 50), threading.Event())
+    worker.join(10)
+    assert [e[1] for e in log if e[0] == "copy"] == [10_000 * 103]  # never into the stale buffer 9
+
+
+@pytest.mark.parametrize(("wants", "needle"), [
+    ([], "without 1..2 wants"),
+    ([{"c": 2, "n": 60, "b": 0}], "with c=2, outside \\[0, 1\\]"),
+    ([{"c": 0, "n": 60, "b": 0}, {"c": 0, "n": 60, "b": 1}], "named chunk 0 twice"),
+    ([{"c": 0, "n": 0, "b": 0}], "with n=0, outside"),
+])
+def test_a_malformed_early_message_is_refused(wants: list, needle: str) -> None:
+    _, _, worker, pipe = _setup([60], start=False)
+
+    def begin() -> None:  # the worker's start sends it
+        worker.ch.send({"op": "early", "wants": wants})
+
+    with pytest.raises(TransferError, match=needle):
+        pipe.send_packed(_prepared([60], 50), threading.Event(), begin)

@@ -105,6 +105,38 @@ class Channel:
             raise TransferError(f"{self.peer} sent a control message without an 'op': {raw[:80]!r}")
         return msg
 
+    def discard_delivered(self, op: str) -> int:
+        """Drop the ``op`` messages at the head of what was already delivered to this
+        side, without waiting (what the peer sent earlier and nobody read: a loopback
+        send lands at once); the first other message stays to be read. Returns how many."""
+        try:
+            self._sock.setblocking(False)
+            while True:
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    break  # EOF: the next blocking recv reports it with its context
+                self._buf += data
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            if self._aborted:
+                raise TransferError(f"IPC control channel to {self.peer} was aborted") from None
+            raise PeerLost(f"lost {self.peer}: {type(exc).__name__}: {exc}") from None
+        dropped = 0
+        while len(self._buf) >= 4:
+            n = int.from_bytes(self._buf[:4], "big")
+            if n > MAX_MESSAGE_BYTES or len(self._buf) < 4 + n:
+                break  # an oversized frame is refused by the next recv, by name
+            try:
+                head = json.loads(bytes(self._buf[4:4 + n]))
+            except ValueError:
+                break
+            if not isinstance(head, dict) or head.get("op") != op:
+                break
+            del self._buf[:4 + n]
+            dropped += 1
+        return dropped
+
     def expect(self, op: str, *, deadline: float, what: str, alive: Callable[[], None] | None = None) -> dict[str, Any]:
         msg = self.recv(deadline=deadline, what=what, alive=alive)
         if msg["op"] != op:

@@ -94,6 +94,16 @@ class ReceivePool:
         """A free buffer for a chunk of ``nbytes`` (allocated and exported if none fits),
         its free event recorded on ``stream_ptr`` (the stream the buffer's previous
         readers were ordered on: torch's current stream), now ``filling``."""
+        buf = self._take(nbytes, stream_ptr, allocate=True)
+        assert buf is not None
+        return buf
+
+    def acquire_free(self, nbytes: int, stream_ptr: int) -> PoolBuffer | None:
+        """``acquire`` without allocating: None when no free buffer fits (a buffer named
+        early must not grow the pool: the round may not need it)."""
+        return self._take(nbytes, stream_ptr, allocate=False)
+
+    def _take(self, nbytes: int, stream_ptr: int, *, allocate: bool) -> PoolBuffer | None:
         want = size_class(nbytes)
         with self._lock:
             if self.closed:
@@ -105,6 +115,8 @@ class ReceivePool:
             if buf is not None:
                 buf.state = "filling"
         if buf is None:
+            if not allocate:
+                return None
             buf = self._allocate(want)
         with self._cp.cuda.Device(self.device):
             record(self._cp, buf.event, stream_ptr)
@@ -122,6 +134,17 @@ class ReceivePool:
                 out["f"] = encode_secret(event_handle(self._cp, buf.event))
             buf.announced = True
         return out
+
+    def unfill(self, buf: PoolBuffer) -> None:
+        """``filling`` -> ``free`` for a buffer named early that the round did not use: the
+        trainer skips it by the same rule (``ipc.pull``), so nothing writes into it."""
+        with self._lock:
+            if buf.state != "filling":
+                raise TransferError(f"IPC receive buffer {buf.id} is {buf.state}, not filling")
+            buf.state = "free"
+            drop = self._claim(buf) if buf.retired or self.closed else None
+        if drop is not None:
+            self._free(drop)
 
     def lease(self, buf: PoolBuffer, nbytes: int) -> _Lease:
         """Hand the filled ``buf`` to torch (``torch.as_tensor(lease)``): free again once

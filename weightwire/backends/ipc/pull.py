@@ -118,6 +118,22 @@ class WorkerBuffers:
                     self._cp.cuda.runtime.eventDestroy(event)
 
 
+def _early_wants(msg: dict[str, Any], depth: int, peer: str) -> dict[int, dict[str, Any]]:
+    """An "early" message's wants by chunk, each checked like a want (``c`` below the
+    depth: only the first chunks are named early, ``n`` a byte count)."""
+    wants = msg.get("wants")
+    if not isinstance(wants, list) or not 0 < len(wants) <= depth or not all(isinstance(w, dict) for w in wants):
+        raise TransferError(f"{peer} sent an 'early' message without 1..{depth} wants")
+    out: dict[int, dict[str, Any]] = {}
+    for want in wants:
+        c = check_int(want, "c", 0, depth - 1, peer)
+        check_int(want, "n", 1, 1 << 62, peer)
+        if c in out:
+            raise TransferError(f"{peer} named chunk {c} twice in one 'early' message")
+        out[c] = {**want, "op": "want"}
+    return out
+
+
 class IPCPullPipeline(IPCDataPath):
     """Chunks straight into the workers' buffers; same entry points as ``DevicePipeline``."""
 
@@ -126,10 +142,37 @@ class IPCPullPipeline(IPCDataPath):
         super().__init__(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
         self._depth = len(comm.slots.events)
         self._buffers = [WorkerBuffers(comm.cp, comm.slots.device, ch.peer) for ch in comm.channels]
+        self._early: list[dict[int, dict[str, Any]] | None] = [None] * len(comm.channels)
+        """Per worker: this round's early wants by chunk (None until its "early" message was read)."""
 
     def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None,
                     root: int = 0) -> tuple[int, int]:
+        # Before this round's start can reach a worker, an early message already here is
+        # from an earlier round that read none of it (its buffers were never filled) and void.
+        for ch in self._comm.channels:
+            ch.discard_delivered("early")
+        self._early = [None] * len(self._comm.channels)
         return self._run(begin, lambda starter: self._pump(prepared, stop, starter))
+
+    def _want(self, w: int, ci: int, nbytes: int, deadline: float, alive: Any) -> dict[str, Any]:
+        """Worker ``w``'s want for chunk ``ci``: its early one when that was named for
+        ``nbytes`` (the worker applies the same rule), else the want it sends for it."""
+        ch = self._comm.channels[w]
+        while True:
+            early = self._early[w]
+            named = early.pop(ci, None) if early is not None else None
+            if named is not None and named["n"] == nbytes:
+                return named
+            if named is not None or early is not None:
+                return ch.expect("want", deadline=deadline, what=f"the receive buffer of chunk {ci}", alive=alive)
+            msg = ch.recv(deadline=deadline, what=f"the receive buffer of chunk {ci}", alive=alive)
+            if msg["op"] == "want":
+                self._early[w] = {}  # no early message this round: it would have come first
+                return msg
+            if msg["op"] != "early":
+                raise TransferError(f"{ch.peer} sent {msg['op']!r} where the receive buffer of chunk {ci} ('want') "
+                                    "was due: the two sides disagree on the round")
+            self._early[w] = _early_wants(msg, self._depth, ch.peer)
 
     def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
                       begin: Begin = None, root: int = 0) -> tuple[int, int]:
@@ -155,8 +198,8 @@ class IPCPullPipeline(IPCDataPath):
                 if not chunk.nbytes:  # nothing to write: the worker names no buffer for it either
                     continue
                 deadline = time.monotonic() + self._timeout
-                for ch, bufs in zip(comm.channels, self._buffers, strict=True):
-                    msg = ch.expect("want", deadline=deadline, what=f"the receive buffer of chunk {ci}", alive=alive)
+                for w, (ch, bufs) in enumerate(zip(comm.channels, self._buffers, strict=True)):
+                    msg = self._want(w, ci, chunk.nbytes, deadline, alive)
                     if check_int(msg, "c", 0, 1 << 62, ch.peer) != ci:
                         raise TransferError(f"{ch.peer} asked for chunk {msg['c']} where chunk {ci} was due: "
                                             "trainer and worker disagree on the round's plan")

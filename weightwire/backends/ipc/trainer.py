@@ -171,7 +171,8 @@ class IPCRendezvous:
             mode = "pull" if self._want_pull and all("pull" in o for o in offers) else "push"
             for ch, offer in zip(channels, offers, strict=True):
                 if offer:  # a worker that predates modes takes push and is told nothing
-                    ch.send({"op": "mode", "mode": mode})
+                    # "early": this trainer takes buffers named at the round's start (ipc.pull)
+                    ch.send({"op": "mode", "mode": mode, **({"early": True} if mode == "pull" else {})})
             if mode == "pull":
                 self.slots.free_memory()  # no worker opened them; the ready events stay
         except BaseException:

@@ -116,9 +116,9 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> Receiv
     try:
         receiver.channel.send(hello)
         first = channel.recv(deadline=time.monotonic() + local.warmup_s, what="the session's mode", alive=receiver.alive)
-        mode = "push"
+        mode, early = "push", None
         if first["op"] == "mode":  # a trainer that predates modes goes straight to the warm-up ping
-            mode = str(first.get("mode"))
+            mode, early = str(first.get("mode")), first.get("early")
             if mode not in ("pull", "push") or (mode == "pull" and not info.packed):
                 raise TransferError(f"{channel.peer} chose IPC mode {str(mode)[:20]!r}, which this worker did not offer")
             first = channel.recv(deadline=time.monotonic() + local.warmup_s, what="the trainer's warm-up",
@@ -133,8 +133,11 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> Receiv
         receiver.abort()
         receiver.close()
         raise
-    cls = IPCPullLink if mode == "pull" else IPCLink
-    return cls(receiver, device=torch.device("cuda", index), timeout_s=info.timeout_s, depth=info.packed_num_buffers)
+    dev = torch.device("cuda", index)
+    if mode == "pull":  # a trainer that takes early wants says so in its mode message
+        return IPCPullLink(receiver, device=dev, timeout_s=info.timeout_s, depth=info.packed_num_buffers,
+                           early=early is True)
+    return IPCLink(receiver, device=dev, timeout_s=info.timeout_s, depth=info.packed_num_buffers)
 
 
 class IPCLink(ReceiveLink):
@@ -227,24 +230,77 @@ class IPCLink(ReceiveLink):
 
 
 class IPCPullLink(ReceiveLink):
-    """Chunks written by the trainer straight into this worker's pool (module docstring)."""
+    """Chunks written by the trainer straight into this worker's pool (module docstring).
 
-    def __init__(self, communicator: IPCReceiver, *, device: torch.device, timeout_s: float, depth: int) -> None:
+    Early wants (``early``, when the trainer offered them): at ``round_started`` (the
+    round's start) the buffers for the first ``depth`` chunks are named at once, sized
+    as the last update's chunks were, in one ``{"op": "early", "wants": [...]}``
+    message, so the trainer can fill them while the update POST is still on its way
+    here. ``post`` then takes chunk ``c``'s early buffer and sends no want when its size
+    is the chunk's, and otherwise puts it back and names another (the trainer applies
+    the same rule, so both always agree on which buffer holds which chunk). Only free
+    buffers are named early (the pool never grows for it), and only between a start
+    and the end of that round's update may the trainer write into them.
+    """
+
+    def __init__(self, communicator: IPCReceiver, *, device: torch.device, timeout_s: float, depth: int,
+                 early: bool = False) -> None:
         super().__init__(communicator, device=device, timeout_s=timeout_s, depth=depth)
         self.pool = ReceivePool(communicator.cp, communicator.device)
         self._pending: dict[int, tuple[Any, Chunk, bool]] = {}
         self._host_wait = wait_mode() == "host"
+        self._offer_early = early and not communicator.info.release_after_round
+        self._early: dict[int, tuple[Any, int]] = {}  # chunk -> (buffer, bytes it was named for)
+        self._sizes: list[int] = []  # the last update's first ``depth`` chunk sizes
+
+    def _stream(self) -> int:
+        # The free event goes on torch's current stream: a reused buffer's last readers
+        # (the previous round's loads) were ordered there, as the caching allocator assumes.
+        return int(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def round_started(self) -> None:
+        """Name the buffers of the coming update's first chunks (see the class docstring)."""
+        if not self._offer_early or not self._sizes:
+            return
+        rx: IPCReceiver = self.communicator
+        rx.alive()
+        self._unfill_early()
+        wants = []
+        for c, n in enumerate(self._sizes):
+            if n <= 0:
+                continue
+            buf = self.pool.acquire_free(n, self._stream())
+            if buf is None:  # still leased (the model keeps last round's tensors): named on demand
+                break
+            self._early[c] = (buf, n)
+            wants.append({"c": c, "n": n, **self.pool.describe(buf)})
+        if wants:
+            rx.channel.send({"op": "early", "wants": wants})
+
+    def _unfill_early(self) -> None:
+        early, self._early = self._early, {}
+        for buf, _ in early.values():
+            self.pool.unfill(buf)
 
     def post(self, index: int, chunk: Chunk, metas: Sequence[ParamMeta], *, packed: bool) -> None:
         rx: IPCReceiver = self.communicator
         rx.alive()
+        if index == 0:
+            self._sizes = []
+        if index < self.depth:
+            self._sizes.append(chunk.nbytes)
+        last = chunk.stop == len(metas)
+        named = self._early.pop(index, None)
+        if named is not None:
+            if named[1] == chunk.nbytes:  # the trainer fills it without being asked
+                self._pending[index] = (named[0], chunk, last)
+                return
+            self.pool.unfill(named[0])  # the plan changed: the trainer skips it too
         if chunk.nbytes == 0:  # nothing to write (a round of empty tensors)
-            self._pending[index] = (None, chunk, chunk.stop == len(metas))
+            self._pending[index] = (None, chunk, last)
             return
-        # The free event goes on torch's current stream: a reused buffer's last readers
-        # (the previous round's loads) were ordered there, as the caching allocator assumes.
-        buf = self.pool.acquire(chunk.nbytes, torch.cuda.current_stream(self.device).cuda_stream)
-        self._pending[index] = (buf, chunk, chunk.stop == len(metas))
+        buf = self.pool.acquire(chunk.nbytes, self._stream())
+        self._pending[index] = (buf, chunk, last)
         rx.channel.send({"op": "want", "c": index, "n": chunk.nbytes, **self.pool.describe(buf)})
 
     def wait(self, index: int) -> torch.Tensor:
@@ -273,6 +329,7 @@ class IPCPullLink(ReceiveLink):
             ch.expect("unmapped", deadline=deadline, what="the trainer's close of its mappings", alive=rx.alive)
             self.pool.retire_all()
         if last:
+            self._unfill_early()  # named early for chunks this plan does not have: unused by both sides
             dump_trace("worker")
         return out
 

@@ -160,6 +160,8 @@ class _ReceiverCore:
         if self._link is None:
             self._raise_not_ready()
         self._touched = time.monotonic()
+        assert self._link is not None
+        self._link.round_started()
         if self._staged_mode:
             self._staged = []
             self._active = True

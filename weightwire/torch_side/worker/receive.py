@@ -72,6 +72,12 @@ class ReceiveLink(ABC):
     @abstractmethod
     def wait(self, index: int) -> torch.Tensor: ...
 
+    def round_started(self) -> None:
+        """A round started (``start_weight_update``): a link may get the coming update's
+        first chunks ready here (``weightwire_ipc`` pull mode names their buffers early).
+        Must not block on the trainer."""
+        return None  # most links need nothing before the update arrives
+
     def for_src(self, src: int) -> ReceiveLink:
         """The link that receives a turn broadcast by group rank ``src`` (see
         ``sources.MultiSourceLink``); a single-sender link takes only ``src`` 0."""
