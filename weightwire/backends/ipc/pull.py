@@ -37,10 +37,10 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from weightwire.backends.ipc.channel import check_int
+from weightwire.backends.ipc.gather import GatherCopy
 from weightwire.backends.ipc.pipeline import IPCDataPath, _Starter
 from weightwire.backends.ipc.slots import (
     CUDA_IPC_LAZY_PEER_ACCESS,
-    MEMCPY_DEVICE_TO_DEVICE,
     open_event,
     record,
     stream_wait,
@@ -142,6 +142,7 @@ class IPCPullPipeline(IPCDataPath):
         super().__init__(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
         self._depth = len(comm.slots.events)
         self._buffers = [WorkerBuffers(comm.cp, comm.slots.device, ch.peer) for ch in comm.channels]
+        self._gather = GatherCopy(comm.cp, comm.slots.device, self._sptr)
         self._early: list[dict[int, dict[str, Any]] | None] = [None] * len(comm.channels)
         """Per worker: this round's early wants by chunk (None until its "early" message was read)."""
 
@@ -180,7 +181,7 @@ class IPCPullPipeline(IPCDataPath):
 
     def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> tuple[int, int]:
         comm, cp = self._comm, self._comm.cp
-        copy = cp.cuda.runtime.memcpyAsync
+        gather = self._gather.copy
         sptr = self._sptr
         nbytes = count = 0
 
@@ -209,10 +210,7 @@ class IPCPullPipeline(IPCDataPath):
                                         alive=alive)
                     else:
                         stream_wait(cp, sptr, free)
-                    off = 0
-                    for r in regions:
-                        copy(ptr + off, r.ptr, r.nbytes, MEMCPY_DEVICE_TO_DEVICE, sptr)
-                        off += r.nbytes
+                    gather(ptr, regions, deadline=deadline, alive=alive)
                 k = ci % self._depth
                 record(cp, comm.slots.events[k], sptr)
                 trace(f"filled {ci}")
@@ -243,6 +241,8 @@ class IPCPullPipeline(IPCDataPath):
             sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=min(self._timeout, 30.0), what="the fill stream")
         except Exception:  # a copy may still write through the mappings: leave them open
             self._buffers = []
+        else:
+            self._gather.close()  # the stream settled: no upload reads its tables any more
         finally:
             for bufs in self._buffers:
                 bufs.close()

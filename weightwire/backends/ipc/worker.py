@@ -274,6 +274,7 @@ class IPCPullLink(ReceiveLink):
                 break
             self._early[c] = (buf, n)
             wants.append({"c": c, "n": n, **self.pool.describe(buf)})
+        trace(f"early {len(wants)} of {len(self._sizes)}")
         if wants:
             rx.channel.send({"op": "early", "wants": wants})
 

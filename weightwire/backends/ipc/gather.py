@@ -1,0 +1,176 @@
+"""``GatherCopy``: a chunk's many small tensor copies as one kernel launch (``weightwire_ipc``).
+
+A packed chunk is its tensors' bytes back to back, so filling it is one device copy per
+tensor. On an H200 each ``cudaMemcpyAsync`` costs ~5.8 us of host time, and the GPU runs
+the small ones no faster than the host issues them: a Qwen2-0.5B round (290 tensors,
+169 under 1 MiB) took 1.69 ms of copies where one copy of the same 0.99 GB takes 0.47 ms.
+Here every tensor under ``SMALL_BYTES`` goes into one table (source, destination, bytes)
+that a single gather kernel walks, one block row per tensor, 16 bytes per thread and
+step where all three are 16-byte aligned; the large tensors keep their own
+``cudaMemcpyAsync`` (the copy engine's bandwidth is the ceiling for those). Measured on
+the same H200 (``gpu_probe`` numbers in ``docs/benchmarks.md`` §6): 0.81-0.84 ms device
+and 0.49 ms host for the 0.5B chunk; an 8B chunk is unchanged on the device (8.46 ms,
+its bytes are in large tensors) and 25% cheaper on the host.
+
+The table reaches the device by an asynchronous copy from pinned host memory on the
+fill stream, so it is ordered before the kernel without a host wait. A pinned table is
+written again only after the event recorded behind its last use completed (a ring of
+``_RING`` tables, each wait bounded by the caller's deadline). Written with CuPy's
+``RawKernel`` (NVRTC) because neither CuPy nor the CUDA runtime it wraps has a batched
+device-to-device copy that takes arbitrary (unaligned, packed) offsets; where the
+kernel cannot be compiled the copies fall back to one ``cudaMemcpyAsync`` each.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from weightwire.backends.ipc.slots import CUDA_EVENT_DISABLE_TIMING, MEMCPY_DEVICE_TO_DEVICE, record, wait_event_host
+from weightwire.backends.nccl.buffers import DeviceBytes
+
+logger = logging.getLogger(__name__)
+
+SMALL_BYTES = 4 << 20
+"""Tensors below this go through the gather kernel; larger ones keep their own memcpy."""
+MIN_BATCH = 8
+"""Fewer small tensors than this are cheaper as plain memcpys than as a table + launch."""
+_BLOCKS_PER_TENSOR = 16
+_THREADS = 256
+_MAX_ROWS = 65535  # CUDA's limit on gridDim.y: a longer table is launched in parts
+_RING = 2
+_MEMCPY_HOST_TO_DEVICE = 1
+
+_SOURCE = r"""
+extern "C" __global__ void weightwire_gather(const unsigned long long* table, int rows) {
+    int row = blockIdx.y;
+    if (row >= rows) return;
+    const unsigned long long src = table[3 * row], dst = table[3 * row + 1], n = table[3 * row + 2];
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    if (((src | dst | n) & 15ULL) == 0) {
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        for (unsigned long long k = i; k < (n >> 4); k += step) d[k] = s[k];
+    } else {
+        const unsigned char* s = (const unsigned char*)src;
+        unsigned char* d = (unsigned char*)dst;
+        for (unsigned long long k = i; k < n; k += step) d[k] = s[k];
+    }
+}
+"""
+
+
+def gather_enabled() -> bool:
+    """``WEIGHTWIRE_IPC_GATHER``: ``1`` (default) batches small tensors into the gather
+    kernel, ``0`` copies every tensor with its own memcpy (for comparisons)."""
+    value = os.environ.get("WEIGHTWIRE_IPC_GATHER", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"WEIGHTWIRE_IPC_GATHER must be '0' or '1', got {value[:20]!r}")
+    return value == "1"
+
+
+class _StreamRef:
+    """What ``RawKernel.__call__`` reads a stream from (its ``ptr``): the fill stream by pointer."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class GatherCopy:
+    """Copies ``regions`` back to back into ``dst`` on one stream (see the module docstring)."""
+
+    def __init__(self, cp: Any, device: int, stream_ptr: int) -> None:
+        self._cp, self._device, self._stream = cp, int(device), _StreamRef(int(stream_ptr))
+        self._kernel: Any = None
+        self._broken = not gather_enabled()
+        self._tables: list[tuple[Any, Any, int]] = []  # (pinned host, device, event) per ring slot
+        self._capacity = 0  # rows per table
+        self._next = 0
+
+    def copy(self, dst: int, regions: Sequence[DeviceBytes], *, deadline: float, alive: Callable[[], None]) -> None:
+        """Enqueue the copies of ``regions`` to ``dst``, ``dst + regions[0].nbytes``, ... on the stream."""
+        copy = self._cp.cuda.runtime.memcpyAsync
+        stream = self._stream.ptr
+        small: list[int] = []
+        off = 0
+        for r in regions:
+            n = r.nbytes
+            if n >= SMALL_BYTES or self._broken:
+                copy(dst + off, r.ptr, n, MEMCPY_DEVICE_TO_DEVICE, stream)
+            elif n:
+                small += (r.ptr, dst + off, n)
+            off += n
+        if not small:
+            return
+        rows = len(small) // 3
+        if rows < MIN_BATCH or not self._ready():
+            for k in range(0, len(small), 3):
+                copy(small[k + 1], small[k], small[k + 2], MEMCPY_DEVICE_TO_DEVICE, stream)
+            return
+        for start in range(0, rows, _MAX_ROWS):
+            part = small[3 * start:3 * min(rows, start + _MAX_ROWS)]
+            self._launch(part, deadline=deadline, alive=alive)
+
+    def _ready(self) -> bool:
+        """Compile the kernel once; False (and plain memcpys from then on) where NVRTC is missing."""
+        if self._kernel is not None:
+            return True
+        if self._broken:
+            return False
+        try:
+            with self._cp.cuda.Device(self._device):
+                kernel = self._cp.RawKernel(_SOURCE, "weightwire_gather")
+                kernel.compile()
+        except Exception as exc:  # no NVRTC on this host: correct, just slower
+            logger.warning("weightwire_ipc: the gather kernel did not compile (%s: %s); "
+                           "small tensors are copied one memcpy each", type(exc).__name__, exc)
+            self._broken = True
+            return False
+        self._kernel = kernel
+        return True
+
+    def _launch(self, flat: list[int], *, deadline: float, alive: Callable[[], None]) -> None:
+        import numpy as np
+
+        cp = self._cp
+        rows = len(flat) // 3
+        if rows > self._capacity:
+            self._grow(rows, deadline=deadline, alive=alive)
+        host, dev, event = self._tables[self._next]
+        self._next = (self._next + 1) % _RING
+        # The table's last H2D copy must have run before its pinned memory is rewritten.
+        wait_event_host(cp, event, deadline=deadline, what="the gather table's previous upload", alive=alive)
+        table = np.frombuffer(host, dtype=np.uint64, count=len(flat))
+        table[:] = flat
+        cp.cuda.runtime.memcpyAsync(dev.data.ptr, table.ctypes.data, table.nbytes, _MEMCPY_HOST_TO_DEVICE,
+                                    self._stream.ptr)
+        self._kernel((_BLOCKS_PER_TENSOR, rows), (_THREADS,), (dev, np.int32(rows)), stream=self._stream)
+        record(cp, event, self._stream.ptr)
+
+    def _grow(self, rows: int, *, deadline: float, alive: Callable[[], None]) -> None:
+        cp = self._cp
+        for _, _, event in self._tables:  # an upload from an old table may still be queued
+            wait_event_host(cp, event, deadline=deadline, what="the gather table's previous upload", alive=alive)
+        self.close()
+        capacity = max(256, 1 << (rows - 1).bit_length())
+        with cp.cuda.Device(self._device):
+            for _ in range(_RING):
+                host = cp.cuda.alloc_pinned_memory(capacity * 24)
+                dev = cp.empty(capacity * 3, dtype=cp.uint64)
+                event = cp.cuda.runtime.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING)
+                self._tables.append((host, dev, event))
+        self._capacity = capacity
+
+    def close(self) -> None:
+        """Free the tables (after the stream settled: a launch may still read them)."""
+        tables, self._tables, self._capacity = self._tables, [], 0
+        for _, _, event in tables:
+            try:
+                self._cp.cuda.runtime.eventDestroy(event)
+            except Exception:  # teardown: an event that will not go is the driver's to reclaim
+                logger.debug("weightwire_ipc: destroying a gather-table event failed", exc_info=True)
