@@ -46,6 +46,8 @@ class PullWorker(threading.Thread):
         self.named: set[int] = set()
         self.seen: list[dict] = []
         self.early = early or {}  # chunk -> bytes named at the round's start (before any want)
+        self.early_ids: list[int] | None = None  # the buffers named early (default: ``ids``)
+        self.started = threading.Event()  # set by the round's begin: the start reached this worker
 
     def handles(self, bid: int, n: int) -> dict[str, Any]:
         if bid in self.named:
@@ -72,8 +74,11 @@ class PullWorker(threading.Thread):
 
     def run(self) -> None:
         try:
-            if self.early:
-                self.ch.send({"op": "early", "wants": [{"c": c, "n": n, "b": self.ids[c], **self.handles(self.ids[c], n)}
+            if self.early:  # a real worker sends these inside its start
+                if not self.started.wait(10):
+                    return
+                ids = self.early_ids or self.ids
+                self.ch.send({"op": "early", "wants": [{"c": c, "n": n, "b": ids[c], **self.handles(ids[c], n)}
                                                        for c, n in self.early.items()]})
             while not self.gate.wait(0.05):
                 if self.ch._aborted:
@@ -292,6 +297,7 @@ def test_early_buffers_are_filled_before_the_start_returned_and_need_no_want() -
     rt.memcpyAsync = lambda *a: (plain(*a), copied.set())
 
     def begin() -> None:  # the start: its reply is only back once chunk 0 is in the early buffer
+        worker.started.set()
         assert copied.wait(5), "the trainer waited for the start before filling an early buffer"
         worker.gate.set()
 
@@ -305,8 +311,8 @@ def test_early_buffers_are_filled_before_the_start_returned_and_need_no_want() -
 def test_an_early_buffer_named_for_another_size_is_skipped_for_the_chunks_want() -> None:
     # The plan changed (chunk 0 is 60 B now, named early for 50): both sides drop it.
     log, _, worker, pipe = _setup([60, 60], ids=[0, 1], early={0: 50, 1: 60})
-    worker.ids = [7, 1]  # the want for chunk 0 names another buffer
-    assert pipe.send_packed(_prepared([60, 60], 50), threading.Event()) == (120, 2)
+    worker.early_ids, worker.ids = [0, 1], [7, 1]  # the want for chunk 0 names another buffer
+    assert pipe.send_packed(_prepared([60, 60], 50), threading.Event(), worker.started.set) == (120, 2)
     worker.join(10)
     assert [e[1] for e in log if e[0] == "copy"] == [10_000 * 107, 10_000 * 101]
 

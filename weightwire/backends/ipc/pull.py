@@ -130,7 +130,7 @@ def _early_wants(msg: dict[str, Any], depth: int, peer: str) -> dict[int, dict[s
         check_int(want, "n", 1, 1 << 62, peer)
         if c in out:
             raise TransferError(f"{peer} named chunk {c} twice in one 'early' message")
-        out[c] = {**want, "op": "want"}
+        out[c] = {**want, "op": "want", "early": True}
     return out
 
 
@@ -174,6 +174,7 @@ class IPCPullPipeline(IPCDataPath):
                 raise TransferError(f"{ch.peer} sent {msg['op']!r} where the receive buffer of chunk {ci} ('want') "
                                     "was due: the two sides disagree on the round")
             self._early[w] = _early_wants(msg, self._depth, ch.peer)
+            trace(f"early {sorted(self._early[w] or ())}")
 
     def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
                       begin: Begin = None, root: int = 0) -> tuple[int, int]:
@@ -195,12 +196,14 @@ class IPCPullPipeline(IPCDataPath):
                     raise RoundAborted("round stopped between chunks")
                 comm.alive()
                 regions = self._regions(chunk, tensors)
+                trace(f"regions {ci}")
                 count += 1
                 if not chunk.nbytes:  # nothing to write: the worker names no buffer for it either
                     continue
                 deadline = time.monotonic() + self._timeout
                 for w, (ch, bufs) in enumerate(zip(comm.channels, self._buffers, strict=True)):
                     msg = self._want(w, ci, chunk.nbytes, deadline, alive)
+                    trace(f"want {ci}{' early' if 'early' in msg else ''}")
                     if check_int(msg, "c", 0, 1 << 62, ch.peer) != ci:
                         raise TransferError(f"{ch.peer} asked for chunk {msg['c']} where chunk {ci} was due: "
                                             "trainer and worker disagree on the round's plan")

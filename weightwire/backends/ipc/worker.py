@@ -291,6 +291,7 @@ class IPCPullLink(ReceiveLink):
         if index < self.depth:
             self._sizes.append(chunk.nbytes)
         last = chunk.stop == len(metas)
+        trace(f"post c{index}")
         named = self._early.pop(index, None)
         if named is not None:
             if named[1] == chunk.nbytes:  # the trainer fills it without being asked
@@ -325,6 +326,7 @@ class IPCPullLink(ReceiveLink):
                 else:
                     stream_wait(cp, torch.cuda.current_stream(self.device).cuda_stream, event)
             out = torch.as_tensor(self.pool.lease(buf, chunk.nbytes), device=self.device)
+            trace(f"leased c{index}")
         if last and rx.info.release_after_round:
             # The trainer closed its mappings of every buffer: the pool may be freed now.
             ch.expect("unmapped", deadline=deadline, what="the trainer's close of its mappings", alive=rx.alive)
