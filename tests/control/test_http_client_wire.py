@@ -30,6 +30,9 @@ class WireServer:
         self.requests: list[tuple[list[tuple[str, str]], bytes]] = []
         self.reply = (200, b'{"message": "ok", "session_id": "sess-1"}')
         self.silent = False
+        self.close_after_reply = False  # close the connection without saying so (an idle-timeout close)
+        self.reply_headers = b""
+        self.connections = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -38,6 +41,7 @@ class WireServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            self.connections += 1
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -60,8 +64,10 @@ class WireServer:
                 if self.silent:
                     continue
                 status, payload = self.reply
-                conn.sendall(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                             % (status, len(payload), payload))
+                conn.sendall(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+                             % (status, len(payload), self.reply_headers, payload))
+                if self.close_after_reply:
+                    return
 
     def close(self) -> None:
         self.sock.close()
@@ -133,3 +139,50 @@ def test_a_closed_client_refuses_like_httpx(server: WireServer) -> None:
     client.close()
     with pytest.raises(RuntimeError, match="client has been closed"):
         client.start_weight_update()
+
+
+def test_kept_alive_connections_are_reused_only_while_the_server_keeps_them(server: WireServer) -> None:
+    import time
+
+    from weightwire.control import client as client_mod
+
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    for _ in range(3):
+        client.start_weight_update()
+    assert server.connections == 1  # one kept-alive connection
+    server.close_after_reply = True  # the server now closes every connection after its reply
+    for _ in range(3):
+        time.sleep(0.05)  # the server's close lands first (as an idle-timeout close would)
+        client.start_weight_update()  # never sent on a closed one: a closed idle socket is dropped
+    assert server.connections == 3  # the first of these still went out on the live connection
+    time.sleep(0.05)  # the server has closed the last one before the flag flips
+    server.close_after_reply = False
+    server.reply_headers = b"connection: close\r\n"
+    client.start_weight_update()
+    client.start_weight_update()
+    assert server.connections == 5  # a "Connection: close" reply is not reused
+    server.reply_headers = b""
+    client.start_weight_update()
+    client.start_weight_update()
+    assert server.connections == 6
+    time.sleep(client_mod._KEEPALIVE_S + 0.2)  # idle past the expiry: dropped, not reused
+    client.start_weight_update()
+    assert server.connections == 7
+
+
+def test_compressed_replies_are_decoded(server: WireServer) -> None:
+    import gzip
+
+    server.reply = (200, gzip.compress(b'{"weight_version": "v3"}'))
+    server.reply_headers = b"content-encoding: gzip\r\n"
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    assert client.weight_info() == [{"weight_version": "v3"}]
+
+
+def test_a_session_id_with_a_line_break_never_splits_the_request_head(server: WireServer) -> None:
+    server.reply = (200, b'{"session_id": "s\\r\\nX-Injected: 1"}')
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 2})
+    with pytest.raises(WeightSyncError, match=r"\(no response\): LocalProtocolError: illegal header"):
+        client.start_weight_update()
+    assert not any(k.lower() == "x-injected" for head, _ in server.requests for k, _ in head)

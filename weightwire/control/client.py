@@ -24,6 +24,7 @@ import httpx
 from weightwire.control.dp import RankLayout, ServerTopology, plan_ranks
 from weightwire.control.errors import WeightSyncError, server_message
 from weightwire.control.fanout import fan_out
+from weightwire.control.wire import Wire
 from weightwire.shared import routes
 from weightwire.shared.routes import CHECKER_ACTIONS, PAUSE_MODES, SESSION_HEADER, Route
 
@@ -31,59 +32,14 @@ _OWNED = frozenset(r.name for r in (routes.START, routes.UPDATE, routes.FINISH, 
 """Routes that carry the session id an init reply returned (``SESSION_HEADER``)."""
 
 
-_LIMITS = httpx.Limits(keepalive_expiry=2.0)
+_KEEPALIVE_S = 2.0
+_LIMITS = httpx.Limits(keepalive_expiry=_KEEPALIVE_S)
 """Idle connections are dropped before uvicorn's 5 s keep-alive (vLLM's and ours) closes them:
 a POST on a connection the server just closed fails with a reset and is never retried."""
 
 
 _JSON = (b"Content-Type", b"application/json")
 _SESSION_KEY = SESSION_HEADER.encode("ascii")
-
-
-class _Wire:
-    """One server's requests, sent through its ``httpx.Client``'s transport directly.
-
-    ``Client.request`` costs ~0.3-0.4 ms more per call than the transport it ends in
-    (measured on loopback against uvicorn + httptools, 2-core host: 1.22 ms against
-    0.85 ms; httpcore itself 0.78 ms): URL and header merging, cookie extraction
-    through ``http.cookiejar``, the auth and redirect machinery, none of which these
-    routes use (no cookies, no redirects followed, the key is a fixed header). A weight
-    round is three calls and its fixed cost is the point of issue 19, so the request is
-    built here once-per-call with what ``Client.build_request`` would have produced
-    (the client's default headers, the API key, the timeout) and handed to the
-    transport the client would have picked (``_transport_for_url``: env proxies or the
-    ``transport=`` given). Still httpx all the way: same exceptions, same ``Response``.
-    Where a future httpx lacks that hook, ``Client.send`` is used instead.
-    """
-
-    def __init__(self, client: httpx.Client, base_url: str, timeout: httpx.Timeout) -> None:
-        self.client = client
-        self.base_url = base_url
-        self.headers: list[tuple[bytes, bytes]] = list(client.headers.raw)  # raw: names keep their case
-        self.extensions = {"timeout": timeout.as_dict()}
-        self._urls: dict[str, httpx.URL] = {}
-        pick = getattr(client, "_transport_for_url", None)
-        self.transport: httpx.BaseTransport | None = pick(httpx.URL(base_url)) if callable(pick) else None
-
-    def send(self, route: Route, content: bytes | None, headers: list[tuple[bytes, bytes]],
-             params: dict[str, Any] | None) -> httpx.Response:
-        """The read and closed response (httpx exceptions as raised by the transport)."""
-        url = self._urls.get(route.path)
-        if url is None:
-            url = self._urls[route.path] = httpx.URL(self.base_url + route.path)
-        request = httpx.Request(route.method, url, params=params, headers=headers, content=content,
-                                extensions=self.extensions)
-        if self.transport is None:
-            return self.client.send(request)
-        if self.client.is_closed:  # what Client.send says: never reopen a closed client's pool
-            raise RuntimeError("Cannot send a request, as the client has been closed.")
-        response = self.transport.handle_request(request)
-        try:
-            response.read()
-        finally:
-            response.close()
-        response.request = request
-        return response
 
 
 class HTTPWeightSyncClient:
@@ -117,7 +73,8 @@ class HTTPWeightSyncClient:
             httpx.Client(base_url=u, timeout=http_timeout, headers=headers, transport=transport, limits=_LIMITS)
             for u in self.base_urls
         ]
-        self._wire = [_Wire(c, u, http_timeout) for c, u in zip(self._clients, self.base_urls, strict=True)]
+        self._wire = [Wire(c, u, http_timeout, own_transport=transport is None, keepalive_expiry=_KEEPALIVE_S)
+                      for c, u in zip(self._clients, self.base_urls, strict=True)]
         self._layout: RankLayout | None = None
         self._servers: list[ServerTopology] = []
         self._sessions: list[str | None] = [None] * len(urls)
@@ -369,6 +326,8 @@ class HTTPWeightSyncClient:
         return [{**init_info, "rank_offset": offset + shift} for offset in self.rank_layout.offsets]
 
     def close(self) -> None:
+        for wire in self._wire:
+            wire.close()
         for client in self._clients:
             client.close()
 
