@@ -76,7 +76,8 @@ def _stub_worker_main() -> int:
     out = worker_proc._claim_stdout()
     loop = worker_proc.Loop(_StubWorker(), out)  # type: ignore[arg-type]
     loop.reply({"id": 0, "ok": True, "result": _StubWorker().describe()})
-    worker_proc.serve_requests(loop, sys.stdin.buffer)
+    for line in sys.stdin.buffer:  # worker_proc.main's read loop
+        loop.dispatch(json.loads(line))
     return 0
 
 
@@ -140,7 +141,11 @@ async def _app(kind: str) -> tuple[Any, Any]:
 def _http_server(kind: str, http_impl: str, loop_impl: str, conn: Any) -> None:
     import uvicorn
 
-    from weightwire.torch_side.server import _bind, event_loop_factory
+    from weightwire.torch_side import server as srv
+
+    _bind = srv._bind
+    # Older trees (before/after runs) have no event_loop_factory: they served on asyncio.
+    event_loop_factory = getattr(srv, "event_loop_factory", lambda: None)
 
     async def main() -> None:
         app, pool = await _app(kind)

@@ -329,14 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     loop = Loop(worker, out)
     loop.reply({"id": 0, "ok": True, "result": worker.describe()})
-    serve_requests(loop, sys.stdin.buffer)
-    os._exit(0)  # EOF: the API server is gone; do not wait for a blocked receive
-
-
-def serve_requests(loop: Loop, stream: BinaryIO) -> None:
-    """Dispatch every request line of ``stream`` until EOF (malformed lines are logged and dropped).
-    Also driven by ``benchmarks/bench_control.py`` with a stub worker, to time this hop."""
-    for line in stream:
+    for line in sys.stdin.buffer:
         try:
             msg = json.loads(line)
             if not isinstance(msg, dict):
@@ -345,6 +338,7 @@ def serve_requests(loop: Loop, stream: BinaryIO) -> None:
             log.error("dropping a malformed request line")
             continue
         loop.dispatch(msg)
+    os._exit(0)  # EOF: the API server is gone; do not wait for a blocked receive
 
 
 if __name__ == "__main__":
