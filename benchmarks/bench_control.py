@@ -268,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     samples = measure(_cases(ports), args.rounds, args.warmup)
     med = {k: statistics.median(v) * 1e6 for k, v in samples.items()}
     p90 = {k: statistics.quantiles(v, n=10)[-1] * 1e6 for k, v in samples.items()}
-    raw, triv = med["raw socket JSON line"], med["trivial POST, httpx"]
-    print(f"{'case':34} {'median µs':>10} {'p90 µs':>8} {'/ raw':>7} {'/ trivial httpx':>16}")
+    raw, triv, std = med["raw socket JSON line"], med["trivial POST, httpx"], med["trivial POST, http.client"]
+    print(f"{'case':34} {'median µs':>10} {'p90 µs':>8} {'/ raw':>7} {'/ trivial httpx':>16} {'/ trivial http.client':>22}")
     for k in med:
-        print(f"{k:34} {med[k]:10.0f} {p90[k]:8.0f} {med[k] / raw:7.1f} {med[k] / triv:16.2f}")
+        print(f"{k:34} {med[k]:10.0f} {p90[k]:8.0f} {med[k] / raw:7.1f} {med[k] / triv:16.2f} {med[k] / std:22.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"parser": parser, "loop": ports["trivial"]["loop"], "median_us": med, "p90_us": p90}, f, indent=1)

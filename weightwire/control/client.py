@@ -1,5 +1,9 @@
 """``HTTPWeightSyncClient``: vLLM's weight-sync HTTP routes, driven over httpx.
 
+Each call is built and sent by ``wire.Wire`` (httpx requests and responses, httpx's
+exceptions, a leaner path to the socket than ``httpx.Client.request``: a round's three
+calls are its fixed cost; see ``wire``).
+
 It satisfies the four-call client protocol trainer engines use
 (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update``) and adds the routes a sync needs around them (world size,

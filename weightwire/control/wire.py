@@ -101,6 +101,7 @@ class KeepAliveTransport(httpx.BaseTransport):
         self.expiry = keepalive_expiry
         self._idle: list[tuple[float, socket.socket]] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def _checkout(self, request: httpx.Request) -> socket.socket:
         now = time.monotonic()
@@ -143,11 +144,12 @@ class KeepAliveTransport(httpx.BaseTransport):
         except BaseException:
             sock.close()
             raise
-        if reply.will_close:
-            sock.close()
-        else:
-            with self._lock:
+        with self._lock:
+            keep = not reply.will_close and not self._closed  # a request in flight at close() keeps nothing
+            if keep:
                 self._idle.append((time.monotonic(), sock))
+        if not keep:
+            sock.close()
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply.getheaders()]
         return httpx.Response(reply.status, headers=headers, content=body,
                               extensions={"http_version": b"HTTP/1.1",
@@ -155,7 +157,7 @@ class KeepAliveTransport(httpx.BaseTransport):
 
     def close(self) -> None:
         with self._lock:
-            idle, self._idle = self._idle, []
+            idle, self._idle, self._closed = self._idle, [], True
         for _, sock in idle:
             sock.close()
 
