@@ -87,7 +87,8 @@ class InProcessPool:
 
         one = (args[0] if isinstance(args, list) else args) or {}
         try:
-            result = await asyncio.wait_for(self._receiver.call(op, one), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: no task per call
+                result = await self._receiver.call(op, one)
         except Exception as exc:
             if abort_on_failure:
                 await self.abort_all()

@@ -1,5 +1,9 @@
 """``HTTPWeightSyncClient``: vLLM's weight-sync HTTP routes, driven over httpx.
 
+Each call is built and sent by ``wire.Wire`` (httpx requests and responses, httpx's
+exceptions, a leaner path to the socket than ``httpx.Client.request``: a round's three
+calls are its fixed cost; see ``wire``).
+
 It satisfies the four-call client protocol trainer engines use
 (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update``) and adds the routes a sync needs around them (world size,
@@ -24,6 +28,7 @@ import httpx
 from weightwire.control.dp import RankLayout, ServerTopology, plan_ranks
 from weightwire.control.errors import WeightSyncError, server_message
 from weightwire.control.fanout import fan_out
+from weightwire.control.wire import Wire
 from weightwire.shared import routes
 from weightwire.shared.routes import CHECKER_ACTIONS, PAUSE_MODES, SESSION_HEADER, Route
 
@@ -31,9 +36,14 @@ _OWNED = frozenset(r.name for r in (routes.START, routes.UPDATE, routes.FINISH, 
 """Routes that carry the session id an init reply returned (``SESSION_HEADER``)."""
 
 
-_LIMITS = httpx.Limits(keepalive_expiry=2.0)
+_KEEPALIVE_S = 2.0
+_LIMITS = httpx.Limits(keepalive_expiry=_KEEPALIVE_S)
 """Idle connections are dropped before uvicorn's 5 s keep-alive (vLLM's and ours) closes them:
 a POST on a connection the server just closed fails with a reset and is never retried."""
+
+
+_JSON = (b"Content-Type", b"application/json")
+_SESSION_KEY = SESSION_HEADER.encode("ascii")
 
 
 class HTTPWeightSyncClient:
@@ -67,6 +77,8 @@ class HTTPWeightSyncClient:
             httpx.Client(base_url=u, timeout=http_timeout, headers=headers, transport=transport, limits=_LIMITS)
             for u in self.base_urls
         ]
+        self._wire = [Wire(c, u, http_timeout, own_transport=transport is None, keepalive_expiry=_KEEPALIVE_S)
+                      for c, u in zip(self._clients, self.base_urls, strict=True)]
         self._layout: RankLayout | None = None
         self._servers: list[ServerTopology] = []
         self._sessions: list[str | None] = [None] * len(urls)
@@ -79,18 +91,18 @@ class HTTPWeightSyncClient:
 
     def _request(self, i: int, route: Route, body: Any = None, params: dict[str, Any] | None = None) -> Any:
         server = self.base_urls[i]
-        kwargs: dict[str, Any] = {"params": params}
-        headers: dict[str, str] = {}
-        if body is not None:
-            kwargs["content"] = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
         session = self._sessions[i]
-        if route.name in _OWNED and session is not None:
-            headers[SESSION_HEADER] = session
-        if headers:
-            kwargs["headers"] = headers
+        wire = self._wire[i]
+        headers = wire.headers
+        if body is not None:
+            content = json.dumps(body).encode()
+            headers = [*headers, _JSON]
+        else:
+            content = None
+        if session is not None and route.name in _OWNED:
+            headers = [*headers, (_SESSION_KEY, session.encode("ascii"))]  # as httpx encodes a str header
         try:
-            response = self._clients[i].request(route.method, route.path, **kwargs)
+            response = wire.send(route, content, headers, params)
         except httpx.TimeoutException as exc:
             raise WeightSyncError(route.name, None, f"no answer within {self.timeout} s ({type(exc).__name__})", server) from None
         except httpx.HTTPError as exc:
@@ -108,6 +120,8 @@ class HTTPWeightSyncClient:
     def _all(self, route: Route, body: Any = None, params: dict[str, Any] | None = None,
              bodies: Sequence[Any] | None = None) -> list[Any]:
         """Call ``route`` on every server (``bodies[i]`` for server i when given)."""
+        if len(self._clients) == 1:  # the common case: no closures, no fan-out bookkeeping
+            return [self._request(0, route, body if bodies is None else bodies[0], params)]
         calls = [
             (lambda i=i: self._request(i, route, body if bodies is None else bodies[i], params))
             for i in range(len(self._clients))
@@ -316,6 +330,8 @@ class HTTPWeightSyncClient:
         return [{**init_info, "rank_offset": offset + shift} for offset in self.rank_layout.offsets]
 
     def close(self) -> None:
+        for wire in self._wire:
+            wire.close()
         for client in self._clients:
             client.close()
 

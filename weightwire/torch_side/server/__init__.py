@@ -163,7 +163,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         return fail(PROG, str(exc))
     served: list[bool] = []
     try:
-        return asyncio.run(_serve(args, served))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(_serve(args, served))
     except KeyboardInterrupt:
         if served:
             return EXIT_OK
@@ -176,6 +177,21 @@ def serve_main(argv: list[str] | None = None) -> int:
         return fail(PROG, str(exc))
     except (ValueError, RuntimeError) as exc:
         return fail(PROG, str(exc))
+
+
+def event_loop_factory() -> Any:
+    """``uvloop.new_event_loop`` where uvloop is installed (the ``[torch]`` extra brings it
+    on Linux/macOS), else ``None`` (asyncio's default loop).
+
+    The server runs uvicorn inside its own ``asyncio.Runner`` (the workers start first), so
+    uvicorn's ``loop="auto"`` never applies: the choice is made here. uvloop's lower
+    per-callback cost is a share of every weight call's fixed cost
+    (``benchmarks/bench_control.py``)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -41,6 +41,9 @@ KIND_STATUS = {
 
 
 _BULKY_OPS = frozenset({"update"})
+_INLINE_ENCODE_NAMES = 1024
+"""A bulky op whose metadata lists at most this many names is encoded on the event loop
+(tens of microseconds), not on a thread: the hop alone costs more than that."""
 
 
 def _encode_line(message: dict[str, Any]) -> str:
@@ -170,21 +173,28 @@ class Replica:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = fut
         message = {"id": msg_id, "op": op, "args": args or {}}
-        if op in _BULKY_OPS:  # a round's metadata: seconds of encoding that must not stall the loop
+        if op in _BULKY_OPS and _names(args) > _INLINE_ENCODE_NAMES:
+            # A round's metadata: seconds of encoding that must not stall the loop.
             line = await asyncio.to_thread(_encode_line, message)
         else:
             line = _encode_line(message)
         assert self.proc.stdin is not None
+        # asyncio.timeout, not wait_for: no extra task per wait (wait_for wraps its awaitable in one).
         try:
-            async with self._write_lock:
+            async with self._write_lock:  # the lock wait stays unbounded, as before: only the drain is timed
                 self.proc.stdin.write(line.encode())
-                await asyncio.wait_for(self.proc.stdin.drain(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self.proc.stdin.drain()
         except (ConnectionError, TimeoutError) as exc:
             self._pending.pop(msg_id, None)
             self._die(f"cannot send {op!r} to the worker ({type(exc).__name__})")
             raise ReplicaError(self.index, "dead", self._dead_reason or "worker gone") from None
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            # Awaited directly (no shield): if this call is cancelled (client gone) or times out,
+            # the future is cancelled too, and the reply that still arrives finds it done and
+            # is dropped (``_resolve``); a timeout also forgets the id at once.
+            async with asyncio.timeout(timeout):
+                return await fut
         except TimeoutError:
             self._pending.pop(msg_id, None)
             raise ReplicaError(self.index, "timeout", f"no reply to {op!r} within {timeout:.0f}s") from None
@@ -201,6 +211,13 @@ class Replica:
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._reader
+
+
+def _names(args: dict[str, Any] | None) -> int:
+    """How many tensor names an update's args list (its encoding cost), without trusting their shape."""
+    info = (args or {}).get("update_info")
+    names = info.get("names") if isinstance(info, dict) else None
+    return len(names) if isinstance(names, list) else 0
 
 
 async def _wait_exit(proc: asyncio.subprocess.Process, timeout: float) -> int | None:
@@ -251,6 +268,13 @@ class ReplicaPool:
         per = list(args) if isinstance(args, Sequence) else [args or {}] * len(self.replicas)
         if len(per) != len(self.replicas):
             raise ValueError(f"{op}: {len(per)} argument sets for {len(self.replicas)} replicas")
+        if len(self.replicas) == 1:  # one replica: the same outcome without a task and as_completed
+            try:
+                return [await self.replicas[0].call(op, per[0], timeout=timeout)]
+            except ReplicaError as exc:
+                if abort_on_failure:
+                    await self.abort_all()
+                raise FanOutError(op, [exc]) from None
         tasks = [asyncio.ensure_future(r.call(op, a, timeout=timeout)) for r, a in zip(self.replicas, per, strict=True)]
         errors: list[ReplicaError] = []
         secondary: list[int] = []

@@ -27,6 +27,9 @@ from weightwire.torch_side.server.state import ServerState
 from weightwire.torch_side.server.web import ApiError, error_response, read_no_body, read_object
 
 _MAX_VERSION_CHARS = 1024
+INLINE_UPDATE_BYTES = 64 << 10
+"""Update bodies up to this size are validated on the event loop (well under a millisecond
+even for a few hundred tensors' metadata); bigger ones on a worker thread."""
 _VERDICT_GRACE_S = 10.0
 """How much longer than its own ``timeout_s`` the API waits for a worker's finish verdict:
 the worker decides (commit or not) within ``timeout_s``; this only covers a wedged one."""
@@ -81,8 +84,11 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
 def _round_routes(app: FastAPI, state: ServerState) -> None:
     opts, session, pool, lease = state.options, state.session, state.pool, state.lease
 
+    # The round's three routes return a JSONResponse built here: the same bytes FastAPI
+    # would write for the dict, minus its response-model pass (jsonable_encoder and a
+    # pydantic validation of every reply), which is a share of each call's fixed cost.
     @app.post(_route("start_weight_update"))
-    async def start_weight_update(request: Request) -> dict[str, Any]:
+    async def start_weight_update(request: Request) -> JSONResponse:
         await read_no_body(request)
         _owner(state, request, "start_weight_update")
         session.check_start()
@@ -90,7 +96,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             await _fan_out_or_fail(state, "start_weight_update", "start", timeout=opts.op_timeout_s, abort_on_failure=True)
             session.started()
             _arm_lease(state)
-        return {"message": "Weight update started"}
+        return JSONResponse({"message": "Weight update started"})
 
     @app.post(_route("start_draft_weight_update"))
     async def start_draft_weight_update(request: Request) -> dict[str, Any]:
@@ -99,15 +105,19 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                             "update to start; use /start_weight_update for the main model")
 
     @app.post(_route("update_weights"))
-    async def update_weights(request: Request) -> dict[str, Any]:
+    async def update_weights(request: Request) -> JSONResponse:
         body = await read_object(request, allowed=("update_info",), required=("update_info",))
         _owner(state, request, "update_weights")
         session.check_update()
         async with session.operation("update_weights"):
             lease.disarm()
             try:
-                # A round's metadata can list a million names: validate off the event loop.
-                per = await asyncio.to_thread(_parse_update_payload, body["update_info"], state.replicas)
+                # A round's metadata can list a million names: validate off the event loop. A small
+                # body (metadata reuse: empty lists) is checked in microseconds, less than the hop.
+                if len(await request.body()) > INLINE_UPDATE_BYTES:  # the body is cached: no second read
+                    per = await asyncio.to_thread(_parse_update_payload, body["update_info"], state.replicas)
+                else:
+                    per = _parse_update_payload(body["update_info"], state.replicas)
             except ApiError as exc:
                 # The trainer is already broadcasting: tear the group down so it fails fast.
                 await pool.abort_all()
@@ -118,10 +128,10 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                                              timeout=opts.round_timeout_s, abort_on_failure=True)
             session.updated()
             _arm_lease(state)
-        return {"message": "Weights updated", "replicas": results}
+        return JSONResponse({"message": "Weights updated", "replicas": results})
 
     @app.post(_route("finish_weight_update"))
-    async def finish_weight_update(request: Request) -> dict[str, Any]:
+    async def finish_weight_update(request: Request) -> JSONResponse:
         body = await read_object(request, allowed=("weight_version",))
         version = _version_field(body, "weight_version", optional=True)
         _owner(state, request, "finish_weight_update")
@@ -138,7 +148,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             raise ApiError(409, "no weights were sent in this round (POST /update_weights before "
                                 f"/finish_weight_update): the round was closed and weight_version stays "
                                 f"{session.weight_version!r}")
-        return {"message": "Weight update finished", "weight_version": session.weight_version}
+        return JSONResponse({"message": "Weight update finished", "weight_version": session.weight_version})
 
 
 def _check_routes(app: FastAPI, state: ServerState) -> None:

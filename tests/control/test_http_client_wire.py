@@ -1,0 +1,188 @@
+"""``HTTPWeightSyncClient`` over a real loopback socket: what reaches the wire is what
+``httpx.Client.request`` would send, and every failure (no answer in time, refused,
+closed client) maps as it did. The client hands its requests to the transport directly
+(``client._Wire``); these tests pin that the shortcut changed nothing a server can see."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from weightwire.control import HTTPWeightSyncClient, WeightSyncError
+from weightwire.shared.routes import SESSION_HEADER
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class WireServer:
+    """HTTP/1.1 on loopback: records each request's head and body, answers ``reply``
+    (or never, while ``silent``); keeps connections alive like uvicorn."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests: list[tuple[list[tuple[str, str]], bytes]] = []
+        self.reply = (200, b'{"message": "ok", "session_id": "sess-1"}')
+        self.silent = False
+        self.close_after_reply = False  # close the connection without saying so (an idle-timeout close)
+        self.reply_headers = b""
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                lines = head.decode().split("\r\n")
+                headers = [(k, v.strip()) for k, _, v in (h.partition(":") for h in lines[1:])]
+                length = int(dict((k.lower(), v) for k, v in headers).get("content-length", "0"))
+                while len(buf) < length:
+                    buf += conn.recv(65536)
+                body, buf = buf[:length], buf[length:]
+                self.requests.append(([("request-line", lines[0]), *headers], body))
+                if self.silent:
+                    continue
+                status, payload = self.reply
+                conn.sendall(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+                             % (status, len(payload), self.reply_headers, payload))
+                if self.close_after_reply:
+                    return
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def server() -> Iterator[WireServer]:
+    s = WireServer()
+    yield s
+    s.close()
+
+
+def test_requests_on_the_wire_equal_what_httpx_client_sends(server: WireServer) -> None:
+    client = HTTPWeightSyncClient(server.url, timeout=5, api_key="k-1")
+    client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 2})
+    client.start_weight_update()
+    client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    client.finish_weight_update("v7")
+    client.pause("keep", clear_cache=False)
+    client.weight_info()
+    ours = list(server.requests)
+    server.requests.clear()
+    # The same calls through httpx.Client.request, as the client made them before the shortcut.
+    plain = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer k-1"})
+    json_h = {"Content-Type": "application/json"}
+    owned = {**json_h, SESSION_HEADER: "sess-1"}
+    plain.post("/init_weight_transfer_engine", content=b'{"init_info": {"rank_offset": 1, "world_size": 2}}',
+               headers=json_h)
+    plain.post("/start_weight_update", headers={SESSION_HEADER: "sess-1"})
+    plain.post("/update_weights", content=b'{"update_info": {"names": [], "dtype_names": [], "shapes": []}}',
+               headers=owned)
+    plain.post("/finish_weight_update", content=b'{"weight_version": "v7"}', headers=owned)
+    plain.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+    plain.get("/weight_info")
+    assert ours == server.requests
+    assert ("Authorization", "Bearer k-1") in ours[0][0] and (SESSION_HEADER, "sess-1") in ours[1][0]
+    client.close()
+    plain.close()
+
+
+def test_no_answer_in_time_maps_to_a_timeout_error(server: WireServer) -> None:
+    server.silent = True
+    client = HTTPWeightSyncClient(server.url, timeout=0.3)
+    with pytest.raises(WeightSyncError, match=r"start_weight_update failed on .* \(no response\): no answer within "
+                                              r"0\.3 s \(ReadTimeout\)") as info:
+        client.start_weight_update()
+    assert info.value.status is None and info.value.server == server.url
+
+
+def test_refused_connection_and_error_status_map_as_before(server: WireServer) -> None:
+    server.reply = (409, b'{"error": {"message": "a weight update is already active"}, "detail": "x"}')
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    with pytest.raises(WeightSyncError) as info:
+        client.start_weight_update()
+    assert (info.value.route, info.value.status, info.value.message) == (
+        "start_weight_update", 409, "a weight update is already active")
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    fresh = HTTPWeightSyncClient(f"http://127.0.0.1:{port}", timeout=5)
+    with pytest.raises(WeightSyncError, match=r"\(no response\): ConnectError") as info:
+        fresh.finish_weight_update("v")
+    assert info.value.status is None
+
+
+def test_a_closed_client_refuses_like_httpx(server: WireServer) -> None:
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    client.start_weight_update()
+    client.close()
+    with pytest.raises(RuntimeError, match="client has been closed"):
+        client.start_weight_update()
+
+
+def test_kept_alive_connections_are_reused_only_while_the_server_keeps_them(server: WireServer) -> None:
+    import time
+
+    from weightwire.control import client as client_mod
+
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    for _ in range(3):
+        client.start_weight_update()
+    assert server.connections == 1  # one kept-alive connection
+    server.close_after_reply = True  # the server now closes every connection after its reply
+    for _ in range(3):
+        time.sleep(0.05)  # the server's close lands first (as an idle-timeout close would)
+        client.start_weight_update()  # never sent on a closed one: a closed idle socket is dropped
+    assert server.connections == 3  # the first of these still went out on the live connection
+    time.sleep(0.05)  # the server has closed the last one before the flag flips
+    server.close_after_reply = False
+    server.reply_headers = b"connection: close\r\n"
+    client.start_weight_update()
+    client.start_weight_update()
+    assert server.connections == 5  # a "Connection: close" reply is not reused
+    server.reply_headers = b""
+    client.start_weight_update()
+    client.start_weight_update()
+    assert server.connections == 6
+    time.sleep(client_mod._KEEPALIVE_S + 0.2)  # idle past the expiry: dropped, not reused
+    client.start_weight_update()
+    assert server.connections == 7
+
+
+def test_compressed_replies_are_decoded(server: WireServer) -> None:
+    import gzip
+
+    server.reply = (200, gzip.compress(b'{"weight_version": "v3"}'))
+    server.reply_headers = b"content-encoding: gzip\r\n"
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    assert client.weight_info() == [{"weight_version": "v3"}]
+
+
+def test_a_session_id_with_a_line_break_never_splits_the_request_head(server: WireServer) -> None:
+    server.reply = (200, b'{"session_id": "s\\r\\nX-Injected: 1"}')
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 2})
+    with pytest.raises(WeightSyncError, match=r"\(no response\): LocalProtocolError: illegal header"):
+        client.start_weight_update()
+    assert not any(k.lower() == "x-injected" for head, _ in server.requests for k, _ in head)
