@@ -105,6 +105,7 @@ class InProcessClient:
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
+        self.profile: cProfile.Profile | None = None  # the worker's side of the round (its own thread)
 
     def version(self) -> str:
         return "0.33.0"
@@ -119,7 +120,14 @@ class InProcessClient:
         self.worker.start_weight_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.worker.update_weights(update_info)
+        if self.profile is None:
+            self.worker.update_weights(update_info)
+            return
+        self.profile.enable()
+        try:
+            self.worker.update_weights(update_info)
+        finally:
+            self.profile.disable()
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.worker.finish_weight_update()
@@ -153,6 +161,8 @@ def bench_rounds(engine: Any, rounds: int, profile: bool) -> dict[str, Any]:
         engine.send_weights()
     walls, phases = [], []
     prof = cProfile.Profile() if profile else None
+    if profile:
+        engine.client.profile = cProfile.Profile()
     for _ in range(rounds):
         if prof is not None:
             prof.enable()
@@ -166,7 +176,10 @@ def bench_rounds(engine: Any, rounds: int, profile: bool) -> dict[str, Any]:
            "phases_ms": {k: round(statistics.median(p[k] for p in phases) * 1e3, 3) for k in phases[0]}}
     if prof is not None:
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        for who, p in (("trainer", prof), ("worker", engine.client.profile)):
+            text.write(f"---- {who} thread\n")
+            pstats.Stats(p, stream=text).sort_stats("tottime").print_stats(25)
+        engine.client.profile = None
         out["profile"] = text.getvalue()
     return out
 
@@ -177,7 +190,6 @@ def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[
     from weightwire.shared.info import UpdateInfo
     from weightwire.shared.source import checked_iter
     from weightwire.torch_side.worker.load import MetaCache, load_batches
-    from weightwire.torch_side.worker.receive import unpack_chunk
     from weightwire.trainer.pipelines import check_chunk_bytes, chunked
     from weightwire.trainer.transfer import tensor_stream
 
@@ -214,10 +226,11 @@ def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[
         model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30), repeats)
     out["w.parse_reuse"] = median_ms(lambda: cache.resolve(
         model, UpdateInfo.from_dict(reuse), packed=True, buffer_size_bytes=1 << 30), repeats)
-    wmetas, wchunks = cache.resolve(model, UpdateInfo.from_dict(reuse), packed=True, buffer_size_bytes=1 << 30)
-    buffers = [torch.zeros(c.nbytes, dtype=torch.uint8) for c in wchunks]
-    out["w.unpack"] = median_ms(lambda: [unpack_chunk(b, wmetas, c) for b, c in zip(buffers, wchunks)], repeats)
-    batches = [unpack_chunk(b, wmetas, c) for b, c in zip(buffers, wchunks)]
+    resolved = cache.resolve(model, UpdateInfo.from_dict(reuse), packed=True, buffer_size_bytes=1 << 30)
+    buffers = [torch.zeros(c.nbytes, dtype=torch.uint8) for c in resolved.chunks]
+    pairs_of = list(zip(resolved.unpack, buffers, strict=True))
+    out["w.unpack"] = median_ms(lambda: [p.unpack(b) for p, b in pairs_of], repeats)
+    batches = [p.unpack(b) for p, b in pairs_of]
     out["w.load"] = median_ms(lambda: [host.load_weights(p) for p in load_batches(iter(batches), "chunk")],
                               repeats)
     return {k: round(v, 4) for k, v in out.items()}
@@ -227,13 +240,15 @@ def bench_unpack(repeats: int) -> dict[str, float]:
     import torch
 
     from weightwire.shared.framing import plan
-    from weightwire.torch_side.worker.receive import unpack_chunk
+    from weightwire.torch_side.worker.receive import UnpackPlan, unpack_chunk
 
     _, source = jax_source()
     metas = source.metadata()
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 30)
     buf = torch.zeros(chunk.nbytes, dtype=torch.uint8)
-    return {"unpack_chunk_ms": round(median_ms(lambda: unpack_chunk(buf, metas, chunk), repeats), 4)}
+    warm = UnpackPlan(metas, chunk)
+    return {"unpack_chunk_cold_ms": round(median_ms(lambda: unpack_chunk(buf, metas, chunk), repeats), 4),
+            "unpack_warm_ms": round(median_ms(lambda: warm.unpack(buf), repeats), 4)}
 
 
 def main() -> None:
