@@ -223,7 +223,8 @@ class PytreeSource(WeightSource):
             outs[k] = leaf if self._on_target(leaf) else self._to_target(self._as_device_array(leaf))
         if b.jitted:
             inputs = [self._as_device_array(leaves[i]) for i in b.leaves]
-            if len({_device_ids(x) for x in inputs}) > 1:
+            first = inputs[0].sharding  # equal shardings share a device set (the usual case: one device)
+            if any(x.sharding != first for x in inputs) and len({_device_ids(x) for x in inputs}) > 1:
                 # One jit needs one device set; inputs spread over several are gathered on the
                 # target first (device to device). Whole stacked leaves move here: rare layouts only.
                 inputs = [self._to_target(x) for x in inputs]
@@ -239,9 +240,13 @@ class PytreeSource(WeightSource):
         return outs  # type: ignore[return-value]
 
     def _on_target(self, x: Any) -> bool:
+        if not isinstance(x, jax.Array):
+            return False
+        sharding = x.sharding
+        if sharding == self._target:  # the common case, one comparison (per tensor, per round)
+            return True
         # memory_kind: a pinned-host array on the right device is still host memory.
-        return (isinstance(x, jax.Array) and x.sharding.device_set == {self._device}
-                and x.sharding.memory_kind in (None, self._target.memory_kind))
+        return sharding.device_set == {self._device} and sharding.memory_kind in (None, self._target.memory_kind)
 
     def _to_target(self, x: jax.Array) -> jax.Array:
         """``x`` whole on the target device, device to device only.
@@ -290,7 +295,8 @@ def _is_callable_source(params: Any) -> bool:
 
 
 def _held(plan: Plan, leaves: list[Any]) -> set[str] | None:
-    if all(_addressable(x) for x in leaves):
+    # One process sees every device: nothing to ask per leaf (twice per round, 290 leaves).
+    if jax.process_count() == 1 or all(_addressable(x) for x in leaves):
         return None
     return {e.name for e in plan.entries if all(_addressable(leaves[p.leaf]) for p in e.pieces)}
 
