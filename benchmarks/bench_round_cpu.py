@@ -184,6 +184,25 @@ def bench_rounds(engine: Any, rounds: int, profile: bool) -> dict[str, Any]:
     return out
 
 
+def device_regions(engine: Any) -> Callable[[list[Any]], Any] | None:
+    """The device path's per-tensor step (``DevicePacker.regions``, what the IPC and NCCL
+    pipelines read a chunk's tensors with) where it runs on CPU: JAX only (torch's needs CUDA)."""
+    from weightwire.jax_side.engine import JAXTrainerEngine
+
+    if not isinstance(engine, JAXTrainerEngine):
+        return None
+    import jax
+
+    from weightwire.jax_side.packer import JaxDevicePacker
+
+    packer = object.__new__(JaxDevicePacker)  # no cupy here: only what regions reads
+    device = jax.devices()[0]
+    packer._device = device
+    if hasattr(packer, "_bind"):
+        packer._bind(device)
+    return lambda tensors: packer.regions(tensors, None)
+
+
 def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[str, float]:
     import torch
 
@@ -216,6 +235,10 @@ def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[
             check_chunk_bytes(chunk, sum(p.nbytes for p in parts))
 
     out["t.pack"] = min_ms(pack, repeats)
+    regions = device_regions(engine)
+    if regions is not None:
+        tensors = [t for _, t in pairs]
+        out["t.regions"] = min_ms(lambda: regions(tensors), repeats)
 
     payload = UpdateInfo.from_metas(metas).to_dict()
     cache = MetaCache("bench")
@@ -223,6 +246,8 @@ def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[
     cache.resolve(model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30)
     reuse = UpdateInfo().to_dict()
     out["w.parse_full"] = min_ms(lambda: MetaCache("bench").resolve(
+        model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30), repeats)
+    out["w.parse_repeat"] = min_ms(lambda: cache.resolve(
         model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30), repeats)
     out["w.parse_reuse"] = min_ms(lambda: cache.resolve(
         model, UpdateInfo.from_dict(reuse), packed=True, buffer_size_bytes=1 << 30), repeats)
