@@ -37,6 +37,7 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -300,7 +301,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=300, help="runs per stage in the split")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval for the run (default: Python's 5 ms)")
     args = ap.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     makers = {"jax": jax_source, "torch": torch_source}
     names = list(makers) if args.engine == "both" else [args.engine]
     print(json.dumps({"part": "unpack", **bench_unpack(args.repeats)}))
