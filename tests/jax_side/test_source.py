@@ -104,6 +104,20 @@ def test_iter_groups_one_jitted_call_per_group_and_compiles_once_per_shape(scann
     assert flat == [(n, np.asarray(a).tobytes()) for n, a in src]
 
 
+def test_a_later_pass_uploads_nothing_and_yields_the_same(scanned, monkeypatch) -> None:
+    """The stacked layers' index vectors go to the device once, not every round."""
+    params, cfg = scanned
+    src = PytreeSource(params, llama.naming(cfg), dtype="bfloat16")
+    src.metadata()
+    first = [(n, np.asarray(a).tobytes()) for g in src.iter_groups() for n, a in g]
+    puts = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(a) or real(*a, **k))
+    src.metadata()
+    again = [(n, np.asarray(a).tobytes()) for g in src.iter_groups() for n, a in g]
+    assert again == first and puts == []
+
+
 def test_fresh_pass_from_live_callable_and_arrays_stay_valid() -> None:
     state = {"params": {"w": {"kernel": jnp.ones((2, 3))}}}
     naming = Naming([Rule("w/kernel", "w.weight", Transpose())])

@@ -263,6 +263,21 @@ def test_checked_iter_mismatch(pairs: list, match: str, ok_before: int) -> None:
     assert issubclass(SourceMismatch, ValueError)
 
 
+def test_checked_iter_takes_any_sequence_as_a_shape() -> None:
+    """A ``describe`` may give a list or a ``torch.Size``-like tuple subclass: compared by value."""
+
+    class Size(tuple):
+        pass
+
+    for spell in (list, Size):
+        def described(arr: np.ndarray, spell: type = spell) -> tuple[str, object]:
+            return wire_name_of_numpy(arr.dtype), spell(arr.shape)
+
+        assert [n for n, _ in checked_iter(iter(GOOD), DECLARED, described)] == ["a", "b", "c"]  # type: ignore[arg-type]
+        with pytest.raises(SourceMismatch, match="declared 'b' int8 \\[3, 1\\], got 'b' int8 \\[1, 3\\]"):
+            list(checked_iter(iter([GOOD[0], ("b", np.zeros((1, 3), np.int8))]), DECLARED, described))  # type: ignore[arg-type]
+
+
 # --- tables --------------------------------------------------------------------
 
 

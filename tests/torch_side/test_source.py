@@ -91,3 +91,51 @@ def test_checked_iter_catches_a_source_that_changed_under_it():
         list(checked_iter(src, metas, describe_tensor))
     with pytest.raises(TypeError, match="torch.nn.Module"):
         ModuleSource({"weight": torch.zeros(1)})  # type: ignore[arg-type]
+
+
+class Shared(torch.nn.Module):
+    """One submodule reachable twice, a None child, and nesting several levels deep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inner = torch.nn.Linear(2, 2)
+        self.a = torch.nn.Sequential(inner, torch.nn.Sequential(torch.nn.Linear(2, 3), inner))
+        self.b = inner
+        self.gone = None
+        self.c = torch.nn.ModuleDict({"x": torch.nn.LayerNorm(2), "y": torch.nn.Sequential(torch.nn.Linear(3, 1))})
+
+
+class OwnWalk(torch.nn.Linear):
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):  # type: ignore[override]
+        yield prefix, self  # hides its children, as a user wrapper might
+
+
+@pytest.mark.parametrize("remove_duplicate", [True, False])
+def test_module_walk_is_torchs_named_modules(remove_duplicate: bool) -> None:
+    from weightwire.torch_side.sender.source import _named_modules
+
+    for model in (Shared(), tiny_llama(seed=0, tied=True), torch.nn.Sequential(OwnWalk(2, 2), torch.nn.Linear(2, 2))):
+        got = _named_modules(model, remove_duplicate=remove_duplicate)
+        want = list(model.named_modules(remove_duplicate=remove_duplicate))
+        assert [(n, id(m)) for n, m in got] == [(n, id(m)) for n, m in want]
+    names = [m.name for m in ModuleSource(Shared(), keep_tied=True).metadata()]
+    assert names.count("a.0.weight") == 1 and "a.1.1.weight" in names and "b.weight" in names
+
+
+def test_metadata_is_reused_while_nothing_changed_and_rebuilt_when_something_did() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    src = ModuleSource(model)
+    first = src.metadata()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # new values, same declaration
+    again = src.metadata()
+    assert again == first and again is not first and all(a is b for a, b in zip(again, first, strict=True))
+    model[0].weight = torch.nn.Parameter(torch.zeros(4, 3))  # a new shape
+    assert [m.shape for m in src.metadata()][0] == (4, 3)
+    model[1].weight = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))  # a new dtype
+    assert src.metadata()[2].dtype == "float16"
+    model[0].bias = None  # a tensor gone
+    assert [m.name for m in src.metadata()] == ["0.weight", "1.weight", "1.bias"]
+    model[1].weight = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="cannot cross the wire"):
+        src.metadata()  # an unsupported dtype is still refused on every declaration

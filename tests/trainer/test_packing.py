@@ -224,3 +224,28 @@ def test_host_pipeline_reads_ahead_at_most_num_buffers_chunks() -> None:
     assert result == [(48, 12)] and comm.sent == [a.tobytes() for a in arrays]
     # One on the wire, num_buffers - 1 queued, one being prepared: never more, and it does read ahead.
     assert max(ahead) == 3
+
+
+def test_jax_packer_regions_are_each_arrays_own_buffer() -> None:
+    """``JaxDevicePacker.regions`` (its per-array shortcuts) against ``array_device_bytes``,
+    on a CPU device: same pointer, size and device; an array elsewhere (here: numpy) is
+    placed on the device first; an empty array points nowhere."""
+    import jax
+
+    from weightwire.backends.nccl.buffers import array_device_bytes
+    from weightwire.jax_side.packer import JaxDevicePacker
+
+    device = jax.devices()[0]
+    packer = object.__new__(JaxDevicePacker)  # no cupy here: only what regions reads
+    packer._bind(device)
+    arrays = [jnp.arange(12, dtype=jnp.float32).reshape(3, 4), jnp.ones(5, jnp.bfloat16),
+              jnp.zeros((0, 3), jnp.float32), jnp.arange(7, dtype=jnp.int8), jnp.ones(5, jnp.bfloat16) * 2,
+              np.arange(6, dtype=np.int32)]
+    for _ in range(2):  # the second pass reads the cached sizes
+        got = packer.regions(arrays, None)
+        assert [g.owner.devices() for g in got] == [{device}] * len(arrays)
+        want = [array_device_bytes(g.owner) for g in got]
+        assert [(g.ptr, g.nbytes, g.device) for g in got] == [(w.ptr, w.nbytes, w.device) for w in want]
+        assert [g.nbytes for g in got] == [48, 10, 0, 7, 10, 24] and got[2].ptr == 0
+        assert all(g.owner is a for g, a in zip(got[:5], arrays, strict=False))  # jax arrays: no copy
+        assert np.array_equal(np.asarray(got[5].owner), arrays[5])

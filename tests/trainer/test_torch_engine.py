@@ -83,3 +83,29 @@ def test_engines_import_only_their_own_framework() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     code = "import sys\nimport weightwire.torch_side.sender.engine\nassert 'jax' not in sys.modules, 'torch side imported jax'\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_torch_packer_reads_a_resident_contiguous_tensor_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TorchDevicePacker.regions``' fast path (no GPU here: duck-typed CUDA tensors):
+    pointer, byte size and device of the tensor itself; one on another GPU is staged."""
+    from types import SimpleNamespace
+
+    from weightwire.torch_side.sender.engine import TorchDevicePacker
+
+    class Stream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    def cuda_tensor(ptr: int, nbytes: int, device: int, contiguous: bool = True) -> SimpleNamespace:
+        return SimpleNamespace(is_cuda=True, get_device=lambda: device, is_contiguous=lambda: contiguous,
+                               data_ptr=lambda: ptr, nbytes=nbytes)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    packer = object.__new__(TorchDevicePacker)
+    packer._device, packer._streams = torch.device("cuda", 1), {0x77: Stream()}
+    here = [cuda_tensor(0xA0, 12, 1), cuda_tensor(0xB0, 0, 1)]
+    got = packer.regions(here, SimpleNamespace(ptr=0x77))
+    assert [(g.ptr, g.nbytes, g.device, g.owner) for g in got] == [(0xA0, 12, 1, here[0]), (0xB0, 0, 1, here[1])]
+    for elsewhere in (cuda_tensor(0xC0, 4, 0), cuda_tensor(0xD0, 4, 1, contiguous=False)):
+        with pytest.raises(AttributeError, match="'to'"):  # the staging copy (t.to(device)) is attempted
+            packer.regions([elsewhere], SimpleNamespace(ptr=0x77))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -100,6 +100,7 @@ class PytreeSource(WeightSource):
         self._metas: list[ParamMeta] = []
         self._batches: dict[tuple[int, ...], _Batch] = {}  # per plan: static half of each batch's call
         self._groups: list[list[Entry]] | None = None  # per plan: the full pass's layer groups
+        self._todo: list[tuple[Entry, ParamMeta]] | None = None  # per plan: the full pass's (entry, meta) pairs
         self._declared: list[ParamMeta] | None = None
         self._declared_whole = False  # metadata() found every leaf addressable (see checks_own_stream)
         self._current()
@@ -125,7 +126,7 @@ class PytreeSource(WeightSource):
                 except ValueError as exc:
                     raise ValueError(f"HF tensor {e.name!r} from {[p.path for p in e.pieces]}: {exc}") from exc
             layerwise_groups(metas)  # a preset that interleaves layers fails here, not on the worker
-            self._plan, self._metas, self._batches, self._groups = plan, metas, {}, None
+            self._plan, self._metas, self._batches, self._groups, self._todo = plan, metas, {}, None, None
         return self._plan, leaves
 
     # -- WeightSource
@@ -180,9 +181,13 @@ class PytreeSource(WeightSource):
         current plan's."""
         plan, leaves = self._current()
         held = _held(plan, leaves)
-        todo = [(e, m) for e, m in zip(plan.entries, self._metas, strict=True) if held is None or e.name in held]
         declared = self._metas if self._declared is None else self._declared
-        return plan, leaves, todo, [m for m in declared if held is None or m.name in held]
+        if held is None:  # every tensor (one process, always): the pairs are the plan's, made once
+            if self._todo is None:
+                self._todo = list(zip(plan.entries, self._metas, strict=True))
+            return plan, leaves, self._todo, declared
+        todo = [(e, m) for e, m in zip(plan.entries, self._metas, strict=True) if e.name in held]
+        return plan, leaves, todo, [m for m in declared if m.name in held]
 
     def _produce(self, plan: Plan, leaves: list[Any], batches: list[list[Entry]]) -> Iterator[tuple[str, jax.Array]]:
         for batch in batches:
@@ -223,15 +228,22 @@ class PytreeSource(WeightSource):
             outs[k] = leaf if self._on_target(leaf) else self._to_target(self._as_device_array(leaf))
         if b.jitted:
             inputs = [self._as_device_array(leaves[i]) for i in b.leaves]
-            if len({_device_ids(x) for x in inputs}) > 1:
+            first = inputs[0].sharding  # equal shardings share a device set (the usual case: one device)
+            if any(x.sharding != first for x in inputs) and len({_device_ids(x) for x in inputs}) > 1:
                 # One jit needs one device set; inputs spread over several are gathered on the
                 # target first (device to device). Whole stacked leaves move here: rare layouts only.
                 inputs = [self._to_target(x) for x in inputs]
             idx = b.idx
             if idx is not None:
-                where = _replicated(inputs[0].sharding)
-                if where is not None:
-                    idx = jax.device_put(idx, where)
+                # Placed once per sharding, not uploaded again every round (the indices are static).
+                sharding = inputs[0].sharding
+                placed = b.placed.get(sharding)
+                if placed is None:
+                    where = _replicated(sharding)
+                    placed = idx if where is None else jax.device_put(idx, where)
+                    if len(b.placed) < 8:  # a few shardings per batch at most, in practice one
+                        b.placed[sharding] = placed
+                idx = placed
             assert b.fn is not None
             results = list(b.fn(inputs, idx))
             for k, r in zip(b.jitted, results, strict=True):
@@ -239,9 +251,13 @@ class PytreeSource(WeightSource):
         return outs  # type: ignore[return-value]
 
     def _on_target(self, x: Any) -> bool:
+        if not isinstance(x, jax.Array):
+            return False
+        sharding = x.sharding
+        if sharding == self._target:  # the common case, one comparison (per tensor, per round)
+            return True
         # memory_kind: a pinned-host array on the right device is still host memory.
-        return (isinstance(x, jax.Array) and x.sharding.device_set == {self._device}
-                and x.sharding.memory_kind in (None, self._target.memory_kind))
+        return sharding.device_set == {self._device} and sharding.memory_kind in (None, self._target.memory_kind)
 
     def _to_target(self, x: jax.Array) -> jax.Array:
         """``x`` whole on the target device, device to device only.
@@ -274,6 +290,7 @@ class _Batch:
     leaves: list[int]  # the distinct leaves ``fn`` takes, in argument order
     fn: Callable[..., tuple[jax.Array, ...]] | None
     idx: np.ndarray | None  # every stacked piece's indices, flattened in signature order
+    placed: dict[Any, Any] = field(default_factory=dict)  # sharding -> ``idx`` on its devices
 
 
 @functools.lru_cache(maxsize=64)
@@ -290,7 +307,8 @@ def _is_callable_source(params: Any) -> bool:
 
 
 def _held(plan: Plan, leaves: list[Any]) -> set[str] | None:
-    if all(_addressable(x) for x in leaves):
+    # One process sees every device: nothing to ask per leaf (twice per round, 290 leaves).
+    if jax.process_count() == 1 or all(_addressable(x) for x in leaves):
         return None
     return {e.name for e in plan.entries if all(_addressable(leaves[p.leaf]) for p in e.pieces)}
 

@@ -8,6 +8,7 @@ own where they appear.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeVar
 
@@ -16,6 +17,7 @@ from weightwire.shared.meta import ParamMeta
 T = TypeVar("T")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same names every round, on both ends' per-tensor path
 def layer_key(name: str) -> str | None:
     """The prefix through the outermost index (``model.layers.3``), or None."""
     parts = name.split(".")

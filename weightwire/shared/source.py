@@ -120,13 +120,14 @@ def checked_iter(
 ) -> Iterator[tuple[str, Any]]:
     """Yield ``pairs`` while checking each against ``metas``; raise ``SourceMismatch``
     naming the first divergent name, dtype or shape, an extra tensor, or a missing one."""
-    i = 0
+    i, count = 0, len(metas)
     for name, tensor in pairs:
-        if i >= len(metas):
-            raise SourceMismatch(f"source yielded more tensors than metadata declared ({len(metas)}); first extra is {name!r}")
+        if i >= count:
+            raise SourceMismatch(f"source yielded more tensors than metadata declared ({count}); first extra is {name!r}")
         want = metas[i]
         dtype, shape = describe(tensor)
-        if name != want.name or dtype != want.dtype or tuple(shape) != want.shape:
+        # ``shape`` is usually a tuple already: compare first, convert only if that failed.
+        if name != want.name or dtype != want.dtype or (shape != want.shape and tuple(shape) != want.shape):
             raise SourceMismatch(
                 f"source metadata and iteration disagree at index {i}: declared {want.name!r} "
                 f"{want.dtype} {list(want.shape)}, got {name!r} {dtype} {list(shape)}"

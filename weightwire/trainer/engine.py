@@ -244,7 +244,8 @@ class TrainerEngine(ABC):
                 require_draft_model(self.client)
                 self._draft_confirmed = True  # the server's config cannot change without a restart
         metrics = self._sender_round(metas, version, clock, draft)
-        logger.info("%s", metrics.summary())
+        if logger.isEnabledFor(logging.INFO):  # the summary is formatted only for a reader
+            logger.info("%s", metrics.summary())
         return metrics
 
     def _next_version(self, weight_version: str | None) -> str:

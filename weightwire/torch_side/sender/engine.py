@@ -75,9 +75,10 @@ class TorchDevicePacker(SlotPacker):
         torch_stream = self._streams[stream.ptr]
         torch_stream.wait_stream(torch.cuda.current_stream(self._device))
         out: list[Any] = []
+        index = self._device.index  # per tensor, per round: an int compare, not a torch.device one
         for t in tensors:
-            if t.is_cuda and t.device == self._device and t.is_contiguous():
-                out.append(DeviceBytes(t.data_ptr(), t.numel() * t.element_size(), self._device.index, t))
+            if t.is_cuda and t.get_device() == index and t.is_contiguous():
+                out.append(DeviceBytes(t.data_ptr(), t.nbytes, index, t))
             else:
                 with torch.cuda.stream(torch_stream):
                     out.append(tensor_device_bytes(tensor_bytes(t.to(self._device, non_blocking=True))))

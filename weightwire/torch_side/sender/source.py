@@ -7,6 +7,7 @@ model are the checkpoint names a vLLM worker's ``load_weights`` expects.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,31 @@ from weightwire.torch_side.dtypes import wire_name
 def describe_tensor(tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
     """``(wire dtype, shape)`` of a tensor: the ``describe`` for ``shared.source.checked_iter``."""
     return wire_name(tensor.dtype), tuple(tensor.shape)
+
+
+def _named_modules(root: torch.nn.Module, *, remove_duplicate: bool) -> list[tuple[str, torch.nn.Module]]:
+    """``list(root.named_modules(remove_duplicate=...))``, walked with a stack instead of
+    one nested generator per depth level (which re-yields every module once per
+    ancestor: that walk was most of ``metadata()``'s time, and a round walks twice).
+    Same order and duplicate rule; a tree where some module overrides ``named_modules``
+    is walked by torch's own."""
+    standard = torch.nn.Module.named_modules
+    out: list[tuple[str, torch.nn.Module]] = []
+    memo: set[torch.nn.Module] = set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", root)]
+    while stack:
+        prefix, mod = stack.pop()
+        if type(mod).named_modules is not standard:
+            return list(root.named_modules(remove_duplicate=remove_duplicate))
+        if mod in memo:
+            continue
+        if remove_duplicate:
+            memo.add(mod)
+        out.append((prefix, mod))
+        children = [(f"{prefix}.{name}" if prefix else name, child)
+                    for name, child in mod._modules.items() if child is not None]
+        stack.extend(reversed(children))
+    return out
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -70,6 +96,8 @@ class ModuleSource(WeightSource):
         self._dtype = dtype
         self._include_buffers = include_buffers
         self._keep_tied = keep_tied
+        self._declared: list[ParamMeta] = []
+        self._declared_key: list[Any] | None = None
 
     def _named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Parameters then persistent buffers, module by module (``state_dict`` order).
@@ -78,7 +106,7 @@ class ModuleSource(WeightSource):
         layer's buffers stay adjacent to its parameters: layer groups must be contiguous.
         """
         seen: set[int] = set()
-        for prefix, mod in self._module.named_modules(remove_duplicate=not self._keep_tied):
+        for prefix, mod in _named_modules(self._module, remove_duplicate=not self._keep_tied):
             members: list[tuple[str, torch.Tensor | None]] = list(mod._parameters.items())
             if self._include_buffers:
                 skip = mod._non_persistent_buffers_set
@@ -98,16 +126,22 @@ class ModuleSource(WeightSource):
         return tensor.dtype
 
     def metadata(self) -> list[ParamMeta]:
+        """The declaration, rebuilt only when a tensor's name, dtype, shape or owners changed:
+        the same ``ParamMeta`` objects round after round, so the engine's per-round
+        comparisons with the last round's metadata are identity checks, not 290 field ones."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        metas: list[ParamMeta] = []
+        key: list[tuple[str, torch.dtype, torch.Size, tuple[int, ...] | None]] = []
         for name, tensor in self._named_tensors():
             owners = None
             if _is_dtensor(tensor):
                 ranks = _mesh_ranks(tensor)
                 if sorted(ranks) != list(range(world)):
                     owners = ranks
-            metas.append(ParamMeta(name, wire_name(self._wire_dtype(tensor)), tuple(tensor.shape), owners))
-        return metas
+            key.append((name, self._wire_dtype(tensor), tensor.shape, owners))
+        if key != self._declared_key:
+            self._declared = [ParamMeta(n, wire_name(d), tuple(s), o) for n, d, s, o in key]
+            self._declared_key = key
+        return list(self._declared)
 
     def held_names(self) -> set[str] | None:
         """``None`` (all) unless some ``DTensor``'s mesh excludes this rank (pipeline stages)."""

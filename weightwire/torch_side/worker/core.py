@@ -251,11 +251,13 @@ class _ReceiverCore:
         self._touched = time.monotonic()
         try:
             link = self._link.for_src(update.src)  # several broadcasters: this turn's sender
-            metas, chunks = self._plans.resolve(model, update, packed=self._info.packed,
-                                               buffer_size_bytes=self._info.packed_buffer_size_bytes)
+            resolved = self._plans.resolve(model, update, packed=self._info.packed,
+                                           buffer_size_bytes=self._info.packed_buffer_size_bytes)
+            metas, chunks = resolved.metas, resolved.chunks
             spec = self._model_spec()
-            if spec is not None and not update.reuses_previous:
+            if spec is not None and not resolved.spec_checked:  # once per metadata, not per round
                 spec.check(metas)
+                resolved.spec_checked = True
         except ValueError as exc:
             self._fail(exc, "checking the update info")
             raise ValueError(f"{exc} (round and communicator aborted)") from exc
@@ -264,12 +266,14 @@ class _ReceiverCore:
         try:
             if self._staged_mode:
                 received: list[tuple[str, torch.Tensor]] = []
-                for pairs in receive_chunks(link, metas, chunks, packed=self._info.packed, progress=progress):
+                for pairs in receive_chunks(link, metas, chunks, packed=self._info.packed, progress=progress,
+                                            plans=resolved.unpack):
                     received.extend(pairs)
                 self._staged.extend(received)  # only once every byte of this update landed
             else:
                 with self._framework.receive_context() if self._framework is not None else nullcontext():
-                    chunk_pairs = receive_chunks(link, metas, chunks, packed=self._info.packed, progress=progress)
+                    chunk_pairs = receive_chunks(link, metas, chunks, packed=self._info.packed, progress=progress,
+                                                 plans=resolved.unpack)
                     for pairs in load_batches(chunk_pairs, self._load_batching):
                         model.load_weights(pairs)
                         del pairs  # let the chunk buffer go before the next one is posted

@@ -1,7 +1,8 @@
 """A worker's byte path: from the receive link to ``load_weights``.
 
-``MetaCache.resolve`` turns an update info into the round's metadata and chunk plan
-(the same ``framing.plan`` the trainer cut the round with); ``receive_chunks`` keeps
+``MetaCache.resolve`` turns an update info into the round's metadata, chunk plan (the
+same ``framing.plan`` the trainer cut the round with) and each chunk's ``UnpackPlan``,
+all kept for the next round with the same metadata; ``receive_chunks`` keeps
 up to ``link.depth`` chunks posted ahead of the one being unpacked and yields each
 chunk's ``(name, tensor)`` views; ``load_batches`` regroups them for ``load_weights``
 ("chunk": as received, "group": one decoder layer across chunk edges); ``load_staged``
@@ -22,7 +23,7 @@ from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.groups import batch_by_layer
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
-from weightwire.torch_side.worker.receive import ReceiveLink, unpack_chunk
+from weightwire.torch_side.worker.receive import ReceiveLink, UnpackPlan
 
 LOAD_BATCHING = ("chunk", "group")
 
@@ -50,46 +51,73 @@ class ReceiveStats:
     seconds: float
 
 
+@dataclass
+class RoundPlan:
+    """What a round's update info resolves to: built once per metadata, reused after.
+
+    ``spec_checked``: the metadata passed the served model's ``ModelSpec`` (a failed
+    check aborts the session, and a new session starts with an empty cache, so a plan
+    that is reused was checked)."""
+
+    metas: list[ParamMeta]
+    chunks: list[Chunk]
+    unpack: list[UnpackPlan]  # one per chunk
+    spec_checked: bool = False
+
+
 class MetaCache:
     """The round's metadata and plan, remembering the previous round's per target model
-    (main vs draft) and broadcaster, for the 0.33 "empty lists = reuse" shorthand."""
+    (main vs draft) and broadcaster, for the 0.33 "empty lists = reuse" shorthand and so
+    that a round repeating the previous metadata in full is not planned again."""
 
     def __init__(self, backend: str) -> None:
         self._backend = backend
-        self._last: dict[tuple[int, int], tuple[Any, list[ParamMeta], list[Chunk]]] = {}
+        self._last: dict[tuple[int, int], tuple[Any, UpdateInfo, RoundPlan, bool, int]] = {}
 
     def clear(self) -> None:
         self._last.clear()
 
-    def resolve(self, model: Any, update: UpdateInfo, *, packed: bool,
-                buffer_size_bytes: int) -> tuple[list[ParamMeta], list[Chunk]]:
-        """``(metas, chunks)``; ``ValueError`` for a reuse shorthand with nothing to reuse."""
+    def resolve(self, model: Any, update: UpdateInfo, *, packed: bool, buffer_size_bytes: int) -> RoundPlan:
+        """The round's plan; ``ValueError`` for a reuse shorthand with nothing to reuse."""
         key = (id(model), update.src)  # reuse is per broadcaster: each turn has its own slice
+        cached = self._last.get(key)
+        if cached is not None and cached[0] is not model:
+            cached = None  # another model at a recycled id
         if update.reuses_previous:
-            cached = self._last.get(key)
-            if cached is None or cached[0] is not model:
+            if cached is None:
                 raise ValueError(
                     f"{self._backend}: update info has empty names/dtype_names/shapes (reuse the previous "
                     "round's metadata) but this engine has received no round since init"
                 )
-            return cached[1], cached[2]
+            return cached[2]
+        if cached is not None and cached[3] == packed and cached[4] == buffer_size_bytes and _same(cached[1], update):
+            return cached[2]  # the same metadata spelled out again: already checked and planned
         metas = update.metas()
         chunks = plan(metas, packed=packed, buffer_size_bytes=buffer_size_bytes)
-        self._last[key] = (model, metas, chunks)
-        return metas, chunks
+        resolved = RoundPlan(metas, chunks, [UnpackPlan(metas, c) for c in chunks])
+        self._last[key] = (model, update, resolved, packed, buffer_size_bytes)
+        return resolved
+
+
+def _same(a: UpdateInfo, b: UpdateInfo) -> bool:
+    # Plain lists of str / lists of int: compared in C, far cheaper than building the metas.
+    return a.names == b.names and a.dtype_names == b.dtype_names and a.shapes == b.shapes
 
 
 def receive_chunks(link: ReceiveLink, metas: list[ParamMeta], chunks: list[Chunk], *, packed: bool,
-                   progress: list[int]) -> Iterator[Pairs]:
+                   progress: list[int], plans: list[UnpackPlan] | None = None) -> Iterator[Pairs]:
     """Each chunk's ``(name, tensor)`` views in order, with up to ``link.depth`` chunks
-    posted ahead of the one in hand; ``progress[0]`` tracks that chunk, for error messages."""
-    posted = 0
-    for i, chunk in enumerate(chunks):
+    posted ahead of the one in hand; ``progress[0]`` tracks that chunk, for error messages.
+    ``plans``: each chunk's ``UnpackPlan`` (``RoundPlan.unpack``), else made here."""
+    if plans is None:
+        plans = [UnpackPlan(metas, c) for c in chunks]
+    posted, depth, total = 0, link.depth, len(chunks)
+    for i in range(total):
         progress[0] = i
-        while posted < len(chunks) and posted < i + link.depth:
+        while posted < total and posted < i + depth:
             link.post(posted, chunks[posted], metas, packed=packed)
             posted += 1
-        pairs = unpack_chunk(link.wait(i), metas, chunk)
+        pairs = plans[i].unpack(link.wait(i))
         if pairs:
             yield pairs
         # Drop this chunk's views before the next post allocates: holding them

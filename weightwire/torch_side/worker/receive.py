@@ -28,27 +28,88 @@ from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.dtypes import torch_dtype
 
+_VIEW, _CLONE, _EMPTY = 0, 1, 2  # how an UnpackPlan entry is made: in place, copied out, fresh empty
 
-def unpack_chunk(buffer: torch.Tensor, metas: Sequence[ParamMeta], chunk: Chunk) -> list[tuple[str, torch.Tensor]]:
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+class UnpackPlan:
+    """How one chunk's buffer becomes its ``(name, tensor)`` views, worked out once per
+    ``(metas, chunk)`` (the worker reuses a round's metadata, so this is per session, not
+    per round): a round then costs one tensor op per tensor instead of three plus the
+    dtype and size lookups, on the critical path of every round.
+
+    Each aligned tensor is an ``as_strided`` view of one typed view of the buffer per
+    dtype: the same storage, offset, shape and strides as ``buffer[o:o + n].view(dtype)
+    .view(shape)``. The packed framing has no alignment, so a tensor whose offset is
+    not a multiple of its itemsize cannot be viewed in place (torch refuses): it is
+    copied out. A zero-size tensor is a fresh empty tensor (torch cannot reinterpret
+    an empty slice's zero stride).
+    """
+
+    __slots__ = ("nbytes", "_entries", "_typed")
+
+    def __init__(self, metas: Sequence[ParamMeta], chunk: Chunk) -> None:
+        self.nbytes = chunk.nbytes
+        # Per tensor: (name, kind, dtype, shape, strides, element offset in the typed view, byte offset, nbytes).
+        entries: list[tuple[str, int, torch.dtype, tuple[int, ...], tuple[int, ...], int, int, int]] = []
+        typed: dict[torch.dtype, int] = {}  # dtype -> bytes of the buffer its typed view covers
+        for meta, offset in zip(metas[chunk.start : chunk.stop], chunk.offsets, strict=True):
+            dtype = torch_dtype(meta.dtype)
+            itemsize = dtype.itemsize
+            nbytes = meta.numel * itemsize
+            if nbytes == 0:
+                kind = _EMPTY
+            elif offset % itemsize:
+                kind = _CLONE
+            else:
+                kind = _VIEW
+                typed[dtype] = max(typed.get(dtype, 0), offset + nbytes)  # a multiple of itemsize
+            entries.append((meta.name, kind, dtype, meta.shape, _c_strides(meta.shape), offset // itemsize,
+                            offset, nbytes))
+        self._entries = tuple(entries)
+        self._typed = tuple(typed.items())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def unpack(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The chunk's tensors from ``buffer`` (1-D ``uint8``, at least ``nbytes``; views
+        into it except the copied-out unaligned ones)."""
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < self.nbytes:
+            raise ValueError(f"chunk buffer must be 1-D uint8 of >= {self.nbytes} bytes")
+        # One typed view per dtype; as_strided offsets are absolute in the storage.
+        views = {}
+        for dtype, end in self._typed:
+            view = buffer[:end].view(dtype)
+            views[dtype] = (view.as_strided, view.storage_offset())
+        out: list[tuple[str, torch.Tensor]] = []
+        append = out.append
+        for name, kind, dtype, shape, strides, element, offset, nbytes in self._entries:
+            if kind == _VIEW:
+                strided, base = views[dtype]
+                append((name, strided(shape, strides, base + element)))
+            elif kind == _CLONE:
+                append((name, buffer[offset : offset + nbytes].clone().view(dtype).view(shape)))
+            else:
+                append((name, torch.empty(shape, dtype=dtype, device=buffer.device)))
+        return out
+
+
+def unpack_chunk(buffer: torch.Tensor, metas: Sequence[ParamMeta], chunk: Chunk,
+                 plan: UnpackPlan | None = None) -> list[tuple[str, torch.Tensor]]:
     """Split a received chunk into ``(name, tensor)`` views of each tensor's dtype/shape.
 
-    The packed framing has no alignment, so a tensor whose offset is not a multiple
-    of its itemsize cannot be viewed in place (torch refuses): it is copied out.
+    ``plan``: this chunk's ``UnpackPlan`` when the caller keeps one (it must have been
+    made from the same ``metas`` and ``chunk``); otherwise one is made for this call.
     """
-    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < chunk.nbytes:
-        raise ValueError(f"chunk buffer must be 1-D uint8 of >= {chunk.nbytes} bytes")
-    out: list[tuple[str, torch.Tensor]] = []
-    for meta, offset in zip(metas[chunk.start : chunk.stop], chunk.offsets, strict=True):
-        dtype = torch_dtype(meta.dtype)
-        nbytes = meta.nbytes  # once: each property call re-derives it (per tensor, per round)
-        if nbytes == 0:  # torch cannot reinterpret an empty slice's (zero) stride
-            out.append((meta.name, torch.empty(meta.shape, dtype=dtype, device=buffer.device)))
-            continue
-        raw = buffer[offset : offset + nbytes]
-        if offset % dtype.itemsize:
-            raw = raw.clone()
-        out.append((meta.name, raw.view(dtype).view(meta.shape)))
-    return out
+    return (plan if plan is not None else UnpackPlan(metas, chunk)).unpack(buffer)
 
 
 class ReceiveLink(ABC):

@@ -1,0 +1,326 @@
+"""Host (Python) cost of one warm round, both ends, on CPU (issue 19: "0.5B round <= 3 ms").
+
+A round of 290 *tiny* tensors carrying Qwen2-0.5B's names (24 layers, q/k/v biases, tied
+embeddings; shapes scaled down so the bytes are negligible): what remains is the fixed
+per-round and per-tensor Python work of the trainer engine, the framing and the worker
+engine, which on a GPU host sits on the critical path of every round.
+
+    python benchmarks/bench_round_cpu.py [--engine jax|torch|both] [--rounds 300] [--profile]
+
+Three parts:
+
+1. ``round``: full warm rounds in ONE process: the trainer engine (``JAXTrainerEngine``
+   over a ``PytreeSource`` of the Flax Qwen2, or ``TorchTrainerEngine`` over a
+   ``ModuleSource`` of HF ``Qwen2ForCausalLM``) sends over ``weightwire_tcp`` (loopback
+   socket) to a standalone ``WeightwireTCPEngine`` whose "model" drops what it loads, through
+   an in-process client (no HTTP, no JSON over a socket). Both ends share the GIL, so a
+   round's wall time is roughly the sum of both sides' host work plus the handoffs.
+2. ``split``: each stage of the round alone, on the same data, timed with ``perf_counter``
+   (median of many runs): trainer ``metadata`` (``source.metadata()``), ``iterate`` (a pass
+   over the source), ``check`` (``checked_iter``), ``plan`` (plan + update info), ``pack``
+   (``chunked`` + ``host_bytes`` + the chunk byte check); worker ``parse`` (update info +
+   plan cache), ``unpack`` (``unpack_chunk``), ``load`` (``load_batches`` into the model).
+3. ``unpack``: ``unpack_chunk`` alone for the 290 tensors, cold (no plan cached) and warm.
+
+``--profile`` adds a cProfile of the full rounds (inflates small calls: confirm with part 2).
+
+Numbers (2-core shared CPU box, torch 2.13 CPU, jax CPU; median, ms; 290 tensors):
+
+  TODO
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+TENSORS = 290
+LAYERS = 24
+SMALL = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": LAYERS,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8}
+"""Qwen2-0.5B's structure (24 layers, GQA, q/k/v biases, tied embeddings) at toy widths."""
+
+
+def min_ms(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return min(samples) * 1e3  # CPU-bound and deterministic: the least-disturbed run (a shared box)
+
+
+# ------------------------------------------------------------------------------ sources
+
+
+def jax_source() -> tuple[Any, Any]:
+    import jax
+
+    from weightwire.jax_side.engine import JAXTrainerEngine
+    from weightwire.jax_side.models import qwen2
+    from weightwire.jax_side.source import PytreeSource
+
+    cfg = qwen2.config(**SMALL, tie_word_embeddings=True, param_dtype="bfloat16")
+    params = qwen2.init(jax.random.key(0), cfg)
+    return JAXTrainerEngine, PytreeSource(params, qwen2.naming(cfg))
+
+
+def torch_source() -> tuple[Any, Any]:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.torch_side.sender.source import ModuleSource
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**SMALL, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    return TorchTrainerEngine, ModuleSource(model)
+
+
+# ------------------------------------------------------------------------------ worker side
+
+
+class DropHost:
+    """A model that takes what it is given and keeps nothing: the engine's cost only."""
+
+    def __init__(self) -> None:
+        self.loaded = 0
+
+    def load_weights(self, weights: Any) -> None:
+        for _ in weights:
+            self.loaded += 1
+
+
+class InProcessClient:
+    """The engine's call set, answered by a worker engine in this process."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.profile: cProfile.Profile | None = None  # the worker's side of the round (its own thread)
+
+    def version(self) -> str:
+        return "0.33.0"
+
+    def get_world_size(self) -> int:
+        return 1
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.worker.init_transfer_engine(self.worker.parse_init_info(init_info))
+
+    def start_weight_update(self) -> None:
+        self.worker.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        if self.profile is None:
+            self.worker.update_weights(update_info)
+            return
+        self.profile.enable()
+        try:
+            self.worker.update_weights(update_info)
+        finally:
+            self.profile.disable()
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.worker.finish_weight_update()
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.worker.shutdown()
+
+
+def connect(make: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any, DropHost]:
+    from weightwire.shared.timeouts import Timeouts
+    from weightwire.torch_side.worker.engines import WeightwireTCPEngine
+    from weightwire.trainer import TrainerInitInfo
+
+    engine_cls, source = make()
+    metas = source.metadata()
+    if len(metas) != TENSORS:
+        raise SystemExit(f"expected {TENSORS} tensors, the source has {len(metas)}")
+    host = DropHost()
+    worker = WeightwireTCPEngine.standalone(model=host, device="cpu")
+    info = TrainerInitInfo(backend="weightwire_tcp", pause_mode=None,
+                           timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30))
+    engine = engine_cls.trainer_init(info, client=InProcessClient(worker), source=source)
+    return engine, worker, host
+
+
+# ------------------------------------------------------------------------------ parts
+
+
+def bench_rounds(engine: Any, rounds: int, profile: bool) -> dict[str, Any]:
+    for _ in range(20):
+        engine.send_weights()
+    walls, phases = [], []
+    prof = cProfile.Profile() if profile else None
+    if profile:
+        engine.client.profile = cProfile.Profile()
+    for _ in range(rounds):
+        if prof is not None:
+            prof.enable()
+        t0 = time.perf_counter()
+        metrics = engine.send_weights()
+        walls.append(time.perf_counter() - t0)
+        if prof is not None:
+            prof.disable()
+        phases.append(metrics.seconds)
+    out = {"round_ms": statistics.median(walls) * 1e3,
+           "phases_ms": {k: round(statistics.median(p[k] for p in phases) * 1e3, 3) for k in phases[0]}}
+    if prof is not None:
+        text = io.StringIO()
+        for who, p in (("trainer", prof), ("worker", engine.client.profile)):
+            text.write(f"---- {who} thread\n")
+            pstats.Stats(p, stream=text).sort_stats("tottime").print_stats(25)
+        engine.client.profile = None
+        out["profile"] = text.getvalue()
+    return out
+
+
+def device_regions(engine: Any) -> Callable[[list[Any]], Any] | None:
+    """The device path's per-tensor step (``DevicePacker.regions``, what the IPC and NCCL
+    pipelines read a chunk's tensors with) where it runs on CPU: JAX only (torch's needs CUDA)."""
+    from weightwire.jax_side.engine import JAXTrainerEngine
+
+    if not isinstance(engine, JAXTrainerEngine):
+        return None
+    import jax
+
+    from weightwire.jax_side.packer import JaxDevicePacker
+
+    packer = object.__new__(JaxDevicePacker)  # no cupy here: only what regions reads
+    device = jax.devices()[0]
+    packer._device = device
+    if hasattr(packer, "_bind"):
+        packer._bind(device)
+    return lambda tensors: packer.regions(tensors, None)
+
+
+def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[str, float]:
+    import torch
+
+    from weightwire.shared.info import UpdateInfo
+    from weightwire.shared.source import checked_iter
+    from weightwire.torch_side.worker.load import MetaCache, load_batches
+    from weightwire.trainer.pipelines import check_chunk_bytes, chunked
+    from weightwire.trainer.transfer import tensor_stream
+
+    source = engine.source
+    metas = source.metadata()
+    wire, chunks = engine._plan(metas)
+    pairs = list(tensor_stream(source))
+    out: dict[str, float] = {}
+    out["t.metadata"] = min_ms(source.metadata, repeats)
+    out["t.iterate"] = min_ms(lambda: list(tensor_stream(source)), repeats)
+    out["t.check"] = min_ms(lambda: list(checked_iter(pairs, metas, engine.describe)), repeats)
+    out["t.check_skipped"] = float(source.checks_own_stream(metas))
+
+    def plan() -> None:
+        engine._plan(source.metadata())
+        UpdateInfo().to_dict()
+
+    out["t.plan"] = min_ms(plan, repeats)
+
+    def pack() -> None:
+        for chunk, tensors in chunked(iter(pairs), chunks):
+            engine.prefetch_host(tensors)
+            parts = [engine.host_bytes(t) for t in tensors]
+            check_chunk_bytes(chunk, sum(p.nbytes for p in parts))
+
+    out["t.pack"] = min_ms(pack, repeats)
+    regions = device_regions(engine)
+    if regions is not None:
+        tensors = [t for _, t in pairs]
+        out["t.regions"] = min_ms(lambda: regions(tensors), repeats)
+
+    payload = UpdateInfo.from_metas(metas).to_dict()
+    cache = MetaCache("bench")
+    model = object()
+    cache.resolve(model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30)
+    reuse = UpdateInfo().to_dict()
+    out["w.parse_full"] = min_ms(lambda: MetaCache("bench").resolve(
+        model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30), repeats)
+    out["w.parse_repeat"] = min_ms(lambda: cache.resolve(
+        model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30), repeats)
+    out["w.parse_reuse"] = min_ms(lambda: cache.resolve(
+        model, UpdateInfo.from_dict(reuse), packed=True, buffer_size_bytes=1 << 30), repeats)
+    resolved = cache.resolve(model, UpdateInfo.from_dict(reuse), packed=True, buffer_size_bytes=1 << 30)
+    if isinstance(resolved, tuple):  # the tree before UnpackPlan (for before/after runs)
+        wmetas, wchunks = resolved
+        layouts: list[Any] = [_Unplanned(wmetas, c) for c in wchunks]
+    else:
+        wchunks, layouts = resolved.chunks, resolved.unpack
+    buffers = [torch.zeros(c.nbytes, dtype=torch.uint8) for c in wchunks]
+    pairs_of = list(zip(layouts, buffers, strict=True))
+    out["w.unpack"] = min_ms(lambda: [p.unpack(b) for p, b in pairs_of], repeats)
+    batches = [p.unpack(b) for p, b in pairs_of]
+    out["w.load"] = min_ms(lambda: [host.load_weights(p) for p in load_batches(iter(batches), "chunk")],
+                              repeats)
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+class _Unplanned:
+    """``unpack_chunk`` with no plan: what a warm unpack was before ``UnpackPlan``."""
+
+    def __init__(self, metas: Any, chunk: Any) -> None:
+        self.metas, self.chunk = metas, chunk
+
+    def unpack(self, buffer: Any) -> Any:
+        from weightwire.torch_side.worker.receive import unpack_chunk
+
+        return unpack_chunk(buffer, self.metas, self.chunk)
+
+
+def bench_unpack(repeats: int) -> dict[str, float]:
+    import torch
+
+    from weightwire.shared.framing import plan
+    from weightwire.torch_side.worker import receive
+
+    _, source = jax_source()
+    metas = source.metadata()
+    (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 30)
+    buf = torch.zeros(chunk.nbytes, dtype=torch.uint8)
+    make = getattr(receive, "UnpackPlan", _Unplanned)
+    warm = make(metas, chunk)
+    return {"unpack_chunk_cold_ms": round(min_ms(lambda: receive.unpack_chunk(buf, metas, chunk), repeats), 4),
+            "unpack_warm_ms": round(min_ms(lambda: warm.unpack(buf), repeats), 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", choices=("jax", "torch", "both"), default="both")
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=300, help="runs per stage in the split")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval for the run (default: Python's 5 ms)")
+    args = ap.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    makers = {"jax": jax_source, "torch": torch_source}
+    names = list(makers) if args.engine == "both" else [args.engine]
+    print(json.dumps({"part": "unpack", **bench_unpack(args.repeats)}))
+    for name in names:
+        engine, worker, host = connect(makers[name])
+        try:
+            rounds = bench_rounds(engine, args.rounds, args.profile)
+            profile = rounds.pop("profile", None)
+            print(json.dumps({"part": "round", "engine": name, **rounds}))
+            print(json.dumps({"part": "split", "engine": name, **bench_split(engine, worker, host, args.repeats)}))
+            if profile:
+                print(profile)
+        finally:
+            engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
