@@ -18,10 +18,18 @@ import numpy as np
 import pytest
 
 from weightwire.backends.ipc import gather as gather_mod
-from weightwire.backends.ipc.gather import MIN_BATCH, SMALL_BYTES, GatherCopy
+from weightwire.backends.ipc.gather import MIN_BATCH, GatherCopy
 from weightwire.backends.nccl.buffers import DeviceBytes
 
-MEM = 5 * SMALL_BYTES + (1 << 20)
+SMALL = 1 << 20  # the tests' threshold (monkeypatched): below it the kernel, from it a memcpy
+TILE = 4096
+MEM = 5 * SMALL + (1 << 20)
+
+
+@pytest.fixture(autouse=True)
+def small_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gather_mod, "SMALL_BYTES", SMALL)
+    monkeypatch.setattr(gather_mod, "TILE_BYTES", TILE)
 
 
 class Device:
@@ -86,10 +94,11 @@ class Kernel:
     def __call__(self, grid: tuple, block: tuple, args: tuple, stream: Any = None) -> None:
         table, rows = args
         rows = int(rows)
-        assert grid[1] == rows and stream.ptr == 7
+        assert 1 <= grid[0] <= rows and stream.ptr == 7  # blocks stride over the rows
         mem = self.cp.dev.mem
         words = np.frombuffer(bytes(mem[table.data.ptr:table.data.ptr + 24 * rows]), dtype=np.uint64)
         for src, dst, n in words.reshape(rows, 3).tolist():
+            assert 0 < n <= TILE
             mem[dst:dst + n] = mem[src:src + n]
         self.cp.log.append(("launch", rows))
 
@@ -132,12 +141,13 @@ def _copy(cp: FakeCupy, sizes: list[int], gc: GatherCopy | None = None) -> Gathe
     return gc
 
 
-def test_small_tensors_go_through_one_table_and_large_ones_keep_their_memcpy() -> None:
+def test_small_tensors_go_through_one_table_of_tiles_and_large_ones_keep_their_memcpy() -> None:
     cp = FakeCupy()
-    sizes = [SMALL_BYTES, 1792, 256, 0, 3, SMALL_BYTES + 5] + [100 + i for i in range(10)]
+    sizes = [SMALL, 1792, 256, 0, 3, SMALL + 5, 3 * TILE + 1, TILE] + [100 + i for i in range(10)]
     _copy(cp, sizes)
     ops = [e for e in cp.log if e[0] in ("memcpy", "upload", "launch")]
-    assert ops == [("memcpy", SMALL_BYTES), ("memcpy", SMALL_BYTES + 5), ("upload", 13), ("launch", 13)]
+    rows = 3 + 4 + 1 + 10  # 1792, 256, 3 B: a row each; 3 tiles + 1 B: four; one full tile; ten more
+    assert ops == [("memcpy", SMALL), ("memcpy", SMALL + 5), ("upload", rows), ("launch", rows)]
 
 
 def test_a_few_small_tensors_and_a_host_without_nvrtc_copy_one_memcpy_each(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,6 +1,6 @@
 """The real gather kernel (``weightwire.backends.ipc.gather``) on a GPU: bytes equal to the
 host's concatenation for tensors of every size class, 16-byte aligned and not (odd
-sources, an odd destination, odd lengths), a table longer than one launch, and the
+sources, an odd destination, odd lengths, tiles and their tails), more rows than blocks, and the
 same chunk with the kernel switched off."""
 
 from __future__ import annotations
@@ -43,13 +43,14 @@ def _run(sizes: list[int], *, dst_offset: int, src_skew: bool, kernel: bool = Tr
 @pytest.mark.gpu
 @pytest.mark.parametrize(("dst_offset", "src_skew"), [(0, False), (1, True), (6, False)])
 def test_gather_kernel_copies_every_size_and_alignment_exactly(dst_offset: int, src_skew: bool) -> None:
-    sizes = [896 * 2, 128 * 2, 1, 3, 17, 4096, (4 << 20) - 1, 4 << 20, (4 << 20) + 3, 229_376, 0, 15, 16, 33, 1 << 20]
+    sizes = [896 * 2, 128 * 2, 1, 3, 17, 4096, (4 << 20) - 1, 4 << 20, (4 << 20) + 3, 229_376, 0, 15, 16, 33, 1 << 20,
+             (64 << 10) + 1, (64 << 20) + 3]  # a tile and a byte; over the kernel's limit (a memcpy)
     _run(sizes * 3, dst_offset=dst_offset, src_skew=src_skew)
 
 
 @pytest.mark.gpu
-def test_gather_kernel_takes_a_table_longer_than_one_launch() -> None:
-    _run([1, 2, 3, 16] * 17_000, dst_offset=3, src_skew=False)  # 68,000 rows: two launches
+def test_gather_kernel_takes_a_table_of_more_rows_than_blocks() -> None:
+    _run([1, 2, 3, 16] * 17_000, dst_offset=3, src_skew=False)  # 68,000 rows for at most 4,096 blocks
 
 
 @pytest.mark.gpu

@@ -33,31 +33,32 @@ from weightwire.backends.nccl.buffers import DeviceBytes
 
 logger = logging.getLogger(__name__)
 
-SMALL_BYTES = 4 << 20
-"""Tensors below this go through the gather kernel; larger ones keep their own memcpy."""
+SMALL_BYTES = 64 << 20
+"""Tensors below this go through the gather kernel; larger ones keep their own memcpy
+(the copy engine already runs those at the device's bandwidth)."""
+TILE_BYTES = 64 << 10
+"""A kernel tensor is cut into tiles of this size, one table row each, so one launch
+spreads a chunk's bytes evenly over the GPU whatever the tensor sizes."""
 MIN_BATCH = 8
 """Fewer small tensors than this are cheaper as plain memcpys than as a table + launch."""
-_BLOCKS_PER_TENSOR = 16
 _THREADS = 256
-_MAX_ROWS = 65535  # CUDA's limit on gridDim.y: a longer table is launched in parts
+_MAX_BLOCKS = 4096  # blocks stride over the rows: enough to fill an H200 several times over
 _RING = 2
 _MEMCPY_HOST_TO_DEVICE = 1
 
 _SOURCE = r"""
-extern "C" __global__ void weightwire_gather(const unsigned long long* table, int rows) {
-    int row = blockIdx.y;
-    if (row >= rows) return;
-    const unsigned long long src = table[3 * row], dst = table[3 * row + 1], n = table[3 * row + 2];
-    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
-    if (((src | dst | n) & 15ULL) == 0) {
-        const uint4* s = (const uint4*)src;
-        uint4* d = (uint4*)dst;
-        for (unsigned long long k = i; k < (n >> 4); k += step) d[k] = s[k];
-    } else {
-        const unsigned char* s = (const unsigned char*)src;
-        unsigned char* d = (unsigned char*)dst;
-        for (unsigned long long k = i; k < n; k += step) d[k] = s[k];
+extern "C" __global__ void weightwire_gather(const unsigned long long* table, long long rows) {
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const unsigned long long src = table[3 * row], dst = table[3 * row + 1], n = table[3 * row + 2];
+        if (((src | dst | n) & 15ULL) == 0) {
+            const uint4* s = (const uint4*)src;
+            uint4* d = (uint4*)dst;
+            for (unsigned long long k = threadIdx.x; k < (n >> 4); k += blockDim.x) d[k] = s[k];
+        } else {
+            const unsigned char* s = (const unsigned char*)src;
+            unsigned char* d = (unsigned char*)dst;
+            for (unsigned long long k = threadIdx.x; k < n; k += blockDim.x) d[k] = s[k];
+        }
     }
 }
 """
@@ -96,25 +97,26 @@ class GatherCopy:
         """Enqueue the copies of ``regions`` to ``dst``, ``dst + regions[0].nbytes``, ... on the stream."""
         copy = self._cp.cuda.runtime.memcpyAsync
         stream = self._stream.ptr
-        small: list[int] = []
+        srcs: list[int] = []
+        dsts: list[int] = []
+        sizes: list[int] = []
         off = 0
         for r in regions:
             n = r.nbytes
             if n >= SMALL_BYTES or self._broken:
                 copy(dst + off, r.ptr, n, MEMCPY_DEVICE_TO_DEVICE, stream)
             elif n:
-                small += (r.ptr, dst + off, n)
+                srcs.append(r.ptr)
+                dsts.append(dst + off)
+                sizes.append(n)
             off += n
-        if not small:
+        if not sizes:
             return
-        rows = len(small) // 3
-        if rows < MIN_BATCH or not self._ready():
-            for k in range(0, len(small), 3):
-                copy(small[k + 1], small[k], small[k + 2], MEMCPY_DEVICE_TO_DEVICE, stream)
+        if len(sizes) < MIN_BATCH or not self._ready():
+            for s, d, n in zip(srcs, dsts, sizes, strict=True):
+                copy(d, s, n, MEMCPY_DEVICE_TO_DEVICE, stream)
             return
-        for start in range(0, rows, _MAX_ROWS):
-            part = small[3 * start:3 * min(rows, start + _MAX_ROWS)]
-            self._launch(part, deadline=deadline, alive=alive)
+        self._launch(srcs, dsts, sizes, deadline=deadline, alive=alive)
 
     def _ready(self) -> bool:
         """Compile the kernel once; False (and plain memcpys from then on) where NVRTC is missing."""
@@ -134,22 +136,32 @@ class GatherCopy:
         self._kernel = kernel
         return True
 
-    def _launch(self, flat: list[int], *, deadline: float, alive: Callable[[], None]) -> None:
+    def _launch(self, srcs: list[int], dsts: list[int], sizes: list[int], *, deadline: float,
+                alive: Callable[[], None]) -> None:
         import numpy as np
 
         cp = self._cp
-        rows = len(flat) // 3
+        n = np.array(sizes, dtype=np.int64)
+        tiles = (n + (TILE_BYTES - 1)) // TILE_BYTES
+        rows = int(tiles.sum())
         if rows > self._capacity:
             self._grow(rows, deadline=deadline, alive=alive)
         host, dev, event = self._tables[self._next]
         self._next = (self._next + 1) % _RING
         # The table's last H2D copy must have run before its pinned memory is rewritten.
         wait_event_host(cp, event, deadline=deadline, what="the gather table's previous upload", alive=alive)
-        table = np.frombuffer(host, dtype=np.uint64, count=len(flat))
-        table[:] = flat
+        table = np.frombuffer(host, dtype=np.uint64, count=3 * rows).reshape(rows, 3)
+        seg = np.repeat(np.arange(len(sizes)), tiles)
+        first = np.cumsum(tiles) - tiles
+        off = (np.arange(rows, dtype=np.int64) - first[seg]) * TILE_BYTES  # a tile's offset in its tensor
+        table[:, 2] = np.minimum(TILE_BYTES, n[seg] - off)
+        uoff = off.astype(np.uint64)  # pointers are uint64: int64 + uint64 would go through float64
+        table[:, 0] = np.array(srcs, dtype=np.uint64)[seg] + uoff
+        table[:, 1] = np.array(dsts, dtype=np.uint64)[seg] + uoff
         cp.cuda.runtime.memcpyAsync(dev.data.ptr, table.ctypes.data, table.nbytes, _MEMCPY_HOST_TO_DEVICE,
                                     self._stream.ptr)
-        self._kernel((_BLOCKS_PER_TENSOR, rows), (_THREADS,), (dev, np.int32(rows)), stream=self._stream)
+        blocks = min(rows, _MAX_BLOCKS)
+        self._kernel((blocks,), (_THREADS,), (dev, np.int64(rows)), stream=self._stream)
         record(cp, event, self._stream.ptr)
 
     def _grow(self, rows: int, *, deadline: float, alive: Callable[[], None]) -> None:
