@@ -1,24 +1,25 @@
-"""``GatherCopy``: a chunk's many small tensor copies as one kernel launch (``weightwire_ipc``).
+"""``GatherCopy``: a chunk's tensor copies as one kernel launch plus a memcpy per huge tensor (``weightwire_ipc``).
 
 A packed chunk is its tensors' bytes back to back, so filling it is one device copy per
-tensor. On an H200 each ``cudaMemcpyAsync`` costs ~5.8 us of host time, and the GPU runs
-the small ones no faster than the host issues them: a Qwen2-0.5B round (290 tensors,
-169 under 1 MiB) took 1.69 ms of copies where one copy of the same 0.99 GB takes 0.47 ms.
-Here every tensor under ``SMALL_BYTES`` goes into one table (source, destination, bytes)
-that a single gather kernel walks, one block row per tensor, 16 bytes per thread and
-step where all three are 16-byte aligned; the large tensors keep their own
-``cudaMemcpyAsync`` (the copy engine's bandwidth is the ceiling for those). Measured on
-the same H200 (``gpu_probe`` numbers in ``docs/benchmarks.md`` §6): 0.81-0.84 ms device
-and 0.49 ms host for the 0.5B chunk; an 8B chunk is unchanged on the device (8.46 ms,
-its bytes are in large tensors) and 25% cheaper on the host.
+tensor. On an H200 each ``cudaMemcpyAsync`` costs ~6 us of host time, and the GPU runs
+small copies no faster than the host issues them: a Qwen2-0.5B chunk (290 tensors, 0.99
+GB) took 1.95 ms of host and 1.96 ms of device time where one copy of the same bytes
+takes 0.47 ms. Here every tensor under ``SMALL_BYTES`` is cut into ``TILE_BYTES`` tiles,
+one row each (source, destination, bytes) of a table that one grid-stride kernel walks,
+16 bytes per thread and step where all three are 16-byte aligned (byte by byte where
+the packed framing left a tensor unaligned); larger tensors keep their own
+``cudaMemcpyAsync``. ``benchmarks/bench_gather.py`` on one H200: 0.5B chunk 0.38 ms host,
+0.73 ms device (0.65 of the one-memcpy ceiling); Llama-3-8B 1.79 ms host, 7.98 ms device
+(0.96 of the ceiling; per-tensor memcpys: 2.05 / 8.45 ms).
 
 The table reaches the device by an asynchronous copy from pinned host memory on the
 fill stream, so it is ordered before the kernel without a host wait. A pinned table is
 written again only after the event recorded behind its last use completed (a ring of
 ``_RING`` tables, each wait bounded by the caller's deadline). Written with CuPy's
 ``RawKernel`` (NVRTC) because neither CuPy nor the CUDA runtime it wraps has a batched
-device-to-device copy that takes arbitrary (unaligned, packed) offsets; where the
-kernel cannot be compiled the copies fall back to one ``cudaMemcpyAsync`` each.
+device-to-device copy that takes arbitrary (unaligned, packed) offsets (CUDA 12.8's
+``cudaMemcpyBatchAsync`` is not exposed by CuPy); where the kernel cannot be compiled the
+copies fall back to one ``cudaMemcpyAsync`` each.
 """
 
 from __future__ import annotations
@@ -83,7 +84,11 @@ class _StreamRef:
 
 
 class GatherCopy:
-    """Copies ``regions`` back to back into ``dst`` on one stream (see the module docstring)."""
+    """Copies ``regions`` back to back into ``dst`` on one stream (see the module docstring).
+
+    The caller keeps the source tensors alive and the destination writable until the
+    stream passed that point (the pull pipeline holds a chunk's regions until its fill
+    stream settled); ``close`` only after the stream settled."""
 
     def __init__(self, cp: Any, device: int, stream_ptr: int) -> None:
         self._cp, self._device, self._stream = cp, int(device), _StreamRef(int(stream_ptr))
