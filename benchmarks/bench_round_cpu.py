@@ -15,18 +15,49 @@ Three parts:
    socket) to a standalone ``WeightwireTCPEngine`` whose "model" drops what it loads, through
    an in-process client (no HTTP, no JSON over a socket). Both ends share the GIL, so a
    round's wall time is roughly the sum of both sides' host work plus the handoffs.
-2. ``split``: each stage of the round alone, on the same data, timed with ``perf_counter``
-   (median of many runs): trainer ``metadata`` (``source.metadata()``), ``iterate`` (a pass
+2. ``split``: each stage of the round alone, on the same data, timed with ``perf_counter``:
+   trainer ``metadata`` (``source.metadata()``), ``iterate`` (a pass
    over the source), ``check`` (``checked_iter``), ``plan`` (plan + update info), ``pack``
-   (``chunked`` + ``host_bytes`` + the chunk byte check); worker ``parse`` (update info +
-   plan cache), ``unpack`` (``unpack_chunk``), ``load`` (``load_batches`` into the model).
+   (``chunked`` + ``host_bytes`` + the chunk byte check: the TCP path), ``regions`` (the
+   device path's ``JaxDevicePacker.regions``, JAX only); worker ``parse`` (update info +
+   plan cache: a fresh cache, the same full metadata again, the reuse shorthand), ``unpack``
+   (the cached ``UnpackPlan`` per chunk), ``load`` (``load_batches`` into the model).
 3. ``unpack``: ``unpack_chunk`` alone for the 290 tensors, cold (no plan cached) and warm.
 
 ``--profile`` adds a cProfile of the full rounds (inflates small calls: confirm with part 2).
 
-Numbers (2-core shared CPU box, torch 2.13 CPU, jax CPU; median, ms; 290 tensors):
+``round`` is the median of the rounds; every ``split`` / ``unpack`` figure is the *minimum* over
+``--repeats`` runs (CPU-bound and deterministic, and the box this was written on is shared:
+the minimum is the least-disturbed run). A stage measured in a hot loop runs with warm caches,
+so inside a real round it costs somewhat more.
 
-  TODO
+Numbers, ms, 290 tensors (2-core shared CPU box, torch 2.13 CPU, jax CPU; before = the tree
+at c722201, after = issue 19's changes; same box, back to back;
+``python benchmarks/bench_round_cpu.py --rounds 300 --repeats 400``):
+
+  =======================  ======  =====  =======================================================
+  stage                    before  after  what changed
+  =======================  ======  =====  =======================================================
+  unpack_chunk, warm        1.79   0.43   ``UnpackPlan``: one ``as_strided`` per tensor, planned once
+  unpack_chunk, cold        1.83   0.92   (no plan cached: the first round of a metadata)
+  w.unpack, jax source      1.76   0.55   (the same, per chunk from the worker's cached plan)
+  w.unpack, torch source    1.86   0.63
+  w.parse_repeat            1.10   0.46   full metadata again: not re-planned / re-checked
+  w.parse_reuse             0.007  0.011  (the 0.33 reuse shorthand: nothing to do either way)
+  t.metadata torch          1.60   0.68   stack walk of the modules, ``ParamMeta`` list kept
+  t.plan torch (+metadata)  1.53   0.70   same objects: the engine's comparisons are identity checks
+  t.iterate torch           1.57   0.95   the walk
+  t.metadata jax            0.74   0.39   no per-leaf addressability query in one process
+  t.iterate jax             4.44   3.77   (mostly one jitted dispatch per layer group: 26)
+  t.regions jax             1.28   0.69   one sharding compare + cached sizes per array
+  round jax (in-process)    28.0   19.9
+  round torch (in-process)  22.8   14.6
+  =======================  ======  =====  =======================================================
+
+The in-process ``round`` is far above the sum of its stages: both ends, the TCP sender and
+receiver threads share one GIL on two busy cores, so it mostly measures handoffs; on a GPU
+host each end has its own process. ``t.pack`` (TCP host bytes, ~3 ms jax / ~1.4 ms torch) is
+not on the IPC or NCCL path (``t.regions`` is).
 """
 
 from __future__ import annotations
