@@ -159,22 +159,22 @@ class IPCPullPipeline(IPCDataPath):
         """Worker ``w``'s want for chunk ``ci``: its early one when that was named for
         ``nbytes`` (the worker applies the same rule), else the want it sends for it."""
         ch = self._comm.channels[w]
-        while True:
-            early = self._early[w]
-            named = early.pop(ci, None) if early is not None else None
-            if named is not None and named["n"] == nbytes:
-                return named
-            if named is not None or early is not None:
-                return ch.expect("want", deadline=deadline, what=f"the receive buffer of chunk {ci}", alive=alive)
-            msg = ch.recv(deadline=deadline, what=f"the receive buffer of chunk {ci}", alive=alive)
+        what = f"the receive buffer of chunk {ci}"
+        early = self._early[w]
+        if early is None:  # the round's first message: its early wants, if any, come before any want
+            msg = ch.recv(deadline=deadline, what=what, alive=alive)
             if msg["op"] == "want":
-                self._early[w] = {}  # no early message this round: it would have come first
+                self._early[w] = {}
                 return msg
             if msg["op"] != "early":
-                raise TransferError(f"{ch.peer} sent {msg['op']!r} where the receive buffer of chunk {ci} ('want') "
-                                    "was due: the two sides disagree on the round")
-            self._early[w] = _early_wants(msg, self._depth, ch.peer)
-            trace(f"early {sorted(self._early[w] or ())}")
+                raise TransferError(f"{ch.peer} sent {msg['op']!r} where {what} ('want') was due: "
+                                    "the two sides disagree on the round")
+            early = self._early[w] = _early_wants(msg, self._depth, ch.peer)
+            trace(f"early {sorted(early)}")
+        named = early.pop(ci, None)
+        if named is not None and named["n"] == nbytes:
+            return named
+        return ch.expect("want", deadline=deadline, what=what, alive=alive)
 
     def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
                       begin: Begin = None, root: int = 0) -> tuple[int, int]:
