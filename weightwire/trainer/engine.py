@@ -244,8 +244,7 @@ class TrainerEngine(ABC):
                 require_draft_model(self.client)
                 self._draft_confirmed = True  # the server's config cannot change without a restart
         metrics = self._sender_round(metas, version, clock, draft)
-        if logger.isEnabledFor(logging.INFO):  # the summary is formatted only for a reader
-            logger.info("%s", metrics.summary())
+        logger.info("%s", metrics)  # formatted only when INFO is on
         return metrics
 
     def _next_version(self, weight_version: str | None) -> str:

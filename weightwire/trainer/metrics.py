@@ -38,6 +38,9 @@ class RoundMetrics:
         seconds = self.seconds.get("transfer", 0.0)
         return self.nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
+    def __str__(self) -> str:  # logging formats it only when the record is emitted
+        return self.summary()
+
     def summary(self) -> str:
         """One log line (no names, no secrets)."""
         phases = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.seconds.items())
