@@ -33,9 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from weightwire.backends.ipc.slots import dump_trace, trace
 from weightwire.bench import sync_shim as bench_sync_shim
 from weightwire.bench.sync import MODELS, build_params, make_source
 from weightwire.bench.sync_shim import ShimClient, receiver_main, rpc
+
+TRACING = bool(os.environ.get("WEIGHTWIRE_IPC_TRACE"))  # the same switch as slots.trace
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -63,7 +66,11 @@ class IPCShimReceiver(bench_sync_shim.Receiver):
         if op == "update" and os.environ.get("BENCH_PROFILE") and self.sink.nbytes == 0:
             return _profiled("worker update", lambda: super(IPCShimReceiver, self).op(op, args))
         if op != "init":
-            return super().op(op, args)
+            trace(f"{op}>")
+            try:
+                return super().op(op, args)
+            finally:
+                trace(f"{op}<")
         from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine
 
         with self.lock:
@@ -72,7 +79,43 @@ class IPCShimReceiver(bench_sync_shim.Receiver):
             self.engine = WeightwireIPCEngine.standalone(model=self.sink, device=self.device)
             info = self.engine.parse_init_info(args["init_info"])
             self.engine.init_transfer_engine(info)
+            if TRACING:
+                _trace_worker(self.engine, self.sink)
             return {"rank": info.rank_offset}
+
+
+def _marked(fn: Any, name: str) -> Any:
+    def marked(*a: Any, **k: Any) -> Any:
+        trace(f"{name}>")
+        try:
+            return fn(*a, **k)
+        finally:
+            trace(f"{name}<")
+
+    return marked
+
+
+def _trace_worker(engine: Any, sink: Any) -> None:
+    """``WEIGHTWIRE_IPC_TRACE``: marks around the worker's plan lookup, unpack and load (private access)."""
+    from weightwire.torch_side.worker.receive import UnpackPlan
+
+    plans = engine._core._plans
+    plans.resolve = _marked(plans.resolve, "resolve")
+    sink.load_weights = _marked(sink.load_weights, "load")
+    if not hasattr(UnpackPlan, "_untraced"):
+        UnpackPlan._untraced = UnpackPlan.unpack
+        UnpackPlan.unpack = lambda self, buf: _marked(UnpackPlan._untraced, "unpack")(self, buf)
+
+
+class _TracedClient:
+    """The trainer's client with a mark around every call (``WEIGHTWIRE_IPC_TRACE``)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._inner, name)
+        return _marked(fn, name) if callable(fn) else fn
 
 
 def _profiled(what: str, fn: Any) -> Any:
@@ -146,16 +189,21 @@ def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf:
                            ipc_mode=ipc_mode,
                            timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t))
     engine = Engine.trainer_init(info, client=client, source=make_source(params))
+    if TRACING:
+        engine.client = _TracedClient(engine.client)
     try:
         for _ in range(cfg["warmup"]):
             engine.send_weights()
         walls, control, finish = [], [], []
         for _ in range(cfg["rounds"]):
             start = time.perf_counter()
+            trace(f"send> {kind} {model} {mode}")
             metrics = engine.send_weights()
             walls.append(time.perf_counter() - start)
+            trace("send<")
             control.append(metrics.seconds.get("control", 0.0))
             finish.append(metrics.seconds.get("finish", 0.0))
+        dump_trace("trainer")
         row.update(pieces=metrics.chunks, phases_ms={k: round(v * 1e3, 2) for k, v in metrics.seconds.items()})
         rpc(cfg["port"], "mem_reset", t)
         if os.environ.get("BENCH_PROFILE") and nbytes < 4 * GIB:

@@ -30,6 +30,7 @@ from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.errors import ControlTimeout
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
+from weightwire.trainer.handoff import quick_handoffs
 from weightwire.trainer.metrics import PhaseClock
 from weightwire.trainer.pipelines import DevicePipeline, HostPipeline, Prepared
 
@@ -136,7 +137,12 @@ class Transfer:
         self.broken: BaseException | None = None
 
     def run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta], *, packed: bool) -> tuple[int, int]:
-        """Broadcast ``prepared``; returns ``(bytes, broadcasts)`` once the update POST answered."""
+        """Broadcast ``prepared``; returns ``(bytes, broadcasts)`` once the update POST answered.
+        The control plane's threads get the GIL back quickly meanwhile (``handoff``)."""
+        with quick_handoffs():
+            return self._run(prepared, wire_metas, packed=packed)
+
+    def _run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta], *, packed: bool) -> tuple[int, int]:
         pipeline, stop = self._pipeline, self._stop
         try:
             if isinstance(pipeline, DevicePipeline):
