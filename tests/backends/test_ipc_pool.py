@@ -129,3 +129,42 @@ def test_a_lease_dropped_on_another_thread_returns_the_buffer() -> None:
     with pytest.raises(TransferError, match="is leased, not filling"):  # handed to torch twice: refused
         pool.lease(again, MIB)
     del keep
+
+
+# -- leased ahead of the fill (the worker's views made before the ready message) --------------
+
+
+def test_a_buffer_leased_ahead_is_not_free_before_filled_even_if_its_lease_died() -> None:
+    pool, rt = _pool()
+    a = pool.acquire(4 * MIB, 0)
+    lease = pool.lease(a, 4 * MIB, ahead=True)
+    assert a.state == "filling"  # the trainer may still be writing it
+    with pytest.raises(TransferError, match="already leased ahead of its fill"):
+        pool.lease(a, 4 * MIB)  # one lease per fill
+    del lease  # e.g. the round failed while waiting for the ready message
+    gc.collect()
+    assert a.state == "filling" and pool.acquire_free(4 * MIB, 0) is None  # not handed out again
+    assert pool.close() == a.nbytes and not [e for e in rt.log if e[0] == "free"]  # leaked, never freed
+
+
+def test_filled_turns_a_lease_ahead_into_an_ordinary_one() -> None:
+    pool, _ = _pool()
+    a = pool.acquire(4 * MIB, 0)
+    lease = pool.lease(a, 4 * MIB, ahead=True)
+    pool.filled(a)
+    assert a.state == "leased" and pool.acquire_free(4 * MIB, 0) is None
+    del lease
+    gc.collect()
+    assert a.state == "free" and pool.acquire_free(4 * MIB, 0) is a
+    with pytest.raises(TransferError, match="was not leased ahead of its fill"):
+        pool.filled(a)
+
+
+def test_a_lease_ahead_that_died_before_filled_frees_the_buffer_at_filled() -> None:
+    pool, _ = _pool()
+    a = pool.acquire(4 * MIB, 0)
+    lease = pool.lease(a, 4 * MIB, ahead=True)
+    del lease
+    gc.collect()
+    pool.filled(a)  # the fill is over: nothing writes into it any more
+    assert a.state == "free" and pool.acquire_free(4 * MIB, 0) is a

@@ -26,6 +26,7 @@ from weightwire.shared.framing import plan
 from weightwire.shared.info import encode_secret
 from weightwire.shared.ipc_info import IPCInitInfo
 from weightwire.shared.meta import ParamMeta
+from weightwire.torch_side.worker.receive import UnpackPlan
 
 SECRET = bytes(range(128))
 
@@ -299,3 +300,83 @@ def test_a_trainer_that_did_not_offer_early_wants_gets_none(cp: Cupy) -> None:
     link.round_started()
     _one_round(link, ch, chunks, metas, wants=1)  # asked for on demand, as before
     link.close()
+
+
+# -- views made before the ready message ------------------------------------------------------
+
+
+def _real_tensors(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.as_tensor(lease)`` as a CPU uint8 tensor of the lease's size (the lease kept)."""
+
+    def as_tensor(obj: Any, device: Any = None) -> torch.Tensor:
+        cp.leases.append(obj)  # type: ignore[attr-defined]
+        return torch.zeros(obj.__cuda_array_interface__["shape"][0], dtype=torch.uint8)
+
+    monkeypatch.setattr(torch, "as_tensor", as_tensor)
+
+
+def _logged_unpack(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = UnpackPlan.unpack
+
+    def unpack(self: UnpackPlan, buffer: torch.Tensor) -> list:
+        cp.cuda.runtime.log.append(("unpack",))
+        return real(self, buffer)
+
+    monkeypatch.setattr(UnpackPlan, "unpack", unpack)
+
+
+def test_views_are_made_before_the_ready_and_the_buffer_leased_after_it(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+    _real_tensors(cp, monkeypatch)
+    _logged_unpack(cp, monkeypatch)
+    link, ch, _ = _connect(_pull)
+    metas = [ParamMeta("a", "bfloat16", (3, 4)), ParamMeta("b", "float32", (5,))]
+    (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
+    unpack_plan = UnpackPlan(metas, chunk)
+    assert unpack_plan.in_place
+    link.post(0, chunk, metas, packed=True)
+    want = ch.expect("want", deadline=time.monotonic() + 5, what="want")
+    ch.send({"op": "ready", "c": 0, "e": 1})
+    pairs = link.wait_unpacked(0, unpack_plan)
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in pairs] == [("a", torch.bfloat16, (3, 4)), ("b", torch.float32, (5,))]
+    log = cp.cuda.runtime.log
+    assert log.index(("unpack",)) < log.index(("wait", 77, 1002))  # views first, then the stream waits
+    buf = link.pool._buffers[want["b"]]
+    assert buf.state == "leased"
+    del pairs
+    cp.leases.clear()  # type: ignore[attr-defined]
+    assert buf.state == "free"  # torch let go: the next round may name it
+    link.close()
+
+
+def test_a_plan_that_copies_out_unpacks_only_after_the_ready(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+    _real_tensors(cp, monkeypatch)
+    _logged_unpack(cp, monkeypatch)
+    link, ch, _ = _connect(_pull)
+    metas = [ParamMeta("odd", "uint8", (3,)), ParamMeta("f", "float32", (2,))]  # f at offset 3: copied out
+    (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
+    unpack_plan = UnpackPlan(metas, chunk)
+    assert not unpack_plan.in_place
+    link.post(0, chunk, metas, packed=True)
+    ch.expect("want", deadline=time.monotonic() + 5, what="want")
+    ch.send({"op": "ready", "c": 0, "e": 0})
+    pairs = link.wait_unpacked(0, unpack_plan)
+    assert [n for n, _ in pairs] == ["odd", "f"]
+    log = cp.cuda.runtime.log
+    assert log.index(("wait", 77, 1001)) < log.index(("unpack",))  # the copy-out reads filled bytes
+    link.close()
+
+
+def test_a_trainer_lost_before_the_ready_leaves_the_buffer_leased_ahead_unfreed(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+    _real_tensors(cp, monkeypatch)
+    link, ch, _ = _connect(_pull)
+    metas = [ParamMeta("a", "bfloat16", (8,))]
+    (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
+    link.post(0, chunk, metas, packed=True)
+    want = ch.expect("want", deadline=time.monotonic() + 5, what="want")
+    ch.abort()  # the trainer dies mid-fill
+    with pytest.raises(PeerLost, match="while this side waited for chunk 0"):
+        link.wait_unpacked(0, UnpackPlan(metas, chunk))
+    cp.leases.clear()  # type: ignore[attr-defined]  # the views are gone with the failed round
+    assert link.pool._buffers[want["b"]].state == "filling"  # not free: the copy may still run
+    link.abort()
+    assert not [e for e in cp.cuda.runtime.log if e[0] == "free"]

@@ -17,7 +17,8 @@ The plan repeats every round, so after round 1 the pool holds what the round nee
 and no new allocation or export happens.
 
 States: ``free`` -> ``filling`` (``acquire``: named to the trainer for a chunk) ->
-``leased`` (its ready event seen, wrapped for torch) -> ``free`` (the lease died).
+``leased`` (its ready event seen, wrapped for torch; or wrapped ``ahead`` of it, then
+``filled``) -> ``free`` (the lease died).
 A ``filling`` buffer may be under the trainer's copy: on abort it is *leaked*, never
 freed (``cudaFree`` under another process's copy is undefined behaviour); every
 other buffer is freed at close (a leased one when its lease dies). ``retire_all``
@@ -66,6 +67,8 @@ class PoolBuffer:
     announced: bool = False
     retired: bool = False
     freed: bool = False
+    ahead: bool = False  # leased ahead of its fill (``lease(ahead=True)``), not yet ``filled``
+    orphaned: bool = False  # that lease died before ``filled``
 
 
 class _Lease:
@@ -146,20 +149,45 @@ class ReceivePool:
         if drop is not None:
             self._free(drop)
 
-    def lease(self, buf: PoolBuffer, nbytes: int) -> _Lease:
+    def lease(self, buf: PoolBuffer, nbytes: int, *, ahead: bool = False) -> _Lease:
         """Hand the filled ``buf`` to torch (``torch.as_tensor(lease)``): free again once
-        the lease object and every tensor over it are gone."""
+        the lease object and every tensor over it are gone.
+
+        ``ahead``: the trainer may still be filling it (the worker makes the chunk's views
+        before the bytes land and reads none of them before its stream waited on the
+        ready event). It stays ``filling`` until ``filled``: a lease that dies before
+        that (an aborted round) never frees a buffer the trainer may still be writing."""
         with self._lock:
             if buf.state != "filling":
                 raise TransferError(f"IPC receive buffer {buf.id} is {buf.state}, not filling")
-            buf.state = "leased"
+            if buf.ahead:
+                raise TransferError(f"IPC receive buffer {buf.id} is already leased ahead of its fill")
+            if ahead:
+                buf.ahead = True
+            else:
+                buf.state = "leased"
         lease = _Lease(buf.ptr, nbytes)
         weakref.finalize(lease, self._returned, buf.id)
         return lease
 
+    def filled(self, buf: PoolBuffer) -> None:
+        """The ready event of a buffer leased ``ahead`` was seen: now an ordinary lease."""
+        with self._lock:
+            if buf.state != "filling" or not buf.ahead:
+                raise TransferError(f"IPC receive buffer {buf.id} was not leased ahead of its fill")
+            buf.ahead = False
+            buf.state = "free" if buf.orphaned else "leased"
+            buf.orphaned = False
+            drop = self._claim(buf) if buf.state == "free" and (buf.retired or self.closed) else None
+        if drop is not None:
+            self._free(drop)
+
     def _returned(self, bid: int) -> None:
         with self._lock:
             buf = self._buffers.get(bid)
+            if buf is not None and buf.state == "filling" and buf.ahead:
+                buf.orphaned = True  # still (maybe) being filled: ``filled`` decides
+                return
             if buf is None or buf.state != "leased":
                 return
             buf.state = "free"

@@ -49,7 +49,7 @@ from weightwire.shared.info import encode_secret
 from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.timeouts import Timeouts
-from weightwire.torch_side.worker.receive import ReceiveLink
+from weightwire.torch_side.worker.receive import ReceiveLink, UnpackPlan
 
 
 class IPCReceiver:
@@ -307,34 +307,61 @@ class IPCPullLink(ReceiveLink):
 
     def wait(self, index: int) -> torch.Tensor:
         buf, chunk, last = self._pending.pop(index)
-        rx: IPCReceiver = self.communicator
-        cp, ch = rx.cp, rx.channel
         deadline = time.monotonic() + self.timeout_s
         if buf is None:
             out = torch.empty(0, dtype=torch.uint8, device=self.device)
         else:
-            trace(f"wait c{index}")
-            msg = ch.expect("ready", deadline=deadline, what=f"chunk {index}", alive=rx.alive)
-            if check_int(msg, "c", 0, 1 << 62, ch.peer) != index:
-                raise TransferError(f"{ch.peer} announced chunk {msg['c']} where chunk {index} was due: "
-                                    "trainer and worker disagree on the round's plan")
-            event = rx.ready[check_int(msg, "e", 0, len(rx.ready) - 1, ch.peer)]
-            with cp.cuda.Device(rx.device):
-                if self._host_wait:
-                    wait_event_host(cp, event, deadline=deadline, what=f"the trainer's fill of chunk {index}",
-                                    alive=rx.alive)
-                else:
-                    stream_wait(cp, torch.cuda.current_stream(self.device).cuda_stream, event)
+            self._await_ready(index, deadline)
             out = torch.as_tensor(self.pool.lease(buf, chunk.nbytes), device=self.device)
             trace(f"leased c{index}")
-        if last and rx.info.release_after_round:
-            # The trainer closed its mappings of every buffer: the pool may be freed now.
-            ch.expect("unmapped", deadline=deadline, what="the trainer's close of its mappings", alive=rx.alive)
-            self.pool.retire_all()
-        if last:
-            self._unfill_early()  # named early for chunks this plan does not have: unused by both sides
-            dump_trace("worker")
+        self._round_tail(last, deadline)
         return out
+
+    def wait_unpacked(self, index: int, plan: UnpackPlan) -> list[tuple[str, torch.Tensor]]:
+        """The chunk's views made *before* its ready message: the buffer is known since
+        ``post``, and a plan that copies nothing out runs no device work, so the ~2 us per
+        tensor of view making overlaps the trainer's fill instead of following it. Nothing
+        reads the views before torch's stream waited on the ready event (``_await_ready``);
+        the buffer stays ``filling`` until then (``ReceivePool.lease(ahead=True)``)."""
+        buf, chunk, last = self._pending[index]
+        if buf is None or not plan.in_place:
+            return plan.unpack(self.wait(index))
+        del self._pending[index]
+        deadline = time.monotonic() + self.timeout_s
+        pairs = plan.unpack(torch.as_tensor(self.pool.lease(buf, chunk.nbytes, ahead=True), device=self.device))
+        trace(f"views c{index}")
+        self._await_ready(index, deadline)
+        self.pool.filled(buf)
+        self._round_tail(last, deadline)
+        return pairs
+
+    def _await_ready(self, index: int, deadline: float) -> None:
+        """Chunk ``index``'s ready message; then torch's current stream waits on its event."""
+        rx: IPCReceiver = self.communicator
+        cp, ch = rx.cp, rx.channel
+        trace(f"wait c{index}")
+        msg = ch.expect("ready", deadline=deadline, what=f"chunk {index}", alive=rx.alive)
+        if check_int(msg, "c", 0, 1 << 62, ch.peer) != index:
+            raise TransferError(f"{ch.peer} announced chunk {msg['c']} where chunk {index} was due: "
+                                "trainer and worker disagree on the round's plan")
+        event = rx.ready[check_int(msg, "e", 0, len(rx.ready) - 1, ch.peer)]
+        with cp.cuda.Device(rx.device):
+            if self._host_wait:
+                wait_event_host(cp, event, deadline=deadline, what=f"the trainer's fill of chunk {index}",
+                                alive=rx.alive)
+            else:
+                stream_wait(cp, torch.cuda.current_stream(self.device).cuda_stream, event)
+
+    def _round_tail(self, last: bool, deadline: float) -> None:
+        if not last:
+            return
+        rx: IPCReceiver = self.communicator
+        if rx.info.release_after_round:
+            # The trainer closed its mappings of every buffer: the pool may be freed now.
+            rx.channel.expect("unmapped", deadline=deadline, what="the trainer's close of its mappings", alive=rx.alive)
+            self.pool.retire_all()
+        self._unfill_early()  # named early for chunks this plan does not have: unused by both sides
+        dump_trace("worker")
 
     def held_bytes(self) -> int:
         """Worker-side memory of the pool (raw ``cudaMalloc``: not in torch's counters)."""

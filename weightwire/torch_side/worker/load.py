@@ -117,7 +117,7 @@ def receive_chunks(link: ReceiveLink, metas: list[ParamMeta], chunks: list[Chunk
         while posted < total and posted < i + depth:
             link.post(posted, chunks[posted], metas, packed=packed)
             posted += 1
-        pairs = plans[i].unpack(link.wait(i))
+        pairs = link.wait_unpacked(i, plans[i])
         if pairs:
             yield pairs
         # Drop this chunk's views before the next post allocates: holding them

@@ -53,7 +53,7 @@ class UnpackPlan:
     an empty slice's zero stride).
     """
 
-    __slots__ = ("nbytes", "_entries", "_typed")
+    __slots__ = ("nbytes", "in_place", "_entries", "_typed")
 
     def __init__(self, metas: Sequence[ParamMeta], chunk: Chunk) -> None:
         self.nbytes = chunk.nbytes
@@ -75,6 +75,9 @@ class UnpackPlan:
                             offset, nbytes))
         self._entries = tuple(entries)
         self._typed = tuple(typed.items())
+        self.in_place = all(e[1] != _CLONE for e in entries)
+        """Only views and fresh empties: ``unpack`` runs no device work, so it may run
+        before the buffer's bytes landed (``ReceiveLink.wait_unpacked``)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -132,6 +135,12 @@ class ReceiveLink(ABC):
 
     @abstractmethod
     def wait(self, index: int) -> torch.Tensor: ...
+
+    def wait_unpacked(self, index: int, plan: UnpackPlan) -> list[tuple[str, torch.Tensor]]:
+        """``wait(index)`` and then chunk ``index``'s ``(name, tensor)`` pairs by ``plan``.
+        A link that knows a chunk's buffer before its bytes land may make the views first,
+        while it waits (``weightwire_ipc`` pull mode): the same pairs, off the critical path."""
+        return plan.unpack(self.wait(index))
 
     def round_started(self) -> None:
         """A round started (``start_weight_update``): a link may get the coming update's
