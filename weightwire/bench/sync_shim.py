@@ -1,7 +1,8 @@
 """Control shim for ``bench_sync.py``: the receiver process and the sender's client.
 
 The GPU host has no HTTP server stack, so the four weight-sync calls travel as one
-JSON line each way over a fresh local TCP connection per call (``rpc``), to a
+JSON line each way over one kept-open local TCP connection (``ShimClient``; ``rpc``
+opens a fresh one, for out-of-band calls such as an abort), to a
 ``Receiver`` that drives ``WeightwireNCCLEngine.standalone`` exactly as the reference
 server would. It also runs the raw-NCCL baseline's receiving half and reports the
 receiver's peak extra GPU memory. Loopback only; a benchmark aid, not a product API.
@@ -35,18 +36,50 @@ def rpc(port: int, call: str, timeout: float, /, **args: Any) -> Any:
 
 
 class ShimClient:
-    """The four weight-sync calls (plus shutdown) forwarded to the receiver process."""
+    """The four weight-sync calls (plus shutdown) forwarded to the receiver process, over
+    one kept-open connection (like the reference server's pipe to its worker: no connect
+    and no new server thread per call), reopened after a failure. Calls from several
+    threads (the round's start and update run on helper threads) take turns."""
 
     def __init__(self, port: int, timeout: float) -> None:
         self.port, self.timeout = port, timeout
         self.seconds: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+        self._conn: tuple[socket.socket, Any] | None = None
+
+    def _rpc(self, call: str, args: dict[str, Any]) -> Any:
+        with self._lock:
+            if self._conn is None:
+                sock = socket.create_connection(("127.0.0.1", self.port), timeout=self.timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._conn = (sock, sock.makefile("rb"))
+            sock, reader = self._conn
+            try:
+                sock.sendall((json.dumps({"call": call, "args": args}) + "\n").encode())
+                line = reader.readline()
+            except BaseException:
+                self.close()
+                raise
+            if not line:
+                self.close()
+                raise ConnectionError(f"receiver closed the connection during {call}")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise RuntimeError(f"receiver {call} failed: {reply['error']}")
+        return reply.get("result")
 
     def _call(self, call: str, **args: Any) -> Any:
         start = time.perf_counter()
         try:
-            return rpc(self.port, call, self.timeout, **args)
+            return self._rpc(call, args)
         finally:
             self.seconds.setdefault(call, []).append(time.perf_counter() - start)
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn[1].close()
+            conn[0].close()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._call("init_weight_transfer_engine", init_info=init_info)
