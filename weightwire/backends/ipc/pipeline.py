@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any
 
 from weightwire.backends.ipc.channel import check_int
@@ -35,6 +36,7 @@ from weightwire.backends.ipc.slots import (
     wait_mode,
 )
 from weightwire.backends.nccl.buffers import stream_pointer
+from weightwire.control.fanout import spawn
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
@@ -248,10 +250,9 @@ class _Starter:
     def __init__(self, begin: Begin, *, timeout: float) -> None:
         self._timeout = timeout
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._done: Future[None] | None = None
         if begin is not None:
-            self._thread = threading.Thread(target=self._run, args=(begin,), name="weightwire-ipc-begin", daemon=True)
-            self._thread.start()
+            self._done = spawn(lambda: self._run(begin), name="weightwire-ipc-begin")
 
     def _run(self, begin: Any) -> None:
         try:
@@ -261,11 +262,9 @@ class _Starter:
             self._error = exc
 
     def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join(self._timeout)
-            if self._thread.is_alive():
-                raise TransferTimeout(f"the control plane (pause / start / update POST) did not return within "
-                                      f"{self._timeout:g} s")
+        if self._done is not None and not wait([self._done], timeout=self._timeout).done:
+            raise TransferTimeout(f"the control plane (pause / start / update POST) did not return within "
+                                  f"{self._timeout:g} s")
 
     def check(self) -> None:
         """Re-raise ``begin``'s error if it already failed (pull mode waits for the workers'
@@ -278,5 +277,5 @@ class _Starter:
         self.join()
         if self._error is not None:
             error, self._error = self._error, None
-            self._thread = None
+            self._done = None
             raise error
