@@ -165,16 +165,48 @@ def test_a_few_small_tensors_and_a_host_without_nvrtc_copy_one_memcpy_each(caplo
 
 def test_a_pinned_table_is_rewritten_only_after_its_last_upload_ran() -> None:
     cp = FakeCupy()
-    gc = _copy(cp, [10] * 9)
-    gc = _copy(cp, [11] * 9, gc)
-    first, second = (e[1] for e in cp.log if e[0] == "record")
-    assert first != second  # two tables in the ring
+    gc = None
+    for k in range(gather_mod._RING):
+        gc = _copy(cp, [10 + k] * 9, gc)
+    records = [e[1] for e in cp.log if e[0] == "record"]
+    assert len(set(records)) == gather_mod._RING  # a table per ring slot
     cp.cuda.runtime.pending = 2  # the first table's upload is still queued twice over
-    _copy(cp, [12] * 9, gc)
-    assert [e for e in cp.log if e[0] == "query"][-3:] == [("query", first)] * 3  # polled until done
+    _copy(cp, [20] * 9, gc)
+    assert [e for e in cp.log if e[0] == "query"][-3:] == [("query", records[0])] * 3  # polled until done
     grow = [e for e in cp.log if e[0] in ("destroy", "event")]
     _copy(cp, [13] * 300, gc)  # more rows than the tables hold: new tables, the old ones settled first
-    assert [e[0] for e in cp.log if e[0] in ("destroy", "event")][len(grow):] == ["destroy", "destroy", "event", "event"]
+    assert [e[0] for e in cp.log if e[0] in ("destroy", "event")][len(grow):] == (
+        ["destroy"] * gather_mod._RING + ["event"] * gather_mod._RING)
+
+
+def test_the_same_copies_again_launch_on_the_table_still_on_the_device() -> None:
+    cp = FakeCupy()
+    regions, _ = _tensors(cp, [100 + i for i in range(12)])
+    total = sum(r.nbytes for r in regions)
+    dst = cp.dev.alloc(total) + 1
+    gc = GatherCopy(cp, 0, 7)
+
+    def fill(seed: int) -> bytes:  # new bytes at the same addresses (a trainer step in place)
+        data = np.random.default_rng(seed).integers(0, 256, total, dtype=np.uint8).tobytes()
+        off = 0
+        for r in regions:
+            cp.dev.mem[r.ptr:r.ptr + r.nbytes] = data[off:off + r.nbytes]
+            off += r.nbytes
+        gc.copy(dst, regions, deadline=time.monotonic() + 5, alive=lambda: None)
+        assert bytes(cp.dev.mem[dst:dst + total]) == data
+        return data
+
+    fill(1)
+    uploads = len([e for e in cp.log if e[0] == "upload"])
+    fill(2)
+    fill(3)
+    assert len([e for e in cp.log if e[0] == "upload"]) == uploads == 1  # launched on the kept table
+    assert len([e for e in cp.log if e[0] == "launch"]) == 3
+    # Another destination is another table; enough other tables push the first one out.
+    for k in range(gather_mod._RING):
+        _copy(cp, [50 + k] * 9, gc)
+    fill(4)  # uploaded again, still right
+    assert len([e for e in cp.log if e[0] == "upload"]) == 1 + gather_mod._RING + 1
 
 
 def test_the_switch_turns_the_kernel_off_and_refuses_other_values(monkeypatch: pytest.MonkeyPatch) -> None:

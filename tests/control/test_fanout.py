@@ -40,7 +40,12 @@ def test_an_idle_helper_is_reused_and_named_after_its_call() -> None:
 def test_a_blocked_helper_never_delays_the_next_call() -> None:
     helpers = _Helpers()
     release, started = threading.Event(), threading.Event()
-    helpers.run(lambda: (started.set(), release.wait(10)) and None, "straggler")
+
+    def straggler() -> None:
+        started.set()
+        release.wait(10)
+
+    helpers.run(straggler, "straggler")
     assert started.wait(10)
     ran = threading.Event()
     helpers.run(ran.set, "next")  # no idle helper: a new thread, at once

@@ -15,7 +15,11 @@ the packed framing left a tensor unaligned); larger tensors keep their own
 The table reaches the device by an asynchronous copy from pinned host memory on the
 fill stream, so it is ordered before the kernel without a host wait. A pinned table is
 written again only after the event recorded behind its last use completed (a ring of
-``_RING`` tables, each wait bounded by the caller's deadline). Written with CuPy's
+``_RING`` tables, each wait bounded by the caller's deadline). A device table is kept
+for as long as its ring slot is not rewritten: a chunk with the same sources,
+destinations and sizes as one of them (every round of a torch trainer whose parameters
+stay in place, into the same worker buffer) launches the kernel on it with no table
+built and no upload. Written with CuPy's
 ``RawKernel`` (NVRTC) because neither CuPy nor the CUDA runtime it wraps has a batched
 device-to-device copy that takes arbitrary (unaligned, packed) offsets (CUDA 12.8's
 ``cudaMemcpyBatchAsync`` is not exposed by CuPy); where the kernel cannot be compiled the
@@ -44,7 +48,7 @@ MIN_BATCH = 8
 """Fewer small tensors than this are cheaper as plain memcpys than as a table + launch."""
 _THREADS = 256
 _MAX_BLOCKS = 4096  # blocks stride over the rows: enough to fill an H200 several times over
-_RING = 2
+_RING = 4  # tables in flight, and kept for reuse: a round of up to this many chunks reuses all
 _MEMCPY_HOST_TO_DEVICE = 1
 
 _SOURCE = r"""
@@ -97,6 +101,8 @@ class GatherCopy:
         self._tables: list[tuple[Any, Any, int]] = []  # (pinned host, device, event) per ring slot
         self._capacity = 0  # rows per table
         self._next = 0
+        self._held: list[tuple[list[int], list[int], list[int], int] | None] = [None] * _RING
+        """Per ring slot: the (sources, destinations, sizes, rows) its device table holds."""
 
     def copy(self, dst: int, regions: Sequence[DeviceBytes], *, deadline: float, alive: Callable[[], None]) -> None:
         """Enqueue the copies of ``regions`` to ``dst``, ``dst + regions[0].nbytes``, ... on the stream."""
@@ -146,13 +152,22 @@ class GatherCopy:
         import numpy as np
 
         cp = self._cp
+        for slot, held in enumerate(self._held):
+            # The same copies as a table still on the device: every later upload into that
+            # slot is ordered after this launch on the same stream, so it reads this table.
+            if held is not None and held[2] == sizes and held[0] == srcs and held[1] == dsts:
+                self._kernel((min(held[3], _MAX_BLOCKS),), (_THREADS,), (self._tables[slot][1], np.int64(held[3])),
+                             stream=self._stream)
+                return
         n = np.array(sizes, dtype=np.int64)
         tiles = (n + (TILE_BYTES - 1)) // TILE_BYTES
         rows = int(tiles.sum())
         if rows > self._capacity:
             self._grow(rows, deadline=deadline, alive=alive)
-        host, dev, event = self._tables[self._next]
+        slot = self._next
+        host, dev, event = self._tables[slot]
         self._next = (self._next + 1) % _RING
+        self._held[slot] = None  # rewritten below
         # The table's last H2D copy must have run before its pinned memory is rewritten.
         wait_event_host(cp, event, deadline=deadline, what="the gather table's previous upload", alive=alive)
         table = np.frombuffer(host, dtype=np.uint64, count=3 * rows).reshape(rows, 3)
@@ -168,6 +183,7 @@ class GatherCopy:
         blocks = min(rows, _MAX_BLOCKS)
         self._kernel((blocks,), (_THREADS,), (dev, np.int64(rows)), stream=self._stream)
         record(cp, event, self._stream.ptr)
+        self._held[slot] = (list(srcs), list(dsts), list(sizes), rows)
 
     def _grow(self, rows: int, *, deadline: float, alive: Callable[[], None]) -> None:
         cp = self._cp
@@ -186,6 +202,7 @@ class GatherCopy:
     def close(self) -> None:
         """Free the tables (after the stream settled: a launch may still read them)."""
         tables, self._tables, self._capacity = self._tables, [], 0
+        self._held = [None] * _RING
         for _, _, event in tables:
             try:
                 self._cp.cuda.runtime.eventDestroy(event)

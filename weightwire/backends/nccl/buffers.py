@@ -17,9 +17,13 @@ _KDL_CUDA, _KDL_CUDA_MANAGED = 2, 13
 _KDL_NAMES = {1: "host (CPU)", 3: "pinned host", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 10: "ROCm"}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DeviceBytes:
-    """A contiguous device buffer seen as bytes; ``owner`` keeps the memory alive."""
+    """A contiguous device buffer seen as bytes; ``owner`` keeps the memory alive.
+
+    Read-only by convention, not ``frozen``: one is built per tensor per round on the
+    critical path, and a frozen dataclass's ``__init__`` (``object.__setattr__`` per
+    field) costs ~3.5x a slotted one's (1.2 vs 0.34 us on the CI box)."""
 
     ptr: int
     nbytes: int
