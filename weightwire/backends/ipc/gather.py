@@ -156,8 +156,7 @@ class GatherCopy:
             # The same copies as a table still on the device: every later upload into that
             # slot is ordered after this launch on the same stream, so it reads this table.
             if held is not None and held[2] == sizes and held[0] == srcs and held[1] == dsts:
-                self._kernel((min(held[3], _MAX_BLOCKS),), (_THREADS,), (self._tables[slot][1], np.int64(held[3])),
-                             stream=self._stream)
+                self._run(self._tables[slot][1], held[3])
                 return
         n = np.array(sizes, dtype=np.int64)
         tiles = (n + (TILE_BYTES - 1)) // TILE_BYTES
@@ -180,10 +179,14 @@ class GatherCopy:
         table[:, 1] = np.array(dsts, dtype=np.uint64)[seg] + uoff
         cp.cuda.runtime.memcpyAsync(dev.data.ptr, table.ctypes.data, table.nbytes, _MEMCPY_HOST_TO_DEVICE,
                                     self._stream.ptr)
-        blocks = min(rows, _MAX_BLOCKS)
-        self._kernel((blocks,), (_THREADS,), (dev, np.int64(rows)), stream=self._stream)
+        self._run(dev, rows)
         record(cp, event, self._stream.ptr)
-        self._held[slot] = (list(srcs), list(dsts), list(sizes), rows)
+        self._held[slot] = (srcs, dsts, sizes, rows)  # this call's own lists: nobody else changes them
+
+    def _run(self, table: Any, rows: int) -> None:
+        import numpy as np
+
+        self._kernel((min(rows, _MAX_BLOCKS),), (_THREADS,), (table, np.int64(rows)), stream=self._stream)
 
     def _grow(self, rows: int, *, deadline: float, alive: Callable[[], None]) -> None:
         cp = self._cp
