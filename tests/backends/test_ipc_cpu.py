@@ -95,7 +95,7 @@ def test_channel_reports_a_dead_peer_as_peer_lost() -> None:
 
 def test_channel_wait_is_bounded() -> None:
     a, _b = _pair()
-    with pytest.raises(TransferTimeout, match="no a release from peer A within the timeout"):
+    with pytest.raises(TransferTimeout, match="a release from peer A did not arrive within the timeout"):
         a.recv(deadline=time.monotonic() + 0.05, what="a release")
 
 

@@ -211,7 +211,7 @@ def test_a_wrong_chunk_and_a_silent_worker_are_bounded() -> None:
     comm = IPCSenderComm(cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "pull")
     pipe = IPCPullPipeline(comm, FakePacker(), num_buffers=2, timeout=0.2, hold_bytes=0)
     start = time.monotonic()
-    with pytest.raises(TransferError, match="no the receive buffer of chunk 0 from IPC worker rank 1 within"):
+    with pytest.raises(TransferError, match="the receive buffer of chunk 0 from IPC worker rank 1 did not arrive within"):
         pipe.send_packed(_prepared([60], 50), threading.Event())
     assert time.monotonic() - start < 5
 

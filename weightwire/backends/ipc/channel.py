@@ -62,7 +62,8 @@ class Channel:
                 raise TransferError(f"IPC control channel to {self.peer} was aborted while waiting for {what}")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferTimeout(f"no {what} from {self.peer} within the timeout (is it alive and in the round?)")
+                raise TransferTimeout(f"{what} from {self.peer} did not arrive within the timeout "
+                                      "(is it alive and in the round?)")
             try:
                 self._sock.settimeout(min(left, _POLL_S))
                 data = self._sock.recv(1 << 16)
@@ -191,27 +192,45 @@ def dial(host: str, port: int, secret: bytes, *, timeout: float, peer: str) -> C
     return ch
 
 
+HANDSHAKE_S = 10.0
+"""Seconds one connection has to prove the secret (a real worker needs one loopback round trip)."""
+_MAX_PENDING = 64  # unproven connections mid-handshake; beyond, the oldest is dropped to make room
+
+
 class Listener:
-    """Loopback listener accepting ``want`` authenticated workers before a deadline."""
+    """Loopback listener accepting ``want`` authenticated workers before a deadline.
+
+    Each connection proves the secret on its own thread within ``HANDSHAKE_S``, so idle or
+    hostile local connections cannot hold the real workers up: they only ever cost their
+    own slot, and with ``_MAX_PENDING`` of them pending the oldest is dropped.
+    """
 
     def __init__(self, bind_host: str, secret: bytes) -> None:
         self._sock = socket.create_server((bind_host, 0))
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._secret = secret
         self._closed = threading.Event()
+        self._cv = threading.Condition()
+        self._pending: list[Channel] = []  # mid-handshake, oldest first
+        self._proven: list[Channel] = []
+        self._refused: list[str] = []
 
     def accept(self, want: int, *, timeout: float) -> list[Channel]:
         deadline = time.monotonic() + timeout
-        got: list[Channel] = []
-        refused: list[str] = []
         try:
-            while len(got) < want:
+            while True:
+                with self._cv:
+                    if len(self._proven) >= want:
+                        got, self._proven = self._proven[:want], self._proven[want:]
+                        return got
                 if self._closed.is_set():
                     raise TransferError("the IPC rendezvous was cancelled (the init request failed)")
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    with self._cv:
+                        missing, refused = want - len(self._proven), list(self._refused)
                     why = f"; refused: {'; '.join(refused[:3])}" if refused else ""
-                    raise TransferTimeout(f"IPC rendezvous: {want - len(got)} of {want} worker(s) did not join "
+                    raise TransferTimeout(f"IPC rendezvous: {missing} of {want} worker(s) did not join "
                                           f"within {timeout:g} s{why}")
                 try:
                     self._sock.settimeout(min(left, _POLL_S))
@@ -222,24 +241,47 @@ class Listener:
                     if self._closed.is_set():
                         raise TransferError("the IPC rendezvous was cancelled (the init request failed)") from None
                     raise
-                ch = Channel(sock, f"IPC worker connection from {addr[0]}:{addr[1]}")
-                try:
-                    accept_handshake(ch, self._secret, min(deadline, time.monotonic() + 10.0))
-                except TransferError as exc:  # a stray or wrong client: keep waiting for the real ones
-                    refused.append(str(exc))
-                    ch.abort()
-                    continue
-                got.append(ch)
-        except BaseException:
-            for ch in got:
-                ch.abort()
-            raise
-        return got
+                self._start_handshake(Channel(sock, f"IPC worker connection from {addr[0]}:{addr[1]}"), deadline)
+        finally:
+            self._drop_all()  # stragglers mid-handshake, and on failure every proven one
+
+    def _start_handshake(self, ch: Channel, deadline: float) -> None:
+        with self._cv:
+            evicted = self._pending.pop(0) if len(self._pending) >= _MAX_PENDING else None
+            self._pending.append(ch)
+        if evicted is not None:
+            evicted.abort()  # wakes its handshake thread, which gives up
+        threading.Thread(target=self._handshake, args=(ch, min(deadline, time.monotonic() + HANDSHAKE_S)),
+                         name="weightwire-ipc-handshake", daemon=True).start()
+
+    def _handshake(self, ch: Channel, deadline: float) -> None:
+        try:
+            accept_handshake(ch, self._secret, deadline)
+        except TransferError as exc:  # a stray, wrong or idle client: the real ones keep joining
+            with self._cv:
+                self._refused.append(str(exc))
+                if ch in self._pending:
+                    self._pending.remove(ch)
+            ch.abort()
+            return
+        with self._cv:
+            if ch in self._pending:  # else accept() ended or evicted it meanwhile
+                self._pending.remove(ch)
+                self._proven.append(ch)
+                return
+        ch.abort()
+
+    def _drop_all(self) -> None:
+        with self._cv:
+            drop, self._pending, self._proven = self._pending + self._proven, [], []
+        for ch in drop:
+            ch.abort()
 
     def close(self) -> None:
         self._closed.set()
         with suppress(OSError):
             self._sock.close()
+        self._drop_all()
 
 
 def check_int(msg: dict[str, Any], key: str, lo: int, hi: int, peer: str) -> int:
