@@ -14,6 +14,7 @@ No expected failure prints a traceback (``WEIGHTWIRE_DEBUG=1`` shows it).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -136,10 +137,59 @@ def _run_bench(argv: list[str]) -> int:
     return guarded("weightwire bench", run)
 
 
+_DOCTOR_DESCRIPTION = """\
+Check whether a trainer can sync weights into a running server (vLLM or the weightwire
+reference server), and say what to fix if not: the server's version and the features it
+implies, vLLM's dev-mode weight-sync routes, the configured weight-transfer backend, the
+world size and NCCL versions, and, on the reference server, a timed 1-tensor round that
+leaves the served weights unchanged. Every probe is bounded by --timeout and the whole
+check by --deadline, whatever the server sends."""
+
+_DOCTOR_EPILOG = """\
+examples:
+  weightwire doctor 127.0.0.1:8000                 # http:// is assumed
+  WEIGHTWIRE_API_KEY=... weightwire doctor https://vllm.internal:8000
+  weightwire doctor http://127.0.0.1:8000 --no-round --timeout 5
+
+exit codes:
+  0    nothing blocks a weight sync
+  1    the server answered and a blocking problem was found (each FAIL line says what)
+  2    bad arguments
+  3    no usable answer: nothing listens there, the address is wrong, or the server
+       did not answer within --timeout / --deadline
+  130  interrupted by Ctrl-C
+"""
+
+
+def _seconds(value: str) -> float:
+    """argparse ``type=``: a finite number of seconds > 0."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be a finite number of seconds > 0")
+    return seconds
+
+
+def _doctor_parser(sub: argparse._SubParsersAction) -> None:
+    doc = sub.add_parser("doctor", help="check a server: version, dev-mode routes, backend, NCCL, a 1-tensor round",
+                         description=_DOCTOR_DESCRIPTION, epilog=_DOCTOR_EPILOG, formatter_class=HelpFormatter)
+    doc.add_argument("url", help="server base URL, e.g. http://127.0.0.1:8000 (a bare host:port gets http://)")
+    doc.add_argument("--api-key", default=os.environ.get("WEIGHTWIRE_API_KEY"),
+                     help="bearer token for the server (default: $WEIGHTWIRE_API_KEY)")
+    doc.add_argument("--timeout", type=_seconds, default=15.0,
+                     help="seconds for each HTTP probe, its whole reply included (default 15)")
+    doc.add_argument("--deadline", type=_seconds, default=120.0,
+                     help="seconds for the whole check, the 1-tensor round included (default 120)")
+    doc.add_argument("--no-round", action="store_true", help="skip the timed 1-tensor round")
+
+
 def _run_doctor(args: argparse.Namespace) -> int:
     from weightwire.demo.doctor import run_doctor
 
-    return run_doctor(args.url, api_key=args.api_key, timeout=args.timeout, round_trip=not args.no_round)
+    return run_doctor(args.url, api_key=args.api_key, timeout=args.timeout, deadline=args.deadline,
+                      round_trip=not args.no_round)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,13 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     # these entries only list them in `weightwire --help`.
     sub.add_parser("serve", help="run the reference server (see `weightwire serve --help`)", add_help=False)
     sub.add_parser("bench", help="data-plane and sync benchmarks (see `weightwire bench --help`)", add_help=False)
-    doc = sub.add_parser("doctor", help="check a server: version, dev-mode routes, backend, NCCL, a 1-tensor round",
-                         epilog=EXIT_CODES_HELP, formatter_class=HelpFormatter)
-    doc.add_argument("url", help="server base URL, e.g. http://127.0.0.1:8000")
-    doc.add_argument("--api-key", default=os.environ.get("WEIGHTWIRE_API_KEY"),
-                     help="bearer token for the server (default: $WEIGHTWIRE_API_KEY)")
-    doc.add_argument("--timeout", type=float, default=15.0, help="seconds per HTTP probe (default 15)")
-    doc.add_argument("--no-round", action="store_true", help="skip the timed 1-tensor round")
+    _doctor_parser(sub)
     return parser
 
 

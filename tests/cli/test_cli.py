@@ -126,15 +126,50 @@ def test_doctor_accepts_a_configured_vllm(stub: tuple[str, dict], capsys: pytest
     assert cli.main(["doctor", url]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "backend nccl (trainer needs GPUs + cupy" in out
-    assert "skip 1-tensor round only against the reference server" in out
+    assert "skip 1-tensor round not run: it runs only against the weightwire reference server" in out
 
 
 def test_doctor_reports_an_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
-    assert cli.main(["doctor", f"http://127.0.0.1:{port}", "--timeout", "3"]) == 1
+    assert cli.main(["doctor", f"http://127.0.0.1:{port}", "--timeout", "3"]) == 3
     assert "no answer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("body", [[1, 2], None, "text"], ids=["list", "null", "string"])
+def test_doctor_reads_routes_answering_json_that_is_not_an_object(stub: tuple[str, dict], body: Any) -> None:
+    url, routes = stub
+    routes.update(_vllm_routes("nccl"))
+    for path in ("/weight_info", "/get_world_size", "/is_paused", "/server_info"):
+        routes[path] = (200, body)
+    done = run_cli("doctor", url, timeout=60)
+    out = " ".join(done.stdout.split())
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "AttributeError" not in done.stdout + done.stderr
+    assert "'/weight_info': 'not a JSON object'" in out and "cannot read the weight-transfer config" in out
+
+
+@pytest.mark.parametrize(("key", "says"), [
+    (None, "the server needs an API key: pass --api-key (or set WEIGHTWIRE_API_KEY)"),
+    ("wrong", "the server rejected the API key given (--api-key / WEIGHTWIRE_API_KEY)"),
+], ids=["no-key", "wrong-key"])
+def test_doctor_tells_a_missing_key_from_a_rejected_one(stub: tuple[str, dict], key: str | None, says: str) -> None:
+    url, routes = stub
+    routes.update(_vllm_routes("nccl"))
+    for path in ("/weight_info", "/get_world_size", "/is_paused"):
+        routes[path] = (401, {"error": "unauthorized"})
+    done = run_cli("doctor", url, *(["--api-key", key] if key else []), timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert says in " ".join(done.stdout.split())
+
+
+def test_doctor_help_has_a_description_examples_and_its_exit_codes() -> None:
+    done = run_cli("doctor", "--help", timeout=60)
+    assert done.returncode == 0
+    assert "Check whether a trainer can sync weights into a running server" in done.stdout
+    assert "examples:\n  weightwire doctor 127.0.0.1:8000" in done.stdout
+    assert "1    the server answered and a blocking problem was found" in done.stdout
 
 
 def test_doctor_times_a_round_without_changing_the_reference_server(launch_server: Any, tiny_dir: str) -> None:

@@ -20,11 +20,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import numpy as np
 from rich.console import Console
 
 from weightwire import backends
+from weightwire._cli import EXIT_ERROR, EXIT_OK, EXIT_VERDICT
+from weightwire.demo.probe import Prober, Reply
 from weightwire.shared.dtypes import wire_name_of_numpy
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
@@ -32,7 +33,7 @@ from weightwire.shared.version import VERSION_GATES, ServerFeatures
 from weightwire.trainer.engine import TrainerEngine
 
 _MARK = {"ok": "[green]ok  [/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "info": "[cyan]info[/]",
-         "skip": "[dim]skip[/]"}
+         "skip": "[dim]skip[/]"}  # "skip": a check that was not run; its text says why, in plain words
 
 
 class _Report:
@@ -87,80 +88,98 @@ def known_tensor(checksums: dict[str, str], max_len: int = 16384) -> tuple[str, 
     return None
 
 
-def _get(http: httpx.Client, path: str, **params: Any) -> tuple[int | None, Any]:
-    try:
-        reply = http.get(path, params=params or None)
-    except httpx.HTTPError as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-    try:
-        return reply.status_code, reply.json()
-    except ValueError:
-        return reply.status_code, reply.text[:200]
+def normalize_url(url: str) -> str:
+    """``host:port`` -> ``http://host:port`` (what users type); no trailing slash."""
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
 
 
-def run_doctor(url: str, *, api_key: str | None = None, timeout: float = 15.0, round_trip: bool = True,
-               console: Console | None = None) -> int:
-    """Print a report; 0 if nothing blocks a weight sync, 1 otherwise."""
+def _obj(reply: Reply) -> dict[str, Any]:
+    """A 200 reply's JSON object; anything else (an error, a list, null) reads as empty."""
+    return reply.body if reply.status == 200 and isinstance(reply.body, dict) else {}
+
+
+def run_doctor(url: str, *, api_key: str | None = None, timeout: float = 15.0, deadline: float = 120.0,
+               round_trip: bool = True, console: Console | None = None) -> int:
+    """Print a report. 0: nothing blocks a weight sync; 1: a blocking problem was found;
+    3: the server gave no usable answer (down, wrong address, or past ``timeout`` / ``deadline``)."""
     console = console or Console()
     say = _Report(console)
-    url = url.rstrip("/")
+    url = normalize_url(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=url, timeout=timeout, headers=headers) as http:
-        status, body = _get(http, "/version")
-        version = body.get("version") if status == 200 and isinstance(body, dict) else None
-        if not isinstance(version, str):
-            say("fail", "server", f"GET {url}/version -> {status or 'no answer'}: {body!r:.200}")
-            return 1
-        reference = "+weightwire" in version
-        say("ok", "server", f"{url} version {version}" + (" (weightwire reference server)" if reference else ""))
-        try:
-            features = ServerFeatures.for_version(version)
-        except ValueError as exc:
-            say("fail", "features", str(exc))
-            return 1
-        gates = ", ".join(f"{name} {'yes' if getattr(features, name) else 'NO'}" for _, name, _ in VERSION_GATES)
-        say("ok" if features.packed_in_init else "fail", "features", gates)
-        if not features.unique_id_rendezvous:
-            say("warn", "features", "before 0.30: the torch-free NCCL rendezvous (nccl_unique_id_b64) is missing")
+    http = Prober(url, headers=headers, timeout=timeout, deadline=time.monotonic() + deadline)
+    reply = http.get("/version")
+    version = reply.body.get("version") if reply.status == 200 and isinstance(reply.body, dict) else None
+    if not isinstance(version, str):
+        say("fail", "server", f"GET {url}/version -> {reply.status or 'no answer'}: {_text(reply.body)}")
+        return EXIT_VERDICT if reply.status is not None else _stopped(console, "the server gave no answer")
+    reference = "+weightwire" in version
+    say("ok", "server", f"{url} version {version}" + (" (weightwire reference server)" if reference else ""))
+    try:
+        features = ServerFeatures.for_version(version)
+    except ValueError as exc:
+        say("fail", "features", str(exc))
+        return EXIT_VERDICT
+    gates = ", ".join(f"{name} {'yes' if getattr(features, name) else 'NO'}" for _, name, _ in VERSION_GATES)
+    say("ok" if features.packed_in_init else "fail", "features", gates)
+    if not features.unique_id_rendezvous:
+        say("warn", "features", "before 0.30: the torch-free NCCL rendezvous (nccl_unique_id_b64) is missing")
 
-        probes = {path: _get(http, path) for path in ("/weight_info", "/get_world_size", "/is_paused")}
-        codes = {path: code for path, (code, _) in probes.items()}
-        if all(code == 404 for code in codes.values()):
-            say("fail", "dev-mode routes", "404 on /weight_info, /get_world_size, /is_paused: the server runs "
-                "without VLLM_SERVER_DEV_MODE=1, so the weight-sync routes do not exist; restart it with it set")
-            return 1
-        if any(code in (401, 403) for code in codes.values()):
-            say("fail", "dev-mode routes", f"refused ({codes}): pass --api-key (or WEIGHTWIRE_API_KEY)")
-            return 1
-        bad = {p: c for p, c in codes.items() if c != 200}
-        say("fail" if bad else "ok", "dev-mode routes", f"present; {bad or 'all answer 200'}")
-        info = probes["/weight_info"][1] if codes["/weight_info"] == 200 else {}
-        world = probes["/get_world_size"][1] if codes["/get_world_size"] == 200 else {}
-        paused = probes["/is_paused"][1] if codes["/is_paused"] == 200 else {}
-        say("info", "state", f"weight_version {info.get('weight_version')!r}, world size "
-            f"{world.get('world_size')!r}, paused {paused.get('is_paused')!r}")
+    probes = {path: http.get(path) for path in ("/weight_info", "/get_world_size", "/is_paused")}
+    codes = {path: r.status for path, r in probes.items()}
+    if all(code == 404 for code in codes.values()):
+        say("fail", "dev-mode routes", "404 on /weight_info, /get_world_size, /is_paused: the server runs "
+            "without VLLM_SERVER_DEV_MODE=1, so the weight-sync routes do not exist; restart it with it set")
+        return EXIT_VERDICT
+    if any(code in (401, 403) for code in codes.values()):
+        say("fail", "dev-mode routes", f"refused ({codes}): " + (
+            "the server rejected the API key given (--api-key / WEIGHTWIRE_API_KEY): pass the server's key"
+            if api_key else "the server needs an API key: pass --api-key (or set WEIGHTWIRE_API_KEY)"))
+        return EXIT_VERDICT
+    if any(code is None for code in codes.values()) and http.expired():
+        return _stopped(console, f"the doctor's {deadline:g} s deadline passed")
+    bad = {p: r.status if r.status != 200 else "not a JSON object" for p, r in probes.items()
+           if r.status != 200 or not isinstance(r.body, dict)}
+    say("fail" if bad else "ok", "dev-mode routes", f"present; {bad or 'all answer 200'}")
+    info, world, paused = (_obj(probes[p]) for p in ("/weight_info", "/get_world_size", "/is_paused"))
+    say("info", "state", f"weight_version {info.get('weight_version')!r}, world size "
+        f"{world.get('world_size')!r}, paused {paused.get('is_paused')!r}")
 
-        backend = _backend(http, say)
-        _nccl(http, say, reference)
+    backend = _backend(http, say)
+    _nccl(http, say, reference)
+    if http.expired():
+        return _stopped(console, f"the doctor's {deadline:g} s deadline passed")
     if round_trip:
-        _round(url, say, api_key=api_key, reference=reference, backend=backend, info=info)
+        _round(url, say, api_key=api_key, reference=reference, backend=backend, info=info,
+               timeout=max(1.0, http.deadline - time.monotonic()))
     else:
-        say("skip", "1-tensor round", "--no-round")
+        say("skip", "1-tensor round", "not run: --no-round was given")
     if say.failed:
         console.print("[bold red]doctor: a blocking problem was found (see FAIL above)[/]")
-        return 1
+        return EXIT_VERDICT
     console.print("[bold green]doctor: nothing blocks a weight sync[/]")
-    return 0
+    return EXIT_OK
 
 
-def _backend(http: httpx.Client, say: _Report) -> str | None:
-    status, body = _get(http, "/server_info", config_format="json")
-    if status != 200 or not isinstance(body, dict):
-        say("warn", "backend", f"GET /server_info -> {status}: cannot read the weight-transfer config")
+def _text(body: Any) -> str:
+    return f"{body!r:.200}" if not isinstance(body, str) else body[:200]
+
+
+def _stopped(console: Console, why: str) -> int:
+    console.print(f"[bold red]doctor: stopped: {why}[/]", highlight=False)
+    return EXIT_ERROR
+
+
+def _backend(http: Prober, say: _Report) -> str | None:
+    reply = http.get("/server_info", config_format="json")
+    if reply.status != 200 or not isinstance(reply.body, dict):
+        say("warn", "backend", f"GET /server_info -> {reply.status or _text(reply.body)}: "
+            "cannot read the weight-transfer config")
         return None
-    config = (body.get("vllm_config") or {}).get("weight_transfer_config") if isinstance(body.get("vllm_config"), dict) else None
+    vllm_config = reply.body.get("vllm_config")
+    config = vllm_config.get("weight_transfer_config") if isinstance(vllm_config, dict) else None
     name = config.get("backend") if isinstance(config, dict) else None
-    if not name:
+    if not name or not isinstance(name, str):
         say("fail", "backend", "no weight-transfer backend configured: start vLLM with "
             "--weight-transfer-config '{\"backend\": \"nccl\"}' (or weightwire_tcp / weightwire_nccl with the plugin)")
         return None
@@ -168,10 +187,10 @@ def _backend(http: httpx.Client, say: _Report) -> str | None:
             backends.TCP: "served by the weightwire plugin; works on CPU",
             backends.WEIGHTWIRE_NCCL: "served by the weightwire plugin; trainer needs GPUs + cupy"}.get(name, "")
     say("ok", "backend", f"{name}" + (f" ({hint})" if hint else ""))
-    return str(name)
+    return name
 
 
-def _nccl(http: httpx.Client, say: _Report, reference: bool) -> None:
+def _nccl(http: Prober, say: _Report, reference: bool) -> None:
     try:
         from weightwire.backends.nccl.comm import nccl_available, nccl_version
 
@@ -180,38 +199,39 @@ def _nccl(http: httpx.Client, say: _Report, reference: bool) -> None:
         local = f"n/a ({type(exc).__name__})"
     remote = "n/a (not reported by the server)"
     if not reference:
-        status, body = _get(http, "/server_info", config_format="json")
-        env = body.get("system_env") if status == 200 and isinstance(body, dict) else None
+        env = _obj(http.get("/server_info", config_format="json")).get("system_env")
         if isinstance(env, dict):
-            found = {k: v for k, v in env.items() if "nccl" in k.lower() and v}
+            found = {k: v for k, v in env.items() if "nccl" in str(k).lower() and v}
             if found:
                 remote = ", ".join(f"{k}={v}" for k, v in found.items())
     say("info", "NCCL", f"trainer {local}; server {remote} (NCCL versions must match)")
 
 
 def _round(url: str, say: _Report, *, api_key: str | None, reference: bool, backend: str | None,
-           info: dict[str, Any]) -> None:
+           info: dict[str, Any], timeout: float) -> None:
     from weightwire.control.client import HTTPWeightSyncClient
     from weightwire.trainer.config import TrainerInitInfo
 
     if not reference:
-        say("skip", "1-tensor round", "only against the reference server (a real vLLM would reload a layer)")
+        say("skip", "1-tensor round", "not run: it runs only against the weightwire reference server "
+            "(on a real vLLM it would reload a layer)")
         return
     if backend not in (None, backends.TCP):
-        say("skip", "1-tensor round", f"the server's backend is {backend}, not weightwire_tcp")
+        say("skip", "1-tensor round", f"not run: it needs the weightwire_tcp backend and the server runs {backend}")
         return
     session = info.get("session")
     if not isinstance(session, dict):
         session = {}
     if session.get("state") not in (None, "uninitialized"):
-        say("skip", "1-tensor round", f"a trainer session is {session.get('state')}; re-initialising would cut it off")
+        say("skip", "1-tensor round", f"not run: a trainer is connected (session {session.get('state')}) and "
+            "the round would cut it off")
         return
-    with HTTPWeightSyncClient(url, timeout=60.0, api_key=api_key) as client:
+    with HTTPWeightSyncClient(url, timeout=min(60.0, timeout), api_key=api_key) as client:
         before = client.weight_checker("checksum")[0].get("checksums", {})
         found = known_tensor(before)
         if found is None:
-            say("skip", "1-tensor round", "no served tensor with provably known bytes (the round would change "
-                "weights)")
+            say("skip", "1-tensor round", "not run: no served tensor has bytes the doctor can resend unchanged "
+                "(the round would change the served weights)")
             return
         name, array = found
         t0 = time.perf_counter()

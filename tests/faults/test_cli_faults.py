@@ -1,0 +1,117 @@
+"""CLI faults, process-level (the real ``weightwire`` entry point in a fresh interpreter):
+hostile or broken servers against ``doctor``, bad configuration against ``serve``."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+
+import pytest
+
+from tests.cli.conftest import run_cli
+
+HeaderThenBody = Callable[[socket.socket], None]
+
+
+@contextmanager
+def raw_server(serve: HeaderThenBody) -> Iterator[str]:
+    """A loopback server running ``serve(conn)`` for each connection; every loop in ``serve``
+    is bounded, so a doctor that never stops still lets this server end."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=_serve_one, args=(serve, conn), daemon=True).start()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def _serve_one(serve: HeaderThenBody, conn: socket.socket) -> None:
+    with conn, suppress(OSError):
+        conn.recv(65536)  # the request (small)
+        serve(conn)
+
+
+def _trickle(conn: socket.socket, data: bytes, every_s: float = 0.5, for_s: float = 40.0) -> None:
+    end = time.monotonic() + for_s
+    for byte in data:
+        if time.monotonic() > end:
+            return
+        conn.sendall(bytes([byte]))
+        time.sleep(every_s)
+
+
+def _trickle_headers(conn: socket.socket) -> None:
+    _trickle(conn, b"HTTP/1.1 200 OK\r\n" + b"X-Slow: " + b"a" * 500 + b"\r\n\r\n")
+
+
+def _trickle_body(conn: socket.socket) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+    _trickle(conn, b'{"version": "' + b"0" * 990)
+
+
+def _endless_body(conn: socket.socket) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
+    chunk = b"0" * (1 << 20)
+    for _ in range(64):  # 64 MiB at most: a doctor that reads it all still ends, and says so
+        conn.sendall(chunk)
+
+
+@pytest.mark.parametrize("serve", [_trickle_headers, _trickle_body], ids=["headers", "body"])
+def test_doctor_against_a_trickling_server_stops_at_its_timeout(serve: HeaderThenBody) -> None:
+    """doctor against a server trickling one byte every 0.5 s (each read inside --timeout 2).
+    It stops that probe at 2 s, says so, and exits 3 (no usable answer)."""
+    with raw_server(serve) as url:
+        done = run_cli("doctor", url, "--timeout", "2", "--deadline", "6", timeout=30)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "no complete answer within 2 s" in done.stdout and "doctor: stopped" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_doctor_against_an_endless_body_stops_at_the_size_cap() -> None:
+    """doctor against a server whose /version reply never ends. It stops reading at
+    8 MiB, says so, and exits 3."""
+    with raw_server(_endless_body) as url:
+        done = run_cli("doctor", url, "--timeout", "20", timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "a reply body over 8 MiB; stopped reading it" in done.stdout
+
+
+def test_doctor_against_a_dead_port_exits_3_as_its_help_says() -> None:
+    """doctor against a port nobody listens on, given as a bare host:port. It adds http://,
+    reports no answer and exits 3, the code --help gives for it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    done = run_cli("doctor", f"127.0.0.1:{port}", "--timeout", "3", timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"GET http://127.0.0.1:{port}/version -> no answer" in " ".join(done.stdout.split())
+    help_text = run_cli("doctor", "--help", timeout=60).stdout
+    assert "3    no usable answer: nothing listens there" in help_text
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "0"], ids=["negative", "nan", "inf", "zero"])
+def test_doctor_refuses_a_bad_timeout_as_a_usage_error(value: str) -> None:
+    """doctor --timeout with a value that is not a finite number of seconds > 0: exit 2, one line."""
+    done = run_cli("doctor", "127.0.0.1:9", "--timeout", value, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"argument --timeout: '{value}' must be a finite number of seconds > 0" in done.stderr
+    assert "Traceback" not in done.stderr
