@@ -3,7 +3,10 @@ hostile or broken servers against ``doctor``, bad configuration against ``serve`
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -115,3 +118,28 @@ def test_doctor_refuses_a_bad_timeout_as_a_usage_error(value: str) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"argument --timeout: '{value}' must be a finite number of seconds > 0" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _serve(*args: str, env: dict[str, str | None], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``weightwire serve ARGS`` in a fresh interpreter with ``env`` applied (None: unset)."""
+    full = {k: v for k, v in os.environ.items() if k not in env}
+    full.update({k: v for k, v in env.items() if v is not None})
+    return subprocess.run([sys.executable, "-m", "weightwire.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False, env=full)
+
+
+@pytest.mark.parametrize(("flag", "env", "says"), [
+    ([], "", "WEIGHTWIRE_API_KEY is empty"),
+    ([], " ", "WEIGHTWIRE_API_KEY is blank"),
+    ([], " key ", "WEIGHTWIRE_API_KEY has whitespace at its start or end"),
+    (["--api-key", ""], None, "--api-key is empty"),
+    (["--api-key", "  "], None, "--api-key is blank"),
+], ids=["env-empty", "env-blank", "env-padded", "flag-empty", "flag-blank"])
+def test_serve_refuses_an_empty_or_blank_api_key(flag: list[str], env: str | None, says: str) -> None:
+    """serve with an API key that is given but empty (would start an open server) or blank
+    (a server nobody can authenticate to). One line naming where the key came from, exit 2,
+    nothing started."""
+    done = _serve("--model", "tiny-llama", "--port", "0", *flag, env={"WEIGHTWIRE_API_KEY": env})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"weightwire serve: error: {says}" in done.stderr
+    assert "Traceback" not in done.stderr and "ready" not in done.stdout

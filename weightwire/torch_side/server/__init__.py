@@ -121,7 +121,9 @@ def _check_model(model: str) -> str | None:
 def resolve_api_key(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> tuple[str | None, str | None]:
     """``(key, warning)``: from ``--api-key-file``, ``--api-key`` (with a warning: the
     process list shows it) or ``$WEIGHTWIRE_API_KEY``. Raises ``ValueError`` for an
-    unreadable or empty key file."""
+    unreadable key file, and for a key that is given but empty or blank or has whitespace
+    at either end: an empty one would silently start an open server, a blank one a server
+    nobody can authenticate to (HTTP strips a header value's ends)."""
     if args.api_key_file is not None:
         try:
             with open(args.api_key_file, encoding="utf-8") as f:
@@ -130,11 +132,24 @@ def resolve_api_key(args: argparse.Namespace, environ: dict[str, str] | os._Envi
             raise ValueError(f"--api-key-file {args.api_key_file!r}: cannot read it ({type(exc).__name__})") from None
         if not key.strip():
             raise ValueError(f"--api-key-file {args.api_key_file!r} is empty")
-        return key, None
-    if args.api_key:
-        return args.api_key, ("--api-key on the command line is visible to every user of this host (ps, "
-                              "/proc/PID/cmdline); pass it in $WEIGHTWIRE_API_KEY or --api-key-file instead")
-    return environ.get("WEIGHTWIRE_API_KEY") or None, None
+        return _usable_key(key, f"--api-key-file {args.api_key_file!r}"), None
+    if args.api_key is not None:
+        return _usable_key(args.api_key, "--api-key"), (
+            "--api-key on the command line is visible to every user of this host (ps, "
+            "/proc/PID/cmdline); pass it in $WEIGHTWIRE_API_KEY or --api-key-file instead")
+    key = environ.get("WEIGHTWIRE_API_KEY")
+    return (None if key is None else _usable_key(key, "WEIGHTWIRE_API_KEY")), None
+
+
+def _usable_key(key: str, source: str) -> str:
+    if not key.strip():
+        raise ValueError(f"{source} is {'empty' if not key else 'blank'}: that would start a server with no working "
+                         "key; give a real key, or "
+                         f"{'unset it' if source.isupper() else 'leave the option out'} to run without authentication")
+    if key != key.strip():
+        raise ValueError(f"{source} has whitespace at its start or end, which no client can send in an "
+                         "Authorization header: remove it")
+    return key
 
 
 def serve_main(argv: list[str] | None = None) -> int:
