@@ -16,7 +16,7 @@ from typing import TextIO
 
 from weightwire import backends
 from weightwire._extras import missing_extra
-from weightwire.shared.errors import WeightwireError
+from weightwire.shared.errors import ConfigError, WeightwireError
 
 EXIT_OK = 0
 """Success; also ``serve`` stopped by Ctrl-C / SIGTERM after it was serving."""
@@ -66,6 +66,21 @@ class CommandError(WeightwireError):
     def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
         super().__init__(message)
         self.code = code
+
+
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+
+def env_log_level(environ: dict[str, str] | os._Environ[str], var: str = "WEIGHTWIRE_LOG_LEVEL",
+                  default: str = "WARNING") -> str:
+    """``$var`` as a logging level name (any case), or ``default`` when unset or empty.
+    Raises ``ConfigError`` naming the variable for anything else."""
+    raw = environ.get(var, "").strip()
+    if not raw:
+        return default
+    if raw.upper() not in LOG_LEVELS:
+        raise ConfigError(f"{var}={raw[:40]!r} is not a log level: use one of {', '.join(LOG_LEVELS)}")
+    return raw.upper()
 
 
 def backend_name(value: str) -> str:

@@ -143,3 +143,20 @@ def test_serve_refuses_an_empty_or_blank_api_key(flag: list[str], env: str | Non
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"weightwire serve: error: {says}" in done.stderr
     assert "Traceback" not in done.stderr and "ready" not in done.stdout
+
+
+@pytest.mark.parametrize(("var", "value", "says"), [
+    ("WEIGHTWIRE_TIMEOUT_CONNECT_S", "abc", "WEIGHTWIRE_TIMEOUT_CONNECT_S must be a number of seconds, got 'abc'"),
+    ("WEIGHTWIRE_TIMEOUT_HTTP_S", "inf", "WEIGHTWIRE_TIMEOUT_HTTP_S must be a finite number of seconds > 0"),
+    ("WEIGHTWIRE_TIMEOUT_TRANSFER_S", "-1", "WEIGHTWIRE_TIMEOUT_TRANSFER_S must be a finite number of seconds > 0"),
+    ("WEIGHTWIRE_LOG_LEVEL", "bogus", "WEIGHTWIRE_LOG_LEVEL='bogus' is not a log level"),
+], ids=["timeout-text", "timeout-inf", "timeout-negative", "log-level"])
+def test_serve_refuses_a_bad_environment_variable_at_start(var: str, value: str, says: str) -> None:
+    """serve with a bad ``WEIGHTWIRE_TIMEOUT_*`` or ``WEIGHTWIRE_LOG_LEVEL``: it refuses to start
+    with one line naming the variable (exit 2), instead of printing "ready" and then failing
+    every init with a 500 (timeouts) or every worker with a traceback (log level)."""
+    done = _serve("--model", "tiny-llama", "--port", "0", env={var: value, "WEIGHTWIRE_API_KEY": None}, timeout=90)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"weightwire serve: error: {says}" in done.stderr
+    assert "Traceback" not in done.stderr and "ready" not in done.stdout
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

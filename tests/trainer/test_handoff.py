@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 
@@ -9,6 +10,8 @@ import pytest
 
 from tests.trainer.fakes import FAKE, FakeComm, FakeServer
 from tests.trainer.test_engine_rounds import make
+from weightwire.shared.errors import ConfigError
+from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.handoff import ENV, quick_handoffs, round_interval_s
 
 
@@ -87,11 +90,27 @@ def test_env_zero_leaves_the_interval_alone(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.parametrize("raw", ["fast", "-5", "nan", "inf"])
 def test_bad_env_is_refused_before_anything_is_sent(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
-    monkeypatch.setenv(ENV, raw)
     server = FakeServer()
     engine, _ = make(server)
+    monkeypatch.setenv(ENV, raw)  # set after the config was built (which would refuse it): the round still refuses
     with pytest.raises(ValueError, match=f"{ENV}={raw!r}: expected microseconds"):
         engine.send_weights()
     assert "start_weight_update" not in server.routes()
     monkeypatch.delenv(ENV)
     engine.send_weights()  # the engine stays usable: nothing went out
+
+
+@pytest.mark.parametrize("raw", ["1e-320", "1e-300", "0.5", "-1", "nan", "inf", "fast"])
+def test_env_refuses_an_interval_the_interpreter_cannot_keep(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    # 1e-320 us underflowed to 0 s (Python's own "must be strictly positive"); 1e-300 set 0.0.
+    monkeypatch.setenv(ENV, raw)
+    with pytest.raises(ConfigError, match=f"{ENV}='{re.escape(raw)}': expected microseconds, 0 .* or a number >= 1"):
+        round_interval_s()
+    with pytest.raises(ConfigError, match=ENV):  # the trainer's config refuses it before anything is sent
+        TrainerInitInfo(backend="weightwire_tcp")
+
+
+def test_a_bad_timeout_variable_is_refused_by_the_trainers_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEIGHTWIRE_TIMEOUT_CONNECT_S", "soon")
+    with pytest.raises(ConfigError, match="WEIGHTWIRE_TIMEOUT_CONNECT_S must be a number of seconds, got 'soon'"):
+        TrainerInitInfo(backend="weightwire_tcp")

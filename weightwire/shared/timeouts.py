@@ -12,6 +12,8 @@ import math
 import os
 from dataclasses import dataclass, fields, replace
 
+from weightwire.shared.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Timeouts:
@@ -36,10 +38,10 @@ class Timeouts:
             try:
                 value = float(raw)
             except ValueError:
-                raise ValueError(f"{var} must be a number of seconds, got {raw[:60]!r}") from None
+                raise ConfigError(f"{var} must be a number of seconds, got {raw[:60]!r}") from None
             # inf would silently mean "wait forever", the very thing timeouts exist to stop.
             if not 0 < value < math.inf:
-                raise ValueError(f"{var} must be a finite number of seconds > 0, got {raw[:60]!r}")
+                raise ConfigError(f"{var} must be a finite number of seconds > 0, got {raw[:60]!r}")
             values[f.name] = value
         return replace(cls(), **values)
 

@@ -17,6 +17,7 @@ from weightwire.shared.limits import LIMITS
 from weightwire.shared.routes import PAUSE_MODES
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
+from weightwire.trainer.handoff import round_interval_s
 
 
 @dataclass(kw_only=True)
@@ -93,6 +94,7 @@ class TrainerInitInfo:
             raise ConfigError(f"packed_num_buffers must be an int in [1, {LIMITS.max_num_buffers}], got {count!r}")
         if not isinstance(self.timeouts, Timeouts):
             raise ConfigError(f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}")
+        round_interval_s()  # a bad WEIGHTWIRE_SWITCH_INTERVAL_US fails here, before anything is sent
         if type(self.ipc_release_after_round) is not bool:
             raise ConfigError(f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}")
         if self.ipc_mode not in ("pull", "push"):

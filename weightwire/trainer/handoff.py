@@ -17,11 +17,14 @@ of CPU-bound throughput for the round's milliseconds, and nothing after it.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from weightwire.shared.errors import ConfigError
 
 ENV = "WEIGHTWIRE_SWITCH_INTERVAL_US"
 DEFAULT_US = 100.0
@@ -33,17 +36,21 @@ _saved = 0.0
 
 def round_interval_s() -> float | None:
     """The switch interval a round runs with, in seconds; ``None`` leaves it alone
-    (``WEIGHTWIRE_SWITCH_INTERVAL_US=0``). A value that is not a number >= 0 is refused."""
+    (``WEIGHTWIRE_SWITCH_INTERVAL_US=0``). Anything but 0 or a finite number >= 1 (the
+    interpreter counts the interval in whole microseconds) raises ``ConfigError``."""
     raw = os.environ.get(ENV)
     if raw is None or not raw.strip():
         return DEFAULT_US * 1e-6
     try:
         us = float(raw)
     except ValueError:
-        raise ValueError(f"{ENV}={raw!r}: expected microseconds (a number >= 0; 0 = leave the interval alone)") from None
-    if not us >= 0 or us == float("inf"):
-        raise ValueError(f"{ENV}={raw!r}: expected microseconds (a number >= 0; 0 = leave the interval alone)")
-    return us * 1e-6 if us else None
+        us = math.nan
+    if us == 0:
+        return None
+    if not 1 <= us < math.inf:
+        raise ConfigError(f"{ENV}={raw[:40]!r}: expected microseconds, 0 (leave the interval alone) or a number "
+                          ">= 1 (the interpreter's resolution)")
+    return us * 1e-6
 
 
 @contextmanager

@@ -34,6 +34,7 @@ from weightwire._cli import (
     HelpFormatter,
     Progress,
     backend_name,
+    env_log_level,
     fail,
 )
 from weightwire._extras import MissingExtra, require
@@ -105,6 +106,19 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_env() -> str | None:
+    """The environment the server and its workers read later, checked before anything starts
+    (a bad value would otherwise fail every init, or every worker, after "ready")."""
+    from weightwire.shared.timeouts import Timeouts
+
+    try:
+        Timeouts.from_env()
+        env_log_level(os.environ)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _check_model(model: str) -> str | None:
     from weightwire.torch_side.server.tiny import TINY_NAMES  # light: no torch at import
 
@@ -160,7 +174,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed the usage error
         return int(exc.code or 0)
-    problem = _check(args) or _check_model(args.model)
+    problem = _check(args) or _check_env() or _check_model(args.model)
     if problem is None:
         try:
             args.api_key, warning = resolve_api_key(args, os.environ)

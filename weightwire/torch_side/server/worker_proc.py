@@ -35,6 +35,7 @@ import traceback
 from typing import Any, BinaryIO
 
 from weightwire import backends
+from weightwire._cli import env_log_level
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.errors import ReferenceServerError
 from weightwire.torch_side.server.replicas import WorkerSpec
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     out = _claim_stdout()
-    logging.basicConfig(level=os.environ.get("WEIGHTWIRE_LOG_LEVEL", "WARNING"), stream=sys.stderr)
+    logging.basicConfig(level=env_log_level(os.environ), stream=sys.stderr)  # serve checked it at start
     parent = int(os.environ.get("WEIGHTWIRE_PARENT_PID", os.getppid()))
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="weightwire-parent-watch").start()
     spec = WorkerSpec(**json.loads(argv[0]))

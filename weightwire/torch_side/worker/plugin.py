@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 
 from weightwire import backends
+from weightwire.shared.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,11 @@ def engines() -> dict[str, tuple[str, str]]:
 
 
 def register() -> None:
-    """Register the plugin backends with vLLM's ``WeightTransferEngineFactory`` (idempotent)."""
+    """Register the plugin backends with vLLM's ``WeightTransferEngineFactory`` (idempotent).
+
+    A bad ``WEIGHTWIRE_TIMEOUT_*`` raises ``ConfigError`` naming the variable here, so vLLM
+    refuses to start instead of failing every later init with a 500."""
+    Timeouts.from_env()
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError as exc:
