@@ -1,7 +1,8 @@
 """Several broadcasters over stars (``weightwire_tcp``): each non-zero broadcaster listens.
 
 Each non-zero broadcaster opens its own TCP star (``TCPRendezvous``) and publishes the
-endpoint over the trainer group; rank 0's init info lists them all
+endpoint over the trainer group (address and a key share: its secret is agreed with
+rank 0, never posted; ``shared.keyshare``); rank 0's init info lists them all
 (``TCPInitInfo.sources``) and every worker dials every star. In a round, rank 0 posts
 the turns' ``update_weights`` one after another on a side thread; a broadcaster's first
 byte waits for its turn's "go" (``_await_go``), so bytes queued behind earlier turns do
@@ -18,19 +19,30 @@ from concurrent.futures import Future
 from typing import Any, cast
 
 from weightwire.control.fanout import spawn
-from weightwire.shared.info import TCPInitInfo
+from weightwire.shared.errors import ConfigError
+from weightwire.shared.info import TCP_SECRET_BYTES, TCPInitInfo, encode_secret
+from weightwire.shared.keyshare import KeyShare
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.multi_base import MultiBase, RoundFailed
 from weightwire.trainer.pipelines import HostPipeline, chunked
 from weightwire.trainer.transfer import await_call
 
+_STAR_CONTEXT = b"weightwire-tcp-star/1"
+
 
 class StarWire(MultiBase):
     def _connect_stars(self, bplan: BroadcastPlan, workers: int) -> None:
+        """Rank 0 and each other broadcaster agree that star's secret by key shares posted on
+        the trainer group's store (``shared.keyshare``): the store holds public values only,
+        and the secret reaches the workers inside rank 0's init POST alone."""
         e, t = self.engine, self.engine.info.timeouts
+        share = KeyShare.new()
         if self.rank == 0:
+            self.x.post("keyshare", share.public_b64)
+
             def extend(payload: dict[str, Any]) -> dict[str, Any]:
-                sources = [self.x.get("endpoint", r, t.connect_s) for r in bplan.group_ranks[1:]]
+                sources = [self._source(share, self.x.get("endpoint", r, t.connect_s), r)
+                           for r in bplan.group_ranks[1:]]
                 out = {**payload, "rank_offset": len(bplan.group_ranks),
                        "world_size": bplan.world_size(workers), "sources": sources}
                 TCPInitInfo.from_dict(out)  # validated here, before the workers see it
@@ -44,13 +56,17 @@ class StarWire(MultiBase):
             return
         from weightwire.backends.tcp.rendezvous import TCPRendezvous
 
-        rdv = TCPRendezvous(world_size=1 + workers, bind_host=e.info.tcp_bind_host,
-                            advertise_host=e.info.tcp_advertise_host)
+        rdv: TCPRendezvous | None = None
         try:
-            self.x.post("endpoint", rdv.init_fields())  # rides the trainer's own coordination store
+            secret = share.secret_with(self.x.get("keyshare", 0, t.connect_s), length=TCP_SECRET_BYTES,
+                                       context=_STAR_CONTEXT)
+            rdv = TCPRendezvous(world_size=1 + workers, bind_host=e.info.tcp_bind_host,
+                                advertise_host=e.info.tcp_advertise_host, secret=secret)
+            self.x.post("endpoint", {"host": rdv.host, "port": rdv.port, "keyshare": share.public_b64})
             comm = rdv.accept(timeout=t.connect_s)
         except BaseException as exc:
-            rdv.close()
+            if rdv is not None:
+                rdv.close()
             self.x.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
             raise
         try:
@@ -64,6 +80,14 @@ class StarWire(MultiBase):
                                       timeout=t.transfer_s, prefetch=e.prefetch_host)
         self.x.post("ready", {"error": None})
         self._await_ok("joined", t.http_s)
+
+    @staticmethod
+    def _source(share: KeyShare, endpoint: Any, rank: int) -> dict[str, Any]:
+        """A broadcaster's posted endpoint -> its ``TCPInitInfo.sources`` entry (the secret derived here)."""
+        if not isinstance(endpoint, dict):
+            raise ConfigError(f"trainer rank {rank} posted an endpoint that is not an object")
+        secret = share.secret_with(endpoint.get("keyshare"), length=TCP_SECRET_BYTES, context=_STAR_CONTEXT)
+        return {"host": endpoint.get("host"), "port": endpoint.get("port"), "secret_b64": encode_secret(secret)}
 
     def _send_turn(self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event,
                    pipeline: HostPipeline | None = None) -> tuple[int, int]:
