@@ -3,14 +3,19 @@ hostile or broken servers against ``doctor``, bad configuration against ``serve`
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -160,3 +165,60 @@ def test_serve_refuses_a_bad_environment_variable_at_start(var: str, value: str,
     assert f"weightwire serve: error: {says}" in done.stderr
     assert "Traceback" not in done.stderr and "ready" not in done.stdout
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def _break_config(config: dict[str, Any]) -> None:
+    config["hidden_size"] *= 2  # the weights no longer fit the architecture it describes
+
+
+def _unknown_arch(config: dict[str, Any]) -> None:
+    config.update(model_type="no_such_model", architectures=["NoSuchForCausalLM"])
+
+
+def _damage(data: bytes) -> bytes:
+    return data[:10] + b"\xff" * 10 + data[20:]
+
+
+_BREAKS: dict[str, tuple[Callable[[Path], None], str]] = {
+    "empty-config": (lambda d: (d / "config.json").write_text(""), "config.json is empty"),
+    "bad-json": (lambda d: (d / "config.json").write_text('{"model_type": '), "config.json is not valid JSON"),
+    "not-an-object": (lambda d: (d / "config.json").write_text("[1]"), "config.json is a JSON list, not an object"),
+    "truncated-weights": (lambda d: _rewrite(d / "model.safetensors", lambda b: b[:len(b) // 2]),
+                          "model.safetensors is damaged: tensor"),
+    "oversized-header": (lambda d: _rewrite(d / "model.safetensors", lambda b: struct.pack("<Q", 1 << 40) + b[8:]),
+                         "model.safetensors is damaged: its header claims 1099511627776 bytes, over the 100 MiB"),
+    "damaged-header": (lambda d: _rewrite(d / "model.safetensors", _damage),
+                       "model.safetensors is damaged: its header is not valid JSON"),
+    "config-lies-about-shapes": (lambda d: _edit_config(d, _break_config),
+                                 "config.json does not describe these weights: "),
+    "unknown-architecture": (lambda d: _edit_config(d, _unknown_arch),
+                             "has model type `no_such_model` but Transformers does not recognize this architecture."),
+}
+
+
+def _rewrite(file: Path, change: Callable[[bytes], bytes]) -> None:
+    file.write_bytes(change(file.read_bytes()))
+
+
+def _edit_config(model: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    config = json.loads((model / "config.json").read_text())
+    change(config)
+    (model / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("case", list(_BREAKS), ids=list(_BREAKS))
+def test_serve_names_what_is_wrong_with_a_broken_model_directory(case: str, tmp_path: Path) -> None:
+    """serve --model DIR with a broken model directory (empty or invalid config, weights
+    truncated or with a damaged or oversized header, a config that lies about shapes, an
+    unknown architecture). One line naming the problem, no worker traceback."""
+    from weightwire.torch_side.server.tiny import tiny_model_dir
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("tiny-llama"), model)
+    breaker, says = _BREAKS[case]
+    breaker(model)
+    done = _serve("--model", str(model), "--port", "0", env={"WEIGHTWIRE_API_KEY": None}, timeout=240)
+    assert done.returncode in (2, 3), done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "File \"" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip().splitlines()[-1]], done.stderr
+    assert says in done.stderr and done.stderr.startswith("weightwire serve: error: ")

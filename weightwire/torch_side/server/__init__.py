@@ -129,7 +129,9 @@ def _check_model(model: str) -> str | None:
         return f"--model {model!r}: no such directory (or pass tiny-llama / tiny-qwen2)"
     if not (path / "config.json").is_file():
         return f"--model {model!r} is neither {' / '.join(TINY_NAMES)} nor a directory with config.json"
-    return None
+    from weightwire.torch_side.server.model_check import model_dir_problem
+
+    return model_dir_problem(path, model)
 
 
 def resolve_api_key(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> tuple[str | None, str | None]:

@@ -81,7 +81,7 @@ def classify(exc: BaseException) -> str:
 class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         from weightwire.torch_side.server.generate import Generator
@@ -96,7 +96,7 @@ class Worker:
         else:
             self.device = torch.device(spec.device)
         # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound (self: the model).
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype="auto").to(self.device).eval()  # type: ignore[arg-type]
+        self.model = _load_model(spec.model_dir).to(self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
         self.host = HFModelHost(self.model)
         cfg = self.model.config
@@ -311,6 +311,38 @@ def _die_with_parent() -> None:
         pass  # not Linux / no glibc: the stdin-EOF and parent-pid watches still apply
 
 
+def _load_model(model_dir: str) -> Any:
+    """The HF model, its load report kept out of the log unless at DEBUG; weights that do
+    not fit the config raise one line naming the first tensor that differs."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from weightwire.torch_side.server.model_check import shape_mismatch
+
+    quiet = not logging.getLogger().isEnabledFor(logging.DEBUG)
+    before = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    except RuntimeError as exc:
+        if "mismatched_sizes" not in str(exc):
+            raise
+        raise ValueError(shape_mismatch(model_dir) or str(exc)) from None
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line; a long message is cut after its first sentence (the
+    libraries' advice that follows names no fact about this model)."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    if len(text) > limit:
+        end = text.find(". ", 40)
+        text = text[:end + 1] if 0 < end < limit else text[:limit] + "..."
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Ctrl-C reaches the whole process group; the API process owns shutdown (it closes our
@@ -325,8 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker = Worker(spec)
     except BaseException as exc:
-        traceback.print_exc(file=sys.stderr)
-        out.write((json.dumps({"id": 0, "ok": False, "error": f"{type(exc).__name__}: {exc}"}) + "\n").encode())
+        # The API process prints the error as one line; the traceback is for debugging only.
+        if os.environ.get("WEIGHTWIRE_DEBUG") or logging.getLogger().isEnabledFor(logging.DEBUG):
+            traceback.print_exc(file=sys.stderr)
+        out.write((json.dumps({"id": 0, "ok": False, "error": _one_line(exc)}) + "\n").encode())
         return 1
     loop = Loop(worker, out)
     loop.reply({"id": 0, "ok": True, "result": worker.describe()})
