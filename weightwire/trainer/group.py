@@ -21,8 +21,19 @@ from typing import Any, Protocol, runtime_checkable
 from weightwire.shared.errors import RoundError
 
 
+_EARLY_SLACK_S = 0.5
+"""A store error this much before 90% of the timeout is a failure, not the timeout (stores
+round their timeouts; a loaded machine wakes late)."""
+
+
 class GroupTimeout(RoundError, TimeoutError):
-    """A trainer rank did not publish its part within the timeout (it died, hung or diverged)."""
+    """A trainer rank did not publish its part within the timeout (it died, hung or diverged),
+    or the store failed before the timeout (``after_s``: seconds until it did; the store,
+    or the rank hosting it, is gone)."""
+
+    def __init__(self, message: str, *, after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.after_s = after_s
 
 
 @runtime_checkable
@@ -85,7 +96,11 @@ class Exchange:
     def get(self, name: str, rank: int, timeout: float) -> Any:
         try:
             return json.loads(self.group.read(self._key(name, rank), timeout))
-        except GroupTimeout:
+        except GroupTimeout as exc:
+            if exc.after_s is not None:
+                raise GroupTimeout(f"reading trainer rank {rank}'s {name!r} failed after {exc.after_s:.1f} s, before "
+                                   f"its {timeout:g} s timeout: {exc} (is the group's store, or the rank hosting it, "
+                                   "gone?)", after_s=exc.after_s) from None
             raise GroupTimeout(f"trainer rank {rank} did not publish {name!r} within {timeout:g} s "
                                "(it died, hung, or is running a different step)") from None
 
@@ -131,11 +146,15 @@ class StoreGroup:
         self._set(key, value)
 
     def read(self, key: str, timeout: float) -> str:
+        start = time.monotonic()
         try:
             return self._get(key, timeout)
         except GroupTimeout:
             raise
         except Exception as exc:  # each store raises its own type on timeout (DistStoreError, XLA's, ...)
+            elapsed = time.monotonic() - start
+            if elapsed < 0.9 * timeout - _EARLY_SLACK_S:  # no timeout: the store itself failed (a lost connection)
+                raise GroupTimeout(f"{type(exc).__name__}: {str(exc)[:200]}", after_s=elapsed) from None
             raise GroupTimeout(f"{key}: {type(exc).__name__}") from None
 
 

@@ -102,7 +102,11 @@ def parse_chat_request(body: object, *, vocab_size: int, max_model_len: int) -> 
     if unknown:
         raise CompletionRequestError(unknown[0], f"unsupported fields {unknown}; supported: "
                                                  f"{sorted(_CHAT_ONLY | _COMPLETION_FIELDS)}")
-    if body.get("add_generation_prompt", True) is not True:
+    prompt_flag = body.get("add_generation_prompt", True)
+    if not isinstance(prompt_flag, bool):
+        raise CompletionRequestError("add_generation_prompt", "add_generation_prompt must be true or false, got "
+                                                              f"{type(prompt_flag).__name__} {prompt_flag!r:.40}")
+    if not prompt_flag:
         raise CompletionRequestError("add_generation_prompt", "add_generation_prompt=false is not supported")
     messages = _messages(body.get("messages"))
     want = body.get("logprobs", False)
