@@ -20,7 +20,6 @@ from typing import Any, Protocol, runtime_checkable
 
 from weightwire.shared.errors import RoundError
 
-
 _EARLY_SLACK_S = 0.5
 """A store error this much before 90% of the timeout is a failure, not the timeout (stores
 round their timeouts; a loaded machine wakes late)."""

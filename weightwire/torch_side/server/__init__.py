@@ -153,8 +153,8 @@ def resolve_api_key(args: argparse.Namespace, environ: dict[str, str] | os._Envi
         return _usable_key(args.api_key, "--api-key"), (
             "--api-key on the command line is visible to every user of this host (ps, "
             "/proc/PID/cmdline); pass it in $WEIGHTWIRE_API_KEY or --api-key-file instead")
-    key = environ.get("WEIGHTWIRE_API_KEY")
-    return (None if key is None else _usable_key(key, "WEIGHTWIRE_API_KEY")), None
+    env_key = environ.get("WEIGHTWIRE_API_KEY")
+    return (None if env_key is None else _usable_key(env_key, "WEIGHTWIRE_API_KEY")), None
 
 
 def _usable_key(key: str, source: str) -> str:

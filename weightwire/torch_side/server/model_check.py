@@ -60,7 +60,7 @@ def shape_mismatch(model_dir: str) -> str | None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     expected = {name: list(t.shape) for name, t in model.state_dict().items()}
-    stored: dict[str, list[int]] = {}
+    stored: dict[str, Any] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         stored |= {name: entry.get("shape") for name, entry in _header(file).items()
                    if name != "__metadata__" and isinstance(entry, dict)}

@@ -95,8 +95,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device(spec.device)
-        # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound (self: the model).
-        self.model = _load_model(spec.model_dir).to(self.device).eval()  # type: ignore[arg-type]
+        self.model = _load_model(spec.model_dir).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
         self.host = HFModelHost(self.model)
         cfg = self.model.config
