@@ -180,15 +180,17 @@ def _doctor_parser(sub: argparse._SubParsersAction) -> None:
                      help="bearer token for the server (default: $WEIGHTWIRE_API_KEY)")
     doc.add_argument("--timeout", type=_seconds, default=15.0,
                      help="seconds for each HTTP probe, its whole reply included (default 15)")
-    doc.add_argument("--deadline", type=_seconds, default=120.0,
-                     help="seconds for the whole check, the 1-tensor round included (default 120)")
+    doc.add_argument("--deadline", type=_seconds, default=None,
+                     help="seconds for the whole check, the 1-tensor round included "
+                          "(default: 4 x --timeout, at least 120)")
     doc.add_argument("--no-round", action="store_true", help="skip the timed 1-tensor round")
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
     from weightwire.demo.doctor import run_doctor
 
-    return run_doctor(args.url, api_key=args.api_key, timeout=args.timeout, deadline=args.deadline,
+    deadline = args.deadline if args.deadline is not None else max(120.0, 4 * args.timeout)
+    return run_doctor(args.url, api_key=args.api_key, timeout=args.timeout, deadline=deadline,
                       round_trip=not args.no_round)
 
 
