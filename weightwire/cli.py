@@ -181,8 +181,8 @@ def _doctor_parser(sub: argparse._SubParsersAction) -> None:
     doc.add_argument("--timeout", type=_seconds, default=15.0,
                      help="seconds for each HTTP probe, its whole reply included (default 15)")
     doc.add_argument("--deadline", type=_seconds, default=None,
-                     help="seconds for the whole check, the 1-tensor round included "
-                          "(default: 4 x --timeout, at least 120)")
+                     help="seconds for the whole check; each wait of the 1-tensor round gets at most what "
+                          "is left (default: 4 x --timeout, at least 120)")
     doc.add_argument("--no-round", action="store_true", help="skip the timed 1-tensor round")
 
 

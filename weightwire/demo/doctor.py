@@ -29,6 +29,7 @@ from weightwire.demo.probe import Prober, Reply
 from weightwire.shared.dtypes import wire_name_of_numpy
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
+from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import VERSION_GATES, ServerFeatures
 from weightwire.trainer.engine import TrainerEngine
 
@@ -236,7 +237,8 @@ def _round(url: str, say: _Report, *, api_key: str | None, reference: bool, back
         name, array = found
         t0 = time.perf_counter()
         try:
-            engine = NumpyTrainerEngine.trainer_init(TrainerInitInfo(backend=backends.TCP), client=client,
+            left = Timeouts(http_s=timeout, connect_s=timeout, warmup_s=timeout, transfer_s=timeout)
+            engine = NumpyTrainerEngine.trainer_init(TrainerInitInfo(backend=backends.TCP, timeouts=left), client=client,
                                                      source=OneTensorSource(name, array))
         except Exception as exc:  # report, do not crash the doctor
             refused = getattr(exc, "status", None) in (400, 422)
