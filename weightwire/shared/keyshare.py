@@ -10,6 +10,11 @@ The group is RFC 3526's 2048-bit MODP group (generator 2); a fresh exponent per
 session; the shared value is run through HKDF-SHA256 bound to both public values.
 This defends against anyone who can read the store; someone who can also write to it
 could stand in the middle, as they could already rewrite every address posted there.
+
+Written here rather than taken from ``cryptography`` (X25519 + HKDF), the library one
+would normally use: this module is in ``shared``, which every trainer host imports with
+numpy alone, and one modular exponentiation per broadcaster per session does not justify
+a compiled dependency there. ``hashlib``/``hmac``/``secrets`` supply every primitive.
 """
 
 from __future__ import annotations
