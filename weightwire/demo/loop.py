@@ -239,7 +239,7 @@ def _train(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult)
     same = diff0 < cfg.tolerance
     console.print(
         f"step-0 weights: server and JAX policy {'agree' if same else '[bold red]DIFFER[/]'} "
-        f"(max |Δlogp| {diff0:.1e} over a {cfg.check_tokens}-token greedy completion; tolerance "
+        f"(max |Δlogp| {diff0:.1e} over the server's {cfg.check_tokens}-token greedy completion; tolerance "
         f"{cfg.tolerance:.0e}); reward = fraction of completion tokens containing {cfg.target!r}, "
         f"random-policy rate {reward.base_rate:.3f}", highlight=False, soft_wrap=True)
     if not same and cfg.resync and cfg.server is not None:
