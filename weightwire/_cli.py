@@ -16,6 +16,7 @@ from typing import TextIO
 
 from weightwire import backends
 from weightwire._extras import missing_extra
+from weightwire._lifetime import received, signal_name
 from weightwire.shared.errors import WeightwireError
 
 EXIT_OK = 0
@@ -30,6 +31,8 @@ EXIT_ERROR = 3
 a port in use, a server that does not answer, a failed child process."""
 EXIT_INTERRUPTED = 130
 """Interrupted by Ctrl-C (SIGINT) before the command finished (128 + SIGINT, the shell's convention)."""
+EXIT_TERMINATED = 143
+"""Stopped by SIGTERM (128 + 15); SIGHUP gives 129. The command's child processes stopped with it."""
 
 EXIT_CODES_HELP = f"""\
 exit codes:
@@ -39,6 +42,7 @@ exit codes:
   {EXIT_USAGE}    bad arguments
   {EXIT_ERROR}    an error stopped the command (missing extra, port in use, no server, ...)
   {EXIT_INTERRUPTED}  interrupted by Ctrl-C before it finished
+  {EXIT_TERMINATED}  stopped by SIGTERM (129: SIGHUP); its child processes stop with it
 """
 
 BACKENDS = backends.BACKEND_NAMES
@@ -88,8 +92,7 @@ def guarded(prog: str, run: Callable[[], int]) -> int:
     try:
         return run()
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return interrupted(prog)
     except SystemExit:
         raise
     except CommandError as exc:
@@ -101,6 +104,20 @@ def guarded(prog: str, run: Callable[[], int]) -> int:
         if extra is not None:
             return fail(prog, str(extra))
         return fail(prog, f"{type(exc).__name__}: {exc}\n(set WEIGHTWIRE_DEBUG=1 for the traceback)")
+
+
+def interrupted(prog: str, *, what: str = "") -> int:
+    """Print the one line for a command stopped by Ctrl-C, SIGTERM or SIGHUP; return its exit code.
+
+    ``_lifetime.stop_on_signals`` turns SIGTERM / SIGHUP into the ``KeyboardInterrupt`` this
+    follows, so by now every clean-up (children included) has run."""
+    sig = received()
+    if sig is None:
+        print(f"{prog}: interrupted{what}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    print(f"{prog}: stopped by {signal_name(sig)}{what}; its child processes were stopped", file=sys.stderr,
+          flush=True)
+    return 128 + sig
 
 
 class Progress:

@@ -7,7 +7,8 @@
 - ``weightwire doctor``  what a server supports and whether a sync can work against it.
 
 Exit codes (``weightwire._cli``, the same for every command): 0 success; 1 the command ran
-and its verdict is negative; 2 bad arguments; 3 an error stopped the command; 130 Ctrl-C.
+and its verdict is negative; 2 bad arguments; 3 an error stopped the command; 130 Ctrl-C;
+143 SIGTERM (129 SIGHUP), its child processes stopped with it.
 No expected failure prints a traceback (``WEIGHTWIRE_DEBUG=1`` shows it).
 """
 
@@ -30,6 +31,7 @@ from weightwire._cli import (
     fail,
     guarded,
 )
+from weightwire._lifetime import stop_on_signals
 
 DESCRIPTION = "Push fresh weights from a JAX or PyTorch trainer into vLLM inference workers, every RL step."
 
@@ -167,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the entry point (a caller passing argv keeps its own signal handling)
+        # SIGTERM / SIGHUP unwind like Ctrl-C: children (the demo's server, the bench's receivers) stop too.
+        stop_on_signals()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         # Everything after `serve` belongs to the server's own parser (its --help included).

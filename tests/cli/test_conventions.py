@@ -197,6 +197,7 @@ def test_serve_says_what_it_loads_and_serves_and_stops_cleanly_on_ctrl_c(tiny_di
     assert "/init_weight_transfer_engine" in routes and "/health" in routes, routes
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1] == "weightwire serve: stopped by Ctrl-C (SIGINT); the workers were closed", err
 
 
 def test_ctrl_c_during_the_demo_exits_130_without_a_traceback() -> None:

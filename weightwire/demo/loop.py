@@ -31,6 +31,7 @@ from rich.console import Console
 from weightwire import backends
 from weightwire._cli import CommandError
 from weightwire._extras import require
+from weightwire._lifetime import raise_if_stopped
 from weightwire.demo.render import StartupProgress, StepRow, StepTable
 
 DEMO_BACKENDS = tuple(name for name in backends.BACKEND_NAMES if not backends.SPECS[name].same_host)
@@ -260,6 +261,7 @@ def _train(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult)
     table = StepTable(console, cfg.target)
     with table.shown():
         for step in range(cfg.steps):
+            raise_if_stopped()  # a SIGTERM whose KeyboardInterrupt a gc callback swallowed
             clock: dict[str, float] = {}
             t = time.perf_counter()
             prompts = rng.integers(low, high, (cfg.batch // cfg.samples_per_prompt, cfg.prompt_len)).astype(np.int32)
