@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import urllib.parse
 from collections.abc import Callable
 from typing import TextIO
 
@@ -75,6 +76,46 @@ class CommandError(WeightwireError):
 def backend_name(value: str) -> str:
     """argparse ``type=``: an alias -> its backend name (``choices`` then checks the result)."""
     return backends.canonical(value)
+
+
+def server_url(value: str) -> str:
+    """argparse ``type=`` for a server's base URL: ``http(s)://host:port``; a bare ``host:port``
+    gets ``http://`` (what every server weightwire talks to speaks); a trailing ``/`` is dropped."""
+    text = value.strip()
+    if "://" not in text:
+        text = f"http://{text}"
+    parts = urllib.parse.urlsplit(text)
+    problem = None
+    if parts.scheme not in ("http", "https"):
+        problem = f"the scheme must be http:// or https://, not {parts.scheme}://"
+    elif not parts.hostname:
+        problem = "it names no host"
+    else:
+        try:
+            parts.port  # noqa: B018 -- raises ValueError for a port that is not a number in range
+        except ValueError:
+            problem = "its port is not a number in [0, 65535]"
+    if problem:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a server URL ({problem}); e.g. http://127.0.0.1:8000")
+    return text.rstrip("/")
+
+
+def probe_server(url: str, *, timeout: float = 5.0) -> None:
+    """``CommandError`` unless something answers HTTP at ``url`` (any status: a 401 is an answer).
+
+    Run before a slow start-up (importing JAX, compiling) so a wrong URL or a stopped server
+    fails in a second, not after it."""
+    import httpx
+
+    try:
+        httpx.get(f"{url}/health", timeout=timeout)
+    except httpx.TimeoutException:
+        raise CommandError(f"the server at {url} did not answer within {timeout:g} s: is it up and is --server "
+                           "right?") from None
+    except httpx.HTTPError as exc:
+        reason = str(exc) or type(exc).__name__
+        raise CommandError(f"cannot reach a server at {url} ({reason}): start one (weightwire serve --model "
+                           "tiny-llama --port 8000) or fix --server") from None
 
 
 def fail(prog: str, message: str, code: int = EXIT_ERROR, *, stream: TextIO | None = None) -> int:

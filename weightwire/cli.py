@@ -30,6 +30,7 @@ from weightwire._cli import (
     backend_name,
     fail,
     guarded,
+    server_url,
 )
 from weightwire._lifetime import stop_on_signals
 
@@ -59,7 +60,9 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="RL loop: JAX policy -> server, weights synced every step",
                        description="On-policy RL against a vLLM-style server with a weight sync after every step.",
                        epilog=_DEMO_EPILOG + EXIT_CODES_HELP, formatter_class=HelpFormatter)
-    p.add_argument("--server", default=None, help="base URL of a running server (default: start the reference server)")
+    p.add_argument("--server", type=server_url, default=None,
+                   help="base URL of a running server, http://HOST:PORT (a bare HOST:PORT means http://) "
+                        "(default: start the reference server)")
     p.add_argument("--model-dir", default=None,
                    help="the model directory the server loaded (required with --server): initial weights + tokenizer; "
                         "`weightwire serve --model tiny-llama` prints the directory of its tiny model")

@@ -28,6 +28,7 @@ import numpy as np
 
 from weightwire import backends
 from weightwire._cli import HelpFormatter, backend_name
+from weightwire._extras import require
 
 _RECEIVER_ROLE = "tcp-receiver"
 
@@ -197,6 +198,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         kib = args.socket_buffer_kib
         results["tcp"] = bench_tcp(**sizes, socket_buffer_bytes=-1 if kib < 0 else (kib << 10) or None)
     if transport in ("nccl", "all"):
+        # Before any child starts: its import error would otherwise come back as a child's traceback.
+        require("cupy", purpose=f"{prog or 'weightwire bench'} --backend {args.backend} (NCCL on two GPUs)")
         results["nccl"] = _load_bench_nccl()(**sizes)
     if args.json:
         print(json.dumps(results))

@@ -23,13 +23,14 @@ import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.console import Console
 
 from weightwire import backends
-from weightwire._cli import CommandError
+from weightwire._cli import CommandError, probe_server
 from weightwire._extras import require
 from weightwire._lifetime import raise_if_stopped
 from weightwire.demo.render import StartupProgress, StepRow, StepTable
@@ -80,6 +81,9 @@ class DemoConfig:
         if self.server is not None and self.model_dir is None:
             raise ValueError("--server needs --model-dir: the directory the server loaded, so the JAX policy "
                              "starts from the same weights and tokenizer")
+        if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
+            raise ValueError(f"--model-dir {self.model_dir!r} is not a Hugging Face model directory (no config.json); "
+                             "pass the directory the server loaded")
         for name, lo in (("steps", 1), ("batch", 1), ("prompt_len", 1), ("max_tokens", 1), ("check_tokens", 1)):
             if getattr(self, name) < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(self, name)}")
@@ -167,6 +171,8 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
     if cfg.server is None:
         require("torch", "transformers", "fastapi", "uvicorn",
                 purpose="the embedded reference server (or pass --server URL --model-dir DIR)")
+    else:  # a wrong URL or a stopped server fails here, in a second, not after JAX's start-up
+        probe_server(cfg.server)
     if on_gpu:
         import jax
 

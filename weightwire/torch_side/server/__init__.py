@@ -164,6 +164,9 @@ def serve_main(argv: list[str] | None = None) -> int:
         require("torch", "transformers", "fastapi", "uvicorn", "safetensors", purpose=PROG)
     except MissingExtra as exc:
         return fail(PROG, str(exc))
+    if args.device == "cuda" and not _cuda_visible():
+        return fail(PROG, "--device cuda: torch sees no CUDA GPU on this host (torch.cuda.is_available() is "
+                          "False); use --device cpu, or check CUDA_VISIBLE_DEVICES and the driver", EXIT_USAGE)
     # Launched by the demo (or another launcher that asked): go when the launcher goes, even if SIGKILLed.
     die_with_parent()
     served: list[bool] = []
@@ -181,6 +184,14 @@ def serve_main(argv: list[str] | None = None) -> int:
         return fail(PROG, str(exc))
     except (ValueError, RuntimeError) as exc:
         return fail(PROG, str(exc))
+
+
+def _cuda_visible() -> bool:
+    """Whether torch can use a GPU here: checked in this process (one torch import) before a
+    worker tries and fails with a traceback."""
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def event_loop_factory() -> Any:
