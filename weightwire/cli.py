@@ -73,7 +73,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
                         "the embedded server runs it as weightwire_nccl), weightwire_nccl (GPUs) "
                         f"(default {d.backend})")
     p.add_argument("--transport", choices=("tcp", "nccl"), default=None,
-                   help="old spelling of --backend: tcp = weightwire_tcp, nccl = nccl")
+                   help="another name for --backend: tcp = weightwire_tcp, nccl = nccl")
     p.add_argument("--batch", type=int, default=d.batch, help=f"completions per step (default {d.batch})")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"tokens per completion (default {d.max_tokens})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"Adam learning rate (default {d.lr})")
@@ -94,6 +94,12 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
                         "the server sleeps while the policy trains")
     p.add_argument("--sleep-level", type=int, default=d.sleep_level, choices=(0, 1, 2),
                    help=f"--colocated: the server's sleep level during training (default {d.sleep_level})")
+    p.add_argument("--metrics-file", default=None, metavar="PATH",
+                   help="write one JSON line per step to PATH (reward, sync bytes and seconds, checks); "
+                        "with matplotlib installed, the reward curve goes to PATH with a .png suffix")
+    p.add_argument("--no-dummy-start", dest="dummy_start", action="store_false",
+                   help="embedded server: load the policy's own weights instead of dummy ones (by default it "
+                        "starts from other random weights, so the first push visibly changes its text)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -104,15 +110,16 @@ def _run_demo(args: argparse.Namespace) -> int:
     from weightwire.demo.loop import DemoConfig, run_demo
 
     if args.backend is not None and args.transport is not None:
-        return fail("weightwire demo", "--transport is the old spelling of --backend: pass one of them", EXIT_USAGE)
-    # The old --transport values are the alias tcp and the name nccl: the registry maps both.
+        return fail("weightwire demo", "--transport and --backend name the same setting: pass one of them", EXIT_USAGE)
+    # --transport's values are the alias tcp and the name nccl: the registry maps both.
     backend = args.backend or (backend_name(args.transport) if args.transport else DemoConfig.backend)
     try:
         cfg = DemoConfig(server=args.server, model_dir=args.model_dir, model=args.model, steps=args.steps,
                          backend=backend, batch=args.batch, max_tokens=args.max_tokens, lr=args.lr,
                          target=args.target, tolerance=args.tolerance, seed=args.seed, api_key=args.api_key,
                          served_model=args.served_model, resync=args.resync, server_gpu=args.server_gpu,
-                         colocated=args.colocated, sleep_level=args.sleep_level)
+                         colocated=args.colocated, sleep_level=args.sleep_level, dummy_start=args.dummy_start,
+                         metrics_file=args.metrics_file)
     except ValueError as exc:
         return fail("weightwire demo", str(exc), EXIT_USAGE)
     result = run_demo(cfg, Console())

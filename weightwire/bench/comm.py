@@ -168,7 +168,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="data plane to measure: weightwire_tcp (TCPCommunicator, CPU loopback; alias tcp), "
                              "nccl or weightwire_nccl (NCCLCommunicator, two GPUs), all (both)")
     parser.add_argument("--transport", dest="backend", choices=("tcp", "nccl", "all"),
-                        default=argparse.SUPPRESS, help="old spelling of --backend")
+                        default=argparse.SUPPRESS, help="another name for --backend")
     parser.add_argument("--total-mib", type=int, default=1024, help="MiB sent per repeat")
     parser.add_argument("--buffer-mib", type=int, default=64, help="MiB per broadcast buffer (divides --total-mib)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
