@@ -29,6 +29,7 @@ import numpy as np
 from weightwire import backends
 from weightwire._cli import HelpFormatter, backend_name
 from weightwire._extras import require
+from weightwire._lifetime import child_env, die_with_parent
 
 _RECEIVER_ROLE = "tcp-receiver"
 
@@ -93,7 +94,7 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
     config = {**rendezvous.init_fields(), "raw_port": raw_listener.getsockname()[1], "total_bytes": total_bytes,
               "buffer_bytes": buffer_bytes, "repeats": repeats, "socket_buffer_bytes": socket_buffer_bytes}
     child = subprocess.Popen([sys.executable, "-m", "weightwire.bench.comm", "--role", _RECEIVER_ROLE], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, env=child_env())
     try:
         assert child.stdin is not None and child.stdout is not None
         child.stdin.write(json.dumps(config))  # the secret travels on a pipe, never on argv
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.role == _RECEIVER_ROLE:
+        die_with_parent()  # a receiver never outlives the benchmark that started it
         _tcp_receiver(json.loads(sys.stdin.read()))
         return 0
     for name in ("total_mib", "buffer_mib", "repeats"):
