@@ -43,7 +43,8 @@ exit codes:
   {EXIT_USAGE}    bad arguments
   {EXIT_ERROR}    an error stopped the command (missing extra, port in use, no server, ...)
   {EXIT_INTERRUPTED}  interrupted by Ctrl-C before it finished
-  {EXIT_TERMINATED}  stopped by SIGTERM (129: SIGHUP); its child processes stop with it
+  {EXIT_TERMINATED}  stopped by SIGTERM (129: SIGHUP) before it finished; its child processes
+       stop with it (serve, once serving: 0, as for Ctrl-C)
 """
 
 BACKENDS = backends.BACKEND_NAMES
