@@ -45,8 +45,8 @@ def first_sync(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoRes
     what = (f"{cfg.model}, a tiny model with random weights (untrained: its text is gibberish by design)"
             if cfg.server is None and cfg.model_dir is None else ctx.model_dir)
     console.print(f"model: {what}; reward = fraction of completion tokens containing {cfg.target!r} (a random "
-                  f"policy scores {reward.base_rate:.3f}); sample = the server's greedy completion of a fixed "
-                  f"prompt, {cfg.target!r} highlighted", highlight=False, soft_wrap=True)
+                  f"policy scores {reward.base_rate:.3f}); server text = the server's greedy completion of a "
+                  f"fixed prompt after each sync, {cfg.target!r} highlighted", highlight=False, soft_wrap=True)
     pushed = ctx.dummy or (check.diff >= cfg.tolerance and cfg.resync and cfg.server is not None)
     if ctx.dummy:
         console.print(f"step 0: the server starts from dummy weights (the same model, other random values), "
@@ -68,10 +68,12 @@ def first_sync(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoRes
         f"step-0 weights: server and JAX policy {'agree' if same else '[bold red]DIFFER[/]'} "
         f"(max |Δlogp| {check.diff:.1e} over the server's {cfg.check_tokens}-token greedy completion; tolerance "
         f"{cfg.tolerance:.0e})", highlight=False, soft_wrap=True)
-    if not same:
-        where = "the policy's after the first push" if pushed else ctx.model_dir
+    if not same and pushed:
+        result.failures.append(f"step 0: the server's weights differ from the policy's after the first push "
+                               f"(max |Δlogp| {check.diff:.2e} >= tolerance {cfg.tolerance:.0e})")
+    elif not same:
         result.failures.append(
-            f"step 0: the server's weights differ from {where} (max |Δlogp| {check.diff:.2e}). Serve that "
+            f"step 0: the server's weights differ from {ctx.model_dir} (max |Δlogp| {check.diff:.2e}). Serve that "
             "directory unmodified and in float32 (vLLM on CPU downcasts float32 checkpoints to bfloat16 unless "
             "started with --dtype float32)" + ("" if cfg.server is None or cfg.resync else
                                                ", or pass --resync if an earlier run changed the server's weights"))
