@@ -68,7 +68,7 @@ def _watch(parent: int, sig: int) -> None:
 def die_with_parent(sig: int = signal.SIGTERM, *, parent: int | None = None, kernel: bool | None = None) -> None:
     """Receive ``sig`` when the parent process dies; no-op when no parent is known.
 
-    ``parent``: the pid to outlive not; default ``$WEIGHTWIRE_PARENT_PID`` (unset: nothing
+    ``parent``: the launcher's pid; default ``$WEIGHTWIRE_PARENT_PID`` (unset: nothing
     to do). ``kernel``: use ``PR_SET_PDEATHSIG``; default ``$WEIGHTWIRE_PDEATHSIG == "1"``.
     A parent already gone by the time this runs is caught at once (the kernel would not).
     """
