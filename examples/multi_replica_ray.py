@@ -4,7 +4,7 @@ Ray (GPUs): each replica is a ``vllm.LLM`` in a Ray actor on its own GPU; the tr
 drives them all through ``RayWeightSyncClient`` with one NCCL group (trainer rank 0,
 replica ``i`` at rank ``1 + i * tp``)::
 
-    pip install 'weightwire[jax,ray,cuda12]' vllm
+    pip install -e ".[jax,ray,cuda12]" vllm     # from this repository's checkout
     python examples/multi_replica_ray.py --ray --model ./qwen2.5-0.5b --replicas 2
 
 HTTP (any host): the same with running servers, one URL per replica (each may itself

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import urllib.parse
 from collections.abc import Callable
 from typing import TextIO
 
 from weightwire import backends
 from weightwire._extras import missing_extra
+from weightwire._lifetime import received, signal_name
 from weightwire.shared.errors import ConfigError, WeightwireError
 
 EXIT_OK = 0
@@ -30,6 +32,8 @@ EXIT_ERROR = 3
 a port in use, a server that does not answer, a failed child process."""
 EXIT_INTERRUPTED = 130
 """Interrupted by Ctrl-C (SIGINT) before the command finished (128 + SIGINT, the shell's convention)."""
+EXIT_TERMINATED = 143
+"""Stopped by SIGTERM (128 + 15); SIGHUP gives 129. The command's child processes stopped with it."""
 
 EXIT_CODES_HELP = f"""\
 exit codes:
@@ -39,6 +43,8 @@ exit codes:
   {EXIT_USAGE}    bad arguments
   {EXIT_ERROR}    an error stopped the command (missing extra, port in use, no server, ...)
   {EXIT_INTERRUPTED}  interrupted by Ctrl-C before it finished
+  {EXIT_TERMINATED}  stopped by SIGTERM (129: SIGHUP) before it finished; its child processes
+       stop with it (serve, once serving: 0, as for Ctrl-C)
 """
 
 BACKENDS = backends.BACKEND_NAMES
@@ -88,6 +94,46 @@ def backend_name(value: str) -> str:
     return backends.canonical(value)
 
 
+def server_url(value: str) -> str:
+    """argparse ``type=`` for a server's base URL: ``http(s)://host:port``; a bare ``host:port``
+    gets ``http://`` (what every server weightwire talks to speaks); a trailing ``/`` is dropped."""
+    text = value.strip()
+    if "://" not in text:
+        text = f"http://{text}"
+    parts = urllib.parse.urlsplit(text)
+    problem = None
+    if parts.scheme not in ("http", "https"):
+        problem = f"the scheme must be http:// or https://, not {parts.scheme}://"
+    elif not parts.hostname:
+        problem = "it names no host"
+    else:
+        try:
+            parts.port  # noqa: B018 -- raises ValueError for a port that is not a number in range
+        except ValueError:
+            problem = "its port is not a number in [0, 65535]"
+    if problem:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a server URL ({problem}); e.g. http://127.0.0.1:8000")
+    return text.rstrip("/")
+
+
+def probe_server(url: str, *, timeout: float = 5.0) -> None:
+    """``CommandError`` unless something answers HTTP at ``url`` (any status: a 401 is an answer).
+
+    Run before a slow start-up (importing JAX, compiling) so a wrong URL or a stopped server
+    fails in a second, not after it."""
+    import httpx
+
+    try:
+        httpx.get(f"{url}/health", timeout=timeout)
+    except httpx.TimeoutException:
+        raise CommandError(f"the server at {url} did not answer within {timeout:g} s: is it up and is --server "
+                           "right?") from None
+    except httpx.HTTPError as exc:
+        reason = str(exc) or type(exc).__name__
+        raise CommandError(f"cannot reach a server at {url} ({reason}): start one (weightwire serve --model "
+                           "tiny-llama --port 8000) or fix --server") from None
+
+
 def fail(prog: str, message: str, code: int = EXIT_ERROR, *, stream: TextIO | None = None) -> int:
     """Print ``prog: error: message`` (one line per message line) and return ``code``."""
     print(f"{prog}: error: {message}", file=stream or sys.stderr, flush=True)
@@ -103,8 +149,7 @@ def guarded(prog: str, run: Callable[[], int]) -> int:
     try:
         return run()
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return interrupted(prog)
     except SystemExit:
         raise
     except CommandError as exc:
@@ -116,6 +161,20 @@ def guarded(prog: str, run: Callable[[], int]) -> int:
         if extra is not None:
             return fail(prog, str(extra))
         return fail(prog, f"{type(exc).__name__}: {exc}\n(set WEIGHTWIRE_DEBUG=1 for the traceback)")
+
+
+def interrupted(prog: str, *, what: str = "") -> int:
+    """Print the one line for a command stopped by Ctrl-C, SIGTERM or SIGHUP; return its exit code.
+
+    ``_lifetime.stop_on_signals`` turns SIGTERM / SIGHUP into the ``KeyboardInterrupt`` this
+    follows, so by now every clean-up (children included) has run."""
+    sig = received()
+    if sig is None:
+        print(f"{prog}: interrupted{what}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    print(f"{prog}: stopped by {signal_name(sig)}{what}; its child processes were stopped", file=sys.stderr,
+          flush=True)
+    return 128 + sig
 
 
 class Progress:

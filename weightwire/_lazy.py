@@ -81,6 +81,8 @@ def attach(package: str, namespace: dict[str, Any]) -> tuple[Callable[[str], Any
         return value
 
     def __dir__() -> list[str]:
-        return sorted(set(namespace) | set(exports))
+        # The exports and the module's own dunders (``__version__``): not the helpers the package
+        # body used (``TYPE_CHECKING``, ``annotations``, ``attach``) nor the submodules it imported.
+        return sorted(set(exports) | {name for name in namespace if name.startswith("__") and name.endswith("__")})
 
     return __getattr__, __dir__

@@ -7,7 +7,8 @@
 - ``weightwire doctor``  what a server supports and whether a sync can work against it.
 
 Exit codes (``weightwire._cli``, the same for every command): 0 success; 1 the command ran
-and its verdict is negative; 2 bad arguments; 3 an error stopped the command; 130 Ctrl-C.
+and its verdict is negative; 2 bad arguments; 3 an error stopped the command; 130 Ctrl-C;
+143 SIGTERM (129 SIGHUP), its child processes stopped with it.
 No expected failure prints a traceback (``WEIGHTWIRE_DEBUG=1`` shows it).
 """
 
@@ -30,7 +31,9 @@ from weightwire._cli import (
     backend_name,
     fail,
     guarded,
+    server_url,
 )
+from weightwire._lifetime import stop_on_signals
 
 DESCRIPTION = "Push fresh weights from a JAX or PyTorch trainer into vLLM inference workers, every RL step."
 
@@ -58,7 +61,9 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="RL loop: JAX policy -> server, weights synced every step",
                        description="On-policy RL against a vLLM-style server with a weight sync after every step.",
                        epilog=_DEMO_EPILOG + EXIT_CODES_HELP, formatter_class=HelpFormatter)
-    p.add_argument("--server", default=None, help="base URL of a running server (default: start the reference server)")
+    p.add_argument("--server", type=server_url, default=None,
+                   help="base URL of a running server, http://HOST:PORT (a bare HOST:PORT means http://) "
+                        "(default: start the reference server)")
     p.add_argument("--model-dir", default=None,
                    help="the model directory the server loaded (required with --server): initial weights + tokenizer; "
                         "`weightwire serve --model tiny-llama` prints the directory of its tiny model")
@@ -69,7 +74,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
                         "the embedded server runs it as weightwire_nccl), weightwire_nccl (GPUs) "
                         f"(default {d.backend})")
     p.add_argument("--transport", choices=("tcp", "nccl"), default=None,
-                   help="old spelling of --backend: tcp = weightwire_tcp, nccl = nccl")
+                   help="another name for --backend: tcp = weightwire_tcp, nccl = nccl")
     p.add_argument("--batch", type=int, default=d.batch, help=f"completions per step (default {d.batch})")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"tokens per completion (default {d.max_tokens})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"Adam learning rate (default {d.lr})")
@@ -90,6 +95,12 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
                         "the server sleeps while the policy trains")
     p.add_argument("--sleep-level", type=int, default=d.sleep_level, choices=(0, 1, 2),
                    help=f"--colocated: the server's sleep level during training (default {d.sleep_level})")
+    p.add_argument("--metrics-file", default=None, metavar="PATH",
+                   help="write one JSON line per step to PATH (reward, sync bytes and seconds, checks); "
+                        "with matplotlib installed, the reward curve goes to PATH with a .png suffix")
+    p.add_argument("--no-dummy-start", dest="dummy_start", action="store_false",
+                   help="embedded server: load the policy's own weights instead of dummy ones (by default it "
+                        "starts from other random weights, so the first push visibly changes its text)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -100,15 +111,16 @@ def _run_demo(args: argparse.Namespace) -> int:
     from weightwire.demo.loop import DemoConfig, run_demo
 
     if args.backend is not None and args.transport is not None:
-        return fail("weightwire demo", "--transport is the old spelling of --backend: pass one of them", EXIT_USAGE)
-    # The old --transport values are the alias tcp and the name nccl: the registry maps both.
+        return fail("weightwire demo", "--transport and --backend name the same setting: pass one of them", EXIT_USAGE)
+    # --transport's values are the alias tcp and the name nccl: the registry maps both.
     backend = args.backend or (backend_name(args.transport) if args.transport else DemoConfig.backend)
     try:
         cfg = DemoConfig(server=args.server, model_dir=args.model_dir, model=args.model, steps=args.steps,
                          backend=backend, batch=args.batch, max_tokens=args.max_tokens, lr=args.lr,
                          target=args.target, tolerance=args.tolerance, seed=args.seed, api_key=args.api_key,
                          served_model=args.served_model, resync=args.resync, server_gpu=args.server_gpu,
-                         colocated=args.colocated, sleep_level=args.sleep_level)
+                         colocated=args.colocated, sleep_level=args.sleep_level, dummy_start=args.dummy_start,
+                         metrics_file=args.metrics_file)
     except ValueError as exc:
         return fail("weightwire demo", str(exc), EXIT_USAGE)
     result = run_demo(cfg, Console())
@@ -213,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the entry point (a caller passing argv keeps its own signal handling)
+        # SIGTERM / SIGHUP unwind like Ctrl-C: children (the demo's server, the bench's receivers) stop too.
+        stop_on_signals()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         # Everything after `serve` belongs to the server's own parser (its --help included).

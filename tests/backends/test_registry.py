@@ -149,6 +149,19 @@ def test_unknown_names_are_refused_naming_the_known_ones() -> None:
         backends.load("weightwire.backends.tcp.worker")
 
 
+def test_every_alias_the_cli_takes_the_library_takes() -> None:
+    # One alias table (backends.ALIASES) for the command line and TrainerInitInfo alike.
+    from weightwire._cli import backend_name
+    from weightwire.trainer.config import TrainerInitInfo
+
+    assert backends.ALIASES  # tcp, at least
+    for alias, name in backends.ALIASES.items():
+        assert backend_name(alias) == name
+        assert TrainerInitInfo(backend=alias).backend == name
+    with pytest.raises(ValueError, match=r"\(aliases: tcp = weightwire_tcp\)"):
+        TrainerInitInfo(backend="udp")
+
+
 def test_worker_connect_dispatches_through_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
     from weightwire.backends.tcp import worker as tcp_worker

@@ -18,7 +18,7 @@ import pytest
 import weightwire
 from tests.cli.conftest import run_cli
 from weightwire import _cli, cli
-from weightwire._extras import EXTRA_OF, MissingExtra, missing_extra, require
+from weightwire._extras import EXTRA_OF, MissingExtra, install_command, missing_extra, require
 from weightwire.bench import comm, sync
 from weightwire.torch_side.server import build_parser as serve_parser
 
@@ -151,11 +151,12 @@ def test_an_unexpected_error_is_one_line_unless_debugging(monkeypatch: pytest.Mo
 def test_a_missing_extra_is_named_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(MissingExtra) as exc:
         require("numpy", "weightwire_no_such_module_x", purpose="the thing")
-    assert str(exc.value) == "the thing needs 'weightwire_no_such_module_x': pip install weightwire_no_such_module_x"
+    assert str(exc.value).startswith("the thing needs 'weightwire_no_such_module_x': ")
+    assert str(exc.value).endswith(" install weightwire_no_such_module_x")
     assert str(MissingExtra("safetensors.numpy", "reading a checkpoint")) == (
-        "reading a checkpoint needs 'safetensors': pip install \"weightwire[jax]\"")
-    assert 'pip install "weightwire[torch]"' in str(MissingExtra("uvicorn"))
-    assert "weightwire[cuda12]" in str(MissingExtra("cupy")) and "cuda13" in str(MissingExtra("cupy"))
+        f"reading a checkpoint needs 'safetensors': {install_command('jax')}")
+    assert str(MissingExtra("uvicorn")).endswith(install_command("torch"))
+    assert install_command("cuda12") in str(MissingExtra("cupy")) and "[cuda13]" in str(MissingExtra("cupy"))
     # A bare ModuleNotFoundError of a known optional module, even wrapped, maps to its extra.
     try:
         try:
@@ -171,8 +172,26 @@ def test_a_missing_extra_is_named_in_one_line(capsys: pytest.CaptureFixture[str]
         raise ModuleNotFoundError("No module named 'torch'", name="torch")
 
     assert _cli.guarded("weightwire serve", needs_torch) == 3
-    assert capsys.readouterr().err == "weightwire serve: error: 'torch' is not installed: pip install \"weightwire[torch]\"\n"
+    assert capsys.readouterr().err == f"weightwire serve: error: 'torch' is not installed: {install_command('torch')}\n"
     assert set(EXTRA_OF.values()) <= {"jax", "torch", "cuda12", "ray", "test"}
+
+
+def test_the_install_hint_works_for_a_clone_and_names_the_venv_pip(tmp_path: Path) -> None:
+    # From a checkout the package is not on any index: the hint is an editable install of the
+    # checkout with this interpreter's pip (the README's set-up never activates its venv).
+    root = Path(weightwire.__file__).resolve().parents[1]
+    probe = "from weightwire._extras import MissingExtra; print(MissingExtra('flax'))"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    here = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=root, env=env,
+                          timeout=60, check=True).stdout.strip()
+    elsewhere = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env,
+                               timeout=60, check=True).stdout.strip()
+    pip = Path(sys.prefix, "bin", "pip")
+    shown = str(pip.relative_to(root)) if pip.is_relative_to(root) else str(pip)
+    if sys.prefix == sys.base_prefix or not pip.exists():
+        shown = f"{sys.executable} -m pip"
+    assert here == f"'flax' is not installed: {shown} install -e \".[jax]\"", here
+    assert elsewhere.endswith(f' install -e "{root}[jax]"') and "weightwire[" not in elsewhere, elsewhere
 
 
 # ------------------------------------------------------------------ serve: what it loads, routes, Ctrl-C
@@ -197,6 +216,7 @@ def test_serve_says_what_it_loads_and_serves_and_stops_cleanly_on_ctrl_c(tiny_di
     assert "/init_weight_transfer_engine" in routes and "/health" in routes, routes
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1] == "weightwire serve: stopped by Ctrl-C (SIGINT); the workers were closed", err
 
 
 def test_ctrl_c_during_the_demo_exits_130_without_a_traceback() -> None:

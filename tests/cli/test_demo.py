@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.cli.conftest import run_cli
+from weightwire.demo.evidence import sparkline
 from weightwire.demo.loop import DemoConfig, DemoResult
 from weightwire.demo.reward import CharReward
 from weightwire.demo.rollout import CompletionsClient, RolloutError
@@ -24,10 +25,18 @@ from weightwire.jax_side.models import decoder
 ROW = re.compile(r"^(\d+) \| ([0-9.]+) \| .* \| (\S+) \| (\S+)$")
 
 
-def test_default_demo_rises_and_every_sync_check_passes() -> None:
-    done = run_cli("demo", timeout=400)
+def test_default_demo_rises_and_every_sync_check_passes(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    done = run_cli("demo", "--metrics-file", str(metrics), timeout=400)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
+    flat = " ".join(out.split())
+    assert "tiny-llama, a tiny model with random weights" in flat
+    # The server starts from dummy weights: the first push visibly changes what it writes.
+    before = re.search(r"starts from dummy weights .*?: it writes '(.*?)' \(max \|Δlogp\| vs the policy ([0-9.e+-]+)\)",
+                       flat)
+    after = re.search(r"pushed the policy's weights as version '0' .*?; the server now writes '(.*?)'", flat)
+    assert before and after and before[1] != after[1] and float(before[2]) > 1e-2, flat
     assert "server and JAX policy agree" in out
     # Not a terminal: start-up progress comes as plain lines while it happens, not a bar at the end.
     phases = [line for line in out.splitlines() if re.match(r"^\[\d/6\] ", line)]
@@ -39,6 +48,16 @@ def test_default_demo_rises_and_every_sync_check_passes() -> None:
     rewards = [float(m.group(2)) for m in rows]
     assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.2, rewards
     assert "PASS" in out and "trainer process imported torch: no" in out
+    assert "\ufffd" not in out  # a random model's partial UTF-8 is shown as ·
+    # 0.56 MB rounds: no GB/s (a fixed cost, not bandwidth), and the table says why.
+    assert all(line.split(" | ")[5] == "-" for line in out.splitlines() if ROW.match(line))
+    assert "GB/s is shown for rounds of 64 MiB or more only" in flat
+    # --metrics-file: one JSON line per step, the table's numbers; the curve as a sparkline.
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, DemoConfig().steps + 1))
+    assert [f"{r['reward']:.3f}" for r in records] == [m.group(2) for m in rows]
+    assert all(r["ok"] and r["sync_bytes"] > 0 and r["weight_version"] == str(r["step"]) for r in records)
+    assert f"reward per step: {sparkline([r['reward'] for r in records])}" in out
 
 
 def test_demo_exits_nonzero_when_a_sync_check_fails() -> None:
@@ -140,3 +159,27 @@ def test_sample_column_stays_on_one_line() -> None:
     shown = _sample_markup("ab\ne\x85[x]\u2028", "e")
     assert "\n" not in shown and "\x85" not in shown and "\u2028" not in shown
     assert "[bold green]e[/]" in shown and "\\[x]" in shown  # the target is highlighted, markup escaped
+
+
+def test_the_demo_evidence_helpers() -> None:
+    from weightwire.demo.evidence import RATE_MIN_BYTES, readable, shown_rate
+
+    assert sparkline([0.0, 0.5, 1.0, 0.99]) == "▁▅██"
+    assert readable("a\ufffd\nb\x85c") == "a··b·c"
+    assert shown_rate(558336, 0.02) is None and shown_rate(RATE_MIN_BYTES, 3.5) == 3.5
+
+
+def test_the_reward_curve_is_a_png_where_matplotlib_is_installed(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from weightwire.demo.evidence import save_plot
+
+    png = save_plot([0.2, 0.5, 0.9], tmp_path / "curve.png", title="t")
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_unwritable_metrics_file_fails_before_start_up() -> None:
+    done = run_cli("demo", "--metrics-file", "/no/such/dir/m.jsonl", timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == ("weightwire demo: error: --metrics-file '/no/such/dir/m.jsonl': cannot write it "
+                                   "(No such file or directory)")
+    assert "launching" not in done.stdout

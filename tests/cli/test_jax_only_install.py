@@ -101,10 +101,11 @@ def test_demo_against_a_server_and_bench_run_from_the_wheel(setup: tuple[Path, s
 def test_what_needs_torch_says_which_extra(jax_venv: Path) -> None:
     serve = _run(jax_venv, "weightwire", "serve", "--model", "tiny-llama", "--port", "0")
     assert serve.returncode == 3, serve.stderr
-    assert serve.stderr.strip() == "weightwire serve: error: weightwire.torch_side needs 'torch': " \
-                                   'pip install "weightwire[torch]"'
+    # Installed from this checkout (a directory, not an index): the hint installs from there again.
+    hint = f'{jax_venv.name}/bin/pip install "{ROOT}[torch]"'
+    assert serve.stderr.strip() == f"weightwire serve: error: weightwire.torch_side needs 'torch': {hint}"
     demo = _run(jax_venv, "weightwire", "demo")
     assert demo.returncode == 3, demo.stderr
     assert demo.stderr.strip().endswith("weightwire demo: error: the embedded reference server (or pass --server URL "
-                                        "--model-dir DIR) needs 'torch': pip install \"weightwire[torch]\"")
+                                        f"--model-dir DIR) needs 'torch': {hint}")
     assert "Traceback" not in serve.stderr + demo.stderr

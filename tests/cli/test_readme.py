@@ -1,20 +1,24 @@
-"""The README stays true: its CPU code block runs, its commands parse, the extras it names
-exist, the paths it points to exist, and its set-up section has exactly two commands."""
+"""The README stays true: its Quick start runs exactly as written after the set-up command, its
+commands parse, the extras it names exist, the paths it points to exist, and its set-up section
+has exactly two commands."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from weightwire import cli
 from weightwire.bench import comm
+from weightwire.demo.server import ReadyLine
 from weightwire.torch_side.server import build_parser as serve_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,20 +86,64 @@ def test_paths_and_links_in_the_readme_exist() -> None:
     assert missing == []
 
 
-def test_the_quick_start_block_runs_on_cpu_without_torch(launch_server: Any) -> None:
-    marked = README.split(RUN_MARK, 1)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _set_up_venv(where: Path) -> None:
+    """``where/.venv/bin/{python,weightwire}`` as the set-up command leaves them: this interpreter
+    and this checkout (no re-install: the test runs the commands, not pip)."""
+    bin_dir = where / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name, command in (("python", f'exec {shlex.quote(sys.executable)} "$@"'),
+                          ("weightwire", f'exec {shlex.quote(sys.executable)} -m weightwire "$@"')):
+        script = bin_dir / name
+        script.write_text(f"#!/bin/sh\n{command}\n")
+        script.chmod(0o755)
+
+
+def test_the_quick_start_runs_as_written_after_the_set_up_command(tmp_path: Path) -> None:
+    # The Quick start's own lines, in order, from the directory the set-up command ran in: its bash
+    # line starts the server, its Python block is saved as trainer.py and run with the line the text
+    # names. Only the port differs (a free one instead of 8000: tests run side by side).
+    section = _section("Quick start: JAX trainer → vLLM")
+    serve_line = _blocks("bash", section)[0].strip()
+    assert serve_line.startswith(".venv/bin/weightwire serve --model tiny-llama --port 8000"), serve_line
+    marked = section.split(RUN_MARK, 1)
     assert len(marked) == 2, "the runnable block lost its marker"
     code = _blocks("python", marked[1])[0]
+    run_line = re.search(r"save it as `trainer\.py` and run `([^`]+)`", " ".join(section.split()))
+    assert run_line is not None and run_line[1] == ".venv/bin/python trainer.py", "the Quick start says how to run it"
     assert 'url = "http://127.0.0.1:8000"' in code
-    assert "weightwire serve --model tiny-llama --port 8000" in README  # the server the block talks to
-    url = launch_server("tiny-llama").wait_ready()
-    before = httpx.post(f"{url}/weight_checker", json={"action": "checksum"}).json()["checksums"]
-    script = code.replace('"http://127.0.0.1:8000"', repr(url))
-    script += '\nimport sys\nassert "torch" not in sys.modules, "the README trainer imported torch"\n'
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    printed = done.stdout.strip().splitlines()
-    assert [line.split(":")[0] for line in printed] == ["step 0", "step 1", "step 2"], printed
-    after = httpx.post(f"{url}/weight_checker", json={"action": "checksum"}).json()["checksums"]
-    assert after.keys() == before.keys() and after != before
-    assert httpx.get(f"{url}/weight_info").json()["weight_version"] is not None
+    _set_up_venv(tmp_path)
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "server.log"
+    with log.open("w") as err:  # a file, not a pipe nobody reads: the server never blocks on its log
+        server = subprocess.Popen(["/bin/sh", "-c", "exec " + serve_line.replace("--port 8000", f"--port {port}")],
+                                  cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                  start_new_session=True)
+    try:
+        ready = ReadyLine(server)
+        assert ready.wait(300) and ready.url == f"http://127.0.0.1:{port}", "\n".join(ready.lines) + log.read_text()
+        url = ready.url
+        before = httpx.post(f"{url}/weight_checker", json={"action": "checksum"}).json()["checksums"]
+        (tmp_path / "trainer.py").write_text(code.replace('"http://127.0.0.1:8000"', repr(url)) +
+                                             '\nimport sys\nassert "torch" not in sys.modules, "the trainer imported torch"\n')
+        done = subprocess.run(["/bin/sh", "-c", run_line[1]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        printed = done.stdout.strip().splitlines()
+        assert [line.split(":")[0] for line in printed] == ["step 0", "step 1", "step 2"], printed
+        after = httpx.post(f"{url}/weight_checker", json={"action": "checksum"}).json()["checksums"]
+        assert after.keys() == before.keys() and after != before
+        assert httpx.get(f"{url}/weight_info").json()["weight_version"] is not None
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)

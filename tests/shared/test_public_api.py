@@ -61,6 +61,14 @@ def test_every_export_resolves_to_its_name(package: str) -> None:
         module.no_such_name  # noqa: B018
 
 
+@pytest.mark.parametrize("package", LAZY_PACKAGES)
+def test_dir_lists_the_exports_and_nothing_the_package_body_used(package: str) -> None:
+    module = importlib.import_module(package)
+    public = [name for name in dir(module) if not name.startswith("_")]
+    assert public == module.__all__, sorted(set(public) ^ set(module.__all__))
+    assert {"TYPE_CHECKING", "annotations", "attach"}.isdisjoint(dir(module))
+
+
 def test_the_top_level_api_covers_a_user_round() -> None:
     # The names of the README's quick start and of a torch trainer, and the error roots.
     needed = {"JAXTrainerEngine", "PytreeSource", "preset", "load_decoder", "TorchTrainerEngine", "ModuleSource",

@@ -217,3 +217,12 @@ def test_a_non_source_is_refused_naming_what_is_missing() -> None:
         engine_for(FakeServer().client(), MetadataOnly())
     with pytest.raises(TypeError, match="metadata items need name, dtype and shape"):
         as_source(type("Odd", (), {"metadata": lambda self: [1], "__iter__": lambda self: iter(())})()).metadata()
+
+
+def test_a_round_summary_counts_in_words() -> None:
+    from weightwire.trainer.metrics import RoundMetrics
+
+    one = RoundMetrics(version="1", nbytes=4, tensors=1, chunks=1, reused_metadata=False, seconds={"transfer": 1.0})
+    two = RoundMetrics(version="2", nbytes=8, tensors=2, chunks=2, reused_metadata=False, seconds={"transfer": 1.0})
+    assert "1 tensor, 0.0 MB in 1 broadcast," in one.summary()
+    assert "2 tensors, 0.0 MB in 2 broadcasts," in two.summary()

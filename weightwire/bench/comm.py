@@ -28,6 +28,8 @@ import numpy as np
 
 from weightwire import backends
 from weightwire._cli import HelpFormatter, backend_name
+from weightwire._extras import require
+from weightwire._lifetime import child_env, die_with_parent
 
 _RECEIVER_ROLE = "tcp-receiver"
 
@@ -92,7 +94,7 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
     config = {**rendezvous.init_fields(), "raw_port": raw_listener.getsockname()[1], "total_bytes": total_bytes,
               "buffer_bytes": buffer_bytes, "repeats": repeats, "socket_buffer_bytes": socket_buffer_bytes}
     child = subprocess.Popen([sys.executable, "-m", "weightwire.bench.comm", "--role", _RECEIVER_ROLE], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, env=child_env())
     try:
         assert child.stdin is not None and child.stdout is not None
         child.stdin.write(json.dumps(config))  # the secret travels on a pipe, never on argv
@@ -167,7 +169,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="data plane to measure: weightwire_tcp (TCPCommunicator, CPU loopback; alias tcp), "
                              "nccl or weightwire_nccl (NCCLCommunicator, two GPUs), all (both)")
     parser.add_argument("--transport", dest="backend", choices=("tcp", "nccl", "all"),
-                        default=argparse.SUPPRESS, help="old spelling of --backend")
+                        default=argparse.SUPPRESS, help="another name for --backend")
     parser.add_argument("--total-mib", type=int, default=1024, help="MiB sent per repeat")
     parser.add_argument("--buffer-mib", type=int, default=64, help="MiB per broadcast buffer (divides --total-mib)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.role == _RECEIVER_ROLE:
+        die_with_parent()  # a receiver never outlives the benchmark that started it
         _tcp_receiver(json.loads(sys.stdin.read()))
         return 0
     for name in ("total_mib", "buffer_mib", "repeats"):
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         kib = args.socket_buffer_kib
         results["tcp"] = bench_tcp(**sizes, socket_buffer_bytes=-1 if kib < 0 else (kib << 10) or None)
     if transport in ("nccl", "all"):
+        # Before any child starts: its import error would otherwise come back as a child's traceback.
+        require("cupy", purpose=f"{prog or 'weightwire bench'} --backend {args.backend} (NCCL on two GPUs)")
         results["nccl"] = _load_bench_nccl()(**sizes)
     if args.json:
         print(json.dumps(results))

@@ -16,6 +16,7 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
+from weightwire._extras import install_command
 from weightwire.control.errors import WeightSyncError
 from weightwire.shared.routes import PAUSE_MODES
 
@@ -24,7 +25,7 @@ def _ray() -> Any:
     try:
         return importlib.import_module("ray")
     except ImportError as exc:
-        raise ImportError("RayWeightSyncClient needs ray: pip install 'weightwire[ray]'") from exc
+        raise ImportError(f"RayWeightSyncClient needs ray: {install_command('ray')}") from exc
 
 
 def _request(kind: str, key: str, payload: Any) -> Any:

@@ -19,18 +19,21 @@ mean of the first third).
 from __future__ import annotations
 
 import os
-import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.console import Console
 
 from weightwire import backends
-from weightwire._cli import CommandError
+from weightwire._cli import CommandError, probe_server
 from weightwire._extras import require
+from weightwire._lifetime import raise_if_stopped
+from weightwire.demo.checks import first_sync, fixed_prompt_check, verdict
+from weightwire.demo.evidence import RATE_MIN_BYTES, MetricsFile, StepRecord, shown_rate
 from weightwire.demo.render import StartupProgress, StepRow, StepTable
 
 DEMO_BACKENDS = tuple(name for name in backends.BACKEND_NAMES if not backends.SPECS[name].same_host)
@@ -71,6 +74,13 @@ class DemoConfig:
     each step is generate -> ``/sleep`` -> train -> ``/wake_up`` -> sync."""
     sleep_level: int = 1
     """``--colocated``: the server's sleep level while the policy trains (vLLM's levels)."""
+    dummy_start: bool = True
+    """Embedded server with a tiny model: it starts from other random weights than the policy
+    (vLLM's RLHF example starts its engine from dummy weights), so the first push visibly
+    changes what it writes."""
+    metrics_file: str | None = None
+    """One JSON line per step (``evidence.StepRecord``); with matplotlib, the reward curve as
+    a PNG next to it."""
 
     def __post_init__(self) -> None:
         if self.backend not in DEMO_BACKENDS:
@@ -79,6 +89,9 @@ class DemoConfig:
         if self.server is not None and self.model_dir is None:
             raise ValueError("--server needs --model-dir: the directory the server loaded, so the JAX policy "
                              "starts from the same weights and tokenizer")
+        if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
+            raise ValueError(f"--model-dir {self.model_dir!r} is not a Hugging Face model directory (no config.json); "
+                             "pass the directory the server loaded")
         for name, lo in (("steps", 1), ("batch", 1), ("prompt_len", 1), ("max_tokens", 1), ("check_tokens", 1)):
             if getattr(self, name) < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(self, name)}")
@@ -103,9 +116,12 @@ class DemoConfig:
 @dataclass
 class DemoResult:
     rewards: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    """The server's greedy text of the fixed prompt: at start, after the first push (if any), per step."""
     max_diffs: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     sync_seconds: list[float] = field(default_factory=list)
+    sync_bytes: list[int] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     """Summed over steps: rollouts, train, sync, check."""
     startup_seconds: float = 0.0
@@ -123,23 +139,20 @@ class DemoResult:
         return self.rose and not self.failures and len(self.max_diffs) > 0
 
 
-def _fixed_prompt_check(completions: Any, policy: Any, prompt: np.ndarray, n_tokens: int) -> float:
-    """Max |server logprob - policy logprob| over the server's greedy completion of ``prompt``."""
-    out = completions.generate(prompt[None, :], max_tokens=n_tokens, temperature=0.0)
-    mine = policy.logprobs(out.sequences)[:, prompt.shape[0] - 1:]
-    return float(np.max(np.abs(mine - out.logprobs)))
-
-
 def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResult:
     console = console or Console()
     result = DemoResult()
     t_start = time.perf_counter()
     with ExitStack() as stack:
+        metrics_file = None
+        if cfg.metrics_file is not None:  # opened first: an unwritable path fails before any start-up
+            metrics_file = MetricsFile(cfg.metrics_file)
+            stack.callback(metrics_file.close)
         ctx = _start(cfg, console, stack)
         result.startup_seconds = time.perf_counter() - t_start
-        _train(cfg, console, ctx, result)
+        _train(cfg, console, ctx, result, metrics_file)
     result.total_seconds = time.perf_counter() - t_start
-    _verdict(cfg, console, result)
+    verdict(cfg, console, result)
     return result
 
 
@@ -149,6 +162,8 @@ class _Context:
 
     url: str
     model_dir: str
+    dummy: bool
+    """The embedded server started from other random weights than the policy's."""
     policy: Any
     reward: Any
     completions: Any
@@ -166,6 +181,8 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
     if cfg.server is None:
         require("torch", "transformers", "fastapi", "uvicorn",
                 purpose="the embedded reference server (or pass --server URL --model-dir DIR)")
+    else:  # a wrong URL or a stopped server fails here, in a second, not after JAX's start-up
+        probe_server(cfg.server)
     if on_gpu:
         import jax
 
@@ -185,14 +202,15 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
             gpu = cfg.server_gpu
             if cfg.colocated:  # the GPU JAX calls device 0
                 gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-            server = EmbeddedServer(cfg.model_dir or cfg.model, backend=backend, device="cuda" if on_gpu else "cpu",
+            served, dummy_weights = _served_model(cfg)
+            server = EmbeddedServer(served, backend=backend, device="cuda" if on_gpu else "cpu",
                                     cuda_visible_devices=gpu if on_gpu else None)
             stack.callback(server.stop)
             server.launch()
             prog.phase(f"locating {cfg.model} (child process; built and cached on first use)")
             model_dir = cfg.model_dir or build_tiny_model(cfg.model)
         else:
-            model_dir = str(cfg.model_dir)
+            model_dir, dummy_weights = str(cfg.model_dir), False
         prog.phase("importing JAX, loading the checkpoint into the Flax policy")
         from weightwire.control.client import HTTPWeightSyncClient
         from weightwire.demo.policy import Policy
@@ -226,40 +244,40 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
         stack.callback(engine.shutdown)
         completions = CompletionsClient(url, api_key=cfg.api_key, model=cfg.served_model)
         stack.callback(completions.close)
-    return _Context(url, model_dir, policy, reward, completions, client, engine)
+    return _Context(url, model_dir, dummy_weights, policy, reward, completions, client, engine)
 
 
-def _train(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult) -> None:
+DUMMY_SEED = 1
+"""The tiny model's seed for the embedded server's dummy weights (the policy loads seed 0)."""
+
+
+def _served_model(cfg: DemoConfig) -> tuple[str, bool]:
+    """``(what the embedded server loads, whether those are dummy weights)``.
+
+    The dummy directory is the same tiny model (architecture, tokenizer) built with another
+    seed; located without torch when cached, else built in a child like the policy's."""
+    if cfg.model_dir is not None or not cfg.dummy_start:
+        return cfg.model_dir or cfg.model, False
+    from weightwire.demo.server import build_tiny_model
+    from weightwire.torch_side.server.tiny import MATRIX_NAMES, cached_tiny_dir
+
+    if cfg.model not in MATRIX_NAMES:
+        return cfg.model, False
+    return cached_tiny_dir(cfg.model, DUMMY_SEED) or build_tiny_model(cfg.model, seed=DUMMY_SEED), True
+
+
+def _train(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult,
+           metrics_file: MetricsFile | None) -> None:
     policy, reward, completions, client, engine = ctx.policy, ctx.reward, ctx.completions, ctx.client, ctx.engine
     rng = np.random.default_rng(cfg.seed)
     low, high = min(3, reward.n_tokens - 1), reward.n_tokens  # skip the tiny tokenizer's special ids
     fixed = rng.integers(low, high, cfg.prompt_len).astype(np.int32)
-    diff0 = _fixed_prompt_check(completions, policy, fixed, cfg.check_tokens)
-    result.max_diffs.append(diff0)
-    same = diff0 < cfg.tolerance
-    console.print(
-        f"step-0 weights: server and JAX policy {'agree' if same else '[bold red]DIFFER[/]'} "
-        f"(max |Δlogp| {diff0:.1e} over a {cfg.check_tokens}-token greedy completion; tolerance "
-        f"{cfg.tolerance:.0e}); reward = fraction of completion tokens containing {cfg.target!r}, "
-        f"random-policy rate {reward.base_rate:.3f}", highlight=False, soft_wrap=True)
-    if not same and cfg.resync and cfg.server is not None:
-        engine.send_weights(weight_version="0")
-        diff0 = _fixed_prompt_check(completions, policy, fixed, cfg.check_tokens)
-        result.max_diffs.append(diff0)
-        same = diff0 < cfg.tolerance
-        console.print(f"--resync: pushed the policy's initial weights as version '0'; now "
-                      f"{'agree' if same else '[bold red]still DIFFER[/]'} (max |Δlogp| {diff0:.1e})",
-                      highlight=False, soft_wrap=True)
-    if not same:
-        result.failures.append(
-            f"step 0: the server's weights differ from {ctx.model_dir} (max |Δlogp| {diff0:.2e}). Serve that "
-            "directory unmodified and in float32 (vLLM on CPU downcasts float32 checkpoints to bfloat16 unless "
-            "started with --dtype float32)" + ("" if cfg.server is None or cfg.resync else
-                                               ", or pass --resync if an earlier run changed the server's weights"))
+    if not first_sync(cfg, console, ctx, result, fixed):
         return
     table = StepTable(console, cfg.target)
     with table.shown():
         for step in range(cfg.steps):
+            raise_if_stopped()  # a SIGTERM whose KeyboardInterrupt a gc callback swallowed
             clock: dict[str, float] = {}
             t = time.perf_counter()
             prompts = rng.integers(low, high, (cfg.batch // cfg.samples_per_prompt, cfg.prompt_len)).astype(np.int32)
@@ -278,9 +296,9 @@ def _train(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult)
             metrics = engine.send_weights(weight_version=version)
             t = _lap(clock, "sync", t)
             served = client.weight_info()[0].get("weight_version")
-            check_diff = _fixed_prompt_check(completions, policy, fixed, cfg.check_tokens)
+            check = fixed_prompt_check(completions, policy, reward, fixed, cfg.check_tokens)
             _lap(clock, "check", t)
-            max_diff = max(rollout_diff, check_diff)
+            max_diff = max(rollout_diff, check.diff)
             notes = []
             if served != version:
                 notes.append(f"server reports version {served!r}")
@@ -291,40 +309,29 @@ def _train(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult)
             result.rewards.append(float(hits.mean()))
             result.max_diffs.append(max_diff)
             result.sync_seconds.append(metrics.total_seconds)
+            result.sync_bytes.append(metrics.nbytes)
+            result.texts.append(check.text)
             for k, v in clock.items():
                 result.phase_seconds[k] = result.phase_seconds.get(k, 0.0) + v
             table.add(StepRow(
-                step=step + 1, reward=float(hits.mean()), sample=reward.text(rollouts.completions[0]),
-                sync_ms=metrics.total_seconds * 1e3, megabytes=metrics.nbytes / 1e6, gbps=metrics.gbps,
+                step=step + 1, reward=float(hits.mean()), sample=check.text,
+                sync_ms=metrics.total_seconds * 1e3, megabytes=metrics.nbytes / 1e6,
+                gbps=shown_rate(metrics.nbytes, metrics.gbps),
                 version=str(served), max_diff=max_diff, ok=not notes, step_s=sum(clock.values()),
                 note="; ".join(notes)))
+            if metrics_file is not None:
+                metrics_file.write(StepRecord(
+                    step=step + 1, reward=float(hits.mean()), weight_version=str(served),
+                    sync_seconds=metrics.total_seconds, sync_bytes=metrics.nbytes, tensors=metrics.tensors,
+                    max_abs_logprob_diff=max_diff, ok=not notes, step_seconds=sum(clock.values()),
+                    phase_seconds=dict(clock), server_text=check.text))
+    if result.sync_bytes and max(result.sync_bytes) < RATE_MIN_BYTES:
+        console.print(f"(GB/s is shown for rounds of {RATE_MIN_BYTES >> 20} MiB or more only: a "
+                      f"{max(result.sync_bytes) / 1e6:.2f} MB round's time is its fixed cost, not bandwidth)",
+                      highlight=False, soft_wrap=True)
 
 
 def _lap(clock: dict[str, float], name: str, since: float) -> float:
     now = time.perf_counter()
     clock[name] = now - since
     return now
-
-
-def _verdict(cfg: DemoConfig, console: Console, result: DemoResult) -> None:
-    torch_free = "torch" not in sys.modules
-    if result.rewards:
-        k = max(1, len(result.rewards) // 3)
-        first, last = float(np.mean(result.rewards[:k])), float(np.mean(result.rewards[-k:]))
-        sync_ms = 1e3 * float(np.median(result.sync_seconds))
-        console.print(
-            f"reward {first:.3f} -> {last:.3f} (mean of first / last {k} step(s)); "
-            f"{len(result.max_diffs)} sync checks, max |Δlogp| {max(result.max_diffs):.1e}; median sync "
-            f"{sync_ms:.1f} ms; start-up {result.startup_seconds:.1f} s, total {result.total_seconds:.1f} s; "
-            f"trainer process imported torch: {'no' if torch_free else 'yes'}", highlight=False, soft_wrap=True)
-        spent = ", ".join(f"{name} {v:.1f} s" for name, v in result.phase_seconds.items())
-        console.print(f"time in steps: {spent}", highlight=False, soft_wrap=True)
-        if not result.rose:
-            console.print(f"[bold red]the reward did not rise[/] ({first:.3f} -> {last:.3f}); try more --steps "
-                          "or a larger --lr", highlight=False, soft_wrap=True)
-    for failure in result.failures:
-        console.print(f"[bold red]check failed:[/] {failure}", highlight=False, soft_wrap=True)
-    if result.ok:
-        console.print("[bold green]PASS[/]: the reward rose and every sync check passed", highlight=False)
-    else:
-        console.print("[bold red]FAIL[/]", highlight=False)

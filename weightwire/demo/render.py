@@ -17,6 +17,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from weightwire.demo.evidence import readable
+
 
 @dataclass(frozen=True)
 class StepRow:
@@ -33,7 +35,7 @@ class StepRow:
     note: str = ""
 
 
-_COLUMNS = ("step", "reward", "sample", "sync ms", "MB", "GB/s", "version", "max |Δlogp|", "step s", "check")
+_COLUMNS = ("step", "reward", "server text", "sync ms", "MB", "GB/s", "version", "max |Δlogp|", "step s", "check")
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -42,7 +44,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def _sample_markup(text: str, char: str, width: int = 28) -> str:
     # Byte-level tokens decode to any character, line breaks and controls included: keep one line.
-    shown = "".join(c if c.isprintable() else "·" for c in text)[:width]
+    shown = readable(text)[:width]
     # Escape whole runs: rich only recognises "[x]" as a tag when it sees it whole.
     return f"[bold green]{escape(char)}[/]".join(escape(part) for part in shown.split(char))
 

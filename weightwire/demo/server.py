@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from weightwire import backends
+from weightwire._lifetime import child_env
 from weightwire.shared.errors import WeightwireError
 
 READY_RE = re.compile(r"weightwire server ready on (http://\S+)")
@@ -125,7 +126,7 @@ class EmbeddedServer:
         if self.threads is not None:
             cmd += ["--threads", str(self.threads)]
         cmd += self.extra_args
-        env = dict(os.environ)
+        env = child_env()  # the server goes when this process goes, even SIGKILLed (weightwire._lifetime)
         if self.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
         with open(self._log, "w") as log:

@@ -74,6 +74,11 @@ from __future__ import annotations
 
 from typing import Any
 
+INTERNAL_BRANCHES = ("ReferenceServerError", "CommandError", "RolloutError", "ChildError", "WireShort", "_NoOrder")
+"""Classes (with their subclasses) that never reach a library user's code: the reference server
+turns its own into HTTP replies, the command line's become its one error line, and two are
+private to one module. ``docs/errors.md`` shows the tree without them."""
+
 
 class WeightwireError(Exception):
     """The root: raised only by weightwire; catch it to handle every failure it reports."""

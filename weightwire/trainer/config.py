@@ -79,10 +79,15 @@ class TrainerInitInfo:
     def __post_init__(self) -> None:
         # Runtime-registered backends (register_backend) count too. Imported here so that
         # trainer.backends -> config (type names only) is the one direction between them.
+        from weightwire.backends import ALIASES, canonical
         from weightwire.trainer.backends import backend_names
 
+        # The same spellings as the command line (``tcp``): one alias table, weightwire.backends.ALIASES.
+        self.backend = canonical(self.backend) if isinstance(self.backend, str) else self.backend
         if self.backend not in backend_names():
-            raise ConfigError(f"unknown backend {self.backend!r}; known: {', '.join(backend_names())}")
+            aliases = ", ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
+            raise ConfigError(f"unknown backend {self.backend!r}; known: {', '.join(backend_names())} "
+                              f"(aliases: {aliases})")
         if type(self.rank) is not int or self.rank < 0:
             raise ConfigError(f"rank must be a non-negative int, got {self.rank!r}")
         if type(self.packed) is not bool:

@@ -46,8 +46,9 @@ class RoundMetrics:
         phases = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.seconds.items())
         reuse = " reused-metadata" if self.reused_metadata else ""
         return (
-            f"round {self.version}: {self.tensors} tensors, {self.nbytes / 1e6:.1f} MB in {self.chunks} "
-            f"broadcasts, {self.gbps:.2f} GB/s{reuse}; {phases} total={self.total_seconds * 1e3:.1f}ms"
+            f"round {self.version}: {self.tensors} tensor{'' if self.tensors == 1 else 's'}, "
+            f"{self.nbytes / 1e6:.1f} MB in {self.chunks} broadcast{'' if self.chunks == 1 else 's'}, "
+            f"{self.gbps:.2f} GB/s{reuse}; {phases} total={self.total_seconds * 1e3:.1f}ms"
         )
 
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
+from weightwire._extras import install_command
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.errors import UnavailableError
 from weightwire.shared.info import encode_secret
@@ -74,8 +75,8 @@ def cupy_module() -> Any:
         import cupy  # optional dependency, GPU hosts only
     except Exception as exc:
         raise IPCUnavailable(
-            "weightwire_ipc needs CuPy on a CUDA machine: install weightwire[cuda13] (cupy-cuda13x) or "
-            f"weightwire[cuda12]; import failed: {exc}"
+            f"weightwire_ipc needs CuPy on a CUDA machine: {install_command('cuda13')} (cupy-cuda13x) or "
+            f"[cuda12], matching your CUDA; import failed: {exc}"
         ) from exc
     return cupy
 

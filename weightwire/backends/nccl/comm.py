@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+from weightwire._extras import install_command
 from weightwire.backends.nccl.buffers import DeviceBytes, event_done, resolve_buffer, stream_pointer
 from weightwire.backends.nccl.join import check_join_args, check_seconds, init_rank, unique_id_to_bytes
 from weightwire.backends.nccl.join import unique_id_to_signed_tuple as unique_id_to_signed_tuple  # re-export
@@ -55,8 +56,8 @@ def _cupy() -> tuple[Any, Any]:
         from cupy.cuda import nccl
     except Exception as exc:  # ImportError, or OSError/RuntimeError from CUDA libraries
         raise NCCLUnavailable(
-            "the NCCL transport needs CuPy with NCCL: install weightwire[cuda13] (cupy-cuda13x) or "
-            f"weightwire[cuda12] (cupy-cuda12x) on a CUDA machine; import failed: {exc}"
+            f"the NCCL transport needs CuPy with NCCL: {install_command('cuda13')} (cupy-cuda13x) or "
+            f"[cuda12] (cupy-cuda12x), matching your CUDA, on a CUDA machine; import failed: {exc}"
         ) from exc
     if not getattr(nccl, "available", False):
         raise NCCLUnavailable("CuPy is installed but its NCCL library could not be loaded (libnccl.so.2 missing?)")

@@ -18,8 +18,10 @@ import asyncio
 import contextlib
 import errno
 import os
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,6 @@ from weightwire import backends
 from weightwire._cli import (
     EXIT_CODES_HELP,
     EXIT_ERROR,
-    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
     HelpFormatter,
@@ -36,8 +37,10 @@ from weightwire._cli import (
     backend_name,
     env_log_level,
     fail,
+    interrupted,
 )
 from weightwire._extras import MissingExtra, require
+from weightwire._lifetime import die_with_parent, signal_name
 
 __all__ = ["build_parser", "serve_main"]
 
@@ -192,6 +195,11 @@ def serve_main(argv: list[str] | None = None) -> int:
         require("torch", "transformers", "fastapi", "uvicorn", "safetensors", purpose=PROG)
     except MissingExtra as exc:
         return fail(PROG, str(exc))
+    if args.device == "cuda" and not _cuda_visible():
+        return fail(PROG, "--device cuda: torch sees no CUDA GPU on this host (torch.cuda.is_available() is "
+                          "False); use --device cpu, or check CUDA_VISIBLE_DEVICES and the driver", EXIT_USAGE)
+    # Launched by the demo (or another launcher that asked): go when the launcher goes, even if SIGKILLed.
+    die_with_parent()
     served: list[bool] = []
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
@@ -199,8 +207,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if served:
             return EXIT_OK
-        print(f"{PROG}: interrupted while starting", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return interrupted(PROG, what=" while starting")
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             return fail(PROG, f"cannot listen on {args.host}:{args.port}: the address is already in use (is another "
@@ -208,6 +215,14 @@ def serve_main(argv: list[str] | None = None) -> int:
         return fail(PROG, str(exc))
     except (ValueError, RuntimeError) as exc:
         return fail(PROG, str(exc))
+
+
+def _cuda_visible() -> bool:
+    """Whether torch can use a GPU here: checked in this process (one torch import) before a
+    worker tries and fails with a traceback."""
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def event_loop_factory() -> Any:
@@ -236,18 +251,31 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _graceful_server(uvicorn: Any, config: Any) -> Any:
-    """uvicorn's server, except that after a SIGINT/SIGTERM shutdown it returns instead
-    of re-raising the signal: the workers are then closed in order and we exit 0."""
+def _graceful_server(uvicorn: Any, config: Any, stopped_by: list[int]) -> Any:
+    """uvicorn's server, except that after a SIGINT/SIGTERM/SIGHUP shutdown it returns instead
+    of re-raising the signal (the signals land in ``stopped_by``): the workers are then closed
+    in order and we exit 0 with one line saying why."""
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             with super().capture_signals():
-                yield
-                getattr(self, "_captured_signals", []).clear()
+                # A closed terminal (SIGHUP) stops the server as SIGTERM does; uvicorn handles only INT/TERM.
+                hup = signal.signal(signal.SIGHUP, self.handle_exit) if _main_thread() else None
+                try:
+                    yield
+                finally:
+                    if hup is not None:
+                        signal.signal(signal.SIGHUP, hup)
+                    captured = getattr(self, "_captured_signals", [])
+                    stopped_by.extend(captured)
+                    captured.clear()
 
     return Server(config)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
@@ -294,7 +322,8 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
         app = create_app(ServerState(pool=pool, options=options))
         config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, server_header=False)
-        server = _graceful_server(uvicorn, config)
+        stopped_by: list[int] = []
+        server = _graceful_server(uvicorn, config, stopped_by)
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)
@@ -309,3 +338,6 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
     finally:
         await pool.close()
         sock.close()
+        if served and stopped_by:
+            print(f"{PROG}: stopped by {signal_name(stopped_by[0])}; the workers were closed", file=sys.stderr,
+                  flush=True)

@@ -196,10 +196,19 @@ def _build_into(name: str, out_dir: Path, seed: int) -> None:
     (out_dir / "weightwire_tiny.json").write_text(json.dumps({"name": name, "seed": seed}) + "\n")
 
 
+def _cache_dir(name: str, seed: int) -> Path:
+    return cache_root() / "tiny" / f"{name}-s{seed}-{recipe_hash(name, seed)[:16]}"
+
+
+def cached_tiny_dir(name: str, seed: int = 0) -> str | None:
+    """The tiny model's directory if it is already built, else ``None``; never imports torch."""
+    final = _cache_dir(name, seed)
+    return str(final) if (final / "weightwire_tiny.json").is_file() else None
+
+
 def tiny_model_dir(name: str, seed: int = 0) -> str:
     """The cached directory of a tiny model, building it on first use."""
-    key = recipe_hash(name, seed)
-    final = cache_root() / "tiny" / f"{name}-s{seed}-{key[:16]}"
+    final = _cache_dir(name, seed)
     if (final / "weightwire_tiny.json").is_file():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
