@@ -31,10 +31,6 @@ class Reply:
     body: Any
 
 
-class _Stopped(Exception):
-    """The probe stopped reading (deadline or size cap); the message says which."""
-
-
 class Prober:
     """GETs against one base URL, each bounded by ``timeout`` and all by ``deadline`` (monotonic)."""
 
@@ -64,8 +60,6 @@ class Prober:
             conn.request("GET", target, headers=self._headers)
             response = conn.getresponse()
             raw = self._read(response, time.monotonic() + limit, limit)
-        except _Stopped as exc:
-            return Reply(None, str(exc))
         except (OSError, http.client.HTTPException) as exc:
             if not fired.is_set():
                 return Reply(None, f"{type(exc).__name__}: {exc}")
@@ -74,6 +68,8 @@ class Prober:
             conn.close()
         if fired.is_set():  # our timer shut the socket: whatever came is cut short by the deadline
             return Reply(None, f"no complete answer within {limit:g} s")
+        if isinstance(raw, str):  # _read stopped early and says why
+            return Reply(None, raw)
         try:
             return Reply(response.status, json.loads(raw))
         except ValueError:
@@ -83,14 +79,15 @@ class Prober:
         cls = http.client.HTTPSConnection if self._parts.scheme == "https" else http.client.HTTPConnection
         return cls(self._parts.hostname or "", self._parts.port, timeout=limit)
 
-    def _read(self, response: http.client.HTTPResponse, deadline: float, limit: float) -> bytes:
+    def _read(self, response: http.client.HTTPResponse, deadline: float, limit: float) -> bytes | str:
+        """The whole body, or why reading it stopped (size cap, deadline)."""
         body = bytearray()
         while chunk := response.read1(1 << 16):
             body += chunk
             if len(body) > self.max_bytes:
-                raise _Stopped(f"a reply body over {self.max_bytes >> 20} MiB; stopped reading it")
+                return f"a reply body over {self.max_bytes >> 20} MiB; stopped reading it"
             if time.monotonic() >= deadline:
-                raise _Stopped(f"no complete answer within {limit:g} s")
+                return f"no complete answer within {limit:g} s"
         return bytes(body)
 
 
