@@ -9,8 +9,10 @@ so a long receive never stalls what must stay responsive:
 - the *serve* thread runs generation, checksums and reset under ``model_lock``;
   ``finish`` takes the same lock to commit, so a request sees either the old
   weights or the new ones, never a mix (staged tensors never touch parameters);
-- the stdin reader handles ``abort`` / ``cancel`` / ``ping`` itself, at once:
-  ``abort`` must reach a receive that is blocked on the control thread.
+- the stdin reader handles ``abort`` / ``cancel`` / ``cancel_call`` / ``ping`` itself, at
+  once: ``abort`` must reach a receive that is blocked on the control thread, and a
+  ``cancel_call`` (the API stopped waiting for one generation) a decode loop that checks
+  for it between steps.
 
 A finish waits for the model lock at most its ``timeout_s`` and never commits after
 an ``abort`` that arrived while it waited: otherwise the API, having answered "timed
@@ -38,6 +40,7 @@ from weightwire import backends
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.errors import ReferenceServerError
 from weightwire.torch_side.server.replicas import WorkerSpec
+from weightwire.torch_side.server.reply_size import encode_reply, max_piece_json_bytes
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +56,22 @@ class CommitAborted(ReferenceServerError):
     """A finish whose round was aborted (``abort`` op) before it could commit."""
 
 
+class NonFiniteRound(ReferenceServerError, ValueError):
+    """A round refused at finish (``--check-finite``): some received tensors hold NaN or inf."""
+
+
 _LOCK_POLL_S = 0.05  # how often a finish waiting for the model lock looks for an abort
 
 
 def classify(exc: BaseException) -> str:
     """Failure kind (see ``replicas.KIND_STATUS``) of an exception raised by an operation."""
+    from weightwire.torch_side.server.generate import NonFiniteOutput
     from weightwire.torch_side.worker.core import WeightReceiveError
 
     if isinstance(exc, GenerationAborted):
         return "aborted"
+    if isinstance(exc, NonFiniteOutput):
+        return "model"
     if isinstance(exc, CommitAborted):
         return "transfer"
     if isinstance(exc, WeightReceiveError) and exc.__cause__ is not None:
@@ -107,6 +117,7 @@ class Worker:
         # anyone spends seconds tokenizing it on the serve lane.
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = self.max_model_len * max(1, longest) * 4
+        self.max_piece_bytes = max_piece_json_bytes(self.tokenizer, self.vocab_size)
         self.generator = Generator(
             self.model, self.tokenizer, device=self.device,
             model_name=os.path.basename(os.path.normpath(spec.model_dir)), max_model_len=self.max_model_len,
@@ -114,12 +125,18 @@ class Worker:
         self.model_lock = threading.Lock()
         self.engine: Any = None
         self.cancel_epoch = 0
+        self.calls_lock = threading.Lock()
+        self.live_calls: set[int] = set()
+        """Ids of generations queued or running (added on arrival, removed when they end)."""
+        self.cancelled_calls: set[int] = set()
+        """Live generations the API stopped waiting for (its timeout, or its client left)."""
         self.abort_epoch = 0
         """Bumped by every ``abort``; a finish commits only if it is unchanged since its arrival."""
 
     def describe(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "device": str(self.device), "vocab_size": self.vocab_size,
                 "max_model_len": self.max_model_len, "max_prompt_chars": self.max_prompt_chars,
+                "max_piece_bytes": self.max_piece_bytes,
                 "params": len(self.host.param_names())}
 
     # -- control lane ---------------------------------------------------------------
@@ -161,6 +178,8 @@ class Worker:
         nothing is committed and the caller's teardown drops the staged round."""
         engine = self._require_engine()
         epoch = self.abort_epoch if epoch is None else epoch
+        if self.spec.check_finite:
+            self._refuse_non_finite()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.model_lock.acquire(timeout=_LOCK_POLL_S):
             if self.abort_epoch != epoch:
@@ -174,6 +193,14 @@ class Worker:
             engine.finish_weight_update()
         finally:
             self.model_lock.release()
+
+    def _refuse_non_finite(self) -> None:
+        """Before the commit (outside the model lock: generations go on meanwhile)."""
+        bad = self.host.non_finite_staged()
+        if bad:
+            shown = ", ".join(repr(n) for n in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise NonFiniteRound(f"the round's tensor(s) {shown} hold NaN or infinite values (--check-finite); "
+                                 "nothing was committed and the previous weights are served")
 
     def op_shutdown(self) -> None:
         self._teardown()
@@ -204,14 +231,27 @@ class Worker:
             engine.abort_transfer()
 
     # -- serve lane ---------------------------------------------------------------------
-    def op_generate(self, request: dict[str, Any], epoch: int) -> dict[str, Any]:
+    def op_generate(self, request: dict[str, Any], epoch: int, call_id: int) -> dict[str, Any]:
         def cancelled() -> bool:
-            return self.cancel_epoch != epoch
+            return self.cancel_epoch != epoch or call_id in self.cancelled_calls
 
-        with self.model_lock:
-            if cancelled():
-                raise GenerationAborted("request aborted by /pause?mode=abort before it started")
-            return self.generator.complete(request, cancelled)
+        try:
+            with self.model_lock:
+                if self.cancel_epoch != epoch:
+                    raise GenerationAborted("request aborted by /pause?mode=abort before it started")
+                if cancelled():
+                    raise GenerationAborted("request dropped before it started: the API stopped waiting for it")
+                return self.generator.complete(request, cancelled)
+        finally:
+            with self.calls_lock:
+                self.live_calls.discard(call_id)
+                self.cancelled_calls.discard(call_id)
+
+    def cancel_call(self, target: object) -> None:
+        """Out of band: the generation ``target`` stops at its next decode step (or never starts)."""
+        with self.calls_lock:
+            if target in self.live_calls:  # an id that already ended is not remembered
+                self.cancelled_calls.add(target)
 
     def op_checksum(self) -> dict[str, str]:
         with self.model_lock:
@@ -236,9 +276,11 @@ class Loop:
         self.serve = cf.ThreadPoolExecutor(1, thread_name_prefix="weightwire-serve")
 
     def reply(self, msg: dict[str, Any]) -> None:
-        data = (json.dumps(msg, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        encoded = encode_reply(msg, self.worker.spec.max_reply_bytes)
+        if encoded.problem is not None:
+            log.error("the reply to call %s was replaced by an error: %s", msg.get("id"), encoded.problem)
         with self.write_lock:
-            self.out.write(data)
+            self.out.write(encoded.data)
             self.out.flush()
 
     def run_op(self, msg_id: int | None, op: str, fn: Any, kwargs: dict[str, Any]) -> None:
@@ -265,6 +307,9 @@ class Loop:
         elif op == "cancel":
             w.cancel_epoch += 1
             self.reply({"id": msg_id, "ok": True, "result": None})
+        elif op == "cancel_call":
+            w.cancel_call(args.get("target"))
+            self.reply({"id": msg_id, "ok": True, "result": None})
         elif op == "abort":
             w.abort_epoch += 1  # first: a finish waiting for the model lock must not commit now
             w.abort_link()
@@ -277,7 +322,10 @@ class Loop:
             self.control.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
         elif op == "generate":
             # The epoch is read now, on arrival: a /pause?mode=abort also drops queued requests.
-            self.serve.submit(self.run_op, msg_id, op, w.op_generate, {**args, "epoch": w.cancel_epoch})
+            with w.calls_lock:
+                w.live_calls.add(msg_id)  # type: ignore[arg-type]
+            self.serve.submit(self.run_op, msg_id, op, w.op_generate,
+                              {**args, "epoch": w.cancel_epoch, "call_id": msg_id})
         elif op in _SERVE_OPS:
             self.serve.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
         else:
