@@ -90,9 +90,10 @@ class EncodedReply:
     """Why ``data`` is an error reply in place of the one asked for (for the worker's log)."""
 
 
-def encode_reply(msg: dict[str, Any], limit: int) -> EncodedReply:
+def encode_reply(msg: dict[str, Any], limit: int, *, op: str | None = None) -> EncodedReply:
     """``msg`` as one JSON line of at most ``limit`` bytes; otherwise an error reply for
-    the same id (never an exception: a reply that cannot be sent must still answer)."""
+    the same id (never an exception: a reply that cannot be sent must still answer). A
+    too-big ``generate`` reply is the request's doing (400); any other op's, the server's."""
     msg_id = msg.get("id")
     try:
         data = (json.dumps(msg, separators=(",", ":"), allow_nan=False) + "\n").encode()
@@ -102,9 +103,10 @@ def encode_reply(msg: dict[str, Any], limit: int) -> EncodedReply:
     except (TypeError, RecursionError) as exc:
         return _error_line(msg_id, "internal", f"the result could not be encoded ({type(exc).__name__}: {exc})")
     if len(data) > limit:
-        return _error_line(msg_id, "invalid", (
-            f"the reply was {len(data)} bytes, over this server's limit of {limit} bytes (--max-reply-bytes); "
-            "lower n, max_tokens, logprobs or the number of prompts"))
+        hint = "; lower n, max_tokens, logprobs or the number of prompts" if op == "generate" else ""
+        return _error_line(msg_id, "invalid" if op == "generate" else "internal", (
+            f"the {op or 'call'}'s reply was {len(data)} bytes, over this server's limit of {limit} bytes "
+            f"(--max-reply-bytes){hint}"))
     return EncodedReply(data)
 
 

@@ -275,8 +275,8 @@ class Loop:
         self.control = cf.ThreadPoolExecutor(1, thread_name_prefix="weightwire-control")
         self.serve = cf.ThreadPoolExecutor(1, thread_name_prefix="weightwire-serve")
 
-    def reply(self, msg: dict[str, Any]) -> None:
-        encoded = encode_reply(msg, self.worker.spec.max_reply_bytes)
+    def reply(self, msg: dict[str, Any], op: str | None = None) -> None:
+        encoded = encode_reply(msg, self.worker.spec.max_reply_bytes, op=op)
         if encoded.problem is not None:
             log.error("the reply to call %s was replaced by an error: %s", msg.get("id"), encoded.problem)
         with self.write_lock:
@@ -295,9 +295,9 @@ class Loop:
                     self.worker._teardown()  # a failed weight op ends the session on this replica
                 except Exception:
                     log.exception("teardown after a failed %s failed", op)
-            self.reply({"id": msg_id, "ok": False, "kind": kind, "error": f"{type(exc).__name__}: {exc}"})
+            self.reply({"id": msg_id, "ok": False, "kind": kind, "error": f"{type(exc).__name__}: {exc}"}, op)
             return
-        self.reply({"id": msg_id, "ok": True, "result": result})
+        self.reply({"id": msg_id, "ok": True, "result": result}, op)
 
     def dispatch(self, msg: dict[str, Any]) -> None:
         msg_id, op, args = msg.get("id"), msg.get("op"), msg.get("args") or {}
