@@ -1,11 +1,11 @@
 """Completions that used to take a replica down or hold it: an over-big reply, a generation
 nobody waits for any more, weights that are not finite.
 
-Two servers of the fault model: ``capped`` (``--generate-timeout 4``, ``--max-reply-bytes``
-50 MB) and ``checked`` (``--check-finite``, the default generate timeout). A "long"
-request below is 64 prompts x n=64 x 250 tokens: minutes of decoding on this model,
-far beyond every client timeout used here, so a request that is answered proves the
-long one stopped computing.
+One server of its own, ``capped`` (``--generate-timeout 4``, ``--max-reply-bytes`` 50 MB,
+``--check-finite``), and the suite's shared server (the default generate timeout). A
+"long" request below is 64 prompts x n=64 x 250 tokens: minutes of decoding on this
+model, far beyond every client timeout used here, so a request that is answered proves
+the long one stopped computing.
 """
 
 from __future__ import annotations
@@ -43,14 +43,8 @@ FOLLOW_UP_TIMEOUT_S = 60.0
 @pytest.fixture(scope="module")
 def capped(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     s = launch(fault_model, tmp_path_factory.mktemp("serving-capped") / "server.log",
-               "--generate-timeout", str(GENERATE_TIMEOUT_S), "--max-reply-bytes", str(MAX_REPLY_BYTES))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def checked(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = launch(fault_model, tmp_path_factory.mktemp("serving-checked") / "server.log", "--check-finite")
+               "--generate-timeout", str(GENERATE_TIMEOUT_S), "--max-reply-bytes", str(MAX_REPLY_BYTES),
+               "--check-finite")
     yield s
     s.stop()
 
@@ -98,17 +92,18 @@ def test_a_generation_past_the_generate_timeout_stops(capped: Server, source: Te
     observe(server=resp.json()["error"]["message"], server_s=t[0], round_after_s=t_round[0], weights=len(want))
 
 
-def test_non_finite_weights_fail_a_completion_at_once(capped: Server, source: TensorSource) -> None:
-    """A round pushes NaN into one weight; then completions with and without logprobs."""
-    probe = Probe(capped.url)
+def test_non_finite_weights_fail_a_completion_at_once(shared_server: Server, source: TensorSource) -> None:
+    """A round pushes NaN into one weight (no `--check-finite`); then completions with and without logprobs."""
+    server = shared_server
+    probe = Probe(server.url)
     poisoned = TensorSource(source.tensors)
     poisoned.tensors["model.norm.weight"] = torch.full_like(source.tensors["model.norm.weight"], float("nan"))
-    engine = engine_for(capped.url, poisoned)
+    engine = engine_for(server.url, poisoned)
     try:
         engine.send_weights("nan-1")
     finally:
         engine.shutdown()
-    with _http(capped) as http, elapsed() as t:
+    with _http(server) as http, elapsed() as t:
         resp = http.post("/v1/completions", json={**ONE_TOKEN, "max_tokens": 4, "logprobs": 5})
         greedy = http.post("/v1/completions", json={**ONE_TOKEN, "max_tokens": 4})
     for r in (resp, greedy):
@@ -116,32 +111,32 @@ def test_non_finite_weights_fail_a_completion_at_once(capped: Server, source: Te
         assert "logits are not finite" in r.json()["error"]["message"], r.text
         assert "--check-finite" in r.json()["error"]["message"]
     assert probe.http.get("/health").status_code == 200
-    fresh_round(capped.url, source, probe, 402, "finite-again")
+    fresh_round(server.url, source, probe, 402, "finite-again")
     assert probe.greedy()["logprobs"]  # served again
     probe.close()
     observe(server=resp.json()["error"]["message"], server_s=t[0])
 
 
-def test_a_generation_whose_client_disconnected_stops(checked: Server) -> None:
+def test_a_generation_whose_client_disconnected_stops(shared_server: Server) -> None:
     """A long completion's client gives up after 2 s (default generate timeout: 600 s); a one-token completion
     follows."""
-    with _http(checked, timeout=2.0) as impatient, pytest.raises(httpx.ReadTimeout):
+    with _http(shared_server, timeout=2.0) as impatient, pytest.raises(httpx.ReadTimeout):
         impatient.post("/v1/completions", json=LONG)
     with elapsed() as t:
-        after = _served_after(checked)
+        after = _served_after(shared_server)
     assert after.status_code == 200, after.text
     observe(follow_up=after.status_code, follow_up_s=t[0])
 
 
-def test_check_finite_refuses_a_round_with_nan(checked: Server, source: TensorSource) -> None:
+def test_check_finite_refuses_a_round_with_nan(capped: Server, source: TensorSource) -> None:
     """With `--check-finite`, a round whose tensors hold NaN / inf arrives."""
-    probe = Probe(checked.url)
-    want = fresh_round(checked.url, source, probe, 403, "finite-1")
+    probe = Probe(capped.url)
+    want = fresh_round(capped.url, source, probe, 403, "finite-1")
     poisoned = TensorSource(source.tensors)
     bad = poisoned.tensors["model.layers.1.mlp.up_proj.weight"].clone()
     bad[0, 0] = float("inf")
     poisoned.tensors["model.layers.1.mlp.up_proj.weight"] = bad
-    engine = engine_for(checked.url, poisoned)
+    engine = engine_for(capped.url, poisoned)
     try:
         with elapsed() as t, pytest.raises(WeightSyncError) as info:
             engine.send_weights("nan-round")
@@ -151,6 +146,6 @@ def test_check_finite_refuses_a_round_with_nan(checked: Server, source: TensorSo
     assert "'model.layers.1.mlp.up_proj.weight'" in str(info.value) and "NaN or infinite" in str(info.value)
     assert "nothing was committed" in str(info.value)
     assert_weights(probe, want, "finite-1")
-    fresh_round(checked.url, source, probe, 404, "finite-2")
+    fresh_round(capped.url, source, probe, 404, "finite-2")
     probe.close()
     observe(trainer=info.value, trainer_s=t[0])
