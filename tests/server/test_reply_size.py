@@ -34,7 +34,9 @@ def _request(**body: Any) -> Any:
 def test_a_reply_over_the_limit_is_refused_naming_the_fields() -> None:
     req = _request(prompt=[[5]] * 24, n=64, max_tokens=200, logprobs=20, return_token_ids=True)
     with pytest.raises(CompletionRequestError, match=r"24 prompt\(s\), n=64, max_tokens=200, logprobs=20, "
-                                                     r"return_token_ids\), over this server's limit of 1000000"):
+                                                     r"return_token_ids; every token counted at 20 bytes, this "
+                                                     r"vocabulary's longest as JSON\), over this server's limit of "
+                                                     r"1000000"):
         check_reply_size(req, limit=1_000_000, piece_bytes=20, vocab_size=1000, max_model_len=256)
     check_reply_size(_request(max_tokens=16), limit=1_000_000, piece_bytes=20, vocab_size=1000, max_model_len=256)
 

@@ -77,7 +77,8 @@ def check_reply_size(req: Any, *, limit: int, piece_bytes: int, vocab_size: int,
     fields += [f"logprobs={req.logprobs}"] if req.logprobs is not None else []
     fields += ["return_token_ids"] if req.return_token_ids else []
     raise CompletionRequestError("max_tokens", (
-        f"the reply to this request could reach {bound} bytes ({', '.join(fields)}), over this server's limit of "
+        f"the reply to this request could reach {bound} bytes ({', '.join(fields)}; every token counted at "
+        f"{piece_bytes} bytes, this vocabulary's longest as JSON), over this server's limit of "
         f"{limit} bytes (--max-reply-bytes); lower n, max_tokens, logprobs or the number of prompts, or split "
         "the request"))
 
