@@ -39,6 +39,7 @@ from typing import Any, BinaryIO
 from weightwire import backends
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.errors import ReferenceServerError
+from weightwire.torch_side.server.guards import LiveCalls, refuse_non_finite
 from weightwire.torch_side.server.replicas import WorkerSpec
 from weightwire.torch_side.server.reply_size import encode_reply, max_piece_json_bytes
 
@@ -54,10 +55,6 @@ class GenerationAborted(ReferenceServerError):
 
 class CommitAborted(ReferenceServerError):
     """A finish whose round was aborted (``abort`` op) before it could commit."""
-
-
-class NonFiniteRound(ReferenceServerError, ValueError):
-    """A round refused at finish (``--check-finite``): some received tensors hold NaN or inf."""
 
 
 _LOCK_POLL_S = 0.05  # how often a finish waiting for the model lock looks for an abort
@@ -125,11 +122,7 @@ class Worker:
         self.model_lock = threading.Lock()
         self.engine: Any = None
         self.cancel_epoch = 0
-        self.calls_lock = threading.Lock()
-        self.live_calls: set[int] = set()
-        """Ids of generations queued or running (added on arrival, removed when they end)."""
-        self.cancelled_calls: set[int] = set()
-        """Live generations the API stopped waiting for (its timeout, or its client left)."""
+        self.calls = LiveCalls()
         self.abort_epoch = 0
         """Bumped by every ``abort``; a finish commits only if it is unchanged since its arrival."""
 
@@ -179,7 +172,7 @@ class Worker:
         engine = self._require_engine()
         epoch = self.abort_epoch if epoch is None else epoch
         if self.spec.check_finite:
-            self._refuse_non_finite()
+            refuse_non_finite(self.host)  # outside the model lock: generations go on meanwhile
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.model_lock.acquire(timeout=_LOCK_POLL_S):
             if self.abort_epoch != epoch:
@@ -193,14 +186,6 @@ class Worker:
             engine.finish_weight_update()
         finally:
             self.model_lock.release()
-
-    def _refuse_non_finite(self) -> None:
-        """Before the commit (outside the model lock: generations go on meanwhile)."""
-        bad = self.host.non_finite_staged()
-        if bad:
-            shown = ", ".join(repr(n) for n in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            raise NonFiniteRound(f"the round's tensor(s) {shown} hold NaN or infinite values (--check-finite); "
-                                 "nothing was committed and the previous weights are served")
 
     def op_shutdown(self) -> None:
         self._teardown()
@@ -233,7 +218,7 @@ class Worker:
     # -- serve lane ---------------------------------------------------------------------
     def op_generate(self, request: dict[str, Any], epoch: int, call_id: int) -> dict[str, Any]:
         def cancelled() -> bool:
-            return self.cancel_epoch != epoch or call_id in self.cancelled_calls
+            return self.cancel_epoch != epoch or self.calls.cancelled(call_id)
 
         try:
             with self.model_lock:
@@ -243,15 +228,7 @@ class Worker:
                     raise GenerationAborted("request dropped before it started: the API stopped waiting for it")
                 return self.generator.complete(request, cancelled)
         finally:
-            with self.calls_lock:
-                self.live_calls.discard(call_id)
-                self.cancelled_calls.discard(call_id)
-
-    def cancel_call(self, target: object) -> None:
-        """Out of band: the generation ``target`` stops at its next decode step (or never starts)."""
-        with self.calls_lock:
-            if target in self.live_calls:  # an id that already ended is not remembered
-                self.cancelled_calls.add(target)
+            self.calls.ended(call_id)
 
     def op_checksum(self) -> dict[str, str]:
         with self.model_lock:
@@ -308,7 +285,7 @@ class Loop:
             w.cancel_epoch += 1
             self.reply({"id": msg_id, "ok": True, "result": None})
         elif op == "cancel_call":
-            w.cancel_call(args.get("target"))
+            w.calls.cancel(args.get("target"))  # the generation stops at its next step (or never starts)
             self.reply({"id": msg_id, "ok": True, "result": None})
         elif op == "abort":
             w.abort_epoch += 1  # first: a finish waiting for the model lock must not commit now
@@ -322,8 +299,7 @@ class Loop:
             self.control.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
         elif op == "generate":
             # The epoch is read now, on arrival: a /pause?mode=abort also drops queued requests.
-            with w.calls_lock:
-                w.live_calls.add(msg_id)  # type: ignore[arg-type]
+            w.calls.arrived(msg_id)  # type: ignore[arg-type]
             self.serve.submit(self.run_op, msg_id, op, w.op_generate,
                               {**args, "epoch": w.cancel_epoch, "call_id": msg_id})
         elif op in _SERVE_OPS:
