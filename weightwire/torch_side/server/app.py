@@ -132,6 +132,11 @@ async def _unless_disconnected(call: Coroutine[Any, Any, Any], request: Request)
 
 async def _disconnected(request: Request) -> None:
     """Return when the client disconnects. The body was read already, so the ASGI server's
-    next message is the disconnect."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    next message is the disconnect; anything else (a server that cannot tell) never
+    cancels the request."""
+    try:
+        message = await request.receive()
+    except Exception:  # no disconnect signal from this server: wait for the result
+        message = {}
+    if message.get("type") != "http.disconnect":
+        await asyncio.Event().wait()
