@@ -110,7 +110,8 @@ class Generator:
             top_idx: list[Any] | None = None
             if want_top:
                 top = torch.topk(logp, want_top, dim=-1)
-                top_vals, top_idx = top.values.tolist(), top.indices.tolist()
+                # An alternative the model rules out (-inf) is reported as -9999.0, as vLLM does: JSON has no -inf.
+                top_vals, top_idx = top.values.clamp_min(-9999.0).tolist(), top.indices.tolist()
             for i in range(n):
                 if done[i]:
                     continue
