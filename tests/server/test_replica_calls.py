@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 _STUB = r"""
 import json, sys, time
 out = sys.stdout
+cancelled = []
 out.write(json.dumps({"id": 0, "ok": True, "result": {"stub": True}}) + "\n"); out.flush()
 for line in sys.stdin:
     msg = json.loads(line)
@@ -27,6 +28,14 @@ for line in sys.stdin:
         sys.exit(7)
     if op == "slow":
         time.sleep(args["s"])
+    if op == "huge":  # a reply line far over the API's line limit (the replica's reader must survive it)
+        time.sleep(args.get("s", 0))
+        out.write('{"id":%d,"ok":true,"result":"%s"}\n' % (msg["id"], "x" * args["size"])); out.flush()
+        continue
+    if op == "cancel_call":
+        cancelled.append(args["target"])
+    if op == "cancelled":
+        args = {"targets": cancelled}
     if op == "fail":
         reply = {"id": msg["id"], "ok": False, "kind": args["kind"], "error": "it failed"}
     else:
@@ -35,9 +44,12 @@ for line in sys.stdin:
 """
 
 
+LINE_LIMIT = 64 << 10
+
+
 async def _replica() -> Replica:
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _STUB, stdin=asyncio.subprocess.PIPE,
-                                                stdout=asyncio.subprocess.PIPE)
+                                                stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT)
     replica = Replica(0, proc)
     assert await replica.wait_ready(30) == {"stub": True}
     return replica
@@ -137,5 +149,48 @@ def test_only_a_big_update_is_encoded_off_the_event_loop(monkeypatch: pytest.Mon
                                "shapes": [[1]] * many}}
         assert (await r.call("update", big, timeout=10))["args"] == big
         assert hops == ["_encode_line"]
+
+    _run(scenario)
+
+
+def test_a_reply_over_the_line_limit_fails_only_its_call() -> None:
+    """A reply line longer than the pipe's limit used to kill the reader: the replica was
+    dead for good (every later call 503) while its worker lived."""
+    async def scenario(r: Replica) -> None:
+        with pytest.raises(ReplicaError, match=r"reply was \d+ bytes, over the pipe's line limit") as info:
+            await r.call("huge", {"size": 10 * LINE_LIMIT}, timeout=20)
+        assert info.value.status == 500
+        assert r.alive and r._pending == {}
+        assert await r.call("start", timeout=5) == {"op": "start", "args": {}}
+
+    _run(scenario)
+
+
+def test_a_late_reply_over_the_line_limit_is_dropped() -> None:
+    """The API timed out first; the worker's (huge) reply comes later and must not kill the reader."""
+    async def scenario(r: Replica) -> None:
+        with pytest.raises(ReplicaError, match="no reply to 'huge'"):
+            await r.call("huge", {"size": 10 * LINE_LIMIT, "s": 0.3}, timeout=0.1)
+        assert await r.call("start", timeout=10) == {"op": "start", "args": {}}  # answered after the late line
+        assert r.alive
+
+    _run(scenario)
+
+
+def test_a_generation_the_api_gives_up_on_is_cancelled_on_the_worker() -> None:
+    """A timed-out or cancelled generate is followed by a cancel_call naming its id; other ops are not."""
+    async def scenario(r: Replica) -> None:
+        with pytest.raises(ReplicaError, match="no reply to 'generate'"):
+            await r.call("generate", {"s": 0}, timeout=0)
+        task = asyncio.ensure_future(r.call("generate", {}, timeout=5))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(ReplicaError, match="no reply to 'slow'"):
+            await r.call("slow", {"s": 0.2}, timeout=0.05)
+        got = await r.call("cancelled", timeout=5)
+        assert got["args"]["targets"] == [1, 3]  # ids: 1 generate, 2 its cancel_call, 3 generate, 4 its cancel_call
+        assert r.alive and r._pending == {}
 
     _run(scenario)

@@ -43,6 +43,29 @@ def test_a_huge_text_prompt_is_refused_before_tokenizing(http: httpx.Client) -> 
     assert "60000 characters: more tokens than the model's positions" in resp.json()["error"]["message"]
 
 
+def test_a_huge_chat_message_is_refused_before_tokenizing(http: httpx.Client) -> None:
+    """As for /v1/completions: the characters of every message (text parts joined) decide,
+    before the chat template renders them and the tokenizer runs on the serve lane."""
+    parts = [{"type": "text", "text": "word " * 3_000}] * 2
+    messages = [{"role": "system", "content": "word " * 6_000}, {"role": "user", "content": parts}]
+    resp = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "messages"
+    assert "messages hold 60000 characters: more tokens than the model's positions" in error["message"]
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_a_tiny_temperature_samples_at_vllms_floor(http: httpx.Client, temperature: float) -> None:
+    """Dividing logits by 1e-40 overflows; like vLLM, a positive temperature below 0.01 samples at 0.01."""
+    body = {"prompt": "Hello", "max_tokens": 8, "seed": 7, "ignore_eos": True, "logprobs": 1}
+    tiny = http.post("/v1/completions", json={**body, "temperature": temperature})
+    floor = http.post("/v1/completions", json={**body, "temperature": 0.01})
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["text"] == floor.json()["choices"][0]["text"]
+    assert tiny.json()["choices"][0]["logprobs"] == floor.json()["choices"][0]["logprobs"]
+
+
 @pytest.fixture(scope="module")
 def http(server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:

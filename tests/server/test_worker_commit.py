@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from weightwire.torch_side.server.replicas import WorkerSpec
 from weightwire.torch_side.server.worker_proc import Loop, Worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,6 +64,7 @@ class Replies:
 
 def make_loop() -> tuple[Loop, Worker, RecordingEngine, Replies]:
     worker = Worker.__new__(Worker)  # no model: only the lanes and the lock are under test
+    worker.spec = WorkerSpec(model_dir="", backend="weightwire_tcp", device="cpu", replicas=1, threads=1)
     worker.model_lock = threading.Lock()
     worker.engine = engine = RecordingEngine()
     worker.host = Host()

@@ -78,6 +78,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / replicas)")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20,
                    help="largest request body accepted, bytes (default 64 MiB); larger ones get 413")
+    p.add_argument("--max-reply-bytes", type=int, default=256 << 20,
+                   help="largest completion reply a worker sends, bytes (default 256 MiB); a request whose reply "
+                        "could be larger (prompts x n x max_tokens, logprobs, token ids) gets 400 before it runs")
+    p.add_argument("--check-finite", action="store_true",
+                   help="refuse to commit a weight round whose floating-point tensors hold NaN or infinity (the "
+                        "finish gets 400 and the previous weights stay served); costs one pass over the round")
     p.add_argument("--op-timeout", type=float, default=300.0,
                    help="seconds for start/finish/shutdown/checks on every worker (default 300)")
     p.add_argument("--round-timeout", type=float, default=3600.0,
@@ -106,6 +112,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be > 0"
     if args.max_body_bytes < 1024:
         return "--max-body-bytes must be >= 1024"
+    if args.max_reply_bytes < 1024:
+        return "--max-reply-bytes must be >= 1024"
     return None
 
 
@@ -303,7 +311,8 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
     say(f"loading {os.path.abspath(model_dir)} into {args.replicas} worker process(es) on {args.device} "
         f"(backend {args.backend}, {threads} torch thread(s) each)")
     spec = WorkerSpec(model_dir=model_dir, backend=args.backend, device=args.device,
-                      replicas=args.replicas, threads=threads)
+                      replicas=args.replicas, threads=threads, max_reply_bytes=args.max_reply_bytes,
+                      check_finite=args.check_finite)
     try:
         pool = await ReplicaPool.start(spec, startup_timeout=args.startup_timeout)
     except ReplicaError as exc:
@@ -316,6 +325,7 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes, op_timeout_s=args.op_timeout,
             round_timeout_s=args.round_timeout, generate_timeout_s=args.generate_timeout,
+            max_reply_bytes=args.max_reply_bytes,
             lease_s=args.round_lease,
             model_dir=os.path.abspath(model_dir), model_aliases=(args.model, model_dir, os.path.abspath(model_dir)),
         )

@@ -13,6 +13,9 @@ Paths come from ``shared.routes.ROUTES``, shared with the client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,10 +27,18 @@ from weightwire.torch_side.server.completions import CompletionRequest, Completi
 from weightwire.torch_side.server.control_routes import install_control_routes
 from weightwire.torch_side.server.openai import check_model, install_openai_routes
 from weightwire.torch_side.server.replicas import ReplicaError
+from weightwire.torch_side.server.reply_size import check_reply_size
 from weightwire.torch_side.server.state import SERVER_VERSION, ServerOptions, ServerState
-from weightwire.torch_side.server.web import ApiError, BodyLimitMiddleware, install_error_handlers, read_json
+from weightwire.torch_side.server.web import (
+    ApiError,
+    BodyLimitMiddleware,
+    ClientGone,
+    install_error_handlers,
+    read_json,
+)
 from weightwire.torch_side.server.weight_routes import install_weight_routes
 
+log = logging.getLogger(__name__)
 __all__ = ["SERVER_VERSION", "ServerOptions", "ServerState", "create_app", "generate_on_a_replica"]
 
 
@@ -64,15 +75,25 @@ def _completion_routes(app: FastAPI, state: ServerState) -> None:
         except CompletionRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         check_model(opts, req)
-        result, index = await generate_on_a_replica(state, req)
+        result, index = await generate_on_a_replica(state, req, request)
         result["model"] = req.model or opts.model_name
         return JSONResponse(result, headers={"x-weightwire-replica": str(index)})
 
 
-async def generate_on_a_replica(state: ServerState, req: CompletionRequest) -> tuple[dict[str, Any], int]:
-    """Run one parsed completion request on a replica: pause gate, replica choice, accounting.
-    Returns the worker's ``text_completion`` result and the replica's index."""
+async def generate_on_a_replica(
+    state: ServerState, req: CompletionRequest, request: Request | None = None,
+) -> tuple[dict[str, Any], int]:
+    """Run one parsed completion request on a replica: reply-size bound, pause gate, replica
+    choice, accounting. Returns the worker's ``text_completion`` result and the replica's
+    index. If ``request``'s client disconnects first, the generation is cancelled on the
+    worker (it stops at its next decode step) and nothing is answered."""
     opts, pool, gate = state.options, state.pool, state.gate
+    info = pool.replicas[0].info
+    try:
+        check_reply_size(req, limit=opts.max_reply_bytes, piece_bytes=info.get("max_piece_bytes", 64),
+                         vocab_size=info["vocab_size"], max_model_len=info["max_model_len"])
+    except CompletionRequestError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
     await gate.admit(opts.generate_timeout_s)
     try:
         replica = pool.pick()
@@ -81,10 +102,41 @@ async def generate_on_a_replica(state: ServerState, req: CompletionRequest) -> t
     replica.inflight_generations += 1
     gate.enter()
     try:
-        result = await replica.call("generate", {"request": req.to_worker()}, timeout=opts.generate_timeout_s)
+        call = replica.call("generate", {"request": req.to_worker()}, timeout=opts.generate_timeout_s)
+        result = await (call if request is None else _unless_disconnected(call, request))
     except ReplicaError as exc:
         raise ApiError(exc.status, str(exc)) from None
     finally:
         replica.inflight_generations -= 1
         gate.leave()
     return result, replica.index
+
+
+async def _unless_disconnected(call: Coroutine[Any, Any, Any], request: Request) -> Any:
+    """``call``'s result; cancelled (which cancels it on the worker) if the client leaves first."""
+    work = asyncio.ensure_future(call)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ReplicaError):
+                await work
+    if work.cancelled():
+        log.info("%s: the client disconnected; its generation was cancelled", request.url.path)
+        raise ClientGone("the client disconnected before its completion was ready; the generation was cancelled")
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects. The body was read already, so the ASGI server's
+    next message is the disconnect; anything else (a server that cannot tell) never
+    cancels the request."""
+    try:
+        message = await request.receive()
+    except Exception:  # no disconnect signal from this server: wait for the result
+        message = {}
+    if message.get("type") != "http.disconnect":
+        await asyncio.Event().wait()

@@ -5,7 +5,8 @@ and a bad one is refused naming the field, before any worker is asked to generat
 Generation lives in ``generate.py`` (worker process).
 
 Supported: ``prompt`` (a string, a list of token ids, or a batch of either),
-``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``logprobs``
+``max_tokens``, ``temperature`` (0 = greedy; a positive value below 0.01 counts as 0.01,
+as in vLLM), ``top_p``, ``top_k``, ``logprobs``
 (log-probabilities of the sampled tokens under the raw model distribution, plus the
 top ``logprobs`` alternatives; OpenAI's legacy shape), ``seed``, ``n``, ``ignore_eos``,
 and vLLM's ``return_token_ids`` / ``return_tokens_as_token_ids`` (token strings become
@@ -24,6 +25,9 @@ from weightwire.shared.errors import ReferenceServerError
 MAX_N = 64
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 256
+MIN_TEMPERATURE = 1e-2
+"""A positive temperature below this samples at this temperature, as vLLM does: dividing
+logits by 1e-40 overflows to infinity and leaves no distribution to sample from."""
 
 
 class CompletionRequestError(ReferenceServerError, ValueError):
@@ -84,6 +88,11 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
     if not (_is_int(v) or isinstance(v, float)) or not lo <= v <= hi:
         raise CompletionRequestError(key, f"{key} must be a number in [{lo}, {hi}], got {v!r:.40}")
     return float(v)
+
+
+def _temperature(body: dict[str, Any]) -> float:
+    t = _number(body, "temperature", 1.0, 0.0, 100.0)
+    return MIN_TEMPERATURE if 0.0 < t < MIN_TEMPERATURE else t
 
 
 def _integer(body: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -184,7 +193,7 @@ def parse_completion_request(body: object, *, vocab_size: int, max_model_len: in
     return CompletionRequest(
         prompts=prompts,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
+        temperature=_temperature(body),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=-1 if top_k in (None, 0) else int(top_k),
         logprobs=_integer(body, "logprobs", None, 0, MAX_LOGPROBS),

@@ -7,8 +7,9 @@ log-softmax of the sampled token (temperature and top-p/top-k shape only the
 sampling), which is what a trainer needs for importance ratios.
 
 Hand-written rather than ``model.generate``: we need per-step raw logprobs, a
-cancellation check between steps (``/pause?mode=abort``) and exact control of the
-generator, none of which ``generate`` exposes together.
+cancellation check between steps (``/pause?mode=abort``, or the API no longer waiting
+for the request) and exact control of the generator, none of which ``generate``
+exposes together.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from weightwire.shared.errors import ReferenceServerError
+
+
+class NonFiniteOutput(ReferenceServerError):
+    """The model computed NaN (or +inf) logits: its weights are not finite. No reply could
+    carry such logprobs, and its samples would be noise, so the request fails at once."""
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -86,6 +94,11 @@ class Generator:
         done = [False] * n
         for step in range(max_tokens):
             logp = torch.log_softmax(logits, dim=-1)
+            if bool(torch.isnan(logp).any()):  # NaN or +inf logits both leave NaN here
+                raise NonFiniteOutput(
+                    f"the model's logits are not finite (NaN or infinity at decode step {step}), so no token or "
+                    "logprob can be computed: the served weights hold non-finite values (a round that pushed "
+                    "NaN/inf? `weightwire serve --check-finite` refuses such rounds)")
             if temperature == 0.0:
                 nxt = torch.argmax(logits, dim=-1)
             else:
@@ -97,7 +110,8 @@ class Generator:
             top_idx: list[Any] | None = None
             if want_top:
                 top = torch.topk(logp, want_top, dim=-1)
-                top_vals, top_idx = top.values.tolist(), top.indices.tolist()
+                # An alternative the model rules out (-inf) is reported as -9999.0, as vLLM does: JSON has no -inf.
+                top_vals, top_idx = top.values.clamp_min(-9999.0).tolist(), top.indices.tolist()
             for i in range(n):
                 if done[i]:
                     continue
@@ -123,6 +137,9 @@ class Generator:
             (self._choice(tokens[i], lps[i], tops[i] if want_top else None, finish[i], req), len(tokens[i]))
             for i in range(n)
         ]
+
+    def _aborted_rows(self, req: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
+        return [(self._choice([], [], [] if req["logprobs"] else None, "abort", req), 0) for _ in range(req["n"])]
 
     def _choice(
         self, tokens: list[int], lps: list[float], tops: list[dict[str, float]] | None, finish: str, req: dict[str, Any]
@@ -161,7 +178,9 @@ class Generator:
         choices: list[dict[str, Any]] = []
         completion_tokens = 0
         for p_index, ids in enumerate(encoded):
-            for j, (choice, count) in enumerate(self._decode_rows(ids, req, gen, cancelled)):
+            # A cancelled request computes no further prompt (each starts with a prefill).
+            rows = self._aborted_rows(req) if cancelled() else self._decode_rows(ids, req, gen, cancelled)
+            for j, (choice, count) in enumerate(rows):
                 choice["index"] = p_index * req["n"] + j
                 if req["return_token_ids"]:
                     choice["prompt_token_ids"] = ids

@@ -18,6 +18,7 @@ Parsing only (API process, no torch); generation is the worker's ``generate`` op
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -94,8 +95,12 @@ def _messages(raw: object) -> list[dict[str, str]]:
     return out
 
 
-def parse_chat_request(body: object, *, vocab_size: int, max_model_len: int) -> CompletionRequest:
-    """Validate a chat body; the result carries ``messages`` and no prompt (the worker renders it)."""
+def parse_chat_request(body: object, *, vocab_size: int, max_model_len: int,
+                       max_prompt_chars: int | None = None) -> CompletionRequest:
+    """Validate a chat body; the result carries ``messages`` and no prompt (the worker renders it).
+
+    ``max_prompt_chars`` (as for ``/v1/completions``) refuses messages whose text alone
+    cannot fit ``max_model_len``, before anything is tokenized or rendered."""
     if not isinstance(body, dict):
         raise CompletionRequestError("body", f"body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(k for k in body if k not in _CHAT_ONLY | _COMPLETION_FIELDS)
@@ -109,6 +114,11 @@ def parse_chat_request(body: object, *, vocab_size: int, max_model_len: int) -> 
     if not prompt_flag:
         raise CompletionRequestError("add_generation_prompt", "add_generation_prompt=false is not supported")
     messages = _messages(body.get("messages"))
+    chars = sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
+    if max_prompt_chars is not None and chars > max_prompt_chars:
+        raise CompletionRequestError("messages", (
+            f"messages hold {chars} characters: more tokens than the model's positions, whatever the tokenizer "
+            f"makes of them (at most {max_prompt_chars} characters can fit)"))
     want = body.get("logprobs", False)
     if want is not None and not isinstance(want, bool):
         raise CompletionRequestError("logprobs", f"logprobs must be true or false in a chat request, got {want!r:.40}")
@@ -164,7 +174,7 @@ def check_model(opts: Any, req: CompletionRequest) -> None:
         raise ApiError(404, problem, param="model")
 
 
-Generate = Callable[[Any, CompletionRequest], Awaitable[tuple[dict[str, Any], int]]]
+Generate = Callable[[Any, CompletionRequest, Request], Awaitable[tuple[dict[str, Any], int]]]
 
 
 def install_openai_routes(app: FastAPI, state: Any, generate: Generate) -> None:
@@ -182,11 +192,14 @@ def install_openai_routes(app: FastAPI, state: Any, generate: Generate) -> None:
         body = await read_json(request)
         info = pool.replicas[0].info
         try:
-            req = parse_chat_request(body, vocab_size=info["vocab_size"], max_model_len=info["max_model_len"])
+            # Off the loop: a body near the size limit can hold millions of content parts.
+            req = await asyncio.to_thread(parse_chat_request, body, vocab_size=info["vocab_size"],
+                                          max_model_len=info["max_model_len"],
+                                          max_prompt_chars=info.get("max_prompt_chars"))
         except CompletionRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         check_model(opts, req)
-        result, index = await generate(state, req)
+        result, index = await generate(state, req, request)
         return JSONResponse(chat_reply(result, req, req.model or opts.model_name),
                             headers={"x-weightwire-replica": str(index)})
 

@@ -6,7 +6,7 @@ JSON object per line to the worker's stdin and reads one per line from its stdou
 
     request  {"id": 7, "op": "update", "args": {...}}
     reply    {"id": 7, "ok": true, "result": ...}
-           | {"id": 7, "ok": false, "kind": "invalid|conflict|transfer|timeout|internal", "error": "..."}
+           | {"id": 7, "ok": false, "kind": "invalid|conflict|transfer|timeout|internal|model", "error": "..."}
 
 JSON instead of pickle: a pickle stream is code execution for whoever can write
 into it; these messages carry nothing but metadata and small results.
@@ -14,6 +14,13 @@ into it; these messages carry nothing but metadata and small results.
 Every wait is bounded: a reply that does not come within the call's timeout becomes a
 504 naming the replica, and a worker that exits fails all of its pending calls at
 once (its stdout reaches EOF) instead of leaving them hanging.
+
+A call the API gives up on (its timeout, or its HTTP client went away) is cancelled on
+the worker too: ``{"op": "cancel_call", "args": {"target": 7}}``, so a generation nobody
+waits for stops at its next decode step instead of holding the model.
+
+No reply line is longer than ``WorkerSpec.max_reply_bytes`` (the worker answers an error
+instead); a longer line all the same fails only the call it answers, never the replica.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -30,17 +38,24 @@ from typing import Any
 
 from weightwire.shared.errors import ReferenceServerError
 
-# A reply line can hold a model's checksums or a batch of logprobs; asyncio's 64 KiB
-# default line limit would cut those off.
-_LINE_LIMIT = 256 << 20
+DEFAULT_MAX_REPLY_BYTES = 256 << 20
+"""Largest reply line a worker sends (``--max-reply-bytes``): a batch of logprobs can be big."""
+_LINE_SLACK = 1 << 20
+"""On top of the reply limit in the pipe's line limit: the worker's own error reply for a
+too-big reply, and the envelope, always fit."""
+_LINE_LIMIT = DEFAULT_MAX_REPLY_BYTES + _LINE_SLACK
+_REPLY_ID = re.compile(rb'^\{"id":(\d+),')
 
 KIND_STATUS = {
     "invalid": 400, "conflict": 409, "transfer": 502, "timeout": 504, "internal": 500, "dead": 503, "aborted": 503,
+    "model": 500,
 }
 """HTTP status for each failure kind a worker (or the pool) reports."""
 
 
 _BULKY_OPS = frozenset({"update"})
+_CANCELLABLE_OPS = frozenset({"generate"})
+"""Ops a worker stops when the API gives up on them (``cancel_call``)."""
 _INLINE_ENCODE_NAMES = 1024
 """A bulky op whose metadata lists at most this many names is encoded on the event loop
 (tens of microseconds), not on a thread: the hop alone costs more than that."""
@@ -85,6 +100,10 @@ class WorkerSpec:
     replicas: int
     threads: int
     index: int = 0
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    """The worker answers an error instead of a reply line longer than this."""
+    check_finite: bool = False
+    """Refuse to commit a round whose floating-point tensors hold NaN or infinity."""
 
 
 class Replica:
@@ -110,11 +129,9 @@ class Replica:
         assert self.proc.stdout is not None
         try:
             while True:
-                try:
-                    line = await self.proc.stdout.readline()
-                except (ValueError, asyncio.LimitOverrunError):
-                    self._die("sent a reply line over the size limit")
-                    break
+                line = await self._read_line(self.proc.stdout)
+                if line is None:
+                    continue  # an over-long line, already answered as its call's failure
                 if not line:
                     code = await _wait_exit(self.proc, 5.0)
                     self._die(f"worker process exited (code {code})")
@@ -129,6 +146,32 @@ class Replica:
         except asyncio.CancelledError:
             self._die("replica pool closed")
             raise
+
+    async def _read_line(self, stream: asyncio.StreamReader) -> bytes | None:
+        """The next reply line (``b""`` at EOF), or ``None`` after skipping one over the pipe's
+        line limit: that line fails only the call whose id it starts with."""
+        try:
+            return await stream.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:
+            return exc.partial  # EOF (a partial last line is malformed, and says so)
+        except asyncio.LimitOverrunError as exc:
+            head = await stream.read(exc.consumed)
+        size = len(head)
+        while True:  # drop the rest of the line, a buffer at a time, without holding it
+            try:
+                size += len(await stream.readuntil(b"\n"))
+                break
+            except asyncio.IncompleteReadError as exc:
+                size += len(exc.partial)
+                break
+            except asyncio.LimitOverrunError as exc:
+                size += len(await stream.read(exc.consumed))
+        match = _REPLY_ID.match(head)
+        if match is not None:
+            self._resolve(int(match[1]), {"ok": False, "kind": "internal", "error": (
+                f"the worker's reply was {size} bytes, over the pipe's line limit; this request failed, "
+                "the replica serves on")})
+        return None
 
     def _resolve(self, msg_id: int, msg: dict[str, Any]) -> None:
         if msg_id == 0:
@@ -197,7 +240,23 @@ class Replica:
                 return await fut
         except TimeoutError:
             self._pending.pop(msg_id, None)
+            self._cancel_on_worker(op, msg_id)
             raise ReplicaError(self.index, "timeout", f"no reply to {op!r} within {timeout:.0f}s") from None
+        except asyncio.CancelledError:
+            self._pending.pop(msg_id, None)
+            self._cancel_on_worker(op, msg_id)
+            raise
+
+    def _cancel_on_worker(self, op: str, msg_id: int) -> None:
+        """Tell the worker that nobody waits for call ``msg_id`` any more (generations stop at
+        their next step). Written without the write lock and without a drain: one
+        ``write`` appends a whole line to the pipe's buffer, so lines never interleave, and
+        this runs where awaiting is not possible (a cancelled call)."""
+        if op not in _CANCELLABLE_OPS or self.proc.stdin is None or self._dead_reason is not None:
+            return
+        line = _encode_line({"id": next(self._ids), "op": "cancel_call", "args": {"target": msg_id}})
+        with contextlib.suppress(ConnectionError, RuntimeError):  # a closing pipe: the worker is going anyway
+            self.proc.stdin.write(line.encode())
 
     async def close(self, grace: float) -> None:
         if self.proc.returncode is None:
@@ -243,7 +302,7 @@ class ReplicaPool:
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "weightwire.torch_side.server.worker_proc", payload,
                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None,
-                    limit=_LINE_LIMIT, env={**os.environ, "WEIGHTWIRE_PARENT_PID": str(os.getpid())},
+                    limit=spec.max_reply_bytes + _LINE_SLACK, env={**os.environ, "WEIGHTWIRE_PARENT_PID": str(os.getpid())},
                 )
                 replicas.append(Replica(i, proc))
             await asyncio.gather(*(r.wait_ready(startup_timeout) for r in replicas))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from weightwire import __version__, backends
 from weightwire.torch_side.server.lease import RoundLease
 from weightwire.torch_side.server.pause import PauseGate
-from weightwire.torch_side.server.replicas import ReplicaPool
+from weightwire.torch_side.server.replicas import DEFAULT_MAX_REPLY_BYTES, ReplicaPool
 from weightwire.torch_side.server.session import Session
 from weightwire.torch_side.server.web import DEFAULT_MAX_BODY_BYTES
 
@@ -26,6 +26,8 @@ class ServerOptions:
     round_timeout_s: float = 3600.0
     """Backstop for one update_weights (the engines time out each chunk on their own)."""
     generate_timeout_s: float = 600.0
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    """A completion whose reply could be larger is refused (400) before it runs."""
     lease_s: float | None = None
     """Round lease (see ``lease``); default: the init info's ``timeout_s`` (the trainer's
     per-broadcast bound), else ``Timeouts.from_env().transfer_s``."""

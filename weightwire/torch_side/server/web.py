@@ -63,10 +63,11 @@ def _refuse_constant(name: str) -> Any:
 
 class ClientGone(ApiError):
     """The client closed the connection before sending its whole body (a trainer that
-    aborted, a dropped connection): nothing to answer and nothing worth a traceback."""
+    aborted, a dropped connection), or before its answer was ready: nothing to answer
+    and nothing worth a traceback."""
 
-    def __init__(self) -> None:
-        super().__init__(400, "the client disconnected before sending the whole request body", param="body")
+    def __init__(self, message: str = "the client disconnected before sending the whole request body") -> None:
+        super().__init__(400, message, param="body")
 
 
 async def read_json(request: Request) -> Any:

@@ -9,8 +9,10 @@ so a long receive never stalls what must stay responsive:
 - the *serve* thread runs generation, checksums and reset under ``model_lock``;
   ``finish`` takes the same lock to commit, so a request sees either the old
   weights or the new ones, never a mix (staged tensors never touch parameters);
-- the stdin reader handles ``abort`` / ``cancel`` / ``ping`` itself, at once:
-  ``abort`` must reach a receive that is blocked on the control thread.
+- the stdin reader handles ``abort`` / ``cancel`` / ``cancel_call`` / ``ping`` itself, at
+  once: ``abort`` must reach a receive that is blocked on the control thread, and a
+  ``cancel_call`` (the API stopped waiting for one generation) a decode loop that checks
+  for it between steps.
 
 A finish waits for the model lock at most its ``timeout_s`` and never commits after
 an ``abort`` that arrived while it waited: otherwise the API, having answered "timed
@@ -38,7 +40,9 @@ from weightwire import backends
 from weightwire._cli import env_log_level
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.errors import ReferenceServerError
+from weightwire.torch_side.server.guards import LiveCalls, refuse_non_finite
 from weightwire.torch_side.server.replicas import WorkerSpec
+from weightwire.torch_side.server.reply_size import encode_reply, max_piece_json_bytes
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +63,13 @@ _LOCK_POLL_S = 0.05  # how often a finish waiting for the model lock looks for a
 
 def classify(exc: BaseException) -> str:
     """Failure kind (see ``replicas.KIND_STATUS``) of an exception raised by an operation."""
+    from weightwire.torch_side.server.generate import NonFiniteOutput
     from weightwire.torch_side.worker.core import WeightReceiveError
 
     if isinstance(exc, GenerationAborted):
         return "aborted"
+    if isinstance(exc, NonFiniteOutput):
+        return "model"
     if isinstance(exc, CommitAborted):
         return "transfer"
     if isinstance(exc, WeightReceiveError) and exc.__cause__ is not None:
@@ -107,6 +114,7 @@ class Worker:
         # anyone spends seconds tokenizing it on the serve lane.
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = self.max_model_len * max(1, longest) * 4
+        self.max_piece_bytes = max_piece_json_bytes(self.tokenizer, self.vocab_size)
         self.generator = Generator(
             self.model, self.tokenizer, device=self.device,
             model_name=os.path.basename(os.path.normpath(spec.model_dir)), max_model_len=self.max_model_len,
@@ -114,12 +122,14 @@ class Worker:
         self.model_lock = threading.Lock()
         self.engine: Any = None
         self.cancel_epoch = 0
+        self.calls = LiveCalls()
         self.abort_epoch = 0
         """Bumped by every ``abort``; a finish commits only if it is unchanged since its arrival."""
 
     def describe(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "device": str(self.device), "vocab_size": self.vocab_size,
                 "max_model_len": self.max_model_len, "max_prompt_chars": self.max_prompt_chars,
+                "max_piece_bytes": self.max_piece_bytes,
                 "params": len(self.host.param_names())}
 
     # -- control lane ---------------------------------------------------------------
@@ -161,6 +171,8 @@ class Worker:
         nothing is committed and the caller's teardown drops the staged round."""
         engine = self._require_engine()
         epoch = self.abort_epoch if epoch is None else epoch
+        if self.spec.check_finite:
+            refuse_non_finite(self.host)  # outside the model lock: generations go on meanwhile
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.model_lock.acquire(timeout=_LOCK_POLL_S):
             if self.abort_epoch != epoch:
@@ -204,14 +216,19 @@ class Worker:
             engine.abort_transfer()
 
     # -- serve lane ---------------------------------------------------------------------
-    def op_generate(self, request: dict[str, Any], epoch: int) -> dict[str, Any]:
+    def op_generate(self, request: dict[str, Any], epoch: int, call_id: int) -> dict[str, Any]:
         def cancelled() -> bool:
-            return self.cancel_epoch != epoch
+            return self.cancel_epoch != epoch or self.calls.cancelled(call_id)
 
-        with self.model_lock:
-            if cancelled():
-                raise GenerationAborted("request aborted by /pause?mode=abort before it started")
-            return self.generator.complete(request, cancelled)
+        try:
+            with self.model_lock:
+                if self.cancel_epoch != epoch:
+                    raise GenerationAborted("request aborted by /pause?mode=abort before it started")
+                if cancelled():
+                    raise GenerationAborted("request dropped before it started: the API stopped waiting for it")
+                return self.generator.complete(request, cancelled)
+        finally:
+            self.calls.ended(call_id)
 
     def op_checksum(self) -> dict[str, str]:
         with self.model_lock:
@@ -235,10 +252,12 @@ class Loop:
         self.control = cf.ThreadPoolExecutor(1, thread_name_prefix="weightwire-control")
         self.serve = cf.ThreadPoolExecutor(1, thread_name_prefix="weightwire-serve")
 
-    def reply(self, msg: dict[str, Any]) -> None:
-        data = (json.dumps(msg, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    def reply(self, msg: dict[str, Any], op: str | None = None) -> None:
+        encoded = encode_reply(msg, self.worker.spec.max_reply_bytes, op=op)
+        if encoded.problem is not None:
+            log.error("the reply to call %s was replaced by an error: %s", msg.get("id"), encoded.problem)
         with self.write_lock:
-            self.out.write(data)
+            self.out.write(encoded.data)
             self.out.flush()
 
     def run_op(self, msg_id: int | None, op: str, fn: Any, kwargs: dict[str, Any]) -> None:
@@ -253,9 +272,9 @@ class Loop:
                     self.worker._teardown()  # a failed weight op ends the session on this replica
                 except Exception:
                     log.exception("teardown after a failed %s failed", op)
-            self.reply({"id": msg_id, "ok": False, "kind": kind, "error": f"{type(exc).__name__}: {exc}"})
+            self.reply({"id": msg_id, "ok": False, "kind": kind, "error": f"{type(exc).__name__}: {exc}"}, op)
             return
-        self.reply({"id": msg_id, "ok": True, "result": result})
+        self.reply({"id": msg_id, "ok": True, "result": result}, op)
 
     def dispatch(self, msg: dict[str, Any]) -> None:
         msg_id, op, args = msg.get("id"), msg.get("op"), msg.get("args") or {}
@@ -264,6 +283,9 @@ class Loop:
             self.reply({"id": msg_id, "ok": True, "result": w.describe()})
         elif op == "cancel":
             w.cancel_epoch += 1
+            self.reply({"id": msg_id, "ok": True, "result": None})
+        elif op == "cancel_call":
+            w.calls.cancel(args.get("target"))  # the generation stops at its next step (or never starts)
             self.reply({"id": msg_id, "ok": True, "result": None})
         elif op == "abort":
             w.abort_epoch += 1  # first: a finish waiting for the model lock must not commit now
@@ -277,7 +299,9 @@ class Loop:
             self.control.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
         elif op == "generate":
             # The epoch is read now, on arrival: a /pause?mode=abort also drops queued requests.
-            self.serve.submit(self.run_op, msg_id, op, w.op_generate, {**args, "epoch": w.cancel_epoch})
+            w.calls.arrived(msg_id)  # type: ignore[arg-type]
+            self.serve.submit(self.run_op, msg_id, op, w.op_generate,
+                              {**args, "epoch": w.cancel_epoch, "call_id": msg_id})
         elif op in _SERVE_OPS:
             self.serve.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
         else:

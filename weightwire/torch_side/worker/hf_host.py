@@ -114,6 +114,13 @@ class HFModelHost:
             self.rounds_committed += 1
             return len(stage)
 
+    def non_finite_staged(self) -> list[str]:
+        """Names of the staged floating-point tensors holding a NaN or an infinity."""
+        with self._lock:
+            stage = dict(self._stage or {})
+        return [name for name, t in stage.items()
+                if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())]
+
     def abort_round(self) -> None:
         """Drop the staged tensors; the parameters are untouched. Safe without a round."""
         with self._lock:

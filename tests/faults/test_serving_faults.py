@@ -1,0 +1,151 @@
+"""Completions that used to take a replica down or hold it: an over-big reply, a generation
+nobody waits for any more, weights that are not finite.
+
+One server of its own, ``capped`` (``--generate-timeout 4``, ``--max-reply-bytes`` 50 MB,
+``--check-finite``), and the suite's shared server (the default generate timeout). A
+"long" request below is 64 prompts x n=64 x 250 tokens: minutes of decoding on this
+model, far beyond every client timeout used here, so a request that is answered proves
+the long one stopped computing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.faults.harness import (
+    AUTH,
+    Probe,
+    TensorSource,
+    assert_weights,
+    elapsed,
+    engine_for,
+    fresh_round,
+    observe,
+    quiet_shutdown,
+)
+from tests.faults.servers import Server, launch
+from weightwire.control import WeightSyncError
+
+pytestmark = pytest.mark.timeout(240)
+GENERATE_TIMEOUT_S = 4
+MAX_REPLY_BYTES = 50_000_000
+LONG = {"prompt": [[5]] * 64, "n": 64, "max_tokens": 250, "ignore_eos": True}
+ONE_TOKEN = {"prompt": "The trainer sends", "max_tokens": 1, "temperature": 0}
+FOLLOW_UP_TIMEOUT_S = 60.0
+"""The follow-up request's client bound: an uncancelled long request holds the lane for minutes."""
+
+
+@pytest.fixture(scope="module")
+def capped(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = launch(fault_model, tmp_path_factory.mktemp("serving-capped") / "server.log",
+               "--generate-timeout", str(GENERATE_TIMEOUT_S), "--max-reply-bytes", str(MAX_REPLY_BYTES),
+               "--check-finite")
+    yield s
+    s.stop()
+
+
+def _http(server: Server, timeout: float = FOLLOW_UP_TIMEOUT_S) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers=AUTH, timeout=timeout)
+
+
+def _served_after(server: Server) -> httpx.Response:
+    """A one-token completion on a fresh connection; the replica must be live and free."""
+    with _http(server) as http:
+        assert http.get("/health").status_code == 200, http.get("/health").text
+        return http.post("/v1/completions", json=ONE_TOKEN)
+
+
+def test_a_reply_over_the_limit_is_refused_before_it_runs(capped: Server) -> None:
+    """A completion whose reply could exceed the worker-to-API line limit (24 prompts, n=64, 255 tokens, 20
+    logprobs, token ids)."""
+    body = {"prompt": [[5]] * 24, "n": 64, "max_tokens": 255, "logprobs": 20, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, "ignore_eos": True}
+    with _http(capped) as http, elapsed() as t:
+        resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    for field in ("24 prompt(s)", "n=64", "max_tokens=255", "logprobs=20", f"limit of {MAX_REPLY_BYTES} bytes",
+                  "--max-reply-bytes"):
+        assert field in message, message
+    after = _served_after(capped)
+    assert after.status_code == 200, after.text
+    observe(server=message, server_s=t[0])
+
+
+def test_a_generation_past_the_generate_timeout_stops(capped: Server, source: TensorSource) -> None:
+    """A long completion runs past `--generate-timeout`, then a one-token completion and a trainer's round
+    follow."""
+    probe = Probe(capped.url)
+    with _http(capped) as http, elapsed() as t:
+        resp = http.post("/v1/completions", json=LONG)
+    assert resp.status_code == 504, resp.text
+    after = _served_after(capped)
+    assert after.status_code == 200, after.text
+    with elapsed() as t_round:
+        want = fresh_round(capped.url, source, probe, 401, "gen-timeout-1")  # its finish needs the model lock
+    probe.close()
+    observe(server=resp.json()["error"]["message"], server_s=t[0], round_after_s=t_round[0], weights=len(want))
+
+
+def test_non_finite_weights_fail_a_completion_at_once(shared_server: Server, source: TensorSource) -> None:
+    """A round pushes NaN into one weight (no `--check-finite`); then completions with and without logprobs."""
+    server = shared_server
+    probe = Probe(server.url)
+    poisoned = TensorSource(source.tensors)
+    poisoned.tensors["model.norm.weight"] = torch.full_like(source.tensors["model.norm.weight"], float("nan"))
+    engine = engine_for(server.url, poisoned)
+    try:
+        engine.send_weights("nan-1")
+    finally:
+        engine.shutdown()
+    with _http(server) as http, elapsed() as t:
+        resp = http.post("/v1/completions", json={**ONE_TOKEN, "max_tokens": 4, "logprobs": 5})
+        greedy = http.post("/v1/completions", json={**ONE_TOKEN, "max_tokens": 4})
+    for r in (resp, greedy):
+        assert r.status_code == 500, r.text
+        assert "logits are not finite" in r.json()["error"]["message"], r.text
+        assert "--check-finite" in r.json()["error"]["message"]
+    assert probe.http.get("/health").status_code == 200
+    fresh_round(server.url, source, probe, 402, "finite-again")
+    assert probe.greedy()["logprobs"]  # served again
+    probe.close()
+    observe(server=resp.json()["error"]["message"], server_s=t[0])
+
+
+def test_a_generation_whose_client_disconnected_stops(shared_server: Server) -> None:
+    """A long completion's client gives up after 2 s (default generate timeout: 600 s); a one-token completion
+    follows."""
+    with _http(shared_server, timeout=2.0) as impatient, pytest.raises(httpx.ReadTimeout):
+        impatient.post("/v1/completions", json=LONG)
+    with elapsed() as t:
+        after = _served_after(shared_server)
+    assert after.status_code == 200, after.text
+    observe(follow_up=after.status_code, follow_up_s=t[0])
+
+
+def test_check_finite_refuses_a_round_with_nan(capped: Server, source: TensorSource) -> None:
+    """With `--check-finite`, a round whose tensors hold NaN / inf arrives."""
+    probe = Probe(capped.url)
+    want = fresh_round(capped.url, source, probe, 403, "finite-1")
+    poisoned = TensorSource(source.tensors)
+    bad = poisoned.tensors["model.layers.1.mlp.up_proj.weight"].clone()
+    bad[0, 0] = float("inf")
+    poisoned.tensors["model.layers.1.mlp.up_proj.weight"] = bad
+    engine = engine_for(capped.url, poisoned)
+    try:
+        with elapsed() as t, pytest.raises(WeightSyncError) as info:
+            engine.send_weights("nan-round")
+    finally:
+        quiet_shutdown(engine)
+    assert info.value.status == 400, info.value
+    assert "'model.layers.1.mlp.up_proj.weight'" in str(info.value) and "NaN or infinite" in str(info.value)
+    assert "nothing was committed" in str(info.value)
+    assert_weights(probe, want, "finite-1")
+    fresh_round(capped.url, source, probe, 404, "finite-2")
+    probe.close()
+    observe(trainer=info.value, trainer_s=t[0])
