@@ -35,6 +35,8 @@ defined outside this module)::
         FanOutError                          [weightwire.torch_side.server.replicas]
         GenerationAborted                    [weightwire.torch_side.server.worker_proc]
         CommitAborted                        [weightwire.torch_side.server.worker_proc]
+        WeightsUnavailable                   [weightwire.torch_side.server.sleep]
+        SleepCancelled                       [weightwire.torch_side.server.sleep]
         CompletionRequestError (ValueError)  [weightwire.torch_side.server.completions]
       CommandError                           [weightwire._cli]
       RolloutError (RuntimeError)            [weightwire.demo.rollout]

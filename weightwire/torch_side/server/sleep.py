@@ -133,9 +133,9 @@ class WorkerSleep:
         return {"level": self.sleeper.level, "discarded": len(self.missing), **extra}
 
     def sleep(self, level: int, epoch: int, timeout_s: float | None = None) -> dict[str, Any]:
+        bound = "" if timeout_s is None else f" for {timeout_s:g} s"
         acquire_within(self.lock, timeout_s, lambda: self.epoch != epoch,
-                       busy=f"the model stayed busy (a generation held it) for {timeout_s:g} s, so this replica "
-                            "did not sleep",
+                       busy=f"the model stayed busy (a generation held it){bound}, so this replica did not sleep",
                        on_cancel="the sleep was cancelled while it waited for the model; this replica did not sleep")
         try:
             was = self.sleeper.level

@@ -52,7 +52,11 @@ def install_sleep_routes(app: FastAPI, state: ServerState) -> None:
             await gate.drain(opts.generate_timeout_s)
         if not level:
             return []
-        return await fan_out("sleep", {"level": level, "timeout_s": opts.op_timeout_s})
+        try:
+            return await pool.fan_out("sleep", {"level": level, "timeout_s": opts.op_timeout_s},
+                                      timeout=opts.op_timeout_s + _VERDICT_GRACE_S)
+        except FanOutError as exc:
+            raise ApiError(exc.status, str(exc)) from None
 
     async def undo(level: int, held: str | None) -> str:
         """After a failed sleep: no sleep may still run, every worker awake, the hold as before."""

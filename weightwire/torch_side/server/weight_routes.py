@@ -259,8 +259,8 @@ def _arm_lease(state: ServerState) -> None:
         async with session.operation("round lease"):
             reason = (f"round lease expired: the trainer sent no weight call for {seconds:g} s during its round; "
                       f"the round was aborted and weight_version {session.weight_version!r} is still served")
-            session.failed(reason)  # logs the round's end
             await pool.abort_all()
+            session.failed(reason)  # logs the round's end; after the await: state and busy change together
 
     state.lease.arm(seconds, expire)
 
