@@ -60,15 +60,16 @@ def would_dial(payload: Any) -> bool:
 
 def hit(srv: FuzzServer, route: Route, *, body: bytes | None = None, params: Any = None,
         headers: dict[str, Any] | None = None, app: str = "open") -> Any:
-    """Send one fuzz payload to ``route``; undo a successful pause so later cases are not 503'd."""
+    """Send one fuzz payload to ``route``; undo a successful pause or sleep so later cases are
+    not 503'd (while asleep, ``/resume`` itself is a designed 503 naming ``/wake_up``)."""
     hdrs = {"content-type": "application/json", **(headers or {})} if body is not None else headers
     before = len(srv.errors)
     resp = srv.send(route.name, route.method, route.path, content=body, params=params, headers=hdrs, app=app)
     # Raised here (not only at the end) so that hypothesis shrinks to the smallest failing payload.
     assert len(srv.errors) == before, srv.errors[-1]
-    if resp is not None and route.name == "pause" and resp.status_code == 200:
-        srv.request("POST", ROUTES["resume"].path, app=app,
-                    headers={"Authorization": f"Bearer {API_KEY}"} if app == "keyed" else None)
+    if resp is not None and route.name in ("pause", "sleep") and resp.status_code == 200:
+        undo = ROUTES["resume" if route.name == "pause" else "wake_up"]
+        srv.request("POST", undo.path, app=app, headers={"Authorization": f"Bearer {API_KEY}"} if app == "keyed" else None)
     return resp
 
 

@@ -1,4 +1,4 @@
-"""A worker's finish never commits once the API gave up on it.
+"""A worker's finish never commits, and its sleep never sleeps, once the API gave up on it.
 
 Drives the worker process's real request loop (``worker_proc.Loop``: lanes, out-of-band
 abort, replies) with the model lock held as a long generation would hold it. The
@@ -12,8 +12,10 @@ import threading
 from typing import Any
 
 import pytest
+import torch
 
 from weightwire.torch_side.server.replicas import WorkerSpec
+from weightwire.torch_side.server.sleep import WorkerSleep
 from weightwire.torch_side.server.worker_proc import Loop, Worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,6 +37,8 @@ class RecordingEngine:
 
 
 class Host:
+    last_committed = frozenset({"weight"})
+
     def abort_round(self) -> None:
         pass
 
@@ -70,6 +74,9 @@ def make_loop() -> tuple[Loop, Worker, RecordingEngine, Replies]:
     worker.host = Host()
     worker.cancel_epoch = 0
     worker.abort_epoch = 0
+    worker.model = torch.nn.Linear(4, 2)
+    worker.sleep = WorkerSleep(worker.model, torch.device("cpu"), worker.model_lock,
+                               lambda: [n for n, _ in worker.model.named_parameters()])
     out = Replies()
     return Loop(worker, out), worker, engine, out  # type: ignore[arg-type]
 
@@ -114,5 +121,47 @@ def test_abort_cancels_a_finish_waiting_for_the_model() -> None:
 def test_finish_commits_when_the_model_is_free() -> None:
     loop, _, engine, out = make_loop()
     loop.dispatch({"id": 1, "op": "finish", "args": {"timeout_s": 5}})
-    assert out.wait(1) == {"id": 1, "ok": True, "result": None}
+    assert out.wait(1) == {"id": 1, "ok": True, "result": {"level": 0, "discarded": 0}}
     assert engine.commits == 1
+
+
+def test_sleep_that_cannot_take_the_model_in_time_never_sleeps() -> None:
+    loop, worker, _, out = make_loop()
+    worker.model_lock.acquire()  # a long generation is running
+    try:
+        loop.dispatch({"id": 1, "op": "sleep", "args": {"level": 2, "timeout_s": 0.2}})
+        reply = out.wait(1)
+    finally:
+        worker.model_lock.release()
+    settle(loop)
+    assert reply["ok"] is False and reply["kind"] == "timeout" and "did not sleep" in reply["error"], reply
+    assert worker.sleep.sleeper.level == 0 and worker.model.weight.shape == (2, 4)
+
+
+def test_cancel_sleep_cancels_a_sleep_waiting_for_the_model() -> None:
+    """The API's backstop: a sleep still waiting for the lock never runs after cancel_sleep."""
+    loop, worker, _, out = make_loop()
+    worker.model_lock.acquire()
+    try:
+        loop.dispatch({"id": 1, "op": "sleep", "args": {"level": 2}})
+        loop.dispatch({"id": 2, "op": "cancel_sleep", "args": {}})
+        reply = out.wait(1)
+    finally:
+        worker.model_lock.release()
+    settle(loop)
+    assert reply["ok"] is False and "cancelled" in reply["error"], reply
+    assert worker.sleep.sleeper.level == 0 and worker.model.weight.shape == (2, 4)
+
+
+def test_level_2_weights_must_all_be_sent_again_before_serving() -> None:
+    loop, worker, _, out = make_loop()
+    loop.dispatch({"id": 1, "op": "sleep", "args": {"level": 2, "timeout_s": 5}})
+    assert out.wait(1)["result"] == {"level": 2, "discarded": 2, "freed_bytes": 0}
+    loop.dispatch({"id": 2, "op": "wake", "args": {}})
+    assert out.wait(2)["result"] == {"level": 0, "discarded": 2, "awake": True}
+    with pytest.raises(Exception, match=r"discarded by /sleep\?level=2 and 2 of them"):
+        worker.sleep.check_serving()
+    loop.dispatch({"id": 3, "op": "finish", "args": {"timeout_s": 5}})  # the round wrote "weight" only
+    assert out.wait(3)["result"] == {"level": 0, "discarded": 1}
+    with pytest.raises(Exception, match="'bias'"):
+        worker.sleep.check_serving()

@@ -37,6 +37,8 @@ defined outside this module)::
         CommitAborted                        [weightwire.torch_side.server.worker_proc]
         NonFiniteRound (ValueError)          [weightwire.torch_side.server.guards]
         NonFiniteOutput                      [weightwire.torch_side.server.generate]
+        WeightsUnavailable                   [weightwire.torch_side.server.sleep]
+        SleepCancelled                       [weightwire.torch_side.server.sleep]
         CompletionRequestError (ValueError)  [weightwire.torch_side.server.completions]
       CommandError                           [weightwire._cli]
       RolloutError (RuntimeError)            [weightwire.demo.rollout]

@@ -57,6 +57,10 @@ def _pause_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(ROUTES["resume"].path)
     async def resume(request: Request) -> dict[str, Any]:
         await read_no_body(request)
+        if state.sleep.level is not None:
+            # Resuming would run requests against offloaded or discarded weights.
+            raise ApiError(503, f"the server is asleep (/sleep level {state.sleep.level}): POST /wake_up to wake "
+                                "it (that resumes generation); /resume lifts only a /pause")
         gate.resume()
         return {"status": "resumed"}
 

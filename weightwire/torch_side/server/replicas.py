@@ -49,6 +49,7 @@ _REPLY_ID = re.compile(rb'^\{"id":(\d+),')
 KIND_STATUS = {
     "invalid": 400, "conflict": 409, "transfer": 502, "timeout": 504, "internal": 500, "dead": 503, "aborted": 503,
     "model": 500,
+    "unavailable": 503,
 }
 """HTTP status for each failure kind a worker (or the pool) reports."""
 

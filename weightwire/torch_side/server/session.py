@@ -23,19 +23,30 @@ init reply); a client that sends it back in the ``X-Weightwire-Session`` header 
 start / update / finish / shutdown is refused with 409 once a newer init replaced its
 session, so a displaced trainer can neither block serving with a round nobody sends
 bytes for nor shut down the trainer that replaced it. Requests without the header
-(stock vLLM clients) keep vLLM's last-init-wins semantics.
+(stock vLLM clients) keep vLLM's last-init-wins semantics between rounds. An init
+while a round is open is refused unless the round is stale (its trainer closed the
+data link, or the worker's lease ran out); a stale round is dropped and counted in
+``rounds_failed``.
+
+Every round's outcome is logged at INFO or WARNING (``RoundRecord``): the session's
+serial number (never its id, which is an ownership token), the version, tensors,
+bytes, seconds and what ended it.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightwire.shared.errors import ReferenceServerError
+
+log = logging.getLogger(__name__)
 
 
 class SessionError(ReferenceServerError):
@@ -53,6 +64,28 @@ class Phase(enum.Enum):
     ROUND = "round_active"
 
 
+@dataclass
+class RoundRecord:
+    """One round's numbers, for its log line."""
+
+    session: int
+    round: int
+    started: float = field(default_factory=time.monotonic)
+    tensors: int = 0
+    nbytes: int = 0
+
+    def add(self, replies: Any) -> None:
+        """Count one update from the workers' replies (every replica receives the same tensors: the first's)."""
+        first = replies[0] if isinstance(replies, list) and replies else None
+        if isinstance(first, dict):
+            self.tensors += int(first.get("tensors") or 0)
+            self.nbytes += int(first.get("nbytes") or 0)
+
+    def log(self, outcome: str, *, level: int = logging.INFO) -> None:
+        log.log(level, "round %d of session #%d %s (%d tensors, %.1f MB, %.2f s)", self.round, self.session,
+                outcome, self.tensors, self.nbytes / 1e6, time.monotonic() - self.started)
+
+
 _NEED_INIT = "weight transfer engine is not initialized: POST /init_weight_transfer_engine first"
 
 
@@ -61,7 +94,8 @@ class Session:
     """State of the one trainer session a server accepts at a time."""
 
     phase: Phase = Phase.NO_ENGINE
-    weight_version: str = "default"
+    weight_version: str | None = "default"
+    """None once ``/sleep?level=2`` discarded the weights, until a round names a version."""
     init_info: Any = None
     """The parsed init info of the live engine (``TCPInitInfo`` / ``NCCLInitInfo``)."""
     updates_in_round: int = 0
@@ -73,6 +107,9 @@ class Session:
     """Minted by every successful init; the owner of the live engine."""
     round_id: int = 0
     """Bumped by every start: a round lease only ever aborts the round it was armed for."""
+    serial: int = 0
+    """Bumped by every successful init: names the session in logs and messages (the id is a token)."""
+    record: RoundRecord | None = None
 
     # -- ownership ----------------------------------------------------------------------
     def check_owner(self, claimed: str | None, route: str, *, idempotent: bool = False) -> None:
@@ -112,6 +149,17 @@ class Session:
         if self.phase is not Phase.ROUND:
             raise SessionError(409, "no weight update is active: POST /start_weight_update before /finish_weight_update")
 
+    def active_round(self) -> str:
+        """'round N of session #K (started X s ago)': names the open round in refusals."""
+        idle = f" (started {time.monotonic() - self.record.started:.1f} s ago)" if self.record else ""
+        return f"round {self.round_id} of session #{self.serial}{idle}"
+
+    def check_no_round(self, route: str) -> None:
+        """Refuse (409) ``route`` while a round is open: it would change what the round commits into."""
+        if self.phase is Phase.ROUND:
+            raise SessionError(409, f"{route} refused: {self.active_round()} is active; finish it "
+                                    "(POST /finish_weight_update) or let it fail first")
+
     def check_shutdown(self) -> None:
         if self.phase is Phase.ROUND:
             raise SessionError(
@@ -123,24 +171,38 @@ class Session:
         """A new engine is live; returns the new session's id."""
         self.phase, self.init_info, self.updates_in_round, self.last_error = Phase.READY, init_info, 0, None
         self.session_id = secrets.token_urlsafe(12)
+        self.serial += 1
+        log.info("session #%d initialized", self.serial)
         return self.session_id
 
     def started(self) -> None:
         self.phase, self.updates_in_round = Phase.ROUND, 0
         self.round_id += 1
+        self.record = RoundRecord(self.serial, self.round_id)
 
-    def updated(self) -> None:
+    def updated(self, replies: Any = None) -> None:
         self.updates_in_round += 1
+        if self.record is not None:
+            self.record.add(replies)
 
     def committed(self, weight_version: str | None) -> None:
         self.phase, self.updates_in_round = Phase.READY, 0
         self.rounds_committed += 1
         if weight_version is not None:
             self.weight_version = weight_version
+        self._end_round(f"committed: weight_version {self.weight_version!r}")
 
     def closed_empty(self) -> None:
         """A finish with no update in the round: the round ends, nothing was committed."""
         self.phase, self.updates_in_round = Phase.READY, 0
+        self._end_round(f"closed empty (no update): weight_version stays {self.weight_version!r}")
+
+    def dropped(self, reason: str) -> None:
+        """A newer init drops the open, stale round (counted as failed); the init then replaces the session."""
+        self.phase, self.updates_in_round = Phase.READY, 0
+        self.rounds_failed += 1
+        self.last_error = f"round dropped by a newer init: {reason}"
+        self._end_round(f"dropped by a newer init ({reason}): nothing committed", level=logging.WARNING)
 
     def shut_down(self) -> None:
         self.phase, self.init_info, self.updates_in_round, self.session_id = Phase.NO_ENGINE, None, 0, None
@@ -149,8 +211,14 @@ class Session:
         """Any failed weight operation: the engine is gone, the weights and version stay."""
         if self.phase is Phase.ROUND:
             self.rounds_failed += 1
+            self._end_round(f"failed, nothing committed: {reason}", level=logging.WARNING)
         self.phase, self.init_info, self.updates_in_round, self.last_error = Phase.NO_ENGINE, None, 0, reason
         self.session_id = None
+
+    def _end_round(self, outcome: str, *, level: int = logging.INFO) -> None:
+        record, self.record = self.record, None
+        if record is not None:
+            record.log(outcome, level=level)
 
     # -- mutual exclusion --------------------------------------------------------------
     @asynccontextmanager

@@ -8,6 +8,13 @@ trainer uses the GPU, the inference side gives its memory back.
 - level 2: weights are discarded (buffers are kept on the host); ``/wake_up``
   re-allocates them zeroed, so the next weight sync must send a full round before
   the server generates again (what vLLM's level 2 expects of an RL trainer too).
+  Until every discarded tensor was sent again, generation is refused (503) instead
+  of computing with zeros (``WorkerSleep.check_serving``).
+
+A sleep waits for the model lock (a generation may hold it) at most its ``timeout_s``
+and never sleeps after a ``cancel_sleep`` that arrived while it waited: the API has
+then answered "did not sleep", and a sleep landing later would contradict it (the
+same rule as a finish that timed out).
 
 ``kv_cache`` and ``scheduling`` tags are accepted: the reference server keeps no KV
 cache between requests, and scheduling resumes once the weights are back.
@@ -15,8 +22,12 @@ cache between requests, and scheduling resumes once the weights are back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from weightwire.shared.errors import ReferenceServerError
 
 SLEEP_LEVELS = (0, 1, 2)
 WAKE_TAGS = ("weights", "kv_cache", "scheduling")
@@ -71,3 +82,91 @@ class ModelSleeper:
                 self._shapes = []
             self.level = 0
         return self.level == 0
+
+
+class WeightsUnavailable(ReferenceServerError):
+    """Generation refused: the weights are asleep, or level 2 discarded some that no round resent."""
+
+
+class SleepCancelled(ReferenceServerError):
+    """A sleep the API gave up on (``cancel_sleep``) before it could run; nothing slept."""
+
+
+_LOCK_POLL_S = 0.05
+
+
+def acquire_within(lock: threading.Lock, timeout_s: float | None, cancelled: Callable[[], bool],
+                   busy: str, on_cancel: str) -> None:
+    """Take ``lock``, polling: raise ``SleepCancelled(on_cancel)`` once ``cancelled()``, or
+    ``TimeoutError(busy)`` after ``timeout_s`` (None: no bound). Holds it on return."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not lock.acquire(timeout=_LOCK_POLL_S):
+        if cancelled():
+            raise SleepCancelled(on_cancel)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(busy)
+    if cancelled():
+        lock.release()
+        raise SleepCancelled(on_cancel)
+
+
+class WorkerSleep:
+    """A worker's sleep state: the ``ModelSleeper``, the cancel epoch, and which weights
+    level 2 discarded that no committed round has written since (``missing``).
+
+    ``sleep`` / ``wake`` / ``committed`` run on the worker's control lane (one at a
+    time); ``cancel`` on its stdin reader; ``check_serving`` on the serve lane under the
+    model lock.
+    """
+
+    def __init__(self, model: Any, device: Any, lock: threading.Lock, names: Callable[[], Iterable[str]]) -> None:
+        self.sleeper = ModelSleeper(model, device)
+        self.lock, self._names = lock, names
+        self.epoch = 0
+        """Bumped by ``cancel``: a sleep that arrived before it never runs."""
+        self.missing: set[str] = set()
+
+    def cancel(self) -> None:
+        self.epoch += 1
+
+    def reply(self, **extra: Any) -> dict[str, Any]:
+        return {"level": self.sleeper.level, "discarded": len(self.missing), **extra}
+
+    def sleep(self, level: int, epoch: int, timeout_s: float | None = None) -> dict[str, Any]:
+        bound = "" if timeout_s is None else f" for {timeout_s:g} s"
+        acquire_within(self.lock, timeout_s, lambda: self.epoch != epoch,
+                       busy=f"the model stayed busy (a generation held it){bound}, so this replica did not sleep",
+                       on_cancel="the sleep was cancelled while it waited for the model; this replica did not sleep")
+        try:
+            was = self.sleeper.level
+            freed = self.sleeper.sleep(level)
+            if level == 2 and not was:
+                self.missing = set(self._names())
+        finally:
+            self.lock.release()
+        return self.reply(freed_bytes=freed)
+
+    def wake(self, tags: Sequence[str] | None) -> dict[str, Any]:
+        if not self.sleeper.level:  # awake already: nothing to do, and no reason to wait for a generation
+            return self.reply(awake=True)
+        with self.lock:
+            awake = self.sleeper.wake(tags)
+        return self.reply(awake=awake)
+
+    def committed(self, names: Iterable[str]) -> None:
+        self.missing.difference_update(names)
+
+    def check_round(self) -> None:
+        """Refuse a round's start while the weights are offloaded or discarded (not woken)."""
+        if self.sleeper.level:
+            raise RuntimeError(f"the model's weights are asleep (/sleep level {self.sleeper.level}): POST "
+                               "/wake_up?tags=weights before starting a weight update")
+
+    def check_serving(self) -> None:
+        if self.sleeper.level:
+            raise WeightsUnavailable(f"the model is asleep (/sleep level {self.sleeper.level}); POST /wake_up first")
+        if self.missing:
+            first = sorted(self.missing)[0]
+            raise WeightsUnavailable(
+                f"the weights were discarded by /sleep?level=2 and {len(self.missing)} of them have not been sent "
+                f"since (e.g. {first!r}); send a full weight round before generating")

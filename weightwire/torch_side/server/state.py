@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from weightwire import __version__, backends
 from weightwire.torch_side.server.lease import RoundLease
@@ -38,12 +39,38 @@ class ServerOptions:
 
 
 @dataclass
+class SleepState:
+    """What ``/sleep`` did to the workers, as their replies said (``sleep_routes``)."""
+
+    level: int | None = None
+    """The level the server sleeps at; None: awake."""
+    weights_asleep: bool = False
+    """Level 1 or 2 and the weights not woken yet: a round's start is refused."""
+    discarded: dict[int, int] = field(default_factory=dict)
+    """Replica -> tensors ``/sleep?level=2`` discarded that no committed round has sent since."""
+
+    @property
+    def missing(self) -> int:
+        return max(self.discarded.values(), default=0)
+
+    def record(self, replies: list[Any]) -> None:
+        """Take the ``discarded`` counts of the workers' sleep / wake / finish replies (in replica order)."""
+        for index, reply in enumerate(replies):
+            if isinstance(reply, dict) and isinstance(reply.get("discarded"), int):
+                self.discarded[index] = reply["discarded"]
+
+    def describe(self) -> dict[str, Any]:
+        return {"is_sleeping": self.level is not None, "level": self.level, "discarded_tensors": self.missing}
+
+
+@dataclass
 class ServerState:
     pool: ReplicaPool
     options: ServerOptions
     session: Session = field(default_factory=Session)
     gate: PauseGate = field(default_factory=PauseGate)
     lease: RoundLease = field(default_factory=RoundLease)
+    sleep: SleepState = field(default_factory=SleepState)
 
     @property
     def replicas(self) -> int:

@@ -64,6 +64,8 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
         timeout = local.connect_s + local.warmup_s + 30.0
         _require_live(pool)
         async with session.operation("init_weight_transfer_engine"):
+            if session.phase is Phase.ROUND:
+                await _drop_stale_round(state)  # or refuse (409): a live round is never taken over
             lease.disarm()
             await _fan_out_or_fail(state, "init_weight_transfer_engine", "init", {"init_info": raw}, timeout=timeout, abort_on_failure=True)
             session_id = session.initialized(info)
@@ -92,6 +94,10 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         await read_no_body(request)
         _owner(state, request, "start_weight_update")
         session.check_start()
+        if state.sleep.weights_asleep:
+            raise SessionError(409, f"start_weight_update refused: the server is asleep (/sleep level "
+                                    f"{state.sleep.level}) and its weights are not loaded; POST "
+                                    "/wake_up?tags=weights before sending a round")
         async with session.operation("start_weight_update"):
             await _fan_out_or_fail(state, "start_weight_update", "start", timeout=opts.op_timeout_s, abort_on_failure=True)
             session.started()
@@ -126,7 +132,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                                            "/init_weight_transfer_engine to start again", param=exc.param) from None
             results = await _fan_out_or_fail(state, "update_weights", "update", [{"update_info": p} for p in per],
                                              timeout=opts.round_timeout_s, abort_on_failure=True)
-            session.updated()
+            session.updated(results)
             _arm_lease(state)
         return JSONResponse({"message": "Weights updated", "replicas": results})
 
@@ -140,8 +146,9 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             lease.disarm()
             # The worker itself gives up on the model lock after op_timeout (and then
             # commits nothing); our wait only has to outlast that verdict.
-            await _fan_out_or_fail(state, "finish_weight_update", "finish", {"timeout_s": opts.op_timeout_s},
-                                   timeout=opts.op_timeout_s + _VERDICT_GRACE_S, abort_on_failure=True)
+            replies = await _fan_out_or_fail(state, "finish_weight_update", "finish", {"timeout_s": opts.op_timeout_s},
+                                             timeout=opts.op_timeout_s + _VERDICT_GRACE_S, abort_on_failure=True)
+            state.sleep.record(replies)
             empty = session.updates_in_round == 0
             session.closed_empty() if empty else session.committed(version)
         if empty:
@@ -159,12 +166,23 @@ def _check_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_object(request, allowed=("new_version",), required=("new_version",))
         version = _version_field(body, "new_version", optional=False)
         assert version is not None
-        session.weight_version = version
+        # A version names the weights served: never while a round is changing them, never
+        # from a trainer whose session was replaced, never for weights sleep discarded.
+        _owner(state, request, "update_weight_version")
+        session.check_no_round("update_weight_version")
+        if state.sleep.missing:
+            raise SessionError(409, f"update_weight_version refused: /sleep?level=2 discarded the weights and "
+                                    f"{state.sleep.missing} tensor(s) have not been sent since; send a full round "
+                                    "(its finish_weight_update names the version)")
+        async with session.operation("update_weight_version"):
+            session.weight_version = version
+        log.info("weight_version set to %r by /update_weight_version", version)
         return {"success": True, "new_version": version}
 
     @app.get(_route("weight_info"))
     async def weight_info() -> dict[str, Any]:
-        return {"weight_version": session.weight_version, "session": session.describe()}
+        return {"weight_version": session.weight_version, "session": session.describe(),
+                "sleep": state.sleep.describe()}
 
     @app.post(_route("weight_checker"))
     async def weight_checker(request: Request) -> dict[str, Any]:
@@ -241,11 +259,30 @@ def _arm_lease(state: ServerState) -> None:
         async with session.operation("round lease"):
             reason = (f"round lease expired: the trainer sent no weight call for {seconds:g} s during its round; "
                       f"the round was aborted and weight_version {session.weight_version!r} is still served")
-            session.failed(reason)
-            log.warning("%s", reason)
             await pool.abort_all()
+            session.failed(reason)  # logs the round's end; after the await: state and busy change together
 
     state.lease.arm(seconds, expire)
+
+
+async def _drop_stale_round(state: ServerState) -> None:
+    """An init while a round is open: refuse (409) unless every replica's worker finds the
+    round stale (its trainer closed the data link, or no call for the worker's lease);
+    then record the round as dropped. The init that follows tears it down."""
+    session, opts = state.session, state.options
+    try:
+        reasons = await state.pool.fan_out("round_stale", timeout=opts.op_timeout_s)
+    except FanOutError as exc:
+        raise ApiError(exc.status, f"init_weight_transfer_engine: cannot tell whether the open round is "
+                                   f"stale: {exc}") from None
+    live = [i for i, r in enumerate(reasons) if not r]
+    if live:
+        raise SessionError(409, (
+            f"init_weight_transfer_engine refused: {session.active_round()} is in progress and its trainer is "
+            f"still connected (replica(s) {live}); a new trainer can init once that round finished, or once it "
+            "is gone (its data link closed, or no weight call for the round lease, after which the server "
+            "aborts the round itself)"))
+    session.dropped(str(reasons[0]))
 
 
 def _require_live(pool: ReplicaPool) -> None:

@@ -9,15 +9,15 @@ so a long receive never stalls what must stay responsive:
 - the *serve* thread runs generation, checksums and reset under ``model_lock``;
   ``finish`` takes the same lock to commit, so a request sees either the old
   weights or the new ones, never a mix (staged tensors never touch parameters);
-- the stdin reader handles ``abort`` / ``cancel`` / ``cancel_call`` / ``ping`` itself, at
-  once: ``abort`` must reach a receive that is blocked on the control thread, and a
-  ``cancel_call`` (the API stopped waiting for one generation) a decode loop that checks
-  for it between steps.
+- the stdin reader handles ``abort`` / ``cancel`` / ``cancel_call`` / ``cancel_sleep`` /
+  ``round_stale`` / ``ping`` itself, at once: ``abort`` must reach a receive that is blocked on
+  the control thread, and a ``cancel_call`` (the API stopped waiting for one generation) a
+  decode loop that checks for it between steps.
 
 A finish waits for the model lock at most its ``timeout_s`` and never commits after
 an ``abort`` that arrived while it waited: otherwise the API, having answered "timed
 out, the previous weights are served", would be contradicted by a commit that lands
-when the blocking generation ends.
+when the blocking generation ends. A sleep follows the same rule (``sleep.WorkerSleep``).
 
 The process exits when stdin reaches EOF or the parent process disappears, so
 workers never outlive a killed API server.
@@ -43,6 +43,7 @@ from weightwire.shared.errors import ReferenceServerError
 from weightwire.torch_side.server.guards import LiveCalls, refuse_non_finite
 from weightwire.torch_side.server.replicas import WorkerSpec
 from weightwire.torch_side.server.reply_size import encode_reply, max_piece_json_bytes
+from weightwire.torch_side.server.sleep import SleepCancelled, WeightsUnavailable, WorkerSleep
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,10 @@ def classify(exc: BaseException) -> str:
         return "aborted"
     if isinstance(exc, NonFiniteOutput):
         return "model"
+    if isinstance(exc, WeightsUnavailable):
+        return "unavailable"
+    if isinstance(exc, SleepCancelled):
+        return "timeout"  # only ever after the API's own wait ran out
     if isinstance(exc, CommitAborted):
         return "transfer"
     if isinstance(exc, WeightReceiveError) and exc.__cause__ is not None:
@@ -120,6 +125,7 @@ class Worker:
             model_name=os.path.basename(os.path.normpath(spec.model_dir)), max_model_len=self.max_model_len,
         )
         self.model_lock = threading.Lock()
+        self.sleep = WorkerSleep(self.model, self.device, self.model_lock, self.host.param_names)
         self.engine: Any = None
         self.cancel_epoch = 0
         self.calls = LiveCalls()
@@ -155,7 +161,9 @@ class Worker:
         return self.engine
 
     def op_start(self) -> None:
-        self._require_engine().start_weight_update()
+        engine = self._require_engine()
+        self.sleep.check_round()
+        engine.start_weight_update()
 
     def op_update(self, update_info: dict[str, Any]) -> dict[str, Any]:
         engine = self._require_engine()
@@ -164,7 +172,7 @@ class Worker:
         return {} if stats is None else {"tensors": stats.tensors, "chunks": stats.chunks,
                                          "nbytes": stats.nbytes, "seconds": stats.seconds}
 
-    def op_finish(self, epoch: int | None = None, timeout_s: float | None = None) -> None:
+    def op_finish(self, epoch: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         """Commit the staged round under the model lock (a generation may be reading the
         parameters). Raises ``TimeoutError`` if the lock is not free within ``timeout_s``
         and ``CommitAborted`` if an abort arrived since the request did; either way
@@ -184,24 +192,24 @@ class Worker:
             if self.abort_epoch != epoch:
                 raise CommitAborted("the round was aborted before finish could commit; nothing was committed")
             engine.finish_weight_update()
+            self.sleep.committed(self.host.last_committed)
         finally:
             self.model_lock.release()
+        return self.sleep.reply()
 
     def op_shutdown(self) -> None:
         self._teardown()
 
-    def op_sleep(self, level: int) -> dict[str, Any]:
-        from weightwire.torch_side.server.sleep import ModelSleeper
-
-        with self.model_lock:  # never under a generation or a commit
-            if getattr(self, "sleeper", None) is None:
-                self.sleeper = ModelSleeper(self.model, self.device)
-            return {"freed_bytes": self.sleeper.sleep(level), "level": self.sleeper.level}
+    def op_sleep(self, level: int, epoch: int, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.sleep.sleep(level, epoch, timeout_s)  # under the model lock: never under a generation
 
     def op_wake(self, tags: list[str] | None = None) -> dict[str, Any]:
-        sleeper = getattr(self, "sleeper", None)
-        with self.model_lock:
-            return {"awake": True if sleeper is None else sleeper.wake(tags)}
+        return self.sleep.wake(tags)
+
+    def round_stale(self) -> str | None:
+        """Why a new init may replace the open round (its trainer's data link closed, ...), or None."""
+        engine = self.engine
+        return "this replica has no transfer engine" if engine is None else engine.stale_round()
 
     def _teardown(self) -> None:
         engine, self.engine = self.engine, None
@@ -226,6 +234,7 @@ class Worker:
                     raise GenerationAborted("request aborted by /pause?mode=abort before it started")
                 if cancelled():
                     raise GenerationAborted("request dropped before it started: the API stopped waiting for it")
+                self.sleep.check_serving()
                 return self.generator.complete(request, cancelled)
         finally:
             self.calls.ended(call_id)
@@ -287,6 +296,11 @@ class Loop:
         elif op == "cancel_call":
             w.calls.cancel(args.get("target"))  # the generation stops at its next step (or never starts)
             self.reply({"id": msg_id, "ok": True, "result": None})
+        elif op == "cancel_sleep":
+            w.sleep.cancel()  # a sleep still waiting for the model never runs now
+            self.reply({"id": msg_id, "ok": True, "result": None})
+        elif op == "round_stale":
+            self.run_op(msg_id, op, w.round_stale, {})  # a non-blocking poll of the data link
         elif op == "abort":
             w.abort_epoch += 1  # first: a finish waiting for the model lock must not commit now
             w.abort_link()
@@ -295,6 +309,9 @@ class Loop:
         elif op == "finish":
             # The abort epoch is read on arrival: an abort sent after this finish cancels it.
             self.control.submit(self.run_op, msg_id, op, w.op_finish, {**args, "epoch": w.abort_epoch})
+        elif op == "sleep":
+            # Same rule as finish: a cancel_sleep sent after this sleep cancels it.
+            self.control.submit(self.run_op, msg_id, op, w.op_sleep, {**args, "epoch": w.sleep.epoch})
         elif op in _CONTROL_OPS:
             self.control.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
         elif op == "generate":

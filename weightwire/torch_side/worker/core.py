@@ -330,6 +330,12 @@ class _ReceiverCore:
         self._active = False
         log.error("%s: round failed %s: %s: %s", self.backend, where, type(exc).__name__, exc)
 
+    def stale_reason(self) -> str | None:
+        """Why a new init may replace this session's round (see ``init``): no round open,
+        or its trainer is gone; None while the round's trainer may still act. Only valid
+        between weight calls."""
+        return self._stale_reason() if self._active else "no round is open on this worker"
+
     def _stale_reason(self) -> str | None:
         """Why the open round's trainer counts as gone, or None while it may still act."""
         link = self._link

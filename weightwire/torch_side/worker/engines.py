@@ -73,6 +73,11 @@ class EngineFacade:
         through its normal path (hooks aborted, weights kept)."""
         self._core.abort_link()
 
+    def stale_round(self) -> str | None:
+        """Why a new init may replace the session's round (none open, its link closed, or
+        idle past the lease), or None; only meaningful while no weight call runs."""
+        return self._core.stale_reason()
+
     @property
     def last_stats(self) -> ReceiveStats | None:
         """Tensors, chunks, bytes and seconds of the last ``update_weights``."""

@@ -48,6 +48,8 @@ class HFModelHost:
         self._stage: dict[str, torch.Tensor] | None = None
         self._lock = threading.Lock()
         self.rounds_committed = 0
+        self.last_committed: frozenset[str] = frozenset()
+        """Canonical names the last committed round wrote."""
 
     # ------------------------------------------------------------------ round
     @property
@@ -59,6 +61,7 @@ class HFModelHost:
             if self._stage is not None:
                 raise RuntimeError("HFModelHost: begin_round while a round is open; commit or abort it first")
             self._stage = {}
+            self.last_committed = frozenset()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Validate and stage ``(name, tensor)`` pairs; returns the canonical names staged.
@@ -112,6 +115,7 @@ class HFModelHost:
                 if self._tied:
                     self._retie()
             self.rounds_committed += 1
+            self.last_committed = frozenset(stage)
             return len(stage)
 
     def non_finite_staged(self) -> list[str]:
