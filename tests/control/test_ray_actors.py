@@ -14,6 +14,8 @@ Skipped where ray is not installed (``pip install 'weightwire[ray]'``).
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,13 +42,19 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    # Two CPUs, no dashboard, the smallest object store Ray accepts: a CI-sized local cluster.
+    """A CI-sized local cluster: two CPUs, no dashboard, the smallest object store Ray
+    accepts. ``ray.init`` sets environment variables and a SIGTERM handler in this
+    process; both are put back after ``ray.shutdown`` (which stops every Ray process)."""
+    env, on_sigterm = dict(os.environ), signal.getsignal(signal.SIGTERM)
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False,
              namespace="weightwire-tests")
     try:
         yield
     finally:
         ray.shutdown()
+        os.environ.clear()
+        os.environ.update(env)
+        signal.signal(signal.SIGTERM, on_sigterm)
 
 
 @pytest.fixture(scope="module")

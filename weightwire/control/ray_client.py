@@ -122,6 +122,7 @@ class RayWeightSyncClient:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
                 late = ", ".join(self._name(refs.index(r)) for r in pending)
+                self._settle_later(ray, method, refs, pending)
                 raise WeightSyncError(method, None, f"no answer within {self.timeout:g} s (the call may still run "
                                       "there: Ray cannot withdraw it)", late)
             index = refs.index(done[0])
@@ -140,18 +141,30 @@ class RayWeightSyncClient:
         """One error for a failed fan-out: an actor's death when one died within the grace
         (the others' failures follow from it), else the first failure; the rest as notes."""
         if pending and not any(_died(ray, e) for e in failed.values()):
-            done, _ = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S)
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S)
             for ref in done:
                 try:
                     ray.get(ref, timeout=0)
                 except Exception as exc:
                     failed[refs.index(ref)] = exc
+        self._settle_later(ray, method, refs, pending)
         index = next((i for i, e in failed.items() if _died(ray, e)), next(iter(failed)))
         error = WeightSyncError(method, None, _describe(ray, failed[index]), self._name(index))
-        for other, exc in failed.items():
+        for other, also in failed.items():
             if other != index:
-                error.add_note(f"{self._name(other)} also failed: {_describe(ray, exc)}")
+                error.add_note(f"{self._name(other)} also failed: {_describe(ray, also)}")
         return error
+
+    def _settle_later(self, ray: Any, method: str, refs: list[Any], pending: list[Any]) -> None:
+        """Calls left running when this call gave up: their outcome is logged in one line
+        when it arrives (unread, Ray would print each failure's remote traceback)."""
+        for ref in pending:
+            def settled(future: Any, index: int = refs.index(ref)) -> None:
+                exc = future.exception()
+                if exc is not None:
+                    logger.info("%s on %s, after the call gave up: %s", method, self._name(index), _describe(ray, exc))
+
+            ref.future().add_done_callback(settled)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """One dict is shifted per actor by the preceding actors' world sizes (``rank_offset``)."""
