@@ -6,9 +6,9 @@ fan out to every handle and block until all of them answered, ``timeout`` second
 at most for the whole call. A failure is raised as one ``WeightSyncError`` naming
 the route and the actor (its index and Ray handle): the actor's own exception text
 (never Ray's remote traceback), or Ray's reason for an actor that is gone
-(``ActorDiedError: The actor died unexpectedly ...``). When
-several actors fail together, an actor's death is reported first: it is the cause,
-the others' errors (their data link closed) are its consequence.
+(``ActorDiedError: The actor died unexpectedly ...``). When several actors fail
+together, an actor's death is reported first: it is the cause, the others' errors
+(their data link closed) are its consequence.
 
 Ray cannot withdraw a call a synchronous actor has queued or is running
 (``ray.cancel`` reports it cancelled and it still runs), so after a timeout the call
