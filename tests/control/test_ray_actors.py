@@ -59,7 +59,7 @@ def cluster() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def replicas(cluster: None, model_dir: str) -> list[Any]:
-    """Two replica actors; the kill test (last in this file) replaces the second."""
+    """Two replica actors; the kill tests (last in this file) replace the second."""
     actors = [new_replica(model_dir) for _ in range(2)]
     ray.get([a.get_weight_version.remote() for a in actors], timeout=120)  # both constructed
     return actors
@@ -172,16 +172,18 @@ class KillMidRound(WeightSource):
             yield pair
 
 
-def test_actor_killed_mid_round_then_replaced(replicas: list[Any], model_dir: str) -> None:
-    from weightwire import TorchTrainerEngine
+@pytest.mark.parametrize("make_trainer", [jax_trainer, torch_trainer], ids=["jax", "torch"])
+def test_actor_killed_mid_round_then_replaced(replicas: list[Any], model_dir: str, make_trainer: Any) -> None:
+    from weightwire import JAXTrainerEngine, TorchTrainerEngine
 
-    inner, step, digests = torch_trainer(model_dir)
+    inner, step, digests = make_trainer(model_dir)
+    engine_cls = JAXTrainerEngine if make_trainer is jax_trainer else TorchTrainerEngine
     victim = replicas[1]
     source = KillMidRound(inner, at=len(inner.metadata()) // 2, kill=lambda: ray.kill(victim))
     # Small chunks: the round is under way (update_weights posted, bytes flowing) when the kill lands.
     info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=32 << 10)
-    engine = TorchTrainerEngine.trainer_init(info, client=RayWeightSyncClient(replicas, world_sizes=1,
-                                                                              server_version=VERSION), source=source)
+    engine = engine_cls.trainer_init(info, client=RayWeightSyncClient(replicas, world_sizes=1, server_version=VERSION),
+                                     source=source)
     try:
         step(1)
         engine.send_weights()
@@ -199,8 +201,8 @@ def test_actor_killed_mid_round_then_replaced(replicas: list[Any], model_dir: st
     assert ray.get(replicas[0].get_weight_version.remote(), timeout=60) == "1"
 
     replicas[1] = new_replica(model_dir)
-    engine = TorchTrainerEngine.trainer_init(info, client=RayWeightSyncClient(replicas, world_sizes=1,
-                                                                              server_version=VERSION), source=source)
+    engine = engine_cls.trainer_init(info, client=RayWeightSyncClient(replicas, world_sizes=1, server_version=VERSION),
+                                     source=source)
     try:
         step(3)
         engine.send_weights("after-replace")
