@@ -6,7 +6,9 @@ over ``weightwire_tcp``.
 - rounds land on both replicas: every parameter's sha256 equals the trainer's;
 - a replica killed mid-round (``ray.kill``) fails the round with one ``WeightSyncError``
   naming that actor, the survivor keeps its previous weights, ``shutdown`` releases it;
-- a round after replacing the dead actor lands on both.
+- a round after replacing the dead actor lands on both;
+- an actor's error reaches the trainer as one line naming it; a stalled actor fails the
+  call at the client's timeout, and the abandoned call's late outcome is logged, not lost.
 
 Skipped where ray is not installed (``pip install 'weightwire[ray]'``).
 """
@@ -14,8 +16,11 @@ Skipped where ray is not installed (``pip install 'weightwire[ray]'``).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
+import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -153,6 +158,42 @@ def test_an_actor_error_is_one_line_naming_the_actor(replicas: list[Any]) -> Non
                                                                          "actor 1 (Actor(ReplicaActor, "))
     assert err.message == "RuntimeError: weight transfer engine is not initialized on this replica"
     assert "Traceback" not in str(err) and "\x1b[" not in str(err)  # Ray's remote traceback stays out
+
+
+class Stalled:
+    """An actor whose ``start_weight_update`` answers only after ``delay`` seconds, with a refusal."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def start_weight_update(self) -> None:
+        time.sleep(self.delay)
+        raise RuntimeError("late refusal")
+
+
+def test_a_stalled_actor_fails_the_call_at_its_timeout(cluster: None, caplog: pytest.LogCaptureFixture) -> None:
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers need not import this module
+    try:
+        actors = [ray.remote(num_cpus=0)(Stalled).remote(2.0) for _ in range(2)]
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    client = RayWeightSyncClient(actors, timeout=0.5)
+    try:
+        with caplog.at_level(logging.INFO, logger="weightwire.control.ray_client"):
+            with pytest.raises(WeightSyncError) as failed:
+                client.start_weight_update()
+            err = failed.value
+            assert err.server == f"actor 0 ({actors[0]!r}), actor 1 ({actors[1]!r})"
+            assert err.message == "no answer within 0.5 s (the call may still run there: Ray cannot withdraw it)"
+            # The abandoned calls' outcomes are read and logged once each when they arrive.
+            deadline = time.monotonic() + 60
+            while len(caplog.messages) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert sorted(caplog.messages) == [f"start_weight_update on actor {i} ({a!r}), after the call gave up: "
+                                           "RuntimeError: late refusal" for i, a in enumerate(actors)]
+    finally:
+        for actor in actors:
+            ray.kill(actor)
 
 
 class KillMidRound(WeightSource):
