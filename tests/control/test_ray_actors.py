@@ -15,6 +15,7 @@ Skipped where ray is not installed (``pip install 'weightwire[ray]'``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -49,17 +50,58 @@ def model_dir() -> str:
 def cluster() -> Iterator[None]:
     """A CI-sized local cluster: two CPUs, no dashboard, the smallest object store Ray
     accepts. ``ray.init`` sets environment variables and a SIGTERM handler in this
-    process; both are put back after ``ray.shutdown`` (which stops every Ray process)."""
-    env, on_sigterm = dict(os.environ), signal.getsignal(signal.SIGTERM)
+    process; both are put back afterwards. ``ray.shutdown`` signals every Ray process
+    but returns before the workers are gone (a torch worker takes seconds to exit on
+    a loaded host): the fixture waits for them, so no Ray process outlives the tests."""
+    env, on_sigterm, before = dict(os.environ), signal.getsignal(signal.SIGTERM), descendants(os.getpid())
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False,
              namespace="weightwire-tests")
     try:
         yield
     finally:
+        started = descendants(os.getpid()) - before  # Ray's processes (the suite's others are not ours)
         ray.shutdown()
         os.environ.clear()
         os.environ.update(env)
         signal.signal(signal.SIGTERM, on_sigterm)
+        reap(started, timeout=60)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name (state, ppid, ...); ``None`` once gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (Linux ``/proc``; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        fields = _stat(int(entry)) if entry.isdigit() else None
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def reap(pids: set[int], *, timeout: float) -> None:
+    """Wait for ``pids`` to exit; kill what is left at ``timeout`` (processes this module started)."""
+    deadline = time.monotonic() + timeout
+    while any(_stat(p) is not None for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in pids:
+        if _stat(pid) is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
