@@ -98,6 +98,9 @@ class ReplicaActor:
     def resume_generation(self) -> None:
         self.paused = False
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return True  # no KV cache here: nothing computed under the old weights can be served
+
     def state_checksums(self) -> dict[str, str]:
         """``{parameter name: sha256 of its bytes}``, what the replica serves now."""
         return self.host.state_checksums()
