@@ -255,6 +255,21 @@ class KillMidRound(WeightSource):
             yield pair
 
 
+def killer(actor: Any) -> Callable[[], None]:
+    """``ray.kill(actor)``, returning once its process is gone. ``ray.kill`` only asks Ray:
+    on a loaded host the actor could receive the rest of the round first. Called inside
+    the trainer's source iteration, this holds the round's remaining bytes until then."""
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
+
+    def kill() -> None:
+        ray.kill(actor)
+        deadline = time.monotonic() + 60
+        while _stat(pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    return kill
+
+
 @pytest.mark.parametrize("make_trainer", [jax_trainer, torch_trainer], ids=["jax", "torch"])
 def test_actor_killed_mid_round_then_replaced(replicas: list[Any], model_dir: str, make_trainer: Any) -> None:
     from weightwire import JAXTrainerEngine, TorchTrainerEngine
@@ -262,7 +277,7 @@ def test_actor_killed_mid_round_then_replaced(replicas: list[Any], model_dir: st
     inner, step, digests = make_trainer(model_dir)
     engine_cls = JAXTrainerEngine if make_trainer is jax_trainer else TorchTrainerEngine
     victim = replicas[1]
-    source = KillMidRound(inner, at=len(inner.metadata()) // 2, kill=lambda: ray.kill(victim))
+    source = KillMidRound(inner, at=len(inner.metadata()) // 2, kill=killer(victim))
     # Small chunks: the round is under way (update_weights posted, bytes flowing) when the kill lands.
     info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=32 << 10)
     engine = engine_cls.trainer_init(info, client=RayWeightSyncClient(replicas, world_sizes=1, server_version=VERSION),
@@ -278,8 +293,9 @@ def test_actor_killed_mid_round_then_replaced(replicas: list[Any], model_dir: st
     finally:
         engine.shutdown()  # the dead actor is skipped; the survivor's session is released
     err = failed.value
-    assert err.route == "update_weights" and err.server == f"actor 1 ({victim!r})"
-    assert err.message.startswith("ActorDiedError: The actor died") and "ray.kill" in err.message
+    seen = f"{err} {getattr(err, '__notes__', '')}"
+    assert err.route == "update_weights" and err.server == f"actor 1 ({victim!r})", seen
+    assert err.message.startswith("ActorDiedError: The actor died") and "ray.kill" in err.message, seen
     assert checksums(replicas[:1]) == before[:1]  # the survivor kept its previous weights, not half a round
     assert ray.get(replicas[0].get_weight_version.remote(), timeout=60) == "1"
 

@@ -32,10 +32,11 @@ from weightwire.shared.routes import PAUSE_MODES
 
 logger = logging.getLogger(__name__)
 
-_GRACE_S = 1.0
-"""After one actor failed, how long the others get to report a death (the likelier cause).
-Shorter than the engine's 2 s wait for a control call's verdict after a data-plane failure,
-so the client's answer is the one a failed round reports."""
+_GRACE_S = 1.5
+"""After one actor failed, how long the others get to report a death (the likelier cause;
+Ray learns of one from its node, which is slow on a loaded host). Shorter than the
+engine's 2 s wait for a control call's verdict after a data-plane failure, so the
+client's answer is the one a failed round reports."""
 _MAX_MESSAGE = 2000
 
 
