@@ -2,9 +2,18 @@
 
 For users whose ``LLM`` / ``AsyncLLM`` instances live in Ray actors. ``ray`` is
 imported only when a call is made, so weightwire never needs it installed. Calls
-fan out to every handle and block until all of them answered (bounded by
-``timeout``); the first failure is raised at once, as a ``WeightSyncError`` naming
-the route and actor.
+fan out to every handle and block until all of them answered, ``timeout`` seconds
+at most for the whole call. A failure is raised as one ``WeightSyncError`` naming
+the route and the actor (its index and Ray handle): the actor's own exception text
+(never Ray's remote traceback), or Ray's reason for an actor that is gone
+(``ActorDiedError: The actor died unexpectedly ...``). When several actors fail
+together, an actor's death is reported first: it is the cause, the others' errors
+(their data link closed) are its consequence.
+
+Ray cannot withdraw a call a synchronous actor has queued or is running
+(``ray.cancel`` reports it cancelled and it still runs), so after a timeout the call
+may yet complete there; the trainer engine treats the round as failed and a new
+``trainer_init`` replaces the actors' session.
 
 Ray carries the requests with its own serialization: that is Ray's transport, chosen
 by the user, not a weightwire code path.
@@ -13,12 +22,23 @@ by the user, not a weightwire code path.
 from __future__ import annotations
 
 import importlib
+import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from weightwire._extras import install_command
 from weightwire.control.errors import WeightSyncError
 from weightwire.shared.routes import PAUSE_MODES
+
+logger = logging.getLogger(__name__)
+
+_GRACE_S = 1.5
+"""After one actor failed, how long the others get to report a death (the likelier cause;
+Ray learns of one from its node, which is slow on a loaded host). Shorter than the
+engine's 2 s wait for a control call's verdict after a data-plane failure, so the
+client's answer is the one a failed round reports."""
+_MAX_MESSAGE = 2000
 
 
 def _ray() -> Any:
@@ -36,6 +56,25 @@ def _request(kind: str, key: str, payload: Any) -> Any:
     except ImportError:
         return {key: payload}
     return getattr(base, kind)(**{key: payload})
+
+
+def _died(ray: Any, exc: BaseException) -> bool:
+    """Is ``exc`` Ray saying the actor is gone (killed, crashed, its node lost)?"""
+    return isinstance(exc, ray.exceptions.RayActorError)
+
+
+def _describe(ray: Any, exc: BaseException) -> str:
+    """The failure in one bounded message: the actor's own exception for an error raised
+    there (Ray's text adds the remote traceback), Ray's reason for a dead actor."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        text = f"{type(exc.cause).__name__}: {exc.cause}"
+    elif _died(ray, exc):
+        # Ray's text: a headline, indented "key: value" lines (ids, pid, ip), then the reason.
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
+        text = f"{type(exc).__name__}: " + " ".join(lines)
+    else:
+        text = f"{type(exc).__name__}: {str(exc).strip()}"
+    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
 
 
 class RayWeightSyncClient:
@@ -68,24 +107,66 @@ class RayWeightSyncClient:
     def __repr__(self) -> str:
         return f"RayWeightSyncClient({len(self.handles)} actors, timeout={self.timeout})"
 
-    def _all(self, method: str, *args_per: Sequence[Any], **kwargs: Any) -> list[Any]:
+    def _name(self, index: int) -> str:
+        return f"actor {index} ({self.handles[index]!r})"
+
+    def _all(self, method: str, *args_per: Sequence[Any], dead_ok: bool = False, **kwargs: Any) -> list[Any]:
+        """``method`` on every actor, its results in handle order. ``dead_ok``: an actor
+        that is gone answers ``None`` (logged) instead of failing the call."""
         ray = _ray()
+        deadline = time.monotonic() + self.timeout
         refs = []
         for i, handle in enumerate(self.handles):
             args = [a[i] for a in args_per]
             refs.append(getattr(handle, method).remote(*args, **kwargs))
         pending, results = list(refs), {}
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
-                raise WeightSyncError(method, None, f"no answer within {self.timeout} s", f"{len(pending)} actor(s)")
-            ref = done[0]
-            index = refs.index(ref)
+                late = ", ".join(self._name(refs.index(r)) for r in pending)
+                self._settle_later(ray, method, refs, pending)
+                raise WeightSyncError(method, None, f"no answer within {self.timeout:g} s (the call may still run "
+                                      "there: Ray cannot withdraw it)", late)
+            index = refs.index(done[0])
             try:
-                results[index] = ray.get(ref)
-            except Exception as exc:  # Ray wraps the actor's exception; keep its text
-                raise WeightSyncError(method, None, f"{type(exc).__name__}: {exc}", f"actor {index}") from exc
+                results[index] = ray.get(done[0], timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
+                if dead_ok and _died(ray, exc):
+                    logger.warning("%s on %s: the actor is gone; nothing to do there", method, self._name(index))
+                    results[index] = None
+                    continue
+                raise self._failure(ray, method, refs, pending, {index: exc}) from exc
         return [results[i] for i in range(len(refs))]
+
+    def _failure(self, ray: Any, method: str, refs: list[Any], pending: list[Any],
+                 failed: dict[int, Exception]) -> WeightSyncError:
+        """One error for a failed fan-out: an actor's death when one died within the grace
+        (the others' failures follow from it), else the first failure; the rest as notes."""
+        if pending and not any(_died(ray, e) for e in failed.values()):
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S)
+            for ref in done:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception as exc:
+                    failed[refs.index(ref)] = exc
+        self._settle_later(ray, method, refs, pending)
+        index = next((i for i, e in failed.items() if _died(ray, e)), next(iter(failed)))
+        error = WeightSyncError(method, None, _describe(ray, failed[index]), self._name(index))
+        for other, also in failed.items():
+            if other != index:
+                error.add_note(f"{self._name(other)} also failed: {_describe(ray, also)}")
+        return error
+
+    def _settle_later(self, ray: Any, method: str, refs: list[Any], pending: list[Any]) -> None:
+        """Calls left running when this call gave up: their outcome is logged in one line
+        when it arrives (unread, Ray would print each failure's remote traceback)."""
+        for ref in pending:
+            def settled(future: Any, index: int = refs.index(ref)) -> None:
+                exc = future.exception()
+                if exc is not None:
+                    logger.info("%s on %s, after the call gave up: %s", method, self._name(index), _describe(ray, exc))
+
+            ref.future().add_done_callback(settled)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """One dict is shifted per actor by the preceding actors' world sizes (``rank_offset``)."""
@@ -112,7 +193,8 @@ class RayWeightSyncClient:
         self._all("finish_weight_update", [weight_version] * len(self.handles))
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._all("shutdown_weight_transfer_engine")
+        """A dead actor holds no session: it is skipped (logged), so the survivors are released."""
+        self._all("shutdown_weight_transfer_engine", dead_ok=True)
 
     def _sizes(self) -> list[int]:
         if self._world_sizes is None:
