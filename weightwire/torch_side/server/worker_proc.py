@@ -359,7 +359,7 @@ def _load_model(model_dir: str) -> Any:
 
     from weightwire.torch_side.server.model_check import shape_mismatch
 
-    quiet = not logging.getLogger().isEnabledFor(logging.DEBUG)
+    quiet = not log.isEnabledFor(logging.DEBUG)
     before = hf_logging.get_verbosity()
     if quiet:
         hf_logging.set_verbosity_error()
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(spec)
     except BaseException as exc:
         # The API process prints the error as one line; the traceback is for debugging only.
-        if os.environ.get("WEIGHTWIRE_DEBUG") or logging.getLogger().isEnabledFor(logging.DEBUG):
+        if os.environ.get("WEIGHTWIRE_DEBUG") or log.isEnabledFor(logging.DEBUG):
             traceback.print_exc(file=sys.stderr)
         out.write((json.dumps({"id": 0, "ok": False, "error": _one_line(exc)}) + "\n").encode())
         return 1
