@@ -35,6 +35,7 @@ defined outside this module)::
         FanOutError                          [weightwire.torch_side.server.replicas]
         GenerationAborted                    [weightwire.torch_side.server.worker_proc]
         CommitAborted                        [weightwire.torch_side.server.worker_proc]
+        ModelIncomplete                      [weightwire.torch_side.server.worker_proc]
         CompletionRequestError (ValueError)  [weightwire.torch_side.server.completions]
       CommandError                           [weightwire._cli]
       RolloutError (RuntimeError)            [weightwire.demo.rollout]
