@@ -46,10 +46,11 @@ from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, as_source, checked_iter
+from weightwire.shared.staging import round_bytes
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
-from weightwire.trainer.gating import check_client, require_draft_model, server_features
+from weightwire.trainer.gating import RoundPause, check_client, require_draft_model, round_pause, server_features
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, chunked
 from weightwire.trainer.transfer import (
@@ -261,14 +262,15 @@ class TrainerEngine(ABC):
             payload = (UpdateInfo() if reuse else UpdateInfo.from_metas(wire.metas)).to_dict()
         digests: dict[str, str] | None = {} if self.info.verify else None
         paused = False
+        pause = self._round_pause(wire.metas)
 
         def control() -> None:
             # Runs inside the transfer, once the first chunk is packed (see _transfer).
             nonlocal paused
             if self._verifier is not None:
                 self._verifier.before_round(self.client)
-            if self._pause_mode is not None:
-                paused = self._pause()
+            if pause.mode is not None:
+                paused = self._pause(pause.mode)
             (self.client.start_draft_weight_update if draft else self.client.start_weight_update)()
 
         try:
@@ -285,18 +287,35 @@ class TrainerEngine(ABC):
                     self.client.resume()
         finally:
             if paused:
-                best_effort_resume(self.client)
+                self._after_failed_round(pause)
         report = None
         if self._verifier is not None and digests is not None:
             with clock("verify"):
                 report = self._verifier.after_round(self.client, digests, version, draft=draft)
         return RoundMetrics(version, nbytes, len(metas), count, reuse, seconds=clock.seconds, verify=report)
 
-    def _pause(self) -> bool:
+    def _round_pause(self, metas: list[ParamMeta]) -> RoundPause:
+        """This round's pause (``gating.round_pause``): a round the plugin workers apply in
+        place is paused in a refusing mode and not resumed if it fails."""
+        can_pause = all(callable(getattr(self.client, m, None)) for m in ("pause", "resume"))
+        return round_pause(self.info, self._pause_mode, stock_receiver=self._backend.stock_receiver,
+                           nbytes=round_bytes(metas), can_pause=can_pause)
+
+    def _after_failed_round(self, pause: RoundPause) -> None:
+        """A paused round failed: resume, unless the workers may hold part of it in place."""
+        if pause.resume_on_failure:
+            best_effort_resume(self.client)
+            return
+        logger.error("a round applied in place failed: the servers stay paused (mode=%s, new requests refused) "
+                     "because their models may hold part of it; the next complete round resumes them "
+                     "(see docs/reliability.md for the operator's way out)", pause.mode)
+
+    def _pause(self, mode: str | None = None) -> bool:
         """Pause generation for the round; ``False`` when ``auto`` found no pause route."""
+        mode = mode if mode is not None else self._pause_mode
         try:
-            assert self._pause_mode is not None  # callers pause only with a mode
-            self.client.pause(self._pause_mode)
+            assert mode is not None  # callers pause only with a mode
+            self.client.pause(mode)
         except WeightSyncError as exc:
             if self.info.pause_mode != "auto" or exc.status != 404:
                 raise
