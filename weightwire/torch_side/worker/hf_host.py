@@ -37,6 +37,9 @@ class HFModelHost:
     over freshly allocated chunk buffers).
     """
 
+    transactional_rounds = True
+    """A ``begin_round`` .. ``commit_round`` round is all-or-nothing (see ``strategy.StagedRound``)."""
+
     def __init__(self, hf_model: torch.nn.Module, *, cast_to_param_dtype: bool = False,
                  write_lock: threading.Lock | None = None) -> None:
         if not isinstance(hf_model, torch.nn.Module):

@@ -176,7 +176,9 @@ class StagedRound(ReceiveStrategy):
         if t.framework is not None:
             held = t.framework.prepare(t.model, held)
             t.framework.begin(t.model)
-        self.wrote = True  # a load that fails midway leaves completed layers new
+        # A load that fails midway leaves completed layers new, unless the model's own
+        # begin_round .. commit_round is all-or-nothing (HFModelHost).
+        self.wrote = not getattr(t.model, "transactional_rounds", False)
         try:
             load_staged(t.model, held)
         except BaseException:
@@ -217,8 +219,11 @@ class StreamingRound(ReceiveStrategy):
         t = self.target
         if self.pending:
             chunks, self.pending = chain([self.pending], chunks), []
+        check = getattr(t.model, "check_weights", None)
         with t.framework.receive_context() if t.framework is not None else nullcontext():
             for pairs in load_batches(chunks, t.load_batching):
+                if callable(check):
+                    check(pairs)  # a batch the model refuses is refused before any of it is written
                 self.names.update(n for n, _ in pairs)
                 if t.framework is not None:
                     pairs = t.framework.prepare(t.model, pairs)
