@@ -50,13 +50,19 @@ from weightwire.shared.staging import round_bytes
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
-from weightwire.trainer.gating import RoundPause, check_client, require_draft_model, round_pause, server_features
+from weightwire.trainer.gating import (
+    RoundPause,
+    after_failed_round,
+    check_client,
+    require_draft_model,
+    round_pause,
+    server_features,
+)
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, chunked
 from weightwire.trainer.transfer import (
     Transfer,
     await_call,
-    best_effort_resume,
     join_beside_init,
     real_cause,
     shutdown_when_settled,
@@ -287,7 +293,7 @@ class TrainerEngine(ABC):
                     self.client.resume()
         finally:
             if paused:
-                self._after_failed_round(pause)
+                after_failed_round(self.client, pause)
         report = None
         if self._verifier is not None and digests is not None:
             with clock("verify"):
@@ -295,20 +301,9 @@ class TrainerEngine(ABC):
         return RoundMetrics(version, nbytes, len(metas), count, reuse, seconds=clock.seconds, verify=report)
 
     def _round_pause(self, metas: list[ParamMeta]) -> RoundPause:
-        """This round's pause (``gating.round_pause``): a round the plugin workers apply in
-        place is paused in a refusing mode and not resumed if it fails."""
-        can_pause = all(callable(getattr(self.client, m, None)) for m in ("pause", "resume"))
+        """This round's pause (``gating.round_pause``; a round applied in place: refusing, no resume on failure)."""
         return round_pause(self.info, self._pause_mode, stock_receiver=self._backend.stock_receiver,
-                           nbytes=round_bytes(metas), can_pause=can_pause)
-
-    def _after_failed_round(self, pause: RoundPause) -> None:
-        """A paused round failed: resume, unless the workers may hold part of it in place."""
-        if pause.resume_on_failure:
-            best_effort_resume(self.client)
-            return
-        logger.error("a round applied in place failed: the servers stay paused (mode=%s, new requests refused) "
-                     "because their models may hold part of it; the next complete round resumes them "
-                     "(see docs/reliability.md for the operator's way out)", pause.mode)
+                           nbytes=round_bytes(metas), client=self.client)
 
     def _pause(self, mode: str | None = None) -> bool:
         """Pause generation for the round; ``False`` when ``auto`` found no pause route."""

@@ -16,6 +16,7 @@ from weightwire.shared.client import ROUND_CALLS, ServerControls
 from weightwire.shared.staging import round_streams
 from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
 from weightwire.trainer.config import TrainerInitInfo
+from weightwire.trainer.transfer import best_effort_resume
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class RoundPause:
 
 
 def round_pause(info: TrainerInitInfo, session_mode: str | None, *, stock_receiver: bool, nbytes: int,
-                can_pause: bool) -> RoundPause:
+                client: object) -> RoundPause:
     """The pause of a round of ``nbytes`` (``session_mode``: ``check_client``'s answer).
 
     A plugin worker applies a round over ``stage_budget_bytes`` in place
@@ -126,7 +127,7 @@ def round_pause(info: TrainerInitInfo, session_mode: str | None, *, stock_receiv
         return RoundPause(session_mode)
     if info.pause_mode is None:
         return RoundPause(None, resume_on_failure=False)
-    if not can_pause:
+    if not all(callable(getattr(client, m, None)) for m in ("pause", "resume")):
         logger.warning("client cannot pause: a round applied in place (%d bytes > stage_budget_bytes %d) runs "
                        "under live traffic, and a failure would leave a half-updated model served",
                        nbytes, info.stage_budget_bytes)
@@ -136,3 +137,13 @@ def round_pause(info: TrainerInitInfo, session_mode: str | None, *, stock_receiv
         logger.warning("pause_mode='keep' would queue requests behind a round applied in place that may fail; "
                        "pausing this round with 'abort' (new requests refused until it commits)")
     return RoundPause(mode, resume_on_failure=False)
+
+
+def after_failed_round(client: object, pause: RoundPause) -> None:
+    """A paused round failed: resume, unless the workers may hold part of it in place."""
+    if pause.resume_on_failure:
+        best_effort_resume(client)
+        return
+    logger.error("a round applied in place failed: the servers stay paused (mode=%s, new requests refused) "
+                 "because their models may hold part of it; the next complete round resumes them "
+                 "(docs/reliability.md, 'Rounds over the stage budget': the operator's way out)", pause.mode)

@@ -52,7 +52,7 @@ from weightwire.trainer.broadcast_plan import (
     digest,
     plan_broadcast,
 )
-from weightwire.trainer.gating import server_features
+from weightwire.trainer.gating import after_failed_round, server_features
 from weightwire.trainer.group import GroupTimeout
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_base import RoundFailed
@@ -270,7 +270,7 @@ class MultiSource(StarWire, GroupWire):
                 self._go(turn, False)
             self.x.post("verdict", verdict)
             if paused:
-                e._after_failed_round(pause)
+                after_failed_round(e.client, pause)
             raise
         self.x.post("verdict", {"error": None, "version": version})
         metrics = RoundMetrics(version, nbytes, len(metas), count, reused, seconds=clock.seconds, verify=report)
