@@ -71,11 +71,12 @@ def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool)
     """The round's pause mode (``None``: no pause), after refusing a client that lacks a
     call this engine will make (``TypeError`` naming every missing one, before any rendezvous).
 
-    ``pause_mode="auto"`` resolves here: only a stock worker loads into the running model
-    mid-round (layerwise reload puts layers on the meta device: a request scheduled then
-    crashes vLLM). The plugin workers stage a round and apply it in one call at finish,
-    so they need no pause, and not pausing there means a trainer that dies mid-round
-    cannot leave the server paused with nobody to resume it.
+    ``pause_mode="auto"`` resolves here for the session: only a stock worker loads into the
+    running model mid-round (layerwise reload puts layers on the meta device: a request
+    scheduled then crashes vLLM). The plugin workers stage a round within the stage budget
+    and apply it in one call at finish, so such a round needs no pause (and a trainer that
+    dies mid-round cannot leave the server paused); a round over the budget is paused per
+    round by ``round_pause``.
     """
     needed = list(ROUND_CALLS)
     pause_mode = None if info.pause_mode == "auto" else info.pause_mode

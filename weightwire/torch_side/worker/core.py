@@ -172,6 +172,9 @@ class _ReceiverCore:
         previous, self.session = self.session, uuid.uuid4().hex[:12]
         log.info("%s: session %s joined as rank %d of %d (packed=%s)%s", self.backend, self.session, rank,
                  info.world_size, info.packed, f"; displaced session {previous}" if previous else "")
+        if self.weights.incomplete is not None:
+            log.warning("%s: session %s starts on an incomplete model: %s", self.backend, self.session,
+                        self.weights.incomplete.describe())
 
     def start(self) -> None:
         if self._active:
