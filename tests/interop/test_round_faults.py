@@ -133,16 +133,27 @@ def test_trainer_sigkilled_mid_round_leaves_previous_weights(served: Served, pha
 
 
 # ---------------------------------------------------------------- a round applied in place
-def test_round_in_place_trainer_sigkilled_refuses_until_a_complete_round(served: Served, launcher) -> None:
+def _log_count(log: Path, text: str) -> int:
+    return log.read_text(errors="replace").count(text)
+
+
+INCOMPLETE = "the model holds an incomplete weight round"
+
+
+@pytest.mark.parametrize("failure", ["trainer_killed", "worker_timeout"])
+def test_round_in_place_fails_midway_refuses_until_a_complete_round(served: Served, launcher, failure: str) -> None:
     """``stage_budget_bytes=0``: the worker applies the round in place. The trainer paused
-    generation with ``abort`` and is SIGKILLed mid-update: the worker fails the round at once,
-    reports the model incomplete, and nothing is answered by the half-updated model (vLLM
-    0.33: 503 ``engine_paused``; 0.32, which only queues under a pause: no answer). A fresh
-    trainer's round (in place too) lands, resumes, and greedy equals Hugging Face."""
+    generation with ``abort``; mid-update it is SIGKILLed (``trainer_killed``) or stalls past
+    the worker's 3 s receive bound (``worker_timeout``: the worker fails the round itself).
+    The worker reports the model incomplete, and nothing is answered by the half-updated model
+    (vLLM 0.33: 503 ``engine_paused``; 0.32, which only queues under a pause: no answer). A
+    fresh trainer's round (in place too) lands, resumes, and greedy equals Hugging Face."""
     log = launcher.current.log
+    seen, whole = _log_count(log, INCOMPLETE), _log_count(log, "the model is whole again")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    extra = ["3"] if failure == "worker_timeout" else []
     child = subprocess.Popen([sys.executable, str(REPO / "tests/interop/dying_trainer.py"), served.server.url,
-                              served.server.model_dir, "mid_update", "8", "0"], stdout=subprocess.PIPE,
+                              served.server.model_dir, "mid_update", "8", "0", *extra], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, env=env, text=True)
     try:
         lines = []
@@ -152,14 +163,18 @@ def test_round_in_place_trainer_sigkilled_refuses_until_a_complete_round(served:
             if line.startswith("PHASE"):
                 break
         assert lines and lines[-1].strip() == "PHASE mid_update", "".join(lines[-30:])
+        deadline = time.monotonic() + 60
+        if failure == "worker_timeout":  # the trainer lives on, stalled: the worker gives up by itself
+            while _log_count(log, INCOMPLETE) == seen:
+                assert time.monotonic() < deadline, "the worker never gave up on the stalled round"
+                time.sleep(0.5)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     finally:
         if child.poll() is None:
             child.kill()
             child.wait(timeout=30)
-    deadline = time.monotonic() + 60
-    while "the model holds an incomplete weight round" not in log.read_text(errors="replace"):
+    while _log_count(log, INCOMPLETE) == seen:
         assert time.monotonic() < deadline, "the worker never reported the incomplete round"
         time.sleep(0.5)
     assert httpx.get(f"{served.server.url}/is_paused", timeout=30).json()["is_paused"]
@@ -182,7 +197,7 @@ def test_round_in_place_trainer_sigkilled_refuses_until_a_complete_round(served:
         finally:
             engine.shutdown()
     assert not httpx.get(f"{served.server.url}/is_paused", timeout=30).json()["is_paused"]
-    assert "the model is whole again" in log.read_text(errors="replace")
+    assert _log_count(log, "the model is whole again") == whole + 1
     load_into_hf(served.hf, source)
     served.version = "in-place-fresh"
     assert served.server.weight_version() == "in-place-fresh"
