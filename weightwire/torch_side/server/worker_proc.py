@@ -13,8 +13,8 @@ so a long receive never stalls what must stay responsive:
   once: ``abort`` must reach a receive that is blocked on the control thread.
 
 A round over the stage budget is written in place (``strategy.StreamingRound``): each
-write takes ``model_lock``, and from the round's start until a complete round commits
-a generation is refused (``ModelIncomplete``, HTTP 503 naming why), so no request is
+write takes ``model_lock``, and from the round's first write until a complete round
+commits a generation is refused (``ModelIncomplete``, HTTP 503 naming why), so no request is
 answered by a half-updated model.
 
 A finish waits for the model lock at most its ``timeout_s`` and never commits after

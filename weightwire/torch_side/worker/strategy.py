@@ -194,7 +194,11 @@ class StagedRound(ReceiveStrategy):
 
 
 class StreamingRound(ReceiveStrategy):
-    """Apply each chunk in place as it lands, between the framework's begin and commit."""
+    """Apply each chunk in place as it lands, between the framework's begin and commit.
+
+    The framework's round (vLLM: layerwise reload, which parks layers on the meta device
+    until their tensors arrive) opens at the first update, inside that worker call, not at
+    start: between start and the first update the model is whole and servable."""
 
     name = "streaming"
 
@@ -202,9 +206,14 @@ class StreamingRound(ReceiveStrategy):
         super().__init__(target)
         self.pending: Pairs = []
         """Tensors a staged start held before the round outgrew the budget: loaded first."""
+        self.opened = False
 
     def begin(self) -> None:
+        pass
+
+    def _open(self) -> None:
         t = self.target
+        self.opened = True
         if t.framework is not None:
             t.framework.begin(t.model)
         try:
@@ -217,6 +226,8 @@ class StreamingRound(ReceiveStrategy):
 
     def receive(self, chunks: Iterator[Pairs]) -> None:
         t = self.target
+        if not self.opened:
+            self._open()
         if self.pending:
             chunks, self.pending = chain([self.pending], chunks), []
         check = getattr(t.model, "check_weights", None)
@@ -233,6 +244,8 @@ class StreamingRound(ReceiveStrategy):
 
     def commit(self) -> None:
         t = self.target
+        if not self.opened:
+            return  # no update: nothing was opened, nothing to apply
         try:
             call_hook(t.model, "commit_round")
         except BaseException:
@@ -242,7 +255,8 @@ class StreamingRound(ReceiveStrategy):
             t.framework.commit(t.model, t.model_config)
 
     def abort(self, why: str) -> None:
-        self._abort_hooks()
+        if self.opened:
+            self._abort_hooks()
 
 
 def first_strategy(target: RoundTarget, budget_bytes: int) -> ReceiveStrategy:
