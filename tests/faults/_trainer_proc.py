@@ -1,6 +1,6 @@
 """A trainer process that dies mid-broadcast: ``python -m tests.faults._trainer_proc CONFIG_JSON``.
 
-Config: ``{"url", "model_dir", "kill_at"}``. It runs one good round (version ``t1``),
+Config: ``{"url", "model_dir", "kill_at", "stage_budget_bytes"?}``. It runs one good round (version ``t1``),
 prints ``{"committed": {name: sha256}}`` as one JSON line, then starts a second
 round and SIGKILLs itself just before yielding tensor ``kill_at``, once the server
 is inside ``update_weights``: earlier chunks are on the wire, as in a trainer crash.
@@ -20,7 +20,8 @@ from tests.faults.harness import Probe, TensorSource, engine_for, hook_at, load_
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     source = TensorSource(load_weights(Path(cfg["model_dir"])))
-    engine = engine_for(cfg["url"], source)
+    budget = {"stage_budget_bytes": cfg["stage_budget_bytes"]} if "stage_budget_bytes" in cfg else {}
+    engine = engine_for(cfg["url"], source, **budget)
     committed = source.perturb(101)
     engine.send_weights("t1")
     print(json.dumps({"committed": committed}), flush=True)

@@ -246,9 +246,9 @@ def elapsed() -> Iterator[list[float]]:
         box[0] = time.monotonic() - start
 
 
-def fresh_round(url: str, source: TensorSource, probe: Probe, step: int, version: str) -> dict[str, str]:
+def fresh_round(url: str, source: TensorSource, probe: Probe, step: int, version: str, **info: Any) -> dict[str, str]:
     """A new engine (fresh init) pushes a changed model; every replica must hold it exactly."""
-    engine = engine_for(url, source)
+    engine = engine_for(url, source, **info)
     try:
         want = source.perturb(step)
         metrics = engine.send_weights(version)

@@ -104,9 +104,12 @@ def test_server_refuses_a_stale_world_size(servers: Servers, source: TensorSourc
 
 
 # ----------------------------------------------------------------------------- trainer dies
-def test_trainer_dies_mid_broadcast(servers: Servers, fault_model: Path, source: TensorSource) -> None:
+@pytest.mark.parametrize("strategy", ["staged", "streaming"], ids=["staged", "streaming"])
+def test_trainer_dies_mid_broadcast(servers: Servers, fault_model: Path, source: TensorSource, strategy: str) -> None:
     probe = servers.probe
-    cfg = json.dumps({"url": servers.current.url, "model_dir": str(fault_model), "kill_at": 5})
+    budget = {"staged": 1 << 30, "streaming": 0}[strategy]
+    cfg = json.dumps({"url": servers.current.url, "model_dir": str(fault_model), "kill_at": 5,
+                      "stage_budget_bytes": budget})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "tests.faults._trainer_proc", cfg], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
@@ -123,8 +126,26 @@ def test_trainer_dies_mid_broadcast(servers: Servers, fault_model: Path, source:
     assert waited < FAULT_TIMEOUTS.transfer_s, waited
     assert state["state"] == "uninitialized" and state["rounds_failed"] >= 1, state
     assert "lost rank 0" in state["last_error"] and "connection closed by peer" in state["last_error"], state
-    assert_weights(probe, committed, "t1")
-    fresh_round(servers.current.url, source, probe, 202, "after-trainer-death")
+    if strategy == "staged":
+        assert_weights(probe, committed, "t1")
+        assert not probe.http.get("/weight_info").json()["round_incomplete"]
+        fresh_round(servers.current.url, source, probe, 202, "after-trainer-death")
+        return
+    # Applied in place: the dead trainer left the server paused (abort: refusing) and its
+    # models incomplete. Refused with a reason even after an operator's plain /resume.
+    info = probe.http.get("/weight_info").json()
+    assert info["round_incomplete"] and "incomplete weight round" in info["incomplete_reason"], info
+    assert info["weight_version"] == "t1"
+    refused = probe.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+    assert refused.status_code == 503 and "paused" in refused.text, refused.text
+    assert probe.http.post("/resume").status_code == 200
+    refused = probe.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+    observe(completion_after_resume=refused.json())
+    assert refused.status_code == 503 and "incomplete weight round" in refused.text, refused.text
+    # A fresh trainer's complete round (in place too: it pauses, commits, resumes) makes it whole.
+    fresh_round(servers.current.url, source, probe, 202, "after-trainer-death", stage_budget_bytes=0)
+    assert not probe.http.get("/weight_info").json()["round_incomplete"]
+    probe.greedy()
 
 
 # ----------------------------------------------------------------------------- server dies

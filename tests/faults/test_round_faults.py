@@ -444,3 +444,44 @@ def test_control_plane_stalls(shared_server: Server, probe: Probe, source: Tenso
     finally:
         quiet_shutdown(engine)
     fresh_round(shared_server.url, source, probe, 21, "after-http-stall")
+
+
+# ----------------------------------------------------------------------------- worker refuses mid-round
+@pytest.mark.parametrize("strategy", ["staged", "streaming"], ids=["staged", "streaming"])
+def test_worker_refuses_a_tensor_mid_round(shared_server: Server, probe: Probe, source: TensorSource,
+                                           strategy: str) -> None:
+    """The worker refuses a tensor in the middle of a round (a name the model lacks). Staged:
+    nothing was applied, the previous weights stay served. Applied in place: the earlier
+    chunks are in the model, so the server stays paused (the trainer does not resume) and
+    answers 503 naming the incomplete round, until a complete round commits."""
+    budget = {"staged": 1 << 30, "streaming": 0}[strategy]
+    want, version = committed(probe)
+    source.perturb(22)  # new values: what lands in place differs from what is served
+    original = dict(source.tensors)
+    names = list(original)
+    bogus = names[len(names) // 2]
+    source.tensors = {("model.layers.99.bogus.weight" if n == bogus else n): t for n, t in original.items()}
+    engine = engine_for(shared_server.url, source, stage_budget_bytes=budget)
+    try:
+        with elapsed() as t, pytest.raises(WeightSyncError, match="unknown weight name 'model.layers.99.bogus.weight'"
+                                           ) as info:
+            engine.send_weights("bogus")
+    finally:
+        quiet_shutdown(engine)
+        source.tensors = original
+    assert t[0] < FAULT_TIMEOUTS.transfer_s + GRACE_S, t[0]
+    weight_info = probe.http.get("/weight_info").json()
+    observe(trainer=info.value, trainer_s=t[0], weight_info=weight_info["incomplete_reason"])
+    assert weight_info["weight_version"] == version
+    if strategy == "staged":
+        assert_weights(probe, want, version)
+        assert not weight_info["round_incomplete"]
+        probe.greedy()
+    else:
+        assert weight_info["round_incomplete"] and "incomplete weight round" in weight_info["incomplete_reason"]
+        assert probe.checksums()[0] != want  # part of the round is in the model
+        refused = probe.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert refused.status_code == 503, refused.text  # still paused: the trainer did not resume
+    fresh_round(shared_server.url, source, probe, 23, f"after-refused-{strategy}", stage_budget_bytes=budget)
+    assert not probe.http.get("/weight_info").json()["round_incomplete"]
+    probe.greedy()

@@ -1,11 +1,13 @@
 """A JAX trainer that stops at a chosen point of a round and waits to be SIGKILLed.
 
-    python tests/interop/dying_trainer.py URL MODEL_DIR PHASE SEED
+    python tests/interop/dying_trainer.py URL MODEL_DIR PHASE SEED [STAGE_BUDGET_BYTES [TRANSFER_S]]
 
 PHASE: ``after_start`` (start_weight_update answered), ``mid_update`` (about half of
 the round's tensors sent, the update POST in flight), ``before_finish`` (every byte
 sent and the update answered, finish not posted). Prints ``PHASE <phase>`` when it
-got there, then blocks; the interop fault cases kill it with SIGKILL.
+got there, then blocks; the interop fault cases kill it with SIGKILL. ``STAGE_BUDGET_BYTES``
+``0``: the workers apply the round in place (and the trainer pauses generation with ``abort``);
+``TRANSFER_S``: the per-broadcast bound the workers get (a stalled trainer then fails their receive).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from tests.interop.models import jax_params, perturbed
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.source import PytreeSource
+from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer.config import TrainerInitInfo
 
 
@@ -52,7 +55,10 @@ def main() -> None:
         client.start_weight_update = lambda: (real(), _reached(phase))  # type: ignore[method-assign]
     elif phase == "before_finish":
         client.finish_weight_update = lambda *a, **k: _reached(phase)  # type: ignore[method-assign]
-    info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10)
+    extra: dict = {"stage_budget_bytes": int(sys.argv[5])} if len(sys.argv) > 5 else {}
+    if len(sys.argv) > 6:
+        extra["timeouts"] = Timeouts(transfer_s=float(sys.argv[6]))
+    info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10, **extra)
     engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
     engine.send_weights(weight_version=f"dying-{phase}")
     print("PHASE finished (should not happen)", flush=True)

@@ -112,7 +112,7 @@ def test_sender_dies_mid_stream_leaves_weights_unchanged(tmp_path):
             engine.update_weights(update)
         assert "call init_weight_transfer_engine again" in str(err.value)
         assert sender.wait() == 3
-        assert aborts == [1]
+        assert aborts == []  # staged (within the default budget): the model's own round was never opened
         assert host.state_checksums() == good["checksums"], "a failed round must not change any weight"
         assert not host.in_round
         with pytest.raises(RuntimeError, match="without start_weight_update"):

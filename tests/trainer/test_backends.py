@@ -29,11 +29,12 @@ def test_stock_nccl_payload_is_exactly_vllms_fields() -> None:
     assert "nccl_unique_id_b64=<redacted>" in repr(NCCLInitInfo.from_dict(payload))
 
 
-def test_weightwire_nccl_payload_adds_the_worker_timeout() -> None:
-    info = TrainerInitInfo(backend="weightwire_nccl", packed=False, timeouts=Timeouts(transfer_s=42))
+def test_weightwire_nccl_payload_adds_the_worker_timeout_and_stage_budget() -> None:
+    info = TrainerInitInfo(backend="weightwire_nccl", packed=False, timeouts=Timeouts(transfer_s=42),
+                           stage_budget_bytes=7)
     payload = WeightwireNCCLBackend()._payload(info, UID, 2)
-    assert payload["timeout_s"] == 42.0 and payload["packed"] is False
-    assert set(payload) == set(NCCLBackend()._payload(info, UID, 2)) | {"timeout_s"}
+    assert payload["timeout_s"] == 42.0 and payload["packed"] is False and payload["stage_budget_bytes"] == 7
+    assert set(payload) == set(NCCLBackend()._payload(info, UID, 2)) | {"timeout_s", "stage_budget_bytes"}
     assert WeightwireNCCLInitInfo.from_dict(payload).timeout_s == 42.0
 
 

@@ -226,3 +226,70 @@ def test_a_round_summary_counts_in_words() -> None:
     two = RoundMetrics(version="2", nbytes=8, tensors=2, chunks=2, reused_metadata=False, seconds={"transfer": 1.0})
     assert "1 tensor, 0.0 MB in 1 broadcast," in one.summary()
     assert "2 tensors, 0.0 MB in 2 broadcasts," in two.summary()
+# -- a round the plugin workers apply in place (over stage_budget_bytes) ---------------------
+
+
+def test_auto_pauses_a_round_applied_in_place_with_abort_and_resumes_after_commit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    server = FakeServer()
+    engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0)
+    engine.send_weights()
+    assert round_routes(server) == ROUND
+    assert server.bodies("pause") == [{"mode": "abort"}]  # refusing, not queueing
+
+
+def test_a_round_within_the_budget_is_staged_and_not_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    weights = numpy_weights()
+    server = FakeServer()
+    exact = sum(a.nbytes for a in weights.values())
+    engine = engine_for(server.client(), DictSource(weights, describe), stage_budget_bytes=exact)
+    engine.send_weights()
+    assert round_routes(server) == ROUND[1:4]
+
+
+@pytest.mark.parametrize("route", ["update_weights", "finish_weight_update"])
+def test_a_failed_round_applied_in_place_leaves_the_server_refusing(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, route: str) -> None:
+    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    server = FakeServer()
+    server.fail[route] = (500, "worker 0: round failed at chunk 2/3")
+    engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0)
+    with caplog.at_level(logging.ERROR), pytest.raises(Exception, match="round failed at chunk"):
+        engine.send_weights()
+    assert "resume" not in round_routes(server)
+    assert "the servers stay paused" in caplog.text
+
+
+def test_keep_becomes_abort_for_a_round_applied_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    server = FakeServer()
+    engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0,
+                        pause_mode="keep")
+    engine.send_weights()
+    assert server.bodies("pause") == [{"mode": "abort"}]
+
+
+def test_none_opts_out_of_pausing_a_round_applied_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    server = FakeServer()
+    engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0,
+                        pause_mode=None)
+    engine.send_weights()
+    assert round_routes(server) == ROUND[1:4]
+
+
+def test_stage_budget_is_validated_and_reaches_the_workers() -> None:
+    from weightwire.backends.tcp.trainer import TCPBackend
+    from weightwire.shared.info import TCPInitInfo
+
+    rdv = TCPBackend().open(TrainerInitInfo(backend="weightwire_tcp", stage_budget_bytes=12345), world_size=2)
+    try:
+        assert TCPInitInfo.from_dict(rdv.payload).stage_budget_bytes == 12345
+    finally:
+        rdv.cancel()
+    with pytest.raises(ValueError, match=r"stage_budget_bytes must be an int in \[0, "):
+        TrainerInitInfo(stage_budget_bytes=-1)
+    with pytest.raises(ValueError, match="stage_budget_bytes must be an int"):
+        TrainerInitInfo(stage_budget_bytes=True)

@@ -39,6 +39,7 @@ defined outside this module)::
         NonFiniteOutput                      [weightwire.torch_side.server.generate]
         WeightsUnavailable                   [weightwire.torch_side.server.sleep]
         SleepCancelled                       [weightwire.torch_side.server.sleep]
+        ModelIncomplete                      [weightwire.torch_side.server.worker_proc]
         CompletionRequestError (ValueError)  [weightwire.torch_side.server.completions]
       CommandError                           [weightwire._cli]
       RolloutError (RuntimeError)            [weightwire.demo.rollout]

@@ -17,8 +17,9 @@ from typing import Any, ClassVar, Self
 
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.limits import LIMITS, bounded_repr
+from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES, LIMITS, bounded_repr
 from weightwire.shared.meta import ParamMeta, load_json, validate_shape
+from weightwire.shared.staging import check_stage_budget
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
@@ -172,15 +173,19 @@ class NCCLInitInfo(_StrictInfo):
 
 @dataclass(frozen=True, kw_only=True, repr=False)
 class WeightwireNCCLInitInfo(NCCLInitInfo):
-    """``weightwire_nccl``: vLLM's fields plus a receive timeout (stock vLLM has none)."""
+    """``weightwire_nccl``: vLLM's fields plus a receive timeout (stock vLLM has none) and
+    the stage budget (``shared.staging``)."""
 
     backend: ClassVar[str] = "weightwire_nccl"
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {**NCCLInitInfo._types, "timeout_s": float}
+    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {**NCCLInitInfo._types, "timeout_s": float,
+                                                             "stage_budget_bytes": int}
     timeout_s: float = 300.0
+    stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_timeout(type(self).__name__, self.timeout_s)
+        check_stage_budget(f"{type(self).__name__}.stage_budget_bytes", self.stage_budget_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
@@ -204,7 +209,7 @@ class TCPInitInfo(_StrictInfo):
     _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
         "host": str, "port": int, "secret_b64": str, "rank_offset": int, "world_size": int,
         "packed": bool, "packed_buffer_size_bytes": int, "packed_num_buffers": int, "timeout_s": float,
-        "sources": list,
+        "sources": list, "stage_budget_bytes": int,
     }
     _secret_fields: ClassVar[tuple[str, ...]] = ("secret_b64",)
 
@@ -218,6 +223,7 @@ class TCPInitInfo(_StrictInfo):
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     timeout_s: float = 300.0
     sources: list[dict[str, Any]] | None = None
+    stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
 
     def __post_init__(self) -> None:
         ctx = type(self).__name__
@@ -260,6 +266,7 @@ def _check_listener(ctx: str, info: Any) -> None:
     _ = info.secret
     _check_wire_params(ctx, info.packed_buffer_size_bytes, info.packed_num_buffers, info.world_size, info.rank_offset)
     _check_timeout(ctx, info.timeout_s)
+    check_stage_budget(f"{ctx}.stage_budget_bytes", info.stage_budget_bytes)
 
 
 def _check_timeout(ctx: str, value: float) -> None:

@@ -27,7 +27,7 @@ from weightwire.shared.info import (
     _StrictInfo,
     decode_secret,
 )
-from weightwire.shared.limits import bounded_repr
+from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES, bounded_repr
 
 IPC_HANDLE_BYTES = 64
 """``sizeof(cudaIpcMemHandle_t)`` == ``sizeof(cudaIpcEventHandle_t)`` (CUDA ABI)."""
@@ -60,6 +60,7 @@ class IPCInitInfo(_StrictInfo):
         "host": str, "port": int, "secret_b64": str, "rank_offset": int, "world_size": int,
         "packed": bool, "packed_buffer_size_bytes": int, "packed_num_buffers": int, "timeout_s": float,
         "mem_handles_b64": list, "event_handles_b64": list, "device_uuid": str, "release_after_round": bool,
+        "stage_budget_bytes": int,
     }
     _secret_fields: ClassVar[tuple[str, ...]] = ("secret_b64", "mem_handles_b64", "event_handles_b64")
 
@@ -76,6 +77,7 @@ class IPCInitInfo(_StrictInfo):
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     timeout_s: float = 300.0
     release_after_round: bool = False
+    stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
 
     def __post_init__(self) -> None:
         ctx = type(self).__name__

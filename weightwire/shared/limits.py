@@ -24,6 +24,10 @@ class Limits:
 
 LIMITS = Limits()
 
+DEFAULT_STAGE_BUDGET_BYTES = 1 << 30
+"""A round of at most this many bytes is staged by the worker (received whole, then applied
+in one call); a larger one is applied in place as its bytes land (see ``staging``)."""
+
 
 def bounded_repr(value: object, limit: int = 60) -> str:
     """A short, always-safe description of an untrusted value for error messages.

@@ -117,7 +117,15 @@ class LoopbackClient:
 def spawn_loopback(backend: str, device: str, *, env: Mapping[str, str] | None = None,
                    timeout: float = 120.0) -> tuple[subprocess.Popen, LoopbackClient]:
     """Start a receiver process and return it with a connected client (kill it when done)."""
-    cmd = [sys.executable, "-m", "weightwire.testing.loopback", "--backend", backend, "--device", device]
+    return spawn_loopback_cmd(["-m", "weightwire.testing.loopback", "--backend", backend, "--device", device],
+                              env=env, timeout=timeout)
+
+
+def spawn_loopback_cmd(args: list[str], *, env: Mapping[str, str] | None = None,
+                       timeout: float = 120.0) -> tuple[subprocess.Popen, LoopbackClient]:
+    """``spawn_loopback`` for any receiver that speaks this protocol: ``python *args``, which
+    must print the ready line."""
+    cmd = [sys.executable, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     found: list[str] = []

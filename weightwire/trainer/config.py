@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from weightwire.backends import NCCL
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
-from weightwire.shared.limits import LIMITS
+from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES, LIMITS
 from weightwire.shared.routes import PAUSE_MODES
+from weightwire.shared.staging import check_stage_budget
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.handoff import round_interval_s
@@ -37,9 +38,11 @@ class TrainerInitInfo:
     - ``pause_mode``: pause generation around every round (``keep``/``wait``/``abort``).
       The default ``auto`` pauses with ``keep`` around rounds to a stock ``nccl`` worker
       whenever the client can pause (a round run under live traffic crashes vLLM: its
-      layerwise reload puts layers on the meta device mid-round); the plugin backends
-      stage a round and apply it at finish in one worker call, so ``auto`` does not pause
-      them. ``None`` never pauses.
+      layerwise reload puts layers on the meta device mid-round). To a plugin backend, ``auto``
+      pauses with ``abort`` (new requests refused, HTTP 503) around a round over
+      ``stage_budget_bytes`` (applied in place) and resumes only once it committed: a round
+      that fails leaves the servers refusing until a complete round commits. A staged round
+      is not paused. ``None`` never pauses.
     - ``ipc_release_after_round``: ``weightwire_ipc`` frees its slots after every round
       (the memory goes back to training; handles are re-exported next round); in pull
       mode the workers free their receive buffers instead.
@@ -47,6 +50,11 @@ class TrainerInitInfo:
       the trainer writes straight into the workers' receive buffers, one device copy
       per byte, no slots kept) or ``push`` (the slot ring: two copies). A worker that
       predates pull mode, and every unpacked session, gets push.
+    - ``stage_budget_bytes``: the plugin backends' workers stage a round of at most this
+      many bytes (received whole into fresh memory, applied at finish: all or nothing) and
+      apply a larger one in place as its bytes land (``0``: always in place). A round applied
+      in place is guarded by ``pause_mode`` (see there); the worker's extra memory for a round
+      is its receive buffers plus this budget, whatever the model's size.
     - ``timeouts``: every wait's bound (default: ``Timeouts.from_env()``, so
       ``WEIGHTWIRE_TIMEOUT_<FIELD>`` variables apply).
     - ``verify``: after each round, compare the servers' per-tensor sha256 with what
@@ -75,6 +83,7 @@ class TrainerInitInfo:
     version_override: str | None = None
     ipc_release_after_round: bool = False
     ipc_mode: str = "pull"
+    stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
 
     def __post_init__(self) -> None:
         # Runtime-registered backends (register_backend) count too. Imported here so that
@@ -102,6 +111,7 @@ class TrainerInitInfo:
         round_interval_s()  # a bad WEIGHTWIRE_SWITCH_INTERVAL_US fails here, before anything is sent
         if type(self.ipc_release_after_round) is not bool:
             raise ConfigError(f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}")
+        check_stage_budget("stage_budget_bytes", self.stage_budget_bytes)
         if self.ipc_mode not in ("pull", "push"):
             raise ConfigError(f"ipc_mode must be 'pull' or 'push', got {self.ipc_mode!r}")
         if self.pause_mode is not None and self.pause_mode not in ("auto", *PAUSE_MODES):

@@ -46,16 +46,23 @@ from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, as_source, checked_iter
+from weightwire.shared.staging import round_bytes
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
-from weightwire.trainer.gating import check_client, require_draft_model, server_features
+from weightwire.trainer.gating import (
+    RoundPause,
+    after_failed_round,
+    check_client,
+    require_draft_model,
+    round_pause,
+    server_features,
+)
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, chunked
 from weightwire.trainer.transfer import (
     Transfer,
     await_call,
-    best_effort_resume,
     join_beside_init,
     real_cause,
     shutdown_when_settled,
@@ -261,14 +268,15 @@ class TrainerEngine(ABC):
             payload = (UpdateInfo() if reuse else UpdateInfo.from_metas(wire.metas)).to_dict()
         digests: dict[str, str] | None = {} if self.info.verify else None
         paused = False
+        pause = self._round_pause(wire.metas)
 
         def control() -> None:
             # Runs inside the transfer, once the first chunk is packed (see _transfer).
             nonlocal paused
             if self._verifier is not None:
                 self._verifier.before_round(self.client)
-            if self._pause_mode is not None:
-                paused = self._pause()
+            if pause.mode is not None:
+                paused = self._pause(pause.mode)
             (self.client.start_draft_weight_update if draft else self.client.start_weight_update)()
 
         try:
@@ -285,18 +293,24 @@ class TrainerEngine(ABC):
                     self.client.resume()
         finally:
             if paused:
-                best_effort_resume(self.client)
+                after_failed_round(self.client, pause)
         report = None
         if self._verifier is not None and digests is not None:
             with clock("verify"):
                 report = self._verifier.after_round(self.client, digests, version, draft=draft)
         return RoundMetrics(version, nbytes, len(metas), count, reuse, seconds=clock.seconds, verify=report)
 
-    def _pause(self) -> bool:
+    def _round_pause(self, metas: list[ParamMeta]) -> RoundPause:
+        """This round's pause (``gating.round_pause``; a round applied in place: refusing, no resume on failure)."""
+        return round_pause(self.info, self._pause_mode, stock_receiver=self._backend.stock_receiver,
+                           nbytes=round_bytes(metas), client=self.client)
+
+    def _pause(self, mode: str | None = None) -> bool:
         """Pause generation for the round; ``False`` when ``auto`` found no pause route."""
+        mode = mode if mode is not None else self._pause_mode
         try:
-            assert self._pause_mode is not None  # callers pause only with a mode
-            self.client.pause(self._pause_mode)
+            assert mode is not None  # callers pause only with a mode
+            self.client.pause(mode)
         except WeightSyncError as exc:
             if self.info.pause_mode != "auto" or exc.status != 404:
                 raise

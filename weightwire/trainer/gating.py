@@ -10,10 +10,13 @@ explicit escape hatch ("treat this server as release X"); it is logged on every 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from weightwire.shared.client import ROUND_CALLS, ServerControls
+from weightwire.shared.staging import round_streams
 from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
 from weightwire.trainer.config import TrainerInitInfo
+from weightwire.trainer.transfer import best_effort_resume
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +71,12 @@ def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool)
     """The round's pause mode (``None``: no pause), after refusing a client that lacks a
     call this engine will make (``TypeError`` naming every missing one, before any rendezvous).
 
-    ``pause_mode="auto"`` resolves here: only a stock worker loads into the running model
-    mid-round (layerwise reload puts layers on the meta device: a request scheduled then
-    crashes vLLM). The plugin workers stage a round and apply it in one call at finish,
-    so they need no pause, and not pausing there means a trainer that dies mid-round
-    cannot leave the server paused with nobody to resume it.
+    ``pause_mode="auto"`` resolves here for the session: only a stock worker loads into the
+    running model mid-round (layerwise reload puts layers on the meta device: a request
+    scheduled then crashes vLLM). The plugin workers stage a round within the stage budget
+    and apply it in one call at finish, so such a round needs no pause (and a trainer that
+    dies mid-round cannot leave the server paused); a round over the budget is paused per
+    round by ``round_pause``.
     """
     needed = list(ROUND_CALLS)
     pause_mode = None if info.pause_mode == "auto" else info.pause_mode
@@ -97,3 +101,50 @@ def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool)
             "inference_world_size in TrainerInitInfo, or drop verify / pause_mode)"
         )
     return pause_mode
+
+
+@dataclass(frozen=True)
+class RoundPause:
+    """How one round pauses generation: ``mode`` (``None``: not at all), and whether a
+    failed round resumes (a round applied in place never does: the servers keep refusing
+    rather than serve a half-updated model)."""
+
+    mode: str | None
+    resume_on_failure: bool = True
+
+
+def round_pause(info: TrainerInitInfo, session_mode: str | None, *, stock_receiver: bool, nbytes: int,
+                client: object) -> RoundPause:
+    """The pause of a round of ``nbytes`` (``session_mode``: ``check_client``'s answer).
+
+    A plugin worker applies a round over ``stage_budget_bytes`` in place
+    (``shared.staging.round_streams``, the rule the worker applies too): from its first
+    write until a complete round commits, generation must be refused. ``auto`` (and
+    ``keep``, which would queue requests behind a failed round) pause with ``abort``:
+    vLLM >= 0.33 then answers new requests 503 ``engine_paused`` until ``/resume``; the
+    resume comes only after the commit. ``pause_mode=None`` is the user's explicit opt-out.
+    """
+    if stock_receiver or not round_streams(nbytes, info.stage_budget_bytes):
+        return RoundPause(session_mode)
+    if info.pause_mode is None:
+        return RoundPause(None, resume_on_failure=False)
+    if not all(callable(getattr(client, m, None)) for m in ("pause", "resume")):
+        logger.warning("client cannot pause: a round applied in place (%d bytes > stage_budget_bytes %d) runs "
+                       "under live traffic, and a failure would leave a half-updated model served",
+                       nbytes, info.stage_budget_bytes)
+        return RoundPause(None, resume_on_failure=False)
+    mode = "abort" if info.pause_mode in ("auto", "keep") else info.pause_mode
+    if info.pause_mode == "keep":
+        logger.warning("pause_mode='keep' would queue requests behind a round applied in place that may fail; "
+                       "pausing this round with 'abort' (new requests refused until it commits)")
+    return RoundPause(mode, resume_on_failure=False)
+
+
+def after_failed_round(client: object, pause: RoundPause) -> None:
+    """A paused round failed: resume, unless the workers may hold part of it in place."""
+    if pause.resume_on_failure:
+        best_effort_resume(client)
+        return
+    logger.error("a round applied in place failed: the servers stay paused (mode=%s, new requests refused) "
+                 "because their models may hold part of it; the next complete round resumes them "
+                 "(docs/reliability.md, 'Rounds over the stage budget': the operator's way out)", pause.mode)

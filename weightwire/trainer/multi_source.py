@@ -52,7 +52,7 @@ from weightwire.trainer.broadcast_plan import (
     digest,
     plan_broadcast,
 )
-from weightwire.trainer.gating import server_features
+from weightwire.trainer.gating import after_failed_round, server_features
 from weightwire.trainer.group import GroupTimeout
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_base import RoundFailed
@@ -234,12 +234,13 @@ class MultiSource(StarWire, GroupWire):
         mine = bplan.turn_of(0)
         own: dict[str, str] | None = {} if e._verifier is not None else None
         report = None
+        pause = e._round_pause(metas)
         try:
             with clock("control"):
                 if e._verifier is not None:
                     e._verifier.before_round(e.client)  # a failure here sent nothing
-                if e._pause_mode is not None:
-                    paused = e._pause()
+                if pause.mode is not None:
+                    paused = e._pause(pause.mode)
                 (e.client.start_draft_weight_update if draft else e.client.start_weight_update)()
             with clock("transfer"):
                 pairs = self._pairs(mine, own)
@@ -269,10 +270,7 @@ class MultiSource(StarWire, GroupWire):
                 self._go(turn, False)
             self.x.post("verdict", verdict)
             if paused:
-                try:
-                    e.client.resume()
-                except Exception as resume_exc:
-                    logger.warning("resume after a failed round also failed: %s", resume_exc)
+                after_failed_round(e.client, pause)
             raise
         self.x.post("verdict", {"error": None, "version": version})
         metrics = RoundMetrics(version, nbytes, len(metas), count, reused, seconds=clock.seconds, verify=report)

@@ -36,6 +36,7 @@ from weightwire.backends.ipc.slots import IPCSlots, cupy_module, device_uuid, ip
 from weightwire.shared.communicator import Communicator, TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo, decode_handles
+from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 from weightwire.trainer.backends import Backend, Rendezvous
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class IPCRendezvous:
 
     def __init__(self, *, world_size: int, device: int | None, slot_bytes: int, num_slots: int,
                  packed: bool, timeout_s: float, release_after_round: bool, bind_host: str = "127.0.0.1",
-                 mode: str = "push") -> None:
+                 mode: str = "push", stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES) -> None:
         cp = cupy_module()
         self._cp = cp
         self.device = int(cp.cuda.runtime.getDevice()) if device is None else int(device)
@@ -132,6 +133,7 @@ class IPCRendezvous:
                 mem_handles_b64=self.slots.mem_handles_b64(), event_handles_b64=self.slots.event_handles_b64(),
                 device_uuid=device_uuid(cp, self.device), packed=packed, packed_buffer_size_bytes=slot_bytes,
                 packed_num_buffers=num_slots, timeout_s=timeout_s, release_after_round=release_after_round,
+                stage_budget_bytes=stage_budget_bytes,
             ).to_dict()
         except BaseException:
             self.slots.destroy()
@@ -213,6 +215,7 @@ class IPCBackend(Backend):
             world_size=world_size, device=info.device, slot_bytes=info.packed_buffer_size_bytes,
             num_slots=info.packed_num_buffers, packed=info.packed, timeout_s=float(info.timeouts.transfer_s),
             release_after_round=info.ipc_release_after_round, mode=info.ipc_mode,
+            stage_budget_bytes=info.stage_budget_bytes,
         )
         return _PendingIPC(rdv.payload, rdv)
 

@@ -65,6 +65,7 @@ class WeightwireNCCLBackend(NCCLBackend):
             nccl_unique_id_b64=encode_secret(unique_id), rank_offset=1, world_size=world_size,
             packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
             packed_num_buffers=info.packed_num_buffers, timeout_s=float(info.timeouts.transfer_s),
+            stage_budget_bytes=info.stage_budget_bytes,
         ).to_dict()
 
 

@@ -50,6 +50,7 @@ KIND_STATUS = {
     "invalid": 400, "conflict": 409, "transfer": 502, "timeout": 504, "internal": 500, "dead": 503, "aborted": 503,
     "model": 500,
     "unavailable": 503,
+    "incomplete": 503,
 }
 """HTTP status for each failure kind a worker (or the pool) reports."""
 

@@ -21,7 +21,7 @@ from weightwire.shared.info import UpdateInfo
 from weightwire.shared.init_infos import INIT_INFO_TYPES
 from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
-from weightwire.torch_side.server.replicas import FanOutError, ReplicaPool
+from weightwire.torch_side.server.replicas import FanOutError, ReplicaError, ReplicaPool
 from weightwire.torch_side.server.session import Phase, SessionError
 from weightwire.torch_side.server.state import ServerState
 from weightwire.torch_side.server.web import ApiError, error_response, read_no_body, read_object
@@ -31,6 +31,7 @@ INLINE_UPDATE_BYTES = 64 << 10
 """Update bodies up to this size are validated on the event loop (well under a millisecond
 even for a few hundred tensors' metadata); bigger ones on a worker thread."""
 _VERDICT_GRACE_S = 10.0
+_WEIGHTS_STATE_S = 5.0  # a replica answers /weight_info's question from its reader thread, at once
 """How much longer than its own ``timeout_s`` the API waits for a worker's finish verdict:
 the worker decides (commit or not) within ``timeout_s``; this only covers a wedged one."""
 
@@ -181,13 +182,28 @@ def _check_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get(_route("weight_info"))
     async def weight_info() -> dict[str, Any]:
+        per = await _weights_state(state)
+        incomplete = [r for r in per if r.get("round_incomplete")]
         return {"weight_version": session.weight_version, "session": session.describe(),
-                "sleep": state.sleep.describe()}
+                "round_incomplete": bool(incomplete),
+                "incomplete_reason": incomplete[0].get("reason") if incomplete else None,
+                "replica_weights": per, "sleep": state.sleep.describe()}
 
     @app.post(_route("weight_checker"))
     async def weight_checker(request: Request) -> dict[str, Any]:
         body = await read_object(request, allowed=("action", "baseline"), required=("action",))
         return await _check_weights(state, body["action"], body.get("baseline"))
+
+
+async def _weights_state(state: ServerState) -> list[dict[str, Any]]:
+    """Each replica's ``weights`` answer (answered by its reader thread at once, even mid-round);
+    a replica that cannot answer is reported, never a reason to fail the route."""
+    async def one(replica: Any) -> dict[str, Any]:
+        try:
+            return dict(await replica.call("weights", timeout=_WEIGHTS_STATE_S))
+        except ReplicaError as exc:
+            return {"round_incomplete": None, "reason": str(exc)}
+    return list(await asyncio.gather(*(one(r) for r in state.pool.replicas)))
 
 
 async def _check_weights(state: ServerState, action: Any, baseline: Any) -> dict[str, Any]:

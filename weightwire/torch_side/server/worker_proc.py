@@ -10,9 +10,14 @@ so a long receive never stalls what must stay responsive:
   ``finish`` takes the same lock to commit, so a request sees either the old
   weights or the new ones, never a mix (staged tensors never touch parameters);
 - the stdin reader handles ``abort`` / ``cancel`` / ``cancel_call`` / ``cancel_sleep`` /
-  ``round_stale`` / ``ping`` itself, at once: ``abort`` must reach a receive that is blocked on
-  the control thread, and a ``cancel_call`` (the API stopped waiting for one generation) a
-  decode loop that checks for it between steps.
+  ``round_stale`` / ``ping`` / ``weights`` itself, at once: ``abort`` must reach a receive
+  that is blocked on the control thread, and a ``cancel_call`` (the API stopped waiting for
+  one generation) a decode loop that checks for it between steps.
+
+A round over the stage budget is written in place (``strategy.StreamingRound``): each
+write takes ``model_lock``, and from the round's first write until a complete round
+commits a generation is refused (``ModelIncomplete``, HTTP 503 naming why), so no request is
+answered by a half-updated model.
 
 A finish waits for the model lock at most its ``timeout_s`` and never commits after
 an ``abort`` that arrived while it waited: otherwise the API, having answered "timed
@@ -59,6 +64,10 @@ class CommitAborted(ReferenceServerError):
     """A finish whose round was aborted (``abort`` op) before it could commit."""
 
 
+class ModelIncomplete(ReferenceServerError):
+    """A generation refused: the model holds part of a round applied in place."""
+
+
 _LOCK_POLL_S = 0.05  # how often a finish waiting for the model lock looks for an abort
 
 
@@ -75,6 +84,8 @@ def classify(exc: BaseException) -> str:
         return "unavailable"
     if isinstance(exc, SleepCancelled):
         return "timeout"  # only ever after the API's own wait ran out
+    if isinstance(exc, ModelIncomplete):
+        return "incomplete"
     if isinstance(exc, CommitAborted):
         return "transfer"
     if isinstance(exc, WeightReceiveError) and exc.__cause__ is not None:
@@ -98,6 +109,7 @@ class Worker:
 
         from weightwire.torch_side.server.generate import Generator
         from weightwire.torch_side.worker import HFModelHost
+        from weightwire.torch_side.worker.strategy import WeightState
 
         self.spec = spec
         hf_logging.disable_progress_bar()  # the worker's stderr is the server's log
@@ -109,7 +121,10 @@ class Worker:
             self.device = torch.device(spec.device)
         self.model = _load_model(spec.model_dir).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
-        self.host = HFModelHost(self.model)
+        self.model_lock = threading.Lock()
+        self.host = HFModelHost(self.model, write_lock=self.model_lock)
+        self.weights = WeightState()
+        """Whether the model is whole: kept across this replica's engines (sessions)."""
         cfg = self.model.config
         self.max_model_len = int(getattr(cfg, "max_position_embeddings", 2048))
         self.vocab_size = int(cfg.vocab_size)
@@ -124,7 +139,6 @@ class Worker:
             self.model, self.tokenizer, device=self.device,
             model_name=os.path.basename(os.path.normpath(spec.model_dir)), max_model_len=self.max_model_len,
         )
-        self.model_lock = threading.Lock()
         self.sleep = WorkerSleep(self.model, self.device, self.model_lock, self.host.param_names)
         self.engine: Any = None
         self.cancel_epoch = 0
@@ -141,7 +155,7 @@ class Worker:
     # -- control lane ---------------------------------------------------------------
     def _new_engine(self) -> Any:
         cls = backends.load(backends.get(self.spec.backend).worker_engine)
-        return cls.standalone(model=self.host, device=self.device, worker_rank=self.spec.index)
+        return cls.standalone(model=self.host, device=self.device, worker_rank=self.spec.index, weights=self.weights)
 
     def op_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
         self._teardown()
@@ -235,9 +249,28 @@ class Worker:
                 if cancelled():
                     raise GenerationAborted("request dropped before it started: the API stopped waiting for it")
                 self.sleep.check_serving()
+                refusal = self.refusal()
+                if refusal is not None:
+                    raise ModelIncomplete(refusal)
                 return self.generator.complete(request, cancelled)
         finally:
             self.calls.ended(call_id)
+
+    def refusal(self) -> str | None:
+        """Why generation is refused now (a round in place, or one left incomplete), or None."""
+        incomplete = self.weights.incomplete
+        if incomplete is not None:
+            return f"{incomplete.describe()}; generation is refused until then"
+        if self.host.in_place_round:
+            return ("a weight round is being applied in place (it exceeded the stage budget); generation is "
+                    "refused until it commits")
+        return None
+
+    def weights_state(self) -> dict[str, Any]:
+        """``/weight_info``'s view of this replica: is the model whole."""
+        incomplete = self.weights.incomplete
+        return {"round_incomplete": incomplete is not None or self.host.in_place_round, "reason": self.refusal(),
+                "tensors_in_doubt": 0 if incomplete is None else len(incomplete.names)}
 
     def op_checksum(self) -> dict[str, str]:
         with self.model_lock:
@@ -290,6 +323,8 @@ class Loop:
         w = self.worker
         if op == "ping":
             self.reply({"id": msg_id, "ok": True, "result": w.describe()})
+        elif op == "weights":
+            self.reply({"id": msg_id, "ok": True, "result": w.weights_state()})
         elif op == "cancel":
             w.cancel_epoch += 1
             self.reply({"id": msg_id, "ok": True, "result": None})

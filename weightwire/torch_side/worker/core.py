@@ -5,15 +5,15 @@ thin shells over this class, so the reference server and a real vLLM worker run 
 same code for session rules, metadata reuse, pipelining, loading and failure
 handling.
 
-Round outcomes (``staged=True``, the vLLM engines' mode): start and update never
-touch the model. The update info is checked against the model's ``ModelSpec`` before
-a byte is received; the round's tensors are received into fresh buffers and held;
-finish applies all of them in one call (framework begin, ``load_weights`` layer by
-layer, commit). So a round that fails or is abandoned anywhere before finish leaves
-the previous weights in place exactly, and no request can run against a half-loaded
-model (a worker runs one call at a time). ``staged=False`` streams each chunk into
-``load_weights`` as it lands (less memory; a failure mid-round then leaves completed
-layers new).
+Round outcomes: the update info is checked against the model's ``ModelSpec`` before
+a byte is received. A round within the init info's ``stage_budget_bytes`` is staged
+(``strategy.StagedRound``): received into fresh buffers, held, and applied in one call
+at finish, so a round that fails before finish leaves the previous weights exactly. A
+larger round streams (``strategy.StreamingRound``): each chunk goes into
+``load_weights`` as it lands, so the worker's extra memory is its receive buffers plus
+the budget; a failure after the first in-place write leaves the model part new, which
+``WeightState`` records (``incomplete_round``) until a complete round commits. The
+trainer refuses generation around such a round (``shared.staging.round_streams``).
 
 Failure rule: any error while a round is receiving aborts the communicator (the
 trainer then fails fast with ``PeerLost`` instead of waiting out its timeout, and a
@@ -33,26 +33,31 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from weightwire.shared.errors import WeightwireError
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
+from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.load import (
     LOAD_BATCHING,
     FrameworkHooks,
     MetaCache,
     ReceiveStats,
-    call_hook,
-    load_batches,
-    load_staged,
     receive_chunks,
 )
 from weightwire.torch_side.worker.receive import ReceiveLink
 from weightwire.torch_side.worker.spec import ModelSpec
+from weightwire.torch_side.worker.strategy import (
+    IncompleteRound,
+    ReceiveStrategy,
+    RoundTarget,
+    WeightState,
+    first_strategy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +90,9 @@ class _ReceiverCore:
         worker_rank: int = 0,
         framework: FrameworkHooks | None = None,
         load_batching: str = "chunk",
-        staged: bool = False,
         spec: Callable[[], ModelSpec | None] | None = None,
         lease_s: float | None = None,
+        weights: WeightState | None = None,
     ) -> None:
         if load_batching not in LOAD_BATCHING:
             raise ValueError(f"load_batching must be one of {LOAD_BATCHING}, got {load_batching!r}")
@@ -101,11 +106,11 @@ class _ReceiverCore:
         self._worker_rank = worker_rank
         self._framework = framework
         self._load_batching = load_batching
-        self._staged_mode = staged
         self._spec_fn = spec
         self._specs: dict[int, tuple[Any, ModelSpec | None]] = {}
         self.lease_s = float(lease_s) if lease_s is not None else Timeouts.from_env().http_s
-        self._staged: list[tuple[str, torch.Tensor]] = []
+        self.weights = weights if weights is not None else WeightState()
+        self._round: ReceiveStrategy | None = None
         self._touched = 0.0  # monotonic time of the session's last round call
         self.session: str | None = None
         self._link: ReceiveLink | None = None
@@ -119,6 +124,20 @@ class _ReceiverCore:
     @property
     def active(self) -> bool:
         return self._active
+
+    @property
+    def incomplete_round(self) -> IncompleteRound | None:
+        """Set while the model holds part of a round applied in place (see ``WeightState``)."""
+        return self.weights.incomplete
+
+    @property
+    def stage_budget_bytes(self) -> int:
+        return getattr(self._info, "stage_budget_bytes", DEFAULT_STAGE_BUDGET_BYTES)
+
+    @property
+    def strategy(self) -> str | None:
+        """The open round's strategy name (``staged`` / ``streaming``), or None between rounds."""
+        return self._round.name if self._round is not None else None
 
     @property
     def initialized(self) -> bool:
@@ -153,6 +172,9 @@ class _ReceiverCore:
         previous, self.session = self.session, uuid.uuid4().hex[:12]
         log.info("%s: session %s joined as rank %d of %d (packed=%s)%s", self.backend, self.session, rank,
                  info.world_size, info.packed, f"; displaced session {previous}" if previous else "")
+        if self.weights.incomplete is not None:
+            log.warning("%s: session %s starts on an incomplete model: %s", self.backend, self.session,
+                        self.weights.incomplete.describe())
 
     def start(self) -> None:
         if self._active:
@@ -162,57 +184,29 @@ class _ReceiverCore:
         self._touched = time.monotonic()
         assert self._link is not None
         self._link.round_started()
-        if self._staged_mode:
-            self._staged = []
-            self._active = True
-            return
-        model, _ = self._target()
-        if self._framework is not None:
-            self._framework.begin(model)
-        try:
-            call_hook(model, "begin_round")
-        except BaseException:
-            self._abort_hooks()
-            raise
+        model, model_config = self._target()
+        target = RoundTarget(self.backend, model, model_config, self._framework, self._load_batching)
+        self._round = first_strategy(target, self.stage_budget_bytes)
         self._active = True
 
     def finish(self) -> None:
         if not self._active:
             raise RuntimeError(f"{self.backend}: finish_weight_update called without start_weight_update")
-        if self._staged_mode:
-            staged, self._staged = self._staged, []
-            self._active = False
-            if staged:
-                self._apply(staged)
-            return
-        model, model_config = self._target()
-        try:
-            call_hook(model, "commit_round")
-        except BaseException:
-            self._abort_hooks()
-            self._active = False
-            raise
+        round_, self._round = self._round, None
         self._active = False
-        if self._framework is not None:
-            self._framework.commit(model, model_config)
-
-    def _apply(self, staged: list[tuple[str, torch.Tensor]]) -> None:
-        """Load a fully received round in one call: nothing can run in between."""
-        model, model_config = self._target()
-        if self._framework is not None:
-            staged = self._framework.prepare(model, staged)
-            self._framework.begin(model)
+        assert round_ is not None
         try:
-            load_staged(model, staged)
+            round_.commit()
         except BaseException as exc:
-            self._abort_hooks()
+            if not round_.wrote:
+                raise
+            self.weights.broke(self.session, f"applying the round failed: {type(exc).__name__}", frozenset(round_.names))
             raise WeightReceiveError(
                 f"{self.backend}: applying the received round failed ({type(exc).__name__}: {exc}); "
                 "layers not yet complete kept their previous weights, completed ones hold the new round: "
                 "send a full round again"
             ) from exc
-        if self._framework is not None:
-            self._framework.commit(model, model_config)
+        self.weights.committed(frozenset(round_.names))
 
     def shutdown(self) -> None:
         """Idempotent teardown; an active round is aborted (shutdown never raises for it)."""
@@ -264,19 +258,10 @@ class _ReceiverCore:
         started = time.perf_counter()
         progress = [-1]  # index of the chunk being received or loaded
         try:
-            if self._staged_mode:
-                received: list[tuple[str, torch.Tensor]] = []
-                for pairs in receive_chunks(link, metas, chunks, packed=self._info.packed, progress=progress,
-                                            plans=resolved.unpack):
-                    received.extend(pairs)
-                self._staged.extend(received)  # only once every byte of this update landed
-            else:
-                with self._framework.receive_context() if self._framework is not None else nullcontext():
-                    chunk_pairs = receive_chunks(link, metas, chunks, packed=self._info.packed, progress=progress,
-                                                 plans=resolved.unpack)
-                    for pairs in load_batches(chunk_pairs, self._load_batching):
-                        model.load_weights(pairs)
-                        del pairs  # let the chunk buffer go before the next one is posted
+            assert self._round is not None
+            self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
+            self._round.receive(receive_chunks(link, metas, chunks, packed=self._info.packed, progress=progress,
+                                               plans=resolved.unpack))
         except BaseException as exc:
             where = f"at chunk {progress[0] + 1}/{len(chunks)}" if progress[0] >= 0 else "before the first chunk"
             if update.src:
@@ -323,11 +308,7 @@ class _ReceiverCore:
                 link.abort()
             except Exception:  # the original error is the one to report
                 log.exception("%s: communicator abort failed", self.backend)
-        if self._staged_mode:
-            self._drop_round(where)
-        else:
-            self._abort_hooks()
-        self._active = False
+        self._drop_round(where)
         log.error("%s: round failed %s: %s: %s", self.backend, where, type(exc).__name__, exc)
 
     def stale_reason(self) -> str | None:
@@ -348,33 +329,25 @@ class _ReceiverCore:
             return f"no call for {idle:.0f} s (lease {self.lease_s:.0f} s)"
         return None
 
-    def _drop_round(self, why: str) -> None:
-        """Abandon the open round. Staged: the model was never touched, so this only
-        frees the held tensors; streaming: the model's and framework's aborts run."""
-        if self._staged_mode:
-            dropped, self._staged = len(self._staged), []
-            log.info("%s: round dropped (%s); %d received tensors discarded, weights unchanged",
-                     self.backend, why, dropped)
-        else:
-            self._abort_hooks()
+    def _end_round(self, why: str) -> None:
+        """Abort the open round; one that wrote in place leaves the model incomplete."""
+        round_, self._round = self._round, None
         self._active = False
+        if round_ is None:
+            return
+        round_.abort(why)
+        if round_.wrote:
+            self.weights.broke(self.session, f"{round_.name} round ended without its commit: {why}",
+                               frozenset(round_.names))
+
+    def _drop_round(self, why: str) -> None:
+        """Abandon the open round (stale trainer, shutdown) and tell the framework."""
+        self._end_round(why)
         if self._framework is not None:
             try:
                 self._framework.round_dropped()
             except Exception:
                 log.exception("%s: framework round_dropped failed", self.backend)
-
-    def _abort_hooks(self) -> None:
-        model, model_config = self._target()
-        try:
-            call_hook(model, "abort_round")
-        except Exception:
-            log.exception("%s: model.abort_round failed", self.backend)
-        if self._framework is not None:
-            try:
-                self._framework.abort(model, model_config)
-            except Exception:
-                log.exception("%s: framework abort failed", self.backend)
 
     def _close_link(self) -> None:
         link, self._link = self._link, None

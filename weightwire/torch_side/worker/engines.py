@@ -20,6 +20,7 @@ from weightwire.backends import TCP, WEIGHTWIRE_NCCL
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import ReceiveStats, _ReceiverCore
+from weightwire.torch_side.worker.strategy import IncompleteRound, WeightState
 
 
 class EngineFacade:
@@ -79,6 +80,12 @@ class EngineFacade:
         return self._core.stale_reason()
 
     @property
+    def incomplete_round(self) -> IncompleteRound | None:
+        """Set while the model holds part of a round applied in place (a round that failed
+        after its first in-place write), until a complete round commits."""
+        return self._core.incomplete_round
+
+    @property
     def last_stats(self) -> ReceiveStats | None:
         """Tensors, chunks, bytes and seconds of the last ``update_weights``."""
         return self._core.last_stats
@@ -94,6 +101,7 @@ class _StandaloneEngine(EngineFacade):
         device: torch.device | str | None = None,
         worker_rank: int = 0,
         load_batching: str = "chunk",
+        weights: WeightState | None = None,
     ) -> None:
         if not callable(getattr(model, "load_weights", None)):
             raise TypeError(f"model must have a load_weights(list[(name, tensor)]) method, got {type(model).__name__}")
@@ -102,16 +110,18 @@ class _StandaloneEngine(EngineFacade):
         self._core = _ReceiverCore(
             backend=self.backend, device=self.device, target=lambda: (self.model, None),
             connect=self._connect, info_type=self.init_info_cls, worker_rank=worker_rank,
-            load_batching=load_batching,
+            load_batching=load_batching, weights=weights,
         )
 
     @classmethod
     def standalone(
-        cls, *, model: Any, device: torch.device | str | None = None, worker_rank: int = 0, load_batching: str = "chunk"
+        cls, *, model: Any, device: torch.device | str | None = None, worker_rank: int = 0,
+        load_batching: str = "chunk", weights: WeightState | None = None,
     ) -> Any:
         """The reference server's constructor: ``worker_rank`` is this replica's index
-        among the server's workers (its wire rank is ``rank_offset + worker_rank``)."""
-        return cls(model=model, device=device, worker_rank=worker_rank, load_batching=load_batching)
+        among the server's workers (its wire rank is ``rank_offset + worker_rank``);
+        ``weights``: the model's ``WeightState``, kept across this model's engines."""
+        return cls(model=model, device=device, worker_rank=worker_rank, load_batching=load_batching, weights=weights)
 
     _connect = staticmethod(connect)
 

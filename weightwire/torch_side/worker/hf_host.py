@@ -4,7 +4,10 @@ The reference server's stand-in for vLLM's model: the engine hands it
 ``(hf_name, tensor)`` batches during a round; they are *staged*, validated on
 arrival, and copied into the parameters only at ``commit_round``. A round that fails
 midway (``abort_round``) therefore leaves the served weights exactly as they were,
-never a mix of two versions.
+never a mix of two versions. A round opened with ``begin_in_place_round`` (the
+engines' streaming strategy) instead copies each tensor into its parameter as it
+arrives, holding nothing; a failure then leaves the model part new, which the engine
+records (``strategy.WeightState``) and the server refuses to serve.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 
@@ -33,7 +37,11 @@ class HFModelHost:
     over freshly allocated chunk buffers).
     """
 
-    def __init__(self, hf_model: torch.nn.Module, *, cast_to_param_dtype: bool = False) -> None:
+    transactional_rounds = True
+    """A ``begin_round`` .. ``commit_round`` round is all-or-nothing (see ``strategy.StagedRound``)."""
+
+    def __init__(self, hf_model: torch.nn.Module, *, cast_to_param_dtype: bool = False,
+                 write_lock: threading.Lock | None = None) -> None:
         if not isinstance(hf_model, torch.nn.Module):
             raise TypeError(f"HFModelHost needs a torch.nn.Module, got {type(hf_model).__name__}")
         self.model = hf_model
@@ -47,6 +55,9 @@ class HFModelHost:
         self._tied = any(a != c for a, c in self._alias.items())
         self._stage: dict[str, torch.Tensor] | None = None
         self._lock = threading.Lock()
+        self._write_lock = write_lock
+        """Held around each in-place write: whoever reads the parameters (generation) holds it too."""
+        self._in_place = False
         self.rounds_committed = 0
         self.last_committed: frozenset[str] = frozenset()
         """Canonical names the last committed round wrote."""
@@ -54,14 +65,26 @@ class HFModelHost:
     # ------------------------------------------------------------------ round
     @property
     def in_round(self) -> bool:
-        return self._stage is not None
+        return self._stage is not None or self._in_place
+
+    @property
+    def in_place_round(self) -> bool:
+        """A round is being applied in place: the parameters are a mix until it commits."""
+        return self._in_place
 
     def begin_round(self) -> None:
         with self._lock:
-            if self._stage is not None:
+            if self.in_round:
                 raise RuntimeError("HFModelHost: begin_round while a round is open; commit or abort it first")
             self._stage = {}
             self.last_committed = frozenset()
+
+    def begin_in_place_round(self) -> None:
+        """Open a round whose tensors go straight into the parameters (no staging copy)."""
+        with self._lock:
+            if self.in_round:
+                raise RuntimeError("HFModelHost: begin_in_place_round while a round is open; commit or abort it first")
+            self._in_place = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Validate and stage ``(name, tensor)`` pairs; returns the canonical names staged.
@@ -70,6 +93,8 @@ class HFModelHost:
         mismatch, or a conflicting duplicate. The round stays open: the engine
         decides to abort it.
         """
+        if self._in_place:
+            return self._write_in_place(weights)
         with self._lock:
             if self._stage is None:
                 raise RuntimeError("HFModelHost: load_weights outside a round; call begin_round first")
@@ -85,6 +110,18 @@ class HFModelHost:
                 self._stage[key] = tensor.detach()
                 staged.add(key)
             return staged
+
+    def check_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Raise ``ValueError`` naming the first tensor ``load_weights`` would refuse."""
+        for name, tensor in weights:
+            self._check(name, tensor)
+
+    def _write_in_place(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        pairs = [(self._check(name, tensor), tensor) for name, tensor in weights]  # the whole batch checked first
+        with self._write_lock if self._write_lock is not None else nullcontext(), self._lock, torch.no_grad():
+            for key, tensor in pairs:
+                self._params[key].copy_(tensor)
+        return {key for key, _ in pairs}
 
     def _check(self, name: str, tensor: torch.Tensor) -> str:
         key = self._alias.get(name)
@@ -106,6 +143,10 @@ class HFModelHost:
     def commit_round(self) -> int:
         """Copy every staged tensor into its parameter; returns how many were applied."""
         with self._lock:
+            if self._in_place:
+                self._in_place = False
+                self.rounds_committed += 1
+                return 0
             if self._stage is None:
                 raise RuntimeError("HFModelHost: commit_round without begin_round")
             stage, self._stage = self._stage, None
@@ -126,9 +167,11 @@ class HFModelHost:
                 if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())]
 
     def abort_round(self) -> None:
-        """Drop the staged tensors; the parameters are untouched. Safe without a round."""
+        """Drop the staged tensors; the parameters are untouched (an in-place round's
+        writes stay: the engine records the model as incomplete). Safe without a round."""
         with self._lock:
             self._stage = None
+            self._in_place = False
 
     def _retie(self) -> None:
         # copy_ writes into the shared Parameter, so ties survive; this guards

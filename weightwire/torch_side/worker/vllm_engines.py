@@ -5,13 +5,15 @@ Imported only by vLLM's ``WeightTransferEngineFactory`` (registered lazily by
 constructs ``cls(config, vllm_config, device, model)``; that signature and the
 worker-side method set are the same in vLLM 0.32 and 0.33.
 
-Inside vLLM a round is staged (see ``core``): start and update leave the model as
-it is; the update info is checked against the served checkpoint (``ModelSpec``)
-before a byte is received; finish applies the whole round inside vLLM's layerwise
-reload, as vLLM's own checkpoint-format engines do (a layer is processed and copied
-into the running kernels once all of its tensors arrived; the rest is finalized),
-then refreshes tied heads. A worker runs one call at a time, so no request ever sees
-a layer on the meta device, and a round that fails before finish changes nothing.
+Inside vLLM a round within the stage budget is staged (see ``core`` and ``strategy``):
+start and update leave the model as it is, and finish applies the whole round inside
+vLLM's layerwise reload, as vLLM's own checkpoint-format engines do (a layer is
+processed and copied into the running kernels once all of its tensors arrived; the
+rest is finalized), then refreshes tied heads. A larger round is applied inside the
+same reload as its bytes land, within the one ``update_weights`` call. A worker runs one
+call at a time, so no request ever sees a layer on the meta device; a round that fails
+after its first in-place write leaves some layers new (``incomplete_round``): the
+trainer keeps generation paused in a refusing mode until a complete round commits.
 """
 
 from __future__ import annotations
@@ -232,7 +234,6 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):
             info_type=self.init_info_cls,
             worker_rank=worker_rank(self.parallel_config),
             framework=self._reload,
-            staged=True,
             # The served checkpoint describes the main model only; a draft round is not pre-checked.
             spec=lambda: checkpoint_spec(self.model_config, model) if self.model is model else None,
         )

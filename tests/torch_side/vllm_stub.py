@@ -1,0 +1,365 @@
+"""vLLM's plugin engine class without vLLM: small fakes of the few ``vllm.*`` pieces it imports.
+
+``install_fake_vllm()`` puts into ``sys.modules``: ``WeightTransferEngine`` (the base:
+it keeps config, model and the parallel / model config), and a layerwise reload that
+behaves like vLLM's for what matters here: ``initialize_layerwise_reload`` wraps every
+parameter's ``weight_loader`` so loads are *buffered* (the loaded tensors are kept, not
+copied) per layer; once a layer's loaded element count reaches its size, the layer is
+*materialized* (fresh device memory the size of the layer), the buffered loads are
+replayed into it with the original loaders, and the result is copied into the running
+parameters (vLLM keeps its kernels' storage); ``finalize_layerwise_reload`` processes
+what is left and unwraps the loaders. So a round's extra memory is vLLM's: the receive
+buffers its buffered loads keep alive, plus one layer being materialized.
+
+``FakeLlama`` lays parameters out like vLLM's Llama (fused ``qkv_proj`` and
+``gate_up_proj``; a ``load_weights`` that maps Hugging Face names onto shards and
+narrows and copies like vLLM's loaders).
+
+Run as a worker (the trainer drives it with ``LoopbackClient``)::
+
+    python -m tests.torch_side.vllm_stub --backend weightwire_ipc --device cuda:0 --shape llama3-8b
+
+It prints ``weightwire loopback ready on HOST:PORT``. Extra ops: ``memory`` (baseline,
+torch peak since the round's start, the IPC receive pool), ``digests`` (per Hugging Face
+tensor, read back out of the fused parameters), ``incomplete``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SHAPES = {
+    # hidden, intermediate, layers, heads, kv heads, head dim, vocab
+    "llama3-8b": (4096, 14336, 32, 32, 8, 128, 128256),
+    "tiny": (64, 160, 3, 4, 2, 16, 96),
+}
+
+
+# ----------------------------------------------------------------------------- fake vLLM
+@dataclass
+class _LayerInfo:
+    kernel: dict[str, torch.nn.Parameter] | None = None
+    loaders: dict[str, Any] = field(default_factory=dict)
+    loaded_weights: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    load_numel: int = 0
+    load_numel_total: int = 0
+
+    def can_load(self) -> bool:
+        return self.kernel is not None
+
+
+_INFO: dict[int, _LayerInfo] = {}
+
+
+def get_layerwise_info(layer: torch.nn.Module) -> _LayerInfo:
+    return _INFO.setdefault(id(layer), _LayerInfo())
+
+
+def _own_params(layer: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return dict(layer.named_parameters(recurse=False))
+
+
+def initialize_layerwise_reload(model: torch.nn.Module) -> None:
+    for layer in model.modules():
+        params = _own_params(layer)
+        info = get_layerwise_info(layer)
+        if not params or info.can_load():
+            continue
+        info.kernel, info.load_numel, info.loaded_weights = params, 0, []
+        info.load_numel_total = sum(p.numel() for p in params.values())
+        for name, param in params.items():
+            info.loaders[name] = param.weight_loader  # type: ignore[attr-defined]
+            param.weight_loader = _buffering_loader(layer, name)  # type: ignore[attr-defined]
+
+
+def _buffering_loader(layer: torch.nn.Module, name: str) -> Any:
+    info = get_layerwise_info(layer)
+
+    def load(param: torch.nn.Parameter, loaded: torch.Tensor, *shard: Any) -> None:
+        info.loaded_weights.append((name, (loaded, *shard)))  # kept, not copied: the receive buffer stays alive
+        info.load_numel += loaded.numel()
+        if info.load_numel >= info.load_numel_total:
+            _process(layer, info)
+
+    return load
+
+
+def _process(layer: torch.nn.Module, info: _LayerInfo) -> None:
+    """Materialize the layer in fresh memory, replay its loads, copy into the kernel tensors."""
+    assert info.kernel is not None
+    fresh = {n: torch.empty_like(p) for n, p in info.kernel.items()}
+    for name, (loaded, *shard) in info.loaded_weights:
+        info.loaders[name](fresh[name], loaded, *shard)
+    with torch.no_grad():
+        for n, p in info.kernel.items():
+            p.data.copy_(fresh[n])
+    del fresh
+    _unwrap(info)
+
+
+def _unwrap(info: _LayerInfo) -> None:
+    assert info.kernel is not None
+    for n, p in info.kernel.items():
+        p.weight_loader = info.loaders[n]  # type: ignore[attr-defined]
+    info.kernel, info.loaded_weights, info.load_numel = None, [], 0
+
+
+def finalize_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None:
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if not info.can_load():
+            continue
+        if info.load_numel > 0:  # partly loaded (vLLM: "delayed processing")
+            _process(layer, info)
+        else:  # untouched: the kernel tensors stay as they are
+            _unwrap(info)
+
+
+class WeightTransferEngine:
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        self.config, self.vllm_config = config, vllm_config
+        self.parallel_config = vllm_config.parallel_config
+        self.model_config = vllm_config.model_config
+        self.device, self.model = device, model
+
+
+def install_fake_vllm() -> None:
+    """The ``vllm.*`` modules ``weightwire.torch_side.worker.vllm_engines`` imports (idempotent)."""
+    def module(name: str, **attrs: Any) -> None:
+        mod = sys.modules.get(name) or types.ModuleType(name)
+        for k, v in attrs.items():
+            setattr(mod, k, v)
+        sys.modules[name] = mod
+
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer", "vllm.model_executor",
+                 "vllm.model_executor.model_loader"):
+        module(name)
+    module("vllm.distributed.weight_transfer.base", WeightTransferEngine=WeightTransferEngine)
+    module("vllm.model_executor.model_loader.reload", initialize_layerwise_reload=initialize_layerwise_reload,
+           finalize_layerwise_reload=finalize_layerwise_reload)
+    module("vllm.model_executor.model_loader.reload.layerwise", get_layerwise_info=get_layerwise_info)
+
+
+# ----------------------------------------------------------------------------- the model
+def hf_shapes(shape: str) -> dict[str, tuple[int, ...]]:
+    """Hugging Face Llama names and shapes, in checkpoint order (layer by layer)."""
+    hidden, inter, layers, heads, kv, hd, vocab = SHAPES[shape]
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.update({
+            p + "self_attn.q_proj.weight": (heads * hd, hidden), p + "self_attn.k_proj.weight": (kv * hd, hidden),
+            p + "self_attn.v_proj.weight": (kv * hd, hidden), p + "self_attn.o_proj.weight": (hidden, heads * hd),
+            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        })
+    out.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
+    return out
+
+
+# HF suffix -> (fused parameter suffix, shard id)
+_STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class _Linear(torch.nn.Module):
+    """One parameter with a vLLM-style loader: ``shards`` maps a shard id to its rows."""
+
+    def __init__(self, rows: int, cols: int | None, shards: dict[Any, tuple[int, int]], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        shape = (rows,) if cols is None else (rows, cols)
+        self.weight = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+        self.shards = shards
+        self.weight.weight_loader = self.load  # type: ignore[attr-defined]
+
+    def load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+        if shard is None:
+            if param.shape != loaded.shape:
+                raise ValueError(f"shape mismatch: parameter {list(param.shape)}, loaded {list(loaded.shape)}")
+            param.data.copy_(loaded)
+            return
+        start, size = self.shards[shard]
+        if loaded.shape[0] != size:
+            raise ValueError(f"shard {shard!r} expects {size} rows, got {loaded.shape[0]}")
+        param.data.narrow(0, start, size).copy_(loaded)
+
+
+class FakeLlama(torch.nn.Module):
+    """vLLM's Llama parameter layout: ``model.layers.i.self_attn.qkv_proj.weight`` and so on."""
+
+    def __init__(self, shape: str, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, inter, layers, heads, kv, hd, vocab = SHAPES[shape]
+        q, k = heads * hd, kv * hd
+        self.params: dict[str, _Linear] = {}
+        mods: dict[str, _Linear] = {"model.embed_tokens": _Linear(vocab, hidden, {}, dtype, device)}
+        for i in range(layers):
+            p = f"model.layers.{i}."
+            mods[p + "self_attn.qkv_proj"] = _Linear(q + 2 * k, hidden, {"q": (0, q), "k": (q, k), "v": (q + k, k)},
+                                                     dtype, device)
+            mods[p + "self_attn.o_proj"] = _Linear(hidden, q, {}, dtype, device)
+            mods[p + "mlp.gate_up_proj"] = _Linear(2 * inter, hidden, {0: (0, inter), 1: (inter, inter)}, dtype, device)
+            mods[p + "mlp.down_proj"] = _Linear(hidden, inter, {}, dtype, device)
+            mods[p + "input_layernorm"] = _Linear(hidden, None, {}, dtype, device)
+            mods[p + "post_attention_layernorm"] = _Linear(hidden, None, {}, dtype, device)
+        mods["model.norm"] = _Linear(hidden, None, {}, dtype, device)
+        mods["lm_head"] = _Linear(vocab, hidden, {}, dtype, device)
+        self.layers = torch.nn.ModuleList(mods.values())
+        self.params = {name + ".weight": mod for name, mod in mods.items()}
+
+    def locate(self, hf_name: str) -> tuple[_Linear, Any]:
+        """The module holding ``hf_name`` and its shard id (``None``: the whole parameter)."""
+        prefix, _, leaf = hf_name.rpartition(".")  # leaf: "weight"
+        owner, _, kind = prefix.rpartition(".")
+        if kind in _STACKED:
+            fused, shard = _STACKED[kind]
+            return self.params[f"{owner}.{fused}.{leaf}"], shard
+        if hf_name not in self.params:
+            raise ValueError(f"unknown weight name {hf_name!r}")
+        return self.params[hf_name], None
+
+    def load_weights(self, weights: Any) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            mod, shard = self.locate(name)
+            mod.weight.weight_loader(mod.weight, tensor, *(() if shard is None else (shard,)))  # type: ignore[attr-defined]
+            loaded.add(name)
+        return loaded
+
+    def hf_view(self, hf_name: str) -> torch.Tensor:
+        mod, shard = self.locate(hf_name)
+        if shard is None:
+            return mod.weight.data
+        start, size = mod.shards[shard]
+        return mod.weight.data.narrow(0, start, size)
+
+
+def digest(t: torch.Tensor) -> list[int]:
+    """Two sums over a tensor's 16-bit words (plain and position-weighted), on its device, in
+    blocks: equal digests on both sides of a round mean every byte landed in its place."""
+    words = t.detach().contiguous().view(-1).view(torch.int16)
+    plain = weighted = 0
+    block = 1 << 26
+    for start in range(0, words.numel(), block):
+        w = words[start:start + block].to(torch.int64)
+        pos = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
+        plain += int(w.sum())
+        weighted += int((w * pos).sum())
+    return [plain, weighted]
+
+
+def trainer_tensors(shape: str, device: torch.device, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A round's bf16 tensors (fresh values per ``seed``), in checkpoint order."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, dims in hf_shapes(shape).items():
+        yield name, torch.randn(dims, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- the worker
+def serve(backend: str, device_name: str, shape: str) -> None:
+    install_fake_vllm()
+    from weightwire.testing.loopback import LOOPBACK_VERSION, READY, _recv_line, _send_line
+    from weightwire.torch_side.worker import vllm_engines
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cls = {"weightwire_ipc": vllm_engines.VllmWeightwireIPCEngine,
+           "weightwire_tcp": vllm_engines.VllmWeightwireTCPEngine}[backend]
+    model = FakeLlama(shape, torch.bfloat16, device)
+    cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(model=None, dtype=torch.bfloat16),
+                                parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0))
+    engine = cls(None, cfg, device, model)
+    lock, done = threading.Lock(), threading.Event()
+    memory: dict[str, int] = {}
+
+    def pool_bytes() -> int:
+        held = getattr(engine._core._link, "held_bytes", None)
+        return int(held()) if callable(held) else 0
+
+    def run(op: str, body: dict[str, Any]) -> Any:
+        if op == "version":
+            return {"version": LOOPBACK_VERSION}
+        if op == "get_world_size":
+            return {"world_size": 1}
+        if op in ("pause", "resume"):
+            return {"status": op}
+        if op == "exit":
+            done.set()
+            return None
+        if op == "incomplete":
+            incomplete = engine.incomplete_round
+            return None if incomplete is None else incomplete.describe()
+        with lock:
+            if op == "init_weight_transfer_engine":
+                engine.init_transfer_engine(engine.parse_init_info(body["init_info"]))
+            elif op == "start_weight_update":
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    memory.update(baseline=torch.cuda.memory_allocated(device), pool_before=pool_bytes())
+                engine.start_weight_update()
+            elif op == "update_weights":
+                engine.update_weights(body["update_info"])
+            elif op == "finish_weight_update":
+                engine.finish_weight_update()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    memory.update(peak=torch.cuda.max_memory_allocated(device), pool=pool_bytes())
+            elif op == "shutdown_weight_transfer_engine":
+                engine.shutdown()
+            elif op == "memory":
+                return dict(memory)
+            elif op == "digests":
+                return {name: digest(model.hf_view(name)) for name in hf_shapes(shape)}
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        return None
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            try:
+                request = _recv_line(conn)
+                reply = {"ok": True, "result": run(str(request["op"]), request.get("body") or {})}
+            except Exception as exc:
+                reply = {"ok": False, "status": 500, "error": f"{type(exc).__name__}: {exc}"}
+            with contextlib.suppress(OSError):
+                _send_line(conn, reply)
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    print(f"{READY}127.0.0.1:{listener.getsockname()[1]}", flush=True)
+    with listener:
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+    engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="vLLM's weightwire engine over fake vLLM reload hooks")
+    parser.add_argument("--backend", choices=("weightwire_ipc", "weightwire_tcp"), required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    args = parser.parse_args(argv)
+    serve(args.backend, args.device, args.shape)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""How a worker applies a round: staged (all or nothing) or streaming (in place).
+
+``StagedRound`` receives every byte of the round into fresh memory and applies it in
+one call at finish, so a round that fails before finish changes nothing; it costs a
+second copy of what the round carries. ``StreamingRound`` hands each chunk to
+``load_weights`` as it lands (inside vLLM: its layerwise reload, a layer applied once
+all of its tensors arrived), so the extra memory is the receive buffers, whatever the
+model's size; a round that fails after its first write leaves the model part new.
+
+A round starts staged while it fits the init info's ``stage_budget_bytes`` and turns
+into a streaming one (``admit``) at the update that would take it over the budget:
+the held tensors are applied first, then the rest streams. The trainer decides with the
+same ``shared.staging.round_streams`` whether to refuse generation around the round.
+
+``WeightState`` outlives sessions and engines: it records that the model holds part
+of a round applied in place (``IncompleteRound``), until a committed round rewrote
+every tensor the broken round may have touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, ClassVar
+
+from weightwire.shared.staging import round_streams
+from weightwire.torch_side.worker.load import FrameworkHooks, Pairs, call_hook, load_batches, load_staged
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundTarget:
+    """What one round loads into, fixed at its start."""
+
+    backend: str
+    model: Any
+    model_config: Any
+    framework: FrameworkHooks | None
+    load_batching: str = "chunk"
+
+
+@dataclass(frozen=True)
+class IncompleteRound:
+    """The model holds part of a round applied in place: some tensors new, others old."""
+
+    session: str | None
+    reason: str
+    names: frozenset[str]
+    """Every tensor the broken round may have written (the names of its updates)."""
+    since: float = field(default_factory=time.time)
+
+    def describe(self) -> str:
+        return (f"the model holds an incomplete weight round (session {self.session}, {self.reason}): "
+                f"{len(self.names)} tensor(s) may be new, the rest old; a complete round must commit "
+                "before it serves again")
+
+
+class WeightState:
+    """Whether the served model is whole; shared by every engine that loads into it."""
+
+    def __init__(self) -> None:
+        self.incomplete: IncompleteRound | None = None
+
+    def broke(self, session: str | None, reason: str, names: frozenset[str]) -> None:
+        """A round that wrote in place ended without its commit."""
+        names = names | (self.incomplete.names if self.incomplete is not None else frozenset())
+        self.incomplete = IncompleteRound(session, reason, names)
+        log.error("%s", self.incomplete.describe())
+
+    def committed(self, names: frozenset[str]) -> None:
+        """A round committed: the model is whole again once it rewrote every tensor in doubt."""
+        if self.incomplete is None:
+            return
+        missing = self.incomplete.names - names
+        if not missing:
+            log.warning("a complete round committed: the model is whole again")
+            self.incomplete = None
+            return
+        self.incomplete = IncompleteRound(self.incomplete.session, self.incomplete.reason, frozenset(missing))
+        log.error("a round committed but left %d tensor(s) of the incomplete round unwritten: %s",
+                  len(missing), self.incomplete.describe())
+
+
+class ReceiveStrategy(ABC):
+    """One round on one worker: ``receive`` per update, then ``commit`` or ``abort``."""
+
+    name: ClassVar[str]
+
+    def __init__(self, target: RoundTarget) -> None:
+        self.target = target
+        self.names: set[str] = set()
+        self.wrote = False
+        """True once a byte of this round may be in the model (in place)."""
+
+    def admit(self, nbytes: int, budget_bytes: int) -> ReceiveStrategy:
+        """The strategy for the round once an update of ``nbytes`` joins it."""
+        return self
+
+    @abstractmethod
+    def begin(self) -> None: ...
+
+    @abstractmethod
+    def receive(self, chunks: Iterator[Pairs]) -> None:
+        """Consume one update's chunks (``(name, tensor)`` views, in wire order)."""
+
+    @abstractmethod
+    def commit(self) -> None: ...
+
+    @abstractmethod
+    def abort(self, why: str) -> None:
+        """Abandon the round; never raises."""
+
+    def _abort_hooks(self) -> None:
+        t = self.target
+        try:
+            call_hook(t.model, "abort_round")
+        except Exception:
+            log.exception("%s: model.abort_round failed", t.backend)
+        if t.framework is not None:
+            try:
+                t.framework.abort(t.model, t.model_config)
+            except Exception:
+                log.exception("%s: framework abort failed", t.backend)
+
+
+class StagedRound(ReceiveStrategy):
+    """Hold every received tensor; apply all of them in one call at commit."""
+
+    name = "staged"
+
+    def __init__(self, target: RoundTarget) -> None:
+        super().__init__(target)
+        self.held: Pairs = []
+        self.held_bytes = 0
+
+    def admit(self, nbytes: int, budget_bytes: int) -> ReceiveStrategy:
+        if not round_streams(self.held_bytes + nbytes, budget_bytes):
+            return self
+        streaming = StreamingRound(self.target)
+        streaming.names = self.names
+        streaming.begin()
+        streaming.pending, self.held = self.held, []
+        if streaming.pending:
+            log.info("%s: the round outgrew the stage budget (%d bytes); the %d held tensors go in place first",
+                     self.target.backend, budget_bytes, len(streaming.pending))
+        return streaming
+
+    def begin(self) -> None:
+        pass
+
+    def receive(self, chunks: Iterator[Pairs]) -> None:
+        # A model that can check tensors without taking them (HFModelHost) does so as they
+        # land: a bad name fails this update, not the finish.
+        check = getattr(self.target.model, "check_weights", None)
+        received: Pairs = []
+        for pairs in chunks:
+            if callable(check):
+                check(pairs)
+            received.extend(pairs)
+        # Only once every byte of this update landed: a failed update adds nothing.
+        self.held.extend(received)
+        self.held_bytes += sum(t.numel() * t.element_size() for _, t in received)
+        self.names.update(n for n, _ in received)
+
+    def commit(self) -> None:
+        held, self.held = self.held, []
+        if not held:
+            return
+        t = self.target
+        if t.framework is not None:
+            held = t.framework.prepare(t.model, held)
+            t.framework.begin(t.model)
+        # A load that fails midway leaves completed layers new, unless the model's own
+        # begin_round .. commit_round is all-or-nothing (HFModelHost).
+        self.wrote = not getattr(t.model, "transactional_rounds", False)
+        try:
+            load_staged(t.model, held)
+        except BaseException:
+            self._abort_hooks()
+            raise
+        if t.framework is not None:
+            t.framework.commit(t.model, t.model_config)
+
+    def abort(self, why: str) -> None:
+        dropped, self.held = len(self.held), []
+        log.info("%s: round dropped (%s); %d received tensors discarded, weights unchanged",
+                 self.target.backend, why, dropped)
+
+
+class StreamingRound(ReceiveStrategy):
+    """Apply each chunk in place as it lands, between the framework's begin and commit.
+
+    The framework's round (vLLM: layerwise reload, which parks layers on the meta device
+    until their tensors arrive) opens at the first update, inside that worker call, not at
+    start: between start and the first update the model is whole and servable."""
+
+    name = "streaming"
+
+    def __init__(self, target: RoundTarget) -> None:
+        super().__init__(target)
+        self.pending: Pairs = []
+        """Tensors a staged start held before the round outgrew the budget: loaded first."""
+        self.opened = False
+
+    def begin(self) -> None:
+        pass
+
+    def _open(self) -> None:
+        t = self.target
+        self.opened = True
+        if t.framework is not None:
+            t.framework.begin(t.model)
+        try:
+            # A model that can apply in place says so with its own hook (HFModelHost).
+            hook = "begin_in_place_round" if callable(getattr(t.model, "begin_in_place_round", None)) else "begin_round"
+            call_hook(t.model, hook)
+        except BaseException:
+            self._abort_hooks()
+            raise
+
+    def receive(self, chunks: Iterator[Pairs]) -> None:
+        t = self.target
+        if not self.opened:
+            self._open()
+        if self.pending:
+            chunks, self.pending = chain([self.pending], chunks), []
+        check = getattr(t.model, "check_weights", None)
+        with t.framework.receive_context() if t.framework is not None else nullcontext():
+            for pairs in load_batches(chunks, t.load_batching):
+                if callable(check):
+                    check(pairs)  # a batch the model refuses is refused before any of it is written
+                self.names.update(n for n, _ in pairs)
+                if t.framework is not None:
+                    pairs = t.framework.prepare(t.model, pairs)
+                self.wrote = True
+                t.model.load_weights(pairs)
+                del pairs  # let the chunk buffer go before the next one is posted
+
+    def commit(self) -> None:
+        t = self.target
+        if not self.opened:
+            return  # no update: nothing was opened, nothing to apply
+        try:
+            call_hook(t.model, "commit_round")
+        except BaseException:
+            self._abort_hooks()
+            raise
+        if t.framework is not None:
+            t.framework.commit(t.model, t.model_config)
+
+    def abort(self, why: str) -> None:
+        if self.opened:
+            self._abort_hooks()
+
+
+def first_strategy(target: RoundTarget, budget_bytes: int) -> ReceiveStrategy:
+    """A round's strategy at start: staged unless nothing fits the budget (0: stream)."""
+    strategy: ReceiveStrategy = StagedRound(target) if budget_bytes > 0 else StreamingRound(target)
+    strategy.begin()
+    return strategy
