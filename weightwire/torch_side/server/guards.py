@@ -4,6 +4,7 @@ for, and rounds whose tensors are not finite (``--check-finite``)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from weightwire.shared.errors import ReferenceServerError
@@ -42,10 +43,11 @@ class LiveCalls:
             self._cancelled.discard(call_id)
 
 
-def refuse_non_finite(host: Any) -> None:
-    """Raise ``NonFiniteRound`` naming (up to five of) the staged tensors of ``host`` (an
-    ``HFModelHost``) that hold NaN or infinity."""
-    bad = host.non_finite_staged()
+def refuse_non_finite(pairs: Iterable[tuple[str, Any]]) -> None:
+    """Raise ``NonFiniteRound`` naming (up to five of) the round's not yet applied tensors
+    (``(name, torch.Tensor)``) that hold NaN or infinity."""
+    bad = [name for name, t in pairs
+           if (t.is_floating_point() or t.is_complex()) and not bool(t.isfinite().all())]
     if bad:
         shown = ", ".join(repr(n) for n in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise NonFiniteRound(f"the round's tensor(s) {shown} hold NaN or infinite values (--check-finite); "

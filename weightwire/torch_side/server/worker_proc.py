@@ -194,7 +194,7 @@ class Worker:
         engine = self._require_engine()
         epoch = self.abort_epoch if epoch is None else epoch
         if self.spec.check_finite:
-            refuse_non_finite(self.host)  # outside the model lock: generations go on meanwhile
+            refuse_non_finite([*engine.held_tensors(), *self.host.staged_tensors()])  # outside the model lock: generations go on meanwhile
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.model_lock.acquire(timeout=_LOCK_POLL_S):
             if self.abort_epoch != epoch:

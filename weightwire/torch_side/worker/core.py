@@ -139,6 +139,10 @@ class _ReceiverCore:
         """The open round's strategy name (``staged`` / ``streaming``), or None between rounds."""
         return self._round.name if self._round is not None else None
 
+    def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The open round's received tensors that are not in the model yet (none when streaming)."""
+        return self._round.held_tensors() if self._round is not None else []
+
     @property
     def initialized(self) -> bool:
         return self._link is not None

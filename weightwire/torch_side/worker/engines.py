@@ -65,6 +65,10 @@ class EngineFacade:
     def finish_weight_update(self) -> None:
         self._core.finish()
 
+    def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The open round's tensors received but not yet applied (for checks before commit)."""
+        return self._core.held_tensors()
+
     def shutdown(self) -> None:
         self._core.shutdown()
 

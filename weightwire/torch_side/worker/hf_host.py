@@ -159,12 +159,10 @@ class HFModelHost:
             self.last_committed = frozenset(stage)
             return len(stage)
 
-    def non_finite_staged(self) -> list[str]:
-        """Names of the staged floating-point tensors holding a NaN or an infinity."""
+    def staged_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors staged for the open round, not yet in the parameters."""
         with self._lock:
-            stage = dict(self._stage or {})
-        return [name for name, t in stage.items()
-                if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())]
+            return list((self._stage or {}).items())
 
     def abort_round(self) -> None:
         """Drop the staged tensors; the parameters are untouched (an in-place round's

@@ -102,6 +102,10 @@ class ReceiveStrategy(ABC):
         """The strategy for the round once an update of ``nbytes`` joins it."""
         return self
 
+    def held_tensors(self) -> Pairs:
+        """The received tensors not yet in the model (a check before commit can still refuse them)."""
+        return []
+
     @abstractmethod
     def begin(self) -> None: ...
 
@@ -138,6 +142,9 @@ class StagedRound(ReceiveStrategy):
         super().__init__(target)
         self.held: Pairs = []
         self.held_bytes = 0
+
+    def held_tensors(self) -> Pairs:
+        return list(self.held)
 
     def admit(self, nbytes: int, budget_bytes: int) -> ReceiveStrategy:
         if not round_streams(self.held_bytes + nbytes, budget_bytes):
