@@ -43,12 +43,11 @@ from typing import Any, BinaryIO
 
 from weightwire import backends
 from weightwire._cli import env_log_level
-from weightwire.shared.communicator import TransferError, TransferTimeout
-from weightwire.shared.errors import ReferenceServerError
+from weightwire.torch_side.server.failures import CommitAborted, GenerationAborted, ModelIncomplete, classify
 from weightwire.torch_side.server.guards import LiveCalls, refuse_non_finite
 from weightwire.torch_side.server.replicas import WorkerSpec
 from weightwire.torch_side.server.reply_size import encode_reply, max_piece_json_bytes
-from weightwire.torch_side.server.sleep import SleepCancelled, WeightsUnavailable, WorkerSleep
+from weightwire.torch_side.server.sleep import WorkerSleep
 
 log = logging.getLogger(__name__)
 
@@ -56,49 +55,7 @@ _CONTROL_OPS = ("init", "start", "update", "finish", "shutdown", "sleep", "wake"
 _SERVE_OPS = ("generate", "checksum", "reset")
 
 
-class GenerationAborted(ReferenceServerError):
-    """A queued generation dropped by ``/pause?mode=abort``."""
-
-
-class CommitAborted(ReferenceServerError):
-    """A finish whose round was aborted (``abort`` op) before it could commit."""
-
-
-class ModelIncomplete(ReferenceServerError):
-    """A generation refused: the model holds part of a round applied in place."""
-
-
 _LOCK_POLL_S = 0.05  # how often a finish waiting for the model lock looks for an abort
-
-
-def classify(exc: BaseException) -> str:
-    """Failure kind (see ``replicas.KIND_STATUS``) of an exception raised by an operation."""
-    from weightwire.torch_side.server.generate import NonFiniteOutput
-    from weightwire.torch_side.worker.core import WeightReceiveError
-
-    if isinstance(exc, GenerationAborted):
-        return "aborted"
-    if isinstance(exc, NonFiniteOutput):
-        return "model"
-    if isinstance(exc, WeightsUnavailable):
-        return "unavailable"
-    if isinstance(exc, SleepCancelled):
-        return "timeout"  # only ever after the API's own wait ran out
-    if isinstance(exc, ModelIncomplete):
-        return "incomplete"
-    if isinstance(exc, CommitAborted):
-        return "transfer"
-    if isinstance(exc, WeightReceiveError) and exc.__cause__ is not None:
-        return classify(exc.__cause__)
-    if isinstance(exc, (TransferTimeout, TimeoutError)):
-        return "timeout"
-    if isinstance(exc, (TransferError, ConnectionError)):
-        return "transfer"
-    if isinstance(exc, (ValueError, TypeError)):
-        return "invalid"
-    if isinstance(exc, RuntimeError) and not isinstance(exc, WeightReceiveError):
-        return "conflict"  # the engine's session rules
-    return "internal"
 
 
 class Worker:
