@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OPTIONAL_CALLS = ("version", "get_world_size", "pause", "resume", "weight_checker")
+OPTIONAL_CALLS = ("version", "get_world_size", "pause", "resume", "weight_checker", "reset_prefix_cache",
+                  "reset_encoder_cache")
 """Calls an engine may need beyond the four-call protocol, in the order it needs them."""
 
 

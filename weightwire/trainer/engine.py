@@ -49,6 +49,7 @@ from weightwire.shared.source import WeightSource, as_source, checked_iter
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
+from weightwire.trainer.freshness import CommitPlan, commit_plan
 from weightwire.trainer.gating import check_client, require_draft_model, server_features
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, chunked
@@ -116,6 +117,7 @@ class TrainerEngine(ABC):
         self._broken: BaseException | None = None
         self._closed = False
         self._pause_mode = None if init_info.pause_mode == "auto" else init_info.pause_mode
+        self._commit_plan = CommitPlan(reset=init_info.reset_prefix_cache)  # resolved by _check_client
         self._multi: Any = None  # trainer.multi_source.MultiSource when built with a TrainerGroup
 
     def __repr__(self) -> str:
@@ -158,6 +160,7 @@ class TrainerEngine(ABC):
 
     def _check_client(self) -> None:
         self._pause_mode = check_client(self.info, self.client, stock_receiver=self._backend.stock_receiver)
+        self._commit_plan = commit_plan(self.info, self.client, self._pause_mode)
 
     def _connect(self, extend: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
                  trainer_ranks: int = 1) -> None:  # trainer_ranks > 1: broadcasters sharing one NCCL group
@@ -277,9 +280,12 @@ class TrainerEngine(ABC):
             with clock("transfer"):
                 nbytes, count = self._transfer(payload, metas, wire, chunks, digests, control, clock)
             with clock("finish"):
-                self.client.finish_weight_update(version)
-                self._sent_metas[draft] = metas
-                self._rounds += 1  # committed: the next automatic version moves on even if verify fails
+                def record() -> None:  # committed: the next automatic version moves on even if verify fails
+                    self._sent_metas[draft] = metas
+                    self._rounds += 1
+
+                # finish, then (by default) every cache of the old weights dropped before anything runs
+                self._commit_plan.commit(self.client, version, round_paused=paused, record=record)
                 if paused:
                     paused = False
                     self.client.resume()

@@ -250,10 +250,12 @@ class MultiSource(StarWire, GroupWire):
             if failed:
                 raise self._turn_error(*failed[0])
             with clock("finish"):
-                e.client.finish_weight_update(version)
-                for turn in bplan.turns:
-                    self._sent[(draft, turn.src)] = turn.metas
-                e._rounds += 1
+                def record() -> None:
+                    for turn in bplan.turns:
+                        self._sent[(draft, turn.src)] = turn.metas
+                    e._rounds += 1
+
+                e._commit_plan.commit(e.client, version, round_paused=paused, record=record)  # + cache reset
                 if paused:
                     paused = False
                     e.client.resume()
