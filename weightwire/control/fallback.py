@@ -1,7 +1,7 @@
 """Fill in the calls a foreign client lacks, from the server it already talks to.
 
 vLLM's own ``HTTPVLLMWeightSyncClient`` has the four round calls and shutdown, but
-no ``version``, ``get_world_size``, ``pause`` or ``resume``. Without those an engine
+no ``version``, ``get_world_size``, ``pause``, ``resume`` or cache resets. Without those an engine
 can neither gate features on the server version nor size the group, and a round
 run without pausing generation crashes vLLM (layerwise reload puts weights on the
 meta device). When such a client names its server (``base_url`` / ``base_urls``),
