@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.trainer.config import TrainerInitInfo as TrainerInitInfo
     from weightwire.trainer.engine import ControlTimeout as ControlTimeout
     from weightwire.trainer.engine import EngineBroken as EngineBroken
+    from weightwire.trainer.freshness import StaleCacheError as StaleCacheError
     from weightwire.trainer.metrics import RoundMetrics as RoundMetrics
     from weightwire.trainer.verify import VerifyError as VerifyError
     from weightwire.trainer.verify import VerifyReport as VerifyReport

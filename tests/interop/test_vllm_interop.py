@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -98,6 +100,69 @@ def test_torch_trainer_round_matches_hugging_face(vllm_server: VLLMServer) -> No
         assert assert_same_greedy(vllm_server, hf, "torch restored") == original
     finally:
         engine.shutdown()
+        client.close()
+
+
+LONG_PROMPT = [(37 * i + 11) % 480 + 16 for i in range(136)]
+"""Four full 32-token blocks and a partial one (launcher.PREFIX_BLOCK_SIZE): vLLM caches the four."""
+
+
+@dataclass
+class _PrefixRound:
+    engine: JAXTrainerEngine | TorchTrainerEngine
+    hf: torch.nn.Module  # what the trainer holds, as a Hugging Face model
+    perturb: Callable[[], None]  # new weights in the trainer (and in ``hf``)
+    restore: Callable[[], None]  # the checkpoint's weights again
+
+
+def _prefix_round(trainer: str, model_dir: str, client: HTTPWeightSyncClient) -> _PrefixRound:
+    info = TrainerInitInfo(backend="weightwire_tcp")  # every other setting: the default
+    hf = _hf(model_dir)
+    pristine = {k: v.clone() for k, v in hf.state_dict().items()}
+    if trainer == "torch":
+        def perturb_torch() -> None:
+            gen = torch.Generator().manual_seed(11)
+            with torch.no_grad():
+                for p in hf.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
+
+        engine = TorchTrainerEngine.trainer_init(info, client=client, source=ModuleSource(hf))
+        return _PrefixRound(engine, hf, perturb_torch, lambda: hf.load_state_dict(pristine))
+    cfg, params0 = load_decoder(model_dir)
+    live = {"params": params0}
+    source = PytreeSource(lambda: live["params"], decoder.naming(cfg))
+
+    def perturb_jax() -> None:
+        live["params"] = _perturbed(params0, seed=11)
+        _load_into_hf(hf, source)
+
+    def restore_jax() -> None:
+        live["params"] = params0
+        hf.load_state_dict(pristine)
+
+    return _PrefixRound(JAXTrainerEngine.trainer_init(info, client=client, source=source), hf, perturb_jax, restore_jax)
+
+
+@pytest.mark.parametrize("trainer", ["jax", "torch"])
+def test_a_prompt_cached_before_a_round_is_answered_with_the_new_weights(vllm_server: VLLMServer,
+                                                                         trainer: str) -> None:
+    """Prefix caching on: the long prompt's blocks are cached before the round; with default
+    settings the round leaves no KV of the old weights, so the same prompt after it equals HF
+    on the new weights (without the reset vLLM answers from the old KV: logprobs off by ~0.1)."""
+    client = HTTPWeightSyncClient(vllm_server.url, timeout=120)
+    r = _prefix_round(trainer, vllm_server.model_dir, client)
+    try:
+        before = assert_same_greedy(vllm_server, r.hf, "before the round", prompts=[LONG_PROMPT])
+        r.perturb()
+        r.engine.send_weights(weight_version=f"prefix-{trainer}")
+        after = assert_same_greedy(vllm_server, r.hf, f"{trainer} round, prompt cached before it",
+                                   prompts=[LONG_PROMPT])
+        assert after != before, "the round did not change the long prompt's completion"
+        r.restore()
+        r.engine.send_weights(weight_version=f"prefix-{trainer}-restored")
+        assert assert_same_greedy(vllm_server, r.hf, "restored, prompt cached before", prompts=[LONG_PROMPT]) == before
+    finally:
+        r.engine.shutdown()
         client.close()
 
 

@@ -236,6 +236,16 @@ def test_query_params_are_validated(http: httpx.Client, clean) -> None:
     assert http.get("/is_paused").json() == {"is_paused": False}
 
 
+def test_cache_resets_answer_truthfully(http: httpx.Client, clean) -> None:
+    """No KV or encoder output outlives a request here and none spans a commit: nothing to drop."""
+    params = {"reset_running_requests": "true", "reset_external": "true"}
+    assert http.post("/reset_prefix_cache", params=params).json() == {"success": True}
+    assert http.post("/reset_prefix_cache").json() == {"success": True}
+    assert http.post("/reset_encoder_cache").json() == {"success": True}
+    err(http.post("/reset_prefix_cache", params={"reset_running_requests": "soon"}), 422,
+        "reset_running_requests must be true or false")
+
+
 def test_body_size_limit_is_413(http: httpx.Client) -> None:
     big = b'{"init_info": "' + b"x" * 70000 + b'"}'
     err(http.post("/init_weight_transfer_engine", content=big), 413, "exceeds the limit of 65536 bytes")

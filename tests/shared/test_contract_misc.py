@@ -316,4 +316,6 @@ def test_route_table() -> None:
         "sleep": ("POST", "/sleep", None),
         "wake_up": ("POST", "/wake_up", None),
         "is_sleeping": ("GET", "/is_sleeping", None),
+        "reset_prefix_cache": ("POST", "/reset_prefix_cache", None),
+        "reset_encoder_cache": ("POST", "/reset_encoder_cache", None),
     }

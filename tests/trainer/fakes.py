@@ -63,6 +63,8 @@ class FakeServer:
             return httpx.Response(200, json={"weight_version": self.weight_version})
         if route == "weight_checker":
             return httpx.Response(200, json={"checksums": self.checksums})
+        if route == "reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
         return httpx.Response(200, json={"message": "ok"})
 
     def client(self, url: str = "http://fake:8000") -> HTTPWeightSyncClient:

@@ -221,7 +221,8 @@ class StubClient:
         return 1
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
+        if name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
+                    "reset_prefix_cache"):
             return lambda *a, **k: self.calls.append(name)
         raise AttributeError(name)
 

@@ -1,7 +1,8 @@
 """Safe defaults and duck-typed interop of the round driver (issue #15, items 2 and 6).
 
 - ``pause_mode`` defaults to ``auto``: generation is paused (``keep``) around every round
-  whenever the client can pause, resumed even when the round fails, and a server
+  to a stock worker whenever the client can pause, and around the commit and cache reset
+  of a staging plugin worker's round; resumed even when the round fails, and a server
   without ``/pause`` is driven without it (one warning, no failed round).
 - Any object shaped like a source is one: vLLM 0.32's ``metadata()`` method with
   ``__iter__``, and vLLM 0.33's ``metadata`` cached property with ``iter_full()``,
@@ -30,7 +31,9 @@ from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
-ROUND = ["pause", "start_weight_update", "update_weights", "finish_weight_update", "resume"]
+RESET = ["reset_prefix_cache", "reset_encoder_cache"]
+ROUND = ["pause", "start_weight_update", "update_weights", "finish_weight_update", *RESET, "resume"]
+UNPAUSED = ["start_weight_update", "update_weights", "finish_weight_update", *RESET]
 
 
 @pytest.fixture(autouse=True)
@@ -42,12 +45,14 @@ def fresh_comm(monkeypatch: pytest.MonkeyPatch) -> FakeComm:
     return FAKE.comm
 
 
-def test_auto_does_not_pause_a_staging_plugin_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_pauses_a_staging_plugin_worker_only_around_its_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(type(FAKE), "stock_receiver", False)
     server = FakeServer()
     engine = engine_for(server.client(), DictSource(numpy_weights(), describe))
     engine.send_weights()
-    assert round_routes(server) == ROUND[1:4]
+    assert round_routes(server) == ["start_weight_update", "update_weights", "pause", "finish_weight_update", *RESET,
+                                    "resume"]
+    assert server.bodies("pause") == [{"mode": "keep"}]
 
 
 def engine_for(client: Any, source: Any, **info: Any) -> JAXTrainerEngine:
@@ -85,7 +90,7 @@ def test_auto_without_a_pause_route_runs_the_round_and_warns(caplog: pytest.LogC
     with caplog.at_level(logging.WARNING, logger="weightwire.trainer"):
         assert engine.send_weights().version == "1"
         assert engine.send_weights().version == "2"
-    assert round_routes(server) == ["pause"] + ROUND[1:4] * 2  # asked once, then not again
+    assert round_routes(server) == ["pause"] + UNPAUSED * 2  # asked once, then not again
     assert "no /pause route" in caplog.text
 
 
@@ -98,11 +103,13 @@ def test_explicit_pause_mode_still_fails_the_round_on_404() -> None:
     assert "start_weight_update" not in server.routes()
 
 
-def test_none_never_pauses() -> None:
+def test_none_never_pauses(caplog: pytest.LogCaptureFixture) -> None:
     server = FakeServer()
-    engine = engine_for(server.client(), DictSource(numpy_weights(), describe), pause_mode=None)
+    with caplog.at_level(logging.WARNING, logger="weightwire.trainer"):
+        engine = engine_for(server.client(), DictSource(numpy_weights(), describe), pause_mode=None)
     engine.send_weights()
-    assert round_routes(server) == ROUND[1:4]
+    assert round_routes(server) == UNPAUSED
+    assert "pause_mode=None: the cache reset after each round runs unpaused" in caplog.text
 
 
 class FourCalls:
@@ -124,14 +131,20 @@ class FourCalls:
         self._http.finish_weight_update(weight_version)
 
 
+class FourCallsAndReset(FourCalls):
+    def reset_prefix_cache(self) -> list[bool]:
+        return self._http.reset_prefix_cache()
+
+
 def test_auto_with_a_client_that_cannot_pause_warns_and_runs(caplog: pytest.LogCaptureFixture) -> None:
     server = FakeServer()
     with caplog.at_level(logging.WARNING, logger="weightwire.trainer"):
-        engine = engine_for(FourCalls(server), DictSource(numpy_weights(), describe),
+        engine = engine_for(FourCallsAndReset(server), DictSource(numpy_weights(), describe),
                             server_version="0.33.0", inference_world_size=1)
     engine.send_weights()
     assert "cannot pause generation" in caplog.text
-    assert round_routes(server) == ROUND[1:4]
+    assert "cannot pause: the cache reset after each round runs unpaused" in caplog.text
+    assert round_routes(server) == UNPAUSED[:-1]  # this client has no reset_encoder_cache
 
 
 def test_fallback_fills_only_the_missing_calls() -> None:
@@ -140,7 +153,8 @@ def test_fallback_fills_only_the_missing_calls() -> None:
     client.base_url = "http://127.0.0.1:9"  # type: ignore[attr-defined]
     wrapped = with_fallback_routes(client, timeout=5)
     assert isinstance(wrapped, FallbackClient)
-    assert wrapped.filled == ("version", "get_world_size", "pause", "resume", "weight_checker")
+    assert wrapped.filled == ("version", "get_world_size", "pause", "resume", "weight_checker", "reset_prefix_cache",
+                              "reset_encoder_cache")
     assert wrapped.start_weight_update.__self__ is client  # round calls stay with the user's client
     assert wrapped.version.__self__ is wrapped.extra
     assert wrapped.extra.base_urls == ["http://127.0.0.1:9"]

@@ -98,7 +98,9 @@ def test_round_order_versions_and_pause() -> None:
     engine.send_weights(weight_version="step-7")
     engine.send_weights()
     round_routes = [r for r in server.routes() if r not in ("version", "get_world_size", "init_weight_transfer_engine")]
-    assert round_routes == ["pause", "start_weight_update", "update_weights", "finish_weight_update", "resume"] * 3
+    assert round_routes == ["pause", "start_weight_update", "update_weights", "finish_weight_update",
+                            "reset_prefix_cache", "reset_encoder_cache", "resume"] * 3
+    assert server.bodies("reset_prefix_cache")[0] == {"reset_running_requests": "true", "reset_external": "true"}
     assert server.bodies("pause")[0] == {"mode": "keep"}
     assert [b["weight_version"] for b in server.bodies("finish_weight_update")] == ["1", "step-7", "3"]  # the round number
     with pytest.raises(ValueError, match="weight_version must be a non-empty str"):
@@ -190,11 +192,13 @@ def test_trainer_init_validates_inputs() -> None:
         def finish_weight_update(self, weight_version=None): ...
 
     source = DictSource(numpy_weights(), lambda a: ("float32", a.shape))
-    with pytest.raises(TypeError, match="lacks version, get_world_size"):
+    with pytest.raises(TypeError, match="lacks version, get_world_size, reset_prefix_cache "):
         JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="fake_host"), client=FourCalls(), source=source)
-    engine = JAXTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", server_version="0.33.0", inference_world_size=2),
-        client=FourCalls(), source=source)
+    hinted = {"backend": "fake_host", "server_version": "0.33.0", "inference_world_size": 2}
+    with pytest.raises(TypeError, match="lacks reset_prefix_cache .*reset_prefix_cache=False accepts that"):
+        JAXTrainerEngine.trainer_init(TrainerInitInfo(**hinted), client=FourCalls(), source=source)
+    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(**hinted, reset_prefix_cache=False),
+                                           client=FourCalls(), source=source)
     assert FAKE.opened[-1] == 3 and engine.features is not None and engine.features.reuse_metadata
     assert get_backend("fake_host") is FAKE
 

@@ -193,7 +193,8 @@ def test_engine_refuses_before_pause_or_start_and_stays_usable() -> None:
     del weights["model.layers.0.scale"]
     engine.send_weights()
     assert server.routes()[len(before):] == ["pause", "start_weight_update", "update_weights",
-                                             "finish_weight_update", "resume"]
+                                             "finish_weight_update", "reset_prefix_cache", "reset_encoder_cache",
+                                             "resume"]
 
 
 def test_engine_sends_the_aligned_order_and_its_update_info() -> None:

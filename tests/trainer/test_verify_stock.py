@@ -165,8 +165,9 @@ def test_draft_round_starts_with_the_draft_route_and_checks_the_target_is_untouc
     server.hooks.pop("finish_weight_update")  # the draft model is not in vLLM's checker
     engine = engine_for(server, weights(0), pause_mode="keep")
     report = engine.send_weights(draft=True).verify
-    assert server.routes()[-8:] == ["server_info", "weight_checker", "pause", "start_draft_weight_update",
-                                    "update_weights", "finish_weight_update", "resume", "weight_checker"]
+    assert server.routes()[-10:] == ["server_info", "weight_checker", "pause", "start_draft_weight_update",
+                                     "update_weights", "finish_weight_update", "reset_prefix_cache",
+                                     "reset_encoder_cache", "resume", "weight_checker"]
     assert report.mode == "draft" and "target model did not change" in report.proves
     engine.send_weights(draft=True)  # the draft's metadata cache is its own: full metadata went first
     first, second = server.bodies("update_weights")

@@ -259,6 +259,21 @@ class HTTPWeightSyncClient:
     def resume(self) -> None:
         self._all(routes.RESUME)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = True, reset_external: bool = True) -> list[bool]:
+        """vLLM's ``/reset_prefix_cache`` on every server; per server, its ``success``.
+
+        By default (what a trainer needs after a round) running requests are preempted, so
+        they recompute their KV instead of keeping it (vLLM's own default is ``False``: the
+        reset then fails while requests run), and a KV connector's external cache is reset too."""
+        params = {"reset_running_requests": "true" if reset_running_requests else "false",
+                  "reset_external": "true" if reset_external else "false"}
+        return [isinstance(r, dict) and r.get("success") is True
+                for r in self._all(routes.RESET_PREFIX_CACHE, params=params)]
+
+    def reset_encoder_cache(self) -> None:
+        """vLLM's ``/reset_encoder_cache`` on every server (multimodal encoder outputs)."""
+        self._all(routes.RESET_ENCODER_CACHE)
+
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's ``/sleep``: level 0 pauses generation, 1 offloads weights to host memory,
         2 discards them (send a full round after ``wake_up``). ``mode`` is the pause mode."""

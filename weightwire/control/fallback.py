@@ -1,7 +1,7 @@
 """Fill in the calls a foreign client lacks, from the server it already talks to.
 
 vLLM's own ``HTTPVLLMWeightSyncClient`` has the four round calls and shutdown, but
-no ``version``, ``get_world_size``, ``pause`` or ``resume``. Without those an engine
+no ``version``, ``get_world_size``, ``pause``, ``resume`` or cache resets. Without those an engine
 can neither gate features on the server version nor size the group, and a round
 run without pausing generation crashes vLLM (layerwise reload puts weights on the
 meta device). When such a client names its server (``base_url`` / ``base_urls``),
@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OPTIONAL_CALLS = ("version", "get_world_size", "pause", "resume", "weight_checker")
+OPTIONAL_CALLS = ("version", "get_world_size", "pause", "resume", "weight_checker", "reset_prefix_cache",
+                  "reset_encoder_cache")
 """Calls an engine may need beyond the four-call protocol, in the order it needs them."""
 
 

@@ -40,6 +40,13 @@ engine's 2 s wait for a control call's verdict after a data-plane failure, so th
 client's answer is the one a failed round reports."""
 _MAX_MESSAGE = 2000
 
+def _has_method(handle: Any, name: str) -> bool:
+    try:
+        getattr(handle, name)
+    except AttributeError:
+        return False
+    return True
+
 
 def _ray() -> Any:
     try:
@@ -103,6 +110,7 @@ class RayWeightSyncClient:
         self._world_sizes = None if world_sizes is None else list(world_sizes)
         self.timeout = float(timeout)
         self._server_version = server_version
+        self._warned_encoder = False
 
     def __repr__(self) -> str:
         return f"RayWeightSyncClient({len(self.handles)} actors, timeout={self.timeout})"
@@ -116,9 +124,14 @@ class RayWeightSyncClient:
         ray = _ray()
         deadline = time.monotonic() + self.timeout
         refs = []
-        for i, handle in enumerate(self.handles):
-            args = [a[i] for a in args_per]
-            refs.append(getattr(handle, method).remote(*args, **kwargs))
+        calls = []
+        for i, handle in enumerate(self.handles):  # every method found before any call goes out
+            try:
+                calls.append(getattr(handle, method))
+            except AttributeError:  # the actor's class has no such method: as an HTTP server without the route
+                raise WeightSyncError(method, 404, f"the actor has no method {method}", f"actor {i}") from None
+        for i, call in enumerate(calls):
+            refs.append(call.remote(*[a[i] for a in args_per], **kwargs))
         pending, results = list(refs), {}
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -211,6 +224,23 @@ class RayWeightSyncClient:
 
     def resume(self) -> None:
         self._all("resume_generation")
+
+    def reset_prefix_cache(self, reset_running_requests: bool = True, reset_connector: bool = True) -> list[bool]:
+        """``reset_prefix_cache`` of every actor's ``LLM`` / ``AsyncLLM`` (same keywords); per
+        actor, whether it reset. Running requests are preempted by default (they recompute)."""
+        return [r is True for r in self._all("reset_prefix_cache", reset_running_requests=reset_running_requests,
+                                             reset_connector=reset_connector)]
+
+    def reset_encoder_cache(self) -> None:
+        """``reset_encoder_cache`` of every actor that has one (``AsyncLLM``; vLLM's offline
+        ``LLM`` exposes none, and an actor without it is skipped with a warning once)."""
+        have = [h for h in self.handles if _has_method(h, "reset_encoder_cache")]
+        if len(have) < len(self.handles) and not self._warned_encoder:
+            self._warned_encoder = True
+            logger.warning("%d actor(s) have no reset_encoder_cache: a multimodal model's encoder outputs cached "
+                           "before a round may be reused after it", len(self.handles) - len(have))
+        if have:
+            RayWeightSyncClient(have, timeout=self.timeout)._all("reset_encoder_cache")
 
     def weight_info(self) -> list[dict[str, Any]]:
         return [{"weight_version": v} for v in self._all("get_weight_version")]

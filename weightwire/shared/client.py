@@ -22,7 +22,8 @@ ROUND_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_wei
 """The four calls every client must have (the members of ``WeightSyncClient``)."""
 
 CONTROL_CALLS = ("version", "get_world_size", "pause", "resume", "weight_checker", "start_draft_weight_update",
-                 "has_draft_model", "abort_requests", "shutdown_weight_transfer_engine")
+                 "has_draft_model", "abort_requests", "shutdown_weight_transfer_engine", "reset_prefix_cache",
+                 "reset_encoder_cache")
 """The optional calls (the members of ``ServerControls``)."""
 
 
@@ -75,6 +76,16 @@ class ServerControls(Protocol):
     def abort_requests(self, request_ids: list[str] | None, /) -> object: ...
 
     def shutdown_weight_transfer_engine(self) -> object: ...
+
+    def reset_prefix_cache(self) -> Iterable[bool] | None:
+        """After a committed round: drop every server's cached KV, running requests preempted
+        (they recompute with the new weights). Per server, whether it was reset; ``None``: all
+        were (a client that raised nothing). Needed unless ``reset_prefix_cache=False``."""
+        ...
+
+    def reset_encoder_cache(self) -> object:
+        """After a committed round: drop cached multimodal encoder outputs (called when present)."""
+        ...
 
 
 class EngineClient(WeightSyncClient, ServerControls, Protocol):

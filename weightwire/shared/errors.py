@@ -21,6 +21,7 @@ defined outside this module)::
         RoundFailed (RuntimeError)           [weightwire.trainer.multi_base]
         GroupTimeout (TimeoutError)          [weightwire.trainer.group]
       VerifyError (RuntimeError)             [weightwire.trainer.verify]
+      StaleCacheError (RuntimeError)         [weightwire.trainer.freshness]
       WeightReceiveError (RuntimeError)      [weightwire.torch_side.worker.core]
       UnavailableError
         MissingExtra (ModuleNotFoundError)   [weightwire._extras]

@@ -106,6 +106,10 @@ class LoopbackClient:
     def resume(self) -> None:
         self.call("resume")
 
+    def reset_prefix_cache(self) -> list[bool]:
+        """The receiver loads into a tensor store: no KV is ever computed, nothing to reset."""
+        return [True]
+
     def stats(self) -> dict[str, Any] | None:
         """The receiver's last ``update_weights`` statistics (tensors, bytes, seconds)."""
         return self.call("stats")

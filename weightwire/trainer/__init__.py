@@ -11,8 +11,9 @@ from weightwire.backends import BACKEND_NAMES as BACKENDS
 from weightwire.backends.nccl.stock import StockRefusal
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.engine import EngineBroken, TrainerEngine
+from weightwire.trainer.freshness import StaleCacheError
 from weightwire.trainer.metrics import RoundMetrics
 from weightwire.trainer.verify import VerifyError, VerifyReport
 
-__all__ = ["BACKENDS", "EngineBroken", "RoundMetrics", "StockRefusal", "TrainerEngine", "TrainerInitInfo",
-           "VerifyError", "VerifyReport"]
+__all__ = ["BACKENDS", "EngineBroken", "RoundMetrics", "StaleCacheError", "StockRefusal", "TrainerEngine",
+           "TrainerInitInfo", "VerifyError", "VerifyReport"]

@@ -41,8 +41,15 @@ class TrainerInitInfo:
       layerwise reload puts layers on the meta device mid-round). To a plugin backend, ``auto``
       pauses with ``abort`` (new requests refused, HTTP 503) around a round over
       ``stage_budget_bytes`` (applied in place) and resumes only once it committed: a round
-      that fails leaves the servers refusing until a complete round commits. A staged round
-      is not paused. ``None`` never pauses.
+      that fails leaves the servers refusing until a complete round commits. A staged round's
+      transfer is not paused (only its commit and cache reset, see ``reset_prefix_cache``).
+      ``None`` never pauses.
+    - ``reset_prefix_cache``: after every committed round, reset every server's prefix
+      cache (running requests are preempted and recompute their KV with the new weights)
+      and encoder cache, with generation paused (``keep``) from the commit to the reset
+      when the round itself was not paused (``trainer.freshness``). ``False``: vLLM may
+      answer a prompt whose prefix it cached before the round from KV computed with the
+      previous weights; only for users who knowingly accept that.
     - ``ipc_release_after_round``: ``weightwire_ipc`` frees its slots after every round
       (the memory goes back to training; handles are re-exported next round); in pull
       mode the workers free their receive buffers instead.
@@ -77,6 +84,7 @@ class TrainerInitInfo:
     tcp_advertise_host: str | None = None
     device: int | None = None
     pause_mode: str | None = "auto"
+    reset_prefix_cache: bool = True
     verify: bool = False
     server_version: str | None = None
     inference_world_size: int | None = None
@@ -112,6 +120,8 @@ class TrainerInitInfo:
         if type(self.ipc_release_after_round) is not bool:
             raise ConfigError(f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}")
         check_stage_budget("stage_budget_bytes", self.stage_budget_bytes)
+        if type(self.reset_prefix_cache) is not bool:
+            raise ConfigError(f"reset_prefix_cache must be a bool, got {self.reset_prefix_cache!r}")
         if self.ipc_mode not in ("pull", "push"):
             raise ConfigError(f"ipc_mode must be 'pull' or 'push', got {self.ipc_mode!r}")
         if self.pause_mode is not None and self.pause_mode not in ("auto", *PAUSE_MODES):

@@ -9,8 +9,9 @@ Lifecycle (every trainer rank calls each step; only rank 0 touches the wire):
    or refused, by ``backends.nccl.stock``, before any call) -> pack the first chunk ->
    [verify snapshot] -> [pause] -> ``start_weight_update`` (``start_draft_weight_update``) ->
    ``update_weights`` on a side thread *concurrently with* the broadcasts (workers
-   receive inside that request) -> ``finish_weight_update(version)`` -> [resume] ->
-   [verify]. The first pack overlaps the start round trip; no byte is broadcast before
+   receive inside that request) -> ``finish_weight_update(version)`` -> the servers'
+   prefix / encoder caches reset (``trainer.freshness``; a round not paused as a whole
+   is paused around finish + reset) -> [resume] -> [verify]. The first pack overlaps the start round trip; no byte is broadcast before
    start returned. Other ranks only iterate the source, so they stay in any
    trainer-side gathers.
 3. ``shutdown``: tell the servers, close the communicator.
@@ -50,6 +51,7 @@ from weightwire.shared.staging import round_bytes
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
+from weightwire.trainer.freshness import CommitPlan, StaleCacheError, commit_plan
 from weightwire.trainer.gating import (
     RoundPause,
     after_failed_round,
@@ -63,6 +65,7 @@ from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipel
 from weightwire.trainer.transfer import (
     Transfer,
     await_call,
+    best_effort_resume,
     join_beside_init,
     real_cause,
     shutdown_when_settled,
@@ -123,6 +126,7 @@ class TrainerEngine(ABC):
         self._broken: BaseException | None = None
         self._closed = False
         self._pause_mode = None if init_info.pause_mode == "auto" else init_info.pause_mode
+        self._commit_plan = CommitPlan(reset=init_info.reset_prefix_cache)  # resolved by _check_client
         self._multi: Any = None  # trainer.multi_source.MultiSource when built with a TrainerGroup
 
     def __repr__(self) -> str:
@@ -165,6 +169,7 @@ class TrainerEngine(ABC):
 
     def _check_client(self) -> None:
         self._pause_mode = check_client(self.info, self.client, stock_receiver=self._backend.stock_receiver)
+        self._commit_plan = commit_plan(self.info, self.client, self._pause_mode)
 
     def _connect(self, extend: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
                  trainer_ranks: int = 1) -> None:  # trainer_ranks > 1: broadcasters sharing one NCCL group
@@ -285,9 +290,18 @@ class TrainerEngine(ABC):
             with clock("transfer"):
                 nbytes, count = self._transfer(payload, metas, wire, chunks, digests, control, clock)
             with clock("finish"):
-                self.client.finish_weight_update(version)
-                self._sent_metas[draft] = metas
-                self._rounds += 1  # committed: the next automatic version moves on even if verify fails
+                def record() -> None:  # committed: the next automatic version moves on even if verify fails
+                    self._sent_metas[draft] = metas
+                    self._rounds += 1
+
+                # finish, then (by default) every cache of the old weights dropped before anything runs
+                try:
+                    self._commit_plan.commit(self.client, version, round_paused=paused, record=record)
+                except StaleCacheError:
+                    if paused:  # committed: the model is whole, so a round paused as a whole resumes
+                        paused = False
+                        best_effort_resume(self.client)
+                    raise
                 if paused:
                     paused = False
                     self.client.resume()

@@ -94,11 +94,14 @@ def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool)
         needed.append("version")
     if info.inference_world_size is None:
         needed.append("get_world_size")
+    if info.reset_prefix_cache:
+        needed.append("reset_prefix_cache")
     missing = [m for m in needed if not callable(getattr(client, m, None))]
     if missing:
         raise TypeError(
             f"client {type(client).__name__} lacks {', '.join(missing)} (give server_version / "
-            "inference_world_size in TrainerInitInfo, or drop verify / pause_mode)"
+            "inference_world_size in TrainerInitInfo, or drop verify / pause_mode; without reset_prefix_cache "
+            "vLLM may serve KV of the previous weights after a round: reset_prefix_cache=False accepts that)"
         )
     return pause_mode
 

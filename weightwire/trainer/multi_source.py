@@ -60,7 +60,7 @@ from weightwire.trainer.multi_group import GroupWire
 from weightwire.trainer.multi_star import StarWire
 from weightwire.trainer.multi_verify import gather_digests, verdict_of, verify_union
 from weightwire.trainer.pipelines import DevicePipeline
-from weightwire.trainer.transfer import tap
+from weightwire.trainer.transfer import best_effort_resume, tap
 
 if TYPE_CHECKING:
     pass
@@ -251,10 +251,12 @@ class MultiSource(StarWire, GroupWire):
             if failed:
                 raise self._turn_error(*failed[0])
             with clock("finish"):
-                e.client.finish_weight_update(version)
-                for turn in bplan.turns:
-                    self._sent[(draft, turn.src)] = turn.metas
-                e._rounds += 1
+                def record() -> None:
+                    for turn in bplan.turns:
+                        self._sent[(draft, turn.src)] = turn.metas
+                    e._rounds += 1
+
+                e._commit_plan.commit(e.client, version, round_paused=paused, record=record)  # + cache reset
                 if paused:
                     paused = False
                     e.client.resume()
@@ -269,7 +271,9 @@ class MultiSource(StarWire, GroupWire):
             for turn in bplan.turns:  # release broadcasters still waiting for their turn
                 self._go(turn, False)
             self.x.post("verdict", verdict)
-            if paused:
+            if paused and verdict["committed"]:
+                best_effort_resume(e.client)  # committed (only a cache reset failed): the model is whole
+            elif paused:
                 after_failed_round(e.client, pause)
             raise
         self.x.post("verdict", {"error": None, "version": version})

@@ -14,6 +14,7 @@ from typing import Any
 
 from weightwire.shared.client import ServerControls
 from weightwire.trainer.broadcast_plan import BroadcastPlan
+from weightwire.trainer.freshness import StaleCacheError
 from weightwire.trainer.group import Exchange
 from weightwire.trainer.verify import RoundVerifier, VerifyError, VerifyReport
 
@@ -51,4 +52,4 @@ def verify_union(verifier: RoundVerifier, client: ServerControls, bplan: Broadca
 def verdict_of(exc: BaseException) -> dict[str, Any]:
     """What rank 0 publishes for a failed round; ``committed``: it landed, only its check failed."""
     return {"error": f"{type(exc).__name__}: {exc}", "version": None,
-            "committed": isinstance(exc, VerifyError) and exc.committed}
+            "committed": isinstance(exc, (VerifyError, StaleCacheError)) and exc.committed}

@@ -1,5 +1,5 @@
-"""The reference server's control routes beside weight sync: pause / resume / abort, and
-what a client asks before a session (version, health, world size, server info).
+"""The reference server's control routes beside weight sync: pause / resume / abort, the
+cache resets, and what a client asks before a session (version, health, world size, server info).
 
 Same paths, query parameters and replies as vLLM's dev-mode routes (``shared.routes``).
 """
@@ -23,6 +23,7 @@ _CANCEL_TIMEOUT_S = 30.0
 def install_control_routes(app: FastAPI, state: ServerState) -> None:
     """``/pause``, ``/resume``, ``/is_paused``, ``/abort_requests`` and the info routes."""
     _pause_routes(app, state)
+    _cache_routes(app)
     _info_routes(app, state)
 
 
@@ -67,6 +68,24 @@ def _pause_routes(app: FastAPI, state: ServerState) -> None:
     @app.get(ROUTES["is_paused"].path)
     async def is_paused() -> dict[str, Any]:
         return {"is_paused": gate.paused}
+
+
+def _cache_routes(app: FastAPI) -> None:
+    # vLLM's cache routes, answered truthfully: this server keeps no KV or encoder output
+    # beyond one request, and a request runs under the model lock that a commit takes, so it
+    # never spans a round. There is nothing computed with old weights to drop: success.
+
+    @app.post(ROUTES["reset_prefix_cache"].path)
+    async def reset_prefix_cache(request: Request) -> dict[str, Any]:
+        await read_no_body(request)
+        _bool_query(request, "reset_running_requests", default=False)
+        _bool_query(request, "reset_external", default=False)
+        return {"success": True}
+
+    @app.post(ROUTES["reset_encoder_cache"].path)
+    async def reset_encoder_cache(request: Request) -> dict[str, Any]:
+        await read_no_body(request)
+        return {"success": True}
 
 
 def _info_routes(app: FastAPI, state: ServerState) -> None:

@@ -1,0 +1,221 @@
+"""After a committed round nothing a server serves comes from the previous weights.
+
+The route sequence rank 0 sends per backend kind and pause mode (stock ``nccl`` is
+stood in for by the fake backend with ``stock_receiver``), the opt-out, the fan-out to
+every data-parallel replica, and what a failed reset does: the round stays committed
+and the caller gets a ``StaleCacheError`` that says so, never silence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
+from weightwire.control.client import HTTPWeightSyncClient
+from weightwire.jax_side.dtypes import describe
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.shared.client import CONTROL_CALLS, ROUND_CALLS
+from weightwire.shared.errors import WeightwireError
+from weightwire.shared.timeouts import Timeouts
+from weightwire.trainer import TrainerInitInfo
+from weightwire.trainer.freshness import StaleCacheError
+
+FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
+RESET = ["reset_prefix_cache", "reset_encoder_cache"]
+SETUP = ("version", "get_world_size", "init_weight_transfer_engine")
+
+
+@pytest.fixture(autouse=True)
+def fresh_comm() -> None:
+    FAKE.comm = FakeComm()
+
+
+@pytest.fixture(params=[False, True], ids=["plugin", "stock"])
+def stock(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    monkeypatch.setattr(type(FAKE), "stock_receiver", request.param)
+    return bool(request.param)
+
+
+def engine_for(client: Any, **info: Any) -> JAXTrainerEngine:
+    return JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="fake_host", timeouts=FAST, **info),
+                                         client=client, source=DictSource(numpy_weights(), describe))
+
+
+class Recorder:
+    """A client that is no HTTP client: every call it gets, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self.answers: dict[str, Any] = {"version": "0.33.0", "get_world_size": 1, "reset_prefix_cache": [True]}
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in (*ROUND_CALLS, *CONTROL_CALLS):
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, args, kwargs))
+            return self.answers.get(name)
+
+        return call
+
+    def rounds(self) -> list[str]:
+        return [name for name, _, _ in self.calls if name not in SETUP]
+
+
+def test_stock_round_resets_before_it_resumes_and_a_plugin_round_pauses_only_around_its_commit(stock: bool) -> None:
+    client = Recorder()
+    engine_for(client).send_weights(weight_version="v1")
+    if stock:  # the whole round is paused (a layerwise reload must not meet a request)
+        want = ["pause", "start_weight_update", "update_weights", "finish_weight_update", *RESET, "resume"]
+    else:  # staged: the transfer runs under traffic, the commit and reset do not
+        want = ["start_weight_update", "update_weights", "pause", "finish_weight_update", *RESET, "resume"]
+    assert client.rounds() == want
+    pause = next(c for c in client.calls if c[0] == "pause")
+    assert pause[1:] == (("keep",), {})
+    assert next(c for c in client.calls if c[0] == "finish_weight_update")[1] == ("v1",)
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait"])
+def test_an_explicit_pause_mode_holds_the_whole_round_and_the_reset(stock: bool, mode: str) -> None:
+    client = Recorder()
+    engine_for(client, pause_mode=mode).send_weights()
+    assert client.rounds() == ["pause", "start_weight_update", "update_weights", "finish_weight_update", *RESET,
+                               "resume"]
+    assert [c[1] for c in client.calls if c[0] == "pause"] == [(mode,)]
+
+
+def test_opt_out_sends_no_reset_and_no_commit_pause(stock: bool, caplog: pytest.LogCaptureFixture) -> None:
+    client = Recorder()
+    with caplog.at_level(logging.INFO, logger="weightwire.trainer"):
+        engine_for(client, reset_prefix_cache=False).send_weights()
+    core = ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert client.rounds() == (["pause", *core, "resume"] if stock else core)
+    assert "reset_prefix_cache=False: vLLM may answer requests from KV computed before a round" in caplog.text
+    assert TrainerInitInfo().reset_prefix_cache is True
+    with pytest.raises(ValueError, match="reset_prefix_cache must be a bool, got 'no'"):
+        TrainerInitInfo(reset_prefix_cache="no")  # type: ignore[arg-type]
+
+
+def test_a_client_without_the_reset_is_refused_before_any_rendezvous() -> None:
+    class NoReset(Recorder):
+        def __getattr__(self, name: str) -> Any:
+            if name in ("reset_prefix_cache", "reset_encoder_cache"):
+                raise AttributeError(name)
+            return super().__getattr__(name)
+
+    client = NoReset()
+    FAKE.opened.clear()
+    with pytest.raises(TypeError, match="lacks reset_prefix_cache .*reset_prefix_cache=False accepts that"):
+        engine_for(client)
+    assert client.calls == [] and FAKE.opened == []
+
+
+class Replicas:
+    """Several fake servers behind one transport, told apart by host."""
+
+    def __init__(self, n: int) -> None:
+        self.servers = {f"r{i}": FakeServer() for i in range(n)}
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        return self.servers[request.url.host].handler(request)
+
+    def client(self) -> HTTPWeightSyncClient:
+        urls = [f"http://{host}:8000" for host in self.servers]
+        return HTTPWeightSyncClient(urls, timeout=10, transport=httpx.MockTransport(self.handler))
+
+
+def test_every_data_parallel_replica_is_reset_after_the_commit() -> None:
+    replicas = Replicas(3)
+    engine = engine_for(replicas.client())
+    engine.send_weights()
+    engine.send_weights()
+    for server in replicas.servers.values():
+        routes = [r for r in server.routes() if r not in SETUP]
+        assert routes == ["start_weight_update", "update_weights", "pause", "finish_weight_update", *RESET,
+                          "resume"] * 2
+        assert server.bodies("reset_prefix_cache") == [{"reset_running_requests": "true",
+                                                        "reset_external": "true"}] * 2
+
+
+def test_a_failed_reset_leaves_the_round_committed_says_so_and_resumes() -> None:
+    replicas = Replicas(2)
+    bad = replicas.servers["r1"]
+    bad.fail["reset_prefix_cache"] = (500, "Failed to reset KV cache even when all the running requests are preempted")
+    engine = engine_for(replicas.client())
+    with pytest.raises(StaleCacheError) as caught:
+        engine.send_weights(weight_version="v1")
+    err = caught.value
+    assert isinstance(err, WeightwireError) and err.committed and err.weight_version == "v1"
+    message = str(err)
+    assert message.startswith("round 'v1' was committed (finish_weight_update returned), but the servers' caches "
+                              "were not reset: reset_prefix_cache failed on http://r1:8000 (status 500): Failed to")
+    assert "may be answered from KV computed with the previous weights" in message
+    assert "reset_prefix_cache=False" in message
+    for server in replicas.servers.values():  # committed everywhere, and nobody left paused
+        assert server.weight_version == "v1" and server.routes()[-1] == "resume"
+    del bad.fail["reset_prefix_cache"]
+    assert engine.send_weights().version == "2"  # the engine stays usable; the count moved on at the commit
+
+
+def test_a_server_without_the_route_names_dev_mode() -> None:
+    server = FakeServer()
+    server.fail["reset_prefix_cache"] = (404, "Not Found")
+    with pytest.raises(StaleCacheError, match="no /reset_prefix_cache route; vLLM serves it with VLLM_SERVER_DEV_MODE"):
+        engine_for(server.client()).send_weights()
+    assert server.weight_version == "1" and server.routes()[-1] == "resume"
+
+
+def test_success_false_is_retried_then_reported() -> None:
+    server = FakeServer()
+    answers = iter([False, True])
+    original = server.handler
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/reset_prefix_cache":
+            server.calls.append(("reset_prefix_cache", dict(request.url.params)))
+            return httpx.Response(200, json={"success": next(answers, False)})
+        return original(request)
+
+    client = HTTPWeightSyncClient("http://fake:8000", timeout=10, transport=httpx.MockTransport(flaky))
+    engine = engine_for(client)
+    engine.send_weights()  # false once, then true: done
+    assert server.routes().count("reset_prefix_cache") == 2
+    with pytest.raises(StaleCacheError, match=r"server\(s\) 0 answered success=false to /reset_prefix_cache 3 times"):
+        engine.send_weights()
+    assert server.routes().count("reset_prefix_cache") == 5 and server.routes()[-1] == "resume"
+
+
+def test_a_failed_encoder_reset_is_reported_too() -> None:
+    server = FakeServer()
+    server.fail["reset_encoder_cache"] = (500, "boom")
+    with pytest.raises(StaleCacheError, match="reset_encoder_cache failed .*encoder outputs may come from the previous"):
+        engine_for(server.client()).send_weights()
+
+
+def test_a_missing_pause_route_under_auto_still_resets(caplog: pytest.LogCaptureFixture) -> None:
+    server = FakeServer()
+    server.fail["pause"] = (404, "Not Found")
+    engine = engine_for(server.client())
+    with caplog.at_level(logging.WARNING, logger="weightwire.trainer"):
+        engine.send_weights()
+        engine.send_weights()
+    unpaused = ["start_weight_update", "update_weights", "finish_weight_update", *RESET]
+    assert [r for r in server.routes() if r not in SETUP] == [*unpaused[:2], "pause", *unpaused[2:], *unpaused]
+    assert "requests scheduled between a round's commit and its cache reset may reuse KV" in caplog.text
+
+
+def test_http_client_reset_reads_success_per_server() -> None:
+    replies = {"a": {"success": True}, "b": {"success": False}, "c": {"message": "ok"}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.method == "POST" and request.url.path == "/reset_prefix_cache"
+        assert dict(request.url.params) == {"reset_running_requests": "false", "reset_external": "true"}
+        return httpx.Response(200, content=json.dumps(replies[request.url.host]).encode())
+
+    client = HTTPWeightSyncClient(["http://a:1", "http://b:1", "http://c:1"], transport=httpx.MockTransport(handler))
+    assert client.reset_prefix_cache(reset_running_requests=False) == [True, False, False]
