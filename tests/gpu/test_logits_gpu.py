@@ -131,6 +131,9 @@ class PoolClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self._fan("shutdown")
 
+    def reset_prefix_cache(self) -> list[bool]:
+        return [True]  # the reference workers keep no KV past one request: nothing computed before a round
+
     # -- what the test asks the worker
     def checksums(self) -> dict[str, str]:
         return self._fan("checksum")[0]
