@@ -96,6 +96,9 @@ class ShimClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self._call("shutdown_weight_transfer_engine")
 
+    def reset_prefix_cache(self) -> list[bool]:
+        return [True]  # the shim's worker loads into a sink or a tensor store: no KV outlives a round
+
 
 class Sink:
     """Stands in for the model: counts what ``load_weights`` received."""
