@@ -259,8 +259,9 @@ class VLLMConsumerClient:
 
 
 def _engine(kind: str, weights: dict[str, np.ndarray], size: int, client: VLLMConsumerClient) -> Any:
+    # vLLM's packed consumer alone: no scheduler and no KV cache, so no cache reset to send.
     info = TrainerInitInfo(backend="interop_stock_tcp", packed=True, packed_buffer_size_bytes=size,
-                           packed_num_buffers=2, timeouts=TIMEOUTS)
+                           packed_num_buffers=2, timeouts=TIMEOUTS, reset_prefix_cache=False)
     if kind == "jax":
         import jax.numpy as jnp
 

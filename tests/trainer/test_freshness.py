@@ -67,16 +67,16 @@ class Recorder:
         return [name for name, _, _ in self.calls if name not in SETUP]
 
 
-def test_stock_round_resets_before_it_resumes_and_a_plugin_round_pauses_only_around_its_commit(stock: bool) -> None:
+def test_stock_round_resets_before_it_resumes_and_a_plugin_round_resets_right_after_its_commit(stock: bool) -> None:
     client = Recorder()
     engine_for(client).send_weights(weight_version="v1")
     if stock:  # the whole round is paused (a layerwise reload must not meet a request)
         want = ["pause", "start_weight_update", "update_weights", "finish_weight_update", *RESET, "resume"]
-    else:  # staged: the transfer runs under traffic, the commit and reset do not
-        want = ["start_weight_update", "update_weights", "pause", "finish_weight_update", *RESET, "resume"]
+        pause = next(c for c in client.calls if c[0] == "pause")
+        assert pause[1:] == (("keep",), {})
+    else:  # staged: never paused (a trainer dying mid-round must not leave vLLM paused); reset at once
+        want = ["start_weight_update", "update_weights", "finish_weight_update", *RESET]
     assert client.rounds() == want
-    pause = next(c for c in client.calls if c[0] == "pause")
-    assert pause[1:] == (("keep",), {})
     assert next(c for c in client.calls if c[0] == "finish_weight_update")[1] == ("v1",)
 
 
@@ -136,8 +136,7 @@ def test_every_data_parallel_replica_is_reset_after_the_commit() -> None:
     engine.send_weights()
     for server in replicas.servers.values():
         routes = [r for r in server.routes() if r not in SETUP]
-        assert routes == ["start_weight_update", "update_weights", "pause", "finish_weight_update", *RESET,
-                          "resume"] * 2
+        assert routes == ["start_weight_update", "update_weights", "finish_weight_update", *RESET] * 2
         assert server.bodies("reset_prefix_cache") == [{"reset_running_requests": "true",
                                                         "reset_external": "true"}] * 2
 
@@ -157,7 +156,7 @@ def test_a_failed_reset_leaves_the_round_committed_says_so_and_resumes() -> None
     assert "may be answered from KV computed with the previous weights" in message
     assert "reset_prefix_cache=False" in message
     for server in replicas.servers.values():  # committed everywhere, and nobody left paused
-        assert server.weight_version == "v1" and server.routes()[-1] == "resume"
+        assert server.weight_version == "v1" and "pause" not in server.routes()
     del bad.fail["reset_prefix_cache"]
     assert engine.send_weights().version == "2"  # the engine stays usable; the count moved on at the commit
 
@@ -167,7 +166,7 @@ def test_a_server_without_the_route_names_dev_mode() -> None:
     server.fail["reset_prefix_cache"] = (404, "Not Found")
     with pytest.raises(StaleCacheError, match="no /reset_prefix_cache route; vLLM serves it with VLLM_SERVER_DEV_MODE"):
         engine_for(server.client()).send_weights()
-    assert server.weight_version == "1" and server.routes()[-1] == "resume"
+    assert server.weight_version == "1" and "pause" not in server.routes()
 
 
 def test_success_false_is_retried_then_reported() -> None:
@@ -187,7 +186,7 @@ def test_success_false_is_retried_then_reported() -> None:
     assert server.routes().count("reset_prefix_cache") == 2
     with pytest.raises(StaleCacheError, match=r"server\(s\) 0 answered success=false to /reset_prefix_cache 3 times"):
         engine.send_weights()
-    assert server.routes().count("reset_prefix_cache") == 5 and server.routes()[-1] == "resume"
+    assert server.routes().count("reset_prefix_cache") == 5 and "pause" not in server.routes()
 
 
 def test_a_failed_encoder_reset_is_reported_too() -> None:
@@ -197,16 +196,14 @@ def test_a_failed_encoder_reset_is_reported_too() -> None:
         engine_for(server.client()).send_weights()
 
 
-def test_a_missing_pause_route_under_auto_still_resets(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_server_without_pause_routes_is_reset_all_the_same() -> None:
     server = FakeServer()
-    server.fail["pause"] = (404, "Not Found")
+    server.fail["pause"] = (404, "Not Found")  # a staged plugin round never pauses: the route is not needed
     engine = engine_for(server.client())
-    with caplog.at_level(logging.WARNING, logger="weightwire.trainer"):
-        engine.send_weights()
-        engine.send_weights()
+    engine.send_weights()
+    engine.send_weights()
     unpaused = ["start_weight_update", "update_weights", "finish_weight_update", *RESET]
-    assert [r for r in server.routes() if r not in SETUP] == [*unpaused[:2], "pause", *unpaused[2:], *unpaused]
-    assert "requests scheduled between a round's commit and its cache reset may reuse KV" in caplog.text
+    assert [r for r in server.routes() if r not in SETUP] == unpaused * 2
 
 
 def test_http_client_reset_reads_success_per_server() -> None:

@@ -296,7 +296,7 @@ class TrainerEngine(ABC):
 
                 # finish, then (by default) every cache of the old weights dropped before anything runs
                 try:
-                    self._commit_plan.commit(self.client, version, round_paused=paused, record=record)
+                    self._commit_plan.commit(self.client, version, record=record)
                 except StaleCacheError:
                     if paused:  # committed: the model is whole, so a round paused as a whole resumes
                         paused = False

@@ -13,9 +13,12 @@ before anything can be scheduled on the new weights:
   recomputes its KV with the new weights instead of continuing on the old KV; and to reset
   a KV connector's external cache (``reset_external``).
 - A round not paused as a whole (the plugin backends stage a round and apply it at
-  finish, so ``pause_mode="auto"`` does not pause their transfer) is paused in ``keep``
-  mode around finish + reset only: no step runs between the commit and the reset, and
-  nothing is refused or aborted.
+  finish, so ``pause_mode="auto"`` does not pause them) is reset right after its finish,
+  unpaused: a pause held across the commit would leave vLLM paused, its requests queued
+  with nobody to resume them, if the trainer died inside it, which is worse than the
+  window it closes. The reset preempts every request still running, so only a request
+  that both starts and ends within that one round trip can have used the old KV.
+  ``pause_mode="keep"`` closes the window at that price.
 - ``TrainerInitInfo(reset_prefix_cache=False)`` turns all of this off, for users who
   knowingly accept stale prefixes.
 
@@ -34,7 +37,6 @@ from typing import Any
 
 from weightwire.shared.errors import WeightSyncError, WeightwireError
 from weightwire.trainer.config import TrainerInitInfo
-from weightwire.trainer.transfer import best_effort_resume
 
 logger = logging.getLogger(__name__)
 
@@ -69,40 +71,16 @@ class CommitPlan:
 
     reset: bool = True
     """Reset the servers' caches after every commit (``TrainerInitInfo.reset_prefix_cache``)."""
-    pause: str | None = None
-    """Pause mode held around finish + reset when the round itself is not paused."""
-    auto: bool = False
-    """``pause`` came from ``pause_mode="auto"``: a server without ``/pause`` is driven without it."""
 
-    def commit(self, client: Any, version: str, *, round_paused: bool, record: Callable[[], None]) -> None:
-        """``finish_weight_update(version)``, ``record()`` as soon as it returned, then the reset.
+    def commit(self, client: Any, version: str, *, record: Callable[[], None]) -> None:
+        """``finish_weight_update(version)``, ``record()`` as soon as it returned, then the reset
+        (inside the round's pause when it has one: the caller resumes after this returns).
 
         Raises ``StaleCacheError`` when the commit held but the reset did not."""
-        held = False if round_paused or self.pause is None else self._hold(client)
-        try:
-            client.finish_weight_update(version)
-            record()
-            if self.reset:
-                reset_after_commit(client, version)
-        except BaseException:
-            if held:
-                best_effort_resume(client)
-            raise
-        if held:
-            client.resume()
-
-    def _hold(self, client: Any) -> bool:
-        assert self.pause is not None
-        try:
-            client.pause(self.pause)
-        except WeightSyncError as exc:
-            if not self.auto or exc.status != 404:
-                raise
-            logger.warning("server has no /pause route (%s): requests scheduled between a round's commit and its "
-                           "cache reset may reuse KV of the previous weights", exc)
-            self.pause = None
-            return False
-        return True
+        client.finish_weight_update(version)
+        record()
+        if self.reset:
+            reset_after_commit(client, version)
 
 
 def commit_plan(info: TrainerInitInfo, client: object, round_pause: str | None) -> CommitPlan:
@@ -114,7 +92,7 @@ def commit_plan(info: TrainerInitInfo, client: object, round_pause: str | None) 
         return CommitPlan(reset=True)
     can_pause = all(callable(getattr(client, m, None)) for m in ("pause", "resume"))
     if info.pause_mode == "auto" and can_pause:
-        return CommitPlan(reset=True, pause="keep", auto=True)
+        return CommitPlan(reset=True)  # a staging plugin backend: unpaused by design (the module docstring)
     why = "pause_mode=None" if info.pause_mode is None else f"client {type(client).__name__} cannot pause"
     logger.warning("%s: the cache reset after each round runs unpaused; a request scheduled between the commit and "
                    "the reset may reuse KV computed with the previous weights", why)

@@ -256,7 +256,7 @@ class MultiSource(StarWire, GroupWire):
                         self._sent[(draft, turn.src)] = turn.metas
                     e._rounds += 1
 
-                e._commit_plan.commit(e.client, version, round_paused=paused, record=record)  # + cache reset
+                e._commit_plan.commit(e.client, version, record=record)  # + cache reset
                 if paused:
                     paused = False
                     e.client.resume()
