@@ -46,8 +46,8 @@ class TrainerInitInfo:
       ``None`` never pauses.
     - ``reset_prefix_cache``: after every committed round, reset every server's prefix
       cache (running requests are preempted and recompute their KV with the new weights)
-      and encoder cache, with generation paused (``keep``) from the commit to the reset
-      when the round itself was not paused (``trainer.freshness``). ``False``: vLLM may
+      and encoder cache, right after the commit and before a paused round resumes
+      (``trainer.freshness``). ``False``: vLLM may
       answer a prompt whose prefix it cached before the round from KV computed with the
       previous weights; only for users who knowingly accept that.
     - ``ipc_release_after_round``: ``weightwire_ipc`` frees its slots after every round

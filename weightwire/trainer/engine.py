@@ -10,9 +10,8 @@ Lifecycle (every trainer rank calls each step; only rank 0 touches the wire):
    [verify snapshot] -> [pause] -> ``start_weight_update`` (``start_draft_weight_update``) ->
    ``update_weights`` on a side thread *concurrently with* the broadcasts (workers
    receive inside that request) -> ``finish_weight_update(version)`` -> the servers'
-   prefix / encoder caches reset (``trainer.freshness``; a round not paused as a whole
-   is paused around finish + reset) -> [resume] -> [verify]. The first pack overlaps the start round trip; no byte is broadcast before
-   start returned. Other ranks only iterate the source, so they stay in any
+   prefix / encoder caches reset (``trainer.freshness``) -> [resume] -> [verify]. The first
+   pack overlaps the start round trip; no byte is broadcast before start returned. Other ranks only iterate the source, so they stay in any
    trainer-side gathers.
 3. ``shutdown``: tell the servers, close the communicator.
 
