@@ -27,8 +27,6 @@ tensor, read back out of the fused parameters), ``incomplete``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import socket
 import sys
 import threading
 import types
@@ -270,7 +268,7 @@ def trainer_tensors(shape: str, device: torch.device, seed: int) -> Iterator[tup
 # ----------------------------------------------------------------------------- the worker
 def serve(backend: str, device_name: str, shape: str) -> None:
     install_fake_vllm()
-    from weightwire.testing.loopback import LOOPBACK_VERSION, READY, _recv_line, _send_line
+    from weightwire.testing.loopback import LOOPBACK_VERSION, serve_ops
     from weightwire.torch_side.worker import vllm_engines
 
     device = torch.device(device_name)
@@ -328,26 +326,7 @@ def serve(backend: str, device_name: str, shape: str) -> None:
                 raise ValueError(f"unknown op {op!r}")
         return None
 
-    def handle(conn: socket.socket) -> None:
-        with conn:
-            try:
-                request = _recv_line(conn)
-                reply = {"ok": True, "result": run(str(request["op"]), request.get("body") or {})}
-            except Exception as exc:
-                reply = {"ok": False, "status": 500, "error": f"{type(exc).__name__}: {exc}"}
-            with contextlib.suppress(OSError):
-                _send_line(conn, reply)
-
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
-    print(f"{READY}127.0.0.1:{listener.getsockname()[1]}", flush=True)
-    with listener:
-        while not done.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+    serve_ops(run, done)
     engine.shutdown()
 
 

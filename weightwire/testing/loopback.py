@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightwire import backends
@@ -242,12 +242,20 @@ def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) 
                 raise ValueError(f"unknown op {op!r}")
         return None
 
+    serve_ops(run, done, host=host, port=port)
+    engine.shutdown()
+
+
+def serve_ops(run: Callable[[str, dict[str, Any]], Any], done: threading.Event, *, host: str = "127.0.0.1",
+              port: int = 0) -> None:
+    """Answer one JSON line per connection with ``run(op, body)`` until ``done`` is set;
+    prints ``READY host:port`` first (what ``spawn_loopback_cmd`` waits for)."""
+
     def handle(conn: socket.socket) -> None:
         with conn:
             try:
                 request = _recv_line(conn)
-                result = run(str(request["op"]), request.get("body") or {})
-                reply = {"ok": True, "result": result}
+                reply = {"ok": True, "result": run(str(request["op"]), request.get("body") or {})}
             except (ValueError, KeyError, TypeError) as exc:
                 reply = {"ok": False, "status": 400, "error": f"{type(exc).__name__}: {exc}"}
             except Exception as exc:
@@ -265,7 +273,6 @@ def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) 
             except TimeoutError:
                 continue
             threading.Thread(target=handle, args=(conn,), daemon=True).start()
-    engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
