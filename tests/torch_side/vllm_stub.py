@@ -21,7 +21,8 @@ Run as a worker (the trainer drives it with ``LoopbackClient``)::
 
 It prints ``weightwire loopback ready on HOST:PORT``. Extra ops: ``memory`` (baseline,
 torch peak since the round's start, the IPC receive pool), ``digests`` (per Hugging Face
-tensor, read back out of the fused parameters), ``incomplete``.
+tensor, read back out of the fused parameters), ``incomplete``, ``floor`` (the physical floor of
+a round: one device copy of every Hugging Face tensor into its place in the fused parameters).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -265,6 +267,37 @@ def trainer_tensors(shape: str, device: torch.device, seed: int) -> Iterator[tup
         yield name, torch.randn(dims, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
 
 
+def copy_floor_s(model: FakeLlama, shape: str, device: torch.device, reps: int) -> float:
+    """Seconds for one device copy of a round's bytes into the serving parameters: every
+    Hugging Face tensor, from one contiguous source buffer, into its slice of the fused
+    parameters (CUDA events, median of ``reps`` after one warm-up). What no transfer can
+    beat: the bytes have to land there once."""
+    views = [model.hf_view(name) for name in hf_shapes(shape)]
+    total = sum(v.numel() for v in views)
+    src = torch.empty(total, dtype=torch.bfloat16, device=device)
+    times = []
+    cuda = device.type == "cuda"
+    try:
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            off = 0
+            for v in views:
+                v.copy_(src[off:off + v.numel()].view(v.shape))
+                off += v.numel()
+            if cuda:
+                end.record()
+                end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - t0)
+    finally:
+        del src
+        if cuda:
+            torch.cuda.empty_cache()
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
 # ----------------------------------------------------------------------------- the worker
 def serve(backend: str, device_name: str, shape: str) -> None:
     install_fake_vllm()
@@ -322,6 +355,8 @@ def serve(backend: str, device_name: str, shape: str) -> None:
                 return dict(memory)
             elif op == "digests":
                 return {name: digest(model.hf_view(name)) for name in hf_shapes(shape)}
+            elif op == "floor":
+                return copy_floor_s(model, shape, device, int(body.get("reps", 5)))
             else:
                 raise ValueError(f"unknown op {op!r}")
         return None

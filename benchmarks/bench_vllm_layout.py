@@ -1,0 +1,167 @@
+"""Whole rounds into vLLM's serving parameters on ONE GPU, against the physical floor.
+
+    python benchmarks/bench_vllm_layout.py --out bench_vllm_layout.md [--engines torch,jax]
+        [--budgets-gib 1,64] [--rounds 5] [--warmup 1]
+
+The worker is vLLM's own plugin engine class (``VllmWeightwireIPCEngine``), run by
+``tests/torch_side/vllm_stub.py`` with fakes for the few ``vllm.*`` pieces it imports
+(vLLM's layerwise reload: buffered loads, a layer materialized at a time), loading into
+parameters laid out like vLLM's Llama (fused ``qkv_proj`` / ``gate_up_proj``). The trainer
+(``TorchTrainerEngine``, or the torch-free ``JAXTrainerEngine``) sits on the same GPU and
+sends a Llama-3-8B-shaped bf16 set (16.06 GB) over ``weightwire_ipc`` with default
+settings; ``--budgets-gib`` picks the stage budget (1: the default, the round streams;
+64: the whole round is staged, for comparison).
+
+Per row: seconds per round (median of ``--rounds`` after ``--warmup``: the whole
+``send_weights()``), GB/s, and the ratio of the same run's **floor** to it: one device
+copy of every tensor into its slice of the serving parameters (CUDA events, in the
+worker). Worker extra memory: torch's peak over its baseline during a round plus the IPC
+receive pool; trainer extra: the trainer process's device memory in use beyond its
+weights, between rounds. ``bytes`` is ``ok`` when every Hugging Face tensor read back out
+of the fused parameters has the trainer's digest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+GIB = 1 << 30
+SHAPE = "llama3-8b"
+DEVICE: Any = None  # the torch device of trainer and worker (main sets it)
+BACKEND = "weightwire_ipc"
+
+
+def _params(engine: str) -> dict[str, Any]:
+    """The round's tensors on the trainer's GPU (names and shapes from the stub's model)."""
+
+    from tests.torch_side.vllm_stub import trainer_tensors
+
+    tensors = dict(trainer_tensors(SHAPE, DEVICE, seed=1))
+    if engine == "torch":
+        return tensors
+    import jax
+
+    out = {n: jax.dlpack.from_dlpack(t) for n, t in tensors.items()}  # zero-copy on the GPU
+    jax.block_until_ready(list(out.values()))
+    return out
+
+
+def _trainer_bytes(engine: str) -> int:
+    if DEVICE.type != "cuda":
+        return 0
+    if engine == "torch":
+        import torch
+
+        return int(torch.cuda.memory_allocated(0))
+    import jax
+
+    return int(jax.devices()[0].memory_stats().get("bytes_in_use", 0))
+
+
+def run(engine: str, budget: int, client: Any, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from tests.torch_side.vllm_stub import digest
+    from weightwire.bench.sync_models import make_source
+    from weightwire.trainer import TrainerInitInfo
+
+    if engine == "jax":
+        from weightwire.jax_side.engine import JAXTrainerEngine as Engine
+    else:
+        from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine
+    params = _params(engine)
+    want = {n: digest(torch.from_dlpack(a) if engine == "jax" else a) for n, a in params.items()}
+    nbytes = sum(int(a.nbytes) for a in params.values())
+    before = _trainer_bytes(engine)
+    info = TrainerInitInfo(backend=BACKEND, stage_budget_bytes=budget,
+                           device=0 if DEVICE.type == "cuda" else None)
+    trainer = Engine.trainer_init(info, client=client, source=make_source(params))
+    try:
+        for _ in range(args.warmup):
+            trainer.send_weights()
+        walls = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            trainer.send_weights()
+            walls.append(time.perf_counter() - start)
+        trainer_extra = _trainer_bytes(engine) - before
+        mem = client.call("memory")
+        ok = client.call("digests") == want
+        floor = float(client.call("floor", {"reps": 5}))
+    finally:
+        trainer.shutdown()
+    round_s = statistics.median(walls)
+    return {"engine": engine, "budget": budget, "nbytes": nbytes, "round_s": round_s, "floor_s": floor,
+            "worker_extra": mem.get("peak", 0) - mem.get("baseline", 0) + mem.get("pool", 0),
+            "pool": mem.get("pool", 0),
+            "trainer_extra": trainer_extra, "ok": ok, "walls": walls}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| trainer | stage budget | GB/round | ms/round | GB/s | floor ms | floor / round "
+             "| worker extra GB (pool) | trainer extra GB | bytes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | {r['budget'] / GIB:.0f} GiB | | | | | | | | {r['error']} |")
+            continue
+        gb, s = r["nbytes"] / 1e9, r["round_s"]
+        lines.append(
+            f"| {r['engine']} | {r['budget'] / GIB:.0f} GiB | {gb:.2f} | {s * 1e3:.1f} | {gb / s:.0f} "
+            f"| {r['floor_s'] * 1e3:.1f} | {r['floor_s'] / s:.3f} "
+            f"| {r['worker_extra'] / 1e9:.2f} ({r['pool'] / 1e9:.2f}) | {r['trainer_extra'] / 1e9:.2f} "
+            f"| {'ok' if r['ok'] else 'MISMATCH'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    global DEVICE, BACKEND, SHAPE
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="torch,jax")
+    ap.add_argument("--budgets-gib", default="1,64")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--out")
+    ap.add_argument("--backend", default="weightwire_ipc", help="weightwire_tcp with --device cpu: a dry run")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--shape", default=SHAPE, help="llama3-8b, or tiny for a dry run")
+    args = ap.parse_args(argv)
+    import torch
+
+    DEVICE, BACKEND, SHAPE = torch.device(args.device), args.backend, args.shape
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    from weightwire.testing.loopback import spawn_loopback_cmd
+
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc, client = spawn_loopback_cmd(["-m", "tests.torch_side.vllm_stub", "--backend", BACKEND,
+                                       "--device", args.device, "--shape", SHAPE], env=env, timeout=300)
+    rows: list[dict[str, Any]] = []
+    try:
+        for engine in args.engines.split(","):
+            for gib in args.budgets_gib.split(","):
+                budget = int(float(gib) * GIB)
+                try:
+                    rows.append(run(engine, budget, client, args))
+                except Exception as exc:  # one failed row must not lose the others
+                    rows.append({"engine": engine, "budget": budget, "error": f"{type(exc).__name__}: {exc}"})
+                print(table(rows[-1:]), flush=True)
+    finally:
+        client.exit()
+        proc.wait(timeout=120)
+    text = table(rows)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if rows and all(r.get("ok") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
