@@ -54,16 +54,54 @@ def _params(engine: str) -> dict[str, Any]:
     return out
 
 
-def _trainer_bytes(engine: str) -> int:
-    if DEVICE.type != "cuda":
-        return 0
-    if engine == "torch":
+class TrainerMemory:
+    """The trainer process's extra device memory over its rounds. torch: the allocator's peak
+    over what it held before (the weights). JAX: every byte JAX allocated (the weights are
+    torch's tensors, shared through DLPack, so all of JAX's memory is extra)."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine, self.before = engine, 0
+        if DEVICE.type == "cuda" and engine != "jax":
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
+
+    def extra(self) -> int:
+        if DEVICE.type != "cuda":
+            return 0
+        if self.engine == "jax":
+            import jax
+
+            return int(jax.devices()[0].memory_stats().get("peak_bytes_in_use", 0))
         import torch
 
-        return int(torch.cuda.memory_allocated(0))
-    import jax
+        return int(torch.cuda.max_memory_allocated()) - self.before
 
-    return int(jax.devices()[0].memory_stats().get("bytes_in_use", 0))
+
+def _timed(send: Any, args: argparse.Namespace) -> list[float]:
+    for _ in range(args.warmup):
+        send()
+    walls = []
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        send()
+        walls.append(time.perf_counter() - start)
+    return walls
+
+
+def _row(receiver: str, engine: str, budget: int | None, client: Any, nbytes: int, walls: list[float],
+         trainer_extra: int, want: dict[str, Any]) -> dict[str, Any]:
+    """What the worker reports after the timed rounds: memory, the bytes, then the floor
+    (last: it overwrites the parameters)."""
+    mem = client.call("memory")
+    ok = client.call("digests") == want
+    floor = float(client.call("floor", {"reps": 5}))
+    return {"receiver": receiver, "engine": engine, "budget": budget, "nbytes": nbytes,
+            "round_s": statistics.median(walls), "floor_s": floor,
+            "worker_extra": mem.get("peak", 0) - mem.get("baseline", 0) + mem.get("pool", 0),
+            "pool": mem.get("pool", 0), "trainer_extra": trainer_extra, "ok": ok, "walls": walls}
 
 
 def run(engine: str, budget: int, client: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -80,42 +118,87 @@ def run(engine: str, budget: int, client: Any, args: argparse.Namespace) -> dict
     params = _params(engine)
     want = {n: digest(torch.from_dlpack(a) if engine == "jax" else a) for n, a in params.items()}
     nbytes = sum(int(a.nbytes) for a in params.values())
-    before = _trainer_bytes(engine)
+    memory = TrainerMemory(engine)
     info = TrainerInitInfo(backend=BACKEND, stage_budget_bytes=budget,
                            device=0 if DEVICE.type == "cuda" else None)
     trainer = Engine.trainer_init(info, client=client, source=make_source(params))
     try:
-        for _ in range(args.warmup):
-            trainer.send_weights()
-        walls = []
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            trainer.send_weights()
-            walls.append(time.perf_counter() - start)
-        trainer_extra = _trainer_bytes(engine) - before
-        mem = client.call("memory")
-        ok = client.call("digests") == want
-        floor = float(client.call("floor", {"reps": 5}))
+        walls = _timed(trainer.send_weights, args)
+        trainer_extra = memory.extra()
+        return _row("weightwire plugin engine", engine, budget, client, nbytes, walls, trainer_extra, want)
     finally:
         trainer.shutdown()
-    round_s = statistics.median(walls)
-    return {"engine": engine, "budget": budget, "nbytes": nbytes, "round_s": round_s, "floor_s": floor,
-            "worker_extra": mem.get("peak", 0) - mem.get("baseline", 0) + mem.get("pool", 0),
-            "pool": mem.get("pool", 0),
-            "trainer_extra": trainer_extra, "ok": ok, "walls": walls}
+
+
+class PeerClient:
+    """The four calls vLLM's trainer engine makes, over the loopback socket. The IPC handles
+    travel pickled (``ipc_handles_pickled``), as vLLM's own HTTP client sends them."""
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.loop.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.loop.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        import base64
+        import pickle
+
+        info = dict(update_info)
+        handles = info.pop("ipc_handles")
+        info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode()
+        self.loop.update_weights(info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.loop.finish_weight_update()
+
+
+def run_peer(packed: bool, client: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM 0.33's own IPC engines, both sides, from its sources (``--vllm-src``)."""
+    import functools
+
+    from tests.torch_side.vllm_stub import digest, install_vllm_sources
+
+    vllm = install_vllm_sources(args.vllm_src)
+    params = _params("torch")
+    want = {n: digest(a) for n, a in params.items()}
+    nbytes = sum(int(a.nbytes) for a in params.values())
+
+    class TensorSource(vllm.base.WeightSource):  # type: ignore[misc,name-defined]
+        metadata = functools.cached_property(
+            lambda self: [vllm.base.ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in params.items()])
+
+        def iter_full(self) -> Any:
+            return iter(params.items())
+
+    memory = TrainerMemory("torch")
+    ipc = vllm.ipc_engine
+    trainer = ipc.IPCTrainerWeightTransferEngine.trainer_init(
+        ipc.IPCTrainerInitInfo(rank=0, packed=packed), client=PeerClient(client), source=TensorSource())
+    walls = _timed(trainer.send_weights, args)
+    mode = "packed 1 GiB" if packed else "unpacked (its default)"
+    return _row(f"vLLM IPCWeightTransferEngine, {mode}", "torch", None, client, nbytes, walls,
+                memory.extra(), want)
+
+
+def _budget(r: dict[str, Any]) -> str:
+    return "" if r["budget"] is None else f"{r['budget'] / GIB:.0f} GiB"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| trainer | stage budget | GB/round | ms/round | GB/s | floor ms | floor / round "
+    lines = ["| receiver | trainer | stage budget | GB/round | ms/round | GB/s | floor ms | floor / round "
              "| worker extra GB (pool) | trainer extra GB | bytes |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['engine']} | {r['budget'] / GIB:.0f} GiB | | | | | | | | {r['error']} |")
+            lines.append(f"| {r['receiver']} | {r['engine']} | {_budget(r)} | | | | | | | | {r['error']} |")
             continue
         gb, s = r["nbytes"] / 1e9, r["round_s"]
         lines.append(
-            f"| {r['engine']} | {r['budget'] / GIB:.0f} GiB | {gb:.2f} | {s * 1e3:.1f} | {gb / s:.0f} "
+            f"| {r['receiver']} | {r['engine']} | {_budget(r)} | {gb:.2f} | {s * 1e3:.1f} | {gb / s:.0f} "
             f"| {r['floor_s'] * 1e3:.1f} | {r['floor_s'] / s:.3f} "
             f"| {r['worker_extra'] / 1e9:.2f} ({r['pool'] / 1e9:.2f}) | {r['trainer_extra'] / 1e9:.2f} "
             f"| {'ok' if r['ok'] else 'MISMATCH'} |")
@@ -133,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="weightwire_ipc", help="weightwire_tcp with --device cpu: a dry run")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--shape", default=SHAPE, help="llama3-8b, or tiny for a dry run")
+    ap.add_argument("--vllm-src", default=os.environ.get("WEIGHTWIRE_VLLM_SRC"),
+                    help="an unpacked vLLM 0.33 (the directory holding `vllm/`): adds its own IPC "
+                         "engines as the peer (pip download --no-deps vllm==0.33.0; unzip)")
+    ap.add_argument("--peer-modes", default="unpacked,packed")
     args = ap.parse_args(argv)
     import torch
 
@@ -141,26 +228,44 @@ def main(argv: list[str] | None = None) -> int:
     from weightwire.testing.loopback import spawn_loopback_cmd
 
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc, client = spawn_loopback_cmd(["-m", "tests.torch_side.vllm_stub", "--backend", BACKEND,
-                                       "--device", args.device, "--shape", SHAPE], env=env, timeout=300)
     rows: list[dict[str, Any]] = []
+
+    def worker(engine: str) -> tuple[Any, Any]:
+        return spawn_loopback_cmd(["-m", "tests.torch_side.vllm_stub", "--backend", BACKEND, "--engine", engine,
+                                   "--device", args.device, "--shape", SHAPE],
+                                  env={**env, "WEIGHTWIRE_VLLM_SRC": args.vllm_src or ""}, timeout=300)
+
+    def attempt(receiver: str, engine: str, budget: int | None, fn: Any, *fn_args: Any) -> None:
+        try:
+            rows.append(fn(*fn_args))
+        except Exception as exc:  # one failed row must not lose the others
+            rows.append({"receiver": receiver, "engine": engine, "budget": budget,
+                         "error": f"{type(exc).__name__}: {exc}"})
+        print(table(rows[-1:]), flush=True)
+
+    proc, client = worker("weightwire")
     try:
         for engine in args.engines.split(","):
             for gib in args.budgets_gib.split(","):
                 budget = int(float(gib) * GIB)
-                try:
-                    rows.append(run(engine, budget, client, args))
-                except Exception as exc:  # one failed row must not lose the others
-                    rows.append({"engine": engine, "budget": budget, "error": f"{type(exc).__name__}: {exc}"})
-                print(table(rows[-1:]), flush=True)
+                attempt("weightwire", engine, budget, run, engine, budget, client, args)
     finally:
         client.exit()
         proc.wait(timeout=120)
+    if args.vllm_src and DEVICE.type == "cuda":  # vLLM's IPC engine is CUDA-only
+        proc, client = worker("vllm-ipc")
+        try:
+            for mode in args.peer_modes.split(","):
+                attempt("vLLM", "torch", None, run_peer, mode == "packed", client, args)
+        finally:
+            client.exit()
+            proc.wait(timeout=120)
     text = table(rows)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0 if rows and all(r.get("ok") for r in rows) else 1
+
 
 
 if __name__ == "__main__":

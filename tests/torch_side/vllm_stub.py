@@ -150,6 +150,59 @@ def install_fake_vllm() -> None:
     module("vllm.model_executor.model_loader.reload.layerwise", get_layerwise_info=get_layerwise_info)
 
 
+VLLM_TRANSFER_FILES = ("base", "packed_tensor", "ipc_engine")
+"""vLLM's own weight-transfer modules ``install_vllm_sources`` imports (its IPC engines)."""
+
+
+def install_vllm_sources(src: str) -> types.SimpleNamespace:
+    """Import vLLM's OWN ``distributed/weight_transfer/{base,packed_tensor,ipc_engine}.py``
+    from an unpacked vLLM tree (``src``: the directory holding the ``vllm`` package, e.g. from
+    ``pip download --no-deps vllm==0.33.0`` unzipped), unchanged, with stand-ins for the few
+    other ``vllm.*`` modules they import: config classes (only named), ``envs`` (pickled IPC
+    handles allowed, as a server started with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), the
+    layerwise reload (the fakes above, the same our engine is measured with) and the MTP
+    check (a no-op). vLLM itself cannot be installed beside this torch; its engines are the
+    peer a user would otherwise pick, so benchmarks run them as they are."""
+    import base64
+    import contextlib
+    import importlib.util
+    import os
+
+    def module(name: str, **attrs: Any) -> types.ModuleType:
+        mod = sys.modules.get(name) or types.ModuleType(name)
+        mod.__dict__.update(attrs)
+        sys.modules[name] = mod
+        return mod
+
+    root = os.path.join(src, "vllm", "distributed", "weight_transfer")
+    for name in ("vllm", "vllm.config", "vllm.distributed", "vllm.distributed.weight_transfer",
+                 "vllm.model_executor", "vllm.model_executor.model_loader"):
+        module(name, __path__=[])
+    module("vllm.envs", VLLM_ALLOW_INSECURE_SERIALIZATION=True)
+    sys.modules["vllm"].envs = sys.modules["vllm.envs"]  # type: ignore[attr-defined]
+    module("vllm.config", VllmConfig=object)
+    module("vllm.config.parallel", ParallelConfig=object)
+    module("vllm.config.weight_transfer", WeightTransferConfig=object)
+    module("vllm.model_executor.model_loader.reload", initialize_layerwise_reload=initialize_layerwise_reload,
+           finalize_layerwise_reload=finalize_layerwise_reload)
+    module("vllm.model_executor.model_loader.mtp_validation",
+           disable_mtp_completeness_check=contextlib.nullcontext)
+    try:
+        import pybase64  # noqa: F401  (vLLM's dependency, when present)
+    except ImportError:
+        module("pybase64", b64encode=base64.b64encode, b64decode=base64.b64decode)
+    out = {}
+    for stem in VLLM_TRANSFER_FILES:
+        name = f"vllm.distributed.weight_transfer.{stem}"
+        spec = importlib.util.spec_from_file_location(name, os.path.join(root, f"{stem}.py"))
+        assert spec is not None and spec.loader is not None, root
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        out[stem] = mod
+    return types.SimpleNamespace(**out)
+
+
 # ----------------------------------------------------------------------------- the model
 def hf_shapes(shape: str) -> dict[str, tuple[int, ...]]:
     """Hugging Face Llama names and shapes, in checkpoint order (layer by layer)."""
@@ -299,16 +352,25 @@ def copy_floor_s(model: FakeLlama, shape: str, device: torch.device, reps: int) 
 
 
 # ----------------------------------------------------------------------------- the worker
-def serve(backend: str, device_name: str, shape: str) -> None:
+def _engine_class(backend: str, engine: str) -> Any:
+    if engine == "vllm-ipc":  # vLLM's own IPC engine, from its sources (the peer in benchmarks)
+        import os
+
+        return install_vllm_sources(os.environ["WEIGHTWIRE_VLLM_SRC"]).ipc_engine.IPCWeightTransferEngine
     install_fake_vllm()
-    from weightwire.testing.loopback import LOOPBACK_VERSION, serve_ops
     from weightwire.torch_side.worker import vllm_engines
+
+    return {"weightwire_ipc": vllm_engines.VllmWeightwireIPCEngine,
+            "weightwire_tcp": vllm_engines.VllmWeightwireTCPEngine}[backend]
+
+
+def serve(backend: str, device_name: str, shape: str, engine_kind: str = "weightwire") -> None:
+    from weightwire.testing.loopback import LOOPBACK_VERSION, serve_ops
 
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cls = {"weightwire_ipc": vllm_engines.VllmWeightwireIPCEngine,
-           "weightwire_tcp": vllm_engines.VllmWeightwireTCPEngine}[backend]
+    cls = _engine_class(backend, engine_kind)
     model = FakeLlama(shape, torch.bfloat16, device)
     cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(model=None, dtype=torch.bfloat16),
                                 parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0))
@@ -317,7 +379,7 @@ def serve(backend: str, device_name: str, shape: str) -> None:
     memory: dict[str, int] = {}
 
     def pool_bytes() -> int:
-        held = getattr(engine._core._link, "held_bytes", None)
+        held = getattr(getattr(getattr(engine, "_core", None), "_link", None), "held_bytes", None)
         return int(held()) if callable(held) else 0
 
     def run(op: str, body: dict[str, Any]) -> Any:
@@ -331,7 +393,7 @@ def serve(backend: str, device_name: str, shape: str) -> None:
             done.set()
             return None
         if op == "incomplete":
-            incomplete = engine.incomplete_round
+            incomplete = getattr(engine, "incomplete_round", None)
             return None if incomplete is None else incomplete.describe()
         with lock:
             if op == "init_weight_transfer_engine":
@@ -370,8 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("weightwire_ipc", "weightwire_tcp"), required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--engine", choices=("weightwire", "vllm-ipc"), default="weightwire",
+                        help="vllm-ipc: vLLM's own IPC engine from $WEIGHTWIRE_VLLM_SRC (CUDA only)")
     args = parser.parse_args(argv)
-    serve(args.backend, args.device, args.shape)
+    serve(args.backend, args.device, args.shape, args.engine)
     return 0
 
 
