@@ -105,7 +105,7 @@ class Hold:
 
     def message(self) -> str:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since))
-        session = f", session {self.session}" if self.session else ""
+        session = f" (session {self.session})" if self.session else ""
         return (f"the served weights are incomplete: weight round {self.round!r}{session} is applied in place "
                 f"and has not committed (since {when}), so the model may be part new, part old; requests that "
                 "run the model are refused until a complete round commits (the trainer's next round), or an "
@@ -232,7 +232,7 @@ async def workers_whole(engine: Any) -> tuple[bool, str]:
         return False, "cannot ask the workers (no vLLM engine client in this app)"
     try:
         answers = await asyncio.wait_for(engine.collective_rpc(WORKER_METHOD, timeout=WORKER_TIMEOUT_S),
-                                         WORKER_TIMEOUT_S + 5)
+                                         WORKER_TIMEOUT_S)
     except TimeoutError:
         return False, f"the workers did not answer within {WORKER_TIMEOUT_S:.0f} s (a round may be in progress)"
     except Exception as exc:  # vLLM wraps a worker's error in its own types
