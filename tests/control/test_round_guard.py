@@ -276,3 +276,8 @@ def test_trainer_without_a_guard_warns_with_the_flag(caplog: pytest.LogCaptureFi
     shared = SimpleNamespace(round_guard=lambda: [{"guard": "weightwire", "covers": False}])
     assert guard_installed(shared) is False
     assert "server(s) [0] run several API-server processes" in caplog.text
+    caplog.clear()
+    # weightwire's reference server refuses by itself while its model is incomplete: no warning.
+    reference = SimpleNamespace(round_guard=lambda: [None], version=lambda: "0.33.0+weightwire.0.1.0")
+    assert guard_installed(reference) is False
+    assert caplog.text == ""

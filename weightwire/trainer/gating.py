@@ -160,6 +160,8 @@ def guard_installed(client: object) -> bool:
             logger.warning("could not ask the servers for the round guard (%s)", exc)
     if states and all(isinstance(s, dict) and s.get("covers") is True for s in states):
         return True
+    if _reference_server(client):
+        return False  # it refuses generation itself, with the reason, while its model is incomplete
     shared = [i for i, s in enumerate(states) if isinstance(s, dict) and not s.get("covers")]
     why = (f"server(s) {shared} run several API-server processes, which the round guard cannot cover"
            if shared else f"the servers do not run the round guard (start vLLM with --middleware {MIDDLEWARE})")
@@ -167,6 +169,15 @@ def guard_installed(client: object) -> bool:
                    "complete round commits; vLLM >= 0.33 then answers 503 'Generation is paused' without the "
                    "reason, vLLM <= 0.32 queues new requests until then (docs/reliability.md)", why)
     return False
+
+
+def _reference_server(client: object) -> bool:
+    """weightwire's own reference server (its version's local segment says so)."""
+    try:
+        local = parse_version(client.version()).local  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return bool(local) and str(local).startswith("weightwire")
 
 
 def hold_guard(client: Any, pause: RoundPause, version: str) -> bool:
