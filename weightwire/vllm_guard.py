@@ -140,7 +140,11 @@ class RoundGuard:
             return
         path = scope.get("path", "")
         if kind == "http" and path.startswith(STATUS.path):
-            reply = await self._control(scope, receive, path)
+            try:
+                reply = await self._control(scope, receive, path)
+            except Exception as exc:  # an answer, never a traceback
+                log.exception("round guard: %s failed", path)
+                reply = _error(500, f"round guard: {type(exc).__name__}: {str(exc)[:300]}", "InternalServerError")
             await _send_reply(send, reply)
             return
         hold = self.hold
@@ -150,7 +154,8 @@ class RoundGuard:
             return
         if kind == "websocket":
             await receive()  # websocket.connect
-            await send({"type": "websocket.close", "code": 1013, "reason": hold.message()[:120]})
+            reason = hold.message().encode()[:120].decode(errors="ignore")  # a close reason is <= 123 bytes
+            await send({"type": "websocket.close", "code": 1013, "reason": reason})
             return
         await _send_reply(send, _error(503, hold.message(), "ServiceUnavailableError",
                                        reason="weight_round_incomplete", round=hold.to_json()))
@@ -203,12 +208,16 @@ class RoundGuard:
                           "Conflict", held=self.hold is not None)
         if self.hold is checked:  # a hold placed while the workers were asked stays
             self.hold = None
-        resumed = False
-        if resume and engine is not None and await engine.is_paused():
-            await engine.resume_generation()
-            resumed = True
         if checked is not None:
             log.warning("round guard released (round %r): the workers' weights are whole", checked.round)
+        resumed = False
+        try:
+            if resume and engine is not None and await engine.is_paused():
+                await engine.resume_generation()
+                resumed = True
+        except Exception as exc:
+            return _error(502, f"the guard was released, but resuming generation failed ({type(exc).__name__}: "
+                               f"{str(exc)[:300]}): POST /resume", "BadGateway", released=checked is not None)
         return Reply(200, {**self.status(scope), "released": checked is not None, "resumed": resumed})
 
 

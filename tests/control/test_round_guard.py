@@ -48,6 +48,7 @@ class EngineClient:
         self.workers = workers
         self.delay_s = delay_s
         self.paused = False
+        self.resume_error: Exception | None = None
 
     async def collective_rpc(self, method: str, timeout: float | None = None) -> list[Any]:
         await asyncio.sleep(self.delay_s)
@@ -57,6 +58,8 @@ class EngineClient:
         return self.paused
 
     async def resume_generation(self) -> None:
+        if self.resume_error is not None:
+            raise self.resume_error
         self.paused = False
 
 
@@ -173,6 +176,16 @@ def test_release_without_resume_keeps_a_pause(http: TestClient) -> None:
     reply = http.post("/weightwire/round_guard/release", params={"resume": "false"})
     assert reply.json()["released"] is True and reply.json()["resumed"] is False
     assert http.app.state.engine_client.paused is True  # type: ignore[attr-defined]
+
+
+def test_a_failed_resume_is_answered_not_raised(http: TestClient) -> None:
+    http.post("/weightwire/round_guard/hold", json={"round": "v1"})
+    http.post("/pause")
+    http.app.state.engine_client.resume_error = RuntimeError("engine core is dead")  # type: ignore[attr-defined]
+    reply = http.post("/weightwire/round_guard/release")
+    assert reply.status_code == 502 and reply.json()["error"]["message"] == (
+        "the guard was released, but resuming generation failed (RuntimeError: engine core is dead): POST /resume")
+    assert http.get("/weightwire/round_guard").json()["held"] is False
 
 
 def test_release_fails_closed_when_workers_cannot_tell_or_do_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
