@@ -163,8 +163,12 @@ def guard_installed(client: object) -> bool:
     if _reference_server(client):
         return False  # it refuses generation itself, with the reason, while its model is incomplete
     shared = [i for i, s in enumerate(states) if isinstance(s, dict) and not s.get("covers")]
-    why = (f"server(s) {shared} run several API-server processes, which the round guard cannot cover"
-           if shared else f"the servers do not run the round guard (start vLLM with --middleware {MIDDLEWARE})")
+    if not callable(ask):
+        why = f"client {type(client).__name__} cannot hold a round guard (an HTTP server's --middleware {MIDDLEWARE})"
+    elif shared:
+        why = f"server(s) {shared} run several API-server processes, which the round guard cannot cover"
+    else:
+        why = f"the servers do not run the round guard (start vLLM with --middleware {MIDDLEWARE})"
     logger.warning("%s: if this round applied in place fails, generation stays paused with 'abort' until a "
                    "complete round commits; vLLM >= 0.33 then answers 503 'Generation is paused' without the "
                    "reason, vLLM <= 0.32 queues new requests until then (docs/reliability.md)", why)
