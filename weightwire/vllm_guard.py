@@ -65,19 +65,47 @@ WORKER_TIMEOUT_S = 30.0
 _MAX_BODY = 64 << 10
 _MAX_TEXT = 200
 
-PASSING_POSTS = frozenset({
-    # weight transfer and its control
-    "/init_weight_transfer_engine", "/start_weight_update", "/start_draft_weight_update", "/update_weights",
-    "/finish_weight_update", "/shutdown_weight_transfer_engine", "/update_weight_version", "/weight_checker",
-    "/pause", "/resume", "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache", "/sleep", "/wake_up",
-    "/abort_requests", "/collective_rpc", "/release_kv_cache_memory", "/start_profile", "/stop_profile",
-    "/scale_elastic_ep", "/is_scaling_elastic_ep", "/fault_tolerance/apply", "/ping",
-    "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-    # tokenization and rendering: no forward pass
-    "/tokenize", "/detokenize", "/v1/completions/render", "/v1/chat/completions/render",
-    "/v1/responses/render", "/v1/messages/render", "/v1/messages/count_tokens",
-    "/v1/completions/derender", "/v1/chat/completions/derender",
-})
+PASSING_POSTS = frozenset(
+    {
+        # weight transfer and its control
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/start_draft_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/shutdown_weight_transfer_engine",
+        "/update_weight_version",
+        "/weight_checker",
+        "/pause",
+        "/resume",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/reset_encoder_cache",
+        "/sleep",
+        "/wake_up",
+        "/abort_requests",
+        "/collective_rpc",
+        "/release_kv_cache_memory",
+        "/start_profile",
+        "/stop_profile",
+        "/scale_elastic_ep",
+        "/is_scaling_elastic_ep",
+        "/fault_tolerance/apply",
+        "/ping",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        # tokenization and rendering: no forward pass
+        "/tokenize",
+        "/detokenize",
+        "/v1/completions/render",
+        "/v1/chat/completions/render",
+        "/v1/responses/render",
+        "/v1/messages/render",
+        "/v1/messages/count_tokens",
+        "/v1/completions/derender",
+        "/v1/chat/completions/derender",
+    }
+)
 """POST routes of vLLM 0.32/0.33 that never run the model. Any other POST (and every
 websocket) is refused while the guard is held: a route a later vLLM adds is refused, not
 served by a half-updated model."""
@@ -106,10 +134,13 @@ class Hold:
     def message(self) -> str:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since))
         session = f" (session {self.session})" if self.session else ""
-        return (f"the served weights are incomplete: weight round {self.round!r}{session} is applied in place "
-                f"and has not committed (since {when}), so the model may be part new, part old; requests that "
-                "run the model are refused until a complete round commits (the trainer's next round), or an "
-                f"operator's POST {RELEASE.path} once the workers' weights are whole")
+        return (
+            f"the served weights are incomplete: weight round {self.round!r}{session} is applied "
+            f"in place and has not committed (since {when}), so the model may be part new, part "
+            "old; requests that run the model are refused until a complete round commits (the "
+            f"trainer's next round), or an operator's POST {RELEASE.path} once the workers' "
+            "weights are whole"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {"round": self.round, "session": self.session, "since": self.since}
@@ -127,7 +158,8 @@ def _error(status: int, message: str, kind: str, **extra: Any) -> Reply:
 
 
 class RoundGuard:
-    """ASGI middleware (``--middleware weightwire.vllm_guard.RoundGuard``); see the module docstring."""
+    """ASGI middleware (``--middleware weightwire.vllm_guard.RoundGuard``); see the module
+    docstring."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -144,7 +176,11 @@ class RoundGuard:
                 reply = await self._control(scope, receive, path)
             except Exception as exc:  # an answer, never a traceback
                 log.exception("round guard: %s failed", path)
-                reply = _error(500, f"round guard: {type(exc).__name__}: {str(exc)[:300]}", "InternalServerError")
+                reply = _error(
+                    500,
+                    f"round guard: {type(exc).__name__}: {str(exc)[:300]}",
+                    "InternalServerError",
+                )
             await _send_reply(send, reply)
             return
         hold = self.hold
@@ -154,11 +190,21 @@ class RoundGuard:
             return
         if kind == "websocket":
             await receive()  # websocket.connect
-            reason = hold.message().encode()[:120].decode(errors="ignore")  # a close reason is <= 123 bytes
+            reason = (
+                hold.message().encode()[:120].decode(errors="ignore")
+            )  # a close reason is <= 123 bytes
             await send({"type": "websocket.close", "code": 1013, "reason": reason})
             return
-        await _send_reply(send, _error(503, hold.message(), "ServiceUnavailableError",
-                                       reason="weight_round_incomplete", round=hold.to_json()))
+        await _send_reply(
+            send,
+            _error(
+                503,
+                hold.message(),
+                "ServiceUnavailableError",
+                reason="weight_round_incomplete",
+                round=hold.to_json(),
+            ),
+        )
 
     # ---------------------------------------------------------------- control routes
     async def _control(self, scope: Scope, receive: Receive, path: str) -> Reply:
@@ -177,24 +223,37 @@ class RoundGuard:
 
     def status(self, scope: Scope) -> dict[str, Any]:
         count = _api_server_count(scope)
-        return {"guard": "weightwire", "api": GUARD_API, "covers": count == 1, "api_server_count": count,
-                "held": self.hold is not None, "hold": None if self.hold is None else self.hold.to_json(),
-                "reason": None if self.hold is None else self.hold.message()}
+        return {
+            "guard": "weightwire",
+            "api": GUARD_API,
+            "covers": count == 1,
+            "api_server_count": count,
+            "held": self.hold is not None,
+            "hold": None if self.hold is None else self.hold.to_json(),
+            "reason": None if self.hold is None else self.hold.message(),
+        }
 
     async def _hold(self, scope: Scope, receive: Receive) -> Reply:
         count = _api_server_count(scope)
         if count != 1:
-            return _error(409, f"this vLLM runs {count} API-server processes and the round guard holds one "
-                               "process's state: it cannot refuse the requests the others take (run one API "
-                               "server, --api-server-count 1, to use it)", "Conflict")
+            return _error(
+                409,
+                f"this vLLM runs {count} API-server processes and the round guard holds one "
+                "process's state: it cannot refuse the requests the others take (run one API "
+                "server, --api-server-count 1, to use it)",
+                "Conflict",
+            )
         try:
             body = json.loads(await _read_body(receive) or b"{}")
             hold = _parse_hold(body)
         except (ValueError, TypeError) as exc:
             return _error(400, f"bad hold request: {exc}", "BadRequest")
         self.hold = hold
-        log.warning("round guard held for round %r: requests that run the model are refused until it commits",
-                    hold.round)
+        log.warning(
+            "round guard held for round %r: requests that run the model are refused until it "
+            "commits",
+            hold.round,
+        )
         return Reply(200, self.status(scope))
 
     async def _release(self, scope: Scope) -> Reply:
@@ -204,26 +263,39 @@ class RoundGuard:
         engine = _engine_client(scope)
         whole, why = await workers_whole(engine)
         if not whole:
-            return _error(409, f"not released: {why}; the guard keeps refusing until a complete round commits",
-                          "Conflict", held=self.hold is not None)
+            return _error(
+                409,
+                f"not released: {why}; the guard keeps refusing until a complete round commits",
+                "Conflict",
+                held=self.hold is not None,
+            )
         if self.hold is checked:  # a hold placed while the workers were asked stays
             self.hold = None
         if checked is not None:
-            log.warning("round guard released (round %r): the workers' weights are whole", checked.round)
+            log.warning(
+                "round guard released (round %r): the workers' weights are whole", checked.round
+            )
         resumed = False
         try:
             if resume and engine is not None and await engine.is_paused():
                 await engine.resume_generation()
                 resumed = True
         except Exception as exc:
-            return _error(502, f"the guard was released, but resuming generation failed ({type(exc).__name__}: "
-                               f"{str(exc)[:300]}): POST /resume", "BadGateway", released=checked is not None)
-        return Reply(200, {**self.status(scope), "released": checked is not None, "resumed": resumed})
+            return _error(
+                502,
+                f"the guard was released, but resuming generation failed ({type(exc).__name__}: "
+                f"{str(exc)[:300]}): POST /resume",
+                "BadGateway",
+                released=checked is not None,
+            )
+        return Reply(
+            200, {**self.status(scope), "released": checked is not None, "resumed": resumed}
+        )
 
 
 def _parse_hold(body: object) -> Hold:
     if not isinstance(body, dict):
-        raise TypeError("the body must be a JSON object {\"round\": ..., \"session\": ...}")
+        raise TypeError('the body must be a JSON object {"round": ..., "session": ...}')
     round_, session = body.get("round"), body.get("session")
     if not isinstance(round_, str) or not round_ or len(round_) > _MAX_TEXT:
         raise ValueError(f"'round' must be a non-empty string of at most {_MAX_TEXT} characters")
@@ -240,13 +312,20 @@ async def workers_whole(engine: Any) -> tuple[bool, str]:
     if engine is None or not callable(getattr(engine, "collective_rpc", None)):
         return False, "cannot ask the workers (no vLLM engine client in this app)"
     try:
-        answers = await asyncio.wait_for(engine.collective_rpc(WORKER_METHOD, timeout=WORKER_TIMEOUT_S),
-                                         WORKER_TIMEOUT_S)
+        answers = await asyncio.wait_for(
+            engine.collective_rpc(WORKER_METHOD, timeout=WORKER_TIMEOUT_S), WORKER_TIMEOUT_S
+        )
     except TimeoutError:
-        return False, f"the workers did not answer within {WORKER_TIMEOUT_S:.0f} s (a round may be in progress)"
+        return (
+            False,
+            f"the workers did not answer within {WORKER_TIMEOUT_S:.0f} s "
+            "(a round may be in progress)",
+        )
     except Exception as exc:  # vLLM wraps a worker's error in its own types
-        return False, (f"asking the workers failed ({type(exc).__name__}: {str(exc)[:300]}); is the weightwire "
-                       "plugin installed in vLLM's environment?")
+        return False, (
+            f"asking the workers failed ({type(exc).__name__}: {str(exc)[:300]}); is the "
+            "weightwire plugin installed in vLLM's environment?"
+        )
     for rank, answer in enumerate(answers or [None]):
         if not isinstance(answer, dict) or answer.get("whole") is not True:
             why = answer.get("reason") if isinstance(answer, dict) else f"answered {answer!r:.100}"
@@ -261,13 +340,21 @@ def worker_round_state(worker: Any) -> dict[str, Any]:
         return {"whole": True, "engine": None, "reason": None}
     name = type(engine).__name__
     if not hasattr(engine, "incomplete_round"):
-        return {"whole": None, "engine": name, "reason": f"weight-transfer engine {name} is not weightwire's: "
-                                                          "it cannot tell whether the weights are whole"}
+        return {
+            "whole": None,
+            "engine": name,
+            "reason": f"weight-transfer engine {name} is not weightwire's: "
+            "it cannot tell whether the weights are whole",
+        }
     incomplete = engine.incomplete_round
     if incomplete is not None:
         return {"whole": False, "engine": name, "reason": incomplete.describe()}
     if getattr(engine, "round_strategy", None) == "streaming":
-        return {"whole": False, "engine": name, "reason": "a round applied in place is open (not committed yet)"}
+        return {
+            "whole": False,
+            "engine": name,
+            "reason": "a round applied in place is open (not committed yet)",
+        }
     return {"whole": True, "engine": name, "reason": None}
 
 
@@ -327,8 +414,11 @@ async def _read_body(receive: Receive) -> bytes:
 
 async def _send_reply(send: Send, reply: Reply) -> None:
     data = json.dumps(reply.body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-               *reply.headers]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(data)).encode()),
+        *reply.headers,
+    ]
     if reply.status == 503:
         headers.append((b"retry-after", b"10"))
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})

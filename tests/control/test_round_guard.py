@@ -70,11 +70,18 @@ class Worker:
     weightwire_round_state = vllm_guard.worker_round_state
 
     def __init__(self, weights: WeightState) -> None:
-        self.weight_transfer_engine = WeightwireTCPEngine.standalone(model=HFModelHost(Tiny()), weights=weights)
+        self.weight_transfer_engine = WeightwireTCPEngine.standalone(
+            model=HFModelHost(Tiny()), weights=weights
+        )
 
 
-def build_app(workers: list[Any], *, api_server_count: int = 1, api_key: list[str] | None = None,
-              delay_s: float = 0.0) -> FastAPI:
+def build_app(
+    workers: list[Any],
+    *,
+    api_server_count: int = 1,
+    api_key: list[str] | None = None,
+    delay_s: float = 0.0,
+) -> FastAPI:
     app = FastAPI()
     app.state.engine_client = EngineClient(workers, delay_s=delay_s)
     app.state.args = SimpleNamespace(api_server_count=api_server_count, api_key=api_key)
@@ -132,16 +139,29 @@ def test_status_reports_an_installed_guard_that_covers_the_server(http: TestClie
 
 
 def test_held_guard_refuses_what_runs_the_model_with_the_reason(http: TestClient) -> None:
-    assert http.post("/weightwire/round_guard/hold", json={"round": "v7", "session": "s1"}).status_code == 200
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/inference/v1/generate"):
+    assert (
+        http.post("/weightwire/round_guard/hold", json={"round": "v7", "session": "s1"}).status_code
+        == 200
+    )
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/inference/v1/generate",
+    ):
         reply = http.post(path, json={})
         assert reply.status_code == 503, (path, reply.text)
         assert reply.headers["retry-after"] == "10"
         error = reply.json()["error"]
         assert error["reason"] == "weight_round_incomplete" and error["round"]["round"] == "v7"
-        assert error["message"].startswith("the served weights are incomplete: weight round 'v7' (session s1) "
-                                           "is applied in place and has not committed (since 20")
-        assert "POST /weightwire/round_guard/release once the workers' weights are whole" in error["message"]
+        assert error["message"].startswith(
+            "the served weights are incomplete: weight round 'v7' (session s1) "
+            "is applied in place and has not committed (since 20"
+        )
+        assert (
+            "POST /weightwire/round_guard/release once the workers' weights are whole"
+            in error["message"]
+        )
     # Control, tokenization and every GET pass.
     assert http.post("/tokenize", json={}).json() == {"tokens": [1]}
     assert http.get("/v1/models").status_code == 200
@@ -151,13 +171,19 @@ def test_held_guard_refuses_what_runs_the_model_with_the_reason(http: TestClient
     assert closed.value.code == 1013 and "weights are incomplete" in closed.value.reason
 
 
-def test_release_is_refused_while_a_worker_holds_a_broken_round(http: TestClient, weights: WeightState) -> None:
+def test_release_is_refused_while_a_worker_holds_a_broken_round(
+    http: TestClient, weights: WeightState
+) -> None:
     http.post("/weightwire/round_guard/hold", json={"round": "v7"})
-    weights.broke("s1", "streaming round ended without its commit: trainer gone", frozenset({"w.weight"}))
+    weights.broke(
+        "s1", "streaming round ended without its commit: trainer gone", frozenset({"w.weight"})
+    )
     reply = http.post("/weightwire/round_guard/release")
     assert reply.status_code == 409, reply.text
     message = reply.json()["error"]["message"]
-    assert message.startswith(f"not released: worker 0: {BROKEN} (session s1, streaming round ended")
+    assert message.startswith(
+        f"not released: worker 0: {BROKEN} (session s1, streaming round ended"
+    )
     assert message.endswith("the guard keeps refusing until a complete round commits")
     assert http.get("/weightwire/round_guard").json()["held"] is True
     assert _complete(http).status_code == 503
@@ -165,7 +191,9 @@ def test_release_is_refused_while_a_worker_holds_a_broken_round(http: TestClient
     weights.committed(frozenset({"w.weight", "w.bias"}))
     http.post("/pause")
     reply = http.post("/weightwire/round_guard/release")
-    assert reply.status_code == 200 and reply.json()["released"] and reply.json()["resumed"], reply.text
+    assert reply.status_code == 200 and reply.json()["released"] and reply.json()["resumed"], (
+        reply.text
+    )
     assert http.app.state.engine_client.paused is False  # type: ignore[attr-defined]
     assert _complete(http).status_code == 200
 
@@ -181,21 +209,28 @@ def test_release_without_resume_keeps_a_pause(http: TestClient) -> None:
 def test_a_failed_resume_is_answered_not_raised(http: TestClient) -> None:
     http.post("/weightwire/round_guard/hold", json={"round": "v1"})
     http.post("/pause")
-    http.app.state.engine_client.resume_error = RuntimeError("engine core is dead")  # type: ignore[attr-defined]
+    engine = http.app.state.engine_client  # type: ignore[attr-defined]
+    engine.resume_error = RuntimeError("engine core is dead")
     reply = http.post("/weightwire/round_guard/release")
     assert reply.status_code == 502 and reply.json()["error"]["message"] == (
-        "the guard was released, but resuming generation failed (RuntimeError: engine core is dead): POST /resume")
+        "the guard was released, but resuming generation failed "
+        "(RuntimeError: engine core is dead): POST /resume"
+    )
     assert http.get("/weightwire/round_guard").json()["held"] is False
 
 
-def test_release_fails_closed_when_workers_cannot_tell_or_do_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_release_fails_closed_when_workers_cannot_tell_or_do_not_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     stock = SimpleNamespace(weight_transfer_engine=object(), weightwire_round_state=None)
     stock.weightwire_round_state = lambda: vllm_guard.worker_round_state(stock)
     with TestClient(build_app([stock])) as http:
         http.post("/weightwire/round_guard/hold", json={"round": "v1"})
         reply = http.post("/weightwire/round_guard/release")
         assert reply.status_code == 409
-        assert "weight-transfer engine object is not weightwire's" in reply.json()["error"]["message"]
+        assert (
+            "weight-transfer engine object is not weightwire's" in reply.json()["error"]["message"]
+        )
     monkeypatch.setattr(vllm_guard, "WORKER_TIMEOUT_S", 0.05)
     with TestClient(build_app([Worker(WeightState())], delay_s=5.0)) as http:
         http.post("/weightwire/round_guard/hold", json={"round": "v1"})
@@ -208,7 +243,10 @@ def test_several_api_server_processes_are_not_covered() -> None:
     with TestClient(build_app([Worker(WeightState())], api_server_count=4)) as http:
         assert http.get("/weightwire/round_guard").json()["covers"] is False
         reply = http.post("/weightwire/round_guard/hold", json={"round": "v1"})
-        assert reply.status_code == 409 and "runs 4 API-server processes" in reply.json()["error"]["message"]
+        assert (
+            reply.status_code == 409
+            and "runs 4 API-server processes" in reply.json()["error"]["message"]
+        )
         assert _complete(http).status_code == 200
 
 
@@ -216,7 +254,8 @@ def test_bad_hold_and_unknown_routes_are_refused_clearly(http: TestClient) -> No
     reply = http.post("/weightwire/round_guard/hold", json={"round": ""})
     assert reply.status_code == 400
     assert reply.json()["error"]["message"] == (
-        "bad hold request: 'round' must be a non-empty string of at most 200 characters")
+        "bad hold request: 'round' must be a non-empty string of at most 200 characters"
+    )
     assert http.post("/weightwire/round_guard/hold", content=b"{not json").status_code == 400
     assert http.post("/weightwire/round_guard/hold", content=b"x" * (70 << 10)).status_code == 400
     assert http.get("/weightwire/round_guard/hold").status_code == 405
@@ -227,7 +266,11 @@ def test_bad_hold_and_unknown_routes_are_refused_clearly(http: TestClient) -> No
 def test_guard_routes_need_the_api_key() -> None:
     with TestClient(build_app([Worker(WeightState())], api_key=["k1"])) as http:
         assert http.post("/weightwire/round_guard/hold", json={"round": "v1"}).status_code == 401
-        ok = http.post("/weightwire/round_guard/hold", json={"round": "v1"}, headers={"Authorization": "Bearer k1"})
+        ok = http.post(
+            "/weightwire/round_guard/hold",
+            json={"round": "v1"},
+            headers={"Authorization": "Bearer k1"},
+        )
         assert ok.status_code == 200
         refused = http.post("/v1/completions", json={}, headers={"Authorization": "Bearer k1"})
         assert refused.status_code == 503
@@ -258,7 +301,9 @@ def served(weights: WeightState) -> Iterator[str]:
         yield url
 
 
-def test_trainer_finds_the_guard_and_holds_it_for_a_round_in_place(served: str, weights: WeightState) -> None:
+def test_trainer_finds_the_guard_and_holds_it_for_a_round_in_place(
+    served: str, weights: WeightState
+) -> None:
     info = TrainerInitInfo(backend="weightwire_tcp", stage_budget_bytes=0)
     with HTTPWeightSyncClient(served, timeout=30) as client:
         state = client.round_guard()[0]
@@ -291,6 +336,8 @@ def test_trainer_without_a_guard_warns_with_the_flag(caplog: pytest.LogCaptureFi
     assert "server(s) [0] run several API-server processes" in caplog.text
     caplog.clear()
     # weightwire's reference server refuses by itself while its model is incomplete: no warning.
-    reference = SimpleNamespace(round_guard=lambda: [None], version=lambda: "0.33.0+weightwire.0.1.0")
+    reference = SimpleNamespace(
+        round_guard=lambda: [None], version=lambda: "0.33.0+weightwire.0.1.0"
+    )
     assert guard_installed(reference) is False
     assert caplog.text == ""

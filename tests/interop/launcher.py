@@ -162,7 +162,8 @@ class Launcher:
             "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
             "--dtype", "float32", "--max-model-len", "256",
             "--weight-transfer-config", '{"backend": "weightwire_tcp"}',
-            "--middleware", "weightwire.vllm_guard.RoundGuard",  # refuses, saying why, after a broken round
+            # The round guard: refuses, saying why, after a round in place broke midway.
+            "--middleware", "weightwire.vllm_guard.RoundGuard",
         ]
         if name in self.prefix_caching:
             cmd += ["--enable-prefix-caching", "--block-size", str(PREFIX_BLOCK_SIZE)]

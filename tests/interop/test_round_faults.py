@@ -188,7 +188,8 @@ def test_round_in_place_fails_midway_refuses_until_a_complete_round(served: Serv
     assert refused.status_code == 503, refused.text
     error = refused.json()["error"]
     assert error["reason"] == "weight_round_incomplete", error
-    assert "the served weights are incomplete: weight round 'dying-mid_update'" in error["message"], error
+    expected = "the served weights are incomplete: weight round 'dying-mid_update'"
+    assert expected in error["message"], error
     assert "has not committed" in error["message"], error
     chat = httpx.post(f"{url}/v1/chat/completions", timeout=30,
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
@@ -222,12 +223,14 @@ def test_round_guard_operator_release_when_whole(served: Served) -> None:
     """A hold left by a trainer that died before its first write: the workers are whole, so
     the operator's release lifts it and resumes generation; the model answers as before."""
     url = served.server.url
-    held = httpx.post(f"{url}/weightwire/round_guard/hold", json={"round": "never-written"}, timeout=30)
+    held = httpx.post(f"{url}/weightwire/round_guard/hold", json={"round": "never-written"},
+                      timeout=30)
     assert held.status_code == 200 and held.json()["held"], held.text
     httpx.post(f"{url}/pause", params={"mode": "abort"}, timeout=30).raise_for_status()
     refused = httpx.post(f"{url}/v1/completions", timeout=30,
                          json={"prompt": [[5, 17, 42]], "max_tokens": 2, "temperature": 0.0})
-    assert refused.status_code == 503 and "'never-written'" in refused.json()["error"]["message"], refused.text
+    assert refused.status_code == 503, refused.text
+    assert "'never-written'" in refused.json()["error"]["message"], refused.text
     release = httpx.post(f"{url}/weightwire/round_guard/release", timeout=60)
     assert release.status_code == 200, release.text
     assert release.json()["released"] and release.json()["resumed"], release.text

@@ -324,7 +324,8 @@ class HTTPWeightSyncClient:
         return self._all(routes.WEIGHT_CHECKER, body)
 
     def round_guard(self) -> list[dict[str, Any] | None]:
-        """Per server, the round guard's state (``weightwire.vllm_guard``), or None where none is installed."""
+        """Per server, the round guard's state (``weightwire.vllm_guard``), or None where none
+        is installed."""
         return [self._guard_state(i) for i in range(len(self._clients))]
 
     def _guard_state(self, i: int) -> dict[str, Any] | None:
@@ -337,7 +338,8 @@ class HTTPWeightSyncClient:
         return reply if isinstance(reply, dict) and reply.get("guard") == "weightwire" else None
 
     def hold_round(self, round_id: str, session: str | None = None) -> None:
-        """Hold every server's round guard: requests that run the model are refused, with the reason."""
+        """Hold every server's round guard: requests that run the model are refused, with the
+        reason."""
         self._all(vllm_guard.HOLD, {"round": round_id, "session": session})
 
     def release_round(self, *, resume: bool = True) -> None:

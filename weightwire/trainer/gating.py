@@ -164,14 +164,17 @@ def guard_installed(client: object) -> bool:
         return False  # it refuses generation itself, with the reason, while its model is incomplete
     shared = [i for i, s in enumerate(states) if isinstance(s, dict) and not s.get("covers")]
     if not callable(ask):
-        why = f"client {type(client).__name__} cannot hold a round guard (an HTTP server's --middleware {MIDDLEWARE})"
+        why = (f"client {type(client).__name__} cannot hold a round guard (an HTTP server's "
+               f"--middleware {MIDDLEWARE})")
     elif shared:
-        why = f"server(s) {shared} run several API-server processes, which the round guard cannot cover"
+        why = (f"server(s) {shared} run several API-server processes, which the round guard "
+               "cannot cover")
     else:
         why = f"the servers do not run the round guard (start vLLM with --middleware {MIDDLEWARE})"
-    logger.warning("%s: if this round applied in place fails, generation stays paused with 'abort' until a "
-                   "complete round commits; vLLM >= 0.33 then answers 503 'Generation is paused' without the "
-                   "reason, vLLM <= 0.32 queues new requests until then (docs/reliability.md)", why)
+    logger.warning("%s: if this round applied in place fails, generation stays paused with 'abort' "
+                   "until a complete round commits; vLLM >= 0.33 then answers 503 'Generation is "
+                   "paused' without the reason, vLLM <= 0.32 queues new requests until then "
+                   "(docs/reliability.md)", why)
     return False
 
 
@@ -212,12 +215,13 @@ def after_failed_round(client: object, pause: RoundPause) -> None:
         try:
             client.release_round(resume=True)  # type: ignore[attr-defined]
         except Exception as exc:
-            logger.error("a round applied in place failed and the servers refuse requests that run the model, "
-                         "saying why: %s. The next complete round lifts it (or POST /weightwire/round_guard/"
-                         "release once the workers' weights are whole; docs/reliability.md)", exc)
+            logger.error("a round applied in place failed and the servers refuse requests that run "
+                         "the model, saying why: %s. The next complete round lifts it (or POST "
+                         "/weightwire/round_guard/release once the workers' weights are whole; "
+                         "docs/reliability.md)", exc)
         else:
-            logger.warning("a round applied in place failed before any write: the servers serve the previous "
-                           "weights again")
+            logger.warning("a round applied in place failed, and the workers' weights are whole: "
+                           "the servers serve the previous weights again")
         return
     logger.error("a round applied in place failed: the servers stay paused (mode=%s, new requests refused) "
                  "because their models may hold part of it; the next complete round resumes them "
