@@ -6,7 +6,8 @@ PHASE: ``after_start`` (start_weight_update answered), ``mid_update`` (about hal
 the round's tensors sent, the update POST in flight), ``before_finish`` (every byte
 sent and the update answered, finish not posted). Prints ``PHASE <phase>`` when it
 got there, then blocks; the interop fault cases kill it with SIGKILL. ``STAGE_BUDGET_BYTES``
-``0``: the workers apply the round in place (and the trainer pauses generation with ``abort``);
+``0``: the workers apply the round in place (and the trainer holds the round guard and pauses
+generation with ``abort``);
 ``TRANSFER_S``: the per-broadcast bound the workers get (a stalled trainer then fails their receive).
 """
 

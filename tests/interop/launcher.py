@@ -1,8 +1,8 @@
 """Starts and stops real vLLM servers for the interop lane, one model at a time.
 
 Each model gets one vLLM (``python -m vllm.entrypoints.openai.api_server`` from the
-interop venv, dev-mode weight-sync routes, the plugin's ``weightwire_tcp`` backend,
-offline, float32, caches in a scratch dir), shared by every test of that model and
+interop venv, dev-mode weight-sync routes, the plugin's ``weightwire_tcp`` backend and
+round guard, offline, float32, caches in a scratch dir), shared by every test of that model and
 stopped (its whole process group) when a test asks for another model or the session
 ends. A server that dies is reported with the tail of its log.
 
@@ -162,6 +162,8 @@ class Launcher:
             "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
             "--dtype", "float32", "--max-model-len", "256",
             "--weight-transfer-config", '{"backend": "weightwire_tcp"}',
+            # The round guard: refuses, saying why, after a round in place broke midway.
+            "--middleware", "weightwire.vllm_guard.RoundGuard",
         ]
         if name in self.prefix_caching:
             cmd += ["--enable-prefix-caching", "--block-size", str(PREFIX_BLOCK_SIZE)]

@@ -33,6 +33,8 @@ class FakeServer:
         self.hooks: dict[str, Callable[[Any], None]] = {}
         self.weight_version = "default"
         self.checksums: dict[str, str] = {}
+        self.guard = False
+        """Serve the round guard's status route (``weightwire.vllm_guard``)."""
         self.lock = threading.Lock()
 
     def routes(self) -> list[str]:
@@ -63,6 +65,10 @@ class FakeServer:
             return httpx.Response(200, json={"weight_version": self.weight_version})
         if route == "weight_checker":
             return httpx.Response(200, json={"checksums": self.checksums})
+        if route == "weightwire/round_guard":
+            if not self.guard:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            return httpx.Response(200, json={"guard": "weightwire", "covers": True})
         if route == "reset_prefix_cache":
             return httpx.Response(200, json={"success": True})
         return httpx.Response(200, json={"message": "ok"})

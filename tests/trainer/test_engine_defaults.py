@@ -33,6 +33,7 @@ from weightwire.trainer import TrainerInitInfo
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 RESET = ["reset_prefix_cache", "reset_encoder_cache"]
 ROUND = ["pause", "start_weight_update", "update_weights", "finish_weight_update", *RESET, "resume"]
+PROBE = "weightwire/round_guard"
 UNPAUSED = ["start_weight_update", "update_weights", "finish_weight_update", *RESET]
 
 
@@ -247,8 +248,41 @@ def test_auto_pauses_a_round_applied_in_place_with_abort_and_resumes_after_commi
     server = FakeServer()
     engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0)
     engine.send_weights()
-    assert round_routes(server) == ROUND
+    # No round guard installed: warned, paused all the same.
+    assert round_routes(server) == [PROBE, *ROUND]
     assert server.bodies("pause") == [{"mode": "abort"}]  # refusing, not queueing
+
+
+def test_a_round_in_place_holds_the_round_guard_until_after_the_commit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    server = FakeServer()
+    server.guard = True
+    source = DictSource(numpy_weights(), describe)
+    engine = engine_for(server.client(), source, stage_budget_bytes=0)
+    engine.send_weights(weight_version="v3")
+    assert round_routes(server) == [PROBE, f"{PROBE}/hold", *ROUND, f"{PROBE}/release"]
+    assert server.bodies(f"{PROBE}/hold") == [{"round": "v3", "session": None}]
+    assert server.bodies(f"{PROBE}/release") == [{"resume": "false"}]  # the trainer resumed itself
+
+
+def test_a_failed_round_in_place_leaves_the_guard_to_the_workers(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    server = FakeServer()
+    server.guard = True
+    server.fail["update_weights"] = (500, "worker 0: round failed at chunk 2/3")
+    server.fail[f"{PROBE}/release"] = (409, "not released: worker 0: the model holds an incomplete "
+                                            "weight round")
+    source = DictSource(numpy_weights(), describe)
+    engine = engine_for(server.client(), source, stage_budget_bytes=0)
+    with caplog.at_level(logging.ERROR), pytest.raises(Exception, match="round failed at chunk"):
+        engine.send_weights()
+    routes = round_routes(server)
+    assert "resume" not in routes and routes[-1] == f"{PROBE}/release"
+    # The guard resumes only if the workers are whole.
+    assert server.bodies(f"{PROBE}/release") == [{"resume": "true"}]
+    assert "the servers refuse requests that run the model, saying why" in caplog.text
 
 
 def test_a_round_within_the_budget_is_staged_and_not_paused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from weightwire import vllm_guard
 from weightwire.control.dp import RankLayout, ServerTopology, plan_ranks
 from weightwire.control.errors import WeightSyncError, server_message
 from weightwire.control.fanout import fan_out
@@ -321,6 +322,30 @@ class HTTPWeightSyncClient:
         if baseline is not None:
             body["baseline"] = baseline
         return self._all(routes.WEIGHT_CHECKER, body)
+
+    def round_guard(self) -> list[dict[str, Any] | None]:
+        """Per server, the round guard's state (``weightwire.vllm_guard``), or None where none
+        is installed."""
+        return [self._guard_state(i) for i in range(len(self._clients))]
+
+    def _guard_state(self, i: int) -> dict[str, Any] | None:
+        try:
+            reply = self._request(i, vllm_guard.STATUS)
+        except WeightSyncError as exc:
+            if exc.status in (404, 405):
+                return None
+            raise
+        return reply if isinstance(reply, dict) and reply.get("guard") == "weightwire" else None
+
+    def hold_round(self, round_id: str, session: str | None = None) -> None:
+        """Hold every server's round guard: requests that run the model are refused, with the
+        reason."""
+        self._all(vllm_guard.HOLD, {"round": round_id, "session": session})
+
+    def release_round(self, *, resume: bool = True) -> None:
+        """Release every server's round guard (409 while its workers' weights are not whole);
+        ``resume``: also resume generation where it is paused."""
+        self._all(vllm_guard.RELEASE, params={"resume": "true" if resume else "false"})
 
     def version(self) -> str:
         """The servers' version string; servers that disagree are an error."""

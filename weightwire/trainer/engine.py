@@ -55,6 +55,8 @@ from weightwire.trainer.gating import (
     RoundPause,
     after_failed_round,
     check_client,
+    hold_guard,
+    release_guard,
     require_draft_model,
     round_pause,
     server_features,
@@ -271,14 +273,15 @@ class TrainerEngine(ABC):
             reuse = self.features.reuse_metadata and self._sent_metas.get(draft) == metas
             payload = (UpdateInfo() if reuse else UpdateInfo.from_metas(wire.metas)).to_dict()
         digests: dict[str, str] | None = {} if self.info.verify else None
-        paused = False
+        paused = held = False
         pause = self._round_pause(wire.metas)
 
         def control() -> None:
             # Runs inside the transfer, once the first chunk is packed (see _transfer).
-            nonlocal paused
+            nonlocal paused, held
             if self._verifier is not None:
                 self._verifier.before_round(self.client)
+            held = hold_guard(self.client, pause, version)
             if pause.mode is not None:
                 paused = self._pause(pause.mode)
             (self.client.start_draft_weight_update if draft else self.client.start_weight_update)()
@@ -300,12 +303,14 @@ class TrainerEngine(ABC):
                     if paused:  # committed: the model is whole, so a round paused as a whole resumes
                         paused = False
                         best_effort_resume(self.client)
+                    held = release_guard(self.client, pause)
                     raise
                 if paused:
                     paused = False
                     self.client.resume()
+                held = release_guard(self.client, pause)
         finally:
-            if paused:
+            if paused or held:
                 after_failed_round(self.client, pause)
         report = None
         if self._verifier is not None and digests is not None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from weightwire.shared.client import ROUND_CALLS, ServerControls
 from weightwire.shared.staging import round_streams
 from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.transfer import best_effort_resume
+from weightwire.vllm_guard import MIDDLEWARE
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,9 @@ class RoundPause:
 
     mode: str | None
     resume_on_failure: bool = True
+    guard: bool = False
+    """Every server has the round guard (``weightwire.vllm_guard``): held from before the
+    round's first write until its commit, so requests are refused with the reason."""
 
 
 def round_pause(info: TrainerInitInfo, session_mode: str | None, *, stock_receiver: bool, nbytes: int,
@@ -140,13 +145,83 @@ def round_pause(info: TrainerInitInfo, session_mode: str | None, *, stock_receiv
     if info.pause_mode == "keep":
         logger.warning("pause_mode='keep' would queue requests behind a round applied in place that may fail; "
                        "pausing this round with 'abort' (new requests refused until it commits)")
-    return RoundPause(mode, resume_on_failure=False)
+    return RoundPause(mode, resume_on_failure=False, guard=guard_installed(client))
+
+
+def guard_installed(client: object) -> bool:
+    """Whether every server runs the round guard and it covers the server (one API-server
+    process); otherwise a warning says what a failed round in place leaves and how to fix it."""
+    ask = getattr(client, "round_guard", None)
+    states: list[Any] = []
+    if callable(ask):
+        try:
+            states = list(ask())
+        except Exception as exc:
+            logger.warning("could not ask the servers for the round guard (%s)", exc)
+    if states and all(isinstance(s, dict) and s.get("covers") is True for s in states):
+        return True
+    if _reference_server(client):
+        return False  # it refuses generation itself, with the reason, while its model is incomplete
+    shared = [i for i, s in enumerate(states) if isinstance(s, dict) and not s.get("covers")]
+    if not callable(ask):
+        why = (f"client {type(client).__name__} cannot hold a round guard (an HTTP server's "
+               f"--middleware {MIDDLEWARE})")
+    elif shared:
+        why = (f"server(s) {shared} run several API-server processes, which the round guard "
+               "cannot cover")
+    else:
+        why = f"the servers do not run the round guard (start vLLM with --middleware {MIDDLEWARE})"
+    logger.warning("%s: if this round applied in place fails, generation stays paused with 'abort' "
+                   "until a complete round commits; vLLM >= 0.33 then answers 503 'Generation is "
+                   "paused' without the reason, vLLM <= 0.32 queues new requests until then "
+                   "(docs/reliability.md)", why)
+    return False
+
+
+def _reference_server(client: object) -> bool:
+    """weightwire's own reference server (its version's local segment says so)."""
+    try:
+        local = parse_version(client.version()).local  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return bool(local) and str(local).startswith("weightwire")
+
+
+def hold_guard(client: Any, pause: RoundPause, version: str) -> bool:
+    """Before the round's first write: the servers refuse requests that run the model.
+    Returns whether the guard is held now."""
+    if pause.guard:
+        client.hold_round(version)
+    return pause.guard
+
+
+def release_guard(client: Any, pause: RoundPause) -> bool:
+    """After the commit (and cache reset, and resume): the servers serve again. The guard
+    checks the workers first; a refusal (a tensor of a broken round not rewritten) raises.
+    Returns whether the guard is still held (False)."""
+    if pause.guard:
+        client.release_round(resume=False)
+    return False
 
 
 def after_failed_round(client: object, pause: RoundPause) -> None:
     """A paused round failed: resume, unless the workers may hold part of it in place."""
     if pause.resume_on_failure:
         best_effort_resume(client)
+        return
+    if pause.guard:
+        # The guard asks the workers: a round that failed before its first write left them
+        # whole, and generation resumes; otherwise it keeps refusing, with the reason.
+        try:
+            client.release_round(resume=True)  # type: ignore[attr-defined]
+        except Exception as exc:
+            logger.error("a round applied in place failed and the servers refuse requests that run "
+                         "the model, saying why: %s. The next complete round lifts it (or POST "
+                         "/weightwire/round_guard/release once the workers' weights are whole; "
+                         "docs/reliability.md)", exc)
+        else:
+            logger.warning("a round applied in place failed, and the workers' weights are whole: "
+                           "the servers serve the previous weights again")
         return
     logger.error("a round applied in place failed: the servers stay paused (mode=%s, new requests refused) "
                  "because their models may hold part of it; the next complete round resumes them "

@@ -90,6 +90,11 @@ class EngineFacade:
         return self._core.incomplete_round
 
     @property
+    def round_strategy(self) -> str | None:
+        """The open round's strategy (``staged`` / ``streaming``), or None between rounds."""
+        return self._core.strategy
+
+    @property
     def last_stats(self) -> ReceiveStats | None:
         """Tensors, chunks, bytes and seconds of the last ``update_weights``."""
         return self._core.last_stats

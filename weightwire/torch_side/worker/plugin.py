@@ -18,6 +18,7 @@ import logging
 
 from weightwire import backends
 from weightwire.shared.timeouts import Timeouts
+from weightwire.vllm_guard import install_worker_method
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ def register() -> None:
     except ImportError as exc:
         log.debug("weightwire plugin: vLLM weight transfer is not importable (%s); nothing registered", exc)
         return
+    # The round guard asks the workers whether their weights are whole (weightwire.vllm_guard).
+    install_worker_method()
     for name, (module, class_name) in engines().items():
         try:
             WeightTransferEngineFactory.register_engine(name, module, class_name)

@@ -1,0 +1,425 @@
+"""The round guard: vLLM refuses requests that run the model while a round applied in place is open.
+
+Install it in vLLM's API server::
+
+    vllm serve MODEL --weight-transfer-config '{"backend": "weightwire_tcp"}' \\
+        --middleware weightwire.vllm_guard.RoundGuard
+
+A round larger than the trainer's ``stage_budget_bytes`` is written into the served model
+as its bytes land. From its first write until it commits the model is part new, part
+old, and if the trainer dies (or a worker gives up) in between, it stays so. vLLM's own
+``/pause`` cannot say that: 0.32 queues new requests under every pause mode (they hang
+until someone resumes), 0.33's ``abort`` pause answers 503 "Generation is paused".
+
+With the guard, the trainer holds it (``POST /weightwire/round_guard/hold``) before such a
+round and releases it after the commit. While held, every request that runs the model
+(completions, chat, responses, embeddings, scoring, the realtime websocket, ...) is
+answered at once with HTTP 503 and a JSON error saying which round left the weights
+incomplete, since when, and what lifts it. Control routes (weight transfer, pause,
+resume, cache resets, tokenize, health, metrics, every GET) pass.
+
+The way out is bounded: the next trainer's complete round releases it, and an operator can
+``POST /weightwire/round_guard/release``, which asks the workers first (the plugin's
+``weightwire_round_state`` worker method, through vLLM's ``collective_rpc``, one call
+per release, never per request) and answers 409 with their reason while their weights are
+not whole. A release resumes generation too (``?resume=false`` keeps a pause).
+
+The guard's state lives in the API-server process. With ``--api-server-count`` above 1
+each process has its own, so the guard declines to hold (409) and reports
+``covers: false``; the trainer then warns. This module is torch-free and imports no vLLM
+at module level: it runs inside vLLM's API server and in the plugin's workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs
+
+from weightwire.shared.routes import Route
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+MIDDLEWARE = "weightwire.vllm_guard.RoundGuard"
+"""What ``--middleware`` takes."""
+GUARD_API = 1
+STATUS = Route("round_guard", "GET", "/weightwire/round_guard", weight_route=False)
+HOLD = Route("hold_round", "POST", "/weightwire/round_guard/hold", weight_route=False)
+RELEASE = Route("release_round", "POST", "/weightwire/round_guard/release", weight_route=False)
+WORKER_METHOD = "weightwire_round_state"
+WORKER_TIMEOUT_S = 30.0
+"""Bound on asking the workers at a release (a worker busy in a round answers after it)."""
+_MAX_BODY = 64 << 10
+_MAX_TEXT = 200
+
+PASSING_POSTS = frozenset(
+    {
+        # weight transfer and its control
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/start_draft_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/shutdown_weight_transfer_engine",
+        "/update_weight_version",
+        "/weight_checker",
+        "/pause",
+        "/resume",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/reset_encoder_cache",
+        "/sleep",
+        "/wake_up",
+        "/abort_requests",
+        "/collective_rpc",
+        "/release_kv_cache_memory",
+        "/start_profile",
+        "/stop_profile",
+        "/scale_elastic_ep",
+        "/is_scaling_elastic_ep",
+        "/fault_tolerance/apply",
+        "/ping",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        # tokenization and rendering: no forward pass
+        "/tokenize",
+        "/detokenize",
+        "/v1/completions/render",
+        "/v1/chat/completions/render",
+        "/v1/responses/render",
+        "/v1/messages/render",
+        "/v1/messages/count_tokens",
+        "/v1/completions/derender",
+        "/v1/chat/completions/derender",
+    }
+)
+"""POST routes of vLLM 0.32/0.33 that never run the model. Any other POST (and every
+websocket) is refused while the guard is held: a route a later vLLM adds is refused, not
+served by a half-updated model."""
+
+
+def runs_model(scope: Scope) -> bool:
+    """Whether this request may run the model (see ``PASSING_POSTS``)."""
+    if scope["type"] == "websocket":
+        return True
+    if scope.get("method") != "POST":
+        return False
+    path = scope.get("path", "/").rstrip("/") or "/"
+    if path.startswith("/v1/responses/") and path.endswith("/cancel"):
+        return False
+    return path not in PASSING_POSTS
+
+
+@dataclass(frozen=True)
+class Hold:
+    """An in-place round the trainer announced and has not released."""
+
+    round: str
+    session: str | None
+    since: float
+
+    def message(self) -> str:
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since))
+        session = f" (session {self.session})" if self.session else ""
+        return (
+            f"the served weights are incomplete: weight round {self.round!r}{session} is applied "
+            f"in place and has not committed (since {when}), so the model may be part new, part "
+            "old; requests that run the model are refused until a complete round commits (the "
+            f"trainer's next round), or an operator's POST {RELEASE.path} once the workers' "
+            "weights are whole"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "session": self.session, "since": self.since}
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: dict[str, Any]
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+def _error(status: int, message: str, kind: str, **extra: Any) -> Reply:
+    return Reply(status, {"error": {"message": message, "type": kind, "code": status, **extra}})
+
+
+class RoundGuard:
+    """ASGI middleware (``--middleware weightwire.vllm_guard.RoundGuard``); see the module
+    docstring."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.hold: Hold | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if kind == "http" and path.startswith(STATUS.path):
+            try:
+                reply = await self._control(scope, receive, path)
+            except Exception as exc:  # an answer, never a traceback
+                log.exception("round guard: %s failed", path)
+                reply = _error(
+                    500,
+                    f"round guard: {type(exc).__name__}: {str(exc)[:300]}",
+                    "InternalServerError",
+                )
+            await _send_reply(send, reply)
+            return
+        hold = self.hold
+        if hold is None or not runs_model(scope) or not _authorized(scope):
+            # Unauthenticated requests go on to vLLM's own 401.
+            await self.app(scope, receive, send)
+            return
+        if kind == "websocket":
+            await receive()  # websocket.connect
+            reason = (
+                hold.message().encode()[:120].decode(errors="ignore")
+            )  # a close reason is <= 123 bytes
+            await send({"type": "websocket.close", "code": 1013, "reason": reason})
+            return
+        await _send_reply(
+            send,
+            _error(
+                503,
+                hold.message(),
+                "ServiceUnavailableError",
+                reason="weight_round_incomplete",
+                round=hold.to_json(),
+            ),
+        )
+
+    # ---------------------------------------------------------------- control routes
+    async def _control(self, scope: Scope, receive: Receive, path: str) -> Reply:
+        if not _authorized(scope):
+            return _error(401, "the round guard's routes need the server's API key", "Unauthorized")
+        route = {r.path: r for r in (STATUS, HOLD, RELEASE)}.get(path.rstrip("/"))
+        if route is None:
+            return _error(404, f"no round-guard route {path!r}", "NotFound")
+        if scope.get("method") != route.method:
+            return _error(405, f"{route.path} takes {route.method}", "MethodNotAllowed")
+        if route is STATUS:
+            return Reply(200, self.status(scope))
+        if route is HOLD:
+            return await self._hold(scope, receive)
+        return await self._release(scope)
+
+    def status(self, scope: Scope) -> dict[str, Any]:
+        count = _api_server_count(scope)
+        return {
+            "guard": "weightwire",
+            "api": GUARD_API,
+            "covers": count == 1,
+            "api_server_count": count,
+            "held": self.hold is not None,
+            "hold": None if self.hold is None else self.hold.to_json(),
+            "reason": None if self.hold is None else self.hold.message(),
+        }
+
+    async def _hold(self, scope: Scope, receive: Receive) -> Reply:
+        count = _api_server_count(scope)
+        if count != 1:
+            return _error(
+                409,
+                f"this vLLM runs {count} API-server processes and the round guard holds one "
+                "process's state: it cannot refuse the requests the others take (run one API "
+                "server, --api-server-count 1, to use it)",
+                "Conflict",
+            )
+        try:
+            body = json.loads(await _read_body(receive) or b"{}")
+            hold = _parse_hold(body)
+        except (ValueError, TypeError) as exc:
+            return _error(400, f"bad hold request: {exc}", "BadRequest")
+        self.hold = hold
+        log.warning(
+            "round guard held for round %r: requests that run the model are refused until it "
+            "commits",
+            hold.round,
+        )
+        return Reply(200, self.status(scope))
+
+    async def _release(self, scope: Scope) -> Reply:
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        resume = query.get("resume", ["true"])[-1].lower() not in ("false", "0", "no")
+        checked = self.hold
+        engine = _engine_client(scope)
+        whole, why = await workers_whole(engine)
+        if not whole:
+            return _error(
+                409,
+                f"not released: {why}; the guard keeps refusing until a complete round commits",
+                "Conflict",
+                held=self.hold is not None,
+            )
+        if self.hold is checked:  # a hold placed while the workers were asked stays
+            self.hold = None
+        if checked is not None:
+            log.warning(
+                "round guard released (round %r): the workers' weights are whole", checked.round
+            )
+        resumed = False
+        try:
+            if resume and engine is not None and await engine.is_paused():
+                await engine.resume_generation()
+                resumed = True
+        except Exception as exc:
+            return _error(
+                502,
+                f"the guard was released, but resuming generation failed ({type(exc).__name__}: "
+                f"{str(exc)[:300]}): POST /resume",
+                "BadGateway",
+                released=checked is not None,
+            )
+        return Reply(
+            200, {**self.status(scope), "released": checked is not None, "resumed": resumed}
+        )
+
+
+def _parse_hold(body: object) -> Hold:
+    if not isinstance(body, dict):
+        raise TypeError('the body must be a JSON object {"round": ..., "session": ...}')
+    round_, session = body.get("round"), body.get("session")
+    if not isinstance(round_, str) or not round_ or len(round_) > _MAX_TEXT:
+        raise ValueError(f"'round' must be a non-empty string of at most {_MAX_TEXT} characters")
+    if session is not None and (not isinstance(session, str) or len(session) > _MAX_TEXT):
+        raise ValueError(f"'session' must be a string of at most {_MAX_TEXT} characters, or null")
+    return Hold(round_, session, time.time())
+
+
+async def workers_whole(engine: Any) -> tuple[bool, str]:
+    """Ask every worker (``WORKER_METHOD``) whether its weights are whole: ``(whole, why not)``.
+
+    Fail-closed: a worker that cannot tell, does not answer within ``WORKER_TIMEOUT_S``, or
+    an engine that cannot be asked, counts as not whole."""
+    if engine is None or not callable(getattr(engine, "collective_rpc", None)):
+        return False, "cannot ask the workers (no vLLM engine client in this app)"
+    try:
+        answers = await asyncio.wait_for(
+            engine.collective_rpc(WORKER_METHOD, timeout=WORKER_TIMEOUT_S), WORKER_TIMEOUT_S
+        )
+    except TimeoutError:
+        return (
+            False,
+            f"the workers did not answer within {WORKER_TIMEOUT_S:.0f} s "
+            "(a round may be in progress)",
+        )
+    except Exception as exc:  # vLLM wraps a worker's error in its own types
+        return False, (
+            f"asking the workers failed ({type(exc).__name__}: {str(exc)[:300]}); is the "
+            "weightwire plugin installed in vLLM's environment?"
+        )
+    for rank, answer in enumerate(answers or [None]):
+        if not isinstance(answer, dict) or answer.get("whole") is not True:
+            why = answer.get("reason") if isinstance(answer, dict) else f"answered {answer!r:.100}"
+            return False, f"worker {rank}: {why}"
+    return True, ""
+
+
+def worker_round_state(worker: Any) -> dict[str, Any]:
+    """``WORKER_METHOD``: this worker's answer (installed on vLLM's ``WorkerBase``)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is None:
+        return {"whole": True, "engine": None, "reason": None}
+    name = type(engine).__name__
+    if not hasattr(engine, "incomplete_round"):
+        return {
+            "whole": None,
+            "engine": name,
+            "reason": f"weight-transfer engine {name} is not weightwire's: "
+            "it cannot tell whether the weights are whole",
+        }
+    incomplete = engine.incomplete_round
+    if incomplete is not None:
+        return {"whole": False, "engine": name, "reason": incomplete.describe()}
+    if getattr(engine, "round_strategy", None) == "streaming":
+        return {
+            "whole": False,
+            "engine": name,
+            "reason": "a round applied in place is open (not committed yet)",
+        }
+    return {"whole": True, "engine": name, "reason": None}
+
+
+def install_worker_method() -> None:
+    """Give vLLM's workers ``WORKER_METHOD`` (a new name; nothing of vLLM's is replaced)."""
+    try:
+        from vllm.v1.worker.worker_base import WorkerBase
+    except ImportError:
+        return
+    if not hasattr(WorkerBase, WORKER_METHOD):
+        setattr(WorkerBase, WORKER_METHOD, worker_round_state)
+
+
+# ---------------------------------------------------------------- ASGI plumbing
+def _app_state(scope: Scope) -> Any:
+    return getattr(scope.get("app"), "state", None)
+
+
+def _engine_client(scope: Scope) -> Any:
+    return getattr(_app_state(scope), "engine_client", None)
+
+
+def _api_server_count(scope: Scope) -> int:
+    count = getattr(getattr(_app_state(scope), "args", None), "api_server_count", None)
+    return count if isinstance(count, int) and count > 0 else 1
+
+
+def _api_keys(scope: Scope) -> list[str]:
+    keys = getattr(getattr(_app_state(scope), "args", None), "api_key", None)
+    if isinstance(keys, str):
+        keys = [keys]
+    keys = [k for k in keys or [os.environ.get("VLLM_API_KEY", "")] if k]
+    return keys
+
+
+def _authorized(scope: Scope) -> bool:
+    """The request carries one of the server's API keys (any request when it has none)."""
+    keys = _api_keys(scope)
+    if not keys:
+        return True
+    headers = dict(scope.get("headers") or [])
+    given = headers.get(b"authorization", b"").decode("latin-1")
+    token = given.removeprefix("Bearer ").encode()
+    return any(hmac.compare_digest(token, k.encode()) for k in keys)
+
+
+async def _read_body(receive: Receive) -> bytes:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if len(body) > _MAX_BODY:
+            raise ValueError(f"body over {_MAX_BODY} bytes")
+        if not message.get("more_body"):
+            return body
+
+
+async def _send_reply(send: Send, reply: Reply) -> None:
+    data = json.dumps(reply.body).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(data)).encode()),
+        *reply.headers,
+    ]
+    if reply.status == 503:
+        headers.append((b"retry-after", b"10"))
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
