@@ -33,7 +33,6 @@ from contextlib import suppress
 from typing import Any
 
 from weightwire._extras import install_command
-from weightwire.backends.nccl.buffers import event_done
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.errors import UnavailableError
 from weightwire.shared.info import encode_secret
@@ -162,8 +161,13 @@ def sync_stream(cp: Any, device: int, stream_ptr: int, *, timeout: float, what: 
     with cp.cuda.Device(device):
         event = cp.cuda.Event(block=False, disable_timing=True)
         event.record(cp.cuda.ExternalStream(stream_ptr, device))
-    poll_until(lambda: event_done(event), deadline=time.monotonic() + timeout, check=alive,
+    poll_until(lambda: _done(event), deadline=time.monotonic() + timeout, check=alive,
                expired=lambda: TransferTimeout(f"{what} did not finish on CUDA device {device} within {timeout:g} s"))
+
+
+def _done(event: Any) -> bool:
+    done = event.done
+    return bool(done() if callable(done) else done)
 
 
 # -- trainer-side slots -------------------------------------------------------------
