@@ -179,7 +179,8 @@ def test_pull_link_names_buffers_and_hands_them_on_after_the_ready_event(cp: Cup
     link.close()
 
 
-def test_an_unpacked_session_offers_push_only_and_opens_the_slots(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unpacked_session_offers_push_only_and_opens_the_slots(
+        cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
     made: list = []
     monkeypatch.setattr(ipc_worker, "IPCLink", lambda rx, **kw: made.append(rx) or rx)
 
@@ -200,7 +201,8 @@ def test_a_trainer_that_names_no_mode_is_refused(cp: Cupy) -> None:
         with pytest.raises(TransferError):
             ch.recv(deadline=time.monotonic() + 5, what="x")
 
-    with pytest.raises(TransferError, match=r"sent 'ping' where the session's mode \('mode'\) was due"):
+    refused = r"sent 'ping' where the session's mode \('mode'\) was due"
+    with pytest.raises(TransferError, match=refused):
         _connect(modeless)
 
 

@@ -28,7 +28,8 @@ def test_a_failing_check_wins_over_the_timeout() -> None:
         raise PeerLost("the trainer closed the channel")
 
     with pytest.raises(PeerLost, match="closed the channel"):
-        poll_until(lambda: False, deadline=time.monotonic() - 1, check=gone, expired=lambda: TransferTimeout("late"))
+        poll_until(lambda: False, deadline=time.monotonic() - 1, check=gone,
+                   expired=lambda: TransferTimeout("late"))
 
 
 def test_a_spaced_check_waits_its_interval() -> None:

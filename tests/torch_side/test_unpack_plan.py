@@ -195,7 +195,8 @@ def test_a_chunked_link_posts_ahead_and_unpacks_with_the_turns_plans() -> None:
     got = list(link.receive(turn, progress))
     for pairs, buf, chunk in zip(got, buffers, chunks, strict=True):
         assert_same(pairs, reference_unpack(buf, metas, chunk), buf)
-    assert link.calls[:3] == [("post", 0), ("post", 1), ("wait", 0)] and progress.chunk == len(chunks) - 1
+    assert link.calls[:3] == [("post", 0), ("post", 1), ("wait", 0)]
+    assert progress.chunk == len(chunks) - 1
 
 
 class Store:

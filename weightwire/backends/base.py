@@ -81,11 +81,12 @@ class ReceiveLink(ABC):
     def check_source(self, src: int) -> None:
         """``ValueError`` unless this link receives turns from group rank ``src``."""
         if self.sources == 1 and src != 0:
-            raise ValueError(f"update info names src {src}, but this engine was initialized with one "
-                             "broadcasting trainer rank (rank_offset 1): only src 0 can be received")
+            raise ValueError(f"update info names src {src}, but this engine was initialized with "
+                             "one broadcasting trainer rank (rank_offset 1): only src 0 can be "
+                             "received")
         if not 0 <= src < self.sources:
-            raise ValueError(f"update info names src {src}, but the init info lists {self.sources} broadcasting "
-                             f"trainer ranks: src must be in [0, {self.sources})")
+            raise ValueError(f"update info names src {src}, but the init info lists {self.sources} "
+                             f"broadcasting trainer ranks: src must be in [0, {self.sources})")
 
     def start_round(self) -> None:
         """A round started on the worker; a link may get ready for its first update here.

@@ -205,7 +205,8 @@ class GatherCopy:
                                     self._stream.ptr)
         self._run(dev, rows)
         record(cp, event, self._stream.ptr)
-        self._held[slot] = _Held(srcs, dsts, sizes, rows)  # this call's own lists: nobody else changes them
+        # This call's own lists: nobody else changes them.
+        self._held[slot] = _Held(srcs, dsts, sizes, rows)
 
     def _run(self, table: Any, rows: int) -> None:
         import numpy as np
@@ -215,7 +216,8 @@ class GatherCopy:
     def _grow(self, rows: int, *, deadline: float, alive: Callable[[], None]) -> None:
         cp = self._cp
         for old in self._tables:  # an upload from an old table may still be queued
-            wait_event_host(cp, old.event, deadline=deadline, what="the gather table's previous upload", alive=alive)
+            wait_event_host(cp, old.event, deadline=deadline,
+                            what="the gather table's previous upload", alive=alive)
         self.close()
         capacity = max(256, 1 << (rows - 1).bit_length())
         with cp.cuda.Device(self._device):

@@ -162,7 +162,8 @@ def sync_stream(cp: Any, device: int, stream_ptr: int, *, timeout: float, what: 
         event = cp.cuda.Event(block=False, disable_timing=True)
         event.record(cp.cuda.ExternalStream(stream_ptr, device))
     poll_until(lambda: _done(event), deadline=time.monotonic() + timeout, check=alive,
-               expired=lambda: TransferTimeout(f"{what} did not finish on CUDA device {device} within {timeout:g} s"))
+               expired=lambda: TransferTimeout(
+                   f"{what} did not finish on CUDA device {device} within {timeout:g} s"))
 
 
 def _done(event: Any) -> bool:

@@ -114,13 +114,14 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
     receiver = IPCReceiver(cp, index, channel, OpenedSlots(cp, index, []), ready, free, info)
     try:
         receiver.channel.send(hello)
-        chosen = channel.expect("mode", deadline=time.monotonic() + local.warmup_s, what="the session's mode",
-                                alive=receiver.alive)
+        chosen = channel.expect("mode", deadline=time.monotonic() + local.warmup_s,
+                                what="the session's mode", alive=receiver.alive)
         mode, early = str(chosen.get("mode")), chosen.get("early")
         if mode not in ("pull", "push") or (mode == "pull" and not info.packed):
-            raise TransferError(f"{channel.peer} chose IPC mode {mode[:20]!r}, which this worker did not offer")
-        channel.expect("ping", deadline=time.monotonic() + local.warmup_s, what="the trainer's warm-up",
-                       alive=receiver.alive)
+            raise TransferError(
+                f"{channel.peer} chose IPC mode {mode[:20]!r}, which this worker did not offer")
+        channel.expect("ping", deadline=time.monotonic() + local.warmup_s,
+                       what="the trainer's warm-up", alive=receiver.alive)
         if mode == "push":
             with cp.cuda.Device(index):
                 receiver.slots.open(info.mem_handles)
@@ -335,7 +336,8 @@ class IPCPullLink(ChunkedLink):
             out = torch.empty(0, dtype=torch.uint8, device=self.device)
         else:
             self._await_ready(index, deadline)
-            out = torch.as_tensor(self.pool.lease(posted.buffer, posted.chunk.nbytes), device=self.device)
+            lease = self.pool.lease(posted.buffer, posted.chunk.nbytes)
+            out = torch.as_tensor(lease, device=self.device)
             trace(f"leased c{index}")
         self._round_tail(posted.last, deadline)
         return out

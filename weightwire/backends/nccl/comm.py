@@ -268,12 +268,14 @@ class NCCLCommunicator:
             self._live()  # raises if another thread aborted us meanwhile
             self._check_async_error(comm)
 
+        def expired() -> BaseException:
+            return self._fail(TransferTimeout(
+                f"NCCL work did not finish within {timeout:g} s on {self._where()} (CUDA device "
+                f"{self.device}): a peer is missing, stalled or sending a different collective; "
+                "communicator aborted"))
+
         poll_until(lambda: event_done(event), deadline=time.monotonic() + timeout, check=check,
-                   check_every_s=_ASYNC_CHECK_EVERY_S, expired=lambda: self._fail(TransferTimeout(
-                       f"NCCL work did not finish within {timeout:g} s on {self._where()} (CUDA device "
-                       f"{self.device}): a peer is missing, stalled or sending a different collective; "
-                       f"communicator aborted"
-                   )))
+                   check_every_s=_ASYNC_CHECK_EVERY_S, expired=expired)
         self._inflight.pop(cs.ptr, None)
 
     def _check_async_error(self, comm: Any) -> None:

@@ -127,7 +127,8 @@ class NCCLLink(ChunkedLink):
         # through DLPack costs ~0.2 ms per chunk on the round's critical path.
         view = tensor_device_bytes(buf)
         if turn.packed:
-            self.communicator.broadcast(view, root=turn.src, timeout=self.timeout_s, stream=stream.cuda_stream)
+            self.communicator.broadcast(view, root=turn.src, timeout=self.timeout_s,
+                                        stream=stream.cuda_stream)
         else:
             meta = turn.metas[chunk.start]
             self.communicator.broadcast_typed(

@@ -267,7 +267,8 @@ class _ReceiverCore:
             self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
             self._round.receive(self._link.receive(turn, progress))
         except BaseException as exc:
-            where = f"at chunk {progress.chunk + 1}/{len(chunks)}" if progress.chunk >= 0 else "before the first chunk"
+            where = (f"at chunk {progress.chunk + 1}/{len(chunks)}" if progress.chunk >= 0
+                     else "before the first chunk")
             if update.src:
                 where += f" from src {update.src}"  # several broadcasters: name the one this turn lost
             self._fail(exc, where)

@@ -102,8 +102,8 @@ class MetaCache:
                     "round's metadata) but this engine has received no round since init"
                 )
             return cached.plan
-        if (cached is not None and cached.packed == packed and cached.buffer_size_bytes == buffer_size_bytes
-                and _same(cached.update, update)):
+        if (cached is not None and cached.packed == packed
+                and cached.buffer_size_bytes == buffer_size_bytes and _same(cached.update, update)):
             return cached.plan  # the same metadata spelled out again: already checked and planned
         metas = update.metas()
         chunks = plan(metas, packed=packed, buffer_size_bytes=buffer_size_bytes)

@@ -92,8 +92,8 @@ class UnpackPlan:
             else:
                 kind = _Kind.VIEW
                 typed[dtype] = max(typed.get(dtype, 0), offset + nbytes)  # a multiple of itemsize
-            entries.append(_Entry(meta.name, kind, dtype, meta.shape, _c_strides(meta.shape), offset // itemsize,
-                                  offset, nbytes))
+            entries.append(_Entry(meta.name, kind, dtype, meta.shape, _c_strides(meta.shape),
+                                  offset // itemsize, offset, nbytes))
         self._entries = tuple(entries)
         self._typed = tuple(typed.items())
         self.in_place = all(e.kind is not _Kind.CLONE for e in entries)
@@ -120,7 +120,8 @@ class UnpackPlan:
                 strided, base = views[e.dtype]
                 append((e.name, strided(e.shape, e.strides, base + e.element)))
             elif e.kind is _Kind.CLONE:
-                append((e.name, buffer[e.offset : e.offset + e.nbytes].clone().view(e.dtype).view(e.shape)))
+                copied = buffer[e.offset : e.offset + e.nbytes].clone()
+                append((e.name, copied.view(e.dtype).view(e.shape)))
             else:
                 append((e.name, torch.empty(e.shape, dtype=e.dtype, device=buffer.device)))
         return out
