@@ -19,8 +19,8 @@ Each backend's link and connect function live in its package
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 
@@ -37,9 +37,10 @@ class _Kind(Enum):
     EMPTY = "empty"  # a fresh empty tensor (zero size)
 
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    """One tensor of a chunk, worked out once per metadata."""
+class _Entry(NamedTuple):
+    """One tensor of a chunk, worked out once per metadata. A named tuple: ``unpack``
+    reads every field of every entry on each round's critical path, and a tuple unpacks
+    in one step (attribute reads made a 580-tensor chunk ~40% slower)."""
 
     name: str
     kind: _Kind
@@ -115,15 +116,15 @@ class UnpackPlan:
             views[dtype] = (view.as_strided, view.storage_offset())
         out: list[tuple[str, torch.Tensor]] = []
         append = out.append
-        for e in self._entries:
-            if e.kind is _Kind.VIEW:
-                strided, base = views[e.dtype]
-                append((e.name, strided(e.shape, e.strides, base + e.element)))
-            elif e.kind is _Kind.CLONE:
-                copied = buffer[e.offset : e.offset + e.nbytes].clone()
-                append((e.name, copied.view(e.dtype).view(e.shape)))
+        view_kind, clone_kind = _Kind.VIEW, _Kind.CLONE
+        for name, kind, dtype, shape, strides, element, offset, nbytes in self._entries:
+            if kind is view_kind:
+                strided, base = views[dtype]
+                append((name, strided(shape, strides, base + element)))
+            elif kind is clone_kind:
+                append((name, buffer[offset : offset + nbytes].clone().view(dtype).view(shape)))
             else:
-                append((e.name, torch.empty(e.shape, dtype=e.dtype, device=buffer.device)))
+                append((name, torch.empty(shape, dtype=dtype, device=buffer.device)))
         return out
 
 
