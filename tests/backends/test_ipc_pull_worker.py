@@ -2,7 +2,7 @@
 real control channel, with a fake CUDA runtime and torch's CUDA calls stubbed.
 
 Checked: the hello offers both modes (push only for an unpacked session), the session's
-mode is taken from the trainer's answer (an old trainer's bare ping means push), and
+mode is taken from the trainer's answer (a trainer that names none is refused), and
 ``IPCPullLink`` names a pool buffer per chunk (handles once), waits on the ready event the
 trainer names, hands the buffer to torch as a lease, frees the pool only after "unmapped"
 with release-after-round, refuses a round out of step by name, and reports a dead trainer
@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from weightwire.backends.base import ReceiveTurn
 from weightwire.backends.ipc import worker as ipc_worker
 from weightwire.backends.ipc.channel import Channel, Listener
 from weightwire.shared.communicator import PeerLost, TransferError
@@ -143,6 +144,11 @@ def _pull(ch: Channel, hello: dict) -> None:
     ch.expect("pong", deadline=time.monotonic() + 5, what="pong")
 
 
+def _post(link: Any, index: int, chunk: Any, metas: list[ParamMeta]) -> None:
+    """Post ``chunk`` as the round's chunk ``index``."""
+    link.post(index, ReceiveTurn(0, metas, [chunk] * (index + 1), [], packed=True))
+
+
 def _round(sizes: list[int]) -> tuple[list[ParamMeta], list]:
     metas = [ParamMeta(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
     return metas, plan(metas, packed=True, buffer_size_bytes=50)
@@ -153,8 +159,8 @@ def test_pull_link_names_buffers_and_hands_them_on_after_the_ready_event(cp: Cup
     assert hello["modes"] == ["pull", "push"] and isinstance(link, ipc_worker.IPCPullLink)
     assert ("open_slot",) not in cp.cuda.runtime.log  # pull: the trainer's slots are never mapped
     metas, chunks = _round([60, 70])
-    link.post(0, chunks[0], metas, packed=True)
-    link.post(1, chunks[1], metas, packed=True)
+    _post(link, 0, chunks[0], metas)
+    _post(link, 1, chunks[1], metas)
     deadline = time.monotonic() + 5
     w0, w1 = (ch.expect("want", deadline=deadline, what="want") for _ in range(2))
     assert (w0["c"], w0["n"], w1["c"], w1["n"]) == (0, 60, 1, 70) and {"h", "f", "cap"} <= set(w0)
@@ -166,25 +172,38 @@ def test_pull_link_names_buffers_and_hands_them_on_after_the_ready_event(cp: Cup
     # Once torch let chunk 0 go, its buffer serves the next chunk: named again without handles.
     cp.leases.clear()  # type: ignore[attr-defined]
     del lease
-    link.post(2, chunks[0], metas, packed=True)
+    _post(link, 2, chunks[0], metas)
     again = ch.expect("want", deadline=deadline, what="want")
     assert again["b"] == w0["b"] and "h" not in again and "cap" not in again
     assert len([e for e in cp.cuda.runtime.log if e[0] == "malloc"]) == 2
     link.close()
 
 
-def test_an_old_trainer_gets_push_and_an_unpacked_session_offers_push_only(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unpacked_session_offers_push_only_and_opens_the_slots(
+        cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
     made: list = []
     monkeypatch.setattr(ipc_worker, "IPCLink", lambda rx, **kw: made.append(rx) or rx)
 
-    def old_trainer(ch: Channel, hello: dict) -> None:
-        ch.send({"op": "ping"})  # predates modes: straight to the warm-up
+    def push(ch: Channel, hello: dict) -> None:
+        ch.send({"op": "mode", "mode": "push"})
+        ch.send({"op": "ping"})
         ch.expect("pong", deadline=time.monotonic() + 5, what="pong")
 
-    rx, _, hello = _connect(old_trainer, packed=False)
+    rx, _, hello = _connect(push, packed=False)
     assert hello["modes"] == ["push"] and made == [rx]
     assert ("open_slot",) in cp.cuda.runtime.log  # push: the slots are opened once the mode is known
     rx.close()
+
+
+def test_a_trainer_that_names_no_mode_is_refused(cp: Cupy) -> None:
+    def modeless(ch: Channel, hello: dict) -> None:
+        ch.send({"op": "ping"})  # the warm-up where the session's mode was due
+        with pytest.raises(TransferError):
+            ch.recv(deadline=time.monotonic() + 5, what="x")
+
+    refused = r"sent 'ping' where the session's mode \('mode'\) was due"
+    with pytest.raises(TransferError, match=refused):
+        _connect(modeless)
 
 
 def test_a_mode_the_worker_did_not_offer_is_refused(cp: Cupy) -> None:
@@ -200,7 +219,7 @@ def test_a_mode_the_worker_did_not_offer_is_refused(cp: Cupy) -> None:
 def test_release_after_round_frees_the_pool_only_after_unmapped(cp: Cupy) -> None:
     link, ch, _ = _connect(_pull, release=True)
     metas, chunks = _round([60])
-    link.post(0, chunks[0], metas, packed=True)
+    _post(link, 0, chunks[0], metas)
     ch.expect("want", deadline=time.monotonic() + 5, what="want")
     ch.send({"op": "ready", "c": 0, "e": 0})
     ch.send({"op": "unmapped"})
@@ -214,13 +233,13 @@ def test_release_after_round_frees_the_pool_only_after_unmapped(cp: Cupy) -> Non
 def test_out_of_step_and_dead_trainers_are_named_and_in_flight_buffers_stay(cp: Cupy) -> None:
     link, ch, _ = _connect(_pull)
     metas, chunks = _round([60, 70])
-    link.post(0, chunks[0], metas, packed=True)
-    link.post(1, chunks[1], metas, packed=True)
+    _post(link, 0, chunks[0], metas)
+    _post(link, 1, chunks[1], metas)
     ch.send({"op": "ready", "c": 1, "e": 0})
     with pytest.raises(TransferError, match="announced chunk 1 where chunk 0 was due"):
         link.wait(0)
     link2, ch2, _ = _connect(_pull)
-    link2.post(0, chunks[0], metas, packed=True)
+    _post(link2, 0, chunks[0], metas)
     ch2.abort()  # the trainer dies mid-round
     with pytest.raises(PeerLost, match="closed the IPC control channel while this side waited for chunk 0"):
         link2.wait(0)
@@ -242,7 +261,7 @@ def _one_round(link: Any, ch: Channel, chunks: list, metas: list, *, wants: int)
     """Post and load every chunk (readies sent at once); returns the wants the trainer saw."""
     deadline = time.monotonic() + 5
     for i, chunk in enumerate(chunks):
-        link.post(i, chunk, metas, packed=True)
+        _post(link, i, chunk, metas)
     got = [ch.expect("want", deadline=deadline, what="want") for _ in range(wants)]
     for i in range(len(chunks)):
         ch.send({"op": "ready", "c": i, "e": i % 2})
@@ -255,7 +274,7 @@ def test_round_start_names_the_last_rounds_buffers_early_and_post_then_asks_noth
     metas, chunks = _round([60, 70])
     first = _one_round(link, ch, chunks, metas, wants=2)
     cp.leases.clear()  # type: ignore[attr-defined]  # round 1 loaded: its buffers are free again
-    link.round_started()
+    link.start_round()
     early = ch.expect("early", deadline=time.monotonic() + 5, what="early")
     assert [(w["c"], w["n"], w["b"]) for w in early["wants"]] == [(0, 60, first[0]["b"]), (1, 70, first[1]["b"])]
     assert not any("h" in w for w in early["wants"])  # known to the trainer since round 1
@@ -270,7 +289,7 @@ def test_an_early_buffer_of_another_size_goes_back_and_the_chunk_is_asked_for(cp
     metas, chunks = _round([60, 70])
     first = _one_round(link, ch, chunks, metas, wants=2)
     cp.leases.clear()  # type: ignore[attr-defined]
-    link.round_started()
+    link.start_round()
     ch.expect("early", deadline=time.monotonic() + 5, what="early")
     metas2, chunks2 = _round([66])  # the plan changed: one chunk of 66 B
     (want,) = _one_round(link, ch, chunks2, metas2, wants=1)
@@ -286,7 +305,7 @@ def test_a_buffer_still_leased_is_not_named_early_and_nothing_is_allocated(cp: C
     link, ch, _ = _connect(_pull_early)
     metas, chunks = _round([60])
     _one_round(link, ch, chunks, metas, wants=1)  # torch still holds chunk 0 (cp.leases)
-    link.round_started()
+    link.start_round()
     assert ch.discard_delivered("early") == 0
     assert len([e for e in cp.cuda.runtime.log if e[0] == "malloc"]) == 1
     link.close()
@@ -297,7 +316,7 @@ def test_a_trainer_that_did_not_offer_early_wants_gets_none(cp: Cupy) -> None:
     metas, chunks = _round([60])
     _one_round(link, ch, chunks, metas, wants=1)
     cp.leases.clear()  # type: ignore[attr-defined]
-    link.round_started()
+    link.start_round()
     _one_round(link, ch, chunks, metas, wants=1)  # asked for on demand, as before
     link.close()
 
@@ -333,10 +352,10 @@ def test_views_are_made_before_the_ready_and_the_buffer_leased_after_it(cp: Cupy
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
     unpack_plan = UnpackPlan(metas, chunk)
     assert unpack_plan.in_place
-    link.post(0, chunk, metas, packed=True)
+    _post(link, 0, chunk, metas)
     want = ch.expect("want", deadline=time.monotonic() + 5, what="want")
     ch.send({"op": "ready", "c": 0, "e": 1})
-    pairs = link.wait_unpacked(0, unpack_plan)
+    pairs = link.take(0, unpack_plan)
     assert [(n, t.dtype, tuple(t.shape)) for n, t in pairs] == [("a", torch.bfloat16, (3, 4)), ("b", torch.float32, (5,))]
     log = cp.cuda.runtime.log
     assert log.index(("unpack",)) < log.index(("wait", 77, 1002))  # views first, then the stream waits
@@ -356,10 +375,10 @@ def test_a_plan_that_copies_out_unpacks_only_after_the_ready(cp: Cupy, monkeypat
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
     unpack_plan = UnpackPlan(metas, chunk)
     assert not unpack_plan.in_place
-    link.post(0, chunk, metas, packed=True)
+    _post(link, 0, chunk, metas)
     ch.expect("want", deadline=time.monotonic() + 5, what="want")
     ch.send({"op": "ready", "c": 0, "e": 0})
-    pairs = link.wait_unpacked(0, unpack_plan)
+    pairs = link.take(0, unpack_plan)
     assert [n for n, _ in pairs] == ["odd", "f"]
     log = cp.cuda.runtime.log
     assert log.index(("wait", 77, 1001)) < log.index(("unpack",))  # the copy-out reads filled bytes
@@ -371,11 +390,11 @@ def test_a_trainer_lost_before_the_ready_leaves_the_buffer_leased_ahead_unfreed(
     link, ch, _ = _connect(_pull)
     metas = [ParamMeta("a", "bfloat16", (8,))]
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
-    link.post(0, chunk, metas, packed=True)
+    _post(link, 0, chunk, metas)
     want = ch.expect("want", deadline=time.monotonic() + 5, what="want")
     ch.abort()  # the trainer dies mid-fill
     with pytest.raises(PeerLost, match="while this side waited for chunk 0"):
-        link.wait_unpacked(0, UnpackPlan(metas, chunk))
+        link.take(0, UnpackPlan(metas, chunk))
     cp.leases.clear()  # type: ignore[attr-defined]  # the views are gone with the failed round
     assert link.pool._buffers[want["b"]].state == "filling"  # not free: the copy may still run
     link.abort()

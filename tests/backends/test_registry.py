@@ -201,13 +201,13 @@ def test_plugin_backend_names_are_written_once_in_code() -> None:
     assert {p: n for p, n in found.items() if n} == {}
 
 
-def test_the_nccl_store_rendezvous_keeps_its_public_path() -> None:
+def test_the_worker_package_names_no_backend_function() -> None:
     pytest.importorskip("torch")
-    from weightwire.backends.nccl import worker as nccl_worker
     from weightwire.torch_side import worker
     from weightwire.torch_side.worker import connect
 
-    assert worker.publish_unique_id is connect.publish_unique_id is nccl_worker.publish_unique_id
-    assert worker.fetch_unique_id is connect.fetch_unique_id is nccl_worker.fetch_unique_id
-    with pytest.raises(AttributeError, match="no attribute 'connect_tcp'"):
-        _ = connect.connect_tcp  # the per-backend functions live in their packages only
+    for name in ("publish_unique_id", "fetch_unique_id", "connect_tcp"):
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(connect, name)  # the per-backend functions live in their packages only
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(worker, name)

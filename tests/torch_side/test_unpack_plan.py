@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from weightwire.backends.base import ChunkedLink, ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.shared.dtypes import SUPPORTED_DTYPES
 from weightwire.shared.framing import Chunk, pack_host, plan
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, encode_secret
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.dtypes import torch_dtype
 from weightwire.torch_side.worker.core import _ReceiverCore
-from weightwire.torch_side.worker.load import MetaCache, receive_chunks
-from weightwire.torch_side.worker.receive import ReceiveLink, UnpackPlan, unpack_chunk
+from weightwire.torch_side.worker.load import MetaCache
+from weightwire.torch_side.worker.receive import UnpackPlan, unpack_chunk
 
 
 def reference_unpack(buffer: torch.Tensor, metas: Sequence[ParamMeta], chunk: Chunk) -> list[tuple[str, torch.Tensor]]:
@@ -162,15 +163,15 @@ def test_meta_cache_plans_once_per_metadata() -> None:
     assert cache.resolve(object(), UpdateInfo.from_metas(changed), packed=True, buffer_size_bytes=64) is not other
 
 
-class ListLink(ReceiveLink):
+class ListLink(ChunkedLink):
     """Hands out prepared chunk buffers; records the order of posts and waits."""
 
     def __init__(self, buffers: list[torch.Tensor], *, depth: int = 2) -> None:
-        super().__init__(None, device=torch.device("cpu"), timeout_s=5.0, depth=depth)
+        super().__init__(device=torch.device("cpu"), timeout_s=5.0, depth=depth)
         self.buffers = buffers
         self.calls: list[tuple[str, int]] = []
 
-    def post(self, index: int, chunk: Chunk, metas: Sequence[ParamMeta], *, packed: bool) -> None:
+    def post(self, index: int, turn: ReceiveTurn) -> None:
         self.calls.append(("post", index))
 
     def wait(self, index: int) -> torch.Tensor:
@@ -184,20 +185,18 @@ class ListLink(ReceiveLink):
         pass
 
 
-def test_receive_chunks_uses_the_given_plans() -> None:
+def test_a_chunked_link_posts_ahead_and_unpacks_with_the_turns_plans() -> None:
     metas = every_dtype_metas()
     chunks = plan(metas, packed=True, buffer_size_bytes=40)
     buffers = [random_buffer(c.nbytes, seed=i) for i, c in enumerate(chunks)]
     link = ListLink(buffers)
-    plans = [UnpackPlan(metas, c) for c in chunks]
-    progress = [-1]
-    got = list(receive_chunks(link, metas, chunks, packed=True, progress=progress, plans=plans))
+    turn = ReceiveTurn(0, metas, chunks, [UnpackPlan(metas, c) for c in chunks], packed=True)
+    progress = ReceiveProgress()
+    got = list(link.receive(turn, progress))
     for pairs, buf, chunk in zip(got, buffers, chunks, strict=True):
         assert_same(pairs, reference_unpack(buf, metas, chunk), buf)
-    assert link.calls[:3] == [("post", 0), ("post", 1), ("wait", 0)] and progress[0] == len(chunks) - 1
-    link.calls.clear()
-    unplanned = list(receive_chunks(link, metas, chunks, packed=True, progress=[-1]))  # plans made on the spot
-    assert [[n for n, _ in p] for p in unplanned] == [[n for n, _ in p] for p in got]
+    assert link.calls[:3] == [("post", 0), ("post", 1), ("wait", 0)]
+    assert progress.chunk == len(chunks) - 1
 
 
 class Store:

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightwire.shared.meta import ParamMeta
-from weightwire.torch_side.worker.spec import ModelSpec
+from weightwire.torch_side.worker.spec import ModelSpec, TensorSpec
 
 
 @pytest.fixture
@@ -27,15 +27,15 @@ def spec(tmp_path) -> ModelSpec:
 
 def _metas(spec: ModelSpec, **changes: tuple[str, tuple[int, ...]]) -> list[ParamMeta]:
     out = []
-    for name, (shape, dtype) in spec.tensors.items():
-        dtype, shape = changes.get(name, (dtype, shape))
+    for name, want in spec.tensors.items():
+        dtype, shape = changes.get(name, (want.dtype, want.shape))
         out.append(ParamMeta(name, dtype, shape))
     return out
 
 
 def test_served_dtype_applies_to_floats_only(spec: ModelSpec) -> None:
-    assert spec.tensors["model.norm.weight"] == ((8,), "bfloat16")
-    assert spec.tensors["model.step"] == ((1,), "int64")
+    assert spec.tensors["model.norm.weight"] == TensorSpec((8,), "bfloat16")
+    assert spec.tensors["model.step"] == TensorSpec((1,), "int64")
     spec.check(_metas(spec))  # the full model, as served: accepted
     spec.check([ParamMeta("model.norm.weight", "bfloat16", (8,))])  # a non-layer tensor alone
     spec.check([ParamMeta("lm_head.weight", "bfloat16", (16, 8))])  # a tied alias

@@ -171,9 +171,9 @@ def test_single_sender_worker_refuses_src_1() -> None:
 
 def test_nccl_link_receives_from_the_turns_root(monkeypatch: pytest.MonkeyPatch) -> None:
     """``weightwire_nccl``: one communicator, the turn's ``src`` is the broadcast root."""
+    from weightwire.backends.base import ReceiveTurn
     from weightwire.backends.nccl import worker as nccl_worker
     from weightwire.shared.framing import plan
-    from weightwire.torch_side.worker.receive import ReceiveLink
 
     calls: list[int] = []
 
@@ -187,24 +187,26 @@ def test_nccl_link_receives_from_the_turns_root(monkeypatch: pytest.MonkeyPatch)
     class Stream:
         cuda_stream = 0
 
+        def __init__(self, device: Any = None) -> None:
+            pass
+
         def wait_stream(self, other: Any) -> None:
             pass
 
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     monkeypatch.setattr(nccl_worker, "tensor_device_bytes", lambda buf: buf)
-    link = nccl_worker.NCCLLink.__new__(nccl_worker.NCCLLink)
-    ReceiveLink.__init__(link, Comm(), device=torch.device("cpu"), timeout_s=5, depth=2)
-    link._streams, link._pending, link.senders, link._root = [Stream(), Stream()], {}, 3, 0
+    link = nccl_worker.NCCLLink(Comm(), device=torch.device("cpu"), timeout_s=5, depth=2, sources=3)
     metas = [m("w")]
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=64)
     for src in (0, 2, 1):
-        view = link.for_src(src)
-        view.post(0, chunk, metas, packed=True)
-        assert view.wait(0).numel() == chunk.nbytes
+        link.check_source(src)
+        link.post(0, ReceiveTurn(src, metas, [chunk], [], packed=True))
+        assert link.wait(0).numel() == chunk.nbytes
     assert calls == [0, 2, 1]
-    with pytest.raises(ValueError, match=r"src must be a broadcasting trainer rank in \[0, 3\), got 3"):
-        link.for_src(3)
+    with pytest.raises(ValueError, match=r"names src 3, .* src must be in \[0, 3\)"):
+        link.check_source(3)
 
 
 # -- trainer side: gates and agreement, threads as ranks -------------------------------

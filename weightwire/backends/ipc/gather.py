@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from weightwire.backends.ipc.slots import CUDA_EVENT_DISABLE_TIMING, MEMCPY_DEVICE_TO_DEVICE, record, wait_event_host
@@ -87,6 +88,28 @@ class _StreamRef:
         self.ptr = ptr
 
 
+@dataclass(frozen=True)
+class _Table:
+    """One ring slot's copy table: pinned host rows, their device copy, the upload's event."""
+
+    host: Any
+    device: Any
+    event: int
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The copies a ring slot's device table describes, and its row count."""
+
+    srcs: list[int]
+    dsts: list[int]
+    sizes: list[int]
+    rows: int
+
+    def same(self, srcs: list[int], dsts: list[int], sizes: list[int]) -> bool:
+        return self.sizes == sizes and self.srcs == srcs and self.dsts == dsts
+
+
 class GatherCopy:
     """Copies ``regions`` back to back into ``dst`` on one stream (see the module docstring).
 
@@ -98,11 +121,11 @@ class GatherCopy:
         self._cp, self._device, self._stream = cp, int(device), _StreamRef(int(stream_ptr))
         self._kernel: Any = None
         self._broken = not gather_enabled()
-        self._tables: list[tuple[Any, Any, int]] = []  # (pinned host, device, event) per ring slot
+        self._tables: list[_Table] = []  # one per ring slot
         self._capacity = 0  # rows per table
         self._next = 0
-        self._held: list[tuple[list[int], list[int], list[int], int] | None] = [None] * _RING
-        """Per ring slot: the (sources, destinations, sizes, rows) its device table holds."""
+        self._held: list[_Held | None] = [None] * _RING
+        """Per ring slot: the copies its device table holds."""
 
     def copy(self, dst: int, regions: Sequence[DeviceBytes], *, deadline: float, alive: Callable[[], None]) -> None:
         """Enqueue the copies of ``regions`` to ``dst``, ``dst + regions[0].nbytes``, ... on the stream."""
@@ -155,8 +178,8 @@ class GatherCopy:
         for slot, held in enumerate(self._held):
             # The same copies as a table still on the device: every later upload into that
             # slot is ordered after this launch on the same stream, so it reads this table.
-            if held is not None and held[2] == sizes and held[0] == srcs and held[1] == dsts:
-                self._run(self._tables[slot][1], held[3])
+            if held is not None and held.same(srcs, dsts, sizes):
+                self._run(self._tables[slot].device, held.rows)
                 return
         n = np.array(sizes, dtype=np.int64)
         tiles = (n + (TILE_BYTES - 1)) // TILE_BYTES
@@ -164,7 +187,8 @@ class GatherCopy:
         if rows > self._capacity:
             self._grow(rows, deadline=deadline, alive=alive)
         slot = self._next
-        host, dev, event = self._tables[slot]
+        table_slot = self._tables[slot]
+        host, dev, event = table_slot.host, table_slot.device, table_slot.event
         self._next = (self._next + 1) % _RING
         self._held[slot] = None  # rewritten below
         # The table's last H2D copy must have run before its pinned memory is rewritten.
@@ -181,7 +205,8 @@ class GatherCopy:
                                     self._stream.ptr)
         self._run(dev, rows)
         record(cp, event, self._stream.ptr)
-        self._held[slot] = (srcs, dsts, sizes, rows)  # this call's own lists: nobody else changes them
+        # This call's own lists: nobody else changes them.
+        self._held[slot] = _Held(srcs, dsts, sizes, rows)
 
     def _run(self, table: Any, rows: int) -> None:
         import numpy as np
@@ -190,8 +215,9 @@ class GatherCopy:
 
     def _grow(self, rows: int, *, deadline: float, alive: Callable[[], None]) -> None:
         cp = self._cp
-        for _, _, event in self._tables:  # an upload from an old table may still be queued
-            wait_event_host(cp, event, deadline=deadline, what="the gather table's previous upload", alive=alive)
+        for old in self._tables:  # an upload from an old table may still be queued
+            wait_event_host(cp, old.event, deadline=deadline,
+                            what="the gather table's previous upload", alive=alive)
         self.close()
         capacity = max(256, 1 << (rows - 1).bit_length())
         with cp.cuda.Device(self._device):
@@ -199,15 +225,15 @@ class GatherCopy:
                 host = cp.cuda.alloc_pinned_memory(capacity * 24)
                 dev = cp.empty(capacity * 3, dtype=cp.uint64)
                 event = cp.cuda.runtime.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING)
-                self._tables.append((host, dev, event))
+                self._tables.append(_Table(host, dev, event))
         self._capacity = capacity
 
     def close(self) -> None:
         """Free the tables (after the stream settled: a launch may still read them)."""
         tables, self._tables, self._capacity = self._tables, [], 0
         self._held = [None] * _RING
-        for _, _, event in tables:
+        for table in tables:
             try:
-                self._cp.cuda.runtime.eventDestroy(event)
+                self._cp.cuda.runtime.eventDestroy(table.event)
             except Exception:  # teardown: an event that will not go is the driver's to reclaim
                 logger.debug("weightwire_ipc: destroying a gather-table event failed", exc_info=True)

@@ -37,6 +37,7 @@ from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.errors import UnavailableError
 from weightwire.shared.info import encode_secret
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
+from weightwire.shared.waiting import poll_until
 
 CUDA_EVENT_DISABLE_TIMING, CUDA_EVENT_INTERPROCESS = 0x2, 0x4
 CUDA_IPC_LAZY_PEER_ACCESS = 0x1
@@ -45,7 +46,6 @@ CUDA_ERROR_NOT_READY = 600
 MAX_MESSAGE_BYTES = 1 << 20
 _POLL_S = 0.05
 DEFAULT_WAIT = "device"
-_SPIN_S = 0.2
 
 
 _TRACE_TO = os.environ.get("WEIGHTWIRE_IPC_TRACE")
@@ -150,18 +150,9 @@ def event_query(cp: Any, event: int) -> bool:
 
 def wait_event_host(cp: Any, event: int, *, deadline: float, what: str, alive: Callable[[], None]) -> None:
     """Poll ``event`` until done, bounded by ``deadline`` (spin first: a piece takes ~0.1-1 ms)."""
-    start = time.monotonic()
-    pause = 2e-5
-    while not event_query(cp, event):
-        now = time.monotonic()
-        alive()
-        if now >= deadline:
-            raise TransferTimeout(f"{what} did not complete within the timeout (the peer's GPU work stalled)")
-        if now - start < _SPIN_S:
-            time.sleep(0)
-        else:
-            time.sleep(min(pause, max(deadline - now, 0.0)))
-            pause = min(pause * 2, 1e-3)
+    poll_until(lambda: event_query(cp, event), deadline=deadline, check=alive,
+               expired=lambda: TransferTimeout(
+                   f"{what} did not complete within the timeout (the peer's GPU work stalled)"))
 
 
 def sync_stream(cp: Any, device: int, stream_ptr: int, *, timeout: float, what: str,
@@ -170,19 +161,9 @@ def sync_stream(cp: Any, device: int, stream_ptr: int, *, timeout: float, what: 
     with cp.cuda.Device(device):
         event = cp.cuda.Event(block=False, disable_timing=True)
         event.record(cp.cuda.ExternalStream(stream_ptr, device))
-    start = time.monotonic()
-    deadline, pause = start + timeout, 2e-5
-    while not _done(event):
-        now = time.monotonic()
-        if alive is not None:
-            alive()
-        if now >= deadline:
-            raise TransferTimeout(f"{what} did not finish on CUDA device {device} within {timeout:g} s")
-        if now - start < _SPIN_S:
-            time.sleep(0)
-        else:
-            time.sleep(min(pause, max(deadline - now, 0.0)))
-            pause = min(pause * 2, 1e-3)
+    poll_until(lambda: _done(event), deadline=time.monotonic() + timeout, check=alive,
+               expired=lambda: TransferTimeout(
+                   f"{what} did not finish on CUDA device {device} within {timeout:g} s"))
 
 
 def _done(event: Any) -> bool:

@@ -19,12 +19,13 @@ refilled at once. Chunks land in fresh allocations, as on the other links.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from weightwire.backends.base import ChunkedLink, ReceiveTurn, Unpacker, WorkerPairs
 from weightwire.backends.ipc.channel import Channel, check_int, dial
 from weightwire.backends.ipc.pool import ReceivePool
 from weightwire.backends.ipc.slots import (
@@ -47,9 +48,7 @@ from weightwire.shared.communicator import TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.info import encode_secret
 from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
-from weightwire.shared.meta import ParamMeta
 from weightwire.shared.timeouts import Timeouts
-from weightwire.torch_side.worker.receive import ReceiveLink, UnpackPlan
 
 
 class IPCReceiver:
@@ -91,7 +90,7 @@ class IPCReceiver:
         self.free = []
 
 
-def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> ReceiveLink:
+def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLink | IPCPullLink:
     """Dial the trainer's channel, say hello (with the modes this worker takes), learn the
     session's mode, open the trainer's events (and, in push mode, its slots), warm up."""
     if device.type != "cuda":
@@ -115,16 +114,14 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> Receiv
     receiver = IPCReceiver(cp, index, channel, OpenedSlots(cp, index, []), ready, free, info)
     try:
         receiver.channel.send(hello)
-        first = channel.recv(deadline=time.monotonic() + local.warmup_s, what="the session's mode", alive=receiver.alive)
-        mode, early = "push", None
-        if first["op"] == "mode":  # a trainer that predates modes goes straight to the warm-up ping
-            mode, early = str(first.get("mode")), first.get("early")
-            if mode not in ("pull", "push") or (mode == "pull" and not info.packed):
-                raise TransferError(f"{channel.peer} chose IPC mode {str(mode)[:20]!r}, which this worker did not offer")
-            first = channel.recv(deadline=time.monotonic() + local.warmup_s, what="the trainer's warm-up",
-                                 alive=receiver.alive)
-        if first["op"] != "ping":
-            raise TransferError(f"{channel.peer} sent {first['op']!r} where the warm-up ('ping') was due")
+        chosen = channel.expect("mode", deadline=time.monotonic() + local.warmup_s,
+                                what="the session's mode", alive=receiver.alive)
+        mode, early = str(chosen.get("mode")), chosen.get("early")
+        if mode not in ("pull", "push") or (mode == "pull" and not info.packed):
+            raise TransferError(
+                f"{channel.peer} chose IPC mode {mode[:20]!r}, which this worker did not offer")
+        channel.expect("ping", deadline=time.monotonic() + local.warmup_s,
+                       what="the trainer's warm-up", alive=receiver.alive)
         if mode == "push":
             with cp.cuda.Device(index):
                 receiver.slots.open(info.mem_handles)
@@ -140,24 +137,50 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> Receiv
     return IPCLink(receiver, device=dev, timeout_s=info.timeout_s, depth=info.packed_num_buffers)
 
 
-class IPCLink(ReceiveLink):
+@dataclass(frozen=True)
+class _Posted:
+    """A posted chunk: the buffer it lands in (``None``: an empty chunk, pull mode)."""
+
+    buffer: Any
+    chunk: Chunk
+    last: bool
+    """The round's last chunk: its end closes what the session releases after a round."""
+
+
+@dataclass(frozen=True)
+class _Early:
+    """A pool buffer named to the trainer at the round's start, for one chunk."""
+
+    buffer: Any
+    nbytes: int
+    """The size it was named for (the last update's size of that chunk)."""
+
+
+def _posted(buffer: Any, index: int, turn: ReceiveTurn) -> _Posted:
+    chunk = turn.chunks[index]
+    return _Posted(buffer, chunk, chunk.stop == len(turn.metas))
+
+
+class IPCLink(ChunkedLink):
     """Chunks arrive as pieces through the trainer's slots (see the module docstring)."""
 
     def __init__(self, communicator: IPCReceiver, *, device: torch.device, timeout_s: float, depth: int) -> None:
-        super().__init__(communicator, device=device, timeout_s=timeout_s, depth=depth)
+        super().__init__(device=device, timeout_s=timeout_s, depth=depth)
+        self.communicator = communicator
         self._stream = torch.cuda.Stream(device=device)
-        self._pending: dict[int, tuple[torch.Tensor, Chunk, bool]] = {}
+        self._pending: dict[int, _Posted] = {}
         self._host_wait = wait_mode() == "host"
 
-    def post(self, index: int, chunk: Chunk, metas: Sequence[ParamMeta], *, packed: bool) -> None:
-        buf = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
+    def post(self, index: int, turn: ReceiveTurn) -> None:
+        buf = torch.empty(turn.chunks[index].nbytes, dtype=torch.uint8, device=self.device)
         # The fresh block may have been freed by work still queued on the current stream.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._pending[index] = (buf, chunk, chunk.stop == len(metas))
+        self._pending[index] = _posted(buf, index, turn)
 
     def wait(self, index: int) -> torch.Tensor:
-        buf, chunk, last = self._pending.pop(index)
-        rx: IPCReceiver = self.communicator
+        posted = self._pending.pop(index)
+        buf, chunk, last = posted.buffer, posted.chunk, posted.last
+        rx = self.communicator
         cp, ch, sptr = rx.cp, rx.channel, self._stream.cuda_stream
         deadline = time.monotonic() + self.timeout_s
         got, base, count = 0, buf.data_ptr(), len(rx.ready)
@@ -199,14 +222,14 @@ class IPCLink(ReceiveLink):
         return buf
 
     def _remap(self, msg: dict[str, Any]) -> None:
-        rx: IPCReceiver = self.communicator
+        rx = self.communicator
         handles = decode_handles(f"{rx.channel.peer} slots.mem", msg.get("mem"))
         if len(handles) != len(rx.ready):
             raise TransferError(f"{rx.channel.peer} announced {len(handles)} slots, the session has {len(rx.ready)}")
         rx.slots.open(handles)
 
     def _settle(self, timeout: float) -> bool:
-        rx: IPCReceiver = self.communicator
+        rx = self.communicator
         try:
             sync_stream(rx.cp, rx.device, self._stream.cuda_stream, timeout=timeout, what="the IPC copy stream")
         except Exception:
@@ -215,7 +238,7 @@ class IPCLink(ReceiveLink):
 
     def abort(self) -> None:
         self._pending.clear()
-        super().abort()
+        self.communicator.abort()
         # Unmap once no copy-out reads the slots any more (bounded); a copy stream
         # that will not settle keeps its mappings rather than read unmapped memory.
         if self._settle(5.0):
@@ -224,15 +247,15 @@ class IPCLink(ReceiveLink):
     def close(self) -> None:
         self._pending.clear()
         if self._settle(30.0):
-            super().close()
+            self.communicator.close()
         else:
             self.communicator.abort()
 
 
-class IPCPullLink(ReceiveLink):
+class IPCPullLink(ChunkedLink):
     """Chunks written by the trainer straight into this worker's pool (module docstring).
 
-    Early wants (``early``, when the trainer offered them): at ``round_started`` (the
+    Early wants (``early``, when the trainer offered them): at ``start_round`` (the
     round's start) the buffers for the first ``depth`` chunks are named at once, sized
     as the last update's chunks were, in one ``{"op": "early", "wants": [...]}``
     message, so the trainer can fill them while the update POST is still on its way
@@ -245,12 +268,13 @@ class IPCPullLink(ReceiveLink):
 
     def __init__(self, communicator: IPCReceiver, *, device: torch.device, timeout_s: float, depth: int,
                  early: bool = False) -> None:
-        super().__init__(communicator, device=device, timeout_s=timeout_s, depth=depth)
+        super().__init__(device=device, timeout_s=timeout_s, depth=depth)
+        self.communicator = communicator
         self.pool = ReceivePool(communicator.cp, communicator.device)
-        self._pending: dict[int, tuple[Any, Chunk, bool]] = {}
+        self._pending: dict[int, _Posted] = {}
         self._host_wait = wait_mode() == "host"
         self._offer_early = early and not communicator.info.release_after_round
-        self._early: dict[int, tuple[Any, int]] = {}  # chunk -> (buffer, bytes it was named for)
+        self._early: dict[int, _Early] = {}  # by chunk index
         self._sizes: list[int] = []  # the last update's first ``depth`` chunk sizes
 
     def _stream(self) -> int:
@@ -258,11 +282,11 @@ class IPCPullLink(ReceiveLink):
         # (the previous round's loads) were ordered there, as the caching allocator assumes.
         return int(torch.cuda.current_stream(self.device).cuda_stream)
 
-    def round_started(self) -> None:
+    def start_round(self) -> None:
         """Name the buffers of the coming update's first chunks (see the class docstring)."""
         if not self._offer_early or not self._sizes:
             return
-        rx: IPCReceiver = self.communicator
+        rx = self.communicator
         rx.alive()
         self._unfill_early()
         wants = []
@@ -272,7 +296,7 @@ class IPCPullLink(ReceiveLink):
             buf = self.pool.acquire_free(n, self._stream())
             if buf is None:  # still leased (the model keeps last round's tensors): named on demand
                 break
-            self._early[c] = (buf, n)
+            self._early[c] = _Early(buf, n)
             wants.append({"c": c, "n": n, **self.pool.describe(buf)})
         trace(f"early {len(wants)} of {len(self._sizes)}")
         if wants:
@@ -280,64 +304,66 @@ class IPCPullLink(ReceiveLink):
 
     def _unfill_early(self) -> None:
         early, self._early = self._early, {}
-        for buf, _ in early.values():
-            self.pool.unfill(buf)
+        for named in early.values():
+            self.pool.unfill(named.buffer)
 
-    def post(self, index: int, chunk: Chunk, metas: Sequence[ParamMeta], *, packed: bool) -> None:
-        rx: IPCReceiver = self.communicator
+    def post(self, index: int, turn: ReceiveTurn) -> None:
+        rx = self.communicator
         rx.alive()
+        chunk = turn.chunks[index]
         if index == 0:
             self._sizes = []
         if index < self.depth:
             self._sizes.append(chunk.nbytes)
-        last = chunk.stop == len(metas)
         trace(f"post c{index}")
         named = self._early.pop(index, None)
         if named is not None:
-            if named[1] == chunk.nbytes:  # the trainer fills it without being asked
-                self._pending[index] = (named[0], chunk, last)
+            if named.nbytes == chunk.nbytes:  # the trainer fills it without being asked
+                self._pending[index] = _posted(named.buffer, index, turn)
                 return
-            self.pool.unfill(named[0])  # the plan changed: the trainer skips it too
+            self.pool.unfill(named.buffer)  # the plan changed: the trainer skips it too
         if chunk.nbytes == 0:  # nothing to write (a round of empty tensors)
-            self._pending[index] = (None, chunk, last)
+            self._pending[index] = _posted(None, index, turn)
             return
         buf = self.pool.acquire(chunk.nbytes, self._stream())
-        self._pending[index] = (buf, chunk, last)
+        self._pending[index] = _posted(buf, index, turn)
         rx.channel.send({"op": "want", "c": index, "n": chunk.nbytes, **self.pool.describe(buf)})
 
     def wait(self, index: int) -> torch.Tensor:
-        buf, chunk, last = self._pending.pop(index)
+        posted = self._pending.pop(index)
         deadline = time.monotonic() + self.timeout_s
-        if buf is None:
+        if posted.buffer is None:
             out = torch.empty(0, dtype=torch.uint8, device=self.device)
         else:
             self._await_ready(index, deadline)
-            out = torch.as_tensor(self.pool.lease(buf, chunk.nbytes), device=self.device)
+            lease = self.pool.lease(posted.buffer, posted.chunk.nbytes)
+            out = torch.as_tensor(lease, device=self.device)
             trace(f"leased c{index}")
-        self._round_tail(last, deadline)
+        self._round_tail(posted.last, deadline)
         return out
 
-    def wait_unpacked(self, index: int, plan: UnpackPlan) -> list[tuple[str, torch.Tensor]]:
+    def take(self, index: int, unpacker: Unpacker) -> WorkerPairs:
         """The chunk's views made *before* its ready message: the buffer is known since
         ``post``, and a plan that copies nothing out runs no device work, so the ~2 us per
         tensor of view making overlaps the trainer's fill instead of following it. Nothing
         reads the views before torch's stream waited on the ready event (``_await_ready``);
         the buffer stays ``filling`` until then (``ReceivePool.lease(ahead=True)``)."""
-        buf, chunk, last = self._pending[index]
-        if buf is None or not plan.in_place:
-            return plan.unpack(self.wait(index))
+        posted = self._pending[index]
+        if posted.buffer is None or not unpacker.in_place:
+            return unpacker.unpack(self.wait(index))
         del self._pending[index]
         deadline = time.monotonic() + self.timeout_s
-        pairs = plan.unpack(torch.as_tensor(self.pool.lease(buf, chunk.nbytes, ahead=True), device=self.device))
+        lease = self.pool.lease(posted.buffer, posted.chunk.nbytes, ahead=True)
+        pairs = unpacker.unpack(torch.as_tensor(lease, device=self.device))
         trace(f"views c{index}")
         self._await_ready(index, deadline)
-        self.pool.filled(buf)
-        self._round_tail(last, deadline)
+        self.pool.filled(posted.buffer)
+        self._round_tail(posted.last, deadline)
         return pairs
 
     def _await_ready(self, index: int, deadline: float) -> None:
         """Chunk ``index``'s ready message; then torch's current stream waits on its event."""
-        rx: IPCReceiver = self.communicator
+        rx = self.communicator
         cp, ch = rx.cp, rx.channel
         trace(f"wait c{index}")
         msg = ch.expect("ready", deadline=deadline, what=f"chunk {index}", alive=rx.alive)
@@ -355,7 +381,7 @@ class IPCPullLink(ReceiveLink):
     def _round_tail(self, last: bool, deadline: float) -> None:
         if not last:
             return
-        rx: IPCReceiver = self.communicator
+        rx = self.communicator
         if rx.info.release_after_round:
             # The trainer closed its mappings of every buffer: the pool may be freed now.
             rx.channel.expect("unmapped", deadline=deadline, what="the trainer's close of its mappings", alive=rx.alive)
@@ -369,11 +395,11 @@ class IPCPullLink(ReceiveLink):
 
     def abort(self) -> None:
         self._pending.clear()
-        super().abort()
+        self.communicator.abort()
         self.pool.close()  # a buffer the trainer may still be writing stays allocated
         self.communicator.close()
 
     def close(self) -> None:
         self._pending.clear()
         self.pool.close()
-        super().close()
+        self.communicator.close()

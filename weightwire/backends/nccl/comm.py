@@ -31,17 +31,16 @@ from weightwire.backends.nccl.join import unique_id_to_signed_tuple as unique_id
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.errors import UnavailableError
 from weightwire.shared.timeouts import Timeouts
+from weightwire.shared.waiting import poll_until
 
 # ncclDataType_t / ncclRedOp_t values from nccl.h (stable ABI).
 NCCL_UINT8, NCCL_FLOAT32, NCCL_SUM = 1, 7, 0
 NCCL_ITEMSIZE: dict[int, int] = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
 _NCCL_REMOTE_ERROR = 6
 
-# Polling: spin (yielding the GIL) long enough to cover a whole large round, since a
-# sleep's wake-up latency would cost several percent of a 45 ms 16 GB transfer; then
-# back off so a long or hung wait does not burn a core until its timeout.
-_SPIN_S = 0.2
-_MAX_SLEEP_S = 1e-3
+# A wait polls (``shared.waiting``), spinning long enough to cover a whole large round
+# (a sleep's wake-up latency would cost several percent of a 45 ms 16 GB transfer);
+# NCCL's asynchronous errors are asked for far less often.
 _ASYNC_CHECK_EVERY_S = 0.01
 
 
@@ -264,25 +263,19 @@ class NCCLCommunicator:
         with self._on_device():
             event = cp.cuda.Event(block=False, disable_timing=True)
             event.record(cs)
-        start = time.monotonic()
-        deadline, last_check, pause = start + timeout, start, 2e-5
-        while not event_done(event):
-            now = time.monotonic()
-            if now - last_check >= _ASYNC_CHECK_EVERY_S:
-                self._live()  # raises if another thread aborted us meanwhile
-                self._check_async_error(comm)
-                last_check = now
-            if now >= deadline:
-                raise self._fail(TransferTimeout(
-                    f"NCCL work did not finish within {timeout:g} s on {self._where()} (CUDA device "
-                    f"{self.device}): a peer is missing, stalled or sending a different collective; "
-                    f"communicator aborted"
-                ))
-            if now - start < _SPIN_S:
-                time.sleep(0)  # yields the GIL, returns within microseconds
-            else:
-                time.sleep(min(pause, max(deadline - now, 0.0)))
-                pause = min(pause * 2, _MAX_SLEEP_S)
+
+        def check() -> None:
+            self._live()  # raises if another thread aborted us meanwhile
+            self._check_async_error(comm)
+
+        def expired() -> BaseException:
+            return self._fail(TransferTimeout(
+                f"NCCL work did not finish within {timeout:g} s on {self._where()} (CUDA device "
+                f"{self.device}): a peer is missing, stalled or sending a different collective; "
+                "communicator aborted"))
+
+        poll_until(lambda: event_done(event), deadline=time.monotonic() + timeout, check=check,
+                   check_every_s=_ASYNC_CHECK_EVERY_S, expired=expired)
         self._inflight.pop(cs.ptr, None)
 
     def _check_async_error(self, comm: Any) -> None:

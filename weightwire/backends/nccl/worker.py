@@ -8,22 +8,19 @@ address/port rendezvous (a TCPStore holding the unique id) is ``publish_unique_i
 
 from __future__ import annotations
 
-import copy
 import datetime
 import logging
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from weightwire.backends.base import ChunkedLink, ReceiveTurn
 from weightwire.backends.nccl.buffers import tensor_device_bytes
 from weightwire.backends.nccl.comm import NCCLCommunicator
 from weightwire.shared.dtypes import wire_dtype
-from weightwire.shared.framing import Chunk
 from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES, WeightwireNCCLInitInfo
-from weightwire.shared.meta import ParamMeta
 from weightwire.shared.timeouts import Timeouts
-from weightwire.torch_side.worker.receive import ReceiveLink
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +29,7 @@ UNIQUE_ID_KEY = "weightwire/nccl_unique_id/v1"
 (address/port rendezvous of ``weightwire_nccl``)."""
 
 
-def connect_nccl(info: WeightwireNCCLInitInfo, *, rank: int, device: torch.device) -> ReceiveLink:
+def connect_nccl(info: WeightwireNCCLInitInfo, *, rank: int, device: torch.device) -> NCCLLink:
     """Join the trainer's NCCL group as ``rank`` on ``device`` and run the warm-up all-reduce.
 
     The unique id comes from the init info, or (address/port mode) from the
@@ -56,9 +53,9 @@ def connect_nccl(info: WeightwireNCCLInitInfo, *, rank: int, device: torch.devic
     except BaseException:
         comm.abort()
         raise
-    link = NCCLLink(comm, device=torch.device("cuda", index), timeout_s=info.timeout_s, depth=info.packed_num_buffers)
-    link.senders = info.rank_offset  # every trainer rank below the offset may be a turn's src
-    return link
+    # Every trainer rank below the offset may be a turn's src (one group, several roots).
+    return NCCLLink(comm, device=torch.device("cuda", index), timeout_s=info.timeout_s,
+                    depth=info.packed_num_buffers, sources=info.rank_offset)
 
 
 def publish_unique_id(host: str, port: int, unique_id: bytes, *, timeout_s: float) -> Any:
@@ -95,30 +92,32 @@ def fetch_unique_id(host: str, port: int, *, timeout_s: float) -> bytes:
     return uid
 
 
-class NCCLLink(ReceiveLink):
+@dataclass(frozen=True)
+class _Posted:
+    """A chunk whose broadcast is enqueued on ``stream``."""
+
+    buffer: torch.Tensor
+    stream: torch.cuda.Stream
+
+
+class NCCLLink(ChunkedLink):
     """NCCL data plane: chunk ``i`` is enqueued on stream ``i % depth``.
 
     ``wait`` blocks through the communicator's watchdog (``synchronize`` with a
     timeout), since an NCCL wait has no timeout of its own. Unpacked rounds use the
-    tensor's own NCCL dtype, as a stock vLLM trainer sends them.
+    tensor's own NCCL dtype, as a stock vLLM trainer sends them. A turn's ``src`` is
+    its broadcast root.
     """
 
-    def __init__(self, communicator: Any, *, device: torch.device, timeout_s: float, depth: int) -> None:
-        super().__init__(communicator, device=device, timeout_s=timeout_s, depth=depth)
+    def __init__(self, communicator: Any, *, device: torch.device, timeout_s: float, depth: int,
+                 sources: int = 1) -> None:
+        super().__init__(device=device, timeout_s=timeout_s, depth=depth, sources=sources)
+        self.communicator = communicator
         self._streams = [torch.cuda.Stream(device=device) for _ in range(self.depth)]
-        self._pending: dict[int, tuple[torch.Tensor, torch.cuda.Stream]] = {}
-        self.senders = 1  # trainer ranks below rank_offset: the roots this link may receive from
-        self._root = 0
+        self._pending: dict[int, _Posted] = {}
 
-    def for_src(self, src: int) -> ReceiveLink:
-        """One NCCL group, several roots: a view of this link that receives from ``src``."""
-        if not 0 <= src < self.senders:
-            raise ValueError(f"NCCL update src must be a broadcasting trainer rank in [0, {self.senders}), got {src}")
-        view = copy.copy(self)  # shares the communicator, streams and pending chunks
-        view._root = src
-        return view
-
-    def post(self, index: int, chunk: Chunk, metas: Sequence[ParamMeta], *, packed: bool) -> None:
+    def post(self, index: int, turn: ReceiveTurn) -> None:
+        chunk = turn.chunks[index]
         stream = self._streams[index % self.depth]
         buf = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
         # The fresh block may have just been freed by work still queued on the
@@ -127,26 +126,27 @@ class NCCLLink(ReceiveLink):
         # Handed over as a raw pointer: the wait above already orders it, and going
         # through DLPack costs ~0.2 ms per chunk on the round's critical path.
         view = tensor_device_bytes(buf)
-        if packed:
-            self.communicator.broadcast(view, root=self._root, timeout=self.timeout_s, stream=stream.cuda_stream)
+        if turn.packed:
+            self.communicator.broadcast(view, root=turn.src, timeout=self.timeout_s,
+                                        stream=stream.cuda_stream)
         else:
-            meta = metas[chunk.start]
+            meta = turn.metas[chunk.start]
             self.communicator.broadcast_typed(
-                view, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel, root=self._root,
+                view, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel, root=turn.src,
                 timeout=self.timeout_s, stream=stream.cuda_stream,
             )
         buf.record_stream(stream)
-        self._pending[index] = (buf, stream)
+        self._pending[index] = _Posted(buf, stream)
 
     def wait(self, index: int) -> torch.Tensor:
-        buf, stream = self._pending.pop(index)
-        self.communicator.synchronize(stream.cuda_stream, timeout=self.timeout_s)
-        return buf
+        posted = self._pending.pop(index)
+        self.communicator.synchronize(posted.stream.cuda_stream, timeout=self.timeout_s)
+        return posted.buffer
 
     def abort(self) -> None:
         self._pending.clear()
-        super().abort()
+        self.communicator.abort()
 
     def close(self) -> None:
         self._pending.clear()
-        super().close()
+        self.communicator.close()

@@ -2,7 +2,9 @@
 
 ``connect_tcp`` is the registry's ``connect`` for the backend (``weightwire.backends``);
 ``TCPLink`` receives a round's chunks on a background thread so the socket read
-overlaps ``load_weights``.
+overlaps ``load_weights``. With several broadcasting trainer ranks each one is the root
+of its own TCP star: the link holds one connection per ``src`` and receives a turn on
+its broadcaster's.
 """
 
 from __future__ import annotations
@@ -11,18 +13,15 @@ import concurrent.futures as cf
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
+from weightwire.backends.base import ChunkedLink, ReceiveTurn
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
-from weightwire.shared.framing import Chunk
 from weightwire.shared.info import TCPInitInfo
-from weightwire.shared.meta import ParamMeta
 from weightwire.shared.timeouts import Timeouts
-from weightwire.torch_side.worker.receive import ReceiveLink
-from weightwire.torch_side.worker.sources import MultiSourceLink
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ log = logging.getLogger(__name__)
 _WAIT_SLACK_S = 5.0
 
 
-def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> ReceiveLink:
+def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> TCPLink:
     """Dial the trainer at ``info.host:info.port`` as ``rank``, prove the secret, warm up.
 
     Rendezvous and warm-up are bounded by this worker's own ``Timeouts``; the init
@@ -46,7 +45,7 @@ def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> Receiv
     # later data-parallel server's workers start past the earlier servers' ones).
     star_rank = rank - info.broadcasters + 1
     star_world = info.world_size - info.broadcasters + 1
-    links: list[ReceiveLink] = []
+    comms: list[TCPCommunicator] = []
     try:
         for src, (host, port, secret) in enumerate(info.endpoints):
             while True:
@@ -61,32 +60,43 @@ def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> Receiv
                         raise
                     log.info("rank %d: TCP sender src %d dropped the handshake (%s); retrying", rank, src, exc)
                     time.sleep(0.05)  # a sender that drops at once (closing) must not be spun on
-            try:
-                comm.warmup(timeout=local.warmup_s)
-            except BaseException:
-                comm.abort()
-                raise
-            links.append(TCPLink(comm, device=device, timeout_s=info.timeout_s, depth=info.packed_num_buffers))
+            comms.append(comm)
+            comm.warmup(timeout=local.warmup_s)
     except BaseException:
-        for link in links:
-            link.abort()
+        for comm in comms:
+            comm.abort()
         raise
-    return links[0] if len(links) == 1 else MultiSourceLink(links)
+    return TCPLink(comms, device=device, timeout_s=info.timeout_s, depth=info.packed_num_buffers)
 
 
-class TCPLink(ReceiveLink):
+@dataclass(frozen=True)
+class _Posted:
+    """A chunk whose receive is queued on the link's thread."""
+
+    future: cf.Future[None]
+    host: torch.Tensor
+    nbytes: int
+
+
+class TCPLink(ChunkedLink):
     """TCP data plane: one background thread receives chunks in order.
 
     The socket read runs off the caller's thread so that it overlaps ``load_weights``
     (both release the GIL). On a CUDA worker bytes land in pinned host staging
     buffers (reused round-robin: each is free again once its chunk was copied to
     the device) and are copied to a fresh device buffer.
+
+    ``comms``: one connection per broadcasting trainer rank (``src``), each its star's
+    rank-0 link. Any error aborts all of them: a half-read stream from one broadcaster
+    makes the whole round unusable.
     """
 
-    def __init__(self, communicator: Any, *, device: torch.device, timeout_s: float, depth: int) -> None:
-        super().__init__(communicator, device=device, timeout_s=timeout_s, depth=depth)
+    def __init__(self, comms: Sequence[TCPCommunicator], *, device: torch.device, timeout_s: float,
+                 depth: int) -> None:
+        super().__init__(device=device, timeout_s=timeout_s, depth=depth, sources=len(comms))
+        self.comms = list(comms)
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightwire-tcp-recv")
-        self._pending: dict[int, tuple[cf.Future[None], torch.Tensor, int]] = {}
+        self._pending: dict[int, _Posted] = {}
         self._staging: list[torch.Tensor | None] = [None] * self.depth
 
     def _host_buffer(self, index: int, nbytes: int) -> torch.Tensor:
@@ -99,41 +109,50 @@ class TCPLink(ReceiveLink):
             self._staging[slot] = buf
         return buf
 
-    def post(self, index: int, chunk: Chunk, metas: Sequence[ParamMeta], *, packed: bool) -> None:
-        host = self._host_buffer(index, chunk.nbytes)
-        view = host.numpy()[: chunk.nbytes]
+    def post(self, index: int, turn: ReceiveTurn) -> None:
+        nbytes = turn.chunks[index].nbytes
+        host = self._host_buffer(index, nbytes)
+        view = host.numpy()[:nbytes]
+        comm = self.comms[turn.src]
         try:
-            future = self._pool.submit(self.communicator.broadcast, view, root=0, timeout=self.timeout_s)
+            future = self._pool.submit(comm.broadcast, view, root=0, timeout=self.timeout_s)
         except RuntimeError:  # the pool is shut down: abort() ran, possibly from another thread
             raise TransferError(f"TCP receive link was aborted before chunk {index} was posted") from None
-        self._pending[index] = (future, host, chunk.nbytes)
+        self._pending[index] = _Posted(future, host, nbytes)
 
     def wait(self, index: int) -> torch.Tensor:
-        future, host, nbytes = self._pending.pop(index)
+        posted = self._pending.pop(index)
         try:
-            future.result(timeout=self.timeout_s + _WAIT_SLACK_S)
+            posted.future.result(timeout=self.timeout_s + _WAIT_SLACK_S)
         except cf.TimeoutError:
             raise TransferTimeout(f"TCP receive of chunk {index} exceeded {self.timeout_s:.0f}s") from None
+        host = posted.host[: posted.nbytes]
         if self.device.type == "cpu":
-            return host[:nbytes]
-        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        out.copy_(host[:nbytes])  # synchronous: the staging slot is free after this
+            return host
+        out = torch.empty(posted.nbytes, dtype=torch.uint8, device=self.device)
+        out.copy_(host)  # synchronous: the staging slot is free after this
         return out
 
+    def peer_closed(self) -> bool:
+        """Every broadcaster closed its connection (TCP tells without traffic)."""
+        return all(comm.peer_closed() for comm in self.comms)
+
     def _stop(self) -> None:
-        for future, _, _ in self._pending.values():
-            future.cancel()
+        for posted in self._pending.values():
+            posted.future.cancel()
         self._pending.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def abort(self) -> None:
         try:
-            super().abort()  # unblocks a recv in flight on the worker thread
+            for comm in self.comms:  # unblocks a recv in flight on the link's thread
+                comm.abort()
         finally:
             self._stop()
 
     def close(self) -> None:
         try:
-            super().close()
+            for comm in self.comms:
+                comm.close()
         finally:
             self._stop()

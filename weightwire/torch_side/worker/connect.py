@@ -1,14 +1,10 @@
 """Rendezvous: from a validated init info to a connected, warmed-up ``ReceiveLink``.
 
 ``connect`` dispatches on the init info's ``backend`` through the registry
-(``weightwire.backends``): each backend's connect function lives in its package
-(``weightwire.backends.<name>.worker``) and is imported on the first init, so a
-TCP-only CPU worker never imports the NCCL or IPC code (nor cupy), and a process
-that only registers the plugin imports none of them.
-
-``publish_unique_id`` / ``fetch_unique_id`` (the ``weightwire_nccl`` address/port
-rendezvous, ``weightwire.backends.nccl.worker``) are also reachable here, imported on
-first use: this is the path ``weightwire.torch_side.worker`` exports them from.
+(``weightwire.backends``): each backend's connect function (``backends.base.Connect``)
+lives in its package and is imported on the first init, so a TCP-only CPU worker
+never imports the NCCL or IPC code (nor cupy), and a process that only registers the
+plugin imports none of them.
 """
 
 from __future__ import annotations
@@ -20,9 +16,7 @@ from weightwire import backends
 if TYPE_CHECKING:
     import torch
 
-    from weightwire.torch_side.worker.receive import ReceiveLink
-
-_NCCL_STORE = ("publish_unique_id", "fetch_unique_id", "UNIQUE_ID_KEY")
+    from weightwire.backends.base import ReceiveLink
 
 
 def connect(info: Any, *, rank: int, device: torch.device) -> ReceiveLink:
@@ -33,9 +27,3 @@ def connect(info: Any, *, rank: int, device: torch.device) -> ReceiveLink:
                          f"a weightwire worker speaks {', '.join(backends.PLUGIN_BACKENDS)}")
     link: ReceiveLink = backends.load(spec.connect)(info, rank=rank, device=device)
     return link
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NCCL_STORE:
-        return backends.load(f"weightwire.backends.nccl.worker:{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,23 +33,18 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from weightwire.backends.base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.shared.errors import WeightwireError
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
-from weightwire.torch_side.worker.load import (
-    LOAD_BATCHING,
-    FrameworkHooks,
-    MetaCache,
-    ReceiveStats,
-    receive_chunks,
-)
-from weightwire.torch_side.worker.receive import ReceiveLink
+from weightwire.torch_side.worker.load import LOAD_BATCHING, FrameworkHooks, MetaCache, ReceiveStats
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import (
     IncompleteRound,
@@ -61,15 +56,20 @@ from weightwire.torch_side.worker.strategy import (
 
 log = logging.getLogger(__name__)
 
-# Re-exported: the load path's names were defined here before the split.
-__all__ = ["LOAD_BATCHING", "FrameworkHooks", "ReceiveStats", "WeightReceiveError", "_ReceiverCore"]
-
 InitInfo = TCPInitInfo | WeightwireNCCLInitInfo
-Connect = Callable[..., ReceiveLink]  # (info, *, rank, device) -> ReceiveLink
 
 
 class WeightReceiveError(WeightwireError, RuntimeError):
     """A round failed while receiving or loading; the round and the communicator were aborted."""
+
+
+@dataclass(frozen=True)
+class _ModelSpecOf:
+    """The ``ModelSpec`` read for one target model (main or draft)."""
+
+    model: Any
+    """Kept so that another model at a recycled ``id`` is not taken for this one."""
+    spec: ModelSpec | None
 
 
 class _ReceiverCore:
@@ -107,7 +107,7 @@ class _ReceiverCore:
         self._framework = framework
         self._load_batching = load_batching
         self._spec_fn = spec
-        self._specs: dict[int, tuple[Any, ModelSpec | None]] = {}
+        self._specs: dict[int, _ModelSpecOf] = {}
         self.lease_s = float(lease_s) if lease_s is not None else Timeouts.from_env().http_s
         self.weights = weights if weights is not None else WeightState()
         self._round: ReceiveStrategy | None = None
@@ -187,7 +187,7 @@ class _ReceiverCore:
             self._raise_not_ready()
         self._touched = time.monotonic()
         assert self._link is not None
-        self._link.round_started()
+        self._link.start_round()
         model, model_config = self._target()
         target = RoundTarget(self.backend, model, model_config, self._framework, self._load_batching)
         self._round = first_strategy(target, self.stage_budget_bytes)
@@ -248,7 +248,7 @@ class _ReceiverCore:
         model, _ = self._target()
         self._touched = time.monotonic()
         try:
-            link = self._link.for_src(update.src)  # several broadcasters: this turn's sender
+            self._link.check_source(update.src)  # several broadcasters: this turn's sender
             resolved = self._plans.resolve(model, update, packed=self._info.packed,
                                            buffer_size_bytes=self._info.packed_buffer_size_bytes)
             metas, chunks = resolved.metas, resolved.chunks
@@ -259,15 +259,16 @@ class _ReceiverCore:
         except ValueError as exc:
             self._fail(exc, "checking the update info")
             raise ValueError(f"{exc} (round and communicator aborted)") from exc
+        turn = ReceiveTurn(update.src, metas, chunks, resolved.unpack, self._info.packed)
         started = time.perf_counter()
-        progress = [-1]  # index of the chunk being received or loaded
+        progress = ReceiveProgress()
         try:
             assert self._round is not None
             self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
-            self._round.receive(receive_chunks(link, metas, chunks, packed=self._info.packed, progress=progress,
-                                               plans=resolved.unpack))
+            self._round.receive(self._link.receive(turn, progress))
         except BaseException as exc:
-            where = f"at chunk {progress[0] + 1}/{len(chunks)}" if progress[0] >= 0 else "before the first chunk"
+            where = (f"at chunk {progress.chunk + 1}/{len(chunks)}" if progress.chunk >= 0
+                     else "before the first chunk")
             if update.src:
                 where += f" from src {update.src}"  # several broadcasters: name the one this turn lost
             self._fail(exc, where)
@@ -284,10 +285,10 @@ class _ReceiverCore:
             return None
         model, _ = self._target()
         cached = self._specs.get(id(model))
-        if cached is None or cached[0] is not model:
-            cached = (model, self._spec_fn())
+        if cached is None or cached.model is not model:
+            cached = _ModelSpecOf(model, self._spec_fn())
             self._specs[id(model)] = cached
-        return cached[1]
+        return cached.spec
 
     # ---------------------------------------------------------------- failure
     def _require_ready(self) -> None:

@@ -19,7 +19,8 @@ import torch
 from weightwire.backends import TCP, WEIGHTWIRE_NCCL
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.torch_side.worker.connect import connect
-from weightwire.torch_side.worker.core import ReceiveStats, _ReceiverCore
+from weightwire.torch_side.worker.core import _ReceiverCore
+from weightwire.torch_side.worker.load import ReceiveStats
 from weightwire.torch_side.worker.strategy import IncompleteRound, WeightState
 
 

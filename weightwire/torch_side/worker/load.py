@@ -2,9 +2,9 @@
 
 ``MetaCache.resolve`` turns an update info into the round's metadata, chunk plan (the
 same ``framing.plan`` the trainer cut the round with) and each chunk's ``UnpackPlan``,
-all kept for the next round with the same metadata; ``receive_chunks`` keeps
-up to ``link.depth`` chunks posted ahead of the one being unpacked and yields each
-chunk's ``(name, tensor)`` views; ``load_batches`` regroups them for ``load_weights``
+all kept for the next round with the same metadata; the backend's link
+(``backends.base.ReceiveLink.receive``) yields each chunk's ``(name, tensor)`` views;
+``load_batches`` regroups them for ``load_weights``
 ("chunk": as received, "group": one decoder layer across chunk edges); ``load_staged``
 applies a fully received (staged) round layer by layer. The session and failure rules
 around these steps are ``core._ReceiverCore``'s.
@@ -23,7 +23,7 @@ from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.groups import batch_by_layer
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
-from weightwire.torch_side.worker.receive import ReceiveLink, UnpackPlan
+from weightwire.torch_side.worker.receive import UnpackPlan
 
 LOAD_BATCHING = ("chunk", "group")
 
@@ -65,6 +65,18 @@ class RoundPlan:
     spec_checked: bool = False
 
 
+@dataclass(frozen=True)
+class _Resolved:
+    """The last round's update info for one (target model, broadcaster), and its plan."""
+
+    model: Any
+    """Kept so that another model at a recycled ``id`` is not taken for this one."""
+    update: UpdateInfo
+    plan: RoundPlan
+    packed: bool
+    buffer_size_bytes: int
+
+
 class MetaCache:
     """The round's metadata and plan, remembering the previous round's per target model
     (main vs draft) and broadcaster, for the 0.33 "empty lists = reuse" shorthand and so
@@ -72,7 +84,7 @@ class MetaCache:
 
     def __init__(self, backend: str) -> None:
         self._backend = backend
-        self._last: dict[tuple[int, int], tuple[Any, UpdateInfo, RoundPlan, bool, int]] = {}
+        self._last: dict[tuple[int, int], _Resolved] = {}
 
     def clear(self) -> None:
         self._last.clear()
@@ -81,7 +93,7 @@ class MetaCache:
         """The round's plan; ``ValueError`` for a reuse shorthand with nothing to reuse."""
         key = (id(model), update.src)  # reuse is per broadcaster: each turn has its own slice
         cached = self._last.get(key)
-        if cached is not None and cached[0] is not model:
+        if cached is not None and cached.model is not model:
             cached = None  # another model at a recycled id
         if update.reuses_previous:
             if cached is None:
@@ -89,40 +101,20 @@ class MetaCache:
                     f"{self._backend}: update info has empty names/dtype_names/shapes (reuse the previous "
                     "round's metadata) but this engine has received no round since init"
                 )
-            return cached[2]
-        if cached is not None and cached[3] == packed and cached[4] == buffer_size_bytes and _same(cached[1], update):
-            return cached[2]  # the same metadata spelled out again: already checked and planned
+            return cached.plan
+        if (cached is not None and cached.packed == packed
+                and cached.buffer_size_bytes == buffer_size_bytes and _same(cached.update, update)):
+            return cached.plan  # the same metadata spelled out again: already checked and planned
         metas = update.metas()
         chunks = plan(metas, packed=packed, buffer_size_bytes=buffer_size_bytes)
         resolved = RoundPlan(metas, chunks, [UnpackPlan(metas, c) for c in chunks])
-        self._last[key] = (model, update, resolved, packed, buffer_size_bytes)
+        self._last[key] = _Resolved(model, update, resolved, packed, buffer_size_bytes)
         return resolved
 
 
 def _same(a: UpdateInfo, b: UpdateInfo) -> bool:
     # Plain lists of str / lists of int: compared in C, far cheaper than building the metas.
     return a.names == b.names and a.dtype_names == b.dtype_names and a.shapes == b.shapes
-
-
-def receive_chunks(link: ReceiveLink, metas: list[ParamMeta], chunks: list[Chunk], *, packed: bool,
-                   progress: list[int], plans: list[UnpackPlan] | None = None) -> Iterator[Pairs]:
-    """Each chunk's ``(name, tensor)`` views in order, with up to ``link.depth`` chunks
-    posted ahead of the one in hand; ``progress[0]`` tracks that chunk, for error messages.
-    ``plans``: each chunk's ``UnpackPlan`` (``RoundPlan.unpack``), else made here."""
-    if plans is None:
-        plans = [UnpackPlan(metas, c) for c in chunks]
-    posted, depth, total = 0, link.depth, len(chunks)
-    for i in range(total):
-        progress[0] = i
-        while posted < total and posted < i + depth:
-            link.post(posted, chunks[posted], metas, packed=packed)
-            posted += 1
-        pairs = link.wait_unpacked(i, plans[i])
-        if pairs:
-            yield pairs
-        # Drop this chunk's views before the next post allocates: holding them
-        # would keep num_buffers + 1 chunk buffers alive at once.
-        del pairs
 
 
 def load_batches(chunk_batches: Iterator[Pairs], load_batching: str) -> Iterator[Pairs]:

@@ -35,15 +35,25 @@ _MAX_LISTED = 5
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """``tensors``: name -> (full shape, wire dtype). ``aliases``: extra accepted name ->
-    canonical name (tied parameters). ``where``: what the spec was read from, for errors."""
+class TensorSpec:
+    """One tensor of the served model, as a round must send it."""
 
-    tensors: Mapping[str, tuple[tuple[int, ...], str]]
+    shape: tuple[int, ...]
+    """The full (unsharded) shape."""
+    dtype: str
+    """The wire dtype name the model holds it as."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``tensors``: name -> its spec. ``aliases``: extra accepted name -> canonical name
+    (tied parameters). ``where``: what the spec was read from, for errors."""
+
+    tensors: Mapping[str, TensorSpec]
     aliases: Mapping[str, str] = field(default_factory=dict)
     where: str = "the model"
 
-    def lookup(self, name: str) -> tuple[tuple[int, ...], str] | None:
+    def lookup(self, name: str) -> TensorSpec | None:
         if name in self.tensors:
             return self.tensors[name]
         canonical = self.aliases.get(name)
@@ -62,7 +72,7 @@ class ModelSpec:
             if want is None:
                 problems.append(f"{meta.name!r} is not a tensor of the model")
                 continue
-            shape, dtype = want
+            shape, dtype = want.shape, want.dtype
             if tuple(meta.shape) != shape:
                 problems.append(f"{meta.name!r} has shape {list(meta.shape)}, the model's is {list(shape)}")
             if meta.dtype != dtype:
@@ -92,7 +102,7 @@ class ModelSpec:
         files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
         if not files:
             return None
-        tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+        tensors: dict[str, TensorSpec] = {}
         for path in files:
             # Headers only: get_slice reads no tensor data.
             with safe_open(str(path), framework="pt") as f:
@@ -101,7 +111,7 @@ class ModelSpec:
                     dtype = _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype().lower())
                     if served_dtype is not None and dtype in _FLOATS:
                         dtype = served_dtype
-                    tensors[name] = (tuple(int(d) for d in sl.get_shape()), dtype)
+                    tensors[name] = TensorSpec(tuple(int(d) for d in sl.get_shape()), dtype)
         accepted = {a: c for a, c in (aliases or {}).items() if c in tensors and a not in tensors}
         return cls(tensors, accepted, where=f"the checkpoint at {root}")
 
