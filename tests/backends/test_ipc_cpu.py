@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from weightwire import backends
 from weightwire.backends.ipc.channel import Channel, Listener, check_int, dial
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.info import encode_secret
-from weightwire.shared.init_infos import INIT_INFO_TYPES
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES, IPCInitInfo
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
@@ -34,7 +34,7 @@ def test_ipc_init_info_round_trips_as_json_and_hides_secrets() -> None:
     info = IPCInitInfo.from_dict(ipc(release_after_round=True))
     assert IPCInitInfo.from_json(info.to_json()) == info
     assert info.mem_handles == [bytes(range(IPC_HANDLE_BYTES))] * 2 and info.release_after_round
-    assert INIT_INFO_TYPES["weightwire_ipc"] is IPCInitInfo
+    assert backends.init_info_type("weightwire_ipc") is IPCInitInfo
     text = repr(info)
     assert SECRET not in text and HANDLE not in text and "<redacted>" in text
     json.dumps(info.to_dict())  # JSON only: nothing pickled, nothing binary

@@ -9,9 +9,8 @@ import json
 
 import pytest
 
-from weightwire.shared import IPCInitInfo, NCCLInitInfo, ParamMeta, TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared import NCCLInitInfo, ParamMeta, TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, encode_secret
-from weightwire.shared.init_infos import INIT_INFO_TYPES
 
 # Bytes 0xfb 0xff encode to "+/" in standard base64 and to "-_" in the URL-safe
 # alphabet, so this id tells the two apart.
@@ -137,13 +136,6 @@ def test_nccl_defaults_and_round_trip() -> None:
     ww = WeightwireNCCLInitInfo.from_dict(nccl_uid(timeout_s=7))
     assert ww.timeout_s == 7 and WeightwireNCCLInitInfo.from_json(ww.to_json()) == ww
     assert WeightwireNCCLInitInfo.from_dict(nccl_uid()).timeout_s == 300.0
-
-
-def test_init_info_types_by_backend() -> None:
-    assert dict(INIT_INFO_TYPES) == {
-        "nccl": NCCLInitInfo, "weightwire_nccl": WeightwireNCCLInitInfo, "weightwire_tcp": TCPInitInfo,
-        "weightwire_ipc": IPCInitInfo,
-    }
 
 
 # --- TCPInitInfo -----------------------------------------------------------------

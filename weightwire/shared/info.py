@@ -131,7 +131,6 @@ class NCCLInitInfo(_StrictInfo):
     params explicitly so the two sides cannot disagree.
     """
 
-    backend: ClassVar[str] = "nccl"
     _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
         "master_address": str, "master_port": int, "nccl_unique_id_b64": str,
         "rank_offset": int, "world_size": int, "packed": bool,
@@ -176,7 +175,6 @@ class WeightwireNCCLInitInfo(NCCLInitInfo):
     """``weightwire_nccl``: vLLM's fields plus a receive timeout (stock vLLM has none) and
     the stage budget (``shared.staging``)."""
 
-    backend: ClassVar[str] = "weightwire_nccl"
     _types: ClassVar[dict[str, type | tuple[type, ...]]] = {**NCCLInitInfo._types, "timeout_s": float,
                                                              "stage_budget_bytes": int}
     timeout_s: float = 300.0
@@ -205,7 +203,6 @@ class TCPInitInfo(_StrictInfo):
     def broadcasters(self) -> int:
         return 1 + (0 if self.sources is None else len(self.sources))
 
-    backend: ClassVar[str] = "weightwire_tcp"
     _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
         "host": str, "port": int, "secret_b64": str, "rank_offset": int, "world_size": int,
         "packed": bool, "packed_buffer_size_bytes": int, "packed_num_buffers": int, "timeout_s": float,

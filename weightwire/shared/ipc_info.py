@@ -55,7 +55,6 @@ class IPCInitInfo(_StrictInfo):
       cost of re-opening handles each round); workers close their mappings then too.
     """
 
-    backend: ClassVar[str] = "weightwire_ipc"
     _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
         "host": str, "port": int, "secret_b64": str, "rank_offset": int, "world_size": int,
         "packed": bool, "packed_buffer_size_bytes": int, "packed_num_buffers": int, "timeout_s": float,
