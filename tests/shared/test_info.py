@@ -315,3 +315,37 @@ def test_param_meta_rejects_non_string_keys() -> None:
     # Only reachable from Python (JSON keys are strings), and must not be a TypeError.
     with pytest.raises(ValueError, match=r"unknown keys \[1\]"):
         ParamMeta.from_dict({1: 2, "name": "x", "dtype": "int8", "shape": []})
+
+
+# --- field types come from the annotations ---------------------------------------------
+
+
+def test_field_types_are_read_from_the_annotations() -> None:
+    from dataclasses import dataclass, field
+
+    from weightwire.shared.info import _StrictInfo, field_kinds
+
+    @dataclass(frozen=True, kw_only=True)
+    class Toy(_StrictInfo):
+        count: int
+        label: str | None = None
+        items: list[str] = field(default_factory=list)
+        seconds: float = 1.0
+
+    assert field_kinds(Toy) == {"count": (int,), "label": (str,), "items": (list,), "seconds": (float,)}
+    assert Toy.from_dict({"count": 2, "label": None, "items": ["a"], "seconds": 3}).seconds == 3
+    for body, needle in [({"count": True}, "Toy.count must be int, got bool"),
+                         ({"count": 1, "label": 5}, "Toy.label must be str, got int"),
+                         ({"count": 1, "items": "a"}, "Toy.items must be list, got str"),
+                         ({"count": 1, "seconds": "1"}, "Toy.seconds must be float, got str")]:
+        with pytest.raises(ValueError, match=needle):
+            Toy.from_dict(body)
+
+
+def test_every_init_info_field_has_a_json_type() -> None:
+    from weightwire.shared.info import field_kinds
+
+    json_types = {int, float, str, bool, list}
+    for cls in (NCCLInitInfo, WeightwireNCCLInitInfo, TCPInitInfo, UpdateInfo):
+        kinds = field_kinds(cls)
+        assert kinds and all(set(k) <= json_types and len(k) == 1 for k in kinds.values()), (cls, kinds)

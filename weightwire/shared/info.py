@@ -12,6 +12,8 @@ import base64
 import binascii
 import json
 import math
+import types
+import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
@@ -40,10 +42,37 @@ def _check_type(name: str, value: object, kind: type | tuple[type, ...], *, opti
         raise ConfigError(f"{name} must be {want}, got {type(value).__name__} {bounded_repr(value)}")
 
 
-class _StrictInfo:
-    """Mixin: strict ``from_dict`` / ``to_dict`` / JSON round-trip for info dataclasses."""
+def _runtime_kinds(hint: Any) -> tuple[type, ...]:
+    """The JSON types a field annotated ``hint`` takes (``None`` aside): ``int``, ``str | None``,
+    ``list[str]`` -> ``(int,)``, ``(str,)``, ``(list,)``; the items of a list are checked in
+    ``__post_init__``."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return tuple(kind for arg in args for kind in _runtime_kinds(arg))
+    origin = typing.get_origin(hint)
+    if isinstance(origin, type):
+        return (origin,)
+    if isinstance(hint, type):
+        return (hint,)
+    raise TypeError(f"an info field must be annotated with JSON types, got {hint!r}")
 
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {}
+
+_KINDS: dict[type, dict[str, tuple[type, ...]]] = {}
+
+
+def field_kinds(cls: type) -> dict[str, tuple[type, ...]]:
+    """Field name -> the types ``from_dict`` accepts, read from ``cls``'s annotations (once)."""
+    kinds = _KINDS.get(cls)
+    if kinds is None:
+        hints = typing.get_type_hints(cls)
+        kinds = _KINDS.setdefault(cls, {f.name: _runtime_kinds(hints[f.name]) for f in fields(cls)})
+    return kinds
+
+
+class _StrictInfo:
+    """Mixin: strict ``from_dict`` / ``to_dict`` / JSON round-trip for info dataclasses; a
+    field's accepted types are its annotation's (``field_kinds``)."""
+
     _secret_fields: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
@@ -52,6 +81,7 @@ class _StrictInfo:
         if not isinstance(data, dict):
             raise ConfigError(f"{ctx} must be a JSON object, got {type(data).__name__}")
         known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+        kinds = field_kinds(cls)
         unknown = [k for k in data if k not in known]
         if unknown:
             # Bounded: a hostile body may carry a million junk keys.
@@ -64,7 +94,7 @@ class _StrictInfo:
                 raise ConfigError(f"{ctx}: missing required field {name!r}")
             if name in data:
                 optional = f.default is None
-                _check_type(f"{ctx}.{name}", data[name], cls._types[name], optional=optional)
+                _check_type(f"{ctx}.{name}", data[name], kinds[name], optional=optional)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,11 +161,6 @@ class NCCLInitInfo(_StrictInfo):
     params explicitly so the two sides cannot disagree.
     """
 
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
-        "master_address": str, "master_port": int, "nccl_unique_id_b64": str,
-        "rank_offset": int, "world_size": int, "packed": bool,
-        "packed_buffer_size_bytes": int, "packed_num_buffers": int,
-    }
     _secret_fields: ClassVar[tuple[str, ...]] = ("nccl_unique_id_b64",)
 
     master_address: str | None = None
@@ -175,8 +200,6 @@ class WeightwireNCCLInitInfo(NCCLInitInfo):
     """``weightwire_nccl``: vLLM's fields plus a receive timeout (stock vLLM has none) and
     the stage budget (``shared.staging``)."""
 
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {**NCCLInitInfo._types, "timeout_s": float,
-                                                             "stage_budget_bytes": int}
     timeout_s: float = 300.0
     stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
 
@@ -203,11 +226,6 @@ class TCPInitInfo(_StrictInfo):
     def broadcasters(self) -> int:
         return 1 + (0 if self.sources is None else len(self.sources))
 
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
-        "host": str, "port": int, "secret_b64": str, "rank_offset": int, "world_size": int,
-        "packed": bool, "packed_buffer_size_bytes": int, "packed_num_buffers": int, "timeout_s": float,
-        "sources": list, "stage_budget_bytes": int,
-    }
     _secret_fields: ClassVar[tuple[str, ...]] = ("secret_b64",)
 
     host: str
@@ -292,8 +310,6 @@ class UpdateInfo(_StrictInfo):
     stay exactly what a stock vLLM (which only takes ``src=0``) reads.
     """
 
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {"names": list, "dtype_names": list, "shapes": list,
-                                                             "src": int}
 
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)

@@ -55,12 +55,6 @@ class IPCInitInfo(_StrictInfo):
       cost of re-opening handles each round); workers close their mappings then too.
     """
 
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
-        "host": str, "port": int, "secret_b64": str, "rank_offset": int, "world_size": int,
-        "packed": bool, "packed_buffer_size_bytes": int, "packed_num_buffers": int, "timeout_s": float,
-        "mem_handles_b64": list, "event_handles_b64": list, "device_uuid": str, "release_after_round": bool,
-        "stage_budget_bytes": int,
-    }
     _secret_fields: ClassVar[tuple[str, ...]] = ("secret_b64", "mem_handles_b64", "event_handles_b64")
 
     host: str
