@@ -48,7 +48,7 @@ def test_ipc_init_info_round_trips_as_json_and_hides_secrets() -> None:
     (ipc(mem_handles_b64="AAAA"), "mem_handles_b64 must be list"),
     (ipc(secret_b64=encode_secret(b"s" * 16)), "secret_b64"),
     (ipc(device_uuid="GPU-<script>"), "device_uuid"),
-    (ipc(packed_num_buffers=0, mem_handles_b64=[], event_handles_b64=[]), "packed_num_buffers must be in"),
+    (ipc(packed_num_buffers=0, mem_handles_b64=[], event_handles_b64=[]), "packed_num_buffers must be an int in"),
     (ipc(port=0), "port must be in [1, 65535]"),
     (ipc(timeout_s=0), "timeout_s"),
     (ipc(release_after_round="yes"), "release_after_round must be bool"),

@@ -17,6 +17,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
+from weightwire.shared.checks import check_buffer_size, check_num_buffers, check_seconds
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES, LIMITS, bounded_repr
@@ -27,6 +28,8 @@ DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
 NCCL_UNIQUE_ID_BYTES = 128
 TCP_SECRET_BYTES = 128
+MAX_TIMEOUT_S = 86_400
+"""A worker's receive timeout is at most a day: a larger one is a unit mistake."""
 
 
 def _check_type(name: str, value: object, kind: type | tuple[type, ...], *, optional: bool) -> None:
@@ -118,10 +121,8 @@ class _StrictInfo:
 
 
 def _check_wire_params(ctx: str, buffer_size: int, num_buffers: int, world_size: int, rank_offset: int) -> None:
-    if not 1 <= buffer_size <= LIMITS.max_buffer_size_bytes:
-        raise ConfigError(f"{ctx}.packed_buffer_size_bytes must be in [1, {LIMITS.max_buffer_size_bytes}], got {buffer_size}")
-    if not 1 <= num_buffers <= LIMITS.max_num_buffers:
-        raise ConfigError(f"{ctx}.packed_num_buffers must be in [1, {LIMITS.max_num_buffers}], got {num_buffers}")
+    check_buffer_size(f"{ctx}.packed_buffer_size_bytes", buffer_size)
+    check_num_buffers(f"{ctx}.packed_num_buffers", num_buffers)
     if not 2 <= world_size <= LIMITS.max_world_size:
         raise ConfigError(f"{ctx}.world_size must be in [2, {LIMITS.max_world_size}], got {world_size}")
     if not 1 <= rank_offset < world_size:
@@ -205,7 +206,7 @@ class WeightwireNCCLInitInfo(NCCLInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_timeout(type(self).__name__, self.timeout_s)
+        check_seconds(f"{type(self).__name__}.timeout_s", self.timeout_s, most=MAX_TIMEOUT_S)
         check_stage_budget(f"{type(self).__name__}.stage_budget_bytes", self.stage_budget_bytes)
 
 
@@ -280,16 +281,8 @@ def _check_listener(ctx: str, info: Any) -> None:
         raise ConfigError(f"{ctx}.port must be in [1, 65535], got {info.port}")
     _ = info.secret
     _check_wire_params(ctx, info.packed_buffer_size_bytes, info.packed_num_buffers, info.world_size, info.rank_offset)
-    _check_timeout(ctx, info.timeout_s)
+    check_seconds(f"{ctx}.timeout_s", info.timeout_s, most=MAX_TIMEOUT_S)
     check_stage_budget(f"{ctx}.stage_budget_bytes", info.stage_budget_bytes)
-
-
-def _check_timeout(ctx: str, value: float) -> None:
-    # No math.isfinite here: it raises OverflowError on ints beyond float range; the
-    # chained comparison is exact for ints and false for nan.
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 86_400
-    if not ok:
-        raise ConfigError(f"{ctx}.timeout_s must be in (0, 86400] seconds, got {bounded_repr(value)}")
 
 
 def _check_host(ctx: str, host: str) -> None:
