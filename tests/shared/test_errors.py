@@ -250,7 +250,7 @@ def test_builtin_mixins_are_kept() -> None:
         assert issubclass(runtime, RuntimeError), runtime
 
 
-def test_old_import_paths_give_the_same_classes() -> None:
+def test_every_export_path_gives_the_same_class() -> None:
     from weightwire.control import WeightSyncError as from_control
     from weightwire.control.errors import WeightSyncError as from_control_errors
     from weightwire.shared import PeerLost as from_shared
