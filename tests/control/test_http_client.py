@@ -9,7 +9,8 @@ import time
 import httpx
 import pytest
 
-from weightwire.control import HTTPWeightSyncClient, WeightSyncError
+from weightwire.control import HTTPWeightSyncClient
+from weightwire.shared.errors import WeightSyncError
 
 
 class Servers:

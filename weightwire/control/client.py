@@ -26,11 +26,12 @@ from typing import Any
 import httpx
 
 from weightwire.control.dp import RankLayout, ServerTopology, plan_ranks
-from weightwire.control.errors import WeightSyncError, server_message
+from weightwire.control.errors import server_message
 from weightwire.control.fanout import fan_out
 from weightwire.control.wire import Wire
 from weightwire.shared import routes
 from weightwire.shared.checks import check_seconds
+from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import CHECKER_ACTIONS, PAUSE_MODES, SESSION_HEADER, Route
 
 _OWNED = frozenset(r.name for r in (routes.START, routes.UPDATE, routes.FINISH, routes.SHUTDOWN))
