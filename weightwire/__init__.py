@@ -27,7 +27,6 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire._extras import MissingExtra as MissingExtra
     from weightwire.backends.nccl.stock import StockRefusal as StockRefusal
     from weightwire.control.client import HTTPWeightSyncClient as HTTPWeightSyncClient
-    from weightwire.control.errors import WeightSyncError as WeightSyncError
     from weightwire.control.ray_client import RayWeightSyncClient as RayWeightSyncClient
     from weightwire.jax_side import JAXTrainerEngine as JAXTrainerEngine
     from weightwire.jax_side import MergeAxes as MergeAxes
@@ -43,10 +42,13 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.jax_side import pytree_from_hf as pytree_from_hf
     from weightwire.jax_side import read_safetensors as read_safetensors
     from weightwire.jax_side import register_family as register_family
-    from weightwire.shared.communicator import PeerLost as PeerLost
-    from weightwire.shared.communicator import TransferError as TransferError
-    from weightwire.shared.communicator import TransferTimeout as TransferTimeout
     from weightwire.shared.errors import ConfigError as ConfigError
+    from weightwire.shared.errors import ControlTimeout as ControlTimeout
+    from weightwire.shared.errors import PeerLost as PeerLost
+    from weightwire.shared.errors import SourceMismatch as SourceMismatch
+    from weightwire.shared.errors import TransferError as TransferError
+    from weightwire.shared.errors import TransferTimeout as TransferTimeout
+    from weightwire.shared.errors import WeightSyncError as WeightSyncError
     from weightwire.shared.errors import WeightwireError as WeightwireError
     from weightwire.shared.info import NCCLInitInfo as NCCLInitInfo
     from weightwire.shared.info import TCPInitInfo as TCPInitInfo
@@ -54,13 +56,11 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.shared.info import WeightwireNCCLInitInfo as WeightwireNCCLInitInfo
     from weightwire.shared.ipc_info import IPCInitInfo as IPCInitInfo
     from weightwire.shared.meta import ParamMeta as ParamMeta
-    from weightwire.shared.source import SourceMismatch as SourceMismatch
     from weightwire.shared.source import WeightSource as WeightSource
     from weightwire.shared.timeouts import Timeouts as Timeouts
     from weightwire.torch_side import ModuleSource as ModuleSource
     from weightwire.torch_side import TorchTrainerEngine as TorchTrainerEngine
     from weightwire.trainer.config import TrainerInitInfo as TrainerInitInfo
-    from weightwire.trainer.engine import ControlTimeout as ControlTimeout
     from weightwire.trainer.engine import EngineBroken as EngineBroken
     from weightwire.trainer.freshness import StaleCacheError as StaleCacheError
     from weightwire.trainer.metrics import RoundMetrics as RoundMetrics

@@ -15,7 +15,6 @@ No expected failure prints a traceback (``WEIGHTWIRE_DEBUG=1`` shows it).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -34,6 +33,8 @@ from weightwire._cli import (
     server_url,
 )
 from weightwire._lifetime import stop_on_signals
+from weightwire.shared.checks import check_seconds
+from weightwire.shared.errors import ConfigError
 
 DESCRIPTION = "Push fresh weights from a JAX or PyTorch trainer into vLLM inference workers, every RL step."
 
@@ -179,9 +180,10 @@ def _seconds(value: str) -> float:
         seconds = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise argparse.ArgumentTypeError(f"{value!r} must be a finite number of seconds > 0")
-    return seconds
+    try:
+        return check_seconds(repr(value), seconds)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _doctor_parser(sub: argparse._SubParsersAction) -> None:

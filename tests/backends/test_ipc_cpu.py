@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from weightwire import backends
 from weightwire.backends.ipc.channel import Channel, Listener, check_int, dial
 from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.info import encode_secret
-from weightwire.shared.init_infos import INIT_INFO_TYPES
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES, IPCInitInfo
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
@@ -34,7 +34,7 @@ def test_ipc_init_info_round_trips_as_json_and_hides_secrets() -> None:
     info = IPCInitInfo.from_dict(ipc(release_after_round=True))
     assert IPCInitInfo.from_json(info.to_json()) == info
     assert info.mem_handles == [bytes(range(IPC_HANDLE_BYTES))] * 2 and info.release_after_round
-    assert INIT_INFO_TYPES["weightwire_ipc"] is IPCInitInfo
+    assert backends.init_info_type("weightwire_ipc") is IPCInitInfo
     text = repr(info)
     assert SECRET not in text and HANDLE not in text and "<redacted>" in text
     json.dumps(info.to_dict())  # JSON only: nothing pickled, nothing binary
@@ -48,7 +48,7 @@ def test_ipc_init_info_round_trips_as_json_and_hides_secrets() -> None:
     (ipc(mem_handles_b64="AAAA"), "mem_handles_b64 must be list"),
     (ipc(secret_b64=encode_secret(b"s" * 16)), "secret_b64"),
     (ipc(device_uuid="GPU-<script>"), "device_uuid"),
-    (ipc(packed_num_buffers=0, mem_handles_b64=[], event_handles_b64=[]), "packed_num_buffers must be in"),
+    (ipc(packed_num_buffers=0, mem_handles_b64=[], event_handles_b64=[]), "packed_num_buffers must be an int in"),
     (ipc(port=0), "port must be in [1, 65535]"),
     (ipc(timeout_s=0), "timeout_s"),
     (ipc(release_after_round="yes"), "release_after_round must be bool"),

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from weightwire.backends.ipc.pool import ALIGN, ReceivePool, size_class
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.errors import TransferError
 
 MIB = 1 << 20
 

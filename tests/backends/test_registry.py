@@ -17,7 +17,6 @@ import pytest
 
 from weightwire import backends
 from weightwire.shared.info import TCPInitInfo, encode_secret
-from weightwire.shared.init_infos import INIT_INFO_TYPES
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -35,14 +34,30 @@ def test_every_module_path_imports(name: str, field: str) -> None:
     assert callable(obj), f"{name}.{field} -> {obj!r}"
 
 
-def test_names_agree_with_the_shared_init_infos() -> None:
-    # shared cannot import the registry: its ClassVars and the registry's names are
-    # written apart, so they are compared here.
-    assert set(INIT_INFO_TYPES) == set(backends.BACKEND_NAMES)
-    for name, spec in backends.SPECS.items():
-        assert spec.name == name
-        cls = backends.load(spec.init_info)
-        assert cls.backend == name and INIT_INFO_TYPES[name] is cls, (name, cls)
+def test_init_info_types_by_backend() -> None:
+    from weightwire.shared import IPCInitInfo, NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
+
+    want = {"nccl": NCCLInitInfo, "weightwire_nccl": WeightwireNCCLInitInfo, "weightwire_tcp": TCPInitInfo,
+            "weightwire_ipc": IPCInitInfo}
+    assert {name: backends.init_info_type(name) for name in backends.BACKEND_NAMES} == want
+    for name, cls in want.items():
+        # Exact types: WeightwireNCCLInitInfo is an NCCLInitInfo, and still another backend's.
+        assert backends.spec_of_init_info(cls) is backends.SPECS[name]
+    with pytest.raises(ValueError, match="dict is no backend's init info"):
+        backends.spec_of_init_info(dict)
+
+
+def test_each_package_declares_its_own_backends() -> None:
+    # The registry lists packages; each package's spec module says what its backends are.
+    declared = [spec for package in backends.PACKAGES
+                for spec in importlib.import_module(f"{package}.spec").SPECS]
+    assert [spec.name for spec in declared] == list(backends.BACKEND_NAMES)
+    assert all(backends.SPECS[spec.name] is spec for spec in declared)
+    for spec in declared:
+        # A package's parts live in that package (the engines that receive outside vLLM excepted).
+        package = next(p for p in backends.PACKAGES if spec in importlib.import_module(f"{p}.spec").SPECS)
+        assert spec.trainer.startswith(f"{package}."), spec
+        assert spec.connect is None or spec.connect.startswith(f"{package}."), spec
 
 
 @pytest.mark.parametrize("name", backends.BACKEND_NAMES)
@@ -123,7 +138,7 @@ def test_commands_offer_the_registry_names() -> None:
 
 def test_import_pulls_no_framework_and_nothing_else() -> None:
     # Beyond the package itself (whatever ``import weightwire`` loads), the registry loads
-    # only itself: no framework, not even numpy or weightwire.shared.
+    # only itself and the packages' spec modules: no framework, not even numpy or weightwire.shared.
     probe = ("import json, sys; import weightwire; before = set(sys.modules); import weightwire.backends; "
              "new = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('weightwire', 'numpy')); "
              "fw = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax', 'jaxlib', 'cupy', 'vllm')); "
@@ -131,7 +146,9 @@ def test_import_pulls_no_framework_and_nothing_else() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     new, frameworks = json.loads(out.stdout.strip().splitlines()[-1])
-    assert frameworks == [] and new == ["weightwire.backends"], (new, frameworks)
+    specs = sorted(["weightwire.backends", "weightwire.backends.spec", *backends.PACKAGES,
+                    *(f"{package}.spec" for package in backends.PACKAGES)])
+    assert frameworks == [] and new == specs, (new, frameworks)
 
 
 def test_unknown_names_are_refused_naming_the_known_ones() -> None:
@@ -189,16 +206,17 @@ def _code_strings(path: Path) -> set[str]:
             and id(n) not in docs}
 
 
-def test_plugin_backend_names_are_written_once_in_code() -> None:
-    # "nccl" is also a word of other vocabularies (transport, result keys); the weightwire_*
-    # names mean only a backend, so code outside the registry and shared's ClassVars uses
-    # the registry's constants.
+def test_backend_names_are_written_once_in_code() -> None:
+    # A name is a string literal in its package's spec module only; everything else reads
+    # the registry. ("nccl" is also a word of other vocabularies, transport and result keys,
+    # so only the weightwire_* names are searched for.)
     names = set(backends.PLUGIN_BACKENDS)
-    allowed = {ROOT / "weightwire/backends/__init__.py", ROOT / "weightwire/shared/info.py",
-               ROOT / "weightwire/shared/ipc_info.py"}
+    specs = {ROOT / (package.replace(".", "/") + "/spec.py") for package in backends.PACKAGES}
     found = {str(p.relative_to(ROOT)): sorted(_code_strings(p) & names)
-             for p in sorted((ROOT / "weightwire").rglob("*.py")) if p not in allowed}
-    assert {p: n for p, n in found.items() if n} == {}
+             for p in sorted((ROOT / "weightwire").rglob("*.py"))}
+    assert {p: n for p, n in found.items() if n} == {
+        str(p.relative_to(ROOT)): sorted(_code_strings(p) & names) for p in sorted(specs)}
+    assert all(found[str(p.relative_to(ROOT))] for p in specs)
 
 
 def test_the_worker_package_names_no_backend_function() -> None:

@@ -19,7 +19,7 @@ from test_tcp_peer import Peers
 from weightwire.backends.tcp import wire
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
-from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 
 
 def connect(rendezvous: TCPRendezvous, rank: int, *, secret: bytes | None = None, world_size: int | None = None,

@@ -18,7 +18,7 @@ from weightwire.backends.tcp import rendezvous as tcp_rendezvous
 from weightwire.backends.tcp import wire
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
-from weightwire.shared.communicator import PeerLost
+from weightwire.shared.errors import PeerLost
 
 
 def idle_peer(rendezvous: TCPRendezvous) -> socket.socket:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import plan, unpack_host
 from weightwire.shared.meta import ParamMeta
 

@@ -9,7 +9,8 @@ import time
 import httpx
 import pytest
 
-from weightwire.control import HTTPWeightSyncClient, WeightSyncError
+from weightwire.control import HTTPWeightSyncClient
+from weightwire.shared.errors import WeightSyncError
 
 
 class Servers:
@@ -176,5 +177,5 @@ def test_bad_construction_is_refused() -> None:
         HTTPWeightSyncClient("vllm:8000")
     with pytest.raises(ValueError, match="same server twice"):
         HTTPWeightSyncClient(["http://a:1", "http://a:1"])
-    with pytest.raises(ValueError, match="timeout must be > 0"):
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
         HTTPWeightSyncClient("http://a:1", timeout=0)

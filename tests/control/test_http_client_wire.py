@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from weightwire.control import HTTPWeightSyncClient, WeightSyncError
+from weightwire.control import HTTPWeightSyncClient
+from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import SESSION_HEADER
 
 pytestmark = pytest.mark.timeout(60)

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from weightwire.control import RayWeightSyncClient, WeightSyncError
+from weightwire.control import RayWeightSyncClient
+from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.trainer import TrainerInitInfo

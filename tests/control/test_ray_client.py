@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from weightwire.control import RayWeightSyncClient, WeightSyncError
+from weightwire.control import RayWeightSyncClient
+from weightwire.shared.errors import WeightSyncError
 
 
 class RayActorError(Exception):

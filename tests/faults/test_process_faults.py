@@ -36,8 +36,7 @@ from tests.faults.harness import (
     sha256_of,
 )
 from tests.faults.servers import Server, launch
-from weightwire.control import WeightSyncError
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.errors import TransferError, WeightSyncError
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]

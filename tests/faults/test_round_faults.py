@@ -35,9 +35,7 @@ from tests.faults.harness import (
     quiet_shutdown,
 )
 from tests.faults.servers import Server, listening_sockets
-from weightwire.control import WeightSyncError
-from weightwire.shared.communicator import TransferError, TransferTimeout
-from weightwire.shared.source import SourceMismatch
+from weightwire.shared.errors import SourceMismatch, TransferError, TransferTimeout, WeightSyncError
 from weightwire.shared.timeouts import Timeouts
 
 pytestmark = pytest.mark.timeout(120)

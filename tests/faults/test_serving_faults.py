@@ -29,7 +29,7 @@ from tests.faults.harness import (
     quiet_shutdown,
 )
 from tests.faults.servers import Server, launch
-from weightwire.control import WeightSyncError
+from weightwire.shared.errors import WeightSyncError
 
 pytestmark = pytest.mark.timeout(240)
 GENERATE_TIMEOUT_S = 4

@@ -30,7 +30,7 @@ from tests.faults.harness import (
     quiet_shutdown,
 )
 from tests.faults.servers import Server, launch
-from weightwire.control import WeightSyncError
+from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import SESSION_HEADER
 
 pytestmark = pytest.mark.timeout(180)

@@ -26,9 +26,9 @@ import torch
 from tests.interop.helpers import PROMPTS, VLLMServer, assert_same_greedy
 from tests.interop.models import hf_model, jax_params, load_into_hf, perturbed
 from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.control.errors import WeightSyncError
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.source import PytreeSource
+from weightwire.shared.errors import WeightSyncError
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.trainer.config import TrainerInitInfo

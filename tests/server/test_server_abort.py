@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from weightwire.control import HTTPWeightSyncClient, WeightSyncError
+from weightwire.control import HTTPWeightSyncClient
+from weightwire.shared.errors import WeightSyncError
 
 
 @pytest.fixture(scope="module")

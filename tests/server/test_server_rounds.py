@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from _server_sender import TCPSender, VLLMStyleClient, update_info_of
 
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.errors import TransferError
 
 PROMPT = "The trainer sends"
 

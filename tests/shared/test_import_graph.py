@@ -2,15 +2,21 @@
 
 Read from the source with ``ast`` (nothing is imported, so a rule holds on hosts
 that lack a framework too): every ``import`` of every module under ``weightwire/``,
-marked module-level or function-level (imports under ``if TYPE_CHECKING:`` never run
-and are skipped). Module-level imports run when a module is imported; function-level
-ones are how a framework is kept out until it is needed, so the framework rules read
-module-level imports only.
+marked module-level, function-level or type-only (under ``if TYPE_CHECKING:``).
+Module-level imports run when a module is imported; function-level ones are how a
+framework is kept out until it is needed, so the framework rules read module-level
+imports only. The dependency rules (cycles, backends) count every kind: an import
+that only a type checker or a function runs couples two modules all the same.
 
 Rules (``docs/architecture.md``):
 
-- no import cycle between weightwire modules, counting function-level imports (one that
-  imports back a module importing it is a cycle the interpreter merely survives);
+- no import cycle between weightwire modules, counting function-level and type-only
+  imports (one that imports back a module importing it is a cycle the interpreter merely
+  survives); a lazy package's export list is not an import of its own;
+- no import from ``backends`` into ``trainer`` or the worker package (``torch_side.worker``);
+- no import of a particular backend's package (``weightwire.backends.<name>``) from
+  ``CONSUMERS``: ``trainer``, the worker package and the framework senders (``jax_side``,
+  ``torch_side.sender``); the registry and the generic modules of ``backends`` are theirs;
 - ``shared`` imports nothing of weightwire outside ``shared`` (at any level) and no
   jax/torch/cupy/flax (module level);
 - ``jax_side`` never reaches torch or ``torch_side``, ``torch_side`` never reaches
@@ -39,9 +45,53 @@ JAX = frozenset({"jax", "jaxlib", "flax"})
 TORCH = frozenset({"torch"})
 CUPY = frozenset({"cupy", "cupyx"})
 
-# Cycles that other parts of the redesign (issue #18) remove; empty once they are merged.
-# Each entry: the sorted module set of the cycle's strongly connected component.
-KNOWN_CYCLES: list[frozenset[str]] = []
+# Cycles being removed in parallel; each entry must still be a cycle (a stale entry fails
+# ``test_known_exceptions_still_exist``), so the list only shrinks, to empty.
+# Each entry: the module set of the cycle's strongly connected component.
+KNOWN_CYCLES: list[frozenset[str]] = [
+    frozenset({"weightwire.trainer.backends", "weightwire.trainer.config"}),
+    frozenset({"weightwire.trainer.engine", "weightwire.trainer.multi_base",
+               "weightwire.trainer.multi_group", "weightwire.trainer.multi_source",
+               "weightwire.trainer.multi_star"}),
+    frozenset({"weightwire.demo.checks", "weightwire.demo.loop"}),
+    frozenset({"weightwire.backends.ipc.pipeline", "weightwire.backends.ipc.pull",
+               "weightwire.backends.ipc.trainer"}),
+]
+
+CONSUMERS = ("weightwire.trainer", "weightwire.torch_side.worker", "weightwire.jax_side",
+             "weightwire.torch_side.sender")
+"""What uses a backend through the registry and the generic contract (``weightwire.backends``,
+``weightwire.backends.base`` and the other modules directly in ``backends/``), never a
+particular backend's package: the framework-neutral trainer, the worker package, and the two
+framework senders (their packers fill what any on-device backend sends)."""
+
+# Edges that break the backend rules today and are being removed in parallel; the same
+# only-shrinks rule as KNOWN_CYCLES. Each entry: (importing module, imported module).
+KNOWN_UPWARD: set[tuple[str, str]] = {
+    ("weightwire.backends.ipc.pipeline", "weightwire.trainer.pipelines"),
+    ("weightwire.backends.ipc.pull", "weightwire.trainer.pipelines"),
+    ("weightwire.backends.ipc.trainer", "weightwire.trainer.backends"),
+    ("weightwire.backends.ipc.trainer", "weightwire.trainer.config"),
+    ("weightwire.backends.ipc.worker", "weightwire.torch_side.worker.receive"),
+    ("weightwire.backends.nccl.trainer", "weightwire.trainer.backends"),
+    ("weightwire.backends.nccl.trainer", "weightwire.trainer.config"),
+    ("weightwire.backends.nccl.worker", "weightwire.torch_side.worker.receive"),
+    ("weightwire.backends.tcp.trainer", "weightwire.trainer.backends"),
+    ("weightwire.backends.tcp.trainer", "weightwire.trainer.config"),
+    ("weightwire.backends.tcp.worker", "weightwire.torch_side.worker.receive"),
+    ("weightwire.backends.tcp.worker", "weightwire.torch_side.worker.sources"),
+}
+"""``backends`` -> ``trainer`` / the worker package."""
+KNOWN_PARTICULAR: set[tuple[str, str]] = {
+    ("weightwire.jax_side.packer", "weightwire.backends.nccl.buffers"),
+    ("weightwire.torch_side.sender.engine", "weightwire.backends.nccl.buffers"),
+    ("weightwire.torch_side.worker", "weightwire.backends.nccl.worker"),
+    ("weightwire.trainer", "weightwire.backends.nccl.stock"),
+    ("weightwire.trainer.engine", "weightwire.backends.nccl.stock"),
+    ("weightwire.trainer.multi_star", "weightwire.backends.tcp.rendezvous"),
+    ("weightwire.trainer.pipelines", "weightwire.backends.nccl.buffers"),
+}
+"""``CONSUMERS`` -> a particular backend's package."""
 
 
 @dataclass
@@ -57,10 +107,20 @@ class Module:
     lazy_internal: set[str] = field(default_factory=set)
     """weightwire modules imported inside functions (and not at module level)."""
     lazy_lines: dict[str, int] = field(default_factory=dict)
+    typing_lines: dict[str, int] = field(default_factory=dict)
+    """weightwire modules imported under ``if TYPE_CHECKING:`` only -> the line. Never run,
+    so the framework rules skip them; a dependency all the same, so cycles count them."""
+
+    export_lines: dict[str, int] = field(default_factory=dict)
+    """A lazy package's export list (``weightwire._lazy``) -> the line."""
 
     def imports(self) -> dict[str, int]:
-        """Every weightwire module this one imports, at any level -> the line."""
-        return {**self.lazy_lines, **self.lines}
+        """Every weightwire module this one imports, at any level, type-only too -> the line."""
+        return {**self.typing_lines, **self.lazy_lines, **self.lines}
+
+    def dependencies(self) -> dict[str, int]:
+        """``imports`` plus a lazy package's exports: every module this one names."""
+        return {**self.export_lines, **self.imports()}
 
 
 def _module_name(path: Path) -> tuple[str, bool]:
@@ -76,21 +136,29 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.Module) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Every import statement with ``True`` when it runs at module import time."""
+MODULE, FUNCTION, TYPING = "module", "function", "typing"
+"""Where an import statement is: it runs when the module is imported, when a function
+runs, or never (under ``if TYPE_CHECKING:``)."""
 
-    def walk(nodes: Iterable[ast.AST], top: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+
+def _imports(tree: ast.Module) -> Iterator[tuple[ast.Import | ast.ImportFrom, str]]:
+    """Every import statement with where it is (``MODULE``, ``FUNCTION`` or ``TYPING``)."""
+
+    Found = Iterator[tuple[ast.Import | ast.ImportFrom, str]]
+
+    def walk(nodes: Iterable[ast.AST], level: str) -> Found:
         for node in nodes:
             if isinstance(node, ast.Import | ast.ImportFrom):
-                yield node, top
+                yield node, level
             elif isinstance(node, ast.If) and _is_type_checking(node.test):
-                yield from walk(node.orelse, top)  # the ``if TYPE_CHECKING`` body never runs
+                yield from walk(node.body, TYPING)
+                yield from walk(node.orelse, level)
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-                yield from walk(ast.iter_child_nodes(node), False)
+                yield from walk(ast.iter_child_nodes(node), TYPING if level == TYPING else FUNCTION)
             else:
-                yield from walk(ast.iter_child_nodes(node), top)
+                yield from walk(ast.iter_child_nodes(node), level)
 
-    return walk(tree.body, True)
+    return walk(tree.body, MODULE)
 
 
 def _resolve(module: Module, node: ast.ImportFrom) -> str:
@@ -112,7 +180,8 @@ def build_graph() -> dict[str, Module]:
         trees[name] = ast.parse(path.read_text(), filename=str(path))
     for name, tree in trees.items():
         module = modules[name]
-        for node, top in _imports(tree):
+        for node, level in _imports(tree):
+            top = level == MODULE
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -132,10 +201,17 @@ def build_graph() -> dict[str, Module]:
                 if top:
                     module.internal.add(target)
                     module.lines.setdefault(target, node.lineno)
-                else:
+                elif level == FUNCTION:
                     module.lazy_internal.add(target)
                     module.lazy_lines.setdefault(target, node.lineno)
+                else:
+                    module.typing_lines.setdefault(target, node.lineno)
         module.lazy_internal -= module.internal
+        if module.is_package and "weightwire._lazy" in module.internal:
+            # A lazy package's ``if TYPE_CHECKING:`` block is its export list, resolved on
+            # attribute access (``weightwire._lazy``): a dependency, but not one a cycle runs
+            # through (``from weightwire import backends`` does not import the exports).
+            module.export_lines, module.typing_lines = module.typing_lines, {}
     return modules
 
 
@@ -291,10 +367,70 @@ def test_no_import_cycles() -> None:
     assert found == [], "import cycles:\n" + "\n".join(found)
 
 
-def test_known_cycles_still_exist() -> None:
-    # An entry of KNOWN_CYCLES that no longer cycles must be deleted, so the exception cannot linger.
+def _under(module: str, packages: Iterable[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def backend_packages() -> list[str]:
+    """The particular backends' packages: every package inside ``weightwire.backends``."""
+    inside = _in("weightwire.backends")
+    return sorted(m for m in inside if GRAPH[m].is_package and m != "weightwire.backends")
+
+
+def upward_edges() -> set[tuple[str, str]]:
+    """Imports (any level, type-only too) from ``backends`` into ``trainer`` or the worker package."""
+    return {(m, t) for m in _in("weightwire.backends") for t in GRAPH[m].dependencies()
+            if _under(t, ("weightwire.trainer", "weightwire.torch_side.worker"))}
+
+
+def particular_edges() -> set[tuple[str, str]]:
+    """Imports (any level, type-only and lazy exports too) of a particular backend by a consumer."""
+    particular = backend_packages()
+    return {(m, t) for m in GRAPH if _under(m, CONSUMERS)
+            for t in GRAPH[m].dependencies() if _under(t, particular)}
+
+
+def test_known_exceptions_still_exist() -> None:
+    # An exception that no longer holds must be deleted, so that it cannot linger.
     stale = [sorted(known) for known in KNOWN_CYCLES if known not in {c for c, _ in cycles()}]
     assert stale == [], f"remove from KNOWN_CYCLES: {stale}"
+    assert sorted(KNOWN_UPWARD - upward_edges()) == [], "remove from KNOWN_UPWARD"
+    assert sorted(KNOWN_PARTICULAR - particular_edges()) == [], "remove from KNOWN_PARTICULAR"
+
+
+def test_backends_never_import_the_trainer_or_the_worker() -> None:
+    # The backend contract lives in ``backends``; ``trainer`` and the worker only consume it.
+    found = [f"{m} (line {GRAPH[m].dependencies()[t]}) -> {t}"
+             for m, t in sorted(upward_edges() - KNOWN_UPWARD)]
+    assert found == [], "backends import upward:\n" + "\n".join(found)
+
+
+def test_consumers_never_import_a_particular_backend() -> None:
+    # They reach a backend through the registry (``weightwire.backends``) and the generic contract.
+    found = [f"{m} (line {GRAPH[m].dependencies()[t]}) -> {t}"
+             for m, t in sorted(particular_edges() - KNOWN_PARTICULAR)]
+    assert found == [], "imports of a particular backend:\n" + "\n".join(found)
+
+
+def test_the_backend_rules_catch_every_kind_of_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Planted: a type-only import upward, a function-level one of a particular backend.
+    assert backend_packages() == [f"weightwire.backends.{n}" for n in ("ipc", "nccl", "tcp")]
+    wire = GRAPH["weightwire.backends.tcp.wire"]
+    monkeypatch.setitem(wire.typing_lines, "weightwire.trainer.engine", 3)
+    transfer = GRAPH["weightwire.trainer.transfer"]
+    monkeypatch.setitem(transfer.lazy_lines, "weightwire.backends.tcp.wire", 5)
+    assert ("weightwire.backends.tcp.wire", "weightwire.trainer.engine") in upward_edges()
+    assert ("weightwire.trainer.transfer", "weightwire.backends.tcp.wire") in particular_edges()
+    # The registry is no particular backend.
+    assert ("weightwire.trainer.transfer", "weightwire.backends") not in particular_edges()
+
+
+def test_a_type_only_import_back_is_a_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = GRAPH["weightwire.shared.limits"]
+    monkeypatch.setitem(limits.typing_lines, "weightwire.shared.info", 9)
+    pair = {"weightwire.shared.info", "weightwire.shared.limits"}
+    found = [cycle for c, cycle in cycles() if pair <= c]
+    assert found and "weightwire.shared.limits (line 9)" in " -> ".join(found[0]), found
 
 
 @pytest.mark.parametrize("name", _in("weightwire.shared"))

@@ -41,7 +41,7 @@ def test_import_weightwire_loads_nothing_heavy() -> None:
 def test_shared_imports_no_framework() -> None:
     got = loaded("import weightwire.shared\n"
                  "import weightwire.shared.communicator, weightwire.shared.framing, weightwire.shared.groups\n"
-                 "import weightwire.shared.info, weightwire.shared.init_infos, weightwire.shared.routes\n"
+                 "import weightwire.shared.info, weightwire.shared.ipc_info, weightwire.shared.routes\n"
                  "import weightwire.shared.source, weightwire.shared.timeouts, weightwire.shared.version")
     assert "numpy" in got and not got & {"jax", "jaxlib", "flax", "torch", "cupy"}, got
 

@@ -9,9 +9,8 @@ import json
 
 import pytest
 
-from weightwire.shared import IPCInitInfo, NCCLInitInfo, ParamMeta, TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared import NCCLInitInfo, ParamMeta, TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, encode_secret
-from weightwire.shared.init_infos import INIT_INFO_TYPES
 
 # Bytes 0xfb 0xff encode to "+/" in standard base64 and to "-_" in the URL-safe
 # alphabet, so this id tells the two apart.
@@ -137,13 +136,6 @@ def test_nccl_defaults_and_round_trip() -> None:
     ww = WeightwireNCCLInitInfo.from_dict(nccl_uid(timeout_s=7))
     assert ww.timeout_s == 7 and WeightwireNCCLInitInfo.from_json(ww.to_json()) == ww
     assert WeightwireNCCLInitInfo.from_dict(nccl_uid()).timeout_s == 300.0
-
-
-def test_init_info_types_by_backend() -> None:
-    assert dict(INIT_INFO_TYPES) == {
-        "nccl": NCCLInitInfo, "weightwire_nccl": WeightwireNCCLInitInfo, "weightwire_tcp": TCPInitInfo,
-        "weightwire_ipc": IPCInitInfo,
-    }
 
 
 # --- TCPInitInfo -----------------------------------------------------------------
@@ -323,3 +315,37 @@ def test_param_meta_rejects_non_string_keys() -> None:
     # Only reachable from Python (JSON keys are strings), and must not be a TypeError.
     with pytest.raises(ValueError, match=r"unknown keys \[1\]"):
         ParamMeta.from_dict({1: 2, "name": "x", "dtype": "int8", "shape": []})
+
+
+# --- field types come from the annotations ---------------------------------------------
+
+
+def test_field_types_are_read_from_the_annotations() -> None:
+    from dataclasses import dataclass, field
+
+    from weightwire.shared.info import _StrictInfo, field_kinds
+
+    @dataclass(frozen=True, kw_only=True)
+    class Toy(_StrictInfo):
+        count: int
+        label: str | None = None
+        items: list[str] = field(default_factory=list)
+        seconds: float = 1.0
+
+    assert field_kinds(Toy) == {"count": (int,), "label": (str,), "items": (list,), "seconds": (float,)}
+    assert Toy.from_dict({"count": 2, "label": None, "items": ["a"], "seconds": 3}).seconds == 3
+    for body, needle in [({"count": True}, "Toy.count must be int, got bool"),
+                         ({"count": 1, "label": 5}, "Toy.label must be str, got int"),
+                         ({"count": 1, "items": "a"}, "Toy.items must be list, got str"),
+                         ({"count": 1, "seconds": "1"}, "Toy.seconds must be float, got str")]:
+        with pytest.raises(ValueError, match=needle):
+            Toy.from_dict(body)
+
+
+def test_every_init_info_field_has_a_json_type() -> None:
+    from weightwire.shared.info import field_kinds
+
+    json_types = {int, float, str, bool, list}
+    for cls in (NCCLInitInfo, WeightwireNCCLInitInfo, TCPInitInfo, UpdateInfo):
+        kinds = field_kinds(cls)
+        assert kinds and all(set(k) <= json_types and len(k) == 1 for k in kinds.values()), (cls, kinds)

@@ -11,7 +11,7 @@ import torch
 
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, encode_secret
 from weightwire.torch_side.sender.source import ModuleSource

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weightwire.shared.errors import SourceMismatch
 from weightwire.shared.groups import layerwise_groups
-from weightwire.shared.source import SourceMismatch, WeightSource, checked_iter
+from weightwire.shared.source import WeightSource, checked_iter
 from weightwire.torch_side.sender.source import ModuleSource, describe_tensor
 
 from ._tiny import tiny_llama

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tests.trainer.fakes import DictSource
-from weightwire.control.errors import WeightSyncError
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.loopback import LOOPBACK_VERSION, spawn_loopback
 from weightwire.trainer import TrainerInitInfo

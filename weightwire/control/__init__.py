@@ -5,7 +5,7 @@ actors (``ray`` imported lazily). Both raise ``WeightSyncError`` on any failure.
 """
 
 from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.control.errors import WeightSyncError
 from weightwire.control.ray_client import RayWeightSyncClient
+from weightwire.shared.errors import WeightSyncError
 
 __all__ = ["HTTPWeightSyncClient", "RayWeightSyncClient", "WeightSyncError"]

@@ -27,10 +27,12 @@ import httpx
 
 from weightwire import vllm_guard
 from weightwire.control.dp import RankLayout, ServerTopology, plan_ranks
-from weightwire.control.errors import WeightSyncError, server_message
+from weightwire.control.errors import server_message
 from weightwire.control.fanout import fan_out
 from weightwire.control.wire import Wire
 from weightwire.shared import routes
+from weightwire.shared.checks import check_seconds
+from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import CHECKER_ACTIONS, PAUSE_MODES, SESSION_HEADER, Route
 
 _OWNED = frozenset(r.name for r in (routes.START, routes.UPDATE, routes.FINISH, routes.SHUTDOWN))
@@ -68,8 +70,7 @@ class HTTPWeightSyncClient:
             raise ValueError(f"base_url must be one or more http(s):// URLs, got {urls!r:.200}")
         if len(set(urls)) != len(urls):
             raise ValueError("base_url lists the same server twice; every replica would get each call twice")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        check_seconds("timeout", timeout)
         self.base_urls = [u.rstrip("/") for u in urls]
         self.timeout = float(timeout)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightwire._extras import install_command
-from weightwire.control.errors import WeightSyncError
+from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import PAUSE_MODES
 
 logger = logging.getLogger(__name__)

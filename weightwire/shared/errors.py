@@ -62,15 +62,12 @@ What to catch:
 - ``WeightwireError``: anything weightwire raised on purpose (anything else is a bug).
 
 Where each class lives: the classes every layer raises or catches (the contract's data
-plane and control plane errors, ``ConfigError``, ``SourceMismatch``) are defined here;
-their old homes (``shared.communicator``, ``shared.source``, ``control.errors``,
-``trainer.engine``) re-export them, so every existing import path keeps working. A class
-used by one layer only stays in that layer's module, deriving from its branch here. Every
-class keeps the builtin bases it had before the tree existed (a ``StockRefusal`` is still
-a ``ValueError``, ``PeerLost`` still a ``ConnectionError``): an ``except ValueError``
-written against an older weightwire catches what it caught then. One class gained a base:
-``ControlTimeout`` is now a ``WeightSyncError`` (hence also a ``RuntimeError``), so one
-``except WeightSyncError`` covers every control-plane failure.
+plane and control plane errors, ``ConfigError``, ``SourceMismatch``) are defined here; a
+class used by one layer only stays in that layer's module, deriving from its branch here.
+Each class also derives from the builtin exception that describes it (a ``StockRefusal`` is
+a ``ValueError``, ``PeerLost`` a ``ConnectionError``, ``ControlTimeout`` both a
+``WeightSyncError`` and a ``TimeoutError``), so one ``except WeightSyncError`` covers every
+control-plane failure and handlers written for the builtins catch weightwire's too.
 ``tests/shared/test_errors.py`` checks that this tree matches the code.
 
 numpy-free and imports nothing else of weightwire: every layer can import it.

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from weightwire.shared.checks import check_buffer_size
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.meta import ParamMeta
 
@@ -41,8 +42,7 @@ class Chunk:
 
 def plan_packed(metas: Sequence[ParamMeta], buffer_size_bytes: int) -> list[Chunk]:
     """The chunks of a packed round (empty round -> no chunks)."""
-    if type(buffer_size_bytes) is not int or buffer_size_bytes < 1:
-        raise ValueError(f"packed_buffer_size_bytes must be a positive int, got {buffer_size_bytes!r}")
+    check_buffer_size("packed_buffer_size_bytes", buffer_size_bytes)
     chunks: list[Chunk] = []
     start, total, offsets = 0, 0, []
     for i, meta in enumerate(metas):

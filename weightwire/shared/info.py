@@ -12,9 +12,12 @@ import base64
 import binascii
 import json
 import math
+import types
+import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
+from weightwire.shared.checks import check_buffer_size, check_num_buffers, check_seconds
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES, LIMITS, bounded_repr
@@ -25,6 +28,8 @@ DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
 NCCL_UNIQUE_ID_BYTES = 128
 TCP_SECRET_BYTES = 128
+MAX_TIMEOUT_S = 86_400
+"""A worker's receive timeout is at most a day: a larger one is a unit mistake."""
 
 
 def _check_type(name: str, value: object, kind: type | tuple[type, ...], *, optional: bool) -> None:
@@ -40,10 +45,37 @@ def _check_type(name: str, value: object, kind: type | tuple[type, ...], *, opti
         raise ConfigError(f"{name} must be {want}, got {type(value).__name__} {bounded_repr(value)}")
 
 
-class _StrictInfo:
-    """Mixin: strict ``from_dict`` / ``to_dict`` / JSON round-trip for info dataclasses."""
+def _runtime_kinds(hint: Any) -> tuple[type, ...]:
+    """The JSON types a field annotated ``hint`` takes (``None`` aside): ``int``, ``str | None``,
+    ``list[str]`` -> ``(int,)``, ``(str,)``, ``(list,)``; the items of a list are checked in
+    ``__post_init__``."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return tuple(kind for arg in args for kind in _runtime_kinds(arg))
+    origin = typing.get_origin(hint)
+    if isinstance(origin, type):
+        return (origin,)
+    if isinstance(hint, type):
+        return (hint,)
+    raise TypeError(f"an info field must be annotated with JSON types, got {hint!r}")
 
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {}
+
+_KINDS: dict[type, dict[str, tuple[type, ...]]] = {}
+
+
+def field_kinds(cls: type) -> dict[str, tuple[type, ...]]:
+    """Field name -> the types ``from_dict`` accepts, read from ``cls``'s annotations (once)."""
+    kinds = _KINDS.get(cls)
+    if kinds is None:
+        hints = typing.get_type_hints(cls)
+        kinds = _KINDS.setdefault(cls, {f.name: _runtime_kinds(hints[f.name]) for f in fields(cls)})
+    return kinds
+
+
+class _StrictInfo:
+    """Mixin: strict ``from_dict`` / ``to_dict`` / JSON round-trip for info dataclasses; a
+    field's accepted types are its annotation's (``field_kinds``)."""
+
     _secret_fields: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
@@ -52,6 +84,7 @@ class _StrictInfo:
         if not isinstance(data, dict):
             raise ConfigError(f"{ctx} must be a JSON object, got {type(data).__name__}")
         known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+        kinds = field_kinds(cls)
         unknown = [k for k in data if k not in known]
         if unknown:
             # Bounded: a hostile body may carry a million junk keys.
@@ -64,7 +97,7 @@ class _StrictInfo:
                 raise ConfigError(f"{ctx}: missing required field {name!r}")
             if name in data:
                 optional = f.default is None
-                _check_type(f"{ctx}.{name}", data[name], cls._types[name], optional=optional)
+                _check_type(f"{ctx}.{name}", data[name], kinds[name], optional=optional)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,10 +121,8 @@ class _StrictInfo:
 
 
 def _check_wire_params(ctx: str, buffer_size: int, num_buffers: int, world_size: int, rank_offset: int) -> None:
-    if not 1 <= buffer_size <= LIMITS.max_buffer_size_bytes:
-        raise ConfigError(f"{ctx}.packed_buffer_size_bytes must be in [1, {LIMITS.max_buffer_size_bytes}], got {buffer_size}")
-    if not 1 <= num_buffers <= LIMITS.max_num_buffers:
-        raise ConfigError(f"{ctx}.packed_num_buffers must be in [1, {LIMITS.max_num_buffers}], got {num_buffers}")
+    check_buffer_size(f"{ctx}.packed_buffer_size_bytes", buffer_size)
+    check_num_buffers(f"{ctx}.packed_num_buffers", num_buffers)
     if not 2 <= world_size <= LIMITS.max_world_size:
         raise ConfigError(f"{ctx}.world_size must be in [2, {LIMITS.max_world_size}], got {world_size}")
     if not 1 <= rank_offset < world_size:
@@ -131,12 +162,6 @@ class NCCLInitInfo(_StrictInfo):
     params explicitly so the two sides cannot disagree.
     """
 
-    backend: ClassVar[str] = "nccl"
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
-        "master_address": str, "master_port": int, "nccl_unique_id_b64": str,
-        "rank_offset": int, "world_size": int, "packed": bool,
-        "packed_buffer_size_bytes": int, "packed_num_buffers": int,
-    }
     _secret_fields: ClassVar[tuple[str, ...]] = ("nccl_unique_id_b64",)
 
     master_address: str | None = None
@@ -176,15 +201,12 @@ class WeightwireNCCLInitInfo(NCCLInitInfo):
     """``weightwire_nccl``: vLLM's fields plus a receive timeout (stock vLLM has none) and
     the stage budget (``shared.staging``)."""
 
-    backend: ClassVar[str] = "weightwire_nccl"
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {**NCCLInitInfo._types, "timeout_s": float,
-                                                             "stage_budget_bytes": int}
     timeout_s: float = 300.0
     stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_timeout(type(self).__name__, self.timeout_s)
+        check_seconds(f"{type(self).__name__}.timeout_s", self.timeout_s, most=MAX_TIMEOUT_S)
         check_stage_budget(f"{type(self).__name__}.stage_budget_bytes", self.stage_budget_bytes)
 
 
@@ -205,12 +227,6 @@ class TCPInitInfo(_StrictInfo):
     def broadcasters(self) -> int:
         return 1 + (0 if self.sources is None else len(self.sources))
 
-    backend: ClassVar[str] = "weightwire_tcp"
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
-        "host": str, "port": int, "secret_b64": str, "rank_offset": int, "world_size": int,
-        "packed": bool, "packed_buffer_size_bytes": int, "packed_num_buffers": int, "timeout_s": float,
-        "sources": list, "stage_budget_bytes": int,
-    }
     _secret_fields: ClassVar[tuple[str, ...]] = ("secret_b64",)
 
     host: str
@@ -265,16 +281,8 @@ def _check_listener(ctx: str, info: Any) -> None:
         raise ConfigError(f"{ctx}.port must be in [1, 65535], got {info.port}")
     _ = info.secret
     _check_wire_params(ctx, info.packed_buffer_size_bytes, info.packed_num_buffers, info.world_size, info.rank_offset)
-    _check_timeout(ctx, info.timeout_s)
+    check_seconds(f"{ctx}.timeout_s", info.timeout_s, most=MAX_TIMEOUT_S)
     check_stage_budget(f"{ctx}.stage_budget_bytes", info.stage_budget_bytes)
-
-
-def _check_timeout(ctx: str, value: float) -> None:
-    # No math.isfinite here: it raises OverflowError on ints beyond float range; the
-    # chained comparison is exact for ints and false for nan.
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 86_400
-    if not ok:
-        raise ConfigError(f"{ctx}.timeout_s must be in (0, 86400] seconds, got {bounded_repr(value)}")
 
 
 def _check_host(ctx: str, host: str) -> None:
@@ -295,8 +303,6 @@ class UpdateInfo(_StrictInfo):
     stay exactly what a stock vLLM (which only takes ``src=0``) reads.
     """
 
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {"names": list, "dtype_names": list, "shapes": list,
-                                                             "src": int}
 
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)

@@ -6,8 +6,8 @@ their 64 raw bytes, never pickled. The control channel (``host:port``, proven wi
 ``secret_b64``) carries the per-piece "ready" / "free" messages, also as JSON.
 
 The data path (pull: the trainer writes into the worker's buffers; push: the slot ring)
-is not a field here: it is negotiated in the control channel's hello (``IPC_MODES``), so
-this info parses the same on a worker that predates pull mode, which then gets push.
+is not a field here: it is negotiated in the control channel's hello (``IPC_MODES``),
+where each worker lists the modes it takes and the trainer names the session's.
 
 Parsed strictly like every other init info: a wrong count of handles, a handle of
 the wrong length or a slot size over the limits fails the request naming the field,
@@ -35,10 +35,9 @@ IPC_HANDLE_BYTES = 64
 DEFAULT_IPC_SLOT_BYTES = 1 << 30
 
 IPC_MODES = ("pull", "push")
-"""``weightwire_ipc`` data paths, negotiated in the control channel's hello (not in the
-init info, so a worker that predates them still parses it): ``pull`` = the trainer
-writes into the worker's receive buffers (one copy per byte), ``push`` = the slot ring
-(two copies)."""
+"""``weightwire_ipc`` data paths, negotiated in the control channel's hello: ``pull`` = the
+trainer writes into the worker's receive buffers (one copy per byte), ``push`` = the slot
+ring (two copies)."""
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
@@ -55,13 +54,6 @@ class IPCInitInfo(_StrictInfo):
       cost of re-opening handles each round); workers close their mappings then too.
     """
 
-    backend: ClassVar[str] = "weightwire_ipc"
-    _types: ClassVar[dict[str, type | tuple[type, ...]]] = {
-        "host": str, "port": int, "secret_b64": str, "rank_offset": int, "world_size": int,
-        "packed": bool, "packed_buffer_size_bytes": int, "packed_num_buffers": int, "timeout_s": float,
-        "mem_handles_b64": list, "event_handles_b64": list, "device_uuid": str, "release_after_round": bool,
-        "stage_budget_bytes": int,
-    }
     _secret_fields: ClassVar[tuple[str, ...]] = ("secret_b64", "mem_handles_b64", "event_handles_b64")
 
     host: str

@@ -8,10 +8,10 @@ block forever. Override per engine with ``Timeouts(...)`` or process-wide with
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, fields, replace
 
+from weightwire.shared.checks import check_seconds
 from weightwire.shared.errors import ConfigError
 
 
@@ -39,10 +39,7 @@ class Timeouts:
                 value = float(raw)
             except ValueError:
                 raise ConfigError(f"{var} must be a number of seconds, got {raw[:60]!r}") from None
-            # inf would silently mean "wait forever", the very thing timeouts exist to stop.
-            if not 0 < value < math.inf:
-                raise ConfigError(f"{var} must be a finite number of seconds > 0, got {raw[:60]!r}")
-            values[f.name] = value
+            values[f.name] = check_seconds(var, value)
         return replace(cls(), **values)
 
 

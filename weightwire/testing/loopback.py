@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightwire import backends
-from weightwire.control.errors import WeightSyncError
+from weightwire.shared.errors import WeightSyncError
 
 READY = "weightwire loopback ready on "
 LOOPBACK_VERSION = "0.33.0+weightwire.loopback"

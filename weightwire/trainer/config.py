@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from weightwire.backends import NCCL
+from weightwire.shared.checks import check_buffer_size, check_num_buffers
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES, LIMITS
@@ -109,11 +110,8 @@ class TrainerInitInfo:
             raise ConfigError(f"rank must be a non-negative int, got {self.rank!r}")
         if type(self.packed) is not bool:
             raise ConfigError(f"packed must be a bool, got {self.packed!r}")
-        size, count = self.packed_buffer_size_bytes, self.packed_num_buffers
-        if type(size) is not int or not 1 <= size <= LIMITS.max_buffer_size_bytes:
-            raise ConfigError(f"packed_buffer_size_bytes must be an int in [1, {LIMITS.max_buffer_size_bytes}], got {size!r}")
-        if type(count) is not int or not 1 <= count <= LIMITS.max_num_buffers:
-            raise ConfigError(f"packed_num_buffers must be an int in [1, {LIMITS.max_num_buffers}], got {count!r}")
+        check_buffer_size("packed_buffer_size_bytes", self.packed_buffer_size_bytes)
+        check_num_buffers("packed_num_buffers", self.packed_num_buffers)
         if not isinstance(self.timeouts, Timeouts):
             raise ConfigError(f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}")
         round_interval_s()  # a bad WEIGHTWIRE_SWITCH_INTERVAL_US fails here, before anything is sent

@@ -3,8 +3,7 @@ kind (``replicas.KIND_STATUS``) that decides the HTTP status the API answers wit
 
 from __future__ import annotations
 
-from weightwire.shared.communicator import TransferError, TransferTimeout
-from weightwire.shared.errors import ReferenceServerError
+from weightwire.shared.errors import ReferenceServerError, TransferError, TransferTimeout
 from weightwire.torch_side.server.sleep import SleepCancelled, WeightsUnavailable
 
 

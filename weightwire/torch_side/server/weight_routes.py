@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from weightwire import backends
 from weightwire.shared.info import UpdateInfo
-from weightwire.shared.init_infos import INIT_INFO_TYPES
 from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.server.replicas import FanOutError, ReplicaError, ReplicaPool
@@ -249,7 +249,7 @@ def _init_info(state: ServerState, raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise ApiError(422, f"init_info must be a JSON object, got {type(raw).__name__}", param="init_info")
     try:
-        info = INIT_INFO_TYPES[state.options.backend].from_dict(raw)
+        info = backends.init_info_type(state.options.backend).from_dict(raw)
     except ValueError as exc:
         raise ApiError(422, f"init_info: {exc}", param="init_info") from None
     if info.rank_offset + state.replicas > info.world_size:

@@ -1,0 +1,35 @@
+"""The specs of the two NCCL backends: vLLM's own ``nccl`` and ``weightwire_nccl``
+(data only: ``weightwire.backends.spec``)."""
+
+from __future__ import annotations
+
+from weightwire.backends.spec import BackendSpec
+
+_INFO = "weightwire.shared.info"
+_ENGINES = "weightwire.torch_side.worker.engines"
+
+WEIGHTWIRE_NCCL = BackendSpec(
+    name="weightwire_nccl",
+    init_info=f"{_INFO}:WeightwireNCCLInitInfo",
+    trainer="weightwire.backends.nccl.trainer:WeightwireNCCLBackend",
+    connect="weightwire.backends.nccl.worker:connect_nccl",
+    worker_engine=f"{_ENGINES}:WeightwireNCCLEngine",
+    vllm_engine="weightwire.torch_side.worker.vllm_engines:VllmWeightwireNCCLEngine",
+    needs_cuda=True,
+    stock_receiver=False,
+)
+"""vLLM's NCCL wire plus a worker-side receive timeout; needs the plugin."""
+
+NCCL = BackendSpec(
+    name="nccl",
+    init_info=f"{_INFO}:NCCLInitInfo",
+    trainer="weightwire.backends.nccl.trainer:NCCLBackend",
+    connect=None,
+    worker_engine=f"{_ENGINES}:WeightwireNCCLEngine",
+    vllm_engine=None,
+    needs_cuda=True,
+    stock_receiver=True,
+)
+"""vLLM's own dense NCCL backend (unique-id rendezvous); no plugin."""
+
+SPECS = (WEIGHTWIRE_NCCL, NCCL)
