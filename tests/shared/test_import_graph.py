@@ -72,20 +72,15 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("weightwire.backends.ipc.pull", "weightwire.trainer.pipelines"),
     ("weightwire.backends.ipc.trainer", "weightwire.trainer.backends"),
     ("weightwire.backends.ipc.trainer", "weightwire.trainer.config"),
-    ("weightwire.backends.ipc.worker", "weightwire.torch_side.worker.receive"),
     ("weightwire.backends.nccl.trainer", "weightwire.trainer.backends"),
     ("weightwire.backends.nccl.trainer", "weightwire.trainer.config"),
-    ("weightwire.backends.nccl.worker", "weightwire.torch_side.worker.receive"),
     ("weightwire.backends.tcp.trainer", "weightwire.trainer.backends"),
     ("weightwire.backends.tcp.trainer", "weightwire.trainer.config"),
-    ("weightwire.backends.tcp.worker", "weightwire.torch_side.worker.receive"),
-    ("weightwire.backends.tcp.worker", "weightwire.torch_side.worker.sources"),
 }
 """``backends`` -> ``trainer`` / the worker package."""
 KNOWN_PARTICULAR: set[tuple[str, str]] = {
     ("weightwire.jax_side.packer", "weightwire.backends.nccl.buffers"),
     ("weightwire.torch_side.sender.engine", "weightwire.backends.nccl.buffers"),
-    ("weightwire.torch_side.worker", "weightwire.backends.nccl.worker"),
     ("weightwire.trainer", "weightwire.backends.nccl.stock"),
     ("weightwire.trainer.engine", "weightwire.backends.nccl.stock"),
     ("weightwire.trainer.multi_star", "weightwire.backends.tcp.rendezvous"),
