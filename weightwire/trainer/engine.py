@@ -5,8 +5,8 @@ Lifecycle (every trainer rank calls each step; only rank 0 touches the wire):
 1. ``trainer_init``: read the server version (feature gates) and world size; open the
    backend's rendezvous; POST the worker init info on a side thread while rank 0
    joins; warm up; then check the POST. The wire params ride in that init info.
-2. ``send_weights``: plan (a stock ``nccl`` worker's round is checked, maybe reordered
-   or refused, by ``backends.nccl.stock``, before any call) -> pack the first chunk ->
+2. ``send_weights``: plan (a stock receiver's round is checked, maybe reordered or
+   refused, by the backend's ``plan_round``, before any call) -> pack the first chunk ->
    [verify snapshot] -> [pause] -> ``start_weight_update`` (``start_draft_weight_update``) ->
    ``update_weights`` on a side thread *concurrently with* the broadcasts (workers
    receive inside that request) -> ``finish_weight_update(version)`` -> the servers'
@@ -35,7 +35,7 @@ from typing import Any, Self, cast
 
 import numpy as np
 
-from weightwire.backends.nccl.stock import WirePlan, plan_for_stock
+from weightwire.backends.base import DevicePacker, RoundSender, SenderParts, WirePlan
 from weightwire.control.errors import WeightSyncError
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
@@ -60,11 +60,11 @@ from weightwire.trainer.gating import (
     server_features,
 )
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
-from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, chunked
 from weightwire.trainer.transfer import (
     Transfer,
     await_call,
     best_effort_resume,
+    chunked,
     join_beside_init,
     real_cause,
     shutdown_when_settled,
@@ -102,6 +102,10 @@ class TrainerEngine(ABC):
     def device_packer(self, device: int | None) -> DevicePacker:
         raise NotImplementedError(f"{type(self).__name__} cannot pack on a device")
 
+    def sender_parts(self, packer: DevicePacker | None) -> SenderParts:
+        """What this engine lends a backend's data path."""
+        return SenderParts(self.host_bytes, self.prefetch_host, packer)
+
     def tensor_sha256(self, tensor: Any) -> str:
         return hashlib.sha256(self.host_bytes(tensor).data).hexdigest()  # .data: the array's memoryview
 
@@ -116,7 +120,7 @@ class TrainerEngine(ABC):
         self._backend = get_backend(init_info.backend)
         self._comm: Communicator | None = None
         self._was_displaced = False  # a server dropped our link: another trainer owns the session
-        self._pipeline: HostPipeline | DevicePipeline | None = None
+        self._pipeline: RoundSender | None = None
         self._sent_metas: dict[bool, list[ParamMeta]] = {}  # per target (draft or not): what its worker holds
         self._planned: tuple[list[ParamMeta], WirePlan, list[Chunk]] | None = None
         self._verifier = RoundVerifier() if init_info.verify else None
@@ -167,7 +171,7 @@ class TrainerEngine(ABC):
         return engine
 
     def _check_client(self) -> None:
-        self._pause_mode = check_client(self.info, self.client, stock_receiver=self._backend.stock_receiver)
+        self._pause_mode = check_client(self.info, self.client, stock_receiver=self._backend.caps.stock_receiver)
         self._commit_plan = commit_plan(self.info, self.client, self._pause_mode)
 
     def _connect(self, extend: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
@@ -181,7 +185,7 @@ class TrainerEngine(ABC):
         world = self.info.inference_world_size or self.client.get_world_size()
         # Made before any rendezvous so a trainer without a usable device fails here,
         # not after the workers joined.
-        packer = self.device_packer(self.info.device) if self._backend.on_device else None
+        packer = self.device_packer(self.info.device) if self._backend.caps.on_device else None
         rdv = self._backend.open(self.info, world_size=trainer_ranks + world)
         if extend is not None:  # several broadcasters: the group's fields (multi_source)
             try:
@@ -195,14 +199,7 @@ class TrainerEngine(ABC):
         try:
             comm.warmup(timeout=t.warmup_s)
             await_call(post, t.http_s, "init_weight_transfer_engine")
-            if self._backend.on_device:
-                assert packer is not None
-                hold = self.info.packed_buffer_size_bytes * self.info.packed_num_buffers
-                self._pipeline = self._backend.device_pipeline(comm, packer, num_buffers=self.info.packed_num_buffers,
-                                                               timeout=t.transfer_s, hold_bytes=hold)
-            else:
-                self._pipeline = HostPipeline(comm, self.host_bytes, num_buffers=self.info.packed_num_buffers,
-                                              timeout=t.transfer_s, prefetch=self.prefetch_host)
+            self._pipeline = self._backend.sender(comm, self.info, self.sender_parts(packer))
         except BaseException as exc:
             comm.abort()
             raise real_cause(exc, post) from None
@@ -315,7 +312,7 @@ class TrainerEngine(ABC):
 
     def _round_pause(self, metas: list[ParamMeta]) -> RoundPause:
         """This round's pause (``gating.round_pause``; a round applied in place: refusing, no resume on failure)."""
-        return round_pause(self.info, self._pause_mode, stock_receiver=self._backend.stock_receiver,
+        return round_pause(self.info, self._pause_mode, stock_receiver=self._backend.caps.stock_receiver,
                            nbytes=round_bytes(metas), client=self.client)
 
     def _pause(self, mode: str | None = None) -> bool:
@@ -339,11 +336,8 @@ class TrainerEngine(ABC):
         if self._planned is not None and self._planned[0] == metas:
             return self._planned[1], self._planned[2]
         size = self.info.packed_buffer_size_bytes
-        if self._backend.stock_receiver:
-            assert self.features is not None
-            wire = plan_for_stock(metas, features=self.features, packed=self.info.packed, buffer_size_bytes=size)
-        else:
-            wire = WirePlan(list(metas))
+        assert self.features is not None
+        wire = self._backend.plan_round(metas, features=self.features, packed=self.info.packed, buffer_size_bytes=size)
         chunks = plan(wire.metas, packed=self.info.packed, buffer_size_bytes=size)
         self._planned = (list(metas), wire, chunks)
         return wire, chunks
@@ -360,7 +354,7 @@ class TrainerEngine(ABC):
         step = Transfer(self._comm, self._pipeline, post_update=lambda: self.client.update_weights(payload),
                         control=control, clock=clock, http_s=self.info.timeouts.http_s)
         try:
-            return step.run(chunked(wire.reorder(pairs), chunks), wire.metas, packed=self.info.packed)
+            return step.run(chunked(wire.reorder(pairs), chunks), wire.metas)
         finally:
             if step.broken is not None:
                 self._broken = step.broken
@@ -405,7 +399,7 @@ class TrainerEngine(ABC):
             comm.abort()
         else:
             comm.close()
-        if isinstance(pipeline, DevicePipeline):
+        if pipeline is not None:
             pipeline.close()  # after the communicator: no kernel may still read its buffers
         try:
             if post is None:

@@ -10,13 +10,13 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from weightwire.backends.base import RoundSender
 from weightwire.shared.communicator import Communicator
 from weightwire.shared.errors import RoundError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.group import Exchange, GroupTimeout, TrainerGroup
-from weightwire.trainer.pipelines import DevicePipeline, HostPipeline
 
 if TYPE_CHECKING:
     from weightwire.trainer.engine import TrainerEngine
@@ -41,14 +41,14 @@ class MultiBase:
         self._planned: tuple[list[ParamMeta], BroadcastPlan] | None = None
         self._chunks: dict[int, list[Chunk]] = {}
         self._comm: Communicator | None = None  # a non-zero broadcaster's own star, or its group member
-        self._pipeline: HostPipeline | DevicePipeline | None = None
+        self._pipeline: RoundSender | None = None
         self._sent: dict[tuple[bool, int], tuple[ParamMeta, ...]] = {}  # rank 0: what each src's slice is on the workers
         self._went: set[int] = set()  # stars: the turns whose go was posted this round
         self._go_lock = threading.Lock()
 
     @property
     def _shape(self) -> str | None:
-        return self.engine._backend.several_broadcasters
+        return self.engine._backend.caps.several
 
     def _report(self, name: str, fn: Callable[[], Any]) -> Any:
         try:

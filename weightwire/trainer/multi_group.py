@@ -4,7 +4,7 @@ The transfer group is rank 0, each distinct first owner (ascending) and the infe
 workers, all in one NCCL communicator; turn ``src`` is broadcast with root ``src``. An
 NCCL broadcast is collective over the whole communicator, so every group trainer rank
 takes part in every turn: it broadcasts its own slice and receives-and-drops every
-other (``DevicePipeline.discard``); a member that skipped a turn would hang them all.
+other (``RoundSender.discard``); a member that skipped a turn would hang them all.
 Ranks outside the group only iterate their source.
 
 Two activities per group rank, never on the communicator at the same time:
@@ -32,14 +32,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
+from weightwire.backends.base import RoundAborted, RoundSender
 from weightwire.control.fanout import spawn
 from weightwire.shared.communicator import Communicator, TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.multi_base import MultiBase
-from weightwire.trainer.pipelines import DevicePipeline, RoundAborted, chunked
-from weightwire.trainer.transfer import await_call
+from weightwire.trainer.transfer import await_call, chunked
 
 Update = Callable[[Turn], Future]
 """Rank 0: start turn ``turn``'s ``update_weights`` on a side thread."""
@@ -48,10 +48,10 @@ Update = Callable[[Turn], Future]
 class GroupTurns:
     """One round's turns on one group rank; ``failed`` holds the first ``(turn, error)``."""
 
-    def __init__(self, rank: int, bplan: BroadcastPlan, chunks: dict[int, list[Chunk]], pipeline: DevicePipeline,
-                 comm: Communicator, *, packed: bool, timeouts: Timeouts, update: Update | None = None) -> None:
+    def __init__(self, rank: int, bplan: BroadcastPlan, chunks: dict[int, list[Chunk]], pipeline: RoundSender,
+                 comm: Communicator, *, timeouts: Timeouts, update: Update | None = None) -> None:
         self.rank, self.plan, self.chunks, self.pipeline, self.comm = rank, bplan, chunks, pipeline, comm
-        self.packed, self.t, self.update = packed, timeouts, update
+        self.t, self.update = timeouts, update
         self.stop = threading.Event()
         self.failed: list[tuple[Turn, BaseException]] = []
         self._lock = threading.Lock()
@@ -87,10 +87,7 @@ class GroupTurns:
                 first = next(own, None)
                 self._await_reached(mine)
                 prepared = own if first is None else itertools.chain([first], own)
-                if self.packed:
-                    nbytes, count = self.pipeline.send_packed(prepared, self.stop, root=mine.src)
-                else:
-                    nbytes, count = self.pipeline.send_unpacked(prepared, mine.metas, self.stop, root=mine.src)
+                nbytes, count = self.pipeline.send(prepared, self.stop, metas=mine.metas, root=mine.src)
             # Before the later turns' gathers: the driver must receive those turns while this
             # thread joins their gathers, or a collective source would wait on itself.
             self._done.set()
@@ -130,8 +127,7 @@ class GroupTurns:
                     if not self._done.wait(self._bound(turn)):
                         raise TransferTimeout(f"this rank's own broadcasts did not end within {self._bound(turn):g} s")
                 else:
-                    self.pipeline.discard(self.chunks[turn.src], turn.metas, root=turn.src, packed=self.packed,
-                                          stop=self.stop)
+                    self.pipeline.discard(self.chunks[turn.src], turn.metas, root=turn.src, stop=self.stop)
                 if self.stop.is_set():
                     return
                 if future is not None:
@@ -183,9 +179,7 @@ class GroupWire(MultiBase):
             fields = self._await_ok("group", t.connect_s + t.http_s)["fields"]
             comm = backend.join_peer(e.info, fields, rank=bplan.group_ranks.index(self.rank), timeout=t.connect_s)
             comm.warmup(timeout=t.warmup_s)
-            hold = e.info.packed_buffer_size_bytes * e.info.packed_num_buffers
-            self._pipeline = backend.device_pipeline(comm, packer, num_buffers=e.info.packed_num_buffers,
-                                                     timeout=t.transfer_s, hold_bytes=hold)
+            self._pipeline = backend.sender(comm, e.info, e.sender_parts(packer))
         except BaseException as exc:
             if comm is not None:
                 comm.abort()
@@ -198,8 +192,8 @@ class GroupWire(MultiBase):
     def _group_turns(self, bplan: BroadcastPlan, update: Callable[[Turn], Future] | None = None) -> GroupTurns:
         e = self.engine
         pipeline, comm = (e._pipeline, e._comm) if self.rank == 0 else (self._pipeline, self._comm)
-        assert isinstance(pipeline, DevicePipeline) and comm is not None
-        return GroupTurns(self.rank, bplan, self._chunks, pipeline, comm, packed=e.info.packed,
+        assert pipeline is not None and comm is not None
+        return GroupTurns(self.rank, bplan, self._chunks, pipeline, comm,
                           timeouts=e.info.timeouts, update=update)
 
     def _group_lead(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], pairs: Iterator[tuple[str, Any]],

@@ -59,7 +59,6 @@ from weightwire.trainer.multi_base import RoundFailed
 from weightwire.trainer.multi_group import GroupWire
 from weightwire.trainer.multi_star import StarWire
 from weightwire.trainer.multi_verify import gather_digests, verdict_of, verify_union
-from weightwire.trainer.pipelines import DevicePipeline
 from weightwire.trainer.transfer import best_effort_resume, tap
 
 if TYPE_CHECKING:
@@ -94,7 +93,7 @@ class MultiSource(StarWire, GroupWire):
                 bplan = self._plan(metas)
                 check_holders(bplan, self.rank, self.engine.source.held_names())
                 b = self.engine._backend
-                check_receiver(bplan, b.name, stock=b.stock_receiver, several=b.several_broadcasters)
+                check_receiver(bplan, b.name, stock=b.caps.stock_receiver, several=b.caps.several)
             except (PlanError, ValueError, TypeError) as exc:
                 error = str(exc)
         values = self.x.allgather(name, {"digest": digest(metas), "error": error, **extra}, timeout)
@@ -289,6 +288,6 @@ class MultiSource(StarWire, GroupWire):
                 comm.abort()
             else:
                 comm.close()
-        if isinstance(pipeline, DevicePipeline):
+        if pipeline is not None:
             pipeline.close()  # after the communicator: no kernel may still read its buffers
 

@@ -16,16 +16,16 @@ import itertools
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any, cast
+from typing import Any
 
+from weightwire.backends.base import RoundSender, StarEndpoint, StarSource
 from weightwire.control.fanout import spawn
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.info import TCP_SECRET_BYTES, TCPInitInfo, encode_secret
+from weightwire.shared.info import TCP_SECRET_BYTES
 from weightwire.shared.keyshare import KeyShare
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.multi_base import MultiBase, RoundFailed
-from weightwire.trainer.pipelines import HostPipeline, chunked
-from weightwire.trainer.transfer import await_call
+from weightwire.trainer.transfer import await_call, chunked
 
 _STAR_CONTEXT = b"weightwire-tcp-star/1"
 
@@ -41,12 +41,10 @@ class StarWire(MultiBase):
             self.x.post("keyshare", share.public_b64)
 
             def extend(payload: dict[str, Any]) -> dict[str, Any]:
-                sources = [self._source(share, self.x.get("endpoint", r, t.connect_s), r)
-                           for r in bplan.group_ranks[1:]]
-                out = {**payload, "rank_offset": len(bplan.group_ranks),
-                       "world_size": bplan.world_size(workers), "sources": sources}
-                TCPInitInfo.from_dict(out)  # validated here, before the workers see it
-                return out
+                stars = [self._source(share, self.x.get("endpoint", r, t.connect_s), r)
+                         for r in bplan.group_ranks[1:]]
+                return e._backend.with_stars(payload, stars, rank_offset=len(bplan.group_ranks),
+                                             world_size=bplan.world_size(workers))
 
             self._report("joined", lambda: e._connect(extend=extend))
             self._await_all("ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s)
@@ -54,14 +52,11 @@ class StarWire(MultiBase):
         if bplan.turn_of(self.rank) is None:
             self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
-        from weightwire.backends.tcp.rendezvous import TCPRendezvous
-
-        rdv: TCPRendezvous | None = None
+        rdv: StarEndpoint | None = None
         try:
             secret = share.secret_with(self.x.get("keyshare", 0, t.connect_s), length=TCP_SECRET_BYTES,
                                        context=_STAR_CONTEXT)
-            rdv = TCPRendezvous(world_size=1 + workers, bind_host=e.info.tcp_bind_host,
-                                advertise_host=e.info.tcp_advertise_host, secret=secret)
+            rdv = e._backend.open_star(e.info, world_size=1 + workers, secret=secret)
             self.x.post("endpoint", {"host": rdv.host, "port": rdv.port, "keyshare": share.public_b64})
             comm = rdv.accept(timeout=t.connect_s)
         except BaseException as exc:
@@ -76,28 +71,27 @@ class StarWire(MultiBase):
             self.x.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
             raise
         self._comm = comm
-        self._pipeline = HostPipeline(comm, e.host_bytes, num_buffers=e.info.packed_num_buffers,
-                                      timeout=t.transfer_s, prefetch=e.prefetch_host)
+        self._pipeline = e._backend.sender(comm, e.info, e.sender_parts(None))
         self.x.post("ready", {"error": None})
         self._await_ok("joined", t.http_s)
 
     @staticmethod
-    def _source(share: KeyShare, endpoint: Any, rank: int) -> dict[str, Any]:
-        """A broadcaster's posted endpoint -> its ``TCPInitInfo.sources`` entry (the secret derived here)."""
+    def _source(share: KeyShare, endpoint: Any, rank: int) -> StarSource:
+        """A broadcaster's posted endpoint -> its entry in rank 0's init info (the secret derived here)."""
         if not isinstance(endpoint, dict):
             raise ConfigError(f"trainer rank {rank} posted an endpoint that is not an object")
         secret = share.secret_with(endpoint.get("keyshare"), length=TCP_SECRET_BYTES, context=_STAR_CONTEXT)
-        return {"host": endpoint.get("host"), "port": endpoint.get("port"), "secret_b64": encode_secret(secret)}
+        return StarSource(endpoint.get("host"), endpoint.get("port"), secret)  # type: ignore[arg-type]
 
     def _send_turn(self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event,
-                   pipeline: HostPipeline | None = None) -> tuple[int, int]:
-        pipeline = pipeline or cast(HostPipeline, self._pipeline)  # a star's pipeline is a host one
+                   pipeline: RoundSender | None = None) -> tuple[int, int]:
+        pipeline = pipeline or self._pipeline
         assert pipeline is not None
         # islice: the pipeline must not pull past this turn (the next item may be a
         # later turn's gather, which can wait on a broadcaster blocked until its turn).
         mine = itertools.islice(pairs, len(turn.metas))
         begin = None if turn.rank == 0 else (lambda: self._await_go(turn))
-        return pipeline.send(chunked(mine, self._chunks[turn.src]), stop, begin)
+        return pipeline.send(chunked(mine, self._chunks[turn.src]), stop, begin, metas=turn.metas)
 
     def _await_go(self, turn: Turn) -> None:
         """A broadcaster's first byte waits for its turn's request (its first chunk is
@@ -119,7 +113,7 @@ class StarWire(MultiBase):
         mine = bplan.turn_of(0)
         try:
             if mine is not None:
-                nbytes, count = self._send_turn(mine, pairs, stop, cast(HostPipeline, e._pipeline))
+                nbytes, count = self._send_turn(mine, pairs, stop, e._pipeline)
             for _ in pairs:
                 pass
         except BaseException as exc:

@@ -22,9 +22,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from weightwire.backends.base import Begin, DevicePacker, Prepared, RoundAborted, RoundSender, check_chunk_bytes
+from weightwire.backends.device import stream_pointer
 from weightwire.backends.ipc.channel import check_int
+from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.slots import (
     MEMCPY_DEVICE_TO_DEVICE,
     dump_trace,
@@ -35,26 +38,17 @@ from weightwire.backends.ipc.slots import (
     wait_event_host,
     wait_mode,
 )
-from weightwire.backends.nccl.buffers import stream_pointer
 from weightwire.control.fanout import spawn
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.pipelines import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted, check_chunk_bytes
-
-if TYPE_CHECKING:  # the rendezvous (ipc.trainer) builds this pipeline: a runtime import would cycle
-    from weightwire.backends.ipc.trainer import IPCSenderComm
 
 
-class IPCDataPath(DevicePipeline):
+class IPCDataPath(RoundSender):
     """What both IPC data paths (push: ``IPCPipeline``; pull: ``ipc.pull.IPCPullPipeline``)
     share: one fill stream, the control plane on a side thread beside the first fills,
     each chunk's device regions checked against the plan and held until the fill stream
     settled."""
-
-    # Not a DeviceCommunicator (no streams to synchronize): every DevicePipeline method
-    # that would call one is overridden here, so the narrower base type never applies.
-    _comm: IPCSenderComm  # type: ignore[assignment]
 
     def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
                  hold_bytes: int) -> None:
@@ -93,13 +87,13 @@ class IPCDataPath(DevicePipeline):
         comm = self._comm
         sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=self._timeout, what=what, alive=comm.alive)
 
-    def drain(self) -> None:
+    def settle(self) -> None:
         self._sync_fill("the IPC fill stream")
         self._in_flight[0].clear()
 
 
 class IPCPipeline(IPCDataPath):
-    """Pieces through the slot ring; same entry points as ``DevicePipeline``."""
+    """Pieces through the slot ring."""
 
     def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
                  hold_bytes: int) -> None:
@@ -108,15 +102,12 @@ class IPCPipeline(IPCDataPath):
         self._next = 0
         self._remap = False  # release-after-round: new handles to announce before the next piece
 
-    # -- the DevicePipeline surface ---------------------------------------------------------
+    # -- the RoundSender surface --------------------------------------------------------------
 
     # root: IPC carries one broadcaster (check_receiver refuses several), always rank 0.
-    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None,
-                    root: int = 0) -> tuple[int, int]:
-        return self._send(prepared, stop, begin)
-
-    def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
-                      begin: Begin = None, root: int = 0) -> tuple[int, int]:
+    # Packed or unpacked, a chunk goes through the ring as pieces.
+    def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
+             metas: Sequence[ParamMeta] = (), root: int = 0) -> tuple[int, int]:
         return self._send(prepared, stop, begin)
 
     def close(self) -> None:
@@ -126,7 +117,6 @@ class IPCPipeline(IPCDataPath):
         finally:
             self._in_flight = [[]]
             self._comm.release()
-            self._packer.release()
 
     def held_bytes(self) -> int:
         """Trainer-side extra device memory: the slots (0 between rounds with release-after-round)."""
