@@ -32,13 +32,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from weightwire.backends.base import RoundAborted, RoundSender
+from weightwire.backends.base import Link, RoundAborted, RoundSender
 from weightwire.control.fanout import spawn
-from weightwire.shared.communicator import Communicator, TransferTimeout
+from weightwire.shared.communicator import TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.multi_base import MultiBase
+from weightwire.trainer.multi_base import MultiBase, TurnFailure
+from weightwire.trainer.session import open_wire
 from weightwire.trainer.transfer import await_call, chunked
 
 Update = Callable[[Turn], Future]
@@ -46,14 +47,19 @@ Update = Callable[[Turn], Future]
 
 
 class GroupTurns:
-    """One round's turns on one group rank; ``failed`` holds the first ``(turn, error)``."""
+    """One round's turns on one group rank; ``failed`` holds the first failure."""
 
     def __init__(self, rank: int, bplan: BroadcastPlan, chunks: dict[int, list[Chunk]], pipeline: RoundSender,
-                 comm: Communicator, *, timeouts: Timeouts, update: Update | None = None) -> None:
-        self.rank, self.plan, self.chunks, self.pipeline, self.comm = rank, bplan, chunks, pipeline, comm
-        self.t, self.update = timeouts, update
+                 comm: Link, *, timeouts: Timeouts, update: Update | None = None) -> None:
+        self.rank = rank
+        self.plan = bplan
+        self.chunks = chunks
+        self.pipeline = pipeline
+        self.comm = comm
+        self.t = timeouts
+        self.update = update
         self.stop = threading.Event()
-        self.failed: list[tuple[Turn, BaseException]] = []
+        self.failed: list[TurnFailure] = []
         self._lock = threading.Lock()
         self._reached = threading.Event()  # every turn before this rank's own was received
         self._done = threading.Event()  # this rank's own broadcasts ended (or failed)
@@ -62,7 +68,7 @@ class GroupTurns:
         """Record the first failure and abort: the other members' waits end in their timeouts."""
         with self._lock:
             if not self.failed:
-                self.failed.append((turn, exc))
+                self.failed.append(TurnFailure(turn, exc))
         self.stop.set()
         self.comm.abort()
         self._reached.set()
@@ -150,23 +156,25 @@ class GroupWire(MultiBase):
 
     def _connect_group(self, bplan: BroadcastPlan) -> None:
         """One communicator for the group (see the module docstring, step 1 ``"group"``)."""
-        e, t = self.engine, self.engine.info.timeouts
-        backend, size = e._backend, len(bplan.group_ranks)
+        s = self.session
+        t = s.info.timeouts
+        backend = s.backend
+        size = len(bplan.group_ranks)
         if self.rank == 0:
             posted = False
 
             def extend(payload: dict[str, Any]) -> dict[str, Any]:
                 nonlocal posted
                 out = {**payload, "rank_offset": size}
-                self.x.post("group", {"error": None, "fields": backend.peer_fields(out)})
+                self.exchange.post("group", {"error": None, "fields": backend.peer_fields(out)})
                 posted = True
                 return out
 
             try:
-                self._report("joined", lambda: e._connect(extend=extend, trainer_ranks=size))
+                self._report("joined", lambda: open_wire(s, extend=extend, trainer_ranks=size))
             except BaseException as exc:
                 if not posted:  # the other broadcasters wait for these fields: tell them now
-                    self.x.post("group", {"error": f"{type(exc).__name__}: {exc}"})
+                    self.exchange.post("group", {"error": f"{type(exc).__name__}: {exc}"})
                 raise
             self._await_all("ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s)
             return
@@ -175,35 +183,33 @@ class GroupWire(MultiBase):
             return
         comm = None
         try:
-            packer = e.device_packer(e.info.device)  # before the rendezvous: a rank without a device fails first
+            packer = s.framework.device_packer(s.info.device)  # a rank without a device fails before the rendezvous
             fields = self._await_ok("group", t.connect_s + t.http_s)["fields"]
-            comm = backend.join_peer(e.info, fields, rank=bplan.group_ranks.index(self.rank), timeout=t.connect_s)
+            comm = backend.join_peer(s.info, fields, rank=bplan.group_ranks.index(self.rank), timeout=t.connect_s)
             comm.warmup(timeout=t.warmup_s)
-            self._pipeline = backend.sender(comm, e.info, e.sender_parts(packer))
+            s.sender = backend.sender(comm, s.info, s.framework.sender_parts(packer))
         except BaseException as exc:
             if comm is not None:
                 comm.abort()
-            self.x.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
+            self.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
             raise
-        self._comm = comm
-        self.x.post("ready", {"error": None})
+        s.link = comm
+        self.exchange.post("ready", {"error": None})
         self._await_ok("joined", t.http_s + t.warmup_s)
 
     def _group_turns(self, bplan: BroadcastPlan, update: Callable[[Turn], Future] | None = None) -> GroupTurns:
-        e = self.engine
-        pipeline, comm = (e._pipeline, e._comm) if self.rank == 0 else (self._pipeline, self._comm)
-        assert pipeline is not None and comm is not None
-        return GroupTurns(self.rank, bplan, self._chunks, pipeline, comm,
-                          timeouts=e.info.timeouts, update=update)
+        s = self.session
+        assert s.sender is not None and s.link is not None
+        return GroupTurns(self.rank, bplan, self._chunks, s.sender, s.link, timeouts=s.info.timeouts, update=update)
 
     def _group_lead(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], pairs: Iterator[tuple[str, Any]],
-                    failed: list[tuple[Turn, BaseException]]) -> tuple[int, int]:
+                    failed: list[TurnFailure]) -> tuple[int, int]:
         """Rank 0's transfer over one group: each turn's request, then its collective (``multi_group``)."""
-        e = self.engine
+        client = self.session.client
         by_src = {turn.src: payload for turn, payload in zip(bplan.turns, payloads, strict=True)}
 
         def update(turn: Turn) -> Future:
-            return spawn(functools.partial(e.client.update_weights, by_src[turn.src]), name="weightwire-update")
+            return spawn(functools.partial(client.update_weights, by_src[turn.src]), name="weightwire-update")
 
         turns = self._group_turns(bplan, update)
         out = turns.run(pairs)

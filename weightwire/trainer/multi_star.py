@@ -1,9 +1,9 @@
-"""Several broadcasters over stars (``weightwire_tcp``): each non-zero broadcaster listens.
+"""Several broadcasters over stars (``SenderCaps.several == "stars"``: ``weightwire_tcp``).
 
-Each non-zero broadcaster opens its own TCP star (``TCPRendezvous``) and publishes the
+Each non-zero broadcaster opens its own star (``Backend.open_star``) and publishes the
 endpoint over the trainer group (address and a key share: its secret is agreed with
 rank 0, never posted; ``shared.keyshare``); rank 0's init info lists them all
-(``TCPInitInfo.sources``) and every worker dials every star. In a round, rank 0 posts
+(``Backend.with_stars``) and every worker dials every star. In a round, rank 0 posts
 the turns' ``update_weights`` one after another on a side thread; a broadcaster's first
 byte waits for its turn's "go" (``_await_go``), so bytes queued behind earlier turns do
 not run down its per-broadcast timeout.
@@ -18,13 +18,14 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from weightwire.backends.base import RoundSender, StarEndpoint, StarSource
+from weightwire.backends.base import StarEndpoint, StarSource
 from weightwire.control.fanout import spawn
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import TCP_SECRET_BYTES
 from weightwire.shared.keyshare import KeyShare
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.multi_base import MultiBase, RoundFailed
+from weightwire.trainer.multi_base import MultiBase, RoundFailed, TurnFailure
+from weightwire.trainer.session import open_wire
 from weightwire.trainer.transfer import await_call, chunked
 
 _STAR_CONTEXT = b"weightwire-tcp-star/1"
@@ -35,18 +36,19 @@ class StarWire(MultiBase):
         """Rank 0 and each other broadcaster agree that star's secret by key shares posted on
         the trainer group's store (``shared.keyshare``): the store holds public values only,
         and the secret reaches the workers inside rank 0's init POST alone."""
-        e, t = self.engine, self.engine.info.timeouts
+        s = self.session
+        t = s.info.timeouts
         share = KeyShare.new()
         if self.rank == 0:
-            self.x.post("keyshare", share.public_b64)
+            self.exchange.post("keyshare", share.public_b64)
 
             def extend(payload: dict[str, Any]) -> dict[str, Any]:
-                stars = [self._source(share, self.x.get("endpoint", r, t.connect_s), r)
+                stars = [self._source(share, self.exchange.get("endpoint", r, t.connect_s), r)
                          for r in bplan.group_ranks[1:]]
-                return e._backend.with_stars(payload, stars, rank_offset=len(bplan.group_ranks),
-                                             world_size=bplan.world_size(workers))
+                return s.backend.with_stars(payload, stars, rank_offset=len(bplan.group_ranks),
+                                            world_size=bplan.world_size(workers))
 
-            self._report("joined", lambda: e._connect(extend=extend))
+            self._report("joined", lambda: open_wire(s, extend=extend))
             self._await_all("ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s)
             return
         if bplan.turn_of(self.rank) is None:
@@ -54,25 +56,25 @@ class StarWire(MultiBase):
             return
         rdv: StarEndpoint | None = None
         try:
-            secret = share.secret_with(self.x.get("keyshare", 0, t.connect_s), length=TCP_SECRET_BYTES,
+            secret = share.secret_with(self.exchange.get("keyshare", 0, t.connect_s), length=TCP_SECRET_BYTES,
                                        context=_STAR_CONTEXT)
-            rdv = e._backend.open_star(e.info, world_size=1 + workers, secret=secret)
-            self.x.post("endpoint", {"host": rdv.host, "port": rdv.port, "keyshare": share.public_b64})
+            rdv = s.backend.open_star(s.info, world_size=1 + workers, secret=secret)
+            self.exchange.post("endpoint", {"host": rdv.host, "port": rdv.port, "keyshare": share.public_b64})
             comm = rdv.accept(timeout=t.connect_s)
         except BaseException as exc:
             if rdv is not None:
                 rdv.close()
-            self.x.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
+            self.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
             raise
         try:
             comm.warmup(timeout=t.warmup_s)
         except BaseException as exc:
             comm.abort()
-            self.x.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
+            self.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
             raise
-        self._comm = comm
-        self._pipeline = e._backend.sender(comm, e.info, e.sender_parts(None))
-        self.x.post("ready", {"error": None})
+        s.link = comm
+        s.sender = s.backend.sender(comm, s.info, s.framework.sender_parts(None))
+        self.exchange.post("ready", {"error": None})
         self._await_ok("joined", t.http_s)
 
     @staticmethod
@@ -83,9 +85,8 @@ class StarWire(MultiBase):
         secret = share.secret_with(endpoint.get("keyshare"), length=TCP_SECRET_BYTES, context=_STAR_CONTEXT)
         return StarSource(endpoint.get("host"), endpoint.get("port"), secret)  # type: ignore[arg-type]
 
-    def _send_turn(self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event,
-                   pipeline: RoundSender | None = None) -> tuple[int, int]:
-        pipeline = pipeline or self._pipeline
+    def _send_turn(self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event) -> tuple[int, int]:
+        pipeline = self.session.sender
         assert pipeline is not None
         # islice: the pipeline must not pull past this turn (the next item may be a
         # later turn's gather, which can wait on a broadcaster blocked until its turn).
@@ -97,15 +98,16 @@ class StarWire(MultiBase):
         """A broadcaster's first byte waits for its turn's request (its first chunk is
         packed meanwhile): bytes queued behind earlier turns would run down the
         per-broadcast timeout for as long as those turns take."""
-        t = self.engine.info.timeouts
-        go = self.x.get(f"go{turn.src}", 0, t.http_s * (turn.src + 1) + t.transfer_s)
+        t = self.session.info.timeouts
+        go = self.exchange.get(f"go{turn.src}", 0, t.http_s * (turn.src + 1) + t.transfer_s)
         if not go:
             raise RoundFailed(f"trainer rank 0 ended the round before the turn of rank {turn.rank} (src {turn.src})")
 
     def _star_lead(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], pairs: Iterator[tuple[str, Any]],
-                   failed: list[tuple[Turn, BaseException]]) -> tuple[int, int]:
+                   failed: list[TurnFailure]) -> tuple[int, int]:
         """Rank 0's transfer over stars: its own slice on its star, the turns' requests beside it."""
-        e, t = self.engine, self.engine.info.timeouts
+        s = self.session
+        t = s.info.timeouts
         stop = threading.Event()
         self._went = set()
         nbytes = count = 0
@@ -113,15 +115,15 @@ class StarWire(MultiBase):
         mine = bplan.turn_of(0)
         try:
             if mine is not None:
-                nbytes, count = self._send_turn(mine, pairs, stop, e._pipeline)
+                nbytes, count = self._send_turn(mine, pairs, stop)
             for _ in pairs:
                 pass
         except BaseException as exc:
             if not failed:
-                failed.append((mine or bplan.turns[0], exc))
+                failed.append(TurnFailure(mine or bplan.turns[0], exc))
             stop.set()
-            if e._comm is not None:
-                e._comm.abort()
+            if s.link is not None:
+                s.link.abort()
         _wait(turns, t.http_s * (len(bplan.turns) + 1))
         return nbytes, count
 
@@ -131,23 +133,24 @@ class StarWire(MultiBase):
             if turn.rank == 0 or turn.src in self._went:
                 return
             self._went.add(turn.src)
-        self.x.post(f"go{turn.src}", go)
+        self.exchange.post(f"go{turn.src}", go)
 
     def _run_turns(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], stop: threading.Event,
-                   failed: list[tuple[Turn, BaseException]]) -> None:
+                   failed: list[TurnFailure]) -> None:
         """The turns' ``update_weights``, one after another (a worker receives one turn at a time)."""
-        e, t = self.engine, self.engine.info.timeouts
+        s = self.session
+        t = s.info.timeouts
         for turn, payload in zip(bplan.turns, payloads, strict=True):
             if stop.is_set():
                 return
             self._go(turn, True)
             try:
-                _wait(spawn(functools.partial(e.client.update_weights, payload), name="weightwire-update"), t.http_s)
+                _wait(spawn(functools.partial(s.client.update_weights, payload), name="weightwire-update"), t.http_s)
             except BaseException as exc:
-                failed.append((turn, exc))
+                failed.append(TurnFailure(turn, exc))
                 stop.set()
-                if e._comm is not None:
-                    e._comm.abort()  # rank 0's own send may be blocked on a worker that gave up
+                if s.link is not None:
+                    s.link.abort()  # rank 0's own send may be blocked on a worker that gave up
                 return
 
 
