@@ -30,6 +30,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightwire.backends.base import Link, RoundAborted, RoundSender
@@ -46,23 +47,25 @@ Update = Callable[[Turn], Future]
 """Rank 0: start turn ``turn``'s ``update_weights`` on a side thread."""
 
 
+@dataclass(eq=False)
 class GroupTurns:
     """One round's turns on one group rank; ``failed`` holds the first failure."""
 
-    def __init__(self, rank: int, bplan: BroadcastPlan, chunks: dict[int, list[Chunk]], pipeline: RoundSender,
-                 comm: Link, *, timeouts: Timeouts, update: Update | None = None) -> None:
-        self.rank = rank
-        self.plan = bplan
-        self.chunks = chunks
-        self.pipeline = pipeline
-        self.comm = comm
-        self.t = timeouts
-        self.update = update
-        self.stop = threading.Event()
-        self.failed: list[TurnFailure] = []
-        self._lock = threading.Lock()
-        self._reached = threading.Event()  # every turn before this rank's own was received
-        self._done = threading.Event()  # this rank's own broadcasts ended (or failed)
+    rank: int
+    plan: BroadcastPlan
+    chunks: dict[int, list[Chunk]]
+    pipeline: RoundSender
+    comm: Link
+    t: Timeouts
+    update: Update | None = None
+    """Rank 0: each turn's request, posted just before the turn."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    failed: list[TurnFailure] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _reached: threading.Event = field(default_factory=threading.Event)
+    """Every turn before this rank's own was received."""
+    _done: threading.Event = field(default_factory=threading.Event)
+    """This rank's own broadcasts ended (or failed)."""
 
     def fail(self, turn: Turn, exc: BaseException) -> None:
         """Record the first failure and abort: the other members' waits end in their timeouts."""
@@ -200,7 +203,7 @@ class GroupWire(MultiBase):
     def _group_turns(self, bplan: BroadcastPlan, update: Callable[[Turn], Future] | None = None) -> GroupTurns:
         s = self.session
         assert s.sender is not None and s.link is not None
-        return GroupTurns(self.rank, bplan, self._chunks, s.sender, s.link, timeouts=s.info.timeouts, update=update)
+        return GroupTurns(self.rank, bplan, self._chunks, s.sender, s.link, s.info.timeouts, update)
 
     def _group_lead(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], pairs: Iterator[tuple[str, Any]],
                     failed: list[TurnFailure]) -> tuple[int, int]:
