@@ -20,7 +20,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -40,6 +40,14 @@ HostBytes = Callable[[Any], np.ndarray]
 """A tensor's C-order little-endian bytes as a flat ``uint8`` host array."""
 
 Several = Literal["stars", "group"]
+
+
+class Sent(NamedTuple):
+    """What one rank put on the wire in a round."""
+
+    nbytes: int
+    sends: int
+    """Broadcasts, or pieces through a backend's own slots."""
 
 
 class RoundAborted(TransferError):
@@ -157,9 +165,8 @@ class RoundSender(ABC):
 
     @abstractmethod
     def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
-             metas: Sequence[ParamMeta] = (), root: int = 0) -> tuple[int, int]:
-        """Send every chunk (``metas``: the round's wire order); ``(bytes, sends)`` once all
-        left. ``root``: this broadcaster's rank on the wire. Stops with ``RoundAborted``
+             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
+        """Send every chunk (``metas``: the round's wire order); returns once all left. ``root``: this broadcaster's rank on the wire. Stops with ``RoundAborted``
         once ``stop`` is set."""
 
     def settle(self) -> None:

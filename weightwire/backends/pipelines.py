@@ -33,6 +33,7 @@ from weightwire.backends.base import (
     Prepared,
     RoundAborted,
     RoundSender,
+    Sent,
     check_chunk_bytes,
     run_once,
 )
@@ -54,7 +55,7 @@ class HostPipeline(RoundSender):
         self._prefetch = prefetch
 
     def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
-             metas: Sequence[ParamMeta] = (), root: int = 0) -> tuple[int, int]:
+             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
         """Broadcast every chunk; returns ``(bytes, broadcasts)`` once all were sent."""
         work: queue.Queue[list[np.ndarray] | None] = queue.Queue(maxsize=self._depth)
         failure: list[BaseException] = []
@@ -85,7 +86,7 @@ class HostPipeline(RoundSender):
             raise
         if failure:
             raise failure[0]
-        return nbytes, count
+        return Sent(nbytes, count)
 
     def _put(self, work: queue.Queue, item: Any, stop: threading.Event, failure: list[BaseException]) -> None:
         while True:
@@ -157,13 +158,13 @@ class DevicePipeline(RoundSender):
         self._slots.release()
 
     def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
-             metas: Sequence[ParamMeta] = (), root: int = 0) -> tuple[int, int]:
+             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
         if self._packed:
             return self._send_packed(prepared, stop, begin, root)
         return self._send_unpacked(prepared, metas, stop, begin, root)
 
     def _send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin,
-                     root: int) -> tuple[int, int]:
+                     root: int) -> Sent:
         n = len(self._streams)
         nbytes = count = 0
         for k, (chunk, tensors) in enumerate(prepared):
@@ -180,7 +181,7 @@ class DevicePipeline(RoundSender):
             nbytes, count = nbytes + chunk.nbytes, count + 1
         run_once(begin)
         self.settle()
-        return nbytes, count
+        return Sent(nbytes, count)
 
     def discard(self, chunks: Sequence[Chunk], metas: Sequence[ParamMeta], *, root: int,
                 stop: threading.Event) -> None:
@@ -205,7 +206,7 @@ class DevicePipeline(RoundSender):
         self.settle()
 
     def _send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
-                       begin: Begin, root: int) -> tuple[int, int]:
+                       begin: Begin, root: int) -> Sent:
         """One broadcast per tensor with its own NCCL dtype (what a stock vLLM worker posts)."""
         stream, held = self._streams[0], 0
         nbytes = count = 0
@@ -225,4 +226,4 @@ class DevicePipeline(RoundSender):
                 held = 0
         run_once(begin)
         self.settle()
-        return nbytes, count
+        return Sent(nbytes, count)

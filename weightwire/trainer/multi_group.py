@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightwire.backends.base import Link, RoundAborted, RoundSender
+from weightwire.backends.base import Link, RoundAborted, RoundSender, Sent
 from weightwire.control.fanout import spawn
 from weightwire.shared.communicator import TransferTimeout
 from weightwire.shared.framing import Chunk
@@ -80,11 +80,11 @@ class GroupTurns:
         """How long a whole turn may take: its request plus one broadcast timeout per chunk."""
         return self.t.http_s + self.t.transfer_s * (len(self.chunks[turn.src]) + 1)
 
-    def run(self, pairs: Iterator[tuple[str, Any]]) -> tuple[int, int]:
-        """This rank's part of every turn; ``(bytes, broadcasts)`` it sent itself."""
+    def run(self, pairs: Iterator[tuple[str, Any]]) -> Sent:
+        """This rank's part of every turn; what it sent itself."""
         mine = self.plan.turn_of(self.rank)
         driver = spawn(self._drive, name="weightwire-group-turns")
-        nbytes = count = 0
+        sent = Sent(0, 0)
         try:
             if mine is not None:
                 # islice: the pipeline must not pull past this turn (the next item's gather
@@ -96,7 +96,7 @@ class GroupTurns:
                 first = next(own, None)
                 self._await_reached(mine)
                 prepared = own if first is None else itertools.chain([first], own)
-                nbytes, count = self.pipeline.send(prepared, self.stop, metas=mine.metas, root=mine.src)
+                sent = self.pipeline.send(prepared, self.stop, metas=mine.metas, root=mine.src)
             # Before the later turns' gathers: the driver must receive those turns while this
             # thread joins their gathers, or a collective source would wait on itself.
             self._done.set()
@@ -112,7 +112,7 @@ class GroupTurns:
             await_call(driver, total, "the group's turns")
         except BaseException as exc:
             self.fail(self.plan.turns[-1], exc)
-        return nbytes, count
+        return sent
 
     def _await_reached(self, turn: Turn) -> None:
         earlier = [t for t in self.plan.turns if t.src < turn.src]
@@ -206,7 +206,7 @@ class GroupWire(MultiBase):
         return GroupTurns(self.rank, bplan, self._chunks, s.sender, s.link, s.info.timeouts, update)
 
     def _group_lead(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], pairs: Iterator[tuple[str, Any]],
-                    failed: list[TurnFailure]) -> tuple[int, int]:
+                    failed: list[TurnFailure]) -> Sent:
         """Rank 0's transfer over one group: each turn's request, then its collective (``multi_group``)."""
         client = self.session.client
         by_src = {turn.src: payload for turn, payload in zip(bplan.turns, payloads, strict=True)}

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from weightwire.backends.base import Sent
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.broadcast_plan import (
@@ -60,7 +61,7 @@ from weightwire.trainer.multi_base import PlannedBroadcast, RoundFailed, TurnFai
 from weightwire.trainer.multi_group import GroupWire
 from weightwire.trainer.multi_star import StarWire
 from weightwire.trainer.multi_verify import gather_digests
-from weightwire.trainer.round import Control, Sent, SoleRound, lead_round
+from weightwire.trainer.round import Control, SoleRound, lead_round
 from weightwire.trainer.session import Session, open_wire
 
 logger = logging.getLogger(__name__)
@@ -182,12 +183,12 @@ class MultiSource(StarWire, GroupWire):
                 pairs = self._pairs(turn, digests)
                 if self._shape == "group" and bplan.in_group(self.rank):
                     turns = self._group_turns(bplan)
-                    sent = Sent(*turns.run(pairs))
+                    sent = turns.run(pairs)
                     if turns.failed:
                         raise self._turn_error(turns.failed[0])
                 else:
                     if turn is not None:
-                        sent = Sent(*self._send_turn(turn, pairs, threading.Event()))
+                        sent = self._send_turn(turn, pairs, threading.Event())
                     for _ in pairs:  # the later turns' gathers; raises on an extra tensor
                         pass
         except BaseException as exc:
@@ -197,7 +198,7 @@ class MultiSource(StarWire, GroupWire):
             raise
         self.exchange.post("status", {"error": None, "digests": digests})
         verdict = self._await_verdict(bplan)
-        return RoundMetrics(verdict["version"], sent.nbytes, len(turn.metas) if turn else 0, sent.count, False,
+        return RoundMetrics(verdict["version"], sent.nbytes, len(turn.metas) if turn else 0, sent.sends, False,
                             sender=turn is not None, seconds=clock.seconds)
 
     def _pairs(self, turn: Turn | None, digests: dict[str, str] | None) -> Iterator[tuple[str, Any]]:
@@ -232,9 +233,9 @@ class MultiSource(StarWire, GroupWire):
         pairs = self._pairs(bplan.turn_of(0), own)
         failed: list[TurnFailure] = []
         if self._shape == "group":
-            sent = Sent(*self._group_lead(bplan, payloads, pairs, failed))
+            sent = self._group_lead(bplan, payloads, pairs, failed)
         else:
-            sent = Sent(*self._star_lead(bplan, payloads, pairs, failed))
+            sent = self._star_lead(bplan, payloads, pairs, failed)
         if failed:
             raise self._turn_error(failed[0])
         return sent

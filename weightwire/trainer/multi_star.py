@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from weightwire.backends.base import StarEndpoint, StarSource
+from weightwire.backends.base import Sent, StarEndpoint, StarSource
 from weightwire.control.fanout import spawn
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import TCP_SECRET_BYTES
@@ -85,7 +85,7 @@ class StarWire(MultiBase):
         secret = share.secret_with(endpoint.get("keyshare"), length=TCP_SECRET_BYTES, context=_STAR_CONTEXT)
         return StarSource(endpoint.get("host"), endpoint.get("port"), secret)  # type: ignore[arg-type]
 
-    def _send_turn(self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event) -> tuple[int, int]:
+    def _send_turn(self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event) -> Sent:
         pipeline = self.session.sender
         assert pipeline is not None
         # islice: the pipeline must not pull past this turn (the next item may be a
@@ -104,18 +104,18 @@ class StarWire(MultiBase):
             raise RoundFailed(f"trainer rank 0 ended the round before the turn of rank {turn.rank} (src {turn.src})")
 
     def _star_lead(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], pairs: Iterator[tuple[str, Any]],
-                   failed: list[TurnFailure]) -> tuple[int, int]:
+                   failed: list[TurnFailure]) -> Sent:
         """Rank 0's transfer over stars: its own slice on its star, the turns' requests beside it."""
         s = self.session
         t = s.info.timeouts
         stop = threading.Event()
         self._went = set()
-        nbytes = count = 0
+        sent = Sent(0, 0)
         turns = spawn(lambda: self._run_turns(bplan, payloads, stop, failed), name="weightwire-turns")
         mine = bplan.turn_of(0)
         try:
             if mine is not None:
-                nbytes, count = self._send_turn(mine, pairs, stop)
+                sent = self._send_turn(mine, pairs, stop)
             for _ in pairs:
                 pass
         except BaseException as exc:
@@ -125,7 +125,7 @@ class StarWire(MultiBase):
             if s.link is not None:
                 s.link.abort()
         _wait(turns, t.http_s * (len(bplan.turns) + 1))
-        return nbytes, count
+        return sent
 
     def _go(self, turn: Turn, go: bool) -> None:
         # Each key once per round (the JAX store refuses to overwrite); rank 0's own turn needs none.

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from weightwire.backends.base import WirePlan
+from weightwire.backends.base import Sent, WirePlan
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
@@ -39,14 +39,6 @@ from weightwire.trainer.verify import VerifyError
 
 Control = Callable[[], None]
 """The round's control plane (verify snapshot, pause, start): the wire runs it once, before any byte."""
-
-
-@dataclass(frozen=True)
-class Sent:
-    """What this rank put on the wire in a round."""
-
-    nbytes: int
-    count: int
 
 
 class Wire(Protocol):
@@ -127,7 +119,7 @@ def lead_round(s: Session, bplan: BroadcastPlan, metas: list[ParamMeta], version
         raise
     if end is not None:
         end.committed(version)
-    return RoundMetrics(version, sent.nbytes, len(metas), sent.count, reused, seconds=clock.seconds, verify=report)
+    return RoundMetrics(version, sent.nbytes, len(metas), sent.sends, reused, seconds=clock.seconds, verify=report)
 
 
 def _payloads(s: Session, bplan: BroadcastPlan, draft: bool) -> tuple[list[dict[str, Any]], bool]:
@@ -187,11 +179,10 @@ class SoleWire:
         step = Transfer(s.link, s.sender, post_update=lambda: s.client.update_weights(payload),
                         control=control, clock=clock, http_s=s.info.timeouts.http_s)
         try:
-            nbytes, count = step.run(chunked(sole.wire.reorder(pairs), sole.chunks), sole.wire.metas)
+            return step.run(chunked(sole.wire.reorder(pairs), sole.chunks), sole.wire.metas)
         finally:
             if step.broken is not None:
                 s.broken = step.broken
-        return Sent(nbytes, count)
 
     def digests(self, own: dict[str, str]) -> dict[str, str]:
         return own

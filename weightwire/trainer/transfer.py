@@ -26,7 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from weightwire.backends.base import Prepared, RoundSender
+from weightwire.backends.base import Prepared, RoundSender, Sent
 from weightwire.control.fanout import spawn
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.errors import ControlTimeout
@@ -138,13 +138,13 @@ class Transfer:
         self._update: Future | None = None
         self.broken: BaseException | None = None
 
-    def run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> tuple[int, int]:
+    def run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> Sent:
         """Broadcast ``prepared``; returns ``(bytes, broadcasts)`` once the update POST answered.
         The control plane's threads get the GIL back quickly meanwhile (``handoff``)."""
         with quick_handoffs():
             return self._run(prepared, wire_metas)
 
-    def _run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> tuple[int, int]:
+    def _run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> Sent:
         pipeline, stop = self._pipeline, self._stop
         try:
             sent = pipeline.send(prepared, stop, self._begin, metas=wire_metas)

@@ -24,7 +24,15 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
-from weightwire.backends.base import Begin, DevicePacker, Prepared, RoundAborted, RoundSender, check_chunk_bytes
+from weightwire.backends.base import (
+    Begin,
+    DevicePacker,
+    Prepared,
+    RoundAborted,
+    RoundSender,
+    Sent,
+    check_chunk_bytes,
+)
 from weightwire.backends.device import stream_pointer
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.link import IPCSenderComm
@@ -63,7 +71,7 @@ class IPCDataPath(RoundSender):
         self._host_wait = wait_mode() == "host"
         self.rounds = 0
 
-    def _run(self, begin: Begin, pump: Callable[[_Starter], tuple[int, int]]) -> tuple[int, int]:
+    def _run(self, begin: Begin, pump: Callable[[_Starter], Sent]) -> Sent:
         """``pump`` a round with the control plane (pause, start, then the update POST)
         running beside the first fills; the pump announces nothing before it returned.
         Joined on every exit path."""
@@ -107,7 +115,7 @@ class IPCPipeline(IPCDataPath):
     # root: IPC carries one broadcaster (check_receiver refuses several), always rank 0.
     # Packed or unpacked, a chunk goes through the ring as pieces.
     def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
-             metas: Sequence[ParamMeta] = (), root: int = 0) -> tuple[int, int]:
+             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
         return self._send(prepared, stop, begin)
 
     def close(self) -> None:
@@ -124,7 +132,7 @@ class IPCPipeline(IPCDataPath):
 
     # -- a round ----------------------------------------------------------------------------
 
-    def _send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin) -> tuple[int, int]:
+    def _send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin) -> Sent:
         slots, cp = self._comm.slots, self._comm.cp
         if not slots.allocated:
             slots.allocate()
@@ -135,7 +143,7 @@ class IPCPipeline(IPCDataPath):
         return self._run(begin, lambda starter: self._pump(prepared, stop, starter, copy, size, n))
 
     def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter, copy: Any,
-              size: int, n: int) -> tuple[int, int]:
+              size: int, n: int) -> Sent:
         comm, slots, cp = self._comm, self._comm.slots, self._comm.cp
         nbytes = pieces = 0
 
@@ -179,7 +187,7 @@ class IPCPipeline(IPCDataPath):
             starter.wait()
             self._end_round()
         self.rounds += 1
-        return nbytes, pieces
+        return Sent(nbytes, pieces)
 
     def _acquire(self, slot: int) -> None:
         """Slot ``slot`` may be refilled: every worker's free message for it arrived and

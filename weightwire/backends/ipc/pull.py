@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from contextlib import suppress
 from typing import Any
 
-from weightwire.backends.base import Begin, DevicePacker, Prepared, RoundAborted
+from weightwire.backends.base import Begin, DevicePacker, Prepared, RoundAborted, Sent
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
 from weightwire.backends.ipc.link import IPCSenderComm
@@ -145,7 +145,7 @@ class IPCPullPipeline(IPCDataPath):
         """Per worker: this round's early wants by chunk (None until its "early" message was read)."""
 
     def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
-             metas: Sequence[ParamMeta] = (), root: int = 0) -> tuple[int, int]:
+             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
         # Before this round's start can reach a worker, an early message already here is
         # from an earlier round that read none of it (its buffers were never filled) and void.
         for ch in self._comm.channels:
@@ -174,7 +174,7 @@ class IPCPullPipeline(IPCDataPath):
             return named
         return ch.expect("want", deadline=deadline, what=what, alive=alive)
 
-    def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> tuple[int, int]:
+    def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> Sent:
         comm, cp = self._comm, self._comm.cp
         gather = self._gather.copy
         sptr = self._sptr
@@ -222,7 +222,7 @@ class IPCPullPipeline(IPCDataPath):
             if comm.release_after_round:
                 self._unmap()
         self.rounds += 1
-        return nbytes, count
+        return Sent(nbytes, count)
 
     def _unmap(self) -> None:
         """Release-after-round: close every mapping (the fill stream settled), then let
