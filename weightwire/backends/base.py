@@ -166,8 +166,9 @@ class RoundSender(ABC):
     @abstractmethod
     def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
              metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
-        """Send every chunk (``metas``: the round's wire order); returns once all left. ``root``: this broadcaster's rank on the wire. Stops with ``RoundAborted``
-        once ``stop`` is set."""
+        """Send every chunk (``metas``: the round's wire order); returns once all left.
+        ``root``: this broadcaster's rank on the wire. Stops with ``RoundAborted`` once
+        ``stop`` is set."""
 
     def settle(self) -> None:
         """A round that failed before its first byte: finish the local work it queued."""
@@ -282,7 +283,8 @@ class Backend(ABC):
 
     def plan_round(self, metas: Sequence[ParamMeta], *, features: ServerFeatures, packed: bool,
                    buffer_size_bytes: int) -> WirePlan:
-        """The round's wire order; a stock receiver may reorder it or refuse it (``StockRefusal``)."""
+        """The round's wire order; a stock receiver may reorder it or refuse it
+        (``StockRefusal``)."""
         return WirePlan(list(metas))
 
     def open_star(self, settings: SenderSettings, *, world_size: int, secret: bytes) -> StarEndpoint:

@@ -38,7 +38,8 @@ from weightwire.trainer.transfer import Transfer, best_effort_resume, chunked, t
 from weightwire.trainer.verify import VerifyError
 
 Control = Callable[[], None]
-"""The round's control plane (verify snapshot, pause, start): the wire runs it once, before any byte."""
+"""The round's control plane (verify snapshot, pause, start): the wire runs it once,
+before any byte."""
 
 
 class Wire(Protocol):
@@ -113,7 +114,8 @@ def lead_round(s: Session, bplan: BroadcastPlan, metas: list[ParamMeta], version
         if end is not None:
             end.failed(exc, committed=committed)
         if paused and committed:
-            best_effort_resume(s.client)  # committed: the model is whole, so a round paused as a whole resumes
+            # Committed: the model is whole, so a round paused as a whole resumes.
+            best_effort_resume(s.client)
         elif paused:
             after_failed_round(s.client, pause)
         raise

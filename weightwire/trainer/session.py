@@ -44,7 +44,8 @@ class Framework(Protocol):
 
 @dataclass(frozen=True)
 class SentKey:
-    """Whose slice the workers hold: the round's target (draft or not) and the broadcaster's ``src``."""
+    """Whose slice the workers hold: the round's target (draft or not) and the
+    broadcaster's ``src``."""
 
     draft: bool
     src: int
@@ -92,7 +93,8 @@ class Session:
         return out if digests is None else tap(out, digests, self.framework.tensor_sha256)
 
     def round_pause(self, metas: list[ParamMeta]) -> RoundPause:
-        """This round's pause (``gating.round_pause``; a round applied in place: refusing, no resume on failure)."""
+        """This round's pause (``gating.round_pause``; a round applied in place:
+        refusing, no resume on failure)."""
         return round_pause(self.info, self.pause_mode, stock_receiver=self.backend.caps.stock_receiver,
                            nbytes=round_bytes(metas), client=self.client)
 
