@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is imported on first use
     from weightwire._extras import MissingExtra as MissingExtra
-    from weightwire.backends.nccl.stock import StockRefusal as StockRefusal
+    from weightwire.backends.base import StockRefusal as StockRefusal
     from weightwire.control.client import HTTPWeightSyncClient as HTTPWeightSyncClient
     from weightwire.control.ray_client import RayWeightSyncClient as RayWeightSyncClient
     from weightwire.jax_side import JAXTrainerEngine as JAXTrainerEngine

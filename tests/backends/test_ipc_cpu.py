@@ -62,7 +62,7 @@ def test_ipc_init_info_refuses_bad_payloads_by_field(body: dict, needle: str) ->
 
 def test_backend_is_registered_on_device_and_knob_is_checked() -> None:
     backend = get_backend("weightwire_ipc")
-    assert backend.on_device and backend.name == "weightwire_ipc"
+    assert backend.caps.on_device and backend.name == "weightwire_ipc"
     assert TrainerInitInfo(backend="weightwire_ipc", ipc_release_after_round=True).ipc_release_after_round
     with pytest.raises(ValueError, match="ipc_release_after_round must be a bool"):
         TrainerInitInfo(backend="weightwire_ipc", ipc_release_after_round=1)  # type: ignore[arg-type]

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from weightwire.backends.device import DeviceBytes
 from weightwire.backends.ipc import gather as gather_mod
 from weightwire.backends.ipc.gather import MIN_BATCH, GatherCopy
-from weightwire.backends.nccl.buffers import DeviceBytes
 
 SMALL = 1 << 20  # the tests' threshold (monkeypatched): below it the kernel, from it a memcpy
 TILE = 4096

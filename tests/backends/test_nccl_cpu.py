@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import weightwire.backends.nccl.comm as nccl_mod
-from weightwire.backends.nccl.buffers import DeviceBytes, stream_pointer
+from weightwire.backends.device import DeviceBytes, stream_pointer
 from weightwire.backends.nccl.comm import (
     NCCLCommunicator,
     NCCLUnavailable,
@@ -378,7 +378,7 @@ def test_device_bytes_pass_through_unresolved_and_are_checked_like_any_buffer() 
 
 
 def test_slot_buffers_copy_parts_back_to_back_and_reuse_each_slot() -> None:
-    from weightwire.backends.nccl.buffers import SlotBuffers
+    from weightwire.backends.device import SlotBuffers
 
     copies: list[tuple[int, int, int, int, int]] = []
     allocated: list[int] = []
@@ -413,7 +413,7 @@ def test_slot_buffers_copy_parts_back_to_back_and_reuse_each_slot() -> None:
 
 
 def test_framework_arrays_become_device_bytes_without_copies() -> None:
-    from weightwire.backends.nccl.buffers import array_device_bytes, tensor_device_bytes
+    from weightwire.backends.device import array_device_bytes, tensor_device_bytes
 
     jnp = pytest.importorskip("jax.numpy")
     x = jnp.arange(12, dtype=jnp.bfloat16).reshape(3, 4)

@@ -62,13 +62,14 @@ def test_each_package_declares_its_own_backends() -> None:
 
 @pytest.mark.parametrize("name", backends.BACKEND_NAMES)
 def test_trainer_backend_matches_its_entry(name: str) -> None:
-    from weightwire.trainer.backends import Backend, get_backend
+    from weightwire.backends.base import Backend
+    from weightwire.trainer.backends import get_backend
 
     spec = backends.SPECS[name]
     cls = backends.load(spec.trainer)
     assert issubclass(cls, Backend) and cls.name == name
-    assert cls.stock_receiver is spec.stock_receiver
-    assert cls.on_device is spec.needs_cuda  # packing in device memory is what needs the GPU
+    assert cls.caps.stock_receiver is spec.stock_receiver
+    assert cls.caps.on_device is spec.needs_cuda  # packing in device memory is what needs the GPU
     backend = get_backend(name)
     assert type(backend) is cls and get_backend(name) is backend  # one instance, made once
 

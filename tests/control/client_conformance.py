@@ -8,7 +8,8 @@ Nothing here runs (not a test module: pytest does not collect it).
 from __future__ import annotations
 
 from tests.trainer.fakes import FakeComm
-from weightwire.backends.ipc.trainer import IPCSenderComm
+from weightwire.backends.base import Link
+from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.nccl.comm import NCCLCommunicator
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.control.client import HTTPWeightSyncClient
@@ -34,8 +35,11 @@ def engine_client(http: HTTPWeightSyncClient) -> EngineClient:
     return http
 
 
-def communicators(tcp: TCPCommunicator, nccl: NCCLCommunicator, ipc: IPCSenderComm,
-                  fake: FakeComm) -> list[Communicator]:
+def communicators(tcp: TCPCommunicator, nccl: NCCLCommunicator, fake: FakeComm) -> list[Communicator]:
+    return [tcp, nccl, fake]
+
+
+def links(tcp: TCPCommunicator, nccl: NCCLCommunicator, ipc: IPCSenderComm, fake: FakeComm) -> list[Link]:
     return [tcp, nccl, ipc, fake]
 
 

@@ -207,7 +207,7 @@ def test_secrets_never_in_logs_or_reprs(shared_server: Server, probe: Probe, sou
     try:
         want = source.perturb(302)
         metrics = engine.send_weights("debug-round")
-        reprs = [repr(engine), repr(engine._comm), repr(client), repr(metrics), str(metrics.summary())]
+        reprs = [repr(engine), repr(engine.session.link), repr(client), repr(metrics), str(metrics.summary())]
         from weightwire.shared.info import TCPInitInfo
 
         reprs.append(repr(TCPInitInfo.from_dict(client.posted[-1])))

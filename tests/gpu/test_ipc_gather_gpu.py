@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from weightwire.backends.nccl.buffers import DeviceBytes
+from weightwire.backends.device import DeviceBytes
 
 
 def _run(sizes: list[int], *, dst_offset: int, src_skew: bool, kernel: bool = True) -> None:

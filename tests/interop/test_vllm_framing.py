@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from tests.trainer.fakes import DictSource
-from weightwire.backends.nccl.stock import StockRefusal
+from weightwire.backends.base import SenderCaps, StockRefusal, WirePlan
+from weightwire.backends.nccl.stock import plan_for_stock
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.backends.tcp.trainer import TCPBackend
@@ -198,7 +199,10 @@ class StockTCPBackend(TCPBackend):
     """Our TCP data plane, planned as for a stock ``nccl`` worker (the receiver is vLLM's code)."""
 
     name: ClassVar[str] = "interop_stock_tcp"
-    stock_receiver: ClassVar[bool] = True
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=False, stock_receiver=True)
+
+    def plan_round(self, metas: Any, *, features: Any, packed: bool, buffer_size_bytes: int) -> WirePlan:
+        return plan_for_stock(metas, features=features, packed=packed, buffer_size_bytes=buffer_size_bytes)
 
 
 register_backend(StockTCPBackend(), replace=True)

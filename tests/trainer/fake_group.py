@@ -7,7 +7,7 @@ discard another broadcaster's turn) leaves the others waiting until their timeou
 and the test fails with that ``TransferTimeout`` instead of passing. An aborted member
 fails its own calls; the others find out through their timeouts, as with NCCL.
 
-``FakeGroupBackend`` (``several_broadcasters = "group"``) hands rank 0, the other
+``FakeGroupBackend`` (``caps.several == "group"``) hands rank 0, the other
 broadcasters (``join_peer``) and the fake workers members of one world;
 ``FakeWorkers`` answers a ``FakeServer``'s init / update routes by receiving each turn
 from its ``src`` and recording every tensor's sha256 per worker.
@@ -24,11 +24,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from tests.trainer.fakes import FakeServer
+from weightwire.backends.base import Backend, DevicePacker, Rendezvous, RoundSender, SenderCaps, SenderParts
+from weightwire.backends.pipelines import DevicePipeline
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.backends import Backend, Rendezvous, register_backend
-from weightwire.trainer.pipelines import DevicePacker
+from weightwire.trainer.backends import register_backend
 
 
 def as_bytes(buffer: Any) -> np.ndarray:
@@ -133,25 +134,36 @@ class FakeMember:
 class FakePacker(DevicePacker):
     """Host arrays standing in for device buffers."""
 
+    ordinal = 0
+
     def new_stream(self) -> Any:
         return object()
 
-    def pack(self, tensors: Sequence[Any], nbytes: int, stream: Any, slot: int) -> Any:
-        out = np.concatenate([as_bytes(t) for t in tensors]) if tensors else np.empty(0, np.uint8)
+    def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
+        return [as_bytes(t).copy() for t in tensors]
+
+
+class FakeSlots:
+    """Host stand-in for ``backends.device.SlotBuffers``."""
+
+    def gather(self, slot: int, parts: Sequence[Any], nbytes: int, stream: Any) -> Any:
+        out = np.concatenate(list(parts)) if parts else np.empty(0, np.uint8)
         assert out.nbytes == nbytes
         return out
 
-    def wire(self, tensor: Any, stream: Any) -> Any:
-        return as_bytes(tensor).copy()
-
-    def receive_buffer(self, nbytes: int, slot: int) -> Any:
+    def slot(self, slot: int, nbytes: int) -> Any:
         return np.empty(nbytes, np.uint8)
+
+    def settled(self, slot: int) -> None:
+        return None
+
+    def release(self) -> None:
+        return None
 
 
 class FakeGroupBackend(Backend):
     name: ClassVar[str] = "fake_group"
-    on_device: ClassVar[bool] = True
-    several_broadcasters: ClassVar[str | None] = "group"
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, several="group")
 
     def open(self, info: Any, *, world_size: int) -> Rendezvous:
         world = FakeWorld(world_size)
@@ -162,6 +174,13 @@ class FakeGroupBackend(Backend):
 
         return _Rdv({"world_id": world.id, "world_size": world_size, "rank_offset": 1, "packed": info.packed,
                      "packed_buffer_size_bytes": info.packed_buffer_size_bytes, "timeout_s": info.timeouts.transfer_s})
+
+    def sender(self, link: Any, settings: Any, parts: SenderParts) -> RoundSender:
+        assert parts.packer is not None
+        count = settings.packed_num_buffers
+        return DevicePipeline(link, parts.packer, FakeSlots(), packed=settings.packed, num_buffers=count,
+                              timeout=settings.timeouts.transfer_s,
+                              hold_bytes=settings.packed_buffer_size_bytes * count)
 
     def peer_fields(self, payload: dict[str, Any]) -> dict[str, Any]:
         return {"world_id": payload["world_id"], "world_size": payload["world_size"]}

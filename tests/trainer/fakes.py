@@ -11,11 +11,13 @@ from typing import Any, ClassVar
 import httpx
 import numpy as np
 
+from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCaps, SenderParts
+from weightwire.backends.pipelines import HostPipeline
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.shared.communicator import TransferError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
-from weightwire.trainer.backends import Backend, Rendezvous, register_backend
+from weightwire.trainer.backends import register_backend
 
 
 class FakeServer:
@@ -113,7 +115,7 @@ class FakeBackend(Backend):
     """Host-packing backend whose rendezvous hands out ``comm``."""
 
     name: ClassVar[str] = "fake_host"
-    on_device: ClassVar[bool] = False
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=False)
 
     def __init__(self) -> None:
         self.comm = FakeComm()
@@ -129,6 +131,15 @@ class FakeBackend(Backend):
 
         return _Rdv({"fake": True, "world_size": world_size, "packed": info.packed,
                      "packed_buffer_size_bytes": info.packed_buffer_size_bytes})
+
+    def sender(self, link: Any, settings: Any, parts: SenderParts) -> RoundSender:
+        return host_sender(link, settings, parts)
+
+
+def host_sender(link: Any, settings: Any, parts: SenderParts) -> RoundSender:
+    """A fake host backend's data path: the generic host pipeline over ``link``."""
+    return HostPipeline(link, parts.host_bytes, num_buffers=settings.packed_num_buffers,
+                        timeout=settings.timeouts.transfer_s, prefetch=parts.prefetch)
 
 
 FAKE = FakeBackend()

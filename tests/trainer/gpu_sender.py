@@ -169,9 +169,9 @@ def main() -> int:
             sent = {n: sha(t) for n, t in source.tensors.items()}
             (reply,) = client.weight_checker("checksum")
             bad = sorted(n for n, d in sent.items() if reply["checksums"].get(n) != d)
-            held = getattr(engine._pipeline, "held_bytes", None)
+            held = getattr(engine.session.sender, "held_bytes", None)
             rounds.append({"trainer_extra": held() if held is not None else None,
-                           "pipeline": type(engine._pipeline).__name__, "version": metrics.version, "nbytes": metrics.nbytes, "chunks": metrics.chunks,
+                           "pipeline": type(engine.session.sender).__name__, "version": metrics.version, "nbytes": metrics.nbytes, "chunks": metrics.chunks,
                            "gbps": metrics.gbps, "wall_s": wall, "seconds": metrics.seconds,
                            "reused_metadata": metrics.reused_metadata, "mismatched": bad,
                            "receiver": client.stats(), "weight_version": client.weight_info()[0]["weight_version"],

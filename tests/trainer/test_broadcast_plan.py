@@ -351,5 +351,5 @@ def test_receiver_gate() -> None:
 def test_backends_declare_how_they_carry_several_broadcasters() -> None:
     from weightwire.trainer.backends import get_backend
 
-    shapes = {n: get_backend(n).several_broadcasters for n in ("weightwire_tcp", "weightwire_nccl", "nccl", "weightwire_ipc")}
+    shapes = {n: get_backend(n).caps.several for n in ("weightwire_tcp", "weightwire_nccl", "nccl", "weightwire_ipc")}
     assert shapes == {"weightwire_tcp": "stars", "weightwire_nccl": "group", "nccl": None, "weightwire_ipc": None}

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
+from weightwire.backends.base import SenderCaps
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
@@ -42,12 +43,12 @@ def fresh_comm(monkeypatch: pytest.MonkeyPatch) -> FakeComm:
     FAKE.comm = FakeComm()
     FAKE.opened.clear()
     # The fake backend stands in for a stock worker here: auto pauses only those.
-    monkeypatch.setattr(type(FAKE), "stock_receiver", True)
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=True))
     return FAKE.comm
 
 
 def test_auto_never_pauses_a_staging_plugin_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     engine = engine_for(server.client(), DictSource(numpy_weights(), describe))
     engine.send_weights()
@@ -244,7 +245,7 @@ def test_a_round_summary_counts_in_words() -> None:
 
 def test_auto_pauses_a_round_applied_in_place_with_abort_and_resumes_after_commit(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0)
     engine.send_weights()
@@ -286,7 +287,7 @@ def test_a_failed_round_in_place_leaves_the_guard_to_the_workers(
 
 
 def test_a_round_within_the_budget_is_staged_and_not_paused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     weights = numpy_weights()
     server = FakeServer()
     exact = sum(a.nbytes for a in weights.values())
@@ -299,7 +300,7 @@ def test_a_round_within_the_budget_is_staged_and_not_paused(monkeypatch: pytest.
 @pytest.mark.parametrize("route", ["update_weights", "finish_weight_update"])
 def test_a_failed_round_applied_in_place_leaves_the_server_refusing(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, route: str) -> None:
-    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     server.fail[route] = (500, "worker 0: round failed at chunk 2/3")
     engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0)
@@ -310,7 +311,7 @@ def test_a_failed_round_applied_in_place_leaves_the_server_refusing(
 
 
 def test_keep_becomes_abort_for_a_round_applied_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0,
                         pause_mode="keep")
@@ -319,7 +320,7 @@ def test_keep_becomes_abort_for_a_round_applied_in_place(monkeypatch: pytest.Mon
 
 
 def test_none_opts_out_of_pausing_a_round_applied_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0,
                         pause_mode=None)

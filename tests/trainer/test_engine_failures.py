@@ -11,6 +11,7 @@ import pytest
 
 import weightwire.trainer.transfer as transfer_mod
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
+from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCaps, SenderParts
 from weightwire.control.errors import WeightSyncError
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
@@ -18,7 +19,7 @@ from weightwire.shared.communicator import PeerLost, TransferError, TransferTime
 from weightwire.shared.source import SourceMismatch
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import EngineBroken, TrainerInitInfo
-from weightwire.trainer.backends import Backend, Rendezvous, register_backend, unregister_backend
+from weightwire.trainer.backends import register_backend, unregister_backend
 from weightwire.trainer.engine import ControlTimeout
 
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=30)
@@ -134,7 +135,7 @@ class StuckJoin(Backend):
     """A rendezvous whose workers never arrive: join blocks until cancelled or timed out."""
 
     name: ClassVar[str] = "stuck_join"
-    on_device: ClassVar[bool] = False
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=False)
 
     def __init__(self) -> None:
         self.cancelled = threading.Event()
@@ -152,6 +153,9 @@ class StuckJoin(Backend):
                 backend.cancelled.set()
 
         return _Rdv({"secret_b64": "never-logged"})
+
+    def sender(self, link: Any, settings: Any, parts: SenderParts) -> RoundSender:
+        raise AssertionError("nobody ever joins this backend")
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
+from weightwire.backends.base import SenderCaps
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
@@ -37,7 +38,7 @@ def fresh_comm() -> None:
 
 @pytest.fixture(params=[False, True], ids=["plugin", "stock"])
 def stock(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    monkeypatch.setattr(type(FAKE), "stock_receiver", request.param)
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=request.param))
     return bool(request.param)
 
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
+from weightwire.backends.device import DeviceBytes
 from weightwire.backends.ipc.channel import Channel
+from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.pipeline import IPCPipeline
 from weightwire.backends.ipc.slots import IPCSlots
-from weightwire.backends.ipc.trainer import IPCSenderComm
-from weightwire.backends.nccl.buffers import DeviceBytes
 from weightwire.shared.communicator import PeerLost, TransferError
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
@@ -165,7 +165,7 @@ def test_pieces_split_tensors_at_slot_edges_and_wait_for_releases() -> None:
     order: list[str] = []
     worker.log = order
     prepared = _prepared([30, 90, 50, 10], 100)  # chunks [t0 t1] = 120 B, [t2 t3] = 60 B
-    nbytes, pieces = pipe.send_packed(prepared, threading.Event(), begin=lambda: order.append("begin"))
+    nbytes, pieces = pipe.send(prepared, threading.Event(), begin=lambda: order.append("begin"))
     worker.join(10)
     assert (nbytes, pieces) == (180, 3)
     ready = [{k: m[k] for k in ("c", "s", "o", "n")} for m in worker.seen]
@@ -189,7 +189,7 @@ def test_pieces_split_tensors_at_slot_edges_and_wait_for_releases() -> None:
 def test_release_after_round_frees_slots_and_announces_new_ones() -> None:
     log, slots, worker, pipe = _setup(50, release=True)
     first = list(slots.ptrs)
-    pipe.send_packed(_prepared([50], 100), threading.Event())
+    pipe.send(_prepared([50], 100), threading.Event())
     worker.join(10)
     assert not slots.allocated and pipe.held_bytes() == 0
     assert [("free", p) for p in first] == [e for e in log if e[0] == "free"]  # only after the worker's "closed"
@@ -198,7 +198,7 @@ def test_release_after_round_frees_slots_and_announces_new_ones() -> None:
     pipe._comm.channels[0] = Channel(a, "IPC worker rank 1")
     second = FakeWorker(b, 50, release=True)
     second.start()
-    pipe.send_packed(_prepared([50], 100), threading.Event())
+    pipe.send(_prepared([50], 100), threading.Event())
     second.join(10)
     assert [m["op"] for m in second.seen] == ["slots", "ready"]
     assert len(second.seen[0]["mem"]) == 2 and not slots.allocated
@@ -207,14 +207,14 @@ def test_release_after_round_frees_slots_and_announces_new_ones() -> None:
 def test_a_release_out_of_order_is_refused_by_name() -> None:
     _, _, _, pipe = _setup(300, misbehave="wrong_slot")
     with pytest.raises(TransferError, match="released IPC slot 1 where slot 0 was due"):
-        pipe.send_packed(_prepared([100, 100, 100], 99), threading.Event())
+        pipe.send(_prepared([100, 100, 100], 99), threading.Event())
 
 
 def test_a_dead_worker_is_peer_lost_not_a_hang() -> None:
     _, _, _, pipe = _setup(300, misbehave="die")
     # Seen on the next send (broken pipe) or the next wait (EOF): either way named, at once.
     with pytest.raises(PeerLost, match="lost IPC worker rank 1 while|IPC worker rank 1 closed the IPC control channel"):
-        pipe.send_packed(_prepared([100, 100, 100], 99), threading.Event())
+        pipe.send(_prepared([100, 100, 100], 99), threading.Event())
 
 
 def test_a_refused_start_announces_nothing() -> None:
@@ -224,7 +224,7 @@ def test_a_refused_start_announces_nothing() -> None:
         raise RuntimeError("start_weight_update failed: 409 a round is already active")
 
     with pytest.raises(RuntimeError, match="409 a round is already active"):
-        pipe.send_packed(_prepared([100], 200), threading.Event(), begin)
+        pipe.send(_prepared([100], 200), threading.Event(), begin)
     pipe._comm.abort()
     worker.join(10)
     assert worker.seen == []
@@ -232,7 +232,7 @@ def test_a_refused_start_announces_nothing() -> None:
 
 def test_unpacked_rounds_take_one_piece_per_tensor() -> None:
     _, _, worker, pipe = _setup(60)
-    nbytes, pieces = pipe.send_unpacked(_prepared([10, 20, 30], 100, packed=False), [], threading.Event())
+    nbytes, pieces = pipe.send(_prepared([10, 20, 30], 100, packed=False), threading.Event())
     worker.join(10)
     assert (nbytes, pieces) == (60, 3)
     assert [(m["c"], m["s"], m["n"]) for m in worker.seen] == [(0, 0, 10), (1, 1, 20), (2, 0, 30)]

@@ -18,6 +18,7 @@ import pytest
 
 from tests.trainer.fake_group import FakePacker, FakeWorkers
 from tests.trainer.fakes import DictSource, FakeServer
+from weightwire.backends.pipelines import DevicePipeline
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.owned import OwnedSource
@@ -26,7 +27,6 @@ from weightwire.trainer.broadcast_plan import PlanError
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.group import DictGroup
 from weightwire.trainer.multi_source import RoundFailed
-from weightwire.trainer.pipelines import DevicePipeline
 from weightwire.trainer.verify import VerifyError
 
 pytestmark = pytest.mark.timeout(120)

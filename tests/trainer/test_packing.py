@@ -16,13 +16,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from weightwire.backends.nccl.buffers import DeviceBytes
+from weightwire.backends.base import DevicePacker, RoundAborted
+from weightwire.backends.device import DeviceBytes, SlotBuffers
+from weightwire.backends.pipelines import DevicePipeline, HostPipeline
 from weightwire.jax_side.packer import pack_bytes
 from weightwire.shared.communicator import PeerLost
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.pipelines import DevicePacker, DevicePipeline, HostPipeline, RoundAborted, SlotPacker, chunked
+from weightwire.trainer.transfer import chunked
 
 
 def mixed() -> list[np.ndarray]:
@@ -51,21 +53,41 @@ def test_jax_fused_pack_matches_the_numpy_reference() -> None:
 class NumpyPacker(DevicePacker):
     def __init__(self) -> None:
         self.streams = 0
+        self.ordinal = 0
 
     def new_stream(self) -> str:
         self.streams += 1
         return f"s{self.streams - 1}"
 
-    def pack(self, tensors: Any, nbytes: int, stream: Any, slot: int) -> np.ndarray:
-        return np.concatenate([np.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in tensors])
-
-    def wire(self, tensor: Any, stream: Any) -> np.ndarray:
-        return np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
+    def regions(self, tensors: Any, stream: Any) -> list[np.ndarray]:
+        return [np.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in tensors]
 
 
-def test_slot_packer_packs_a_chunk_from_regions_and_sends_one_tensor_as_its_region(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The shared half of both framework packers: pack = the regions gathered back to back
-    # into the slot's buffer on the stream; wire = the one tensor's own region.
+class NumpySlots:
+    """Host stand-in for ``SlotBuffers``: a gather is a concatenation."""
+
+    def gather(self, slot: int, parts: Any, nbytes: int, stream: Any) -> np.ndarray:
+        out = np.concatenate(parts) if parts else np.empty(0, np.uint8)
+        assert out.nbytes == nbytes
+        return out
+
+    def slot(self, slot: int, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8)
+
+    def settled(self, slot: int) -> None:
+        return None
+
+    def release(self) -> None:
+        return None
+
+
+def device_pipeline(comm: Any, packer: DevicePacker, *, packed: bool = True, hold_bytes: int = 1 << 20) -> DevicePipeline:
+    return DevicePipeline(comm, packer, NumpySlots(), packed=packed, num_buffers=2, timeout=5, hold_bytes=hold_bytes)
+
+
+def test_slot_buffers_gather_regions_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the NCCL backend does with a framework packer's regions: gathered back to
+    # back into the slot's buffer on the stream, one copy per region.
     copies: list[tuple[int, int, int, int]] = []
 
     class Buf:
@@ -82,22 +104,15 @@ def test_slot_packer_packs_a_chunk_from_regions_and_sends_one_tensor_as_its_regi
                            get_default_memory_pool=lambda: SimpleNamespace(free_all_blocks=lambda: None))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
 
-    class Packer(SlotPacker):
-        def new_stream(self) -> Any:
-            return 0x55
-
-        def regions(self, tensors: Any, stream: Any) -> list[Any]:
-            return [DeviceBytes(ptr, n, 0, None) for ptr, n in tensors]
-
-    packer = Packer(0)
-    out = packer.pack([(0xA0, 10), (0xB0, 6)], 16, 0x55, slot=0)
+    buffers = SlotBuffers(cupy, 0)
+    regions = [DeviceBytes(0xA0, 10, 0, None), DeviceBytes(0xB0, 6, 0, None)]
+    out = buffers.gather(0, regions, 16, 0x55)
     assert out.nbytes == 16 and copies == [(0x1000, 0xA0, 10, 0x55), (0x100A, 0xB0, 6, 0x55)]
-    assert packer.wire((0xC0, 4), 0x55) == DeviceBytes(0xC0, 4, 0, None)
     with pytest.raises(ValueError, match="chunk tensors hold 16 bytes, the plan says 20"):
-        packer.pack([(0xA0, 10), (0xB0, 6)], 20, 0x55, slot=1)
-    packer.settled(0)
-    packer.release()
-    assert packer._buffers.held_bytes() == 0
+        buffers.gather(1, regions, 20, 0x55)
+    buffers.settled(0)
+    buffers.release()
+    assert buffers.held_bytes() == 0
 
 
 class StreamComm:
@@ -122,8 +137,8 @@ def test_device_pipeline_rotates_streams_and_waits_only_on_slot_reuse() -> None:
     chunks = plan(metas, packed=True, buffer_size_bytes=12)  # 12 is not > 12: two tensors per chunk
     comm, packer = StreamComm(), NumpyPacker()
     assert [len(c) for c in chunks] == [2, 2, 1]
-    pipe = DevicePipeline(comm, packer, num_buffers=2, timeout=5, hold_bytes=1 << 20)
-    nbytes, count = pipe.send_packed(chunked(zip([m.name for m in metas], arrays, strict=True), chunks), threading.Event())
+    pipe = device_pipeline(comm, packer)
+    nbytes, count = pipe.send(chunked(zip([m.name for m in metas], arrays, strict=True), chunks), threading.Event())
     assert (nbytes, count) == (60, len(chunks)) and packer.streams == 2
     kinds = [(e[0], e[1]) for e in comm.log]
     # chunk k goes on stream k % 2; stream s is synchronized before its second use; all drained at the end
@@ -143,8 +158,9 @@ def test_device_pipeline_unpacked_uses_each_tensors_nccl_dtype() -> None:
     names = ["a", "b", "c"]
     metas = [ParamMeta("a", "bfloat16", (2, 3)), ParamMeta("b", "int32", (4,)), ParamMeta("c", "float32", ())]
     comm = StreamComm()
-    pipe = DevicePipeline(comm, NumpyPacker(), num_buffers=2, timeout=5, hold_bytes=16)
-    pipe.send_unpacked(chunked(zip(names, arrays, strict=True), plan(metas, packed=False, buffer_size_bytes=1)), metas, threading.Event())
+    pipe = device_pipeline(comm, NumpyPacker(), packed=False, hold_bytes=16)
+    pipe.send(chunked(zip(names, arrays, strict=True), plan(metas, packed=False, buffer_size_bytes=1)), threading.Event(),
+              metas=metas)
     typed = [e for e in comm.log if e[0] == "typed"]
     assert [(e[2], e[3]) for e in typed] == [(wire_dtype(m.dtype).nccl, m.numel) for m in metas]
     assert [e[4] for e in typed] == [a.tobytes() for a in arrays]
@@ -155,10 +171,10 @@ def test_device_pipeline_unpacked_uses_each_tensors_nccl_dtype() -> None:
 def test_device_pipeline_stops_between_chunks_when_asked() -> None:
     stop = threading.Event()
     stop.set()
-    pipe = DevicePipeline(StreamComm(), NumpyPacker(), num_buffers=2, timeout=5, hold_bytes=1)
+    pipe = device_pipeline(StreamComm(), NumpyPacker(), hold_bytes=1)
     metas = [ParamMeta("a", "float32", (1,))]
     with pytest.raises(RoundAborted):
-        pipe.send_packed(chunked([("a", np.zeros(1, np.float32))], plan(metas, packed=True, buffer_size_bytes=4)), stop)
+        pipe.send(chunked([("a", np.zeros(1, np.float32))], plan(metas, packed=True, buffer_size_bytes=4)), stop)
 
 
 class HostComm:
@@ -232,7 +248,7 @@ def test_jax_packer_regions_are_each_arrays_own_buffer() -> None:
     placed on the device first; an empty array points nowhere."""
     import jax
 
-    from weightwire.backends.nccl.buffers import array_device_bytes
+    from weightwire.backends.device import array_device_bytes
     from weightwire.jax_side.packer import JaxDevicePacker
 
     device = jax.devices()[0]

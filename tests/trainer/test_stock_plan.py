@@ -4,6 +4,8 @@ at plan time, before any control call. The framing rules are the reference:
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -11,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.trainer.fakes import DictSource, FakeBackend, FakeServer
-from weightwire.backends.nccl.stock import StockRefusal, plan_for_stock
+from weightwire.backends.base import SenderCaps, StockRefusal, WirePlan
+from weightwire.backends.nccl.stock import plan_for_stock
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.dtypes import WIRE_DTYPES
@@ -165,7 +168,10 @@ def test_plan_is_refused_or_aligned_within_groups(case: tuple[list[ParamMeta], i
 
 class StockFake(FakeBackend):
     name = "fake_stock"
-    stock_receiver = True
+    caps = SenderCaps(on_device=False, stock_receiver=True)
+
+    def plan_round(self, metas: Any, *, features: Any, packed: bool, buffer_size_bytes: int) -> WirePlan:
+        return plan_for_stock(metas, features=features, packed=packed, buffer_size_bytes=buffer_size_bytes)
 
 
 STOCK = StockFake()

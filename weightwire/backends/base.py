@@ -4,15 +4,310 @@ The trainer (``weightwire.trainer``) and the worker package consume this module;
 backend package implements it and imports nothing above ``backends/``.
 """
 
+# ---- trainer side ----
+#
+# A backend gives rank 0 a round's wire in three steps: ``Backend.open`` (a pending
+# ``Rendezvous``: the worker init info to post, and rank 0's half of the join), then
+# ``Backend.sender`` over the joined link (a ``RoundSender``: sends one round's chunks,
+# as many rounds as the session lasts), then ``RoundSender.close`` and ``Link.close``.
+# The trainer asks a backend's ``caps`` what it can do (several broadcasters, a stock
+# receiver, packing on a device) and calls the matching hooks; a hook a backend lacks
+# raises ``NotImplementedError`` naming it.
+
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
+import numpy as np
+
+from weightwire.shared.communicator import Communicator, TransferError
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.timeouts import Timeouts
+from weightwire.shared.version import ServerFeatures
+
+Prepared = tuple[Chunk, list[Any]]
+"""One chunk of the round's plan with its tensors, in wire order."""
+Begin = Callable[[], None] | None
+"""Run once, after the first chunk is prepared and before its first byte goes out (the
+trainer's control plane: pause, start, the update POST). If it raises, nothing was sent."""
+HostBytes = Callable[[Any], np.ndarray]
+"""A tensor's C-order little-endian bytes as a flat ``uint8`` host array."""
+
+Several = Literal["stars", "group"]
+
+
+class Sent(NamedTuple):
+    """What one rank put on the wire in a round."""
+
+    nbytes: int
+    sends: int
+    """Broadcasts, or pieces through a backend's own slots."""
+
+
+class RoundAborted(TransferError):
+    """The round was stopped from outside (the update POST failed) between broadcasts."""
+
+
+class StockRefusal(ConfigError):
+    """A stock vLLM worker cannot receive ``tensor``; ``reason`` says why. Nothing was sent."""
+
+    def __init__(self, tensor: str, reason: str, version: str) -> None:
+        super().__init__(f"stock vLLM {version} (backend 'nccl') cannot receive {tensor!r}: {reason}. "
+                         "Nothing was sent. Use the weightwire_nccl / weightwire_tcp backend (the plugin "
+                         "receives it), or change the tensor on the trainer side")
+        self.tensor = tensor
+        self.reason = reason
+
+
+def check_chunk_bytes(chunk: Chunk, got: int) -> None:
+    """The bytes a chunk's tensors produced must be what the plan (and so the workers) expect."""
+    if got != chunk.nbytes:
+        raise ValueError(f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}")
+
+
+def run_once(begin: Begin) -> Begin:
+    """Call ``begin`` if it is still pending; returns the new pending value (always ``None``)."""
+    if begin is not None:
+        begin()
+    return None
+
+
+class SenderSettings(Protocol):
+    """What a backend reads of the trainer's configuration (``TrainerInitInfo`` is one)."""
+
+    @property
+    def packed(self) -> bool: ...
+    @property
+    def packed_buffer_size_bytes(self) -> int: ...
+    @property
+    def packed_num_buffers(self) -> int: ...
+    @property
+    def timeouts(self) -> Timeouts: ...
+    @property
+    def device(self) -> int | None: ...
+    @property
+    def stage_budget_bytes(self) -> int: ...
+    @property
+    def tcp_bind_host(self) -> str: ...
+    @property
+    def tcp_advertise_host(self) -> str | None: ...
+    @property
+    def ipc_release_after_round(self) -> bool: ...
+    @property
+    def ipc_mode(self) -> str: ...
+
+
+class Link(Protocol):
+    """Rank 0's joined connection to the workers, as the trainer handles it between rounds."""
+
+    def warmup(self, *, timeout: float | None = None) -> None: ...
+    def abort(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Rendezvous(ABC):
+    """One pending rendezvous: the payload to post, and rank 0's half of the join.
+
+    The payload holds secrets (unique id, TCP secret): never logged, never in a repr."""
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        self.payload = payload
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(<payload redacted>)"
+
+    @abstractmethod
+    def join(self, *, timeout: float) -> Any:
+        """Rank 0 joins; returns its ``Link`` once every worker rank is connected (or raises)."""
+
+    def cancel(self) -> None:
+        """Best-effort: make a pending ``join`` fail soon (the init POST already failed)."""
+        return None
+
+
+class DevicePacker(ABC):
+    """The framework's part of an on-device data path: its tensors' device bytes.
+
+    Buffers are ``weightwire.backends.device.DeviceBytes`` on CUDA device ``ordinal``;
+    what a backend does with them (gather into slots, copy into a peer's memory) is its own."""
+
+    ordinal: int
+
+    @abstractmethod
+    def new_stream(self) -> Any:
+        """A CuPy stream (``Stream`` or ``ExternalStream``) on the sender's device."""
+
+    @abstractmethod
+    def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
+        """Each tensor's own device bytes, zero-copy where possible, every producer ordered
+        before ``stream``; each keeps its memory alive until the caller drops it."""
+
+
+@dataclass(frozen=True)
+class SenderParts:
+    """What the trainer's framework lends a backend's data path."""
+
+    host_bytes: HostBytes
+    prefetch: Callable[[list[Any]], None] | None = None
+    """Start device-to-host copies of a chunk before ``host_bytes`` is called."""
+    packer: DevicePacker | None = None
+    """Set when the backend packs on a device (``SenderCaps.on_device``)."""
+
+
+class RoundSender(ABC):
+    """Rank 0's data path over a joined link: one round's chunks at a time."""
+
+    @abstractmethod
+    def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
+             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
+        """Send every chunk (``metas``: the round's wire order); returns once all left.
+        ``root``: this broadcaster's rank on the wire. Stops with ``RoundAborted`` once
+        ``stop`` is set."""
+
+    def settle(self) -> None:
+        """A round that failed before its first byte: finish the local work it queued."""
+        return None
+
+    def close(self) -> None:
+        """The session ended (after the link closed): free what the data path holds."""
+        return None
+
+    def discard(self, chunks: Sequence[Chunk], metas: Sequence[ParamMeta], *, root: int,
+                stop: threading.Event) -> None:
+        """``"group"`` wires: take part in another broadcaster's turn and drop its bytes."""
+        raise NotImplementedError(f"{type(self).__name__} has no shared group for several broadcasters")
+
+
+@dataclass(frozen=True)
+class WirePlan:
+    """The round as it goes on the wire: ``metas`` in broadcast order.
+
+    ``order[i]`` is the source index of wire tensor ``i`` (``None``: source order).
+    A permutation only moves tensors inside their layer group.
+    """
+
+    metas: list[ParamMeta]
+    order: tuple[int, ...] | None = None
+
+    def reorder(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Re-emit a source-order ``(name, tensor)`` stream in wire order.
+
+        Buffers one span at a time: the span covers the source indices a run of wire
+        positions draws from, which is one layer group since the order never crosses one.
+        In source order the stream itself comes back (no per-tensor hop on the byte path).
+        """
+        if self.order is None:
+            return iter(pairs)
+        return _reordered(iter(pairs), self.order)
+
+
+def _reordered(it: Iterator[tuple[str, Any]], order: tuple[int, ...]) -> Iterator[tuple[str, Any]]:
+    """``WirePlan.reorder`` with a permutation: ``order[i]`` is wire tensor ``i``'s source index."""
+    held: dict[int, tuple[str, Any]] = {}
+    pulled = 0
+    for src in order:
+        while src not in held:
+            item = next(it, None)
+            if item is None:
+                return  # short stream: checked_iter upstream raises with the name
+            held[pulled] = item
+            pulled += 1
+        yield held.pop(src)
+    yield from it  # extra tensors reach checked_iter's end check
+
+
+@dataclass(frozen=True)
+class SenderCaps:
+    """What the trainer may ask of a backend's sending side."""
+
+    on_device: bool
+    """Chunks are packed in device memory (``SenderParts.packer`` is required)."""
+    stock_receiver: bool = False
+    """The workers run vLLM's own receive code: every round goes through ``Backend.plan_round``
+    first (refused, or reordered to what that code can take)."""
+    several: Several | None = None
+    """How several broadcasting trainer ranks share the wire: ``"stars"`` (each broadcaster
+    opens its own endpoint, ``Backend.open_star``; the workers dial every one), ``"group"``
+    (one communicator of every broadcaster and worker, ``Backend.peer_fields`` /
+    ``Backend.join_peer``; each turn's root is its ``src``), ``None``: one broadcaster only."""
+    unpacked: bool = True
+    """Rounds may be sent unpacked (one send per tensor)."""
+    delta: bool = False
+    """Rounds may carry only the tensors that changed (not yet offered by any backend)."""
+    lora: bool = False
+    """Rounds may carry LoRA adapters (not yet offered by any backend)."""
+
+
+@dataclass(frozen=True)
+class StarSource:
+    """A non-zero broadcaster's endpoint as rank 0's init info lists it."""
+
+    host: str
+    port: int
+    secret: bytes
+
+
+class StarEndpoint(Protocol):
+    """A non-zero broadcaster's own listening endpoint (``"stars"`` wires)."""
+
+    host: str
+    port: int
+
+    def accept(self, *, timeout: float) -> Communicator: ...
+    def close(self) -> None: ...
+
+
+class Backend(ABC):
+    """A backend's trainer side (rank 0, and the other broadcasters of several)."""
+
+    name: ClassVar[str]
+    caps: ClassVar[SenderCaps]
+
+    def check_server(self, features: ServerFeatures) -> None:
+        """Raise ``ValueError`` if the server's version lacks what this backend needs."""
+        features.require("packed_in_init", "the wire params travel in the init info")
+
+    @abstractmethod
+    def open(self, settings: SenderSettings, *, world_size: int) -> Rendezvous:
+        """Prepare rank 0's endpoint for a group of ``world_size`` ranks (trainer included)."""
+
+    @abstractmethod
+    def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
+        """The data path over ``link`` (what this backend's rendezvous joined)."""
+
+    def plan_round(self, metas: Sequence[ParamMeta], *, features: ServerFeatures, packed: bool,
+                   buffer_size_bytes: int) -> WirePlan:
+        """The round's wire order; a stock receiver may reorder it or refuse it
+        (``StockRefusal``)."""
+        return WirePlan(list(metas))
+
+    def open_star(self, settings: SenderSettings, *, world_size: int, secret: bytes) -> StarEndpoint:
+        """``"stars"``: a non-zero broadcaster's endpoint for ``world_size`` ranks (itself
+        included), whose workers prove ``secret``."""
+        raise NotImplementedError(f"backend {self.name!r} has no stars for several broadcasters")
+
+    def with_stars(self, payload: dict[str, Any], stars: Sequence[StarSource], *, rank_offset: int,
+                   world_size: int) -> dict[str, Any]:
+        """``"stars"``: rank 0's init info, also listing the other broadcasters' endpoints;
+        validated as the workers will parse it."""
+        raise NotImplementedError(f"backend {self.name!r} has no stars for several broadcasters")
+
+    def peer_fields(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """``"group"``: what another broadcaster needs from rank 0's worker init info to join
+        the same communicator (a secret: it travels only over the trainer's group)."""
+        raise NotImplementedError(f"backend {self.name!r} has no shared group for several broadcasters")
+
+    def join_peer(self, settings: SenderSettings, fields: dict[str, Any], *, rank: int, timeout: float) -> Any:
+        """``"group"``: a non-zero broadcaster joins rank 0's communicator as group rank
+        ``rank`` (its ``src``); raises within ``timeout`` if the group never completes."""
+        raise NotImplementedError(f"backend {self.name!r} has no shared group for several broadcasters")
+
 
 # ---- worker side ----
 #

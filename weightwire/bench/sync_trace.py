@@ -56,11 +56,12 @@ def trace_round(engine: Any, receiver_trace: Any = None) -> dict[str, Any]:
     ``time.perf_counter()`` seconds: one monotonic clock for every process on the host."""
     import cupy as cp
 
-    pipeline = engine._pipeline
+    session = engine.session
+    pipeline = session.sender
     bcasts: list[tuple[float, Any, Any]] = []
     calls: list[tuple[str, float, float]] = []
-    comm, client = pipeline._comm, engine.client
-    pipeline._comm, engine.client = _Comm(comm, cp, bcasts), _Client(client, calls)
+    comm, client = pipeline._comm, session.client
+    pipeline._comm, session.client = _Comm(comm, cp, bcasts), _Client(client, calls)
     ref_stream = cp.cuda.Stream(non_blocking=True)
     try:
         ref = cp.cuda.Event()
@@ -69,7 +70,7 @@ def trace_round(engine: Any, receiver_trace: Any = None) -> dict[str, Any]:
         engine.send_weights()
         t_end = time.perf_counter()
     finally:
-        pipeline._comm, engine.client = comm, client
+        pipeline._comm, session.client = comm, client
 
     def ms(t: float) -> float:
         return round((t - t0) * 1e3, 3)

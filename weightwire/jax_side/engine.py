@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from weightwire.backends.base import DevicePacker
 from weightwire.jax_side.dtypes import describe as _describe
 from weightwire.trainer.engine import TrainerEngine
-from weightwire.trainer.pipelines import DevicePacker
 
 
 class JAXTrainerEngine(TrainerEngine):

@@ -1,9 +1,9 @@
 """JAX device packing for the NCCL data path.
 
-``JaxDevicePacker`` (what the engine uses) gathers a chunk's arrays into the slot's
-reusable CuPy buffer with one device-to-device copy per array, read straight from
-each array's device buffer (``unsafe_buffer_pointer``): no XLA computation, no new
-allocation, at the device's copy rate. Unpacked rounds hand NCCL the array's own
+``JaxDevicePacker`` (what the engine uses) hands the backend each array's own device
+buffer (``unsafe_buffer_pointer``), which the NCCL backend gathers into the slot's
+reusable CuPy buffer with one device-to-device copy per array: no XLA computation, no
+new allocation, at the device's copy rate. Unpacked rounds hand NCCL the array's own
 buffer. The host waits for a chunk's arrays to be computed (``block_until_ready``)
 before enqueueing the copies: they are read outside XLA's stream order.
 
@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from weightwire.trainer.pipelines import SlotPacker
+from weightwire.backends.base import DevicePacker
+from weightwire.backends.device import DeviceBytes
 
 _WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -82,8 +83,8 @@ def pack_bytes(tensors: Sequence[Any]) -> jax.Array:
     return words if words.dtype == jnp.uint8 else _words_to_bytes(words)
 
 
-class JaxDevicePacker(SlotPacker):
-    """Packs JAX arrays on the GPU whose CUDA ordinal is ``device`` (default: current)."""
+class JaxDevicePacker(DevicePacker):
+    """JAX arrays' device bytes on the GPU whose CUDA ordinal is ``device`` (default: current)."""
 
     def __init__(self, device: int | None) -> None:
         import cupy  # GPU hosts only
@@ -95,7 +96,8 @@ class JaxDevicePacker(SlotPacker):
             seen = [getattr(d, "local_hardware_id", d.id) for d in gpus]
             raise RuntimeError(f"JAX has no GPU with CUDA ordinal {ordinal} (JAX GPUs: {seen}); NCCL packs on the sender's GPU")
         self._bind(match[0])
-        super().__init__(ordinal)
+        self._cupy = cupy
+        self.ordinal = ordinal
 
     def _bind(self, device: Any) -> None:
         """What ``regions`` compares and reads per array, worked out once."""
@@ -105,7 +107,7 @@ class JaxDevicePacker(SlotPacker):
         self._nbytes: dict[tuple[Any, Any], int] = {}  # (shape, dtype) -> bytes: jax's nbytes is slow
 
     def new_stream(self) -> Any:
-        with self._cupy.cuda.Device(self._ordinal):
+        with self._cupy.cuda.Device(self.ordinal):
             return self._cupy.cuda.Stream(non_blocking=True)
 
     def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
@@ -114,8 +116,6 @@ class JaxDevicePacker(SlotPacker):
         alive while NCCL or the slot copy reads it. Per array (per tensor, per round) one
         sharding comparison, one pointer read and a cached byte size: what
         ``array_device_bytes`` derives, for an array known to sit on this one device."""
-        from weightwire.backends.nccl.buffers import DeviceBytes
-
         sharding = self._sharding
         arrays = [x if isinstance(x, jax.Array) and x.sharding == sharding else self._here(x) for x in tensors]
         # The copies read the buffers outside XLA's stream order: wait until they hold

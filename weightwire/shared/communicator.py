@@ -52,7 +52,7 @@ class Communicator(Protocol):
 class DeviceCommunicator(Communicator, Protocol):
     """A communicator whose broadcasts are enqueued on device streams (NCCL).
 
-    ``trainer.pipelines.DevicePipeline`` broadcasts with a ``stream`` and waits only
+    ``backends.pipelines.DevicePipeline`` broadcasts with a ``stream`` and waits only
     through ``synchronize``, so a hung peer surfaces as a timeout, never a stuck host.
     """
 

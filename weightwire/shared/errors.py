@@ -9,11 +9,11 @@ defined outside this module)::
         NamingError                          [weightwire.jax_side.transforms]
         CheckpointError                      [weightwire.jax_side.checkpoint]
         PlanError                            [weightwire.trainer.broadcast_plan]
-        StockRefusal                         [weightwire.backends.nccl.stock]
+        StockRefusal                         [weightwire.backends.base]
       TransferError (RuntimeError)
         TransferTimeout (TimeoutError)
         PeerLost (ConnectionError)
-        RoundAborted                         [weightwire.trainer.pipelines]
+        RoundAborted                         [weightwire.backends.base]
       WeightSyncError (RuntimeError)
         ControlTimeout (TimeoutError)
       RoundError

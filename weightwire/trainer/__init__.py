@@ -1,14 +1,14 @@
 """Framework-neutral trainer round driver shared by the JAX and torch engines.
 
 ``TrainerInitInfo`` configures, ``TrainerEngine`` drives rounds, ``RoundMetrics``
-reports them; ``backends`` is the trainer side's ``Backend`` contract (each built-in
-backend lives in ``weightwire.backends``, whose ``BACKEND_NAMES`` is ``BACKENDS``) and
-``pipelines`` the host / device data paths. Framework engines: ``weightwire.jax_side.engine`` and
+reports them; ``backends`` is the trainer's view of the backend registry (each backend's
+trainer side implements ``weightwire.backends.base.Backend``; ``weightwire.backends.BACKEND_NAMES``
+is ``BACKENDS``). Framework engines: ``weightwire.jax_side.engine`` and
 ``weightwire.torch_side.sender.engine``.
 """
 
 from weightwire.backends import BACKEND_NAMES as BACKENDS
-from weightwire.backends.nccl.stock import StockRefusal
+from weightwire.backends.base import StockRefusal
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.engine import EngineBroken, TrainerEngine
 from weightwire.trainer.freshness import StaleCacheError

@@ -158,7 +158,7 @@ def check_agreement(digests: Sequence[str]) -> None:
 
 def check_receiver(plan: BroadcastPlan, backend: str, *, stock: bool, several: str | None) -> None:
     """The version gate: several broadcasters only to receivers that take ``src != 0``
-    (our plugin's), over a backend that can carry them (``Backend.several_broadcasters``:
+    (our plugin's), over a backend that can carry them (``SenderCaps.several``:
     TCP stars, or one NCCL group with a root per turn)."""
     if not plan.multi:
         return

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from weightwire.backends import NCCL
+from weightwire.backends import ALIASES, NCCL, canonical
 from weightwire.shared.checks import check_buffer_size, check_num_buffers
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
@@ -19,6 +19,7 @@ from weightwire.shared.routes import PAUSE_MODES
 from weightwire.shared.staging import check_stage_budget
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
+from weightwire.trainer.backends import backend_names
 from weightwire.trainer.handoff import round_interval_s
 
 
@@ -95,11 +96,7 @@ class TrainerInitInfo:
     stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
 
     def __post_init__(self) -> None:
-        # Runtime-registered backends (register_backend) count too. Imported here so that
-        # trainer.backends -> config (type names only) is the one direction between them.
-        from weightwire.backends import ALIASES, canonical
-        from weightwire.trainer.backends import backend_names
-
+        # Runtime-registered backends (register_backend) count too.
         # The same spellings as the command line (``tcp``): one alias table, weightwire.backends.ALIASES.
         self.backend = canonical(self.backend) if isinstance(self.backend, str) else self.backend
         if self.backend not in backend_names():

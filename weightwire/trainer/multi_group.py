@@ -4,7 +4,7 @@ The transfer group is rank 0, each distinct first owner (ascending) and the infe
 workers, all in one NCCL communicator; turn ``src`` is broadcast with root ``src``. An
 NCCL broadcast is collective over the whole communicator, so every group trainer rank
 takes part in every turn: it broadcasts its own slice and receives-and-drops every
-other (``DevicePipeline.discard``); a member that skipped a turn would hang them all.
+other (``RoundSender.discard``); a member that skipped a turn would hang them all.
 Ranks outside the group only iterate their source.
 
 Two activities per group rank, never on the communicator at the same time:
@@ -30,39 +30,48 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
+from weightwire.backends.base import Link, RoundAborted, RoundSender, Sent
 from weightwire.control.fanout import spawn
-from weightwire.shared.communicator import Communicator, TransferTimeout
+from weightwire.shared.communicator import TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.multi_base import MultiBase
-from weightwire.trainer.pipelines import DevicePipeline, RoundAborted, chunked
-from weightwire.trainer.transfer import await_call
+from weightwire.trainer.multi_base import MultiBase, TurnFailure
+from weightwire.trainer.session import open_wire
+from weightwire.trainer.transfer import await_call, chunked
 
 Update = Callable[[Turn], Future]
 """Rank 0: start turn ``turn``'s ``update_weights`` on a side thread."""
 
 
+@dataclass(eq=False)
 class GroupTurns:
-    """One round's turns on one group rank; ``failed`` holds the first ``(turn, error)``."""
+    """One round's turns on one group rank; ``failed`` holds the first failure."""
 
-    def __init__(self, rank: int, bplan: BroadcastPlan, chunks: dict[int, list[Chunk]], pipeline: DevicePipeline,
-                 comm: Communicator, *, packed: bool, timeouts: Timeouts, update: Update | None = None) -> None:
-        self.rank, self.plan, self.chunks, self.pipeline, self.comm = rank, bplan, chunks, pipeline, comm
-        self.packed, self.t, self.update = packed, timeouts, update
-        self.stop = threading.Event()
-        self.failed: list[tuple[Turn, BaseException]] = []
-        self._lock = threading.Lock()
-        self._reached = threading.Event()  # every turn before this rank's own was received
-        self._done = threading.Event()  # this rank's own broadcasts ended (or failed)
+    rank: int
+    plan: BroadcastPlan
+    chunks: dict[int, list[Chunk]]
+    pipeline: RoundSender
+    comm: Link
+    t: Timeouts
+    update: Update | None = None
+    """Rank 0: each turn's request, posted just before the turn."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    failed: list[TurnFailure] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _reached: threading.Event = field(default_factory=threading.Event)
+    """Every turn before this rank's own was received."""
+    _done: threading.Event = field(default_factory=threading.Event)
+    """This rank's own broadcasts ended (or failed)."""
 
     def fail(self, turn: Turn, exc: BaseException) -> None:
         """Record the first failure and abort: the other members' waits end in their timeouts."""
         with self._lock:
             if not self.failed:
-                self.failed.append((turn, exc))
+                self.failed.append(TurnFailure(turn, exc))
         self.stop.set()
         self.comm.abort()
         self._reached.set()
@@ -71,11 +80,11 @@ class GroupTurns:
         """How long a whole turn may take: its request plus one broadcast timeout per chunk."""
         return self.t.http_s + self.t.transfer_s * (len(self.chunks[turn.src]) + 1)
 
-    def run(self, pairs: Iterator[tuple[str, Any]]) -> tuple[int, int]:
-        """This rank's part of every turn; ``(bytes, broadcasts)`` it sent itself."""
+    def run(self, pairs: Iterator[tuple[str, Any]]) -> Sent:
+        """This rank's part of every turn; what it sent itself."""
         mine = self.plan.turn_of(self.rank)
         driver = spawn(self._drive, name="weightwire-group-turns")
-        nbytes = count = 0
+        sent = Sent(0, 0)
         try:
             if mine is not None:
                 # islice: the pipeline must not pull past this turn (the next item's gather
@@ -87,10 +96,7 @@ class GroupTurns:
                 first = next(own, None)
                 self._await_reached(mine)
                 prepared = own if first is None else itertools.chain([first], own)
-                if self.packed:
-                    nbytes, count = self.pipeline.send_packed(prepared, self.stop, root=mine.src)
-                else:
-                    nbytes, count = self.pipeline.send_unpacked(prepared, mine.metas, self.stop, root=mine.src)
+                sent = self.pipeline.send(prepared, self.stop, metas=mine.metas, root=mine.src)
             # Before the later turns' gathers: the driver must receive those turns while this
             # thread joins their gathers, or a collective source would wait on itself.
             self._done.set()
@@ -106,7 +112,7 @@ class GroupTurns:
             await_call(driver, total, "the group's turns")
         except BaseException as exc:
             self.fail(self.plan.turns[-1], exc)
-        return nbytes, count
+        return sent
 
     def _await_reached(self, turn: Turn) -> None:
         earlier = [t for t in self.plan.turns if t.src < turn.src]
@@ -130,8 +136,7 @@ class GroupTurns:
                     if not self._done.wait(self._bound(turn)):
                         raise TransferTimeout(f"this rank's own broadcasts did not end within {self._bound(turn):g} s")
                 else:
-                    self.pipeline.discard(self.chunks[turn.src], turn.metas, root=turn.src, packed=self.packed,
-                                          stop=self.stop)
+                    self.pipeline.discard(self.chunks[turn.src], turn.metas, root=turn.src, stop=self.stop)
                 if self.stop.is_set():
                     return
                 if future is not None:
@@ -154,23 +159,25 @@ class GroupWire(MultiBase):
 
     def _connect_group(self, bplan: BroadcastPlan) -> None:
         """One communicator for the group (see the module docstring, step 1 ``"group"``)."""
-        e, t = self.engine, self.engine.info.timeouts
-        backend, size = e._backend, len(bplan.group_ranks)
+        s = self.session
+        t = s.info.timeouts
+        backend = s.backend
+        size = len(bplan.group_ranks)
         if self.rank == 0:
             posted = False
 
             def extend(payload: dict[str, Any]) -> dict[str, Any]:
                 nonlocal posted
                 out = {**payload, "rank_offset": size}
-                self.x.post("group", {"error": None, "fields": backend.peer_fields(out)})
+                self.exchange.post("group", {"error": None, "fields": backend.peer_fields(out)})
                 posted = True
                 return out
 
             try:
-                self._report("joined", lambda: e._connect(extend=extend, trainer_ranks=size))
+                self._report("joined", lambda: open_wire(s, extend=extend, trainer_ranks=size))
             except BaseException as exc:
                 if not posted:  # the other broadcasters wait for these fields: tell them now
-                    self.x.post("group", {"error": f"{type(exc).__name__}: {exc}"})
+                    self.exchange.post("group", {"error": f"{type(exc).__name__}: {exc}"})
                 raise
             self._await_all("ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s)
             return
@@ -179,37 +186,33 @@ class GroupWire(MultiBase):
             return
         comm = None
         try:
-            packer = e.device_packer(e.info.device)  # before the rendezvous: a rank without a device fails first
+            packer = s.framework.device_packer(s.info.device)  # a rank without a device fails before the rendezvous
             fields = self._await_ok("group", t.connect_s + t.http_s)["fields"]
-            comm = backend.join_peer(e.info, fields, rank=bplan.group_ranks.index(self.rank), timeout=t.connect_s)
+            comm = backend.join_peer(s.info, fields, rank=bplan.group_ranks.index(self.rank), timeout=t.connect_s)
             comm.warmup(timeout=t.warmup_s)
-            hold = e.info.packed_buffer_size_bytes * e.info.packed_num_buffers
-            self._pipeline = backend.device_pipeline(comm, packer, num_buffers=e.info.packed_num_buffers,
-                                                     timeout=t.transfer_s, hold_bytes=hold)
+            s.sender = backend.sender(comm, s.info, s.framework.sender_parts(packer))
         except BaseException as exc:
             if comm is not None:
                 comm.abort()
-            self.x.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
+            self.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
             raise
-        self._comm = comm
-        self.x.post("ready", {"error": None})
+        s.link = comm
+        self.exchange.post("ready", {"error": None})
         self._await_ok("joined", t.http_s + t.warmup_s)
 
     def _group_turns(self, bplan: BroadcastPlan, update: Callable[[Turn], Future] | None = None) -> GroupTurns:
-        e = self.engine
-        pipeline, comm = (e._pipeline, e._comm) if self.rank == 0 else (self._pipeline, self._comm)
-        assert isinstance(pipeline, DevicePipeline) and comm is not None
-        return GroupTurns(self.rank, bplan, self._chunks, pipeline, comm, packed=e.info.packed,
-                          timeouts=e.info.timeouts, update=update)
+        s = self.session
+        assert s.sender is not None and s.link is not None
+        return GroupTurns(self.rank, bplan, self._chunks, s.sender, s.link, s.info.timeouts, update)
 
     def _group_lead(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], pairs: Iterator[tuple[str, Any]],
-                    failed: list[tuple[Turn, BaseException]]) -> tuple[int, int]:
+                    failed: list[TurnFailure]) -> Sent:
         """Rank 0's transfer over one group: each turn's request, then its collective (``multi_group``)."""
-        e = self.engine
+        client = self.session.client
         by_src = {turn.src: payload for turn, payload in zip(bplan.turns, payloads, strict=True)}
 
         def update(turn: Turn) -> Future:
-            return spawn(functools.partial(e.client.update_weights, by_src[turn.src]), name="weightwire-update")
+            return spawn(functools.partial(client.update_weights, by_src[turn.src]), name="weightwire-update")
 
         turns = self._group_turns(bplan, update)
         out = turns.run(pairs)

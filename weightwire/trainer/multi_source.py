@@ -5,9 +5,9 @@ Every rank runs the same steps:
 
 1. ``connect``: all ranks agree on the plan (metadata digest, each rank's local
    errors, rank 0's worker count) over the group. With several broadcasters the
-   backend's ``several_broadcasters`` decides the wire. ``"stars"`` (TCP): each
-   non-zero broadcaster opens its own TCP star (``TCPRendezvous``) and publishes the
-   endpoint; rank 0 posts one init info listing them all (``TCPInitInfo.sources``),
+   backend's ``caps.several`` decides the wire. ``"stars"`` (TCP): each non-zero
+   broadcaster opens its own star (``Backend.open_star``) and publishes the endpoint;
+   rank 0 posts one init info listing them all (``Backend.with_stars``),
    ``rank_offset`` = the group's trainer ranks, and every worker dials every star.
    ``"group"`` (NCCL): rank 0 opens one communicator of world size
    ``BroadcastPlan.world_size``, publishes the join fields (``Backend.peer_fields``)
@@ -15,8 +15,9 @@ Every rank runs the same steps:
    (``Backend.join_peer``) while the workers join from ``rank_offset`` on.
 2. ``send``: agree again (metadata may change between rounds), then every rank
    iterates its source once, in lockstep (turn order is metadata order, rule 3 of
-   ``broadcast_plan``). Rank 0 runs ``start``, one ``update_weights`` per turn with its
-   ``src`` (sequentially, on a side thread), then ``finish``. Stars: each broadcaster
+   ``broadcast_plan``). Rank 0 runs the round driver (``trainer.round.lead_round``)
+   over this plan's wire (``MultiSource.transfer``): ``start``, one ``update_weights`` per turn with its ``src``
+   (sequentially, on a side thread), then ``finish``. Stars: each broadcaster
    sends its own slice on its own star while its turn's request is receiving. Group:
    the turn's broadcaster broadcasts with root ``src`` and every other group rank
    receives and drops the bytes (``multi_group``). Rank 0 publishes the verdict; the
@@ -28,20 +29,21 @@ failed turn names its broadcaster (rank and ``src``) and that rank's own error w
 reported one; any failure leaves the engine broken on every rank, like a failed
 single-sender round (a failed verification after a committed round does not).
 ``weightwire_tcp`` and ``weightwire_nccl`` run several broadcasters (``check_receiver``);
-a single-broadcaster plan goes through the engine's ordinary path.
+a single-broadcaster plan is the engine's own one-turn round, its verdict published.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
+from weightwire.backends.base import Sent
 from weightwire.shared.framing import plan
-from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.source import checked_iter
 from weightwire.trainer.broadcast_plan import (
     BroadcastPlan,
     PlanError,
@@ -52,79 +54,91 @@ from weightwire.trainer.broadcast_plan import (
     digest,
     plan_broadcast,
 )
-from weightwire.trainer.gating import after_failed_round, server_features
-from weightwire.trainer.group import GroupTimeout
+from weightwire.trainer.gating import server_features
+from weightwire.trainer.group import GroupTimeout, TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
-from weightwire.trainer.multi_base import RoundFailed
+from weightwire.trainer.multi_base import PlannedBroadcast, RoundFailed, TurnFailure
 from weightwire.trainer.multi_group import GroupWire
 from weightwire.trainer.multi_star import StarWire
-from weightwire.trainer.multi_verify import gather_digests, verdict_of, verify_union
-from weightwire.trainer.pipelines import DevicePipeline
-from weightwire.trainer.transfer import best_effort_resume, tap
-
-if TYPE_CHECKING:
-    pass
+from weightwire.trainer.multi_verify import gather_digests
+from weightwire.trainer.round import Control, SoleRound, lead_round
+from weightwire.trainer.session import Session, open_wire
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MultiSource", "RoundFailed"]
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """What every trainer rank agreed on: the plan, and each rank's published values."""
+
+    plan: BroadcastPlan
+    values: list[dict[str, Any]]
+
+
 class MultiSource(StarWire, GroupWire):
+    def __init__(self, session: Session, group: TrainerGroup, sole_round: SoleRound) -> None:
+        super().__init__(session, group)
+        self._sole_round = sole_round  # the engine's one-turn round (rank 0, one broadcaster)
+        self._round: BroadcastPlan | None = None  # rank 0: the round in flight (its verdict is published)
+
     # -- agreement ----------------------------------------------------------------------
 
     def _plan(self, metas: list[ParamMeta]) -> BroadcastPlan:
-        if self._planned is None or self._planned[0] != metas:
+        if self._planned is None or self._planned.metas != metas:
             bplan = plan_broadcast(metas)
             if self._group_ranks is not None and bplan.group_ranks != self._group_ranks:
                 raise PlanError(f"the broadcasting ranks changed from {list(self._group_ranks)} (at init) to "
                                 f"{list(bplan.group_ranks)}; call shutdown() and trainer_init() again")
-            size = self.engine.info.packed_buffer_size_bytes
-            self._chunks = {t.src: plan(list(t.metas), packed=self.engine.info.packed, buffer_size_bytes=size)
-                            for t in bplan.turns}
-            self._planned = (list(metas), bplan)
-        return self._planned[1]
+            info = self.session.info
+            chunks = {t.src: plan(list(t.metas), packed=info.packed, buffer_size_bytes=info.packed_buffer_size_bytes)
+                      for t in bplan.turns}
+            self._planned = PlannedBroadcast(list(metas), bplan, chunks)
+        return self._planned.plan
 
     def _agree(self, name: str, metas: list[ParamMeta], extra: dict[str, Any], error: str | None,
-               timeout: float) -> tuple[BroadcastPlan, list[dict[str, Any]]]:
+               timeout: float) -> Agreement:
         """Every rank's local verdict and metadata digest; every rank raises the same error."""
         bplan: BroadcastPlan | None = None
         if error is None:
             try:
                 bplan = self._plan(metas)
-                check_holders(bplan, self.rank, self.engine.source.held_names())
-                b = self.engine._backend
-                check_receiver(bplan, b.name, stock=b.stock_receiver, several=b.several_broadcasters)
+                check_holders(bplan, self.rank, self.session.source.held_names())
+                b = self.session.backend
+                check_receiver(bplan, b.name, stock=b.caps.stock_receiver, several=b.caps.several)
             except (PlanError, ValueError, TypeError) as exc:
                 error = str(exc)
-        values = self.x.allgather(name, {"digest": digest(metas), "error": error, **extra}, timeout)
+        values = self.exchange.allgather(name, {"digest": digest(metas), "error": error, **extra}, timeout)
         for r, v in enumerate(values):
             if v["error"] is not None:
                 raise PlanError(f"trainer rank {r}: {v['error']}")
         check_agreement([v["digest"] for v in values])
         assert bplan is not None
-        return bplan, values
+        return Agreement(bplan, values)
 
     # -- init ---------------------------------------------------------------------------
 
     def connect(self) -> None:
-        e, t = self.engine, self.engine.info.timeouts
-        self.x.step()
-        metas = e.source.metadata()
+        s = self.session
+        t = s.info.timeouts
+        self.exchange.step()
+        metas = s.source.metadata()
         extra: dict[str, Any] = {}
         error = None
         if self.rank == 0:
             try:
-                e.features = server_features(e.info, e.client)
-                extra["workers"] = e.info.inference_world_size or e.client.get_world_size()
+                s.features = server_features(s.info, s.client)
+                extra["workers"] = s.info.inference_world_size or s.client.get_world_size()
             except Exception as exc:
                 error = f"asking the server: {type(exc).__name__}: {exc}"
-        bplan, values = self._agree("init", metas, extra, error, t.connect_s + t.http_s)
+        agreed = self._agree("init", metas, extra, error, t.connect_s + t.http_s)
+        bplan = agreed.plan
         self._group_ranks = bplan.group_ranks
-        workers = int(values[0]["workers"])
+        workers = int(agreed.values[0]["workers"])
         if not bplan.multi:
             if self.rank == 0:
-                self._report("joined", e._connect)
+                self._report("joined", lambda: open_wire(s))
             else:
                 self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
@@ -136,72 +150,66 @@ class MultiSource(StarWire, GroupWire):
     # -- a round ------------------------------------------------------------------------
 
     def send(self, version: str | None, draft: bool) -> RoundMetrics:
-        e, t = self.engine, self.engine.info.timeouts
-        self.x.step()
+        s = self.session
+        self.exchange.step()
         clock = PhaseClock()
         with clock("metadata"):
-            metas = e.source.metadata()
-            bplan, _ = self._agree("round", metas, {}, None, t.http_s)
-        if not bplan.multi:
-            return self._single(metas, version, clock, draft)
+            metas = s.source.metadata()
+            bplan = self._agree("round", metas, {}, None, s.info.timeouts.http_s).plan
         if self.rank == 0:
-            return self._lead(bplan, metas, version, clock, draft)
+            self._round = bplan
+            if not bplan.multi:
+                return self._sole_round(metas, s.next_version(version), clock, draft, self)
+            metrics = lead_round(s, bplan, metas, s.next_version(version), clock, draft, self, self)
+            logger.info("%s (%d broadcasters)", metrics.summary(), len(bplan.turns))
+            return metrics
+        if not bplan.multi:
+            with clock("transfer"):
+                for _ in s.source:
+                    pass
+            verdict = self._await_verdict(None)
+            return RoundMetrics(verdict["version"], 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
+        return self._follow(bplan, clock)
+
+    def _follow(self, bplan: BroadcastPlan, clock: PhaseClock) -> RoundMetrics:
+        """A non-zero rank's part of a round: its own turn (if any), every other turn's
+        gathers, then rank 0's verdict."""
+        s = self.session
         turn = bplan.turn_of(self.rank)
-        nbytes = count = 0
-        digests: dict[str, str] | None = {} if e.info.verify and turn is not None else None
+        sent = Sent(0, 0)
+        digests: dict[str, str] | None = {} if s.info.verify and turn is not None else None
         try:
             with clock("transfer"):
                 pairs = self._pairs(turn, digests)
                 if self._shape == "group" and bplan.in_group(self.rank):
                     turns = self._group_turns(bplan)
-                    nbytes, count = turns.run(pairs)
+                    sent = turns.run(pairs)
                     if turns.failed:
-                        raise self._turn_error(*turns.failed[0])
+                        raise self._turn_error(turns.failed[0])
                 else:
                     if turn is not None:
-                        nbytes, count = self._send_turn(turn, pairs, threading.Event())
+                        sent = self._send_turn(turn, pairs, threading.Event())
                     for _ in pairs:  # the later turns' gathers; raises on an extra tensor
                         pass
         except BaseException as exc:
             self._break(exc)
             own = exc.__cause__ if isinstance(exc, RoundFailed) and exc.__cause__ is not None else exc
-            self.x.post("status", {"error": f"{type(own).__name__}: {own}"})  # the cause, not its wrapper
+            self.exchange.post("status", {"error": f"{type(own).__name__}: {own}"})  # the cause, not its wrapper
             raise
-        self.x.post("status", {"error": None, "digests": digests})
-        verdict = self._await_verdict(bplan, t)
-        return RoundMetrics(verdict["version"], nbytes, len(turn.metas) if turn else 0, count, False,
+        self.exchange.post("status", {"error": None, "digests": digests})
+        verdict = self._await_verdict(bplan)
+        return RoundMetrics(verdict["version"], sent.nbytes, len(turn.metas) if turn else 0, sent.sends, False,
                             sender=turn is not None, seconds=clock.seconds)
 
     def _pairs(self, turn: Turn | None, digests: dict[str, str] | None) -> Iterator[tuple[str, Any]]:
         """This rank's checked stream (its own slice), digested for verify when asked."""
-        e = self.engine
-        metas = list(turn.metas) if turn else []
-        pairs = iter(e.source)
-        if not e.source.checks_own_stream(metas):  # PytreeSource checks its own passes
-            pairs = checked_iter(pairs, metas, e.describe)
-        return pairs if digests is None else tap(pairs, digests, e.tensor_sha256)
+        return self.session.stream(iter(self.session.source), list(turn.metas) if turn else [], digests)
 
-    def _single(self, metas: list[ParamMeta], version: str | None, clock: PhaseClock, draft: bool) -> RoundMetrics:
-        """One broadcaster (rank 0): the engine's own round; the others iterate and wait."""
-        e, t = self.engine, self.engine.info.timeouts
-        if self.rank == 0:
-            try:
-                metrics = e._sender_round(metas, e._next_version(version), clock, draft)
-            except BaseException as exc:
-                self.x.post("verdict", {"error": f"{type(exc).__name__}: {exc}", "version": None})
-                raise
-            self.x.post("verdict", {"error": None, "version": metrics.version})
-            return metrics
-        with clock("transfer"):
-            for _ in e.source:
-                pass
-        verdict = self._await_verdict(None, t)
-        return RoundMetrics(verdict["version"], 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
-
-    def _await_verdict(self, bplan: BroadcastPlan | None, t: Any) -> dict[str, Any]:
+    def _await_verdict(self, bplan: BroadcastPlan | None) -> dict[str, Any]:
+        t = self.session.info.timeouts
         turns = 1 if bplan is None else len(bplan.turns)
         try:
-            verdict = self.x.get("verdict", 0, t.http_s * (turns + 2) + t.transfer_s)
+            verdict = self.exchange.get("verdict", 0, t.http_s * (turns + 2) + t.transfer_s)
         except GroupTimeout as exc:
             self._break(exc)
             raise
@@ -212,83 +220,39 @@ class MultiSource(StarWire, GroupWire):
             raise failure
         return verdict
 
-    def _lead(self, bplan: BroadcastPlan, metas: list[ParamMeta], version: str | None, clock: PhaseClock,
-              draft: bool) -> RoundMetrics:
-        e, t = self.engine, self.engine.info.timeouts
-        assert e.features is not None
-        version = e._next_version(version)
-        reuse = e.features.reuse_metadata
-        payloads, reused = [], True
-        for turn in bplan.turns:
-            same = reuse and self._sent.get((draft, turn.src)) == turn.metas
-            reused &= same
-            info = UpdateInfo(src=turn.src) if same else UpdateInfo(
-                names=[m.name for m in turn.metas], dtype_names=[m.dtype for m in turn.metas],
-                shapes=[list(m.shape) for m in turn.metas], src=turn.src)
-            payloads.append(info.to_dict())
-        for turn in bplan.turns:
-            self._sent.pop((draft, turn.src), None)  # unknown until finish succeeds
-        failed: list[tuple[Turn, BaseException]] = []
-        paused = False
-        nbytes = count = 0
-        mine = bplan.turn_of(0)
-        own: dict[str, str] | None = {} if e._verifier is not None else None
-        report = None
-        pause = e._round_pause(metas)
-        try:
-            with clock("control"):
-                if e._verifier is not None:
-                    e._verifier.before_round(e.client)  # a failure here sent nothing
-                if pause.mode is not None:
-                    paused = e._pause(pause.mode)
-                (e.client.start_draft_weight_update if draft else e.client.start_weight_update)()
-            with clock("transfer"):
-                pairs = self._pairs(mine, own)
-                if self._shape == "group":
-                    nbytes, count = self._group_lead(bplan, payloads, pairs, failed)
-                else:
-                    nbytes, count = self._star_lead(bplan, payloads, pairs, failed)
-            if failed:
-                raise self._turn_error(*failed[0])
-            with clock("finish"):
-                def record() -> None:
-                    for turn in bplan.turns:
-                        self._sent[(draft, turn.src)] = turn.metas
-                    e._rounds += 1
+    # -- rank 0: the round's wire (``round.Wire``) and how it ended (``round.RoundEnd``) -----
 
-                e._commit_plan.commit(e.client, version, record=record)  # + cache reset
-                if paused:
-                    paused = False
-                    e.client.resume()
-            if e._verifier is not None and own is not None:
-                with clock("verify"):
-                    sent = gather_digests(self.x, bplan, own, t.http_s)
-                    report = verify_union(e._verifier, e.client, bplan, sent, version, draft=draft)
-        except BaseException as exc:
-            verdict = verdict_of(exc)
-            if not verdict["committed"]:
+    def transfer(self, payloads: list[dict[str, Any]], control: Control, own: dict[str, str] | None,
+                 clock: PhaseClock) -> Sent:
+        """Rank 0's transfer over stars or one group, its control plane first."""
+        bplan = self._round
+        assert bplan is not None
+        started = time.perf_counter()
+        control()  # before any turn: rank 0's own slice is produced only after it
+        clock.shift("transfer", "control", time.perf_counter() - started)
+        pairs = self._pairs(bplan.turn_of(0), own)
+        failed: list[TurnFailure] = []
+        if self._shape == "group":
+            sent = self._group_lead(bplan, payloads, pairs, failed)
+        else:
+            sent = self._star_lead(bplan, payloads, pairs, failed)
+        if failed:
+            raise self._turn_error(failed[0])
+        return sent
+
+    def digests(self, own: dict[str, str]) -> dict[str, str]:
+        assert self._round is not None
+        return gather_digests(self.exchange, self._round, own, self.session.info.timeouts.http_s)
+
+    def committed(self, version: str) -> None:
+        self.exchange.post("verdict", {"error": None, "version": version})
+
+    def failed(self, exc: BaseException, *, committed: bool) -> None:
+        verdict: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "version": None}
+        if self._round is not None and self._round.multi:
+            verdict["committed"] = committed
+            if not committed:
                 self._break(exc)
-            for turn in bplan.turns:  # release broadcasters still waiting for their turn
+            for turn in self._round.turns:  # release broadcasters still waiting for their turn
                 self._go(turn, False)
-            self.x.post("verdict", verdict)
-            if paused and verdict["committed"]:
-                best_effort_resume(e.client)  # committed (only a cache reset failed): the model is whole
-            elif paused:
-                after_failed_round(e.client, pause)
-            raise
-        self.x.post("verdict", {"error": None, "version": version})
-        metrics = RoundMetrics(version, nbytes, len(metas), count, reused, seconds=clock.seconds, verify=report)
-        logger.info("%s (%d broadcasters)", metrics.summary(), len(bplan.turns))
-        return metrics
-
-    def shutdown(self) -> None:
-        comm, self._comm = self._comm, None
-        pipeline, self._pipeline = self._pipeline, None
-        if comm is not None:
-            if self.engine._broken is not None:
-                comm.abort()
-            else:
-                comm.close()
-        if isinstance(pipeline, DevicePipeline):
-            pipeline.close()  # after the communicator: no kernel may still read its buffers
-
+        self.exchange.post("verdict", verdict)

@@ -1,9 +1,9 @@
-"""Several broadcasters over stars (``weightwire_tcp``): each non-zero broadcaster listens.
+"""Several broadcasters over stars (``SenderCaps.several == "stars"``: ``weightwire_tcp``).
 
-Each non-zero broadcaster opens its own TCP star (``TCPRendezvous``) and publishes the
+Each non-zero broadcaster opens its own star (``Backend.open_star``) and publishes the
 endpoint over the trainer group (address and a key share: its secret is agreed with
 rank 0, never posted; ``shared.keyshare``); rank 0's init info lists them all
-(``TCPInitInfo.sources``) and every worker dials every star. In a round, rank 0 posts
+(``Backend.with_stars``) and every worker dials every star. In a round, rank 0 posts
 the turns' ``update_weights`` one after another on a side thread; a broadcaster's first
 byte waits for its turn's "go" (``_await_go``), so bytes queued behind earlier turns do
 not run down its per-broadcast timeout.
@@ -16,16 +16,17 @@ import itertools
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any, cast
+from typing import Any
 
+from weightwire.backends.base import Sent, StarEndpoint, StarSource
 from weightwire.control.fanout import spawn
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.info import TCP_SECRET_BYTES, TCPInitInfo, encode_secret
+from weightwire.shared.info import TCP_SECRET_BYTES
 from weightwire.shared.keyshare import KeyShare
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.multi_base import MultiBase, RoundFailed
-from weightwire.trainer.pipelines import HostPipeline, chunked
-from weightwire.trainer.transfer import await_call
+from weightwire.trainer.multi_base import MultiBase, RoundFailed, TurnFailure
+from weightwire.trainer.session import open_wire
+from weightwire.trainer.transfer import await_call, chunked
 
 _STAR_CONTEXT = b"weightwire-tcp-star/1"
 
@@ -35,101 +36,96 @@ class StarWire(MultiBase):
         """Rank 0 and each other broadcaster agree that star's secret by key shares posted on
         the trainer group's store (``shared.keyshare``): the store holds public values only,
         and the secret reaches the workers inside rank 0's init POST alone."""
-        e, t = self.engine, self.engine.info.timeouts
+        s = self.session
+        t = s.info.timeouts
         share = KeyShare.new()
         if self.rank == 0:
-            self.x.post("keyshare", share.public_b64)
+            self.exchange.post("keyshare", share.public_b64)
 
             def extend(payload: dict[str, Any]) -> dict[str, Any]:
-                sources = [self._source(share, self.x.get("endpoint", r, t.connect_s), r)
-                           for r in bplan.group_ranks[1:]]
-                out = {**payload, "rank_offset": len(bplan.group_ranks),
-                       "world_size": bplan.world_size(workers), "sources": sources}
-                TCPInitInfo.from_dict(out)  # validated here, before the workers see it
-                return out
+                stars = [self._source(share, self.exchange.get("endpoint", r, t.connect_s), r)
+                         for r in bplan.group_ranks[1:]]
+                return s.backend.with_stars(payload, stars, rank_offset=len(bplan.group_ranks),
+                                            world_size=bplan.world_size(workers))
 
-            self._report("joined", lambda: e._connect(extend=extend))
+            self._report("joined", lambda: open_wire(s, extend=extend))
             self._await_all("ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s)
             return
         if bplan.turn_of(self.rank) is None:
             self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
-        from weightwire.backends.tcp.rendezvous import TCPRendezvous
-
-        rdv: TCPRendezvous | None = None
+        rdv: StarEndpoint | None = None
         try:
-            secret = share.secret_with(self.x.get("keyshare", 0, t.connect_s), length=TCP_SECRET_BYTES,
+            secret = share.secret_with(self.exchange.get("keyshare", 0, t.connect_s), length=TCP_SECRET_BYTES,
                                        context=_STAR_CONTEXT)
-            rdv = TCPRendezvous(world_size=1 + workers, bind_host=e.info.tcp_bind_host,
-                                advertise_host=e.info.tcp_advertise_host, secret=secret)
-            self.x.post("endpoint", {"host": rdv.host, "port": rdv.port, "keyshare": share.public_b64})
+            rdv = s.backend.open_star(s.info, world_size=1 + workers, secret=secret)
+            self.exchange.post("endpoint", {"host": rdv.host, "port": rdv.port, "keyshare": share.public_b64})
             comm = rdv.accept(timeout=t.connect_s)
         except BaseException as exc:
             if rdv is not None:
                 rdv.close()
-            self.x.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
+            self.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
             raise
         try:
             comm.warmup(timeout=t.warmup_s)
         except BaseException as exc:
             comm.abort()
-            self.x.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
+            self.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
             raise
-        self._comm = comm
-        self._pipeline = HostPipeline(comm, e.host_bytes, num_buffers=e.info.packed_num_buffers,
-                                      timeout=t.transfer_s, prefetch=e.prefetch_host)
-        self.x.post("ready", {"error": None})
+        s.link = comm
+        s.sender = s.backend.sender(comm, s.info, s.framework.sender_parts(None))
+        self.exchange.post("ready", {"error": None})
         self._await_ok("joined", t.http_s)
 
     @staticmethod
-    def _source(share: KeyShare, endpoint: Any, rank: int) -> dict[str, Any]:
-        """A broadcaster's posted endpoint -> its ``TCPInitInfo.sources`` entry (the secret derived here)."""
+    def _source(share: KeyShare, endpoint: Any, rank: int) -> StarSource:
+        """A broadcaster's posted endpoint -> its entry in rank 0's init info (the secret derived here)."""
         if not isinstance(endpoint, dict):
             raise ConfigError(f"trainer rank {rank} posted an endpoint that is not an object")
         secret = share.secret_with(endpoint.get("keyshare"), length=TCP_SECRET_BYTES, context=_STAR_CONTEXT)
-        return {"host": endpoint.get("host"), "port": endpoint.get("port"), "secret_b64": encode_secret(secret)}
+        return StarSource(endpoint.get("host"), endpoint.get("port"), secret)  # type: ignore[arg-type]
 
-    def _send_turn(self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event,
-                   pipeline: HostPipeline | None = None) -> tuple[int, int]:
-        pipeline = pipeline or cast(HostPipeline, self._pipeline)  # a star's pipeline is a host one
+    def _send_turn(self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event) -> Sent:
+        pipeline = self.session.sender
         assert pipeline is not None
         # islice: the pipeline must not pull past this turn (the next item may be a
         # later turn's gather, which can wait on a broadcaster blocked until its turn).
         mine = itertools.islice(pairs, len(turn.metas))
         begin = None if turn.rank == 0 else (lambda: self._await_go(turn))
-        return pipeline.send(chunked(mine, self._chunks[turn.src]), stop, begin)
+        return pipeline.send(chunked(mine, self._chunks[turn.src]), stop, begin, metas=turn.metas)
 
     def _await_go(self, turn: Turn) -> None:
         """A broadcaster's first byte waits for its turn's request (its first chunk is
         packed meanwhile): bytes queued behind earlier turns would run down the
         per-broadcast timeout for as long as those turns take."""
-        t = self.engine.info.timeouts
-        go = self.x.get(f"go{turn.src}", 0, t.http_s * (turn.src + 1) + t.transfer_s)
+        t = self.session.info.timeouts
+        go = self.exchange.get(f"go{turn.src}", 0, t.http_s * (turn.src + 1) + t.transfer_s)
         if not go:
             raise RoundFailed(f"trainer rank 0 ended the round before the turn of rank {turn.rank} (src {turn.src})")
 
     def _star_lead(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], pairs: Iterator[tuple[str, Any]],
-                   failed: list[tuple[Turn, BaseException]]) -> tuple[int, int]:
+                   failed: list[TurnFailure]) -> Sent:
         """Rank 0's transfer over stars: its own slice on its star, the turns' requests beside it."""
-        e, t = self.engine, self.engine.info.timeouts
+        s = self.session
+        t = s.info.timeouts
         stop = threading.Event()
         self._went = set()
-        nbytes = count = 0
+        sent = Sent(0, 0)
         turns = spawn(lambda: self._run_turns(bplan, payloads, stop, failed), name="weightwire-turns")
         mine = bplan.turn_of(0)
         try:
             if mine is not None:
-                nbytes, count = self._send_turn(mine, pairs, stop, cast(HostPipeline, e._pipeline))
+                sent = self._send_turn(mine, pairs, stop)
             for _ in pairs:
                 pass
         except BaseException as exc:
             if not failed:
-                failed.append((mine or bplan.turns[0], exc))
+                failed.append(TurnFailure(mine or bplan.turns[0], exc))
             stop.set()
-            if e._comm is not None:
-                e._comm.abort()
+            if s.link is not None:
+                s.link.abort()
         _wait(turns, t.http_s * (len(bplan.turns) + 1))
-        return nbytes, count
+        return sent
 
     def _go(self, turn: Turn, go: bool) -> None:
         # Each key once per round (the JAX store refuses to overwrite); rank 0's own turn needs none.
@@ -137,23 +133,24 @@ class StarWire(MultiBase):
             if turn.rank == 0 or turn.src in self._went:
                 return
             self._went.add(turn.src)
-        self.x.post(f"go{turn.src}", go)
+        self.exchange.post(f"go{turn.src}", go)
 
     def _run_turns(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], stop: threading.Event,
-                   failed: list[tuple[Turn, BaseException]]) -> None:
+                   failed: list[TurnFailure]) -> None:
         """The turns' ``update_weights``, one after another (a worker receives one turn at a time)."""
-        e, t = self.engine, self.engine.info.timeouts
+        s = self.session
+        t = s.info.timeouts
         for turn, payload in zip(bplan.turns, payloads, strict=True):
             if stop.is_set():
                 return
             self._go(turn, True)
             try:
-                _wait(spawn(functools.partial(e.client.update_weights, payload), name="weightwire-update"), t.http_s)
+                _wait(spawn(functools.partial(s.client.update_weights, payload), name="weightwire-update"), t.http_s)
             except BaseException as exc:
-                failed.append((turn, exc))
+                failed.append(TurnFailure(turn, exc))
                 stop.set()
-                if e._comm is not None:
-                    e._comm.abort()  # rank 0's own send may be blocked on a worker that gave up
+                if s.link is not None:
+                    s.link.abort()  # rank 0's own send may be blocked on a worker that gave up
                 return
 
 

@@ -10,11 +10,8 @@ is an error before the server is asked (a check over fewer tensors would pass si
 
 from __future__ import annotations
 
-from typing import Any
-
 from weightwire.shared.client import ServerControls
 from weightwire.trainer.broadcast_plan import BroadcastPlan
-from weightwire.trainer.freshness import StaleCacheError
 from weightwire.trainer.group import Exchange
 from weightwire.trainer.verify import RoundVerifier, VerifyError, VerifyReport
 
@@ -34,10 +31,13 @@ def gather_digests(x: Exchange, bplan: BroadcastPlan, own: dict[str, str], timeo
 
 def verify_union(verifier: RoundVerifier, client: ServerControls, bplan: BroadcastPlan, sent: dict[str, str],
                  version: str, *, draft: bool) -> VerifyReport:
-    """``verifier.after_round`` over every slice; a failure names each tensor's broadcaster."""
+    """``verifier.after_round`` over every slice; with several broadcasters a failure names
+    each tensor's broadcaster."""
     try:
         return verifier.after_round(client, sent, version, draft=draft)
     except VerifyError as exc:
+        if not bplan.multi:  # one broadcaster: the mismatch needs no name
+            raise
         who = {m.name: (t.rank, t.src) for t in bplan.turns for m in t.metas}
         bad = sorted({n for names in exc.mismatched.values() for n in names if n in who})
         if not bad:
@@ -47,9 +47,3 @@ def verify_union(verifier: RoundVerifier, client: ServerControls, bplan: Broadca
         out = VerifyError(f"{exc}; broadcast by {shown}{more}", exc.mismatched)
         out.committed, out.weight_version = exc.committed, exc.weight_version
         raise out from None
-
-
-def verdict_of(exc: BaseException) -> dict[str, Any]:
-    """What rank 0 publishes for a failed round; ``committed``: it landed, only its check failed."""
-    return {"error": f"{type(exc).__name__}: {exc}", "version": None,
-            "committed": isinstance(exc, (VerifyError, StaleCacheError)) and exc.committed}

@@ -17,22 +17,24 @@ leaves the communicator aborted (``Transfer.broken``): the engine refuses furthe
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from weightwire.backends.base import Prepared, RoundSender, Sent
 from weightwire.control.fanout import spawn
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.errors import ControlTimeout
+from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.handoff import quick_handoffs
 from weightwire.trainer.metrics import PhaseClock
-from weightwire.trainer.pipelines import DevicePipeline, HostPipeline, Prepared
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +126,7 @@ class Transfer:
     ``broken`` is the error the engine must refuse further rounds with.
     """
 
-    def __init__(self, comm: Any, pipeline: HostPipeline | DevicePipeline, *, post_update: Callable[[], Any],
+    def __init__(self, comm: Any, pipeline: RoundSender, *, post_update: Callable[[], Any],
                  control: Callable[[], None], clock: PhaseClock, http_s: float) -> None:
         self._comm = comm
         self._pipeline = pipeline
@@ -136,32 +138,27 @@ class Transfer:
         self._update: Future | None = None
         self.broken: BaseException | None = None
 
-    def run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta], *, packed: bool) -> tuple[int, int]:
+    def run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> Sent:
         """Broadcast ``prepared``; returns ``(bytes, broadcasts)`` once the update POST answered.
         The control plane's threads get the GIL back quickly meanwhile (``handoff``)."""
         with quick_handoffs():
-            return self._run(prepared, wire_metas, packed=packed)
+            return self._run(prepared, wire_metas)
 
-    def _run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta], *, packed: bool) -> tuple[int, int]:
+    def _run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> Sent:
         pipeline, stop = self._pipeline, self._stop
         try:
-            if isinstance(pipeline, DevicePipeline):
-                sent = (pipeline.send_packed(prepared, stop, self._begin) if packed
-                        else pipeline.send_unpacked(prepared, wire_metas, stop, self._begin))
-            else:
-                sent = pipeline.send(prepared, stop, self._begin)
+            sent = pipeline.send(prepared, stop, self._begin, metas=wire_metas)
             assert self._update is not None
             await_call(self._update, self._http_s, "update_weights (after the last broadcast)")
             return sent
         except BaseException as exc:
             stop.set()
             if self._update is None:  # nothing went on the wire: settle the local work, keep the engine
-                if isinstance(pipeline, DevicePipeline):
-                    try:
-                        pipeline.drain()
-                    except BaseException as drain_exc:
-                        self.broken = drain_exc
-                        self._comm.abort()
+                try:
+                    pipeline.settle()
+                except BaseException as settle_exc:
+                    self.broken = settle_exc
+                    self._comm.abort()
                 raise
             self.broken = exc
             self._comm.abort()
@@ -187,6 +184,19 @@ class Transfer:
             # pending broadcast, so unblock it now instead of at its timeout.
             self._stop.set()
             self._comm.abort()
+
+
+def chunked(pairs: Iterable[tuple[str, Any]], chunks: Sequence[Chunk]) -> Iterator[Prepared]:
+    """Group a checked ``(name, tensor)`` stream by the round's plan.
+
+    After the last chunk the stream is pulled once more, so ``checked_iter``'s end
+    check (an extra or a missing tensor) fires before the round is declared done.
+    """
+    it = iter(pairs)
+    for chunk in chunks:
+        tensors = [tensor for _, tensor in itertools.islice(it, len(chunk))]
+        yield chunk, tensors
+    next(it, None)
 
 
 def tensor_stream(source: WeightSource) -> Iterator[tuple[str, Any]]:

@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightwire.backends.device import DeviceBytes
 from weightwire.backends.ipc.slots import CUDA_EVENT_DISABLE_TIMING, MEMCPY_DEVICE_TO_DEVICE, record, wait_event_host
-from weightwire.backends.nccl.buffers import DeviceBytes
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,20 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from weightwire.backends.base import (
+    Begin,
+    DevicePacker,
+    Prepared,
+    RoundAborted,
+    RoundSender,
+    Sent,
+    check_chunk_bytes,
+)
+from weightwire.backends.device import stream_pointer
 from weightwire.backends.ipc.channel import check_int
+from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.slots import (
     MEMCPY_DEVICE_TO_DEVICE,
     dump_trace,
@@ -35,26 +46,17 @@ from weightwire.backends.ipc.slots import (
     wait_event_host,
     wait_mode,
 )
-from weightwire.backends.nccl.buffers import stream_pointer
 from weightwire.control.fanout import spawn
 from weightwire.shared.communicator import TransferError, TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.pipelines import Begin, DevicePacker, DevicePipeline, Prepared, RoundAborted, check_chunk_bytes
-
-if TYPE_CHECKING:  # the rendezvous (ipc.trainer) builds this pipeline: a runtime import would cycle
-    from weightwire.backends.ipc.trainer import IPCSenderComm
 
 
-class IPCDataPath(DevicePipeline):
+class IPCDataPath(RoundSender):
     """What both IPC data paths (push: ``IPCPipeline``; pull: ``ipc.pull.IPCPullPipeline``)
     share: one fill stream, the control plane on a side thread beside the first fills,
     each chunk's device regions checked against the plan and held until the fill stream
     settled."""
-
-    # Not a DeviceCommunicator (no streams to synchronize): every DevicePipeline method
-    # that would call one is overridden here, so the narrower base type never applies.
-    _comm: IPCSenderComm  # type: ignore[assignment]
 
     def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
                  hold_bytes: int) -> None:
@@ -69,7 +71,7 @@ class IPCDataPath(DevicePipeline):
         self._host_wait = wait_mode() == "host"
         self.rounds = 0
 
-    def _run(self, begin: Begin, pump: Callable[[_Starter], tuple[int, int]]) -> tuple[int, int]:
+    def _run(self, begin: Begin, pump: Callable[[_Starter], Sent]) -> Sent:
         """``pump`` a round with the control plane (pause, start, then the update POST)
         running beside the first fills; the pump announces nothing before it returned.
         Joined on every exit path."""
@@ -93,13 +95,13 @@ class IPCDataPath(DevicePipeline):
         comm = self._comm
         sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=self._timeout, what=what, alive=comm.alive)
 
-    def drain(self) -> None:
+    def settle(self) -> None:
         self._sync_fill("the IPC fill stream")
         self._in_flight[0].clear()
 
 
 class IPCPipeline(IPCDataPath):
-    """Pieces through the slot ring; same entry points as ``DevicePipeline``."""
+    """Pieces through the slot ring."""
 
     def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
                  hold_bytes: int) -> None:
@@ -108,15 +110,12 @@ class IPCPipeline(IPCDataPath):
         self._next = 0
         self._remap = False  # release-after-round: new handles to announce before the next piece
 
-    # -- the DevicePipeline surface ---------------------------------------------------------
+    # -- the RoundSender surface --------------------------------------------------------------
 
     # root: IPC carries one broadcaster (check_receiver refuses several), always rank 0.
-    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None,
-                    root: int = 0) -> tuple[int, int]:
-        return self._send(prepared, stop, begin)
-
-    def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
-                      begin: Begin = None, root: int = 0) -> tuple[int, int]:
+    # Packed or unpacked, a chunk goes through the ring as pieces.
+    def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
+             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
         return self._send(prepared, stop, begin)
 
     def close(self) -> None:
@@ -126,7 +125,6 @@ class IPCPipeline(IPCDataPath):
         finally:
             self._in_flight = [[]]
             self._comm.release()
-            self._packer.release()
 
     def held_bytes(self) -> int:
         """Trainer-side extra device memory: the slots (0 between rounds with release-after-round)."""
@@ -134,7 +132,7 @@ class IPCPipeline(IPCDataPath):
 
     # -- a round ----------------------------------------------------------------------------
 
-    def _send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin) -> tuple[int, int]:
+    def _send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin) -> Sent:
         slots, cp = self._comm.slots, self._comm.cp
         if not slots.allocated:
             slots.allocate()
@@ -145,7 +143,7 @@ class IPCPipeline(IPCDataPath):
         return self._run(begin, lambda starter: self._pump(prepared, stop, starter, copy, size, n))
 
     def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter, copy: Any,
-              size: int, n: int) -> tuple[int, int]:
+              size: int, n: int) -> Sent:
         comm, slots, cp = self._comm, self._comm.slots, self._comm.cp
         nbytes = pieces = 0
 
@@ -189,7 +187,7 @@ class IPCPipeline(IPCDataPath):
             starter.wait()
             self._end_round()
         self.rounds += 1
-        return nbytes, pieces
+        return Sent(nbytes, pieces)
 
     def _acquire(self, slot: int) -> None:
         """Slot ``slot`` may be refilled: every worker's free message for it arrived and

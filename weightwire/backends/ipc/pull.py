@@ -34,10 +34,12 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from weightwire.backends.base import Begin, DevicePacker, Prepared, RoundAborted, Sent
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
+from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.pipeline import IPCDataPath, _Starter
 from weightwire.backends.ipc.slots import (
     CUDA_IPC_LAZY_PEER_ACCESS,
@@ -52,10 +54,6 @@ from weightwire.shared.communicator import TransferError
 from weightwire.shared.info import decode_secret
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.pipelines import Begin, DevicePacker, Prepared, RoundAborted
-
-if TYPE_CHECKING:
-    from weightwire.backends.ipc.trainer import IPCSenderComm
 
 MAX_BUFFERS = 1 << 16
 """Buffers one worker may name in a session (a bound on what the trainer maps for it)."""
@@ -135,7 +133,7 @@ def _early_wants(msg: dict[str, Any], depth: int, peer: str) -> dict[int, dict[s
 
 
 class IPCPullPipeline(IPCDataPath):
-    """Chunks straight into the workers' buffers; same entry points as ``DevicePipeline``."""
+    """Chunks straight into the workers' buffers (packed rounds: the rendezvous picks pull only for them)."""
 
     def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
                  hold_bytes: int) -> None:
@@ -146,8 +144,8 @@ class IPCPullPipeline(IPCDataPath):
         self._early: list[dict[int, dict[str, Any]] | None] = [None] * len(comm.channels)
         """Per worker: this round's early wants by chunk (None until its "early" message was read)."""
 
-    def send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None,
-                    root: int = 0) -> tuple[int, int]:
+    def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
+             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
         # Before this round's start can reach a worker, an early message already here is
         # from an earlier round that read none of it (its buffers were never filled) and void.
         for ch in self._comm.channels:
@@ -176,11 +174,7 @@ class IPCPullPipeline(IPCDataPath):
             return named
         return ch.expect("want", deadline=deadline, what=what, alive=alive)
 
-    def send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
-                      begin: Begin = None, root: int = 0) -> tuple[int, int]:
-        raise TransferError("weightwire_ipc pull mode carries packed rounds only (the session negotiated push otherwise)")
-
-    def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> tuple[int, int]:
+    def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> Sent:
         comm, cp = self._comm, self._comm.cp
         gather = self._gather.copy
         sptr = self._sptr
@@ -228,7 +222,7 @@ class IPCPullPipeline(IPCDataPath):
             if comm.release_after_round:
                 self._unmap()
         self.rounds += 1
-        return nbytes, count
+        return Sent(nbytes, count)
 
     def _unmap(self) -> None:
         """Release-after-round: close every mapping (the fill stream settled), then let
@@ -252,7 +246,6 @@ class IPCPullPipeline(IPCDataPath):
             self._buffers = []
             self._in_flight = [[]]
             comm.release()
-            self._packer.release()
 
     def held_bytes(self) -> int:
         """Trainer-side extra device memory: none (the chunks land in the workers' buffers)."""

@@ -1,114 +1,41 @@
-"""The trainer's end of ``weightwire_ipc``: rendezvous and communicator (rank 0).
+"""The trainer's end of ``weightwire_ipc``: rendezvous and data path (rank 0).
 
 ``IPCRendezvous`` allocates the slots and their ready events, exports the handles
 (for the init info) and listens on loopback; ``join`` accepts every worker, reads its
-hello (rank, free-event handles, GPU, the modes it takes) and opens those events.
+hello (rank, free-event handles, GPU, the modes it takes), opens those events and
+tells every worker the session's mode.
 
-Mode (issue 19): ``pull`` (the trainer copies straight into the workers' receive
-buffers, ``backends.ipc.pull``: one device copy per byte) or ``push`` (the slot ring,
-``backends.ipc.pipeline``: two copies). The init info is the same for both, slots
-included, so a worker that predates pull mode still joins: its hello lists no
-``modes`` and it gets push. A newer worker lists the modes it takes and is told the
-session's mode (``{"op": "mode"}``) before the warm-up; pull is chosen when the
-trainer asks for it (``TrainerInitInfo.ipc_mode``), the rounds are packed and every
-worker takes it, and then the slots are freed at once (only their ready events
-stay). The slots are made once per session and reused every round
-(``release_after_round`` frees them between rounds instead). ``IPCSenderComm`` holds it all; the piece pump that uses it is
-``weightwire.backends.ipc.pipeline.IPCPipeline``. ``IPCBackend`` is the registry's
-trainer part (``weightwire.backends``): it opens an ``IPCRendezvous`` and makes that
-pipeline the round's data path.
+Mode: ``pull`` (the trainer copies straight into the workers' receive buffers,
+``backends.ipc.pull``: one device copy per byte) or ``push`` (the slot ring,
+``backends.ipc.pipeline``: two copies). Pull is chosen when the trainer asks for it
+(``ipc_mode``), the rounds are packed and every worker takes it; then the slots are
+freed at once (only their ready events stay). The slots are made once per session and
+reused every round (``release_after_round`` frees them between rounds instead). The
+joined link is ``ipc.link.IPCSenderComm``; ``IPCBackend`` is the registry's trainer
+part: it opens an ``IPCRendezvous`` and makes the mode's pipeline the round's data path.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from weightwire.backends import IPC
-from weightwire.backends.ipc.channel import Channel, Listener, check_int
+from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCaps, SenderParts, SenderSettings
+from weightwire.backends.ipc.channel import Listener, check_int
+from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.pipeline import IPCPipeline
 from weightwire.backends.ipc.pull import IPCPullPipeline
 from weightwire.backends.ipc.slots import IPCSlots, cupy_module, device_uuid, ipc_available, open_event
-from weightwire.shared.communicator import Communicator, TransferError
+from weightwire.shared.communicator import TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo, decode_handles
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
-from weightwire.trainer.backends import Backend, Rendezvous
-
-if TYPE_CHECKING:
-    from weightwire.trainer.config import TrainerInitInfo
 
 logger = logging.getLogger(__name__)
-
-
-class IPCSenderComm:
-    """Rank 0 of an IPC group: the slots, one channel and the free events per worker."""
-
-    def __init__(self, cp: Any, slots: IPCSlots, channels: list[Channel], free_events: list[list[int]],
-                 peer_uuids: list[str], release_after_round: bool, mode: str = "push") -> None:
-        self.cp, self.slots, self.channels, self.free_events = cp, slots, channels, free_events
-        self.peer_uuids = peer_uuids
-        self.mode = mode
-        self.release_after_round = release_after_round
-        self._state = "open"
-        self._lock = threading.Lock()
-
-    @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def world_size(self) -> int:
-        return 1 + len(self.channels)
-
-    @property
-    def same_gpu(self) -> list[bool]:
-        """Per worker: does it run on the trainer's GPU (False: a peer GPU of this host)?"""
-        mine = device_uuid(self.cp, self.slots.device)
-        return [bool(mine) and u == mine for u in self.peer_uuids]
-
-    def alive(self) -> None:
-        if self._state != "open":
-            raise TransferError(f"IPC communicator is {self._state}; call trainer_init again")
-
-    def warmup(self, *, timeout: float | None = None) -> None:
-        deadline = time.monotonic() + (60.0 if timeout is None else timeout)
-        for ch in self.channels:
-            ch.send({"op": "ping"})
-        for ch in self.channels:
-            ch.expect("pong", deadline=deadline, what="the warm-up answer", alive=self.alive)
-
-    def broadcast(self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
-        raise TransferError("weightwire_ipc moves rounds through IPCPipeline, not broadcast()")
-
-    def abort(self) -> None:
-        with self._lock:
-            if self._state != "open":
-                return
-            self._state = "aborted"
-        for ch in self.channels:
-            ch.abort()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._state != "open":
-                return
-            self._state = "closed"
-        for ch in self.channels:
-            ch.close()
-
-    def release(self) -> None:
-        """Free the slots and events (after the fill stream was synchronized or the session ended)."""
-        self.slots.destroy()
-        for events in self.free_events:
-            for e in events:
-                with suppress(Exception):
-                    self.cp.cuda.runtime.eventDestroy(e)
-        self.free_events = []
 
 
 class IPCRendezvous:
@@ -171,10 +98,9 @@ class IPCRendezvous:
                 uuids.append(uuid if isinstance(uuid, str) else "")
                 offers.append(_modes(hello, ch.peer))
             mode = "pull" if self._want_pull and all("pull" in o for o in offers) else "push"
-            for ch, offer in zip(channels, offers, strict=True):
-                if offer:  # a worker that predates modes takes push and is told nothing
-                    # "early": this trainer takes buffers named at the round's start (ipc.pull)
-                    ch.send({"op": "mode", "mode": mode, **({"early": True} if mode == "pull" else {})})
+            for ch in channels:
+                # "early": this trainer takes buffers named at the round's start (ipc.pull)
+                ch.send({"op": "mode", "mode": mode, **({"early": True} if mode == "pull" else {})})
             if mode == "pull":
                 self.slots.free_memory()  # no worker opened them; the ready events stay
         except BaseException:
@@ -206,9 +132,9 @@ class IPCBackend(Backend):
     init info (JSON, base64) and listens on loopback for the workers' control channels."""
 
     name: ClassVar[str] = IPC
-    on_device: ClassVar[bool] = True
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=True)
 
-    def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
+    def open(self, info: SenderSettings, *, world_size: int) -> Rendezvous:
         if not ipc_available():
             raise RuntimeError(f"backend {self.name!r} needs cupy and a CUDA device on the trainer host")
         rdv = IPCRendezvous(
@@ -219,16 +145,21 @@ class IPCBackend(Backend):
         )
         return _PendingIPC(rdv.payload, rdv)
 
-    def device_pipeline(self, comm: Any, packer: Any, *, num_buffers: int, timeout: float, hold_bytes: int) -> Any:
-        if getattr(comm, "mode", "push") == "pull":
-            return IPCPullPipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
-        return IPCPipeline(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+    def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
+        assert isinstance(link, IPCSenderComm) and parts.packer is not None
+        if link.mode == "pull" and not settings.packed:
+            raise TransferError("weightwire_ipc pull mode carries packed rounds only (the session negotiated push "
+                                "otherwise)")
+        pipeline = IPCPullPipeline if link.mode == "pull" else IPCPipeline
+        count = settings.packed_num_buffers
+        return pipeline(link, parts.packer, num_buffers=count, timeout=settings.timeouts.transfer_s,
+                        hold_bytes=settings.packed_buffer_size_bytes * count)
 
 
 def _modes(hello: dict[str, Any], peer: str) -> list[str]:
-    """The modes a worker's hello offers ([] for a worker that predates modes: push)."""
-    offer = hello.get("modes", [])
-    if not isinstance(offer, list) or len(offer) > 8 or not all(isinstance(m, str) for m in offer):
+    """The modes a worker's hello offers (at least one)."""
+    offer = hello.get("modes")
+    if not isinstance(offer, list) or not 1 <= len(offer) <= 8 or not all(isinstance(m, str) for m in offer):
         raise TransferError(f"{peer} sent hello.modes {str(offer)[:80]}, not a short list of mode names "
                             f"(known: {', '.join(IPC_MODES)})")
     return [m for m in offer if m in IPC_MODES]  # a later worker's modes this trainer does not know: ignored
@@ -241,7 +172,7 @@ class _PendingIPC(Rendezvous):
         super().__init__(payload)
         self._rdv = rdv
 
-    def join(self, *, timeout: float) -> Communicator:
+    def join(self, *, timeout: float) -> IPCSenderComm:
         return self._rdv.join(timeout=timeout)
 
     def cancel(self) -> None:

@@ -18,18 +18,17 @@ Where a legal fix exists it is preferred: tensors may be reordered *within a lay
 group* (vLLM's layerwise reload materializes a layer once all its tensors of the round
 arrived, in any order), so an order is searched in which every offset is aligned; the
 update info then lists that order and the engine feeds the tensors in it
-(``WirePlan.reorder``, which holds at most one layer group). Otherwise the round is
+(``base.WirePlan.reorder``, which holds at most one layer group). Otherwise the round is
 refused with ``StockRefusal`` naming the tensor and the reason, before any control
 call. Our plugin backends receive all of this and never go through here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
-from weightwire.shared.errors import ConfigError, WeightwireError
+from weightwire.backends.base import StockRefusal, WirePlan
+from weightwire.shared.errors import WeightwireError
 from weightwire.shared.framing import plan_packed
 from weightwire.shared.groups import layer_key
 from weightwire.shared.meta import ParamMeta
@@ -37,55 +36,6 @@ from weightwire.shared.version import ServerFeatures
 
 UNPACKED_REFUSED_DTYPES = ("bool", "float8_e5m2")
 """No NCCL type in vLLM's ``pynccl_wrapper`` (0.28-0.33): its per-tensor broadcast raises."""
-
-
-class StockRefusal(ConfigError):
-    """A stock vLLM worker cannot receive ``tensor``; ``reason`` says why. Nothing was sent."""
-
-    def __init__(self, tensor: str, reason: str, version: str) -> None:
-        super().__init__(f"stock vLLM {version} (backend 'nccl') cannot receive {tensor!r}: {reason}. "
-                         "Nothing was sent. Use the weightwire_nccl / weightwire_tcp backend (the plugin "
-                         "receives it), or change the tensor on the trainer side")
-        self.tensor = tensor
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class WirePlan:
-    """The round as it goes on the wire: ``metas`` in broadcast order.
-
-    ``order[i]`` is the source index of wire tensor ``i`` (``None``: source order).
-    A permutation only moves tensors inside their layer group.
-    """
-
-    metas: list[ParamMeta]
-    order: tuple[int, ...] | None = None
-
-    def reorder(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """Re-emit a source-order ``(name, tensor)`` stream in wire order.
-
-        Buffers one span at a time: the span covers the source indices a run of wire
-        positions draws from, which is one layer group since the order never crosses one.
-        In source order the stream itself comes back (no per-tensor hop on the byte path).
-        """
-        if self.order is None:
-            return iter(pairs)
-        return _reordered(iter(pairs), self.order)
-
-
-def _reordered(it: Iterator[tuple[str, Any]], order: tuple[int, ...]) -> Iterator[tuple[str, Any]]:
-    """``WirePlan.reorder`` with a permutation: ``order[i]`` is wire tensor ``i``'s source index."""
-    held: dict[int, tuple[str, Any]] = {}
-    pulled = 0
-    for src in order:
-        while src not in held:
-            item = next(it, None)
-            if item is None:
-                return  # short stream: checked_iter upstream raises with the name
-            held[pulled] = item
-            pulled += 1
-        yield held.pop(src)
-    yield from it  # extra tensors reach checked_iter's end check
 
 
 def _align(offset: int) -> int:

@@ -8,10 +8,23 @@ TCPStore rendezvous), then join the group as rank 0 while the init POST is in fl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from weightwire.backends import NCCL, WEIGHTWIRE_NCCL
+from weightwire.backends.base import (
+    Backend,
+    Rendezvous,
+    RoundSender,
+    SenderCaps,
+    SenderParts,
+    SenderSettings,
+    WirePlan,
+)
+from weightwire.backends.device import SlotBuffers
 from weightwire.backends.nccl import comm as nccl
+from weightwire.backends.nccl.stock import plan_for_stock
+from weightwire.backends.pipelines import DevicePipeline
 from weightwire.shared.communicator import Communicator
 from weightwire.shared.info import (
     NCCL_UNIQUE_ID_BYTES,
@@ -20,24 +33,34 @@ from weightwire.shared.info import (
     decode_secret,
     encode_secret,
 )
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.version import ServerFeatures
-from weightwire.trainer.backends import Backend, Rendezvous
-
-if TYPE_CHECKING:
-    from weightwire.trainer.config import TrainerInitInfo
 
 
 class NCCLBackend(Backend):
     """Stock vLLM ``nccl``: rank 0 mints an NCCL unique id and ships it base64-encoded."""
 
     name: ClassVar[str] = NCCL
-    on_device: ClassVar[bool] = True
-    stock_receiver: ClassVar[bool] = True
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, stock_receiver=True)
 
     def check_server(self, features: ServerFeatures) -> None:
         features.require("unique_id_rendezvous", "a torch-free trainer joins NCCL through nccl_unique_id_b64")
 
-    def _payload(self, info: TrainerInitInfo, unique_id: bytes, world_size: int) -> dict[str, Any]:
+    def plan_round(self, metas: Sequence[ParamMeta], *, features: ServerFeatures, packed: bool,
+                   buffer_size_bytes: int) -> WirePlan:
+        return plan_for_stock(metas, features=features, packed=packed, buffer_size_bytes=buffer_size_bytes)
+
+    def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
+        """Slot buffers broadcast on rotating streams (``link`` is an ``NCCLCommunicator``)."""
+        assert parts.packer is not None, "an on-device backend is lent a packer"
+        import cupy  # GPU hosts only
+
+        count = settings.packed_num_buffers
+        return DevicePipeline(link, parts.packer, SlotBuffers(cupy, parts.packer.ordinal), packed=settings.packed,
+                              num_buffers=count, timeout=settings.timeouts.transfer_s,
+                              hold_bytes=settings.packed_buffer_size_bytes * count)
+
+    def _payload(self, info: SenderSettings, unique_id: bytes, world_size: int) -> dict[str, Any]:
         # Built through the shared dataclass so the payload is validated exactly as the
         # worker will parse it, and carries exactly vLLM's fields.
         return NCCLInitInfo(
@@ -46,7 +69,7 @@ class NCCLBackend(Backend):
             packed_num_buffers=info.packed_num_buffers,
         ).to_dict()
 
-    def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
+    def open(self, info: SenderSettings, *, world_size: int) -> Rendezvous:
         if not nccl.nccl_available():  # cupy is imported here, on first use, not with this module
             raise RuntimeError(f"backend {self.name!r} needs cupy with NCCL and a CUDA device on the trainer host")
         unique_id = nccl.mint_unique_id()
@@ -57,10 +80,14 @@ class WeightwireNCCLBackend(NCCLBackend):
     """``weightwire_nccl``: vLLM's NCCL fields plus the worker-side receive timeout."""
 
     name: ClassVar[str] = WEIGHTWIRE_NCCL
-    stock_receiver: ClassVar[bool] = False  # the plugin's receiver takes any offset, dtype and shape
-    several_broadcasters: ClassVar[str | None] = "group"  # one communicator, each turn's root is its src
+    # The plugin's receiver takes any offset, dtype and shape; one communicator, each turn's root is its src.
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, several="group")
 
-    def _payload(self, info: TrainerInitInfo, unique_id: bytes, world_size: int) -> dict[str, Any]:
+    def plan_round(self, metas: Sequence[ParamMeta], *, features: ServerFeatures, packed: bool,
+                   buffer_size_bytes: int) -> WirePlan:
+        return WirePlan(list(metas))
+
+    def _payload(self, info: SenderSettings, unique_id: bytes, world_size: int) -> dict[str, Any]:
         return WeightwireNCCLInitInfo(
             nccl_unique_id_b64=encode_secret(unique_id), rank_offset=1, world_size=world_size,
             packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
@@ -68,11 +95,10 @@ class WeightwireNCCLBackend(NCCLBackend):
             stage_budget_bytes=info.stage_budget_bytes,
         ).to_dict()
 
-
     def peer_fields(self, payload: dict[str, Any]) -> dict[str, Any]:
         return {"nccl_unique_id_b64": payload["nccl_unique_id_b64"], "world_size": payload["world_size"]}
 
-    def join_peer(self, info: TrainerInitInfo, fields: dict[str, Any], *, rank: int, timeout: float) -> Communicator:
+    def join_peer(self, info: SenderSettings, fields: dict[str, Any], *, rank: int, timeout: float) -> Communicator:
         if not nccl.nccl_available():
             raise RuntimeError(f"backend {self.name!r} needs cupy with NCCL and a CUDA device on every broadcasting rank")
         unique_id = decode_secret("nccl_unique_id_b64", fields["nccl_unique_id_b64"], NCCL_UNIQUE_ID_BYTES)

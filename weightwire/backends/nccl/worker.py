@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from weightwire.backends.base import ChunkedLink, ReceiveTurn
-from weightwire.backends.nccl.buffers import tensor_device_bytes
+from weightwire.backends.device import tensor_device_bytes
 from weightwire.backends.nccl.comm import NCCLCommunicator
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES, WeightwireNCCLInitInfo

@@ -1,43 +1,68 @@
 """Rank 0's side of ``weightwire_tcp``: listen, put the endpoint and secret in the init info.
 
 The workers dial in and prove the secret (``rendezvous.TCPRendezvous``); ``join``
-returns the root communicator once every worker rank is connected.
+returns the root communicator once every worker rank is connected. Several
+broadcasters are stars: each non-zero broadcaster listens too (``open_star``) and rank
+0's init info lists every star (``with_stars``); the workers dial them all.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from weightwire.backends import TCP
+from weightwire.backends.base import (
+    Backend,
+    Rendezvous,
+    RoundSender,
+    SenderCaps,
+    SenderParts,
+    SenderSettings,
+    StarEndpoint,
+    StarSource,
+)
+from weightwire.backends.pipelines import HostPipeline
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.communicator import Communicator
-from weightwire.shared.info import TCPInitInfo
-from weightwire.trainer.backends import Backend, Rendezvous
-
-if TYPE_CHECKING:
-    from weightwire.trainer.config import TrainerInitInfo
+from weightwire.shared.info import TCPInitInfo, encode_secret
 
 
 class TCPBackend(Backend):
     """``weightwire_tcp``: rank 0 listens; workers dial in and prove the secret."""
 
     name: ClassVar[str] = TCP
-    on_device: ClassVar[bool] = False
-    several_broadcasters: ClassVar[str | None] = "stars"  # each broadcaster listens; workers dial every star
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=False, several="stars")
 
-    def open(self, info: TrainerInitInfo, *, world_size: int) -> Rendezvous:
-        rdv = TCPRendezvous(world_size=world_size, bind_host=info.tcp_bind_host, advertise_host=info.tcp_advertise_host)
+    def open(self, settings: SenderSettings, *, world_size: int) -> Rendezvous:
+        rdv = TCPRendezvous(world_size=world_size, bind_host=settings.tcp_bind_host,
+                            advertise_host=settings.tcp_advertise_host)
         try:
             payload = TCPInitInfo(
-                **rdv.init_fields(), rank_offset=1, world_size=world_size, packed=info.packed,
-                packed_buffer_size_bytes=info.packed_buffer_size_bytes,
-                packed_num_buffers=info.packed_num_buffers, timeout_s=float(info.timeouts.transfer_s),
-                stage_budget_bytes=info.stage_budget_bytes,
+                **rdv.init_fields(), rank_offset=1, world_size=world_size, packed=settings.packed,
+                packed_buffer_size_bytes=settings.packed_buffer_size_bytes,
+                packed_num_buffers=settings.packed_num_buffers, timeout_s=float(settings.timeouts.transfer_s),
+                stage_budget_bytes=settings.stage_budget_bytes,
             ).to_dict()
         except BaseException:
             rdv.close()
             raise
         return _TCPRendezvous(payload, rdv)
+
+    def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
+        return HostPipeline(link, parts.host_bytes, num_buffers=settings.packed_num_buffers,
+                            timeout=settings.timeouts.transfer_s, prefetch=parts.prefetch)
+
+    def open_star(self, settings: SenderSettings, *, world_size: int, secret: bytes) -> StarEndpoint:
+        return TCPRendezvous(world_size=world_size, bind_host=settings.tcp_bind_host,
+                             advertise_host=settings.tcp_advertise_host, secret=secret)
+
+    def with_stars(self, payload: dict[str, Any], stars: Sequence[StarSource], *, rank_offset: int,
+                   world_size: int) -> dict[str, Any]:
+        sources = [{"host": s.host, "port": s.port, "secret_b64": encode_secret(s.secret)} for s in stars]
+        out = {**payload, "rank_offset": rank_offset, "world_size": world_size, "sources": sources}
+        TCPInitInfo.from_dict(out)  # validated here, before the workers see it
+        return out
 
 
 class _TCPRendezvous(Rendezvous):

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from weightwire.backends.base import DevicePacker
+from weightwire.backends.device import DeviceBytes, tensor_device_bytes
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.trainer.engine import TrainerEngine
-from weightwire.trainer.pipelines import DevicePacker, SlotPacker
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,14 +43,14 @@ class TorchTrainerEngine(TrainerEngine):
         return TorchDevicePacker(device)
 
 
-class TorchDevicePacker(SlotPacker):
+class TorchDevicePacker(DevicePacker):
     """Resolves torch tensors to their device bytes on torch-created streams handed to
-    NCCL as CuPy streams (packing into the slot's buffer is ``SlotPacker``'s).
+    the backend as CuPy streams (what it does with the bytes is the backend's).
 
     Each stream first waits on the caller's current stream, so packing reads the
     weights the trainer last wrote. Staging copies (another device, non-contiguous)
     are made on the slot's stream and kept alive by their ``DeviceBytes`` (held by the
-    slot's buffers or the pipeline) until that stream is synchronized, so the caching
+    backend's data path) until that stream is synchronized, so the caching
     allocator cannot recycle them under the copy.
     """
 
@@ -59,7 +60,10 @@ class TorchDevicePacker(SlotPacker):
         index = torch.cuda.current_device() if device is None else device
         self._device = torch.device("cuda", index)
         self._streams: dict[int, torch.cuda.Stream] = {}
-        super().__init__(index)
+        import cupy  # GPU hosts only
+
+        self._cupy = cupy
+        self.ordinal = index
 
     def new_stream(self) -> Any:
         stream = torch.cuda.Stream(device=self._device)
@@ -67,8 +71,6 @@ class TorchDevicePacker(SlotPacker):
         return self._cupy.cuda.ExternalStream(stream.cuda_stream, self._device.index)
 
     def regions(self, tensors: Sequence[Any], stream: Any) -> list[Any]:
-        from weightwire.backends.nccl.buffers import DeviceBytes, tensor_device_bytes
-
         # Contiguous tensors already on this device are read in place: a raw pointer, not
         # DLPack (~0.2 ms per tensor, on a small model's critical path); the stream already
         # waits on the trainer's. The rest get a staging copy on the stream.

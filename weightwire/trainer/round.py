@@ -1,0 +1,208 @@
+"""The round driver: rank 0 runs one round of a ``BroadcastPlan``, whatever its wire.
+
+A single sender is a plan with one turn (``sole_plan``) sent by ``SoleWire``; several
+broadcasters are the same round over stars or one group (``trainer.multi_star`` /
+``trainer.multi_group``). The driver owns what every round does, in order:
+
+1. each turn's update info (reused when the workers already hold that slice's metadata);
+2. the control plane, run by the wire at the point it chooses (``SoleWire``: once the
+   first chunk is prepared): [verify snapshot] -> [pause] -> ``start_weight_update``
+   (``start_draft_weight_update``);
+3. the wire's transfer, the turns' ``update_weights`` beside it;
+4. ``finish_weight_update(version)`` and the cache reset (``trainer.freshness``) -> [resume];
+5. [verify: every slice's digests against the servers'].
+
+A failure resumes a round paused as a whole only once it committed (only a check after
+the commit failed); otherwise the pause's own failure rule applies (``gating``). The
+wire hears how the round ended (``RoundEnd``): the multi-source plan tells the other
+trainer ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from weightwire.backends.base import Sent, WirePlan
+from weightwire.shared.framing import Chunk, plan
+from weightwire.shared.info import UpdateInfo
+from weightwire.shared.meta import ParamMeta
+from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
+from weightwire.trainer.freshness import StaleCacheError
+from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard
+from weightwire.trainer.metrics import PhaseClock, RoundMetrics
+from weightwire.trainer.multi_verify import verify_union
+from weightwire.trainer.session import SentKey, Session
+from weightwire.trainer.transfer import Transfer, best_effort_resume, chunked, tensor_stream
+from weightwire.trainer.verify import VerifyError
+
+logger = logging.getLogger(__name__)
+
+Control = Callable[[], None]
+"""The round's control plane (verify snapshot, pause, start): the wire runs it once,
+before any byte."""
+
+
+class Wire(Protocol):
+    """How one round's turns go out from rank 0."""
+
+    def transfer(self, payloads: list[dict[str, Any]], control: Control, own: dict[str, str] | None,
+                 clock: PhaseClock) -> Sent:
+        """Run ``control``, then every turn with its ``update_weights`` payload; ``own``: record
+        the digests of rank 0's own slice. Raises on the first failed turn."""
+        ...
+
+    def digests(self, own: dict[str, str]) -> dict[str, str]:
+        """Every slice's digests (rank 0's are ``own``), for the verify step."""
+        ...
+
+
+class RoundEnd(Protocol):
+    """Told how a round ended, on rank 0 (the other trainer ranks wait for it)."""
+
+    def committed(self, version: str) -> None: ...
+    def failed(self, exc: BaseException, *, committed: bool) -> None: ...
+
+
+SoleRound = Callable[[list[ParamMeta], str, PhaseClock, bool, "RoundEnd | None"], RoundMetrics]
+"""The engine's one-turn round (rank 0 the only broadcaster), told how it ended."""
+
+
+def was_committed(exc: BaseException) -> bool:
+    """The round landed and only a check after the commit failed (cache reset, verify)."""
+    return isinstance(exc, (VerifyError, StaleCacheError)) and exc.committed
+
+
+def lead_round(s: Session, bplan: BroadcastPlan, metas: list[ParamMeta], version: str, clock: PhaseClock,
+               draft: bool, wire: Wire, end: RoundEnd | None = None) -> RoundMetrics:
+    """Rank 0's round over ``wire``; returns once the servers committed ``version``."""
+    with clock("metadata"):
+        payloads, reused = _payloads(s, bplan, draft)
+    for turn in bplan.turns:
+        s.sent.pop(SentKey(draft, turn.src), None)  # unknown until finish succeeds
+    own: dict[str, str] | None = {} if s.verifier is not None else None
+    pause = s.round_pause(metas)
+    paused = held = False
+
+    def control() -> None:
+        nonlocal paused, held
+        if s.verifier is not None:
+            s.verifier.before_round(s.client)  # a failure here sent nothing
+        held = hold_guard(s.client, pause, version)  # refusing, with the reason, before any write
+        if pause.mode is not None:
+            paused = s.pause(pause.mode)
+        (s.client.start_draft_weight_update if draft else s.client.start_weight_update)()
+
+    def record() -> None:  # committed: the next automatic version moves on even if a check fails
+        for turn in bplan.turns:
+            s.sent[SentKey(draft, turn.src)] = turn.metas
+        s.rounds += 1
+
+    report = None
+    try:
+        clock.seconds["control"] = 0.0  # booked from inside the transfer (listed first)
+        with clock("transfer"):
+            sent = wire.transfer(payloads, control, own, clock)
+        with clock("finish"):
+            s.commit_plan.commit(s.client, version, record=record)  # + the caches reset
+            if paused:
+                paused = False
+                s.client.resume()
+            held = release_guard(s.client, pause)  # the guard checks the workers are whole first
+        if s.verifier is not None and own is not None:
+            with clock("verify"):
+                report = verify_union(s.verifier, s.client, bplan, wire.digests(own), version, draft=draft)
+    except BaseException as exc:
+        committed = was_committed(exc)
+        if end is not None:
+            end.failed(exc, committed=committed)
+        if committed:
+            # Committed: the model is whole, so a round paused as a whole resumes.
+            if paused:
+                best_effort_resume(s.client)
+            if held:
+                _release_whole(s.client, pause)
+        elif paused or held:
+            after_failed_round(s.client, pause)
+        raise
+    if end is not None:
+        end.committed(version)
+    return RoundMetrics(version, sent.nbytes, len(metas), sent.sends, reused, seconds=clock.seconds, verify=report)
+
+
+def _release_whole(client: Any, pause: RoundPause) -> None:
+    """After a commit whose later step failed (a cache reset): the model is whole, so the
+    guard is lifted; a failure to lift it is logged, the round's own error is what raises."""
+    try:
+        release_guard(client, pause)
+    except Exception as exc:
+        logger.error("the round committed but the round guard could not be lifted: %s "
+                     "(POST /weightwire/round_guard/release lifts it)", exc)
+
+
+def _payloads(s: Session, bplan: BroadcastPlan, draft: bool) -> tuple[list[dict[str, Any]], bool]:
+    """Each turn's update info; the metadata alone is left out of a turn whose slice the
+    workers already hold (``reuse_metadata``). ``True`` when every turn was."""
+    assert s.features is not None
+    payloads, reused = [], True
+    for turn in bplan.turns:
+        same = s.features.reuse_metadata and s.sent.get(SentKey(draft, turn.src)) == turn.metas
+        reused &= same
+        info = UpdateInfo(src=turn.src) if same else replace(UpdateInfo.from_metas(list(turn.metas)), src=turn.src)
+        payloads.append(info.to_dict())
+    return payloads, reused
+
+
+# -- one broadcaster ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SolePlan:
+    """A single sender's round: its source metadata, its wire order and chunks, and the
+    one-turn broadcast plan the driver runs."""
+
+    metas: list[ParamMeta]
+    wire: WirePlan
+    chunks: list[Chunk]
+    bplan: BroadcastPlan
+
+
+def sole_plan(s: Session, metas: list[ParamMeta], last: SolePlan | None) -> SolePlan:
+    """The round's plan; the same metadata as last round reuses it (every round of a
+    training run, in practice: the plan is on the critical path). A stock receiver's
+    round is checked, maybe reordered or refused (``StockRefusal``), before any call."""
+    if last is not None and last.metas == metas:
+        return last
+    assert s.features is not None
+    size = s.info.packed_buffer_size_bytes
+    wire = s.backend.plan_round(metas, features=s.features, packed=s.info.packed, buffer_size_bytes=size)
+    chunks = plan(wire.metas, packed=s.info.packed, buffer_size_bytes=size)
+    bplan = BroadcastPlan((0,), (Turn(0, 0, tuple(wire.metas)),))
+    return SolePlan(list(metas), wire, chunks, bplan)
+
+
+class SoleWire:
+    """Rank 0 alone: the update POST beside its broadcasts, control folded into the first
+    chunk's preparation (``trainer.transfer.Transfer``)."""
+
+    def __init__(self, s: Session, sole: SolePlan) -> None:
+        self._s, self._sole = s, sole
+
+    def transfer(self, payloads: list[dict[str, Any]], control: Control, own: dict[str, str] | None,
+                 clock: PhaseClock) -> Sent:
+        s, sole = self._s, self._sole
+        assert s.sender is not None
+        (payload,) = payloads
+        pairs: Iterator[tuple[str, Any]] = s.stream(tensor_stream(s.source), sole.metas, own)
+        step = Transfer(s.link, s.sender, post_update=lambda: s.client.update_weights(payload),
+                        control=control, clock=clock, http_s=s.info.timeouts.http_s)
+        try:
+            return step.run(chunked(sole.wire.reorder(pairs), sole.chunks), sole.wire.metas)
+        finally:
+            if step.broken is not None:
+                s.broken = step.broken
+
+    def digests(self, own: dict[str, str]) -> dict[str, str]:
+        return own

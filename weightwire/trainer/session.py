@@ -1,0 +1,154 @@
+"""``Session``: what a trainer engine holds between rounds, and rank 0's wire opening.
+
+The engine (``trainer.engine``), the round driver (``trainer.round``) and the several-
+broadcaster plan (``trainer.multi_source``) all work on one ``Session``: its fields are
+the state they share, so none reads another's private attributes. ``open_wire`` is
+rank 0's trainer_init step: ask the server, open the backend's rendezvous, POST the
+worker init info on a side thread while rank 0 joins, warm up, build the data path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from weightwire.backends.base import Backend, DevicePacker, Link, RoundSender, SenderParts
+from weightwire.control.errors import WeightSyncError
+from weightwire.shared.client import EngineClient
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.source import WeightSource, checked_iter
+from weightwire.shared.staging import round_bytes
+from weightwire.shared.version import ServerFeatures
+from weightwire.trainer.config import TrainerInitInfo
+from weightwire.trainer.freshness import CommitPlan
+from weightwire.trainer.gating import RoundPause, round_pause, server_features
+from weightwire.trainer.transfer import await_call, join_beside_init, real_cause, tap
+from weightwire.trainer.verify import RoundVerifier
+
+logger = logging.getLogger(__name__)
+
+Extend = Callable[[dict[str, Any]], dict[str, Any]]
+"""Several broadcasters: rank 0's worker init info, extended with the group's fields."""
+
+
+class Framework(Protocol):
+    """What the framework engine (JAX or torch) lends a session."""
+
+    def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]: ...
+    def tensor_sha256(self, tensor: Any) -> str: ...
+    def device_packer(self, device: int | None) -> DevicePacker: ...
+    def sender_parts(self, packer: DevicePacker | None) -> SenderParts: ...
+
+
+@dataclass(frozen=True)
+class SentKey:
+    """Whose slice the workers hold: the round's target (draft or not) and the
+    broadcaster's ``src``."""
+
+    draft: bool
+    src: int
+
+
+@dataclass(eq=False, repr=False)
+class Session:
+    """One engine's state between rounds (every trainer rank has one)."""
+
+    info: TrainerInitInfo
+    client: EngineClient
+    source: WeightSource
+    backend: Backend
+    framework: Framework
+    commit_plan: CommitPlan
+    pause_mode: str | None
+    """The session's pause mode (``auto`` resolved; ``None`` once ``auto`` found no pause route)."""
+    verifier: RoundVerifier | None = None
+    features: ServerFeatures | None = None
+    link: Link | None = None
+    """This rank's joined connection (rank 0's, or a broadcaster's own star / group member)."""
+    sender: RoundSender | None = None
+    broken: BaseException | None = None
+    """Set when a round failed mid-transfer: the engine refuses further rounds."""
+    rounds: int = 0
+    sent: dict[SentKey, tuple[ParamMeta, ...]] = field(default_factory=dict)
+    """Rank 0: what each broadcaster's slice is on the workers, until a round changes it."""
+
+    def __repr__(self) -> str:  # the link and the client hold secrets: names only
+        return f"Session(backend={self.info.backend!r}, rank={self.info.rank}, rounds={self.rounds})"
+
+    def next_version(self, weight_version: str | None) -> str:
+        version = str(self.rounds + 1) if weight_version is None else weight_version
+        if not isinstance(version, str) or not version:
+            raise ValueError(f"weight_version must be a non-empty str, got {weight_version!r}")
+        return version
+
+    def stream(self, pairs: Iterable[tuple[str, Any]], metas: list[ParamMeta],
+               digests: dict[str, str] | None) -> Iterator[tuple[str, Any]]:
+        """``pairs`` checked against ``metas`` (unless the source checks its own passes) and,
+        with ``digests``, each tensor's digest recorded for the round's verify step."""
+        out = iter(pairs)
+        if not self.source.checks_own_stream(metas):  # PytreeSource checks its own passes
+            out = checked_iter(out, metas, self.framework.describe)
+        return out if digests is None else tap(out, digests, self.framework.tensor_sha256)
+
+    def round_pause(self, metas: list[ParamMeta]) -> RoundPause:
+        """This round's pause (``gating.round_pause``; a round applied in place:
+        refusing, no resume on failure)."""
+        return round_pause(self.info, self.pause_mode, stock_receiver=self.backend.caps.stock_receiver,
+                           nbytes=round_bytes(metas), client=self.client)
+
+    def pause(self, mode: str) -> bool:
+        """Pause generation for the round; ``False`` when ``auto`` found no pause route."""
+        try:
+            self.client.pause(mode)
+        except WeightSyncError as exc:
+            if self.info.pause_mode != "auto" or exc.status != 404:
+                raise
+            logger.warning("server has no /pause route (%s): rounds run under live traffic", exc)
+            self.pause_mode = None
+            return False
+        return True
+
+    def close_link(self) -> None:
+        """Close (or, after a failed round, abort) the link, then free the data path."""
+        link, sender, self.link, self.sender = self.link, self.sender, None, None
+        if link is not None:
+            if self.broken is not None:
+                link.abort()
+            else:
+                link.close()
+        if sender is not None:
+            sender.close()  # after the link: no kernel may still read its buffers
+
+
+def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) -> None:
+    """Rank 0 joins the workers (``trainer_ranks > 1``: broadcasters sharing one group)."""
+    t = s.info.timeouts
+    s.features = server_features(s.info, s.client)
+    s.backend.check_server(s.features)
+    if s.info.verify:
+        s.features.require("weight_checker_route", "verify=True compares /weight_checker before and after rounds")
+    world = s.info.inference_world_size or s.client.get_world_size()
+    # Made before any rendezvous so a trainer without a usable device fails here,
+    # not after the workers joined.
+    packer = s.framework.device_packer(s.info.device) if s.backend.caps.on_device else None
+    rdv = s.backend.open(s.info, world_size=trainer_ranks + world)
+    if extend is not None:  # several broadcasters: the group's fields (multi_source)
+        try:
+            rdv.payload = extend(rdv.payload)
+        except BaseException:
+            rdv.cancel()
+            raise
+    logger.info("rendezvous: backend=%s world_size=%d server=%s", s.info.backend, trainer_ranks + world,
+                s.features.version)
+    link, post = join_beside_init(rdv, lambda: s.client.init_weight_transfer_engine(rdv.payload),
+                                  connect_s=t.connect_s, what=s.info.backend)
+    try:
+        link.warmup(timeout=t.warmup_s)
+        await_call(post, t.http_s, "init_weight_transfer_engine")
+        s.sender = s.backend.sender(link, s.info, s.framework.sender_parts(packer))
+    except BaseException as exc:
+        link.abort()
+        raise real_cause(exc, post) from None
+    s.link = link
