@@ -56,7 +56,7 @@ examples:
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
-    from weightwire.demo.loop import DEMO_BACKENDS, DemoConfig  # light: no jax at import
+    from weightwire.demo.config import DEMO_BACKENDS, DemoConfig  # light: no jax at import
 
     d = DemoConfig()
     p = sub.add_parser("demo", help="RL loop: JAX policy -> server, weights synced every step",
@@ -109,7 +109,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from rich.console import Console
 
-    from weightwire.demo.loop import DemoConfig, run_demo
+    from weightwire.demo.config import DemoConfig
+    from weightwire.demo.loop import run_demo
 
     if args.backend is not None and args.transport is not None:
         return fail("weightwire demo", "--transport and --backend name the same setting: pass one of them", EXIT_USAGE)

@@ -22,7 +22,7 @@ import torch
 from weightwire.backends.base import ReceiveTurn
 from weightwire.backends.ipc import worker as ipc_worker
 from weightwire.backends.ipc.channel import Channel, Listener
-from weightwire.shared.communicator import PeerLost, TransferError
+from weightwire.shared.errors import PeerLost, TransferError
 from weightwire.shared.framing import plan
 from weightwire.shared.info import encode_secret
 from weightwire.shared.ipc_info import IPCInitInfo

@@ -27,7 +27,7 @@ from weightwire.backends.nccl.comm import (
     unique_id_to_bytes,
     unique_id_to_signed_tuple,
 )
-from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 
 UID = bytes(range(128))
 

@@ -128,7 +128,7 @@ def test_plugin_registers_exactly_the_entries_with_a_vllm_engine(monkeypatch: py
 
 def test_commands_offer_the_registry_names() -> None:
     from weightwire import _cli
-    from weightwire.demo.loop import DEMO_BACKENDS
+    from weightwire.demo.config import DEMO_BACKENDS
     from weightwire.torch_side.server import build_parser
 
     assert _cli.BACKENDS is backends.BACKEND_NAMES

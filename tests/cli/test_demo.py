@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.cli.conftest import run_cli
+from weightwire.demo.config import DemoConfig, DemoResult
 from weightwire.demo.evidence import sparkline
-from weightwire.demo.loop import DemoConfig, DemoResult
 from weightwire.demo.reward import CharReward
 from weightwire.demo.rollout import CompletionsClient, RolloutError
 from weightwire.jax_side.checkpoint import CheckpointError, load_decoder, pytree_from_hf, read_safetensors

@@ -24,7 +24,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from weightwire import vllm_guard
 from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.control.errors import WeightSyncError
+from weightwire.shared.errors import WeightSyncError
 from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 from weightwire.torch_side.worker.hf_host import HFModelHost
 from weightwire.torch_side.worker.strategy import WeightState

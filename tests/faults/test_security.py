@@ -31,7 +31,7 @@ from tests.faults.harness import (
     engine_for,
 )
 from tests.faults.servers import LAUNCHED, Server, listening_sockets
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.errors import TransferError
 from weightwire.shared.routes import ROUTES
 
 pytestmark = pytest.mark.timeout(120)

@@ -342,25 +342,7 @@ def test_a_missing_extra_is_an_import_error_and_a_weightwire_error() -> None:
 # being rewritten in parallel); each entry must still hold, so the list only shrinks. Once
 # it is empty, the pass-through imports (``shared.communicator``'s, ``control.errors``')
 # go too.
-KNOWN_INDIRECT: set[tuple[str, str]] = {
-    ("weightwire/backends/ipc/channel.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/ipc/pipeline.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/ipc/pool.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/ipc/pull.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/ipc/slots.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/ipc/trainer.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/ipc/worker.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/nccl/comm.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/nccl/join.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/tcp/comm.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/tcp/rendezvous.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/tcp/wire.py", "weightwire.shared.communicator"),
-    ("weightwire/backends/tcp/worker.py", "weightwire.shared.communicator"),
-    ("weightwire/trainer/engine.py", "weightwire.control.errors"),
-    ("weightwire/trainer/multi_group.py", "weightwire.shared.communicator"),
-    ("weightwire/trainer/pipelines.py", "weightwire.shared.communicator"),
-    ("weightwire/trainer/transfer.py", "weightwire.shared.communicator"),
-}
+KNOWN_INDIRECT: set[tuple[str, str]] = set()
 
 
 def _indirect_error_imports() -> set[tuple[str, str]]:

@@ -48,15 +48,7 @@ CUPY = frozenset({"cupy", "cupyx"})
 # Cycles being removed in parallel; each entry must still be a cycle (a stale entry fails
 # ``test_known_exceptions_still_exist``), so the list only shrinks, to empty.
 # Each entry: the module set of the cycle's strongly connected component.
-KNOWN_CYCLES: list[frozenset[str]] = [
-    frozenset({"weightwire.trainer.backends", "weightwire.trainer.config"}),
-    frozenset({"weightwire.trainer.engine", "weightwire.trainer.multi_base",
-               "weightwire.trainer.multi_group", "weightwire.trainer.multi_source",
-               "weightwire.trainer.multi_star"}),
-    frozenset({"weightwire.demo.checks", "weightwire.demo.loop"}),
-    frozenset({"weightwire.backends.ipc.pipeline", "weightwire.backends.ipc.pull",
-               "weightwire.backends.ipc.trainer"}),
-]
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 CONSUMERS = ("weightwire.trainer", "weightwire.torch_side.worker", "weightwire.jax_side",
              "weightwire.torch_side.sender")
@@ -67,25 +59,9 @@ framework senders (their packers fill what any on-device backend sends)."""
 
 # Edges that break the backend rules today and are being removed in parallel; the same
 # only-shrinks rule as KNOWN_CYCLES. Each entry: (importing module, imported module).
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("weightwire.backends.ipc.pipeline", "weightwire.trainer.pipelines"),
-    ("weightwire.backends.ipc.pull", "weightwire.trainer.pipelines"),
-    ("weightwire.backends.ipc.trainer", "weightwire.trainer.backends"),
-    ("weightwire.backends.ipc.trainer", "weightwire.trainer.config"),
-    ("weightwire.backends.nccl.trainer", "weightwire.trainer.backends"),
-    ("weightwire.backends.nccl.trainer", "weightwire.trainer.config"),
-    ("weightwire.backends.tcp.trainer", "weightwire.trainer.backends"),
-    ("weightwire.backends.tcp.trainer", "weightwire.trainer.config"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 """``backends`` -> ``trainer`` / the worker package."""
-KNOWN_PARTICULAR: set[tuple[str, str]] = {
-    ("weightwire.jax_side.packer", "weightwire.backends.nccl.buffers"),
-    ("weightwire.torch_side.sender.engine", "weightwire.backends.nccl.buffers"),
-    ("weightwire.trainer", "weightwire.backends.nccl.stock"),
-    ("weightwire.trainer.engine", "weightwire.backends.nccl.stock"),
-    ("weightwire.trainer.multi_star", "weightwire.backends.tcp.rendezvous"),
-    ("weightwire.trainer.pipelines", "weightwire.backends.nccl.buffers"),
-}
+KNOWN_PARTICULAR: set[tuple[str, str]] = set()
 """``CONSUMERS`` -> a particular backend's package."""
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from weightwire.shared.communicator import PeerLost, TransferTimeout
+from weightwire.shared.errors import PeerLost, TransferTimeout
 from weightwire.shared.waiting import poll_until
 
 

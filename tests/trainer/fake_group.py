@@ -26,7 +26,7 @@ import numpy as np
 from tests.trainer.fakes import FakeServer
 from weightwire.backends.base import Backend, DevicePacker, Rendezvous, RoundSender, SenderCaps, SenderParts
 from weightwire.backends.pipelines import DevicePipeline
-from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.errors import TransferError, TransferTimeout
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.backends import register_backend

@@ -14,7 +14,7 @@ import numpy as np
 from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCaps, SenderParts
 from weightwire.backends.pipelines import HostPipeline
 from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.errors import TransferError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.backends import register_backend

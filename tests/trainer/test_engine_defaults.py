@@ -256,7 +256,7 @@ def test_auto_pauses_a_round_applied_in_place_with_abort_and_resumes_after_commi
 
 def test_a_round_in_place_holds_the_round_guard_until_after_the_commit(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     server.guard = True
     source = DictSource(numpy_weights(), describe)
@@ -269,7 +269,7 @@ def test_a_round_in_place_holds_the_round_guard_until_after_the_commit(
 
 def test_a_failed_round_in_place_leaves_the_guard_to_the_workers(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(type(FAKE), "stock_receiver", False)
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     server.guard = True
     server.fail["update_weights"] = (500, "worker 0: round failed at chunk 2/3")

@@ -12,15 +12,19 @@ import pytest
 import weightwire.trainer.transfer as transfer_mod
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
 from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCaps, SenderParts
-from weightwire.control.errors import WeightSyncError
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
-from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
-from weightwire.shared.source import SourceMismatch
+from weightwire.shared.errors import (
+    ControlTimeout,
+    PeerLost,
+    SourceMismatch,
+    TransferError,
+    TransferTimeout,
+    WeightSyncError,
+)
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import EngineBroken, TrainerInitInfo
 from weightwire.trainer.backends import register_backend, unregister_backend
-from weightwire.trainer.engine import ControlTimeout
 
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=30)
 

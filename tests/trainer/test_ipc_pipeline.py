@@ -23,7 +23,7 @@ from weightwire.backends.ipc.channel import Channel
 from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.pipeline import IPCPipeline
 from weightwire.backends.ipc.slots import IPCSlots
-from weightwire.shared.communicator import PeerLost, TransferError
+from weightwire.shared.errors import PeerLost, TransferError
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
 

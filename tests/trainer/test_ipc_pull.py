@@ -25,7 +25,7 @@ from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.pull import IPCPullPipeline, WorkerBuffers
 from weightwire.backends.ipc.slots import IPCSlots
 from weightwire.backends.ipc.trainer import IPCBackend
-from weightwire.shared.communicator import PeerLost, TransferError
+from weightwire.shared.errors import PeerLost, TransferError
 from weightwire.shared.info import encode_secret
 from weightwire.trainer import TrainerInitInfo
 

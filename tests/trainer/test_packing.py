@@ -20,8 +20,8 @@ from weightwire.backends.base import DevicePacker, RoundAborted
 from weightwire.backends.device import DeviceBytes, SlotBuffers
 from weightwire.backends.pipelines import DevicePipeline, HostPipeline
 from weightwire.jax_side.packer import pack_bytes
-from weightwire.shared.communicator import PeerLost
 from weightwire.shared.dtypes import wire_dtype
+from weightwire.shared.errors import PeerLost
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.transfer import chunked

@@ -24,8 +24,8 @@ from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
 import numpy as np
 
-from weightwire.shared.communicator import Communicator, TransferError
-from weightwire.shared.errors import ConfigError
+from weightwire.shared.communicator import Communicator
+from weightwire.shared.errors import ConfigError, TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.timeouts import Timeouts

@@ -37,8 +37,9 @@ from weightwire.backends.base import (
     check_chunk_bytes,
     run_once,
 )
-from weightwire.shared.communicator import Communicator, DeviceCommunicator, TransferTimeout
+from weightwire.shared.communicator import Communicator, DeviceCommunicator
 from weightwire.shared.dtypes import wire_dtype
+from weightwire.shared.errors import TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 
-from weightwire.shared.errors import WeightSyncError
-
-__all__ = ["WeightSyncError", "server_message"]  # WeightSyncError: defined in shared.errors, re-exported
+__all__ = ["server_message"]
 
 _MAX_MESSAGE = 2000
 

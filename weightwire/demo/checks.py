@@ -19,7 +19,7 @@ from rich.console import Console
 from weightwire.demo.evidence import readable, save_plot, sparkline
 
 if TYPE_CHECKING:
-    from weightwire.demo.loop import DemoConfig, DemoResult, _Context
+    from weightwire.demo.config import DemoConfig, DemoContext, DemoResult
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def fixed_prompt_check(completions: Any, policy: Any, reward: Any, prompt: np.nd
     return Check(float(np.max(np.abs(mine - out.logprobs))), readable(reward.text(out.completions[0])))
 
 
-def first_sync(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult, fixed: np.ndarray) -> bool:
+def first_sync(cfg: DemoConfig, console: Console, ctx: DemoContext, result: DemoResult, fixed: np.ndarray) -> bool:
     """Before step 1: prove server and policy hold the same weights, pushing them first where the
     server started from dummy weights (or ``--resync``). False (a failure recorded) if they differ."""
     reward = ctx.reward

@@ -21,9 +21,6 @@ from __future__ import annotations
 import os
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -33,110 +30,9 @@ from weightwire._cli import CommandError, probe_server
 from weightwire._extras import require
 from weightwire._lifetime import raise_if_stopped
 from weightwire.demo.checks import first_sync, fixed_prompt_check, verdict
+from weightwire.demo.config import DemoConfig, DemoContext, DemoResult
 from weightwire.demo.evidence import RATE_MIN_BYTES, MetricsFile, StepRecord, shown_rate
 from weightwire.demo.render import StartupProgress, StepRow, StepTable
-
-DEMO_BACKENDS = tuple(name for name in backends.BACKEND_NAMES if not backends.SPECS[name].same_host)
-"""``--backend`` choices; ``weightwire_ipc`` (one host) comes with ``--colocated`` (one GPU for both)."""
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    server: str | None = None
-    """Drive this server; ``None`` starts the embedded reference server."""
-    model_dir: str | None = None
-    """The server's model directory (required with ``server``): the policy's initial weights."""
-    model: str = "tiny-llama"
-    """Embedded server only: tiny model to build and serve."""
-    steps: int = 12
-    backend: str = backends.TCP
-    """Weight-transfer backend (``weightwire.backends.BACKEND_NAMES``). ``nccl`` against the embedded
-    server means its NCCL backend, ``weightwire_nccl`` (the reference server has no stock ``nccl``)."""
-    batch: int = 64
-    """Completions per step: ``batch / samples_per_prompt`` prompts, ``samples_per_prompt`` each."""
-    samples_per_prompt: int = 4
-    prompt_len: int = 8
-    max_tokens: int = 16
-    lr: float = 0.1
-    target: str = "e"
-    tolerance: float = 1e-3
-    check_tokens: int = 8
-    seed: int = 0
-    api_key: str | None = None
-    served_model: str | None = None
-    """``model`` field of completion requests (a vLLM serving several names needs it)."""
-    resync: bool = False
-    """External server whose weights may have changed: push the policy's weights first."""
-    server_gpu: str = "1"
-    """Embedded server with nccl: the GPU it uses (``CUDA_VISIBLE_DEVICES``); JAX uses its device 0."""
-    colocated: bool = False
-    """Trainer and embedded server on ONE GPU (JAX's device 0), synced over ``weightwire_ipc``;
-    each step is generate -> ``/sleep`` -> train -> ``/wake_up`` -> sync."""
-    sleep_level: int = 1
-    """``--colocated``: the server's sleep level while the policy trains (vLLM's levels)."""
-    dummy_start: bool = True
-    """Embedded server with a tiny model: it starts from other random weights than the policy
-    (vLLM's RLHF example starts its engine from dummy weights), so the first push visibly
-    changes what it writes."""
-    metrics_file: str | None = None
-    """One JSON line per step (``evidence.StepRecord``); with matplotlib, the reward curve as
-    a PNG next to it."""
-
-    def __post_init__(self) -> None:
-        if self.backend not in DEMO_BACKENDS:
-            raise ValueError(f"--backend must be one of {', '.join(DEMO_BACKENDS)}, got {self.backend!r} "
-                             "(weightwire_ipc: pass --colocated)")
-        if self.server is not None and self.model_dir is None:
-            raise ValueError("--server needs --model-dir: the directory the server loaded, so the JAX policy "
-                             "starts from the same weights and tokenizer")
-        if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
-            raise ValueError(f"--model-dir {self.model_dir!r} is not a Hugging Face model directory (no config.json); "
-                             "pass the directory the server loaded")
-        for name, lo in (("steps", 1), ("batch", 1), ("prompt_len", 1), ("max_tokens", 1), ("check_tokens", 1)):
-            if getattr(self, name) < lo:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(self, name)}")
-        if self.samples_per_prompt < 1 or self.batch % self.samples_per_prompt:
-            raise ValueError(f"--batch {self.batch} must be a multiple of --samples-per-prompt {self.samples_per_prompt}")
-        if not self.tolerance > 0:
-            raise ValueError(f"tolerance must be > 0, got {self.tolerance}")
-        if self.colocated and self.server is not None:
-            raise ValueError("--colocated starts the reference server on this GPU itself; drop --server")
-        if self.sleep_level not in (0, 1, 2):
-            raise ValueError(f"--sleep-level must be 0, 1 or 2, got {self.sleep_level}")
-
-    @property
-    def backend_name(self) -> str:
-        if self.colocated:
-            return backends.IPC
-        if self.backend == backends.NCCL and self.server is None:
-            return backends.WEIGHTWIRE_NCCL
-        return self.backend
-
-
-@dataclass
-class DemoResult:
-    rewards: list[float] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    """The server's greedy text of the fixed prompt: at start, after the first push (if any), per step."""
-    max_diffs: list[float] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    sync_seconds: list[float] = field(default_factory=list)
-    sync_bytes: list[int] = field(default_factory=list)
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-    """Summed over steps: rollouts, train, sync, check."""
-    startup_seconds: float = 0.0
-    total_seconds: float = 0.0
-
-    @property
-    def rose(self) -> bool:
-        if len(self.rewards) < 2:
-            return False
-        k = max(1, len(self.rewards) // 3)
-        return float(np.mean(self.rewards[-k:])) > float(np.mean(self.rewards[:k]))
-
-    @property
-    def ok(self) -> bool:
-        return self.rose and not self.failures and len(self.max_diffs) > 0
 
 
 def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResult:
@@ -156,22 +52,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResult:
     return result
 
 
-@dataclass
-class _Context:
-    """What the steps need; typed loosely so importing this module stays free of jax."""
-
-    url: str
-    model_dir: str
-    dummy: bool
-    """The embedded server started from other random weights than the policy's."""
-    policy: Any
-    reward: Any
-    completions: Any
-    client: Any
-    engine: Any
-
-
-def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
+def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> DemoContext:
     from weightwire.demo.server import EmbeddedServer, build_tiny_model
 
     backend = cfg.backend_name
@@ -244,7 +125,7 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> _Context:
         stack.callback(engine.shutdown)
         completions = CompletionsClient(url, api_key=cfg.api_key, model=cfg.served_model)
         stack.callback(completions.close)
-    return _Context(url, model_dir, dummy_weights, policy, reward, completions, client, engine)
+    return DemoContext(url, model_dir, dummy_weights, policy, reward, completions, client, engine)
 
 
 DUMMY_SEED = 1
@@ -266,7 +147,7 @@ def _served_model(cfg: DemoConfig) -> tuple[str, bool]:
     return cached_tiny_dir(cfg.model, DUMMY_SEED) or build_tiny_model(cfg.model, seed=DUMMY_SEED), True
 
 
-def _train(cfg: DemoConfig, console: Console, ctx: _Context, result: DemoResult,
+def _train(cfg: DemoConfig, console: Console, ctx: DemoContext, result: DemoResult,
            metrics_file: MetricsFile | None) -> None:
     policy, reward, completions, client, engine = ctx.policy, ctx.reward, ctx.completions, ctx.client, ctx.engine
     rng = np.random.default_rng(cfg.seed)

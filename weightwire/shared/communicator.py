@@ -10,10 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
-
-__all__ = ["Communicator", "PeerLost", "TransferError", "TransferTimeout"]  # the errors: re-exported
-
 
 @runtime_checkable
 class Communicator(Protocol):

@@ -40,7 +40,7 @@ from weightwire.backends.base import DevicePacker, SenderParts
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient, WeightSyncClient
-from weightwire.shared.errors import ControlTimeout, RoundError
+from weightwire.shared.errors import RoundError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.shared.version import ServerFeatures
@@ -58,7 +58,7 @@ from weightwire.trainer.verify import RoundVerifier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ControlTimeout", "EngineBroken", "TrainerEngine"]  # ControlTimeout: defined in shared.errors
+__all__ = ["EngineBroken", "TrainerEngine"]
 
 
 class EngineBroken(RoundError, RuntimeError):

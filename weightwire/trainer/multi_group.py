@@ -35,7 +35,7 @@ from typing import Any
 
 from weightwire.backends.base import Link, RoundAborted, RoundSender, Sent
 from weightwire.control.fanout import spawn
-from weightwire.shared.communicator import TransferTimeout
+from weightwire.shared.errors import TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weightwire.backends.base import Backend, DevicePacker, Link, RoundSender, SenderParts
-from weightwire.control.errors import WeightSyncError
 from weightwire.shared.client import EngineClient
+from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, checked_iter
 from weightwire.shared.staging import round_bytes

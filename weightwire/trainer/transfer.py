@@ -28,8 +28,7 @@ from typing import Any
 
 from weightwire.backends.base import Prepared, RoundSender, Sent
 from weightwire.control.fanout import spawn
-from weightwire.shared.communicator import TransferError, TransferTimeout
-from weightwire.shared.errors import ControlTimeout
+from weightwire.shared.errors import ControlTimeout, TransferError, TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource

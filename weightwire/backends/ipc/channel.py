@@ -22,7 +22,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 
 MAX_MESSAGE_BYTES = 1 << 20
 NONCE_BYTES = 32

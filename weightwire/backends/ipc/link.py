@@ -13,7 +13,7 @@ from typing import Any
 
 from weightwire.backends.ipc.channel import Channel
 from weightwire.backends.ipc.slots import IPCSlots, device_uuid
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.errors import TransferError
 
 
 class IPCSenderComm:

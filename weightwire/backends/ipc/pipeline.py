@@ -47,7 +47,7 @@ from weightwire.backends.ipc.slots import (
     wait_mode,
 )
 from weightwire.control.fanout import spawn
-from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.errors import TransferError, TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 

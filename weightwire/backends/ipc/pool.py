@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.backends.ipc.slots import event_handle, new_ipc_event, record
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.errors import TransferError
 from weightwire.shared.info import encode_secret
 
 logger = logging.getLogger(__name__)

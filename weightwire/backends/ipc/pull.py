@@ -50,7 +50,7 @@ from weightwire.backends.ipc.slots import (
     trace,
     wait_event_host,
 )
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.errors import TransferError
 from weightwire.shared.info import decode_secret
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
 from weightwire.shared.meta import ParamMeta

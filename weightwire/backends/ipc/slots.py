@@ -33,8 +33,7 @@ from contextlib import suppress
 from typing import Any
 
 from weightwire._extras import install_command
-from weightwire.shared.communicator import TransferError, TransferTimeout
-from weightwire.shared.errors import UnavailableError
+from weightwire.shared.errors import TransferError, TransferTimeout, UnavailableError
 from weightwire.shared.info import encode_secret
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
 from weightwire.shared.waiting import poll_until

@@ -44,7 +44,7 @@ from weightwire.backends.ipc.slots import (
     wait_event_host,
     wait_mode,
 )
-from weightwire.shared.communicator import TransferError
+from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.info import encode_secret
 from weightwire.shared.ipc_info import IPCInitInfo, decode_handles

@@ -28,8 +28,7 @@ from weightwire._extras import install_command
 from weightwire.backends.device import DeviceBytes, event_done, resolve_buffer, stream_pointer
 from weightwire.backends.nccl.join import check_join_args, check_seconds, init_rank, unique_id_to_bytes
 from weightwire.backends.nccl.join import unique_id_to_signed_tuple as unique_id_to_signed_tuple  # re-export
-from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
-from weightwire.shared.errors import UnavailableError
+from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout, UnavailableError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.waiting import poll_until
 

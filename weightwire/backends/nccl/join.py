@@ -13,7 +13,7 @@ import threading
 from contextlib import suppress
 from typing import Any
 
-from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.errors import TransferError, TransferTimeout
 from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES
 
 

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from weightwire.backends.tcp import wire
-from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.timeouts import DEFAULT_TIMEOUTS
 

@@ -23,7 +23,7 @@ from typing import TypedDict
 
 from weightwire.backends.tcp import wire
 from weightwire.backends.tcp.comm import TCPCommunicator, root_communicator
-from weightwire.shared.communicator import TransferError, TransferTimeout
+from weightwire.shared.errors import TransferError, TransferTimeout
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.limits import LIMITS
 

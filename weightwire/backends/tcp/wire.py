@@ -54,8 +54,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
-from weightwire.shared.errors import WeightwireError
+from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout, WeightwireError
 from weightwire.shared.info import TCP_SECRET_BYTES
 
 PROTOCOL_VERSION = 1

@@ -19,7 +19,7 @@ import torch
 
 from weightwire.backends.base import ChunkedLink, ReceiveTurn
 from weightwire.backends.tcp.comm import TCPCommunicator
-from weightwire.shared.communicator import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.timeouts import Timeouts
 
