@@ -17,8 +17,8 @@ import statistics
 import time
 from typing import Any
 
+from weightwire.backends.device import DeviceBytes
 from weightwire.backends.ipc.gather import GatherCopy
-from weightwire.backends.nccl.buffers import DeviceBytes
 from weightwire.bench.sync_models import MODELS, hf_shapes
 
 

@@ -238,11 +238,11 @@ def device_regions(engine: Any) -> Callable[[list[Any]], Any] | None:
 def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[str, float]:
     import torch
 
+    from weightwire.backends.base import check_chunk_bytes
     from weightwire.shared.info import UpdateInfo
     from weightwire.shared.source import checked_iter
     from weightwire.torch_side.worker.load import MetaCache, load_batches
-    from weightwire.trainer.pipelines import check_chunk_bytes, chunked
-    from weightwire.trainer.transfer import tensor_stream
+    from weightwire.trainer.transfer import chunked, tensor_stream
 
     source = engine.source
     metas = source.metadata()
