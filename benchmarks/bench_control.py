@@ -150,7 +150,8 @@ def _http_server(kind: str, http_impl: str, loop_impl: str, conn: Any) -> None:
     async def main() -> None:
         app, pool = await _app(kind)
         sock = _bind("127.0.0.1", 0)
-        # The same Config as ``weightwire serve`` (http: uvicorn's "auto" unless --http says otherwise).
+        # The same Config as ``weightwire serve`` (http: uvicorn's "auto" unless --http says
+        # otherwise).
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                                server_header=False, http=http_impl))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -218,7 +219,8 @@ def _cases(ports: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(cases: dict[str, Any], rounds: int, warmup: int, seed: int = 0) -> dict[str, list[float]]:
-    """Seconds per call, per case (round cases: ``kind start`` / ``update`` / ``finish`` / ``round``)."""
+    """Seconds per call, per case (round cases: ``kind start`` / ``update`` / ``finish`` /
+    ``round``)."""
     samples: dict[str, list[float]] = {}
     order = list(cases)
     rng = random.Random(seed)
@@ -269,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(v) * 1e6 for k, v in samples.items()}
     p90 = {k: statistics.quantiles(v, n=10)[-1] * 1e6 for k, v in samples.items()}
     raw, triv, std = med["raw socket JSON line"], med["trivial POST, httpx"], med["trivial POST, http.client"]
-    print(f"{'case':34} {'median µs':>10} {'p90 µs':>8} {'/ raw':>7} {'/ trivial httpx':>16} {'/ trivial http.client':>22}")
+    print(f"{'case':34} {'median µs':>10} {'p90 µs':>8} {'/ raw':>7} {'/ trivial httpx':>16} "
+          f"{'/ trivial http.client':>22}")
     for k in med:
-        print(f"{k:34} {med[k]:10.0f} {p90[k]:8.0f} {med[k] / raw:7.1f} {med[k] / triv:16.2f} {med[k] / std:22.2f}")
+        print(f"{k:34} {med[k]:10.0f} {p90[k]:8.0f} {med[k] / raw:7.1f} {med[k] / triv:16.2f} "
+              f"{med[k] / std:22.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"parser": parser, "loop": ports["trivial"]["loop"], "median_us": med, "p90_us": p90}, f, indent=1)

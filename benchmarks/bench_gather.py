@@ -77,7 +77,8 @@ def main() -> None:
     ap.add_argument("--models", default="qwen2-0.5b,llama3-8b")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
-    print("| model | tensors | GB | copies | host ms | device ms | 1-memcpy ceiling ms | ceiling / device |")
+    print("| model | tensors | GB | copies | host ms | device ms | 1-memcpy ceiling ms | ceiling / "
+          "device |")
     print("|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         for row in run(model, args.reps):

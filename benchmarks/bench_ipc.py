@@ -1,7 +1,9 @@
-"""Colocated weight sync on ONE GPU over ``weightwire_ipc``, through the reference server's HTTP routes.
+"""Colocated weight sync on ONE GPU over ``weightwire_ipc``, through the reference server's HTTP
+routes.
 
-    python benchmarks/bench_ipc.py --out bench_ipc.md [--engines jax,torch] [--models llama3-8b,qwen2-0.5b]
-        [--rounds 5] [--warmup 2] [--control http|shim] [--modes pull,push]
+    python benchmarks/bench_ipc.py --out bench_ipc.md [--engines jax,torch]
+        [--models llama3-8b,qwen2-0.5b] [--rounds 5] [--warmup 2] [--control http|shim]
+        [--modes pull,push]
 
 Three processes on the same GPU: the trainer (``JAXTrainerEngine`` torch-free, or
 ``TorchTrainerEngine``) with synthetic bf16 weights of the model's HF shapes; the
@@ -96,7 +98,8 @@ def _marked(fn: Any, name: str) -> Any:
 
 
 def _trace_worker(engine: Any, sink: Any) -> None:
-    """``WEIGHTWIRE_IPC_TRACE``: marks around the worker's plan lookup, unpack and load (private access)."""
+    """``WEIGHTWIRE_IPC_TRACE``: marks around the worker's plan lookup, unpack and load (private
+    access)."""
     from weightwire.torch_side.worker.receive import UnpackPlan
 
     plans = engine._core._plans
@@ -251,22 +254,27 @@ def sender_main(cfg: dict[str, Any]) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| engine | control | model | GB/round | mode | chunks | ms/round | GB/s | 2-copy ceiling ms | ratio "
-            "| 1-copy ceiling ms | ratio | start ms | finish ms | trainer extra GiB (between rounds) | worker extra GiB "
-            "| loaded |\n" + "|---" * 17 + "|\n")
+    head = ("| engine | control | model | GB/round | mode | chunks | ms/round | GB/s | 2-copy "
+            "ceiling ms | ratio | 1-copy ceiling ms | ratio | start ms | finish ms | trainer extra "
+            "GiB (between rounds) | worker extra GiB | loaded |\n" + "|---" * 17 + "|\n")
     out = []
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['engine']} | | {r['model']} | | {r['mode']} | | | | | | | | | | | | {r['error']} |")
+            out.append(f"| {r['engine']} | | {r['model']} | | {r['mode']} | | | | | | | | | | | | "
+                       f"{r['error']} |")
             continue
         gb, s = r["nbytes"] / 1e9, r["round_s"]
         c2, c1 = r.get("ceiling_s"), r.get("ceiling1_s")
         out.append(
-            f"| {r['engine']} | {r['control']} | {r['model']} | {gb:.2f} | {r['mode']} | {r['pieces']} | {s * 1e3:.2f} "
-            f"| {gb / s:.0f} | {'' if c2 is None else f'{c2 * 1e3:.2f}'} | {'' if c2 is None else f'{c2 / s:.3f}'} "
-            f"| {'' if c1 is None else f'{c1 * 1e3:.2f}'} | {'' if c1 is None else f'{c1 / s:.3f}'} "
-            f"| {r['control_ms']:.2f} | {r['finish_ms']:.2f} | {r['trainer_extra'] / GIB:.2f} ({r['trainer_between'] / GIB:.2f}) "
-            f"| {r['worker_extra'] / GIB:.2f} | {'ok' if r['loaded_ok'] else 'MISMATCH'} |")
+            f"| {r['engine']} | {r['control']} | {r['model']} | {gb:.2f} | {r['mode']} | "
+            f"{r['pieces']} | {s * 1e3:.2f} | {gb / s:.0f} | "
+            f"{'' if c2 is None else f'{c2 * 1e3:.2f}'} | "
+            f"{'' if c2 is None else f'{c2 / s:.3f}'} | "
+            f"{'' if c1 is None else f'{c1 * 1e3:.2f}'} | "
+            f"{'' if c1 is None else f'{c1 / s:.3f}'} | {r['control_ms']:.2f} | "
+            f"{r['finish_ms']:.2f} | {r['trainer_extra'] / GIB:.2f} "
+            f"({r['trainer_between'] / GIB:.2f}) | {r['worker_extra'] / GIB:.2f} | "
+            f"{'ok' if r['loaded_ok'] else 'MISMATCH'} |")
     return head + "\n".join(out) + "\n"
 
 

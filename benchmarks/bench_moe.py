@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     params = materialize(preset_layout("qwen3_moe", tiny, scan_layers=True))
     naming = preset_for_hf("qwen3_moe", tiny, scan_layers=True)
     report["dispatch"] = d = time_dispatch(params, naming)
-    print(f"iter_groups {d['tensors']} tensors in {d['groups']} groups: {d['jit_calls']} jitted calls, "
-          f"{d['pass_s']:.3f} s ({d['us_per_tensor']:.1f} us/tensor)")
+    print(f"iter_groups {d['tensors']} tensors in {d['groups']} groups: {d['jit_calls']} jitted "
+          f"calls, {d['pass_s']:.3f} s ({d['us_per_tensor']:.1f} us/tensor)")
     if not args.no_rounds:
         flat, flat_naming = flat_same_bytes(params, 50)
         rounds = time_rounds({"moe": PytreeSource(params, naming), "flat": PytreeSource(flat, flat_naming)},

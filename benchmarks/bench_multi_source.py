@@ -171,8 +171,9 @@ def main() -> None:
     print("|---:|---|---:|---:|---:|---:|---|")
     for row in rows:
         base = next(r for r in rows if r["size_mb"] == row["size_mb"] and r["mode"] == "1 broadcaster")
-        print(f"| {row['size_mb']} MB | {row['mode'].split()[0]} | {row['median_s']:.3f} | {row['min_s']:.3f} | "
-              f"{row['gbps']:.3f} | {row['median_s'] / base['median_s']:.2f} | {'ok' if row['checksums_ok'] else 'MISMATCH'} |")
+        print(f"| {row['size_mb']} MB | {row['mode'].split()[0]} | {row['median_s']:.3f} | "
+              f"{row['min_s']:.3f} | {row['gbps']:.3f} | {row['median_s'] / base['median_s']:.2f} "
+              f"| {'ok' if row['checksums_ok'] else 'MISMATCH'} |")
 
 
 if __name__ == "__main__":

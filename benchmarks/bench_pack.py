@@ -69,7 +69,8 @@ def main() -> None:
         "engine packer: memcpy per tensor into a slot buffer": _time(slot_pack, args.repeats),
         "jnp.copy of one buffer": _time(lambda: jnp.copy(flat), args.repeats),
     }
-    print(f"device {jax.devices()[0]}, chunk {total / 2**20:.0f} MiB in {len(xs)} bf16 tensors, median of {args.repeats}")
+    print(f"device {jax.devices()[0]}, chunk {total / 2**20:.0f} MiB in {len(xs)} bf16 tensors, "
+          f"median of {args.repeats}")
     print("| packer | ms | GB/s |\n|---|---:|---:|")
     for name, sec in rows.items():
         print(f"| {name} | {sec * 1e3:.2f} | {total / sec / 1e9:.0f} |")

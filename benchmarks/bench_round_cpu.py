@@ -38,7 +38,7 @@ at c722201, after = issue 19's changes; same box, back to back;
   =======================  ======  =====  =======================================================
   stage                    before  after  what changed
   =======================  ======  =====  =======================================================
-  unpack_chunk, warm        1.79   0.43   ``UnpackPlan``: one ``as_strided`` per tensor, planned once
+  unpack_chunk, warm        1.79   0.43   ``UnpackPlan``: an ``as_strided`` per tensor, planned once
   unpack_chunk, cold        1.83   0.92   (no plan cached: the first round of a metadata)
   w.unpack, jax source      1.76   0.55   (the same, per chunk from the worker's cached plan)
   w.unpack, torch source    1.86   0.63

@@ -1,6 +1,7 @@
 """Median timeline of traced ``weightwire_ipc`` rounds, both sides on one clock.
 
-    WEIGHTWIRE_IPC_TRACE=/tmp/tr/x python benchmarks/bench_ipc.py --models qwen2-0.5b --rounds 50 ...
+    WEIGHTWIRE_IPC_TRACE=/tmp/tr/x python benchmarks/bench_ipc.py --models qwen2-0.5b \\
+        --rounds 50 ...
     python benchmarks/ipc_timeline.py /tmp/tr/x
 
 Every process appends ``(perf_counter, mark)`` pairs to ``<prefix>.<side>.<pid>.jsonl``
@@ -32,7 +33,8 @@ def load(prefix: str) -> list[tuple[float, str, str]]:
 
 
 def rounds(marks: list[tuple[float, str, str]]) -> dict[str, list[list[tuple[float, str]]]]:
-    """Per configuration (the ``send>`` mark's label), each round's marks as (ms from start, "side mark")."""
+    """Per configuration (the ``send>`` mark's label), each round's marks as (ms from start, "side
+    mark")."""
     out: dict[str, list[list[tuple[float, str]]]] = defaultdict(list)
     current: list[tuple[float, str]] | None = None
     t0 = 0.0
@@ -63,7 +65,8 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     for label, per_round in rounds(load(argv[0])).items():
-        print(f"## {label}: {len(per_round)} rounds (median ms from send_weights' start; n = rounds with the mark)")
+        print(f"## {label}: {len(per_round)} rounds (median ms from send_weights' start; n = "
+              "rounds with the mark)")
         for ms, name, n in summary(per_round):
             print(f"{ms:8.3f}  {name}{'' if n == len(per_round) else f'  (n={n})'}")
     return 0

@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if r % args.verify_every == 0 or r == 1:
                 verify(client, trainer.digests(), str(r))
                 verified += 1
-            # Sampled mid-session (before a re-init's shutdown), so every sample sees the same phase.
+            # Sampled mid-session (before a re-init's shutdown), so every sample sees the same
+            # phase.
             if r in (1, args.settle) or r % args.sample_every == 0:
                 samples.append(sample(server, r, time.monotonic() - start))
             if args.reinit_every and r % args.reinit_every == 0:
@@ -226,7 +227,8 @@ def table(result: dict[str, Any], settle: int) -> str:
     first = result["samples"][0]
     settled = next((s for s in result["samples"] if s["round"] >= settle), first)
     last = result["samples"][-1]
-    rows = [f"| process | metric | round 1 | round {settled['round']} | round {last['round']} | last - settled |",
+    rows = [f"| process | metric | round 1 | round {settled['round']} | round {last['round']} | "
+            "last - settled |",
             "| --- | --- | --- | --- | --- | --- |"]
     for proc in [k for k in last if k not in ("round", "elapsed_s")]:
         for metric in ("rss_kib", "fds", "threads"):
@@ -254,9 +256,9 @@ def main() -> int:
     result = run(args)
     print(f"soak: {result['rounds']} rounds ({result['stop']}), {result['sessions']} sessions, "
           f"{result['verified_rounds']} verified, {result['wall_s']} s, round median "
-          f"{result['round_ms']['median']:.1f} ms (max {result['round_ms']['max']:.1f} ms), control plane "
-          f"(start + finish) median {result['control_ms']['median']:.2f} ms (p90 {result['control_ms']['p90']:.2f}); "
-          f"{args.engine} engine, {args.replicas} replica(s)")
+          f"{result['round_ms']['median']:.1f} ms (max {result['round_ms']['max']:.1f} ms), "
+          f"control plane (start + finish) median {result['control_ms']['median']:.2f} ms (p90 "
+          f"{result['control_ms']['p90']:.2f}); {args.engine} engine, {args.replicas} replica(s)")
     print(table(result, args.settle))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -10,10 +10,12 @@ Server (GPU 1), any vLLM >= 0.30 (the ``nccl_unique_id_b64`` rendezvous)::
         --weight-transfer-config '{"backend": "nccl"}' --gpu-memory-utilization 0.5
 
 Trainer (GPU 0); cupy's NCCL must be the version vLLM's torch loads
-(``python -c "import torch; print(torch.cuda.nccl.version())"`` there; ``weightwire doctor URL`` here)::
+(``python -c "import torch; print(torch.cuda.nccl.version())"`` there;
+``weightwire doctor URL`` here)::
 
     pip install -e ".[jax,cuda12]" 'jax[cuda12]'     # from this repository's checkout
-    CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false python examples/jax_flax_to_vllm_gpu.py \\
+    CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false \\
+        python examples/jax_flax_to_vllm_gpu.py \\
         --server http://127.0.0.1:8000 --model-dir ./qwen2.5-0.5b
 
 What happens: the checkpoint is loaded into a Flax model (the Qwen2 preset run backwards),

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     kernel = variables["params"]["model"]["layers"]["mlp"]["experts"]["gate_proj"]["kernel"]
     sent = dict(source)["model.layers.1.mlp.experts.3.gate_proj.weight"]
     assert (sent == kernel[1, 3].T).all()
-    print(f"ok: stacked expert kernel {list(kernel.shape)} -> per-expert HF tensors {list(sent.shape)}")
+    print(f"ok: stacked expert kernel {list(kernel.shape)} -> per-expert HF tensors "
+          f"{list(sent.shape)}")
     return 0
 
 

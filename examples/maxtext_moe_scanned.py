@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     wo = params["params"]["decoder"]["layers"]["MoeBlock_0"]["wo"]
     sent = np.asarray(dict(source)["model.layers.1.block_sparse_moe.experts.5.w2.weight"])
     assert np.array_equal(sent, np.asarray(wo[5, 1]).T)
-    print(f"ok: wo {list(wo.shape)} [experts, layers, mlp, embed] -> expert 5 of layer 1 as HF w2 {list(sent.shape)}")
+    print(f"ok: wo {list(wo.shape)} [experts, layers, mlp, embed] -> expert 5 of layer 1 as HF w2 "
+          f"{list(sent.shape)}")
     return 0
 
 

@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             versions = [info["weight_version"] for info in client.weight_info()]
             diffs = [logprob_gap(url, live["params"], cfg, PROMPT) for url in urls]
             ok = all(v == f"step-{step}" for v in versions) and all(d < 1e-3 for d in diffs)
-            print(f"step {step}: sync {m.total_seconds * 1e3:.1f} ms, versions {versions}, "
-                  f"max |dlogp| per replica {[f'{d:.1e}' for d in diffs]} {'ok' if ok else 'MISMATCH'}", flush=True)
+            print(f"step {step}: sync {m.total_seconds * 1e3:.1f} ms, versions {versions}, max "
+                  f"|dlogp| per replica {[f'{d:.1e}' for d in diffs]} "
+                  f"{'ok' if ok else 'MISMATCH'}", flush=True)
             if not ok:
                 return 1
     finally:

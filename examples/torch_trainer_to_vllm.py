@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             mine = local_logprobs(model, prompt, choice["token_ids"])
             diff = float((mine - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max())
             print(f"step {step}: loss {loss.item():.4f}  sync {m.total_seconds * 1e3:.1f} ms  "
-                  f"{m.nbytes / 1e6:.1f} MB  {m.gbps:.2f} GB/s  server vs torch max |dlogp| {diff:.2e}", flush=True)
+                  f"{m.nbytes / 1e6:.1f} MB  {m.gbps:.2f} GB/s  server vs torch max |dlogp| "
+                  f"{diff:.2e}", flush=True)
     finally:
         engine.shutdown()
         client.close()

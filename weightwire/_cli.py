@@ -31,9 +31,11 @@ EXIT_ERROR = 3
 """An error stopped the command: a missing optional dependency (the line names the extra),
 a port in use, a server that does not answer, a failed child process."""
 EXIT_INTERRUPTED = 130
-"""Interrupted by Ctrl-C (SIGINT) before the command finished (128 + SIGINT, the shell's convention)."""
+"""Interrupted by Ctrl-C (SIGINT) before the command finished (128 + SIGINT, the shell's
+convention)."""
 EXIT_TERMINATED = 143
-"""Stopped by SIGTERM (128 + 15); SIGHUP gives 129. The command's child processes stopped with it."""
+"""Stopped by SIGTERM (128 + 15); SIGHUP gives 129. The command's child processes stopped with
+it."""
 
 EXIT_CODES_HELP = f"""\
 exit codes:
@@ -51,7 +53,8 @@ BACKENDS = backends.BACKEND_NAMES
 """vLLM weight-transfer backend names (the registry's), spelled the same on every command
 (each command takes the ones it can run)."""
 BACKEND_ALIASES = backends.ALIASES
-"""Short spellings accepted wherever a backend is (``tcp`` is unambiguous; ``nccl`` is vLLM's own)."""
+"""Short spellings accepted wherever a backend is (``tcp`` is unambiguous; ``nccl`` is vLLM's
+own)."""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

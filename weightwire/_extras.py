@@ -60,7 +60,8 @@ def _pip() -> str:
 
 
 def _shown(path: Path) -> str:
-    """``path`` relative to the working directory when it is below it (``.venv/bin/pip``), else absolute."""
+    """``path`` relative to the working directory when it is below it (``.venv/bin/pip``), else
+    absolute."""
     try:
         return str(path.absolute().relative_to(Path.cwd()))
     except ValueError:
@@ -68,7 +69,8 @@ def _shown(path: Path) -> str:
 
 
 def _checkout() -> Path | None:
-    """The source checkout this weightwire is imported from (a clone, editable or on the path), if any."""
+    """The source checkout this weightwire is imported from (a clone, editable or on the path), if
+    any."""
     root = Path(__file__).resolve().parents[1]
     pyproject = root / "pyproject.toml"
     try:
@@ -78,7 +80,8 @@ def _checkout() -> Path | None:
 
 
 def _installed_from() -> str | None:
-    """The local wheel, sdist or directory pip installed weightwire from (its ``direct_url.json``)."""
+    """The local wheel, sdist or directory pip installed weightwire from (its
+    ``direct_url.json``)."""
     try:
         text = importlib.metadata.distribution("weightwire").read_text("direct_url.json")
     except importlib.metadata.PackageNotFoundError:

@@ -27,7 +27,8 @@ from types import FrameType
 PARENT_ENV = "WEIGHTWIRE_PARENT_PID"
 """Set by a launcher to its pid: the child exits when its parent is no longer that process."""
 PDEATHSIG_ENV = "WEIGHTWIRE_PDEATHSIG"
-"""Set to ``1`` by a launcher forking from its main thread: the child may use the kernel's parent-death signal."""
+"""Set to ``1`` by a launcher forking from its main thread: the child may use the kernel's
+parent-death signal."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 

@@ -42,7 +42,8 @@ _DEMO_EPILOG = """\
 examples:
   weightwire demo                                  # embedded reference server (tiny Llama, CPU)
   weightwire demo --server http://127.0.0.1:8000 --model-dir DIR
-                                                   # a running vLLM (plugin backend) or reference server
+                                                   # a running vLLM (plugin backend) or \
+reference server
 
 """
 
@@ -66,14 +67,15 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
                    help="base URL of a running server, http://HOST:PORT (a bare HOST:PORT means http://) "
                         "(default: start the reference server)")
     p.add_argument("--model-dir", default=None,
-                   help="the model directory the server loaded (required with --server): initial weights + tokenizer; "
-                        "`weightwire serve --model tiny-llama` prints the directory of its tiny model")
+                   help="the model directory the server loaded (required with --server): initial "
+                        "weights + tokenizer; `weightwire serve --model tiny-llama` prints the "
+                        "directory of its tiny model")
     p.add_argument("--model", default=d.model, help=f"embedded server: tiny model to serve (default {d.model})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"RL steps (default {d.steps})")
     p.add_argument("--backend", type=backend_name, choices=DEMO_BACKENDS, default=None,
-                   help="weight-transfer backend: weightwire_tcp (CPU is fine; alias tcp), nccl (stock vLLM, GPUs; "
-                        "the embedded server runs it as weightwire_nccl), weightwire_nccl (GPUs) "
-                        f"(default {d.backend})")
+                   help="weight-transfer backend: weightwire_tcp (CPU is fine; alias tcp), nccl "
+                        "(stock vLLM, GPUs; the embedded server runs it as weightwire_nccl), "
+                        f"weightwire_nccl (GPUs) (default {d.backend})")
     p.add_argument("--transport", choices=("tcp", "nccl"), default=None,
                    help="another name for --backend: tcp = weightwire_tcp, nccl = nccl")
     p.add_argument("--batch", type=int, default=d.batch, help=f"completions per step (default {d.batch})")
@@ -90,7 +92,8 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resync", action="store_true",
                    help="with --server: if its weights differ from --model-dir, push the policy's first")
     p.add_argument("--server-gpu", default=d.server_gpu,
-                   help=f"embedded server with an NCCL backend: its CUDA_VISIBLE_DEVICES (default {d.server_gpu})")
+                   help="embedded server with an NCCL backend: its CUDA_VISIBLE_DEVICES (default "
+                        f"{d.server_gpu})")
     p.add_argument("--colocated", action="store_true",
                    help="trainer and embedded server on ONE GPU, synced over CUDA IPC (weightwire_ipc); "
                         "the server sleeps while the policy trains")
@@ -130,7 +133,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_bench(argv: list[str]) -> int:
-    """``bench [--sync] ARGS``: the benchmark module's own parser reads ARGS (its --help included)."""
+    """``bench [--sync] ARGS``: the benchmark module's own parser reads ARGS (its --help
+    included)."""
     if argv[:1] == ["--"]:  # `bench -- --help`, the pass-through spelling of earlier versions
         argv = argv[1:]
     if "--sync" in argv:
@@ -144,7 +148,8 @@ def _run_bench(argv: list[str]) -> int:
         parser = comm.build_parser("weightwire bench")
         parser.epilog = _BENCH_EPILOG + EXIT_CODES_HELP
         parser.add_argument("--sync", action="store_true",
-                            help="run whole weight-sync rounds on two GPUs instead (see `weightwire bench --sync --help`)")
+                            help="run whole weight-sync rounds on two GPUs instead (see "
+                                 "`weightwire bench --sync --help`)")
         parser.parse_args(argv)  # --help and usage errors, with this command's name and the --sync line
         return comm.main(argv, prog="weightwire bench")
 
@@ -229,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the entry point (a caller passing argv keeps its own signal handling)
-        # SIGTERM / SIGHUP unwind like Ctrl-C: children (the demo's server, the bench's receivers) stop too.
+        # SIGTERM / SIGHUP unwind like Ctrl-C: children (the demo's server, the bench's receivers)
+        # stop too.
         stop_on_signals()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":

@@ -26,7 +26,8 @@ def _one_line(err: str) -> str:
 
 @pytest.mark.parametrize("scheme", ["", "http://"])
 def test_demo_probes_the_server_before_starting_jax(scheme: str, tiny_dir: str) -> None:
-    # A bare HOST:PORT means http:// (as for every server weightwire talks to); nothing listens there.
+    # A bare HOST:PORT means http:// (as for every server weightwire talks to); nothing listens
+    # there.
     url = f"{scheme}127.0.0.1:{_dead_port()}"
     done = run_cli("demo", "--server", url, "--model-dir", tiny_dir, timeout=120)
     assert done.returncode == 3, done.stdout + done.stderr
@@ -55,8 +56,9 @@ def test_serve_on_cuda_without_a_gpu_says_so_in_one_line() -> None:
     done = run_cli("serve", "--model", "tiny-llama", "--device", "cuda", "--port", "0", timeout=120)
     assert done.returncode == 2, done.stderr
     assert _one_line(done.stderr) == (
-        "weightwire serve: error: --device cuda: torch sees no CUDA GPU on this host (torch.cuda.is_available() is "
-        "False); use --device cpu, or check CUDA_VISIBLE_DEVICES and the driver")
+        "weightwire serve: error: --device cuda: torch sees no CUDA GPU on this host "
+        "(torch.cuda.is_available() is False); use --device cpu, or check CUDA_VISIBLE_DEVICES "
+        "and the driver")
     assert "loading" not in done.stdout  # no worker was started
 
 

@@ -20,7 +20,8 @@ def _read_by_code() -> set[str]:
     found: set[str] = set()
     for path in sources:
         found |= set(_VAR.findall(path.read_text()))
-    # Timeouts builds WEIGHTWIRE_TIMEOUT_<FIELD> from its field names; the template itself is no variable.
+    # Timeouts builds WEIGHTWIRE_TIMEOUT_<FIELD> from its field names; the template itself is no
+    # variable.
     # WEIGHTWIRE_CHECK is the result-line prefix of tests/interop/check_plugin.py, not a variable;
     # WEIGHTWIRE_NCCL is the backend registry's name constant (weightwire.backends), not a variable.
     return {v for v in found if v not in ("WEIGHTWIRE_TIMEOUT", "WEIGHTWIRE_CHECK", "WEIGHTWIRE_NCCL")}

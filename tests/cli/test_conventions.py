@@ -85,7 +85,8 @@ def test_one_backend_naming_across_commands() -> None:
     assert comm.build_parser().parse_args(["--backend", "tcp"]).backend == "weightwire_tcp"
 
 
-# ------------------------------------------------------------------ exit codes, one line, no traceback
+# ------------------------------------------------------------------ exit codes, one line, no
+# traceback
 def _one_clean_error(done: subprocess.CompletedProcess[str], code: int, message: str) -> None:
     assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
     assert message in done.stderr, done.stderr
@@ -194,7 +195,8 @@ def test_the_install_hint_works_for_a_clone_and_names_the_venv_pip(tmp_path: Pat
     assert elsewhere.endswith(f' install -e "{root}[jax]"') and "weightwire[" not in elsewhere, elsewhere
 
 
-# ------------------------------------------------------------------ serve: what it loads, routes, Ctrl-C
+# ------------------------------------------------------------------ serve: what it loads, routes,
+# Ctrl-C
 def test_serve_says_what_it_loads_and_serves_and_stops_cleanly_on_ctrl_c(tiny_dir: str) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "weightwire", "serve", "--model", tiny_dir, "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -203,7 +205,8 @@ def test_serve_says_what_it_loads_and_serves_and_stops_cleanly_on_ctrl_c(tiny_di
         loading = proc.stdout.readline()  # printed before the (slow) model load
         ready = proc.stdout.readline()
         routes = proc.stdout.readline()
-        # Ctrl-C in a terminal signals the whole foreground process group: the server and its workers.
+        # Ctrl-C in a terminal signals the whole foreground process group: the server and its
+        # workers.
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:

@@ -33,7 +33,8 @@ def test_default_demo_rises_and_every_sync_check_passes(tmp_path: Path) -> None:
     flat = " ".join(out.split())
     assert "tiny-llama, a tiny model with random weights" in flat
     # The server starts from dummy weights: the first push visibly changes what it writes.
-    before = re.search(r"starts from dummy weights .*?: it writes '(.*?)' \(max \|Δlogp\| vs the policy ([0-9.e+-]+)\)",
+    before = re.search(r"starts from dummy weights .*?: it writes '(.*?)' \(max \|Δlogp\| vs the "
+                       r"policy ([0-9.e+-]+)\)",
                        flat)
     after = re.search(r"pushed the policy's weights as version '0' .*?; the server now writes '(.*?)'", flat)
     assert before and after and before[1] != after[1] and float(before[2]) > 1e-2, flat

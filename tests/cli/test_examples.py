@@ -39,7 +39,8 @@ def _diffs(out: str) -> list[float]:
 
 
 def test_every_example_is_covered() -> None:
-    # The pytree-kind examples (and their shared _send.py) run in tests/jax_side/test_examples_kinds.py.
+    # The pytree-kind examples (and their shared _send.py) run in
+    # tests/jax_side/test_examples_kinds.py.
     kinds = ["_send.py", "add_a_family.py", "equinox_module_source.py", "linen_params_source.py",
              "maxtext_moe_scanned.py", "nnx_module_source.py"]
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted([

@@ -57,8 +57,9 @@ def test_the_jax_extra_installs_no_torch(jax_venv: Path) -> None:
     names = {p["name"].lower() for p in json.loads(listed.stdout)}
     assert {"jax", "flax", "safetensors", "tokenizers", "weightwire"} <= names
     assert not {n for n in names if n == "torch" or n.startswith(("torch", "nvidia-"))}, sorted(names)
-    probe = ("import importlib.metadata as md, pathlib, weightwire; d = md.distribution('weightwire'); "
-             "print(weightwire.__file__); print(d.version == weightwire.__version__); print(d.metadata['License-Expression']); "
+    probe = ("import importlib.metadata as md, pathlib, weightwire; d = "
+             "md.distribution('weightwire'); print(weightwire.__file__); print(d.version == "
+             "weightwire.__version__); print(d.metadata['License-Expression']); "
              "print(sorted(str(f) for f in d.files if f.name in ('py.typed', 'LICENSE')))")
     where = _run(jax_venv, "python", "-c", probe)
     lines = where.stdout.splitlines()
@@ -86,7 +87,8 @@ def test_load_decoder_and_a_verified_round_without_torch(setup: tuple[Path, str]
 
 def test_demo_against_a_server_and_bench_run_from_the_wheel(setup: tuple[Path, str], tiny_dir: str) -> None:
     jax_venv, url = setup
-    # --resync: an earlier test may have changed the server's weights; the demo pushes its own first.
+    # --resync: an earlier test may have changed the server's weights; the demo pushes its own
+    # first.
     demo = _run(jax_venv, "weightwire", "demo", "--server", url, "--model-dir", tiny_dir, "--steps", "2",
                 "--batch", "8", "--max-tokens", "8", "--resync")
     assert demo.returncode in (0, 1), demo.stdout + demo.stderr  # 1: the reward may not rise in 2 steps

@@ -15,7 +15,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-# The template writes the BOS token itself, so the rendered text is tokenized without special tokens.
+# The template writes the BOS token itself, so the rendered text is tokenized without special
+# tokens.
 TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the tree sees the sea"}]
@@ -96,7 +97,8 @@ def test_a_request_for_another_model_gets_404(servers: tuple[str, str], chat_dir
         r = httpx.post(f"{servers[1]}{path}", json={**body, "model": "gpt-4o"})
         assert r.status_code == 404, r.text
         assert r.json()["error"]["message"].startswith("The model `gpt-4o` does not exist: this server serves `tiny-chat`")
-        # The served name, and the --model value it was started with (a path, as vLLM's default name), both serve.
+        # The served name, and the --model value it was started with (a path, as vLLM's default
+        # name), both serve.
         for name in ("tiny-chat", chat_dir, str(Path(chat_dir).resolve())):
             ok = httpx.post(f"{servers[1]}{path}", json={**body, "model": name})
             assert ok.status_code == 200, ok.text

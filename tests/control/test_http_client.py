@@ -78,7 +78,8 @@ def test_errors_carry_route_status_message_and_server() -> None:
         client.update_weights({"names": [""], "dtype_names": ["float32"], "shapes": [[1]]})
     e = info.value
     assert (e.route, e.status, e.message, e.server) == ("update_weights", 400, "names[0] must be a non-empty string", "http://a:8000")
-    assert str(e) == "update_weights failed on http://a:8000 (status 400): names[0] must be a non-empty string"
+    assert str(e) == ("update_weights failed on http://a:8000 (status 400): names[0] must be "
+                      "a non-empty string")
     with pytest.raises(WeightSyncError, match=r"status 422\): body\.init_info: Field required"):
         client.init_weight_transfer_engine({})
     with pytest.raises(WeightSyncError, match=r"start_weight_update .*status 500\): Internal Server Error"):

@@ -65,7 +65,11 @@ class WireServer:
                 if self.silent:
                     continue
                 status, payload = self.reply
-                conn.sendall(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+                conn.sendall(b"HTTP/1.1 %d X\r\n"
+                             b"content-type: application/json\r\n"
+                             b"content-length: %d\r\n"
+                             b"%s\r\n"
+                             b"%s"
                              % (status, len(payload), self.reply_headers, payload))
                 if self.close_after_reply:
                     return

@@ -69,7 +69,8 @@ def cluster() -> Iterator[None]:
 
 
 def _stat(pid: int) -> list[str] | None:
-    """``/proc/<pid>/stat`` after the command name (state, ppid, ...); ``None`` once gone or a zombie."""
+    """``/proc/<pid>/stat`` after the command name (state, ppid, ...); ``None`` once gone or a
+    zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -95,7 +96,8 @@ def descendants(root: int) -> set[int]:
 
 
 def reap(pids: set[int], *, timeout: float) -> None:
-    """Wait for ``pids`` to exit; kill what is left at ``timeout`` (processes this module started)."""
+    """Wait for ``pids`` to exit; kill what is left at ``timeout`` (processes this module
+    started)."""
     deadline = time.monotonic() + timeout
     while any(_stat(p) is not None for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -204,7 +206,8 @@ def test_an_actor_error_is_one_line_naming_the_actor(replicas: list[Any]) -> Non
 
 
 class Stalled:
-    """An actor whose ``start_weight_update`` answers only after ``delay`` seconds, with a refusal."""
+    """An actor whose ``start_weight_update`` answers only after ``delay`` seconds, with a
+    refusal."""
 
     def __init__(self, delay: float) -> None:
         self.delay = delay
@@ -240,7 +243,8 @@ def test_a_stalled_actor_fails_the_call_at_its_timeout(cluster: None, caplog: py
 
 
 class KillMidRound(WeightSource):
-    """``inner`` unchanged, except that ``kill`` runs once, just before tensor ``at`` of an armed pass."""
+    """``inner`` unchanged, except that ``kill`` runs once, just before tensor ``at`` of an armed
+    pass."""
 
     def __init__(self, inner: WeightSource, at: int, kill: Callable[[], None]) -> None:
         self.inner, self.at, self.kill, self.armed = inner, at, kill, False
@@ -279,7 +283,8 @@ def test_actor_killed_mid_round_then_replaced(replicas: list[Any], model_dir: st
     engine_cls = JAXTrainerEngine if make_trainer is jax_trainer else TorchTrainerEngine
     victim = replicas[1]
     source = KillMidRound(inner, at=len(inner.metadata()) // 2, kill=killer(victim))
-    # Small chunks: the round is under way (update_weights posted, bytes flowing) when the kill lands.
+    # Small chunks: the round is under way (update_weights posted, bytes flowing) when the kill
+    # lands.
     info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=32 << 10)
     engine = engine_cls.trainer_init(info, client=RayWeightSyncClient(replicas, world_sizes=1, server_version=VERSION),
                                      source=source)

@@ -135,7 +135,8 @@ def test_a_dead_actor_is_reported_over_the_errors_it_caused() -> None:
     assert err.server == "actor 1 (Actor(Replica, 0123))"
     assert err.message == ("RayActorError: The actor died unexpectedly before finishing this task. "
                            "The actor is dead because it was killed by `ray.kill`.")
-    assert err.__notes__ == ["actor 0 (Actor(Replica, 0123)) also failed: RuntimeError: PeerLost: the trainer closed the link"]
+    assert err.__notes__ == ["actor 0 (Actor(Replica, 0123)) also failed: RuntimeError: "
+                             "PeerLost: the trainer closed the link"]
 
 
 def test_shutdown_skips_a_dead_actor_and_releases_the_others() -> None:
@@ -159,7 +160,8 @@ def test_calls_left_running_are_logged_not_left_unread(caplog: pytest.LogCapture
     assert caplog.messages == ["start_weight_update on actor 1 (Actor(Replica, 0123)), after the call gave up: "
                                "RuntimeError: late failure"]
 class LLMActor(Actor):
-    """An actor around vLLM's offline ``LLM``: no ``pause_generation``, no ``reset_encoder_cache``."""
+    """An actor around vLLM's offline ``LLM``: no ``pause_generation``, no
+    ``reset_encoder_cache``."""
 
     def __getattr__(self, name: str) -> Method:
         if name in ("pause_generation", "resume_generation", "reset_encoder_cache"):

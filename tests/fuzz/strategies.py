@@ -68,7 +68,8 @@ _ODD = st.one_of(
 
 @st.composite
 def broken_dict(draw: st.DrawFn, valid: dict[str, Any]) -> dict[str, Any]:
-    """``valid`` with 1-3 edits: a field replaced by an odd value, dropped, or an unknown key added."""
+    """``valid`` with 1-3 edits: a field replaced by an odd value, dropped, or an unknown key
+    added."""
     out = dict(valid)
     for _ in range(draw(st.integers(1, 3))):
         action = draw(st.sampled_from(["replace", "replace", "drop", "add"]))

@@ -94,7 +94,8 @@ def test_random_json_on_any_route(fuzz_server: FuzzServer, route: Route, value: 
 @fuzz(1600)
 @given(route=st.sampled_from(POST_BODY_ROUTES), raw=raw_bodies)
 def test_raw_bytes_on_any_route(fuzz_server: FuzzServer, route: Route, raw: bytes) -> None:
-    """Non-UTF-8, truncated, NaN tokens, duplicate keys, megabyte keys, nesting past the parser's limit."""
+    """Non-UTF-8, truncated, NaN tokens, duplicate keys, megabyte keys, nesting past the parser's
+    limit."""
     hit(fuzz_server, route, body=raw)
 
 
@@ -158,7 +159,8 @@ _header_value = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF), m
                                                         f"Bearer {API_KEY} ", f"Bearer  {API_KEY}x"])),
        body=st.sampled_from([None, b"{}", b'{"action": "checksum"}']))
 def test_authorization_headers(fuzz_server: FuzzServer, route: Route, auth: str, body: bytes | None) -> None:
-    """A guarded route answers 401 unless the header carries exactly the key; open routes never 401."""
+    """A guarded route answers 401 unless the header carries exactly the key; open routes never
+    401."""
     body = None if route.method == "GET" else body
     resp = hit(fuzz_server, route, body=body, headers={"Authorization": auth.encode("latin-1")}, app="keyed")
     if resp is None:

@@ -80,8 +80,9 @@ def test_ipc_rounds_arrive_bit_exact_on_one_gpu(framework: str, packed: int, mod
     # push: the slot ring, kept between rounds; pull: no slots (chunks land in the worker's buffers)
     assert rounds[-1]["trainer_extra"] == (2 * (256 << 20) if mode == "push" else 0)
     for i, r in enumerate(rounds):
-        print(f"ipc {framework}/{'packed' if packed else 'unpacked'}/{mode} round {i + 1}: {r['nbytes'] / 1e9:.2f} GB, "
-              f"{r['chunks']} pieces, {r['gbps']:.1f} GB/s, wall {r['wall_s'] * 1e3:.1f} ms, worker memory {result['memory']}")
+        print(f"ipc {framework}/{'packed' if packed else 'unpacked'}/{mode} round {i + 1}: "
+              f"{r['nbytes'] / 1e9:.2f} GB, {r['chunks']} pieces, {r['gbps']:.1f} GB/s, wall "
+              f"{r['wall_s'] * 1e3:.1f} ms, worker memory {result['memory']}")
 
 
 @pytest.mark.gpu
@@ -94,7 +95,8 @@ def test_ipc_one_slot_and_release_after_round(mode: str) -> None:
     assert result["final_checksums"] == rounds[-1]["digests"]
     assert [r["trainer_extra"] for r in rounds] == [0, 0]  # slots freed after every round (pull: none at all)
     assert rounds[-1]["pipeline"] == PIPELINE[mode]
-    print(f"ipc {mode} one buffer + release: {[round(r['wall_s'] * 1e3, 1) for r in rounds]} ms per round")
+    print(f"ipc {mode} one buffer + release: {[round(r['wall_s'] * 1e3, 1) for r in rounds]} ms "
+          "per round")
 
 
 @pytest.mark.gpu
@@ -138,7 +140,8 @@ def test_ipc_worker_killed_mid_round_fails_the_trainer_with_a_clear_error(mode: 
             if line.strip() == "PAUSED":
                 break
         else:
-            pytest.fail(f"sender never reached the pause point: {sender.stderr.read()[-3000:] if sender.stderr else ''}")
+            pytest.fail("sender never reached the pause point: "
+                        f"{sender.stderr.read()[-3000:] if sender.stderr else ''}")
         proc.kill()
         proc.wait(timeout=60)
         sender.stdin.write("go\n")

@@ -65,7 +65,8 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     process (the worker is torch's process, this one is JAX's).
     """
     env = {**os.environ, "WEIGHTWIRE_CACHE": str(tmp_path_factory.mktemp("weightwire-cache"))}
-    code = "from weightwire.torch_side.server.tiny import tiny_model_dir; print(tiny_model_dir('tiny-llama'))"
+    code = ("from weightwire.torch_side.server.tiny import tiny_model_dir; "
+               "print(tiny_model_dir('tiny-llama'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"building tiny-llama failed:\n{out.stderr[-4000:]}"
     return out.stdout.strip().splitlines()[-1]
@@ -309,7 +310,8 @@ def run_logits_scenario(model_dir: str, monkeypatch: pytest.MonkeyPatch, sc: Sce
                 stale = _jax_logprobs(apply_fn, previous[0], ids, device)
                 rows = stale[len(PROMPT) - 1:]
                 diff = np.abs(rows[np.arange(MAX_TOKENS), choice["token_ids"]] - choice["logprobs"]["token_logprobs"])
-                sc.log.append(f"round {round_no}: previous round's params are off by up to {float(diff.max()):.2e}")
+                sc.log.append(f"round {round_no}: previous round's params are off by up to "
+                              f"{float(diff.max()):.2e}")
                 assert float(diff.max()) > 100 * ATOL
             previous = (state["params"], got)
         assert client.versions == ["1", "2"]

@@ -69,7 +69,8 @@ def run_peers(tmp_path: Path, peers: list[tuple[int, dict[str, Any]]], timeout: 
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"{cfg['role']} did not finish within {timeout} s") from None
             lines = [line for line in out.splitlines() if line.startswith("{")]
-            assert lines, f"{cfg['role']} printed no report (rc={proc.returncode}); stderr tail:\n{err[-4000:]}"
+            assert lines, (f"{cfg['role']} printed no report (rc={proc.returncode}); stderr tail:\n"
+                              f"{err[-4000:]}")
             report = json.loads(lines[-1])
             report["stderr_tail"] = err[-4000:]
             reports.append(report)
@@ -97,7 +98,8 @@ def check_bit_exact(sender: dict[str, Any], receiver: dict[str, Any], spec: list
     for mode in ("packed", "unpacked"):
         got = receiver["received"][mode]
         wrong = [name for name, dtype, shape in spec if got.get(name) != [dtype, shape, sender["hashes"][name]]]
-        assert not wrong, f"{mode}: {len(wrong)} tensors differ, first {wrong[:5]}: {[got.get(n) for n in wrong[:2]]}"
+        assert not wrong, (f"{mode}: {len(wrong)} tensors differ, first {wrong[:5]}: "
+                              f"{[got.get(n) for n in wrong[:2]]}")
 
 
 def test_jax_sender_torch_receiver_mixed_dtypes_over_1gib_bit_exact(tmp_path: Path) -> None:
@@ -110,7 +112,8 @@ def test_jax_sender_torch_receiver_mixed_dtypes_over_1gib_bit_exact(tmp_path: Pa
     ], timeout=900)
     check_bit_exact(sender, receiver, BIG_SPEC)
     assert sender["nbytes"] >= 1 << 30 and sender["chunks"] >= 4
-    print(f"\nNCCL {sender['nccl']}: sender seconds {sender['seconds']}, receiver seconds {receiver['seconds']}")
+    print(f"\nNCCL {sender['nccl']}: sender seconds {sender['seconds']}, receiver seconds "
+          f"{receiver['seconds']}")
 
 
 def test_zero_size_and_scalar_tensors_packed_and_unpacked(tmp_path: Path) -> None:

@@ -69,9 +69,10 @@ def test_8b_round_into_vllm_layout_memory_and_bytes(worker: object, strategy: st
             mem = worker.call("memory")  # type: ignore[attr-defined]
             torch_extra = mem["peak"] - mem["baseline"]
             extra = torch_extra + mem["pool"]
-            print(f"\n[{strategy} round {seed}] round {nbytes / 1e9:.2f} GB in {metrics.seconds['transfer']:.2f} s; "
-                  f"worker extra {extra / 1e9:.2f} GB = torch peak delta {torch_extra / 1e9:.2f} GB + receive pool "
-                  f"{mem['pool'] / 1e9:.2f} GB (budget {budget / 1e9:.2f} GB)")
+            print(f"\n[{strategy} round {seed}] round {nbytes / 1e9:.2f} GB in "
+                  f"{metrics.seconds['transfer']:.2f} s; worker extra {extra / 1e9:.2f} GB = torch "
+                  f"peak delta {torch_extra / 1e9:.2f} GB + receive pool {mem['pool'] / 1e9:.2f} "
+                  f"GB (budget {budget / 1e9:.2f} GB)")
             assert worker.call("digests") == want  # type: ignore[attr-defined]
             assert worker.call("incomplete") is None  # type: ignore[attr-defined]
             if strategy == "streaming":

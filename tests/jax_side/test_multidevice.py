@@ -41,7 +41,8 @@ SCRIPT = textwrap.dedent("""
         ok_values = all(n == rn and np.asarray(a).tobytes() == r.tobytes()
                         for (n, a), (rn, r) in zip(got, reference, strict=True))
         ok_groups = [n for n, _ in groups] == [n for n, _ in reference] and all(
-            np.asarray(a).tobytes() == r.tobytes() for (_, a), (_, r) in zip(groups, reference, strict=True))
+            np.asarray(a).tobytes() == r.tobytes()
+            for (_, a), (_, r) in zip(groups, reference, strict=True))
         result[f"scan={scan},target={target}"] = {
             "n": len(got), "sharded_leaves": n_sharded, "place": ok_place, "values": ok_values,
             "groups": ok_groups}

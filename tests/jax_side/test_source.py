@@ -212,7 +212,8 @@ def test_import_is_light_and_never_loads_torch() -> None:
         light = not any(m in sys.modules for m in ("jax", "torch", "flax"))
         js.PytreeSource, js.preset, js.Naming
         import weightwire.jax_side.models.llama, weightwire.jax_side.models.gpt2
-        import weightwire.jax_side.models.gemma, weightwire.jax_side.models.qwen2, weightwire.jax_side.models.qwen3
+        import weightwire.jax_side.models.gemma, weightwire.jax_side.models.qwen2
+        import weightwire.jax_side.models.qwen3
         engine = importlib.util.find_spec("weightwire.jax_side.engine") is not None
         if engine:
             js.JAXTrainerEngine

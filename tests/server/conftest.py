@@ -69,7 +69,8 @@ def launch_server(args: list[str], log_path: Path, *, env: dict[str, str] | None
     if not ready.wait(START_TIMEOUT_S) or ready.url is None:
         proc.kill()
         proc.wait(10)
-        raise RuntimeError(f"server did not print its ready line; stdout={ready.lines!r}\n{log_path.read_text()[-4000:]}")
+        raise RuntimeError(f"server did not print its ready line; stdout={ready.lines!r}\n"
+                           f"{log_path.read_text()[-4000:]}")
     return ServerProc(proc, ready.url, log_path, ready.lines)
 
 

@@ -28,9 +28,11 @@ for line in sys.stdin:
         sys.exit(7)
     if op == "slow":
         time.sleep(args["s"])
-    if op == "huge":  # a reply line far over the API's line limit (the replica's reader must survive it)
+    # a reply line far over the API's line limit (the replica's reader must survive it)
+    if op == "huge":
         time.sleep(args.get("s", 0))
-        out.write('{"id":%d,"ok":true,"result":"%s"}\n' % (msg["id"], "x" * args["size"])); out.flush()
+        out.write('{"id":%d,"ok":true,"result":"%s"}\n' % (msg["id"], "x" * args["size"]))
+        out.flush()
         continue
     if op == "cancel_call":
         cancelled.append(args["target"])
@@ -167,7 +169,8 @@ def test_a_reply_over_the_line_limit_fails_only_its_call() -> None:
 
 
 def test_a_late_reply_over_the_line_limit_is_dropped() -> None:
-    """The API timed out first; the worker's (huge) reply comes later and must not kill the reader."""
+    """The API timed out first; the worker's (huge) reply comes later and must not kill the
+    reader."""
     async def scenario(r: Replica) -> None:
         with pytest.raises(ReplicaError, match="no reply to 'huge'"):
             await r.call("huge", {"size": 10 * LINE_LIMIT, "s": 0.3}, timeout=0.1)
@@ -178,7 +181,8 @@ def test_a_late_reply_over_the_line_limit_is_dropped() -> None:
 
 
 def test_a_generation_the_api_gives_up_on_is_cancelled_on_the_worker() -> None:
-    """A timed-out or cancelled generate is followed by a cancel_call naming its id; other ops are not."""
+    """A timed-out or cancelled generate is followed by a cancel_call naming its id; other ops are
+    not."""
     async def scenario(r: Replica) -> None:
         with pytest.raises(ReplicaError, match="no reply to 'generate'"):
             await r.call("generate", {"s": 0}, timeout=0)

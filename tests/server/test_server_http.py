@@ -57,7 +57,8 @@ def test_a_huge_chat_message_is_refused_before_tokenizing(http: httpx.Client) ->
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
 def test_a_tiny_temperature_samples_at_vllms_floor(http: httpx.Client, temperature: float) -> None:
-    """Dividing logits by 1e-40 overflows; like vLLM, a positive temperature below 0.01 samples at 0.01."""
+    """Dividing logits by 1e-40 overflows; like vLLM, a positive temperature below 0.01 samples at
+    0.01."""
     body = {"prompt": "Hello", "max_tokens": 8, "seed": 7, "ignore_eos": True, "logprobs": 1}
     tiny = http.post("/v1/completions", json={**body, "temperature": temperature})
     floor = http.post("/v1/completions", json={**body, "temperature": 0.01})

@@ -1,7 +1,7 @@
 """Data-plane throughput: weightwire communicators against the raw transport they wrap.
 
-    weightwire bench [--backend weightwire_tcp]            # CPU, loopback (python -m weightwire.bench.comm)
-    weightwire bench --backend nccl|all                    # GPU host (weightwire.bench.comm_nccl)
+    weightwire bench [--backend weightwire_tcp]   # CPU, loopback (python -m weightwire.bench.comm)
+    weightwire bench --backend nccl|all           # GPU host (weightwire.bench.comm_nccl)
 
 TCP: one sender (this process) and one receiver (a child process). Each repeat sends
 ``--total-mib`` in ``--buffer-mib`` buffers twice over the same two processes: first with
@@ -44,7 +44,8 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
 
 
 def _tcp_receiver(config: dict[str, Any]) -> None:
-    """Child process: receive the raw and the weightwire rounds, acknowledge each, report a digest."""
+    """Child process: receive the raw and the weightwire rounds, acknowledge each, report a
+    digest."""
     from weightwire.backends.tcp.comm import TCPCommunicator  # keep import time out of the parent's clock
 
     count = config["total_bytes"] // config["buffer_bytes"]
@@ -138,11 +139,13 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
               "socket_buffer_bytes": socket_buffer_bytes or 0,
               "raw_gbps": raw_gbps, "weightwire_gbps": ww_gbps, "ratio": ww_gbps / raw_gbps,
               "raw_best_gbps": total_bytes / min(raw_s) / 1e9, "weightwire_best_gbps": total_bytes / min(ww_s) / 1e9}
+    buffers = (f">= {socket_buffer_bytes >> 10} KiB" if socket_buffer_bytes
+               else "as the kernel sets them")
     print(f"TCP loopback, {total_bytes / 2**20:.0f} MiB in {buffer_bytes / 2**20:.0f} MiB buffers, "
-          f"median of {repeats}, weightwire socket buffers "
-          f"{'as the kernel sets them' if not socket_buffer_bytes else f'>= {socket_buffer_bytes >> 10} KiB'} (bytes verified by sha256):")
+          f"median of {repeats}, weightwire socket buffers {buffers} (bytes verified by sha256):")
     print(f"  raw sendall/recv_into loop : {raw_gbps:6.2f} GB/s  (best {result['raw_best_gbps']:.2f})")
-    print(f"  weightwire TCPCommunicator : {ww_gbps:6.2f} GB/s  (best {result['weightwire_best_gbps']:.2f})")
+    print(f"  weightwire TCPCommunicator : {ww_gbps:6.2f} GB/s  (best "
+          f"{result['weightwire_best_gbps']:.2f})")
     print(f"  ratio weightwire / raw     : {result['ratio']:6.3f}")
     return result
 
@@ -174,7 +177,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--buffer-mib", type=int, default=64, help="MiB per broadcast buffer (divides --total-mib)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
     parser.add_argument("--socket-buffer-kib", type=int, default=-1,
-                        help="weightwire's minimum socket buffers in KiB (0: leave the kernel's; -1: the library's)")
+                        help="weightwire's minimum socket buffers in KiB (0: leave the kernel's; "
+                             "-1: the library's)")
     parser.add_argument("--json", action="store_true", help="also print one JSON line with every result")
     parser.add_argument("--role", choices=(_RECEIVER_ROLE,), help=argparse.SUPPRESS)
     return parser
@@ -200,7 +204,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         kib = args.socket_buffer_kib
         results["tcp"] = bench_tcp(**sizes, socket_buffer_bytes=-1 if kib < 0 else (kib << 10) or None)
     if transport in ("nccl", "all"):
-        # Before any child starts: its import error would otherwise come back as a child's traceback.
+        # Before any child starts: its import error would otherwise come back as a child's
+        # traceback.
         require("cupy", purpose=f"{prog or 'weightwire bench'} --backend {args.backend} (NCCL on two GPUs)")
         results["nccl"] = _load_bench_nccl()(**sizes)
     if args.json:

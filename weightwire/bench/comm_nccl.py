@@ -155,8 +155,10 @@ def bench_nccl(*, total_bytes: int = 1 << 30, buffer_bytes: int | None = None, r
 
 def _summarize(sender: dict[str, Any], receiver: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"nccl": receiver["nccl"], "sizes": {}}
-    print(f"NCCL {receiver['nccl']} broadcast GPU0 -> GPU1, receiver's median over repeats (GB/s = 1e9 B/s):")
-    print("| size | iters | raw | weightwire | ratio | raw+sync each | weightwire+sync each | ratio | bytes |")
+    print(f"NCCL {receiver['nccl']} broadcast GPU0 -> GPU1, receiver's median over repeats (GB/s = "
+          "1e9 B/s):")
+    print("| size | iters | raw | weightwire | ratio | raw+sync each | weightwire+sync each | "
+          "ratio | bytes |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for key, rx in receiver["sizes"].items():
         size, n = int(key), rx["iters"]
@@ -166,9 +168,9 @@ def _summarize(sender: dict[str, Any], receiver: dict[str, Any]) -> dict[str, An
         row.update(iters=n, ratio=gbps["weightwire"] / gbps["raw"], ratio_sync=gbps["weightwire_sync"] / gbps["raw_sync"],
                    bytes_verified=ok, sender_times=sender["sizes"][key]["times"], receiver_times=rx["times"])
         result["sizes"][size] = row
-        print(f"| {size >> 20} MiB | {n} | {gbps['raw']:.1f} | {gbps['weightwire']:.1f} | {row['ratio']:.3f} | "
-              f"{gbps['raw_sync']:.1f} | {gbps['weightwire_sync']:.1f} | {row['ratio_sync']:.3f} | "
-              f"{'sha256 ok' if ok else 'MISMATCH'} |")
+        print(f"| {size >> 20} MiB | {n} | {gbps['raw']:.1f} | {gbps['weightwire']:.1f} | "
+              f"{row['ratio']:.3f} | {gbps['raw_sync']:.1f} | {gbps['weightwire_sync']:.1f} | "
+              f"{row['ratio_sync']:.3f} | {'sha256 ok' if ok else 'MISMATCH'} |")
     if not all(r["bytes_verified"] for r in result["sizes"].values()):
         raise RuntimeError("receiver's bytes differ from the sender's")
     return result

@@ -212,21 +212,23 @@ def sender_main(cfg: dict[str, Any]) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| engine | control | model | GB/round | mode | chunks | s/round | GB/s | raw NCCL s | ratio | start ms "
-            "| finish ms | ratio w/o start+finish | sender extra GiB | receiver extra GiB | bound GiB | loaded |\n" + "|---" * 17 + "|\n")
+    head = ("| engine | control | model | GB/round | mode | chunks | s/round | GB/s | raw NCCL s | "
+            "ratio | start ms | finish ms | ratio w/o start+finish | sender extra GiB | receiver "
+            "extra GiB | bound GiB | loaded |\n" + "|---" * 17 + "|\n")
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r.get('engine', '-')} | {r.get('control', '-')} | {r['model']} | | {r['mode']} "
-                         f"| | | | | | | | | | | | {r['error']} |")
+            lines.append(f"| {r.get('engine', '-')} | {r.get('control', '-')} | {r['model']} | | "
+                         f"{r['mode']} | | | | | | | | | | | | {r['error']} |")
             continue
         gb = r["nbytes"] / 1e9
         lines.append(
-            f"| {r['engine']} | {r['control']} | {r['model']} | {gb:.2f} | {r['mode']} | {r['chunks']} "
-            f"| {r['round_s']:.4f} | {gb / r['round_s']:.1f} | {r['raw_s']:.4f} | {r['raw_s'] / r['round_s']:.3f} "
-            f"| {r['control_ms']:.2f} | {r['finish_ms']:.2f} "
-            f"| {r['raw_s'] / (r['round_s'] - (r['control_ms'] + r['finish_ms']) / 1e3):.3f} | {r['send_extra'] / GIB:.2f} | {r['recv_extra'] / GIB:.2f} "
-            f"| {r['bound'] / GIB:.2f} | {'ok' if r['loaded_ok'] else 'MISMATCH'} |")
+            f"| {r['engine']} | {r['control']} | {r['model']} | {gb:.2f} | {r['mode']} | "
+            f"{r['chunks']} | {r['round_s']:.4f} | {gb / r['round_s']:.1f} | {r['raw_s']:.4f} | "
+            f"{r['raw_s'] / r['round_s']:.3f} | {r['control_ms']:.2f} | {r['finish_ms']:.2f} | "
+            f"{r['raw_s'] / (r['round_s'] - (r['control_ms'] + r['finish_ms']) / 1e3):.3f} | "
+            f"{r['send_extra'] / GIB:.2f} | {r['recv_extra'] / GIB:.2f} | {r['bound'] / GIB:.2f} "
+            f"| {'ok' if r['loaded_ok'] else 'MISMATCH'} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -284,7 +286,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         ap.error("--engines takes jax,torch and --control takes http,shim")
     gpus = _gpus()
     if gpus < 2:
-        # Refuse before spawning anything: on a CPU host every config would fail and the table be empty.
+        # Refuse before spawning anything: on a CPU host every config would fail and the table be
+        # empty.
         raise CommandError(f"weightwire bench --sync needs two CUDA GPUs (trainer on GPU 0, receiver on GPU 1); "
                            f"torch sees {gpus}. On a CPU host run `weightwire bench` (the TCP data plane)")
     import signal

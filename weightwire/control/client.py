@@ -84,7 +84,8 @@ class HTTPWeightSyncClient:
         self._layout: RankLayout | None = None
         self._servers: list[ServerTopology] = []
         self._sessions: list[str | None] = [None] * len(urls)
-        """Per server: the ``session_id`` its last init returned (servers that return none: None)."""
+        """Per server: the ``session_id`` its last init returned (servers that return none:
+        None)."""
 
     def __repr__(self) -> str:
         return f"HTTPWeightSyncClient({self.base_urls!r}, timeout={self.timeout})"
@@ -204,9 +205,10 @@ class HTTPWeightSyncClient:
             if size != per:  # DP on this server: which DP ranks does its API drive?
                 parallel = self._parallel_config(i)
                 if parallel is None and len(self._clients) > 1:
-                    raise ValueError(f"{url} runs data parallelism ({size} ranks, {per} per DP rank) but does not "
-                                     "answer /server_info, so its DP layout (internal or external load balancing) "
-                                     "is unknown; pass one init info per server instead")
+                    raise ValueError(f"{url} runs data parallelism ({size} ranks, {per} per DP "
+                                     "rank) but does not answer /server_info, so its DP layout "
+                                     "(internal or external load balancing) is unknown; pass "
+                                     "one init info per server instead")
             out.append(ServerTopology(url, size, per, parallel))
         return out
 
@@ -220,7 +222,8 @@ class HTTPWeightSyncClient:
         return parallel if isinstance(parallel, dict) else None
 
     def has_draft_model(self) -> list[bool]:
-        """Per server: does ``/server_info`` show a speculative draft model (``speculative_config``)?
+        """Per server: does ``/server_info`` show a speculative draft model
+        (``speculative_config``)?
 
         Asked before a draft round: vLLM (seen on 0.32) answers ``/start_draft_weight_update``
         on a server without one with a worker error that kills its engine core."""
@@ -245,7 +248,8 @@ class HTTPWeightSyncClient:
 
     @property
     def world_sizes(self) -> list[int]:
-        """Per-server world sizes with DP (``/get_world_size?include_dp=true``; fetched on first use)."""
+        """Per-server world sizes with DP (``/get_world_size?include_dp=true``; fetched on first
+        use)."""
         if self._layout is None:
             self.get_world_size()
         return [s.world_size for s in self._servers]

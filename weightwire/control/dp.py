@@ -114,16 +114,18 @@ def _check_cover(members: Sequence[ServerTopology]) -> None:
     for s in members:
         owned = s.owned_dp_ranks()
         if not owned:
-            raise ValueError(f"{s.url} reports an external/hybrid-LB DP deployment without its data_parallel_rank")
+            raise ValueError(f"{s.url} reports an external/hybrid-LB DP deployment without its "
+                             "data_parallel_rank")
         for r in owned:
             if not 0 <= r < size:
-                raise ValueError(f"{s.url} drives DP rank {r}, outside its deployment's data_parallel_size {size}")
+                raise ValueError(f"{s.url} drives DP rank {r}, outside its deployment's "
+                                 f"data_parallel_size {size}")
             if r in seen:
                 raise ValueError(f"DP rank {r} is driven by both {seen[r]} and {s.url}; list each server once")
             seen[r] = s.url
     missing = sorted(set(range(size)) - set(seen))
     if missing:
         urls = ", ".join(s.url for s in members)
-        raise ValueError(f"the DP deployment of {urls} has data_parallel_size {size}, but no listed server drives "
-                         f"DP rank(s) {missing}: their workers would never join the group; list every DP rank's "
-                         "API server")
+        raise ValueError(f"the DP deployment of {urls} has data_parallel_size {size}, but no "
+                         f"listed server drives DP rank(s) {missing}: their workers would never "
+                         "join the group; list every DP rank's API server")

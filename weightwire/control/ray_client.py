@@ -237,8 +237,9 @@ class RayWeightSyncClient:
         have = [h for h in self.handles if _has_method(h, "reset_encoder_cache")]
         if len(have) < len(self.handles) and not self._warned_encoder:
             self._warned_encoder = True
-            logger.warning("%d actor(s) have no reset_encoder_cache: a multimodal model's encoder outputs cached "
-                           "before a round may be reused after it", len(self.handles) - len(have))
+            logger.warning("%d actor(s) have no reset_encoder_cache: a multimodal model's "
+                           "encoder outputs cached before a round may be reused after it",
+                           len(self.handles) - len(have))
         if have:
             RayWeightSyncClient(have, timeout=self.timeout)._all("reset_encoder_cache")
 

@@ -176,7 +176,8 @@ def _encode(request: httpx.Request) -> bytes:
 
 
 def _readable(sock: socket.socket) -> bool:
-    """An idle keep-alive socket is readable only if the server closed it (or broke the protocol)."""
+    """An idle keep-alive socket is readable only if the server closed it (or broke the
+    protocol)."""
     try:
         return bool(select.select([sock], [], [], 0)[0])
     except (OSError, ValueError):

@@ -15,7 +15,8 @@ import numpy as np
 from weightwire import backends
 
 DEMO_BACKENDS = tuple(name for name in backends.BACKEND_NAMES if not backends.SPECS[name].same_host)
-"""``--backend`` choices; ``weightwire_ipc`` (one host) comes with ``--colocated`` (one GPU for both)."""
+"""``--backend`` choices; ``weightwire_ipc`` (one host) comes with ``--colocated`` (one GPU for
+both)."""
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,9 @@ class DemoConfig:
     """Embedded server only: tiny model to build and serve."""
     steps: int = 12
     backend: str = backends.TCP
-    """Weight-transfer backend (``weightwire.backends.BACKEND_NAMES``). ``nccl`` against the embedded
-    server means its NCCL backend, ``weightwire_nccl`` (the reference server has no stock ``nccl``)."""
+    """Weight-transfer backend (``weightwire.backends.BACKEND_NAMES``). ``nccl`` against the
+    embedded server means its NCCL backend, ``weightwire_nccl`` (the reference server has no stock
+    ``nccl``)."""
     batch: int = 64
     """Completions per step: ``batch / samples_per_prompt`` prompts, ``samples_per_prompt`` each."""
     samples_per_prompt: int = 4
@@ -46,7 +48,8 @@ class DemoConfig:
     resync: bool = False
     """External server whose weights may have changed: push the policy's weights first."""
     server_gpu: str = "1"
-    """Embedded server with nccl: the GPU it uses (``CUDA_VISIBLE_DEVICES``); JAX uses its device 0."""
+    """Embedded server with nccl: the GPU it uses (``CUDA_VISIBLE_DEVICES``); JAX uses its device
+    0."""
     colocated: bool = False
     """Trainer and embedded server on ONE GPU (JAX's device 0), synced over ``weightwire_ipc``;
     each step is generate -> ``/sleep`` -> train -> ``/wake_up`` -> sync."""
@@ -68,13 +71,14 @@ class DemoConfig:
             raise ValueError("--server needs --model-dir: the directory the server loaded, so the JAX policy "
                              "starts from the same weights and tokenizer")
         if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
-            raise ValueError(f"--model-dir {self.model_dir!r} is not a Hugging Face model directory (no config.json); "
-                             "pass the directory the server loaded")
+            raise ValueError(f"--model-dir {self.model_dir!r} is not a Hugging Face model "
+                             "directory (no config.json); pass the directory the server loaded")
         for name, lo in (("steps", 1), ("batch", 1), ("prompt_len", 1), ("max_tokens", 1), ("check_tokens", 1)):
             if getattr(self, name) < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(self, name)}")
         if self.samples_per_prompt < 1 or self.batch % self.samples_per_prompt:
-            raise ValueError(f"--batch {self.batch} must be a multiple of --samples-per-prompt {self.samples_per_prompt}")
+            raise ValueError(f"--batch {self.batch} must be a multiple of --samples-per-prompt "
+                             f"{self.samples_per_prompt}")
         if not self.tolerance > 0:
             raise ValueError(f"tolerance must be > 0, got {self.tolerance}")
         if self.colocated and self.server is not None:
@@ -95,7 +99,8 @@ class DemoConfig:
 class DemoResult:
     rewards: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
-    """The server's greedy text of the fixed prompt: at start, after the first push (if any), per step."""
+    """The server's greedy text of the fixed prompt: at start, after the first push (if any), per
+    step."""
     max_diffs: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     sync_seconds: list[float] = field(default_factory=list)

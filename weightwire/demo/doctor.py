@@ -103,7 +103,8 @@ def _obj(reply: Reply) -> dict[str, Any]:
 def run_doctor(url: str, *, api_key: str | None = None, timeout: float = 15.0, deadline: float = 120.0,
                round_trip: bool = True, console: Console | None = None) -> int:
     """Print a report. 0: nothing blocks a weight sync; 1: a blocking problem was found;
-    3: the server gave no usable answer (down, wrong address, or past ``timeout`` / ``deadline``)."""
+    3: the server gave no usable answer (down, wrong address, or past ``timeout`` /
+    ``deadline``)."""
     console = console or Console()
     say = _Report(console)
     url = normalize_url(url)
@@ -129,12 +130,14 @@ def run_doctor(url: str, *, api_key: str | None = None, timeout: float = 15.0, d
     probes = {path: http.get(path) for path in ("/weight_info", "/get_world_size", "/is_paused")}
     codes = {path: r.status for path, r in probes.items()}
     if all(code == 404 for code in codes.values()):
-        say("fail", "dev-mode routes", "404 on /weight_info, /get_world_size, /is_paused: the server runs "
-            "without VLLM_SERVER_DEV_MODE=1, so the weight-sync routes do not exist; restart it with it set")
+        say("fail", "dev-mode routes", "404 on /weight_info, /get_world_size, /is_paused: the "
+                                       "server runs without VLLM_SERVER_DEV_MODE=1, so the "
+                                       "weight-sync routes do not exist; restart it with it set")
         return EXIT_VERDICT
     if any(code in (401, 403) for code in codes.values()):
         say("fail", "dev-mode routes", f"refused ({codes}): " + (
-            "the server rejected the API key given (--api-key / WEIGHTWIRE_API_KEY): pass the server's key"
+            "the server rejected the API key given (--api-key / WEIGHTWIRE_API_KEY): pass "
+            "the server's key"
             if api_key else "the server needs an API key: pass --api-key (or set WEIGHTWIRE_API_KEY)"))
         return EXIT_VERDICT
     if any(code is None for code in codes.values()) and http.expired():
@@ -182,7 +185,8 @@ def _backend(http: Prober, say: _Report) -> str | None:
     name = config.get("backend") if isinstance(config, dict) else None
     if not name or not isinstance(name, str):
         say("fail", "backend", "no weight-transfer backend configured: start vLLM with "
-            "--weight-transfer-config '{\"backend\": \"nccl\"}' (or weightwire_tcp / weightwire_nccl with the plugin)")
+                               "--weight-transfer-config '{\"backend\": \"nccl\"}' (or "
+                               "weightwire_tcp / weightwire_nccl with the plugin)")
         return None
     hint = {backends.NCCL: "trainer needs GPUs + cupy (--transport nccl)",
             backends.TCP: "served by the weightwire plugin; works on CPU",
@@ -243,7 +247,8 @@ def _round(url: str, say: _Report, *, api_key: str | None, reference: bool, back
         except Exception as exc:  # report, do not crash the doctor
             refused = getattr(exc, "status", None) in (400, 422)
             say("warn" if refused else "fail", "1-tensor round",
-                f"weightwire_tcp init {'refused (is the server on another backend?)' if refused else 'failed'}: {exc}")
+                "weightwire_tcp init "
+                f"{'refused (is the server on another backend?)' if refused else 'failed'}: {exc}")
             return
         init_s = time.perf_counter() - t0
         try:
@@ -253,5 +258,6 @@ def _round(url: str, say: _Report, *, api_key: str | None, reference: bool, back
         after = client.weight_checker("checksum")[0].get("checksums", {})
     same = after == before
     say("ok" if same else "fail", "1-tensor round",
-        f"weightwire_tcp: rendezvous {init_s * 1e3:.1f} ms, round {metrics.total_seconds * 1e3:.1f} ms "
-        f"({name}, {metrics.nbytes} bytes); served weights {'unchanged' if same else 'CHANGED'}")
+        f"weightwire_tcp: rendezvous {init_s * 1e3:.1f} ms, round "
+        f"{metrics.total_seconds * 1e3:.1f} ms ({name}, {metrics.nbytes} bytes); served weights "
+        f"{'unchanged' if same else 'CHANGED'}")

@@ -23,7 +23,8 @@ from weightwire._cli import EXIT_USAGE, CommandError
 SPARKS = "▁▂▃▄▅▆▇█"
 
 RATE_MIN_BYTES = 64 << 20
-"""Below this a round's time is its fixed cost (HTTP calls, scheduling), not bandwidth: no GB/s shown."""
+"""Below this a round's time is its fixed cost (HTTP calls, scheduling), not bandwidth: no GB/s
+shown."""
 
 
 @dataclass(frozen=True)
@@ -101,5 +102,6 @@ def readable(text: str) -> str:
 
 
 def shown_rate(nbytes: int, gbps: float) -> float | None:
-    """``gbps`` where the round moved at least ``RATE_MIN_BYTES``, else ``None`` (shown as ``-``)."""
+    """``gbps`` where the round moved at least ``RATE_MIN_BYTES``, else ``None`` (shown as
+    ``-``)."""
     return gbps if nbytes >= RATE_MIN_BYTES else None

@@ -41,7 +41,8 @@ def _update(params: Any, opt_state: Any, seqs: jax.Array, advantages: jax.Array,
 
 
 class Policy:
-    """Holds the live params; ``params`` is what ``PytreeSource(lambda: policy.params, ...)`` reads."""
+    """Holds the live params; ``params`` is what ``PytreeSource(lambda: policy.params, ...)``
+    reads."""
 
     def __init__(self, cfg: decoder.DecoderConfig, params: Any, *, lr: float) -> None:
         if not lr > 0:

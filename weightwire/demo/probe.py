@@ -32,7 +32,8 @@ class Reply:
 
 
 class Prober:
-    """GETs against one base URL, each bounded by ``timeout`` and all by ``deadline`` (monotonic)."""
+    """GETs against one base URL, each bounded by ``timeout`` and all by ``deadline``
+    (monotonic)."""
 
     def __init__(self, base_url: str, *, headers: dict[str, str], timeout: float, deadline: float,
                  max_bytes: int = MAX_REPLY_BYTES) -> None:

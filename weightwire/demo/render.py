@@ -70,7 +70,8 @@ class StartupProgress:
     def phase(self, description: str) -> None:
         self._index += 1
         if self._plain:
-            self._console.print(f"[{self._index}/{self._phases}] {description} ({time.perf_counter() - self._t0:.1f} s)",
+            self._console.print(f"[{self._index}/{self._phases}] {description} "
+                                f"({time.perf_counter() - self._t0:.1f} s)",
                                 markup=False, highlight=False, soft_wrap=True)
             return
         if self._started:

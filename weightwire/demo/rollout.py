@@ -95,9 +95,10 @@ class CompletionsClient:
                 raise RolloutError(f"choice index {i!r} out of range")
             if not isinstance(tokens, list) or len(tokens) != max_tokens:
                 raise RolloutError(
-                    f"choice {i}: expected {max_tokens} token_ids (return_token_ids + ignore_eos), got "
-                    f"{tokens if not isinstance(tokens, list) else len(tokens)!r}; does the server support "
-                    "return_token_ids?")
+                    f"choice {i}: expected {max_tokens} token_ids (return_token_ids + "
+                    "ignore_eos), got "
+                    f"{tokens if not isinstance(tokens, list) else len(tokens)!r}; does the "
+                    "server support return_token_ids?")
             if not isinstance(logprobs, list) or len(logprobs) != max_tokens or None in logprobs:
                 raise RolloutError(f"choice {i}: expected {max_tokens} token_logprobs")
             sent = choice.get("prompt_token_ids")

@@ -109,8 +109,8 @@ def pytree_from_hf(naming: Naming, template: Any, tensors: Mapping[str, Any]) ->
         ref = jnp.asarray(np.asarray(tensors[name])).astype(y.dtype)
         if not bool(jnp.array_equal(y, ref)):
             raise CheckpointError(
-                f"the naming does not map leaves to {name!r} one-to-one (a leaf used twice or a lossy "
-                "transform); it cannot be inverted to load this checkpoint"
+                f"the naming does not map leaves to {name!r} one-to-one (a leaf used twice or a "
+                "lossy transform); it cannot be inverted to load this checkpoint"
             )
     return jax.tree_util.tree_unflatten(treedef, leaves)
 

@@ -65,7 +65,8 @@ class MultiProcessSource(PytreeSource):
         super().__init__(params, naming, dtype=dtype, device=device)
 
     def __repr__(self) -> str:
-        return f"MultiProcessSource({len(self._metas)} tensors, process {self._process} of {self._processes})"
+        return (f"MultiProcessSource({len(self._metas)} tensors, process {self._process} of "
+                   f"{self._processes})")
 
     def _assigned(self) -> list[ParamMeta]:
         groups = layerwise_groups(self._metas)

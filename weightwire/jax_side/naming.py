@@ -113,8 +113,8 @@ class Rule:
             used = {f for _, f, _, _ in string.Formatter().parse(tpl) if f is not None}
             unknown = used - allowed
             if unknown or "" in used:
-                raise NamingError(f"{where}: target {tpl!r} uses {sorted(unknown) or ['{}']}, not captured by the "
-                                  f"pattern (captures: {sorted(allowed)})")
+                raise NamingError(f"{where}: target {tpl!r} uses {sorted(unknown) or ['{}']}, "
+                                  f"not captured by the pattern (captures: {sorted(allowed)})")
 
     @property
     def templates(self) -> tuple[str, ...]:
@@ -259,8 +259,9 @@ class Naming:
                     piece = Piece(leaf, path, indices, axes, ops)
                     claims.setdefault(tpl.format(**fields), []).append((piece, ri, part, concat, cast, seq))
         if unclaimed:
-            raise NamingError(f"no naming rule claims these pytree leaves: {show_paths(unclaimed)}; add a rule for each, "
-                              "or a drop rule (target None) for leaves the server does not take")
+            raise NamingError("no naming rule claims these pytree leaves: "
+                              f"{show_paths(unclaimed)}; add a rule for each, or a drop rule "
+                              "(target None) for leaves the server does not take")
         # A rule shadowed by an earlier one (an override) is not a typo; one that fits no path is.
         missing = [r.pattern for r, u in zip(self.rules, used, strict=True)
                    if not u and not r.optional and not any(r.regex.fullmatch(self._key(p)) for p in paths)]
@@ -282,8 +283,9 @@ class Naming:
         fused = [(g[3], g) for g in got if g[3] is not None]
         concats = [c for c, _ in fused]
         if len(fused) != len(got):
-            raise NamingError(f"pytree leaves {show_paths([g[0].path for g in got])} all map to HF name {name!r}; "
-                              "each HF name must come from exactly one leaf (or be declared a Concat)")
+            raise NamingError(f"pytree leaves {show_paths([g[0].path for g in got])} all map to "
+                              f"HF name {name!r}; each HF name must come from exactly one leaf "
+                              "(or be declared a Concat)")
         count, axis = concats[0].count, concats[0].axis
         indices = sorted(c.index for c in concats)
         if indices != list(range(count)) or any(c.count != count or c.axis != axis for c in concats):
@@ -319,7 +321,8 @@ def _stack_axes(rule: Rule, path: str, aval: jax.ShapeDtypeStruct) -> list[tuple
 def _stack_indices(rule: Rule, m: re.Match[str], path: str,
                    aval: jax.ShapeDtypeStruct) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], dict]]]:
     """``(stack axes, [(indices, template fields), ...])``: one combination per HF tensor,
-    ordered by the rules' own Stacked order (layer-major for ``Stacked(0), Stacked(1, field="expert")``)."""
+    ordered by the rules' own Stacked order (layer-major for
+    ``Stacked(0), Stacked(1, field="expert")``)."""
     fields = m.groupdict()
     stacked = _stack_axes(rule, path, aval)
     if not stacked:
@@ -390,8 +393,9 @@ def _check_split(rule: Rule, path: str, aval: jax.ShapeDtypeStruct) -> None:
         raise NamingError(f"transform of pytree leaf {path!r} (shape {list(aval.shape)}) before its Split "
                           f"fails: {exc}") from exc
     if sum(split.sizes) != dim:
-        raise NamingError(f"Split sizes {list(split.sizes)} of pytree leaf {path!r} add up to {sum(split.sizes)}, "
-                          f"but axis {split.axis} has {dim}; a remainder would be silently dropped")
+        raise NamingError(f"Split sizes {list(split.sizes)} of pytree leaf {path!r} add up to "
+                          f"{sum(split.sizes)}, but axis {split.axis} has {dim}; a remainder "
+                          "would be silently dropped")
 
 
 __all__ = [

@@ -47,7 +47,8 @@ _DECODER: dict[str, Any] = {
     "scan_layers": False,  # one stacked `layers` subtree, leading axis = layer
     "fused_qkv": False,  # one `qkv_proj` Dense -> HF q_proj, k_proj, v_proj
     "fused_gate_up": False,  # one `gate_up_proj` Dense -> HF gate_proj, up_proj
-    "head_axes": False,  # DenseGeneral q/k/v kernels [hidden, heads, head_dim], o [heads, head_dim, hidden]
+    # DenseGeneral q/k/v kernels [hidden, heads, head_dim], o [heads, head_dim, hidden]
+    "head_axes": False,
     "norm_scale_offset": 0.0,  # added to every norm scale (-1.0: JAX stores Gemma's 1 + w)
     "num_attention_heads": None,  # sizes: needed only for fused_qkv / fused_gate_up
     "num_key_value_heads": None,
@@ -55,13 +56,16 @@ _DECODER: dict[str, Any] = {
     "intermediate_size": None,
     "extra_rules": (),  # rules tried before the preset's own (overrides, drops)
     # -- families beyond the Llama core (rule blocks in ``preset_layers``)
-    "moe": None,  # "qwen" (mlp.gate, mlp.experts.{e}.*_proj) or "mixtral" (block_sparse_moe.*.w1/w2/w3)
+    # "qwen" (mlp.gate, mlp.experts.{e}.*_proj) or "mixtral" (block_sparse_moe.*.w1/w2/w3)
+    "moe": None,
     "shared_expert": False,  # Qwen2-MoE: mlp.shared_expert.* and mlp.shared_expert_gate
     "expert_axis": 0,  # expert axis of a per-layer expert kernel [experts, in, out]
     "moe_intermediate_size": None,  # needed only for fused_gate_up with experts
     "sandwich_norms": False,  # Gemma 2/3: pre_/post_feedforward_layernorm besides the usual two
-    "hf_fused": False,  # Phi-3: HF has qkv_proj and gate_up_proj; JAX q/k/v (gate/up) are fused into them
-    "leaf_style": "flax",  # "torch": Equinox-style leaves (Linear `weight` [out, in], norms/embeddings `weight`)
+    # Phi-3: HF has qkv_proj and gate_up_proj; JAX q/k/v (gate/up) are fused into them
+    "hf_fused": False,
+    # "torch": Equinox-style leaves (Linear `weight` [out, in], norms/embeddings `weight`)
+    "leaf_style": "flax",
 }
 _FAMILY: dict[str, dict[str, Any]] = {
     # The one table of what sets the decoder families apart (``family_options``): the
@@ -120,12 +124,14 @@ def register_family(family: str, build: Callable[..., Naming], defaults: Mapping
 
 
 def preset(family: str, **options: Any) -> Naming:
-    """The ``Naming`` for ``family`` (see ``FAMILIES``, or ``register_family``) with the given layout options."""
+    """The ``Naming`` for ``family`` (see ``FAMILIES``, or ``register_family``) with the given
+    layout options."""
     if family in _REGISTERED:
         build, defaults = _REGISTERED[family]
         naming = build(**_options(family, defaults, options))
         if not isinstance(naming, Naming):
-            raise TypeError(f"the builder registered for {family!r} returned {type(naming).__name__}, not a Naming")
+            raise TypeError(f"the builder registered for {family!r} returned "
+                            f"{type(naming).__name__}, not a Naming")
         return naming
     if family == "gpt2":
         return _list_indices(_gpt2(**_options(family, _GPT2, options)))

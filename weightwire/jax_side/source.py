@@ -75,9 +75,9 @@ class PytreeSource(WeightSource):
     callable returning any of these (a training loop's live state; called once per
     ``metadata()`` and once per pass, and once here so that mapping errors surface now).
     An NNX module is updated in place by its optimizer, so passing it is already live;
-    an Equinox model is replaced each step, so pass ``lambda: state.model``. ``dtype``: wire dtype for float leaves
-    (``"bfloat16"``, ``jnp.bfloat16``, ...); ``None`` keeps each leaf's. ``device``: where
-    yielded arrays live (default: the first local device).
+    an Equinox model is replaced each step, so pass ``lambda: state.model``. ``dtype``: wire dtype
+    for float leaves (``"bfloat16"``, ``jnp.bfloat16``, ...); ``None`` keeps each leaf's.
+    ``device``: where yielded arrays live (default: the first local device).
     """
 
     def __init__(self, params: Any, naming: Naming, *, dtype: Any = None,
@@ -231,7 +231,8 @@ class PytreeSource(WeightSource):
             first = inputs[0].sharding  # equal shardings share a device set (the usual case: one device)
             if any(x.sharding != first for x in inputs) and len({_device_ids(x) for x in inputs}) > 1:
                 # One jit needs one device set; inputs spread over several are gathered on the
-                # target first (device to device). Whole stacked leaves move here: rare layouts only.
+                # target first (device to device). Whole stacked leaves move here: rare layouts
+                # only.
                 inputs = [self._to_target(x) for x in inputs]
             idx = b.idx
             if idx is not None:

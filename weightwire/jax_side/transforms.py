@@ -35,7 +35,8 @@ class Op:
 
 @dataclass(frozen=True)
 class Transpose(Op):
-    """Permute axes; ``None`` reverses them (Flax ``kernel [in, out]`` -> HF ``weight [out, in]``)."""
+    """Permute axes; ``None`` reverses them (Flax ``kernel [in, out]`` -> HF ``weight [out,
+    in]``)."""
 
     perm: tuple[int, ...] | None = None
 

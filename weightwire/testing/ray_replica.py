@@ -47,7 +47,8 @@ class ReplicaActor:
         torch.set_num_threads(threads)  # a replica shares the host's cores with its neighbours
         self.backend = backend
         self.device = torch.device(device)
-        # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound (self: the model).
+        # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound
+        # (self: the model).
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(self.device).eval()  # type: ignore[arg-type]
         self.host = HFModelHost(model)
         self.engine: Any = None

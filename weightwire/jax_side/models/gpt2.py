@@ -44,7 +44,8 @@ class GPT2Config:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
         if self.activation_function not in _ACT:
-            raise ValueError(f"unsupported activation_function {self.activation_function!r}; supported: {list(_ACT)}")
+            raise ValueError(f"unsupported activation_function {self.activation_function!r}; "
+                             f"supported: {list(_ACT)}")
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides: Any) -> GPT2Config:

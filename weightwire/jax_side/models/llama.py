@@ -35,7 +35,8 @@ def init(rng: jax.Array, cfg: DecoderConfig) -> dict[str, Any]:
 
 
 def apply(params: Any, tokens: jax.Array, cfg: DecoderConfig, **kw: Any) -> jax.Array:
-    """Logits ``[B, T, vocab]``; keyword ``attention_mask`` / ``positions`` as in ``decoder.apply``."""
+    """Logits ``[B, T, vocab]``; keyword ``attention_mask`` / ``positions`` as in
+    ``decoder.apply``."""
     return decoder.apply(params, tokens, cfg, **kw)
 
 

@@ -53,13 +53,17 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="Serve a model with vLLM's weight-sync API and OpenAI-compatible completions "
                                "(the reference server).",
-        epilog="examples:\n  weightwire serve --model tiny-llama --port 0     # a tiny random Llama, built and cached\n"
-               "  WEIGHTWIRE_API_KEY=$KEY weightwire serve --model ./qwen2.5-0.5b\n\n" + EXIT_CODES_HELP,
+        epilog="examples:\n"
+               "  weightwire serve --model tiny-llama --port 0     # a tiny random Llama, built "
+               "and cached\n"
+               "  WEIGHTWIRE_API_KEY=$KEY weightwire serve --model ./qwen2.5-0.5b\n"
+               "\n" + EXIT_CODES_HELP,
         formatter_class=HelpFormatter)
     p.add_argument("--model", required=True,
-                   help="HF model directory (config.json + safetensors + tokenizer), or tiny-llama / tiny-qwen2: "
-                        "a tiny random model built on first use and cached under $WEIGHTWIRE_CACHE "
-                        "(default ~/.cache/weightwire); the directory is printed at start-up")
+                   help="HF model directory (config.json + safetensors + tokenizer), or "
+                        "tiny-llama / tiny-qwen2: a tiny random model built on first use and "
+                        "cached under $WEIGHTWIRE_CACHE (default ~/.cache/weightwire); the "
+                        "directory is printed at start-up")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
     p.add_argument("--backend", type=backend_name, choices=BACKENDS, default=backends.TCP,
@@ -79,11 +83,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=64 << 20,
                    help="largest request body accepted, bytes (default 64 MiB); larger ones get 413")
     p.add_argument("--max-reply-bytes", type=int, default=256 << 20,
-                   help="largest completion reply a worker sends, bytes (default 256 MiB); a request whose reply "
-                        "could be larger (prompts x n x max_tokens, logprobs, token ids) gets 400 before it runs")
+                   help="largest completion reply a worker sends, bytes (default 256 MiB); a "
+                        "request whose reply could be larger (prompts x n x max_tokens, "
+                        "logprobs, token ids) gets 400 before it runs")
     p.add_argument("--check-finite", action="store_true",
-                   help="refuse to commit a weight round whose floating-point tensors hold NaN or infinity (the "
-                        "finish gets 400 and the previous weights stay served); costs one pass over the round")
+                   help="refuse to commit a weight round whose floating-point tensors hold NaN "
+                        "or infinity (the finish gets 400 and the previous weights stay served); "
+                        "costs one pass over the round")
     p.add_argument("--op-timeout", type=float, default=300.0,
                    help="seconds for start/finish/shutdown/checks on every worker (default 300)")
     p.add_argument("--round-timeout", type=float, default=3600.0,
@@ -139,7 +145,8 @@ def _check_model(model: str) -> str | None:
     if not path.exists():
         return f"--model {model!r}: no such directory (or pass tiny-llama / tiny-qwen2)"
     if not (path / "config.json").is_file():
-        return f"--model {model!r} is neither {' / '.join(TINY_NAMES)} nor a directory with config.json"
+        return (f"--model {model!r} is neither {' / '.join(TINY_NAMES)} nor a directory with "
+                   "config.json")
     from weightwire.torch_side.server.model_check import model_dir_problem
 
     return model_dir_problem(path, model)
@@ -170,9 +177,10 @@ def resolve_api_key(args: argparse.Namespace, environ: dict[str, str] | os._Envi
 
 def _usable_key(key: str, source: str) -> str:
     if not key.strip():
-        raise ValueError(f"{source} is {'empty' if not key else 'blank'}: that would start a server with no working "
-                         "key; give a real key, or "
-                         f"{'unset it' if source.isupper() else 'leave the option out'} to run without authentication")
+        raise ValueError(f"{source} is {'empty' if not key else 'blank'}: that would start a "
+                         "server with no working key; give a real key, or "
+                         f"{'unset it' if source.isupper() else 'leave the option out'} to run "
+                         "without authentication")
     if key != key.strip():
         raise ValueError(f"{source} has whitespace at its start or end, which no client can send in an "
                          "Authorization header: remove it")
@@ -181,7 +189,8 @@ def _usable_key(key: str, source: str) -> str:
 
 def serve_main(argv: list[str] | None = None) -> int:
     """Run the server until SIGINT/SIGTERM. Returns the process exit code (``weightwire._cli``'s
-    codes: 0 stopped after serving, 2 bad arguments, 3 an error stopped it, 130 Ctrl-C while starting)."""
+    codes: 0 stopped after serving, 2 bad arguments, 3 an error stopped it, 130 Ctrl-C while
+    starting)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -206,7 +215,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not _cuda_visible():
         return fail(PROG, "--device cuda: torch sees no CUDA GPU on this host (torch.cuda.is_available() is "
                           "False); use --device cpu, or check CUDA_VISIBLE_DEVICES and the driver", EXIT_USAGE)
-    # Launched by the demo (or another launcher that asked): go when the launcher goes, even if SIGKILLed.
+    # Launched by the demo (or another launcher that asked): go when the launcher goes, even if
+    # SIGKILLed.
     die_with_parent()
     served: list[bool] = []
     try:
@@ -218,8 +228,9 @@ def serve_main(argv: list[str] | None = None) -> int:
         return interrupted(PROG, what=" while starting")
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            return fail(PROG, f"cannot listen on {args.host}:{args.port}: the address is already in use (is another "
-                              "server running there? choose another --port, or --port 0 for a free one)")
+            return fail(PROG, f"cannot listen on {args.host}:{args.port}: the address is already "
+                              "in use (is another server running there? choose another --port, "
+                              "or --port 0 for a free one)")
         return fail(PROG, str(exc))
     except (ValueError, RuntimeError) as exc:
         return fail(PROG, str(exc))
@@ -268,7 +279,8 @@ def _graceful_server(uvicorn: Any, config: Any, stopped_by: list[int]) -> Any:
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             with super().capture_signals():
-                # A closed terminal (SIGHUP) stops the server as SIGTERM does; uvicorn handles only INT/TERM.
+                # A closed terminal (SIGHUP) stops the server as SIGTERM does; uvicorn handles only
+                # INT/TERM.
                 hup = signal.signal(signal.SIGHUP, self.handle_exit) if _main_thread() else None
                 try:
                     yield
@@ -302,14 +314,14 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
     if args.model in TINY_NAMES:
         from weightwire.torch_side.server.tiny import cache_root
 
-        say(f"{args.model}: a tiny random model, built on first use and cached under {cache_root()} "
-            "($WEIGHTWIRE_CACHE)")
+        say(f"{args.model}: a tiny random model, built on first use and cached under "
+            f"{cache_root()} ($WEIGHTWIRE_CACHE)")
     model_dir = resolve_model(args.model)
     # Bind before the (slow) worker start: a taken port fails in milliseconds, not after loading.
     sock = _bind(args.host, args.port)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
-    say(f"loading {os.path.abspath(model_dir)} into {args.replicas} worker process(es) on {args.device} "
-        f"(backend {args.backend}, {threads} torch thread(s) each)")
+    say(f"loading {os.path.abspath(model_dir)} into {args.replicas} worker process(es) on "
+        f"{args.device} (backend {args.backend}, {threads} torch thread(s) each)")
     spec = WorkerSpec(model_dir=model_dir, backend=args.backend, device=args.device,
                       replicas=args.replicas, threads=threads, max_reply_bytes=args.max_reply_bytes,
                       check_finite=args.check_finite)

@@ -5,5 +5,6 @@ import sys
 from weightwire._lifetime import stop_on_signals
 from weightwire.torch_side.server import serve_main
 
-stop_on_signals()  # SIGTERM / SIGHUP while starting unwind like Ctrl-C (uvicorn takes over once serving)
+# SIGTERM / SIGHUP while starting unwind like Ctrl-C (uvicorn takes over once serving).
+stop_on_signals()
 sys.exit(serve_main(sys.argv[1:]))

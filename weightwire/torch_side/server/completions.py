@@ -141,7 +141,8 @@ def _prompts(body: dict[str, Any], vocab_size: int, max_chars: int | None = None
                 out.append(_token_ids(item, f"prompt[{i}]", vocab_size))
             else:
                 raise CompletionRequestError(
-                    "prompt", f"prompt[{i}] must be a string or a list of token ids, got {type(item).__name__}"
+                    "prompt", f"prompt[{i}] must be a string or a list of token ids, got "
+                              f"{type(item).__name__}"
                 )
     else:
         raise CompletionRequestError(
@@ -153,8 +154,9 @@ def _prompts(body: dict[str, Any], vocab_size: int, max_chars: int | None = None
             raise CompletionRequestError("prompt", f"{where} is an empty string")
         if isinstance(item, str) and max_chars is not None and len(item) > max_chars:
             raise CompletionRequestError("prompt", (
-                f"{where} has {len(item)} characters: more tokens than the model's positions, whatever the "
-                f"tokenizer makes of it (at most {max_chars} characters can fit)"))
+                f"{where} has {len(item)} characters: more tokens than the model's "
+                f"positions, whatever the tokenizer makes of it (at most {max_chars} "
+                "characters can fit)"))
     return out
 
 
@@ -188,8 +190,8 @@ def parse_completion_request(body: object, *, vocab_size: int, max_model_len: in
     for i, item in enumerate(prompts):
         if isinstance(item, list) and len(item) + max_tokens > max_model_len:
             raise CompletionRequestError("prompt", (
-                f"prompt{'' if len(prompts) == 1 else f'[{i}]'} has {len(item)} tokens; with max_tokens={max_tokens} "
-                f"that exceeds the model's {max_model_len} positions"))
+                f"prompt{'' if len(prompts) == 1 else f'[{i}]'} has {len(item)} tokens; with "
+                f"max_tokens={max_tokens} that exceeds the model's {max_model_len} positions"))
     return CompletionRequest(
         prompts=prompts,
         max_tokens=max_tokens,

@@ -61,7 +61,8 @@ class Generator:
 
     def _chat_prompts(self, req: dict[str, Any]) -> list[list[int]]:
         """``[ids]`` of ``req["messages"]`` rendered by the tokenizer's chat template; ``[]`` for a
-        plain completion. Tokenized without special tokens, as vLLM does: the template writes them."""
+        plain completion. Tokenized without special tokens, as vLLM does: the template writes
+        them."""
         messages = req.get("messages")
         if not messages:
             return []
@@ -96,9 +97,10 @@ class Generator:
             logp = torch.log_softmax(logits, dim=-1)
             if bool(torch.isnan(logp).any()):  # NaN or +inf logits both leave NaN here
                 raise NonFiniteOutput(
-                    f"the model's logits are not finite (NaN or infinity at decode step {step}), so no token or "
-                    "logprob can be computed: the served weights hold non-finite values (a round that pushed "
-                    "NaN/inf? `weightwire serve --check-finite` refuses such rounds)")
+                    f"the model's logits are not finite (NaN or infinity at decode step {step}), "
+                    "so no token or logprob can be computed: the served weights hold non-finite "
+                    "values (a round that pushed NaN/inf? `weightwire serve --check-finite` "
+                    "refuses such rounds)")
             if temperature == 0.0:
                 nxt = torch.argmax(logits, dim=-1)
             else:
@@ -110,7 +112,8 @@ class Generator:
             top_idx: list[Any] | None = None
             if want_top:
                 top = torch.topk(logp, want_top, dim=-1)
-                # An alternative the model rules out (-inf) is reported as -9999.0, as vLLM does: JSON has no -inf.
+                # An alternative the model rules out (-inf) is reported as -9999.0, as vLLM does:
+                # JSON has no -inf.
                 top_vals, top_idx = top.values.clamp_min(-9999.0).tolist(), top.indices.tolist()
             for i in range(n):
                 if done[i]:
@@ -120,7 +123,8 @@ class Generator:
                 if top_idx is not None and top_vals is not None:
                     entry: dict[str, float] = {}
                     for t, v in zip(top_idx[i], top_vals[i], strict=True):
-                        # Descending order: when two ids decode alike, the likelier one keeps the key.
+                        # Descending order: when two ids decode alike, the likelier one keeps the
+                        # key.
                         entry.setdefault(self._piece(t, as_ids), v)
                     entry.setdefault(self._piece(nxt_list[i], as_ids), chosen[i])
                     tops[i].append(entry)
@@ -172,8 +176,8 @@ class Generator:
         for i, ids in enumerate(encoded):
             if len(ids) + req["max_tokens"] > self.max_model_len:
                 raise ValueError(
-                    f"prompt[{i}] has {len(ids)} tokens; with max_tokens={req['max_tokens']} that exceeds the "
-                    f"model's {self.max_model_len} positions"
+                    f"prompt[{i}] has {len(ids)} tokens; with max_tokens={req['max_tokens']} "
+                    f"that exceeds the model's {self.max_model_len} positions"
                 )
         choices: list[dict[str, Any]] = []
         completion_tokens = 0

@@ -29,7 +29,8 @@ class LiveCalls:
             self._live.add(call_id)
 
     def cancel(self, call_id: object) -> None:
-        """Mark a live call cancelled; an id that already ended (or never came) is not remembered."""
+        """Mark a live call cancelled; an id that already ended (or never came) is not
+        remembered."""
         with self._lock:
             if call_id in self._live:
                 self._cancelled.add(call_id)

@@ -68,8 +68,9 @@ def shape_mismatch(model_dir: str) -> str | None:
     if not differ:
         return None
     first = differ[0]
-    return (f"config.json does not describe these weights: {first} is {stored[first]} in the safetensors but "
-            f"{expected[first]} by config.json ({len(differ)} tensor(s) differ; is config.json from another model?)")
+    return (f"config.json does not describe these weights: {first} is {stored[first]} in the "
+            f"safetensors but {expected[first]} by config.json ({len(differ)} tensor(s) differ; is "
+            "config.json from another model?)")
 
 
 def _header(file: Path) -> dict[str, Any]:
@@ -87,7 +88,8 @@ def _safetensors_problem(file: Path) -> str | None:
             return f"{size} bytes, shorter than the 8-byte header length"
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES:
-            return f"its header claims {n} bytes, over the {MAX_HEADER_BYTES >> 20} MiB a header may have"
+            return (f"its header claims {n} bytes, over the {MAX_HEADER_BYTES >> 20} MiB a header "
+                       "may have")
         if 8 + n > size:
             return f"its header claims {n} bytes but the file has {size} (truncated?)"
         raw = f.read(n)

@@ -52,7 +52,8 @@ def check_model_name(requested: str | None, served: str, aliases: tuple[str, ...
     """``None`` when ``requested`` may be served here, else the 404 message (vLLM's wording)."""
     if requested is None or requested == served or requested in aliases:
         return None
-    return f"The model `{requested:.200}` does not exist: this server serves `{served}` (GET {MODELS_PATH})"
+    return (f"The model `{requested:.200}` does not exist: this server serves `{served}` (GET "
+               f"{MODELS_PATH})")
 
 
 def models_reply(served: str, root: str | None, max_model_len: int, created: int) -> dict[str, Any]:
@@ -117,8 +118,9 @@ def parse_chat_request(body: object, *, vocab_size: int, max_model_len: int,
     chars = sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
     if max_prompt_chars is not None and chars > max_prompt_chars:
         raise CompletionRequestError("messages", (
-            f"messages hold {chars} characters: more tokens than the model's positions, whatever the tokenizer "
-            f"makes of them (at most {max_prompt_chars} characters can fit)"))
+            f"messages hold {chars} characters: more tokens than the model's positions, "
+            f"whatever the tokenizer makes of them (at most {max_prompt_chars} characters "
+            "can fit)"))
     want = body.get("logprobs", False)
     if want is not None and not isinstance(want, bool):
         raise CompletionRequestError("logprobs", f"logprobs must be true or false in a chat request, got {want!r:.40}")
@@ -210,5 +212,5 @@ def describe_routes(app: FastAPI, model_name: str) -> str:
     openai = [p for p in paths if p.startswith("/v1/")]
     plain = [p for p in paths if p in ("/health", "/version")]
     weight = [p for p in paths if p not in openai and p not in plain]
-    return (f"serving model {model_name!r}: OpenAI {', '.join(openai)}; weight sync {', '.join(weight)}; "
-            f"{', '.join(plain)}")
+    return (f"serving model {model_name!r}: OpenAI {', '.join(openai)}; weight sync "
+            f"{', '.join(weight)}; {', '.join(plain)}")

@@ -40,7 +40,8 @@ class PauseGate:
         deadline = loop.time() + timeout
         while self.paused:
             if self.mode not in (None, "keep"):
-                raise ApiError(503, f"generation is paused (mode={self.mode}); POST /resume to accept requests again")
+                raise ApiError(503, f"generation is paused (mode={self.mode}); POST /resume to "
+                                    "accept requests again")
             if self.sleep_mode not in (None, "keep"):
                 raise ApiError(503, f"the server is asleep (/sleep mode={self.sleep_mode}); POST /wake_up to "
                                     "accept requests again")

@@ -6,7 +6,8 @@ JSON object per line to the worker's stdin and reads one per line from its stdou
 
     request  {"id": 7, "op": "update", "args": {...}}
     reply    {"id": 7, "ok": true, "result": ...}
-           | {"id": 7, "ok": false, "kind": "invalid|conflict|transfer|timeout|internal|model", "error": "..."}
+           | {"id": 7, "ok": false, "kind": "invalid|conflict|transfer|timeout|internal|model",
+              "error": "..."}
 
 JSON instead of pickle: a pickle stream is code execution for whoever can write
 into it; these messages carry nothing but metadata and small results.
@@ -171,8 +172,8 @@ class Replica:
         match = _REPLY_ID.match(head)
         if match is not None:
             self._resolve(int(match[1]), {"ok": False, "kind": "internal", "error": (
-                f"the worker's reply was {size} bytes, over the pipe's line limit; this request failed, "
-                "the replica serves on")})
+                f"the worker's reply was {size} bytes, over the pipe's line limit; this "
+                "request failed, the replica serves on")})
         return None
 
     def _resolve(self, msg_id: int, msg: dict[str, Any]) -> None:
@@ -224,7 +225,8 @@ class Replica:
         else:
             line = _encode_line(message)
         assert self.proc.stdin is not None
-        # asyncio.timeout, not wait_for: no extra task per wait (wait_for wraps its awaitable in one).
+        # asyncio.timeout, not wait_for: no extra task per wait (wait_for wraps its awaitable in
+        # one).
         try:
             async with self._write_lock:  # the lock wait stays unbounded, as before: only the drain is timed
                 self.proc.stdin.write(line.encode())
@@ -275,7 +277,8 @@ class Replica:
 
 
 def _names(args: dict[str, Any] | None) -> int:
-    """How many tensor names an update's args list (its encoding cost), without trusting their shape."""
+    """How many tensor names an update's args list (its encoding cost), without trusting their
+    shape."""
     info = (args or {}).get("update_info")
     names = info.get("names") if isinstance(info, dict) else None
     return len(names) if isinstance(names, list) else 0

@@ -77,10 +77,10 @@ def check_reply_size(req: Any, *, limit: int, piece_bytes: int, vocab_size: int,
     fields += [f"logprobs={req.logprobs}"] if req.logprobs is not None else []
     fields += ["return_token_ids"] if req.return_token_ids else []
     raise CompletionRequestError("max_tokens", (
-        f"the reply to this request could reach {bound} bytes ({', '.join(fields)}; every token counted at "
-        f"{piece_bytes} bytes, this vocabulary's longest as JSON), over this server's limit of "
-        f"{limit} bytes (--max-reply-bytes); lower n, max_tokens, logprobs or the number of prompts, or split "
-        "the request"))
+        f"the reply to this request could reach {bound} bytes ({', '.join(fields)}; every "
+        f"token counted at {piece_bytes} bytes, this vocabulary's longest as JSON), over "
+        f"this server's limit of {limit} bytes (--max-reply-bytes); lower n, max_tokens, "
+        "logprobs or the number of prompts, or split the request"))
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ def encode_reply(msg: dict[str, Any], limit: int, *, op: str | None = None) -> E
     if len(data) > limit:
         hint = "; lower n, max_tokens, logprobs or the number of prompts" if op == "generate" else ""
         return _error_line(msg_id, "invalid" if op == "generate" else "internal", (
-            f"the {op or 'call'}'s reply was {len(data)} bytes, over this server's limit of {limit} bytes "
-            f"(--max-reply-bytes){hint}"))
+            f"the {op or 'call'}'s reply was {len(data)} bytes, over this server's limit of "
+            f"{limit} bytes (--max-reply-bytes){hint}"))
     return EncodedReply(data)
 
 

@@ -75,7 +75,8 @@ class RoundRecord:
     nbytes: int = 0
 
     def add(self, replies: Any) -> None:
-        """Count one update from the workers' replies (every replica receives the same tensors: the first's)."""
+        """Count one update from the workers' replies (every replica receives the same tensors: the
+        first's)."""
         first = replies[0] if isinstance(replies, list) and replies else None
         if isinstance(first, dict):
             self.tensors += int(first.get("tensors") or 0)
@@ -108,7 +109,8 @@ class Session:
     round_id: int = 0
     """Bumped by every start: a round lease only ever aborts the round it was armed for."""
     serial: int = 0
-    """Bumped by every successful init: names the session in logs and messages (the id is a token)."""
+    """Bumped by every successful init: names the session in logs and messages (the id is a
+    token)."""
     record: RoundRecord | None = None
 
     # -- ownership ----------------------------------------------------------------------
@@ -135,7 +137,8 @@ class Session:
         if self.phase is Phase.NO_ENGINE:
             raise SessionError(409, f"cannot start a weight update: {_NEED_INIT}")
         if self.phase is Phase.ROUND:
-            raise SessionError(409, "a weight update is already active: POST /finish_weight_update before starting another")
+            raise SessionError(409, "a weight update is already active: POST "
+                                    "/finish_weight_update before starting another")
 
     def check_update(self) -> None:
         if self.phase is Phase.NO_ENGINE:
@@ -147,7 +150,8 @@ class Session:
         if self.phase is Phase.NO_ENGINE:
             raise SessionError(409, f"cannot finish a weight update: {_NEED_INIT}")
         if self.phase is not Phase.ROUND:
-            raise SessionError(409, "no weight update is active: POST /start_weight_update before /finish_weight_update")
+            raise SessionError(409, "no weight update is active: POST /start_weight_update before "
+                                    "/finish_weight_update")
 
     def active_round(self) -> str:
         """'round N of session #K (started X s ago)': names the open round in refusals."""
@@ -155,7 +159,8 @@ class Session:
         return f"round {self.round_id} of session #{self.serial}{idle}"
 
     def check_no_round(self, route: str) -> None:
-        """Refuse (409) ``route`` while a round is open: it would change what the round commits into."""
+        """Refuse (409) ``route`` while a round is open: it would change what the round commits
+        into."""
         if self.phase is Phase.ROUND:
             raise SessionError(409, f"{route} refused: {self.active_round()} is active; finish it "
                                     "(POST /finish_weight_update) or let it fail first")
@@ -163,7 +168,8 @@ class Session:
     def check_shutdown(self) -> None:
         if self.phase is Phase.ROUND:
             raise SessionError(
-                409, "a weight update is active: finish it (POST /finish_weight_update) before shutting the engine down"
+                409, "a weight update is active: finish it (POST /finish_weight_update) before "
+                     "shutting the engine down"
             )
 
     # -- transitions ----------------------------------------------------------------
@@ -198,7 +204,8 @@ class Session:
         self._end_round(f"closed empty (no update): weight_version stays {self.weight_version!r}")
 
     def dropped(self, reason: str) -> None:
-        """A newer init drops the open, stale round (counted as failed); the init then replaces the session."""
+        """A newer init drops the open, stale round (counted as failed); the init then replaces the
+        session."""
         self.phase, self.updates_in_round = Phase.READY, 0
         self.rounds_failed += 1
         self.last_error = f"round dropped by a newer init: {reason}"

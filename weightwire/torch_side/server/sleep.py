@@ -34,7 +34,8 @@ WAKE_TAGS = ("weights", "kv_cache", "scheduling")
 
 
 class ModelSleeper:
-    """Offloads / discards one ``torch.nn.Module``'s tensors; ``level`` is what is asleep (0: awake)."""
+    """Offloads / discards one ``torch.nn.Module``'s tensors; ``level`` is what is asleep (0:
+    awake)."""
 
     def __init__(self, model: Any, device: Any) -> None:
         self.model, self.device = model, device
@@ -85,7 +86,8 @@ class ModelSleeper:
 
 
 class WeightsUnavailable(ReferenceServerError):
-    """Generation refused: the weights are asleep, or level 2 discarded some that no round resent."""
+    """Generation refused: the weights are asleep, or level 2 discarded some that no round
+    resent."""
 
 
 class SleepCancelled(ReferenceServerError):
@@ -135,8 +137,10 @@ class WorkerSleep:
     def sleep(self, level: int, epoch: int, timeout_s: float | None = None) -> dict[str, Any]:
         bound = "" if timeout_s is None else f" for {timeout_s:g} s"
         acquire_within(self.lock, timeout_s, lambda: self.epoch != epoch,
-                       busy=f"the model stayed busy (a generation held it){bound}, so this replica did not sleep",
-                       on_cancel="the sleep was cancelled while it waited for the model; this replica did not sleep")
+                       busy=f"the model stayed busy (a generation held it){bound}, so this "
+                            "replica did not sleep",
+                       on_cancel="the sleep was cancelled while it waited for the model; this "
+                                 "replica did not sleep")
         try:
             was = self.sleeper.level
             freed = self.sleeper.sleep(level)
@@ -168,5 +172,6 @@ class WorkerSleep:
         if self.missing:
             first = sorted(self.missing)[0]
             raise WeightsUnavailable(
-                f"the weights were discarded by /sleep?level=2 and {len(self.missing)} of them have not been sent "
-                f"since (e.g. {first!r}); send a full weight round before generating")
+                f"the weights were discarded by /sleep?level=2 and {len(self.missing)} of them "
+                f"have not been sent since (e.g. {first!r}); send a full weight round before "
+                "generating")

@@ -70,8 +70,9 @@ def install_sleep_routes(app: FastAPI, state: ServerState) -> None:
                 note = f"waking the replicas again failed too ({exc})"
         if slept.missing:
             session.weight_version = None
-            note += (f"; replica(s) {sorted(i for i, n in slept.discarded.items() if n)} had discarded their "
-                     "weights (level 2) before the failure: send a full round before generating")
+            note += (f"; replica(s) {sorted(i for i, n in slept.discarded.items() if n)} had "
+                     "discarded their weights (level 2) before the failure: send a full round "
+                     "before generating")
         gate.hold_for_sleep(held)
         return note
 

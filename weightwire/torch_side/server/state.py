@@ -35,7 +35,8 @@ class ServerOptions:
     model_dir: str | None = None
     """Shown as ``root`` by ``/v1/models``."""
     model_aliases: tuple[str, ...] = ()
-    """Other ``model`` names a request may use for the served model (the ``--model`` value, its path)."""
+    """Other ``model`` names a request may use for the served model (the ``--model`` value, its
+    path)."""
 
 
 @dataclass
@@ -54,7 +55,8 @@ class SleepState:
         return max(self.discarded.values(), default=0)
 
     def record(self, replies: list[Any]) -> None:
-        """Take the ``discarded`` counts of the workers' sleep / wake / finish replies (in replica order)."""
+        """Take the ``discarded`` counts of the workers' sleep / wake / finish replies (in replica
+        order)."""
         for index, reply in enumerate(replies):
             if isinstance(reply, dict) and isinstance(reply.get("discarded"), int):
                 self.discarded[index] = reply["discarded"]

@@ -34,7 +34,8 @@ UNK_TOKEN = "<|unk|>"
 # checkpoint (it rebuilds the pipeline around tokenizer.json's vocab and merges). Both
 # tiny models train with it, so raw `tokenizers`, transformers and vLLM all agree on ids.
 _SPLIT_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 _ARCH: dict[str, dict[str, Any]] = {
@@ -247,5 +248,6 @@ def resolve_model(model: str) -> str:
         return tiny_model_dir(model)
     path = Path(model)
     if not (path / "config.json").is_file():
-        raise ValueError(f"--model {model!r} is neither {' / '.join(TINY_NAMES)} nor a directory with config.json")
+        raise ValueError(f"--model {model!r} is neither {' / '.join(TINY_NAMES)} nor a directory "
+                         "with config.json")
     return str(path)

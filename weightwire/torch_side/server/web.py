@@ -107,7 +107,8 @@ def parse_json(raw: bytes) -> Any:
 
 
 async def read_object(request: Request, *, allowed: Iterable[str], required: Iterable[str] = ()) -> dict[str, Any]:
-    """A JSON-object body with only ``allowed`` keys; missing required key -> 400, unknown -> 422."""
+    """A JSON-object body with only ``allowed`` keys; missing required key -> 400, unknown ->
+    422."""
     body = await read_json(request)
     allowed, required = set(allowed), list(required)
     if body is None:

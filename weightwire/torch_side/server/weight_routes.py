@@ -254,8 +254,10 @@ def _init_info(state: ServerState, raw: Any) -> Any:
         raise ApiError(422, f"init_info: {exc}", param="init_info") from None
     if info.rank_offset + state.replicas > info.world_size:
         raise ApiError(422, (
-            f"init_info.world_size {info.world_size} is too small: this server's {state.replicas} worker(s) "
-            f"take ranks {info.rank_offset}..{info.rank_offset + state.replicas - 1} (GET /get_world_size)"
+            f"init_info.world_size {info.world_size} is too small: this server's "
+            f"{state.replicas} worker(s) take ranks "
+            f"{info.rank_offset}..{info.rank_offset + state.replicas - 1} (GET "
+            "/get_world_size)"
         ), param="init_info.world_size")
     return info
 
@@ -273,8 +275,9 @@ def _arm_lease(state: ServerState) -> None:
         if session.phase is not Phase.ROUND or session.round_id != round_id or session.busy is not None:
             return  # the round moved on (or an operation now decides its fate)
         async with session.operation("round lease"):
-            reason = (f"round lease expired: the trainer sent no weight call for {seconds:g} s during its round; "
-                      f"the round was aborted and weight_version {session.weight_version!r} is still served")
+            reason = (f"round lease expired: the trainer sent no weight call for {seconds:g} s "
+                      "during its round; the round was aborted and weight_version "
+                      f"{session.weight_version!r} is still served")
             await pool.abort_all()
             session.failed(reason)  # logs the round's end; after the await: state and busy change together
 
@@ -294,10 +297,11 @@ async def _drop_stale_round(state: ServerState) -> None:
     live = [i for i, r in enumerate(reasons) if not r]
     if live:
         raise SessionError(409, (
-            f"init_weight_transfer_engine refused: {session.active_round()} is in progress and its trainer is "
-            f"still connected (replica(s) {live}); a new trainer can init once that round finished, or once it "
-            "is gone (its data link closed, or no weight call for the round lease, after which the server "
-            "aborts the round itself)"))
+            f"init_weight_transfer_engine refused: {session.active_round()} is in progress "
+            f"and its trainer is still connected (replica(s) {live}); a new trainer can init "
+            "once that round finished, or once it is gone (its data link closed, or no "
+            "weight call for the round lease, after which the server aborts the round "
+            "itself)"))
     session.dropped(str(reasons[0]))
 
 
@@ -325,11 +329,12 @@ def _fail(state: ServerState, what: str, exc: FanOutError) -> ApiError:
     state.session.failed(f"{what}: {exc}")
     failed = {e.replica for e in exc.errors} | set(exc.aborted)
     ok = [r.index for r in state.pool.replicas if r.index not in failed]
-    tail = (f"; the previous weights and weight_version {state.session.weight_version!r} are still served; "
-            "POST /init_weight_transfer_engine to start a new session")
+    tail = (f"; the previous weights and weight_version {state.session.weight_version!r} are still "
+            "served; POST /init_weight_transfer_engine to start a new session")
     if what == "finish_weight_update" and ok:
-        tail = (f"; replicas {ok} committed the new weights but {sorted(failed)} did not: replicas now differ "
-                "(compare with /weight_checker); POST /init_weight_transfer_engine and resend")
+        tail = (f"; replicas {ok} committed the new weights but {sorted(failed)} did not: replicas "
+                "now differ (compare with /weight_checker); POST /init_weight_transfer_engine and "
+                "resend")
     return ApiError(exc.status, f"{what} failed: {exc}{tail}")
 
 
@@ -344,8 +349,9 @@ def _parse_update_payload(payload: Any, replicas: int) -> list[dict[str, Any]]:
     """One validated update-info dict per replica (vLLM's single or per-worker list form)."""
     if isinstance(payload, list):
         if len(payload) != replicas:
-            raise ApiError(422, f"update_info lists {len(payload)} entries but this server has {replicas} worker(s); "
-                                "send one object, or one per worker", param="update_info")
+            raise ApiError(422, f"update_info lists {len(payload)} entries but this server has "
+                                f"{replicas} worker(s); send one object, or one per worker",
+                           param="update_info")
         items = payload
     elif isinstance(payload, dict):
         items = [payload] * replicas

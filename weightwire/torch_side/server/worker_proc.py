@@ -157,8 +157,8 @@ class Worker:
             if self.abort_epoch != epoch:
                 raise CommitAborted("the round was aborted while finish waited for the model; nothing was committed")
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"the model stayed busy (a generation held it) for {timeout_s:g} s, so the round "
-                                   "was not committed")
+                raise TimeoutError("the model stayed busy (a generation held it) for "
+                                   f"{timeout_s:g} s, so the round was not committed")
         try:
             if self.abort_epoch != epoch:
                 raise CommitAborted("the round was aborted before finish could commit; nothing was committed")
@@ -178,7 +178,8 @@ class Worker:
         return self.sleep.wake(tags)
 
     def round_stale(self) -> str | None:
-        """Why a new init may replace the open round (its trainer's data link closed, ...), or None."""
+        """Why a new init may replace the open round (its trainer's data link closed, ...), or
+        None."""
         engine = self.engine
         return "this replica has no transfer engine" if engine is None else engine.stale_round()
 
@@ -219,8 +220,8 @@ class Worker:
         if incomplete is not None:
             return f"{incomplete.describe()}; generation is refused until then"
         if self.host.in_place_round:
-            return ("a weight round is being applied in place (it exceeded the stage budget); generation is "
-                    "refused until it commits")
+            return ("a weight round is being applied in place (it exceeded the stage budget); "
+                    "generation is refused until it commits")
         return None
 
     def weights_state(self) -> dict[str, Any]:
