@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from weightwire.backends.base import ChunkedLink, ReceiveTurn, Unpacker, WorkerPairs
+from weightwire.backends.base import ReceiveTurn, Unpacker, WorkerPairs
 from weightwire.backends.ipc.channel import Channel, check_int, dial
 from weightwire.backends.ipc.pool import ReceivePool
 from weightwire.backends.ipc.slots import (
@@ -44,6 +44,7 @@ from weightwire.backends.ipc.slots import (
     wait_event_host,
     wait_mode,
 )
+from weightwire.backends.receiving import ChunkedLink
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.info import encode_secret

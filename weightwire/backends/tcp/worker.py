@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weightwire.backends.base import ChunkedLink, ReceiveTurn
+from weightwire.backends.base import ReceiveTurn
+from weightwire.backends.receiving import ChunkedLink
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.info import TCPInitInfo

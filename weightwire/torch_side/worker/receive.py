@@ -99,7 +99,7 @@ class UnpackPlan:
         self._typed = tuple(typed.items())
         self.in_place = all(e.kind is not _Kind.CLONE for e in entries)
         """Only views and fresh empties: ``unpack`` runs no device work, so it may run
-        before the buffer's bytes landed (``ChunkedLink.take``)."""
+        before the buffer's bytes landed (``receiving.ChunkedLink.take``)."""
 
     def __len__(self) -> int:
         return len(self._entries)
