@@ -71,7 +71,7 @@ class _StubWorker:
 
 
 def _stub_worker_main() -> int:
-    from weightwire.torch_side.server import worker_proc
+    from weightwire.tools.server import worker_proc
 
     out = worker_proc._claim_stdout()
     loop = worker_proc.Loop(_StubWorker(), out)  # type: ignore[arg-type]
@@ -113,7 +113,7 @@ async def _app(kind: str) -> tuple[Any, Any]:
     from fastapi import FastAPI
 
     from weightwire import backends
-    from weightwire.torch_side.server.app import ServerOptions, ServerState, create_app
+    from weightwire.tools.server.app import ServerOptions, ServerState, create_app
 
     if kind == "trivial":
         app = FastAPI()
@@ -124,11 +124,11 @@ async def _app(kind: str) -> tuple[Any, Any]:
 
         return app, None
     if kind == "instant":
-        from weightwire.bench.sync_http import InProcessPool
+        from weightwire.tools.bench.sync_http import InProcessPool
 
         pool: Any = InProcessPool(_Instant())
     else:
-        from weightwire.torch_side.server.replicas import _LINE_LIMIT, Replica, ReplicaPool
+        from weightwire.tools.server.replicas import _LINE_LIMIT, Replica, ReplicaPool
 
         proc = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--stub-worker", stdin=asyncio.subprocess.PIPE,

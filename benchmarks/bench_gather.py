@@ -19,7 +19,7 @@ from typing import Any
 
 from weightwire.backends.device import DeviceBytes
 from weightwire.backends.ipc.gather import GatherCopy
-from weightwire.bench.sync_models import MODELS, hf_shapes
+from weightwire.tools.bench.sync_models import MODELS, hf_shapes
 
 
 def _time(cp: Any, stream: Any, fn: Any, reps: int) -> tuple[float, float]:

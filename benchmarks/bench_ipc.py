@@ -7,7 +7,7 @@ routes.
 
 Three processes on the same GPU: the trainer (``JAXTrainerEngine`` torch-free, or
 ``TorchTrainerEngine``) with synthetic bf16 weights of the model's HF shapes; the
-reference server's FastAPI routes served by uvicorn (``weightwire.bench.sync_http``); and the
+reference server's FastAPI routes served by uvicorn (``weightwire.tools.bench.sync_http``); and the
 worker (``WeightwireIPCEngine.standalone(model=Sink)``: the sink counts what arrived and
 keeps nothing). Push mode: the trainer copies into its slots, the worker copies each
 piece out (two device copies per byte); pull mode: the trainer copies straight into
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from weightwire.backends.ipc.slots import dump_trace, trace
-from weightwire.bench import sync_shim as bench_sync_shim
-from weightwire.bench.sync import MODELS, build_params, make_source
-from weightwire.bench.sync_shim import ShimClient, receiver_main, rpc
+from weightwire.tools.bench import sync_shim as bench_sync_shim
+from weightwire.tools.bench.sync import MODELS, build_params, make_source
+from weightwire.tools.bench.sync_shim import ShimClient, receiver_main, rpc
 
 TRACING = bool(os.environ.get("WEIGHTWIRE_IPC_TRACE"))  # the same switch as slots.trace
 
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_sync_shim.Receiver = IPCShimReceiver  # receiver_main builds the class it finds here
             receiver_main(cfg)
         elif args.role == "api":
-            from weightwire.bench.sync_http import api_main
+            from weightwire.tools.bench.sync_http import api_main
 
             api_main(cfg)
         else:

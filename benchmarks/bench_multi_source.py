@@ -34,7 +34,7 @@ def build(mb: int, cache: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from weightwire.torch_side.server.tiny import tiny_model_dir
+    from weightwire.tools.server.tiny import tiny_model_dir
 
     out = cache / f"llama-{mb}mb"
     if (out / "config.json").is_file():
@@ -97,8 +97,8 @@ def bench(mb: int, model_dir: Path, rounds: int, replicas: int) -> list[dict[str
     from transformers import AutoModelForCausalLM
 
     from weightwire.control import HTTPWeightSyncClient
-    from weightwire.demo.server import EmbeddedServer
     from weightwire.shared.owned import OwnedSource
+    from weightwire.tools.demo.server import EmbeddedServer
     from weightwire.torch_side.sender.engine import TorchTrainerEngine, tensor_bytes
     from weightwire.torch_side.sender.source import ModuleSource
     from weightwire.trainer.group import DictGroup

@@ -97,8 +97,8 @@ def jax_source() -> tuple[Any, Any]:
     import jax
 
     from weightwire.jax_side.engine import JAXTrainerEngine
-    from weightwire.jax_side.models import qwen2
     from weightwire.jax_side.source import PytreeSource
+    from weightwire.tools.models import qwen2
 
     cfg = qwen2.config(**SMALL, tie_word_embeddings=True, param_dtype="bfloat16")
     params = qwen2.init(jax.random.key(0), cfg)

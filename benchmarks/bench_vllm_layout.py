@@ -108,7 +108,7 @@ def run(engine: str, budget: int, client: Any, args: argparse.Namespace) -> dict
     import torch
 
     from tests.torch_side.vllm_stub import digest
-    from weightwire.bench.sync_models import make_source
+    from weightwire.tools.bench.sync_models import make_source
     from weightwire.trainer import TrainerInitInfo
 
     if engine == "jax":

@@ -21,7 +21,7 @@ print('uuid', r.getDeviceProperties(0).get('uuid'))" ;;
   ipc_tests) step ipc_tests "${IPC_LIMIT:-330}" env PYTHONPATH="$PYTHONPATH:/tmp/ww-deps" "$PY" -m pytest -q -m gpu -s -p no:cacheprovider -o addopts="" tests/gpu/test_ipc_gpu.py ;;
   all_gpu) step all_gpu "${ALL_LIMIT:-300}" env PYTHONPATH="$PYTHONPATH:/tmp/ww-deps" "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts="" tests ;;
   some_ipc) step some_ipc "${IPC_LIMIT:-200}" env PYTHONPATH="$PYTHONPATH:/tmp/ww-deps" "$PY" -m pytest -q -m gpu -s -p no:cacheprovider -o addopts="" tests/gpu/test_ipc_gpu.py -k "${IPC_K:-killed or one_slot}" ;;
-  demo) step demo "${DEMO_LIMIT:-150}" env PYTHONPATH="$PYTHONPATH:/tmp/ww-deps" "$PY" -c "import sys; from weightwire.cli import main; sys.exit(main(['demo', '--colocated', '--steps', '${DEMO_STEPS:-6}']))" ;;
+  demo) step demo "${DEMO_LIMIT:-150}" env PYTHONPATH="$PYTHONPATH:/tmp/ww-deps" "$PY" -c "import sys; from weightwire.tools.cli import main; sys.exit(main(['demo', '--colocated', '--steps', '${DEMO_STEPS:-6}']))" ;;
   bench_host) TAIL=30 step bench_host "${BENCH_LIMIT:-240}" env WEIGHTWIRE_IPC_WAIT=host PYTHONPATH="$PYTHONPATH:/tmp/ww-deps:$PWD/benchmarks" "$PY" benchmarks/bench_ipc.py --out "$OUT/bench_ipc_host.md" --deadline-s "${BENCH_DEADLINE:-200}" ${BENCH_ARGS:-} ;;
   bench) TAIL=40 step bench "${BENCH_LIMIT:-240}" env PYTHONPATH="$PYTHONPATH:/tmp/ww-deps:$PWD/benchmarks" "$PY" benchmarks/bench_ipc.py --out "$OUT/bench_ipc.md" --deadline-s "${BENCH_DEADLINE:-200}" ${BENCH_ARGS:-} ;;
 esac; done; done

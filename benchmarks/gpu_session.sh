@@ -10,7 +10,7 @@
 # `pip download -d .whl/gpu --only-binary=:all: --python-version 3.12 fastapi uvicorn`)
 # into a private target dir put on PYTHONPATH, so `sync` can time the HTTP control plane.
 # uvloop and httptools are what a vLLM server runs (fastapi[standard]); uvicorn picks them up.
-# SYNC_ARGS adds arguments to weightwire.bench.sync (e.g. "--models llama3-8b --engines jax").
+# SYNC_ARGS adds arguments to weightwire.tools.bench.sync (e.g. "--models llama3-8b --engines jax").
 #
 # Every step runs under `timeout`, logs to $OUT/<step>.log and appends its exit code
 # to $OUT/summary.txt; a failing step never stops the next. The steps of one call
@@ -84,9 +84,9 @@ step_others() {  # the other GPU-marked tests of the repository (engines, worker
 step_comm() {
   local limit
   limit=$(limit_for 150)
-  run_step comm "$limit" "$PY" -m weightwire.bench.comm --backend nccl --repeats 7 --json
-  if ! grep -q '^{"nccl"' "$OUT/comm.log"; then  # weightwire.bench.comm printed no result line: run ours directly
-    run_step comm_direct "$(limit_for 150)" "$PY" -m weightwire.bench.comm_nccl --repeats 7 --json "$OUT/bench_comm_nccl.json"
+  run_step comm "$limit" "$PY" -m weightwire.tools.bench.comm --backend nccl --repeats 7 --json
+  if ! grep -q '^{"nccl"' "$OUT/comm.log"; then  # weightwire.tools.bench.comm printed no result line: run ours directly
+    run_step comm_direct "$(limit_for 150)" "$PY" -m weightwire.tools.bench.comm_nccl --repeats 7 --json "$OUT/bench_comm_nccl.json"
   fi
 }
 
@@ -94,7 +94,7 @@ step_sync() {
   local limit
   limit=$(limit_for 560)
   # shellcheck disable=SC2086  # SYNC_ARGS is a list of arguments
-  run_step sync "$limit" "$PY" -m weightwire.bench.sync --out "$OUT/bench_sync.md" \
+  run_step sync "$limit" "$PY" -m weightwire.tools.bench.sync --out "$OUT/bench_sync.md" \
     --deadline-s $(( limit > 120 ? limit - 90 : 30 )) ${SYNC_ARGS:-}
 }
 

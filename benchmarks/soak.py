@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightwire.demo.server import ReadyLine
+from weightwire.tools.demo.server import ReadyLine
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def children(pid: int) -> list[int]:
 
 class Server:
     def __init__(self, replicas: int, log: Path) -> None:
-        cmd = [sys.executable, "-m", "weightwire.torch_side.server", "--model", "tiny-llama", "--port", "0",
+        cmd = [sys.executable, "-m", "weightwire.tools.server", "--model", "tiny-llama", "--port", "0",
                "--backend", "weightwire_tcp", "--replicas", str(replicas)]
         self.log = open(log, "w")  # noqa: SIM115  (the server writes to it for its lifetime)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True,
@@ -94,9 +94,9 @@ class JaxTrainer:
     def __init__(self, model_dir: str) -> None:
         import jax
 
-        from weightwire.jax_side.checkpoint import load_decoder
-        from weightwire.jax_side.models import decoder
         from weightwire.jax_side.source import PytreeSource
+        from weightwire.tools.models import decoder
+        from weightwire.tools.models.loading import load_decoder
 
         self.cfg, self.params = load_decoder(model_dir)
         self.source = PytreeSource(lambda: self.params, decoder.naming(self.cfg))
@@ -170,7 +170,7 @@ def verify(client: Any, want: dict[str, str], version: str) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from weightwire.control import HTTPWeightSyncClient
-    from weightwire.torch_side.server.tiny import tiny_model_dir
+    from weightwire.tools.server.tiny import tiny_model_dir
     from weightwire.trainer import TrainerInitInfo
 
     model_dir = tiny_model_dir("tiny-llama")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weightwire.jax_side.models import decoder
+from weightwire.tools.models import decoder
 
 
 def token_logprobs(params: Any, seqs: jax.Array, cfg: decoder.DecoderConfig) -> jax.Array:

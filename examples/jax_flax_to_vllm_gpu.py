@@ -40,7 +40,7 @@ from _score import logprob_gap, token_logprobs
 from tokenizers import Tokenizer
 
 from weightwire import HTTPWeightSyncClient, JAXTrainerEngine, PytreeSource, TrainerInitInfo, load_decoder
-from weightwire.jax_side.models import decoder
+from weightwire.tools.models import decoder
 
 SENTENCE = "The trainer sends fresh weights to the inference server after every step."
 

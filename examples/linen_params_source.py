@@ -17,7 +17,7 @@ import jax
 from _send import parser, report_and_send
 
 from weightwire import PytreeSource, load_decoder
-from weightwire.jax_side.models import decoder
+from weightwire.tools.models import decoder
 
 
 def main(argv: list[str] | None = None) -> int:

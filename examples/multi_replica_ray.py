@@ -38,7 +38,7 @@ from weightwire import (
     TrainerInitInfo,
     load_decoder,
 )
-from weightwire.jax_side.models import decoder
+from weightwire.tools.models import decoder
 
 PROMPT = np.asarray([5, 17, 42, 99, 123, 7], np.int32)
 

@@ -37,7 +37,6 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.jax_side import Stacked as Stacked
     from weightwire.jax_side import Transpose as Transpose
     from weightwire.jax_side import drop as drop
-    from weightwire.jax_side import load_decoder as load_decoder
     from weightwire.jax_side import preset as preset
     from weightwire.jax_side import pytree_from_hf as pytree_from_hf
     from weightwire.jax_side import read_safetensors as read_safetensors
@@ -58,6 +57,7 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.shared.meta import ParamMeta as ParamMeta
     from weightwire.shared.source import WeightSource as WeightSource
     from weightwire.shared.timeouts import Timeouts as Timeouts
+    from weightwire.tools.models.loading import load_decoder as load_decoder
     from weightwire.torch_side import ModuleSource as ModuleSource
     from weightwire.torch_side import TorchTrainerEngine as TorchTrainerEngine
     from weightwire.trainer.config import TrainerInitInfo as TrainerInitInfo

@@ -2,6 +2,6 @@
 
 import sys
 
-from weightwire.cli import main
+from weightwire.tools.cli import main
 
 sys.exit(main())

@@ -127,9 +127,9 @@ def test_plugin_registers_exactly_the_entries_with_a_vllm_engine(monkeypatch: py
 
 
 def test_commands_offer_the_registry_names() -> None:
-    from weightwire import _cli
-    from weightwire.demo.config import DEMO_BACKENDS
-    from weightwire.torch_side.server import build_parser
+    from weightwire.tools import _cli
+    from weightwire.tools.demo.config import DEMO_BACKENDS
+    from weightwire.tools.server import build_parser
 
     assert _cli.BACKENDS is backends.BACKEND_NAMES
     (action,) = [a for a in build_parser()._actions if "--backend" in a.option_strings]
@@ -169,7 +169,7 @@ def test_unknown_names_are_refused_naming_the_known_ones() -> None:
 
 def test_every_alias_the_cli_takes_the_library_takes() -> None:
     # One alias table (backends.ALIASES) for the command line and TrainerInitInfo alike.
-    from weightwire._cli import backend_name
+    from weightwire.tools._cli import backend_name
     from weightwire.trainer.config import TrainerInitInfo
 
     assert backends.ALIASES  # tcp, at least

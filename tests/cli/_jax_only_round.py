@@ -8,8 +8,9 @@ import sys
 import jax
 
 from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.jax_side import JAXTrainerEngine, PytreeSource, load_decoder
-from weightwire.jax_side.models import decoder
+from weightwire.jax_side import JAXTrainerEngine, PytreeSource
+from weightwire.tools.models import decoder
+from weightwire.tools.models.loading import load_decoder
 from weightwire.trainer import TrainerInitInfo
 
 url, model_dir = sys.argv[1], sys.argv[2]

@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
-from weightwire._cli import guarded
 from weightwire._lifetime import child_env, stop_on_signals
+from weightwire.tools._cli import guarded
 
 CHILD = ("import time; from weightwire._lifetime import die_with_parent; die_with_parent(); "
          "print('child up', flush=True); time.sleep(600)")

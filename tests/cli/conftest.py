@@ -8,12 +8,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from weightwire.demo.server import EmbeddedServer
+from weightwire.tools.demo.server import EmbeddedServer
 
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> str:
-    from weightwire.torch_side.server.tiny import tiny_model_dir
+    from weightwire.tools.server.tiny import tiny_model_dir
 
     return tiny_model_dir("tiny-llama")
 
@@ -40,5 +40,5 @@ def launch_server() -> Iterator[Callable[..., EmbeddedServer]]:
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``weightwire ARGS`` in a fresh interpreter (the real entry point, no state shared)."""
-    return subprocess.run([sys.executable, "-m", "weightwire.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "weightwire.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, check=False)

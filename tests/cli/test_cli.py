@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.cli.conftest import run_cli
-from weightwire import cli
+from weightwire.tools import cli
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:

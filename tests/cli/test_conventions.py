@@ -17,10 +17,10 @@ import pytest
 
 import weightwire
 from tests.cli.conftest import run_cli
-from weightwire import _cli, cli
 from weightwire._extras import EXTRA_OF, MissingExtra, install_command, missing_extra, require
-from weightwire.bench import comm, sync
-from weightwire.torch_side.server import build_parser as serve_parser
+from weightwire.tools import _cli, cli
+from weightwire.tools.bench import comm, sync
+from weightwire.tools.server import build_parser as serve_parser
 
 
 def _python_m(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -15,12 +15,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.cli.conftest import run_cli
-from weightwire.demo.config import DemoConfig, DemoResult
-from weightwire.demo.evidence import sparkline
-from weightwire.demo.reward import CharReward
-from weightwire.demo.rollout import CompletionsClient, RolloutError
-from weightwire.jax_side.checkpoint import CheckpointError, load_decoder, pytree_from_hf, read_safetensors
-from weightwire.jax_side.models import decoder
+from weightwire.jax_side.checkpoint import CheckpointError, pytree_from_hf, read_safetensors
+from weightwire.tools.demo.config import DemoConfig, DemoResult
+from weightwire.tools.demo.evidence import sparkline
+from weightwire.tools.demo.reward import CharReward
+from weightwire.tools.demo.rollout import CompletionsClient, RolloutError
+from weightwire.tools.models import decoder
+from weightwire.tools.models.loading import load_decoder
 
 ROW = re.compile(r"^(\d+) \| ([0-9.]+) \| .* \| (\S+) \| (\S+)$")
 
@@ -155,7 +156,7 @@ def test_tiny_model_fits_vllm_cpu_attention(tiny_dir: str) -> None:
 
 
 def test_sample_column_stays_on_one_line() -> None:
-    from weightwire.demo.render import _sample_markup
+    from weightwire.tools.demo.render import _sample_markup
 
     shown = _sample_markup("ab\ne\x85[x]\u2028", "e")
     assert "\n" not in shown and "\x85" not in shown and "\u2028" not in shown
@@ -163,7 +164,7 @@ def test_sample_column_stays_on_one_line() -> None:
 
 
 def test_the_demo_evidence_helpers() -> None:
-    from weightwire.demo.evidence import RATE_MIN_BYTES, readable, shown_rate
+    from weightwire.tools.demo.evidence import RATE_MIN_BYTES, readable, shown_rate
 
     assert sparkline([0.0, 0.5, 1.0, 0.99]) == "▁▅██"
     assert readable("a\ufffd\nb\x85c") == "a··b·c"
@@ -172,7 +173,7 @@ def test_the_demo_evidence_helpers() -> None:
 
 def test_the_reward_curve_is_a_png_where_matplotlib_is_installed(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from weightwire.demo.evidence import save_plot
+    from weightwire.tools.demo.evidence import save_plot
 
     png = save_plot([0.2, 0.5, 0.9], tmp_path / "curve.png", title="t")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from weightwire.demo.server import EmbeddedServer
+from weightwire.tools.demo.server import EmbeddedServer
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 
-from weightwire import cli
-from weightwire.bench import comm
-from weightwire.demo.server import ReadyLine
-from weightwire.torch_side.server import build_parser as serve_parser
+from weightwire.tools import cli
+from weightwire.tools.bench import comm
+from weightwire.tools.demo.server import ReadyLine
+from weightwire.tools.server import build_parser as serve_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -42,7 +42,7 @@ VERSION = "0.33.0"  # what the actors would report: a vLLM actor has no version 
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    from weightwire.torch_side.server.tiny import resolve_model
+    from weightwire.tools.server.tiny import resolve_model
 
     return resolve_model("tiny-llama")
 
@@ -137,7 +137,7 @@ def jax_trainer(model_dir: str) -> tuple[WeightSource, Callable[[int], None], Ca
     import jax
 
     from weightwire import PytreeSource, load_decoder
-    from weightwire.jax_side.models import decoder
+    from weightwire.tools.models import decoder
 
     cfg, params = load_decoder(model_dir)
     state = {"params": params}

@@ -80,7 +80,7 @@ def build_fault_model(out: Path) -> Path:
     """
     from safetensors.numpy import save_file
 
-    from weightwire.torch_side.server.tiny import tiny_model_dir
+    from weightwire.tools.server.tiny import tiny_model_dir
 
     src = Path(tiny_model_dir("tiny-llama"))
     out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.faults.harness import API_KEY, FAULT_TIMEOUTS
-from weightwire.demo.server import ReadyLine
+from weightwire.tools.demo.server import ReadyLine
 
 START_TIMEOUT_S = 180.0
 LAUNCHED: list[Server] = []
@@ -32,7 +32,7 @@ def _children(pid: int) -> list[int]:
 
 @dataclass
 class Server:
-    """One ``python -m weightwire.torch_side.server`` in its own session/process group."""
+    """One ``python -m weightwire.tools.server`` in its own session/process group."""
 
     proc: subprocess.Popen[str]
     url: str
@@ -49,8 +49,8 @@ class Server:
         for pid in _children(self.pid):
             with contextlib.suppress(OSError, ValueError, KeyError):
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                if b"weightwire.torch_side.server.worker_proc" in argv:
-                    out[json.loads(argv[argv.index(b"weightwire.torch_side.server.worker_proc") + 1])["index"]] = pid
+                if b"weightwire.tools.server.worker_proc" in argv:
+                    out[json.loads(argv[argv.index(b"weightwire.tools.server.worker_proc") + 1])["index"]] = pid
         return out
 
     def signal_group(self, sig: int) -> None:
@@ -84,7 +84,7 @@ def launch(model: str | Path, log_path: Path, *extra: str, env: dict[str, str] |
     (bounded) for its ready line. Its stderr (logs of the API and every worker) goes to
     ``log_path``; its stdout is kept in ``Server.stdout``."""
     log = open(log_path, "w")  # noqa: SIM115  (the child writes to it for its whole life)
-    cmd = [sys.executable, "-m", "weightwire.torch_side.server", "--model", str(model), "--port", "0",
+    cmd = [sys.executable, "-m", "weightwire.tools.server", "--model", str(model), "--port", "0",
            "--backend", "weightwire_tcp", *extra]
     # The workers bound their own rendezvous and warm-up (Timeouts.from_env): short here too.
     short = {f"WEIGHTWIRE_TIMEOUT_{k.upper()}": str(v) for k, v in vars(FAULT_TIMEOUTS).items()}

@@ -129,7 +129,7 @@ def _serve(*args: str, env: dict[str, str | None], timeout: float = 120) -> subp
     """``weightwire serve ARGS`` in a fresh interpreter with ``env`` applied (None: unset)."""
     full = {k: v for k, v in os.environ.items() if k not in env}
     full.update({k: v for k, v in env.items() if v is not None})
-    return subprocess.run([sys.executable, "-m", "weightwire.cli", "serve", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "weightwire.tools.cli", "serve", *args], capture_output=True, text=True,
                           timeout=timeout, check=False, env=full)
 
 
@@ -211,7 +211,7 @@ def test_serve_names_what_is_wrong_with_a_broken_model_directory(case: str, tmp_
     """serve --model DIR with a broken model directory (empty or invalid config, weights
     truncated or with a damaged or oversized header, a config that lies about shapes, an
     unknown architecture). One line naming the problem, no worker traceback."""
-    from weightwire.torch_side.server.tiny import tiny_model_dir
+    from weightwire.tools.server.tiny import tiny_model_dir
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir("tiny-llama"), model)

@@ -110,7 +110,7 @@ def test_every_session_has_a_fresh_128_byte_secret(shared_server: Server, source
 # ----------------------------------------------------------------------------- loopback
 def test_server_and_rendezvous_bind_loopback_by_default(shared_server: Server) -> None:
     from weightwire.backends.tcp.rendezvous import TCPRendezvous
-    from weightwire.torch_side.server import build_parser
+    from weightwire.tools.server import build_parser
     from weightwire.trainer import TrainerInitInfo
 
     assert build_parser().parse_args(["--model", "m"]).host == "127.0.0.1"

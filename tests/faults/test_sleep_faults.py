@@ -39,7 +39,7 @@ OP_TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="module")
 def tiny_dir() -> Path:
-    from weightwire.torch_side.server.tiny import tiny_model_dir
+    from weightwire.tools.server.tiny import tiny_model_dir
 
     return Path(tiny_model_dir("tiny-llama"))
 

@@ -14,9 +14,9 @@ from tests.fuzz.inproc import API_KEY, FuzzServer
 
 @pytest.fixture(scope="session")
 def fuzz_server() -> Iterator[FuzzServer]:
-    from weightwire.torch_side.server.app import ServerOptions, ServerState, create_app
-    from weightwire.torch_side.server.replicas import ReplicaPool, WorkerSpec
-    from weightwire.torch_side.server.tiny import tiny_model_dir
+    from weightwire.tools.server.app import ServerOptions, ServerState, create_app
+    from weightwire.tools.server.replicas import ReplicaPool, WorkerSpec
+    from weightwire.tools.server.tiny import tiny_model_dir
 
     loop = asyncio.new_event_loop()
     spec = WorkerSpec(model_dir=tiny_model_dir("tiny-llama"), backend="weightwire_tcp", device="cpu",

@@ -65,7 +65,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     process (the worker is torch's process, this one is JAX's).
     """
     env = {**os.environ, "WEIGHTWIRE_CACHE": str(tmp_path_factory.mktemp("weightwire-cache"))}
-    code = ("from weightwire.torch_side.server.tiny import tiny_model_dir; "
+    code = ("from weightwire.tools.server.tiny import tiny_model_dir; "
                "print(tiny_model_dir('tiny-llama'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"building tiny-llama failed:\n{out.stderr[-4000:]}"
@@ -85,7 +85,7 @@ class PoolClient:
     """
 
     def __init__(self, spec: Any, *, startup_timeout: float = STARTUP_S) -> None:
-        from weightwire.torch_side.server.replicas import ReplicaPool
+        from weightwire.tools.server.replicas import ReplicaPool
 
         self.update_stats: list[dict[str, Any]] = []
         self.versions: list[str | None] = []
@@ -140,7 +140,7 @@ class PoolClient:
         return self._fan("checksum")[0]
 
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        from weightwire.torch_side.server.completions import parse_completion_request
+        from weightwire.tools.server.completions import parse_completion_request
 
         info = self.worker_info
         request = parse_completion_request(body, vocab_size=info["vocab_size"], max_model_len=info["max_model_len"])
@@ -245,11 +245,12 @@ def run_logits_scenario(model_dir: str, monkeypatch: pytest.MonkeyPatch, sc: Sce
     """Two JAX trainer rounds into one reference worker; bytes and logits checked after each."""
     jax = pytest.importorskip("jax")
     from weightwire.jax_side import JAXTrainerEngine, PytreeSource
-    from weightwire.jax_side.checkpoint import load_decoder, read_safetensors
-    from weightwire.jax_side.models import llama
+    from weightwire.jax_side.checkpoint import read_safetensors
     from weightwire.shared.framing import plan
     from weightwire.shared.timeouts import Timeouts
-    from weightwire.torch_side.server.replicas import WorkerSpec
+    from weightwire.tools.models import llama
+    from weightwire.tools.models.loading import load_decoder
+    from weightwire.tools.server.replicas import WorkerSpec
     from weightwire.trainer import TrainerInitInfo
 
     device = _jax_device(sc.jax_platform, sc.cuda_ordinal)  # JAX owns its devices before the env narrows

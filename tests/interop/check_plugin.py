@@ -131,7 +131,7 @@ def report(result: dict) -> None:
 
 
 def _tiny_dirs(root: str) -> tuple[str, str]:
-    from weightwire.torch_side.server.tiny import build_tiny
+    from weightwire.tools.server.tiny import build_tiny
 
     dirs = []
     for seed in (0, 1):

@@ -20,7 +20,7 @@ from tests.interop.families import FAMILIES
 from tests.interop.helpers import VLLMServer
 from tests.interop.launcher import Launcher
 from tests.interop.models import ARCHITECTURES
-from weightwire.torch_side.server.tiny import build_tiny
+from weightwire.tools.server.tiny import build_tiny
 
 _LAUNCHER: list[Launcher] = []
 

@@ -9,10 +9,11 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from weightwire.jax_side.checkpoint import load_decoder, pytree_from_hf, read_hf_config, read_safetensors
-from weightwire.jax_side.models import decoder, gpt2
+from weightwire.jax_side.checkpoint import pytree_from_hf, read_hf_config, read_safetensors
 from weightwire.jax_side.naming import Naming
 from weightwire.jax_side.source import PytreeSource
+from weightwire.tools.models import decoder, gpt2
+from weightwire.tools.models.loading import load_decoder
 
 # Llama last: the fault cases and the older interop tests run on its server next.
 MATRIX = ("tiny-qwen2", "tiny-qwen2-tied", "tiny-gemma", "tiny-qwen3", "tiny-gpt2", "tiny-llama")

@@ -39,7 +39,7 @@ from weightwire.jax_side.checkpoint import pytree_from_hf, read_hf_config, read_
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.layouts import preset_for_hf, preset_layout
 from weightwire.jax_side.source import PytreeSource
-from weightwire.torch_side.server.tiny import build_tiny
+from weightwire.tools.server.tiny import build_tiny
 from weightwire.trainer.config import TrainerInitInfo
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(900)]

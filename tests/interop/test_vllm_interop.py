@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM
 
 from tests.interop.helpers import VLLMServer, assert_same_greedy
 from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.jax_side.checkpoint import load_decoder
 from weightwire.jax_side.engine import JAXTrainerEngine
-from weightwire.jax_side.models import decoder
 from weightwire.jax_side.source import PytreeSource
+from weightwire.tools.models import decoder
+from weightwire.tools.models.loading import load_decoder
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.trainer.config import TrainerInitInfo
@@ -180,7 +180,7 @@ def test_vllm_trainer_api_plugs_in_without_hints(vllm_server: VLLMServer) -> Non
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "weightwire.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "weightwire.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, check=False)
 
 

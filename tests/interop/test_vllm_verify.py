@@ -11,10 +11,10 @@ import pytest
 
 from tests.interop.helpers import VLLMServer
 from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.jax_side.checkpoint import load_decoder
 from weightwire.jax_side.engine import JAXTrainerEngine
-from weightwire.jax_side.models import decoder
 from weightwire.jax_side.source import PytreeSource
+from weightwire.tools.models import decoder
+from weightwire.tools.models.loading import load_decoder
 from weightwire.trainer.config import TrainerInitInfo
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]

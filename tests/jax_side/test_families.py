@@ -177,7 +177,7 @@ def test_reference_forward_matches_hf_loaded_from_what_we_send(tmp_path, family:
     from jaxside_util import perturbed
     from safetensors.numpy import save_file
 
-    from weightwire.jax_side.models import decoder
+    from weightwire.tools.models import decoder
 
     extra = {"moe_intermediate_size": 16} if family != "mixtral" and family != "phi3" else {}
     cfg = decoder.DecoderConfig.for_family(family, head_dim=16, **extra, **cfg_options)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from weightwire.jax_side import PytreeSource
-from weightwire.jax_side.models import llama
+from weightwire.tools.models import llama
 
 
 def _gpus() -> list[jax.Device]:

@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from weightwire.jax_side import PytreeSource
-    from weightwire.jax_side.models import llama
+    from weightwire.tools.models import llama
 
     devices = jax.devices()
     assert len(devices) == 4, devices

@@ -185,7 +185,7 @@ def test_preset_rejects_unknown_family_and_option() -> None:
 
 
 def test_preset_model_mismatch_is_reported_at_construction() -> None:
-    from weightwire.jax_side.models import llama
+    from weightwire.tools.models import llama
 
     def shapes(cfg):  # abstract params: resolution needs shapes only
         return jax.eval_shape(lambda: llama.init(jax.random.key(0), cfg))

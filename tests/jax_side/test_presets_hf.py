@@ -16,8 +16,8 @@ import pytest
 from jaxside_util import perturbed
 
 from weightwire.jax_side import PytreeSource, preset
-from weightwire.jax_side.models import decoder, gpt2
 from weightwire.jax_side.naming import Rule
+from weightwire.tools.models import decoder, gpt2
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -169,7 +169,7 @@ def test_from_hf_config_of_a_real_hf_config_maps_onto_its_state_dict(family: str
 def test_llama_from_hf_config_dict_with_llama3_rope_matches_logits() -> None:
     import transformers
 
-    from weightwire.jax_side.models import llama
+    from weightwire.tools.models import llama
 
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 4}
@@ -184,7 +184,7 @@ def test_llama_left_padding_mask_and_positions_match_hf() -> None:
     import torch
     import transformers
 
-    from weightwire.jax_side.models import llama
+    from weightwire.tools.models import llama
 
     cfg = llama.config(head_dim=16)
     params = perturbed(llama.init(jax.random.key(0), cfg))

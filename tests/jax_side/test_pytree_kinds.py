@@ -18,8 +18,8 @@ from hf_tiny import TINY
 from weightwire.jax_side import PytreeSource, preset
 from weightwire.jax_side.checkpoint import pytree_from_hf, read_safetensors
 from weightwire.jax_side.layouts import preset_layout
-from weightwire.jax_side.models import llama
 from weightwire.jax_side.trees import kind_of, params_tree
+from weightwire.tools.models import llama
 
 pytest.importorskip("transformers")
 pytest.importorskip("torch")

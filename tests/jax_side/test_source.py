@@ -16,10 +16,10 @@ import pytest
 import weightwire.jax_side.source as source_mod
 from weightwire.jax_side import PytreeSource, preset
 from weightwire.jax_side.dtypes import describe, jax_dtype, wire_name
-from weightwire.jax_side.models import llama
 from weightwire.jax_side.naming import Naming, Rule, Transpose
 from weightwire.shared import SUPPORTED_DTYPES, SourceMismatch
 from weightwire.shared.groups import layerwise_groups
+from weightwire.tools.models import llama
 
 CFG = llama.config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 
@@ -211,9 +211,9 @@ def test_import_is_light_and_never_loads_torch() -> None:
         import weightwire.jax_side as js
         light = not any(m in sys.modules for m in ("jax", "torch", "flax"))
         js.PytreeSource, js.preset, js.Naming
-        import weightwire.jax_side.models.llama, weightwire.jax_side.models.gpt2
-        import weightwire.jax_side.models.gemma, weightwire.jax_side.models.qwen2
-        import weightwire.jax_side.models.qwen3
+        import weightwire.tools.models.llama, weightwire.tools.models.gpt2
+        import weightwire.tools.models.gemma, weightwire.tools.models.qwen2
+        import weightwire.tools.models.qwen3
         engine = importlib.util.find_spec("weightwire.jax_side.engine") is not None
         if engine:
             js.JAXTrainerEngine

@@ -1,5 +1,5 @@
 """Fixtures for the reference-server tests: a tiny model built once per session and a
-server launcher (one real ``python -m weightwire.torch_side.server`` per test module)."""
+server launcher (one real ``python -m weightwire.tools.server`` per test module)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from weightwire.demo.server import ReadyLine
+from weightwire.tools.demo.server import ReadyLine
 
 START_TIMEOUT_S = 120.0
 
@@ -32,7 +32,7 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_cache: Path) -> str:
-    from weightwire.torch_side.server.tiny import tiny_model_dir
+    from weightwire.tools.server.tiny import tiny_model_dir
 
     return tiny_model_dir("tiny-llama")
 
@@ -62,7 +62,7 @@ def launch_server(args: list[str], log_path: Path, *, env: dict[str, str] | None
     """Start a server with ``--port 0`` and wait (bounded) for its ready line."""
     log = open(log_path, "w")  # noqa: SIM115  (the child writes to it for its lifetime)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weightwire.torch_side.server", "--port", "0", *args],
+        [sys.executable, "-m", "weightwire.tools.server", "--port", "0", *args],
         stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})},
     )
     ready = ReadyLine(proc)

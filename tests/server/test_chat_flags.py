@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightwire.torch_side.server.openai import parse_chat_request
+from weightwire.tools.server.openai import parse_chat_request
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from weightwire.torch_side.server import replicas
-from weightwire.torch_side.server.replicas import FanOutError, Replica, ReplicaError, ReplicaPool
+from weightwire.tools.server import replicas
+from weightwire.tools.server.replicas import FanOutError, Replica, ReplicaError, ReplicaPool
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from weightwire.torch_side.server.completions import CompletionRequestError, parse_completion_request
-from weightwire.torch_side.server.reply_size import check_reply_size, encode_reply, reply_bound
+from weightwire.tools.server.completions import CompletionRequestError, parse_completion_request
+from weightwire.tools.server.reply_size import check_reply_size, encode_reply, reply_bound
 
 
 def test_encode_reply_never_raises_and_keeps_the_id() -> None:
@@ -47,8 +47,8 @@ def test_a_tiny_temperature_is_raised_to_vllms_floor() -> None:
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama: str) -> Any:
-    from weightwire.torch_side.server.replicas import WorkerSpec
-    from weightwire.torch_side.server.worker_proc import Worker
+    from weightwire.tools.server.replicas import WorkerSpec
+    from weightwire.tools.server.worker_proc import Worker
 
     return Worker(WorkerSpec(model_dir=tiny_llama, backend="weightwire_tcp", device="cpu", replicas=1, threads=1))
 

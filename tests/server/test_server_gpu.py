@@ -27,8 +27,8 @@ def test_nccl_round_into_a_cuda_worker(tiny_llama: str, monkeypatch: pytest.Monk
     from transformers import AutoModelForCausalLM
 
     from weightwire.backends.nccl.comm import NCCLCommunicator, mint_unique_id
-    from weightwire.torch_side.server.completions import parse_completion_request
-    from weightwire.torch_side.server.replicas import ReplicaPool, WorkerSpec
+    from weightwire.tools.server.completions import parse_completion_request
+    from weightwire.tools.server.replicas import ReplicaPool, WorkerSpec
 
     cp.cuda.Device(0).use()
     cp.zeros(1)  # the test process owns GPU 0 before the worker env narrows to GPU 1

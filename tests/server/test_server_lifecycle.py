@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from weightwire.torch_side.server import serve_main
+from weightwire.tools.server import serve_main
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc for child processes")
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from weightwire.shared.info import UpdateInfo
-from weightwire.torch_side.server.app import ServerOptions, ServerState, create_app
-from weightwire.torch_side.server.session import Phase
+from weightwire.tools.server.app import ServerOptions, ServerState, create_app
+from weightwire.tools.server.session import Phase
 
 pytestmark = pytest.mark.timeout(60)
 

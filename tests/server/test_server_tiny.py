@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from weightwire.torch_side.server.tiny import TINY_NAMES, build_tiny, resolve_model, tiny_model_dir
+from weightwire.tools.server.tiny import TINY_NAMES, build_tiny, resolve_model, tiny_model_dir
 
 
 def _digest(path: Path) -> str:

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from weightwire.torch_side.server.auth import bearer_matches
-from weightwire.torch_side.server.completions import CompletionRequestError, parse_completion_request
-from weightwire.torch_side.server.session import Phase, Session, SessionError
+from weightwire.tools.server.auth import bearer_matches
+from weightwire.tools.server.completions import CompletionRequestError, parse_completion_request
+from weightwire.tools.server.session import Phase, Session, SessionError
 
 
 def _raises(fn, status: int, match: str) -> None:
@@ -117,7 +117,7 @@ def test_bearer_check() -> None:
 def test_api_key_sources(tmp_path) -> None:
     """--api-key-file (trailing newline stripped) and $WEIGHTWIRE_API_KEY carry no warning;
     --api-key on argv works but warns that the process list shows it; a bad file is an error."""
-    from weightwire.torch_side.server import build_parser, resolve_api_key
+    from weightwire.tools.server import build_parser, resolve_api_key
 
     key_file = tmp_path / "key"
     key_file.write_text("k-from-file\n")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from weightwire.control.client import HTTPWeightSyncClient
-from weightwire.torch_side.server.app import ServerOptions, ServerState, create_app
-from weightwire.torch_side.server.sleep import ModelSleeper
+from weightwire.tools.server.app import ServerOptions, ServerState, create_app
+from weightwire.tools.server.sleep import ModelSleeper
 
 
 class _Replica:

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from weightwire.torch_side.server.replicas import WorkerSpec
-from weightwire.torch_side.server.sleep import WorkerSleep
-from weightwire.torch_side.server.worker_proc import Loop, Worker
+from weightwire.tools.server.replicas import WorkerSpec
+from weightwire.tools.server.sleep import WorkerSleep
+from weightwire.tools.server.worker_proc import Loop, Worker
 
 pytestmark = pytest.mark.timeout(60)
 

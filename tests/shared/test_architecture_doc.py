@@ -101,3 +101,40 @@ def test_every_package_is_in_the_tree() -> None:
     tree = _tree_block()
     missing = [p for p in packages if f"{p}/" not in tree]
     assert missing == [], f"packages missing from docs/architecture.md's tree: {missing}"
+
+
+_SIDES = ("### Sending side", "### Receiving side")
+
+
+def _frames(heading: str) -> list[str]:
+    """The numbered frames under ``heading`` (a frame's continuation lines joined to it)."""
+    section = _byte_path_section()
+    body = section[section.index(heading):].split("\n", 1)[1]
+    frames: list[str] = []
+    for line in body.splitlines():
+        if line.startswith("### "):
+            break
+        if re.match(r"\d+\. ", line):
+            frames.append(line)
+        elif frames and line.startswith("   ") and line.strip():
+            frames[-1] += " " + line.strip()
+        elif frames and line.strip():
+            break  # the paragraph after the list: variants, not frames
+    return frames
+
+
+@pytest.mark.parametrize("heading", _SIDES)
+def test_each_side_is_at_most_eight_frames(heading: str) -> None:
+    frames = _frames(heading)
+    assert 3 <= len(frames) <= 8, f"{heading}: {len(frames)} frames (at most 8): {frames}"
+
+
+@pytest.mark.parametrize("heading", _SIDES)
+def test_the_byte_path_never_returns_to_a_file_it_left(heading: str) -> None:
+    files = [file for frame in _frames(heading) for file, _ in _REF.findall(frame)]
+    assert files, heading
+    left: list[str] = []
+    for previous, file in zip(files, files[1:], strict=False):
+        if file != previous:
+            left.append(previous)
+            assert file not in left, f"{heading}: the path returns to {file} after leaving it: {files}"

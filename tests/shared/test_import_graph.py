@@ -24,7 +24,11 @@ Rules (``docs/architecture.md``):
   parent packages a submodule import runs);
 - ``trainer`` and ``control`` reach no framework and neither side (transitively);
 - in ``backends``, only modules named ``worker`` may import torch at module level, and
-  cupy is imported inside functions only.
+  cupy is imported inside functions only;
+- the library never imports its tools (``weightwire.tools``: the reference server, the
+  reference Flax models, the demo, the bench harness, the CLI), at any level; only the
+  package root's export list names one of them (``load_decoder``). ``tools.models`` never
+  reaches torch, ``tools.server`` never reaches jax/flax.
 
 A failure names the offending import path, module by module.
 """
@@ -307,7 +311,7 @@ def test_the_graph_sees_the_package() -> None:
     assert "weightwire.shared.meta" in GRAPH["weightwire.shared.info"].internal
     assert "jax" in GRAPH["weightwire.jax_side.naming"].external
     # Function-level imports are recorded apart: the benchmark imports the TCP wire when it runs.
-    bench = GRAPH["weightwire.bench.comm"]
+    bench = GRAPH["weightwire.tools.bench.comm"]
     assert "weightwire.backends.tcp.comm" in bench.lazy_internal and "weightwire.backends.tcp.comm" not in bench.internal
 
 
@@ -429,6 +433,26 @@ def test_jax_side_never_reaches_torch(name: str) -> None:
 @pytest.mark.parametrize("name", _in("weightwire.torch_side"))
 def test_torch_side_never_reaches_jax(name: str) -> None:
     assert forbidden_reach(name, JAX, ("weightwire.jax_side",)) == []
+
+
+@pytest.mark.parametrize("name", _in("weightwire.tools.models"))
+def test_the_reference_models_never_reach_torch(name: str) -> None:
+    assert forbidden_reach(name, TORCH, ("weightwire.torch_side", "weightwire.tools.server")) == []
+
+
+@pytest.mark.parametrize("name", _in("weightwire.tools.server"))
+def test_the_reference_server_never_reaches_jax(name: str) -> None:
+    assert forbidden_reach(name, JAX, ("weightwire.jax_side", "weightwire.tools.models")) == []
+
+
+def test_the_library_never_imports_its_tools() -> None:
+    entry = {"weightwire", "weightwire.__main__"}  # the export list; `python -m weightwire` is the CLI
+    library = [m for m in GRAPH if m not in entry and not _under(m, ("weightwire.tools",))]
+    found = [f"{m} -> {t}" for m in library
+             for t in sorted(GRAPH[m].internal | GRAPH[m].lazy_internal | set(GRAPH[m].typing_lines))
+             if _under(t, ("weightwire.tools",))]
+    assert len(library) > 50, library
+    assert found == [], f"the library imports a tool: {found}"
 
 
 @pytest.mark.parametrize("name", _in("weightwire.trainer") + _in("weightwire.control"))

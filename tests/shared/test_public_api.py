@@ -31,7 +31,7 @@ PENDING_MODULES = {"weightwire.shared.errors"}
 
 # Submodules the README and the examples may import beyond ``from weightwire import ...``:
 # the reference Flax models (the examples' stand-in for the user's own model).
-ADVANCED = ("weightwire.jax_side.models",)
+ADVANCED = ("weightwire.tools.models",)
 
 
 def _exports(package: str) -> dict[str, str]:

@@ -34,7 +34,7 @@ ROUNDS = 3
 
 
 def model_dir() -> str:
-    from weightwire.torch_side.server.tiny import resolve_model
+    from weightwire.tools.server.tiny import resolve_model
 
     return resolve_model("tiny-llama")
 
@@ -74,9 +74,9 @@ def run_jax() -> dict[str, Any]:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from weightwire.jax_side.engine import JAXTrainerEngine
-    from weightwire.jax_side.models import llama
     from weightwire.jax_side.multiprocess import JaxProcessGroup, MultiProcessSource
     from weightwire.jax_side.source import PytreeSource
+    from weightwire.tools.models import llama
 
     with open(os.path.join(model_dir(), "config.json")) as f:
         cfg = llama.LlamaConfig.from_hf_config(json.load(f))

@@ -21,9 +21,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from weightwire.control import HTTPWeightSyncClient
 from weightwire.jax_side.engine import JAXTrainerEngine
-from weightwire.jax_side.models import llama
 from weightwire.jax_side.source import PytreeSource
 from weightwire.shared.timeouts import Timeouts
+from weightwire.tools.models import llama
 from weightwire.trainer import TrainerInitInfo
 
 

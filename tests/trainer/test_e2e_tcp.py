@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from weightwire.control import HTTPWeightSyncClient
-from weightwire.demo.server import EmbeddedServer
 from weightwire.shared.timeouts import Timeouts
+from weightwire.tools.demo.server import EmbeddedServer
 from weightwire.trainer import TrainerInitInfo
 
 TIMEOUTS = Timeouts(http_s=120, connect_s=60, warmup_s=60, transfer_s=60)
@@ -28,7 +28,7 @@ def server_url() -> Iterator[str]:
 
 
 def model_dir() -> str:
-    from weightwire.torch_side.server.tiny import resolve_model
+    from weightwire.tools.server.tiny import resolve_model
 
     return resolve_model("tiny-llama")
 
@@ -63,8 +63,8 @@ def jax_pytree_source() -> tuple[Any, Any]:
 
     import jax
 
-    from weightwire.jax_side.models import llama
     from weightwire.jax_side.source import PytreeSource
+    from weightwire.tools.models import llama
 
     with open(os.path.join(model_dir(), "config.json")) as f:
         cfg = llama.LlamaConfig.from_hf_config(json.load(f))

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from weightwire.demo.server import EmbeddedServer
+from weightwire.tools.demo.server import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK_SCRIPT = Path(__file__).with_name("_multi_source_rank.py")

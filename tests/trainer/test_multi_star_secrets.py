@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from tests.trainer.fakes import DictSource
-from weightwire.demo.doctor import NumpyTrainerEngine
 from weightwire.shared.dtypes import wire_name_of_numpy
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.keyshare import KeyShare
 from weightwire.shared.owned import OwnedSource
 from weightwire.testing.loopback import LoopbackClient, spawn_loopback
+from weightwire.tools.demo.doctor import NumpyTrainerEngine
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.group import DictGroup
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from weightwire.control import HTTPWeightSyncClient
-from weightwire.demo.server import EmbeddedServer
+from weightwire.tools.demo.server import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_sharded_source_fans_out_to_two_receivers_bit_exact() -> None:
-    from weightwire.torch_side.server.tiny import resolve_model
+    from weightwire.tools.server.tiny import resolve_model
 
     config = os.path.join(resolve_model("tiny-llama"), "config.json")
     with EmbeddedServer("tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180) as server:

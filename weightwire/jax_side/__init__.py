@@ -17,7 +17,6 @@ require("jax", purpose="weightwire.jax_side")
 
 if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is imported on first use
     from weightwire.jax_side.checkpoint import CheckpointError as CheckpointError
-    from weightwire.jax_side.checkpoint import load_decoder as load_decoder
     from weightwire.jax_side.checkpoint import pytree_from_hf as pytree_from_hf
     from weightwire.jax_side.checkpoint import read_safetensors as read_safetensors
     from weightwire.jax_side.engine import JAXTrainerEngine as JAXTrainerEngine

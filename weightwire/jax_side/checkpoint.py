@@ -3,7 +3,7 @@
 A JAX trainer (and the demo's policy) must start from exactly the weights the server
 serves, so this reads the server's own ``model.safetensors`` and maps HF names back
 onto pytree leaves: ``pytree_from_hf(naming, template, tensors)``, or
-``load_decoder(model_dir)`` for the reference decoder models.
+``tools.models.loading.load_decoder(model_dir)`` builds the reference decoder models on it.
 
 There is no hand-written inverse per preset. A naming plan's forward map (leaves ->
 HF tensors) only rearranges elements (transpose, reshape, split, concat, stack) and
@@ -113,26 +113,3 @@ def pytree_from_hf(naming: Naming, template: Any, tensors: Mapping[str, Any]) ->
                 "lossy transform); it cannot be inverted to load this checkpoint"
             )
     return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def load_decoder(model_dir: str | Path, **overrides: Any) -> tuple[Any, Any]:
-    """``(cfg, params)`` of a Llama-like HF directory, through the family's preset.
-
-    ``overrides`` set JAX-side layout switches (``scan_layers=True``, ...); the loaded
-    pytree follows them, the checkpoint stays the same.
-    """
-    from weightwire.jax_side.models import decoder
-
-    hf = read_hf_config(model_dir)
-    try:
-        cfg = decoder.DecoderConfig.from_hf_config(hf, **overrides)
-    except (KeyError, ValueError) as exc:
-        raise CheckpointError(f"{model_dir}/config.json: {exc}") from None
-    abstract = jax.eval_shape(lambda: decoder.init(jax.random.key(0), cfg))
-    tensors = read_safetensors(model_dir)
-    if cfg.tie_word_embeddings:
-        # Tied checkpoints may still carry lm_head.weight (a copy of the embedding); the
-        # tied pytree has no leaf for it.
-        tensors.pop("lm_head.weight", None)
-    params = pytree_from_hf(decoder.naming(cfg), abstract, tensors)
-    return cfg, params

@@ -1,7 +1,7 @@
 """Naming presets for the model families users train: ``preset(family, **options)``.
 
 Leaf paths follow the Flax convention of naming modules after the HF ones (what the
-reference models in ``weightwire.jax_side.models`` do, and what most Flax ports do):
+reference models in ``weightwire.tools.models`` do, and what most Flax ports do):
 ``params/model/layers_3/self_attn/q_proj/kernel`` or, with scanned layers, one stacked
 ``params/model/layers/...`` subtree. The leading ``params`` component is optional.
 

@@ -1,0 +1,79 @@
+"""What every route group of the reference server reads: its options and its state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightwire import __version__, backends
+from weightwire.tools.server.lease import RoundLease
+from weightwire.tools.server.pause import PauseGate
+from weightwire.tools.server.replicas import DEFAULT_MAX_REPLY_BYTES, ReplicaPool
+from weightwire.tools.server.session import Session
+from weightwire.tools.server.web import DEFAULT_MAX_BODY_BYTES
+
+SERVER_VERSION = f"0.33.0+weightwire.{__version__}"
+"""We implement vLLM 0.33's semantics (metadata reuse, shutdown route), so clients gate on 0.33."""
+
+
+@dataclass
+class ServerOptions:
+    backend: str = backends.TCP
+    model_name: str = "model"
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    op_timeout_s: float = 300.0
+    """start / finish / shutdown / checksum / reset: local work on each replica."""
+    round_timeout_s: float = 3600.0
+    """Backstop for one update_weights (the engines time out each chunk on their own)."""
+    generate_timeout_s: float = 600.0
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    """A completion whose reply could be larger is refused (400) before it runs."""
+    lease_s: float | None = None
+    """Round lease (see ``lease``); default: the init info's ``timeout_s`` (the trainer's
+    per-broadcast bound), else ``Timeouts.from_env().transfer_s``."""
+    model_dir: str | None = None
+    """Shown as ``root`` by ``/v1/models``."""
+    model_aliases: tuple[str, ...] = ()
+    """Other ``model`` names a request may use for the served model (the ``--model`` value, its
+    path)."""
+
+
+@dataclass
+class SleepState:
+    """What ``/sleep`` did to the workers, as their replies said (``sleep_routes``)."""
+
+    level: int | None = None
+    """The level the server sleeps at; None: awake."""
+    weights_asleep: bool = False
+    """Level 1 or 2 and the weights not woken yet: a round's start is refused."""
+    discarded: dict[int, int] = field(default_factory=dict)
+    """Replica -> tensors ``/sleep?level=2`` discarded that no committed round has sent since."""
+
+    @property
+    def missing(self) -> int:
+        return max(self.discarded.values(), default=0)
+
+    def record(self, replies: list[Any]) -> None:
+        """Take the ``discarded`` counts of the workers' sleep / wake / finish replies (in replica
+        order)."""
+        for index, reply in enumerate(replies):
+            if isinstance(reply, dict) and isinstance(reply.get("discarded"), int):
+                self.discarded[index] = reply["discarded"]
+
+    def describe(self) -> dict[str, Any]:
+        return {"is_sleeping": self.level is not None, "level": self.level, "discarded_tensors": self.missing}
+
+
+@dataclass
+class ServerState:
+    pool: ReplicaPool
+    options: ServerOptions
+    session: Session = field(default_factory=Session)
+    gate: PauseGate = field(default_factory=PauseGate)
+    lease: RoundLease = field(default_factory=RoundLease)
+    sleep: SleepState = field(default_factory=SleepState)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.pool)
