@@ -76,6 +76,21 @@ WEIGHTWIRE_NCCL, NCCL = (spec.name for spec in _specs_of("weightwire.backends.nc
 (IPC,) = (spec.name for spec in _specs_of("weightwire.backends.ipc"))
 
 
+def register(package: str) -> tuple[BackendSpec, ...]:
+    """Add a backend package at run time: what its line in ``PACKAGES`` does at import (a
+    test's toy backend, a user's own wire). Its specs join ``SPECS`` and ``ALIASES``, so the
+    trainer, the worker's ``connect`` and the engines find it like a built-in;
+    ``BACKEND_NAMES`` (the commands' choices) keeps listing the built-in ones."""
+    specs = _specs_of(package)
+    taken = [spec.name for spec in specs if spec.name in SPECS or spec.name in ALIASES]
+    if taken:
+        raise ValueError(f"{package}.spec declares backend(s) already registered: {', '.join(taken)}")
+    for spec in specs:
+        SPECS[spec.name] = spec
+        ALIASES.update({alias: spec.name for alias in spec.aliases})
+    return specs
+
+
 def canonical(name: str) -> str:
     """``name`` with an alias resolved (``tcp`` -> ``weightwire_tcp``); other names unchanged."""
     return ALIASES.get(name, name)
@@ -128,5 +143,6 @@ __all__ = [
     "get",
     "init_info_type",
     "load",
+    "register",
     "spec_of_init_info",
 ]
