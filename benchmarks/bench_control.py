@@ -131,8 +131,13 @@ async def _app(kind: str) -> tuple[Any, Any]:
         from weightwire.tools.server.replicas import _LINE_LIMIT, Replica, ReplicaPool
 
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--stub-worker", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, limit=_LINE_LIMIT)
+            sys.executable,
+            __file__,
+            "--stub-worker",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            limit=_LINE_LIMIT,
+        )
         pool = ReplicaPool([Replica(0, proc)])
         await pool.replicas[0].wait_ready(60)
     return create_app(ServerState(pool=pool, options=ServerOptions(backend=backends.TCP))), pool
@@ -152,12 +157,22 @@ def _http_server(kind: str, http_impl: str, loop_impl: str, conn: Any) -> None:
         sock = _bind("127.0.0.1", 0)
         # The same Config as ``weightwire serve`` (http: uvicorn's "auto" unless --http says
         # otherwise).
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                               server_header=False, http=http_impl))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                server_header=False,
+                http=http_impl,
+            )
+        )
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             await asyncio.sleep(0.01)
-        conn.send({"port": sock.getsockname()[1], "loop": type(asyncio.get_running_loop()).__module__})
+        conn.send(
+            {"port": sock.getsockname()[1], "loop": type(asyncio.get_running_loop()).__module__}
+        )
         await serving
         if pool is not None and hasattr(pool, "close"):
             await pool.close()
@@ -207,18 +222,29 @@ def _cases(ports: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "trivial POST, httpx": lambda: hx.post("/x").json(),
         "trivial POST, http.client": stdlib_call,
     }
-    init = {"host": "127.0.0.1", "port": 1, "secret_b64": encode_secret(b"s" * 128), "rank_offset": 1, "world_size": 2}
+    init = {
+        "host": "127.0.0.1",
+        "port": 1,
+        "secret_b64": encode_secret(b"s" * 128),
+        "rank_offset": 1,
+        "world_size": 2,
+    }
     reuse = {"names": [], "dtype_names": [], "shapes": []}
     for kind in ("instant", "worker"):
         client = HTTPWeightSyncClient(f"http://127.0.0.1:{ports[kind]['port']}", timeout=60)
         client.init_weight_transfer_engine(init)
         # One case per round: its three calls are timed one by one and in order.
-        cases[kind] = (client.start_weight_update, lambda c=client: c.update_weights(reuse),
-                       lambda c=client: c.finish_weight_update("v"))
+        cases[kind] = (
+            client.start_weight_update,
+            lambda c=client: c.update_weights(reuse),
+            lambda c=client: c.finish_weight_update("v"),
+        )
     return cases
 
 
-def measure(cases: dict[str, Any], rounds: int, warmup: int, seed: int = 0) -> dict[str, list[float]]:
+def measure(
+    cases: dict[str, Any], rounds: int, warmup: int, seed: int = 0
+) -> dict[str, list[float]]:
     """Seconds per call, per case (round cases: ``kind start`` / ``update`` / ``finish`` /
     ``round``)."""
     samples: dict[str, list[float]] = {}
@@ -250,13 +276,23 @@ def measure(cases: dict[str, Any], rounds: int, warmup: int, seed: int = 0) -> d
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=400, help="measured iterations (each visits every case)")
+    p.add_argument(
+        "--rounds", type=int, default=400, help="measured iterations (each visits every case)"
+    )
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the medians (µs) here")
-    p.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
-                   help="uvicorn HTTP parser (default auto: what weightwire serve gets)")
-    p.add_argument("--loop", default="auto", choices=("auto", "asyncio"),
-                   help="server event loop (default auto: uvloop where installed, as weightwire serve)")
+    p.add_argument(
+        "--http",
+        default="auto",
+        choices=("auto", "h11", "httptools"),
+        help="uvicorn HTTP parser (default auto: what weightwire serve gets)",
+    )
+    p.add_argument(
+        "--loop",
+        default="auto",
+        choices=("auto", "asyncio"),
+        help="server event loop (default auto: uvloop where installed, as weightwire serve)",
+    )
     p.add_argument("--stub-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.stub_worker:
@@ -264,21 +300,46 @@ def main(argv: list[str] | None = None) -> int:
     ports = {"raw": _start(_raw_server)}
     for kind in ("trivial", "instant", "worker"):
         ports[kind] = _start(_http_server, kind, args.http, args.loop)
-    parser = args.http if args.http != "auto" else "httptools" if importlib.util.find_spec("httptools") else "h11"
-    print(f"uvicorn http parser: {parser}; server event loop: {ports['trivial']['loop']}; "
-          f"{args.rounds} interleaved iterations after {args.warmup} warm-up")
+    parser = (
+        args.http
+        if args.http != "auto"
+        else "httptools"
+        if importlib.util.find_spec("httptools")
+        else "h11"
+    )
+    print(
+        f"uvicorn http parser: {parser}; server event loop: {ports['trivial']['loop']}; "
+        f"{args.rounds} interleaved iterations after {args.warmup} warm-up"
+    )
     samples = measure(_cases(ports), args.rounds, args.warmup)
     med = {k: statistics.median(v) * 1e6 for k, v in samples.items()}
     p90 = {k: statistics.quantiles(v, n=10)[-1] * 1e6 for k, v in samples.items()}
-    raw, triv, std = med["raw socket JSON line"], med["trivial POST, httpx"], med["trivial POST, http.client"]
-    print(f"{'case':34} {'median µs':>10} {'p90 µs':>8} {'/ raw':>7} {'/ trivial httpx':>16} "
-          f"{'/ trivial http.client':>22}")
+    raw, triv, std = (
+        med["raw socket JSON line"],
+        med["trivial POST, httpx"],
+        med["trivial POST, http.client"],
+    )
+    print(
+        f"{'case':34} {'median µs':>10} {'p90 µs':>8} {'/ raw':>7} {'/ trivial httpx':>16} "
+        f"{'/ trivial http.client':>22}"
+    )
     for k in med:
-        print(f"{k:34} {med[k]:10.0f} {p90[k]:8.0f} {med[k] / raw:7.1f} {med[k] / triv:16.2f} "
-              f"{med[k] / std:22.2f}")
+        print(
+            f"{k:34} {med[k]:10.0f} {p90[k]:8.0f} {med[k] / raw:7.1f} {med[k] / triv:16.2f} "
+            f"{med[k] / std:22.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"parser": parser, "loop": ports["trivial"]["loop"], "median_us": med, "p90_us": p90}, f, indent=1)
+            json.dump(
+                {
+                    "parser": parser,
+                    "loop": ports["trivial"]["loop"],
+                    "median_us": med,
+                    "p90_us": p90,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

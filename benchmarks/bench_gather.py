@@ -60,12 +60,21 @@ def run(model: str, reps: int) -> list[str]:
     gather = GatherCopy(cp, 0, stream.ptr)
     deadline = time.monotonic() + 600
     rows = []
-    ceiling = _time(cp, stream, lambda: rt.memcpyAsync(dst.data.ptr, ref.data.ptr, total, 3, stream.ptr), reps)
-    for name, fn in (("memcpy per tensor", loop),
-                     ("GatherCopy", lambda: gather.copy(dst.data.ptr, regions, deadline=deadline, alive=lambda: None))):
+    ceiling = _time(
+        cp, stream, lambda: rt.memcpyAsync(dst.data.ptr, ref.data.ptr, total, 3, stream.ptr), reps
+    )
+    for name, fn in (
+        ("memcpy per tensor", loop),
+        (
+            "GatherCopy",
+            lambda: gather.copy(dst.data.ptr, regions, deadline=deadline, alive=lambda: None),
+        ),
+    ):
         host, dev = _time(cp, stream, fn, reps)
-        rows.append(f"| {model} | {len(regions)} | {total / 1e9:.2f} | {name} | {host:.3f} | {dev:.3f} | "
-                    f"{ceiling[1]:.3f} | {ceiling[1] / dev:.2f} |")
+        rows.append(
+            f"| {model} | {len(regions)} | {total / 1e9:.2f} | {name} | {host:.3f} | {dev:.3f} | "
+            f"{ceiling[1]:.3f} | {ceiling[1] / dev:.2f} |"
+        )
     stream.synchronize()
     assert bool((dst == ref).all()), "GatherCopy bytes differ from the per-tensor copies"
     gather.close()
@@ -77,8 +86,10 @@ def main() -> None:
     ap.add_argument("--models", default="qwen2-0.5b,llama3-8b")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
-    print("| model | tensors | GB | copies | host ms | device ms | 1-memcpy ceiling ms | ceiling / "
-          "device |")
+    print(
+        "| model | tensors | GB | copies | host ms | device ms | 1-memcpy ceiling ms | ceiling / "
+        "device |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         for row in run(model, args.reps):

@@ -46,12 +46,18 @@ REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 # (model, packed, buffer MiB, buffers, release after round, engines, IPC modes)
 CONFIGS = [
-    ("llama3-8b", True, 1024, 2, False, "jax,torch", "pull,push"), ("llama3-8b", True, 2048, 2, False, "jax", "pull,push"),
-    ("llama3-8b", True, 256, 2, False, "jax", "pull"), ("llama3-8b", True, 1024, 1, False, "jax", "pull"),
-    ("llama3-8b", True, 1024, 2, True, "jax", "pull,push"), ("llama3-8b", False, 1024, 2, False, "jax", "push"),
-    ("qwen2-0.5b", True, 1024, 2, False, "jax,torch", "pull,push"), ("qwen2-0.5b", True, 256, 2, False, "jax,torch", "pull,push"),
-    ("qwen2-0.5b", True, 1024, 2, True, "jax", "pull"), ("qwen2-0.5b", False, 1024, 2, False, "jax", "push"),
+    ("llama3-8b", True, 1024, 2, False, "jax,torch", "pull,push"),
+    ("llama3-8b", True, 2048, 2, False, "jax", "pull,push"),
+    ("llama3-8b", True, 256, 2, False, "jax", "pull"),
+    ("llama3-8b", True, 1024, 1, False, "jax", "pull"),
+    ("llama3-8b", True, 1024, 2, True, "jax", "pull,push"),
+    ("llama3-8b", False, 1024, 2, False, "jax", "push"),
+    ("qwen2-0.5b", True, 1024, 2, False, "jax,torch", "pull,push"),
+    ("qwen2-0.5b", True, 256, 2, False, "jax,torch", "pull,push"),
+    ("qwen2-0.5b", True, 1024, 2, True, "jax", "pull"),
+    ("qwen2-0.5b", False, 1024, 2, False, "jax", "push"),
 ]
+
 
 class IPCShimReceiver(bench_sync_shim.Receiver):
     """The shim's receiver with the IPC engine instead of NCCL (same Sink, same memory probes)."""
@@ -167,8 +173,17 @@ def ceilings_s(engine: Any, params: dict[str, Any], nbytes: int, reps: int) -> t
         cp.cuda.runtime.free(b)
 
 
-def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf: int, nb: int, release: bool,
-               ipc_mode: str, cfg: dict[str, Any]) -> dict[str, Any]:
+def run_config(
+    kind: str,
+    model: str,
+    params: dict[str, Any],
+    packed: bool,
+    buf: int,
+    nb: int,
+    release: bool,
+    ipc_mode: str,
+    cfg: dict[str, Any],
+) -> dict[str, Any]:
     from weightwire.shared.timeouts import Timeouts
     from weightwire.trainer.config import TrainerInitInfo
 
@@ -178,19 +193,35 @@ def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf:
         from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine
     t = cfg["timeout"]
     nbytes = sum(int(a.nbytes) for a in params.values())
-    mode = (f"{ipc_mode} packed {buf >> 20} MiB x{nb}" if packed else "push unpacked") + (" release" if release else "")
-    row: dict[str, Any] = {"engine": kind, "control": cfg["control"], "model": model, "mode": mode,
-                           "nbytes": nbytes, "tensors": len(params)}
+    mode = (f"{ipc_mode} packed {buf >> 20} MiB x{nb}" if packed else "push unpacked") + (
+        " release" if release else ""
+    )
+    row: dict[str, Any] = {
+        "engine": kind,
+        "control": cfg["control"],
+        "model": model,
+        "mode": mode,
+        "nbytes": nbytes,
+        "tensors": len(params),
+    }
     if cfg["control"] == "http":
         from weightwire.control.client import HTTPWeightSyncClient
 
         client: Any = HTTPWeightSyncClient(cfg["url"], timeout=t + 60)
     else:
         client = ShimClient(cfg["port"], timeout=t + 60)
-    info = TrainerInitInfo(backend="weightwire_ipc", packed=packed, packed_buffer_size_bytes=buf, packed_num_buffers=nb,
-                           device=0, server_version="0.33.0", inference_world_size=1, ipc_release_after_round=release,
-                           ipc_mode=ipc_mode,
-                           timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t))
+    info = TrainerInitInfo(
+        backend="weightwire_ipc",
+        packed=packed,
+        packed_buffer_size_bytes=buf,
+        packed_num_buffers=nb,
+        device=0,
+        server_version="0.33.0",
+        inference_world_size=1,
+        ipc_release_after_round=release,
+        ipc_mode=ipc_mode,
+        timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t),
+    )
     engine = Engine.trainer_init(info, client=client, source=make_source(params))
     if TRACING:
         engine.client = _TracedClient(engine.client)
@@ -207,7 +238,10 @@ def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf:
             control.append(metrics.seconds.get("control", 0.0))
             finish.append(metrics.seconds.get("finish", 0.0))
         dump_trace("trainer")
-        row.update(pieces=metrics.chunks, phases_ms={k: round(v * 1e3, 2) for k, v in metrics.seconds.items()})
+        row.update(
+            pieces=metrics.chunks,
+            phases_ms={k: round(v * 1e3, 2) for k, v in metrics.seconds.items()},
+        )
         rpc(cfg["port"], "mem_reset", t)
         if os.environ.get("BENCH_PROFILE") and nbytes < 4 * GIB:
             _profiled(f"trainer round {kind} {model} {mode}", engine.send_weights)
@@ -215,16 +249,25 @@ def run_config(kind: str, model: str, params: dict[str, Any], packed: bool, buf:
             engine.send_weights()
         got = rpc(cfg["port"], "mem_peak", t)
         pull = type(engine._pipeline).__name__ == "IPCPullPipeline"
-        row.update(ipc_mode="pull" if pull else "push", trainer_extra=0 if pull else nb * buf,
-                   trainer_between=engine._pipeline.held_bytes(), worker_extra=got["peak_extra"] + got.get("pool", 0),
-                   worker_pool=got.get("pool", 0), loaded_ok=got["nbytes"] == nbytes and got["tensors"] == len(params))
+        row.update(
+            ipc_mode="pull" if pull else "push",
+            trainer_extra=0 if pull else nb * buf,
+            trainer_between=engine._pipeline.held_bytes(),
+            worker_extra=got["peak_extra"] + got.get("pool", 0),
+            worker_pool=got.get("pool", 0),
+            loaded_ok=got["nbytes"] == nbytes and got["tensors"] == len(params),
+        )
         if not release:
             row["ceiling_s"], row["ceiling1_s"] = ceilings_s(engine, params, nbytes, 5)
     finally:
         engine.shutdown()
         getattr(client, "close", lambda: None)()
-    row.update(round_s=statistics.median(walls), control_ms=1e3 * statistics.median(control),
-               finish_ms=1e3 * statistics.median(finish), walls=walls)
+    row.update(
+        round_s=statistics.median(walls),
+        control_ms=1e3 * statistics.median(control),
+        finish_ms=1e3 * statistics.median(finish),
+        walls=walls,
+    )
     return row
 
 
@@ -232,21 +275,40 @@ def sender_main(cfg: dict[str, Any]) -> None:
     rows = []
     kind = cfg["engine"]
     for model in cfg["models"]:
-        todo = [(*c[:5], m) for c in CONFIGS if c[0] == model and kind in c[5].split(",")
-                for m in c[6].split(",") if m in cfg["modes"]]
+        todo = [
+            (*c[:5], m)
+            for c in CONFIGS
+            if c[0] == model and kind in c[5].split(",")
+            for m in c[6].split(",")
+            if m in cfg["modes"]
+        ]
         if not todo:
             continue
         params = build_params(model, kind)
         for _, packed, mib, nb, release, ipc_mode in todo:
             if time.time() > cfg["deadline"] - 20:
-                rows.append({"engine": kind, "model": model, "mode": f"{ipc_mode} {mib} MiB x{nb}",
-                             "error": "skipped: out of time"})
+                rows.append(
+                    {
+                        "engine": kind,
+                        "model": model,
+                        "mode": f"{ipc_mode} {mib} MiB x{nb}",
+                        "error": "skipped: out of time",
+                    }
+                )
                 continue
             try:
-                rows.append(run_config(kind, model, params, packed, mib << 20, nb, release, ipc_mode, cfg))
+                rows.append(
+                    run_config(kind, model, params, packed, mib << 20, nb, release, ipc_mode, cfg)
+                )
             except Exception as exc:
-                rows.append({"engine": kind, "model": model, "mode": f"{ipc_mode} {mib} MiB x{nb}",
-                             "error": f"{type(exc).__name__}: {exc}"[:300]})
+                rows.append(
+                    {
+                        "engine": kind,
+                        "model": model,
+                        "mode": f"{ipc_mode} {mib} MiB x{nb}",
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                    }
+                )
             print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
         del params
     print(json.dumps(rows), flush=True)
@@ -254,14 +316,18 @@ def sender_main(cfg: dict[str, Any]) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| engine | control | model | GB/round | mode | chunks | ms/round | GB/s | 2-copy "
-            "ceiling ms | ratio | 1-copy ceiling ms | ratio | start ms | finish ms | trainer extra "
-            "GiB (between rounds) | worker extra GiB | loaded |\n" + "|---" * 17 + "|\n")
+    head = (
+        "| engine | control | model | GB/round | mode | chunks | ms/round | GB/s | 2-copy "
+        "ceiling ms | ratio | 1-copy ceiling ms | ratio | start ms | finish ms | trainer extra "
+        "GiB (between rounds) | worker extra GiB | loaded |\n" + "|---" * 17 + "|\n"
+    )
     out = []
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['engine']} | | {r['model']} | | {r['mode']} | | | | | | | | | | | | "
-                       f"{r['error']} |")
+            out.append(
+                f"| {r['engine']} | | {r['model']} | | {r['mode']} | | | | | | | | | | | | "
+                f"{r['error']} |"
+            )
             continue
         gb, s = r["nbytes"] / 1e9, r["round_s"]
         c2, c1 = r.get("ceiling_s"), r.get("ceiling1_s")
@@ -274,16 +340,23 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{'' if c1 is None else f'{c1 / s:.3f}'} | {r['control_ms']:.2f} | "
             f"{r['finish_ms']:.2f} | {r['trainer_extra'] / GIB:.2f} "
             f"({r['trainer_between'] / GIB:.2f}) | {r['worker_extra'] / GIB:.2f} | "
-            f"{'ok' if r['loaded_ok'] else 'MISMATCH'} |")
+            f"{'ok' if r['loaded_ok'] else 'MISMATCH'} |"
+        )
     return head + "\n".join(out) + "\n"
 
 
 def _spawn(role: str, cfg: dict[str, Any], path: Path) -> subprocess.Popen:
     path.write_text(json.dumps(cfg))
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(REPO / "benchmarks"), env.get("PYTHONPATH", "")) if p)
-    return subprocess.Popen([sys.executable, __file__, "--role", role, "--config", str(path)], env=env,
-                            stdout=subprocess.PIPE if role == "sender" else None, text=True)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO), str(REPO / "benchmarks"), env.get("PYTHONPATH", "")) if p
+    )
+    return subprocess.Popen(
+        [sys.executable, __file__, "--role", role, "--config", str(path)],
+        env=env,
+        stdout=subprocess.PIPE if role == "sender" else None,
+        text=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,7 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", default="jax,torch")
     ap.add_argument("--models", default="llama3-8b,qwen2-0.5b")
     ap.add_argument("--control", default="http", choices=("http", "shim"))
-    ap.add_argument("--modes", default="pull,push", help="IPC data paths to run: pull (one copy), push (slot ring)")
+    ap.add_argument(
+        "--modes",
+        default="pull,push",
+        help="IPC data paths to run: pull (one copy), push (slot ring)",
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=60.0)
@@ -303,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role:
         cfg = json.loads(Path(args.config).read_text())
         if args.role == "receiver":
-            bench_sync_shim.Receiver = IPCShimReceiver  # receiver_main builds the class it finds here
+            bench_sync_shim.Receiver = (
+                IPCShimReceiver  # receiver_main builds the class it finds here
+            )
             receiver_main(cfg)
         elif args.role == "api":
             from weightwire.tools.bench.sync_http import api_main
@@ -319,7 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="weightwire-bench-ipc-") as tmp:
         port_file = Path(tmp, "port")
-        procs = [_spawn("receiver", {"port_file": str(port_file), "deadline": deadline + 60}, Path(tmp, "r.json"))]
+        procs = [
+            _spawn(
+                "receiver",
+                {"port_file": str(port_file), "deadline": deadline + 60},
+                Path(tmp, "r.json"),
+            )
+        ]
         try:
             while not port_file.exists():
                 if procs[0].poll() is not None or time.time() > deadline:
@@ -328,23 +413,53 @@ def main(argv: list[str] | None = None) -> int:
             port, url = int(port_file.read_text()), None
             if args.control == "http":
                 url_file = Path(tmp, "url")
-                procs.append(_spawn("api", {"port": port, "url_file": str(url_file), "timeout": args.timeout + 60,
-                                            "deadline": deadline + 60, "backend": "weightwire_ipc"}, Path(tmp, "a.json")))
+                procs.append(
+                    _spawn(
+                        "api",
+                        {
+                            "port": port,
+                            "url_file": str(url_file),
+                            "timeout": args.timeout + 60,
+                            "deadline": deadline + 60,
+                            "backend": "weightwire_ipc",
+                        },
+                        Path(tmp, "a.json"),
+                    )
+                )
                 while not url_file.exists() and procs[-1].poll() is None and time.time() < deadline:
                     time.sleep(0.1)
                 if not url_file.exists():
                     raise RuntimeError("the API process did not start (fastapi/uvicorn missing?)")
                 url = json.loads(url_file.read_text())["url"]
             for kind in args.engines.split(","):
-                cfg = {"port": port, "url": url, "engine": kind, "control": args.control, "models": args.models.split(","),
-                       "deadline": deadline, "timeout": args.timeout, "rounds": args.rounds, "warmup": args.warmup,
-                       "modes": args.modes.split(",")}
+                cfg = {
+                    "port": port,
+                    "url": url,
+                    "engine": kind,
+                    "control": args.control,
+                    "models": args.models.split(","),
+                    "deadline": deadline,
+                    "timeout": args.timeout,
+                    "rounds": args.rounds,
+                    "warmup": args.warmup,
+                    "modes": args.modes.split(","),
+                }
                 sender = _spawn("sender", cfg, Path(tmp, f"s-{kind}.json"))
                 procs.append(sender)
                 out, _ = sender.communicate(timeout=max(30.0, deadline - time.time() + 120))
                 got = [line for line in out.splitlines() if line.startswith("[")]
-                rows += json.loads(got[-1]) if got else [{"engine": kind, "model": "-", "mode": "-",
-                                                          "error": f"sender exited {sender.returncode}"}]
+                rows += (
+                    json.loads(got[-1])
+                    if got
+                    else [
+                        {
+                            "engine": kind,
+                            "model": "-",
+                            "mode": "-",
+                            "error": f"sender exited {sender.returncode}",
+                        }
+                    ]
+                )
             rpc(port, "quit", 10)
         finally:
             for proc in procs:

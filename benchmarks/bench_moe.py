@@ -38,12 +38,29 @@ from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.loopback import spawn_loopback
 from weightwire.trainer.config import TrainerInitInfo
 
-QWEN3_30B_A3B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
-                 "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
-                 "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
-                 "tie_word_embeddings": False}
-TINY_DIMS = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4}
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "tie_word_embeddings": False,
+}
+TINY_DIMS = {
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "moe_intermediate_size": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 4,
+}
 
 
 def time_metadata(repeats: int) -> list[dict[str, Any]]:
@@ -56,8 +73,14 @@ def time_metadata(repeats: int) -> list[dict[str, Any]]:
             t = time.perf_counter()
             metas = PytreeSource(layout, naming).metadata()
             times.append(time.perf_counter() - t)
-        rows.append({"layout": "scanned" if scan else "unrolled", "tensors": len(metas), "cold_s": times[0],
-                     "warm_median_s": statistics.median(times[1:])})
+        rows.append(
+            {
+                "layout": "scanned" if scan else "unrolled",
+                "tensors": len(metas),
+                "cold_s": times[0],
+                "warm_median_s": statistics.median(times[1:]),
+            }
+        )
     return rows
 
 
@@ -77,6 +100,7 @@ def time_dispatch(params: Any, naming: Naming) -> dict[str, Any]:
         def wrapped(*a, **kw):
             calls.append(len(signature))
             return fn(*a, **kw)
+
         return wrapped
 
     source_mod._compiled = counting
@@ -92,8 +116,13 @@ def time_dispatch(params: Any, naming: Naming) -> dict[str, Any]:
         seconds = time.perf_counter() - t
     finally:
         source_mod._compiled = real
-    return {"tensors": n, "groups": len(source.groups()), "jit_calls": len(calls), "pass_s": seconds,
-            "us_per_tensor": seconds / n * 1e6}
+    return {
+        "tensors": n,
+        "groups": len(source.groups()),
+        "jit_calls": len(calls),
+        "pass_s": seconds,
+        "us_per_tensor": seconds / n * 1e6,
+    }
 
 
 def flat_same_bytes(params: Any, parts: int) -> tuple[dict[str, jax.Array], Naming]:
@@ -109,17 +138,23 @@ def time_rounds(sources: dict[str, PytreeSource], rounds: int) -> dict[str, dict
     out = {}
     try:
         for label, source in sources.items():
-            info = TrainerInitInfo(backend="weightwire_tcp", timeouts=Timeouts(http_s=300, transfer_s=300))
+            info = TrainerInitInfo(
+                backend="weightwire_tcp", timeouts=Timeouts(http_s=300, transfer_s=300)
+            )
             engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
             try:
                 engine.send_weights()  # warm-up: first metadata, connections, compiles
                 ms = [engine.send_weights() for _ in range(rounds)]
             finally:
                 engine.shutdown()
-            out[label] = {"tensors": ms[0].tensors, "nbytes": ms[0].nbytes,
-                          "round_median_s": statistics.median(m.total_seconds for m in ms),
-                          "phases_median_s": {k: statistics.median(m.seconds.get(k, 0.0) for m in ms)
-                                              for k in ms[0].seconds}}
+            out[label] = {
+                "tensors": ms[0].tensors,
+                "nbytes": ms[0].nbytes,
+                "round_median_s": statistics.median(m.total_seconds for m in ms),
+                "phases_median_s": {
+                    k: statistics.median(m.seconds.get(k, 0.0) for m in ms) for k in ms[0].seconds
+                },
+            }
     finally:
         proc.kill()
         proc.wait(timeout=10)
@@ -130,30 +165,40 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-rounds", action="store_true", help="skip the loopback rounds (no torch needed)")
+    ap.add_argument(
+        "--no-rounds", action="store_true", help="skip the loopback rounds (no torch needed)"
+    )
     ap.add_argument("--json", help="write all rows here")
     args = ap.parse_args(argv)
     report: dict[str, Any] = {"metadata": time_metadata(args.repeats)}
     for row in report["metadata"]:
-        print(f"metadata {row['layout']:8s} {row['tensors']} tensors: cold {row['cold_s']:.3f} s, "
-              f"warm {row['warm_median_s']:.3f} s")
+        print(
+            f"metadata {row['layout']:8s} {row['tensors']} tensors: cold {row['cold_s']:.3f} s, "
+            f"warm {row['warm_median_s']:.3f} s"
+        )
     tiny = {**QWEN3_30B_A3B, **TINY_DIMS}
     params = materialize(preset_layout("qwen3_moe", tiny, scan_layers=True))
     naming = preset_for_hf("qwen3_moe", tiny, scan_layers=True)
     report["dispatch"] = d = time_dispatch(params, naming)
-    print(f"iter_groups {d['tensors']} tensors in {d['groups']} groups: {d['jit_calls']} jitted "
-          f"calls, {d['pass_s']:.3f} s ({d['us_per_tensor']:.1f} us/tensor)")
+    print(
+        f"iter_groups {d['tensors']} tensors in {d['groups']} groups: {d['jit_calls']} jitted "
+        f"calls, {d['pass_s']:.3f} s ({d['us_per_tensor']:.1f} us/tensor)"
+    )
     if not args.no_rounds:
         flat, flat_naming = flat_same_bytes(params, 50)
-        rounds = time_rounds({"moe": PytreeSource(params, naming), "flat": PytreeSource(flat, flat_naming)},
-                             args.rounds)
+        rounds = time_rounds(
+            {"moe": PytreeSource(params, naming), "flat": PytreeSource(flat, flat_naming)},
+            args.rounds,
+        )
         moe, few = rounds["moe"], rounds["flat"]
         per = (moe["round_median_s"] - few["round_median_s"]) / (moe["tensors"] - few["tensors"])
         report["rounds"] = {**rounds, "per_tensor_overhead_us": per * 1e6}
         for label, r in rounds.items():
             phases = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in r["phases_median_s"].items())
-            print(f"round {label:4s} {r['tensors']} tensors, {r['nbytes'] / 1e6:.1f} MB: "
-                  f"{r['round_median_s']:.3f} s ({phases})")
+            print(
+                f"round {label:4s} {r['tensors']} tensors, {r['nbytes'] / 1e6:.1f} MB: "
+                f"{r['round_median_s']:.3f} s ({phases})"
+            )
         print(f"per-tensor round overhead: {per * 1e6:.1f} us")
     if args.json:
         with open(args.json, "w") as f:

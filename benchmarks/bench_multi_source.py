@@ -42,7 +42,9 @@ def build(mb: int, cache: Path) -> Path:
     hidden, inter, layers = SHAPES[mb]
     tiny = Path(tiny_model_dir("tiny-llama"))
     cfg = json.loads((tiny / "config.json").read_text())
-    cfg.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, head_dim=hidden // 2)
+    cfg.update(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, head_dim=hidden // 2
+    )
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -61,8 +63,12 @@ def info(rank: int) -> Any:
     from weightwire.shared.timeouts import Timeouts
     from weightwire.trainer import TrainerInitInfo
 
-    return TrainerInitInfo(backend="weightwire_tcp", rank=rank, pause_mode="keep",
-                           timeouts=Timeouts(http_s=120, connect_s=60, warmup_s=60, transfer_s=60))
+    return TrainerInitInfo(
+        backend="weightwire_tcp",
+        rank=rank,
+        pause_mode="keep",
+        timeouts=Timeouts(http_s=120, connect_s=60, warmup_s=60, transfer_s=60),
+    )
 
 
 def _send(engine: Any, barrier: threading.Barrier, errors: list[BaseException]) -> None:
@@ -116,7 +122,9 @@ def bench(mb: int, model_dir: Path, rounds: int, replicas: int) -> list[dict[str
         return 1
 
     rows = []
-    with EmbeddedServer(str(model_dir), extra_args=["--replicas", str(replicas)], startup_timeout=300) as server:
+    with EmbeddedServer(
+        str(model_dir), extra_args=["--replicas", str(replicas)], startup_timeout=300
+    ) as server:
         assert server.url is not None
         client = HTTPWeightSyncClient(server.url, timeout=120)
         single = TorchTrainerEngine.trainer_init(info(0), client=client, source=full)
@@ -128,8 +136,12 @@ def bench(mb: int, model_dir: Path, rounds: int, replicas: int) -> list[dict[str
         engines: list[Any] = [None, None]
 
         def init(r: int) -> None:
-            engines[r] = TorchTrainerEngine.trainer_init(info(r), client=HTTPWeightSyncClient(server.url, timeout=120),
-                                                         source=OwnedSource(full, owner, rank=r), group=groups[r])
+            engines[r] = TorchTrainerEngine.trainer_init(
+                info(r),
+                client=HTTPWeightSyncClient(server.url, timeout=120),
+                source=OwnedSource(full, owner, rank=r),
+                group=groups[r],
+            )
 
         threads = [threading.Thread(target=init, args=(r,)) for r in (0, 1)]
         for t in threads:
@@ -147,16 +159,29 @@ def bench(mb: int, model_dir: Path, rounds: int, replicas: int) -> list[dict[str
         ok = all({n: r.get(n) for n in want} == want for r in reply["replica_checksums"])
     for mode, secs in (("1 broadcaster", one), ("2 broadcasters", two)):
         med = statistics.median(secs)
-        rows.append({"size_mb": round(nbytes / 1e6, 1), "mode": mode, "median_s": round(med, 4),
-                     "min_s": round(min(secs), 4), "gbps": round(nbytes / med / 1e9, 3), "rounds": len(secs),
-                     "replicas": replicas, "checksums_ok": ok})
+        rows.append(
+            {
+                "size_mb": round(nbytes / 1e6, 1),
+                "mode": mode,
+                "median_s": round(med, 4),
+                "min_s": round(min(secs), 4),
+                "gbps": round(nbytes / med / 1e9, 3),
+                "rounds": len(secs),
+                "replicas": replicas,
+                "checksums_ok": ok,
+            }
+        )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="4,32,96", help=f"model sizes in MB, of {sorted(SHAPES)}")
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per mode (after one warm-up)")
+    parser.add_argument(
+        "--sizes", default="4,32,96", help=f"model sizes in MB, of {sorted(SHAPES)}"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=7, help="timed rounds per mode (after one warm-up)"
+    )
     parser.add_argument("--replicas", type=int, default=1, help="reference-server worker replicas")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/weightwire-bench-models"))
     args = parser.parse_args()
@@ -170,10 +195,14 @@ def main() -> None:
     print("\n| model | broadcasters | median s/round | min s | GB/s | ratio to 1 | checksums |")
     print("|---:|---|---:|---:|---:|---:|---|")
     for row in rows:
-        base = next(r for r in rows if r["size_mb"] == row["size_mb"] and r["mode"] == "1 broadcaster")
-        print(f"| {row['size_mb']} MB | {row['mode'].split()[0]} | {row['median_s']:.3f} | "
-              f"{row['min_s']:.3f} | {row['gbps']:.3f} | {row['median_s'] / base['median_s']:.2f} "
-              f"| {'ok' if row['checksums_ok'] else 'MISMATCH'} |")
+        base = next(
+            r for r in rows if r["size_mb"] == row["size_mb"] and r["mode"] == "1 broadcaster"
+        )
+        print(
+            f"| {row['size_mb']} MB | {row['mode'].split()[0]} | {row['median_s']:.3f} | "
+            f"{row['min_s']:.3f} | {row['gbps']:.3f} | {row['median_s'] / base['median_s']:.2f} "
+            f"| {'ok' if row['checksums_ok'] else 'MISMATCH'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     # A Llama-3-8B decoder layer's tensors (bf16), repeated until the chunk is full.
-    layer = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336), (4096,), (4096,)]
+    layer = [
+        (4096, 4096),
+        (1024, 4096),
+        (1024, 4096),
+        (4096, 4096),
+        (14336, 4096),
+        (14336, 4096),
+        (4096, 14336),
+        (4096,),
+        (4096,),
+    ]
     shapes, total = [], 0
     while total < args.chunk_mib << 20:
         for s in layer:
@@ -69,8 +79,10 @@ def main() -> None:
         "engine packer: memcpy per tensor into a slot buffer": _time(slot_pack, args.repeats),
         "jnp.copy of one buffer": _time(lambda: jnp.copy(flat), args.repeats),
     }
-    print(f"device {jax.devices()[0]}, chunk {total / 2**20:.0f} MiB in {len(xs)} bf16 tensors, "
-          f"median of {args.repeats}")
+    print(
+        f"device {jax.devices()[0]}, chunk {total / 2**20:.0f} MiB in {len(xs)} bf16 tensors, "
+        f"median of {args.repeats}"
+    )
     print("| packer | ms | GB/s |\n|---|---:|---:|")
     for name, sec in rows.items():
         print(f"| {name} | {sec * 1e3:.2f} | {total / sec / 1e9:.0f} |")

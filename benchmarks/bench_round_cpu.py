@@ -75,8 +75,15 @@ from typing import Any
 
 TENSORS = 290
 LAYERS = 24
-SMALL = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": LAYERS,
-         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8}
+SMALL = {
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 8,
+}
 """Qwen2-0.5B's structure (24 layers, GQA, q/k/v biases, tied embeddings) at toy widths."""
 
 
@@ -137,7 +144,9 @@ class InProcessClient:
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
-        self.profile: cProfile.Profile | None = None  # the worker's side of the round (its own thread)
+        self.profile: cProfile.Profile | None = (
+            None  # the worker's side of the round (its own thread)
+        )
 
     def version(self) -> str:
         return "0.33.0"
@@ -179,8 +188,11 @@ def connect(make: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any, DropHost]:
         raise SystemExit(f"expected {TENSORS} tensors, the source has {len(metas)}")
     host = DropHost()
     worker = WeightwireTCPEngine.standalone(model=host, device="cpu")
-    info = TrainerInitInfo(backend="weightwire_tcp", pause_mode=None,
-                           timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30))
+    info = TrainerInitInfo(
+        backend="weightwire_tcp",
+        pause_mode=None,
+        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
+    )
     engine = engine_cls.trainer_init(info, client=InProcessClient(worker), source=source)
     return engine, worker, host
 
@@ -204,8 +216,12 @@ def bench_rounds(engine: Any, rounds: int, profile: bool) -> dict[str, Any]:
         if prof is not None:
             prof.disable()
         phases.append(metrics.seconds)
-    out = {"round_ms": statistics.median(walls) * 1e3,
-           "phases_ms": {k: round(statistics.median(p[k] for p in phases) * 1e3, 3) for k in phases[0]}}
+    out = {
+        "round_ms": statistics.median(walls) * 1e3,
+        "phases_ms": {
+            k: round(statistics.median(p[k] for p in phases) * 1e3, 3) for k in phases[0]
+        },
+    }
     if prof is not None:
         text = io.StringIO()
         for who, p in (("trainer", prof), ("worker", engine.client.profile)):
@@ -277,13 +293,27 @@ def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[
     model = object()
     cache.resolve(model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30)
     reuse = UpdateInfo().to_dict()
-    out["w.parse_full"] = min_ms(lambda: MetaCache("bench").resolve(
-        model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30), repeats)
-    out["w.parse_repeat"] = min_ms(lambda: cache.resolve(
-        model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30), repeats)
-    out["w.parse_reuse"] = min_ms(lambda: cache.resolve(
-        model, UpdateInfo.from_dict(reuse), packed=True, buffer_size_bytes=1 << 30), repeats)
-    resolved = cache.resolve(model, UpdateInfo.from_dict(reuse), packed=True, buffer_size_bytes=1 << 30)
+    out["w.parse_full"] = min_ms(
+        lambda: MetaCache("bench").resolve(
+            model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30
+        ),
+        repeats,
+    )
+    out["w.parse_repeat"] = min_ms(
+        lambda: cache.resolve(
+            model, UpdateInfo.from_dict(payload), packed=True, buffer_size_bytes=1 << 30
+        ),
+        repeats,
+    )
+    out["w.parse_reuse"] = min_ms(
+        lambda: cache.resolve(
+            model, UpdateInfo.from_dict(reuse), packed=True, buffer_size_bytes=1 << 30
+        ),
+        repeats,
+    )
+    resolved = cache.resolve(
+        model, UpdateInfo.from_dict(reuse), packed=True, buffer_size_bytes=1 << 30
+    )
     if isinstance(resolved, tuple):  # the tree before UnpackPlan (for before/after runs)
         wmetas, wchunks = resolved
         layouts: list[Any] = [_Unplanned(wmetas, c) for c in wchunks]
@@ -293,8 +323,9 @@ def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[
     pairs_of = list(zip(layouts, buffers, strict=True))
     out["w.unpack"] = min_ms(lambda: [p.unpack(b) for p, b in pairs_of], repeats)
     batches = [p.unpack(b) for p, b in pairs_of]
-    out["w.load"] = min_ms(lambda: [host.load_weights(p) for p in load_batches(iter(batches), "chunk")],
-                              repeats)
+    out["w.load"] = min_ms(
+        lambda: [host.load_weights(p) for p in load_batches(iter(batches), "chunk")], repeats
+    )
     return {k: round(v, 4) for k, v in out.items()}
 
 
@@ -322,8 +353,12 @@ def bench_unpack(repeats: int) -> dict[str, float]:
     buf = torch.zeros(chunk.nbytes, dtype=torch.uint8)
     make = getattr(receive, "UnpackPlan", _Unplanned)
     warm = make(metas, chunk)
-    return {"unpack_chunk_cold_ms": round(min_ms(lambda: receive.unpack_chunk(buf, metas, chunk), repeats), 4),
-            "unpack_warm_ms": round(min_ms(lambda: warm.unpack(buf), repeats), 4)}
+    return {
+        "unpack_chunk_cold_ms": round(
+            min_ms(lambda: receive.unpack_chunk(buf, metas, chunk), repeats), 4
+        ),
+        "unpack_warm_ms": round(min_ms(lambda: warm.unpack(buf), repeats), 4),
+    }
 
 
 def main() -> None:
@@ -332,8 +367,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=300, help="runs per stage in the split")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--switch-interval-ms", type=float, default=None,
-                    help="sys.setswitchinterval for the run (default: Python's 5 ms)")
+    ap.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the run (default: Python's 5 ms)",
+    )
     args = ap.parse_args()
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
@@ -346,7 +385,15 @@ def main() -> None:
             rounds = bench_rounds(engine, args.rounds, args.profile)
             profile = rounds.pop("profile", None)
             print(json.dumps({"part": "round", "engine": name, **rounds}))
-            print(json.dumps({"part": "split", "engine": name, **bench_split(engine, worker, host, args.repeats)}))
+            print(
+                json.dumps(
+                    {
+                        "part": "split",
+                        "engine": name,
+                        **bench_split(engine, worker, host, args.repeats),
+                    }
+                )
+            )
             if profile:
                 print(profile)
         finally:

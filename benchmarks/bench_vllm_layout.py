@@ -91,17 +91,34 @@ def _timed(send: Any, args: argparse.Namespace) -> list[float]:
     return walls
 
 
-def _row(receiver: str, engine: str, budget: int | None, client: Any, nbytes: int, walls: list[float],
-         trainer_extra: int, want: dict[str, Any]) -> dict[str, Any]:
+def _row(
+    receiver: str,
+    engine: str,
+    budget: int | None,
+    client: Any,
+    nbytes: int,
+    walls: list[float],
+    trainer_extra: int,
+    want: dict[str, Any],
+) -> dict[str, Any]:
     """What the worker reports after the timed rounds: memory, the bytes, then the floor
     (last: it overwrites the parameters)."""
     mem = client.call("memory")
     ok = client.call("digests") == want
     floor = float(client.call("floor", {"reps": 5}))
-    return {"receiver": receiver, "engine": engine, "budget": budget, "nbytes": nbytes,
-            "round_s": statistics.median(walls), "floor_s": floor,
-            "worker_extra": mem.get("peak", 0) - mem.get("baseline", 0) + mem.get("pool", 0),
-            "pool": mem.get("pool", 0), "trainer_extra": trainer_extra, "ok": ok, "walls": walls}
+    return {
+        "receiver": receiver,
+        "engine": engine,
+        "budget": budget,
+        "nbytes": nbytes,
+        "round_s": statistics.median(walls),
+        "floor_s": floor,
+        "worker_extra": mem.get("peak", 0) - mem.get("baseline", 0) + mem.get("pool", 0),
+        "pool": mem.get("pool", 0),
+        "trainer_extra": trainer_extra,
+        "ok": ok,
+        "walls": walls,
+    }
 
 
 def run(engine: str, budget: int, client: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -119,13 +136,16 @@ def run(engine: str, budget: int, client: Any, args: argparse.Namespace) -> dict
     want = {n: digest(torch.from_dlpack(a) if engine == "jax" else a) for n, a in params.items()}
     nbytes = sum(int(a.nbytes) for a in params.values())
     memory = TrainerMemory(engine)
-    info = TrainerInitInfo(backend=BACKEND, stage_budget_bytes=budget,
-                           device=0 if DEVICE.type == "cuda" else None)
+    info = TrainerInitInfo(
+        backend=BACKEND, stage_budget_bytes=budget, device=0 if DEVICE.type == "cuda" else None
+    )
     trainer = Engine.trainer_init(info, client=client, source=make_source(params))
     try:
         walls = _timed(trainer.send_weights, args)
         trainer_extra = memory.extra()
-        return _row("weightwire plugin engine", engine, budget, client, nbytes, walls, trainer_extra, want)
+        return _row(
+            "weightwire plugin engine", engine, budget, client, nbytes, walls, trainer_extra, want
+        )
     finally:
         trainer.shutdown()
 
@@ -169,7 +189,10 @@ def run_peer(packed: bool, client: Any, args: argparse.Namespace) -> dict[str, A
 
     class TensorSource(vllm.base.WeightSource):  # type: ignore[misc,name-defined]
         metadata = functools.cached_property(
-            lambda self: [vllm.base.ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in params.items()])
+            lambda self: [
+                vllm.base.ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in params.items()
+            ]
+        )
 
         def iter_full(self) -> Any:
             return iter(params.items())
@@ -177,11 +200,22 @@ def run_peer(packed: bool, client: Any, args: argparse.Namespace) -> dict[str, A
     memory = TrainerMemory("torch")
     ipc = vllm.ipc_engine
     trainer = ipc.IPCTrainerWeightTransferEngine.trainer_init(
-        ipc.IPCTrainerInitInfo(rank=0, packed=packed), client=PeerClient(client), source=TensorSource())
+        ipc.IPCTrainerInitInfo(rank=0, packed=packed),
+        client=PeerClient(client),
+        source=TensorSource(),
+    )
     walls = _timed(trainer.send_weights, args)
     mode = "packed 1 GiB" if packed else "unpacked (its default)"
-    return _row(f"vLLM IPCWeightTransferEngine, {mode}", "torch", None, client, nbytes, walls,
-                memory.extra(), want)
+    return _row(
+        f"vLLM IPCWeightTransferEngine, {mode}",
+        "torch",
+        None,
+        client,
+        nbytes,
+        walls,
+        memory.extra(),
+        want,
+    )
 
 
 def _budget(r: dict[str, Any]) -> str:
@@ -189,19 +223,24 @@ def _budget(r: dict[str, Any]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| receiver | trainer | stage budget | GB/round | ms/round | GB/s | floor ms | floor / round "
-             "| worker extra GB (pool) | trainer extra GB | bytes |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| receiver | trainer | stage budget | GB/round | ms/round | GB/s | floor ms | floor / round "
+        "| worker extra GB (pool) | trainer extra GB | bytes |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['receiver']} | {r['engine']} | {_budget(r)} | | | | | | | | {r['error']} |")
+            lines.append(
+                f"| {r['receiver']} | {r['engine']} | {_budget(r)} | | | | | | | | {r['error']} |"
+            )
             continue
         gb, s = r["nbytes"] / 1e9, r["round_s"]
         lines.append(
             f"| {r['receiver']} | {r['engine']} | {_budget(r)} | {gb:.2f} | {s * 1e3:.1f} | {gb / s:.0f} "
             f"| {r['floor_s'] * 1e3:.1f} | {r['floor_s'] / s:.3f} "
             f"| {r['worker_extra'] / 1e9:.2f} ({r['pool'] / 1e9:.2f}) | {r['trainer_extra'] / 1e9:.2f} "
-            f"| {'ok' if r['ok'] else 'MISMATCH'} |")
+            f"| {'ok' if r['ok'] else 'MISMATCH'} |"
+        )
     return "\n".join(lines)
 
 
@@ -213,12 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out")
-    ap.add_argument("--backend", default="weightwire_ipc", help="weightwire_tcp with --device cpu: a dry run")
+    ap.add_argument(
+        "--backend", default="weightwire_ipc", help="weightwire_tcp with --device cpu: a dry run"
+    )
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--shape", default=SHAPE, help="llama3-8b, or tiny for a dry run")
-    ap.add_argument("--vllm-src", default=os.environ.get("WEIGHTWIRE_VLLM_SRC"),
-                    help="an unpacked vLLM 0.33 (the directory holding `vllm/`): adds its own IPC "
-                         "engines as the peer (pip download --no-deps vllm==0.33.0; unzip)")
+    ap.add_argument(
+        "--vllm-src",
+        default=os.environ.get("WEIGHTWIRE_VLLM_SRC"),
+        help="an unpacked vLLM 0.33 (the directory holding `vllm/`): adds its own IPC "
+        "engines as the peer (pip download --no-deps vllm==0.33.0; unzip)",
+    )
     ap.add_argument("--peer-modes", default="unpacked,packed")
     args = ap.parse_args(argv)
     import torch
@@ -231,16 +275,35 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
 
     def worker(engine: str) -> tuple[Any, Any]:
-        return spawn_loopback_cmd(["-m", "tests.torch_side.vllm_stub", "--backend", BACKEND, "--engine", engine,
-                                   "--device", args.device, "--shape", SHAPE],
-                                  env={**env, "WEIGHTWIRE_VLLM_SRC": args.vllm_src or ""}, timeout=300)
+        return spawn_loopback_cmd(
+            [
+                "-m",
+                "tests.torch_side.vllm_stub",
+                "--backend",
+                BACKEND,
+                "--engine",
+                engine,
+                "--device",
+                args.device,
+                "--shape",
+                SHAPE,
+            ],
+            env={**env, "WEIGHTWIRE_VLLM_SRC": args.vllm_src or ""},
+            timeout=300,
+        )
 
     def attempt(receiver: str, engine: str, budget: int | None, fn: Any, *fn_args: Any) -> None:
         try:
             rows.append(fn(*fn_args))
         except Exception as exc:  # one failed row must not lose the others
-            rows.append({"receiver": receiver, "engine": engine, "budget": budget,
-                         "error": f"{type(exc).__name__}: {exc}"})
+            rows.append(
+                {
+                    "receiver": receiver,
+                    "engine": engine,
+                    "budget": budget,
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            )
         print(table(rows[-1:]), flush=True)
 
     proc, client = worker("weightwire")
@@ -265,7 +328,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0 if rows and all(r.get("ok") for r in rows) else 1
-
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from collections import defaultdict
 def load(prefix: str) -> list[tuple[float, str, str]]:
     marks: list[tuple[float, str, str]] = []
     for path in glob.glob(f"{prefix}.*.jsonl"):
-        side = path[len(prefix) + 1:].split(".")[0]
+        side = path[len(prefix) + 1 :].split(".")[0]
         with open(path) as f:
             for line in f:
                 marks.extend((t, side, name) for t, name in json.loads(line))
@@ -65,8 +65,10 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     for label, per_round in rounds(load(argv[0])).items():
-        print(f"## {label}: {len(per_round)} rounds (median ms from send_weights' start; n = "
-              "rounds with the mark)")
+        print(
+            f"## {label}: {len(per_round)} rounds (median ms from send_weights' start; n = "
+            "rounds with the mark)"
+        )
         for ms, name, n in summary(per_round):
             print(f"{ms:8.3f}  {name}{'' if n == len(per_round) else f'  (n={n})'}")
     return 0

@@ -59,11 +59,28 @@ def children(pid: int) -> list[int]:
 
 class Server:
     def __init__(self, replicas: int, log: Path) -> None:
-        cmd = [sys.executable, "-m", "weightwire.tools.server", "--model", "tiny-llama", "--port", "0",
-               "--backend", "weightwire_tcp", "--replicas", str(replicas)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "weightwire.tools.server",
+            "--model",
+            "tiny-llama",
+            "--port",
+            "0",
+            "--backend",
+            "weightwire_tcp",
+            "--replicas",
+            str(replicas),
+        ]
         self.log = open(log, "w")  # noqa: SIM115  (the server writes to it for its lifetime)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True,
-                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
         ready = ReadyLine(self.proc)
         if not ready.wait(300) or ready.url is None:
             self.stop()
@@ -130,7 +147,9 @@ class TorchTrainer:
 
         class Source(WeightSource):
             def metadata(self) -> list[ParamMeta]:
-                return [ParamMeta(n, wire_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+                return [
+                    ParamMeta(n, wire_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()
+                ]
 
             def __iter__(self) -> Any:
                 yield from tensors.items()
@@ -144,7 +163,9 @@ class TorchTrainer:
     def digests(self) -> dict[str, str]:
         from weightwire.torch_side.sender.engine import tensor_bytes
 
-        return {n: hashlib.sha256(tensor_bytes(t).numpy()).hexdigest() for n, t in self.tensors.items()}
+        return {
+            n: hashlib.sha256(tensor_bytes(t).numpy()).hexdigest() for n, t in self.tensors.items()
+        }
 
     def engine(self, info: Any, client: Any) -> Any:
         from weightwire.torch_side.sender.engine import TorchTrainerEngine
@@ -154,7 +175,12 @@ class TorchTrainer:
 
 # ------------------------------------------------------------------------------ the soak
 def sample(server: Server, round_no: int, elapsed: float) -> dict[str, Any]:
-    return {"round": round_no, "elapsed_s": round(elapsed, 2), "trainer": proc_stats("self"), **server.stats()}
+    return {
+        "round": round_no,
+        "elapsed_s": round(elapsed, 2),
+        "trainer": proc_stats("self"),
+        **server.stats(),
+    }
 
 
 def verify(client: Any, want: dict[str, str], version: str) -> None:
@@ -162,7 +188,9 @@ def verify(client: Any, want: dict[str, str], version: str) -> None:
     for i, replica in enumerate(reply["replica_checksums"]):
         bad = [n for n in want if replica.get(n) != want[n]]
         if bad:
-            raise AssertionError(f"replica {i} differs from what was sent in {len(bad)} tensors, e.g. {bad[:3]}")
+            raise AssertionError(
+                f"replica {i} differs from what was sent in {len(bad)} tensors, e.g. {bad[:3]}"
+            )
     got = client.weight_info()[0]["weight_version"]
     if got != version:
         raise AssertionError(f"server reports weight_version {got!r}, sent {version!r}")
@@ -180,7 +208,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=args.buffer_bytes)
     samples: list[dict[str, Any]] = []
     seconds: list[float] = []
-    control: list[float] = []  # start + finish round trips (RoundMetrics), the control plane's share
+    control: list[
+        float
+    ] = []  # start + finish round trips (RoundMetrics), the control plane's share
     verified = sessions = 0
     start = time.monotonic()
     stop_reason = f"{args.rounds} rounds done"
@@ -215,50 +245,71 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine.shutdown()
         client.close()
         server.stop()
-    return {"engine": args.engine, "replicas": args.replicas, "rounds": r, "sessions": sessions,
-            "verified_rounds": verified, "stop": stop_reason, "wall_s": round(time.monotonic() - start, 1),
-            "round_ms": {"median": 1e3 * sorted(seconds)[len(seconds) // 2], "max": 1e3 * max(seconds)},
-            "control_ms": {"median": 1e3 * sorted(control)[len(control) // 2],
-                           "p90": 1e3 * sorted(control)[int(len(control) * 0.9)]},
-            "samples": samples}
+    return {
+        "engine": args.engine,
+        "replicas": args.replicas,
+        "rounds": r,
+        "sessions": sessions,
+        "verified_rounds": verified,
+        "stop": stop_reason,
+        "wall_s": round(time.monotonic() - start, 1),
+        "round_ms": {"median": 1e3 * sorted(seconds)[len(seconds) // 2], "max": 1e3 * max(seconds)},
+        "control_ms": {
+            "median": 1e3 * sorted(control)[len(control) // 2],
+            "p90": 1e3 * sorted(control)[int(len(control) * 0.9)],
+        },
+        "samples": samples,
+    }
 
 
 def table(result: dict[str, Any], settle: int) -> str:
     first = result["samples"][0]
     settled = next((s for s in result["samples"] if s["round"] >= settle), first)
     last = result["samples"][-1]
-    rows = [f"| process | metric | round 1 | round {settled['round']} | round {last['round']} | "
-            "last - settled |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        f"| process | metric | round 1 | round {settled['round']} | round {last['round']} | "
+        "last - settled |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for proc in [k for k in last if k not in ("round", "elapsed_s")]:
         for metric in ("rss_kib", "fds", "threads"):
             a, b, c = first[proc][metric], settled[proc][metric], last[proc][metric]
             unit = (lambda v: f"{v / 1024:.1f} MiB") if metric == "rss_kib" else str
-            rows.append(f"| {proc} | {metric.replace('_kib', '')} | {unit(a)} | {unit(b)} | {unit(c)} | "
-                        f"{'+' if c >= b else ''}{unit(c - b)} |")
+            rows.append(
+                f"| {proc} | {metric.replace('_kib', '')} | {unit(a)} | {unit(b)} | {unit(c)} | "
+                f"{'+' if c >= b else ''}{unit(c - b)} |"
+            )
     return "\n".join(rows)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=1000)
-    p.add_argument("--time-limit", type=float, default=600.0, help="seconds; stops early and says so")
+    p.add_argument(
+        "--time-limit", type=float, default=600.0, help="seconds; stops early and says so"
+    )
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--engine", choices=("jax", "torch"), default="jax")
-    p.add_argument("--reinit-every", type=int, default=100, help="0: one session for the whole soak")
+    p.add_argument(
+        "--reinit-every", type=int, default=100, help="0: one session for the whole soak"
+    )
     p.add_argument("--verify-every", type=int, default=100)
     p.add_argument("--sample-every", type=int, default=50)
-    p.add_argument("--settle", type=int, default=50, help="round whose sample is the flatness baseline")
+    p.add_argument(
+        "--settle", type=int, default=50, help="round whose sample is the flatness baseline"
+    )
     p.add_argument("--buffer-bytes", type=int, default=64 << 10)
     p.add_argument("--log", default="soak-server.log")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     result = run(args)
-    print(f"soak: {result['rounds']} rounds ({result['stop']}), {result['sessions']} sessions, "
-          f"{result['verified_rounds']} verified, {result['wall_s']} s, round median "
-          f"{result['round_ms']['median']:.1f} ms (max {result['round_ms']['max']:.1f} ms), "
-          f"control plane (start + finish) median {result['control_ms']['median']:.2f} ms (p90 "
-          f"{result['control_ms']['p90']:.2f}); {args.engine} engine, {args.replicas} replica(s)")
+    print(
+        f"soak: {result['rounds']} rounds ({result['stop']}), {result['sessions']} sessions, "
+        f"{result['verified_rounds']} verified, {result['wall_s']} s, round median "
+        f"{result['round_ms']['median']:.1f} ms (max {result['round_ms']['max']:.1f} ms), "
+        f"control plane (start + finish) median {result['control_ms']['median']:.2f} ms (p90 "
+        f"{result['control_ms']['p90']:.2f}); {args.engine} engine, {args.replicas} replica(s)"
+    )
     print(table(result, args.settle))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

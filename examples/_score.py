@@ -21,17 +21,30 @@ from weightwire.tools.models import decoder
 def token_logprobs(params: Any, seqs: jax.Array, cfg: decoder.DecoderConfig) -> jax.Array:
     """``[B, T-1]``: log p(seqs[:, t+1] | seqs[:, :t+1]) under the JAX model, in float32."""
     logits = decoder.apply(params, seqs[:, :-1], cfg).astype(jnp.float32)
-    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), seqs[:, 1:, None], axis=-1)[..., 0]
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), seqs[:, 1:, None], axis=-1)[
+        ..., 0
+    ]
 
 
-def logprob_gap(url: str, params: Any, cfg: decoder.DecoderConfig, prompt: np.ndarray, max_tokens: int = 8) -> float:
+def logprob_gap(
+    url: str, params: Any, cfg: decoder.DecoderConfig, prompt: np.ndarray, max_tokens: int = 8
+) -> float:
     """max |server log p - JAX log p| over the server's greedy completion of ``prompt``."""
-    reply = httpx.post(f"{url.rstrip('/')}/v1/completions", timeout=120, json={
-        "prompt": prompt.tolist(), "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
-        "ignore_eos": True, "return_token_ids": True})
+    reply = httpx.post(
+        f"{url.rstrip('/')}/v1/completions",
+        timeout=120,
+        json={
+            "prompt": prompt.tolist(),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     reply.raise_for_status()
     choice = reply.json()["choices"][0]
     sequence = jnp.asarray([[*prompt.tolist(), *choice["token_ids"]]], jnp.int32)
     served = np.asarray([choice["logprobs"]["token_logprobs"]], np.float32)
-    mine = np.asarray(token_logprobs(params, sequence, cfg))[:, len(prompt) - 1:]
+    mine = np.asarray(token_logprobs(params, sequence, cfg))[:, len(prompt) - 1 :]
     return float(np.max(np.abs(mine - served)))

@@ -11,19 +11,25 @@ from weightwire import HTTPWeightSyncClient, JAXTrainerEngine, PytreeSource, Tra
 def parser(doc: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--server", help="send one round to this server (http://host:port)")
-    ap.add_argument("--backend", default="weightwire_tcp", choices=("nccl", "weightwire_nccl", "weightwire_tcp"))
+    ap.add_argument(
+        "--backend", default="weightwire_tcp", choices=("nccl", "weightwire_nccl", "weightwire_tcp")
+    )
     return ap
 
 
 def report_and_send(source: PytreeSource, args: argparse.Namespace, label: str) -> None:
     metas = source.metadata()
     groups = source.groups()
-    print(f"{label}: {len(metas)} HF tensors in {len(groups)} layer groups, "
-          f"{sum(m.nbytes for m in metas) / 1e6:.2f} MB; first {metas[0].name}, last {metas[-1].name}")
+    print(
+        f"{label}: {len(metas)} HF tensors in {len(groups)} layer groups, "
+        f"{sum(m.nbytes for m in metas) / 1e6:.2f} MB; first {metas[0].name}, last {metas[-1].name}"
+    )
     if not args.server:
         return
     client = HTTPWeightSyncClient(args.server, timeout=300)
-    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend=args.backend), client=client, source=source)
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend=args.backend), client=client, source=source
+    )
     try:
         print(engine.send_weights().summary())
     finally:

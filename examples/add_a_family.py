@@ -39,7 +39,9 @@ from weightwire import (
 # ---------------------------------------------------------------- the family: 30 lines
 def olmo2(*, scan_layers: bool, tie_word_embeddings: bool) -> Naming:
     stack = (Stacked(),) if scan_layers else ()
-    src = "model/layers" if scan_layers else "model/layers{_sep:[_/]}{layer:\\d+}"  # Linen or NNX/list
+    src = (
+        "model/layers" if scan_layers else "model/layers{_sep:[_/]}{layer:\\d+}"
+    )  # Linen or NNX/list
     dst = "model.layers.{layer}"
     t = Transpose()
     rules = [Rule("model/embed_tokens/embedding", "model.embed_tokens.weight")]
@@ -67,7 +69,12 @@ def olmo2_layout(hf: dict, *, scan_layers: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
-    d, n, v, f = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"], hf["intermediate_size"]
+    d, n, v, f = (
+        hf["hidden_size"],
+        hf["num_hidden_layers"],
+        hf["vocab_size"],
+        hf["intermediate_size"],
+    )
     q = hf["num_attention_heads"] * (hf.get("head_dim") or d // hf["num_attention_heads"])
     kv = q // hf["num_attention_heads"] * hf["num_key_value_heads"]
     lead = (n,) if scan_layers else ()
@@ -75,23 +82,48 @@ def olmo2_layout(hf: dict, *, scan_layers: bool) -> dict:
     def s(*shape: int) -> dict:
         return jax.ShapeDtypeStruct((*lead, *shape), jnp.float32)
 
-    layer = {"self_attn": {"q_proj": {"kernel": s(d, q)}, "k_proj": {"kernel": s(d, kv)},
-                           "v_proj": {"kernel": s(d, kv)}, "o_proj": {"kernel": s(q, d)},
-                           "q_norm": {"scale": s(q)}, "k_norm": {"scale": s(kv)}},
-             "mlp": {"gate_proj": {"kernel": s(d, f)}, "up_proj": {"kernel": s(d, f)}, "down_proj": {"kernel": s(f, d)}},
-             "post_attention_layernorm": {"scale": s(d)}, "post_feedforward_layernorm": {"scale": s(d)}}
-    model = {"embed_tokens": {"embedding": jax.ShapeDtypeStruct((v, d), jnp.float32)},
-             "norm": {"scale": jax.ShapeDtypeStruct((d,), jnp.float32)}}
+    layer = {
+        "self_attn": {
+            "q_proj": {"kernel": s(d, q)},
+            "k_proj": {"kernel": s(d, kv)},
+            "v_proj": {"kernel": s(d, kv)},
+            "o_proj": {"kernel": s(q, d)},
+            "q_norm": {"scale": s(q)},
+            "k_norm": {"scale": s(kv)},
+        },
+        "mlp": {
+            "gate_proj": {"kernel": s(d, f)},
+            "up_proj": {"kernel": s(d, f)},
+            "down_proj": {"kernel": s(f, d)},
+        },
+        "post_attention_layernorm": {"scale": s(d)},
+        "post_feedforward_layernorm": {"scale": s(d)},
+    }
+    model = {
+        "embed_tokens": {"embedding": jax.ShapeDtypeStruct((v, d), jnp.float32)},
+        "norm": {"scale": jax.ShapeDtypeStruct((d,), jnp.float32)},
+    }
     model.update({"layers": layer} if scan_layers else {f"layers_{i}": layer for i in range(n)})
-    return {"params": {"model": model, "lm_head": {"kernel": jax.ShapeDtypeStruct((d, v), jnp.float32)}}}
+    return {
+        "params": {"model": model, "lm_head": {"kernel": jax.ShapeDtypeStruct((d, v), jnp.float32)}}
+    }
 
 
 def main() -> int:
     import transformers
 
-    cfg = transformers.AutoConfig.for_model("olmo2", vocab_size=128, hidden_size=32, intermediate_size=48,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            pad_token_id=0, bos_token_id=None, eos_token_id=1)
+    cfg = transformers.AutoConfig.for_model(
+        "olmo2",
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=1,
+    )
     with tempfile.TemporaryDirectory() as d:
         transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
         tensors = read_safetensors(d)
@@ -99,7 +131,9 @@ def main() -> int:
         naming = preset("olmo2", scan_layers=scan)
         params = pytree_from_hf(naming, olmo2_layout(cfg.to_dict(), scan_layers=scan), tensors)
         sent = {n: np.asarray(a) for n, a in PytreeSource(params, naming)}
-        bad = sorted(n for n in tensors if n not in sent or sent[n].tobytes() != tensors[n].tobytes())
+        bad = sorted(
+            n for n in tensors if n not in sent or sent[n].tobytes() != tensors[n].tobytes()
+        )
         if bad or len(sent) != len(tensors):
             raise SystemExit(f"olmo2 mapping wrong for {bad[:4]}")
         print(f"olmo2 (scan_layers={scan}): {len(sent)} HF tensors round-trip bit for bit")

@@ -46,7 +46,11 @@ class MLP(eqx.Module):
 
     def __init__(self, key: jax.Array) -> None:
         k = jax.random.split(key, 3)
-        self.gate_proj, self.up_proj, self.down_proj = linear(D, F, k[0]), linear(D, F, k[1]), linear(F, D, k[2])
+        self.gate_proj, self.up_proj, self.down_proj = (
+            linear(D, F, k[0]),
+            linear(D, F, k[1]),
+            linear(F, D, k[2]),
+        )
 
 
 class Layer(eqx.Module):
@@ -89,11 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     source = PytreeSource(lambda: state["model"], preset("llama", leaf_style="torch"))
     report_and_send(source, args, "equinox module")
     # An optimizer step returns a new model; the getter hands the source the new one.
-    state["model"] = eqx.tree_at(lambda m: m.model.norm.weight, state["model"], replace_fn=lambda w: w * 2)
+    state["model"] = eqx.tree_at(
+        lambda m: m.model.norm.weight, state["model"], replace_fn=lambda w: w * 2
+    )
     norm = np.asarray(dict(source)["model.norm.weight"])
     assert np.array_equal(norm, np.full((D,), 2.0, np.float32))
     q = np.asarray(dict(source)["model.layers.0.self_attn.q_proj.weight"])
-    assert np.array_equal(q, np.asarray(state["model"].model.layers[0].self_attn.q_proj.weight))  # no transpose
+    assert np.array_equal(
+        q, np.asarray(state["model"].model.layers[0].self_attn.q_proj.weight)
+    )  # no transpose
     print("ok: torch-style weights sent as they are; the getter's latest model is what goes out")
     return 0
 

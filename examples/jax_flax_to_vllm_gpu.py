@@ -39,7 +39,13 @@ import optax
 from _score import logprob_gap, token_logprobs
 from tokenizers import Tokenizer
 
-from weightwire import HTTPWeightSyncClient, JAXTrainerEngine, PytreeSource, TrainerInitInfo, load_decoder
+from weightwire import (
+    HTTPWeightSyncClient,
+    JAXTrainerEngine,
+    PytreeSource,
+    TrainerInitInfo,
+    load_decoder,
+)
 from weightwire.tools.models import decoder
 
 SENTENCE = "The trainer sends fresh weights to the inference server after every step."
@@ -49,8 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", required=True, help="vLLM base URL")
     ap.add_argument("--model-dir", required=True, help="the HF directory the server loaded")
-    ap.add_argument("--backend", default="nccl", choices=("nccl", "weightwire_nccl", "weightwire_tcp"))
-    ap.add_argument("--dtype", default="bfloat16", help="parameter and wire dtype (bfloat16 / float32)")
+    ap.add_argument(
+        "--backend", default="nccl", choices=("nccl", "weightwire_nccl", "weightwire_tcp")
+    )
+    ap.add_argument(
+        "--dtype", default="bfloat16", help="parameter and wire dtype (bfloat16 / float32)"
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args(argv)
@@ -74,16 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     # The source reads the live params each round: no copy, no host round trip on GPU.
     source = PytreeSource(lambda: state["params"], decoder.naming(cfg), dtype=args.dtype)
     on_gpu = args.backend != "weightwire_tcp"
-    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend=args.backend, device=0 if on_gpu else None),
-                                           client=client, source=source)
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend=args.backend, device=0 if on_gpu else None),
+        client=client,
+        source=source,
+    )
     prompt = np.asarray(tokens[:4], np.int32)
     try:
         for step in range(1, args.steps + 1):
             state["params"], state["opt"], loss = train_step(state["params"], state["opt"])
             m = engine.send_weights(weight_version=f"step-{step}")
             diff = logprob_gap(args.server, state["params"], cfg, prompt)
-            print(f"step {step}: loss {float(loss):.4f}  sync {m.total_seconds * 1e3:.1f} ms  "
-                  f"{m.nbytes / 1e6:.1f} MB  {m.gbps:.2f} GB/s  server vs JAX max |dlogp| {diff:.2e}", flush=True)
+            print(
+                f"step {step}: loss {float(loss):.4f}  sync {m.total_seconds * 1e3:.1f} ms  "
+                f"{m.nbytes / 1e6:.1f} MB  {m.gbps:.2f} GB/s  server vs JAX max |dlogp| {diff:.2e}",
+                flush=True,
+            )
     finally:
         engine.shutdown()
         client.close()

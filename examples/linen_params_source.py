@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_dir:
         cfg, variables = load_decoder(args.model_dir, scan_layers=True)
     else:
-        cfg = decoder.DecoderConfig.for_family("qwen3_moe", num_experts=8, moe_intermediate_size=32, head_dim=16,
-                                               scan_layers=True)
+        cfg = decoder.DecoderConfig.for_family(
+            "qwen3_moe", num_experts=8, moe_intermediate_size=32, head_dim=16, scan_layers=True
+        )
         variables = decoder.init(jax.random.key(0), cfg)
     state = {"variables": variables}  # a training loop replaces this each step
     source = PytreeSource(lambda: state["variables"], decoder.naming(cfg))
@@ -36,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     kernel = variables["params"]["model"]["layers"]["mlp"]["experts"]["gate_proj"]["kernel"]
     sent = dict(source)["model.layers.1.mlp.experts.3.gate_proj.weight"]
     assert (sent == kernel[1, 3].T).all()
-    print(f"ok: stacked expert kernel {list(kernel.shape)} -> per-expert HF tensors "
-          f"{list(sent.shape)}")
+    print(
+        f"ok: stacked expert kernel {list(kernel.shape)} -> per-expert HF tensors "
+        f"{list(sent.shape)}"
+    )
     return 0
 
 

@@ -23,37 +23,84 @@ from weightwire import MergeAxes, Naming, PytreeSource, Rule, Stacked, Transpose
 L, HF, MOE = "decoder/layers", "model.layers.{layer}", "model.layers.{layer}.block_sparse_moe"
 SCAN, EXPERT, T = Stacked(axis=1), Stacked(axis=0, field="expert"), Transpose()
 
-MAXTEXT_MIXTRAL = Naming([
-    Rule("token_embedder/embedding", "model.embed_tokens.weight"),
-    Rule(f"{L}/pre_self_attention_layer_norm/scale", f"{HF}.input_layernorm.weight", SCAN),
-    Rule(f"{L}/self_attention/query/kernel", f"{HF}.self_attn.q_proj.weight", SCAN, MergeAxes(1, 2), T),
-    Rule(f"{L}/self_attention/key/kernel", f"{HF}.self_attn.k_proj.weight", SCAN, MergeAxes(1, 2), T),
-    Rule(f"{L}/self_attention/value/kernel", f"{HF}.self_attn.v_proj.weight", SCAN, MergeAxes(1, 2), T),
-    Rule(f"{L}/self_attention/out/kernel", f"{HF}.self_attn.o_proj.weight", SCAN, MergeAxes(0, 1), T),
-    Rule(f"{L}/post_self_attention_layer_norm/scale", f"{HF}.post_attention_layernorm.weight", SCAN),
-    Rule(f"{L}/MoeBlock_0/gate/kernel", f"{MOE}.gate.weight", SCAN, T),
-    Rule(f"{L}/MoeBlock_0/wi_0", f"{MOE}.experts.{{expert}}.w1.weight", EXPERT, SCAN, T),
-    Rule(f"{L}/MoeBlock_0/wi_1", f"{MOE}.experts.{{expert}}.w3.weight", EXPERT, SCAN, T),
-    Rule(f"{L}/MoeBlock_0/wo", f"{MOE}.experts.{{expert}}.w2.weight", EXPERT, SCAN, T),
-    Rule("decoder/decoder_norm/scale", "model.norm.weight"),
-    Rule("decoder/logits_dense/kernel", "lm_head.weight", T),
-], strip=("params",))
+MAXTEXT_MIXTRAL = Naming(
+    [
+        Rule("token_embedder/embedding", "model.embed_tokens.weight"),
+        Rule(f"{L}/pre_self_attention_layer_norm/scale", f"{HF}.input_layernorm.weight", SCAN),
+        Rule(
+            f"{L}/self_attention/query/kernel",
+            f"{HF}.self_attn.q_proj.weight",
+            SCAN,
+            MergeAxes(1, 2),
+            T,
+        ),
+        Rule(
+            f"{L}/self_attention/key/kernel",
+            f"{HF}.self_attn.k_proj.weight",
+            SCAN,
+            MergeAxes(1, 2),
+            T,
+        ),
+        Rule(
+            f"{L}/self_attention/value/kernel",
+            f"{HF}.self_attn.v_proj.weight",
+            SCAN,
+            MergeAxes(1, 2),
+            T,
+        ),
+        Rule(
+            f"{L}/self_attention/out/kernel",
+            f"{HF}.self_attn.o_proj.weight",
+            SCAN,
+            MergeAxes(0, 1),
+            T,
+        ),
+        Rule(
+            f"{L}/post_self_attention_layer_norm/scale",
+            f"{HF}.post_attention_layernorm.weight",
+            SCAN,
+        ),
+        Rule(f"{L}/MoeBlock_0/gate/kernel", f"{MOE}.gate.weight", SCAN, T),
+        Rule(f"{L}/MoeBlock_0/wi_0", f"{MOE}.experts.{{expert}}.w1.weight", EXPERT, SCAN, T),
+        Rule(f"{L}/MoeBlock_0/wi_1", f"{MOE}.experts.{{expert}}.w3.weight", EXPERT, SCAN, T),
+        Rule(f"{L}/MoeBlock_0/wo", f"{MOE}.experts.{{expert}}.w2.weight", EXPERT, SCAN, T),
+        Rule("decoder/decoder_norm/scale", "model.norm.weight"),
+        Rule("decoder/logits_dense/kernel", "lm_head.weight", T),
+    ],
+    strip=("params",),
+)
 
 
-def maxtext_tree(key: jax.Array, *, embed: int = 64, layers: int = 2, heads: int = 4, kv: int = 2, head_dim: int = 16,
-                 mlp: int = 32, experts: int = 8, vocab: int = 256) -> dict:
+def maxtext_tree(
+    key: jax.Array,
+    *,
+    embed: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv: int = 2,
+    head_dim: int = 16,
+    mlp: int = 32,
+    experts: int = 8,
+    vocab: int = 256,
+) -> dict:
     shapes = {
         "token_embedder": {"embedding": (vocab, embed)},
         "decoder": {
             "layers": {
                 "pre_self_attention_layer_norm": {"scale": (embed, layers)},
-                "self_attention": {"query": {"kernel": (embed, layers, heads, head_dim)},
-                                   "key": {"kernel": (embed, layers, kv, head_dim)},
-                                   "value": {"kernel": (embed, layers, kv, head_dim)},
-                                   "out": {"kernel": (heads, layers, head_dim, embed)}},
+                "self_attention": {
+                    "query": {"kernel": (embed, layers, heads, head_dim)},
+                    "key": {"kernel": (embed, layers, kv, head_dim)},
+                    "value": {"kernel": (embed, layers, kv, head_dim)},
+                    "out": {"kernel": (heads, layers, head_dim, embed)},
+                },
                 "post_self_attention_layer_norm": {"scale": (embed, layers)},
-                "MoeBlock_0": {"gate": {"kernel": (embed, layers, experts)}, "wi_0": (experts, layers, embed, mlp),
-                               "wi_1": (experts, layers, embed, mlp), "wo": (experts, layers, mlp, embed)},
+                "MoeBlock_0": {
+                    "gate": {"kernel": (embed, layers, experts)},
+                    "wi_0": (experts, layers, embed, mlp),
+                    "wi_1": (experts, layers, embed, mlp),
+                    "wo": (experts, layers, mlp, embed),
+                },
             },
             "decoder_norm": {"scale": (embed,)},
             "logits_dense": {"kernel": (embed, vocab)},
@@ -61,8 +108,15 @@ def maxtext_tree(key: jax.Array, *, embed: int = 64, layers: int = 2, heads: int
     }
     leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(leaves))
-    return {"params": jax.tree_util.tree_unflatten(
-        treedef, [0.02 * jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves, strict=True)])}
+    return {
+        "params": jax.tree_util.tree_unflatten(
+            treedef,
+            [
+                0.02 * jax.random.normal(k, s, jnp.float32)
+                for k, s in zip(keys, leaves, strict=True)
+            ],
+        )
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     wo = params["params"]["decoder"]["layers"]["MoeBlock_0"]["wo"]
     sent = np.asarray(dict(source)["model.layers.1.block_sparse_moe.experts.5.w2.weight"])
     assert np.array_equal(sent, np.asarray(wo[5, 1]).T)
-    print(f"ok: wo {list(wo.shape)} [experts, layers, mlp, embed] -> expert 5 of layer 1 as HF w2 "
-          f"{list(sent.shape)}")
+    print(
+        f"ok: wo {list(wo.shape)} [experts, layers, mlp, embed] -> expert 5 of layer 1 as HF w2 "
+        f"{list(sent.shape)}"
+    )
     return 0
 
 

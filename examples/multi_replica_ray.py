@@ -47,7 +47,12 @@ def perturb(params: Any, seed: int, scale: float = 0.02) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     return jax.tree_util.tree_unflatten(
-        treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)])
+        treedef,
+        [
+            x + scale * jax.random.normal(k, x.shape, x.dtype)
+            for x, k in zip(leaves, keys, strict=True)
+        ],
+    )
 
 
 def ray_replicas(model: str, replicas: int, tp: int) -> tuple[Any, list[Any]]:
@@ -58,8 +63,16 @@ def ray_replicas(model: str, replicas: int, tp: int) -> tuple[Any, list[Any]]:
 
     ray.init(ignore_reinit_error=True)
     actor = ray.remote(num_gpus=tp)(LLM)
-    handles = [actor.remote(model=model, tensor_parallel_size=tp, enforce_eager=True, gpu_memory_utilization=0.5,
-                            weight_transfer_config={"backend": "nccl"}) for _ in range(replicas)]
+    handles = [
+        actor.remote(
+            model=model,
+            tensor_parallel_size=tp,
+            enforce_eager=True,
+            gpu_memory_utilization=0.5,
+            weight_transfer_config={"backend": "nccl"},
+        )
+        for _ in range(replicas)
+    ]
     client = RayWeightSyncClient(handles, world_sizes=tp, server_version=vllm.__version__)
     return client, handles
 
@@ -68,12 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--urls", nargs="+", help="running servers, one per replica")
-    mode.add_argument("--ray", action="store_true", help="start vllm.LLM replicas as Ray actors (GPUs)")
+    mode.add_argument(
+        "--ray", action="store_true", help="start vllm.LLM replicas as Ray actors (GPUs)"
+    )
     ap.add_argument("--model-dir", help="the HF directory the servers loaded (--urls)")
     ap.add_argument("--model", help="--ray: the model directory each replica loads")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--backend", default="nccl", choices=("nccl", "weightwire_nccl", "weightwire_tcp"))
+    ap.add_argument(
+        "--backend", default="nccl", choices=("nccl", "weightwire_nccl", "weightwire_tcp")
+    )
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
 
@@ -83,15 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg, params0 = load_decoder(model_dir)
     if args.ray:
         client, _handles = ray_replicas(model_dir, args.replicas, args.tp)
-        urls: list[str] = []  # vllm.LLM actors serve no HTTP: versions are checked, log-probs are not
+        urls: list[
+            str
+        ] = []  # vllm.LLM actors serve no HTTP: versions are checked, log-probs are not
     else:
         client = HTTPWeightSyncClient(args.urls, timeout=300)
         urls = args.urls
     live = {"params": params0}
     source = PytreeSource(lambda: live["params"], decoder.naming(cfg))
     on_gpu = args.backend != "weightwire_tcp"
-    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend=args.backend, device=0 if on_gpu else None),
-                                           client=client, source=source)
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend=args.backend, device=0 if on_gpu else None),
+        client=client,
+        source=source,
+    )
     print(f"one group: trainer + {client.get_world_size()} inference ranks")
     try:
         for step in range(1, args.steps + 1):
@@ -100,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             versions = [info["weight_version"] for info in client.weight_info()]
             diffs = [logprob_gap(url, live["params"], cfg, PROMPT) for url in urls]
             ok = all(v == f"step-{step}" for v in versions) and all(d < 1e-3 for d in diffs)
-            print(f"step {step}: sync {m.total_seconds * 1e3:.1f} ms, versions {versions}, max "
-                  f"|dlogp| per replica {[f'{d:.1e}' for d in diffs]} "
-                  f"{'ok' if ok else 'MISMATCH'}", flush=True)
+            print(
+                f"step {step}: sync {m.total_seconds * 1e3:.1f} ms, versions {versions}, max "
+                f"|dlogp| per replica {[f'{d:.1e}' for d in diffs]} "
+                f"{'ok' if ok else 'MISMATCH'}",
+                flush=True,
+            )
             if not ok:
                 return 1
     finally:

@@ -29,8 +29,11 @@ class Kernel(nnx.Module):
 
 class Experts(nnx.Module):
     def __init__(self, rngs: nnx.Rngs) -> None:
-        self.gate_proj, self.up_proj, self.down_proj = (Kernel(E, D, F, rngs=rngs), Kernel(E, D, F, rngs=rngs),
-                                                        Kernel(E, F, D, rngs=rngs))
+        self.gate_proj, self.up_proj, self.down_proj = (
+            Kernel(E, D, F, rngs=rngs),
+            Kernel(E, D, F, rngs=rngs),
+            Kernel(E, F, D, rngs=rngs),
+        )
 
 
 class MoE(nnx.Module):
@@ -51,8 +54,13 @@ class Attention(nnx.Module):
 class Layer(nnx.Module):
     def __init__(self, rngs: nnx.Rngs) -> None:
         self.self_attn, self.mlp = Attention(rngs), MoE(rngs)
-        self.input_layernorm, self.post_attention_layernorm = nnx.RMSNorm(D, rngs=rngs), nnx.RMSNorm(D, rngs=rngs)
-        self.dropout = nnx.Dropout(0.1, rngs=rngs)  # RNG state in the module: not a weight, not sent
+        self.input_layernorm, self.post_attention_layernorm = (
+            nnx.RMSNorm(D, rngs=rngs),
+            nnx.RMSNorm(D, rngs=rngs),
+        )
+        self.dropout = nnx.Dropout(
+            0.1, rngs=rngs
+        )  # RNG state in the module: not a weight, not sent
 
 
 class Model(nnx.Module):
@@ -79,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     after = dict(source)["model.layers.1.mlp.experts.7.down_proj.weight"]
     assert jnp.array_equal(after, kernel[...][7].T.astype(jnp.bfloat16))
     assert not jnp.array_equal(after, before)
-    print("ok: expert 7 of layer 1 is kernel[7].T, and in-place updates are what the next round sends")
+    print(
+        "ok: expert 7 of layer 1 is kernel[7].T, and in-place updates are what the next round sends"
+    )
     return 0
 
 

@@ -33,24 +33,30 @@ SENTENCE = "The trainer sends fresh weights to the inference server after every 
 
 
 @torch.no_grad()
-def local_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
+def local_logprobs(
+    model: torch.nn.Module, prompt: list[int], completion: list[int]
+) -> torch.Tensor:
     ids = torch.tensor([prompt + completion], device=model.device)
     logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
-    return logp.gather(-1, ids[0, len(prompt):, None])[:, 0].cpu()
+    return logp.gather(-1, ids[0, len(prompt) :, None])[:, 0].cpu()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", required=True)
     ap.add_argument("--model-dir", required=True, help="the HF directory the server loaded")
-    ap.add_argument("--backend", default="nccl", choices=("nccl", "weightwire_nccl", "weightwire_tcp"))
+    ap.add_argument(
+        "--backend", default="nccl", choices=("nccl", "weightwire_nccl", "weightwire_tcp")
+    )
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for the NCCL backends")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args(argv)
 
     model = AutoModelForCausalLM.from_pretrained(args.model_dir).to(args.device)
-    tokens = AutoTokenizer.from_pretrained(args.model_dir)(SENTENCE, add_special_tokens=False)["input_ids"]
+    tokens = AutoTokenizer.from_pretrained(args.model_dir)(SENTENCE, add_special_tokens=False)[
+        "input_ids"
+    ]
     batch = torch.tensor([tokens], device=args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
@@ -58,8 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     device = None
     if args.device.startswith("cuda"):
         device = torch.device(args.device).index or 0  # the NCCL sender's CUDA ordinal
-    engine = TorchTrainerEngine.trainer_init(TrainerInitInfo(backend=args.backend, device=device),
-                                             client=client, source=ModuleSource(model))
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend=args.backend, device=device),
+        client=client,
+        source=ModuleSource(model),
+    )
     prompt = tokens[:4]
     try:
         for step in range(1, args.steps + 1):
@@ -68,16 +77,28 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             opt.step()
             m = engine.send_weights(weight_version=f"step-{step}")
-            reply = httpx.post(f"{args.server}/v1/completions", timeout=120, json={
-                "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 0,
-                "ignore_eos": True, "return_token_ids": True})
+            reply = httpx.post(
+                f"{args.server}/v1/completions",
+                timeout=120,
+                json={
+                    "prompt": prompt,
+                    "max_tokens": 8,
+                    "temperature": 0.0,
+                    "logprobs": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
             reply.raise_for_status()
             choice = reply.json()["choices"][0]
             mine = local_logprobs(model, prompt, choice["token_ids"])
             diff = float((mine - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max())
-            print(f"step {step}: loss {loss.item():.4f}  sync {m.total_seconds * 1e3:.1f} ms  "
-                  f"{m.nbytes / 1e6:.1f} MB  {m.gbps:.2f} GB/s  server vs torch max |dlogp| "
-                  f"{diff:.2e}", flush=True)
+            print(
+                f"step {step}: loss {loss.item():.4f}  sync {m.total_seconds * 1e3:.1f} ms  "
+                f"{m.nbytes / 1e6:.1f} MB  {m.gbps:.2f} GB/s  server vs torch max |dlogp| "
+                f"{diff:.2e}",
+                flush=True,
+            )
     finally:
         engine.shutdown()
         client.close()

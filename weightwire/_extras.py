@@ -22,10 +22,22 @@ from pathlib import Path
 from weightwire.shared.errors import UnavailableError
 
 EXTRA_OF: dict[str, str] = {
-    "jax": "jax", "jaxlib": "jax", "flax": "jax", "optax": "jax", "safetensors": "jax", "tokenizers": "jax",
-    "torch": "torch", "fastapi": "torch", "starlette": "torch", "uvicorn": "torch", "transformers": "torch",
-    "cupy": "cuda12", "cupy_backends": "cuda12", "ray": "ray",
-    "pytest": "test", "hypothesis": "test",
+    "jax": "jax",
+    "jaxlib": "jax",
+    "flax": "jax",
+    "optax": "jax",
+    "safetensors": "jax",
+    "tokenizers": "jax",
+    "torch": "torch",
+    "fastapi": "torch",
+    "starlette": "torch",
+    "uvicorn": "torch",
+    "transformers": "torch",
+    "cupy": "cuda12",
+    "cupy_backends": "cuda12",
+    "ray": "ray",
+    "pytest": "test",
+    "hypothesis": "test",
 }
 """Top-level module -> the extra that installs it (``cupy``: ``[cuda12]`` or ``[cuda13]``)."""
 
@@ -54,7 +66,11 @@ def _pip() -> str:
     """``pip`` of the interpreter running weightwire: the venv's even when it is not activated."""
     exe = sys.executable or "python3"
     pip = Path(sys.prefix, "bin", "pip")
-    if Path(exe).parent.resolve() == pip.parent.resolve() and sys.prefix != sys.base_prefix and pip.exists():
+    if (
+        Path(exe).parent.resolve() == pip.parent.resolve()
+        and sys.prefix != sys.base_prefix
+        and pip.exists()
+    ):
         return shlex.quote(_shown(pip))
     return f"{shlex.quote(_shown(Path(exe)))} -m pip"
 
@@ -74,7 +90,9 @@ def _checkout() -> Path | None:
     root = Path(__file__).resolve().parents[1]
     pyproject = root / "pyproject.toml"
     try:
-        return root if pyproject.is_file() and 'name = "weightwire"' in pyproject.read_text() else None
+        return (
+            root if pyproject.is_file() and 'name = "weightwire"' in pyproject.read_text() else None
+        )
     except OSError:
         return None
 

@@ -31,7 +31,8 @@ from typing import Any
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def exports_of(source: str, *, package: str) -> dict[str, str]:
@@ -47,18 +48,26 @@ def exports_of(source: str, *, package: str) -> dict[str, str]:
             continue
         for stmt in node.body:
             if not (isinstance(stmt, ast.ImportFrom) and stmt.module and stmt.level == 0):
-                raise ValueError(f"{package}: only 'from module import Name as Name' lines may be exported "
-                                 f"lazily (line {stmt.lineno})")
+                raise ValueError(
+                    f"{package}: only 'from module import Name as Name' lines may be exported "
+                    f"lazily (line {stmt.lineno})"
+                )
             for alias in stmt.names:
                 if alias.asname != alias.name:
-                    raise ValueError(f"{package}: write 'import {alias.name} as {alias.name}' (line {stmt.lineno})")
+                    raise ValueError(
+                        f"{package}: write 'import {alias.name} as {alias.name}' (line {stmt.lineno})"
+                    )
                 if alias.name in exports:
-                    raise ValueError(f"{package}: {alias.name!r} is exported twice (line {stmt.lineno})")
+                    raise ValueError(
+                        f"{package}: {alias.name!r} is exported twice (line {stmt.lineno})"
+                    )
                 exports[alias.name] = stmt.module
     return exports
 
 
-def attach(package: str, namespace: dict[str, Any]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def attach(
+    package: str, namespace: dict[str, Any]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``, exporting its ``TYPE_CHECKING`` imports.
 
     Sets ``__all__`` in ``namespace`` (the package's globals) to the exported names;
@@ -83,6 +92,9 @@ def attach(package: str, namespace: dict[str, Any]) -> tuple[Callable[[str], Any
     def __dir__() -> list[str]:
         # The exports and the module's own dunders (``__version__``): not the helpers the package
         # body used (``TYPE_CHECKING``, ``annotations``, ``attach``) nor the submodules it imported.
-        return sorted(set(exports) | {name for name in namespace if name.startswith("__") and name.endswith("__")})
+        return sorted(
+            set(exports)
+            | {name for name in namespace if name.startswith("__") and name.endswith("__")}
+        )
 
     return __getattr__, __dir__

@@ -62,11 +62,15 @@ def _watch(parent: int, sig: int) -> None:
         time.sleep(1.0)
         if os.getppid() != parent:
             os.kill(os.getpid(), sig)
-            time.sleep(5.0)  # a handler that unwinds gets that long, then the process goes regardless
+            time.sleep(
+                5.0
+            )  # a handler that unwinds gets that long, then the process goes regardless
             os._exit(128 + sig)
 
 
-def die_with_parent(sig: int = signal.SIGTERM, *, parent: int | None = None, kernel: bool | None = None) -> None:
+def die_with_parent(
+    sig: int = signal.SIGTERM, *, parent: int | None = None, kernel: bool | None = None
+) -> None:
     """Receive ``sig`` when the parent process dies; no-op when no parent is known.
 
     ``parent``: the launcher's pid; default ``$WEIGHTWIRE_PARENT_PID`` (unset: nothing
@@ -85,7 +89,9 @@ def die_with_parent(sig: int = signal.SIGTERM, *, parent: int | None = None, ker
     if os.getppid() != parent:
         os.kill(os.getpid(), sig)
         return
-    threading.Thread(target=_watch, args=(parent, sig), daemon=True, name="weightwire-parent-watch").start()
+    threading.Thread(
+        target=_watch, args=(parent, sig), daemon=True, name="weightwire-parent-watch"
+    ).start()
 
 
 def stop_on_signals() -> None:

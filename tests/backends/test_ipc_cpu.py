@@ -24,9 +24,19 @@ HANDLE = encode_secret(bytes(range(IPC_HANDLE_BYTES)))
 
 
 def ipc(**over: object) -> dict:
-    base = {"host": "127.0.0.1", "port": 4242, "secret_b64": SECRET, "rank_offset": 1, "world_size": 2,
-            "mem_handles_b64": [HANDLE, HANDLE], "event_handles_b64": [HANDLE, HANDLE], "device_uuid": "ab12",
-            "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 2, "timeout_s": 5.0}
+    base = {
+        "host": "127.0.0.1",
+        "port": 4242,
+        "secret_b64": SECRET,
+        "rank_offset": 1,
+        "world_size": 2,
+        "mem_handles_b64": [HANDLE, HANDLE],
+        "event_handles_b64": [HANDLE, HANDLE],
+        "device_uuid": "ab12",
+        "packed_buffer_size_bytes": 1 << 20,
+        "packed_num_buffers": 2,
+        "timeout_s": 5.0,
+    }
     return {**base, **over}
 
 
@@ -40,20 +50,29 @@ def test_ipc_init_info_round_trips_as_json_and_hides_secrets() -> None:
     json.dumps(info.to_dict())  # JSON only: nothing pickled, nothing binary
 
 
-@pytest.mark.parametrize(("body", "needle"), [
-    (ipc(mem_handles_b64=[HANDLE]), "mem_handles_b64 must list one handle per slot (2), got 1"),
-    (ipc(event_handles_b64=[HANDLE, HANDLE, HANDLE]), "event_handles_b64 must list one handle per slot"),
-    (ipc(mem_handles_b64=[HANDLE, encode_secret(b"x" * 63)]), "mem_handles_b64[1]"),
-    (ipc(mem_handles_b64=[HANDLE, 7]), "mem_handles_b64[1] must be a base64 string"),
-    (ipc(mem_handles_b64="AAAA"), "mem_handles_b64 must be list"),
-    (ipc(secret_b64=encode_secret(b"s" * 16)), "secret_b64"),
-    (ipc(device_uuid="GPU-<script>"), "device_uuid"),
-    (ipc(packed_num_buffers=0, mem_handles_b64=[], event_handles_b64=[]), "packed_num_buffers must be an int in"),
-    (ipc(port=0), "port must be in [1, 65535]"),
-    (ipc(timeout_s=0), "timeout_s"),
-    (ipc(release_after_round="yes"), "release_after_round must be bool"),
-    (ipc(handles=[HANDLE]), "unknown keys ['handles']"),
-])
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (ipc(mem_handles_b64=[HANDLE]), "mem_handles_b64 must list one handle per slot (2), got 1"),
+        (
+            ipc(event_handles_b64=[HANDLE, HANDLE, HANDLE]),
+            "event_handles_b64 must list one handle per slot",
+        ),
+        (ipc(mem_handles_b64=[HANDLE, encode_secret(b"x" * 63)]), "mem_handles_b64[1]"),
+        (ipc(mem_handles_b64=[HANDLE, 7]), "mem_handles_b64[1] must be a base64 string"),
+        (ipc(mem_handles_b64="AAAA"), "mem_handles_b64 must be list"),
+        (ipc(secret_b64=encode_secret(b"s" * 16)), "secret_b64"),
+        (ipc(device_uuid="GPU-<script>"), "device_uuid"),
+        (
+            ipc(packed_num_buffers=0, mem_handles_b64=[], event_handles_b64=[]),
+            "packed_num_buffers must be an int in",
+        ),
+        (ipc(port=0), "port must be in [1, 65535]"),
+        (ipc(timeout_s=0), "timeout_s"),
+        (ipc(release_after_round="yes"), "release_after_round must be bool"),
+        (ipc(handles=[HANDLE]), "unknown keys ['handles']"),
+    ],
+)
 def test_ipc_init_info_refuses_bad_payloads_by_field(body: dict, needle: str) -> None:
     with pytest.raises(ValueError) as err:
         IPCInitInfo.from_dict(body)
@@ -63,7 +82,9 @@ def test_ipc_init_info_refuses_bad_payloads_by_field(body: dict, needle: str) ->
 def test_backend_is_registered_on_device_and_knob_is_checked() -> None:
     backend = get_backend("weightwire_ipc")
     assert backend.caps.on_device and backend.name == "weightwire_ipc"
-    assert TrainerInitInfo(backend="weightwire_ipc", ipc_release_after_round=True).ipc_release_after_round
+    assert TrainerInitInfo(
+        backend="weightwire_ipc", ipc_release_after_round=True
+    ).ipc_release_after_round
     with pytest.raises(ValueError, match="ipc_release_after_round must be a bool"):
         TrainerInitInfo(backend="weightwire_ipc", ipc_release_after_round=1)  # type: ignore[arg-type]
     assert TrainerInitInfo(backend="weightwire_ipc").ipc_mode == "pull"
@@ -89,13 +110,17 @@ def test_channel_carries_json_messages_both_ways() -> None:
 def test_channel_reports_a_dead_peer_as_peer_lost() -> None:
     a, b = _pair()
     b.abort()  # the peer's end closes, as when its process dies
-    with pytest.raises(PeerLost, match="peer A closed the IPC control channel while this side waited for a piece"):
+    with pytest.raises(
+        PeerLost, match="peer A closed the IPC control channel while this side waited for a piece"
+    ):
         a.recv(deadline=time.monotonic() + 5, what="a piece")
 
 
 def test_channel_wait_is_bounded() -> None:
     a, _b = _pair()
-    with pytest.raises(TransferTimeout, match="a release from peer A did not arrive within the timeout"):
+    with pytest.raises(
+        TransferTimeout, match="a release from peer A did not arrive within the timeout"
+    ):
         a.recv(deadline=time.monotonic() + 0.05, what="a release")
 
 
@@ -108,7 +133,9 @@ def test_channel_refuses_garbage_and_out_of_step_messages() -> None:
     with pytest.raises(TransferError, match="without an 'op'"):
         a.recv(deadline=time.monotonic() + 5, what="x")
     b.send({"op": "free", "s": 0})
-    with pytest.raises(TransferError, match="sent 'free' where the worker's hello \\('hello'\\) was due"):
+    with pytest.raises(
+        TransferError, match="sent 'free' where the worker's hello \\('hello'\\) was due"
+    ):
         a.expect("hello", deadline=time.monotonic() + 5, what="the worker's hello")
     with pytest.raises(TransferError, match="with s=9, outside \\[0, 1\\]"):
         check_int({"op": "free", "s": 9}, "s", 0, 1, "peer B")
@@ -165,7 +192,9 @@ def test_handshake_admits_the_secret_holder_and_refuses_a_stray_client() -> None
     port = listener.address[1]
     stray: list = []
     good: list = []
-    t1 = _dial_in_thread(port, b"w" * 128, stray)  # wrong secret: refused, the listener keeps waiting
+    t1 = _dial_in_thread(
+        port, b"w" * 128, stray
+    )  # wrong secret: refused, the listener keeps waiting
     t1.join(10)
     t2 = _dial_in_thread(port, secret, good)
     (trainer_side,) = listener.accept(1, timeout=10)
@@ -191,10 +220,14 @@ def test_worker_refuses_a_trainer_that_cannot_prove_the_secret() -> None:
 
 def test_accept_is_bounded_and_cancellable() -> None:
     listener = Listener("127.0.0.1", b"s" * 128)
-    with pytest.raises(TransferTimeout, match="IPC rendezvous: 2 of 2 worker\\(s\\) did not join within"):
+    with pytest.raises(
+        TransferTimeout, match="IPC rendezvous: 2 of 2 worker\\(s\\) did not join within"
+    ):
         listener.accept(2, timeout=0.1)
     errors: list = []
-    thread = threading.Thread(target=lambda: errors.append(pytest.raises(TransferError, listener.accept, 1, timeout=30)))
+    thread = threading.Thread(
+        target=lambda: errors.append(pytest.raises(TransferError, listener.accept, 1, timeout=30))
+    )
     thread.start()
     listener.close()  # the init request failed: the join must end now, not at its timeout
     thread.join(10)

@@ -53,10 +53,10 @@ class Runtime:
 
     def memcpyAsync(self, dst: int, src: int, n: int, kind: int, stream: int) -> None:
         if kind == 1:  # host -> device: the table, read from real (pinned) host memory
-            self.dev.mem[dst:dst + n] = ctypes.string_at(src, n)
+            self.dev.mem[dst : dst + n] = ctypes.string_at(src, n)
             self.log.append(("upload", n // 24))
         else:
-            self.dev.mem[dst:dst + n] = self.dev.mem[src:src + n]
+            self.dev.mem[dst : dst + n] = self.dev.mem[src : src + n]
             self.log.append(("memcpy", n))
 
     def eventCreateWithFlags(self, flags: int) -> int:  # CUDA's names
@@ -96,10 +96,12 @@ class Kernel:
         rows = int(rows)
         assert 1 <= grid[0] <= rows and stream.ptr == 7  # blocks stride over the rows
         mem = self.cp.dev.mem
-        words = np.frombuffer(bytes(mem[table.data.ptr:table.data.ptr + 24 * rows]), dtype=np.uint64)
+        words = np.frombuffer(
+            bytes(mem[table.data.ptr : table.data.ptr + 24 * rows]), dtype=np.uint64
+        )
         for src, dst, n in words.reshape(rows, 3).tolist():
             assert 0 < n <= TILE
-            mem[dst:dst + n] = mem[src:src + n]
+            mem[dst : dst + n] = mem[src : src + n]
         self.cp.log.append(("launch", rows))
 
 
@@ -126,7 +128,7 @@ def _tensors(cp: FakeCupy, sizes: list[int]) -> tuple[list[DeviceBytes], bytes]:
     for n in sizes:
         data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         ptr = cp.dev.alloc(n) + (n % 3)  # odd source addresses too
-        cp.dev.mem[ptr:ptr + n] = data
+        cp.dev.mem[ptr : ptr + n] = data
         regions.append(DeviceBytes(ptr, n, 0, None))
         want += data
     return regions, want
@@ -137,7 +139,7 @@ def _copy(cp: FakeCupy, sizes: list[int], gc: GatherCopy | None = None) -> Gathe
     gc = gc or GatherCopy(cp, 0, 7)
     dst = cp.dev.alloc(len(want)) + 1  # an unaligned destination
     gc.copy(dst, regions, deadline=time.monotonic() + 5, alive=lambda: None)
-    assert bytes(cp.dev.mem[dst:dst + len(want)]) == want
+    assert bytes(cp.dev.mem[dst : dst + len(want)]) == want
     return gc
 
 
@@ -146,11 +148,15 @@ def test_small_tensors_go_through_one_table_of_tiles_and_large_ones_keep_their_m
     sizes = [SMALL, 1792, 256, 0, 3, SMALL + 5, 3 * TILE + 1, TILE] + [100 + i for i in range(10)]
     _copy(cp, sizes)
     ops = [e for e in cp.log if e[0] in ("memcpy", "upload", "launch")]
-    rows = 3 + 4 + 1 + 10  # 1792, 256, 3 B: a row each; 3 tiles + 1 B: four; one full tile; ten more
+    rows = (
+        3 + 4 + 1 + 10
+    )  # 1792, 256, 3 B: a row each; 3 tiles + 1 B: four; one full tile; ten more
     assert ops == [("memcpy", SMALL), ("memcpy", SMALL + 5), ("upload", rows), ("launch", rows)]
 
 
-def test_a_few_small_tensors_and_a_host_without_nvrtc_copy_one_memcpy_each(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_few_small_tensors_and_a_host_without_nvrtc_copy_one_memcpy_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     cp = FakeCupy()
     _copy(cp, [10] * (MIN_BATCH - 1))
     assert [e[0] for e in cp.log if e[0] != "event"] == ["memcpy"] * (MIN_BATCH - 1)
@@ -160,7 +166,8 @@ def test_a_few_small_tensors_and_a_host_without_nvrtc_copy_one_memcpy_each(caplo
     assert [e[0] for e in cp.log] == ["memcpy"] * 40
     assert [r.message for r in caplog.records].count(
         "weightwire_ipc: the gather kernel did not compile (RuntimeError: libnvrtc.so.12: cannot open shared "
-        "object file); small tensors are copied one memcpy each") == 1
+        "object file); small tensors are copied one memcpy each"
+    ) == 1
 
 
 def test_a_pinned_table_is_rewritten_only_after_its_last_upload_ran() -> None:
@@ -172,11 +179,16 @@ def test_a_pinned_table_is_rewritten_only_after_its_last_upload_ran() -> None:
     assert len(set(records)) == gather_mod._RING  # a table per ring slot
     cp.cuda.runtime.pending = 2  # the first table's upload is still queued twice over
     _copy(cp, [20] * 9, gc)
-    assert [e for e in cp.log if e[0] == "query"][-3:] == [("query", records[0])] * 3  # polled until done
+    assert [e for e in cp.log if e[0] == "query"][-3:] == [
+        ("query", records[0])
+    ] * 3  # polled until done
     grow = [e for e in cp.log if e[0] in ("destroy", "event")]
-    _copy(cp, [13] * 300, gc)  # more rows than the tables hold: new tables, the old ones settled first
-    assert [e[0] for e in cp.log if e[0] in ("destroy", "event")][len(grow):] == (
-        ["destroy"] * gather_mod._RING + ["event"] * gather_mod._RING)
+    _copy(
+        cp, [13] * 300, gc
+    )  # more rows than the tables hold: new tables, the old ones settled first
+    assert [e[0] for e in cp.log if e[0] in ("destroy", "event")][len(grow) :] == (
+        ["destroy"] * gather_mod._RING + ["event"] * gather_mod._RING
+    )
 
 
 def test_the_same_copies_again_launch_on_the_table_still_on_the_device() -> None:
@@ -190,17 +202,19 @@ def test_the_same_copies_again_launch_on_the_table_still_on_the_device() -> None
         data = np.random.default_rng(seed).integers(0, 256, total, dtype=np.uint8).tobytes()
         off = 0
         for r in regions:
-            cp.dev.mem[r.ptr:r.ptr + r.nbytes] = data[off:off + r.nbytes]
+            cp.dev.mem[r.ptr : r.ptr + r.nbytes] = data[off : off + r.nbytes]
             off += r.nbytes
         gc.copy(dst, regions, deadline=time.monotonic() + 5, alive=lambda: None)
-        assert bytes(cp.dev.mem[dst:dst + total]) == data
+        assert bytes(cp.dev.mem[dst : dst + total]) == data
         return data
 
     fill(1)
     uploads = len([e for e in cp.log if e[0] == "upload"])
     fill(2)
     fill(3)
-    assert len([e for e in cp.log if e[0] == "upload"]) == uploads == 1  # launched on the kept table
+    assert (
+        len([e for e in cp.log if e[0] == "upload"]) == uploads == 1
+    )  # launched on the kept table
     assert len([e for e in cp.log if e[0] == "launch"]) == 3
     # Another destination is another table; enough other tables push the first one out.
     for k in range(gather_mod._RING):
@@ -209,7 +223,9 @@ def test_the_same_copies_again_launch_on_the_table_still_on_the_device() -> None
     assert len([e for e in cp.log if e[0] == "upload"]) == 1 + gather_mod._RING + 1
 
 
-def test_the_switch_turns_the_kernel_off_and_refuses_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_switch_turns_the_kernel_off_and_refuses_other_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("WEIGHTWIRE_IPC_GATHER", "0")
     cp = FakeCupy()
     _copy(cp, [10] * 20)

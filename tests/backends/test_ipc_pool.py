@@ -75,7 +75,11 @@ def test_a_buffer_is_reused_only_after_its_lease_died() -> None:
     pool, rt = _pool()
     a = pool.acquire(100 * MIB, stream_ptr=7)
     first = pool.describe(a)
-    assert set(first) == {"b", "cap", "h", "f"} and first["cap"] == a.nbytes and pool.describe(a) == {"b": a.id}  # handles once per session
+    assert (
+        set(first) == {"b", "cap", "h", "f"}
+        and first["cap"] == a.nbytes
+        and pool.describe(a) == {"b": a.id}
+    )  # handles once per session
     lease = pool.lease(a, 100 * MIB)
     assert lease.__cuda_array_interface__["data"] == (a.ptr, False)
     assert lease.__cuda_array_interface__["shape"] == (100 * MIB,)
@@ -86,7 +90,11 @@ def test_a_buffer_is_reused_only_after_its_lease_died() -> None:
     pool.lease(b, 1)  # b leased too (and its lease dropped at once)
     c = pool.acquire(90 * MIB, stream_ptr=9)  # same class: a (or b) again, no new allocation
     assert c.id in (a.id, b.id) and len([e for e in rt.log if e[0] == "malloc"]) == 2
-    assert rt.log[-1] == ("record", c.event, 9)  # ordered after its last readers on the given stream
+    assert rt.log[-1] == (
+        "record",
+        c.event,
+        9,
+    )  # ordered after its last readers on the given stream
 
 
 def test_release_after_round_frees_free_buffers_now_and_leased_ones_on_return() -> None:
@@ -126,7 +134,9 @@ def test_a_lease_dropped_on_another_thread_returns_the_buffer() -> None:
     again = pool.acquire(MIB, 0)
     assert again.id == a.id
     keep = pool.lease(again, MIB)
-    with pytest.raises(TransferError, match="is leased, not filling"):  # handed to torch twice: refused
+    with pytest.raises(
+        TransferError, match="is leased, not filling"
+    ):  # handed to torch twice: refused
         pool.lease(again, MIB)
     del keep
 
@@ -144,7 +154,9 @@ def test_a_buffer_leased_ahead_is_not_free_before_filled_even_if_its_lease_died(
     del lease  # e.g. the round failed while waiting for the ready message
     gc.collect()
     assert a.state == "filling" and pool.acquire_free(4 * MIB, 0) is None  # not handed out again
-    assert pool.close() == a.nbytes and not [e for e in rt.log if e[0] == "free"]  # leaked, never freed
+    assert pool.close() == a.nbytes and not [
+        e for e in rt.log if e[0] == "free"
+    ]  # leaked, never freed
 
 
 def test_filled_turns_a_lease_ahead_into_an_ordinary_one() -> None:

@@ -98,10 +98,14 @@ class Cupy:
 def cp(monkeypatch: pytest.MonkeyPatch) -> Cupy:
     fake = Cupy()
     monkeypatch.setattr(ipc_worker, "cupy_module", lambda: fake)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 77})())
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 77})()
+    )
     leases: list = []
 
-    def as_tensor(obj: Any, device: Any = None) -> Any:  # keeps the lease, as torch's CAI tensor does
+    def as_tensor(
+        obj: Any, device: Any = None
+    ) -> Any:  # keeps the lease, as torch's CAI tensor does
         leases.append(obj)
         return obj
 
@@ -111,10 +115,20 @@ def cp(monkeypatch: pytest.MonkeyPatch) -> Cupy:
 
 
 def _info(port: int, *, packed: bool = True, release: bool = False) -> IPCInitInfo:
-    return IPCInitInfo(host="127.0.0.1", port=port, secret_b64=encode_secret(SECRET), rank_offset=1, world_size=2,
-                       mem_handles_b64=[handle(5), handle(6)], event_handles_b64=[handle(1), handle(2)],
-                       packed=packed, packed_buffer_size_bytes=100, packed_num_buffers=2, timeout_s=5.0,
-                       release_after_round=release)
+    return IPCInitInfo(
+        host="127.0.0.1",
+        port=port,
+        secret_b64=encode_secret(SECRET),
+        rank_offset=1,
+        world_size=2,
+        mem_handles_b64=[handle(5), handle(6)],
+        event_handles_b64=[handle(1), handle(2)],
+        packed=packed,
+        packed_buffer_size_bytes=100,
+        packed_num_buffers=2,
+        timeout_s=5.0,
+        release_after_round=release,
+    )
 
 
 def _connect(trainer_script: Any, **info_kw: Any) -> tuple[Any, Channel, dict]:
@@ -131,7 +145,9 @@ def _connect(trainer_script: Any, **info_kw: Any) -> tuple[Any, Channel, dict]:
     thread = threading.Thread(target=trainer)
     thread.start()
     try:
-        link = ipc_worker.connect_ipc(_info(listener.address[1], **info_kw), rank=1, device=torch.device("cuda", 0))
+        link = ipc_worker.connect_ipc(
+            _info(listener.address[1], **info_kw), rank=1, device=torch.device("cuda", 0)
+        )
     finally:
         thread.join(10)
         listener.close()
@@ -167,7 +183,11 @@ def test_pull_link_names_buffers_and_hands_them_on_after_the_ready_event(cp: Cup
     assert w0["cap"] >= 60 and w0["b"] != w1["b"]
     ch.send({"op": "ready", "c": 0, "e": 1})
     lease = link.wait(0)
-    assert ("wait", 77, 1002) in cp.cuda.runtime.log  # torch's current stream waits on ready event 1
+    assert (
+        "wait",
+        77,
+        1002,
+    ) in cp.cuda.runtime.log  # torch's current stream waits on ready event 1
     assert lease.__cuda_array_interface__["shape"] == (60,)
     # Once torch let chunk 0 go, its buffer serves the next chunk: named again without handles.
     cp.leases.clear()  # type: ignore[attr-defined]
@@ -180,7 +200,8 @@ def test_pull_link_names_buffers_and_hands_them_on_after_the_ready_event(cp: Cup
 
 
 def test_an_unpacked_session_offers_push_only_and_opens_the_slots(
-        cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+    cp: Cupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     made: list = []
     monkeypatch.setattr(ipc_worker, "IPCLink", lambda rx, **kw: made.append(rx) or rx)
 
@@ -191,7 +212,9 @@ def test_an_unpacked_session_offers_push_only_and_opens_the_slots(
 
     rx, _, hello = _connect(push, packed=False)
     assert hello["modes"] == ["push"] and made == [rx]
-    assert ("open_slot",) in cp.cuda.runtime.log  # push: the slots are opened once the mode is known
+    assert (
+        "open_slot",
+    ) in cp.cuda.runtime.log  # push: the slots are opened once the mode is known
     rx.close()
 
 
@@ -212,7 +235,9 @@ def test_a_mode_the_worker_did_not_offer_is_refused(cp: Cupy) -> None:
         with pytest.raises(TransferError):
             ch.recv(deadline=time.monotonic() + 5, what="x")
 
-    with pytest.raises(TransferError, match="chose IPC mode 'pull', which this worker did not offer"):
+    with pytest.raises(
+        TransferError, match="chose IPC mode 'pull', which this worker did not offer"
+    ):
         _connect(pushy, packed=False)
 
 
@@ -226,7 +251,9 @@ def test_release_after_round_frees_the_pool_only_after_unmapped(cp: Cupy) -> Non
     link.wait(0)
     assert not [e for e in cp.cuda.runtime.log if e[0] == "free"]  # torch still holds the chunk
     cp.leases.clear()  # type: ignore[attr-defined]  # the round is loaded: the lease dies, the buffer goes
-    assert [e[0] for e in cp.cuda.runtime.log if e[0] == "free"] == ["free"] and link.held_bytes() == 0
+    assert [e[0] for e in cp.cuda.runtime.log if e[0] == "free"] == [
+        "free"
+    ] and link.held_bytes() == 0
     link.close()
 
 
@@ -241,10 +268,14 @@ def test_out_of_step_and_dead_trainers_are_named_and_in_flight_buffers_stay(cp: 
     link2, ch2, _ = _connect(_pull)
     _post(link2, 0, chunks[0], metas)
     ch2.abort()  # the trainer dies mid-round
-    with pytest.raises(PeerLost, match="closed the IPC control channel while this side waited for chunk 0"):
+    with pytest.raises(
+        PeerLost, match="closed the IPC control channel while this side waited for chunk 0"
+    ):
         link2.wait(0)
     link2.abort()
-    assert not [e for e in cp.cuda.runtime.log if e[0] == "free"]  # the trainer may still be writing them
+    assert not [
+        e for e in cp.cuda.runtime.log if e[0] == "free"
+    ]  # the trainer may still be writing them
     link.abort()
 
 
@@ -269,14 +300,19 @@ def _one_round(link: Any, ch: Channel, chunks: list, metas: list, *, wants: int)
     return got
 
 
-def test_round_start_names_the_last_rounds_buffers_early_and_post_then_asks_nothing(cp: Cupy) -> None:
+def test_round_start_names_the_last_rounds_buffers_early_and_post_then_asks_nothing(
+    cp: Cupy,
+) -> None:
     link, ch, _ = _connect(_pull_early)
     metas, chunks = _round([60, 70])
     first = _one_round(link, ch, chunks, metas, wants=2)
     cp.leases.clear()  # type: ignore[attr-defined]  # round 1 loaded: its buffers are free again
     link.start_round()
     early = ch.expect("early", deadline=time.monotonic() + 5, what="early")
-    assert [(w["c"], w["n"], w["b"]) for w in early["wants"]] == [(0, 60, first[0]["b"]), (1, 70, first[1]["b"])]
+    assert [(w["c"], w["n"], w["b"]) for w in early["wants"]] == [
+        (0, 60, first[0]["b"]),
+        (1, 70, first[1]["b"]),
+    ]
     assert not any("h" in w for w in early["wants"])  # known to the trainer since round 1
     _one_round(link, ch, chunks, metas, wants=0)
     assert ch.discard_delivered("want") == 0  # round 2 asked for nothing
@@ -297,7 +333,9 @@ def test_an_early_buffer_of_another_size_goes_back_and_the_chunk_is_asked_for(cp
     assert (want["c"], want["n"], want["b"]) == (0, 66, first[0]["b"])
     assert len([e for e in cp.cuda.runtime.log if e[0] == "malloc"]) == 2
     cp.leases.clear()  # type: ignore[attr-defined]
-    assert link.pool._buffers[first[1]["b"]].state == "free"  # chunk 1's early buffer was let go at the end
+    assert (
+        link.pool._buffers[first[1]["b"]].state == "free"
+    )  # chunk 1's early buffer was let go at the end
     link.close()
 
 
@@ -344,7 +382,9 @@ def _logged_unpack(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(UnpackPlan, "unpack", unpack)
 
 
-def test_views_are_made_before_the_ready_and_the_buffer_leased_after_it(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_views_are_made_before_the_ready_and_the_buffer_leased_after_it(
+    cp: Cupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _real_tensors(cp, monkeypatch)
     _logged_unpack(cp, monkeypatch)
     link, ch, _ = _connect(_pull)
@@ -356,9 +396,14 @@ def test_views_are_made_before_the_ready_and_the_buffer_leased_after_it(cp: Cupy
     want = ch.expect("want", deadline=time.monotonic() + 5, what="want")
     ch.send({"op": "ready", "c": 0, "e": 1})
     pairs = link.take(0, unpack_plan)
-    assert [(n, t.dtype, tuple(t.shape)) for n, t in pairs] == [("a", torch.bfloat16, (3, 4)), ("b", torch.float32, (5,))]
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in pairs] == [
+        ("a", torch.bfloat16, (3, 4)),
+        ("b", torch.float32, (5,)),
+    ]
     log = cp.cuda.runtime.log
-    assert log.index(("unpack",)) < log.index(("wait", 77, 1002))  # views first, then the stream waits
+    assert log.index(("unpack",)) < log.index(
+        ("wait", 77, 1002)
+    )  # views first, then the stream waits
     buf = link.pool._buffers[want["b"]]
     assert buf.state == "leased"
     del pairs
@@ -367,11 +412,16 @@ def test_views_are_made_before_the_ready_and_the_buffer_leased_after_it(cp: Cupy
     link.close()
 
 
-def test_a_plan_that_copies_out_unpacks_only_after_the_ready(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_plan_that_copies_out_unpacks_only_after_the_ready(
+    cp: Cupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _real_tensors(cp, monkeypatch)
     _logged_unpack(cp, monkeypatch)
     link, ch, _ = _connect(_pull)
-    metas = [ParamMeta("odd", "uint8", (3,)), ParamMeta("f", "float32", (2,))]  # f at offset 3: copied out
+    metas = [
+        ParamMeta("odd", "uint8", (3,)),
+        ParamMeta("f", "float32", (2,)),
+    ]  # f at offset 3: copied out
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
     unpack_plan = UnpackPlan(metas, chunk)
     assert not unpack_plan.in_place
@@ -385,7 +435,9 @@ def test_a_plan_that_copies_out_unpacks_only_after_the_ready(cp: Cupy, monkeypat
     link.close()
 
 
-def test_a_trainer_lost_before_the_ready_leaves_the_buffer_leased_ahead_unfreed(cp: Cupy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_trainer_lost_before_the_ready_leaves_the_buffer_leased_ahead_unfreed(
+    cp: Cupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _real_tensors(cp, monkeypatch)
     link, ch, _ = _connect(_pull)
     metas = [ParamMeta("a", "bfloat16", (8,))]

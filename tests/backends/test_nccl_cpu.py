@@ -52,7 +52,9 @@ class FakeExternalStream(FakeStream):
 
 
 class FakeArray:
-    def __init__(self, nbytes: int, *, ptr: int = 0xA000, device: int = 0, contiguous: bool = True) -> None:
+    def __init__(
+        self, nbytes: int, *, ptr: int = 0xA000, device: int = 0, contiguous: bool = True
+    ) -> None:
         self.nbytes, self.shape, self.strides = nbytes, (nbytes,), (1,)
         self.data = SimpleNamespace(ptr=ptr)
         self.device = SimpleNamespace(id=device)
@@ -96,7 +98,11 @@ class FakeCupy:
 
         runtime = SimpleNamespace(getDeviceCount=lambda: devices, getDevice=lambda: 0)
         self.cuda = SimpleNamespace(
-            Device=Device, Event=Event, Stream=FakeStream, ExternalStream=FakeExternalStream, runtime=runtime
+            Device=Device,
+            Event=Event,
+            Stream=FakeStream,
+            ExternalStream=FakeExternalStream,
+            runtime=runtime,
         )
 
     def zeros(self, n: int, dtype: object) -> FakeArray:
@@ -125,9 +131,15 @@ class FakeComm:
         self.calls.append(("destroy",))
 
 
-def make_comm(*, complete: bool = True, rank: int = 0, world_size: int = 2) -> tuple[NCCLCommunicator, FakeComm, FakeCupy]:
+def make_comm(
+    *, complete: bool = True, rank: int = 0, world_size: int = 2
+) -> tuple[NCCLCommunicator, FakeComm, FakeCupy]:
     cp, raw = FakeCupy(complete=complete), FakeComm()
-    return NCCLCommunicator(raw, rank=rank, world_size=world_size, device=0, cp=cp, version="2.28.9"), raw, cp
+    return (
+        NCCLCommunicator(raw, rank=rank, world_size=world_size, device=0, cp=cp, version="2.28.9"),
+        raw,
+        cp,
+    )
 
 
 def names(raw: FakeComm) -> list[str]:
@@ -220,7 +232,9 @@ def fake_nccl(comm_factory: object) -> SimpleNamespace:
     return SimpleNamespace(available=True, NcclCommunicator=comm_factory, get_version=lambda: 22809)
 
 
-def test_join_times_out_naming_rank_and_world_and_aborts_a_late_communicator(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_join_times_out_naming_rank_and_world_and_aborts_a_late_communicator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     gate, late = threading.Event(), FakeComm()
 
     def never_until_released(world: int, uid: bytes, rank: int) -> FakeComm:
@@ -282,7 +296,10 @@ def test_broadcast_sends_uint8_in_place_and_only_enqueues_on_a_given_stream() ->
     comm, raw, cp = make_comm(complete=False)  # nothing ever completes: any wait would time out
     comm.broadcast(FakeArray(1000, ptr=0xC000), root=1, stream=0x99)
     comm.broadcast(FakeArray(10, ptr=0xD000), stream=SimpleNamespace(cuda_stream=0x98))
-    assert raw.calls == [("broadcast", 0xC000, 0xC000, 1000, 1, 1, 0x99), ("broadcast", 0xD000, 0xD000, 10, 1, 0, 0x98)]
+    assert raw.calls == [
+        ("broadcast", 0xC000, 0xC000, 1000, 1, 1, 0x99),
+        ("broadcast", 0xD000, 0xD000, 10, 1, 0, 0x98),
+    ]
     cp.complete = True
     comm.broadcast(FakeArray(7, ptr=0xE000), timeout=1)  # internal stream, waits
     assert raw.calls[-1] == ("broadcast", 0xE000, 0xE000, 7, 1, 0, 0x5000)
@@ -292,7 +309,9 @@ def test_broadcast_typed_uses_the_tensor_dtype_and_checks_its_size() -> None:
     comm, raw, _ = make_comm()
     comm.broadcast_typed(FakeArray(64), nccl_dtype=9, count=32, timeout=1)  # bf16
     assert raw.calls == [("broadcast", 0xA000, 0xA000, 32, 9, 0, 0x5000)]
-    with pytest.raises(ValueError, match="32 elements of ncclDataType_t 7 are 128 bytes but the buffer holds 64"):
+    with pytest.raises(
+        ValueError, match="32 elements of ncclDataType_t 7 are 128 bytes but the buffer holds 64"
+    ):
         comm.broadcast_typed(FakeArray(64), nccl_dtype=7, count=32, timeout=1)
     with pytest.raises(ValueError, match="unknown ncclDataType_t 42"):
         comm.broadcast_typed(FakeArray(64), nccl_dtype=42, count=64)
@@ -301,7 +320,9 @@ def test_broadcast_typed_uses_the_tensor_dtype_and_checks_its_size() -> None:
 def test_synchronize_timeout_aborts_and_raises_then_communicator_is_dead() -> None:
     comm, raw, _ = make_comm(complete=False, rank=1, world_size=4)
     start = time.monotonic()
-    with pytest.raises(TransferTimeout, match=r"within 0.3 s on rank 1 of world size 4 .*communicator aborted"):
+    with pytest.raises(
+        TransferTimeout, match=r"within 0.3 s on rank 1 of world size 4 .*communicator aborted"
+    ):
         comm.broadcast(FakeArray(8), root=0, timeout=0.3)
     assert 0.3 <= time.monotonic() - start < 5
     assert names(raw) == ["broadcast", "abort"]
@@ -309,12 +330,16 @@ def test_synchronize_timeout_aborts_and_raises_then_communicator_is_dead() -> No
         comm.broadcast(FakeArray(8), timeout=1)
     comm.abort()
     comm.close()
-    assert names(raw) == ["broadcast", "abort"], "abort/close after an abort must not touch NCCL again"
+    assert names(raw) == ["broadcast", "abort"], (
+        "abort/close after an abort must not touch NCCL again"
+    )
 
 
 def test_async_remote_error_raises_peer_lost_and_aborts() -> None:
     comm, raw, _ = make_comm(complete=False)
-    raw.async_error = type("NcclError", (RuntimeError,), {"status": 6})("NCCL_ERROR_REMOTE_ERROR: peer exited")
+    raw.async_error = type("NcclError", (RuntimeError,), {"status": 6})(
+        "NCCL_ERROR_REMOTE_ERROR: peer exited"
+    )
     with pytest.raises(PeerLost, match="asynchronous error on rank 0 of world size 2.*peer exited"):
         comm.synchronize(None, timeout=10)
     assert names(raw) == ["abort"]
@@ -341,7 +366,9 @@ def test_buffers_nccl_cannot_read_are_refused_by_name() -> None:
         comm.broadcast(b"abcd", timeout=1)
     with pytest.raises(ValueError, match="must be C-contiguous"):
         comm.broadcast(FakeArray(8, contiguous=False), timeout=1)
-    with pytest.raises(ValueError, match="lives on CUDA device 1 but this communicator .* is on device 0"):
+    with pytest.raises(
+        ValueError, match="lives on CUDA device 1 but this communicator .* is on device 0"
+    ):
         comm.broadcast(FakeArray(8, device=1), timeout=1)
     with pytest.raises(ValueError, match=r"root must be a rank in \[0, 2\), got 2"):
         comm.broadcast(FakeArray(8), root=2, timeout=1)
@@ -372,7 +399,10 @@ def test_device_bytes_pass_through_unresolved_and_are_checked_like_any_buffer() 
     owner = object()
     comm.broadcast(DeviceBytes(0xF000, 256, 0, owner), stream=0x77)
     comm.broadcast_typed(DeviceBytes(0xF100, 64, 0, owner), nccl_dtype=9, count=32, stream=0x77)
-    assert raw.calls == [("broadcast", 0xF000, 0xF000, 256, 1, 0, 0x77), ("broadcast", 0xF100, 0xF100, 32, 9, 0, 0x77)]
+    assert raw.calls == [
+        ("broadcast", 0xF000, 0xF000, 256, 1, 0, 0x77),
+        ("broadcast", 0xF100, 0xF100, 32, 9, 0, 0x77),
+    ]
     with pytest.raises(ValueError, match="buffer lives on CUDA device 1 but this communicator"):
         comm.broadcast(DeviceBytes(0xF200, 8, 1, owner), stream=0x77)
 
@@ -393,20 +423,31 @@ def test_slot_buffers_copy_parts_back_to_back_and_reuse_each_slot() -> None:
     cp = FakeCupy()
     cp.uint8 = "uint8"
     cp.empty = lambda n, dtype: (allocated.append(n), Buf(n, 0x10000 * len(allocated)))[1]
-    cp.cuda.runtime.memcpyAsync = lambda dst, src, n, kind, stream: copies.append((dst, src, n, kind, stream))
+    cp.cuda.runtime.memcpyAsync = lambda dst, src, n, kind, stream: copies.append(
+        (dst, src, n, kind, stream)
+    )
     cp.cuda.runtime.memcpyDeviceToDevice = 3
     cp.get_default_memory_pool = lambda: SimpleNamespace(free_all_blocks=lambda: None)
     slots = SlotBuffers(cp, 0)
-    parts = [DeviceBytes(0xA0, 10, 0, None), DeviceBytes(0, 0, 0, None), DeviceBytes(0xB0, 6, 0, None)]
+    parts = [
+        DeviceBytes(0xA0, 10, 0, None),
+        DeviceBytes(0, 0, 0, None),
+        DeviceBytes(0xB0, 6, 0, None),
+    ]
     out = slots.gather(0, parts, 16, FakeStream(ptr=0x55))
-    assert out.nbytes == 16 and copies == [(0x10000, 0xA0, 10, 3, 0x55), (0x1000A, 0xB0, 6, 3, 0x55)]
+    assert out.nbytes == 16 and copies == [
+        (0x10000, 0xA0, 10, 3, 0x55),
+        (0x1000A, 0xB0, 6, 3, 0x55),
+    ]
     slots.gather(0, parts[:1], 10, FakeStream(ptr=0x55))  # fits: the slot's buffer is reused
     assert allocated == [16] and copies[-1][0] == 0x10000
     slots.gather(0, parts + parts, 32, FakeStream(ptr=0x55))  # grows
     assert allocated == [16, 32] and slots.held_bytes() == 32
     with pytest.raises(ValueError, match="chunk tensors hold 16 bytes, the plan says 17"):
         slots.gather(1, parts, 17, FakeStream())
-    with pytest.raises(ValueError, match=r"chunk tensors live on CUDA devices \[1\]; the sender packs on device 0"):
+    with pytest.raises(
+        ValueError, match=r"chunk tensors live on CUDA devices \[1\]; the sender packs on device 0"
+    ):
         slots.gather(1, [DeviceBytes(0xC0, 4, 1, None)], 4, FakeStream())
     slots.release()
     assert slots.held_bytes() == 0

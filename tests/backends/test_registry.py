@@ -21,9 +21,12 @@ from weightwire.shared.info import TCPInitInfo, encode_secret
 ROOT = Path(__file__).resolve().parents[2]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
-PARTS = [(name, field) for name in backends.BACKEND_NAMES
-         for field in ("init_info", "trainer", "connect", "worker_engine", "vllm_engine")
-         if getattr(backends.SPECS[name], field) is not None]
+PARTS = [
+    (name, field)
+    for name in backends.BACKEND_NAMES
+    for field in ("init_info", "trainer", "connect", "worker_engine", "vllm_engine")
+    if getattr(backends.SPECS[name], field) is not None
+]
 
 
 @pytest.mark.parametrize(("name", "field"), PARTS, ids=[f"{n}-{f}" for n, f in PARTS])
@@ -37,8 +40,12 @@ def test_every_module_path_imports(name: str, field: str) -> None:
 def test_init_info_types_by_backend() -> None:
     from weightwire.shared import IPCInitInfo, NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
 
-    want = {"nccl": NCCLInitInfo, "weightwire_nccl": WeightwireNCCLInitInfo, "weightwire_tcp": TCPInitInfo,
-            "weightwire_ipc": IPCInitInfo}
+    want = {
+        "nccl": NCCLInitInfo,
+        "weightwire_nccl": WeightwireNCCLInitInfo,
+        "weightwire_tcp": TCPInitInfo,
+        "weightwire_ipc": IPCInitInfo,
+    }
     assert {name: backends.init_info_type(name) for name in backends.BACKEND_NAMES} == want
     for name, cls in want.items():
         # Exact types: WeightwireNCCLInitInfo is an NCCLInitInfo, and still another backend's.
@@ -49,13 +56,18 @@ def test_init_info_types_by_backend() -> None:
 
 def test_each_package_declares_its_own_backends() -> None:
     # The registry lists packages; each package's spec module says what its backends are.
-    declared = [spec for package in backends.PACKAGES
-                for spec in importlib.import_module(f"{package}.spec").SPECS]
+    declared = [
+        spec
+        for package in backends.PACKAGES
+        for spec in importlib.import_module(f"{package}.spec").SPECS
+    ]
     assert [spec.name for spec in declared] == list(backends.BACKEND_NAMES)
     assert all(backends.SPECS[spec.name] is spec for spec in declared)
     for spec in declared:
         # A package's parts live in that package (the engines that receive outside vLLM excepted).
-        package = next(p for p in backends.PACKAGES if spec in importlib.import_module(f"{p}.spec").SPECS)
+        package = next(
+            p for p in backends.PACKAGES if spec in importlib.import_module(f"{p}.spec").SPECS
+        )
         assert spec.trainer.startswith(f"{package}."), spec
         assert spec.connect is None or spec.connect.startswith(f"{package}."), spec
 
@@ -111,7 +123,9 @@ class FakeFactory:
         cls.registry[name] = (module, class_name)
 
 
-def test_plugin_registers_exactly_the_entries_with_a_vllm_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plugin_registers_exactly_the_entries_with_a_vllm_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from weightwire.torch_side.worker import plugin
 
     for mod in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
@@ -121,9 +135,15 @@ def test_plugin_registers_exactly_the_entries_with_a_vllm_engine(monkeypatch: py
     monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.factory", factory)
     monkeypatch.setattr(FakeFactory, "registry", {})
     plugin.register()
-    want = {name: tuple(spec.vllm_engine.split(":")) for name, spec in backends.SPECS.items() if spec.vllm_engine}
+    want = {
+        name: tuple(spec.vllm_engine.split(":"))
+        for name, spec in backends.SPECS.items()
+        if spec.vllm_engine
+    }
     assert FakeFactory.registry == want
-    assert backends.NCCL not in FakeFactory.registry  # vLLM ships it; registering it would be refused
+    assert (
+        backends.NCCL not in FakeFactory.registry
+    )  # vLLM ships it; registering it would be refused
 
 
 def test_commands_offer_the_registry_names() -> None:
@@ -133,22 +153,34 @@ def test_commands_offer_the_registry_names() -> None:
 
     assert _cli.BACKENDS is backends.BACKEND_NAMES
     (action,) = [a for a in build_parser()._actions if "--backend" in a.option_strings]
-    assert tuple(action.choices) == backends.PLUGIN_BACKENDS  # the reference server stands in for the plugin
+    assert (
+        tuple(action.choices) == backends.PLUGIN_BACKENDS
+    )  # the reference server stands in for the plugin
     assert set(DEMO_BACKENDS) == {n for n, s in backends.SPECS.items() if not s.same_host}
 
 
 def test_import_pulls_no_framework_and_nothing_else() -> None:
     # Beyond the package itself (whatever ``import weightwire`` loads), the registry loads
     # only itself and the packages' spec modules: no framework, not even numpy or weightwire.shared.
-    probe = ("import json, sys; import weightwire; before = set(sys.modules); import weightwire.backends; "
-             "new = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('weightwire', 'numpy')); "
-             "fw = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax', 'jaxlib', 'cupy', 'vllm')); "
-             "print(json.dumps([new, fw]))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    probe = (
+        "import json, sys; import weightwire; before = set(sys.modules); import weightwire.backends; "
+        "new = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('weightwire', 'numpy')); "
+        "fw = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax', 'jaxlib', 'cupy', 'vllm')); "
+        "print(json.dumps([new, fw]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     new, frameworks = json.loads(out.stdout.strip().splitlines()[-1])
-    specs = sorted(["weightwire.backends", "weightwire.backends.spec", *backends.PACKAGES,
-                    *(f"{package}.spec" for package in backends.PACKAGES)])
+    specs = sorted(
+        [
+            "weightwire.backends",
+            "weightwire.backends.spec",
+            *backends.PACKAGES,
+            *(f"{package}.spec" for package in backends.PACKAGES),
+        ]
+    )
     assert frameworks == [] and new == specs, (new, frameworks)
 
 
@@ -157,8 +189,11 @@ def test_unknown_names_are_refused_naming_the_known_ones() -> None:
     from weightwire.trainer.config import TrainerInitInfo
 
     known = ", ".join(backends.BACKEND_NAMES)
-    for call in (lambda: backends.get("weightwire_udp"), lambda: get_backend("weightwire_udp"),
-                 lambda: TrainerInitInfo(backend="weightwire_udp")):
+    for call in (
+        lambda: backends.get("weightwire_udp"),
+        lambda: get_backend("weightwire_udp"),
+        lambda: TrainerInitInfo(backend="weightwire_udp"),
+    ):
         with pytest.raises(ValueError) as err:
             call()
         assert "unknown backend 'weightwire_udp'" in str(err.value) and known in str(err.value)
@@ -188,8 +223,14 @@ def test_worker_connect_dispatches_through_the_registry(monkeypatch: pytest.Monk
     from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 
     calls: list[tuple[Any, int]] = []
-    monkeypatch.setattr(tcp_worker, "connect_tcp", lambda info, *, rank, device: calls.append((info, rank)) or "link")
-    info = TCPInitInfo(host="127.0.0.1", port=9, secret_b64=encode_secret(bytes(128)), rank_offset=1, world_size=2)
+    monkeypatch.setattr(
+        tcp_worker,
+        "connect_tcp",
+        lambda info, *, rank, device: calls.append((info, rank)) or "link",
+    )
+    info = TCPInitInfo(
+        host="127.0.0.1", port=9, secret_b64=encode_secret(bytes(128)), rank_offset=1, world_size=2
+    )
     assert WeightwireTCPEngine._connect is connect
     assert connect(info, rank=1, device=torch.device("cpu")) == "link" and calls == [(info, 1)]
     stock = NCCLInitInfo(nccl_unique_id_b64=encode_secret(bytes(128)), rank_offset=1, world_size=2)
@@ -200,11 +241,19 @@ def test_worker_connect_dispatches_through_the_registry(monkeypatch: pytest.Monk
 def _code_strings(path: Path) -> set[str]:
     """String constants of a module, docstrings left out."""
     tree = ast.parse(path.read_text())
-    docs = {id(node.body[0].value) for node in ast.walk(tree)
-            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
-    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and id(n) not in docs}
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return {
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+    }
 
 
 def test_backend_names_are_written_once_in_code() -> None:
@@ -213,10 +262,13 @@ def test_backend_names_are_written_once_in_code() -> None:
     # so only the weightwire_* names are searched for.)
     names = set(backends.PLUGIN_BACKENDS)
     specs = {ROOT / (package.replace(".", "/") + "/spec.py") for package in backends.PACKAGES}
-    found = {str(p.relative_to(ROOT)): sorted(_code_strings(p) & names)
-             for p in sorted((ROOT / "weightwire").rglob("*.py"))}
+    found = {
+        str(p.relative_to(ROOT)): sorted(_code_strings(p) & names)
+        for p in sorted((ROOT / "weightwire").rglob("*.py"))
+    }
     assert {p: n for p, n in found.items() if n} == {
-        str(p.relative_to(ROOT)): sorted(_code_strings(p) & names) for p in sorted(specs)}
+        str(p.relative_to(ROOT)): sorted(_code_strings(p) & names) for p in sorted(specs)
+    }
     assert all(found[str(p.relative_to(ROOT))] for p in specs)
 
 

@@ -29,8 +29,11 @@ def make_round(total: int, seed: int = 0) -> tuple[list[ParamMeta], list[np.ndar
     metas: list[ParamMeta] = []
     for name in SUPPORTED_DTYPES:
         size = wire_dtype(name).itemsize
-        metas += [ParamMeta(f"{name}.big", name, (per_dtype // (1000 * size), 1000)),
-                  ParamMeta(f"{name}.odd", name, (3, 5, 7)), ParamMeta(f"{name}.scalar", name, ())]
+        metas += [
+            ParamMeta(f"{name}.big", name, (per_dtype // (1000 * size), 1000)),
+            ParamMeta(f"{name}.odd", name, (3, 5, 7)),
+            ParamMeta(f"{name}.scalar", name, ()),
+        ]
     metas.append(ParamMeta("filler", "uint8", (total - sum(m.nbytes for m in metas),)))
     arrays = []
     for meta in metas:
@@ -50,7 +53,14 @@ def big_round() -> tuple[list[ParamMeta], list[np.ndarray], dict[str, str]]:
     return metas, arrays, {m.name: digest(a) for m, a in zip(metas, arrays, strict=True)}
 
 
-def send_round(comm: TCPCommunicator, metas: list[ParamMeta], arrays: list[np.ndarray], *, packed: bool, buffer_size: int) -> int:
+def send_round(
+    comm: TCPCommunicator,
+    metas: list[ParamMeta],
+    arrays: list[np.ndarray],
+    *,
+    packed: bool,
+    buffer_size: int,
+) -> int:
     chunks = plan(metas, packed=packed, buffer_size_bytes=buffer_size)
     out = np.empty(max(c.nbytes for c in chunks), dtype=np.uint8)
     for chunk in chunks:
@@ -61,10 +71,17 @@ def send_round(comm: TCPCommunicator, metas: list[ParamMeta], arrays: list[np.nd
     return len(chunks)
 
 
-def run_round(receivers: int, metas, arrays, *, packed: bool, buffer_size: int) -> tuple[int, list[dict]]:
+def run_round(
+    receivers: int, metas, arrays, *, packed: bool, buffer_size: int
+) -> tuple[int, list[dict]]:
     with Peers() as peers, TCPRendezvous(world_size=receivers + 1) as rendezvous:
-        config = {**rendezvous.init_fields(), "world_size": receivers + 1, "packed": packed,
-                  "buffer_size": buffer_size, "metas": [m.to_dict() for m in metas]}
+        config = {
+            **rendezvous.init_fields(),
+            "world_size": receivers + 1,
+            "packed": packed,
+            "buffer_size": buffer_size,
+            "metas": [m.to_dict() for m in metas],
+        }
         procs = [peers.spawn("recv", {**config, "rank": r}) for r in range(1, receivers + 1)]
         comm = rendezvous.accept(timeout=60)
         with comm:
@@ -101,9 +118,19 @@ def test_unpacked_framing_one_broadcast_per_tensor():
 def pair(world_size: int = 2, **connect_kw) -> tuple[TCPCommunicator, list[TCPCommunicator]]:
     rendezvous = TCPRendezvous(world_size=world_size)
     with ThreadPoolExecutor(world_size - 1) as pool:
-        futures = [pool.submit(TCPCommunicator.connect, host=rendezvous.host, port=rendezvous.port,
-                               secret=rendezvous.secret, rank=r, world_size=world_size, timeout=10, **connect_kw)
-                   for r in range(1, world_size)]
+        futures = [
+            pool.submit(
+                TCPCommunicator.connect,
+                host=rendezvous.host,
+                port=rendezvous.port,
+                secret=rendezvous.secret,
+                rank=r,
+                world_size=world_size,
+                timeout=10,
+                **connect_kw,
+            )
+            for r in range(1, world_size)
+        ]
         root = rendezvous.accept(timeout=10)
         receivers = [f.result(timeout=10) for f in futures]
     with ThreadPoolExecutor(world_size) as pool:
@@ -114,8 +141,15 @@ def pair(world_size: int = 2, **connect_kw) -> tuple[TCPCommunicator, list[TCPCo
 
 def test_parts_are_one_logical_buffer_on_both_sides():
     root, (recv,) = pair()
-    parts = [np.arange(1000, dtype=np.float32), np.ones((3, 4), dtype=ml_dtypes.bfloat16), b"tail", bytearray(0)]
-    whole = b"".join(np.ascontiguousarray(p).tobytes() if isinstance(p, np.ndarray) else bytes(p) for p in parts)
+    parts = [
+        np.arange(1000, dtype=np.float32),
+        np.ones((3, 4), dtype=ml_dtypes.bfloat16),
+        b"tail",
+        bytearray(0),
+    ]
+    whole = b"".join(
+        np.ascontiguousarray(p).tobytes() if isinstance(p, np.ndarray) else bytes(p) for p in parts
+    )
     with ThreadPoolExecutor(1) as pool:
         single = np.empty(len(whole), dtype=np.uint8)
         fut = pool.submit(recv.broadcast, single, timeout=10)
@@ -137,7 +171,10 @@ def test_concurrent_receivers_get_the_same_bytes_repeatedly():
     with ThreadPoolExecutor(3) as pool:
         for step in range(5):
             bufs = [np.empty_like(data) for _ in receivers]
-            futs = [pool.submit(r.broadcast, b, timeout=20) for r, b in zip(receivers, bufs, strict=True)]
+            futs = [
+                pool.submit(r.broadcast, b, timeout=20)
+                for r, b in zip(receivers, bufs, strict=True)
+            ]
             root.broadcast(np.roll(data, step), timeout=20)
             for f in futs:
                 f.result(timeout=20)
@@ -153,7 +190,10 @@ def test_size_mismatch_is_a_clear_desync_error_not_garbage():
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(recv.broadcast, buf, timeout=10)
         root.broadcast(np.zeros(1000, dtype=np.uint8), timeout=10)
-        with pytest.raises(TransferError, match=r"broadcast #0: this receiver expected 999 bytes, the sender sent 1000"):
+        with pytest.raises(
+            TransferError,
+            match=r"broadcast #0: this receiver expected 999 bytes, the sender sent 1000",
+        ):
             fut.result(timeout=10)
     assert (buf == 7).all()  # not a byte was loaded
     with pytest.raises(TransferError, match="aborted"):
@@ -185,10 +225,20 @@ def test_bad_buffers_are_refused_before_any_byte_moves():
 
 
 def test_explicit_socket_buffers_path_moves_bytes():
-    rendezvous = TCPRendezvous(world_size=2, socket_buffer_bytes=1 << 30)  # above any autotuning ceiling
+    rendezvous = TCPRendezvous(
+        world_size=2, socket_buffer_bytes=1 << 30
+    )  # above any autotuning ceiling
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(TCPCommunicator.connect, host=rendezvous.host, port=rendezvous.port, secret=rendezvous.secret,
-                          rank=1, world_size=2, timeout=10, socket_buffer_bytes=1 << 30)
+        fut = pool.submit(
+            TCPCommunicator.connect,
+            host=rendezvous.host,
+            port=rendezvous.port,
+            secret=rendezvous.secret,
+            rank=1,
+            world_size=2,
+            timeout=10,
+            socket_buffer_bytes=1 << 30,
+        )
         root = rendezvous.accept(timeout=10)
         recv = fut.result(timeout=10)
         data = np.arange(1 << 20, dtype=np.int64)
@@ -209,8 +259,15 @@ def test_communicator_protocol_and_no_secret_in_repr():
     info = TCPInitInfo(**fields, rank_offset=1, world_size=2)
     assert info.secret == secret and info.port == rendezvous.port
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(TCPCommunicator.connect, host=info.host, port=info.port, secret=info.secret,
-                          rank=1, world_size=2, timeout=10)
+        fut = pool.submit(
+            TCPCommunicator.connect,
+            host=info.host,
+            port=info.port,
+            secret=info.secret,
+            rank=1,
+            world_size=2,
+            timeout=10,
+        )
         root = rendezvous.accept(timeout=10)
         recv = fut.result(timeout=10)
     for obj in (rendezvous, root, recv, info):

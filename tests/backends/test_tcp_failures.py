@@ -22,10 +22,22 @@ from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 
 
-def connect(rendezvous: TCPRendezvous, rank: int, *, secret: bytes | None = None, world_size: int | None = None,
-            timeout: float = 10) -> TCPCommunicator:
-    return TCPCommunicator.connect(host=rendezvous.host, port=rendezvous.port, secret=secret or rendezvous.secret,
-                                   rank=rank, world_size=world_size or rendezvous.world_size, timeout=timeout)
+def connect(
+    rendezvous: TCPRendezvous,
+    rank: int,
+    *,
+    secret: bytes | None = None,
+    world_size: int | None = None,
+    timeout: float = 10,
+) -> TCPCommunicator:
+    return TCPCommunicator.connect(
+        host=rendezvous.host,
+        port=rendezvous.port,
+        secret=secret or rendezvous.secret,
+        rank=rank,
+        world_size=world_size or rendezvous.world_size,
+        timeout=timeout,
+    )
 
 
 def raw_auth(rendezvous: TCPRendezvous, rank: int, world_size: int) -> int:
@@ -42,7 +54,10 @@ def raw_auth(rendezvous: TCPRendezvous, rank: int, world_size: int) -> int:
 
 def test_wrong_secret_is_refused_on_both_sides_and_accept_waits_for_the_real_receiver(caplog):
     rendezvous = TCPRendezvous(world_size=2)
-    with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.WARNING, logger="weightwire.backends.tcp.rendezvous"):
+    with (
+        ThreadPoolExecutor(1) as pool,
+        caplog.at_level(logging.WARNING, logger="weightwire.backends.tcp.rendezvous"),
+    ):
         accepted = pool.submit(rendezvous.accept, timeout=20)
         with pytest.raises(TransferError, match=r"refused rank 1 \(world_size 2\): wrong secret"):
             connect(rendezvous, 1, secret=secrets.token_bytes(128))
@@ -62,7 +77,10 @@ def test_accept_times_out_naming_missing_rank_and_the_refusal():
         accepted = pool.submit(rendezvous.accept, timeout=1.5)
         with pytest.raises(TransferError, match="wrong secret"):
             connect(rendezvous, 1, secret=bytes(128))
-        with pytest.raises(TransferTimeout, match=r"rank\(s\) \[1\] of world_size 2 did not join within 1.5 s; refused: .*wrong secret"):
+        with pytest.raises(
+            TransferTimeout,
+            match=r"rank\(s\) \[1\] of world_size 2 did not join within 1.5 s; refused: .*wrong secret",
+        ):
             accepted.result(timeout=10)
 
 
@@ -76,7 +94,9 @@ def test_receiver_refuses_a_sender_that_cannot_prove_the_secret():
         conn, _ = fake.accept()
         with conn:
             deadline = time.monotonic() + 10
-            conn.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.PROTOCOL_VERSION, secrets.token_bytes(32)))
+            conn.sendall(
+                wire.HELLO.pack(wire.HELLO_MAGIC, wire.PROTOCOL_VERSION, secrets.token_bytes(32))
+            )
             wire.recv_exact(conn, wire.AUTH.size, deadline)
             conn.sendall(wire.VERDICT.pack(wire.VERDICT_MAGIC, wire.OK, secrets.token_bytes(32)))
             with contextlib.suppress(wire.WireShort):  # the receiver hangs up instead of confirming
@@ -84,8 +104,17 @@ def test_receiver_refuses_a_sender_that_cannot_prove_the_secret():
 
     thread = threading.Thread(target=impostor)
     thread.start()
-    with pytest.raises(TransferError, match="did not prove the shared secret; refusing to receive weights"):
-        TCPCommunicator.connect(host="127.0.0.1", port=fake.getsockname()[1], secret=secret, rank=1, world_size=2, timeout=10)
+    with pytest.raises(
+        TransferError, match="did not prove the shared secret; refusing to receive weights"
+    ):
+        TCPCommunicator.connect(
+            host="127.0.0.1",
+            port=fake.getsockname()[1],
+            secret=secret,
+            rank=1,
+            world_size=2,
+            timeout=10,
+        )
     thread.join(timeout=10)
     fake.close()
     assert seen == []
@@ -116,7 +145,9 @@ def test_receiver_that_never_connects_times_out_accept_naming_missing_ranks():
     with ThreadPoolExecutor(1) as pool:
         accepted = pool.submit(rendezvous.accept, timeout=1.0)
         two = connect(rendezvous, 2)
-        with pytest.raises(TransferTimeout, match=r"rank\(s\) \[1, 3\] of world_size 4 did not join within 1 s"):
+        with pytest.raises(
+            TransferTimeout, match=r"rank\(s\) \[1, 3\] of world_size 4 did not join within 1 s"
+        ):
             accepted.result(timeout=10)
     with pytest.raises(PeerLost, match=r"lost rank 0 \(sender at 127.0.0.1:\d+\) before warm-up"):
         two.warmup(timeout=5)  # the rendezvous dropped it: no hang
@@ -144,8 +175,12 @@ def test_connect_times_out_when_nobody_accepts():
         connect(rendezvous, 1, timeout=0.5)
     port = rendezvous.port
     rendezvous.close()
-    with pytest.raises(TransferTimeout, match=f"could not connect to the TCP sender at 127.0.0.1:{port}"):
-        TCPCommunicator.connect(host="127.0.0.1", port=port, secret=bytes(128), rank=1, world_size=2, timeout=0.5)
+    with pytest.raises(
+        TransferTimeout, match=f"could not connect to the TCP sender at 127.0.0.1:{port}"
+    ):
+        TCPCommunicator.connect(
+            host="127.0.0.1", port=port, secret=bytes(128), rank=1, world_size=2, timeout=0.5
+        )
 
 
 def _pair() -> tuple[TCPCommunicator, TCPCommunicator]:
@@ -157,7 +192,9 @@ def _pair() -> tuple[TCPCommunicator, TCPCommunicator]:
 
 def test_warmup_times_out_naming_the_rank_that_never_said_ready():
     root, recv = _pair()
-    with pytest.raises(TransferTimeout, match=r"warm-up: no ready from rank 1 \(127.0.0.1:\d+\) within 0.5 s"):
+    with pytest.raises(
+        TransferTimeout, match=r"warm-up: no ready from rank 1 \(127.0.0.1:\d+\) within 0.5 s"
+    ):
         root.warmup(timeout=0.5)
     with pytest.raises(PeerLost, match="lost rank 0"):
         recv.warmup(timeout=5)  # the root aborted, so the receiver fails fast too
@@ -166,7 +203,10 @@ def test_warmup_times_out_naming_the_rank_that_never_said_ready():
 def test_stalled_receiver_makes_broadcast_time_out():
     root, recv = _pair()  # recv never reads: kernel buffers fill, then the sender must give up
     start = time.monotonic()
-    with pytest.raises(TransferTimeout, match=r"broadcast #0 of 268435456 bytes did not reach every receiver within 1 s; still sending to: rank 1 \(127.0.0.1:\d+\) at byte \d+"):
+    with pytest.raises(
+        TransferTimeout,
+        match=r"broadcast #0 of 268435456 bytes did not reach every receiver within 1 s; still sending to: rank 1 \(127.0.0.1:\d+\) at byte \d+",
+    ):
         root.broadcast(np.zeros(256 << 20, dtype=np.uint8), timeout=1.0)
     assert time.monotonic() - start < 10
     with pytest.raises(TransferError, match="aborted"):
@@ -189,8 +229,13 @@ def test_abort_wakes_a_blocked_receiver():
 
 def test_receiver_killed_mid_transfer_makes_the_sender_raise():
     with Peers() as peers, TCPRendezvous(world_size=3) as rendezvous:
-        config = {**rendezvous.init_fields(), "world_size": 3, "packed": True, "buffer_size": 1 << 20,
-                  "metas": [{"name": "w", "dtype": "uint8", "shape": [128 << 20]}]}
+        config = {
+            **rendezvous.init_fields(),
+            "world_size": 3,
+            "packed": True,
+            "buffer_size": 1 << 20,
+            "metas": [{"name": "w", "dtype": "uint8", "shape": [128 << 20]}],
+        }
         healthy = peers.spawn("recv", {**config, "rank": 1})
         doomed = peers.spawn("recv", {**config, "rank": 2, "stall": True})
         root = rendezvous.accept(timeout=60)
@@ -212,8 +257,14 @@ def test_sender_killed_mid_transfer_makes_receivers_raise_peer_lost():
         sender = peers.spawn("send", {"world_size": 3, "nbytes": total})
         fields = sender.expect("listening")
         del fields["event"]
-        config = {**fields, "world_size": 3, "packed": True, "buffer_size": 1 << 20, "delay_s": 1.5,
-                  "metas": [{"name": "w", "dtype": "uint8", "shape": [total]}]}
+        config = {
+            **fields,
+            "world_size": 3,
+            "packed": True,
+            "buffer_size": 1 << 20,
+            "delay_s": 1.5,
+            "metas": [{"name": "w", "dtype": "uint8", "shape": [total]}],
+        }
         receivers = [peers.spawn("recv", {**config, "rank": r}) for r in (1, 2)]
         sender.expect("sending")
         time.sleep(0.3)  # sender blocked on full socket buffers; receivers have not started reading
@@ -222,6 +273,9 @@ def test_sender_killed_mid_transfer_makes_receivers_raise_peer_lost():
             receiver.expect("warm")
             result = receiver.result(timeout=30)
             assert result["type"] == "PeerLost", result
-            match = re.search(rf"lost rank 0 \(sender at 127.0.0.1:\d+\) at byte (\d+) of {total} of broadcast #0", result["error"])
+            match = re.search(
+                rf"lost rank 0 \(sender at 127.0.0.1:\d+\) at byte (\d+) of {total} of broadcast #0",
+                result["error"],
+            )
             assert match, result["error"]
             assert 0 < int(match.group(1)) < total

@@ -36,8 +36,14 @@ def test_a_flood_of_idle_peers_does_not_lock_the_worker_out() -> None:
         accepted = pool.submit(rendezvous.accept, timeout=60)
         try:
             idle = [idle_peer(rendezvous) for _ in range(n)]  # every slot taken (and then some)
-            worker = TCPCommunicator.connect(host=rendezvous.host, port=rendezvous.port, secret=rendezvous.secret,
-                                             rank=1, world_size=2, timeout=20)
+            worker = TCPCommunicator.connect(
+                host=rendezvous.host,
+                port=rendezvous.port,
+                secret=rendezvous.secret,
+                rank=1,
+                world_size=2,
+                timeout=20,
+            )
             root = accepted.result(timeout=30)
         finally:
             for sock in idle:
@@ -47,19 +53,31 @@ def test_a_flood_of_idle_peers_does_not_lock_the_worker_out() -> None:
     worker.close()
 
 
-def test_an_unproven_peer_is_dropped_after_the_handshake_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unproven_peer_is_dropped_after_the_handshake_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(tcp_rendezvous, "HANDSHAKE_S", 0.2)
     rendezvous = TCPRendezvous(world_size=2)
     with ThreadPoolExecutor(1) as pool:
         accepted = pool.submit(rendezvous.accept, timeout=60)
         sock = idle_peer(rendezvous)
-        sock.settimeout(30)  # far below accept's 60 s: only the handshake deadline can close it in time
+        sock.settimeout(
+            30
+        )  # far below accept's 60 s: only the handshake deadline can close it in time
         try:
-            assert sock.recv(1) == b"", "the sender sent more than its hello to a peer that never authenticated"
+            assert sock.recv(1) == b"", (
+                "the sender sent more than its hello to a peer that never authenticated"
+            )
         finally:
             sock.close()
-        worker = TCPCommunicator.connect(host=rendezvous.host, port=rendezvous.port, secret=rendezvous.secret,
-                                         rank=1, world_size=2, timeout=20)
+        worker = TCPCommunicator.connect(
+            host=rendezvous.host,
+            port=rendezvous.port,
+            secret=rendezvous.secret,
+            rank=1,
+            world_size=2,
+            timeout=20,
+        )
         root = accepted.result(timeout=30)
     root.close()
     worker.close()
@@ -73,8 +91,13 @@ def test_worker_retries_a_dropped_handshake(monkeypatch: pytest.MonkeyPatch) -> 
     from weightwire.shared.info import TCPInitInfo, encode_secret
 
     rendezvous = TCPRendezvous(world_size=2)
-    info = TCPInitInfo(host=rendezvous.host, port=rendezvous.port, secret_b64=encode_secret(rendezvous.secret),
-                       world_size=2, rank_offset=1)
+    info = TCPInitInfo(
+        host=rendezvous.host,
+        port=rendezvous.port,
+        secret_b64=encode_secret(rendezvous.secret),
+        world_size=2,
+        rank_offset=1,
+    )
     real = TCPCommunicator.connect
     calls: list[int] = []
 
@@ -85,6 +108,7 @@ def test_worker_retries_a_dropped_handshake(monkeypatch: pytest.MonkeyPatch) -> 
         return real(**kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(TCPCommunicator, "connect", staticmethod(dropped_once))
+
     def sender() -> TCPCommunicator:
         root = rendezvous.accept(timeout=60)
         root.warmup(timeout=30)  # the worker warms up inside connect_tcp

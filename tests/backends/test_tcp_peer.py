@@ -33,15 +33,24 @@ class Peer:
     """A peer subprocess with a line-buffered JSON event stream; always bounded waits."""
 
     def __init__(self, role: str, config: dict[str, Any]) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, role], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, role],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(config))
         self.proc.stdin.close()
         self._events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._stderr: list[str] = []
-        self._readers = [threading.Thread(target=self._pump, daemon=True),
-                         threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr or ()), daemon=True)]
+        self._readers = [
+            threading.Thread(target=self._pump, daemon=True),
+            threading.Thread(
+                target=lambda: self._stderr.extend(self.proc.stderr or ()), daemon=True
+            ),
+        ]
         for reader in self._readers:
             reader.start()
 
@@ -54,10 +63,14 @@ class Peer:
         try:
             event = self._events.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"peer sent nothing within {timeout} s; stderr: {''.join(self._stderr)[-2000:]}") from None
+            raise AssertionError(
+                f"peer sent nothing within {timeout} s; stderr: {''.join(self._stderr)[-2000:]}"
+            ) from None
         if event is None:
             self.proc.wait(timeout=10)
-            raise AssertionError(f"peer exited ({self.proc.returncode}) early; stderr: {''.join(self._stderr)[-2000:]}")
+            raise AssertionError(
+                f"peer exited ({self.proc.returncode}) early; stderr: {''.join(self._stderr)[-2000:]}"
+            )
         return event
 
     def expect(self, event: str, timeout: float = 60) -> dict[str, Any]:
@@ -105,9 +118,15 @@ def _emit(obj: dict[str, Any]) -> None:
 def _recv(cfg: dict[str, Any]) -> None:
     from weightwire.backends.tcp.comm import TCPCommunicator
 
-    comm = TCPCommunicator.connect(host=cfg["host"], port=cfg["port"], secret=base64.b64decode(cfg["secret_b64"]),
-                                   rank=cfg["rank"], world_size=cfg["world_size"], timeout=cfg.get("timeout", 30),
-                                   transfer_timeout=cfg.get("transfer_timeout", 60))
+    comm = TCPCommunicator.connect(
+        host=cfg["host"],
+        port=cfg["port"],
+        secret=base64.b64decode(cfg["secret_b64"]),
+        rank=cfg["rank"],
+        world_size=cfg["world_size"],
+        timeout=cfg.get("timeout", 30),
+        transfer_timeout=cfg.get("transfer_timeout", 60),
+    )
     try:
         comm.warmup(timeout=cfg.get("timeout", 30))
         _emit({"event": "warm"})
@@ -116,7 +135,9 @@ def _recv(cfg: dict[str, Any]) -> None:
         time.sleep(cfg.get("delay_s", 0))
         metas = [ParamMeta.from_dict(m) for m in cfg["metas"]]
         chunks = plan(metas, packed=cfg["packed"], buffer_size_bytes=cfg["buffer_size"])
-        buf = np.empty(max((c.nbytes for c in chunks), default=0), dtype=np.uint8)  # preallocated once
+        buf = np.empty(
+            max((c.nbytes for c in chunks), default=0), dtype=np.uint8
+        )  # preallocated once
         digests = {}
         for chunk in chunks:
             comm.broadcast(buf[: chunk.nbytes])

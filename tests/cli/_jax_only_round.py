@@ -17,10 +17,23 @@ url, model_dir = sys.argv[1], sys.argv[2]
 cfg, params = load_decoder(model_dir)
 params = jax.tree.map(lambda p: p * 2, params)  # every nonzero tensor changes
 client = HTTPWeightSyncClient(url, timeout=120.0)
-engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp", verify=True), client=client,
-                                       source=PytreeSource(lambda: params, decoder.naming(cfg)))
-metrics = engine.send_weights(weight_version="jax-only-1")  # verify=True: raises unless every sha256 matches
+engine = JAXTrainerEngine.trainer_init(
+    TrainerInitInfo(backend="weightwire_tcp", verify=True),
+    client=client,
+    source=PytreeSource(lambda: params, decoder.naming(cfg)),
+)
+metrics = engine.send_weights(
+    weight_version="jax-only-1"
+)  # verify=True: raises unless every sha256 matches
 engine.shutdown()
 client.close()
-print(json.dumps({"version": metrics.version, "tensors": metrics.tensors, "nbytes": metrics.nbytes,
-                  "torch_modules": sorted(m for m in sys.modules if m.split(".")[0] == "torch")}))
+print(
+    json.dumps(
+        {
+            "version": metrics.version,
+            "tensors": metrics.tensors,
+            "nbytes": metrics.nbytes,
+            "torch_modules": sorted(m for m in sys.modules if m.split(".")[0] == "torch"),
+        }
+    )
+)

@@ -13,13 +13,20 @@ import time
 from weightwire._lifetime import child_env, stop_on_signals
 from weightwire.tools._cli import guarded
 
-CHILD = ("import time; from weightwire._lifetime import die_with_parent; die_with_parent(); "
-         "print('child up', flush=True); time.sleep(600)")
+CHILD = (
+    "import time; from weightwire._lifetime import die_with_parent; die_with_parent(); "
+    "print('child up', flush=True); time.sleep(600)"
+)
 
 
 def body() -> int:
-    child = subprocess.Popen([sys.executable, "-c", CHILD], env=child_env(), stdout=subprocess.PIPE, text=True,
-                             start_new_session=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert child.stdout is not None
         child.stdout.readline()

@@ -26,7 +26,9 @@ def launch_server() -> Iterator[Callable[..., EmbeddedServer]]:
     servers: list[EmbeddedServer] = []
 
     def launch(model: str, *, replicas: int = 1) -> EmbeddedServer:
-        server = EmbeddedServer(model, startup_timeout=180, extra_args=["--replicas", str(replicas)])
+        server = EmbeddedServer(
+            model, startup_timeout=180, extra_args=["--replicas", str(replicas)]
+        )
         servers.append(server)
         server.launch()
         return server
@@ -40,5 +42,10 @@ def launch_server() -> Iterator[Callable[..., EmbeddedServer]]:
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``weightwire ARGS`` in a fresh interpreter (the real entry point, no state shared)."""
-    return subprocess.run([sys.executable, "-m", "weightwire.tools.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "weightwire.tools.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

@@ -32,17 +32,27 @@ def test_demo_probes_the_server_before_starting_jax(scheme: str, tiny_dir: str) 
     done = run_cli("demo", "--server", url, "--model-dir", tiny_dir, timeout=120)
     assert done.returncode == 3, done.stdout + done.stderr
     line = _one_line(done.stderr)
-    assert line.startswith(f"weightwire demo: error: cannot reach a server at http://{url.removeprefix('http://')} ")
+    assert line.startswith(
+        f"weightwire demo: error: cannot reach a server at http://{url.removeprefix('http://')} "
+    )
     assert "weightwire serve --model tiny-llama" in line and "fix --server" in line
     assert "importing JAX" not in done.stdout  # it stopped before the slow start-up
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--server", "ftp://127.0.0.1:8000"], "the scheme must be http:// or https://, not ftp://"),
-    (["--server", "http://127.0.0.1:99999"], "its port is not a number in [0, 65535]"),
-    (["--server", "http://127.0.0.1:8000", "--model-dir", "/no/such/dir"],
-     "--model-dir '/no/such/dir' is not a Hugging Face model directory (no config.json)"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--server", "ftp://127.0.0.1:8000"],
+            "the scheme must be http:// or https://, not ftp://",
+        ),
+        (["--server", "http://127.0.0.1:99999"], "its port is not a number in [0, 65535]"),
+        (
+            ["--server", "http://127.0.0.1:8000", "--model-dir", "/no/such/dir"],
+            "--model-dir '/no/such/dir' is not a Hugging Face model directory (no config.json)",
+        ),
+    ],
+)
 def test_demo_refuses_a_bad_server_or_model_dir_as_usage(argv: list[str], message: str) -> None:
     done = run_cli("demo", *argv, timeout=120)
     assert done.returncode == 2, done.stderr
@@ -58,15 +68,20 @@ def test_serve_on_cuda_without_a_gpu_says_so_in_one_line() -> None:
     assert _one_line(done.stderr) == (
         "weightwire serve: error: --device cuda: torch sees no CUDA GPU on this host "
         "(torch.cuda.is_available() is False); use --device cpu, or check CUDA_VISIBLE_DEVICES "
-        "and the driver")
+        "and the driver"
+    )
     assert "loading" not in done.stdout  # no worker was started
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed here")
 def test_bench_nccl_without_cupy_names_the_extra() -> None:
-    done = run_cli("bench", "--backend", "nccl", "--total-mib", "8", "--buffer-mib", "4", timeout=120)
+    done = run_cli(
+        "bench", "--backend", "nccl", "--total-mib", "8", "--buffer-mib", "4", timeout=120
+    )
     assert done.returncode == 3, done.stderr
     line = _one_line(done.stderr)
-    assert line.startswith("weightwire bench: error: weightwire bench --backend nccl (NCCL on two GPUs) needs 'cupy': ")
+    assert line.startswith(
+        "weightwire bench: error: weightwire bench --backend nccl (NCCL on two GPUs) needs 'cupy': "
+    )
     assert '[cuda12]" (or [cuda13], matching your CUDA)' in line
     assert len(done.stderr.strip().splitlines()) == 1

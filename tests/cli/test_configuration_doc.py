@@ -15,8 +15,12 @@ _VAR = re.compile(r"\b(?:WEIGHTWIRE|XLA)_[A-Z0-9_]*[A-Z0-9]\b")
 
 
 def _read_by_code() -> set[str]:
-    sources = [*(ROOT / "weightwire").rglob("*.py"), ROOT / ".ci" / "run", ROOT / "tests" / "interop" / "run.sh",
-               *(ROOT / "tests" / "interop").glob("*.py")]
+    sources = [
+        *(ROOT / "weightwire").rglob("*.py"),
+        ROOT / ".ci" / "run",
+        ROOT / "tests" / "interop" / "run.sh",
+        *(ROOT / "tests" / "interop").glob("*.py"),
+    ]
     found: set[str] = set()
     for path in sources:
         found |= set(_VAR.findall(path.read_text()))
@@ -24,7 +28,9 @@ def _read_by_code() -> set[str]:
     # variable.
     # WEIGHTWIRE_CHECK is the result-line prefix of tests/interop/check_plugin.py, not a variable;
     # WEIGHTWIRE_NCCL is the backend registry's name constant (weightwire.backends), not a variable.
-    return {v for v in found if v not in ("WEIGHTWIRE_TIMEOUT", "WEIGHTWIRE_CHECK", "WEIGHTWIRE_NCCL")}
+    return {
+        v for v in found if v not in ("WEIGHTWIRE_TIMEOUT", "WEIGHTWIRE_CHECK", "WEIGHTWIRE_NCCL")
+    }
 
 
 def test_every_variable_the_code_reads_is_documented() -> None:
@@ -40,7 +46,12 @@ def test_the_page_documents_no_variable_the_code_does_not_read() -> None:
 
 
 def test_every_timeouts_field_has_its_variable_and_default() -> None:
-    rows = {m.group(1): m for m in re.finditer(r"^\| `(\w+)` \| `(WEIGHTWIRE_TIMEOUT_\w+)` \| ([0-9.]+) \|", DOC, re.M)}
+    rows = {
+        m.group(1): m
+        for m in re.finditer(
+            r"^\| `(\w+)` \| `(WEIGHTWIRE_TIMEOUT_\w+)` \| ([0-9.]+) \|", DOC, re.M
+        )
+    }
     for f in dataclasses.fields(Timeouts):
         assert f.name in rows, f"Timeouts.{f.name} is not in docs/configuration.md"
         assert rows[f.name].group(2) == f"WEIGHTWIRE_TIMEOUT_{f.name.upper()}"

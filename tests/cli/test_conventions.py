@@ -24,8 +24,13 @@ from weightwire.tools.server import build_parser as serve_parser
 
 
 def _python_m(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "weightwire", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "weightwire", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_version_and_python_m_weightwire() -> None:
@@ -33,7 +38,9 @@ def test_version_and_python_m_weightwire() -> None:
     assert done.returncode == 0 and done.stdout.strip() == f"weightwire {weightwire.__version__}"
     assert run_cli("--version").stdout == done.stdout
     listing = _python_m("--help")
-    assert listing.returncode == 0 and all(c in listing.stdout for c in ("demo", "serve", "bench", "doctor"))
+    assert listing.returncode == 0 and all(
+        c in listing.stdout for c in ("demo", "serve", "bench", "doctor")
+    )
 
 
 def test_the_version_has_one_source() -> None:
@@ -64,7 +71,9 @@ def test_every_option_has_help_and_no_markup(name: str, parser: argparse.Argumen
     for action in parser._actions:
         if action.help == argparse.SUPPRESS:
             continue  # internal (child-process roles), hidden from --help on purpose
-        assert action.help and action.help.strip(), f"{name}: {action.option_strings or action.dest} has no help"
+        assert action.help and action.help.strip(), (
+            f"{name}: {action.option_strings or action.dest} has no help"
+        )
         texts.append(action.help)
     rendered = parser.format_help()
     assert "``" not in rendered and "``" not in " ".join(texts), f"{name}: reST markup in --help"
@@ -79,9 +88,13 @@ def test_one_backend_naming_across_commands() -> None:
                 assert action.type is _cli.backend_name, f"{name}: --backend takes no aliases"
     assert set(seen) >= {"weightwire demo", "weightwire serve (own)", "weightwire bench (own)"}
     for name, choices in seen.items():
-        assert choices - {"all"} <= set(_cli.BACKENDS), f"{name}: backend names {choices - set(_cli.BACKENDS)}"
+        assert choices - {"all"} <= set(_cli.BACKENDS), (
+            f"{name}: backend names {choices - set(_cli.BACKENDS)}"
+        )
     # The alias works wherever a backend is taken.
-    assert serve_parser().parse_args(["--model", "m", "--backend", "tcp"]).backend == "weightwire_tcp"
+    assert (
+        serve_parser().parse_args(["--model", "m", "--backend", "tcp"]).backend == "weightwire_tcp"
+    )
     assert comm.build_parser().parse_args(["--backend", "tcp"]).backend == "weightwire_tcp"
 
 
@@ -94,9 +107,17 @@ def _one_clean_error(done: subprocess.CompletedProcess[str], code: int, message:
 
 
 def test_serve_exit_codes() -> None:
-    _one_clean_error(run_cli("serve", "--model", "/no/such/dir"), 2, "--model '/no/such/dir': no such directory")
-    _one_clean_error(run_cli("serve", "--model", "tiny-llama", "--replicas", "0"), 2, "--replicas must be in")
-    _one_clean_error(run_cli("serve", "--model", "tiny-llama", "--nonsense"), 2, "unrecognized arguments: --nonsense")
+    _one_clean_error(
+        run_cli("serve", "--model", "/no/such/dir"), 2, "--model '/no/such/dir': no such directory"
+    )
+    _one_clean_error(
+        run_cli("serve", "--model", "tiny-llama", "--replicas", "0"), 2, "--replicas must be in"
+    )
+    _one_clean_error(
+        run_cli("serve", "--model", "tiny-llama", "--nonsense"),
+        2,
+        "unrecognized arguments: --nonsense",
+    )
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -116,26 +137,37 @@ def test_bench_help_is_the_benchmarks_own() -> None:
     for argv in (["bench", "--help"], ["bench", "--", "--help"]):
         done = run_cli(*argv)
         assert done.returncode == 0, done.stderr
-        assert "--total-mib" in done.stdout and "--sync" in done.stdout and "exit codes:" in done.stdout
+        assert (
+            "--total-mib" in done.stdout
+            and "--sync" in done.stdout
+            and "exit codes:" in done.stdout
+        )
     done = run_cli("bench", "--sync", "--help")
     assert done.returncode == 0 and "--buffers-mib" in done.stdout and "--engines" in done.stdout
 
 
 def test_exit_codes_are_documented_where_users_look() -> None:
-    helps = [run_cli("--help").stdout, run_cli("demo", "--help").stdout, run_cli("serve", "--help").stdout]
+    helps = [
+        run_cli("--help").stdout,
+        run_cli("demo", "--help").stdout,
+        run_cli("serve", "--help").stdout,
+    ]
     for text in helps:
         assert "exit codes:" in text and "130" in text and "bad arguments" in text
     assert cli.__doc__ is not None and "130 Ctrl-C" in cli.__doc__
 
 
-def test_an_unexpected_error_is_one_line_unless_debugging(monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unexpected_error_is_one_line_unless_debugging(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def boom() -> int:
         raise OSError("disk on fire")
 
     assert _cli.guarded("weightwire x", boom) == 3
     err = capsys.readouterr().err
-    assert err.startswith("weightwire x: error: OSError: disk on fire") and "WEIGHTWIRE_DEBUG=1" in err
+    assert (
+        err.startswith("weightwire x: error: OSError: disk on fire") and "WEIGHTWIRE_DEBUG=1" in err
+    )
     monkeypatch.setenv("WEIGHTWIRE_DEBUG", "1")
     with pytest.raises(OSError, match="disk on fire"):
         _cli.guarded("weightwire x", boom)
@@ -155,9 +187,12 @@ def test_a_missing_extra_is_named_in_one_line(capsys: pytest.CaptureFixture[str]
     assert str(exc.value).startswith("the thing needs 'weightwire_no_such_module_x': ")
     assert str(exc.value).endswith(" install weightwire_no_such_module_x")
     assert str(MissingExtra("safetensors.numpy", "reading a checkpoint")) == (
-        f"reading a checkpoint needs 'safetensors': {install_command('jax')}")
+        f"reading a checkpoint needs 'safetensors': {install_command('jax')}"
+    )
     assert str(MissingExtra("uvicorn")).endswith(install_command("torch"))
-    assert install_command("cuda12") in str(MissingExtra("cupy")) and "[cuda13]" in str(MissingExtra("cupy"))
+    assert install_command("cuda12") in str(MissingExtra("cupy")) and "[cuda13]" in str(
+        MissingExtra("cupy")
+    )
     # A bare ModuleNotFoundError of a known optional module, even wrapped, maps to its extra.
     try:
         try:
@@ -173,7 +208,10 @@ def test_a_missing_extra_is_named_in_one_line(capsys: pytest.CaptureFixture[str]
         raise ModuleNotFoundError("No module named 'torch'", name="torch")
 
     assert _cli.guarded("weightwire serve", needs_torch) == 3
-    assert capsys.readouterr().err == f"weightwire serve: error: 'torch' is not installed: {install_command('torch')}\n"
+    assert (
+        capsys.readouterr().err
+        == f"weightwire serve: error: 'torch' is not installed: {install_command('torch')}\n"
+    )
     assert set(EXTRA_OF.values()) <= {"jax", "torch", "cuda12", "ray", "test"}
 
 
@@ -183,23 +221,44 @@ def test_the_install_hint_works_for_a_clone_and_names_the_venv_pip(tmp_path: Pat
     root = Path(weightwire.__file__).resolve().parents[1]
     probe = "from weightwire._extras import MissingExtra; print(MissingExtra('flax'))"
     env = {**os.environ, "PYTHONPATH": str(root)}
-    here = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=root, env=env,
-                          timeout=60, check=True).stdout.strip()
-    elsewhere = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env,
-                               timeout=60, check=True).stdout.strip()
+    here = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
+    elsewhere = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
     pip = Path(sys.prefix, "bin", "pip")
     shown = str(pip.relative_to(root)) if pip.is_relative_to(root) else str(pip)
     if sys.prefix == sys.base_prefix or not pip.exists():
         shown = f"{sys.executable} -m pip"
     assert here == f"'flax' is not installed: {shown} install -e \".[jax]\"", here
-    assert elsewhere.endswith(f' install -e "{root}[jax]"') and "weightwire[" not in elsewhere, elsewhere
+    assert elsewhere.endswith(f' install -e "{root}[jax]"') and "weightwire[" not in elsewhere, (
+        elsewhere
+    )
 
 
 # ------------------------------------------------------------------ serve: what it loads, routes,
 # Ctrl-C
 def test_serve_says_what_it_loads_and_serves_and_stops_cleanly_on_ctrl_c(tiny_dir: str) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "weightwire", "serve", "--model", tiny_dir, "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightwire", "serve", "--model", tiny_dir, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None and proc.stderr is not None
         loading = proc.stdout.readline()  # printed before the (slow) model load
@@ -213,13 +272,18 @@ def test_serve_says_what_it_loads_and_serves_and_stops_cleanly_on_ctrl_c(tiny_di
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-    assert loading.startswith(f"weightwire serve: loading {os.path.abspath(tiny_dir)} into 1 worker process(es) on cpu")
+    assert loading.startswith(
+        f"weightwire serve: loading {os.path.abspath(tiny_dir)} into 1 worker process(es) on cpu"
+    )
     assert ready.startswith("weightwire server ready on http://127.0.0.1:") and out == ""
     assert "OpenAI /v1/chat/completions, /v1/completions, /v1/models" in routes, routes
     assert "/init_weight_transfer_engine" in routes and "/health" in routes, routes
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert err.strip().splitlines()[-1] == "weightwire serve: stopped by Ctrl-C (SIGINT); the workers were closed", err
+    assert (
+        err.strip().splitlines()[-1]
+        == "weightwire serve: stopped by Ctrl-C (SIGINT); the workers were closed"
+    ), err
 
 
 def test_ctrl_c_during_the_demo_exits_130_without_a_traceback() -> None:
@@ -227,10 +291,17 @@ def test_ctrl_c_during_the_demo_exits_130_without_a_traceback() -> None:
     # background of a non-interactive shell (no job control) hands its children SIGINT *ignored*,
     # which CPython then keeps (it installs KeyboardInterrupt only where SIGINT was not ignored),
     # and the demo would rightly run to its end.
-    entry = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-             "sys.argv = ['weightwire', 'demo']; runpy.run_module('weightwire', run_name='__main__')")
-    proc = subprocess.Popen([sys.executable, "-c", entry], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    entry = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['weightwire', 'demo']; runpy.run_module('weightwire', run_name='__main__')"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", entry],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None
         seen = []

@@ -34,10 +34,14 @@ def test_default_demo_rises_and_every_sync_check_passes(tmp_path: Path) -> None:
     flat = " ".join(out.split())
     assert "tiny-llama, a tiny model with random weights" in flat
     # The server starts from dummy weights: the first push visibly changes what it writes.
-    before = re.search(r"starts from dummy weights .*?: it writes '(.*?)' \(max \|Δlogp\| vs the "
-                       r"policy ([0-9.e+-]+)\)",
-                       flat)
-    after = re.search(r"pushed the policy's weights as version '0' .*?; the server now writes '(.*?)'", flat)
+    before = re.search(
+        r"starts from dummy weights .*?: it writes '(.*?)' \(max \|Δlogp\| vs the "
+        r"policy ([0-9.e+-]+)\)",
+        flat,
+    )
+    after = re.search(
+        r"pushed the policy's weights as version '0' .*?; the server now writes '(.*?)'", flat
+    )
     assert before and after and before[1] != after[1] and float(before[2]) > 1e-2, flat
     assert "server and JAX policy agree" in out
     # Not a terminal: start-up progress comes as plain lines while it happens, not a bar at the end.
@@ -58,7 +62,9 @@ def test_default_demo_rises_and_every_sync_check_passes(tmp_path: Path) -> None:
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, DemoConfig().steps + 1))
     assert [f"{r['reward']:.3f}" for r in records] == [m.group(2) for m in rows]
-    assert all(r["ok"] and r["sync_bytes"] > 0 and r["weight_version"] == str(r["step"]) for r in records)
+    assert all(
+        r["ok"] and r["sync_bytes"] > 0 and r["weight_version"] == str(r["step"]) for r in records
+    )
     assert f"reward per step: {sparkline([r['reward'] for r in records])}" in out
 
 
@@ -78,8 +84,12 @@ def test_demo_result_judges_the_reward_trend() -> None:
 
 
 # ---------------------------------------------------------------- checkpoint -> Flax
-@pytest.mark.parametrize("layout", [{}, {"scan_layers": True}, {"fused_qkv": True, "fused_gate_up": True}])
-def test_checkpoint_loads_into_every_flax_layout_with_hf_logits(tiny_dir: str, layout: dict) -> None:
+@pytest.mark.parametrize(
+    "layout", [{}, {"scan_layers": True}, {"fused_qkv": True, "fused_gate_up": True}]
+)
+def test_checkpoint_loads_into_every_flax_layout_with_hf_logits(
+    tiny_dir: str, layout: dict
+) -> None:
     cfg, params = load_decoder(tiny_dir, **layout)
     tokens = np.array([[5, 17, 42, 99, 123, 7, 256]])
     mine = np.asarray(decoder.apply(params, jnp.asarray(tokens), cfg))
@@ -95,8 +105,13 @@ def test_loader_names_missing_and_misshaped_tensors(tiny_dir: str) -> None:
     tensors = read_safetensors(tiny_dir)
     naming = decoder.naming(cfg)
     with pytest.raises(CheckpointError, match="lacks 1 tensor.*model.norm.weight"):
-        pytree_from_hf(naming, template, {k: v for k, v in tensors.items() if k != "model.norm.weight"})
-    with pytest.raises(CheckpointError, match="model.norm.weight: checkpoint shape \\[63\\], model expects \\[64\\]"):
+        pytree_from_hf(
+            naming, template, {k: v for k, v in tensors.items() if k != "model.norm.weight"}
+        )
+    with pytest.raises(
+        CheckpointError,
+        match="model.norm.weight: checkpoint shape \\[63\\], model expects \\[64\\]",
+    ):
         pytree_from_hf(naming, template, {**tensors, "model.norm.weight": np.ones(63, np.float32)})
     with pytest.raises(CheckpointError, match="does not map, e.g. \\['extra.weight'\\]"):
         pytree_from_hf(naming, template, {**tensors, "extra.weight": np.ones(2, np.float32)})
@@ -120,33 +135,45 @@ def _mock(reply: dict) -> CompletionsClient:
 
 
 def _choice(i: int, ids: list[int], prompt: list[int]) -> dict:
-    return {"index": i, "token_ids": ids, "prompt_token_ids": prompt,
-            "logprobs": {"token_logprobs": [-1.0] * len(ids)}}
+    return {
+        "index": i,
+        "token_ids": ids,
+        "prompt_token_ids": prompt,
+        "logprobs": {"token_logprobs": [-1.0] * len(ids)},
+    }
 
 
 def test_rollouts_come_back_prompt_major() -> None:
     prompts = np.array([[7, 8], [9, 10]])
-    reply = {"choices": [_choice(i, [100 + i, 200 + i], prompts[i // 2].tolist()) for i in (3, 1, 0, 2)]}
+    reply = {
+        "choices": [_choice(i, [100 + i, 200 + i], prompts[i // 2].tolist()) for i in (3, 1, 0, 2)]
+    }
     out = _mock(reply).generate(prompts, max_tokens=2, temperature=1.0, n=2)
     assert out.completions.tolist() == [[100, 200], [101, 201], [102, 202], [103, 203]]
     assert out.sequences[2].tolist() == [9, 10, 102, 202]
 
 
-@pytest.mark.parametrize(("choice", "message"), [
-    (_choice(0, [1, 2, 3], [7]), "expected 2 token_ids"),
-    (_choice(0, [1, 2], [0, 7]), "did it add a BOS token"),
-    ({"index": 0, "token_ids": [1, 2], "logprobs": None}, "expected 2 token_logprobs"),
-])
+@pytest.mark.parametrize(
+    ("choice", "message"),
+    [
+        (_choice(0, [1, 2, 3], [7]), "expected 2 token_ids"),
+        (_choice(0, [1, 2], [0, 7]), "did it add a BOS token"),
+        ({"index": 0, "token_ids": [1, 2], "logprobs": None}, "expected 2 token_logprobs"),
+    ],
+)
 def test_rollouts_refuse_a_reply_they_cannot_train_on(choice: dict, message: str) -> None:
     with pytest.raises(RolloutError, match=message):
         _mock({"choices": [choice]}).generate(np.array([[7]]), max_tokens=2, temperature=1.0)
 
 
 def test_rollouts_surface_http_errors() -> None:
-    transport = httpx.MockTransport(lambda request: httpx.Response(400, json={"error": "bad max_tokens"}))
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(400, json={"error": "bad max_tokens"})
+    )
     with pytest.raises(RolloutError, match="HTTP 400.*bad max_tokens"):
-        CompletionsClient("http://server", transport=transport).generate(np.array([[7]]), max_tokens=2,
-                                                                         temperature=1.0)
+        CompletionsClient("http://server", transport=transport).generate(
+            np.array([[7]]), max_tokens=2, temperature=1.0
+        )
 
 
 def test_tiny_model_fits_vllm_cpu_attention(tiny_dir: str) -> None:
@@ -160,7 +187,9 @@ def test_sample_column_stays_on_one_line() -> None:
 
     shown = _sample_markup("ab\ne\x85[x]\u2028", "e")
     assert "\n" not in shown and "\x85" not in shown and "\u2028" not in shown
-    assert "[bold green]e[/]" in shown and "\\[x]" in shown  # the target is highlighted, markup escaped
+    assert (
+        "[bold green]e[/]" in shown and "\\[x]" in shown
+    )  # the target is highlighted, markup escaped
 
 
 def test_the_demo_evidence_helpers() -> None:
@@ -182,6 +211,8 @@ def test_the_reward_curve_is_a_png_where_matplotlib_is_installed(tmp_path: Path)
 def test_an_unwritable_metrics_file_fails_before_start_up() -> None:
     done = run_cli("demo", "--metrics-file", "/no/such/dir/m.jsonl", timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.strip() == ("weightwire demo: error: --metrics-file '/no/such/dir/m.jsonl': cannot write it "
-                                   "(No such file or directory)")
+    assert done.stderr.strip() == (
+        "weightwire demo: error: --metrics-file '/no/such/dir/m.jsonl': cannot write it "
+        "(No such file or directory)"
+    )
     assert "launching" not in done.stdout

@@ -28,9 +28,16 @@ def servers(launch_server: object, tiny_dir: str) -> Iterator[tuple[str, str]]:
 
 
 def _run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
-                          timeout=240, check=False)
-    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, (
+        f"{script} exited {done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    )
     return done.stdout
 
 
@@ -41,37 +48,85 @@ def _diffs(out: str) -> list[float]:
 def test_every_example_is_covered() -> None:
     # The pytree-kind examples (and their shared _send.py) run in
     # tests/jax_side/test_examples_kinds.py.
-    kinds = ["_send.py", "add_a_family.py", "equinox_module_source.py", "linen_params_source.py",
-             "maxtext_moe_scanned.py", "nnx_module_source.py"]
-    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted([
-        "_score.py", "jax_flax_to_vllm_gpu.py", "maxtext_style_scanned_layers.py", "multi_replica_ray.py",
-        "torch_trainer_to_vllm.py", *kinds])  # _score.py: the JAX-vs-server check of the two decoder examples
+    kinds = [
+        "_send.py",
+        "add_a_family.py",
+        "equinox_module_source.py",
+        "linen_params_source.py",
+        "maxtext_moe_scanned.py",
+        "nnx_module_source.py",
+    ]
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(
+        [
+            "_score.py",
+            "jax_flax_to_vllm_gpu.py",
+            "maxtext_style_scanned_layers.py",
+            "multi_replica_ray.py",
+            "torch_trainer_to_vllm.py",
+            *kinds,
+        ]
+    )  # _score.py: the JAX-vs-server check of the two decoder examples
 
 
 def test_jax_flax_example_over_tcp(servers: tuple[str, str], tiny_dir: str) -> None:
-    out = _run("jax_flax_to_vllm_gpu.py", "--server", servers[0], "--model-dir", tiny_dir,
-               "--backend", "weightwire_tcp", "--dtype", "float32", "--steps", "2", "--lr", "3e-3")
+    out = _run(
+        "jax_flax_to_vllm_gpu.py",
+        "--server",
+        servers[0],
+        "--model-dir",
+        tiny_dir,
+        "--backend",
+        "weightwire_tcp",
+        "--dtype",
+        "float32",
+        "--steps",
+        "2",
+        "--lr",
+        "3e-3",
+    )
     diffs = _diffs(out)
     assert len(diffs) == 2 and max(diffs) < 1e-3, out
 
 
 def test_torch_trainer_example_over_tcp(servers: tuple[str, str], tiny_dir: str) -> None:
-    out = _run("torch_trainer_to_vllm.py", "--server", servers[0], "--model-dir", tiny_dir,
-               "--backend", "weightwire_tcp", "--steps", "2", "--lr", "3e-3")
+    out = _run(
+        "torch_trainer_to_vllm.py",
+        "--server",
+        servers[0],
+        "--model-dir",
+        tiny_dir,
+        "--backend",
+        "weightwire_tcp",
+        "--steps",
+        "2",
+        "--lr",
+        "3e-3",
+    )
     diffs = _diffs(out)
     assert len(diffs) == 2 and max(diffs) < 1e-3, out
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
     assert losses[1] < losses[0], out
 
 
-def test_maxtext_example_maps_and_lands_every_tensor(servers: tuple[str, str], tiny_dir: str) -> None:
+def test_maxtext_example_maps_and_lands_every_tensor(
+    servers: tuple[str, str], tiny_dir: str
+) -> None:
     out = _run("maxtext_style_scanned_layers.py", "--server", servers[0], "--model-dir", tiny_dir)
     assert "mapping ok: 21 HF tensors reproduce the checkpoint bit for bit" in out
     assert "server checksums match all 21 tensors sent" in out
 
 
 def test_multi_replica_example_over_http(servers: tuple[str, str], tiny_dir: str) -> None:
-    out = _run("multi_replica_ray.py", "--urls", *servers, "--model-dir", tiny_dir, "--backend", "weightwire_tcp",
-               "--steps", "2")
+    out = _run(
+        "multi_replica_ray.py",
+        "--urls",
+        *servers,
+        "--model-dir",
+        tiny_dir,
+        "--backend",
+        "weightwire_tcp",
+        "--steps",
+        "2",
+    )
     assert "one group: trainer + 3 inference ranks" in out
     assert out.count(" ok\n") == 2 and "versions ['step-2', 'step-2']" in out, out

@@ -17,9 +17,14 @@ from transformers import AutoTokenizer
 
 # The template writes the BOS token itself, so the rendered text is tokenized without special
 # tokens.
-TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
-MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the tree sees the sea"}]
+TEMPLATE = (
+    "{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "the tree sees the sea"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +59,19 @@ def test_chat_uses_the_tokenizers_chat_template(servers: tuple[str, str], chat_d
     assert text.endswith("user: the tree sees the sea\nassistant:")
     ids = tok(text, add_special_tokens=False)["input_ids"]
     common = {"max_tokens": 6, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
-    chat = httpx.post(f"{servers[1]}/v1/chat/completions", json={
-        "model": "tiny-chat", "messages": MESSAGES, "logprobs": True, "top_logprobs": 2, **common}).json()
-    plain = httpx.post(f"{servers[1]}/v1/completions", json={"prompt": ids, "logprobs": 2, **common}).json()
+    chat = httpx.post(
+        f"{servers[1]}/v1/chat/completions",
+        json={
+            "model": "tiny-chat",
+            "messages": MESSAGES,
+            "logprobs": True,
+            "top_logprobs": 2,
+            **common,
+        },
+    ).json()
+    plain = httpx.post(
+        f"{servers[1]}/v1/completions", json={"prompt": ids, "logprobs": 2, **common}
+    ).json()
     assert chat["object"] == "chat.completion" and chat["model"] == "tiny-chat"
     got, want = chat["choices"][0], plain["choices"][0]
     assert got["prompt_token_ids"] == ids  # the server rendered exactly the template's prompt
@@ -71,32 +86,46 @@ def test_chat_uses_the_tokenizers_chat_template(servers: tuple[str, str], chat_d
 
 
 def test_chat_without_a_template_is_refused(servers: tuple[str, str]) -> None:
-    r = httpx.post(f"{servers[0]}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+    r = httpx.post(
+        f"{servers[0]}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}
+    )
     assert r.status_code == 400
     assert "tokenizer has no chat template" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize(("body", "param", "message"), [
-    ({"messages": []}, "messages", "non-empty list"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "must be one of"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "a string or a list of text parts"),
-    ({"messages": MESSAGES, "stream": True}, "stream", "not supported"),
-    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
-    ({"messages": MESSAGES, "functions": []}, "functions", "unsupported fields"),
-])
-def test_chat_refuses_a_bad_body_naming_the_field(servers: tuple[str, str], body: dict, param: str,
-                                                  message: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"messages": []}, "messages", "non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "must be one of"),
+        (
+            {"messages": [{"role": "user", "content": 3}]},
+            "messages[0].content",
+            "a string or a list of text parts",
+        ),
+        ({"messages": MESSAGES, "stream": True}, "stream", "not supported"),
+        ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ({"messages": MESSAGES, "functions": []}, "functions", "unsupported fields"),
+    ],
+)
+def test_chat_refuses_a_bad_body_naming_the_field(
+    servers: tuple[str, str], body: dict, param: str, message: str
+) -> None:
     r = httpx.post(f"{servers[1]}/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
 
 
 def test_a_request_for_another_model_gets_404(servers: tuple[str, str], chat_dir: str) -> None:
-    for path, body in (("/v1/completions", {"prompt": "the", "max_tokens": 1}),
-                       ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "the", "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}),
+    ):
         r = httpx.post(f"{servers[1]}{path}", json={**body, "model": "gpt-4o"})
         assert r.status_code == 404, r.text
-        assert r.json()["error"]["message"].startswith("The model `gpt-4o` does not exist: this server serves `tiny-chat`")
+        assert r.json()["error"]["message"].startswith(
+            "The model `gpt-4o` does not exist: this server serves `tiny-chat`"
+        )
         # The served name, and the --model value it was started with (a path, as vLLM's default
         # name), both serve.
         for name in ("tiny-chat", chat_dir, str(Path(chat_dir).resolve())):

@@ -34,7 +34,7 @@ def _blocks(lang: str, text: str = README) -> list[str]:
 def _section(title: str) -> str:
     start = README.index(f"## {title}")
     end = README.find("\n## ", start + 1)
-    return README[start:end if end > 0 else None]
+    return README[start : end if end > 0 else None]
 
 
 def test_set_up_has_exactly_two_commands_and_their_extras_exist() -> None:
@@ -42,9 +42,16 @@ def test_set_up_has_exactly_two_commands_and_their_extras_exist() -> None:
     assert len(commands) == 2 and all(len(c.strip().splitlines()) == 1 for c in commands), commands
     assert commands[0].strip().endswith(".venv/bin/weightwire demo")
     assert commands[1].strip().endswith(".venv/bin/python -m pytest -q")
-    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    named = {e for group in re.findall(r"weightwire\[([a-z0-9,]+)\]|\.\[([a-z0-9,]+)\]", README)
-             for part in group if part for e in part.split(",")}
+    extras = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    named = {
+        e
+        for group in re.findall(r"weightwire\[([a-z0-9,]+)\]|\.\[([a-z0-9,]+)\]", README)
+        for part in group
+        if part
+        for e in part.split(",")
+    }
     named |= set(re.findall(r"`\[(cuda\d+)\]`", README))
     assert {"jax", "torch", "test", "cuda12", "cuda13"} <= named
     assert named <= extras, f"README names extras pyproject lacks: {sorted(named - extras)}"
@@ -70,7 +77,11 @@ def test_every_weightwire_command_in_the_readme_parses() -> None:
                 words = shlex.split(part)
                 while words and "=" in words[0]:  # VAR=value prefixes
                     words = words[1:]
-                if words and words[0].endswith("weightwire") and not words[0].startswith("weightwire["):
+                if (
+                    words
+                    and words[0].endswith("weightwire")
+                    and not words[0].startswith("weightwire[")
+                ):
                     lines.append(words[1:])
     assert len(lines) >= 4, lines  # demo (set-up), serve, doctor, demo --server
     for argv in lines:
@@ -79,8 +90,12 @@ def test_every_weightwire_command_in_the_readme_parses() -> None:
 
 def test_paths_and_links_in_the_readme_exist() -> None:
     links = re.findall(r"\]\(([^)#]+)\)", README)
-    paths = [p for p in re.findall(r"`([\w./-]+)`", README)
-             if p.startswith(("weightwire/", "docs/", "benchmarks/", "tests/", "examples/", ".ci/")) or p == "LICENSE"]
+    paths = [
+        p
+        for p in re.findall(r"`([\w./-]+)`", README)
+        if p.startswith(("weightwire/", "docs/", "benchmarks/", "tests/", "examples/", ".ci/"))
+        or p == "LICENSE"
+    ]
     assert "docs/configuration.md" in links and len(paths) > 10
     missing = [p for p in [*links, *paths] if not (ROOT / p).exists()]
     assert missing == []
@@ -97,8 +112,10 @@ def _set_up_venv(where: Path) -> None:
     and this checkout (no re-install: the test runs the commands, not pip)."""
     bin_dir = where / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
-    for name, command in (("python", f'exec {shlex.quote(sys.executable)} "$@"'),
-                          ("weightwire", f'exec {shlex.quote(sys.executable)} -m weightwire "$@"')):
+    for name, command in (
+        ("python", f'exec {shlex.quote(sys.executable)} "$@"'),
+        ("weightwire", f'exec {shlex.quote(sys.executable)} -m weightwire "$@"'),
+    ):
         script = bin_dir / name
         script.write_text(f"#!/bin/sh\n{command}\n")
         script.chmod(0o755)
@@ -110,30 +127,55 @@ def test_the_quick_start_runs_as_written_after_the_set_up_command(tmp_path: Path
     # names. Only the port differs (a free one instead of 8000: tests run side by side).
     section = _section("Quick start: JAX trainer → vLLM")
     serve_line = _blocks("bash", section)[0].strip()
-    assert serve_line.startswith(".venv/bin/weightwire serve --model tiny-llama --port 8000"), serve_line
+    assert serve_line.startswith(".venv/bin/weightwire serve --model tiny-llama --port 8000"), (
+        serve_line
+    )
     marked = section.split(RUN_MARK, 1)
     assert len(marked) == 2, "the runnable block lost its marker"
     code = _blocks("python", marked[1])[0]
     run_line = re.search(r"save it as `trainer\.py` and run `([^`]+)`", " ".join(section.split()))
-    assert run_line is not None and run_line[1] == ".venv/bin/python trainer.py", "the Quick start says how to run it"
+    assert run_line is not None and run_line[1] == ".venv/bin/python trainer.py", (
+        "the Quick start says how to run it"
+    )
     assert 'url = "http://127.0.0.1:8000"' in code
     _set_up_venv(tmp_path)
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = tmp_path / "server.log"
-    with log.open("w") as err:  # a file, not a pipe nobody reads: the server never blocks on its log
-        server = subprocess.Popen(["/bin/sh", "-c", "exec " + serve_line.replace("--port 8000", f"--port {port}")],
-                                  cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                                  start_new_session=True)
+    with log.open(
+        "w"
+    ) as err:  # a file, not a pipe nobody reads: the server never blocks on its log
+        server = subprocess.Popen(
+            ["/bin/sh", "-c", "exec " + serve_line.replace("--port 8000", f"--port {port}")],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
     try:
         ready = ReadyLine(server)
-        assert ready.wait(300) and ready.url == f"http://127.0.0.1:{port}", "\n".join(ready.lines) + log.read_text()
+        assert ready.wait(300) and ready.url == f"http://127.0.0.1:{port}", (
+            "\n".join(ready.lines) + log.read_text()
+        )
         url = ready.url
-        before = httpx.post(f"{url}/weight_checker", json={"action": "checksum"}).json()["checksums"]
-        (tmp_path / "trainer.py").write_text(code.replace('"http://127.0.0.1:8000"', repr(url)) +
-                                             '\nimport sys\nassert "torch" not in sys.modules, "the trainer imported torch"\n')
-        done = subprocess.run(["/bin/sh", "-c", run_line[1]], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300, check=False)
+        before = httpx.post(f"{url}/weight_checker", json={"action": "checksum"}).json()[
+            "checksums"
+        ]
+        (tmp_path / "trainer.py").write_text(
+            code.replace('"http://127.0.0.1:8000"', repr(url))
+            + '\nimport sys\nassert "torch" not in sys.modules, "the trainer imported torch"\n'
+        )
+        done = subprocess.run(
+            ["/bin/sh", "-c", run_line[1]],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert done.returncode == 0, done.stdout + done.stderr[-3000:]
         printed = done.stdout.strip().splitlines()
         assert [line.split(":")[0] for line in printed] == ["step 0", "step 1", "step 2"], printed

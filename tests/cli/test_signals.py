@@ -59,7 +59,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_signal_unwinds_the_command_and_its_child(sig: signal.Signals) -> None:
-    proc = subprocess.Popen(STOPPABLE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        STOPPABLE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
     assert proc.stdout is not None
     child = int(proc.stdout.readline())
     assert proc.stdout.readline().strip() == "ready" and _alive(child)
@@ -68,13 +70,18 @@ def test_a_stop_signal_unwinds_the_command_and_its_child(sig: signal.Signals) ->
     left = _gone_within({child}, 30)
     _kill_all(left)
     assert proc.returncode == 128 + sig, (proc.returncode, err)
-    assert err.strip() == f"weightwire stoppable: stopped by {sig.name}; its child processes were stopped", err
+    assert (
+        err.strip()
+        == f"weightwire stoppable: stopped by {sig.name}; its child processes were stopped"
+    ), err
     assert left == set()
 
 
 def test_a_child_goes_when_its_parent_is_killed() -> None:
     # SIGKILL runs no clean-up in the parent: only the kernel's parent-death signal stops the child.
-    proc = subprocess.Popen(STOPPABLE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        STOPPABLE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
     assert proc.stdout is not None
     child = int(proc.stdout.readline())
     assert proc.stdout.readline().strip() == "ready"
@@ -86,13 +93,20 @@ def test_a_child_goes_when_its_parent_is_killed() -> None:
 
 
 def test_sigterm_stops_the_demo_and_its_server_in_one_line() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "weightwire", "demo", "--steps", "50"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightwire", "demo", "--steps", "50"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     children: set[int] = set()
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # the test timeout bounds this
-            if line.startswith("step-0 weights"):  # the server served the first check: it and its worker run
+            if line.startswith(
+                "step-0 weights"
+            ):  # the server served the first check: it and its worker run
                 break
         children = _descendants(proc.pid)
         assert len(children) >= 2, children  # the reference server and its worker
@@ -105,14 +119,22 @@ def test_sigterm_stops_the_demo_and_its_server_in_one_line() -> None:
     left = _gone_within(children, 30)
     _kill_all(left)
     assert proc.returncode == 143, (proc.returncode, err)
-    assert err.strip().splitlines()[-1] == "weightwire demo: stopped by SIGTERM; its child processes were stopped"
+    assert (
+        err.strip().splitlines()[-1]
+        == "weightwire demo: stopped by SIGTERM; its child processes were stopped"
+    )
     assert "Traceback" not in err, err
     assert left == set(), "the demo's server outlived it"
 
 
 def test_sigterm_stops_serve_with_one_line(tiny_dir: str) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "weightwire", "serve", "--model", tiny_dir, "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightwire", "serve", "--model", tiny_dir, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     workers: set[int] = set()
     try:
         assert proc.stdout is not None
@@ -130,5 +152,8 @@ def test_sigterm_stops_serve_with_one_line(tiny_dir: str) -> None:
     left = _gone_within(workers, 30)
     _kill_all(left)
     assert proc.returncode == 0, err
-    assert err.strip().splitlines()[-1] == "weightwire serve: stopped by SIGTERM; the workers were closed", err
+    assert (
+        err.strip().splitlines()[-1]
+        == "weightwire serve: stopped by SIGTERM; the workers were closed"
+    ), err
     assert "Traceback" not in err and left == set()

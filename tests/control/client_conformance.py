@@ -20,8 +20,12 @@ from weightwire.shared.communicator import Communicator, DeviceCommunicator
 from weightwire.testing.loopback import LoopbackClient
 
 
-def clients(http: HTTPWeightSyncClient, ray: RayWeightSyncClient, fallback: FallbackClient,
-            loopback: LoopbackClient) -> list[WeightSyncClient]:
+def clients(
+    http: HTTPWeightSyncClient,
+    ray: RayWeightSyncClient,
+    fallback: FallbackClient,
+    loopback: LoopbackClient,
+) -> list[WeightSyncClient]:
     return [http, ray, fallback, loopback]
 
 
@@ -35,14 +39,17 @@ def engine_client(http: HTTPWeightSyncClient) -> EngineClient:
     return http
 
 
-def communicators(tcp: TCPCommunicator, nccl: NCCLCommunicator, fake: FakeComm) -> list[Communicator]:
+def communicators(
+    tcp: TCPCommunicator, nccl: NCCLCommunicator, fake: FakeComm
+) -> list[Communicator]:
     return [tcp, nccl, fake]
 
 
-def links(tcp: TCPCommunicator, nccl: NCCLCommunicator, ipc: IPCSenderComm, fake: FakeComm) -> list[Link]:
+def links(
+    tcp: TCPCommunicator, nccl: NCCLCommunicator, ipc: IPCSenderComm, fake: FakeComm
+) -> list[Link]:
     return [tcp, nccl, ipc, fake]
 
 
 def device_communicator(nccl: NCCLCommunicator) -> DeviceCommunicator:
     return nccl
-

@@ -42,11 +42,17 @@ class FakeAPIServer:
         return range(self.dp_size)
 
     def parallel_config(self) -> dict:
-        return {"data_parallel_size": self.dp_size, "data_parallel_rank": self.dp_rank,
-                "data_parallel_size_local": self.local if self.mode != "internal" else self.dp_size,
-                "data_parallel_external_lb": self.mode == "external", "data_parallel_hybrid_lb": self.mode == "hybrid",
-                "data_parallel_master_ip": "10.0.0.1", "data_parallel_master_port": self.master_port,
-                "tensor_parallel_size": self.per_dp, "pipeline_parallel_size": 1}
+        return {
+            "data_parallel_size": self.dp_size,
+            "data_parallel_rank": self.dp_rank,
+            "data_parallel_size_local": self.local if self.mode != "internal" else self.dp_size,
+            "data_parallel_external_lb": self.mode == "external",
+            "data_parallel_hybrid_lb": self.mode == "hybrid",
+            "data_parallel_master_ip": "10.0.0.1",
+            "data_parallel_master_port": self.master_port,
+            "tensor_parallel_size": self.per_dp,
+            "pipeline_parallel_size": 1,
+        }
 
 
 class Cluster:
@@ -58,12 +64,16 @@ class Cluster:
         s, path = self.servers[request.url.host], request.url.path
         if path == "/get_world_size":
             with_dp = request.url.params.get("include_dp", "true") == "true"
-            return httpx.Response(200, json={"world_size": s.per_dp * (s.dp_size if with_dp else 1)})
+            return httpx.Response(
+                200, json={"world_size": s.per_dp * (s.dp_size if with_dp else 1)}
+            )
         if path == "/server_info":
             if not s.server_info:
                 return httpx.Response(404, json={"detail": "Not Found"})
             assert request.url.params.get("config_format") == "json"
-            return httpx.Response(200, json={"vllm_config": {"parallel_config": s.parallel_config()}})
+            return httpx.Response(
+                200, json={"vllm_config": {"parallel_config": s.parallel_config()}}
+            )
         if path == "/init_weight_transfer_engine":
             self.inits[s.host] = json.loads(request.content)["init_info"]
         return httpx.Response(200, json={"message": "ok"})
@@ -84,18 +94,34 @@ class Cluster:
 
 LAYOUTS: dict[str, list[FakeAPIServer]] = {
     # One API server per DP rank (external LB), TP=2: each reports the global 8.
-    "external-lb": [FakeAPIServer(f"dp{i}", per_dp=2, dp_size=4, mode="external", dp_rank=i) for i in range(4)],
+    "external-lb": [
+        FakeAPIServer(f"dp{i}", per_dp=2, dp_size=4, mode="external", dp_rank=i) for i in range(4)
+    ],
     # One API server per node, two DP ranks each (hybrid LB).
-    "hybrid-lb": [FakeAPIServer(f"node{i}", per_dp=1, dp_size=4, mode="hybrid", dp_rank=2 * i, local=2)
-                  for i in range(2)],
+    "hybrid-lb": [
+        FakeAPIServer(f"node{i}", per_dp=1, dp_size=4, mode="hybrid", dp_rank=2 * i, local=2)
+        for i in range(2)
+    ],
     # One API server driving DP=2 itself (internal LB), next to an independent TP=1 server.
-    "internal-lb+independent": [FakeAPIServer("big", per_dp=2, dp_size=2), FakeAPIServer("solo", per_dp=1)],
+    "internal-lb+independent": [
+        FakeAPIServer("big", per_dp=2, dp_size=2),
+        FakeAPIServer("solo", per_dp=1),
+    ],
     # Two external-LB deployments (told apart by their DP master) and an independent server.
     "two-deployments": [
-        *[FakeAPIServer(f"a{i}", per_dp=1, dp_size=2, mode="external", dp_rank=i, master_port=1000) for i in range(2)],
+        *[
+            FakeAPIServer(
+                f"a{i}", per_dp=1, dp_size=2, mode="external", dp_rank=i, master_port=1000
+            )
+            for i in range(2)
+        ],
         FakeAPIServer("solo", per_dp=3),
-        *[FakeAPIServer(f"b{i}", per_dp=2, dp_size=2, mode="external", dp_rank=1 - i, master_port=2000)
-          for i in range(2)],
+        *[
+            FakeAPIServer(
+                f"b{i}", per_dp=2, dp_size=2, mode="external", dp_rank=1 - i, master_port=2000
+            )
+            for i in range(2)
+        ],
     ],
 }
 
@@ -105,5 +131,7 @@ def check_layout(name: str, formula: RankFormula) -> tuple[int, list[int]]:
     cluster = Cluster([FakeAPIServer(**vars(s)) for s in LAYOUTS[name]])
     client = cluster.client()
     world = 1 + client.get_world_size()
-    client.init_weight_transfer_engine({"nccl_unique_id_b64": "x", "rank_offset": 1, "world_size": world})
+    client.init_weight_transfer_engine(
+        {"nccl_unique_id_b64": "x", "rank_offset": 1, "world_size": world}
+    )
     return world, cluster.worker_ranks(formula)

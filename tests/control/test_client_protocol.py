@@ -12,7 +12,13 @@ from tests.trainer.fakes import DictSource, FakeComm, FakeServer
 from weightwire.control.fallback import OPTIONAL_CALLS, FallbackClient, with_fallback_routes
 from weightwire.control.ray_client import RayWeightSyncClient
 from weightwire.jax_side.engine import JAXTrainerEngine
-from weightwire.shared.client import CONTROL_CALLS, ROUND_CALLS, EngineClient, ServerControls, WeightSyncClient
+from weightwire.shared.client import (
+    CONTROL_CALLS,
+    ROUND_CALLS,
+    EngineClient,
+    ServerControls,
+    WeightSyncClient,
+)
 from weightwire.shared.communicator import Communicator, DeviceCommunicator
 from weightwire.testing.loopback import LoopbackClient
 from weightwire.trainer.config import TrainerInitInfo
@@ -61,17 +67,28 @@ def test_ray_and_loopback_clients_have_the_round_calls_and_some_controls() -> No
     for client in (ray, loopback):
         assert isinstance(client, WeightSyncClient)
         assert not isinstance(client, ServerControls)
-    assert _lacking(ray, CONTROL_CALLS) == {"weight_checker", "start_draft_weight_update", "has_draft_model",
-                                            "abort_requests"}
-    assert _lacking(loopback, CONTROL_CALLS) == {"start_draft_weight_update", "has_draft_model", "abort_requests",
-                                                 "reset_encoder_cache"}
+    assert _lacking(ray, CONTROL_CALLS) == {
+        "weight_checker",
+        "start_draft_weight_update",
+        "has_draft_model",
+        "abort_requests",
+    }
+    assert _lacking(loopback, CONTROL_CALLS) == {
+        "start_draft_weight_update",
+        "has_draft_model",
+        "abort_requests",
+        "reset_encoder_cache",
+    }
 
 
 def test_a_client_lacking_a_needed_control_fails_at_init_naming_it() -> None:
     ray = RayWeightSyncClient(object(), world_sizes=1, server_version="0.33.0")
     with pytest.raises(TypeError, match=r"RayWeightSyncClient lacks weight_checker"):
-        JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="fake_host", verify=True), client=ray,
-                                      source=DictSource({}, lambda a: ("float32", a.shape)))
+        JAXTrainerEngine.trainer_init(
+            TrainerInitInfo(backend="fake_host", verify=True),
+            client=ray,
+            source=DictSource({}, lambda a: ("float32", a.shape)),
+        )
 
 
 def test_fallback_client_has_the_round_calls_and_fills_the_controls() -> None:
@@ -84,7 +101,9 @@ def test_fallback_client_has_the_round_calls_and_fills_the_controls() -> None:
         assert _lacking(client, ROUND_CALLS + OPTIONAL_CALLS) == set()
         assert client.start_weight_update.__self__ is inner
         assert client.version.__self__ is client.extra
-        assert _lacking(client, ("abort_requests",)) == {"abort_requests"}  # neither has it: still missing
+        assert _lacking(client, ("abort_requests",)) == {
+            "abort_requests"
+        }  # neither has it: still missing
     finally:
         client.close()
 

@@ -60,6 +60,7 @@ def test_no_more_than_max_idle_helpers_stay(monkeypatch: pytest.MonkeyPatch) -> 
     started = [threading.Event() for _ in range(4)]
     threads: list[threading.Thread] = []
     for ev in started:
+
         def task(ev: threading.Event = ev) -> None:
             threads.append(threading.current_thread())
             ev.set()
@@ -75,7 +76,14 @@ def test_no_more_than_max_idle_helpers_stay(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_fan_out_still_returns_in_order() -> None:
-    assert fan_out([lambda i=i: i * i for i in range(6)], timeout=10, name="sq") == [0, 1, 4, 9, 16, 25]
+    assert fan_out([lambda i=i: i * i for i in range(6)], timeout=10, name="sq") == [
+        0,
+        1,
+        4,
+        9,
+        16,
+        25,
+    ]
 
 
 def _wait_idle(helpers: _Helpers, n: int) -> None:

@@ -41,7 +41,9 @@ class Servers:
 
     def client(self, **kw: object) -> HTTPWeightSyncClient:
         urls = [f"http://{h}:8000" for h in self.world]
-        return HTTPWeightSyncClient(urls if len(urls) > 1 else urls[0], timeout=5, transport=httpx.MockTransport(self), **kw)
+        return HTTPWeightSyncClient(
+            urls if len(urls) > 1 else urls[0], timeout=5, transport=httpx.MockTransport(self), **kw
+        )
 
     def calls(self, path: str) -> list[tuple[str, object]]:
         return sorted((h, b) for h, _, p, b, _ in self.seen if p == path)
@@ -57,9 +59,17 @@ def test_the_four_calls_send_vllm_bodies() -> None:
     client.finish_weight_update("7")
     got = [(m, p, b) for _, m, p, b, _ in servers.seen]
     assert got == [
-        ("POST", "/init_weight_transfer_engine", {"init_info": {"rank_offset": 1, "world_size": 3}}),
+        (
+            "POST",
+            "/init_weight_transfer_engine",
+            {"init_info": {"rank_offset": 1, "world_size": 3}},
+        ),
         ("POST", "/start_weight_update", None),
-        ("POST", "/update_weights", {"update_info": {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}}),
+        (
+            "POST",
+            "/update_weights",
+            {"update_info": {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}},
+        ),
         ("POST", "/finish_weight_update", None),
         ("POST", "/finish_weight_update", {"weight_version": "7"}),
     ]
@@ -67,22 +77,45 @@ def test_the_four_calls_send_vllm_bodies() -> None:
 
 def test_errors_carry_route_status_message_and_server() -> None:
     servers = Servers({"a": 1})
-    servers.responses["a", "/update_weights"] = httpx.Response(400, json={"error": "names[0] must be a non-empty string"})
+    servers.responses["a", "/update_weights"] = httpx.Response(
+        400, json={"error": "names[0] must be a non-empty string"}
+    )
     servers.responses["a", "/init_weight_transfer_engine"] = httpx.Response(
-        422, json={"detail": [{"loc": ["body", "init_info"], "msg": "Field required", "type": "missing"}]})
-    servers.responses["a", "/start_weight_update"] = httpx.Response(500, text="Internal Server Error")
+        422,
+        json={
+            "detail": [{"loc": ["body", "init_info"], "msg": "Field required", "type": "missing"}]
+        },
+    )
+    servers.responses["a", "/start_weight_update"] = httpx.Response(
+        500, text="Internal Server Error"
+    )
     servers.responses["a", "/finish_weight_update"] = httpx.Response(
-        500, json={"error": {"message": "finish_weight_update called without start", "type": "InternalServerError"}})
+        500,
+        json={
+            "error": {
+                "message": "finish_weight_update called without start",
+                "type": "InternalServerError",
+            }
+        },
+    )
     client = servers.client()
     with pytest.raises(WeightSyncError) as info:
         client.update_weights({"names": [""], "dtype_names": ["float32"], "shapes": [[1]]})
     e = info.value
-    assert (e.route, e.status, e.message, e.server) == ("update_weights", 400, "names[0] must be a non-empty string", "http://a:8000")
-    assert str(e) == ("update_weights failed on http://a:8000 (status 400): names[0] must be "
-                      "a non-empty string")
+    assert (e.route, e.status, e.message, e.server) == (
+        "update_weights",
+        400,
+        "names[0] must be a non-empty string",
+        "http://a:8000",
+    )
+    assert str(e) == (
+        "update_weights failed on http://a:8000 (status 400): names[0] must be a non-empty string"
+    )
     with pytest.raises(WeightSyncError, match=r"status 422\): body\.init_info: Field required"):
         client.init_weight_transfer_engine({})
-    with pytest.raises(WeightSyncError, match=r"start_weight_update .*status 500\): Internal Server Error"):
+    with pytest.raises(
+        WeightSyncError, match=r"start_weight_update .*status 500\): Internal Server Error"
+    ):
         client.start_weight_update()
     with pytest.raises(WeightSyncError, match="called without start"):
         client.finish_weight_update("1")
@@ -93,7 +126,10 @@ def test_no_response_is_an_error_with_no_status() -> None:
         raise httpx.ConnectError("connection refused")
 
     client = HTTPWeightSyncClient("http://down:1", transport=httpx.MockTransport(refuse))
-    with pytest.raises(WeightSyncError, match=r"start_weight_update failed on http://down:1 \(no response\): ConnectError") as info:
+    with pytest.raises(
+        WeightSyncError,
+        match=r"start_weight_update failed on http://down:1 \(no response\): ConnectError",
+    ) as info:
         client.start_weight_update()
     assert info.value.status is None
 
@@ -103,8 +139,12 @@ def test_several_servers_are_driven_as_one() -> None:
     client = servers.client()
     assert client.get_world_size() == 7
     assert client.world_sizes == [2, 4, 1]
-    client.init_weight_transfer_engine({"nccl_unique_id_b64": "x", "rank_offset": 1, "world_size": 8})
-    offsets = {h: b["init_info"]["rank_offset"] for h, b in servers.calls("/init_weight_transfer_engine")}
+    client.init_weight_transfer_engine(
+        {"nccl_unique_id_b64": "x", "rank_offset": 1, "world_size": 8}
+    )
+    offsets = {
+        h: b["init_info"]["rank_offset"] for h, b in servers.calls("/init_weight_transfer_engine")
+    }
     assert offsets == {"a": 1, "b": 3, "c": 7}  # each server's workers get their own ranks
     client.start_weight_update()
     client.update_weights({"names": [], "dtype_names": [], "shapes": []})
@@ -119,7 +159,9 @@ def test_several_servers_are_driven_as_one() -> None:
 
 def test_servers_that_disagree_on_version_are_refused() -> None:
     client = Servers({"a": 1, "b": 1}, versions={"b": "0.32.0"}).client()
-    with pytest.raises(ValueError, match=r"different versions \(http://a:8000=0\.33\.0, http://b:8000=0\.32\.0\)"):
+    with pytest.raises(
+        ValueError, match=r"different versions \(http://a:8000=0\.33\.0, http://b:8000=0\.32\.0\)"
+    ):
         client.version()
 
 
@@ -168,7 +210,9 @@ def test_api_key_travels_as_bearer_token() -> None:
         headers.append(request.headers.get("authorization"))
         return httpx.Response(200, json={})
 
-    HTTPWeightSyncClient("http://a:1", api_key="k1", transport=httpx.MockTransport(handler)).resume()
+    HTTPWeightSyncClient(
+        "http://a:1", api_key="k1", transport=httpx.MockTransport(handler)
+    ).resume()
     HTTPWeightSyncClient("http://a:1", transport=httpx.MockTransport(handler)).resume()
     assert headers == ["Bearer k1", None]
 

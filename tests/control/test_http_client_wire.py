@@ -31,7 +31,9 @@ class WireServer:
         self.requests: list[tuple[list[tuple[str, str]], bytes]] = []
         self.reply = (200, b'{"message": "ok", "session_id": "sess-1"}')
         self.silent = False
-        self.close_after_reply = False  # close the connection without saying so (an idle-timeout close)
+        self.close_after_reply = (
+            False  # close the connection without saying so (an idle-timeout close)
+        )
         self.reply_headers = b""
         self.connections = 0
         threading.Thread(target=self._accept, daemon=True).start()
@@ -65,12 +67,13 @@ class WireServer:
                 if self.silent:
                     continue
                 status, payload = self.reply
-                conn.sendall(b"HTTP/1.1 %d X\r\n"
-                             b"content-type: application/json\r\n"
-                             b"content-length: %d\r\n"
-                             b"%s\r\n"
-                             b"%s"
-                             % (status, len(payload), self.reply_headers, payload))
+                conn.sendall(
+                    b"HTTP/1.1 %d X\r\n"
+                    b"content-type: application/json\r\n"
+                    b"content-length: %d\r\n"
+                    b"%s\r\n"
+                    b"%s" % (status, len(payload), self.reply_headers, payload)
+                )
                 if self.close_after_reply:
                     return
 
@@ -99,16 +102,24 @@ def test_requests_on_the_wire_equal_what_httpx_client_sends(server: WireServer) 
     plain = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer k-1"})
     json_h = {"Content-Type": "application/json"}
     owned = {**json_h, SESSION_HEADER: "sess-1"}
-    plain.post("/init_weight_transfer_engine", content=b'{"init_info": {"rank_offset": 1, "world_size": 2}}',
-               headers=json_h)
+    plain.post(
+        "/init_weight_transfer_engine",
+        content=b'{"init_info": {"rank_offset": 1, "world_size": 2}}',
+        headers=json_h,
+    )
     plain.post("/start_weight_update", headers={SESSION_HEADER: "sess-1"})
-    plain.post("/update_weights", content=b'{"update_info": {"names": [], "dtype_names": [], "shapes": []}}',
-               headers=owned)
+    plain.post(
+        "/update_weights",
+        content=b'{"update_info": {"names": [], "dtype_names": [], "shapes": []}}',
+        headers=owned,
+    )
     plain.post("/finish_weight_update", content=b'{"weight_version": "v7"}', headers=owned)
     plain.post("/pause", params={"mode": "keep", "clear_cache": "false"})
     plain.get("/weight_info")
     assert ours == server.requests
-    assert ("Authorization", "Bearer k-1") in ours[0][0] and (SESSION_HEADER, "sess-1") in ours[1][0]
+    assert ("Authorization", "Bearer k-1") in ours[0][0] and (SESSION_HEADER, "sess-1") in ours[1][
+        0
+    ]
     client.close()
     plain.close()
 
@@ -116,19 +127,28 @@ def test_requests_on_the_wire_equal_what_httpx_client_sends(server: WireServer) 
 def test_no_answer_in_time_maps_to_a_timeout_error(server: WireServer) -> None:
     server.silent = True
     client = HTTPWeightSyncClient(server.url, timeout=0.3)
-    with pytest.raises(WeightSyncError, match=r"start_weight_update failed on .* \(no response\): no answer within "
-                                              r"0\.3 s \(ReadTimeout\)") as info:
+    with pytest.raises(
+        WeightSyncError,
+        match=r"start_weight_update failed on .* \(no response\): no answer within "
+        r"0\.3 s \(ReadTimeout\)",
+    ) as info:
         client.start_weight_update()
     assert info.value.status is None and info.value.server == server.url
 
 
 def test_refused_connection_and_error_status_map_as_before(server: WireServer) -> None:
-    server.reply = (409, b'{"error": {"message": "a weight update is already active"}, "detail": "x"}')
+    server.reply = (
+        409,
+        b'{"error": {"message": "a weight update is already active"}, "detail": "x"}',
+    )
     client = HTTPWeightSyncClient(server.url, timeout=5)
     with pytest.raises(WeightSyncError) as info:
         client.start_weight_update()
     assert (info.value.route, info.value.status, info.value.message) == (
-        "start_weight_update", 409, "a weight update is already active")
+        "start_weight_update",
+        409,
+        "a weight update is already active",
+    )
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -146,7 +166,9 @@ def test_a_closed_client_refuses_like_httpx(server: WireServer) -> None:
         client.start_weight_update()
 
 
-def test_kept_alive_connections_are_reused_only_while_the_server_keeps_them(server: WireServer) -> None:
+def test_kept_alive_connections_are_reused_only_while_the_server_keeps_them(
+    server: WireServer,
+) -> None:
     import time
 
     from weightwire.control import client as client_mod
@@ -188,6 +210,8 @@ def test_a_session_id_with_a_line_break_never_splits_the_request_head(server: Wi
     server.reply = (200, b'{"session_id": "s\\r\\nX-Injected: 1"}')
     client = HTTPWeightSyncClient(server.url, timeout=5)
     client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 2})
-    with pytest.raises(WeightSyncError, match=r"\(no response\): LocalProtocolError: illegal header"):
+    with pytest.raises(
+        WeightSyncError, match=r"\(no response\): LocalProtocolError: illegal header"
+    ):
         client.start_weight_update()
     assert not any(k.lower() == "x-injected" for head, _ in server.requests for k, _ in head)

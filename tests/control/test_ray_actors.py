@@ -54,13 +54,24 @@ def cluster() -> Iterator[None]:
     process; both are put back afterwards. ``ray.shutdown`` signals every Ray process
     but returns before the workers are gone (a torch worker takes seconds to exit on
     a loaded host): the fixture waits for them, so no Ray process outlives the tests."""
-    env, on_sigterm, before = dict(os.environ), signal.getsignal(signal.SIGTERM), descendants(os.getpid())
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False,
-             namespace="weightwire-tests")
+    env, on_sigterm, before = (
+        dict(os.environ),
+        signal.getsignal(signal.SIGTERM),
+        descendants(os.getpid()),
+    )
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=80 << 20,
+        log_to_driver=False,
+        namespace="weightwire-tests",
+    )
     try:
         yield
     finally:
-        started = descendants(os.getpid()) - before  # Ray's processes (the suite's others are not ours)
+        started = (
+            descendants(os.getpid()) - before
+        )  # Ray's processes (the suite's others are not ours)
         ray.shutdown()
         os.environ.clear()
         os.environ.update(env)
@@ -128,11 +139,17 @@ def checksums(actors: list[Any]) -> list[dict[str, str]]:
 
 def assert_landed(actors: list[Any], want: dict[str, str], version: str) -> None:
     for i, got in enumerate(checksums(actors)):
-        assert got == want, f"replica {i}: {sorted(n for n in want if got.get(n) != want[n])[:5]} differ"
-    assert ray.get([a.get_weight_version.remote() for a in actors], timeout=60) == [version] * len(actors)
+        assert got == want, (
+            f"replica {i}: {sorted(n for n in want if got.get(n) != want[n])[:5]} differ"
+        )
+    assert ray.get([a.get_weight_version.remote() for a in actors], timeout=60) == [version] * len(
+        actors
+    )
 
 
-def jax_trainer(model_dir: str) -> tuple[WeightSource, Callable[[int], None], Callable[[], dict[str, str]]]:
+def jax_trainer(
+    model_dir: str,
+) -> tuple[WeightSource, Callable[[int], None], Callable[[], dict[str, str]]]:
     """The README's JAX trainer: a Flax decoder loaded from the checkpoint, as HF names."""
     import jax
 
@@ -152,7 +169,9 @@ def jax_trainer(model_dir: str) -> tuple[WeightSource, Callable[[int], None], Ca
     return source, step, digests
 
 
-def torch_trainer(model_dir: str) -> tuple[Any, Callable[[int], None], Callable[[], dict[str, str]]]:
+def torch_trainer(
+    model_dir: str,
+) -> tuple[Any, Callable[[int], None], Callable[[], dict[str, str]]]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -174,13 +193,17 @@ def torch_trainer(model_dir: str) -> tuple[Any, Callable[[int], None], Callable[
 
 
 @pytest.mark.parametrize("make_trainer", [jax_trainer, torch_trainer], ids=["jax", "torch"])
-def test_rounds_land_on_both_replicas(replicas: list[Any], model_dir: str, make_trainer: Any) -> None:
+def test_rounds_land_on_both_replicas(
+    replicas: list[Any], model_dir: str, make_trainer: Any
+) -> None:
     from weightwire import JAXTrainerEngine, TorchTrainerEngine
 
     source, step, digests = make_trainer(model_dir)
     engine_cls = JAXTrainerEngine if make_trainer is jax_trainer else TorchTrainerEngine
     client = RayWeightSyncClient(replicas, world_sizes=1, server_version=VERSION)
-    engine = engine_cls.trainer_init(TrainerInitInfo(backend="weightwire_tcp"), client=client, source=source)
+    engine = engine_cls.trainer_init(
+        TrainerInitInfo(backend="weightwire_tcp"), client=client, source=source
+    )
     try:
         for k in (1, 2):
             before = checksums(replicas)[0]
@@ -188,7 +211,9 @@ def test_rounds_land_on_both_replicas(replicas: list[Any], model_dir: str, make_
             metrics = engine.send_weights()
             want = digests()
             assert metrics.version == str(k) and metrics.tensors == len(want)
-            assert all(before[n] != d for n, d in want.items())  # every parameter changed this round
+            assert all(
+                before[n] != d for n, d in want.items()
+            )  # every parameter changed this round
             assert_landed(replicas, want, str(k))
     finally:
         engine.shutdown()
@@ -199,10 +224,13 @@ def test_an_actor_error_is_one_line_naming_the_actor(replicas: list[Any]) -> Non
     with pytest.raises(WeightSyncError) as info:
         client.start_weight_update()  # no session: every replica refuses
     err = info.value
-    assert err.route == "start_weight_update" and err.server.startswith(("actor 0 (Actor(ReplicaActor, ",
-                                                                         "actor 1 (Actor(ReplicaActor, "))
+    assert err.route == "start_weight_update" and err.server.startswith(
+        ("actor 0 (Actor(ReplicaActor, ", "actor 1 (Actor(ReplicaActor, ")
+    )
     assert err.message == "RuntimeError: weight transfer engine is not initialized on this replica"
-    assert "Traceback" not in str(err) and "\x1b[" not in str(err)  # Ray's remote traceback stays out
+    assert "Traceback" not in str(err) and "\x1b[" not in str(
+        err
+    )  # Ray's remote traceback stays out
 
 
 class Stalled:
@@ -217,8 +245,12 @@ class Stalled:
         raise RuntimeError("late refusal")
 
 
-def test_a_stalled_actor_fails_the_call_at_its_timeout(cluster: None, caplog: pytest.LogCaptureFixture) -> None:
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers need not import this module
+def test_a_stalled_actor_fails_the_call_at_its_timeout(
+    cluster: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    ray.cloudpickle.register_pickle_by_value(
+        sys.modules[__name__]
+    )  # the workers need not import this module
     try:
         actors = [ray.remote(num_cpus=0)(Stalled).remote(2.0) for _ in range(2)]
     finally:
@@ -230,13 +262,19 @@ def test_a_stalled_actor_fails_the_call_at_its_timeout(cluster: None, caplog: py
                 client.start_weight_update()
             err = failed.value
             assert err.server == f"actor 0 ({actors[0]!r}), actor 1 ({actors[1]!r})"
-            assert err.message == "no answer within 0.5 s (the call may still run there: Ray cannot withdraw it)"
+            assert (
+                err.message
+                == "no answer within 0.5 s (the call may still run there: Ray cannot withdraw it)"
+            )
             # The abandoned calls' outcomes are read and logged once each when they arrive.
             deadline = time.monotonic() + 60
             while len(caplog.messages) < 2 and time.monotonic() < deadline:
                 time.sleep(0.1)
-        assert sorted(caplog.messages) == [f"start_weight_update on actor {i} ({a!r}), after the call gave up: "
-                                           "RuntimeError: late refusal" for i, a in enumerate(actors)]
+        assert sorted(caplog.messages) == [
+            f"start_weight_update on actor {i} ({a!r}), after the call gave up: "
+            "RuntimeError: late refusal"
+            for i, a in enumerate(actors)
+        ]
     finally:
         for actor in actors:
             ray.kill(actor)
@@ -276,7 +314,9 @@ def killer(actor: Any) -> Callable[[], None]:
 
 
 @pytest.mark.parametrize("make_trainer", [jax_trainer, torch_trainer], ids=["jax", "torch"])
-def test_actor_killed_mid_round_then_replaced(replicas: list[Any], model_dir: str, make_trainer: Any) -> None:
+def test_actor_killed_mid_round_then_replaced(
+    replicas: list[Any], model_dir: str, make_trainer: Any
+) -> None:
     from weightwire import JAXTrainerEngine, TorchTrainerEngine
 
     inner, step, digests = make_trainer(model_dir)
@@ -286,8 +326,11 @@ def test_actor_killed_mid_round_then_replaced(replicas: list[Any], model_dir: st
     # Small chunks: the round is under way (update_weights posted, bytes flowing) when the kill
     # lands.
     info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=32 << 10)
-    engine = engine_cls.trainer_init(info, client=RayWeightSyncClient(replicas, world_sizes=1, server_version=VERSION),
-                                     source=source)
+    engine = engine_cls.trainer_init(
+        info,
+        client=RayWeightSyncClient(replicas, world_sizes=1, server_version=VERSION),
+        source=source,
+    )
     try:
         step(1)
         engine.send_weights()
@@ -301,13 +344,20 @@ def test_actor_killed_mid_round_then_replaced(replicas: list[Any], model_dir: st
     err = failed.value
     seen = f"{err} {getattr(err, '__notes__', '')}"
     assert err.route == "update_weights" and err.server == f"actor 1 ({victim!r})", seen
-    assert err.message.startswith("ActorDiedError: The actor died") and "ray.kill" in err.message, seen
-    assert checksums(replicas[:1]) == before[:1]  # the survivor kept its previous weights, not half a round
+    assert err.message.startswith("ActorDiedError: The actor died") and "ray.kill" in err.message, (
+        seen
+    )
+    assert (
+        checksums(replicas[:1]) == before[:1]
+    )  # the survivor kept its previous weights, not half a round
     assert ray.get(replicas[0].get_weight_version.remote(), timeout=60) == "1"
 
     replicas[1] = new_replica(model_dir)
-    engine = engine_cls.trainer_init(info, client=RayWeightSyncClient(replicas, world_sizes=1, server_version=VERSION),
-                                     source=source)
+    engine = engine_cls.trainer_init(
+        info,
+        client=RayWeightSyncClient(replicas, world_sizes=1, server_version=VERSION),
+        source=source,
+    )
     try:
         step(3)
         engine.send_weights("after-replace")

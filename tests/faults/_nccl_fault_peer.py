@@ -58,21 +58,34 @@ def run_session(cfg: dict[str, Any], index: int, name: str) -> dict[str, Any]:
     rank = 0 if cfg["role"] == "sender" else 1
     # The join waits longer than one transfer timeout: a survivor reaches a new session
     # only after its watchdog has declared the previous one dead (up to ``timeout``).
-    comm = NCCLCommunicator.join(unique_id=unique_id(cfg, name), rank=rank, world_size=2, device=0,
-                                 timeout=cfg["timeout"] * 3)
+    comm = NCCLCommunicator.join(
+        unique_id=unique_id(cfg, name),
+        rank=rank,
+        world_size=2,
+        device=0,
+        timeout=cfg["timeout"] * 3,
+    )
     comm.warmup(timeout=cfg["timeout"])
     report: dict[str, Any] = {"ok": 0}
     for k in range(cfg["nchunks"]):
         if index == 0 and cfg.get("die_after") == k:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        buf = cp.full(cfg["nbytes"], fill(name, k), dtype=cp.uint8) if rank == 0 else cp.zeros(cfg["nbytes"], cp.uint8)
+        buf = (
+            cp.full(cfg["nbytes"], fill(name, k), dtype=cp.uint8)
+            if rank == 0
+            else cp.zeros(cfg["nbytes"], cp.uint8)
+        )
         start = time.monotonic()
         try:
             comm.broadcast(buf, root=0, timeout=cfg["timeout"])
         except Exception as exc:
-            report.update(error_type=type(exc).__name__, error=str(exc)[:500], chunk=k,
-                          seconds=round(time.monotonic() - start, 2))
+            report.update(
+                error_type=type(exc).__name__,
+                error=str(exc)[:500],
+                chunk=k,
+                seconds=round(time.monotonic() - start, 2),
+            )
             try:
                 comm.broadcast(buf, root=0, timeout=1.0)
                 report["after"] = "usable"
@@ -94,7 +107,10 @@ def main() -> None:
         try:
             out["sessions"][name] = run_session(cfg, i, name)
         except BaseException as exc:
-            out["sessions"][name] = {"fatal": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+            out["sessions"][name] = {
+                "fatal": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-2000:],
+            }
     print(json.dumps(out), flush=True)
     os._exit(0)  # a thread parked in a dead communicator must not hold up interpreter exit
 

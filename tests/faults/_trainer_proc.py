@@ -20,7 +20,9 @@ from tests.faults.harness import Probe, TensorSource, engine_for, hook_at, load_
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     source = TensorSource(load_weights(Path(cfg["model_dir"])))
-    budget = {"stage_budget_bytes": cfg["stage_budget_bytes"]} if "stage_budget_bytes" in cfg else {}
+    budget = (
+        {"stage_budget_bytes": cfg["stage_budget_bytes"]} if "stage_budget_bytes" in cfg else {}
+    )
     engine = engine_for(cfg["url"], source, **budget)
     committed = source.perturb(101)
     engine.send_weights("t1")
@@ -34,7 +36,10 @@ def main() -> int:
     source.hook = hook_at(cfg["kill_at"], die)
     source.perturb(102)
     engine.send_weights("t2")
-    print(json.dumps({"error": "the second round finished although the process should be dead"}), flush=True)
+    print(
+        json.dumps({"error": "the second round finished although the process should be dead"}),
+        flush=True,
+    )
     return 1
 
 

@@ -22,8 +22,13 @@ def fault_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def shared_server(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = launch(fault_model, tmp_path_factory.mktemp("shared-server") / "server.log",
-                    "--log-level", "debug", env=DEBUG_ENV)
+    server = launch(
+        fault_model,
+        tmp_path_factory.mktemp("shared-server") / "server.log",
+        "--log-level",
+        "debug",
+        env=DEBUG_ENV,
+    )
     yield server
     server.stop()
 

@@ -28,7 +28,9 @@ FAULTS = REPO / "tests" / "faults"
 NOT_FAULTS = ("test_security.py", "test_fault_table.py")
 """Security checks live in docs/security.md; the table's own check is no fault."""
 HEADER = "| test | case | expected | observed |"
-_ROW = re.compile(r"^\| `(?P<test>[^`]+)` \| (?P<case>.*?) \| (?P<expected>.*?) \| (?P<observed>.*) \|$")
+_ROW = re.compile(
+    r"^\| `(?P<test>[^`]+)` \| (?P<case>.*?) \| (?P<expected>.*?) \| (?P<observed>.*) \|$"
+)
 
 
 def fault_tests() -> list[str]:
@@ -101,7 +103,10 @@ def render(observed: dict[str, str], text: str) -> str:
     old = doc_rows(text)
     lines = [HEADER, "| --- | --- | --- | --- |"]
     for test in fault_tests():
-        row = old.get(test, {"case": docstring_case(test), "expected": "see the test's docstring", "observed": "-"})
+        row = old.get(
+            test,
+            {"case": docstring_case(test), "expected": "see the test's docstring", "observed": "-"},
+        )
         cell = observed.get(test, row["observed"])
         lines.append(f"| `{test}` | {row['case']} | {row['expected']} | {cell} |")
     return "\n".join(lines)

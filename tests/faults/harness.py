@@ -44,8 +44,14 @@ API_KEY = "faults-key-6d1f0c2b9a"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 # hidden 512, 4 layers, intermediate 2048, vocab 512: ~64 MB of float32.
-MODEL_SHAPE = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 4,
-               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
+MODEL_SHAPE = {
+    "hidden_size": 512,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
 BUFFER_BYTES = 64 << 10  # below the first tensor's size: a hook at tensor >= 1 fires after start
 
 POSTED_INIT_INFOS: list[Any] = []
@@ -60,13 +66,25 @@ def llama_shapes(vocab: int, shape: dict[str, int]) -> dict[str, tuple[int, ...]
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out.update({
-            p + "self_attn.q_proj.weight": (shape["num_attention_heads"] * shape["head_dim"], h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, shape["num_attention_heads"] * shape["head_dim"]),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": (
+                    shape["num_attention_heads"] * shape["head_dim"],
+                    h,
+                ),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (
+                    h,
+                    shape["num_attention_heads"] * shape["head_dim"],
+                ),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     out["model.norm.weight"] = (h,)
     out["lm_head.weight"] = (vocab, h)
     return out
@@ -91,8 +109,10 @@ def build_fault_model(out: Path) -> Path:
     config.update(MODEL_SHAPE)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     rng = np.random.default_rng(0)
-    weights = {name: (rng.standard_normal(s, dtype=np.float32) * 0.02)
-               for name, s in llama_shapes(config["vocab_size"], MODEL_SHAPE).items()}
+    weights = {
+        name: (rng.standard_normal(s, dtype=np.float32) * 0.02)
+        for name, s in llama_shapes(config["vocab_size"], MODEL_SHAPE).items()
+    }
     save_file(weights, str(out / "model.safetensors"))
     return out
 
@@ -165,7 +185,9 @@ class Probe:
     """Reads the server's state with plain httpx (independent of weightwire's client)."""
 
     def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
-        self.http = httpx.Client(base_url=url, timeout=30, headers=AUTH if headers is None else headers)
+        self.http = httpx.Client(
+            base_url=url, timeout=30, headers=AUTH if headers is None else headers
+        )
 
     def checksums(self) -> list[dict[str, str]]:
         r = self.http.post("/weight_checker", json={"action": "checksum"})
@@ -178,7 +200,9 @@ class Probe:
     def session(self) -> dict[str, Any]:
         return self.http.get("/weight_info").json()["session"]
 
-    def wait_session(self, pred: Callable[[dict[str, Any]], bool], timeout: float) -> tuple[dict[str, Any], float]:
+    def wait_session(
+        self, pred: Callable[[dict[str, Any]], bool], timeout: float
+    ) -> tuple[dict[str, Any], float]:
         """Poll ``/weight_info`` until ``pred(session)``; returns it and the seconds waited."""
         start = time.monotonic()
         while True:
@@ -186,12 +210,22 @@ class Probe:
             if pred(s):
                 return s, time.monotonic() - start
             if time.monotonic() - start > timeout:
-                raise AssertionError(f"server session never reached the expected state within {timeout} s: {s}")
+                raise AssertionError(
+                    f"server session never reached the expected state within {timeout} s: {s}"
+                )
             time.sleep(0.05)
 
     def greedy(self, prompt: str = "The trainer sends") -> dict[str, Any]:
-        r = self.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0,
-                                                    "logprobs": 1, "ignore_eos": True})
+        r = self.http.post(
+            "/v1/completions",
+            json={
+                "prompt": prompt,
+                "max_tokens": 4,
+                "temperature": 0,
+                "logprobs": 1,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         return {"text": choice["text"], "logprobs": choice["logprobs"]["token_logprobs"]}
@@ -214,7 +248,9 @@ def client_for(url: str, **kw: Any) -> Any:
             POSTED_INIT_INFOS.append(init_info)
             super().init_weight_transfer_engine(init_info)
 
-    client = Recording(url, timeout=kw.pop("timeout", CLIENT_TIMEOUT_S), api_key=kw.pop("api_key", API_KEY), **kw)
+    client = Recording(
+        url, timeout=kw.pop("timeout", CLIENT_TIMEOUT_S), api_key=kw.pop("api_key", API_KEY), **kw
+    )
     client.posted = []
     return client
 
@@ -224,8 +260,12 @@ def engine_for(url: str, source: TensorSource, *, client: Any = None, **info: An
     from weightwire.torch_side.sender.engine import TorchTrainerEngine
     from weightwire.trainer import TrainerInitInfo
 
-    init = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=BUFFER_BYTES,
-                           timeouts=info.pop("timeouts", FAULT_TIMEOUTS), **info)
+    init = TrainerInitInfo(
+        backend="weightwire_tcp",
+        packed_buffer_size_bytes=BUFFER_BYTES,
+        timeouts=info.pop("timeouts", FAULT_TIMEOUTS),
+        **info,
+    )
     return TorchTrainerEngine.trainer_init(init, client=client or client_for(url), source=source)
 
 
@@ -246,7 +286,9 @@ def elapsed() -> Iterator[list[float]]:
         box[0] = time.monotonic() - start
 
 
-def fresh_round(url: str, source: TensorSource, probe: Probe, step: int, version: str, **info: Any) -> dict[str, str]:
+def fresh_round(
+    url: str, source: TensorSource, probe: Probe, step: int, version: str, **info: Any
+) -> dict[str, str]:
     """A new engine (fresh init) pushes a changed model; every replica must hold it exactly."""
     engine = engine_for(url, source, **info)
     try:
@@ -262,7 +304,9 @@ def fresh_round(url: str, source: TensorSource, probe: Probe, step: int, version
 def assert_weights(probe: Probe, want: dict[str, str], version: str) -> None:
     """Every replica holds exactly ``want`` and the server reports ``version``."""
     for i, replica in enumerate(probe.checksums()):
-        assert replica == want, f"replica {i} differs in {sorted(k for k in want if replica.get(k) != want[k])[:5]}"
+        assert replica == want, (
+            f"replica {i} differs in {sorted(k for k in want if replica.get(k) != want[k])[:5]}"
+        )
     assert probe.version() == version
 
 
@@ -274,6 +318,9 @@ def observe(**values: Any) -> None:
     if not path:
         return
     case = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-    row = {"case": case, **{k: (round(v, 2) if isinstance(v, float) else str(v)[:300]) for k, v in values.items()}}
+    row = {
+        "case": case,
+        **{k: (round(v, 2) if isinstance(v, float) else str(v)[:300]) for k, v in values.items()},
+    }
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")

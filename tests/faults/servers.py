@@ -50,7 +50,11 @@ class Server:
             with contextlib.suppress(OSError, ValueError, KeyError):
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 if b"weightwire.tools.server.worker_proc" in argv:
-                    out[json.loads(argv[argv.index(b"weightwire.tools.server.worker_proc") + 1])["index"]] = pid
+                    out[
+                        json.loads(argv[argv.index(b"weightwire.tools.server.worker_proc") + 1])[
+                            "index"
+                        ]
+                    ] = pid
         return out
 
     def signal_group(self, sig: int) -> None:
@@ -77,26 +81,54 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def launch(model: str | Path, log_path: Path, *extra: str, env: dict[str, str] | None = None,
-           api_key: str | None = API_KEY) -> Server:
+def launch(
+    model: str | Path,
+    log_path: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    api_key: str | None = API_KEY,
+) -> Server:
     """Start a server on a free port (loopback unless ``--host`` is in ``extra``; the API key in
     ``$WEIGHTWIRE_API_KEY``, never on a command line); wait
     (bounded) for its ready line. Its stderr (logs of the API and every worker) goes to
     ``log_path``; its stdout is kept in ``Server.stdout``."""
     log = open(log_path, "w")  # noqa: SIM115  (the child writes to it for its whole life)
-    cmd = [sys.executable, "-m", "weightwire.tools.server", "--model", str(model), "--port", "0",
-           "--backend", "weightwire_tcp", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "weightwire.tools.server",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--backend",
+        "weightwire_tcp",
+        *extra,
+    ]
     # The workers bound their own rendezvous and warm-up (Timeouts.from_env): short here too.
     short = {f"WEIGHTWIRE_TIMEOUT_{k.upper()}": str(v) for k, v in vars(FAULT_TIMEOUTS).items()}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **short,
-                                 **({"WEIGHTWIRE_API_KEY": api_key} if api_key else {}), **(env or {})})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+        env={
+            **os.environ,
+            "TOKENIZERS_PARALLELISM": "false",
+            **short,
+            **({"WEIGHTWIRE_API_KEY": api_key} if api_key else {}),
+            **(env or {}),
+        },
+    )
     ready = ReadyLine(proc)
     if not ready.wait(START_TIMEOUT_S) or ready.url is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        raise RuntimeError(f"server did not become ready: {ready.lines!r}\n{log_path.read_text()[-3000:]}")
+        raise RuntimeError(
+            f"server did not become ready: {ready.lines!r}\n{log_path.read_text()[-3000:]}"
+        )
     server = Server(proc, ready.url, log_path, ready.lines)
     LAUNCHED.append(server)
     return server
@@ -126,5 +158,5 @@ def listening_sockets(pid: int | str = "self") -> set[str]:
 def _proc_addr(hexaddr: str, width: int) -> str:
     raw = bytes.fromhex(hexaddr)
     # /proc prints each 32-bit word in host (little-endian) order.
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return str(ipaddress.ip_address(raw)) if width == 8 else str(ipaddress.IPv6Address(raw))

@@ -72,7 +72,9 @@ def _trickle_headers(conn: socket.socket) -> None:
 
 
 def _trickle_body(conn: socket.socket) -> None:
-    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+    conn.sendall(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
     _trickle(conn, b'{"version": "' + b"0" * 990)
 
 
@@ -125,22 +127,36 @@ def test_doctor_refuses_a_bad_timeout_as_a_usage_error(value: str) -> None:
     assert "Traceback" not in done.stderr
 
 
-def _serve(*args: str, env: dict[str, str | None], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _serve(
+    *args: str, env: dict[str, str | None], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     """``weightwire serve ARGS`` in a fresh interpreter with ``env`` applied (None: unset)."""
     full = {k: v for k, v in os.environ.items() if k not in env}
     full.update({k: v for k, v in env.items() if v is not None})
-    return subprocess.run([sys.executable, "-m", "weightwire.tools.cli", "serve", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False, env=full)
+    return subprocess.run(
+        [sys.executable, "-m", "weightwire.tools.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=full,
+    )
 
 
-@pytest.mark.parametrize(("flag", "env", "says"), [
-    ([], "", "WEIGHTWIRE_API_KEY is empty"),
-    ([], " ", "WEIGHTWIRE_API_KEY is blank"),
-    ([], " key ", "WEIGHTWIRE_API_KEY has whitespace at its start or end"),
-    (["--api-key", ""], None, "--api-key is empty"),
-    (["--api-key", "  "], None, "--api-key is blank"),
-], ids=["env-empty", "env-blank", "env-padded", "flag-empty", "flag-blank"])
-def test_serve_refuses_an_empty_or_blank_api_key(flag: list[str], env: str | None, says: str) -> None:
+@pytest.mark.parametrize(
+    ("flag", "env", "says"),
+    [
+        ([], "", "WEIGHTWIRE_API_KEY is empty"),
+        ([], " ", "WEIGHTWIRE_API_KEY is blank"),
+        ([], " key ", "WEIGHTWIRE_API_KEY has whitespace at its start or end"),
+        (["--api-key", ""], None, "--api-key is empty"),
+        (["--api-key", "  "], None, "--api-key is blank"),
+    ],
+    ids=["env-empty", "env-blank", "env-padded", "flag-empty", "flag-blank"],
+)
+def test_serve_refuses_an_empty_or_blank_api_key(
+    flag: list[str], env: str | None, says: str
+) -> None:
     """serve with an API key that is given but empty (would start an open server) or blank
     (a server nobody can authenticate to). One line naming where the key came from, exit 2,
     nothing started."""
@@ -150,17 +166,40 @@ def test_serve_refuses_an_empty_or_blank_api_key(flag: list[str], env: str | Non
     assert "Traceback" not in done.stderr and "ready" not in done.stdout
 
 
-@pytest.mark.parametrize(("var", "value", "says"), [
-    ("WEIGHTWIRE_TIMEOUT_CONNECT_S", "abc", "WEIGHTWIRE_TIMEOUT_CONNECT_S must be a number of seconds, got 'abc'"),
-    ("WEIGHTWIRE_TIMEOUT_HTTP_S", "inf", "WEIGHTWIRE_TIMEOUT_HTTP_S must be a finite number of seconds > 0"),
-    ("WEIGHTWIRE_TIMEOUT_TRANSFER_S", "-1", "WEIGHTWIRE_TIMEOUT_TRANSFER_S must be a finite number of seconds > 0"),
-    ("WEIGHTWIRE_LOG_LEVEL", "bogus", "WEIGHTWIRE_LOG_LEVEL='bogus' is not a log level"),
-], ids=["timeout-text", "timeout-inf", "timeout-negative", "log-level"])
+@pytest.mark.parametrize(
+    ("var", "value", "says"),
+    [
+        (
+            "WEIGHTWIRE_TIMEOUT_CONNECT_S",
+            "abc",
+            "WEIGHTWIRE_TIMEOUT_CONNECT_S must be a number of seconds, got 'abc'",
+        ),
+        (
+            "WEIGHTWIRE_TIMEOUT_HTTP_S",
+            "inf",
+            "WEIGHTWIRE_TIMEOUT_HTTP_S must be a finite number of seconds > 0",
+        ),
+        (
+            "WEIGHTWIRE_TIMEOUT_TRANSFER_S",
+            "-1",
+            "WEIGHTWIRE_TIMEOUT_TRANSFER_S must be a finite number of seconds > 0",
+        ),
+        ("WEIGHTWIRE_LOG_LEVEL", "bogus", "WEIGHTWIRE_LOG_LEVEL='bogus' is not a log level"),
+    ],
+    ids=["timeout-text", "timeout-inf", "timeout-negative", "log-level"],
+)
 def test_serve_refuses_a_bad_environment_variable_at_start(var: str, value: str, says: str) -> None:
     """serve with a bad ``WEIGHTWIRE_TIMEOUT_*`` or ``WEIGHTWIRE_LOG_LEVEL``: it refuses to start
     with one line naming the variable (exit 2), instead of printing "ready" and then failing
     every init with a 500 (timeouts) or every worker with a traceback (log level)."""
-    done = _serve("--model", "tiny-llama", "--port", "0", env={var: value, "WEIGHTWIRE_API_KEY": None}, timeout=90)
+    done = _serve(
+        "--model",
+        "tiny-llama",
+        "--port",
+        "0",
+        env={var: value, "WEIGHTWIRE_API_KEY": None},
+        timeout=90,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"weightwire serve: error: {says}" in done.stderr
     assert "Traceback" not in done.stderr and "ready" not in done.stdout
@@ -181,18 +220,34 @@ def _damage(data: bytes) -> bytes:
 
 _BREAKS: dict[str, tuple[Callable[[Path], None], str]] = {
     "empty-config": (lambda d: (d / "config.json").write_text(""), "config.json is empty"),
-    "bad-json": (lambda d: (d / "config.json").write_text('{"model_type": '), "config.json is not valid JSON"),
-    "not-an-object": (lambda d: (d / "config.json").write_text("[1]"), "config.json is a JSON list, not an object"),
-    "truncated-weights": (lambda d: _rewrite(d / "model.safetensors", lambda b: b[:len(b) // 2]),
-                          "model.safetensors is damaged: tensor"),
-    "oversized-header": (lambda d: _rewrite(d / "model.safetensors", lambda b: struct.pack("<Q", 1 << 40) + b[8:]),
-                         "model.safetensors is damaged: its header claims 1099511627776 bytes, over the 100 MiB"),
-    "damaged-header": (lambda d: _rewrite(d / "model.safetensors", _damage),
-                       "model.safetensors is damaged: its header is not valid JSON"),
-    "config-lies-about-shapes": (lambda d: _edit_config(d, _break_config),
-                                 "config.json does not describe these weights: "),
-    "unknown-architecture": (lambda d: _edit_config(d, _unknown_arch),
-                             "has model type `no_such_model` but Transformers does not recognize this architecture."),
+    "bad-json": (
+        lambda d: (d / "config.json").write_text('{"model_type": '),
+        "config.json is not valid JSON",
+    ),
+    "not-an-object": (
+        lambda d: (d / "config.json").write_text("[1]"),
+        "config.json is a JSON list, not an object",
+    ),
+    "truncated-weights": (
+        lambda d: _rewrite(d / "model.safetensors", lambda b: b[: len(b) // 2]),
+        "model.safetensors is damaged: tensor",
+    ),
+    "oversized-header": (
+        lambda d: _rewrite(d / "model.safetensors", lambda b: struct.pack("<Q", 1 << 40) + b[8:]),
+        "model.safetensors is damaged: its header claims 1099511627776 bytes, over the 100 MiB",
+    ),
+    "damaged-header": (
+        lambda d: _rewrite(d / "model.safetensors", _damage),
+        "model.safetensors is damaged: its header is not valid JSON",
+    ),
+    "config-lies-about-shapes": (
+        lambda d: _edit_config(d, _break_config),
+        "config.json does not describe these weights: ",
+    ),
+    "unknown-architecture": (
+        lambda d: _edit_config(d, _unknown_arch),
+        "has model type `no_such_model` but Transformers does not recognize this architecture.",
+    ),
 }
 
 
@@ -217,8 +272,10 @@ def test_serve_names_what_is_wrong_with_a_broken_model_directory(case: str, tmp_
     shutil.copytree(tiny_model_dir("tiny-llama"), model)
     breaker, says = _BREAKS[case]
     breaker(model)
-    done = _serve("--model", str(model), "--port", "0", env={"WEIGHTWIRE_API_KEY": None}, timeout=240)
+    done = _serve(
+        "--model", str(model), "--port", "0", env={"WEIGHTWIRE_API_KEY": None}, timeout=240
+    )
     assert done.returncode in (2, 3), done.stdout + done.stderr
-    assert "Traceback" not in done.stderr and "File \"" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and 'File "' not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip().splitlines()[-1]], done.stderr
     assert says in done.stderr and done.stderr.startswith("weightwire serve: error: ")

@@ -35,29 +35,47 @@ OP_TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="module")
 def server(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = launch(fault_model, tmp_path_factory.mktemp("commit-faults") / "server.log",
-               "--op-timeout", str(OP_TIMEOUT_S))
+    s = launch(
+        fault_model,
+        tmp_path_factory.mktemp("commit-faults") / "server.log",
+        "--op-timeout",
+        str(OP_TIMEOUT_S),
+    )
     yield s
     s.stop()
 
 
-def test_finish_blocked_by_a_generation_times_out_and_never_commits(server: Server, source: TensorSource) -> None:
+def test_finish_blocked_by_a_generation_times_out_and_never_commits(
+    server: Server, source: TensorSource
+) -> None:
     probe = Probe(server.url)
     engine = engine_for(server.url, source)
     generation: list[httpx.Response] = []
 
     def long_generation() -> None:
         with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
-            generation.append(http.post("/v1/completions", json={
-                "prompt": "The trainer sends", "max_tokens": 200, "n": 64, "temperature": 0, "ignore_eos": True}))
+            generation.append(
+                http.post(
+                    "/v1/completions",
+                    json={
+                        "prompt": "The trainer sends",
+                        "max_tokens": 200,
+                        "n": 64,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                )
+            )
 
     try:
         want = source.perturb(301)
         engine.send_weights("g1")
         reader = threading.Thread(target=long_generation)
         reader.start()
-        probe.wait_session(lambda _: probe.http.get("/health").json()["replicas"][0]["generations_in_flight"] == 1,
-                           timeout=30)
+        probe.wait_session(
+            lambda _: probe.http.get("/health").json()["replicas"][0]["generations_in_flight"] == 1,
+            timeout=30,
+        )
         new = source.perturb(302)
         refused: WeightSyncError | None = None
         with elapsed() as t:
@@ -67,7 +85,9 @@ def test_finish_blocked_by_a_generation_times_out_and_never_commits(server: Serv
                 refused = exc
         reader.join(120)
         assert generation and generation[0].status_code == 200, generation
-        if refused is None:  # the generation ended before the finish came: nothing to test on this machine
+        if (
+            refused is None
+        ):  # the generation ended before the finish came: nothing to test on this machine
             assert_weights(probe, new, "g2")
             pytest.skip("the generation ended before the round's finish arrived")
         observe(trainer=refused, trainer_s=t[0])
@@ -77,7 +97,9 @@ def test_finish_blocked_by_a_generation_times_out_and_never_commits(server: Serv
         assert probe.session()["state"] == "uninitialized"
         assert refused.status == 504 and "was not committed" in refused.message, refused
         assert "weight_version 'g1' are still served" in refused.message, refused
-        assert t[0] < OP_TIMEOUT_S + GRACE_S, f"finish answered after {t[0]:.1f} s, not its {OP_TIMEOUT_S} s"
+        assert t[0] < OP_TIMEOUT_S + GRACE_S, (
+            f"finish answered after {t[0]:.1f} s, not its {OP_TIMEOUT_S} s"
+        )
     finally:
         quiet_shutdown(engine)
     fresh_round(server.url, source, probe, 303, "after-finish-timeout")

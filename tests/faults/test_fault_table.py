@@ -12,4 +12,5 @@ def test_every_fault_test_has_a_row_and_every_row_a_test() -> None:
     stale = [r for r in rows if r not in tests]
     assert not missing and not stale, (
         f"docs/reliability.md's fault table is out of date: no row for {missing}, rows for no test {stale}; "
-        "run python -m tests.faults.fault_table OBS --write")
+        "run python -m tests.faults.fault_table OBS --write"
+    )

@@ -21,15 +21,27 @@ pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 10.0
 GRACE_S = 5.0
-CHUNK = dict(nbytes=16 << 20, nchunks=8)  # 128 MiB per session: more than NCCL can buffer for a dead peer
+CHUNK = dict(
+    nbytes=16 << 20, nchunks=8
+)  # 128 MiB per session: more than NCCL can buffer for a dead peer
 
 
 def peer(gpu: int, tmp: Path, **cfg: Any) -> subprocess.Popen[str]:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": str(gpu),
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     body = json.dumps({"dir": str(tmp), "timeout": TIMEOUT_S, **CHUNK, **cfg})
-    return subprocess.Popen([sys.executable, "-m", "tests.faults._nccl_fault_peer", body], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.faults._nccl_fault_peer", body],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def report(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[dict[str, Any], str]:

@@ -94,7 +94,12 @@ def test_server_refuses_a_stale_world_size(servers: Servers, source: TensorSourc
     422 naming world_size, at once; the rendezvous is cancelled; nothing changed."""
     probe = servers.probe
     before = probe.checksums()
-    with elapsed() as t, pytest.raises(WeightSyncError, match=r"status 422.*world_size 2 is too small.*2 worker") as info:
+    with (
+        elapsed() as t,
+        pytest.raises(
+            WeightSyncError, match=r"status 422.*world_size 2 is too small.*2 worker"
+        ) as info,
+    ):
         engine_for(servers.current.url, source, inference_world_size=1)
     observe(trainer=info.value, trainer_s=t[0])
     assert t[0] < GRACE_S
@@ -104,14 +109,31 @@ def test_server_refuses_a_stale_world_size(servers: Servers, source: TensorSourc
 
 # ----------------------------------------------------------------------------- trainer dies
 @pytest.mark.parametrize("strategy", ["staged", "streaming"], ids=["staged", "streaming"])
-def test_trainer_dies_mid_broadcast(servers: Servers, fault_model: Path, source: TensorSource, strategy: str) -> None:
+def test_trainer_dies_mid_broadcast(
+    servers: Servers, fault_model: Path, source: TensorSource, strategy: str
+) -> None:
     probe = servers.probe
     budget = {"staged": 1 << 30, "streaming": 0}[strategy]
-    cfg = json.dumps({"url": servers.current.url, "model_dir": str(fault_model), "kill_at": 5,
-                      "stage_budget_bytes": budget})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.faults._trainer_proc", cfg], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    cfg = json.dumps(
+        {
+            "url": servers.current.url,
+            "model_dir": str(fault_model),
+            "kill_at": 5,
+            "stage_budget_bytes": budget,
+        }
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.faults._trainer_proc", cfg],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
     try:
         out, err = proc.communicate(timeout=120)
     finally:
@@ -124,7 +146,9 @@ def test_trainer_dies_mid_broadcast(servers: Servers, fault_model: Path, source:
     observe(server=state["last_error"], server_s_after_exit=waited)
     assert waited < FAULT_TIMEOUTS.transfer_s, waited
     assert state["state"] == "uninitialized" and state["rounds_failed"] >= 1, state
-    assert "lost rank 0" in state["last_error"] and "connection closed by peer" in state["last_error"], state
+    assert (
+        "lost rank 0" in state["last_error"] and "connection closed by peer" in state["last_error"]
+    ), state
     if strategy == "staged":
         assert_weights(probe, committed, "t1")
         assert not probe.http.get("/weight_info").json()["round_incomplete"]
@@ -142,20 +166,29 @@ def test_trainer_dies_mid_broadcast(servers: Servers, fault_model: Path, source:
     observe(completion_after_resume=refused.json())
     assert refused.status_code == 503 and "incomplete weight round" in refused.text, refused.text
     # A fresh trainer's complete round (in place too: it pauses, commits, resumes) makes it whole.
-    fresh_round(servers.current.url, source, probe, 202, "after-trainer-death", stage_budget_bytes=0)
+    fresh_round(
+        servers.current.url, source, probe, 202, "after-trainer-death", stage_budget_bytes=0
+    )
     assert not probe.http.get("/weight_info").json()["round_incomplete"]
     probe.greedy()
 
 
 # ----------------------------------------------------------------------------- server dies
-def test_server_dies_before_broadcast(servers: Servers, source: TensorSource, checkpoint: dict[str, str]) -> None:
+def test_server_dies_before_broadcast(
+    servers: Servers, source: TensorSource, checkpoint: dict[str, str]
+) -> None:
     engine = engine_for(servers.current.url, source)
     try:
         source.perturb(203)
         engine.send_weights("b1")
         servers.current.kill()
-        with elapsed() as t, pytest.raises(WeightSyncError, match=r"(?:pause|start_weight_update) failed .*no response.*Connect"
-                                           ) as info:
+        with (
+            elapsed() as t,
+            pytest.raises(
+                WeightSyncError,
+                match=r"(?:pause|start_weight_update) failed .*no response.*Connect",
+            ) as info,
+        ):
             engine.send_weights("b2")
         observe(trainer=info.value, trainer_s=t[0])
         assert t[0] < GRACE_S
@@ -172,7 +205,9 @@ def test_server_dies_before_broadcast(servers: Servers, source: TensorSource, ch
     fresh_round(servers.current.url, source, servers.probe, 204, "after-server-death")
 
 
-def test_server_dies_mid_broadcast(servers: Servers, source: TensorSource, checkpoint: dict[str, str]) -> None:
+def test_server_dies_mid_broadcast(
+    servers: Servers, source: TensorSource, checkpoint: dict[str, str]
+) -> None:
     engine = engine_for(servers.current.url, source)
     try:
         source.perturb(205)
@@ -183,7 +218,9 @@ def test_server_dies_mid_broadcast(servers: Servers, source: TensorSource, check
             engine.send_weights("d2")
         observe(trainer=f"{type(info.value).__name__}: {info.value}", trainer_s=t[0])
         assert t[0] < FAULT_TIMEOUTS.transfer_s + GRACE_S, t[0]
-        assert any(w in str(info.value) for w in ("lost rank", "disconnected", "Connection", "connection")), info.value
+        assert any(
+            w in str(info.value) for w in ("lost rank", "disconnected", "Connection", "connection")
+        ), info.value
     finally:
         source.hook = None
         quiet_shutdown(engine)
@@ -223,7 +260,10 @@ def test_replica_dies_while_the_other_lives(servers: Servers, source: TensorSour
     assert health.status_code == 503 and "replica 1" in health.text, health.text
     # The live replica aborted its half of the round: it still serves r1, token for token.
     assert probe.greedy() == served
-    with elapsed() as t, pytest.raises(WeightSyncError, match=r"status 503.*replica 1") as init_info:
+    with (
+        elapsed() as t,
+        pytest.raises(WeightSyncError, match=r"status 503.*replica 1") as init_info,
+    ):
         engine_for(servers.current.url, source)  # the dead replica is named, never a hang
     observe(init_after=init_info.value, init_after_s=t[0])
     assert t[0] < FAULT_TIMEOUTS.connect_s + GRACE_S
@@ -232,7 +272,9 @@ def test_replica_dies_while_the_other_lives(servers: Servers, source: TensorSour
     fresh_round(servers.current.url, source, servers.probe, 210, "after-replica-death")
     # Which error the trainer sees first (its own PeerLost or the server's answer) is a
     # race; the server's record naming replica 1 is asserted above. Init must not wait.
-    assert init_seconds < GRACE_S, f"an init while a replica is dead took {init_seconds:.1f} s instead of failing at once"
+    assert init_seconds < GRACE_S, (
+        f"an init while a replica is dead took {init_seconds:.1f} s instead of failing at once"
+    )
 
 
 def test_client_names_the_route_when_no_server_listens(source: TensorSource) -> None:
@@ -243,8 +285,12 @@ def test_client_names_the_route_when_no_server_listens(source: TensorSource) -> 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    with elapsed() as t, pytest.raises(WeightSyncError, match=r"version failed on .* \(no response\): ConnectError"
-                                       ) as info:
+    with (
+        elapsed() as t,
+        pytest.raises(
+            WeightSyncError, match=r"version failed on .* \(no response\): ConnectError"
+        ) as info,
+    ):
         engine_for(url, source, client=client_for(url))
     observe(trainer=info.value, trainer_s=t[0])
     assert t[0] < GRACE_S

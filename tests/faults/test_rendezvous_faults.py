@@ -52,14 +52,18 @@ def test_ipc_rendezvous_idle_local_connections_do_not_lock_the_worker_out() -> N
         worker.join(20)
         assert isinstance(out[0], Channel), out
         out[0].send({"op": "hello", "rank": 1})
-        assert trainer_side.expect("hello", deadline=_soon(), what="the worker's hello")["rank"] == 1
+        assert (
+            trainer_side.expect("hello", deadline=_soon(), what="the worker's hello")["rank"] == 1
+        )
         for sock in idle:  # each got its challenge, then EOF once the rendezvous was over
             assert len(_read_to_eof(sock)) == 4 + ipc_channel.NONCE_BYTES
         trainer_side.abort()
         out[0].abort()
 
 
-def test_ipc_rendezvous_many_idle_connections_evict_the_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ipc_rendezvous_many_idle_connections_evict_the_oldest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """IPC: more silent connections than the pending cap; the oldest are dropped to make room
     and the worker still joins."""
     monkeypatch.setattr(ipc_channel, "_MAX_PENDING", 2)
@@ -76,7 +80,9 @@ def test_ipc_rendezvous_many_idle_connections_evict_the_oldest(monkeypatch: pyte
         worker.join(20)
         assert isinstance(out[0], Channel), out
         for sock in idle:
-            _read_to_eof(sock)  # ends: dropped (evicted or at the rendezvous' end), never left hanging
+            _read_to_eof(
+                sock
+            )  # ends: dropped (evicted or at the rendezvous' end), never left hanging
         trainer_side.abort()
         out[0].abort()
 

@@ -62,10 +62,18 @@ def test_server_refuses_init(shared_server: Server, probe: Probe, source: Tensor
     after its 8 s rendezvous timeout, with its listening socket closed."""
     weights, version = committed(probe)
     listening = listening_sockets()
-    with elapsed() as t, pytest.raises(WeightSyncError, match=r"init_weight_transfer_engine failed .*status 401.*API key"
-                                       ) as info:
-        engine_for(shared_server.url, source, client=client_for(shared_server.url, api_key="wrong"),
-                   inference_world_size=1)
+    with (
+        elapsed() as t,
+        pytest.raises(
+            WeightSyncError, match=r"init_weight_transfer_engine failed .*status 401.*API key"
+        ) as info,
+    ):
+        engine_for(
+            shared_server.url,
+            source,
+            client=client_for(shared_server.url, api_key="wrong"),
+            inference_world_size=1,
+        )
     observe(trainer=info.value, trainer_s=t[0])
     assert t[0] < GRACE_S
     deadline = time.monotonic() + 30  # a hang detector: the listener closes within milliseconds
@@ -78,7 +86,9 @@ def test_server_refuses_init(shared_server: Server, probe: Probe, source: Tensor
 
 
 # ----------------------------------------------------------------------------- route order
-def test_update_posted_without_start(shared_server: Server, probe: Probe, source: TensorSource) -> None:
+def test_update_posted_without_start(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
     engine = engine_for(shared_server.url, source)
     try:
         want = source.perturb(2)
@@ -88,7 +98,10 @@ def test_update_posted_without_start(shared_server: Server, probe: Probe, source
             resp = probe.http.post("/update_weights", json={"update_info": meta})
         observe(server=f"{resp.status_code} {resp.json()['error']['message']}", server_s=t[0])
         assert resp.status_code == 409 and t[0] < GRACE_S, resp.text
-        assert "no weight update is active: POST /start_weight_update" in resp.json()["error"]["message"]
+        assert (
+            "no weight update is active: POST /start_weight_update"
+            in resp.json()["error"]["message"]
+        )
         assert probe.session()["state"] == "ready"  # refused before the session was touched
         assert_weights(probe, want, "u1")
         want = source.perturb(3)
@@ -99,13 +112,17 @@ def test_update_posted_without_start(shared_server: Server, probe: Probe, source
 
 
 def test_finish_without_update(shared_server: Server, probe: Probe, source: TensorSource) -> None:
-    engine = engine_for(shared_server.url, source, timeouts=SLOW_RECEIVE)  # the lease outlives the probe's calls
+    engine = engine_for(
+        shared_server.url, source, timeouts=SLOW_RECEIVE
+    )  # the lease outlives the probe's calls
     try:
         want = source.perturb(4)
         engine.send_weights("f1")
         assert probe.http.post("/start_weight_update").status_code == 200
         with elapsed() as t:
-            resp = probe.http.post("/finish_weight_update", json={"weight_version": "f2-never-sent"})
+            resp = probe.http.post(
+                "/finish_weight_update", json={"weight_version": "f2-never-sent"}
+            )
         observe(server=f"{resp.status_code} {resp.text}", server_s=t[0])
         assert t[0] < GRACE_S and resp.status_code < 500, resp.text
         assert probe.checksums()[0] == want  # no byte of a new round was ever loaded
@@ -115,12 +132,14 @@ def test_finish_without_update(shared_server: Server, probe: Probe, source: Tens
     fresh_round(shared_server.url, source, probe, 5, "after-finish-without-update")
     assert resp.status_code == 409 and version_after == "f1", (
         f"finish_weight_update without any update_weights was accepted ({resp.status_code}) and "
-        f"set weight_version to {version_after!r} although no weight arrived")
+        f"set weight_version to {version_after!r} although no weight arrived"
+    )
 
 
 # ----------------------------------------------------------------------------- two trainers
-def test_second_trainer_init_while_a_round_is_in_flight(shared_server: Server, probe: Probe,
-                                                        source: TensorSource) -> None:
+def test_second_trainer_init_while_a_round_is_in_flight(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
     """B's init during A's update is refused (409) at once; A's round completes untouched."""
     url = shared_server.url
     a = engine_for(url, source, timeouts=SLOW_RECEIVE)
@@ -145,12 +164,17 @@ def test_second_trainer_init_while_a_round_is_in_flight(shared_server: Server, p
         quiet_shutdown(a)
     assert refused and seconds[0] < GRACE_S, "the second trainer's init was not refused"
     observe(second_trainer=refused[0], second_trainer_s=seconds[0])
-    assert refused[0].status == 409 and "another weight operation (update_weights)" in refused[0].message
+    assert (
+        refused[0].status == 409
+        and "another weight operation (update_weights)" in refused[0].message
+    )
     assert_weights(probe, want, "a1")
     fresh_round(url, source, probe, 7, "after-second-trainer")
 
 
-def test_second_trainer_takes_over_an_idle_session(shared_server: Server, probe: Probe, source: TensorSource) -> None:
+def test_second_trainer_takes_over_an_idle_session(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
     """Between rounds the last init wins (vLLM's semantics), and the session has an owner:
     A's next round fails fast before any byte is sent (A sees its link closed, or the
     server refuses A's start with 409 naming the takeover: whichever A notices first), A's
@@ -176,13 +200,18 @@ def test_second_trainer_takes_over_an_idle_session(shared_server: Server, probe:
         observe(first_trainer=info.value, first_trainer_s=t[0], server=probe.session())
         assert t[0] < GRACE_S, f"A's stale round took {t[0]:.1f} s to fail"
         if isinstance(info.value, WeightSyncError):
-            assert info.value.status == 409 and "was replaced by a newer /init_weight_transfer_engine" in info.value.message
+            assert (
+                info.value.status == 409
+                and "was replaced by a newer /init_weight_transfer_engine" in info.value.message
+            )
         else:
             assert "took the session over" in str(info.value)
         assert_weights(probe, want, "a1")
         assert probe.session()["state"] == "ready", "A's failed round disturbed B's session"
         quiet_shutdown(a)
-        stale = probe.http.post("/shutdown_weight_transfer_engine", headers={SESSION_HEADER: a_session})
+        stale = probe.http.post(
+            "/shutdown_weight_transfer_engine", headers={SESSION_HEADER: a_session}
+        )
         observe(stale_shutdown=f"{stale.status_code} {stale.json()['error']['message']}")
         assert stale.status_code == 409 and "replaced by a newer" in stale.text, stale.text
         assert probe.session()["state"] == "ready", "A's shutdown killed B's session"
@@ -196,8 +225,9 @@ def test_second_trainer_takes_over_an_idle_session(shared_server: Server, probe:
     fresh_round(url, source, probe, 10, "after-takeover")
 
 
-def test_round_lease_aborts_a_round_whose_trainer_went_quiet(shared_server: Server, probe: Probe,
-                                                             source: TensorSource) -> None:
+def test_round_lease_aborts_a_round_whose_trainer_went_quiet(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
     """A round started and then abandoned (the trainer vanished after start): the server
     aborts it by itself once the lease (the trainer's transfer_s) runs out; no manual
     finish; the committed weights and version stay served."""
@@ -205,12 +235,18 @@ def test_round_lease_aborts_a_round_whose_trainer_went_quiet(shared_server: Serv
     try:
         want = source.perturb(30)
         engine.send_weights("l1")
-        assert probe.http.post("/start_weight_update").status_code == 200  # ... and nobody follows up
-        state, waited = probe.wait_session(lambda s: s["state"] != "round_active",
-                                           timeout=FAULT_TIMEOUTS.transfer_s + 30)
+        assert (
+            probe.http.post("/start_weight_update").status_code == 200
+        )  # ... and nobody follows up
+        state, waited = probe.wait_session(
+            lambda s: s["state"] != "round_active", timeout=FAULT_TIMEOUTS.transfer_s + 30
+        )
         observe(server=state["last_error"], server_s=waited)
         assert state["state"] == "uninitialized" and state["busy"] is None, state
-        assert "round lease expired" in state["last_error"] and "'l1' is still served" in state["last_error"], state
+        assert (
+            "round lease expired" in state["last_error"]
+            and "'l1' is still served" in state["last_error"]
+        ), state
         assert_weights(probe, want, "l1")
     finally:
         quiet_shutdown(engine)
@@ -221,8 +257,9 @@ class _TrainerBug(Exception):
     pass
 
 
-def test_shutdown_right_after_a_failed_round_keeps_the_round_error(shared_server: Server, probe: Probe,
-                                                                   source: TensorSource) -> None:
+def test_shutdown_right_after_a_failed_round_keeps_the_round_error(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
     """``try: send_weights() finally: shutdown()`` after a trainer-side failure mid-round,
     while the server has not yet failed the round (its worker is frozen until the first
     shutdown attempt was answered 409 "a weight update is active"): the caller sees its
@@ -285,12 +322,21 @@ def test_shutdown_during_a_round(shared_server: Server, probe: Probe, source: Te
     engine = engine_for(url, source, timeouts=SLOW_RECEIVE)
     answers: list[httpx.Response] = []
     try:
-        source.hook = hook_at(3, lambda: (wait_busy(probe, "update_weights"),
-                                          answers.append(probe.http.post("/shutdown_weight_transfer_engine"))))
+        source.hook = hook_at(
+            3,
+            lambda: (
+                wait_busy(probe, "update_weights"),
+                answers.append(probe.http.post("/shutdown_weight_transfer_engine")),
+            ),
+        )
         want = source.perturb(11)
         engine.send_weights("s1")
-        observe(shutdown_during_update=f"{answers[0].status_code} {answers[0].json()['error']['message']}")
-        assert answers[0].status_code == 409 and "a weight update is active" in answers[0].text, answers[0].text
+        observe(
+            shutdown_during_update=f"{answers[0].status_code} {answers[0].json()['error']['message']}"
+        )
+        assert answers[0].status_code == 409 and "a weight update is active" in answers[0].text, (
+            answers[0].text
+        )
         assert_weights(probe, want, "s1")
         assert probe.http.post("/start_weight_update").status_code == 200
         resp = probe.http.post("/shutdown_weight_transfer_engine")
@@ -311,7 +357,10 @@ def test_shutdown_during_a_round(shared_server: Server, probe: Probe, source: Te
 
         source.hook = hook_at(4, close_from_another_thread)
         source.perturb(12)
-        with elapsed() as t, pytest.raises((TransferError, RuntimeError), match=r"closed|shut down") as info:
+        with (
+            elapsed() as t,
+            pytest.raises((TransferError, RuntimeError), match=r"closed|shut down") as info,
+        ):
             engine.send_weights("s3")
         observe(trainer=info.value, trainer_s=t[0])
         assert t[0] < GRACE_S
@@ -344,14 +393,22 @@ def _redtyped(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return [*pairs[:5], (name, tensor.to(torch.bfloat16)), *pairs[6:]]
 
 
-@pytest.mark.parametrize(("mutate", "message"), [
-    (_extra, r"more tensors than metadata declared .*'model\.layers\.9\.extra\.weight'"),
-    (_missing, r"yielded 38 tensors but metadata declared 39; first missing is 'model\.norm\.weight'"),
-    (_reordered, r"disagree at index 3: declared '.*' float32 .* got '.*'"),
-    (_redtyped, r"disagree at index 5: declared '(.*)' float32 \[.*\], got '\1' bfloat16"),
-], ids=["extra", "missing", "reordered", "redtyped"])
-def test_source_metadata_and_iteration_disagree(shared_server: Server, probe: Probe, source: TensorSource,
-                                                mutate: Any, message: str) -> None:
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (_extra, r"more tensors than metadata declared .*'model\.layers\.9\.extra\.weight'"),
+        (
+            _missing,
+            r"yielded 38 tensors but metadata declared 39; first missing is 'model\.norm\.weight'",
+        ),
+        (_reordered, r"disagree at index 3: declared '.*' float32 .* got '.*'"),
+        (_redtyped, r"disagree at index 5: declared '(.*)' float32 \[.*\], got '\1' bfloat16"),
+    ],
+    ids=["extra", "missing", "reordered", "redtyped"],
+)
+def test_source_metadata_and_iteration_disagree(
+    shared_server: Server, probe: Probe, source: TensorSource, mutate: Any, message: str
+) -> None:
     """Caught on the trainer before the bad tensor is sent; the worker is released at once by
     the aborted connection (well before its own 3 s receive timeout) and loads nothing."""
     engine = engine_for(shared_server.url, source)
@@ -392,23 +449,37 @@ def test_receiver_stops_reading(shared_server: Server, probe: Probe, source: Ten
         source.hook = hook_at(2, freeze)
         source.perturb(18)
         try:
-            with elapsed() as t, pytest.raises(TransferTimeout, match=r"did not reach every receiver within 3 s; "
-                                               r"still sending to: rank 1 .*\(receiver stalled or too slow\)"
-                                               ) as info:
+            with (
+                elapsed() as t,
+                pytest.raises(
+                    TransferTimeout,
+                    match=r"did not reach every receiver within 3 s; "
+                    r"still sending to: rank 1 .*\(receiver stalled or too slow\)",
+                ) as info,
+            ):
                 engine.send_weights("n2")
         finally:
             shared_server.signal_group(signal.SIGCONT)
         assert stopped.is_set() and t[0] < FAULT_TIMEOUTS.transfer_s + GRACE_S, t[0]
         # Not just "idle": right after SIGCONT the server may not even have read the update
         # POST yet (idle, round still open). The verdict is the failed round, whenever it lands.
-        state, waited = probe.wait_session(lambda s: s["busy"] is None and s["state"] != "round_active",
-                                           timeout=FAULT_TIMEOUTS.transfer_s + 30)
-        observe(trainer=info.value, trainer_s=t[0], server=state["last_error"], server_s_after_resume=waited)
+        state, waited = probe.wait_session(
+            lambda s: s["busy"] is None and s["state"] != "round_active",
+            timeout=FAULT_TIMEOUTS.transfer_s + 30,
+        )
+        observe(
+            trainer=info.value,
+            trainer_s=t[0],
+            server=state["last_error"],
+            server_s_after_resume=waited,
+        )
         # Who ends the round depends on where the freeze caught the server: the worker (its
         # sender is gone) or, when the update POST was not yet read, the round lease (the
         # frozen seconds count). Either way the round is aborted and n1 stays served.
         assert state["state"] == "uninitialized", state
-        assert "round failed" in state["last_error"] or "round lease expired" in state["last_error"], state
+        assert (
+            "round failed" in state["last_error"] or "round lease expired" in state["last_error"]
+        ), state
         assert_weights(probe, want, "n1")
     finally:
         source.hook = None
@@ -420,14 +491,23 @@ def test_control_plane_stalls(shared_server: Server, probe: Probe, source: Tenso
     """SIGSTOP the server between rounds: the next HTTP call times out after the client's
     timeout and says which route; the weights stay; a fresh init recovers."""
     # No pause: a timed-out /pause would be read after SIGCONT and leave generation paused.
-    engine = engine_for(shared_server.url, source, client=client_for(shared_server.url, timeout=3.0), pause_mode=None)
+    engine = engine_for(
+        shared_server.url,
+        source,
+        client=client_for(shared_server.url, timeout=3.0),
+        pause_mode=None,
+    )
     try:
         want = source.perturb(20)
         engine.send_weights("h1")
         shared_server.signal_group(signal.SIGSTOP)
         try:
-            with elapsed() as t, pytest.raises(WeightSyncError, match=r"start_weight_update failed .*no answer within 3"
-                                               ) as info:
+            with (
+                elapsed() as t,
+                pytest.raises(
+                    WeightSyncError, match=r"start_weight_update failed .*no answer within 3"
+                ) as info,
+            ):
                 engine.send_weights("h2")
         finally:
             shared_server.signal_group(signal.SIGCONT)
@@ -446,8 +526,9 @@ def test_control_plane_stalls(shared_server: Server, probe: Probe, source: Tenso
 
 # ----------------------------------------------------------------------------- worker refuses mid-round
 @pytest.mark.parametrize("strategy", ["staged", "streaming"], ids=["staged", "streaming"])
-def test_worker_refuses_a_tensor_mid_round(shared_server: Server, probe: Probe, source: TensorSource,
-                                           strategy: str) -> None:
+def test_worker_refuses_a_tensor_mid_round(
+    shared_server: Server, probe: Probe, source: TensorSource, strategy: str
+) -> None:
     """The worker refuses a tensor in the middle of a round (a name the model lacks). Staged:
     nothing was applied, the previous weights stay served. Applied in place: the earlier
     chunks are in the model, so the server stays paused (the trainer does not resume) and
@@ -458,11 +539,17 @@ def test_worker_refuses_a_tensor_mid_round(shared_server: Server, probe: Probe, 
     original = dict(source.tensors)
     names = list(original)
     bogus = names[len(names) // 2]
-    source.tensors = {("model.layers.99.bogus.weight" if n == bogus else n): t for n, t in original.items()}
+    source.tensors = {
+        ("model.layers.99.bogus.weight" if n == bogus else n): t for n, t in original.items()
+    }
     engine = engine_for(shared_server.url, source, stage_budget_bytes=budget)
     try:
-        with elapsed() as t, pytest.raises(WeightSyncError, match="unknown weight name 'model.layers.99.bogus.weight'"
-                                           ) as info:
+        with (
+            elapsed() as t,
+            pytest.raises(
+                WeightSyncError, match="unknown weight name 'model.layers.99.bogus.weight'"
+            ) as info,
+        ):
             engine.send_weights("bogus")
     finally:
         quiet_shutdown(engine)
@@ -476,10 +563,15 @@ def test_worker_refuses_a_tensor_mid_round(shared_server: Server, probe: Probe, 
         assert not weight_info["round_incomplete"]
         probe.greedy()
     else:
-        assert weight_info["round_incomplete"] and "incomplete weight round" in weight_info["incomplete_reason"]
+        assert (
+            weight_info["round_incomplete"]
+            and "incomplete weight round" in weight_info["incomplete_reason"]
+        )
         assert probe.checksums()[0] != want  # part of the round is in the model
         refused = probe.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
         assert refused.status_code == 503, refused.text  # still paused: the trainer did not resume
-    fresh_round(shared_server.url, source, probe, 23, f"after-refused-{strategy}", stage_budget_bytes=budget)
+    fresh_round(
+        shared_server.url, source, probe, 23, f"after-refused-{strategy}", stage_budget_bytes=budget
+    )
     assert not probe.http.get("/weight_info").json()["round_incomplete"]
     probe.greedy()

@@ -44,7 +44,9 @@ def test_weight_routes_need_the_bearer_key(shared_server: Server, route: Any) ->
     anonymous = Probe(shared_server.url, headers={})
     try:
         resp = anonymous.http.request(route.method, route.path)
-        wrong = anonymous.http.request(route.method, route.path, headers={"Authorization": "Bearer nope"})
+        wrong = anonymous.http.request(
+            route.method, route.path, headers={"Authorization": "Bearer nope"}
+        )
     finally:
         anonymous.close()
     if route.name in ("health", "version"):
@@ -56,9 +58,9 @@ def test_weight_routes_need_the_bearer_key(shared_server: Server, route: Any) ->
 
 
 # ----------------------------------------------------------------------------- data-plane auth
-def test_tcp_impostor_is_refused_and_the_real_worker_joins(shared_server: Server, probe: Probe,
-                                                           source: TensorSource,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_tcp_impostor_is_refused_and_the_real_worker_joins(
+    shared_server: Server, probe: Probe, source: TensorSource, caplog: pytest.LogCaptureFixture
+) -> None:
     """Before the server sees the init info, an impostor who knows the trainer's host and
     port (not the secret) dials in claiming rank 1; it is refused, the real worker then
     proves the secret as rank 1, and the round lands."""
@@ -76,8 +78,14 @@ def test_tcp_impostor_is_refused_and_the_real_worker_joins(shared_server: Server
         def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
             def dial() -> None:
                 try:
-                    TCPCommunicator.connect(host=init_info["host"], port=init_info["port"], secret=bytes(128),
-                                            rank=1, world_size=init_info["world_size"], timeout=5)
+                    TCPCommunicator.connect(
+                        host=init_info["host"],
+                        port=init_info["port"],
+                        secret=bytes(128),
+                        rank=1,
+                        world_size=init_info["world_size"],
+                        timeout=5,
+                    )
                 except TransferError as exc:
                     refused.append(exc)
 
@@ -98,10 +106,16 @@ def test_tcp_impostor_is_refused_and_the_real_worker_joins(shared_server: Server
     assert_weights(probe, want, "after-impostor")
 
 
-def test_every_session_has_a_fresh_128_byte_secret(shared_server: Server, source: TensorSource) -> None:
+def test_every_session_has_a_fresh_128_byte_secret(
+    shared_server: Server, source: TensorSource
+) -> None:
     for _ in range(2):
         engine_for(shared_server.url, source).shutdown()
-    secrets = [info["secret_b64"] for info in POSTED_INIT_INFOS if isinstance(info, dict) and "secret_b64" in info]
+    secrets = [
+        info["secret_b64"]
+        for info in POSTED_INIT_INFOS
+        if isinstance(info, dict) and "secret_b64" in info
+    ]
     assert len(secrets) >= 2
     assert all(len(base64.b64decode(s, validate=True)) == 128 for s in secrets)
     assert len(set(secrets)) == len(secrets), "a session secret was reused"
@@ -128,9 +142,30 @@ def test_server_and_rendezvous_bind_loopback_by_default(shared_server: Server) -
 
 
 # ----------------------------------------------------------------------------- no pickle
-_BANNED_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "joblib", "copyreg",
-                   "multiprocessing.connection", "multiprocessing.managers", "multiprocessing.queues"}
-_BANNED_MP = {"Queue", "SimpleQueue", "JoinableQueue", "Pipe", "Manager", "Pool", "Listener", "Client"}
+_BANNED_MODULES = {
+    "pickle",
+    "_pickle",
+    "cPickle",
+    "cloudpickle",
+    "dill",
+    "marshal",
+    "shelve",
+    "joblib",
+    "copyreg",
+    "multiprocessing.connection",
+    "multiprocessing.managers",
+    "multiprocessing.queues",
+}
+_BANNED_MP = {
+    "Queue",
+    "SimpleQueue",
+    "JoinableQueue",
+    "Pipe",
+    "Manager",
+    "Pool",
+    "Listener",
+    "Client",
+}
 
 
 def pickle_uses(source: str, filename: str = "<src>") -> list[str]:
@@ -150,32 +185,58 @@ def pickle_uses(source: str, filename: str = "<src>") -> list[str]:
             if node.module in _BANNED_MODULES or node.module.split(".")[0] in _BANNED_MODULES:
                 found.append(f"{filename}:{node.lineno} from {node.module} import ...")
             if node.module.startswith("multiprocessing"):
-                found += [f"{filename}:{node.lineno} from {node.module} import {a.name}"
-                          for a in node.names if a.name in _BANNED_MP]
+                found += [
+                    f"{filename}:{node.lineno} from {node.module} import {a.name}"
+                    for a in node.names
+                    if a.name in _BANNED_MP
+                ]
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             attr = node.func.attr
             kwargs = {k.arg: k.value for k in node.keywords}
-            if attr == "load" and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
-                safe = isinstance(kwargs.get("weights_only"), ast.Constant) and kwargs["weights_only"].value is True
+            if (
+                attr == "load"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+            ):
+                safe = (
+                    isinstance(kwargs.get("weights_only"), ast.Constant)
+                    and kwargs["weights_only"].value is True
+                )
                 if not safe:
                     found.append(f"{filename}:{node.lineno} torch.load without weights_only=True")
-            if attr == "load" and isinstance(kwargs.get("allow_pickle"), ast.Constant) and kwargs["allow_pickle"].value:
+            if (
+                attr == "load"
+                and isinstance(kwargs.get("allow_pickle"), ast.Constant)
+                and kwargs["allow_pickle"].value
+            ):
                 found.append(f"{filename}:{node.lineno} load(allow_pickle=True)")
-            if attr in ("loads", "load") and isinstance(node.func.value, ast.Name) and node.func.value.id in _BANNED_MODULES:
+            if (
+                attr in ("loads", "load")
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in _BANNED_MODULES
+            ):
                 found.append(f"{filename}:{node.lineno} {node.func.value.id}.{attr}")
     if uses_mp:
-        found += [f"{filename}:{n.lineno} multiprocessing {n.attr}" for n in ast.walk(tree)
-                  if isinstance(n, ast.Attribute) and n.attr in _BANNED_MP]
+        found += [
+            f"{filename}:{n.lineno} multiprocessing {n.attr}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in _BANNED_MP
+        ]
     return found
 
 
 def test_the_pickle_scanner_catches_each_pattern() -> None:
     planted = {
-        "import pickle": 1, "import cloudpickle as cp": 1, "from marshal import loads": 1,
-        "import multiprocessing as mp\nq = mp.Queue()": 1, "from multiprocessing import Pipe": 1,
-        "import torch\ntorch.load(f)": 1, "import numpy as np\nnp.load(f, allow_pickle=True)": 1,
+        "import pickle": 1,
+        "import cloudpickle as cp": 1,
+        "from marshal import loads": 1,
+        "import multiprocessing as mp\nq = mp.Queue()": 1,
+        "from multiprocessing import Pipe": 1,
+        "import torch\ntorch.load(f)": 1,
+        "import numpy as np\nnp.load(f, allow_pickle=True)": 1,
         "import multiprocessing\nctx = multiprocessing.get_context('spawn')\nctx.SimpleQueue()": 1,
-        "import torch\ntorch.load(f, weights_only=True)": 0, "import json\njson.loads(s)": 0,
+        "import torch\ntorch.load(f, weights_only=True)": 0,
+        "import json\njson.loads(s)": 0,
         "import queue\nqueue.SimpleQueue()": 0,
     }
     for src, n in planted.items():
@@ -185,19 +246,27 @@ def test_the_pickle_scanner_catches_each_pattern() -> None:
 def test_no_pickle_anywhere_in_weightwire() -> None:
     files = sorted(PACKAGE.rglob("*.py"))
     assert len(files) > 20
-    found = [hit for f in files for hit in pickle_uses(f.read_text(), str(f.relative_to(PACKAGE.parent)))]
+    found = [
+        hit for f in files for hit in pickle_uses(f.read_text(), str(f.relative_to(PACKAGE.parent)))
+    ]
     assert not found, found
 
 
 # ----------------------------------------------------------------------------- secrets in logs
 def _variants(secret_b64: str) -> list[str]:
     raw = base64.b64decode(secret_b64)
-    return [secret_b64, secret_b64[:24], base64.urlsafe_b64encode(raw).decode()[:24], raw.hex()[:32],
-            repr(raw)[2:40]]
+    return [
+        secret_b64,
+        secret_b64[:24],
+        base64.urlsafe_b64encode(raw).decode()[:24],
+        raw.hex()[:32],
+        repr(raw)[2:40],
+    ]
 
 
-def test_secrets_never_in_logs_or_reprs(shared_server: Server, probe: Probe, source: TensorSource,
-                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_secrets_never_in_logs_or_reprs(
+    shared_server: Server, probe: Probe, source: TensorSource, caplog: pytest.LogCaptureFixture
+) -> None:
     """A full round with every logger at DEBUG (trainer side), then every log any server of
     this session wrote (API and workers at DEBUG for the shared one), their stdout and
     the workers' command lines: no session secret, in any common encoding, and no API key."""
@@ -207,7 +276,13 @@ def test_secrets_never_in_logs_or_reprs(shared_server: Server, probe: Probe, sou
     try:
         want = source.perturb(302)
         metrics = engine.send_weights("debug-round")
-        reprs = [repr(engine), repr(engine.session.link), repr(client), repr(metrics), str(metrics.summary())]
+        reprs = [
+            repr(engine),
+            repr(engine.session.link),
+            repr(client),
+            repr(metrics),
+            str(metrics.summary()),
+        ]
         from weightwire.shared.info import TCPInitInfo
 
         reprs.append(repr(TCPInitInfo.from_dict(client.posted[-1])))
@@ -222,12 +297,25 @@ def test_secrets_never_in_logs_or_reprs(shared_server: Server, probe: Probe, sou
         texts[f"server {i} stdout"] = "\n".join(server.stdout)
     # The workers log each join at INFO (nothing logs below it today): proof the logs were verbose.
     assert "joined as rank 1" in shared_server.log(), "the shared server's logs are not verbose"
-    texts["API process cmdline"] = Path(f"/proc/{shared_server.pid}/cmdline").read_bytes().decode(errors="replace")
+    texts["API process cmdline"] = (
+        Path(f"/proc/{shared_server.pid}/cmdline").read_bytes().decode(errors="replace")
+    )
     for pid in shared_server.worker_pids().values():
-        texts[f"worker {pid} cmdline"] = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    secrets = [info["secret_b64"] for info in POSTED_INIT_INFOS if isinstance(info, dict) and "secret_b64" in info]
+        texts[f"worker {pid} cmdline"] = (
+            Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        )
+    secrets = [
+        info["secret_b64"]
+        for info in POSTED_INIT_INFOS
+        if isinstance(info, dict) and "secret_b64" in info
+    ]
     assert client.posted[-1]["secret_b64"] in secrets
-    leaks = [f"{where}: secret #{n} ({variant[:6]}...)" for n, secret in enumerate(secrets)
-             for variant in _variants(secret) for where, text in texts.items() if variant in text]
+    leaks = [
+        f"{where}: secret #{n} ({variant[:6]}...)"
+        for n, secret in enumerate(secrets)
+        for variant in _variants(secret)
+        for where, text in texts.items()
+        if variant in text
+    ]
     leaks += [f"{where}: the API key" for where, text in texts.items() if API_KEY in text]
     assert not leaks, leaks

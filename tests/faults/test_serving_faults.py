@@ -42,9 +42,15 @@ FOLLOW_UP_TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def capped(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = launch(fault_model, tmp_path_factory.mktemp("serving-capped") / "server.log",
-               "--generate-timeout", str(GENERATE_TIMEOUT_S), "--max-reply-bytes", str(MAX_REPLY_BYTES),
-               "--check-finite")
+    s = launch(
+        fault_model,
+        tmp_path_factory.mktemp("serving-capped") / "server.log",
+        "--generate-timeout",
+        str(GENERATE_TIMEOUT_S),
+        "--max-reply-bytes",
+        str(MAX_REPLY_BYTES),
+        "--check-finite",
+    )
     yield s
     s.stop()
 
@@ -63,14 +69,27 @@ def _served_after(server: Server) -> httpx.Response:
 def test_a_reply_over_the_limit_is_refused_before_it_runs(capped: Server) -> None:
     """A completion whose reply could exceed the worker-to-API line limit (24 prompts, n=64, 255 tokens, 20
     logprobs, token ids)."""
-    body = {"prompt": [[5]] * 24, "n": 64, "max_tokens": 255, "logprobs": 20, "return_token_ids": True,
-            "return_tokens_as_token_ids": True, "ignore_eos": True}
+    body = {
+        "prompt": [[5]] * 24,
+        "n": 64,
+        "max_tokens": 255,
+        "logprobs": 20,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+    }
     with _http(capped) as http, elapsed() as t:
         resp = http.post("/v1/completions", json=body)
     assert resp.status_code == 400, resp.text
     message = resp.json()["error"]["message"]
-    for field in ("24 prompt(s)", "n=64", "max_tokens=255", "logprobs=20", f"limit of {MAX_REPLY_BYTES} bytes",
-                  "--max-reply-bytes"):
+    for field in (
+        "24 prompt(s)",
+        "n=64",
+        "max_tokens=255",
+        "logprobs=20",
+        f"limit of {MAX_REPLY_BYTES} bytes",
+        "--max-reply-bytes",
+    ):
         assert field in message, message
     after = _served_after(capped)
     assert after.status_code == 200, after.text
@@ -87,17 +106,28 @@ def test_a_generation_past_the_generate_timeout_stops(capped: Server, source: Te
     after = _served_after(capped)
     assert after.status_code == 200, after.text
     with elapsed() as t_round:
-        want = fresh_round(capped.url, source, probe, 401, "gen-timeout-1")  # its finish needs the model lock
+        want = fresh_round(
+            capped.url, source, probe, 401, "gen-timeout-1"
+        )  # its finish needs the model lock
     probe.close()
-    observe(server=resp.json()["error"]["message"], server_s=t[0], round_after_s=t_round[0], weights=len(want))
+    observe(
+        server=resp.json()["error"]["message"],
+        server_s=t[0],
+        round_after_s=t_round[0],
+        weights=len(want),
+    )
 
 
-def test_non_finite_weights_fail_a_completion_at_once(shared_server: Server, source: TensorSource) -> None:
+def test_non_finite_weights_fail_a_completion_at_once(
+    shared_server: Server, source: TensorSource
+) -> None:
     """A round pushes NaN into one weight (no `--check-finite`); then completions with and without logprobs."""
     server = shared_server
     probe = Probe(server.url)
     poisoned = TensorSource(source.tensors)
-    poisoned.tensors["model.norm.weight"] = torch.full_like(source.tensors["model.norm.weight"], float("nan"))
+    poisoned.tensors["model.norm.weight"] = torch.full_like(
+        source.tensors["model.norm.weight"], float("nan")
+    )
     engine = engine_for(server.url, poisoned)
     try:
         engine.send_weights("nan-1")
@@ -143,7 +173,9 @@ def test_check_finite_refuses_a_round_with_nan(capped: Server, source: TensorSou
     finally:
         quiet_shutdown(engine)
     assert info.value.status == 400, info.value
-    assert "'model.layers.1.mlp.up_proj.weight'" in str(info.value) and "NaN or infinite" in str(info.value)
+    assert "'model.layers.1.mlp.up_proj.weight'" in str(info.value) and "NaN or infinite" in str(
+        info.value
+    )
     assert "nothing was committed" in str(info.value)
     assert_weights(probe, want, "finite-1")
     fresh_round(capped.url, source, probe, 404, "finite-2")

@@ -46,8 +46,16 @@ def tiny_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = launch(tiny_dir, tmp_path_factory.mktemp("sleep-faults") / "server.log",
-               "--op-timeout", str(OP_TIMEOUT_S), "--round-lease", "20", "--log-level", "info")
+    s = launch(
+        tiny_dir,
+        tmp_path_factory.mktemp("sleep-faults") / "server.log",
+        "--op-timeout",
+        str(OP_TIMEOUT_S),
+        "--round-lease",
+        "20",
+        "--log-level",
+        "info",
+    )
     yield s
     s.stop()
 
@@ -65,8 +73,16 @@ def tiny_source(tiny_dir: Path) -> TensorSource:
 
 
 def _completion(http: httpx.Client, **extra: Any) -> httpx.Response:
-    return http.post("/v1/completions", json={"prompt": "The trainer sends", "max_tokens": 4, "temperature": 0,
-                                              "ignore_eos": True, **extra})
+    return http.post(
+        "/v1/completions",
+        json={
+            "prompt": "The trainer sends",
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            **extra,
+        },
+    )
 
 
 def _error(resp: httpx.Response) -> str:
@@ -95,8 +111,10 @@ def test_sleep_that_timed_out_never_happens_later(server: Server, probe: Probe) 
     reader = threading.Thread(target=long_generation)
     reader.start()
     try:
-        probe.wait_session(lambda _: probe.http.get("/health").json()["replicas"][0]["generations_in_flight"] == 1,
-                           timeout=30)
+        probe.wait_session(
+            lambda _: probe.http.get("/health").json()["replicas"][0]["generations_in_flight"] == 1,
+            timeout=30,
+        )
         with elapsed() as t:
             resp = probe.http.post("/sleep", params={"level": 2, "mode": "keep"})
         answered_first = not generation  # the sleep's verdict did not wait for the generation's end
@@ -116,11 +134,15 @@ def test_sleep_that_timed_out_never_happens_later(server: Server, probe: Probe) 
     after = _completion(probe.http)
     assert after.status_code == 200, after.text
     assert "did not sleep" in resp.text, resp.text
-    assert answered_first, "/sleep answered only when the generation ended, not after its op timeout"
+    assert answered_first, (
+        "/sleep answered only when the generation ended, not after its op timeout"
+    )
     assert probe.http.get("/is_paused").json() == {"is_paused": False}
 
 
-def test_sleep_edges_resume_round_and_pause(server: Server, probe: Probe, tiny_source: TensorSource) -> None:
+def test_sleep_edges_resume_round_and_pause(
+    server: Server, probe: Probe, tiny_source: TensorSource
+) -> None:
     """While asleep, /resume is a 503 naming /wake_up and a round's start a 409 naming the
     sleep; /sleep mid-round is a 409 naming the round; /wake_up keeps a trainer's
     /pause?mode=keep in place."""
@@ -128,7 +150,9 @@ def test_sleep_edges_resume_round_and_pause(server: Server, probe: Probe, tiny_s
         assert probe.http.post("/sleep", params={"level": 1}).status_code == 200
         resumed = probe.http.post("/resume")
         assert resumed.status_code == 503 and "POST /wake_up" in resumed.text, resumed.text
-        engine = engine_for(server.url, tiny_source)  # an init is accepted: it does not touch the weights
+        engine = engine_for(
+            server.url, tiny_source
+        )  # an init is accepted: it does not touch the weights
         try:
             tiny_source.perturb(1)
             with pytest.raises(WeightSyncError) as info:
@@ -136,14 +160,19 @@ def test_sleep_edges_resume_round_and_pause(server: Server, probe: Probe, tiny_s
         finally:
             quiet_shutdown(engine)
         observe(resume=_error(resumed), round_while_asleep=info.value)
-        assert info.value.status == 409 and "the server is asleep (/sleep level 1)" in info.value.message
+        assert (
+            info.value.status == 409
+            and "the server is asleep (/sleep level 1)" in info.value.message
+        )
         assert "/wake_up?tags=weights" in info.value.message and "has [0]" not in info.value.message
         assert probe.http.post("/wake_up").json()["status"] == "awake"
 
         assert probe.http.post("/pause", params={"mode": "keep"}).status_code == 200
         assert probe.http.post("/sleep", params={"level": 1}).status_code == 200
         assert probe.http.post("/wake_up").json()["status"] == "awake"
-        assert probe.http.get("/is_paused").json() == {"is_paused": True}, "/wake_up lifted the trainer's pause"
+        assert probe.http.get("/is_paused").json() == {"is_paused": True}, (
+            "/wake_up lifted the trainer's pause"
+        )
         assert probe.http.post("/resume").status_code == 200
         assert probe.http.get("/is_paused").json() == {"is_paused": False}
 
@@ -152,7 +181,9 @@ def test_sleep_edges_resume_round_and_pause(server: Server, probe: Probe, tiny_s
             assert probe.http.post("/start_weight_update").status_code == 200
             mid = probe.http.post("/sleep", params={"level": 1})
             observe(sleep_mid_round=_error(mid))
-            assert mid.status_code == 409 and "round" in mid.text and "is active" in mid.text, mid.text
+            assert mid.status_code == 409 and "round" in mid.text and "is active" in mid.text, (
+                mid.text
+            )
             assert probe.http.get("/is_sleeping").json() == {"is_sleeping": False}
         finally:
             probe.http.post("/finish_weight_update")  # closes the empty round
@@ -161,8 +192,9 @@ def test_sleep_edges_resume_round_and_pause(server: Server, probe: Probe, tiny_s
         _awake(probe)
 
 
-def test_level_2_refuses_generation_until_a_full_round(server: Server, probe: Probe,
-                                                       tiny_source: TensorSource) -> None:
+def test_level_2_refuses_generation_until_a_full_round(
+    server: Server, probe: Probe, tiny_source: TensorSource
+) -> None:
     """After /sleep?level=2 and /wake_up the weights are gone: /weight_info names no version,
     generation and /update_weight_version are refused naming the discarded weights, and a
     full round brings serving back under its version."""
@@ -173,7 +205,9 @@ def test_level_2_refuses_generation_until_a_full_round(server: Server, probe: Pr
         assert info["weight_version"] is None and info["sleep"]["discarded_tensors"] > 0, info
         refused = _completion(probe.http)
         observe(generation_after_level_2=_error(refused))
-        assert refused.status_code == 503 and "discarded by /sleep?level=2" in refused.text, refused.text
+        assert refused.status_code == 503 and "discarded by /sleep?level=2" in refused.text, (
+            refused.text
+        )
         forged = probe.http.post("/update_weight_version", json={"new_version": "forged"})
         assert forged.status_code == 409 and "discarded" in forged.text, forged.text
         engine = engine_for(server.url, tiny_source)
@@ -189,8 +223,9 @@ def test_level_2_refuses_generation_until_a_full_round(server: Server, probe: Pr
         _awake(probe)
 
 
-def test_second_trainer_cannot_take_over_a_live_round(server: Server, probe: Probe,
-                                                      tiny_source: TensorSource) -> None:
+def test_second_trainer_cannot_take_over_a_live_round(
+    server: Server, probe: Probe, tiny_source: TensorSource
+) -> None:
     """B's init while A's round is open and A still connected is refused (409 naming the
     round); once A's data link closes the round is stale, B's init drops it, and the drop is
     counted in rounds_failed and logged."""
@@ -201,7 +236,10 @@ def test_second_trainer_cannot_take_over_a_live_round(server: Server, probe: Pro
     try:
         failed_before = probe.session()["rounds_failed"]
         session = a_client._sessions[0]
-        assert probe.http.post("/start_weight_update", headers={SESSION_HEADER: session}).status_code == 200
+        assert (
+            probe.http.post("/start_weight_update", headers={SESSION_HEADER: session}).status_code
+            == 200
+        )
         with elapsed() as t, pytest.raises(WeightSyncError) as info:
             quiet_shutdown(engine_for(server.url, TensorSource(tiny_source.tensors)))
         observe(second_trainer=info.value, second_trainer_s=t[0])
@@ -240,8 +278,9 @@ def _init_once_stale(url: str, source: TensorSource) -> Any:
     raise AssertionError("B's init was still refused 5 s after A closed its link")
 
 
-def test_update_weight_version_follows_rounds_and_sessions(server: Server, probe: Probe,
-                                                           tiny_source: TensorSource) -> None:
+def test_update_weight_version_follows_rounds_and_sessions(
+    server: Server, probe: Probe, tiny_source: TensorSource
+) -> None:
     """/update_weight_version is refused (409) mid-round and from a session that is not the
     live one, and /weight_info keeps the real version; between rounds the live session (or a
     stock client without the header) may set it."""
@@ -250,20 +289,35 @@ def test_update_weight_version_follows_rounds_and_sessions(server: Server, probe
     try:
         a.send_weights("v-real")
         session = a_client._sessions[0]
-        assert probe.http.post("/start_weight_update", headers={SESSION_HEADER: session}).status_code == 200
+        assert (
+            probe.http.post("/start_weight_update", headers={SESSION_HEADER: session}).status_code
+            == 200
+        )
         mid = probe.http.post("/update_weight_version", json={"new_version": "forged-mid-round"})
-        bogus = probe.http.post("/update_weight_version", json={"new_version": "forged-bogus"},
-                                headers={SESSION_HEADER: "bogus-session"})
+        bogus = probe.http.post(
+            "/update_weight_version",
+            json={"new_version": "forged-bogus"},
+            headers={SESSION_HEADER: "bogus-session"},
+        )
         observe(mid_round=_error(mid), bogus_session=_error(bogus))
         assert mid.status_code == 409 and "round" in mid.text and "is active" in mid.text, mid.text
         assert bogus.status_code == 409 and "was replaced by a newer" in bogus.text, bogus.text
         assert probe.version() == "v-real"
-        assert probe.http.post("/finish_weight_update", headers={SESSION_HEADER: session}).status_code == 409  # empty
-        bogus = probe.http.post("/update_weight_version", json={"new_version": "forged-bogus"},
-                                headers={SESSION_HEADER: "bogus-session"})
+        assert (
+            probe.http.post("/finish_weight_update", headers={SESSION_HEADER: session}).status_code
+            == 409
+        )  # empty
+        bogus = probe.http.post(
+            "/update_weight_version",
+            json={"new_version": "forged-bogus"},
+            headers={SESSION_HEADER: "bogus-session"},
+        )
         assert bogus.status_code == 409 and probe.version() == "v-real", bogus.text
-        ok = probe.http.post("/update_weight_version", json={"new_version": "v-named"},
-                             headers={SESSION_HEADER: session})
+        ok = probe.http.post(
+            "/update_weight_version",
+            json={"new_version": "v-named"},
+            headers={SESSION_HEADER: session},
+        )
         assert ok.status_code == 200 and probe.version() == "v-named", ok.text
     finally:
         quiet_shutdown(a)
@@ -280,9 +334,13 @@ def test_every_round_is_logged(server: Server, probe: Probe, tiny_source: Tensor
     finally:
         quiet_shutdown(engine)
     n = len(tiny_source.tensors)
-    line = next((x for x in server.log().splitlines() if "committed: weight_version 'logged'" in x), None)
+    line = next(
+        (x for x in server.log().splitlines() if "committed: weight_version 'logged'" in x), None
+    )
     observe(server=line)
-    assert line is not None and f"({n} tensors, " in line and " MB, " in line and line.endswith(" s)"), line
+    assert (
+        line is not None and f"({n} tensors, " in line and " MB, " in line and line.endswith(" s)")
+    ), line
     assert "of session #" in line
     engine = engine_for(server.url, tiny_source)
     try:
@@ -291,4 +349,6 @@ def test_every_round_is_logged(server: Server, probe: Probe, tiny_source: Tensor
         assert bad.status_code == 422, bad.text
     finally:
         quiet_shutdown(engine)
-    assert any("failed, nothing committed: update_weights" in x for x in server.log().splitlines()), server.log()
+    assert any(
+        "failed, nothing committed: update_weights" in x for x in server.log().splitlines()
+    ), server.log()

@@ -34,10 +34,20 @@ class FuzzServer:
     def worker_pid(self) -> int:
         return int(self.pool.replicas[0].proc.pid)
 
-    def request(self, method: str, path: str, *, content: bytes | None = None, params: Any = None,
-                headers: dict[str, str] | None = None, app: str = "open") -> httpx.Response:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes | None = None,
+        params: Any = None,
+        headers: dict[str, str] | None = None,
+        app: str = "open",
+    ) -> httpx.Response:
         """One request, bounded; an exception escaping the app is re-raised here."""
-        call = self.clients[app].request(method, path, content=content, params=params, headers=headers)
+        call = self.clients[app].request(
+            method, path, content=content, params=params, headers=headers
+        )
         return self.loop.run_until_complete(asyncio.wait_for(call, REQUEST_TIMEOUT_S))
 
     def send(self, route: str, method: str, path: str, **kw: Any) -> httpx.Response | None:
@@ -47,13 +57,19 @@ class FuzzServer:
         try:
             resp = self.request(method, path, **kw)
         except Exception as exc:  # the app itself raised: the worst outcome
-            self.errors.append(f"{route} {method} {path} {kw!r:.300}: raised {type(exc).__name__}: {exc!s:.300}")
+            self.errors.append(
+                f"{route} {method} {path} {kw!r:.300}: raised {type(exc).__name__}: {exc!s:.300}"
+            )
             return None
         if resp.status_code >= 500:
-            self.errors.append(f"{route} {method} {path} {kw!r:.300}: {resp.status_code} {resp.text[:300]}")
+            self.errors.append(
+                f"{route} {method} {path} {kw!r:.300}: {resp.status_code} {resp.text[:300]}"
+            )
         elif resp.status_code >= 400:
             body = resp.json()  # every refusal is the documented JSON error shape
-            assert body["error"]["code"] == resp.status_code and isinstance(body["error"]["message"], str), body
+            assert body["error"]["code"] == resp.status_code and isinstance(
+                body["error"]["message"], str
+            ), body
         return resp
 
 
@@ -63,5 +79,3 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-

@@ -32,8 +32,12 @@ def post(srv: FuzzServer, route: str, body: Any, *, count: bool = True) -> Any:
     r = ROUTES[route]
     raw = json.dumps(body).encode() if not isinstance(body, bytes) else body
     if not count:
-        return srv.request(r.method, r.path, content=raw, headers={"content-type": "application/json"})
-    resp = srv.send(route, r.method, r.path, content=raw, headers={"content-type": "application/json"})
+        return srv.request(
+            r.method, r.path, content=raw, headers={"content-type": "application/json"}
+        )
+    resp = srv.send(
+        route, r.method, r.path, content=raw, headers={"content-type": "application/json"}
+    )
     assert resp is not None and resp.status_code < 500, srv.errors[-1] if srv.errors else resp
     return resp
 
@@ -48,8 +52,15 @@ class FakeTrainer:
     def open_round(self) -> None:
         self.close()
         rv = TCPRendezvous(world_size=2)
-        info = {**rv.init_fields(), "rank_offset": 1, "world_size": 2, "packed": True,
-                "packed_buffer_size_bytes": 1 << 16, "packed_num_buffers": 2, "timeout_s": 2.0}
+        info = {
+            **rv.init_fields(),
+            "rank_offset": 1,
+            "world_size": 2,
+            "packed": True,
+            "packed_buffer_size_bytes": 1 << 16,
+            "packed_num_buffers": 2,
+            "timeout_s": 2.0,
+        }
         box: dict[str, Any] = {}
 
         def join() -> None:
@@ -88,14 +99,25 @@ def session(srv: FuzzServer) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- huge shapes
-def test_one_terabyte_tensor_is_refused_without_allocating(fuzz_server: FuzzServer, trainer: FakeTrainer) -> None:
+def test_one_terabyte_tensor_is_refused_without_allocating(
+    fuzz_server: FuzzServer, trainer: FakeTrainer
+) -> None:
     """1e12 bytes is under the per-tensor limit (1 TiB), so it reaches a worker: the round
     must fail without the worker ever holding that memory, and the session must reset."""
     before = rss_kib(fuzz_server.worker_pid)
     for shape, dtype in (([10**12], "uint8"), ([2**39, 2], "uint8"), ([5 * 10**10, 5], "float32")):
         trainer.open_round()
-        resp = post(fuzz_server, "update_weights",
-                    {"update_info": {"names": ["model.norm.weight"], "dtype_names": [dtype], "shapes": [shape]}})
+        resp = post(
+            fuzz_server,
+            "update_weights",
+            {
+                "update_info": {
+                    "names": ["model.norm.weight"],
+                    "dtype_names": [dtype],
+                    "shapes": [shape],
+                }
+            },
+        )
         assert 400 <= resp.status_code < 500, resp.text
         assert "round" in resp.json()["error"]["message"]
         assert session(fuzz_server)["state"] == "uninitialized"
@@ -103,20 +125,32 @@ def test_one_terabyte_tensor_is_refused_without_allocating(fuzz_server: FuzzServ
 
 
 def test_tensor_over_the_limit_is_refused_by_the_api_and_aborts_the_round(
-        fuzz_server: FuzzServer, trainer: FakeTrainer) -> None:
+    fuzz_server: FuzzServer, trainer: FakeTrainer
+) -> None:
     trainer.open_round()
-    resp = post(fuzz_server, "update_weights",
-                {"update_info": {"names": ["a"], "dtype_names": ["float32"], "shapes": [[2**40, 2]]}})
+    resp = post(
+        fuzz_server,
+        "update_weights",
+        {"update_info": {"names": ["a"], "dtype_names": ["float32"], "shapes": [[2**40, 2]]}},
+    )
     assert resp.status_code == 422, resp.text
     message = resp.json()["error"]["message"]
     assert "over the per-tensor limit" in message and "the round was aborted" in message
     assert session(fuzz_server)["state"] == "uninitialized"
-    with pytest.raises(Exception, match="lost|closed|aborted"):  # the trainer's side was torn down too
+    with pytest.raises(
+        Exception, match="lost|closed|aborted"
+    ):  # the trainer's side was torn down too
         trainer.comm.broadcast(bytearray(16), timeout=5)
         trainer.comm.broadcast(bytearray(1 << 20), timeout=5)
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 @given(info=update_infos())
 def test_invalid_update_infos_inside_a_round(fuzz_server: FuzzServer, info: Any) -> None:
     """Every invalid update is a 4xx naming the field; the round is torn down, nothing allocated."""
@@ -153,18 +187,23 @@ def unpoison(fuzz_server: FuzzServer) -> Any:
     post(fuzz_server, "update_weight_version", {"new_version": "after-surrogates"}, count=False)
 
 
-@pytest.mark.parametrize(("route", "body"), [
-    ("update_weight_version", {"new_version": SURROGATE}),
-    ("update_weight_version", {"new_version": "v" + SURROGATE}),
-    ("finish_weight_update", {"weight_version": SURROGATE}),
-    ("weight_checker", {"action": "compare", "baseline": {SURROGATE: "x"}}),
-    ("weight_checker", {"action": SURROGATE}),
-    ("init_weight_transfer_engine", {"init_info": {SURROGATE: 1}}),
-    ("completions", {"prompt": SURROGATE, "max_tokens": 1}),
-    ("completions", {"prompt": "hi", "max_tokens": 1, "model": SURROGATE}),
-], ids=lambda v: v if isinstance(v, str) else None)
-def test_lone_surrogates_are_refused_and_never_stored(fuzz_server: FuzzServer, route: str, body: Any,
-                                                      unpoison: None) -> None:
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("update_weight_version", {"new_version": SURROGATE}),
+        ("update_weight_version", {"new_version": "v" + SURROGATE}),
+        ("finish_weight_update", {"weight_version": SURROGATE}),
+        ("weight_checker", {"action": "compare", "baseline": {SURROGATE: "x"}}),
+        ("weight_checker", {"action": SURROGATE}),
+        ("init_weight_transfer_engine", {"init_info": {SURROGATE: 1}}),
+        ("completions", {"prompt": SURROGATE, "max_tokens": 1}),
+        ("completions", {"prompt": "hi", "max_tokens": 1, "model": SURROGATE}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_lone_surrogates_are_refused_and_never_stored(
+    fuzz_server: FuzzServer, route: str, body: Any, unpoison: None
+) -> None:
     """json.dumps escapes the surrogate as ``\\ud800`` (valid JSON); the server must answer
     with a 4xx (or a 2xx that does not echo it) and keep serving ``/weight_info``."""
     post(fuzz_server, route, body)
@@ -173,14 +212,37 @@ def test_lone_surrogates_are_refused_and_never_stored(fuzz_server: FuzzServer, r
     json.dumps(info.json(), ensure_ascii=False).encode("utf-8")
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-@given(route=st.sampled_from(["update_weight_version", "finish_weight_update", "weight_checker", "completions",
-                              "init_weight_transfer_engine", "update_weights"]),
-       text=st.text(st.characters(codec=None, categories=("Cs", "Lu", "Nd")), min_size=1, max_size=6))
-def test_any_text_in_any_field(fuzz_server: FuzzServer, route: str, text: str, unpoison: None) -> None:
-    key = {"update_weight_version": "new_version", "finish_weight_update": "weight_version",
-           "weight_checker": "action", "completions": "prompt", "init_weight_transfer_engine": "init_info",
-           "update_weights": "update_info"}[route]
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(
+    route=st.sampled_from(
+        [
+            "update_weight_version",
+            "finish_weight_update",
+            "weight_checker",
+            "completions",
+            "init_weight_transfer_engine",
+            "update_weights",
+        ]
+    ),
+    text=st.text(st.characters(codec=None, categories=("Cs", "Lu", "Nd")), min_size=1, max_size=6),
+)
+def test_any_text_in_any_field(
+    fuzz_server: FuzzServer, route: str, text: str, unpoison: None
+) -> None:
+    key = {
+        "update_weight_version": "new_version",
+        "finish_weight_update": "weight_version",
+        "weight_checker": "action",
+        "completions": "prompt",
+        "init_weight_transfer_engine": "init_info",
+        "update_weights": "update_info",
+    }[route]
     body: dict[str, Any] = {key: text}
     if route == "completions":
         body["max_tokens"] = 1

@@ -36,8 +36,13 @@ SCALE = float(os.environ.get("WEIGHTWIRE_FUZZ_SCALE", "1"))
 
 
 def fuzz(n: int) -> Any:
-    return settings(max_examples=max(1, int(n * SCALE)), deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=max(1, int(n * SCALE)),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 FUZZ_TESTS = 8
@@ -49,7 +54,11 @@ def would_dial(payload: Any) -> bool:
     """True when an init body is valid: a worker would then dial its (dead) sender and the
     504 that follows is the designed answer, not a server error; such bodies are covered
     by tests/server (dead sender) and tests/faults instead."""
-    if not isinstance(payload, dict) or not isinstance(payload.get("init_info"), dict) or len(payload) != 1:
+    if (
+        not isinstance(payload, dict)
+        or not isinstance(payload.get("init_info"), dict)
+        or len(payload) != 1
+    ):
         return False
     try:
         info = TCPInitInfo.from_dict(payload["init_info"])
@@ -58,18 +67,32 @@ def would_dial(payload: Any) -> bool:
     return info.rank_offset + 1 <= info.world_size
 
 
-def hit(srv: FuzzServer, route: Route, *, body: bytes | None = None, params: Any = None,
-        headers: dict[str, Any] | None = None, app: str = "open") -> Any:
+def hit(
+    srv: FuzzServer,
+    route: Route,
+    *,
+    body: bytes | None = None,
+    params: Any = None,
+    headers: dict[str, Any] | None = None,
+    app: str = "open",
+) -> Any:
     """Send one fuzz payload to ``route``; undo a successful pause or sleep so later cases are
     not 503'd (while asleep, ``/resume`` itself is a designed 503 naming ``/wake_up``)."""
     hdrs = {"content-type": "application/json", **(headers or {})} if body is not None else headers
     before = len(srv.errors)
-    resp = srv.send(route.name, route.method, route.path, content=body, params=params, headers=hdrs, app=app)
+    resp = srv.send(
+        route.name, route.method, route.path, content=body, params=params, headers=hdrs, app=app
+    )
     # Raised here (not only at the end) so that hypothesis shrinks to the smallest failing payload.
     assert len(srv.errors) == before, srv.errors[-1]
     if resp is not None and route.name in ("pause", "sleep") and resp.status_code == 200:
         undo = ROUTES["resume" if route.name == "pause" else "wake_up"]
-        srv.request("POST", undo.path, app=app, headers={"Authorization": f"Bearer {API_KEY}"} if app == "keyed" else None)
+        srv.request(
+            "POST",
+            undo.path,
+            app=app,
+            headers={"Authorization": f"Bearer {API_KEY}"} if app == "keyed" else None,
+        )
     return resp
 
 
@@ -82,7 +105,9 @@ def _record(request: pytest.FixtureRequest) -> Any:
 # ---------------------------------------------------------------------------- any route
 @fuzz(3300)
 @given(route=st.sampled_from(ALL_ROUTES), value=json_values, wrap=st.integers(0, 2))
-def test_random_json_on_any_route(fuzz_server: FuzzServer, route: Route, value: Any, wrap: int) -> None:
+def test_random_json_on_any_route(
+    fuzz_server: FuzzServer, route: Route, value: Any, wrap: int
+) -> None:
     """Random JSON as the whole body, or under the route's own key (init_info, action...)."""
     key = route.body_key or "x"
     payload = value if wrap == 0 else {key: value} if wrap == 1 else {key: value, "extra": value}
@@ -118,14 +143,27 @@ def test_update_infos_outside_a_round(fuzz_server: FuzzServer, info: Any) -> Non
 
 
 @fuzz(1100)
-@given(route=st.sampled_from([ROUTES[n] for n in ("weight_checker", "finish_weight_update", "update_weight_version")]),
-       body=st.one_of(
-           st.fixed_dictionaries({"action": st.sampled_from(["checksum", "compare", "reset", "CHECKSUM", ""]) | json_values},
-                                 optional={"baseline": json_values | st.dictionaries(st.text(max_size=30), json_values)}),
-           st.fixed_dictionaries({"weight_version": json_values}),
-           st.fixed_dictionaries({"new_version": json_values | st.sampled_from(["v", "x" * 1024, "x" * 1025])}),
-       ))
-def test_checker_and_version_bodies(fuzz_server: FuzzServer, route: Route, body: dict[str, Any]) -> None:
+@given(
+    route=st.sampled_from(
+        [ROUTES[n] for n in ("weight_checker", "finish_weight_update", "update_weight_version")]
+    ),
+    body=st.one_of(
+        st.fixed_dictionaries(
+            {
+                "action": st.sampled_from(["checksum", "compare", "reset", "CHECKSUM", ""])
+                | json_values
+            },
+            optional={"baseline": json_values | st.dictionaries(st.text(max_size=30), json_values)},
+        ),
+        st.fixed_dictionaries({"weight_version": json_values}),
+        st.fixed_dictionaries(
+            {"new_version": json_values | st.sampled_from(["v", "x" * 1024, "x" * 1025])}
+        ),
+    ),
+)
+def test_checker_and_version_bodies(
+    fuzz_server: FuzzServer, route: Route, body: dict[str, Any]
+) -> None:
     hit(fuzz_server, route, body=dumps(body))
 
 
@@ -142,9 +180,16 @@ _qtext = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)
 
 
 @fuzz(700)
-@given(route=st.sampled_from([ROUTES[n] for n in ("pause", "get_world_size", "is_paused", "resume", "weight_info")]),
-       params=st.dictionaries(st.sampled_from(["mode", "clear_cache", "include_dp", "x"]) | _qtext,
-                              st.sampled_from(["keep", "wait", "abort", "true", "FALSE", "1", ""]) | _qtext, max_size=3))
+@given(
+    route=st.sampled_from(
+        [ROUTES[n] for n in ("pause", "get_world_size", "is_paused", "resume", "weight_info")]
+    ),
+    params=st.dictionaries(
+        st.sampled_from(["mode", "clear_cache", "include_dp", "x"]) | _qtext,
+        st.sampled_from(["keep", "wait", "abort", "true", "FALSE", "1", ""]) | _qtext,
+        max_size=3,
+    ),
+)
 def test_query_strings(fuzz_server: FuzzServer, route: Route, params: dict[str, str]) -> None:
     hit(fuzz_server, route, params=params, body=None)
 
@@ -153,16 +198,38 @@ _header_value = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF), m
 
 
 @fuzz(600)
-@given(route=st.sampled_from(ALL_ROUTES),
-       auth=st.one_of(_header_value, st.sampled_from([f"Bearer {API_KEY}", f"bearer {API_KEY}", "Bearer",
-                                                        f"Bearer {API_KEY[:-1]}", f"Basic {API_KEY}", "",
-                                                        f"Bearer {API_KEY} ", f"Bearer  {API_KEY}x"])),
-       body=st.sampled_from([None, b"{}", b'{"action": "checksum"}']))
-def test_authorization_headers(fuzz_server: FuzzServer, route: Route, auth: str, body: bytes | None) -> None:
+@given(
+    route=st.sampled_from(ALL_ROUTES),
+    auth=st.one_of(
+        _header_value,
+        st.sampled_from(
+            [
+                f"Bearer {API_KEY}",
+                f"bearer {API_KEY}",
+                "Bearer",
+                f"Bearer {API_KEY[:-1]}",
+                f"Basic {API_KEY}",
+                "",
+                f"Bearer {API_KEY} ",
+                f"Bearer  {API_KEY}x",
+            ]
+        ),
+    ),
+    body=st.sampled_from([None, b"{}", b'{"action": "checksum"}']),
+)
+def test_authorization_headers(
+    fuzz_server: FuzzServer, route: Route, auth: str, body: bytes | None
+) -> None:
     """A guarded route answers 401 unless the header carries exactly the key; open routes never
     401."""
     body = None if route.method == "GET" else body
-    resp = hit(fuzz_server, route, body=body, headers={"Authorization": auth.encode("latin-1")}, app="keyed")
+    resp = hit(
+        fuzz_server,
+        route,
+        body=body,
+        headers={"Authorization": auth.encode("latin-1")},
+        app="keyed",
+    )
     if resp is None:
         return
     token = auth.strip().partition(" ")[2].strip()

@@ -61,7 +61,9 @@ def join(cfg: dict[str, Any], report: dict[str, Any], uid: bytes, rank: int) -> 
     start = time.monotonic()
     report["join_started"] = True
     try:
-        return NCCLCommunicator.join(unique_id=uid, rank=rank, world_size=2, device=0, timeout=cfg["join_timeout"])
+        return NCCLCommunicator.join(
+            unique_id=uid, rank=rank, world_size=2, device=0, timeout=cfg["join_timeout"]
+        )
     finally:
         report["join_s"] = time.monotonic() - start
 
@@ -82,7 +84,9 @@ def make_jax_arrays(metas: list[ParamMeta], seed: int) -> list[Any]:
             out.append((jax.random.bits(key, meta.shape, jnp.uint8) & 1).astype(jnp.bool_))
             continue
         bits = jax.random.bits(key, meta.shape, uints[row.itemsize])
-        out.append(bits if bits.dtype == row.numpy else jax.lax.bitcast_convert_type(bits, row.numpy))
+        out.append(
+            bits if bits.dtype == row.numpy else jax.lax.bitcast_convert_type(bits, row.numpy)
+        )
     jax.block_until_ready(out)
     return out
 
@@ -104,7 +108,10 @@ def jax_sender(cfg: dict[str, Any], report: dict[str, Any]) -> None:
 
     metas = metas_of(cfg)
     arrays = make_jax_arrays(metas, cfg["seed"])
-    report["hashes"] = {m.name: hashlib.sha256(np.asarray(a).tobytes()).hexdigest() for m, a in zip(metas, arrays, strict=True)}
+    report["hashes"] = {
+        m.name: hashlib.sha256(np.asarray(a).tobytes()).hexdigest()
+        for m, a in zip(metas, arrays, strict=True)
+    }
     report["nbytes"] = sum(m.nbytes for m in metas)
     uid = mint_unique_id()
     publish_uid(cfg["uid_path"], uid)
@@ -128,8 +135,13 @@ def jax_sender(cfg: dict[str, Any], report: dict[str, Any]) -> None:
             report["chunks"] = len(chunks)
         else:
             for meta, array in zip(metas, arrays, strict=True):
-                comm.broadcast_typed(array, nccl_dtype=WIRE_DTYPES[meta.dtype].nccl, count=meta.numel,
-                                     root=0, timeout=cfg["transfer_timeout"])
+                comm.broadcast_typed(
+                    array,
+                    nccl_dtype=WIRE_DTYPES[meta.dtype].nccl,
+                    count=meta.numel,
+                    root=0,
+                    timeout=cfg["transfer_timeout"],
+                )
         seconds[mode] = time.perf_counter() - start
     report["seconds"] = seconds
     comm.close()
@@ -178,18 +190,30 @@ def torch_receiver(cfg: dict[str, Any], report: dict[str, Any]) -> None:
             stream = torch.cuda.Stream(device=dev)
             for chunk in plan_packed(metas, cfg["buffer_bytes"]):
                 buf = torch.empty(chunk.nbytes, dtype=torch.uint8, device=dev)
-                stream.wait_stream(torch.cuda.current_stream(dev))  # buf's block may be in use there
+                stream.wait_stream(
+                    torch.cuda.current_stream(dev)
+                )  # buf's block may be in use there
                 comm.broadcast(buf, root=0, timeout=timeout, stream=stream.cuda_stream)
                 comm.synchronize(stream.cuda_stream, timeout=timeout)
-                for meta, offset in zip(metas[chunk.start : chunk.stop], chunk.offsets, strict=True):
+                for meta, offset in zip(
+                    metas[chunk.start : chunk.stop], chunk.offsets, strict=True
+                ):
                     piece = buf[offset : offset + meta.nbytes]
                     if offset % meta.itemsize:  # torch views need itemsize-aligned offsets
                         piece = piece.clone()
-                    got[meta.name] = torch_digest(piece.view(getattr(torch, meta.dtype)).view(meta.shape))
+                    got[meta.name] = torch_digest(
+                        piece.view(getattr(torch, meta.dtype)).view(meta.shape)
+                    )
         else:
             for meta in metas:
                 t = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=dev)
-                comm.broadcast_typed(t, nccl_dtype=WIRE_DTYPES[meta.dtype].nccl, count=meta.numel, root=0, timeout=timeout)
+                comm.broadcast_typed(
+                    t,
+                    nccl_dtype=WIRE_DTYPES[meta.dtype].nccl,
+                    count=meta.numel,
+                    root=0,
+                    timeout=timeout,
+                )
                 got[meta.name] = torch_digest(t)
         seconds[mode] = time.perf_counter() - start
         received[mode] = got
@@ -213,7 +237,9 @@ def main() -> None:
     try:
         ROLES[cfg["role"]](cfg, report)
     except BaseException as exc:
-        report.update(error_type=type(exc).__name__, error=str(exc), traceback=traceback.format_exc())
+        report.update(
+            error_type=type(exc).__name__, error=str(exc), traceback=traceback.format_exc()
+        )
     report["elapsed"] = time.monotonic() - start
     sys.stderr.flush()
     print(json.dumps(report), flush=True)

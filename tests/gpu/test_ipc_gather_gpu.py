@@ -31,26 +31,49 @@ def _run(sizes: list[int], *, dst_offset: int, src_skew: bool, kernel: bool = Tr
     out = cp.zeros(want.size + dst_offset + 16, dtype=cp.uint8)
     stream = cp.cuda.Stream(non_blocking=True)
     gather = GatherCopy(cp, 0, stream.ptr)
-    gather.copy(out.data.ptr + dst_offset, regions, deadline=time.monotonic() + 60, alive=lambda: None)
+    gather.copy(
+        out.data.ptr + dst_offset, regions, deadline=time.monotonic() + 60, alive=lambda: None
+    )
     stream.synchronize()
-    got = cp.asnumpy(out[dst_offset:dst_offset + want.size])
+    got = cp.asnumpy(out[dst_offset : dst_offset + want.size])
     assert (gather._kernel is not None) == kernel  # the kernel really ran (or really did not)
     gather.close()
     assert np.array_equal(got, want), f"first differing byte at {int(np.argmax(got != want))}"
-    assert not cp.asnumpy(out[dst_offset + want.size:]).any()  # nothing written past the chunk
+    assert not cp.asnumpy(out[dst_offset + want.size :]).any()  # nothing written past the chunk
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("dst_offset", "src_skew"), [(0, False), (1, True), (6, False)])
-def test_gather_kernel_copies_every_size_and_alignment_exactly(dst_offset: int, src_skew: bool) -> None:
-    sizes = [896 * 2, 128 * 2, 1, 3, 17, 4096, (4 << 20) - 1, 4 << 20, (4 << 20) + 3, 229_376, 0, 15, 16, 33, 1 << 20,
-             (64 << 10) + 1, (64 << 20) + 3]  # a tile and a byte; over the kernel's limit (a memcpy)
+def test_gather_kernel_copies_every_size_and_alignment_exactly(
+    dst_offset: int, src_skew: bool
+) -> None:
+    sizes = [
+        896 * 2,
+        128 * 2,
+        1,
+        3,
+        17,
+        4096,
+        (4 << 20) - 1,
+        4 << 20,
+        (4 << 20) + 3,
+        229_376,
+        0,
+        15,
+        16,
+        33,
+        1 << 20,
+        (64 << 10) + 1,
+        (64 << 20) + 3,
+    ]  # a tile and a byte; over the kernel's limit (a memcpy)
     _run(sizes * 3, dst_offset=dst_offset, src_skew=src_skew)
 
 
 @pytest.mark.gpu
 def test_gather_kernel_takes_a_table_of_more_rows_than_blocks() -> None:
-    _run([1, 2, 3, 16] * 17_000, dst_offset=3, src_skew=False)  # 68,000 rows for at most 4,096 blocks
+    _run(
+        [1, 2, 3, 16] * 17_000, dst_offset=3, src_skew=False
+    )  # 68,000 rows for at most 4,096 blocks
 
 
 @pytest.mark.gpu

@@ -65,9 +65,13 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     process (the worker is torch's process, this one is JAX's).
     """
     env = {**os.environ, "WEIGHTWIRE_CACHE": str(tmp_path_factory.mktemp("weightwire-cache"))}
-    code = ("from weightwire.tools.server.tiny import tiny_model_dir; "
-               "print(tiny_model_dir('tiny-llama'))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    code = (
+        "from weightwire.tools.server.tiny import tiny_model_dir; "
+        "print(tiny_model_dir('tiny-llama'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, f"building tiny-llama failed:\n{out.stderr[-4000:]}"
     return out.stdout.strip().splitlines()[-1]
 
@@ -90,11 +94,15 @@ class PoolClient:
         self.update_stats: list[dict[str, Any]] = []
         self.versions: list[str | None] = []
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="test-pool-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="test-pool-loop", daemon=True
+        )
         self._thread.start()
         self.pool: Any = None
         try:
-            self.pool = self._run(ReplicaPool.start(spec, startup_timeout=startup_timeout), startup_timeout + 30)
+            self.pool = self._run(
+                ReplicaPool.start(spec, startup_timeout=startup_timeout), startup_timeout + 30
+            )
         except BaseException:
             self.close()
             raise
@@ -107,7 +115,9 @@ class PoolClient:
             fut.cancel()
             raise TimeoutError(f"pool call did not finish within {timeout} s") from None
 
-    def _fan(self, op: str, args: dict[str, Any] | None = None, *, timeout: float = OP_S) -> list[Any]:
+    def _fan(
+        self, op: str, args: dict[str, Any] | None = None, *, timeout: float = OP_S
+    ) -> list[Any]:
         coro = self.pool.fan_out(op, args, timeout=timeout, abort_on_failure=op != "shutdown")
         return self._run(coro, timeout + 30)
 
@@ -123,7 +133,9 @@ class PoolClient:
         self._fan("start")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.update_stats.append(self._fan("update", {"update_info": update_info}, timeout=ROUND_S)[0])
+        self.update_stats.append(
+            self._fan("update", {"update_info": update_info}, timeout=ROUND_S)[0]
+        )
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._fan("finish")
@@ -133,7 +145,9 @@ class PoolClient:
         self._fan("shutdown")
 
     def reset_prefix_cache(self) -> list[bool]:
-        return [True]  # the reference workers keep no KV past one request: nothing computed before a round
+        return [
+            True
+        ]  # the reference workers keep no KV past one request: nothing computed before a round
 
     # -- what the test asks the worker
     def checksums(self) -> dict[str, str]:
@@ -143,8 +157,12 @@ class PoolClient:
         from weightwire.tools.server.completions import parse_completion_request
 
         info = self.worker_info
-        request = parse_completion_request(body, vocab_size=info["vocab_size"], max_model_len=info["max_model_len"])
-        coro = self.pool.replicas[0].call("generate", {"request": request.to_worker()}, timeout=OP_S)
+        request = parse_completion_request(
+            body, vocab_size=info["vocab_size"], max_model_len=info["max_model_len"]
+        )
+        coro = self.pool.replicas[0].call(
+            "generate", {"request": request.to_worker()}, timeout=OP_S
+        )
         return self._run(coro, OP_S + 30)
 
     def close(self) -> None:
@@ -192,7 +210,10 @@ def _perturbed(base: Any, seed: int, device: Any) -> Any:
 
     leaves, treedef = jax.tree_util.tree_flatten(base)
     keys = jax.random.split(jax.device_put(jax.random.key(seed), device), len(leaves))
-    noisy = [x + PERTURB_SCALE * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
+    noisy = [
+        x + PERTURB_SCALE * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(leaves, keys, strict=True)
+    ]
     return jax.tree_util.tree_unflatten(treedef, noisy)
 
 
@@ -226,17 +247,28 @@ def _compare(choice: dict[str, Any], logp: np.ndarray, round_no: int) -> float:
         order = np.argsort(-row, kind="stable")
         where = f"round {round_no} step {i}"
         if row[order[0]] - row[order[1]] > 2 * ATOL:
-            assert tok == int(order[0]), f"{where}: worker chose {tok}, JAX argmax is {int(order[0])}"
+            assert tok == int(order[0]), (
+                f"{where}: worker chose {tok}, JAX argmax is {int(order[0])}"
+            )
         else:  # a near tie: either id is a correct greedy choice within the tolerance
-            assert row[tok] >= row[order[0]] - ATOL, f"{where}: worker token {tok} is not a JAX argmax"
+            assert row[tok] >= row[order[0]] - ATOL, (
+                f"{where}: worker token {tok} is not a JAX argmax"
+            )
         assert abs(chosen[i] - row[tok]) <= ATOL, f"{where}: logprob {chosen[i]} vs JAX {row[tok]}"
         ids = [int(key.split(":", 1)[1]) for key in tops[i]]
         assert len(ids) == TOP_LOGPROBS and tok in ids
         got = np.asarray([tops[i][key] for key in tops[i]], np.float64)
-        np.testing.assert_allclose(got, row[ids], rtol=0, atol=ATOL, err_msg=f"{where}: top-{TOP_LOGPROBS} by id")
+        np.testing.assert_allclose(
+            got, row[ids], rtol=0, atol=ATOL, err_msg=f"{where}: top-{TOP_LOGPROBS} by id"
+        )
         # Tie-insensitive: the sorted top-k values equal JAX's top-k values.
-        np.testing.assert_allclose(np.sort(got)[::-1], row[order[:TOP_LOGPROBS]], rtol=0, atol=ATOL,
-                                   err_msg=f"{where}: top-{TOP_LOGPROBS} values")
+        np.testing.assert_allclose(
+            np.sort(got)[::-1],
+            row[order[:TOP_LOGPROBS]],
+            rtol=0,
+            atol=ATOL,
+            err_msg=f"{where}: top-{TOP_LOGPROBS} values",
+        )
         worst = max(worst, float(np.max(np.abs(got - row[ids]))))
     return worst
 
@@ -253,7 +285,9 @@ def run_logits_scenario(model_dir: str, monkeypatch: pytest.MonkeyPatch, sc: Sce
     from weightwire.tools.server.replicas import WorkerSpec
     from weightwire.trainer import TrainerInitInfo
 
-    device = _jax_device(sc.jax_platform, sc.cuda_ordinal)  # JAX owns its devices before the env narrows
+    device = _jax_device(
+        sc.jax_platform, sc.cuda_ordinal
+    )  # JAX owns its devices before the env narrows
     cfg, base = load_decoder(model_dir)
     base = jax.device_put(base, device)
     state = {"params": _perturbed(base, 1, device)}
@@ -262,10 +296,14 @@ def run_logits_scenario(model_dir: str, monkeypatch: pytest.MonkeyPatch, sc: Sce
     on_disk = read_safetensors(model_dir)
     assert {m.name for m in metas} == set(on_disk)  # the preset maps every checkpoint tensor
     chunks = plan(metas, packed=sc.packed, buffer_size_bytes=BUFFER_BYTES)
-    assert not sc.packed or 2 < len(chunks) < len(metas)  # packing really groups, over several chunks
+    assert not sc.packed or 2 < len(chunks) < len(
+        metas
+    )  # packing really groups, over several chunks
     apply_fn = llama.make_apply(cfg)
 
-    spec = WorkerSpec(model_dir=model_dir, backend=sc.backend, device=sc.worker_device, replicas=1, threads=2)
+    spec = WorkerSpec(
+        model_dir=model_dir, backend=sc.backend, device=sc.worker_device, replicas=1, threads=2
+    )
     with monkeypatch.context() as env:
         for key, value in sc.worker_env.items():
             env.setenv(key, value)  # seen by the worker process only: the pool spawns it now
@@ -277,8 +315,13 @@ def run_logits_scenario(model_dir: str, monkeypatch: pytest.MonkeyPatch, sc: Sce
         disk_sums = {k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in on_disk.items()}
         assert client.checksums() == disk_sums  # the worker starts from the checkpoint
         info = TrainerInitInfo(
-            backend=sc.backend, device=sc.cuda_ordinal, server_version="0.33.0", inference_world_size=1,
-            packed=sc.packed, packed_buffer_size_bytes=BUFFER_BYTES, packed_num_buffers=2,
+            backend=sc.backend,
+            device=sc.cuda_ordinal,
+            server_version="0.33.0",
+            inference_world_size=1,
+            packed=sc.packed,
+            packed_buffer_size_bytes=BUFFER_BYTES,
+            packed_num_buffers=2,
             timeouts=Timeouts(http_s=ROUND_S, connect_s=OP_S, warmup_s=OP_S, transfer_s=OP_S),
         )
         engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
@@ -295,24 +338,41 @@ def run_logits_scenario(model_dir: str, monkeypatch: pytest.MonkeyPatch, sc: Sce
             assert stats["nbytes"] == sum(m.nbytes for m in metas)
 
             got = client.checksums()
-            assert got == sent, f"tensors whose bytes differ: {sorted(k for k in sent if got.get(k) != sent[k])}"
+            assert got == sent, (
+                f"tensors whose bytes differ: {sorted(k for k in sent if got.get(k) != sent[k])}"
+            )
             changed_from = disk_sums if previous is None else previous[1]
             assert all(got[k] != changed_from[k] for k in got)  # every tensor took new values
 
-            out = client.generate({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                   "logprobs": TOP_LOGPROBS, "ignore_eos": True, "return_token_ids": True,
-                                   "return_tokens_as_token_ids": True})
+            out = client.generate(
+                {
+                    "prompt": PROMPT,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "logprobs": TOP_LOGPROBS,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                    "return_tokens_as_token_ids": True,
+                }
+            )
             choice = out["choices"][0]
             ids = PROMPT + choice["token_ids"][:-1]
-            worst = _compare(choice, _jax_logprobs(apply_fn, state["params"], ids, device), round_no)
+            worst = _compare(
+                choice, _jax_logprobs(apply_fn, state["params"], ids, device), round_no
+            )
             sc.log.append(f"round {round_no}: max |logprob diff| {worst:.2e}, {metrics.summary()}")
             if previous is not None:
                 # The tolerance separates rounds: the last round's params do not pass it.
                 stale = _jax_logprobs(apply_fn, previous[0], ids, device)
-                rows = stale[len(PROMPT) - 1:]
-                diff = np.abs(rows[np.arange(MAX_TOKENS), choice["token_ids"]] - choice["logprobs"]["token_logprobs"])
-                sc.log.append(f"round {round_no}: previous round's params are off by up to "
-                              f"{float(diff.max()):.2e}")
+                rows = stale[len(PROMPT) - 1 :]
+                diff = np.abs(
+                    rows[np.arange(MAX_TOKENS), choice["token_ids"]]
+                    - choice["logprobs"]["token_logprobs"]
+                )
+                sc.log.append(
+                    f"round {round_no}: previous round's params are off by up to "
+                    f"{float(diff.max()):.2e}"
+                )
                 assert float(diff.max()) > 100 * ATOL
             previous = (state["params"], got)
         assert client.versions == ["1", "2"]
@@ -327,13 +387,21 @@ def run_logits_scenario(model_dir: str, monkeypatch: pytest.MonkeyPatch, sc: Sce
 @pytest.mark.gpu(count=2)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
-def test_jax_trainer_to_hf_worker_logits_match(tiny_llama: str, monkeypatch: pytest.MonkeyPatch, packed: bool) -> None:
+def test_jax_trainer_to_hf_worker_logits_match(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch, packed: bool
+) -> None:
     cp = pytest.importorskip("cupy")
     if cp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     cp.cuda.Device(0).use()
-    sc = Scenario(backend="weightwire_nccl", worker_device="cuda", worker_env={"CUDA_VISIBLE_DEVICES": "1"},
-                  jax_platform="gpu", cuda_ordinal=0, packed=packed)
+    sc = Scenario(
+        backend="weightwire_nccl",
+        worker_device="cuda",
+        worker_env={"CUDA_VISIBLE_DEVICES": "1"},
+        jax_platform="gpu",
+        cuda_ordinal=0,
+        packed=packed,
+    )
     run_logits_scenario(tiny_llama, monkeypatch, sc)
     print("\n".join(sc.log))
 
@@ -342,8 +410,17 @@ def test_jax_trainer_to_hf_worker_logits_match(tiny_llama: str, monkeypatch: pyt
 def test_cpu_tcp_harness(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same scenario on CPU (JAX on CPU, worker on CPU, ``weightwire_tcp``): keeps the
     harness honest where no GPU is available. Packed only; the GPU test covers both."""
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+    if (
+        importlib.util.find_spec("torch") is None
+        or importlib.util.find_spec("transformers") is None
+    ):
         pytest.skip("the reference worker needs torch and transformers")
-    sc = Scenario(backend="weightwire_tcp", worker_device="cpu", worker_env={}, jax_platform="cpu",
-                  cuda_ordinal=None, packed=True)
+    sc = Scenario(
+        backend="weightwire_tcp",
+        worker_device="cpu",
+        worker_env={},
+        jax_platform="cpu",
+        cuda_ordinal=None,
+        packed=True,
+    )
     run_logits_scenario(tiny_llama, monkeypatch, sc)

@@ -34,10 +34,24 @@ BUDGETS = {"streaming": 1 * GIB, "staged": 64 * GIB}
 def worker() -> Iterator[object]:
     from weightwire.testing.loopback import spawn_loopback_cmd
 
-    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    proc, client = spawn_loopback_cmd(["-m", "tests.torch_side.vllm_stub", "--backend", "weightwire_ipc",
-                                       "--device", "cuda:0", "--shape", "llama3-8b"], env=env, timeout=300)
+    env = {
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+    }
+    proc, client = spawn_loopback_cmd(
+        [
+            "-m",
+            "tests.torch_side.vllm_stub",
+            "--backend",
+            "weightwire_ipc",
+            "--device",
+            "cuda:0",
+            "--shape",
+            "llama3-8b",
+        ],
+        env=env,
+        timeout=300,
+    )
     yield client
     try:
         client.exit()
@@ -59,8 +73,13 @@ def test_8b_round_into_vllm_layout_memory_and_bytes(worker: object, strategy: st
     budget = BUDGETS[strategy]
     source = RoundSource("llama3-8b", torch.device("cuda", 0))
     nbytes = round_bytes(source.metadata())
-    info = TrainerInitInfo(backend="weightwire_ipc", packed_buffer_size_bytes=GIB, packed_num_buffers=2,
-                           stage_budget_bytes=budget, device=0)
+    info = TrainerInitInfo(
+        backend="weightwire_ipc",
+        packed_buffer_size_bytes=GIB,
+        packed_num_buffers=2,
+        stage_budget_bytes=budget,
+        device=0,
+    )
     engine = TorchTrainerEngine.trainer_init(info, client=worker, source=source)
     try:
         for seed in (1, 2):  # round 2: the pool exists already; what a training run sees every step
@@ -69,10 +88,12 @@ def test_8b_round_into_vllm_layout_memory_and_bytes(worker: object, strategy: st
             mem = worker.call("memory")  # type: ignore[attr-defined]
             torch_extra = mem["peak"] - mem["baseline"]
             extra = torch_extra + mem["pool"]
-            print(f"\n[{strategy} round {seed}] round {nbytes / 1e9:.2f} GB in "
-                  f"{metrics.seconds['transfer']:.2f} s; worker extra {extra / 1e9:.2f} GB = torch "
-                  f"peak delta {torch_extra / 1e9:.2f} GB + receive pool {mem['pool'] / 1e9:.2f} "
-                  f"GB (budget {budget / 1e9:.2f} GB)")
+            print(
+                f"\n[{strategy} round {seed}] round {nbytes / 1e9:.2f} GB in "
+                f"{metrics.seconds['transfer']:.2f} s; worker extra {extra / 1e9:.2f} GB = torch "
+                f"peak delta {torch_extra / 1e9:.2f} GB + receive pool {mem['pool'] / 1e9:.2f} "
+                f"GB (budget {budget / 1e9:.2f} GB)"
+            )
             assert worker.call("digests") == want  # type: ignore[attr-defined]
             assert worker.call("incomplete") is None  # type: ignore[attr-defined]
             if strategy == "streaming":

@@ -26,9 +26,11 @@ def main(url: str, model_dir: str) -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     original = assert_same_greedy(server, hf, "before the vLLM-API round")
     pristine = {k: v.clone() for k, v in hf.state_dict().items()}
-    engine = TorchTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp"),
-                                             client=HTTPVLLMWeightSyncClient(url, timeout=120),
-                                             source=ModuleSource(hf))
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="weightwire_tcp"),
+        client=HTTPVLLMWeightSyncClient(url, timeout=120),
+        source=ModuleSource(hf),
+    )
     try:
         gen = torch.Generator().manual_seed(11)
         with torch.no_grad():

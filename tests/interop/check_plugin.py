@@ -74,7 +74,11 @@ def main() -> None:
         model_config=SimpleNamespace(dtype=torch.float32),
     )
     nccl_engine = WeightTransferEngineFactory.create_engine(
-        WeightTransferConfig(backend="weightwire_nccl"), vllm_config, torch.device("cpu"), Recorder())
+        WeightTransferConfig(backend="weightwire_nccl"),
+        vllm_config,
+        torch.device("cpu"),
+        Recorder(),
+    )
     try:
         nccl_engine.parse_init_info({"rank_offset": 1, "world_size": 2, "bogus": 1})
         raise AssertionError("unknown init key accepted")
@@ -83,10 +87,14 @@ def main() -> None:
 
     model = Recorder()
     engine = WeightTransferEngineFactory.create_engine(
-        WeightTransferConfig(backend="weightwire_tcp"), vllm_config, torch.device("cpu"), model)
+        WeightTransferConfig(backend="weightwire_tcp"), vllm_config, torch.device("cpu"), model
+    )
     rng = np.random.default_rng(0)
-    metas = [ParamMeta("model.layers.0.w", "bfloat16", (3, 5)), ParamMeta("model.layers.0.b", "uint8", (7,)),
-             ParamMeta("model.norm.weight", "float32", (4,))]
+    metas = [
+        ParamMeta("model.layers.0.w", "bfloat16", (3, 5)),
+        ParamMeta("model.layers.0.b", "uint8", (7,)),
+        ParamMeta("model.norm.weight", "float32", (4,)),
+    ]
     rounds = [[rng.integers(0, 256, m.nbytes, dtype=np.uint8) for m in metas] for _ in range(2)]
     rdv = TCPRendezvous(world_size=2)
     errors: list[BaseException] = []
@@ -104,16 +112,29 @@ def main() -> None:
 
     thread = threading.Thread(target=trainer, daemon=True)
     thread.start()
-    info = {**rdv.init_fields(), "rank_offset": 1, "world_size": 2, "packed": True,
-            "packed_buffer_size_bytes": 16, "packed_num_buffers": 2, "timeout_s": 30.0}
+    info = {
+        **rdv.init_fields(),
+        "rank_offset": 1,
+        "world_size": 2,
+        "packed": True,
+        "packed_buffer_size_bytes": 16,
+        "packed_num_buffers": 2,
+        "timeout_s": 30.0,
+    }
     engine.init_transfer_engine(engine.parse_init_info(info))
     for i, arrays in enumerate(rounds):
-        body = UpdateInfo.from_metas(metas).to_dict() if i == 0 else {"names": [], "dtype_names": [], "shapes": []}
+        body = (
+            UpdateInfo.from_metas(metas).to_dict()
+            if i == 0
+            else {"names": [], "dtype_names": [], "shapes": []}
+        )
         engine.start_weight_update()
         engine.update_weights(body)
         engine.finish_weight_update()
         for meta, arr in zip(metas, arrays, strict=True):
-            got = model.loaded[meta.name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            got = (
+                model.loaded[meta.name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            )
             assert got == arr.tobytes(), f"round {i}: {meta.name} differs"
     engine.shutdown()
     thread.join(timeout=30)
@@ -160,15 +181,27 @@ def check_llm(root: str) -> dict:
     d0, d1 = _tiny_dirs(root)
     ids = AutoTokenizer.from_pretrained(d0)("the quick brown fox", return_tensors="pt").input_ids
     hf = {d: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in (d0, d1)}
-    ref = {d: m.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist() for d, m in hf.items()}
-    assert ref[d0] != ref[d1], "the two seeds must generate differently for the check to mean anything"
+    ref = {
+        d: m.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :].tolist()
+        for d, m in hf.items()
+    }
+    assert ref[d0] != ref[d1], (
+        "the two seeds must generate differently for the check to mean anything"
+    )
 
-    llm = LLM(model=d0, enforce_eager=True, dtype="float32", max_model_len=128,
-              weight_transfer_config=WeightTransferConfig(backend="weightwire_tcp"))
+    llm = LLM(
+        model=d0,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=128,
+        weight_transfer_config=WeightTransferConfig(backend="weightwire_tcp"),
+    )
     params = SamplingParams(temperature=0, max_tokens=12)
 
     def greedy() -> list[int]:
-        return list(llm.generate({"prompt_token_ids": ids[0].tolist()}, params)[0].outputs[0].token_ids)
+        return list(
+            llm.generate({"prompt_token_ids": ids[0].tolist()}, params)[0].outputs[0].token_ids
+        )
 
     before = greedy()
     source = ModuleSource(hf[d1])
@@ -189,11 +222,24 @@ def check_llm(root: str) -> dict:
 
     thread = threading.Thread(target=trainer, daemon=True)
     thread.start()
-    llm.init_weight_transfer_engine({"init_info": {
-        **rdv.init_fields(), "rank_offset": 1, "world_size": 2, "packed": True,
-        "packed_buffer_size_bytes": 50_000, "packed_num_buffers": 2, "timeout_s": 60.0}})
+    llm.init_weight_transfer_engine(
+        {
+            "init_info": {
+                **rdv.init_fields(),
+                "rank_offset": 1,
+                "world_size": 2,
+                "packed": True,
+                "packed_buffer_size_bytes": 50_000,
+                "packed_num_buffers": 2,
+                "timeout_s": 60.0,
+            }
+        }
+    )
     outputs = []
-    for body in (UpdateInfo.from_metas(metas).to_dict(), {"names": [], "dtype_names": [], "shapes": []}):
+    for body in (
+        UpdateInfo.from_metas(metas).to_dict(),
+        {"names": [], "dtype_names": [], "shapes": []},
+    ):
         llm.start_weight_update()
         llm.update_weights({"update_info": body})
         llm.finish_weight_update()

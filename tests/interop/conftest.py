@@ -29,7 +29,9 @@ _LAUNCHER: list[Launcher] = []
 def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
     venv = os.environ.get("WEIGHTWIRE_INTEROP_VENV")
     if not venv or not (Path(venv) / "bin" / "python").exists():
-        pytest.skip("no real vLLM: run tests/interop/run.sh (it builds the vLLM venv and sets WEIGHTWIRE_INTEROP_VENV)")
+        pytest.skip(
+            "no real vLLM: run tests/interop/run.sh (it builds the vLLM venv and sets WEIGHTWIRE_INTEROP_VENV)"
+        )
     scratch = tmp_path_factory.mktemp("vllm")
     keep = os.environ.get("WEIGHTWIRE_INTEROP_KEEP")
     if keep:
@@ -57,7 +59,9 @@ def serve(launcher: Launcher, model_dirs: dict[str, str], name: str, tmp_root: P
 
 
 @pytest.fixture
-def vllm_server(launcher: Launcher, model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> VLLMServer:
+def vllm_server(
+    launcher: Launcher, model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> VLLMServer:
     """The tiny Llama's vLLM (shared with the matrix's and the fault cases' Llama tests)."""
     return serve(launcher, model_dirs, "tiny-llama", tmp_path_factory.getbasetemp() / "models")
 
@@ -66,8 +70,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for la in _LAUNCHER:
         if la.startups:
             times = ", ".join(f"{n} {s:.0f} s" for n, s in la.startups.items())
-            terminalreporter.write_line(f"vLLM startups: {times} (total {sum(la.startups.values()):.0f} s); "
-                                        f"model-info cache warmed in {la.warm_s or 0:.0f} s")
+            terminalreporter.write_line(
+                f"vLLM startups: {times} (total {sum(la.startups.values()):.0f} s); "
+                f"model-info cache warmed in {la.warm_s or 0:.0f} s"
+            )
         if la.cache_misses:
-            terminalreporter.write_line(f"vLLM model-info cache misses (add them to the warmed architectures): "
-                                        f"{', '.join(la.cache_misses)}")
+            terminalreporter.write_line(
+                f"vLLM model-info cache misses (add them to the warmed architectures): "
+                f"{', '.join(la.cache_misses)}"
+            )

@@ -17,12 +17,22 @@ class VLLMServer:
     url: str
     model_dir: str
 
-    def greedy(self, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], list[list[float]]]:
+    def greedy(
+        self, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """The server's greedy token ids and their logprobs, one row per prompt."""
-        reply = httpx.post(f"{self.url}/v1/completions", timeout=120, json={
-            "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
-            "ignore_eos": True, "return_token_ids": True,
-        })
+        reply = httpx.post(
+            f"{self.url}/v1/completions",
+            timeout=120,
+            json={
+                "prompt": prompts,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "logprobs": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         assert reply.status_code == 200, reply.text
         choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
         return [c["token_ids"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices]
@@ -32,8 +42,9 @@ class VLLMServer:
 
 
 @torch.no_grad()
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS,
-              max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], list[list[float]]]:
+def hf_greedy(
+    model: torch.nn.Module, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS
+) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy decoding with full recomputation (no cache, no generate() config): the
     plainest reference there is. Returns token ids and their float32 logprobs."""
     out_ids, out_lps = [], []
@@ -45,13 +56,14 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS,
             nxt = int(torch.argmax(logits))
             ids.append(nxt)
             lps.append(float(logp[nxt]))
-        out_ids.append(ids[len(prompt):])
+        out_ids.append(ids[len(prompt) :])
         out_lps.append(lps)
     return out_ids, out_lps
 
 
-def assert_same_greedy(server: VLLMServer, model: torch.nn.Module, what: str,
-                       prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+def assert_same_greedy(
+    server: VLLMServer, model: torch.nn.Module, what: str, prompts: list[list[int]] = PROMPTS
+) -> list[list[int]]:
     """Server greedy == HF greedy, token for token (and logprobs within 1e-3)."""
     got, got_lp = server.greedy(prompts)
     want, want_lp = hf_greedy(model, prompts)

@@ -126,14 +126,27 @@ class Launcher:
         if self.architectures:
             scratch = self.scratch / "warm"
             (scratch / "tmp").mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, "VLLM_CACHE_ROOT": str(self.scratch), "HF_HUB_OFFLINE": "1",
-                   "TMPDIR": str(scratch / "tmp"), "XDG_CACHE_HOME": str(scratch / "xdg")}
+            env = {
+                **os.environ,
+                "VLLM_CACHE_ROOT": str(self.scratch),
+                "HF_HUB_OFFLINE": "1",
+                "TMPDIR": str(scratch / "tmp"),
+                "XDG_CACHE_HOME": str(scratch / "xdg"),
+            }
             env.pop("PYTHONPATH", None)
-            done = subprocess.run([str(self.venv / "bin" / "python"), str(_WARM_SCRIPT), *self.architectures],
-                                  capture_output=True, text=True, timeout=WARM_TIMEOUT_S, env=env, check=False)
+            done = subprocess.run(
+                [str(self.venv / "bin" / "python"), str(_WARM_SCRIPT), *self.architectures],
+                capture_output=True,
+                text=True,
+                timeout=WARM_TIMEOUT_S,
+                env=env,
+                check=False,
+            )
             if done.returncode != 0 or "warmed" not in done.stdout:
-                raise RuntimeError(f"warming vLLM's model-info cache for {list(self.architectures)} failed "
-                                   f"(exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+                raise RuntimeError(
+                    f"warming vLLM's model-info cache for {list(self.architectures)} failed "
+                    f"(exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+                )
         self.warm_s = time.monotonic() - started
 
     def _start(self, name: str, model_dir: str) -> RunningVLLM:
@@ -145,38 +158,61 @@ class Launcher:
         shared = root / "vllm-cache" / "modelinfos"
         if not shared.exists():
             shared.symlink_to(self.modelinfos, target_is_directory=True)
-        arch = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures", ["?"])[0]
+        arch = json.loads((Path(model_dir) / "config.json").read_text()).get(
+            "architectures", ["?"]
+        )[0]
         if arch not in self.architectures:
             self.cache_misses.append(f"{name} ({arch})")
         env = {
             **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "TMPDIR": str(root / "tmp"), "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
-            "XDG_CACHE_HOME": str(root / "xdg"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+            "VLLM_SERVER_DEV_MODE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "TMPDIR": str(root / "tmp"),
+            "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+            "XDG_CACHE_HOME": str(root / "xdg"),
+            "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
         }
         env.pop("PYTHONPATH", None)  # the venv's editable install is the code under test
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if name in self.multiprocess else "0"
         log = root / "vllm.log"
         cmd = [
-            str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-            "--dtype", "float32", "--max-model-len", "256",
-            "--weight-transfer-config", '{"backend": "weightwire_tcp"}',
+            str(self.venv / "bin" / "python"),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--weight-transfer-config",
+            '{"backend": "weightwire_tcp"}',
             # The round guard: refuses, saying why, after a round in place broke midway.
-            "--middleware", "weightwire.vllm_guard.RoundGuard",
+            "--middleware",
+            "weightwire.vllm_guard.RoundGuard",
         ]
         if name in self.prefix_caching:
             cmd += ["--enable-prefix-caching", "--block-size", str(PREFIX_BLOCK_SIZE)]
         started = time.monotonic()
         with log.open("wb") as out:
             # New session: the API server, engine core and workers form one process group.
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         url = f"http://127.0.0.1:{port}"
         running = RunningVLLM(name, VLLMServer(url, model_dir), proc, log, 0.0)
         deadline = started + STARTUP_TIMEOUT_S
         while True:
             if not running.alive():
-                raise RuntimeError(f"vLLM for {name} exited before it was ready; log tail:\n{running.log_tail()}")
+                raise RuntimeError(
+                    f"vLLM for {name} exited before it was ready; log tail:\n{running.log_tail()}"
+                )
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
@@ -184,8 +220,10 @@ class Launcher:
                 pass
             if time.monotonic() > deadline:
                 running.stop()
-                raise RuntimeError(f"vLLM for {name} not ready within {STARTUP_TIMEOUT_S:.0f} s; log tail:\n"
-                                   f"{running.log_tail()}")
+                raise RuntimeError(
+                    f"vLLM for {name} not ready within {STARTUP_TIMEOUT_S:.0f} s; log tail:\n"
+                    f"{running.log_tail()}"
+                )
             time.sleep(1)
         running.startup_s = time.monotonic() - started
         self.startups[name] = running.startup_s

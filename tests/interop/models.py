@@ -29,8 +29,12 @@ FEATURES = {
 # Their vLLM architectures (tiny.py's configs), warmed into vLLM's model-info cache
 # before the first server (launcher.py); one missing here only costs its start ~13 s.
 ARCHITECTURES = {
-    "tiny-llama": "LlamaForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM", "tiny-qwen2-tied": "Qwen2ForCausalLM",
-    "tiny-gemma": "GemmaForCausalLM", "tiny-qwen3": "Qwen3ForCausalLM", "tiny-gpt2": "GPT2LMHeadModel",
+    "tiny-llama": "LlamaForCausalLM",
+    "tiny-qwen2": "Qwen2ForCausalLM",
+    "tiny-qwen2-tied": "Qwen2ForCausalLM",
+    "tiny-gemma": "GemmaForCausalLM",
+    "tiny-qwen3": "Qwen3ForCausalLM",
+    "tiny-gpt2": "GPT2LMHeadModel",
 }
 
 
@@ -67,7 +71,10 @@ def jax_params(model_dir: str) -> tuple[Any, Naming]:
 def perturbed(params: Any, seed: int, scale: float = 0.05) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
+    noisy = [
+        x + scale * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(leaves, keys, strict=True)
+    ]
     return jax.tree_util.tree_unflatten(treedef, noisy)
 
 

@@ -54,7 +54,9 @@ def selected_families() -> tuple[str, ...]:
     names = tuple(n.strip() for n in raw.split(",") if n.strip())
     unknown = sorted(set(names) - set(FAMILIES))
     if unknown:
-        raise ValueError(f"WEIGHTWIRE_INTEROP_FAMILIES names unknown families {unknown}; known: {', '.join(FAMILIES)}")
+        raise ValueError(
+            f"WEIGHTWIRE_INTEROP_FAMILIES names unknown families {unknown}; known: {', '.join(FAMILIES)}"
+        )
     return names
 
 
@@ -69,8 +71,12 @@ def round_params(params: Any, seed: int, family: str) -> Any:
     embed, rest = SCALE.get(family, (0.05, 0.05))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [x + (embed if "embed_tokens" in jax.tree_util.keystr(path) else rest) * jax.random.normal(k, x.shape, x.dtype)
-             for (path, x), k in zip(leaves, keys, strict=True)]
+    noisy = [
+        x
+        + (embed if "embed_tokens" in jax.tree_util.keystr(path) else rest)
+        * jax.random.normal(k, x.shape, x.dtype)
+        for (path, x), k in zip(leaves, keys, strict=True)
+    ]
     return jax.tree_util.tree_unflatten(treedef, noisy)
 
 
@@ -79,12 +85,18 @@ def hf_reference(model_dir: str, sent: dict[str, np.ndarray], out: Path) -> torc
     parameter must come from it, except a tied head HF re-ties to the embedding."""
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(Path(model_dir) / "config.json", out / "config.json")
-    save_file({n: torch.from_numpy(np.array(a)).contiguous() for n, a in sent.items()}, str(out / "model.safetensors"))
-    model, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager",
-                                                       output_loading_info=True)
+    save_file(
+        {n: torch.from_numpy(np.array(a)).contiguous() for n, a in sent.items()},
+        str(out / "model.safetensors"),
+    )
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(out), dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     assert not info["unexpected_keys"], f"names HF does not have: {info['unexpected_keys']}"
-    assert set(info["missing_keys"]) <= tied, f"tensors not sent: {sorted(set(info['missing_keys']) - tied)}"
+    assert set(info["missing_keys"]) <= tied, (
+        f"tensors not sent: {sorted(set(info['missing_keys']) - tied)}"
+    )
     return model.eval()
 
 
@@ -94,8 +106,12 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family_server(request: pytest.FixtureRequest, launcher: Launcher, tokenizer_dir: Path,
-                  tmp_path_factory: pytest.TempPathFactory) -> tuple[str, VLLMServer]:
+def family_server(
+    request: pytest.FixtureRequest,
+    launcher: Launcher,
+    tokenizer_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[str, VLLMServer]:
     family = request.param
     if family not in selected_families():
         pytest.skip(f"{family} not in WEIGHTWIRE_INTEROP_FAMILIES")
@@ -104,23 +120,32 @@ def family_server(request: pytest.FixtureRequest, launcher: Launcher, tokenizer_
     return family, launcher.get(name, str(model_dir)).server
 
 
-def test_two_jax_rounds_match_hugging_face(family_server: tuple[str, VLLMServer], tmp_path: Path) -> None:
+def test_two_jax_rounds_match_hugging_face(
+    family_server: tuple[str, VLLMServer], tmp_path: Path
+) -> None:
     family, server = family_server
     hf = read_hf_config(server.model_dir)
     checkpoint = read_safetensors(server.model_dir)
     naming = preset_for_hf(family, hf)
     template = preset_layout(family, hf)
     sent_names = {e.name for e in naming.resolve(template).entries}
-    params0 = pytree_from_hf(naming, template, {n: t for n, t in checkpoint.items() if n in sent_names})
+    params0 = pytree_from_hf(
+        naming, template, {n: t for n, t in checkpoint.items() if n in sent_names}
+    )
     live = {"params": params0}
     source = PytreeSource(lambda: live["params"], naming)
     tied = {"lm_head.weight"} if hf.get("tie_word_embeddings") else set()
     assert sent_names == set(checkpoint) - tied, "the preset does not send the checkpoint's tensors"
-    previous = assert_same_greedy(server, hf_reference(server.model_dir, dict(source), tmp_path / "r0"),
-                                  f"{family}: checkpoint, before any round")
+    previous = assert_same_greedy(
+        server,
+        hf_reference(server.model_dir, dict(source), tmp_path / "r0"),
+        f"{family}: checkpoint, before any round",
+    )
     client = HTTPWeightSyncClient(server.url, timeout=120)
     # A 16 KiB packing buffer splits the model into many broadcasts (as in the matrix).
-    info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10, pause_mode="keep")
+    info = TrainerInitInfo(
+        backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10, pause_mode="keep"
+    )
     engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
     try:
         for r in (1, 2):
@@ -130,7 +155,9 @@ def test_two_jax_rounds_match_hugging_face(family_server: tuple[str, VLLMServer]
             assert server.weight_version() == f"{family}-{r}"
             reference = hf_reference(server.model_dir, dict(source), tmp_path / f"r{r}")
             tokens = assert_same_greedy(server, reference, f"{family}: JAX round {r}")
-            assert tokens != previous, f"{family}: JAX round {r} did not change vLLM's greedy output"
+            assert tokens != previous, (
+                f"{family}: JAX round {r} did not change vLLM's greedy output"
+            )
             previous = tokens
     finally:
         engine.shutdown()

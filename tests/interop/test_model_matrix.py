@@ -26,8 +26,12 @@ pytestmark = [pytest.mark.interop, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module", params=MATRIX)
-def model_server(request: pytest.FixtureRequest, launcher: Launcher, model_dirs: dict[str, str],
-                 tmp_path_factory: pytest.TempPathFactory) -> VLLMServer:
+def model_server(
+    request: pytest.FixtureRequest,
+    launcher: Launcher,
+    model_dirs: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> VLLMServer:
     return serve(launcher, model_dirs, request.param, tmp_path_factory.getbasetemp() / "models")
 
 
@@ -41,7 +45,9 @@ def test_three_jax_rounds_then_one_torch_round_match_hugging_face(model_server: 
     client = HTTPWeightSyncClient(server.url, timeout=120)
     # A 16 KiB packing buffer splits the model into many broadcasts; pause_mode="keep"
     # explicitly until the coordinator's default change lands on main.
-    info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10, pause_mode="keep")
+    info = TrainerInitInfo(
+        backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10, pause_mode="keep"
+    )
     engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
     previous = original
     scale = scale_for(server.model_dir)
@@ -57,8 +63,11 @@ def test_three_jax_rounds_then_one_torch_round_match_hugging_face(model_server: 
             previous = tokens
     finally:
         engine.shutdown()
-    torch_engine = TorchTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp", pause_mode="keep"),
-                                                   client=client, source=ModuleSource(hf))
+    torch_engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="weightwire_tcp", pause_mode="keep"),
+        client=client,
+        source=ModuleSource(hf),
+    )
     try:
         gen = torch.Generator().manual_seed(11)
         with torch.no_grad():

@@ -49,7 +49,9 @@ class Served:
     seed: int = 100
 
     def checksums(self) -> dict:
-        reply = httpx.post(f"{self.server.url}/weight_checker", json={"action": "checksum"}, timeout=60)
+        reply = httpx.post(
+            f"{self.server.url}/weight_checker", json={"action": "checksum"}, timeout=60
+        )
         assert reply.status_code == 200, reply.text
         return reply.json()
 
@@ -96,8 +98,9 @@ def served(launcher, model_dirs, tmp_path_factory) -> Iterator[Served]:
     # Leave the checkpoint's weights for the tests that run next on this server.
     pristine = hf_model(server.model_dir)
     with HTTPWeightSyncClient(server.url, timeout=120) as client:
-        engine = TorchTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp"), client=client,
-                                                 source=ModuleSource(pristine))
+        engine = TorchTrainerEngine.trainer_init(
+            TrainerInitInfo(backend="weightwire_tcp"), client=client, source=ModuleSource(pristine)
+        )
         try:
             engine.send_weights(weight_version="checkpoint")
         finally:
@@ -110,9 +113,20 @@ def served(launcher, model_dirs, tmp_path_factory) -> Iterator[Served]:
 def test_trainer_sigkilled_mid_round_leaves_previous_weights(served: Served, phase: str) -> None:
     before = served.checksums()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, str(REPO / "tests/interop/dying_trainer.py"), served.server.url,
-                              served.server.model_dir, phase, "7"], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, env=env, text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "tests/interop/dying_trainer.py"),
+            served.server.url,
+            served.server.model_dir,
+            phase,
+            "7",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
     try:
         lines = []
         assert child.stdout is not None
@@ -141,7 +155,9 @@ INCOMPLETE = "the model holds an incomplete weight round"
 
 
 @pytest.mark.parametrize("failure", ["trainer_killed", "worker_timeout"])
-def test_round_in_place_fails_midway_refuses_until_a_complete_round(served: Served, launcher, failure: str) -> None:
+def test_round_in_place_fails_midway_refuses_until_a_complete_round(
+    served: Served, launcher, failure: str
+) -> None:
     """``stage_budget_bytes=0``: the worker applies the round in place. The trainer holds the
     round guard (``weightwire.vllm_guard``) and pauses generation with ``abort``; mid-update it
     is SIGKILLed (``trainer_killed``) or stalls past the worker's 3 s receive bound
@@ -155,9 +171,22 @@ def test_round_in_place_fails_midway_refuses_until_a_complete_round(served: Serv
     seen, whole = _log_count(log, INCOMPLETE), _log_count(log, "the model is whole again")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     extra = ["3"] if failure == "worker_timeout" else []
-    child = subprocess.Popen([sys.executable, str(REPO / "tests/interop/dying_trainer.py"), url,
-                              served.server.model_dir, "mid_update", "8", "0", *extra], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, env=env, text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "tests/interop/dying_trainer.py"),
+            url,
+            served.server.model_dir,
+            "mid_update",
+            "8",
+            "0",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
     try:
         lines = []
         assert child.stdout is not None
@@ -167,7 +196,9 @@ def test_round_in_place_fails_midway_refuses_until_a_complete_round(served: Serv
                 break
         assert lines and lines[-1].strip() == "PHASE mid_update", "".join(lines[-30:])
         deadline = time.monotonic() + 60
-        if failure == "worker_timeout":  # the trainer lives on, stalled: the worker gives up by itself
+        if (
+            failure == "worker_timeout"
+        ):  # the trainer lives on, stalled: the worker gives up by itself
             while _log_count(log, INCOMPLETE) == seen:
                 assert time.monotonic() < deadline, "the worker never gave up on the stalled round"
                 time.sleep(0.5)
@@ -183,16 +214,22 @@ def test_round_in_place_fails_midway_refuses_until_a_complete_round(served: Serv
     guard = httpx.get(f"{url}/weightwire/round_guard", timeout=30).json()
     assert guard["held"] and guard["hold"]["round"] == "dying-mid_update", guard
     # Bounded: a request queued behind the pause would time out here and fail the test.
-    refused = httpx.post(f"{url}/v1/completions", timeout=30,
-                         json={"prompt": [[5, 17, 42]], "max_tokens": 2, "temperature": 0.0})
+    refused = httpx.post(
+        f"{url}/v1/completions",
+        timeout=30,
+        json={"prompt": [[5, 17, 42]], "max_tokens": 2, "temperature": 0.0},
+    )
     assert refused.status_code == 503, refused.text
     error = refused.json()["error"]
     assert error["reason"] == "weight_round_incomplete", error
     expected = "the served weights are incomplete: weight round 'dying-mid_update'"
     assert expected in error["message"], error
     assert "has not committed" in error["message"], error
-    chat = httpx.post(f"{url}/v1/chat/completions", timeout=30,
-                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=30,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert chat.status_code == 503 and "weights are incomplete" in chat.text, chat.text
     # The operator's way out is refused while the workers' weights are not whole.
     release = httpx.post(f"{url}/weightwire/round_guard/release", timeout=60)
@@ -205,7 +242,9 @@ def test_round_in_place_fails_midway_refuses_until_a_complete_round(served: Serv
     params = perturbed(params, served.seed)
     source = PytreeSource(lambda: params, naming)
     with HTTPWeightSyncClient(url, timeout=120) as client:
-        engine = JAXTrainerEngine.trainer_init(_info(stage_budget_bytes=0), client=client, source=source)
+        engine = JAXTrainerEngine.trainer_init(
+            _info(stage_budget_bytes=0), client=client, source=source
+        )
         try:
             engine.send_weights(weight_version="in-place-fresh")
         finally:
@@ -223,12 +262,16 @@ def test_round_guard_operator_release_when_whole(served: Served) -> None:
     """A hold left by a trainer that died before its first write: the workers are whole, so
     the operator's release lifts it and resumes generation; the model answers as before."""
     url = served.server.url
-    held = httpx.post(f"{url}/weightwire/round_guard/hold", json={"round": "never-written"},
-                      timeout=30)
+    held = httpx.post(
+        f"{url}/weightwire/round_guard/hold", json={"round": "never-written"}, timeout=30
+    )
     assert held.status_code == 200 and held.json()["held"], held.text
     httpx.post(f"{url}/pause", params={"mode": "abort"}, timeout=30).raise_for_status()
-    refused = httpx.post(f"{url}/v1/completions", timeout=30,
-                         json={"prompt": [[5, 17, 42]], "max_tokens": 2, "temperature": 0.0})
+    refused = httpx.post(
+        f"{url}/v1/completions",
+        timeout=30,
+        json={"prompt": [[5, 17, 42]], "max_tokens": 2, "temperature": 0.0},
+    )
     assert refused.status_code == 503, refused.text
     assert "'never-written'" in refused.json()["error"]["message"], refused.text
     release = httpx.post(f"{url}/weightwire/round_guard/release", timeout=60)
@@ -245,7 +288,9 @@ def _bad_source(kind: str, hf: torch.nn.Module) -> torch.nn.Module:
     layer = bad.model.layers[0]
     with torch.no_grad():
         if kind == "wrong_shape":  # transposed: metadata and bytes consistent, shape wrong
-            layer.self_attn.k_proj.weight = torch.nn.Parameter(layer.self_attn.k_proj.weight.t().contiguous())
+            layer.self_attn.k_proj.weight = torch.nn.Parameter(
+                layer.self_attn.k_proj.weight.t().contiguous()
+            )
         elif kind == "wrong_dtype":  # a float32 norm sent as bfloat16
             bad.model.norm.weight = torch.nn.Parameter(bad.model.norm.weight.to(torch.bfloat16))
         elif kind == "unknown_name":
@@ -288,7 +333,9 @@ def test_bad_update_info_is_refused_before_any_byte(served: Served, kind: str) -
 
 
 # ---------------------------------------------------------------- session ownership
-def _jax_engine(served: Served, seed: int, client: HTTPWeightSyncClient) -> tuple[JAXTrainerEngine, PytreeSource]:
+def _jax_engine(
+    served: Served, seed: int, client: HTTPWeightSyncClient
+) -> tuple[JAXTrainerEngine, PytreeSource]:
     params, naming = jax_params(served.server.model_dir)
     params = perturbed(params, seed)
     source = PytreeSource(lambda: params, naming)
@@ -296,14 +343,18 @@ def _jax_engine(served: Served, seed: int, client: HTTPWeightSyncClient) -> tupl
 
 
 def test_second_trainer_between_rounds_displaces_the_first(served: Served) -> None:
-    with HTTPWeightSyncClient(served.server.url, timeout=120) as ca, \
-            HTTPWeightSyncClient(served.server.url, timeout=120) as cb:
+    with (
+        HTTPWeightSyncClient(served.server.url, timeout=120) as ca,
+        HTTPWeightSyncClient(served.server.url, timeout=120) as cb,
+    ):
         a, _ = _jax_engine(served, 201, ca)
         a.send_weights(weight_version="A-1")
         b, b_source = _jax_engine(served, 202, cb)  # takes the session over between rounds
         try:
             before = served.checksums()
-            with pytest.raises(EngineBroken, match="another trainer initialized and took the session over"):
+            with pytest.raises(
+                EngineBroken, match="another trainer initialized and took the session over"
+            ):
                 a.send_weights(weight_version="A-2")  # fails fast: nothing posted, nothing sent
             a.shutdown()  # must not tear down B's session
             assert served.server.weight_version() == "A-1"
@@ -320,8 +371,10 @@ def test_second_trainer_between_rounds_displaces_the_first(served: Served) -> No
 @pytest.mark.parametrize("when", ["after_start", "before_finish"])
 def test_second_trainer_mid_round_is_refused(served: Served, when: str) -> None:
     refusals: list[str] = []
-    with HTTPWeightSyncClient(served.server.url, timeout=120) as ca, \
-            HTTPWeightSyncClient(served.server.url, timeout=120) as cb:
+    with (
+        HTTPWeightSyncClient(served.server.url, timeout=120) as ca,
+        HTTPWeightSyncClient(served.server.url, timeout=120) as cb,
+    ):
         params_b, naming = jax_params(served.server.model_dir)
         intruder_source = PytreeSource(lambda: params_b, naming)
 
@@ -342,6 +395,7 @@ def test_second_trainer_mid_round_is_refused(served: Served, when: str) -> None:
             def hook() -> None:
                 real_start()
                 intrude()
+
             ca.start_weight_update = hook  # type: ignore[method-assign]
         else:
             real_finish = ca.finish_weight_update
@@ -349,6 +403,7 @@ def test_second_trainer_mid_round_is_refused(served: Served, when: str) -> None:
             def hook(*args: object, **kwargs: object) -> None:
                 intrude()
                 real_finish(*args, **kwargs)
+
             ca.finish_weight_update = hook  # type: ignore[method-assign]
         try:
             # after_start: A's bytes wait while B's init is refused; A's round then completes.
@@ -372,8 +427,10 @@ def test_live_completions_during_five_rounds_default_settings(served: Served) ->
     def client_loop(i: int) -> None:
         with httpx.Client(timeout=120) as http:
             while not stop.is_set():
-                reply = http.post(f"{served.server.url}/v1/completions", json={
-                    "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 8, "temperature": 0.0})
+                reply = http.post(
+                    f"{served.server.url}/v1/completions",
+                    json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 8, "temperature": 0.0},
+                )
                 if reply.status_code != 200:
                     errors.append(f"{reply.status_code}: {reply.text[:200]}")
                     return
@@ -388,9 +445,11 @@ def test_live_completions_during_five_rounds_default_settings(served: Served) ->
     try:
         with HTTPWeightSyncClient(served.server.url, timeout=120) as client:
             # Default settings: no pause_mode given (the coordinator is changing the default to "keep").
-            engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp",
-                                                                   packed_buffer_size_bytes=PACKED_16K),
-                                                   client=client, source=source)
+            engine = JAXTrainerEngine.trainer_init(
+                TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=PACKED_16K),
+                client=client,
+                source=source,
+            )
             try:
                 for r in range(1, 6):
                     live["params"] = perturbed(params0, 400 + r)

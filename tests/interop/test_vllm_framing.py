@@ -49,8 +49,12 @@ TIMEOUTS = Timeouts(http_s=60, connect_s=T, warmup_s=T, transfer_s=T)
 def _vllm_file(relative: str) -> str:
     venv = os.environ.get("WEIGHTWIRE_INTEROP_VENV")
     if not venv:
-        pytest.skip("no interop venv: run tests/interop/run.sh (it exports WEIGHTWIRE_INTEROP_VENV)")
-    found = sorted(glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "vllm", relative)))
+        pytest.skip(
+            "no interop venv: run tests/interop/run.sh (it exports WEIGHTWIRE_INTEROP_VENV)"
+        )
+    found = sorted(
+        glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "vllm", relative))
+    )
     if not found:
         pytest.skip(f"{venv} holds no vllm/{relative}")
     return found[0]
@@ -67,9 +71,12 @@ class _Stream:
 class _TorchOnCPU:
     """``torch`` for vLLM's module, with its CUDA stream calls as no-ops (all work is synchronous on CPU)."""
 
-    cuda = SimpleNamespace(stream=lambda s: contextlib.nullcontext(), Stream=lambda device=None: _Stream())
-    accelerator = SimpleNamespace(current_device_index=lambda: 0, current_stream=lambda: _Stream(),
-                                  is_available=lambda: False)
+    cuda = SimpleNamespace(
+        stream=lambda s: contextlib.nullcontext(), Stream=lambda device=None: _Stream()
+    )
+    accelerator = SimpleNamespace(
+        current_device_index=lambda: 0, current_stream=lambda: _Stream(), is_available=lambda: False
+    )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -105,13 +112,18 @@ def vllm_packed(request: pytest.FixtureRequest) -> ModuleType:
     if request.param == "venv":
         path, shim = _vllm_file(relative), _TorchOnCPU()
     else:
-        path, shim = os.path.join(os.environ["WEIGHTWIRE_VLLM_SRC"], "vllm", relative), _TorchOnCPU033()
+        path, shim = (
+            os.path.join(os.environ["WEIGHTWIRE_VLLM_SRC"], "vllm", relative),
+            _TorchOnCPU033(),
+        )
     spec = importlib.util.spec_from_file_location(f"_vllm_packed_tensor_{request.param}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.torch = shim
-    module._get_streams = lambda device_idx, num_buffers: tuple(_Stream() for _ in range(num_buffers))
+    module._get_streams = lambda device_idx, num_buffers: tuple(
+        _Stream() for _ in range(num_buffers)
+    )
     return module
 
 
@@ -125,17 +137,22 @@ class ShimGroup:
     def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
         assert src == 0 and tensor.dtype == torch.uint8 and tensor.is_contiguous()
         self.sizes.append(tensor.numel())
-        self.comm.broadcast(tensor.numpy(), root=0, timeout=T)  # rank 0 sends; a receiver fills it in place
+        self.comm.broadcast(
+            tensor.numpy(), root=0, timeout=T
+        )  # rank 0 sends; a receiver fills it in place
 
 
 # --- the awkward sets ---------------------------------------------------------------------
+
 
 def _arr(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     row = WIRE_DTYPES[dtype]
     raw = rng.integers(0, 256, int(np.prod(shape, dtype=np.int64)) * row.itemsize, dtype=np.uint8)
     if dtype == "bool":
         raw = raw & 1
-    if dtype.startswith(("float", "bfloat")):  # no NaN payloads: torch and numpy may canonicalize them
+    if dtype.startswith(
+        ("float", "bfloat")
+    ):  # no NaN payloads: torch and numpy may canonicalize them
         vals = rng.standard_normal(int(np.prod(shape, dtype=np.int64))).astype(row.numpy)
         return vals.reshape(shape)
     return raw.view(row.numpy).reshape(shape)
@@ -148,36 +165,88 @@ def _case(name: str, seed: int = 0) -> tuple[dict[str, np.ndarray], int]:
     specs: list[tuple[str, str, tuple[int, ...]]]
     size = 1 << 16
     if name == "mixed-dtypes":  # every wire dtype in one layer: reordered so each offset is aligned
-        specs = [(f"{L}.0.t_{d}", d, (3,)) for d in sorted(WIRE_DTYPES)] + [(f"{L}.0.pad", "int8", (1,))]
+        specs = [(f"{L}.0.t_{d}", d, (3,)) for d in sorted(WIRE_DTYPES)] + [
+            (f"{L}.0.pad", "int8", (1,))
+        ]
     elif name == "mixed-dtypes-aligned":  # already aligned: sent in source order
-        specs = [(f"{L}.0.t_{d}", d, (8,)) for d in ("float64", "int64", "float32", "int32", "bfloat16", "float16",
-                                                      "int8", "uint8", "bool", "float8_e4m3fn", "float8_e5m2")]
+        specs = [
+            (f"{L}.0.t_{d}", d, (8,))
+            for d in (
+                "float64",
+                "int64",
+                "float32",
+                "int32",
+                "bfloat16",
+                "float16",
+                "int8",
+                "uint8",
+                "bool",
+                "float8_e4m3fn",
+                "float8_e5m2",
+            )
+        ]
     elif name == "scalars":
-        specs = [(f"{L}.0.scale", "float32", ()), (f"{L}.0.w", "bfloat16", (4, 2)), (f"{L}.0.step", "int64", ()),
-                 ("model.norm.bias", "float16", ())]
+        specs = [
+            (f"{L}.0.scale", "float32", ()),
+            (f"{L}.0.w", "bfloat16", (4, 2)),
+            (f"{L}.0.step", "int64", ()),
+            ("model.norm.bias", "float16", ()),
+        ]
     elif name == "zero-size":  # empty views need aligned offsets too: reordered inside layer 0
-        specs = [(f"{L}.0.a", "int8", (3,)), (f"{L}.0.empty", "float32", (0,)), (f"{L}.0.e2", "bfloat16", (2, 0)),
-                 (f"{L}.0.b", "float32", (5,)), (f"{L}.0.pad", "int8", (1,)), (f"{L}.1.only_empty", "int64", (0, 4))]
+        specs = [
+            (f"{L}.0.a", "int8", (3,)),
+            (f"{L}.0.empty", "float32", (0,)),
+            (f"{L}.0.e2", "bfloat16", (2, 0)),
+            (f"{L}.0.b", "float32", (5,)),
+            (f"{L}.0.pad", "int8", (1,)),
+            (f"{L}.1.only_empty", "int64", (0, 4)),
+        ]
     elif name == "unaligned-in-layer":
-        specs = [(f"{L}.0.mask", "bool", (1,)), (f"{L}.0.w", "bfloat16", (3,)), (f"{L}.0.q", "float8_e4m3fn", (5,)),
-                 (f"{L}.0.idx", "int64", (2,)), (f"{L}.0.pad", "int8", (7,))]
-    elif name == "unaligned-across-layers":  # layer 0 ends at byte 3: nothing inside layer 1 can fix it
+        specs = [
+            (f"{L}.0.mask", "bool", (1,)),
+            (f"{L}.0.w", "bfloat16", (3,)),
+            (f"{L}.0.q", "float8_e4m3fn", (5,)),
+            (f"{L}.0.idx", "int64", (2,)),
+            (f"{L}.0.pad", "int8", (7,)),
+        ]
+    elif (
+        name == "unaligned-across-layers"
+    ):  # layer 0 ends at byte 3: nothing inside layer 1 can fix it
         specs = [(f"{L}.0.q", "int8", (3,)), (f"{L}.1.w", "float32", (2,))]
-    elif name == "buffer-edges":  # exactly full (no close), one over (closes), bigger than the buffer, 1-byte tail
+    elif (
+        name == "buffer-edges"
+    ):  # exactly full (no close), one over (closes), bigger than the buffer, 1-byte tail
         size = 64
-        specs = [(f"{L}.0.full", "float32", (16,)), (f"{L}.0.tail", "int8", (1,)), (f"{L}.1.over", "float32", (17,)),
-                 (f"{L}.2.huge", "bfloat16", (100,)), (f"{L}.3.one", "uint8", (1,)), (f"{L}.3.w", "float32", (15,))]
+        specs = [
+            (f"{L}.0.full", "float32", (16,)),
+            (f"{L}.0.tail", "int8", (1,)),
+            (f"{L}.1.over", "float32", (17,)),
+            (f"{L}.2.huge", "bfloat16", (100,)),
+            (f"{L}.3.one", "uint8", (1,)),
+            (f"{L}.3.w", "float32", (15,)),
+        ]
     elif name == "tiny-buffer":  # every tensor closes its own chunk
         size = 1
-        specs = [(f"{L}.0.a", "int8", (3,)), (f"{L}.1.b", "float32", (2,)), (f"{L}.2.c", "float64", ()),
-                 (f"{L}.3.d", "bool", (0,))]
+        specs = [
+            (f"{L}.0.a", "int8", (3,)),
+            (f"{L}.1.b", "float32", (2,)),
+            (f"{L}.2.c", "float64", ()),
+            (f"{L}.3.d", "bool", (0,)),
+        ]
     else:
         raise KeyError(name)
     return {n: _arr(rng, d, s) for n, d, s in specs}, size
 
 
-SENDABLE = ["mixed-dtypes", "mixed-dtypes-aligned", "scalars", "zero-size", "unaligned-in-layer", "buffer-edges",
-            "tiny-buffer"]
+SENDABLE = [
+    "mixed-dtypes",
+    "mixed-dtypes-aligned",
+    "scalars",
+    "zero-size",
+    "unaligned-in-layer",
+    "buffer-edges",
+    "tiny-buffer",
+]
 REFUSED = {"unaligned-across-layers": ("model.layers.1.w", "not a multiple of its 4-byte itemsize")}
 
 
@@ -195,14 +264,19 @@ WIRE_DTYPES_BY_NUMPY = {row.numpy: name for name, row in WIRE_DTYPES.items()}
 
 # --- our senders -> vLLM's consumer ---------------------------------------------------------
 
+
 class StockTCPBackend(TCPBackend):
     """Our TCP data plane, planned as for a stock ``nccl`` worker (the receiver is vLLM's code)."""
 
     name: ClassVar[str] = "interop_stock_tcp"
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=False, stock_receiver=True)
 
-    def plan_round(self, metas: Any, *, features: Any, packed: bool, buffer_size_bytes: int) -> WirePlan:
-        return plan_for_stock(metas, features=features, packed=packed, buffer_size_bytes=buffer_size_bytes)
+    def plan_round(
+        self, metas: Any, *, features: Any, packed: bool, buffer_size_bytes: int
+    ) -> WirePlan:
+        return plan_for_stock(
+            metas, features=features, packed=packed, buffer_size_bytes=buffer_size_bytes
+        )
 
 
 register_backend(StockTCPBackend(), replace=True)
@@ -228,8 +302,14 @@ class VLLMConsumerClient:
     def init_weight_transfer_engine(self, payload: dict) -> None:
         self.calls.append("init")
         self.info = TCPInitInfo.from_dict(payload)
-        self.comm = TCPCommunicator.connect(host=self.info.host, port=self.info.port, secret=self.info.secret,
-                                            rank=1, world_size=self.info.world_size, timeout=T)
+        self.comm = TCPCommunicator.connect(
+            host=self.info.host,
+            port=self.info.port,
+            secret=self.info.secret,
+            rank=1,
+            world_size=self.info.world_size,
+            timeout=T,
+        )
         self.comm.warmup(timeout=T)
         self.group = ShimGroup(self.comm)
 
@@ -243,16 +323,23 @@ class VLLMConsumerClient:
         self.order = list(info.names)
 
         def metadata():  # what vLLM's NCCL engine builds from the update info
-            for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes, strict=True):
+            for name, dtype_name, shape in zip(
+                info.names, info.dtype_names, info.shapes, strict=True
+            ):
                 yield name, (shape, getattr(torch, dtype_name))
 
         def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
             self.received.update((n, t.clone()) for n, t in pairs)
 
         self.vllm.packed_nccl_broadcast_consumer(
-            iterator=metadata(), group=self.group, src=0, post_unpack_func=load,
-            buffer_size_bytes=self.info.packed_buffer_size_bytes, num_buffers=self.info.packed_num_buffers,
-            device="cpu")
+            iterator=metadata(),
+            group=self.group,
+            src=0,
+            post_unpack_func=load,
+            buffer_size_bytes=self.info.packed_buffer_size_bytes,
+            num_buffers=self.info.packed_num_buffers,
+            device="cpu",
+        )
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append("finish")
@@ -262,10 +349,18 @@ class VLLMConsumerClient:
             self.comm.close()
 
 
-def _engine(kind: str, weights: dict[str, np.ndarray], size: int, client: VLLMConsumerClient) -> Any:
+def _engine(
+    kind: str, weights: dict[str, np.ndarray], size: int, client: VLLMConsumerClient
+) -> Any:
     # vLLM's packed consumer alone: no scheduler and no KV cache, so no cache reset to send.
-    info = TrainerInitInfo(backend="interop_stock_tcp", packed=True, packed_buffer_size_bytes=size,
-                           packed_num_buffers=2, timeouts=TIMEOUTS, reset_prefix_cache=False)
+    info = TrainerInitInfo(
+        backend="interop_stock_tcp",
+        packed=True,
+        packed_buffer_size_bytes=size,
+        packed_num_buffers=2,
+        timeouts=TIMEOUTS,
+        reset_prefix_cache=False,
+    )
     if kind == "jax":
         import jax.numpy as jnp
 
@@ -274,13 +369,18 @@ def _engine(kind: str, weights: dict[str, np.ndarray], size: int, client: VLLMCo
 
         # JAX without x64 has no 64-bit arrays: those go in as numpy (the engine takes both).
         tensors = {n: a if a.dtype.itemsize == 8 else jnp.asarray(a) for n, a in weights.items()}
-        return JAXTrainerEngine.trainer_init(info, client=client, source=DictSource(tensors, describe))
+        return JAXTrainerEngine.trainer_init(
+            info, client=client, source=DictSource(tensors, describe)
+        )
     from weightwire.torch_side.dtypes import wire_name
     from weightwire.torch_side.sender.engine import TorchTrainerEngine
 
     tensors = {n: _to_torch(a) for n, a in weights.items()}
-    return TorchTrainerEngine.trainer_init(info, client=client, source=DictSource(
-        tensors, lambda t: (wire_name(t.dtype), tuple(t.shape))))
+    return TorchTrainerEngine.trainer_init(
+        info,
+        client=client,
+        source=DictSource(tensors, lambda t: (wire_name(t.dtype), tuple(t.shape))),
+    )
 
 
 def _to_torch(a: np.ndarray) -> torch.Tensor:
@@ -302,9 +402,13 @@ def test_our_senders_to_vllm_consumer(vllm_packed: ModuleType, kind: str, case: 
             tensor, reason = REFUSED[case]
             with pytest.raises(StockRefusal, match=reason) as info:
                 engine.send_weights()
-            assert info.value.tensor == tensor and client.calls == ["init"]  # refused before any round call
+            assert info.value.tensor == tensor and client.calls == [
+                "init"
+            ]  # refused before any round call
             return
-        for _ in range(2):  # round 2: the same plan again (0.32 has no reuse shorthand: full metadata)
+        for _ in range(
+            2
+        ):  # round 2: the same plan again (0.32 has no reuse shorthand: full metadata)
             client.received.clear()
             engine.send_weights()
             _same(client.received, weights)
@@ -314,7 +418,9 @@ def test_our_senders_to_vllm_consumer(vllm_packed: ModuleType, kind: str, case: 
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.31.0"])
-def test_packed_scalars_are_refused_for_pre_032_consumers(vllm_packed: ModuleType, version: str) -> None:
+def test_packed_scalars_are_refused_for_pre_032_consumers(
+    vllm_packed: ModuleType, version: str
+) -> None:
     # Their consumer reshapes with view(*shape), which raises on []: refused before the round.
     weights, size = _case("scalars")
     client = VLLMConsumerClient(vllm_packed, version)
@@ -328,6 +434,7 @@ def test_packed_scalars_are_refused_for_pre_032_consumers(vllm_packed: ModuleTyp
 
 
 # --- vLLM's producer -> our receiver --------------------------------------------------------
+
 
 class Collector:
     def __init__(self) -> None:
@@ -344,8 +451,15 @@ def test_vllm_producer_to_our_receiver(vllm_packed: ModuleType, case: str) -> No
     weights, size = _case(case)
     tensors = {n: _to_torch(a) for n, a in weights.items()}
     rdv = TCPRendezvous(world_size=2)
-    info = TCPInitInfo(**rdv.init_fields(), rank_offset=1, world_size=2, packed=True, packed_buffer_size_bytes=size,
-                       packed_num_buffers=2, timeout_s=T)
+    info = TCPInitInfo(
+        **rdv.init_fields(),
+        rank_offset=1,
+        world_size=2,
+        packed=True,
+        packed_buffer_size_bytes=size,
+        packed_num_buffers=2,
+        timeout_s=T,
+    )
     model = Collector()
     worker = WeightwireTCPEngine.standalone(model=model, device="cpu")
     errors: list[BaseException] = []
@@ -354,8 +468,11 @@ def test_vllm_producer_to_our_receiver(vllm_packed: ModuleType, case: str) -> No
         try:
             worker.init_transfer_engine(info.to_dict())
             worker.start_weight_update()
-            update = UpdateInfo.from_metas(DictSource(tensors, lambda t: (
-                str(t.dtype).split(".")[-1], tuple(t.shape))).metadata())
+            update = UpdateInfo.from_metas(
+                DictSource(
+                    tensors, lambda t: (str(t.dtype).split(".")[-1], tuple(t.shape))
+                ).metadata()
+            )
             worker.update_weights(update.to_dict())
             worker.finish_weight_update()
         except BaseException as exc:  # handed to the test thread
@@ -368,8 +485,13 @@ def test_vllm_producer_to_our_receiver(vllm_packed: ModuleType, case: str) -> No
         comm.warmup(timeout=T)
         group = ShimGroup(comm)
         vllm_packed.packed_nccl_broadcast_producer(
-            iterator=iter(tensors.items()), group=group, src=0, post_iter_func=lambda item: item[1],
-            buffer_size_bytes=size, num_buffers=2)
+            iterator=iter(tensors.items()),
+            group=group,
+            src=0,
+            post_iter_func=lambda item: item[1],
+            buffer_size_bytes=size,
+            num_buffers=2,
+        )
         thread.join(T)
         assert not thread.is_alive() and not errors, errors
         _same(model.got, weights)
@@ -377,7 +499,9 @@ def test_vllm_producer_to_our_receiver(vllm_packed: ModuleType, case: str) -> No
         from weightwire.shared.meta import ParamMeta
 
         metas = [ParamMeta(n, WIRE_DTYPES_BY_NUMPY[a.dtype], a.shape) for n, a in weights.items()]
-        assert group.sizes == [c.nbytes for c in plan_packed(metas, size)]  # vLLM's chunks are our plan's
+        assert group.sizes == [
+            c.nbytes for c in plan_packed(metas, size)
+        ]  # vLLM's chunks are our plan's
     finally:
         comm.close()
         worker.shutdown()

@@ -40,7 +40,10 @@ def _hf(model_dir: str) -> torch.nn.Module:
 def _perturbed(params: object, seed: int, scale: float = 0.05) -> object:
     leaves, treedef = jax.tree_util.tree_flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
+    noisy = [
+        x + scale * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(leaves, keys, strict=True)
+    ]
     return jax.tree_util.tree_unflatten(treedef, noisy)
 
 
@@ -69,7 +72,9 @@ def test_jax_trainer_three_rounds_match_hugging_face(vllm_server: VLLMServer) ->
             assert vllm_server.weight_version() == f"jax-{r}"
             _load_into_hf(hf, source)
             tokens = assert_same_greedy(vllm_server, hf, f"JAX round {r}")
-            assert tokens != previous, f"round {r} did not change vLLM's greedy output: were the weights loaded?"
+            assert tokens != previous, (
+                f"round {r} did not change vLLM's greedy output: were the weights loaded?"
+            )
             previous = tokens
         live["params"] = params0
         engine.send_weights(weight_version="jax-restored")
@@ -85,8 +90,9 @@ def test_torch_trainer_round_matches_hugging_face(vllm_server: VLLMServer) -> No
     original = assert_same_greedy(vllm_server, hf, "before the torch round")
     pristine = {k: v.clone() for k, v in hf.state_dict().items()}
     client = HTTPWeightSyncClient(vllm_server.url, timeout=120)
-    engine = TorchTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp"), client=client,
-                                             source=ModuleSource(hf))
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="weightwire_tcp"), client=client, source=ModuleSource(hf)
+    )
     try:
         gen = torch.Generator().manual_seed(7)
         with torch.no_grad():
@@ -120,6 +126,7 @@ def _prefix_round(trainer: str, model_dir: str, client: HTTPWeightSyncClient) ->
     hf = _hf(model_dir)
     pristine = {k: v.clone() for k, v in hf.state_dict().items()}
     if trainer == "torch":
+
         def perturb_torch() -> None:
             gen = torch.Generator().manual_seed(11)
             with torch.no_grad():
@@ -140,12 +147,18 @@ def _prefix_round(trainer: str, model_dir: str, client: HTTPWeightSyncClient) ->
         live["params"] = params0
         hf.load_state_dict(pristine)
 
-    return _PrefixRound(JAXTrainerEngine.trainer_init(info, client=client, source=source), hf, perturb_jax, restore_jax)
+    return _PrefixRound(
+        JAXTrainerEngine.trainer_init(info, client=client, source=source),
+        hf,
+        perturb_jax,
+        restore_jax,
+    )
 
 
 @pytest.mark.parametrize("trainer", ["jax", "torch"])
-def test_a_prompt_cached_before_a_round_is_answered_with_the_new_weights(vllm_server: VLLMServer,
-                                                                         trainer: str) -> None:
+def test_a_prompt_cached_before_a_round_is_answered_with_the_new_weights(
+    vllm_server: VLLMServer, trainer: str
+) -> None:
     """Prefix caching on: the long prompt's blocks are cached before the round; with default
     settings the round leaves no KV of the old weights, so the same prompt after it equals HF
     on the new weights (without the reset vLLM answers from the old KV: logprobs off by ~0.1)."""
@@ -155,12 +168,18 @@ def test_a_prompt_cached_before_a_round_is_answered_with_the_new_weights(vllm_se
         before = assert_same_greedy(vllm_server, r.hf, "before the round", prompts=[LONG_PROMPT])
         r.perturb()
         r.engine.send_weights(weight_version=f"prefix-{trainer}")
-        after = assert_same_greedy(vllm_server, r.hf, f"{trainer} round, prompt cached before it",
-                                   prompts=[LONG_PROMPT])
+        after = assert_same_greedy(
+            vllm_server, r.hf, f"{trainer} round, prompt cached before it", prompts=[LONG_PROMPT]
+        )
         assert after != before, "the round did not change the long prompt's completion"
         r.restore()
         r.engine.send_weights(weight_version=f"prefix-{trainer}-restored")
-        assert assert_same_greedy(vllm_server, r.hf, "restored, prompt cached before", prompts=[LONG_PROMPT]) == before
+        assert (
+            assert_same_greedy(
+                vllm_server, r.hf, "restored, prompt cached before", prompts=[LONG_PROMPT]
+            )
+            == before
+        )
     finally:
         r.engine.shutdown()
         client.close()
@@ -172,16 +191,30 @@ def test_vllm_trainer_api_plugs_in_without_hints(vllm_server: VLLMServer) -> Non
     venv = os.environ.get("WEIGHTWIRE_INTEROP_VENV")
     assert venv, "run.sh exports WEIGHTWIRE_INTEROP_VENV"
     done = subprocess.run(
-        [os.path.join(venv, "bin", "python"), "-m", "tests.interop._vllm_api_trainer", vllm_server.url,
-         vllm_server.model_dir], capture_output=True, text=True, timeout=600, check=False,
+        [
+            os.path.join(venv, "bin", "python"),
+            "-m",
+            "tests.interop._vllm_api_trainer",
+            vllm_server.url,
+            vllm_server.model_dir,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "weightwire.tools.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "weightwire.tools.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_doctor_sees_dev_mode_and_plugin_backend(vllm_server: VLLMServer) -> None:
@@ -196,7 +229,9 @@ def test_doctor_sees_dev_mode_and_plugin_backend(vllm_server: VLLMServer) -> Non
 
 
 def test_demo_against_vllm(vllm_server: VLLMServer) -> None:
-    done = _cli("demo", "--server", vllm_server.url, "--model-dir", vllm_server.model_dir, "--steps", "3")
+    done = _cli(
+        "demo", "--server", vllm_server.url, "--model-dir", vllm_server.model_dir, "--steps", "3"
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "server and JAX policy agree" in out and "PASS" in out

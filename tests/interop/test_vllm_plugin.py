@@ -38,14 +38,30 @@ def checked(launcher: Launcher, tmp_path_factory: pytest.TempPathFactory) -> dic
     tmp = tmp_path_factory.mktemp("plugin")
     (tmp / "vllm").mkdir()
     (tmp / "vllm" / "modelinfos").symlink_to(launcher.modelinfos, target_is_directory=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               TMPDIR=str(tmp), VLLM_CACHE_ROOT=str(tmp / "vllm"), XDG_CACHE_HOME=str(tmp / "xdg"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"), WEIGHTWIRE_CACHE=str(tmp / "ww"))
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        TMPDIR=str(tmp),
+        VLLM_CACHE_ROOT=str(tmp / "vllm"),
+        XDG_CACHE_HOME=str(tmp / "xdg"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
+        WEIGHTWIRE_CACHE=str(tmp / "ww"),
+    )
     env.pop("PYTHONPATH", None)  # the venv's editable install is the code under test
-    proc = subprocess.run([str(launcher.venv / "bin" / "python"), str(CHECK), "--all"], capture_output=True,
-                          text=True, timeout=540, env=env, check=False)
+    proc = subprocess.run(
+        [str(launcher.venv / "bin" / "python"), str(CHECK), "--all"],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line.removeprefix(PREFIX) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
+    lines = [
+        line.removeprefix(PREFIX) for line in proc.stdout.splitlines() if line.startswith(PREFIX)
+    ]
     assert len(lines) == 2, f"expected 2 result lines, got {len(lines)} in: {proc.stdout[-2000:]}"
     return {k: v for line in lines for k, v in json.loads(line).items()}
 

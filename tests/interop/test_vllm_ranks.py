@@ -27,11 +27,30 @@ def _nccl_common() -> list[str]:
     paths = []
     venv = os.environ.get("WEIGHTWIRE_INTEROP_VENV")
     if venv:
-        paths += sorted(glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "vllm", "distributed",
-                                               "weight_transfer", "nccl_common.py")))[:1]
+        paths += sorted(
+            glob.glob(
+                os.path.join(
+                    venv,
+                    "lib",
+                    "python*",
+                    "site-packages",
+                    "vllm",
+                    "distributed",
+                    "weight_transfer",
+                    "nccl_common.py",
+                )
+            )
+        )[:1]
     if os.environ.get("WEIGHTWIRE_VLLM_SRC"):
-        paths.append(os.path.join(os.environ["WEIGHTWIRE_VLLM_SRC"], "vllm", "distributed", "weight_transfer",
-                                  "nccl_common.py"))
+        paths.append(
+            os.path.join(
+                os.environ["WEIGHTWIRE_VLLM_SRC"],
+                "vllm",
+                "distributed",
+                "weight_transfer",
+                "nccl_common.py",
+            )
+        )
     return paths
 
 
@@ -51,21 +70,35 @@ def vllm_rank_formula(path: str) -> Callable[[int, int, int, int], int]:
             if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
                 continue  # the docstring
             stmts.append(stmt)
-            if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "rank" for t in stmt.targets):
+            if isinstance(stmt, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "rank" for t in stmt.targets
+            ):
                 break
         else:
             raise AssertionError(f"no `rank = ...` in worker_init_process_group of {path}")
-        args = ast.arguments(posonlyargs=[], args=[ast.arg("init_info"), ast.arg("parallel_config")],
-                             kwonlyargs=[], kw_defaults=[], defaults=[])
+        args = ast.arguments(
+            posonlyargs=[],
+            args=[ast.arg("init_info"), ast.arg("parallel_config")],
+            kwonlyargs=[],
+            kw_defaults=[],
+            defaults=[],
+        )
         stmts.append(ast.Return(ast.Name("rank", ast.Load())))
-        code = ast.Module(body=[ast.FunctionDef("_rank", args, stmts, [], None, type_params=[])], type_ignores=[])
+        code = ast.Module(
+            body=[ast.FunctionDef("_rank", args, stmts, [], None, type_params=[])], type_ignores=[]
+        )
         call = "_rank(init_info, parallel_config)"
     namespace: dict = {}
     exec(compile(ast.fix_missing_locations(code), path, "exec"), namespace)  # vLLM's own lines
 
     def formula(rank_offset: int, dp_index: int, per_dp: int, rank: int) -> int:
-        env = {**namespace, "init_info": SimpleNamespace(rank_offset=rank_offset),
-               "parallel_config": SimpleNamespace(data_parallel_index=dp_index, world_size=per_dp, rank=rank)}
+        env = {
+            **namespace,
+            "init_info": SimpleNamespace(rank_offset=rank_offset),
+            "parallel_config": SimpleNamespace(
+                data_parallel_index=dp_index, world_size=per_dp, rank=rank
+            ),
+        }
         return eval(call, env)
 
     return formula
@@ -77,6 +110,8 @@ def test_layout_against_vllm_rank_formula(path: str | None, layout: str) -> None
     if path is None:
         pytest.skip("no vLLM: run tests/interop/run.sh (it exports WEIGHTWIRE_INTEROP_VENV)")
     formula = vllm_rank_formula(path)
-    assert formula(1, 2, 3, 1) == 1 + 2 * 3 + 1  # the documented shape, before trusting the layouts to it
+    assert (
+        formula(1, 2, 3, 1) == 1 + 2 * 3 + 1
+    )  # the documented shape, before trusting the layouts to it
     world, ranks = check_layout(layout, formula)
     assert sorted(ranks) == list(range(1, world)), ranks

@@ -28,8 +28,9 @@ def _set(params: dict, hf_name: str, source: PytreeSource, fn) -> dict:
     names = [n for n, _ in source]
     leaves, treedef = jax.tree_util.tree_flatten(params)
     assert len(leaves) == len(names)
-    return jax.tree_util.tree_unflatten(treedef, [fn(x) if n == hf_name else x
-                                                  for n, x in zip(names, leaves, strict=True)])
+    return jax.tree_util.tree_unflatten(
+        treedef, [fn(x) if n == hf_name else x for n, x in zip(names, leaves, strict=True)]
+    )
 
 
 def test_verify_against_vllm_weight_checker(vllm_server: VLLMServer) -> None:
@@ -37,8 +38,9 @@ def test_verify_against_vllm_weight_checker(vllm_server: VLLMServer) -> None:
     live = {"params": params0}
     source = PytreeSource(lambda: live["params"], decoder.naming(cfg))
     client = HTTPWeightSyncClient(vllm_server.url, timeout=120)
-    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp", verify=True),
-                                           client=client, source=source)
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="weightwire_tcp", verify=True), client=client, source=source
+    )
     try:
         first = engine.send_weights(weight_version="verify-1").verify
         assert first.mode == "vllm-diff" and "baseline round" in first.proves and first.checked > 0
@@ -65,8 +67,9 @@ def test_a_server_side_change_between_rounds_drops_to_baseline(vllm_server: VLLM
     cfg, params0 = load_decoder(vllm_server.model_dir)
     source = PytreeSource(lambda: params0, decoder.naming(cfg))
     client = HTTPWeightSyncClient(vllm_server.url, timeout=120)
-    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp", verify=True),
-                                           client=client, source=source)
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="weightwire_tcp", verify=True), client=client, source=source
+    )
     try:
         engine.send_weights(weight_version="reset-1")
         client.weight_checker("reset")
@@ -84,15 +87,18 @@ def test_abort_requests_on_vllm(vllm_server: VLLMServer) -> None:
         assert reply["status"] == "aborted" and reply["aborted"] == 0
 
 
-def test_draft_round_without_a_draft_model_is_refused_before_the_route(vllm_server: VLLMServer) -> None:
+def test_draft_round_without_a_draft_model_is_refused_before_the_route(
+    vllm_server: VLLMServer,
+) -> None:
     # vLLM 0.32 answers /start_draft_weight_update without a draft model with a worker error
     # that kills its engine core (seen: EngineDeadError), so the engine must not even ask.
     cfg, params0 = load_decoder(vllm_server.model_dir)
     source = PytreeSource(lambda: params0, decoder.naming(cfg))
     client = HTTPWeightSyncClient(vllm_server.url, timeout=120)
     assert client.has_draft_model() == [False]
-    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="weightwire_tcp", verify=True),
-                                           client=client, source=source)
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="weightwire_tcp", verify=True), client=client, source=source
+    )
     try:
         with pytest.raises(ValueError, match="show no speculative draft model"):
             engine.send_weights(draft=True)

@@ -14,11 +14,24 @@ import json
 from pathlib import Path
 from typing import Any
 
-TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+TINY = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+}
 _MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 4}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 4,
+}
 
 # preset family -> (HF model_type, config overrides)
 HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {

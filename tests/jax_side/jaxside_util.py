@@ -13,5 +13,9 @@ def perturbed(params: Any, seed: int = 1, scale: float = 0.1) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     return jax.tree_util.tree_unflatten(
-        treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+        treedef,
+        [
+            x + scale * jax.random.normal(k, x.shape, x.dtype)
+            for k, x in zip(keys, leaves, strict=True)
+        ],
     )

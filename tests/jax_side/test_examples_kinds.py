@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-KINDS = ["nnx_module_source.py", "linen_params_source.py", "equinox_module_source.py", "maxtext_moe_scanned.py",
-         "add_a_family.py"]
+KINDS = [
+    "nnx_module_source.py",
+    "linen_params_source.py",
+    "equinox_module_source.py",
+    "maxtext_moe_scanned.py",
+    "add_a_family.py",
+]
 
 
 @pytest.mark.parametrize("script", KINDS)
@@ -22,7 +27,14 @@ def test_example_runs_and_checks_itself(script: str) -> None:
         pytest.skip("equinox is not installed")
     if script == "add_a_family.py" and importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed")
-    done = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, (
+        f"{script} exited {done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    )
     assert ("ok:" in done.stdout) or ("round-trip bit for bit" in done.stdout), done.stdout

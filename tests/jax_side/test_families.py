@@ -34,7 +34,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dic
     return out
 
 
-def checkpoint_for(naming: Any, template: Any, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def checkpoint_for(
+    naming: Any, template: Any, tensors: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     # A tied checkpoint may carry lm_head.weight; send it only if the preset does.
     names = {e.name for e in naming.resolve(template).entries}
     return {n: t for n, t in tensors.items() if n in names or n != "lm_head.weight"}
@@ -59,8 +61,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("family", "layout"), CASES, ids=[f"{f}-{'-'.join(o) or 'plain'}" for f, o in CASES])
-def test_hf_checkpoint_round_trips_bit_for_bit(checkpoints, family: str, layout: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("family", "layout"), CASES, ids=[f"{f}-{'-'.join(o) or 'plain'}" for f, o in CASES]
+)
+def test_hf_checkpoint_round_trips_bit_for_bit(
+    checkpoints, family: str, layout: dict[str, Any]
+) -> None:
     hf, tensors = checkpoints[family]
     template = jax_template(family, hf, **layout)
     naming = preset_for_hf(family, hf, **layout)
@@ -79,12 +85,18 @@ def test_moe_experts_are_sliced_from_the_stacked_kernel(checkpoints, family: str
     hf, tensors = checkpoints[family]
     naming = preset_for_hf(family, hf, scan_layers=True)
     params = pytree_from_hf(naming, jax_template(family, hf, scan_layers=True), tensors)
-    block, (gate, down) = ("block_sparse_moe", ("w1", "w2")) if family == "mixtral" else ("mlp", ("gate_proj", "down_proj"))
+    block, (gate, down) = (
+        ("block_sparse_moe", ("w1", "w2"))
+        if family == "mixtral"
+        else ("mlp", ("gate_proj", "down_proj"))
+    )
     experts = params["params"]["model"]["layers"][block]["experts"]
     for layer, expert in ((0, 0), (1, n_experts(hf) - 1)):
         for proj in (gate, down):
             hf_name = f"model.layers.{layer}.{block}.experts.{expert}.{proj}.weight"
-            np.testing.assert_array_equal(np.asarray(experts[proj]["kernel"][layer, expert]).T, tensors[hf_name])
+            np.testing.assert_array_equal(
+                np.asarray(experts[proj]["kernel"][layer, expert]).T, tensors[hf_name]
+            )
     router = np.asarray(params["params"]["model"]["layers"][block]["gate"]["kernel"][1])
     np.testing.assert_array_equal(router.T, tensors[f"model.layers.1.{block}.gate.weight"])
 
@@ -114,17 +126,28 @@ def test_phi3_fusion_order_is_q_k_v_and_gate_up(checkpoints) -> None:
     qkv = tensors["model.layers.1.self_attn.qkv_proj.weight"]
     q_rows = hf["num_attention_heads"] * hf["head_dim"]
     np.testing.assert_array_equal(np.asarray(attn["q_proj"]["kernel"]).T, qkv[:q_rows])
-    np.testing.assert_array_equal(np.asarray(attn["v_proj"]["kernel"]).T, qkv[-q_rows // 2:])
+    np.testing.assert_array_equal(np.asarray(attn["v_proj"]["kernel"]).T, qkv[-q_rows // 2 :])
     mlp = params["params"]["model"]["layers_1"]["mlp"]
-    np.testing.assert_array_equal(np.asarray(mlp["up_proj"]["kernel"]).T,
-                                  tensors["model.layers.1.mlp.gate_up_proj.weight"][hf["intermediate_size"]:])
+    np.testing.assert_array_equal(
+        np.asarray(mlp["up_proj"]["kernel"]).T,
+        tensors["model.layers.1.mlp.gate_up_proj.weight"][hf["intermediate_size"] :],
+    )
 
 
 # ----------------------------------------------------------------- multi-axis Stacked
 def test_two_stacked_axes_make_one_tensor_per_combination() -> None:
     w = jax.numpy.arange(2 * 3 * 4 * 5, dtype=jax.numpy.float32).reshape(2, 3, 4, 5)
     naming = Naming(
-        [Rule("l/w", "m.{layer}.e.{expert}.w", Stacked(0), Stacked(1, field="expert", offset=10), Transpose())])
+        [
+            Rule(
+                "l/w",
+                "m.{layer}.e.{expert}.w",
+                Stacked(0),
+                Stacked(1, field="expert", offset=10),
+                Transpose(),
+            )
+        ]
+    )
     pairs = dict(PytreeSource({"l": {"w": w}}, naming))
     assert list(pairs)[:4] == ["m.0.e.10.w", "m.0.e.11.w", "m.0.e.12.w", "m.1.e.10.w"]
     np.testing.assert_array_equal(np.asarray(pairs["m.1.e.12.w"]), np.asarray(w[1, 2]).T)
@@ -139,11 +162,17 @@ def test_stacked_axis_order_in_the_leaf_is_free() -> None:
     assert [len(g) for g in layerwise_groups(PytreeSource({"w": w}, naming).metadata())] == [3, 3]
 
 
-@pytest.mark.parametrize(("build", "message"), [
-    (lambda: Rule("w", "a.{layer}", Stacked(0), Stacked(1)), "distinct fields"),
-    (lambda: Rule("{expert}/w", "a.{expert}", Stacked(0, field="expert")), "both a pattern capture"),
-    (lambda: Rule("w", "a.{layer}", Transpose(), Stacked(0)), "Stacked must be the first part"),
-])
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Rule("w", "a.{layer}", Stacked(0), Stacked(1)), "distinct fields"),
+        (
+            lambda: Rule("{expert}/w", "a.{expert}", Stacked(0, field="expert")),
+            "both a pattern capture",
+        ),
+        (lambda: Rule("w", "a.{layer}", Transpose(), Stacked(0)), "Stacked must be the first part"),
+    ],
+)
 def test_bad_stacked_rules_are_refused(build, message: str) -> None:
     with pytest.raises(NamingError, match=message):
         build()
@@ -166,9 +195,14 @@ FORWARD_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("family", "cfg_options"), FORWARD_CASES,
-                         ids=[f"{f}-{'-'.join(o) or 'plain'}" for f, o in FORWARD_CASES])
-def test_reference_forward_matches_hf_loaded_from_what_we_send(tmp_path, family: str, cfg_options: dict) -> None:
+@pytest.mark.parametrize(
+    ("family", "cfg_options"),
+    FORWARD_CASES,
+    ids=[f"{f}-{'-'.join(o) or 'plain'}" for f, o in FORWARD_CASES],
+)
+def test_reference_forward_matches_hf_loaded_from_what_we_send(
+    tmp_path, family: str, cfg_options: dict
+) -> None:
     # What we send, saved as a checkpoint and loaded by transformers' own from_pretrained
     # (which fuses per-expert tensors into its in-memory layout): no missing or unexpected
     # tensor, and the logits of our JAX forward.
@@ -186,7 +220,8 @@ def test_reference_forward_matches_hf_loaded_from_what_we_send(tmp_path, family:
     transformers.AutoConfig.for_model(**cfg.to_hf_config()).save_pretrained(tmp_path)
     save_file(sent, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="eager", output_loading_info=True, dtype=torch.float32)
+        tmp_path, attn_implementation="eager", output_loading_info=True, dtype=torch.float32
+    )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 9))
     with torch.no_grad():

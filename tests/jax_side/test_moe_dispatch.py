@@ -17,15 +17,26 @@ from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 
-HF = {"vocab_size": 32, "hidden_size": 8, "intermediate_size": 16, "moe_intermediate_size": 4,
-      "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
-      "num_experts": 16, "tie_word_embeddings": False}
+HF = {
+    "vocab_size": 32,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "moe_intermediate_size": 4,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 4,
+    "num_experts": 16,
+    "tie_word_embeddings": False,
+}
 
 
 def materialized(layout):
     leaves, treedef = jax.tree_util.tree_flatten(layout)
     keys = jax.random.split(jax.random.key(0), len(leaves))
-    return jax.tree_util.tree_unflatten(treedef, [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves, strict=True)])
+    return jax.tree_util.tree_unflatten(
+        treedef, [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves, strict=True)]
+    )
 
 
 @pytest.fixture
@@ -47,14 +58,18 @@ def calls(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
-def test_engine_round_dispatches_per_layer_group_not_per_expert(calls: list[int], scan: bool) -> None:
+def test_engine_round_dispatches_per_layer_group_not_per_expert(
+    calls: list[int], scan: bool
+) -> None:
     params = materialized(preset_layout("qwen3_moe", HF, scan_layers=scan))
     source = PytreeSource(params, preset_for_hf("qwen3_moe", HF, scan_layers=scan))
     metas = source.metadata()
     per_layer = 8 + 1 + 3 * HF["num_experts"]  # attention + norms, router, 3 projections per expert
     assert len(metas) == 1 + 3 * per_layer + 2
     FAKE.comm = FakeComm()
-    info = TrainerInitInfo(backend="fake_host", timeouts=Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5))
+    info = TrainerInitInfo(
+        backend="fake_host", timeouts=Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
+    )
     engine = JAXTrainerEngine.trainer_init(info, client=FakeServer().client(), source=source)
     try:
         calls.clear()
@@ -69,8 +84,14 @@ def test_engine_round_dispatches_per_layer_group_not_per_expert(calls: list[int]
     # the wire carries exactly each tensor's bytes, in metadata order
     arrays = [np.asarray(a) for _, a in source]
     chunks = plan(metas, packed=True, buffer_size_bytes=info.packed_buffer_size_bytes)
-    assert FAKE.comm.broadcasts == [pack_host(arrays[c.start : c.stop], c).tobytes() for c in chunks]
-    expert = params["params"]["model"]["layers" if scan else "layers_2"]["mlp"]["experts"]["down_proj"]["kernel"]
+    assert FAKE.comm.broadcasts == [
+        pack_host(arrays[c.start : c.stop], c).tobytes() for c in chunks
+    ]
+    expert = params["params"]["model"]["layers" if scan else "layers_2"]["mlp"]["experts"][
+        "down_proj"
+    ]["kernel"]
     name = "model.layers.2.mlp.experts.15.down_proj.weight"
-    assert arrays[[m.name for m in metas].index(name)].tobytes() == np.asarray(
-        (expert[2] if scan else expert)[15]).T.tobytes()
+    assert (
+        arrays[[m.name for m in metas].index(name)].tobytes()
+        == np.asarray((expert[2] if scan else expert)[15]).T.tobytes()
+    )

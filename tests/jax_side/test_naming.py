@@ -36,7 +36,9 @@ def tensors(tree, naming: Naming, **kw) -> dict[str, np.ndarray]:
 
 def test_transpose_and_named_captures() -> None:
     tree = {"params": {"blk_3": {"proj": {"kernel": arange(2, 3)}}}}
-    naming = Naming([Rule("blk_{i:\\d+}/{m}/kernel", "layers.{i}.{m}.weight", Transpose())], strip=("params",))
+    naming = Naming(
+        [Rule("blk_{i:\\d+}/{m}/kernel", "layers.{i}.{m}.weight", Transpose())], strip=("params",)
+    )
     out = tensors(tree, naming)
     assert list(out) == ["layers.3.proj.weight"]
     np.testing.assert_array_equal(out["layers.3.proj.weight"], np.arange(6.0).reshape(2, 3).T)
@@ -44,7 +46,9 @@ def test_transpose_and_named_captures() -> None:
 
 def test_unclaimed_leaf_is_an_error_naming_the_paths() -> None:
     tree = {"a": {"kernel": arange(2, 2)}, "rotary": {"cos": arange(4)}, "other": arange(1)}
-    with pytest.raises(NamingError, match=r"no naming rule claims these pytree leaves: 'other', 'rotary/cos'"):
+    with pytest.raises(
+        NamingError, match=r"no naming rule claims these pytree leaves: 'other', 'rotary/cos'"
+    ):
         Naming([Rule("a/kernel", "a.weight")]).resolve(tree)
 
 
@@ -96,13 +100,17 @@ def test_transform_that_does_not_fit_names_the_leaf() -> None:
 
 def test_split_unfuses_and_must_cover_the_axis() -> None:
     fused = arange(4, 6)  # Flax [in=4, out=q(2)+k(2)+v(2)]
-    naming = Naming([Rule("qkv", ("q.weight", "k.weight", "v.weight"), Transpose(), Split(0, (2, 2, 2)))])
+    naming = Naming(
+        [Rule("qkv", ("q.weight", "k.weight", "v.weight"), Transpose(), Split(0, (2, 2, 2)))]
+    )
     out = tensors({"qkv": fused}, naming)
     assert list(out) == ["q.weight", "k.weight", "v.weight"]
     t = np.asarray(fused).T
     np.testing.assert_array_equal(out["k.weight"], t[2:4])
     bad = Naming([Rule("qkv", ("q", "k"), Transpose(), Split(0, (2, 2)))])
-    with pytest.raises(NamingError, match=r"add up to 4, but axis 0 has 6; a remainder would be silently dropped"):
+    with pytest.raises(
+        NamingError, match=r"add up to 4, but axis 0 has 6; a remainder would be silently dropped"
+    ):
         bad.resolve({"qkv": fused})
 
 
@@ -110,8 +118,12 @@ def test_concat_fuses_parts_in_index_order() -> None:
     tree = {"q": arange(3, 2), "k": arange(3, 2) + 100, "v": arange(3, 2) + 200}
     rules = [Rule(p, "c_attn.weight", Concat(1, i, 3)) for i, p in reversed(list(enumerate("qkv")))]
     out = tensors(tree, Naming(rules))
-    np.testing.assert_array_equal(out["c_attn.weight"], np.concatenate([np.asarray(tree[p]) for p in "qkv"], 1))
-    with pytest.raises(NamingError, match=r"fuses 3 parts along axis 1, but got part indices \[0, 2\]"):
+    np.testing.assert_array_equal(
+        out["c_attn.weight"], np.concatenate([np.asarray(tree[p]) for p in "qkv"], 1)
+    )
+    with pytest.raises(
+        NamingError, match=r"fuses 3 parts along axis 1, but got part indices \[0, 2\]"
+    ):
         Naming([r for r in rules if r.pattern != "k"]).resolve({"q": tree["q"], "v": tree["v"]})
 
 
@@ -125,15 +137,24 @@ def test_stacked_leaf_becomes_one_tensor_per_layer_with_offset() -> None:
 
 
 def test_merge_reshape_add_and_cast() -> None:
-    tree = {"q": arange(4, 2, 3), "b": arange(2, 3), "n": arange(4), "i": jnp.arange(3, dtype=jnp.int32)}
-    naming = Naming([
-        Rule("q", "q.weight", MergeAxes(1, 2), Transpose()),
-        Rule("b", "q.bias", Reshape((-1,))),
-        Rule("n", "norm.weight", AddScalar(-1.0), Cast("float32")),
-        Rule("i", "ids"),
-    ])
+    tree = {
+        "q": arange(4, 2, 3),
+        "b": arange(2, 3),
+        "n": arange(4),
+        "i": jnp.arange(3, dtype=jnp.int32),
+    }
+    naming = Naming(
+        [
+            Rule("q", "q.weight", MergeAxes(1, 2), Transpose()),
+            Rule("b", "q.bias", Reshape((-1,))),
+            Rule("n", "norm.weight", AddScalar(-1.0), Cast("float32")),
+            Rule("i", "ids"),
+        ]
+    )
     out = tensors(tree, naming, dtype="bfloat16")
-    np.testing.assert_array_equal(out["q.weight"].astype(np.float32), np.asarray(tree["q"]).reshape(4, 6).T)
+    np.testing.assert_array_equal(
+        out["q.weight"].astype(np.float32), np.asarray(tree["q"]).reshape(4, 6).T
+    )
     assert out["q.weight"].dtype == jnp.bfloat16
     assert out["q.bias"].shape == (6,)
     assert out["norm.weight"].dtype == np.float32  # Cast pins it despite the source-wide bfloat16
@@ -143,16 +164,32 @@ def test_merge_reshape_add_and_cast() -> None:
 
 def test_order_is_embed_layers_contiguous_then_tail() -> None:
     # Rule order is HF order; leaves flatten alphabetically, which must not leak into the order.
-    tree = {"z_embed": arange(2), "layers_1": {"b": arange(1), "a": arange(1)},
-            "layers_0": {"b": arange(1), "a": arange(1)}, "a_norm": arange(2), "layers_10": {"b": arange(1), "a": arange(1)}}
-    naming = Naming([
-        Rule("z_embed", "embed"),
-        Rule("layers_{i:\\d+}/b", "layers.{i}.b"),
-        Rule("layers_{i:\\d+}/a", "layers.{i}.a"),
-        Rule("a_norm", "norm"),
-    ])
+    tree = {
+        "z_embed": arange(2),
+        "layers_1": {"b": arange(1), "a": arange(1)},
+        "layers_0": {"b": arange(1), "a": arange(1)},
+        "a_norm": arange(2),
+        "layers_10": {"b": arange(1), "a": arange(1)},
+    }
+    naming = Naming(
+        [
+            Rule("z_embed", "embed"),
+            Rule("layers_{i:\\d+}/b", "layers.{i}.b"),
+            Rule("layers_{i:\\d+}/a", "layers.{i}.a"),
+            Rule("a_norm", "norm"),
+        ]
+    )
     names = [e.name for e in naming.resolve(tree).entries]
-    assert names == ["embed", "layers.0.b", "layers.0.a", "layers.1.b", "layers.1.a", "layers.10.b", "layers.10.a", "norm"]
+    assert names == [
+        "embed",
+        "layers.0.b",
+        "layers.0.a",
+        "layers.1.b",
+        "layers.1.a",
+        "layers.10.b",
+        "layers.10.a",
+        "norm",
+    ]
 
 
 def test_pattern_wildcards() -> None:
@@ -199,8 +236,12 @@ def test_preset_model_mismatch_is_reported_at_construction() -> None:
 
 
 def test_stacked_rule_on_a_scalar_leaf_names_it() -> None:
-    with pytest.raises(NamingError, match=r"pytree leaf 'layers/w' has shape \[\]: no layer axis 0"):
-        Naming([Rule("layers/w", "l.{layer}.w", Stacked(), Split(0, (1,)))]).resolve({"layers": {"w": jnp.float32(1)}})
+    with pytest.raises(
+        NamingError, match=r"pytree leaf 'layers/w' has shape \[\]: no layer axis 0"
+    ):
+        Naming([Rule("layers/w", "l.{layer}.w", Stacked(), Split(0, (1,)))]).resolve(
+            {"layers": {"w": jnp.float32(1)}}
+        )
 
 
 def test_leaf_that_is_not_an_array_is_named() -> None:

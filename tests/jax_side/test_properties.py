@@ -16,11 +16,15 @@ from weightwire.shared.groups import layerwise_groups
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_]
 KEYS = ["a", "b", "layers_0", "layers_1", "0", "1", "kernel", "stack", "w"]
 
-GENERIC = Naming([
-    Rule("{p:.*}/kernel", "{p}.weight", Transpose(), optional=True),  # any rank: reverses all axes
-    Rule("{p:.*}/stack", "{p}.{layer}.w", Stacked(), optional=True),
-    Rule("{p:.*}", "{p}", optional=True),
-])
+GENERIC = Naming(
+    [
+        Rule(
+            "{p:.*}/kernel", "{p}.weight", Transpose(), optional=True
+        ),  # any rank: reverses all axes
+        Rule("{p:.*}/stack", "{p}.{layer}.w", Stacked(), optional=True),
+        Rule("{p:.*}", "{p}", optional=True),
+    ]
+)
 
 
 @st.composite

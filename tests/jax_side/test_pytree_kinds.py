@@ -104,12 +104,18 @@ def test_nnx_module_and_state_are_sources(checkpoint) -> None:
     nnx.update(model, loaded)
     sent_equals(PytreeSource(model, naming), checkpoint)  # the module itself (rng state skipped)
     sent_equals(PytreeSource(nnx.state(model), naming), checkpoint)  # full state, filtered to Param
-    np.testing.assert_allclose(np.asarray(model.model.layers[1].self_attn.q_proj(jnp.asarray(X))),
-                               q_ref(checkpoint, 1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(model.model.layers[1].self_attn.q_proj(jnp.asarray(X))),
+        q_ref(checkpoint, 1),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     # live: an in-place update of the module is what the next pass sends
     source = PytreeSource(model, naming)
     model.model.norm.scale[...] = model.model.norm.scale[...] + 1.0
-    np.testing.assert_array_equal(np.asarray(dict(source)["model.norm.weight"]), checkpoint["model.norm.weight"] + 1.0)
+    np.testing.assert_array_equal(
+        np.asarray(dict(source)["model.norm.weight"]), checkpoint["model.norm.weight"] + 1.0
+    )
 
 
 # --------------------------------------------------------------------------- Linen
@@ -119,7 +125,9 @@ def test_linen_variables_dict_is_a_source(checkpoint) -> None:
     assert kind_of(template) == "pytree"
     params = pytree_from_hf(llama.naming(cfg), template, checkpoint)
     sent_equals(PytreeSource(params, llama.naming(cfg)), checkpoint)
-    sent_equals(PytreeSource(params["params"], llama.naming(cfg)), checkpoint)  # with or without "params"
+    sent_equals(
+        PytreeSource(params["params"], llama.naming(cfg)), checkpoint
+    )  # with or without "params"
     q = params["params"]["model"]["layers_0"]["self_attn"]["q_proj"]["kernel"]
     np.testing.assert_allclose(X @ np.asarray(q), q_ref(checkpoint, 0), rtol=1e-5, atol=1e-5)
 
@@ -151,7 +159,11 @@ def eqx_llama():
 
         def __init__(self, key: jax.Array) -> None:
             k = jax.random.split(key, 3)
-            self.gate_proj, self.up_proj, self.down_proj = lin(d, f, k[0]), lin(d, f, k[1]), lin(f, d, k[2])
+            self.gate_proj, self.up_proj, self.down_proj = (
+                lin(d, f, k[0]),
+                lin(d, f, k[1]),
+                lin(f, d, k[2]),
+            )
 
     class Layer(eqx.Module):
         self_attn: Attention
@@ -198,15 +210,21 @@ def test_equinox_module_is_a_source_with_torch_style_leaves(checkpoint) -> None:
     sent_equals(PytreeSource(model, naming), checkpoint)
     state = {"model": model}
     sent_equals(PytreeSource(lambda: state["model"], naming), checkpoint)  # a live getter
-    np.testing.assert_allclose(np.asarray(jax.vmap(model.model.layers[1].self_attn.q_proj)(jnp.asarray(X))),
-                               q_ref(checkpoint, 1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(jax.vmap(model.model.layers[1].self_attn.q_proj)(jnp.asarray(X))),
+        q_ref(checkpoint, 1),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_flax_preset_on_an_equinox_tree_names_the_unclaimed_leaves() -> None:
     from weightwire.jax_side.naming import NamingError
 
     _, model = eqx_llama()
-    with pytest.raises(NamingError, match=r"no naming rule claims these pytree leaves: 'model/embed_tokens/weight'"):
+    with pytest.raises(
+        NamingError, match=r"no naming rule claims these pytree leaves: 'model/embed_tokens/weight'"
+    ):
         PytreeSource(model, preset("llama"))
 
 
@@ -223,43 +241,88 @@ def test_maxtext_style_scanned_tree_with_stacked_experts(tmp_path) -> None:
     L, E, T = "decoder/layers", "model.layers.{layer}", Transpose()
     scan, expert = Stacked(axis=1), Stacked(axis=0, field="expert")
     moe = "block_sparse_moe"
-    naming = Naming([
-        Rule("token_embedder/embedding", "model.embed_tokens.weight"),
-        Rule(f"{L}/self_attention/{{p:query|key|value|out}}/kernel", f"{E}.self_attn.{{p}}.weight", scan, T),
-        Rule(f"{L}/moe/gate/kernel", f"{E}.{moe}.gate.weight", scan, T),
-        Rule(f"{L}/moe/wi_0", f"{E}.{moe}.experts.{{expert}}.w1.weight", expert, scan, T),
-        Rule(f"{L}/moe/wi_1", f"{E}.{moe}.experts.{{expert}}.w3.weight", expert, scan, T),
-        Rule(f"{L}/moe/wo", f"{E}.{moe}.experts.{{expert}}.w2.weight", expert, scan, T),
-        Rule(f"{L}/{{n:input_layernorm|post_attention_layernorm}}/scale", f"{E}.{{n}}.weight", scan),
-        Rule("decoder/decoder_norm/scale", "model.norm.weight"),
-        Rule("decoder/logits_dense/kernel", "lm_head.weight", T),
-    ], strip=("params",))
-    renamed = {k.replace("self_attn.q_proj", "self_attn.query").replace("self_attn.k_proj", "self_attn.key")
-               .replace("self_attn.v_proj", "self_attn.value").replace("self_attn.o_proj", "self_attn.out"): t
-               for k, t in tensors.items()}
-    d, n, v, f, e = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"], hf["intermediate_size"], 4
+    naming = Naming(
+        [
+            Rule("token_embedder/embedding", "model.embed_tokens.weight"),
+            Rule(
+                f"{L}/self_attention/{{p:query|key|value|out}}/kernel",
+                f"{E}.self_attn.{{p}}.weight",
+                scan,
+                T,
+            ),
+            Rule(f"{L}/moe/gate/kernel", f"{E}.{moe}.gate.weight", scan, T),
+            Rule(f"{L}/moe/wi_0", f"{E}.{moe}.experts.{{expert}}.w1.weight", expert, scan, T),
+            Rule(f"{L}/moe/wi_1", f"{E}.{moe}.experts.{{expert}}.w3.weight", expert, scan, T),
+            Rule(f"{L}/moe/wo", f"{E}.{moe}.experts.{{expert}}.w2.weight", expert, scan, T),
+            Rule(
+                f"{L}/{{n:input_layernorm|post_attention_layernorm}}/scale",
+                f"{E}.{{n}}.weight",
+                scan,
+            ),
+            Rule("decoder/decoder_norm/scale", "model.norm.weight"),
+            Rule("decoder/logits_dense/kernel", "lm_head.weight", T),
+        ],
+        strip=("params",),
+    )
+    renamed = {
+        k.replace("self_attn.q_proj", "self_attn.query")
+        .replace("self_attn.k_proj", "self_attn.key")
+        .replace("self_attn.v_proj", "self_attn.value")
+        .replace("self_attn.o_proj", "self_attn.out"): t
+        for k, t in tensors.items()
+    }
+    d, n, v, f, e = (
+        hf["hidden_size"],
+        hf["num_hidden_layers"],
+        hf["vocab_size"],
+        hf["intermediate_size"],
+        4,
+    )
     q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
 
     def s(*shape: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.float32)
 
-    layers = {"self_attention": {"query": {"kernel": s(d, n, q)}, "key": {"kernel": s(d, n, kv)},
-                                 "value": {"kernel": s(d, n, kv)}, "out": {"kernel": s(q, n, d)}},
-              "moe": {"gate": {"kernel": s(d, n, e)}, "wi_0": s(e, n, d, f), "wi_1": s(e, n, d, f),
-                      "wo": s(e, n, f, d)},
-              "input_layernorm": {"scale": s(d, n)}, "post_attention_layernorm": {"scale": s(d, n)}}
-    template = {"params": {"token_embedder": {"embedding": s(v, d)},
-                           "decoder": {"layers": layers, "decoder_norm": {"scale": s(d)},
-                                       "logits_dense": {"kernel": s(d, v)}}}}
+    layers = {
+        "self_attention": {
+            "query": {"kernel": s(d, n, q)},
+            "key": {"kernel": s(d, n, kv)},
+            "value": {"kernel": s(d, n, kv)},
+            "out": {"kernel": s(q, n, d)},
+        },
+        "moe": {
+            "gate": {"kernel": s(d, n, e)},
+            "wi_0": s(e, n, d, f),
+            "wi_1": s(e, n, d, f),
+            "wo": s(e, n, f, d),
+        },
+        "input_layernorm": {"scale": s(d, n)},
+        "post_attention_layernorm": {"scale": s(d, n)},
+    }
+    template = {
+        "params": {
+            "token_embedder": {"embedding": s(v, d)},
+            "decoder": {
+                "layers": layers,
+                "decoder_norm": {"scale": s(d)},
+                "logits_dense": {"kernel": s(d, v)},
+            },
+        }
+    }
     params = pytree_from_hf(naming, template, renamed)
     wo = params["params"]["decoder"]["layers"]["moe"]["wo"]
-    np.testing.assert_array_equal(np.asarray(wo[3, 1]).T, tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"])
+    np.testing.assert_array_equal(
+        np.asarray(wo[3, 1]).T, tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    )
     sent_equals(PytreeSource(params, naming), renamed)
 
 
 def test_preset_layout_is_the_unrolled_linen_layout_of_the_reference_model() -> None:
     cfg = llama.config(**{k: TINY[k] for k in TINY})
     ours = jax.eval_shape(lambda: llama.init(jax.random.key(0), cfg))
-    assert jax.tree_util.tree_structure(preset_layout("llama", HF)) == jax.tree_util.tree_structure(ours)
-    assert [x.shape for x in jax.tree_util.tree_leaves(preset_layout("llama", HF))] == \
-        [x.shape for x in jax.tree_util.tree_leaves(ours)]
+    assert jax.tree_util.tree_structure(preset_layout("llama", HF)) == jax.tree_util.tree_structure(
+        ours
+    )
+    assert [x.shape for x in jax.tree_util.tree_leaves(preset_layout("llama", HF))] == [
+        x.shape for x in jax.tree_util.tree_leaves(ours)
+    ]

@@ -21,7 +21,9 @@ from weightwire.shared import SUPPORTED_DTYPES, SourceMismatch
 from weightwire.shared.groups import layerwise_groups
 from weightwire.tools.models import llama
 
-CFG = llama.config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+CFG = llama.config(
+    hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,9 @@ def test_metadata_and_construction_make_no_transfer(scanned) -> None:
         src = PytreeSource(params, llama.naming(cfg), dtype="bfloat16")
         metas = src.metadata()
     assert metas[0].name == "model.embed_tokens.weight" and metas[0].shape == (128, 32)
-    assert metas[1].name == "model.layers.0.self_attn.q_proj.weight" and metas[1].dtype == "bfloat16"
+    assert (
+        metas[1].name == "model.layers.0.self_attn.q_proj.weight" and metas[1].dtype == "bfloat16"
+    )
     assert metas[-1].name == "lm_head.weight" and metas[-1].shape == (128, 32)
     # a layer is contiguous: grouping accepts the order
     assert [len(g) for g in layerwise_groups(metas)] == [1, 9, 9, 2]
@@ -69,15 +73,23 @@ def test_iteration_matches_metadata_and_lives_on_target_device(scanned) -> None:
 def test_scanned_and_unrolled_map_to_same_names_and_values(scanned) -> None:
     params, cfg = scanned
     a = host(PytreeSource(params, llama.naming(cfg)))
-    b = host(PytreeSource(unroll(params, cfg.num_hidden_layers), llama.naming(cfg.replace(scan_layers=False))))
+    b = host(
+        PytreeSource(
+            unroll(params, cfg.num_hidden_layers), llama.naming(cfg.replace(scan_layers=False))
+        )
+    )
     assert [n for n, _ in a] == [n for n, _ in b]
     for (name, x), (_, y) in zip(a, b, strict=True):
         assert x.tobytes() == y.tobytes(), name
     q1 = dict(a)["model.layers.1.self_attn.q_proj.weight"]
-    np.testing.assert_array_equal(q1, np.asarray(params["params"]["model"]["layers"]["self_attn"]["q_proj"]["kernel"][1]).T)
+    np.testing.assert_array_equal(
+        q1, np.asarray(params["params"]["model"]["layers"]["self_attn"]["q_proj"]["kernel"][1]).T
+    )
 
 
-def test_iter_groups_one_jitted_call_per_group_and_compiles_once_per_shape(scanned, monkeypatch) -> None:
+def test_iter_groups_one_jitted_call_per_group_and_compiles_once_per_shape(
+    scanned, monkeypatch
+) -> None:
     params, cfg = scanned
     monkeypatch.setattr(source_mod, "_COMPILED", {})
     calls = []
@@ -123,7 +135,9 @@ def test_fresh_pass_from_live_callable_and_arrays_stay_valid() -> None:
     naming = Naming([Rule("w/kernel", "w.weight", Transpose())])
     src = PytreeSource(lambda: state["params"], naming)
     first = dict(src)
-    state["params"] = {"w": {"kernel": jnp.full((2, 3), 7.0)}}  # a training step replaced the params
+    state["params"] = {
+        "w": {"kernel": jnp.full((2, 3), 7.0)}
+    }  # a training step replaced the params
     second = dict(src)
     np.testing.assert_array_equal(np.asarray(first["w.weight"]), np.ones((3, 2)))
     np.testing.assert_array_equal(np.asarray(second["w.weight"]), np.full((3, 2), 7.0))
@@ -132,7 +146,7 @@ def test_fresh_pass_from_live_callable_and_arrays_stay_valid() -> None:
 
 def test_untransformed_leaf_is_handed_out_without_copy() -> None:
     leaf = jnp.arange(4.0)
-    (name, out), = list(PytreeSource({"b": leaf}, Naming([Rule("b", "b")])))
+    ((name, out),) = list(PytreeSource({"b": leaf}, Naming([Rule("b", "b")])))
     assert out is leaf
 
 
@@ -141,7 +155,9 @@ def test_shape_change_after_metadata_is_caught_naming_the_tensor() -> None:
     src = PytreeSource(lambda: state, Naming([Rule("{x}", "{x}")]))
     src.metadata()
     state["b"] = jnp.zeros((3,))
-    with pytest.raises(SourceMismatch, match=r"index 1: declared 'b' float32 \[2\], got 'b' float32 \[3\]"):
+    with pytest.raises(
+        SourceMismatch, match=r"index 1: declared 'b' float32 \[2\], got 'b' float32 \[3\]"
+    ):
         list(src)
     state["b"] = jnp.zeros((2,), jnp.bfloat16)
     with pytest.raises(SourceMismatch, match=r"declared 'b' float32 \[2\], got 'b' bfloat16 \[2\]"):
@@ -158,9 +174,13 @@ def test_checks_own_stream_only_for_what_metadata_last_declared() -> None:
     assert not src.checks_own_stream(src._metas)  # nothing declared yet: nothing checks against it
     metas = src.metadata()
     assert src.checks_own_stream(metas)
-    assert not src.checks_own_stream(metas[:1])  # a subset (e.g. one broadcaster's turn) is not the same list
+    assert not src.checks_own_stream(
+        metas[:1]
+    )  # a subset (e.g. one broadcaster's turn) is not the same list
     state["b"] = jnp.zeros((3,))
-    assert src.checks_own_stream(metas)  # still the declared list: the pass below raises, not the engine
+    assert src.checks_own_stream(
+        metas
+    )  # still the declared list: the pass below raises, not the engine
     with pytest.raises(SourceMismatch, match="declared 'b' float32 \\[2\\]"):
         list(src.iter_groups())
     redeclared = src.metadata()  # b is (3,) now
@@ -169,7 +189,9 @@ def test_checks_own_stream_only_for_what_metadata_last_declared() -> None:
 
 def test_host_numpy_leaves_and_device_choice() -> None:
     naming = Naming([Rule("w", "w", Transpose())])
-    (_, out), = list(PytreeSource({"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}, naming, device=0))
+    ((_, out),) = list(
+        PytreeSource({"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}, naming, device=0)
+    )
     np.testing.assert_array_equal(np.asarray(out), np.arange(6.0).reshape(2, 3).T)
     with pytest.raises(ValueError, match="device index 5 out of range"):
         PytreeSource({"w": np.zeros(2)}, naming, device=5)
@@ -189,9 +211,19 @@ def test_bad_dtype_arguments() -> None:
 
 
 def test_wire_dtype_mapping_covers_the_table() -> None:
-    expected = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32, "float64": np.float64,
-                "int8": jnp.int8, "uint8": jnp.uint8, "int32": jnp.int32, "int64": np.int64,
-                "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2, "bool": jnp.bool_}
+    expected = {
+        "bfloat16": jnp.bfloat16,
+        "float16": jnp.float16,
+        "float32": jnp.float32,
+        "float64": np.float64,
+        "int8": jnp.int8,
+        "uint8": jnp.uint8,
+        "int32": jnp.int32,
+        "int64": np.int64,
+        "float8_e4m3fn": jnp.float8_e4m3fn,
+        "float8_e5m2": jnp.float8_e5m2,
+        "bool": jnp.bool_,
+    }
     assert set(expected) == set(SUPPORTED_DTYPES)
     for name, dtype in expected.items():
         assert wire_name(dtype) == name
@@ -201,7 +233,7 @@ def test_wire_dtype_mapping_covers_the_table() -> None:
         wire_name(jnp.float8_e4m3fnuz)
     # every 32-bit-or-narrower wire dtype survives a source cast and is described back
     for name in ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"):
-        (_, a), = list(PytreeSource({"w": jnp.ones(3)}, Naming([Rule("w", "w")]), dtype=name))
+        ((_, a),) = list(PytreeSource({"w": jnp.ones(3)}, Naming([Rule("w", "w")]), dtype=name))
         assert describe(a) == (name, (3,))
 
 
@@ -219,7 +251,9 @@ def test_import_is_light_and_never_loads_torch() -> None:
             js.JAXTrainerEngine
         print(json.dumps({"light": light, "torch": "torch" in sys.modules, "engine": engine}))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["light"] is True
     assert result["torch"] is False, "weightwire.jax_side imported torch"
@@ -228,14 +262,20 @@ def test_import_is_light_and_never_loads_torch() -> None:
 def test_preset_accepts_inner_params_dict_too(scanned) -> None:
     params, cfg = scanned
     names_outer = [m.name for m in PytreeSource(params, llama.naming(cfg)).metadata()]
-    names_inner = [m.name for m in PytreeSource(params["params"], preset("llama", scan_layers=True)).metadata()]
+    names_inner = [
+        m.name for m in PytreeSource(params["params"], preset("llama", scan_layers=True)).metadata()
+    ]
     assert names_outer == names_inner
 
 
 def test_preset_drops_rotary_tables(scanned) -> None:
     params, cfg = scanned
-    with_cache = {"params": {**params["params"], "model": {**params["params"]["model"],
-                                                            "rotary_emb": {"inv_freq": jnp.ones(4)}}}}
+    with_cache = {
+        "params": {
+            **params["params"],
+            "model": {**params["params"]["model"], "rotary_emb": {"inv_freq": jnp.ones(4)}},
+        }
+    }
     plain = PytreeSource(params, llama.naming(cfg)).metadata()
     src = PytreeSource(with_cache, llama.naming(cfg))
     assert src.metadata() == plain

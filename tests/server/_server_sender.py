@@ -34,13 +34,17 @@ class VLLMStyleClient:
     ``raise_for_status`` on the reply. httpx stands in for requests (not installed);
     ``json=None`` sends no body with either library."""
 
-    def __init__(self, base_url: str, timeout: float = 300, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, base_url: str, timeout: float = 300, headers: dict[str, str] | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.headers = headers or {}
 
     def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
-        response = httpx.post(f"{self.base_url}/{path}", json=json, timeout=self.timeout, headers=self.headers)
+        response = httpx.post(
+            f"{self.base_url}/{path}", json=json, timeout=self.timeout, headers=self.headers
+        )
         response.raise_for_status()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -56,7 +60,10 @@ class VLLMStyleClient:
         self._post("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._post("finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
+        self._post(
+            "finish_weight_update",
+            {"weight_version": weight_version} if weight_version is not None else None,
+        )
 
 
 class Background:
@@ -85,8 +92,11 @@ class Background:
 
 
 def update_info_of(weights: dict[str, np.ndarray]) -> dict[str, Any]:
-    return {"names": list(weights), "dtype_names": [str(a.dtype) for a in weights.values()],
-            "shapes": [list(a.shape) for a in weights.values()]}
+    return {
+        "names": list(weights),
+        "dtype_names": [str(a.dtype) for a in weights.values()],
+        "shapes": [list(a.shape) for a in weights.values()],
+    }
 
 
 class TCPSender:
@@ -98,9 +108,16 @@ class TCPSender:
 
     def init(self, **overrides: Any) -> None:
         rv = TCPRendezvous(world_size=self.replicas + 1)
-        info = {**rv.init_fields(), "rank_offset": 1, "world_size": self.replicas + 1, "packed": True,
-                "packed_buffer_size_bytes": self.buffer_size, "packed_num_buffers": 2, "timeout_s": TIMEOUT_S,
-                **overrides}
+        info = {
+            **rv.init_fields(),
+            "rank_offset": 1,
+            "world_size": self.replicas + 1,
+            "packed": True,
+            "packed_buffer_size_bytes": self.buffer_size,
+            "packed_num_buffers": 2,
+            "timeout_s": TIMEOUT_S,
+            **overrides,
+        }
         posted = Background(lambda: self.client.init_weight_transfer_engine(info))
         try:
             self.comm = rv.accept(timeout=TIMEOUT_S)
@@ -112,11 +129,17 @@ class TCPSender:
     def chunks(self, weights: dict[str, np.ndarray]) -> list[np.ndarray]:
         metas = [ParamMeta(n, str(a.dtype), a.shape) for n, a in weights.items()]
         arrays = list(weights.values())
-        return [pack_host(arrays[c.start:c.stop], c)
-                for c in plan(metas, packed=True, buffer_size_bytes=self.buffer_size)]
+        return [
+            pack_host(arrays[c.start : c.stop], c)
+            for c in plan(metas, packed=True, buffer_size_bytes=self.buffer_size)
+        ]
 
-    def send_update(self, weights: dict[str, np.ndarray], update_info: Any = None,
-                    after_chunk: Callable[[int], None] | None = None) -> Background:
+    def send_update(
+        self,
+        weights: dict[str, np.ndarray],
+        update_info: Any = None,
+        after_chunk: Callable[[int], None] | None = None,
+    ) -> Background:
         """POST update_weights in the background and broadcast every chunk; returns the POST."""
         body = update_info_of(weights) if update_info is None else update_info
         posted = Background(lambda: self.client.update_weights(body))

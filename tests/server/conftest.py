@@ -58,19 +58,26 @@ class ServerProc:
         return self.proc.returncode
 
 
-def launch_server(args: list[str], log_path: Path, *, env: dict[str, str] | None = None) -> ServerProc:
+def launch_server(
+    args: list[str], log_path: Path, *, env: dict[str, str] | None = None
+) -> ServerProc:
     """Start a server with ``--port 0`` and wait (bounded) for its ready line."""
     log = open(log_path, "w")  # noqa: SIM115  (the child writes to it for its lifetime)
     proc = subprocess.Popen(
         [sys.executable, "-m", "weightwire.tools.server", "--port", "0", *args],
-        stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
     ready = ReadyLine(proc)
     if not ready.wait(START_TIMEOUT_S) or ready.url is None:
         proc.kill()
         proc.wait(10)
-        raise RuntimeError(f"server did not print its ready line; stdout={ready.lines!r}\n"
-                           f"{log_path.read_text()[-4000:]}")
+        raise RuntimeError(
+            f"server did not print its ready line; stdout={ready.lines!r}\n"
+            f"{log_path.read_text()[-4000:]}"
+        )
     return ServerProc(proc, ready.url, log_path, ready.lines)
 
 

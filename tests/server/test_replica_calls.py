@@ -50,8 +50,14 @@ LINE_LIMIT = 64 << 10
 
 
 async def _replica() -> Replica:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _STUB, stdin=asyncio.subprocess.PIPE,
-                                                stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _STUB,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        limit=LINE_LIMIT,
+    )
     replica = Replica(0, proc)
     assert await replica.wait_ready(30) == {"stub": True}
     return replica
@@ -89,7 +95,10 @@ def test_a_cancelled_call_leaves_the_replica_usable() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await r.call("start", timeout=5) == {"op": "start", "args": {}}  # after the late reply
+        assert await r.call("start", timeout=5) == {
+            "op": "start",
+            "args": {},
+        }  # after the late reply
         assert r._pending == {} and r.alive
 
     _run(scenario)
@@ -110,7 +119,9 @@ def test_one_replica_fan_out_fails_like_the_general_one() -> None:
     async def scenario(r: Replica) -> None:
         pool = ReplicaPool([r])
         assert await pool.fan_out("start", timeout=5) == [{"op": "start", "args": {}}]
-        assert await pool.fan_out("update", [{"x": 1}], timeout=5) == [{"op": "update", "args": {"x": 1}}]
+        assert await pool.fan_out("update", [{"x": 1}], timeout=5) == [
+            {"op": "update", "args": {"x": 1}}
+        ]
         aborted: list[bool] = []
 
         async def abort_all(timeout: float = 30.0) -> None:
@@ -147,8 +158,13 @@ def test_only_a_big_update_is_encoded_off_the_event_loop(monkeypatch: pytest.Mon
         small = {"update_info": {"names": [], "dtype_names": [], "shapes": []}}
         assert (await r.call("update", small, timeout=5))["args"] == small
         assert hops == []
-        big = {"update_info": {"names": [f"w{i}" for i in range(many)], "dtype_names": ["float32"] * many,
-                               "shapes": [[1]] * many}}
+        big = {
+            "update_info": {
+                "names": [f"w{i}" for i in range(many)],
+                "dtype_names": ["float32"] * many,
+                "shapes": [[1]] * many,
+            }
+        }
         assert (await r.call("update", big, timeout=10))["args"] == big
         assert hops == ["_encode_line"]
 
@@ -158,8 +174,11 @@ def test_only_a_big_update_is_encoded_off_the_event_loop(monkeypatch: pytest.Mon
 def test_a_reply_over_the_line_limit_fails_only_its_call() -> None:
     """A reply line longer than the pipe's limit used to kill the reader: the replica was
     dead for good (every later call 503) while its worker lived."""
+
     async def scenario(r: Replica) -> None:
-        with pytest.raises(ReplicaError, match=r"reply was \d+ bytes, over the pipe's line limit") as info:
+        with pytest.raises(
+            ReplicaError, match=r"reply was \d+ bytes, over the pipe's line limit"
+        ) as info:
             await r.call("huge", {"size": 10 * LINE_LIMIT}, timeout=20)
         assert info.value.status == 500
         assert r.alive and r._pending == {}
@@ -171,10 +190,14 @@ def test_a_reply_over_the_line_limit_fails_only_its_call() -> None:
 def test_a_late_reply_over_the_line_limit_is_dropped() -> None:
     """The API timed out first; the worker's (huge) reply comes later and must not kill the
     reader."""
+
     async def scenario(r: Replica) -> None:
         with pytest.raises(ReplicaError, match="no reply to 'huge'"):
             await r.call("huge", {"size": 10 * LINE_LIMIT, "s": 0.3}, timeout=0.1)
-        assert await r.call("start", timeout=10) == {"op": "start", "args": {}}  # answered after the late line
+        assert await r.call("start", timeout=10) == {
+            "op": "start",
+            "args": {},
+        }  # answered after the late line
         assert r.alive
 
     _run(scenario)
@@ -183,6 +206,7 @@ def test_a_late_reply_over_the_line_limit_is_dropped() -> None:
 def test_a_generation_the_api_gives_up_on_is_cancelled_on_the_worker() -> None:
     """A timed-out or cancelled generate is followed by a cancel_call naming its id; other ops are
     not."""
+
     async def scenario(r: Replica) -> None:
         with pytest.raises(ReplicaError, match="no reply to 'generate'"):
             await r.call("generate", {"s": 0}, timeout=0)
@@ -194,7 +218,10 @@ def test_a_generation_the_api_gives_up_on_is_cancelled_on_the_worker() -> None:
         with pytest.raises(ReplicaError, match="no reply to 'slow'"):
             await r.call("slow", {"s": 0.2}, timeout=0.05)
         got = await r.call("cancelled", timeout=5)
-        assert got["args"]["targets"] == [1, 3]  # ids: 1 generate, 2 its cancel_call, 3 generate, 4 its cancel_call
+        assert got["args"]["targets"] == [
+            1,
+            3,
+        ]  # ids: 1 generate, 2 its cancel_call, 3 generate, 4 its cancel_call
         assert r.alive and r._pending == {}
 
     _run(scenario)

@@ -25,10 +25,14 @@ def client(server) -> Iterator[HTTPWeightSyncClient]:
         yield c
 
 
-def test_abort_requests_stops_a_running_generation_without_pausing(server, client: HTTPWeightSyncClient) -> None:
+def test_abort_requests_stops_a_running_generation_without_pausing(
+    server, client: HTTPWeightSyncClient
+) -> None:
     out: list[httpx.Response] = []
     body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
-    t = threading.Thread(target=lambda: out.append(httpx.post(server.url + "/v1/completions", json=body, timeout=60)))
+    t = threading.Thread(
+        target=lambda: out.append(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+    )
     t.start()
     deadline = time.monotonic() + 30
     while httpx.get(server.url + "/health").json()["replicas"][0]["generations_in_flight"] == 0:
@@ -44,9 +48,13 @@ def test_abort_requests_stops_a_running_generation_without_pausing(server, clien
     assert again.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_abort_requests_with_nothing_in_flight_and_bad_bodies(server, client: HTTPWeightSyncClient) -> None:
+def test_abort_requests_with_nothing_in_flight_and_bad_bodies(
+    server, client: HTTPWeightSyncClient
+) -> None:
     assert client.abort_requests() == [{"status": "aborted", "aborted": 0}]
-    with pytest.raises(WeightSyncError, match=r"abort_requests failed .*400.*aborts all in-flight requests at once"):
+    with pytest.raises(
+        WeightSyncError, match=r"abort_requests failed .*400.*aborts all in-flight requests at once"
+    ):
         client.abort_requests(["cmpl-1"])
     with pytest.raises(TypeError, match="request_ids must be a list"):
         client.abort_requests("cmpl-1")  # type: ignore[arg-type]
@@ -56,5 +64,8 @@ def test_abort_requests_with_nothing_in_flight_and_bad_bodies(server, client: HT
 
 def test_draft_round_is_refused_with_the_reason(client: HTTPWeightSyncClient) -> None:
     assert client.has_draft_model() == [False]  # what a trainer engine asks before a draft round
-    with pytest.raises(WeightSyncError, match=r"start_draft_weight_update failed .*400.*no speculative-decoding draft"):
+    with pytest.raises(
+        WeightSyncError,
+        match=r"start_draft_weight_update failed .*400.*no speculative-decoding draft",
+    ):
         client.start_draft_weight_update()

@@ -41,34 +41,68 @@ def test_nccl_round_into_a_cuda_worker(tiny_llama: str, monkeypatch: pytest.Monk
     arrays = list(new.values())
     chunks = plan(metas, packed=True, buffer_size_bytes=1 << 16)
     uid = mint_unique_id()
-    init_info = {"nccl_unique_id_b64": base64.b64encode(uid).decode(), "rank_offset": 1, "world_size": 2,
-                 "packed": True, "packed_buffer_size_bytes": 1 << 16, "packed_num_buffers": 2, "timeout_s": 60.0}
-    update_info = {"names": [m.name for m in metas], "dtype_names": ["float32"] * len(metas),
-                   "shapes": [list(m.shape) for m in metas]}
-    request = parse_completion_request({"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "logprobs": 0,
-                                        "ignore_eos": True, "return_token_ids": True},
-                                       vocab_size=512, max_model_len=256)
+    init_info = {
+        "nccl_unique_id_b64": base64.b64encode(uid).decode(),
+        "rank_offset": 1,
+        "world_size": 2,
+        "packed": True,
+        "packed_buffer_size_bytes": 1 << 16,
+        "packed_num_buffers": 2,
+        "timeout_s": 60.0,
+    }
+    update_info = {
+        "names": [m.name for m in metas],
+        "dtype_names": ["float32"] * len(metas),
+        "shapes": [list(m.shape) for m in metas],
+    }
+    request = parse_completion_request(
+        {
+            "prompt": [5, 6, 7],
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        vocab_size=512,
+        max_model_len=256,
+    )
 
     async def scenario() -> tuple[list, dict]:
-        pool = await ReplicaPool.start(WorkerSpec(model_dir=tiny_llama, backend="weightwire_nccl", device="cuda",
-                                                  replicas=1, threads=2), startup_timeout=300)
+        pool = await ReplicaPool.start(
+            WorkerSpec(
+                model_dir=tiny_llama,
+                backend="weightwire_nccl",
+                device="cuda",
+                replicas=1,
+                threads=2,
+            ),
+            startup_timeout=300,
+        )
         try:
             assert pool.replicas[0].info["device"] == "cuda:0"
-            init = asyncio.ensure_future(pool.fan_out("init", {"init_info": init_info}, timeout=120))
-            comm = await asyncio.to_thread(NCCLCommunicator.join, unique_id=uid, rank=0, world_size=2, device=0,
-                                           timeout=60)
+            init = asyncio.ensure_future(
+                pool.fan_out("init", {"init_info": init_info}, timeout=120)
+            )
+            comm = await asyncio.to_thread(
+                NCCLCommunicator.join, unique_id=uid, rank=0, world_size=2, device=0, timeout=60
+            )
             await asyncio.to_thread(comm.warmup, timeout=60)
             assert (await init) == [{"rank": 1}]
             await pool.fan_out("start", timeout=60)
-            update = asyncio.ensure_future(pool.fan_out("update", {"update_info": update_info}, timeout=120))
+            update = asyncio.ensure_future(
+                pool.fan_out("update", {"update_info": update_info}, timeout=120)
+            )
             for chunk in chunks:
-                buf = cp.asarray(pack_host(arrays[chunk.start:chunk.stop], chunk))
+                buf = cp.asarray(pack_host(arrays[chunk.start : chunk.stop], chunk))
                 await asyncio.to_thread(comm.broadcast, buf, timeout=60)
             stats = (await update)[0]
             assert stats["tensors"] == len(metas) and stats["chunks"] == len(chunks)
             await pool.fan_out("finish", timeout=60)
             sums = await pool.fan_out("checksum", timeout=60)
-            out = await pool.replicas[0].call("generate", {"request": request.to_worker()}, timeout=60)
+            out = await pool.replicas[0].call(
+                "generate", {"request": request.to_worker()}, timeout=60
+            )
             await pool.fan_out("shutdown", timeout=60)
             comm.close()
             return sums, out

@@ -24,9 +24,19 @@ def server(server_factory, tiny_llama: str, tmp_path_factory: pytest.TempPathFac
     # this module runs against --api-key-file, and the key is on no command line.
     key_file = tmp_path_factory.mktemp("key") / "api-key"
     key_file.write_text(KEY + "\n")
-    return server_factory(["--model", tiny_llama, "--replicas", "1", "--api-key-file", str(key_file),
-                           "--max-body-bytes", "65536"],
-                          env={"WEIGHTWIRE_TIMEOUT_CONNECT_S": "2"})  # the dead-sender test waits this long
+    return server_factory(
+        [
+            "--model",
+            tiny_llama,
+            "--replicas",
+            "1",
+            "--api-key-file",
+            str(key_file),
+            "--max-body-bytes",
+            "65536",
+        ],
+        env={"WEIGHTWIRE_TIMEOUT_CONNECT_S": "2"},
+    )  # the dead-sender test waits this long
 
 
 def test_api_key_is_not_on_the_server_command_line(server) -> None:
@@ -40,7 +50,10 @@ def test_a_huge_text_prompt_is_refused_before_tokenizing(http: httpx.Client) -> 
     positions hold far fewer, which the API knows without tokenizing."""
     resp = http.post("/v1/completions", json={"prompt": "word " * 12_000, "max_tokens": 1})
     assert resp.status_code == 400, resp.text
-    assert "60000 characters: more tokens than the model's positions" in resp.json()["error"]["message"]
+    assert (
+        "60000 characters: more tokens than the model's positions"
+        in resp.json()["error"]["message"]
+    )
 
 
 def test_a_huge_chat_message_is_refused_before_tokenizing(http: httpx.Client) -> None:
@@ -52,7 +65,9 @@ def test_a_huge_chat_message_is_refused_before_tokenizing(http: httpx.Client) ->
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == "messages"
-    assert "messages hold 60000 characters: more tokens than the model's positions" in error["message"]
+    assert (
+        "messages hold 60000 characters: more tokens than the model's positions" in error["message"]
+    )
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
@@ -100,8 +115,11 @@ def sender(server) -> TCPSender:
 
 
 # ---------------------------------------------------------------- auth
-@pytest.mark.parametrize("route", [r for r in ROUTES.values() if r.weight_route or r.path.startswith("/v1")],
-                         ids=lambda r: r.name)
+@pytest.mark.parametrize(
+    "route",
+    [r for r in ROUTES.values() if r.weight_route or r.path.startswith("/v1")],
+    ids=lambda r: r.name,
+)
 def test_every_guarded_route_needs_the_key(server, route) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}):
         resp = httpx.request(route.method, server.url + route.path, headers=headers, timeout=30)
@@ -121,8 +139,14 @@ def test_right_key_passes_and_open_routes_need_none(server, http: httpx.Client) 
 # ---------------------------------------------------------------- session rules
 def test_rules_before_init(http: httpx.Client, clean) -> None:
     err(http.post("/start_weight_update"), 409, "not initialized", "/init_weight_transfer_engine")
-    err(http.post("/update_weights", json={"update_info": {"names": [], "dtype_names": [], "shapes": []}}),
-        409, "cannot update weights", "not initialized")
+    err(
+        http.post(
+            "/update_weights", json={"update_info": {"names": [], "dtype_names": [], "shapes": []}}
+        ),
+        409,
+        "cannot update weights",
+        "not initialized",
+    )
     err(http.post("/finish_weight_update"), 409, "cannot finish", "not initialized")
     err(http.post("/start_draft_weight_update"), 400, "no speculative-decoding draft model")
     assert http.post("/shutdown_weight_transfer_engine").status_code == 200  # idempotent
@@ -132,20 +156,37 @@ def test_rules_within_a_session(server, http: httpx.Client, clean) -> None:
     s = sender(server)
     try:
         s.init()
-        err(http.post("/update_weights", json={"update_info": {"names": [], "dtype_names": [], "shapes": []}}),
-            409, "no weight update is active", "/start_weight_update")
+        err(
+            http.post(
+                "/update_weights",
+                json={"update_info": {"names": [], "dtype_names": [], "shapes": []}},
+            ),
+            409,
+            "no weight update is active",
+            "/start_weight_update",
+        )
         err(http.post("/finish_weight_update"), 409, "no weight update is active")
         assert http.post("/start_weight_update").status_code == 200
         err(http.post("/start_weight_update"), 409, "already active", "/finish_weight_update")
         err(http.post("/shutdown_weight_transfer_engine"), 409, "weight update is active")
-        err(http.post("/weight_checker", json={"action": "reset"}), 409, "while a weight update is active")
+        err(
+            http.post("/weight_checker", json={"action": "reset"}),
+            409,
+            "while a weight update is active",
+        )
         assert http.get("/weight_info").json()["session"]["state"] == "round_active"
         # A round with no update commits nothing: the version must not move (a trainer
         # whose update never arrived must not see its version reported as served).
         before = http.get("/weight_info").json()["weight_version"]
-        err(http.post("/finish_weight_update", json={"weight_version": "empty-1"}), 409, "no weights were sent")
+        err(
+            http.post("/finish_weight_update", json={"weight_version": "empty-1"}),
+            409,
+            "no weights were sent",
+        )
         assert http.get("/weight_info").json()["weight_version"] == before
-        assert http.post("/shutdown_weight_transfer_engine").json() == {"message": "Weight transfer shut down"}
+        assert http.post("/shutdown_weight_transfer_engine").json() == {
+            "message": "Weight transfer shut down"
+        }
         err(http.post("/start_weight_update"), 409, "not initialized")
     finally:
         s.close()
@@ -157,25 +198,54 @@ def test_malformed_update_in_a_round_aborts_the_session(server, http: httpx.Clie
         s.init()
         http.post("/start_weight_update").raise_for_status()
         bad = {"names": ["model.norm.weight"], "dtype_names": ["float32"]}
-        err(http.post("/update_weights", json={"update_info": bad}), 422, "update_info", "shapes has 0 entries but names has 1",
-            "round was aborted")
+        err(
+            http.post("/update_weights", json={"update_info": bad}),
+            422,
+            "update_info",
+            "shapes has 0 entries but names has 1",
+            "round was aborted",
+        )
         info = http.get("/weight_info").json()
-        assert info["session"]["state"] == "uninitialized" and "shapes" in info["session"]["last_error"]
+        assert (
+            info["session"]["state"] == "uninitialized"
+            and "shapes" in info["session"]["last_error"]
+        )
         err(http.post("/finish_weight_update"), 409, "not initialized")
     finally:
         s.close()
 
 
 def test_init_info_is_validated_before_any_worker_dials(http: httpx.Client, clean) -> None:
-    info = {"host": "127.0.0.1", "port": 1, "secret_b64": "QUJD" * 42 + "QUI=", "rank_offset": 1, "world_size": 2}
-    err(http.post("/init_weight_transfer_engine", json={"init_info": {**info, "rank_offset": 2}}),
-        422, "rank_offset must be in [1, world_size)")
-    err(http.post("/init_weight_transfer_engine", json={"init_info": {**info, "secret_b64": "QUJD"}}),
-        422, "TCPInitInfo.secret_b64", "128 bytes")
-    err(http.post("/init_weight_transfer_engine", json={"init_info": {**info, "port": 0}}),
-        422, "TCPInitInfo.port must be in [1, 65535]")
-    err(http.post("/init_weight_transfer_engine", json={"init_info": {**info, "master_port": 5}}),
-        422, "unknown keys ['master_port']")
+    info = {
+        "host": "127.0.0.1",
+        "port": 1,
+        "secret_b64": "QUJD" * 42 + "QUI=",
+        "rank_offset": 1,
+        "world_size": 2,
+    }
+    err(
+        http.post("/init_weight_transfer_engine", json={"init_info": {**info, "rank_offset": 2}}),
+        422,
+        "rank_offset must be in [1, world_size)",
+    )
+    err(
+        http.post(
+            "/init_weight_transfer_engine", json={"init_info": {**info, "secret_b64": "QUJD"}}
+        ),
+        422,
+        "TCPInitInfo.secret_b64",
+        "128 bytes",
+    )
+    err(
+        http.post("/init_weight_transfer_engine", json={"init_info": {**info, "port": 0}}),
+        422,
+        "TCPInitInfo.port must be in [1, 65535]",
+    )
+    err(
+        http.post("/init_weight_transfer_engine", json={"init_info": {**info, "master_port": 5}}),
+        422,
+        "unknown keys ['master_port']",
+    )
 
 
 def test_init_against_a_dead_sender_fails_cleanly(http: httpx.Client, clean) -> None:
@@ -184,12 +254,22 @@ def test_init_against_a_dead_sender_fails_cleanly(http: httpx.Client, clean) -> 
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    info = {"host": "127.0.0.1", "port": port, "secret_b64": "QUJD" * 42 + "QUI=", "rank_offset": 1,
-            "world_size": 2}
+    info = {
+        "host": "127.0.0.1",
+        "port": port,
+        "secret_b64": "QUJD" * 42 + "QUI=",
+        "rank_offset": 1,
+        "world_size": 2,
+    }
     started = time.monotonic()
-    body = err(http.post("/init_weight_transfer_engine", json={"init_info": info}), 504, "replica 0")
+    body = err(
+        http.post("/init_weight_transfer_engine", json={"init_info": info}), 504, "replica 0"
+    )
     assert time.monotonic() - started < 20  # the worker's connect timeout (2 s here), not a hang
-    assert "init_weight_transfer_engine failed" in body["detail"] and "TransferTimeout" in body["detail"]
+    assert (
+        "init_weight_transfer_engine failed" in body["detail"]
+        and "TransferTimeout" in body["detail"]
+    )
     assert http.get("/weight_info").json()["session"]["state"] == "uninitialized"
 
 
@@ -205,35 +285,83 @@ def test_non_json_and_non_utf8_bodies_are_400(http: httpx.Client, route, raw: by
     assert body["error"]["param"] == "body"
 
 
-@pytest.mark.parametrize(("path", "payload", "status", "fragments"), [
-    ("/init_weight_transfer_engine", {}, 400, ["missing the required field 'init_info'"]),
-    ("/init_weight_transfer_engine", None, 400, ["expected a JSON object with 'init_info'"]),
-    ("/init_weight_transfer_engine", [1], 422, ["must be a JSON object"]),
-    ("/init_weight_transfer_engine", {"init_info": 5}, 422, ["init_info must be a JSON object"]),
-    ("/init_weight_transfer_engine", {"init_info": {}, "x": 1}, 422, ["unknown field(s) ['x']"]),
-    ("/init_weight_transfer_engine", {"init_info": {"port": "80"}}, 422, ["init_info"]),
-    ("/update_weights", {"info": {}}, 400, ["missing the required field 'update_info'"]),
-    ("/finish_weight_update", {"weight_version": 3}, 422, ["weight_version must be a non-empty string"]),
-    ("/finish_weight_update", {"version": "v"}, 422, ["unknown field(s) ['version']"]),
-    ("/update_weight_version", {}, 400, ["'new_version'"]),
-    ("/update_weight_version", {"new_version": ["v"]}, 422, ["new_version must be a non-empty string"]),
-    ("/weight_checker", {}, 400, ["'action'"]),
-    ("/weight_checker", {"action": "explode"}, 422, ["action must be one of ['checksum', 'reset', 'compare']"]),
-    ("/weight_checker", {"action": "compare"}, 400, ["requires a 'baseline' object"]),
-    ("/weight_checker", {"action": "compare", "baseline": {"a": 1}}, 422, ["baseline must be an object"]),
-    ("/start_weight_update", {"x": 1}, 422, ["this route accepts no body"]),
-    ("/v1/completions", {"prompt": 5}, 400, ["prompt must be"]),
-    ("/v1/completions", {"prompt": "x", "n": 1000}, 400, ["n must be an integer in [1, 64]"]),
-    ("/v1/completions", {"prompt": [7] * 250, "max_tokens": 10}, 400, ["exceeds the model's 256 positions"]),
-])
-def test_malformed_bodies_name_the_field(http: httpx.Client, path, payload, status, fragments, clean) -> None:
+@pytest.mark.parametrize(
+    ("path", "payload", "status", "fragments"),
+    [
+        ("/init_weight_transfer_engine", {}, 400, ["missing the required field 'init_info'"]),
+        ("/init_weight_transfer_engine", None, 400, ["expected a JSON object with 'init_info'"]),
+        ("/init_weight_transfer_engine", [1], 422, ["must be a JSON object"]),
+        (
+            "/init_weight_transfer_engine",
+            {"init_info": 5},
+            422,
+            ["init_info must be a JSON object"],
+        ),
+        (
+            "/init_weight_transfer_engine",
+            {"init_info": {}, "x": 1},
+            422,
+            ["unknown field(s) ['x']"],
+        ),
+        ("/init_weight_transfer_engine", {"init_info": {"port": "80"}}, 422, ["init_info"]),
+        ("/update_weights", {"info": {}}, 400, ["missing the required field 'update_info'"]),
+        (
+            "/finish_weight_update",
+            {"weight_version": 3},
+            422,
+            ["weight_version must be a non-empty string"],
+        ),
+        ("/finish_weight_update", {"version": "v"}, 422, ["unknown field(s) ['version']"]),
+        ("/update_weight_version", {}, 400, ["'new_version'"]),
+        (
+            "/update_weight_version",
+            {"new_version": ["v"]},
+            422,
+            ["new_version must be a non-empty string"],
+        ),
+        ("/weight_checker", {}, 400, ["'action'"]),
+        (
+            "/weight_checker",
+            {"action": "explode"},
+            422,
+            ["action must be one of ['checksum', 'reset', 'compare']"],
+        ),
+        ("/weight_checker", {"action": "compare"}, 400, ["requires a 'baseline' object"]),
+        (
+            "/weight_checker",
+            {"action": "compare", "baseline": {"a": 1}},
+            422,
+            ["baseline must be an object"],
+        ),
+        ("/start_weight_update", {"x": 1}, 422, ["this route accepts no body"]),
+        ("/v1/completions", {"prompt": 5}, 400, ["prompt must be"]),
+        ("/v1/completions", {"prompt": "x", "n": 1000}, 400, ["n must be an integer in [1, 64]"]),
+        (
+            "/v1/completions",
+            {"prompt": [7] * 250, "max_tokens": 10},
+            400,
+            ["exceeds the model's 256 positions"],
+        ),
+    ],
+)
+def test_malformed_bodies_name_the_field(
+    http: httpx.Client, path, payload, status, fragments, clean
+) -> None:
     resp = http.post(path, json=payload) if payload is not None else http.post(path)
     err(resp, status, *fragments)
 
 
 def test_query_params_are_validated(http: httpx.Client, clean) -> None:
-    err(http.post("/pause", params={"mode": "nap"}), 422, "mode must be one of ['abort', 'wait', 'keep']")
-    err(http.get("/get_world_size", params={"include_dp": "maybe"}), 422, "include_dp must be true or false")
+    err(
+        http.post("/pause", params={"mode": "nap"}),
+        422,
+        "mode must be one of ['abort', 'wait', 'keep']",
+    )
+    err(
+        http.get("/get_world_size", params={"include_dp": "maybe"}),
+        422,
+        "include_dp must be true or false",
+    )
     assert http.get("/is_paused").json() == {"is_paused": False}
 
 
@@ -243,13 +371,20 @@ def test_cache_resets_answer_truthfully(http: httpx.Client, clean) -> None:
     assert http.post("/reset_prefix_cache", params=params).json() == {"success": True}
     assert http.post("/reset_prefix_cache").json() == {"success": True}
     assert http.post("/reset_encoder_cache").json() == {"success": True}
-    err(http.post("/reset_prefix_cache", params={"reset_running_requests": "soon"}), 422,
-        "reset_running_requests must be true or false")
+    err(
+        http.post("/reset_prefix_cache", params={"reset_running_requests": "soon"}),
+        422,
+        "reset_running_requests must be true or false",
+    )
 
 
 def test_body_size_limit_is_413(http: httpx.Client) -> None:
     big = b'{"init_info": "' + b"x" * 70000 + b'"}'
-    err(http.post("/init_weight_transfer_engine", content=big), 413, "exceeds the limit of 65536 bytes")
+    err(
+        http.post("/init_weight_transfer_engine", content=big),
+        413,
+        "exceeds the limit of 65536 bytes",
+    )
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must hold while streaming
         for _ in range(20):
@@ -265,7 +400,9 @@ def test_unknown_route_and_method_are_json(http: httpx.Client) -> None:
 
 # ---------------------------------------------------------------- pause
 def _complete(http: httpx.Client, **kw) -> httpx.Response:
-    return http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, **kw})
+    return http.post(
+        "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, **kw}
+    )
 
 
 def test_pause_abort_and_wait_refuse_new_requests(http: httpx.Client, clean) -> None:
@@ -286,12 +423,18 @@ def test_pause_keep_queues_until_resume(http: httpx.Client, clean) -> None:
     assert not out, "a request must wait while paused with mode=keep"
     http.post("/resume").raise_for_status()
     t.join(60)
-    assert out and out[0].status_code == 200 and out[0].json()["choices"][0]["finish_reason"] == "length"
+    assert (
+        out
+        and out[0].status_code == 200
+        and out[0].json()["choices"][0]["finish_reason"] == "length"
+    )
 
 
 def test_pause_abort_stops_a_running_generation(http: httpx.Client, clean) -> None:
     out: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: out.append(_complete(http, max_tokens=240, ignore_eos=True)))
+    t = threading.Thread(
+        target=lambda: out.append(_complete(http, max_tokens=240, ignore_eos=True))
+    )
     t.start()
     deadline = time.monotonic() + 30
     while http.get("/health").json()["replicas"][0]["generations_in_flight"] == 0:

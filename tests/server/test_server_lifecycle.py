@@ -14,7 +14,9 @@ import pytest
 
 from weightwire.tools.server import serve_main
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc for child processes")
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/stat").exists(), reason="reads /proc for child processes"
+)
 
 
 def children(pid: int) -> list[int]:
@@ -45,13 +47,24 @@ def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-@pytest.mark.parametrize(("argv", "code", "message"), [
-    (["--model", "tiny-llama", "--replicas", "0"], 2, "--replicas must be in [1, 64]"),
-    (["--model", "tiny-llama", "--backend", "weightwire_nccl"], 2, "weightwire_nccl needs --device cuda"),
-    (["--model", "tiny-llama", "--port", "70000"], 2, "--port must be in [0, 65535]"),
-    (["--model", "/nonexistent/model"], 2, "no such directory (or pass tiny-llama / tiny-qwen2)"),
-    (["--model", "tiny-llama", "--backend", "nccl"], 2, "invalid choice: 'nccl'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["--model", "tiny-llama", "--replicas", "0"], 2, "--replicas must be in [1, 64]"),
+        (
+            ["--model", "tiny-llama", "--backend", "weightwire_nccl"],
+            2,
+            "weightwire_nccl needs --device cuda",
+        ),
+        (["--model", "tiny-llama", "--port", "70000"], 2, "--port must be in [0, 65535]"),
+        (
+            ["--model", "/nonexistent/model"],
+            2,
+            "no such directory (or pass tiny-llama / tiny-qwen2)",
+        ),
+        (["--model", "tiny-llama", "--backend", "nccl"], 2, "invalid choice: 'nccl'"),
+    ],
+)
 def test_cli_errors_exit_nonzero_with_a_reason(argv, code, message, capsys, tiny_cache) -> None:
     assert serve_main(argv) == code
     assert message in capsys.readouterr().err
@@ -74,9 +87,19 @@ def test_ready_line_names_the_real_port(qwen) -> None:
 
 
 def test_seeded_sampling_is_reproducible_and_shaped_like_openai(qwen) -> None:
-    body = {"prompt": ["Hello world", [5, 6, 7]], "max_tokens": 6, "temperature": 0.9, "top_p": 0.95, "seed": 1234,
-            "n": 2, "logprobs": 3, "ignore_eos": True, "model": "tiny-qwen2", "return_tokens_as_token_ids": True,
-            "return_token_ids": True}
+    body = {
+        "prompt": ["Hello world", [5, 6, 7]],
+        "max_tokens": 6,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 1234,
+        "n": 2,
+        "logprobs": 3,
+        "ignore_eos": True,
+        "model": "tiny-qwen2",
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }
     a = httpx.post(qwen.url + "/v1/completions", json=body, timeout=60).json()
     b = httpx.post(qwen.url + "/v1/completions", json=body, timeout=60).json()
     c = httpx.post(qwen.url + "/v1/completions", json={**body, "seed": 99}, timeout=60).json()
@@ -84,12 +107,25 @@ def test_seeded_sampling_is_reproducible_and_shaped_like_openai(qwen) -> None:
     assert [ch["index"] for ch in a["choices"]] == [0, 1, 2, 3]
     assert [ch["logprobs"] for ch in a["choices"]] == [ch["logprobs"] for ch in b["choices"]]
     assert [ch["text"] for ch in a["choices"]] == [ch["text"] for ch in b["choices"]]
-    assert [ch["logprobs"]["tokens"] for ch in a["choices"]] != [ch["logprobs"]["tokens"] for ch in c["choices"]]
-    assert a["usage"]["completion_tokens"] == 4 * 6 and a["usage"]["prompt_tokens"] == a["usage"]["total_tokens"] - 24
+    assert [ch["logprobs"]["tokens"] for ch in a["choices"]] != [
+        ch["logprobs"]["tokens"] for ch in c["choices"]
+    ]
+    assert (
+        a["usage"]["completion_tokens"] == 4 * 6
+        and a["usage"]["prompt_tokens"] == a["usage"]["total_tokens"] - 24
+    )
     for ch in a["choices"]:
         lp = ch["logprobs"]
-        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 6
-        for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert (
+            len(lp["tokens"])
+            == len(lp["token_logprobs"])
+            == len(lp["top_logprobs"])
+            == len(lp["text_offset"])
+            == 6
+        )
+        for tok, val, top in zip(
+            lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+        ):
             assert val < 0 and top[tok] == val and 3 <= len(top) <= 4
             assert max(top.values()) >= val
         assert lp["tokens"] == [f"token_id:{t}" for t in ch["token_ids"]]
@@ -97,9 +133,18 @@ def test_seeded_sampling_is_reproducible_and_shaped_like_openai(qwen) -> None:
 
 
 def test_greedy_is_the_argmax_of_its_own_logprobs(qwen) -> None:
-    r = httpx.post(qwen.url + "/v1/completions", json={"prompt": "Once upon", "max_tokens": 5, "temperature": 0,
-                                                       "logprobs": 5, "ignore_eos": True,
-                                                       "return_tokens_as_token_ids": True}, timeout=60).json()
+    r = httpx.post(
+        qwen.url + "/v1/completions",
+        json={
+            "prompt": "Once upon",
+            "max_tokens": 5,
+            "temperature": 0,
+            "logprobs": 5,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+        },
+        timeout=60,
+    ).json()
     lp = r["choices"][0]["logprobs"]
     for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
         assert len(top) == 5 and top[tok] == val == max(top.values())

@@ -31,7 +31,9 @@ class RecordingPool:
     def health(self) -> list[dict[str, Any]]:
         return [{"replica": 0, "alive": True, "generations_in_flight": 0, "error": None}]
 
-    async def fan_out(self, op: str, args: Any = None, *, timeout: float, abort_on_failure: bool = False) -> list[Any]:
+    async def fan_out(
+        self, op: str, args: Any = None, *, timeout: float, abort_on_failure: bool = False
+    ) -> list[Any]:
         self.calls.append(op)
         return [{}]
 
@@ -53,7 +55,10 @@ def test_client_that_disconnects_mid_body_logs_no_error(caplog: pytest.LogCaptur
     state = make_state()
     app = create_app(state)
     body = b'{"update_info": {"names": ["model.embed'
-    incoming = [{"type": "http.request", "body": body, "more_body": True}, {"type": "http.disconnect"}]
+    incoming = [
+        {"type": "http.request", "body": body, "more_body": True},
+        {"type": "http.disconnect"},
+    ]
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -62,11 +67,20 @@ def test_client_that_disconnects_mid_body_logs_no_error(caplog: pytest.LogCaptur
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/update_weights", "raw_path": b"/update_weights", "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json"),
-                                          (b"content-length", b"100000")],
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/update_weights",
+        "raw_path": b"/update_weights",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100000")],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+    }
     with caplog.at_level(logging.DEBUG):
         asyncio.run(app(scope, receive, send))  # raises on main: the exception escaped the app
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -79,8 +93,13 @@ def test_a_huge_update_body_does_not_stall_the_event_loop(monkeypatch: pytest.Mo
     validation is held (an event) until ``/health`` has returned, which can only happen if
     the validation runs off the event loop."""
     names = [f"model.layers.{i}.weight" for i in range(20_000)]
-    payload = {"update_info": {"names": names, "dtype_names": ["float32"] * len(names),
-                               "shapes": [[4]] * len(names)}}
+    payload = {
+        "update_info": {
+            "names": names,
+            "dtype_names": ["float32"] * len(names),
+            "shapes": [[4]] * len(names),
+        }
+    }
     entered, health_done = threading.Event(), threading.Event()
     held: list[bool] = []
     real = UpdateInfo.from_dict.__func__  # type: ignore[attr-defined]
@@ -96,21 +115,34 @@ def test_a_huge_update_body_does_not_stall_the_event_loop(monkeypatch: pytest.Mo
 
     async def scenario() -> tuple[int, int]:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=40) as http:
-            update = asyncio.ensure_future(http.post("/update_weights", content=json.dumps(payload).encode(),
-                                                     headers={"Content-Type": "application/json"}))
-            assert await asyncio.to_thread(entered.wait, 20), "the update never reached its validation"
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://test", timeout=40
+        ) as http:
+            update = asyncio.ensure_future(
+                http.post(
+                    "/update_weights",
+                    content=json.dumps(payload).encode(),
+                    headers={"Content-Type": "application/json"},
+                )
+            )
+            assert await asyncio.to_thread(entered.wait, 20), (
+                "the update never reached its validation"
+            )
             health = await http.get("/health")
             health_done.set()
             return health.status_code, (await update).status_code
 
     statuses = asyncio.run(scenario())
-    assert held == [True], "the update's validation blocked the event loop: /health could not answer meanwhile"
+    assert held == [True], (
+        "the update's validation blocked the event loop: /health could not answer meanwhile"
+    )
     assert statuses == (200, 200)
 
 
 def _client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30
+    )
 
 
 def test_round_lease_aborts_an_idle_round_and_weight_calls_rearm_it() -> None:
@@ -125,7 +157,9 @@ def test_round_lease_aborts_an_idle_round_and_weight_calls_rearm_it() -> None:
             assert state.lease.armed
             meta = {"update_info": {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]]}}
             assert (await http.post("/update_weights", json=meta)).status_code == 200
-            assert state.lease.armed and state.session.phase is Phase.ROUND  # re-armed, round still open
+            assert (
+                state.lease.armed and state.session.phase is Phase.ROUND
+            )  # re-armed, round still open
             while state.session.phase is Phase.ROUND:  # the trainer is gone: nobody posts finish
                 await asyncio.sleep(0.02)
 
@@ -141,13 +175,24 @@ def test_a_stale_session_is_refused_before_any_worker_is_touched() -> None:
 
     state = ServerState(pool=RecordingPool(), options=ServerOptions())  # type: ignore[arg-type]
     app = create_app(state)
-    init = {"init_info": {"host": "127.0.0.1", "port": 5000, "secret_b64": encode_secret(b"s" * 128),
-                          "rank_offset": 1, "world_size": 2}}
+    init = {
+        "init_info": {
+            "host": "127.0.0.1",
+            "port": 5000,
+            "secret_b64": encode_secret(b"s" * 128),
+            "rank_offset": 1,
+            "world_size": 2,
+        }
+    }
 
     async def scenario() -> None:
         async with _client(app) as http:
-            first = (await http.post("/init_weight_transfer_engine", json=init)).json()["session_id"]
-            second = (await http.post("/init_weight_transfer_engine", json=init)).json()["session_id"]
+            first = (await http.post("/init_weight_transfer_engine", json=init)).json()[
+                "session_id"
+            ]
+            second = (await http.post("/init_weight_transfer_engine", json=init)).json()[
+                "session_id"
+            ]
             assert first != second
             state.pool.calls.clear()  # type: ignore[attr-defined]
             for route in ("/start_weight_update", "/shutdown_weight_transfer_engine"):
@@ -155,6 +200,8 @@ def test_a_stale_session_is_refused_before_any_worker_is_touched() -> None:
                 assert resp.status_code == 409 and "replaced by a newer" in resp.text, resp.text
                 assert second not in resp.text
             assert state.pool.calls == []  # type: ignore[attr-defined]
-            assert (await http.post("/start_weight_update", headers={SESSION_HEADER: second})).status_code == 200
+            assert (
+                await http.post("/start_weight_update", headers={SESSION_HEADER: second})
+            ).status_code == 200
 
     asyncio.run(scenario())

@@ -48,8 +48,12 @@ def reference(tiny_llama: str):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
 
-    def logprobs(weights: dict[str, np.ndarray], prompt_ids: list[int], token_ids: list[int]) -> list[float]:
-        model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=True)
+    def logprobs(
+        weights: dict[str, np.ndarray], prompt_ids: list[int], token_ids: list[int]
+    ) -> list[float]:
+        model.load_state_dict(
+            {k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=True
+        )
         ids = torch.tensor([prompt_ids + token_ids[:-1]])
         with torch.no_grad():
             logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
@@ -61,16 +65,29 @@ def reference(tiny_llama: str):
 
 def perturbed(weights: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {k: (v + rng.standard_normal(v.shape).astype(np.float32) * 0.05) for k, v in weights.items()}
+    return {
+        k: (v + rng.standard_normal(v.shape).astype(np.float32) * 0.05) for k, v in weights.items()
+    }
 
 
 def sha(weights: dict[str, np.ndarray]) -> dict[str, str]:
-    return {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in weights.items()}
+    return {
+        k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in weights.items()
+    }
 
 
 def greedy(http: httpx.Client) -> dict:
-    resp = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 1,
-                                              "return_token_ids": True, "ignore_eos": True})
+    resp = http.post(
+        "/v1/completions",
+        json={
+            "prompt": PROMPT,
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]
 
@@ -98,7 +115,9 @@ def one_session(url: str, weights: dict[str, np.ndarray], version: str) -> None:
         sender.close()
 
 
-def test_vllm_client_bodies_drive_a_real_round(server, http: httpx.Client, base_weights, reference) -> None:
+def test_vllm_client_bodies_drive_a_real_round(
+    server, http: httpx.Client, base_weights, reference
+) -> None:
     before = assert_serves(http, reference, base_weights)
     assert http.get("/get_world_size").json() == {"world_size": 2}
     new = perturbed(base_weights, 1)
@@ -116,12 +135,16 @@ def test_list_form_and_metadata_reuse(server, http: httpx.Client, base_weights, 
         sender.init()
         client.start_weight_update()
         info = update_info_of(new2)
-        sender.send_update(new2, update_info=[info, info]).result()  # one entry per worker, as vLLM DP
+        sender.send_update(
+            new2, update_info=[info, info]
+        ).result()  # one entry per worker, as vLLM DP
         client.finish_weight_update("step-2")
         assert_serves(http, reference, new2)
         # 0.33 shorthand: empty lists reuse the previous round's metadata (same order, same shapes).
         client.start_weight_update()
-        sender.send_update(new3, update_info={"names": [], "dtype_names": [], "shapes": []}).result()
+        sender.send_update(
+            new3, update_info={"names": [], "dtype_names": [], "shapes": []}
+        ).result()
         client.finish_weight_update("step-3")
     finally:
         sender.close()
@@ -130,7 +153,13 @@ def test_list_form_and_metadata_reuse(server, http: httpx.Client, base_weights, 
 
 
 def test_init_and_update_shapes_that_do_not_fit_two_replicas(server, http: httpx.Client) -> None:
-    info = {"host": "127.0.0.1", "port": 9, "secret_b64": "QUJD" * 42 + "QUI=", "rank_offset": 1, "world_size": 2}
+    info = {
+        "host": "127.0.0.1",
+        "port": 9,
+        "secret_b64": "QUJD" * 42 + "QUI=",
+        "rank_offset": 1,
+        "world_size": 2,
+    }
     resp = http.post("/init_weight_transfer_engine", json={"init_info": info})
     assert resp.status_code == 422 and "world_size 2 is too small" in resp.json()["detail"]
     assert "ranks 1..2" in resp.json()["detail"]
@@ -141,25 +170,44 @@ def _wait_for_failure(http: httpx.Client, failed_before: int, timeout: float = 3
     while time.monotonic() < deadline:
         info = http.get("/weight_info").json()
         s = info["session"]
-        if s["state"] == "uninitialized" and s["busy"] is None and s["rounds_failed"] > failed_before:
+        if (
+            s["state"] == "uninitialized"
+            and s["busy"] is None
+            and s["rounds_failed"] > failed_before
+        ):
             return info
         time.sleep(0.1)
     raise AssertionError(f"the round did not fail within {timeout}s: {info}")
 
 
-def test_sender_killed_mid_round_keeps_old_weights(server, http: httpx.Client, base_weights, reference,
-                                                   tmp_path: Path) -> None:
+def test_sender_killed_mid_round_keeps_old_weights(
+    server, http: httpx.Client, base_weights, reference, tmp_path: Path
+) -> None:
     before_info = http.get("/weight_info").json()
     before_sums = checksums(http)
     before = greedy(http)
     npz = tmp_path / "w.npz"
     np.savez(npz, **perturbed(base_weights, 99))
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_server_sender.py"))],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("_server_sender.py"))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
     try:
         assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps({"base_url": server.url, "replicas": 2, "weights_npz": str(npz),
-                                     "buffer_size": 8192}) + "\n")
+        proc.stdin.write(
+            json.dumps(
+                {
+                    "base_url": server.url,
+                    "replicas": 2,
+                    "weights_npz": str(npz),
+                    "buffer_size": 8192,
+                }
+            )
+            + "\n"
+        )
         proc.stdin.flush()
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
@@ -172,12 +220,16 @@ def test_sender_killed_mid_round_keeps_old_weights(server, http: httpx.Client, b
         proc.wait(10)
     info = _wait_for_failure(http, before_info["session"]["rounds_failed"])
     err = info["session"]["last_error"]
-    assert "update_weights" in err and "replica" in err and ("PeerLost" in err or "lost" in err), err
+    assert "update_weights" in err and "replica" in err and ("PeerLost" in err or "lost" in err), (
+        err
+    )
     assert info["weight_version"] == before_info["weight_version"]
     assert checksums(http) == before_sums
     after = greedy(http)
     assert after["token_ids"] == before["token_ids"]
-    assert after["logprobs"]["token_logprobs"] == before["logprobs"]["token_logprobs"]  # bit-identical
+    assert (
+        after["logprobs"]["token_logprobs"] == before["logprobs"]["token_logprobs"]
+    )  # bit-identical
     # The next session works.
     new = perturbed(base_weights, 5)
     one_session(server.url, new, "after-kill")
@@ -185,7 +237,9 @@ def test_sender_killed_mid_round_keeps_old_weights(server, http: httpx.Client, b
     assert_serves(http, reference, new)
 
 
-def test_bad_tensor_fails_the_round_and_keeps_old_weights(server, http: httpx.Client, base_weights) -> None:
+def test_bad_tensor_fails_the_round_and_keeps_old_weights(
+    server, http: httpx.Client, base_weights
+) -> None:
     before_sums, version = checksums(http), http.get("/weight_info").json()["weight_version"]
     client = VLLMStyleClient(server.url)
     sender = TCPSender(client, replicas=2)
@@ -197,7 +251,9 @@ def test_bad_tensor_fails_the_round_and_keeps_old_weights(server, http: httpx.Cl
             try:
                 sender.send_update(bad).result()
             except TransferError:  # the server may drop the group before our send completes
-                raise AssertionError("the POST, not the broadcast, must report the failure") from None
+                raise AssertionError(
+                    "the POST, not the broadcast, must report the failure"
+                ) from None
     finally:
         sender.close()
     resp = info.value.response
@@ -209,10 +265,15 @@ def test_bad_tensor_fails_the_round_and_keeps_old_weights(server, http: httpx.Cl
     assert http.get("/weight_info").json()["session"]["state"] == "uninitialized"
 
 
-def test_weight_checker_compare_and_reset(server, http: httpx.Client, base_weights, reference) -> None:
+def test_weight_checker_compare_and_reset(
+    server, http: httpx.Client, base_weights, reference
+) -> None:
     current = checksums(http)[0]
     assert http.post("/weight_checker", json={"action": "compare", "baseline": current}).json() == {
-        "match": True, "mismatches": [], "replica_mismatches": [[], []]}
+        "match": True,
+        "mismatches": [],
+        "replica_mismatches": [[], []],
+    }
     off = {**current, "model.norm.weight": "0" * 64}
     off.pop("lm_head.weight")
     got = http.post("/weight_checker", json={"action": "compare", "baseline": off}).json()
@@ -224,7 +285,9 @@ def test_weight_checker_compare_and_reset(server, http: httpx.Client, base_weigh
     assert_serves(http, reference, base_weights)
 
 
-def test_one_failing_replica_fails_the_round_for_all(server, http: httpx.Client, base_weights) -> None:
+def test_one_failing_replica_fails_the_round_for_all(
+    server, http: httpx.Client, base_weights
+) -> None:
     """vLLM's list form gives replica 1 a transposed lm_head (same bytes, wrong shape): only
     replica 1 fails, yet replica 0's staged round is aborted too and nothing changes."""
     before_sums, version = checksums(http), http.get("/weight_info").json()["weight_version"]
@@ -242,7 +305,9 @@ def test_one_failing_replica_fails_the_round_for_all(server, http: httpx.Client,
             try:
                 sender.send_update(new, update_info=[good, bad]).result()
             except TransferError:
-                raise AssertionError("the POST, not the broadcast, must report the failure") from None
+                raise AssertionError(
+                    "the POST, not the broadcast, must report the failure"
+                ) from None
     finally:
         sender.close()
     detail = info.value.response.json()["detail"]
@@ -253,7 +318,9 @@ def test_one_failing_replica_fails_the_round_for_all(server, http: httpx.Client,
     assert after["weight_version"] == version and after["session"]["state"] == "uninitialized"
 
 
-def test_stalled_sender_times_out_and_keeps_old_weights(server, http: httpx.Client, base_weights) -> None:
+def test_stalled_sender_times_out_and_keeps_old_weights(
+    server, http: httpx.Client, base_weights
+) -> None:
     before_sums, version = checksums(http), http.get("/weight_info").json()["weight_version"]
     client = VLLMStyleClient(server.url)
     sender = TCPSender(client, replicas=2)
@@ -262,7 +329,9 @@ def test_stalled_sender_times_out_and_keeps_old_weights(server, http: httpx.Clie
         client.start_weight_update()
         started = time.monotonic()
         with pytest.raises(httpx.HTTPStatusError) as info:
-            client.update_weights(update_info_of(perturbed(base_weights, 12)))  # and never broadcast
+            client.update_weights(
+                update_info_of(perturbed(base_weights, 12))
+            )  # and never broadcast
         elapsed = time.monotonic() - started
     finally:
         sender.close()

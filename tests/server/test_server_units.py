@@ -44,7 +44,12 @@ def test_failed_round_clears_session_but_keeps_version() -> None:
     s.initialized(object())
     s.started()
     s.failed("replica 1: PeerLost")
-    assert (s.phase, s.weight_version, s.rounds_failed, s.init_info) == (Phase.NO_ENGINE, "v1", 1, None)
+    assert (s.phase, s.weight_version, s.rounds_failed, s.init_info) == (
+        Phase.NO_ENGINE,
+        "v1",
+        1,
+        None,
+    )
     assert s.describe()["last_error"] == "replica 1: PeerLost"
     _raises(s.check_start, 409, "not initialized")
 
@@ -54,7 +59,9 @@ def test_one_weight_operation_at_a_time() -> None:
 
     async def scenario() -> None:
         async with s.operation("update_weights"):
-            with pytest.raises(SessionError, match=r"another weight operation \(update_weights\) is in progress"):
+            with pytest.raises(
+                SessionError, match=r"another weight operation \(update_weights\) is in progress"
+            ):
                 async with s.operation("finish_weight_update"):
                     pass
         async with s.operation("finish_weight_update"):  # free again afterwards
@@ -70,36 +77,52 @@ def _parse(body: object):
 
 def test_completion_defaults_and_forms() -> None:
     r = _parse({"prompt": "hi"})
-    assert (r.prompts, r.max_tokens, r.temperature, r.n, r.logprobs, r.seed) == (["hi"], 16, 1.0, 1, None, None)
+    assert (r.prompts, r.max_tokens, r.temperature, r.n, r.logprobs, r.seed) == (
+        ["hi"],
+        16,
+        1.0,
+        1,
+        None,
+        None,
+    )
     assert _parse({"prompt": [1, 2, 3]}).prompts == [[1, 2, 3]]
     assert _parse({"prompt": ["a", [5]], "n": 2, "logprobs": 0}).prompts == ["a", [5]]
-    assert _parse({"prompt": "x", "stream": False, "user": "u", "stop": None, "echo": False}).prompts == ["x"]
+    assert _parse(
+        {"prompt": "x", "stream": False, "user": "u", "stop": None, "echo": False}
+    ).prompts == ["x"]
     assert _parse({"prompt": "x", "top_k": 0}).top_k == -1
 
 
-@pytest.mark.parametrize(("body", "param", "match"), [
-    ([1], "body", "must be a JSON object"),
-    ({}, "prompt", "prompt is required"),
-    ({"prompt": ""}, "prompt", "empty string"),
-    ({"prompt": []}, "prompt", "non-empty string"),
-    ({"prompt": [1, 512]}, "prompt", r"prompt\[1\] must be a token id in \[0, 512\)"),
-    ({"prompt": [1, True]}, "prompt", "must be a string or a list of token ids"),
-    ({"prompt": ["a", [1, -1]]}, "prompt", r"prompt\[1\]\[1\]"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens", r"max_tokens must be an integer in \[1, 256\]"),
-    ({"prompt": "x", "max_tokens": 2.0}, "max_tokens", "max_tokens must be an integer"),
-    ({"prompt": "x", "temperature": -0.1}, "temperature", "temperature must be a number"),
-    ({"prompt": "x", "temperature": "hot"}, "temperature", "temperature must be a number"),
-    ({"prompt": "x", "n": 0}, "n", "n must be an integer"),
-    ({"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be an integer in"),
-    ({"prompt": "x", "logprobs": True}, "logprobs", "logprobs must be an integer"),
-    ({"prompt": "x", "seed": "1"}, "seed", "seed must be an integer"),
-    ({"prompt": "x", "stream": True}, "stream", "stream=True is not supported"),
-    ({"prompt": "x", "stream": 0}, "stream", "is not supported"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "ignore_eos must be true or false"),
-    ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
-    ({"prompt": "x", "tempurature": 1}, "tempurature", "unsupported fields"),
-])
+@pytest.mark.parametrize(
+    ("body", "param", "match"),
+    [
+        ([1], "body", "must be a JSON object"),
+        ({}, "prompt", "prompt is required"),
+        ({"prompt": ""}, "prompt", "empty string"),
+        ({"prompt": []}, "prompt", "non-empty string"),
+        ({"prompt": [1, 512]}, "prompt", r"prompt\[1\] must be a token id in \[0, 512\)"),
+        ({"prompt": [1, True]}, "prompt", "must be a string or a list of token ids"),
+        ({"prompt": ["a", [1, -1]]}, "prompt", r"prompt\[1\]\[1\]"),
+        (
+            {"prompt": "x", "max_tokens": 0},
+            "max_tokens",
+            r"max_tokens must be an integer in \[1, 256\]",
+        ),
+        ({"prompt": "x", "max_tokens": 2.0}, "max_tokens", "max_tokens must be an integer"),
+        ({"prompt": "x", "temperature": -0.1}, "temperature", "temperature must be a number"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature", "temperature must be a number"),
+        ({"prompt": "x", "n": 0}, "n", "n must be an integer"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be an integer in"),
+        ({"prompt": "x", "logprobs": True}, "logprobs", "logprobs must be an integer"),
+        ({"prompt": "x", "seed": "1"}, "seed", "seed must be an integer"),
+        ({"prompt": "x", "stream": True}, "stream", "stream=True is not supported"),
+        ({"prompt": "x", "stream": 0}, "stream", "is not supported"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "ignore_eos must be true or false"),
+        ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
+        ({"prompt": "x", "tempurature": 1}, "tempurature", "unsupported fields"),
+    ],
+)
 def test_completion_body_errors_name_the_field(body: object, param: str, match: str) -> None:
     with pytest.raises(CompletionRequestError, match=match) as info:
         _parse(body)
@@ -110,7 +133,15 @@ def test_bearer_check() -> None:
     key = b"s3cret-key"
     assert bearer_matches(b"Bearer s3cret-key", key)
     assert bearer_matches(b"bearer  s3cret-key ", key)
-    for bad in (None, b"", b"s3cret-key", b"Basic s3cret-key", b"Bearer s3cret-ke", b"Bearer s3cret-key2", b"Bearer"):
+    for bad in (
+        None,
+        b"",
+        b"s3cret-key",
+        b"Basic s3cret-key",
+        b"Bearer s3cret-ke",
+        b"Bearer s3cret-key2",
+        b"Bearer",
+    ):
         assert not bearer_matches(bad, key), bad
 
 
@@ -122,10 +153,18 @@ def test_api_key_sources(tmp_path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("k-from-file\n")
     parse = build_parser().parse_args
-    assert resolve_api_key(parse(["--model", "m", "--api-key-file", str(key_file)]), {}) == ("k-from-file", None)
-    assert resolve_api_key(parse(["--model", "m"]), {"WEIGHTWIRE_API_KEY": "k-env"}) == ("k-env", None)
+    assert resolve_api_key(parse(["--model", "m", "--api-key-file", str(key_file)]), {}) == (
+        "k-from-file",
+        None,
+    )
+    assert resolve_api_key(parse(["--model", "m"]), {"WEIGHTWIRE_API_KEY": "k-env"}) == (
+        "k-env",
+        None,
+    )
     assert resolve_api_key(parse(["--model", "m"]), {}) == (None, None)
-    key, warning = resolve_api_key(parse(["--model", "m", "--api-key", "k-argv"]), {"WEIGHTWIRE_API_KEY": "k-env"})
+    key, warning = resolve_api_key(
+        parse(["--model", "m", "--api-key", "k-argv"]), {"WEIGHTWIRE_API_KEY": "k-env"}
+    )
     assert key == "k-argv" and warning is not None and "visible to every user" in warning
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
@@ -144,10 +183,20 @@ def test_session_ownership_rules() -> None:
     second = s.initialized(object())
     assert second != first
     _raises(lambda: s.check_owner(first, "start_weight_update"), 409, "replaced by a newer")
-    _raises(lambda: s.check_owner(first, "shutdown_weight_transfer_engine", idempotent=True), 409, "replaced")
+    _raises(
+        lambda: s.check_owner(first, "shutdown_weight_transfer_engine", idempotent=True),
+        409,
+        "replaced",
+    )
     s.failed("replica 0: PeerLost")
-    _raises(lambda: s.check_owner(second, "finish_weight_update"), 409, r"has ended \(replica 0: PeerLost\)")
-    s.check_owner(second, "shutdown_weight_transfer_engine", idempotent=True)  # ended: shutdown is a no-op
+    _raises(
+        lambda: s.check_owner(second, "finish_weight_update"),
+        409,
+        r"has ended \(replica 0: PeerLost\)",
+    )
+    s.check_owner(
+        second, "shutdown_weight_transfer_engine", idempotent=True
+    )  # ended: shutdown is a no-op
     with pytest.raises(SessionError) as info:
         s.initialized(object())
         s.check_owner(first, "update_weights")

@@ -32,7 +32,9 @@ class OnePool:
     def health(self) -> list[dict[str, Any]]:
         return [{"replica": 0, "alive": True}]
 
-    async def fan_out(self, op: str, args: Any = None, *, timeout: float, abort_on_failure: bool = False) -> list[Any]:
+    async def fan_out(
+        self, op: str, args: Any = None, *, timeout: float, abort_on_failure: bool = False
+    ) -> list[Any]:
         self.calls.append((op, args))
         if op == "sleep":
             return [{"freed_bytes": self.sleeper.sleep(args["level"])}]
@@ -47,7 +49,9 @@ def _serve(model: torch.nn.Module) -> tuple[OnePool, ServerState, Any]:
     app = create_app(state)
 
     async def request(method: str, path: str, params: Any = None) -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
             return await c.request(method, path, params=params)
 
     return pool, state, lambda *a, **k: asyncio.run(request(*a, **k))
@@ -76,7 +80,9 @@ def test_level_2_discards_weights_and_wake_reallocates_them() -> None:
     assert req("POST", "/sleep", params={"level": 2}).status_code == 200
     assert model.weight is weight and model.weight.numel() == 0  # same Parameter, no storage
     assert req("POST", "/wake_up", params=[("tags", "weights")]).json()["status"] == "awake"
-    assert model.weight.shape == (4, 8) and torch.count_nonzero(model.weight) == 0  # a full round must follow
+    assert (
+        model.weight.shape == (4, 8) and torch.count_nonzero(model.weight) == 0
+    )  # a full round must follow
 
 
 def test_level_0_only_pauses_and_bad_queries_are_422() -> None:
@@ -85,8 +91,11 @@ def test_level_0_only_pauses_and_bad_queries_are_422() -> None:
     assert state.gate.paused and all(op != "sleep" for op, _ in pool.calls)
     assert req("POST", "/wake_up", params=[("tags", "scheduling")]).json()["status"] == "awake"
     assert not state.gate.paused
-    for params, needle in (({"level": 3}, "level must be one of [0, 1, 2]"), ({"level": "x"}, "level must be"),
-                           ({"mode": "nap"}, "mode must be one of")):
+    for params, needle in (
+        ({"level": 3}, "level must be one of [0, 1, 2]"),
+        ({"level": "x"}, "level must be"),
+        ({"mode": "nap"}, "mode must be one of"),
+    ):
         r = req("POST", "/sleep", params=params)
         assert r.status_code == 422 and needle in r.text
     r = req("POST", "/wake_up", params=[("tags", "gpu")])
@@ -100,7 +109,9 @@ def test_client_sends_vllm_query_parameters() -> None:
         seen.append(request)
         if request.url.path == "/wake_up":
             return httpx.Response(200, json={"status": "awake", "tags": None})
-        return httpx.Response(200, json={"is_sleeping": True} if request.method == "GET" else {"status": "sleeping"})
+        return httpx.Response(
+            200, json={"is_sleeping": True} if request.method == "GET" else {"status": "sleeping"}
+        )
 
     client = HTTPWeightSyncClient("http://s", transport=httpx.MockTransport(handler))
     client.sleep(2, mode="wait")

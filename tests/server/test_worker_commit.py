@@ -62,21 +62,29 @@ class Replies:
 
     def wait(self, msg_id: int, timeout: float = 30) -> dict[str, Any]:
         with self.cv:
-            assert self.cv.wait_for(lambda: msg_id in self.by_id, timeout), f"no reply to request {msg_id}"
+            assert self.cv.wait_for(lambda: msg_id in self.by_id, timeout), (
+                f"no reply to request {msg_id}"
+            )
             return self.by_id[msg_id]
 
 
 def make_loop() -> tuple[Loop, Worker, RecordingEngine, Replies]:
     worker = Worker.__new__(Worker)  # no model: only the lanes and the lock are under test
-    worker.spec = WorkerSpec(model_dir="", backend="weightwire_tcp", device="cpu", replicas=1, threads=1)
+    worker.spec = WorkerSpec(
+        model_dir="", backend="weightwire_tcp", device="cpu", replicas=1, threads=1
+    )
     worker.model_lock = threading.Lock()
     worker.engine = engine = RecordingEngine()
     worker.host = Host()
     worker.cancel_epoch = 0
     worker.abort_epoch = 0
     worker.model = torch.nn.Linear(4, 2)
-    worker.sleep = WorkerSleep(worker.model, torch.device("cpu"), worker.model_lock,
-                               lambda: [n for n, _ in worker.model.named_parameters()])
+    worker.sleep = WorkerSleep(
+        worker.model,
+        torch.device("cpu"),
+        worker.model_lock,
+        lambda: [n for n, _ in worker.model.named_parameters()],
+    )
     out = Replies()
     return Loop(worker, out), worker, engine, out  # type: ignore[arg-type]
 
@@ -134,7 +142,9 @@ def test_sleep_that_cannot_take_the_model_in_time_never_sleeps() -> None:
     finally:
         worker.model_lock.release()
     settle(loop)
-    assert reply["ok"] is False and reply["kind"] == "timeout" and "did not sleep" in reply["error"], reply
+    assert (
+        reply["ok"] is False and reply["kind"] == "timeout" and "did not sleep" in reply["error"]
+    ), reply
     assert worker.sleep.sleeper.level == 0 and worker.model.weight.shape == (2, 4)
 
 
@@ -161,7 +171,9 @@ def test_level_2_weights_must_all_be_sent_again_before_serving() -> None:
     assert out.wait(2)["result"] == {"level": 0, "discarded": 2, "awake": True}
     with pytest.raises(Exception, match=r"discarded by /sleep\?level=2 and 2 of them"):
         worker.sleep.check_serving()
-    loop.dispatch({"id": 3, "op": "finish", "args": {"timeout_s": 5}})  # the round wrote "weight" only
+    loop.dispatch(
+        {"id": 3, "op": "finish", "args": {"timeout_s": 5}}
+    )  # the round wrote "weight" only
     assert out.wait(3)["result"] == {"level": 0, "discarded": 1}
     with pytest.raises(Exception, match="'bias'"):
         worker.sleep.check_serving()

@@ -22,7 +22,7 @@ _REF = re.compile(r"`([a-z_/]+\.py):([A-Za-z_][\w.]*)`")
 
 
 def _byte_path_section() -> str:
-    return DOC[DOC.index("## The path of one byte"):]
+    return DOC[DOC.index("## The path of one byte") :]
 
 
 def _defined(path: Path) -> set[str]:
@@ -33,8 +33,11 @@ def _defined(path: Path) -> set[str]:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
         if isinstance(node, ast.ClassDef):
-            names |= {f"{node.name}.{item.name}" for item in node.body
-                      if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)}
+            names |= {
+                f"{node.name}.{item.name}"
+                for item in node.body
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+            }
     return names
 
 
@@ -49,13 +52,15 @@ def test_the_byte_path_names_enough_frames() -> None:
 def test_every_byte_path_frame_exists(file: str, name: str) -> None:
     path = PACKAGE / file
     assert path.is_file(), f"docs/architecture.md names {file}, which is not under weightwire/"
-    assert name in _defined(path), f"docs/architecture.md names {file}:{name}, which {file} does not define"
+    assert name in _defined(path), (
+        f"docs/architecture.md names {file}:{name}, which {file} does not define"
+    )
 
 
 def _tree_block() -> str:
     start = DOC.index("## The tree")
-    block = DOC[start:DOC.index("## Import rules")]
-    return block[block.index("```") + 3: block.rindex("```")]
+    block = DOC[start : DOC.index("## Import rules")]
+    return block[block.index("```") + 3 : block.rindex("```")]
 
 
 _PY = re.compile(r"(?<![\w/.`])([a-z_0-9]+\.py)\b")
@@ -97,7 +102,9 @@ def test_every_file_in_the_tree_exists() -> None:
 
 
 def test_every_package_is_in_the_tree() -> None:
-    packages = sorted(p.parent.relative_to(PACKAGE).as_posix() for p in PACKAGE.glob("*/__init__.py"))
+    packages = sorted(
+        p.parent.relative_to(PACKAGE).as_posix() for p in PACKAGE.glob("*/__init__.py")
+    )
     tree = _tree_block()
     missing = [p for p in packages if f"{p}/" not in tree]
     assert missing == [], f"packages missing from docs/architecture.md's tree: {missing}"
@@ -109,7 +116,7 @@ _SIDES = ("### Sending side", "### Receiving side")
 def _frames(heading: str) -> list[str]:
     """The numbered frames under ``heading`` (a frame's continuation lines joined to it)."""
     section = _byte_path_section()
-    body = section[section.index(heading):].split("\n", 1)[1]
+    body = section[section.index(heading) :].split("\n", 1)[1]
     frames: list[str] = []
     for line in body.splitlines():
         if line.startswith("### "):
@@ -137,4 +144,6 @@ def test_the_byte_path_never_returns_to_a_file_it_left(heading: str) -> None:
     for previous, file in zip(files, files[1:], strict=False):
         if file != previous:
             left.append(previous)
-            assert file not in left, f"{heading}: the path returns to {file} after leaving it: {files}"
+            assert file not in left, (
+                f"{heading}: the path returns to {file} after leaving it: {files}"
+            )

@@ -8,7 +8,12 @@ import math
 import pytest
 
 from weightwire.shared import LIMITS
-from weightwire.shared.checks import check_buffer_size, check_int_in, check_num_buffers, check_seconds
+from weightwire.shared.checks import (
+    check_buffer_size,
+    check_int_in,
+    check_num_buffers,
+    check_seconds,
+)
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.framing import plan_packed
 from weightwire.shared.info import TCPInitInfo, encode_secret
@@ -37,7 +42,9 @@ def test_seconds_refuses(bad: object) -> None:
 def test_seconds_accepts_and_bounds() -> None:
     assert check_seconds("t", 0.5) == 0.5 and check_seconds("t", 10**400) == 10**400
     assert check_seconds("t", 86_400, most=86_400) == 86_400
-    with pytest.raises(ConfigError, match=r"t must be a finite number of seconds > 0 and <= 86400, got 86401"):
+    with pytest.raises(
+        ConfigError, match=r"t must be a finite number of seconds > 0 and <= 86400, got 86401"
+    ):
         check_seconds("t", 86_401, most=86_400)
 
 
@@ -45,11 +52,19 @@ def test_buffer_size_reads_the_same_at_every_boundary() -> None:
     secret = encode_secret(bytes(128))
     calls = {
         "TrainerInitInfo": lambda: TrainerInitInfo(backend="tcp", packed_buffer_size_bytes=BIG),
-        "TCPInitInfo": lambda: TCPInitInfo(host="h", port=1, secret_b64=secret, rank_offset=1, world_size=2,
-                                           packed_buffer_size_bytes=BIG),
+        "TCPInitInfo": lambda: TCPInitInfo(
+            host="h",
+            port=1,
+            secret_b64=secret,
+            rank_offset=1,
+            world_size=2,
+            packed_buffer_size_bytes=BIG,
+        ),
         "plan_packed": lambda: plan_packed([ParamMeta("w", "float32", (1,))], BIG),
     }
-    want = f"packed_buffer_size_bytes must be an int in [1, {LIMITS.max_buffer_size_bytes}], got {BIG}"
+    want = (
+        f"packed_buffer_size_bytes must be an int in [1, {LIMITS.max_buffer_size_bytes}], got {BIG}"
+    )
     for where, call in calls.items():
         with pytest.raises(ConfigError) as err:
             call()
@@ -63,8 +78,9 @@ def test_seconds_read_the_same_at_every_boundary(monkeypatch: pytest.MonkeyPatch
     secret = encode_secret(bytes(128))
     calls = {
         "env": Timeouts.from_env,
-        "TCPInitInfo": lambda: TCPInitInfo(host="h", port=1, secret_b64=secret, rank_offset=1, world_size=2,
-                                           timeout_s=-1),
+        "TCPInitInfo": lambda: TCPInitInfo(
+            host="h", port=1, secret_b64=secret, rank_offset=1, world_size=2, timeout_s=-1
+        ),
         "client": lambda: HTTPWeightSyncClient("http://a:1", timeout=-1),
     }
     for call in calls.values():

@@ -21,14 +21,28 @@ IDENT = re.compile(r"`([A-Z][A-Za-z0-9]+)[`.(]")
 
 def _table(heading: str) -> list[list[str]]:
     section = DOC.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    rows = [
+        line
+        for line in section.splitlines()
+        if line.startswith("| ") and not line.startswith("| ---")
+    ]
     return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows[1:]]
 
 
 def test_the_weightwire_names_are_exported() -> None:
-    names = {name for heading, col in (("The pieces", 1), ("weightwire's names and vLLM's", 0))
-             for row in _table(heading) for name in IDENT.findall(row[col])}
-    assert {"JAXTrainerEngine", "TrainerInitInfo", "HTTPWeightSyncClient", "ModuleSource", "ParamMeta"} <= names
+    names = {
+        name
+        for heading, col in (("The pieces", 1), ("weightwire's names and vLLM's", 0))
+        for row in _table(heading)
+        for name in IDENT.findall(row[col])
+    }
+    assert {
+        "JAXTrainerEngine",
+        "TrainerInitInfo",
+        "HTTPWeightSyncClient",
+        "ModuleSource",
+        "ParamMeta",
+    } <= names
     assert sorted(n for n in names if not hasattr(weightwire, n)) == []
 
 
@@ -41,8 +55,16 @@ def test_the_vllm_names_exist_in_vllm() -> None:
     src = os.environ.get("WEIGHTWIRE_VLLM_SRC")
     if not src:
         pytest.skip("WEIGHTWIRE_VLLM_SRC names no vLLM source tree")
-    names = {name for row in _table("weightwire's names and vLLM's") for name in IDENT.findall(row[1])}
-    assert {"WeightTransferTrainerFactory", "HTTPVLLMWeightSyncClient", "NCCLTrainerInitInfo"} <= names
-    code = "\n".join(p.read_text() for p in (Path(src) / "vllm" / "distributed" / "weight_transfer").glob("*.py"))
+    names = {
+        name for row in _table("weightwire's names and vLLM's") for name in IDENT.findall(row[1])
+    }
+    assert {
+        "WeightTransferTrainerFactory",
+        "HTTPVLLMWeightSyncClient",
+        "NCCLTrainerInitInfo",
+    } <= names
+    code = "\n".join(
+        p.read_text() for p in (Path(src) / "vllm" / "distributed" / "weight_transfer").glob("*.py")
+    )
     defined = set(re.findall(r"^(?:class|def) (\w+)", code, re.M))
     assert sorted(names - defined) == []

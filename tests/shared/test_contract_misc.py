@@ -74,7 +74,11 @@ def test_groups_follow_seed_semantics() -> None:
 def test_unindexed_runs_split_by_layers_are_separate_groups() -> None:
     seq = ["a.weight", "model.layers.0.w", "b.weight", "model.layers.1.w", "c.weight", "d.weight"]
     assert names(layerwise_groups([m(n) for n in seq])) == [
-        ["a.weight"], ["model.layers.0.w"], ["b.weight"], ["model.layers.1.w"], ["c.weight", "d.weight"],
+        ["a.weight"],
+        ["model.layers.0.w"],
+        ["b.weight"],
+        ["model.layers.1.w"],
+        ["c.weight", "d.weight"],
     ]
 
 
@@ -116,21 +120,38 @@ def test_source_groups_and_iter_groups() -> None:
 
 @pytest.mark.parametrize(
     ("text", "release"),
-    [("0.33.0", (0, 33, 0)), ("0.32.0+cpu", (0, 32, 0)), ("0.33.1.dev4+gabc", (0, 33, 1)), ("v0.30.1", (0, 30, 1)),
-     ("0.33.0+weightwire.0.1.0", (0, 33, 0)), (" 1.2", (1, 2)), ("0.28", (0, 28))],
+    [
+        ("0.33.0", (0, 33, 0)),
+        ("0.32.0+cpu", (0, 32, 0)),
+        ("0.33.1.dev4+gabc", (0, 33, 1)),
+        ("v0.30.1", (0, 30, 1)),
+        ("0.33.0+weightwire.0.1.0", (0, 33, 0)),
+        (" 1.2", (1, 2)),
+        ("0.28", (0, 28)),
+    ],
 )
 def test_parse_version(text: str, release: tuple[int, ...]) -> None:
     assert parse_version(text).release == release
 
 
-@pytest.mark.parametrize("text", ["", "garbage", "v", "0.x.1", "1" * 5000 + ".2", "0." + "3" * 200, None, 33])
+@pytest.mark.parametrize(
+    "text", ["", "garbage", "v", "0.x.1", "1" * 5000 + ".2", "0." + "3" * 200, None, 33]
+)
 def test_parse_version_garbage(text: object) -> None:
     with pytest.raises(ValueError, match="cannot parse server version"):
         parse_version(text)  # type: ignore[arg-type]
 
 
-_ALL = ("packed_in_init", "draft_route", "abort_route", "unique_id_rendezvous", "shutdown_route",
-        "weight_checker_route", "packed_scalars", "reuse_metadata")
+_ALL = (
+    "packed_in_init",
+    "draft_route",
+    "abort_route",
+    "unique_id_rendezvous",
+    "shutdown_route",
+    "weight_checker_route",
+    "packed_scalars",
+    "reuse_metadata",
+)
 
 
 def _on(*names: str) -> set[str]:
@@ -147,18 +168,30 @@ _R33 = _R32 | {"reuse_metadata"}
     ("version", "enabled", "release"),
     [
         # release
-        ("0.28.0", _R28, (0, 28)), ("0.29.1", _R28, (0, 29)), ("0.30.0", _R30, (0, 30)), ("0.31.0", _R30, (0, 31)),
-        ("0.32.0", _R32, (0, 32)), ("0.33.0", _R33, (0, 33)), ("0.33.2", _R33, (0, 33)),
+        ("0.28.0", _R28, (0, 28)),
+        ("0.29.1", _R28, (0, 29)),
+        ("0.30.0", _R30, (0, 30)),
+        ("0.31.0", _R30, (0, 31)),
+        ("0.32.0", _R32, (0, 32)),
+        ("0.33.0", _R33, (0, 33)),
+        ("0.33.2", _R33, (0, 33)),
         ("0.33.0.post1", _R33, (0, 33)),
         # local build of a release: gated as the release
-        ("0.32.0+cpu", _R32, (0, 32)), ("0.33.0+weightwire.0.1.0", _R33, (0, 33)),
+        ("0.32.0+cpu", _R32, (0, 32)),
+        ("0.33.0+weightwire.0.1.0", _R33, (0, 33)),
         # pre-release / dev build of a known minor: before it, so gated as the previous one
-        ("0.33.0rc1", _R32, (0, 32)), ("0.32.0rc2", _R30, (0, 31)), ("0.33.0.dev5+g1a2b", _R32, (0, 32)),
-        ("0.30.0b1", _R28, (0, 29)), ("0.33.1rc1", _R33, (0, 33)),
+        ("0.33.0rc1", _R32, (0, 32)),
+        ("0.32.0rc2", _R30, (0, 31)),
+        ("0.33.0.dev5+g1a2b", _R32, (0, 32)),
+        ("0.30.0b1", _R28, (0, 29)),
+        ("0.33.1rc1", _R33, (0, 33)),
         # unknown future: newest known row, minus what may have changed
-        ("0.34.0.dev12+g0123abc", _R32, (0, 33)), ("0.35.1", _R32, (0, 33)), ("1.0.0", _R32, (0, 33)),
+        ("0.34.0.dev12+g0123abc", _R32, (0, 33)),
+        ("0.35.1", _R32, (0, 33)),
+        ("1.0.0", _R32, (0, 33)),
         # too old
-        ("0.27.9", set(), None), ("0.28.0rc1", set(), None),
+        ("0.27.9", set(), None),
+        ("0.28.0rc1", set(), None),
     ],
 )
 def test_server_features(version: str, enabled: set[str], release: tuple[int, int] | None) -> None:
@@ -170,24 +203,38 @@ def test_server_features(version: str, enabled: set[str], release: tuple[int, in
 
 def test_gate_table_rows() -> None:
     assert [(first, name) for first, name, _ in VERSION_GATES] == [
-        ((0, 28), "packed_in_init"), ((0, 28), "draft_route"), ((0, 28), "abort_route"),
-        ((0, 30), "unique_id_rendezvous"), ((0, 32), "shutdown_route"), ((0, 32), "weight_checker_route"),
-        ((0, 32), "packed_scalars"), ((0, 33), "reuse_metadata"),
+        ((0, 28), "packed_in_init"),
+        ((0, 28), "draft_route"),
+        ((0, 28), "abort_route"),
+        ((0, 30), "unique_id_rendezvous"),
+        ((0, 32), "shutdown_route"),
+        ((0, 32), "weight_checker_route"),
+        ((0, 32), "packed_scalars"),
+        ((0, 33), "reuse_metadata"),
     ]
 
 
 def test_require_names_feature_version_and_basis() -> None:
     ServerFeatures.for_version("0.33.0").require("reuse_metadata", "empty update info")
-    with pytest.raises(ValueError, match=r"0\.32\.0\+cpu lacks reuse_metadata \(needs >= 0\.33; server is release "
-                       r"0\.32\): empty"):
+    with pytest.raises(
+        ValueError,
+        match=r"0\.32\.0\+cpu lacks reuse_metadata \(needs >= 0\.33; server is release "
+        r"0\.32\): empty",
+    ):
         ServerFeatures.for_version("0.32.0+cpu").require("reuse_metadata", "empty update info")
     with pytest.raises(ValueError, match=r"lacks unique_id_rendezvous \(needs >= 0\.30"):
         ServerFeatures.for_version("0.29.0").require("unique_id_rendezvous", "torch-free trainer")
-    with pytest.raises(ValueError, match=r"0\.33\.0rc1 lacks reuse_metadata \(needs >= 0\.33; server is a "
-                       r"pre-release of 0\.33: gated as 0\.32\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"0\.33\.0rc1 lacks reuse_metadata \(needs >= 0\.33; server is a "
+        r"pre-release of 0\.33: gated as 0\.32\)",
+    ):
         ServerFeatures.for_version("0.33.0rc1").require("reuse_metadata", "x")
-    with pytest.raises(ValueError, match=r"0\.35\.1 lacks reuse_metadata \(its wire form changed in 0\.33 and "
-                       r"the server \(newer than the newest known release 0\.33\) may have changed it again"):
+    with pytest.raises(
+        ValueError,
+        match=r"0\.35\.1 lacks reuse_metadata \(its wire form changed in 0\.33 and "
+        r"the server \(newer than the newest known release 0\.33\) may have changed it again",
+    ):
         ServerFeatures.for_version("0.35.1").require("reuse_metadata", "x")
     with pytest.raises(ValueError, match=r"older than the oldest supported release 0\.28"):
         ServerFeatures.for_version("0.27.0").require("packed_in_init", "x")
@@ -198,7 +245,9 @@ def test_version_override_is_explicit_and_reported() -> None:
     assert f.reuse_metadata and f.release == (0, 33)
     assert f.basis == "user override: gated as 0.33 (server says 0.35.1)"
     assert not ServerFeatures.for_version("0.33.0", override="0.31.0").packed_scalars
-    with pytest.raises(ValueError, match=r"version override '0\.40' is not a known release \(0\.28, .*0\.33\)"):
+    with pytest.raises(
+        ValueError, match=r"version override '0\.40' is not a known release \(0\.28, .*0\.33\)"
+    ):
         ServerFeatures.for_version("0.33.0", override="0.40")
     with pytest.raises(ValueError, match="cannot parse server version 'nope'"):
         ServerFeatures.for_version("0.33.0", override="nope")
@@ -231,8 +280,16 @@ def describe(arr: np.ndarray) -> tuple[str, tuple[int, ...]]:
     return wire_name_of_numpy(arr.dtype), arr.shape
 
 
-DECLARED = [ParamMeta("a", "float32", (2,)), ParamMeta("b", "int8", (3, 1)), ParamMeta("c", "float16", ())]
-GOOD = [("a", np.zeros(2, np.float32)), ("b", np.zeros((3, 1), np.int8)), ("c", np.float16(1).reshape(()))]
+DECLARED = [
+    ParamMeta("a", "float32", (2,)),
+    ParamMeta("b", "int8", (3, 1)),
+    ParamMeta("c", "float16", ()),
+]
+GOOD = [
+    ("a", np.zeros(2, np.float32)),
+    ("b", np.zeros((3, 1), np.int8)),
+    ("c", np.float16(1).reshape(())),
+]
 
 
 def test_checked_iter_passes_matching_stream() -> None:
@@ -244,12 +301,32 @@ def test_checked_iter_passes_matching_stream() -> None:
 @pytest.mark.parametrize(
     ("pairs", "match", "ok_before"),
     [
-        (GOOD + [("d", np.zeros(1, np.float32))], "more tensors than metadata declared \\(3\\); first extra is 'd'", 3),
+        (
+            GOOD + [("d", np.zeros(1, np.float32))],
+            "more tensors than metadata declared \\(3\\); first extra is 'd'",
+            3,
+        ),
         (GOOD[:2], "source yielded 2 tensors but metadata declared 3; first missing is 'c'", 2),
-        ([GOOD[1], GOOD[0], GOOD[2]], "index 0: declared 'a' float32 \\[2\\], got 'b' int8 \\[3, 1\\]", 0),
-        ([GOOD[0], ("b", np.zeros((3, 1), np.uint8)), GOOD[2]], "index 1: declared 'b' int8 .*got 'b' uint8", 1),
-        ([GOOD[0], ("b", np.zeros((1, 3), np.int8)), GOOD[2]], "index 1: declared 'b' int8 \\[3, 1\\], got 'b' int8 \\[1, 3\\]", 1),
-        ([GOOD[0], GOOD[1], ("c", np.zeros(1, np.float16))], "declared 'c' float16 \\[\\], got 'c' float16 \\[1\\]", 2),
+        (
+            [GOOD[1], GOOD[0], GOOD[2]],
+            "index 0: declared 'a' float32 \\[2\\], got 'b' int8 \\[3, 1\\]",
+            0,
+        ),
+        (
+            [GOOD[0], ("b", np.zeros((3, 1), np.uint8)), GOOD[2]],
+            "index 1: declared 'b' int8 .*got 'b' uint8",
+            1,
+        ),
+        (
+            [GOOD[0], ("b", np.zeros((1, 3), np.int8)), GOOD[2]],
+            "index 1: declared 'b' int8 \\[3, 1\\], got 'b' int8 \\[1, 3\\]",
+            1,
+        ),
+        (
+            [GOOD[0], GOOD[1], ("c", np.zeros(1, np.float16))],
+            "declared 'c' float16 \\[\\], got 'c' float16 \\[1\\]",
+            2,
+        ),
     ],
     ids=["extra", "missing", "reordered", "redtyped", "reshaped", "scalar_vs_vector"],
 )
@@ -270,12 +347,17 @@ def test_checked_iter_takes_any_sequence_as_a_shape() -> None:
         pass
 
     for spell in (list, Size):
+
         def described(arr: np.ndarray, spell: type = spell) -> tuple[str, object]:
             return wire_name_of_numpy(arr.dtype), spell(arr.shape)
 
         assert [n for n, _ in checked_iter(iter(GOOD), DECLARED, described)] == ["a", "b", "c"]  # type: ignore[arg-type]
-        with pytest.raises(SourceMismatch, match="declared 'b' int8 \\[3, 1\\], got 'b' int8 \\[1, 3\\]"):
-            list(checked_iter(iter([GOOD[0], ("b", np.zeros((1, 3), np.int8))]), DECLARED, described))  # type: ignore[arg-type]
+        with pytest.raises(
+            SourceMismatch, match="declared 'b' int8 \\[3, 1\\], got 'b' int8 \\[1, 3\\]"
+        ):
+            list(
+                checked_iter(iter([GOOD[0], ("b", np.zeros((1, 3), np.int8))]), DECLARED, described)
+            )  # type: ignore[arg-type]
 
 
 # --- tables --------------------------------------------------------------------
@@ -283,8 +365,17 @@ def test_checked_iter_takes_any_sequence_as_a_shape() -> None:
 
 def test_dtype_table() -> None:
     assert {n: r.itemsize for n, r in WIRE_DTYPES.items()} == {
-        "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
-        "int32": 4, "int64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1, "bool": 1,
+        "bfloat16": 2,
+        "float16": 2,
+        "float32": 4,
+        "float64": 8,
+        "int8": 1,
+        "uint8": 1,
+        "int32": 4,
+        "int64": 8,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+        "bool": 1,
     }
     for name, row in WIRE_DTYPES.items():
         assert wire_name_of_numpy(row.numpy) == name

@@ -67,8 +67,13 @@ def _import_walk() -> dict:
     """Imports every module under ``weightwire/`` in a fresh interpreter (importing them
     here would leave vLLM / the engines in ``sys.modules`` for later tests) and reports
     each exception class found (``True`` when it derives from ``WeightwireError``)."""
-    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
-                          cwd=PACKAGE.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=PACKAGE.parent,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -85,7 +90,10 @@ def _static_exception_classes() -> dict[str, tuple[str, list[str]]]:
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ClassDef):
-                classes[f"{path.relative_to(PACKAGE.parent)}:{node.name}"] = (node.name, _base_names(node))
+                classes[f"{path.relative_to(PACKAGE.parent)}:{node.name}"] = (
+                    node.name,
+                    _base_names(node),
+                )
     by_name: dict[str, list[str]] = {}
     for name, bases in classes.values():
         by_name.setdefault(name, []).extend(bases)
@@ -99,10 +107,16 @@ def _static_exception_classes() -> dict[str, tuple[str, list[str]]]:
     while grew:
         grew = False
         for name, bases in by_name.items():
-            if name not in exc_names and any(is_builtin_exception(b) or b in exc_names for b in bases):
+            if name not in exc_names and any(
+                is_builtin_exception(b) or b in exc_names for b in bases
+            ):
                 exc_names.add(name)
                 grew = True
-    return {key: (key.split(":")[0], bases) for key, (name, bases) in classes.items() if name in exc_names}
+    return {
+        key: (key.split(":")[0], bases)
+        for key, (name, bases) in classes.items()
+        if name in exc_names
+    }
 
 
 # -- (a) every exception class derives from WeightwireError ----------------------------------
@@ -117,7 +131,10 @@ def test_every_importable_exception_class_derives_from_the_root() -> None:
 
 def test_the_import_walk_skips_only_modules_that_need_missing_gpu_packages() -> None:
     for name, reason in _import_walk()["skipped"].items():
-        assert name.endswith("__main__") or name == "weightwire.torch_side.worker.vllm_engines", (name, reason)
+        assert name.endswith("__main__") or name == "weightwire.torch_side.worker.vllm_engines", (
+            name,
+            reason,
+        )
 
 
 def test_every_exception_class_in_the_source_derives_from_the_root() -> None:
@@ -147,7 +164,9 @@ def test_the_static_walk_sees_every_class_the_import_walk_sees() -> None:
 
 # -- (b) the tree in the module docstring is the code's tree ----------------------------------
 
-_TREE_LINE = re.compile(r"^(?P<indent> *)(?P<name>\w+)(?: \((?P<mixins>[\w, ]+)\))?(?: +\[(?P<module>[\w.]+)\])?$")
+_TREE_LINE = re.compile(
+    r"^(?P<indent> *)(?P<name>\w+)(?: \((?P<mixins>[\w, ]+)\))?(?: +\[(?P<module>[\w.]+)\])?$"
+)
 
 
 def _documented_tree() -> list[tuple[int, str, set[str], str]]:
@@ -172,11 +191,15 @@ def test_the_documented_tree_matches_the_classes() -> None:
     parents: list[type] = []
     for depth, name, mixins, module in rows:
         cls = getattr(importlib.import_module(module), name)
-        assert cls.__module__ == module, f"{name} is defined in {cls.__module__}, the tree says {module}"
+        assert cls.__module__ == module, (
+            f"{name} is defined in {cls.__module__}, the tree says {module}"
+        )
         del parents[depth:]
         assert len(parents) == depth, f"{name}: indented below no parent"
         if parents:
-            assert parents[-1] in cls.__bases__, f"{name}: the tree's parent {parents[-1].__name__} is not a direct base"
+            assert parents[-1] in cls.__bases__, (
+                f"{name}: the tree's parent {parents[-1].__name__} is not a direct base"
+            )
         own = {b.__name__ for b in cls.__bases__ if not issubclass(b, WeightwireError)}
         if cls is WeightwireError:
             own = set()  # the root's Exception base is implied
@@ -188,8 +211,10 @@ def test_the_documented_tree_lists_exactly_the_classes_that_exist() -> None:
     documented = [name for _, name, _, _ in _documented_tree()]
     assert len(documented) == len(set(documented)), "a class listed twice"
     existing = {key.split(":")[1] for key in _static_exception_classes()}
-    assert set(documented) == existing, {"undocumented": sorted(existing - set(documented)),
-                                         "gone": sorted(set(documented) - existing)}
+    assert set(documented) == existing, {
+        "undocumented": sorted(existing - set(documented)),
+        "gone": sorted(set(documented) - existing),
+    }
 
 
 def _public_tree(lines: list[str]) -> list[str]:
@@ -214,15 +239,22 @@ def test_docs_errors_md_shows_the_public_tree() -> None:
     lines = [line[4:] for line in block.splitlines()]
     assert {line.split()[0] for line in lines} >= set(errors.INTERNAL_BRANCHES)
     tree = "\n".join(_public_tree(lines))
-    assert f"```\n{tree}\n```" in doc, "docs/errors.md's tree differs from weightwire/shared/errors.py's public tree"
+    assert f"```\n{tree}\n```" in doc, (
+        "docs/errors.md's tree differs from weightwire/shared/errors.py's public tree"
+    )
     for name in errors.INTERNAL_BRANCHES:
         assert name not in doc, f"docs/errors.md names the internal {name}"
 
 
 def test_every_class_defined_in_the_errors_module_is_in_the_tree_and_documented() -> None:
     documented = {name for _, name, _, module in _documented_tree() if module == ERRORS_MODULE}
-    defined = {name for name, value in vars(errors).items()
-               if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == ERRORS_MODULE}
+    defined = {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type)
+        and issubclass(value, BaseException)
+        and value.__module__ == ERRORS_MODULE
+    }
     assert documented == defined
     for name in defined:
         assert (getattr(errors, name).__doc__ or "").strip(), f"{name} has no docstring"
@@ -242,7 +274,9 @@ def test_builtin_mixins_are_kept() -> None:
     for timeout in (TransferTimeout, ControlTimeout, GroupTimeout):
         assert issubclass(timeout, TimeoutError), timeout
     assert issubclass(ControlTimeout, WeightSyncError) and issubclass(ControlTimeout, TimeoutError)
-    assert not issubclass(ControlTimeout, TransferError)  # a control-plane failure, not the data plane
+    assert not issubclass(
+        ControlTimeout, TransferError
+    )  # a control-plane failure, not the data plane
     for value_error in (ConfigError, SourceMismatch, StockRefusal, NamingError):
         assert issubclass(value_error, ValueError), value_error
     assert issubclass(MissingExtra, ModuleNotFoundError)
@@ -255,9 +289,19 @@ def test_every_export_path_gives_the_same_class() -> None:
     import weightwire.control
     import weightwire.shared
 
-    for name in ("ConfigError", "ControlTimeout", "PeerLost", "SourceMismatch", "TransferError",
-                 "TransferTimeout", "WeightSyncError", "WeightwireError"):
-        assert getattr(weightwire, name) is getattr(weightwire.shared, name) is getattr(errors, name), name
+    for name in (
+        "ConfigError",
+        "ControlTimeout",
+        "PeerLost",
+        "SourceMismatch",
+        "TransferError",
+        "TransferTimeout",
+        "WeightSyncError",
+        "WeightwireError",
+    ):
+        assert (
+            getattr(weightwire, name) is getattr(weightwire.shared, name) is getattr(errors, name)
+        ), name
     assert weightwire.control.WeightSyncError is WeightSyncError
 
 
@@ -267,7 +311,13 @@ def test_every_export_path_gives_the_same_class() -> None:
 def test_a_bad_init_info_is_a_value_error_and_a_weightwire_error_naming_the_field() -> None:
     from weightwire.shared.info import TCPInitInfo
 
-    good = {"host": "127.0.0.1", "port": 40000, "secret_b64": "A" * 172 + "==", "rank_offset": 1, "world_size": 2}
+    good = {
+        "host": "127.0.0.1",
+        "port": 40000,
+        "secret_b64": "A" * 172 + "==",
+        "rank_offset": 1,
+        "world_size": 2,
+    }
     with pytest.raises(ValueError, match=r"\.port must be in \[1, 65535\], got 0") as caught:
         TCPInitInfo.from_dict({**good, "port": 0})
     assert isinstance(caught.value, ConfigError) and isinstance(caught.value, WeightwireError)
@@ -301,15 +351,23 @@ def test_a_stock_refusal_is_a_config_error() -> None:
 
     metas = [ParamMeta("mask", "bool", (4,))]
     with pytest.raises(StockRefusal, match="'mask'") as caught:
-        plan_for_stock(metas, features=ServerFeatures.for_version("0.33.0"), packed=False, buffer_size_bytes=1 << 20)
+        plan_for_stock(
+            metas,
+            features=ServerFeatures.for_version("0.33.0"),
+            packed=False,
+            buffer_size_bytes=1 << 20,
+        )
     assert isinstance(caught.value, ConfigError) and isinstance(caught.value, ValueError)
 
 
 def test_an_unanswered_control_call_is_a_weight_sync_error_and_a_timeout() -> None:
     from weightwire.trainer.transfer import await_call as _await
 
-    with pytest.raises(WeightSyncError, match=r"^update_weights \(after the last broadcast\) did not return "
-                                              r"within 0.01 s$") as caught:
+    with pytest.raises(
+        WeightSyncError,
+        match=r"^update_weights \(after the last broadcast\) did not return "
+        r"within 0.01 s$",
+    ) as caught:
         _await(Future(), 0.01, "update_weights (after the last broadcast)")
     exc = caught.value
     assert isinstance(exc, ControlTimeout) and isinstance(exc, TimeoutError)
@@ -318,18 +376,26 @@ def test_an_unanswered_control_call_is_a_weight_sync_error_and_a_timeout() -> No
 
 def test_control_plane_errors_survive_pickle_and_copy() -> None:
     refused = WeightSyncError("update_weights", 409, "busy", "http://a")
-    timeout = ControlTimeout("init did not return within 1 s", route="init_weight_transfer_engine", server="http://b")
+    timeout = ControlTimeout(
+        "init did not return within 1 s", route="init_weight_transfer_engine", server="http://b"
+    )
     for exc in (refused, timeout):
         for clone in (pickle.loads(pickle.dumps(exc)), copy.copy(exc)):
             assert type(clone) is type(exc) and str(clone) == str(exc)
             assert (clone.route, clone.status, clone.message, clone.server) == (
-                exc.route, exc.status, exc.message, exc.server)
+                exc.route,
+                exc.status,
+                exc.message,
+                exc.server,
+            )
 
 
 def test_a_missing_extra_is_an_import_error_and_a_weightwire_error() -> None:
     from weightwire._extras import MissingExtra, require
 
-    with pytest.raises(ImportError, match="this test needs 'not_installed_xyz': .*pip install not_installed_xyz") as caught:
+    with pytest.raises(
+        ImportError, match="this test needs 'not_installed_xyz': .*pip install not_installed_xyz"
+    ) as caught:
         require("not_installed_xyz", purpose="this test")
     assert isinstance(caught.value, MissingExtra) and isinstance(caught.value, WeightwireError)
     assert caught.value.name == "not_installed_xyz"
@@ -347,15 +413,24 @@ KNOWN_INDIRECT: set[tuple[str, str]] = set()
 
 def _indirect_error_imports() -> set[tuple[str, str]]:
     """(file, module) for each import of a ``shared.errors`` class from another weightwire module."""
-    defined = {name for name, value in vars(errors).items()
-               if isinstance(value, type) and issubclass(value, BaseException)
-               and value.__module__ == ERRORS_MODULE}
+    defined = {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type)
+        and issubclass(value, BaseException)
+        and value.__module__ == ERRORS_MODULE
+    }
     found = set()
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-                    and node.module.startswith("weightwire.") and node.module != ERRORS_MODULE
-                    and any(alias.name in defined for alias in node.names)):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and node.module
+                and node.module.startswith("weightwire.")
+                and node.module != ERRORS_MODULE
+                and any(alias.name in defined for alias in node.names)
+            ):
                 found.add((str(path.relative_to(PACKAGE.parent)), node.module))
     return found
 

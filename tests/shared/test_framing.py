@@ -16,7 +16,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightwire.shared import WIRE_DTYPES, Chunk, ParamMeta, pack_host, plan, plan_packed, plan_unpacked, unpack_host
+from weightwire.shared import (
+    WIRE_DTYPES,
+    Chunk,
+    ParamMeta,
+    pack_host,
+    plan,
+    plan_packed,
+    plan_unpacked,
+    unpack_host,
+)
 
 
 def metas(*specs: tuple[str, list[int]]) -> list[ParamMeta]:
@@ -51,7 +60,13 @@ GOLDEN = {
     # bfloat16 [2,3] = 6 x 2 = 12; int64 [1] = 8 -> 20 (not > 20); float16 [3] = 6 -> 26
     # > 20 closes at offsets 0, 12, 20. bool [5] = 5; float8_e4m3fn [4] = 4 -> 9, last.
     "mixed_dtypes": (
-        [("bfloat16", [2, 3]), ("int64", [1]), ("float16", [3]), ("bool", [5]), ("float8_e4m3fn", [4])],
+        [
+            ("bfloat16", [2, 3]),
+            ("int64", [1]),
+            ("float16", [3]),
+            ("bool", [5]),
+            ("float8_e4m3fn", [4]),
+        ],
         20,
         [(0, 3, 26, (0, 12, 20)), (3, 5, 9, (0, 5))],
     ),

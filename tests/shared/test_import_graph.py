@@ -54,8 +54,12 @@ CUPY = frozenset({"cupy", "cupyx"})
 # Each entry: the module set of the cycle's strongly connected component.
 KNOWN_CYCLES: list[frozenset[str]] = []
 
-CONSUMERS = ("weightwire.trainer", "weightwire.torch_side.worker", "weightwire.jax_side",
-             "weightwire.torch_side.sender")
+CONSUMERS = (
+    "weightwire.trainer",
+    "weightwire.torch_side.worker",
+    "weightwire.jax_side",
+    "weightwire.torch_side.sender",
+)
 """What uses a backend through the registry and the generic contract (``weightwire.backends``,
 ``weightwire.backends.base`` and the other modules directly in ``backends/``), never a
 particular backend's package: the framework-neutral trainer, the worker package, and the two
@@ -108,7 +112,8 @@ def _module_name(path: Path) -> tuple[str, bool]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 MODULE, FUNCTION, TYPING = "module", "function", "typing"
@@ -162,7 +167,10 @@ def build_graph() -> dict[str, Module]:
             else:
                 base = _resolve(module, node)
                 # ``from pkg import sub`` imports the submodule ``pkg.sub`` when there is one.
-                targets = [base, *(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules)]
+                targets = [
+                    base,
+                    *(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules),
+                ]
             for target in targets:
                 if target.split(".")[0] != "weightwire":
                     if top:
@@ -289,7 +297,10 @@ def cycles() -> list[tuple[frozenset[str], list[str]]]:
                 for w in sorted(set(GRAPH[v].imports()) & component):
                     if w == start:
                         cycle = [*paths[v], start]
-                        cycle = [f"{a} (line {GRAPH[a].imports()[b]})" for a, b in zip(cycle, cycle[1:], strict=False)]
+                        cycle = [
+                            f"{a} (line {GRAPH[a].imports()[b]})"
+                            for a, b in zip(cycle, cycle[1:], strict=False)
+                        ]
                         cycle.append(start)
                         break
                     if w not in paths:
@@ -312,7 +323,10 @@ def test_the_graph_sees_the_package() -> None:
     assert "jax" in GRAPH["weightwire.jax_side.naming"].external
     # Function-level imports are recorded apart: the benchmark imports the TCP wire when it runs.
     bench = GRAPH["weightwire.tools.bench.comm"]
-    assert "weightwire.backends.tcp.comm" in bench.lazy_internal and "weightwire.backends.tcp.comm" not in bench.internal
+    assert (
+        "weightwire.backends.tcp.comm" in bench.lazy_internal
+        and "weightwire.backends.tcp.comm" not in bench.internal
+    )
 
 
 def test_a_cycle_and_a_leak_are_detected(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -323,14 +337,19 @@ def test_a_cycle_and_a_leak_are_detected(monkeypatch: pytest.MonkeyPatch) -> Non
     assert any({"weightwire.shared.meta", "weightwire.trainer.config"} <= c for c, _ in cycles())
     leaks = forbidden_reach("weightwire.shared.meta", TORCH, ("weightwire.trainer",))
     assert leaks and leaks[0].startswith(
-        "weightwire.shared.meta (line 1: import weightwire.trainer.config runs package weightwire.trainer)"), leaks
+        "weightwire.shared.meta (line 1: import weightwire.trainer.config runs package weightwire.trainer)"
+    ), leaks
 
 
 def test_a_function_level_import_back_is_a_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
     # limits is imported by info at module level; a lazy import of info inside limits closes a cycle.
     limits = GRAPH["weightwire.shared.limits"]
     monkeypatch.setitem(limits.lazy_lines, "weightwire.shared.info", 7)
-    found = [cycle for c, cycle in cycles() if {"weightwire.shared.info", "weightwire.shared.limits"} <= c]
+    found = [
+        cycle
+        for c, cycle in cycles()
+        if {"weightwire.shared.info", "weightwire.shared.limits"} <= c
+    ]
     assert found and "weightwire.shared.limits (line 7)" in " -> ".join(found[0]), found
 
 
@@ -354,15 +373,24 @@ def backend_packages() -> list[str]:
 
 def upward_edges() -> set[tuple[str, str]]:
     """Imports (any level, type-only too) from ``backends`` into ``trainer`` or the worker package."""
-    return {(m, t) for m in _in("weightwire.backends") for t in GRAPH[m].dependencies()
-            if _under(t, ("weightwire.trainer", "weightwire.torch_side.worker"))}
+    return {
+        (m, t)
+        for m in _in("weightwire.backends")
+        for t in GRAPH[m].dependencies()
+        if _under(t, ("weightwire.trainer", "weightwire.torch_side.worker"))
+    }
 
 
 def particular_edges() -> set[tuple[str, str]]:
     """Imports (any level, type-only and lazy exports too) of a particular backend by a consumer."""
     particular = backend_packages()
-    return {(m, t) for m in GRAPH if _under(m, CONSUMERS)
-            for t in GRAPH[m].dependencies() if _under(t, particular)}
+    return {
+        (m, t)
+        for m in GRAPH
+        if _under(m, CONSUMERS)
+        for t in GRAPH[m].dependencies()
+        if _under(t, particular)
+    }
 
 
 def test_known_exceptions_still_exist() -> None:
@@ -375,15 +403,19 @@ def test_known_exceptions_still_exist() -> None:
 
 def test_backends_never_import_the_trainer_or_the_worker() -> None:
     # The backend contract lives in ``backends``; ``trainer`` and the worker only consume it.
-    found = [f"{m} (line {GRAPH[m].dependencies()[t]}) -> {t}"
-             for m, t in sorted(upward_edges() - KNOWN_UPWARD)]
+    found = [
+        f"{m} (line {GRAPH[m].dependencies()[t]}) -> {t}"
+        for m, t in sorted(upward_edges() - KNOWN_UPWARD)
+    ]
     assert found == [], "backends import upward:\n" + "\n".join(found)
 
 
 def test_consumers_never_import_a_particular_backend() -> None:
     # They reach a backend through the registry (``weightwire.backends``) and the generic contract.
-    found = [f"{m} (line {GRAPH[m].dependencies()[t]}) -> {t}"
-             for m, t in sorted(particular_edges() - KNOWN_PARTICULAR)]
+    found = [
+        f"{m} (line {GRAPH[m].dependencies()[t]}) -> {t}"
+        for m, t in sorted(particular_edges() - KNOWN_PARTICULAR)
+    ]
     assert found == [], "imports of a particular backend:\n" + "\n".join(found)
 
 
@@ -412,8 +444,13 @@ def test_a_type_only_import_back_is_a_cycle(monkeypatch: pytest.MonkeyPatch) -> 
 def test_shared_is_a_sink(name: str) -> None:
     module = GRAPH[name]
     # weightwire._lazy (stdlib only, checked below) gives shared/__init__ its lazy exports.
-    outside = sorted(t for t in module.internal | module.lazy_internal
-                     if not (t in ("weightwire.shared", "weightwire._lazy") or t.startswith("weightwire.shared.")))
+    outside = sorted(
+        t
+        for t in module.internal | module.lazy_internal
+        if not (
+            t in ("weightwire.shared", "weightwire._lazy") or t.startswith("weightwire.shared.")
+        )
+    )
     assert outside == [], f"{name} imports weightwire modules outside shared: {outside}"
     assert forbidden_reach(name, JAX | TORCH | CUPY, ()) == []
 
@@ -421,7 +458,9 @@ def test_shared_is_a_sink(name: str) -> None:
 def test_the_lazy_helper_imports_nothing_of_weightwire() -> None:
     # shared may import it only because it is a leaf: stdlib, no weightwire module, no framework.
     helper = GRAPH["weightwire._lazy"]
-    assert helper.internal | helper.lazy_internal <= {"weightwire"}, helper.internal | helper.lazy_internal
+    assert helper.internal | helper.lazy_internal <= {"weightwire"}, (
+        helper.internal | helper.lazy_internal
+    )
     assert not set(helper.external) & (JAX | TORCH | CUPY | {"numpy"}), helper.external
 
 
@@ -446,18 +485,27 @@ def test_the_reference_server_never_reaches_jax(name: str) -> None:
 
 
 def test_the_library_never_imports_its_tools() -> None:
-    entry = {"weightwire", "weightwire.__main__"}  # the export list; `python -m weightwire` is the CLI
+    entry = {
+        "weightwire",
+        "weightwire.__main__",
+    }  # the export list; `python -m weightwire` is the CLI
     library = [m for m in GRAPH if m not in entry and not _under(m, ("weightwire.tools",))]
-    found = [f"{m} -> {t}" for m in library
-             for t in sorted(GRAPH[m].internal | GRAPH[m].lazy_internal | set(GRAPH[m].typing_lines))
-             if _under(t, ("weightwire.tools",))]
+    found = [
+        f"{m} -> {t}"
+        for m in library
+        for t in sorted(GRAPH[m].internal | GRAPH[m].lazy_internal | set(GRAPH[m].typing_lines))
+        if _under(t, ("weightwire.tools",))
+    ]
     assert len(library) > 50, library
     assert found == [], f"the library imports a tool: {found}"
 
 
 @pytest.mark.parametrize("name", _in("weightwire.trainer") + _in("weightwire.control"))
 def test_trainer_and_control_reach_no_framework(name: str) -> None:
-    assert forbidden_reach(name, JAX | TORCH | CUPY, ("weightwire.jax_side", "weightwire.torch_side")) == []
+    assert (
+        forbidden_reach(name, JAX | TORCH | CUPY, ("weightwire.jax_side", "weightwire.torch_side"))
+        == []
+    )
 
 
 @pytest.mark.parametrize("name", _in("weightwire.backends"))
@@ -472,7 +520,15 @@ def test_every_logger_is_named_after_its_module() -> None:
     bad = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "getLogger"
-                    and not (len(node.args) == 1 and isinstance(node.args[0], ast.Name) and node.args[0].id == "__name__")):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "getLogger"
+                and not (
+                    len(node.args) == 1
+                    and isinstance(node.args[0], ast.Name)
+                    and node.args[0].id == "__name__"
+                )
+            ):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert bad == [], f"use logging.getLogger(__name__): {bad}"

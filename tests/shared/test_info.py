@@ -9,7 +9,13 @@ import json
 
 import pytest
 
-from weightwire.shared import NCCLInitInfo, ParamMeta, TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared import (
+    NCCLInitInfo,
+    ParamMeta,
+    TCPInitInfo,
+    UpdateInfo,
+    WeightwireNCCLInitInfo,
+)
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, encode_secret
 
 # Bytes 0xfb 0xff encode to "+/" in standard base64 and to "-_" in the URL-safe
@@ -31,7 +37,13 @@ def nccl_store(**over: object) -> dict:
 
 
 def tcp(**over: object) -> dict:
-    base = {"host": "127.0.0.1", "port": 40000, "secret_b64": SECRET_B64, "rank_offset": 1, "world_size": 2}
+    base = {
+        "host": "127.0.0.1",
+        "port": 40000,
+        "secret_b64": SECRET_B64,
+        "rank_offset": 1,
+        "world_size": 2,
+    }
     return {**base, **over}
 
 
@@ -52,16 +64,31 @@ def test_uid_fixture_really_differs_between_alphabets() -> None:
 # --- NCCLInitInfo (and its weightwire subclass: same rules) ---------------------
 
 NCCL_BAD = {
-    "missing_rank_offset": (without(nccl_uid(), "rank_offset"), "missing required field 'rank_offset'"),
-    "missing_world_size": (without(nccl_uid(), "world_size"), "missing required field 'world_size'"),
+    "missing_rank_offset": (
+        without(nccl_uid(), "rank_offset"),
+        "missing required field 'rank_offset'",
+    ),
+    "missing_world_size": (
+        without(nccl_uid(), "world_size"),
+        "missing required field 'world_size'",
+    ),
     "unknown_key": (nccl_uid(packed_buffer=5), r"unknown keys \['packed_buffer'\]"),
-    "url_safe_b64": (nccl_uid(nccl_unique_id_b64=base64.urlsafe_b64encode(UID).decode()), "nccl_unique_id_b64"),
+    "url_safe_b64": (
+        nccl_uid(nccl_unique_id_b64=base64.urlsafe_b64encode(UID).decode()),
+        "nccl_unique_id_b64",
+    ),
     "id_127_bytes": (nccl_uid(nccl_unique_id_b64=encode_secret(UID[:127])), "nccl_unique_id_b64"),
     "id_129_bytes": (nccl_uid(nccl_unique_id_b64=encode_secret(UID + b"x")), "nccl_unique_id_b64"),
     "id_unpadded": (nccl_uid(nccl_unique_id_b64=UID_B64.rstrip("=") + "A"), "nccl_unique_id_b64"),
-    "id_with_newline": (nccl_uid(nccl_unique_id_b64=UID_B64[:-4] + "\n" + UID_B64[-3:]), "nccl_unique_id_b64"),
+    "id_with_newline": (
+        nccl_uid(nccl_unique_id_b64=UID_B64[:-4] + "\n" + UID_B64[-3:]),
+        "nccl_unique_id_b64",
+    ),
     "id_not_str": (nccl_uid(nccl_unique_id_b64=list(UID)), "nccl_unique_id_b64"),
-    "both_modes": (nccl_uid(master_address="h", master_port=1), "master_address.*nccl_unique_id_b64"),
+    "both_modes": (
+        nccl_uid(master_address="h", master_port=1),
+        "master_address.*nccl_unique_id_b64",
+    ),
     "no_mode": (without(nccl_uid(), "nccl_unique_id_b64"), "rendezvous"),
     "address_without_port": (without(nccl_store(), "master_port"), "master_port"),
     "empty_address": (nccl_store(master_address=""), "master_address"),
@@ -98,8 +125,14 @@ def test_nccl_init_info_rejects(cls: type[NCCLInitInfo], case: str) -> None:
 
 @pytest.mark.parametrize(
     ("bad", "match"),
-    [(0, "timeout_s"), (-1.0, "timeout_s"), (86_401, "timeout_s"), (True, "timeout_s must be float"),
-     ("5", "timeout_s must be float"), (10**400, "timeout_s")],
+    [
+        (0, "timeout_s"),
+        (-1.0, "timeout_s"),
+        (86_401, "timeout_s"),
+        (True, "timeout_s must be float"),
+        ("5", "timeout_s must be float"),
+        (10**400, "timeout_s"),
+    ],
 )
 def test_weightwire_nccl_timeout(bad: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -122,15 +155,26 @@ def test_nccl_timeout_key_is_unknown_to_stock_backend() -> None:
 def test_nccl_defaults_and_round_trip() -> None:
     info = NCCLInitInfo.from_dict(nccl_uid())
     # vLLM's worker defaults: unpacked, 1 GiB, 2 buffers.
-    assert (info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers) == (False, 1 << 30, 2)
+    assert (info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers) == (
+        False,
+        1 << 30,
+        2,
+    )
     assert DEFAULT_PACKED_BUFFER_SIZE_BYTES == 1 << 30
     assert info.unique_id_bytes == UID
     # Unused rendezvous fields are dropped, so a stock server only sees one mode.
     assert set(info.to_dict()) == {
-        "nccl_unique_id_b64", "rank_offset", "world_size", "packed", "packed_buffer_size_bytes", "packed_num_buffers",
+        "nccl_unique_id_b64",
+        "rank_offset",
+        "world_size",
+        "packed",
+        "packed_buffer_size_bytes",
+        "packed_num_buffers",
     }
     assert NCCLInitInfo.from_json(info.to_json()) == info
-    store = NCCLInitInfo.from_dict(nccl_store(packed=True, packed_buffer_size_bytes=4096, packed_num_buffers=3))
+    store = NCCLInitInfo.from_dict(
+        nccl_store(packed=True, packed_buffer_size_bytes=4096, packed_num_buffers=3)
+    )
     assert store.unique_id_bytes is None and "nccl_unique_id_b64" not in store.to_dict()
     assert NCCLInitInfo.from_json(store.to_json()) == store
     ww = WeightwireNCCLInitInfo.from_dict(nccl_uid(timeout_s=7))
@@ -171,8 +215,16 @@ def test_tcp_init_info_rejects(case: str) -> None:
 def test_tcp_defaults_and_round_trip() -> None:
     info = TCPInitInfo.from_dict(tcp())
     assert info.secret == SECRET
-    assert (info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers, info.timeout_s) == (
-        True, 64 << 20, 2, 300.0,
+    assert (
+        info.packed,
+        info.packed_buffer_size_bytes,
+        info.packed_num_buffers,
+        info.timeout_s,
+    ) == (
+        True,
+        64 << 20,
+        2,
+        300.0,
     )
     assert TCPInitInfo.from_json(info.to_json()) == info
     assert TCPInitInfo.from_json(info.to_json().encode()) == info
@@ -208,7 +260,10 @@ def test_secret_not_echoed_in_errors() -> None:
 
 UPDATE_BAD = {
     "unknown_key": (update(packed=True), r"unknown keys \['packed'\]"),
-    "dtype_names_short": (update(dtype_names=["float32"]), "dtype_names has 1 entries but names has 2"),
+    "dtype_names_short": (
+        update(dtype_names=["float32"]),
+        "dtype_names has 1 entries but names has 2",
+    ),
     "shapes_long": (update(shapes=[[1], [2], [3]]), "shapes has 3 entries but names has 2"),
     "names_only": ({"names": ["a"]}, "dtype_names has 0 entries"),
     "negative_dim": (update(shapes=[[2, -3], []]), r"shapes\[0\] has a negative dim -3"),
@@ -219,7 +274,10 @@ UPDATE_BAD = {
     # float32 [2^31, 2^31, 2^31] = 2^93 x 4 bytes: past int64, refused before any math in C.
     "int64_overflow": (update(shapes=[[2**31] * 3, []]), r"shapes\[0\]"),
     "huge_dim": (update(shapes=[[2**70], []]), r"shapes\[0\] has dim"),
-    "unknown_dtype": (update(dtype_names=["bfloat16", "complex64"]), r"dtype_names\[1\]: unsupported dtype 'complex64'"),
+    "unknown_dtype": (
+        update(dtype_names=["bfloat16", "complex64"]),
+        r"dtype_names\[1\]: unsupported dtype 'complex64'",
+    ),
     "dtype_torch_prefix": (update(dtype_names=["torch.bfloat16", "float32"]), r"dtype_names\[0\]"),
     "dtype_not_str": (update(dtype_names=[7, "float32"]), r"dtype_names\[0\]"),
     "empty_name": (update(names=["", "b"]), r"names\[0\]"),
@@ -241,7 +299,9 @@ def test_update_info_rejects(case: str) -> None:
         UpdateInfo.from_json(json.dumps(payload))
 
 
-@pytest.mark.parametrize("text", ["", "{", "not json", "{'names': []}", b"\xff\xfe\xfa", "[" * 50_000, "{}x"])
+@pytest.mark.parametrize(
+    "text", ["", "{", "not json", "{'names': []}", b"\xff\xfe\xfa", "[" * 50_000, "{}x"]
+)
 def test_non_json_text_is_refused(text: str | bytes) -> None:
     for cls in (UpdateInfo, NCCLInitInfo, WeightwireNCCLInitInfo, TCPInitInfo, ParamMeta):
         with pytest.raises(ValueError, match=f"{cls.__name__}: body is not valid JSON"):
@@ -258,7 +318,8 @@ def test_update_info_round_trip_and_metas() -> None:
     assert UpdateInfo.from_json(info.to_json()) == info
     ms = info.metas()
     assert [(m.name, m.dtype, m.shape, m.nbytes) for m in ms] == [
-        ("a", "bfloat16", (2, 3), 12), ("b", "float32", (), 4),
+        ("a", "bfloat16", (2, 3), 12),
+        ("b", "float32", (), 4),
     ]
     assert UpdateInfo.from_metas(ms) == info
     assert not info.reuses_previous
@@ -289,15 +350,30 @@ def test_param_meta_round_trip() -> None:
 PARAM_BAD = {
     "missing_shape": ({"name": "x", "dtype": "int8"}, "missing required field 'shape'"),
     "missing_name": ({"dtype": "int8", "shape": []}, "missing required field 'name'"),
-    "unknown_key": ({"name": "x", "dtype": "int8", "shape": [], "stride": [1]}, r"unknown keys \['stride'\]"),
-    "unknown_dtype": ({"name": "x", "dtype": "int4", "shape": []}, "dtype of 'x': unsupported dtype 'int4'"),
-    "negative_dim": ({"name": "x", "dtype": "int8", "shape": [-1]}, "shape of 'x' has a negative dim"),
+    "unknown_key": (
+        {"name": "x", "dtype": "int8", "shape": [], "stride": [1]},
+        r"unknown keys \['stride'\]",
+    ),
+    "unknown_dtype": (
+        {"name": "x", "dtype": "int4", "shape": []},
+        "dtype of 'x': unsupported dtype 'int4'",
+    ),
+    "negative_dim": (
+        {"name": "x", "dtype": "int8", "shape": [-1]},
+        "shape of 'x' has a negative dim",
+    ),
     "overflow": ({"name": "x", "dtype": "float64", "shape": [2**31] * 3}, "shape of 'x'"),
     "empty_name": ({"name": "", "dtype": "int8", "shape": []}, "ParamMeta.name"),
-    "owners_not_list": ({"name": "x", "dtype": "int8", "shape": [], "owners": 0}, "ParamMeta.owners"),
+    "owners_not_list": (
+        {"name": "x", "dtype": "int8", "shape": [], "owners": 0},
+        "ParamMeta.owners",
+    ),
     "owners_bool": ({"name": "x", "dtype": "int8", "shape": [], "owners": [True]}, "owners of 'x'"),
     "owners_empty": ({"name": "x", "dtype": "int8", "shape": [], "owners": []}, "owners of 'x'"),
-    "owners_negative": ({"name": "x", "dtype": "int8", "shape": [], "owners": [-1]}, "owners of 'x'"),
+    "owners_negative": (
+        {"name": "x", "dtype": "int8", "shape": [], "owners": [-1]},
+        "owners of 'x'",
+    ),
     "not_object": (["x", "int8", []], "ParamMeta must be a JSON object"),
 }
 
@@ -332,12 +408,19 @@ def test_field_types_are_read_from_the_annotations() -> None:
         items: list[str] = field(default_factory=list)
         seconds: float = 1.0
 
-    assert field_kinds(Toy) == {"count": (int,), "label": (str,), "items": (list,), "seconds": (float,)}
+    assert field_kinds(Toy) == {
+        "count": (int,),
+        "label": (str,),
+        "items": (list,),
+        "seconds": (float,),
+    }
     assert Toy.from_dict({"count": 2, "label": None, "items": ["a"], "seconds": 3}).seconds == 3
-    for body, needle in [({"count": True}, "Toy.count must be int, got bool"),
-                         ({"count": 1, "label": 5}, "Toy.label must be str, got int"),
-                         ({"count": 1, "items": "a"}, "Toy.items must be list, got str"),
-                         ({"count": 1, "seconds": "1"}, "Toy.seconds must be float, got str")]:
+    for body, needle in [
+        ({"count": True}, "Toy.count must be int, got bool"),
+        ({"count": 1, "label": 5}, "Toy.label must be str, got int"),
+        ({"count": 1, "items": "a"}, "Toy.items must be list, got str"),
+        ({"count": 1, "seconds": "1"}, "Toy.seconds must be float, got str"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             Toy.from_dict(body)
 
@@ -348,4 +431,7 @@ def test_every_init_info_field_has_a_json_type() -> None:
     json_types = {int, float, str, bool, list}
     for cls in (NCCLInitInfo, WeightwireNCCLInitInfo, TCPInitInfo, UpdateInfo):
         kinds = field_kinds(cls)
-        assert kinds and all(set(k) <= json_types and len(k) == 1 for k in kinds.values()), (cls, kinds)
+        assert kinds and all(set(k) <= json_types and len(k) == 1 for k in kinds.values()), (
+            cls,
+            kinds,
+        )

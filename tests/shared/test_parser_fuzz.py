@@ -36,7 +36,9 @@ _scalars = (
 )
 json_values = st.recursive(
     _scalars,
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
     max_leaves=20,
 )
 
@@ -64,7 +66,9 @@ _plausible = {
     "timeout_s": st.sampled_from([0.5, 5, 86_400, 86_401, float("nan"), float("inf"), -1.0]),
     "names": st.lists(st.sampled_from(["a", "b", "model.layers.0.w", ""]), max_size=4),
     "dtype_names": st.lists(st.sampled_from([*WIRE_DTYPES, "int4", "torch.float32"]), max_size=4),
-    "shapes": st.lists(st.lists(st.integers(min_value=-2, max_value=2**40), max_size=4), max_size=4),
+    "shapes": st.lists(
+        st.lists(st.integers(min_value=-2, max_value=2**40), max_size=4), max_size=4
+    ),
     "name": st.sampled_from(["w", "", "x" * 2000]),
     "dtype": st.sampled_from([*WIRE_DTYPES, "complex64"]),
     "shape": st.lists(st.integers(min_value=-1, max_value=2**45), max_size=5),
@@ -76,8 +80,12 @@ def payloads(keys: tuple[str, ...]) -> st.SearchStrategy[object]:
     """Mostly objects with the parser's own keys, holding plausible or random values."""
     field = {k: _plausible[k] | json_values for k in keys}
     objects = st.fixed_dictionaries({}, optional=field)
-    junk_keys = st.dictionaries(st.sampled_from([*keys, "extra", "Packed"]), json_values, max_size=4)
-    deep_values = st.builds(lambda k, d: {k: deep(d)}, st.sampled_from(keys), st.integers(900, 3000))
+    junk_keys = st.dictionaries(
+        st.sampled_from([*keys, "extra", "Packed"]), json_values, max_size=4
+    )
+    deep_values = st.builds(
+        lambda k, d: {k: deep(d)}, st.sampled_from(keys), st.integers(900, 3000)
+    )
     return objects | junk_keys | deep_values | json_values
 
 
@@ -90,13 +98,47 @@ def only_value_error(parse: Callable[[object], object], data: object) -> object 
 
 
 PARSERS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "nccl": (NCCLInitInfo, ("master_address", "master_port", "nccl_unique_id_b64", "rank_offset", "world_size",
-                            "packed", "packed_buffer_size_bytes", "packed_num_buffers")),
-    "weightwire_nccl": (WeightwireNCCLInitInfo, ("master_address", "master_port", "nccl_unique_id_b64", "rank_offset",
-                                                 "world_size", "packed", "packed_buffer_size_bytes",
-                                                 "packed_num_buffers", "timeout_s")),
-    "tcp": (TCPInitInfo, ("host", "port", "secret_b64", "rank_offset", "world_size", "packed",
-                          "packed_buffer_size_bytes", "packed_num_buffers", "timeout_s")),
+    "nccl": (
+        NCCLInitInfo,
+        (
+            "master_address",
+            "master_port",
+            "nccl_unique_id_b64",
+            "rank_offset",
+            "world_size",
+            "packed",
+            "packed_buffer_size_bytes",
+            "packed_num_buffers",
+        ),
+    ),
+    "weightwire_nccl": (
+        WeightwireNCCLInitInfo,
+        (
+            "master_address",
+            "master_port",
+            "nccl_unique_id_b64",
+            "rank_offset",
+            "world_size",
+            "packed",
+            "packed_buffer_size_bytes",
+            "packed_num_buffers",
+            "timeout_s",
+        ),
+    ),
+    "tcp": (
+        TCPInitInfo,
+        (
+            "host",
+            "port",
+            "secret_b64",
+            "rank_offset",
+            "world_size",
+            "packed",
+            "packed_buffer_size_bytes",
+            "packed_num_buffers",
+            "timeout_s",
+        ),
+    ),
     "update": (UpdateInfo, ("names", "dtype_names", "shapes")),
     "param": (ParamMeta, ("name", "dtype", "shape", "owners")),
 }
@@ -157,8 +199,20 @@ def test_fuzz_param_meta(data: object) -> None:
 _texts = (
     st.binary(max_size=64)
     | st.text(max_size=64)
-    | st.sampled_from([b"\xff\xfe{}", b'{"names": "\xc3\x28"}', "\ud800", "1" * 5000, "[" * 100_000,
-                       '{"a":' * 20_000, "NaN", "-Infinity", "null", '{"names": [1e999]}'])
+    | st.sampled_from(
+        [
+            b"\xff\xfe{}",
+            b'{"names": "\xc3\x28"}',
+            "\ud800",
+            "1" * 5000,
+            "[" * 100_000,
+            '{"a":' * 20_000,
+            "NaN",
+            "-Infinity",
+            "null",
+            '{"names": [1e999]}',
+        ]
+    )
     | st.integers(min_value=1, max_value=5000).map(lambda n: "[" * n + "]" * n)
     | json_values.map(lambda v: json.dumps(v).encode("utf-16"))
 )
@@ -179,4 +233,6 @@ def test_deep_nesting_every_field() -> None:
     for cls, keys in PARSERS.values():
         for key in keys:
             only_value_error(cls.from_dict, {key: deep(50_000)})
-            only_value_error(cls.from_json, "{" + json.dumps(key) + ": " + "[" * 50_000 + "]" * 50_000 + "}")
+            only_value_error(
+                cls.from_json, "{" + json.dumps(key) + ": " + "[" * 50_000 + "]" * 50_000 + "}"
+            )

@@ -42,7 +42,12 @@ def _exports(package: str) -> dict[str, str]:
 
 def test_the_lazy_packages() -> None:
     assert LAZY_PACKAGES == [
-        "weightwire", "weightwire.jax_side", "weightwire.shared", "weightwire.torch_side", "weightwire.torch_side.worker"]
+        "weightwire",
+        "weightwire.jax_side",
+        "weightwire.shared",
+        "weightwire.torch_side",
+        "weightwire.torch_side.worker",
+    ]
 
 
 @pytest.mark.parametrize("package", LAZY_PACKAGES)
@@ -71,19 +76,53 @@ def test_dir_lists_the_exports_and_nothing_the_package_body_used(package: str) -
 
 def test_the_top_level_api_covers_a_user_round() -> None:
     # The names of the README's quick start and of a torch trainer, and the error roots.
-    needed = {"JAXTrainerEngine", "PytreeSource", "preset", "load_decoder", "TorchTrainerEngine", "ModuleSource",
-              "TrainerInitInfo", "HTTPWeightSyncClient", "RayWeightSyncClient", "RoundMetrics", "TCPInitInfo",
-              "NCCLInitInfo", "IPCInitInfo", "WeightwireError", "TransferError", "WeightSyncError", "EngineBroken"}
+    needed = {
+        "JAXTrainerEngine",
+        "PytreeSource",
+        "preset",
+        "load_decoder",
+        "TorchTrainerEngine",
+        "ModuleSource",
+        "TrainerInitInfo",
+        "HTTPWeightSyncClient",
+        "RayWeightSyncClient",
+        "RoundMetrics",
+        "TCPInitInfo",
+        "NCCLInitInfo",
+        "IPCInitInfo",
+        "WeightwireError",
+        "TransferError",
+        "WeightSyncError",
+        "EngineBroken",
+    }
     assert needed <= set(weightwire.__all__), sorted(needed - set(weightwire.__all__))
-    assert weightwire.__version__ == re.search(r'__version__ = "([^"]+)"', (ROOT / "weightwire/__init__.py").read_text())[1]
+    assert (
+        weightwire.__version__
+        == re.search(r'__version__ = "([^"]+)"', (ROOT / "weightwire/__init__.py").read_text())[1]
+    )
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("if TYPE_CHECKING:\n    import weightwire.shared\n", "only 'from module import Name as Name'"),
-    ("if TYPE_CHECKING:\n    from weightwire.shared import ParamMeta\n", "write 'import ParamMeta as ParamMeta'"),
-    ("if TYPE_CHECKING:\n    from weightwire.shared import ParamMeta as Meta\n", "write 'import ParamMeta as ParamMeta'"),
-    ("if TYPE_CHECKING:\n    from a import X as X\n    from b import X as X\n", "'X' is exported twice"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            "if TYPE_CHECKING:\n    import weightwire.shared\n",
+            "only 'from module import Name as Name'",
+        ),
+        (
+            "if TYPE_CHECKING:\n    from weightwire.shared import ParamMeta\n",
+            "write 'import ParamMeta as ParamMeta'",
+        ),
+        (
+            "if TYPE_CHECKING:\n    from weightwire.shared import ParamMeta as Meta\n",
+            "write 'import ParamMeta as ParamMeta'",
+        ),
+        (
+            "if TYPE_CHECKING:\n    from a import X as X\n    from b import X as X\n",
+            "'X' is exported twice",
+        ),
+    ],
+)
 def test_an_export_list_it_cannot_honour_is_refused(bad: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         exports_of(bad, package="pkg")
@@ -95,9 +134,15 @@ def _weightwire_imports(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             bad += [a.name for a in node.names if a.name.split(".")[0] == "weightwire"]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "weightwire":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "weightwire"
+        ):
             if node.module == "weightwire":
-                bad += [f"weightwire.{a.name}" for a in node.names if a.name not in weightwire.__all__]
+                bad += [
+                    f"weightwire.{a.name}" for a in node.names if a.name not in weightwire.__all__
+                ]
             elif not node.module.startswith(ADVANCED):
                 bad.append(node.module)
     return bad
@@ -109,7 +154,9 @@ def _readme_python() -> str:
     return "\n".join(blocks)
 
 
-@pytest.mark.parametrize("where", ["README.md", *sorted(p.name for p in (ROOT / "examples").glob("*.py"))])
+@pytest.mark.parametrize(
+    "where", ["README.md", *sorted(p.name for p in (ROOT / "examples").glob("*.py"))]
+)
 def test_readme_and_examples_use_the_public_api(where: str) -> None:
     source = _readme_python() if where == "README.md" else (ROOT / "examples" / where).read_text()
     assert _weightwire_imports(source) == []

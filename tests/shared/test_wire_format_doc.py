@@ -11,7 +11,11 @@ import pytest
 from weightwire.shared import WIRE_DTYPES, UpdateInfo, plan_packed, plan_unpacked
 
 EXAMPLE = {
-    "names": ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"],
+    "names": [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.norm.weight",
+    ],
     "dtype_names": ["bfloat16", "bfloat16", "float32"],
     "shapes": [[1000, 64], [64, 64], [64]],
 }
@@ -36,7 +40,9 @@ def test_example_packed_chunks(buffer_size: int) -> None:
     got = []
     stream = 0
     for c in plan_packed(metas, buffer_size):
-        got.append((tuple(range(c.start, c.stop)), c.nbytes, c.offsets, (stream, stream + c.nbytes)))
+        got.append(
+            (tuple(range(c.start, c.stop)), c.nbytes, c.offsets, (stream, stream + c.nbytes))
+        )
         stream += c.nbytes
     assert got == DOC_CHUNKS[buffer_size]
 
@@ -51,6 +57,15 @@ def test_example_unpacked() -> None:
 
 def test_doc_dtype_table_nccl_column() -> None:
     assert {n: r.nccl for n, r in WIRE_DTYPES.items()} == {
-        "bfloat16": 9, "float16": 6, "float32": 7, "float64": 8, "int8": 0, "uint8": 1, "int32": 2,
-        "int64": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "bool": 1,
+        "bfloat16": 9,
+        "float16": 6,
+        "float32": 7,
+        "float64": 8,
+        "int8": 0,
+        "uint8": 1,
+        "int32": 2,
+        "int64": 4,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+        "bool": 1,
     }

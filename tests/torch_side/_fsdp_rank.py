@@ -45,8 +45,13 @@ class CountCollectives(TorchDispatchMode):
 
 def main() -> None:
     rank, port = int(sys.argv[1]), int(sys.argv[2])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=60),
+    )
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -70,7 +75,14 @@ def main() -> None:
     DTensor.full_tensor = counting_full
     for fn in ("all_gather_into_tensor", "all_gather", "broadcast", "all_reduce", "barrier"):
         real = getattr(dist, fn)
-        setattr(dist, fn, lambda *a, _real=real, **k: (calls.__setitem__("dist", calls["dist"] + 1), _real(*a, **k))[1])
+        setattr(
+            dist,
+            fn,
+            lambda *a, _real=real, **k: (
+                calls.__setitem__("dist", calls["dist"] + 1),
+                _real(*a, **k),
+            )[1],
+        )
 
     src = ModuleSource(model)
     with CountCollectives() as mode:
@@ -81,11 +93,21 @@ def main() -> None:
         pairs = list(checked_iter(src, metas, describe_tensor))
     iter_counts = {"ops": len(mode.ops), **calls}
     local_shapes = {n: list(p.to_local().shape) for n, p in model.named_parameters()}
-    print(json.dumps({
-        "rank": rank, "metas": [m.to_dict() for m in metas], "held": held, "meta_counts": meta_counts,
-        "iter_counts": iter_counts, "reference": reference, "got": {n: sha(t) for n, t in pairs},
-        "local_shapes": local_shapes,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "metas": [m.to_dict() for m in metas],
+                "held": held,
+                "meta_counts": meta_counts,
+                "iter_counts": iter_counts,
+                "reference": reference,
+                "got": {n: sha(t) for n, t in pairs},
+                "local_shapes": local_shapes,
+            }
+        ),
+        flush=True,
+    )
     dist.barrier()
     dist.destroy_process_group()
     # Skip interpreter teardown: gloo's background threads occasionally race static

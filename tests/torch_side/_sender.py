@@ -36,7 +36,9 @@ def connect(cfg: dict):
     if cfg.get("backend", "weightwire_tcp") == "weightwire_tcp":
         from weightwire.backends.tcp.rendezvous import TCPRendezvous
 
-        rdv = TCPRendezvous(world_size=cfg["world_size"], secret=base64.b64decode(cfg["secret_b64"]))
+        rdv = TCPRendezvous(
+            world_size=cfg["world_size"], secret=base64.b64decode(cfg["secret_b64"])
+        )
         emit({"port": rdv.port})
         comm = rdv.accept(timeout=60)
         rdv.close()
@@ -44,8 +46,13 @@ def connect(cfg: dict):
         from weightwire.backends.nccl.comm import NCCLCommunicator
 
         torch.cuda.set_device(0)
-        comm = NCCLCommunicator.join(unique_id=base64.b64decode(cfg["unique_id_b64"]), rank=0,
-                                     world_size=cfg["world_size"], device=0, timeout=60)
+        comm = NCCLCommunicator.join(
+            unique_id=base64.b64decode(cfg["unique_id_b64"]),
+            rank=0,
+            world_size=cfg["world_size"],
+            device=0,
+            timeout=60,
+        )
     comm.warmup(timeout=60)
     return comm
 
@@ -60,7 +67,9 @@ def send(comm, cfg: dict, arrays: list, metas: list[ParamMeta], chunk) -> None:
         comm.broadcast(dev, timeout=60)
     else:  # unpacked: the tensor's own NCCL dtype, as a stock vLLM worker receives it
         meta = metas[chunk.start]
-        comm.broadcast_typed(dev, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel, timeout=60)
+        comm.broadcast_typed(
+            dev, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel, timeout=60
+        )
 
 
 def main() -> None:

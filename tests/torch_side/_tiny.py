@@ -9,12 +9,20 @@ import numpy as np
 import torch
 
 
-def tiny_llama(*, seed: int = 0, dtype: torch.dtype = torch.float32, tied: bool = False) -> torch.nn.Module:
+def tiny_llama(
+    *, seed: int = 0, dtype: torch.dtype = torch.float32, tied: bool = False
+) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM  # slow import, only when used
 
     config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, tie_word_embeddings=tied,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(dtype)

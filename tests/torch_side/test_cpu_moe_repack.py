@@ -38,9 +38,15 @@ def vllm_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     base.WeightTransferEngine = type("WeightTransferEngine", (), {})  # type: ignore[attr-defined]
     cpu_moe = types.ModuleType("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
     cpu_moe.CPUUnquantizedExperts = FakeCPUExperts  # type: ignore[attr-defined]
-    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer", "vllm.model_executor",
-                 "vllm.model_executor.layers", "vllm.model_executor.layers.fused_moe",
-                 "vllm.model_executor.layers.fused_moe.experts"):
+    for name in (
+        "vllm",
+        "vllm.distributed",
+        "vllm.distributed.weight_transfer",
+        "vllm.model_executor",
+        "vllm.model_executor.layers",
+        "vllm.model_executor.layers.fused_moe",
+        "vllm.model_executor.layers.fused_moe.experts",
+    ):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, base.__name__, base)
     monkeypatch.setitem(sys.modules, cpu_moe.__name__, cpu_moe)
@@ -53,7 +59,9 @@ def vllm_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     sys.modules.pop(mod.__name__, None)
 
 
-def test_reprocessed_cpu_moe_layers_are_prepacked_again_once(vllm_engines: types.ModuleType) -> None:
+def test_reprocessed_cpu_moe_layers_are_prepacked_again_once(
+    vllm_engines: types.ModuleType,
+) -> None:
     calls: list[str] = []
     other: list[str] = []
     model = torch.nn.Module()

@@ -20,7 +20,10 @@ def test_every_wire_dtype_round_trips():
     for name in SUPPORTED_DTYPES:
         assert wire_name(torch_dtype(name)) == name
     check_itemsizes()
-    assert torch_dtype("bfloat16") is torch.bfloat16 and torch_dtype("float8_e4m3fn") is torch.float8_e4m3fn
+    assert (
+        torch_dtype("bfloat16") is torch.bfloat16
+        and torch_dtype("float8_e4m3fn") is torch.float8_e4m3fn
+    )
 
 
 def test_unknown_names_and_dtypes_refused():
@@ -41,7 +44,11 @@ SIMPLE = ["bfloat16", "float16", "float32", "float64", "int8", "uint8", "int32",
 
 @settings(max_examples=60, deadline=None)
 @given(
-    specs=st.lists(st.tuples(st.sampled_from(SIMPLE), st.lists(st.integers(0, 5), max_size=3)), min_size=1, max_size=8),
+    specs=st.lists(
+        st.tuples(st.sampled_from(SIMPLE), st.lists(st.integers(0, 5), max_size=3)),
+        min_size=1,
+        max_size=8,
+    ),
     buffer_size=st.integers(1, 64),
     packed=st.booleans(),
 )
@@ -61,7 +68,11 @@ def test_unpack_chunk_matches_numpy_golden_model(specs, buffer_size, packed):
 
 
 def test_misaligned_tensor_is_copied_out_and_scalars_work():
-    metas = [ParamMeta("odd", "uint8", (3,)), ParamMeta("w", "bfloat16", (2,)), ParamMeta("s", "float32", ())]
+    metas = [
+        ParamMeta("odd", "uint8", (3,)),
+        ParamMeta("w", "bfloat16", (2,)),
+        ParamMeta("s", "float32", ()),
+    ]
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 10)
     buf = torch.arange(chunk.nbytes, dtype=torch.uint8)
     out = dict(unpack_chunk(buf, metas, chunk))

@@ -58,8 +58,16 @@ class ThreadSender:
             self.rdv.close()
 
     def info(self, **over) -> TCPInitInfo:
-        fields = {**self.rdv.init_fields(), "rank_offset": 1, "world_size": 2, "packed": True,
-                  "packed_buffer_size_bytes": 256, "packed_num_buffers": 2, "timeout_s": 20.0, **over}
+        fields = {
+            **self.rdv.init_fields(),
+            "rank_offset": 1,
+            "world_size": 2,
+            "packed": True,
+            "packed_buffer_size_bytes": 256,
+            "packed_num_buffers": 2,
+            "timeout_s": 20.0,
+            **over,
+        }
         return TCPInitInfo(**fields)
 
     def join(self) -> None:
@@ -67,7 +75,9 @@ class ThreadSender:
         assert not self.thread.is_alive(), "sender thread hung"
 
 
-def send_module(module: torch.nn.Module, *, rounds: int = 1, buffer_size: int = 256) -> Callable[[TCPCommunicator], None]:
+def send_module(
+    module: torch.nn.Module, *, rounds: int = 1, buffer_size: int = 256
+) -> Callable[[TCPCommunicator], None]:
     """Send ``rounds`` packed rounds of ``module``; ``rounds=0``: keep sending (bounded)
     until the receiver's abort surfaces, as a trainer's next round would."""
     named = [(n, t.detach().numpy().copy()) for n, t in ModuleSource(module)]
@@ -78,7 +88,9 @@ def send_module(module: torch.nn.Module, *, rounds: int = 1, buffer_size: int = 
         sent = 0
         while (sent < rounds or rounds == 0) and time.monotonic() < deadline:
             for chunk in plan(metas, packed=True, buffer_size_bytes=buffer_size):
-                comm.broadcast(pack_host([a for _, a in named[chunk.start : chunk.stop]], chunk), timeout=20)
+                comm.broadcast(
+                    pack_host([a for _, a in named[chunk.start : chunk.stop]], chunk), timeout=20
+                )
             sent += 1
 
     return script
@@ -105,8 +117,11 @@ def test_round_trip_and_group_batching():
     for name, p in trainer.named_parameters():
         assert torch.equal(host.model.get_parameter(name), p), name
     # one load_weights call per layer group, even though 256-byte chunks cut across layers
-    assert batches == [["embed.weight"], *[[f"layers.{i}.weight", f"layers.{i}.bias"] for i in range(3)],
-                       ["norm.weight", "norm.bias"]]
+    assert batches == [
+        ["embed.weight"],
+        *[[f"layers.{i}.weight", f"layers.{i}.bias"] for i in range(3)],
+        ["norm.weight", "norm.bias"],
+    ]
     engine.shutdown()
 
 
@@ -121,7 +136,9 @@ def test_reuse_without_previous_round_refuses_and_frees_the_sender():
         engine.update_weights({"names": [], "dtype_names": [], "shapes": []})
     sender.join()
     assert isinstance(sender.error, TransferError)
-    assert sender.error_after_s is not None and sender.error_after_s < 10, "sender should fail fast, not time out"
+    assert sender.error_after_s is not None and sender.error_after_s < 10, (
+        "sender should fail fast, not time out"
+    )
     assert host.state_checksums() == before and not host.in_round
 
 
@@ -172,7 +189,9 @@ def test_session_rules():
     with pytest.raises(RuntimeError, match="called twice"):
         engine.start_weight_update()
     other = ThreadSender(lambda comm: None)
-    with pytest.raises(RuntimeError, match=r"refused: a weight update of session \w+ is in progress"):
+    with pytest.raises(
+        RuntimeError, match=r"refused: a weight update of session \w+ is in progress"
+    ):
         engine.init_transfer_engine(other.info())  # a second trainer mid-round of a live one
     engine.finish_weight_update()
     assert not engine._core.active  # an empty staged round commits nothing, and ends
@@ -185,7 +204,9 @@ def test_session_rules():
 
 def test_a_stale_round_is_dropped_by_the_next_init():
     engine, host = make_engine()
-    first = ThreadSender(lambda comm: None)  # closes its link right after warm-up: the trainer is gone
+    first = ThreadSender(
+        lambda comm: None
+    )  # closes its link right after warm-up: the trainer is gone
     engine.init_transfer_engine(first.info())
     engine.start_weight_update()
     first.join()
@@ -198,7 +219,13 @@ def test_a_stale_round_is_dropped_by_the_next_init():
 
 def test_parsers_are_strict_and_rank_is_checked():
     engine, _ = make_engine(worker_rank=1)
-    good = {"host": "127.0.0.1", "port": 9, "secret_b64": encode_secret(bytes(128)), "rank_offset": 1, "world_size": 2}
+    good = {
+        "host": "127.0.0.1",
+        "port": 9,
+        "secret_b64": encode_secret(bytes(128)),
+        "rank_offset": 1,
+        "world_size": 2,
+    }
     with pytest.raises(ValueError, match=r"unknown keys \W*bogus"):
         engine.parse_init_info({**good, "bogus": 1})
     with pytest.raises(ValueError, match="dtype_names has 0 entries but names has 1"):

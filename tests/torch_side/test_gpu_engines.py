@@ -34,17 +34,28 @@ def _start(cfg: dict, tmp_path, *, timeout_s: float = 60.0):
     trainer_named = list(ModuleSource(tiny_llama(seed=1, dtype=dtype)))
     save_file(dict(trainer_named), str(tmp_path / "trainer.safetensors"))
     uid = mint_unique_id()
-    sender = SenderProcess({
-        **cfg, "backend": "weightwire_nccl", "weights": str(tmp_path / "trainer.safetensors"),
-        "names": [n for n, _ in trainer_named], "unique_id_b64": base64.b64encode(uid).decode(), "world_size": 2,
-    })
+    sender = SenderProcess(
+        {
+            **cfg,
+            "backend": "weightwire_nccl",
+            "weights": str(tmp_path / "trainer.safetensors"),
+            "names": [n for n, _ in trainer_named],
+            "unique_id_b64": base64.b64encode(uid).decode(),
+            "world_size": 2,
+        }
+    )
     try:
         model = tiny_llama(seed=99, dtype=dtype).to("cuda:1")
         host = HFModelHost(model)
         engine = WeightwireNCCLEngine.standalone(model=host, device="cuda:1")
         info = WeightwireNCCLInitInfo(
-            nccl_unique_id_b64=base64.b64encode(uid).decode(), rank_offset=1, world_size=2, packed=cfg["packed"],
-            packed_buffer_size_bytes=cfg["buffer_size"], packed_num_buffers=2, timeout_s=timeout_s,
+            nccl_unique_id_b64=base64.b64encode(uid).decode(),
+            rank_offset=1,
+            world_size=2,
+            packed=cfg["packed"],
+            packed_buffer_size_bytes=cfg["buffer_size"],
+            packed_num_buffers=2,
+            timeout_s=timeout_s,
         )
         engine.init_transfer_engine(info.to_dict())
     except BaseException:
@@ -53,15 +64,20 @@ def _start(cfg: dict, tmp_path, *, timeout_s: float = 60.0):
     return sender, host, engine, UpdateInfo.from_metas(ModuleSource(model).metadata()).to_dict()
 
 
-@pytest.mark.parametrize(("packed", "dtype", "buffer_size"), [(True, "bfloat16", 4096), (False, "float32", 4096)],
-                         ids=["packed-bf16", "unpacked-f32"])
+@pytest.mark.parametrize(
+    ("packed", "dtype", "buffer_size"),
+    [(True, "bfloat16", 4096), (False, "float32", 4096)],
+    ids=["packed-bf16", "unpacked-f32"],
+)
 def test_nccl_three_rounds_bit_exact(packed, dtype, buffer_size, tmp_path):
     cfg = {"dtype": dtype, "packed": packed, "buffer_size": buffer_size, "rounds": 3}
     sender, host, engine, update = _start(cfg, tmp_path)
     try:
         for r in range(3):
             engine.start_weight_update()
-            engine.update_weights(update if r == 0 else {"names": [], "dtype_names": [], "shapes": []})
+            engine.update_weights(
+                update if r == 0 else {"names": [], "dtype_names": [], "shapes": []}
+            )
             engine.finish_weight_update()
             sent = sender.read()
             assert host.state_checksums() == sent["checksums"], f"round {r} differs"
@@ -92,19 +108,36 @@ def test_tcp_engine_on_a_cuda_worker(tmp_path):
     trainer_named = list(ModuleSource(tiny_llama(seed=1, dtype=torch.bfloat16)))
     save_file(dict(trainer_named), str(tmp_path / "trainer.safetensors"))
     secret = secrets.token_bytes(128)
-    sender = SenderProcess({
-        "dtype": "bfloat16", "packed": True, "buffer_size": 4096, "rounds": 2, "world_size": 2,
-        "weights": str(tmp_path / "trainer.safetensors"), "names": [n for n, _ in trainer_named],
-        "secret_b64": encode_secret(secret),
-    })
+    sender = SenderProcess(
+        {
+            "dtype": "bfloat16",
+            "packed": True,
+            "buffer_size": 4096,
+            "rounds": 2,
+            "world_size": 2,
+            "weights": str(tmp_path / "trainer.safetensors"),
+            "names": [n for n, _ in trainer_named],
+            "secret_b64": encode_secret(secret),
+        }
+    )
     engine = None
     try:
         port = sender.read()["port"]
         host = HFModelHost(tiny_llama(seed=99, dtype=torch.bfloat16).to("cuda:0"))
         engine = WeightwireTCPEngine.standalone(model=host, device="cuda:0")
-        engine.init_transfer_engine(TCPInitInfo(
-            host="127.0.0.1", port=port, secret_b64=encode_secret(secret), rank_offset=1, world_size=2,
-            packed=True, packed_buffer_size_bytes=4096, packed_num_buffers=3, timeout_s=60.0))
+        engine.init_transfer_engine(
+            TCPInitInfo(
+                host="127.0.0.1",
+                port=port,
+                secret_b64=encode_secret(secret),
+                rank_offset=1,
+                world_size=2,
+                packed=True,
+                packed_buffer_size_bytes=4096,
+                packed_num_buffers=3,
+                timeout_s=60.0,
+            )
+        )
         update = UpdateInfo.from_metas(ModuleSource(host.model).metadata()).to_dict()
         for r in range(2):
             engine.start_weight_update()

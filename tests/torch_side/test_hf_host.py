@@ -43,11 +43,18 @@ def test_validation_names_the_tensor(fresh):
     host.begin_round()
     with pytest.raises(RuntimeError, match="while a round is open"):
         host.begin_round()
-    with pytest.raises(ValueError, match=r"unknown weight name 'model.nrom.weight' \(model has \d+ parameters"):
+    with pytest.raises(
+        ValueError, match=r"unknown weight name 'model.nrom.weight' \(model has \d+ parameters"
+    ):
         host.load_weights([("model.nrom.weight", p)])
-    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \[31\], the parameter has \[32\]"):
+    with pytest.raises(
+        ValueError, match=r"'model.norm.weight' has shape \[31\], the parameter has \[32\]"
+    ):
         host.load_weights([("model.norm.weight", torch.zeros(31))])
-    with pytest.raises(ValueError, match=r"dtype torch.bfloat16, the parameter has torch.float32; refusing a silent cast"):
+    with pytest.raises(
+        ValueError,
+        match=r"dtype torch.bfloat16, the parameter has torch.float32; refusing a silent cast",
+    ):
         host.load_weights([("model.norm.weight", torch.zeros(32, dtype=torch.bfloat16))])
     host.abort_round()
     with pytest.raises(RuntimeError, match="commit_round without begin_round"):
@@ -71,13 +78,26 @@ def test_tied_lm_head_alias_lands_in_the_shared_embedding():
     new = torch.randn_like(emb)
     host.begin_round()
     assert host.load_weights([("lm_head.weight", new)]) == {"model.embed_tokens.weight"}
-    host.load_weights([("model.embed_tokens.weight", new.clone())])  # same bytes under both names: fine
-    with pytest.raises(ValueError, match=r"'lm_head.weight' received twice in one round with different values \(alias of"):
+    host.load_weights(
+        [("model.embed_tokens.weight", new.clone())]
+    )  # same bytes under both names: fine
+    with pytest.raises(
+        ValueError,
+        match=r"'lm_head.weight' received twice in one round with different values \(alias of",
+    ):
         host.load_weights([("lm_head.weight", new + 1)])
     host.commit_round()
-    assert torch.equal(host.model.lm_head.weight, new) and host.model.lm_head.weight is host.model.model.embed_tokens.weight
+    assert (
+        torch.equal(host.model.lm_head.weight, new)
+        and host.model.lm_head.weight is host.model.model.embed_tokens.weight
+    )
     logits = host.model(torch.tensor([[1, 2, 3]])).logits
-    assert torch.allclose(logits[0, -1], host.model.model.norm(host.model.model(torch.tensor([[1, 2, 3]])).last_hidden_state)[0, -1] @ new.T, atol=1e-5)
+    assert torch.allclose(
+        logits[0, -1],
+        host.model.model.norm(host.model.model(torch.tensor([[1, 2, 3]])).last_hidden_state)[0, -1]
+        @ new.T,
+        atol=1e-5,
+    )
 
 
 def test_checksums_are_sha256_of_raw_bytes():
@@ -86,6 +106,9 @@ def test_checksums_are_sha256_of_raw_bytes():
     assert list(sums) == [n for n, _ in host.model.named_parameters()]
     for name, p in host.model.named_parameters():
         assert sums[name] == hashlib.sha256(to_numpy(p).tobytes()).hexdigest()
-    assert tensor_sha256(torch.tensor(1.5)) == hashlib.sha256(torch.tensor(1.5).numpy().tobytes()).hexdigest()
+    assert (
+        tensor_sha256(torch.tensor(1.5))
+        == hashlib.sha256(torch.tensor(1.5).numpy().tobytes()).hexdigest()
+    )
     with pytest.raises(TypeError, match="torch.nn.Module"):
         HFModelHost(object())  # type: ignore[arg-type]

@@ -54,7 +54,12 @@ def test_register_is_lazy_and_idempotent(monkeypatch):
     assert FakeFactory.registry == {
         "nccl": ("vllm.x", "NCCLWeightTransferEngine"),
         "weightwire_tcp": ("weightwire.torch_side.worker.vllm_engines", "VllmWeightwireTCPEngine"),
-        "weightwire_nccl": ("weightwire.torch_side.worker.vllm_engines", "VllmWeightwireNCCLEngine"),
+        "weightwire_nccl": (
+            "weightwire.torch_side.worker.vllm_engines",
+            "VllmWeightwireNCCLEngine",
+        ),
         "weightwire_ipc": ("weightwire.torch_side.worker.vllm_engines", "VllmWeightwireIPCEngine"),
     }
-    assert "weightwire.torch_side.worker.vllm_engines" not in sys.modules, "registration must not import the engines"
+    assert "weightwire.torch_side.worker.vllm_engines" not in sys.modules, (
+        "registration must not import the engines"
+    )

@@ -28,7 +28,10 @@ def test_plain_module_matches_named_parameters_and_checked_iter():
     metas = src.metadata()
     params = list(model.named_parameters())
     assert [m.name for m in metas] == [n for n, _ in params]
-    assert all(m.dtype == "float32" and m.shape == tuple(p.shape) for m, (_, p) in zip(metas, params, strict=True))
+    assert all(
+        m.dtype == "float32" and m.shape == tuple(p.shape)
+        for m, (_, p) in zip(metas, params, strict=True)
+    )
     assert src.held_names() is None
     pairs = list(checked_iter(src, metas, describe_tensor))
     for (name, t), (pname, p) in zip(pairs, params, strict=True):
@@ -65,10 +68,21 @@ def test_dtype_cast_applies_to_floating_tensors_only():
 def test_persistent_buffers_optional_and_adjacent_to_their_layer():
     model = WithBuffers()
     assert [m.name for m in ModuleSource(model).metadata()] == [
-        "layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias", "head.weight", "head.bias"]
+        "layers.0.weight",
+        "layers.0.bias",
+        "layers.1.weight",
+        "layers.1.bias",
+        "head.weight",
+        "head.bias",
+    ]
     names = [m.name for m in ModuleSource(model, include_buffers=True).metadata()]
-    assert names[:5] == ["layers.0.weight", "layers.0.bias", "layers.0.running_mean", "layers.0.running_var",
-                         "layers.0.num_batches_tracked"]
+    assert names[:5] == [
+        "layers.0.weight",
+        "layers.0.bias",
+        "layers.0.running_mean",
+        "layers.0.running_var",
+        "layers.0.num_batches_tracked",
+    ]
     assert "scratch" not in names  # non-persistent: not in a checkpoint
     assert names == list(model.state_dict())
     layerwise_groups(ModuleSource(model, include_buffers=True).metadata())  # contiguous layers
@@ -88,7 +102,9 @@ def test_checked_iter_catches_a_source_that_changed_under_it():
     src = ModuleSource(model)
     metas = src.metadata()
     model.weight = torch.nn.Parameter(torch.zeros(3, 2))
-    with pytest.raises(SourceMismatch, match=r"declared 'weight' float32 \[2, 2\], got 'weight' float32 \[3, 2\]"):
+    with pytest.raises(
+        SourceMismatch, match=r"declared 'weight' float32 \[2, 2\], got 'weight' float32 \[3, 2\]"
+    ):
         list(checked_iter(src, metas, describe_tensor))
     with pytest.raises(TypeError, match="torch.nn.Module"):
         ModuleSource({"weight": torch.zeros(1)})  # type: ignore[arg-type]
@@ -103,7 +119,9 @@ class Shared(torch.nn.Module):
         self.a = torch.nn.Sequential(inner, torch.nn.Sequential(torch.nn.Linear(2, 3), inner))
         self.b = inner
         self.gone = None
-        self.c = torch.nn.ModuleDict({"x": torch.nn.LayerNorm(2), "y": torch.nn.Sequential(torch.nn.Linear(3, 1))})
+        self.c = torch.nn.ModuleDict(
+            {"x": torch.nn.LayerNorm(2), "y": torch.nn.Sequential(torch.nn.Linear(3, 1))}
+        )
 
 
 class OwnWalk(torch.nn.Linear):
@@ -115,7 +133,11 @@ class OwnWalk(torch.nn.Linear):
 def test_module_walk_is_torchs_named_modules(remove_duplicate: bool) -> None:
     from weightwire.torch_side.sender.source import _named_modules
 
-    for model in (Shared(), tiny_llama(seed=0, tied=True), torch.nn.Sequential(OwnWalk(2, 2), torch.nn.Linear(2, 2))):
+    for model in (
+        Shared(),
+        tiny_llama(seed=0, tied=True),
+        torch.nn.Sequential(OwnWalk(2, 2), torch.nn.Linear(2, 2)),
+    ):
         got = _named_modules(model, remove_duplicate=remove_duplicate)
         want = list(model.named_modules(remove_duplicate=remove_duplicate))
         assert [(n, id(m)) for n, m in got] == [(n, id(m)) for n, m in want]
@@ -130,7 +152,11 @@ def test_metadata_is_reused_while_nothing_changed_and_rebuilt_when_something_did
     with torch.no_grad():
         model[0].weight.add_(1.0)  # new values, same declaration
     again = src.metadata()
-    assert again == first and again is not first and all(a is b for a, b in zip(again, first, strict=True))
+    assert (
+        again == first
+        and again is not first
+        and all(a is b for a, b in zip(again, first, strict=True))
+    )
     model[0].weight = torch.nn.Parameter(torch.zeros(4, 3))  # a new shape
     assert [m.shape for m in src.metadata()][0] == (4, 3)
     model[1].weight = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))  # a new dtype

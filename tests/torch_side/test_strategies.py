@@ -40,8 +40,9 @@ def params(host: HFModelHost) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in host.model.named_parameters()}
 
 
-def first_chunks(module: torch.nn.Module, count: int, then: Callable[[], None] = lambda: None
-                 ) -> Callable[[TCPCommunicator], None]:
+def first_chunks(
+    module: torch.nn.Module, count: int, then: Callable[[], None] = lambda: None
+) -> Callable[[TCPCommunicator], None]:
     """Send the first ``count`` chunks of a round of ``module``, then ``then()`` (and the
     thread's exit closes the link: a trainer that died mid-round)."""
     named = [(n, t.detach().numpy().copy()) for n, t in ModuleSource(module)]
@@ -49,7 +50,9 @@ def first_chunks(module: torch.nn.Module, count: int, then: Callable[[], None] =
 
     def script(comm: TCPCommunicator) -> None:
         for chunk in plan(metas, packed=True, buffer_size_bytes=256)[:count]:
-            comm.broadcast(pack_host([a for _, a in named[chunk.start : chunk.stop]], chunk), timeout=20)
+            comm.broadcast(
+                pack_host([a for _, a in named[chunk.start : chunk.stop]], chunk), timeout=20
+            )
         then()
 
     return script
@@ -74,14 +77,19 @@ def fresh_round(engine: WeightwireTCPEngine, host: HFModelHost, budget: int, see
     assert engine.incomplete_round is None and not host.in_round
 
 
-def check_outcome(strategy: str, engine: WeightwireTCPEngine, host: HFModelHost,
-                  before: dict[str, torch.Tensor]) -> None:
+def check_outcome(
+    strategy: str, engine: WeightwireTCPEngine, host: HFModelHost, before: dict[str, torch.Tensor]
+) -> None:
     after = params(host)
     if strategy == "staged":
-        assert all(torch.equal(after[n], before[n]) for n in before), "a staged round changed the model"
+        assert all(torch.equal(after[n], before[n]) for n in before), (
+            "a staged round changed the model"
+        )
         assert engine.incomplete_round is None
     else:
-        assert any(not torch.equal(after[n], before[n]) for n in before), "nothing was written in place"
+        assert any(not torch.equal(after[n], before[n]) for n in before), (
+            "nothing was written in place"
+        )
         incomplete = engine.incomplete_round
         assert incomplete is not None and "embed.weight" in incomplete.names
         assert "incomplete weight round" in incomplete.describe()
@@ -92,7 +100,11 @@ def test_the_shared_rule() -> None:
     metas = ModuleSource(Tiny(0)).metadata()
     nbytes = round_bytes(metas)
     assert nbytes == sum(p.numel() * 4 for p in Tiny(0).parameters())
-    assert not round_streams(nbytes, nbytes) and round_streams(nbytes, nbytes - 1) and round_streams(1, 0)
+    assert (
+        not round_streams(nbytes, nbytes)
+        and round_streams(nbytes, nbytes - 1)
+        and round_streams(1, 0)
+    )
     assert not round_streams(0, 0)
 
 
@@ -113,7 +125,9 @@ def test_the_strategy_follows_the_budget(strategy: str) -> None:
     engine.update_weights(update_of(trainer))
     assert engine._core.strategy == strategy
     # Staged: nothing touched the model before finish; streaming: the round is already in it.
-    assert torch.equal(host.model.get_parameter("embed.weight"), trainer.embed.weight) == (strategy == "streaming")
+    assert torch.equal(host.model.get_parameter("embed.weight"), trainer.embed.weight) == (
+        strategy == "streaming"
+    )
     engine.finish_weight_update()
     sender.join()
     engine.shutdown()
@@ -141,7 +155,9 @@ def test_worker_side_failure_mid_round(strategy: str) -> None:
     trainer = Tiny(seed=1)
     sender = ThreadSender(send_module(trainer, rounds=0))
     update = update_of(trainer)
-    update["names"][3] = "layers.9.weight"  # same bytes; the model has no such tensor (chunk 2 or later)
+    update["names"][3] = (
+        "layers.9.weight"  # same bytes; the model has no such tensor (chunk 2 or later)
+    )
     engine.init_transfer_engine(sender.info(stage_budget_bytes=BUDGETS[strategy]))
     engine.start_weight_update()
     with pytest.raises(WeightReceiveError, match="unknown weight name 'layers.9.weight'"):
@@ -227,7 +243,10 @@ def test_a_staged_start_that_outgrows_the_budget_applies_what_it_held() -> None:
         named = dict((n, t.detach().numpy().copy()) for n, t in ModuleSource(trainer))
         for part in (first, second):
             for chunk in plan(part, packed=True, buffer_size_bytes=256):
-                comm.broadcast(pack_host([named[m.name] for m in part[chunk.start : chunk.stop]], chunk), timeout=20)
+                comm.broadcast(
+                    pack_host([named[m.name] for m in part[chunk.start : chunk.stop]], chunk),
+                    timeout=20,
+                )
 
     sender = ThreadSender(script)
     engine.init_transfer_engine(sender.info(stage_budget_bytes=round_bytes(first)))

@@ -31,18 +31,32 @@ def _start(cfg: dict, tmp_path, *, load_batching: str = "chunk"):
     trainer_named = list(ModuleSource(tiny_llama(seed=1, dtype=dtype, tied=cfg["tied"])))
     save_file(dict(trainer_named), str(tmp_path / "trainer.safetensors"))
     secret = secrets.token_bytes(128)
-    sender = SenderProcess({
-        **cfg, "weights": str(tmp_path / "trainer.safetensors"), "names": [n for n, _ in trainer_named],
-        "secret_b64": encode_secret(secret), "world_size": 2,
-    })
+    sender = SenderProcess(
+        {
+            **cfg,
+            "weights": str(tmp_path / "trainer.safetensors"),
+            "names": [n for n, _ in trainer_named],
+            "secret_b64": encode_secret(secret),
+            "world_size": 2,
+        }
+    )
     try:
         port = sender.read()["port"]
         model = tiny_llama(seed=99, dtype=dtype, tied=cfg["tied"])
         host = HFModelHost(model)
-        engine = WeightwireTCPEngine.standalone(model=host, device="cpu", load_batching=load_batching)
+        engine = WeightwireTCPEngine.standalone(
+            model=host, device="cpu", load_batching=load_batching
+        )
         info = TCPInitInfo(
-            host="127.0.0.1", port=port, secret_b64=encode_secret(secret), rank_offset=1, world_size=2,
-            packed=cfg["packed"], packed_buffer_size_bytes=cfg["buffer_size"], packed_num_buffers=2, timeout_s=30.0,
+            host="127.0.0.1",
+            port=port,
+            secret_b64=encode_secret(secret),
+            rank_offset=1,
+            world_size=2,
+            packed=cfg["packed"],
+            packed_buffer_size_bytes=cfg["buffer_size"],
+            packed_num_buffers=2,
+            timeout_s=30.0,
         )
         engine.init_transfer_engine(engine.parse_init_info(info.to_dict()))
     except BaseException:
@@ -75,7 +89,9 @@ def test_three_rounds_bit_exact(packed, dtype, tied, buffer_size, reuse, batchin
             assert sent["round"] == r
             got = host.state_checksums()
             assert got == sent["checksums"], f"round {r}: received bytes differ from the trainer's"
-            assert all(got[n] != previous[n] for n in got), f"round {r}: some weights did not change"
+            assert all(got[n] != previous[n] for n in got), (
+                f"round {r}: some weights did not change"
+            )
             assert engine.last_stats is not None and engine.last_stats.chunks == sent["chunks"]
             previous = got
         assert host.rounds_committed == 3
@@ -89,8 +105,15 @@ def test_three_rounds_bit_exact(packed, dtype, tied, buffer_size, reuse, batchin
 
 
 def test_sender_dies_mid_stream_leaves_weights_unchanged(tmp_path):
-    cfg = {"dtype": "float32", "tied": False, "packed": True, "buffer_size": 2048, "rounds": 2,
-           "die_in_round": 1, "die_after_chunks": 3}
+    cfg = {
+        "dtype": "float32",
+        "tied": False,
+        "packed": True,
+        "buffer_size": 2048,
+        "rounds": 2,
+        "die_in_round": 1,
+        "die_after_chunks": 3,
+    }
     sender, host, engine, update = _start(cfg, tmp_path)
     aborts: list[int] = []
     real_abort = host.abort_round
@@ -108,12 +131,18 @@ def test_sender_dies_mid_stream_leaves_weights_unchanged(tmp_path):
         assert host.state_checksums() == good["checksums"]
 
         engine.start_weight_update()
-        with pytest.raises(WeightReceiveError, match=r"round failed at chunk 4/\d+ \(PeerLost") as err:
+        with pytest.raises(
+            WeightReceiveError, match=r"round failed at chunk 4/\d+ \(PeerLost"
+        ) as err:
             engine.update_weights(update)
         assert "call init_weight_transfer_engine again" in str(err.value)
         assert sender.wait() == 3
-        assert aborts == []  # staged (within the default budget): the model's own round was never opened
-        assert host.state_checksums() == good["checksums"], "a failed round must not change any weight"
+        assert (
+            aborts == []
+        )  # staged (within the default budget): the model's own round was never opened
+        assert host.state_checksums() == good["checksums"], (
+            "a failed round must not change any weight"
+        )
         assert not host.in_round
         with pytest.raises(RuntimeError, match="without start_weight_update"):
             engine.finish_weight_update()

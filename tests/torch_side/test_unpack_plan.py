@@ -22,7 +22,9 @@ from weightwire.torch_side.worker.load import MetaCache
 from weightwire.torch_side.worker.receive import UnpackPlan, unpack_chunk
 
 
-def reference_unpack(buffer: torch.Tensor, metas: Sequence[ParamMeta], chunk: Chunk) -> list[tuple[str, torch.Tensor]]:
+def reference_unpack(
+    buffer: torch.Tensor, metas: Sequence[ParamMeta], chunk: Chunk
+) -> list[tuple[str, torch.Tensor]]:
     """The unpacking every worker ran before ``UnpackPlan``: the behaviour to keep."""
     out = []
     for meta, offset in zip(metas[chunk.start : chunk.stop], chunk.offsets, strict=True):
@@ -37,12 +39,18 @@ def reference_unpack(buffer: torch.Tensor, metas: Sequence[ParamMeta], chunk: Ch
     return out
 
 
-def assert_same(got: list[tuple[str, torch.Tensor]], want: list[tuple[str, torch.Tensor]],
-                buffer: torch.Tensor) -> None:
+def assert_same(
+    got: list[tuple[str, torch.Tensor]], want: list[tuple[str, torch.Tensor]], buffer: torch.Tensor
+) -> None:
     assert [n for n, _ in got] == [n for n, _ in want]
     storage = buffer.untyped_storage().data_ptr()
     for (name, g), (_, w) in zip(got, want, strict=True):
-        assert (g.dtype, g.shape, g.stride(), g.device) == (w.dtype, w.shape, w.stride(), w.device), name
+        assert (g.dtype, g.shape, g.stride(), g.device) == (
+            w.dtype,
+            w.shape,
+            w.stride(),
+            w.device,
+        ), name
         assert g.is_contiguous(), name
         if w.numel() == 0:
             continue
@@ -59,9 +67,14 @@ def every_dtype_metas() -> list[ParamMeta]:
     between them (so wider dtypes land on unaligned offsets) and zero-size ones."""
     metas: list[ParamMeta] = []
     for i, name in enumerate(SUPPORTED_DTYPES):
-        metas += [ParamMeta(f"l{i}.w", name, (3, 2)), ParamMeta(f"l{i}.pad", "uint8", (i % 3 + 1,)),
-                  ParamMeta(f"l{i}.b", name, (5,)), ParamMeta(f"l{i}.s", name, ()),
-                  ParamMeta(f"l{i}.empty", name, (0, 4)), ParamMeta(f"l{i}.ones", name, (1, 3, 1))]
+        metas += [
+            ParamMeta(f"l{i}.w", name, (3, 2)),
+            ParamMeta(f"l{i}.pad", "uint8", (i % 3 + 1,)),
+            ParamMeta(f"l{i}.b", name, (5,)),
+            ParamMeta(f"l{i}.s", name, ()),
+            ParamMeta(f"l{i}.empty", name, (0, 4)),
+            ParamMeta(f"l{i}.ones", name, (1, 3, 1)),
+        ]
     return metas
 
 
@@ -72,7 +85,9 @@ def random_buffer(nbytes: int, seed: int = 0) -> torch.Tensor:
 def test_every_wire_dtype_matches_the_reference_unpacking() -> None:
     metas = every_dtype_metas()
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
-    assert any(o % torch_dtype(m.dtype).itemsize for m, o in zip(metas, chunk.offsets, strict=True))  # unaligned ones
+    assert any(
+        o % torch_dtype(m.dtype).itemsize for m, o in zip(metas, chunk.offsets, strict=True)
+    )  # unaligned ones
     buf = random_buffer(chunk.nbytes)
     layout = UnpackPlan(metas, chunk)
     assert len(layout) == len(metas) and layout.nbytes == chunk.nbytes
@@ -86,7 +101,9 @@ def test_every_chunk_of_a_round_including_middle_ones(buffer_size: int) -> None:
     chunks = plan(metas, packed=True, buffer_size_bytes=buffer_size)
     assert len(chunks) > 2
     for k, chunk in enumerate(chunks):
-        buf = random_buffer(chunk.nbytes + 13, seed=k)  # a link's buffer may be larger than its chunk
+        buf = random_buffer(
+            chunk.nbytes + 13, seed=k
+        )  # a link's buffer may be larger than its chunk
         assert_same(UnpackPlan(metas, chunk).unpack(buf), reference_unpack(buf, metas, chunk), buf)
 
 
@@ -111,8 +128,13 @@ def test_a_buffer_that_starts_inside_its_storage() -> None:
 def test_values_match_the_packed_arrays() -> None:
     """End to end against the numpy framing: what was packed is what comes out."""
     rng = np.random.default_rng(3)
-    metas = [ParamMeta("a", "uint8", (3,)), ParamMeta("b", "float32", (2, 3)), ParamMeta("c", "int64", ()),
-             ParamMeta("d", "float16", (4,)), ParamMeta("e", "bool", (2, 2))]
+    metas = [
+        ParamMeta("a", "uint8", (3,)),
+        ParamMeta("b", "float32", (2, 3)),
+        ParamMeta("c", "int64", ()),
+        ParamMeta("d", "float16", (4,)),
+        ParamMeta("e", "bool", (2, 2)),
+    ]
     arrays = [rng.integers(0, 256, m.nbytes, dtype=np.uint8) for m in metas]
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 10)
     buf = torch.from_numpy(pack_host(arrays, chunk).copy())
@@ -134,8 +156,11 @@ def test_bad_buffers_are_refused() -> None:
     metas = [ParamMeta("w", "float32", (2,))]
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=64)
     layout = UnpackPlan(metas, chunk)
-    for bad in (torch.zeros(7, dtype=torch.uint8), torch.zeros(2, dtype=torch.float32),
-                torch.zeros(2, 8, dtype=torch.uint8)):
+    for bad in (
+        torch.zeros(7, dtype=torch.uint8),
+        torch.zeros(2, dtype=torch.float32),
+        torch.zeros(2, 8, dtype=torch.uint8),
+    ):
         with pytest.raises(ValueError, match="1-D uint8 of >= 8 bytes"):
             layout.unpack(bad)
 
@@ -155,13 +180,20 @@ def test_meta_cache_plans_once_per_metadata() -> None:
     first = cache.resolve(model, update_of(metas), packed=True, buffer_size_bytes=64)
     assert first.metas == metas and first.chunks == plan(metas, packed=True, buffer_size_bytes=64)
     assert [len(p) for p in first.unpack] == [len(c) for c in first.chunks]
-    assert cache.resolve(model, UpdateInfo(), packed=True, buffer_size_bytes=64) is first  # the reuse shorthand
-    assert cache.resolve(model, update_of(metas), packed=True, buffer_size_bytes=64) is first  # spelled out again
+    assert (
+        cache.resolve(model, UpdateInfo(), packed=True, buffer_size_bytes=64) is first
+    )  # the reuse shorthand
+    assert (
+        cache.resolve(model, update_of(metas), packed=True, buffer_size_bytes=64) is first
+    )  # spelled out again
     changed = [*metas[:-1], ParamMeta(metas[-1].name, metas[-1].dtype, (2, 3, 1))]
     other = cache.resolve(model, update_of(changed), packed=True, buffer_size_bytes=64)
     assert other is not first and other.metas == changed
     assert cache.resolve(model, update_of(changed), packed=True, buffer_size_bytes=128) is not other
-    assert cache.resolve(object(), UpdateInfo.from_metas(changed), packed=True, buffer_size_bytes=64) is not other
+    assert (
+        cache.resolve(object(), UpdateInfo.from_metas(changed), packed=True, buffer_size_bytes=64)
+        is not other
+    )
 
 
 class ListLink(ChunkedLink):
@@ -220,7 +252,9 @@ class CountingSpec:
             raise ValueError(f"{self.refuse!r} is not a tensor of the model")
 
 
-def make_core(spec: CountingSpec, metas: list[ParamMeta]) -> tuple[_ReceiverCore, Store, list[ListLink]]:
+def make_core(
+    spec: CountingSpec, metas: list[ParamMeta]
+) -> tuple[_ReceiverCore, Store, list[ListLink]]:
     store = Store()
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
     links: list[ListLink] = []
@@ -229,10 +263,24 @@ def make_core(spec: CountingSpec, metas: list[ParamMeta]) -> tuple[_ReceiverCore
         links.append(ListLink([random_buffer(chunk.nbytes, seed=len(links))] * 8))
         return links[-1]
 
-    core = _ReceiverCore(backend="test", device=torch.device("cpu"), target=lambda: (store, None),
-                         connect=connect, info_type=TCPInitInfo, spec=lambda: spec)  # type: ignore[arg-type,return-value]
-    core.init(TCPInitInfo(host="127.0.0.1", port=1, secret_b64=encode_secret(b"s" * 128), rank_offset=1,
-                          world_size=2, packed_buffer_size_bytes=1 << 20))
+    core = _ReceiverCore(
+        backend="test",
+        device=torch.device("cpu"),
+        target=lambda: (store, None),
+        connect=connect,
+        info_type=TCPInitInfo,
+        spec=lambda: spec,
+    )  # type: ignore[arg-type,return-value]
+    core.init(
+        TCPInitInfo(
+            host="127.0.0.1",
+            port=1,
+            secret_b64=encode_secret(b"s" * 128),
+            rank_offset=1,
+            world_size=2,
+            packed_buffer_size_bytes=1 << 20,
+        )
+    )
     return core, store, links
 
 
@@ -243,7 +291,10 @@ def run_round(core: _ReceiverCore, update: dict[str, Any]) -> None:
 
 
 def test_the_served_model_check_runs_once_per_metadata_and_still_refuses() -> None:
-    metas = [ParamMeta("model.layers.0.w", "float32", (2, 2)), ParamMeta("model.norm.weight", "bfloat16", (3,))]
+    metas = [
+        ParamMeta("model.layers.0.w", "float32", (2, 2)),
+        ParamMeta("model.norm.weight", "bfloat16", (3,)),
+    ]
     spec = CountingSpec()
     core, store, links = make_core(spec, metas)
     full = UpdateInfo.from_metas(metas).to_dict()
@@ -251,17 +302,29 @@ def test_the_served_model_check_runs_once_per_metadata_and_still_refuses() -> No
         run_round(core, update)
     assert spec.checks == 1  # metadata repeated in full, or reused, was checked in round 1
     assert set(store.loaded) == {m.name for m in metas}
-    assert torch.equal(store.loaded["model.norm.weight"].view(torch.uint8), links[0].buffers[0][16:22])
+    assert torch.equal(
+        store.loaded["model.norm.weight"].view(torch.uint8), links[0].buffers[0][16:22]
+    )
 
     changed = [*metas, ParamMeta("extra.w", "float32", (1,))]
     spec.refuse = "extra.w"
     core.start()
     with pytest.raises(ValueError, match="'extra.w' is not a tensor of the model"):
-        core.receive_dict(UpdateInfo.from_metas(changed).to_dict())  # new metadata: checked again, refused
+        core.receive_dict(
+            UpdateInfo.from_metas(changed).to_dict()
+        )  # new metadata: checked again, refused
     assert spec.checks == 2 and not core.initialized
     # The next session starts clean: the refused metadata is checked (and refused) again.
-    core.init(TCPInitInfo(host="127.0.0.1", port=1, secret_b64=encode_secret(b"s" * 128), rank_offset=1,
-                          world_size=2, packed_buffer_size_bytes=1 << 20))
+    core.init(
+        TCPInitInfo(
+            host="127.0.0.1",
+            port=1,
+            secret_b64=encode_secret(b"s" * 128),
+            rank_offset=1,
+            world_size=2,
+            packed_buffer_size_bytes=1 << 20,
+        )
+    )
     core.start()
     with pytest.raises(ValueError, match="'extra.w' is not a tensor of the model"):
         core.receive_dict(UpdateInfo.from_metas(changed).to_dict())

@@ -40,7 +40,10 @@ class RoundSource(WeightSource):
         return {n: digest(t) for n, t in self.tensors.items()}
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, wire_name(torch.bfloat16), tuple(s)) for n, s in hf_shapes(self.shape).items()]
+        return [
+            ParamMeta(n, wire_name(torch.bfloat16), tuple(s))
+            for n, s in hf_shapes(self.shape).items()
+        ]
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         for i, pair in enumerate(self.tensors.items()):
@@ -52,8 +55,19 @@ class RoundSource(WeightSource):
 @pytest.fixture(scope="module")
 def worker() -> Iterator[LoopbackClient]:
     proc, client = spawn_loopback_cmd(
-        ["-m", "tests.torch_side.vllm_stub", "--backend", "weightwire_tcp", "--device", "cpu", "--shape", "tiny"],
-        env={"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}, timeout=60)
+        [
+            "-m",
+            "tests.torch_side.vllm_stub",
+            "--backend",
+            "weightwire_tcp",
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+        ],
+        env={"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
+        timeout=60,
+    )
     yield client
     try:
         client.exit()
@@ -64,12 +78,16 @@ def worker() -> Iterator[LoopbackClient]:
 def trainer(client: LoopbackClient, source: RoundSource, budget: int) -> Any:
     from weightwire.torch_side.sender.engine import TorchTrainerEngine
 
-    info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10, stage_budget_bytes=budget)
+    info = TrainerInitInfo(
+        backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10, stage_budget_bytes=budget
+    )
     return TorchTrainerEngine.trainer_init(info, client=client, source=source)
 
 
 @pytest.mark.parametrize("strategy", list(BUDGETS))
-def test_vllm_engine_lands_rounds_and_reports_an_incomplete_one(worker: LoopbackClient, strategy: str) -> None:
+def test_vllm_engine_lands_rounds_and_reports_an_incomplete_one(
+    worker: LoopbackClient, strategy: str
+) -> None:
     source = RoundSource("tiny", torch.device("cpu"))
     engine = trainer(worker, source, BUDGETS[strategy])
     try:
@@ -89,8 +107,11 @@ def test_vllm_engine_lands_rounds_and_reports_an_incomplete_one(worker: Loopback
         assert incomplete is None and got == want
     else:
         assert incomplete is not None and "incomplete weight round" in incomplete, incomplete
-        assert got != want and got["model.layers.0.self_attn.q_proj.weight"] != want[
-            "model.layers.0.self_attn.q_proj.weight"]
+        assert (
+            got != want
+            and got["model.layers.0.self_attn.q_proj.weight"]
+            != want["model.layers.0.self_attn.q_proj.weight"]
+        )
     source.fail_at = None
     engine = trainer(worker, source, BUDGETS[strategy])
     try:

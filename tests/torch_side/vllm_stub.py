@@ -86,7 +86,9 @@ def _buffering_loader(layer: torch.nn.Module, name: str) -> Any:
     info = get_layerwise_info(layer)
 
     def load(param: torch.nn.Parameter, loaded: torch.Tensor, *shard: Any) -> None:
-        info.loaded_weights.append((name, (loaded, *shard)))  # kept, not copied: the receive buffer stays alive
+        info.loaded_weights.append(
+            (name, (loaded, *shard))
+        )  # kept, not copied: the receive buffer stays alive
         info.load_numel += loaded.numel()
         if info.load_numel >= info.load_numel_total:
             _process(layer, info)
@@ -126,7 +128,9 @@ def finalize_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None
 
 
 class WeightTransferEngine:
-    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
         self.config, self.vllm_config = config, vllm_config
         self.parallel_config = vllm_config.parallel_config
         self.model_config = vllm_config.model_config
@@ -135,19 +139,30 @@ class WeightTransferEngine:
 
 def install_fake_vllm() -> None:
     """The ``vllm.*`` modules ``weightwire.torch_side.worker.vllm_engines`` imports (idempotent)."""
+
     def module(name: str, **attrs: Any) -> None:
         mod = sys.modules.get(name) or types.ModuleType(name)
         for k, v in attrs.items():
             setattr(mod, k, v)
         sys.modules[name] = mod
 
-    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer", "vllm.model_executor",
-                 "vllm.model_executor.model_loader"):
+    for name in (
+        "vllm",
+        "vllm.distributed",
+        "vllm.distributed.weight_transfer",
+        "vllm.model_executor",
+        "vllm.model_executor.model_loader",
+    ):
         module(name)
     module("vllm.distributed.weight_transfer.base", WeightTransferEngine=WeightTransferEngine)
-    module("vllm.model_executor.model_loader.reload", initialize_layerwise_reload=initialize_layerwise_reload,
-           finalize_layerwise_reload=finalize_layerwise_reload)
-    module("vllm.model_executor.model_loader.reload.layerwise", get_layerwise_info=get_layerwise_info)
+    module(
+        "vllm.model_executor.model_loader.reload",
+        initialize_layerwise_reload=initialize_layerwise_reload,
+        finalize_layerwise_reload=finalize_layerwise_reload,
+    )
+    module(
+        "vllm.model_executor.model_loader.reload.layerwise", get_layerwise_info=get_layerwise_info
+    )
 
 
 VLLM_TRANSFER_FILES = ("base", "packed_tensor", "ipc_engine")
@@ -175,18 +190,29 @@ def install_vllm_sources(src: str) -> types.SimpleNamespace:
         return mod
 
     root = os.path.join(src, "vllm", "distributed", "weight_transfer")
-    for name in ("vllm", "vllm.config", "vllm.distributed", "vllm.distributed.weight_transfer",
-                 "vllm.model_executor", "vllm.model_executor.model_loader"):
+    for name in (
+        "vllm",
+        "vllm.config",
+        "vllm.distributed",
+        "vllm.distributed.weight_transfer",
+        "vllm.model_executor",
+        "vllm.model_executor.model_loader",
+    ):
         module(name, __path__=[])
     module("vllm.envs", VLLM_ALLOW_INSECURE_SERIALIZATION=True)
     sys.modules["vllm"].envs = sys.modules["vllm.envs"]  # type: ignore[attr-defined]
     module("vllm.config", VllmConfig=object)
     module("vllm.config.parallel", ParallelConfig=object)
     module("vllm.config.weight_transfer", WeightTransferConfig=object)
-    module("vllm.model_executor.model_loader.reload", initialize_layerwise_reload=initialize_layerwise_reload,
-           finalize_layerwise_reload=finalize_layerwise_reload)
-    module("vllm.model_executor.model_loader.mtp_validation",
-           disable_mtp_completeness_check=contextlib.nullcontext)
+    module(
+        "vllm.model_executor.model_loader.reload",
+        initialize_layerwise_reload=initialize_layerwise_reload,
+        finalize_layerwise_reload=finalize_layerwise_reload,
+    )
+    module(
+        "vllm.model_executor.model_loader.mtp_validation",
+        disable_mtp_completeness_check=contextlib.nullcontext,
+    )
     try:
         import pybase64  # noqa: F401  (vLLM's dependency, when present)
     except ImportError:
@@ -210,37 +236,58 @@ def hf_shapes(shape: str) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        out.update({
-            p + "self_attn.q_proj.weight": (heads * hd, hidden), p + "self_attn.k_proj.weight": (kv * hd, hidden),
-            p + "self_attn.v_proj.weight": (kv * hd, hidden), p + "self_attn.o_proj.weight": (hidden, heads * hd),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        })
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": (heads * hd, hidden),
+                p + "self_attn.k_proj.weight": (kv * hd, hidden),
+                p + "self_attn.v_proj.weight": (kv * hd, hidden),
+                p + "self_attn.o_proj.weight": (hidden, heads * hd),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
     out.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
     return out
 
 
 # HF suffix -> (fused parameter suffix, shard id)
-_STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_STACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class _Linear(torch.nn.Module):
     """One parameter with a vLLM-style loader: ``shards`` maps a shard id to its rows."""
 
-    def __init__(self, rows: int, cols: int | None, shards: dict[Any, tuple[int, int]], dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        rows: int,
+        cols: int | None,
+        shards: dict[Any, tuple[int, int]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         shape = (rows,) if cols is None else (rows, cols)
-        self.weight = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+        self.weight = torch.nn.Parameter(
+            torch.zeros(shape, dtype=dtype, device=device), requires_grad=False
+        )
         self.shards = shards
         self.weight.weight_loader = self.load  # type: ignore[attr-defined]
 
     def load(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
         if shard is None:
             if param.shape != loaded.shape:
-                raise ValueError(f"shape mismatch: parameter {list(param.shape)}, loaded {list(loaded.shape)}")
+                raise ValueError(
+                    f"shape mismatch: parameter {list(param.shape)}, loaded {list(loaded.shape)}"
+                )
             param.data.copy_(loaded)
             return
         start, size = self.shards[shard]
@@ -260,10 +307,13 @@ class FakeLlama(torch.nn.Module):
         mods: dict[str, _Linear] = {"model.embed_tokens": _Linear(vocab, hidden, {}, dtype, device)}
         for i in range(layers):
             p = f"model.layers.{i}."
-            mods[p + "self_attn.qkv_proj"] = _Linear(q + 2 * k, hidden, {"q": (0, q), "k": (q, k), "v": (q + k, k)},
-                                                     dtype, device)
+            mods[p + "self_attn.qkv_proj"] = _Linear(
+                q + 2 * k, hidden, {"q": (0, q), "k": (q, k), "v": (q + k, k)}, dtype, device
+            )
             mods[p + "self_attn.o_proj"] = _Linear(hidden, q, {}, dtype, device)
-            mods[p + "mlp.gate_up_proj"] = _Linear(2 * inter, hidden, {0: (0, inter), 1: (inter, inter)}, dtype, device)
+            mods[p + "mlp.gate_up_proj"] = _Linear(
+                2 * inter, hidden, {0: (0, inter), 1: (inter, inter)}, dtype, device
+            )
             mods[p + "mlp.down_proj"] = _Linear(hidden, inter, {}, dtype, device)
             mods[p + "input_layernorm"] = _Linear(hidden, None, {}, dtype, device)
             mods[p + "post_attention_layernorm"] = _Linear(hidden, None, {}, dtype, device)
@@ -306,18 +356,23 @@ def digest(t: torch.Tensor) -> list[int]:
     plain = weighted = 0
     block = 1 << 26
     for start in range(0, words.numel(), block):
-        w = words[start:start + block].to(torch.int64)
+        w = words[start : start + block].to(torch.int64)
         pos = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
         plain += int(w.sum())
         weighted += int((w * pos).sum())
     return [plain, weighted]
 
 
-def trainer_tensors(shape: str, device: torch.device, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def trainer_tensors(
+    shape: str, device: torch.device, seed: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """A round's bf16 tensors (fresh values per ``seed``), in checkpoint order."""
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, dims in hf_shapes(shape).items():
-        yield name, torch.randn(dims, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+        yield (
+            name,
+            torch.randn(dims, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16),
+        )
 
 
 def copy_floor_s(model: FakeLlama, shape: str, device: torch.device, reps: int) -> float:
@@ -334,11 +389,14 @@ def copy_floor_s(model: FakeLlama, shape: str, device: torch.device, reps: int) 
         for _ in range(reps + 1):
             t0 = time.perf_counter()
             if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 start.record()
             off = 0
             for v in views:
-                v.copy_(src[off:off + v.numel()].view(v.shape))
+                v.copy_(src[off : off + v.numel()].view(v.shape))
                 off += v.numel()
             if cuda:
                 end.record()
@@ -356,12 +414,16 @@ def _engine_class(backend: str, engine: str) -> Any:
     if engine == "vllm-ipc":  # vLLM's own IPC engine, from its sources (the peer in benchmarks)
         import os
 
-        return install_vllm_sources(os.environ["WEIGHTWIRE_VLLM_SRC"]).ipc_engine.IPCWeightTransferEngine
+        return install_vllm_sources(
+            os.environ["WEIGHTWIRE_VLLM_SRC"]
+        ).ipc_engine.IPCWeightTransferEngine
     install_fake_vllm()
     from weightwire.torch_side.worker import vllm_engines
 
-    return {"weightwire_ipc": vllm_engines.VllmWeightwireIPCEngine,
-            "weightwire_tcp": vllm_engines.VllmWeightwireTCPEngine}[backend]
+    return {
+        "weightwire_ipc": vllm_engines.VllmWeightwireIPCEngine,
+        "weightwire_tcp": vllm_engines.VllmWeightwireTCPEngine,
+    }[backend]
 
 
 def serve(backend: str, device_name: str, shape: str, engine_kind: str = "weightwire") -> None:
@@ -372,8 +434,10 @@ def serve(backend: str, device_name: str, shape: str, engine_kind: str = "weight
         torch.cuda.set_device(device)
     cls = _engine_class(backend, engine_kind)
     model = FakeLlama(shape, torch.bfloat16, device)
-    cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(model=None, dtype=torch.bfloat16),
-                                parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0))
+    cfg = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model=None, dtype=torch.bfloat16),
+        parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
+    )
     engine = cls(None, cfg, device, model)
     lock, done = threading.Lock(), threading.Event()
     memory: dict[str, int] = {}
@@ -402,7 +466,9 @@ def serve(backend: str, device_name: str, shape: str, engine_kind: str = "weight
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
-                    memory.update(baseline=torch.cuda.memory_allocated(device), pool_before=pool_bytes())
+                    memory.update(
+                        baseline=torch.cuda.memory_allocated(device), pool_before=pool_bytes()
+                    )
                 engine.start_weight_update()
             elif op == "update_weights":
                 engine.update_weights(body["update_info"])
@@ -428,12 +494,18 @@ def serve(backend: str, device_name: str, shape: str, engine_kind: str = "weight
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="vLLM's weightwire engine over fake vLLM reload hooks")
+    parser = argparse.ArgumentParser(
+        description="vLLM's weightwire engine over fake vLLM reload hooks"
+    )
     parser.add_argument("--backend", choices=("weightwire_ipc", "weightwire_tcp"), required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--engine", choices=("weightwire", "vllm-ipc"), default="weightwire",
-                        help="vllm-ipc: vLLM's own IPC engine from $WEIGHTWIRE_VLLM_SRC (CUDA only)")
+    parser.add_argument(
+        "--engine",
+        choices=("weightwire", "vllm-ipc"),
+        default="weightwire",
+        help="vllm-ipc: vLLM's own IPC engine from $WEIGHTWIRE_VLLM_SRC (CUDA only)",
+    )
     args = parser.parse_args(argv)
     serve(args.backend, args.device, args.shape, args.engine)
     return 0

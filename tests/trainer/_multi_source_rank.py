@@ -13,7 +13,13 @@ from __future__ import annotations
 import os
 import sys
 
-MODE, RANK, PORT, URL, OUT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+MODE, RANK, PORT, URL, OUT = (
+    sys.argv[1],
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    sys.argv[4],
+    sys.argv[5],
+)
 if MODE == "jax":
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -46,11 +52,18 @@ def server_checksums(client: HTTPWeightSyncClient) -> list[dict[str, str]]:
 
 def info(**kw: Any) -> TrainerInitInfo:
     kw.setdefault("rank", RANK)
-    return TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10,
-                           pause_mode="keep", timeouts=TIMEOUTS, **kw)
+    return TrainerInitInfo(
+        backend="weightwire_tcp",
+        packed_buffer_size_bytes=16 << 10,
+        pause_mode="keep",
+        timeouts=TIMEOUTS,
+        **kw,
+    )
 
 
-def rounds(engine: Any, client: HTTPWeightSyncClient, perturb: Any, expected: Any) -> list[dict[str, Any]]:
+def rounds(
+    engine: Any, client: HTTPWeightSyncClient, perturb: Any, expected: Any
+) -> list[dict[str, Any]]:
     out = []
     for step in range(1, ROUNDS + 1):
         perturb(step)
@@ -60,9 +73,16 @@ def rounds(engine: Any, client: HTTPWeightSyncClient, perturb: Any, expected: An
         if RANK == 0:
             want = expected()
             held = server_checksums(client)
-            out.append({"version": metrics.version, "seconds": seconds, "reused": metrics.reused_metadata,
-                        "match": all({n: r.get(n) for n in want} == want for r in held),
-                        "tensors": len(want), "version_on_server": client.weight_info()[0]["weight_version"]})
+            out.append(
+                {
+                    "version": metrics.version,
+                    "seconds": seconds,
+                    "reused": metrics.reused_metadata,
+                    "match": all({n: r.get(n) for n in want} == want for r in held),
+                    "tensors": len(want),
+                    "version_on_server": client.weight_info()[0]["weight_version"],
+                }
+            )
     return out
 
 
@@ -70,7 +90,9 @@ def run_jax() -> dict[str, Any]:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=2, process_id=RANK)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{PORT}", num_processes=2, process_id=RANK
+    )
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from weightwire.jax_side.engine import JAXTrainerEngine
@@ -93,23 +115,37 @@ def run_jax() -> dict[str, Any]:
     source = MultiProcessSource(lambda: state["params"], llama.naming(cfg))
 
     def perturb(step: int) -> None:
-        host["params"] = jax.tree.map(lambda x: x * np.asarray(1 + 0.01 * step, x.dtype), host["params"])
+        host["params"] = jax.tree.map(
+            lambda x: x * np.asarray(1 + 0.01 * step, x.dtype), host["params"]
+        )
         state["params"] = jax.tree.map(shard, host["params"])
 
     def expected() -> dict[str, str]:  # the unsharded model's bytes
-        return {k: hashlib.sha256(np.asarray(v).tobytes()).hexdigest()
-                for k, v in PytreeSource(host["params"], llama.naming(cfg), device=jax.local_devices()[0])}
+        return {
+            k: hashlib.sha256(np.asarray(v).tobytes()).hexdigest()
+            for k, v in PytreeSource(
+                host["params"], llama.naming(cfg), device=jax.local_devices()[0]
+            )
+        }
 
     client = HTTPWeightSyncClient(URL, timeout=60)
     owners = sorted({m.owners[0] for m in source.metadata()})
-    engine = JAXTrainerEngine.trainer_init(info(), client=client, source=source, group=JaxProcessGroup())
+    engine = JAXTrainerEngine.trainer_init(
+        info(), client=client, source=source, group=JaxProcessGroup()
+    )
     try:
         multi = rounds(engine, client, perturb, expected)
     finally:
         engine.shutdown()
-    report: dict[str, Any] = {"cross_process_leaves": cross, "broadcasters": owners, "rounds": multi}
+    report: dict[str, Any] = {
+        "cross_process_leaves": cross,
+        "broadcasters": owners,
+        "rounds": multi,
+    }
     if RANK == 0:  # the same model from one sender, for the per-round time
-        local = PytreeSource(lambda: host["params"], llama.naming(cfg), device=jax.local_devices()[0])
+        local = PytreeSource(
+            lambda: host["params"], llama.naming(cfg), device=jax.local_devices()[0]
+        )
         single = JAXTrainerEngine.trainer_init(info(rank=0), client=client, source=local)
         try:
             report["single"] = rounds(single, client, perturb, expected)
@@ -168,13 +204,18 @@ def torch_rounds(torch: Any, model: Any, group: Any) -> dict[str, Any]:
         engine.shutdown()
     report: dict[str, Any] = {"rounds": multi}
     # verify=True with both broadcasters: rank 0 checks the union of both slices' digests
-    engine = TorchTrainerEngine.trainer_init(info(verify=True), client=client, source=source, group=group)
+    engine = TorchTrainerEngine.trainer_init(
+        info(verify=True), client=client, source=source, group=group
+    )
     try:
         verified = engine.send_weights()
         if RANK == 0:
             assert verified.verify is not None
-            report["verify"] = {"mode": verified.verify.mode, "checked": verified.verify.checked,
-                                "tensors": len(full.metadata())}
+            report["verify"] = {
+                "mode": verified.verify.mode,
+                "checked": verified.verify.checked,
+                "tensors": len(full.metadata()),
+            }
     finally:
         engine.shutdown()
     if RANK == 0:
@@ -206,16 +247,31 @@ def torch_faults(model: Any, group: Any) -> dict[str, Any]:
                 yield pair
 
     cases = [
-        ("orphan", OwnedSource(Forgetful(model) if RANK == 1 else ModuleSource(model), torch_owner, rank=RANK)),
+        (
+            "orphan",
+            OwnedSource(
+                Forgetful(model) if RANK == 1 else ModuleSource(model), torch_owner, rank=RANK
+            ),
+        ),
         # rank 1 believes rank 0 broadcasts everything
-        ("disagree", OwnedSource(ModuleSource(model), (lambda n: 0) if RANK == 1 else torch_owner, rank=RANK)),
-        ("dies", OwnedSource(Dying(model) if RANK == 1 else ModuleSource(model), torch_owner, rank=RANK)),
+        (
+            "disagree",
+            OwnedSource(
+                ModuleSource(model), (lambda n: 0) if RANK == 1 else torch_owner, rank=RANK
+            ),
+        ),
+        (
+            "dies",
+            OwnedSource(Dying(model) if RANK == 1 else ModuleSource(model), torch_owner, rank=RANK),
+        ),
     ]
     for name, source in cases:
         started = time.perf_counter()
         engine = None
         try:
-            engine = TorchTrainerEngine.trainer_init(info(), client=client, source=source, group=group)
+            engine = TorchTrainerEngine.trainer_init(
+                info(), client=client, source=source, group=group
+            )
             engine.send_weights()
             errors[name] = "no error"
         except Exception as exc:

@@ -33,27 +33,38 @@ def main(url: str, config_path: str) -> None:
         cfg = llama.LlamaConfig.from_hf_config(json.load(f))
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
 
-    def shard(x: jax.Array) -> jax.Array:  # FSDP-style: leading axis over 4 devices where it divides
+    def shard(
+        x: jax.Array,
+    ) -> jax.Array:  # FSDP-style: leading axis over 4 devices where it divides
         spec = PartitionSpec("fsdp") if x.ndim and x.shape[0] % 4 == 0 else PartitionSpec()
         return jax.device_put(x, NamedSharding(mesh, spec))
 
     host_params = jax.device_get(llama.init(jax.random.key(0), cfg))
     state = {"params": jax.tree.map(shard, host_params)}
-    sharded = sum(len(x.sharding.device_set) == 4 and not x.is_fully_replicated for x in jax.tree.leaves(state["params"]))
+    sharded = sum(
+        len(x.sharding.device_set) == 4 and not x.is_fully_replicated
+        for x in jax.tree.leaves(state["params"])
+    )
     reference = PytreeSource(host_params, llama.naming(cfg))  # unsharded, for the expected bytes
     source = PytreeSource(lambda: state["params"], llama.naming(cfg), device=jax.devices()[0])
     timeouts = Timeouts(http_s=120, connect_s=60, warmup_s=60, transfer_s=60)
-    info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=32 << 10, verify=True, timeouts=timeouts)
+    info = TrainerInitInfo(
+        backend="weightwire_tcp", packed_buffer_size_bytes=32 << 10, verify=True, timeouts=timeouts
+    )
     client = HTTPWeightSyncClient(url, timeout=120)
     engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
     rounds = []
     try:
         for step in (1, 2):
-            host_params = jax.tree.map(lambda x, s=step: x * np.asarray(1 + 0.01 * s, x.dtype), host_params)
+            host_params = jax.tree.map(
+                lambda x, s=step: x * np.asarray(1 + 0.01 * s, x.dtype), host_params
+            )
             state["params"] = jax.tree.map(shard, host_params)
             reference = PytreeSource(host_params, llama.naming(cfg))
             metrics = engine.send_weights()
-            expected = {n: hashlib.sha256(np.asarray(t).tobytes()).hexdigest() for n, t in reference}
+            expected = {
+                n: hashlib.sha256(np.asarray(t).tobytes()).hexdigest() for n, t in reference
+            }
             rounds.append({"version": metrics.version, "expected": expected})
     finally:
         engine.shutdown()

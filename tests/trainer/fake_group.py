@@ -24,7 +24,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 from tests.trainer.fakes import FakeServer
-from weightwire.backends.base import Backend, DevicePacker, Rendezvous, RoundSender, SenderCaps, SenderParts
+from weightwire.backends.base import (
+    Backend,
+    DevicePacker,
+    Rendezvous,
+    RoundSender,
+    SenderCaps,
+    SenderParts,
+)
 from weightwire.backends.pipelines import DevicePipeline
 from weightwire.shared.errors import TransferError, TransferTimeout
 from weightwire.shared.framing import plan
@@ -55,13 +62,21 @@ class FakeWorld:
     def member(self, rank: int) -> FakeMember:
         return FakeMember(self, rank)
 
-    def collective(self, rank: int, kind: str, buffer: Any, root: int, timeout: float | None) -> None:
+    def collective(
+        self, rank: int, kind: str, buffer: Any, root: int, timeout: float | None
+    ) -> None:
         with self.cv:
             if rank in self.aborted:
                 raise TransferError(f"fake NCCL rank {rank} is aborted")
             k = self.seq[rank]
             self.seq[rank] += 1
-            nbytes = 0 if buffer is None else sum(as_bytes(p).nbytes for p in (buffer if isinstance(buffer, list) else [buffer]))
+            nbytes = (
+                0
+                if buffer is None
+                else sum(
+                    as_bytes(p).nbytes for p in (buffer if isinstance(buffer, list) else [buffer])
+                )
+            )
             calls = self.calls.setdefault(k, {})
             calls[rank] = (kind, root, nbytes, buffer)
             if len(calls) == self.size:
@@ -78,10 +93,14 @@ class FakeWorld:
                 else:
                     self.data[k] = b""
                 self.cv.notify_all()
-            elif not self.cv.wait_for(lambda: k in self.data or rank in self.aborted, timeout=timeout or 30):
+            elif not self.cv.wait_for(
+                lambda: k in self.data or rank in self.aborted, timeout=timeout or 30
+            ):
                 missing = sorted(set(range(self.size)) - set(calls))
-                raise TransferTimeout(f"fake NCCL rank {rank}: collective {k} ({kind}, root {root}) waited "
-                                      f"{timeout:g} s for ranks {missing}")
+                raise TransferTimeout(
+                    f"fake NCCL rank {rank}: collective {k} ({kind}, root {root}) waited "
+                    f"{timeout:g} s for ranks {missing}"
+                )
             if rank in self.aborted:
                 raise TransferError(f"fake NCCL rank {rank} was aborted during collective {k}")
             if k in self.errors:
@@ -89,7 +108,9 @@ class FakeWorld:
             got = self.data[k]
             if kind == "broadcast" and rank != root:
                 if len(got) != nbytes:
-                    raise TransferError(f"fake NCCL collective {k}: root sent {len(got)} bytes, rank {rank} posted {nbytes}")
+                    raise TransferError(
+                        f"fake NCCL collective {k}: root sent {len(got)} bytes, rank {rank} posted {nbytes}"
+                    )
                 as_bytes(buffer)[:] = np.frombuffer(got, np.uint8)
 
 
@@ -111,11 +132,21 @@ class FakeMember:
     def warmup(self, *, timeout: float | None = None) -> None:
         self.world.collective(self._rank, "allreduce", None, 0, timeout)
 
-    def broadcast(self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
+    def broadcast(
+        self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None
+    ) -> None:
         self.world.collective(self._rank, "broadcast", buffer, root, timeout)
 
-    def broadcast_typed(self, buffer: Any, *, nccl_dtype: int, count: int, root: int = 0,
-                        timeout: float | None = None, stream: Any = None) -> None:
+    def broadcast_typed(
+        self,
+        buffer: Any,
+        *,
+        nccl_dtype: int,
+        count: int,
+        root: int = 0,
+        timeout: float | None = None,
+        stream: Any = None,
+    ) -> None:
         self.world.collective(self._rank, "broadcast", buffer, root, timeout)
 
     def synchronize(self, stream: Any, *, timeout: float) -> None:
@@ -172,15 +203,29 @@ class FakeGroupBackend(Backend):
             def join(self, *, timeout: float) -> Any:
                 return world.member(0)
 
-        return _Rdv({"world_id": world.id, "world_size": world_size, "rank_offset": 1, "packed": info.packed,
-                     "packed_buffer_size_bytes": info.packed_buffer_size_bytes, "timeout_s": info.timeouts.transfer_s})
+        return _Rdv(
+            {
+                "world_id": world.id,
+                "world_size": world_size,
+                "rank_offset": 1,
+                "packed": info.packed,
+                "packed_buffer_size_bytes": info.packed_buffer_size_bytes,
+                "timeout_s": info.timeouts.transfer_s,
+            }
+        )
 
     def sender(self, link: Any, settings: Any, parts: SenderParts) -> RoundSender:
         assert parts.packer is not None
         count = settings.packed_num_buffers
-        return DevicePipeline(link, parts.packer, FakeSlots(), packed=settings.packed, num_buffers=count,
-                              timeout=settings.timeouts.transfer_s,
-                              hold_bytes=settings.packed_buffer_size_bytes * count)
+        return DevicePipeline(
+            link,
+            parts.packer,
+            FakeSlots(),
+            packed=settings.packed,
+            num_buffers=count,
+            timeout=settings.timeouts.transfer_s,
+            hold_bytes=settings.packed_buffer_size_bytes * count,
+        )
 
     def peer_fields(self, payload: dict[str, Any]) -> dict[str, Any]:
         return {"world_id": payload["world_id"], "world_size": payload["world_size"]}
@@ -218,8 +263,13 @@ class FakeWorkers:
             import httpx
 
             if request.url.path.endswith("/weight_checker"):
-                return httpx.Response(200, json={"checksums": dict(self.received[0]) if self.received else {},
-                                                 "replica_checksums": [dict(r) for r in self.received]})
+                return httpx.Response(
+                    200,
+                    json={
+                        "checksums": dict(self.received[0]) if self.received else {},
+                        "replica_checksums": [dict(r) for r in self.received],
+                    },
+                )
             return real(request)
 
         server.handler = handler  # type: ignore[method-assign]
@@ -254,10 +304,16 @@ class FakeWorkers:
         src = info.get("src", 0)
         self.srcs.append(src)
         if info["names"]:
-            self.metas[src] = [ParamMeta(n, d, tuple(s)) for n, d, s in
-                               zip(info["names"], info["dtype_names"], info["shapes"], strict=True)]
+            self.metas[src] = [
+                ParamMeta(n, d, tuple(s))
+                for n, d, s in zip(info["names"], info["dtype_names"], info["shapes"], strict=True)
+            ]
         metas = self.metas[src]
-        chunks = plan(metas, packed=self.init["packed"], buffer_size_bytes=self.init["packed_buffer_size_bytes"])
+        chunks = plan(
+            metas,
+            packed=self.init["packed"],
+            buffer_size_bytes=self.init["packed_buffer_size_bytes"],
+        )
 
         def receive(member: FakeMember, i: int) -> None:
             for chunk in chunks:
@@ -265,7 +321,7 @@ class FakeWorkers:
                 member.broadcast(buf, root=src, timeout=self.init["timeout_s"])
                 for j, off in enumerate(chunk.offsets):
                     meta = metas[chunk.start + j]
-                    data = buf[off:off + meta.nbytes].tobytes()
+                    data = buf[off : off + meta.nbytes].tobytes()
                     if meta.name == self.corrupt:
                         data = b"wrong" + data
                     self.received[i][meta.name] = hashlib.sha256(data).hexdigest()

@@ -94,7 +94,9 @@ class FakeComm:
     def warmup(self, *, timeout: float | None = None) -> None:
         self.warmed = True
 
-    def broadcast(self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
+    def broadcast(
+        self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None
+    ) -> None:
         if self.aborted.is_set():
             raise TransferError("fake communicator is aborted")
         if self.block:
@@ -129,8 +131,14 @@ class FakeBackend(Backend):
             def join(self, *, timeout: float) -> Any:
                 return backend.comm
 
-        return _Rdv({"fake": True, "world_size": world_size, "packed": info.packed,
-                     "packed_buffer_size_bytes": info.packed_buffer_size_bytes})
+        return _Rdv(
+            {
+                "fake": True,
+                "world_size": world_size,
+                "packed": info.packed,
+                "packed_buffer_size_bytes": info.packed_buffer_size_bytes,
+            }
+        )
 
     def sender(self, link: Any, settings: Any, parts: SenderParts) -> RoundSender:
         return host_sender(link, settings, parts)
@@ -138,8 +146,13 @@ class FakeBackend(Backend):
 
 def host_sender(link: Any, settings: Any, parts: SenderParts) -> RoundSender:
     """A fake host backend's data path: the generic host pipeline over ``link``."""
-    return HostPipeline(link, parts.host_bytes, num_buffers=settings.packed_num_buffers,
-                        timeout=settings.timeouts.transfer_s, prefetch=parts.prefetch)
+    return HostPipeline(
+        link,
+        parts.host_bytes,
+        num_buffers=settings.packed_num_buffers,
+        timeout=settings.timeouts.transfer_s,
+        prefetch=parts.prefetch,
+    )
 
 
 FAKE = FakeBackend()
@@ -149,7 +162,9 @@ register_backend(FAKE, replace=True)
 class DictSource(WeightSource):
     """Names -> arrays (numpy, jax or torch); ``describe`` comes from the engine."""
 
-    def __init__(self, tensors: dict[str, Any], describe: Callable[[Any], tuple[str, tuple[int, ...]]]) -> None:
+    def __init__(
+        self, tensors: dict[str, Any], describe: Callable[[Any], tuple[str, tuple[int, ...]]]
+    ) -> None:
         self.tensors = tensors
         self._describe = describe
         self.iterations = 0
@@ -168,7 +183,9 @@ def numpy_weights(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {
         "model.embed_tokens.weight": rng.standard_normal((16, 8)).astype(np.float32),
-        "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((8, 8)).astype(ml_dtypes.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((8, 8)).astype(
+            ml_dtypes.bfloat16
+        ),
         "model.layers.0.mlp.up_proj.weight": rng.standard_normal((12, 8)).astype(np.float16),
         "model.layers.0.input_layernorm.weight": rng.standard_normal((8,)).astype(np.float32),
         "model.norm.weight": np.array(1.5, dtype=np.float32),

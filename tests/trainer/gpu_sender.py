@@ -31,10 +31,15 @@ def shapes(mib: int, framework: str = "torch") -> list[tuple[str, str, tuple[int
     """HF-named tensors: bf16 matrices up to ``mib`` MiB, plus odd sizes in every wire
     dtype (JAX without x64 has no float64 / int64 arrays: those are torch only)."""
     out = [("model.embed_tokens.weight", "bfloat16", (8003, HIDDEN))]
-    per_layer = [("self_attn.q_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.k_proj.weight", (KV, HIDDEN)),
-                 ("self_attn.v_proj.weight", (KV, HIDDEN)), ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-                 ("mlp.gate_proj.weight", (FFN, HIDDEN)), ("mlp.up_proj.weight", (FFN, HIDDEN)),
-                 ("mlp.down_proj.weight", (HIDDEN, FFN))]
+    per_layer = [
+        ("self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
+        ("self_attn.k_proj.weight", (KV, HIDDEN)),
+        ("self_attn.v_proj.weight", (KV, HIDDEN)),
+        ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+        ("mlp.gate_proj.weight", (FFN, HIDDEN)),
+        ("mlp.up_proj.weight", (FFN, HIDDEN)),
+        ("mlp.down_proj.weight", (HIDDEN, FFN)),
+    ]
     total, layer = 8003 * HIDDEN * 2, 0
     while total < mib << 20:
         p = f"model.layers.{layer}."
@@ -44,10 +49,17 @@ def shapes(mib: int, framework: str = "torch") -> list[tuple[str, str, tuple[int
             total += shape[0] * shape[1] * 2
         out.append((p + "post_attention_layernorm.weight", "float32", (HIDDEN,)))
         layer += 1
-    out += [("model.norm.weight", "float32", (HIDDEN,)), ("model.odd.half", "float16", (7,)),
-            ("model.odd.scalar", "float32", ()), ("model.odd.ids", "int32", (3, 5)),
-            ("model.odd.fp8", "float8_e4m3fn", (33,)), ("model.odd.fp8b", "float8_e5m2", (17, 3)),
-            ("model.odd.i8", "int8", (11,)), ("model.odd.u8", "uint8", (13,)), ("model.odd.mask", "bool", (9, 2))]
+    out += [
+        ("model.norm.weight", "float32", (HIDDEN,)),
+        ("model.odd.half", "float16", (7,)),
+        ("model.odd.scalar", "float32", ()),
+        ("model.odd.ids", "int32", (3, 5)),
+        ("model.odd.fp8", "float8_e4m3fn", (33,)),
+        ("model.odd.fp8b", "float8_e5m2", (17, 3)),
+        ("model.odd.i8", "int8", (11,)),
+        ("model.odd.u8", "uint8", (13,)),
+        ("model.odd.mask", "bool", (9, 2)),
+    ]
     if framework == "torch":
         out += [("model.odd.f64", "float64", (5,)), ("model.odd.i64", "int64", (2, 3))]
     out.append(("lm_head.weight", "bfloat16", (8003, HIDDEN)))
@@ -55,9 +67,14 @@ def shapes(mib: int, framework: str = "torch") -> list[tuple[str, str, tuple[int
 
 
 class Dict(WeightSource):
-    def __init__(self, tensors: dict[str, Any], metas: list[ParamMeta], *, stop_at: int = -1, stop: str = "") -> None:
+    def __init__(
+        self, tensors: dict[str, Any], metas: list[ParamMeta], *, stop_at: int = -1, stop: str = ""
+    ) -> None:
         self.tensors, self._metas = tensors, metas
-        self.stop_at, self.stop = stop_at, stop  # fault tests: die / pause when yielding tensor ``stop_at``
+        self.stop_at, self.stop = (
+            stop_at,
+            stop,
+        )  # fault tests: die / pause when yielding tensor ``stop_at``
 
     def metadata(self) -> list[ParamMeta]:
         return self._metas
@@ -68,7 +85,9 @@ class Dict(WeightSource):
                 import os
                 import signal
 
-                os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies mid-round, nothing cleaned up
+                os.kill(
+                    os.getpid(), signal.SIGKILL
+                )  # the trainer dies mid-round, nothing cleaned up
             if i == self.stop_at and self.stop == "pause":
                 print("PAUSED", flush=True)  # the test kills the worker now, then says go on
                 sys.stdin.readline()
@@ -90,7 +109,9 @@ def jax_side(spec: list, seed: int) -> tuple[Any, dict[str, Any], Any]:
             tensors[name] = jax.random.bernoulli(k, 0.5, shape)
         elif dtype in ("int8", "uint8", "int32"):
             info = jnp.iinfo(dtype)
-            tensors[name] = jax.random.randint(k, shape, max(info.min, -1000), min(info.max, 1000), jnp.dtype(dtype))
+            tensors[name] = jax.random.randint(
+                k, shape, max(info.min, -1000), min(info.max, 1000), jnp.dtype(dtype)
+            )
         else:
             tensors[name] = jax.random.normal(k, shape, jnp.float32).astype(jnp.dtype(dtype))
     jax.block_until_ready(tensors)
@@ -113,12 +134,20 @@ def torch_side(spec: list, seed: int) -> tuple[Any, dict[str, Any], Any]:
             tensors[name] = torch.randint(0, 2, shape, generator=gen, device="cuda").bool()
         elif dtype in ("int8", "uint8", "int32", "int64"):
             info = torch.iinfo(getattr(torch, dtype))
-            tensors[name] = torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen,
-                                          device="cuda", dtype=getattr(torch, dtype))
+            tensors[name] = torch.randint(
+                max(info.min, -1000),
+                min(info.max, 1000),
+                shape,
+                generator=gen,
+                device="cuda",
+                dtype=getattr(torch, dtype),
+            )
         elif dtype == "float64":
             tensors[name] = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64)
         else:
-            tensors[name] = torch.randn(shape, generator=gen, device="cuda").to(getattr(torch, dtype))
+            tensors[name] = torch.randn(shape, generator=gen, device="cuda").to(
+                getattr(torch, dtype)
+            )
     torch.cuda.synchronize()
 
     def sha(x: Any) -> str:
@@ -137,19 +166,34 @@ def main() -> int:
     ap.add_argument("--num-buffers", type=int, default=2)
     ap.add_argument("--mib", type=int, default=1100)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--release", type=int, default=0, help="weightwire_ipc: free the slots after every round")
-    ap.add_argument("--ipc-mode", choices=("pull", "push"), default="pull", help="weightwire_ipc: data path of packed rounds")
-    ap.add_argument("--stop-at", type=int, default=-1, help="fault tests: tensor index of round 1 to stop at")
+    ap.add_argument(
+        "--release", type=int, default=0, help="weightwire_ipc: free the slots after every round"
+    )
+    ap.add_argument(
+        "--ipc-mode",
+        choices=("pull", "push"),
+        default="pull",
+        help="weightwire_ipc: data path of packed rounds",
+    )
+    ap.add_argument(
+        "--stop-at", type=int, default=-1, help="fault tests: tensor index of round 1 to stop at"
+    )
     ap.add_argument("--stop", choices=("", "kill", "pause"), default="")
     args = ap.parse_args()
     spec = shapes(args.mib, args.framework)
     metas = [ParamMeta(n, d, s) for n, d, s in spec]
     build = jax_side if args.framework == "jax" else torch_side
     client = LoopbackClient(args.address, timeout=300)
-    info = TrainerInitInfo(backend=args.backend, packed=bool(args.packed), device=0,
-                           packed_buffer_size_bytes=args.buffer_mib << 20, packed_num_buffers=args.num_buffers,
-                           timeouts=Timeouts(http_s=300, connect_s=120, warmup_s=60, transfer_s=120),
-                           ipc_release_after_round=bool(args.release), ipc_mode=args.ipc_mode)
+    info = TrainerInitInfo(
+        backend=args.backend,
+        packed=bool(args.packed),
+        device=0,
+        packed_buffer_size_bytes=args.buffer_mib << 20,
+        packed_num_buffers=args.num_buffers,
+        timeouts=Timeouts(http_s=300, connect_s=120, warmup_s=60, transfer_s=120),
+        ipc_release_after_round=bool(args.release),
+        ipc_mode=args.ipc_mode,
+    )
     engine_cls, tensors, sha = build(spec, 0)
     source = Dict(tensors, metas, stop_at=args.stop_at, stop=args.stop)
     engine = engine_cls.trainer_init(info, client=client, source=source)
@@ -163,23 +207,38 @@ def main() -> int:
             try:
                 metrics = engine.send_weights()
             except Exception as exc:  # fault tests read the error the trainer got
-                print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+                print(
+                    json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True
+                )
                 return 3
             wall = time.perf_counter() - start
             sent = {n: sha(t) for n, t in source.tensors.items()}
             (reply,) = client.weight_checker("checksum")
             bad = sorted(n for n, d in sent.items() if reply["checksums"].get(n) != d)
             held = getattr(engine.session.sender, "held_bytes", None)
-            rounds.append({"trainer_extra": held() if held is not None else None,
-                           "pipeline": type(engine.session.sender).__name__, "version": metrics.version, "nbytes": metrics.nbytes, "chunks": metrics.chunks,
-                           "gbps": metrics.gbps, "wall_s": wall, "seconds": metrics.seconds,
-                           "reused_metadata": metrics.reused_metadata, "mismatched": bad,
-                           "receiver": client.stats(), "weight_version": client.weight_info()[0]["weight_version"],
-                           "digests": sent})
+            rounds.append(
+                {
+                    "trainer_extra": held() if held is not None else None,
+                    "pipeline": type(engine.session.sender).__name__,
+                    "version": metrics.version,
+                    "nbytes": metrics.nbytes,
+                    "chunks": metrics.chunks,
+                    "gbps": metrics.gbps,
+                    "wall_s": wall,
+                    "seconds": metrics.seconds,
+                    "reused_metadata": metrics.reused_metadata,
+                    "mismatched": bad,
+                    "receiver": client.stats(),
+                    "weight_version": client.weight_info()[0]["weight_version"],
+                    "digests": sent,
+                }
+            )
     finally:
         try:
             engine.shutdown()
-        except Exception as exc:  # after a failed round the server may be gone: the round's error was printed
+        except (
+            Exception
+        ) as exc:  # after a failed round the server may be gone: the round's error was printed
             print(f"shutdown after the rounds failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     print(json.dumps({"ok": True, "tensors": len(spec), "rounds": rounds}), flush=True)
     return 0

@@ -44,21 +44,40 @@ def test_plan_group_ranks_and_turns_follow_first_owners() -> None:
     plan = plan_broadcast([m("a.0.x", 0), m("a.0.y", 0, 2), m("a.1.x", 3), m("a.2.x", 5, 4)])
     assert plan.group_ranks == (0, 3, 5) and plan.multi
     assert [(t.rank, t.src, [x.name for x in t.metas]) for t in plan.turns] == [
-        (0, 0, ["a.0.x", "a.0.y"]), (3, 1, ["a.1.x"]), (5, 2, ["a.2.x"])]
+        (0, 0, ["a.0.x", "a.0.y"]),
+        (3, 1, ["a.1.x"]),
+        (5, 2, ["a.2.x"]),
+    ]
     assert plan.world_size(4) == 7
     # rank 0 owns nothing: it is still group rank 0, with no turn of its own
     plan = plan_broadcast([m("x", 1), m("y", 2)])
-    assert plan.group_ranks == (0, 1, 2) and [t.src for t in plan.turns] == [1, 2] and plan.turn_of(0) is None
+    assert (
+        plan.group_ranks == (0, 1, 2)
+        and [t.src for t in plan.turns] == [1, 2]
+        and plan.turn_of(0) is None
+    )
     single = plan_broadcast([m("x"), m("y")])
     assert single.group_ranks == (0,) and not single.multi
 
 
-@pytest.mark.parametrize(("metas", "match"), [
-    ([m("w", 1, 0)], r"'w' has owners \[1, 0\]: rank 0 gathers only in its own turn"),
-    ([m("w", 0), m("v"), m("u", 1)], r"'v' has no owners \(every rank\), but the source has several broadcasting ranks \[0, 1\]"),
-    ([m("w", 1, 2), m("v", 2)], r"rank 2 owns parameters broadcast by ranks 1 and 2 \(at 'v'\)"),
-    ([m("w", 1), m("v", 2), m("u", 1)], r"'u' \(broadcaster rank 1\) follows parameters of rank 2"),
-])
+@pytest.mark.parametrize(
+    ("metas", "match"),
+    [
+        ([m("w", 1, 0)], r"'w' has owners \[1, 0\]: rank 0 gathers only in its own turn"),
+        (
+            [m("w", 0), m("v"), m("u", 1)],
+            r"'v' has no owners \(every rank\), but the source has several broadcasting ranks \[0, 1\]",
+        ),
+        (
+            [m("w", 1, 2), m("v", 2)],
+            r"rank 2 owns parameters broadcast by ranks 1 and 2 \(at 'v'\)",
+        ),
+        (
+            [m("w", 1), m("v", 2), m("u", 1)],
+            r"'u' \(broadcaster rank 1\) follows parameters of rank 2",
+        ),
+    ],
+)
 def test_plan_rules_name_the_parameter(metas: list[ParamMeta], match: str) -> None:
     with pytest.raises(PlanError, match=match):
         plan_broadcast(metas)
@@ -84,7 +103,9 @@ def test_update_info_src_is_omitted_when_zero() -> None:
     assert UpdateInfo(**names).to_dict() == names  # what a stock vLLM reads
     assert UpdateInfo(**names, src=2).to_dict() == {**names, "src": 2}
     assert UpdateInfo.from_dict({**names, "src": 2}).src == 2
-    assert UpdateInfo.from_dict({"names": [], "dtype_names": [], "shapes": [], "src": 1}).reuses_previous
+    assert UpdateInfo.from_dict(
+        {"names": [], "dtype_names": [], "shapes": [], "src": 1}
+    ).reuses_previous
     with pytest.raises(ValueError, match="src must be a group rank"):
         UpdateInfo.from_dict({**names, "src": -1})
     with pytest.raises(ValueError, match="src must be int"):
@@ -97,12 +118,19 @@ def test_tcp_init_info_lists_every_broadcaster() -> None:
     try:
         # More broadcasters than trainer ranks below the workers is refused; a rank_offset past
         # the broadcasters (a later data-parallel server) is not.
-        with pytest.raises(ValueError, match=r"sources lists 1 broadcasting rank\(s\) besides rank 0, but rank_offset 1"):
+        with pytest.raises(
+            ValueError,
+            match=r"sources lists 1 broadcasting rank\(s\) besides rank 0, but rank_offset 1",
+        ):
             TCPInitInfo(**base, rank_offset=1, sources=[sender.rdv.init_fields()])
         assert TCPInitInfo(**base, rank_offset=2).broadcasters == 1
-        with pytest.raises(ValueError, match=r"sources\[0\] must be an object with exactly host, port, secret_b64"):
+        with pytest.raises(
+            ValueError, match=r"sources\[0\] must be an object with exactly host, port, secret_b64"
+        ):
             TCPInitInfo(**base, rank_offset=2, sources=[{"host": "h"}])
-        info = TCPInitInfo.from_dict({**base, "rank_offset": 2, "sources": [sender.rdv.init_fields()]})
+        info = TCPInitInfo.from_dict(
+            {**base, "rank_offset": 2, "sources": [sender.rdv.init_fields()]}
+        )
         assert [e[:2] for e in info.endpoints] == [(sender.rdv.host, sender.rdv.port)] * 2
         assert "sources" not in TCPInitInfo(**base, rank_offset=1).to_dict()
     finally:
@@ -118,7 +146,10 @@ def test_worker_receives_each_turn_from_its_src_over_tcp() -> None:
     trainer = Tiny(seed=1)
     metas = ModuleSource(trainer).metadata()
     first, second = metas[:-4], metas[-4:]  # rank 0: embed, layers 0-1; rank 1: layer 2, norm
-    senders = [ThreadSender(_send_subset(Tiny(seed=1), {x.name for x in part}, rounds=2)) for part in (first, second)]
+    senders = [
+        ThreadSender(_send_subset(Tiny(seed=1), {x.name for x in part}, rounds=2))
+        for part in (first, second)
+    ]
     engine = WeightwireTCPEngine.standalone(model=HFModelHost(Tiny(seed=5)), device="cpu")
     info = senders[0].info(rank_offset=2, world_size=3, sources=[senders[1].rdv.init_fields()])
     engine.init_transfer_engine(info)
@@ -152,7 +183,9 @@ def _send_subset(module: torch.nn.Module, names: set[str], *, rounds: int) -> An
     def script(comm: Any) -> None:
         for _ in range(rounds):
             for chunk in plan(metas, packed=True, buffer_size_bytes=256):
-                comm.broadcast(pack_host([a for _, a in named[chunk.start : chunk.stop]], chunk), timeout=20)
+                comm.broadcast(
+                    pack_host([a for _, a in named[chunk.start : chunk.stop]], chunk), timeout=20
+                )
 
     return script
 
@@ -164,7 +197,9 @@ def test_single_sender_worker_refuses_src_1() -> None:
     engine.init_transfer_engine(sender.info())
     engine.start_weight_update()
     with pytest.raises(ValueError, match="initialized with one broadcasting trainer rank"):
-        engine.update_weights({**UpdateInfo.from_metas(ModuleSource(trainer).metadata()).to_dict(), "src": 1})
+        engine.update_weights(
+            {**UpdateInfo.from_metas(ModuleSource(trainer).metadata()).to_dict(), "src": 1}
+        )
     sender.join()
     engine.shutdown()
 
@@ -223,24 +258,36 @@ class StubClient:
         return 1
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
-                    "reset_prefix_cache"):
+        if name in (
+            "init_weight_transfer_engine",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+            "reset_prefix_cache",
+        ):
             return lambda *a, **k: self.calls.append(name)
         raise AttributeError(name)
 
 
-def run_ranks(backend: str, owner: Any, **info: Any) -> tuple[list[BaseException | None], StubClient]:
+def run_ranks(
+    backend: str, owner: Any, **info: Any
+) -> tuple[list[BaseException | None], StubClient]:
     from weightwire.jax_side.dtypes import describe
     from weightwire.jax_side.engine import JAXTrainerEngine
 
     groups = DictGroup.make(2)
     client = StubClient()
     errors: list[BaseException | None] = [None, None]
-    tensors = {"model.layers.0.w": np.zeros(2, np.float32), "model.layers.1.w": np.ones(2, np.float32)}
+    tensors = {
+        "model.layers.0.w": np.zeros(2, np.float32),
+        "model.layers.1.w": np.ones(2, np.float32),
+    }
 
     def rank(r: int) -> None:
         try:
-            source = OwnedSource(DictSource(dict(tensors), describe), lambda n, r=r: owner(n, r), rank=r)
+            source = OwnedSource(
+                DictSource(dict(tensors), describe), lambda n, r=r: owner(n, r), rank=r
+            )
             cfg = TrainerInitInfo(backend=backend, rank=r, pause_mode=None, **info)
             JAXTrainerEngine.trainer_init(cfg, client=client, source=source, group=groups[r])
         except BaseException as exc:  # recorded per rank
@@ -286,7 +333,10 @@ def test_exchanges_over_separate_group_objects_of_one_store_do_not_collide() -> 
     with pytest.raises(GroupTimeout):
         b[0].get("x", 1, timeout=0.05)  # engine b's rank 1 has not published yet
     b[1].post("x", "from engine b")
-    assert (a[0].get("x", 1, timeout=1.0), b[0].get("x", 1, timeout=1.0)) == ("from engine a", "from engine b")
+    assert (a[0].get("x", 1, timeout=1.0), b[0].get("x", 1, timeout=1.0)) == (
+        "from engine a",
+        "from engine b",
+    )
 
 
 def test_group_with_one_broadcaster_uses_the_ordinary_round_and_shares_the_verdict() -> None:
@@ -300,14 +350,19 @@ def test_group_with_one_broadcaster_uses_the_ordinary_round_and_shares_the_verdi
     FAKE.comm = FakeComm()
     server = FakeServer()
     groups = DictGroup.make(2)
-    tensors = {"model.layers.0.w": np.arange(4, dtype=np.float32), "model.layers.1.w": np.ones(3, np.float32)}
+    tensors = {
+        "model.layers.0.w": np.arange(4, dtype=np.float32),
+        "model.layers.1.w": np.ones(3, np.float32),
+    }
     results: list[Any] = [None, None]
     sources = [DictSource(dict(tensors), describe) for _ in range(2)]
 
     def rank(r: int, fail: bool) -> None:
         try:
             cfg = TrainerInitInfo(backend="fake_host", rank=r, pause_mode=None)
-            engine = JAXTrainerEngine.trainer_init(cfg, client=server.client(), source=sources[r], group=groups[r])
+            engine = JAXTrainerEngine.trainer_init(
+                cfg, client=server.client(), source=sources[r], group=groups[r]
+            )
             results[r] = [engine.send_weights().version]
             if fail:
                 server.fail_route = "update_weights"  # type: ignore[attr-defined]
@@ -334,7 +389,9 @@ def test_group_with_one_broadcaster_uses_the_ordinary_round_and_shares_the_verdi
     assert "src" not in server.bodies("update_weights")[0]["update_info"]
     assert sources[1].iterations == 2  # rank 1 iterated both rounds
     assert not isinstance(results[0][1], str) and "worker exploded" in str(results[0][1])
-    assert isinstance(results[1][1], RoundFailed) and "trainer rank 0 reported the round failed" in str(results[1][1])
+    assert isinstance(
+        results[1][1], RoundFailed
+    ) and "trainer rank 0 reported the round failed" in str(results[1][1])
 
 
 def test_receiver_gate() -> None:
@@ -351,5 +408,13 @@ def test_receiver_gate() -> None:
 def test_backends_declare_how_they_carry_several_broadcasters() -> None:
     from weightwire.trainer.backends import get_backend
 
-    shapes = {n: get_backend(n).caps.several for n in ("weightwire_tcp", "weightwire_nccl", "nccl", "weightwire_ipc")}
-    assert shapes == {"weightwire_tcp": "stars", "weightwire_nccl": "group", "nccl": None, "weightwire_ipc": None}
+    shapes = {
+        n: get_backend(n).caps.several
+        for n in ("weightwire_tcp", "weightwire_nccl", "nccl", "weightwire_ipc")
+    }
+    assert shapes == {
+        "weightwire_tcp": "stars",
+        "weightwire_nccl": "group",
+        "nccl": None,
+        "weightwire_ipc": None,
+    }

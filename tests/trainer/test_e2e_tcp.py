@@ -22,7 +22,9 @@ TIMEOUTS = Timeouts(http_s=120, connect_s=60, warmup_s=60, transfer_s=60)
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    with EmbeddedServer("tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180) as server:
+    with EmbeddedServer(
+        "tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180
+    ) as server:
         assert server.url is not None
         yield server.url
 
@@ -51,7 +53,9 @@ def run_rounds(client: HTTPWeightSyncClient, engine: Any, perturb: Any, digests:
             assert metrics.nbytes > 0 and metrics.chunks >= 1
             for replica in replica_checksums(client):
                 assert {n: replica.get(n) for n in want} == want
-            assert all(before[n] != d for n, d in want.items())  # every tensor really changed this round
+            assert all(
+                before[n] != d for n, d in want.items()
+            )  # every tensor really changed this round
             assert client.weight_info()[0]["weight_version"] == str(step)
     finally:
         engine.shutdown()
@@ -69,7 +73,9 @@ def jax_pytree_source() -> tuple[Any, Any]:
     with open(os.path.join(model_dir(), "config.json")) as f:
         cfg = llama.LlamaConfig.from_hf_config(json.load(f))
     state = {"params": llama.init(jax.random.key(0), cfg)}
-    noise = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype), state["params"])
+    noise = jax.tree.map(
+        lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype), state["params"]
+    )
 
     def perturb(step: int) -> None:
         state["params"] = jax.tree.map(lambda x, n: x + (1e-3 * step) * n, state["params"], noise)
@@ -86,9 +92,15 @@ def jax_dict_source() -> tuple[Any, Any]:
     from tests.trainer.fakes import DictSource
     from weightwire.jax_side.dtypes import describe
 
-    params = {k: jnp.asarray(v) for k, v in load_file(os.path.join(model_dir(), "model.safetensors")).items()}
+    params = {
+        k: jnp.asarray(v)
+        for k, v in load_file(os.path.join(model_dir(), "model.safetensors")).items()
+    }
     key = jax.random.PRNGKey(0)
-    noise = {k: jax.random.normal(jax.random.fold_in(key, i), v.shape, v.dtype) for i, (k, v) in enumerate(params.items())}
+    noise = {
+        k: jax.random.normal(jax.random.fold_in(key, i), v.shape, v.dtype)
+        for i, (k, v) in enumerate(params.items())
+    }
 
     def perturb(step: int) -> None:
         for k in params:
@@ -97,8 +109,11 @@ def jax_dict_source() -> tuple[Any, Any]:
     return DictSource(params, describe), perturb
 
 
-@pytest.mark.parametrize(("make_source", "packed"), [(jax_pytree_source, True), (jax_dict_source, False)],
-                         ids=["pytree-packed", "dict-unpacked"])
+@pytest.mark.parametrize(
+    ("make_source", "packed"),
+    [(jax_pytree_source, True), (jax_dict_source, False)],
+    ids=["pytree-packed", "dict-unpacked"],
+)
 def test_jax_engine_rounds_over_tcp(server_url: str, make_source: Any, packed: bool) -> None:
     from weightwire.jax_side.engine import JAXTrainerEngine
 
@@ -108,8 +123,14 @@ def test_jax_engine_rounds_over_tcp(server_url: str, make_source: Any, packed: b
         return {k: hashlib.sha256(np.asarray(v).tobytes()).hexdigest() for k, v in source}
 
     client = HTTPWeightSyncClient(server_url, timeout=120)
-    info = TrainerInitInfo(backend="weightwire_tcp", packed=packed, packed_buffer_size_bytes=64 << 10,
-                           verify=True, pause_mode="keep", timeouts=TIMEOUTS)
+    info = TrainerInitInfo(
+        backend="weightwire_tcp",
+        packed=packed,
+        packed_buffer_size_bytes=64 << 10,
+        verify=True,
+        pause_mode="keep",
+        timeouts=TIMEOUTS,
+    )
     engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
     run_rounds(client, engine, perturb, digests)
 
@@ -135,6 +156,8 @@ def test_torch_engine_rounds_over_tcp(server_url: str) -> None:
         return {n: hashlib.sha256(tensor_bytes(t).numpy()).hexdigest() for n, t in source}
 
     client = HTTPWeightSyncClient(server_url, timeout=120)
-    info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=32 << 10, verify=True, timeouts=TIMEOUTS)
+    info = TrainerInitInfo(
+        backend="weightwire_tcp", packed_buffer_size_bytes=32 << 10, verify=True, timeouts=TIMEOUTS
+    )
     engine = TorchTrainerEngine.trainer_init(info, client=client, source=source)
     run_rounds(client, engine, perturb, digests)

@@ -56,12 +56,17 @@ def test_auto_never_pauses_a_staging_plugin_worker(monkeypatch: pytest.MonkeyPat
 
 
 def engine_for(client: Any, source: Any, **info: Any) -> JAXTrainerEngine:
-    return JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="fake_host", timeouts=FAST, **info),
-                                         client=client, source=source)
+    return JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, **info), client=client, source=source
+    )
 
 
 def round_routes(server: FakeServer) -> list[str]:
-    return [r for r in server.routes() if r not in ("version", "get_world_size", "init_weight_transfer_engine")]
+    return [
+        r
+        for r in server.routes()
+        if r not in ("version", "get_world_size", "init_weight_transfer_engine")
+    ]
 
 
 def test_default_pauses_with_keep_around_every_round() -> None:
@@ -83,7 +88,9 @@ def test_default_resumes_after_a_failed_round() -> None:
     assert round_routes(server)[-2:] == ["finish_weight_update", "resume"]
 
 
-def test_auto_without_a_pause_route_runs_the_round_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_without_a_pause_route_runs_the_round_and_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     server = FakeServer()
     server.fail["pause"] = (404, "Not Found")
     engine = engine_for(server.client(), DictSource(numpy_weights(), describe))
@@ -136,11 +143,17 @@ class FourCallsAndReset(FourCalls):
         return self._http.reset_prefix_cache()
 
 
-def test_auto_with_a_client_that_cannot_pause_warns_and_runs(caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_with_a_client_that_cannot_pause_warns_and_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     server = FakeServer()
     with caplog.at_level(logging.WARNING, logger="weightwire.trainer"):
-        engine = engine_for(FourCallsAndReset(server), DictSource(numpy_weights(), describe),
-                            server_version="0.33.0", inference_world_size=1)
+        engine = engine_for(
+            FourCallsAndReset(server),
+            DictSource(numpy_weights(), describe),
+            server_version="0.33.0",
+            inference_world_size=1,
+        )
     engine.send_weights()
     assert "cannot pause generation" in caplog.text
     assert "cannot pause: the cache reset after each round runs unpaused" in caplog.text
@@ -153,8 +166,15 @@ def test_fallback_fills_only_the_missing_calls() -> None:
     client.base_url = "http://127.0.0.1:9"  # type: ignore[attr-defined]
     wrapped = with_fallback_routes(client, timeout=5)
     assert isinstance(wrapped, FallbackClient)
-    assert wrapped.filled == ("version", "get_world_size", "pause", "resume", "weight_checker", "reset_prefix_cache",
-                              "reset_encoder_cache")
+    assert wrapped.filled == (
+        "version",
+        "get_world_size",
+        "pause",
+        "resume",
+        "weight_checker",
+        "reset_prefix_cache",
+        "reset_encoder_cache",
+    )
     assert wrapped.start_weight_update.__self__ is client  # round calls stay with the user's client
     assert wrapped.version.__self__ is wrapped.extra
     assert wrapped.extra.base_urls == ["http://127.0.0.1:9"]
@@ -188,7 +208,10 @@ class Vllm032Source:
         self.weights = weights
 
     def metadata(self) -> list[TorchStyleMeta]:
-        return [TorchStyleMeta(n, FakeTorchDtype(str(a.dtype)), a.shape) for n, a in self.weights.items()]
+        return [
+            TorchStyleMeta(n, FakeTorchDtype(str(a.dtype)), a.shape)
+            for n, a in self.weights.items()
+        ]
 
     def __iter__(self) -> Iterator[tuple[str, np.ndarray]]:
         return iter(self.weights.items())
@@ -202,7 +225,10 @@ class Vllm033Source:
 
     @cached_property
     def metadata(self) -> list[TorchStyleMeta]:
-        return [TorchStyleMeta(n, FakeTorchDtype(str(a.dtype)), a.shape) for n, a in self.weights.items()]
+        return [
+            TorchStyleMeta(n, FakeTorchDtype(str(a.dtype)), a.shape)
+            for n, a in self.weights.items()
+        ]
 
     def iter_full(self) -> Iterator[tuple[str, np.ndarray]]:
         return iter(self.weights.items())
@@ -213,13 +239,17 @@ def test_source_shaped_objects_are_sources(kind: type) -> None:
     weights = {k: v for k, v in numpy_weights(seed=5).items() if v.dtype == np.float32}
     source = as_source(kind(weights))
     metas = source.metadata()
-    assert [(m.name, m.dtype, m.shape) for m in metas] == [(n, "float32", a.shape) for n, a in weights.items()]
+    assert [(m.name, m.dtype, m.shape) for m in metas] == [
+        (n, "float32", a.shape) for n, a in weights.items()
+    ]
     assert source.metadata() == metas
     server = FakeServer()
     engine = engine_for(server.client(), kind(weights))
     metrics = engine.send_weights()
     assert metrics.tensors == len(weights)
-    assert FAKE.comm.broadcasts == [b"".join(np.ascontiguousarray(a).tobytes() for a in weights.values())]
+    assert FAKE.comm.broadcasts == [
+        b"".join(np.ascontiguousarray(a).tobytes() for a in weights.values())
+    ]
 
 
 def test_a_non_source_is_refused_naming_what_is_missing() -> None:
@@ -230,24 +260,35 @@ def test_a_non_source_is_refused_naming_what_is_missing() -> None:
     with pytest.raises(TypeError, match=r"MetadataOnly lacks __iter__ or iter_full\(\)"):
         engine_for(FakeServer().client(), MetadataOnly())
     with pytest.raises(TypeError, match="metadata items need name, dtype and shape"):
-        as_source(type("Odd", (), {"metadata": lambda self: [1], "__iter__": lambda self: iter(())})()).metadata()
+        as_source(
+            type("Odd", (), {"metadata": lambda self: [1], "__iter__": lambda self: iter(())})()
+        ).metadata()
 
 
 def test_a_round_summary_counts_in_words() -> None:
     from weightwire.trainer.metrics import RoundMetrics
 
-    one = RoundMetrics(version="1", nbytes=4, tensors=1, chunks=1, reused_metadata=False, seconds={"transfer": 1.0})
-    two = RoundMetrics(version="2", nbytes=8, tensors=2, chunks=2, reused_metadata=False, seconds={"transfer": 1.0})
+    one = RoundMetrics(
+        version="1", nbytes=4, tensors=1, chunks=1, reused_metadata=False, seconds={"transfer": 1.0}
+    )
+    two = RoundMetrics(
+        version="2", nbytes=8, tensors=2, chunks=2, reused_metadata=False, seconds={"transfer": 1.0}
+    )
     assert "1 tensor, 0.0 MB in 1 broadcast," in one.summary()
     assert "2 tensors, 0.0 MB in 2 broadcasts," in two.summary()
+
+
 # -- a round the plugin workers apply in place (over stage_budget_bytes) ---------------------
 
 
 def test_auto_pauses_a_round_applied_in_place_with_abort_and_resumes_after_commit(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
-    engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0)
+    engine = engine_for(
+        server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0
+    )
     engine.send_weights()
     # No round guard installed: warned, paused all the same.
     assert round_routes(server) == [PROBE, *ROUND]
@@ -255,7 +296,8 @@ def test_auto_pauses_a_round_applied_in_place_with_abort_and_resumes_after_commi
 
 
 def test_a_round_in_place_holds_the_round_guard_until_after_the_commit(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     server.guard = True
@@ -268,13 +310,16 @@ def test_a_round_in_place_holds_the_round_guard_until_after_the_commit(
 
 
 def test_a_failed_round_in_place_leaves_the_guard_to_the_workers(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     server.guard = True
     server.fail["update_weights"] = (500, "worker 0: round failed at chunk 2/3")
-    server.fail[f"{PROBE}/release"] = (409, "not released: worker 0: the model holds an incomplete "
-                                            "weight round")
+    server.fail[f"{PROBE}/release"] = (
+        409,
+        "not released: worker 0: the model holds an incomplete weight round",
+    )
     source = DictSource(numpy_weights(), describe)
     engine = engine_for(server.client(), source, stage_budget_bytes=0)
     with caplog.at_level(logging.ERROR), pytest.raises(Exception, match="round failed at chunk"):
@@ -286,7 +331,9 @@ def test_a_failed_round_in_place_leaves_the_guard_to_the_workers(
     assert "the servers refuse requests that run the model, saying why" in caplog.text
 
 
-def test_a_round_within_the_budget_is_staged_and_not_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_round_within_the_budget_is_staged_and_not_paused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     weights = numpy_weights()
     server = FakeServer()
@@ -299,11 +346,14 @@ def test_a_round_within_the_budget_is_staged_and_not_paused(monkeypatch: pytest.
 
 @pytest.mark.parametrize("route", ["update_weights", "finish_weight_update"])
 def test_a_failed_round_applied_in_place_leaves_the_server_refusing(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, route: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, route: str
+) -> None:
     monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     server.fail[route] = (500, "worker 0: round failed at chunk 2/3")
-    engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0)
+    engine = engine_for(
+        server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0
+    )
     with caplog.at_level(logging.ERROR), pytest.raises(Exception, match="round failed at chunk"):
         engine.send_weights()
     assert "resume" not in round_routes(server)
@@ -313,8 +363,12 @@ def test_a_failed_round_applied_in_place_leaves_the_server_refusing(
 def test_keep_becomes_abort_for_a_round_applied_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
-    engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0,
-                        pause_mode="keep")
+    engine = engine_for(
+        server.client(),
+        DictSource(numpy_weights(), describe),
+        stage_budget_bytes=0,
+        pause_mode="keep",
+    )
     engine.send_weights()
     assert server.bodies("pause") == [{"mode": "abort"}]
 
@@ -322,8 +376,12 @@ def test_keep_becomes_abort_for_a_round_applied_in_place(monkeypatch: pytest.Mon
 def test_none_opts_out_of_pausing_a_round_applied_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
-    engine = engine_for(server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0,
-                        pause_mode=None)
+    engine = engine_for(
+        server.client(),
+        DictSource(numpy_weights(), describe),
+        stage_budget_bytes=0,
+        pause_mode=None,
+    )
     engine.send_weights()
     assert round_routes(server) == UNPAUSED  # no pause at all; the cache reset still runs
 
@@ -332,7 +390,9 @@ def test_stage_budget_is_validated_and_reaches_the_workers() -> None:
     from weightwire.backends.tcp.trainer import TCPBackend
     from weightwire.shared.info import TCPInitInfo
 
-    rdv = TCPBackend().open(TrainerInitInfo(backend="weightwire_tcp", stage_budget_bytes=12345), world_size=2)
+    rdv = TCPBackend().open(
+        TrainerInitInfo(backend="weightwire_tcp", stage_budget_bytes=12345), world_size=2
+    )
     try:
         assert TCPInitInfo.from_dict(rdv.payload).stage_budget_bytes == 12345
     finally:

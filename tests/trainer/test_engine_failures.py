@@ -29,9 +29,13 @@ from weightwire.trainer.backends import register_backend, unregister_backend
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=30)
 
 
-def init(server: FakeServer, source: DictSource | None = None, backend: str = "fake_host", **kw: Any) -> JAXTrainerEngine:
+def init(
+    server: FakeServer, source: DictSource | None = None, backend: str = "fake_host", **kw: Any
+) -> JAXTrainerEngine:
     info = TrainerInitInfo(backend=backend, timeouts=kw.pop("timeouts", FAST), **kw)
-    return JAXTrainerEngine.trainer_init(info, client=server.client(), source=source or DictSource(numpy_weights(), describe))
+    return JAXTrainerEngine.trainer_init(
+        info, client=server.client(), source=source or DictSource(numpy_weights(), describe)
+    )
 
 
 def test_rejected_update_surfaces_while_the_broadcast_would_block() -> None:
@@ -53,11 +57,16 @@ def test_rejected_update_surfaces_while_the_broadcast_would_block() -> None:
         engine.send_weights()
 
 
-@pytest.mark.parametrize("error", [
-    PeerLost("rank 1 (10.0.0.2:5555) closed the connection at byte 0 of 200"),
-    TransferTimeout("NCCL work did not finish within 5 s on rank 0 of world size 2"),
-])
-def test_transport_failure_is_raised_when_the_server_stays_silent(monkeypatch: pytest.MonkeyPatch, error: TransferError) -> None:
+@pytest.mark.parametrize(
+    "error",
+    [
+        PeerLost("rank 1 (10.0.0.2:5555) closed the connection at byte 0 of 200"),
+        TransferTimeout("NCCL work did not finish within 5 s on rank 0 of world size 2"),
+    ],
+)
+def test_transport_failure_is_raised_when_the_server_stays_silent(
+    monkeypatch: pytest.MonkeyPatch, error: TransferError
+) -> None:
     monkeypatch.setattr(transfer_mod, "_GRACE_S", 0.3)
 
     class LosingComm(FakeComm):
@@ -117,9 +126,13 @@ def test_mismatch_in_the_first_chunk_sends_nothing_and_keeps_the_engine() -> Non
     assert "start_weight_update" not in server.routes()
     source.lying = False
     metrics = engine.send_weights()  # nothing went out, so nothing is broken
-    assert metrics.version == "1" and server.routes()[-5:] == ["start_weight_update", "update_weights",
-                                                               "finish_weight_update", "reset_prefix_cache",
-                                                               "reset_encoder_cache"]
+    assert metrics.version == "1" and server.routes()[-5:] == [
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reset_prefix_cache",
+        "reset_encoder_cache",
+    ]
 
 
 def test_update_that_never_returns_times_out() -> None:
@@ -129,7 +142,10 @@ def test_update_that_never_returns_times_out() -> None:
     server.hooks["update_weights"] = lambda body: release.wait(10)
     engine = init(server, timeouts=Timeouts(http_s=0.5, connect_s=5, warmup_s=5, transfer_s=5))
     start = time.monotonic()
-    with pytest.raises(ControlTimeout, match=r"update_weights \(after the last broadcast\) did not return within 0.5 s"):
+    with pytest.raises(
+        ControlTimeout,
+        match=r"update_weights \(after the last broadcast\) did not return within 0.5 s",
+    ):
         engine.send_weights()
     assert time.monotonic() - start < 3.0
     release.set()
@@ -174,20 +190,31 @@ def test_rejected_init_returns_at_once_and_cancels_the_rendezvous(stuck: StuckJo
     server = FakeServer()
     server.fail["init_weight_transfer_engine"] = (400, "TCPInitInfo: unknown keys 'bogus'")
     start = time.monotonic()
-    with pytest.raises(WeightSyncError, match=r"init_weight_transfer_engine failed on http://fake:8000 \(status 400\): TCPInitInfo: unknown keys"):
+    with pytest.raises(
+        WeightSyncError,
+        match=r"init_weight_transfer_engine failed on http://fake:8000 \(status 400\): TCPInitInfo: unknown keys",
+    ):
         init(server, backend="stuck_join")
     assert time.monotonic() - start < 2.0
     assert stuck.cancelled.wait(2.0)
 
 
-def test_rendezvous_that_nobody_joins_times_out(stuck: StuckJoin, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rendezvous_that_nobody_joins_times_out(
+    stuck: StuckJoin, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(transfer_mod, "_GRACE_S", 0.3)
     server = FakeServer()
     release = threading.Event()
-    server.hooks["init_weight_transfer_engine"] = lambda body: release.wait(10)  # workers still joining
+    server.hooks["init_weight_transfer_engine"] = lambda body: release.wait(
+        10
+    )  # workers still joining
     start = time.monotonic()
     with pytest.raises(TransferTimeout, match="nobody joined within 0.5 s"):
-        init(server, backend="stuck_join", timeouts=Timeouts(http_s=10, connect_s=0.5, warmup_s=1, transfer_s=1))
+        init(
+            server,
+            backend="stuck_join",
+            timeouts=Timeouts(http_s=10, connect_s=0.5, warmup_s=1, transfer_s=1),
+        )
     assert time.monotonic() - start < 3.0
     release.set()
 

@@ -30,30 +30,65 @@ CASES = [
 
 @pytest.mark.gpu(count=2)
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("framework", "backend", "packed"), CASES, ids=[f"{f}-{b}-{'packed' if p else 'unpacked'}" for f, b, p in CASES])
+@pytest.mark.parametrize(
+    ("framework", "backend", "packed"),
+    CASES,
+    ids=[f"{f}-{b}-{'packed' if p else 'unpacked'}" for f, b, p in CASES],
+)
 def test_gpu_rounds_arrive_bit_exact(framework: str, backend: str, packed: int) -> None:
-    base = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    proc, client = spawn_loopback(backend, "cuda:0", env={**base, "CUDA_VISIBLE_DEVICES": "1"}, timeout=180)
+    base = {
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    }
+    proc, client = spawn_loopback(
+        backend, "cuda:0", env={**base, "CUDA_VISIBLE_DEVICES": "1"}, timeout=180
+    )
     try:
         out = subprocess.run(
-            [sys.executable, SENDER, "--address", client.address, "--framework", framework, "--backend", backend,
-             "--packed", str(packed), "--mib", "1100", "--rounds", "2"],
-            env={**os.environ, **base, "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True, text=True, timeout=600,
+            [
+                sys.executable,
+                SENDER,
+                "--address",
+                client.address,
+                "--framework",
+                framework,
+                "--backend",
+                backend,
+                "--packed",
+                str(packed),
+                "--mib",
+                "1100",
+                "--rounds",
+                "2",
+            ],
+            env={**os.environ, **base, "CUDA_VISIBLE_DEVICES": "0"},
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert out.returncode == 0, f"sender failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
         result = json.loads(out.stdout.strip().splitlines()[-1])
         rounds = result["rounds"]
         assert len(rounds) == 2
         for i, r in enumerate(rounds):
-            assert r["mismatched"] == [], f"round {i + 1}: receiver bytes differ for {r['mismatched'][:5]}"
+            assert r["mismatched"] == [], (
+                f"round {i + 1}: receiver bytes differ for {r['mismatched'][:5]}"
+            )
             assert r["nbytes"] >= 1 << 30
-            assert r["receiver"]["nbytes"] == r["nbytes"] and r["receiver"]["tensors"] == result["tensors"]
+            assert (
+                r["receiver"]["nbytes"] == r["nbytes"]
+                and r["receiver"]["tensors"] == result["tensors"]
+            )
             assert r["weight_version"] == str(i + 1)
             assert r["reused_metadata"] == (i > 0)
-            print(f"{framework}/{backend}/{'packed' if packed else 'unpacked'} round {i + 1}: "
-                  f"{r['nbytes'] / 1e9:.2f} GB in {r['chunks']} broadcasts, transfer {r['gbps']:.1f} GB/s, "
-                  f"phases {json.dumps({k: round(v * 1e3, 1) for k, v in r['seconds'].items()})} ms")
-        assert rounds[0]["digests"] != rounds[1]["digests"]  # the second round really sent new values
+            print(
+                f"{framework}/{backend}/{'packed' if packed else 'unpacked'} round {i + 1}: "
+                f"{r['nbytes'] / 1e9:.2f} GB in {r['chunks']} broadcasts, transfer {r['gbps']:.1f} GB/s, "
+                f"phases {json.dumps({k: round(v * 1e3, 1) for k, v in r['seconds'].items()})} ms"
+            )
+        assert (
+            rounds[0]["digests"] != rounds[1]["digests"]
+        )  # the second round really sent new values
         # Independent of the sender's own check: what the receiver holds now is the last round.
         (reply,) = client.weight_checker("checksum")
         assert reply["checksums"] == rounds[-1]["digests"]

@@ -27,10 +27,14 @@ def fresh_comm() -> FakeComm:
     return FAKE.comm
 
 
-def make(server: FakeServer, weights: dict | None = None, **info: object) -> tuple[JAXTrainerEngine, DictSource]:
+def make(
+    server: FakeServer, weights: dict | None = None, **info: object
+) -> tuple[JAXTrainerEngine, DictSource]:
     source = DictSource(weights if weights is not None else numpy_weights(), describe)
     kwargs = {"backend": "fake_host", "timeouts": FAST, **info}
-    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(**kwargs), client=server.client(), source=source)  # type: ignore[arg-type]
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(**kwargs), client=server.client(), source=source
+    )  # type: ignore[arg-type]
     return engine, source
 
 
@@ -38,8 +42,13 @@ def make(server: FakeServer, weights: dict | None = None, **info: object) -> tup
 def test_029_refuses_unique_id_rendezvous_before_any_init(backend: str) -> None:
     server = FakeServer(version="0.29.1")
     source = DictSource(numpy_weights(), lambda a: (str(a.dtype), a.shape))
-    with pytest.raises(ValueError, match=r"0\.29\.1 lacks unique_id_rendezvous \(needs >= 0\.30; server is release 0\.29\)"):
-        JAXTrainerEngine.trainer_init(TrainerInitInfo(backend=backend), client=server.client(), source=source)
+    with pytest.raises(
+        ValueError,
+        match=r"0\.29\.1 lacks unique_id_rendezvous \(needs >= 0\.30; server is release 0\.29\)",
+    ):
+        JAXTrainerEngine.trainer_init(
+            TrainerInitInfo(backend=backend), client=server.client(), source=source
+        )
     assert "init_weight_transfer_engine" not in server.routes()
 
 
@@ -48,28 +57,45 @@ def test_init_posts_backend_payload_and_world_size() -> None:
     engine, _ = make(server, packed_buffer_size_bytes=4096, packed_num_buffers=3)
     assert FAKE.opened == [4]  # trainer + 3 inference ranks
     (body,) = server.bodies("init_weight_transfer_engine")
-    assert body == {"init_info": {"fake": True, "world_size": 4, "packed": True, "packed_buffer_size_bytes": 4096}}
+    assert body == {
+        "init_info": {
+            "fake": True,
+            "world_size": 4,
+            "packed": True,
+            "packed_buffer_size_bytes": 4096,
+        }
+    }
     assert FAKE.comm.warmed
 
 
-@pytest.mark.parametrize(("version", "reuse"), [("0.32.3", False), ("0.33.0", True), ("0.34.0.dev1+g12", False), ("0.33.0rc1", False)])
+@pytest.mark.parametrize(
+    ("version", "reuse"),
+    [("0.32.3", False), ("0.33.0", True), ("0.34.0.dev1+g12", False), ("0.33.0rc1", False)],
+)
 def test_metadata_shorthand_only_for_servers_that_understand_it(version: str, reuse: bool) -> None:
     server = FakeServer(version=version)
     weights = numpy_weights()
     engine, _ = make(server, weights)
     for step in range(3):
-        weights["model.norm.weight"] = np.array(step, dtype=np.float32)  # values change, metadata does not
+        weights["model.norm.weight"] = np.array(
+            step, dtype=np.float32
+        )  # values change, metadata does not
         metrics = engine.send_weights()
         assert metrics.reused_metadata == (reuse and step > 0)
     bodies = [b["update_info"] for b in server.bodies("update_weights")]
-    full = {"names": list(weights), "dtype_names": [m.dtype for m in engine.source.metadata()],
-            "shapes": [list(np.shape(a)) for a in weights.values()]}
+    full = {
+        "names": list(weights),
+        "dtype_names": [m.dtype for m in engine.source.metadata()],
+        "shapes": [list(np.shape(a)) for a in weights.values()],
+    }
     empty = {"names": [], "dtype_names": [], "shapes": []}
     assert bodies[0] == full
     assert bodies[1:] == ([empty, empty] if reuse else [full, full])
     # The bytes still flow every round, whatever the update info says.
     assert len(FAKE.comm.broadcasts) == 3
-    weights["model.norm.weight"] = np.zeros((2,), dtype=np.float32)  # shape change: full lists again
+    weights["model.norm.weight"] = np.zeros(
+        (2,), dtype=np.float32
+    )  # shape change: full lists again
     engine.send_weights()
     assert server.bodies("update_weights")[-1]["update_info"]["shapes"][4] == [2]
 
@@ -97,12 +123,34 @@ def test_round_order_versions_and_pause() -> None:
     engine.send_weights()
     engine.send_weights(weight_version="step-7")
     engine.send_weights()
-    round_routes = [r for r in server.routes() if r not in ("version", "get_world_size", "init_weight_transfer_engine")]
-    assert round_routes == ["pause", "start_weight_update", "update_weights", "finish_weight_update",
-                            "reset_prefix_cache", "reset_encoder_cache", "resume"] * 3
-    assert server.bodies("reset_prefix_cache")[0] == {"reset_running_requests": "true", "reset_external": "true"}
+    round_routes = [
+        r
+        for r in server.routes()
+        if r not in ("version", "get_world_size", "init_weight_transfer_engine")
+    ]
+    assert (
+        round_routes
+        == [
+            "pause",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+            "reset_prefix_cache",
+            "reset_encoder_cache",
+            "resume",
+        ]
+        * 3
+    )
+    assert server.bodies("reset_prefix_cache")[0] == {
+        "reset_running_requests": "true",
+        "reset_external": "true",
+    }
     assert server.bodies("pause")[0] == {"mode": "keep"}
-    assert [b["weight_version"] for b in server.bodies("finish_weight_update")] == ["1", "step-7", "3"]  # the round number
+    assert [b["weight_version"] for b in server.bodies("finish_weight_update")] == [
+        "1",
+        "step-7",
+        "3",
+    ]  # the round number
     with pytest.raises(ValueError, match="weight_version must be a non-empty str"):
         engine.send_weights(weight_version="")
 
@@ -123,12 +171,17 @@ def test_verify_compares_every_sent_tensor() -> None:
     server = FakeServer()
     weights = numpy_weights()
     engine, _ = make(server, weights, verify=True)
-    digests = {n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for n, a in weights.items()}
+    digests = {
+        n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for n, a in weights.items()
+    }
     server.checksums = dict(digests, **{"extra.unsent": "00"})
     metrics = engine.send_weights()
     assert "verify" in metrics.seconds
     server.checksums = dict(digests, **{"model.layers.0.mlp.up_proj.weight": "ff" * 32})
-    with pytest.raises(VerifyError, match=r"server 0: 1 of 6 tensors differ .*model\.layers\.0\.mlp\.up_proj\.weight"):
+    with pytest.raises(
+        VerifyError,
+        match=r"server 0: 1 of 6 tensors differ .*model\.layers\.0\.mlp\.up_proj\.weight",
+    ):
         engine.send_weights()
     del server.checksums["lm_head.weight"]
     with pytest.raises(VerifyError, match="absent on the server"):
@@ -182,8 +235,12 @@ def test_trainer_init_validates_inputs() -> None:
         TrainerInitInfo(pause_mode="stop")
     with pytest.raises(ValueError, match="packed_num_buffers must be an int in"):
         TrainerInitInfo(packed_num_buffers=0)
-    with pytest.raises(TypeError, match="a weight source needs metadata and iteration; NoneType lacks"):
-        JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="fake_host"), client=server.client(), source=None)
+    with pytest.raises(
+        TypeError, match="a weight source needs metadata and iteration; NoneType lacks"
+    ):
+        JAXTrainerEngine.trainer_init(
+            TrainerInitInfo(backend="fake_host"), client=server.client(), source=None
+        )
 
     class FourCalls:  # a minimal adapter: the four calls only
         def init_weight_transfer_engine(self, info): ...
@@ -193,12 +250,17 @@ def test_trainer_init_validates_inputs() -> None:
 
     source = DictSource(numpy_weights(), lambda a: ("float32", a.shape))
     with pytest.raises(TypeError, match="lacks version, get_world_size, reset_prefix_cache "):
-        JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="fake_host"), client=FourCalls(), source=source)
+        JAXTrainerEngine.trainer_init(
+            TrainerInitInfo(backend="fake_host"), client=FourCalls(), source=source
+        )
     hinted = {"backend": "fake_host", "server_version": "0.33.0", "inference_world_size": 2}
-    with pytest.raises(TypeError, match="lacks reset_prefix_cache .*reset_prefix_cache=False accepts that"):
+    with pytest.raises(
+        TypeError, match="lacks reset_prefix_cache .*reset_prefix_cache=False accepts that"
+    ):
         JAXTrainerEngine.trainer_init(TrainerInitInfo(**hinted), client=FourCalls(), source=source)
-    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(**hinted, reset_prefix_cache=False),
-                                           client=FourCalls(), source=source)
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(**hinted, reset_prefix_cache=False), client=FourCalls(), source=source
+    )
     assert FAKE.opened[-1] == 3 and engine.features is not None and engine.features.reuse_metadata
     assert get_backend("fake_host") is FAKE
 
@@ -210,7 +272,9 @@ def test_verify_checks_every_replica_of_every_server() -> None:
     good = {"checksums": sent, "replica_checksums": [sent, sent]}
     compare_checksums(sent, [good, {"checksums": dict(sent, c="03")}])
     bad_replica = {"checksums": sent, "replica_checksums": [sent, {"a": "01", "b": "ff"}]}
-    with pytest.raises(VerifyError, match=r"server 1 replica 1: 1 of 2 tensors differ from what was sent: b$") as info:
+    with pytest.raises(
+        VerifyError, match=r"server 1 replica 1: 1 of 2 tensors differ from what was sent: b$"
+    ) as info:
         compare_checksums(sent, [good, bad_replica])
     assert info.value.mismatched == {"server 1 replica 1": ["b"]}
     with pytest.raises(VerifyError, match="without a checksums map"):
@@ -237,8 +301,11 @@ def test_a_pytree_source_round_describes_each_tensor_once(monkeypatch: pytest.Mo
     monkeypatch.setattr(jax_engine_mod, "_describe", counting)
     params = {"a": jnp.arange(4.0), "b": jnp.ones((2, 3), jnp.bfloat16)}
     source = PytreeSource(params, Naming([Rule("{x}", "{x}")]))
-    engine = JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
-                                           client=FakeServer().client(), source=source)
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
+        client=FakeServer().client(),
+        source=source,
+    )
     calls.clear()
     engine.send_weights()
     assert calls == ["describe"] * len(params)

@@ -38,13 +38,18 @@ def fresh_comm() -> None:
 
 @pytest.fixture(params=[False, True], ids=["plugin", "stock"])
 def stock(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=request.param))
+    monkeypatch.setattr(
+        type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=request.param)
+    )
     return bool(request.param)
 
 
 def engine_for(client: Any, **info: Any) -> JAXTrainerEngine:
-    return JAXTrainerEngine.trainer_init(TrainerInitInfo(backend="fake_host", timeouts=FAST, **info),
-                                         client=client, source=DictSource(numpy_weights(), describe))
+    return JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, **info),
+        client=client,
+        source=DictSource(numpy_weights(), describe),
+    )
 
 
 class Recorder:
@@ -52,7 +57,11 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        self.answers: dict[str, Any] = {"version": "0.33.0", "get_world_size": 1, "reset_prefix_cache": [True]}
+        self.answers: dict[str, Any] = {
+            "version": "0.33.0",
+            "get_world_size": 1,
+            "reset_prefix_cache": [True],
+        }
 
     def __getattr__(self, name: str) -> Any:
         if name not in (*ROUND_CALLS, *CONTROL_CALLS):
@@ -68,11 +77,20 @@ class Recorder:
         return [name for name, _, _ in self.calls if name not in SETUP]
 
 
-def test_stock_round_resets_before_it_resumes_and_a_plugin_round_resets_right_after_its_commit(stock: bool) -> None:
+def test_stock_round_resets_before_it_resumes_and_a_plugin_round_resets_right_after_its_commit(
+    stock: bool,
+) -> None:
     client = Recorder()
     engine_for(client).send_weights(weight_version="v1")
     if stock:  # the whole round is paused (a layerwise reload must not meet a request)
-        want = ["pause", "start_weight_update", "update_weights", "finish_weight_update", *RESET, "resume"]
+        want = [
+            "pause",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+            *RESET,
+            "resume",
+        ]
         pause = next(c for c in client.calls if c[0] == "pause")
         assert pause[1:] == (("keep",), {})
     else:  # staged: never paused (a trainer dying mid-round must not leave vLLM paused); reset at once
@@ -85,18 +103,29 @@ def test_stock_round_resets_before_it_resumes_and_a_plugin_round_resets_right_af
 def test_an_explicit_pause_mode_holds_the_whole_round_and_the_reset(stock: bool, mode: str) -> None:
     client = Recorder()
     engine_for(client, pause_mode=mode).send_weights()
-    assert client.rounds() == ["pause", "start_weight_update", "update_weights", "finish_weight_update", *RESET,
-                               "resume"]
+    assert client.rounds() == [
+        "pause",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        *RESET,
+        "resume",
+    ]
     assert [c[1] for c in client.calls if c[0] == "pause"] == [(mode,)]
 
 
-def test_opt_out_sends_no_reset_and_no_commit_pause(stock: bool, caplog: pytest.LogCaptureFixture) -> None:
+def test_opt_out_sends_no_reset_and_no_commit_pause(
+    stock: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     client = Recorder()
     with caplog.at_level(logging.INFO, logger="weightwire.trainer"):
         engine_for(client, reset_prefix_cache=False).send_weights()
     core = ["start_weight_update", "update_weights", "finish_weight_update"]
     assert client.rounds() == (["pause", *core, "resume"] if stock else core)
-    assert "reset_prefix_cache=False: vLLM may answer requests from KV computed before a round" in caplog.text
+    assert (
+        "reset_prefix_cache=False: vLLM may answer requests from KV computed before a round"
+        in caplog.text
+    )
     assert TrainerInitInfo().reset_prefix_cache is True
     with pytest.raises(ValueError, match="reset_prefix_cache must be a bool, got 'no'"):
         TrainerInitInfo(reset_prefix_cache="no")  # type: ignore[arg-type]
@@ -111,7 +140,9 @@ def test_a_client_without_the_reset_is_refused_before_any_rendezvous() -> None:
 
     client = NoReset()
     FAKE.opened.clear()
-    with pytest.raises(TypeError, match="lacks reset_prefix_cache .*reset_prefix_cache=False accepts that"):
+    with pytest.raises(
+        TypeError, match="lacks reset_prefix_cache .*reset_prefix_cache=False accepts that"
+    ):
         engine_for(client)
     assert client.calls == [] and FAKE.opened == []
 
@@ -137,35 +168,49 @@ def test_every_data_parallel_replica_is_reset_after_the_commit() -> None:
     engine.send_weights()
     for server in replicas.servers.values():
         routes = [r for r in server.routes() if r not in SETUP]
-        assert routes == ["start_weight_update", "update_weights", "finish_weight_update", *RESET] * 2
-        assert server.bodies("reset_prefix_cache") == [{"reset_running_requests": "true",
-                                                        "reset_external": "true"}] * 2
+        assert (
+            routes == ["start_weight_update", "update_weights", "finish_weight_update", *RESET] * 2
+        )
+        assert (
+            server.bodies("reset_prefix_cache")
+            == [{"reset_running_requests": "true", "reset_external": "true"}] * 2
+        )
 
 
 def test_a_failed_reset_leaves_the_round_committed_says_so_and_resumes() -> None:
     replicas = Replicas(2)
     bad = replicas.servers["r1"]
-    bad.fail["reset_prefix_cache"] = (500, "Failed to reset KV cache even when all the running requests are preempted")
+    bad.fail["reset_prefix_cache"] = (
+        500,
+        "Failed to reset KV cache even when all the running requests are preempted",
+    )
     engine = engine_for(replicas.client())
     with pytest.raises(StaleCacheError) as caught:
         engine.send_weights(weight_version="v1")
     err = caught.value
     assert isinstance(err, WeightwireError) and err.committed and err.weight_version == "v1"
     message = str(err)
-    assert message.startswith("round 'v1' was committed (finish_weight_update returned), but the servers' caches "
-                              "were not reset: reset_prefix_cache failed on http://r1:8000 (status 500): Failed to")
+    assert message.startswith(
+        "round 'v1' was committed (finish_weight_update returned), but the servers' caches "
+        "were not reset: reset_prefix_cache failed on http://r1:8000 (status 500): Failed to"
+    )
     assert "may be answered from KV computed with the previous weights" in message
     assert "reset_prefix_cache=False" in message
     for server in replicas.servers.values():  # committed everywhere, and nobody left paused
         assert server.weight_version == "v1" and "pause" not in server.routes()
     del bad.fail["reset_prefix_cache"]
-    assert engine.send_weights().version == "2"  # the engine stays usable; the count moved on at the commit
+    assert (
+        engine.send_weights().version == "2"
+    )  # the engine stays usable; the count moved on at the commit
 
 
 def test_a_server_without_the_route_names_dev_mode() -> None:
     server = FakeServer()
     server.fail["reset_prefix_cache"] = (404, "Not Found")
-    with pytest.raises(StaleCacheError, match="no /reset_prefix_cache route; vLLM serves it with VLLM_SERVER_DEV_MODE"):
+    with pytest.raises(
+        StaleCacheError,
+        match="no /reset_prefix_cache route; vLLM serves it with VLLM_SERVER_DEV_MODE",
+    ):
         engine_for(server.client()).send_weights()
     assert server.weight_version == "1" and "pause" not in server.routes()
 
@@ -181,11 +226,16 @@ def test_success_false_is_retried_then_reported() -> None:
             return httpx.Response(200, json={"success": next(answers, False)})
         return original(request)
 
-    client = HTTPWeightSyncClient("http://fake:8000", timeout=10, transport=httpx.MockTransport(flaky))
+    client = HTTPWeightSyncClient(
+        "http://fake:8000", timeout=10, transport=httpx.MockTransport(flaky)
+    )
     engine = engine_for(client)
     engine.send_weights()  # false once, then true: done
     assert server.routes().count("reset_prefix_cache") == 2
-    with pytest.raises(StaleCacheError, match=r"server\(s\) 0 answered success=false to /reset_prefix_cache 3 times"):
+    with pytest.raises(
+        StaleCacheError,
+        match=r"server\(s\) 0 answered success=false to /reset_prefix_cache 3 times",
+    ):
         engine.send_weights()
     assert server.routes().count("reset_prefix_cache") == 5 and "pause" not in server.routes()
 
@@ -193,13 +243,19 @@ def test_success_false_is_retried_then_reported() -> None:
 def test_a_failed_encoder_reset_is_reported_too() -> None:
     server = FakeServer()
     server.fail["reset_encoder_cache"] = (500, "boom")
-    with pytest.raises(StaleCacheError, match="reset_encoder_cache failed .*encoder outputs may come from the previous"):
+    with pytest.raises(
+        StaleCacheError,
+        match="reset_encoder_cache failed .*encoder outputs may come from the previous",
+    ):
         engine_for(server.client()).send_weights()
 
 
 def test_a_server_without_pause_routes_is_reset_all_the_same() -> None:
     server = FakeServer()
-    server.fail["pause"] = (404, "Not Found")  # a staged plugin round never pauses: the route is not needed
+    server.fail["pause"] = (
+        404,
+        "Not Found",
+    )  # a staged plugin round never pauses: the route is not needed
     engine = engine_for(server.client())
     engine.send_weights()
     engine.send_weights()
@@ -212,8 +268,13 @@ def test_http_client_reset_reads_success_per_server() -> None:
 
     def handler(request: httpx.Request) -> httpx.Response:
         assert request.method == "POST" and request.url.path == "/reset_prefix_cache"
-        assert dict(request.url.params) == {"reset_running_requests": "false", "reset_external": "true"}
+        assert dict(request.url.params) == {
+            "reset_running_requests": "false",
+            "reset_external": "true",
+        }
         return httpx.Response(200, content=json.dumps(replies[request.url.host]).encode())
 
-    client = HTTPWeightSyncClient(["http://a:1", "http://b:1", "http://c:1"], transport=httpx.MockTransport(handler))
+    client = HTTPWeightSyncClient(
+        ["http://a:1", "http://b:1", "http://c:1"], transport=httpx.MockTransport(handler)
+    )
     assert client.reset_prefix_cache(reset_running_requests=False) == [True, False, False]

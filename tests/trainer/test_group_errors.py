@@ -27,9 +27,13 @@ def test_a_store_that_fails_early_is_not_called_a_timeout() -> None:
     text = str(info.value)
     assert "within 124 s" not in text
     assert "reading trainer rank 1's 'ready' failed after 0.0 s, before its 124 s timeout" in text
-    assert "ConnectionResetError: Connection reset by peer" in text and info.value.after_s is not None
+    assert (
+        "ConnectionResetError: Connection reset by peer" in text and info.value.after_s is not None
+    )
 
 
 def test_a_store_timeout_still_names_the_rank_and_the_timeout() -> None:
-    with pytest.raises(GroupTimeout, match=r"trainer rank 1 did not publish 'ready' within 0\.01 s"):
+    with pytest.raises(
+        GroupTimeout, match=r"trainer rank 1 did not publish 'ready' within 0\.01 s"
+    ):
         Exchange(_SlowStore(0, 2)).get("ready", 1, timeout=0.01)

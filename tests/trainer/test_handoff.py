@@ -21,16 +21,23 @@ def fresh_comm() -> None:
     FAKE.opened.clear()
 
 
-def test_a_round_runs_with_the_short_interval_and_restores_the_old_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_round_runs_with_the_short_interval_and_restores_the_old_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv(ENV, raising=False)
     before = sys.getswitchinterval()
     server = FakeServer()
     seen: dict[str, float] = {}
-    server.hooks["start_weight_update"] = lambda body: seen.setdefault("start", sys.getswitchinterval())
+    server.hooks["start_weight_update"] = lambda body: seen.setdefault(
+        "start", sys.getswitchinterval()
+    )
     server.hooks["update_weights"] = lambda body: seen.setdefault("update", sys.getswitchinterval())
     engine, _ = make(server)
     engine.send_weights()
-    assert seen == {"start": pytest.approx(100e-6, abs=2e-6), "update": pytest.approx(100e-6, abs=2e-6)}
+    assert seen == {
+        "start": pytest.approx(100e-6, abs=2e-6),
+        "update": pytest.approx(100e-6, abs=2e-6),
+    }
     assert sys.getswitchinterval() == before
 
 
@@ -76,7 +83,9 @@ def test_never_lengthens_an_interval_the_user_shortened() -> None:
 
 
 @pytest.mark.parametrize(("raw", "want"), [("", 100e-6), ("250", 250e-6), ("0", None)])
-def test_env_sets_or_disables_the_interval(monkeypatch: pytest.MonkeyPatch, raw: str, want: float | None) -> None:
+def test_env_sets_or_disables_the_interval(
+    monkeypatch: pytest.MonkeyPatch, raw: str, want: float | None
+) -> None:
     monkeypatch.setenv(ENV, raw)
     assert round_interval_s() == (None if want is None else pytest.approx(want, abs=2e-6))
 
@@ -89,10 +98,14 @@ def test_env_zero_leaves_the_interval_alone(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("raw", ["fast", "-5", "nan", "inf"])
-def test_bad_env_is_refused_before_anything_is_sent(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+def test_bad_env_is_refused_before_anything_is_sent(
+    monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
     server = FakeServer()
     engine, _ = make(server)
-    monkeypatch.setenv(ENV, raw)  # set after the config was built (which would refuse it): the round still refuses
+    monkeypatch.setenv(
+        ENV, raw
+    )  # set after the config was built (which would refuse it): the round still refuses
     with pytest.raises(ValueError, match=f"{ENV}={raw!r}: expected microseconds"):
         engine.send_weights()
     assert "start_weight_update" not in server.routes()
@@ -101,16 +114,26 @@ def test_bad_env_is_refused_before_anything_is_sent(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("raw", ["1e-320", "1e-300", "0.5", "-1", "nan", "inf", "fast"])
-def test_env_refuses_an_interval_the_interpreter_cannot_keep(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+def test_env_refuses_an_interval_the_interpreter_cannot_keep(
+    monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
     # 1e-320 us underflowed to 0 s (Python's own "must be strictly positive"); 1e-300 set 0.0.
     monkeypatch.setenv(ENV, raw)
-    with pytest.raises(ConfigError, match=f"{ENV}='{re.escape(raw)}': expected microseconds, 0 .* or a number >= 1"):
+    with pytest.raises(
+        ConfigError, match=f"{ENV}='{re.escape(raw)}': expected microseconds, 0 .* or a number >= 1"
+    ):
         round_interval_s()
-    with pytest.raises(ConfigError, match=ENV):  # the trainer's config refuses it before anything is sent
+    with pytest.raises(
+        ConfigError, match=ENV
+    ):  # the trainer's config refuses it before anything is sent
         TrainerInitInfo(backend="weightwire_tcp")
 
 
-def test_a_bad_timeout_variable_is_refused_by_the_trainers_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_timeout_variable_is_refused_by_the_trainers_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("WEIGHTWIRE_TIMEOUT_CONNECT_S", "soon")
-    with pytest.raises(ConfigError, match="WEIGHTWIRE_TIMEOUT_CONNECT_S must be a number of seconds, got 'soon'"):
+    with pytest.raises(
+        ConfigError, match="WEIGHTWIRE_TIMEOUT_CONNECT_S must be a number of seconds, got 'soon'"
+    ):
         TrainerInitInfo(backend="weightwire_tcp")

@@ -105,9 +105,16 @@ class FakePacker:
 class FakeWorker(threading.Thread):
     """Reads announcements and answers each with a release; ``misbehave`` bends that."""
 
-    def __init__(self, conn: Any, total: int, *, release: bool = False, misbehave: str = "") -> None:
+    def __init__(
+        self, conn: Any, total: int, *, release: bool = False, misbehave: str = ""
+    ) -> None:
         super().__init__(daemon=True)
-        self.ch, self.total, self.release, self.misbehave = Channel(conn, "trainer"), total, release, misbehave
+        self.ch, self.total, self.release, self.misbehave = (
+            Channel(conn, "trainer"),
+            total,
+            release,
+            misbehave,
+        )
         self.seen: list[dict] = []
         self.log: list[str] | None = None
 
@@ -141,12 +148,16 @@ class FakeWorker(threading.Thread):
             self.ch.send({"op": "closed"})
 
 
-def _setup(total: int, *, slot: int = 100, count: int = 2, release: bool = False, misbehave: str = ""):
+def _setup(
+    total: int, *, slot: int = 100, count: int = 2, release: bool = False, misbehave: str = ""
+):
     log: list = []
     cp = FakeCupy(log)
     slots = IPCSlots(cp, 0, slot, count)
     a, b = socket.socketpair()
-    comm = IPCSenderComm(cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12][:count]], [""], release)
+    comm = IPCSenderComm(
+        cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12][:count]], [""], release
+    )
     worker = FakeWorker(b, total, release=release, misbehave=misbehave)
     worker.start()
     pipe = IPCPipeline(comm, FakePacker(), num_buffers=count, timeout=10.0, hold_bytes=0)
@@ -157,7 +168,7 @@ def _prepared(sizes: list[int], buffer: int, packed: bool = True):
     metas = [ParamMeta(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
     tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate(sizes)]
     chunks = plan(metas, packed=packed, buffer_size_bytes=buffer)
-    return [(c, tensors[c.start:c.stop]) for c in chunks]
+    return [(c, tensors[c.start : c.stop]) for c in chunks]
 
 
 def test_pieces_split_tensors_at_slot_edges_and_wait_for_releases() -> None:
@@ -169,17 +180,26 @@ def test_pieces_split_tensors_at_slot_edges_and_wait_for_releases() -> None:
     worker.join(10)
     assert (nbytes, pieces) == (180, 3)
     ready = [{k: m[k] for k in ("c", "s", "o", "n")} for m in worker.seen]
-    assert ready == [{"c": 0, "s": 0, "o": 0, "n": 100}, {"c": 0, "s": 1, "o": 100, "n": 20},
-                     {"c": 1, "s": 0, "o": 0, "n": 60}]
+    assert ready == [
+        {"c": 0, "s": 0, "o": 0, "n": 100},
+        {"c": 0, "s": 1, "o": 100, "n": 20},
+        {"c": 1, "s": 0, "o": 0, "n": 60},
+    ]
     s0, s1 = slots.ptrs
     ops = [e for e in log if e[0] in ("copy", "wait", "record")]
     e0, e1 = slots.events
     assert ops == [
-        ("copy", s0, 1_000_000, 30), ("copy", s0 + 30, 2_000_000, 70), ("record", e0),
-        ("copy", s1, 2_000_070, 20), ("record", e1),
+        ("copy", s0, 1_000_000, 30),
+        ("copy", s0 + 30, 2_000_000, 70),
+        ("record", e0),
+        ("copy", s1, 2_000_070, 20),
+        ("record", e1),
         ("wait", 11),  # slot 0 is refilled only after the worker's free event for it
-        ("copy", s0, 3_000_000, 50), ("copy", s0 + 50, 4_000_000, 10), ("record", e0),
-        ("wait", 12), ("wait", 11),  # end of round: the last releases, oldest first
+        ("copy", s0, 3_000_000, 50),
+        ("copy", s0 + 50, 4_000_000, 10),
+        ("record", e0),
+        ("wait", 12),
+        ("wait", 11),  # end of round: the last releases, oldest first
     ]
     assert order[0] == "begin"  # nothing announced before the control plane ran
     pipe.close()
@@ -192,7 +212,9 @@ def test_release_after_round_frees_slots_and_announces_new_ones() -> None:
     pipe.send(_prepared([50], 100), threading.Event())
     worker.join(10)
     assert not slots.allocated and pipe.held_bytes() == 0
-    assert [("free", p) for p in first] == [e for e in log if e[0] == "free"]  # only after the worker's "closed"
+    assert [("free", p) for p in first] == [
+        e for e in log if e[0] == "free"
+    ]  # only after the worker's "closed"
     # The next round of the same session: fresh buffers, announced before its first piece.
     a, b = socket.socketpair()
     pipe._comm.channels[0] = Channel(a, "IPC worker rank 1")
@@ -213,7 +235,10 @@ def test_a_release_out_of_order_is_refused_by_name() -> None:
 def test_a_dead_worker_is_peer_lost_not_a_hang() -> None:
     _, _, _, pipe = _setup(300, misbehave="die")
     # Seen on the next send (broken pipe) or the next wait (EOF): either way named, at once.
-    with pytest.raises(PeerLost, match="lost IPC worker rank 1 while|IPC worker rank 1 closed the IPC control channel"):
+    with pytest.raises(
+        PeerLost,
+        match="lost IPC worker rank 1 while|IPC worker rank 1 closed the IPC control channel",
+    ):
         pipe.send(_prepared([100, 100, 100], 99), threading.Event())
 
 

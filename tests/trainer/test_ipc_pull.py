@@ -37,12 +37,30 @@ def handle(n: int) -> str:
 class PullWorker(threading.Thread):
     """Names buffer ``ids[c]`` for chunk ``c`` (handles on first use), reads each "ready"."""
 
-    def __init__(self, conn: Any, sizes: list[int], *, ids: list[int] | None = None, depth: int = 2,
-                 release: bool = False, misbehave: str = "", cap: int = 0, early: dict[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        conn: Any,
+        sizes: list[int],
+        *,
+        ids: list[int] | None = None,
+        depth: int = 2,
+        release: bool = False,
+        misbehave: str = "",
+        cap: int = 0,
+        early: dict[int, int] | None = None,
+    ) -> None:
         super().__init__(daemon=True)
-        self.gate = threading.Event()  # set by the round's begin: a real worker names nothing before the update POST
+        self.gate = (
+            threading.Event()
+        )  # set by the round's begin: a real worker names nothing before the update POST
         self.gate.set()
-        self.ch, self.sizes, self.depth, self.release, self.misbehave = Channel(conn, "trainer"), sizes, depth, release, misbehave
+        self.ch, self.sizes, self.depth, self.release, self.misbehave = (
+            Channel(conn, "trainer"),
+            sizes,
+            depth,
+            release,
+            misbehave,
+        )
         self.ids = ids if ids is not None else list(range(len(sizes)))
         self.cap = cap  # announced capacity (0: the first chunk's size)
         self.named: set[int] = set()
@@ -80,8 +98,15 @@ class PullWorker(threading.Thread):
                 if not self.started.wait(10):
                     return
                 ids = self.early_ids or self.ids
-                self.ch.send({"op": "early", "wants": [{"c": c, "n": n, "b": ids[c], **self.handles(ids[c], n)}
-                                                       for c, n in self.early.items()]})
+                self.ch.send(
+                    {
+                        "op": "early",
+                        "wants": [
+                            {"c": c, "n": n, "b": ids[c], **self.handles(ids[c], n)}
+                            for c, n in self.early.items()
+                        ],
+                    }
+                )
             while not self.gate.wait(0.05):
                 if self.ch._aborted:
                     return
@@ -90,9 +115,13 @@ class PullWorker(threading.Thread):
                 while posted < len(self.sizes) and posted < c + self.depth:
                     self.want(posted)
                     posted += 1
-                self.seen.append(self.ch.expect("ready", deadline=time.monotonic() + 10, what="ready"))
+                self.seen.append(
+                    self.ch.expect("ready", deadline=time.monotonic() + 10, what="ready")
+                )
             if self.release:
-                self.seen.append(self.ch.expect("unmapped", deadline=time.monotonic() + 10, what="unmapped"))
+                self.seen.append(
+                    self.ch.expect("unmapped", deadline=time.monotonic() + 10, what="unmapped")
+                )
         except TransferError:
             return
 
@@ -101,29 +130,51 @@ class PullCupy(FakeCupy):
     def __init__(self, log: list) -> None:
         super().__init__(log)
         rt = self.cuda.runtime
-        rt.ipcOpenMemHandle = lambda h, flags: log.append(("open", int.from_bytes(h[:8], "little"))) or 10_000 * int.from_bytes(h[:8], "little")
+        rt.ipcOpenMemHandle = lambda h, flags: (
+            log.append(("open", int.from_bytes(h[:8], "little")))
+            or 10_000 * int.from_bytes(h[:8], "little")
+        )
         rt.ipcCloseMemHandle = lambda p: log.append(("close", p))
         rt.ipcOpenEventHandle = lambda h: int.from_bytes(h[:8], "little")
 
 
-def _setup(sizes: list[int], *, release: bool = False, misbehave: str = "", ids: list[int] | None = None,
-           cap: int = 0, early: dict[int, int] | None = None, start: bool = True):
+def _setup(
+    sizes: list[int],
+    *,
+    release: bool = False,
+    misbehave: str = "",
+    ids: list[int] | None = None,
+    cap: int = 0,
+    early: dict[int, int] | None = None,
+    start: bool = True,
+):
     log: list = []
     cp = PullCupy(log)
     slots = IPCSlots(cp, 0, 100, 2)
     slots.free_memory()  # pull mode: the ring's buffers go at join, its ready events stay
     a, b = socket.socketpair()
-    comm = IPCSenderComm(cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], release, "pull")
-    worker = PullWorker(b, sizes, release=release, misbehave=misbehave, ids=ids, cap=cap, early=early)
+    comm = IPCSenderComm(
+        cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], release, "pull"
+    )
+    worker = PullWorker(
+        b, sizes, release=release, misbehave=misbehave, ids=ids, cap=cap, early=early
+    )
     if start:
         worker.start()
-    return log, slots, worker, IPCPullPipeline(comm, FakePacker(), num_buffers=2, timeout=5.0, hold_bytes=0)
+    return (
+        log,
+        slots,
+        worker,
+        IPCPullPipeline(comm, FakePacker(), num_buffers=2, timeout=5.0, hold_bytes=0),
+    )
 
 
 def test_chunks_go_straight_into_the_named_buffers() -> None:
     log, slots, worker, pipe = _setup([120, 110, 90])
     order: list[str] = []
-    prepared = _prepared([30, 90, 50, 60, 90], 100)  # chunks [t0 t1] = 120, [t2 t3] = 110, [t4] = 90
+    prepared = _prepared(
+        [30, 90, 50, 60, 90], 100
+    )  # chunks [t0 t1] = 120, [t2 t3] = 110, [t4] = 90
     assert (pipe.send(prepared, threading.Event(), begin=lambda: order.append("begin"))) == (320, 3)
     worker.join(10)
     assert [(m["c"], m["e"]) for m in worker.seen] == [(0, 0), (1, 1), (2, 0)]
@@ -131,13 +182,28 @@ def test_chunks_go_straight_into_the_named_buffers() -> None:
     e0, e1 = slots.events
     ops = [e for e in log if e[0] in ("copy", "wait", "record", "open")]
     assert ops == [
-        ("open", 100), ("wait", 200), ("copy", b0, 1_000_000, 30), ("copy", b0 + 30, 2_000_000, 90), ("record", e0),
-        ("open", 101), ("wait", 201), ("copy", b1, 3_000_000, 50), ("copy", b1 + 50, 4_000_000, 60), ("record", e1),
-        ("open", 102), ("wait", 202), ("copy", b2, 5_000_000, 90), ("record", e0),
+        ("open", 100),
+        ("wait", 200),
+        ("copy", b0, 1_000_000, 30),
+        ("copy", b0 + 30, 2_000_000, 90),
+        ("record", e0),
+        ("open", 101),
+        ("wait", 201),
+        ("copy", b1, 3_000_000, 50),
+        ("copy", b1 + 50, 4_000_000, 60),
+        ("record", e1),
+        ("open", 102),
+        ("wait", 202),
+        ("copy", b2, 5_000_000, 90),
+        ("record", e0),
     ]
     assert pipe.held_bytes() == 0 and order == ["begin"]
     pipe.close()
-    assert sorted(e[1] for e in log if e[0] == "close") == [b0, b1, b2]  # mappings closed once, at the end
+    assert sorted(e[1] for e in log if e[0] == "close") == [
+        b0,
+        b1,
+        b2,
+    ]  # mappings closed once, at the end
 
 
 def test_a_second_round_reuses_the_mappings() -> None:
@@ -153,7 +219,10 @@ def test_a_second_round_reuses_the_mappings() -> None:
     again.join(10)
     assert [op for op, *_ in log if op == "open"] == ["open", "open"]  # round 2 opened nothing
     copies = [e[1] for e in log if e[0] == "copy"]
-    assert copies[2:] == [10_000 * 101, 10_000 * 100]  # chunk 0 into buffer 1 now, chunk 1 into buffer 0
+    assert copies[2:] == [
+        10_000 * 101,
+        10_000 * 100,
+    ]  # chunk 0 into buffer 1 now, chunk 1 into buffer 0
 
 
 def test_release_after_round_closes_every_mapping_before_unmapped() -> None:
@@ -165,11 +234,14 @@ def test_release_after_round_closes_every_mapping_before_unmapped() -> None:
     assert pipe._buffers[0].mapped == {}
 
 
-@pytest.mark.parametrize(("misbehave", "needle"), [
-    ("short", "wants 59 bytes for chunk 0 where the plan has 60"),
-    ("nohandle", "named buffer 0 without its handles"),
-    ("die", "IPC worker rank 1 closed the IPC control channel|lost IPC worker rank 1"),
-])
+@pytest.mark.parametrize(
+    ("misbehave", "needle"),
+    [
+        ("short", "wants 59 bytes for chunk 0 where the plan has 60"),
+        ("nohandle", "named buffer 0 without its handles"),
+        ("die", "IPC worker rank 1 closed the IPC control channel|lost IPC worker rank 1"),
+    ],
+)
 def test_a_worker_out_of_step_is_refused_by_name(misbehave: str, needle: str) -> None:
     _, _, _, pipe = _setup([60, 60, 60], misbehave=misbehave)
     with pytest.raises(TransferError, match=needle) as err:
@@ -205,15 +277,24 @@ def test_a_wrong_chunk_and_a_silent_worker_are_bounded() -> None:
     with pytest.raises(TransferError, match="with b=-1, outside"):
         bufs.resolve({"op": "want", "c": 0, "b": -1, "n": 4}, 4)
     with pytest.raises(TransferError, match="want.h must be 88 base64 characters"):
-        bufs.resolve({"op": "want", "c": 0, "b": 0, "n": 4, "h": "AAAA", "f": handle(1), "cap": 4}, 4)
+        bufs.resolve(
+            {"op": "want", "c": 0, "b": 0, "n": 4, "h": "AAAA", "f": handle(1), "cap": 4}, 4
+        )
     with pytest.raises(TransferError, match="with cap=3, outside \\[4, "):
-        bufs.resolve({"op": "want", "c": 0, "b": 0, "n": 4, "h": handle(1), "f": handle(1), "cap": 3}, 4)
+        bufs.resolve(
+            {"op": "want", "c": 0, "b": 0, "n": 4, "h": handle(1), "f": handle(1), "cap": 3}, 4
+        )
     slots = IPCSlots(cp, 0, 100, 2)
     a, _b = socket.socketpair()
-    comm = IPCSenderComm(cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "pull")
+    comm = IPCSenderComm(
+        cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "pull"
+    )
     pipe = IPCPullPipeline(comm, FakePacker(), num_buffers=2, timeout=0.2, hold_bytes=0)
     start = time.monotonic()
-    with pytest.raises(TransferError, match="the receive buffer of chunk 0 from IPC worker rank 1 did not arrive within"):
+    with pytest.raises(
+        TransferError,
+        match="the receive buffer of chunk 0 from IPC worker rank 1 did not arrive within",
+    ):
         pipe.send(_prepared([60], 50), threading.Event())
     assert time.monotonic() - start < 5
 
@@ -245,14 +326,27 @@ def _join(monkeypatch: pytest.MonkeyPatch, *, packed: bool, mode: str, offer: li
 
     log: list = []
     monkeypatch.setattr(ipc_trainer, "cupy_module", lambda: PullCupy(log))
-    rdv = ipc_trainer.IPCRendezvous(world_size=2, device=0, slot_bytes=100, num_slots=2, packed=packed,
-                                    timeout_s=5.0, release_after_round=False, mode=mode)
+    rdv = ipc_trainer.IPCRendezvous(
+        world_size=2,
+        device=0,
+        slot_bytes=100,
+        num_slots=2,
+        packed=packed,
+        timeout_s=5.0,
+        release_after_round=False,
+        mode=mode,
+    )
     info = IPCInitInfo.from_dict(rdv.payload)  # the init info is the same whatever the mode
     got: list = []
 
     def worker() -> None:
         ch = dial(info.host, info.port, info.secret, timeout=5, peer="trainer")
-        hello: dict[str, Any] = {"op": "hello", "rank": 1, "free": [handle(7), handle(8)], "uuid": ""}
+        hello: dict[str, Any] = {
+            "op": "hello",
+            "rank": 1,
+            "free": [handle(7), handle(8)],
+            "uuid": "",
+        }
         if offer is not None:
             hello["modes"] = offer
         ch.send(hello)
@@ -268,22 +362,35 @@ def _join(monkeypatch: pytest.MonkeyPatch, *, packed: bool, mode: str, offer: li
     return comm, rdv, got
 
 
-@pytest.mark.parametrize(("packed", "mode", "offer", "want", "told"), [
-    (True, "pull", ["pull", "push"], "pull", [{"op": "mode", "mode": "pull", "early": True}]),
-    (True, "pull", ["push", "later-mode"], "push", [{"op": "mode", "mode": "push"}]),
-    (False, "pull", ["push"], "push", [{"op": "mode", "mode": "push"}]),  # unpacked: push
-    (True, "push", ["pull", "push"], "push", [{"op": "mode", "mode": "push"}]),
-])
-def test_the_hello_negotiates_the_mode(monkeypatch: pytest.MonkeyPatch, packed: bool, mode: str,
-                                       offer: list[str] | None, want: str, told: list[dict]) -> None:
+@pytest.mark.parametrize(
+    ("packed", "mode", "offer", "want", "told"),
+    [
+        (True, "pull", ["pull", "push"], "pull", [{"op": "mode", "mode": "pull", "early": True}]),
+        (True, "pull", ["push", "later-mode"], "push", [{"op": "mode", "mode": "push"}]),
+        (False, "pull", ["push"], "push", [{"op": "mode", "mode": "push"}]),  # unpacked: push
+        (True, "push", ["pull", "push"], "push", [{"op": "mode", "mode": "push"}]),
+    ],
+)
+def test_the_hello_negotiates_the_mode(
+    monkeypatch: pytest.MonkeyPatch,
+    packed: bool,
+    mode: str,
+    offer: list[str] | None,
+    want: str,
+    told: list[dict],
+) -> None:
     comm, rdv, got = _join(monkeypatch, packed=packed, mode=mode, offer=offer)
     assert comm.mode == want and got == told
-    assert rdv.slots.allocated == (want == "push")  # pull frees the ring at once; its ready events stay
+    assert rdv.slots.allocated == (
+        want == "push"
+    )  # pull frees the ring at once; its ready events stay
     assert len(rdv.slots.events) == 2
 
 
 @pytest.mark.parametrize("offer", ["pull", None, []])
-def test_a_malformed_or_missing_mode_offer_is_refused(monkeypatch: pytest.MonkeyPatch, offer: object) -> None:
+def test_a_malformed_or_missing_mode_offer_is_refused(
+    monkeypatch: pytest.MonkeyPatch, offer: object
+) -> None:
     with pytest.raises(TransferError, match="hello.modes"):
         _join(monkeypatch, packed=True, mode="pull", offer=offer)  # type: ignore[arg-type]
 
@@ -322,19 +429,27 @@ def test_an_early_buffer_named_for_another_size_is_skipped_for_the_chunks_want()
 
 def test_early_wants_left_from_an_earlier_round_are_void() -> None:
     log, _, worker, pipe = _setup([60], ids=[3], start=False)
-    worker.ch.send({"op": "early", "wants": [{"c": 0, "n": 60, "b": 9, "h": handle(109), "f": handle(209), "cap": 60}]})
+    worker.ch.send(
+        {
+            "op": "early",
+            "wants": [{"c": 0, "n": 60, "b": 9, "h": handle(109), "f": handle(209), "cap": 60}],
+        }
+    )
     worker.start()  # this round's worker names buffer 3 on demand
     pipe.send(_prepared([60], 50), threading.Event())
     worker.join(10)
     assert [e[1] for e in log if e[0] == "copy"] == [10_000 * 103]  # never into the stale buffer 9
 
 
-@pytest.mark.parametrize(("wants", "needle"), [
-    ([], "without 1..2 wants"),
-    ([{"c": 2, "n": 60, "b": 0}], "with c=2, outside \\[0, 1\\]"),
-    ([{"c": 0, "n": 60, "b": 0}, {"c": 0, "n": 60, "b": 1}], "named chunk 0 twice"),
-    ([{"c": 0, "n": 0, "b": 0}], "with n=0, outside"),
-])
+@pytest.mark.parametrize(
+    ("wants", "needle"),
+    [
+        ([], "without 1..2 wants"),
+        ([{"c": 2, "n": 60, "b": 0}], "with c=2, outside \\[0, 1\\]"),
+        ([{"c": 0, "n": 60, "b": 0}, {"c": 0, "n": 60, "b": 1}], "named chunk 0 twice"),
+        ([{"c": 0, "n": 0, "b": 0}], "with n=0, outside"),
+    ],
+)
 def test_a_malformed_early_message_is_refused(wants: list, needle: str) -> None:
     _, _, worker, pipe = _setup([60], start=False)
 

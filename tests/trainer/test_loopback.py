@@ -37,15 +37,24 @@ def test_loopback_receiver_gets_exact_bytes(loopback) -> None:
         "model.norm.weight": rng.standard_normal(64).astype(np.float32),
     }
     assert loopback.version() == LOOPBACK_VERSION and loopback.get_world_size() == 1
-    info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10, verify=True,
-                           timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30))
-    engine = JAXTrainerEngine.trainer_init(info, client=loopback, source=DictSource(weights, describe))
+    info = TrainerInitInfo(
+        backend="weightwire_tcp",
+        packed_buffer_size_bytes=16 << 10,
+        verify=True,
+        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
+    )
+    engine = JAXTrainerEngine.trainer_init(
+        info, client=loopback, source=DictSource(weights, describe)
+    )
     try:
         for step in range(2):
             weights["model.norm.weight"] = weights["model.norm.weight"] + np.float32(step + 1)
             engine.send_weights()
             (reply,) = loopback.weight_checker("checksum")
-            want = {n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for n, a in weights.items()}
+            want = {
+                n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+                for n, a in weights.items()
+            }
             assert reply["checksums"] == want
             assert loopback.weight_info() == [{"weight_version": str(step + 1)}]
             stats = loopback.stats()
@@ -53,5 +62,7 @@ def test_loopback_receiver_gets_exact_bytes(loopback) -> None:
             assert stats["tensors"] == len(weights)
     finally:
         engine.shutdown()
-    with pytest.raises(WeightSyncError, match=r"start_weight_update failed on 127\.0\.0\.1:\d+ \(status 500\)"):
+    with pytest.raises(
+        WeightSyncError, match=r"start_weight_update failed on 127\.0\.0\.1:\d+ \(status 500\)"
+    ):
         loopback.start_weight_update()  # the session was shut down: the receiver refuses

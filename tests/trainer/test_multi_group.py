@@ -42,18 +42,28 @@ class FakeDeviceEngine(JAXTrainerEngine):
 
 def model(step: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    out: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((16, 8)).astype(np.float32)}
+    out: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rng.standard_normal((16, 8)).astype(np.float32)
+    }
     for i in range(3):
-        out[f"model.layers.{i}.self_attn.q_proj.weight"] = rng.standard_normal((8, 8)).astype(ml_dtypes.bfloat16)
-        out[f"model.layers.{i}.mlp.up_proj.weight"] = rng.standard_normal((12, 8)).astype(np.float32)
-        out[f"model.layers.{i}.input_layernorm.weight"] = rng.standard_normal((8,)).astype(np.float32)
+        out[f"model.layers.{i}.self_attn.q_proj.weight"] = rng.standard_normal((8, 8)).astype(
+            ml_dtypes.bfloat16
+        )
+        out[f"model.layers.{i}.mlp.up_proj.weight"] = rng.standard_normal((12, 8)).astype(
+            np.float32
+        )
+        out[f"model.layers.{i}.input_layernorm.weight"] = rng.standard_normal((8,)).astype(
+            np.float32
+        )
     out["model.norm.weight"] = rng.standard_normal((8,)).astype(np.float32)
     out["lm_head.weight"] = rng.integers(-5, 5, (4, 3)).astype(np.int32)
     return {n: (t * (1 + step)).astype(t.dtype) for n, t in out.items()}
 
 
 def sha(tensors: dict[str, np.ndarray]) -> dict[str, str]:
-    return {n: hashlib.sha256(np.ascontiguousarray(t).tobytes()).hexdigest() for n, t in tensors.items()}
+    return {
+        n: hashlib.sha256(np.ascontiguousarray(t).tobytes()).hexdigest() for n, t in tensors.items()
+    }
 
 
 def two(name: str) -> int:
@@ -71,16 +81,25 @@ def three_of_four(name: str) -> int:
 class Run:
     """``size`` trainer ranks as threads; ``results[r]``: each round's metrics or the error."""
 
-    def __init__(self, size: int, owner: Callable[[str], int], *, verify: bool = False, packed: bool = True,
-                 inner: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
-                 owner_of_rank: Callable[[int], Callable[[str], int]] | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        owner: Callable[[str], int],
+        *,
+        verify: bool = False,
+        packed: bool = True,
+        inner: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
+        owner_of_rank: Callable[[int], Callable[[str], int]] | None = None,
+    ) -> None:
         self.server = FakeServer(world_size=2)
         self.workers = FakeWorkers(self.server)
         self.size, self.owner, self.verify, self.packed = size, owner, verify, packed
         self.inner = inner or (lambda r, tensors: DictSource(tensors, describe))
         self.owner_of_rank = owner_of_rank or (lambda r: owner)
         self.results: list[list[Any]] = [[] for _ in range(size)]
-        self.held: list[list[dict[str, str]]] = []  # what each worker held after each round (rank 0 reads it)
+        self.held: list[
+            list[dict[str, str]]
+        ] = []  # what each worker held after each round (rank 0 reads it)
         self.before_round: Callable[[int], None] = lambda step: None
 
     def go(self, rounds: int = ROUNDS) -> Run:
@@ -91,10 +110,18 @@ class Run:
             tensors = model()
             source = OwnedSource(self.inner(r, tensors), self.owner_of_rank(r), rank=r)
             try:
-                cfg = TrainerInitInfo(backend="fake_group", rank=r, pause_mode=None, timeouts=TIMEOUTS,
-                                      packed=self.packed, packed_buffer_size_bytes=300, verify=self.verify)
-                engine = FakeDeviceEngine.trainer_init(cfg, client=self.server.client(), source=source,
-                                                       group=groups[r])
+                cfg = TrainerInitInfo(
+                    backend="fake_group",
+                    rank=r,
+                    pause_mode=None,
+                    timeouts=TIMEOUTS,
+                    packed=self.packed,
+                    packed_buffer_size_bytes=300,
+                    verify=self.verify,
+                )
+                engine = FakeDeviceEngine.trainer_init(
+                    cfg, client=self.server.client(), source=source, group=groups[r]
+                )
             except BaseException as exc:  # recorded per rank
                 self.results[r].append(exc)
                 return
@@ -120,9 +147,14 @@ class Run:
         return self
 
 
-@pytest.mark.parametrize(("size", "owner", "packed"), [(2, two, True), (2, two, False), (4, three_of_four, True)],
-                         ids=["2-broadcasters", "2-broadcasters-unpacked", "3-broadcasters-of-4-ranks"])
-def test_rounds_land_the_unsharded_model_on_every_worker(size: int, owner: Callable[[str], int], packed: bool) -> None:
+@pytest.mark.parametrize(
+    ("size", "owner", "packed"),
+    [(2, two, True), (2, two, False), (4, three_of_four, True)],
+    ids=["2-broadcasters", "2-broadcasters-unpacked", "3-broadcasters-of-4-ranks"],
+)
+def test_rounds_land_the_unsharded_model_on_every_worker(
+    size: int, owner: Callable[[str], int], packed: bool
+) -> None:
     run = Run(size, owner, packed=packed).go()
     for r, results in enumerate(run.results):
         assert [m.version for m in results] == ["1", "2", "3"], (r, results)
@@ -133,9 +165,16 @@ def test_rounds_land_the_unsharded_model_on_every_worker(size: int, owner: Calla
     updates = [b["update_info"] for b in run.server.bodies("update_weights")]
     assert run.workers.srcs == srcs * ROUNDS  # one update_weights per turn, turns in src order
     assert "src" not in updates[0] and [u.get("src", 0) for u in updates] == srcs * ROUNDS
-    assert all(u["names"] for u in updates[: len(srcs)]) and not any(u["names"] for u in updates[len(srcs):])
-    assert run.server.bodies("init_weight_transfer_engine")[0]["init_info"]["rank_offset"] == len(groups)
-    assert run.server.bodies("init_weight_transfer_engine")[0]["init_info"]["world_size"] == len(groups) + 2
+    assert all(u["names"] for u in updates[: len(srcs)]) and not any(
+        u["names"] for u in updates[len(srcs) :]
+    )
+    assert run.server.bodies("init_weight_transfer_engine")[0]["init_info"]["rank_offset"] == len(
+        groups
+    )
+    assert (
+        run.server.bodies("init_weight_transfer_engine")[0]["init_info"]["world_size"]
+        == len(groups) + 2
+    )
     sent = [m.nbytes for m in run.results[0]]
     assert sent[0] == sum(t.nbytes for n, t in model().items() if owner(n) == 0)
     if size == 4:
@@ -168,7 +207,9 @@ def test_rounds_with_collective_gathers_do_not_deadlock() -> None:
         assert held == [sha(model(step))] * 2, f"round {step}"
 
 
-def test_a_member_that_skips_a_turn_makes_the_round_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_member_that_skips_a_turn_makes_the_round_time_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The fake is a real collective: without the receive-and-drop the members' collectives
     no longer match and the round fails (a broken ``discard`` cannot pass)."""
     monkeypatch.setattr(DevicePipeline, "discard", lambda self, *a, **k: None)
@@ -178,7 +219,9 @@ def test_a_member_that_skips_a_turn_makes_the_round_time_out(monkeypatch: pytest
     for r, (err,) in enumerate(run.results):
         # rank 1 went on to its own turn: its broadcast (root 1) met rank 0's (root 0)
         assert isinstance(err, RoundFailed) and "turn of trainer rank" in str(err), (r, err)
-        assert "fake NCCL" in str(err) and ("members disagree" in str(err) or "waited 2 s" in str(err)), (r, err)
+        assert "fake NCCL" in str(err) and (
+            "members disagree" in str(err) or "waited 2 s" in str(err)
+        ), (r, err)
 
 
 class Dying(DictSource):
@@ -197,7 +240,11 @@ def test_a_broadcaster_failing_mid_turn_is_named_on_every_rank() -> None:
     """Rank 2 (src 1) raises after its first tensors went out: every rank's error names
     rank 2 and src 1, within the broadcast timeout plus slack; the engines are broken."""
     started = time.monotonic()
-    run = Run(4, three_of_four, inner=lambda r, t: Dying(t, describe) if r == 2 else DictSource(t, describe)).go(1)
+    run = Run(
+        4,
+        three_of_four,
+        inner=lambda r, t: Dying(t, describe) if r == 2 else DictSource(t, describe),
+    ).go(1)
     elapsed = time.monotonic() - started
     errors = [res[0] for res in run.results]
     for r, err in enumerate(errors):
@@ -213,7 +260,9 @@ def test_a_broadcaster_failing_mid_turn_is_named_on_every_rank() -> None:
 def test_ranks_disagreeing_on_metadata_fail_before_any_request() -> None:
     run = Run(2, two, owner_of_rank=lambda r: (lambda n: 0) if r == 1 else two).go(1)
     for res in run.results:
-        assert isinstance(res[0], PlanError) and "rank(s) [1] differ from rank 0" in str(res[0]), res
+        assert isinstance(res[0], PlanError) and "rank(s) [1] differ from rank 0" in str(res[0]), (
+            res
+        )
     assert "init_weight_transfer_engine" not in run.server.routes()
 
 
@@ -223,10 +272,16 @@ class Forgetful(DictSource):
 
 
 def test_an_orphan_name_is_refused_naming_rank_and_name() -> None:
-    run = Run(2, two, inner=lambda r, t: Forgetful(t, describe) if r == 1 else DictSource(t, describe)).go(1)
+    run = Run(
+        2, two, inner=lambda r, t: Forgetful(t, describe) if r == 1 else DictSource(t, describe)
+    ).go(1)
     for res in run.results:
         assert isinstance(res[0], PlanError), res
-        assert "trainer rank 1" in str(res[0]) and "'lm_head.weight'" in str(res[0]) and "does not hold it" in str(res[0])
+        assert (
+            "trainer rank 1" in str(res[0])
+            and "'lm_head.weight'" in str(res[0])
+            and "does not hold it" in str(res[0])
+        )
     assert "init_weight_transfer_engine" not in run.server.routes()
 
 
@@ -244,7 +299,9 @@ def test_verify_covers_every_broadcaster_and_names_a_bad_tensors_broadcaster() -
     assert f"{bad!r}: trainer rank 2 (src 1)" in str(second), second
     for r in (1, 2, 3):
         assert isinstance(run.results[r][1], RoundFailed) and bad in str(run.results[r][1])
-        assert run.results[r][2].version == "3"  # a committed round whose check failed breaks nothing
+        assert (
+            run.results[r][2].version == "3"
+        )  # a committed round whose check failed breaks nothing
     assert third.verify.checked == len(model())
 
 
@@ -255,11 +312,23 @@ def test_weightwire_nccl_hands_the_other_broadcasters_only_the_join_fields() -> 
     from weightwire.trainer.backends import get_backend
 
     backend = get_backend("weightwire_nccl")
-    payload = {"nccl_unique_id_b64": "A" * 172, "world_size": 5, "rank_offset": 3, "packed": True, "timeout_s": 9.0}
+    payload = {
+        "nccl_unique_id_b64": "A" * 172,
+        "world_size": 5,
+        "rank_offset": 3,
+        "packed": True,
+        "timeout_s": 9.0,
+    }
     assert backend.peer_fields(payload) == {"nccl_unique_id_b64": "A" * 172, "world_size": 5}
     if not nccl.nccl_available():
-        with pytest.raises(RuntimeError, match="needs cupy with NCCL and a CUDA device on every broadcasting rank"):
-            backend.join_peer(TrainerInitInfo(backend="weightwire_nccl"), backend.peer_fields(payload), rank=1,
-                              timeout=1)
+        with pytest.raises(
+            RuntimeError, match="needs cupy with NCCL and a CUDA device on every broadcasting rank"
+        ):
+            backend.join_peer(
+                TrainerInitInfo(backend="weightwire_nccl"),
+                backend.peer_fields(payload),
+                rank=1,
+                timeout=1,
+            )
     with pytest.raises(NotImplementedError, match="no shared group"):
         get_backend("weightwire_tcp").peer_fields(payload)

@@ -32,7 +32,9 @@ RANK_SCRIPT = Path(__file__).with_name("_multi_source_rank.py")
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    with EmbeddedServer("tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180) as server:
+    with EmbeddedServer(
+        "tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180
+    ) as server:
         assert server.url is not None
         yield server.url
 
@@ -43,13 +45,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(mode: str, url: str, tmp_path: Path, timeout: float = 240) -> tuple[dict[str, Any], list[int]]:
+def run_ranks(
+    mode: str, url: str, tmp_path: Path, timeout: float = 240
+) -> tuple[dict[str, Any], list[int]]:
     out = tmp_path / f"{mode}.json"
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), mode, str(r), str(port), url, str(out)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RANK_SCRIPT), mode, str(r), str(port), url, str(out)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     logs = []
     try:
         for p in procs:
@@ -59,7 +71,9 @@ def run_ranks(mode: str, url: str, tmp_path: Path, timeout: float = 240) -> tupl
             if p.poll() is None:
                 p.kill()
     codes = [p.returncode for p in procs]
-    assert out.exists(), f"rank 0 wrote no report (exit codes {codes}):\n" + "\n---\n".join(x[-3000:] for x in logs)
+    assert out.exists(), f"rank 0 wrote no report (exit codes {codes}):\n" + "\n---\n".join(
+        x[-3000:] for x in logs
+    )
     return json.loads(out.read_text()), codes
 
 
@@ -77,12 +91,18 @@ def test_jax_processes_sharded_two_broadcasters(server_url: str, tmp_path: Path)
     assert report["broadcasters"] == [0, 1]
     check_rounds(report["rounds"])
     check_rounds(report["single"])
-    print("jax per-round s: multi", [round(r["seconds"], 3) for r in report["rounds"]],
-          "single", [round(r["seconds"], 3) for r in report["single"]])
+    print(
+        "jax per-round s: multi",
+        [round(r["seconds"], 3) for r in report["rounds"]],
+        "single",
+        [round(r["seconds"], 3) for r in report["single"]],
+    )
 
 
 @pytest.fixture(scope="module")
-def torch_report(server_url: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[int]]:
+def torch_report(
+    server_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], list[int]]:
     return run_ranks("torch", server_url, tmp_path_factory.mktemp("torch"))
 
 
@@ -91,11 +111,18 @@ def test_torch_ranks_with_owners(torch_report: tuple[dict[str, Any], list[int]])
     check_rounds(report["rounds"])
     check_rounds(report["single"])
     # verify=True over both broadcasters: every tensor of both slices checked on both replicas
-    assert report["verify"] == {"mode": "digest", "checked": report["verify"]["tensors"],
-                                "tensors": report["verify"]["tensors"]}
+    assert report["verify"] == {
+        "mode": "digest",
+        "checked": report["verify"]["tensors"],
+        "tensors": report["verify"]["tensors"],
+    }
     assert report["verify"]["tensors"] > 10
-    print("torch per-round s: multi", [round(r["seconds"], 3) for r in report["rounds"]],
-          "single", [round(r["seconds"], 3) for r in report["single"]])
+    print(
+        "torch per-round s: multi",
+        [round(r["seconds"], 3) for r in report["rounds"]],
+        "single",
+        [round(r["seconds"], 3) for r in report["single"]],
+    )
 
 
 def test_faults_name_the_rank(torch_report: tuple[dict[str, Any], list[int]]) -> None:

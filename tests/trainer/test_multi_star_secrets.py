@@ -24,7 +24,10 @@ from weightwire.tools.demo.doctor import NumpyTrainerEngine
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.group import DictGroup
 
-TENSORS = {"model.layers.0.w": np.arange(64, dtype=np.float32), "model.layers.1.w": np.full(64, 3.0, np.float32)}
+TENSORS = {
+    "model.layers.0.w": np.arange(64, dtype=np.float32),
+    "model.layers.1.w": np.full(64, 3.0, np.float32),
+}
 
 
 class RecordingClient(LoopbackClient):
@@ -59,9 +62,13 @@ def test_star_secrets_never_reach_the_trainer_store(receiver: RecordingClient) -
 
     def rank(r: int) -> None:
         try:
-            source = OwnedSource(DictSource(dict(TENSORS), _describe), lambda n: 0 if ".0." in n else 1, rank=r)
+            source = OwnedSource(
+                DictSource(dict(TENSORS), _describe), lambda n: 0 if ".0." in n else 1, rank=r
+            )
             cfg = TrainerInitInfo(backend="weightwire_tcp", rank=r, pause_mode=None)
-            engine = NumpyTrainerEngine.trainer_init(cfg, client=receiver, source=source, group=groups[r])
+            engine = NumpyTrainerEngine.trainer_init(
+                cfg, client=receiver, source=source, group=groups[r]
+            )
             try:
                 engine.send_weights(weight_version="1")
             finally:
@@ -77,7 +84,9 @@ def test_star_secrets_never_reach_the_trainer_store(receiver: RecordingClient) -
     assert errors == [None, None], errors
     # The round landed: both broadcasters' tensors, bit-exact, on the worker.
     (checked,) = receiver.weight_checker("checksum")
-    assert checked["checksums"] == {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in TENSORS.items()}
+    assert checked["checksums"] == {
+        n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in TENSORS.items()
+    }
     # The worker got broadcaster 1's star (address and secret) through the init POST ...
     (info,) = receiver.posted
     (star,) = info["sources"]
@@ -100,6 +109,11 @@ def test_key_shares_agree_and_refuse_degenerate_values() -> None:
     assert one == b.secret_with(a.public_b64, length=128, context=b"c") and len(one) == 128
     assert one != a.secret_with(b.public_b64, length=128, context=b"other")
     assert str(b._exponent) not in repr(b) and b.public_b64 in repr(b)
-    for bad in ("AQ==", "x" * 10, None, __import__("base64").b64encode((1).to_bytes(256, "big")).decode()):
+    for bad in (
+        "AQ==",
+        "x" * 10,
+        None,
+        __import__("base64").b64encode((1).to_bytes(256, "big")).decode(),
+    ):
         with pytest.raises(ConfigError, match="key share"):
             a.secret_with(bad, length=128, context=b"c")

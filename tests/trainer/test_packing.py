@@ -42,10 +42,16 @@ def mixed() -> list[np.ndarray]:
 
 def test_jax_fused_pack_matches_the_numpy_reference() -> None:
     arrays = mixed()
-    metas = [ParamMeta(f"t{i}", np.dtype(a.dtype).name if a.dtype != np.bool_ else "bool", a.shape) for i, a in enumerate(arrays)]
+    metas = [
+        ParamMeta(f"t{i}", np.dtype(a.dtype).name if a.dtype != np.bool_ else "bool", a.shape)
+        for i, a in enumerate(arrays)
+    ]
     for chunk in plan(metas, packed=True, buffer_size_bytes=20):
         got = np.asarray(pack_bytes([jnp.asarray(a) for a in arrays[chunk.start : chunk.stop]]))
-        assert got.dtype == np.uint8 and got.tobytes() == pack_host(arrays[chunk.start : chunk.stop], chunk).tobytes()
+        assert (
+            got.dtype == np.uint8
+            and got.tobytes() == pack_host(arrays[chunk.start : chunk.stop], chunk).tobytes()
+        )
     whole = np.asarray(pack_bytes([jnp.asarray(a) for a in arrays]))
     assert whole.tobytes() == b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
 
@@ -81,8 +87,12 @@ class NumpySlots:
         return None
 
 
-def device_pipeline(comm: Any, packer: DevicePacker, *, packed: bool = True, hold_bytes: int = 1 << 20) -> DevicePipeline:
-    return DevicePipeline(comm, packer, NumpySlots(), packed=packed, num_buffers=2, timeout=5, hold_bytes=hold_bytes)
+def device_pipeline(
+    comm: Any, packer: DevicePacker, *, packed: bool = True, hold_bytes: int = 1 << 20
+) -> DevicePipeline:
+    return DevicePipeline(
+        comm, packer, NumpySlots(), packed=packed, num_buffers=2, timeout=5, hold_bytes=hold_bytes
+    )
 
 
 def test_slot_buffers_gather_regions_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,11 +107,16 @@ def test_slot_buffers_gather_regions_back_to_back(monkeypatch: pytest.MonkeyPatc
         def __getitem__(self, s: slice) -> Buf:
             return Buf(s.stop)
 
-    runtime = SimpleNamespace(memcpyDeviceToDevice=3,
-                              memcpyAsync=lambda dst, src, n, kind, stream: copies.append((dst, src, n, stream)))
-    cupy = SimpleNamespace(uint8="uint8", empty=lambda n, dtype: Buf(n),
-                           cuda=SimpleNamespace(runtime=runtime, Device=lambda d: contextlib.nullcontext()),
-                           get_default_memory_pool=lambda: SimpleNamespace(free_all_blocks=lambda: None))
+    runtime = SimpleNamespace(
+        memcpyDeviceToDevice=3,
+        memcpyAsync=lambda dst, src, n, kind, stream: copies.append((dst, src, n, stream)),
+    )
+    cupy = SimpleNamespace(
+        uint8="uint8",
+        empty=lambda n, dtype: Buf(n),
+        cuda=SimpleNamespace(runtime=runtime, Device=lambda d: contextlib.nullcontext()),
+        get_default_memory_pool=lambda: SimpleNamespace(free_all_blocks=lambda: None),
+    )
     monkeypatch.setitem(sys.modules, "cupy", cupy)
 
     buffers = SlotBuffers(cupy, 0)
@@ -124,7 +139,9 @@ class StreamComm:
     def broadcast(self, buf: Any, *, root: int, timeout: float, stream: Any) -> None:
         self.log.append(("bcast", stream, bytes(buf)))
 
-    def broadcast_typed(self, buf: Any, *, nccl_dtype: int, count: int, root: int, timeout: float, stream: Any) -> None:
+    def broadcast_typed(
+        self, buf: Any, *, nccl_dtype: int, count: int, root: int, timeout: float, stream: Any
+    ) -> None:
         self.log.append(("typed", stream, nccl_dtype, count, bytes(buf)))
 
     def synchronize(self, stream: Any, *, timeout: float) -> None:
@@ -138,7 +155,9 @@ def test_device_pipeline_rotates_streams_and_waits_only_on_slot_reuse() -> None:
     comm, packer = StreamComm(), NumpyPacker()
     assert [len(c) for c in chunks] == [2, 2, 1]
     pipe = device_pipeline(comm, packer)
-    nbytes, count = pipe.send(chunked(zip([m.name for m in metas], arrays, strict=True), chunks), threading.Event())
+    nbytes, count = pipe.send(
+        chunked(zip([m.name for m in metas], arrays, strict=True), chunks), threading.Event()
+    )
     assert (nbytes, count) == (60, len(chunks)) and packer.streams == 2
     kinds = [(e[0], e[1]) for e in comm.log]
     # chunk k goes on stream k % 2; stream s is synchronized before its second use; all drained at the end
@@ -154,18 +173,33 @@ def test_device_pipeline_rotates_streams_and_waits_only_on_slot_reuse() -> None:
 
 
 def test_device_pipeline_unpacked_uses_each_tensors_nccl_dtype() -> None:
-    arrays = [np.ones((2, 3), ml_dtypes.bfloat16), np.arange(4, dtype=np.int32), np.array(1.0, np.float32)]
+    arrays = [
+        np.ones((2, 3), ml_dtypes.bfloat16),
+        np.arange(4, dtype=np.int32),
+        np.array(1.0, np.float32),
+    ]
     names = ["a", "b", "c"]
-    metas = [ParamMeta("a", "bfloat16", (2, 3)), ParamMeta("b", "int32", (4,)), ParamMeta("c", "float32", ())]
+    metas = [
+        ParamMeta("a", "bfloat16", (2, 3)),
+        ParamMeta("b", "int32", (4,)),
+        ParamMeta("c", "float32", ()),
+    ]
     comm = StreamComm()
     pipe = device_pipeline(comm, NumpyPacker(), packed=False, hold_bytes=16)
-    pipe.send(chunked(zip(names, arrays, strict=True), plan(metas, packed=False, buffer_size_bytes=1)), threading.Event(),
-              metas=metas)
+    pipe.send(
+        chunked(zip(names, arrays, strict=True), plan(metas, packed=False, buffer_size_bytes=1)),
+        threading.Event(),
+        metas=metas,
+    )
     typed = [e for e in comm.log if e[0] == "typed"]
     assert [(e[2], e[3]) for e in typed] == [(wire_dtype(m.dtype).nccl, m.numel) for m in metas]
     assert [e[4] for e in typed] == [a.tobytes() for a in arrays]
     # 12 + 16 bytes held exceeds hold_bytes=16 after the second tensor: one early sync, then the drain
-    assert [e for e in comm.log if e[0] == "sync"] == [("sync", "s0"), ("sync", "s0"), ("sync", "s1")]
+    assert [e for e in comm.log if e[0] == "sync"] == [
+        ("sync", "s0"),
+        ("sync", "s0"),
+        ("sync", "s1"),
+    ]
 
 
 def test_device_pipeline_stops_between_chunks_when_asked() -> None:
@@ -174,7 +208,12 @@ def test_device_pipeline_stops_between_chunks_when_asked() -> None:
     pipe = device_pipeline(StreamComm(), NumpyPacker(), hold_bytes=1)
     metas = [ParamMeta("a", "float32", (1,))]
     with pytest.raises(RoundAborted):
-        pipe.send(chunked([("a", np.zeros(1, np.float32))], plan(metas, packed=True, buffer_size_bytes=4)), stop)
+        pipe.send(
+            chunked(
+                [("a", np.zeros(1, np.float32))], plan(metas, packed=True, buffer_size_bytes=4)
+            ),
+            stop,
+        )
 
 
 class HostComm:
@@ -211,7 +250,9 @@ def test_host_pipeline_raises_the_senders_error_and_stops_reading() -> None:
     pipe = HostPipeline(comm, lambda a: a.view(np.uint8), num_buffers=2, timeout=5)
     with pytest.raises(PeerLost, match="rank 1 closed"):
         pipe.send(chunked(pairs(), chunks), threading.Event())
-    assert len(comm.sent) == 2 and len(pulled) < 10  # stopped soon after the failure, not at the end
+    assert (
+        len(comm.sent) == 2 and len(pulled) < 10
+    )  # stopped soon after the failure, not at the end
 
 
 def test_host_pipeline_reads_ahead_at_most_num_buffers_chunks() -> None:
@@ -229,7 +270,12 @@ def test_host_pipeline_reads_ahead_at_most_num_buffers_chunks() -> None:
     result: list = []
 
     def run() -> None:
-        result.append(pipe.send(chunked(zip([m.name for m in metas], arrays, strict=True), chunks), threading.Event()))
+        result.append(
+            pipe.send(
+                chunked(zip([m.name for m in metas], arrays, strict=True), chunks),
+                threading.Event(),
+            )
+        )
         done.set()
 
     threading.Thread(target=run, daemon=True).start()
@@ -254,14 +300,23 @@ def test_jax_packer_regions_are_each_arrays_own_buffer() -> None:
     device = jax.devices()[0]
     packer = object.__new__(JaxDevicePacker)  # no cupy here: only what regions reads
     packer._bind(device)
-    arrays = [jnp.arange(12, dtype=jnp.float32).reshape(3, 4), jnp.ones(5, jnp.bfloat16),
-              jnp.zeros((0, 3), jnp.float32), jnp.arange(7, dtype=jnp.int8), jnp.ones(5, jnp.bfloat16) * 2,
-              np.arange(6, dtype=np.int32)]
+    arrays = [
+        jnp.arange(12, dtype=jnp.float32).reshape(3, 4),
+        jnp.ones(5, jnp.bfloat16),
+        jnp.zeros((0, 3), jnp.float32),
+        jnp.arange(7, dtype=jnp.int8),
+        jnp.ones(5, jnp.bfloat16) * 2,
+        np.arange(6, dtype=np.int32),
+    ]
     for _ in range(2):  # the second pass reads the cached sizes
         got = packer.regions(arrays, None)
         assert [g.owner.devices() for g in got] == [{device}] * len(arrays)
         want = [array_device_bytes(g.owner) for g in got]
-        assert [(g.ptr, g.nbytes, g.device) for g in got] == [(w.ptr, w.nbytes, w.device) for w in want]
+        assert [(g.ptr, g.nbytes, g.device) for g in got] == [
+            (w.ptr, w.nbytes, w.device) for w in want
+        ]
         assert [g.nbytes for g in got] == [48, 10, 0, 7, 10, 24] and got[2].ptr == 0
-        assert all(g.owner is a for g, a in zip(got[:5], arrays, strict=False))  # jax arrays: no copy
+        assert all(
+            g.owner is a for g, a in zip(got[:5], arrays, strict=False)
+        )  # jax arrays: no copy
         assert np.array_equal(np.asarray(got[5].owner), arrays[5])

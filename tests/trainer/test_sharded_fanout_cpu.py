@@ -26,14 +26,19 @@ def test_sharded_source_fans_out_to_two_receivers_bit_exact() -> None:
     from weightwire.tools.server.tiny import resolve_model
 
     config = os.path.join(resolve_model("tiny-llama"), "config.json")
-    with EmbeddedServer("tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180) as server:
+    with EmbeddedServer(
+        "tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180
+    ) as server:
         url = server.url
         assert url is not None
         client = HTTPWeightSyncClient(url, timeout=60)
         assert client.get_world_size() == 2
         proc = subprocess.run(
             [sys.executable, str(Path(__file__).with_name("_sharded_sender.py")), url, config],
-            capture_output=True, text=True, timeout=300, cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=str(ROOT)),
         )
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -21,17 +21,28 @@ from weightwire.trainer import TrainerInitInfo
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 
 
-def engine_for(weights: dict[str, torch.Tensor], **info: object) -> tuple[TorchTrainerEngine, FakeServer]:
+def engine_for(
+    weights: dict[str, torch.Tensor], **info: object
+) -> tuple[TorchTrainerEngine, FakeServer]:
     server = FakeServer()
     kw = {"backend": "fake_host", "timeouts": FAST, **info}
-    engine = TorchTrainerEngine.trainer_init(TrainerInitInfo(**kw), client=server.client(), source=DictSource(weights, describe_tensor))  # type: ignore[arg-type]
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(**kw), client=server.client(), source=DictSource(weights, describe_tensor)
+    )  # type: ignore[arg-type]
     return engine, server
 
 
-@pytest.mark.parametrize(("dtype", "np_dtype"), [
-    (torch.bfloat16, ml_dtypes.bfloat16), (torch.float16, np.float16), (torch.float32, np.float32),
-    (torch.int64, np.int64), (torch.bool, np.bool_), (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
-])
+@pytest.mark.parametrize(
+    ("dtype", "np_dtype"),
+    [
+        (torch.bfloat16, ml_dtypes.bfloat16),
+        (torch.float16, np.float16),
+        (torch.float32, np.float32),
+        (torch.int64, np.int64),
+        (torch.bool, np.bool_),
+        (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
+    ],
+)
 def test_host_bytes_are_the_raw_little_endian_bytes(dtype: torch.dtype, np_dtype: object) -> None:
     values = np.arange(-6, 6, dtype=np.float32).reshape(3, 4) / 4
     reference = (values != 0) if np_dtype is np.bool_ else values.astype(np_dtype)
@@ -56,9 +67,17 @@ def test_round_sends_module_bytes_in_plan_order() -> None:
     metrics = engine.send_weights()
     arrays = [np.ascontiguousarray(engine.host_bytes(t)) for t in weights.values()]
     metas = engine.source.metadata()
-    want = [pack_host(arrays[c.start : c.stop], c).tobytes() for c in plan(metas, packed=True, buffer_size_bytes=48)]
+    want = [
+        pack_host(arrays[c.start : c.stop], c).tobytes()
+        for c in plan(metas, packed=True, buffer_size_bytes=48)
+    ]
     assert FAKE.comm.broadcasts == want and metrics.nbytes == sum(map(len, want))
-    assert server.bodies("update_weights")[0]["update_info"]["dtype_names"] == ["bfloat16", "float32", "float16", "float32"]
+    assert server.bodies("update_weights")[0]["update_info"]["dtype_names"] == [
+        "bfloat16",
+        "float32",
+        "float16",
+        "float32",
+    ]
     with pytest.raises(TypeError, match="expected torch.Tensor"):
         engine.describe(np.zeros(2))
 
@@ -85,7 +104,9 @@ def test_engines_import_only_their_own_framework() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_torch_packer_reads_a_resident_contiguous_tensor_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_packer_reads_a_resident_contiguous_tensor_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``TorchDevicePacker.regions``' fast path (no GPU here: duck-typed CUDA tensors):
     pointer, byte size and device of the tensor itself; one on another GPU is staged."""
     from types import SimpleNamespace
@@ -97,15 +118,25 @@ def test_torch_packer_reads_a_resident_contiguous_tensor_in_place(monkeypatch: p
             pass
 
     def cuda_tensor(ptr: int, nbytes: int, device: int, contiguous: bool = True) -> SimpleNamespace:
-        return SimpleNamespace(is_cuda=True, get_device=lambda: device, is_contiguous=lambda: contiguous,
-                               data_ptr=lambda: ptr, nbytes=nbytes)
+        return SimpleNamespace(
+            is_cuda=True,
+            get_device=lambda: device,
+            is_contiguous=lambda: contiguous,
+            data_ptr=lambda: ptr,
+            nbytes=nbytes,
+        )
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     packer = object.__new__(TorchDevicePacker)
     packer._device, packer._streams = torch.device("cuda", 1), {0x77: Stream()}
     here = [cuda_tensor(0xA0, 12, 1), cuda_tensor(0xB0, 0, 1)]
     got = packer.regions(here, SimpleNamespace(ptr=0x77))
-    assert [(g.ptr, g.nbytes, g.device, g.owner) for g in got] == [(0xA0, 12, 1, here[0]), (0xB0, 0, 1, here[1])]
+    assert [(g.ptr, g.nbytes, g.device, g.owner) for g in got] == [
+        (0xA0, 12, 1, here[0]),
+        (0xB0, 0, 1, here[1]),
+    ]
     for elsewhere in (cuda_tensor(0xC0, 4, 0), cuda_tensor(0xD0, 4, 1, contiguous=False)):
-        with pytest.raises(AttributeError, match="'to'"):  # the staging copy (t.to(device)) is attempted
+        with pytest.raises(
+            AttributeError, match="'to'"
+        ):  # the staging copy (t.to(device)) is attempted
             packer.regions([elsewhere], SimpleNamespace(ptr=0x77))

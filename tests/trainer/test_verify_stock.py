@@ -40,9 +40,11 @@ class FakeVLLM(FakeServer):
 
     def _load(self, body: object) -> None:
         infos = [UpdateInfo.from_dict(b["update_info"]) for b in self.bodies("update_weights")]
-        metas = next(i for i in reversed(infos) if i.names).metas()  # empty lists: the previous round's (0.33)
+        metas = next(
+            i for i in reversed(infos) if i.names
+        ).metas()  # empty lists: the previous round's (0.33)
         chunks = plan_packed(metas, 1 << 20)
-        for chunk, raw in zip(chunks, FAKE.comm.broadcasts[-len(chunks):], strict=True):
+        for chunk, raw in zip(chunks, FAKE.comm.broadcasts[-len(chunks) :], strict=True):
             for name, arr in unpack_host(np.frombuffer(raw, np.uint8), metas, chunk):
                 if name not in self.drop:
                     self.parts[vllm_param_name(name)][name] = arr
@@ -69,28 +71,46 @@ class FakeVLLM(FakeServer):
 
 def weights(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-             "model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+    names = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.norm.weight",
+    ]
     return {n: rng.standard_normal(8).astype(np.float32) for n in names}
 
 
 def engine_for(server: FakeServer, w: dict, **info: object) -> JAXTrainerEngine:
     FAKE.comm = FakeComm()
-    kwargs = {"backend": "fake_host", "timeouts": FAST, "verify": True, "packed_buffer_size_bytes": 1 << 20, **info}
-    return JAXTrainerEngine.trainer_init(TrainerInitInfo(**kwargs), client=server.client(),  # type: ignore[arg-type]
-                                         source=DictSource(w, describe))
+    kwargs = {
+        "backend": "fake_host",
+        "timeouts": FAST,
+        "verify": True,
+        "packed_buffer_size_bytes": 1 << 20,
+        **info,
+    }
+    return JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(**kwargs),
+        client=server.client(),  # type: ignore[arg-type]
+        source=DictSource(w, describe),
+    )
 
 
 def test_vllm_diff_mode_baseline_then_change_detection() -> None:
     w = weights(0)
     server = FakeVLLM(weights(99))
-    server.parts["model.layers.1.mlp.down_proj.weight"] = {"model.layers.1.mlp.down_proj.weight": np.zeros(4, np.float32)}
+    server.parts["model.layers.1.mlp.down_proj.weight"] = {
+        "model.layers.1.mlp.down_proj.weight": np.zeros(4, np.float32)
+    }
     engine = engine_for(server, w)
     m1 = engine.send_weights()
     assert m1.verify.mode == "vllm-diff" and "baseline round" in m1.verify.proves
     w["model.layers.0.self_attn.k_proj.weight"] += 1  # only the fused qkv parameter must change
     m2 = engine.send_weights()
-    assert m2.verify.proves.startswith("no parameter outside the sent set changed; every parameter fed by changed")
+    assert m2.verify.proves.startswith(
+        "no parameter outside the sent set changed; every parameter fed by changed"
+    )
     assert m2.verify.unmapped == [] and m2.verify.checked == 4
     # A lost load: k_proj's new bytes never reached the fused parameter.
     w["model.layers.0.self_attn.k_proj.weight"] += 1
@@ -99,18 +119,27 @@ def test_vllm_diff_mode_baseline_then_change_detection() -> None:
         engine.send_weights()
     assert info.value.committed and info.value.weight_version == "3"
     msg = str(info.value)
-    assert msg.startswith("round '3' was committed (every worker loaded it and finish_weight_update returned), but")
-    assert "fed by tensors whose bytes changed since the last round did not change on any shard: " \
-           "model.layers.0.self_attn.qkv_proj.weight" in msg
+    assert msg.startswith(
+        "round '3' was committed (every worker loaded it and finish_weight_update returned), but"
+    )
+    assert (
+        "fed by tensors whose bytes changed since the last round did not change on any shard: "
+        "model.layers.0.self_attn.qkv_proj.weight" in msg
+    )
 
 
 def test_vllm_diff_flags_a_parameter_the_round_did_not_send() -> None:
     server = FakeVLLM(weights(99))
-    server.parts["model.layers.1.mlp.down_proj.weight"] = {"model.layers.1.mlp.down_proj.weight": np.zeros(4, np.float32)}
+    server.parts["model.layers.1.mlp.down_proj.weight"] = {
+        "model.layers.1.mlp.down_proj.weight": np.zeros(4, np.float32)
+    }
     server.corrupt = "model.layers.1.mlp.down_proj.weight"
     engine = engine_for(server, weights(0))
-    with pytest.raises(VerifyError, match=r"server 0: 2 parameters the round did not send changed: "
-                       r"dp0:pp0:pcp0:tp0:model\.layers\.1\.mlp\.down_proj\.weight, dp0:pp0:pcp0:tp1:"):
+    with pytest.raises(
+        VerifyError,
+        match=r"server 0: 2 parameters the round did not send changed: "
+        r"dp0:pp0:pcp0:tp0:model\.layers\.1\.mlp\.down_proj\.weight, dp0:pp0:pcp0:tp1:",
+    ):
         engine.send_weights()
     assert server.routes().count("finish_weight_update") == 1
 
@@ -121,8 +150,11 @@ def test_vllm_diff_flags_a_change_where_the_same_bytes_were_sent() -> None:
     engine = engine_for(server, w)
     engine.send_weights()
     server.corrupt = "model.norm.weight"
-    with pytest.raises(VerifyError, match=r"changed although every tensor feeding them was sent with the same bytes "
-                       r"as last round: dp0:pp0:pcp0:tp0:model\.norm\.weight"):
+    with pytest.raises(
+        VerifyError,
+        match=r"changed although every tensor feeding them was sent with the same bytes "
+        r"as last round: dp0:pp0:pcp0:tp0:model\.norm\.weight",
+    ):
         engine.send_weights()
 
 
@@ -145,8 +177,11 @@ def test_checker_404_after_commit_says_the_round_landed() -> None:
         server.fail["weight_checker"] = (404, "Not Found")
 
     server.hooks["finish_weight_update"] = gone
-    with pytest.raises(VerifyError, match=r"round '1' was committed .* weight_checker failed after the round: "
-                       r"WeightSyncError: .*404") as info:
+    with pytest.raises(
+        VerifyError,
+        match=r"round '1' was committed .* weight_checker failed after the round: "
+        r"WeightSyncError: .*404",
+    ) as info:
         engine.send_weights()
     assert info.value.committed
     assert server.bodies("finish_weight_update") == [{"weight_version": "1"}]
@@ -155,7 +190,9 @@ def test_checker_404_after_commit_says_the_round_landed() -> None:
 @pytest.mark.parametrize("version", ["0.30.0", "0.31.1", "0.32.0rc1"])
 def test_verify_on_servers_without_the_checker_is_refused_before_init(version: str) -> None:
     server = FakeServer(version=version)
-    with pytest.raises(ValueError, match=rf"server version {version} lacks weight_checker_route .*verify=True"):
+    with pytest.raises(
+        ValueError, match=rf"server version {version} lacks weight_checker_route .*verify=True"
+    ):
         engine_for(server, weights(0))
     assert "init_weight_transfer_engine" not in server.routes()
 
@@ -165,11 +202,22 @@ def test_draft_round_starts_with_the_draft_route_and_checks_the_target_is_untouc
     server.hooks.pop("finish_weight_update")  # the draft model is not in vLLM's checker
     engine = engine_for(server, weights(0), pause_mode="keep")
     report = engine.send_weights(draft=True).verify
-    assert server.routes()[-10:] == ["server_info", "weight_checker", "pause", "start_draft_weight_update",
-                                     "update_weights", "finish_weight_update", "reset_prefix_cache",
-                                     "reset_encoder_cache", "resume", "weight_checker"]
+    assert server.routes()[-10:] == [
+        "server_info",
+        "weight_checker",
+        "pause",
+        "start_draft_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reset_prefix_cache",
+        "reset_encoder_cache",
+        "resume",
+        "weight_checker",
+    ]
     assert report.mode == "draft" and "target model did not change" in report.proves
-    engine.send_weights(draft=True)  # the draft's metadata cache is its own: full metadata went first
+    engine.send_weights(
+        draft=True
+    )  # the draft's metadata cache is its own: full metadata went first
     first, second = server.bodies("update_weights")
     assert first["update_info"]["names"] and second["update_info"]["names"] == []
     engine.send_weights()  # the target has not seen this metadata yet: full again
@@ -182,9 +230,13 @@ def test_draft_round_without_a_draft_model_is_refused_before_any_call() -> None:
     server.draft = False
     engine = engine_for(server, weights(0), pause_mode="keep")
     before = len(server.calls)
-    with pytest.raises(ValueError, match=r"server\(s\) 0 show no speculative draft model .*kill vLLM's engine core"):
+    with pytest.raises(
+        ValueError, match=r"server\(s\) 0 show no speculative draft model .*kill vLLM's engine core"
+    ):
         engine.send_weights(draft=True)
-    assert server.routes()[before:] == ["server_info"]  # asked, then nothing: no pause, no start, no byte
+    assert server.routes()[before:] == [
+        "server_info"
+    ]  # asked, then nothing: no pause, no start, no byte
     assert not FAKE.comm.broadcasts
     engine.send_weights()  # the engine is still usable for the target
 
@@ -206,12 +258,17 @@ def test_abort_requests_reaches_every_server() -> None:
 
 # --- gates ------------------------------------------------------------------------------
 
+
 def test_stated_server_version_must_match_what_the_server_reports() -> None:
     server = FakeServer(version="0.32.0")
-    with pytest.raises(ValueError, match=r"server_version is '0\.33\.0' but the server reports '0\.32\.0'"):
+    with pytest.raises(
+        ValueError, match=r"server_version is '0\.33\.0' but the server reports '0\.32\.0'"
+    ):
         engine_for(server, weights(0), verify=False, server_version="0.33.0")
     assert "init_weight_transfer_engine" not in server.routes()
-    engine_for(FakeServer(version="0.33.0"), weights(0), verify=False, server_version="0.33.2")  # same release row
+    engine_for(
+        FakeServer(version="0.33.0"), weights(0), verify=False, server_version="0.33.2"
+    )  # same release row
 
 
 def test_version_override_is_explicit_and_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -219,13 +276,19 @@ def test_version_override_is_explicit_and_logged(caplog: pytest.LogCaptureFixtur
     engine = engine_for(server, weights(0), verify=False)
     engine.send_weights()
     engine.send_weights()
-    assert server.bodies("update_weights")[1]["update_info"]["names"]  # unknown future: no reuse shorthand
+    assert server.bodies("update_weights")[1]["update_info"][
+        "names"
+    ]  # unknown future: no reuse shorthand
     with caplog.at_level(logging.WARNING, "weightwire.trainer"):
         engine = engine_for(server, weights(0), verify=False, version_override="0.33")
     assert "server version 0.35.1 gated by override as 0.33" in caplog.text
     assert engine.features.basis == "user override: gated as 0.33 (server says 0.35.1)"
     engine.send_weights()
     engine.send_weights()
-    assert server.bodies("update_weights")[-1]["update_info"] == {"names": [], "dtype_names": [], "shapes": []}
+    assert server.bodies("update_weights")[-1]["update_info"] == {
+        "names": [],
+        "dtype_names": [],
+        "shapes": [],
+    }
     with pytest.raises(ValueError, match=r"version override '0\.40' is not a known release"):
         TrainerInitInfo(backend="fake_host", version_override="0.40")

@@ -84,7 +84,9 @@ def register(package: str) -> tuple[BackendSpec, ...]:
     specs = _specs_of(package)
     taken = [spec.name for spec in specs if spec.name in SPECS or spec.name in ALIASES]
     if taken:
-        raise ValueError(f"{package}.spec declares backend(s) already registered: {', '.join(taken)}")
+        raise ValueError(
+            f"{package}.spec declares backend(s) already registered: {', '.join(taken)}"
+        )
     for spec in specs:
         SPECS[spec.name] = spec
         ALIASES.update({alias: spec.name for alias in spec.aliases})

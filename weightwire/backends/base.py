@@ -58,9 +58,11 @@ class StockRefusal(ConfigError):
     """A stock vLLM worker cannot receive ``tensor``; ``reason`` says why. Nothing was sent."""
 
     def __init__(self, tensor: str, reason: str, version: str) -> None:
-        super().__init__(f"stock vLLM {version} (backend 'nccl') cannot receive {tensor!r}: {reason}. "
-                         "Nothing was sent. Use the weightwire_nccl / weightwire_tcp backend (the plugin "
-                         "receives it), or change the tensor on the trainer side")
+        super().__init__(
+            f"stock vLLM {version} (backend 'nccl') cannot receive {tensor!r}: {reason}. "
+            "Nothing was sent. Use the weightwire_nccl / weightwire_tcp backend (the plugin "
+            "receives it), or change the tensor on the trainer side"
+        )
         self.tensor = tensor
         self.reason = reason
 
@@ -68,7 +70,9 @@ class StockRefusal(ConfigError):
 def check_chunk_bytes(chunk: Chunk, got: int) -> None:
     """The bytes a chunk's tensors produced must be what the plan (and so the workers) expect."""
     if got != chunk.nbytes:
-        raise ValueError(f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}")
+        raise ValueError(
+            f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}"
+        )
 
 
 def run_once(begin: Begin) -> Begin:
@@ -164,8 +168,15 @@ class RoundSender(ABC):
     """Rank 0's data path over a joined link: one round's chunks at a time."""
 
     @abstractmethod
-    def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
-             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
+    def send(
+        self,
+        prepared: Iterable[Prepared],
+        stop: threading.Event,
+        begin: Begin = None,
+        *,
+        metas: Sequence[ParamMeta] = (),
+        root: int = 0,
+    ) -> Sent:
         """Send every chunk (``metas``: the round's wire order); returns once all left.
         ``root``: this broadcaster's rank on the wire. Stops with ``RoundAborted`` once
         ``stop`` is set."""
@@ -178,10 +189,18 @@ class RoundSender(ABC):
         """The session ended (after the link closed): free what the data path holds."""
         return None
 
-    def discard(self, chunks: Sequence[Chunk], metas: Sequence[ParamMeta], *, root: int,
-                stop: threading.Event) -> None:
+    def discard(
+        self,
+        chunks: Sequence[Chunk],
+        metas: Sequence[ParamMeta],
+        *,
+        root: int,
+        stop: threading.Event,
+    ) -> None:
         """``"group"`` wires: take part in another broadcaster's turn and drop its bytes."""
-        raise NotImplementedError(f"{type(self).__name__} has no shared group for several broadcasters")
+        raise NotImplementedError(
+            f"{type(self).__name__} has no shared group for several broadcasters"
+        )
 
 
 @dataclass(frozen=True)
@@ -281,19 +300,33 @@ class Backend(ABC):
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
         """The data path over ``link`` (what this backend's rendezvous joined)."""
 
-    def plan_round(self, metas: Sequence[ParamMeta], *, features: ServerFeatures, packed: bool,
-                   buffer_size_bytes: int) -> WirePlan:
+    def plan_round(
+        self,
+        metas: Sequence[ParamMeta],
+        *,
+        features: ServerFeatures,
+        packed: bool,
+        buffer_size_bytes: int,
+    ) -> WirePlan:
         """The round's wire order; a stock receiver may reorder it or refuse it
         (``StockRefusal``)."""
         return WirePlan(list(metas))
 
-    def open_star(self, settings: SenderSettings, *, world_size: int, secret: bytes) -> StarEndpoint:
+    def open_star(
+        self, settings: SenderSettings, *, world_size: int, secret: bytes
+    ) -> StarEndpoint:
         """``"stars"``: a non-zero broadcaster's endpoint for ``world_size`` ranks (itself
         included), whose workers prove ``secret``."""
         raise NotImplementedError(f"backend {self.name!r} has no stars for several broadcasters")
 
-    def with_stars(self, payload: dict[str, Any], stars: Sequence[StarSource], *, rank_offset: int,
-                   world_size: int) -> dict[str, Any]:
+    def with_stars(
+        self,
+        payload: dict[str, Any],
+        stars: Sequence[StarSource],
+        *,
+        rank_offset: int,
+        world_size: int,
+    ) -> dict[str, Any]:
         """``"stars"``: rank 0's init info, also listing the other broadcasters' endpoints;
         validated as the workers will parse it."""
         raise NotImplementedError(f"backend {self.name!r} has no stars for several broadcasters")
@@ -301,12 +334,18 @@ class Backend(ABC):
     def peer_fields(self, payload: dict[str, Any]) -> dict[str, Any]:
         """``"group"``: what another broadcaster needs from rank 0's worker init info to join
         the same communicator (a secret: it travels only over the trainer's group)."""
-        raise NotImplementedError(f"backend {self.name!r} has no shared group for several broadcasters")
+        raise NotImplementedError(
+            f"backend {self.name!r} has no shared group for several broadcasters"
+        )
 
-    def join_peer(self, settings: SenderSettings, fields: dict[str, Any], *, rank: int, timeout: float) -> Any:
+    def join_peer(
+        self, settings: SenderSettings, fields: dict[str, Any], *, rank: int, timeout: float
+    ) -> Any:
         """``"group"``: a non-zero broadcaster joins rank 0's communicator as group rank
         ``rank`` (its ``src``); raises within ``timeout`` if the group never completes."""
-        raise NotImplementedError(f"backend {self.name!r} has no shared group for several broadcasters")
+        raise NotImplementedError(
+            f"backend {self.name!r} has no shared group for several broadcasters"
+        )
 
 
 # ---- worker side ----
@@ -376,12 +415,16 @@ class ReceiveLink(ABC):
     def check_source(self, src: int) -> None:
         """``ValueError`` unless this link receives turns from group rank ``src``."""
         if self.sources == 1 and src != 0:
-            raise ValueError(f"update info names src {src}, but this engine was initialized with "
-                             "one broadcasting trainer rank (rank_offset 1): only src 0 can be "
-                             "received")
+            raise ValueError(
+                f"update info names src {src}, but this engine was initialized with "
+                "one broadcasting trainer rank (rank_offset 1): only src 0 can be "
+                "received"
+            )
         if not 0 <= src < self.sources:
-            raise ValueError(f"update info names src {src}, but the init info lists {self.sources} "
-                             f"broadcasting trainer ranks: src must be in [0, {self.sources})")
+            raise ValueError(
+                f"update info names src {src}, but the init info lists {self.sources} "
+                f"broadcasting trainer ranks: src must be in [0, {self.sources})"
+            )
 
     def start_round(self) -> None:
         """A round started on the worker; a link may get ready for its first update here.

@@ -49,7 +49,9 @@ def resolve_buffer(buffer: Any, cp: Any, stream: Any, *, sync_fallback: bool) ->
         kind = int(buffer.__dlpack_device__()[0])
         if kind not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
             where = _KDL_NAMES.get(kind, f"DLPack device type {kind}")
-            raise ValueError(f"broadcast buffer is in {where} memory; NCCL needs a CUDA device buffer")
+            raise ValueError(
+                f"broadcast buffer is in {where} memory; NCCL needs a CUDA device buffer"
+            )
         try:
             with stream:  # CuPy passes the current stream to __dlpack__(stream=...)
                 arr = cp.from_dlpack(buffer)
@@ -72,7 +74,9 @@ def resolve_buffer(buffer: Any, cp: Any, stream: Any, *, sync_fallback: bool) ->
 
 def _from_cupy(arr: Any, owner: Any) -> DeviceBytes:
     if not arr.flags.c_contiguous:
-        raise ValueError(f"broadcast buffer must be C-contiguous, got shape {arr.shape} with strides {arr.strides}")
+        raise ValueError(
+            f"broadcast buffer must be C-contiguous, got shape {arr.shape} with strides {arr.strides}"
+        )
     return DeviceBytes(int(arr.data.ptr), int(arr.nbytes), int(arr.device.id), owner)
 
 
@@ -82,9 +86,13 @@ def tensor_device_bytes(tensor: Any) -> DeviceBytes:
     Zero-copy and without DLPack; ordering its producer before the reading stream is
     the caller's job. Refuses host and non-contiguous tensors by name."""
     if not getattr(tensor, "is_cuda", False):
-        raise ValueError(f"broadcast buffer is a {type(tensor).__name__} on {tensor.device}; NCCL needs CUDA")
+        raise ValueError(
+            f"broadcast buffer is a {type(tensor).__name__} on {tensor.device}; NCCL needs CUDA"
+        )
     if not tensor.is_contiguous():
-        raise ValueError(f"broadcast buffer must be contiguous, got strides {tuple(tensor.stride())}")
+        raise ValueError(
+            f"broadcast buffer must be contiguous, got strides {tuple(tensor.stride())}"
+        )
     nbytes = int(tensor.numel()) * int(tensor.element_size())
     return DeviceBytes(int(tensor.data_ptr()), nbytes, int(tensor.get_device()), tensor)
 
@@ -96,7 +104,9 @@ def array_device_bytes(array: Any) -> DeviceBytes:
     pointer is read outside XLA's stream order. Refuses sharded arrays by name."""
     devices = list(array.devices())
     if len(devices) != 1:
-        raise ValueError(f"broadcast buffer is sharded over {len(devices)} devices; gather it onto one first")
+        raise ValueError(
+            f"broadcast buffer is sharded over {len(devices)} devices; gather it onto one first"
+        )
     device = getattr(devices[0], "local_hardware_id", None)
     nbytes = int(array.nbytes)
     if nbytes == 0:  # an empty array may have no buffer to point at
@@ -105,7 +115,9 @@ def array_device_bytes(array: Any) -> DeviceBytes:
 
 
 def _raw_or_raise(buffer: Any, cp: Any, sync: bool, cause: Exception | None) -> DeviceBytes:
-    if callable(getattr(buffer, "data_ptr", None)) and callable(getattr(buffer, "element_size", None)):  # torch
+    if callable(getattr(buffer, "data_ptr", None)) and callable(
+        getattr(buffer, "element_size", None)
+    ):  # torch
         view = tensor_device_bytes(buffer)
         if sync:
             # The producer's stream is unknown without torch: wait for the whole device.
@@ -177,7 +189,9 @@ class SlotBuffers:
         """The slot's buffer, at least ``nbytes`` long, as a ``uint8`` CuPy array of exactly ``nbytes``."""
         buf = self._slots.get(slot)
         if buf is None or buf.nbytes < nbytes:
-            self._slots.pop(slot, None)  # drop the short one first: peak memory stays at one buffer per slot
+            self._slots.pop(
+                slot, None
+            )  # drop the short one first: peak memory stays at one buffer per slot
             with self._cp.cuda.Device(self._device):
                 buf = self._cp.empty(max(nbytes, 1), dtype=self._cp.uint8)
             self._slots[slot] = buf
@@ -188,9 +202,15 @@ class SlotBuffers:
         got = sum(p.nbytes for p in parts)
         if got != nbytes:
             raise ValueError(f"chunk tensors hold {got} bytes, the plan says {nbytes}")
-        wrong = [p.device for p in parts if p.nbytes and p.device is not None and p.device != self._device]
+        wrong = [
+            p.device
+            for p in parts
+            if p.nbytes and p.device is not None and p.device != self._device
+        ]
         if wrong:
-            raise ValueError(f"chunk tensors live on CUDA devices {sorted(set(wrong))}; the sender packs on device {self._device}")
+            raise ValueError(
+                f"chunk tensors live on CUDA devices {sorted(set(wrong))}; the sender packs on device {self._device}"
+            )
         out = self.slot(slot, nbytes)
         self._owners[slot] = parts  # sources (staging copies included) live until the slot settles
         runtime, base, offset = self._cp.cuda.runtime, int(out.data.ptr), 0

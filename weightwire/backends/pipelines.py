@@ -47,21 +47,39 @@ from weightwire.shared.meta import ParamMeta
 class HostPipeline(RoundSender):
     """Host-byte broadcasts with one chunk in preparation while another is sent."""
 
-    def __init__(self, comm: Communicator, host_bytes: HostBytes, *, num_buffers: int, timeout: float,
-                 prefetch: Callable[[list[Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        host_bytes: HostBytes,
+        *,
+        num_buffers: int,
+        timeout: float,
+        prefetch: Callable[[list[Any]], None] | None = None,
+    ) -> None:
         self._comm = comm
         self._host_bytes = host_bytes
         self._depth = max(1, num_buffers - 1)  # queued chunks; one more is on the wire
         self._timeout = timeout
         self._prefetch = prefetch
 
-    def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
-             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
+    def send(
+        self,
+        prepared: Iterable[Prepared],
+        stop: threading.Event,
+        begin: Begin = None,
+        *,
+        metas: Sequence[ParamMeta] = (),
+        root: int = 0,
+    ) -> Sent:
         """Broadcast every chunk; returns ``(bytes, broadcasts)`` once all were sent."""
         work: queue.Queue[list[np.ndarray] | None] = queue.Queue(maxsize=self._depth)
         failure: list[BaseException] = []
-        thread = threading.Thread(target=self._sender, args=(work, stop, failure, root), name="weightwire-send",
-                                  daemon=True)
+        thread = threading.Thread(
+            target=self._sender,
+            args=(work, stop, failure, root),
+            name="weightwire-send",
+            daemon=True,
+        )
         thread.start()
         nbytes = count = 0
         try:
@@ -79,7 +97,9 @@ class HostPipeline(RoundSender):
             # Each queued broadcast is bounded by its own timeout; this only guards the thread.
             thread.join(self._timeout * (self._depth + 1) + 5.0)
             if thread.is_alive():
-                raise TransferTimeout(f"host sender did not drain within {self._timeout * (self._depth + 1):.0f} s")
+                raise TransferTimeout(
+                    f"host sender did not drain within {self._timeout * (self._depth + 1):.0f} s"
+                )
         except BaseException:
             stop.set()
             if failure:  # the sender's error is the cause; ours is a consequence
@@ -89,7 +109,9 @@ class HostPipeline(RoundSender):
             raise failure[0]
         return Sent(nbytes, count)
 
-    def _put(self, work: queue.Queue, item: Any, stop: threading.Event, failure: list[BaseException]) -> None:
+    def _put(
+        self, work: queue.Queue, item: Any, stop: threading.Event, failure: list[BaseException]
+    ) -> None:
         while True:
             if failure:
                 raise failure[0]
@@ -101,7 +123,9 @@ class HostPipeline(RoundSender):
             except queue.Full:
                 continue
 
-    def _sender(self, work: queue.Queue, stop: threading.Event, failure: list[BaseException], root: int) -> None:
+    def _sender(
+        self, work: queue.Queue, stop: threading.Event, failure: list[BaseException], root: int
+    ) -> None:
         try:
             while not stop.is_set():
                 try:
@@ -134,8 +158,17 @@ class DevicePipeline(RoundSender):
     caller aborts the communicator, which stops the kernels that read them).
     """
 
-    def __init__(self, comm: DeviceCommunicator, packer: DevicePacker, slots: SlotStore, *, packed: bool,
-                 num_buffers: int, timeout: float, hold_bytes: int) -> None:
+    def __init__(
+        self,
+        comm: DeviceCommunicator,
+        packer: DevicePacker,
+        slots: SlotStore,
+        *,
+        packed: bool,
+        num_buffers: int,
+        timeout: float,
+        hold_bytes: int,
+    ) -> None:
         self._comm = comm
         self._packer = packer
         self._slots = slots
@@ -158,14 +191,22 @@ class DevicePipeline(RoundSender):
         self._in_flight = [[] for _ in self._streams]
         self._slots.release()
 
-    def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
-             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
+    def send(
+        self,
+        prepared: Iterable[Prepared],
+        stop: threading.Event,
+        begin: Begin = None,
+        *,
+        metas: Sequence[ParamMeta] = (),
+        root: int = 0,
+    ) -> Sent:
         if self._packed:
             return self._send_packed(prepared, stop, begin, root)
         return self._send_unpacked(prepared, metas, stop, begin, root)
 
-    def _send_packed(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin,
-                     root: int) -> Sent:
+    def _send_packed(
+        self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin, root: int
+    ) -> Sent:
         n = len(self._streams)
         nbytes = count = 0
         for k, (chunk, tensors) in enumerate(prepared):
@@ -175,7 +216,9 @@ class DevicePipeline(RoundSender):
             if self._in_flight[slot]:
                 self._sync(slot)  # the chunk n back on this stream: its buffer may now be dropped
             stream = self._streams[slot]
-            buf = self._slots.gather(slot, self._packer.regions(tensors, stream), chunk.nbytes, stream)
+            buf = self._slots.gather(
+                slot, self._packer.regions(tensors, stream), chunk.nbytes, stream
+            )
             self._in_flight[slot].append((buf, tensors))
             begin = run_once(begin)  # the control plane's round trips overlap the first pack
             self._comm.broadcast(buf, root=root, timeout=self._timeout, stream=stream)
@@ -184,8 +227,14 @@ class DevicePipeline(RoundSender):
         self.settle()
         return Sent(nbytes, count)
 
-    def discard(self, chunks: Sequence[Chunk], metas: Sequence[ParamMeta], *, root: int,
-                stop: threading.Event) -> None:
+    def discard(
+        self,
+        chunks: Sequence[Chunk],
+        metas: Sequence[ParamMeta],
+        *,
+        root: int,
+        stop: threading.Event,
+    ) -> None:
         """Receive another broadcaster's turn (``root``) and drop it: an NCCL broadcast is
         collective over the whole communicator, so a group member that skipped it would
         hang every other member. Same slot rotation and waits as a packed send."""
@@ -199,15 +248,29 @@ class DevicePipeline(RoundSender):
             buf = self._slots.slot(slot, chunk.nbytes)
             self._in_flight[slot].append(buf)
             if self._packed:
-                self._comm.broadcast(buf, root=root, timeout=self._timeout, stream=self._streams[slot])
+                self._comm.broadcast(
+                    buf, root=root, timeout=self._timeout, stream=self._streams[slot]
+                )
             else:
                 meta = metas[chunk.start]
-                self._comm.broadcast_typed(buf, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel,
-                                           root=root, timeout=self._timeout, stream=self._streams[slot])
+                self._comm.broadcast_typed(
+                    buf,
+                    nccl_dtype=wire_dtype(meta.dtype).nccl,
+                    count=meta.numel,
+                    root=root,
+                    timeout=self._timeout,
+                    stream=self._streams[slot],
+                )
         self.settle()
 
-    def _send_unpacked(self, prepared: Iterable[Prepared], metas: Sequence[ParamMeta], stop: threading.Event,
-                       begin: Begin, root: int) -> Sent:
+    def _send_unpacked(
+        self,
+        prepared: Iterable[Prepared],
+        metas: Sequence[ParamMeta],
+        stop: threading.Event,
+        begin: Begin,
+        root: int,
+    ) -> Sent:
         """One broadcast per tensor with its own NCCL dtype (what a stock vLLM worker posts)."""
         stream, held = self._streams[0], 0
         nbytes = count = 0
@@ -218,8 +281,14 @@ class DevicePipeline(RoundSender):
             (buf,) = self._packer.regions(tensors[:1], stream)
             self._in_flight[0].append((buf, tensors))
             begin = run_once(begin)
-            self._comm.broadcast_typed(buf, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel,
-                                       root=root, timeout=self._timeout, stream=stream)
+            self._comm.broadcast_typed(
+                buf,
+                nccl_dtype=wire_dtype(meta.dtype).nccl,
+                count=meta.numel,
+                root=root,
+                timeout=self._timeout,
+                stream=stream,
+            )
             held += meta.nbytes
             nbytes, count = nbytes + meta.nbytes, count + 1
             if held > self._hold_bytes:  # bounds memory held by per-tensor temporaries (casts)

@@ -10,7 +10,13 @@ from abc import abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
-from weightwire.backends.base import ReceiveLink, ReceiveProgress, ReceiveTurn, Unpacker, WorkerPairs
+from weightwire.backends.base import (
+    ReceiveLink,
+    ReceiveProgress,
+    ReceiveTurn,
+    Unpacker,
+    WorkerPairs,
+)
 
 
 class ChunkedLink(ReceiveLink):

@@ -66,21 +66,33 @@ class HTTPWeightSyncClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
-        if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+        if not urls or not all(
+            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
+        ):
             raise ValueError(f"base_url must be one or more http(s):// URLs, got {urls!r:.200}")
         if len(set(urls)) != len(urls):
-            raise ValueError("base_url lists the same server twice; every replica would get each call twice")
+            raise ValueError(
+                "base_url lists the same server twice; every replica would get each call twice"
+            )
         check_seconds("timeout", timeout)
         self.base_urls = [u.rstrip("/") for u in urls]
         self.timeout = float(timeout)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         http_timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, 30.0))
         self._clients = [
-            httpx.Client(base_url=u, timeout=http_timeout, headers=headers, transport=transport, limits=_LIMITS)
+            httpx.Client(
+                base_url=u,
+                timeout=http_timeout,
+                headers=headers,
+                transport=transport,
+                limits=_LIMITS,
+            )
             for u in self.base_urls
         ]
-        self._wire = [Wire(c, u, http_timeout, own_transport=transport is None, keepalive_expiry=_KEEPALIVE_S)
-                      for c, u in zip(self._clients, self.base_urls, strict=True)]
+        self._wire = [
+            Wire(c, u, http_timeout, own_transport=transport is None, keepalive_expiry=_KEEPALIVE_S)
+            for c, u in zip(self._clients, self.base_urls, strict=True)
+        ]
         self._layout: RankLayout | None = None
         self._servers: list[ServerTopology] = []
         self._sessions: list[str | None] = [None] * len(urls)
@@ -92,7 +104,9 @@ class HTTPWeightSyncClient:
 
     # -- plumbing -------------------------------------------------------------------
 
-    def _request(self, i: int, route: Route, body: Any = None, params: dict[str, Any] | None = None) -> Any:
+    def _request(
+        self, i: int, route: Route, body: Any = None, params: dict[str, Any] | None = None
+    ) -> Any:
         server = self.base_urls[i]
         session = self._sessions[i]
         wire = self._wire[i]
@@ -103,16 +117,31 @@ class HTTPWeightSyncClient:
         else:
             content = None
         if session is not None and route.name in _OWNED:
-            headers = [*headers, (_SESSION_KEY, session.encode("ascii"))]  # as httpx encodes a str header
+            headers = [
+                *headers,
+                (_SESSION_KEY, session.encode("ascii")),
+            ]  # as httpx encodes a str header
         try:
             response = wire.send(route, content, headers, params)
         except httpx.TimeoutException as exc:
-            raise WeightSyncError(route.name, None, f"no answer within {self.timeout} s ({type(exc).__name__})", server) from None
+            raise WeightSyncError(
+                route.name,
+                None,
+                f"no answer within {self.timeout} s ({type(exc).__name__})",
+                server,
+            ) from None
         except httpx.HTTPError as exc:
-            raise WeightSyncError(route.name, None, f"{type(exc).__name__}: {exc}", server) from None
+            raise WeightSyncError(
+                route.name, None, f"{type(exc).__name__}: {exc}", server
+            ) from None
         if not 200 <= response.status_code < 300:
             fallback = response.reason_phrase or "error"
-            raise WeightSyncError(route.name, response.status_code, server_message(response.content, fallback=fallback), server)
+            raise WeightSyncError(
+                route.name,
+                response.status_code,
+                server_message(response.content, fallback=fallback),
+                server,
+            )
         if not response.content:
             return None
         try:
@@ -120,8 +149,13 @@ class HTTPWeightSyncClient:
         except ValueError:
             return response.text
 
-    def _all(self, route: Route, body: Any = None, params: dict[str, Any] | None = None,
-             bodies: Sequence[Any] | None = None) -> list[Any]:
+    def _all(
+        self,
+        route: Route,
+        body: Any = None,
+        params: dict[str, Any] | None = None,
+        bodies: Sequence[Any] | None = None,
+    ) -> list[Any]:
         """Call ``route`` on every server (``bodies[i]`` for server i when given)."""
         if len(self._clients) == 1:  # the common case: no closures, no fan-out bookkeeping
             return [self._request(0, route, body if bodies is None else bodies[0], params)]
@@ -134,7 +168,9 @@ class HTTPWeightSyncClient:
 
     # -- the four-call protocol ---------------------------------------------------------
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+    def init_weight_transfer_engine(
+        self, init_info: dict[str, Any] | Sequence[dict[str, Any]]
+    ) -> None:
         """POST the worker init info to every server.
 
         With several servers, each one's workers need their own ``rank_offset``: a
@@ -153,8 +189,12 @@ class HTTPWeightSyncClient:
         replies = self._all(routes.INIT, bodies=bodies)
         # A server that owns sessions returns an id; later weight calls prove with it that
         # they come from this session, so a newer trainer's init makes them fail fast.
-        self._sessions = [r.get("session_id") if isinstance(r, dict) and isinstance(r.get("session_id"), str)
-                          else None for r in replies]
+        self._sessions = [
+            r.get("session_id")
+            if isinstance(r, dict) and isinstance(r.get("session_id"), str)
+            else None
+            for r in replies
+        ]
 
     def start_weight_update(self) -> None:
         self._all(routes.START)
@@ -170,7 +210,9 @@ class HTTPWeightSyncClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if weight_version is not None and not isinstance(weight_version, str):
             raise TypeError(f"weight_version must be a str, got {type(weight_version).__name__}")
-        self._all(routes.FINISH, None if weight_version is None else {"weight_version": weight_version})
+        self._all(
+            routes.FINISH, None if weight_version is None else {"weight_version": weight_version}
+        )
 
     # -- the routes around a round -----------------------------------------------------
 
@@ -193,7 +235,12 @@ class HTTPWeightSyncClient:
         for i, reply in enumerate(self._all(routes.WORLD_SIZE, params=params)):
             size = reply.get("world_size") if isinstance(reply, dict) else None
             if type(size) is not int or size < 1:
-                raise WeightSyncError(routes.WORLD_SIZE.name, 200, f"reply has no positive world_size: {reply!r:.200}", self.base_urls[i])
+                raise WeightSyncError(
+                    routes.WORLD_SIZE.name,
+                    200,
+                    f"reply has no positive world_size: {reply!r:.200}",
+                    self.base_urls[i],
+                )
             sizes.append(size)
         return sizes
 
@@ -205,10 +252,12 @@ class HTTPWeightSyncClient:
             if size != per:  # DP on this server: which DP ranks does its API drive?
                 parallel = self._parallel_config(i)
                 if parallel is None and len(self._clients) > 1:
-                    raise ValueError(f"{url} runs data parallelism ({size} ranks, {per} per DP "
-                                     "rank) but does not answer /server_info, so its DP layout "
-                                     "(internal or external load balancing) is unknown; pass "
-                                     "one init info per server instead")
+                    raise ValueError(
+                        f"{url} runs data parallelism ({size} ranks, {per} per DP "
+                        "rank) but does not answer /server_info, so its DP layout "
+                        "(internal or external load balancing) is unknown; pass "
+                        "one init info per server instead"
+                    )
             out.append(ServerTopology(url, size, per, parallel))
         return out
 
@@ -235,7 +284,9 @@ class HTTPWeightSyncClient:
                 out.append(False)
                 continue
             config = reply.get("vllm_config") if isinstance(reply, dict) else None
-            out.append(isinstance(config, dict) and isinstance(config.get("speculative_config"), dict))
+            out.append(
+                isinstance(config, dict) and isinstance(config.get("speculative_config"), dict)
+            )
         return out
 
     @property
@@ -265,16 +316,22 @@ class HTTPWeightSyncClient:
     def resume(self) -> None:
         self._all(routes.RESUME)
 
-    def reset_prefix_cache(self, reset_running_requests: bool = True, reset_external: bool = True) -> list[bool]:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = True, reset_external: bool = True
+    ) -> list[bool]:
         """vLLM's ``/reset_prefix_cache`` on every server; per server, its ``success``.
 
         By default (what a trainer needs after a round) running requests are preempted, so
         they recompute their KV instead of keeping it (vLLM's own default is ``False``: the
         reset then fails while requests run), and a KV connector's external cache is reset too."""
-        params = {"reset_running_requests": "true" if reset_running_requests else "false",
-                  "reset_external": "true" if reset_external else "false"}
-        return [isinstance(r, dict) and r.get("success") is True
-                for r in self._all(routes.RESET_PREFIX_CACHE, params=params)]
+        params = {
+            "reset_running_requests": "true" if reset_running_requests else "false",
+            "reset_external": "true" if reset_external else "false",
+        }
+        return [
+            isinstance(r, dict) and r.get("success") is True
+            for r in self._all(routes.RESET_PREFIX_CACHE, params=params)
+        ]
 
     def reset_encoder_cache(self) -> None:
         """vLLM's ``/reset_encoder_cache`` on every server (multimodal encoder outputs)."""
@@ -301,10 +358,16 @@ class HTTPWeightSyncClient:
         return [isinstance(r, dict) and r.get("status") == "awake" for r in replies]
 
     def is_sleeping(self) -> list[bool]:
-        return [bool(r.get("is_sleeping")) if isinstance(r, dict) else False for r in self._all(routes.IS_SLEEPING)]
+        return [
+            bool(r.get("is_sleeping")) if isinstance(r, dict) else False
+            for r in self._all(routes.IS_SLEEPING)
+        ]
 
     def is_paused(self) -> list[bool]:
-        return [bool(r.get("is_paused")) if isinstance(r, dict) else False for r in self._all(routes.IS_PAUSED)]
+        return [
+            bool(r.get("is_paused")) if isinstance(r, dict) else False
+            for r in self._all(routes.IS_PAUSED)
+        ]
 
     def weight_info(self) -> list[dict[str, Any]]:
         """Each server's ``{"weight_version": ...}``."""
@@ -312,17 +375,25 @@ class HTTPWeightSyncClient:
 
     def abort_requests(self, request_ids: Sequence[str] | None = None) -> list[Any]:
         """Abort in-flight requests on every server without pausing; ``None``: all of them."""
-        if request_ids is not None and (isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids)):
+        if request_ids is not None and (
+            isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids)
+        ):
             raise TypeError("request_ids must be a list of request id strings (or None for all)")
-        return self._all(routes.ABORT_REQUESTS, {} if request_ids is None else {"request_ids": list(request_ids)})
+        return self._all(
+            routes.ABORT_REQUESTS, {} if request_ids is None else {"request_ids": list(request_ids)}
+        )
 
     def update_weight_version(self, new_version: str) -> None:
         self._all(routes.UPDATE_VERSION, {"new_version": new_version})
 
-    def weight_checker(self, action: str, baseline: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    def weight_checker(
+        self, action: str, baseline: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
         """Each server's answer to ``/weight_checker`` (``checksum``: ``{"checksums": {...}}``)."""
         if action not in CHECKER_ACTIONS:
-            raise ValueError(f"weight_checker action must be one of {CHECKER_ACTIONS}, got {action!r}")
+            raise ValueError(
+                f"weight_checker action must be one of {CHECKER_ACTIONS}, got {action!r}"
+            )
         body: dict[str, Any] = {"action": action}
         if baseline is not None:
             body["baseline"] = baseline
@@ -359,11 +430,18 @@ class HTTPWeightSyncClient:
         for i, reply in enumerate(replies):
             v = reply.get("version") if isinstance(reply, dict) else reply
             if not isinstance(v, str) or not v:
-                raise WeightSyncError(routes.VERSION.name, 200, f"reply has no version string: {reply!r:.200}", self.base_urls[i])
+                raise WeightSyncError(
+                    routes.VERSION.name,
+                    200,
+                    f"reply has no version string: {reply!r:.200}",
+                    self.base_urls[i],
+                )
             versions.append(v)
         if len(set(versions)) > 1:
             listed = ", ".join(f"{u}={v}" for u, v in zip(self.base_urls, versions, strict=True))
-            raise ValueError(f"servers run different versions ({listed}); drive one version at a time")
+            raise ValueError(
+                f"servers run different versions ({listed}); drive one version at a time"
+            )
         return versions[0]
 
     # -- lifecycle -----------------------------------------------------------------------

@@ -57,13 +57,20 @@ class ServerTopology:
     @property
     def deployment_key(self) -> tuple[Any, ...]:
         p = self.parallel or {}
-        return (p.get("data_parallel_master_ip"), p.get("data_parallel_master_port"), self.world_size, self.per_dp)
+        return (
+            p.get("data_parallel_master_ip"),
+            p.get("data_parallel_master_port"),
+            self.world_size,
+            self.per_dp,
+        )
 
     @property
     def split_dp(self) -> bool:
         """DP ranks of this server's deployment are driven by more than one API server."""
         p = self.parallel or {}
-        return self.dp_size > 1 and bool(p.get("data_parallel_external_lb") or p.get("data_parallel_hybrid_lb"))
+        return self.dp_size > 1 and bool(
+            p.get("data_parallel_external_lb") or p.get("data_parallel_hybrid_lb")
+        )
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,10 @@ def plan_ranks(servers: Sequence[ServerTopology], *, first_rank: int = 1) -> Ran
     """The rank layout (``ValueError`` naming the servers and DP ranks at fault)."""
     for s in servers:
         if s.per_dp < 1 or s.world_size % s.per_dp:
-            raise ValueError(f"{s.url}: world size with DP {s.world_size} is not a multiple of the per-DP-rank "
-                             f"world size {s.per_dp}")
+            raise ValueError(
+                f"{s.url}: world size with DP {s.world_size} is not a multiple of the per-DP-rank "
+                f"world size {s.per_dp}"
+            )
     groups: dict[tuple[Any, ...], list[int]] = {}
     order: list[list[int]] = []
     for i, s in enumerate(servers):
@@ -89,8 +98,10 @@ def plan_ranks(servers: Sequence[ServerTopology], *, first_rank: int = 1) -> Ran
             order.append([i])
             continue
         if s.parallel is None or s.parallel.get("data_parallel_master_ip") is None:
-            raise ValueError(f"{s.url} is one of several API servers of a DP deployment, but its DP master "
-                             "address is unknown; cannot tell which servers share a deployment")
+            raise ValueError(
+                f"{s.url} is one of several API servers of a DP deployment, but its DP master "
+                "address is unknown; cannot tell which servers share a deployment"
+            )
         key = s.deployment_key
         if key not in groups:
             groups[key] = []
@@ -114,18 +125,26 @@ def _check_cover(members: Sequence[ServerTopology]) -> None:
     for s in members:
         owned = s.owned_dp_ranks()
         if not owned:
-            raise ValueError(f"{s.url} reports an external/hybrid-LB DP deployment without its "
-                             "data_parallel_rank")
+            raise ValueError(
+                f"{s.url} reports an external/hybrid-LB DP deployment without its "
+                "data_parallel_rank"
+            )
         for r in owned:
             if not 0 <= r < size:
-                raise ValueError(f"{s.url} drives DP rank {r}, outside its deployment's "
-                                 f"data_parallel_size {size}")
+                raise ValueError(
+                    f"{s.url} drives DP rank {r}, outside its deployment's "
+                    f"data_parallel_size {size}"
+                )
             if r in seen:
-                raise ValueError(f"DP rank {r} is driven by both {seen[r]} and {s.url}; list each server once")
+                raise ValueError(
+                    f"DP rank {r} is driven by both {seen[r]} and {s.url}; list each server once"
+                )
             seen[r] = s.url
     missing = sorted(set(range(size)) - set(seen))
     if missing:
         urls = ", ".join(s.url for s in members)
-        raise ValueError(f"the DP deployment of {urls} has data_parallel_size {size}, but no "
-                         f"listed server drives DP rank(s) {missing}: their workers would never "
-                         "join the group; list every DP rank's API server")
+        raise ValueError(
+            f"the DP deployment of {urls} has data_parallel_size {size}, but no "
+            f"listed server drives DP rank(s) {missing}: their workers would never "
+            "join the group; list every DP rank's API server"
+        )

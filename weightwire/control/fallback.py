@@ -22,15 +22,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OPTIONAL_CALLS = ("version", "get_world_size", "pause", "resume", "weight_checker", "reset_prefix_cache",
-                  "reset_encoder_cache")
+OPTIONAL_CALLS = (
+    "version",
+    "get_world_size",
+    "pause",
+    "resume",
+    "weight_checker",
+    "reset_prefix_cache",
+    "reset_encoder_cache",
+)
 """Calls an engine may need beyond the four-call protocol, in the order it needs them."""
 
 
 class FallbackClient:
     """The user's client for what it has; an ``HTTPWeightSyncClient`` on its server for the rest."""
 
-    def __init__(self, client: WeightSyncClient, extra: HTTPWeightSyncClient, filled: Sequence[str]) -> None:
+    def __init__(
+        self, client: WeightSyncClient, extra: HTTPWeightSyncClient, filled: Sequence[str]
+    ) -> None:
         self.inner = client
         self.extra = extra
         self.filled = tuple(filled)
@@ -55,7 +64,9 @@ def _server_urls(client: object) -> list[str] | None:
     if urls is None:
         url = getattr(client, "base_url", None)
         urls = [url] if url is not None else None
-    if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+    if not urls or not all(
+        isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
+    ):
         return None
     return [str(u) for u in urls]
 
@@ -70,5 +81,10 @@ def with_fallback_routes(client: WeightSyncClient, *, timeout: float) -> WeightS
     from weightwire.control.client import HTTPWeightSyncClient  # httpx only when needed
 
     extra = HTTPWeightSyncClient(urls if len(urls) > 1 else urls[0], timeout=timeout)
-    log.info("%s lacks %s: asking %s directly", type(client).__name__, ", ".join(missing), ", ".join(urls))
+    log.info(
+        "%s lacks %s: asking %s directly",
+        type(client).__name__,
+        ", ".join(missing),
+        ", ".join(urls),
+    )
     return FallbackClient(client, extra, missing)

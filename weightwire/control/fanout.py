@@ -95,7 +95,9 @@ def fan_out(calls: Sequence[Callable[[], T]], *, timeout: float | None, name: st
         if future in done and (exc := future.exception()) is not None:
             raise exc
     if pending:
-        raise TimeoutError(f"{name}: {len(pending)} of {len(futures)} servers did not answer within {timeout} s")
+        raise TimeoutError(
+            f"{name}: {len(pending)} of {len(futures)} servers did not answer within {timeout} s"
+        )
     try:
         return [f.result(timeout=0) for f in futures]
     except FutureTimeout:  # pragma: no cover - all futures are done here

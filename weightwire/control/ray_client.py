@@ -40,6 +40,7 @@ engine's 2 s wait for a control call's verdict after a data-plane failure, so th
 client's answer is the one a failed round reports."""
 _MAX_MESSAGE = 2000
 
+
 def _has_method(handle: Any, name: str) -> bool:
     try:
         getattr(handle, name)
@@ -77,7 +78,11 @@ def _describe(ray: Any, exc: BaseException) -> str:
         text = f"{type(exc.cause).__name__}: {exc.cause}"
     elif _died(ray, exc):
         # Ray's text: a headline, indented "key: value" lines (ids, pid, ip), then the reason.
-        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
+        lines = [
+            ln.strip()
+            for ln in str(exc).splitlines()
+            if ln.strip() and not ln.startswith((" ", "\t"))
+        ]
         text = f"{type(exc).__name__}: " + " ".join(lines)
     else:
         text = f"{type(exc).__name__}: {str(exc).strip()}"
@@ -105,8 +110,12 @@ class RayWeightSyncClient:
             raise ValueError("RayWeightSyncClient needs at least one actor handle")
         if isinstance(world_sizes, int):
             world_sizes = [world_sizes] * len(self.handles)
-        if world_sizes is not None and (len(world_sizes) != len(self.handles) or min(world_sizes) < 1):
-            raise ValueError(f"world_sizes must give one positive size per handle, got {world_sizes!r}")
+        if world_sizes is not None and (
+            len(world_sizes) != len(self.handles) or min(world_sizes) < 1
+        ):
+            raise ValueError(
+                f"world_sizes must give one positive size per handle, got {world_sizes!r}"
+            )
         self._world_sizes = None if world_sizes is None else list(world_sizes)
         self.timeout = float(timeout)
         self._server_version = server_version
@@ -118,7 +127,9 @@ class RayWeightSyncClient:
     def _name(self, index: int) -> str:
         return f"actor {index} ({self.handles[index]!r})"
 
-    def _all(self, method: str, *args_per: Sequence[Any], dead_ok: bool = False, **kwargs: Any) -> list[Any]:
+    def _all(
+        self, method: str, *args_per: Sequence[Any], dead_ok: bool = False, **kwargs: Any
+    ) -> list[Any]:
         """``method`` on every actor, its results in handle order. ``dead_ok``: an actor
         that is gone answers ``None`` (logged) instead of failing the call."""
         ray = _ray()
@@ -128,31 +139,52 @@ class RayWeightSyncClient:
         for i, handle in enumerate(self.handles):  # every method found before any call goes out
             try:
                 calls.append(getattr(handle, method))
-            except AttributeError:  # the actor's class has no such method: as an HTTP server without the route
-                raise WeightSyncError(method, 404, f"the actor has no method {method}", f"actor {i}") from None
+            except (
+                AttributeError
+            ):  # the actor's class has no such method: as an HTTP server without the route
+                raise WeightSyncError(
+                    method, 404, f"the actor has no method {method}", f"actor {i}"
+                ) from None
         for i, call in enumerate(calls):
             refs.append(call.remote(*[a[i] for a in args_per], **kwargs))
         pending, results = list(refs), {}
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            done, pending = ray.wait(
+                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
             if not done:
                 late = ", ".join(self._name(refs.index(r)) for r in pending)
                 self._settle_later(ray, method, refs, pending)
-                raise WeightSyncError(method, None, f"no answer within {self.timeout:g} s (the call may still run "
-                                      "there: Ray cannot withdraw it)", late)
+                raise WeightSyncError(
+                    method,
+                    None,
+                    f"no answer within {self.timeout:g} s (the call may still run "
+                    "there: Ray cannot withdraw it)",
+                    late,
+                )
             index = refs.index(done[0])
             try:
                 results[index] = ray.get(done[0], timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:
                 if dead_ok and _died(ray, exc):
-                    logger.warning("%s on %s: the actor is gone; nothing to do there", method, self._name(index))
+                    logger.warning(
+                        "%s on %s: the actor is gone; nothing to do there",
+                        method,
+                        self._name(index),
+                    )
                     results[index] = None
                     continue
                 raise self._failure(ray, method, refs, pending, {index: exc}) from exc
         return [results[i] for i in range(len(refs))]
 
-    def _failure(self, ray: Any, method: str, refs: list[Any], pending: list[Any],
-                 failed: dict[int, Exception]) -> WeightSyncError:
+    def _failure(
+        self,
+        ray: Any,
+        method: str,
+        refs: list[Any],
+        pending: list[Any],
+        failed: dict[int, Exception],
+    ) -> WeightSyncError:
         """One error for a failed fan-out: an actor's death when one died within the grace
         (the others' failures follow from it), else the first failure; the rest as notes."""
         if pending and not any(_died(ray, e) for e in failed.values()):
@@ -174,14 +206,22 @@ class RayWeightSyncClient:
         """Calls left running when this call gave up: their outcome is logged in one line
         when it arrives (unread, Ray would print each failure's remote traceback)."""
         for ref in pending:
+
             def settled(future: Any, index: int = refs.index(ref)) -> None:
                 exc = future.exception()
                 if exc is not None:
-                    logger.info("%s on %s, after the call gave up: %s", method, self._name(index), _describe(ray, exc))
+                    logger.info(
+                        "%s on %s, after the call gave up: %s",
+                        method,
+                        self._name(index),
+                        _describe(ray, exc),
+                    )
 
             ref.future().add_done_callback(settled)
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+    def init_weight_transfer_engine(
+        self, init_info: dict[str, Any] | Sequence[dict[str, Any]]
+    ) -> None:
         """One dict is shifted per actor by the preceding actors' world sizes (``rank_offset``)."""
         if isinstance(init_info, dict):
             infos = [init_info] * len(self.handles)
@@ -211,7 +251,9 @@ class RayWeightSyncClient:
 
     def _sizes(self) -> list[int]:
         if self._world_sizes is None:
-            raise ValueError("RayWeightSyncClient(world_sizes=...) is required: actors expose no world size call")
+            raise ValueError(
+                "RayWeightSyncClient(world_sizes=...) is required: actors expose no world size call"
+            )
         return self._world_sizes
 
     def get_world_size(self) -> int:
@@ -225,11 +267,19 @@ class RayWeightSyncClient:
     def resume(self) -> None:
         self._all("resume_generation")
 
-    def reset_prefix_cache(self, reset_running_requests: bool = True, reset_connector: bool = True) -> list[bool]:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = True, reset_connector: bool = True
+    ) -> list[bool]:
         """``reset_prefix_cache`` of every actor's ``LLM`` / ``AsyncLLM`` (same keywords); per
         actor, whether it reset. Running requests are preempted by default (they recompute)."""
-        return [r is True for r in self._all("reset_prefix_cache", reset_running_requests=reset_running_requests,
-                                             reset_connector=reset_connector)]
+        return [
+            r is True
+            for r in self._all(
+                "reset_prefix_cache",
+                reset_running_requests=reset_running_requests,
+                reset_connector=reset_connector,
+            )
+        ]
 
     def reset_encoder_cache(self) -> None:
         """``reset_encoder_cache`` of every actor that has one (``AsyncLLM``; vLLM's offline
@@ -237,9 +287,11 @@ class RayWeightSyncClient:
         have = [h for h in self.handles if _has_method(h, "reset_encoder_cache")]
         if len(have) < len(self.handles) and not self._warned_encoder:
             self._warned_encoder = True
-            logger.warning("%d actor(s) have no reset_encoder_cache: a multimodal model's "
-                           "encoder outputs cached before a round may be reused after it",
-                           len(self.handles) - len(have))
+            logger.warning(
+                "%d actor(s) have no reset_encoder_cache: a multimodal model's "
+                "encoder outputs cached before a round may be reused after it",
+                len(self.handles) - len(have),
+            )
         if have:
             RayWeightSyncClient(have, timeout=self.timeout)._all("reset_encoder_cache")
 
@@ -248,5 +300,7 @@ class RayWeightSyncClient:
 
     def version(self) -> str:
         if self._server_version is None:
-            raise ValueError("RayWeightSyncClient(server_version=...) is required to gate wire features")
+            raise ValueError(
+                "RayWeightSyncClient(server_version=...) is required to gate wire features"
+            )
         return self._server_version

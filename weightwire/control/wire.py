@@ -37,32 +37,58 @@ from weightwire.shared.routes import Route
 class Wire:
     """One server's request path (see the module docstring)."""
 
-    def __init__(self, client: httpx.Client, base_url: str, timeout: httpx.Timeout, *, own_transport: bool,
-                 keepalive_expiry: float) -> None:
+    def __init__(
+        self,
+        client: httpx.Client,
+        base_url: str,
+        timeout: httpx.Timeout,
+        *,
+        own_transport: bool,
+        keepalive_expiry: float,
+    ) -> None:
         self.client = client
         self.base_url = base_url
-        self.headers: list[tuple[bytes, bytes]] = list(client.headers.raw)  # raw: names keep their case
+        self.headers: list[tuple[bytes, bytes]] = list(
+            client.headers.raw
+        )  # raw: names keep their case
         self.extensions = {"timeout": timeout.as_dict()}
         self._urls: dict[str, httpx.URL] = {}
         url = httpx.URL(base_url)
-        pick = getattr(client, "_transport_for_url", None)  # where a future httpx lacks it: Client.send
+        pick = getattr(
+            client, "_transport_for_url", None
+        )  # where a future httpx lacks it: Client.send
         self.transport: httpx.BaseTransport | None = pick(url) if callable(pick) else None
         self._own: KeepAliveTransport | None = None
         # Only the client's own pool for a plain-http URL is replaced: a proxy mount (env
         # proxies) or a caller's transport stays in charge of its requests.
-        if (own_transport and url.scheme == "http" and self.transport is not None
-                and self.transport is getattr(client, "_transport", None)):
+        if (
+            own_transport
+            and url.scheme == "http"
+            and self.transport is not None
+            and self.transport is getattr(client, "_transport", None)
+        ):
             self._own = KeepAliveTransport(url.host, url.port or 80, timeout, keepalive_expiry)
             self.transport = self._own
 
-    def send(self, route: Route, content: bytes | None, headers: list[tuple[bytes, bytes]],
-             params: dict[str, Any] | None) -> httpx.Response:
+    def send(
+        self,
+        route: Route,
+        content: bytes | None,
+        headers: list[tuple[bytes, bytes]],
+        params: dict[str, Any] | None,
+    ) -> httpx.Response:
         """The read and closed response (httpx exceptions as raised by the transport)."""
         url = self._urls.get(route.path)
         if url is None:
             url = self._urls[route.path] = httpx.URL(self.base_url + route.path)
-        request = httpx.Request(route.method, url, params=params, headers=headers, content=content,
-                                extensions=self.extensions)
+        request = httpx.Request(
+            route.method,
+            url,
+            params=params,
+            headers=headers,
+            content=content,
+            extensions=self.extensions,
+        )
         if self.transport is None:
             return self.client.send(request)
         if self.client.is_closed:  # what Client.send says: never reopen a closed client's pool
@@ -94,7 +120,9 @@ class KeepAliveTransport(httpx.BaseTransport):
     wakes twice per request. Thread-safe: each request holds its socket alone.
     """
 
-    def __init__(self, host: str, port: int, timeout: httpx.Timeout, keepalive_expiry: float) -> None:
+    def __init__(
+        self, host: str, port: int, timeout: httpx.Timeout, keepalive_expiry: float
+    ) -> None:
         self.host, self.port = host, port
         self.connect_s = timeout.connect
         self.read_s = timeout.read
@@ -137,7 +165,9 @@ class KeepAliveTransport(httpx.BaseTransport):
             raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc
         except (http.client.HTTPException, ConnectionError) as exc:
             sock.close()
-            raise httpx.RemoteProtocolError(f"{type(exc).__name__}: {exc}", request=request) from exc
+            raise httpx.RemoteProtocolError(
+                f"{type(exc).__name__}: {exc}", request=request
+            ) from exc
         except OSError as exc:
             sock.close()
             raise httpx.ReadError(str(exc), request=request) from exc
@@ -145,15 +175,23 @@ class KeepAliveTransport(httpx.BaseTransport):
             sock.close()
             raise
         with self._lock:
-            keep = not reply.will_close and not self._closed  # a request in flight at close() keeps nothing
+            keep = (
+                not reply.will_close and not self._closed
+            )  # a request in flight at close() keeps nothing
             if keep:
                 self._idle.append((time.monotonic(), sock))
         if not keep:
             sock.close()
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply.getheaders()]
-        return httpx.Response(reply.status, headers=headers, content=body,
-                              extensions={"http_version": b"HTTP/1.1",
-                                          "reason_phrase": reply.reason.encode("latin-1")})
+        return httpx.Response(
+            reply.status,
+            headers=headers,
+            content=body,
+            extensions={
+                "http_version": b"HTTP/1.1",
+                "reason_phrase": reply.reason.encode("latin-1"),
+            },
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -168,8 +206,10 @@ def _encode(request: httpx.Request) -> bytes:
     lines = [b"%s %s HTTP/1.1" % (request.method.encode("ascii"), request.url.raw_path)]
     for name, value in request.headers.raw:
         if b"\r" in name or b"\n" in name or b":" in name or b"\r" in value or b"\n" in value:
-            raise httpx.LocalProtocolError(f"illegal header {name[:40]!r}: no CR, LF (or ':' in a name) allowed",
-                                           request=request)
+            raise httpx.LocalProtocolError(
+                f"illegal header {name[:40]!r}: no CR, LF (or ':' in a name) allowed",
+                request=request,
+            )
         lines.append(name + b": " + value)
     lines += [b"", b""]
     return b"\r\n".join(lines) + request.content

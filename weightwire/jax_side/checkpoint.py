@@ -42,7 +42,9 @@ class CheckpointError(ConfigError):
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"{model_dir} has no config.json (is it a Hugging Face model directory?)")
+        raise CheckpointError(
+            f"{model_dir} has no config.json (is it a Hugging Face model directory?)"
+        )
     return json.loads(path.read_text())
 
 
@@ -58,7 +60,9 @@ def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     for shard in shards:
         for name, array in load_file(str(shard)).items():
             if name in out:
-                raise CheckpointError(f"tensor {name!r} appears in more than one shard of {model_dir}")
+                raise CheckpointError(
+                    f"tensor {name!r} appears in more than one shard of {model_dir}"
+                )
             out[name] = array
     return out
 
@@ -85,17 +89,23 @@ def pytree_from_hf(naming: Naming, template: Any, tensors: Mapping[str, Any]) ->
     want = {e.name for e in plan.entries}
     missing = sorted(want - set(tensors))
     if missing:
-        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:4]}")
+        raise CheckpointError(
+            f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:4]}"
+        )
     extra = sorted(set(tensors) - want)
     if extra:
-        raise CheckpointError(f"checkpoint has {len(extra)} tensor(s) the model does not map, e.g. {extra[:4]}")
+        raise CheckpointError(
+            f"checkpoint has {len(extra)} tensor(s) the model does not map, e.g. {extra[:4]}"
+        )
     zeros = [jnp.zeros(x.shape, x.dtype) for x in leaves_t]
     offset, vjp = jax.vjp(lambda ls: _forward(plan, ls), zeros)
     target = {}
     for name, want_aval in offset.items():
         got = np.asarray(tensors[name])
         if tuple(got.shape) != tuple(want_aval.shape):
-            raise CheckpointError(f"{name}: checkpoint shape {list(got.shape)}, model expects {list(want_aval.shape)}")
+            raise CheckpointError(
+                f"{name}: checkpoint shape {list(got.shape)}, model expects {list(want_aval.shape)}"
+            )
         target[name] = jnp.asarray(got).astype(want_aval.dtype) - offset[name]
     (leaves,) = vjp(target)
     dropped = set(plan.dropped)

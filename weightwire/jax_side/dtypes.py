@@ -38,11 +38,15 @@ def _wire_name(dtype: Any) -> str:
     try:
         np_dtype = np.dtype(dtype)
     except TypeError as exc:
-        raise ValueError(f"{dtype!r} is not a dtype; supported wire dtypes: {', '.join(SUPPORTED_DTYPES)}") from exc
+        raise ValueError(
+            f"{dtype!r} is not a dtype; supported wire dtypes: {', '.join(SUPPORTED_DTYPES)}"
+        ) from exc
     for name in SUPPORTED_DTYPES:
         if wire_dtype(name).numpy == np_dtype:
             return name
-    raise ValueError(f"jax dtype {np_dtype} has no wire name; supported: {', '.join(SUPPORTED_DTYPES)}")
+    raise ValueError(
+        f"jax dtype {np_dtype} has no wire name; supported: {', '.join(SUPPORTED_DTYPES)}"
+    )
 
 
 def jax_dtype(dtype: Any) -> np.dtype:
@@ -53,7 +57,9 @@ def jax_dtype(dtype: Any) -> np.dtype:
     """
     name = dtype if isinstance(dtype, str) and dtype in SUPPORTED_DTYPES else wire_name(dtype)
     if name in _X64_ONLY and not jax.config.read("jax_enable_x64"):
-        raise ValueError(f"dtype {name} needs jax_enable_x64 (JAX would produce a 32-bit array instead)")
+        raise ValueError(
+            f"dtype {name} needs jax_enable_x64 (JAX would produce a 32-bit array instead)"
+        )
     return wire_dtype(name).numpy
 
 

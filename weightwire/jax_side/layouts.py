@@ -30,8 +30,15 @@ def n_experts(hf: dict[str, Any]) -> int:
     return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
 
 
-def preset_layout(family: str, hf: dict[str, Any], *, scan_layers: bool = False, fused_qkv: bool = False,
-                 fused_gate_up: bool = False, dtype: Any = jnp.float32) -> dict[str, Any]:
+def preset_layout(
+    family: str,
+    hf: dict[str, Any],
+    *,
+    scan_layers: bool = False,
+    fused_qkv: bool = False,
+    fused_gate_up: bool = False,
+    dtype: Any = jnp.float32,
+) -> dict[str, Any]:
     """``{"params": ...}`` of ShapeDtypeStructs in the layout ``preset_for_hf(family, hf,
     **layout)`` maps; the layout switches are the preset options of the same names."""
     if family not in LAYOUT_FAMILIES:
@@ -48,37 +55,58 @@ def preset_layout(family: str, hf: dict[str, Any], *, scan_layers: bool = False,
     def k(i: int, o: int) -> dict[str, Any]:
         return {"kernel": s(i, o)}
 
-    attn: dict[str, Any] = ({"qkv_proj": k(d, (h + 2 * kv) * hd)} if fused_qkv else
-                            {"q_proj": k(d, h * hd), "k_proj": k(d, kv * hd), "v_proj": k(d, kv * hd)})
+    attn: dict[str, Any] = (
+        {"qkv_proj": k(d, (h + 2 * kv) * hd)}
+        if fused_qkv
+        else {"q_proj": k(d, h * hd), "k_proj": k(d, kv * hd), "v_proj": k(d, kv * hd)}
+    )
     attn["o_proj"] = k(h * hd, d)
     if opts["qkv_bias"]:
         for p in ("q_proj", "k_proj", "v_proj"):
             attn[p]["bias"] = s(attn[p]["kernel"].shape[-1])
     if opts["qk_norm"]:
         attn["q_norm"], attn["k_norm"] = {"scale": s(hd)}, {"scale": s(hd)}
-    layer: dict[str, Any] = {"self_attn": attn, "input_layernorm": {"scale": s(d)},
-                             "post_attention_layernorm": {"scale": s(d)}}
+    layer: dict[str, Any] = {
+        "self_attn": attn,
+        "input_layernorm": {"scale": s(d)},
+        "post_attention_layernorm": {"scale": s(d)},
+    }
     if opts["sandwich_norms"]:
         layer["pre_feedforward_layernorm"] = {"scale": s(d)}
         layer["post_feedforward_layernorm"] = {"scale": s(d)}
     e = n_experts(hf)
     if e:
         block_name, router, experts_name, names = MOE_STYLES[opts["moe"]]
-        m = f if opts["moe"] == "mixtral" else hf["moe_intermediate_size"]  # Mixtral's are intermediate_size wide
-        experts = ({"gate_up_proj": {"kernel": s(e, d, 2 * m)}} if fused_gate_up else
-                   {names[0]: {"kernel": s(e, d, m)}, names[1]: {"kernel": s(e, d, m)}})
+        m = (
+            f if opts["moe"] == "mixtral" else hf["moe_intermediate_size"]
+        )  # Mixtral's are intermediate_size wide
+        experts = (
+            {"gate_up_proj": {"kernel": s(e, d, 2 * m)}}
+            if fused_gate_up
+            else {names[0]: {"kernel": s(e, d, m)}, names[1]: {"kernel": s(e, d, m)}}
+        )
         experts[names[2]] = {"kernel": s(e, m, d)}
         block: dict[str, Any] = {router: k(d, e), experts_name: experts}
         if opts["shared_expert"]:
             sf = hf["shared_expert_intermediate_size"]
-            block["shared_expert"] = {"gate_proj": k(d, sf), "up_proj": k(d, sf), "down_proj": k(sf, d)}
+            block["shared_expert"] = {
+                "gate_proj": k(d, sf),
+                "up_proj": k(d, sf),
+                "down_proj": k(sf, d),
+            }
             block["shared_expert_gate"] = k(d, 1)
         layer[block_name] = block
     else:
-        mlp = {"gate_up_proj": k(d, 2 * f)} if fused_gate_up else {"gate_proj": k(d, f), "up_proj": k(d, f)}
+        mlp = (
+            {"gate_up_proj": k(d, 2 * f)}
+            if fused_gate_up
+            else {"gate_proj": k(d, f), "up_proj": k(d, f)}
+        )
         layer["mlp"] = {**mlp, "down_proj": k(f, d)}
-    model: dict[str, Any] = {"embed_tokens": {"embedding": jax.ShapeDtypeStruct((v, d), dtype)},
-                             "norm": {"scale": jax.ShapeDtypeStruct((d,), dtype)}}
+    model: dict[str, Any] = {
+        "embed_tokens": {"embedding": jax.ShapeDtypeStruct((v, d), dtype)},
+        "norm": {"scale": jax.ShapeDtypeStruct((d,), dtype)},
+    }
     if scan_layers:
         model["layers"] = layer
     else:
@@ -97,7 +125,9 @@ def preset_for_hf(family: str, hf: dict[str, Any], **layout: Any) -> Naming:
     tied = hf.get("tie_word_embeddings", family_options(family)["tie_word_embeddings"])
     o: dict[str, Any] = {"tie_word_embeddings": bool(tied), **layout}
     heads = hf["num_attention_heads"]
-    if not family_options(family)["hf_fused"]:  # Phi-3's HF tensors are fused already: nothing to cut
+    if not family_options(family)[
+        "hf_fused"
+    ]:  # Phi-3's HF tensors are fused already: nothing to cut
         if layout.get("fused_qkv"):
             o.setdefault("num_attention_heads", heads)
             o.setdefault("num_key_value_heads", hf.get("num_key_value_heads") or heads)
@@ -105,5 +135,8 @@ def preset_for_hf(family: str, hf: dict[str, Any], **layout: Any) -> Naming:
         if layout.get("fused_gate_up"):
             o.setdefault("intermediate_size", hf["intermediate_size"])
             if n_experts(hf):
-                o.setdefault("moe_intermediate_size", hf.get("moe_intermediate_size") or hf["intermediate_size"])
+                o.setdefault(
+                    "moe_intermediate_size",
+                    hf.get("moe_intermediate_size") or hf["intermediate_size"],
+                )
     return preset(family, **o)

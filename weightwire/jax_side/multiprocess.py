@@ -57,16 +57,26 @@ class MultiProcessSource(PytreeSource):
     ``jax.process_index()`` / ``jax.process_count()``.
     """
 
-    def __init__(self, params: Any, naming: Naming, *, dtype: Any = None, device: Any = None,
-                 process: int | None = None, processes: int | None = None) -> None:
+    def __init__(
+        self,
+        params: Any,
+        naming: Naming,
+        *,
+        dtype: Any = None,
+        device: Any = None,
+        process: int | None = None,
+        processes: int | None = None,
+    ) -> None:
         self._process = jax.process_index() if process is None else process
         self._processes = jax.process_count() if processes is None else processes
         self._owners: dict[str, int] = {}
         super().__init__(params, naming, dtype=dtype, device=device)
 
     def __repr__(self) -> str:
-        return (f"MultiProcessSource({len(self._metas)} tensors, process {self._process} of "
-                   f"{self._processes})")
+        return (
+            f"MultiProcessSource({len(self._metas)} tensors, process {self._process} of "
+            f"{self._processes})"
+        )
 
     def _assigned(self) -> list[ParamMeta]:
         groups = layerwise_groups(self._metas)

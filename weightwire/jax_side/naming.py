@@ -66,10 +66,20 @@ class Rule:
     optional: bool
     regex: re.Pattern[str]
 
-    def __init__(self, pattern: str, target: str | tuple[str, ...] | None, *parts: RulePart,
-                 optional: bool = False) -> None:
-        for attr, value in (("pattern", pattern), ("target", target), ("parts", tuple(parts)),
-                            ("optional", optional), ("regex", compile_pattern(pattern))):
+    def __init__(
+        self,
+        pattern: str,
+        target: str | tuple[str, ...] | None,
+        *parts: RulePart,
+        optional: bool = False,
+    ) -> None:
+        for attr, value in (
+            ("pattern", pattern),
+            ("target", target),
+            ("parts", tuple(parts)),
+            ("optional", optional),
+            ("regex", compile_pattern(pattern)),
+        ):
             object.__setattr__(self, attr, value)
         self._validate()
 
@@ -77,8 +87,12 @@ class Rule:
         where = f"rule {self.pattern!r}"
         for i, part in enumerate(self.parts):
             if not isinstance(part, RulePart):
-                raise NamingError(f"{where}: {part!r} is not a transform (Op, Stacked, Split, Concat or Cast)")
-            if isinstance(part, Stacked) and not all(isinstance(p, Stacked) for p in self.parts[:i]):
+                raise NamingError(
+                    f"{where}: {part!r} is not a transform (Op, Stacked, Split, Concat or Cast)"
+                )
+            if isinstance(part, Stacked) and not all(
+                isinstance(p, Stacked) for p in self.parts[:i]
+            ):
                 raise NamingError(f"{where}: Stacked must be the first part(s)")
         fields = [s.field for s in self.stacks]
         if len(set(fields)) != len(fields):
@@ -99,22 +113,30 @@ class Rule:
         templates = (self.target,) if isinstance(self.target, str) else tuple(self.target)
         if split is None and len(templates) != 1:
             raise NamingError(f"{where}: several targets need a Split")
-        if split is not None and (len(templates) != len(split.sizes) or any(s <= 0 for s in split.sizes)):
-            raise NamingError(f"{where}: Split sizes {list(split.sizes)} must be positive, one per target "
-                              f"({len(templates)} given)")
+        if split is not None and (
+            len(templates) != len(split.sizes) or any(s <= 0 for s in split.sizes)
+        ):
+            raise NamingError(
+                f"{where}: Split sizes {list(split.sizes)} must be positive, one per target "
+                f"({len(templates)} given)"
+            )
         concat = self.concat
         if concat is not None and not 0 <= concat.index < concat.count:
             raise NamingError(f"{where}: Concat index {concat.index} outside 0..{concat.count - 1}")
         clash = set(fields) & set(self.regex.groupindex)
         if clash:
-            raise NamingError(f"{where}: {sorted(clash)} is both a pattern capture and a Stacked field")
+            raise NamingError(
+                f"{where}: {sorted(clash)} is both a pattern capture and a Stacked field"
+            )
         allowed = set(self.regex.groupindex) | set(fields)
         for tpl in templates:
             used = {f for _, f, _, _ in string.Formatter().parse(tpl) if f is not None}
             unknown = used - allowed
             if unknown or "" in used:
-                raise NamingError(f"{where}: target {tpl!r} uses {sorted(unknown) or ['{}']}, "
-                                  f"not captured by the pattern (captures: {sorted(allowed)})")
+                raise NamingError(
+                    f"{where}: target {tpl!r} uses {sorted(unknown) or ['{}']}, "
+                    f"not captured by the pattern (captures: {sorted(allowed)})"
+                )
 
     @property
     def templates(self) -> tuple[str, ...]:
@@ -257,17 +279,26 @@ class Naming:
             for seq, (indices, fields) in enumerate(combos):
                 for part, (tpl, ops) in enumerate(zip(rule.templates, chains, strict=True)):
                     piece = Piece(leaf, path, indices, axes, ops)
-                    claims.setdefault(tpl.format(**fields), []).append((piece, ri, part, concat, cast, seq))
+                    claims.setdefault(tpl.format(**fields), []).append(
+                        (piece, ri, part, concat, cast, seq)
+                    )
         if unclaimed:
-            raise NamingError("no naming rule claims these pytree leaves: "
-                              f"{show_paths(unclaimed)}; add a rule for each, or a drop rule "
-                              "(target None) for leaves the server does not take")
+            raise NamingError(
+                "no naming rule claims these pytree leaves: "
+                f"{show_paths(unclaimed)}; add a rule for each, or a drop rule "
+                "(target None) for leaves the server does not take"
+            )
         # A rule shadowed by an earlier one (an override) is not a typo; one that fits no path is.
-        missing = [r.pattern for r, u in zip(self.rules, used, strict=True)
-                   if not u and not r.optional and not any(r.regex.fullmatch(self._key(p)) for p in paths)]
+        missing = [
+            r.pattern
+            for r, u in zip(self.rules, used, strict=True)
+            if not u and not r.optional and not any(r.regex.fullmatch(self._key(p)) for p in paths)
+        ]
         if missing:
-            raise NamingError(f"naming rules matched no pytree leaf: {show_paths(missing)}; leaves look like "
-                              f"{show_paths(paths, 4)}")
+            raise NamingError(
+                f"naming rules matched no pytree leaf: {show_paths(missing)}; leaves look like "
+                f"{show_paths(paths, 4)}"
+            )
         entries = [self._entry(name, got) for name, got in claims.items()]
         order = _order_keys(entries, claims, len(self.rules))
         entries = [e for _, e in sorted(zip(order, entries, strict=True), key=lambda t: t[0])]
@@ -276,24 +307,34 @@ class Naming:
         return plan
 
     @staticmethod
-    def _entry(name: str, got: list[tuple[Piece, int, int, Concat | None, str | None, int]]) -> Entry:
+    def _entry(
+        name: str, got: list[tuple[Piece, int, int, Concat | None, str | None, int]]
+    ) -> Entry:
         if len(got) == 1 and got[0][3] is None:
             piece, _, _, _, cast, _ = got[0]
             return Entry(name, (piece,), None, cast)
         fused = [(g[3], g) for g in got if g[3] is not None]
         concats = [c for c, _ in fused]
         if len(fused) != len(got):
-            raise NamingError(f"pytree leaves {show_paths([g[0].path for g in got])} all map to "
-                              f"HF name {name!r}; each HF name must come from exactly one leaf "
-                              "(or be declared a Concat)")
+            raise NamingError(
+                f"pytree leaves {show_paths([g[0].path for g in got])} all map to "
+                f"HF name {name!r}; each HF name must come from exactly one leaf "
+                "(or be declared a Concat)"
+            )
         count, axis = concats[0].count, concats[0].axis
         indices = sorted(c.index for c in concats)
-        if indices != list(range(count)) or any(c.count != count or c.axis != axis for c in concats):
-            raise NamingError(f"HF name {name!r} fuses {count} parts along axis {axis}, but got part indices "
-                              f"{indices} from {show_paths([g[0].path for g in got])}")
+        if indices != list(range(count)) or any(
+            c.count != count or c.axis != axis for c in concats
+        ):
+            raise NamingError(
+                f"HF name {name!r} fuses {count} parts along axis {axis}, but got part indices "
+                f"{indices} from {show_paths([g[0].path for g in got])}"
+            )
         casts = {g[4] for g in got}
         if len(casts) != 1:
-            raise NamingError(f"parts of fused HF name {name!r} pin different dtypes: {sorted(map(str, casts))}")
+            raise NamingError(
+                f"parts of fused HF name {name!r} pin different dtypes: {sorted(map(str, casts))}"
+            )
         ordered = [g for _, g in sorted(fused, key=lambda cg: cg[0].index)]
         return Entry(name, tuple(g[0] for g in ordered), axis, casts.pop())
 
@@ -310,16 +351,19 @@ def _stack_axes(rule: Rule, path: str, aval: jax.ShapeDtypeStruct) -> list[tuple
     out = []
     for st in rule.stacks:
         if not -rank <= st.axis < rank:
-            raise NamingError(f"pytree leaf {path!r} has shape {list(aval.shape)}: no {st.field} axis {st.axis} "
-                              f"(rule {rule.pattern!r} says it is stacked)")
+            raise NamingError(
+                f"pytree leaf {path!r} has shape {list(aval.shape)}: no {st.field} axis {st.axis} "
+                f"(rule {rule.pattern!r} says it is stacked)"
+            )
         out.append((st.axis % rank, st))
     if len({a for a, _ in out}) != len(out):
         raise NamingError(f"rule {rule.pattern!r} stacks pytree leaf {path!r} twice along one axis")
     return sorted(out, key=lambda t: -t[0])
 
 
-def _stack_indices(rule: Rule, m: re.Match[str], path: str,
-                   aval: jax.ShapeDtypeStruct) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], dict]]]:
+def _stack_indices(
+    rule: Rule, m: re.Match[str], path: str, aval: jax.ShapeDtypeStruct
+) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], dict]]]:
     """``(stack axes, [(indices, template fields), ...])``: one combination per HF tensor,
     ordered by the rules' own Stacked order (layer-major for
     ``Stacked(0), Stacked(1, field="expert")``)."""
@@ -341,7 +385,9 @@ def _stack_indices(rule: Rule, m: re.Match[str], path: str,
     return axes, combos
 
 
-def _order_keys(entries: list[Entry], claims: dict[str, list[Any]], n_rules: int) -> list[tuple[Any, ...]]:
+def _order_keys(
+    entries: list[Entry], claims: dict[str, list[Any]], n_rules: int
+) -> list[tuple[Any, ...]]:
     """HF order with each layer contiguous: un-layered tensors whose rule precedes every
     layered rule, then layers (per layer prefix, by index, then rule order), then the rest.
     Within one rule and leaf, stacked tensors keep their index order (expert 2 before 10)."""
@@ -390,15 +436,37 @@ def _check_split(rule: Rule, path: str, aval: jax.ShapeDtypeStruct) -> None:
         pre = jax.eval_shape(lambda x: chain(pre_ops, x), jax.ShapeDtypeStruct(shape, aval.dtype))
         dim = pre.shape[split.axis]
     except Exception as exc:
-        raise NamingError(f"transform of pytree leaf {path!r} (shape {list(aval.shape)}) before its Split "
-                          f"fails: {exc}") from exc
+        raise NamingError(
+            f"transform of pytree leaf {path!r} (shape {list(aval.shape)}) before its Split "
+            f"fails: {exc}"
+        ) from exc
     if sum(split.sizes) != dim:
-        raise NamingError(f"Split sizes {list(split.sizes)} of pytree leaf {path!r} add up to "
-                          f"{sum(split.sizes)}, but axis {split.axis} has {dim}; a remainder "
-                          "would be silently dropped")
+        raise NamingError(
+            f"Split sizes {list(split.sizes)} of pytree leaf {path!r} add up to "
+            f"{sum(split.sizes)}, but axis {split.axis} has {dim}; a remainder "
+            "would be silently dropped"
+        )
 
 
 __all__ = [
-    "AddScalar", "Cast", "Concat", "Entry", "MergeAxes", "Naming", "NamingError", "Op", "Piece", "Plan",
-    "Reshape", "Rule", "Slice", "Split", "Stacked", "Transpose", "drop", "out_aval", "path_str", "run_entry",
+    "AddScalar",
+    "Cast",
+    "Concat",
+    "Entry",
+    "MergeAxes",
+    "Naming",
+    "NamingError",
+    "Op",
+    "Piece",
+    "Plan",
+    "Reshape",
+    "Rule",
+    "Slice",
+    "Split",
+    "Stacked",
+    "Transpose",
+    "drop",
+    "out_aval",
+    "path_str",
+    "run_entry",
 ]

@@ -94,7 +94,9 @@ class JaxDevicePacker(DevicePacker):
         match = [d for d in gpus if getattr(d, "local_hardware_id", d.id) == ordinal]
         if not match:
             seen = [getattr(d, "local_hardware_id", d.id) for d in gpus]
-            raise RuntimeError(f"JAX has no GPU with CUDA ordinal {ordinal} (JAX GPUs: {seen}); NCCL packs on the sender's GPU")
+            raise RuntimeError(
+                f"JAX has no GPU with CUDA ordinal {ordinal} (JAX GPUs: {seen}); NCCL packs on the sender's GPU"
+            )
         self._bind(match[0])
         self._cupy = cupy
         self.ordinal = ordinal
@@ -104,7 +106,9 @@ class JaxDevicePacker(DevicePacker):
         self._device = device
         self._sharding = jax.sharding.SingleDeviceSharding(device)
         self._hardware_id = getattr(device, "local_hardware_id", None)
-        self._nbytes: dict[tuple[Any, Any], int] = {}  # (shape, dtype) -> bytes: jax's nbytes is slow
+        self._nbytes: dict[
+            tuple[Any, Any], int
+        ] = {}  # (shape, dtype) -> bytes: jax's nbytes is slow
 
     def new_stream(self) -> Any:
         with self._cupy.cuda.Device(self.ordinal):
@@ -117,7 +121,10 @@ class JaxDevicePacker(DevicePacker):
         sharding comparison, one pointer read and a cached byte size: what
         ``array_device_bytes`` derives, for an array known to sit on this one device."""
         sharding = self._sharding
-        arrays = [x if isinstance(x, jax.Array) and x.sharding == sharding else self._here(x) for x in tensors]
+        arrays = [
+            x if isinstance(x, jax.Array) and x.sharding == sharding else self._here(x)
+            for x in tensors
+        ]
         # The copies read the buffers outside XLA's stream order: wait until they hold
         # their values (a no-op for arrays computed long ago, e.g. the trainer's params).
         # One readiness wait for the whole chunk.
@@ -132,7 +139,9 @@ class JaxDevicePacker(DevicePacker):
                     sizes.clear()
                 nbytes = sizes[key] = int(x.nbytes)
             # An empty array may have no buffer to point at.
-            out.append(DeviceBytes(int(x.unsafe_buffer_pointer()) if nbytes else 0, nbytes, device, x))
+            out.append(
+                DeviceBytes(int(x.unsafe_buffer_pointer()) if nbytes else 0, nbytes, device, x)
+            )
         return out
 
     def _here(self, x: Any) -> jax.Array:

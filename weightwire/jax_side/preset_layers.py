@@ -17,7 +17,15 @@ from __future__ import annotations
 from typing import Any
 
 from weightwire.jax_side.naming import Rule
-from weightwire.jax_side.transforms import Concat, MergeAxes, NamingError, Op, Split, Stacked, Transpose
+from weightwire.jax_side.transforms import (
+    Concat,
+    MergeAxes,
+    NamingError,
+    Op,
+    Split,
+    Stacked,
+    Transpose,
+)
 
 MOE_STYLES = {
     # style: (JAX/HF block name, router, experts, (gate, up, down) HF projection names)
@@ -51,18 +59,37 @@ def moe_rules(o: dict[str, Any], src: str, dst: str, stack: tuple[Stacked, ...])
     rules = [Rule(f"{src}/{block}/{router}/kernel", f"{dst}.{block}.{router}.weight", *stack, _T)]
     if o["fused_gate_up"]:
         (inter,) = need_sizes(o, "fused_gate_up with experts", "moe_intermediate_size")
-        rules.append(Rule(f"{jx}/gate_up_proj/kernel", (f"{hf}.{gate}.weight", f"{hf}.{up}.weight"), *per_expert,
-                           _T, Split(0, (inter, inter))))
+        rules.append(
+            Rule(
+                f"{jx}/gate_up_proj/kernel",
+                (f"{hf}.{gate}.weight", f"{hf}.{up}.weight"),
+                *per_expert,
+                _T,
+                Split(0, (inter, inter)),
+            )
+        )
     else:
         rules.append(Rule(f"{jx}/{gate}/kernel", f"{hf}.{gate}.weight", *per_expert, _T))
         rules.append(Rule(f"{jx}/{up}/kernel", f"{hf}.{up}.weight", *per_expert, _T))
     rules.append(Rule(f"{jx}/{down}/kernel", f"{hf}.{down}.weight", *per_expert, _T))
     if o["shared_expert"]:
         for p in ("gate_proj", "up_proj", "down_proj"):
-            rules.append(Rule(f"{src}/{block}/shared_expert/{p}/kernel", f"{dst}.{block}.shared_expert.{p}.weight",
-                               *stack, _T))
-        rules.append(Rule(f"{src}/{block}/shared_expert_gate/kernel", f"{dst}.{block}.shared_expert_gate.weight",
-                           *stack, _T))
+            rules.append(
+                Rule(
+                    f"{src}/{block}/shared_expert/{p}/kernel",
+                    f"{dst}.{block}.shared_expert.{p}.weight",
+                    *stack,
+                    _T,
+                )
+            )
+        rules.append(
+            Rule(
+                f"{src}/{block}/shared_expert_gate/kernel",
+                f"{dst}.{block}.shared_expert_gate.weight",
+                *stack,
+                _T,
+            )
+        )
     if not stack:
         # Dense layers inside a MoE model (Qwen-MoE's mlp_only_layers / decoder_sparse_step).
         for p in ("gate_proj", "up_proj", "down_proj"):
@@ -70,7 +97,9 @@ def moe_rules(o: dict[str, Any], src: str, dst: str, stack: tuple[Stacked, ...])
     return rules
 
 
-def hf_fused_qkv_rules(o: dict[str, Any], src: str, dst: str, stack: tuple[Stacked, ...], bias: bool) -> list[Rule]:
+def hf_fused_qkv_rules(
+    o: dict[str, Any], src: str, dst: str, stack: tuple[Stacked, ...], bias: bool
+) -> list[Rule]:
     """Phi-3: HF holds one ``self_attn.qkv_proj`` ([q; k; v] rows). A fused JAX kernel maps
     as is; separate (or head-axes) q/k/v kernels are concatenated into it on device."""
     name = f"{dst}.self_attn.qkv_proj"
@@ -83,20 +112,40 @@ def hf_fused_qkv_rules(o: dict[str, Any], src: str, dst: str, stack: tuple[Stack
     bias_ops: tuple[Op, ...] = (MergeAxes(0, 1),) if o["head_axes"] else ()
     rules = []
     for i, p in enumerate("qkv"):
-        rules.append(Rule(f"{src}/self_attn/{p}_proj/kernel", f"{name}.weight", *stack, *kernel, Concat(0, i, 3)))
+        rules.append(
+            Rule(
+                f"{src}/self_attn/{p}_proj/kernel",
+                f"{name}.weight",
+                *stack,
+                *kernel,
+                Concat(0, i, 3),
+            )
+        )
         if bias:
-            rules.append(Rule(f"{src}/self_attn/{p}_proj/bias", f"{name}.bias", *stack, *bias_ops, Concat(0, i, 3)))
+            rules.append(
+                Rule(
+                    f"{src}/self_attn/{p}_proj/bias",
+                    f"{name}.bias",
+                    *stack,
+                    *bias_ops,
+                    Concat(0, i, 3),
+                )
+            )
     return rules
 
 
-def hf_fused_mlp_rules(o: dict[str, Any], src: str, dst: str, stack: tuple[Stacked, ...]) -> list[Rule]:
+def hf_fused_mlp_rules(
+    o: dict[str, Any], src: str, dst: str, stack: tuple[Stacked, ...]
+) -> list[Rule]:
     """Phi-3: HF holds one ``mlp.gate_up_proj`` ([gate; up] rows) and ``mlp.down_proj``."""
     name = f"{dst}.mlp.gate_up_proj"
     if o["fused_gate_up"]:
         rules = [Rule(f"{src}/mlp/gate_up_proj/kernel", f"{name}.weight", *stack, _T)]
     else:
-        rules = [Rule(f"{src}/mlp/{p}/kernel", f"{name}.weight", *stack, _T, Concat(0, i, 2))
-                 for i, p in enumerate(("gate_proj", "up_proj"))]
+        rules = [
+            Rule(f"{src}/mlp/{p}/kernel", f"{name}.weight", *stack, _T, Concat(0, i, 2))
+            for i, p in enumerate(("gate_proj", "up_proj"))
+        ]
     rules.append(Rule(f"{src}/mlp/down_proj/kernel", f"{dst}.mlp.down_proj.weight", *stack, _T))
     if o["mlp_bias"]:
         raise NamingError("phi3 has no MLP biases (mlp_bias=True given)")

@@ -36,7 +36,12 @@ from weightwire.jax_side.naming import (
     Transpose,
     drop,
 )
-from weightwire.jax_side.preset_layers import hf_fused_mlp_rules, hf_fused_qkv_rules, moe_rules, need_sizes
+from weightwire.jax_side.preset_layers import (
+    hf_fused_mlp_rules,
+    hf_fused_qkv_rules,
+    moe_rules,
+    need_sizes,
+)
 
 _DECODER: dict[str, Any] = {
     "tie_word_embeddings": False,
@@ -104,7 +109,9 @@ def family_options(family: str) -> dict[str, Any]:
     switches applied (``qkv_bias``, ``qk_norm``, ``tie_word_embeddings``, ``moe``, ...).
     ``ValueError`` for a family that is not a built-in decoder family."""
     if family not in _FAMILY:
-        raise ValueError(f"{family!r} is not a built-in decoder family; known: {', '.join(DECODER_FAMILIES)}")
+        raise ValueError(
+            f"{family!r} is not a built-in decoder family; known: {', '.join(DECODER_FAMILIES)}"
+        )
     return {**_DECODER, **_FAMILY[family]}
 
 
@@ -117,7 +124,9 @@ def register_family(family: str, build: Callable[..., Naming], defaults: Mapping
     the same custom name again replaces it (re-running a notebook cell).
     """
     if family in FAMILIES:
-        raise ValueError(f"{family!r} is a built-in preset family; pick another name, or pass extra_rules to it")
+        raise ValueError(
+            f"{family!r} is a built-in preset family; pick another name, or pass extra_rules to it"
+        )
     if not callable(build):
         raise TypeError(f"build must be a callable returning a Naming, got {type(build).__name__}")
     _REGISTERED[family] = (build, dict(defaults))
@@ -130,18 +139,24 @@ def preset(family: str, **options: Any) -> Naming:
         build, defaults = _REGISTERED[family]
         naming = build(**_options(family, defaults, options))
         if not isinstance(naming, Naming):
-            raise TypeError(f"the builder registered for {family!r} returned "
-                            f"{type(naming).__name__}, not a Naming")
+            raise TypeError(
+                f"the builder registered for {family!r} returned "
+                f"{type(naming).__name__}, not a Naming"
+            )
         return naming
     if family == "gpt2":
         return _list_indices(_gpt2(**_options(family, _GPT2, options)))
     if family not in _FAMILY:
-        raise ValueError(f"unknown preset family {family!r}; known: {', '.join((*FAMILIES, *_REGISTERED))}")
+        raise ValueError(
+            f"unknown preset family {family!r}; known: {', '.join((*FAMILIES, *_REGISTERED))}"
+        )
     o = _options(family, family_options(family), options)
     naming = _decoder(**o)
     if o["leaf_style"] == "torch":
         if o["head_axes"]:
-            raise NamingError("leaf_style='torch' has no head_axes layout (a torch-style weight is [out, in])")
+            raise NamingError(
+                "leaf_style='torch' has no head_axes layout (a torch-style weight is [out, in])"
+            )
         naming = torch_style(naming, skip=len(o["extra_rules"]))
     elif o["leaf_style"] != "flax":
         raise NamingError(f"leaf_style must be 'flax' or 'torch', got {o['leaf_style']!r}")
@@ -151,7 +166,9 @@ def preset(family: str, **options: Any) -> Naming:
 def _options(family: str, defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(given) - set(defaults))
     if unknown:
-        raise TypeError(f"preset {family!r} has no option(s) {unknown}; options: {sorted(defaults)}")
+        raise TypeError(
+            f"preset {family!r} has no option(s) {unknown}; options: {sorted(defaults)}"
+        )
     return {**defaults, **given}
 
 
@@ -160,11 +177,22 @@ def _decoder(**o: Any) -> Naming:
     src = "model/layers" if o["scan_layers"] else "model/layers_{layer:\\d+}"
     dst = "model.layers.{layer}"
     t = Transpose()
-    norm_ops: tuple[Op, ...] = (AddScalar(float(o["norm_scale_offset"])),) if o["norm_scale_offset"] else ()
+    norm_ops: tuple[Op, ...] = (
+        (AddScalar(float(o["norm_scale_offset"])),) if o["norm_scale_offset"] else ()
+    )
     qkv_bias = o["qkv_bias"] or o["attention_bias"]
-    rules: list[Rule] = [*o["extra_rules"], Rule("model/embed_tokens/embedding", "model.embed_tokens.weight")]
+    rules: list[Rule] = [
+        *o["extra_rules"],
+        Rule("model/embed_tokens/embedding", "model.embed_tokens.weight"),
+    ]
 
-    def linear(jax: str, hf: str, bias: bool, kernel_ops: tuple[Op, ...] = (t,), bias_ops: tuple[Op, ...] = ()) -> None:
+    def linear(
+        jax: str,
+        hf: str,
+        bias: bool,
+        kernel_ops: tuple[Op, ...] = (t,),
+        bias_ops: tuple[Op, ...] = (),
+    ) -> None:
         rules.append(Rule(f"{src}/{jax}/kernel", f"{dst}.{hf}.weight", *stack, *kernel_ops))
         if bias:
             rules.append(Rule(f"{src}/{jax}/bias", f"{dst}.{hf}.bias", *stack, *bias_ops))
@@ -172,24 +200,51 @@ def _decoder(**o: Any) -> Naming:
     if o["hf_fused"]:
         rules += hf_fused_qkv_rules(o, src, dst, stack, qkv_bias)
     elif o["fused_qkv"]:
-        heads, kv, dim = need_sizes(o, "fused_qkv", "num_attention_heads", "num_key_value_heads", "head_dim")
+        heads, kv, dim = need_sizes(
+            o, "fused_qkv", "num_attention_heads", "num_key_value_heads", "head_dim"
+        )
         sizes = (heads * dim, kv * dim, kv * dim)
         names = tuple(f"{dst}.self_attn.{p}_proj" for p in "qkv")
-        rules.append(Rule(f"{src}/self_attn/qkv_proj/kernel", tuple(f"{n}.weight" for n in names), *stack, t,
-                          Split(0, sizes)))
+        rules.append(
+            Rule(
+                f"{src}/self_attn/qkv_proj/kernel",
+                tuple(f"{n}.weight" for n in names),
+                *stack,
+                t,
+                Split(0, sizes),
+            )
+        )
         if qkv_bias:
-            rules.append(Rule(f"{src}/self_attn/qkv_proj/bias", tuple(f"{n}.bias" for n in names), *stack,
-                              Split(0, sizes)))
+            rules.append(
+                Rule(
+                    f"{src}/self_attn/qkv_proj/bias",
+                    tuple(f"{n}.bias" for n in names),
+                    *stack,
+                    Split(0, sizes),
+                )
+            )
     else:
         # DenseGeneral keeps heads as their own axes; HF Linear has them merged.
         kernel = (MergeAxes(1, 2), t) if o["head_axes"] else (t,)
         bias = (MergeAxes(0, 1),) if o["head_axes"] else ()
         for p in "qkv":
             linear(f"self_attn/{p}_proj", f"self_attn.{p}_proj", qkv_bias, kernel, bias)
-    linear("self_attn/o_proj", "self_attn.o_proj", o["attention_bias"], (MergeAxes(0, 1), t) if o["head_axes"] else (t,))
+    linear(
+        "self_attn/o_proj",
+        "self_attn.o_proj",
+        o["attention_bias"],
+        (MergeAxes(0, 1), t) if o["head_axes"] else (t,),
+    )
     if o["qk_norm"]:
         for p in "qk":
-            rules.append(Rule(f"{src}/self_attn/{p}_norm/scale", f"{dst}.self_attn.{p}_norm.weight", *stack, *norm_ops))
+            rules.append(
+                Rule(
+                    f"{src}/self_attn/{p}_norm/scale",
+                    f"{dst}.self_attn.{p}_norm.weight",
+                    *stack,
+                    *norm_ops,
+                )
+            )
     if o["moe"]:
         rules += moe_rules(o, src, dst, stack)
     elif o["hf_fused"]:
@@ -197,17 +252,34 @@ def _decoder(**o: Any) -> Naming:
     elif o["fused_gate_up"]:
         (inter,) = need_sizes(o, "fused_gate_up", "intermediate_size")
         names = (f"{dst}.mlp.gate_proj", f"{dst}.mlp.up_proj")
-        rules.append(Rule(f"{src}/mlp/gate_up_proj/kernel", tuple(f"{n}.weight" for n in names), *stack, t,
-                          Split(0, (inter, inter))))
+        rules.append(
+            Rule(
+                f"{src}/mlp/gate_up_proj/kernel",
+                tuple(f"{n}.weight" for n in names),
+                *stack,
+                t,
+                Split(0, (inter, inter)),
+            )
+        )
         if o["mlp_bias"]:
-            rules.append(Rule(f"{src}/mlp/gate_up_proj/bias", tuple(f"{n}.bias" for n in names), *stack,
-                              Split(0, (inter, inter))))
+            rules.append(
+                Rule(
+                    f"{src}/mlp/gate_up_proj/bias",
+                    tuple(f"{n}.bias" for n in names),
+                    *stack,
+                    Split(0, (inter, inter)),
+                )
+            )
     else:
         linear("mlp/gate_proj", "mlp.gate_proj", o["mlp_bias"])
         linear("mlp/up_proj", "mlp.up_proj", o["mlp_bias"])
     if not (o["moe"] or o["hf_fused"]):
         linear("mlp/down_proj", "mlp.down_proj", o["mlp_bias"])
-    for norm in ("input_layernorm", "post_attention_layernorm", *(_SANDWICH if o["sandwich_norms"] else ())):
+    for norm in (
+        "input_layernorm",
+        "post_attention_layernorm",
+        *(_SANDWICH if o["sandwich_norms"] else ()),
+    ):
         rules.append(Rule(f"{src}/{norm}/scale", f"{dst}.{norm}.weight", *stack, *norm_ops))
     rules.append(Rule("model/norm/scale", "model.norm.weight", *norm_ops))
     if not o["tie_word_embeddings"]:
@@ -236,8 +308,19 @@ def _gpt2(**o: Any) -> Naming:
     affine("ln_1", "ln_1", "scale")
     if o["separate_qkv"]:
         for i, p in enumerate("qkv"):
-            rules.append(Rule(f"{src}/attn/{p}_proj/kernel", f"{dst}.attn.c_attn.weight", *stack, Concat(1, i, 3)))
-            rules.append(Rule(f"{src}/attn/{p}_proj/bias", f"{dst}.attn.c_attn.bias", *stack, Concat(0, i, 3)))
+            rules.append(
+                Rule(
+                    f"{src}/attn/{p}_proj/kernel",
+                    f"{dst}.attn.c_attn.weight",
+                    *stack,
+                    Concat(1, i, 3),
+                )
+            )
+            rules.append(
+                Rule(
+                    f"{src}/attn/{p}_proj/bias", f"{dst}.attn.c_attn.bias", *stack, Concat(0, i, 3)
+                )
+            )
     else:
         affine("attn/c_attn", "attn.c_attn")
     affine("attn/c_proj", "attn.c_proj")
@@ -256,7 +339,11 @@ def generic(mapping: Sequence[tuple[str, str | None]], *, transpose_kernels: boo
     when ``transpose_kernels`` (Flax Dense -> torch Linear)."""
     rules = []
     for pattern, target in mapping:
-        ops = (Transpose(),) if transpose_kernels and target is not None and pattern.endswith("kernel") else ()
+        ops = (
+            (Transpose(),)
+            if transpose_kernels and target is not None and pattern.endswith("kernel")
+            else ()
+        )
         rules.append(Rule(pattern, target, *ops))
     return Naming(rules)
 
@@ -268,9 +355,14 @@ _FLAX_LEAF = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
 def _list_indices(naming: Naming) -> Naming:
     """Unrolled layers as Linen names them (``layers_3``) or as a Python list inside an NNX
     or Equinox module flattens (``layers/3``): both match."""
-    rules = [r if not _INDEXED.search(r.pattern) else
-             Rule(_INDEXED.sub(r"{_sep:[_/]}\1", r.pattern), r.target, *r.parts, optional=r.optional)
-             for r in naming.rules]
+    rules = [
+        r
+        if not _INDEXED.search(r.pattern)
+        else Rule(
+            _INDEXED.sub(r"{_sep:[_/]}\1", r.pattern), r.target, *r.parts, optional=r.optional
+        )
+        for r in naming.rules
+    ]
     return Naming(rules, strip=naming.strip)
 
 
@@ -291,8 +383,16 @@ def torch_style(naming: Naming, *, skip: int = 0) -> Naming:
         if leaf == "kernel":
             first = next((i for i, p in enumerate(parts) if isinstance(p, Op)), None)
             if first is None or parts[first] != Transpose():
-                raise NamingError(f"rule {r.pattern!r}: no leading transpose to drop for a torch-style weight")
+                raise NamingError(
+                    f"rule {r.pattern!r}: no leading transpose to drop for a torch-style weight"
+                )
             del parts[first]
-        rules.append(Rule(f"{head}/{_FLAX_LEAF[leaf]}" if head else _FLAX_LEAF[leaf], r.target, *parts,
-                          optional=r.optional))
+        rules.append(
+            Rule(
+                f"{head}/{_FLAX_LEAF[leaf]}" if head else _FLAX_LEAF[leaf],
+                r.target,
+                *parts,
+                optional=r.optional,
+            )
+        )
     return Naming(rules, strip=naming.strip)

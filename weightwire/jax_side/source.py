@@ -56,7 +56,9 @@ def _compiled(signature: Signature) -> Callable[..., tuple[jax.Array, ...]]:
                 for stack_axes, _ in structure[0]:
                     picked: tuple[jax.Array, ...] = ()
                     if stack_axes:
-                        assert idx is not None  # a group with stacked leaves is called with their indices
+                        assert (
+                            idx is not None
+                        )  # a group with stacked leaves is called with their indices
                         picked = tuple(idx[k + j] for j in range(len(stack_axes)))
                     idxs.append(picked)
                     k += len(stack_axes)
@@ -80,8 +82,14 @@ class PytreeSource(WeightSource):
     ``device``: where yielded arrays live (default: the first local device).
     """
 
-    def __init__(self, params: Any, naming: Naming, *, dtype: Any = None,
-                 device: jax.Device | int | None = None) -> None:
+    def __init__(
+        self,
+        params: Any,
+        naming: Naming,
+        *,
+        dtype: Any = None,
+        device: jax.Device | int | None = None,
+    ) -> None:
         if not isinstance(naming, Naming):
             raise TypeError(f"naming must be a weightwire Naming, got {type(naming).__name__}")
         self._get: Callable[[], Any] = params if _is_callable_source(params) else (lambda: params)
@@ -92,22 +100,32 @@ class PytreeSource(WeightSource):
             device = devices[0]
         elif isinstance(device, int):
             if not 0 <= device < len(devices):
-                raise ValueError(f"device index {device} out of range: {len(devices)} local devices")
+                raise ValueError(
+                    f"device index {device} out of range: {len(devices)} local devices"
+                )
             device = devices[device]
         self._device: jax.Device = device
         self._target = SingleDeviceSharding(device)
         self._plan: Plan | None = None
         self._metas: list[ParamMeta] = []
-        self._batches: dict[tuple[int, ...], _Batch] = {}  # per plan: static half of each batch's call
+        self._batches: dict[
+            tuple[int, ...], _Batch
+        ] = {}  # per plan: static half of each batch's call
         self._groups: list[list[Entry]] | None = None  # per plan: the full pass's layer groups
-        self._todo: list[tuple[Entry, ParamMeta]] | None = None  # per plan: the full pass's (entry, meta) pairs
+        self._todo: list[tuple[Entry, ParamMeta]] | None = (
+            None  # per plan: the full pass's (entry, meta) pairs
+        )
         self._declared: list[ParamMeta] | None = None
-        self._declared_whole = False  # metadata() found every leaf addressable (see checks_own_stream)
+        self._declared_whole = (
+            False  # metadata() found every leaf addressable (see checks_own_stream)
+        )
         self._current()
 
     def __repr__(self) -> str:
-        return (f"PytreeSource({len(self._metas)} tensors, dtype={self._dtype or 'as-is'}, "
-                f"device={self._device})")
+        return (
+            f"PytreeSource({len(self._metas)} tensors, dtype={self._dtype or 'as-is'}, "
+            f"device={self._device})"
+        )
 
     @property
     def device(self) -> jax.Device:
@@ -124,9 +142,19 @@ class PytreeSource(WeightSource):
                 try:
                     metas.append(ParamMeta(e.name, wire_name(aval.dtype), aval.shape))
                 except ValueError as exc:
-                    raise ValueError(f"HF tensor {e.name!r} from {[p.path for p in e.pieces]}: {exc}") from exc
-            layerwise_groups(metas)  # a preset that interleaves layers fails here, not on the worker
-            self._plan, self._metas, self._batches, self._groups, self._todo = plan, metas, {}, None, None
+                    raise ValueError(
+                        f"HF tensor {e.name!r} from {[p.path for p in e.pieces]}: {exc}"
+                    ) from exc
+            layerwise_groups(
+                metas
+            )  # a preset that interleaves layers fails here, not on the worker
+            self._plan, self._metas, self._batches, self._groups, self._todo = (
+                plan,
+                metas,
+                {},
+                None,
+                None,
+            )
         return self._plan, leaves
 
     # -- WeightSource
@@ -189,7 +217,9 @@ class PytreeSource(WeightSource):
         todo = [(e, m) for e, m in zip(plan.entries, self._metas, strict=True) if e.name in held]
         return plan, leaves, todo, [m for m in declared if m.name in held]
 
-    def _produce(self, plan: Plan, leaves: list[Any], batches: list[list[Entry]]) -> Iterator[tuple[str, jax.Array]]:
+    def _produce(
+        self, plan: Plan, leaves: list[Any], batches: list[list[Entry]]
+    ) -> Iterator[tuple[str, jax.Array]]:
         for batch in batches:
             arrays = self._run(plan, leaves, batch)
             for entry, array in zip(batch, arrays, strict=True):
@@ -205,17 +235,27 @@ class PytreeSource(WeightSource):
         if hit is not None:
             return hit
         dtypes = [out_aval(plan, e, self._dtype).dtype for e in batch]
-        same = [e.is_identity and plan.avals[e.pieces[0].leaf].dtype == d for e, d in zip(batch, dtypes, strict=True)]
+        same = [
+            e.is_identity and plan.avals[e.pieces[0].leaf].dtype == d
+            for e, d in zip(batch, dtypes, strict=True)
+        ]
         jitted = [k for k, s in enumerate(same) if not s]
         slot: dict[int, int] = {}
         for k in jitted:
             for p in batch[k].pieces:
                 slot.setdefault(p.leaf, len(slot))
-        signature = tuple((batch[k].structure, np.dtype(dtypes[k]), tuple(slot[p.leaf] for p in batch[k].pieces))
-                          for k in jitted)
+        signature = tuple(
+            (batch[k].structure, np.dtype(dtypes[k]), tuple(slot[p.leaf] for p in batch[k].pieces))
+            for k in jitted
+        )
         layers = [i for k in jitted for p in batch[k].pieces for i in p.indices]
-        hit = _Batch([k for k, s in enumerate(same) if s], jitted, list(slot),
-                     _compiled(signature) if jitted else None, np.asarray(layers, np.int32) if layers else None)
+        hit = _Batch(
+            [k for k, s in enumerate(same) if s],
+            jitted,
+            list(slot),
+            _compiled(signature) if jitted else None,
+            np.asarray(layers, np.int32) if layers else None,
+        )
         self._batches[key] = hit
         return hit
 
@@ -225,11 +265,18 @@ class PytreeSource(WeightSource):
         for k in b.direct:
             leaf = leaves[batch[k].pieces[0].leaf]
             # Handed out as is when already on the target; else one device-to-device copy.
-            outs[k] = leaf if self._on_target(leaf) else self._to_target(self._as_device_array(leaf))
+            outs[k] = (
+                leaf if self._on_target(leaf) else self._to_target(self._as_device_array(leaf))
+            )
         if b.jitted:
             inputs = [self._as_device_array(leaves[i]) for i in b.leaves]
-            first = inputs[0].sharding  # equal shardings share a device set (the usual case: one device)
-            if any(x.sharding != first for x in inputs) and len({_device_ids(x) for x in inputs}) > 1:
+            first = inputs[
+                0
+            ].sharding  # equal shardings share a device set (the usual case: one device)
+            if (
+                any(x.sharding != first for x in inputs)
+                and len({_device_ids(x) for x in inputs}) > 1
+            ):
                 # One jit needs one device set; inputs spread over several are gathered on the
                 # target first (device to device). Whole stacked leaves move here: rare layouts
                 # only.
@@ -258,7 +305,10 @@ class PytreeSource(WeightSource):
         if sharding == self._target:  # the common case, one comparison (per tensor, per round)
             return True
         # memory_kind: a pinned-host array on the right device is still host memory.
-        return sharding.device_set == {self._device} and sharding.memory_kind in (None, self._target.memory_kind)
+        return sharding.device_set == {self._device} and sharding.memory_kind in (
+            None,
+            self._target.memory_kind,
+        )
 
     def _to_target(self, x: jax.Array) -> jax.Array:
         """``x`` whole on the target device, device to device only.
@@ -272,8 +322,10 @@ class PytreeSource(WeightSource):
             if not x.is_fully_replicated:
                 where = _replicated(x.sharding)
                 if where is None:
-                    raise ValueError(f"cannot gather an array with sharding {x.sharding} on device; "
-                                     "use NamedSharding or a single device")
+                    raise ValueError(
+                        f"cannot gather an array with sharding {x.sharding} on device; "
+                        "use NamedSharding or a single device"
+                    )
                 x = _replicate_on(where)(x)
             shards = {s.device: s.data for s in x.addressable_shards}
             x = shards.get(self._device, next(iter(shards.values())))
@@ -303,8 +355,12 @@ def _replicate_on(where: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Arr
 
 def _is_callable_source(params: Any) -> bool:
     # NNX and Equinox modules are callable (their forward pass) but are trees, not getters.
-    return (callable(params) and not isinstance(params, (dict, list, tuple)) and not hasattr(params, "shape")
-            and kind_of(params) == "pytree")
+    return (
+        callable(params)
+        and not isinstance(params, (dict, list, tuple))
+        and not hasattr(params, "shape")
+        and kind_of(params) == "pytree"
+    )
 
 
 def _held(plan: Plan, leaves: list[Any]) -> set[str] | None:
@@ -319,7 +375,9 @@ def _addressable(x: Any) -> bool:
 
 
 def _device_ids(x: jax.Array) -> tuple[int, ...]:
-    devices: set[Any] = x.sharding.device_set  # jaxlib's Device has no stub: its .id is unknown to mypy
+    devices: set[Any] = (
+        x.sharding.device_set
+    )  # jaxlib's Device has no stub: its .id is unknown to mypy
     return tuple(sorted(d.id for d in devices))
 
 

@@ -65,7 +65,9 @@ class MergeAxes(Op):
     def __call__(self, x: jax.Array) -> jax.Array:
         first, last = self.first % x.ndim, self.last % x.ndim
         if last < first:
-            raise ValueError(f"MergeAxes({self.first}, {self.last}) on rank {x.ndim}: last axis precedes first")
+            raise ValueError(
+                f"MergeAxes({self.first}, {self.last}) on rank {x.ndim}: last axis precedes first"
+            )
         merged = 1
         for d in x.shape[first : last + 1]:
             merged *= d
@@ -140,8 +142,12 @@ class Cast:
 RulePart = Op | Stacked | Split | Concat | Cast
 
 
-def run_entry(structure: tuple[Any, ...], xs: Sequence[jax.Array], idxs: Sequence[Sequence[Any]],
-              out_dtype: Any) -> jax.Array:
+def run_entry(
+    structure: tuple[Any, ...],
+    xs: Sequence[jax.Array],
+    idxs: Sequence[Sequence[Any]],
+    out_dtype: Any,
+) -> jax.Array:
     """Apply one entry's transform (traceable; used under ``jax.jit`` and ``jax.eval_shape``).
 
     ``idxs``: per piece, one index (int or traced scalar) per ``stack_axes`` entry."""
@@ -208,7 +214,9 @@ class Plan:
 
     def matches(self, treedef: Any, leaves: Sequence[Any]) -> bool:
         return treedef == self.treedef and all(
-            tuple(x.shape) == a.shape and x.dtype == a.dtype for x, a in zip(leaves, self.avals, strict=True))
+            tuple(x.shape) == a.shape and x.dtype == a.dtype
+            for x, a in zip(leaves, self.avals, strict=True)
+        )
 
 
 _AVAL_CACHE: dict[tuple[Any, ...], jax.ShapeDtypeStruct] = {}
@@ -228,15 +236,19 @@ def out_aval(plan: Plan, entry: Entry, dtype: Any) -> jax.ShapeDtypeStruct:
     hit = _AVAL_CACHE.get(key)
     if hit is not None:
         return hit
-    idxs = tuple(tuple(jax.ShapeDtypeStruct((), jnp.int32) for _ in p.stack_axes) for p in entry.pieces)
+    idxs = tuple(
+        tuple(jax.ShapeDtypeStruct((), jnp.int32) for _ in p.stack_axes) for p in entry.pieces
+    )
     try:
         res = jax.eval_shape(lambda xs, ix: run_entry(entry.structure, xs, ix, target), ins, idxs)
     except NamingError:
         raise
     except Exception as exc:  # jax raises TypeError/ValueError variants; we re-raise with the paths
-        raise NamingError(f"transform for HF name {entry.name!r} does not fit pytree leaf "
-                          f"{show_paths([p.path for p in entry.pieces])} of shape "
-                          f"{[list(a.shape) for a in ins]}: {exc}") from exc
+        raise NamingError(
+            f"transform for HF name {entry.name!r} does not fit pytree leaf "
+            f"{show_paths([p.path for p in entry.pieces])} of shape "
+            f"{[list(a.shape) for a in ins]}: {exc}"
+        ) from exc
     out = jax.ShapeDtypeStruct(tuple(res.shape), res.dtype)
     _AVAL_CACHE[key] = out
     return out

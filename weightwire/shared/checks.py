@@ -38,8 +38,15 @@ def check_seconds(what: str, value: object, *, most: float = math.inf) -> float:
     every comparison. The chained comparison is exact for ints past float range
     (``10**400``), where ``math.isfinite`` would raise ``OverflowError``.
     """
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf and value <= most
+    ok = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and 0 < value < math.inf
+        and value <= most
+    )
     if not ok:
         bound = "" if most == math.inf else f" and <= {most:g}"
-        raise ConfigError(f"{what} must be a finite number of seconds > 0{bound}, got {bounded_repr(value)}")
+        raise ConfigError(
+            f"{what} must be a finite number of seconds > 0{bound}, got {bounded_repr(value)}"
+        )
     return value  # type: ignore[return-value]  # an int is a number of seconds too

@@ -18,12 +18,27 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
-ROUND_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+ROUND_CALLS = (
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "update_weights",
+    "finish_weight_update",
+)
 """The four calls every client must have (the members of ``WeightSyncClient``)."""
 
-CONTROL_CALLS = ("version", "get_world_size", "pause", "resume", "weight_checker", "start_draft_weight_update",
-                 "has_draft_model", "abort_requests", "shutdown_weight_transfer_engine", "reset_prefix_cache",
-                 "reset_encoder_cache")
+CONTROL_CALLS = (
+    "version",
+    "get_world_size",
+    "pause",
+    "resume",
+    "weight_checker",
+    "start_draft_weight_update",
+    "has_draft_model",
+    "abort_requests",
+    "shutdown_weight_transfer_engine",
+    "reset_prefix_cache",
+    "reset_encoder_cache",
+)
 """The optional calls (the members of ``ServerControls``)."""
 
 

@@ -29,7 +29,9 @@ class Communicator(Protocol):
     def warmup(self, *, timeout: float | None = None) -> None:
         """All ranks present before any broadcast (NCCL: a 1-element SUM all-reduce)."""
 
-    def broadcast(self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
+    def broadcast(
+        self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None
+    ) -> None:
         """Broadcast ``buffer`` from ``root``.
 
         Without ``stream`` it returns once the buffer may be reused (bounded by
@@ -52,8 +54,16 @@ class DeviceCommunicator(Communicator, Protocol):
     through ``synchronize``, so a hung peer surfaces as a timeout, never a stuck host.
     """
 
-    def broadcast_typed(self, buffer: Any, *, nccl_dtype: int, count: int, root: int = 0,
-                        timeout: float | None = None, stream: Any = None) -> None:
+    def broadcast_typed(
+        self,
+        buffer: Any,
+        *,
+        nccl_dtype: int,
+        count: int,
+        root: int = 0,
+        timeout: float | None = None,
+        stream: Any = None,
+    ) -> None:
         """Broadcast ``count`` elements of ``ncclDataType_t`` ``nccl_dtype`` (unpacked rounds:
         the way a stock vLLM worker receives each tensor)."""
 

@@ -77,7 +77,14 @@ from __future__ import annotations
 
 from typing import Any
 
-INTERNAL_BRANCHES = ("ReferenceServerError", "CommandError", "RolloutError", "ChildError", "WireShort", "_NoOrder")
+INTERNAL_BRANCHES = (
+    "ReferenceServerError",
+    "CommandError",
+    "RolloutError",
+    "ChildError",
+    "WireShort",
+    "_NoOrder",
+)
 """Classes (with their subclasses) that never reach a library user's code: the reference server
 turns its own into HTTP replies, the command line's become its one error line, and two are
 private to one module. ``docs/errors.md`` shows the tree without them."""

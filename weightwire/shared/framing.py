@@ -65,7 +65,9 @@ def plan(metas: Sequence[ParamMeta], *, packed: bool, buffer_size_bytes: int) ->
     return plan_packed(metas, buffer_size_bytes) if packed else plan_unpacked(metas)
 
 
-def pack_host(arrays: Sequence[np.ndarray], chunk: Chunk, out: np.ndarray | None = None) -> np.ndarray:
+def pack_host(
+    arrays: Sequence[np.ndarray], chunk: Chunk, out: np.ndarray | None = None
+) -> np.ndarray:
     """Concatenate the chunk's arrays' bytes into a uint8 buffer (``out`` if given).
 
     Each array must have exactly the byte size the plan gave its slot: a short array

@@ -42,7 +42,9 @@ def _check_type(name: str, value: object, kind: type | tuple[type, ...], *, opti
         ok = True
     if not ok:
         want = " or ".join(k.__name__ for k in kinds)
-        raise ConfigError(f"{name} must be {want}, got {type(value).__name__} {bounded_repr(value)}")
+        raise ConfigError(
+            f"{name} must be {want}, got {type(value).__name__} {bounded_repr(value)}"
+        )
 
 
 def _runtime_kinds(hint: Any) -> tuple[type, ...]:
@@ -102,7 +104,8 @@ class _StrictInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON body; unset optional fields are dropped (a stock vLLM only sees the mode in use)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}  # type: ignore[arg-type]
+        names = [f.name for f in fields(self)]  # type: ignore[arg-type]
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -120,13 +123,19 @@ class _StrictInfo:
         return f"{type(self).__name__}({', '.join(parts)})"
 
 
-def _check_wire_params(ctx: str, buffer_size: int, num_buffers: int, world_size: int, rank_offset: int) -> None:
+def _check_wire_params(
+    ctx: str, buffer_size: int, num_buffers: int, world_size: int, rank_offset: int
+) -> None:
     check_buffer_size(f"{ctx}.packed_buffer_size_bytes", buffer_size)
     check_num_buffers(f"{ctx}.packed_num_buffers", num_buffers)
     if not 2 <= world_size <= LIMITS.max_world_size:
-        raise ConfigError(f"{ctx}.world_size must be in [2, {LIMITS.max_world_size}], got {world_size}")
+        raise ConfigError(
+            f"{ctx}.world_size must be in [2, {LIMITS.max_world_size}], got {world_size}"
+        )
     if not 1 <= rank_offset < world_size:
-        raise ConfigError(f"{ctx}.rank_offset must be in [1, world_size), got {rank_offset} with world_size {world_size}")
+        raise ConfigError(
+            f"{ctx}.rank_offset must be in [1, world_size), got {rank_offset} with world_size {world_size}"
+        )
 
 
 def decode_secret(ctx: str, value: str, nbytes: int) -> bytes:
@@ -142,7 +151,9 @@ def decode_secret(ctx: str, value: str, nbytes: int) -> bytes:
     try:
         raw = base64.b64decode(value.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError, ValueError):
-        raise ConfigError(f"{ctx} is not strict standard base64 (URL-safe '-'/'_' is refused)") from None
+        raise ConfigError(
+            f"{ctx} is not strict standard base64 (URL-safe '-'/'_' is refused)"
+        ) from None
     if len(raw) != nbytes:
         raise ConfigError(f"{ctx} must decode to exactly {nbytes} bytes, got {len(raw)}")
     return raw
@@ -177,9 +188,13 @@ class NCCLInitInfo(_StrictInfo):
         ctx = type(self).__name__
         store = self.master_address is not None or self.master_port is not None
         if store and self.nccl_unique_id_b64 is not None:
-            raise ConfigError(f"{ctx}: give either master_address/master_port or nccl_unique_id_b64, not both")
+            raise ConfigError(
+                f"{ctx}: give either master_address/master_port or nccl_unique_id_b64, not both"
+            )
         if not store and self.nccl_unique_id_b64 is None:
-            raise ConfigError(f"{ctx}: no rendezvous: give master_address/master_port or nccl_unique_id_b64")
+            raise ConfigError(
+                f"{ctx}: no rendezvous: give master_address/master_port or nccl_unique_id_b64"
+            )
         if store and (self.master_address is None or self.master_port is None):
             raise ConfigError(f"{ctx}: master_address and master_port must be given together")
         if self.master_address is not None:
@@ -187,13 +202,23 @@ class NCCLInitInfo(_StrictInfo):
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ConfigError(f"{ctx}.master_port must be in [1, 65535], got {self.master_port}")
         _ = self.unique_id_bytes
-        _check_wire_params(ctx, self.packed_buffer_size_bytes, self.packed_num_buffers, self.world_size, self.rank_offset)
+        _check_wire_params(
+            ctx,
+            self.packed_buffer_size_bytes,
+            self.packed_num_buffers,
+            self.world_size,
+            self.rank_offset,
+        )
 
     @property
     def unique_id_bytes(self) -> bytes | None:
         if self.nccl_unique_id_b64 is None:
             return None
-        return decode_secret(f"{type(self).__name__}.nccl_unique_id_b64", self.nccl_unique_id_b64, NCCL_UNIQUE_ID_BYTES)
+        return decode_secret(
+            f"{type(self).__name__}.nccl_unique_id_b64",
+            self.nccl_unique_id_b64,
+            NCCL_UNIQUE_ID_BYTES,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
@@ -246,8 +271,10 @@ class TCPInitInfo(_StrictInfo):
         _check_listener(ctx, self)
         got = 0 if self.sources is None else len(self.sources)
         if got + 1 > self.rank_offset:
-            raise ConfigError(f"{ctx}.sources lists {got} broadcasting rank(s) besides rank 0, but rank_offset "
-                             f"{self.rank_offset} leaves only {self.rank_offset - 1} trainer rank(s) below the workers")
+            raise ConfigError(
+                f"{ctx}.sources lists {got} broadcasting rank(s) besides rank 0, but rank_offset "
+                f"{self.rank_offset} leaves only {self.rank_offset - 1} trainer rank(s) below the workers"
+            )
         _ = self.endpoints
 
     @property
@@ -269,7 +296,13 @@ class TCPInitInfo(_StrictInfo):
             _check_host(f"{where}.host", host)
             if not 1 <= port <= 65535:
                 raise ConfigError(f"{where}.port must be in [1, 65535], got {port}")
-            out.append((host, port, decode_secret(f"{where}.secret_b64", item["secret_b64"], TCP_SECRET_BYTES)))
+            out.append(
+                (
+                    host,
+                    port,
+                    decode_secret(f"{where}.secret_b64", item["secret_b64"], TCP_SECRET_BYTES),
+                )
+            )
         return out
 
 
@@ -280,7 +313,13 @@ def _check_listener(ctx: str, info: Any) -> None:
     if not 1 <= info.port <= 65535:
         raise ConfigError(f"{ctx}.port must be in [1, 65535], got {info.port}")
     _ = info.secret
-    _check_wire_params(ctx, info.packed_buffer_size_bytes, info.packed_num_buffers, info.world_size, info.rank_offset)
+    _check_wire_params(
+        ctx,
+        info.packed_buffer_size_bytes,
+        info.packed_num_buffers,
+        info.world_size,
+        info.rank_offset,
+    )
     check_seconds(f"{ctx}.timeout_s", info.timeout_s, most=MAX_TIMEOUT_S)
     check_stage_budget(f"{ctx}.stage_budget_bytes", info.stage_budget_bytes)
 
@@ -303,7 +342,6 @@ class UpdateInfo(_StrictInfo):
     stay exactly what a stock vLLM (which only takes ``src=0``) reads.
     """
 
-
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
@@ -317,7 +355,9 @@ class UpdateInfo(_StrictInfo):
 
     def __post_init__(self) -> None:
         if not 0 <= self.src < LIMITS.max_world_size:
-            raise ConfigError(f"src must be a group rank in [0, {LIMITS.max_world_size}), got {self.src}")
+            raise ConfigError(
+                f"src must be a group rank in [0, {LIMITS.max_world_size}), got {self.src}"
+            )
         n = len(self.names)
         if n > LIMITS.max_tensors:
             raise ConfigError(f"names lists {n} tensors, over the limit {LIMITS.max_tensors}")
@@ -325,9 +365,13 @@ class UpdateInfo(_StrictInfo):
             if len(getattr(self, key)) != n:
                 raise ConfigError(f"{key} has {len(getattr(self, key))} entries but names has {n}")
         total = 0
-        for i, (name, dtype, shape) in enumerate(zip(self.names, self.dtype_names, self.shapes, strict=True)):
+        for i, (name, dtype, shape) in enumerate(
+            zip(self.names, self.dtype_names, self.shapes, strict=True)
+        ):
             if not isinstance(name, str) or not name or len(name) > LIMITS.max_name_length:
-                raise ConfigError(f"names[{i}] must be a non-empty string of <= {LIMITS.max_name_length} chars")
+                raise ConfigError(
+                    f"names[{i}] must be a non-empty string of <= {LIMITS.max_name_length} chars"
+                )
             try:
                 row = wire_dtype(dtype)
             except ValueError as exc:
@@ -335,10 +379,14 @@ class UpdateInfo(_StrictInfo):
             dims = validate_shape(shape, field=f"shapes[{i}]")
             nbytes = math.prod(dims) * row.itemsize
             if nbytes > LIMITS.max_tensor_bytes:
-                raise ConfigError(f"shapes[{i}] {list(dims)} is {nbytes} bytes, over the per-tensor limit {LIMITS.max_tensor_bytes}")
+                raise ConfigError(
+                    f"shapes[{i}] {list(dims)} is {nbytes} bytes, over the per-tensor limit {LIMITS.max_tensor_bytes}"
+                )
             total += nbytes
         if total > LIMITS.max_round_bytes:
-            raise ConfigError(f"shapes total {total} bytes, over the per-round limit {LIMITS.max_round_bytes}")
+            raise ConfigError(
+                f"shapes total {total} bytes, over the per-round limit {LIMITS.max_round_bytes}"
+            )
         if len(set(self.names)) != n:
             seen: set[str] = set()
             dup = next(x for x in self.names if x in seen or seen.add(x))  # type: ignore[func-returns-value]
@@ -349,13 +397,19 @@ class UpdateInfo(_StrictInfo):
         return not self.names
 
     def metas(self) -> list[ParamMeta]:
-        return [ParamMeta(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtype_names, self.shapes, strict=True)]
+        return [
+            ParamMeta(n, d, tuple(s))
+            for n, d, s in zip(self.names, self.dtype_names, self.shapes, strict=True)
+        ]
 
     @classmethod
     def from_metas(cls, metas: list[ParamMeta]) -> UpdateInfo:
-        return cls(names=[m.name for m in metas], dtype_names=[m.dtype for m in metas], shapes=[list(m.shape) for m in metas])
+        return cls(
+            names=[m.name for m in metas],
+            dtype_names=[m.dtype for m in metas],
+            shapes=[list(m.shape) for m in metas],
+        )
 
     def __repr__(self) -> str:
         src = f", src={self.src}" if self.src else ""
         return f"UpdateInfo({len(self.names)} tensors{src})"
-

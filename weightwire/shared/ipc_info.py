@@ -54,7 +54,11 @@ class IPCInitInfo(_StrictInfo):
       cost of re-opening handles each round); workers close their mappings then too.
     """
 
-    _secret_fields: ClassVar[tuple[str, ...]] = ("secret_b64", "mem_handles_b64", "event_handles_b64")
+    _secret_fields: ClassVar[tuple[str, ...]] = (
+        "secret_b64",
+        "mem_handles_b64",
+        "event_handles_b64",
+    )
 
     host: str
     port: int
@@ -77,11 +81,15 @@ class IPCInitInfo(_StrictInfo):
         for key in ("mem_handles_b64", "event_handles_b64"):
             got = getattr(self, key)
             if len(got) != self.packed_num_buffers:
-                raise ConfigError(f"{ctx}.{key} must list one handle per slot ({self.packed_num_buffers}), got {len(got)}")
+                raise ConfigError(
+                    f"{ctx}.{key} must list one handle per slot ({self.packed_num_buffers}), got {len(got)}"
+                )
         _ = self.mem_handles, self.event_handles
         uuid = self.device_uuid
         if len(uuid) > 64 or any(c not in "0123456789abcdef-" for c in uuid):
-            raise ConfigError(f"{ctx}.device_uuid must be a lower-case hex GPU UUID, got {bounded_repr(uuid)}")
+            raise ConfigError(
+                f"{ctx}.device_uuid must be a lower-case hex GPU UUID, got {bounded_repr(uuid)}"
+            )
 
     @property
     def secret(self) -> bytes:

@@ -33,10 +33,14 @@ P = int(
     "EE386BFB5A899FA5AE9F24117C4B1FE649286651ECE45B3DC2007CB8A163BF0598DA48361C55D39A69163FA8FD24CF5F"
     "83655D23DCA3AD961C62F356208552BB9ED529077096966D670C354E4ABC9804F1746C08CA18217C32905E462E36CE3B"
     "E39E772C180E86039B2783A2EC07A28FB5C55DF06F4C52C9DE2BCBF6955817183995497CEA956AE515D2261898FA0510"
-    "15728E5A8AACAA68FFFFFFFFFFFFFFFF", 16)
+    "15728E5A8AACAA68FFFFFFFFFFFFFFFF",
+    16,
+)
 G = 2
 _BYTES = 256  # a public value's fixed width
-_EXPONENT_BITS = 512  # well past the group's ~112-bit strength, and 4x cheaper than a full-width one
+_EXPONENT_BITS = (
+    512  # well past the group's ~112-bit strength, and 4x cheaper than a full-width one
+)
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,9 @@ class KeyShare:
     @classmethod
     def new(cls) -> KeyShare:
         exponent = secrets.randbits(_EXPONENT_BITS) | (1 << (_EXPONENT_BITS - 1))
-        return cls(exponent, base64.b64encode(pow(G, exponent, P).to_bytes(_BYTES, "big")).decode("ascii"))
+        return cls(
+            exponent, base64.b64encode(pow(G, exponent, P).to_bytes(_BYTES, "big")).decode("ascii")
+        )
 
     def secret_with(self, their_public_b64: object, *, length: int, context: bytes) -> bytes:
         """The ``length``-byte secret both sides derive (bound to ``context`` and both public

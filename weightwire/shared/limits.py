@@ -45,8 +45,11 @@ def bounded_repr(value: object, limit: int = 60) -> str:
     if isinstance(value, (str, bytes, bytearray)):
         head = repr(value[:limit])
         return head if len(value) <= limit else f"{head}... ({len(value)} long)"
-    if (isinstance(value, (list, tuple)) and len(value) <= 8
-            and all(v is None or isinstance(v, (bool, int, float)) for v in value)):
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) <= 8
+        and all(v is None or isinstance(v, (bool, int, float)) for v in value)
+    ):
         text = "[" + ", ".join(bounded_repr(v, limit) for v in value) + "]"
         if len(text) <= 4 * limit:
             return text

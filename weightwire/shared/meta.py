@@ -27,7 +27,9 @@ class ParamMeta:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"ParamMeta.name must be a non-empty string, got {bounded_repr(self.name)}")
+            raise ValueError(
+                f"ParamMeta.name must be a non-empty string, got {bounded_repr(self.name)}"
+            )
         if len(self.name) > LIMITS.max_name_length:
             raise ValueError(
                 f"ParamMeta.name is {len(self.name)} characters, over the limit {LIMITS.max_name_length}"
@@ -45,10 +47,14 @@ class ParamMeta:
             )
         if self.owners is not None:
             if not isinstance(self.owners, (list, tuple)):
-                raise ValueError(f"owners of {self.name!r} must be a list of ints, got {bounded_repr(self.owners)}")
+                raise ValueError(
+                    f"owners of {self.name!r} must be a list of ints, got {bounded_repr(self.owners)}"
+                )
             owners = tuple(self.owners)
             # bool is an int subclass: [True] is a caller bug, not rank 1.
-            if not owners or not all(type(r) is int and 0 <= r < LIMITS.max_world_size for r in owners):
+            if not owners or not all(
+                type(r) is int and 0 <= r < LIMITS.max_world_size for r in owners
+            ):
                 raise ValueError(
                     f"owners of {self.name!r} must be a non-empty list of ranks in "
                     f"[0, {LIMITS.max_world_size}), got {bounded_repr(self.owners)}"
@@ -81,14 +87,18 @@ class ParamMeta:
         unknown = [k for k in data if k not in {"name", "dtype", "shape", "owners"}]
         if unknown:
             shown = ", ".join(bounded_repr(k) for k in sorted(unknown, key=str)[:5])
-            raise ValueError(f"ParamMeta: unknown keys [{shown}]; allowed: ['dtype', 'name', 'owners', 'shape']")
+            raise ValueError(
+                f"ParamMeta: unknown keys [{shown}]; allowed: ['dtype', 'name', 'owners', 'shape']"
+            )
         for key in ("name", "dtype", "shape"):
             if key not in data:
                 raise ValueError(f"ParamMeta: missing required field {key!r}")
         owners = data.get("owners")
         if owners is not None and not isinstance(owners, list):
             raise ValueError(f"ParamMeta.owners must be a list, got {type(owners).__name__}")
-        return cls(data["name"], data["dtype"], data["shape"], None if owners is None else tuple(owners))
+        return cls(
+            data["name"], data["dtype"], data["shape"], None if owners is None else tuple(owners)
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -128,6 +138,8 @@ def validate_shape(shape: object, *, field: str = "shape") -> tuple[int, ...]:
         if dim < 0:
             raise ValueError(f"{field} has a negative dim {dim}")
         if dim > LIMITS.max_tensor_bytes:
-            raise ValueError(f"{field} has dim {bounded_repr(dim)}, over the limit {LIMITS.max_tensor_bytes}")
+            raise ValueError(
+                f"{field} has dim {bounded_repr(dim)}, over the limit {LIMITS.max_tensor_bytes}"
+            )
         dims.append(dim)
     return tuple(dims)

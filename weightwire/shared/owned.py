@@ -32,7 +32,11 @@ class OwnedSource(WeightSource):
 
     def held_names(self) -> set[str] | None:
         held = self.inner.held_names()
-        return {m.name for m in self.metadata() if m.owners == (self.rank,) and (held is None or m.name in held)}
+        return {
+            m.name
+            for m in self.metadata()
+            if m.owners == (self.rank,) and (held is None or m.name in held)
+        }
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         for name, tensor in self.inner:

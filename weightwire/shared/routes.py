@@ -42,8 +42,24 @@ COMPLETIONS = Route("completions", "POST", "/v1/completions", weight_route=False
 ROUTES: dict[str, Route] = {
     r.name: r
     for r in (
-        INIT, START, START_DRAFT, UPDATE, FINISH, SHUTDOWN, UPDATE_VERSION, WEIGHT_INFO,
-        WEIGHT_CHECKER, WORLD_SIZE, PAUSE, RESUME, IS_PAUSED, ABORT_REQUESTS, SERVER_INFO, VERSION, HEALTH, COMPLETIONS,
+        INIT,
+        START,
+        START_DRAFT,
+        UPDATE,
+        FINISH,
+        SHUTDOWN,
+        UPDATE_VERSION,
+        WEIGHT_INFO,
+        WEIGHT_CHECKER,
+        WORLD_SIZE,
+        PAUSE,
+        RESUME,
+        IS_PAUSED,
+        ABORT_REQUESTS,
+        SERVER_INFO,
+        VERSION,
+        HEALTH,
+        COMPLETIONS,
     )
 }
 

@@ -38,7 +38,11 @@ class WeightSource(ABC):
     def groups(self) -> list[list[ParamMeta]]:
         """This rank's layer groups (``layerwise_groups``), skipping groups it holds none of."""
         held = self.held_names()
-        return [g for g in layerwise_groups(self.metadata()) if held is None or any(m.name in held for m in g)]
+        return [
+            g
+            for g in layerwise_groups(self.metadata())
+            if held is None or any(m.name in held for m in g)
+        ]
 
     def iter_groups(self) -> Iterator[list[tuple[str, Any]]]:
         """The same stream as iteration, batched one layer group at a time."""
@@ -64,9 +68,13 @@ def as_source(obj: Any) -> WeightSource:
     if isinstance(obj, WeightSource):
         return obj
     has_meta = hasattr(type(obj), "metadata") or hasattr(obj, "metadata")
-    has_iter = callable(getattr(type(obj), "__iter__", None)) or callable(getattr(obj, "iter_full", None))
+    has_iter = callable(getattr(type(obj), "__iter__", None)) or callable(
+        getattr(obj, "iter_full", None)
+    )
     if not (has_meta and has_iter):
-        missing = [w for w, ok in (("metadata", has_meta), ("__iter__ or iter_full()", has_iter)) if not ok]
+        missing = [
+            w for w, ok in (("metadata", has_meta), ("__iter__ or iter_full()", has_iter)) if not ok
+        ]
         raise TypeError(
             f"a weight source needs metadata and iteration; {type(obj).__name__} lacks {' and '.join(missing)}"
         )
@@ -109,7 +117,9 @@ def _to_meta(item: Any) -> ParamMeta:
     try:
         name, dtype, shape = item.name, item.dtype, item.shape
     except AttributeError:
-        raise TypeError(f"metadata items need name, dtype and shape; got {type(item).__name__}") from None
+        raise TypeError(
+            f"metadata items need name, dtype and shape; got {type(item).__name__}"
+        ) from None
     dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     owners = getattr(item, "owners", None)
     return ParamMeta(name, dtype_name, tuple(shape), None if owners is None else tuple(owners))
@@ -123,11 +133,17 @@ def checked_iter(
     i, count = 0, len(metas)
     for name, tensor in pairs:
         if i >= count:
-            raise SourceMismatch(f"source yielded more tensors than metadata declared ({count}); first extra is {name!r}")
+            raise SourceMismatch(
+                f"source yielded more tensors than metadata declared ({count}); first extra is {name!r}"
+            )
         want = metas[i]
         dtype, shape = describe(tensor)
         # ``shape`` is usually a tuple already: compare first, convert only if that failed.
-        if name != want.name or dtype != want.dtype or (shape != want.shape and tuple(shape) != want.shape):
+        if (
+            name != want.name
+            or dtype != want.dtype
+            or (shape != want.shape and tuple(shape) != want.shape)
+        ):
             raise SourceMismatch(
                 f"source metadata and iteration disagree at index {i}: declared {want.name!r} "
                 f"{want.dtype} {list(want.shape)}, got {name!r} {dtype} {list(shape)}"
@@ -135,4 +151,6 @@ def checked_iter(
         i += 1
         yield name, tensor
     if i != len(metas):
-        raise SourceMismatch(f"source yielded {i} tensors but metadata declared {len(metas)}; first missing is {metas[i].name!r}")
+        raise SourceMismatch(
+            f"source yielded {i} tensors but metadata declared {len(metas)}; first missing is {metas[i].name!r}"
+        )

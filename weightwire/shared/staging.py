@@ -31,6 +31,8 @@ def round_streams(nbytes: int, budget_bytes: int) -> bool:
 def check_stage_budget(ctx: str, value: object) -> int:
     """``value`` as a stage budget (an int in ``[0, max_round_bytes]``), else ``ConfigError``."""
     if type(value) is not int or not 0 <= value <= LIMITS.max_round_bytes:
-        raise ConfigError(f"{ctx} must be an int in [0, {LIMITS.max_round_bytes}] bytes (0: always apply in "
-                          f"place), got {bounded_repr(value)}")
+        raise ConfigError(
+            f"{ctx} must be an int in [0, {LIMITS.max_round_bytes}] bytes (0: always apply in "
+            f"place), got {bounded_repr(value)}"
+        )
     return value

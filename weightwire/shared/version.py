@@ -44,21 +44,57 @@ class Feature:
 
 
 FEATURES: tuple[Feature, ...] = (
-    Feature("packed_in_init", (0, 28), True, "packed / buffer geometry travel in the init info, not per round"),
-    Feature("draft_route", (0, 28), True, "POST /start_draft_weight_update targets the speculative draft model"),
-    Feature("abort_route", (0, 28), True, "POST /abort_requests aborts in-flight requests without pausing"),
-    Feature("unique_id_rendezvous", (0, 30), True, "nccl_unique_id_b64 rendezvous for torch-free trainers"),
+    Feature(
+        "packed_in_init",
+        (0, 28),
+        True,
+        "packed / buffer geometry travel in the init info, not per round",
+    ),
+    Feature(
+        "draft_route",
+        (0, 28),
+        True,
+        "POST /start_draft_weight_update targets the speculative draft model",
+    ),
+    Feature(
+        "abort_route",
+        (0, 28),
+        True,
+        "POST /abort_requests aborts in-flight requests without pausing",
+    ),
+    Feature(
+        "unique_id_rendezvous",
+        (0, 30),
+        True,
+        "nccl_unique_id_b64 rendezvous for torch-free trainers",
+    ),
     Feature("shutdown_route", (0, 32), True, "POST /shutdown_weight_transfer_engine exists"),
-    Feature("weight_checker_route", (0, 32), True, "POST /weight_checker answers per-shard checksums"),
-    Feature("packed_scalars", (0, 32), True, "the packed consumer reshapes with view(shape): scalars ([]) load"),
-    Feature("reuse_metadata", (0, 33), False, "empty update-info lists reuse the previous round's metadata"),
+    Feature(
+        "weight_checker_route", (0, 32), True, "POST /weight_checker answers per-shard checksums"
+    ),
+    Feature(
+        "packed_scalars",
+        (0, 32),
+        True,
+        "the packed consumer reshapes with view(shape): scalars ([]) load",
+    ),
+    Feature(
+        "reuse_metadata",
+        (0, 33),
+        False,
+        "empty update-info lists reuse the previous round's metadata",
+    ),
 )
 
-VERSION_GATES: tuple[tuple[tuple[int, int], str, str], ...] = tuple((f.first, f.name, f.what) for f in FEATURES)
+VERSION_GATES: tuple[tuple[tuple[int, int], str, str], ...] = tuple(
+    (f.first, f.name, f.what) for f in FEATURES
+)
 """``(first release, feature, what changed)`` rows, for reports (``weightwire doctor``)."""
 
 _FEATURE = {f.name: f for f in FEATURES}
-_MAX_VERSION_CHARS = 128  # packaging would int() any digit run; a 5000-digit "version" is refused first
+_MAX_VERSION_CHARS = (
+    128  # packaging would int() any digit run; a 5000-digit "version" is refused first
+)
 
 
 def parse_version(text: object) -> Version:
@@ -92,12 +128,20 @@ def resolve_release(version: Version) -> tuple[tuple[int, int] | None, bool, str
     if minor not in KNOWN_RELEASES:  # pragma: no cover - the table is contiguous
         return None, False, f"{_fmt(minor)} is not a known release"
     # X.Y.0rc1 / X.Y.0.dev3 come before X.Y.0 (PEP 440); X.Y.1rc1 comes after X.Y.0.
-    if version.is_prerelease and version.release[2:3] in ((), (0,)) and not any(version.release[3:]):
+    if (
+        version.is_prerelease
+        and version.release[2:3] in ((), (0,))
+        and not any(version.release[3:])
+    ):
         i = KNOWN_RELEASES.index(minor)
         kind = "pre-release" if version.pre is not None else "dev build"
         if i == 0:
             return None, False, f"a {kind} of {_fmt(minor)}, before the oldest supported release"
-        return KNOWN_RELEASES[i - 1], False, f"a {kind} of {_fmt(minor)}: gated as {_fmt(KNOWN_RELEASES[i - 1])}"
+        return (
+            KNOWN_RELEASES[i - 1],
+            False,
+            f"a {kind} of {_fmt(minor)}: gated as {_fmt(KNOWN_RELEASES[i - 1])}",
+        )
     return minor, False, f"release {_fmt(minor)}"
 
 
@@ -128,10 +172,17 @@ class ServerFeatures:
                 known = ", ".join(_fmt(r) for r in KNOWN_RELEASES)
                 raise ValueError(f"version override {override!r} is not a known release ({known})")
             flags = {f.name: forced_row >= f.first for f in FEATURES}
-            return cls(version, forced_row, f"user override: gated as {_fmt(forced_row)} (server says {version})",
-                       **flags)
+            return cls(
+                version,
+                forced_row,
+                f"user override: gated as {_fmt(forced_row)} (server says {version})",
+                **flags,
+            )
         row, newer, why = resolve_release(parsed)
-        flags = {f.name: row is not None and row >= f.first and (f.carries_forward or not newer) for f in FEATURES}
+        flags = {
+            f.name: row is not None and row >= f.first and (f.carries_forward or not newer)
+            for f in FEATURES
+        }
         return cls(version, row, why, **flags)
 
     def require(self, feature: str, why: str) -> None:
@@ -140,11 +191,17 @@ class ServerFeatures:
             return
         f = _FEATURE[feature]
         if self.release is not None and self.release >= f.first and not f.carries_forward:
-            reason = (f"its wire form changed in {_fmt(f.first)} and the server ({self.basis}) may have changed "
-                      "it again; pass a version override if you know it behaves as the newest known release")
+            reason = (
+                f"its wire form changed in {_fmt(f.first)} and the server ({self.basis}) may have changed "
+                "it again; pass a version override if you know it behaves as the newest known release"
+            )
         else:
             reason = f"needs >= {_fmt(f.first)}; server is {self.basis}"
         raise ValueError(f"server version {self.version} lacks {feature} ({reason}): {why}")
 
     def enabled(self) -> list[str]:
-        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), bool) and getattr(self, f.name)]
+        return [
+            f.name
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), bool) and getattr(self, f.name)
+        ]

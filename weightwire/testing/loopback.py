@@ -70,7 +70,9 @@ class LoopbackClient:
         except (OSError, ValueError) as exc:
             raise WeightSyncError(op, None, f"{type(exc).__name__}: {exc}", self.address) from None
         if not reply.get("ok"):
-            raise WeightSyncError(op, reply.get("status", 500), str(reply.get("error")), self.address)
+            raise WeightSyncError(
+                op, reply.get("status", 500), str(reply.get("error")), self.address
+            )
         return reply.get("result")
 
     def version(self) -> str:
@@ -89,7 +91,10 @@ class LoopbackClient:
         self.call("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.call("finish_weight_update", {} if weight_version is None else {"weight_version": weight_version})
+        self.call(
+            "finish_weight_update",
+            {} if weight_version is None else {"weight_version": weight_version},
+        )
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.call("shutdown_weight_transfer_engine")
@@ -97,7 +102,9 @@ class LoopbackClient:
     def weight_info(self) -> list[dict[str, Any]]:
         return [self.call("weight_info")]
 
-    def weight_checker(self, action: str, baseline: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    def weight_checker(
+        self, action: str, baseline: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
         return [self.call("weight_checker", {"action": action, "baseline": baseline})]
 
     def pause(self, mode: str = "keep") -> None:
@@ -118,20 +125,30 @@ class LoopbackClient:
         self.call("exit")
 
 
-def spawn_loopback(backend: str, device: str, *, env: Mapping[str, str] | None = None,
-                   timeout: float = 120.0) -> tuple[subprocess.Popen, LoopbackClient]:
+def spawn_loopback(
+    backend: str, device: str, *, env: Mapping[str, str] | None = None, timeout: float = 120.0
+) -> tuple[subprocess.Popen, LoopbackClient]:
     """Start a receiver process and return it with a connected client (kill it when done)."""
-    return spawn_loopback_cmd(["-m", "weightwire.testing.loopback", "--backend", backend, "--device", device],
-                              env=env, timeout=timeout)
+    return spawn_loopback_cmd(
+        ["-m", "weightwire.testing.loopback", "--backend", backend, "--device", device],
+        env=env,
+        timeout=timeout,
+    )
 
 
-def spawn_loopback_cmd(args: list[str], *, env: Mapping[str, str] | None = None,
-                       timeout: float = 120.0) -> tuple[subprocess.Popen, LoopbackClient]:
+def spawn_loopback_cmd(
+    args: list[str], *, env: Mapping[str, str] | None = None, timeout: float = 120.0
+) -> tuple[subprocess.Popen, LoopbackClient]:
     """``spawn_loopback`` for any receiver that speaks this protocol: ``python *args``, which
     must print the ready line."""
     cmd = [sys.executable, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     found: list[str] = []
     seen: list[str] = []
 
@@ -140,7 +157,7 @@ def spawn_loopback_cmd(args: list[str], *, env: Mapping[str, str] | None = None,
         for line in proc.stdout:
             seen.append(line)
             if line.startswith(READY) and not found:
-                found.append(line[len(READY):].strip())
+                found.append(line[len(READY) :].strip())
         # keep draining so the child never blocks on a full pipe
 
     threading.Thread(target=scan, daemon=True).start()
@@ -149,7 +166,9 @@ def spawn_loopback_cmd(args: list[str], *, env: Mapping[str, str] | None = None,
         time.sleep(0.05)
     if not found:
         proc.kill()
-        raise RuntimeError(f"loopback receiver did not start within {timeout} s:\n{''.join(seen)[-4000:]}")
+        raise RuntimeError(
+            f"loopback receiver did not start within {timeout} s:\n{''.join(seen)[-4000:]}"
+        )
     return proc, LoopbackClient(found[0])
 
 
@@ -230,14 +249,23 @@ def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) 
                 engine.shutdown()
             elif op == "weight_checker":
                 return {"checksums": store.state_checksums()}
-            elif op == "memory":  # worker-side device memory: what a colocated budget must leave free
+            elif (
+                op == "memory"
+            ):  # worker-side device memory: what a colocated budget must leave free
                 dev = torch.device(device)
                 if dev.type != "cuda":
                     return None
-                return {"allocated": torch.cuda.memory_allocated(dev), "peak": torch.cuda.max_memory_allocated(dev)}
+                return {
+                    "allocated": torch.cuda.memory_allocated(dev),
+                    "peak": torch.cuda.max_memory_allocated(dev),
+                }
             elif op == "stats":
                 stats = engine.last_stats
-                return None if stats is None else {k: v for k, v in vars(stats).items() if isinstance(v, (int, float, str))}
+                return (
+                    None
+                    if stats is None
+                    else {k: v for k, v in vars(stats).items() if isinstance(v, (int, float, str))}
+                )
             else:
                 raise ValueError(f"unknown op {op!r}")
         return None
@@ -246,8 +274,13 @@ def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) 
     engine.shutdown()
 
 
-def serve_ops(run: Callable[[str, dict[str, Any]], Any], done: threading.Event, *, host: str = "127.0.0.1",
-              port: int = 0) -> None:
+def serve_ops(
+    run: Callable[[str, dict[str, Any]], Any],
+    done: threading.Event,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> None:
     """Answer one JSON line per connection with ``run(op, body)`` until ``done`` is set;
     prints ``READY host:port`` first (what ``spawn_loopback_cmd`` waits for)."""
 

@@ -36,7 +36,9 @@ def _field(request: Any, key: str) -> Any:
 class ReplicaActor:
     """One replica: a Hugging Face model, its ``HFModelHost``, one transfer engine per session."""
 
-    def __init__(self, model_dir: str, *, backend: str = TCP, device: str = "cpu", threads: int = 1) -> None:
+    def __init__(
+        self, model_dir: str, *, backend: str = TCP, device: str = "cpu", threads: int = 1
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -65,7 +67,9 @@ class ReplicaActor:
 
     def init_weight_transfer_engine(self, request: Any) -> None:
         self.shutdown_weight_transfer_engine()  # a new trainer's session replaces the previous one
-        engine = backends.load(backends.get(self.backend).worker_engine).standalone(model=self.host, device=self.device)
+        engine = backends.load(backends.get(self.backend).worker_engine).standalone(
+            model=self.host, device=self.device
+        )
         try:
             engine.init_transfer_engine(engine.parse_init_info(_field(request, "init_info")))
         except BaseException:
@@ -99,7 +103,9 @@ class ReplicaActor:
     def resume_generation(self) -> None:
         self.paused = False
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         return True  # no KV cache here: nothing computed under the old weights can be served
 
     def state_checksums(self) -> dict[str, str]:

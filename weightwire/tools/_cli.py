@@ -63,8 +63,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if ("default" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS)
-                or text == argparse.SUPPRESS):
+        if (
+            "default" in text
+            or not action.option_strings
+            or action.default in (None, False, argparse.SUPPRESS)
+            or text == argparse.SUPPRESS
+        ):
             return action.help
         return f"{text} (default: %(default)s)"
 
@@ -80,15 +84,20 @@ class CommandError(WeightwireError):
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
 
-def env_log_level(environ: dict[str, str] | os._Environ[str], var: str = "WEIGHTWIRE_LOG_LEVEL",
-                  default: str = "WARNING") -> str:
+def env_log_level(
+    environ: dict[str, str] | os._Environ[str],
+    var: str = "WEIGHTWIRE_LOG_LEVEL",
+    default: str = "WARNING",
+) -> str:
     """``$var`` as a logging level name (any case), or ``default`` when unset or empty.
     Raises ``ConfigError`` naming the variable for anything else."""
     raw = environ.get(var, "").strip()
     if not raw:
         return default
     if raw.upper() not in LOG_LEVELS:
-        raise ConfigError(f"{var}={raw[:40]!r} is not a log level: use one of {', '.join(LOG_LEVELS)}")
+        raise ConfigError(
+            f"{var}={raw[:40]!r} is not a log level: use one of {', '.join(LOG_LEVELS)}"
+        )
     return raw.upper()
 
 
@@ -115,7 +124,9 @@ def server_url(value: str) -> str:
         except ValueError:
             problem = "its port is not a number in [0, 65535]"
     if problem:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a server URL ({problem}); e.g. http://127.0.0.1:8000")
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a server URL ({problem}); e.g. http://127.0.0.1:8000"
+        )
     return text.rstrip("/")
 
 
@@ -129,12 +140,16 @@ def probe_server(url: str, *, timeout: float = 5.0) -> None:
     try:
         httpx.get(f"{url}/health", timeout=timeout)
     except httpx.TimeoutException:
-        raise CommandError(f"the server at {url} did not answer within {timeout:g} s: is it up and is --server "
-                           "right?") from None
+        raise CommandError(
+            f"the server at {url} did not answer within {timeout:g} s: is it up and is --server "
+            "right?"
+        ) from None
     except httpx.HTTPError as exc:
         reason = str(exc) or type(exc).__name__
-        raise CommandError(f"cannot reach a server at {url} ({reason}): start one (weightwire serve --model "
-                           "tiny-llama --port 8000) or fix --server") from None
+        raise CommandError(
+            f"cannot reach a server at {url} ({reason}): start one (weightwire serve --model "
+            "tiny-llama --port 8000) or fix --server"
+        ) from None
 
 
 def fail(prog: str, message: str, code: int = EXIT_ERROR, *, stream: TextIO | None = None) -> int:
@@ -163,7 +178,9 @@ def guarded(prog: str, run: Callable[[], int]) -> int:
         extra = missing_extra(exc)
         if extra is not None:
             return fail(prog, str(extra))
-        return fail(prog, f"{type(exc).__name__}: {exc}\n(set WEIGHTWIRE_DEBUG=1 for the traceback)")
+        return fail(
+            prog, f"{type(exc).__name__}: {exc}\n(set WEIGHTWIRE_DEBUG=1 for the traceback)"
+        )
 
 
 def interrupted(prog: str, *, what: str = "") -> int:
@@ -175,8 +192,11 @@ def interrupted(prog: str, *, what: str = "") -> int:
     if sig is None:
         print(f"{prog}: interrupted{what}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
-    print(f"{prog}: stopped by {signal_name(sig)}{what}; its child processes were stopped", file=sys.stderr,
-          flush=True)
+    print(
+        f"{prog}: stopped by {signal_name(sig)}{what}; its child processes were stopped",
+        file=sys.stderr,
+        flush=True,
+    )
     return 128 + sig
 
 

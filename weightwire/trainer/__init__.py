@@ -15,5 +15,14 @@ from weightwire.trainer.freshness import StaleCacheError
 from weightwire.trainer.metrics import RoundMetrics
 from weightwire.trainer.verify import VerifyError, VerifyReport
 
-__all__ = ["BACKENDS", "EngineBroken", "RoundMetrics", "StaleCacheError", "StockRefusal", "TrainerEngine",
-           "TrainerInitInfo", "VerifyError", "VerifyReport"]
+__all__ = [
+    "BACKENDS",
+    "EngineBroken",
+    "RoundMetrics",
+    "StaleCacheError",
+    "StockRefusal",
+    "TrainerEngine",
+    "TrainerInitInfo",
+    "VerifyError",
+    "VerifyReport",
+]

@@ -42,8 +42,12 @@ def get_backend(name: str) -> Backend:
         if spec is None:
             raise ValueError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
         backend = registry.load(spec.trainer)()
-        if backend.name != name:  # the registry and the class disagree: fail loudly, not on the wire
-            raise RuntimeError(f"registry entry {name!r} loads {spec.trainer}, whose name is {backend.name!r}")
+        if (
+            backend.name != name
+        ):  # the registry and the class disagree: fail loudly, not on the wire
+            raise RuntimeError(
+                f"registry entry {name!r} loads {spec.trainer}, whose name is {backend.name!r}"
+            )
         backend = _BUILT_IN.setdefault(name, backend)
     return backend
 

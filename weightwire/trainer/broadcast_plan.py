@@ -166,9 +166,11 @@ def check_receiver(plan: BroadcastPlan, backend: str, *, stock: bool, several: s
         raise PlanError(
             f"the metadata has broadcasting ranks {list(plan.group_ranks)}, but backend {backend!r} runs "
             "vLLM's own receiver, which (vLLM 0.33) receives only from src 0; use weightwire_tcp or "
-            "weightwire_nccl, or make rank 0 the first owner of every parameter")
+            "weightwire_nccl, or make rank 0 the first owner of every parameter"
+        )
     if several not in ("stars", "group"):
         raise PlanError(
             f"the metadata has broadcasting ranks {list(plan.group_ranks)}, but backend {backend!r} carries "
             "one broadcaster only; use weightwire_tcp or weightwire_nccl, or make rank 0 the first owner "
-            "of every parameter")
+            "of every parameter"
+        )

@@ -101,8 +101,10 @@ class TrainerInitInfo:
         self.backend = canonical(self.backend) if isinstance(self.backend, str) else self.backend
         if self.backend not in backend_names():
             aliases = ", ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
-            raise ConfigError(f"unknown backend {self.backend!r}; known: {', '.join(backend_names())} "
-                              f"(aliases: {aliases})")
+            raise ConfigError(
+                f"unknown backend {self.backend!r}; known: {', '.join(backend_names())} "
+                f"(aliases: {aliases})"
+            )
         if type(self.rank) is not int or self.rank < 0:
             raise ConfigError(f"rank must be a non-negative int, got {self.rank!r}")
         if type(self.packed) is not bool:
@@ -110,21 +112,31 @@ class TrainerInitInfo:
         check_buffer_size("packed_buffer_size_bytes", self.packed_buffer_size_bytes)
         check_num_buffers("packed_num_buffers", self.packed_num_buffers)
         if not isinstance(self.timeouts, Timeouts):
-            raise ConfigError(f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}")
+            raise ConfigError(
+                f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}"
+            )
         round_interval_s()  # a bad WEIGHTWIRE_SWITCH_INTERVAL_US fails here, before anything is sent
         if type(self.ipc_release_after_round) is not bool:
-            raise ConfigError(f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}")
+            raise ConfigError(
+                f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}"
+            )
         check_stage_budget("stage_budget_bytes", self.stage_budget_bytes)
         if type(self.reset_prefix_cache) is not bool:
             raise ConfigError(f"reset_prefix_cache must be a bool, got {self.reset_prefix_cache!r}")
         if self.ipc_mode not in ("pull", "push"):
             raise ConfigError(f"ipc_mode must be 'pull' or 'push', got {self.ipc_mode!r}")
         if self.pause_mode is not None and self.pause_mode not in ("auto", *PAUSE_MODES):
-            raise ConfigError(f"pause_mode must be None, 'auto' or one of {PAUSE_MODES}, got {self.pause_mode!r}")
+            raise ConfigError(
+                f"pause_mode must be None, 'auto' or one of {PAUSE_MODES}, got {self.pause_mode!r}"
+            )
         if self.device is not None and (type(self.device) is not int or self.device < 0):
-            raise ConfigError(f"device must be a CUDA ordinal (int >= 0) or None, got {self.device!r}")
+            raise ConfigError(
+                f"device must be a CUDA ordinal (int >= 0) or None, got {self.device!r}"
+            )
         if self.version_override is not None:
-            ServerFeatures.for_version("0.0", override=self.version_override)  # an unknown release fails here
+            ServerFeatures.for_version(
+                "0.0", override=self.version_override
+            )  # an unknown release fails here
         world = self.inference_world_size
         if world is not None and (type(world) is not int or not 1 <= world < LIMITS.max_world_size):
             raise ConfigError(f"inference_world_size must be a positive int, got {world!r}")

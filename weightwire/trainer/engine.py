@@ -90,18 +90,26 @@ class TrainerEngine(ABC):
         return SenderParts(self.host_bytes, self.prefetch_host, packer)
 
     def tensor_sha256(self, tensor: Any) -> str:
-        return hashlib.sha256(self.host_bytes(tensor).data).hexdigest()  # .data: the array's memoryview
+        return hashlib.sha256(
+            self.host_bytes(tensor).data
+        ).hexdigest()  # .data: the array's memoryview
 
     # -- construction ------------------------------------------------------------------
 
-    def __init__(self, init_info: TrainerInitInfo, *, client: WeightSyncClient, source: WeightSource) -> None:
+    def __init__(
+        self, init_info: TrainerInitInfo, *, client: WeightSyncClient, source: WeightSource
+    ) -> None:
         self.info = init_info
         # The optional calls are checked by name (_check_client) or guarded where called.
         self.client = cast(EngineClient, client)
         self.source = source
         self.session = Session(
-            info=init_info, client=self.client, source=source, backend=get_backend(init_info.backend),
-            framework=self, commit_plan=CommitPlan(reset=init_info.reset_prefix_cache),  # resolved by _check_client
+            info=init_info,
+            client=self.client,
+            source=source,
+            backend=get_backend(init_info.backend),
+            framework=self,
+            commit_plan=CommitPlan(reset=init_info.reset_prefix_cache),  # resolved by _check_client
             pause_mode=None if init_info.pause_mode == "auto" else init_info.pause_mode,
             verifier=RoundVerifier() if init_info.verify else None,
         )
@@ -121,8 +129,14 @@ class TrainerEngine(ABC):
         return f"{type(self).__name__}(backend={self.info.backend!r}, {role}, rounds={self.session.rounds})"
 
     @classmethod
-    def trainer_init(cls, init_info: TrainerInitInfo, *, client: WeightSyncClient, source: Any = None,
-                     group: TrainerGroup | None = None) -> Self:
+    def trainer_init(
+        cls,
+        init_info: TrainerInitInfo,
+        *,
+        client: WeightSyncClient,
+        source: Any = None,
+        group: TrainerGroup | None = None,
+    ) -> Self:
         """Rendezvous with the inference side (rank 0) and return a ready engine.
 
         ``group`` (a ``trainer.group.TrainerGroup``, given on every rank): the trainer's
@@ -154,12 +168,16 @@ class TrainerEngine(ABC):
 
     def _check_client(self) -> None:
         s = self.session
-        s.pause_mode = check_client(self.info, self.client, stock_receiver=s.backend.caps.stock_receiver)
+        s.pause_mode = check_client(
+            self.info, self.client, stock_receiver=s.backend.caps.stock_receiver
+        )
         s.commit_plan = commit_plan(self.info, self.client, s.pause_mode)
 
     # -- a round -----------------------------------------------------------------------------
 
-    def send_weights(self, weight_version: str | None = None, *, draft: bool = False) -> RoundMetrics:
+    def send_weights(
+        self, weight_version: str | None = None, *, draft: bool = False
+    ) -> RoundMetrics:
         """Push the source's current weights; every trainer rank calls this.
 
         Returns once every worker loaded the round and (rank 0) the servers committed
@@ -178,7 +196,9 @@ class TrainerEngine(ABC):
         if self._multi is not None:
             if draft and self.info.is_sender:
                 assert s.features is not None
-                s.features.require("draft_route", "a draft round starts with /start_draft_weight_update")
+                s.features.require(
+                    "draft_route", "a draft round starts with /start_draft_weight_update"
+                )
             return self._multi.send(weight_version, draft)
         clock = PhaseClock()
         with clock("metadata"):
@@ -211,12 +231,29 @@ class TrainerEngine(ABC):
             require_draft_model(self.client)
             self._draft_confirmed = True  # the server's config cannot change without a restart
 
-    def _sole_round(self, metas: list[ParamMeta], version: str, clock: PhaseClock, draft: bool,
-                    end: RoundEnd | None = None) -> RoundMetrics:
+    def _sole_round(
+        self,
+        metas: list[ParamMeta],
+        version: str,
+        clock: PhaseClock,
+        draft: bool,
+        end: RoundEnd | None = None,
+    ) -> RoundMetrics:
         """Rank 0 alone broadcasts: a one-turn plan through the round driver."""
         with clock("metadata"):
-            self._planned = sole = sole_plan(self.session, metas, self._planned)  # a refusal: before any call
-        return lead_round(self.session, sole.bplan, metas, version, clock, draft, SoleWire(self.session, sole), end)
+            self._planned = sole = sole_plan(
+                self.session, metas, self._planned
+            )  # a refusal: before any call
+        return lead_round(
+            self.session,
+            sole.bplan,
+            metas,
+            version,
+            clock,
+            draft,
+            SoleWire(self.session, sole),
+            end,
+        )
 
     def abort_requests(self, request_ids: list[str] | None = None) -> None:
         """Rank 0: abort in-flight generation on every server without pausing (all when ``None``)."""
@@ -249,9 +286,16 @@ class TrainerEngine(ABC):
         if s.link is None:
             return
         post: Future | None = None
-        if not displaced and s.features is not None and s.features.shutdown_route and hasattr(self.client, "shutdown_weight_transfer_engine"):
+        if (
+            not displaced
+            and s.features is not None
+            and s.features.shutdown_route
+            and hasattr(self.client, "shutdown_weight_transfer_engine")
+        ):
             transfer_s = self.info.timeouts.transfer_s
-            post = spawn(lambda: shutdown_when_settled(self.client, transfer_s), name="weightwire-shutdown")
+            post = spawn(
+                lambda: shutdown_when_settled(self.client, transfer_s), name="weightwire-shutdown"
+            )
         s.close_link()
         try:
             if post is None:
@@ -264,8 +308,11 @@ class TrainerEngine(ABC):
             except BaseException as exc:
                 if failing is None:
                     raise
-                logger.warning("shutdown_weight_transfer_engine failed while %s propagated: %s",
-                               type(failing).__name__, exc)
+                logger.warning(
+                    "shutdown_weight_transfer_engine failed while %s propagated: %s",
+                    type(failing).__name__,
+                    exc,
+                )
         finally:
             if isinstance(self.client, FallbackClient):
                 self.client.close()  # only the connections the engine opened itself

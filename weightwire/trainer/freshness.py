@@ -57,7 +57,8 @@ class StaleCacheError(WeightwireError, RuntimeError):
             f"were not reset: {detail}. Requests whose prefix was cached before the round may be answered from "
             "KV computed with the previous weights until a reset succeeds (the next round's, or "
             "POST /reset_prefix_cache?reset_running_requests=true); TrainerInitInfo(reset_prefix_cache=False) "
-            "accepts stale prefixes knowingly")
+            "accepts stale prefixes knowingly"
+        )
         self.weight_version = weight_version
         self.detail = detail
 
@@ -86,16 +87,27 @@ class CommitPlan:
 def commit_plan(info: TrainerInitInfo, client: object, round_pause: str | None) -> CommitPlan:
     """The plan for this engine; ``round_pause`` is the mode the whole round is paused in (or None)."""
     if not info.reset_prefix_cache:
-        logger.info("reset_prefix_cache=False: vLLM may answer requests from KV computed before a round")
+        logger.info(
+            "reset_prefix_cache=False: vLLM may answer requests from KV computed before a round"
+        )
         return CommitPlan(reset=False)
     if round_pause is not None:
         return CommitPlan(reset=True)
     can_pause = all(callable(getattr(client, m, None)) for m in ("pause", "resume"))
     if info.pause_mode == "auto" and can_pause:
-        return CommitPlan(reset=True)  # a staging plugin backend: unpaused by design (the module docstring)
-    why = "pause_mode=None" if info.pause_mode is None else f"client {type(client).__name__} cannot pause"
-    logger.warning("%s: the cache reset after each round runs unpaused; a request scheduled between the commit and "
-                   "the reset may reuse KV computed with the previous weights", why)
+        return CommitPlan(
+            reset=True
+        )  # a staging plugin backend: unpaused by design (the module docstring)
+    why = (
+        "pause_mode=None"
+        if info.pause_mode is None
+        else f"client {type(client).__name__} cannot pause"
+    )
+    logger.warning(
+        "%s: the cache reset after each round runs unpaused; a request scheduled between the commit and "
+        "the reset may reuse KV computed with the previous weights",
+        why,
+    )
     return CommitPlan(reset=True)
 
 
@@ -109,23 +121,37 @@ def reset_after_commit(client: Any, version: str) -> None:
         try:
             answers = client.reset_prefix_cache()
         except WeightSyncError as exc:
-            hint = (" (the server has no /reset_prefix_cache route; vLLM serves it with VLLM_SERVER_DEV_MODE=1, "
-                    "as it does the weight routes)") if exc.status == 404 else ""
+            hint = (
+                (
+                    " (the server has no /reset_prefix_cache route; vLLM serves it with VLLM_SERVER_DEV_MODE=1, "
+                    "as it does the weight routes)"
+                )
+                if exc.status == 404
+                else ""
+            )
             raise StaleCacheError(version, f"{exc}{hint}") from exc
         except Exception as exc:
-            raise StaleCacheError(version, f"reset_prefix_cache raised {type(exc).__name__}: {exc}") from exc
+            raise StaleCacheError(
+                version, f"reset_prefix_cache raised {type(exc).__name__}: {exc}"
+            ) from exc
         refused = [] if answers is None else [i for i, ok in enumerate(answers) if ok is not True]
         if not refused:
             break
         if attempt == _RESET_ATTEMPTS:
-            raise StaleCacheError(version, f"server(s) {', '.join(map(str, refused))} answered success=false to "
-                                           f"/reset_prefix_cache {_RESET_ATTEMPTS} times (KV still held, e.g. by "
-                                           "a KV connector's transfer in flight)")
+            raise StaleCacheError(
+                version,
+                f"server(s) {', '.join(map(str, refused))} answered success=false to "
+                f"/reset_prefix_cache {_RESET_ATTEMPTS} times (KV still held, e.g. by "
+                "a KV connector's transfer in flight)",
+            )
         time.sleep(_RESET_RETRY_S * attempt)
     encoder = getattr(client, "reset_encoder_cache", None)
     if callable(encoder):
         try:
             encoder()
         except Exception as exc:
-            raise StaleCacheError(version, f"reset_encoder_cache failed ({exc}): a multimodal model's cached "
-                                           "encoder outputs may come from the previous weights") from exc
+            raise StaleCacheError(
+                version,
+                f"reset_encoder_cache failed ({exc}): a multimodal model's cached "
+                "encoder outputs may come from the previous weights",
+            ) from exc

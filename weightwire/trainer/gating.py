@@ -34,16 +34,26 @@ def server_features(info: TrainerInitInfo, client: ServerControls) -> ServerFeat
             if stated is None:
                 raise
             # The client cannot tell (e.g. a Ray client built without one): the stated version stands.
-            logger.info("client %s cannot report the server version; using server_version=%s",
-                        type(client).__name__, stated)
+            logger.info(
+                "client %s cannot report the server version; using server_version=%s",
+                type(client).__name__,
+                stated,
+            )
     if stated is not None and asked is not None:
-        got, want = resolve_release(parse_version(asked))[0], resolve_release(parse_version(stated))[0]
+        got, want = (
+            resolve_release(parse_version(asked))[0],
+            resolve_release(parse_version(stated))[0],
+        )
         if got != want:
-            raise ValueError(f"TrainerInitInfo.server_version is {stated!r} but the server reports {asked!r}; "
-                             "drop server_version, or set version_override to gate on purpose")
+            raise ValueError(
+                f"TrainerInitInfo.server_version is {stated!r} but the server reports {asked!r}; "
+                "drop server_version, or set version_override to gate on purpose"
+            )
     version = asked if asked is not None else stated
     if version is None:
-        raise ValueError("no server version: the client has no version() and TrainerInitInfo.server_version is unset")
+        raise ValueError(
+            "no server version: the client has no version() and TrainerInitInfo.server_version is unset"
+        )
     features = ServerFeatures.for_version(version, override=info.version_override)
     if info.version_override is not None:
         logger.warning("server version %s gated by override as %s", version, info.version_override)
@@ -59,14 +69,18 @@ def require_draft_model(client: object) -> None:
     """
     ask = getattr(client, "has_draft_model", None)
     if not callable(ask):
-        raise TypeError(f"client {type(client).__name__} cannot confirm a speculative draft model (no "
-                        "has_draft_model()); a draft round on a server without one kills vLLM's engine")
+        raise TypeError(
+            f"client {type(client).__name__} cannot confirm a speculative draft model (no "
+            "has_draft_model()); a draft round on a server without one kills vLLM's engine"
+        )
     answers = list(ask())
     missing = [i for i, ok in enumerate(answers) if not ok]
     if not answers or missing:
         which = ", ".join(str(i) for i in missing) or "all"
-        raise ValueError(f"server(s) {which} show no speculative draft model (/server_info has no "
-                         "speculative_config); a draft round there would kill vLLM's engine core. Nothing was sent")
+        raise ValueError(
+            f"server(s) {which} show no speculative draft model (/server_info has no "
+            "speculative_config); a draft round there would kill vLLM's engine core. Nothing was sent"
+        )
 
 
 def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool) -> str | None:
@@ -86,8 +100,11 @@ def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool)
         can_pause = all(callable(getattr(client, m, None)) for m in ("pause", "resume"))
         pause_mode = "keep" if can_pause and stock_receiver else None
         if stock_receiver and not can_pause:
-            logger.warning("client %s cannot pause generation: rounds run under live traffic "
-                           "(vLLM crashes when a request meets a layer mid-reload)", type(client).__name__)
+            logger.warning(
+                "client %s cannot pause generation: rounds run under live traffic "
+                "(vLLM crashes when a request meets a layer mid-reload)",
+                type(client).__name__,
+            )
     if info.verify:
         needed.append("weight_checker")
     if pause_mode is not None:
@@ -121,8 +138,14 @@ class RoundPause:
     round's first write until its commit, so requests are refused with the reason."""
 
 
-def round_pause(info: TrainerInitInfo, session_mode: str | None, *, stock_receiver: bool, nbytes: int,
-                client: object) -> RoundPause:
+def round_pause(
+    info: TrainerInitInfo,
+    session_mode: str | None,
+    *,
+    stock_receiver: bool,
+    nbytes: int,
+    client: object,
+) -> RoundPause:
     """The pause of a round of ``nbytes`` (``session_mode``: ``check_client``'s answer).
 
     A plugin worker applies a round over ``stage_budget_bytes`` in place
@@ -137,14 +160,19 @@ def round_pause(info: TrainerInitInfo, session_mode: str | None, *, stock_receiv
     if info.pause_mode is None:
         return RoundPause(None, resume_on_failure=False)
     if not all(callable(getattr(client, m, None)) for m in ("pause", "resume")):
-        logger.warning("client cannot pause: a round applied in place (%d bytes > stage_budget_bytes %d) runs "
-                       "under live traffic, and a failure would leave a half-updated model served",
-                       nbytes, info.stage_budget_bytes)
+        logger.warning(
+            "client cannot pause: a round applied in place (%d bytes > stage_budget_bytes %d) runs "
+            "under live traffic, and a failure would leave a half-updated model served",
+            nbytes,
+            info.stage_budget_bytes,
+        )
         return RoundPause(None, resume_on_failure=False)
     mode = "abort" if info.pause_mode in ("auto", "keep") else info.pause_mode
     if info.pause_mode == "keep":
-        logger.warning("pause_mode='keep' would queue requests behind a round applied in place that may fail; "
-                       "pausing this round with 'abort' (new requests refused until it commits)")
+        logger.warning(
+            "pause_mode='keep' would queue requests behind a round applied in place that may fail; "
+            "pausing this round with 'abort' (new requests refused until it commits)"
+        )
     return RoundPause(mode, resume_on_failure=False, guard=guard_installed(client))
 
 
@@ -164,17 +192,24 @@ def guard_installed(client: object) -> bool:
         return False  # it refuses generation itself, with the reason, while its model is incomplete
     shared = [i for i, s in enumerate(states) if isinstance(s, dict) and not s.get("covers")]
     if not callable(ask):
-        why = (f"client {type(client).__name__} cannot hold a round guard (an HTTP server's "
-               f"--middleware {MIDDLEWARE})")
+        why = (
+            f"client {type(client).__name__} cannot hold a round guard (an HTTP server's "
+            f"--middleware {MIDDLEWARE})"
+        )
     elif shared:
-        why = (f"server(s) {shared} run several API-server processes, which the round guard "
-               "cannot cover")
+        why = (
+            f"server(s) {shared} run several API-server processes, which the round guard "
+            "cannot cover"
+        )
     else:
         why = f"the servers do not run the round guard (start vLLM with --middleware {MIDDLEWARE})"
-    logger.warning("%s: if this round applied in place fails, generation stays paused with 'abort' "
-                   "until a complete round commits; vLLM >= 0.33 then answers 503 'Generation is "
-                   "paused' without the reason, vLLM <= 0.32 queues new requests until then "
-                   "(docs/reliability.md)", why)
+    logger.warning(
+        "%s: if this round applied in place fails, generation stays paused with 'abort' "
+        "until a complete round commits; vLLM >= 0.33 then answers 503 'Generation is "
+        "paused' without the reason, vLLM <= 0.32 queues new requests until then "
+        "(docs/reliability.md)",
+        why,
+    )
     return False
 
 
@@ -215,14 +250,22 @@ def after_failed_round(client: object, pause: RoundPause) -> None:
         try:
             client.release_round(resume=True)  # type: ignore[attr-defined]
         except Exception as exc:
-            logger.error("a round applied in place failed and the servers refuse requests that run "
-                         "the model, saying why: %s. The next complete round lifts it (or POST "
-                         "/weightwire/round_guard/release once the workers' weights are whole; "
-                         "docs/reliability.md)", exc)
+            logger.error(
+                "a round applied in place failed and the servers refuse requests that run "
+                "the model, saying why: %s. The next complete round lifts it (or POST "
+                "/weightwire/round_guard/release once the workers' weights are whole; "
+                "docs/reliability.md)",
+                exc,
+            )
         else:
-            logger.warning("a round applied in place failed, and the workers' weights are whole: "
-                           "the servers serve the previous weights again")
+            logger.warning(
+                "a round applied in place failed, and the workers' weights are whole: "
+                "the servers serve the previous weights again"
+            )
         return
-    logger.error("a round applied in place failed: the servers stay paused (mode=%s, new requests refused) "
-                 "because their models may hold part of it; the next complete round resumes them "
-                 "(docs/reliability.md, 'Rounds over the stage budget': the operator's way out)", pause.mode)
+    logger.error(
+        "a round applied in place failed: the servers stay paused (mode=%s, new requests refused) "
+        "because their models may hold part of it; the next complete round resumes them "
+        "(docs/reliability.md, 'Rounds over the stage budget': the operator's way out)",
+        pause.mode,
+    )

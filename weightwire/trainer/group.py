@@ -97,17 +97,26 @@ class Exchange:
             return json.loads(self.group.read(self._key(name, rank), timeout))
         except GroupTimeout as exc:
             if exc.after_s is not None:
-                raise GroupTimeout(f"reading trainer rank {rank}'s {name!r} failed after {exc.after_s:.1f} s, before "
-                                   f"its {timeout:g} s timeout: {exc} (is the group's store, or the rank hosting it, "
-                                   "gone?)", after_s=exc.after_s) from None
-            raise GroupTimeout(f"trainer rank {rank} did not publish {name!r} within {timeout:g} s "
-                               "(it died, hung, or is running a different step)") from None
+                raise GroupTimeout(
+                    f"reading trainer rank {rank}'s {name!r} failed after {exc.after_s:.1f} s, before "
+                    f"its {timeout:g} s timeout: {exc} (is the group's store, or the rank hosting it, "
+                    "gone?)",
+                    after_s=exc.after_s,
+                ) from None
+            raise GroupTimeout(
+                f"trainer rank {rank} did not publish {name!r} within {timeout:g} s "
+                "(it died, hung, or is running a different step)"
+            ) from None
 
     def allgather(self, name: str, value: Any, timeout: float) -> list[Any]:
         self.post(name, value)
         deadline = time.monotonic() + timeout
-        return [value if r == self.group.rank else self.get(name, r, max(0.001, deadline - time.monotonic()))
-                for r in range(self.group.size)]
+        return [
+            value
+            if r == self.group.rank
+            else self.get(name, r, max(0.001, deadline - time.monotonic()))
+            for r in range(self.group.size)
+        ]
 
 
 class StoreGroup:
@@ -150,17 +159,25 @@ class StoreGroup:
             return self._get(key, timeout)
         except GroupTimeout:
             raise
-        except Exception as exc:  # each store raises its own type on timeout (DistStoreError, XLA's, ...)
+        except (
+            Exception
+        ) as exc:  # each store raises its own type on timeout (DistStoreError, XLA's, ...)
             elapsed = time.monotonic() - start
-            if elapsed < 0.9 * timeout - _EARLY_SLACK_S:  # no timeout: the store itself failed (a lost connection)
-                raise GroupTimeout(f"{type(exc).__name__}: {str(exc)[:200]}", after_s=elapsed) from None
+            if (
+                elapsed < 0.9 * timeout - _EARLY_SLACK_S
+            ):  # no timeout: the store itself failed (a lost connection)
+                raise GroupTimeout(
+                    f"{type(exc).__name__}: {str(exc)[:200]}", after_s=elapsed
+                ) from None
             raise GroupTimeout(f"{key}: {type(exc).__name__}") from None
 
 
 class DictGroup(StoreGroup):
     """In-process group over a shared dict (tests, threads standing in for ranks)."""
 
-    def __init__(self, rank: int, size: int, shared: dict[str, str], cv: threading.Condition) -> None:
+    def __init__(
+        self, rank: int, size: int, shared: dict[str, str], cv: threading.Condition
+    ) -> None:
         super().__init__(rank, size)
         self._shared, self._cv = shared, cv
 

@@ -48,8 +48,10 @@ def round_interval_s() -> float | None:
     if us == 0:
         return None
     if not 1 <= us < math.inf:
-        raise ConfigError(f"{ENV}={raw[:40]!r}: expected microseconds, 0 (leave the interval alone) or a number "
-                          ">= 1 (the interpreter's resolution)")
+        raise ConfigError(
+            f"{ENV}={raw[:40]!r}: expected microseconds, 0 (leave the interval alone) or a number "
+            ">= 1 (the interpreter's resolution)"
+        )
     return us * 1e-6
 
 

@@ -77,5 +77,7 @@ class PhaseClock:
 
     def __exit__(self, *exc: object) -> None:
         assert self._name is not None
-        self.seconds[self._name] = self.seconds.get(self._name, 0.0) + time.perf_counter() - self._start
+        self.seconds[self._name] = (
+            self.seconds.get(self._name, 0.0) + time.perf_counter() - self._start
+        )
         self._name = None

@@ -47,7 +47,9 @@ class MultiBase:
         if not isinstance(group, TrainerGroup):
             raise TypeError(f"group must be a weightwire TrainerGroup, got {type(group).__name__}")
         if group.rank != session.info.rank:
-            raise ValueError(f"TrainerInitInfo.rank {session.info.rank} is not the group's rank {group.rank}")
+            raise ValueError(
+                f"TrainerInitInfo.rank {session.info.rank} is not the group's rank {group.rank}"
+            )
         self.session = session
         self.rank = group.rank
         self.exchange = Exchange(group)
@@ -97,12 +99,16 @@ class MultiBase:
                     note = f"; rank {turn.rank} reported: {status['error']}"
             except GroupTimeout:
                 note = f"; rank {turn.rank} did not report within {_GRACE_S:g} s (it may have died)"
-        err = RoundFailed(f"turn of trainer rank {turn.rank} (src {turn.src}, {len(turn.metas)} tensors from "
-                          f"{turn.metas[0].name!r}) failed{seen}: {type(exc).__name__}: {exc}{note}")
+        err = RoundFailed(
+            f"turn of trainer rank {turn.rank} (src {turn.src}, {len(turn.metas)} tensors from "
+            f"{turn.metas[0].name!r}) failed{seen}: {type(exc).__name__}: {exc}{note}"
+        )
         err.__cause__ = exc
         return err
 
     def _break(self, exc: BaseException) -> None:
         self.session.broken = exc
-        if self.rank != 0 and self.session.link is not None:  # rank 0's link: its own wire aborts it
+        if (
+            self.rank != 0 and self.session.link is not None
+        ):  # rank 0's link: its own wire aborts it
             self.session.link.abort()

@@ -120,7 +120,9 @@ class GroupTurns:
         if not self._reached.wait(bound):
             raise TransferTimeout(f"the turns before src {turn.src} did not end within {bound:g} s")
         if self.stop.is_set():
-            raise RoundAborted(f"the round failed before the turn of trainer rank {turn.rank} (src {turn.src})")
+            raise RoundAborted(
+                f"the round failed before the turn of trainer rank {turn.rank} (src {turn.src})"
+            )
 
     def _drive(self) -> None:
         for turn in self.plan.turns:
@@ -134,9 +136,13 @@ class GroupTurns:
                 if turn.rank == self.rank:
                     self._reached.set()
                     if not self._done.wait(self._bound(turn)):
-                        raise TransferTimeout(f"this rank's own broadcasts did not end within {self._bound(turn):g} s")
+                        raise TransferTimeout(
+                            f"this rank's own broadcasts did not end within {self._bound(turn):g} s"
+                        )
                 else:
-                    self.pipeline.discard(self.chunks[turn.src], turn.metas, root=turn.src, stop=self.stop)
+                    self.pipeline.discard(
+                        self.chunks[turn.src], turn.metas, root=turn.src, stop=self.stop
+                    )
                 if self.stop.is_set():
                     return
                 if future is not None:
@@ -179,16 +185,22 @@ class GroupWire(MultiBase):
                 if not posted:  # the other broadcasters wait for these fields: tell them now
                     self.exchange.post("group", {"error": f"{type(exc).__name__}: {exc}"})
                 raise
-            self._await_all("ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s)
+            self._await_all(
+                "ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s
+            )
             return
         if not bplan.in_group(self.rank):
             self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
         comm = None
         try:
-            packer = s.framework.device_packer(s.info.device)  # a rank without a device fails before the rendezvous
+            packer = s.framework.device_packer(
+                s.info.device
+            )  # a rank without a device fails before the rendezvous
             fields = self._await_ok("group", t.connect_s + t.http_s)["fields"]
-            comm = backend.join_peer(s.info, fields, rank=bplan.group_ranks.index(self.rank), timeout=t.connect_s)
+            comm = backend.join_peer(
+                s.info, fields, rank=bplan.group_ranks.index(self.rank), timeout=t.connect_s
+            )
             comm.warmup(timeout=t.warmup_s)
             s.sender = backend.sender(comm, s.info, s.framework.sender_parts(packer))
         except BaseException as exc:
@@ -200,19 +212,28 @@ class GroupWire(MultiBase):
         self.exchange.post("ready", {"error": None})
         self._await_ok("joined", t.http_s + t.warmup_s)
 
-    def _group_turns(self, bplan: BroadcastPlan, update: Callable[[Turn], Future] | None = None) -> GroupTurns:
+    def _group_turns(
+        self, bplan: BroadcastPlan, update: Callable[[Turn], Future] | None = None
+    ) -> GroupTurns:
         s = self.session
         assert s.sender is not None and s.link is not None
         return GroupTurns(self.rank, bplan, self._chunks, s.sender, s.link, s.info.timeouts, update)
 
-    def _group_lead(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], pairs: Iterator[tuple[str, Any]],
-                    failed: list[TurnFailure]) -> Sent:
+    def _group_lead(
+        self,
+        bplan: BroadcastPlan,
+        payloads: list[dict[str, Any]],
+        pairs: Iterator[tuple[str, Any]],
+        failed: list[TurnFailure],
+    ) -> Sent:
         """Rank 0's transfer over one group: each turn's request, then its collective (``multi_group``)."""
         client = self.session.client
         by_src = {turn.src: payload for turn, payload in zip(bplan.turns, payloads, strict=True)}
 
         def update(turn: Turn) -> Future:
-            return spawn(functools.partial(client.update_weights, by_src[turn.src]), name="weightwire-update")
+            return spawn(
+                functools.partial(client.update_weights, by_src[turn.src]), name="weightwire-update"
+            )
 
         turns = self._group_turns(bplan, update)
         out = turns.run(pairs)

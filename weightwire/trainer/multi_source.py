@@ -81,7 +81,9 @@ class MultiSource(StarWire, GroupWire):
     def __init__(self, session: Session, group: TrainerGroup, sole_round: SoleRound) -> None:
         super().__init__(session, group)
         self._sole_round = sole_round  # the engine's one-turn round (rank 0, one broadcaster)
-        self._round: BroadcastPlan | None = None  # rank 0: the round in flight (its verdict is published)
+        self._round: BroadcastPlan | None = (
+            None  # rank 0: the round in flight (its verdict is published)
+        )
 
     # -- agreement ----------------------------------------------------------------------
 
@@ -89,16 +91,30 @@ class MultiSource(StarWire, GroupWire):
         if self._planned is None or self._planned.metas != metas:
             bplan = plan_broadcast(metas)
             if self._group_ranks is not None and bplan.group_ranks != self._group_ranks:
-                raise PlanError(f"the broadcasting ranks changed from {list(self._group_ranks)} (at init) to "
-                                f"{list(bplan.group_ranks)}; call shutdown() and trainer_init() again")
+                raise PlanError(
+                    f"the broadcasting ranks changed from {list(self._group_ranks)} (at init) to "
+                    f"{list(bplan.group_ranks)}; call shutdown() and trainer_init() again"
+                )
             info = self.session.info
-            chunks = {t.src: plan(list(t.metas), packed=info.packed, buffer_size_bytes=info.packed_buffer_size_bytes)
-                      for t in bplan.turns}
+            chunks = {
+                t.src: plan(
+                    list(t.metas),
+                    packed=info.packed,
+                    buffer_size_bytes=info.packed_buffer_size_bytes,
+                )
+                for t in bplan.turns
+            }
             self._planned = PlannedBroadcast(list(metas), bplan, chunks)
         return self._planned.plan
 
-    def _agree(self, name: str, metas: list[ParamMeta], extra: dict[str, Any], error: str | None,
-               timeout: float) -> Agreement:
+    def _agree(
+        self,
+        name: str,
+        metas: list[ParamMeta],
+        extra: dict[str, Any],
+        error: str | None,
+        timeout: float,
+    ) -> Agreement:
         """Every rank's local verdict and metadata digest; every rank raises the same error."""
         bplan: BroadcastPlan | None = None
         if error is None:
@@ -109,7 +125,9 @@ class MultiSource(StarWire, GroupWire):
                 check_receiver(bplan, b.name, stock=b.caps.stock_receiver, several=b.caps.several)
             except (PlanError, ValueError, TypeError) as exc:
                 error = str(exc)
-        values = self.exchange.allgather(name, {"digest": digest(metas), "error": error, **extra}, timeout)
+        values = self.exchange.allgather(
+            name, {"digest": digest(metas), "error": error, **extra}, timeout
+        )
         for r, v in enumerate(values):
             if v["error"] is not None:
                 raise PlanError(f"trainer rank {r}: {v['error']}")
@@ -168,7 +186,9 @@ class MultiSource(StarWire, GroupWire):
                 for _ in s.source:
                     pass
             verdict = self._await_verdict(None)
-            return RoundMetrics(verdict["version"], 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
+            return RoundMetrics(
+                verdict["version"], 0, len(metas), 0, False, sender=False, seconds=clock.seconds
+            )
         return self._follow(bplan, clock)
 
     def _follow(self, bplan: BroadcastPlan, clock: PhaseClock) -> RoundMetrics:
@@ -193,17 +213,32 @@ class MultiSource(StarWire, GroupWire):
                         pass
         except BaseException as exc:
             self._break(exc)
-            own = exc.__cause__ if isinstance(exc, RoundFailed) and exc.__cause__ is not None else exc
-            self.exchange.post("status", {"error": f"{type(own).__name__}: {own}"})  # the cause, not its wrapper
+            own = (
+                exc.__cause__ if isinstance(exc, RoundFailed) and exc.__cause__ is not None else exc
+            )
+            self.exchange.post(
+                "status", {"error": f"{type(own).__name__}: {own}"}
+            )  # the cause, not its wrapper
             raise
         self.exchange.post("status", {"error": None, "digests": digests})
         verdict = self._await_verdict(bplan)
-        return RoundMetrics(verdict["version"], sent.nbytes, len(turn.metas) if turn else 0, sent.sends, False,
-                            sender=turn is not None, seconds=clock.seconds)
+        return RoundMetrics(
+            verdict["version"],
+            sent.nbytes,
+            len(turn.metas) if turn else 0,
+            sent.sends,
+            False,
+            sender=turn is not None,
+            seconds=clock.seconds,
+        )
 
-    def _pairs(self, turn: Turn | None, digests: dict[str, str] | None) -> Iterator[tuple[str, Any]]:
+    def _pairs(
+        self, turn: Turn | None, digests: dict[str, str] | None
+    ) -> Iterator[tuple[str, Any]]:
         """This rank's checked stream (its own slice), digested for verify when asked."""
-        return self.session.stream(iter(self.session.source), list(turn.metas) if turn else [], digests)
+        return self.session.stream(
+            iter(self.session.source), list(turn.metas) if turn else [], digests
+        )
 
     def _await_verdict(self, bplan: BroadcastPlan | None) -> dict[str, Any]:
         t = self.session.info.timeouts
@@ -215,15 +250,22 @@ class MultiSource(StarWire, GroupWire):
             raise
         if verdict["error"]:
             failure = RoundFailed(f"trainer rank 0 reported the round failed: {verdict['error']}")
-            if not verdict.get("committed"):  # a committed round whose check failed leaves the wire usable
+            if not verdict.get(
+                "committed"
+            ):  # a committed round whose check failed leaves the wire usable
                 self._break(failure)
             raise failure
         return verdict
 
     # -- rank 0: the round's wire (``round.Wire``) and how it ended (``round.RoundEnd``) -----
 
-    def transfer(self, payloads: list[dict[str, Any]], control: Control, own: dict[str, str] | None,
-                 clock: PhaseClock) -> Sent:
+    def transfer(
+        self,
+        payloads: list[dict[str, Any]],
+        control: Control,
+        own: dict[str, str] | None,
+        clock: PhaseClock,
+    ) -> Sent:
         """Rank 0's transfer over stars or one group, its control plane first."""
         bplan = self._round
         assert bplan is not None

@@ -43,23 +43,36 @@ class StarWire(MultiBase):
             self.exchange.post("keyshare", share.public_b64)
 
             def extend(payload: dict[str, Any]) -> dict[str, Any]:
-                stars = [self._source(share, self.exchange.get("endpoint", r, t.connect_s), r)
-                         for r in bplan.group_ranks[1:]]
-                return s.backend.with_stars(payload, stars, rank_offset=len(bplan.group_ranks),
-                                            world_size=bplan.world_size(workers))
+                stars = [
+                    self._source(share, self.exchange.get("endpoint", r, t.connect_s), r)
+                    for r in bplan.group_ranks[1:]
+                ]
+                return s.backend.with_stars(
+                    payload,
+                    stars,
+                    rank_offset=len(bplan.group_ranks),
+                    world_size=bplan.world_size(workers),
+                )
 
             self._report("joined", lambda: open_wire(s, extend=extend))
-            self._await_all("ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s)
+            self._await_all(
+                "ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s
+            )
             return
         if bplan.turn_of(self.rank) is None:
             self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
         rdv: StarEndpoint | None = None
         try:
-            secret = share.secret_with(self.exchange.get("keyshare", 0, t.connect_s), length=TCP_SECRET_BYTES,
-                                       context=_STAR_CONTEXT)
+            secret = share.secret_with(
+                self.exchange.get("keyshare", 0, t.connect_s),
+                length=TCP_SECRET_BYTES,
+                context=_STAR_CONTEXT,
+            )
             rdv = s.backend.open_star(s.info, world_size=1 + workers, secret=secret)
-            self.exchange.post("endpoint", {"host": rdv.host, "port": rdv.port, "keyshare": share.public_b64})
+            self.exchange.post(
+                "endpoint", {"host": rdv.host, "port": rdv.port, "keyshare": share.public_b64}
+            )
             comm = rdv.accept(timeout=t.connect_s)
         except BaseException as exc:
             if rdv is not None:
@@ -82,10 +95,14 @@ class StarWire(MultiBase):
         """A broadcaster's posted endpoint -> its entry in rank 0's init info (the secret derived here)."""
         if not isinstance(endpoint, dict):
             raise ConfigError(f"trainer rank {rank} posted an endpoint that is not an object")
-        secret = share.secret_with(endpoint.get("keyshare"), length=TCP_SECRET_BYTES, context=_STAR_CONTEXT)
+        secret = share.secret_with(
+            endpoint.get("keyshare"), length=TCP_SECRET_BYTES, context=_STAR_CONTEXT
+        )
         return StarSource(endpoint.get("host"), endpoint.get("port"), secret)  # type: ignore[arg-type]
 
-    def _send_turn(self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event) -> Sent:
+    def _send_turn(
+        self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event
+    ) -> Sent:
         pipeline = self.session.sender
         assert pipeline is not None
         # islice: the pipeline must not pull past this turn (the next item may be a
@@ -101,17 +118,26 @@ class StarWire(MultiBase):
         t = self.session.info.timeouts
         go = self.exchange.get(f"go{turn.src}", 0, t.http_s * (turn.src + 1) + t.transfer_s)
         if not go:
-            raise RoundFailed(f"trainer rank 0 ended the round before the turn of rank {turn.rank} (src {turn.src})")
+            raise RoundFailed(
+                f"trainer rank 0 ended the round before the turn of rank {turn.rank} (src {turn.src})"
+            )
 
-    def _star_lead(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], pairs: Iterator[tuple[str, Any]],
-                   failed: list[TurnFailure]) -> Sent:
+    def _star_lead(
+        self,
+        bplan: BroadcastPlan,
+        payloads: list[dict[str, Any]],
+        pairs: Iterator[tuple[str, Any]],
+        failed: list[TurnFailure],
+    ) -> Sent:
         """Rank 0's transfer over stars: its own slice on its star, the turns' requests beside it."""
         s = self.session
         t = s.info.timeouts
         stop = threading.Event()
         self._went = set()
         sent = Sent(0, 0)
-        turns = spawn(lambda: self._run_turns(bplan, payloads, stop, failed), name="weightwire-turns")
+        turns = spawn(
+            lambda: self._run_turns(bplan, payloads, stop, failed), name="weightwire-turns"
+        )
         mine = bplan.turn_of(0)
         try:
             if mine is not None:
@@ -135,8 +161,13 @@ class StarWire(MultiBase):
             self._went.add(turn.src)
         self.exchange.post(f"go{turn.src}", go)
 
-    def _run_turns(self, bplan: BroadcastPlan, payloads: list[dict[str, Any]], stop: threading.Event,
-                   failed: list[TurnFailure]) -> None:
+    def _run_turns(
+        self,
+        bplan: BroadcastPlan,
+        payloads: list[dict[str, Any]],
+        stop: threading.Event,
+        failed: list[TurnFailure],
+    ) -> None:
         """The turns' ``update_weights``, one after another (a worker receives one turn at a time)."""
         s = self.session
         t = s.info.timeouts
@@ -145,7 +176,13 @@ class StarWire(MultiBase):
                 return
             self._go(turn, True)
             try:
-                _wait(spawn(functools.partial(s.client.update_weights, payload), name="weightwire-update"), t.http_s)
+                _wait(
+                    spawn(
+                        functools.partial(s.client.update_weights, payload),
+                        name="weightwire-update",
+                    ),
+                    t.http_s,
+                )
             except BaseException as exc:
                 failed.append(TurnFailure(turn, exc))
                 stop.set()

@@ -16,21 +16,33 @@ from weightwire.trainer.group import Exchange
 from weightwire.trainer.verify import RoundVerifier, VerifyError, VerifyReport
 
 
-def gather_digests(x: Exchange, bplan: BroadcastPlan, own: dict[str, str], timeout: float) -> dict[str, str]:
+def gather_digests(
+    x: Exchange, bplan: BroadcastPlan, own: dict[str, str], timeout: float
+) -> dict[str, str]:
     """Every slice's digests (rank 0's own plus each broadcaster's published ones)."""
     sent: dict[str, str] = {}
     for turn in bplan.turns:
         got = own if turn.rank == 0 else (x.get("status", turn.rank, timeout).get("digests") or {})
         missing = [m.name for m in turn.metas if m.name not in got]
         if missing:
-            raise VerifyError(f"trainer rank {turn.rank} (src {turn.src}) published no digest for {missing[0]!r}"
-                              f"{f' (+{len(missing) - 1} more)' if len(missing) > 1 else ''}", {})
+            raise VerifyError(
+                f"trainer rank {turn.rank} (src {turn.src}) published no digest for {missing[0]!r}"
+                f"{f' (+{len(missing) - 1} more)' if len(missing) > 1 else ''}",
+                {},
+            )
         sent.update({m.name: got[m.name] for m in turn.metas})
     return sent
 
 
-def verify_union(verifier: RoundVerifier, client: ServerControls, bplan: BroadcastPlan, sent: dict[str, str],
-                 version: str, *, draft: bool) -> VerifyReport:
+def verify_union(
+    verifier: RoundVerifier,
+    client: ServerControls,
+    bplan: BroadcastPlan,
+    sent: dict[str, str],
+    version: str,
+    *,
+    draft: bool,
+) -> VerifyReport:
     """``verifier.after_round`` over every slice; with several broadcasters a failure names
     each tensor's broadcaster."""
     try:

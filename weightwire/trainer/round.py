@@ -48,8 +48,13 @@ before any byte."""
 class Wire(Protocol):
     """How one round's turns go out from rank 0."""
 
-    def transfer(self, payloads: list[dict[str, Any]], control: Control, own: dict[str, str] | None,
-                 clock: PhaseClock) -> Sent:
+    def transfer(
+        self,
+        payloads: list[dict[str, Any]],
+        control: Control,
+        own: dict[str, str] | None,
+        clock: PhaseClock,
+    ) -> Sent:
         """Run ``control``, then every turn with its ``update_weights`` payload; ``own``: record
         the digests of rank 0's own slice. Raises on the first failed turn."""
         ...
@@ -75,8 +80,16 @@ def was_committed(exc: BaseException) -> bool:
     return isinstance(exc, (VerifyError, StaleCacheError)) and exc.committed
 
 
-def lead_round(s: Session, bplan: BroadcastPlan, metas: list[ParamMeta], version: str, clock: PhaseClock,
-               draft: bool, wire: Wire, end: RoundEnd | None = None) -> RoundMetrics:
+def lead_round(
+    s: Session,
+    bplan: BroadcastPlan,
+    metas: list[ParamMeta],
+    version: str,
+    clock: PhaseClock,
+    draft: bool,
+    wire: Wire,
+    end: RoundEnd | None = None,
+) -> RoundMetrics:
     """Rank 0's round over ``wire``; returns once the servers committed ``version``."""
     with clock("metadata"):
         payloads, reused = _payloads(s, bplan, draft)
@@ -113,7 +126,9 @@ def lead_round(s: Session, bplan: BroadcastPlan, metas: list[ParamMeta], version
             held = release_guard(s.client, pause)  # the guard checks the workers are whole first
         if s.verifier is not None and own is not None:
             with clock("verify"):
-                report = verify_union(s.verifier, s.client, bplan, wire.digests(own), version, draft=draft)
+                report = verify_union(
+                    s.verifier, s.client, bplan, wire.digests(own), version, draft=draft
+                )
     except BaseException as exc:
         committed = was_committed(exc)
         if end is not None:
@@ -129,7 +144,9 @@ def lead_round(s: Session, bplan: BroadcastPlan, metas: list[ParamMeta], version
         raise
     if end is not None:
         end.committed(version)
-    return RoundMetrics(version, sent.nbytes, len(metas), sent.sends, reused, seconds=clock.seconds, verify=report)
+    return RoundMetrics(
+        version, sent.nbytes, len(metas), sent.sends, reused, seconds=clock.seconds, verify=report
+    )
 
 
 def _release_whole(client: Any, pause: RoundPause) -> None:
@@ -138,8 +155,11 @@ def _release_whole(client: Any, pause: RoundPause) -> None:
     try:
         release_guard(client, pause)
     except Exception as exc:
-        logger.error("the round committed but the round guard could not be lifted: %s "
-                     "(POST /weightwire/round_guard/release lifts it)", exc)
+        logger.error(
+            "the round committed but the round guard could not be lifted: %s "
+            "(POST /weightwire/round_guard/release lifts it)",
+            exc,
+        )
 
 
 def _payloads(s: Session, bplan: BroadcastPlan, draft: bool) -> tuple[list[dict[str, Any]], bool]:
@@ -150,7 +170,11 @@ def _payloads(s: Session, bplan: BroadcastPlan, draft: bool) -> tuple[list[dict[
     for turn in bplan.turns:
         same = s.features.reuse_metadata and s.sent.get(SentKey(draft, turn.src)) == turn.metas
         reused &= same
-        info = UpdateInfo(src=turn.src) if same else replace(UpdateInfo.from_metas(list(turn.metas)), src=turn.src)
+        info = (
+            UpdateInfo(src=turn.src)
+            if same
+            else replace(UpdateInfo.from_metas(list(turn.metas)), src=turn.src)
+        )
         payloads.append(info.to_dict())
     return payloads, reused
 
@@ -177,7 +201,9 @@ def sole_plan(s: Session, metas: list[ParamMeta], last: SolePlan | None) -> Sole
         return last
     assert s.features is not None
     size = s.info.packed_buffer_size_bytes
-    wire = s.backend.plan_round(metas, features=s.features, packed=s.info.packed, buffer_size_bytes=size)
+    wire = s.backend.plan_round(
+        metas, features=s.features, packed=s.info.packed, buffer_size_bytes=size
+    )
     chunks = plan(wire.metas, packed=s.info.packed, buffer_size_bytes=size)
     bplan = BroadcastPlan((0,), (Turn(0, 0, tuple(wire.metas)),))
     return SolePlan(list(metas), wire, chunks, bplan)
@@ -190,14 +216,25 @@ class SoleWire:
     def __init__(self, s: Session, sole: SolePlan) -> None:
         self._s, self._sole = s, sole
 
-    def transfer(self, payloads: list[dict[str, Any]], control: Control, own: dict[str, str] | None,
-                 clock: PhaseClock) -> Sent:
+    def transfer(
+        self,
+        payloads: list[dict[str, Any]],
+        control: Control,
+        own: dict[str, str] | None,
+        clock: PhaseClock,
+    ) -> Sent:
         s, sole = self._s, self._sole
         assert s.sender is not None
         (payload,) = payloads
         pairs: Iterator[tuple[str, Any]] = s.stream(tensor_stream(s.source), sole.metas, own)
-        step = Transfer(s.link, s.sender, post_update=lambda: s.client.update_weights(payload),
-                        control=control, clock=clock, http_s=s.info.timeouts.http_s)
+        step = Transfer(
+            s.link,
+            s.sender,
+            post_update=lambda: s.client.update_weights(payload),
+            control=control,
+            clock=clock,
+            http_s=s.info.timeouts.http_s,
+        )
         try:
             return step.run(chunked(sole.wire.reorder(pairs), sole.chunks), sole.wire.metas)
         finally:

@@ -75,7 +75,9 @@ class Session:
     """Rank 0: what each broadcaster's slice is on the workers, until a round changes it."""
 
     def __repr__(self) -> str:  # the link and the client hold secrets: names only
-        return f"Session(backend={self.info.backend!r}, rank={self.info.rank}, rounds={self.rounds})"
+        return (
+            f"Session(backend={self.info.backend!r}, rank={self.info.rank}, rounds={self.rounds})"
+        )
 
     def next_version(self, weight_version: str | None) -> str:
         version = str(self.rounds + 1) if weight_version is None else weight_version
@@ -83,8 +85,12 @@ class Session:
             raise ValueError(f"weight_version must be a non-empty str, got {weight_version!r}")
         return version
 
-    def stream(self, pairs: Iterable[tuple[str, Any]], metas: list[ParamMeta],
-               digests: dict[str, str] | None) -> Iterator[tuple[str, Any]]:
+    def stream(
+        self,
+        pairs: Iterable[tuple[str, Any]],
+        metas: list[ParamMeta],
+        digests: dict[str, str] | None,
+    ) -> Iterator[tuple[str, Any]]:
         """``pairs`` checked against ``metas`` (unless the source checks its own passes) and,
         with ``digests``, each tensor's digest recorded for the round's verify step."""
         out = iter(pairs)
@@ -95,8 +101,13 @@ class Session:
     def round_pause(self, metas: list[ParamMeta]) -> RoundPause:
         """This round's pause (``gating.round_pause``; a round applied in place:
         refusing, no resume on failure)."""
-        return round_pause(self.info, self.pause_mode, stock_receiver=self.backend.caps.stock_receiver,
-                           nbytes=round_bytes(metas), client=self.client)
+        return round_pause(
+            self.info,
+            self.pause_mode,
+            stock_receiver=self.backend.caps.stock_receiver,
+            nbytes=round_bytes(metas),
+            client=self.client,
+        )
 
     def pause(self, mode: str) -> bool:
         """Pause generation for the round; ``False`` when ``auto`` found no pause route."""
@@ -128,7 +139,9 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     s.features = server_features(s.info, s.client)
     s.backend.check_server(s.features)
     if s.info.verify:
-        s.features.require("weight_checker_route", "verify=True compares /weight_checker before and after rounds")
+        s.features.require(
+            "weight_checker_route", "verify=True compares /weight_checker before and after rounds"
+        )
     world = s.info.inference_world_size or s.client.get_world_size()
     # Made before any rendezvous so a trainer without a usable device fails here,
     # not after the workers joined.
@@ -140,10 +153,18 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
         except BaseException:
             rdv.cancel()
             raise
-    logger.info("rendezvous: backend=%s world_size=%d server=%s", s.info.backend, trainer_ranks + world,
-                s.features.version)
-    link, post = join_beside_init(rdv, lambda: s.client.init_weight_transfer_engine(rdv.payload),
-                                  connect_s=t.connect_s, what=s.info.backend)
+    logger.info(
+        "rendezvous: backend=%s world_size=%d server=%s",
+        s.info.backend,
+        trainer_ranks + world,
+        s.features.version,
+    )
+    link, post = join_beside_init(
+        rdv,
+        lambda: s.client.init_weight_transfer_engine(rdv.payload),
+        connect_s=t.connect_s,
+        what=s.info.backend,
+    )
     try:
         link.warmup(timeout=t.warmup_s)
         await_call(post, t.http_s, "init_weight_transfer_engine")

@@ -44,7 +44,6 @@ _GRACE_S = 2.0
 _SETTLE_POLL_S = 0.05
 
 
-
 def await_call(future: Future, timeout: float, what: str) -> Any:
     """The POST's answer (or its own error); ``ControlTimeout`` naming ``what`` if none came in time."""
     try:
@@ -52,7 +51,9 @@ def await_call(future: Future, timeout: float, what: str) -> Any:
     except FutureTimeout:
         if future.done():  # the call itself raised a TimeoutError: that is its answer
             raise
-        raise ControlTimeout(f"{what} did not return within {timeout} s", route=what.split()[0]) from None
+        raise ControlTimeout(
+            f"{what} did not return within {timeout} s", route=what.split()[0]
+        ) from None
 
 
 def real_cause(exc: BaseException, post: Future) -> BaseException:
@@ -77,7 +78,9 @@ def real_cause(exc: BaseException, post: Future) -> BaseException:
 # -- init ----------------------------------------------------------------------------------
 
 
-def join_beside_init(rdv: Any, post_init: Callable[[], Any], *, connect_s: float, what: str) -> tuple[Any, Future]:
+def join_beside_init(
+    rdv: Any, post_init: Callable[[], Any], *, connect_s: float, what: str
+) -> tuple[Any, Future]:
     """Join ``rdv`` while ``post_init`` runs on a side thread; returns ``(comm, post)``.
 
     Waits for the join unless the POST fails first (the server refused the init info:
@@ -92,7 +95,9 @@ def join_beside_init(rdv: Any, post_init: Callable[[], Any], *, connect_s: float
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        wait([join] if post.done() else [post, join], timeout=remaining, return_when=FIRST_COMPLETED)
+        wait(
+            [join] if post.done() else [post, join], timeout=remaining, return_when=FIRST_COMPLETED
+        )
     if not join.done() and post.done() and post.exception() is not None:
         join.add_done_callback(_abort_late)  # rank 0 may still join later; release it then
         raise post.exception()  # type: ignore[misc]
@@ -125,8 +130,16 @@ class Transfer:
     ``broken`` is the error the engine must refuse further rounds with.
     """
 
-    def __init__(self, comm: Any, pipeline: RoundSender, *, post_update: Callable[[], Any],
-                 control: Callable[[], None], clock: PhaseClock, http_s: float) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        pipeline: RoundSender,
+        *,
+        post_update: Callable[[], Any],
+        control: Callable[[], None],
+        clock: PhaseClock,
+        http_s: float,
+    ) -> None:
         self._comm = comm
         self._pipeline = pipeline
         self._post_update = post_update
@@ -152,7 +165,9 @@ class Transfer:
             return sent
         except BaseException as exc:
             stop.set()
-            if self._update is None:  # nothing went on the wire: settle the local work, keep the engine
+            if (
+                self._update is None
+            ):  # nothing went on the wire: settle the local work, keep the engine
                 try:
                     pipeline.settle()
                 except BaseException as settle_exc:
@@ -208,8 +223,9 @@ def tensor_stream(source: WeightSource) -> Iterator[tuple[str, Any]]:
     return (pair for group in source.iter_groups() for pair in group)
 
 
-def tap(pairs: Iterable[tuple[str, Any]], digests: dict[str, str],
-        sha: Callable[[Any], str]) -> Iterator[tuple[str, Any]]:
+def tap(
+    pairs: Iterable[tuple[str, Any]], digests: dict[str, str], sha: Callable[[Any], str]
+) -> Iterator[tuple[str, Any]]:
     """``pairs`` unchanged, recording each tensor's digest for the round's verify step."""
     for name, tensor in pairs:
         digests[name] = sha(tensor)
@@ -234,7 +250,8 @@ def shutdown_when_settled(client: Any, transfer_s: float) -> None:
         except Exception as exc:
             message = str(getattr(exc, "message", exc))
             settling = getattr(exc, "status", None) == 409 and (
-                "a weight update is active" in message or "another weight operation" in message)
+                "a weight update is active" in message or "another weight operation" in message
+            )
             if not settling or time.monotonic() + _SETTLE_POLL_S >= deadline:
                 raise
         time.sleep(_SETTLE_POLL_S)

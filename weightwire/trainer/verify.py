@@ -41,18 +41,31 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 # vLLM's loaders fuse these checkpoint projections into one parameter (its
 # stacked_params_mapping for Llama/Qwen/Mistral-style decoders).
-_STACKED = ((".q_proj.", ".qkv_proj."), (".k_proj.", ".qkv_proj."), (".v_proj.", ".qkv_proj."),
-            (".gate_proj.", ".gate_up_proj."), (".up_proj.", ".gate_up_proj."))
+_STACKED = (
+    (".q_proj.", ".qkv_proj."),
+    (".k_proj.", ".qkv_proj."),
+    (".v_proj.", ".qkv_proj."),
+    (".gate_proj.", ".gate_up_proj."),
+    (".up_proj.", ".gate_up_proj."),
+)
 
 
 class VerifyError(WeightwireError, RuntimeError):
     """The servers' state disagrees with the round; names the tensors / parameters."""
 
-    def __init__(self, message: str, mismatched: dict[str, list[str]], *, committed: bool = False,
-                 weight_version: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        mismatched: dict[str, list[str]],
+        *,
+        committed: bool = False,
+        weight_version: str | None = None,
+    ) -> None:
         if committed:
-            message = (f"round {weight_version!r} was committed (every worker loaded it and "
-                       f"finish_weight_update returned), but verification failed: {message}")
+            message = (
+                f"round {weight_version!r} was committed (every worker loaded it and "
+                f"finish_weight_update returned), but verification failed: {message}"
+            )
         super().__init__(message)
         self.mismatched = mismatched
         self.committed = committed
@@ -86,8 +99,15 @@ def compare_checksums(sent: Mapping[str, str], replies: Sequence[Any]) -> None:
     for i, reply in enumerate(replies):
         got = _checksums(i, reply)
         per_replica = reply.get("replica_checksums")
-        if isinstance(per_replica, list) and per_replica and all(isinstance(m, dict) for m in per_replica):
-            maps += [(f"server {i}" + (f" replica {j}" if len(per_replica) > 1 else ""), m) for j, m in enumerate(per_replica)]
+        if (
+            isinstance(per_replica, list)
+            and per_replica
+            and all(isinstance(m, dict) for m in per_replica)
+        ):
+            maps += [
+                (f"server {i}" + (f" replica {j}" if len(per_replica) > 1 else ""), m)
+                for j, m in enumerate(per_replica)
+            ]
         else:
             maps.append((f"server {i}", got))
     mismatched: dict[str, list[str]] = {}
@@ -99,7 +119,9 @@ def compare_checksums(sent: Mapping[str, str], replies: Sequence[Any]) -> None:
         mismatched[where] = bad
         missing = sum(1 for n in bad if n not in got)
         note = f"; {missing} absent on the server" if missing else ""
-        parts.append(f"{where}: {len(bad)} of {len(sent)} tensors differ from what was sent: {_shown(bad)}{note}")
+        parts.append(
+            f"{where}: {len(bad)} of {len(sent)} tensors differ from what was sent: {_shown(bad)}{note}"
+        )
     if mismatched:
         raise VerifyError("verify failed: " + " | ".join(parts), mismatched)
 
@@ -107,7 +129,9 @@ def compare_checksums(sent: Mapping[str, str], replies: Sequence[Any]) -> None:
 def _checksums(i: int, reply: Any) -> dict[str, Any]:
     got = reply.get("checksums") if isinstance(reply, dict) else None
     if not isinstance(got, dict):
-        raise VerifyError(f"server {i} answered weight_checker without a checksums map: {reply!r:.200}", {})
+        raise VerifyError(
+            f"server {i} answered weight_checker without a checksums map: {reply!r:.200}", {}
+        )
     return got
 
 
@@ -130,12 +154,19 @@ def _param_of(key: str, targets: set[str]) -> str:
     return head if head in targets else param
 
 
-def diff_round(sent: Mapping[str, str], before: Sequence[Any], after: Sequence[Any],
-               previous: Mapping[str, str] | None) -> VerifyReport:
+def diff_round(
+    sent: Mapping[str, str],
+    before: Sequence[Any],
+    after: Sequence[Any],
+    previous: Mapping[str, str] | None,
+) -> VerifyReport:
     """vllm-diff mode (see the module docstring); ``previous``: last round's sent digests,
     ``None`` when unknown or when the server changed since (then only (a) is checked)."""
     if len(before) != len(after):
-        raise VerifyError(f"weight_checker answered {len(before)} servers before the round, {len(after)} after", {})
+        raise VerifyError(
+            f"weight_checker answered {len(before)} servers before the round, {len(after)} after",
+            {},
+        )
     targets = {vllm_param_name(n) for n in sent}
     moved: set[str] | None
     still: set[str] | None
@@ -152,8 +183,11 @@ def diff_round(sent: Mapping[str, str], before: Sequence[Any], after: Sequence[A
     for i, (b_reply, a_reply) in enumerate(zip(before, after, strict=True)):
         b, a = _checksums(i, b_reply), _checksums(i, a_reply)
         if set(b) != set(a):
-            raise VerifyError(f"server {i}: the checker's parameter set changed during the round "
-                              f"({len(set(b) ^ set(a))} keys differ)", {})
+            raise VerifyError(
+                f"server {i}: the checker's parameter set changed during the round "
+                f"({len(set(b) ^ set(a))} keys differ)",
+                {},
+            )
         outside, frozen = [], []
         for key in sorted(a):
             param = _param_of(key, targets)
@@ -170,24 +204,34 @@ def diff_round(sent: Mapping[str, str], before: Sequence[Any], after: Sequence[A
                 frozen.append(key)
         if outside:
             mismatched[f"server {i} (not sent, changed)"] = outside
-            parts.append(f"server {i}: {len(outside)} parameters the round did not send changed: {_shown(outside)}")
+            parts.append(
+                f"server {i}: {len(outside)} parameters the round did not send changed: {_shown(outside)}"
+            )
         if frozen:
             mismatched[f"server {i} (sent unchanged bytes, changed)"] = frozen
-            parts.append(f"server {i}: {len(frozen)} parameters changed although every tensor feeding them was "
-                         f"sent with the same bytes as last round: {_shown(frozen)}")
+            parts.append(
+                f"server {i}: {len(frozen)} parameters changed although every tensor feeding them was "
+                f"sent with the same bytes as last round: {_shown(frozen)}"
+            )
     if moved is not None:
-        missed = sorted(p for p in moved if p in seen and p not in changed_somewhere and p not in unobservable)
+        missed = sorted(
+            p for p in moved if p in seen and p not in changed_somewhere and p not in unobservable
+        )
         if missed:
             mismatched["all servers (sent new bytes, unchanged)"] = missed
-            parts.append(f"{len(missed)} parameters fed by tensors whose bytes changed since the last round did "
-                         f"not change on any shard: {_shown(missed)}")
+            parts.append(
+                f"{len(missed)} parameters fed by tensors whose bytes changed since the last round did "
+                f"not change on any shard: {_shown(missed)}"
+            )
     if parts:
         raise VerifyError("verify (vllm-diff) failed: " + " | ".join(parts), mismatched)
     unmapped = sorted(n for n in sent if vllm_param_name(n) not in seen)
     proves = "no parameter outside the sent set changed"
     if moved is not None:
-        proves += ("; every parameter fed by changed tensors changed on some shard, and none fed only by "
-                   "unchanged tensors did")
+        proves += (
+            "; every parameter fed by changed tensors changed on some shard, and none fed only by "
+            "unchanged tensors did"
+        )
     else:
         proves += " (baseline round: change detection starts with the next verified round)"
     return VerifyReport("vllm-diff", proves, len(seen), sorted(unobservable), unmapped)
@@ -205,8 +249,14 @@ class RoundVerifier:
         """Snapshot the checker; called before ``start_weight_update`` (a failure here sent nothing)."""
         self._before = list(client.weight_checker("checksum"))
 
-    def after_round(self, client: ServerControls, sent: dict[str, str], weight_version: str, *,
-                    draft: bool = False) -> VerifyReport:
+    def after_round(
+        self,
+        client: ServerControls,
+        sent: dict[str, str],
+        weight_version: str,
+        *,
+        draft: bool = False,
+    ) -> VerifyReport:
         """Check the committed round; any failure is a ``VerifyError`` with ``committed=True``.
 
         A draft round loads into the speculative draft model, which ``/weight_checker``
@@ -220,9 +270,15 @@ class RoundVerifier:
                 if is_vllm_keyed(after):
                     diff_round({}, before, after, None)
                 elif before != after:
-                    raise VerifyError("the target model's checksums changed during a draft round", {})
-                return VerifyReport("draft", "the target model did not change (the checker does not cover the "
-                                    "draft model, so its new values are not checked)", 0)
+                    raise VerifyError(
+                        "the target model's checksums changed during a draft round", {}
+                    )
+                return VerifyReport(
+                    "draft",
+                    "the target model did not change (the checker does not cover the "
+                    "draft model, so its new values are not checked)",
+                    0,
+                )
             if is_vllm_keyed(after):
                 if before is None:
                     raise VerifyError("no weight_checker snapshot was taken before the round", {})
@@ -231,14 +287,23 @@ class RoundVerifier:
                 report = diff_round(sent, before, after, previous)
             else:
                 compare_checksums(sent, after)
-                report = VerifyReport("digest", "every server and replica holds byte-identical copies of every "
-                                      "sent tensor", len(sent))
+                report = VerifyReport(
+                    "digest",
+                    "every server and replica holds byte-identical copies of every sent tensor",
+                    len(sent),
+                )
         except VerifyError as exc:
             self._previous = self._last_after = None
-            raise VerifyError(str(exc), exc.mismatched, committed=True, weight_version=weight_version) from None
+            raise VerifyError(
+                str(exc), exc.mismatched, committed=True, weight_version=weight_version
+            ) from None
         except Exception as exc:  # a 404 / transport error from the checker itself
             self._previous = self._last_after = None
-            raise VerifyError(f"weight_checker failed after the round: {type(exc).__name__}: {exc}", {},
-                              committed=True, weight_version=weight_version) from exc
+            raise VerifyError(
+                f"weight_checker failed after the round: {type(exc).__name__}: {exc}",
+                {},
+                committed=True,
+                weight_version=weight_version,
+            ) from exc
         self._previous, self._last_after = dict(sent), after
         return report

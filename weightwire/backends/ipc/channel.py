@@ -52,18 +52,24 @@ class Channel:
         except Exception as exc:
             if self._aborted:
                 raise TransferError(f"IPC control channel to {self.peer} was aborted") from None
-            raise PeerLost(f"lost {self.peer} while sending {what}: {type(exc).__name__}: {exc}") from None
+            raise PeerLost(
+                f"lost {self.peer} while sending {what}: {type(exc).__name__}: {exc}"
+            ) from None
 
     def _fill(self, n: int, deadline: float, what: str, alive: Callable[[], None] | None) -> None:
         while len(self._buf) < n:
             if alive is not None:
                 alive()
             if self._aborted:
-                raise TransferError(f"IPC control channel to {self.peer} was aborted while waiting for {what}")
+                raise TransferError(
+                    f"IPC control channel to {self.peer} was aborted while waiting for {what}"
+                )
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferTimeout(f"{what} from {self.peer} did not arrive within the timeout "
-                                      "(is it alive and in the round?)")
+                raise TransferTimeout(
+                    f"{what} from {self.peer} did not arrive within the timeout "
+                    "(is it alive and in the round?)"
+                )
             try:
                 self._sock.settimeout(min(left, _POLL_S))
                 data = self._sock.recv(1 << 16)
@@ -71,23 +77,35 @@ class Channel:
                 continue
             except Exception as exc:
                 if self._aborted:
-                    raise TransferError(f"IPC control channel to {self.peer} was aborted while waiting for {what}") from None
-                raise PeerLost(f"lost {self.peer} while waiting for {what}: {type(exc).__name__}: {exc}") from None
+                    raise TransferError(
+                        f"IPC control channel to {self.peer} was aborted while waiting for {what}"
+                    ) from None
+                raise PeerLost(
+                    f"lost {self.peer} while waiting for {what}: {type(exc).__name__}: {exc}"
+                ) from None
             if not data:
                 if self._aborted:
-                    raise TransferError(f"IPC control channel to {self.peer} was aborted while waiting for {what}")
-                raise PeerLost(f"{self.peer} closed the IPC control channel while this side waited for {what} "
-                               "(the process exited or aborted its session)")
+                    raise TransferError(
+                        f"IPC control channel to {self.peer} was aborted while waiting for {what}"
+                    )
+                raise PeerLost(
+                    f"{self.peer} closed the IPC control channel while this side waited for {what} "
+                    "(the process exited or aborted its session)"
+                )
             self._buf += data
 
-    def recv_raw(self, *, deadline: float, what: str, alive: Callable[[], None] | None = None) -> bytes:
+    def recv_raw(
+        self, *, deadline: float, what: str, alive: Callable[[], None] | None = None
+    ) -> bytes:
         self._fill(4, deadline, what, alive)
         n = int.from_bytes(self._buf[:4], "big")
         if n > MAX_MESSAGE_BYTES:
-            raise TransferError(f"{self.peer} sent a {n}-byte control message, over the limit {MAX_MESSAGE_BYTES}")
+            raise TransferError(
+                f"{self.peer} sent a {n}-byte control message, over the limit {MAX_MESSAGE_BYTES}"
+            )
         self._fill(4 + n, deadline, what, alive)
-        raw = bytes(self._buf[4:4 + n])
-        del self._buf[:4 + n]
+        raw = bytes(self._buf[4 : 4 + n])
+        del self._buf[: 4 + n]
         return raw
 
     # -- JSON messages ------------------------------------------------------------------
@@ -95,7 +113,9 @@ class Channel:
     def send(self, msg: dict[str, Any]) -> None:
         self.send_raw(json.dumps(msg, separators=(",", ":")).encode(), repr(msg.get("op")))
 
-    def recv(self, *, deadline: float, what: str, alive: Callable[[], None] | None = None) -> dict[str, Any]:
+    def recv(
+        self, *, deadline: float, what: str, alive: Callable[[], None] | None = None
+    ) -> dict[str, Any]:
         """The next message, or ``TransferTimeout`` at ``deadline`` / ``PeerLost`` at EOF."""
         raw = self.recv_raw(deadline=deadline, what=what, alive=alive)
         try:
@@ -129,19 +149,23 @@ class Channel:
             if n > MAX_MESSAGE_BYTES or len(self._buf) < 4 + n:
                 break  # an oversized frame is refused by the next recv, by name
             try:
-                head = json.loads(bytes(self._buf[4:4 + n]))
+                head = json.loads(bytes(self._buf[4 : 4 + n]))
             except ValueError:
                 break
             if not isinstance(head, dict) or head.get("op") != op:
                 break
-            del self._buf[:4 + n]
+            del self._buf[: 4 + n]
             dropped += 1
         return dropped
 
-    def expect(self, op: str, *, deadline: float, what: str, alive: Callable[[], None] | None = None) -> dict[str, Any]:
+    def expect(
+        self, op: str, *, deadline: float, what: str, alive: Callable[[], None] | None = None
+    ) -> dict[str, Any]:
         msg = self.recv(deadline=deadline, what=what, alive=alive)
         if msg["op"] != op:
-            raise TransferError(f"{self.peer} sent {msg['op']!r} where {what} ({op!r}) was due: the two sides disagree on the round")
+            raise TransferError(
+                f"{self.peer} sent {msg['op']!r} where {what} ({op!r}) was due: the two sides disagree on the round"
+            )
         return msg
 
     def abort(self) -> None:
@@ -164,7 +188,9 @@ def accept_handshake(ch: Channel, secret: bytes, deadline: float) -> None:
     ch.send_raw(mine, "the challenge")
     answer = ch.recv_raw(deadline=deadline, what="the worker's proof")
     theirs, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
-    if len(theirs) != NONCE_BYTES or not hmac.compare_digest(proof, _tag(secret, _CLIENT, mine, theirs)):
+    if len(theirs) != NONCE_BYTES or not hmac.compare_digest(
+        proof, _tag(secret, _CLIENT, mine, theirs)
+    ):
         raise TransferError(f"{ch.peer} did not prove the session secret; connection refused")
     ch.send_raw(_tag(secret, _SERVER, theirs, mine), "the trainer's proof")
 
@@ -185,7 +211,9 @@ def dial(host: str, port: int, secret: bytes, *, timeout: float, peer: str) -> C
         ch.send_raw(mine + _tag(secret, _CLIENT, challenge, mine), "the proof")
         proof = ch.recv_raw(deadline=deadline, what="the trainer's proof")
         if not hmac.compare_digest(proof, _tag(secret, _SERVER, mine, challenge)):
-            raise TransferError(f"{peer} did not prove the session secret; refusing to receive weights from it")
+            raise TransferError(
+                f"{peer} did not prove the session secret; refusing to receive weights from it"
+            )
     except BaseException:
         ch.abort()
         raise
@@ -224,14 +252,18 @@ class Listener:
                         got, self._proven = self._proven[:want], self._proven[want:]
                         return got
                 if self._closed.is_set():
-                    raise TransferError("the IPC rendezvous was cancelled (the init request failed)")
+                    raise TransferError(
+                        "the IPC rendezvous was cancelled (the init request failed)"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     with self._cv:
                         missing, refused = want - len(self._proven), list(self._refused)
                     why = f"; refused: {'; '.join(refused[:3])}" if refused else ""
-                    raise TransferTimeout(f"IPC rendezvous: {missing} of {want} worker(s) did not join "
-                                          f"within {timeout:g} s{why}")
+                    raise TransferTimeout(
+                        f"IPC rendezvous: {missing} of {want} worker(s) did not join "
+                        f"within {timeout:g} s{why}"
+                    )
                 try:
                     self._sock.settimeout(min(left, _POLL_S))
                     sock, addr = self._sock.accept()
@@ -239,9 +271,13 @@ class Listener:
                     continue
                 except OSError:
                     if self._closed.is_set():
-                        raise TransferError("the IPC rendezvous was cancelled (the init request failed)") from None
+                        raise TransferError(
+                            "the IPC rendezvous was cancelled (the init request failed)"
+                        ) from None
                     raise
-                self._start_handshake(Channel(sock, f"IPC worker connection from {addr[0]}:{addr[1]}"), deadline)
+                self._start_handshake(
+                    Channel(sock, f"IPC worker connection from {addr[0]}:{addr[1]}"), deadline
+                )
         finally:
             self._drop_all()  # stragglers mid-handshake, and on failure every proven one
 
@@ -251,8 +287,12 @@ class Listener:
             self._pending.append(ch)
         if evicted is not None:
             evicted.abort()  # wakes its handshake thread, which gives up
-        threading.Thread(target=self._handshake, args=(ch, min(deadline, time.monotonic() + HANDSHAKE_S)),
-                         name="weightwire-ipc-handshake", daemon=True).start()
+        threading.Thread(
+            target=self._handshake,
+            args=(ch, min(deadline, time.monotonic() + HANDSHAKE_S)),
+            name="weightwire-ipc-handshake",
+            daemon=True,
+        ).start()
 
     def _handshake(self, ch: Channel, deadline: float) -> None:
         try:
@@ -287,5 +327,7 @@ class Listener:
 def check_int(msg: dict[str, Any], key: str, lo: int, hi: int, peer: str) -> int:
     value = msg.get(key)
     if type(value) is not int or not lo <= value <= hi:
-        raise TransferError(f"{peer} sent {msg.get('op')!r} with {key}={value!r}, outside [{lo}, {hi}]")
+        raise TransferError(
+            f"{peer} sent {msg.get('op')!r} with {key}={value!r}, outside [{lo}, {hi}]"
+        )
     return value

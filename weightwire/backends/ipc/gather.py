@@ -35,7 +35,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.backends.device import DeviceBytes
-from weightwire.backends.ipc.slots import CUDA_EVENT_DISABLE_TIMING, MEMCPY_DEVICE_TO_DEVICE, record, wait_event_host
+from weightwire.backends.ipc.slots import (
+    CUDA_EVENT_DISABLE_TIMING,
+    MEMCPY_DEVICE_TO_DEVICE,
+    record,
+    wait_event_host,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +132,14 @@ class GatherCopy:
         self._held: list[_Held | None] = [None] * _RING
         """Per ring slot: the copies its device table holds."""
 
-    def copy(self, dst: int, regions: Sequence[DeviceBytes], *, deadline: float, alive: Callable[[], None]) -> None:
+    def copy(
+        self,
+        dst: int,
+        regions: Sequence[DeviceBytes],
+        *,
+        deadline: float,
+        alive: Callable[[], None],
+    ) -> None:
         """Enqueue the copies of ``regions`` to ``dst``, ``dst + regions[0].nbytes``, ... on the stream."""
         copy = self._cp.cuda.runtime.memcpyAsync
         stream = self._stream.ptr
@@ -163,15 +175,26 @@ class GatherCopy:
                 kernel = self._cp.RawKernel(_SOURCE, "weightwire_gather")
                 kernel.compile()
         except Exception as exc:  # no NVRTC on this host: correct, just slower
-            logger.warning("weightwire_ipc: the gather kernel did not compile (%s: %s); "
-                           "small tensors are copied one memcpy each", type(exc).__name__, exc)
+            logger.warning(
+                "weightwire_ipc: the gather kernel did not compile (%s: %s); "
+                "small tensors are copied one memcpy each",
+                type(exc).__name__,
+                exc,
+            )
             self._broken = True
             return False
         self._kernel = kernel
         return True
 
-    def _launch(self, srcs: list[int], dsts: list[int], sizes: list[int], *, deadline: float,
-                alive: Callable[[], None]) -> None:
+    def _launch(
+        self,
+        srcs: list[int],
+        dsts: list[int],
+        sizes: list[int],
+        *,
+        deadline: float,
+        alive: Callable[[], None],
+    ) -> None:
         import numpy as np
 
         cp = self._cp
@@ -192,17 +215,22 @@ class GatherCopy:
         self._next = (self._next + 1) % _RING
         self._held[slot] = None  # rewritten below
         # The table's last H2D copy must have run before its pinned memory is rewritten.
-        wait_event_host(cp, event, deadline=deadline, what="the gather table's previous upload", alive=alive)
+        wait_event_host(
+            cp, event, deadline=deadline, what="the gather table's previous upload", alive=alive
+        )
         table = np.frombuffer(host, dtype=np.uint64, count=3 * rows).reshape(rows, 3)
         seg = np.repeat(np.arange(len(sizes)), tiles)
         first = np.cumsum(tiles) - tiles
-        off = (np.arange(rows, dtype=np.int64) - first[seg]) * TILE_BYTES  # a tile's offset in its tensor
+        off = (
+            np.arange(rows, dtype=np.int64) - first[seg]
+        ) * TILE_BYTES  # a tile's offset in its tensor
         table[:, 2] = np.minimum(TILE_BYTES, n[seg] - off)
         uoff = off.astype(np.uint64)  # pointers are uint64: int64 + uint64 would go through float64
         table[:, 0] = np.array(srcs, dtype=np.uint64)[seg] + uoff
         table[:, 1] = np.array(dsts, dtype=np.uint64)[seg] + uoff
-        cp.cuda.runtime.memcpyAsync(dev.data.ptr, table.ctypes.data, table.nbytes, _MEMCPY_HOST_TO_DEVICE,
-                                    self._stream.ptr)
+        cp.cuda.runtime.memcpyAsync(
+            dev.data.ptr, table.ctypes.data, table.nbytes, _MEMCPY_HOST_TO_DEVICE, self._stream.ptr
+        )
         self._run(dev, rows)
         record(cp, event, self._stream.ptr)
         # This call's own lists: nobody else changes them.
@@ -211,13 +239,20 @@ class GatherCopy:
     def _run(self, table: Any, rows: int) -> None:
         import numpy as np
 
-        self._kernel((min(rows, _MAX_BLOCKS),), (_THREADS,), (table, np.int64(rows)), stream=self._stream)
+        self._kernel(
+            (min(rows, _MAX_BLOCKS),), (_THREADS,), (table, np.int64(rows)), stream=self._stream
+        )
 
     def _grow(self, rows: int, *, deadline: float, alive: Callable[[], None]) -> None:
         cp = self._cp
         for old in self._tables:  # an upload from an old table may still be queued
-            wait_event_host(cp, old.event, deadline=deadline,
-                            what="the gather table's previous upload", alive=alive)
+            wait_event_host(
+                cp,
+                old.event,
+                deadline=deadline,
+                what="the gather table's previous upload",
+                alive=alive,
+            )
         self.close()
         capacity = max(256, 1 << (rows - 1).bit_length())
         with cp.cuda.Device(self._device):
@@ -236,4 +271,6 @@ class GatherCopy:
             try:
                 self._cp.cuda.runtime.eventDestroy(table.event)
             except Exception:  # teardown: an event that will not go is the driver's to reclaim
-                logger.debug("weightwire_ipc: destroying a gather-table event failed", exc_info=True)
+                logger.debug(
+                    "weightwire_ipc: destroying a gather-table event failed", exc_info=True
+                )

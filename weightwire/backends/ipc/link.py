@@ -19,8 +19,16 @@ from weightwire.shared.errors import TransferError
 class IPCSenderComm:
     """Rank 0 of an IPC group: the slots, one channel and the free events per worker."""
 
-    def __init__(self, cp: Any, slots: IPCSlots, channels: list[Channel], free_events: list[list[int]],
-                 peer_uuids: list[str], release_after_round: bool, mode: str = "push") -> None:
+    def __init__(
+        self,
+        cp: Any,
+        slots: IPCSlots,
+        channels: list[Channel],
+        free_events: list[list[int]],
+        peer_uuids: list[str],
+        release_after_round: bool,
+        mode: str = "push",
+    ) -> None:
         self.cp, self.slots, self.channels, self.free_events = cp, slots, channels, free_events
         self.peer_uuids = peer_uuids
         self.mode = mode

@@ -58,8 +58,15 @@ class IPCDataPath(RoundSender):
     each chunk's device regions checked against the plan and held until the fill stream
     settled."""
 
-    def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
-                 hold_bytes: int) -> None:
+    def __init__(
+        self,
+        comm: IPCSenderComm,
+        packer: DevicePacker,
+        *,
+        num_buffers: int,
+        timeout: float,
+        hold_bytes: int,
+    ) -> None:
         self._comm = comm
         self._packer = packer
         self._timeout = timeout
@@ -93,7 +100,14 @@ class IPCDataPath(RoundSender):
 
     def _sync_fill(self, what: str) -> None:
         comm = self._comm
-        sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=self._timeout, what=what, alive=comm.alive)
+        sync_stream(
+            comm.cp,
+            comm.slots.device,
+            self._sptr,
+            timeout=self._timeout,
+            what=what,
+            alive=comm.alive,
+        )
 
     def settle(self) -> None:
         self._sync_fill("the IPC fill stream")
@@ -103,9 +117,18 @@ class IPCDataPath(RoundSender):
 class IPCPipeline(IPCDataPath):
     """Pieces through the slot ring."""
 
-    def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
-                 hold_bytes: int) -> None:
-        super().__init__(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+    def __init__(
+        self,
+        comm: IPCSenderComm,
+        packer: DevicePacker,
+        *,
+        num_buffers: int,
+        timeout: float,
+        hold_bytes: int,
+    ) -> None:
+        super().__init__(
+            comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes
+        )
         self._pending = [False] * comm.slots.count  # slot written, its free not yet seen
         self._next = 0
         self._remap = False  # release-after-round: new handles to announce before the next piece
@@ -114,8 +137,15 @@ class IPCPipeline(IPCDataPath):
 
     # root: IPC carries one broadcaster (check_receiver refuses several), always rank 0.
     # Packed or unpacked, a chunk goes through the ring as pieces.
-    def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
-             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
+    def send(
+        self,
+        prepared: Iterable[Prepared],
+        stop: threading.Event,
+        begin: Begin = None,
+        *,
+        metas: Sequence[ParamMeta] = (),
+        root: int = 0,
+    ) -> Sent:
         return self._send(prepared, stop, begin)
 
     def close(self) -> None:
@@ -142,8 +172,15 @@ class IPCPipeline(IPCDataPath):
         # The slots are this side's own memory: filling them may start before start returned.
         return self._run(begin, lambda starter: self._pump(prepared, stop, starter, copy, size, n))
 
-    def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter, copy: Any,
-              size: int, n: int) -> Sent:
+    def _pump(
+        self,
+        prepared: Iterable[Prepared],
+        stop: threading.Event,
+        starter: _Starter,
+        copy: Any,
+        size: int,
+        n: int,
+    ) -> Sent:
         comm, slots, cp = self._comm, self._comm.slots, self._comm.cp
         nbytes = pieces = 0
 
@@ -173,7 +210,13 @@ class IPCPipeline(IPCDataPath):
                             self._acquire(slot)
                             fill, base = 0, slots.ptrs[slot]
                         take = min(region.nbytes - done, size - fill)
-                        copy(base + fill, region.ptr + done, take, MEMCPY_DEVICE_TO_DEVICE, self._sptr)
+                        copy(
+                            base + fill,
+                            region.ptr + done,
+                            take,
+                            MEMCPY_DEVICE_TO_DEVICE,
+                            self._sptr,
+                        )
                         fill, done = fill + take, done + take
                         if fill == size:
                             flush(ci, slot, offset, fill)
@@ -197,12 +240,21 @@ class IPCPipeline(IPCDataPath):
         comm = self._comm
         deadline = time.monotonic() + self._timeout
         for w, ch in enumerate(comm.channels):
-            msg = ch.expect("free", deadline=deadline, what=f"the release of IPC slot {slot}", alive=comm.alive)
+            msg = ch.expect(
+                "free", deadline=deadline, what=f"the release of IPC slot {slot}", alive=comm.alive
+            )
             if check_int(msg, "s", 0, comm.slots.count - 1, ch.peer) != slot:
-                raise TransferError(f"{ch.peer} released IPC slot {msg['s']} where slot {slot} was due")
+                raise TransferError(
+                    f"{ch.peer} released IPC slot {msg['s']} where slot {slot} was due"
+                )
             if self._host_wait:
-                wait_event_host(comm.cp, comm.free_events[w][slot], deadline=deadline,
-                                what=f"{ch.peer}'s copy-out of IPC slot {slot}", alive=comm.alive)
+                wait_event_host(
+                    comm.cp,
+                    comm.free_events[w][slot],
+                    deadline=deadline,
+                    what=f"{ch.peer}'s copy-out of IPC slot {slot}",
+                    alive=comm.alive,
+                )
             else:
                 stream_wait(comm.cp, self._sptr, comm.free_events[w][slot])
         self._pending[slot] = False
@@ -220,7 +272,12 @@ class IPCPipeline(IPCDataPath):
         if comm.release_after_round:
             deadline = time.monotonic() + self._timeout
             for ch in comm.channels:
-                ch.expect("closed", deadline=deadline, what="the worker's close of its slot mappings", alive=comm.alive)
+                ch.expect(
+                    "closed",
+                    deadline=deadline,
+                    what="the worker's close of its slot mappings",
+                    alive=comm.alive,
+                )
             comm.slots.free_memory()
 
     def _announce_slots(self) -> None:
@@ -232,7 +289,13 @@ class IPCPipeline(IPCDataPath):
     def _sync_quietly(self) -> None:
         try:
             comm = self._comm
-            sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=min(self._timeout, 30.0), what="the fill stream")
+            sync_stream(
+                comm.cp,
+                comm.slots.device,
+                self._sptr,
+                timeout=min(self._timeout, 30.0),
+                what="the fill stream",
+            )
         except Exception:  # a fill stream that will not settle: leak the slots rather than free memory under a copy
             self._comm.slots.ptrs = []
 
@@ -261,8 +324,10 @@ class _Starter:
 
     def join(self) -> None:
         if self._done is not None and not wait([self._done], timeout=self._timeout).done:
-            raise TransferTimeout(f"the control plane (pause / start / update POST) did not return within "
-                                  f"{self._timeout:g} s")
+            raise TransferTimeout(
+                f"the control plane (pause / start / update POST) did not return within "
+                f"{self._timeout:g} s"
+            )
 
     def check(self) -> None:
         """Re-raise ``begin``'s error if it already failed (pull mode waits for the workers'

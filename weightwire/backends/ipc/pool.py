@@ -77,8 +77,13 @@ class _Lease:
     __slots__ = ("__cuda_array_interface__", "__weakref__")
 
     def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 2, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 2,
+            "strides": None,
+        }
 
 
 class ReceivePool:
@@ -88,7 +93,9 @@ class ReceivePool:
         self._cp, self.device = cp, int(device)
         self._buffers: dict[int, PoolBuffer] = {}
         self._next_id = 0
-        self._lock = threading.Lock()  # the lease finalizers run on whichever thread drops the last view
+        self._lock = (
+            threading.Lock()
+        )  # the lease finalizers run on whichever thread drops the last view
         self.closed = False
 
     # -- the round ------------------------------------------------------------------------
@@ -112,8 +119,11 @@ class ReceivePool:
             if self.closed:
                 raise TransferError("the IPC receive pool is closed")
             # Best fit within one class up: a free buffer is taken rather than a new one allocated.
-            fits = [b for b in self._buffers.values()
-                    if b.state == "free" and not b.retired and want <= b.nbytes <= want + want // 4]
+            fits = [
+                b
+                for b in self._buffers.values()
+                if b.state == "free" and not b.retired and want <= b.nbytes <= want + want // 4
+            ]
             buf = min(fits, key=lambda b: b.nbytes) if fits else None
             if buf is not None:
                 buf.state = "filling"
@@ -161,7 +171,9 @@ class ReceivePool:
             if buf.state != "filling":
                 raise TransferError(f"IPC receive buffer {buf.id} is {buf.state}, not filling")
             if buf.ahead:
-                raise TransferError(f"IPC receive buffer {buf.id} is already leased ahead of its fill")
+                raise TransferError(
+                    f"IPC receive buffer {buf.id} is already leased ahead of its fill"
+                )
             if ahead:
                 buf.ahead = True
             else:
@@ -178,7 +190,9 @@ class ReceivePool:
             buf.ahead = False
             buf.state = "free" if buf.orphaned else "leased"
             buf.orphaned = False
-            drop = self._claim(buf) if buf.state == "free" and (buf.retired or self.closed) else None
+            drop = (
+                self._claim(buf) if buf.state == "free" and (buf.retired or self.closed) else None
+            )
         if drop is not None:
             self._free(drop)
 
@@ -241,7 +255,11 @@ class ReceivePool:
         with self._lock:
             for buf in self._buffers.values():
                 buf.retired = True
-            drops = [d for b in list(self._buffers.values()) if b.state == "free" and (d := self._claim(b))]
+            drops = [
+                d
+                for b in list(self._buffers.values())
+                if b.state == "free" and (d := self._claim(b))
+            ]
         for buf in drops:
             self._free(buf)
 
@@ -250,7 +268,11 @@ class ReceivePool:
         (``filling`` buffers: the trainer may still be writing them)."""
         with self._lock:
             self.closed = True
-            drops = [d for b in list(self._buffers.values()) if b.state == "free" and (d := self._claim(b))]
+            drops = [
+                d
+                for b in list(self._buffers.values())
+                if b.state == "free" and (d := self._claim(b))
+            ]
             leaked = [b for b in self._buffers.values() if b.state == "filling"]
             for b in leaked:
                 b.freed = True  # never freed: no later return may free it either
@@ -259,8 +281,12 @@ class ReceivePool:
             self._free(buf)
         lost = sum(b.nbytes for b in leaked)
         if lost:
-            logger.warning("weightwire_ipc: %d receive buffer(s) (%d bytes) left allocated: the round ended while "
-                           "the trainer may still have been writing them", len(leaked), lost)
+            logger.warning(
+                "weightwire_ipc: %d receive buffer(s) (%d bytes) left allocated: the round ended while "
+                "the trainer may still have been writing them",
+                len(leaked),
+                lost,
+            )
         return lost
 
     def held_bytes(self) -> int:

@@ -71,32 +71,46 @@ class WorkerBuffers:
         bid = check_int(msg, "b", 0, 1 << 62, self.peer)
         n = check_int(msg, "n", 1, 1 << 62, self.peer)
         if n != chunk_bytes:
-            raise TransferError(f"{self.peer} wants {n} bytes for chunk {msg.get('c')} where the plan has {chunk_bytes}: "
-                                "trainer and worker disagree on the round's plan")
+            raise TransferError(
+                f"{self.peer} wants {n} bytes for chunk {msg.get('c')} where the plan has {chunk_bytes}: "
+                "trainer and worker disagree on the round's plan"
+            )
         known = self.mapped.get(bid)
         if known is not None:
             if "h" in msg or "f" in msg or "cap" in msg:
-                raise TransferError(f"{self.peer} announced buffer {bid} again (ids are never reused in a session)")
+                raise TransferError(
+                    f"{self.peer} announced buffer {bid} again (ids are never reused in a session)"
+                )
             if known[1] < n:  # a copy past the end would write into whatever follows it
-                raise TransferError(f"{self.peer} named buffer {bid} of {known[1]} bytes for a chunk of {n}")
+                raise TransferError(
+                    f"{self.peer} named buffer {bid} of {known[1]} bytes for a chunk of {n}"
+                )
             return known[0], known[2]
         if len(self.mapped) >= MAX_BUFFERS:
-            raise TransferError(f"{self.peer} named more than {MAX_BUFFERS} receive buffers in one session")
+            raise TransferError(
+                f"{self.peer} named more than {MAX_BUFFERS} receive buffers in one session"
+            )
         if "h" not in msg or "f" not in msg or "cap" not in msg:
-            raise TransferError(f"{self.peer} named buffer {bid} without its handles (first use in this session)")
+            raise TransferError(
+                f"{self.peer} named buffer {bid} without its handles (first use in this session)"
+            )
         cap = check_int(msg, "cap", n, 1 << 62, self.peer)
         try:
             mem = decode_secret(f"{self.peer} want.h", msg["h"], IPC_HANDLE_BYTES)
             ev = decode_secret(f"{self.peer} want.f", msg["f"], IPC_HANDLE_BYTES)
-        except ValueError as exc:  # a malformed message of the peer's: a protocol error, not a config one
+        except (
+            ValueError
+        ) as exc:  # a malformed message of the peer's: a protocol error, not a config one
             raise TransferError(str(exc)) from None
         runtime = self._cp.cuda.runtime
         with self._cp.cuda.Device(self.device):
             try:
                 ptr = int(runtime.ipcOpenMemHandle(mem, CUDA_IPC_LAZY_PEER_ACCESS))
             except Exception as exc:
-                raise TransferError(f"cannot open {self.peer}'s receive buffer {bid} (cudaIpcOpenMemHandle: {exc}); "
-                                    "the worker must run on this host and its GPU be reachable from this one") from exc
+                raise TransferError(
+                    f"cannot open {self.peer}'s receive buffer {bid} (cudaIpcOpenMemHandle: {exc}); "
+                    "the worker must run on this host and its GPU be reachable from this one"
+                ) from exc
             try:
                 event = open_event(self._cp, ev, f"{self.peer}'s free event of buffer {bid}")
             except BaseException:
@@ -120,7 +134,11 @@ def _early_wants(msg: dict[str, Any], depth: int, peer: str) -> dict[int, dict[s
     """An "early" message's wants by chunk, each checked like a want (``c`` below the
     depth: only the first chunks are named early, ``n`` a byte count)."""
     wants = msg.get("wants")
-    if not isinstance(wants, list) or not 0 < len(wants) <= depth or not all(isinstance(w, dict) for w in wants):
+    if (
+        not isinstance(wants, list)
+        or not 0 < len(wants) <= depth
+        or not all(isinstance(w, dict) for w in wants)
+    ):
         raise TransferError(f"{peer} sent an 'early' message without 1..{depth} wants")
     out: dict[int, dict[str, Any]] = {}
     for want in wants:
@@ -135,17 +153,33 @@ def _early_wants(msg: dict[str, Any], depth: int, peer: str) -> dict[int, dict[s
 class IPCPullPipeline(IPCDataPath):
     """Chunks straight into the workers' buffers (packed rounds: the rendezvous picks pull only for them)."""
 
-    def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, num_buffers: int, timeout: float,
-                 hold_bytes: int) -> None:
-        super().__init__(comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes)
+    def __init__(
+        self,
+        comm: IPCSenderComm,
+        packer: DevicePacker,
+        *,
+        num_buffers: int,
+        timeout: float,
+        hold_bytes: int,
+    ) -> None:
+        super().__init__(
+            comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes
+        )
         self._depth = len(comm.slots.events)
         self._buffers = [WorkerBuffers(comm.cp, comm.slots.device, ch.peer) for ch in comm.channels]
         self._gather = GatherCopy(comm.cp, comm.slots.device, self._sptr)
         self._early: list[dict[int, dict[str, Any]] | None] = [None] * len(comm.channels)
         """Per worker: this round's early wants by chunk (None until its "early" message was read)."""
 
-    def send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin = None, *,
-             metas: Sequence[ParamMeta] = (), root: int = 0) -> Sent:
+    def send(
+        self,
+        prepared: Iterable[Prepared],
+        stop: threading.Event,
+        begin: Begin = None,
+        *,
+        metas: Sequence[ParamMeta] = (),
+        root: int = 0,
+    ) -> Sent:
         # Before this round's start can reach a worker, an early message already here is
         # from an earlier round that read none of it (its buffers were never filled) and void.
         for ch in self._comm.channels:
@@ -159,14 +193,18 @@ class IPCPullPipeline(IPCDataPath):
         ch = self._comm.channels[w]
         what = f"the receive buffer of chunk {ci}"
         early = self._early[w]
-        if early is None:  # the round's first message: its early wants, if any, come before any want
+        if (
+            early is None
+        ):  # the round's first message: its early wants, if any, come before any want
             msg = ch.recv(deadline=deadline, what=what, alive=alive)
             if msg["op"] == "want":
                 self._early[w] = {}
                 return msg
             if msg["op"] != "early":
-                raise TransferError(f"{ch.peer} sent {msg['op']!r} where {what} ('want') was due: "
-                                    "the two sides disagree on the round")
+                raise TransferError(
+                    f"{ch.peer} sent {msg['op']!r} where {what} ('want') was due: "
+                    "the two sides disagree on the round"
+                )
             early = self._early[w] = _early_wants(msg, self._depth, ch.peer)
             trace(f"early {sorted(early)}")
         named = early.pop(ci, None)
@@ -199,12 +237,19 @@ class IPCPullPipeline(IPCDataPath):
                     msg = self._want(w, ci, chunk.nbytes, deadline, alive)
                     trace(f"want {ci}{' early' if 'early' in msg else ''}")
                     if check_int(msg, "c", 0, 1 << 62, ch.peer) != ci:
-                        raise TransferError(f"{ch.peer} asked for chunk {msg['c']} where chunk {ci} was due: "
-                                            "trainer and worker disagree on the round's plan")
+                        raise TransferError(
+                            f"{ch.peer} asked for chunk {msg['c']} where chunk {ci} was due: "
+                            "trainer and worker disagree on the round's plan"
+                        )
                     ptr, free = bufs.resolve(msg, chunk.nbytes)
                     if self._host_wait:
-                        wait_event_host(cp, free, deadline=deadline, what=f"{ch.peer}'s release of buffer {msg['b']}",
-                                        alive=alive)
+                        wait_event_host(
+                            cp,
+                            free,
+                            deadline=deadline,
+                            what=f"{ch.peer}'s release of buffer {msg['b']}",
+                            alive=alive,
+                        )
                     else:
                         stream_wait(cp, sptr, free)
                     gather(ptr, regions, deadline=deadline, alive=alive)
@@ -235,7 +280,13 @@ class IPCPullPipeline(IPCDataPath):
     def close(self) -> None:
         comm = self._comm
         try:
-            sync_stream(comm.cp, comm.slots.device, self._sptr, timeout=min(self._timeout, 30.0), what="the fill stream")
+            sync_stream(
+                comm.cp,
+                comm.slots.device,
+                self._sptr,
+                timeout=min(self._timeout, 30.0),
+                what="the fill stream",
+            )
         except Exception:  # a copy may still write through the mappings: leave them open
             self._buffers = []
         else:

@@ -97,13 +97,17 @@ def device_uuid(cp: Any, ordinal: int) -> str:
 
 
 def new_ipc_event(cp: Any) -> int:
-    return int(cp.cuda.runtime.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING | CUDA_EVENT_INTERPROCESS))
+    return int(
+        cp.cuda.runtime.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING | CUDA_EVENT_INTERPROCESS)
+    )
 
 
 def event_handle(cp: Any, event: int) -> bytes:
     raw = bytes(cp.cuda.runtime.ipcGetEventHandle(event))
     if len(raw) != IPC_HANDLE_BYTES:
-        raise TransferError(f"cudaIpcGetEventHandle returned {len(raw)} bytes, expected {IPC_HANDLE_BYTES}")
+        raise TransferError(
+            f"cudaIpcGetEventHandle returned {len(raw)} bytes, expected {IPC_HANDLE_BYTES}"
+        )
     return raw
 
 
@@ -111,7 +115,9 @@ def open_event(cp: Any, handle: bytes, what: str) -> int:
     try:
         return int(cp.cuda.runtime.ipcOpenEventHandle(handle))
     except Exception as exc:
-        raise TransferError(f"cannot open {what} (cudaIpcOpenEventHandle: {exc}); is the peer on this host and alive?") from exc
+        raise TransferError(
+            f"cannot open {what} (cudaIpcOpenEventHandle: {exc}); is the peer on this host and alive?"
+        ) from exc
 
 
 def stream_wait(cp: Any, stream_ptr: int, event: int) -> None:
@@ -147,22 +153,41 @@ def event_query(cp: Any, event: int) -> bool:
     raise TransferError(f"cudaEventQuery failed with status {status}")
 
 
-def wait_event_host(cp: Any, event: int, *, deadline: float, what: str, alive: Callable[[], None]) -> None:
+def wait_event_host(
+    cp: Any, event: int, *, deadline: float, what: str, alive: Callable[[], None]
+) -> None:
     """Poll ``event`` until done, bounded by ``deadline`` (spin first: a piece takes ~0.1-1 ms)."""
-    poll_until(lambda: event_query(cp, event), deadline=deadline, check=alive,
-               expired=lambda: TransferTimeout(
-                   f"{what} did not complete within the timeout (the peer's GPU work stalled)"))
+    poll_until(
+        lambda: event_query(cp, event),
+        deadline=deadline,
+        check=alive,
+        expired=lambda: TransferTimeout(
+            f"{what} did not complete within the timeout (the peer's GPU work stalled)"
+        ),
+    )
 
 
-def sync_stream(cp: Any, device: int, stream_ptr: int, *, timeout: float, what: str,
-                alive: Callable[[], None] | None = None) -> None:
+def sync_stream(
+    cp: Any,
+    device: int,
+    stream_ptr: int,
+    *,
+    timeout: float,
+    what: str,
+    alive: Callable[[], None] | None = None,
+) -> None:
     """Wait (bounded) until everything enqueued on ``stream_ptr`` so far finished."""
     with cp.cuda.Device(device):
         event = cp.cuda.Event(block=False, disable_timing=True)
         event.record(cp.cuda.ExternalStream(stream_ptr, device))
-    poll_until(lambda: _done(event), deadline=time.monotonic() + timeout, check=alive,
-               expired=lambda: TransferTimeout(
-                   f"{what} did not finish on CUDA device {device} within {timeout:g} s"))
+    poll_until(
+        lambda: _done(event),
+        deadline=time.monotonic() + timeout,
+        check=alive,
+        expired=lambda: TransferTimeout(
+            f"{what} did not finish on CUDA device {device} within {timeout:g} s"
+        ),
+    )
 
 
 def _done(event: Any) -> bool:

@@ -24,12 +24,25 @@ from contextlib import suppress
 from typing import Any, ClassVar
 
 from weightwire.backends import IPC
-from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCaps, SenderParts, SenderSettings
+from weightwire.backends.base import (
+    Backend,
+    Rendezvous,
+    RoundSender,
+    SenderCaps,
+    SenderParts,
+    SenderSettings,
+)
 from weightwire.backends.ipc.channel import Listener, check_int
 from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.pipeline import IPCPipeline
 from weightwire.backends.ipc.pull import IPCPullPipeline
-from weightwire.backends.ipc.slots import IPCSlots, cupy_module, device_uuid, ipc_available, open_event
+from weightwire.backends.ipc.slots import (
+    IPCSlots,
+    cupy_module,
+    device_uuid,
+    ipc_available,
+    open_event,
+)
 from weightwire.shared.errors import TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo, decode_handles
@@ -41,9 +54,20 @@ logger = logging.getLogger(__name__)
 class IPCRendezvous:
     """Slots + listener for one session; ``payload`` is the worker init info."""
 
-    def __init__(self, *, world_size: int, device: int | None, slot_bytes: int, num_slots: int,
-                 packed: bool, timeout_s: float, release_after_round: bool, bind_host: str = "127.0.0.1",
-                 mode: str = "push", stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        device: int | None,
+        slot_bytes: int,
+        num_slots: int,
+        packed: bool,
+        timeout_s: float,
+        release_after_round: bool,
+        bind_host: str = "127.0.0.1",
+        mode: str = "push",
+        stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES,
+    ) -> None:
         cp = cupy_module()
         self._cp = cp
         self.device = int(cp.cuda.runtime.getDevice()) if device is None else int(device)
@@ -56,10 +80,19 @@ class IPCRendezvous:
             self._listener = Listener(bind_host, self._secret)
             host, port = self._listener.address
             self.payload = IPCInitInfo(
-                host=host, port=port, secret_b64=encode_secret(self._secret), rank_offset=1, world_size=world_size,
-                mem_handles_b64=self.slots.mem_handles_b64(), event_handles_b64=self.slots.event_handles_b64(),
-                device_uuid=device_uuid(cp, self.device), packed=packed, packed_buffer_size_bytes=slot_bytes,
-                packed_num_buffers=num_slots, timeout_s=timeout_s, release_after_round=release_after_round,
+                host=host,
+                port=port,
+                secret_b64=encode_secret(self._secret),
+                rank_offset=1,
+                world_size=world_size,
+                mem_handles_b64=self.slots.mem_handles_b64(),
+                event_handles_b64=self.slots.event_handles_b64(),
+                device_uuid=device_uuid(cp, self.device),
+                packed=packed,
+                packed_buffer_size_bytes=slot_bytes,
+                packed_num_buffers=num_slots,
+                timeout_s=timeout_s,
+                release_after_round=release_after_round,
                 stage_budget_bytes=stage_budget_bytes,
             ).to_dict()
         except BaseException:
@@ -68,7 +101,9 @@ class IPCRendezvous:
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"IPCRendezvous(device={self.device}, world_size={self.world_size}, <handles redacted>)"
+        return (
+            f"IPCRendezvous(device={self.device}, world_size={self.world_size}, <handles redacted>)"
+        )
 
     def join(self, *, timeout: float) -> IPCSenderComm:
         deadline = time.monotonic() + timeout
@@ -91,9 +126,16 @@ class IPCRendezvous:
                 ch.peer = f"IPC worker rank {rank}"
                 handles = decode_handles(f"{ch.peer} hello.free", hello.get("free"))
                 if len(handles) != self.slots.count:
-                    raise TransferError(f"{ch.peer} exported {len(handles)} free events for {self.slots.count} slots")
+                    raise TransferError(
+                        f"{ch.peer} exported {len(handles)} free events for {self.slots.count} slots"
+                    )
                 with self._cp.cuda.Device(self.device):
-                    frees.append([open_event(self._cp, h, f"{ch.peer}'s free event {s}") for s, h in enumerate(handles)])
+                    frees.append(
+                        [
+                            open_event(self._cp, h, f"{ch.peer}'s free event {s}")
+                            for s, h in enumerate(handles)
+                        ]
+                    )
                 uuid = hello.get("uuid")
                 uuids.append(uuid if isinstance(uuid, str) else "")
                 offers.append(_modes(hello, ch.peer))
@@ -109,9 +151,18 @@ class IPCRendezvous:
             self.slots.destroy()
             raise
         order = sorted(range(len(channels)), key=lambda k: channels[k].peer)
-        comm = IPCSenderComm(self._cp, self.slots, [channels[k] for k in order], [frees[k] for k in order],
-                             [uuids[k] for k in order], self._release, mode)
-        logger.info("IPC rendezvous: %d worker(s) joined; mode %s; same GPU: %s", want, mode, comm.same_gpu)
+        comm = IPCSenderComm(
+            self._cp,
+            self.slots,
+            [channels[k] for k in order],
+            [frees[k] for k in order],
+            [uuids[k] for k in order],
+            self._release,
+            mode,
+        )
+        logger.info(
+            "IPC rendezvous: %d worker(s) joined; mode %s; same GPU: %s", want, mode, comm.same_gpu
+        )
         return comm
 
     def _close_listener(self) -> None:
@@ -136,11 +187,18 @@ class IPCBackend(Backend):
 
     def open(self, info: SenderSettings, *, world_size: int) -> Rendezvous:
         if not ipc_available():
-            raise RuntimeError(f"backend {self.name!r} needs cupy and a CUDA device on the trainer host")
+            raise RuntimeError(
+                f"backend {self.name!r} needs cupy and a CUDA device on the trainer host"
+            )
         rdv = IPCRendezvous(
-            world_size=world_size, device=info.device, slot_bytes=info.packed_buffer_size_bytes,
-            num_slots=info.packed_num_buffers, packed=info.packed, timeout_s=float(info.timeouts.transfer_s),
-            release_after_round=info.ipc_release_after_round, mode=info.ipc_mode,
+            world_size=world_size,
+            device=info.device,
+            slot_bytes=info.packed_buffer_size_bytes,
+            num_slots=info.packed_num_buffers,
+            packed=info.packed,
+            timeout_s=float(info.timeouts.transfer_s),
+            release_after_round=info.ipc_release_after_round,
+            mode=info.ipc_mode,
             stage_budget_bytes=info.stage_budget_bytes,
         )
         return _PendingIPC(rdv.payload, rdv)
@@ -148,21 +206,36 @@ class IPCBackend(Backend):
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
         assert isinstance(link, IPCSenderComm) and parts.packer is not None
         if link.mode == "pull" and not settings.packed:
-            raise TransferError("weightwire_ipc pull mode carries packed rounds only (the session negotiated push "
-                                "otherwise)")
+            raise TransferError(
+                "weightwire_ipc pull mode carries packed rounds only (the session negotiated push "
+                "otherwise)"
+            )
         pipeline = IPCPullPipeline if link.mode == "pull" else IPCPipeline
         count = settings.packed_num_buffers
-        return pipeline(link, parts.packer, num_buffers=count, timeout=settings.timeouts.transfer_s,
-                        hold_bytes=settings.packed_buffer_size_bytes * count)
+        return pipeline(
+            link,
+            parts.packer,
+            num_buffers=count,
+            timeout=settings.timeouts.transfer_s,
+            hold_bytes=settings.packed_buffer_size_bytes * count,
+        )
 
 
 def _modes(hello: dict[str, Any], peer: str) -> list[str]:
     """The modes a worker's hello offers (at least one)."""
     offer = hello.get("modes")
-    if not isinstance(offer, list) or not 1 <= len(offer) <= 8 or not all(isinstance(m, str) for m in offer):
-        raise TransferError(f"{peer} sent hello.modes {str(offer)[:80]}, not a short list of mode names "
-                            f"(known: {', '.join(IPC_MODES)})")
-    return [m for m in offer if m in IPC_MODES]  # a later worker's modes this trainer does not know: ignored
+    if (
+        not isinstance(offer, list)
+        or not 1 <= len(offer) <= 8
+        or not all(isinstance(m, str) for m in offer)
+    ):
+        raise TransferError(
+            f"{peer} sent hello.modes {str(offer)[:80]}, not a short list of mode names "
+            f"(known: {', '.join(IPC_MODES)})"
+        )
+    return [
+        m for m in offer if m in IPC_MODES
+    ]  # a later worker's modes this trainer does not know: ignored
 
 
 class _PendingIPC(Rendezvous):

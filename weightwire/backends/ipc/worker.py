@@ -55,22 +55,39 @@ from weightwire.shared.timeouts import Timeouts
 class IPCReceiver:
     """A worker's session: channel, opened slots and ready events, its own free events."""
 
-    def __init__(self, cp: Any, device: int, channel: Channel, slots: OpenedSlots, ready: list[int],
-                 free: list[int], info: IPCInitInfo) -> None:
+    def __init__(
+        self,
+        cp: Any,
+        device: int,
+        channel: Channel,
+        slots: OpenedSlots,
+        ready: list[int],
+        free: list[int],
+        info: IPCInitInfo,
+    ) -> None:
         self.cp, self.device, self.channel, self.slots = cp, device, channel, slots
         self.ready, self.free, self.info = ready, free, info
         self._state = "open"
 
     @property
     def same_gpu(self) -> bool:
-        return bool(self.info.device_uuid) and self.info.device_uuid == device_uuid(self.cp, self.device)
+        return bool(self.info.device_uuid) and self.info.device_uuid == device_uuid(
+            self.cp, self.device
+        )
 
     def alive(self) -> None:
         if self._state != "open":
-            raise TransferError(f"IPC receive link is {self._state}; call init_weight_transfer_engine again")
+            raise TransferError(
+                f"IPC receive link is {self._state}; call init_weight_transfer_engine again"
+            )
 
     def warmup(self, *, timeout: float) -> None:
-        self.channel.expect("ping", deadline=time.monotonic() + timeout, what="the trainer's warm-up", alive=self.alive)
+        self.channel.expect(
+            "ping",
+            deadline=time.monotonic() + timeout,
+            what="the trainer's warm-up",
+            alive=self.alive,
+        )
         self.channel.send({"op": "pong"})
 
     def abort(self) -> None:
@@ -100,13 +117,26 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
     index = device.index if device.index is not None else torch.cuda.current_device()
     local = Timeouts.from_env()
     with cp.cuda.Device(index):
-        ready = [open_event(cp, h, f"the trainer's ready event {s}") for s, h in enumerate(info.event_handles)]
+        ready = [
+            open_event(cp, h, f"the trainer's ready event {s}")
+            for s, h in enumerate(info.event_handles)
+        ]
         free = [new_ipc_event(cp) for _ in range(info.packed_num_buffers)]
-        hello = {"op": "hello", "rank": rank, "free": [encode_secret(event_handle(cp, e)) for e in free],
-                 "uuid": device_uuid(cp, index), "modes": ["pull", "push"] if info.packed else ["push"]}
+        hello = {
+            "op": "hello",
+            "rank": rank,
+            "free": [encode_secret(event_handle(cp, e)) for e in free],
+            "uuid": device_uuid(cp, index),
+            "modes": ["pull", "push"] if info.packed else ["push"],
+        }
     try:
-        channel = dial(info.host, info.port, info.secret, timeout=local.connect_s,
-                       peer=f"the IPC trainer at {info.host}:{info.port}")
+        channel = dial(
+            info.host,
+            info.port,
+            info.secret,
+            timeout=local.connect_s,
+            peer=f"the IPC trainer at {info.host}:{info.port}",
+        )
     except BaseException:
         for e in free:
             with suppress(Exception):
@@ -115,14 +145,23 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
     receiver = IPCReceiver(cp, index, channel, OpenedSlots(cp, index, []), ready, free, info)
     try:
         receiver.channel.send(hello)
-        chosen = channel.expect("mode", deadline=time.monotonic() + local.warmup_s,
-                                what="the session's mode", alive=receiver.alive)
+        chosen = channel.expect(
+            "mode",
+            deadline=time.monotonic() + local.warmup_s,
+            what="the session's mode",
+            alive=receiver.alive,
+        )
         mode, early = str(chosen.get("mode")), chosen.get("early")
         if mode not in ("pull", "push") or (mode == "pull" and not info.packed):
             raise TransferError(
-                f"{channel.peer} chose IPC mode {mode[:20]!r}, which this worker did not offer")
-        channel.expect("ping", deadline=time.monotonic() + local.warmup_s,
-                       what="the trainer's warm-up", alive=receiver.alive)
+                f"{channel.peer} chose IPC mode {mode[:20]!r}, which this worker did not offer"
+            )
+        channel.expect(
+            "ping",
+            deadline=time.monotonic() + local.warmup_s,
+            what="the trainer's warm-up",
+            alive=receiver.alive,
+        )
         if mode == "push":
             with cp.cuda.Device(index):
                 receiver.slots.open(info.mem_handles)
@@ -133,8 +172,13 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
         raise
     dev = torch.device("cuda", index)
     if mode == "pull":  # a trainer that takes early wants says so in its mode message
-        return IPCPullLink(receiver, device=dev, timeout_s=info.timeout_s, depth=info.packed_num_buffers,
-                           early=early is True)
+        return IPCPullLink(
+            receiver,
+            device=dev,
+            timeout_s=info.timeout_s,
+            depth=info.packed_num_buffers,
+            early=early is True,
+        )
     return IPCLink(receiver, device=dev, timeout_s=info.timeout_s, depth=info.packed_num_buffers)
 
 
@@ -165,7 +209,9 @@ def _posted(buffer: Any, index: int, turn: ReceiveTurn) -> _Posted:
 class IPCLink(ChunkedLink):
     """Chunks arrive as pieces through the trainer's slots (see the module docstring)."""
 
-    def __init__(self, communicator: IPCReceiver, *, device: torch.device, timeout_s: float, depth: int) -> None:
+    def __init__(
+        self, communicator: IPCReceiver, *, device: torch.device, timeout_s: float, depth: int
+    ) -> None:
         super().__init__(device=device, timeout_s=timeout_s, depth=depth)
         self.communicator = communicator
         self._stream = torch.cuda.Stream(device=device)
@@ -188,32 +234,55 @@ class IPCLink(ChunkedLink):
         with cp.cuda.Device(rx.device):
             while got < chunk.nbytes:
                 trace(f"wait c{index}")
-                msg = ch.recv(deadline=deadline, what=f"piece at byte {got} of chunk {index}", alive=rx.alive)
+                msg = ch.recv(
+                    deadline=deadline, what=f"piece at byte {got} of chunk {index}", alive=rx.alive
+                )
                 trace(f"got {msg.get('s')}")
                 if msg["op"] == "slots":
                     self._remap(msg)
                     continue
                 if msg["op"] != "ready":
-                    raise TransferError(f"{ch.peer} sent {msg['op']!r} while chunk {index} was being received")
-                if check_int(msg, "c", 0, 1 << 62, ch.peer) != index or check_int(msg, "o", 0, 1 << 62, ch.peer) != got:
+                    raise TransferError(
+                        f"{ch.peer} sent {msg['op']!r} while chunk {index} was being received"
+                    )
+                if (
+                    check_int(msg, "c", 0, 1 << 62, ch.peer) != index
+                    or check_int(msg, "o", 0, 1 << 62, ch.peer) != got
+                ):
                     raise TransferError(
                         f"{ch.peer} announced chunk {msg['c']} at byte {msg['o']} where chunk {index} at byte {got} "
                         "was due: trainer and worker disagree on the round's plan"
                     )
                 slot = check_int(msg, "s", 0, count - 1, ch.peer)
-                n = check_int(msg, "n", 1, min(chunk.nbytes - got, rx.info.packed_buffer_size_bytes), ch.peer)
+                n = check_int(
+                    msg, "n", 1, min(chunk.nbytes - got, rx.info.packed_buffer_size_bytes), ch.peer
+                )
                 if self._host_wait:
-                    wait_event_host(cp, rx.ready[slot], deadline=deadline, what=f"the trainer's fill of IPC slot {slot}",
-                                    alive=rx.alive)
+                    wait_event_host(
+                        cp,
+                        rx.ready[slot],
+                        deadline=deadline,
+                        what=f"the trainer's fill of IPC slot {slot}",
+                        alive=rx.alive,
+                    )
                 else:
                     stream_wait(cp, sptr, rx.ready[slot])
-                cp.cuda.runtime.memcpyAsync(base + got, rx.slots.ptrs[slot], n, MEMCPY_DEVICE_TO_DEVICE, sptr)
+                cp.cuda.runtime.memcpyAsync(
+                    base + got, rx.slots.ptrs[slot], n, MEMCPY_DEVICE_TO_DEVICE, sptr
+                )
                 record(cp, rx.free[slot], sptr)
                 ch.send({"op": "free", "s": slot})
                 got += n
             if last and rx.info.release_after_round:
                 # The trainer frees its slots after this round: copy-outs done, mappings closed first.
-                sync_stream(cp, rx.device, sptr, timeout=self.timeout_s, what="the IPC copy-out", alive=rx.alive)
+                sync_stream(
+                    cp,
+                    rx.device,
+                    sptr,
+                    timeout=self.timeout_s,
+                    what="the IPC copy-out",
+                    alive=rx.alive,
+                )
                 rx.slots.close()
                 ch.send({"op": "closed"})
         buf.record_stream(self._stream)
@@ -226,13 +295,21 @@ class IPCLink(ChunkedLink):
         rx = self.communicator
         handles = decode_handles(f"{rx.channel.peer} slots.mem", msg.get("mem"))
         if len(handles) != len(rx.ready):
-            raise TransferError(f"{rx.channel.peer} announced {len(handles)} slots, the session has {len(rx.ready)}")
+            raise TransferError(
+                f"{rx.channel.peer} announced {len(handles)} slots, the session has {len(rx.ready)}"
+            )
         rx.slots.open(handles)
 
     def _settle(self, timeout: float) -> bool:
         rx = self.communicator
         try:
-            sync_stream(rx.cp, rx.device, self._stream.cuda_stream, timeout=timeout, what="the IPC copy stream")
+            sync_stream(
+                rx.cp,
+                rx.device,
+                self._stream.cuda_stream,
+                timeout=timeout,
+                what="the IPC copy stream",
+            )
         except Exception:
             return False
         return True
@@ -267,8 +344,15 @@ class IPCPullLink(ChunkedLink):
     and the end of that round's update may the trainer write into them.
     """
 
-    def __init__(self, communicator: IPCReceiver, *, device: torch.device, timeout_s: float, depth: int,
-                 early: bool = False) -> None:
+    def __init__(
+        self,
+        communicator: IPCReceiver,
+        *,
+        device: torch.device,
+        timeout_s: float,
+        depth: int,
+        early: bool = False,
+    ) -> None:
         super().__init__(device=device, timeout_s=timeout_s, depth=depth)
         self.communicator = communicator
         self.pool = ReceivePool(communicator.cp, communicator.device)
@@ -369,13 +453,20 @@ class IPCPullLink(ChunkedLink):
         trace(f"wait c{index}")
         msg = ch.expect("ready", deadline=deadline, what=f"chunk {index}", alive=rx.alive)
         if check_int(msg, "c", 0, 1 << 62, ch.peer) != index:
-            raise TransferError(f"{ch.peer} announced chunk {msg['c']} where chunk {index} was due: "
-                                "trainer and worker disagree on the round's plan")
+            raise TransferError(
+                f"{ch.peer} announced chunk {msg['c']} where chunk {index} was due: "
+                "trainer and worker disagree on the round's plan"
+            )
         event = rx.ready[check_int(msg, "e", 0, len(rx.ready) - 1, ch.peer)]
         with cp.cuda.Device(rx.device):
             if self._host_wait:
-                wait_event_host(cp, event, deadline=deadline, what=f"the trainer's fill of chunk {index}",
-                                alive=rx.alive)
+                wait_event_host(
+                    cp,
+                    event,
+                    deadline=deadline,
+                    what=f"the trainer's fill of chunk {index}",
+                    alive=rx.alive,
+                )
             else:
                 stream_wait(cp, torch.cuda.current_stream(self.device).cuda_stream, event)
 
@@ -385,7 +476,12 @@ class IPCPullLink(ChunkedLink):
         rx = self.communicator
         if rx.info.release_after_round:
             # The trainer closed its mappings of every buffer: the pool may be freed now.
-            rx.channel.expect("unmapped", deadline=deadline, what="the trainer's close of its mappings", alive=rx.alive)
+            rx.channel.expect(
+                "unmapped",
+                deadline=deadline,
+                what="the trainer's close of its mappings",
+                alive=rx.alive,
+            )
             self.pool.retire_all()
         self._unfill_early()  # named early for chunks this plan does not have: unused by both sides
         dump_trace("worker")

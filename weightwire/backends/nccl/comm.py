@@ -26,15 +26,35 @@ from typing import Any
 
 from weightwire._extras import install_command
 from weightwire.backends.device import DeviceBytes, event_done, resolve_buffer, stream_pointer
-from weightwire.backends.nccl.join import check_join_args, check_seconds, init_rank, unique_id_to_bytes
-from weightwire.backends.nccl.join import unique_id_to_signed_tuple as unique_id_to_signed_tuple  # re-export
+from weightwire.backends.nccl.join import (
+    check_join_args,
+    check_seconds,
+    init_rank,
+    unique_id_to_bytes,
+)
+from weightwire.backends.nccl.join import (
+    unique_id_to_signed_tuple as unique_id_to_signed_tuple,
+)  # re-export
 from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout, UnavailableError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.waiting import poll_until
 
 # ncclDataType_t / ncclRedOp_t values from nccl.h (stable ABI).
 NCCL_UINT8, NCCL_FLOAT32, NCCL_SUM = 1, 7, 0
-NCCL_ITEMSIZE: dict[int, int] = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
+NCCL_ITEMSIZE: dict[int, int] = {
+    0: 1,
+    1: 1,
+    2: 4,
+    3: 4,
+    4: 8,
+    5: 8,
+    6: 2,
+    7: 4,
+    8: 8,
+    9: 2,
+    10: 1,
+    11: 1,
+}
 _NCCL_REMOTE_ERROR = 6
 
 # A wait polls (``shared.waiting``), spinning long enough to cover a whole large round
@@ -58,7 +78,9 @@ def _cupy() -> tuple[Any, Any]:
             f"[cuda12] (cupy-cuda12x), matching your CUDA, on a CUDA machine; import failed: {exc}"
         ) from exc
     if not getattr(nccl, "available", False):
-        raise NCCLUnavailable("CuPy is installed but its NCCL library could not be loaded (libnccl.so.2 missing?)")
+        raise NCCLUnavailable(
+            "CuPy is installed but its NCCL library could not be loaded (libnccl.so.2 missing?)"
+        )
     return cupy, nccl
 
 
@@ -93,7 +115,9 @@ def mint_unique_id() -> bytes:
 class NCCLCommunicator:
     """One rank of an NCCL broadcast group (implements ``shared.communicator.Communicator``)."""
 
-    def __init__(self, comm: Any, *, rank: int, world_size: int, device: int, cp: Any, version: str) -> None:
+    def __init__(
+        self, comm: Any, *, rank: int, world_size: int, device: int, cp: Any, version: str
+    ) -> None:
         """Wrap an initialized CuPy ``NcclCommunicator``; use ``join`` to make one."""
         self._comm = comm
         self._rank, self._world_size, self.device, self.version = rank, world_size, device, version
@@ -107,7 +131,13 @@ class NCCLCommunicator:
 
     @classmethod
     def join(
-        cls, *, unique_id: bytes, rank: int, world_size: int, device: int | None = None, timeout: float
+        cls,
+        *,
+        unique_id: bytes,
+        rank: int,
+        world_size: int,
+        device: int | None = None,
+        timeout: float,
     ) -> NCCLCommunicator:
         """Enter ``ncclCommInitRank`` as ``rank`` of ``world_size`` on CUDA ``device``
         (default: the current one). Every rank must enter concurrently; if they have not
@@ -120,7 +150,9 @@ class NCCLCommunicator:
         if type(device) is not int or not 0 <= device < count:
             raise ValueError(f"device must be a CUDA device index in [0, {count}), got {device!r}")
         version = format_nccl_version(int(nccl.get_version()))
-        raw = init_rank(cp, nccl, uid, rank=rank, world_size=world_size, device=device, timeout=timeout)
+        raw = init_rank(
+            cp, nccl, uid, rank=rank, world_size=world_size, device=device, timeout=timeout
+        )
         return cls(raw, rank=rank, world_size=world_size, device=device, cp=cp, version=version)
 
     @property
@@ -157,7 +189,9 @@ class NCCLCommunicator:
         """The CuPy communicator, or ``TransferError`` once aborted/closed (by any thread)."""
         comm = self._comm
         if self._state != "open" or comm is None:
-            raise TransferError(f"NCCL communicator ({self._where()}) is {self._state}{self._reason}; join a new one")
+            raise TransferError(
+                f"NCCL communicator ({self._where()}) is {self._state}{self._reason}; join a new one"
+            )
         return comm
 
     def _fail(self, exc: TransferError) -> TransferError:
@@ -193,10 +227,16 @@ class NCCLCommunicator:
             try:
                 comm.allReduce(one.data.ptr, one.data.ptr, 1, NCCL_FLOAT32, NCCL_SUM, stream.ptr)
             except Exception as exc:
-                raise self._fail(TransferError(f"NCCL warm-up all-reduce failed on {self._where()}: {exc}")) from exc
-        self.synchronize(stream, timeout=Timeouts.from_env().warmup_s if timeout is None else timeout)
+                raise self._fail(
+                    TransferError(f"NCCL warm-up all-reduce failed on {self._where()}: {exc}")
+                ) from exc
+        self.synchronize(
+            stream, timeout=Timeouts.from_env().warmup_s if timeout is None else timeout
+        )
 
-    def broadcast(self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
+    def broadcast(
+        self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None
+    ) -> None:
         """Broadcast ``buffer``'s bytes (as uint8) from ``root``; receivers are overwritten.
 
         ``stream=None``: runs on an internal stream and waits (bounded by ``timeout``).
@@ -205,18 +245,34 @@ class NCCLCommunicator:
         self._run(buffer, root=root, timeout=timeout, stream=stream, typed=None)
 
     def broadcast_typed(
-        self, buffer: Any, *, nccl_dtype: int, count: int, root: int = 0,
-        timeout: float | None = None, stream: Any = None,
+        self,
+        buffer: Any,
+        *,
+        nccl_dtype: int,
+        count: int,
+        root: int = 0,
+        timeout: float | None = None,
+        stream: Any = None,
     ) -> None:
         """Unpacked mode: broadcast ``count`` elements of ``ncclDataType_t`` ``nccl_dtype``,
         the way a stock vLLM worker receives each tensor (``WIRE_DTYPES[name].nccl``)."""
         if nccl_dtype not in NCCL_ITEMSIZE:
-            raise ValueError(f"unknown ncclDataType_t {nccl_dtype!r}; known: {sorted(NCCL_ITEMSIZE)}")
+            raise ValueError(
+                f"unknown ncclDataType_t {nccl_dtype!r}; known: {sorted(NCCL_ITEMSIZE)}"
+            )
         if type(count) is not int or count < 0:
             raise ValueError(f"count must be a non-negative int, got {count!r}")
         self._run(buffer, root=root, timeout=timeout, stream=stream, typed=(nccl_dtype, count))
 
-    def _run(self, buffer: Any, *, root: int, timeout: float | None, stream: Any, typed: tuple[int, int] | None) -> None:
+    def _run(
+        self,
+        buffer: Any,
+        *,
+        root: int,
+        timeout: float | None,
+        stream: Any,
+        typed: tuple[int, int] | None,
+    ) -> None:
         comm = self._live()
         if type(root) is not int or not 0 <= root < self._world_size:
             raise ValueError(f"root must be a rank in [0, {self._world_size}), got {root!r}")
@@ -236,9 +292,15 @@ class NCCLCommunicator:
             # In place (send == recv) on every rank; NCCL ignores the send pointer off-root.
             comm.broadcast(view.ptr, view.ptr, count, dtype, root, cs.ptr)
         except Exception as exc:
-            raise self._fail(TransferError(f"NCCL broadcast of {view.nbytes} bytes failed on {self._where()}: {exc}")) from exc
+            raise self._fail(
+                TransferError(
+                    f"NCCL broadcast of {view.nbytes} bytes failed on {self._where()}: {exc}"
+                )
+            ) from exc
         if stream is None:
-            self.synchronize(cs, timeout=Timeouts.from_env().transfer_s if timeout is None else timeout)
+            self.synchronize(
+                cs, timeout=Timeouts.from_env().transfer_s if timeout is None else timeout
+            )
         else:
             # The exporter's memory must outlive the enqueued kernel even if the caller
             # drops its reference; released when this stream is next synchronized.
@@ -268,13 +330,21 @@ class NCCLCommunicator:
             self._check_async_error(comm)
 
         def expired() -> BaseException:
-            return self._fail(TransferTimeout(
-                f"NCCL work did not finish within {timeout:g} s on {self._where()} (CUDA device "
-                f"{self.device}): a peer is missing, stalled or sending a different collective; "
-                "communicator aborted"))
+            return self._fail(
+                TransferTimeout(
+                    f"NCCL work did not finish within {timeout:g} s on {self._where()} (CUDA device "
+                    f"{self.device}): a peer is missing, stalled or sending a different collective; "
+                    "communicator aborted"
+                )
+            )
 
-        poll_until(lambda: event_done(event), deadline=time.monotonic() + timeout, check=check,
-                   check_every_s=_ASYNC_CHECK_EVERY_S, expired=expired)
+        poll_until(
+            lambda: event_done(event),
+            deadline=time.monotonic() + timeout,
+            check=check,
+            check_every_s=_ASYNC_CHECK_EVERY_S,
+            expired=expired,
+        )
         self._inflight.pop(cs.ptr, None)
 
     def _check_async_error(self, comm: Any) -> None:
@@ -283,7 +353,9 @@ class NCCLCommunicator:
         except Exception as exc:
             status = getattr(exc, "status", None)
             kind = PeerLost if status == _NCCL_REMOTE_ERROR else TransferError
-            raise self._fail(kind(f"NCCL reported an asynchronous error on {self._where()}: {exc}")) from exc
+            raise self._fail(
+                kind(f"NCCL reported an asynchronous error on {self._where()}: {exc}")
+            ) from exc
 
     def abort(self) -> None:
         """``ncclCommAbort``: tear down now without waiting on peers; later calls raise."""
@@ -314,7 +386,9 @@ class NCCLCommunicator:
                 return
             pending = list(self._inflight)
         for stream_ptr in pending:
-            self.synchronize(self._cupy_stream(stream_ptr), timeout=timeout)  # aborts and raises if a peer stalls
+            self.synchronize(
+                self._cupy_stream(stream_ptr), timeout=timeout
+            )  # aborts and raises if a peer stalls
         with self._lock:
             if self._state != "open":
                 return
@@ -324,4 +398,6 @@ class NCCLCommunicator:
             with self._on_device():
                 comm.abort()
         except Exception as exc:
-            raise TransferError(f"releasing the NCCL communicator failed on {self._where()}: {exc}") from exc
+            raise TransferError(
+                f"releasing the NCCL communicator failed on {self._where()}: {exc}"
+            ) from exc

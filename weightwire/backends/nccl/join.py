@@ -37,7 +37,11 @@ def unique_id_to_signed_tuple(uid: bytes) -> tuple[int, ...]:
 
 def check_join_args(unique_id: object, rank: object, world_size: object, timeout: object) -> bytes:
     if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != NCCL_UNIQUE_ID_BYTES:
-        got = f"{len(unique_id)} bytes" if isinstance(unique_id, (bytes, bytearray)) else type(unique_id).__name__
+        got = (
+            f"{len(unique_id)} bytes"
+            if isinstance(unique_id, (bytes, bytearray))
+            else type(unique_id).__name__
+        )
         raise ValueError(f"unique_id must be {NCCL_UNIQUE_ID_BYTES} bytes, got {got}")
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -48,7 +52,11 @@ def check_join_args(unique_id: object, rank: object, world_size: object, timeout
 
 
 def check_seconds(timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < float("inf")
+    ):
         raise ValueError(f"timeout must be a positive finite number of seconds, got {timeout!r}")
     return float(timeout)
 
@@ -83,7 +91,9 @@ class _InitBox:
             return True
 
 
-def _init_in_thread(box: _InitBox, cp: Any, nccl: Any, uid: bytes, rank: int, world_size: int, device: int) -> None:
+def _init_in_thread(
+    box: _InitBox, cp: Any, nccl: Any, uid: bytes, rank: int, world_size: int, device: int
+) -> None:
     comm, error = None, None
     try:
         # The CUDA current device is per thread; NCCL binds the communicator to it.
@@ -99,13 +109,17 @@ def _init_in_thread(box: _InitBox, cp: Any, nccl: Any, uid: bytes, rank: int, wo
     box.finish(comm, error)
 
 
-def init_rank(cp: Any, nccl: Any, uid: bytes, *, rank: int, world_size: int, device: int, timeout: float) -> Any:
+def init_rank(
+    cp: Any, nccl: Any, uid: bytes, *, rank: int, world_size: int, device: int, timeout: float
+) -> Any:
     """CuPy's ``NcclCommunicator`` for ``rank`` on ``device``, once every rank joined;
     ``TransferTimeout`` after ``timeout`` s, ``TransferError`` if NCCL's init failed."""
     box = _InitBox()
     threading.Thread(
-        target=_init_in_thread, args=(box, cp, nccl, uid, rank, world_size, device),
-        name=f"weightwire-nccl-init-rank{rank}", daemon=True,
+        target=_init_in_thread,
+        args=(box, cp, nccl, uid, rank, world_size, device),
+        name=f"weightwire-nccl-init-rank{rank}",
+        daemon=True,
     ).start()
     if not box.done.wait(timeout) and box.abandon():
         raise TransferTimeout(

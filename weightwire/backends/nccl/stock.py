@@ -80,7 +80,9 @@ def _aligned_order(metas: Sequence[ParamMeta], buffer_size_bytes: int) -> list[i
             fits = [i for i in remaining if offset % metas[i].itemsize == 0]
             if not fits:
                 raise _NoOrder(remaining[0], offset, group)
-            pick = max(fits, key=lambda i: (metas[i].itemsize, _align(offset + metas[i].nbytes), -i))
+            pick = max(
+                fits, key=lambda i: (metas[i].itemsize, _align(offset + metas[i].nbytes), -i)
+            )
             remaining.remove(pick)
             order.append(pick)
             offset += metas[pick].nbytes
@@ -96,23 +98,32 @@ class _NoOrder(WeightwireError):
         self.index, self.offset, self.group = index, offset, group
 
 
-def plan_for_stock(metas: Sequence[ParamMeta], *, features: ServerFeatures, packed: bool,
-                   buffer_size_bytes: int) -> WirePlan:
+def plan_for_stock(
+    metas: Sequence[ParamMeta], *, features: ServerFeatures, packed: bool, buffer_size_bytes: int
+) -> WirePlan:
     """The wire plan a stock ``nccl`` worker of ``features.version`` receives, or ``StockRefusal``."""
     metas = list(metas)
     version = features.version
     if not packed:
         for m in metas:
             if m.dtype in UNPACKED_REFUSED_DTYPES:
-                raise StockRefusal(m.name, f"dtype {m.dtype} has no NCCL type in vLLM's per-tensor (unpacked) "
-                                   "broadcast; packed mode carries it as bytes", version)
+                raise StockRefusal(
+                    m.name,
+                    f"dtype {m.dtype} has no NCCL type in vLLM's per-tensor (unpacked) "
+                    "broadcast; packed mode carries it as bytes",
+                    version,
+                )
         return WirePlan(metas)
     if not features.packed_scalars:
         for m in metas:
             if m.shape == ():
-                raise StockRefusal(m.name, f"it is a scalar (shape []), which vLLM's packed consumer before 0.32 "
-                                   f"cannot reshape (view(*[]) raises TypeError); the server is {features.basis}. "
-                                   "Unpacked mode (packed=False) carries scalars", version)
+                raise StockRefusal(
+                    m.name,
+                    f"it is a scalar (shape []), which vLLM's packed consumer before 0.32 "
+                    f"cannot reshape (view(*[]) raises TypeError); the server is {features.basis}. "
+                    "Unpacked mode (packed=False) carries scalars",
+                    version,
+                )
     bad = _first_misaligned(metas, buffer_size_bytes)
     if bad is None:
         return WirePlan(metas)
@@ -122,10 +133,16 @@ def plan_for_stock(metas: Sequence[ParamMeta], *, features: ServerFeatures, pack
         m = metas[exc.index]
         names = [metas[i].name for i in exc.group]
         group = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} tensors)"
-        raise StockRefusal(m.name, f"its {m.dtype} data would start at byte {exc.offset} of a packed chunk, not a "
-                           f"multiple of its {m.itemsize}-byte itemsize (vLLM views the chunk slice as {m.dtype}), "
-                           f"and no order of its layer group [{group}] aligns every offset; packed chunks have no "
-                           "padding. Unpacked mode (packed=False) has no offsets", version) from None
+        raise StockRefusal(
+            m.name,
+            f"its {m.dtype} data would start at byte {exc.offset} of a packed chunk, not a "
+            f"multiple of its {m.itemsize}-byte itemsize (vLLM views the chunk slice as {m.dtype}), "
+            f"and no order of its layer group [{group}] aligns every offset; packed chunks have no "
+            "padding. Unpacked mode (packed=False) has no offsets",
+            version,
+        ) from None
     wire = [metas[i] for i in order]
-    assert _first_misaligned(wire, buffer_size_bytes) is None  # the greedy simulated plan_packed exactly
+    assert (
+        _first_misaligned(wire, buffer_size_bytes) is None
+    )  # the greedy simulated plan_packed exactly
     return WirePlan(wire, tuple(order))

@@ -44,11 +44,21 @@ class NCCLBackend(Backend):
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, stock_receiver=True)
 
     def check_server(self, features: ServerFeatures) -> None:
-        features.require("unique_id_rendezvous", "a torch-free trainer joins NCCL through nccl_unique_id_b64")
+        features.require(
+            "unique_id_rendezvous", "a torch-free trainer joins NCCL through nccl_unique_id_b64"
+        )
 
-    def plan_round(self, metas: Sequence[ParamMeta], *, features: ServerFeatures, packed: bool,
-                   buffer_size_bytes: int) -> WirePlan:
-        return plan_for_stock(metas, features=features, packed=packed, buffer_size_bytes=buffer_size_bytes)
+    def plan_round(
+        self,
+        metas: Sequence[ParamMeta],
+        *,
+        features: ServerFeatures,
+        packed: bool,
+        buffer_size_bytes: int,
+    ) -> WirePlan:
+        return plan_for_stock(
+            metas, features=features, packed=packed, buffer_size_bytes=buffer_size_bytes
+        )
 
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
         """Slot buffers broadcast on rotating streams (``link`` is an ``NCCLCommunicator``)."""
@@ -56,24 +66,37 @@ class NCCLBackend(Backend):
         import cupy  # GPU hosts only
 
         count = settings.packed_num_buffers
-        return DevicePipeline(link, parts.packer, SlotBuffers(cupy, parts.packer.ordinal), packed=settings.packed,
-                              num_buffers=count, timeout=settings.timeouts.transfer_s,
-                              hold_bytes=settings.packed_buffer_size_bytes * count)
+        return DevicePipeline(
+            link,
+            parts.packer,
+            SlotBuffers(cupy, parts.packer.ordinal),
+            packed=settings.packed,
+            num_buffers=count,
+            timeout=settings.timeouts.transfer_s,
+            hold_bytes=settings.packed_buffer_size_bytes * count,
+        )
 
     def _payload(self, info: SenderSettings, unique_id: bytes, world_size: int) -> dict[str, Any]:
         # Built through the shared dataclass so the payload is validated exactly as the
         # worker will parse it, and carries exactly vLLM's fields.
         return NCCLInitInfo(
-            nccl_unique_id_b64=encode_secret(unique_id), rank_offset=1, world_size=world_size,
-            packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
+            nccl_unique_id_b64=encode_secret(unique_id),
+            rank_offset=1,
+            world_size=world_size,
+            packed=info.packed,
+            packed_buffer_size_bytes=info.packed_buffer_size_bytes,
             packed_num_buffers=info.packed_num_buffers,
         ).to_dict()
 
     def open(self, info: SenderSettings, *, world_size: int) -> Rendezvous:
         if not nccl.nccl_available():  # cupy is imported here, on first use, not with this module
-            raise RuntimeError(f"backend {self.name!r} needs cupy with NCCL and a CUDA device on the trainer host")
+            raise RuntimeError(
+                f"backend {self.name!r} needs cupy with NCCL and a CUDA device on the trainer host"
+            )
         unique_id = nccl.mint_unique_id()
-        return _NCCLRendezvous(self._payload(info, unique_id, world_size), unique_id, world_size, info.device)
+        return _NCCLRendezvous(
+            self._payload(info, unique_id, world_size), unique_id, world_size, info.device
+        )
 
 
 class WeightwireNCCLBackend(NCCLBackend):
@@ -83,31 +106,57 @@ class WeightwireNCCLBackend(NCCLBackend):
     # The plugin's receiver takes any offset, dtype and shape; one communicator, each turn's root is its src.
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, several="group")
 
-    def plan_round(self, metas: Sequence[ParamMeta], *, features: ServerFeatures, packed: bool,
-                   buffer_size_bytes: int) -> WirePlan:
+    def plan_round(
+        self,
+        metas: Sequence[ParamMeta],
+        *,
+        features: ServerFeatures,
+        packed: bool,
+        buffer_size_bytes: int,
+    ) -> WirePlan:
         return WirePlan(list(metas))
 
     def _payload(self, info: SenderSettings, unique_id: bytes, world_size: int) -> dict[str, Any]:
         return WeightwireNCCLInitInfo(
-            nccl_unique_id_b64=encode_secret(unique_id), rank_offset=1, world_size=world_size,
-            packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
-            packed_num_buffers=info.packed_num_buffers, timeout_s=float(info.timeouts.transfer_s),
+            nccl_unique_id_b64=encode_secret(unique_id),
+            rank_offset=1,
+            world_size=world_size,
+            packed=info.packed,
+            packed_buffer_size_bytes=info.packed_buffer_size_bytes,
+            packed_num_buffers=info.packed_num_buffers,
+            timeout_s=float(info.timeouts.transfer_s),
             stage_budget_bytes=info.stage_budget_bytes,
         ).to_dict()
 
     def peer_fields(self, payload: dict[str, Any]) -> dict[str, Any]:
-        return {"nccl_unique_id_b64": payload["nccl_unique_id_b64"], "world_size": payload["world_size"]}
+        return {
+            "nccl_unique_id_b64": payload["nccl_unique_id_b64"],
+            "world_size": payload["world_size"],
+        }
 
-    def join_peer(self, info: SenderSettings, fields: dict[str, Any], *, rank: int, timeout: float) -> Communicator:
+    def join_peer(
+        self, info: SenderSettings, fields: dict[str, Any], *, rank: int, timeout: float
+    ) -> Communicator:
         if not nccl.nccl_available():
-            raise RuntimeError(f"backend {self.name!r} needs cupy with NCCL and a CUDA device on every broadcasting rank")
-        unique_id = decode_secret("nccl_unique_id_b64", fields["nccl_unique_id_b64"], NCCL_UNIQUE_ID_BYTES)
-        return nccl.NCCLCommunicator.join(unique_id=unique_id, rank=rank, world_size=int(fields["world_size"]),
-                                          device=info.device, timeout=timeout)
+            raise RuntimeError(
+                f"backend {self.name!r} needs cupy with NCCL and a CUDA device on every broadcasting rank"
+            )
+        unique_id = decode_secret(
+            "nccl_unique_id_b64", fields["nccl_unique_id_b64"], NCCL_UNIQUE_ID_BYTES
+        )
+        return nccl.NCCLCommunicator.join(
+            unique_id=unique_id,
+            rank=rank,
+            world_size=int(fields["world_size"]),
+            device=info.device,
+            timeout=timeout,
+        )
 
 
 class _NCCLRendezvous(Rendezvous):
-    def __init__(self, payload: dict[str, Any], unique_id: bytes, world_size: int, device: int | None) -> None:
+    def __init__(
+        self, payload: dict[str, Any], unique_id: bytes, world_size: int, device: int | None
+    ) -> None:
         super().__init__(payload)
         self._unique_id = unique_id
         self._world_size = world_size
@@ -115,5 +164,9 @@ class _NCCLRendezvous(Rendezvous):
 
     def join(self, *, timeout: float) -> Communicator:
         return nccl.NCCLCommunicator.join(
-            unique_id=self._unique_id, rank=0, world_size=self._world_size, device=self._device, timeout=timeout
+            unique_id=self._unique_id,
+            rank=0,
+            world_size=self._world_size,
+            device=self._device,
+            timeout=timeout,
         )

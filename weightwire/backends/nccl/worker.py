@@ -43,7 +43,9 @@ def connect_nccl(info: WeightwireNCCLInitInfo, *, rank: int, device: torch.devic
     local = Timeouts.from_env()
     uid = info.unique_id_bytes
     if uid is None:
-        assert info.master_address is not None and info.master_port is not None  # __post_init__ ensures
+        assert (
+            info.master_address is not None and info.master_port is not None
+        )  # __post_init__ ensures
         uid = fetch_unique_id(info.master_address, info.master_port, timeout_s=local.connect_s)
     index = device.index if device.index is not None else torch.cuda.current_device()
     comm = NCCLCommunicator.join(
@@ -55,8 +57,13 @@ def connect_nccl(info: WeightwireNCCLInitInfo, *, rank: int, device: torch.devic
         comm.abort()
         raise
     # Every trainer rank below the offset may be a turn's src (one group, several roots).
-    return NCCLLink(comm, device=torch.device("cuda", index), timeout_s=info.timeout_s,
-                    depth=info.packed_num_buffers, sources=info.rank_offset)
+    return NCCLLink(
+        comm,
+        device=torch.device("cuda", index),
+        timeout_s=info.timeout_s,
+        depth=info.packed_num_buffers,
+        sources=info.rank_offset,
+    )
 
 
 def publish_unique_id(host: str, port: int, unique_id: bytes, *, timeout_s: float) -> Any:
@@ -69,7 +76,10 @@ def publish_unique_id(host: str, port: int, unique_id: bytes, *, timeout_s: floa
     if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
         raise ValueError(f"unique id must be {NCCL_UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
     store = torch.distributed.TCPStore(
-        host, port, is_master=True, wait_for_workers=False,
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     store.set(UNIQUE_ID_KEY, unique_id)  # type: ignore[arg-type]  # TCPStore takes bytes too; torch's stub says str
@@ -89,7 +99,9 @@ def fetch_unique_id(host: str, port: int, *, timeout_s: float) -> bytes:
             f"within {timeout_s:.0f}s ({type(exc).__name__}); is the trainer publishing it?"
         ) from None
     if len(uid) != NCCL_UNIQUE_ID_BYTES:
-        raise ValueError(f"TCPStore at {host}:{port} holds a {len(uid)}-byte unique id, expected {NCCL_UNIQUE_ID_BYTES}")
+        raise ValueError(
+            f"TCPStore at {host}:{port} holds a {len(uid)}-byte unique id, expected {NCCL_UNIQUE_ID_BYTES}"
+        )
     return uid
 
 
@@ -110,8 +122,15 @@ class NCCLLink(ChunkedLink):
     its broadcast root.
     """
 
-    def __init__(self, communicator: Any, *, device: torch.device, timeout_s: float, depth: int,
-                 sources: int = 1) -> None:
+    def __init__(
+        self,
+        communicator: Any,
+        *,
+        device: torch.device,
+        timeout_s: float,
+        depth: int,
+        sources: int = 1,
+    ) -> None:
         super().__init__(device=device, timeout_s=timeout_s, depth=depth, sources=sources)
         self.communicator = communicator
         self._streams = [torch.cuda.Stream(device=device) for _ in range(self.depth)]
@@ -128,13 +147,18 @@ class NCCLLink(ChunkedLink):
         # through DLPack costs ~0.2 ms per chunk on the round's critical path.
         view = tensor_device_bytes(buf)
         if turn.packed:
-            self.communicator.broadcast(view, root=turn.src, timeout=self.timeout_s,
-                                        stream=stream.cuda_stream)
+            self.communicator.broadcast(
+                view, root=turn.src, timeout=self.timeout_s, stream=stream.cuda_stream
+            )
         else:
             meta = turn.metas[chunk.start]
             self.communicator.broadcast_typed(
-                view, nccl_dtype=wire_dtype(meta.dtype).nccl, count=meta.numel, root=turn.src,
-                timeout=self.timeout_s, stream=stream.cuda_stream,
+                view,
+                nccl_dtype=wire_dtype(meta.dtype).nccl,
+                count=meta.numel,
+                root=turn.src,
+                timeout=self.timeout_s,
+                stream=stream.cuda_stream,
             )
         buf.record_stream(stream)
         self._pending[index] = _Posted(buf, stream)

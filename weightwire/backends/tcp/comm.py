@@ -73,7 +73,10 @@ class _Batch:
 
     def wait(self, deadline: float) -> bool:
         with self.cv:
-            return self.cv.wait_for(lambda: not self.pending or self.error is not None, timeout=max(0.0, deadline - time.monotonic()))
+            return self.cv.wait_for(
+                lambda: not self.pending or self.error is not None,
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
 
 
 class TCPCommunicator:
@@ -83,14 +86,26 @@ class TCPCommunicator:
     (receivers). Only rank 0 broadcasts. Holds no secret after the handshake.
     """
 
-    def __init__(self, *, rank: int, world_size: int, links: list[_Link],
-                 transfer_timeout: float | None = None, warmup_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        links: list[_Link],
+        transfer_timeout: float | None = None,
+        warmup_timeout: float | None = None,
+    ) -> None:
         self._rank = rank
         self._world_size = world_size
         self._links = links
         self._transfer_timeout = wire.positive_seconds(
-            "transfer_timeout", DEFAULT_TIMEOUTS.transfer_s if transfer_timeout is None else transfer_timeout)
-        self._warmup_timeout = wire.positive_seconds("warmup_timeout", DEFAULT_TIMEOUTS.warmup_s if warmup_timeout is None else warmup_timeout)
+            "transfer_timeout",
+            DEFAULT_TIMEOUTS.transfer_s if transfer_timeout is None else transfer_timeout,
+        )
+        self._warmup_timeout = wire.positive_seconds(
+            "warmup_timeout",
+            DEFAULT_TIMEOUTS.warmup_s if warmup_timeout is None else warmup_timeout,
+        )
         self._seq = 0
         self._lock = threading.Lock()
         self._busy = threading.Lock()  # one warmup/broadcast at a time: frames must not interleave
@@ -101,20 +116,37 @@ class TCPCommunicator:
         self._workers: list[threading.Thread] = []
         if rank == 0:  # the caller's thread serves links[0]; one persistent thread per other link
             for link in links[1:]:
-                worker = threading.Thread(target=self._serve, args=(link,), name=f"weightwire-tcp-send-{link.rank}", daemon=True)
+                worker = threading.Thread(
+                    target=self._serve,
+                    args=(link,),
+                    name=f"weightwire-tcp-send-{link.rank}",
+                    daemon=True,
+                )
                 worker.start()
                 self._workers.append(worker)
 
     # -- construction (receiver side) ------------------------------------------------
 
     @classmethod
-    def connect(cls, *, host: str, port: int, secret: bytes, rank: int, world_size: int, timeout: float,
-                transfer_timeout: float | None = None, warmup_timeout: float | None = None,
-                socket_buffer_bytes: int | None = SOCKET_BUFFER_BYTES) -> TCPCommunicator:
+    def connect(
+        cls,
+        *,
+        host: str,
+        port: int,
+        secret: bytes,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        transfer_timeout: float | None = None,
+        warmup_timeout: float | None = None,
+        socket_buffer_bytes: int | None = SOCKET_BUFFER_BYTES,
+    ) -> TCPCommunicator:
         """Dial the sender, prove the secret, verify the sender's proof; bounded by ``timeout``."""
         wire.check_secret(secret)
         if type(world_size) is not int or not 2 <= world_size <= LIMITS.max_world_size:
-            raise ValueError(f"world_size must be an int in [2, {LIMITS.max_world_size}], got {world_size!r}")
+            raise ValueError(
+                f"world_size must be an int in [2, {LIMITS.max_world_size}], got {world_size!r}"
+            )
         if type(rank) is not int or not 1 <= rank < world_size:
             raise ValueError(f"receiver rank must be an int in [1, {world_size}), got {rank!r}")
         deadline = time.monotonic() + wire.positive_seconds("timeout", timeout)
@@ -126,8 +158,13 @@ class TCPCommunicator:
             sock.close()
             raise
         logger.info("TCP rank %d joined %s", rank, where)
-        return cls(rank=rank, world_size=world_size, links=[_Link(0, sock, f"sender at {host}:{port}")],
-                   transfer_timeout=transfer_timeout, warmup_timeout=warmup_timeout)
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            links=[_Link(0, sock, f"sender at {host}:{port}")],
+            transfer_timeout=transfer_timeout,
+            warmup_timeout=warmup_timeout,
+        )
 
     # -- Communicator protocol -------------------------------------------------------
 
@@ -141,7 +178,9 @@ class TCPCommunicator:
 
     def warmup(self, *, timeout: float | None = None) -> None:
         """Every receiver says ready, then the root says go: all peers present before any broadcast."""
-        limit = self._warmup_timeout if timeout is None else wire.positive_seconds("timeout", timeout)
+        limit = (
+            self._warmup_timeout if timeout is None else wire.positive_seconds("timeout", timeout)
+        )
         deadline = time.monotonic() + limit
         self._enter()
         try:
@@ -149,11 +188,15 @@ class TCPCommunicator:
                 self._root_warmup(deadline, limit)
             else:
                 self._send(self._links[0], [wire.frame(wire.TAG_READY)], deadline, "warm-up")
-                self._expect(self._links[0], wire.TAG_GO, deadline, limit, "warm-up (waiting for go)")
+                self._expect(
+                    self._links[0], wire.TAG_GO, deadline, limit, "warm-up (waiting for go)"
+                )
         finally:
             self._leave()
 
-    def broadcast(self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
+    def broadcast(
+        self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None
+    ) -> None:
         """Root: send ``buffer`` (or a list of parts, one logical buffer) to every receiver
         concurrently; returns once the bytes are handed to the kernel. Receiver: fill
         ``buffer`` (or its parts, in order) with exactly that many bytes. ``stream`` is
@@ -163,7 +206,9 @@ class TCPCommunicator:
             raise ValueError(f"the TCP communicator broadcasts only from rank 0, got root={root}")
         views = wire.byte_views(buffer, writable=self._rank != 0)
         nbytes = sum(len(v) for v in views)
-        limit = self._transfer_timeout if timeout is None else wire.positive_seconds("timeout", timeout)
+        limit = (
+            self._transfer_timeout if timeout is None else wire.positive_seconds("timeout", timeout)
+        )
         deadline = time.monotonic() + limit
         self._enter()
         seq, self._seq = self._seq, (self._seq + 1) & 0xFFFFFFFF
@@ -216,13 +261,17 @@ class TCPCommunicator:
 
     # -- root ------------------------------------------------------------------------
 
-    def _root_broadcast(self, views: list[memoryview], nbytes: int, seq: int, deadline: float, limit: float) -> None:
+    def _root_broadcast(
+        self, views: list[memoryview], nbytes: int, seq: int, deadline: float, limit: float
+    ) -> None:
         payload = [memoryview(wire.frame(wire.TAG_BROADCAST, seq, nbytes)), *views]
         batch = _Batch({link.rank for link in self._links})
         job = (payload, deadline, batch, seq, nbytes, limit)
         with self._lock:  # queued while open, so each job precedes teardown's stop sentinel
             if self._state != "open":
-                raise TransferError(f"TCP communicator (rank 0) was {self._state} before broadcast #{seq}")
+                raise TransferError(
+                    f"TCP communicator (rank 0) was {self._state} before broadcast #{seq}"
+                )
             self._active += len(self._links) - 1  # released by each worker when its job ends
             for link in self._links[1:]:
                 link.jobs.put(job)
@@ -239,8 +288,16 @@ class TCPCommunicator:
             finally:
                 self._exit()
 
-    def _send_job(self, link: _Link, payload: list[memoryview], deadline: float, batch: _Batch,
-                  seq: int, nbytes: int, limit: float) -> None:
+    def _send_job(
+        self,
+        link: _Link,
+        payload: list[memoryview],
+        deadline: float,
+        batch: _Batch,
+        seq: int,
+        nbytes: int,
+        limit: float,
+    ) -> None:
         link.progress = [0]
         try:
             wire.send_all(link.sock, payload, deadline, link.progress)
@@ -249,7 +306,9 @@ class TCPCommunicator:
                 err: TransferError = self._timeout_error(batch, seq, nbytes, limit)
             else:
                 offset = max(0, short.offset - wire.FRAME.size)
-                err = self._lost(link, f"at byte {offset} of {nbytes} of broadcast #{seq}", short.cause)
+                err = self._lost(
+                    link, f"at byte {offset} of {nbytes} of broadcast #{seq}", short.cause
+                )
             batch.done(link.rank, err)
             self._fail(err)  # wake the other senders at once
         else:
@@ -258,7 +317,11 @@ class TCPCommunicator:
     def _timeout_error(self, batch: _Batch, seq: int, nbytes: int, limit: float) -> TransferTimeout:
         with batch.cv:
             pending = sorted(batch.pending)
-        behind = [f"{link} at byte {max(0, link.progress[0] - wire.FRAME.size)}" for link in self._links if link.rank in pending]
+        behind = [
+            f"{link} at byte {max(0, link.progress[0] - wire.FRAME.size)}"
+            for link in self._links
+            if link.rank in pending
+        ]
         return TransferTimeout(
             f"TCP broadcast #{seq} of {nbytes} bytes did not reach every receiver within {limit:g} s; "
             f"still sending to: {', '.join(behind) or 'none'} (receiver stalled or too slow)"
@@ -272,8 +335,12 @@ class TCPCommunicator:
             while waiting:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = ", ".join(str(link) for link in sorted(waiting.values(), key=lambda x: x.rank))
-                    raise self._fail(TransferTimeout(f"TCP warm-up: no ready from {missing} within {limit:g} s"))
+                    missing = ", ".join(
+                        str(link) for link in sorted(waiting.values(), key=lambda x: x.rank)
+                    )
+                    raise self._fail(
+                        TransferTimeout(f"TCP warm-up: no ready from {missing} within {limit:g} s")
+                    )
                 for key, _ in sel.select(remaining):
                     link = key.data
                     self._expect(link, wire.TAG_READY, deadline, limit, "warm-up")
@@ -284,14 +351,20 @@ class TCPCommunicator:
 
     # -- receiver --------------------------------------------------------------------
 
-    def _recv_broadcast(self, views: list[memoryview], nbytes: int, seq: int, deadline: float, limit: float) -> None:
+    def _recv_broadcast(
+        self, views: list[memoryview], nbytes: int, seq: int, deadline: float, limit: float
+    ) -> None:
         link = self._links[0]
-        length = self._expect(link, wire.TAG_BROADCAST, deadline, limit, f"broadcast #{seq}", seq=seq)
+        length = self._expect(
+            link, wire.TAG_BROADCAST, deadline, limit, f"broadcast #{seq}", seq=seq
+        )
         if length != nbytes:
-            raise self._fail(TransferError(
-                f"TCP stream desynchronized at broadcast #{seq}: this receiver expected {nbytes} bytes, "
-                f"the sender sent {length}; the two sides disagree on the framing plan (update info or buffer size)"
-            ))
+            raise self._fail(
+                TransferError(
+                    f"TCP stream desynchronized at broadcast #{seq}: this receiver expected {nbytes} bytes, "
+                    f"the sender sent {length}; the two sides disagree on the framing plan (update info or buffer size)"
+                )
+            )
         progress = [0]
         try:
             for view in views:
@@ -299,7 +372,9 @@ class TCPCommunicator:
         except wire.WireShort as short:
             where = f"at byte {short.offset} of {nbytes} of broadcast #{seq}"
             if short.timed_out:
-                raise self._fail(TransferTimeout(f"TCP receive from {link} stalled {where} after {limit:g} s")) from None
+                raise self._fail(
+                    TransferTimeout(f"TCP receive from {link} stalled {where} after {limit:g} s")
+                ) from None
             raise self._fail(self._lost(link, where, short.cause)) from None
 
     # -- shared helpers --------------------------------------------------------------
@@ -309,35 +384,70 @@ class TCPCommunicator:
             wire.send_all(link.sock, [memoryview(c) for c in chunks], deadline, [0])
         except wire.WireShort as short:
             if short.timed_out:
-                raise self._fail(TransferTimeout(f"TCP {what}: sending to {link} timed out")) from None
+                raise self._fail(
+                    TransferTimeout(f"TCP {what}: sending to {link} timed out")
+                ) from None
             raise self._fail(self._lost(link, f"during {what}", short.cause)) from None
 
-    def _expect(self, link: _Link, tag: bytes, deadline: float, limit: float, what: str, *, seq: int | None = None) -> int:
+    def _expect(
+        self,
+        link: _Link,
+        tag: bytes,
+        deadline: float,
+        limit: float,
+        what: str,
+        *,
+        seq: int | None = None,
+    ) -> int:
         """Read one frame header from ``link``; check its tag (and seq); return its length."""
         try:
-            got_tag, got_seq, length = wire.FRAME.unpack(wire.recv_exact(link.sock, wire.FRAME.size, deadline))
+            got_tag, got_seq, length = wire.FRAME.unpack(
+                wire.recv_exact(link.sock, wire.FRAME.size, deadline)
+            )
         except wire.WireShort as short:
             if short.timed_out:
-                raise self._fail(TransferTimeout(f"TCP {what}: nothing from {link} within {limit:g} s")) from None
-            raise self._fail(self._lost(link, f"before {what} (header byte {short.offset} of {wire.FRAME.size})", short.cause)) from None
+                raise self._fail(
+                    TransferTimeout(f"TCP {what}: nothing from {link} within {limit:g} s")
+                ) from None
+            raise self._fail(
+                self._lost(
+                    link,
+                    f"before {what} (header byte {short.offset} of {wire.FRAME.size})",
+                    short.cause,
+                )
+            ) from None
         if got_tag != tag:
-            raise self._fail(TransferError(f"TCP stream desynchronized during {what}: expected frame {tag!r} from {link}, got {got_tag!r}"))
+            raise self._fail(
+                TransferError(
+                    f"TCP stream desynchronized during {what}: expected frame {tag!r} from {link}, got {got_tag!r}"
+                )
+            )
         if seq is not None and got_seq != seq:
-            raise self._fail(TransferError(f"TCP stream desynchronized: expected broadcast #{seq} from {link}, got #{got_seq}"))
+            raise self._fail(
+                TransferError(
+                    f"TCP stream desynchronized: expected broadcast #{seq} from {link}, got #{got_seq}"
+                )
+            )
         return length
 
     def _lost(self, link: _Link, where: str, cause: str) -> TransferError:
         if self._state != "open":
-            return TransferError(f"TCP communicator (rank {self._rank}) was {self._state} {where} with {link}")
+            return TransferError(
+                f"TCP communicator (rank {self._rank}) was {self._state} {where} with {link}"
+            )
         return PeerLost(f"lost {link} {where}: {cause}")
 
     def _enter(self) -> None:
         with self._lock:
             if self._state != "open":
                 reason = f": {self._failure}" if self._failure is not None else ""
-                raise TransferError(f"TCP communicator (rank {self._rank}) is {self._state}{reason}")
+                raise TransferError(
+                    f"TCP communicator (rank {self._rank}) is {self._state}{reason}"
+                )
             if not self._busy.acquire(blocking=False):
-                raise RuntimeError("TCPCommunicator: warmup/broadcast called while another is in progress; calls must be sequential")
+                raise RuntimeError(
+                    "TCPCommunicator: warmup/broadcast called while another is in progress; calls must be sequential"
+                )
             self._active += 1
 
     def _leave(self) -> None:
@@ -380,8 +490,18 @@ class TCPCommunicator:
             link.sock.close()
 
 
-def root_communicator(links: list[tuple[int, socket.socket, str]], world_size: int, *,
-                      transfer_timeout: float | None, warmup_timeout: float | None) -> TCPCommunicator:
+def root_communicator(
+    links: list[tuple[int, socket.socket, str]],
+    world_size: int,
+    *,
+    transfer_timeout: float | None,
+    warmup_timeout: float | None,
+) -> TCPCommunicator:
     """Rank 0's communicator over the authenticated connections (used by ``TCPRendezvous.accept``)."""
-    return TCPCommunicator(rank=0, world_size=world_size, links=[_Link(r, s, a) for r, s, a in sorted(links, key=lambda x: x[0])],
-                           transfer_timeout=transfer_timeout, warmup_timeout=warmup_timeout)
+    return TCPCommunicator(
+        rank=0,
+        world_size=world_size,
+        links=[_Link(r, s, a) for r, s, a in sorted(links, key=lambda x: x[0])],
+        transfer_timeout=transfer_timeout,
+        warmup_timeout=warmup_timeout,
+    )

@@ -53,14 +53,25 @@ class TCPRendezvous:
     or logs.
     """
 
-    def __init__(self, *, world_size: int, bind_host: str = "127.0.0.1", port: int = 0,
-                 advertise_host: str | None = None, secret: bytes | None = None,
-                 socket_buffer_bytes: int | None = wire.DEFAULT_SOCKET_BUFFER_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        secret: bytes | None = None,
+        socket_buffer_bytes: int | None = wire.DEFAULT_SOCKET_BUFFER_BYTES,
+    ) -> None:
         if type(world_size) is not int or not 2 <= world_size <= LIMITS.max_world_size:
-            raise ValueError(f"world_size must be an int in [2, {LIMITS.max_world_size}], got {world_size!r}")
+            raise ValueError(
+                f"world_size must be an int in [2, {LIMITS.max_world_size}], got {world_size!r}"
+            )
         if type(port) is not int or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
-        self._secret = wire.check_secret(secrets.token_bytes(TCP_SECRET_BYTES) if secret is None else secret)
+        self._secret = wire.check_secret(
+            secrets.token_bytes(TCP_SECRET_BYTES) if secret is None else secret
+        )
         self.world_size = world_size
         self._buffer_bytes = socket_buffer_bytes
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
@@ -78,7 +89,9 @@ class TCPRendezvous:
         host = advertise_host or bind_host
         if host in ("0.0.0.0", "::", ""):
             listener.close()
-            raise ValueError(f"bind_host {bind_host!r} is not an address receivers can dial; pass advertise_host")
+            raise ValueError(
+                f"bind_host {bind_host!r} is not an address receivers can dial; pass advertise_host"
+            )
         self.host: str = host
         self._cv = threading.Condition()
         self._state = "open"  # open -> accepting -> done | closed
@@ -96,8 +109,13 @@ class TCPRendezvous:
         """The ``TCPInitInfo`` fields receivers need: ``host``, ``port``, ``secret_b64``."""
         return {"host": self.host, "port": self.port, "secret_b64": encode_secret(self._secret)}
 
-    def accept(self, *, timeout: float, transfer_timeout: float | None = None,
-               warmup_timeout: float | None = None) -> TCPCommunicator:
+    def accept(
+        self,
+        *,
+        timeout: float,
+        transfer_timeout: float | None = None,
+        warmup_timeout: float | None = None,
+    ) -> TCPCommunicator:
         """Wait until ranks ``1 .. world_size-1`` have all authenticated; then stop listening.
 
         Raises ``TransferTimeout`` naming the missing ranks (and any refused
@@ -106,15 +124,21 @@ class TCPRendezvous:
         limit = wire.positive_seconds("timeout", timeout)
         with self._cv:
             if self._state != "open":
-                raise TransferError(f"TCPRendezvous.accept() called on a rendezvous that is {self._state}")
+                raise TransferError(
+                    f"TCPRendezvous.accept() called on a rendezvous that is {self._state}"
+                )
             self._state = "accepting"
         deadline = time.monotonic() + limit
-        acceptor = threading.Thread(target=self._accept_loop, args=(deadline,), name="weightwire-tcp-accept", daemon=True)
+        acceptor = threading.Thread(
+            target=self._accept_loop, args=(deadline,), name="weightwire-tcp-accept", daemon=True
+        )
         acceptor.start()
         want = self.world_size - 1
         with self._cv:
-            self._cv.wait_for(lambda: len(self._joined) == want or self._state != "accepting",
-                              timeout=max(0.0, deadline - time.monotonic()))
+            self._cv.wait_for(
+                lambda: len(self._joined) == want or self._state != "accepting",
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
             complete = len(self._joined) == want and self._state == "accepting"
             if complete:
                 self._state = "done"
@@ -126,7 +150,9 @@ class TCPRendezvous:
             stragglers = list(self._pending)
         for sock in stragglers:  # half-done handshakes (mute or late clients): wake and drop them
             wire.shutdown_quietly(sock)
-        acceptor.join(timeout=2 * _ACCEPT_POLL_S + 1)  # it polls the state; then its listener fd is free
+        acceptor.join(
+            timeout=2 * _ACCEPT_POLL_S + 1
+        )  # it polls the state; then its listener fd is free
         self._shut_listener()
         if not complete:
             self.close()
@@ -138,7 +164,9 @@ class TCPRendezvous:
                 f"did not join within {limit:g} s{extra}"
             )
         logger.info("TCP rendezvous at %s:%d: all %d receivers joined", self.host, self.port, want)
-        return root_communicator(links, self.world_size, transfer_timeout=transfer_timeout, warmup_timeout=warmup_timeout)
+        return root_communicator(
+            links, self.world_size, transfer_timeout=transfer_timeout, warmup_timeout=warmup_timeout
+        )
 
     def close(self) -> None:
         """Stop listening and drop every connection not yet handed to a communicator."""
@@ -203,11 +231,17 @@ class TCPRendezvous:
                 self._pending[conn] = False
             if evicted is not None:
                 wire.shutdown_quietly(evicted)
-                logger.info("TCP rendezvous: %d unproven handshakes pending; dropped the oldest",
-                            _MAX_PENDING_HANDSHAKES)
+                logger.info(
+                    "TCP rendezvous: %d unproven handshakes pending; dropped the oldest",
+                    _MAX_PENDING_HANDSHAKES,
+                )
             peer = _fmt_addr(addr)
-            threading.Thread(target=self._handshake, args=(conn, peer, deadline),
-                             name="weightwire-tcp-handshake", daemon=True).start()
+            threading.Thread(
+                target=self._handshake,
+                args=(conn, peer, deadline),
+                name="weightwire-tcp-handshake",
+                daemon=True,
+            ).start()
 
     def _handshake(self, conn: socket.socket, peer: str, rendezvous_deadline: float) -> None:
         claimed: int | None = None
@@ -218,24 +252,37 @@ class TCPRendezvous:
             server_nonce = secrets.token_bytes(wire.NONCE_BYTES)
             hello = wire.HELLO.pack(wire.HELLO_MAGIC, wire.PROTOCOL_VERSION, server_nonce)
             wire.send_all(conn, [memoryview(hello)], deadline, [0])
-            magic, rank, world_size, client_nonce, tag = wire.AUTH.unpack(wire.recv_exact(conn, wire.AUTH.size, deadline))
+            magic, rank, world_size, client_nonce, tag = wire.AUTH.unpack(
+                wire.recv_exact(conn, wire.AUTH.size, deadline)
+            )
             if magic != wire.AUTH_MAGIC:
                 self._refuse(peer, "did not speak the weightwire TCP protocol")
                 return
             code = self._judge(rank, world_size, server_nonce, client_nonce, tag)
-            proof = wire.server_tag(self._secret, client_nonce, server_nonce, rank, world_size) if code == wire.OK else bytes(32)
+            proof = (
+                wire.server_tag(self._secret, client_nonce, server_nonce, rank, world_size)
+                if code == wire.OK
+                else bytes(32)
+            )
             if code == wire.OK:
                 claimed = rank
                 with self._cv:
                     if conn in self._pending:
                         self._pending[conn] = True  # proven: never evicted to make room
-            wire.send_all(conn, [memoryview(wire.VERDICT.pack(wire.VERDICT_MAGIC, code, proof))], deadline, [0])
+            wire.send_all(
+                conn,
+                [memoryview(wire.VERDICT.pack(wire.VERDICT_MAGIC, code, proof))],
+                deadline,
+                [0],
+            )
             if code != wire.OK:
                 self._refuse(peer, f"claimed rank {rank}: {wire.REFUSALS[code]}")
                 return
             confirm, _, _ = wire.FRAME.unpack(wire.recv_exact(conn, wire.FRAME.size, deadline))
             if confirm != wire.TAG_CONFIRM:
-                self._refuse(peer, f"rank {rank} sent {confirm!r} instead of confirming the handshake")
+                self._refuse(
+                    peer, f"rank {rank} sent {confirm!r} instead of confirming the handshake"
+                )
                 return
             with self._cv:
                 if self._state == "accepting":
@@ -246,7 +293,10 @@ class TCPRendezvous:
         except (wire.WireShort, OSError) as exc:
             short = exc if isinstance(exc, wire.WireShort) else wire.WireShort(0, cause=str(exc))
             if claimed is not None:  # it dropped us after our proof: it holds a different secret
-                self._refuse(peer, f"rank {claimed} rejected the sender's proof or left ({short.cause or 'timeout'})")
+                self._refuse(
+                    peer,
+                    f"rank {claimed} rejected the sender's proof or left ({short.cause or 'timeout'})",
+                )
             else:
                 logger.info("TCP rendezvous: connection from %s ended during the handshake", peer)
         finally:
@@ -258,7 +308,9 @@ class TCPRendezvous:
                 wire.shutdown_quietly(conn)
                 conn.close()
 
-    def _judge(self, rank: int, world_size: int, server_nonce: bytes, client_nonce: bytes, tag: bytes) -> int:
+    def _judge(
+        self, rank: int, world_size: int, server_nonce: bytes, client_nonce: bytes, tag: bytes
+    ) -> int:
         """Verdict for one AUTH: the secret first (an impostor learns nothing else), then rank and size."""
         expected = wire.client_tag(self._secret, server_nonce, client_nonce, rank, world_size)
         if not hmac.compare_digest(tag, expected):  # constant time
@@ -285,4 +337,3 @@ def _fmt_addr(addr: object) -> str:
     if isinstance(addr, tuple) and len(addr) >= 2:
         return f"{addr[0]}:{addr[1]}"
     return str(addr)
-

@@ -35,13 +35,20 @@ class TCPBackend(Backend):
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=False, several="stars")
 
     def open(self, settings: SenderSettings, *, world_size: int) -> Rendezvous:
-        rdv = TCPRendezvous(world_size=world_size, bind_host=settings.tcp_bind_host,
-                            advertise_host=settings.tcp_advertise_host)
+        rdv = TCPRendezvous(
+            world_size=world_size,
+            bind_host=settings.tcp_bind_host,
+            advertise_host=settings.tcp_advertise_host,
+        )
         try:
             payload = TCPInitInfo(
-                **rdv.init_fields(), rank_offset=1, world_size=world_size, packed=settings.packed,
+                **rdv.init_fields(),
+                rank_offset=1,
+                world_size=world_size,
+                packed=settings.packed,
                 packed_buffer_size_bytes=settings.packed_buffer_size_bytes,
-                packed_num_buffers=settings.packed_num_buffers, timeout_s=float(settings.timeouts.transfer_s),
+                packed_num_buffers=settings.packed_num_buffers,
+                timeout_s=float(settings.timeouts.transfer_s),
                 stage_budget_bytes=settings.stage_budget_bytes,
             ).to_dict()
         except BaseException:
@@ -50,16 +57,35 @@ class TCPBackend(Backend):
         return _TCPRendezvous(payload, rdv)
 
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
-        return HostPipeline(link, parts.host_bytes, num_buffers=settings.packed_num_buffers,
-                            timeout=settings.timeouts.transfer_s, prefetch=parts.prefetch)
+        return HostPipeline(
+            link,
+            parts.host_bytes,
+            num_buffers=settings.packed_num_buffers,
+            timeout=settings.timeouts.transfer_s,
+            prefetch=parts.prefetch,
+        )
 
-    def open_star(self, settings: SenderSettings, *, world_size: int, secret: bytes) -> StarEndpoint:
-        return TCPRendezvous(world_size=world_size, bind_host=settings.tcp_bind_host,
-                             advertise_host=settings.tcp_advertise_host, secret=secret)
+    def open_star(
+        self, settings: SenderSettings, *, world_size: int, secret: bytes
+    ) -> StarEndpoint:
+        return TCPRendezvous(
+            world_size=world_size,
+            bind_host=settings.tcp_bind_host,
+            advertise_host=settings.tcp_advertise_host,
+            secret=secret,
+        )
 
-    def with_stars(self, payload: dict[str, Any], stars: Sequence[StarSource], *, rank_offset: int,
-                   world_size: int) -> dict[str, Any]:
-        sources = [{"host": s.host, "port": s.port, "secret_b64": encode_secret(s.secret)} for s in stars]
+    def with_stars(
+        self,
+        payload: dict[str, Any],
+        stars: Sequence[StarSource],
+        *,
+        rank_offset: int,
+        world_size: int,
+    ) -> dict[str, Any]:
+        sources = [
+            {"host": s.host, "port": s.port, "secret_b64": encode_secret(s.secret)} for s in stars
+        ]
         out = {**payload, "rank_offset": rank_offset, "world_size": world_size, "sources": sources}
         TCPInitInfo.from_dict(out)  # validated here, before the workers see it
         return out

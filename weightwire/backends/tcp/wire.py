@@ -97,12 +97,16 @@ _IOV_BATCH = 64  # well under IOV_MAX (1024 on Linux and macOS)
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
-def client_tag(secret: bytes, server_nonce: bytes, client_nonce: bytes, rank: int, world_size: int) -> bytes:
+def client_tag(
+    secret: bytes, server_nonce: bytes, client_nonce: bytes, rank: int, world_size: int
+) -> bytes:
     msg = _CLIENT_LABEL + server_nonce + client_nonce + struct.pack("!II", rank, world_size)
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
-def server_tag(secret: bytes, client_nonce: bytes, server_nonce: bytes, rank: int, world_size: int) -> bytes:
+def server_tag(
+    secret: bytes, client_nonce: bytes, server_nonce: bytes, rank: int, world_size: int
+) -> bytes:
     msg = _SERVER_LABEL + client_nonce + server_nonce + struct.pack("!II", rank, world_size)
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
@@ -129,7 +133,9 @@ def byte_view(obj: object, *, writable: bool) -> memoryview:
     """
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
-            raise ValueError(f"buffer must be C-contiguous, got a strided array of shape {obj.shape}")
+            raise ValueError(
+                f"buffer must be C-contiguous, got a strided array of shape {obj.shape}"
+            )
         # via uint8: memoryview cannot export ml_dtypes (bfloat16, float8) formats
         obj = obj.reshape(-1).view(np.uint8)
     try:
@@ -142,7 +148,9 @@ def byte_view(obj: object, *, writable: bool) -> memoryview:
     if not view.c_contiguous:
         raise ValueError("buffer must be C-contiguous")
     if writable and view.readonly:
-        raise ValueError(f"receive buffer is read-only ({type(obj).__name__}); pass a writable array")
+        raise ValueError(
+            f"receive buffer is read-only ({type(obj).__name__}); pass a writable array"
+        )
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
@@ -152,7 +160,9 @@ def byte_views(buffer: object, *, writable: bool) -> list[memoryview]:
     return [byte_view(part, writable=writable) for part in parts]
 
 
-def send_all(sock: socket.socket, views: Sequence[memoryview], deadline: float, progress: list[int]) -> None:
+def send_all(
+    sock: socket.socket, views: Sequence[memoryview], deadline: float, progress: list[int]
+) -> None:
     """Send ``views`` back to back by ``deadline`` (``time.monotonic``), zero-copy.
 
     ``sendmsg`` gathers header and parts into one syscall without concatenating them.
@@ -181,7 +191,9 @@ def send_all(sock: socket.socket, views: Sequence[memoryview], deadline: float, 
                 sent = 0
 
 
-def recv_into(sock: socket.socket, view: memoryview, deadline: float, progress: list[int] | None = None) -> None:
+def recv_into(
+    sock: socket.socket, view: memoryview, deadline: float, progress: list[int] | None = None
+) -> None:
     """Fill ``view`` exactly by ``deadline``; EOF, reset or timeout raise ``WireShort``."""
     total = len(view)
     got = 0
@@ -221,7 +233,9 @@ def tune(sock: socket.socket, buffer_bytes: int | None) -> None:
     """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if buffer_bytes:
-        buffer_bytes = min(buffer_bytes, 0x7FFFFFFF)  # a C int; the kernel caps it at [rw]mem_max anyway
+        buffer_bytes = min(
+            buffer_bytes, 0x7FFFFFFF
+        )  # a C int; the kernel caps it at [rw]mem_max anyway
         if _autotune_ceiling("tcp_wmem") < buffer_bytes:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
         if _autotune_ceiling("tcp_rmem") < buffer_bytes:
@@ -250,7 +264,12 @@ def _describe(exc: OSError) -> str:
 
 def positive_seconds(name: str, value: float) -> float:
     """``value`` as seconds; ``ValueError`` naming ``name`` unless a finite number > 0."""
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+    if not (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     return float(value)
 
@@ -285,17 +304,23 @@ def dial(host: str, port: int, deadline: float, buffer_bytes: int | None) -> soc
                 sock.close()
                 last = f"{type(exc).__name__}: {exc}"
         if time.monotonic() + 0.05 >= deadline:
-            raise TransferTimeout(f"could not connect to the TCP sender at {host}:{port} in time ({last})")
+            raise TransferTimeout(
+                f"could not connect to the TCP sender at {host}:{port} in time ({last})"
+            )
         time.sleep(0.05)
 
 
-def client_handshake(sock: socket.socket, secret: bytes, rank: int, world_size: int, deadline: float, where: str) -> None:
+def client_handshake(
+    sock: socket.socket, secret: bytes, rank: int, world_size: int, deadline: float, where: str
+) -> None:
     """A receiver's half of the handshake on a dialed socket: check the sender's hello,
     prove the secret, verify the sender's proof, confirm; bounded by ``deadline``."""
     try:
         magic, version, server_nonce = HELLO.unpack(recv_exact(sock, HELLO.size, deadline))
         if magic != HELLO_MAGIC or version != PROTOCOL_VERSION:
-            raise TransferError(f"{where} is not a weightwire TCP sender of protocol v{PROTOCOL_VERSION}")
+            raise TransferError(
+                f"{where} is not a weightwire TCP sender of protocol v{PROTOCOL_VERSION}"
+            )
         client_nonce = secrets.token_bytes(NONCE_BYTES)
         tag = client_tag(secret, server_nonce, client_nonce, rank, world_size)
         auth = AUTH.pack(AUTH_MAGIC, rank, world_size, client_nonce, tag)
@@ -308,9 +333,13 @@ def client_handshake(sock: socket.socket, secret: bytes, rank: int, world_size: 
             raise TransferError(f"{where} refused rank {rank} (world_size {world_size}): {reason}")
         expected = server_tag(secret, client_nonce, server_nonce, rank, world_size)
         if not hmac.compare_digest(proof, expected):  # constant time
-            raise TransferError(f"{where} did not prove the shared secret; refusing to receive weights from it")
+            raise TransferError(
+                f"{where} did not prove the shared secret; refusing to receive weights from it"
+            )
         send_all(sock, [memoryview(frame(TAG_CONFIRM))], deadline, [0])
     except WireShort as short:
         if short.timed_out:
-            raise TransferTimeout(f"TCP handshake with {where} did not finish in time (is the sender in accept()?)") from None
+            raise TransferTimeout(
+                f"TCP handshake with {where} did not finish in time (is the sender in accept()?)"
+            ) from None
         raise PeerLost(f"lost {where} during the handshake: {short.cause}") from None

@@ -52,14 +52,23 @@ def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> TCPLin
             while True:
                 try:
                     comm = TCPCommunicator.connect(
-                        host=host, port=port, secret=secret, rank=star_rank,
-                        world_size=star_world, timeout=max(0.001, deadline - time.monotonic()),
+                        host=host,
+                        port=port,
+                        secret=secret,
+                        rank=star_rank,
+                        world_size=star_world,
+                        timeout=max(0.001, deadline - time.monotonic()),
                     )
                     break
                 except PeerLost as exc:
                     if time.monotonic() >= deadline:
                         raise
-                    log.info("rank %d: TCP sender src %d dropped the handshake (%s); retrying", rank, src, exc)
+                    log.info(
+                        "rank %d: TCP sender src %d dropped the handshake (%s); retrying",
+                        rank,
+                        src,
+                        exc,
+                    )
                     time.sleep(0.05)  # a sender that drops at once (closing) must not be spun on
             comms.append(comm)
             comm.warmup(timeout=local.warmup_s)
@@ -92,8 +101,14 @@ class TCPLink(ChunkedLink):
     makes the whole round unusable.
     """
 
-    def __init__(self, comms: Sequence[TCPCommunicator], *, device: torch.device, timeout_s: float,
-                 depth: int) -> None:
+    def __init__(
+        self,
+        comms: Sequence[TCPCommunicator],
+        *,
+        device: torch.device,
+        timeout_s: float,
+        depth: int,
+    ) -> None:
         super().__init__(device=device, timeout_s=timeout_s, depth=depth, sources=len(comms))
         self.comms = list(comms)
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightwire-tcp-recv")
@@ -118,7 +133,9 @@ class TCPLink(ChunkedLink):
         try:
             future = self._pool.submit(comm.broadcast, view, root=0, timeout=self.timeout_s)
         except RuntimeError:  # the pool is shut down: abort() ran, possibly from another thread
-            raise TransferError(f"TCP receive link was aborted before chunk {index} was posted") from None
+            raise TransferError(
+                f"TCP receive link was aborted before chunk {index} was posted"
+            ) from None
         self._pending[index] = _Posted(future, host, nbytes)
 
     def wait(self, index: int) -> torch.Tensor:
@@ -126,7 +143,9 @@ class TCPLink(ChunkedLink):
         try:
             posted.future.result(timeout=self.timeout_s + _WAIT_SLACK_S)
         except cf.TimeoutError:
-            raise TransferTimeout(f"TCP receive of chunk {index} exceeded {self.timeout_s:.0f}s") from None
+            raise TransferTimeout(
+                f"TCP receive of chunk {index} exceeded {self.timeout_s:.0f}s"
+            ) from None
         host = posted.host[: posted.nbytes]
         if self.device.type == "cpu":
             return host

@@ -46,16 +46,25 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
 def _tcp_receiver(config: dict[str, Any]) -> None:
     """Child process: receive the raw and the weightwire rounds, acknowledge each, report a
     digest."""
-    from weightwire.backends.tcp.comm import TCPCommunicator  # keep import time out of the parent's clock
+    from weightwire.backends.tcp.comm import (
+        TCPCommunicator,
+    )  # keep import time out of the parent's clock
 
     count = config["total_bytes"] // config["buffer_bytes"]
     buf = np.empty(config["buffer_bytes"], dtype=np.uint8)
     view = buf.data  # the array's memoryview (numpy's stubs type the buffer protocol only on 3.12+)
     raw = socket.create_connection((config["host"], config["raw_port"]), timeout=120)
     raw.settimeout(None)
-    comm = TCPCommunicator.connect(host=config["host"], port=config["port"], secret=base64.b64decode(config["secret_b64"]),
-                                   rank=1, world_size=2, timeout=60, transfer_timeout=120,
-                                   socket_buffer_bytes=config["socket_buffer_bytes"])
+    comm = TCPCommunicator.connect(
+        host=config["host"],
+        port=config["port"],
+        secret=base64.b64decode(config["secret_b64"]),
+        rank=1,
+        world_size=2,
+        timeout=60,
+        transfer_timeout=120,
+        socket_buffer_bytes=config["socket_buffer_bytes"],
+    )
     comm.warmup(timeout=60)
     digests = {}
     for _ in range(config["repeats"]):
@@ -72,8 +81,13 @@ def _tcp_receiver(config: dict[str, Any]) -> None:
     print(json.dumps(digests), flush=True)
 
 
-def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repeats: int = 3,
-              socket_buffer_bytes: int | None = -1) -> dict[str, float]:
+def bench_tcp(
+    *,
+    total_bytes: int = 1 << 30,
+    buffer_bytes: int = 64 << 20,
+    repeats: int = 3,
+    socket_buffer_bytes: int | None = -1,
+) -> dict[str, float]:
     """Raw loopback socket loop vs ``TCPCommunicator.broadcast``, same bytes, same two processes.
 
     ``socket_buffer_bytes``: the communicator's minimum socket buffers (-1: its default,
@@ -92,10 +106,21 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
     expected = hashlib.sha256(data.data).hexdigest()
     raw_listener = socket.create_server(("127.0.0.1", 0))
     rendezvous = TCPRendezvous(world_size=2, socket_buffer_bytes=socket_buffer_bytes)
-    config = {**rendezvous.init_fields(), "raw_port": raw_listener.getsockname()[1], "total_bytes": total_bytes,
-              "buffer_bytes": buffer_bytes, "repeats": repeats, "socket_buffer_bytes": socket_buffer_bytes}
-    child = subprocess.Popen([sys.executable, "-m", "weightwire.tools.bench.comm", "--role", _RECEIVER_ROLE], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env=child_env())
+    config = {
+        **rendezvous.init_fields(),
+        "raw_port": raw_listener.getsockname()[1],
+        "total_bytes": total_bytes,
+        "buffer_bytes": buffer_bytes,
+        "repeats": repeats,
+        "socket_buffer_bytes": socket_buffer_bytes,
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-m", "weightwire.tools.bench.comm", "--role", _RECEIVER_ROLE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
     try:
         assert child.stdin is not None and child.stdout is not None
         child.stdin.write(json.dumps(config))  # the secret travels on a pipe, never on argv
@@ -135,17 +160,31 @@ def bench_tcp(*, total_bytes: int = 1 << 30, buffer_bytes: int = 64 << 20, repea
         raise RuntimeError(f"receiver got different bytes: {digests} vs {expected}")
     raw_gbps = total_bytes / statistics.median(raw_s) / 1e9
     ww_gbps = total_bytes / statistics.median(ww_s) / 1e9
-    result = {"total_bytes": total_bytes, "buffer_bytes": buffer_bytes, "repeats": repeats,
-              "socket_buffer_bytes": socket_buffer_bytes or 0,
-              "raw_gbps": raw_gbps, "weightwire_gbps": ww_gbps, "ratio": ww_gbps / raw_gbps,
-              "raw_best_gbps": total_bytes / min(raw_s) / 1e9, "weightwire_best_gbps": total_bytes / min(ww_s) / 1e9}
-    buffers = (f">= {socket_buffer_bytes >> 10} KiB" if socket_buffer_bytes
-               else "as the kernel sets them")
-    print(f"TCP loopback, {total_bytes / 2**20:.0f} MiB in {buffer_bytes / 2**20:.0f} MiB buffers, "
-          f"median of {repeats}, weightwire socket buffers {buffers} (bytes verified by sha256):")
-    print(f"  raw sendall/recv_into loop : {raw_gbps:6.2f} GB/s  (best {result['raw_best_gbps']:.2f})")
-    print(f"  weightwire TCPCommunicator : {ww_gbps:6.2f} GB/s  (best "
-          f"{result['weightwire_best_gbps']:.2f})")
+    result = {
+        "total_bytes": total_bytes,
+        "buffer_bytes": buffer_bytes,
+        "repeats": repeats,
+        "socket_buffer_bytes": socket_buffer_bytes or 0,
+        "raw_gbps": raw_gbps,
+        "weightwire_gbps": ww_gbps,
+        "ratio": ww_gbps / raw_gbps,
+        "raw_best_gbps": total_bytes / min(raw_s) / 1e9,
+        "weightwire_best_gbps": total_bytes / min(ww_s) / 1e9,
+    }
+    buffers = (
+        f">= {socket_buffer_bytes >> 10} KiB" if socket_buffer_bytes else "as the kernel sets them"
+    )
+    print(
+        f"TCP loopback, {total_bytes / 2**20:.0f} MiB in {buffer_bytes / 2**20:.0f} MiB buffers, "
+        f"median of {repeats}, weightwire socket buffers {buffers} (bytes verified by sha256):"
+    )
+    print(
+        f"  raw sendall/recv_into loop : {raw_gbps:6.2f} GB/s  (best {result['raw_best_gbps']:.2f})"
+    )
+    print(
+        f"  weightwire TCPCommunicator : {ww_gbps:6.2f} GB/s  (best "
+        f"{result['weightwire_best_gbps']:.2f})"
+    )
     print(f"  ratio weightwire / raw     : {result['ratio']:6.3f}")
     return result
 
@@ -162,24 +201,52 @@ def _load_bench_nccl() -> Any:
 
 # Backend names as on every other command; the benchmark measures the communicator each uses
 # (weightwire_nccl and stock nccl share NCCLCommunicator's data path). Old --transport values stay.
-_BACKEND_TO_TRANSPORT = {backends.TCP: "tcp", backends.NCCL: "nccl", backends.WEIGHTWIRE_NCCL: "nccl", "all": "all"}
+_BACKEND_TO_TRANSPORT = {
+    backends.TCP: "tcp",
+    backends.NCCL: "nccl",
+    backends.WEIGHTWIRE_NCCL: "nccl",
+    "all": "all",
+}
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split("\n")[0],
-                                     formatter_class=HelpFormatter)
-    parser.add_argument("--backend", type=backend_name, choices=tuple(_BACKEND_TO_TRANSPORT), default=backends.TCP,
-                        help="data plane to measure: weightwire_tcp (TCPCommunicator, CPU loopback; alias tcp), "
-                             "nccl or weightwire_nccl (NCCLCommunicator, two GPUs), all (both)")
-    parser.add_argument("--transport", dest="backend", choices=("tcp", "nccl", "all"),
-                        default=argparse.SUPPRESS, help="another name for --backend")
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0].split("\n")[0],
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument(
+        "--backend",
+        type=backend_name,
+        choices=tuple(_BACKEND_TO_TRANSPORT),
+        default=backends.TCP,
+        help="data plane to measure: weightwire_tcp (TCPCommunicator, CPU loopback; alias tcp), "
+        "nccl or weightwire_nccl (NCCLCommunicator, two GPUs), all (both)",
+    )
+    parser.add_argument(
+        "--transport",
+        dest="backend",
+        choices=("tcp", "nccl", "all"),
+        default=argparse.SUPPRESS,
+        help="another name for --backend",
+    )
     parser.add_argument("--total-mib", type=int, default=1024, help="MiB sent per repeat")
-    parser.add_argument("--buffer-mib", type=int, default=64, help="MiB per broadcast buffer (divides --total-mib)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
-    parser.add_argument("--socket-buffer-kib", type=int, default=-1,
-                        help="weightwire's minimum socket buffers in KiB (0: leave the kernel's; "
-                             "-1: the library's)")
-    parser.add_argument("--json", action="store_true", help="also print one JSON line with every result")
+    parser.add_argument(
+        "--buffer-mib", type=int, default=64, help="MiB per broadcast buffer (divides --total-mib)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed repeats; the median is reported"
+    )
+    parser.add_argument(
+        "--socket-buffer-kib",
+        type=int,
+        default=-1,
+        help="weightwire's minimum socket buffers in KiB (0: leave the kernel's; "
+        "-1: the library's)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="also print one JSON line with every result"
+    )
     parser.add_argument("--role", choices=(_RECEIVER_ROLE,), help=argparse.SUPPRESS)
     return parser
 
@@ -195,18 +262,29 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.total_mib % args.buffer_mib:
-        parser.error(f"--total-mib {args.total_mib} must be a multiple of --buffer-mib {args.buffer_mib} "
-                     "(total_bytes must be a multiple of buffer_bytes)")
-    sizes = {"total_bytes": args.total_mib << 20, "buffer_bytes": args.buffer_mib << 20, "repeats": args.repeats}
+        parser.error(
+            f"--total-mib {args.total_mib} must be a multiple of --buffer-mib {args.buffer_mib} "
+            "(total_bytes must be a multiple of buffer_bytes)"
+        )
+    sizes = {
+        "total_bytes": args.total_mib << 20,
+        "buffer_bytes": args.buffer_mib << 20,
+        "repeats": args.repeats,
+    }
     results: dict[str, Any] = {}
     transport = _BACKEND_TO_TRANSPORT[backend_name(args.backend)]
     if transport in ("tcp", "all"):
         kib = args.socket_buffer_kib
-        results["tcp"] = bench_tcp(**sizes, socket_buffer_bytes=-1 if kib < 0 else (kib << 10) or None)
+        results["tcp"] = bench_tcp(
+            **sizes, socket_buffer_bytes=-1 if kib < 0 else (kib << 10) or None
+        )
     if transport in ("nccl", "all"):
         # Before any child starts: its import error would otherwise come back as a child's
         # traceback.
-        require("cupy", purpose=f"{prog or 'weightwire bench'} --backend {args.backend} (NCCL on two GPUs)")
+        require(
+            "cupy",
+            purpose=f"{prog or 'weightwire bench'} --backend {args.backend} (NCCL on two GPUs)",
+        )
         results["nccl"] = _load_bench_nccl()(**sizes)
     if args.json:
         print(json.dumps(results))

@@ -43,7 +43,13 @@ def _worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank: join, warm up, run the schedule, return its timings (seconds per block)."""
     import cupy as cp
 
-    from weightwire.backends.nccl.comm import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, NCCLCommunicator, mint_unique_id
+    from weightwire.backends.nccl.comm import (
+        NCCL_FLOAT32,
+        NCCL_SUM,
+        NCCL_UINT8,
+        NCCLCommunicator,
+        mint_unique_id,
+    )
 
     uid_path = cfg["uid_path"]
     if rank == 0:
@@ -59,7 +65,9 @@ def _worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 raise TimeoutError("rank 0 never published the unique id")
             time.sleep(0.05)
         uid = Path(uid_path).read_bytes()
-    comm = NCCLCommunicator.join(unique_id=uid, rank=rank, world_size=2, device=0, timeout=cfg["timeout"])
+    comm = NCCLCommunicator.join(
+        unique_id=uid, rank=rank, world_size=2, device=0, timeout=cfg["timeout"]
+    )
     comm.warmup(timeout=cfg["timeout"])
     raw = comm.cupy_communicator
     timeout = cfg["timeout"]
@@ -74,7 +82,11 @@ def _worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for size in cfg["sizes"]:
         n = max(cfg["min_iters"], cfg["total_bytes"] // size)
         with stream:
-            buf = cp.random.randint(0, 256, size, dtype=cp.uint8) if rank == 0 else cp.zeros(size, dtype=cp.uint8)
+            buf = (
+                cp.random.randint(0, 256, size, dtype=cp.uint8)
+                if rank == 0
+                else cp.zeros(size, dtype=cp.uint8)
+            )
         stream.synchronize()
 
         def raw_block(b: Any = buf, n: int = n, each: bool = False) -> None:
@@ -92,8 +104,12 @@ def _worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     comm.broadcast(b, root=0, stream=stream)
             comm.synchronize(stream, timeout=timeout)
 
-        blocks = {"raw": raw_block, "weightwire": ours_block,
-                  "raw_sync": lambda: raw_block(each=True), "weightwire_sync": lambda: ours_block(each=True)}
+        blocks = {
+            "raw": raw_block,
+            "weightwire": ours_block,
+            "raw_sync": lambda: raw_block(each=True),
+            "weightwire_sync": lambda: ours_block(each=True),
+        }
         for mode in MODES:  # untimed pass: connection setup, allocator, first-call costs
             barrier()
             blocks[mode]()
@@ -115,13 +131,33 @@ def _worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def _launch(rank: int, cfg_path: str) -> subprocess.Popen:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(rank))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return subprocess.Popen([sys.executable, "-m", "weightwire.tools.bench.comm_nccl", "--worker", str(rank), "--config", cfg_path], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weightwire.tools.bench.comm_nccl",
+            "--worker",
+            str(rank),
+            "--config",
+            cfg_path,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
-def bench_nccl(*, total_bytes: int = 1 << 30, buffer_bytes: int | None = None, repeats: int = 7,
-               sizes: tuple[int, ...] = DEFAULT_SIZES, min_iters: int = 4, timeout: float = 120.0,
-               deadline_s: float = 540.0) -> dict[str, Any]:
+def bench_nccl(
+    *,
+    total_bytes: int = 1 << 30,
+    buffer_bytes: int | None = None,
+    repeats: int = 7,
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    min_iters: int = 4,
+    timeout: float = 120.0,
+    deadline_s: float = 540.0,
+) -> dict[str, Any]:
     """Run the two ranks and print a table; ``buffer_bytes`` adds one size to ``sizes``.
 
     ``total_bytes`` is what each timed block moves per size (at least ``min_iters``
@@ -129,8 +165,14 @@ def bench_nccl(*, total_bytes: int = 1 << 30, buffer_bytes: int | None = None, r
     """
     all_sizes = sorted(set(sizes) | ({buffer_bytes} if buffer_bytes else set()))
     with tempfile.TemporaryDirectory(prefix="weightwire-bench-nccl-") as tmp:
-        cfg = {"uid_path": os.path.join(tmp, "uid"), "sizes": all_sizes, "total_bytes": total_bytes,
-               "repeats": max(1, repeats), "min_iters": min_iters, "timeout": timeout}
+        cfg = {
+            "uid_path": os.path.join(tmp, "uid"),
+            "sizes": all_sizes,
+            "total_bytes": total_bytes,
+            "repeats": max(1, repeats),
+            "min_iters": min_iters,
+            "timeout": timeout,
+        }
         cfg_path = os.path.join(tmp, "config.json")
         Path(cfg_path).write_text(json.dumps(cfg))
         procs = [_launch(rank, cfg_path) for rank in (0, 1)]
@@ -141,10 +183,14 @@ def bench_nccl(*, total_bytes: int = 1 << 30, buffer_bytes: int | None = None, r
                 try:
                     out, err = proc.communicate(timeout=max(1.0, end - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    raise RuntimeError(f"NCCL benchmark rank {rank} did not finish within {deadline_s} s") from None
+                    raise RuntimeError(
+                        f"NCCL benchmark rank {rank} did not finish within {deadline_s} s"
+                    ) from None
                 lines = [line for line in out.splitlines() if line.startswith("{")]
                 if proc.returncode != 0 or not lines:
-                    raise RuntimeError(f"NCCL benchmark rank {rank} failed (rc={proc.returncode}):\n{err[-4000:]}")
+                    raise RuntimeError(
+                        f"NCCL benchmark rank {rank} failed (rc={proc.returncode}):\n{err[-4000:]}"
+                    )
                 reports.append(json.loads(lines[-1]))
         finally:
             for proc in procs:
@@ -155,22 +201,34 @@ def bench_nccl(*, total_bytes: int = 1 << 30, buffer_bytes: int | None = None, r
 
 def _summarize(sender: dict[str, Any], receiver: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"nccl": receiver["nccl"], "sizes": {}}
-    print(f"NCCL {receiver['nccl']} broadcast GPU0 -> GPU1, receiver's median over repeats (GB/s = "
-          "1e9 B/s):")
-    print("| size | iters | raw | weightwire | ratio | raw+sync each | weightwire+sync each | "
-          "ratio | bytes |")
+    print(
+        f"NCCL {receiver['nccl']} broadcast GPU0 -> GPU1, receiver's median over repeats (GB/s = "
+        "1e9 B/s):"
+    )
+    print(
+        "| size | iters | raw | weightwire | ratio | raw+sync each | weightwire+sync each | "
+        "ratio | bytes |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for key, rx in receiver["sizes"].items():
         size, n = int(key), rx["iters"]
         gbps = {m: size * n / statistics.median(rx["times"][m]) / 1e9 for m in MODES}
         ok = rx["sha256"] == sender["sizes"][key]["sha256"]
         row = {f"{m}_gbps": gbps[m] for m in MODES}
-        row.update(iters=n, ratio=gbps["weightwire"] / gbps["raw"], ratio_sync=gbps["weightwire_sync"] / gbps["raw_sync"],
-                   bytes_verified=ok, sender_times=sender["sizes"][key]["times"], receiver_times=rx["times"])
+        row.update(
+            iters=n,
+            ratio=gbps["weightwire"] / gbps["raw"],
+            ratio_sync=gbps["weightwire_sync"] / gbps["raw_sync"],
+            bytes_verified=ok,
+            sender_times=sender["sizes"][key]["times"],
+            receiver_times=rx["times"],
+        )
         result["sizes"][size] = row
-        print(f"| {size >> 20} MiB | {n} | {gbps['raw']:.1f} | {gbps['weightwire']:.1f} | "
-              f"{row['ratio']:.3f} | {gbps['raw_sync']:.1f} | {gbps['weightwire_sync']:.1f} | "
-              f"{row['ratio_sync']:.3f} | {'sha256 ok' if ok else 'MISMATCH'} |")
+        print(
+            f"| {size >> 20} MiB | {n} | {gbps['raw']:.1f} | {gbps['weightwire']:.1f} | "
+            f"{row['ratio']:.3f} | {gbps['raw_sync']:.1f} | {gbps['weightwire_sync']:.1f} | "
+            f"{row['ratio_sync']:.3f} | {'sha256 ok' if ok else 'MISMATCH'} |"
+        )
     if not all(r["bytes_verified"] for r in result["sizes"].values()):
         raise RuntimeError("receiver's bytes differ from the sender's")
     return result
@@ -179,7 +237,12 @@ def _summarize(sender: dict[str, Any], receiver: dict[str, Any]) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes-mib", default="64,256,1024")
-    parser.add_argument("--total-mib", type=int, default=1024, help="bytes per timed block (>= --min-iters broadcasts)")
+    parser.add_argument(
+        "--total-mib",
+        type=int,
+        default=1024,
+        help="bytes per timed block (>= --min-iters broadcasts)",
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--min-iters", type=int, default=4)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -192,9 +255,16 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(0)  # skip interpreter teardown racing NCCL's threads
     import signal
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so bench_nccl's finally kills both ranks
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # so bench_nccl's finally kills both ranks
     sizes = tuple(int(s) << 20 for s in args.sizes_mib.split(","))
-    result = bench_nccl(total_bytes=args.total_mib << 20, repeats=args.repeats, sizes=sizes, min_iters=args.min_iters)
+    result = bench_nccl(
+        total_bytes=args.total_mib << 20,
+        repeats=args.repeats,
+        sizes=sizes,
+        min_iters=args.min_iters,
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -82,7 +82,9 @@ class InProcessPool:
     def health(self) -> list[dict[str, Any]]:
         return [{"replica": 0, "alive": True, "generations_in_flight": 0, "error": None}]
 
-    async def fan_out(self, op: str, args: Any = None, *, timeout: float, abort_on_failure: bool = False) -> list[Any]:
+    async def fan_out(
+        self, op: str, args: Any = None, *, timeout: float, abort_on_failure: bool = False
+    ) -> list[Any]:
         from weightwire.tools.server.replicas import FanOutError, ReplicaError
 
         one = (args[0] if isinstance(args, list) else args) or {}
@@ -92,14 +94,18 @@ class InProcessPool:
         except Exception as exc:
             if abort_on_failure:
                 await self.abort_all()
-            raise FanOutError(op, [ReplicaError(0, "error", f"{type(exc).__name__}: {exc}")]) from None
+            raise FanOutError(
+                op, [ReplicaError(0, "error", f"{type(exc).__name__}: {exc}")]
+            ) from None
         return [result]
 
     async def abort_all(self, timeout: float = 30.0) -> None:
         await asyncio.to_thread(self._receiver.abort)
 
 
-def serve_http(receiver: Any, *, timeout: float = 60.0, backend: str = backends.WEIGHTWIRE_NCCL) -> tuple[str, Any]:
+def serve_http(
+    receiver: Any, *, timeout: float = 60.0, backend: str = backends.WEIGHTWIRE_NCCL
+) -> tuple[str, Any]:
     """Start the reference server's app for ``receiver`` on a loopback port; returns
     ``(url, uvicorn.Server)``."""
     import uvicorn
@@ -112,9 +118,14 @@ def serve_http(receiver: Any, *, timeout: float = 60.0, backend: str = backends.
     app = create_app(ServerState(pool=pool, options=ServerOptions(backend=backend)))
     sock = _bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                           server_header=False))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="bench-http").start()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off", server_header=False
+        )
+    )
+    threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="bench-http"
+    ).start()
     deadline = time.monotonic() + timeout
     while not server.started:
         if time.monotonic() > deadline:
@@ -129,7 +140,10 @@ def api_main(cfg: dict[str, Any]) -> None:
     import os
     from pathlib import Path
 
-    url, _ = serve_http(ShimReceiver(cfg["port"], cfg["timeout"]), backend=cfg.get("backend", backends.WEIGHTWIRE_NCCL))
+    url, _ = serve_http(
+        ShimReceiver(cfg["port"], cfg["timeout"]),
+        backend=cfg.get("backend", backends.WEIGHTWIRE_NCCL),
+    )
     Path(cfg["url_file"] + ".tmp").write_text(json.dumps({"url": url}))
     os.replace(cfg["url_file"] + ".tmp", cfg["url_file"])
     time.sleep(max(0.0, cfg["deadline"] - time.time()))

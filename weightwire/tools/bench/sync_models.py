@@ -7,9 +7,39 @@ from __future__ import annotations
 from typing import Any
 
 MODELS: dict[str, dict[str, Any]] = {  # from the models' HF config.json
-    "qwen2-0.5b": dict(hidden=896, inter=4864, layers=24, heads=14, kv=2, head_dim=64, vocab=151936, tied=True, bias=True),
-    "qwen2-1.5b": dict(hidden=1536, inter=8960, layers=28, heads=12, kv=2, head_dim=128, vocab=151936, tied=True, bias=True),
-    "llama3-8b": dict(hidden=4096, inter=14336, layers=32, heads=32, kv=8, head_dim=128, vocab=128256, tied=False, bias=False),
+    "qwen2-0.5b": dict(
+        hidden=896,
+        inter=4864,
+        layers=24,
+        heads=14,
+        kv=2,
+        head_dim=64,
+        vocab=151936,
+        tied=True,
+        bias=True,
+    ),
+    "qwen2-1.5b": dict(
+        hidden=1536,
+        inter=8960,
+        layers=28,
+        heads=12,
+        kv=2,
+        head_dim=128,
+        vocab=151936,
+        tied=True,
+        bias=True,
+    ),
+    "llama3-8b": dict(
+        hidden=4096,
+        inter=14336,
+        layers=32,
+        heads=32,
+        kv=8,
+        head_dim=128,
+        vocab=128256,
+        tied=False,
+        bias=False,
+    ),
 }
 
 
@@ -23,9 +53,14 @@ def hf_shapes(c: dict[str, Any]) -> list[tuple[str, list[int]]]:
             out.append((f"{p}self_attn.{proj}_proj.weight", [rows, h]))
             if c["bias"]:
                 out.append((f"{p}self_attn.{proj}_proj.bias", [rows]))
-        out += [(f"{p}self_attn.o_proj.weight", [h, q]), (f"{p}mlp.gate_proj.weight", [c["inter"], h]),
-                (f"{p}mlp.up_proj.weight", [c["inter"], h]), (f"{p}mlp.down_proj.weight", [h, c["inter"]]),
-                (f"{p}input_layernorm.weight", [h]), (f"{p}post_attention_layernorm.weight", [h])]
+        out += [
+            (f"{p}self_attn.o_proj.weight", [h, q]),
+            (f"{p}mlp.gate_proj.weight", [c["inter"], h]),
+            (f"{p}mlp.up_proj.weight", [c["inter"], h]),
+            (f"{p}mlp.down_proj.weight", [h, c["inter"]]),
+            (f"{p}input_layernorm.weight", [h]),
+            (f"{p}post_attention_layernorm.weight", [h]),
+        ]
     out.append(("model.norm.weight", [h]))
     if not c["tied"]:
         out.append(("lm_head.weight", [c["vocab"], h]))
@@ -38,7 +73,9 @@ def make_source(params: dict[str, Any]) -> Any:
 
     class DictSource(WeightSource):
         def __init__(self) -> None:
-            self._metas = [ParamMeta(n, "bfloat16", tuple(int(d) for d in a.shape)) for n, a in params.items()]
+            self._metas = [
+                ParamMeta(n, "bfloat16", tuple(int(d) for d in a.shape)) for n, a in params.items()
+            ]
 
         def metadata(self) -> list[ParamMeta]:
             return self._metas
@@ -59,7 +96,9 @@ def build_params(model: str, engine: str) -> dict[str, Any]:
             if len(shape) == 1:
                 out[name] = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
             else:
-                out[name] = (torch.randn(shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+                out[name] = (torch.randn(shape, generator=gen, device="cuda") * 0.02).to(
+                    torch.bfloat16
+                )
         torch.cuda.synchronize()
         return out
     import jax
@@ -71,6 +110,8 @@ def build_params(model: str, engine: str) -> dict[str, Any]:
         if len(shape) == 1:
             jout[name] = jnp.ones(shape, jnp.bfloat16)
         else:
-            jout[name] = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+            jout[name] = (
+                jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * 0.02
+            ).astype(jnp.bfloat16)
     jax.block_until_ready(list(jout.values()))
     return jout

@@ -97,7 +97,9 @@ class ShimClient:
         self._call("shutdown_weight_transfer_engine")
 
     def reset_prefix_cache(self) -> list[bool]:
-        return [True]  # the shim's worker loads into a sink or a tensor store: no KV outlives a round
+        return [
+            True
+        ]  # the shim's worker loads into a sink or a tensor store: no KV outlives a round
 
 
 class Sink:
@@ -113,8 +115,13 @@ class Sink:
         return {name for name, _ in weights}
 
 
-_SHIM_OPS = {"init_weight_transfer_engine": "init", "start_weight_update": "start", "update_weights": "update",
-             "finish_weight_update": "finish", "shutdown_weight_transfer_engine": "shutdown"}
+_SHIM_OPS = {
+    "init_weight_transfer_engine": "init",
+    "start_weight_update": "start",
+    "update_weights": "update",
+    "finish_weight_update": "finish",
+    "shutdown_weight_transfer_engine": "shutdown",
+}
 
 
 class Receiver:
@@ -128,7 +135,9 @@ class Receiver:
         self.engine: Any = None  # a WeightwireNCCLEngine once initialized
         self.raw: dict[str, Any] = {}
         self.base = 0
-        self.trace: dict[str, Any] = {}  # last update's perf_counter() marks (one clock for all processes)
+        self.trace: dict[
+            str, Any
+        ] = {}  # last update's perf_counter() marks (one clock for all processes)
 
     def handle(self, call: str, args: dict[str, Any]) -> Any:
         if call.startswith("raw_"):
@@ -139,7 +148,11 @@ class Receiver:
             return dict(self.trace)
         if call == "mem_reset":
             self.torch.cuda.reset_peak_memory_stats(self.device)
-            self.base, self.sink.tensors, self.sink.nbytes = self.torch.cuda.memory_allocated(self.device), 0, 0
+            self.base, self.sink.tensors, self.sink.nbytes = (
+                self.torch.cuda.memory_allocated(self.device),
+                0,
+                0,
+            )
             return None
         if call == "mem_peak":
             peak = self.torch.cuda.max_memory_allocated(self.device) - self.base
@@ -178,7 +191,11 @@ class Receiver:
                 self.engine.update_weights(args["update_info"])
                 self.trace["update_exit"] = time.perf_counter()
                 stats = self.engine.last_stats
-                return {} if stats is None else {"tensors": stats.tensors, "chunks": stats.chunks, "nbytes": stats.nbytes}
+                return (
+                    {}
+                    if stats is None
+                    else {"tensors": stats.tensors, "chunks": stats.chunks, "nbytes": stats.nbytes}
+                )
             elif op == "finish":
                 self.engine.finish_weight_update()
             else:
@@ -214,8 +231,13 @@ class Receiver:
             engine.abort_transfer()
 
     def raw_begin(self, uid_b64: str, sizes: list[int], rounds: int, timeout: float) -> None:
-        self.raw = {"thread": threading.Thread(target=self._raw_loop, daemon=True,
-                                               args=(base64.b64decode(uid_b64), 1, sizes, rounds, timeout, self._store_raw))}
+        self.raw = {
+            "thread": threading.Thread(
+                target=self._raw_loop,
+                daemon=True,
+                args=(base64.b64decode(uid_b64), 1, sizes, rounds, timeout, self._store_raw),
+            )
+        }
         self.raw["thread"].start()
 
     def _store_raw(self, result: dict[str, Any]) -> None:
@@ -226,7 +248,9 @@ class Receiver:
         return self.raw.get("result", {"error": "raw receive did not finish"})
 
     @staticmethod
-    def _raw_loop(uid: bytes, rank: int, sizes: list[int], rounds: int, timeout: float, done: Any) -> None:
+    def _raw_loop(
+        uid: bytes, rank: int, sizes: list[int], rounds: int, timeout: float, done: Any
+    ) -> None:
         try:
             done({"times": raw_rounds(uid, rank, sizes, rounds, timeout)})
         except Exception as exc:
@@ -246,7 +270,9 @@ def raw_rounds(uid: bytes, rank: int, sizes: list[int], rounds: int, timeout: fl
         buf, flag = cp.zeros(max(sizes), dtype=cp.uint8), cp.zeros(1, dtype=cp.float32)
     times = []
     for _ in range(rounds):
-        raw.allReduce(flag.data.ptr, flag.data.ptr, 1, NCCL_FLOAT32, NCCL_SUM, stream.ptr)  # barrier
+        raw.allReduce(
+            flag.data.ptr, flag.data.ptr, 1, NCCL_FLOAT32, NCCL_SUM, stream.ptr
+        )  # barrier
         comm.synchronize(stream, timeout=timeout)
         start = time.perf_counter()
         for size in sizes:

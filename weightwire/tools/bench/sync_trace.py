@@ -18,7 +18,9 @@ class _Comm:
     def __init__(self, inner: Any, cp: Any, log: list[tuple[float, Any, Any]]) -> None:
         self._inner, self._cp, self._log = inner, cp, log
 
-    def broadcast(self, buf: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
+    def broadcast(
+        self, buf: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None
+    ) -> None:
         before = self._cp.cuda.Event()
         before.record(stream)
         self._inner.broadcast(buf, root=root, timeout=timeout, stream=stream)
@@ -92,14 +94,21 @@ def trace_round(engine: Any, receiver_trace: Any = None) -> dict[str, Any]:
             "update": [ms(rx["update_enter"]), ms(rx["update_exit"])],
             "first_post": ms(rx["posts"][0]) if rx["posts"] else None,
             # [entered post, entered the communicator's broadcast, post returned]
-            "first_post_parts": [ms(rx[k][0]) for k in ("post_enter", "bcast_enter", "posts") if rx.get(k)],
+            "first_post_parts": [
+                ms(rx[k][0]) for k in ("post_enter", "bcast_enter", "posts") if rx.get(k)
+            ],
             "last_wait_done": ms(rx["waits"][-1]) if rx["waits"] else None,
         }
     if gpu_spans:
         out.update(
-            gpu_first_bcast=list(gpu_spans[0]),  # [ready to start, done]: includes waiting for the receiver
+            gpu_first_bcast=list(
+                gpu_spans[0]
+            ),  # [ready to start, done]: includes waiting for the receiver
             gpu_last_bcast_done=gpu_spans[-1][1],
             gpu_wire_ms=round(gpu_spans[-1][1] - gpu_spans[0][1], 3),  # chunks 2..n, back to back?
-            gpu_gaps_ms=round(sum(max(0.0, b - a_prev) for (_, a_prev), (b, _) in itertools.pairwise(gpu_spans)), 3),
+            gpu_gaps_ms=round(
+                sum(max(0.0, b - a_prev) for (_, a_prev), (b, _) in itertools.pairwise(gpu_spans)),
+                3,
+            ),
         )
     return out

@@ -30,32 +30,48 @@ class Check:
     """That completion's text, printable."""
 
 
-def fixed_prompt_check(completions: Any, policy: Any, reward: Any, prompt: np.ndarray, n_tokens: int) -> Check:
+def fixed_prompt_check(
+    completions: Any, policy: Any, reward: Any, prompt: np.ndarray, n_tokens: int
+) -> Check:
     out = completions.generate(prompt[None, :], max_tokens=n_tokens, temperature=0.0)
-    mine = policy.logprobs(out.sequences)[:, prompt.shape[0] - 1:]
-    return Check(float(np.max(np.abs(mine - out.logprobs))), readable(reward.text(out.completions[0])))
+    mine = policy.logprobs(out.sequences)[:, prompt.shape[0] - 1 :]
+    return Check(
+        float(np.max(np.abs(mine - out.logprobs))), readable(reward.text(out.completions[0]))
+    )
 
 
-def first_sync(cfg: DemoConfig, console: Console, ctx: DemoContext, result: DemoResult, fixed: np.ndarray) -> bool:
+def first_sync(
+    cfg: DemoConfig, console: Console, ctx: DemoContext, result: DemoResult, fixed: np.ndarray
+) -> bool:
     """Before step 1: prove server and policy hold the same weights, pushing them first where the
     server started from dummy weights (or ``--resync``). False (a failure recorded) if they
     differ."""
     reward = ctx.reward
     check = fixed_prompt_check(ctx.completions, ctx.policy, reward, fixed, cfg.check_tokens)
     result.texts.append(check.text)
-    what = (f"{cfg.model}, a tiny model with random weights (untrained: its text is gibberish by "
-            "design)"
-            if cfg.server is None and cfg.model_dir is None else ctx.model_dir)
-    console.print(f"model: {what}; reward = fraction of completion tokens containing "
-                  f"{cfg.target!r} (a random policy scores {reward.base_rate:.3f}); server text "
-                  "= the server's greedy completion of a fixed prompt after each sync, "
-                  f"{cfg.target!r} highlighted", highlight=False, soft_wrap=True)
+    what = (
+        f"{cfg.model}, a tiny model with random weights (untrained: its text is gibberish by "
+        "design)"
+        if cfg.server is None and cfg.model_dir is None
+        else ctx.model_dir
+    )
+    console.print(
+        f"model: {what}; reward = fraction of completion tokens containing "
+        f"{cfg.target!r} (a random policy scores {reward.base_rate:.3f}); server text "
+        "= the server's greedy completion of a fixed prompt after each sync, "
+        f"{cfg.target!r} highlighted",
+        highlight=False,
+        soft_wrap=True,
+    )
     pushed = ctx.dummy or (check.diff >= cfg.tolerance and cfg.resync and cfg.server is not None)
     if ctx.dummy:
-        console.print("step 0: the server starts from dummy weights (the same model, other "
-                      f"random values), not the policy's: it writes {check.text!r} (max |Δlogp| "
-                      f"vs the policy {check.diff:.1e})",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            "step 0: the server starts from dummy weights (the same model, other "
+            f"random values), not the policy's: it writes {check.text!r} (max |Δlogp| "
+            f"vs the policy {check.diff:.1e})",
+            highlight=False,
+            soft_wrap=True,
+        )
     elif not pushed:
         result.max_diffs.append(check.diff)
     if pushed:
@@ -64,25 +80,38 @@ def first_sync(cfg: DemoConfig, console: Console, ctx: DemoContext, result: Demo
         result.max_diffs.append(check.diff)
         result.texts.append(check.text)
         why = "" if ctx.dummy else "--resync: "
-        console.print(f"{why}pushed the policy's weights as version '0' "
-                      f"({metrics.nbytes / 1e6:.2f} MB, {metrics.tensors} tensors, "
-                      f"{metrics.total_seconds * 1e3:.0f} ms); the server now writes "
-                      f"{check.text!r}", highlight=False, soft_wrap=True)
+        console.print(
+            f"{why}pushed the policy's weights as version '0' "
+            f"({metrics.nbytes / 1e6:.2f} MB, {metrics.tensors} tensors, "
+            f"{metrics.total_seconds * 1e3:.0f} ms); the server now writes "
+            f"{check.text!r}",
+            highlight=False,
+            soft_wrap=True,
+        )
     same = check.diff < cfg.tolerance
     console.print(
         f"step-0 weights: server and JAX policy {'agree' if same else '[bold red]DIFFER[/]'} "
         f"(max |Δlogp| {check.diff:.1e} over the server's {cfg.check_tokens}-token greedy "
-        f"completion; tolerance {cfg.tolerance:.0e})", highlight=False, soft_wrap=True)
+        f"completion; tolerance {cfg.tolerance:.0e})",
+        highlight=False,
+        soft_wrap=True,
+    )
     if not same and pushed:
-        result.failures.append(f"step 0: the server's weights differ from the policy's after the first push "
-                               f"(max |Δlogp| {check.diff:.2e} >= tolerance {cfg.tolerance:.0e})")
+        result.failures.append(
+            f"step 0: the server's weights differ from the policy's after the first push "
+            f"(max |Δlogp| {check.diff:.2e} >= tolerance {cfg.tolerance:.0e})"
+        )
     elif not same:
         result.failures.append(
             f"step 0: the server's weights differ from {ctx.model_dir} (max |Δlogp| "
             f"{check.diff:.2e}). Serve that directory unmodified and in float32 (vLLM on CPU "
             "downcasts float32 checkpoints to bfloat16 unless started with --dtype float32)"
-            + ("" if cfg.server is None or cfg.resync
-               else ", or pass --resync if an earlier run changed the server's weights"))
+            + (
+                ""
+                if cfg.server is None or cfg.resync
+                else ", or pass --resync if an earlier run changed the server's weights"
+            )
+        )
     return same
 
 
@@ -97,17 +126,26 @@ def verdict(cfg: DemoConfig, console: Console, result: DemoResult) -> None:
             f"{len(result.max_diffs)} sync checks, max |Δlogp| {max(result.max_diffs):.1e}; "
             f"median sync {sync_ms:.1f} ms; start-up {result.startup_seconds:.1f} s, total "
             f"{result.total_seconds:.1f} s; trainer process imported torch: "
-            f"{'no' if torch_free else 'yes'}", highlight=False, soft_wrap=True)
+            f"{'no' if torch_free else 'yes'}",
+            highlight=False,
+            soft_wrap=True,
+        )
         spent = ", ".join(f"{name} {v:.1f} s" for name, v in result.phase_seconds.items())
         console.print(f"time in steps: {spent}", highlight=False, soft_wrap=True)
         curve(cfg, console, result)
         if not result.rose:
-            console.print(f"[bold red]the reward did not rise[/] ({first:.3f} -> {last:.3f}); "
-                          "try more --steps or a larger --lr", highlight=False, soft_wrap=True)
+            console.print(
+                f"[bold red]the reward did not rise[/] ({first:.3f} -> {last:.3f}); "
+                "try more --steps or a larger --lr",
+                highlight=False,
+                soft_wrap=True,
+            )
     for failure in result.failures:
         console.print(f"[bold red]check failed:[/] {failure}", highlight=False, soft_wrap=True)
     if result.ok:
-        console.print("[bold green]PASS[/]: the reward rose and every sync check passed", highlight=False)
+        console.print(
+            "[bold green]PASS[/]: the reward rose and every sync check passed", highlight=False
+        )
     else:
         console.print("[bold red]FAIL[/]", highlight=False)
 
@@ -115,12 +153,25 @@ def verdict(cfg: DemoConfig, console: Console, result: DemoResult) -> None:
 def curve(cfg: DemoConfig, console: Console, result: DemoResult) -> None:
     """The reward curve: a sparkline, and a PNG next to ``--metrics-file`` where matplotlib is
     installed."""
-    console.print(f"reward per step: {sparkline(result.rewards)}  {result.rewards[0]:.2f} -> "
-                  f"{result.rewards[-1]:.2f}",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"reward per step: {sparkline(result.rewards)}  {result.rewards[0]:.2f} -> "
+        f"{result.rewards[-1]:.2f}",
+        highlight=False,
+        soft_wrap=True,
+    )
     if cfg.metrics_file is None:
         return
     png = Path(cfg.metrics_file).with_suffix(".png")
-    saved = save_plot(result.rewards, png, title=f"weightwire demo: reward (tokens containing {cfg.target!r})")
-    where = f"; reward curve: {saved}" if saved else " (install matplotlib for a PNG of the reward curve)"
-    console.print(f"metrics: {cfg.metrics_file}, one JSON line per step{where}", highlight=False, soft_wrap=True)
+    saved = save_plot(
+        result.rewards, png, title=f"weightwire demo: reward (tokens containing {cfg.target!r})"
+    )
+    where = (
+        f"; reward curve: {saved}"
+        if saved
+        else " (install matplotlib for a PNG of the reward curve)"
+    )
+    console.print(
+        f"metrics: {cfg.metrics_file}, one JSON line per step{where}",
+        highlight=False,
+        soft_wrap=True,
+    )

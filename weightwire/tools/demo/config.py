@@ -65,24 +65,42 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in DEMO_BACKENDS:
-            raise ValueError(f"--backend must be one of {', '.join(DEMO_BACKENDS)}, got {self.backend!r} "
-                             "(weightwire_ipc: pass --colocated)")
+            raise ValueError(
+                f"--backend must be one of {', '.join(DEMO_BACKENDS)}, got {self.backend!r} "
+                "(weightwire_ipc: pass --colocated)"
+            )
         if self.server is not None and self.model_dir is None:
-            raise ValueError("--server needs --model-dir: the directory the server loaded, so the JAX policy "
-                             "starts from the same weights and tokenizer")
+            raise ValueError(
+                "--server needs --model-dir: the directory the server loaded, so the JAX policy "
+                "starts from the same weights and tokenizer"
+            )
         if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
-            raise ValueError(f"--model-dir {self.model_dir!r} is not a Hugging Face model "
-                             "directory (no config.json); pass the directory the server loaded")
-        for name, lo in (("steps", 1), ("batch", 1), ("prompt_len", 1), ("max_tokens", 1), ("check_tokens", 1)):
+            raise ValueError(
+                f"--model-dir {self.model_dir!r} is not a Hugging Face model "
+                "directory (no config.json); pass the directory the server loaded"
+            )
+        for name, lo in (
+            ("steps", 1),
+            ("batch", 1),
+            ("prompt_len", 1),
+            ("max_tokens", 1),
+            ("check_tokens", 1),
+        ):
             if getattr(self, name) < lo:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(self, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(self, name)}"
+                )
         if self.samples_per_prompt < 1 or self.batch % self.samples_per_prompt:
-            raise ValueError(f"--batch {self.batch} must be a multiple of --samples-per-prompt "
-                             f"{self.samples_per_prompt}")
+            raise ValueError(
+                f"--batch {self.batch} must be a multiple of --samples-per-prompt "
+                f"{self.samples_per_prompt}"
+            )
         if not self.tolerance > 0:
             raise ValueError(f"tolerance must be > 0, got {self.tolerance}")
         if self.colocated and self.server is not None:
-            raise ValueError("--colocated starts the reference server on this GPU itself; drop --server")
+            raise ValueError(
+                "--colocated starts the reference server on this GPU itself; drop --server"
+            )
         if self.sleep_level not in (0, 1, 2):
             raise ValueError(f"--sleep-level must be 0, 1 or 2, got {self.sleep_level}")
 

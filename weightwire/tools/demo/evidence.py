@@ -53,8 +53,9 @@ class MetricsFile:
         try:
             self._file: IO[str] = self.path.open("w", encoding="utf-8")
         except OSError as exc:
-            raise CommandError(f"--metrics-file {str(path)!r}: cannot write it ({exc.strerror or exc})",
-                               EXIT_USAGE) from None
+            raise CommandError(
+                f"--metrics-file {str(path)!r}: cannot write it ({exc.strerror or exc})", EXIT_USAGE
+            ) from None
 
     def write(self, record: StepRecord) -> None:
         self._file.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")

@@ -41,7 +41,9 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResult:
     t_start = time.perf_counter()
     with ExitStack() as stack:
         metrics_file = None
-        if cfg.metrics_file is not None:  # opened first: an unwritable path fails before any start-up
+        if (
+            cfg.metrics_file is not None
+        ):  # opened first: an unwritable path fails before any start-up
             metrics_file = MetricsFile(cfg.metrics_file)
             stack.callback(metrics_file.close)
         ctx = _start(cfg, console, stack)
@@ -58,10 +60,17 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> DemoContext:
     backend = cfg.backend_name
     on_gpu = backends.get(backend).needs_cuda
     # Checked before any child starts: a missing extra fails in milliseconds with the extra's name.
-    require("jax", "flax", "optax", "safetensors", "tokenizers", purpose="weightwire demo's JAX policy")
+    require(
+        "jax", "flax", "optax", "safetensors", "tokenizers", purpose="weightwire demo's JAX policy"
+    )
     if cfg.server is None:
-        require("torch", "transformers", "fastapi", "uvicorn",
-                purpose="the embedded reference server (or pass --server URL --model-dir DIR)")
+        require(
+            "torch",
+            "transformers",
+            "fastapi",
+            "uvicorn",
+            purpose="the embedded reference server (or pass --server URL --model-dir DIR)",
+        )
     else:  # a wrong URL or a stopped server fails here, in a second, not after JAX's start-up
         probe_server(cfg.server)
     if on_gpu:
@@ -73,8 +82,10 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> DemoContext:
         jax.config.update("jax_default_matmul_precision", "highest")
         if jax.default_backend() != "gpu":
             what = "--colocated" if cfg.colocated else f"--backend {backend}"
-            raise CommandError(f"{what} needs JAX on a CUDA GPU (JAX runs on "
-                               f"{jax.default_backend()}); use --backend weightwire_tcp on a CPU-only host")
+            raise CommandError(
+                f"{what} needs JAX on a CUDA GPU (JAX runs on "
+                f"{jax.default_backend()}); use --backend weightwire_tcp on a CPU-only host"
+            )
     server: EmbeddedServer | None = None
     with StartupProgress(console, phases=6 if cfg.server is None else 3) as prog:
         if cfg.server is None:
@@ -84,8 +95,12 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> DemoContext:
             if cfg.colocated:  # the GPU JAX calls device 0
                 gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
             served, dummy_weights = _served_model(cfg)
-            server = EmbeddedServer(served, backend=backend, device="cuda" if on_gpu else "cpu",
-                                    cuda_visible_devices=gpu if on_gpu else None)
+            server = EmbeddedServer(
+                served,
+                backend=backend,
+                device="cuda" if on_gpu else "cpu",
+                cuda_visible_devices=gpu if on_gpu else None,
+            )
             stack.callback(server.stop)
             server.launch()
             prog.phase(f"locating {cfg.model} (child process; built and cached on first use)")
@@ -119,8 +134,9 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> DemoContext:
         client = HTTPWeightSyncClient(url, timeout=120.0, api_key=cfg.api_key)
         stack.callback(client.close)
         source = PytreeSource(lambda: policy.params, decoder.naming(model_cfg))
-        info = TrainerInitInfo(backend=backend, packed_buffer_size_bytes=64 << 20,
-                               device=0 if on_gpu else None)
+        info = TrainerInitInfo(
+            backend=backend, packed_buffer_size_bytes=64 << 20, device=0 if on_gpu else None
+        )
         engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
         stack.callback(engine.shutdown)
         completions = CompletionsClient(url, api_key=cfg.api_key, model=cfg.served_model)
@@ -144,14 +160,30 @@ def _served_model(cfg: DemoConfig) -> tuple[str, bool]:
 
     if cfg.model not in MATRIX_NAMES:
         return cfg.model, False
-    return cached_tiny_dir(cfg.model, DUMMY_SEED) or build_tiny_model(cfg.model, seed=DUMMY_SEED), True
+    return cached_tiny_dir(cfg.model, DUMMY_SEED) or build_tiny_model(
+        cfg.model, seed=DUMMY_SEED
+    ), True
 
 
-def _train(cfg: DemoConfig, console: Console, ctx: DemoContext, result: DemoResult,
-           metrics_file: MetricsFile | None) -> None:
-    policy, reward, completions, client, engine = ctx.policy, ctx.reward, ctx.completions, ctx.client, ctx.engine
+def _train(
+    cfg: DemoConfig,
+    console: Console,
+    ctx: DemoContext,
+    result: DemoResult,
+    metrics_file: MetricsFile | None,
+) -> None:
+    policy, reward, completions, client, engine = (
+        ctx.policy,
+        ctx.reward,
+        ctx.completions,
+        ctx.client,
+        ctx.engine,
+    )
     rng = np.random.default_rng(cfg.seed)
-    low, high = min(3, reward.n_tokens - 1), reward.n_tokens  # skip the tiny tokenizer's special ids
+    low, high = (
+        min(3, reward.n_tokens - 1),
+        reward.n_tokens,
+    )  # skip the tiny tokenizer's special ids
     fixed = rng.integers(low, high, cfg.prompt_len).astype(np.int32)
     if not first_sync(cfg, console, ctx, result, fixed):
         return
@@ -161,9 +193,12 @@ def _train(cfg: DemoConfig, console: Console, ctx: DemoContext, result: DemoResu
             raise_if_stopped()  # a SIGTERM whose KeyboardInterrupt a gc callback swallowed
             clock: dict[str, float] = {}
             t = time.perf_counter()
-            prompts = rng.integers(low, high, (cfg.batch // cfg.samples_per_prompt, cfg.prompt_len)).astype(np.int32)
-            rollouts = completions.generate(prompts, max_tokens=cfg.max_tokens, temperature=1.0,
-                                            n=cfg.samples_per_prompt)
+            prompts = rng.integers(
+                low, high, (cfg.batch // cfg.samples_per_prompt, cfg.prompt_len)
+            ).astype(np.int32)
+            rollouts = completions.generate(
+                prompts, max_tokens=cfg.max_tokens, temperature=1.0, n=cfg.samples_per_prompt
+            )
             t = _lap(clock, "rollouts", t)
             if cfg.colocated:  # the server gives its GPU memory back while the policy trains
                 client.sleep(cfg.sleep_level, mode="wait")
@@ -194,22 +229,44 @@ def _train(cfg: DemoConfig, console: Console, ctx: DemoContext, result: DemoResu
             result.texts.append(check.text)
             for k, v in clock.items():
                 result.phase_seconds[k] = result.phase_seconds.get(k, 0.0) + v
-            table.add(StepRow(
-                step=step + 1, reward=float(hits.mean()), sample=check.text,
-                sync_ms=metrics.total_seconds * 1e3, megabytes=metrics.nbytes / 1e6,
-                gbps=shown_rate(metrics.nbytes, metrics.gbps),
-                version=str(served), max_diff=max_diff, ok=not notes, step_s=sum(clock.values()),
-                note="; ".join(notes)))
+            table.add(
+                StepRow(
+                    step=step + 1,
+                    reward=float(hits.mean()),
+                    sample=check.text,
+                    sync_ms=metrics.total_seconds * 1e3,
+                    megabytes=metrics.nbytes / 1e6,
+                    gbps=shown_rate(metrics.nbytes, metrics.gbps),
+                    version=str(served),
+                    max_diff=max_diff,
+                    ok=not notes,
+                    step_s=sum(clock.values()),
+                    note="; ".join(notes),
+                )
+            )
             if metrics_file is not None:
-                metrics_file.write(StepRecord(
-                    step=step + 1, reward=float(hits.mean()), weight_version=str(served),
-                    sync_seconds=metrics.total_seconds, sync_bytes=metrics.nbytes, tensors=metrics.tensors,
-                    max_abs_logprob_diff=max_diff, ok=not notes, step_seconds=sum(clock.values()),
-                    phase_seconds=dict(clock), server_text=check.text))
+                metrics_file.write(
+                    StepRecord(
+                        step=step + 1,
+                        reward=float(hits.mean()),
+                        weight_version=str(served),
+                        sync_seconds=metrics.total_seconds,
+                        sync_bytes=metrics.nbytes,
+                        tensors=metrics.tensors,
+                        max_abs_logprob_diff=max_diff,
+                        ok=not notes,
+                        step_seconds=sum(clock.values()),
+                        phase_seconds=dict(clock),
+                        server_text=check.text,
+                    )
+                )
     if result.sync_bytes and max(result.sync_bytes) < RATE_MIN_BYTES:
-        console.print(f"(GB/s is shown for rounds of {RATE_MIN_BYTES >> 20} MiB or more only: a "
-                      f"{max(result.sync_bytes) / 1e6:.2f} MB round's time is its fixed cost, not bandwidth)",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"(GB/s is shown for rounds of {RATE_MIN_BYTES >> 20} MiB or more only: a "
+            f"{max(result.sync_bytes) / 1e6:.2f} MB round's time is its fixed cost, not bandwidth)",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _lap(clock: dict[str, float], name: str, since: float) -> float:

@@ -29,10 +29,18 @@ def token_logprobs(params: Any, seqs: jax.Array, cfg: decoder.DecoderConfig) -> 
     return jnp.take_along_axis(logp, seqs[:, 1:, None], axis=-1)[..., 0]
 
 
-def _update(params: Any, opt_state: Any, seqs: jax.Array, advantages: jax.Array, *, prompt_len: int,
-            cfg: decoder.DecoderConfig, opt: optax.GradientTransformation) -> tuple[Any, Any, jax.Array, jax.Array]:
+def _update(
+    params: Any,
+    opt_state: Any,
+    seqs: jax.Array,
+    advantages: jax.Array,
+    *,
+    prompt_len: int,
+    cfg: decoder.DecoderConfig,
+    opt: optax.GradientTransformation,
+) -> tuple[Any, Any, jax.Array, jax.Array]:
     def loss_fn(p: Any) -> tuple[jax.Array, jax.Array]:
-        lp = token_logprobs(p, seqs, cfg)[:, prompt_len - 1:]
+        lp = token_logprobs(p, seqs, cfg)[:, prompt_len - 1 :]
         return -jnp.mean(advantages * lp), lp
 
     (loss, lp), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -52,19 +60,25 @@ class Policy:
         self._opt = optax.adam(lr)
         self._opt_state = self._opt.init(params)
         self._logprobs = jax.jit(partial(token_logprobs, cfg=cfg))
-        self._update = jax.jit(partial(_update, cfg=cfg, opt=self._opt), static_argnames=("prompt_len",))
+        self._update = jax.jit(
+            partial(_update, cfg=cfg, opt=self._opt), static_argnames=("prompt_len",)
+        )
 
     def warmup(self, seqs: np.ndarray, prompt_len: int) -> None:
         """Compile the step for ``seqs``' shape; the result is discarded (the step is pure)."""
         tokens = jnp.asarray(seqs, jnp.int32)
         advantages = jnp.zeros((tokens.shape[0], tokens.shape[1] - prompt_len), jnp.float32)
-        jax.block_until_ready(self._update(self.params, self._opt_state, tokens, advantages, prompt_len=prompt_len))
+        jax.block_until_ready(
+            self._update(self.params, self._opt_state, tokens, advantages, prompt_len=prompt_len)
+        )
 
     def logprobs(self, seqs: np.ndarray) -> np.ndarray:
         """Per-token log-probabilities of ``seqs[:, 1:]`` under the current params."""
         return np.asarray(self._logprobs(self.params, jnp.asarray(seqs, jnp.int32)))
 
-    def step(self, seqs: np.ndarray, prompt_len: int, token_rewards: np.ndarray) -> tuple[float, np.ndarray]:
+    def step(
+        self, seqs: np.ndarray, prompt_len: int, token_rewards: np.ndarray
+    ) -> tuple[float, np.ndarray]:
         """One policy-gradient step on completions ``seqs[:, prompt_len:]``.
 
         Returns ``(loss, logprobs)`` where ``logprobs [B, N]`` are the completion tokens'
@@ -73,6 +87,10 @@ class Policy:
         rewards = np.asarray(token_rewards, np.float32)
         advantages = rewards - rewards.mean()
         self.params, self._opt_state, loss, lp = self._update(
-            self.params, self._opt_state, jnp.asarray(seqs, jnp.int32), jnp.asarray(advantages),
-            prompt_len=prompt_len)
+            self.params,
+            self._opt_state,
+            jnp.asarray(seqs, jnp.int32),
+            jnp.asarray(advantages),
+            prompt_len=prompt_len,
+        )
         return float(loss), np.asarray(lp)

@@ -35,8 +35,15 @@ class Prober:
     """GETs against one base URL, each bounded by ``timeout`` and all by ``deadline``
     (monotonic)."""
 
-    def __init__(self, base_url: str, *, headers: dict[str, str], timeout: float, deadline: float,
-                 max_bytes: int = MAX_REPLY_BYTES) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        headers: dict[str, str],
+        timeout: float,
+        deadline: float,
+        max_bytes: int = MAX_REPLY_BYTES,
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -77,10 +84,16 @@ class Prober:
             return Reply(response.status, raw[:200].decode("utf-8", "replace"))
 
     def _connection(self, limit: float) -> http.client.HTTPConnection:
-        cls = http.client.HTTPSConnection if self._parts.scheme == "https" else http.client.HTTPConnection
+        cls = (
+            http.client.HTTPSConnection
+            if self._parts.scheme == "https"
+            else http.client.HTTPConnection
+        )
         return cls(self._parts.hostname or "", self._parts.port, timeout=limit)
 
-    def _read(self, response: http.client.HTTPResponse, deadline: float, limit: float) -> bytes | str:
+    def _read(
+        self, response: http.client.HTTPResponse, deadline: float, limit: float
+    ) -> bytes | str:
         """The whole body, or why reading it stopped (size cap, deadline)."""
         body = bytearray()
         while chunk := response.read1(1 << 16):

@@ -35,7 +35,18 @@ class StepRow:
     note: str = ""
 
 
-_COLUMNS = ("step", "reward", "server text", "sync ms", "MB", "GB/s", "version", "max |Δlogp|", "step s", "check")
+_COLUMNS = (
+    "step",
+    "reward",
+    "server text",
+    "sync ms",
+    "MB",
+    "GB/s",
+    "version",
+    "max |Δlogp|",
+    "step s",
+    "check",
+)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -61,18 +72,28 @@ class StartupProgress:
         self._console, self._phases, self._index = console, phases, 0
         self._plain = not console.is_terminal
         self._t0 = time.perf_counter()
-        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                  console=console, transient=False)
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
         self._task = self._progress.add_task("starting", total=phases)
         self._started = False
 
     def phase(self, description: str) -> None:
         self._index += 1
         if self._plain:
-            self._console.print(f"[{self._index}/{self._phases}] {description} "
-                                f"({time.perf_counter() - self._t0:.1f} s)",
-                                markup=False, highlight=False, soft_wrap=True)
+            self._console.print(
+                f"[{self._index}/{self._phases}] {description} "
+                f"({time.perf_counter() - self._t0:.1f} s)",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
             return
         if self._started:
             self._progress.advance(self._task)
@@ -87,10 +108,14 @@ class StartupProgress:
     def __exit__(self, *exc: object) -> None:
         if self._plain:
             if exc[0] is None:
-                self._console.print(f"ready after {time.perf_counter() - self._t0:.1f} s", highlight=False)
+                self._console.print(
+                    f"ready after {time.perf_counter() - self._t0:.1f} s", highlight=False
+                )
             return
         if exc[0] is None:
-            self._progress.update(self._task, completed=self._progress.tasks[0].total, description="ready")
+            self._progress.update(
+                self._task, completed=self._progress.tasks[0].total, description="ready"
+            )
         self._progress.stop()
 
 
@@ -98,7 +123,9 @@ class StepTable:
     def __init__(self, console: Console, target_char: str) -> None:
         self.console = console
         self.char = target_char
-        self.table = Table(*_COLUMNS, title="weightwire demo: JAX policy -> vLLM-style server, every step")
+        self.table = Table(
+            *_COLUMNS, title="weightwire demo: JAX policy -> vLLM-style server, every step"
+        )
         for col in self.table.columns[1:]:
             col.justify = "right"
         self.table.columns[2].justify = "left"
@@ -119,9 +146,17 @@ class StepTable:
 
     def add(self, row: StepRow) -> None:
         cells = (
-            str(row.step), f"{row.reward:.3f}", _sample_markup(row.sample, self.char),
-            _fmt(row.sync_ms, ".1f"), _fmt(row.megabytes, ".2f"), _fmt(row.gbps, ".3f"), escape(row.version),
-            f"{row.max_diff:.1e}", _fmt(row.step_s, ".2f"), ("[green]ok[/]" if row.ok else "[bold red]FAIL[/]") + (f" {row.note}" if row.note else ""),
+            str(row.step),
+            f"{row.reward:.3f}",
+            _sample_markup(row.sample, self.char),
+            _fmt(row.sync_ms, ".1f"),
+            _fmt(row.megabytes, ".2f"),
+            _fmt(row.gbps, ".3f"),
+            escape(row.version),
+            f"{row.max_diff:.1e}",
+            _fmt(row.step_s, ".2f"),
+            ("[green]ok[/]" if row.ok else "[bold red]FAIL[/]")
+            + (f" {row.note}" if row.note else ""),
         )
         self.table.add_row(*cells)
         if self._live is not None:

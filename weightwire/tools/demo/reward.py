@@ -20,7 +20,9 @@ from weightwire._extras import require
 class CharReward:
     """Per-token hits ``mask[token_id]`` from the decoded text of every vocabulary id."""
 
-    def __init__(self, pieces: Sequence[str], char: str = "e", *, n_tokens: int | None = None) -> None:
+    def __init__(
+        self, pieces: Sequence[str], char: str = "e", *, n_tokens: int | None = None
+    ) -> None:
         if len(char) != 1:
             raise ValueError(f"the target must be one character, got {char!r}")
         self.char = char
@@ -29,7 +31,9 @@ class CharReward:
         """Ids below this are real tokenizer tokens (the model's vocab may be padded past it)."""
         self.mask = np.array([char in p for p in self.pieces], dtype=bool)
         if not self.mask.any():
-            raise ValueError(f"no token of the vocabulary contains {char!r}: the reward could never rise")
+            raise ValueError(
+                f"no token of the vocabulary contains {char!r}: the reward could never rise"
+            )
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, vocab_size: int, char: str = "e") -> CharReward:

@@ -39,11 +39,19 @@ class Rollouts:
 class CompletionsClient:
     """Thin client over one server's ``/v1/completions`` (no retries: a failure is loud)."""
 
-    def __init__(self, base_url: str, *, timeout: float = 120.0, api_key: str | None = None,
-                 model: str | None = None, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 120.0,
+        api_key: str | None = None,
+        model: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers,
-                                  transport=transport)
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"), timeout=timeout, headers=headers, transport=transport
+        )
         self._model = model
 
     def close(self) -> None:
@@ -55,12 +63,18 @@ class CompletionsClient:
         try:
             reply = self._http.post(COMPLETIONS.path, json=body)
         except httpx.HTTPError as exc:
-            raise RolloutError(f"POST {COMPLETIONS.path} failed: {type(exc).__name__}: {exc}") from None
+            raise RolloutError(
+                f"POST {COMPLETIONS.path} failed: {type(exc).__name__}: {exc}"
+            ) from None
         if reply.status_code != 200:
-            raise RolloutError(f"POST {COMPLETIONS.path} -> HTTP {reply.status_code}: {reply.text[:400]}")
+            raise RolloutError(
+                f"POST {COMPLETIONS.path} -> HTTP {reply.status_code}: {reply.text[:400]}"
+            )
         return reply.json()
 
-    def generate(self, prompts: np.ndarray, *, max_tokens: int, temperature: float, n: int = 1) -> Rollouts:
+    def generate(
+        self, prompts: np.ndarray, *, max_tokens: int, temperature: float, n: int = 1
+    ) -> Rollouts:
         """``n`` completions per prompt row, each exactly ``max_tokens`` long (EOS ignored).
 
         Rows of the result are prompt-major (prompt ``i``'s ``n`` samples are rows
@@ -68,7 +82,9 @@ class CompletionsClient:
         """
         unique = np.asarray(prompts, dtype=np.int32)
         if unique.ndim != 2 or unique.shape[0] == 0 or unique.shape[1] == 0:
-            raise ValueError(f"prompts must be a non-empty [batch, length] array, got shape {unique.shape}")
+            raise ValueError(
+                f"prompts must be a non-empty [batch, length] array, got shape {unique.shape}"
+            )
         body: dict[str, Any] = {
             "prompt": unique.tolist(),
             "max_tokens": max_tokens,
@@ -83,8 +99,10 @@ class CompletionsClient:
         prompts = np.repeat(unique, n, axis=0)
         choices = data.get("choices")
         if not isinstance(choices, list) or len(choices) != len(prompts):
-            raise RolloutError(f"expected {len(prompts)} choices, got {type(choices).__name__} "
-                               f"of length {len(choices) if isinstance(choices, list) else '-'}")
+            raise RolloutError(
+                f"expected {len(prompts)} choices, got {type(choices).__name__} "
+                f"of length {len(choices) if isinstance(choices, list) else '-'}"
+            )
         ids = np.zeros((len(prompts), max_tokens), np.int32)
         lps = np.zeros((len(prompts), max_tokens), np.float32)
         for choice in sorted(choices, key=lambda c: c.get("index", 0)):
@@ -98,12 +116,15 @@ class CompletionsClient:
                     f"choice {i}: expected {max_tokens} token_ids (return_token_ids + "
                     "ignore_eos), got "
                     f"{tokens if not isinstance(tokens, list) else len(tokens)!r}; does the "
-                    "server support return_token_ids?")
+                    "server support return_token_ids?"
+                )
             if not isinstance(logprobs, list) or len(logprobs) != max_tokens or None in logprobs:
                 raise RolloutError(f"choice {i}: expected {max_tokens} token_logprobs")
             sent = choice.get("prompt_token_ids")
             if sent is not None and sent != prompts[i].tolist():
-                raise RolloutError(f"choice {i}: the server prompted with {sent[:12]}..., not the ids sent "
-                                   "(did it add a BOS token?)")
+                raise RolloutError(
+                    f"choice {i}: the server prompted with {sent[:12]}..., not the ids sent "
+                    "(did it add a BOS token?)"
+                )
             ids[i], lps[i] = tokens, logprobs
         return Rollouts(prompts, ids, lps)

@@ -40,11 +40,18 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 def build_tiny_model(name: str = "tiny-llama", *, seed: int = 0, timeout: float = 600.0) -> str:
     """Path of the cached tiny model directory, built on first use (in a child: needs torch)."""
-    code = ("import sys; from weightwire.tools.server.tiny import tiny_model_dir; "
-            "print(tiny_model_dir(sys.argv[1], int(sys.argv[2])))")
+    code = (
+        "import sys; from weightwire.tools.server.tiny import tiny_model_dir; "
+        "print(tiny_model_dir(sys.argv[1], int(sys.argv[2])))"
+    )
     try:
-        done = subprocess.run([sys.executable, "-c", code, name, str(seed)], capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", code, name, str(seed)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         raise ChildError(f"building {name} did not finish within {timeout:.0f} s") from None
     if done.returncode != 0:
@@ -63,7 +70,9 @@ class ReadyLine:
     this, so the ready line is parsed in one place.
     """
 
-    def __init__(self, proc: subprocess.Popen[str], *, name: str = "weightwire-server-stdout") -> None:
+    def __init__(
+        self, proc: subprocess.Popen[str], *, name: str = "weightwire-server-stdout"
+    ) -> None:
         self.lines: list[str] = []
         self.url: str | None = None
         self._done = threading.Event()  # the ready line came, or stdout closed
@@ -90,9 +99,17 @@ class EmbeddedServer:
     Use as a context manager; ``url`` is set once the server printed its ready line.
     """
 
-    def __init__(self, model: str, *, backend: str = backends.TCP, device: str = "cpu",
-                 cuda_visible_devices: str | None = None, threads: int | None = 1,
-                 extra_args: Sequence[str] = (), startup_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        backend: str = backends.TCP,
+        device: str = "cpu",
+        cuda_visible_devices: str | None = None,
+        threads: int | None = 1,
+        extra_args: Sequence[str] = (),
+        startup_timeout: float = 300.0,
+    ) -> None:
         self.model = model
         """A model directory or a tiny model name (the server resolves it)."""
         self.backend = backend
@@ -121,17 +138,31 @@ class EmbeddedServer:
 
     def launch(self) -> None:
         """Start the child and return at once (the caller may work while it loads)."""
-        cmd = [sys.executable, "-m", "weightwire.tools.server", "--model", self.model, "--port", "0",
-               "--backend", self.backend, "--device", self.device]
+        cmd = [
+            sys.executable,
+            "-m",
+            "weightwire.tools.server",
+            "--model",
+            self.model,
+            "--port",
+            "0",
+            "--backend",
+            self.backend,
+            "--device",
+            self.device,
+        ]
         if self.threads is not None:
             cmd += ["--threads", str(self.threads)]
         cmd += self.extra_args
-        env = child_env()  # the server goes when this process goes, even SIGKILLed (weightwire._lifetime)
+        env = (
+            child_env()
+        )  # the server goes when this process goes, even SIGKILLed (weightwire._lifetime)
         if self.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
         with open(self._log, "w") as log:
-            self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-                                          start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True
+            )
         self._deadline = time.monotonic() + self.startup_timeout
         self._ready = ReadyLine(self._proc, name="weightwire-demo-server-stdout")
 
@@ -142,12 +173,16 @@ class EmbeddedServer:
         while not self._ready.wait(0.1):
             if time.monotonic() > self._deadline:
                 self.stop()
-                raise ChildError(f"the reference server did not get ready within {self.startup_timeout:.0f} s; "
-                                 f"its log:\n{_tail(self._log)}")
+                raise ChildError(
+                    f"the reference server did not get ready within {self.startup_timeout:.0f} s; "
+                    f"its log:\n{_tail(self._log)}"
+                )
         if self._ready.url is None:
             code = self._proc.wait(timeout=10)
-            raise ChildError(f"the reference server exited (code {code}) before it was ready; its log:\n"
-                             f"{_tail(self._log)}")
+            raise ChildError(
+                f"the reference server exited (code {code}) before it was ready; its log:\n"
+                f"{_tail(self._log)}"
+            )
         self.url = self._ready.url
         return self.url
 

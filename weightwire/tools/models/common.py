@@ -47,15 +47,21 @@ class RMSNorm(nn.Module):
         return scale.astype(self.dtype) * normed.astype(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> np.ndarray:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None
+) -> np.ndarray:
     """Inverse rotary frequencies (float32), ``default`` or ``llama3`` scaling."""
-    inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
+    inv = (
+        1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    ).astype(np.float32)
     scaling = scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "default":
         return inv
     if kind != "llama3":
-        raise NotImplementedError(f"rope_type {kind!r} is not implemented by the reference models (default, llama3)")
+        raise NotImplementedError(
+            f"rope_type {kind!r} is not implemented by the reference models (default, llama3)"
+        )
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_ctx = float(scaling["original_max_position_embeddings"])

@@ -36,7 +36,17 @@ from weightwire.tools.models.common import (
 )
 from weightwire.tools.models.moe import MoE
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "qwen2_moe", "qwen3_moe", "mixtral")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "phi3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+)
 """The preset families this reference model computes (phi3: Llama's computation; HF fuses
 qkv_proj and gate_up_proj, which the preset fuses on send)."""
 _MOE_FAMILIES = tuple(f for f in FAMILIES if family_options(f)["moe"])
@@ -53,7 +63,11 @@ _MODEL_TRAITS: dict[str, dict[str, Any]] = {
 
 def _family_defaults(family: str) -> dict[str, Any]:
     options = family_options(family)
-    return {**{k: options[k] for k in _PRESET_TRAITS if options[k]}, **_MODEL_TRAITS.get(family, {})}
+    return {
+        **{k: options[k] for k in _PRESET_TRAITS if options[k]},
+        **_MODEL_TRAITS.get(family, {}),
+    }
+
 
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -104,22 +118,32 @@ class DecoderConfig:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown family {self.family!r}; known: {', '.join(FAMILIES)}")
         if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(_ACTIVATIONS)}")
+            raise ValueError(
+                f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(_ACTIVATIONS)}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must divide by num_attention_heads when head_dim is not given")
+            raise ValueError(
+                "hidden_size must divide by num_attention_heads when head_dim is not given"
+            )
         if (self.family in _MOE_FAMILIES) != (self.num_experts > 0):
-            raise ValueError(f"family {self.family!r} with num_experts={self.num_experts}: MoE families need "
-                             "experts, dense ones none")
+            raise ValueError(
+                f"family {self.family!r} with num_experts={self.num_experts}: MoE families need "
+                "experts, dense ones none"
+            )
         if self.num_experts and self.fused_gate_up:
-            raise ValueError("fused_gate_up is not implemented for MoE experts in the reference model")
+            raise ValueError(
+                "fused_gate_up is not implemented for MoE experts in the reference model"
+            )
         if self.fused_qkv and self.head_axes:
             raise ValueError("fused_qkv and head_axes are alternative layouts; pick one")
-        rope_inv_freq(self.head_dim_, self.rope_theta, self.rope_scaling_dict)  # fail early on a bad rope
+        rope_inv_freq(
+            self.head_dim_, self.rope_theta, self.rope_scaling_dict
+        )  # fail early on a bad rope
 
     @classmethod
     def for_family(cls, family: str, **overrides: Any) -> DecoderConfig:
@@ -136,7 +160,9 @@ class DecoderConfig:
         """
         family = hf.get("model_type", "llama")
         if family not in FAMILIES:
-            raise ValueError(f"model_type {family!r} is not a decoder family here; known: {', '.join(FAMILIES)}")
+            raise ValueError(
+                f"model_type {family!r} is not a decoder family here; known: {', '.join(FAMILIES)}"
+            )
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope.setdefault("rope_type", rope.pop("type", "default"))
@@ -152,7 +178,9 @@ class DecoderConfig:
             "rope_theta": float(theta),
             "rope_scaling": None if rope["rope_type"] == "default" else tuple(sorted(rope.items())),
             "max_position_embeddings": hf.get("max_position_embeddings", 2048),
-            "tie_word_embeddings": hf.get("tie_word_embeddings", family_options(family)["tie_word_embeddings"]),
+            "tie_word_embeddings": hf.get(
+                "tie_word_embeddings", family_options(family)["tie_word_embeddings"]
+            ),
         }
         if family in ("llama", "mistral", "qwen3"):
             kw["attention_bias"] = bool(hf.get("attention_bias", False))
@@ -193,13 +221,22 @@ class DecoderConfig:
         if self.family == "gemma":
             out["hidden_activation"] = self.hidden_act
         if self.family == "phi3":
-            out["pad_token_id"] = None  # Phi3Config's default (32000) lies outside a tiny vocabulary
+            out["pad_token_id"] = (
+                None  # Phi3Config's default (32000) lies outside a tiny vocabulary
+            )
         if self.family == "mixtral":
-            out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+            out.update(
+                num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok
+            )
         elif self.num_experts:
-            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                       moe_intermediate_size=self.moe_intermediate_size_, norm_topk_prob=self.norm_topk_prob,
-                       decoder_sparse_step=1, mlp_only_layers=[])
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size_,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
             if self.family == "qwen2_moe":
                 out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return out
@@ -247,8 +284,14 @@ class DecoderConfig:
 
 
 def _dense(cfg: DecoderConfig, features: int, name: str, bias: bool) -> nn.Dense:
-    return nn.Dense(features, use_bias=bias, dtype=cfg.jdtype, param_dtype=cfg.jparam_dtype,
-                    kernel_init=dense_init(), name=name)
+    return nn.Dense(
+        features,
+        use_bias=bias,
+        dtype=cfg.jdtype,
+        param_dtype=cfg.jparam_dtype,
+        kernel_init=dense_init(),
+        name=name,
+    )
 
 
 def _norm(cfg: DecoderConfig, name: str) -> RMSNorm:
@@ -268,10 +311,23 @@ class Attention(nn.Module):
             qkv = _dense(c, (heads + 2 * kv) * dim, "qkv_proj", qkv_bias)(x)
             q, k, v = jnp.split(qkv, [heads * dim, (heads + kv) * dim], axis=-1)
         elif c.head_axes:
+
             def general(n: int, name: str) -> nn.DenseGeneral:
-                return nn.DenseGeneral((n, dim), axis=-1, use_bias=qkv_bias, dtype=c.jdtype,
-                                       param_dtype=c.jparam_dtype, kernel_init=dense_init(), name=name)
-            q, k, v = general(heads, "q_proj")(x), general(kv, "k_proj")(x), general(kv, "v_proj")(x)
+                return nn.DenseGeneral(
+                    (n, dim),
+                    axis=-1,
+                    use_bias=qkv_bias,
+                    dtype=c.jdtype,
+                    param_dtype=c.jparam_dtype,
+                    kernel_init=dense_init(),
+                    name=name,
+                )
+
+            q, k, v = (
+                general(heads, "q_proj")(x),
+                general(kv, "k_proj")(x),
+                general(kv, "v_proj")(x),
+            )
         else:
             q = _dense(c, heads * dim, "q_proj", qkv_bias)(x)
             k = _dense(c, kv * dim, "k_proj", qkv_bias)(x)
@@ -282,9 +338,15 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attend(q, k, v, bias, dim**-0.5)
         if c.head_axes:
-            return nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=c.attention_bias, dtype=c.jdtype,
-                                   param_dtype=c.jparam_dtype, kernel_init=dense_init(),
-                                   name="o_proj")(out.reshape(b, t, heads, dim))
+            return nn.DenseGeneral(
+                c.hidden_size,
+                axis=(-2, -1),
+                use_bias=c.attention_bias,
+                dtype=c.jdtype,
+                param_dtype=c.jparam_dtype,
+                kernel_init=dense_init(),
+                name="o_proj",
+            )(out.reshape(b, t, heads, dim))
         return _dense(c, c.hidden_size, "o_proj", c.attention_bias)(out)
 
 
@@ -295,11 +357,15 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
         if c.fused_gate_up:
-            gate, up = jnp.split(_dense(c, 2 * c.intermediate_size, "gate_up_proj", c.mlp_bias)(x), 2, axis=-1)
+            gate, up = jnp.split(
+                _dense(c, 2 * c.intermediate_size, "gate_up_proj", c.mlp_bias)(x), 2, axis=-1
+            )
         else:
             gate = _dense(c, c.intermediate_size, "gate_proj", c.mlp_bias)(x)
             up = _dense(c, c.intermediate_size, "up_proj", c.mlp_bias)(x)
-        return _dense(c, c.hidden_size, "down_proj", c.mlp_bias)(_ACTIVATIONS[c.hidden_act](gate) * up)
+        return _dense(c, c.hidden_size, "down_proj", c.mlp_bias)(
+            _ACTIVATIONS[c.hidden_act](gate) * up
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -329,24 +395,39 @@ class DecoderModel(nn.Module):
 
     def setup(self) -> None:
         c = self.cfg
-        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jdtype, param_dtype=c.jparam_dtype,
-                                     embedding_init=dense_init())
+        self.embed_tokens = nn.Embed(
+            c.vocab_size,
+            c.hidden_size,
+            dtype=c.jdtype,
+            param_dtype=c.jparam_dtype,
+            embedding_init=dense_init(),
+        )
         if c.scan_layers:
-            stack = nn.scan(_ScannedLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers)
+            stack = nn.scan(
+                _ScannedLayer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=c.num_hidden_layers,
+            )
             # One scanned module or a list of layers, by cfg.scan_layers (flax setup attribute).
             self.layers: Any = stack(c)
         else:
             self.layers = [DecoderLayer(c) for _ in range(c.num_hidden_layers)]
         self.norm = _norm(c, "norm")
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None, attention_mask: jax.Array | None) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None, attention_mask: jax.Array | None
+    ) -> jax.Array:
         c = self.cfg
         x = self.embed_tokens(tokens)
         if c.embed_scale:
             x = x * jnp.asarray(np.float32(math.sqrt(c.hidden_size))).astype(x.dtype)
-        cos, sin = rotary(positions_for(tokens, positions), rope_inv_freq(c.head_dim_, c.rope_theta,
-                                                                             c.rope_scaling_dict), x.dtype)
+        cos, sin = rotary(
+            positions_for(tokens, positions),
+            rope_inv_freq(c.head_dim_, c.rope_theta, c.rope_scaling_dict),
+            x.dtype,
+        )
         bias = attention_bias(tokens, attention_mask, x.dtype)
         if c.scan_layers:
             x, _ = self.layers(x, cos, sin, bias)
@@ -363,8 +444,12 @@ class CausalLM(nn.Module):
     cfg: DecoderConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+    ) -> jax.Array:
         model = DecoderModel(self.cfg, name="model")
         h = model(tokens, positions, attention_mask)
         if self.cfg.tie_word_embeddings:
@@ -378,8 +463,14 @@ def init(rng: jax.Array, cfg: DecoderConfig) -> dict[str, Any]:
     return cast(dict[str, Any], CausalLM(cfg).init(rng, jnp.zeros((1, 1), jnp.int32)))
 
 
-def apply(params: Any, tokens: jax.Array, cfg: DecoderConfig, *, positions: jax.Array | None = None,
-          attention_mask: jax.Array | None = None) -> jax.Array:
+def apply(
+    params: Any,
+    tokens: jax.Array,
+    cfg: DecoderConfig,
+    *,
+    positions: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+) -> jax.Array:
     """Logits ``[B, T, vocab]`` for int ``tokens [B, T]``. Pure; jit with ``cfg`` static.
 
     ``attention_mask`` (1 = real token) masks padded keys; ``positions`` default to 0..T-1.

@@ -21,8 +21,12 @@ from weightwire.jax_side.naming import Naming
 from weightwire.jax_side.presets import preset
 from weightwire.tools.models.common import attend, attention_bias, dense_init, positions_for
 
-_ACT = {"gelu_new": lambda x: jax.nn.gelu(x, approximate=True), "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, True),
-        "gelu": lambda x: jax.nn.gelu(x, approximate=False), "relu": jax.nn.relu}
+_ACT = {
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,13 +48,24 @@ class GPT2Config:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
         if self.activation_function not in _ACT:
-            raise ValueError(f"unsupported activation_function {self.activation_function!r}; "
-                             f"supported: {list(_ACT)}")
+            raise ValueError(
+                f"unsupported activation_function {self.activation_function!r}; "
+                f"supported: {list(_ACT)}"
+            )
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides: Any) -> GPT2Config:
-        names = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "layer_norm_epsilon",
-                 "activation_function", "tie_word_embeddings")
+        names = (
+            "vocab_size",
+            "n_positions",
+            "n_embd",
+            "n_layer",
+            "n_head",
+            "n_inner",
+            "layer_norm_epsilon",
+            "activation_function",
+            "tie_word_embeddings",
+        )
         return cls(**{**{k: hf[k] for k in names if k in hf}, **overrides})
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -68,13 +83,20 @@ class GPT2Config:
 
 
 def _dense(cfg: GPT2Config, n: int, name: str) -> nn.Dense:
-    return nn.Dense(n, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=dense_init(), name=name)
+    return nn.Dense(
+        n, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=dense_init(), name=name
+    )
 
 
 def _ln(cfg: GPT2Config, name: str) -> nn.LayerNorm:
     # Two-pass variance, as torch computes it (the default one-pass form differs in the last bits).
-    return nn.LayerNorm(cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                        use_fast_variance=False, name=name)
+    return nn.LayerNorm(
+        cfg.layer_norm_epsilon,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        use_fast_variance=False,
+        name=name,
+    )
 
 
 class Block(nn.Module):
@@ -109,7 +131,9 @@ class _MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
-        return _dense(c, c.n_embd, "c_proj")(_ACT[c.activation_function](_dense(c, c.inner, "c_fc")(x)))
+        return _dense(c, c.n_embd, "c_proj")(
+            _ACT[c.activation_function](_dense(c, c.inner, "c_fc")(x))
+        )
 
 
 class Transformer(nn.Module):
@@ -117,14 +141,26 @@ class Transformer(nn.Module):
 
     def setup(self) -> None:
         c = self.cfg
-        self.wte = nn.Embed(c.vocab_size, c.n_embd, dtype=c.dtype, param_dtype=c.param_dtype,
-                            embedding_init=dense_init())
-        self.wpe = nn.Embed(c.n_positions, c.n_embd, dtype=c.dtype, param_dtype=c.param_dtype,
-                            embedding_init=dense_init())
+        self.wte = nn.Embed(
+            c.vocab_size,
+            c.n_embd,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            embedding_init=dense_init(),
+        )
+        self.wpe = nn.Embed(
+            c.n_positions,
+            c.n_embd,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            embedding_init=dense_init(),
+        )
         self.h = [Block(c) for _ in range(c.n_layer)]
         self.ln_f = _ln(c, "ln_f")
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None, attention_mask: jax.Array | None) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None, attention_mask: jax.Array | None
+    ) -> jax.Array:
         x = self.wte(tokens) + self.wpe(positions_for(tokens, positions))
         bias = attention_bias(tokens, attention_mask, x.dtype)
         for block in self.h:
@@ -139,14 +175,24 @@ class GPT2LMHead(nn.Module):
     cfg: GPT2Config
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+    ) -> jax.Array:
         tr = Transformer(self.cfg, name="transformer")
         h = tr(tokens, positions, attention_mask)
         if self.cfg.tie_word_embeddings:
             return tr.attend(h)
-        return nn.Dense(self.cfg.vocab_size, use_bias=False, dtype=self.cfg.dtype, param_dtype=self.cfg.param_dtype,
-                        kernel_init=dense_init(), name="lm_head")(h)
+        return nn.Dense(
+            self.cfg.vocab_size,
+            use_bias=False,
+            dtype=self.cfg.dtype,
+            param_dtype=self.cfg.param_dtype,
+            kernel_init=dense_init(),
+            name="lm_head",
+        )(h)
 
 
 def config(**overrides: Any) -> GPT2Config:
@@ -159,8 +205,14 @@ def init(rng: jax.Array, cfg: GPT2Config) -> dict[str, Any]:
     return cast(dict[str, Any], GPT2LMHead(cfg).init(rng, jnp.zeros((1, 1), jnp.int32)))
 
 
-def apply(params: Any, tokens: jax.Array, cfg: GPT2Config, *, positions: jax.Array | None = None,
-          attention_mask: jax.Array | None = None) -> jax.Array:
+def apply(
+    params: Any,
+    tokens: jax.Array,
+    cfg: GPT2Config,
+    *,
+    positions: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+) -> jax.Array:
     """Logits ``[B, T, vocab]``. Pure; jit with ``cfg`` static."""
     # Without mutable=..., apply returns the output alone (no (output, state) pair).
     return cast(jax.Array, GPT2LMHead(cfg).apply(params, tokens, positions, attention_mask))

@@ -8,7 +8,12 @@ from typing import Any
 
 import jax
 
-from weightwire.jax_side.checkpoint import CheckpointError, pytree_from_hf, read_hf_config, read_safetensors
+from weightwire.jax_side.checkpoint import (
+    CheckpointError,
+    pytree_from_hf,
+    read_hf_config,
+    read_safetensors,
+)
 from weightwire.tools.models import decoder
 
 

@@ -41,15 +41,21 @@ class MoE(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
         e, d, k = c.num_experts, c.hidden_size, c.num_experts_per_tok
-        gate_n, up_n, down_n = ("w1", "w3", "w2") if c.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-        dense = dict(use_bias=False, dtype=c.jdtype, param_dtype=c.jparam_dtype, kernel_init=dense_init())
+        gate_n, up_n, down_n = (
+            ("w1", "w3", "w2") if c.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        )
+        dense = dict(
+            use_bias=False, dtype=c.jdtype, param_dtype=c.jparam_dtype, kernel_init=dense_init()
+        )
         logits = nn.Dense(e, name="gate", **dense)(x)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         top, idx = jax.lax.top_k(probs, k)
         if c.norm_topk_prob:
             top = top / jnp.sum(top, axis=-1, keepdims=True)
         top = top.astype(x.dtype)
-        weights = jnp.sum(jax.nn.one_hot(idx, e, dtype=x.dtype) * top[..., None], axis=-2)  # [B, T, E]
+        weights = jnp.sum(
+            jax.nn.one_hot(idx, e, dtype=x.dtype) * top[..., None], axis=-2
+        )  # [B, T, E]
 
         out = _Experts(c, gate_n, up_n, down_n, self.act, name="experts")(x, weights)
         if c.shared_expert_intermediate_size:

@@ -51,58 +51,122 @@ PROG = "weightwire serve"
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog, description="Serve a model with vLLM's weight-sync API and OpenAI-compatible completions "
-                               "(the reference server).",
+        prog=prog,
+        description="Serve a model with vLLM's weight-sync API and OpenAI-compatible completions "
+        "(the reference server).",
         epilog="examples:\n"
-               "  weightwire serve --model tiny-llama --port 0     # a tiny random Llama, built "
-               "and cached\n"
-               "  WEIGHTWIRE_API_KEY=$KEY weightwire serve --model ./qwen2.5-0.5b\n"
-               "\n" + EXIT_CODES_HELP,
-        formatter_class=HelpFormatter)
-    p.add_argument("--model", required=True,
-                   help="HF model directory (config.json + safetensors + tokenizer), or "
-                        "tiny-llama / tiny-qwen2: a tiny random model built on first use and "
-                        "cached under $WEIGHTWIRE_CACHE (default ~/.cache/weightwire); the "
-                        "directory is printed at start-up")
+        "  weightwire serve --model tiny-llama --port 0     # a tiny random Llama, built "
+        "and cached\n"
+        "  WEIGHTWIRE_API_KEY=$KEY weightwire serve --model ./qwen2.5-0.5b\n"
+        "\n" + EXIT_CODES_HELP,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF model directory (config.json + safetensors + tokenizer), or "
+        "tiny-llama / tiny-qwen2: a tiny random model built on first use and "
+        "cached under $WEIGHTWIRE_CACHE (default ~/.cache/weightwire); the "
+        "directory is printed at start-up",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
-    p.add_argument("--backend", type=backend_name, choices=BACKENDS, default=backends.TCP,
-                   help="weight-transfer backend the workers run: weightwire_tcp (CPU or GPU; alias tcp), "
-                        "weightwire_nccl or weightwire_ipc (CUDA IPC, trainer on the same GPU) (both need "
-                        "--device cuda) (default weightwire_tcp)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the workers hold the model (default cpu)")
+    p.add_argument(
+        "--backend",
+        type=backend_name,
+        choices=BACKENDS,
+        default=backends.TCP,
+        help="weight-transfer backend the workers run: weightwire_tcp (CPU or GPU; alias tcp), "
+        "weightwire_nccl or weightwire_ipc (CUDA IPC, trainer on the same GPU) (both need "
+        "--device cuda) (default weightwire_tcp)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the workers hold the model (default cpu)",
+    )
     key = p.add_mutually_exclusive_group()
-    key.add_argument("--api-key-file", default=None, metavar="PATH",
-                     help="require 'Authorization: Bearer KEY' on every route but /health and /version, KEY "
-                          "being this file's content (trailing newline stripped); default: $WEIGHTWIRE_API_KEY")
-    key.add_argument("--api-key", default=None,
-                     help="the key itself; avoid: a command line is visible to every user of the host "
-                          "(ps, /proc/PID/cmdline)")
-    p.add_argument("--replicas", type=int, default=1, help="worker processes = ranks in the transfer group")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / replicas)")
-    p.add_argument("--max-body-bytes", type=int, default=64 << 20,
-                   help="largest request body accepted, bytes (default 64 MiB); larger ones get 413")
-    p.add_argument("--max-reply-bytes", type=int, default=256 << 20,
-                   help="largest completion reply a worker sends, bytes (default 256 MiB); a "
-                        "request whose reply could be larger (prompts x n x max_tokens, "
-                        "logprobs, token ids) gets 400 before it runs")
-    p.add_argument("--check-finite", action="store_true",
-                   help="refuse to commit a weight round whose floating-point tensors hold NaN "
-                        "or infinity (the finish gets 400 and the previous weights stay served); "
-                        "costs one pass over the round")
-    p.add_argument("--op-timeout", type=float, default=300.0,
-                   help="seconds for start/finish/shutdown/checks on every worker (default 300)")
-    p.add_argument("--round-timeout", type=float, default=3600.0,
-                   help="backstop seconds for one update_weights (default 3600)")
-    p.add_argument("--generate-timeout", type=float, default=600.0,
-                   help="seconds for one completion request, and for /pause?mode=wait to drain (default 600)")
-    p.add_argument("--round-lease", type=float, default=None,
-                   help="abort a round after this many idle seconds without a weight call from its trainer "
-                        "(default: the trainer's per-broadcast timeout from its init info)")
-    p.add_argument("--startup-timeout", type=float, default=600.0,
-                   help="seconds for the workers to load the model (default 600)")
-    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
-                   help="server log level, on stderr (default warning)")
+    key.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /version, KEY "
+        "being this file's content (trailing newline stripped); default: $WEIGHTWIRE_API_KEY",
+    )
+    key.add_argument(
+        "--api-key",
+        default=None,
+        help="the key itself; avoid: a command line is visible to every user of the host "
+        "(ps, /proc/PID/cmdline)",
+    )
+    p.add_argument(
+        "--replicas", type=int, default=1, help="worker processes = ranks in the transfer group"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: cores / replicas)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=64 << 20,
+        help="largest request body accepted, bytes (default 64 MiB); larger ones get 413",
+    )
+    p.add_argument(
+        "--max-reply-bytes",
+        type=int,
+        default=256 << 20,
+        help="largest completion reply a worker sends, bytes (default 256 MiB); a "
+        "request whose reply could be larger (prompts x n x max_tokens, "
+        "logprobs, token ids) gets 400 before it runs",
+    )
+    p.add_argument(
+        "--check-finite",
+        action="store_true",
+        help="refuse to commit a weight round whose floating-point tensors hold NaN "
+        "or infinity (the finish gets 400 and the previous weights stay served); "
+        "costs one pass over the round",
+    )
+    p.add_argument(
+        "--op-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for start/finish/shutdown/checks on every worker (default 300)",
+    )
+    p.add_argument(
+        "--round-timeout",
+        type=float,
+        default=3600.0,
+        help="backstop seconds for one update_weights (default 3600)",
+    )
+    p.add_argument(
+        "--generate-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for one completion request, and for /pause?mode=wait to drain (default 600)",
+    )
+    p.add_argument(
+        "--round-lease",
+        type=float,
+        default=None,
+        help="abort a round after this many idle seconds without a weight call from its trainer "
+        "(default: the trainer's per-broadcast timeout from its init info)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for the workers to load the model (default 600)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="server log level, on stderr (default warning)",
+    )
     return p
 
 
@@ -113,7 +177,13 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--replicas must be in [1, 64], got {args.replicas}"
     if backends.get(args.backend).needs_cuda and args.device != "cuda":
         return f"--backend {args.backend} needs --device cuda"
-    for name in ("op_timeout", "round_timeout", "generate_timeout", "startup_timeout", "round_lease"):
+    for name in (
+        "op_timeout",
+        "round_timeout",
+        "generate_timeout",
+        "startup_timeout",
+        "round_lease",
+    ):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be > 0"
     if args.max_body_bytes < 1024:
@@ -145,14 +215,18 @@ def _check_model(model: str) -> str | None:
     if not path.exists():
         return f"--model {model!r}: no such directory (or pass tiny-llama / tiny-qwen2)"
     if not (path / "config.json").is_file():
-        return (f"--model {model!r} is neither {' / '.join(TINY_NAMES)} nor a directory with "
-                   "config.json")
+        return (
+            f"--model {model!r} is neither {' / '.join(TINY_NAMES)} nor a directory with "
+            "config.json"
+        )
     from weightwire.tools.server.model_check import model_dir_problem
 
     return model_dir_problem(path, model)
 
 
-def resolve_api_key(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> tuple[str | None, str | None]:
+def resolve_api_key(
+    args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]
+) -> tuple[str | None, str | None]:
     """``(key, warning)``: from ``--api-key-file``, ``--api-key`` (with a warning: the
     process list shows it) or ``$WEIGHTWIRE_API_KEY``. Raises ``ValueError`` for an
     unreadable key file, and for a key that is given but empty or blank or has whitespace
@@ -163,27 +237,34 @@ def resolve_api_key(args: argparse.Namespace, environ: dict[str, str] | os._Envi
             with open(args.api_key_file, encoding="utf-8") as f:
                 key = f.read().rstrip("\r\n")
         except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--api-key-file {args.api_key_file!r}: cannot read it ({type(exc).__name__})") from None
+            raise ValueError(
+                f"--api-key-file {args.api_key_file!r}: cannot read it ({type(exc).__name__})"
+            ) from None
         if not key.strip():
             raise ValueError(f"--api-key-file {args.api_key_file!r} is empty")
         return _usable_key(key, f"--api-key-file {args.api_key_file!r}"), None
     if args.api_key is not None:
         return _usable_key(args.api_key, "--api-key"), (
             "--api-key on the command line is visible to every user of this host (ps, "
-            "/proc/PID/cmdline); pass it in $WEIGHTWIRE_API_KEY or --api-key-file instead")
+            "/proc/PID/cmdline); pass it in $WEIGHTWIRE_API_KEY or --api-key-file instead"
+        )
     env_key = environ.get("WEIGHTWIRE_API_KEY")
     return (None if env_key is None else _usable_key(env_key, "WEIGHTWIRE_API_KEY")), None
 
 
 def _usable_key(key: str, source: str) -> str:
     if not key.strip():
-        raise ValueError(f"{source} is {'empty' if not key else 'blank'}: that would start a "
-                         "server with no working key; give a real key, or "
-                         f"{'unset it' if source.isupper() else 'leave the option out'} to run "
-                         "without authentication")
+        raise ValueError(
+            f"{source} is {'empty' if not key else 'blank'}: that would start a "
+            "server with no working key; give a real key, or "
+            f"{'unset it' if source.isupper() else 'leave the option out'} to run "
+            "without authentication"
+        )
     if key != key.strip():
-        raise ValueError(f"{source} has whitespace at its start or end, which no client can send in an "
-                         "Authorization header: remove it")
+        raise ValueError(
+            f"{source} has whitespace at its start or end, which no client can send in an "
+            "Authorization header: remove it"
+        )
     return key
 
 
@@ -213,8 +294,12 @@ def serve_main(argv: list[str] | None = None) -> int:
     except MissingExtra as exc:
         return fail(PROG, str(exc))
     if args.device == "cuda" and not _cuda_visible():
-        return fail(PROG, "--device cuda: torch sees no CUDA GPU on this host (torch.cuda.is_available() is "
-                          "False); use --device cpu, or check CUDA_VISIBLE_DEVICES and the driver", EXIT_USAGE)
+        return fail(
+            PROG,
+            "--device cuda: torch sees no CUDA GPU on this host (torch.cuda.is_available() is "
+            "False); use --device cpu, or check CUDA_VISIBLE_DEVICES and the driver",
+            EXIT_USAGE,
+        )
     # Launched by the demo (or another launcher that asked): go when the launcher goes, even if
     # SIGKILLed.
     die_with_parent()
@@ -228,9 +313,12 @@ def serve_main(argv: list[str] | None = None) -> int:
         return interrupted(PROG, what=" while starting")
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            return fail(PROG, f"cannot listen on {args.host}:{args.port}: the address is already "
-                              "in use (is another server running there? choose another --port, "
-                              "or --port 0 for a free one)")
+            return fail(
+                PROG,
+                f"cannot listen on {args.host}:{args.port}: the address is already "
+                "in use (is another server running there? choose another --port, "
+                "or --port 0 for a free one)",
+            )
         return fail(PROG, str(exc))
     except (ValueError, RuntimeError) as exc:
         return fail(PROG, str(exc))
@@ -314,17 +402,27 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
     if args.model in TINY_NAMES:
         from weightwire.tools.server.tiny import cache_root
 
-        say(f"{args.model}: a tiny random model, built on first use and cached under "
-            f"{cache_root()} ($WEIGHTWIRE_CACHE)")
+        say(
+            f"{args.model}: a tiny random model, built on first use and cached under "
+            f"{cache_root()} ($WEIGHTWIRE_CACHE)"
+        )
     model_dir = resolve_model(args.model)
     # Bind before the (slow) worker start: a taken port fails in milliseconds, not after loading.
     sock = _bind(args.host, args.port)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
-    say(f"loading {os.path.abspath(model_dir)} into {args.replicas} worker process(es) on "
-        f"{args.device} (backend {args.backend}, {threads} torch thread(s) each)")
-    spec = WorkerSpec(model_dir=model_dir, backend=args.backend, device=args.device,
-                      replicas=args.replicas, threads=threads, max_reply_bytes=args.max_reply_bytes,
-                      check_finite=args.check_finite)
+    say(
+        f"loading {os.path.abspath(model_dir)} into {args.replicas} worker process(es) on "
+        f"{args.device} (backend {args.backend}, {threads} torch thread(s) each)"
+    )
+    spec = WorkerSpec(
+        model_dir=model_dir,
+        backend=args.backend,
+        device=args.device,
+        replicas=args.replicas,
+        threads=threads,
+        max_reply_bytes=args.max_reply_bytes,
+        check_finite=args.check_finite,
+    )
     try:
         pool = await ReplicaPool.start(spec, startup_timeout=args.startup_timeout)
     except ReplicaError as exc:
@@ -333,17 +431,28 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
     try:
         options = ServerOptions(
             backend=args.backend,
-            model_name=args.model if args.model in TINY_NAMES else os.path.basename(os.path.normpath(model_dir)),
+            model_name=args.model
+            if args.model in TINY_NAMES
+            else os.path.basename(os.path.normpath(model_dir)),
             api_key=args.api_key,
-            max_body_bytes=args.max_body_bytes, op_timeout_s=args.op_timeout,
-            round_timeout_s=args.round_timeout, generate_timeout_s=args.generate_timeout,
+            max_body_bytes=args.max_body_bytes,
+            op_timeout_s=args.op_timeout,
+            round_timeout_s=args.round_timeout,
+            generate_timeout_s=args.generate_timeout,
             max_reply_bytes=args.max_reply_bytes,
             lease_s=args.round_lease,
-            model_dir=os.path.abspath(model_dir), model_aliases=(args.model, model_dir, os.path.abspath(model_dir)),
+            model_dir=os.path.abspath(model_dir),
+            model_aliases=(args.model, model_dir, os.path.abspath(model_dir)),
         )
         app = create_app(ServerState(pool=pool, options=options))
-        config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, server_header=False)
+        config = uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            server_header=False,
+        )
         stopped_by: list[int] = []
         server = _graceful_server(uvicorn, config, stopped_by)
         serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -361,5 +470,8 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
         await pool.close()
         sock.close()
         if served and stopped_by:
-            print(f"{PROG}: stopped by {signal_name(stopped_by[0])}; the workers were closed", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{PROG}: stopped by {signal_name(stopped_by[0])}; the workers were closed",
+                file=sys.stderr,
+                flush=True,
+            )

@@ -23,7 +23,11 @@ from fastapi.responses import JSONResponse
 
 from weightwire.shared.routes import ROUTES
 from weightwire.tools.server.auth import ApiKeyMiddleware
-from weightwire.tools.server.completions import CompletionRequest, CompletionRequestError, parse_completion_request
+from weightwire.tools.server.completions import (
+    CompletionRequest,
+    CompletionRequestError,
+    parse_completion_request,
+)
 from weightwire.tools.server.control_routes import install_control_routes
 from weightwire.tools.server.openai import check_model, install_openai_routes
 from weightwire.tools.server.replicas import ReplicaError
@@ -45,11 +49,15 @@ __all__ = ["SERVER_VERSION", "ServerOptions", "ServerState", "create_app", "gene
 def create_app(state: ServerState) -> FastAPI:
     """The app serving ``state``: middlewares (API key outermost, before any body is read;
     then the body limit), error handlers, then every route group."""
-    app = FastAPI(title="weightwire reference server", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="weightwire reference server", docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.weightwire = state
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.options.max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, api_key=state.options.api_key)  # outermost: before any body is read
+    app.add_middleware(
+        ApiKeyMiddleware, api_key=state.options.api_key
+    )  # outermost: before any body is read
     install_weight_routes(app, state)
     install_control_routes(app, state)
     _completion_routes(app, state)
@@ -69,9 +77,13 @@ def _completion_routes(app: FastAPI, state: ServerState) -> None:
         info = pool.replicas[0].info
         try:
             # Off the loop: a body near the size limit holds millions of token ids to check.
-            req = await asyncio.to_thread(parse_completion_request, body, vocab_size=info["vocab_size"],
-                                          max_model_len=info["max_model_len"],
-                                          max_prompt_chars=info.get("max_prompt_chars"))
+            req = await asyncio.to_thread(
+                parse_completion_request,
+                body,
+                vocab_size=info["vocab_size"],
+                max_model_len=info["max_model_len"],
+                max_prompt_chars=info.get("max_prompt_chars"),
+            )
         except CompletionRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         check_model(opts, req)
@@ -81,7 +93,9 @@ def _completion_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def generate_on_a_replica(
-    state: ServerState, req: CompletionRequest, request: Request | None = None,
+    state: ServerState,
+    req: CompletionRequest,
+    request: Request | None = None,
 ) -> tuple[dict[str, Any], int]:
     """Run one parsed completion request on a replica: reply-size bound, pause gate, replica
     choice, accounting. Returns the worker's ``text_completion`` result and the replica's
@@ -90,8 +104,13 @@ async def generate_on_a_replica(
     opts, pool, gate = state.options, state.pool, state.gate
     info = pool.replicas[0].info
     try:
-        check_reply_size(req, limit=opts.max_reply_bytes, piece_bytes=info.get("max_piece_bytes", 64),
-                         vocab_size=info["vocab_size"], max_model_len=info["max_model_len"])
+        check_reply_size(
+            req,
+            limit=opts.max_reply_bytes,
+            piece_bytes=info.get("max_piece_bytes", 64),
+            vocab_size=info["vocab_size"],
+            max_model_len=info["max_model_len"],
+        )
     except CompletionRequestError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
     await gate.admit(opts.generate_timeout_s)
@@ -102,7 +121,9 @@ async def generate_on_a_replica(
     replica.inflight_generations += 1
     gate.enter()
     try:
-        call = replica.call("generate", {"request": req.to_worker()}, timeout=opts.generate_timeout_s)
+        call = replica.call(
+            "generate", {"request": req.to_worker()}, timeout=opts.generate_timeout_s
+        )
         result = await (call if request is None else _unless_disconnected(call, request))
     except ReplicaError as exc:
         raise ApiError(exc.status, str(exc)) from None
@@ -126,7 +147,9 @@ async def _unless_disconnected(call: Coroutine[Any, Any, Any], request: Request)
                 await work
     if work.cancelled():
         log.info("%s: the client disconnected; its generation was cancelled", request.url.path)
-        raise ClientGone("the client disconnected before its completion was ready; the generation was cancelled")
+        raise ClientGone(
+            "the client disconnected before its completion was ready; the generation was cancelled"
+        )
     return work.result()
 
 

@@ -45,7 +45,9 @@ class ApiKeyMiddleware:
 
         reason = "missing" if header is None else "invalid"
         response = error_response(
-            401, f"{reason} API key: this server requires 'Authorization: Bearer <key>' (--api-key)",
-            kind="authentication_error", headers={"WWW-Authenticate": "Bearer"},
+            401,
+            f"{reason} API key: this server requires 'Authorization: Bearer <key>' (--api-key)",
+            kind="authentication_error",
+            headers={"WWW-Authenticate": "Bearer"},
         )
         await response(scope, receive, send)

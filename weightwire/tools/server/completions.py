@@ -100,7 +100,9 @@ def _integer(body: dict[str, Any], key: str, default: int | None, lo: int, hi: i
     if v is None:
         return default
     if not _is_int(v) or not lo <= v <= hi:
-        raise CompletionRequestError(key, f"{key} must be an integer in [{lo}, {hi}], got {v!r:.40}")
+        raise CompletionRequestError(
+            key, f"{key} must be an integer in [{lo}, {hi}], got {v!r:.40}"
+        )
     return int(v)
 
 
@@ -118,11 +120,15 @@ def _token_ids(v: list[Any], where: str, vocab_size: int) -> list[int]:
         raise CompletionRequestError("prompt", f"{where} is an empty list of token ids")
     for i, t in enumerate(v):
         if not _is_int(t) or not 0 <= t < vocab_size:
-            raise CompletionRequestError("prompt", f"{where}[{i}] must be a token id in [0, {vocab_size}), got {t!r:.40}")
+            raise CompletionRequestError(
+                "prompt", f"{where}[{i}] must be a token id in [0, {vocab_size}), got {t!r:.40}"
+            )
     return list(v)
 
 
-def _prompts(body: dict[str, Any], vocab_size: int, max_chars: int | None = None) -> list[str | list[int]]:
+def _prompts(
+    body: dict[str, Any], vocab_size: int, max_chars: int | None = None
+) -> list[str | list[int]]:
     if "prompt" not in body:
         raise CompletionRequestError("prompt", "prompt is required")
     p = body["prompt"]
@@ -132,7 +138,9 @@ def _prompts(body: dict[str, Any], vocab_size: int, max_chars: int | None = None
         out = [_token_ids(p, "prompt", vocab_size)]
     elif isinstance(p, list) and p:
         if len(p) > MAX_PROMPTS:
-            raise CompletionRequestError("prompt", f"prompt holds {len(p)} prompts, over the limit {MAX_PROMPTS}")
+            raise CompletionRequestError(
+                "prompt", f"prompt holds {len(p)} prompts, over the limit {MAX_PROMPTS}"
+            )
         out = []
         for i, item in enumerate(p):
             if isinstance(item, str):
@@ -141,8 +149,9 @@ def _prompts(body: dict[str, Any], vocab_size: int, max_chars: int | None = None
                 out.append(_token_ids(item, f"prompt[{i}]", vocab_size))
             else:
                 raise CompletionRequestError(
-                    "prompt", f"prompt[{i}] must be a string or a list of token ids, got "
-                              f"{type(item).__name__}"
+                    "prompt",
+                    f"prompt[{i}] must be a string or a list of token ids, got "
+                    f"{type(item).__name__}",
                 )
     else:
         raise CompletionRequestError(
@@ -153,34 +162,57 @@ def _prompts(body: dict[str, Any], vocab_size: int, max_chars: int | None = None
         if isinstance(item, str) and not item:
             raise CompletionRequestError("prompt", f"{where} is an empty string")
         if isinstance(item, str) and max_chars is not None and len(item) > max_chars:
-            raise CompletionRequestError("prompt", (
-                f"{where} has {len(item)} characters: more tokens than the model's "
-                f"positions, whatever the tokenizer makes of it (at most {max_chars} "
-                "characters can fit)"))
+            raise CompletionRequestError(
+                "prompt",
+                (
+                    f"{where} has {len(item)} characters: more tokens than the model's "
+                    f"positions, whatever the tokenizer makes of it (at most {max_chars} "
+                    "characters can fit)"
+                ),
+            )
     return out
 
 
 _KNOWN = {
-    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "logprobs", "seed", "n",
-    "ignore_eos", "return_token_ids", "return_tokens_as_token_ids", *_NEUTRAL, *_IGNORED,
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "logprobs",
+    "seed",
+    "n",
+    "ignore_eos",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    *_NEUTRAL,
+    *_IGNORED,
 }
 
 
-def parse_completion_request(body: object, *, vocab_size: int, max_model_len: int,
-                             max_prompt_chars: int | None = None) -> CompletionRequest:
+def parse_completion_request(
+    body: object, *, vocab_size: int, max_model_len: int, max_prompt_chars: int | None = None
+) -> CompletionRequest:
     """Validate a ``/v1/completions`` body; raise ``CompletionRequestError`` naming the field.
 
     ``max_prompt_chars`` (from the worker: no token spans more) refuses a text prompt
     that cannot fit ``max_model_len`` before it is tokenized."""
     if not isinstance(body, dict):
-        raise CompletionRequestError("body", f"body must be a JSON object, got {type(body).__name__}")
+        raise CompletionRequestError(
+            "body", f"body must be a JSON object, got {type(body).__name__}"
+        )
     unknown = sorted(k for k in body if k not in _KNOWN)
     if unknown:
-        raise CompletionRequestError(unknown[0], f"unsupported fields {unknown}; supported: {sorted(_KNOWN)}")
+        raise CompletionRequestError(
+            unknown[0], f"unsupported fields {unknown}; supported: {sorted(_KNOWN)}"
+        )
     for key, neutral in _NEUTRAL.items():
         # type() too: 0 == False, and stream=0 is a caller bug worth naming.
         if key in body and not any(body[key] == v and type(body[key]) is type(v) for v in neutral):
-            raise CompletionRequestError(key, f"{key}={body[key]!r:.40} is not supported by the reference server")
+            raise CompletionRequestError(
+                key, f"{key}={body[key]!r:.40} is not supported by the reference server"
+            )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise CompletionRequestError("model", f"model must be a string, got {type(model).__name__}")
@@ -189,9 +221,13 @@ def parse_completion_request(body: object, *, vocab_size: int, max_model_len: in
     max_tokens = _integer(body, "max_tokens", 16, 1, max_model_len) or 16
     for i, item in enumerate(prompts):
         if isinstance(item, list) and len(item) + max_tokens > max_model_len:
-            raise CompletionRequestError("prompt", (
-                f"prompt{'' if len(prompts) == 1 else f'[{i}]'} has {len(item)} tokens; with "
-                f"max_tokens={max_tokens} that exceeds the model's {max_model_len} positions"))
+            raise CompletionRequestError(
+                "prompt",
+                (
+                    f"prompt{'' if len(prompts) == 1 else f'[{i}]'} has {len(item)} tokens; with "
+                    f"max_tokens={max_tokens} that exceeds the model's {max_model_len} positions"
+                ),
+            )
     return CompletionRequest(
         prompts=prompts,
         max_tokens=max_tokens,

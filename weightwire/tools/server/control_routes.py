@@ -48,8 +48,11 @@ def _pause_routes(app: FastAPI, state: ServerState) -> None:
         # vLLM's route: abort in-flight requests without pausing; no ids = all of them.
         body = await read_object(request, allowed=("request_ids",))
         if body.get("request_ids"):
-            raise ApiError(400, "this server aborts all in-flight requests at once; omit request_ids",
-                           param="request_ids")
+            raise ApiError(
+                400,
+                "this server aborts all in-flight requests at once; omit request_ids",
+                param="request_ids",
+            )
         aborted = sum(r.inflight_generations for r in pool.replicas)
         with contextlib.suppress(FanOutError):  # a dead replica has nothing in flight to cancel
             await pool.fan_out("cancel", timeout=_CANCEL_TIMEOUT_S)
@@ -60,8 +63,11 @@ def _pause_routes(app: FastAPI, state: ServerState) -> None:
         await read_no_body(request)
         if state.sleep.level is not None:
             # Resuming would run requests against offloaded or discarded weights.
-            raise ApiError(503, f"the server is asleep (/sleep level {state.sleep.level}): POST /wake_up to wake "
-                                "it (that resumes generation); /resume lifts only a /pause")
+            raise ApiError(
+                503,
+                f"the server is asleep (/sleep level {state.sleep.level}): POST /wake_up to wake "
+                "it (that resumes generation); /resume lifts only a /pause",
+            )
         gate.resume()
         return {"status": "resumed"}
 
@@ -94,11 +100,16 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get(ROUTES["server_info"].path)
     async def server_info() -> dict[str, Any]:
         # The part of vLLM's dev-mode /server_info a trainer reads: the configured backend.
-        return {"server": "weightwire-reference", "vllm_config": {"weight_transfer_config": {"backend": opts.backend}}}
+        return {
+            "server": "weightwire-reference",
+            "vllm_config": {"weight_transfer_config": {"backend": opts.backend}},
+        }
 
     @app.get(ROUTES["get_world_size"].path)
     async def get_world_size(request: Request) -> dict[str, Any]:
-        _bool_query(request, "include_dp", default=True)  # accepted; no TP here, so both answers agree
+        _bool_query(
+            request, "include_dp", default=True
+        )  # accepted; no TP here, so both answers agree
         return {"world_size": state.replicas}
 
     @app.get(ROUTES["version"].path)
@@ -110,7 +121,9 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
         replicas = pool.health()
         dead = [r for r in replicas if not r["alive"]]
         if dead:
-            return error_response(503, "; ".join(f"replica {r['replica']}: {r['error']}" for r in dead))
+            return error_response(
+                503, "; ".join(f"replica {r['replica']}: {r['error']}" for r in dead)
+            )
         return JSONResponse({"replicas": replicas})
 
 
@@ -125,4 +138,6 @@ def _bool_query(request: Request, name: str, *, default: bool) -> bool:
         return True
     if raw.lower() in _FALSE:
         return False
-    raise ApiError(422, f"query parameter {name} must be true or false, got {raw!r:.40}", param=name)
+    raise ApiError(
+        422, f"query parameter {name} must be true or false, got {raw!r:.40}", param=name
+    )

@@ -46,7 +46,15 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 class Generator:
     """Serves completion requests (parsed by ``completions.parse_completion_request``)."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, device: torch.device, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        device: torch.device,
+        model_name: str,
+        max_model_len: int,
+    ) -> None:
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.model_name, self.max_model_len = model_name, max_model_len
         self.eos_token_id = tokenizer.eos_token_id
@@ -67,9 +75,13 @@ class Generator:
         if not messages:
             return []
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template (no 'chat_template' in its tokenizer "
-                             "config), so /v1/chat/completions cannot render messages; use /v1/completions")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            raise ValueError(
+                "this model's tokenizer has no chat template (no 'chat_template' in its tokenizer "
+                "config), so /v1/chat/completions cannot render messages; use /v1/completions"
+            )
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if not ids:
             raise ValueError("the chat template rendered the messages to zero tokens")
@@ -80,7 +92,11 @@ class Generator:
 
     @torch.no_grad()
     def _decode_rows(
-        self, ids: list[int], req: dict[str, Any], gen: torch.Generator, cancelled: Callable[[], bool]
+        self,
+        ids: list[int],
+        req: dict[str, Any],
+        gen: torch.Generator,
+        cancelled: Callable[[], bool],
     ) -> list[tuple[dict[str, Any], int]]:
         n, max_tokens, temperature = req["n"], req["max_tokens"], req["temperature"]
         want_top = req["logprobs"] or 0
@@ -100,11 +116,14 @@ class Generator:
                     f"the model's logits are not finite (NaN or infinity at decode step {step}), "
                     "so no token or logprob can be computed: the served weights hold non-finite "
                     "values (a round that pushed NaN/inf? `weightwire serve --check-finite` "
-                    "refuses such rounds)")
+                    "refuses such rounds)"
+                )
             if temperature == 0.0:
                 nxt = torch.argmax(logits, dim=-1)
             else:
-                probs = torch.softmax(_filter_logits(logits / temperature, req["top_k"], req["top_p"]), dim=-1)
+                probs = torch.softmax(
+                    _filter_logits(logits / temperature, req["top_k"], req["top_p"]), dim=-1
+                )
                 nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
             chosen = logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1).tolist()
             nxt_list = nxt.tolist()
@@ -138,15 +157,26 @@ class Generator:
             out = self.model(input_ids=nxt.view(n, 1), past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1, :].float()
         return [
-            (self._choice(tokens[i], lps[i], tops[i] if want_top else None, finish[i], req), len(tokens[i]))
+            (
+                self._choice(tokens[i], lps[i], tops[i] if want_top else None, finish[i], req),
+                len(tokens[i]),
+            )
             for i in range(n)
         ]
 
     def _aborted_rows(self, req: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
-        return [(self._choice([], [], [] if req["logprobs"] else None, "abort", req), 0) for _ in range(req["n"])]
+        return [
+            (self._choice([], [], [] if req["logprobs"] else None, "abort", req), 0)
+            for _ in range(req["n"])
+        ]
 
     def _choice(
-        self, tokens: list[int], lps: list[float], tops: list[dict[str, float]] | None, finish: str, req: dict[str, Any]
+        self,
+        tokens: list[int],
+        lps: list[float],
+        tops: list[dict[str, float]] | None,
+        finish: str,
+        req: dict[str, Any],
     ) -> dict[str, Any]:
         visible = tokens[:-1] if finish == "stop" else tokens  # the EOS token is not text
         choice: dict[str, Any] = {
@@ -160,7 +190,12 @@ class Generator:
             for piece in pieces:
                 offsets.append(pos)
                 pos += len(piece)
-            choice["logprobs"] = {"tokens": pieces, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+            choice["logprobs"] = {
+                "tokens": pieces,
+                "token_logprobs": lps,
+                "top_logprobs": tops,
+                "text_offset": offsets,
+            }
         if req["return_token_ids"]:
             choice["token_ids"] = tokens
         return choice
@@ -172,7 +207,9 @@ class Generator:
             gen.seed()
         else:
             gen.manual_seed(req["seed"] % (1 << 64))
-        encoded = [self._encode(p, i) for i, p in enumerate(self._chat_prompts(req) or req["prompts"])]
+        encoded = [
+            self._encode(p, i) for i, p in enumerate(self._chat_prompts(req) or req["prompts"])
+        ]
         for i, ids in enumerate(encoded):
             if len(ids) + req["max_tokens"] > self.max_model_len:
                 raise ValueError(
@@ -183,7 +220,11 @@ class Generator:
         completion_tokens = 0
         for p_index, ids in enumerate(encoded):
             # A cancelled request computes no further prompt (each starts with a prefill).
-            rows = self._aborted_rows(req) if cancelled() else self._decode_rows(ids, req, gen, cancelled)
+            rows = (
+                self._aborted_rows(req)
+                if cancelled()
+                else self._decode_rows(ids, req, gen, cancelled)
+            )
             for j, (choice, count) in enumerate(rows):
                 choice["index"] = p_index * req["n"] + j
                 if req["return_token_ids"]:

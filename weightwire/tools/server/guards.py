@@ -47,9 +47,16 @@ class LiveCalls:
 def refuse_non_finite(pairs: Iterable[tuple[str, Any]]) -> None:
     """Raise ``NonFiniteRound`` naming (up to five of) the round's not yet applied tensors
     (``(name, torch.Tensor)``) that hold NaN or infinity."""
-    bad = [name for name, t in pairs
-           if (t.is_floating_point() or t.is_complex()) and not bool(t.isfinite().all())]
+    bad = [
+        name
+        for name, t in pairs
+        if (t.is_floating_point() or t.is_complex()) and not bool(t.isfinite().all())
+    ]
     if bad:
-        shown = ", ".join(repr(n) for n in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise NonFiniteRound(f"the round's tensor(s) {shown} hold NaN or infinite values (--check-finite); "
-                             "nothing was committed and the previous weights are served")
+        shown = ", ".join(repr(n) for n in bad[:5]) + (
+            f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        )
+        raise NonFiniteRound(
+            f"the round's tensor(s) {shown} hold NaN or infinite values (--check-finite); "
+            "nothing was committed and the previous weights are served"
+        )

@@ -46,7 +46,9 @@ def _config_problem(file: Path) -> str | None:
         return f"is not valid JSON ({exc})"
     if not isinstance(config, dict):
         return f"is a JSON {type(config).__name__}, not an object"
-    if not isinstance(config.get("model_type"), str) and not isinstance(config.get("architectures"), list):
+    if not isinstance(config.get("model_type"), str) and not isinstance(
+        config.get("architectures"), list
+    ):
         return "names no architecture (neither 'model_type' nor 'architectures')"
     return None
 
@@ -62,15 +64,20 @@ def shape_mismatch(model_dir: str) -> str | None:
     expected = {name: list(t.shape) for name, t in model.state_dict().items()}
     stored: dict[str, Any] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
-        stored |= {name: entry.get("shape") for name, entry in _header(file).items()
-                   if name != "__metadata__" and isinstance(entry, dict)}
+        stored |= {
+            name: entry.get("shape")
+            for name, entry in _header(file).items()
+            if name != "__metadata__" and isinstance(entry, dict)
+        }
     differ = [name for name in stored if name in expected and stored[name] != expected[name]]
     if not differ:
         return None
     first = differ[0]
-    return (f"config.json does not describe these weights: {first} is {stored[first]} in the "
-            f"safetensors but {expected[first]} by config.json ({len(differ)} tensor(s) differ; is "
-            "config.json from another model?)")
+    return (
+        f"config.json does not describe these weights: {first} is {stored[first]} in the "
+        f"safetensors but {expected[first]} by config.json ({len(differ)} tensor(s) differ; is "
+        "config.json from another model?)"
+    )
 
 
 def _header(file: Path) -> dict[str, Any]:
@@ -88,8 +95,10 @@ def _safetensors_problem(file: Path) -> str | None:
             return f"{size} bytes, shorter than the 8-byte header length"
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES:
-            return (f"its header claims {n} bytes, over the {MAX_HEADER_BYTES >> 20} MiB a header "
-                       "may have")
+            return (
+                f"its header claims {n} bytes, over the {MAX_HEADER_BYTES >> 20} MiB a header "
+                "may have"
+            )
         if 8 + n > size:
             return f"its header claims {n} bytes but the file has {size} (truncated?)"
         raw = f.read(n)
@@ -104,7 +113,13 @@ def _safetensors_problem(file: Path) -> str | None:
         if name == "__metadata__":
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data):
-            return f"tensor {str(name)[:80]!r} lies outside the file's {data} data bytes (truncated?)"
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data
+        ):
+            return (
+                f"tensor {str(name)[:80]!r} lies outside the file's {data} data bytes (truncated?)"
+            )
     return None

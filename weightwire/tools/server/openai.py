@@ -40,52 +40,102 @@ CHAT_PATH = "/v1/chat/completions"
 MAX_MESSAGES = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
-_CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt"}
+_CHAT_ONLY = {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "add_generation_prompt",
+}
 _COMPLETION_FIELDS = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "return_token_ids",
-    "return_tokens_as_token_ids", "stream", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
-    "stream_options", "user",
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "n",
+    "ignore_eos",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    "stream",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stream_options",
+    "user",
 }
 
 
-def check_model_name(requested: str | None, served: str, aliases: tuple[str, ...] = ()) -> str | None:
+def check_model_name(
+    requested: str | None, served: str, aliases: tuple[str, ...] = ()
+) -> str | None:
     """``None`` when ``requested`` may be served here, else the 404 message (vLLM's wording)."""
     if requested is None or requested == served or requested in aliases:
         return None
-    return (f"The model `{requested:.200}` does not exist: this server serves `{served}` (GET "
-               f"{MODELS_PATH})")
+    return (
+        f"The model `{requested:.200}` does not exist: this server serves `{served}` (GET "
+        f"{MODELS_PATH})"
+    )
 
 
 def models_reply(served: str, root: str | None, max_model_len: int, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{
-        "id": served, "object": "model", "created": created, "owned_by": "weightwire", "root": root or served,
-        "parent": None, "max_model_len": max_model_len,
-    }]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": served,
+                "object": "model",
+                "created": created,
+                "owned_by": "weightwire",
+                "root": root or served,
+                "parent": None,
+                "max_model_len": max_model_len,
+            }
+        ],
+    }
 
 
 def _messages(raw: object) -> list[dict[str, str]]:
     if not isinstance(raw, list) or not raw:
-        raise CompletionRequestError("messages", "messages must be a non-empty list of {role, content} objects")
+        raise CompletionRequestError(
+            "messages", "messages must be a non-empty list of {role, content} objects"
+        )
     if len(raw) > MAX_MESSAGES:
-        raise CompletionRequestError("messages", f"messages holds {len(raw)} entries, over the limit {MAX_MESSAGES}")
+        raise CompletionRequestError(
+            "messages", f"messages holds {len(raw)} entries, over the limit {MAX_MESSAGES}"
+        )
     out = []
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise CompletionRequestError(where, f"{where} must be an object, got {type(m).__name__}")
+            raise CompletionRequestError(
+                where, f"{where} must be an object, got {type(m).__name__}"
+            )
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise CompletionRequestError(f"{where}.role", f"{where}.role must be one of {list(ROLES)}, got {role!r:.40}")
+            raise CompletionRequestError(
+                f"{where}.role", f"{where}.role must be one of {list(ROLES)}, got {role!r:.40}"
+            )
         if isinstance(content, list):  # OpenAI content parts: only text can reach a text-only model
             parts = []
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise CompletionRequestError(f"{where}.content[{j}]",
-                                                 f"{where}.content[{j}] must be a {{type: text, text: ...}} part")
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise CompletionRequestError(
+                        f"{where}.content[{j}]",
+                        f"{where}.content[{j}] must be a {{type: text, text: ...}} part",
+                    )
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
-            raise CompletionRequestError(f"{where}.content", f"{where}.content must be a string or a list of text parts")
+            raise CompletionRequestError(
+                f"{where}.content", f"{where}.content must be a string or a list of text parts"
+            )
         unknown = sorted(set(m) - {"role", "content", "name"})
         if unknown:
             raise CompletionRequestError(where, f"{where} has unsupported fields {unknown}")
@@ -96,47 +146,71 @@ def _messages(raw: object) -> list[dict[str, str]]:
     return out
 
 
-def parse_chat_request(body: object, *, vocab_size: int, max_model_len: int,
-                       max_prompt_chars: int | None = None) -> CompletionRequest:
+def parse_chat_request(
+    body: object, *, vocab_size: int, max_model_len: int, max_prompt_chars: int | None = None
+) -> CompletionRequest:
     """Validate a chat body; the result carries ``messages`` and no prompt (the worker renders it).
 
     ``max_prompt_chars`` (as for ``/v1/completions``) refuses messages whose text alone
     cannot fit ``max_model_len``, before anything is tokenized or rendered."""
     if not isinstance(body, dict):
-        raise CompletionRequestError("body", f"body must be a JSON object, got {type(body).__name__}")
+        raise CompletionRequestError(
+            "body", f"body must be a JSON object, got {type(body).__name__}"
+        )
     unknown = sorted(k for k in body if k not in _CHAT_ONLY | _COMPLETION_FIELDS)
     if unknown:
-        raise CompletionRequestError(unknown[0], f"unsupported fields {unknown}; supported: "
-                                                 f"{sorted(_CHAT_ONLY | _COMPLETION_FIELDS)}")
+        raise CompletionRequestError(
+            unknown[0],
+            f"unsupported fields {unknown}; supported: {sorted(_CHAT_ONLY | _COMPLETION_FIELDS)}",
+        )
     prompt_flag = body.get("add_generation_prompt", True)
     if not isinstance(prompt_flag, bool):
-        raise CompletionRequestError("add_generation_prompt", "add_generation_prompt must be true or false, got "
-                                                              f"{type(prompt_flag).__name__} {prompt_flag!r:.40}")
+        raise CompletionRequestError(
+            "add_generation_prompt",
+            "add_generation_prompt must be true or false, got "
+            f"{type(prompt_flag).__name__} {prompt_flag!r:.40}",
+        )
     if not prompt_flag:
-        raise CompletionRequestError("add_generation_prompt", "add_generation_prompt=false is not supported")
+        raise CompletionRequestError(
+            "add_generation_prompt", "add_generation_prompt=false is not supported"
+        )
     messages = _messages(body.get("messages"))
     chars = sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
     if max_prompt_chars is not None and chars > max_prompt_chars:
-        raise CompletionRequestError("messages", (
-            f"messages hold {chars} characters: more tokens than the model's positions, "
-            f"whatever the tokenizer makes of them (at most {max_prompt_chars} characters "
-            "can fit)"))
+        raise CompletionRequestError(
+            "messages",
+            (
+                f"messages hold {chars} characters: more tokens than the model's positions, "
+                f"whatever the tokenizer makes of them (at most {max_prompt_chars} characters "
+                "can fit)"
+            ),
+        )
     want = body.get("logprobs", False)
     if want is not None and not isinstance(want, bool):
-        raise CompletionRequestError("logprobs", f"logprobs must be true or false in a chat request, got {want!r:.40}")
+        raise CompletionRequestError(
+            "logprobs", f"logprobs must be true or false in a chat request, got {want!r:.40}"
+        )
     top = body.get("top_logprobs")
-    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS):
-        raise CompletionRequestError("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]")
+    if top is not None and (
+        not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS
+    ):
+        raise CompletionRequestError(
+            "top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]"
+        )
     if top and not want:
         raise CompletionRequestError("top_logprobs", "top_logprobs needs logprobs: true")
     if "max_tokens" in body and "max_completion_tokens" in body:
-        raise CompletionRequestError("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
+        raise CompletionRequestError(
+            "max_completion_tokens", "set max_completion_tokens or max_tokens, not both"
+        )
     completion = {k: v for k, v in body.items() if k in _COMPLETION_FIELDS}
     if body.get("max_completion_tokens") is not None:
         completion["max_tokens"] = body["max_completion_tokens"]
     completion["logprobs"] = (top or 0) if want else None
     # A one-token placeholder runs the shared field checks; the worker renders the real prompt.
-    req = parse_completion_request({**completion, "prompt": [0]}, vocab_size=vocab_size, max_model_len=max_model_len)
+    req = parse_completion_request(
+        {**completion, "prompt": [0]}, vocab_size=vocab_size, max_model_len=max_model_len
+    )
     return replace(req, prompts=[], messages=messages)
 
 
@@ -147,9 +221,17 @@ def _chat_logprobs(choice: dict[str, Any], top: bool) -> dict[str, Any] | None:
     content = []
     for j, (token, logprob) in enumerate(zip(lp["tokens"], lp["token_logprobs"], strict=True)):
         alternatives = lp["top_logprobs"][j] if top and lp.get("top_logprobs") else {}
-        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
-                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
-                                         for t, v in alternatives.items()]})
+        content.append(
+            {
+                "token": token,
+                "logprob": logprob,
+                "bytes": list(token.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+                    for t, v in alternatives.items()
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -158,15 +240,23 @@ def chat_reply(result: dict[str, Any], req: CompletionRequest, model: str) -> di
     choices = []
     for c in result["choices"]:
         choice: dict[str, Any] = {
-            "index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-            "finish_reason": c["finish_reason"], "logprobs": _chat_logprobs(c, bool(req.logprobs)),
+            "index": c["index"],
+            "message": {"role": "assistant", "content": c["text"]},
+            "finish_reason": c["finish_reason"],
+            "logprobs": _chat_logprobs(c, bool(req.logprobs)),
         }
         for key in ("token_ids", "prompt_token_ids"):
             if key in c:
                 choice[key] = c[key]
         choices.append(choice)
-    return {"id": "chat" + str(result["id"]), "object": "chat.completion", "created": result.get("created", int(time.time())),
-            "model": model, "choices": choices, "usage": result["usage"]}
+    return {
+        "id": "chat" + str(result["id"]),
+        "object": "chat.completion",
+        "created": result.get("created", int(time.time())),
+        "model": model,
+        "choices": choices,
+        "usage": result["usage"],
+    }
 
 
 def check_model(opts: Any, req: CompletionRequest) -> None:
@@ -187,7 +277,9 @@ def install_openai_routes(app: FastAPI, state: Any, generate: Generate) -> None:
 
     @app.get(MODELS_PATH)
     async def models() -> dict[str, Any]:
-        return models_reply(opts.model_name, opts.model_dir, pool.replicas[0].info["max_model_len"], created)
+        return models_reply(
+            opts.model_name, opts.model_dir, pool.replicas[0].info["max_model_len"], created
+        )
 
     @app.post(CHAT_PATH)
     async def chat_completions(request: Request) -> JSONResponse:
@@ -195,15 +287,21 @@ def install_openai_routes(app: FastAPI, state: Any, generate: Generate) -> None:
         info = pool.replicas[0].info
         try:
             # Off the loop: a body near the size limit can hold millions of content parts.
-            req = await asyncio.to_thread(parse_chat_request, body, vocab_size=info["vocab_size"],
-                                          max_model_len=info["max_model_len"],
-                                          max_prompt_chars=info.get("max_prompt_chars"))
+            req = await asyncio.to_thread(
+                parse_chat_request,
+                body,
+                vocab_size=info["vocab_size"],
+                max_model_len=info["max_model_len"],
+                max_prompt_chars=info.get("max_prompt_chars"),
+            )
         except CompletionRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         check_model(opts, req)
         result, index = await generate(state, req, request)
-        return JSONResponse(chat_reply(result, req, req.model or opts.model_name),
-                            headers={"x-weightwire-replica": str(index)})
+        return JSONResponse(
+            chat_reply(result, req, req.model or opts.model_name),
+            headers={"x-weightwire-replica": str(index)},
+        )
 
 
 def describe_routes(app: FastAPI, model_name: str) -> str:
@@ -212,5 +310,7 @@ def describe_routes(app: FastAPI, model_name: str) -> str:
     openai = [p for p in paths if p.startswith("/v1/")]
     plain = [p for p in paths if p in ("/health", "/version")]
     weight = [p for p in paths if p not in openai and p not in plain]
-    return (f"serving model {model_name!r}: OpenAI {', '.join(openai)}; weight sync "
-            f"{', '.join(weight)}; {', '.join(plain)}")
+    return (
+        f"serving model {model_name!r}: OpenAI {', '.join(openai)}; weight sync "
+        f"{', '.join(weight)}; {', '.join(plain)}"
+    )

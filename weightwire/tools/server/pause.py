@@ -40,15 +40,23 @@ class PauseGate:
         deadline = loop.time() + timeout
         while self.paused:
             if self.mode not in (None, "keep"):
-                raise ApiError(503, f"generation is paused (mode={self.mode}); POST /resume to "
-                                    "accept requests again")
+                raise ApiError(
+                    503,
+                    f"generation is paused (mode={self.mode}); POST /resume to "
+                    "accept requests again",
+                )
             if self.sleep_mode not in (None, "keep"):
-                raise ApiError(503, f"the server is asleep (/sleep mode={self.sleep_mode}); POST /wake_up to "
-                                    "accept requests again")
+                raise ApiError(
+                    503,
+                    f"the server is asleep (/sleep mode={self.sleep_mode}); POST /wake_up to "
+                    "accept requests again",
+                )
             try:
                 await asyncio.wait_for(self._resumed.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
-                raise ApiError(503, f"generation stayed paused (mode=keep) for {timeout:.0f}s; request dropped") from None
+                raise ApiError(
+                    503, f"generation stayed paused (mode=keep) for {timeout:.0f}s; request dropped"
+                ) from None
 
     def enter(self) -> None:
         self.inflight += 1
@@ -76,7 +84,9 @@ class PauseGate:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
-            raise ApiError(504, f"{self.inflight} request(s) still running after {timeout:.0f}s (mode=wait)") from None
+            raise ApiError(
+                504, f"{self.inflight} request(s) still running after {timeout:.0f}s (mode=wait)"
+            ) from None
 
     def _settle(self) -> None:
         if self.paused:

@@ -48,7 +48,13 @@ _LINE_LIMIT = DEFAULT_MAX_REPLY_BYTES + _LINE_SLACK
 _REPLY_ID = re.compile(rb'^\{"id":(\d+),')
 
 KIND_STATUS = {
-    "invalid": 400, "conflict": 409, "transfer": 502, "timeout": 504, "internal": 500, "dead": 503, "aborted": 503,
+    "invalid": 400,
+    "conflict": 409,
+    "transfer": 502,
+    "timeout": 504,
+    "internal": 500,
+    "dead": 503,
+    "aborted": 503,
     "model": 500,
     "unavailable": 503,
     "incomplete": 503,
@@ -84,7 +90,9 @@ class FanOutError(ReferenceServerError):
     that first failure; their (secondary) errors are left out of the message.
     """
 
-    def __init__(self, op: str, errors: Sequence[ReplicaError], aborted: Sequence[int] = ()) -> None:
+    def __init__(
+        self, op: str, errors: Sequence[ReplicaError], aborted: Sequence[int] = ()
+    ) -> None:
         self.op, self.errors, self.aborted = op, list(errors), list(aborted)
         self.status = self.errors[0].status
         text = "; ".join(str(e) for e in self.errors)
@@ -122,7 +130,9 @@ class Replica:
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._write_lock = asyncio.Lock()
         self._dead_reason: str | None = None
-        self._reader = asyncio.create_task(self._read_loop(), name=f"weightwire-replica-{index}-reader")
+        self._reader = asyncio.create_task(
+            self._read_loop(), name=f"weightwire-replica-{index}-reader"
+        )
 
     @property
     def alive(self) -> bool:
@@ -171,9 +181,17 @@ class Replica:
                 size += len(await stream.read(exc.consumed))
         match = _REPLY_ID.match(head)
         if match is not None:
-            self._resolve(int(match[1]), {"ok": False, "kind": "internal", "error": (
-                f"the worker's reply was {size} bytes, over the pipe's line limit; this "
-                "request failed, the replica serves on")})
+            self._resolve(
+                int(match[1]),
+                {
+                    "ok": False,
+                    "kind": "internal",
+                    "error": (
+                        f"the worker's reply was {size} bytes, over the pipe's line limit; this "
+                        "request failed, the replica serves on"
+                    ),
+                },
+            )
         return None
 
     def _resolve(self, msg_id: int, msg: dict[str, Any]) -> None:
@@ -183,7 +201,9 @@ class Replica:
             if msg.get("ok"):
                 self._ready.set_result(msg.get("result") or {})
             else:
-                self._ready.set_exception(ReplicaError(self.index, "internal", f"failed to start: {msg.get('error')}"))
+                self._ready.set_exception(
+                    ReplicaError(self.index, "internal", f"failed to start: {msg.get('error')}")
+                )
             return
         fut = self._pending.pop(msg_id, None)
         if fut is None or fut.done():
@@ -191,7 +211,9 @@ class Replica:
         if msg.get("ok"):
             fut.set_result(msg.get("result"))
         else:
-            fut.set_exception(ReplicaError(self.index, str(msg.get("kind", "internal")), str(msg.get("error"))))
+            fut.set_exception(
+                ReplicaError(self.index, str(msg.get("kind", "internal")), str(msg.get("error")))
+            )
 
     def _die(self, reason: str) -> None:
         if self._dead_reason is None:
@@ -208,7 +230,9 @@ class Replica:
         try:
             self.info = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except TimeoutError:
-            raise ReplicaError(self.index, "timeout", f"worker did not become ready within {timeout:.0f}s") from None
+            raise ReplicaError(
+                self.index, "timeout", f"worker did not become ready within {timeout:.0f}s"
+            ) from None
         return self.info
 
     async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float) -> Any:
@@ -228,7 +252,9 @@ class Replica:
         # asyncio.timeout, not wait_for: no extra task per wait (wait_for wraps its awaitable in
         # one).
         try:
-            async with self._write_lock:  # the lock wait stays unbounded, as before: only the drain is timed
+            async with (
+                self._write_lock
+            ):  # the lock wait stays unbounded, as before: only the drain is timed
                 self.proc.stdin.write(line.encode())
                 async with asyncio.timeout(timeout):
                     await self.proc.stdin.drain()
@@ -245,7 +271,9 @@ class Replica:
         except TimeoutError:
             self._pending.pop(msg_id, None)
             self._cancel_on_worker(op, msg_id)
-            raise ReplicaError(self.index, "timeout", f"no reply to {op!r} within {timeout:.0f}s") from None
+            raise ReplicaError(
+                self.index, "timeout", f"no reply to {op!r} within {timeout:.0f}s"
+            ) from None
         except asyncio.CancelledError:
             self._pending.pop(msg_id, None)
             self._cancel_on_worker(op, msg_id)
@@ -258,8 +286,12 @@ class Replica:
         this runs where awaiting is not possible (a cancelled call)."""
         if op not in _CANCELLABLE_OPS or self.proc.stdin is None or self._dead_reason is not None:
             return
-        line = _encode_line({"id": next(self._ids), "op": "cancel_call", "args": {"target": msg_id}})
-        with contextlib.suppress(ConnectionError, RuntimeError):  # a closing pipe: the worker is going anyway
+        line = _encode_line(
+            {"id": next(self._ids), "op": "cancel_call", "args": {"target": msg_id}}
+        )
+        with contextlib.suppress(
+            ConnectionError, RuntimeError
+        ):  # a closing pipe: the worker is going anyway
             self.proc.stdin.write(line.encode())
 
     async def close(self, grace: float) -> None:
@@ -305,9 +337,15 @@ class ReplicaPool:
             for i in range(spec.replicas):
                 payload = json.dumps(asdict(WorkerSpec(**{**asdict(spec), "index": i})))
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "weightwire.tools.server.worker_proc", payload,
-                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None,
-                    limit=spec.max_reply_bytes + _LINE_SLACK, env={**os.environ, "WEIGHTWIRE_PARENT_PID": str(os.getpid())},
+                    sys.executable,
+                    "-m",
+                    "weightwire.tools.server.worker_proc",
+                    payload,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=None,
+                    limit=spec.max_reply_bytes + _LINE_SLACK,
+                    env={**os.environ, "WEIGHTWIRE_PARENT_PID": str(os.getpid())},
                 )
                 replicas.append(Replica(i, proc))
             await asyncio.gather(*(r.wait_ready(startup_timeout) for r in replicas))
@@ -320,8 +358,12 @@ class ReplicaPool:
         return len(self.replicas)
 
     async def fan_out(
-        self, op: str, args: Sequence[dict[str, Any]] | dict[str, Any] | None = None, *,
-        timeout: float, abort_on_failure: bool = False,
+        self,
+        op: str,
+        args: Sequence[dict[str, Any]] | dict[str, Any] | None = None,
+        *,
+        timeout: float,
+        abort_on_failure: bool = False,
     ) -> list[Any]:
         """Run ``op`` on every replica concurrently; return their results in order.
 
@@ -339,7 +381,10 @@ class ReplicaPool:
                 if abort_on_failure:
                     await self.abort_all()
                 raise FanOutError(op, [exc]) from None
-        tasks = [asyncio.ensure_future(r.call(op, a, timeout=timeout)) for r, a in zip(self.replicas, per, strict=True)]
+        tasks = [
+            asyncio.ensure_future(r.call(op, a, timeout=timeout))
+            for r, a in zip(self.replicas, per, strict=True)
+        ]
         errors: list[ReplicaError] = []
         secondary: list[int] = []
         for fut in asyncio.as_completed(tasks):
@@ -359,7 +404,8 @@ class ReplicaPool:
     async def abort_all(self, timeout: float = 30.0) -> None:
         """Tear down every replica's transfer engine now (handled out of band by workers)."""
         await asyncio.gather(
-            *(r.call("abort", timeout=timeout) for r in self.replicas if r.alive), return_exceptions=True
+            *(r.call("abort", timeout=timeout) for r in self.replicas if r.alive),
+            return_exceptions=True,
         )
 
     def pick(self) -> Replica:
@@ -370,8 +416,15 @@ class ReplicaPool:
         return min(live, key=lambda r: (r.inflight_generations, r.index))
 
     def health(self) -> list[dict[str, Any]]:
-        return [{"replica": r.index, "alive": r.alive, "generations_in_flight": r.inflight_generations,
-                 "error": r._dead_reason} for r in self.replicas]
+        return [
+            {
+                "replica": r.index,
+                "alive": r.alive,
+                "generations_in_flight": r.inflight_generations,
+                "error": r._dead_reason,
+            }
+            for r in self.replicas
+        ]
 
     async def close(self, grace: float = 5.0) -> None:
         await asyncio.gather(*(r.close(grace) for r in self.replicas), return_exceptions=True)

@@ -55,7 +55,9 @@ def reply_bound(req: Any, *, piece_bytes: int, vocab_size: int, max_model_len: i
     per_choice = CHOICE_OVERHEAD_BYTES + steps * piece_bytes  # text: at most every token's piece
     if req.logprobs is not None:
         entry = piece + FLOAT_JSON_BYTES + 1  # "piece":value,
-        per_step = piece + FLOAT_JSON_BYTES + (req.logprobs + 1) * entry + 2 + _digits(steps * piece) + 1
+        per_step = (
+            piece + FLOAT_JSON_BYTES + (req.logprobs + 1) * entry + 2 + _digits(steps * piece) + 1
+        )
         per_choice += steps * per_step
     if req.return_token_ids:
         per_choice += steps * id_bytes
@@ -67,20 +69,28 @@ def reply_bound(req: Any, *, piece_bytes: int, vocab_size: int, max_model_len: i
     return REPLY_OVERHEAD_BYTES + choices * per_choice
 
 
-def check_reply_size(req: Any, *, limit: int, piece_bytes: int, vocab_size: int, max_model_len: int) -> None:
+def check_reply_size(
+    req: Any, *, limit: int, piece_bytes: int, vocab_size: int, max_model_len: int
+) -> None:
     """Raise ``CompletionRequestError`` naming the fields to lower when ``req``'s reply could
     exceed ``limit`` bytes."""
-    bound = reply_bound(req, piece_bytes=piece_bytes, vocab_size=vocab_size, max_model_len=max_model_len)
+    bound = reply_bound(
+        req, piece_bytes=piece_bytes, vocab_size=vocab_size, max_model_len=max_model_len
+    )
     if bound <= limit:
         return
     fields = [f"{max(1, len(req.prompts))} prompt(s)", f"n={req.n}", f"max_tokens={req.max_tokens}"]
     fields += [f"logprobs={req.logprobs}"] if req.logprobs is not None else []
     fields += ["return_token_ids"] if req.return_token_ids else []
-    raise CompletionRequestError("max_tokens", (
-        f"the reply to this request could reach {bound} bytes ({', '.join(fields)}; every "
-        f"token counted at {piece_bytes} bytes, this vocabulary's longest as JSON), over "
-        f"this server's limit of {limit} bytes (--max-reply-bytes); lower n, max_tokens, "
-        "logprobs or the number of prompts, or split the request"))
+    raise CompletionRequestError(
+        "max_tokens",
+        (
+            f"the reply to this request could reach {bound} bytes ({', '.join(fields)}; every "
+            f"token counted at {piece_bytes} bytes, this vocabulary's longest as JSON), over "
+            f"this server's limit of {limit} bytes (--max-reply-bytes); lower n, max_tokens, "
+            "logprobs or the number of prompts, or split the request"
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -99,18 +109,34 @@ def encode_reply(msg: dict[str, Any], limit: int, *, op: str | None = None) -> E
     try:
         data = (json.dumps(msg, separators=(",", ":"), allow_nan=False) + "\n").encode()
     except ValueError as exc:  # NaN / infinity: JSON has no such numbers
-        return _error_line(msg_id, "internal", f"the result holds a value JSON cannot carry ({exc}); "
-                                               "if it is a logprob, the model's weights are probably not finite")
+        return _error_line(
+            msg_id,
+            "internal",
+            f"the result holds a value JSON cannot carry ({exc}); "
+            "if it is a logprob, the model's weights are probably not finite",
+        )
     except (TypeError, RecursionError) as exc:
-        return _error_line(msg_id, "internal", f"the result could not be encoded ({type(exc).__name__}: {exc})")
+        return _error_line(
+            msg_id, "internal", f"the result could not be encoded ({type(exc).__name__}: {exc})"
+        )
     if len(data) > limit:
-        hint = "; lower n, max_tokens, logprobs or the number of prompts" if op == "generate" else ""
-        return _error_line(msg_id, "invalid" if op == "generate" else "internal", (
-            f"the {op or 'call'}'s reply was {len(data)} bytes, over this server's limit of "
-            f"{limit} bytes (--max-reply-bytes){hint}"))
+        hint = (
+            "; lower n, max_tokens, logprobs or the number of prompts" if op == "generate" else ""
+        )
+        return _error_line(
+            msg_id,
+            "invalid" if op == "generate" else "internal",
+            (
+                f"the {op or 'call'}'s reply was {len(data)} bytes, over this server's limit of "
+                f"{limit} bytes (--max-reply-bytes){hint}"
+            ),
+        )
     return EncodedReply(data)
 
 
 def _error_line(msg_id: Any, kind: str, error: str) -> EncodedReply:
-    line = json.dumps({"id": msg_id, "ok": False, "kind": kind, "error": error}, separators=(",", ":")) + "\n"
+    line = (
+        json.dumps({"id": msg_id, "ok": False, "kind": kind, "error": error}, separators=(",", ":"))
+        + "\n"
+    )
     return EncodedReply(line.encode(), error)

@@ -83,8 +83,16 @@ class RoundRecord:
             self.nbytes += int(first.get("nbytes") or 0)
 
     def log(self, outcome: str, *, level: int = logging.INFO) -> None:
-        log.log(level, "round %d of session #%d %s (%d tensors, %.1f MB, %.2f s)", self.round, self.session,
-                outcome, self.tensors, self.nbytes / 1e6, time.monotonic() - self.started)
+        log.log(
+            level,
+            "round %d of session #%d %s (%d tensors, %.1f MB, %.2f s)",
+            self.round,
+            self.session,
+            outcome,
+            self.tensors,
+            self.nbytes / 1e6,
+            time.monotonic() - self.started,
+        )
 
 
 _NEED_INIT = "weight transfer engine is not initialized: POST /init_weight_transfer_engine first"
@@ -122,60 +130,89 @@ class Session:
         id is never echoed: a stale trainer must not learn how to act for the trainer
         that replaced it.
         """
-        if claimed is None or claimed == self.session_id or (idempotent and self.session_id is None):
+        if (
+            claimed is None
+            or claimed == self.session_id
+            or (idempotent and self.session_id is None)
+        ):
             return
         if self.session_id is None:
             ended = f" ({self.last_error})" if self.last_error else ""
-            raise SessionError(409, f"{route} refused: this trainer's session {claimed[:40]!r} has ended{ended}; "
-                                    "POST /init_weight_transfer_engine to start a new one")
-        raise SessionError(409, f"{route} refused: this trainer's session {claimed[:40]!r} was replaced by a newer "
-                                "/init_weight_transfer_engine from another trainer; nothing was changed. "
-                                "Re-initialize (trainer_init) to take over again")
+            raise SessionError(
+                409,
+                f"{route} refused: this trainer's session {claimed[:40]!r} has ended{ended}; "
+                "POST /init_weight_transfer_engine to start a new one",
+            )
+        raise SessionError(
+            409,
+            f"{route} refused: this trainer's session {claimed[:40]!r} was replaced by a newer "
+            "/init_weight_transfer_engine from another trainer; nothing was changed. "
+            "Re-initialize (trainer_init) to take over again",
+        )
 
     # -- guards: raise SessionError or return --------------------------------------
     def check_start(self) -> None:
         if self.phase is Phase.NO_ENGINE:
             raise SessionError(409, f"cannot start a weight update: {_NEED_INIT}")
         if self.phase is Phase.ROUND:
-            raise SessionError(409, "a weight update is already active: POST "
-                                    "/finish_weight_update before starting another")
+            raise SessionError(
+                409,
+                "a weight update is already active: POST "
+                "/finish_weight_update before starting another",
+            )
 
     def check_update(self) -> None:
         if self.phase is Phase.NO_ENGINE:
             raise SessionError(409, f"cannot update weights: {_NEED_INIT}")
         if self.phase is not Phase.ROUND:
-            raise SessionError(409, "no weight update is active: POST /start_weight_update before /update_weights")
+            raise SessionError(
+                409, "no weight update is active: POST /start_weight_update before /update_weights"
+            )
 
     def check_finish(self) -> None:
         if self.phase is Phase.NO_ENGINE:
             raise SessionError(409, f"cannot finish a weight update: {_NEED_INIT}")
         if self.phase is not Phase.ROUND:
-            raise SessionError(409, "no weight update is active: POST /start_weight_update before "
-                                    "/finish_weight_update")
+            raise SessionError(
+                409,
+                "no weight update is active: POST /start_weight_update before "
+                "/finish_weight_update",
+            )
 
     def active_round(self) -> str:
         """'round N of session #K (started X s ago)': names the open round in refusals."""
-        idle = f" (started {time.monotonic() - self.record.started:.1f} s ago)" if self.record else ""
+        idle = (
+            f" (started {time.monotonic() - self.record.started:.1f} s ago)" if self.record else ""
+        )
         return f"round {self.round_id} of session #{self.serial}{idle}"
 
     def check_no_round(self, route: str) -> None:
         """Refuse (409) ``route`` while a round is open: it would change what the round commits
         into."""
         if self.phase is Phase.ROUND:
-            raise SessionError(409, f"{route} refused: {self.active_round()} is active; finish it "
-                                    "(POST /finish_weight_update) or let it fail first")
+            raise SessionError(
+                409,
+                f"{route} refused: {self.active_round()} is active; finish it "
+                "(POST /finish_weight_update) or let it fail first",
+            )
 
     def check_shutdown(self) -> None:
         if self.phase is Phase.ROUND:
             raise SessionError(
-                409, "a weight update is active: finish it (POST /finish_weight_update) before "
-                     "shutting the engine down"
+                409,
+                "a weight update is active: finish it (POST /finish_weight_update) before "
+                "shutting the engine down",
             )
 
     # -- transitions ----------------------------------------------------------------
     def initialized(self, init_info: Any) -> str:
         """A new engine is live; returns the new session's id."""
-        self.phase, self.init_info, self.updates_in_round, self.last_error = Phase.READY, init_info, 0, None
+        self.phase, self.init_info, self.updates_in_round, self.last_error = (
+            Phase.READY,
+            init_info,
+            0,
+            None,
+        )
         self.session_id = secrets.token_urlsafe(12)
         self.serial += 1
         log.info("session #%d initialized", self.serial)
@@ -209,17 +246,29 @@ class Session:
         self.phase, self.updates_in_round = Phase.READY, 0
         self.rounds_failed += 1
         self.last_error = f"round dropped by a newer init: {reason}"
-        self._end_round(f"dropped by a newer init ({reason}): nothing committed", level=logging.WARNING)
+        self._end_round(
+            f"dropped by a newer init ({reason}): nothing committed", level=logging.WARNING
+        )
 
     def shut_down(self) -> None:
-        self.phase, self.init_info, self.updates_in_round, self.session_id = Phase.NO_ENGINE, None, 0, None
+        self.phase, self.init_info, self.updates_in_round, self.session_id = (
+            Phase.NO_ENGINE,
+            None,
+            0,
+            None,
+        )
 
     def failed(self, reason: str) -> None:
         """Any failed weight operation: the engine is gone, the weights and version stay."""
         if self.phase is Phase.ROUND:
             self.rounds_failed += 1
             self._end_round(f"failed, nothing committed: {reason}", level=logging.WARNING)
-        self.phase, self.init_info, self.updates_in_round, self.last_error = Phase.NO_ENGINE, None, 0, reason
+        self.phase, self.init_info, self.updates_in_round, self.last_error = (
+            Phase.NO_ENGINE,
+            None,
+            0,
+            reason,
+        )
         self.session_id = None
 
     def _end_round(self, outcome: str, *, level: int = logging.INFO) -> None:
@@ -237,7 +286,9 @@ class Session:
         The event loop is single-threaded, so check-and-set needs no lock.
         """
         if self.busy is not None:
-            raise SessionError(409, f"another weight operation ({self.busy}) is in progress; retry when it returns")
+            raise SessionError(
+                409, f"another weight operation ({self.busy}) is in progress; retry when it returns"
+            )
         self.busy = name
         try:
             yield

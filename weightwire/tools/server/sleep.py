@@ -97,8 +97,13 @@ class SleepCancelled(ReferenceServerError):
 _LOCK_POLL_S = 0.05
 
 
-def acquire_within(lock: threading.Lock, timeout_s: float | None, cancelled: Callable[[], bool],
-                   busy: str, on_cancel: str) -> None:
+def acquire_within(
+    lock: threading.Lock,
+    timeout_s: float | None,
+    cancelled: Callable[[], bool],
+    busy: str,
+    on_cancel: str,
+) -> None:
     """Take ``lock``, polling: raise ``SleepCancelled(on_cancel)`` once ``cancelled()``, or
     ``TimeoutError(busy)`` after ``timeout_s`` (None: no bound). Holds it on return."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -121,7 +126,9 @@ class WorkerSleep:
     model lock.
     """
 
-    def __init__(self, model: Any, device: Any, lock: threading.Lock, names: Callable[[], Iterable[str]]) -> None:
+    def __init__(
+        self, model: Any, device: Any, lock: threading.Lock, names: Callable[[], Iterable[str]]
+    ) -> None:
         self.sleeper = ModelSleeper(model, device)
         self.lock, self._names = lock, names
         self.epoch = 0
@@ -136,11 +143,15 @@ class WorkerSleep:
 
     def sleep(self, level: int, epoch: int, timeout_s: float | None = None) -> dict[str, Any]:
         bound = "" if timeout_s is None else f" for {timeout_s:g} s"
-        acquire_within(self.lock, timeout_s, lambda: self.epoch != epoch,
-                       busy=f"the model stayed busy (a generation held it){bound}, so this "
-                            "replica did not sleep",
-                       on_cancel="the sleep was cancelled while it waited for the model; this "
-                                 "replica did not sleep")
+        acquire_within(
+            self.lock,
+            timeout_s,
+            lambda: self.epoch != epoch,
+            busy=f"the model stayed busy (a generation held it){bound}, so this "
+            "replica did not sleep",
+            on_cancel="the sleep was cancelled while it waited for the model; this "
+            "replica did not sleep",
+        )
         try:
             was = self.sleeper.level
             freed = self.sleeper.sleep(level)
@@ -151,7 +162,9 @@ class WorkerSleep:
         return self.reply(freed_bytes=freed)
 
     def wake(self, tags: Sequence[str] | None) -> dict[str, Any]:
-        if not self.sleeper.level:  # awake already: nothing to do, and no reason to wait for a generation
+        if (
+            not self.sleeper.level
+        ):  # awake already: nothing to do, and no reason to wait for a generation
             return self.reply(awake=True)
         with self.lock:
             awake = self.sleeper.wake(tags)
@@ -163,15 +176,20 @@ class WorkerSleep:
     def check_round(self) -> None:
         """Refuse a round's start while the weights are offloaded or discarded (not woken)."""
         if self.sleeper.level:
-            raise RuntimeError(f"the model's weights are asleep (/sleep level {self.sleeper.level}): POST "
-                               "/wake_up?tags=weights before starting a weight update")
+            raise RuntimeError(
+                f"the model's weights are asleep (/sleep level {self.sleeper.level}): POST "
+                "/wake_up?tags=weights before starting a weight update"
+            )
 
     def check_serving(self) -> None:
         if self.sleeper.level:
-            raise WeightsUnavailable(f"the model is asleep (/sleep level {self.sleeper.level}); POST /wake_up first")
+            raise WeightsUnavailable(
+                f"the model is asleep (/sleep level {self.sleeper.level}); POST /wake_up first"
+            )
         if self.missing:
             first = sorted(self.missing)[0]
             raise WeightsUnavailable(
                 f"the weights were discarded by /sleep?level=2 and {len(self.missing)} of them "
                 f"have not been sent since (e.g. {first!r}); send a full weight round before "
-                "generating")
+                "generating"
+            )

@@ -36,7 +36,13 @@ log = logging.getLogger(__name__)
 
 
 def install_sleep_routes(app: FastAPI, state: ServerState) -> None:
-    pool, gate, opts, session, slept = state.pool, state.gate, state.options, state.session, state.sleep
+    pool, gate, opts, session, slept = (
+        state.pool,
+        state.gate,
+        state.options,
+        state.session,
+        state.sleep,
+    )
 
     async def fan_out(op: str, args: dict[str, Any]) -> list[Any]:
         try:
@@ -53,8 +59,11 @@ def install_sleep_routes(app: FastAPI, state: ServerState) -> None:
         if not level:
             return []
         try:
-            return await pool.fan_out("sleep", {"level": level, "timeout_s": opts.op_timeout_s},
-                                      timeout=opts.op_timeout_s + _VERDICT_GRACE_S)
+            return await pool.fan_out(
+                "sleep",
+                {"level": level, "timeout_s": opts.op_timeout_s},
+                timeout=opts.op_timeout_s + _VERDICT_GRACE_S,
+            )
         except FanOutError as exc:
             raise ApiError(exc.status, str(exc)) from None
 
@@ -65,25 +74,38 @@ def install_sleep_routes(app: FastAPI, state: ServerState) -> None:
         note = "the server did not sleep"
         if level:
             try:
-                slept.record(await pool.fan_out("wake", {"tags": None}, timeout=opts.op_timeout_s + _VERDICT_GRACE_S))
+                slept.record(
+                    await pool.fan_out(
+                        "wake", {"tags": None}, timeout=opts.op_timeout_s + _VERDICT_GRACE_S
+                    )
+                )
             except FanOutError as exc:
                 note = f"waking the replicas again failed too ({exc})"
         if slept.missing:
             session.weight_version = None
-            note += (f"; replica(s) {sorted(i for i, n in slept.discarded.items() if n)} had "
-                     "discarded their weights (level 2) before the failure: send a full round "
-                     "before generating")
+            note += (
+                f"; replica(s) {sorted(i for i, n in slept.discarded.items() if n)} had "
+                "discarded their weights (level 2) before the failure: send a full round "
+                "before generating"
+            )
         gate.hold_for_sleep(held)
         return note
 
     @app.post("/sleep")
     async def sleep(request: Request) -> dict[str, Any]:
         await read_no_body(request)
-        raw, mode = request.query_params.get("level", "1"), request.query_params.get("mode", "abort")
+        raw, mode = (
+            request.query_params.get("level", "1"),
+            request.query_params.get("mode", "abort"),
+        )
         if raw not in {str(x) for x in SLEEP_LEVELS}:
-            raise ApiError(422, f"level must be one of {list(SLEEP_LEVELS)}, got {raw[:20]!r}", param="level")
+            raise ApiError(
+                422, f"level must be one of {list(SLEEP_LEVELS)}, got {raw[:20]!r}", param="level"
+            )
         if mode not in PAUSE_MODES:
-            raise ApiError(422, f"mode must be one of {list(PAUSE_MODES)}, got {mode[:20]!r}", param="mode")
+            raise ApiError(
+                422, f"mode must be one of {list(PAUSE_MODES)}, got {mode[:20]!r}", param="mode"
+            )
         level = int(raw)
         session.check_no_round("sleep")
         if slept.level is not None and slept.level >= level:
@@ -111,14 +133,21 @@ def install_sleep_routes(app: FastAPI, state: ServerState) -> None:
         tags = request.query_params.getlist("tags") or None
         bad = [t for t in tags or () if t not in WAKE_TAGS]
         if bad:
-            raise ApiError(422, f"unknown tags {[t[:20] for t in bad[:5]]}; known: {list(WAKE_TAGS)}", param="tags")
+            raise ApiError(
+                422,
+                f"unknown tags {[t[:20] for t in bad[:5]]}; known: {list(WAKE_TAGS)}",
+                param="tags",
+            )
         replies = await fan_out("wake", {"tags": tags})
         slept.record(replies)
         awake = all(isinstance(r, dict) and r.get("awake") for r in replies)
         if awake and slept.level is not None:
             slept.level, slept.weights_asleep = None, False
             gate.hold_for_sleep(None)  # a trainer's /pause stays
-            log.info("awake%s", f"; {slept.missing} discarded tensor(s) still to be sent" if slept.missing else "")
+            log.info(
+                "awake%s",
+                f"; {slept.missing} discarded tensor(s) still to be sent" if slept.missing else "",
+            )
         return {"status": "awake" if awake else "sleeping", "tags": tags}
 
     @app.get("/is_sleeping")

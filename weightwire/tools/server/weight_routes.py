@@ -68,7 +68,14 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
             if session.phase is Phase.ROUND:
                 await _drop_stale_round(state)  # or refuse (409): a live round is never taken over
             lease.disarm()
-            await _fan_out_or_fail(state, "init_weight_transfer_engine", "init", {"init_info": raw}, timeout=timeout, abort_on_failure=True)
+            await _fan_out_or_fail(
+                state,
+                "init_weight_transfer_engine",
+                "init",
+                {"init_info": raw},
+                timeout=timeout,
+                abort_on_failure=True,
+            )
             session_id = session.initialized(info)
         return {"message": "Weight transfer initialized", "session_id": session_id}
 
@@ -79,7 +86,9 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
         session.check_shutdown()
         async with session.operation("shutdown_weight_transfer_engine"):
             lease.disarm()
-            await _fan_out_or_fail(state, "shutdown_weight_transfer_engine", "shutdown", timeout=opts.op_timeout_s)
+            await _fan_out_or_fail(
+                state, "shutdown_weight_transfer_engine", "shutdown", timeout=opts.op_timeout_s
+            )
             session.shut_down()
         return {"message": "Weight transfer shut down"}
 
@@ -96,11 +105,20 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         _owner(state, request, "start_weight_update")
         session.check_start()
         if state.sleep.weights_asleep:
-            raise SessionError(409, f"start_weight_update refused: the server is asleep (/sleep level "
-                                    f"{state.sleep.level}) and its weights are not loaded; POST "
-                                    "/wake_up?tags=weights before sending a round")
+            raise SessionError(
+                409,
+                f"start_weight_update refused: the server is asleep (/sleep level "
+                f"{state.sleep.level}) and its weights are not loaded; POST "
+                "/wake_up?tags=weights before sending a round",
+            )
         async with session.operation("start_weight_update"):
-            await _fan_out_or_fail(state, "start_weight_update", "start", timeout=opts.op_timeout_s, abort_on_failure=True)
+            await _fan_out_or_fail(
+                state,
+                "start_weight_update",
+                "start",
+                timeout=opts.op_timeout_s,
+                abort_on_failure=True,
+            )
             session.started()
             _arm_lease(state)
         return JSONResponse({"message": "Weight update started"})
@@ -108,8 +126,11 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(_route("start_draft_weight_update"))
     async def start_draft_weight_update(request: Request) -> dict[str, Any]:
         await read_no_body(request)
-        raise ApiError(400, "this server has no speculative-decoding draft model, so there is no draft weight "
-                            "update to start; use /start_weight_update for the main model")
+        raise ApiError(
+            400,
+            "this server has no speculative-decoding draft model, so there is no draft weight "
+            "update to start; use /start_weight_update for the main model",
+        )
 
     @app.post(_route("update_weights"))
     async def update_weights(request: Request) -> JSONResponse:
@@ -121,18 +142,32 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             try:
                 # A round's metadata can list a million names: validate off the event loop. A small
                 # body (metadata reuse: empty lists) is checked in microseconds, less than the hop.
-                if len(await request.body()) > INLINE_UPDATE_BYTES:  # the body is cached: no second read
-                    per = await asyncio.to_thread(_parse_update_payload, body["update_info"], state.replicas)
+                if (
+                    len(await request.body()) > INLINE_UPDATE_BYTES
+                ):  # the body is cached: no second read
+                    per = await asyncio.to_thread(
+                        _parse_update_payload, body["update_info"], state.replicas
+                    )
                 else:
                     per = _parse_update_payload(body["update_info"], state.replicas)
             except ApiError as exc:
                 # The trainer is already broadcasting: tear the group down so it fails fast.
                 await pool.abort_all()
                 session.failed(f"update_weights: {exc.message}")
-                raise ApiError(exc.status, f"{exc.message}; the round was aborted, POST "
-                                           "/init_weight_transfer_engine to start again", param=exc.param) from None
-            results = await _fan_out_or_fail(state, "update_weights", "update", [{"update_info": p} for p in per],
-                                             timeout=opts.round_timeout_s, abort_on_failure=True)
+                raise ApiError(
+                    exc.status,
+                    f"{exc.message}; the round was aborted, POST "
+                    "/init_weight_transfer_engine to start again",
+                    param=exc.param,
+                ) from None
+            results = await _fan_out_or_fail(
+                state,
+                "update_weights",
+                "update",
+                [{"update_info": p} for p in per],
+                timeout=opts.round_timeout_s,
+                abort_on_failure=True,
+            )
             session.updated(results)
             _arm_lease(state)
         return JSONResponse({"message": "Weights updated", "replicas": results})
@@ -147,16 +182,27 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             lease.disarm()
             # The worker itself gives up on the model lock after op_timeout (and then
             # commits nothing); our wait only has to outlast that verdict.
-            replies = await _fan_out_or_fail(state, "finish_weight_update", "finish", {"timeout_s": opts.op_timeout_s},
-                                             timeout=opts.op_timeout_s + _VERDICT_GRACE_S, abort_on_failure=True)
+            replies = await _fan_out_or_fail(
+                state,
+                "finish_weight_update",
+                "finish",
+                {"timeout_s": opts.op_timeout_s},
+                timeout=opts.op_timeout_s + _VERDICT_GRACE_S,
+                abort_on_failure=True,
+            )
             state.sleep.record(replies)
             empty = session.updates_in_round == 0
             session.closed_empty() if empty else session.committed(version)
         if empty:
-            raise ApiError(409, "no weights were sent in this round (POST /update_weights before "
-                                f"/finish_weight_update): the round was closed and weight_version stays "
-                                f"{session.weight_version!r}")
-        return JSONResponse({"message": "Weight update finished", "weight_version": session.weight_version})
+            raise ApiError(
+                409,
+                "no weights were sent in this round (POST /update_weights before "
+                f"/finish_weight_update): the round was closed and weight_version stays "
+                f"{session.weight_version!r}",
+            )
+        return JSONResponse(
+            {"message": "Weight update finished", "weight_version": session.weight_version}
+        )
 
 
 def _check_routes(app: FastAPI, state: ServerState) -> None:
@@ -172,9 +218,12 @@ def _check_routes(app: FastAPI, state: ServerState) -> None:
         _owner(state, request, "update_weight_version")
         session.check_no_round("update_weight_version")
         if state.sleep.missing:
-            raise SessionError(409, f"update_weight_version refused: /sleep?level=2 discarded the weights and "
-                                    f"{state.sleep.missing} tensor(s) have not been sent since; send a full round "
-                                    "(its finish_weight_update names the version)")
+            raise SessionError(
+                409,
+                f"update_weight_version refused: /sleep?level=2 discarded the weights and "
+                f"{state.sleep.missing} tensor(s) have not been sent since; send a full round "
+                "(its finish_weight_update names the version)",
+            )
         async with session.operation("update_weight_version"):
             session.weight_version = version
         log.info("weight_version set to %r by /update_weight_version", version)
@@ -184,10 +233,14 @@ def _check_routes(app: FastAPI, state: ServerState) -> None:
     async def weight_info() -> dict[str, Any]:
         per = await _weights_state(state)
         incomplete = [r for r in per if r.get("round_incomplete")]
-        return {"weight_version": session.weight_version, "session": session.describe(),
-                "round_incomplete": bool(incomplete),
-                "incomplete_reason": incomplete[0].get("reason") if incomplete else None,
-                "replica_weights": per, "sleep": state.sleep.describe()}
+        return {
+            "weight_version": session.weight_version,
+            "session": session.describe(),
+            "round_incomplete": bool(incomplete),
+            "incomplete_reason": incomplete[0].get("reason") if incomplete else None,
+            "replica_weights": per,
+            "sleep": state.sleep.describe(),
+        }
 
     @app.post(_route("weight_checker"))
     async def weight_checker(request: Request) -> dict[str, Any]:
@@ -198,11 +251,13 @@ def _check_routes(app: FastAPI, state: ServerState) -> None:
 async def _weights_state(state: ServerState) -> list[dict[str, Any]]:
     """Each replica's ``weights`` answer (answered by its reader thread at once, even mid-round);
     a replica that cannot answer is reported, never a reason to fail the route."""
+
     async def one(replica: Any) -> dict[str, Any]:
         try:
             return dict(await replica.call("weights", timeout=_WEIGHTS_STATE_S))
         except ReplicaError as exc:
             return {"round_incomplete": None, "reason": str(exc)}
+
     return list(await asyncio.gather(*(one(r) for r in state.pool.replicas)))
 
 
@@ -210,11 +265,19 @@ async def _check_weights(state: ServerState, action: Any, baseline: Any) -> dict
     """``/weight_checker``: per-replica checksums, a comparison with ``baseline``, or a reset."""
     session, pool, opts = state.session, state.pool, state.options
     if action not in CHECKER_ACTIONS:
-        raise ApiError(422, f"action must be one of {list(CHECKER_ACTIONS)}, got {action!r:.60}", param="action")
+        raise ApiError(
+            422,
+            f"action must be one of {list(CHECKER_ACTIONS)}, got {action!r:.60}",
+            param="action",
+        )
     if baseline is not None and not (
         isinstance(baseline, dict) and all(isinstance(v, str) for v in baseline.values())
     ):
-        raise ApiError(422, "baseline must be an object mapping weight names to checksum strings", param="baseline")
+        raise ApiError(
+            422,
+            "baseline must be an object mapping weight names to checksum strings",
+            param="baseline",
+        )
     if action == "reset":
         if session.phase is Phase.ROUND:
             raise SessionError(409, "cannot reset weights while a weight update is active")
@@ -225,10 +288,16 @@ async def _check_weights(state: ServerState, action: Any, baseline: Any) -> dict
         raise ApiError(400, "action='compare' requires a 'baseline' object", param="baseline")
     per_replica: list[dict[str, str]] = await _fan_out_or_raise(pool, "checksum", opts.op_timeout_s)
     if action == "checksum":
-        return {"checksums": per_replica[0], "replica_checksums": per_replica,
-                "consistent": all(c == per_replica[0] for c in per_replica)}
+        return {
+            "checksums": per_replica[0],
+            "replica_checksums": per_replica,
+            "consistent": all(c == per_replica[0] for c in per_replica),
+        }
     assert baseline is not None
-    per_mismatch = [sorted(k for k in c.keys() | baseline.keys() if c.get(k) != baseline.get(k)) for c in per_replica]
+    per_mismatch = [
+        sorted(k for k in c.keys() | baseline.keys() if c.get(k) != baseline.get(k))
+        for c in per_replica
+    ]
     mismatches = sorted(set().union(*per_mismatch))
     return {"match": not mismatches, "mismatches": mismatches, "replica_mismatches": per_mismatch}
 
@@ -247,18 +316,24 @@ def _owner(state: ServerState, request: Request, route: str, *, idempotent: bool
 def _init_info(state: ServerState, raw: Any) -> Any:
     """The backend's init info parsed from ``raw`` (422 naming the field), sized for this server."""
     if not isinstance(raw, dict):
-        raise ApiError(422, f"init_info must be a JSON object, got {type(raw).__name__}", param="init_info")
+        raise ApiError(
+            422, f"init_info must be a JSON object, got {type(raw).__name__}", param="init_info"
+        )
     try:
         info = backends.init_info_type(state.options.backend).from_dict(raw)
     except ValueError as exc:
         raise ApiError(422, f"init_info: {exc}", param="init_info") from None
     if info.rank_offset + state.replicas > info.world_size:
-        raise ApiError(422, (
-            f"init_info.world_size {info.world_size} is too small: this server's "
-            f"{state.replicas} worker(s) take ranks "
-            f"{info.rank_offset}..{info.rank_offset + state.replicas - 1} (GET "
-            "/get_world_size)"
-        ), param="init_info.world_size")
+        raise ApiError(
+            422,
+            (
+                f"init_info.world_size {info.world_size} is too small: this server's "
+                f"{state.replicas} worker(s) take ranks "
+                f"{info.rank_offset}..{info.rank_offset + state.replicas - 1} (GET "
+                "/get_world_size)"
+            ),
+            param="init_info.world_size",
+        )
     return info
 
 
@@ -272,14 +347,22 @@ def _arm_lease(state: ServerState) -> None:
     round_id = session.round_id
 
     async def expire() -> None:
-        if session.phase is not Phase.ROUND or session.round_id != round_id or session.busy is not None:
+        if (
+            session.phase is not Phase.ROUND
+            or session.round_id != round_id
+            or session.busy is not None
+        ):
             return  # the round moved on (or an operation now decides its fate)
         async with session.operation("round lease"):
-            reason = (f"round lease expired: the trainer sent no weight call for {seconds:g} s "
-                      "during its round; the round was aborted and weight_version "
-                      f"{session.weight_version!r} is still served")
+            reason = (
+                f"round lease expired: the trainer sent no weight call for {seconds:g} s "
+                "during its round; the round was aborted and weight_version "
+                f"{session.weight_version!r} is still served"
+            )
             await pool.abort_all()
-            session.failed(reason)  # logs the round's end; after the await: state and busy change together
+            session.failed(
+                reason
+            )  # logs the round's end; after the await: state and busy change together
 
     state.lease.arm(seconds, expire)
 
@@ -292,16 +375,22 @@ async def _drop_stale_round(state: ServerState) -> None:
     try:
         reasons = await state.pool.fan_out("round_stale", timeout=opts.op_timeout_s)
     except FanOutError as exc:
-        raise ApiError(exc.status, f"init_weight_transfer_engine: cannot tell whether the open round is "
-                                   f"stale: {exc}") from None
+        raise ApiError(
+            exc.status,
+            f"init_weight_transfer_engine: cannot tell whether the open round is stale: {exc}",
+        ) from None
     live = [i for i, r in enumerate(reasons) if not r]
     if live:
-        raise SessionError(409, (
-            f"init_weight_transfer_engine refused: {session.active_round()} is in progress "
-            f"and its trainer is still connected (replica(s) {live}); a new trainer can init "
-            "once that round finished, or once it is gone (its data link closed, or no "
-            "weight call for the round lease, after which the server aborts the round "
-            "itself)"))
+        raise SessionError(
+            409,
+            (
+                f"init_weight_transfer_engine refused: {session.active_round()} is in progress "
+                f"and its trainer is still connected (replica(s) {live}); a new trainer can init "
+                "once that round finished, or once it is gone (its data link closed, or no "
+                "weight call for the round lease, after which the server aborts the round "
+                "itself)"
+            ),
+        )
     session.dropped(str(reasons[0]))
 
 
@@ -310,16 +399,28 @@ def _require_live(pool: ReplicaPool) -> None:
     live ones wait out a rendezvous it will never join."""
     dead = [r for r in pool.health() if not r["alive"]]
     if dead:
-        raise ApiError(503, "; ".join(f"replica {r['replica']}: {r['error']}" for r in dead)
-                       + "; the reference server does not respawn workers: restart it")
+        raise ApiError(
+            503,
+            "; ".join(f"replica {r['replica']}: {r['error']}" for r in dead)
+            + "; the reference server does not respawn workers: restart it",
+        )
 
 
-async def _fan_out_or_fail(state: ServerState, what: str, op: str, args: Any = None, *, timeout: float,
-                           abort_on_failure: bool = False) -> list[Any]:
+async def _fan_out_or_fail(
+    state: ServerState,
+    what: str,
+    op: str,
+    args: Any = None,
+    *,
+    timeout: float,
+    abort_on_failure: bool = False,
+) -> list[Any]:
     """Run a weight operation on every replica; on failure clear the session and raise
     the HTTP error that says what survived."""
     try:
-        return await state.pool.fan_out(op, args, timeout=timeout, abort_on_failure=abort_on_failure)
+        return await state.pool.fan_out(
+            op, args, timeout=timeout, abort_on_failure=abort_on_failure
+        )
     except FanOutError as exc:
         raise _fail(state, what, exc) from None
 
@@ -329,12 +430,16 @@ def _fail(state: ServerState, what: str, exc: FanOutError) -> ApiError:
     state.session.failed(f"{what}: {exc}")
     failed = {e.replica for e in exc.errors} | set(exc.aborted)
     ok = [r.index for r in state.pool.replicas if r.index not in failed]
-    tail = (f"; the previous weights and weight_version {state.session.weight_version!r} are still "
-            "served; POST /init_weight_transfer_engine to start a new session")
+    tail = (
+        f"; the previous weights and weight_version {state.session.weight_version!r} are still "
+        "served; POST /init_weight_transfer_engine to start a new session"
+    )
     if what == "finish_weight_update" and ok:
-        tail = (f"; replicas {ok} committed the new weights but {sorted(failed)} did not: replicas "
-                "now differ (compare with /weight_checker); POST /init_weight_transfer_engine and "
-                "resend")
+        tail = (
+            f"; replicas {ok} committed the new weights but {sorted(failed)} did not: replicas "
+            "now differ (compare with /weight_checker); POST /init_weight_transfer_engine and "
+            "resend"
+        )
     return ApiError(exc.status, f"{what} failed: {exc}{tail}")
 
 
@@ -349,15 +454,21 @@ def _parse_update_payload(payload: Any, replicas: int) -> list[dict[str, Any]]:
     """One validated update-info dict per replica (vLLM's single or per-worker list form)."""
     if isinstance(payload, list):
         if len(payload) != replicas:
-            raise ApiError(422, f"update_info lists {len(payload)} entries but this server has "
-                                f"{replicas} worker(s); send one object, or one per worker",
-                           param="update_info")
+            raise ApiError(
+                422,
+                f"update_info lists {len(payload)} entries but this server has "
+                f"{replicas} worker(s); send one object, or one per worker",
+                param="update_info",
+            )
         items = payload
     elif isinstance(payload, dict):
         items = [payload] * replicas
     else:
-        raise ApiError(422, f"update_info must be a JSON object or a list of them, got {type(payload).__name__}",
-                       param="update_info")
+        raise ApiError(
+            422,
+            f"update_info must be a JSON object or a list of them, got {type(payload).__name__}",
+            param="update_info",
+        )
     for i, item in enumerate(items if isinstance(payload, list) else items[:1]):
         where = f"update_info[{i}]" if isinstance(payload, list) else "update_info"
         try:
@@ -372,6 +483,10 @@ def _version_field(body: dict[str, Any], key: str, *, optional: bool) -> str | N
     if value is None and optional:
         return None
     if not isinstance(value, str) or not value or len(value) > _MAX_VERSION_CHARS:
-        raise ApiError(422, f"{key} must be a non-empty string of at most {_MAX_VERSION_CHARS} characters, "
-                            f"got {value!r:.60}", param=key)
+        raise ApiError(
+            422,
+            f"{key} must be a non-empty string of at most {_MAX_VERSION_CHARS} characters, "
+            f"got {value!r:.60}",
+            param=key,
+        )
     return value

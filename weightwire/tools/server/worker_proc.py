@@ -43,7 +43,12 @@ from typing import Any, BinaryIO
 
 from weightwire import backends
 from weightwire.tools._cli import env_log_level
-from weightwire.tools.server.failures import CommitAborted, GenerationAborted, ModelIncomplete, classify
+from weightwire.tools.server.failures import (
+    CommitAborted,
+    GenerationAborted,
+    ModelIncomplete,
+    classify,
+)
 from weightwire.tools.server.guards import LiveCalls, refuse_non_finite
 from weightwire.tools.server.replicas import WorkerSpec
 from weightwire.tools.server.reply_size import encode_reply, max_piece_json_bytes
@@ -93,8 +98,11 @@ class Worker:
         self.max_prompt_chars = self.max_model_len * max(1, longest) * 4
         self.max_piece_bytes = max_piece_json_bytes(self.tokenizer, self.vocab_size)
         self.generator = Generator(
-            self.model, self.tokenizer, device=self.device,
-            model_name=os.path.basename(os.path.normpath(spec.model_dir)), max_model_len=self.max_model_len,
+            self.model,
+            self.tokenizer,
+            device=self.device,
+            model_name=os.path.basename(os.path.normpath(spec.model_dir)),
+            max_model_len=self.max_model_len,
         )
         self.sleep = WorkerSleep(self.model, self.device, self.model_lock, self.host.param_names)
         self.engine: Any = None
@@ -104,15 +112,22 @@ class Worker:
         """Bumped by every ``abort``; a finish commits only if it is unchanged since its arrival."""
 
     def describe(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "device": str(self.device), "vocab_size": self.vocab_size,
-                "max_model_len": self.max_model_len, "max_prompt_chars": self.max_prompt_chars,
-                "max_piece_bytes": self.max_piece_bytes,
-                "params": len(self.host.param_names())}
+        return {
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "vocab_size": self.vocab_size,
+            "max_model_len": self.max_model_len,
+            "max_prompt_chars": self.max_prompt_chars,
+            "max_piece_bytes": self.max_piece_bytes,
+            "params": len(self.host.param_names()),
+        }
 
     # -- control lane ---------------------------------------------------------------
     def _new_engine(self) -> Any:
         cls = backends.load(backends.get(self.spec.backend).worker_engine)
-        return cls.standalone(model=self.host, device=self.device, worker_rank=self.spec.index, weights=self.weights)
+        return cls.standalone(
+            model=self.host, device=self.device, worker_rank=self.spec.index, weights=self.weights
+        )
 
     def op_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
         self._teardown()
@@ -140,8 +155,16 @@ class Worker:
         engine = self._require_engine()
         engine.update_weights(update_info)
         stats = engine.last_stats
-        return {} if stats is None else {"tensors": stats.tensors, "chunks": stats.chunks,
-                                         "nbytes": stats.nbytes, "seconds": stats.seconds}
+        return (
+            {}
+            if stats is None
+            else {
+                "tensors": stats.tensors,
+                "chunks": stats.chunks,
+                "nbytes": stats.nbytes,
+                "seconds": stats.seconds,
+            }
+        )
 
     def op_finish(self, epoch: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         """Commit the staged round under the model lock (a generation may be reading the
@@ -151,17 +174,25 @@ class Worker:
         engine = self._require_engine()
         epoch = self.abort_epoch if epoch is None else epoch
         if self.spec.check_finite:
-            refuse_non_finite([*engine.held_tensors(), *self.host.staged_tensors()])  # outside the model lock: generations go on meanwhile
+            refuse_non_finite(
+                [*engine.held_tensors(), *self.host.staged_tensors()]
+            )  # outside the model lock: generations go on meanwhile
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.model_lock.acquire(timeout=_LOCK_POLL_S):
             if self.abort_epoch != epoch:
-                raise CommitAborted("the round was aborted while finish waited for the model; nothing was committed")
+                raise CommitAborted(
+                    "the round was aborted while finish waited for the model; nothing was committed"
+                )
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError("the model stayed busy (a generation held it) for "
-                                   f"{timeout_s:g} s, so the round was not committed")
+                raise TimeoutError(
+                    "the model stayed busy (a generation held it) for "
+                    f"{timeout_s:g} s, so the round was not committed"
+                )
         try:
             if self.abort_epoch != epoch:
-                raise CommitAborted("the round was aborted before finish could commit; nothing was committed")
+                raise CommitAborted(
+                    "the round was aborted before finish could commit; nothing was committed"
+                )
             engine.finish_weight_update()
             self.sleep.committed(self.host.last_committed)
         finally:
@@ -172,7 +203,9 @@ class Worker:
         self._teardown()
 
     def op_sleep(self, level: int, epoch: int, timeout_s: float | None = None) -> dict[str, Any]:
-        return self.sleep.sleep(level, epoch, timeout_s)  # under the model lock: never under a generation
+        return self.sleep.sleep(
+            level, epoch, timeout_s
+        )  # under the model lock: never under a generation
 
     def op_wake(self, tags: list[str] | None = None) -> dict[str, Any]:
         return self.sleep.wake(tags)
@@ -203,9 +236,13 @@ class Worker:
         try:
             with self.model_lock:
                 if self.cancel_epoch != epoch:
-                    raise GenerationAborted("request aborted by /pause?mode=abort before it started")
+                    raise GenerationAborted(
+                        "request aborted by /pause?mode=abort before it started"
+                    )
                 if cancelled():
-                    raise GenerationAborted("request dropped before it started: the API stopped waiting for it")
+                    raise GenerationAborted(
+                        "request dropped before it started: the API stopped waiting for it"
+                    )
                 self.sleep.check_serving()
                 refusal = self.refusal()
                 if refusal is not None:
@@ -220,15 +257,20 @@ class Worker:
         if incomplete is not None:
             return f"{incomplete.describe()}; generation is refused until then"
         if self.host.in_place_round:
-            return ("a weight round is being applied in place (it exceeded the stage budget); "
-                    "generation is refused until it commits")
+            return (
+                "a weight round is being applied in place (it exceeded the stage budget); "
+                "generation is refused until it commits"
+            )
         return None
 
     def weights_state(self) -> dict[str, Any]:
         """``/weight_info``'s view of this replica: is the model whole."""
         incomplete = self.weights.incomplete
-        return {"round_incomplete": incomplete is not None or self.host.in_place_round, "reason": self.refusal(),
-                "tensors_in_doubt": 0 if incomplete is None else len(incomplete.names)}
+        return {
+            "round_incomplete": incomplete is not None or self.host.in_place_round,
+            "reason": self.refusal(),
+            "tensors_in_doubt": 0 if incomplete is None else len(incomplete.names),
+        }
 
     def op_checksum(self) -> dict[str, str]:
         with self.model_lock:
@@ -255,7 +297,9 @@ class Loop:
     def reply(self, msg: dict[str, Any], op: str | None = None) -> None:
         encoded = encode_reply(msg, self.worker.spec.max_reply_bytes, op=op)
         if encoded.problem is not None:
-            log.error("the reply to call %s was replaced by an error: %s", msg.get("id"), encoded.problem)
+            log.error(
+                "the reply to call %s was replaced by an error: %s", msg.get("id"), encoded.problem
+            )
         with self.write_lock:
             self.out.write(encoded.data)
             self.out.flush()
@@ -266,13 +310,18 @@ class Loop:
         except BaseException as exc:
             kind = classify(exc)
             if kind == "internal":
-                traceback.print_exc(file=sys.stderr)  # the API returns no traceback; the log keeps it
+                traceback.print_exc(
+                    file=sys.stderr
+                )  # the API returns no traceback; the log keeps it
             if op in ("init", "start", "update", "finish"):
                 try:
                     self.worker._teardown()  # a failed weight op ends the session on this replica
                 except Exception:
                     log.exception("teardown after a failed %s failed", op)
-            self.reply({"id": msg_id, "ok": False, "kind": kind, "error": f"{type(exc).__name__}: {exc}"}, op)
+            self.reply(
+                {"id": msg_id, "ok": False, "kind": kind, "error": f"{type(exc).__name__}: {exc}"},
+                op,
+            )
             return
         self.reply({"id": msg_id, "ok": True, "result": result}, op)
 
@@ -287,7 +336,9 @@ class Loop:
             w.cancel_epoch += 1
             self.reply({"id": msg_id, "ok": True, "result": None})
         elif op == "cancel_call":
-            w.calls.cancel(args.get("target"))  # the generation stops at its next step (or never starts)
+            w.calls.cancel(
+                args.get("target")
+            )  # the generation stops at its next step (or never starts)
             self.reply({"id": msg_id, "ok": True, "result": None})
         elif op == "cancel_sleep":
             w.sleep.cancel()  # a sleep still waiting for the model never runs now
@@ -301,21 +352,32 @@ class Loop:
             self.control.submit(self.run_op, msg_id, "abort", w._teardown, {})
         elif op == "finish":
             # The abort epoch is read on arrival: an abort sent after this finish cancels it.
-            self.control.submit(self.run_op, msg_id, op, w.op_finish, {**args, "epoch": w.abort_epoch})
+            self.control.submit(
+                self.run_op, msg_id, op, w.op_finish, {**args, "epoch": w.abort_epoch}
+            )
         elif op == "sleep":
             # Same rule as finish: a cancel_sleep sent after this sleep cancels it.
-            self.control.submit(self.run_op, msg_id, op, w.op_sleep, {**args, "epoch": w.sleep.epoch})
+            self.control.submit(
+                self.run_op, msg_id, op, w.op_sleep, {**args, "epoch": w.sleep.epoch}
+            )
         elif op in _CONTROL_OPS:
             self.control.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
         elif op == "generate":
             # The epoch is read now, on arrival: a /pause?mode=abort also drops queued requests.
             w.calls.arrived(msg_id)  # type: ignore[arg-type]
-            self.serve.submit(self.run_op, msg_id, op, w.op_generate,
-                              {**args, "epoch": w.cancel_epoch, "call_id": msg_id})
+            self.serve.submit(
+                self.run_op,
+                msg_id,
+                op,
+                w.op_generate,
+                {**args, "epoch": w.cancel_epoch, "call_id": msg_id},
+            )
         elif op in _SERVE_OPS:
             self.serve.submit(self.run_op, msg_id, op, getattr(w, f"op_{op}"), args)
         else:
-            self.reply({"id": msg_id, "ok": False, "kind": "invalid", "error": f"unknown op {op!r}"})
+            self.reply(
+                {"id": msg_id, "ok": False, "kind": "invalid", "error": f"unknown op {op!r}"}
+            )
 
 
 def _claim_stdout() -> BinaryIO:
@@ -372,7 +434,7 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     text = " ".join(f"{type(exc).__name__}: {exc}".split())
     if len(text) > limit:
         end = text.find(". ", 40)
-        text = text[:end + 1] if 0 < end < limit else text[:limit] + "..."
+        text = text[: end + 1] if 0 < end < limit else text[:limit] + "..."
     return text
 
 
@@ -383,9 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     out = _claim_stdout()
-    logging.basicConfig(level=env_log_level(os.environ), stream=sys.stderr)  # serve checked it at start
+    logging.basicConfig(
+        level=env_log_level(os.environ), stream=sys.stderr
+    )  # serve checked it at start
     parent = int(os.environ.get("WEIGHTWIRE_PARENT_PID", os.getppid()))
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="weightwire-parent-watch").start()
+    threading.Thread(
+        target=_watch_parent, args=(parent,), daemon=True, name="weightwire-parent-watch"
+    ).start()
     spec = WorkerSpec(**json.loads(argv[0]))
     try:
         worker = Worker(spec)

@@ -83,5 +83,7 @@ class TorchDevicePacker(DevicePacker):
                 out.append(DeviceBytes(t.data_ptr(), t.nbytes, index, t))
             else:
                 with torch.cuda.stream(torch_stream):
-                    out.append(tensor_device_bytes(tensor_bytes(t.to(self._device, non_blocking=True))))
+                    out.append(
+                        tensor_device_bytes(tensor_bytes(t.to(self._device, non_blocking=True)))
+                    )
         return out

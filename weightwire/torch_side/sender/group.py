@@ -19,15 +19,24 @@ _DEFAULT_STORE = object()  # the default process group's store, however many wra
 
 
 class TorchStoreGroup(StoreGroup):
-    def __init__(self, store: Any = None, *, rank: int | None = None, size: int | None = None) -> None:
+    def __init__(
+        self, store: Any = None, *, rank: int | None = None, size: int | None = None
+    ) -> None:
         if store is None:
             if not dist.is_initialized():
-                raise RuntimeError("TorchStoreGroup needs a store, or torch.distributed.init_process_group first")
+                raise RuntimeError(
+                    "TorchStoreGroup needs a store, or torch.distributed.init_process_group first"
+                )
             store = dist.distributed_c10d._get_default_store()
-            identity: object = _DEFAULT_STORE  # each lookup may return a fresh wrapper of the same store
+            identity: object = (
+                _DEFAULT_STORE  # each lookup may return a fresh wrapper of the same store
+            )
         else:
             identity = store
-        super().__init__(dist.get_rank() if rank is None else rank, dist.get_world_size() if size is None else size)
+        super().__init__(
+            dist.get_rank() if rank is None else rank,
+            dist.get_world_size() if size is None else size,
+        )
         self._store, self._identity = store, identity
 
     @property

@@ -22,7 +22,9 @@ def describe_tensor(tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
     return wire_name(tensor.dtype), tuple(tensor.shape)
 
 
-def _named_modules(root: torch.nn.Module, *, remove_duplicate: bool) -> list[tuple[str, torch.nn.Module]]:
+def _named_modules(
+    root: torch.nn.Module, *, remove_duplicate: bool
+) -> list[tuple[str, torch.nn.Module]]:
     """``list(root.named_modules(remove_duplicate=...))``, walked with a stack instead of
     one nested generator per depth level (which re-yields every module once per
     ancestor: that walk was most of ``metadata()``'s time, and a round walks twice).
@@ -41,8 +43,11 @@ def _named_modules(root: torch.nn.Module, *, remove_duplicate: bool) -> list[tup
         if remove_duplicate:
             memo.add(mod)
         out.append((prefix, mod))
-        children = [(f"{prefix}.{name}" if prefix else name, child)
-                    for name, child in mod._modules.items() if child is not None]
+        children = [
+            (f"{prefix}.{name}" if prefix else name, child)
+            for name, child in mod._modules.items()
+            if child is not None
+        ]
         stack.extend(reversed(children))
     return out
 
@@ -50,7 +55,9 @@ def _named_modules(root: torch.nn.Module, *, remove_duplicate: bool) -> list[tup
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     # Attribute probe instead of isinstance: importing torch.distributed.tensor pulls in
     # the whole DTensor stack even for plain single-process modules.
-    return getattr(tensor, "device_mesh", None) is not None and callable(getattr(tensor, "full_tensor", None))
+    return getattr(tensor, "device_mesh", None) is not None and callable(
+        getattr(tensor, "full_tensor", None)
+    )
 
 
 def _mesh_ranks(tensor: torch.Tensor) -> tuple[int, ...]:

@@ -23,7 +23,9 @@ def connect(info: Any, *, rank: int, device: torch.device) -> ReceiveLink:
     """Join the trainer's group as ``rank`` on ``device`` with ``info`` (a shared init info)."""
     spec = backends.spec_of_init_info(type(info))
     if spec.connect is None:
-        raise ValueError(f"backend {spec.name!r} is received by vLLM's own engine only; "
-                         f"a weightwire worker speaks {', '.join(backends.PLUGIN_BACKENDS)}")
+        raise ValueError(
+            f"backend {spec.name!r} is received by vLLM's own engine only; "
+            f"a weightwire worker speaks {', '.join(backends.PLUGIN_BACKENDS)}"
+        )
     link: ReceiveLink = backends.load(spec.connect)(info, rank=rank, device=device)
     return link

@@ -149,7 +149,9 @@ class _ReceiverCore:
 
     def init(self, info: InitInfo) -> None:
         if not isinstance(info, self._info_type):
-            raise TypeError(f"{self.backend}: init info must be {self._info_type.__name__}, got {type(info).__name__}")
+            raise TypeError(
+                f"{self.backend}: init info must be {self._info_type.__name__}, got {type(info).__name__}"
+            )
         if self._active:
             stale = self._stale_reason()
             if stale is None:
@@ -158,8 +160,9 @@ class _ReceiverCore:
                     f"(last call {time.monotonic() - self._touched:.0f} s ago); a new trainer can init once "
                     f"it finished, or once it is gone (link closed, or idle for {self.lease_s:.0f} s)"
                 )
-            log.warning("%s: aborting the stale round of session %s (%s)",
-                        self.backend, self.session, stale)
+            log.warning(
+                "%s: aborting the stale round of session %s (%s)", self.backend, self.session, stale
+            )
             self._drop_round(f"stale: {stale}")
         rank = info.rank_offset + self._worker_rank
         if rank >= info.world_size:
@@ -174,28 +177,45 @@ class _ReceiverCore:
         self._info = info
         self._broken = None
         previous, self.session = self.session, uuid.uuid4().hex[:12]
-        log.info("%s: session %s joined as rank %d of %d (packed=%s)%s", self.backend, self.session, rank,
-                 info.world_size, info.packed, f"; displaced session {previous}" if previous else "")
+        log.info(
+            "%s: session %s joined as rank %d of %d (packed=%s)%s",
+            self.backend,
+            self.session,
+            rank,
+            info.world_size,
+            info.packed,
+            f"; displaced session {previous}" if previous else "",
+        )
         if self.weights.incomplete is not None:
-            log.warning("%s: session %s starts on an incomplete model: %s", self.backend, self.session,
-                        self.weights.incomplete.describe())
+            log.warning(
+                "%s: session %s starts on an incomplete model: %s",
+                self.backend,
+                self.session,
+                self.weights.incomplete.describe(),
+            )
 
     def start(self) -> None:
         if self._active:
-            raise RuntimeError(f"{self.backend}: start_weight_update called twice; call finish_weight_update first")
+            raise RuntimeError(
+                f"{self.backend}: start_weight_update called twice; call finish_weight_update first"
+            )
         if self._link is None:
             self._raise_not_ready()
         self._touched = time.monotonic()
         assert self._link is not None
         self._link.start_round()
         model, model_config = self._target()
-        target = RoundTarget(self.backend, model, model_config, self._framework, self._load_batching)
+        target = RoundTarget(
+            self.backend, model, model_config, self._framework, self._load_batching
+        )
         self._round = first_strategy(target, self.stage_budget_bytes)
         self._active = True
 
     def finish(self) -> None:
         if not self._active:
-            raise RuntimeError(f"{self.backend}: finish_weight_update called without start_weight_update")
+            raise RuntimeError(
+                f"{self.backend}: finish_weight_update called without start_weight_update"
+            )
         round_, self._round = self._round, None
         self._active = False
         assert round_ is not None
@@ -204,7 +224,11 @@ class _ReceiverCore:
         except BaseException as exc:
             if not round_.wrote:
                 raise
-            self.weights.broke(self.session, f"applying the round failed: {type(exc).__name__}", frozenset(round_.names))
+            self.weights.broke(
+                self.session,
+                f"applying the round failed: {type(exc).__name__}",
+                frozenset(round_.names),
+            )
             raise WeightReceiveError(
                 f"{self.backend}: applying the received round failed ({type(exc).__name__}: {exc}); "
                 "layers not yet complete kept their previous weights, completed ones hold the new round: "
@@ -249,8 +273,12 @@ class _ReceiverCore:
         self._touched = time.monotonic()
         try:
             self._link.check_source(update.src)  # several broadcasters: this turn's sender
-            resolved = self._plans.resolve(model, update, packed=self._info.packed,
-                                           buffer_size_bytes=self._info.packed_buffer_size_bytes)
+            resolved = self._plans.resolve(
+                model,
+                update,
+                packed=self._info.packed,
+                buffer_size_bytes=self._info.packed_buffer_size_bytes,
+            )
             metas, chunks = resolved.metas, resolved.chunks
             spec = self._model_spec()
             if spec is not None and not resolved.spec_checked:  # once per metadata, not per round
@@ -267,17 +295,24 @@ class _ReceiverCore:
             self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
             self._round.receive(self._link.receive(turn, progress))
         except BaseException as exc:
-            where = (f"at chunk {progress.chunk + 1}/{len(chunks)}" if progress.chunk >= 0
-                     else "before the first chunk")
+            where = (
+                f"at chunk {progress.chunk + 1}/{len(chunks)}"
+                if progress.chunk >= 0
+                else "before the first chunk"
+            )
             if update.src:
-                where += f" from src {update.src}"  # several broadcasters: name the one this turn lost
+                where += (
+                    f" from src {update.src}"  # several broadcasters: name the one this turn lost
+                )
             self._fail(exc, where)
             raise WeightReceiveError(
                 f"{self.backend}: round failed {where} ({type(exc).__name__}: {exc}); the round was "
                 "aborted and the communicator closed; call init_weight_transfer_engine again"
             ) from exc
         self._touched = time.monotonic()
-        self.last_stats = ReceiveStats(len(metas), len(chunks), sum(c.nbytes for c in chunks), time.perf_counter() - started)
+        self.last_stats = ReceiveStats(
+            len(metas), len(chunks), sum(c.nbytes for c in chunks), time.perf_counter() - started
+        )
 
     def _model_spec(self) -> ModelSpec | None:
         """The target model's spec, read once per model (main vs draft)."""
@@ -303,7 +338,9 @@ class _ReceiverCore:
                 f"{self.backend}: the communicator was aborted after a failed round ({self._broken}); "
                 "call init_weight_transfer_engine again"
             )
-        raise RuntimeError(f"{self.backend}: not initialized; call init_weight_transfer_engine first")
+        raise RuntimeError(
+            f"{self.backend}: not initialized; call init_weight_transfer_engine first"
+        )
 
     def _fail(self, exc: BaseException, where: str) -> None:
         self._broken = f"{type(exc).__name__} {where}"
@@ -342,8 +379,11 @@ class _ReceiverCore:
             return
         round_.abort(why)
         if round_.wrote:
-            self.weights.broke(self.session, f"{round_.name} round ended without its commit: {why}",
-                               frozenset(round_.names))
+            self.weights.broke(
+                self.session,
+                f"{round_.name} round ended without its commit: {why}",
+                frozenset(round_.names),
+            )
 
     def _drop_round(self, why: str) -> None:
         """Abandon the open round (stale trainer, shutdown) and tell the framework."""
@@ -362,4 +402,3 @@ class _ReceiverCore:
             except Exception:
                 log.exception("%s: communicator close failed; aborting it", self.backend)
                 link.abort()
-

@@ -53,7 +53,9 @@ class EngineFacade:
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
         if not isinstance(update_info, UpdateInfo):
-            raise TypeError(f"receive_weights takes an UpdateInfo, got {type(update_info).__name__}")
+            raise TypeError(
+                f"receive_weights takes an UpdateInfo, got {type(update_info).__name__}"
+            )
         self._core.receive(update_info)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -114,24 +116,42 @@ class _StandaloneEngine(EngineFacade):
         weights: WeightState | None = None,
     ) -> None:
         if not callable(getattr(model, "load_weights", None)):
-            raise TypeError(f"model must have a load_weights(list[(name, tensor)]) method, got {type(model).__name__}")
+            raise TypeError(
+                f"model must have a load_weights(list[(name, tensor)]) method, got {type(model).__name__}"
+            )
         self.model = model
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._core = _ReceiverCore(
-            backend=self.backend, device=self.device, target=lambda: (self.model, None),
-            connect=self._connect, info_type=self.init_info_cls, worker_rank=worker_rank,
-            load_batching=load_batching, weights=weights,
+            backend=self.backend,
+            device=self.device,
+            target=lambda: (self.model, None),
+            connect=self._connect,
+            info_type=self.init_info_cls,
+            worker_rank=worker_rank,
+            load_batching=load_batching,
+            weights=weights,
         )
 
     @classmethod
     def standalone(
-        cls, *, model: Any, device: torch.device | str | None = None, worker_rank: int = 0,
-        load_batching: str = "chunk", weights: WeightState | None = None,
+        cls,
+        *,
+        model: Any,
+        device: torch.device | str | None = None,
+        worker_rank: int = 0,
+        load_batching: str = "chunk",
+        weights: WeightState | None = None,
     ) -> Any:
         """The reference server's constructor: ``worker_rank`` is this replica's index
         among the server's workers (its wire rank is ``rank_offset + worker_rank``);
         ``weights``: the model's ``WeightState``, kept across this model's engines."""
-        return cls(model=model, device=device, worker_rank=worker_rank, load_batching=load_batching, weights=weights)
+        return cls(
+            model=model,
+            device=device,
+            worker_rank=worker_rank,
+            load_batching=load_batching,
+            weights=weights,
+        )
 
     _connect = staticmethod(connect)
 

@@ -40,8 +40,13 @@ class HFModelHost:
     transactional_rounds = True
     """A ``begin_round`` .. ``commit_round`` round is all-or-nothing (see ``strategy.StagedRound``)."""
 
-    def __init__(self, hf_model: torch.nn.Module, *, cast_to_param_dtype: bool = False,
-                 write_lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self,
+        hf_model: torch.nn.Module,
+        *,
+        cast_to_param_dtype: bool = False,
+        write_lock: threading.Lock | None = None,
+    ) -> None:
         if not isinstance(hf_model, torch.nn.Module):
             raise TypeError(f"HFModelHost needs a torch.nn.Module, got {type(hf_model).__name__}")
         self.model = hf_model
@@ -75,7 +80,9 @@ class HFModelHost:
     def begin_round(self) -> None:
         with self._lock:
             if self.in_round:
-                raise RuntimeError("HFModelHost: begin_round while a round is open; commit or abort it first")
+                raise RuntimeError(
+                    "HFModelHost: begin_round while a round is open; commit or abort it first"
+                )
             self._stage = {}
             self.last_committed = frozenset()
 
@@ -83,7 +90,9 @@ class HFModelHost:
         """Open a round whose tensors go straight into the parameters (no staging copy)."""
         with self._lock:
             if self.in_round:
-                raise RuntimeError("HFModelHost: begin_in_place_round while a round is open; commit or abort it first")
+                raise RuntimeError(
+                    "HFModelHost: begin_in_place_round while a round is open; commit or abort it first"
+                )
             self._in_place = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -97,7 +106,9 @@ class HFModelHost:
             return self._write_in_place(weights)
         with self._lock:
             if self._stage is None:
-                raise RuntimeError("HFModelHost: load_weights outside a round; call begin_round first")
+                raise RuntimeError(
+                    "HFModelHost: load_weights outside a round; call begin_round first"
+                )
             staged: set[str] = set()
             for name, tensor in weights:
                 key = self._check(name, tensor)
@@ -117,8 +128,14 @@ class HFModelHost:
             self._check(name, tensor)
 
     def _write_in_place(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        pairs = [(self._check(name, tensor), tensor) for name, tensor in weights]  # the whole batch checked first
-        with self._write_lock if self._write_lock is not None else nullcontext(), self._lock, torch.no_grad():
+        pairs = [
+            (self._check(name, tensor), tensor) for name, tensor in weights
+        ]  # the whole batch checked first
+        with (
+            self._write_lock if self._write_lock is not None else nullcontext(),
+            self._lock,
+            torch.no_grad(),
+        ):
             for key, tensor in pairs:
                 self._params[key].copy_(tensor)
         return {key for key, _ in pairs}
@@ -127,12 +144,18 @@ class HFModelHost:
         key = self._alias.get(name)
         if key is None:
             sample = ", ".join(list(self._params)[:3])
-            raise ValueError(f"HFModelHost: unknown weight name {name!r} (model has {len(self._params)} parameters, e.g. {sample})")
+            raise ValueError(
+                f"HFModelHost: unknown weight name {name!r} (model has {len(self._params)} parameters, e.g. {sample})"
+            )
         if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"HFModelHost: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            raise ValueError(
+                f"HFModelHost: {name!r} is a {type(tensor).__name__}, not a torch.Tensor"
+            )
         param = self._params[key]
         if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"HFModelHost: {name!r} has shape {list(tensor.shape)}, the parameter has {list(param.shape)}")
+            raise ValueError(
+                f"HFModelHost: {name!r} has shape {list(tensor.shape)}, the parameter has {list(param.shape)}"
+            )
         if tensor.dtype != param.dtype and not self.cast_to_param_dtype:
             raise ValueError(
                 f"HFModelHost: {name!r} has dtype {tensor.dtype}, the parameter has {param.dtype}; "

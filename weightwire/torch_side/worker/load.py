@@ -89,7 +89,9 @@ class MetaCache:
     def clear(self) -> None:
         self._last.clear()
 
-    def resolve(self, model: Any, update: UpdateInfo, *, packed: bool, buffer_size_bytes: int) -> RoundPlan:
+    def resolve(
+        self, model: Any, update: UpdateInfo, *, packed: bool, buffer_size_bytes: int
+    ) -> RoundPlan:
         """The round's plan; ``ValueError`` for a reuse shorthand with nothing to reuse."""
         key = (id(model), update.src)  # reuse is per broadcaster: each turn has its own slice
         cached = self._last.get(key)
@@ -102,8 +104,12 @@ class MetaCache:
                     "round's metadata) but this engine has received no round since init"
                 )
             return cached.plan
-        if (cached is not None and cached.packed == packed
-                and cached.buffer_size_bytes == buffer_size_bytes and _same(cached.update, update)):
+        if (
+            cached is not None
+            and cached.packed == packed
+            and cached.buffer_size_bytes == buffer_size_bytes
+            and _same(cached.update, update)
+        ):
             return cached.plan  # the same metadata spelled out again: already checked and planned
         metas = update.metas()
         chunks = plan(metas, packed=packed, buffer_size_bytes=buffer_size_bytes)

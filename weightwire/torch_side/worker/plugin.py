@@ -41,7 +41,10 @@ def register() -> None:
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError as exc:
-        log.debug("weightwire plugin: vLLM weight transfer is not importable (%s); nothing registered", exc)
+        log.debug(
+            "weightwire plugin: vLLM weight transfer is not importable (%s); nothing registered",
+            exc,
+        )
         return
     # The round guard asks the workers whether their weights are whole (weightwire.vllm_guard).
     install_worker_method()

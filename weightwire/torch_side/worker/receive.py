@@ -93,8 +93,18 @@ class UnpackPlan:
             else:
                 kind = _Kind.VIEW
                 typed[dtype] = max(typed.get(dtype, 0), offset + nbytes)  # a multiple of itemsize
-            entries.append(_Entry(meta.name, kind, dtype, meta.shape, _c_strides(meta.shape),
-                                  offset // itemsize, offset, nbytes))
+            entries.append(
+                _Entry(
+                    meta.name,
+                    kind,
+                    dtype,
+                    meta.shape,
+                    _c_strides(meta.shape),
+                    offset // itemsize,
+                    offset,
+                    nbytes,
+                )
+            )
         self._entries = tuple(entries)
         self._typed = tuple(typed.items())
         self.in_place = all(e.kind is not _Kind.CLONE for e in entries)
@@ -128,8 +138,9 @@ class UnpackPlan:
         return out
 
 
-def unpack_chunk(buffer: torch.Tensor, metas: Sequence[ParamMeta], chunk: Chunk,
-                 plan: UnpackPlan | None = None) -> list[tuple[str, torch.Tensor]]:
+def unpack_chunk(
+    buffer: torch.Tensor, metas: Sequence[ParamMeta], chunk: Chunk, plan: UnpackPlan | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """Split a received chunk into ``(name, tensor)`` views of each tensor's dtype/shape.
 
     ``plan``: this chunk's ``UnpackPlan`` when the caller keeps one (it must have been

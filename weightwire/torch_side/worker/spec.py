@@ -26,8 +26,17 @@ from weightwire.shared.meta import ParamMeta
 
 # safetensors header dtype -> wire dtype name (torch attribute names).
 _ST_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
     "BOOL": "bool",
 }
 _FLOATS = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
@@ -74,9 +83,13 @@ class ModelSpec:
                 continue
             shape, dtype = want.shape, want.dtype
             if tuple(meta.shape) != shape:
-                problems.append(f"{meta.name!r} has shape {list(meta.shape)}, the model's is {list(shape)}")
+                problems.append(
+                    f"{meta.name!r} has shape {list(meta.shape)}, the model's is {list(shape)}"
+                )
             if meta.dtype != dtype:
-                problems.append(f"{meta.name!r} is {meta.dtype}, the model holds it as {dtype} (no silent cast)")
+                problems.append(
+                    f"{meta.name!r} is {meta.dtype}, the model holds it as {dtype} (no silent cast)"
+                )
         touched = {layer_key(n) for n in seen} - {None}
         covered = seen | {self.aliases[n] for n in seen if n in self.aliases}
         for key in sorted(k for k in touched if k is not None):
@@ -89,13 +102,20 @@ class ModelSpec:
         if problems:
             more = f" (+{len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
             raise ValueError(
-                f"update info does not match {self.where}: " + "; ".join(problems[:_MAX_LISTED]) + more
+                f"update info does not match {self.where}: "
+                + "; ".join(problems[:_MAX_LISTED])
+                + more
                 + "; the round was refused before any byte was received and the model is unchanged"
             )
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str | Path, *, served_dtype: str | None,
-                        aliases: Mapping[str, str] | None = None) -> ModelSpec | None:
+    def from_checkpoint(
+        cls,
+        model_dir: str | Path,
+        *,
+        served_dtype: str | None,
+        aliases: Mapping[str, str] | None = None,
+    ) -> ModelSpec | None:
         """The spec of a local HF directory's ``*.safetensors``; ``None`` when there are
         none (a hub id or a .bin checkpoint: the round is then not pre-checked)."""
         root = Path(model_dir)
@@ -114,4 +134,3 @@ class ModelSpec:
                     tensors[name] = TensorSpec(tuple(int(d) for d in sl.get_shape()), dtype)
         accepted = {a: c for a, c in (aliases or {}).items() if c in tensors and a not in tensors}
         return cls(tensors, accepted, where=f"the checkpoint at {root}")
-

@@ -29,7 +29,13 @@ from itertools import chain
 from typing import Any, ClassVar
 
 from weightwire.shared.staging import round_streams
-from weightwire.torch_side.worker.load import FrameworkHooks, Pairs, call_hook, load_batches, load_staged
+from weightwire.torch_side.worker.load import (
+    FrameworkHooks,
+    Pairs,
+    call_hook,
+    load_batches,
+    load_staged,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +62,11 @@ class IncompleteRound:
     since: float = field(default_factory=time.time)
 
     def describe(self) -> str:
-        return (f"the model holds an incomplete weight round (session {self.session}, {self.reason}): "
-                f"{len(self.names)} tensor(s) may be new, the rest old; a complete round must commit "
-                "before it serves again")
+        return (
+            f"the model holds an incomplete weight round (session {self.session}, {self.reason}): "
+            f"{len(self.names)} tensor(s) may be new, the rest old; a complete round must commit "
+            "before it serves again"
+        )
 
 
 class WeightState:
@@ -82,9 +90,14 @@ class WeightState:
             log.warning("a complete round committed: the model is whole again")
             self.incomplete = None
             return
-        self.incomplete = IncompleteRound(self.incomplete.session, self.incomplete.reason, frozenset(missing))
-        log.error("a round committed but left %d tensor(s) of the incomplete round unwritten: %s",
-                  len(missing), self.incomplete.describe())
+        self.incomplete = IncompleteRound(
+            self.incomplete.session, self.incomplete.reason, frozenset(missing)
+        )
+        log.error(
+            "a round committed but left %d tensor(s) of the incomplete round unwritten: %s",
+            len(missing),
+            self.incomplete.describe(),
+        )
 
 
 class ReceiveStrategy(ABC):
@@ -154,8 +167,12 @@ class StagedRound(ReceiveStrategy):
         streaming.begin()
         streaming.pending, self.held = self.held, []
         if streaming.pending:
-            log.info("%s: the round outgrew the stage budget (%d bytes); the %d held tensors go in place first",
-                     self.target.backend, budget_bytes, len(streaming.pending))
+            log.info(
+                "%s: the round outgrew the stage budget (%d bytes); the %d held tensors go in place first",
+                self.target.backend,
+                budget_bytes,
+                len(streaming.pending),
+            )
         return streaming
 
     def begin(self) -> None:
@@ -196,8 +213,12 @@ class StagedRound(ReceiveStrategy):
 
     def abort(self, why: str) -> None:
         dropped, self.held = len(self.held), []
-        log.info("%s: round dropped (%s); %d received tensors discarded, weights unchanged",
-                 self.target.backend, why, dropped)
+        log.info(
+            "%s: round dropped (%s); %d received tensors discarded, weights unchanged",
+            self.target.backend,
+            why,
+            dropped,
+        )
 
 
 class StreamingRound(ReceiveStrategy):
@@ -225,7 +246,11 @@ class StreamingRound(ReceiveStrategy):
             t.framework.begin(t.model)
         try:
             # A model that can apply in place says so with its own hook (HFModelHost).
-            hook = "begin_in_place_round" if callable(getattr(t.model, "begin_in_place_round", None)) else "begin_round"
+            hook = (
+                "begin_in_place_round"
+                if callable(getattr(t.model, "begin_in_place_round", None))
+                else "begin_round"
+            )
             call_hook(t.model, hook)
         except BaseException:
             self._abort_hooks()

@@ -65,7 +65,9 @@ class LayerwiseReload:
             self._aliases = tied_aliases(model)
         return self._aliases
 
-    def prepare(self, model: Any, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    def prepare(
+        self, model: Any, pairs: list[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
         # vLLM's loader skips a tied alias and raises if its canonical tensor is not in
         # the same load_weights call; the values are one tensor, so keep one name.
         aliases = self.aliases(model)
@@ -117,7 +119,9 @@ class LayerwiseReload:
             if info.can_load() and info.load_numel > 0:
                 info.loaded_weights.clear()
                 info.load_numel = 0
-        log.warning("weight update aborted while applying: incomplete layers keep their previous weights")
+        log.warning(
+            "weight update aborted while applying: incomplete layers keep their previous weights"
+        )
         self.commit(model, model_config)
 
     def receive_context(self) -> AbstractContextManager[Any]:
@@ -142,7 +146,9 @@ def refresh_tied(model: Any, aliases: dict[str, str]) -> None:
     """
     owners = {name.rsplit(".", 1)[0] for name in aliases}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
+        process = getattr(
+            getattr(module, "quant_method", None), "process_weights_after_loading", None
+        )
         if prefix in owners and callable(process):
             process(module)
 
@@ -169,7 +175,9 @@ def repack_cpu_moe_on_reload(model: Any) -> None:
         method: Any = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
-        if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_weightwire_repacks", False):
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(
+            method, "_weightwire_repacks", False
+        ):
             continue
         process = method.process_weights_after_loading
 
@@ -191,7 +199,9 @@ def checkpoint_spec(model_config: Any, model: Any) -> ModelSpec | None:
         return None
     spec = ModelSpec.from_checkpoint(model_dir, served_dtype=served, aliases=tied_aliases(model))
     if spec is None:
-        log.warning("no local safetensors under %s: update info is not checked against the model", model_dir)
+        log.warning(
+            "no local safetensors under %s: update info is not checked against the model", model_dir
+        )
     return spec
 
 
@@ -221,9 +231,13 @@ def worker_rank(parallel_config: Any) -> int:
 
 
 class _VllmEngine(EngineFacade, WeightTransferEngine):
-    _connect = staticmethod(connect)  # the backend's connect, found in the registry by the init info
+    _connect = staticmethod(
+        connect
+    )  # the backend's connect, found in the registry by the init info
 
-    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
         WeightTransferEngine.__init__(self, config, vllm_config, device, model)
         self._reload = LayerwiseReload()
         self._core = _ReceiverCore(
