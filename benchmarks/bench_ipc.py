@@ -147,7 +147,7 @@ def ceilings_s(engine: Any, params: dict[str, Any], nbytes: int, reps: int) -> t
     what push does) and one (tensors -> A: what pull does); CUDA events, medians."""
     import cupy as cp
 
-    pipe = engine._pipeline
+    pipe = engine.session.sender
     stream = pipe._stream
     regions = pipe._packer.regions(list(params.values()), stream)
     a, b = cp.cuda.runtime.malloc(nbytes), cp.cuda.runtime.malloc(nbytes)
@@ -248,11 +248,11 @@ def run_config(
         else:
             engine.send_weights()
         got = rpc(cfg["port"], "mem_peak", t)
-        pull = type(engine._pipeline).__name__ == "IPCPullPipeline"
+        pull = type(engine.session.sender).__name__ == "IPCPullPipeline"
         row.update(
             ipc_mode="pull" if pull else "push",
             trainer_extra=0 if pull else nb * buf,
-            trainer_between=engine._pipeline.held_bytes(),
+            trainer_between=engine.session.sender.held_bytes(),
             worker_extra=got["peak_extra"] + got.get("pool", 0),
             worker_pool=got.get("pool", 0),
             loaded_ok=got["nbytes"] == nbytes and got["tensors"] == len(params),
