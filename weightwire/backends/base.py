@@ -71,7 +71,8 @@ def check_chunk_bytes(chunk: Chunk, got: int) -> None:
     """The bytes a chunk's tensors produced must be what the plan (and so the workers) expect."""
     if got != chunk.nbytes:
         raise ValueError(
-            f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, the plan says {chunk.nbytes}"
+            f"tensors {chunk.start}..{chunk.stop - 1} produced {got} bytes, "
+            f"the plan says {chunk.nbytes}"
         )
 
 

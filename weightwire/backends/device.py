@@ -75,7 +75,8 @@ def resolve_buffer(buffer: Any, cp: Any, stream: Any, *, sync_fallback: bool) ->
 def _from_cupy(arr: Any, owner: Any) -> DeviceBytes:
     if not arr.flags.c_contiguous:
         raise ValueError(
-            f"broadcast buffer must be C-contiguous, got shape {arr.shape} with strides {arr.strides}"
+            f"broadcast buffer must be C-contiguous, got shape {arr.shape} "
+            f"with strides {arr.strides}"
         )
     return DeviceBytes(int(arr.data.ptr), int(arr.nbytes), int(arr.device.id), owner)
 
@@ -155,7 +156,8 @@ def stream_pointer(stream: Any) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     raise TypeError(
-        f"stream must be a CuPy/torch CUDA stream, a __cuda_stream__ object or an int pointer, got {type(stream).__name__}"
+        "stream must be a CuPy/torch CUDA stream, a __cuda_stream__ object or an int pointer, "
+        f"got {type(stream).__name__}"
     )
 
 
@@ -186,7 +188,10 @@ class SlotBuffers:
         return sum(int(b.nbytes) for b in self._slots.values())
 
     def slot(self, slot: int, nbytes: int) -> Any:
-        """The slot's buffer, at least ``nbytes`` long, as a ``uint8`` CuPy array of exactly ``nbytes``."""
+        """The slot's buffer, at least ``nbytes`` long.
+
+        Returned as a ``uint8`` CuPy array of exactly ``nbytes``.
+        """
         buf = self._slots.get(slot)
         if buf is None or buf.nbytes < nbytes:
             self._slots.pop(
@@ -209,7 +214,8 @@ class SlotBuffers:
         ]
         if wrong:
             raise ValueError(
-                f"chunk tensors live on CUDA devices {sorted(set(wrong))}; the sender packs on device {self._device}"
+                f"chunk tensors live on CUDA devices {sorted(set(wrong))}; "
+                f"the sender packs on device {self._device}"
             )
         out = self.slot(slot, nbytes)
         self._owners[slot] = parts  # sources (staging copies included) live until the slot settles

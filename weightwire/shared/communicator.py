@@ -2,8 +2,9 @@
 
 The TCP, NCCL and IPC communicators implement it (structurally: none inherits), so
 framing and engines are written once; ``DeviceCommunicator`` adds the stream-ordered
-calls the on-device pipeline needs (NCCL). Every call that waits takes a timeout; a communicator that times out or
-loses a peer raises a ``TransferError`` and is unusable afterwards (``abort()``).
+calls the on-device pipeline needs (NCCL). Every call that waits takes a timeout; a
+communicator that times out or loses a peer raises a ``TransferError`` and is unusable
+afterwards (``abort()``).
 """
 
 from __future__ import annotations

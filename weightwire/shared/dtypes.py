@@ -62,7 +62,8 @@ def wire_dtype(name: object) -> WireDType:
     """Look up a wire dtype by name; unknown names raise naming the supported set."""
     if not isinstance(name, str) or name not in WIRE_DTYPES:
         raise ValueError(
-            f"unsupported dtype {bounded_repr(name)}; supported wire dtypes: {', '.join(SUPPORTED_DTYPES)}"
+            f"unsupported dtype {bounded_repr(name)}; "
+            f"supported wire dtypes: {', '.join(SUPPORTED_DTYPES)}"
         )
     return WIRE_DTYPES[name]
 

@@ -99,11 +99,17 @@ class ConfigError(WeightwireError, ValueError):
 
 
 class SourceMismatch(ConfigError):
-    """Iteration disagreed with ``metadata()``; raised before the bad tensor is sent: fix the source."""
+    """Iteration disagreed with ``metadata()``; fix the source.
+
+    Raised before the bad tensor is sent.
+    """
 
 
 class TransferError(WeightwireError, RuntimeError):
-    """The data plane failed (a peer lost or refused, a wait timed out): the round failed; re-init and retry."""
+    """The data plane failed (a peer lost or refused, a wait timed out).
+
+    The round failed; re-init and retry.
+    """
 
 
 class TransferTimeout(TransferError, TimeoutError):
@@ -152,12 +158,21 @@ class ControlTimeout(WeightSyncError, TimeoutError):
 
 
 class RoundError(WeightwireError):
-    """A round failed on the trainer side (a broken engine, a failed or silent rank): re-init, then retry it."""
+    """A round failed on the trainer side (a broken engine, a failed or silent rank).
+
+    Re-init, then retry it.
+    """
 
 
 class UnavailableError(WeightwireError):
-    """This machine lacks something (a package, CuPy, a CUDA device): install it or pick another backend."""
+    """This machine lacks something (a package, CuPy, a CUDA device).
+
+    Install it or pick another backend.
+    """
 
 
 class ReferenceServerError(WeightwireError):
-    """Raised inside the reference server and turned into its HTTP reply; a trainer sees a ``WeightSyncError``."""
+    """Raised inside the reference server and turned into its HTTP reply.
+
+    A trainer sees a ``WeightSyncError``.
+    """

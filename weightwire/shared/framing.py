@@ -87,7 +87,8 @@ def pack_host(
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         if arr.nbytes != end - offset:
             raise ValueError(
-                f"tensor {chunk.start + i} of the round has {arr.nbytes} bytes, its slot has {end - offset}"
+                f"tensor {chunk.start + i} of the round has {arr.nbytes} bytes, "
+                f"its slot has {end - offset}"
             )
         out[offset:end] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
     return out[: chunk.nbytes]

@@ -2,8 +2,8 @@
 ``/update_weights``, parsed strictly on both sides.
 
 Every parser rejects unknown keys, wrong types and out-of-limit values with a
-``ConfigError`` (a ``ValueError``) naming the field, so a malformed payload fails the request instead of
-sizing a buffer, joining a wrong group or hanging a collective.
+``ConfigError`` (a ``ValueError``) naming the field, so a malformed payload fails the
+request instead of sizing a buffer, joining a wrong group or hanging a collective.
 """
 
 from __future__ import annotations
@@ -116,10 +116,10 @@ class _StrictInfo:
 
     def __repr__(self) -> str:
         # Secrets (unique ids, TCP secrets) must never reach logs or reprs.
-        parts = [
-            f"{f.name}={'<redacted>' if f.name in self._secret_fields else repr(getattr(self, f.name))}"
-            for f in fields(self)  # type: ignore[arg-type]
-        ]
+        parts: list[str] = []
+        for f in fields(self):  # type: ignore[arg-type]
+            shown = "<redacted>" if f.name in self._secret_fields else repr(getattr(self, f.name))
+            parts.append(f"{f.name}={shown}")
         return f"{type(self).__name__}({', '.join(parts)})"
 
 
@@ -134,7 +134,8 @@ def _check_wire_params(
         )
     if not 1 <= rank_offset < world_size:
         raise ConfigError(
-            f"{ctx}.rank_offset must be in [1, world_size), got {rank_offset} with world_size {world_size}"
+            f"{ctx}.rank_offset must be in [1, world_size), "
+            f"got {rank_offset} with world_size {world_size}"
         )
 
 
@@ -146,7 +147,8 @@ def decode_secret(ctx: str, value: str, nbytes: int) -> bytes:
     if len(value) != encoded_len:
         # Checked before decoding so a megabyte "id" is refused without work.
         raise ConfigError(
-            f"{ctx} must be {encoded_len} base64 characters ({nbytes} bytes), got {len(value)} characters"
+            f"{ctx} must be {encoded_len} base64 characters ({nbytes} bytes), "
+            f"got {len(value)} characters"
         )
     try:
         raw = base64.b64decode(value.encode("ascii"), validate=True)
@@ -273,7 +275,8 @@ class TCPInitInfo(_StrictInfo):
         if got + 1 > self.rank_offset:
             raise ConfigError(
                 f"{ctx}.sources lists {got} broadcasting rank(s) besides rank 0, but rank_offset "
-                f"{self.rank_offset} leaves only {self.rank_offset - 1} trainer rank(s) below the workers"
+                f"{self.rank_offset} leaves only {self.rank_offset - 1} trainer rank(s) "
+                "below the workers"
             )
         _ = self.endpoints
 
@@ -380,7 +383,8 @@ class UpdateInfo(_StrictInfo):
             nbytes = math.prod(dims) * row.itemsize
             if nbytes > LIMITS.max_tensor_bytes:
                 raise ConfigError(
-                    f"shapes[{i}] {list(dims)} is {nbytes} bytes, over the per-tensor limit {LIMITS.max_tensor_bytes}"
+                    f"shapes[{i}] {list(dims)} is {nbytes} bytes, "
+                    f"over the per-tensor limit {LIMITS.max_tensor_bytes}"
                 )
             total += nbytes
         if total > LIMITS.max_round_bytes:

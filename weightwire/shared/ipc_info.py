@@ -82,7 +82,8 @@ class IPCInitInfo(_StrictInfo):
             got = getattr(self, key)
             if len(got) != self.packed_num_buffers:
                 raise ConfigError(
-                    f"{ctx}.{key} must list one handle per slot ({self.packed_num_buffers}), got {len(got)}"
+                    f"{ctx}.{key} must list one handle per slot ({self.packed_num_buffers}), "
+                    f"got {len(got)}"
                 )
         _ = self.mem_handles, self.event_handles
         uuid = self.device_uuid

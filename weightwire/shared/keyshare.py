@@ -45,7 +45,10 @@ _EXPONENT_BITS = (
 
 @dataclass(frozen=True)
 class KeyShare:
-    """One side's ephemeral key: ``public_b64`` may be posted anywhere; the exponent never leaves."""
+    """One side's ephemeral key.
+
+    ``public_b64`` may be posted anywhere; the exponent never leaves.
+    """
 
     _exponent: int = field(repr=False)
     public_b64: str

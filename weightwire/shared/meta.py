@@ -32,7 +32,8 @@ class ParamMeta:
             )
         if len(self.name) > LIMITS.max_name_length:
             raise ValueError(
-                f"ParamMeta.name is {len(self.name)} characters, over the limit {LIMITS.max_name_length}"
+                f"ParamMeta.name is {len(self.name)} characters, "
+                f"over the limit {LIMITS.max_name_length}"
             )
         try:
             row = wire_dtype(self.dtype)
@@ -48,7 +49,8 @@ class ParamMeta:
         if self.owners is not None:
             if not isinstance(self.owners, (list, tuple)):
                 raise ValueError(
-                    f"owners of {self.name!r} must be a list of ints, got {bounded_repr(self.owners)}"
+                    f"owners of {self.name!r} must be a list of ints, "
+                    f"got {bounded_repr(self.owners)}"
                 )
             owners = tuple(self.owners)
             # bool is an int subclass: [True] is a caller bug, not rank 1.

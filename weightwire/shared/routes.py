@@ -70,14 +70,16 @@ SESSION_HEADER = "X-Weightwire-Session"
 """Carries the ``session_id`` an init reply returned on the session's later weight calls;
 the reference server refuses (409) a call whose session a newer init replaced."""
 
-# vLLM's sleep mode (dev-mode routes): /sleep?level=0|1|2&mode=..., /wake_up?tags=weights&tags=kv_cache.
+# vLLM's sleep mode (dev-mode routes): /sleep?level=0|1|2&mode=...,
+# /wake_up?tags=weights&tags=kv_cache.
 SLEEP = Route("sleep", "POST", "/sleep")
 WAKE_UP = Route("wake_up", "POST", "/wake_up")
 IS_SLEEPING = Route("is_sleeping", "GET", "/is_sleeping")
 ROUTES.update({r.name: r for r in (SLEEP, WAKE_UP, IS_SLEEPING)})
 
-# vLLM's cache routes (dev mode, like the weight routes, in 0.30-0.33): after a round, drop what the old
-# weights computed. /reset_prefix_cache?reset_running_requests=true&reset_external=true -> {"success": bool}.
+# vLLM's cache routes (dev mode, like the weight routes, in 0.30-0.33): after a round, drop what
+# the old weights computed.
+# /reset_prefix_cache?reset_running_requests=true&reset_external=true -> {"success": bool}.
 RESET_PREFIX_CACHE = Route("reset_prefix_cache", "POST", "/reset_prefix_cache")
 RESET_ENCODER_CACHE = Route("reset_encoder_cache", "POST", "/reset_encoder_cache")
 ROUTES.update({r.name: r for r in (RESET_PREFIX_CACHE, RESET_ENCODER_CACHE)})

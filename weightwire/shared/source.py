@@ -76,7 +76,8 @@ def as_source(obj: Any) -> WeightSource:
             w for w, ok in (("metadata", has_meta), ("__iter__ or iter_full()", has_iter)) if not ok
         ]
         raise TypeError(
-            f"a weight source needs metadata and iteration; {type(obj).__name__} lacks {' and '.join(missing)}"
+            "a weight source needs metadata and iteration; "
+            f"{type(obj).__name__} lacks {' and '.join(missing)}"
         )
     return _DuckSource(obj)
 
@@ -134,7 +135,8 @@ def checked_iter(
     for name, tensor in pairs:
         if i >= count:
             raise SourceMismatch(
-                f"source yielded more tensors than metadata declared ({count}); first extra is {name!r}"
+                f"source yielded more tensors than metadata declared ({count}); "
+                f"first extra is {name!r}"
             )
         want = metas[i]
         dtype, shape = describe(tensor)
@@ -152,5 +154,6 @@ def checked_iter(
         yield name, tensor
     if i != len(metas):
         raise SourceMismatch(
-            f"source yielded {i} tensors but metadata declared {len(metas)}; first missing is {metas[i].name!r}"
+            f"source yielded {i} tensors but metadata declared {len(metas)}; "
+            f"first missing is {metas[i].name!r}"
         )

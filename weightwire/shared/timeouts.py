@@ -28,7 +28,10 @@ class Timeouts:
 
     @classmethod
     def from_env(cls) -> Timeouts:
-        """Defaults overridden by ``WEIGHTWIRE_TIMEOUT_<FIELD>``; a bad value raises naming the variable."""
+        """Defaults overridden by ``WEIGHTWIRE_TIMEOUT_<FIELD>``.
+
+        A bad value raises naming the variable.
+        """
         values: dict[str, float] = {}
         for f in fields(cls):
             var = f"WEIGHTWIRE_TIMEOUT_{f.name.upper()}"

@@ -163,7 +163,10 @@ class ServerFeatures:
 
     @classmethod
     def for_version(cls, version: str, *, override: str | None = None) -> ServerFeatures:
-        """Gate ``version`` (raises ``ValueError`` if unparsable); ``override`` forces a known row."""
+        """Gate ``version`` (raises ``ValueError`` if unparsable).
+
+        ``override`` forces a known row.
+        """
         parsed = parse_version(version)
         if override is not None:
             forced = parse_version(override)
@@ -186,14 +189,18 @@ class ServerFeatures:
         return cls(version, row, why, **flags)
 
     def require(self, feature: str, why: str) -> None:
-        """Raise ``ValueError`` naming ``feature``, the version, the basis and ``why`` unless present."""
+        """Raise ``ValueError`` unless ``feature`` is present.
+
+        The message names ``feature``, the version, the basis and ``why``.
+        """
         if getattr(self, feature):
             return
         f = _FEATURE[feature]
         if self.release is not None and self.release >= f.first and not f.carries_forward:
             reason = (
-                f"its wire form changed in {_fmt(f.first)} and the server ({self.basis}) may have changed "
-                "it again; pass a version override if you know it behaves as the newest known release"
+                f"its wire form changed in {_fmt(f.first)} "
+                f"and the server ({self.basis}) may have changed it again; "
+                "pass a version override if you know it behaves as the newest known release"
             )
         else:
             reason = f"needs >= {_fmt(f.first)}; server is {self.basis}"

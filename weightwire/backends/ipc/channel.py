@@ -164,7 +164,8 @@ class Channel:
         msg = self.recv(deadline=deadline, what=what, alive=alive)
         if msg["op"] != op:
             raise TransferError(
-                f"{self.peer} sent {msg['op']!r} where {what} ({op!r}) was due: the two sides disagree on the round"
+                f"{self.peer} sent {msg['op']!r} where {what} ({op!r}) was due: "
+                "the two sides disagree on the round"
             )
         return msg
 

@@ -1,4 +1,6 @@
-"""``GatherCopy``: a chunk's tensor copies as one kernel launch plus a memcpy per huge tensor (``weightwire_ipc``).
+"""``GatherCopy``: a chunk's tensor copies as one kernel launch plus a memcpy per huge tensor.
+
+Part of ``weightwire_ipc``.
 
 A packed chunk is its tensors' bytes back to back, so filling it is one device copy per
 tensor. On an H200 each ``cudaMemcpyAsync`` costs ~6 us of host time, and the GPU runs
@@ -60,7 +62,8 @@ _MEMCPY_HOST_TO_DEVICE = 1
 _SOURCE = r"""
 extern "C" __global__ void weightwire_gather(const unsigned long long* table, long long rows) {
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const unsigned long long src = table[3 * row], dst = table[3 * row + 1], n = table[3 * row + 2];
+        const unsigned long long src = table[3 * row], dst = table[3 * row + 1];
+        const unsigned long long n = table[3 * row + 2];
         if (((src | dst | n) & 15ULL) == 0) {
             const uint4* s = (const uint4*)src;
             uint4* d = (uint4*)dst;
@@ -140,7 +143,10 @@ class GatherCopy:
         deadline: float,
         alive: Callable[[], None],
     ) -> None:
-        """Enqueue the copies of ``regions`` to ``dst``, ``dst + regions[0].nbytes``, ... on the stream."""
+        """Enqueue the copies of ``regions`` on the stream.
+
+        They land at ``dst``, ``dst + regions[0].nbytes``, ... in order.
+        """
         copy = self._cp.cuda.runtime.memcpyAsync
         stream = self._stream.ptr
         srcs: list[int] = []
@@ -165,7 +171,10 @@ class GatherCopy:
         self._launch(srcs, dsts, sizes, deadline=deadline, alive=alive)
 
     def _ready(self) -> bool:
-        """Compile the kernel once; False (and plain memcpys from then on) where NVRTC is missing."""
+        """Compile the kernel once.
+
+        False (and plain memcpys from then on) where NVRTC is missing.
+        """
         if self._kernel is not None:
             return True
         if self._broken:

@@ -78,7 +78,10 @@ class IPCSenderComm:
             ch.close()
 
     def release(self) -> None:
-        """Free the slots and events (after the fill stream was synchronized or the session ended)."""
+        """Free the slots and events.
+
+        Called after the fill stream was synchronized or the session ended.
+        """
         self.slots.destroy()
         for events in self.free_events:
             for e in events:

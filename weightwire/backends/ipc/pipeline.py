@@ -92,7 +92,10 @@ class IPCDataPath(RoundSender):
             dump_trace("trainer")
 
     def _regions(self, chunk: Chunk, tensors: list[Any]) -> list[Any]:
-        """The chunk's device regions, checked against the plan, held until the fill stream settled."""
+        """The chunk's device regions, checked against the plan.
+
+        They are held until the fill stream settled.
+        """
         regions = self._packer.regions(tensors, self._stream)
         check_chunk_bytes(chunk, sum(r.nbytes for r in regions))
         self._in_flight[0].append(regions)
@@ -157,7 +160,10 @@ class IPCPipeline(IPCDataPath):
             self._comm.release()
 
     def held_bytes(self) -> int:
-        """Trainer-side extra device memory: the slots (0 between rounds with release-after-round)."""
+        """Trainer-side extra device memory: the slots.
+
+        0 between rounds with release-after-round.
+        """
         return self._comm.slots.held_bytes()
 
     # -- a round ----------------------------------------------------------------------------
@@ -296,7 +302,9 @@ class IPCPipeline(IPCDataPath):
                 timeout=min(self._timeout, 30.0),
                 what="the fill stream",
             )
-        except Exception:  # a fill stream that will not settle: leak the slots rather than free memory under a copy
+        except Exception:
+            # A fill stream that will not settle: leak the slots rather than free memory under a
+            # copy.
             self._comm.slots.ptrs = []
 
 

@@ -1,4 +1,6 @@
-"""The worker's receive buffers for pull mode (``weightwire_ipc``): exported, pooled, leased to torch.
+"""The worker's receive buffers for pull mode (``weightwire_ipc``).
+
+They are exported, pooled and leased to torch.
 
 In pull mode the trainer writes each chunk straight into a buffer of the worker's
 (one device copy per byte, in the trainer's context). A buffer must therefore be
@@ -218,8 +220,10 @@ class ReceivePool:
                 ptr = int(runtime.malloc(nbytes))
             except Exception as exc:
                 raise TransferError(
-                    f"cannot allocate an IPC receive buffer of {nbytes} bytes on CUDA device {self.device}: {exc} "
-                    "(lower packed_buffer_size_bytes / --gpu-memory-utilization, or use ipc_mode='push')"
+                    f"cannot allocate an IPC receive buffer of {nbytes} bytes "
+                    f"on CUDA device {self.device}: {exc} "
+                    "(lower packed_buffer_size_bytes / --gpu-memory-utilization, "
+                    "or use ipc_mode='push')"
                 ) from exc
             try:
                 event = new_ipc_event(self._cp)
@@ -282,8 +286,8 @@ class ReceivePool:
         lost = sum(b.nbytes for b in leaked)
         if lost:
             logger.warning(
-                "weightwire_ipc: %d receive buffer(s) (%d bytes) left allocated: the round ended while "
-                "the trainer may still have been writing them",
+                "weightwire_ipc: %d receive buffer(s) (%d bytes) left allocated: "
+                "the round ended while the trainer may still have been writing them",
                 len(leaked),
                 lost,
             )

@@ -1,4 +1,6 @@
-"""``IPCPullPipeline``: rank 0's one-copy data path of ``weightwire_ipc`` (pull mode, packed rounds).
+"""``IPCPullPipeline``: rank 0's one-copy data path of ``weightwire_ipc``.
+
+Used in pull mode, for packed rounds only.
 
 The trainer writes each chunk straight into the worker's own receive buffer
 (``backends.ipc.pool.ReceivePool``): one ``cudaMemcpyAsync`` per tensor on the fill
@@ -60,7 +62,10 @@ MAX_BUFFERS = 1 << 16
 
 
 class WorkerBuffers:
-    """One worker's receive buffers as this trainer mapped them: id -> (pointer, bytes, free event)."""
+    """One worker's receive buffers as this trainer mapped them.
+
+    Keyed by buffer id: id -> (pointer, bytes, free event).
+    """
 
     def __init__(self, cp: Any, device: int, peer: str) -> None:
         self._cp, self.device, self.peer = cp, int(device), peer
@@ -72,7 +77,8 @@ class WorkerBuffers:
         n = check_int(msg, "n", 1, 1 << 62, self.peer)
         if n != chunk_bytes:
             raise TransferError(
-                f"{self.peer} wants {n} bytes for chunk {msg.get('c')} where the plan has {chunk_bytes}: "
+                f"{self.peer} wants {n} bytes for chunk {msg.get('c')} "
+                f"where the plan has {chunk_bytes}: "
                 "trainer and worker disagree on the round's plan"
             )
         known = self.mapped.get(bid)
@@ -108,7 +114,8 @@ class WorkerBuffers:
                 ptr = int(runtime.ipcOpenMemHandle(mem, CUDA_IPC_LAZY_PEER_ACCESS))
             except Exception as exc:
                 raise TransferError(
-                    f"cannot open {self.peer}'s receive buffer {bid} (cudaIpcOpenMemHandle: {exc}); "
+                    f"cannot open {self.peer}'s receive buffer {bid} "
+                    f"(cudaIpcOpenMemHandle: {exc}); "
                     "the worker must run on this host and its GPU be reachable from this one"
                 ) from exc
             try:
@@ -151,7 +158,10 @@ def _early_wants(msg: dict[str, Any], depth: int, peer: str) -> dict[int, dict[s
 
 
 class IPCPullPipeline(IPCDataPath):
-    """Chunks straight into the workers' buffers (packed rounds: the rendezvous picks pull only for them)."""
+    """Chunks straight into the workers' buffers.
+
+    Packed rounds only: the rendezvous picks pull only for them.
+    """
 
     def __init__(
         self,
@@ -169,7 +179,10 @@ class IPCPullPipeline(IPCDataPath):
         self._buffers = [WorkerBuffers(comm.cp, comm.slots.device, ch.peer) for ch in comm.channels]
         self._gather = GatherCopy(comm.cp, comm.slots.device, self._sptr)
         self._early: list[dict[int, dict[str, Any]] | None] = [None] * len(comm.channels)
-        """Per worker: this round's early wants by chunk (None until its "early" message was read)."""
+        """Per worker: this round's early wants by chunk.
+
+        None until its "early" message was read.
+        """
 
     def send(
         self,

@@ -74,7 +74,8 @@ def cupy_module() -> Any:
         import cupy  # optional dependency, GPU hosts only
     except Exception as exc:
         raise IPCUnavailable(
-            f"weightwire_ipc needs CuPy on a CUDA machine: {install_command('cuda13')} (cupy-cuda13x) or "
+            "weightwire_ipc needs CuPy on a CUDA machine: "
+            f"{install_command('cuda13')} (cupy-cuda13x) or "
             f"[cuda12], matching your CUDA; import failed: {exc}"
         ) from exc
     return cupy
@@ -116,7 +117,8 @@ def open_event(cp: Any, handle: bytes, what: str) -> int:
         return int(cp.cuda.runtime.ipcOpenEventHandle(handle))
     except Exception as exc:
         raise TransferError(
-            f"cannot open {what} (cudaIpcOpenEventHandle: {exc}); is the peer on this host and alive?"
+            f"cannot open {what} (cudaIpcOpenEventHandle: {exc}); "
+            "is the peer on this host and alive?"
         ) from exc
 
 
@@ -229,8 +231,10 @@ class IPCSlots:
             except Exception as exc:
                 self.free_memory()
                 raise TransferError(
-                    f"cannot allocate {self.count} IPC slot(s) of {self.nbytes} bytes on CUDA device {self.device}: {exc} "
-                    "(lower packed_buffer_size_bytes / packed_num_buffers, or XLA_PYTHON_CLIENT_MEM_FRACTION)"
+                    f"cannot allocate {self.count} IPC slot(s) of {self.nbytes} bytes "
+                    f"on CUDA device {self.device}: {exc} "
+                    "(lower packed_buffer_size_bytes / packed_num_buffers, "
+                    "or XLA_PYTHON_CLIENT_MEM_FRACTION)"
                 ) from exc
 
     @property
@@ -282,8 +286,9 @@ class OpenedSlots:
                 except Exception as exc:
                     self.close()
                     raise TransferError(
-                        f"cannot open the trainer's IPC slot {i} (cudaIpcOpenMemHandle: {exc}); the trainer must run on "
-                        "this host, be alive, and its GPU be reachable from this one (same GPU or peer access)"
+                        f"cannot open the trainer's IPC slot {i} (cudaIpcOpenMemHandle: {exc}); "
+                        "the trainer must run on this host, be alive, and its GPU be reachable "
+                        "from this one (same GPU or peer access)"
                     ) from exc
 
     def close(self) -> None:

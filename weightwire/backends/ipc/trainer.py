@@ -127,7 +127,8 @@ class IPCRendezvous:
                 handles = decode_handles(f"{ch.peer} hello.free", hello.get("free"))
                 if len(handles) != self.slots.count:
                     raise TransferError(
-                        f"{ch.peer} exported {len(handles)} free events for {self.slots.count} slots"
+                        f"{ch.peer} exported {len(handles)} free events "
+                        f"for {self.slots.count} slots"
                     )
                 with self._cp.cuda.Device(self.device):
                     frees.append(

@@ -8,12 +8,12 @@ trainer copies the chunk's tensors straight into it and says "ready"; ``wait`` m
 the current stream wait on the ready event and hands the buffer to torch as a lease
 (``pool.ReceivePool.lease``): no copy on this side.
 
-Push, per piece (the trainer's slots opened once per session): the copy stream waits (on the device) for the slot's ready event, copies
-the piece into the chunk's fresh buffer, records this worker's free event for the
-slot and only then says "free" to the trainer, which refills the slot after that
-event. The copy-out is needed: vLLM's layerwise reload and ``HFModelHost`` keep the
-tensors they are handed until their layer (round) completes, while the slot is
-refilled at once. Chunks land in fresh allocations, as on the other links.
+Push, per piece (the trainer's slots opened once per session): the copy stream waits (on
+the device) for the slot's ready event, copies the piece into the chunk's fresh buffer,
+records this worker's free event for the slot and only then says "free" to the trainer,
+which refills the slot after that event. The copy-out is needed: vLLM's layerwise reload
+and ``HFModelHost`` keep the tensors they are handed until their layer (round) completes,
+while the slot is refilled at once. Chunks land in fresh allocations, as on the other links.
 """
 
 from __future__ import annotations
@@ -250,7 +250,8 @@ class IPCLink(ChunkedLink):
                     or check_int(msg, "o", 0, 1 << 62, ch.peer) != got
                 ):
                     raise TransferError(
-                        f"{ch.peer} announced chunk {msg['c']} at byte {msg['o']} where chunk {index} at byte {got} "
+                        f"{ch.peer} announced chunk {msg['c']} at byte {msg['o']} "
+                        f"where chunk {index} at byte {got} "
                         "was due: trainer and worker disagree on the round's plan"
                     )
                 slot = check_int(msg, "s", 0, count - 1, ch.peer)
@@ -274,7 +275,8 @@ class IPCLink(ChunkedLink):
                 ch.send({"op": "free", "s": slot})
                 got += n
             if last and rx.info.release_after_round:
-                # The trainer frees its slots after this round: copy-outs done, mappings closed first.
+                # The trainer frees its slots after this round: copy-outs done, mappings closed
+                # first.
                 sync_stream(
                     cp,
                     rx.device,

@@ -74,7 +74,8 @@ def _cupy() -> tuple[Any, Any]:
         from cupy.cuda import nccl
     except Exception as exc:  # ImportError, or OSError/RuntimeError from CUDA libraries
         raise NCCLUnavailable(
-            f"the NCCL transport needs CuPy with NCCL: {install_command('cuda13')} (cupy-cuda13x) or "
+            "the NCCL transport needs CuPy with NCCL: "
+            f"{install_command('cuda13')} (cupy-cuda13x) or "
             f"[cuda12] (cupy-cuda12x), matching your CUDA, on a CUDA machine; import failed: {exc}"
         ) from exc
     if not getattr(nccl, "available", False):
@@ -171,7 +172,8 @@ class NCCLCommunicator:
 
     def __repr__(self) -> str:
         return (
-            f"NCCLCommunicator(rank={self._rank}, world_size={self._world_size}, device={self.device}, "
+            f"NCCLCommunicator(rank={self._rank}, world_size={self._world_size}, "
+            f"device={self.device}, "
             f"nccl={self.version}, state={self._state})"
         )
 
@@ -190,7 +192,8 @@ class NCCLCommunicator:
         comm = self._comm
         if self._state != "open" or comm is None:
             raise TransferError(
-                f"NCCL communicator ({self._where()}) is {self._state}{self._reason}; join a new one"
+                f"NCCL communicator ({self._where()}) is {self._state}{self._reason}; "
+                "join a new one"
             )
         return comm
 
@@ -309,7 +312,8 @@ class NCCLCommunicator:
     def _check_view(self, view: DeviceBytes) -> None:
         if view.device is not None and view.device != self.device:
             raise ValueError(
-                f"buffer lives on CUDA device {view.device} but this communicator ({self._where()}) is on device {self.device}"
+                f"buffer lives on CUDA device {view.device} but this communicator "
+                f"({self._where()}) is on device {self.device}"
             )
 
     def synchronize(self, stream: Any, *, timeout: float) -> None:
@@ -332,8 +336,9 @@ class NCCLCommunicator:
         def expired() -> BaseException:
             return self._fail(
                 TransferTimeout(
-                    f"NCCL work did not finish within {timeout:g} s on {self._where()} (CUDA device "
-                    f"{self.device}): a peer is missing, stalled or sending a different collective; "
+                    f"NCCL work did not finish within {timeout:g} s on {self._where()} "
+                    f"(CUDA device {self.device}): a peer is missing, stalled or sending "
+                    "a different collective; "
                     "communicator aborted"
                 )
             )

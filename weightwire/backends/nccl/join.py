@@ -123,13 +123,15 @@ def init_rank(
     ).start()
     if not box.done.wait(timeout) and box.abandon():
         raise TransferTimeout(
-            f"NCCL rendezvous timed out after {timeout:g} s: rank {rank} of world size {world_size} "
+            f"NCCL rendezvous timed out after {timeout:g} s: "
+            f"rank {rank} of world size {world_size} "
             f"(CUDA device {device}) waited in ncclCommInitRank for peers that never joined; every "
             f"rank must join with the same unique id at the same time"
         )
     box.done.wait()  # the result is in (or arriving): finish() sets done right after storing it
     if box.error is not None:
         raise TransferError(
-            f"NCCL init failed for rank {rank} of world size {world_size} on CUDA device {device}: {box.error}"
+            f"NCCL init failed for rank {rank} of world size {world_size} "
+            f"on CUDA device {device}: {box.error}"
         ) from box.error
     return box.comm

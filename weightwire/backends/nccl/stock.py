@@ -92,7 +92,10 @@ def _aligned_order(metas: Sequence[ParamMeta], buffer_size_bytes: int) -> list[i
 
 
 class _NoOrder(WeightwireError):
-    """Internal: no order of a layer group aligns every tensor; ``plan_for_stock`` turns it into ``StockRefusal``."""
+    """Internal: no order of a layer group aligns every tensor.
+
+    ``plan_for_stock`` turns it into ``StockRefusal``.
+    """
 
     def __init__(self, index: int, offset: int, group: list[int]) -> None:
         self.index, self.offset, self.group = index, offset, group
@@ -101,7 +104,10 @@ class _NoOrder(WeightwireError):
 def plan_for_stock(
     metas: Sequence[ParamMeta], *, features: ServerFeatures, packed: bool, buffer_size_bytes: int
 ) -> WirePlan:
-    """The wire plan a stock ``nccl`` worker of ``features.version`` receives, or ``StockRefusal``."""
+    """The wire plan a stock ``nccl`` worker of ``features.version`` receives.
+
+    Raises ``StockRefusal`` where no such plan exists.
+    """
     metas = list(metas)
     version = features.version
     if not packed:
@@ -136,7 +142,8 @@ def plan_for_stock(
         raise StockRefusal(
             m.name,
             f"its {m.dtype} data would start at byte {exc.offset} of a packed chunk, not a "
-            f"multiple of its {m.itemsize}-byte itemsize (vLLM views the chunk slice as {m.dtype}), "
+            f"multiple of its {m.itemsize}-byte itemsize "
+            f"(vLLM views the chunk slice as {m.dtype}), "
             f"and no order of its layer group [{group}] aligns every offset; packed chunks have no "
             "padding. Unpacked mode (packed=False) has no offsets",
             version,

@@ -103,7 +103,8 @@ class WeightwireNCCLBackend(NCCLBackend):
     """``weightwire_nccl``: vLLM's NCCL fields plus the worker-side receive timeout."""
 
     name: ClassVar[str] = WEIGHTWIRE_NCCL
-    # The plugin's receiver takes any offset, dtype and shape; one communicator, each turn's root is its src.
+    # The plugin's receiver takes any offset, dtype and shape; one communicator, each turn's root
+    # is its src.
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, several="group")
 
     def plan_round(
@@ -139,7 +140,8 @@ class WeightwireNCCLBackend(NCCLBackend):
     ) -> Communicator:
         if not nccl.nccl_available():
             raise RuntimeError(
-                f"backend {self.name!r} needs cupy with NCCL and a CUDA device on every broadcasting rank"
+                f"backend {self.name!r} needs cupy with NCCL "
+                "and a CUDA device on every broadcasting rank"
             )
         unique_id = decode_secret(
             "nccl_unique_id_b64", fields["nccl_unique_id_b64"], NCCL_UNIQUE_ID_BYTES

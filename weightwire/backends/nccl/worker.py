@@ -95,12 +95,14 @@ def fetch_unique_id(host: str, port: int, *, timeout_s: float) -> bytes:
         uid = bytes(store.get(UNIQUE_ID_KEY))
     except Exception as exc:  # torch raises DistStoreError / RuntimeError variants
         raise TimeoutError(
-            f"weightwire_nccl: could not read the NCCL unique id from the TCPStore at {host}:{port} "
+            "weightwire_nccl: could not read the NCCL unique id "
+            f"from the TCPStore at {host}:{port} "
             f"within {timeout_s:.0f}s ({type(exc).__name__}); is the trainer publishing it?"
         ) from None
     if len(uid) != NCCL_UNIQUE_ID_BYTES:
         raise ValueError(
-            f"TCPStore at {host}:{port} holds a {len(uid)}-byte unique id, expected {NCCL_UNIQUE_ID_BYTES}"
+            f"TCPStore at {host}:{port} holds a {len(uid)}-byte unique id, "
+            f"expected {NCCL_UNIQUE_ID_BYTES}"
         )
     return uid
 

@@ -177,7 +177,10 @@ class TCPCommunicator:
         return self._world_size
 
     def warmup(self, *, timeout: float | None = None) -> None:
-        """Every receiver says ready, then the root says go: all peers present before any broadcast."""
+        """Every receiver says ready, then the root says go.
+
+        Thus all peers are present before any broadcast.
+        """
         limit = (
             self._warmup_timeout if timeout is None else wire.positive_seconds("timeout", timeout)
         )
@@ -257,7 +260,10 @@ class TCPCommunicator:
 
     def __repr__(self) -> str:
         peers = ", ".join(str(link) for link in self._links)
-        return f"TCPCommunicator(rank={self._rank}, world_size={self._world_size}, state={self._state}, peers=[{peers}])"
+        return (
+            f"TCPCommunicator(rank={self._rank}, world_size={self._world_size}, "
+            f"state={self._state}, peers=[{peers}])"
+        )
 
     # -- root ------------------------------------------------------------------------
 
@@ -323,7 +329,8 @@ class TCPCommunicator:
             if link.rank in pending
         ]
         return TransferTimeout(
-            f"TCP broadcast #{seq} of {nbytes} bytes did not reach every receiver within {limit:g} s; "
+            f"TCP broadcast #{seq} of {nbytes} bytes did not reach every receiver "
+            f"within {limit:g} s; "
             f"still sending to: {', '.join(behind) or 'none'} (receiver stalled or too slow)"
         )
 
@@ -361,8 +368,9 @@ class TCPCommunicator:
         if length != nbytes:
             raise self._fail(
                 TransferError(
-                    f"TCP stream desynchronized at broadcast #{seq}: this receiver expected {nbytes} bytes, "
-                    f"the sender sent {length}; the two sides disagree on the framing plan (update info or buffer size)"
+                    f"TCP stream desynchronized at broadcast #{seq}: "
+                    f"this receiver expected {nbytes} bytes, the sender sent {length}; "
+                    "the two sides disagree on the framing plan (update info or buffer size)"
                 )
             )
         progress = [0]
@@ -419,13 +427,15 @@ class TCPCommunicator:
         if got_tag != tag:
             raise self._fail(
                 TransferError(
-                    f"TCP stream desynchronized during {what}: expected frame {tag!r} from {link}, got {got_tag!r}"
+                    f"TCP stream desynchronized during {what}: "
+                    f"expected frame {tag!r} from {link}, got {got_tag!r}"
                 )
             )
         if seq is not None and got_seq != seq:
             raise self._fail(
                 TransferError(
-                    f"TCP stream desynchronized: expected broadcast #{seq} from {link}, got #{got_seq}"
+                    "TCP stream desynchronized: "
+                    f"expected broadcast #{seq} from {link}, got #{got_seq}"
                 )
             )
         return length
@@ -446,7 +456,8 @@ class TCPCommunicator:
                 )
             if not self._busy.acquire(blocking=False):
                 raise RuntimeError(
-                    "TCPCommunicator: warmup/broadcast called while another is in progress; calls must be sequential"
+                    "TCPCommunicator: warmup/broadcast called while another is in progress; "
+                    "calls must be sequential"
                 )
             self._active += 1
 
@@ -497,7 +508,10 @@ def root_communicator(
     transfer_timeout: float | None,
     warmup_timeout: float | None,
 ) -> TCPCommunicator:
-    """Rank 0's communicator over the authenticated connections (used by ``TCPRendezvous.accept``)."""
+    """Rank 0's communicator over the authenticated connections.
+
+    Used by ``TCPRendezvous.accept``.
+    """
     return TCPCommunicator(
         rank=0,
         world_size=world_size,

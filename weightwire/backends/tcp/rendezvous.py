@@ -1,5 +1,6 @@
 """The TCP rendezvous, both ends: rank 0 listens, authenticates every receiver and hands
-over (``TCPRendezvous``); a receiver dials and proves the secret (``wire.dial``, ``wire.client_handshake``).
+over (``TCPRendezvous``); a receiver dials and proves the secret (``wire.dial``,
+``wire.client_handshake``).
 
 Each incoming connection is authenticated on its own short-lived thread, so a slow or
 hostile client cannot hold up the legitimate receivers; ``accept`` returns once every
@@ -160,7 +161,8 @@ class TCPRendezvous:
                 raise TransferError("TCPRendezvous was closed while accept() was waiting")
             extra = f"; refused: {'; '.join(refusals)}" if refusals else ""
             raise TransferTimeout(
-                f"TCP rendezvous at {self.host}:{self.port}: rank(s) {missing} of world_size {self.world_size} "
+                f"TCP rendezvous at {self.host}:{self.port}: "
+                f"rank(s) {missing} of world_size {self.world_size} "
                 f"did not join within {limit:g} s{extra}"
             )
         logger.info("TCP rendezvous at %s:%d: all %d receivers joined", self.host, self.port, want)
@@ -193,7 +195,10 @@ class TCPRendezvous:
         self.close()
 
     def __repr__(self) -> str:
-        return f"TCPRendezvous(host={self.host!r}, port={self.port}, world_size={self.world_size}, state={self._state})"
+        return (
+            f"TCPRendezvous(host={self.host!r}, port={self.port}, "
+            f"world_size={self.world_size}, state={self._state})"
+        )
 
     # -- internals -------------------------------------------------------------------
 
@@ -295,7 +300,8 @@ class TCPRendezvous:
             if claimed is not None:  # it dropped us after our proof: it holds a different secret
                 self._refuse(
                     peer,
-                    f"rank {claimed} rejected the sender's proof or left ({short.cause or 'timeout'})",
+                    f"rank {claimed} rejected the sender's proof or left "
+                    f"({short.cause or 'timeout'})",
                 )
             else:
                 logger.info("TCP rendezvous: connection from %s ended during the handshake", peer)
@@ -311,7 +317,10 @@ class TCPRendezvous:
     def _judge(
         self, rank: int, world_size: int, server_nonce: bytes, client_nonce: bytes, tag: bytes
     ) -> int:
-        """Verdict for one AUTH: the secret first (an impostor learns nothing else), then rank and size."""
+        """Verdict for one AUTH.
+
+        The secret first (an impostor learns nothing else), then rank and size.
+        """
         expected = wire.client_tag(self._secret, server_nonce, client_nonce, rank, world_size)
         if not hmac.compare_digest(tag, expected):  # constant time
             return wire.BAD_SECRET

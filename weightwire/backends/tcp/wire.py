@@ -13,8 +13,10 @@ never crosses the wire, only HMAC-SHA256 tags over fresh random nonces)::
                                         (code != 0: refused, tag all zeros, sender closes)
     receiver -> sender   frame "WWOK"   the receiver accepted the sender's proof
 
-    client_tag = HMAC-SHA256(secret, "weightwire/tcp/v1/client" | server_nonce | client_nonce | rank | world_size)
-    server_tag = HMAC-SHA256(secret, "weightwire/tcp/v1/server" | client_nonce | server_nonce | rank | world_size)
+    client_tag = HMAC-SHA256(secret, "weightwire/tcp/v1/client" | server_nonce | client_nonce
+                             | rank | world_size)
+    server_tag = HMAC-SHA256(secret, "weightwire/tcp/v1/server" | client_nonce | server_nonce
+                             | rank | world_size)
 
 The sender checks the client tag before anything else (so an unauthenticated peer
 learns nothing but "wrong secret"), then the rank (in ``[1, world_size)``, not yet
@@ -142,7 +144,8 @@ def byte_view(obj: object, *, writable: bool) -> memoryview:
         view = memoryview(obj)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(
-            f"TCP buffers must be host memory (numpy array, memoryview, bytes-like), got {type(obj).__name__}; "
+            "TCP buffers must be host memory (numpy array, memoryview, bytes-like), "
+            f"got {type(obj).__name__}; "
             "copy device arrays to the host first"
         ) from None
     if not view.c_contiguous:
@@ -283,7 +286,10 @@ def check_secret(secret: object) -> bytes:
 
 
 def dial(host: str, port: int, deadline: float, buffer_bytes: int | None) -> socket.socket:
-    """Connect to ``host:port``, retrying refused connections (the sender may be starting) until ``deadline``."""
+    """Connect to ``host:port``, retrying refused connections until ``deadline``.
+
+    Refusals are retried because the sender may be starting.
+    """
     last = "no address"
     while True:
         try:
