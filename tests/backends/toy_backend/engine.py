@@ -1,0 +1,13 @@
+"""The toy backend's standalone worker engine (what ``weightwire.testing.loopback.serve`` runs)."""
+
+from __future__ import annotations
+
+from tests.backends.toy_backend.info import ToyFilesInitInfo
+from weightwire.torch_side.worker.engines import _StandaloneEngine
+
+
+class ToyFilesEngine(_StandaloneEngine):
+    """``toy_files`` receiver: CPU or GPU worker, chunks read from files."""
+
+    backend = "toy_files"
+    init_info_cls = ToyFilesInitInfo  # type: ignore[assignment]  # the attribute is typed as the built-ins' union
