@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from tests.backends.toy_backend.info import ToyFilesInitInfo, chunk_path, ready_path
+from tests.backends.toy_backend.spec import TOY_FILES
 from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCaps, SenderParts, SenderSettings
 from weightwire.backends.pipelines import HostPipeline
 from weightwire.shared.errors import TransferError, TransferTimeout
@@ -104,7 +105,7 @@ class _FilesRendezvous(Rendezvous):
 class ToyFilesBackend(Backend):
     """``toy_files``: chunks travel as files in a directory trainer and workers share."""
 
-    name: ClassVar[str] = "toy_files"
+    name: ClassVar[str] = TOY_FILES.name
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=False)
 
     def open(self, settings: SenderSettings, *, world_size: int) -> Rendezvous:
