@@ -69,12 +69,19 @@ def _weights() -> dict[str, Any]:
 
 
 def _checksums(weights: dict[str, Any]) -> dict[str, str]:
-    return {n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for n, a in weights.items()}
+    return {
+        n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for n, a in weights.items()
+    }
 
 
-def _engine(client: LoopbackClient, weights: dict[str, Any], *, transfer_s: float) -> JAXTrainerEngine:
-    info = TrainerInitInfo(backend="toy_files", packed_buffer_size_bytes=16 << 10,
-                           timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=transfer_s))
+def _engine(
+    client: LoopbackClient, weights: dict[str, Any], *, transfer_s: float
+) -> JAXTrainerEngine:
+    info = TrainerInitInfo(
+        backend="toy_files",
+        packed_buffer_size_bytes=16 << 10,
+        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=transfer_s),
+    )
     return JAXTrainerEngine.trainer_init(info, client=client, source=DictSource(weights, describe))
 
 
@@ -90,7 +97,9 @@ def test_registered_toy_backend_carries_rounds(worker: LoopbackClient) -> None:
             assert reply["checksums"] == _checksums(weights)
             stats = worker.stats()
             assert stats is not None and stats["nbytes"] == sum(a.nbytes for a in weights.values())
-            assert stats["chunks"] > 1  # several files per round: the 16 KiB buffer splits the embedding
+            assert (
+                stats["chunks"] > 1
+            )  # several files per round: the 16 KiB buffer splits the embedding
         directory = engine.session.link.directory  # rank 0's link is the toy's FilesComm
         assert any(name.endswith(".bin") for name in os.listdir(directory))
     finally:
@@ -98,8 +107,9 @@ def test_registered_toy_backend_carries_rounds(worker: LoopbackClient) -> None:
     assert directory is not None and not os.path.exists(directory)  # rank 0 removed its wire
 
 
-def test_missing_chunk_file_fails_the_round_within_the_timeout(worker: LoopbackClient,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_chunk_file_fails_the_round_within_the_timeout(
+    worker: LoopbackClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     weights = _weights()
     before = _checksums(weights)
     engine = _engine(worker, weights, transfer_s=2)
@@ -116,11 +126,13 @@ def test_missing_chunk_file_fails_the_round_within_the_timeout(worker: LoopbackC
 
         monkeypatch.setattr(FilesComm, "_publish", drop_first)
         weights["model.norm.weight"] = weights["model.norm.weight"] + np.float32(1)
-        with pytest.raises(WeightSyncError, match=r"status 500.*TransferTimeout: toy_files: chunk file "
-                                                  r"\S+/\d+\.bin did not appear within 2 s"):
+        with pytest.raises(
+            WeightSyncError,
+            match=r"status 500.*TransferTimeout: toy_files: chunk file "
+            r"\S+/\d+\.bin did not appear within 2 s",
+        ):
             engine.send_weights()
         (reply,) = worker.weight_checker("checksum")
         assert reply["checksums"] == before  # the failed round left the first round's weights
     finally:
         engine.shutdown()
-

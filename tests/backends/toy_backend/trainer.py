@@ -18,7 +18,14 @@ import numpy as np
 
 from tests.backends.toy_backend.info import ToyFilesInitInfo, chunk_path, ready_path
 from tests.backends.toy_backend.spec import TOY_FILES
-from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCaps, SenderParts, SenderSettings
+from weightwire.backends.base import (
+    Backend,
+    Rendezvous,
+    RoundSender,
+    SenderCaps,
+    SenderParts,
+    SenderSettings,
+)
 from weightwire.backends.pipelines import HostPipeline
 from weightwire.shared.errors import TransferError, TransferTimeout
 from weightwire.shared.waiting import poll_until
@@ -47,7 +54,9 @@ class FilesComm:
     def warmup(self, *, timeout: float | None = None) -> None:
         """Nothing to warm: ``join`` already saw every worker's ready file."""
 
-    def broadcast(self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None) -> None:
+    def broadcast(
+        self, buffer: Any, *, root: int = 0, timeout: float | None = None, stream: Any = None
+    ) -> None:
         if self._aborted.is_set():
             raise TransferError(f"toy_files link to {self.directory} was aborted")
         parts: list[np.ndarray] = buffer if isinstance(buffer, list) else [buffer]
@@ -89,10 +98,16 @@ class _FilesRendezvous(Rendezvous):
                 raise TransferError("toy_files rendezvous was cancelled")
 
         try:
-            poll_until(lambda: not missing(), deadline=time.monotonic() + timeout, check=check,
-                       max_sleep_s=_POLL_S,
-                       expired=lambda: TransferTimeout(f"toy_files: worker rank(s) {missing()} did not join "
-                                                       f"{comm.directory} within {timeout:.0f} s"))
+            poll_until(
+                lambda: not missing(),
+                deadline=time.monotonic() + timeout,
+                check=check,
+                max_sleep_s=_POLL_S,
+                expired=lambda: TransferTimeout(
+                    f"toy_files: worker rank(s) {missing()} did not join "
+                    f"{comm.directory} within {timeout:.0f} s"
+                ),
+            )
         except BaseException:
             comm.abort()
             raise
@@ -111,13 +126,22 @@ class ToyFilesBackend(Backend):
     def open(self, settings: SenderSettings, *, world_size: int) -> Rendezvous:
         directory = tempfile.mkdtemp(prefix="weightwire-toy-files-")
         payload = ToyFilesInitInfo(
-            dir=directory, rank_offset=1, world_size=world_size, packed=settings.packed,
+            dir=directory,
+            rank_offset=1,
+            world_size=world_size,
+            packed=settings.packed,
             packed_buffer_size_bytes=settings.packed_buffer_size_bytes,
-            packed_num_buffers=settings.packed_num_buffers, timeout_s=float(settings.timeouts.transfer_s),
+            packed_num_buffers=settings.packed_num_buffers,
+            timeout_s=float(settings.timeouts.transfer_s),
             stage_budget_bytes=settings.stage_budget_bytes,
         ).to_dict()
         return _FilesRendezvous(payload, FilesComm(directory, world_size))
 
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
-        return HostPipeline(link, parts.host_bytes, num_buffers=settings.packed_num_buffers,
-                            timeout=settings.timeouts.transfer_s, prefetch=parts.prefetch)
+        return HostPipeline(
+            link,
+            parts.host_bytes,
+            num_buffers=settings.packed_num_buffers,
+            timeout=settings.timeouts.transfer_s,
+            prefetch=parts.prefetch,
+        )
