@@ -224,7 +224,8 @@ def _budget(r: dict[str, Any]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| receiver | trainer | stage budget | GB/round | ms/round | GB/s | floor ms | floor / round "
+        "| receiver | trainer | stage budget | GB/round | ms/round | GB/s "
+        "| floor ms | floor / round "
         "| worker extra GB (pool) | trainer extra GB | bytes |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -236,9 +237,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         gb, s = r["nbytes"] / 1e9, r["round_s"]
         lines.append(
-            f"| {r['receiver']} | {r['engine']} | {_budget(r)} | {gb:.2f} | {s * 1e3:.1f} | {gb / s:.0f} "
+            f"| {r['receiver']} | {r['engine']} | {_budget(r)} "
+            f"| {gb:.2f} | {s * 1e3:.1f} | {gb / s:.0f} "
             f"| {r['floor_s'] * 1e3:.1f} | {r['floor_s'] / s:.3f} "
-            f"| {r['worker_extra'] / 1e9:.2f} ({r['pool'] / 1e9:.2f}) | {r['trainer_extra'] / 1e9:.2f} "
+            f"| {r['worker_extra'] / 1e9:.2f} ({r['pool'] / 1e9:.2f}) "
+            f"| {r['trainer_extra'] / 1e9:.2f} "
             f"| {'ok' if r['ok'] else 'MISMATCH'} |"
         )
     return "\n".join(lines)

@@ -165,8 +165,9 @@ def test_a_few_small_tensors_and_a_host_without_nvrtc_copy_one_memcpy_each(
     _copy(cp, [11] * 20, gc)  # compiled (and refused) once, not per chunk
     assert [e[0] for e in cp.log] == ["memcpy"] * 40
     assert [r.message for r in caplog.records].count(
-        "weightwire_ipc: the gather kernel did not compile (RuntimeError: libnvrtc.so.12: cannot open shared "
-        "object file); small tensors are copied one memcpy each"
+        "weightwire_ipc: the gather kernel did not compile "
+        "(RuntimeError: libnvrtc.so.12: cannot open shared object file); "
+        "small tensors are copied one memcpy each"
     ) == 1
 
 

@@ -132,7 +132,8 @@ def _info(port: int, *, packed: bool = True, release: bool = False) -> IPCInitIn
 
 
 def _connect(trainer_script: Any, **info_kw: Any) -> tuple[Any, Channel, dict]:
-    """``connect_ipc`` against a trainer whose join + warm-up is ``trainer_script(channel, hello)``."""
+    """``connect_ipc`` against a trainer whose join + warm-up is
+    ``trainer_script(channel, hello)``."""
     listener = Listener("127.0.0.1", SECRET)
     box: dict = {}
 

@@ -93,7 +93,8 @@ def test_worker_engines_match_their_entry(name: str) -> None:
     engine = backends.load(spec.worker_engine)
     assert callable(engine.standalone)
     if spec.stock_receiver:
-        # Outside vLLM a stock wire is received by an engine whose init info parses a superset of it.
+        # Outside vLLM a stock wire is received by an engine whose init info parses a
+        # superset of it.
         assert issubclass(engine.init_info_cls, info) and engine.backend != name
     else:
         assert engine.backend == name and engine.init_info_cls is info
@@ -163,9 +164,12 @@ def test_import_pulls_no_framework_and_nothing_else() -> None:
     # Beyond the package itself (whatever ``import weightwire`` loads), the registry loads
     # only itself and the packages' spec modules: no framework, not even numpy or weightwire.shared.
     probe = (
-        "import json, sys; import weightwire; before = set(sys.modules); import weightwire.backends; "
-        "new = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('weightwire', 'numpy')); "
-        "fw = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax', 'jaxlib', 'cupy', 'vllm')); "
+        "import json, sys; import weightwire; before = set(sys.modules); "
+        "import weightwire.backends; "
+        "new = sorted(m for m in set(sys.modules) - before "
+        "if m.split('.')[0] in ('weightwire', 'numpy')); "
+        "fw = sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('torch', 'jax', 'jaxlib', 'cupy', 'vllm')); "
         "print(json.dumps([new, fw]))"
     )
     out = subprocess.run(

@@ -23,7 +23,8 @@ BIG = 256 << 20
 
 
 def make_round(total: int, seed: int = 0) -> tuple[list[ParamMeta], list[np.ndarray]]:
-    """Every wire dtype: one large 2-D tensor, a 3-D odd one, a scalar; a uint8 filler makes ``total`` exact."""
+    """Every wire dtype: one large 2-D tensor, a 3-D odd one, a scalar; a uint8 filler
+    makes ``total`` exact."""
     rng = np.random.default_rng(seed)
     per_dtype = total // (len(SUPPORTED_DTYPES) + 1)
     metas: list[ParamMeta] = []

@@ -79,7 +79,10 @@ def test_accept_times_out_naming_missing_rank_and_the_refusal():
             connect(rendezvous, 1, secret=bytes(128))
         with pytest.raises(
             TransferTimeout,
-            match=r"rank\(s\) \[1\] of world_size 2 did not join within 1.5 s; refused: .*wrong secret",
+            match=(
+                r"rank\(s\) \[1\] of world_size 2 did not join within 1.5 s; "
+                r"refused: .*wrong secret"
+            ),
         ):
             accepted.result(timeout=10)
 
@@ -205,7 +208,10 @@ def test_stalled_receiver_makes_broadcast_time_out():
     start = time.monotonic()
     with pytest.raises(
         TransferTimeout,
-        match=r"broadcast #0 of 268435456 bytes did not reach every receiver within 1 s; still sending to: rank 1 \(127.0.0.1:\d+\) at byte \d+",
+        match=(
+            r"broadcast #0 of 268435456 bytes did not reach every receiver within 1 s; "
+            r"still sending to: rank 1 \(127.0.0.1:\d+\) at byte \d+"
+        ),
     ):
         root.broadcast(np.zeros(256 << 20, dtype=np.uint8), timeout=1.0)
     assert time.monotonic() - start < 10
@@ -274,7 +280,8 @@ def test_sender_killed_mid_transfer_makes_receivers_raise_peer_lost():
             result = receiver.result(timeout=30)
             assert result["type"] == "PeerLost", result
             match = re.search(
-                rf"lost rank 0 \(sender at 127.0.0.1:\d+\) at byte (\d+) of {total} of broadcast #0",
+                rf"lost rank 0 \(sender at 127.0.0.1:\d+\) at byte (\d+) "
+                rf"of {total} of broadcast #0",
                 result["error"],
             )
             assert match, result["error"]

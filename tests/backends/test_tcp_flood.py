@@ -22,7 +22,8 @@ from weightwire.shared.errors import PeerLost
 
 
 def idle_peer(rendezvous: TCPRendezvous) -> socket.socket:
-    """Connect and read the sender's hello (so the connection is accepted and pending), then say nothing."""
+    """Connect and read the sender's hello (so the connection is accepted and pending),
+    then say nothing."""
     sock = socket.create_connection((rendezvous.host, rendezvous.port), timeout=20)
     wire.recv_exact(sock, wire.HELLO.size, time.monotonic() + 20)
     return sock

@@ -68,9 +68,8 @@ class Peer:
             ) from None
         if event is None:
             self.proc.wait(timeout=10)
-            raise AssertionError(
-                f"peer exited ({self.proc.returncode}) early; stderr: {''.join(self._stderr)[-2000:]}"
-            )
+            stderr = "".join(self._stderr)[-2000:]
+            raise AssertionError(f"peer exited ({self.proc.returncode}) early; stderr: {stderr}")
         return event
 
     def expect(self, event: str, timeout: float = 60) -> dict[str, Any]:

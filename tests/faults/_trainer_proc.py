@@ -1,8 +1,8 @@
 """A trainer process that dies mid-broadcast: ``python -m tests.faults._trainer_proc CONFIG_JSON``.
 
-Config: ``{"url", "model_dir", "kill_at", "stage_budget_bytes"?}``. It runs one good round (version ``t1``),
-prints ``{"committed": {name: sha256}}`` as one JSON line, then starts a second
-round and SIGKILLs itself just before yielding tensor ``kill_at``, once the server
+Config: ``{"url", "model_dir", "kill_at", "stage_budget_bytes"?}``. It runs one good
+round (version ``t1``), prints ``{"committed": {name: sha256}}`` as one JSON line, then
+starts a second round and SIGKILLs itself just before yielding tensor ``kill_at``, once the server
 is inside ``update_weights``: earlier chunks are on the wire, as in a trainer crash.
 """
 

@@ -277,7 +277,8 @@ def quiet_shutdown(engine: Any) -> None:
 
 @contextlib.contextmanager
 def elapsed() -> Iterator[list[float]]:
-    """``with elapsed() as t: ...`` then ``t[0]`` is the seconds the block took (even if it raised)."""
+    """``with elapsed() as t: ...`` then ``t[0]`` is the seconds the block took (even if it
+    raised)."""
     box = [0.0]
     start = time.monotonic()
     try:

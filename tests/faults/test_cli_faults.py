@@ -120,7 +120,8 @@ def test_doctor_against_a_dead_port_exits_3_as_its_help_says() -> None:
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf", "0"], ids=["negative", "nan", "inf", "zero"])
 def test_doctor_refuses_a_bad_timeout_as_a_usage_error(value: str) -> None:
-    """doctor --timeout with a value that is not a finite number of seconds > 0: exit 2, one line."""
+    """doctor --timeout with a value that is not a finite number of seconds > 0: exit 2, one
+    line."""
     done = run_cli("doctor", "127.0.0.1:9", "--timeout", value, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"argument --timeout: '{value}' must be a finite number of seconds > 0" in done.stderr

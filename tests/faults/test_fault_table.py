@@ -11,6 +11,7 @@ def test_every_fault_test_has_a_row_and_every_row_a_test() -> None:
     missing = [t for t in tests if t not in rows]
     stale = [r for r in rows if r not in tests]
     assert not missing and not stale, (
-        f"docs/reliability.md's fault table is out of date: no row for {missing}, rows for no test {stale}; "
+        f"docs/reliability.md's fault table is out of date: no row for {missing}, "
+        f"rows for no test {stale}; "
         "run python -m tests.faults.fault_table OBS --write"
     )

@@ -331,8 +331,9 @@ def test_shutdown_during_a_round(shared_server: Server, probe: Probe, source: Te
         )
         want = source.perturb(11)
         engine.send_weights("s1")
+        refused = answers[0]
         observe(
-            shutdown_during_update=f"{answers[0].status_code} {answers[0].json()['error']['message']}"
+            shutdown_during_update=f"{refused.status_code} {refused.json()['error']['message']}"
         )
         assert answers[0].status_code == 409 and "a weight update is active" in answers[0].text, (
             answers[0].text
@@ -524,7 +525,7 @@ def test_control_plane_stalls(shared_server: Server, probe: Probe, source: Tenso
     fresh_round(shared_server.url, source, probe, 21, "after-http-stall")
 
 
-# ----------------------------------------------------------------------------- worker refuses mid-round
+# ---------------------------------------------------------------------- worker refuses mid-round
 @pytest.mark.parametrize("strategy", ["staged", "streaming"], ids=["staged", "streaming"])
 def test_worker_refuses_a_tensor_mid_round(
     shared_server: Server, probe: Probe, source: TensorSource, strategy: str

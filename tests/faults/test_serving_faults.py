@@ -67,8 +67,8 @@ def _served_after(server: Server) -> httpx.Response:
 
 
 def test_a_reply_over_the_limit_is_refused_before_it_runs(capped: Server) -> None:
-    """A completion whose reply could exceed the worker-to-API line limit (24 prompts, n=64, 255 tokens, 20
-    logprobs, token ids)."""
+    """A completion whose reply could exceed the worker-to-API line limit (24 prompts, n=64,
+    255 tokens, 20 logprobs, token ids)."""
     body = {
         "prompt": [[5]] * 24,
         "n": 64,
@@ -97,8 +97,8 @@ def test_a_reply_over_the_limit_is_refused_before_it_runs(capped: Server) -> Non
 
 
 def test_a_generation_past_the_generate_timeout_stops(capped: Server, source: TensorSource) -> None:
-    """A long completion runs past `--generate-timeout`, then a one-token completion and a trainer's round
-    follow."""
+    """A long completion runs past `--generate-timeout`, then a one-token completion and a
+    trainer's round follow."""
     probe = Probe(capped.url)
     with _http(capped) as http, elapsed() as t:
         resp = http.post("/v1/completions", json=LONG)
@@ -121,7 +121,8 @@ def test_a_generation_past_the_generate_timeout_stops(capped: Server, source: Te
 def test_non_finite_weights_fail_a_completion_at_once(
     shared_server: Server, source: TensorSource
 ) -> None:
-    """A round pushes NaN into one weight (no `--check-finite`); then completions with and without logprobs."""
+    """A round pushes NaN into one weight (no `--check-finite`); then completions with and
+    without logprobs."""
     server = shared_server
     probe = Probe(server.url)
     poisoned = TensorSource(source.tensors)
@@ -148,8 +149,8 @@ def test_non_finite_weights_fail_a_completion_at_once(
 
 
 def test_a_generation_whose_client_disconnected_stops(shared_server: Server) -> None:
-    """A long completion's client gives up after 2 s (default generate timeout: 600 s); a one-token completion
-    follows."""
+    """A long completion's client gives up after 2 s (default generate timeout: 600 s); a
+    one-token completion follows."""
     with _http(shared_server, timeout=2.0) as impatient, pytest.raises(httpx.ReadTimeout):
         impatient.post("/v1/completions", json=LONG)
     with elapsed() as t:

@@ -9,8 +9,8 @@ It loads vLLM's general plugins (twice: vLLM may), resolves both backend names
 through ``WeightTransferEngineFactory``, constructs each engine the way a vLLM worker
 does (``create_engine(config, vllm_config, device, model)``), then runs a real
 ``weightwire_tcp`` session on CPU through the vLLM subclass: init, two rounds (the
-second with the 0.33 reuse shorthand), finish, shutdown. Prints one ``WEIGHTWIRE_CHECK {json}`` line and
-exits 0 on success; any failed check raises.
+second with the 0.33 reuse shorthand), finish, shutdown. Prints one
+``WEIGHTWIRE_CHECK {json}`` line and exits 0 on success; any failed check raises.
 
 ``--llm`` instead starts an offline ``vllm.LLM`` on a tiny Llama with
 ``weight_transfer_config={"backend": "weightwire_tcp"}``, pushes another seed's

@@ -30,7 +30,8 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
     venv = os.environ.get("WEIGHTWIRE_INTEROP_VENV")
     if not venv or not (Path(venv) / "bin" / "python").exists():
         pytest.skip(
-            "no real vLLM: run tests/interop/run.sh (it builds the vLLM venv and sets WEIGHTWIRE_INTEROP_VENV)"
+            "no real vLLM: run tests/interop/run.sh "
+            "(it builds the vLLM venv and sets WEIGHTWIRE_INTEROP_VENV)"
         )
     scratch = tmp_path_factory.mktemp("vllm")
     keep = os.environ.get("WEIGHTWIRE_INTEROP_KEEP")

@@ -8,7 +8,8 @@ sent and the update answered, finish not posted). Prints ``PHASE <phase>`` when 
 got there, then blocks; the interop fault cases kill it with SIGKILL. ``STAGE_BUDGET_BYTES``
 ``0``: the workers apply the round in place (and the trainer holds the round guard and pauses
 generation with ``abort``);
-``TRANSFER_S``: the per-broadcast bound the workers get (a stalled trainer then fails their receive).
+``TRANSFER_S``: the per-broadcast bound the workers get (a stalled trainer then fails
+their receive).
 """
 
 from __future__ import annotations

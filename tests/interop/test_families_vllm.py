@@ -54,8 +54,9 @@ def selected_families() -> tuple[str, ...]:
     names = tuple(n.strip() for n in raw.split(",") if n.strip())
     unknown = sorted(set(names) - set(FAMILIES))
     if unknown:
+        known = ", ".join(FAMILIES)
         raise ValueError(
-            f"WEIGHTWIRE_INTEROP_FAMILIES names unknown families {unknown}; known: {', '.join(FAMILIES)}"
+            f"WEIGHTWIRE_INTEROP_FAMILIES names unknown families {unknown}; known: {known}"
         )
     return names
 

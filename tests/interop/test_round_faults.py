@@ -301,10 +301,16 @@ def _bad_source(kind: str, hf: torch.nn.Module) -> torch.nn.Module:
 
 
 BAD = {
-    "wrong_shape": "'model.layers.0.self_attn.k_proj.weight' has shape [64, 32], the model's is [32, 64]",
-    "wrong_dtype": "'model.norm.weight' is bfloat16, the model holds it as float32 (no silent cast)",
+    "wrong_shape": (
+        "'model.layers.0.self_attn.k_proj.weight' has shape [64, 32], the model's is [32, 64]"
+    ),
+    "wrong_dtype": (
+        "'model.norm.weight' is bfloat16, the model holds it as float32 (no silent cast)"
+    ),
     "unknown_name": "'model.extra_scale' is not a tensor of the model",
-    "missing_tensor": "layer 'model.layers.0' is incomplete: missing 'model.layers.0.mlp.up_proj.weight'",
+    "missing_tensor": (
+        "layer 'model.layers.0' is incomplete: missing 'model.layers.0.mlp.up_proj.weight'"
+    ),
 }
 
 
@@ -444,7 +450,8 @@ def test_live_completions_during_five_rounds_default_settings(served: Served) ->
     source = PytreeSource(lambda: live["params"], naming)
     try:
         with HTTPWeightSyncClient(served.server.url, timeout=120) as client:
-            # Default settings: no pause_mode given (the coordinator is changing the default to "keep").
+            # Default settings: no pause_mode given (the coordinator is changing the default
+            # to "keep").
             engine = JAXTrainerEngine.trainer_init(
                 TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=PACKED_16K),
                 client=client,

@@ -69,7 +69,8 @@ class _Stream:
 
 
 class _TorchOnCPU:
-    """``torch`` for vLLM's module, with its CUDA stream calls as no-ops (all work is synchronous on CPU)."""
+    """``torch`` for vLLM's module, with its CUDA stream calls as no-ops (all work is
+    synchronous on CPU)."""
 
     cuda = SimpleNamespace(
         stream=lambda s: contextlib.nullcontext(), Stream=lambda device=None: _Stream()
@@ -102,7 +103,8 @@ class _TorchOnCPU033(_TorchOnCPU):
 
 
 def _sources() -> list[str]:
-    # The interop venv's vLLM (0.32) always; a vLLM source tree too when WEIGHTWIRE_VLLM_SRC names one.
+    # The interop venv's vLLM (0.32) always; a vLLM source tree too when
+    # WEIGHTWIRE_VLLM_SRC names one.
     return ["venv"] + (["src"] if os.environ.get("WEIGHTWIRE_VLLM_SRC") else [])
 
 

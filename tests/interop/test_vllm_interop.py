@@ -110,7 +110,8 @@ def test_torch_trainer_round_matches_hugging_face(vllm_server: VLLMServer) -> No
 
 
 LONG_PROMPT = [(37 * i + 11) % 480 + 16 for i in range(136)]
-"""Four full 32-token blocks and a partial one (launcher.PREFIX_BLOCK_SIZE): vLLM caches the four."""
+"""Four full 32-token blocks and a partial one (launcher.PREFIX_BLOCK_SIZE): vLLM caches
+the four."""
 
 
 @dataclass

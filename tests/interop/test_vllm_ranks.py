@@ -55,7 +55,8 @@ def _nccl_common() -> list[str]:
 
 
 def vllm_rank_formula(path: str) -> Callable[[int, int, int, int], int]:
-    """vLLM's rank computation from ``path``, as ``(rank_offset, dp_index, per_dp, rank) -> group rank``."""
+    """vLLM's rank computation from ``path``, as
+    ``(rank_offset, dp_index, per_dp, rank) -> group rank``."""
     tree = ast.parse(Path(path).read_text())
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     if "_worker_group_rank" in funcs:

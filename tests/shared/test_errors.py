@@ -41,7 +41,10 @@ import importlib, json, pkgutil
 import weightwire
 from weightwire.shared.errors import WeightwireError
 
-NOT_IMPORTED_HERE = {"vllm": "needs vLLM (the GPU / interop lanes have it)", "cupy": "needs CuPy and a CUDA device"}
+NOT_IMPORTED_HERE = {
+    "vllm": "needs vLLM (the GPU / interop lanes have it)",
+    "cupy": "needs CuPy and a CUDA device",
+}
 classes, skipped = {}, {}
 for info in pkgutil.walk_packages(weightwire.__path__, "weightwire."):
     if info.name.rsplit(".", 1)[-1] == "__main__":
@@ -56,7 +59,11 @@ for info in pkgutil.walk_packages(weightwire.__path__, "weightwire."):
         skipped[info.name] = NOT_IMPORTED_HERE[top]
         continue
     for value in vars(module).values():
-        if isinstance(value, type) and issubclass(value, BaseException) and value.__module__.startswith("weightwire"):
+        if (
+            isinstance(value, type)
+            and issubclass(value, BaseException)
+            and value.__module__.startswith("weightwire")
+        ):
             classes[f"{value.__module__}.{value.__qualname__}"] = issubclass(value, WeightwireError)
 print(json.dumps({"classes": classes, "skipped": skipped}))
 """
@@ -412,7 +419,8 @@ KNOWN_INDIRECT: set[tuple[str, str]] = set()
 
 
 def _indirect_error_imports() -> set[tuple[str, str]]:
-    """(file, module) for each import of a ``shared.errors`` class from another weightwire module."""
+    """(file, module) for each import of a ``shared.errors`` class from another weightwire
+    module."""
     defined = {
         name
         for name, value in vars(errors).items()

@@ -337,12 +337,14 @@ def test_a_cycle_and_a_leak_are_detected(monkeypatch: pytest.MonkeyPatch) -> Non
     assert any({"weightwire.shared.meta", "weightwire.trainer.config"} <= c for c, _ in cycles())
     leaks = forbidden_reach("weightwire.shared.meta", TORCH, ("weightwire.trainer",))
     assert leaks and leaks[0].startswith(
-        "weightwire.shared.meta (line 1: import weightwire.trainer.config runs package weightwire.trainer)"
+        "weightwire.shared.meta "
+        "(line 1: import weightwire.trainer.config runs package weightwire.trainer)"
     ), leaks
 
 
 def test_a_function_level_import_back_is_a_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
-    # limits is imported by info at module level; a lazy import of info inside limits closes a cycle.
+    # limits is imported by info at module level; a lazy import of info inside limits
+    # closes a cycle.
     limits = GRAPH["weightwire.shared.limits"]
     monkeypatch.setitem(limits.lazy_lines, "weightwire.shared.info", 7)
     found = [
@@ -372,7 +374,8 @@ def backend_packages() -> list[str]:
 
 
 def upward_edges() -> set[tuple[str, str]]:
-    """Imports (any level, type-only too) from ``backends`` into ``trainer`` or the worker package."""
+    """Imports (any level, type-only too) from ``backends`` into ``trainer`` or the worker
+    package."""
     return {
         (m, t)
         for m in _in("weightwire.backends")

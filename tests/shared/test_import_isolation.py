@@ -58,7 +58,8 @@ def test_import_weightwire_loads_nothing_heavy() -> None:
 def test_shared_imports_no_framework() -> None:
     got = loaded(
         "import weightwire.shared\n"
-        "import weightwire.shared.communicator, weightwire.shared.framing, weightwire.shared.groups\n"
+        "import weightwire.shared.communicator, weightwire.shared.framing, "
+        "weightwire.shared.groups\n"
         "import weightwire.shared.info, weightwire.shared.ipc_info, weightwire.shared.routes\n"
         "import weightwire.shared.source, weightwire.shared.timeouts, weightwire.shared.version"
     )
@@ -67,7 +68,8 @@ def test_shared_imports_no_framework() -> None:
 
 def test_torch_side_packages_are_light() -> None:
     got = loaded(
-        "import weightwire.torch_side, weightwire.torch_side.worker, weightwire.torch_side.worker.plugin"
+        "import weightwire.torch_side, weightwire.torch_side.worker, "
+        "weightwire.torch_side.worker.plugin"
     )
     assert got == set(), got
 
@@ -75,11 +77,20 @@ def test_torch_side_packages_are_light() -> None:
 @pytest.mark.parametrize(
     "what",
     [
-        "from weightwire.torch_side import ModuleSource, HFModelHost, WeightwireTCPEngine, WeightwireNCCLEngine",
+        (
+            "from weightwire.torch_side import ModuleSource, HFModelHost, "
+            "WeightwireTCPEngine, WeightwireNCCLEngine"
+        ),
         "from weightwire.torch_side import TorchTrainerEngine",
         "from weightwire.torch_side.worker import register; register()",
-        "import weightwire.torch_side.worker.connect, weightwire.torch_side.worker.core, weightwire.torch_side.worker.receive",
-        "import weightwire.backends.tcp.worker, weightwire.backends.nccl.worker, weightwire.backends.ipc.worker",
+        (
+            "import weightwire.torch_side.worker.connect, weightwire.torch_side.worker.core, "
+            "weightwire.torch_side.worker.receive"
+        ),
+        (
+            "import weightwire.backends.tcp.worker, weightwire.backends.nccl.worker, "
+            "weightwire.backends.ipc.worker"
+        ),
         "from weightwire import TorchTrainerEngine, ModuleSource",
     ],
 )

@@ -129,7 +129,8 @@ def test_an_export_list_it_cannot_honour_is_refused(bad: str, message: str) -> N
 
 
 def _weightwire_imports(source: str) -> list[str]:
-    """Each weightwire import of ``source`` that is not ``from weightwire import <public names>``."""
+    """Each weightwire import of ``source`` that is not
+    ``from weightwire import <public names>``."""
     bad = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):

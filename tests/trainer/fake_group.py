@@ -109,7 +109,8 @@ class FakeWorld:
             if kind == "broadcast" and rank != root:
                 if len(got) != nbytes:
                     raise TransferError(
-                        f"fake NCCL collective {k}: root sent {len(got)} bytes, rank {rank} posted {nbytes}"
+                        f"fake NCCL collective {k}: root sent {len(got)} bytes, "
+                        f"rank {rank} posted {nbytes}"
                     )
                 as_bytes(buffer)[:] = np.frombuffer(got, np.uint8)
 

@@ -66,7 +66,8 @@ def test_plan_group_ranks_and_turns_follow_first_owners() -> None:
         ([m("w", 1, 0)], r"'w' has owners \[1, 0\]: rank 0 gathers only in its own turn"),
         (
             [m("w", 0), m("v"), m("u", 1)],
-            r"'v' has no owners \(every rank\), but the source has several broadcasting ranks \[0, 1\]",
+            r"'v' has no owners \(every rank\), "
+            r"but the source has several broadcasting ranks \[0, 1\]",
         ),
         (
             [m("w", 1, 2), m("v", 2)],

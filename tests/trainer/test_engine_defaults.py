@@ -340,7 +340,8 @@ def test_a_round_within_the_budget_is_staged_and_not_paused(
     exact = sum(a.nbytes for a in weights.values())
     engine = engine_for(server.client(), DictSource(weights, describe), stage_budget_bytes=exact)
     engine.send_weights()
-    # never paused: a trainer that dies mid-round must not leave the server paused; the reset follows the commit
+    # never paused: a trainer that dies mid-round must not leave the server paused; the
+    # reset follows the commit
     assert round_routes(server) == UNPAUSED
 
 

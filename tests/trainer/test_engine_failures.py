@@ -192,7 +192,10 @@ def test_rejected_init_returns_at_once_and_cancels_the_rendezvous(stuck: StuckJo
     start = time.monotonic()
     with pytest.raises(
         WeightSyncError,
-        match=r"init_weight_transfer_engine failed on http://fake:8000 \(status 400\): TCPInitInfo: unknown keys",
+        match=(
+            r"init_weight_transfer_engine failed on http://fake:8000 \(status 400\): "
+            r"TCPInitInfo: unknown keys"
+        ),
     ):
         init(server, backend="stuck_join")
     assert time.monotonic() - start < 2.0

@@ -83,7 +83,8 @@ def test_gpu_rounds_arrive_bit_exact(framework: str, backend: str, packed: int) 
             assert r["reused_metadata"] == (i > 0)
             print(
                 f"{framework}/{backend}/{'packed' if packed else 'unpacked'} round {i + 1}: "
-                f"{r['nbytes'] / 1e9:.2f} GB in {r['chunks']} broadcasts, transfer {r['gbps']:.1f} GB/s, "
+                f"{r['nbytes'] / 1e9:.2f} GB in {r['chunks']} broadcasts, "
+                f"transfer {r['gbps']:.1f} GB/s, "
                 f"phases {json.dumps({k: round(v * 1e3, 1) for k, v in r['seconds'].items()})} ms"
             )
         assert (

@@ -93,7 +93,9 @@ def test_stock_round_resets_before_it_resumes_and_a_plugin_round_resets_right_af
         ]
         pause = next(c for c in client.calls if c[0] == "pause")
         assert pause[1:] == (("keep",), {})
-    else:  # staged: never paused (a trainer dying mid-round must not leave vLLM paused); reset at once
+    else:
+        # staged: never paused (a trainer dying mid-round must not leave vLLM paused); reset
+        # at once
         want = ["start_weight_update", "update_weights", "finish_weight_update", *RESET]
     assert client.rounds() == want
     assert next(c for c in client.calls if c[0] == "finish_weight_update")[1] == ("v1",)

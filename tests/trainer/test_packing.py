@@ -160,7 +160,8 @@ def test_device_pipeline_rotates_streams_and_waits_only_on_slot_reuse() -> None:
     )
     assert (nbytes, count) == (60, len(chunks)) and packer.streams == 2
     kinds = [(e[0], e[1]) for e in comm.log]
-    # chunk k goes on stream k % 2; stream s is synchronized before its second use; all drained at the end
+    # chunk k goes on stream k % 2; stream s is synchronized before its second use; all
+    # drained at the end
     want: list[tuple] = []
     for k in range(len(chunks)):
         if k >= 2:
@@ -194,7 +195,8 @@ def test_device_pipeline_unpacked_uses_each_tensors_nccl_dtype() -> None:
     typed = [e for e in comm.log if e[0] == "typed"]
     assert [(e[2], e[3]) for e in typed] == [(wire_dtype(m.dtype).nccl, m.numel) for m in metas]
     assert [e[4] for e in typed] == [a.tobytes() for a in arrays]
-    # 12 + 16 bytes held exceeds hold_bytes=16 after the second tensor: one early sync, then the drain
+    # 12 + 16 bytes held exceeds hold_bytes=16 after the second tensor: one early sync,
+    # then the drain
     assert [e for e in comm.log if e[0] == "sync"] == [
         ("sync", "s0"),
         ("sync", "s0"),
@@ -284,7 +286,8 @@ def test_host_pipeline_reads_ahead_at_most_num_buffers_chunks() -> None:
         comm.gate.release()
     assert done.wait(10)
     assert result == [(48, 12)] and comm.sent == [a.tobytes() for a in arrays]
-    # One on the wire, num_buffers - 1 queued, one being prepared: never more, and it does read ahead.
+    # One on the wire, num_buffers - 1 queued, one being prepared: never more, and it does
+    # read ahead.
     assert max(ahead) == 3
 
 

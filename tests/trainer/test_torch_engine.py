@@ -96,11 +96,16 @@ def test_other_ranks_iterate_without_touching_the_wire() -> None:
 def test_engines_import_only_their_own_framework() -> None:
     code = (
         "import sys\n"
-        "import weightwire.jax_side.engine, weightwire.jax_side.packer, weightwire.trainer, weightwire.testing.loopback\n"
+        "import weightwire.jax_side.engine, weightwire.jax_side.packer, weightwire.trainer, "
+        "weightwire.testing.loopback\n"
         "assert 'torch' not in sys.modules, 'jax side imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    code = "import sys\nimport weightwire.torch_side.sender.engine\nassert 'jax' not in sys.modules, 'torch side imported jax'\n"
+    code = (
+        "import sys\n"
+        "import weightwire.torch_side.sender.engine\n"
+        "assert 'jax' not in sys.modules, 'torch side imported jax'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
