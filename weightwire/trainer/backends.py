@@ -53,5 +53,6 @@ def get_backend(name: str) -> Backend:
 
 
 def backend_names() -> tuple[str, ...]:
-    """The built-in names (``weightwire.backends.BACKEND_NAMES``), then those registered at run time."""
+    """Every backend the registry knows (built-in and ``backends.register``-ed packages), then
+    the ``Backend`` objects registered here at run time."""
     return tuple(registry.SPECS) + tuple(n for n in _ADDED if n not in registry.SPECS)

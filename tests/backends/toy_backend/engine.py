@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from tests.backends.toy_backend.info import ToyFilesInitInfo
 from tests.backends.toy_backend.spec import TOY_FILES
-from weightwire.torch_side.worker.engines import _StandaloneEngine
+from weightwire.torch_side.worker.engines import StandaloneEngine
 
 
-class ToyFilesEngine(_StandaloneEngine):
+class ToyFilesEngine(StandaloneEngine):
     """``toy_files`` receiver: CPU or GPU worker, chunks read from files."""
 
     backend = TOY_FILES.name

@@ -103,7 +103,7 @@ class EngineFacade:
         return self._core.last_stats
 
 
-class _StandaloneEngine(EngineFacade):
+class StandaloneEngine(EngineFacade):
     """An engine loading into any object with ``load_weights`` (e.g. ``HFModelHost``)."""
 
     def __init__(
@@ -156,14 +156,14 @@ class _StandaloneEngine(EngineFacade):
     _connect = staticmethod(connect)
 
 
-class WeightwireTCPEngine(_StandaloneEngine):
+class WeightwireTCPEngine(StandaloneEngine):
     """``weightwire_tcp`` receiver: CPU or GPU worker, TCP data plane."""
 
     backend = TCP
     init_info_cls = TCPInitInfo
 
 
-class WeightwireNCCLEngine(_StandaloneEngine):
+class WeightwireNCCLEngine(StandaloneEngine):
     """``weightwire_nccl`` receiver: GPU worker, NCCL data plane via cupy, with timeouts."""
 
     backend = WEIGHTWIRE_NCCL

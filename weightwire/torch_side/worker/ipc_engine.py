@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from weightwire.backends import IPC
 from weightwire.shared.ipc_info import IPCInitInfo
-from weightwire.torch_side.worker.engines import _StandaloneEngine
+from weightwire.torch_side.worker.engines import StandaloneEngine
 
 
-class WeightwireIPCEngine(_StandaloneEngine):
+class WeightwireIPCEngine(StandaloneEngine):
     """``weightwire_ipc`` receiver: a GPU worker on the trainer's host (same GPU or a peer GPU)."""
 
     backend = IPC
