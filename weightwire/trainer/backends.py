@@ -53,5 +53,6 @@ def get_backend(name: str) -> Backend:
 
 
 def backend_names() -> tuple[str, ...]:
-    """The built-in names (``weightwire.backends.BACKEND_NAMES``), then those registered at run time."""
+    """The built-in names (``weightwire.backends.BACKEND_NAMES``), then those
+    registered at run time."""
     return registry.BACKEND_NAMES + tuple(n for n in _ADDED if n not in registry.SPECS)
