@@ -2,13 +2,15 @@
 
 Layout, following a byte from trainer to worker (``docs/architecture.md``):
 
-- ``shared``     the contract both sides import (numpy only): metadata, init infos, framing, routes, errors.
-- ``backends``   one package per wire (``tcp``, ``nccl``, ``ipc``): its bytes on both sides, and the registry.
+- ``shared``     the contract both sides import (numpy only): metadata, init infos, framing,
+                 routes, errors.
+- ``backends``   one package per wire (``tcp``, ``nccl``, ``ipc``): its bytes on both sides, and
+                 the registry.
 - ``trainer``    the framework-neutral round driver (``TrainerInitInfo``, ``RoundMetrics``, verify).
 - ``control``    the HTTP / Ray clients that drive a vLLM server's weight-sync routes.
 - ``jax_side``   pytree -> HF names, ``PytreeSource``, ``JAXTrainerEngine`` (never torch).
-- ``torch_side`` ``sender`` (``ModuleSource``, ``TorchTrainerEngine``), ``worker`` (engines, vLLM plugin),
-                 ``server`` (the reference server); never jax.
+- ``torch_side`` ``sender`` (``ModuleSource``, ``TorchTrainerEngine``), ``worker`` (engines,
+                 vLLM plugin), ``server`` (the reference server); never jax.
 - ``testing``    test doubles for users' tests (a loopback receiver).
 
 ``from weightwire import JAXTrainerEngine, PytreeSource, TrainerInitInfo, ...``: every name

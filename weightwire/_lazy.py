@@ -55,7 +55,8 @@ def exports_of(source: str, *, package: str) -> dict[str, str]:
             for alias in stmt.names:
                 if alias.asname != alias.name:
                     raise ValueError(
-                        f"{package}: write 'import {alias.name} as {alias.name}' (line {stmt.lineno})"
+                        f"{package}: write 'import {alias.name} as {alias.name}' "
+                        f"(line {stmt.lineno})"
                     )
                 if alias.name in exports:
                     raise ValueError(

@@ -95,7 +95,8 @@ class JaxDevicePacker(DevicePacker):
         if not match:
             seen = [getattr(d, "local_hardware_id", d.id) for d in gpus]
             raise RuntimeError(
-                f"JAX has no GPU with CUDA ordinal {ordinal} (JAX GPUs: {seen}); NCCL packs on the sender's GPU"
+                f"JAX has no GPU with CUDA ordinal {ordinal} (JAX GPUs: {seen}); NCCL packs on "
+                "the sender's GPU"
             )
         self._bind(match[0])
         self._cupy = cupy

@@ -2,8 +2,8 @@
 
 - ``weightwire demo``    an RL loop (JAX policy, vLLM-style server) syncing weights every step.
 - ``weightwire serve``   the reference server (``weightwire.tools.server.serve_main``).
-- ``weightwire bench``   the data-plane benchmark (``weightwire.tools.bench.comm``; ``--sync``: whole
-                         rounds on two GPUs, ``weightwire.tools.bench.sync``).
+- ``weightwire bench``   the data-plane benchmark (``weightwire.tools.bench.comm``; ``--sync``:
+                         whole rounds on two GPUs, ``weightwire.tools.bench.sync``).
 - ``weightwire doctor``  what a server supports and whether a sync can work against it.
 
 Exit codes (``weightwire.tools._cli``, the same for every command): 0 success; 1 the command ran

@@ -43,7 +43,8 @@ from weightwire.shared.meta import ParamMeta
 
 
 class PlanError(ConfigError):
-    """The metadata cannot be broadcast by this set of ranks; the message names the rank and name."""
+    """The metadata cannot be broadcast by this set of ranks; the message names
+    the rank and name."""
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,13 @@ def first_owner(meta: ParamMeta) -> int:
 
 
 def plan_broadcast(metas: Sequence[ParamMeta]) -> BroadcastPlan:
-    """The plan for ``metas``, or ``PlanError`` naming the first parameter that breaks a rule (1-3)."""
+    """The plan for ``metas``, or ``PlanError`` naming the first parameter that
+    breaks a rule (1-3)."""
     for m in metas:
         if m.owners is not None and 0 in m.owners[1:]:
             raise PlanError(
-                f"parameter {m.name!r} has owners {list(m.owners)}: rank 0 gathers only in its own turn, "
-                "so it must be the first owner of every parameter it owns"
+                f"parameter {m.name!r} has owners {list(m.owners)}: rank 0 gathers only in its own "
+                "turn, so it must be the first owner of every parameter it owns"
             )
     broadcasters = sorted({first_owner(m) for m in metas})
     if len(broadcasters) > 1:
@@ -103,8 +105,9 @@ def plan_broadcast(metas: Sequence[ParamMeta]) -> BroadcastPlan:
                 prev = home.setdefault(r, m.owners[0])
                 if prev != m.owners[0]:
                     raise PlanError(
-                        f"rank {r} owns parameters broadcast by ranks {prev} and {m.owners[0]} (at {m.name!r}); "
-                        "each broadcaster sends in its own turn, so every parameter a rank owns must share its first owner"
+                        f"rank {r} owns parameters broadcast by ranks {prev} and {m.owners[0]} (at "
+                        f"{m.name!r}); each broadcaster sends in its own turn, so every parameter "
+                        "a rank owns must share its first owner"
                     )
     runs: list[tuple[int, list[ParamMeta]]] = []
     for m in metas:
@@ -114,8 +117,9 @@ def plan_broadcast(metas: Sequence[ParamMeta]) -> BroadcastPlan:
             continue
         if runs and b < runs[-1][0]:
             raise PlanError(
-                f"parameter {m.name!r} (broadcaster rank {b}) follows parameters of rank {runs[-1][0]}: each "
-                "broadcaster's parameters must be one contiguous run, runs in ascending rank order"
+                f"parameter {m.name!r} (broadcaster rank {b}) follows parameters of rank "
+                f"{runs[-1][0]}: each broadcaster's parameters must be one contiguous run, runs in "
+                "ascending rank order"
             )
         runs.append((b, [m]))
     if len({b for b, _ in runs}) != len(runs):  # unreachable given ascending order; kept as a guard
@@ -134,8 +138,8 @@ def check_holders(plan: BroadcastPlan, rank: int, held: set[str] | None) -> None
     if orphans:
         more = f" (+{len(orphans) - 1} more)" if len(orphans) > 1 else ""
         raise PlanError(
-            f"rank {rank} is the first owner of {orphans[0]!r}{more} but does not hold it (held_names); "
-            "no rank would send it, and the workers would wait for it"
+            f"rank {rank} is the first owner of {orphans[0]!r}{more} but does not hold it "
+            "(held_names); no rank would send it, and the workers would wait for it"
         )
 
 
@@ -151,8 +155,8 @@ def check_agreement(digests: Sequence[str]) -> None:
     if odd:
         raise PlanError(
             f"trainer ranks disagree on the metadata: rank(s) {odd} differ from rank 0 (digest "
-            f"{digests[0][:12]} vs {', '.join(digests[r][:12] for r in odd)}); every rank must declare "
-            "the same names, dtypes, shapes and owners in the same order"
+            f"{digests[0][:12]} vs {', '.join(digests[r][:12] for r in odd)}); every rank must "
+            "declare the same names, dtypes, shapes and owners in the same order"
         )
 
 
@@ -164,13 +168,14 @@ def check_receiver(plan: BroadcastPlan, backend: str, *, stock: bool, several: s
         return
     if stock:
         raise PlanError(
-            f"the metadata has broadcasting ranks {list(plan.group_ranks)}, but backend {backend!r} runs "
-            "vLLM's own receiver, which (vLLM 0.33) receives only from src 0; use weightwire_tcp or "
-            "weightwire_nccl, or make rank 0 the first owner of every parameter"
+            f"the metadata has broadcasting ranks {list(plan.group_ranks)}, but backend "
+            f"{backend!r} runs vLLM's own receiver, which (vLLM 0.33) receives only from src 0; "
+            "use weightwire_tcp or weightwire_nccl, or make rank 0 the first owner of "
+            "every parameter"
         )
     if several not in ("stars", "group"):
         raise PlanError(
-            f"the metadata has broadcasting ranks {list(plan.group_ranks)}, but backend {backend!r} carries "
-            "one broadcaster only; use weightwire_tcp or weightwire_nccl, or make rank 0 the first owner "
-            "of every parameter"
+            f"the metadata has broadcasting ranks {list(plan.group_ranks)}, but backend "
+            f"{backend!r} carries one broadcaster only; use weightwire_tcp or weightwire_nccl, or "
+            "make rank 0 the first owner of every parameter"
         )

@@ -97,7 +97,8 @@ class TrainerInitInfo:
 
     def __post_init__(self) -> None:
         # Runtime-registered backends (register_backend) count too.
-        # The same spellings as the command line (``tcp``): one alias table, weightwire.backends.ALIASES.
+        # The same spellings as the command line (``tcp``): one alias table,
+        # weightwire.backends.ALIASES.
         self.backend = canonical(self.backend) if isinstance(self.backend, str) else self.backend
         if self.backend not in backend_names():
             aliases = ", ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
@@ -115,7 +116,8 @@ class TrainerInitInfo:
             raise ConfigError(
                 f"timeouts must be a weightwire Timeouts, got {type(self.timeouts).__name__}"
             )
-        round_interval_s()  # a bad WEIGHTWIRE_SWITCH_INTERVAL_US fails here, before anything is sent
+        # A bad WEIGHTWIRE_SWITCH_INTERVAL_US fails here, before anything is sent.
+        round_interval_s()
         if type(self.ipc_release_after_round) is not bool:
             raise ConfigError(
                 f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}"

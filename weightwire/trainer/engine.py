@@ -11,8 +11,8 @@ Lifecycle (every trainer rank calls each step; only rank 0 touches the wire):
    ``update_weights`` on a side thread *concurrently with* the broadcasts (workers
    receive inside that request) -> ``finish_weight_update(version)`` -> the servers'
    prefix / encoder caches reset (``trainer.freshness``) -> [resume] -> [verify]. The first
-   pack overlaps the start round trip; no byte is broadcast before start returned. Other ranks only iterate the source, so they stay in any
-   trainer-side gathers.
+   pack overlaps the start round trip; no byte is broadcast before start returned. Other
+   ranks only iterate the source, so they stay in any trainer-side gathers.
 3. ``shutdown``: tell the servers, close the communicator.
 
 Step 1 is ``trainer.session.open_wire``; step 2 is the round driver
@@ -62,7 +62,8 @@ __all__ = ["EngineBroken", "TrainerEngine"]
 
 
 class EngineBroken(RoundError, RuntimeError):
-    """A previous round failed mid-transfer (communicator aborted): ``shutdown()``, then ``trainer_init()`` again."""
+    """A previous round failed mid-transfer (communicator aborted): ``shutdown()``, then
+    ``trainer_init()`` again."""
 
 
 class TrainerEngine(ABC):
@@ -126,7 +127,8 @@ class TrainerEngine(ABC):
 
     def __repr__(self) -> str:
         role = "sender" if self.info.is_sender else f"rank {self.info.rank}"
-        return f"{type(self).__name__}(backend={self.info.backend!r}, {role}, rounds={self.session.rounds})"
+        rounds = self.session.rounds
+        return f"{type(self).__name__}(backend={self.info.backend!r}, {role}, rounds={rounds})"
 
     @classmethod
     def trainer_init(
@@ -212,8 +214,9 @@ class TrainerEngine(ABC):
         if self._displaced():
             self._was_displaced = True
             s.broken = EngineBroken(
-                "a server closed this trainer's data link: another trainer initialized and took the session "
-                "over, or the server restarted; nothing was sent. Call trainer_init() again to take it back"
+                "a server closed this trainer's data link: another trainer initialized and took "
+                "the session over, or the server restarted; nothing was sent. Call trainer_init() "
+                "again to take it back"
             )
             raise s.broken
         if draft:
@@ -256,7 +259,8 @@ class TrainerEngine(ABC):
         )
 
     def abort_requests(self, request_ids: list[str] | None = None) -> None:
-        """Rank 0: abort in-flight generation on every server without pausing (all when ``None``)."""
+        """Rank 0: abort in-flight generation on every server without pausing
+        (all when ``None``)."""
         if self.info.is_sender:
             assert self.features is not None, "trainer_init() first"
             self.features.require("abort_route", "abort_requests posts /abort_requests")

@@ -53,11 +53,11 @@ class StaleCacheError(WeightwireError, RuntimeError):
 
     def __init__(self, weight_version: str, detail: str) -> None:
         super().__init__(
-            f"round {weight_version!r} was committed (finish_weight_update returned), but the servers' caches "
-            f"were not reset: {detail}. Requests whose prefix was cached before the round may be answered from "
-            "KV computed with the previous weights until a reset succeeds (the next round's, or "
-            "POST /reset_prefix_cache?reset_running_requests=true); TrainerInitInfo(reset_prefix_cache=False) "
-            "accepts stale prefixes knowingly"
+            f"round {weight_version!r} was committed (finish_weight_update returned), but the "
+            f"servers' caches were not reset: {detail}. Requests whose prefix was cached before "
+            "the round may be answered from KV computed with the previous weights until a reset "
+            "succeeds (the next round's, or POST /reset_prefix_cache?reset_running_requests=true); "
+            "TrainerInitInfo(reset_prefix_cache=False) accepts stale prefixes knowingly"
         )
         self.weight_version = weight_version
         self.detail = detail
@@ -85,7 +85,8 @@ class CommitPlan:
 
 
 def commit_plan(info: TrainerInitInfo, client: object, round_pause: str | None) -> CommitPlan:
-    """The plan for this engine; ``round_pause`` is the mode the whole round is paused in (or None)."""
+    """The plan for this engine; ``round_pause`` is the mode the whole round is
+    paused in (or None)."""
     if not info.reset_prefix_cache:
         logger.info(
             "reset_prefix_cache=False: vLLM may answer requests from KV computed before a round"
@@ -104,8 +105,8 @@ def commit_plan(info: TrainerInitInfo, client: object, round_pause: str | None) 
         else f"client {type(client).__name__} cannot pause"
     )
     logger.warning(
-        "%s: the cache reset after each round runs unpaused; a request scheduled between the commit and "
-        "the reset may reuse KV computed with the previous weights",
+        "%s: the cache reset after each round runs unpaused; a request scheduled between the "
+        "commit and the reset may reuse KV computed with the previous weights",
         why,
     )
     return CommitPlan(reset=True)
@@ -123,8 +124,8 @@ def reset_after_commit(client: Any, version: str) -> None:
         except WeightSyncError as exc:
             hint = (
                 (
-                    " (the server has no /reset_prefix_cache route; vLLM serves it with VLLM_SERVER_DEV_MODE=1, "
-                    "as it does the weight routes)"
+                    " (the server has no /reset_prefix_cache route; vLLM serves it with "
+                    "VLLM_SERVER_DEV_MODE=1, as it does the weight routes)"
                 )
                 if exc.status == 404
                 else ""

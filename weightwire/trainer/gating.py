@@ -33,7 +33,8 @@ def server_features(info: TrainerInitInfo, client: ServerControls) -> ServerFeat
         except Exception:
             if stated is None:
                 raise
-            # The client cannot tell (e.g. a Ray client built without one): the stated version stands.
+            # The client cannot tell (e.g. a Ray client built without one): the
+            # stated version stands.
             logger.info(
                 "client %s cannot report the server version; using server_version=%s",
                 type(client).__name__,
@@ -52,7 +53,8 @@ def server_features(info: TrainerInitInfo, client: ServerControls) -> ServerFeat
     version = asked if asked is not None else stated
     if version is None:
         raise ValueError(
-            "no server version: the client has no version() and TrainerInitInfo.server_version is unset"
+            "no server version: the client has no version() and "
+            "TrainerInitInfo.server_version is unset"
         )
     features = ServerFeatures.for_version(version, override=info.version_override)
     if info.version_override is not None:
@@ -79,7 +81,8 @@ def require_draft_model(client: object) -> None:
         which = ", ".join(str(i) for i in missing) or "all"
         raise ValueError(
             f"server(s) {which} show no speculative draft model (/server_info has no "
-            "speculative_config); a draft round there would kill vLLM's engine core. Nothing was sent"
+            "speculative_config); a draft round there would kill vLLM's engine core. "
+            "Nothing was sent"
         )
 
 
@@ -119,8 +122,9 @@ def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool)
     if missing:
         raise TypeError(
             f"client {type(client).__name__} lacks {', '.join(missing)} (give server_version / "
-            "inference_world_size in TrainerInitInfo, or drop verify / pause_mode; without reset_prefix_cache "
-            "vLLM may serve KV of the previous weights after a round: reset_prefix_cache=False accepts that)"
+            "inference_world_size in TrainerInitInfo, or drop verify / pause_mode; without "
+            "reset_prefix_cache vLLM may serve KV of the previous weights after a round: "
+            "reset_prefix_cache=False accepts that)"
         )
     return pause_mode
 

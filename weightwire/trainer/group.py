@@ -98,9 +98,9 @@ class Exchange:
         except GroupTimeout as exc:
             if exc.after_s is not None:
                 raise GroupTimeout(
-                    f"reading trainer rank {rank}'s {name!r} failed after {exc.after_s:.1f} s, before "
-                    f"its {timeout:g} s timeout: {exc} (is the group's store, or the rank hosting it, "
-                    "gone?)",
+                    f"reading trainer rank {rank}'s {name!r} failed after {exc.after_s:.1f} s, "
+                    f"before its {timeout:g} s timeout: {exc} (is the group's store, or the rank "
+                    "hosting it, gone?)",
                     after_s=exc.after_s,
                 ) from None
             raise GroupTimeout(

@@ -47,8 +47,9 @@ class RoundMetrics:
         reuse = " reused-metadata" if self.reused_metadata else ""
         return (
             f"round {self.version}: {self.tensors} tensor{'' if self.tensors == 1 else 's'}, "
-            f"{self.nbytes / 1e6:.1f} MB in {self.chunks} broadcast{'' if self.chunks == 1 else 's'}, "
-            f"{self.gbps:.2f} GB/s{reuse}; {phases} total={self.total_seconds * 1e3:.1f}ms"
+            f"{self.nbytes / 1e6:.1f} MB in {self.chunks} "
+            f"broadcast{'' if self.chunks == 1 else 's'}, {self.gbps:.2f} GB/s{reuse}; {phases} "
+            f"total={self.total_seconds * 1e3:.1f}ms"
         )
 
 

@@ -19,8 +19,9 @@ Two activities per group rank, never on the communicator at the same time:
 
 The first own chunk's tensors are produced while earlier turns are still being
 received; packing and its first byte wait for ``_reached``, which keeps the
-communicator's order identical on every member. Every wait is bounded (each chunk by ``transfer_s``, each request by
-``http_s``); the first failure aborts this rank's communicator and names its turn.
+communicator's order identical on every member. Every wait is bounded (each chunk by
+``transfer_s``, each request by ``http_s``); the first failure aborts this rank's
+communicator and names its turn.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ class GroupTurns:
 
 
 class GroupWire(MultiBase):
-    """``MultiSource``'s ``"group"`` wire: one communicator, joined at init, ``GroupTurns`` per round."""
+    """``MultiSource``'s ``"group"`` wire: one communicator, joined at init,
+    ``GroupTurns`` per round."""
 
     def _connect_group(self, bplan: BroadcastPlan) -> None:
         """One communicator for the group (see the module docstring, step 1 ``"group"``)."""
@@ -226,7 +228,8 @@ class GroupWire(MultiBase):
         pairs: Iterator[tuple[str, Any]],
         failed: list[TurnFailure],
     ) -> Sent:
-        """Rank 0's transfer over one group: each turn's request, then its collective (``multi_group``)."""
+        """Rank 0's transfer over one group: each turn's request, then its collective
+        (``multi_group``)."""
         client = self.session.client
         by_src = {turn.src: payload for turn, payload in zip(bplan.turns, payloads, strict=True)}
 

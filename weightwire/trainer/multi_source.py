@@ -13,16 +13,16 @@ Every rank runs the same steps:
    ``BroadcastPlan.world_size``, publishes the join fields (``Backend.peer_fields``)
    over the trainer group, and each broadcaster joins at its group rank
    (``Backend.join_peer``) while the workers join from ``rank_offset`` on.
-2. ``send``: agree again (metadata may change between rounds), then every rank
-   iterates its source once, in lockstep (turn order is metadata order, rule 3 of
-   ``broadcast_plan``). Rank 0 runs the round driver (``trainer.round.lead_round``)
-   over this plan's wire (``MultiSource.transfer``): ``start``, one ``update_weights`` per turn with its ``src``
-   (sequentially, on a side thread), then ``finish``. Stars: each broadcaster
-   sends its own slice on its own star while its turn's request is receiving. Group:
-   the turn's broadcaster broadcasts with root ``src`` and every other group rank
-   receives and drops the bytes (``multi_group``). Rank 0 publishes the verdict; the
-   other ranks return or raise with it. ``verify=True``: each broadcaster digests its
-   slice and rank 0 checks their union (``multi_verify``).
+2. ``send``: agree again (metadata may change between rounds), then every rank iterates its
+   source once, in lockstep (turn order is metadata order, rule 3 of ``broadcast_plan``).
+   Rank 0 runs the round driver (``trainer.round.lead_round``) over this plan's wire
+   (``MultiSource.transfer``): ``start``, one ``update_weights`` per turn with its ``src``
+   (sequentially, on a side thread), then ``finish``. Stars: each broadcaster sends its own
+   slice on its own star while its turn's request is receiving. Group: the turn's
+   broadcaster broadcasts with root ``src`` and every other group rank receives and drops
+   the bytes (``multi_group``). Rank 0 publishes the verdict; the other ranks return or
+   raise with it. ``verify=True``: each broadcaster digests its slice and rank 0 checks
+   their union (``multi_verify``).
 
 Failure rules: every cross-rank wait is bounded (``GroupTimeout`` names the rank); a
 failed turn names its broadcaster (rank and ``src``) and that rank's own error when it

@@ -92,7 +92,8 @@ class StarWire(MultiBase):
 
     @staticmethod
     def _source(share: KeyShare, endpoint: Any, rank: int) -> StarSource:
-        """A broadcaster's posted endpoint -> its entry in rank 0's init info (the secret derived here)."""
+        """A broadcaster's posted endpoint -> its entry in rank 0's init info (the
+        secret derived here)."""
         if not isinstance(endpoint, dict):
             raise ConfigError(f"trainer rank {rank} posted an endpoint that is not an object")
         secret = share.secret_with(
@@ -119,7 +120,8 @@ class StarWire(MultiBase):
         go = self.exchange.get(f"go{turn.src}", 0, t.http_s * (turn.src + 1) + t.transfer_s)
         if not go:
             raise RoundFailed(
-                f"trainer rank 0 ended the round before the turn of rank {turn.rank} (src {turn.src})"
+                f"trainer rank 0 ended the round before the turn of rank {turn.rank} "
+                f"(src {turn.src})"
             )
 
     def _star_lead(
@@ -129,7 +131,8 @@ class StarWire(MultiBase):
         pairs: Iterator[tuple[str, Any]],
         failed: list[TurnFailure],
     ) -> Sent:
-        """Rank 0's transfer over stars: its own slice on its star, the turns' requests beside it."""
+        """Rank 0's transfer over stars: its own slice on its star, the turns'
+        requests beside it."""
         s = self.session
         t = s.info.timeouts
         stop = threading.Event()
@@ -154,7 +157,8 @@ class StarWire(MultiBase):
         return sent
 
     def _go(self, turn: Turn, go: bool) -> None:
-        # Each key once per round (the JAX store refuses to overwrite); rank 0's own turn needs none.
+        # Each key once per round (the JAX store refuses to overwrite); rank 0's
+        # own turn needs none.
         with self._go_lock:
             if turn.rank == 0 or turn.src in self._went:
                 return
@@ -168,7 +172,8 @@ class StarWire(MultiBase):
         stop: threading.Event,
         failed: list[TurnFailure],
     ) -> None:
-        """The turns' ``update_weights``, one after another (a worker receives one turn at a time)."""
+        """The turns' ``update_weights``, one after another (a worker receives
+        one turn at a time)."""
         s = self.session
         t = s.info.timeouts
         for turn, payload in zip(bplan.turns, payloads, strict=True):

@@ -45,7 +45,8 @@ _SETTLE_POLL_S = 0.05
 
 
 def await_call(future: Future, timeout: float, what: str) -> Any:
-    """The POST's answer (or its own error); ``ControlTimeout`` naming ``what`` if none came in time."""
+    """The POST's answer (or its own error); ``ControlTimeout`` naming ``what`` if
+    none came in time."""
     try:
         return future.result(timeout=timeout)
     except FutureTimeout:

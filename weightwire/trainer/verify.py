@@ -92,7 +92,8 @@ def vllm_param_name(name: str) -> str:
 
 
 def compare_checksums(sent: Mapping[str, str], replies: Sequence[Any]) -> None:
-    """Digest mode: raise ``VerifyError`` unless every reply holds ``sent``'s digest for every name."""
+    """Digest mode: raise ``VerifyError`` unless every reply holds ``sent``'s
+    digest for every name."""
     if not replies:
         raise VerifyError("weight_checker returned no server replies", {})
     maps: list[tuple[str, dict[str, Any]]] = []
@@ -120,7 +121,8 @@ def compare_checksums(sent: Mapping[str, str], replies: Sequence[Any]) -> None:
         missing = sum(1 for n in bad if n not in got)
         note = f"; {missing} absent on the server" if missing else ""
         parts.append(
-            f"{where}: {len(bad)} of {len(sent)} tensors differ from what was sent: {_shown(bad)}{note}"
+            f"{where}: {len(bad)} of {len(sent)} tensors differ from what was sent: "
+            f"{_shown(bad)}{note}"
         )
     if mismatched:
         raise VerifyError("verify failed: " + " | ".join(parts), mismatched)
@@ -146,7 +148,8 @@ def is_vllm_keyed(replies: Sequence[Any]) -> bool:
 
 
 def _param_of(key: str, targets: set[str]) -> str:
-    """The vLLM parameter a shard key belongs to (inner-tensor suffixes such as ``.qdata`` folded in)."""
+    """The vLLM parameter a shard key belongs to (inner-tensor suffixes such as
+    ``.qdata`` folded in)."""
     param = VLLM_KEY.match(key).group(1)  # type: ignore[union-attr]
     head = param
     while head not in targets and "." in head:
@@ -205,13 +208,14 @@ def diff_round(
         if outside:
             mismatched[f"server {i} (not sent, changed)"] = outside
             parts.append(
-                f"server {i}: {len(outside)} parameters the round did not send changed: {_shown(outside)}"
+                f"server {i}: {len(outside)} parameters the round did not send changed: "
+                f"{_shown(outside)}"
             )
         if frozen:
             mismatched[f"server {i} (sent unchanged bytes, changed)"] = frozen
             parts.append(
-                f"server {i}: {len(frozen)} parameters changed although every tensor feeding them was "
-                f"sent with the same bytes as last round: {_shown(frozen)}"
+                f"server {i}: {len(frozen)} parameters changed although every tensor feeding them "
+                f"was sent with the same bytes as last round: {_shown(frozen)}"
             )
     if moved is not None:
         missed = sorted(
@@ -220,8 +224,8 @@ def diff_round(
         if missed:
             mismatched["all servers (sent new bytes, unchanged)"] = missed
             parts.append(
-                f"{len(missed)} parameters fed by tensors whose bytes changed since the last round did "
-                f"not change on any shard: {_shown(missed)}"
+                f"{len(missed)} parameters fed by tensors whose bytes changed since the last round "
+                f"did not change on any shard: {_shown(missed)}"
             )
     if parts:
         raise VerifyError("verify (vllm-diff) failed: " + " | ".join(parts), mismatched)
@@ -246,7 +250,8 @@ class RoundVerifier:
         self._last_after: list[Any] | None = None
 
     def before_round(self, client: ServerControls) -> None:
-        """Snapshot the checker; called before ``start_weight_update`` (a failure here sent nothing)."""
+        """Snapshot the checker; called before ``start_weight_update`` (a failure
+        here sent nothing)."""
         self._before = list(client.weight_checker("checksum"))
 
     def after_round(

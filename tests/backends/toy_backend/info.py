@@ -40,7 +40,8 @@ class ToyFilesInitInfo(_StrictInfo):
             raise ConfigError(f"{ctx}.dir must be an absolute path, got {self.dir!r}")
         if not 1 <= self.rank_offset < self.world_size:
             raise ConfigError(
-                f"{ctx}: rank_offset {self.rank_offset} must be in [1, world_size {self.world_size})"
+                f"{ctx}: rank_offset {self.rank_offset} must be in "
+                f"[1, world_size {self.world_size})"
             )
         check_buffer_size(f"{ctx}.packed_buffer_size_bytes", self.packed_buffer_size_bytes)
         check_num_buffers(f"{ctx}.packed_num_buffers", self.packed_num_buffers)

@@ -23,7 +23,8 @@ def connect_files(info: ToyFilesInitInfo, *, rank: int, device: torch.device) ->
     """Join: say ready with a file rank 0's rendezvous waits for."""
     if not os.path.isdir(info.dir):
         raise TransferError(
-            f"toy_files: the trainer's directory {info.dir} does not exist (not a shared file system?)"
+            f"toy_files: the trainer's directory {info.dir} does not exist "
+            "(not a shared file system?)"
         )
     tmp = os.path.join(info.dir, f".ready.{rank}.tmp")
     with open(tmp, "w"):

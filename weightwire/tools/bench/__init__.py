@@ -5,5 +5,6 @@
 - ``sync``       whole weight-sync rounds on two GPUs (``sync_http``, ``sync_shim``: the
                  control planes; ``sync_trace``: where one round's time goes).
 
-Each module runs as ``python -m weightwire.tools.bench.<name>``; children it spawns run the same way.
+Each module runs as ``python -m weightwire.tools.bench.<name>``; children it spawns run the
+same way.
 """

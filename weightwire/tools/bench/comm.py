@@ -1,6 +1,6 @@
 """Data-plane throughput: weightwire communicators against the raw transport they wrap.
 
-    weightwire bench [--backend weightwire_tcp]   # CPU, loopback (python -m weightwire.tools.bench.comm)
+    weightwire bench [--backend weightwire_tcp]   # CPU, loopback (this module)
     weightwire bench --backend nccl|all           # GPU host (weightwire.tools.bench.comm_nccl)
 
 TCP: one sender (this process) and one receiver (a child process). Each repeat sends

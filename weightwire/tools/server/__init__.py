@@ -269,9 +269,9 @@ def _usable_key(key: str, source: str) -> str:
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """Run the server until SIGINT/SIGTERM. Returns the process exit code (``weightwire.tools._cli``'s
-    codes: 0 stopped after serving, 2 bad arguments, 3 an error stopped it, 130 Ctrl-C while
-    starting)."""
+    """Run the server until SIGINT/SIGTERM. Returns the process exit code
+    (``weightwire.tools._cli``'s codes: 0 stopped after serving, 2 bad arguments, 3 an error
+    stopped it, 130 Ctrl-C while starting)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -47,6 +47,7 @@ class TorchStoreGroup(StoreGroup):
         self._store.set(key, value)
 
     def _get(self, key: str, timeout: float) -> str:
-        # torch raises DistStoreError / RuntimeError variants on timeout: StoreGroup.read names the key
+        # torch raises DistStoreError / RuntimeError variants on timeout:
+        # StoreGroup.read names the key
         self._store.wait([key], datetime.timedelta(seconds=timeout))
         return bytes(self._store.get(key)).decode()

@@ -150,15 +150,17 @@ class _ReceiverCore:
     def init(self, info: InitInfo) -> None:
         if not isinstance(info, self._info_type):
             raise TypeError(
-                f"{self.backend}: init info must be {self._info_type.__name__}, got {type(info).__name__}"
+                f"{self.backend}: init info must be {self._info_type.__name__}, got "
+                f"{type(info).__name__}"
             )
         if self._active:
             stale = self._stale_reason()
             if stale is None:
                 raise RuntimeError(
-                    f"{self.backend}: refused: a weight update of session {self.session} is in progress "
-                    f"(last call {time.monotonic() - self._touched:.0f} s ago); a new trainer can init once "
-                    f"it finished, or once it is gone (link closed, or idle for {self.lease_s:.0f} s)"
+                    f"{self.backend}: refused: a weight update of session {self.session} is in "
+                    f"progress (last call {time.monotonic() - self._touched:.0f} s ago); a new "
+                    "trainer can init once it finished, or once it is gone (link closed, or idle "
+                    f"for {self.lease_s:.0f} s)"
                 )
             log.warning(
                 "%s: aborting the stale round of session %s (%s)", self.backend, self.session, stale
@@ -167,9 +169,9 @@ class _ReceiverCore:
         rank = info.rank_offset + self._worker_rank
         if rank >= info.world_size:
             raise ValueError(
-                f"{self.backend}: this worker's rank {rank} (rank_offset {info.rank_offset} + worker "
-                f"{self._worker_rank}) is outside world_size {info.world_size}; world_size must be "
-                "1 + the number of inference workers (GET /get_world_size)"
+                f"{self.backend}: this worker's rank {rank} (rank_offset {info.rank_offset} + "
+                f"worker {self._worker_rank}) is outside world_size {info.world_size}; world_size "
+                "must be 1 + the number of inference workers (GET /get_world_size)"
             )
         self._close_link()
         self._plans.clear()
@@ -230,9 +232,9 @@ class _ReceiverCore:
                 frozenset(round_.names),
             )
             raise WeightReceiveError(
-                f"{self.backend}: applying the received round failed ({type(exc).__name__}: {exc}); "
-                "layers not yet complete kept their previous weights, completed ones hold the new round: "
-                "send a full round again"
+                f"{self.backend}: applying the received round failed ({type(exc).__name__}: "
+                f"{exc}); layers not yet complete kept their previous weights, completed ones hold "
+                "the new round: send a full round again"
             ) from exc
         self.weights.committed(frozenset(round_.names))
 
@@ -257,7 +259,8 @@ class _ReceiverCore:
 
     # ---------------------------------------------------------------- receive
     def receive_dict(self, update: dict[str, Any]) -> None:
-        """Parse then receive; a malformed body also aborts, since the trainer is already sending."""
+        """Parse then receive; a malformed body also aborts, since the trainer
+        is already sending."""
         self._require_ready()
         try:
             info = UpdateInfo.from_dict(update)
@@ -306,8 +309,8 @@ class _ReceiverCore:
                 )
             self._fail(exc, where)
             raise WeightReceiveError(
-                f"{self.backend}: round failed {where} ({type(exc).__name__}: {exc}); the round was "
-                "aborted and the communicator closed; call init_weight_transfer_engine again"
+                f"{self.backend}: round failed {where} ({type(exc).__name__}: {exc}); the round "
+                "was aborted and the communicator closed; call init_weight_transfer_engine again"
             ) from exc
         self._touched = time.monotonic()
         self.last_stats = ReceiveStats(
@@ -335,8 +338,8 @@ class _ReceiverCore:
     def _raise_not_ready(self) -> None:
         if self._broken is not None:
             raise RuntimeError(
-                f"{self.backend}: the communicator was aborted after a failed round ({self._broken}); "
-                "call init_weight_transfer_engine again"
+                f"{self.backend}: the communicator was aborted after a failed round "
+                f"({self._broken}); call init_weight_transfer_engine again"
             )
         raise RuntimeError(
             f"{self.backend}: not initialized; call init_weight_transfer_engine first"

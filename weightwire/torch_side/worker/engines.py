@@ -117,7 +117,8 @@ class StandaloneEngine(EngineFacade):
     ) -> None:
         if not callable(getattr(model, "load_weights", None)):
             raise TypeError(
-                f"model must have a load_weights(list[(name, tensor)]) method, got {type(model).__name__}"
+                "model must have a load_weights(list[(name, tensor)]) method, got "
+                f"{type(model).__name__}"
             )
         self.model = model
         self.device = torch.device(device) if device is not None else torch.device("cpu")

@@ -38,7 +38,8 @@ class HFModelHost:
     """
 
     transactional_rounds = True
-    """A ``begin_round`` .. ``commit_round`` round is all-or-nothing (see ``strategy.StagedRound``)."""
+    """A ``begin_round`` .. ``commit_round`` round is all-or-nothing (see
+    ``strategy.StagedRound``)."""
 
     def __init__(
         self,
@@ -61,7 +62,8 @@ class HFModelHost:
         self._stage: dict[str, torch.Tensor] | None = None
         self._lock = threading.Lock()
         self._write_lock = write_lock
-        """Held around each in-place write: whoever reads the parameters (generation) holds it too."""
+        """Held around each in-place write: whoever reads the parameters
+        (generation) holds it too."""
         self._in_place = False
         self.rounds_committed = 0
         self.last_committed: frozenset[str] = frozenset()
@@ -91,7 +93,8 @@ class HFModelHost:
         with self._lock:
             if self.in_round:
                 raise RuntimeError(
-                    "HFModelHost: begin_in_place_round while a round is open; commit or abort it first"
+                    "HFModelHost: begin_in_place_round while a round is open; commit "
+                    "or abort it first"
                 )
             self._in_place = True
 
@@ -145,7 +148,8 @@ class HFModelHost:
         if key is None:
             sample = ", ".join(list(self._params)[:3])
             raise ValueError(
-                f"HFModelHost: unknown weight name {name!r} (model has {len(self._params)} parameters, e.g. {sample})"
+                f"HFModelHost: unknown weight name {name!r} (model has {len(self._params)} "
+                f"parameters, e.g. {sample})"
             )
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(
@@ -154,12 +158,14 @@ class HFModelHost:
         param = self._params[key]
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(
-                f"HFModelHost: {name!r} has shape {list(tensor.shape)}, the parameter has {list(param.shape)}"
+                f"HFModelHost: {name!r} has shape {list(tensor.shape)}, the parameter has "
+                f"{list(param.shape)}"
             )
         if tensor.dtype != param.dtype and not self.cast_to_param_dtype:
             raise ValueError(
                 f"HFModelHost: {name!r} has dtype {tensor.dtype}, the parameter has {param.dtype}; "
-                "refusing a silent cast (construct HFModelHost(..., cast_to_param_dtype=True) to allow it)"
+                "refusing a silent cast (construct HFModelHost(..., "
+                "cast_to_param_dtype=True) to allow it)"
             )
         return key
 

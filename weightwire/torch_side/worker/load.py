@@ -100,8 +100,8 @@ class MetaCache:
         if update.reuses_previous:
             if cached is None:
                 raise ValueError(
-                    f"{self._backend}: update info has empty names/dtype_names/shapes (reuse the previous "
-                    "round's metadata) but this engine has received no round since init"
+                    f"{self._backend}: update info has empty names/dtype_names/shapes (reuse the "
+                    "previous round's metadata) but this engine has received no round since init"
                 )
             return cached.plan
         if (
@@ -124,7 +124,8 @@ def _same(a: UpdateInfo, b: UpdateInfo) -> bool:
 
 
 def load_batches(chunk_batches: Iterator[Pairs], load_batching: str) -> Iterator[Pairs]:
-    """Batches for ``load_weights``: whole chunks, or ("group") one decoder layer across chunk edges."""
+    """Batches for ``load_weights``: whole chunks, or ("group") one decoder layer
+    across chunk edges."""
     if load_batching == "chunk":
         return chunk_batches
     return batch_by_layer(pair for batch in chunk_batches for pair in batch)

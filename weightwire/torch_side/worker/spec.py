@@ -95,9 +95,11 @@ class ModelSpec:
         for key in sorted(k for k in touched if k is not None):
             missing = [n for n in self.tensors if layer_key(n) == key and n not in covered]
             if missing:
+                listed = ", ".join(map(repr, missing[:_MAX_LISTED]))
+                ellipsis = " ..." if len(missing) > _MAX_LISTED else ""
                 problems.append(
-                    f"layer {key!r} is incomplete: missing {', '.join(map(repr, missing[:_MAX_LISTED]))}"
-                    f"{' ...' if len(missing) > _MAX_LISTED else ''} (send every tensor of a layer in one round)"
+                    f"layer {key!r} is incomplete: missing {listed}{ellipsis} (send every tensor "
+                    "of a layer in one round)"
                 )
         if problems:
             more = f" (+{len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""

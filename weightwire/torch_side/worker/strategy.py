@@ -116,7 +116,8 @@ class ReceiveStrategy(ABC):
         return self
 
     def held_tensors(self) -> Pairs:
-        """The received tensors not yet in the model (a check before commit can still refuse them)."""
+        """The received tensors not yet in the model (a check before commit can
+        still refuse them)."""
         return []
 
     @abstractmethod
@@ -168,7 +169,8 @@ class StagedRound(ReceiveStrategy):
         streaming.pending, self.held = self.held, []
         if streaming.pending:
             log.info(
-                "%s: the round outgrew the stage budget (%d bytes); the %d held tensors go in place first",
+                "%s: the round outgrew the stage budget (%d bytes); the %d held tensors "
+                "go in place first",
                 self.target.backend,
                 budget_bytes,
                 len(streaming.pending),

@@ -261,7 +261,8 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):
 
 
 class VllmWeightwireTCPEngine(_VllmEngine):
-    """``--weight-transfer-config '{"backend": "weightwire_tcp"}'``: TCP data plane, CPU or GPU workers."""
+    """``--weight-transfer-config '{"backend": "weightwire_tcp"}'``: TCP data plane,
+    CPU or GPU workers."""
 
     backend = TCP
     init_info_cls = TCPInitInfo
@@ -269,7 +270,8 @@ class VllmWeightwireTCPEngine(_VllmEngine):
 
 
 class VllmWeightwireNCCLEngine(_VllmEngine):
-    """``--weight-transfer-config '{"backend": "weightwire_nccl"}'``: NCCL via cupy, with timeouts."""
+    """``--weight-transfer-config '{"backend": "weightwire_nccl"}'``: NCCL via
+    cupy, with timeouts."""
 
     backend = WEIGHTWIRE_NCCL
     init_info_cls = WeightwireNCCLInitInfo
@@ -277,7 +279,8 @@ class VllmWeightwireNCCLEngine(_VllmEngine):
 
 
 class VllmWeightwireIPCEngine(_VllmEngine):
-    """``--weight-transfer-config '{"backend": "weightwire_ipc"}'``: CUDA IPC from a trainer on this host."""
+    """``--weight-transfer-config '{"backend": "weightwire_ipc"}'``: CUDA IPC from a
+    trainer on this host."""
 
     backend = IPC
     init_info_cls = IPCInitInfo  # type: ignore[assignment]
