@@ -152,8 +152,7 @@ def test_what_needs_torch_says_which_extra(jax_venv: Path) -> None:
     # Installed from this checkout (a directory, not an index): the hint installs from there again.
     hint = f'{jax_venv.name}/bin/pip install "{ROOT}[torch]"'
     assert (
-        serve.stderr.strip()
-        == f"weightwire serve: error: weightwire.torch_side needs 'torch': {hint}"
+        serve.stderr.strip() == f"weightwire serve: error: weightwire serve needs 'torch': {hint}"
     )
     demo = _run(jax_venv, "weightwire", "demo")
     assert demo.returncode == 3, demo.stderr
