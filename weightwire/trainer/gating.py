@@ -10,6 +10,7 @@ explicit escape hatch ("treat this server as release X"); it is logged on every 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,8 +150,10 @@ def round_pause(
     stock_receiver: bool,
     nbytes: int,
     client: object,
+    guard: Callable[[], bool] | None = None,
 ) -> RoundPause:
     """The pause of a round of ``nbytes`` (``session_mode``: ``check_client``'s answer).
+    ``guard``: whether the servers run the round guard (default: ask them now).
 
     A plugin worker applies a round over ``stage_budget_bytes`` in place
     (``shared.staging.round_streams``, the rule the worker applies too): from its first
@@ -177,7 +180,8 @@ def round_pause(
             "pause_mode='keep' would queue requests behind a round applied in place that may fail; "
             "pausing this round with 'abort' (new requests refused until it commits)"
         )
-    return RoundPause(mode, resume_on_failure=False, guard=guard_installed(client))
+    held = guard() if guard is not None else guard_installed(client)
+    return RoundPause(mode, resume_on_failure=False, guard=held)
 
 
 def guard_installed(client: object) -> bool:

@@ -23,7 +23,7 @@ from weightwire.shared.staging import round_bytes
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.freshness import CommitPlan
-from weightwire.trainer.gating import RoundPause, round_pause, server_features
+from weightwire.trainer.gating import RoundPause, guard_installed, round_pause, server_features
 from weightwire.trainer.transfer import await_call, join_beside_init, real_cause, tap
 from weightwire.trainer.verify import RoundVerifier
 
@@ -73,6 +73,9 @@ class Session:
     rounds: int = 0
     sent: dict[SentKey, tuple[ParamMeta, ...]] = field(default_factory=dict)
     """Rank 0: what each broadcaster's slice is on the workers, until a round changes it."""
+    guard: bool | None = None
+    """Whether the servers run the round guard: asked at the first round applied in place,
+    then known (a server's middleware changes only with a restart, like its features)."""
 
     def __repr__(self) -> str:  # the link and the client hold secrets: names only
         return (
@@ -107,7 +110,13 @@ class Session:
             stock_receiver=self.backend.caps.stock_receiver,
             nbytes=round_bytes(metas),
             client=self.client,
+            guard=self.guard_installed,
         )
+
+    def guard_installed(self) -> bool:
+        if self.guard is None:
+            self.guard = guard_installed(self.client)
+        return self.guard
 
     def pause(self, mode: str) -> bool:
         """Pause generation for the round; ``False`` when ``auto`` found no pause route."""
