@@ -4,12 +4,16 @@ refusal with its reason for every loader that is not a plain view copy."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from tests.torch_side._landing_models import LOADERS, Refusing, TinyTP, tiny_tp_shapes
 from tests.torch_side.vllm_stub import FakeLlama, hf_shapes
+from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
+from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.landing import (
     LoaderMap,
     LoaderMapRefused,
@@ -208,3 +212,47 @@ def test_write_and_patch_check_their_input() -> None:
         m.patch("model.norm.weight", torch.zeros(2), torch.zeros(2))
     with pytest.raises(ValueError, match="2 values for 3 indices"):
         m.patch("model.norm.weight", torch.arange(3), torch.zeros(2))
+
+
+# ------------------------------------------------------------------- the worker's cache
+def core_for(model: torch.nn.Module) -> _ReceiverCore:
+    def connect(*_: object, **__: object) -> None:
+        raise AssertionError("loader_map opens no link")
+
+    return _ReceiverCore(
+        backend="test",
+        device=CPU,
+        target=lambda: (model, None),
+        connect=connect,  # type: ignore[arg-type]
+        info_type=TCPInitInfo,
+    )
+
+
+def test_worker_records_the_map_once_per_model_and_metadata() -> None:
+    model = FakeLlama("tiny", torch.float32, CPU)
+    core = core_for(model)
+    metas = metas_of(hf_shapes("tiny"))
+    first = core.loader_map(metas)
+    assert first is not None and core.loader_map(list(metas)) is first
+    assert core.loader_map(metas[:3]) is not first  # other metadata, its own map
+    model.layers[0].weight.data = torch.zeros_like(model.layers[0].weight)  # reallocated
+    again = core.loader_map(metas)
+    assert again is not None and again is not first
+    again.write(
+        "model.embed_tokens.weight", torch.ones(hf_shapes("tiny")["model.embed_tokens.weight"])
+    )
+    assert bool((model.layers[0].weight == 1).all())
+
+
+def test_worker_refusal_is_none_and_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    core = core_for(Refusing("computes"))
+    metas = [ParamMeta("w.weight", "bfloat16", (4, 4))]
+    with caplog.at_level(logging.WARNING, logger="weightwire.torch_side.worker.core"):
+        assert core.loader_map(metas) is None
+        assert core.loader_map(metas) is None
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        "test: no landing map, loading through load_weights: w.weight: the loader computes on "
+        "it (aten.mul.Tensor), not a plain copy"
+    )

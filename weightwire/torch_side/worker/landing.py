@@ -170,6 +170,15 @@ class LoaderMap:
                 out.as_strided(ld.shape, ld.src_strides, ld.src_offset).copy_(src)
         return out
 
+    def is_live(self, model: torch.nn.Module) -> bool:
+        """Whether the model's parameters still live where the map writes (none was
+        reallocated or replaced since recording)."""
+        now = dict(model.named_parameters())
+        return all(
+            name in now and now[name].data_ptr() == p.data_ptr() and now[name].shape == p.shape
+            for name, p in self.params.items()
+        )
+
     def nbytes(self) -> int:
         """Host memory the map itself holds (its records; the parameters are the model's)."""
         total = sys.getsizeof(self.tensors)
