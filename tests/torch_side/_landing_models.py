@@ -145,6 +145,7 @@ LOADERS: dict[str, Any] = {
     "temporary": lambda p, t: p.data.copy_(torch.empty_like(p).copy_(t)),
     "concatenates": lambda p, t: p.data.copy_(torch.cat([t[:2], t[2:]])),
     "casts": lambda p, t: p.data.copy_(t.to(torch.float16)),
+    "rebinds": lambda p, t: setattr(p, "data", t),
 }
 
 

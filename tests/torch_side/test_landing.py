@@ -165,15 +165,17 @@ def test_expert_landing_is_one_slice_of_the_stacked_parameter() -> None:
         ("temporary", r"w\.weight: the loader copies it into a tensor that is not a parameter"),
         ("concatenates", r"w\.weight: the loader computes on it \(aten\.cat"),
         ("casts", r"w\.weight: the loader casts it to torch\.float16 before copying it"),
+        ("rebinds", r"parameter w\.weight: the loader rebinds or replaces it \(param\.data = "),
     ],
 )
 def test_loaders_that_are_not_plain_copies_refuse(kind: str, message: str) -> None:
     assert set(LOADERS) >= {kind}
     model = Refusing(kind)
     before = model.w.weight.clone()
+    param = model.w.weight
     with pytest.raises(LoaderMapRefused, match=message):
         record_loader_map(model, [ParamMeta("w.weight", "bfloat16", (4, 4))])
-    assert torch.equal(model.w.weight, before)
+    assert model.w.weight is param and torch.equal(model.w.weight, before)
 
 
 class UnquantizedLinearMethod:

@@ -280,6 +280,7 @@ def _run_loader(
     load = getattr(model, "load_weights", None)
     if load is None:
         raise LoaderMapRefused(f"{type(model).__name__} has no load_weights")
+    bindings = _Bindings.of(model)
     try:
         with torch.no_grad(), recorder:
             load(tracers())
@@ -290,9 +291,61 @@ def _run_loader(
             raise LoaderMapRefused(
                 f"the loader failed on tracer tensors ({type(exc).__name__}: {exc})"
             ) from exc
+    finally:
+        rebound = bindings.restore()
     if recorder.refusal is not None:
         raise LoaderMapRefused(recorder.refusal)
+    if rebound:
+        raise LoaderMapRefused(
+            f"parameter {rebound[0]}: the loader rebinds or replaces it (param.data = ..., "
+            "a new Parameter), not a copy into it"
+        )
     return recorder
+
+
+@dataclass(frozen=True)
+class _Bound:
+    module: torch.nn.Module
+    leaf: str
+    param: torch.Tensor
+    data: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Bindings:
+    """Every parameter's module slot and data before the loader ran, to put back whatever a
+    loader rebinds (``param.data = tensor`` or a new Parameter never reaches the recorder)."""
+
+    bound: tuple[_Bound, ...]
+    names: dict[int, str]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> _Bindings:
+        bound = tuple(
+            _Bound(mod, leaf, p, p.data)
+            for mod in model.modules()
+            for leaf, p in mod._parameters.items()
+            if p is not None
+        )
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        return cls(bound, names)
+
+    def restore(self) -> list[str]:
+        """Put every binding back; the names of those the loader had changed."""
+        changed = []
+        for b in self.bound:
+            now, data = b.module._parameters.get(b.leaf), b.param.data
+            moved = (data.data_ptr(), data.shape, data.dtype) != (
+                b.data.data_ptr(),
+                b.data.shape,
+                b.data.dtype,
+            )
+            if now is not b.param or moved:
+                changed.append(self.names.get(id(b.param), b.leaf))
+                b.module._parameters[b.leaf] = b.param  # type: ignore[assignment]
+                if moved:
+                    b.param.data = b.data
+        return changed
 
 
 def _runs(v: View) -> tuple[torch.Tensor, int]:
