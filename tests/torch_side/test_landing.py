@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from tests.torch_side._landing_models import LOADERS, Refusing, TinyTP, tiny_tp_shapes
+from tests.torch_side._landing_models import HIDDEN, LOADERS, Refusing, TinyTP, tiny_tp_shapes
 from tests.torch_side.vllm_stub import FakeLlama, hf_shapes
 from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
@@ -127,6 +127,15 @@ def test_tp_moe_vocab_tied_write_and_patch_equal_load_weights(rank: int, tied: b
     for name, (idx, vals) in patches.items():
         m.patch(name, idx.to(torch.int32), vals)
     b.load_weights(apply_dense(ck, patches).items())
+    assert_same_params(a, b)
+
+
+def test_patch_of_another_ranks_slice_changes_nothing() -> None:
+    a, b = twins(lambda: TinyTP(rank=1, world=2))
+    m = record_loader_map(a, metas_of(tiny_tp_shapes()))
+    # rank 0's rows of q_proj, and of expert 1's gate_proj: rank 1 holds none of them
+    m.patch("model.layers.0.self_attn.q_proj.weight", torch.arange(4 * HIDDEN), torch.ones(64))
+    m.patch("model.mlp.experts.1.gate_proj.weight", torch.arange(4 * HIDDEN), torch.ones(64))
     assert_same_params(a, b)
 
 

@@ -152,11 +152,7 @@ class LoaderMap:
                     )
                 idx, vals = moved[param.device]
                 keep, dst = _translate(ld, idx)
-                sel = keep.nonzero().squeeze(1)
-                flat = self._flat_of(ld.param)
-                flat.index_put_(
-                    (dst.index_select(0, sel),), vals.index_select(0, sel).to(flat.dtype)
-                )
+                _scatter_kept(self._flat_of(ld.param), keep, dst, vals)
 
     def read(self, name: str) -> torch.Tensor:
         """The checkpoint tensor as the parameters hold it now (wire dtype, parameter device)."""
@@ -196,6 +192,20 @@ class LoaderMap:
             elems = p.untyped_storage().nbytes() // p.element_size()
             flat = self._flat[param] = p.as_strided((elems,), (1,), 0)
         return flat
+
+
+def _scatter_kept(
+    flat: torch.Tensor, keep: torch.Tensor, dst: torch.Tensor, vals: torch.Tensor
+) -> None:
+    """``flat[dst[keep]] = vals[keep]`` without a device sync (no ``nonzero``): the entries
+    not kept repeat the first kept entry (same place, same value), or, when none is kept,
+    write back what is already there."""
+    if dst.numel() == 0:
+        return
+    first = keep.to(torch.uint8).argmax()
+    target = torch.where(keep, dst, dst[first]).clamp_(0, flat.numel() - 1)
+    new = torch.where(keep, vals, vals[first]).to(flat.dtype)
+    flat.index_put_((target,), torch.where(keep[first], new, flat[target]))
 
 
 def _landing_bytes(ld: Landing) -> int:
