@@ -175,6 +175,7 @@ def test_expert_landing_is_one_slice_of_the_stacked_parameter() -> None:
         ("concatenates", r"w\.weight: the loader computes on it \(aten\.cat"),
         ("casts", r"w\.weight: the loader casts it to torch\.float16 before copying it"),
         ("rebinds", r"parameter w\.weight: the loader rebinds or replaces it \(param\.data = "),
+        ("swallows", r"w\.weight: the loader computes on it \(aten\.add"),
     ],
 )
 def test_loaders_that_are_not_plain_copies_refuse(kind: str, message: str) -> None:
