@@ -282,14 +282,25 @@ def _run_loader(
 ) -> Recorder:
     device = next(iter(params.values())).device if params else torch.device("cpu")
 
-    def tracers() -> Iterator[tuple[str, torch.Tensor]]:
-        for m in metas:
-            dtype = torch_dtype(m.dtype)
-            base = torch.empty(tuple(m.shape), dtype=dtype, device="meta")
-            recorder.current = m.name
-            yield m.name, Tracer(base, m.name, device, dtype, recorder)
-
     recorder = Recorder(params)
+    # Made before the recorder is entered: a factory call inside it costs torch's lazy
+    # imports (seconds, once per process) and would be recorded as the loader's.
+    made = [
+        Tracer(
+            torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype), device="meta"),
+            m.name,
+            device,
+            torch_dtype(m.dtype),
+            recorder,
+        )
+        for m in metas
+    ]
+
+    def tracers() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in made:
+            recorder.current = t.source
+            yield t.source, t
+
     load = getattr(model, "load_weights", None)
     if load is None:
         raise LoaderMapRefused(f"{type(model).__name__} has no load_weights")
