@@ -32,7 +32,7 @@ import logging
 import sys
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Any, Self, cast
+from typing import Any, Literal, Self, cast, overload
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from weightwire.backends.base import DevicePacker, SenderParts
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient, WeightSyncClient
-from weightwire.shared.errors import RoundError
+from weightwire.shared.errors import ConfigError, RoundError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.shared.version import ServerFeatures
@@ -51,6 +51,7 @@ from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_source import MultiSource
+from weightwire.trainer.overlap import IN_FLIGHT_MODES, RoundHandle, RoundRunner, Snapshot
 from weightwire.trainer.round import RoundEnd, SolePlan, SoleWire, lead_round, sole_plan
 from weightwire.trainer.session import Session, open_wire
 from weightwire.trainer.transfer import shutdown_when_settled
@@ -119,6 +120,7 @@ class TrainerEngine(ABC):
         self._draft_confirmed = False
         self._closed = False
         self._multi: MultiSource | None = None  # built with a TrainerGroup
+        self._runner: RoundRunner | None = None  # built at the first overlapped round
 
     @property
     def features(self) -> ServerFeatures | None:
@@ -177,19 +179,47 @@ class TrainerEngine(ABC):
 
     # -- a round -----------------------------------------------------------------------------
 
+    @overload
     def send_weights(
-        self, weight_version: str | None = None, *, draft: bool = False
-    ) -> RoundMetrics:
+        self,
+        weight_version: str | None = None,
+        *,
+        draft: bool = False,
+        wait: Literal[True] = True,
+    ) -> RoundMetrics: ...
+
+    @overload
+    def send_weights(
+        self, weight_version: str | None = None, *, draft: bool = False, wait: Literal[False]
+    ) -> RoundHandle: ...
+
+    def send_weights(
+        self, weight_version: str | None = None, *, draft: bool = False, wait: bool = True
+    ) -> RoundMetrics | RoundHandle:
         """Push the source's current weights; every trainer rank calls this.
 
         Returns once every worker loaded the round and (rank 0) the servers committed
         ``weight_version`` (default: ``"1"``, ``"2"``, ... per successful round).
         ``draft=True`` opens the round with ``start_draft_weight_update``: the source's
         tensors load into the speculative draft model instead of the target.
+
+        ``wait=False`` (an overlapped round): takes a snapshot of the weights (the framework
+        engine's ``snapshot``), then returns a ``RoundHandle`` while the round runs on the
+        engine's round thread. At most ``max_rounds_in_flight`` rounds are in flight: the
+        call first waits for a slot. A failed round's error is raised by its handle's
+        ``result()`` and, if nothing raised it yet, by the next ``send_weights``.
         """
-        s = self.session
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} was shut down")
+        if not wait:
+            return self._send_overlapped(weight_version, draft)
+        if self._runner is not None:  # the overlapped rounds first, in order
+            self._runner.settle()
+        return self._round(self.source, weight_version, draft)
+
+    def _round(self, source: WeightSource, weight_version: str | None, draft: bool) -> RoundMetrics:
+        """One blocking round of ``source`` (the engine's own, or an overlapped snapshot)."""
+        s = self.session
         if s.broken is not None:
             raise EngineBroken(
                 f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
@@ -204,10 +234,10 @@ class TrainerEngine(ABC):
             return self._multi.send(weight_version, draft)
         clock = PhaseClock()
         with clock("metadata"):
-            metas = self.source.metadata()
+            metas = source.metadata()
         if not self.info.is_sender:
             with clock("transfer"):
-                for _ in self.source:
+                for _ in source:
                     pass
             return RoundMetrics(None, 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
         version = s.next_version(weight_version)
@@ -224,6 +254,59 @@ class TrainerEngine(ABC):
         metrics = self._sole_round(metas, version, clock, draft)
         logger.info("%s", metrics)  # formatted only when INFO is on
         return metrics
+
+    # -- overlapped rounds ---------------------------------------------------------------------
+
+    def snapshot(self, source: WeightSource) -> Snapshot:
+        """The weights an overlapped round sends, fixed now, on the trainer's thread."""
+        raise ConfigError(
+            f"{type(self).__name__} cannot take a snapshot for send_weights(wait=False)"
+        )
+
+    def _send_overlapped(self, weight_version: str | None, draft: bool) -> RoundHandle:
+        if self._multi is not None:
+            raise ConfigError(
+                "send_weights(wait=False) needs a single broadcaster: with a TrainerGroup "
+                "every rank takes part in each round, so its rounds stay blocking"
+            )
+        if weight_version is not None:
+            self.session.next_version(weight_version)  # a bad version fails here, not later
+        if not self.info.is_sender:  # other ranks only iterate (their gathers): done now
+            return RoundHandle.completed(self._round(self.source, weight_version, draft))
+        runner = self._runner
+        if runner is None:
+            runner = self._runner = RoundRunner(
+                self._round_in_flight,
+                self.session.next_version,
+                limit=self.info.max_rounds_in_flight,
+                wait_s=self.info.timeouts.round_s,
+                abort_link=self._abort_link,
+            )
+        runner.raise_unseen()
+        runner.wait_slot()
+        s = self.session
+        if s.broken is not None:
+            raise EngineBroken(
+                f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
+                "call shutdown() and trainer_init() again"
+            ) from s.broken
+        if draft:
+            self._check_draft()
+        return runner.submit(self.snapshot(self.source), weight_version, draft)
+
+    def _round_in_flight(self, source: WeightSource, version: str, draft: bool) -> RoundMetrics:
+        """The blocking round on the round thread; the session reads the snapshot meanwhile."""
+        s = self.session
+        live, s.source = s.source, source
+        try:
+            return self._round(source, version, draft)
+        finally:
+            s.source = live
+
+    def _abort_link(self) -> None:
+        link = self.session.link
+        if link is not None:
+            link.abort()
 
     def _check_draft(self) -> None:
         assert self.features is not None
@@ -275,16 +358,38 @@ class TrainerEngine(ABC):
         probe = getattr(self.session.link, "peer_closed", None)
         return self.session.broken is None and callable(probe) and bool(probe())
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, in_flight: str = "drain", timeout: float | None = None) -> None:
         """Release the servers' engines and close the communicator (idempotent).
+
+        Overlapped rounds still in flight are first drained (``in_flight="drain"``: each runs
+        to its end, and a failure nothing raised yet is raised here after the teardown) or
+        aborted (``"abort"``: queued rounds are never sent, the running one stops at its next
+        tensor; the servers keep their last committed weights). Either wait is bounded by
+        ``timeout`` (default ``Timeouts.round_s``).
 
         The server call runs concurrently with the local close: neither side's
         teardown may wait on the other's. A displaced trainer (its link closed by the
         server) does not post: the server's engine belongs to another trainer now.
         """
+        if in_flight not in IN_FLIGHT_MODES:
+            raise ConfigError(f"in_flight must be one of {IN_FLIGHT_MODES}, got {in_flight!r}")
         if self._closed:
             return
+        unseen: BaseException | None = None
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            try:
+                unseen = runner.stop(in_flight, timeout)
+            finally:
+                runner.close()
         self._closed = True
+        try:
+            self._teardown()
+        finally:
+            if unseen is not None and sys.exc_info()[1] is None:
+                raise unseen
+
+    def _teardown(self) -> None:
         s = self.session
         displaced = self._displaced()
         if s.link is None:

@@ -19,8 +19,11 @@ import torch
 
 from weightwire.backends.base import DevicePacker
 from weightwire.backends.device import DeviceBytes, tensor_device_bytes
+from weightwire.shared.source import WeightSource
 from weightwire.torch_side.dtypes import wire_name
+from weightwire.torch_side.sender.snapshot import CopySnapshots, live
 from weightwire.trainer.engine import TrainerEngine
+from weightwire.trainer.overlap import Snapshot
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -31,6 +34,8 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class TorchTrainerEngine(TrainerEngine):
     """Trainer engine over a ``WeightSource`` yielding torch tensors."""
 
+    _copies: CopySnapshots | None = None
+
     def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
@@ -38,6 +43,15 @@ class TorchTrainerEngine(TrainerEngine):
 
     def host_bytes(self, tensor: Any) -> np.ndarray:
         return tensor_bytes(tensor).cpu().numpy()
+
+    def snapshot(self, source: WeightSource) -> Snapshot:
+        """``snapshot="copy"``: every tensor copied into this engine's reusable buffers;
+        ``"none"``: the source itself (see ``TrainerInitInfo.snapshot``)."""
+        if self.info.snapshot == "none":
+            return live(source)
+        if self._copies is None:
+            self._copies = CopySnapshots()
+        return self._copies.take(source)
 
     def device_packer(self, device: int | None) -> DevicePacker:
         return TorchDevicePacker(device)
