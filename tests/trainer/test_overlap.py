@@ -232,7 +232,7 @@ def test_shutdown_abort_stops_the_running_round_and_skips_the_queued() -> None:
     assert running.done() and queued.done()  # shutdown returned after both ended
     with pytest.raises(RoundSkipped, match=r"round 'a2' .* never sent: shutdown"):
         queued.result(timeout=0)
-    with pytest.raises(TransferError, match="interrupted by abort"):
+    with pytest.raises(TransferError, match="abort"):  # aborted in or before the broadcast
         running.result(timeout=0)
     assert server.bodies("start_weight_update") == [None]  # a2 never started
     assert "finish_weight_update" not in server.routes()  # nothing committed
