@@ -304,13 +304,17 @@ def run_cuda(args: argparse.Namespace) -> list[dict[str, Any]]:
                 env["PYTHONPATH"] = os.pathsep.join(
                     p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
                 )
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--role", "sender", "--config", str(path)],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                    timeout=args.deadline_s,
-                )
+                try:
+                    proc = subprocess.run(
+                        [sys.executable, __file__, "--role", "sender", "--config", str(path)],
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                        timeout=args.deadline_s,
+                    )
+                except subprocess.TimeoutExpired:
+                    rows.append({"engine": kind, "error": f"no row within {args.deadline_s} s"})
+                    continue
                 got = [line for line in proc.stdout.splitlines() if line.startswith("{")]
                 rows.append(
                     json.loads(got[-1])
@@ -367,7 +371,7 @@ def _jax_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: float
 
     state = {"params": params}
     rewrite = jax.jit(lambda tree: jax.tree.map(lambda p: (p * 0.999).astype(p.dtype), tree))
-    a = jnp.ones((8192, 8192), jnp.bfloat16)
+    a = jnp.ones((8192, 8192) if jax.default_backend() == "gpu" else (256, 256), jnp.bfloat16)
     burn = jax.jit(lambda x: jnp.tanh(x @ x * 1e-4))
     matmuls = _calibrate(lambda: burn(a).block_until_ready(), train_ms)
 
@@ -388,11 +392,17 @@ def _torch_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: flo
     from weightwire.tools.bench.sync import make_source
     from weightwire.torch_side.sender.engine import TorchTrainerEngine
 
-    a = torch.ones((8192, 8192), dtype=torch.bfloat16, device="cuda")
+    device = next(iter(params.values())).device
+    side = 8192 if device.type == "cuda" else 256
+    a = torch.ones((side, side), dtype=torch.bfloat16, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     def burn_once() -> None:
         torch.tanh(a @ a * 1e-4)
-        torch.cuda.synchronize()
+        sync()
 
     matmuls = _calibrate(burn_once, train_ms)
 
@@ -403,7 +413,7 @@ def _torch_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: flo
             x = a
             for _ in range(matmuls):
                 x = torch.tanh(x @ x * 1e-4)
-        torch.cuda.synchronize()
+        sync()
 
     engine = TorchTrainerEngine.trainer_init(info, client=client, source=make_source(params))
     return engine, train
