@@ -346,3 +346,38 @@ def test_a_donated_leaf_is_refused_before_anything_is_sent() -> None:
         assert "start_weight_update" not in server.routes()
     finally:
         engine.shutdown()
+
+
+def test_leaving_the_context_on_an_error_abandons_the_rounds_in_flight() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)
+    FAKE.comm.block = True  # the round would otherwise wait out its transfer timeout
+    entered = threading.Event()
+    server.hooks["update_weights"] = lambda body: entered.set()
+    with pytest.raises(KeyError), engine:
+        handle = engine.send_weights(wait=False)
+        assert entered.wait(10)
+        raise KeyError("the training step failed")
+    assert handle.done()  # abandoned (aborted), not drained over its 5 s transfer timeout
+    with pytest.raises(TransferError, match="abort"):
+        handle.result(timeout=0)
+    assert server.weight_version == "default"
+
+
+def test_snapshot_none_is_refused_with_several_trainer_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = FakeServer()
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, snapshot="none"),
+        client=server.client(),
+        source=DictSource({"w": torch.zeros(2)}, describe_tensor),
+    )
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    try:
+        with pytest.raises(ConfigError, match='snapshot="none" reads the source on the round'):
+            engine.send_weights(wait=False)
+        assert "start_weight_update" not in server.routes()
+    finally:
+        engine.shutdown()

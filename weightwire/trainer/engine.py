@@ -429,5 +429,6 @@ class TrainerEngine(ABC):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Leaving on an error: the rounds still in flight are abandoned, not waited for.
+        self.shutdown(in_flight="drain" if exc_type is None else "abort")

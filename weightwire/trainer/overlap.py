@@ -125,14 +125,26 @@ class _Cancellable(WeightSource):
             self._check()
             yield pair
 
+    def _check(self) -> None:
+        if self._stop.is_set():
+            raise RoundCancelled("shutdown(in_flight='abort') stopped this round mid-transfer")
+
+
+class _CancellableGroups(_Cancellable):
+    """The same for a source with its own grouped passes (``PytreeSource``: one device call
+    per layer group), which the round then drives per group as it would the source itself."""
+
     def iter_groups(self) -> Iterator[list[tuple[str, Any]]]:
         for group in self.inner.iter_groups():
             self._check()
             yield group
 
-    def _check(self) -> None:
-        if self._stop.is_set():
-            raise RoundCancelled("shutdown(in_flight='abort') stopped this round mid-transfer")
+
+def cancellable(inner: WeightSource, stop: threading.Event) -> WeightSource:
+    """``inner``, its passes stopped with ``RoundCancelled`` once ``stop`` is set."""
+    if type(inner).iter_groups is WeightSource.iter_groups:
+        return _Cancellable(inner, stop)
+    return _CancellableGroups(inner, stop)
 
 
 class RoundHandle:
@@ -373,7 +385,7 @@ class RoundRunner:
             version = self._next_version(job.weight_version)
             job.handle.version = version
             job.snapshot.ready()
-            source = _Cancellable(job.snapshot.source, job.stop)
+            source = cancellable(job.snapshot.source, job.stop)
             metrics = self._run(source, version, job.draft)
         except BaseException as exc:  # handed to the handle: never lost, never raised here
             error = exc

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.overlap import FrozenSource, Snapshot
 
@@ -92,6 +93,13 @@ def live(source: WeightSource) -> Snapshot:
     """``snapshot="none"``: the source itself, read while the round runs (the caller keeps
     the parameters unchanged until the handle is done). The round still waits for the work
     queued so far on the trainer's current CUDA stream, so it reads the last step's values."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError(
+            'snapshot="none" reads the source on the round thread, where its gathers (FSDP '
+            "full_tensor) would interleave with the training step's collectives; use the "
+            'default snapshot="copy" with several trainer processes'
+        )
     events = []
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         event = torch.cuda.Event()
