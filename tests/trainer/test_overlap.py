@@ -381,3 +381,40 @@ def test_snapshot_none_is_refused_with_several_trainer_processes(
         assert "start_weight_update" not in server.routes()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_torch_copy_snapshot_on_the_gpu_is_ordered_after_the_step_and_before_the_next() -> None:
+    """The copy is queued on the trainer's stream after the step that wrote the weights, the
+    round waits for it on its own thread, and the next in-place step does not reach it."""
+    weights = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda")}
+    server = FakeServer()
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
+        client=server.client(),
+        source=DictSource(weights, describe_tensor),
+    )
+    try:
+        entered, release = gate(server, "start_weight_update")
+        for t in weights.values():
+            t.mul_(3.0)  # the step that produced the round's weights
+        sent = [t.cpu().numpy().tobytes() for t in weights.values()]
+        handle = engine.send_weights(wait=False)
+        for t in weights.values():
+            t.add_(1.0)  # the next step, queued on the same stream right behind the copy
+        assert entered.wait(10)
+        release.set()
+        handle.result()
+        assert FAKE.comm.broadcasts == sent
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_jax_numpy_leaves_are_copied_into_the_snapshot() -> None:
+    leaf = np.arange(4.0, dtype=np.float32)
+    source = PytreeSource({"a": leaf}, Naming([Rule("{x}", "{x}")]))
+    frozen = source.frozen()
+    leaf += 10  # numpy arrays are mutable: the snapshot must not see this
+    ((name, array),) = list(frozen)
+    assert name == "a" and np.asarray(array).tolist() == [0.0, 1.0, 2.0, 3.0]
