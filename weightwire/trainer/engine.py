@@ -51,7 +51,8 @@ from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_source import MultiSource
-from weightwire.trainer.overlap import IN_FLIGHT_MODES, RoundHandle, RoundRunner, Snapshot
+from weightwire.trainer.overlap import RoundHandle, Snapshot
+from weightwire.trainer.overlapped import OverlappedRounds
 from weightwire.trainer.round import RoundEnd, SolePlan, SoleWire, lead_round, sole_plan
 from weightwire.trainer.session import Session, open_wire
 from weightwire.trainer.transfer import shutdown_when_settled
@@ -120,7 +121,12 @@ class TrainerEngine(ABC):
         self._draft_confirmed = False
         self._closed = False
         self._multi: MultiSource | None = None  # built with a TrainerGroup
-        self._runner: RoundRunner | None = None  # built at the first overlapped round
+        self._overlapped = OverlappedRounds(
+            self.session,
+            lambda version, draft: self.send_weights(version, draft=draft),
+            lambda: self.snapshot(self.source),
+            self._check_usable,
+        )
 
     @property
     def features(self) -> ServerFeatures | None:
@@ -181,11 +187,7 @@ class TrainerEngine(ABC):
 
     @overload
     def send_weights(
-        self,
-        weight_version: str | None = None,
-        *,
-        draft: bool = False,
-        wait: Literal[True] = True,
+        self, weight_version: str | None = None, *, draft: bool = False, wait: Literal[True] = True
     ) -> RoundMetrics: ...
 
     @overload
@@ -203,23 +205,18 @@ class TrainerEngine(ABC):
         ``draft=True`` opens the round with ``start_draft_weight_update``: the source's
         tensors load into the speculative draft model instead of the target.
 
-        ``wait=False`` (an overlapped round): takes a snapshot of the weights (the framework
-        engine's ``snapshot``), then returns a ``RoundHandle`` while the round runs on the
-        engine's round thread. At most ``max_rounds_in_flight`` rounds are in flight: the
-        call first waits for a slot. A failed round's error is raised by its handle's
-        ``result()`` and, if nothing raised it yet, by the next ``send_weights``.
+        ``wait=False`` (an overlapped round, ``trainer.overlapped``): waits for a free slot
+        (``max_rounds_in_flight``), takes a snapshot of the weights (``snapshot``) and returns a
+        ``RoundHandle`` while this same round runs on the engine's round thread. A failed
+        round's error is raised by its handle's ``result()`` and, if nothing raised it yet, by
+        the next ``send_weights``.
         """
+        s = self.session
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} was shut down")
         if not wait:
             return self._send_overlapped(weight_version, draft)
-        if self._runner is not None:  # the overlapped rounds first, in order
-            self._runner.settle()
-        return self._round(self.source, weight_version, draft)
-
-    def _round(self, source: WeightSource, weight_version: str | None, draft: bool) -> RoundMetrics:
-        """One blocking round of ``source`` (the engine's own, or an overlapped snapshot)."""
-        s = self.session
+        self._overlapped.settle()  # the rounds in flight land first: rounds never reorder
         if s.broken is not None:
             raise EngineBroken(
                 f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
@@ -234,10 +231,10 @@ class TrainerEngine(ABC):
             return self._multi.send(weight_version, draft)
         clock = PhaseClock()
         with clock("metadata"):
-            metas = source.metadata()
+            metas = s.source.metadata()  # an overlapped round's snapshot on the round thread
         if not self.info.is_sender:
             with clock("transfer"):
-                for _ in source:
+                for _ in s.source:
                     pass
             return RoundMetrics(None, 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
         version = s.next_version(weight_version)
@@ -269,44 +266,17 @@ class TrainerEngine(ABC):
                 "send_weights(wait=False) needs a single broadcaster: with a TrainerGroup "
                 "every rank takes part in each round, so its rounds stay blocking"
             )
-        if weight_version is not None:
-            self.session.next_version(weight_version)  # a bad version fails here, not later
-        if not self.info.is_sender:  # other ranks only iterate (their gathers): done now
-            return RoundHandle.completed(self._round(self.source, weight_version, draft))
-        runner = self._runner
-        if runner is None:
-            runner = self._runner = RoundRunner(
-                self._round_in_flight,
-                self.session.next_version,
-                limit=self.info.max_rounds_in_flight,
-                wait_s=self.info.timeouts.round_s,
-                abort_link=self._abort_link,
-            )
-        runner.raise_unseen()
-        runner.wait_slot()
+        if draft and self.info.is_sender:
+            self._check_draft()
+        return self._overlapped.send(weight_version, draft)
+
+    def _check_usable(self) -> None:
         s = self.session
         if s.broken is not None:
             raise EngineBroken(
                 f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
                 "call shutdown() and trainer_init() again"
             ) from s.broken
-        if draft:
-            self._check_draft()
-        return runner.submit(self.snapshot(self.source), weight_version, draft)
-
-    def _round_in_flight(self, source: WeightSource, version: str, draft: bool) -> RoundMetrics:
-        """The blocking round on the round thread; the session reads the snapshot meanwhile."""
-        s = self.session
-        live, s.source = s.source, source
-        try:
-            return self._round(source, version, draft)
-        finally:
-            s.source = live
-
-    def _abort_link(self) -> None:
-        link = self.session.link
-        if link is not None:
-            link.abort()
 
     def _check_draft(self) -> None:
         assert self.features is not None
@@ -362,26 +332,18 @@ class TrainerEngine(ABC):
         """Release the servers' engines and close the communicator (idempotent).
 
         Overlapped rounds still in flight are first drained (``in_flight="drain"``: each runs
-        to its end, and a failure nothing raised yet is raised here after the teardown) or
-        aborted (``"abort"``: queued rounds are never sent, the running one stops at its next
-        tensor; the servers keep their last committed weights). Either wait is bounded by
-        ``timeout`` (default ``Timeouts.round_s``).
+        to its end) or abandoned (``"abort"``: the queued ones are never sent, the running one
+        stops and its link is aborted; the servers keep their last committed weights), within
+        ``timeout`` (default ``Timeouts.round_s``). A failure of theirs that nothing raised yet
+        is raised after the teardown.
 
         The server call runs concurrently with the local close: neither side's
         teardown may wait on the other's. A displaced trainer (its link closed by the
         server) does not post: the server's engine belongs to another trainer now.
         """
-        if in_flight not in IN_FLIGHT_MODES:
-            raise ConfigError(f"in_flight must be one of {IN_FLIGHT_MODES}, got {in_flight!r}")
         if self._closed:
             return
-        unseen: BaseException | None = None
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            try:
-                unseen = runner.stop(in_flight, timeout)
-            finally:
-                runner.close()
+        unseen = self._overlapped.stop(in_flight, timeout)
         self._closed = True
         try:
             self._teardown()

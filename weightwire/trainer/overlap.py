@@ -260,6 +260,9 @@ class RoundRunner:
         self._thread: threading.Thread | None = None
 
     # -- the trainer's thread
+    def on_round_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def in_flight(self) -> int:
         with self._cond:
             return len(self._queue) + (self._running is not None)
