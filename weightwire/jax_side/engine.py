@@ -59,6 +59,11 @@ class JAXTrainerEngine(TrainerEngine):
             if isinstance(tensor, jax.Array):
                 tensor.copy_to_host_async()
 
+    def device_packer(self, device: int | None) -> DevicePacker:
+        from weightwire.jax_side.packer import JaxDevicePacker
+
+        return JaxDevicePacker(device)
+
     def snapshot(self, source: WeightSource) -> Snapshot:
         """References, no copy: JAX arrays are immutable (numpy arrays are copied)."""
         if isinstance(source, PytreeSource):
@@ -66,8 +71,3 @@ class JAXTrainerEngine(TrainerEngine):
         metas = source.metadata()
         pairs = [(name, _kept(tensor)) for name, tensor in source]
         return Snapshot(FrozenSource(metas, pairs))
-
-    def device_packer(self, device: int | None) -> DevicePacker:
-        from weightwire.jax_side.packer import JaxDevicePacker
-
-        return JaxDevicePacker(device)

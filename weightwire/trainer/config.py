@@ -21,10 +21,7 @@ from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import backend_names
 from weightwire.trainer.handoff import round_interval_s
-
-SNAPSHOT_MODES = ("copy", "none")
-MAX_ROUNDS_IN_FLIGHT = 8
-"""Each round in flight holds a snapshot (torch ``copy``: a model's size of device memory)."""
+from weightwire.trainer.overlap import MAX_ROUNDS_IN_FLIGHT, SNAPSHOT_MODES
 
 
 @dataclass(kw_only=True)
@@ -100,14 +97,14 @@ class TrainerInitInfo:
     pause_mode: str | None = "auto"
     reset_prefix_cache: bool = True
     verify: bool = False
+    max_rounds_in_flight: int = 1
+    snapshot: str = "copy"
     server_version: str | None = None
     inference_world_size: int | None = None
     version_override: str | None = None
     ipc_release_after_round: bool = False
     ipc_mode: str = "pull"
     stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
-    max_rounds_in_flight: int = 1
-    snapshot: str = "copy"
 
     def __post_init__(self) -> None:
         # Runtime-registered backends (register_backend) count too.

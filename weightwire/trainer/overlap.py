@@ -49,6 +49,9 @@ __all__ = [
     "Snapshot",
 ]
 
+SNAPSHOT_MODES = ("copy", "none")
+MAX_ROUNDS_IN_FLIGHT = 8
+"""Each round in flight holds a snapshot (torch ``copy``: a model's size of device memory)."""
 DRAIN = "drain"
 ABORT = "abort"
 IN_FLIGHT_MODES = (DRAIN, ABORT)

@@ -44,6 +44,9 @@ class TorchTrainerEngine(TrainerEngine):
     def host_bytes(self, tensor: Any) -> np.ndarray:
         return tensor_bytes(tensor).cpu().numpy()
 
+    def device_packer(self, device: int | None) -> DevicePacker:
+        return TorchDevicePacker(device)
+
     def snapshot(self, source: WeightSource) -> Snapshot:
         """``snapshot="copy"``: every tensor copied into this engine's reusable buffers;
         ``"none"``: the source itself (see ``TrainerInitInfo.snapshot``)."""
@@ -52,9 +55,6 @@ class TorchTrainerEngine(TrainerEngine):
         if self._copies is None:
             self._copies = CopySnapshots()
         return self._copies.take(source)
-
-    def device_packer(self, device: int | None) -> DevicePacker:
-        return TorchDevicePacker(device)
 
 
 class TorchDevicePacker(DevicePacker):
