@@ -119,14 +119,14 @@ class TrainerEngine(ABC):
         self._was_displaced = False  # a server dropped our link: another trainer owns the session
         self._planned: SolePlan | None = None
         self._draft_confirmed = False
-        self._closed = False
-        self._multi: MultiSource | None = None  # built with a TrainerGroup
-        self._overlapped = OverlappedRounds(
+        self._overlapped = OverlappedRounds(  # send_weights(wait=False)
             self.session,
             lambda version, draft: self.send_weights(version, draft=draft),
             lambda: self.snapshot(self.source),
             self._check_usable,
         )
+        self._closed = False
+        self._multi: MultiSource | None = None  # built with a TrainerGroup
 
     @property
     def features(self) -> ServerFeatures | None:
