@@ -286,7 +286,10 @@ def run_cuda(args: argparse.Namespace) -> list[dict[str, Any]]:
         port_file = Path(tmp, "port")
         receiver = bench_ipc._spawn(
             "receiver",
-            {"port_file": str(port_file), "deadline": time.time() + args.deadline_s},
+            {
+                "port_file": str(port_file),
+                "deadline": time.time() + len(args.engines.split(",")) * args.deadline_s + 60,
+            },
             Path(tmp, "r.json"),
         )
         try:
@@ -442,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama3-8b", help="cuda: the HF shapes sent")
     ap.add_argument("--train-ms", type=float, default=400.0, help="cuda: a step's compute")
     ap.add_argument("--timeout", type=float, default=120.0, help="cuda: transfer bound")
-    ap.add_argument("--deadline-s", type=float, default=480.0, help="cuda: the whole run")
+    ap.add_argument("--deadline-s", type=float, default=240.0, help="cuda: per engine")
     ap.add_argument("--role", choices=("sender",), help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
