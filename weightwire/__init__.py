@@ -66,6 +66,9 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.trainer.engine import EngineBroken as EngineBroken
     from weightwire.trainer.freshness import StaleCacheError as StaleCacheError
     from weightwire.trainer.metrics import RoundMetrics as RoundMetrics
+    from weightwire.trainer.overlap import RoundHandle as RoundHandle
+    from weightwire.trainer.overlap import RoundSkipped as RoundSkipped
+    from weightwire.trainer.overlap import RoundWaitTimeout as RoundWaitTimeout
     from weightwire.trainer.verify import VerifyError as VerifyError
     from weightwire.trainer.verify import VerifyReport as VerifyReport
 

@@ -24,6 +24,10 @@ from weightwire.tools.models import decoder
 from weightwire.tools.models.loading import load_decoder
 
 ROW = re.compile(r"^(\d+) \| ([0-9.]+) \| .* \| (\S+) \| (\S+)$")
+ROW_NOTE = re.compile(
+    r"^(\d+) \| [0-9.]+ \| .* \| [0-9.]+ \| [0-9.]+ \| \S+ \| (\S+) \| \S+ \| [0-9.]+ \| "
+    r"(ok|FAIL) ?(.*)$"
+)
 
 
 def test_default_demo_rises_and_every_sync_check_passes(tmp_path: Path) -> None:
@@ -66,6 +70,39 @@ def test_default_demo_rises_and_every_sync_check_passes(tmp_path: Path) -> None:
         r["ok"] and r["sync_bytes"] > 0 and r["weight_version"] == str(r["step"]) for r in records
     )
     assert f"reward per step: {sparkline([r['reward'] for r in records])}" in out
+
+
+def test_demo_overlap_prints_the_stall_next_to_the_blocking_rounds() -> None:
+    done = run_cli("demo", "--overlap", "--steps", "5", timeout=400)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    rows = [m for m in (ROW_NOTE.match(line) for line in out.splitlines()) if m]
+    assert [int(m.group(1)) for m in rows] == [1, 2, 3, 4, 5], out
+    # Step 1 syncs blocking; steps 2-5 overlapped: each checks the round before it, in order.
+    assert [m.group(2) for m in rows] == ["1", "1", "2", "3", "4"], out
+    assert all(m.group(3) == "ok" for m in rows), out
+    assert not rows[0].group(4) and all("overlapped: round" in m.group(4) for m in rows[1:])
+    assert all(f"round {s - 1} took" in rows[s - 1].group(4) for s in (3, 4, 5))
+    flat = " ".join(out.split())
+    assert "last round 5: landed" in flat and "server reports '5'" in flat, flat
+    assert re.search(
+        r"overlap: the trainer stood still [0-9.]+ ms per overlapped step \(median of 4: .*\), "
+        r"against [0-9.]+ ms per blocking round \(median of 1\): [0-9.]+%",
+        flat,
+    ), flat
+    assert "PASS" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "1"], "--overlap needs --steps >= 2"),
+        (["--colocated"], "--overlap and --colocated exclude each other"),
+    ],
+)
+def test_demo_overlap_refuses_what_it_cannot_compare(args: list[str], message: str) -> None:
+    done = run_cli("demo", "--overlap", *args, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stdout + done.stderr
 
 
 def test_demo_exits_nonzero_when_a_sync_check_fails() -> None:

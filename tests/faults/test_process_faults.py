@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from tests.faults.harness import (
 )
 from tests.faults.servers import Server, launch
 from weightwire.shared.errors import TransferError, WeightSyncError
+from weightwire.trainer import EngineBroken, RoundSkipped
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]
@@ -275,6 +277,56 @@ def test_replica_dies_while_the_other_lives(servers: Servers, source: TensorSour
     assert init_seconds < GRACE_S, (
         f"an init while a replica is dead took {init_seconds:.1f} s instead of failing at once"
     )
+
+
+def test_overlapped_round_fails_in_flight_and_no_later_round_lands(
+    servers: Servers, source: TensorSource
+) -> None:
+    """An overlapped round (``send_weights(wait=False)``) loses a replica mid-broadcast while
+    a later round waits behind it: the next ``send_weights`` raises the failed round's own
+    error, the queued round is never sent (``RoundSkipped`` naming the failed one), and the
+    server keeps the last committed round."""
+    probe = servers.probe
+    # snapshot="none": the rounds read the source on the round thread, so the hook fires
+    # mid-round there (a copy snapshot would read it on the caller's thread instead).
+    engine = engine_for(servers.current.url, source, max_rounds_in_flight=2, snapshot="none")
+    try:
+        want = source.perturb(211)
+        assert engine.send_weights("o1", wait=False).result().version == "o1"
+        assert_weights(probe, want, "o1")
+        served = probe.greedy()  # replica 0 answers (lowest index among idle replicas)
+        victim = servers.current.worker_pids()[1]
+        source.hook = hook_at(3, lambda: (wait_busy(probe), os.kill(victim, signal.SIGKILL)))
+        source.perturb(212)
+        failing = engine.send_weights("o2", wait=False)
+        queued = engine.send_weights("o3", wait=False)
+        with elapsed() as t:
+            deadline = time.monotonic() + FAULT_TIMEOUTS.transfer_s + 2 * GRACE_S
+            while not failing.done() and time.monotonic() < deadline:
+                time.sleep(0.05)  # no result(): the failure must reach the next send_weights
+        assert failing.done() and queued.done(), "the failed round did not end in time"
+        assert t[0] < FAULT_TIMEOUTS.transfer_s + GRACE_S, t[0]
+        with pytest.raises((WeightSyncError, TransferError)) as info:
+            engine.send_weights("o4", wait=False)
+        told = f"{info.value} {getattr(info.value, '__notes__', '')}"
+        observe(trainer=told, trainer_s=t[0])
+        assert "lost rank 2" in told or "replica 1" in told, told
+        assert "round 'o2' (overlapped round #2) failed in flight" in told, told
+        with pytest.raises(type(info.value)) as again:
+            failing.result(timeout=0)
+        assert again.value is info.value  # the round's own error, the same object
+        with pytest.raises(RoundSkipped, match=r"round 'o3' .* was not sent: round 'o2'"):
+            queued.result(timeout=0)
+        with pytest.raises(EngineBroken):  # the link was aborted mid-round: re-init first
+            engine.send_weights("o5", wait=False)
+    finally:
+        source.hook = None
+        quiet_shutdown(engine)
+    wait_idle(probe, FAULT_TIMEOUTS.transfer_s + GRACE_S)
+    assert probe.version() == "o1"  # neither o2 nor the queued o3 took effect
+    assert probe.greedy() == served  # the live replica still serves o1, token for token
+    servers.replace()  # the reference server does not respawn workers: restart it
+    fresh_round(servers.current.url, source, servers.probe, 213, "after-overlapped-failure")
 
 
 def test_client_names_the_route_when_no_server_listens(source: TensorSource) -> None:

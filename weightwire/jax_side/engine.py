@@ -10,6 +10,10 @@ Usage (identical for ``TorchTrainerEngine``, with a ``ModuleSource``)::
         engine.send_weights()          # every trainer rank calls it
     engine.shutdown()
 
+Overlapped (the next step trains while the round streams)::
+
+    handle = engine.send_weights(wait=False)   # returns after a snapshot: array references
+
 The round protocol lives in ``weightwire.trainer.engine``; this class only says how
 a JAX array is described, read back to the host (TCP) and packed on the GPU (NCCL).
 """
@@ -23,7 +27,17 @@ import numpy as np
 
 from weightwire.backends.base import DevicePacker
 from weightwire.jax_side.dtypes import describe as _describe
+from weightwire.jax_side.source import PytreeSource
+from weightwire.shared.source import WeightSource
 from weightwire.trainer.engine import TrainerEngine
+from weightwire.trainer.overlap import FrozenSource, Snapshot
+
+
+def _kept(tensor: Any) -> Any:
+    """What a snapshot holds of a tensor: a jax.Array itself, a copy of a mutable one."""
+    if isinstance(tensor, jax.Array):
+        return tensor
+    return np.array(tensor, copy=True)
 
 
 class JAXTrainerEngine(TrainerEngine):
@@ -49,3 +63,11 @@ class JAXTrainerEngine(TrainerEngine):
         from weightwire.jax_side.packer import JaxDevicePacker
 
         return JaxDevicePacker(device)
+
+    def snapshot(self, source: WeightSource) -> Snapshot:
+        """References, no copy: JAX arrays are immutable (numpy arrays are copied)."""
+        if isinstance(source, PytreeSource):
+            return Snapshot(source.frozen())
+        metas = source.metadata()
+        pairs = [(name, _kept(tensor)) for name, tensor in source]
+        return Snapshot(FrozenSource(metas, pairs))

@@ -12,12 +12,14 @@ as long as it likes; the source additionally keeps a reference to the item (or, 
 ``iter_groups``, the group) it yielded last, until the next one or the end of the pass,
 so a consumer holding only a raw device pointer (DLPack, NCCL) is safe until it asks for
 more. When an output is exactly a leaf (no transform, same dtype, already on the target),
-the leaf itself is handed out: it stays valid until the trainer replaces or donates it,
-so finish a sync before the next training step.
+the leaf itself is handed out: it stays valid until the trainer donates it. A trainer
+that overlaps rounds with its next step (``send_weights(wait=False)``, which sends a
+``frozen()`` twin) must not donate the params to that step.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from weightwire.jax_side.dtypes import describe, jax_dtype, wire_name
 from weightwire.jax_side.naming import Entry, Naming, Plan, out_aval, run_entry
 from weightwire.jax_side.transforms import out_avals
 from weightwire.jax_side.trees import kind_of, params_tree
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.groups import layerwise_groups
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, checked_iter
@@ -130,6 +133,35 @@ class PytreeSource(WeightSource):
     @property
     def device(self) -> jax.Device:
         return self._device
+
+    def frozen(self) -> PytreeSource:
+        """This source bound to the params as they are now (what an overlapped round sends).
+
+        The arrays are referenced, not copied: a ``jax.Array`` never changes, so the trainer
+        may compute its next step while a round reads these. A numpy leaf (mutable) is
+        copied. Refused (``ConfigError``) for a leaf already deleted (donated to a step) or
+        one this process cannot address whole (a multi-process trainer's passes take part in
+        collectives, which must stay on the trainer's thread)."""
+        leaves, treedef = jax.tree_util.tree_flatten(params_tree(self._get()))
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, jax.Array):
+                if leaf.is_deleted():
+                    raise ConfigError(
+                        f"leaf {i} of the params was deleted (donated to a jitted step?): an "
+                        "overlapped round reads the arrays of the step it was called after; "
+                        "do not donate the params"
+                    )
+                if not leaf.is_fully_addressable:
+                    raise ConfigError(
+                        f"leaf {i} spans several processes: send_weights(wait=False) needs "
+                        "every leaf addressable from this process"
+                    )
+            elif isinstance(leaf, np.ndarray):
+                leaves[i] = leaf.copy()
+        tree = jax.tree_util.tree_unflatten(treedef, leaves)
+        twin = copy.copy(self)
+        twin._get = lambda: tree
+        return twin
 
     # -- the plan for the params as they are now
     def _current(self) -> tuple[Plan, list[Any]]:

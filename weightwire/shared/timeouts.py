@@ -25,6 +25,9 @@ class Timeouts:
     """The warm-up all-reduce / TCP hello exchange after rendezvous."""
     transfer_s: float = 300.0
     """One broadcast (a chunk or a tensor) from start to landed on every receiver."""
+    round_s: float = 3600.0
+    """A wait for an overlapped round (``send_weights(wait=False)``): its handle's
+    ``result()``, a ``send_weights`` waiting for a free slot, ``shutdown``'s drain."""
 
     @classmethod
     def from_env(cls) -> Timeouts:

@@ -164,6 +164,13 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         help=f"--colocated: the server's sleep level during training (default {d.sleep_level})",
     )
     p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="sync the first quarter of the steps blocking, the rest overlapped (the round "
+        "streams while the next step runs); prints the trainer's stall per step next to the "
+        "blocking rounds' time",
+    )
+    p.add_argument(
         "--metrics-file",
         default=None,
         metavar="PATH",
@@ -217,6 +224,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             colocated=args.colocated,
             sleep_level=args.sleep_level,
             dummy_start=args.dummy_start,
+            overlap=args.overlap,
             metrics_file=args.metrics_file,
         )
     except ValueError as exc:

@@ -13,12 +13,16 @@ from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.engine import EngineBroken, TrainerEngine
 from weightwire.trainer.freshness import StaleCacheError
 from weightwire.trainer.metrics import RoundMetrics
+from weightwire.trainer.overlap import RoundHandle, RoundSkipped, RoundWaitTimeout
 from weightwire.trainer.verify import VerifyError, VerifyReport
 
 __all__ = [
     "BACKENDS",
     "EngineBroken",
+    "RoundHandle",
     "RoundMetrics",
+    "RoundSkipped",
+    "RoundWaitTimeout",
     "StaleCacheError",
     "StockRefusal",
     "TrainerEngine",

@@ -21,6 +21,7 @@ from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import backend_names
 from weightwire.trainer.handoff import round_interval_s
+from weightwire.trainer.overlap import MAX_ROUNDS_IN_FLIGHT, SNAPSHOT_MODES
 
 
 @dataclass(kw_only=True)
@@ -68,6 +69,14 @@ class TrainerInitInfo:
       ``WEIGHTWIRE_TIMEOUT_<FIELD>`` variables apply).
     - ``verify``: after each round, compare the servers' per-tensor sha256 with what
       was sent (costs a host copy of every tensor; a debugging aid).
+    - ``max_rounds_in_flight``: how many ``send_weights(wait=False)`` rounds may be in flight
+      (queued or running) at once; the next call waits for a slot. ``1`` (default): a round
+      starts only once the previous one ended, so rollouts run at most one round behind.
+    - ``snapshot``: how ``send_weights(wait=False)`` fixes the weights it sends. ``"copy"``
+      (default): the torch engine copies every tensor into reusable buffers on its device
+      (one set per round in flight: a model's size each) before returning; ``"none"``: no
+      copy, the caller promises not to write the parameters until the round's handle is
+      done. JAX arrays are immutable: the JAX engine references them in both modes.
     - ``server_version`` / ``inference_world_size``: for clients that cannot ask the
       server (a custom adapter with only the four calls). A client that can ask is
       still asked, and a ``server_version`` naming another release is refused.
@@ -88,6 +97,8 @@ class TrainerInitInfo:
     pause_mode: str | None = "auto"
     reset_prefix_cache: bool = True
     verify: bool = False
+    max_rounds_in_flight: int = 1
+    snapshot: str = "copy"
     server_version: str | None = None
     inference_world_size: int | None = None
     version_override: str | None = None
@@ -139,6 +150,13 @@ class TrainerInitInfo:
             ServerFeatures.for_version(
                 "0.0", override=self.version_override
             )  # an unknown release fails here
+        rounds = self.max_rounds_in_flight
+        if type(rounds) is not int or not 1 <= rounds <= MAX_ROUNDS_IN_FLIGHT:
+            raise ConfigError(
+                f"max_rounds_in_flight must be an int in 1..{MAX_ROUNDS_IN_FLIGHT}, got {rounds!r}"
+            )
+        if self.snapshot not in SNAPSHOT_MODES:
+            raise ConfigError(f"snapshot must be one of {SNAPSHOT_MODES}, got {self.snapshot!r}")
         world = self.inference_world_size
         if world is not None and (type(world) is not int or not 1 <= world < LIMITS.max_world_size):
             raise ConfigError(f"inference_world_size must be a positive int, got {world!r}")

@@ -32,7 +32,7 @@ import logging
 import sys
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Any, Self, cast
+from typing import Any, Literal, Self, cast, overload
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from weightwire.backends.base import DevicePacker, SenderParts
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient, WeightSyncClient
-from weightwire.shared.errors import RoundError
+from weightwire.shared.errors import ConfigError, RoundError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.shared.version import ServerFeatures
@@ -51,6 +51,8 @@ from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_source import MultiSource
+from weightwire.trainer.overlap import RoundHandle, Snapshot
+from weightwire.trainer.overlapped import OverlappedRounds
 from weightwire.trainer.round import RoundEnd, SolePlan, SoleWire, lead_round, sole_plan
 from weightwire.trainer.session import Session, open_wire
 from weightwire.trainer.transfer import shutdown_when_settled
@@ -117,6 +119,12 @@ class TrainerEngine(ABC):
         self._was_displaced = False  # a server dropped our link: another trainer owns the session
         self._planned: SolePlan | None = None
         self._draft_confirmed = False
+        self._overlapped = OverlappedRounds(  # send_weights(wait=False)
+            self.session,
+            lambda version, draft: self.send_weights(version, draft=draft),
+            lambda: self.snapshot(self.source),
+            self._check_usable,
+        )
         self._closed = False
         self._multi: MultiSource | None = None  # built with a TrainerGroup
 
@@ -177,19 +185,38 @@ class TrainerEngine(ABC):
 
     # -- a round -----------------------------------------------------------------------------
 
+    @overload
     def send_weights(
-        self, weight_version: str | None = None, *, draft: bool = False
-    ) -> RoundMetrics:
+        self, weight_version: str | None = None, *, draft: bool = False, wait: Literal[True] = True
+    ) -> RoundMetrics: ...
+
+    @overload
+    def send_weights(
+        self, weight_version: str | None = None, *, draft: bool = False, wait: Literal[False]
+    ) -> RoundHandle: ...
+
+    def send_weights(
+        self, weight_version: str | None = None, *, draft: bool = False, wait: bool = True
+    ) -> RoundMetrics | RoundHandle:
         """Push the source's current weights; every trainer rank calls this.
 
         Returns once every worker loaded the round and (rank 0) the servers committed
         ``weight_version`` (default: ``"1"``, ``"2"``, ... per successful round).
         ``draft=True`` opens the round with ``start_draft_weight_update``: the source's
         tensors load into the speculative draft model instead of the target.
+
+        ``wait=False`` (an overlapped round, ``trainer.overlapped``): waits for a free slot
+        (``max_rounds_in_flight``), takes a snapshot of the weights (``snapshot``) and returns a
+        ``RoundHandle`` while this same round runs on the engine's round thread. A failed
+        round's error is raised by its handle's ``result()`` and, if nothing raised it yet, by
+        the next ``send_weights``.
         """
         s = self.session
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} was shut down")
+        if not wait:
+            return self._send_overlapped(weight_version, draft)
+        self._overlapped.settle()  # the rounds in flight land first: rounds never reorder
         if s.broken is not None:
             raise EngineBroken(
                 f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
@@ -204,10 +231,10 @@ class TrainerEngine(ABC):
             return self._multi.send(weight_version, draft)
         clock = PhaseClock()
         with clock("metadata"):
-            metas = self.source.metadata()
+            metas = s.source.metadata()  # an overlapped round's snapshot on the round thread
         if not self.info.is_sender:
             with clock("transfer"):
-                for _ in self.source:
+                for _ in s.source:
                     pass
             return RoundMetrics(None, 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
         version = s.next_version(weight_version)
@@ -224,6 +251,32 @@ class TrainerEngine(ABC):
         metrics = self._sole_round(metas, version, clock, draft)
         logger.info("%s", metrics)  # formatted only when INFO is on
         return metrics
+
+    # -- overlapped rounds ---------------------------------------------------------------------
+
+    def snapshot(self, source: WeightSource) -> Snapshot:
+        """The weights an overlapped round sends, fixed now, on the trainer's thread."""
+        raise ConfigError(
+            f"{type(self).__name__} cannot take a snapshot for send_weights(wait=False)"
+        )
+
+    def _send_overlapped(self, weight_version: str | None, draft: bool) -> RoundHandle:
+        if self._multi is not None:
+            raise ConfigError(
+                "send_weights(wait=False) needs a single broadcaster: with a TrainerGroup "
+                "every rank takes part in each round, so its rounds stay blocking"
+            )
+        if draft and self.info.is_sender:
+            self._check_draft()
+        return self._overlapped.send(weight_version, draft)
+
+    def _check_usable(self) -> None:
+        s = self.session
+        if s.broken is not None:
+            raise EngineBroken(
+                f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
+                "call shutdown() and trainer_init() again"
+            ) from s.broken
 
     def _check_draft(self) -> None:
         assert self.features is not None
@@ -275,8 +328,14 @@ class TrainerEngine(ABC):
         probe = getattr(self.session.link, "peer_closed", None)
         return self.session.broken is None and callable(probe) and bool(probe())
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, in_flight: str = "drain", timeout: float | None = None) -> None:
         """Release the servers' engines and close the communicator (idempotent).
+
+        Overlapped rounds still in flight are first drained (``in_flight="drain"``: each runs
+        to its end) or abandoned (``"abort"``: the queued ones are never sent, the running one
+        stops and its link is aborted; the servers keep their last committed weights), within
+        ``timeout`` (default ``Timeouts.round_s``). A failure of theirs that nothing raised yet
+        is raised after the teardown.
 
         The server call runs concurrently with the local close: neither side's
         teardown may wait on the other's. A displaced trainer (its link closed by the
@@ -284,7 +343,15 @@ class TrainerEngine(ABC):
         """
         if self._closed:
             return
+        unseen = self._overlapped.stop(in_flight, timeout)
         self._closed = True
+        try:
+            self._teardown()
+        finally:
+            if unseen is not None and sys.exc_info()[1] is None:
+                raise unseen
+
+    def _teardown(self) -> None:
         s = self.session
         displaced = self._displaced()
         if s.link is None:
@@ -324,5 +391,6 @@ class TrainerEngine(ABC):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Leaving on an error: the rounds still in flight are abandoned, not waited for.
+        self.shutdown(in_flight="drain" if exc_type is None else "abort")

@@ -31,10 +31,18 @@ class Check:
 
 
 def fixed_prompt_check(
-    completions: Any, policy: Any, reward: Any, prompt: np.ndarray, n_tokens: int
+    completions: Any,
+    policy: Any,
+    reward: Any,
+    prompt: np.ndarray,
+    n_tokens: int,
+    *,
+    params: Any = None,
 ) -> Check:
+    """The server's greedy completion of ``prompt`` against the policy's log-probabilities
+    under ``params`` (default: its current ones)."""
     out = completions.generate(prompt[None, :], max_tokens=n_tokens, temperature=0.0)
-    mine = policy.logprobs(out.sequences)[:, prompt.shape[0] - 1 :]
+    mine = policy.logprobs(out.sequences, params)[:, prompt.shape[0] - 1 :]
     return Check(
         float(np.max(np.abs(mine - out.logprobs))), readable(reward.text(out.completions[0]))
     )
@@ -130,6 +138,8 @@ def verdict(cfg: DemoConfig, console: Console, result: DemoResult) -> None:
             highlight=False,
             soft_wrap=True,
         )
+        if result.stall_seconds:
+            overlap_line(console, result)
         spent = ", ".join(f"{name} {v:.1f} s" for name, v in result.phase_seconds.items())
         console.print(f"time in steps: {spent}", highlight=False, soft_wrap=True)
         curve(cfg, console, result)
@@ -148,6 +158,24 @@ def verdict(cfg: DemoConfig, console: Console, result: DemoResult) -> None:
         )
     else:
         console.print("[bold red]FAIL[/]", highlight=False)
+
+
+def overlap_line(console: Console, result: DemoResult) -> None:
+    """``--overlap``: the trainer's stall per overlapped step next to the blocking rounds."""
+    stall = 1e3 * float(np.median(result.stall_seconds))
+    line = (
+        f"overlap: the trainer stood still {stall:.2f} ms per overlapped step (median of "
+        f"{len(result.stall_seconds)}: the wait for the previous round plus the call)"
+    )
+    if result.round_seconds:
+        blocking = 1e3 * float(np.median(result.round_seconds))
+        line += (
+            f", against {blocking:.1f} ms per blocking round (median of "
+            f"{len(result.round_seconds)}): {stall / blocking:.1%}"
+        )
+    stale = float(np.mean(result.stale_shares)) if result.stale_shares else 0.0
+    line += f"; {stale:.0%} of rollout tokens were sampled one round behind"
+    console.print(line, highlight=False, soft_wrap=True)
 
 
 def curve(cfg: DemoConfig, console: Console, result: DemoResult) -> None:

@@ -59,6 +59,10 @@ class DemoConfig:
     """Embedded server with a tiny model: it starts from other random weights than the policy
     (vLLM's RLHF example starts its engine from dummy weights), so the first push visibly
     changes what it writes."""
+    overlap: bool = False
+    """The first quarter of the steps syncs blocking, the rest overlapped
+    (``send_weights(wait=False)``: the round streams while the next step samples and trains);
+    each step prints the trainer's stall next to the blocking rounds' time."""
     metrics_file: str | None = None
     """One JSON line per step (``evidence.StepRecord``); with matplotlib, the reward curve as
     a PNG next to it."""
@@ -101,6 +105,13 @@ class DemoConfig:
             raise ValueError(
                 "--colocated starts the reference server on this GPU itself; drop --server"
             )
+        if self.overlap and self.steps < 2:
+            raise ValueError("--overlap needs --steps >= 2 (one blocking step to compare with)")
+        if self.overlap and self.colocated:
+            raise ValueError(
+                "--overlap and --colocated exclude each other: a colocated server sleeps while "
+                "the policy trains, so no round can stream meanwhile"
+            )
         if self.sleep_level not in (0, 1, 2):
             raise ValueError(f"--sleep-level must be 0, 1 or 2, got {self.sleep_level}")
 
@@ -125,6 +136,13 @@ class DemoResult:
     sync_bytes: list[int] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     """Summed over steps: rollouts, train, sync, check."""
+    round_seconds: list[float] = field(default_factory=list)
+    """``--overlap``: the blocking steps' ``send_weights()`` wall times."""
+    stall_seconds: list[float] = field(default_factory=list)
+    """``--overlap``: the overlapped steps' stalls (wait for the previous round + the call)."""
+    stale_shares: list[float] = field(default_factory=list)
+    """``--overlap``: per overlapped step, the share of rollout tokens sampled one round
+    behind."""
     startup_seconds: float = 0.0
     total_seconds: float = 0.0
 

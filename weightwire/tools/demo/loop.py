@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -32,6 +34,7 @@ from weightwire.tools._cli import CommandError, probe_server
 from weightwire.tools.demo.checks import first_sync, fixed_prompt_check, verdict
 from weightwire.tools.demo.config import DemoConfig, DemoContext, DemoResult
 from weightwire.tools.demo.evidence import RATE_MIN_BYTES, MetricsFile, StepRecord, shown_rate
+from weightwire.tools.demo.overlap import OverlapSync, blocking_steps
 from weightwire.tools.demo.render import StartupProgress, StepRow, StepTable
 
 
@@ -172,13 +175,7 @@ def _train(
     result: DemoResult,
     metrics_file: MetricsFile | None,
 ) -> None:
-    policy, reward, completions, client, engine = (
-        ctx.policy,
-        ctx.reward,
-        ctx.completions,
-        ctx.client,
-        ctx.engine,
-    )
+    policy, reward, completions, client = ctx.policy, ctx.reward, ctx.completions, ctx.client
     rng = np.random.default_rng(cfg.seed)
     low, high = (
         min(3, reward.n_tokens - 1),
@@ -188,6 +185,8 @@ def _train(
     if not first_sync(cfg, console, ctx, result, fixed):
         return
     table = StepTable(console, cfg.target)
+    overlap = OverlapSync(ctx, cfg, fixed) if cfg.overlap else None
+    first_overlapped = blocking_steps(cfg.steps) if cfg.overlap else cfg.steps
     with table.shown():
         for step in range(cfg.steps):
             raise_if_stopped()  # a SIGTERM whose KeyboardInterrupt a gc callback swallowed
@@ -204,42 +203,53 @@ def _train(
                 client.sleep(cfg.sleep_level, mode="wait")
             hits = reward.hits(rollouts.completions)
             _, mine = policy.step(rollouts.sequences, cfg.prompt_len, hits)
-            rollout_diff = float(np.max(np.abs(mine - rollouts.logprobs)))
+            if overlap is not None:  # rollouts may come from the round before the one in flight
+                seen = overlap.rollouts(rollouts.sequences, cfg.prompt_len, rollouts.logprobs, mine)
+                rollout_diff, stale = seen.diff, seen.stale
+            else:
+                rollout_diff, stale = float(np.max(np.abs(mine - rollouts.logprobs))), 0.0
             if cfg.colocated:
                 client.wake_up()
             t = _lap(clock, "train", t)
             version = str(step + 1)
-            metrics = engine.send_weights(weight_version=version)
-            t = _lap(clock, "sync", t)
-            served = client.weight_info()[0].get("weight_version")
-            check = fixed_prompt_check(completions, policy, reward, fixed, cfg.check_tokens)
-            _lap(clock, "check", t)
-            max_diff = max(rollout_diff, check.diff)
-            notes = []
-            if served != version:
-                notes.append(f"server reports version {served!r}")
+            if overlap is not None and step >= first_overlapped:
+                sync = _overlapped(overlap, version, clock, t)
+                result.stall_seconds.append(clock["sync"])
+                result.stale_shares.append(stale)
+            else:
+                sync = _blocking(ctx, cfg, version, clock, t, fixed)
+                if overlap is not None:
+                    overlap.landed_blocking()
+                    result.round_seconds.append(clock["sync"])
+            max_diff = max(rollout_diff, sync.diff)
+            notes = list(sync.notes)
+            if sync.served != sync.version:
+                notes.append(f"server reports version {sync.served!r}")
             if max_diff >= cfg.tolerance:
                 notes.append("logprobs differ")
-            for note in notes:
+            for note in notes[len(sync.notes) :]:
                 result.failures.append(f"step {step + 1}: {note} (max |Δlogp| {max_diff:.2e})")
+            if stale:
+                notes.append(f"{stale:.0%} of rollout tokens one round behind")
             result.rewards.append(float(hits.mean()))
             result.max_diffs.append(max_diff)
-            result.sync_seconds.append(metrics.total_seconds)
-            result.sync_bytes.append(metrics.nbytes)
-            result.texts.append(check.text)
+            result.sync_seconds.append(clock["sync"])  # what the trainer waited for
+            result.sync_bytes.append(sync.nbytes)
+            result.texts.append(sync.text)
             for k, v in clock.items():
                 result.phase_seconds[k] = result.phase_seconds.get(k, 0.0) + v
+            ok = max_diff < cfg.tolerance and sync.served == sync.version
             table.add(
                 StepRow(
                     step=step + 1,
                     reward=float(hits.mean()),
-                    sample=check.text,
-                    sync_ms=metrics.total_seconds * 1e3,
-                    megabytes=metrics.nbytes / 1e6,
-                    gbps=shown_rate(metrics.nbytes, metrics.gbps),
-                    version=str(served),
+                    sample=sync.text,
+                    sync_ms=clock["sync"] * 1e3,
+                    megabytes=sync.nbytes / 1e6,
+                    gbps=shown_rate(sync.nbytes, sync.gbps),
+                    version=str(sync.served),
                     max_diff=max_diff,
-                    ok=not notes,
+                    ok=ok,
                     step_s=sum(clock.values()),
                     note="; ".join(notes),
                 )
@@ -249,23 +259,104 @@ def _train(
                     StepRecord(
                         step=step + 1,
                         reward=float(hits.mean()),
-                        weight_version=str(served),
-                        sync_seconds=metrics.total_seconds,
-                        sync_bytes=metrics.nbytes,
-                        tensors=metrics.tensors,
+                        weight_version=str(sync.served),
+                        sync_seconds=clock["sync"],
+                        sync_bytes=sync.nbytes,
+                        tensors=sync.tensors,
                         max_abs_logprob_diff=max_diff,
-                        ok=not notes,
+                        ok=ok,
                         step_seconds=sum(clock.values()),
                         phase_seconds=dict(clock),
-                        server_text=check.text,
+                        server_text=sync.text,
                     )
                 )
+    if overlap is not None:
+        _land_last(overlap, console, cfg, result)
     if result.sync_bytes and max(result.sync_bytes) < RATE_MIN_BYTES:
         console.print(
             f"(GB/s is shown for rounds of {RATE_MIN_BYTES >> 20} MiB or more only: a "
             f"{max(result.sync_bytes) / 1e6:.2f} MB round's time is its fixed cost, not bandwidth)",
             highlight=False,
             soft_wrap=True,
+        )
+
+
+@dataclass(frozen=True)
+class StepSync:
+    """What a step's sync showed: the round it checked and how that check went."""
+
+    version: str
+    served: str | None
+    diff: float
+    text: str
+    nbytes: int
+    tensors: int
+    gbps: float
+    notes: tuple[str, ...] = ()
+
+
+def _blocking(
+    ctx: DemoContext, cfg: DemoConfig, version: str, clock: dict[str, float], t: float, fixed: Any
+) -> StepSync:
+    metrics = ctx.engine.send_weights(weight_version=version)
+    t = _lap(clock, "sync", t)
+    served = ctx.client.weight_info()[0].get("weight_version")
+    check = fixed_prompt_check(ctx.completions, ctx.policy, ctx.reward, fixed, cfg.check_tokens)
+    _lap(clock, "check", t)
+    return StepSync(
+        version,
+        served,
+        check.diff,
+        check.text,
+        metrics.nbytes,
+        metrics.tensors,
+        metrics.gbps,
+    )
+
+
+def _overlapped(overlap: OverlapSync, version: str, clock: dict[str, float], t: float) -> StepSync:
+    """Wait for the round in flight (checked), hand over this step's; the stall is booked
+    under ``sync``, the check under ``check``."""
+    hand = overlap.handover(version)
+    spent = time.perf_counter() - t
+    clock["sync"] = hand.stall_seconds
+    clock["check"] = max(0.0, spent - hand.stall_seconds)
+    landed = hand.landed
+    note = f"overlapped: round {version} in flight"
+    if landed is None:  # the step before synced blocking: nothing in flight to check
+        before = str(int(version) - 1)
+        return StepSync(before, before, 0.0, "(checked above)", 0, 0, 0.0, (note,))
+    note += f", round {landed.version} took {landed.round_seconds * 1e3:.0f} ms"
+    return StepSync(
+        landed.version,
+        landed.served,
+        landed.check.diff,
+        landed.check.text,
+        landed.nbytes,
+        0,
+        0.0,
+        (note,),
+    )
+
+
+def _land_last(overlap: OverlapSync, console: Console, cfg: DemoConfig, result: DemoResult) -> None:
+    """After the last step: its round, waited for and checked like the others."""
+    landed = overlap.land()
+    if landed is None:
+        return
+    result.max_diffs.append(landed.check.diff)
+    good = landed.served == landed.version and landed.check.diff < cfg.tolerance
+    console.print(
+        f"last round {landed.version}: landed {landed.wait_seconds * 1e3:.0f} ms after the loop; "
+        f"server reports {landed.served!r}, max |Δlogp| {landed.check.diff:.1e} "
+        f"({'ok' if good else 'FAIL'})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if not good:
+        result.failures.append(
+            f"last round {landed.version}: server reports {landed.served!r}, max |Δlogp| "
+            f"{landed.check.diff:.2e}"
         )
 
 

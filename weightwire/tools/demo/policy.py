@@ -72,9 +72,11 @@ class Policy:
             self._update(self.params, self._opt_state, tokens, advantages, prompt_len=prompt_len)
         )
 
-    def logprobs(self, seqs: np.ndarray) -> np.ndarray:
-        """Per-token log-probabilities of ``seqs[:, 1:]`` under the current params."""
-        return np.asarray(self._logprobs(self.params, jnp.asarray(seqs, jnp.int32)))
+    def logprobs(self, seqs: np.ndarray, params: Any = None) -> np.ndarray:
+        """Per-token log-probabilities of ``seqs[:, 1:]`` under ``params`` (default: the
+        current ones; an earlier step's stay valid, JAX arrays being immutable)."""
+        use = self.params if params is None else params
+        return np.asarray(self._logprobs(use, jnp.asarray(seqs, jnp.int32)))
 
     def step(
         self, seqs: np.ndarray, prompt_len: int, token_rewards: np.ndarray

@@ -19,8 +19,11 @@ import torch
 
 from weightwire.backends.base import DevicePacker
 from weightwire.backends.device import DeviceBytes, tensor_device_bytes
+from weightwire.shared.source import WeightSource
 from weightwire.torch_side.dtypes import wire_name
+from weightwire.torch_side.sender.snapshot import CopySnapshots, live
 from weightwire.trainer.engine import TrainerEngine
+from weightwire.trainer.overlap import Snapshot
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -30,6 +33,8 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 class TorchTrainerEngine(TrainerEngine):
     """Trainer engine over a ``WeightSource`` yielding torch tensors."""
+
+    _copies: CopySnapshots | None = None
 
     def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
         if not isinstance(tensor, torch.Tensor):
@@ -41,6 +46,15 @@ class TorchTrainerEngine(TrainerEngine):
 
     def device_packer(self, device: int | None) -> DevicePacker:
         return TorchDevicePacker(device)
+
+    def snapshot(self, source: WeightSource) -> Snapshot:
+        """``snapshot="copy"``: every tensor copied into this engine's reusable buffers;
+        ``"none"``: the source itself (see ``TrainerInitInfo.snapshot``)."""
+        if self.info.snapshot == "none":
+            return live(source)
+        if self._copies is None:
+            self._copies = CopySnapshots()
+        return self._copies.take(source)
 
 
 class TorchDevicePacker(DevicePacker):

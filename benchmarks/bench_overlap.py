@@ -1,0 +1,470 @@
+"""Overlapped rounds: the trainer-visible stall per step next to the blocking round's time.
+
+    python benchmarks/bench_overlap.py --device cpu [--size small|tiny] [--steps 8] [--out F]
+    python benchmarks/bench_overlap.py --device cuda [--engines jax,torch] [--model llama3-8b]
+        [--steps 6] [--train-ms 400] [--out F]
+
+One run, two phases over the same engine and receiver: ``blocking`` (train, then
+``send_weights()``) and ``overlap`` (train, then wait for the previous round's handle and
+``send_weights(wait=False)``). Per step it records the training time, the blocking round's
+wall time, the overlapped stall (the time inside ``send_weights(wait=False)`` plus the wait
+for the previous round) and the step's wall time; the table shows medians and the stall as a
+share of the blocking round.
+
+``--device cpu``: a JAX decoder (``tools.models.decoder``) trained by the demo's REINFORCE
+step on random tokens, synced over ``weightwire_tcp`` into the reference server (a child
+process) with ``verify=True`` (every round's checksums compared on the server). ``small``
+is a ~64 MB float32 Llama built next to tiny-llama's tokenizer; ``tiny`` is tiny-llama.
+A training step runs as many updates as it takes to last ``--train-ratio`` times the
+blocking round (measured first), the regime overlap is for: with a step shorter than the
+round, the stall is the difference (one round in flight at most).
+
+``--device cuda``: trainer and a sink receiver on ONE GPU over ``weightwire_ipc`` (the
+control shim of ``bench_ipc.py``; no vLLM needed): synthetic bf16 weights of ``--model``'s HF
+shapes; a training step rewrites every weight and runs matmuls for about ``--train-ms``.
+Besides the stall it reports the step time with and without overlap (the round's copies
+share the GPU with the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = {
+    "hidden_size": 512,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+
+
+@dataclass
+class Phase:
+    """One phase's per-step seconds."""
+
+    name: str
+    train: list[float] = field(default_factory=list)
+    sync: list[float] = field(default_factory=list)
+    """blocking: the round's wall time; overlap: the stall (call + wait for the previous)."""
+    wait: list[float] = field(default_factory=list)
+    step: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+
+    def median(self, what: str) -> float:
+        values = getattr(self, what)
+        return statistics.median(values) if values else 0.0
+
+
+# -- the loop, whatever the device ----------------------------------------------------------
+
+
+def run_phases(engine: Any, train: Any, steps: int, first: int) -> tuple[Phase, Phase, int]:
+    """``steps`` blocking steps, then ``steps`` overlapped ones; versions count from
+    ``first``. Returns both phases and the next version number."""
+    blocking, overlap = Phase("blocking"), Phase("overlap")
+    n = first
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        train()
+        t1 = time.perf_counter()
+        metrics = engine.send_weights(str(n))
+        t2 = time.perf_counter()
+        blocking.train.append(t1 - t0)
+        blocking.sync.append(t2 - t1)
+        blocking.step.append(t2 - t0)
+        blocking.versions.append(str(metrics.version))
+        n += 1
+    pending = None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        train()
+        t1 = time.perf_counter()
+        if pending is not None:
+            overlap.versions.append(str(pending.result().version))
+        t2 = time.perf_counter()
+        pending = engine.send_weights(str(n), wait=False)
+        t3 = time.perf_counter()
+        overlap.train.append(t1 - t0)
+        overlap.wait.append(t2 - t1)
+        overlap.sync.append(t3 - t1)
+        overlap.step.append(t3 - t0)
+        n += 1
+    assert pending is not None
+    overlap.versions.append(str(pending.result().version))
+    return blocking, overlap, n
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| engine | device | model | MB/round | updates/step | train ms blocking / overlap | "
+        "blocking round ms | overlap stall ms (wait) | stall / round | step ms blocking | "
+        "step ms overlap | rounds in order | verify |\n" + "|---" * 13 + "|\n"
+    )
+    lines = []
+    for r in rows:
+        b, o = r["blocking"], r["overlap"]
+        lines.append(
+            f"| {r['engine']} | {r['device']} | {r['model']} | {r['nbytes'] / 1e6:.1f} | "
+            f"{r.get('updates', '')} | {b['train_ms']:.1f} / {o['train_ms']:.1f} | "
+            f"{b['sync_ms']:.1f} | "
+            f"{o['sync_ms']:.2f} ({o['wait_ms']:.2f}) | {o['sync_ms'] / b['sync_ms']:.1%} | "
+            f"{b['step_ms']:.1f} | {o['step_ms']:.1f} | {'yes' if r['in_order'] else 'NO'} | "
+            f"{r['verify']} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def summarize(phase: Phase) -> dict[str, Any]:
+    return {
+        "train_ms": 1e3 * phase.median("train"),
+        "sync_ms": 1e3 * phase.median("sync"),
+        "wait_ms": 1e3 * phase.median("wait"),
+        "step_ms": 1e3 * phase.median("step"),
+        "per_step": asdict(phase),
+    }
+
+
+def row_of(engine: str, device: str, model: str, nbytes: int, phases: Any, first: int) -> dict:
+    blocking, overlap, _ = phases
+    want = [str(first + i) for i in range(len(blocking.versions) + len(overlap.versions))]
+    return {
+        "engine": engine,
+        "device": device,
+        "model": model,
+        "nbytes": nbytes,
+        "blocking": summarize(blocking),
+        "overlap": summarize(overlap),
+        "in_order": blocking.versions + overlap.versions == want,
+    }
+
+
+# -- CPU: JAX decoder -> reference server over weightwire_tcp --------------------------------
+
+
+def small_model_dir(out: Path) -> Path:
+    """tiny-llama's tokenizer with a ~64 MB float32 Llama (random weights) next to it."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from weightwire.tools.server.tiny import tiny_model_dir
+
+    src = Path(tiny_model_dir("tiny-llama"))
+    out.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        if item.name not in ("model.safetensors", "config.json"):
+            shutil.copy2(item, out / item.name)
+    config = json.loads((src / "config.json").read_text())
+    config.update(SMALL)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    h, inter, v = SMALL["hidden_size"], SMALL["intermediate_size"], config["vocab_size"]
+    q = SMALL["num_attention_heads"] * SMALL["head_dim"]
+    kv = SMALL["num_key_value_heads"] * SMALL["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(SMALL["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (v, h)
+    rng = np.random.default_rng(0)
+    weights = {n: rng.standard_normal(s, dtype=np.float32) * 0.02 for n, s in shapes.items()}
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+def run_cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import tempfile
+
+    import numpy as np
+
+    from weightwire.control.client import HTTPWeightSyncClient
+    from weightwire.jax_side.engine import JAXTrainerEngine
+    from weightwire.jax_side.source import PytreeSource
+    from weightwire.tools.demo.policy import Policy
+    from weightwire.tools.demo.server import EmbeddedServer
+    from weightwire.tools.models import decoder
+    from weightwire.tools.models.loading import load_decoder
+    from weightwire.trainer.config import TrainerInitInfo
+
+    with tempfile.TemporaryDirectory(prefix="weightwire-bench-overlap-") as tmp:
+        if args.size == "small":
+            model_dir = str(small_model_dir(Path(tmp) / "small-llama"))
+        else:
+            from weightwire.tools.server.tiny import tiny_model_dir
+
+            model_dir = str(tiny_model_dir("tiny-llama"))
+        with EmbeddedServer(model_dir, startup_timeout=300) as server:
+            assert server.url is not None
+            cfg, params = load_decoder(model_dir)
+            policy = Policy(cfg, params, lr=1e-3)
+            rng = np.random.default_rng(0)
+            seqs = rng.integers(3, cfg.vocab_size, (args.batch, 32)).astype(np.int32)
+            rewards = rng.random((args.batch, 32 - 8)).astype(np.float32)
+            policy.warmup(seqs, 8)
+
+            def update() -> None:
+                policy.step(seqs, 8, rewards)  # returns host logprobs: the update is done
+
+            client = HTTPWeightSyncClient(server.url, timeout=120.0)
+            info = TrainerInitInfo(
+                backend="weightwire_tcp", verify=args.verify, packed_buffer_size_bytes=16 << 20
+            )
+            source = PytreeSource(lambda: policy.params, decoder.naming(cfg))
+            engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
+            try:
+                for i in range(2):  # warm-up: plan, connections, compiled transforms
+                    engine.send_weights(f"w{i}")
+                t = time.perf_counter()
+                update()
+                one = time.perf_counter() - t
+                t = time.perf_counter()
+                metrics = engine.send_weights("w2")
+                round_s = time.perf_counter() - t
+                updates = args.updates or max(1, math.ceil(args.train_ratio * round_s / one))
+                print(
+                    f"calibration: one update {one * 1e3:.1f} ms, one blocking round "
+                    f"{round_s * 1e3:.1f} ms -> {updates} update(s) per step",
+                    file=sys.stderr,
+                )
+
+                def train() -> None:
+                    for _ in range(updates):
+                        update()
+
+                phases = run_phases(engine, train, args.steps, 1)
+                served = client.weight_info()[0]["weight_version"]
+            finally:
+                engine.shutdown()
+                client.close()
+    row = row_of("jax", "cpu", f"llama {args.size}", metrics.nbytes, phases, 1)
+    row.update(
+        updates=updates,
+        verify="passed every round" if args.verify else "off",
+        served_last=served,
+        in_order=row["in_order"] and served == str(phases[2] - 1),
+    )
+    return [row]
+
+
+# -- CUDA: one GPU, weightwire_ipc into a sink receiver ----------------------------------------
+
+
+def run_cuda(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import subprocess
+    import tempfile
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_ipc  # the receiver role (IPC engine over a sink) and its control shim
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="weightwire-bench-overlap-") as tmp:
+        port_file = Path(tmp, "port")
+        receiver = bench_ipc._spawn(
+            "receiver",
+            {
+                "port_file": str(port_file),
+                "deadline": time.time() + len(args.engines.split(",")) * args.deadline_s + 60,
+            },
+            Path(tmp, "r.json"),
+        )
+        try:
+            deadline = time.time() + 120
+            while not port_file.exists():
+                if receiver.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("the receiver process did not start its control shim")
+                time.sleep(0.1)
+            port = int(port_file.read_text())
+            for kind in args.engines.split(","):
+                cfg = {"port": port, "engine": kind, **vars(args)}
+                path = Path(tmp, f"s-{kind}.json")
+                path.write_text(json.dumps(cfg))
+                env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+                env["PYTHONPATH"] = os.pathsep.join(
+                    p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
+                )
+                try:
+                    proc = subprocess.run(
+                        [sys.executable, __file__, "--role", "sender", "--config", str(path)],
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                        timeout=args.deadline_s,
+                    )
+                except subprocess.TimeoutExpired:
+                    rows.append({"engine": kind, "error": f"no row within {args.deadline_s} s"})
+                    continue
+                got = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+                rows.append(
+                    json.loads(got[-1])
+                    if got
+                    else {"engine": kind, "error": f"sender exited {proc.returncode}"}
+                )
+        finally:
+            receiver.kill()
+            receiver.wait(30)
+    return rows
+
+
+def cuda_sender(cfg: dict[str, Any]) -> dict[str, Any]:
+    from weightwire.shared.timeouts import Timeouts
+    from weightwire.tools.bench.sync import build_params
+    from weightwire.tools.bench.sync_shim import ShimClient
+    from weightwire.trainer.config import TrainerInitInfo
+
+    kind, t = cfg["engine"], cfg["timeout"]
+    params = build_params(cfg["model"], kind)
+    nbytes = sum(int(a.nbytes) for a in params.values())
+    info = TrainerInitInfo(
+        backend="weightwire_ipc",
+        packed_buffer_size_bytes=1 << 30,
+        packed_num_buffers=2,
+        device=0,
+        server_version="0.33.0",
+        inference_world_size=1,
+        timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t, round_s=4 * t),
+    )
+    client = ShimClient(cfg["port"], timeout=t + 60)
+    if kind == "jax":
+        engine, train = _jax_trainer(params, info, client, cfg["train_ms"])
+    else:
+        engine, train = _torch_trainer(params, info, client, cfg["train_ms"])
+    try:
+        for i in range(2):
+            engine.send_weights(f"w{i}")
+        phases = run_phases(engine, train, cfg["steps"], 1)
+    finally:
+        engine.shutdown()
+    row = row_of(kind, "cuda (one GPU, ipc)", cfg["model"], nbytes, phases, 1)
+    row.update(verify="off (checksums of 16 GB per round)", train_ms_target=cfg["train_ms"])
+    return row
+
+
+def _jax_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: float) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    from weightwire.jax_side.engine import JAXTrainerEngine
+    from weightwire.jax_side.naming import Naming, Rule
+    from weightwire.jax_side.source import PytreeSource
+
+    state = {"params": params}
+    rewrite = jax.jit(lambda tree: jax.tree.map(lambda p: (p * 0.999).astype(p.dtype), tree))
+    a = jnp.ones((8192, 8192) if jax.default_backend() == "gpu" else (256, 256), jnp.bfloat16)
+    burn = jax.jit(lambda x: jnp.tanh(x @ x * 1e-4))
+    matmuls = _calibrate(lambda: burn(a).block_until_ready(), train_ms)
+
+    def train() -> None:
+        state["params"] = rewrite(state["params"])
+        x = a
+        for _ in range(matmuls):
+            x = burn(x)
+        jax.block_until_ready((x, state["params"]))
+
+    source = PytreeSource(lambda: state["params"], Naming([Rule("{x}", "{x}")]))
+    return JAXTrainerEngine.trainer_init(info, client=client, source=source), train
+
+
+def _torch_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: float) -> Any:
+    import torch
+
+    from weightwire.tools.bench.sync import make_source
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+
+    device = next(iter(params.values())).device
+    side = 8192 if device.type == "cuda" else 256
+    a = torch.ones((side, side), dtype=torch.bfloat16, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def burn_once() -> None:
+        torch.tanh(a @ a * 1e-4)
+        sync()
+
+    matmuls = _calibrate(burn_once, train_ms)
+
+    def train() -> None:
+        with torch.no_grad():
+            for p in params.values():
+                p.mul_(0.999)  # an optimizer writes in place: the snapshot copy is what is sent
+            x = a
+            for _ in range(matmuls):
+                x = torch.tanh(x @ x * 1e-4)
+        sync()
+
+    engine = TorchTrainerEngine.trainer_init(info, client=client, source=make_source(params))
+    return engine, train
+
+
+def _calibrate(once: Any, train_ms: float) -> int:
+    once()
+    t = time.perf_counter()
+    for _ in range(5):
+        once()
+    each = (time.perf_counter() - t) / 5
+    return max(1, round(train_ms / 1e3 / each))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", help="write the table (markdown) and the rows (JSON) here")
+    ap.add_argument("--size", choices=("small", "tiny"), default="small", help="cpu: the model")
+    ap.add_argument("--batch", type=int, default=8, help="cpu: sequences per update")
+    ap.add_argument("--updates", type=int, default=0, help="cpu: updates per step (0: auto)")
+    ap.add_argument("--train-ratio", type=float, default=1.5, help="cpu: step / blocking round")
+    ap.add_argument("--no-verify", dest="verify", action="store_false", help="cpu: verify off")
+    ap.add_argument("--engines", default="jax,torch", help="cuda: trainer engines")
+    ap.add_argument("--model", default="llama3-8b", help="cuda: the HF shapes sent")
+    ap.add_argument("--train-ms", type=float, default=400.0, help="cuda: a step's compute")
+    ap.add_argument("--timeout", type=float, default=120.0, help="cuda: transfer bound")
+    ap.add_argument("--deadline-s", type=float, default=240.0, help="cuda: per engine")
+    ap.add_argument("--role", choices=("sender",), help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.role == "sender":
+        try:
+            row = cuda_sender(json.loads(Path(args.config).read_text()))
+        except Exception as exc:
+            cfg = json.loads(Path(args.config).read_text())
+            row = {"engine": cfg["engine"], "error": f"{type(exc).__name__}: {exc}"[:400]}
+        print(json.dumps(row), flush=True)
+        os._exit(0)  # a CUDA context's teardown can outlive the row by seconds
+    rows = run_cpu(args) if args.device == "cpu" else run_cuda(args)
+    ok = [r for r in rows if "error" not in r]
+    text = report(ok) + "".join(f"\n{r['engine']}: {r['error']}" for r in rows if "error" in r)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n```json\n" + json.dumps(rows, indent=1) + "\n```\n")
+    return 0 if ok and all(r["in_order"] for r in ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

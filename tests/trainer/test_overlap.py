@@ -1,0 +1,420 @@
+"""Overlapped rounds (``send_weights(wait=False)``) against a fake server and a recording
+communicator: the snapshot (JAX references, torch copies), rounds in call order with at
+most ``max_rounds_in_flight`` in flight, a failure that is never lost and never has a
+later round applied on top of it, and ``shutdown``'s drain / abort."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer
+from weightwire.jax_side import PytreeSource
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.jax_side.naming import Naming, Rule
+from weightwire.shared.errors import ConfigError, TransferError, WeightSyncError
+from weightwire.shared.timeouts import Timeouts
+from weightwire.torch_side.sender.engine import TorchTrainerEngine
+from weightwire.torch_side.sender.source import describe_tensor
+from weightwire.trainer import RoundHandle, RoundSkipped, RoundWaitTimeout, TrainerInitInfo
+from weightwire.trainer.overlap import RoundCancelled
+
+FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5, round_s=10)
+ROUND = ["start_weight_update", "update_weights", "finish_weight_update"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_comm() -> FakeComm:
+    FAKE.comm = FakeComm()
+    FAKE.opened.clear()
+    return FAKE.comm
+
+
+class Params:
+    """A training loop's live state: each step replaces the arrays (JAX never mutates)."""
+
+    def __init__(self) -> None:
+        self.tree = {"a": jnp.arange(6.0), "b": jnp.ones((2, 3), jnp.bfloat16)}
+
+    def step(self) -> None:
+        self.tree = {k: v + 1 for k, v in self.tree.items()}
+
+    def wire(self) -> list[bytes]:
+        return [np.asarray(v).tobytes() for v in self.tree.values()]
+
+
+def jax_engine(server: FakeServer, params: Params, **info: Any) -> JAXTrainerEngine:
+    source = PytreeSource(lambda: params.tree, Naming([Rule("{x}", "{x}")]))
+    kw = {"backend": "fake_host", "timeouts": FAST, "packed": False, **info}
+    return JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(**kw), client=server.client(), source=source
+    )
+
+
+def gate(server: FakeServer, route: str) -> tuple[threading.Event, threading.Event]:
+    """``route`` blocks inside the server until released; ``entered`` says it was reached."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hook(body: Any) -> None:
+        entered.set()
+        assert release.wait(10)
+
+    server.hooks[route] = hook
+    return entered, release
+
+
+def round_routes(server: FakeServer) -> list[str]:
+    return [r for r in server.routes() if r in ROUND]
+
+
+def test_jax_round_sends_the_arrays_of_the_step_it_was_called_after() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)
+    try:
+        entered, release = gate(server, "start_weight_update")
+        sent = params.wire()
+        handle = engine.send_weights(wait=False)
+        assert isinstance(handle, RoundHandle)
+        assert entered.wait(10) and not handle.done()  # the round is in flight ...
+        params.step()  # ... while the trainer computes its next step
+        release.set()
+        metrics = handle.result()
+        assert metrics.version == "1" and handle.version == "1" and handle.done()
+        assert FAKE.comm.broadcasts == sent  # the old step's bytes, not the new ones
+        assert server.weight_version == "1"
+        server.hooks.clear()
+        assert engine.send_weights(wait=False).result().version == "2"
+        assert FAKE.comm.broadcasts[len(sent) :] == params.wire()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_rounds_land_in_call_order_with_at_most_limit_in_flight(limit: int) -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params, max_rounds_in_flight=limit)
+    entered, release = gate(server, "update_weights")
+    handles: list[RoundHandle] = []
+    returned = threading.Event()
+
+    def trainer() -> None:
+        for _ in range(3):
+            handles.append(engine.send_weights(wait=False))
+            params.step()
+        returned.set()
+
+    thread = threading.Thread(target=trainer)
+    try:
+        thread.start()
+        assert entered.wait(10)
+        # Round 1 is stuck in update_weights: the calls beyond the limit wait for a slot.
+        assert not returned.wait(0.3)
+        assert len(handles) == limit
+        release.set()
+        assert returned.wait(10)
+        assert [h.result().version for h in handles] == ["1", "2", "3"]
+        assert round_routes(server) == ROUND * 3  # one round after the other, never interleaved
+        assert [b["weight_version"] for b in server.bodies("finish_weight_update")] == [
+            "1",
+            "2",
+            "3",
+        ]
+    finally:
+        release.set()
+        thread.join(10)
+        engine.shutdown()
+
+
+def test_a_failed_round_fails_the_queued_ones_and_its_error_is_raised() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params, max_rounds_in_flight=2)
+    entered, release = gate(server, "start_weight_update")
+    server.fail["start_weight_update"] = (500, "worker 0 died")
+    try:
+        first = engine.send_weights("v1", wait=False)
+        params.step()
+        second = engine.send_weights("v2", wait=False)
+        assert entered.wait(10)
+        release.set()
+        with pytest.raises(WeightSyncError, match="start_weight_update failed.*worker 0 died"):
+            first.result()
+        with pytest.raises(RoundSkipped, match=r"round 'v2' .* was not sent: round 'v1'") as info:
+            second.result()
+        assert isinstance(info.value.__cause__, WeightSyncError)
+        assert server.bodies("start_weight_update") == [None]  # v2 never started
+        assert "update_weights" not in server.routes()
+        # Seen at result(): the engine carries on (nothing went on the wire, it is not broken).
+        del server.fail["start_weight_update"]
+        server.hooks.clear()
+        assert engine.send_weights("v3", wait=False).result().version == "v3"
+        assert server.weight_version == "v3"
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_a_failure_nobody_asked_for_is_raised_by_the_next_send_weights() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)
+    server.fail["start_weight_update"] = (500, "worker 0 died")
+    try:
+        handle = engine.send_weights("v1", wait=False)
+        while not handle.done():
+            handle._future.exception(timeout=10)
+        with pytest.raises(WeightSyncError, match="worker 0 died") as info:
+            engine.send_weights("v2", wait=False)
+        assert info.value is handle._future.exception()  # the round's own error
+        assert "round 'v1' (overlapped round #1) failed in flight" in str(info.value.__notes__)
+        assert server.bodies("start_weight_update") == [None]  # v2 sent nothing
+        del server.fail["start_weight_update"]
+        assert engine.send_weights("v2").version == "v2"  # raised once: the engine goes on
+    finally:
+        engine.shutdown()
+
+
+def test_result_timeout_leaves_the_round_running() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)
+    entered, release = gate(server, "update_weights")
+    try:
+        handle = engine.send_weights(wait=False)
+        assert entered.wait(10)
+        with pytest.raises(RoundWaitTimeout, match=r"round '1' .* still in flight after 0.05 s"):
+            handle.result(timeout=0.05)
+        release.set()
+        assert handle.result().version == "1" and server.weight_version == "1"
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_a_blocking_call_first_waits_for_the_rounds_in_flight() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params, max_rounds_in_flight=2)
+    try:
+        first = engine.send_weights(wait=False)
+        params.step()
+        assert engine.send_weights().version == "2"
+        assert first.done() and first.result().version == "1"
+        assert round_routes(server) == ROUND * 2
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_drain_lands_every_queued_round() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params, max_rounds_in_flight=3)
+    handles = []
+    for _ in range(3):
+        handles.append(engine.send_weights(wait=False))
+        params.step()
+    engine.shutdown(in_flight="drain")
+    assert [h.result(timeout=0).version for h in handles] == ["1", "2", "3"]
+    assert server.weight_version == "3"
+    assert "shutdown_weight_transfer_engine" in server.routes()
+
+
+def test_shutdown_abort_stops_the_running_round_and_skips_the_queued() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params, max_rounds_in_flight=2)
+    FAKE.comm.block = True  # the first broadcast never lands: only an abort ends it
+    entered = threading.Event()
+    server.hooks["update_weights"] = lambda body: entered.set()
+    running = engine.send_weights("a1", wait=False)
+    queued = engine.send_weights("a2", wait=False)
+    assert entered.wait(10)  # a1 is on the wire
+    engine.shutdown(in_flight="abort", timeout=10)
+    assert running.done() and queued.done()  # shutdown returned after both ended
+    with pytest.raises(RoundSkipped, match=r"round 'a2' .* never sent: shutdown"):
+        queued.result(timeout=0)
+    with pytest.raises(TransferError, match="abort"):  # aborted in or before the broadcast
+        running.result(timeout=0)
+    assert server.bodies("start_weight_update") == [None]  # a2 never started
+    assert "finish_weight_update" not in server.routes()  # nothing committed
+    assert server.weight_version == "default"
+
+
+def test_shutdown_abort_stops_a_round_at_its_next_tensor() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)
+    entered, release = gate(server, "start_weight_update")
+    running = engine.send_weights("c1", wait=False)
+    assert entered.wait(10)  # the first tensor is prepared; the rest wait for start
+    threading.Timer(0.2, release.set).start()
+    engine.shutdown(in_flight="abort", timeout=10)
+    with pytest.raises((RoundCancelled, TransferError)):
+        running.result(timeout=0)
+    assert "finish_weight_update" not in server.routes()
+    assert server.weight_version == "default"
+
+
+def test_torch_copy_snapshot_is_isolated_from_in_place_steps_and_reused() -> None:
+    weights = {"w": torch.arange(8, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
+    server = FakeServer()
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
+        client=server.client(),
+        source=DictSource(weights, describe_tensor),
+    )
+    try:
+        entered, release = gate(server, "start_weight_update")
+        sent = [t.view(torch.uint8).numpy().tobytes() for t in weights.values()]
+        handle = engine.send_weights(wait=False)
+        for t in weights.values():
+            t.add_(5)  # an optimizer step writes the parameters in place
+        assert entered.wait(10)
+        release.set()
+        handle.result()
+        assert FAKE.comm.broadcasts == sent
+        assert engine._copies is not None
+        (buffers,) = engine._copies._free
+        kept = {n: b.data_ptr() for n, b in buffers.items()}
+        server.hooks.clear()
+        engine.send_weights(wait=False).result()
+        assert FAKE.comm.broadcasts[2:] == [
+            t.view(torch.uint8).numpy().tobytes() for t in weights.values()
+        ]
+        (again,) = engine._copies._free
+        assert {n: b.data_ptr() for n, b in again.items()} == kept  # the same buffers reused
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_torch_snapshot_none_reads_the_live_parameters() -> None:
+    weights = {"w": torch.arange(4, dtype=torch.float32)}
+    server = FakeServer()
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False, snapshot="none"),
+        client=server.client(),
+        source=DictSource(weights, describe_tensor),
+    )
+    try:
+        engine.send_weights(wait=False).result()
+        assert FAKE.comm.broadcasts == [weights["w"].numpy().tobytes()]
+        assert engine._copies is None  # nothing copied
+    finally:
+        engine.shutdown()
+
+
+def test_other_ranks_iterate_on_their_own_thread_and_get_a_finished_handle() -> None:
+    params = Params()
+    source = PytreeSource(lambda: params.tree, Naming([Rule("{x}", "{x}")]))
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, rank=1),
+        client=FakeServer().client(),
+        source=source,
+    )
+    handle = engine.send_weights(wait=False)
+    assert handle.done() and handle.result().sender is False
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_rounds_in_flight", 0, r"max_rounds_in_flight must be an int in 1\.\.8, got 0"),
+        ("max_rounds_in_flight", True, "max_rounds_in_flight must be an int"),
+        ("snapshot", "deep", r"snapshot must be one of \('copy', 'none'\), got 'deep'"),
+    ],
+)
+def test_bad_overlap_settings_are_refused(field: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainerInitInfo(backend="weightwire_tcp", **{field: value})  # type: ignore[arg-type]
+
+
+def test_shutdown_refuses_an_unknown_in_flight_mode() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)
+    with pytest.raises(ConfigError, match="in_flight must be one of"):
+        engine.shutdown(in_flight="later")
+    engine.shutdown()
+
+
+def test_a_donated_leaf_is_refused_before_anything_is_sent() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)
+    try:
+        params.tree["a"].delete()  # what a step with donate_argnums does to its input
+        with pytest.raises(ConfigError, match="deleted .*donated"):
+            engine.send_weights(wait=False)
+        assert "start_weight_update" not in server.routes()
+    finally:
+        engine.shutdown()
+
+
+def test_leaving_the_context_on_an_error_abandons_the_rounds_in_flight() -> None:
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)
+    FAKE.comm.block = True  # the round would otherwise wait out its transfer timeout
+    entered = threading.Event()
+    server.hooks["update_weights"] = lambda body: entered.set()
+    with pytest.raises(KeyError), engine:
+        handle = engine.send_weights(wait=False)
+        assert entered.wait(10)
+        raise KeyError("the training step failed")
+    assert handle.done()  # abandoned (aborted), not drained over its 5 s transfer timeout
+    with pytest.raises(TransferError, match="abort"):
+        handle.result(timeout=0)
+    assert server.weight_version == "default"
+
+
+def test_snapshot_none_is_refused_with_several_trainer_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = FakeServer()
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, snapshot="none"),
+        client=server.client(),
+        source=DictSource({"w": torch.zeros(2)}, describe_tensor),
+    )
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    try:
+        with pytest.raises(ConfigError, match='snapshot="none" reads the source on the round'):
+            engine.send_weights(wait=False)
+        assert "start_weight_update" not in server.routes()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_torch_copy_snapshot_on_the_gpu_is_ordered_after_the_step_and_before_the_next() -> None:
+    """The copy is queued on the trainer's stream after the step that wrote the weights, the
+    round waits for it on its own thread, and the next in-place step does not reach it."""
+    weights = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda")}
+    server = FakeServer()
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
+        client=server.client(),
+        source=DictSource(weights, describe_tensor),
+    )
+    try:
+        entered, release = gate(server, "start_weight_update")
+        for t in weights.values():
+            t.mul_(3.0)  # the step that produced the round's weights
+        sent = [t.cpu().numpy().tobytes() for t in weights.values()]
+        handle = engine.send_weights(wait=False)
+        for t in weights.values():
+            t.add_(1.0)  # the next step, queued on the same stream right behind the copy
+        assert entered.wait(10)
+        release.set()
+        handle.result()
+        assert FAKE.comm.broadcasts == sent
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_jax_numpy_leaves_are_copied_into_the_snapshot() -> None:
+    leaf = np.arange(4.0, dtype=np.float32)
+    source = PytreeSource({"a": leaf}, Naming([Rule("{x}", "{x}")]))
+    frozen = source.frozen()
+    leaf += 10  # numpy arrays are mutable: the snapshot must not see this
+    ((name, array),) = list(frozen)
+    assert name == "a" and np.asarray(array).tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -1,0 +1,92 @@
+"""The engine's side of overlapped rounds: ``send_weights(wait=False)`` and what waits for it.
+
+``OverlappedRounds`` belongs to one ``TrainerEngine``. It takes the framework engine's snapshot
+on the trainer's thread and hands the engine's own blocking round to a ``RoundRunner``
+(``trainer.overlap``), which runs it on the round thread with the session reading the
+snapshot. A blocking ``send_weights()`` first ``settle``-s the rounds in flight; ``shutdown``
+``stop``-s them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from weightwire.shared.errors import ConfigError
+from weightwire.shared.source import WeightSource
+from weightwire.trainer.metrics import RoundMetrics
+from weightwire.trainer.overlap import IN_FLIGHT_MODES, RoundHandle, RoundRunner, Snapshot
+from weightwire.trainer.session import Session
+
+Blocking = Callable[[str | None, bool], RoundMetrics]
+"""The engine's blocking round: ``(weight_version, draft)``, reading ``session.source``."""
+
+
+class OverlappedRounds:
+    """One engine's overlapped rounds (the runner is made at the first one)."""
+
+    def __init__(
+        self,
+        session: Session,
+        blocking: Blocking,
+        snapshot: Callable[[], Snapshot],
+        usable: Callable[[], None],
+    ) -> None:
+        self._s = session
+        self._blocking = blocking
+        self._snapshot = snapshot
+        self._usable = usable  # raises when the engine can send no round (a broken link)
+        self._runner: RoundRunner | None = None
+
+    def send(self, weight_version: str | None, draft: bool) -> RoundHandle:
+        """Wait for a free slot, take the snapshot, queue the round; its handle."""
+        s = self._s
+        if weight_version is not None:
+            s.next_version(weight_version)  # a bad version fails here, not on the round thread
+        if not s.info.is_sender:  # other ranks only iterate (their gathers): done now
+            return RoundHandle.completed(self._blocking(weight_version, draft))
+        runner = self._runner
+        if runner is None:
+            runner = self._runner = RoundRunner(
+                self._in_flight,
+                s.next_version,
+                limit=s.info.max_rounds_in_flight,
+                wait_s=s.info.timeouts.round_s,
+                abort_link=self._abort_link,
+            )
+        runner.raise_unseen()
+        runner.wait_slot()
+        self._usable()
+        return runner.submit(self._snapshot(), weight_version, draft)
+
+    def settle(self) -> None:
+        """Before a blocking round: the rounds in flight end first (their failure is raised).
+        A no-op on the round thread itself (the blocking round it runs is one of them)."""
+        runner = self._runner
+        if runner is not None and not runner.on_round_thread():
+            runner.settle()
+
+    def stop(self, in_flight: str, timeout: float | None) -> BaseException | None:
+        """``shutdown``'s part: drain or abort; returns a failure still to be raised."""
+        if in_flight not in IN_FLIGHT_MODES:
+            raise ConfigError(f"in_flight must be one of {IN_FLIGHT_MODES}, got {in_flight!r}")
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return None
+        try:
+            return runner.stop(in_flight, timeout)
+        finally:
+            runner.close()
+
+    def _in_flight(self, source: WeightSource, version: str, draft: bool) -> RoundMetrics:
+        """The blocking round on the round thread; the session reads the snapshot meanwhile."""
+        s = self._s
+        live, s.source = s.source, source
+        try:
+            return self._blocking(version, draft)
+        finally:
+            s.source = live
+
+    def _abort_link(self) -> None:
+        link = self._s.link
+        if link is not None:
+            link.abort()
