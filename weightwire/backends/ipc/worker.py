@@ -48,7 +48,7 @@ from weightwire.backends.receiving import ChunkedLink
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.info import encode_secret
-from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
+from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo, decode_handles
 from weightwire.shared.timeouts import Timeouts
 
 
@@ -127,7 +127,7 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
             "rank": rank,
             "free": [encode_secret(event_handle(cp, e)) for e in free],
             "uuid": device_uuid(cp, index),
-            "modes": ["pull", "push"] if info.packed else ["push"],
+            "modes": ["write_through", "pull", "push"] if info.packed else ["push"],
         }
     try:
         channel = dial(
@@ -152,7 +152,7 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
             alive=receiver.alive,
         )
         mode, early = str(chosen.get("mode")), chosen.get("early")
-        if mode not in ("pull", "push") or (mode == "pull" and not info.packed):
+        if mode not in IPC_MODES or (mode != "push" and not info.packed):
             raise TransferError(
                 f"{channel.peer} chose IPC mode {mode[:20]!r}, which this worker did not offer"
             )
@@ -171,6 +171,12 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
         receiver.close()
         raise
     dev = torch.device("cuda", index)
+    if mode == "write_through":
+        from weightwire.backends.ipc.through.worker import IPCWriteThroughLink
+
+        return IPCWriteThroughLink(
+            receiver, device=dev, timeout_s=info.timeout_s, depth=info.packed_num_buffers
+        )
     if mode == "pull":  # a trainer that takes early wants says so in its mode message
         return IPCPullLink(
             receiver,

@@ -29,19 +29,27 @@ stale: the next init aborts it (state unchanged) instead of refusing.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from weightwire.backends.base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
+from weightwire.backends.base import (
+    Connect,
+    LandingRecord,
+    ReceiveLink,
+    ReceiveProgress,
+    ReceiveTurn,
+)
 from weightwire.shared.errors import WeightwireError
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.load import LOAD_BATCHING, FrameworkHooks, MetaCache, ReceiveStats
@@ -51,6 +59,7 @@ from weightwire.torch_side.worker.strategy import (
     ReceiveStrategy,
     RoundTarget,
     WeightState,
+    WriteThroughRound,
     first_strategy,
 )
 
@@ -70,6 +79,22 @@ class _ModelSpecOf:
     model: Any
     """Kept so that another model at a recycled ``id`` is not taken for this one."""
     spec: ModelSpec | None
+
+
+def record_landing(model: Any, metas: Sequence[ParamMeta]) -> LandingRecord:
+    """The model's landing map for ``metas`` (``landing.record_loader_map``), or why not:
+    a write-through link then takes the round through its receive buffers."""
+    try:
+        landing = importlib.import_module("weightwire.torch_side.worker.landing")
+    except ImportError as exc:
+        return LandingRecord(None, f"this weightwire records no landing map ({exc})")
+    try:
+        return LandingRecord(landing.record_loader_map(model, metas))
+    except WeightwireError as exc:  # LoaderMapRefused: not a plain copy, says which tensor
+        return LandingRecord(None, str(exc))
+    except Exception as exc:  # a loader that fails on tracers: the pull path still works
+        log.debug("recording the landing map failed", exc_info=True)
+        return LandingRecord(None, f"recording the landing map failed: {type(exc).__name__}: {exc}")
 
 
 class _ReceiverCore:
@@ -136,7 +161,8 @@ class _ReceiverCore:
 
     @property
     def strategy(self) -> str | None:
-        """The open round's strategy name (``staged`` / ``streaming``), or None between rounds."""
+        """The open round's strategy name (``staged`` / ``streaming`` / ``write_through``),
+        or None between rounds."""
         return self._round.name if self._round is not None else None
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -295,7 +321,13 @@ class _ReceiverCore:
         progress = ReceiveProgress()
         try:
             assert self._round is not None
-            self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
+            if self._round.untouched and self._link.lands(
+                turn, lambda: record_landing(model, metas)
+            ):
+                self._round = WriteThroughRound(self._round.target)
+                self._round.names.update(m.name for m in metas)
+            else:
+                self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
             self._round.receive(self._link.receive(turn, progress))
         except BaseException as exc:
             where = (

@@ -115,6 +115,11 @@ class ReceiveStrategy(ABC):
         """The strategy for the round once an update of ``nbytes`` joins it."""
         return self
 
+    @property
+    def untouched(self) -> bool:
+        """No update joined the round yet (it may still become a write-through round)."""
+        return not self.names and not self.wrote and not self.held_tensors()
+
     def held_tensors(self) -> Pairs:
         """The received tensors not yet in the model (a check before commit can
         still refuse them)."""
@@ -291,6 +296,38 @@ class StreamingRound(ReceiveStrategy):
     def abort(self, why: str) -> None:
         if self.opened:
             self._abort_hooks()
+
+
+class WriteThroughRound(ReceiveStrategy):
+    """The trainer writes the round straight into the serving parameters (``weightwire_ipc``
+    write-through): nothing is received here, nothing is loaded. The model's own loader
+    was recorded as plain copies (``landing.record_loader_map``), so no post-load step
+    runs and no framework round (vLLM's layerwise reload) opens. In place from the
+    trainer's first write, which comes only after ``receive`` started: a round that ends
+    without its commit leaves the model incomplete."""
+
+    name = "write_through"
+
+    def begin(self) -> None:
+        pass
+
+    def receive(self, chunks: Iterator[Pairs]) -> None:
+        self.wrote = True  # before the link lets the trainer write
+        for pairs in chunks:
+            if pairs:
+                raise RuntimeError(
+                    f"{self.target.backend}: a write-through turn yielded {len(pairs)} tensors"
+                )
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self, why: str) -> None:
+        log.error(
+            "%s: a round written through into the serving parameters ended without its commit (%s)",
+            self.target.backend,
+            why,
+        )
 
 
 def first_strategy(target: RoundTarget, budget_bytes: int) -> ReceiveStrategy:
