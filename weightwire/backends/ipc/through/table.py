@@ -196,7 +196,9 @@ def _row(value: Any, n: int, what: str, bad: _Bad) -> list[Any]:
 def _alloc(value: Any, i: int, bad: _Bad) -> Alloc:
     row = _row(value, 2, f"allocation {i}", bad)
     try:
-        handle = decode_secret(f"{bad.peer} allocation {i}", row[0], IPC_HANDLE_BYTES)
+        handle = decode_secret(
+            f"{bad.peer}'s landing table allocation {i}", row[0], IPC_HANDLE_BYTES
+        )
     except ValueError as exc:
         raise TransferError(str(exc)) from None
     return Alloc(handle, _int(row, 1, 1, 1 << 50, bad))
