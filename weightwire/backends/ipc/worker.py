@@ -19,6 +19,7 @@ while the slot is refilled at once. Chunks land in fresh allocations, as on the 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -108,9 +109,16 @@ class IPCReceiver:
         self.free = []
 
 
-def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLink | IPCPullLink:
+def connect_ipc(
+    info: IPCInitInfo,
+    *,
+    rank: int,
+    device: torch.device,
+    through: Callable[..., IPCPullLink] | None = None,
+) -> IPCLink | IPCPullLink:
     """Dial the trainer's channel, say hello (with the modes this worker takes), learn the
-    session's mode, open the trainer's events (and, in push mode, its slots), warm up."""
+    session's mode, open the trainer's events (and, in push mode, its slots), warm up.
+    ``through``: the write-through link's class (``ipc.through.worker``), offered when given."""
     if device.type != "cuda":
         raise ValueError(f"weightwire_ipc needs a CUDA worker device, got {device}")
     cp = cupy_module()
@@ -127,7 +135,8 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
             "rank": rank,
             "free": [encode_secret(event_handle(cp, e)) for e in free],
             "uuid": device_uuid(cp, index),
-            "modes": ["write_through", "pull", "push"] if info.packed else ["push"],
+            "modes": (["write_through"] if through is not None else [])
+            + (["pull", "push"] if info.packed else ["push"]),
         }
     try:
         channel = dial(
@@ -152,7 +161,8 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
             alive=receiver.alive,
         )
         mode, early = str(chosen.get("mode")), chosen.get("early")
-        if mode not in IPC_MODES or (mode != "push" and not info.packed):
+        offered = mode in hello["modes"]
+        if mode not in IPC_MODES or not offered:
             raise TransferError(
                 f"{channel.peer} chose IPC mode {mode[:20]!r}, which this worker did not offer"
             )
@@ -171,10 +181,8 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
         receiver.close()
         raise
     dev = torch.device("cuda", index)
-    if mode == "write_through":
-        from weightwire.backends.ipc.through.worker import IPCWriteThroughLink
-
-        return IPCWriteThroughLink(
+    if mode == "write_through" and through is not None:
+        return through(
             receiver, device=dev, timeout_s=info.timeout_s, depth=info.packed_num_buffers
         )
     if mode == "pull":  # a trainer that takes early wants says so in its mode message

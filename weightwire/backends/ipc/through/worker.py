@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from weightwire.backends.base import LandingRecord, ReceiveProgress, ReceiveTurn, WorkerPairs
+from weightwire.backends.ipc import worker as ipc_worker
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.slots import record, stream_wait, wait_event_host
 from weightwire.backends.ipc.through.table import (
@@ -36,12 +37,19 @@ from weightwire.backends.ipc.through.table import (
     refusal_message,
     table_messages,
 )
-from weightwire.backends.ipc.worker import IPCPullLink, IPCReceiver
+from weightwire.backends.ipc.worker import IPCLink, IPCPullLink, IPCReceiver
 from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.errors import TransferError
+from weightwire.shared.ipc_info import IPCInitInfo
 from weightwire.shared.meta import ParamMeta
 
 log = logging.getLogger(__name__)
+
+
+def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLink | IPCPullLink:
+    """``weightwire_ipc``'s connect (the registry's): ``ipc.worker.connect_ipc``, offering
+    write-through to the trainer beside pull and push."""
+    return ipc_worker.connect_ipc(info, rank=rank, device=device, through=IPCWriteThroughLink)
 
 
 @dataclass(frozen=True)
