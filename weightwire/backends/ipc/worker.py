@@ -130,13 +130,15 @@ def connect_ipc(
             for s, h in enumerate(info.event_handles)
         ]
         free = [new_ipc_event(cp) for _ in range(info.packed_num_buffers)]
+        modes = ["pull", "push"] if info.packed else ["push"]
+        if through is not None and info.packed:
+            modes.insert(0, "write_through")
         hello = {
             "op": "hello",
             "rank": rank,
             "free": [encode_secret(event_handle(cp, e)) for e in free],
             "uuid": device_uuid(cp, index),
-            "modes": (["write_through"] if through is not None else [])
-            + (["pull", "push"] if info.packed else ["push"]),
+            "modes": modes,
         }
     try:
         channel = dial(
@@ -161,8 +163,7 @@ def connect_ipc(
             alive=receiver.alive,
         )
         mode, early = str(chosen.get("mode")), chosen.get("early")
-        offered = mode in hello["modes"]
-        if mode not in IPC_MODES or not offered:
+        if mode not in IPC_MODES or mode not in modes:
             raise TransferError(
                 f"{channel.peer} chose IPC mode {mode[:20]!r}, which this worker did not offer"
             )
