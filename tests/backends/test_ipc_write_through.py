@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.backends.test_ipc_pull_worker import cp  # noqa: F401  (the fake CUDA fixture)
 from tests.trainer.test_ipc_pipeline import FakePacker
 from tests.trainer.test_ipc_pull import PullCupy, _join, handle
 from weightwire.backends.base import LandingRecord, RoundSender
@@ -273,12 +274,12 @@ class ThroughWorker(threading.Thread):
 
 def _setup(table: LandingTable | None, metas: list[ParamMeta]) -> tuple[list, Any, Any, Any]:
     log: list = []
-    cp = PullCupy(log)
-    slots = IPCSlots(cp, 0, 100, 2)
+    fake = PullCupy(log)
+    slots = IPCSlots(fake, 0, 100, 2)
     slots.free_memory()
     a, b = socket.socketpair()
     comm = IPCSenderComm(
-        cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "write_through"
+        fake, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "write_through"
     )
     worker = ThroughWorker(b, metas, table)
     pipe = IPCWriteThroughPipeline(comm, FakePacker(), num_buffers=2, timeout=5.0, hold_bytes=0)
@@ -346,3 +347,42 @@ def test_without_a_landing_map_the_worker_says_why_and_takes_the_pull_path() -> 
 
     got = record_landing(object(), [ParamMeta("a", "uint8", (4,))])
     assert isinstance(got, LandingRecord) and got.map is None and got.refused
+
+
+def test_a_worker_whose_loader_refuses_says_so_once_and_takes_the_pull_path(
+    cp: Any,  # noqa: F811  (the fake CUDA fixture)
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import functools
+
+    from tests.backends.test_ipc_pull_worker import _connect, _round
+    from weightwire.backends.base import ReceiveTurn
+    from weightwire.backends.ipc import worker as ipc_worker
+    from weightwire.backends.ipc.through.worker import IPCWriteThroughLink
+
+    through = functools.partial(ipc_worker.connect_ipc, through=IPCWriteThroughLink)
+    monkeypatch.setattr(ipc_worker, "connect_ipc", through)
+
+    def trainer(ch: Channel, hello: dict[str, Any]) -> None:
+        ch.send({"op": "mode", "mode": "write_through"})
+        ch.send({"op": "ping"})
+        ch.expect("pong", deadline=time.monotonic() + 5, what="pong")
+
+    link, ch, hello = _connect(trainer)
+    assert hello["modes"] == ALL and isinstance(link, IPCWriteThroughLink)
+    metas, chunks = _round([30, 40])
+    turn = ReceiveTurn(0, metas, chunks, [], packed=True)
+    calls: list[int] = []
+
+    def record() -> LandingRecord:
+        calls.append(1)
+        return LandingRecord(None, "'lm_head' is quantized: not a plain copy")
+
+    with caplog.at_level(logging.WARNING):
+        assert link.lands(turn, record) is False
+        assert link.lands(turn, record) is False  # the same tensors: decided once
+    msg = ch.recv(deadline=time.monotonic() + 5, what="land")
+    assert msg == {"op": "land", "t": 0, "refused": "'lm_head' is quantized: not a plain copy"}
+    assert calls == [1] and caplog.text.count("lm_head") == 1
+    link.close()
