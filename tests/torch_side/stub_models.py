@@ -127,7 +127,9 @@ class DTypeModel(torch.nn.Module):
         super().__init__()
         mods: dict[str, torch.nn.Module] = {}
         for name in DTYPES:
-            mods[f"d.{name}"] = _Holder(_param((self.ROWS, self.COLS), getattr(torch, name), device))
+            mods[f"d.{name}"] = _Holder(
+                _param((self.ROWS, self.COLS), getattr(torch, name), device)
+            )
         mods["cast"] = _Holder(_param((self.ROWS, self.COLS), torch.bfloat16, device))
         mods["transposed"] = _Holder(_param((8, 6), torch.bfloat16, device), self._transposed)
         mods["halves"] = _Holder(_param((4, 16), torch.float32, device), self._half)

@@ -29,7 +29,6 @@ stale: the next init aborts it (state unchanged) instead of refusing.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 import uuid
@@ -52,6 +51,7 @@ from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
+from weightwire.torch_side.worker.landing import LoaderMap, LoaderMapRefused, record_loader_map
 from weightwire.torch_side.worker.load import LOAD_BATCHING, FrameworkHooks, MetaCache, ReceiveStats
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import (
@@ -85,16 +85,20 @@ def record_landing(model: Any, metas: Sequence[ParamMeta]) -> LandingRecord:
     """The model's landing map for ``metas`` (``landing.record_loader_map``), or why not:
     a write-through link then takes the round through its receive buffers."""
     try:
-        landing = importlib.import_module("weightwire.torch_side.worker.landing")
-    except ImportError as exc:
-        return LandingRecord(None, f"this weightwire records no landing map ({exc})")
-    try:
-        return LandingRecord(landing.record_loader_map(model, metas))
-    except WeightwireError as exc:  # LoaderMapRefused: not a plain copy, says which tensor
+        return LandingRecord(record_loader_map(model, metas))
+    except LoaderMapRefused as exc:  # not a plain copy: says which tensor or module
         return LandingRecord(None, str(exc))
     except Exception as exc:  # a loader that fails on tracers: the pull path still works
         log.debug("recording the landing map failed", exc_info=True)
         return LandingRecord(None, f"recording the landing map failed: {type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True)
+class _LoaderMapOf:
+    """The landing map recorded for one model and metadata (None: the model refused)."""
+
+    model: Any
+    map: LoaderMap | None
 
 
 class _ReceiverCore:
@@ -133,6 +137,9 @@ class _ReceiverCore:
         self._load_batching = load_batching
         self._spec_fn = spec
         self._specs: dict[int, _ModelSpecOf] = {}
+        self._loader_maps: dict[
+            tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]], _LoaderMapOf
+        ] = {}
         self.lease_s = float(lease_s) if lease_s is not None else Timeouts.from_env().http_s
         self.weights = weights if weights is not None else WeightState()
         self._round: ReceiveStrategy | None = None
@@ -359,6 +366,25 @@ class _ReceiverCore:
             cached = _ModelSpecOf(model, self._spec_fn())
             self._specs[id(model)] = cached
         return cached.spec
+
+    def loader_map(self, metas: Sequence[ParamMeta]) -> LoaderMap | None:
+        """The target model's landing map for ``metas``, recorded once per model and metadata
+        (again if the model's parameters were reallocated since), or None when its loading
+        is not a set of plain copies: then one WARNING names why, and callers load through
+        ``load_weights``."""
+        model, _ = self._target()
+        key = (id(model), tuple((m.name, m.dtype, tuple(m.shape)) for m in metas))
+        cached = self._loader_maps.get(key)
+        live = cached is not None and (cached.map is None or cached.map.is_live(model))
+        if cached is not None and cached.model is model and live:
+            return cached.map
+        try:
+            found: LoaderMap | None = record_loader_map(model, metas)
+        except LoaderMapRefused as exc:
+            log.warning("%s: no landing map, loading through load_weights: %s", self.backend, exc)
+            found = None
+        self._loader_maps[key] = _LoaderMapOf(model, found)
+        return found
 
     # ---------------------------------------------------------------- failure
     def _require_ready(self) -> None:
