@@ -41,6 +41,7 @@ import torch
 SHAPES = {
     # hidden, intermediate, layers, heads, kv heads, head dim, vocab
     "llama3-8b": (4096, 14336, 32, 32, 8, 128, 128256),
+    "qwen2-0.5b": (896, 4864, 24, 14, 2, 64, 151936),
     "tiny": (64, 160, 3, 4, 2, 16, 96),
 }
 
@@ -394,7 +395,7 @@ def copy_floor_s(model: FakeLlama, shape: str, device: torch.device, reps: int) 
     Hugging Face tensor, from one contiguous source buffer, into its slice of the fused
     parameters (CUDA events, median of ``reps`` after one warm-up). What no transfer can
     beat: the bytes have to land there once."""
-    views = [model.hf_view(name) for name in hf_shapes(shape)]
+    views = [model.hf_view(name) for name in model.hf_specs()]
     total = sum(v.numel() for v in views)
     src = torch.empty(total, dtype=torch.bfloat16, device=device)
     times = []

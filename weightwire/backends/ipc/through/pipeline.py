@@ -51,7 +51,7 @@ from weightwire.shared.meta import ParamMeta
 
 log = logging.getLogger(__name__)
 
-_RING = 64
+_RING = 32
 """Gather tables kept on the device: a round of up to this many chunks reuses every one."""
 
 
@@ -62,6 +62,8 @@ class _Landed:
 
     tid: int
     metas: tuple[ParamMeta, ...]
+    wire: Any
+    """The round's metadata list it was planned for (the same object every round of a plan)."""
     runs: list[list[tuple[int, int, int]]]
     strided: list[list[tuple[Launch, int]]]
 
@@ -191,7 +193,11 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
                 msg = ch.recv(deadline=deadline, what=what, alive=alive)
         if msg["op"] == "go":
             landed = self._landed[w]
-            if landed is None or msg.get("t") != landed.tid or landed.metas != tuple(self._metas):
+            if (
+                landed is None
+                or msg.get("t") != landed.tid
+                or (landed.wire is not self._metas and landed.metas != tuple(self._metas))
+            ):
                 raise TransferError(
                     f"{ch.peer} asked to be written through with table {msg.get('t')!r}, which "
                     "this trainer did not accept for this round's tensors"
@@ -238,7 +244,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
             for copies in plan_copies(table, self._metas):
                 runs.append([(r.src, ptrs[r.alloc] + r.dst, r.nbytes) for r in copies.runs])
                 strided.append([(self._strided.prepare(j), ptrs[j.alloc]) for j in copies.strided])
-        return _Landed(tid, tuple(self._metas), runs, strided)
+        return _Landed(tid, tuple(self._metas), self._metas, runs, strided)
 
     # -- the copies -------------------------------------------------------------------------
 

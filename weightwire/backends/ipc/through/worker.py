@@ -170,7 +170,7 @@ def export_table(
                 raise TransferError(f"parameter {name!r} is {p.dtype} on {p.device}")
             storage = p.untyped_storage()
             ptr, nbytes = int(storage.data_ptr()), int(storage.nbytes())
-            base, size = allocation_of(ptr, name)
+            base, size = allocation_of(ptr, name, device)
             if base not in bases:
                 try:
                     handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
@@ -213,20 +213,40 @@ def export_table(
 _CUDA: Any = None
 
 
-def allocation_of(ptr: int, what: str) -> tuple[int, int]:
+def _driver() -> Any:
+    global _CUDA
+    if _CUDA is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemGetAddressRange_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_uint64,
+        ]
+        _CUDA = lib
+    return _CUDA
+
+
+def _ensure_context(lib: Any, device: int) -> None:
+    """Make the device's primary context current on this thread (the driver API needs one;
+    the runtime binds it lazily, and this thread may not have made a runtime call yet)."""
+    ctx = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+        return
+    dev = ctypes.c_int()
+    if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device)) != 0:
+        return
+    if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0:
+        lib.cuCtxSetCurrent(ctx)
+
+
+def allocation_of(ptr: int, what: str, device: int) -> tuple[int, int]:
     """The device allocation holding ``ptr``: its base and size (``cuMemGetAddressRange``;
     an IPC handle names a whole allocation, and a caching allocator's block is a slice)."""
-    global _CUDA
     try:
-        if _CUDA is None:
-            _CUDA = ctypes.CDLL("libcuda.so.1")
-            _CUDA.cuMemGetAddressRange_v2.argtypes = [
-                ctypes.POINTER(ctypes.c_uint64),
-                ctypes.POINTER(ctypes.c_size_t),
-                ctypes.c_uint64,
-            ]
+        lib = _driver()
+        _ensure_context(lib, device)
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        rc = _CUDA.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
+        rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
     except OSError as exc:
         raise TransferError(f"cannot find the allocation of {what!r}: {exc}") from None
     if rc != 0:
