@@ -84,14 +84,21 @@ class TrainerMemory:
         return int(torch.cuda.max_memory_allocated()) - self.before
 
 
-def _timed(send: Any, args: argparse.Namespace) -> list[float]:
+def _timed(send: Any, args: argparse.Namespace, label: str = "") -> list[float]:
+    """Seconds per ``send()``; with ``WEIGHTWIRE_IPC_TRACE`` each timed round is marked
+    (``benchmarks/ipc_timeline.py`` prints where its milliseconds go)."""
+    from weightwire.backends.ipc.slots import dump_trace, trace
+
     for _ in range(args.warmup):
         send()
     walls = []
     for _ in range(args.rounds):
+        trace(f"send> {label}")
         start = time.perf_counter()
         send()
         walls.append(time.perf_counter() - start)
+        trace("send<")
+    dump_trace("trainer")
     return walls
 
 
@@ -152,7 +159,7 @@ def run(
     )
     trainer = Engine.trainer_init(info, client=client, source=make_source(params))
     try:
-        walls = _timed(trainer.send_weights, args)
+        walls = _timed(trainer.send_weights, args, f"{engine} {mode}")
         trainer_extra = memory.extra()
         path = type(trainer.session.sender).__name__
         receiver = "weightwire, write-through" if mode == "write_through" else "weightwire, pull"

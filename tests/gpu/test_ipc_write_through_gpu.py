@@ -71,7 +71,7 @@ def workers() -> Iterator[Callable[[str], Any]]:
 class Tensors:
     """A round's tensors (torch, on the GPU) and what the worker must read back."""
 
-    def __init__(self, kind: str, seed: int) -> None:
+    def __init__(self, kind: str, seed: int, skip: tuple[str, ...] = ()) -> None:
         import torch
 
         from tests.torch_side.stub_models import byte_digest, hf_tensors, to_torch
@@ -91,7 +91,8 @@ class Tensors:
             return
         model = make_model(kind, "tiny", torch.device("meta"))
         for name, array, dtype in hf_tensors(model, seed):
-            self.torch[name], self.dtypes[name] = to_torch(array, dtype, device), dtype
+            if dtype not in skip:
+                self.torch[name], self.dtypes[name] = to_torch(array, dtype, device), dtype
         cast = {"cast.weight": torch.bfloat16}  # the parameter's dtype: torch's cast is the truth
         self.want = {
             n: byte_digest(t.to(cast[n]) if n in cast else t) for n, t in self.torch.items()
@@ -157,16 +158,19 @@ def test_rounds_written_through_are_bit_identical(workers: Any, kind: str, engin
         packed_buffer_size_bytes=32 << 10,  # several chunks even for the tiny models
         device=0,
     )
-    first = Tensors(kind, seed=1)
+    # JAX without jax_enable_x64 has no 64-bit arrays: those dtypes are the torch trainer's
+    skip = ("float64", "int64") if engine == "jax" else ()
+    first = Tensors(kind, seed=1, skip=skip)
     source = _source(first, engine)
     trainer = _engine(engine).trainer_init(info, client=client, source=source)
     try:
         for seed in (1, 2):
-            tensors = first if seed == 1 else Tensors(kind, seed)
+            tensors = first if seed == 1 else Tensors(kind, seed, skip)
             source.arrays = tensors.arrays(engine)
             trainer.send_weights()
             got = client.call("digests")
-            assert got == tensors.want, [n for n in tensors.want if got.get(n) != tensors.want[n]]
+            bad = [n for n in tensors.want if got.get(n) != tensors.want[n]]
+            assert not bad and set(got) >= set(tensors.want), bad
             assert client.call("incomplete") is None
             assert type(trainer.session.sender).__name__ == "IPCWriteThroughPipeline"
             assert client.call("memory").get("pool", 0) == 0  # nothing went through a buffer

@@ -71,8 +71,10 @@ def _own_params(layer: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def initialize_layerwise_reload(model: torch.nn.Module) -> None:
+    seen: set[int] = set()  # a tied parameter is wrapped once, under its first module
     for layer in model.modules():
-        params = _own_params(layer)
+        params = {n: p for n, p in _own_params(layer).items() if id(p) not in seen}
+        seen.update(id(p) for p in params.values())
         info = get_layerwise_info(layer)
         if not params or info.can_load():
             continue

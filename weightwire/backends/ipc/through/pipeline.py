@@ -41,6 +41,7 @@ from weightwire.backends.ipc.slots import (
     record,
     stream_wait,
     sync_stream,
+    trace,
     wait_event_host,
 )
 from weightwire.backends.ipc.through.kernels import Launch, StridedCopy
@@ -156,6 +157,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         if e < 0:
             e = 0
             record(self._comm.cp, self._comm.slots.events[0], self._sptr)
+        trace("wt enqueued")
         for w in writing:
             self._comm.channels[w].send({"op": "done", "e": e})
 
@@ -166,6 +168,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         for w in range(len(comm.channels)):
             self._through[w] = self._path(w, deadline, alive)
         self._known = True
+        trace("wt paths")
         for w, through in enumerate(self._through):
             if not through:
                 continue

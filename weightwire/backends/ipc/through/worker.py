@@ -26,7 +26,7 @@ import torch
 from weightwire.backends.base import LandingRecord, ReceiveProgress, ReceiveTurn, WorkerPairs
 from weightwire.backends.ipc import worker as ipc_worker
 from weightwire.backends.ipc.channel import check_int
-from weightwire.backends.ipc.slots import record, stream_wait, wait_event_host
+from weightwire.backends.ipc.slots import dump_trace, record, stream_wait, trace, wait_event_host
 from weightwire.backends.ipc.through.table import (
     Alloc,
     Land,
@@ -81,8 +81,13 @@ class IPCWriteThroughLink(IPCPullLink):
         self._through = False
         self._told: set[str] = set()
 
+    def start_round(self) -> None:
+        trace("wt start")
+        super().start_round()
+
     def lands(self, turn: ReceiveTurn, record: Callable[[], LandingRecord]) -> bool:
         self.communicator.alive()
+        trace("wt lands")
         self._through = False
         if not any(c.nbytes for c in turn.chunks):  # no byte: the trainer asks nothing either
             return False
@@ -139,6 +144,7 @@ class IPCWriteThroughLink(IPCPullLink):
         with cp.cuda.Device(rx.device):
             record(cp, rx.free[0], stream)  # the model's reads so far come before any write
         ch.send({"op": "go", "t": self._offered.tid})
+        trace("wt go")
         deadline = time.monotonic() + self.timeout_s
         msg = ch.expect("done", deadline=deadline, what="the trainer's writes", alive=rx.alive)
         event = rx.ready[check_int(msg, "e", 0, len(rx.ready) - 1, ch.peer)]
@@ -150,6 +156,8 @@ class IPCWriteThroughLink(IPCPullLink):
             else:
                 stream_wait(cp, stream, event)
         progress.chunk = len(turn.chunks) - 1
+        trace("wt done")
+        dump_trace("worker")
 
 
 def export_table(
