@@ -239,6 +239,8 @@ class ThroughWorker(threading.Thread):
         self.seen: list[dict[str, Any]] = []
         self.offered = False
         self.go_table = 0
+        self.early = False  # the go comes at the round's start, before the update
+        self.started = threading.Semaphore(0)  # released by each round's begin (its start)
 
     def run(self) -> None:
         try:
@@ -253,7 +255,13 @@ class ThroughWorker(threading.Thread):
         return msg
 
     def _round(self) -> None:
+        if not self.started.acquire(timeout=10):
+            return
         through = True
+        if self.early and self.offered:
+            self.ch.send({"op": "go", "t": self.go_table, "early": True})
+            self._expect("done")
+            return
         if not self.offered:
             self.offered = True
             if self.table is None:
@@ -286,20 +294,21 @@ def _setup(table: LandingTable | None, metas: list[ParamMeta]) -> tuple[list, An
     return log, slots, worker, pipe
 
 
-def _send(pipe: Any, metas: list[ParamMeta], sizes: list[int]) -> Any:
+def _send(pipe: Any, metas: list[ParamMeta], sizes: list[int], worker: Any) -> Any:
     tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate(sizes)]
     chunks = plan(metas, packed=True, buffer_size_bytes=100)
     prepared = [(c, tensors[c.start : c.stop]) for c in chunks]
-    return pipe.send(prepared, threading.Event(), begin=None, metas=metas)
+    return pipe.send(prepared, threading.Event(), begin=worker.started.release, metas=metas)
 
 
 def test_tensors_are_written_into_the_parameters_after_the_go_and_done_follows() -> None:
     metas, table = _fused()
     log, slots, worker, pipe = _setup(table, metas)
-    worker.rounds = 2
+    worker.rounds = 3
     worker.start()
-    for _ in range(2):
-        assert _send(pipe, metas, [64, 32, 16]) == (112, 1)
+    for early in (False, False, True):
+        worker.early = early  # the third round's go comes with its start (the table holds)
+        assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)
     worker.join(10)
     ops = [e for e in log if e[0] in ("copy", "wait", "record", "open")]
     base = 10_000 * int.from_bytes(H[:8], "little")
@@ -310,8 +319,8 @@ def test_tensors_are_written_into_the_parameters_after_the_go_and_done_follows()
         ("copy", base + 512, 3_000_000, 16),
         ("record", slots.events[0]),
     ]
-    assert ops == [("open", int.from_bytes(H[:8], "little"))] + one_round + one_round
-    assert [m["op"] for m in worker.seen] == ["path", "done", "done"]
+    assert ops == [("open", int.from_bytes(H[:8], "little"))] + one_round * 3
+    assert [m["op"] for m in worker.seen] == ["path", "done", "done", "done"]
     assert worker.seen[0] == {"op": "path", "t": 0, "wt": True}
 
 
@@ -322,11 +331,41 @@ def test_a_refusing_worker_gets_its_round_through_its_receive_buffer_and_it_is_l
     log, slots, worker, pipe = _setup(None, metas)
     worker.start()
     with caplog.at_level(logging.WARNING):
-        assert _send(pipe, metas, [40]) == (40, 1)
+        assert _send(pipe, metas, [40], worker) == (40, 1)
     worker.join(10)
     assert [m["op"] for m in worker.seen] == ["ready"]
     assert [e for e in log if e[0] == "copy"] == [("copy", 10_000 * 100, 1_000_000, 40)]
     assert "lm_head is quantized" in caplog.text and "receive buffers (pull)" in caplog.text
+
+
+def test_an_early_go_for_another_tables_tensors_is_passed_over_for_the_new_table() -> None:
+    metas, table = _fused()
+    log, slots, worker, pipe = _setup(table, metas)
+    worker.start()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)
+    worker.join(10)
+    # the next round carries other tensors: the worker's early go (the last table) is
+    # passed over, its new table taken, and the copies follow its go
+    other = [ParamMeta("q", "bfloat16", (4, 8)), ParamMeta("k", "bfloat16", (2, 8))]
+    table2 = LandingTable(table.allocs, table.params, table.tensors[:2])
+    a = worker.ch
+
+    def second() -> None:
+        worker.started.acquire(timeout=10)
+        a.send({"op": "go", "t": 0, "early": True})
+        for msg in table_messages(table2, 1):
+            a.send(msg)
+        a.expect("path", deadline=time.monotonic() + 10, what="path")
+        a.send({"op": "go", "t": 1})
+        a.expect("done", deadline=time.monotonic() + 10, what="done")
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    log.clear()
+    assert _send(pipe, other, [64, 32], worker) == (96, 1)
+    thread.join(10)
+    copies = [e for e in log if e[0] == "copy"]
+    assert [c[2:] for c in copies] == [(1_000_000, 64), (2_000_000, 32)]
 
 
 def test_a_go_for_a_table_the_trainer_never_took_is_refused() -> None:
@@ -335,7 +374,7 @@ def test_a_go_for_a_table_the_trainer_never_took_is_refused() -> None:
     worker.go_table = 9
     worker.start()
     with pytest.raises(TransferError, match="table 9, which this trainer did not accept"):
-        _send(pipe, metas, [64, 32, 16])
+        _send(pipe, metas, [64, 32, 16], worker)
     assert not [e for e in log if e[0] == "copy"]  # nothing written
 
 

@@ -33,6 +33,14 @@ class ThroughLink(ReceiveLink):
         super().__init__(device=torch.device("cpu"), timeout_s=5.0, depth=2)
         self.through, self.die = through, False
         self.records: list[LandingRecord] = []
+        self.early: frozenset[str] | None = None  # a table that holds since the last round
+        self.went: list[bool] = []
+
+    def early_landing(self) -> frozenset[str] | None:
+        return self.early
+
+    def go_early(self) -> None:
+        self.went.append(True)
 
     def lands(self, turn: ReceiveTurn, record: Callable[[], LandingRecord]) -> bool:
         self.records.append(record())
@@ -128,3 +136,23 @@ def test_a_declining_link_gets_a_staged_round_and_the_landing_maps_answer() -> N
     assert model.loads == 1 and core.incomplete_round is None
     (got,) = link.records
     assert got.map is None and got.refused  # this model has no vLLM loader to record
+
+
+def test_a_round_the_trainer_may_write_from_its_start_is_in_place_from_its_start() -> None:
+    core, model, (link,) = _core(True)
+    link.early = frozenset({"w", "b"})
+    core.start()
+    assert core.strategy == "write_through" and link.went == [True]
+    core.shutdown()  # the trainer vanished before its update: the model may be part new
+    incomplete = core.incomplete_round
+    assert incomplete is not None and incomplete.names == {"w", "b"}
+
+
+def test_an_early_round_whose_update_is_not_written_through_goes_on_in_place() -> None:
+    core, model, (link,) = _core(False)
+    link.early = frozenset({"w", "b"})
+    core.start()
+    core.receive_dict(UpdateInfo.from_metas(METAS).to_dict())
+    assert core.strategy == "streaming" and model.loads == 1  # loaded, in place
+    core.finish()
+    assert core.incomplete_round is None

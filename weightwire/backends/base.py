@@ -455,6 +455,17 @@ class ReceiveLink(ABC):
         """True when the trainer is known to be gone (it closed the wire) without traffic."""
         return False
 
+    def early_landing(self) -> frozenset[str] | None:
+        """At a round's start: the tensors the trainer may write straight into the serving
+        parameters from now on, before the update arrives (this session's landing table
+        still holds), or None. When not None the worker records the round as written in
+        place, then calls ``go_early``."""
+        return None
+
+    def go_early(self) -> None:
+        """Let the trainer write (after ``early_landing``); see there."""
+        raise NotImplementedError(f"{type(self).__name__} does not write through")
+
     def lands(self, turn: ReceiveTurn, record: Callable[[], LandingRecord]) -> bool:
         """Before ``turn``'s strategy is chosen: whether the trainer writes this turn
         straight into the serving parameters (write-through; ``receive`` then yields no

@@ -251,9 +251,9 @@ class IPCPullPipeline(IPCDataPath):
                 self._fill(ci, chunk, regions, time.monotonic() + self._timeout, alive, starter)
                 nbytes += chunk.nbytes
             starter.wait()
-            self._end_round()
-            self._sync_fill("the IPC fill stream at the end of the round")
-            self._in_flight[0].clear()
+            if self._end_round():
+                self._sync_fill("the IPC fill stream at the end of the round")
+                self._in_flight[0].clear()
             if comm.release_after_round:
                 self._unmap()
         self.rounds += 1
@@ -307,9 +307,10 @@ class IPCPullPipeline(IPCDataPath):
         for w in pulling:
             comm.channels[w].send(ready)
 
-    def _end_round(self) -> None:
-        """Every chunk was enqueued and announced (the fill stream not yet settled)."""
-        return None
+    def _end_round(self) -> bool:
+        """Every chunk was enqueued and announced; True: settle the fill stream now (else the
+        round's regions stay held until a later ``send``, ``settle`` or ``close`` settles it)."""
+        return True
 
     def _unmap(self) -> None:
         """Release-after-round: close every mapping (the fill stream settled), then let

@@ -245,6 +245,19 @@ class _ReceiverCore:
         )
         self._round = first_strategy(target, self.stage_budget_bytes)
         self._active = True
+        early = self._link.early_landing()
+        if early is not None:  # in place from now on: the trainer writes once told so
+            self._round = WriteThroughRound(target, self._settle, early=True)
+            self._round.wrote = True
+            self._round.names.update(early)
+            try:
+                self._link.go_early()
+            except BaseException as exc:
+                self._fail(exc, "at the round's start")
+                raise WeightReceiveError(
+                    f"{self.backend}: the round's start failed ({type(exc).__name__}: {exc}); "
+                    "call init_weight_transfer_engine again"
+                ) from exc
 
     def finish(self) -> None:
         if not self._active:
@@ -328,10 +341,15 @@ class _ReceiverCore:
         progress = ReceiveProgress()
         try:
             assert self._round is not None
-            if self._round.untouched and self._link.lands(
-                turn, lambda: record_landing(model, metas)
-            ):
-                self._round = WriteThroughRound(self._round.target)
+            record = lambda: record_landing(model, metas)  # noqa: E731
+            round_ = self._round
+            if isinstance(round_, WriteThroughRound) and round_.early:
+                round_.early = False  # the update of a round the trainer may write since start
+                round_.names.update(m.name for m in metas)
+                if not self._link.lands(turn, record):  # other tensors, and not written through
+                    self._round = round_.in_place()
+            elif round_.untouched and self._link.lands(turn, record):
+                self._round = WriteThroughRound(round_.target, self._settle)
                 self._round.names.update(m.name for m in metas)
             else:
                 self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
@@ -355,6 +373,12 @@ class _ReceiverCore:
         self.last_stats = ReceiveStats(
             len(metas), len(chunks), sum(c.nbytes for c in chunks), time.perf_counter() - started
         )
+
+    def _settle(self) -> None:
+        """Wait for the device work queued on this worker's stream (a write-through round's
+        wait for the trainer's writes)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _model_spec(self) -> ModelSpec | None:
         """The target model's spec, read once per model (main vs draft)."""

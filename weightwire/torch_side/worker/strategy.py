@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import chain
@@ -308,6 +308,23 @@ class WriteThroughRound(ReceiveStrategy):
 
     name = "write_through"
 
+    def __init__(
+        self, target: RoundTarget, settle: Callable[[], None], *, early: bool = False
+    ) -> None:
+        super().__init__(target)
+        self._settle = settle
+        """Waits until the trainer's writes landed (the device stream that waited for them)."""
+        self.early = early
+        """Written through since the round's start, its update not yet here."""
+
+    def in_place(self) -> StreamingRound:
+        """The round goes on as a streaming one (its update's tensors are not written
+        through after all); it was in place from its start, and stays so."""
+        streaming = StreamingRound(self.target)
+        streaming.names, streaming.wrote = self.names, True
+        streaming.begin()
+        return streaming
+
     def begin(self) -> None:
         pass
 
@@ -320,7 +337,7 @@ class WriteThroughRound(ReceiveStrategy):
                 )
 
     def commit(self) -> None:
-        pass
+        self._settle()  # the update returned before the bytes landed; the commit does not
 
     def abort(self, why: str) -> None:
         log.error(

@@ -126,6 +126,10 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         self._told: set[str] = set()
 
     def send(self, prepared: Any, stop: Any, begin: Any = None, **kw: Any) -> Any:
+        if self._in_flight[0]:  # the last round's copies: long done, but never settled
+            self.settle()
+        for ch in self._comm.channels:  # a go of a round that sent no byte: void
+            ch.discard_delivered("go")
         self._through = [False] * len(self._comm.channels)
         self._known = False
         return super().send(prepared, stop, begin, **kw)
@@ -149,10 +153,10 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
                 self._write(w, chunk, regions, deadline, alive)
         super()._fill(ci, chunk, regions, deadline, alive, starter)
 
-    def _end_round(self) -> None:
+    def _end_round(self) -> bool:
         writing = [w for w, through in enumerate(self._through) if through]
         if not writing:
-            return
+            return True
         e = self._last_ready  # a pulling worker's last ready event follows every copy too
         if e < 0:
             e = 0
@@ -160,6 +164,10 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         trace("wt enqueued")
         for w in writing:
             self._comm.channels[w].send({"op": "done", "e": e})
+        # Written through to every worker: each one's commit waits for this round's ready
+        # event before it returns, so the copies are done once the round committed, and the
+        # fill stream need not be waited for here (the regions stay held until it is).
+        return bool(self._pulling()) or self._comm.release_after_round
 
     # -- the round's paths ------------------------------------------------------------------
 
@@ -189,18 +197,17 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         ch = self._comm.channels[w]
         what = "the worker's first message of the round"
         msg = ch.recv(deadline=deadline, what=what, alive=alive)
+        if msg["op"] == "go" and msg.get("early") is True and not self._holds(w, msg):
+            # sent at its start for the last table: this round's tensors differ, and the
+            # worker sends their table with the update
+            msg = ch.recv(deadline=deadline, what=what, alive=alive)
         if msg["op"] == "land":
             if self._table(w, msg, deadline, alive):
                 msg = ch.expect("go", deadline=deadline, what="the worker's go", alive=alive)
             else:
                 msg = ch.recv(deadline=deadline, what=what, alive=alive)
         if msg["op"] == "go":
-            landed = self._landed[w]
-            if (
-                landed is None
-                or msg.get("t") != landed.tid
-                or (landed.wire is not self._metas and landed.metas != tuple(self._metas))
-            ):
+            if not self._holds(w, msg):
                 raise TransferError(
                     f"{ch.peer} asked to be written through with table {msg.get('t')!r}, which "
                     "this trainer did not accept for this round's tensors"
@@ -208,6 +215,15 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
             return True
         ch.unread(msg)  # its round goes through its receive buffers: the pull path reads it
         return False
+
+    def _holds(self, w: int, go: dict[str, Any]) -> bool:
+        """Whether worker ``w``'s accepted table is the one ``go`` names, for this round."""
+        landed = self._landed[w]
+        return (
+            landed is not None
+            and go.get("t") == landed.tid
+            and (landed.wire is self._metas or landed.metas == tuple(self._metas))
+        )
 
     def _table(self, w: int, head: dict[str, Any], deadline: float, alive: Any) -> bool:
         """Read worker ``w``'s ``land`` message; True when its table was accepted."""

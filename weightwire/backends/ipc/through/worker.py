@@ -66,6 +66,10 @@ class _Offered:
     def holds(self, metas: Sequence[ParamMeta]) -> bool:
         if not (self.metas is metas or list(self.metas) == list(metas)):
             return False
+        return self.live()
+
+    def live(self) -> bool:
+        """Every parameter it names is still where it was exported."""
         return all(p.data_ptr() == q for p, q in zip(self.params, self.ptrs, strict=True))
 
 
@@ -79,11 +83,34 @@ class IPCWriteThroughLink(IPCPullLink):
         self._offered: _Offered | None = None
         self._next_tid = 0
         self._through = False
+        self._went = False  # this round's go was sent at its start
         self._told: set[str] = set()
 
     def start_round(self) -> None:
         trace("wt start")
+        self._went = False
         super().start_round()
+
+    def early_landing(self) -> frozenset[str] | None:
+        offered = self._offered
+        if offered is None or not offered.through or not offered.live():
+            return None
+        return frozenset(m.name for m in offered.metas)
+
+    def go_early(self) -> None:
+        """The trainer may write this session's table from now on: it checks that the table
+        is for its round's tensors (else it waits for this worker's next message)."""
+        assert self._offered is not None
+        self._go({"op": "go", "t": self._offered.tid, "early": True})
+        self._went = True
+
+    def _go(self, msg: dict[str, Any]) -> None:
+        rx = self.communicator
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        with rx.cp.cuda.Device(rx.device):
+            record(rx.cp, rx.free[0], stream)  # the model's reads so far come before any write
+        rx.channel.send(msg)
+        trace("wt go")
 
     def lands(self, turn: ReceiveTurn, record: Callable[[], LandingRecord]) -> bool:
         self.communicator.alive()
@@ -93,6 +120,7 @@ class IPCWriteThroughLink(IPCPullLink):
             return False
         offered = self._offered
         if offered is None or not offered.holds(turn.metas):
+            self._went = False  # the trainer ignores a go for another table's tensors
             offered = self._offered = self._offer(turn.metas, record)
         self._through = offered.through
         return offered.through
@@ -141,10 +169,9 @@ class IPCWriteThroughLink(IPCPullLink):
         assert self._offered is not None
         progress.chunk = 0
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        with cp.cuda.Device(rx.device):
-            record(cp, rx.free[0], stream)  # the model's reads so far come before any write
-        ch.send({"op": "go", "t": self._offered.tid})
-        trace("wt go")
+        if not self._went:
+            self._go({"op": "go", "t": self._offered.tid})
+        self._went = False
         deadline = time.monotonic() + self.timeout_s
         msg = ch.expect("done", deadline=deadline, what="the trainer's writes", alive=rx.alive)
         event = rx.ready[check_int(msg, "e", 0, len(rx.ready) - 1, ch.peer)]
