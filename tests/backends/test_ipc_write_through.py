@@ -382,7 +382,7 @@ def test_a_go_for_a_table_the_trainer_never_took_is_refused() -> None:
 
 
 def test_without_a_landing_map_the_worker_says_why_and_takes_the_pull_path() -> None:
-    from weightwire.torch_side.worker.core import record_landing
+    from weightwire.torch_side.worker.strategy import record_landing
 
     got = record_landing(object(), [ParamMeta("a", "uint8", (4,))])
     assert isinstance(got, LandingRecord) and got.map is None and got.refused

@@ -40,7 +40,6 @@ import torch
 
 from weightwire.backends.base import (
     Connect,
-    LandingRecord,
     ReceiveLink,
     ReceiveProgress,
     ReceiveTurn,
@@ -61,6 +60,7 @@ from weightwire.torch_side.worker.strategy import (
     WeightState,
     WriteThroughRound,
     first_strategy,
+    record_landing,
 )
 
 log = logging.getLogger(__name__)
@@ -79,18 +79,6 @@ class _ModelSpecOf:
     model: Any
     """Kept so that another model at a recycled ``id`` is not taken for this one."""
     spec: ModelSpec | None
-
-
-def record_landing(model: Any, metas: Sequence[ParamMeta]) -> LandingRecord:
-    """The model's landing map for ``metas`` (``landing.record_loader_map``), or why not:
-    a write-through link then takes the round through its receive buffers."""
-    try:
-        return LandingRecord(record_loader_map(model, metas))
-    except LoaderMapRefused as exc:  # not a plain copy: says which tensor or module
-        return LandingRecord(None, str(exc))
-    except Exception as exc:  # a loader that fails on tracers: the pull path still works
-        log.debug("recording the landing map failed", exc_info=True)
-        return LandingRecord(None, f"recording the landing map failed: {type(exc).__name__}: {exc}")
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,16 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, ClassVar
 
+from weightwire.backends.base import LandingRecord
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_streams
+from weightwire.torch_side.worker.landing import LoaderMapRefused, record_loader_map
 from weightwire.torch_side.worker.load import (
     FrameworkHooks,
     Pairs,
@@ -345,6 +348,18 @@ class WriteThroughRound(ReceiveStrategy):
             self.target.backend,
             why,
         )
+
+
+def record_landing(model: Any, metas: Sequence[ParamMeta]) -> LandingRecord:
+    """The model's landing map for ``metas`` (``landing.record_loader_map``), or why not:
+    a write-through link then takes the round through its receive buffers."""
+    try:
+        return LandingRecord(record_loader_map(model, metas))
+    except LoaderMapRefused as exc:  # not a plain copy: says which tensor or module
+        return LandingRecord(None, str(exc))
+    except Exception as exc:  # a loader that fails on tracers: the pull path still works
+        log.debug("recording the landing map failed", exc_info=True)
+        return LandingRecord(None, f"recording the landing map failed: {type(exc).__name__}: {exc}")
 
 
 def first_strategy(target: RoundTarget, budget_bytes: int) -> ReceiveStrategy:

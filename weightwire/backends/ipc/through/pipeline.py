@@ -44,7 +44,7 @@ from weightwire.backends.ipc.slots import (
     trace,
     wait_event_host,
 )
-from weightwire.backends.ipc.through.kernels import Launch, StridedCopy
+from weightwire.backends.ipc.through.kernels import Launch, StreamRef, StridedCopy
 from weightwire.backends.ipc.through.table import LandingTable, plan_copies, read_table
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
@@ -122,7 +122,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         self._known = False  # this round's paths are known
         self._runs = GatherCopy(cp, device, self._sptr, ring=_RING)
         self._strided = StridedCopy(cp, device)
-        self._stream_ref = cp.cuda.ExternalStream(self._sptr, device)
+        self._stream_ref = StreamRef(self._sptr)
         self._told: set[str] = set()
 
     def send(self, prepared: Any, stop: Any, begin: Any = None, **kw: Any) -> Any:
