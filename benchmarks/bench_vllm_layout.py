@@ -37,14 +37,18 @@ GIB = 1 << 30
 SHAPE = "llama3-8b"
 DEVICE: Any = None  # the torch device of trainer and worker (main sets it)
 BACKEND = "weightwire_ipc"
+TIED = False  # the model's head is its embedding (Qwen2-0.5B): no lm_head.weight is sent
 
 
 def _params(engine: str) -> dict[str, Any]:
-    """The round's tensors on the trainer's GPU (names and shapes from the stub's model)."""
+    """The round's tensors on the trainer's GPU (names and shapes from the stub's model; a
+    tied model's checkpoint has no ``lm_head.weight``)."""
 
     from tests.torch_side.vllm_stub import trainer_tensors
 
     tensors = dict(trainer_tensors(SHAPE, DEVICE, seed=1))
+    if TIED:
+        del tensors["lm_head.weight"]
     if engine == "torch":
         return tensors
     import jax
@@ -80,14 +84,21 @@ class TrainerMemory:
         return int(torch.cuda.max_memory_allocated()) - self.before
 
 
-def _timed(send: Any, args: argparse.Namespace) -> list[float]:
+def _timed(send: Any, args: argparse.Namespace, label: str = "") -> list[float]:
+    """Seconds per ``send()``; with ``WEIGHTWIRE_IPC_TRACE`` each timed round is marked
+    (``benchmarks/ipc_timeline.py`` prints where its milliseconds go)."""
+    from weightwire.backends.ipc.slots import dump_trace, trace
+
     for _ in range(args.warmup):
         send()
     walls = []
     for _ in range(args.rounds):
+        trace(f"send> {label}")
         start = time.perf_counter()
         send()
         walls.append(time.perf_counter() - start)
+        trace("send<")
+    dump_trace("trainer")
     return walls
 
 
@@ -121,7 +132,9 @@ def _row(
     }
 
 
-def run(engine: str, budget: int, client: Any, args: argparse.Namespace) -> dict[str, Any]:
+def run(
+    engine: str, budget: int, client: Any, args: argparse.Namespace, mode: str = "pull"
+) -> dict[str, Any]:
     import torch
 
     from tests.torch_side.vllm_stub import digest
@@ -134,18 +147,24 @@ def run(engine: str, budget: int, client: Any, args: argparse.Namespace) -> dict
         from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine
     params = _params(engine)
     want = {n: digest(torch.from_dlpack(a) if engine == "jax" else a) for n, a in params.items()}
+    if TIED:
+        want["lm_head.weight"] = want["model.embed_tokens.weight"]
     nbytes = sum(int(a.nbytes) for a in params.values())
     memory = TrainerMemory(engine)
     info = TrainerInitInfo(
-        backend=BACKEND, stage_budget_bytes=budget, device=0 if DEVICE.type == "cuda" else None
+        backend=BACKEND,
+        stage_budget_bytes=budget,
+        device=0 if DEVICE.type == "cuda" else None,
+        **({"ipc_mode": mode} if BACKEND == "weightwire_ipc" else {}),
     )
     trainer = Engine.trainer_init(info, client=client, source=make_source(params))
     try:
-        walls = _timed(trainer.send_weights, args)
+        walls = _timed(trainer.send_weights, args, f"{engine} {mode}")
         trainer_extra = memory.extra()
-        return _row(
-            "weightwire plugin engine", engine, budget, client, nbytes, walls, trainer_extra, want
-        )
+        path = type(trainer.session.sender).__name__
+        receiver = "weightwire, write-through" if mode == "write_through" else "weightwire, pull"
+        row = _row(receiver, engine, budget, client, nbytes, walls, trainer_extra, want)
+        return {**row, "pipeline": path}
     finally:
         trainer.shutdown()
 
@@ -242,13 +261,14 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['floor_s'] * 1e3:.1f} | {r['floor_s'] / s:.3f} "
             f"| {r['worker_extra'] / 1e9:.2f} ({r['pool'] / 1e9:.2f}) "
             f"| {r['trainer_extra'] / 1e9:.2f} "
-            f"| {'ok' if r['ok'] else 'MISMATCH'} |"
+            f"| {'ok' if r['ok'] else 'MISMATCH'}"
+            f"{' (' + r['pipeline'] + ')' if 'pipeline' in r else ''} |"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    global DEVICE, BACKEND, SHAPE
+    global DEVICE, BACKEND, SHAPE, TIED
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="torch,jax")
     ap.add_argument("--budgets-gib", default="1,64")
@@ -267,10 +287,16 @@ def main(argv: list[str] | None = None) -> int:
         "engines as the peer (pip download --no-deps vllm==0.33.0; unzip)",
     )
     ap.add_argument("--peer-modes", default="unpacked,packed")
+    ap.add_argument(
+        "--modes",
+        default="pull,write_through",
+        help="weightwire_ipc data paths: pull rows per stage budget, one write-through row",
+    )
+    ap.add_argument("--tied", action="store_true", help="the head is the embedding")
     args = ap.parse_args(argv)
     import torch
 
-    DEVICE, BACKEND, SHAPE = torch.device(args.device), args.backend, args.shape
+    DEVICE, BACKEND, SHAPE, TIED = torch.device(args.device), args.backend, args.shape, args.tied
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from weightwire.testing.loopback import spawn_loopback_cmd
 
@@ -290,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.device,
                 "--shape",
                 SHAPE,
+                "--model",
+                "llama-tied" if TIED else "llama",
             ],
             env={**env, "WEIGHTWIRE_VLLM_SRC": args.vllm_src or ""},
             timeout=300,
@@ -309,12 +337,27 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(table(rows[-1:]), flush=True)
 
+    modes = args.modes.split(",")
     proc, client = worker("weightwire")
     try:
         for engine in args.engines.split(","):
-            for gib in args.budgets_gib.split(","):
-                budget = int(float(gib) * GIB)
-                attempt("weightwire", engine, budget, run, engine, budget, client, args)
+            if "pull" in modes:
+                for gib in args.budgets_gib.split(","):
+                    budget = int(float(gib) * GIB)
+                    attempt("weightwire", engine, budget, run, engine, budget, client, args)
+            if "write_through" in modes:
+                budget = int(float(args.budgets_gib.split(",")[0]) * GIB)
+                attempt(
+                    "weightwire write-through",
+                    engine,
+                    budget,
+                    run,
+                    engine,
+                    budget,
+                    client,
+                    args,
+                    "write_through",
+                )
     finally:
         client.exit()
         proc.wait(timeout=120)

@@ -89,7 +89,10 @@ def test_backend_is_registered_on_device_and_knob_is_checked() -> None:
         TrainerInitInfo(backend="weightwire_ipc", ipc_release_after_round=1)  # type: ignore[arg-type]
     assert TrainerInitInfo(backend="weightwire_ipc").ipc_mode == "pull"
     assert TrainerInitInfo(backend="weightwire_ipc", ipc_mode="push").ipc_mode == "push"
-    with pytest.raises(ValueError, match="ipc_mode must be 'pull' or 'push', got 'copy'"):
+    with pytest.raises(
+        ValueError,
+        match="ipc_mode must be one of .pull., .push., .write_through., .auto., got .copy.",
+    ):
         TrainerInitInfo(backend="weightwire_ipc", ipc_mode="copy")
 
 

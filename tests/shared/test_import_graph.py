@@ -368,9 +368,10 @@ def _under(module: str, packages: Iterable[str]) -> bool:
 
 
 def backend_packages() -> list[str]:
-    """The particular backends' packages: every package inside ``weightwire.backends``."""
+    """The particular backends' packages: every package directly inside ``weightwire.backends``
+    (a backend's own subpackages are part of it)."""
     inside = _in("weightwire.backends")
-    return sorted(m for m in inside if GRAPH[m].is_package and m != "weightwire.backends")
+    return sorted(m for m in inside if GRAPH[m].is_package and m.count(".") == 2)
 
 
 def upward_edges() -> set[tuple[str, str]]:

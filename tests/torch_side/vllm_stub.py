@@ -41,6 +41,7 @@ import torch
 SHAPES = {
     # hidden, intermediate, layers, heads, kv heads, head dim, vocab
     "llama3-8b": (4096, 14336, 32, 32, 8, 128, 128256),
+    "qwen2-0.5b": (896, 4864, 24, 14, 2, 64, 151936),
     "tiny": (64, 160, 3, 4, 2, 16, 96),
 }
 
@@ -70,8 +71,10 @@ def _own_params(layer: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def initialize_layerwise_reload(model: torch.nn.Module) -> None:
+    seen: set[int] = set()  # a tied parameter is wrapped once, under its first module
     for layer in model.modules():
-        params = _own_params(layer)
+        params = {n: p for n, p in _own_params(layer).items() if id(p) not in seen}
+        seen.update(id(p) for p in params.values())
         info = get_layerwise_info(layer)
         if not params or info.can_load():
             continue
@@ -299,8 +302,11 @@ class _Linear(torch.nn.Module):
 class FakeLlama(torch.nn.Module):
     """vLLM's Llama parameter layout: ``model.layers.i.self_attn.qkv_proj.weight`` and so on."""
 
-    def __init__(self, shape: str, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, shape: str, dtype: torch.dtype, device: torch.device, tied: bool = False
+    ) -> None:
         super().__init__()
+        self.shape, self.tied = shape, tied
         hidden, inter, layers, heads, kv, hd, vocab = SHAPES[shape]
         q, k = heads * hd, kv * hd
         self.params: dict[str, _Linear] = {}
@@ -319,6 +325,8 @@ class FakeLlama(torch.nn.Module):
             mods[p + "post_attention_layernorm"] = _Linear(hidden, None, {}, dtype, device)
         mods["model.norm"] = _Linear(hidden, None, {}, dtype, device)
         mods["lm_head"] = _Linear(vocab, hidden, {}, dtype, device)
+        if tied:  # one parameter under two names, as vLLM ties a head to its embedding
+            mods["lm_head"].weight = mods["model.embed_tokens"].weight
         self.layers = torch.nn.ModuleList(mods.values())
         self.params = {name + ".weight": mod for name, mod in mods.items()}
 
@@ -333,9 +341,18 @@ class FakeLlama(torch.nn.Module):
             raise ValueError(f"unknown weight name {hf_name!r}")
         return self.params[hf_name], None
 
+    def hf_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The checkpoint's tensors (a tied checkpoint has no ``lm_head.weight``)."""
+        shapes = hf_shapes(self.shape)
+        if self.tied:
+            del shapes["lm_head.weight"]
+        return {n: (s, "bfloat16") for n, s in shapes.items()}
+
     def load_weights(self, weights: Any) -> set[str]:
         loaded = set()
         for name, tensor in weights:
+            if self.tied and name == "lm_head.weight":
+                continue  # vLLM's tied models skip it: the embedding is the head
             mod, shard = self.locate(name)
             mod.weight.weight_loader(mod.weight, tensor, *(() if shard is None else (shard,)))  # type: ignore[attr-defined]
             loaded.add(name)
@@ -380,7 +397,7 @@ def copy_floor_s(model: FakeLlama, shape: str, device: torch.device, reps: int) 
     Hugging Face tensor, from one contiguous source buffer, into its slice of the fused
     parameters (CUDA events, median of ``reps`` after one warm-up). What no transfer can
     beat: the bytes have to land there once."""
-    views = [model.hf_view(name) for name in hf_shapes(shape)]
+    views = [model.hf_view(name) for name in model.hf_specs()]
     total = sum(v.numel() for v in views)
     src = torch.empty(total, dtype=torch.bfloat16, device=device)
     times = []
@@ -426,14 +443,38 @@ def _engine_class(backend: str, engine: str) -> Any:
     }[backend]
 
 
-def serve(backend: str, device_name: str, shape: str, engine_kind: str = "weightwire") -> None:
+def make_model(kind: str, shape: str, device: torch.device) -> Any:
+    """``llama`` / ``llama-tied`` (``FakeLlama``), or one of ``stub_models.MODELS``."""
+    if kind in ("llama", "llama-tied"):
+        return FakeLlama(shape, torch.bfloat16, device, tied=kind == "llama-tied")
+    from tests.torch_side.stub_models import MODELS
+
+    return MODELS[kind](torch.bfloat16, device)
+
+
+def model_digests(model: Any, kind: str) -> dict[str, list[int]]:
+    """Per Hugging Face tensor, the digest of its values as the parameters hold them."""
+    if kind in ("llama", "llama-tied"):
+        return {name: digest(model.hf_view(name)) for name in hf_shapes(model.shape)}
+    from tests.torch_side.stub_models import byte_digest
+
+    return {name: byte_digest(model.hf_view(name)) for name in model.hf_specs()}
+
+
+def serve(
+    backend: str,
+    device_name: str,
+    shape: str,
+    engine_kind: str = "weightwire",
+    kind: str = "llama",
+) -> None:
     from weightwire.testing.loopback import LOOPBACK_VERSION, serve_ops
 
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cls = _engine_class(backend, engine_kind)
-    model = FakeLlama(shape, torch.bfloat16, device)
+    model = make_model(kind, shape, device)
     cfg = types.SimpleNamespace(
         model_config=types.SimpleNamespace(model=None, dtype=torch.bfloat16),
         parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
@@ -482,7 +523,7 @@ def serve(backend: str, device_name: str, shape: str, engine_kind: str = "weight
             elif op == "memory":
                 return dict(memory)
             elif op == "digests":
-                return {name: digest(model.hf_view(name)) for name in hf_shapes(shape)}
+                return model_digests(model, kind)
             elif op == "floor":
                 return copy_floor_s(model, shape, device, int(body.get("reps", 5)))
             else:
@@ -506,8 +547,11 @@ def main(argv: list[str] | None = None) -> int:
         default="weightwire",
         help="vllm-ipc: vLLM's own IPC engine from $WEIGHTWIRE_VLLM_SRC (CUDA only)",
     )
+    parser.add_argument(
+        "--model", default="llama", choices=("llama", "llama-tied", "moe", "dtypes")
+    )
     args = parser.parse_args(argv)
-    serve(args.backend, args.device, args.shape, args.engine)
+    serve(args.backend, args.device, args.shape, args.engine, args.model)
     return 0
 
 

@@ -168,6 +168,11 @@ class SenderParts:
 class RoundSender(ABC):
     """Rank 0's data path over a joined link: one round's chunks at a time."""
 
+    in_place: ClassVar[bool] = False
+    """Rounds may write straight into the serving parameters (from the first byte until
+    the commit the workers' weights are not whole): the trainer refuses generation
+    around every round, as around a round over the stage budget."""
+
     @abstractmethod
     def send(
         self,
@@ -397,6 +402,15 @@ class ReceiveProgress:
     """Index of the chunk being received or loaded; -1 before the first."""
 
 
+@dataclass(frozen=True)
+class LandingRecord:
+    """The worker model's landing map for a turn (``torch_side.worker.landing.LoaderMap``:
+    its ``tensors`` and ``params``), or why there is none (``refused``)."""
+
+    map: Any | None
+    refused: str | None = None
+
+
 class ReceiveLink(ABC):
     """One worker's receiving end of a backend's wire, for one session.
 
@@ -439,6 +453,24 @@ class ReceiveLink(ABC):
 
     def peer_closed(self) -> bool:
         """True when the trainer is known to be gone (it closed the wire) without traffic."""
+        return False
+
+    def early_landing(self) -> frozenset[str] | None:
+        """At a round's start: the tensors the trainer may write straight into the serving
+        parameters from now on, before the update arrives (this session's landing table
+        still holds), or None. When not None the worker records the round as written in
+        place, then calls ``go_early``."""
+        return None
+
+    def go_early(self) -> None:
+        """Let the trainer write (after ``early_landing``); see there."""
+        raise NotImplementedError(f"{type(self).__name__} does not write through")
+
+    def lands(self, turn: ReceiveTurn, record: Callable[[], LandingRecord]) -> bool:
+        """Before ``turn``'s strategy is chosen: whether the trainer writes this turn
+        straight into the serving parameters (write-through; ``receive`` then yields no
+        tensor and returns once the bytes are in place). ``record`` gives the model's
+        landing map for the turn's tensors, or why there is none. Default: never."""
         return False
 
     @abstractmethod

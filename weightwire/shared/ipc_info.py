@@ -5,9 +5,10 @@ ready" interprocess events (``cudaIpcEventHandle_t``) travel as standard base64 
 their 64 raw bytes, never pickled. The control channel (``host:port``, proven with
 ``secret_b64``) carries the per-piece "ready" / "free" messages, also as JSON.
 
-The data path (pull: the trainer writes into the worker's buffers; push: the slot ring)
-is not a field here: it is negotiated in the control channel's hello (``IPC_MODES``),
-where each worker lists the modes it takes and the trainer names the session's.
+The data path (write-through: the trainer writes into the worker's parameters; pull:
+into its receive buffers; push: the slot ring) is not a field here: it is negotiated in
+the control channel's hello (``IPC_MODES``), where each worker lists the modes it takes
+and the trainer names the session's.
 
 Parsed strictly like every other init info: a wrong count of handles, a handle of
 the wrong length or a slot size over the limits fails the request naming the field,
@@ -34,10 +35,12 @@ IPC_HANDLE_BYTES = 64
 
 DEFAULT_IPC_SLOT_BYTES = 1 << 30
 
-IPC_MODES = ("pull", "push")
-"""``weightwire_ipc`` data paths, negotiated in the control channel's hello: ``pull`` = the
-trainer writes into the worker's receive buffers (one copy per byte), ``push`` = the slot
-ring (two copies)."""
+IPC_MODES = ("write_through", "pull", "push")
+"""``weightwire_ipc`` data paths, negotiated in the control channel's hello:
+``write_through`` = the trainer writes each tensor into the worker's serving parameters
+(one copy per byte, nothing loaded after), ``pull`` = the trainer writes into the
+worker's receive buffers (one copy per byte, then loaded), ``push`` = the slot ring (two
+copies)."""
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)

@@ -23,6 +23,9 @@ from weightwire.trainer.backends import backend_names
 from weightwire.trainer.handoff import round_interval_s
 from weightwire.trainer.overlap import MAX_ROUNDS_IN_FLIGHT, SNAPSHOT_MODES
 
+IPC_ASKED = ("pull", "push", "write_through", "auto")
+"""What ``TrainerInitInfo.ipc_mode`` may ask for."""
+
 
 @dataclass(kw_only=True)
 class TrainerInitInfo:
@@ -58,8 +61,14 @@ class TrainerInitInfo:
       mode the workers free their receive buffers instead.
     - ``ipc_mode``: ``weightwire_ipc``'s data path for packed rounds: ``pull`` (default:
       the trainer writes straight into the workers' receive buffers, one device copy
-      per byte, no slots kept) or ``push`` (the slot ring: two copies). A worker that
-      predates pull mode, and every unpacked session, gets push.
+      per byte, no slots kept; the worker then loads them), ``write_through`` (the
+      trainer writes each tensor straight into the workers' serving parameters, where
+      their loader puts it: one copy per byte, no receive buffer; every round is applied
+      in place, so generation is refused around it as ``pause_mode`` says; a worker
+      whose loader is not a plain copy takes its rounds as in pull and logs why),
+      ``auto`` (write-through where every worker offers it, else pull) or ``push`` (the
+      slot ring: two copies). A worker that predates a mode gets the next one; every
+      unpacked session gets push.
     - ``stage_budget_bytes``: the plugin backends' workers stage a round of at most this
       many bytes (received whole into fresh memory, applied at finish: all or nothing) and
       apply a larger one in place as its bytes land (``0``: always in place). A round applied
@@ -136,8 +145,10 @@ class TrainerInitInfo:
         check_stage_budget("stage_budget_bytes", self.stage_budget_bytes)
         if type(self.reset_prefix_cache) is not bool:
             raise ConfigError(f"reset_prefix_cache must be a bool, got {self.reset_prefix_cache!r}")
-        if self.ipc_mode not in ("pull", "push"):
-            raise ConfigError(f"ipc_mode must be 'pull' or 'push', got {self.ipc_mode!r}")
+        if self.ipc_mode not in IPC_ASKED:
+            raise ConfigError(
+                f"ipc_mode must be one of {', '.join(map(repr, IPC_ASKED))}, got {self.ipc_mode!r}"
+            )
         if self.pause_mode is not None and self.pause_mode not in ("auto", *PAUSE_MODES):
             raise ConfigError(
                 f"pause_mode must be None, 'auto' or one of {PAUSE_MODES}, got {self.pause_mode!r}"

@@ -151,6 +151,7 @@ def round_pause(
     nbytes: int,
     client: object,
     guard: Callable[[], bool] | None = None,
+    in_place: bool = False,
 ) -> RoundPause:
     """The pause of a round of ``nbytes`` (``session_mode``: ``check_client``'s answer).
     ``guard``: whether the servers run the round guard (default: ask them now).
@@ -161,17 +162,20 @@ def round_pause(
     ``keep``, which would queue requests behind a failed round) pause with ``abort``:
     vLLM >= 0.33 then answers new requests 503 ``engine_paused`` until ``/resume``; the
     resume comes only after the commit. ``pause_mode=None`` is the user's explicit opt-out.
+    ``in_place``: the session writes every round in place (``weightwire_ipc``
+    write-through), whatever its size.
     """
-    if stock_receiver or not round_streams(nbytes, info.stage_budget_bytes):
+    if stock_receiver or not (in_place or round_streams(nbytes, info.stage_budget_bytes)):
         return RoundPause(session_mode)
     if info.pause_mode is None:
         return RoundPause(None, resume_on_failure=False)
     if not all(callable(getattr(client, m, None)) for m in ("pause", "resume")):
         logger.warning(
-            "client cannot pause: a round applied in place (%d bytes > stage_budget_bytes %d) runs "
-            "under live traffic, and a failure would leave a half-updated model served",
+            "client cannot pause: a round applied in place (%d bytes; stage_budget_bytes %d%s) "
+            "runs under live traffic, and a failure would leave a half-updated model served",
             nbytes,
             info.stage_budget_bytes,
+            ", written through" if in_place else "",
         )
         return RoundPause(None, resume_on_failure=False)
     mode = "abort" if info.pause_mode in ("auto", "keep") else info.pause_mode

@@ -111,6 +111,7 @@ class Session:
             nbytes=round_bytes(metas),
             client=self.client,
             guard=self.guard_installed,
+            in_place=self.sender is not None and self.sender.in_place,
         )
 
     def guard_installed(self) -> bool:

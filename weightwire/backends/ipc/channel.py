@@ -40,6 +40,7 @@ class Channel:
         self._buf = bytearray()
         self.peer = peer
         self._aborted = False
+        self._unread: list[dict[str, Any]] = []  # read, then handed back (``unread``)
 
     # -- raw frames -----------------------------------------------------------------
 
@@ -117,6 +118,8 @@ class Channel:
         self, *, deadline: float, what: str, alive: Callable[[], None] | None = None
     ) -> dict[str, Any]:
         """The next message, or ``TransferTimeout`` at ``deadline`` / ``PeerLost`` at EOF."""
+        if self._unread:
+            return self._unread.pop()
         raw = self.recv_raw(deadline=deadline, what=what, alive=alive)
         try:
             msg = json.loads(raw)
@@ -125,6 +128,11 @@ class Channel:
         if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
             raise TransferError(f"{self.peer} sent a control message without an 'op': {raw[:80]!r}")
         return msg
+
+    def unread(self, msg: dict[str, Any]) -> None:
+        """Hand ``msg`` back: the next ``recv`` returns it (one reader looked at a message
+        that another part of the round handles)."""
+        self._unread.append(msg)
 
     def discard_delivered(self, op: str) -> int:
         """Drop the ``op`` messages at the head of what was already delivered to this

@@ -125,14 +125,15 @@ class GatherCopy:
     stream passed that point (the pull pipeline holds a chunk's regions until its fill
     stream settled); ``close`` only after the stream settled."""
 
-    def __init__(self, cp: Any, device: int, stream_ptr: int) -> None:
+    def __init__(self, cp: Any, device: int, stream_ptr: int, *, ring: int = _RING) -> None:
         self._cp, self._device, self._stream = cp, int(device), _StreamRef(int(stream_ptr))
+        self._ring = int(ring)
         self._kernel: Any = None
         self._broken = not gather_enabled()
         self._tables: list[_Table] = []  # one per ring slot
         self._capacity = 0  # rows per table
         self._next = 0
-        self._held: list[_Held | None] = [None] * _RING
+        self._held: list[_Held | None] = [None] * self._ring
         """Per ring slot: the copies its device table holds."""
 
     def copy(
@@ -147,21 +148,39 @@ class GatherCopy:
 
         They land at ``dst``, ``dst + regions[0].nbytes``, ... in order.
         """
-        copy = self._cp.cuda.runtime.memcpyAsync
-        stream = self._stream.ptr
         srcs: list[int] = []
         dsts: list[int] = []
         sizes: list[int] = []
         off = 0
         for r in regions:
-            n = r.nbytes
+            srcs.append(r.ptr)
+            dsts.append(dst + off)
+            sizes.append(r.nbytes)
+            off += r.nbytes
+        self.copy_rows(srcs, dsts, sizes, deadline=deadline, alive=alive)
+
+    def copy_rows(
+        self,
+        all_srcs: list[int],
+        all_dsts: list[int],
+        all_sizes: list[int],
+        *,
+        deadline: float,
+        alive: Callable[[], None],
+    ) -> None:
+        """Enqueue ``all_sizes[i]`` bytes from ``all_srcs[i]`` to ``all_dsts[i]``, each i."""
+        copy = self._cp.cuda.runtime.memcpyAsync
+        stream = self._stream.ptr
+        srcs: list[int] = []
+        dsts: list[int] = []
+        sizes: list[int] = []
+        for s, d, n in zip(all_srcs, all_dsts, all_sizes, strict=True):
             if n >= SMALL_BYTES or self._broken:
-                copy(dst + off, r.ptr, n, MEMCPY_DEVICE_TO_DEVICE, stream)
+                copy(d, s, n, MEMCPY_DEVICE_TO_DEVICE, stream)
             elif n:
-                srcs.append(r.ptr)
-                dsts.append(dst + off)
+                srcs.append(s)
+                dsts.append(d)
                 sizes.append(n)
-            off += n
         if not sizes:
             return
         if len(sizes) < MIN_BATCH or not self._ready():
@@ -221,7 +240,7 @@ class GatherCopy:
         slot = self._next
         table_slot = self._tables[slot]
         host, dev, event = table_slot.host, table_slot.device, table_slot.event
-        self._next = (self._next + 1) % _RING
+        self._next = (self._next + 1) % self._ring
         self._held[slot] = None  # rewritten below
         # The table's last H2D copy must have run before its pinned memory is rewritten.
         wait_event_host(
@@ -265,7 +284,7 @@ class GatherCopy:
         self.close()
         capacity = max(256, 1 << (rows - 1).bit_length())
         with cp.cuda.Device(self._device):
-            for _ in range(_RING):
+            for _ in range(self._ring):
                 host = cp.cuda.alloc_pinned_memory(capacity * 24)
                 dev = cp.empty(capacity * 3, dtype=cp.uint64)
                 event = cp.cuda.runtime.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING)
@@ -275,7 +294,7 @@ class GatherCopy:
     def close(self) -> None:
         """Free the tables (after the stream settled: a launch may still read them)."""
         tables, self._tables, self._capacity = self._tables, [], 0
-        self._held = [None] * _RING
+        self._held = [None] * self._ring
         for table in tables:
             try:
                 self._cp.cuda.runtime.eventDestroy(table.event)

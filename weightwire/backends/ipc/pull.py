@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -53,6 +53,7 @@ from weightwire.backends.ipc.slots import (
     wait_event_host,
 )
 from weightwire.shared.errors import TransferError
+from weightwire.shared.framing import Chunk
 from weightwire.shared.info import decode_secret
 from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
 from weightwire.shared.meta import ParamMeta
@@ -178,6 +179,8 @@ class IPCPullPipeline(IPCDataPath):
         self._depth = len(comm.slots.events)
         self._buffers = [WorkerBuffers(comm.cp, comm.slots.device, ch.peer) for ch in comm.channels]
         self._gather = GatherCopy(comm.cp, comm.slots.device, self._sptr)
+        self._last_ready = -1  # the ready event of the round's last chunk (-1: none yet)
+        self._metas: Sequence[ParamMeta] = ()  # the round's tensors in wire order
         self._early: list[dict[int, dict[str, Any]] | None] = [None] * len(comm.channels)
         """Per worker: this round's early wants by chunk.
 
@@ -198,6 +201,8 @@ class IPCPullPipeline(IPCDataPath):
         for ch in self._comm.channels:
             ch.discard_delivered("early")
         self._early = [None] * len(self._comm.channels)
+        self._last_ready = -1
+        self._metas = metas
         return self._run(begin, lambda starter: self._pump(prepared, stop, starter))
 
     def _want(self, w: int, ci: int, nbytes: int, deadline: float, alive: Any) -> dict[str, Any]:
@@ -227,8 +232,6 @@ class IPCPullPipeline(IPCDataPath):
 
     def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> Sent:
         comm, cp = self._comm, self._comm.cp
-        gather = self._gather.copy
-        sptr = self._sptr
         nbytes = count = 0
 
         def alive() -> None:
@@ -245,50 +248,77 @@ class IPCPullPipeline(IPCDataPath):
                 count += 1
                 if not chunk.nbytes:  # nothing to write: the worker names no buffer for it either
                     continue
-                deadline = time.monotonic() + self._timeout
-                for w, (ch, bufs) in enumerate(zip(comm.channels, self._buffers, strict=True)):
-                    msg = self._want(w, ci, chunk.nbytes, deadline, alive)
-                    trace(f"want {ci}{' early' if 'early' in msg else ''}")
-                    if check_int(msg, "c", 0, 1 << 62, ch.peer) != ci:
-                        raise TransferError(
-                            f"{ch.peer} asked for chunk {msg['c']} where chunk {ci} was due: "
-                            "trainer and worker disagree on the round's plan"
-                        )
-                    ptr, free = bufs.resolve(msg, chunk.nbytes)
-                    if self._host_wait:
-                        wait_event_host(
-                            cp,
-                            free,
-                            deadline=deadline,
-                            what=f"{ch.peer}'s release of buffer {msg['b']}",
-                            alive=alive,
-                        )
-                    else:
-                        stream_wait(cp, sptr, free)
-                    gather(ptr, regions, deadline=deadline, alive=alive)
-                k = ci % self._depth
-                record(cp, comm.slots.events[k], sptr)
-                trace(f"filled {ci}")
-                starter.wait()  # start + update POST: nothing is announced before they returned
-                ready = {"op": "ready", "c": ci, "e": k}
-                for ch in comm.channels:
-                    ch.send(ready)
+                self._fill(ci, chunk, regions, time.monotonic() + self._timeout, alive, starter)
                 nbytes += chunk.nbytes
             starter.wait()
-            self._sync_fill("the IPC fill stream at the end of the round")
-            self._in_flight[0].clear()
+            if self._end_round():
+                self._sync_fill("the IPC fill stream at the end of the round")
+                self._in_flight[0].clear()
             if comm.release_after_round:
                 self._unmap()
         self.rounds += 1
         return Sent(nbytes, count)
+
+    def _pulling(self) -> list[int]:
+        """The workers this round's chunks go to through their receive buffers."""
+        return list(range(len(self._comm.channels)))
+
+    def _fill(
+        self,
+        ci: int,
+        chunk: Chunk,
+        regions: list[Any],
+        deadline: float,
+        alive: Callable[[], None],
+        starter: _Starter,
+    ) -> None:
+        """Chunk ``ci`` into every pulling worker's buffer, then its ready message."""
+        comm, cp = self._comm, self._comm.cp
+        pulling = self._pulling()
+        if not pulling:
+            return
+        for w in pulling:
+            ch, bufs = comm.channels[w], self._buffers[w]
+            msg = self._want(w, ci, chunk.nbytes, deadline, alive)
+            trace(f"want {ci}{' early' if 'early' in msg else ''}")
+            if check_int(msg, "c", 0, 1 << 62, ch.peer) != ci:
+                raise TransferError(
+                    f"{ch.peer} asked for chunk {msg['c']} where chunk {ci} was due: "
+                    "trainer and worker disagree on the round's plan"
+                )
+            ptr, free = bufs.resolve(msg, chunk.nbytes)
+            if self._host_wait:
+                wait_event_host(
+                    cp,
+                    free,
+                    deadline=deadline,
+                    what=f"{ch.peer}'s release of buffer {msg['b']}",
+                    alive=alive,
+                )
+            else:
+                stream_wait(cp, self._sptr, free)
+            self._gather.copy(ptr, regions, deadline=deadline, alive=alive)
+        k = ci % self._depth
+        record(cp, comm.slots.events[k], self._sptr)
+        self._last_ready = k
+        trace(f"filled {ci}")
+        starter.wait()  # start + update POST: nothing is announced before they returned
+        ready = {"op": "ready", "c": ci, "e": k}
+        for w in pulling:
+            comm.channels[w].send(ready)
+
+    def _end_round(self) -> bool:
+        """Every chunk was enqueued and announced; True: settle the fill stream now (else the
+        round's regions stay held until a later ``send``, ``settle`` or ``close`` settles it)."""
+        return True
 
     def _unmap(self) -> None:
         """Release-after-round: close every mapping (the fill stream settled), then let
         the workers free their buffers."""
         for bufs in self._buffers:
             bufs.close()
-        for ch in self._comm.channels:
-            ch.send({"op": "unmapped"})
+        for w in self._pulling():
+            self._comm.channels[w].send({"op": "unmapped"})
 
     def close(self) -> None:
         comm = self._comm

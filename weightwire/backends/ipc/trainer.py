@@ -5,10 +5,12 @@
 hello (rank, free-event handles, GPU, the modes it takes), opens those events and
 tells every worker the session's mode.
 
-Mode: ``pull`` (the trainer copies straight into the workers' receive buffers,
-``backends.ipc.pull``: one device copy per byte) or ``push`` (the slot ring,
-``backends.ipc.pipeline``: two copies). Pull is chosen when the trainer asks for it
-(``ipc_mode``), the rounds are packed and every worker takes it; then the slots are
+Mode (``choose_mode``): ``write_through`` (the trainer copies each tensor straight into
+the workers' serving parameters, ``backends.ipc.through``; a worker whose loader is not
+a plain copy takes its rounds as in pull), ``pull`` (the trainer copies straight into the
+workers' receive buffers, ``backends.ipc.pull``: one device copy per byte, then the
+worker loads) or ``push`` (the slot ring, ``backends.ipc.pipeline``: two copies). Pull and
+write-through need packed rounds and every worker offering them; then the slots are
 freed at once (only their ready events stay). The slots are made once per session and
 reused every round (``release_after_round`` frees them between rounds instead). The
 joined link is ``ipc.link.IPCSenderComm``; ``IPCBackend`` is the registry's trainer
@@ -43,6 +45,7 @@ from weightwire.backends.ipc.slots import (
     ipc_available,
     open_event,
 )
+from weightwire.backends.ipc.through.pipeline import IPCWriteThroughPipeline
 from weightwire.shared.errors import TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo, decode_handles
@@ -75,7 +78,7 @@ class IPCRendezvous:
         self._secret = secrets.token_bytes(TCP_SECRET_BYTES)
         self.slots = IPCSlots(cp, self.device, slot_bytes, num_slots)
         self._release = release_after_round
-        self._want_pull = mode == "pull" and packed
+        self._asked, self._packed = mode, packed
         try:
             self._listener = Listener(bind_host, self._secret)
             host, port = self._listener.address
@@ -140,11 +143,13 @@ class IPCRendezvous:
                 uuid = hello.get("uuid")
                 uuids.append(uuid if isinstance(uuid, str) else "")
                 offers.append(_modes(hello, ch.peer))
-            mode = "pull" if self._want_pull and all("pull" in o for o in offers) else "push"
+            mode, why = choose_mode(self._asked, self._packed, offers)
+            if why:
+                logger.warning("weightwire_ipc: mode %s: %s", mode, why)
             for ch in channels:
                 # "early": this trainer takes buffers named at the round's start (ipc.pull)
                 ch.send({"op": "mode", "mode": mode, **({"early": True} if mode == "pull" else {})})
-            if mode == "pull":
+            if mode != "push":
                 self.slots.free_memory()  # no worker opened them; the ready events stay
         except BaseException:
             for ch in accepted:
@@ -206,12 +211,15 @@ class IPCBackend(Backend):
 
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
         assert isinstance(link, IPCSenderComm) and parts.packer is not None
-        if link.mode == "pull" and not settings.packed:
+        if link.mode != "push" and not settings.packed:
             raise TransferError(
-                "weightwire_ipc pull mode carries packed rounds only (the session negotiated push "
-                "otherwise)"
+                f"weightwire_ipc {link.mode} mode carries packed rounds only (the session "
+                "negotiated push otherwise)"
             )
-        pipeline = IPCPullPipeline if link.mode == "pull" else IPCPipeline
+        pipeline = {
+            "pull": IPCPullPipeline,
+            "write_through": IPCWriteThroughPipeline,
+        }.get(link.mode, IPCPipeline)
         count = settings.packed_num_buffers
         return pipeline(
             link,
@@ -220,6 +228,23 @@ class IPCBackend(Backend):
             timeout=settings.timeouts.transfer_s,
             hold_bytes=settings.packed_buffer_size_bytes * count,
         )
+
+
+def choose_mode(asked: str, packed: bool, offers: list[list[str]]) -> tuple[str, str | None]:
+    """The session's mode for ``asked`` (``TrainerInitInfo.ipc_mode``) given every worker's
+    offer, and why it is not the one asked for (None when it is, or ``auto`` found its
+    best). ``auto``: write-through where every worker takes it, else pull."""
+    if not packed:
+        return "push", None if asked == "push" else "unpacked rounds go through the slot ring"
+    if asked == "push":
+        return "push", None
+    if asked in ("write_through", "auto") and all("write_through" in o for o in offers):
+        return "write_through", None
+    older = "a worker does not offer it (an older weightwire)"
+    if all("pull" in o for o in offers):
+        why = f"write-through asked for, but {older}" if asked == "write_through" else None
+        return "pull", why
+    return "push", f"{asked} asked for, but {older}"
 
 
 def _modes(hello: dict[str, Any], peer: str) -> list[str]:

@@ -19,6 +19,7 @@ while the slot is refilled at once. Chunks land in fresh allocations, as on the 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ from weightwire.backends.receiving import ChunkedLink
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.info import encode_secret
-from weightwire.shared.ipc_info import IPCInitInfo, decode_handles
+from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo, decode_handles
 from weightwire.shared.timeouts import Timeouts
 
 
@@ -108,9 +109,16 @@ class IPCReceiver:
         self.free = []
 
 
-def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLink | IPCPullLink:
+def connect_ipc(
+    info: IPCInitInfo,
+    *,
+    rank: int,
+    device: torch.device,
+    through: Callable[..., IPCPullLink] | None = None,
+) -> IPCLink | IPCPullLink:
     """Dial the trainer's channel, say hello (with the modes this worker takes), learn the
-    session's mode, open the trainer's events (and, in push mode, its slots), warm up."""
+    session's mode, open the trainer's events (and, in push mode, its slots), warm up.
+    ``through``: the write-through link's class (``ipc.through.worker``), offered when given."""
     if device.type != "cuda":
         raise ValueError(f"weightwire_ipc needs a CUDA worker device, got {device}")
     cp = cupy_module()
@@ -122,12 +130,15 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
             for s, h in enumerate(info.event_handles)
         ]
         free = [new_ipc_event(cp) for _ in range(info.packed_num_buffers)]
+        modes = ["pull", "push"] if info.packed else ["push"]
+        if through is not None and info.packed:
+            modes.insert(0, "write_through")
         hello = {
             "op": "hello",
             "rank": rank,
             "free": [encode_secret(event_handle(cp, e)) for e in free],
             "uuid": device_uuid(cp, index),
-            "modes": ["pull", "push"] if info.packed else ["push"],
+            "modes": modes,
         }
     try:
         channel = dial(
@@ -152,7 +163,7 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
             alive=receiver.alive,
         )
         mode, early = str(chosen.get("mode")), chosen.get("early")
-        if mode not in ("pull", "push") or (mode == "pull" and not info.packed):
+        if mode not in IPC_MODES or mode not in modes:
             raise TransferError(
                 f"{channel.peer} chose IPC mode {mode[:20]!r}, which this worker did not offer"
             )
@@ -171,6 +182,10 @@ def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLin
         receiver.close()
         raise
     dev = torch.device("cuda", index)
+    if mode == "write_through" and through is not None:
+        return through(
+            receiver, device=dev, timeout_s=info.timeout_s, depth=info.packed_num_buffers
+        )
     if mode == "pull":  # a trainer that takes early wants says so in its mode message
         return IPCPullLink(
             receiver,

@@ -38,7 +38,12 @@ from typing import Any
 
 import torch
 
-from weightwire.backends.base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
+from weightwire.backends.base import (
+    Connect,
+    ReceiveLink,
+    ReceiveProgress,
+    ReceiveTurn,
+)
 from weightwire.shared.errors import WeightwireError
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
@@ -53,7 +58,9 @@ from weightwire.torch_side.worker.strategy import (
     ReceiveStrategy,
     RoundTarget,
     WeightState,
+    WriteThroughRound,
     first_strategy,
+    record_landing,
 )
 
 log = logging.getLogger(__name__)
@@ -149,7 +156,8 @@ class _ReceiverCore:
 
     @property
     def strategy(self) -> str | None:
-        """The open round's strategy name (``staged`` / ``streaming``), or None between rounds."""
+        """The open round's strategy name (``staged`` / ``streaming`` / ``write_through``),
+        or None between rounds."""
         return self._round.name if self._round is not None else None
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -225,6 +233,19 @@ class _ReceiverCore:
         )
         self._round = first_strategy(target, self.stage_budget_bytes)
         self._active = True
+        early = self._link.early_landing()
+        if early is not None:  # in place from now on: the trainer writes once told so
+            self._round = WriteThroughRound(target, self._settle, early=True)
+            self._round.wrote = True
+            self._round.names.update(early)
+            try:
+                self._link.go_early()
+            except BaseException as exc:
+                self._fail(exc, "at the round's start")
+                raise WeightReceiveError(
+                    f"{self.backend}: the round's start failed ({type(exc).__name__}: {exc}); "
+                    "call init_weight_transfer_engine again"
+                ) from exc
 
     def finish(self) -> None:
         if not self._active:
@@ -308,7 +329,18 @@ class _ReceiverCore:
         progress = ReceiveProgress()
         try:
             assert self._round is not None
-            self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
+            record = lambda: record_landing(model, metas)  # noqa: E731
+            round_ = self._round
+            if isinstance(round_, WriteThroughRound) and round_.early:
+                round_.early = False  # the update of a round the trainer may write since start
+                round_.names.update(m.name for m in metas)
+                if not self._link.lands(turn, record):  # other tensors, and not written through
+                    self._round = round_.in_place()
+            elif round_.untouched and self._link.lands(turn, record):
+                self._round = WriteThroughRound(round_.target, self._settle)
+                self._round.names.update(m.name for m in metas)
+            else:
+                self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
             self._round.receive(self._link.receive(turn, progress))
         except BaseException as exc:
             where = (
@@ -329,6 +361,12 @@ class _ReceiverCore:
         self.last_stats = ReceiveStats(
             len(metas), len(chunks), sum(c.nbytes for c in chunks), time.perf_counter() - started
         )
+
+    def _settle(self) -> None:
+        """Wait for the device work queued on this worker's stream (a write-through round's
+        wait for the trainer's writes)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _model_spec(self) -> ModelSpec | None:
         """The target model's spec, read once per model (main vs draft)."""

@@ -61,8 +61,10 @@ class EngineFacade:
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Parse, receive and load; returns once the new weights are on the device."""
         self._core.receive_dict(update_info)
-        if self._core.device.type == "cuda":
-            # load_weights may have queued copies; the next forward pass must see them.
+        if self._core.device.type == "cuda" and self._core.strategy != "write_through":
+            # load_weights may have queued copies; the next forward pass must see them. A
+            # round written through waits at its commit instead (the trainer's writes then
+            # overlap its finish call; generation is refused until the commit anyway).
             torch.cuda.current_stream(self._core.device).synchronize()
 
     def finish_weight_update(self) -> None:

@@ -22,13 +22,16 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, ClassVar
 
+from weightwire.backends.base import LandingRecord
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_streams
+from weightwire.torch_side.worker.landing import LoaderMapRefused, record_loader_map
 from weightwire.torch_side.worker.load import (
     FrameworkHooks,
     Pairs,
@@ -114,6 +117,11 @@ class ReceiveStrategy(ABC):
     def admit(self, nbytes: int, budget_bytes: int) -> ReceiveStrategy:
         """The strategy for the round once an update of ``nbytes`` joins it."""
         return self
+
+    @property
+    def untouched(self) -> bool:
+        """No update joined the round yet (it may still become a write-through round)."""
+        return not self.names and not self.wrote and not self.held_tensors()
 
     def held_tensors(self) -> Pairs:
         """The received tensors not yet in the model (a check before commit can
@@ -291,6 +299,67 @@ class StreamingRound(ReceiveStrategy):
     def abort(self, why: str) -> None:
         if self.opened:
             self._abort_hooks()
+
+
+class WriteThroughRound(ReceiveStrategy):
+    """The trainer writes the round straight into the serving parameters (``weightwire_ipc``
+    write-through): nothing is received here, nothing is loaded. The model's own loader
+    was recorded as plain copies (``landing.record_loader_map``), so no post-load step
+    runs and no framework round (vLLM's layerwise reload) opens. In place from the
+    trainer's first write, which comes only after ``receive`` started: a round that ends
+    without its commit leaves the model incomplete."""
+
+    name = "write_through"
+
+    def __init__(
+        self, target: RoundTarget, settle: Callable[[], None], *, early: bool = False
+    ) -> None:
+        super().__init__(target)
+        self._settle = settle
+        """Waits until the trainer's writes landed (the device stream that waited for them)."""
+        self.early = early
+        """Written through since the round's start, its update not yet here."""
+
+    def in_place(self) -> StreamingRound:
+        """The round goes on as a streaming one (its update's tensors are not written
+        through after all); it was in place from its start, and stays so."""
+        streaming = StreamingRound(self.target)
+        streaming.names, streaming.wrote = self.names, True
+        streaming.begin()
+        return streaming
+
+    def begin(self) -> None:
+        pass
+
+    def receive(self, chunks: Iterator[Pairs]) -> None:
+        self.wrote = True  # before the link lets the trainer write
+        for pairs in chunks:
+            if pairs:
+                raise RuntimeError(
+                    f"{self.target.backend}: a write-through turn yielded {len(pairs)} tensors"
+                )
+
+    def commit(self) -> None:
+        self._settle()  # the update returned before the bytes landed; the commit does not
+
+    def abort(self, why: str) -> None:
+        log.error(
+            "%s: a round written through into the serving parameters ended without its commit (%s)",
+            self.target.backend,
+            why,
+        )
+
+
+def record_landing(model: Any, metas: Sequence[ParamMeta]) -> LandingRecord:
+    """The model's landing map for ``metas`` (``landing.record_loader_map``), or why not:
+    a write-through link then takes the round through its receive buffers."""
+    try:
+        return LandingRecord(record_loader_map(model, metas))
+    except LoaderMapRefused as exc:  # not a plain copy: says which tensor or module
+        return LandingRecord(None, str(exc))
+    except Exception as exc:  # a loader that fails on tracers: the pull path still works
+        log.debug("recording the landing map failed", exc_info=True)
+        return LandingRecord(None, f"recording the landing map failed: {type(exc).__name__}: {exc}")
 
 
 def first_strategy(target: RoundTarget, budget_bytes: int) -> ReceiveStrategy:

@@ -1,0 +1,427 @@
+"""``weightwire_ipc`` write-through on CPU: the landing table message and its checks, the
+copies planned from it, the mode negotiation, the trainer's data path against a scripted
+worker on a real control channel (fake CUDA runtime), and the worker's fallback decision.
+
+The bytes themselves (JAX and torch trainers into a vLLM-laid-out model, every wire dtype,
+casts, fused and tied parameters, MoE experts, a trainer killed mid-round) are checked on a
+GPU: ``tests/gpu/test_ipc_write_through_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.backends.test_ipc_pull_worker import cp  # noqa: F401  (the fake CUDA fixture)
+from tests.trainer.test_ipc_pipeline import FakePacker
+from tests.trainer.test_ipc_pull import PullCupy, _join, handle
+from weightwire.backends.base import LandingRecord, RoundSender
+from weightwire.backends.ipc.channel import Channel
+from weightwire.backends.ipc.link import IPCSenderComm
+from weightwire.backends.ipc.slots import IPCSlots
+from weightwire.backends.ipc.through.pipeline import IPCWriteThroughPipeline
+from weightwire.backends.ipc.through.table import (
+    PART_LANDINGS,
+    Alloc,
+    Land,
+    LandingTable,
+    ParamSlot,
+    Run,
+    TensorLands,
+    plan_copies,
+    read_table,
+    refusal_message,
+    table_messages,
+)
+from weightwire.backends.ipc.trainer import choose_mode
+from weightwire.shared.errors import TransferError
+from weightwire.shared.framing import plan
+from weightwire.shared.meta import ParamMeta
+from weightwire.trainer import TrainerInitInfo
+from weightwire.trainer.gating import round_pause
+
+H = bytes(range(64))
+
+
+def _fused() -> tuple[list[ParamMeta], LandingTable]:
+    """q (4x8) and k (2x8) into a fused qkv (6x8) parameter, a norm into its own, bf16."""
+    metas = [
+        ParamMeta("q", "bfloat16", (4, 8)),
+        ParamMeta("k", "bfloat16", (2, 8)),
+        ParamMeta("norm", "bfloat16", (8,)),
+    ]
+    params = (ParamSlot("qkv", 0, 0, 96, "bfloat16"), ParamSlot("norm.w", 0, 512, 16, "bfloat16"))
+    tensors = (
+        TensorLands("q", (Land(0, (4, 8), 0, (8, 1), 0, (8, 1)),)),
+        TensorLands("k", (Land(0, (2, 8), 0, (8, 1), 32, (8, 1)),)),
+        TensorLands("norm", (Land(1, (8,), 0, (1,), 0, (1,)),)),
+    )
+    return metas, LandingTable((Alloc(H, 1024),), params, tensors)
+
+
+def _read(msgs: list[dict[str, Any]], metas: list[ParamMeta]) -> LandingTable:
+    rest = iter(msgs[1:])
+    return read_table(msgs[0], lambda: next(rest), metas, "worker 1")
+
+
+# -- the table --------------------------------------------------------------------------------
+
+
+def test_a_table_round_trips_through_its_messages_and_plans_one_run_per_slice() -> None:
+    metas, table = _fused()
+    (msg,) = table_messages(table, 3)
+    assert msg["op"] == "land" and msg["t"] == 3 and msg["parts"] == 1
+    assert _read([msg], metas) == table
+    runs = [c.runs for c in plan_copies(table, metas)]
+    # q at the start of qkv, k 32 elements (64 bytes) in, norm at its own storage
+    assert runs == [(Run(0, 0, 0, 64),), (Run(0, 0, 64, 32),), (Run(0, 0, 512, 16),)]
+
+
+def test_a_large_table_is_split_into_parts_and_read_back_whole() -> None:
+    n = PART_LANDINGS + 5
+    metas = [ParamMeta(f"e{i}", "float32", (4,)) for i in range(n)]
+    tensors = tuple(TensorLands(f"e{i}", (Land(0, (4,), 0, (1,), 4 * i, (1,)),)) for i in range(n))
+    table = LandingTable((Alloc(H, 16 * n),), (ParamSlot("w", 0, 0, 16 * n, "float32"),), tensors)
+    msgs = table_messages(table, 0)
+    assert [m["op"] for m in msgs] == ["land", "land_part"] and msgs[0]["parts"] == 2
+    assert _read(msgs, metas) == table
+
+
+def _mutate(msg: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    import copy
+
+    out = copy.deepcopy(msg)
+    node: Any = out
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "needle"),
+    [
+        (("tensors", 0, 1, 0, 2), 1, "reads past the end of 'q'"),  # q is 32 elements
+        (("tensors", 1, 1, 0, 4), 50, "writes 'k' past the end of 'qkv'"),
+        (("tensors", 0, 0), "k", "lists \"k\" where the round has 'q'"),
+        (("tensors", 2, 1, 0, 0), 5, "has 0=5, outside"),
+        (("params", 1, 2), 1020, "puts parameter 'norm.w' past the end of allocation 0"),
+        (("params", 0, 4), "int32", "lands 'q' (bfloat16) in 'qkv' (int32): a cast"),
+        (("params", 0, 4), "complex64", "not a wire dtype"),
+        (("allocs", 0, 0), "AAAA", "allocation 0"),
+        (("tensors", 0, 1, 0, 3), [8], "malformed source strides of 'q'"),
+        (("tensors", 0, 1, 0, 1), [4, -8], "malformed shape"),
+        (("parts",), 0, "has parts=0"),
+    ],
+)
+def test_a_bad_table_is_refused_naming_what_is_wrong(
+    path: tuple[Any, ...], value: Any, needle: str
+) -> None:
+    metas, table = _fused()
+    (msg,) = table_messages(table, 0)
+    with pytest.raises(TransferError, match="worker 1's landing table") as err:
+        _read([_mutate(msg, path, value)], metas)
+    assert needle in str(err.value), str(err.value)
+
+
+def test_a_table_for_another_round_is_refused() -> None:
+    metas, table = _fused()
+    (msg,) = table_messages(table, 0)
+    with pytest.raises(TransferError, match="lists 3 tensors for a round of 4"):
+        _read([msg], [*metas, ParamMeta("v", "bfloat16", (2, 8))])
+    with pytest.raises(TransferError, match="has no list 'tensors' of at most 2 entries"):
+        _read([msg], metas[:2])
+
+
+def test_strided_casting_and_column_slices_are_planned_as_kernel_copies_or_runs() -> None:
+    metas = [
+        ParamMeta("wide", "bfloat16", (4, 512)),  # a column slice: 4 runs of 256 elements
+        ParamMeta("narrow", "bfloat16", (64, 8)),  # 8-element rows: too short to run
+        ParamMeta("t", "bfloat16", (8, 4)),  # transposed into the parameter
+        ParamMeta("f", "float32", (16,)),  # a float32 tensor into a bfloat16 parameter
+    ]
+    params = (ParamSlot("p", 0, 0, 1 << 16, "bfloat16"),)
+    lands = [
+        Land(0, (4, 256), 256, (512, 1), 0, (1024, 1)),
+        Land(0, (64, 8), 0, (8, 1), 0, (16, 1)),
+        Land(0, (8, 4), 0, (4, 1), 0, (1, 8)),
+        Land(0, (16,), 0, (1,), 0, (1,)),
+    ]
+    table = LandingTable(
+        (Alloc(H, 1 << 16),),
+        params,
+        tuple(TensorLands(m.name, (x,)) for m, x in zip(metas, lands, strict=True)),
+    )
+    assert _read(table_messages(table, 0), metas) == table
+    wide, narrow, t, f = plan_copies(table, metas)
+    assert wide.runs == tuple(Run(2 * (256 + 512 * i), 0, 2 * 1024 * i, 512) for i in range(4))
+    assert not wide.strided
+    assert not narrow.runs and narrow.strided[0].shape == (64, 8)
+    assert not t.runs and t.strided[0].dst_strides == (1, 8)
+    assert not f.runs and (f.strided[0].src_dtype, f.strided[0].dst_dtype) == (
+        "float32",
+        "bfloat16",
+    )
+
+
+def test_a_refusal_is_one_short_message() -> None:
+    msg = refusal_message(4, "x" * 5000)
+    assert msg["op"] == "land" and msg["t"] == 4 and len(msg["refused"]) == 2000
+
+
+# -- the mode --------------------------------------------------------------------------------
+
+ALL = ["write_through", "pull", "push"]
+
+
+@pytest.mark.parametrize(
+    ("asked", "packed", "offers", "mode", "why"),
+    [
+        ("write_through", True, [ALL, ALL], "write_through", None),
+        ("auto", True, [ALL], "write_through", None),
+        ("auto", True, [ALL, ["pull", "push"]], "pull", None),
+        ("write_through", True, [["pull", "push"]], "pull", "an older weightwire"),
+        ("pull", True, [ALL], "pull", None),
+        ("push", True, [ALL], "push", None),
+        ("write_through", False, [["push"]], "push", "unpacked rounds"),
+        ("write_through", True, [["push"]], "push", "an older weightwire"),
+    ],
+)
+def test_the_session_mode_is_the_best_every_worker_takes(
+    asked: str, packed: bool, offers: list[list[str]], mode: str, why: str | None
+) -> None:
+    got, reason = choose_mode(asked, packed, offers)
+    assert got == mode
+    assert (reason is None) == (why is None) and (why is None or why in str(reason))
+
+
+@pytest.mark.parametrize("asked", ["write_through", "auto"])
+def test_the_hello_negotiates_write_through(monkeypatch: pytest.MonkeyPatch, asked: str) -> None:
+    comm, rdv, got = _join(monkeypatch, packed=True, mode=asked, offer=ALL)
+    assert comm.mode == "write_through" and got == [{"op": "mode", "mode": "write_through"}]
+    assert not rdv.slots.allocated  # no slot ring: the trainer writes into the worker's memory
+
+
+def test_ipc_mode_takes_write_through_and_auto_and_refuses_others() -> None:
+    for mode in ("write_through", "auto"):
+        assert TrainerInitInfo(backend="weightwire_ipc", ipc_mode=mode).ipc_mode == mode
+    with pytest.raises(ValueError, match="ipc_mode must be one of 'pull', 'push', 'write_thr"):
+        TrainerInitInfo(backend="weightwire_ipc", ipc_mode="through")
+
+
+def test_a_written_through_round_refuses_generation_whatever_its_size() -> None:
+    info = TrainerInitInfo(backend="weightwire_ipc")  # a 1 GiB stage budget
+    client = type("C", (), {"pause": lambda s, m: None, "resume": lambda s: None})()
+    small = {"stock_receiver": False, "nbytes": 1000, "client": client, "guard": lambda: True}
+    assert round_pause(info, None, **small).mode is None  # staged: all or nothing
+    pause = round_pause(info, None, in_place=True, **small)
+    assert (pause.mode, pause.resume_on_failure, pause.guard) == ("abort", False, True)
+    assert IPCWriteThroughPipeline.in_place and not RoundSender.in_place
+
+
+# -- the trainer's data path -----------------------------------------------------------------
+
+
+class ThroughWorker(threading.Thread):
+    """Each round: ``land`` (table or refusal) the first time, then ``go`` and ``done``; a
+    refused or declined worker asks for its chunks as in pull mode."""
+
+    def __init__(self, conn: Any, metas: list[ParamMeta], table: LandingTable | None) -> None:
+        super().__init__(daemon=True)
+        self.ch = Channel(conn, "trainer")
+        self.metas, self.table = metas, table
+        self.rounds = 1
+        self.seen: list[dict[str, Any]] = []
+        self.offered = False
+        self.go_table = 0
+        self.early = False  # the go comes at the round's start, before the update
+        self.started = threading.Semaphore(0)  # released by each round's begin (its start)
+
+    def run(self) -> None:
+        try:
+            for _ in range(self.rounds):
+                self._round()
+        except TransferError as exc:
+            self.seen.append({"op": "error", "why": str(exc)})
+
+    def _expect(self, op: str) -> dict[str, Any]:
+        msg = self.ch.expect(op, deadline=time.monotonic() + 10, what=op)
+        self.seen.append(msg)
+        return msg
+
+    def _round(self) -> None:
+        if not self.started.acquire(timeout=10):
+            return
+        through = True
+        if self.early and self.offered:
+            self.ch.send({"op": "go", "t": self.go_table, "early": True})
+            self._expect("done")
+            return
+        if not self.offered:
+            self.offered = True
+            if self.table is None:
+                self.ch.send(refusal_message(0, "lm_head is quantized"))
+                through = False
+            else:
+                for msg in table_messages(self.table, 0):
+                    self.ch.send(msg)
+                through = self._expect("path")["wt"]
+        if not through:
+            want = {"op": "want", "c": 0, "b": 0, "n": 40, "cap": 40}
+            self.ch.send({**want, "h": handle(100), "f": handle(200)})
+            self._expect("ready")
+            return
+        self.ch.send({"op": "go", "t": self.go_table})
+        self._expect("done")
+
+
+def _setup(table: LandingTable | None, metas: list[ParamMeta]) -> tuple[list, Any, Any, Any]:
+    log: list = []
+    fake = PullCupy(log)
+    slots = IPCSlots(fake, 0, 100, 2)
+    slots.free_memory()
+    a, b = socket.socketpair()
+    comm = IPCSenderComm(
+        fake, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "write_through"
+    )
+    worker = ThroughWorker(b, metas, table)
+    pipe = IPCWriteThroughPipeline(comm, FakePacker(), num_buffers=2, timeout=5.0, hold_bytes=0)
+    return log, slots, worker, pipe
+
+
+def _send(pipe: Any, metas: list[ParamMeta], sizes: list[int], worker: Any) -> Any:
+    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate(sizes)]
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    prepared = [(c, tensors[c.start : c.stop]) for c in chunks]
+    return pipe.send(prepared, threading.Event(), begin=worker.started.release, metas=metas)
+
+
+def test_tensors_are_written_into_the_parameters_after_the_go_and_done_follows() -> None:
+    metas, table = _fused()
+    log, slots, worker, pipe = _setup(table, metas)
+    worker.rounds = 3
+    worker.start()
+    for early in (False, False, True):
+        worker.early = early  # the third round's go comes with its start (the table holds)
+        assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)
+    worker.join(10)
+    ops = [e for e in log if e[0] in ("copy", "wait", "record", "open")]
+    base = 10_000 * int.from_bytes(H[:8], "little")
+    one_round = [
+        ("wait", 11),  # the worker's free event: its model's reads before any write
+        ("copy", base, 1_000_000, 64),
+        ("copy", base + 64, 2_000_000, 32),
+        ("copy", base + 512, 3_000_000, 16),
+        ("record", slots.events[0]),
+    ]
+    assert ops == [("open", int.from_bytes(H[:8], "little"))] + one_round * 3
+    assert [m["op"] for m in worker.seen] == ["path", "done", "done", "done"]
+    assert worker.seen[0] == {"op": "path", "t": 0, "wt": True}
+
+
+def test_a_refusing_worker_gets_its_round_through_its_receive_buffer_and_it_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    metas = [ParamMeta("a", "uint8", (40,))]
+    log, slots, worker, pipe = _setup(None, metas)
+    worker.start()
+    with caplog.at_level(logging.WARNING):
+        assert _send(pipe, metas, [40], worker) == (40, 1)
+    worker.join(10)
+    assert [m["op"] for m in worker.seen] == ["ready"]
+    assert [e for e in log if e[0] == "copy"] == [("copy", 10_000 * 100, 1_000_000, 40)]
+    assert "lm_head is quantized" in caplog.text and "receive buffers (pull)" in caplog.text
+
+
+def test_an_early_go_for_another_tables_tensors_is_passed_over_for_the_new_table() -> None:
+    metas, table = _fused()
+    log, slots, worker, pipe = _setup(table, metas)
+    worker.start()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)
+    worker.join(10)
+    # the next round carries other tensors: the worker's early go (the last table) is
+    # passed over, its new table taken, and the copies follow its go
+    other = [ParamMeta("q", "bfloat16", (4, 8)), ParamMeta("k", "bfloat16", (2, 8))]
+    table2 = LandingTable(table.allocs, table.params, table.tensors[:2])
+    a = worker.ch
+
+    def second() -> None:
+        worker.started.acquire(timeout=10)
+        a.send({"op": "go", "t": 0, "early": True})
+        for msg in table_messages(table2, 1):
+            a.send(msg)
+        a.expect("path", deadline=time.monotonic() + 10, what="path")
+        a.send({"op": "go", "t": 1})
+        a.expect("done", deadline=time.monotonic() + 10, what="done")
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    log.clear()
+    assert _send(pipe, other, [64, 32], worker) == (96, 1)
+    thread.join(10)
+    copies = [e for e in log if e[0] == "copy"]
+    assert [c[2:] for c in copies] == [(1_000_000, 64), (2_000_000, 32)]
+
+
+def test_a_go_for_a_table_the_trainer_never_took_is_refused() -> None:
+    metas, table = _fused()
+    log, slots, worker, pipe = _setup(table, metas)
+    worker.go_table = 9
+    worker.start()
+    with pytest.raises(TransferError, match="table 9, which this trainer did not accept"):
+        _send(pipe, metas, [64, 32, 16], worker)
+    assert not [e for e in log if e[0] == "copy"]  # nothing written
+
+
+# -- the worker's decision -----------------------------------------------------------------------
+
+
+def test_without_a_landing_map_the_worker_says_why_and_takes_the_pull_path() -> None:
+    from weightwire.torch_side.worker.strategy import record_landing
+
+    got = record_landing(object(), [ParamMeta("a", "uint8", (4,))])
+    assert isinstance(got, LandingRecord) and got.map is None and got.refused
+
+
+def test_a_worker_whose_loader_refuses_says_so_once_and_takes_the_pull_path(
+    cp: Any,  # noqa: F811  (the fake CUDA fixture)
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import functools
+
+    from tests.backends.test_ipc_pull_worker import _connect, _round
+    from weightwire.backends.base import ReceiveTurn
+    from weightwire.backends.ipc import worker as ipc_worker
+    from weightwire.backends.ipc.through.worker import IPCWriteThroughLink
+
+    through = functools.partial(ipc_worker.connect_ipc, through=IPCWriteThroughLink)
+    monkeypatch.setattr(ipc_worker, "connect_ipc", through)
+
+    def trainer(ch: Channel, hello: dict[str, Any]) -> None:
+        ch.send({"op": "mode", "mode": "write_through"})
+        ch.send({"op": "ping"})
+        ch.expect("pong", deadline=time.monotonic() + 5, what="pong")
+
+    link, ch, hello = _connect(trainer)
+    assert hello["modes"] == ALL and isinstance(link, IPCWriteThroughLink)
+    metas, chunks = _round([30, 40])
+    turn = ReceiveTurn(0, metas, chunks, [], packed=True)
+    calls: list[int] = []
+
+    def record() -> LandingRecord:
+        calls.append(1)
+        return LandingRecord(None, "'lm_head' is quantized: not a plain copy")
+
+    with caplog.at_level(logging.WARNING):
+        assert link.lands(turn, record) is False
+        assert link.lands(turn, record) is False  # the same tensors: decided once
+    msg = ch.recv(deadline=time.monotonic() + 5, what="land")
+    assert msg == {"op": "land", "t": 0, "refused": "'lm_head' is quantized: not a plain copy"}
+    assert calls == [1] and caplog.text.count("lm_head") == 1
+    link.close()

@@ -1,0 +1,311 @@
+"""``IPCWriteThroughPipeline``: rank 0 writes each tensor straight into the workers' serving
+parameters (``weightwire_ipc`` write-through; one device copy per byte, no receive buffer).
+
+Per worker and round, the worker's first message says how the round reaches it:
+
+- ``land`` (its first round with these tensors): its landing table (``table``), or
+  ``refused`` with the reason (its loader is not a plain copy). The trainer checks the
+  table, maps each allocation once per session (``cudaIpcOpenMemHandle``), plans the
+  copies and answers ``{"op": "path", "t": id, "wt": true}``, or ``false`` with ``why``
+  when it cannot (a kernel that does not compile, a handle that does not open);
+- ``go`` (``t``: an accepted table's id): write. The worker sends it after it recorded
+  the round as written in place, with its free event recorded on the stream its model
+  runs on; the fill stream waits on that event before the first write;
+- ``want`` (a refused or declined table): that worker's round goes through its receive
+  buffers (``ipc.pull``), and only it: each worker has its own path.
+
+Per chunk the copies into a worker are one gather launch (contiguous runs, cached device
+tables: a torch trainer's rounds reuse them) plus one strided / casting launch per
+landing that is neither (``kernels``). After the last chunk: ``{"op": "done", "e": k}``
+once ready event ``k`` was recorded behind every copy; the worker's stream waits on it.
+Generation stays refused around every round (``RoundSender.in_place``): a worker's
+weights are not whole from the first write until the round commits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+from weightwire.backends.base import DevicePacker
+from weightwire.backends.ipc.channel import check_int
+from weightwire.backends.ipc.gather import GatherCopy
+from weightwire.backends.ipc.link import IPCSenderComm
+from weightwire.backends.ipc.pipeline import _Starter
+from weightwire.backends.ipc.pull import IPCPullPipeline
+from weightwire.backends.ipc.slots import (
+    CUDA_IPC_LAZY_PEER_ACCESS,
+    record,
+    stream_wait,
+    sync_stream,
+    trace,
+    wait_event_host,
+)
+from weightwire.backends.ipc.through.kernels import Launch, StreamRef, StridedCopy
+from weightwire.backends.ipc.through.table import LandingTable, plan_copies, read_table
+from weightwire.shared.errors import TransferError
+from weightwire.shared.framing import Chunk
+from weightwire.shared.meta import ParamMeta
+
+log = logging.getLogger(__name__)
+
+_RING = 32
+"""Gather tables kept on the device: a round of up to this many chunks reuses every one."""
+
+
+@dataclass(frozen=True)
+class _Landed:
+    """A worker's accepted table, planned: per tensor its runs (source offset, destination
+    pointer, bytes) and its strided launches (with their allocation's pointer)."""
+
+    tid: int
+    metas: tuple[ParamMeta, ...]
+    wire: Any
+    """The round's metadata list it was planned for (the same object every round of a plan)."""
+    runs: list[list[tuple[int, int, int]]]
+    strided: list[list[tuple[Launch, int]]]
+
+
+class _Mappings:
+    """One worker's allocations as this trainer mapped them (once per session each)."""
+
+    def __init__(self, cp: Any, device: int, peer: str) -> None:
+        self._cp, self.device, self.peer = cp, int(device), peer
+        self.mapped: dict[bytes, int] = {}
+
+    def open(self, handle: bytes) -> int:
+        known = self.mapped.get(handle)
+        if known is not None:
+            return known
+        with self._cp.cuda.Device(self.device):
+            try:
+                ptr = int(self._cp.cuda.runtime.ipcOpenMemHandle(handle, CUDA_IPC_LAZY_PEER_ACCESS))
+            except Exception as exc:
+                raise TransferError(
+                    f"cannot open {self.peer}'s parameter memory (cudaIpcOpenMemHandle: {exc})"
+                ) from exc
+        self.mapped[handle] = ptr
+        return ptr
+
+    def close(self) -> None:
+        mapped, self.mapped = self.mapped, {}
+        with self._cp.cuda.Device(self.device):
+            for ptr in mapped.values():
+                with suppress(Exception):
+                    self._cp.cuda.runtime.ipcCloseMemHandle(ptr)
+
+
+class IPCWriteThroughPipeline(IPCPullPipeline):
+    """Rounds written into the workers' parameters (see the module docstring)."""
+
+    in_place = True
+
+    def __init__(
+        self,
+        comm: IPCSenderComm,
+        packer: DevicePacker,
+        *,
+        num_buffers: int,
+        timeout: float,
+        hold_bytes: int,
+    ) -> None:
+        super().__init__(
+            comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes
+        )
+        n, cp, device = len(comm.channels), comm.cp, comm.slots.device
+        self._landed: list[_Landed | None] = [None] * n
+        self._maps = [_Mappings(cp, device, ch.peer) for ch in comm.channels]
+        self._through = [False] * n
+        self._known = False  # this round's paths are known
+        self._runs = GatherCopy(cp, device, self._sptr, ring=_RING)
+        self._strided = StridedCopy(cp, device)
+        self._stream_ref = StreamRef(self._sptr)
+        self._told: set[str] = set()
+
+    def send(self, prepared: Any, stop: Any, begin: Any = None, **kw: Any) -> Any:
+        if self._in_flight[0]:  # the last round's copies: long done, but never settled
+            self.settle()
+        for ch in self._comm.channels:  # a go of a round that sent no byte: void
+            ch.discard_delivered("go")
+        self._through = [False] * len(self._comm.channels)
+        self._known = False
+        return super().send(prepared, stop, begin, **kw)
+
+    def _pulling(self) -> list[int]:
+        return [w for w, through in enumerate(self._through) if not through]
+
+    def _fill(
+        self,
+        ci: int,
+        chunk: Chunk,
+        regions: list[Any],
+        deadline: float,
+        alive: Callable[[], None],
+        starter: _Starter,
+    ) -> None:
+        if not self._known:
+            self._paths(deadline, alive)
+        for w, through in enumerate(self._through):
+            if through:
+                self._write(w, chunk, regions, deadline, alive)
+        super()._fill(ci, chunk, regions, deadline, alive, starter)
+
+    def _end_round(self) -> bool:
+        writing = [w for w, through in enumerate(self._through) if through]
+        if not writing:
+            return True
+        e = self._last_ready  # a pulling worker's last ready event follows every copy too
+        if e < 0:
+            e = 0
+            record(self._comm.cp, self._comm.slots.events[0], self._sptr)
+        trace("wt enqueued")
+        for w in writing:
+            self._comm.channels[w].send({"op": "done", "e": e})
+        # Written through to every worker: each one's commit waits for this round's ready
+        # event before it returns, so the copies are done once the round committed, and the
+        # fill stream need not be waited for here (the regions stay held until it is).
+        return bool(self._pulling()) or self._comm.release_after_round
+
+    # -- the round's paths ------------------------------------------------------------------
+
+    def _paths(self, deadline: float, alive: Callable[[], None]) -> None:
+        comm = self._comm
+        for w in range(len(comm.channels)):
+            self._through[w] = self._path(w, deadline, alive)
+        self._known = True
+        trace("wt paths")
+        for w, through in enumerate(self._through):
+            if not through:
+                continue
+            free = comm.free_events[w][0]
+            if self._host_wait:
+                wait_event_host(
+                    comm.cp,
+                    free,
+                    deadline=deadline,
+                    what=f"{comm.channels[w].peer}'s model work before the round",
+                    alive=alive,
+                )
+            else:
+                stream_wait(comm.cp, self._sptr, free)
+
+    def _path(self, w: int, deadline: float, alive: Callable[[], None]) -> bool:
+        """Whether worker ``w`` is written through this round (its first message)."""
+        ch = self._comm.channels[w]
+        what = "the worker's first message of the round"
+        msg = ch.recv(deadline=deadline, what=what, alive=alive)
+        if msg["op"] == "go" and msg.get("early") is True and not self._holds(w, msg):
+            # sent at its start for the last table: this round's tensors differ, and the
+            # worker sends their table with the update
+            msg = ch.recv(deadline=deadline, what=what, alive=alive)
+        if msg["op"] == "land":
+            if self._table(w, msg, deadline, alive):
+                msg = ch.expect("go", deadline=deadline, what="the worker's go", alive=alive)
+            else:
+                msg = ch.recv(deadline=deadline, what=what, alive=alive)
+        if msg["op"] == "go":
+            if not self._holds(w, msg):
+                raise TransferError(
+                    f"{ch.peer} asked to be written through with table {msg.get('t')!r}, which "
+                    "this trainer did not accept for this round's tensors"
+                )
+            return True
+        ch.unread(msg)  # its round goes through its receive buffers: the pull path reads it
+        return False
+
+    def _holds(self, w: int, go: dict[str, Any]) -> bool:
+        """Whether worker ``w``'s accepted table is the one ``go`` names, for this round."""
+        landed = self._landed[w]
+        return (
+            landed is not None
+            and go.get("t") == landed.tid
+            and (landed.wire is self._metas or landed.metas == tuple(self._metas))
+        )
+
+    def _table(self, w: int, head: dict[str, Any], deadline: float, alive: Any) -> bool:
+        """Read worker ``w``'s ``land`` message; True when its table was accepted."""
+        ch = self._comm.channels[w]
+        tid = check_int(head, "t", 0, 1 << 62, ch.peer)
+        self._landed[w] = None
+        if "refused" in head:
+            self._tell(f"{ch.peer} is not written through: {str(head['refused'])[:500]}")
+            return False
+        table = read_table(
+            head,
+            lambda: ch.expect("land_part", deadline=deadline, what="the table's part", alive=alive),
+            self._metas,
+            ch.peer,
+        )
+        try:
+            landed = self._plan(w, tid, table)
+        except TransferError as exc:
+            ch.send({"op": "path", "t": tid, "wt": False, "why": str(exc)[:2000]})
+            self._tell(f"{ch.peer} is not written through: {exc}")
+            return False
+        ch.send({"op": "path", "t": tid, "wt": True})
+        self._landed[w] = landed
+        return True
+
+    def _tell(self, why: str) -> None:
+        """Say once per session why a worker's rounds go through its receive buffers."""
+        if why not in self._told:
+            self._told.add(why)
+            log.warning("weightwire_ipc: %s; its rounds land in its receive buffers (pull)", why)
+
+    def _plan(self, w: int, tid: int, table: LandingTable) -> _Landed:
+        comm = self._comm
+        with comm.cp.cuda.Device(comm.slots.device):
+            ptrs = [self._maps[w].open(a.handle) for a in table.allocs]
+            runs, strided = [], []
+            for copies in plan_copies(table, self._metas):
+                runs.append([(r.src, ptrs[r.alloc] + r.dst, r.nbytes) for r in copies.runs])
+                strided.append([(self._strided.prepare(j), ptrs[j.alloc]) for j in copies.strided])
+        return _Landed(tid, tuple(self._metas), self._metas, runs, strided)
+
+    # -- the copies -------------------------------------------------------------------------
+
+    def _write(
+        self,
+        w: int,
+        chunk: Chunk,
+        regions: list[Any],
+        deadline: float,
+        alive: Callable[[], None],
+    ) -> None:
+        landed = self._landed[w]
+        assert landed is not None
+        srcs: list[int] = []
+        dsts: list[int] = []
+        sizes: list[int] = []
+        for i, region in zip(range(chunk.start, chunk.stop), regions, strict=True):
+            base = region.ptr
+            for src, dst, n in landed.runs[i]:
+                srcs.append(base + src)
+                dsts.append(dst)
+                sizes.append(n)
+            for launch, alloc in landed.strided[i]:
+                self._strided.launch(launch, base, alloc, self._stream_ref)
+        self._runs.copy_rows(srcs, dsts, sizes, deadline=deadline, alive=alive)
+
+    def close(self) -> None:
+        comm = self._comm
+        try:
+            sync_stream(
+                comm.cp,
+                comm.slots.device,
+                self._sptr,
+                timeout=min(self._timeout, 30.0),
+                what="the fill stream",
+            )
+        except Exception:  # a copy may still write through the mappings: leave them open
+            self._maps = []
+        else:
+            self._runs.close()
+        finally:
+            for maps in self._maps:
+                maps.close()
+            self._maps = []
+            super().close()
