@@ -31,6 +31,7 @@ import hashlib
 import logging
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Literal, Self, cast, overload
 
@@ -46,6 +47,8 @@ from weightwire.shared.source import WeightSource, as_source
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
+from weightwire.trainer.delta import DeltaKernel, DeltaTracker
+from weightwire.trainer.delta_round import DeltaRounds
 from weightwire.trainer.freshness import CommitPlan, commit_plan
 from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
@@ -92,6 +95,10 @@ class TrainerEngine(ABC):
         """What this engine lends a backend's data path."""
         return SenderParts(self.host_bytes, self.prefetch_host, packer)
 
+    def delta_kernel(self) -> DeltaKernel:
+        """The device kernels of ``delta="auto"`` rounds (``trainer.delta``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no delta kernels")
+
     def tensor_sha256(self, tensor: Any) -> str:
         return hashlib.sha256(
             self.host_bytes(tensor).data
@@ -121,12 +128,22 @@ class TrainerEngine(ABC):
         self._draft_confirmed = False
         self._overlapped = OverlappedRounds(  # send_weights(wait=False)
             self.session,
-            lambda version, draft: self.send_weights(version, draft=draft),
+            lambda version, draft, dense: self.send_weights(version, draft=draft, dense=dense),
             lambda: self.snapshot(self.source),
             self._check_usable,
         )
         self._closed = False
         self._multi: MultiSource | None = None  # built with a TrainerGroup
+        self._delta: DeltaRounds | None = None
+        if init_info.delta != "off" and init_info.is_sender:
+            tracker = DeltaTracker(
+                self.delta_kernel(),
+                density=init_info.delta_density,
+                anchor_every=init_info.delta_anchor_every,
+            )
+            self._delta = DeltaRounds(
+                self.session, tracker, self._sole_round, self._reopen, self.tensor_sha256
+            )
 
     @property
     def features(self) -> ServerFeatures | None:
@@ -170,6 +187,11 @@ class TrainerEngine(ABC):
         if init_info.is_sender:
             engine._check_client()
         if group is not None:
+            if init_info.delta != "off":
+                raise ConfigError(
+                    "delta rounds need one sender: a TrainerGroup's several broadcasters "
+                    "send dense rounds (delta='off')"
+                )
             engine._multi = MultiSource(engine.session, group, engine._sole_round)
             engine._multi.connect()
         elif init_info.is_sender:
@@ -187,16 +209,31 @@ class TrainerEngine(ABC):
 
     @overload
     def send_weights(
-        self, weight_version: str | None = None, *, draft: bool = False, wait: Literal[True] = True
+        self,
+        weight_version: str | None = None,
+        *,
+        draft: bool = False,
+        dense: bool = False,
+        wait: Literal[True] = True,
     ) -> RoundMetrics: ...
 
     @overload
     def send_weights(
-        self, weight_version: str | None = None, *, draft: bool = False, wait: Literal[False]
+        self,
+        weight_version: str | None = None,
+        *,
+        draft: bool = False,
+        dense: bool = False,
+        wait: Literal[False],
     ) -> RoundHandle: ...
 
     def send_weights(
-        self, weight_version: str | None = None, *, draft: bool = False, wait: bool = True
+        self,
+        weight_version: str | None = None,
+        *,
+        draft: bool = False,
+        dense: bool = False,
+        wait: bool = True,
     ) -> RoundMetrics | RoundHandle:
         """Push the source's current weights; every trainer rank calls this.
 
@@ -210,12 +247,13 @@ class TrainerEngine(ABC):
         ``RoundHandle`` while this same round runs on the engine's round thread. A failed
         round's error is raised by its handle's ``result()`` and, if nothing raised it yet, by
         the next ``send_weights``.
+        ``dense=True`` (with ``delta="auto"``): send every tensor whole this round.
         """
         s = self.session
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} was shut down")
         if not wait:
-            return self._send_overlapped(weight_version, draft)
+            return self._send_overlapped(weight_version, draft, dense)
         self._overlapped.settle()  # the rounds in flight land first: rounds never reorder
         if s.broken is not None:
             raise EngineBroken(
@@ -248,7 +286,10 @@ class TrainerEngine(ABC):
             raise s.broken
         if draft:
             self._check_draft()
-        metrics = self._sole_round(metas, version, clock, draft)
+        if self._delta is not None and not draft:
+            metrics = self._delta.send(metas, version, clock, dense=dense)
+        else:
+            metrics = self._sole_round(metas, version, clock, draft)
         logger.info("%s", metrics)  # formatted only when INFO is on
         return metrics
 
@@ -260,7 +301,7 @@ class TrainerEngine(ABC):
             f"{type(self).__name__} cannot take a snapshot for send_weights(wait=False)"
         )
 
-    def _send_overlapped(self, weight_version: str | None, draft: bool) -> RoundHandle:
+    def _send_overlapped(self, weight_version: str | None, draft: bool, dense: bool) -> RoundHandle:
         if self._multi is not None:
             raise ConfigError(
                 "send_weights(wait=False) needs a single broadcaster: with a TrainerGroup "
@@ -268,7 +309,7 @@ class TrainerEngine(ABC):
             )
         if draft and self.info.is_sender:
             self._check_draft()
-        return self._overlapped.send(weight_version, draft)
+        return self._overlapped.send(weight_version, draft, dense)
 
     def _check_usable(self) -> None:
         s = self.session
@@ -294,6 +335,8 @@ class TrainerEngine(ABC):
         clock: PhaseClock,
         draft: bool,
         end: RoundEnd | None = None,
+        *,
+        remap: Callable[[dict[str, str]], dict[str, str]] | None = None,
     ) -> RoundMetrics:
         """Rank 0 alone broadcasts: a one-turn plan through the round driver."""
         with clock("metadata"):
@@ -307,9 +350,22 @@ class TrainerEngine(ABC):
             version,
             clock,
             draft,
-            SoleWire(self.session, sole),
+            SoleWire(self.session, sole, remap),
             end,
         )
+
+    def _reopen(self) -> None:
+        """After a round the workers refused before any byte: a fresh wire to the same
+        servers (what ``shutdown()`` + ``trainer_init()`` do), when the refusal aborted it."""
+        s = self.session
+        if s.broken is None and s.link is not None:
+            return
+        if s.features is not None and s.features.shutdown_route:
+            shutdown_when_settled(self.client, self.info.timeouts.transfer_s)
+        s.close_link()
+        s.broken = None
+        s.sent.clear()  # a fresh worker engine holds no metadata to reuse
+        open_wire(s)
 
     def abort_requests(self, request_ids: list[str] | None = None) -> None:
         """Rank 0: abort in-flight generation on every server without pausing

@@ -226,11 +226,12 @@ class Job:
     snapshot: Snapshot
     weight_version: str | None
     draft: bool
+    dense: bool
     stop: threading.Event = field(default_factory=threading.Event)
 
 
-RunRound = Callable[[WeightSource, str, bool], RoundMetrics]
-"""The engine's blocking round over a given source: ``(source, weight_version, draft)``."""
+RunRound = Callable[[WeightSource, str, bool, bool], RoundMetrics]
+"""The engine's blocking round over a given source: ``(source, weight_version, draft, dense)``."""
 NextVersion = Callable[[str | None], str]
 """The version a round about to start sends (the session's ``next_version``)."""
 
@@ -284,11 +285,13 @@ class RoundRunner:
         ``wait_s``)."""
         self._wait_until(lambda: len(self._queue) + (self._running is not None) < self._limit)
 
-    def submit(self, snapshot: Snapshot, weight_version: str | None, draft: bool) -> RoundHandle:
+    def submit(
+        self, snapshot: Snapshot, weight_version: str | None, draft: bool, dense: bool = False
+    ) -> RoundHandle:
         with self._cond:
             self._calls += 1
             handle = RoundHandle(self._calls, weight_version, self._wait_s, self._mark_seen)
-            self._queue.append(Job(handle, snapshot, weight_version, draft))
+            self._queue.append(Job(handle, snapshot, weight_version, draft, dense))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._loop, name="weightwire-overlap", daemon=True
@@ -392,7 +395,7 @@ class RoundRunner:
             job.handle.version = version
             job.snapshot.ready()
             source = cancellable(job.snapshot.source, job.stop)
-            metrics = self._run(source, version, job.draft)
+            metrics = self._run(source, version, job.draft, job.dense)
         except BaseException as exc:  # handed to the handle: never lost, never raised here
             error = exc
         self._finish(job, metrics, error)

@@ -17,8 +17,8 @@ from weightwire.trainer.metrics import RoundMetrics
 from weightwire.trainer.overlap import IN_FLIGHT_MODES, RoundHandle, RoundRunner, Snapshot
 from weightwire.trainer.session import Session
 
-Blocking = Callable[[str | None, bool], RoundMetrics]
-"""The engine's blocking round: ``(weight_version, draft)``, reading ``session.source``."""
+Blocking = Callable[[str | None, bool, bool], RoundMetrics]
+"""The engine's blocking round: ``(weight_version, draft, dense)``, reading ``session.source``."""
 
 
 class OverlappedRounds:
@@ -37,13 +37,13 @@ class OverlappedRounds:
         self._usable = usable  # raises when the engine can send no round (a broken link)
         self._runner: RoundRunner | None = None
 
-    def send(self, weight_version: str | None, draft: bool) -> RoundHandle:
+    def send(self, weight_version: str | None, draft: bool, dense: bool = False) -> RoundHandle:
         """Wait for a free slot, take the snapshot, queue the round; its handle."""
         s = self._s
         if weight_version is not None:
             s.next_version(weight_version)  # a bad version fails here, not on the round thread
         if not s.info.is_sender:  # other ranks only iterate (their gathers): done now
-            return RoundHandle.completed(self._blocking(weight_version, draft))
+            return RoundHandle.completed(self._blocking(weight_version, draft, dense))
         runner = self._runner
         if runner is None:
             runner = self._runner = RoundRunner(
@@ -56,7 +56,7 @@ class OverlappedRounds:
         runner.raise_unseen()
         runner.wait_slot()
         self._usable()
-        return runner.submit(self._snapshot(), weight_version, draft)
+        return runner.submit(self._snapshot(), weight_version, draft, dense)
 
     def settle(self) -> None:
         """Before a blocking round: the rounds in flight end first (their failure is raised).
@@ -77,12 +77,14 @@ class OverlappedRounds:
         finally:
             runner.close()
 
-    def _in_flight(self, source: WeightSource, version: str, draft: bool) -> RoundMetrics:
+    def _in_flight(
+        self, source: WeightSource, version: str, draft: bool, dense: bool
+    ) -> RoundMetrics:
         """The blocking round on the round thread; the session reads the snapshot meanwhile."""
         s = self._s
         live, s.source = s.source, source
         try:
-            return self._blocking(version, draft)
+            return self._blocking(version, draft, dense)
         finally:
             s.source = live
 
