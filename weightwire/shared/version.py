@@ -79,6 +79,13 @@ FEATURES: tuple[Feature, ...] = (
         "the packed consumer reshapes with view(shape): scalars ([]) load",
     ),
     Feature(
+        "sparse_nccl",
+        (0, 30),
+        False,
+        "the sparse_nccl backend: per patched tensor an int32 flat-index broadcast, then its "
+        "values, applied in place through the model's loader (receive code identical 0.30-0.33)",
+    ),
+    Feature(
         "reuse_metadata",
         (0, 33),
         False,
@@ -159,6 +166,7 @@ class ServerFeatures:
     shutdown_route: bool
     weight_checker_route: bool
     packed_scalars: bool
+    sparse_nccl: bool
     reuse_metadata: bool
 
     @classmethod

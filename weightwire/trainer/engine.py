@@ -31,6 +31,7 @@ import hashlib
 import logging
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Self, cast
 
@@ -40,8 +41,9 @@ from weightwire.backends.base import DevicePacker, SenderParts
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient, WeightSyncClient
-from weightwire.shared.errors import RoundError
+from weightwire.shared.errors import ConfigError, RoundError
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.patches import Patch
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
@@ -51,6 +53,7 @@ from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_source import MultiSource
+from weightwire.trainer.patch_round import patch_round
 from weightwire.trainer.round import RoundEnd, SolePlan, SoleWire, lead_round, sole_plan
 from weightwire.trainer.session import Session, open_wire
 from weightwire.trainer.transfer import shutdown_when_settled
@@ -223,6 +226,35 @@ class TrainerEngine(ABC):
             self._check_draft()
         metrics = self._sole_round(metas, version, clock, draft)
         logger.info("%s", metrics)  # formatted only when INFO is on
+        return metrics
+
+    def send_patches(
+        self, patches: Sequence[Patch], weight_version: str | None = None
+    ) -> RoundMetrics:
+        """Rank 0: a delta round of ``patches`` (``shared.patches.Patch``, one per changed
+        tensor) through a backend that takes them (stock ``sparse_nccl``); other ranks return
+        at once. The trainer must be sure of the workers' weights, or the round must be an
+        anchor (``trainer.patch_round``); every refusal comes before any call."""
+        s = self.session
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} was shut down")
+        if s.broken is not None:
+            raise EngineBroken(
+                f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
+                "call shutdown() and trainer_init() again"
+            ) from s.broken
+        if self._multi is not None:
+            raise ConfigError("delta rounds have one broadcaster: trainer_init without a group")
+        if not self.info.is_sender:
+            return RoundMetrics(None, 0, 0, 0, False, sender=False)
+        if self._displaced():
+            raise EngineBroken(
+                "a server closed this trainer's data link; nothing was sent. Call trainer_init() "
+                "again to take it back"
+            )
+        clock = PhaseClock()
+        metrics = patch_round(s, patches, s.next_version(weight_version), clock)
+        logger.info("%s", metrics)
         return metrics
 
     def _check_draft(self) -> None:
