@@ -1,0 +1,155 @@
+"""Delta rounds through a patch backend (``sparse_nccl``'s plan) against a fake vLLM server and
+a recording communicator: the base rule (anchor first; after any failed round, an anchor
+again), the update info posted, the bytes broadcast, and what is refused before any call."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.trainer.fakes import DictSource, FakeBackend, FakeComm, FakeServer
+from weightwire.backends.base import PatchPlan, SenderCaps, WirePlan
+from weightwire.backends.nccl.sparse import sparse_nccl_round
+from weightwire.backends.nccl.trainer import SparseNCCLBackend
+from weightwire.jax_side.dtypes import describe
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.shared.errors import ConfigError
+from weightwire.shared.patches import Patch
+from weightwire.shared.timeouts import Timeouts
+from weightwire.trainer import TrainerInitInfo
+from weightwire.trainer.backends import register_backend
+from weightwire.trainer.patch_round import SparseBaseUnknown, anchor_patches, base_known
+
+FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
+ROUND = ["start_weight_update", "update_weights", "finish_weight_update"]
+
+
+class FakePatchBackend(FakeBackend):
+    """The fake host wire, planned as ``sparse_nccl`` plans (a stock receiver of patches)."""
+
+    name: ClassVar[str] = "fake_patches"
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=False, stock_receiver=True, delta=True)
+
+    def plan_patches(self, patches: Any, *, features: Any, describe: Any) -> PatchPlan:
+        return sparse_nccl_round(patches, features=features, describe=describe)
+
+    def plan_round(self, metas: Any, **kw: Any) -> WirePlan:
+        return SparseNCCLBackend().plan_round(metas, **kw)
+
+
+BACKEND = FakePatchBackend()
+register_backend(BACKEND, replace=True)
+
+
+def weights() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "model.layers.0.mlp.up_proj.weight": rng.standard_normal((6, 4)).astype(ml_dtypes.bfloat16),
+        "model.norm.weight": rng.standard_normal((4,)).astype(np.float32),
+    }
+
+
+def delta(w: dict[str, np.ndarray]) -> list[Patch]:
+    a = w["model.norm.weight"]
+    return [Patch("model.norm.weight", "float32", a.shape, np.array([1, 3], np.int32), a[[1, 3]])]
+
+
+def anchor(engine: JAXTrainerEngine) -> list[Patch]:
+    return anchor_patches(engine.source, describe, lambda n: np.arange(n, dtype=np.int32))
+
+
+@pytest.fixture
+def server() -> FakeServer:
+    BACKEND.comm = FakeComm()
+    return FakeServer(version="0.33.0")
+
+
+def make(server: FakeServer, **info: Any) -> JAXTrainerEngine:
+    return JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_patches", timeouts=FAST, **info),
+        client=server.client(),
+        source=DictSource(weights(), describe),
+    )
+
+
+def round_calls(server: FakeServer) -> list[str]:
+    return [r for r in server.routes() if r in ROUND]
+
+
+def test_an_anchor_first_then_deltas(server: FakeServer) -> None:
+    engine = make(server)
+    w = weights()
+    with pytest.raises(SparseBaseUnknown, match="no round committed in this session yet"):
+        engine.send_patches(delta(w))
+    assert round_calls(server) == [] and BACKEND.comm.broadcasts == []
+
+    engine.send_patches(anchor(engine), weight_version="a")
+    assert base_known(engine.session)
+    engine.send_patches(delta(w), weight_version="d")
+    assert round_calls(server) == ROUND * 2
+    info = server.bodies("update_weights")[-1]["update_info"]
+    assert info == {
+        "names": ["model.norm.weight"],
+        "dtype_names": ["float32"],
+        "shapes": [[4]],
+        "num_updates_list": [2],
+    }
+    # The last round's two broadcasts: its int32 indices, then its values.
+    assert BACKEND.comm.broadcasts[-2:] == [
+        np.array([1, 3], np.int32).tobytes(),
+        w["model.norm.weight"][[1, 3]].tobytes(),
+    ]
+    assert server.weight_version == "d"
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("route", ["update_weights", "finish_weight_update"])
+def test_after_a_failed_round_only_an_anchor_is_sent(server: FakeServer, route: str) -> None:
+    engine = make(server)
+    engine.send_patches(anchor(engine))
+    server.fail[route] = (500, "worker failed mid-round")
+    with pytest.raises(Exception, match="worker failed mid-round"):
+        engine.send_patches(delta(weights()))
+    del server.fail[route]
+    assert not base_known(engine.session)
+    if route == "finish_weight_update":  # nothing broke on the wire: the engine goes on
+        before = len(server.routes())
+        with pytest.raises(SparseBaseUnknown, match="the last round failed"):
+            engine.send_patches(delta(weights()))
+        assert len(server.routes()) == before  # refused before any call
+        engine.send_patches(anchor(engine))
+        assert base_known(engine.session)
+        engine.send_patches(delta(weights()))
+    engine.shutdown()
+
+
+def test_refused_before_any_call(server: FakeServer) -> None:
+    engine = make(server)
+    engine.send_patches(anchor(engine))
+    before = len(server.routes())
+    bad = Patch("model.nope", "float32", (4,), np.array([0], np.int32), np.zeros(1, np.float32))
+    with pytest.raises(ConfigError, match="'model.nope' names no tensor of the source"):
+        engine.send_patches([bad])
+    wrong = Patch(
+        "model.norm.weight", "float32", (2, 2), np.array([0], np.int32), np.zeros(1, np.float32)
+    )
+    with pytest.raises(ConfigError, match=r"declares float32 \[2, 2\], the source's tensor is"):
+        engine.send_patches([wrong])
+    with pytest.raises(ValueError, match="needs at least one patch"):
+        engine.send_patches([])
+    with pytest.raises(ConfigError, match="receives patches only"):
+        engine.send_weights()
+    assert len(server.routes()) == before
+    assert base_known(engine.session)  # a refusal sent nothing: the base stays known
+    engine.shutdown()
+
+
+def test_verify_is_refused_for_delta_rounds(server: FakeServer) -> None:
+    server.checksums = {}
+    engine = make(server, verify=True)
+    with pytest.raises(ConfigError, match="verify=True compares whole-tensor checksums"):
+        engine.send_patches(anchor(engine))
+    engine.shutdown()
