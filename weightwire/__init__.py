@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.shared.info import WeightwireNCCLInitInfo as WeightwireNCCLInitInfo
     from weightwire.shared.ipc_info import IPCInitInfo as IPCInitInfo
     from weightwire.shared.meta import ParamMeta as ParamMeta
+    from weightwire.shared.patches import Patch as Patch
     from weightwire.shared.source import WeightSource as WeightSource
     from weightwire.shared.timeouts import Timeouts as Timeouts
     from weightwire.tools.models.loading import load_decoder as load_decoder
@@ -66,6 +67,8 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.trainer.engine import EngineBroken as EngineBroken
     from weightwire.trainer.freshness import StaleCacheError as StaleCacheError
     from weightwire.trainer.metrics import RoundMetrics as RoundMetrics
+    from weightwire.trainer.patch_round import SparseBaseUnknown as SparseBaseUnknown
+    from weightwire.trainer.patch_round import anchor_patches as anchor_patches
     from weightwire.trainer.verify import VerifyError as VerifyError
     from weightwire.trainer.verify import VerifyReport as VerifyReport
 
