@@ -88,6 +88,13 @@ def test_an_anchor_first_then_deltas(server: FakeServer) -> None:
 
     engine.send_patches(anchor(engine), weight_version="a")
     assert base_known(engine.session)
+    # Paused with abort (requests refused, not queued) around a round applied in place.
+    assert server.bodies("pause")[0]["mode"] == "abort"
+    assert [r for r in server.routes() if r in ("pause", *ROUND, "resume")] == [
+        "pause",
+        *ROUND,
+        "resume",
+    ]
     engine.send_patches(delta(w), weight_version="d")
     assert round_calls(server) == ROUND * 2
     info = server.bodies("update_weights")[-1]["update_info"]
@@ -115,13 +122,17 @@ def test_after_a_failed_round_only_an_anchor_is_sent(server: FakeServer, route: 
         engine.send_patches(delta(weights()))
     del server.fail[route]
     assert not base_known(engine.session)
+    # The failed round left the servers paused: they may hold part of it.
+    routes = server.routes()
+    last_pause = len(routes) - 1 - routes[::-1].index("pause")
+    assert "resume" not in routes[last_pause:]
     if route == "finish_weight_update":  # nothing broke on the wire: the engine goes on
         before = len(server.routes())
         with pytest.raises(SparseBaseUnknown, match="the last round failed"):
             engine.send_patches(delta(weights()))
         assert len(server.routes()) == before  # refused before any call
         engine.send_patches(anchor(engine))
-        assert base_known(engine.session)
+        assert base_known(engine.session) and server.routes()[-1] == "resume"
         engine.send_patches(delta(weights()))
     engine.shutdown()
 

@@ -17,6 +17,11 @@ applied. So the trainer keeps, per session, whether it is *sure* of the workers'
 
 While it is not sure, ``send_patches`` refuses anything but an anchor with
 ``SparseBaseUnknown``, before any call to the server.
+
+Generation is paused for every delta round as for any round applied in place
+(``gating.in_place_pause``: ``abort`` under ``pause_mode="auto"``), and a round that failed is
+not resumed: the servers keep refusing requests rather than serve a half-patched model until
+a complete round (the anchor the base rule then requires) commits.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from weightwire.shared.errors import ConfigError
 from weightwire.shared.patches import Patch
 from weightwire.shared.source import checked_iter
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
+from weightwire.trainer.gating import in_place_pause
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.round import Control, lead_round, was_committed
 from weightwire.trainer.session import Session
@@ -38,6 +44,15 @@ from weightwire.trainer.transfer import Transfer, chunked
 
 _SURE: weakref.WeakKeyDictionary[Session, bool] = weakref.WeakKeyDictionary()
 """Per session: the trainer knows the workers' weights (see the module docstring)."""
+
+
+IN_PLACE = "a stock receiver of patches writes each one into the model as it arrives"
+
+
+def _no_guard() -> bool:
+    # The round guard's release asks the weightwire worker whether its weights are whole; a
+    # stock worker cannot answer, so only the pause protects a delta round.
+    return False
 
 
 class SparseBaseUnknown(ConfigError):
@@ -146,6 +161,7 @@ def patch_round(
             False,
             PatchWire(s, pplan),
             payloads=[pplan.update_info],
+            pause=in_place_pause(s.info, s.client, _no_guard, IN_PLACE),
         )
     except BaseException as exc:
         if was_committed(exc):  # finish succeeded; only a check after it failed
