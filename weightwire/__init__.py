@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.shared.info import WeightwireNCCLInitInfo as WeightwireNCCLInitInfo
     from weightwire.shared.ipc_info import IPCInitInfo as IPCInitInfo
     from weightwire.shared.meta import ParamMeta as ParamMeta
-    from weightwire.shared.patches import Patch as Patch
+    from weightwire.shared.patches import SparsePatch as SparsePatch
     from weightwire.shared.source import WeightSource as WeightSource
     from weightwire.shared.timeouts import Timeouts as Timeouts
     from weightwire.tools.models.loading import load_decoder as load_decoder

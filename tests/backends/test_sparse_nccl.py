@@ -16,7 +16,7 @@ from weightwire.backends.nccl.trainer import SparseNCCLBackend
 from weightwire.shared.dtypes import wire_name_of_numpy
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import NCCLInitInfo
-from weightwire.shared.patches import Patch
+from weightwire.shared.patches import SparsePatch
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer import TrainerInitInfo
 
@@ -27,10 +27,12 @@ def describe(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
     return wire_name_of_numpy(a.dtype), tuple(a.shape)
 
 
-def patch(name: str, dtype: Any, shape: tuple[int, ...], index: list[int], **kw: Any) -> Patch:
+def patch(
+    name: str, dtype: Any, shape: tuple[int, ...], index: list[int], **kw: Any
+) -> SparsePatch:
     values = kw.get("values", np.arange(len(index)).astype(dtype))
     idx = np.asarray(index, dtype=kw.get("index_dtype", np.int32))
-    return Patch(name, wire_name_of_numpy(np.dtype(dtype)), shape, idx, values)
+    return SparsePatch(name, wire_name_of_numpy(np.dtype(dtype)), shape, idx, values)
 
 
 def test_the_update_info_and_the_broadcast_order() -> None:
@@ -106,7 +108,7 @@ def test_the_update_info_and_the_broadcast_order() -> None:
             ConfigError,
             "cannot be addressed by int32",
         ),
-        ([("w", [0], [1.0])], ConfigError, "must be Patch records"),
+        ([("w", [0], [1.0])], ConfigError, "must be SparsePatch records"),
     ],
 )
 def test_refused_before_any_byte(patches: list, error: type, match: str) -> None:

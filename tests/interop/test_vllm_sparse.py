@@ -40,7 +40,7 @@ from weightwire.backends.nccl.trainer import SparseNCCLBackend, UnpackedSettings
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.trainer import TCPBackend
 from weightwire.shared.info import TCPInitInfo
-from weightwire.shared.patches import Patch
+from weightwire.shared.patches import SparsePatch
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.backends import register_backend
@@ -293,9 +293,10 @@ def _trainer(fw: Any, weights: dict[str, np.ndarray], client: VLLMSparseClient) 
     return fw.engine.trainer_init(info, client=client, source=source)
 
 
-def _patches(fw: Any, old: dict, new: dict, dtype: str) -> list[Patch]:
+def _patches(fw: Any, old: dict, new: dict, dtype: str) -> list[SparsePatch]:
     return [
-        Patch(n, dtype, new[n].shape, fw.array(i), fw.array(v)) for n, i, v in _patches_np(old, new)
+        SparsePatch(n, dtype, new[n].shape, fw.array(i), fw.array(v))
+        for n, i, v in _patches_np(old, new)
     ]
 
 

@@ -17,11 +17,16 @@ from weightwire.backends.nccl.trainer import SparseNCCLBackend
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.patches import Patch
+from weightwire.shared.patches import SparsePatch
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.backends import register_backend
-from weightwire.trainer.patch_round import SparseBaseUnknown, anchor_patches, base_known
+from weightwire.trainer.patch_round import (
+    SparseBaseUnknown,
+    anchor_patches,
+    base_known,
+    patches_from_wire,
+)
 
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 ROUND = ["start_weight_update", "update_weights", "finish_weight_update"]
@@ -52,12 +57,14 @@ def weights() -> dict[str, np.ndarray]:
     }
 
 
-def delta(w: dict[str, np.ndarray]) -> list[Patch]:
+def delta(w: dict[str, np.ndarray]) -> list[SparsePatch]:
     a = w["model.norm.weight"]
-    return [Patch("model.norm.weight", "float32", a.shape, np.array([1, 3], np.int32), a[[1, 3]])]
+    return [
+        SparsePatch("model.norm.weight", "float32", a.shape, np.array([1, 3], np.int32), a[[1, 3]])
+    ]
 
 
-def anchor(engine: JAXTrainerEngine) -> list[Patch]:
+def anchor(engine: JAXTrainerEngine) -> list[SparsePatch]:
     return anchor_patches(engine.source, describe, lambda n: np.arange(n, dtype=np.int32))
 
 
@@ -141,10 +148,12 @@ def test_refused_before_any_call(server: FakeServer) -> None:
     engine = make(server)
     engine.send_patches(anchor(engine))
     before = len(server.routes())
-    bad = Patch("model.nope", "float32", (4,), np.array([0], np.int32), np.zeros(1, np.float32))
+    bad = SparsePatch(
+        "model.nope", "float32", (4,), np.array([0], np.int32), np.zeros(1, np.float32)
+    )
     with pytest.raises(ConfigError, match="'model.nope' names no tensor of the source"):
         engine.send_patches([bad])
-    wrong = Patch(
+    wrong = SparsePatch(
         "model.norm.weight", "float32", (2, 2), np.array([0], np.int32), np.zeros(1, np.float32)
     )
     with pytest.raises(ConfigError, match=r"declares float32 \[2, 2\], the source's tensor is"):
@@ -164,3 +173,27 @@ def test_verify_is_refused_for_delta_rounds(server: FakeServer) -> None:
     with pytest.raises(ConfigError, match="verify=True compares whole-tensor checksums"):
         engine.send_patches(anchor(engine))
     engine.shutdown()
+
+
+def test_a_generic_delta_round_becomes_sparse_patches(server: FakeServer) -> None:
+    # The generic delta wire (T@index, T@values; a tensor sent whole under its name), as a
+    # receiver that takes only patches gets it: the whole tensor is patched everywhere.
+    w = weights()
+    up, norm = "model.layers.0.mlp.up_proj.weight", "model.norm.weight"
+    idx = np.array([0, 2], np.int32)
+    wire = [(up, w[up]), (norm + "@index", idx), (norm + "@values", w[norm][idx])]
+    shapes = {up: (6, 4), norm: (4,)}
+    patches = patches_from_wire(wire, describe, lambda n: np.arange(n, dtype=np.int32), shapes)
+    assert [(p.name, p.dtype, p.shape) for p in patches] == [
+        (up, "bfloat16", (6, 4)),
+        (norm, "float32", (4,)),
+    ]
+    assert patches[0].index.tolist() == list(range(24)) and patches[1].index is idx
+    engine = make(server)
+    engine.send_patches(anchor(engine))
+    engine.send_patches(patches)
+    info = server.bodies("update_weights")[-1]["update_info"]
+    assert info["names"] == [up, norm] and info["num_updates_list"] == [24, 2]
+    engine.shutdown()
+    with pytest.raises(ConfigError, match="is not followed by 'model.norm.weight@values'"):
+        patches_from_wire(wire[1:2], describe, np.arange, shapes)

@@ -330,9 +330,9 @@ class Backend(ABC):
     def plan_patches(
         self, patches: Sequence[Any], *, features: ServerFeatures, describe: Any
     ) -> PatchPlan:
-        """A delta round of ``patches`` (``shared.patches.Patch``; ``describe``: the framework's
-        array description) as this backend sends it; ``ConfigError`` before any byte when its
-        receiver cannot take them. Only backends with ``caps.delta`` implement it."""
+        """A delta round of ``patches`` (``shared.patches.SparsePatch``; ``describe``: the
+        framework's array description) as this backend sends it; ``ConfigError`` before any byte
+        when its receiver cannot take them. Only backends with ``caps.delta`` implement it."""
         raise NotImplementedError(f"backend {self.name!r} sends no delta rounds (patches)")
 
     def open_star(

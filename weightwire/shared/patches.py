@@ -1,4 +1,4 @@
-"""``Patch``: one changed tensor of a delta round, and the wire tensors it becomes.
+"""``SparsePatch``: one changed tensor of a delta round, and the wire tensors it becomes.
 
 A delta round sends, per tensor that changed, the flat positions that changed and their
 new values instead of the whole tensor. The record is framework-neutral: ``index`` and
@@ -34,7 +34,7 @@ Describe = Callable[[Any], tuple[str, tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
-class Patch:
+class SparsePatch:
     """The changed elements of checkpoint tensor ``name`` (full shape ``shape``, wire
     dtype ``dtype``): ``index`` is a 1-D ``int32`` array of ``nnz`` flat C-order positions,
     strictly increasing; ``values`` a 1-D ``dtype`` array of the ``nnz`` new values, in the
@@ -62,7 +62,7 @@ class Patch:
 class CheckedPatch:
     """A patch whose arrays were described and found consistent with it."""
 
-    patch: Patch
+    patch: SparsePatch
     nnz: int
 
     @property
@@ -71,7 +71,7 @@ class CheckedPatch:
         return self.nnz == self.patch.numel
 
 
-def _nnz_of(patch: Patch, describe: Describe) -> int:
+def _nnz_of(patch: SparsePatch, describe: Describe) -> int:
     index_dtype, index_shape = describe(patch.index)
     values_dtype, values_shape = describe(patch.values)
     if index_dtype != INDEX_DTYPE or len(index_shape) != 1:
@@ -95,10 +95,10 @@ def _nnz_of(patch: Patch, describe: Describe) -> int:
     return nnz
 
 
-def check_patches(patches: Sequence[Patch], describe: Describe) -> list[CheckedPatch]:
+def check_patches(patches: Sequence[SparsePatch], describe: Describe) -> list[CheckedPatch]:
     """Each patch's arrays against its declaration, before any byte is sent.
 
-    Raises ``ConfigError`` naming the first patch that is wrong: not a ``Patch``, a name
+    Raises ``ConfigError`` naming the first patch that is wrong: not a ``SparsePatch``, a name
     given twice, an unknown dtype or a bad shape, a tensor too large for ``int32`` indices,
     arrays of the wrong dtype or rank, lengths that differ, or ``nnz`` outside ``1..numel``.
     The index *values* (range, order, uniqueness) are the extraction's promise; reading
@@ -107,8 +107,10 @@ def check_patches(patches: Sequence[Patch], describe: Describe) -> list[CheckedP
     out: list[CheckedPatch] = []
     seen: set[str] = set()
     for patch in patches:
-        if not isinstance(patch, Patch):
-            raise ConfigError(f"a round's patches must be Patch records, got {bounded_repr(patch)}")
+        if not isinstance(patch, SparsePatch):
+            raise ConfigError(
+                f"a round's patches must be SparsePatch records, got {bounded_repr(patch)}"
+            )
         if patch.name in seen:
             raise ConfigError(f"patch {patch.name!r} appears twice in one round")
         seen.add(patch.name)

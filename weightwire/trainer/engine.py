@@ -43,7 +43,7 @@ from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient, WeightSyncClient
 from weightwire.shared.errors import ConfigError, RoundError
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.patches import Patch
+from weightwire.shared.patches import SparsePatch
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
@@ -229,9 +229,9 @@ class TrainerEngine(ABC):
         return metrics
 
     def send_patches(
-        self, patches: Sequence[Patch], weight_version: str | None = None
+        self, patches: Sequence[SparsePatch], weight_version: str | None = None
     ) -> RoundMetrics:
-        """Rank 0: a delta round of ``patches`` (``shared.patches.Patch``, one per changed
+        """Rank 0: a delta round of ``patches`` (``shared.patches.SparsePatch``, one per changed
         tensor) through a backend that takes them (stock ``sparse_nccl``); other ranks return
         at once. The trainer must be sure of the workers' weights, or the round must be an
         anchor (``trainer.patch_round``); every refusal comes before any call."""

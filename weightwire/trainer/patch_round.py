@@ -1,6 +1,6 @@
 """Delta rounds through a backend that takes patches (``caps.delta``: stock ``sparse_nccl``).
 
-A delta round sends, per changed tensor, a ``shared.patches.Patch``; the backend plans it
+A delta round sends, per changed tensor, a ``shared.patches.SparsePatch``; the backend plans it
 (``Backend.plan_patches``: the update info its workers are posted, the wire tensors in
 broadcast order) and the round driver (``trainer.round.lead_round``) runs it like any other
 round: control plane, the update POST beside the broadcasts, finish, cache reset.
@@ -33,7 +33,7 @@ from typing import Any
 
 from weightwire.backends.base import PatchPlan, Sent
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.patches import Patch
+from weightwire.shared.patches import INDEX_SUFFIX, VALUES_SUFFIX, Describe, SparsePatch
 from weightwire.shared.source import checked_iter
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.gating import in_place_pause
@@ -65,7 +65,7 @@ def base_known(s: Session) -> bool:
     return _SURE.get(s, False)
 
 
-def _check_against_source(s: Session, pplan: PatchPlan, patches: Sequence[Patch]) -> None:
+def _check_against_source(s: Session, pplan: PatchPlan, patches: Sequence[SparsePatch]) -> None:
     """Every patch names a tensor of the source, with its dtype and shape; without a sure base,
     the round must be an anchor (every tensor of the source, every element)."""
     metas = {m.name: m for m in s.source.metadata()}
@@ -128,7 +128,7 @@ class PatchWire:
 
 
 def patch_round(
-    s: Session, patches: Sequence[Patch], version: str, clock: PhaseClock
+    s: Session, patches: Sequence[SparsePatch], version: str, clock: PhaseClock
 ) -> RoundMetrics:
     """Rank 0's delta round of ``patches``; returns once the servers committed ``version``.
 
@@ -171,18 +171,41 @@ def patch_round(
     return metrics
 
 
+def _whole(name: str, tensor: Any, describe: Describe, arange: Callable[[int], Any]) -> SparsePatch:
+    dtype, shape = describe(tensor)
+    return SparsePatch(name, dtype, tuple(shape), arange(math.prod(shape)), tensor.reshape(-1))
+
+
 def anchor_patches(
-    pairs: Any,
-    describe: Callable[[Any], tuple[str, tuple[int, ...]]],
-    arange: Callable[[int], Any],
-) -> list[Patch]:
+    pairs: Any, describe: Describe, arange: Callable[[int], Any]
+) -> list[SparsePatch]:
     """Every tensor of ``pairs`` (a source's ``(name, tensor)`` pass) as a patch over all its
     elements: the round that makes the trainer sure of the workers' weights again.
     ``describe``: the framework's (an engine's ``describe``); ``arange(n)``: a 1-D ``int32``
-    array ``0..n-1`` of the framework, on the tensor's device (``jnp.arange(n,
+    array ``0..n-1`` of the framework, on the tensors' device (``jnp.arange(n,
     dtype=jnp.int32)``, ``torch.arange(n, dtype=torch.int32, device=...)``)."""
-    out = []
-    for name, tensor in pairs:
-        dtype, shape = describe(tensor)
-        out.append(Patch(name, dtype, tuple(shape), arange(math.prod(shape)), tensor.reshape(-1)))
+    return [_whole(name, tensor, describe, arange) for name, tensor in pairs]
+
+
+def patches_from_wire(
+    pairs: Any, describe: Describe, arange: Callable[[int], Any], shapes: dict[str, Any]
+) -> list[SparsePatch]:
+    """A delta round in its generic wire form (``T@index`` then ``T@values`` for a patched
+    tensor ``T``, a tensor sent whole under its own name) as patches for a receiver that
+    takes nothing else (``sparse_nccl``): a whole tensor becomes a patch over all its
+    elements. ``shapes``: each patched tensor's full shape (the source's metadata)."""
+    out: list[SparsePatch] = []
+    it = iter(pairs)
+    for name, tensor in it:
+        if not name.endswith(INDEX_SUFFIX):
+            out.append(_whole(name, tensor, describe, arange))
+            continue
+        base = name[: -len(INDEX_SUFFIX)]
+        values_name, values = next(it, (None, None))
+        if values_name != base + VALUES_SUFFIX:
+            raise ConfigError(f"wire tensor {name!r} is not followed by {base + VALUES_SUFFIX!r}")
+        if base not in shapes:
+            raise ConfigError(f"patch {base!r} names no tensor of the source")
+        dtype, _ = describe(values)
+        out.append(SparsePatch(base, dtype, tuple(shapes[base]), tensor, values))
     return out

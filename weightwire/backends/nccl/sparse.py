@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 from weightwire.backends.base import PatchPlan, StockRefusal
 from weightwire.shared.framing import plan_unpacked
-from weightwire.shared.patches import Describe, Patch, check_patches, wire_metas, wire_pairs
+from weightwire.shared.patches import Describe, SparsePatch, check_patches, wire_metas, wire_pairs
 from weightwire.shared.version import ServerFeatures
 
 SPARSE_DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -64,11 +64,11 @@ def refuse_dtype(name: str, dtype: str, version: str) -> None:
 
 
 def sparse_nccl_round(
-    patches: Sequence[Patch], *, features: ServerFeatures, describe: Describe
+    patches: Sequence[SparsePatch], *, features: ServerFeatures, describe: Describe
 ) -> PatchPlan:
     """The delta round of ``patches`` for a stock ``sparse_nccl`` worker.
 
-    ``patches``: ``shared.patches.Patch`` records, one per changed tensor (checkpoint name,
+    ``patches``: ``shared.patches.SparsePatch`` records, one per changed tensor (checkpoint name,
     wire dtype, full shape, 1-D ``int32`` flat indices, 1-D values of the tensor's dtype).
     Returns the update info to post (``PatchPlan.update_info``), the wire tensors in
     broadcast order (per patch: indices, then values) and their unpacked chunks (one
