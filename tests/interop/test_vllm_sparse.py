@@ -201,8 +201,6 @@ class VLLMSparseClient:
 
 # --- weights, deltas and the frameworks ----------------------------------------------------
 
-NP = {"bfloat16": None, "float32": np.float32}
-
 
 def _np_dtype(dtype: str) -> Any:
     import ml_dtypes
@@ -212,9 +210,9 @@ def _np_dtype(dtype: str) -> Any:
 
 def _initial(dtype: str, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {
-        n: rng.standard_normal(s).astype(_np_dtype(dtype)) for n, s in hf_shapes("tiny").items()
-    }
+    out = {n: rng.standard_normal(s).astype(_np_dtype(dtype)) for n, s in hf_shapes("tiny").items()}
+    next(iter(out.values())).reshape(-1)[0] = 0.0
+    return out
 
 
 def _step(
@@ -233,8 +231,8 @@ def _step(
                 a.dtype
             )
         out[n] = flat.reshape(a.shape)
-    zero = out[names[0]].reshape(-1)
-    zero[0] = -0.0 if not np.signbit(zero[0]) and zero[0] == 0 else zero[0]
+    # Element 0 of the first tensor is always a zero, its sign flipped every round.
+    out[names[0]].reshape(-1)[0] = 0.0 if np.signbit(w[names[0]].reshape(-1)[0]) else -0.0
     return out
 
 
@@ -342,6 +340,8 @@ def test_patch_rounds_land_bit_exact_in_vllms_receiver(
             new = _step(w, density, rng)
             patches = _patches(fw, w, new, dtype)
             assert 0 < len(patches) < len(w)  # tensor 3 did not change: left out
+            first = _patches_np(w, new)[0]
+            assert first[1][0] == 0 and first[2][0] == 0  # the signed zero is a change
             group = client.group
             assert group is not None
             group.received.clear()
