@@ -184,13 +184,15 @@ def install_vllm_sources(
     src: str, stems: tuple[str, ...] = VLLM_TRANSFER_FILES
 ) -> types.SimpleNamespace:
     """Import vLLM's OWN ``distributed/weight_transfer/{base,packed_tensor,ipc_engine}.py``
-    (or ``stems``, relative to that folder: ``VLLM_SPARSE_FILES``) from an unpacked vLLM tree (``src``: the directory holding the ``vllm`` package, e.g. from
-    ``pip download --no-deps vllm==0.33.0`` unzipped), unchanged, with stand-ins for the few
-    other ``vllm.*`` modules they import: config classes (only named), ``envs`` (pickled IPC
-    handles allowed, as a server started with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), the
-    layerwise reload (the fakes above, the same our engine is measured with), the MTP
-    check (a no-op), the NCCL wrapper's unique-id size and its env pinning (a no-op). vLLM itself cannot be installed beside this torch; its engines are the
-    peer a user would otherwise pick, so benchmarks run them as they are."""
+    (or ``stems``, relative to that folder: ``VLLM_SPARSE_FILES``) from an unpacked vLLM tree
+    (``src``: the directory holding the ``vllm`` package, e.g. from ``pip download --no-deps
+    vllm==0.33.0`` unzipped), unchanged, with stand-ins for the few other ``vllm.*`` modules
+    they import: config classes (only named), ``envs`` (pickled IPC handles allowed, as a
+    server started with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), the layerwise reload (the
+    fakes above, the same our engine is measured with), the MTP check (a no-op), the NCCL
+    wrapper's unique-id size and its env pinning (a no-op). vLLM itself cannot be installed
+    beside this torch; its engines are the peer a user would otherwise pick, so benchmarks
+    run them as they are."""
     import base64
     import contextlib
     import importlib.util

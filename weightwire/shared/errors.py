@@ -18,6 +18,7 @@ defined outside this module)::
       WeightSyncError (RuntimeError)
         ControlTimeout (TimeoutError)
       RoundError
+        DeltaBaseMismatch (RuntimeError)
         EngineBroken (RuntimeError)          [weightwire.trainer.engine]
         RoundFailed (RuntimeError)           [weightwire.trainer.multi_base]
         GroupTimeout (TimeoutError)          [weightwire.trainer.group]
@@ -163,6 +164,46 @@ class RoundError(WeightwireError):
 
     Re-init, then retry it.
     """
+
+
+DELTA_BASE_MISMATCH = "DeltaBaseMismatch"
+"""How a worker's refusal starts; the marker a trainer looks for in a server's error text."""
+
+
+class DeltaBaseMismatch(RoundError, RuntimeError):
+    """A worker refused a delta round: its patches were built on a round it does not hold.
+
+    Raised by the worker before any byte of the round is received; its message starts with
+    the class name (``DELTA_BASE_MISMATCH``) so a trainer recognises it in the server's
+    error text (``is_delta_base_mismatch``). The trainer engine answers it by sending the
+    same round dense, within the same ``send_weights`` call.
+    """
+
+    def __init__(self, delta_base: str, held: str | None) -> None:
+        self.delta_base = delta_base
+        self.held = held
+        super().__init__(
+            f"{DELTA_BASE_MISMATCH}: the round's patches were built on round {delta_base!r} "
+            f"but this worker holds round {held!r}; send the round dense"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.delta_base, self.held))
+
+
+def is_delta_base_mismatch(exc: BaseException) -> bool:
+    """``exc`` is a worker's ``DeltaBaseMismatch``, raised here or carried in a server's
+    error text (a ``WeightSyncError`` naming it, directly or as the cause of another error)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, DeltaBaseMismatch):
+            return True
+        if isinstance(current, WeightSyncError) and DELTA_BASE_MISMATCH in current.message:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class UnavailableError(WeightwireError):

@@ -18,6 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
 from weightwire.shared.checks import check_buffer_size, check_num_buffers, check_seconds
+from weightwire.shared.delta import Patch, check_patches, check_token
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES, LIMITS, bounded_repr
@@ -230,6 +231,8 @@ class WeightwireNCCLInitInfo(NCCLInitInfo):
 
     timeout_s: float = 300.0
     stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
+    delta_rounds: bool | None = None
+    """The trainer may send delta rounds (``TrainerInitInfo.delta``); left out when unset."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -267,6 +270,8 @@ class TCPInitInfo(_StrictInfo):
     timeout_s: float = 300.0
     sources: list[dict[str, Any]] | None = None
     stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
+    delta_rounds: bool | None = None
+    """The trainer may send delta rounds (``TrainerInitInfo.delta``); left out when unset."""
 
     def __post_init__(self) -> None:
         ctx = type(self).__name__
@@ -343,17 +348,29 @@ class UpdateInfo(_StrictInfo):
     ``src`` is the transfer-group rank that broadcasts this turn (several broadcasting
     trainer ranks); it is omitted from the body when 0, so single-broadcaster payloads
     stay exactly what a stock vLLM (which only takes ``src=0``) reads.
+
+    Weightwire trainers also send ``round_token`` (the same in every update POST of a
+    round); a delta round adds ``delta_base`` (the token of the round its patches were
+    built on: a worker holding another round refuses it with ``DeltaBaseMismatch``) and
+    ``patches`` (``shared.delta``: one ``[name, dtype_name, shape, nnz, "flat_i32"]`` per
+    patched tensor, whose ``@index`` / ``@values`` wire tensors ``names`` lists). Unset,
+    all three are left out of the body.
     """
 
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
     src: int = 0
+    round_token: str | None = None
+    delta_base: str | None = None
+    patches: list[list[Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         if not self.src:
             del out["src"]
+        if not self.patches:
+            out.pop("patches", None)
         return out
 
     def __post_init__(self) -> None:
@@ -395,6 +412,20 @@ class UpdateInfo(_StrictInfo):
             seen: set[str] = set()
             dup = next(x for x in self.names if x in seen or seen.add(x))  # type: ignore[func-returns-value]
             raise ConfigError(f"names lists {dup!r} more than once")
+        check_token("round_token", self.round_token)
+        check_token("delta_base", self.delta_base)
+        self.patch_list()
+
+    def patch_list(self) -> list[Patch]:
+        """The round's patches, checked against its wire listing (``shared.delta``)."""
+        return check_patches(
+            self.names,
+            self.dtype_names,
+            self.shapes,
+            self.patches or [],
+            delta_base=self.delta_base,
+            round_token=self.round_token,
+        )
 
     @property
     def reuses_previous(self) -> bool:
@@ -416,4 +447,5 @@ class UpdateInfo(_StrictInfo):
 
     def __repr__(self) -> str:
         src = f", src={self.src}" if self.src else ""
-        return f"UpdateInfo({len(self.names)} tensors{src})"
+        delta = f", {len(self.patches)} patches" if self.patches else ""
+        return f"UpdateInfo({len(self.names)} tensors{src}{delta})"

@@ -74,6 +74,8 @@ class IPCInitInfo(_StrictInfo):
     timeout_s: float = 300.0
     release_after_round: bool = False
     stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
+    delta_rounds: bool | None = None
+    """The trainer may send delta rounds (``TrainerInitInfo.delta``); left out when unset."""
 
     def __post_init__(self) -> None:
         ctx = type(self).__name__
