@@ -401,3 +401,38 @@ def test_a_failed_round_leaves_vllm_half_patched_and_the_trainer_re_anchors(
         assert _holds(model, new) == []
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["jax", "torch"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_delta_auto_rounds_land_bit_exact_in_vllms_receiver(
+    vllm_sparse: types.ModuleType, kind: str, dtype: str
+) -> None:
+    # The engine's own delta switch: the first round is the anchor, then the device kernel's
+    # patches; vLLM's receiver ends each round holding exactly the trainer's weights.
+    fw = FRAMEWORKS[kind]()
+    model = FakeLlama("tiny", getattr(torch, dtype), torch.device("cpu"))
+    client = VLLMSparseClient(vllm_sparse, model, "0.33.0")
+    rng = np.random.default_rng(11)
+    w = _initial(dtype, seed=4)
+    info = TrainerInitInfo(
+        backend=BACKEND, timeouts=TIMEOUTS, reset_prefix_cache=False, delta="auto"
+    )
+    source = DictSource({n: fw.array(a) for n, a in w.items()}, fw.describe)
+    engine = fw.engine.trainer_init(info, client=client, source=source)
+    try:
+        assert "delta_rounds" not in client.init_payloads[0]
+        engine.send_weights()
+        assert _holds(model, w) == []
+        assert client.update_payloads[-1]["num_updates_list"] == [a.size for a in w.values()]
+        for density in (0.002, 0.1):
+            new = _step(w, density, rng)
+            source.tensors = {n: fw.array(a) for n, a in new.items()}
+            metrics = engine.send_weights()
+            want = [len(i) for _, i, _ in _patches_np(w, new)]
+            assert client.update_payloads[-1]["num_updates_list"] == want
+            assert metrics.density is not None and metrics.density < 0.5
+            assert _holds(model, new) == []
+            w = new
+    finally:
+        engine.shutdown()

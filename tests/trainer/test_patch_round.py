@@ -183,7 +183,9 @@ def test_a_generic_delta_round_becomes_sparse_patches(server: FakeServer) -> Non
     idx = np.array([0, 2], np.int32)
     wire = [(up, w[up]), (norm + "@index", idx), (norm + "@values", w[norm][idx])]
     shapes = {up: (6, 4), norm: (4,)}
-    patches = patches_from_wire(wire, describe, lambda n: np.arange(n, dtype=np.int32), shapes)
+    patches = patches_from_wire(
+        wire, describe, lambda n, like: np.arange(n, dtype=np.int32), shapes
+    )
     assert [(p.name, p.dtype, p.shape) for p in patches] == [
         (up, "bfloat16", (6, 4)),
         (norm, "float32", (4,)),
@@ -196,4 +198,47 @@ def test_a_generic_delta_round_becomes_sparse_patches(server: FakeServer) -> Non
     assert info["names"] == [up, norm] and info["num_updates_list"] == [24, 2]
     engine.shutdown()
     with pytest.raises(ConfigError, match="is not followed by 'model.norm.weight@values'"):
-        patches_from_wire(wire[1:2], describe, np.arange, shapes)
+        patches_from_wire(wire[1:2], describe, lambda n, like: np.arange(n), shapes)
+
+
+def test_delta_auto_sends_patches_only(server: FakeServer) -> None:
+    # delta="auto" on a receiver of patches only: the first round is the anchor (every
+    # element), then only what changed, extracted on the device by the engine's kernel.
+    import jax.numpy as jnp
+
+    w = {n: jnp.asarray(a) for n, a in weights().items()}
+    source = DictSource(w, describe)
+    engine = JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_patches", timeouts=FAST, delta="auto"),
+        client=server.client(),
+        source=source,
+    )
+    (init,) = server.bodies("init_weight_transfer_engine")
+    assert "delta_rounds" not in init["init_info"]  # a stock worker refuses unknown fields
+    engine.send_weights()
+    info = server.bodies("update_weights")[-1]["update_info"]
+    assert info["num_updates_list"] == [24, 4] and "round_token" not in info
+    norm = "model.norm.weight"
+    source.tensors[norm] = w[norm].at[2].set(7.0)
+    engine.send_weights()
+    info = server.bodies("update_weights")[-1]["update_info"]
+    assert info == {
+        "names": [norm],
+        "dtype_names": ["float32"],
+        "shapes": [[4]],
+        "num_updates_list": [1],
+    }
+    assert BACKEND.comm.broadcasts[-2:] == [
+        np.array([2], np.int32).tobytes(),
+        np.array([7.0], np.float32).tobytes(),
+    ]
+    server.fail["finish_weight_update"] = (500, "worker failed at finish")
+    source.tensors[norm] = source.tensors[norm].at[0].set(3.0)
+    with pytest.raises(Exception, match="worker failed at finish"):
+        engine.send_weights()
+    del server.fail["finish_weight_update"]
+    assert not base_known(engine.session)
+    engine.send_weights()  # after a failed round: the anchor again, by itself
+    info = server.bodies("update_weights")[-1]["update_info"]
+    assert info["num_updates_list"] == [24, 4] and base_known(engine.session)
+    engine.shutdown()

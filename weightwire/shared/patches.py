@@ -8,8 +8,10 @@ read here.
 
 On the wire a patch of tensor ``T`` is two ordinary tensors, adjacent, in this order:
 ``T@index`` (``int32``, shape ``[nnz]``: flat C-order positions into ``T``) and ``T@values``
-(``T``'s dtype, shape ``[nnz]``). Every backend moves them like any other tensor; what the
-receiver is told about them is the backend's business (``Backend.plan_patches``).
+(``T``'s dtype, shape ``[nnz]``): the delta wire of ``shared.delta``, whose ``Patch`` is the
+metadata a weightwire worker is told; ``SparsePatch`` carries the arrays too. Every backend
+moves them like any other tensor; what the receiver is told about them is the backend's
+business (``Backend.plan_patches`` for a receiver of patches only).
 """
 
 from __future__ import annotations
@@ -19,15 +21,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightwire.shared.delta import INDEX_DTYPE, INDEX_SUFFIX, MAX_PATCH_NUMEL, VALUES_SUFFIX
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import bounded_repr
 from weightwire.shared.meta import ParamMeta
 
-INDEX_DTYPE = "int32"
-INDEX_SUFFIX = "@index"
-VALUES_SUFFIX = "@values"
-MAX_PATCHED_NUMEL = 2**31 - 1
-"""Largest tensor a patch can address: its flat indices are ``int32``."""
+__all__ = [
+    "INDEX_DTYPE",
+    "INDEX_SUFFIX",
+    "MAX_PATCH_NUMEL",
+    "VALUES_SUFFIX",
+    "CheckedPatch",
+    "SparsePatch",
+    "check_patches",
+    "wire_metas",
+    "wire_pairs",
+]
 
 Describe = Callable[[Any], tuple[str, tuple[int, ...]]]
 """The framework's ``describe``: an array's wire dtype name and shape."""
@@ -118,10 +127,10 @@ def check_patches(patches: Sequence[SparsePatch], describe: Describe) -> list[Ch
             ParamMeta(patch.name, patch.dtype, patch.shape)
         except ValueError as exc:
             raise ConfigError(f"patch {patch.name!r}: {exc}") from None
-        if patch.numel > MAX_PATCHED_NUMEL:
+        if patch.numel > MAX_PATCH_NUMEL:
             raise ConfigError(
                 f"patch {patch.name!r}: {patch.numel} elements cannot be addressed by "
-                f"{INDEX_DTYPE} flat indices (at most {MAX_PATCHED_NUMEL})"
+                f"{INDEX_DTYPE} flat indices (at most {MAX_PATCH_NUMEL})"
             )
         out.append(CheckedPatch(patch, _nnz_of(patch, describe)))
     return out

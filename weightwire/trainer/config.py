@@ -170,10 +170,11 @@ class TrainerInitInfo:
         anchor = self.delta_anchor_every
         if type(anchor) is not int or anchor < 0:
             raise ConfigError(f"delta_anchor_every must be an int >= 0, got {anchor!r}")
-        if self.delta != "off" and get_backend(self.backend).caps.stock_receiver:
+        caps = get_backend(self.backend).caps
+        if self.delta != "off" and caps.stock_receiver and not caps.delta:
             raise ConfigError(
-                f"delta={self.delta!r} needs a weightwire_* backend: a stock vLLM worker "
-                f"({self.backend!r}) cannot apply patches"
+                f"delta={self.delta!r} needs a weightwire_* backend or sparse_nccl: a stock "
+                f"vLLM worker ({self.backend!r}) cannot apply patches"
             )
 
     @property

@@ -95,6 +95,11 @@ class TrainerEngine(ABC):
         """What this engine lends a backend's data path."""
         return SenderParts(self.host_bytes, self.prefetch_host, packer)
 
+    def flat_index(self, n: int, like: Any) -> Any:
+        """A 1-D ``int32`` array ``0..n-1`` where ``like`` lives (a tensor patched whole, for a
+        receiver of patches only)."""
+        raise NotImplementedError(f"{type(self).__name__} has no flat_index")
+
     def delta_kernel(self) -> DeltaKernel:
         """The device kernels of ``delta="auto"`` rounds (``trainer.delta``)."""
         raise NotImplementedError(f"{type(self).__name__} has no delta kernels")
@@ -130,9 +135,13 @@ class TrainerEngine(ABC):
         self._multi: MultiSource | None = None  # built with a TrainerGroup
         self._delta: DeltaRounds | None = None
         if init_info.delta != "off" and init_info.is_sender:
+            # A receiver of patches only takes a changed tensor whole as a patch of every
+            # element: never cheaper than its changed elements, so only a tensor changed
+            # everywhere goes whole.
+            patches_only = self.session.backend.caps.delta
             tracker = DeltaTracker(
                 self.delta_kernel(),
-                density=init_info.delta_density,
+                density=1.0 if patches_only else init_info.delta_density,
                 anchor_every=init_info.delta_anchor_every,
             )
             self._delta = DeltaRounds(

@@ -171,9 +171,14 @@ def patch_round(
     return metrics
 
 
-def _whole(name: str, tensor: Any, describe: Describe, arange: Callable[[int], Any]) -> SparsePatch:
+FlatIndex = Callable[[int, Any], Any]
+"""``index(n, like)``: a 1-D ``int32`` array ``0..n-1`` of the framework, where ``like`` is."""
+
+
+def _whole(name: str, tensor: Any, describe: Describe, index: FlatIndex) -> SparsePatch:
     dtype, shape = describe(tensor)
-    return SparsePatch(name, dtype, tuple(shape), arange(math.prod(shape)), tensor.reshape(-1))
+    n = math.prod(shape)
+    return SparsePatch(name, dtype, tuple(shape), index(n, tensor), tensor.reshape(-1))
 
 
 def anchor_patches(
@@ -184,21 +189,22 @@ def anchor_patches(
     ``describe``: the framework's (an engine's ``describe``); ``arange(n)``: a 1-D ``int32``
     array ``0..n-1`` of the framework, on the tensors' device (``jnp.arange(n,
     dtype=jnp.int32)``, ``torch.arange(n, dtype=torch.int32, device=...)``)."""
-    return [_whole(name, tensor, describe, arange) for name, tensor in pairs]
+    return [_whole(name, tensor, describe, lambda n, _: arange(n)) for name, tensor in pairs]
 
 
 def patches_from_wire(
-    pairs: Any, describe: Describe, arange: Callable[[int], Any], shapes: dict[str, Any]
+    pairs: Any, describe: Describe, index: FlatIndex, shapes: dict[str, Any]
 ) -> list[SparsePatch]:
     """A delta round in its generic wire form (``T@index`` then ``T@values`` for a patched
     tensor ``T``, a tensor sent whole under its own name) as patches for a receiver that
     takes nothing else (``sparse_nccl``): a whole tensor becomes a patch over all its
-    elements. ``shapes``: each patched tensor's full shape (the source's metadata)."""
+    elements (``index``: the framework's ``flat_index``). ``shapes``: each patched tensor's full
+    shape (the source's metadata)."""
     out: list[SparsePatch] = []
     it = iter(pairs)
     for name, tensor in it:
         if not name.endswith(INDEX_SUFFIX):
-            out.append(_whole(name, tensor, describe, arange))
+            out.append(_whole(name, tensor, describe, index))
             continue
         base = name[: -len(INDEX_SUFFIX)]
         values_name, values = next(it, (None, None))

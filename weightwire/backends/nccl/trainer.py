@@ -122,9 +122,9 @@ class SparseNCCLBackend(NCCLBackend):
         buffer_size_bytes: int,
     ) -> WirePlan:
         raise ConfigError(
-            f"backend {self.name!r} receives patches only, not whole tensors: send each round "
-            "with weightwire.trainer.patch_round.send_patches (the first one an anchor: "
-            "anchor_patches); nothing was sent"
+            f"backend {self.name!r} receives patches only, not whole tensors: use "
+            "TrainerInitInfo(delta='auto'), or send each round's patches with "
+            "engine.send_patches (the first one an anchor: anchor_patches); nothing was sent"
         )
 
     def plan_patches(
