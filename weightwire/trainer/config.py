@@ -72,7 +72,9 @@ class TrainerInitInfo:
       (the workers' weights) and finds the changed elements there; per tensor, a patch (flat
       ``int32`` indices + values) below ``delta_density`` of its elements changed, the tensor
       dense at or above it, nothing if it did not change. Needs a ``weightwire_*`` backend
-      and one sender (no ``TrainerGroup``); draft rounds stay dense.
+      or ``sparse_nccl`` (vLLM's receiver of patches only: a tensor sent dense is a patch of
+      every element; ``docs/vllm-compat.md``) and one sender (no ``TrainerGroup``); draft
+      rounds stay dense.
     - ``delta_density``: the per-tensor changed fraction below which a tensor is patched
       (``0 < delta_density <= 1``; a bf16 patch costs 6 bytes per changed element against
       2 dense, so past 1/3 a patch is larger than the tensor).
