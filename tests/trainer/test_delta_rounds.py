@@ -211,6 +211,16 @@ def test_a_failed_round_drops_the_base_and_anchors_are_dense(kind: Kind) -> None
     engine.shutdown()
 
 
+def test_verify_checks_patched_tensors_whole(kind: Kind) -> None:
+    engine, source, receiver, _ = start(kind, verify=True)
+    engine.send_weights()
+    step(kind, source, np.random.default_rng(9), {"lm_head.weight": 0.03})
+    metrics = engine.send_weights()
+    assert receiver.infos[-1].patches and metrics.verify is not None
+    assert metrics.verify.checked == 1  # lm_head, checked whole (not its @index / @values)
+    engine.shutdown()
+
+
 def test_delta_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="delta='auto' needs a weightwire_\\* backend"):
         TrainerInitInfo(backend="nccl", delta="auto")
