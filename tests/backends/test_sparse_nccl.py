@@ -58,8 +58,9 @@ def test_the_update_info_and_the_broadcast_order() -> None:
         (2, 3, 4),
         (3, 4, 4),
     ]
-    assert [n for n, _ in plan.pairs] == [m.name for m in plan.metas]
-    assert plan.pairs[0][1] is a.index and plan.pairs[1][1] is a.values
+    pairs = list(plan.pairs())
+    assert [n for n, _ in pairs] == [m.name for m in plan.metas]
+    assert pairs[0][1] is a.index and pairs[1][1] is a.values
     assert plan.full == frozenset()
     full = sparse_nccl_round(
         [patch("model.norm.weight", np.float32, (3,), [0, 1, 2])], features=V033, describe=describe

@@ -250,8 +250,8 @@ class PatchPlan:
     update_info: dict[str, Any]
     metas: list[ParamMeta]
     chunks: list[Chunk]
-    pairs: list[tuple[str, Any]]
-    """``(wire name, array)`` in ``metas`` order."""
+    pairs: Callable[[], Iterator[tuple[str, Any]]]
+    """A fresh pass of ``(wire name, array)`` in ``metas`` order, made as it is pulled."""
     full: frozenset[str]
     """The tensors patched over every element (the round anchors them)."""
 

@@ -17,7 +17,7 @@ business (``Backend.plan_patches`` for a receiver of patches only).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ __all__ = [
     "MAX_PATCH_NUMEL",
     "VALUES_SUFFIX",
     "CheckedPatch",
+    "EveryIndex",
     "SparsePatch",
     "check_patches",
     "wire_metas",
@@ -47,7 +48,8 @@ class SparsePatch:
     """The changed elements of checkpoint tensor ``name`` (full shape ``shape``, wire
     dtype ``dtype``): ``index`` is a 1-D ``int32`` array of ``nnz`` flat C-order positions,
     strictly increasing; ``values`` a 1-D ``dtype`` array of the ``nnz`` new values, in the
-    same order. ``nnz >= 1``: a tensor that did not change is left out of the round."""
+    same order (``EveryIndex``: every element, made when sent). ``nnz >= 1``: a tensor that
+    did not change is left out of the round."""
 
     name: str
     dtype: str
@@ -68,6 +70,20 @@ class SparsePatch:
 
 
 @dataclass(frozen=True)
+class EveryIndex:
+    """The index of a patch over every element, ``0..n-1``, made only as it is sent
+    (``make(n, like)``: the framework's ``flat_index``), so an anchor round holds at most the
+    indices in flight, not four bytes per element of the whole model."""
+
+    n: int
+    like: Any
+    make: Callable[[int, Any], Any]
+
+    def materialize(self) -> Any:
+        return self.make(self.n, self.like)
+
+
+@dataclass(frozen=True)
 class CheckedPatch:
     """A patch whose arrays were described and found consistent with it."""
 
@@ -81,7 +97,11 @@ class CheckedPatch:
 
 
 def _nnz_of(patch: SparsePatch, describe: Describe) -> int:
-    index_dtype, index_shape = describe(patch.index)
+    index_shape: tuple[int, ...]
+    if isinstance(patch.index, EveryIndex):
+        index_dtype, index_shape = INDEX_DTYPE, (patch.index.n,)
+    else:
+        index_dtype, index_shape = describe(patch.index)
     values_dtype, values_shape = describe(patch.values)
     if index_dtype != INDEX_DTYPE or len(index_shape) != 1:
         raise ConfigError(
@@ -141,10 +161,12 @@ def wire_metas(checked: Sequence[CheckedPatch]) -> list[ParamMeta]:
     return [meta for c in checked for meta in c.patch.wire_metas(c.nnz)]
 
 
-def wire_pairs(checked: Sequence[CheckedPatch]) -> list[tuple[str, Any]]:
-    """The round's ``(wire name, array)`` pairs, in the order ``wire_metas`` lists them."""
-    out: list[tuple[str, Any]] = []
+def wire_pairs(checked: Sequence[CheckedPatch]) -> Iterator[tuple[str, Any]]:
+    """The round's ``(wire name, array)`` pairs, in the order ``wire_metas`` lists them; an
+    ``EveryIndex`` is made as its pair is pulled."""
     for c in checked:
-        out.append((c.patch.name + INDEX_SUFFIX, c.patch.index))
-        out.append((c.patch.name + VALUES_SUFFIX, c.patch.values))
-    return out
+        index = c.patch.index
+        if isinstance(index, EveryIndex):
+            index = index.materialize()
+        yield c.patch.name + INDEX_SUFFIX, index
+        yield c.patch.name + VALUES_SUFFIX, c.patch.values

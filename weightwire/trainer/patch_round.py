@@ -33,7 +33,13 @@ from typing import Any
 
 from weightwire.backends.base import PatchPlan, Sent
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.patches import INDEX_SUFFIX, VALUES_SUFFIX, Describe, SparsePatch
+from weightwire.shared.patches import (
+    INDEX_SUFFIX,
+    VALUES_SUFFIX,
+    Describe,
+    EveryIndex,
+    SparsePatch,
+)
 from weightwire.shared.source import checked_iter
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.gating import in_place_pause
@@ -108,7 +114,7 @@ class PatchWire:
         s, pplan = self._s, self._pplan
         assert s.sender is not None
         (payload,) = payloads
-        pairs = checked_iter(iter(pplan.pairs), pplan.metas, s.framework.describe)
+        pairs = checked_iter(pplan.pairs(), pplan.metas, s.framework.describe)
         step = Transfer(
             s.link,
             s.sender,
@@ -177,8 +183,8 @@ FlatIndex = Callable[[int, Any], Any]
 
 def _whole(name: str, tensor: Any, describe: Describe, index: FlatIndex) -> SparsePatch:
     dtype, shape = describe(tensor)
-    n = math.prod(shape)
-    return SparsePatch(name, dtype, tuple(shape), index(n, tensor), tensor.reshape(-1))
+    every = EveryIndex(math.prod(shape), tensor, index)
+    return SparsePatch(name, dtype, tuple(shape), every, tensor.reshape(-1))
 
 
 def anchor_patches(

@@ -96,6 +96,6 @@ def sparse_nccl_round(
         update_info=info.to_dict(),
         metas=metas,
         chunks=plan_unpacked(metas),
-        pairs=wire_pairs(checked),
+        pairs=lambda: wire_pairs(checked),
         full=frozenset(c.patch.name for c in checked if c.full),
     )
