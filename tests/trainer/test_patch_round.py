@@ -242,4 +242,6 @@ def test_delta_auto_sends_patches_only(server: FakeServer) -> None:
     engine.send_weights()  # after a failed round: the anchor again, by itself
     info = server.bodies("update_weights")[-1]["update_info"]
     assert info["num_updates_list"] == [24, 4] and base_known(engine.session)
+    with pytest.raises(ConfigError, match="send_patches is for delta='off'"):
+        engine.send_patches(anchor(engine))
     engine.shutdown()

@@ -55,7 +55,7 @@ from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_source import MultiSource
-from weightwire.trainer.patch_round import patch_round
+from weightwire.trainer.patch_round import patch_round, refuse_patches
 from weightwire.trainer.round import RoundEnd, SolePlan, SoleWire, lead_round, sole_plan
 from weightwire.trainer.session import Session, open_wire
 from weightwire.trainer.transfer import shutdown_when_settled
@@ -222,13 +222,7 @@ class TrainerEngine(ABC):
         ``dense=True`` (with ``delta="auto"``): send every tensor whole this round.
         """
         s = self.session
-        if self._closed:
-            raise RuntimeError(f"{type(self).__name__} was shut down")
-        if s.broken is not None:
-            raise EngineBroken(
-                f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
-                "call shutdown() and trainer_init() again"
-            ) from s.broken
+        self._check_usable()
         if self._multi is not None:
             if draft and self.info.is_sender:
                 assert s.features is not None
@@ -245,14 +239,7 @@ class TrainerEngine(ABC):
                     pass
             return RoundMetrics(None, 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
         version = s.next_version(weight_version)
-        if self._displaced():
-            self._was_displaced = True
-            s.broken = EngineBroken(
-                "a server closed this trainer's data link: another trainer initialized and took "
-                "the session over, or the server restarted; nothing was sent. Call trainer_init() "
-                "again to take it back"
-            )
-            raise s.broken
+        self._check_link()
         if draft:
             self._check_draft()
         if self._delta is not None and not draft:
@@ -269,6 +256,17 @@ class TrainerEngine(ABC):
         tensor) through a backend that takes them (stock ``sparse_nccl``); other ranks return
         at once. The trainer must be sure of the workers' weights, or the round must be an
         anchor (``trainer.patch_round``); every refusal comes before any call."""
+        self._check_usable()
+        refuse_patches(group=self._multi is not None, delta_auto=self._delta is not None)
+        if not self.info.is_sender:
+            return RoundMetrics(None, 0, 0, 0, False, sender=False)
+        self._check_link()
+        s = self.session
+        metrics = patch_round(s, patches, s.next_version(weight_version), PhaseClock())
+        logger.info("%s", metrics)
+        return metrics
+
+    def _check_usable(self) -> None:
         s = self.session
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} was shut down")
@@ -277,19 +275,17 @@ class TrainerEngine(ABC):
                 f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
                 "call shutdown() and trainer_init() again"
             ) from s.broken
-        if self._multi is not None:
-            raise ConfigError("delta rounds have one broadcaster: trainer_init without a group")
-        if not self.info.is_sender:
-            return RoundMetrics(None, 0, 0, 0, False, sender=False)
+
+    def _check_link(self) -> None:
+        """Rank 0, before a round's first call: refuse if a server dropped this trainer."""
         if self._displaced():
-            raise EngineBroken(
-                "a server closed this trainer's data link; nothing was sent. Call trainer_init() "
+            self._was_displaced = True
+            self.session.broken = EngineBroken(
+                "a server closed this trainer's data link: another trainer initialized and took "
+                "the session over, or the server restarted; nothing was sent. Call trainer_init() "
                 "again to take it back"
             )
-        clock = PhaseClock()
-        metrics = patch_round(s, patches, s.next_version(weight_version), clock)
-        logger.info("%s", metrics)
-        return metrics
+            raise self.session.broken
 
     def _check_draft(self) -> None:
         assert self.features is not None

@@ -133,6 +133,17 @@ class PatchWire:
         return own
 
 
+def refuse_patches(*, group: bool, delta_auto: bool) -> None:
+    """``ConfigError`` for an engine that cannot take a caller's patches."""
+    if group:
+        raise ConfigError("delta rounds have one broadcaster: trainer_init without a group")
+    if delta_auto:
+        raise ConfigError(
+            "delta='auto' extracts the patches itself (send_weights); send_patches is for "
+            "delta='off', where the caller extracts them: the engine's base would miss them"
+        )
+
+
 def patch_round(
     s: Session, patches: Sequence[SparsePatch], version: str, clock: PhaseClock
 ) -> RoundMetrics:
