@@ -183,7 +183,44 @@ def check(fw: Any, base: dict, new: dict, bases: dict, built: Any, patches: int 
     return True
 
 
-def run(fw: Any, shape: str, lrs: list[float], repeats: int, density: float) -> list[dict]:
+def encodings(fw: Any, built: Any, metas: list[ParamMeta]) -> dict[str, float]:
+    """Index bytes of the round's patches under other encodings, per changed element, and
+    zlib (level 1) of the flat int32 indices with its host speed: what the flat_i32 wire
+    encoding leaves on the table."""
+    import zlib
+
+    import numpy as np
+
+    wire = dict(built.pairs)
+    numel = {m.name: m.numel for m in metas}
+    sizes = {"flat_i32": 0, "gap_u16": 0, "gap_varint": 0, "bitmap": 0, "best_flat_bitmap": 0}
+    zipped, raw, seconds = 0, 0, 0.0
+    for p in built.patches:
+        index = fw.host(wire[p.index_name]).view(np.int32).astype(np.int64)
+        gaps = np.diff(index, prepend=-1)
+        bitmap = -(-numel[p.name] // 8)
+        sizes["flat_i32"] += 4 * index.size
+        sizes["gap_u16"] += int(2 * gaps.size + 4 * np.count_nonzero(gaps >= 65535))
+        sizes["gap_varint"] += int(
+            gaps.size + sum(np.count_nonzero(gaps >= 1 << (7 * k)) for k in range(1, 5))
+        )
+        sizes["bitmap"] += bitmap
+        sizes["best_flat_bitmap"] += min(4 * index.size, bitmap)
+        data = index.astype(np.int32).tobytes()
+        t0 = time.perf_counter()
+        zipped += len(zlib.compress(data, 1))
+        seconds += time.perf_counter() - t0
+        raw += len(data)
+    changed = max(built.changed, 1)
+    out = {f"index_bytes_per_changed_{k}": v / changed for k, v in sizes.items()}
+    out["index_bytes_per_changed_zlib1"] = zipped / changed
+    out["zlib1_host_mb_s"] = raw / seconds / 1e6 if seconds else 0.0
+    return out
+
+
+def run(
+    fw: Any, shape: str, lrs: list[float], repeats: int, density: float, encode: bool = False
+) -> list[dict]:
     shapes = llama_shapes(shape)
     metas = [ParamMeta(n, "bfloat16", s) for n, s in shapes.items()]
     base = fw.weights(shapes)
@@ -238,6 +275,18 @@ def run(fw: Any, shape: str, lrs: list[float], repeats: int, density: float) -> 
             f"{r['dense_tensors']} dense; exact={exact}",
             flush=True,
         )
+        if encode:
+            r.update(encodings(fw, built, metas))
+            shown = ", ".join(
+                f"{k.removeprefix('index_bytes_per_changed_')} {v:.2f}"
+                for k, v in r.items()
+                if k.startswith("index_bytes")
+            )
+            print(
+                f"  index bytes per changed element: {shown}; zlib-1 on the host at "
+                f"{r['zlib1_host_mb_s']:.0f} MB/s",
+                flush=True,
+            )
         del new, first, built
     return rows
 
@@ -251,6 +300,7 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.25, help="TrainerInitInfo.delta_density")
     ap.add_argument("--jax-expand", nargs="+", default=["search"], help="search, scatter")
     ap.add_argument("--torch-compaction", nargs="+", default=["static"], help="static, nonzero")
+    ap.add_argument("--encodings", action="store_true", help="index sizes of other encodings")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     rows: list[dict] = []
@@ -262,7 +312,7 @@ def main() -> None:
     for make, variant in kinds:
         fw = make(variant)
         shape = args.shape or ("8b" if fw.device in ("gpu", "cuda") else "small")
-        rows += run(fw, shape, args.lrs, args.repeats, args.density)
+        rows += run(fw, shape, args.lrs, args.repeats, args.density, args.encodings)
         del fw
     if args.out:
         with open(args.out, "w") as f:
