@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.shared.info import WeightwireNCCLInitInfo as WeightwireNCCLInitInfo
     from weightwire.shared.ipc_info import IPCInitInfo as IPCInitInfo
     from weightwire.shared.meta import ParamMeta as ParamMeta
+    from weightwire.shared.patches import SparsePatch as SparsePatch
     from weightwire.shared.source import WeightSource as WeightSource
     from weightwire.shared.timeouts import Timeouts as Timeouts
     from weightwire.tools.models.loading import load_decoder as load_decoder
@@ -69,6 +70,8 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.trainer.overlap import RoundHandle as RoundHandle
     from weightwire.trainer.overlap import RoundSkipped as RoundSkipped
     from weightwire.trainer.overlap import RoundWaitTimeout as RoundWaitTimeout
+    from weightwire.trainer.patch_round import SparseBaseUnknown as SparseBaseUnknown
+    from weightwire.trainer.patch_round import anchor_patches as anchor_patches
     from weightwire.trainer.verify import VerifyError as VerifyError
     from weightwire.trainer.verify import VerifyReport as VerifyReport
 

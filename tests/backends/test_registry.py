@@ -42,6 +42,7 @@ def test_init_info_types_by_backend() -> None:
 
     want = {
         "nccl": NCCLInitInfo,
+        "sparse_nccl": NCCLInitInfo,  # vLLM's sparse worker parses the dense one's
         "weightwire_nccl": WeightwireNCCLInitInfo,
         "weightwire_tcp": TCPInitInfo,
         "weightwire_ipc": IPCInitInfo,
@@ -49,7 +50,9 @@ def test_init_info_types_by_backend() -> None:
     assert {name: backends.init_info_type(name) for name in backends.BACKEND_NAMES} == want
     for name, cls in want.items():
         # Exact types: WeightwireNCCLInitInfo is an NCCLInitInfo, and still another backend's.
-        assert backends.spec_of_init_info(cls) is backends.SPECS[name]
+        # sparse_nccl shares nccl's, and the type names nccl (neither has a weightwire connect).
+        owner = backends.NCCL if name == backends.SPARSE_NCCL else name
+        assert backends.spec_of_init_info(cls) is backends.SPECS[owner]
     with pytest.raises(ValueError, match="dict is no backend's init info"):
         backends.spec_of_init_info(dict)
 
@@ -157,7 +160,9 @@ def test_commands_offer_the_registry_names() -> None:
     assert (
         tuple(action.choices) == backends.PLUGIN_BACKENDS
     )  # the reference server stands in for the plugin
-    assert set(DEMO_BACKENDS) == {n for n, s in backends.SPECS.items() if not s.same_host}
+    assert set(DEMO_BACKENDS) == {
+        n for n, s in backends.SPECS.items() if not s.same_host and s.dense_rounds
+    }
 
 
 def test_import_pulls_no_framework_and_nothing_else() -> None:

@@ -172,15 +172,30 @@ VLLM_TRANSFER_FILES = ("base", "packed_tensor", "ipc_engine")
 """vLLM's own weight-transfer modules ``install_vllm_sources`` imports (its IPC engines)."""
 
 
-def install_vllm_sources(src: str) -> types.SimpleNamespace:
+VLLM_SPARSE_FILES = (
+    "base",
+    "packed_tensor",
+    "nccl_common",
+    "../../model_executor/model_loader/checkpoint_weight_patch",
+    "sparse_nccl_engine",
+)
+"""What ``install_vllm_sources(src, VLLM_SPARSE_FILES)`` imports: vLLM's ``sparse_nccl`` worker
+engine, its NCCL helpers and its checkpoint-patch loader (pure Python over torch)."""
+
+
+def install_vllm_sources(
+    src: str, stems: tuple[str, ...] = VLLM_TRANSFER_FILES
+) -> types.SimpleNamespace:
     """Import vLLM's OWN ``distributed/weight_transfer/{base,packed_tensor,ipc_engine}.py``
-    from an unpacked vLLM tree (``src``: the directory holding the ``vllm`` package, e.g. from
-    ``pip download --no-deps vllm==0.33.0`` unzipped), unchanged, with stand-ins for the few
-    other ``vllm.*`` modules they import: config classes (only named), ``envs`` (pickled IPC
-    handles allowed, as a server started with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), the
-    layerwise reload (the fakes above, the same our engine is measured with) and the MTP
-    check (a no-op). vLLM itself cannot be installed beside this torch; its engines are the
-    peer a user would otherwise pick, so benchmarks run them as they are."""
+    (or ``stems``, relative to that folder: ``VLLM_SPARSE_FILES``) from an unpacked vLLM tree
+    (``src``: the directory holding the ``vllm`` package, e.g. from ``pip download --no-deps
+    vllm==0.33.0`` unzipped), unchanged, with stand-ins for the few other ``vllm.*`` modules
+    they import: config classes (only named), ``envs`` (pickled IPC handles allowed, as a
+    server started with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), the layerwise reload (the
+    fakes above, the same our engine is measured with), the MTP check (a no-op), the NCCL
+    wrapper's unique-id size and its env pinning (a no-op). vLLM itself cannot be installed
+    beside this torch; its engines are the peer a user would otherwise pick, so benchmarks
+    run them as they are."""
     import base64
     import contextlib
     import importlib.util
@@ -202,6 +217,14 @@ def install_vllm_sources(src: str) -> types.SimpleNamespace:
         "vllm.model_executor.model_loader",
     ):
         module(name, __path__=[])
+    for name in (
+        "vllm.distributed.device_communicators",
+        "vllm.utils",
+    ):
+        module(name, __path__=[])
+    # The NCCL wrapper is only asked its unique-id size; the env pinning is a no-op here.
+    module("vllm.distributed.device_communicators.pynccl_wrapper", NCCL_UNIQUE_ID_BYTES=128)
+    module("vllm.utils.nccl", unpinned_nccl_env=contextlib.nullcontext)
     module("vllm.envs", VLLM_ALLOW_INSECURE_SERIALIZATION=True)
     sys.modules["vllm"].envs = sys.modules["vllm.envs"]  # type: ignore[attr-defined]
     module("vllm.config", VllmConfig=object)
@@ -221,9 +244,12 @@ def install_vllm_sources(src: str) -> types.SimpleNamespace:
     except ImportError:
         module("pybase64", b64encode=base64.b64encode, b64decode=base64.b64decode)
     out = {}
-    for stem in VLLM_TRANSFER_FILES:
-        name = f"vllm.distributed.weight_transfer.{stem}"
-        spec = importlib.util.spec_from_file_location(name, os.path.join(root, f"{stem}.py"))
+    for stem in stems:
+        path = os.path.normpath(os.path.join(root, f"{stem}.py"))
+        rel = os.path.relpath(path, src)[: -len(".py")]
+        name = rel.replace(os.sep, ".")
+        stem = os.path.basename(rel)
+        spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None, root
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod

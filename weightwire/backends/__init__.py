@@ -72,7 +72,7 @@ ALIASES: dict[str, str] = {alias: spec.name for spec in SPECS.values() for alias
 
 # The built-in names, for code that picks one (spelled in the packages' specs).
 (TCP,) = (spec.name for spec in _specs_of("weightwire.backends.tcp"))
-WEIGHTWIRE_NCCL, NCCL = (spec.name for spec in _specs_of("weightwire.backends.nccl"))
+WEIGHTWIRE_NCCL, NCCL, SPARSE_NCCL = (spec.name for spec in _specs_of("weightwire.backends.nccl"))
 (IPC,) = (spec.name for spec in _specs_of("weightwire.backends.ipc"))
 
 
@@ -137,6 +137,7 @@ __all__ = [
     "NCCL",
     "PACKAGES",
     "PLUGIN_BACKENDS",
+    "SPARSE_NCCL",
     "SPECS",
     "TCP",
     "WEIGHTWIRE_NCCL",

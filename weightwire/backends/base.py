@@ -57,9 +57,9 @@ class RoundAborted(TransferError):
 class StockRefusal(ConfigError):
     """A stock vLLM worker cannot receive ``tensor``; ``reason`` says why. Nothing was sent."""
 
-    def __init__(self, tensor: str, reason: str, version: str) -> None:
+    def __init__(self, tensor: str, reason: str, version: str, *, backend: str = "nccl") -> None:
         super().__init__(
-            f"stock vLLM {version} (backend 'nccl') cannot receive {tensor!r}: {reason}. "
+            f"stock vLLM {version} (backend {backend!r}) cannot receive {tensor!r}: {reason}. "
             "Nothing was sent. Use the weightwire_nccl / weightwire_tcp backend (the plugin "
             "receives it), or change the tensor on the trainer side"
         )
@@ -248,6 +248,20 @@ def _reordered(it: Iterator[tuple[str, Any]], order: tuple[int, ...]) -> Iterato
 
 
 @dataclass(frozen=True)
+class PatchPlan:
+    """A delta round as a backend sends it: the update info its workers are posted, and the
+    wire tensors (``shared.patches.wire_metas``) in broadcast order with their chunks."""
+
+    update_info: dict[str, Any]
+    metas: list[ParamMeta]
+    chunks: list[Chunk]
+    pairs: Callable[[], Iterator[tuple[str, Any]]]
+    """A fresh pass of ``(wire name, array)`` in ``metas`` order, made as it is pulled."""
+    full: frozenset[str]
+    """The tensors patched over every element (the round anchors them)."""
+
+
+@dataclass(frozen=True)
 class SenderCaps:
     """What the trainer may ask of a backend's sending side."""
 
@@ -317,6 +331,14 @@ class Backend(ABC):
         """The round's wire order; a stock receiver may reorder it or refuse it
         (``StockRefusal``)."""
         return WirePlan(list(metas))
+
+    def plan_patches(
+        self, patches: Sequence[Any], *, features: ServerFeatures, describe: Any
+    ) -> PatchPlan:
+        """A delta round of ``patches`` (``shared.patches.SparsePatch``; ``describe``: the
+        framework's array description) as this backend sends it; ``ConfigError`` before any byte
+        when its receiver cannot take them. Only backends with ``caps.delta`` implement it."""
+        raise NotImplementedError(f"backend {self.name!r} sends no delta rounds (patches)")
 
     def open_star(
         self, settings: SenderSettings, *, world_size: int, secret: bytes

@@ -34,6 +34,8 @@ class BackendSpec:
     """Trainer and workers need CUDA devices (and cupy)."""
     stock_receiver: bool
     """The workers run vLLM's own receive code (rounds are planned for it first)."""
+    dense_rounds: bool = True
+    """Rounds may carry whole tensors (``False``: delta rounds of patches only)."""
     same_host: bool = False
     """Trainer and workers must share a host (CUDA IPC)."""
     aliases: tuple[str, ...] = ()

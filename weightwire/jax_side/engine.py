@@ -68,6 +68,11 @@ class JAXTrainerEngine(TrainerEngine):
     def delta_kernel(self) -> DeltaKernel:
         return JaxDeltaKernel()
 
+    def flat_index(self, n: int, like: Any) -> Any:
+        index = jax.numpy.arange(n, dtype=jax.numpy.int32)
+        devices = like.devices() if isinstance(like, jax.Array) else ()
+        return jax.device_put(index, next(iter(devices))) if len(devices) == 1 else index
+
     def device_packer(self, device: int | None) -> DevicePacker:
         from weightwire.jax_side.packer import JaxDevicePacker
 

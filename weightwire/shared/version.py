@@ -68,6 +68,13 @@ FEATURES: tuple[Feature, ...] = (
         True,
         "nccl_unique_id_b64 rendezvous for torch-free trainers",
     ),
+    Feature(
+        "sparse_nccl",
+        (0, 30),
+        False,
+        "the sparse_nccl backend: per patched tensor an int32 flat-index broadcast, then its "
+        "values, applied in place through the model's loader (receive code identical 0.30-0.33)",
+    ),
     Feature("shutdown_route", (0, 32), True, "POST /shutdown_weight_transfer_engine exists"),
     Feature(
         "weight_checker_route", (0, 32), True, "POST /weight_checker answers per-shard checksums"
@@ -156,6 +163,7 @@ class ServerFeatures:
     draft_route: bool
     abort_route: bool
     unique_id_rendezvous: bool
+    sparse_nccl: bool
     shutdown_route: bool
     weight_checker_route: bool
     packed_scalars: bool

@@ -82,7 +82,9 @@ class TrainerInitInfo:
       (the workers' weights) and finds the changed elements there; per tensor, a patch (flat
       ``int32`` indices + values) below ``delta_density`` of its elements changed, the tensor
       dense at or above it, nothing if it did not change. Needs a ``weightwire_*`` backend
-      and one sender (no ``TrainerGroup``); draft rounds stay dense.
+      or ``sparse_nccl`` (vLLM's receiver of patches only: a tensor sent dense is a patch of
+      every element; ``docs/vllm-compat.md``) and one sender (no ``TrainerGroup``); draft
+      rounds stay dense.
     - ``delta_density``: the per-tensor changed fraction below which a tensor is patched
       (``0 < delta_density <= 1``; a bf16 patch costs 6 bytes per changed element against
       2 dense, so past 1/3 a patch is larger than the tensor).
@@ -199,10 +201,11 @@ class TrainerInitInfo:
         anchor = self.delta_anchor_every
         if type(anchor) is not int or anchor < 0:
             raise ConfigError(f"delta_anchor_every must be an int >= 0, got {anchor!r}")
-        if self.delta != "off" and get_backend(self.backend).caps.stock_receiver:
+        caps = get_backend(self.backend).caps
+        if self.delta != "off" and caps.stock_receiver and not caps.delta:
             raise ConfigError(
-                f"delta={self.delta!r} needs a weightwire_* backend: a stock vLLM worker "
-                f"({self.backend!r}) cannot apply patches"
+                f"delta={self.delta!r} needs a weightwire_* backend or sparse_nccl: a stock "
+                f"vLLM worker ({self.backend!r}) cannot apply patches"
             )
 
     @property

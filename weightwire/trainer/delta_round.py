@@ -22,6 +22,7 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaRound, DeltaTracker
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
+from weightwire.trainer.patch_round import patch_round, patches_from_wire
 from weightwire.trainer.session import Session
 from weightwire.trainer.transfer import tensor_stream
 
@@ -141,6 +142,8 @@ class DeltaRounds:
         built: DeltaRound | None,
     ) -> RoundMetrics:
         s, source = self._s, self._s.source
+        if s.backend.caps.delta:  # a receiver of patches only (stock sparse_nccl)
+            return self._send_patches(metas, version, clock, built)
         fields: dict[str, Any] = {"round_token": token}
         remap: Remap | None = None
         if built is None:
@@ -156,6 +159,23 @@ class DeltaRounds:
             return self._sole_round(wire, version, clock, False, remap=remap)
         finally:
             s.source, s.round_fields = source, None
+
+    def _send_patches(
+        self, metas: list[ParamMeta], version: str, clock: PhaseClock, built: DeltaRound | None
+    ) -> RoundMetrics:
+        """The round as patches only: a tensor sent whole becomes a patch of every element
+        (a dense round is the anchor ``trainer.patch_round`` asks for). No round token: the
+        receiver has none; the base rule stands in for it."""
+        s = self._s
+        if built is None:
+            pairs = self.tracker.snapshot_stream(
+                s.stream(tensor_stream(s.source), metas, None), metas
+            )
+        else:
+            pairs = iter(built.pairs)
+        shapes = {m.name: m.shape for m in metas}
+        patches = patches_from_wire(pairs, s.framework.describe, s.framework.flat_index, shapes)
+        return patch_round(s, patches, version, clock)
 
     def _remapper(self, built: DeltaRound) -> Remap:
         """``verify``: the workers digest a patched tensor whole, so the trainer does too."""

@@ -31,7 +31,7 @@ import hashlib
 import logging
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal, Self, cast, overload
 
@@ -43,6 +43,7 @@ from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient, WeightSyncClient
 from weightwire.shared.errors import ConfigError, RoundError
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.patches import SparsePatch
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
@@ -56,6 +57,7 @@ from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_source import MultiSource
 from weightwire.trainer.overlap import RoundHandle, Snapshot
 from weightwire.trainer.overlapped import OverlappedRounds
+from weightwire.trainer.patch_round import patch_round, refuse_patches
 from weightwire.trainer.round import RoundEnd, SolePlan, SoleWire, lead_round, sole_plan
 from weightwire.trainer.session import Session, open_wire
 from weightwire.trainer.transfer import shutdown_when_settled
@@ -94,6 +96,11 @@ class TrainerEngine(ABC):
     def sender_parts(self, packer: DevicePacker | None) -> SenderParts:
         """What this engine lends a backend's data path."""
         return SenderParts(self.host_bytes, self.prefetch_host, packer)
+
+    def flat_index(self, n: int, like: Any) -> Any:
+        """A 1-D ``int32`` array ``0..n-1`` where ``like`` lives (a tensor patched whole, for a
+        receiver of patches only)."""
+        raise NotImplementedError(f"{type(self).__name__} has no flat_index")
 
     def delta_kernel(self) -> DeltaKernel:
         """The device kernels of ``delta="auto"`` rounds (``trainer.delta``)."""
@@ -136,9 +143,13 @@ class TrainerEngine(ABC):
         self._multi: MultiSource | None = None  # built with a TrainerGroup
         self._delta: DeltaRounds | None = None
         if init_info.delta != "off" and init_info.is_sender:
+            # A receiver of patches only takes a changed tensor whole as a patch of every
+            # element: never cheaper than its changed elements, so only a tensor changed
+            # everywhere goes whole.
+            patches_only = self.session.backend.caps.delta
             tracker = DeltaTracker(
                 self.delta_kernel(),
-                density=init_info.delta_density,
+                density=1.0 if patches_only else init_info.delta_density,
                 anchor_every=init_info.delta_anchor_every,
             )
             self._delta = DeltaRounds(
@@ -255,11 +266,7 @@ class TrainerEngine(ABC):
         if not wait:
             return self._send_overlapped(weight_version, draft, dense)
         self._overlapped.settle()  # the rounds in flight land first: rounds never reorder
-        if s.broken is not None:
-            raise EngineBroken(
-                f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
-                "call shutdown() and trainer_init() again"
-            ) from s.broken
+        self._check_usable()
         if self._multi is not None:
             if draft and self.info.is_sender:
                 assert s.features is not None
@@ -276,14 +283,7 @@ class TrainerEngine(ABC):
                     pass
             return RoundMetrics(None, 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
         version = s.next_version(weight_version)
-        if self._displaced():
-            self._was_displaced = True
-            s.broken = EngineBroken(
-                "a server closed this trainer's data link: another trainer initialized and took "
-                "the session over, or the server restarted; nothing was sent. Call trainer_init() "
-                "again to take it back"
-            )
-            raise s.broken
+        self._check_link()
         if draft:
             self._check_draft()
         if self._delta is not None and not draft:
@@ -311,13 +311,43 @@ class TrainerEngine(ABC):
             self._check_draft()
         return self._overlapped.send(weight_version, draft, dense)
 
+    def send_patches(
+        self, patches: Sequence[SparsePatch], weight_version: str | None = None
+    ) -> RoundMetrics:
+        """Rank 0: a delta round of ``patches`` (``shared.patches.SparsePatch``, one per changed
+        tensor) through a backend that takes them (stock ``sparse_nccl``); other ranks return
+        at once. The trainer must be sure of the workers' weights, or the round must be an
+        anchor (``trainer.patch_round``); every refusal comes before any call."""
+        self._check_usable()
+        refuse_patches(group=self._multi is not None, delta_auto=self._delta is not None)
+        if not self.info.is_sender:
+            return RoundMetrics(None, 0, 0, 0, False, sender=False)
+        self._check_link()
+        s = self.session
+        metrics = patch_round(s, patches, s.next_version(weight_version), PhaseClock())
+        logger.info("%s", metrics)
+        return metrics
+
     def _check_usable(self) -> None:
         s = self.session
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} was shut down")
         if s.broken is not None:
             raise EngineBroken(
                 f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
                 "call shutdown() and trainer_init() again"
             ) from s.broken
+
+    def _check_link(self) -> None:
+        """Rank 0, before a round's first call: refuse if a server dropped this trainer."""
+        if self._displaced():
+            self._was_displaced = True
+            self.session.broken = EngineBroken(
+                "a server closed this trainer's data link: another trainer initialized and took "
+                "the session over, or the server restarted; nothing was sent. Call trainer_init() "
+                "again to take it back"
+            )
+            raise self.session.broken
 
     def _check_draft(self) -> None:
         assert self.features is not None

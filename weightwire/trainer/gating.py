@@ -167,15 +167,29 @@ def round_pause(
     """
     if stock_receiver or not (in_place or round_streams(nbytes, info.stage_budget_bytes)):
         return RoundPause(session_mode)
+    why = (
+        "written through"
+        if in_place
+        else f"{nbytes} bytes > stage_budget_bytes {info.stage_budget_bytes}"
+    )
+    return in_place_pause(
+        info, client, (lambda: guard_installed(client)) if guard is None else guard, why
+    )
+
+
+def in_place_pause(
+    info: TrainerInitInfo, client: object, guard: Callable[[], bool], why: str
+) -> RoundPause:
+    """The pause of a round the workers apply in place as it arrives (``why``: what makes it
+    so): refusing new requests from before the first write until a complete round commits;
+    a failed round is not resumed. ``guard``: whether the servers run the round guard."""
     if info.pause_mode is None:
         return RoundPause(None, resume_on_failure=False)
     if not all(callable(getattr(client, m, None)) for m in ("pause", "resume")):
         logger.warning(
-            "client cannot pause: a round applied in place (%d bytes; stage_budget_bytes %d%s) "
-            "runs under live traffic, and a failure would leave a half-updated model served",
-            nbytes,
-            info.stage_budget_bytes,
-            ", written through" if in_place else "",
+            "client cannot pause: a round applied in place (%s) runs under live traffic, "
+            "and a failure would leave a half-updated model served",
+            why,
         )
         return RoundPause(None, resume_on_failure=False)
     mode = "abort" if info.pause_mode in ("auto", "keep") else info.pause_mode
@@ -184,8 +198,7 @@ def round_pause(
             "pause_mode='keep' would queue requests behind a round applied in place that may fail; "
             "pausing this round with 'abort' (new requests refused until it commits)"
         )
-    held = guard() if guard is not None else guard_installed(client)
-    return RoundPause(mode, resume_on_failure=False, guard=held)
+    return RoundPause(mode, resume_on_failure=False, guard=guard())
 
 
 def guard_installed(client: object) -> bool:

@@ -89,14 +89,22 @@ def lead_round(
     draft: bool,
     wire: Wire,
     end: RoundEnd | None = None,
+    payloads: list[dict[str, Any]] | None = None,
+    pause: RoundPause | None = None,
 ) -> RoundMetrics:
-    """Rank 0's round over ``wire``; returns once the servers committed ``version``."""
-    with clock("metadata"):
-        payloads, reused = _payloads(s, bplan, draft)
+    """Rank 0's round over ``wire``; returns once the servers committed ``version``.
+    ``payloads``: each turn's update info as the backend wrote it (a delta round's), instead
+    of the dense one built from the turn's tensors; ``pause``: the round's pause, instead of
+    the session's rule for a round of ``metas``."""
+    reused = False
+    if payloads is None:
+        with clock("metadata"):
+            payloads, reused = _payloads(s, bplan, draft)
     for turn in bplan.turns:
         s.sent.pop(SentKey(draft, turn.src), None)  # unknown until finish succeeds
     own: dict[str, str] | None = {} if s.verifier is not None else None
-    pause = s.round_pause(metas)
+    if pause is None:
+        pause = s.round_pause(metas)
     paused = held = False
 
     def control() -> None:

@@ -40,6 +40,7 @@ class Framework(Protocol):
     def tensor_sha256(self, tensor: Any) -> str: ...
     def device_packer(self, device: int | None) -> DevicePacker: ...
     def sender_parts(self, packer: DevicePacker | None) -> SenderParts: ...
+    def flat_index(self, n: int, like: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,9 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     # not after the workers joined.
     packer = s.framework.device_packer(s.info.device) if s.backend.caps.on_device else None
     rdv = s.backend.open(s.info, world_size=trainer_ranks + world)
-    if s.info.delta != "off":  # the workers keep what delta rounds need (docs/delta.md)
+    # The workers keep what delta rounds need (docs/delta.md); vLLM's own workers refuse
+    # an init info with a field they do not know.
+    if s.info.delta != "off" and not s.backend.caps.stock_receiver:
         rdv.payload = {**rdv.payload, "delta_rounds": True}
     if extend is not None:  # several broadcasters: the group's fields (multi_source)
         try:

@@ -32,4 +32,19 @@ NCCL = BackendSpec(
 )
 """vLLM's own dense NCCL backend (unique-id rendezvous); no plugin."""
 
-SPECS = (WEIGHTWIRE_NCCL, NCCL)
+SPARSE_NCCL = BackendSpec(
+    name="sparse_nccl",
+    init_info=f"{_INFO}:NCCLInitInfo",
+    trainer="weightwire.backends.nccl.trainer:SparseNCCLBackend",
+    connect=None,
+    worker_engine=f"{_ENGINES}:WeightwireNCCLEngine",
+    vllm_engine=None,
+    needs_cuda=True,
+    stock_receiver=True,
+    dense_rounds=False,
+)
+"""vLLM's own sparse NCCL backend (>= 0.30): delta rounds only, applied in place; no plugin.
+Outside vLLM nothing receives its rounds (the listed engine parses its init info and refuses
+its update info)."""
+
+SPECS = (WEIGHTWIRE_NCCL, NCCL, SPARSE_NCCL)

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from weightwire.backends import NCCL, WEIGHTWIRE_NCCL
+from weightwire.backends import NCCL, SPARSE_NCCL, WEIGHTWIRE_NCCL
 from weightwire.backends.base import (
     Backend,
+    PatchPlan,
     Rendezvous,
     RoundSender,
     SenderCaps,
@@ -23,9 +24,11 @@ from weightwire.backends.base import (
 )
 from weightwire.backends.device import SlotBuffers
 from weightwire.backends.nccl import comm as nccl
+from weightwire.backends.nccl.sparse import sparse_nccl_round
 from weightwire.backends.nccl.stock import plan_for_stock
 from weightwire.backends.pipelines import DevicePipeline
 from weightwire.shared.communicator import Communicator
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import (
     NCCL_UNIQUE_ID_BYTES,
     NCCLInitInfo,
@@ -97,6 +100,58 @@ class NCCLBackend(Backend):
         return _NCCLRendezvous(
             self._payload(info, unique_id, world_size), unique_id, world_size, info.device
         )
+
+
+class SparseNCCLBackend(NCCLBackend):
+    """Stock vLLM ``sparse_nccl``: the ``nccl`` rendezvous, then delta rounds only, each patch
+    an ``int32`` index broadcast and a values broadcast (``backends.nccl.sparse``)."""
+
+    name: ClassVar[str] = SPARSE_NCCL
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, stock_receiver=True, delta=True)
+
+    def check_server(self, features: ServerFeatures) -> None:
+        super().check_server(features)
+        features.require("sparse_nccl", "the server's receiver is vLLM's sparse_nccl engine")
+
+    def plan_round(
+        self,
+        metas: Sequence[ParamMeta],
+        *,
+        features: ServerFeatures,
+        packed: bool,
+        buffer_size_bytes: int,
+    ) -> WirePlan:
+        raise ConfigError(
+            f"backend {self.name!r} receives patches only, not whole tensors: use "
+            "TrainerInitInfo(delta='auto'), or send each round's patches with "
+            "engine.send_patches (the first one an anchor: anchor_patches); nothing was sent"
+        )
+
+    def plan_patches(
+        self, patches: Sequence[Any], *, features: ServerFeatures, describe: Any
+    ) -> PatchPlan:
+        return sparse_nccl_round(patches, features=features, describe=describe)
+
+    def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
+        """Per-tensor broadcasts with their own NCCL types: the receiver never unpacks."""
+        return super().sender(link, UnpackedSettings(settings), parts)
+
+    def _payload(self, info: SenderSettings, unique_id: bytes, world_size: int) -> dict[str, Any]:
+        return super()._payload(UnpackedSettings(info), unique_id, world_size)
+
+
+class UnpackedSettings:
+    """``settings`` with ``packed`` off (every other field read through)."""
+
+    def __init__(self, settings: SenderSettings) -> None:
+        self._settings = settings
+
+    @property
+    def packed(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._settings, name)
 
 
 class WeightwireNCCLBackend(NCCLBackend):

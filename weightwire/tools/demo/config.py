@@ -14,9 +14,13 @@ import numpy as np
 
 from weightwire import backends
 
-DEMO_BACKENDS = tuple(name for name in backends.BACKEND_NAMES if not backends.SPECS[name].same_host)
+DEMO_BACKENDS = tuple(
+    name
+    for name in backends.BACKEND_NAMES
+    if not backends.SPECS[name].same_host and backends.SPECS[name].dense_rounds
+)
 """``--backend`` choices; ``weightwire_ipc`` (one host) comes with ``--colocated`` (one GPU for
-both)."""
+both); ``sparse_nccl`` (delta rounds only) is not offered: the demo sends whole models."""
 
 
 @dataclass(frozen=True)

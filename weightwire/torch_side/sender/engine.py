@@ -49,6 +49,9 @@ class TorchTrainerEngine(TrainerEngine):
     def delta_kernel(self) -> DeltaKernel:
         return TorchDeltaKernel()
 
+    def flat_index(self, n: int, like: Any) -> Any:
+        return torch.arange(n, dtype=torch.int32, device=like.device)
+
     def device_packer(self, device: int | None) -> DevicePacker:
         return TorchDevicePacker(device)
 
