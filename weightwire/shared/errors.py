@@ -10,6 +10,7 @@ defined outside this module)::
         CheckpointError                      [weightwire.jax_side.checkpoint]
         PlanError                            [weightwire.trainer.broadcast_plan]
         StockRefusal                         [weightwire.backends.base]
+        AdapterRefused                       [weightwire.trainer.lora]
       TransferError (RuntimeError)
         TransferTimeout (TimeoutError)
         PeerLost (ConnectionError)

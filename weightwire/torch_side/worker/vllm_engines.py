@@ -35,6 +35,7 @@ from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
 from weightwire.torch_side.worker.spec import ModelSpec
+from weightwire.torch_side.worker.vllm_lora import VllmAdapterHost
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +251,7 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):
             framework=self._reload,
             # The served checkpoint describes the main model only; a draft round is not pre-checked.
             spec=lambda: checkpoint_spec(self.model_config, model) if self.model is model else None,
+            adapters=lambda: VllmAdapterHost(self._reload.worker),
         )
 
     def init_transfer_engine(self, init_info: Any) -> None:
