@@ -96,7 +96,7 @@ def _install() -> str | None:
             f"({', '.join(v + 'x' for v in TESTED)}); set {UNTESTED_ENV}=1 to try"
         )
     load = getattr(WorkerLoRAManager, "_load_adapter", None)
-    from_dir = LoRAModel.__dict__.get("from_local_checkpoint")
+    from_dir = inspect.getattr_static(LoRAModel, "from_local_checkpoint", None)
     from_tensors = getattr(LoRAModel, "from_lora_tensors", None)
     if not callable(load) or not isinstance(from_dir, classmethod) or from_tensors is None:
         return (
