@@ -224,7 +224,7 @@ def main() -> None:
     try:
         cfg, params = load_decoder(model_dir)
         dense = JAXTrainerEngine.trainer_init(
-            info, client=client, source=PytreeSource(params, decoder.naming(cfg))
+            info, client=client, source=PytreeSource(params, decoder.naming(cfg), dtype="bfloat16")
         )
         try:
             dense.send_weights()  # warm: the first round plans and connects
