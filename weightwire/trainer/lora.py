@@ -44,7 +44,8 @@ class AdapterSync:
     """``AdapterSync(engine, adapter, alpha=..., adapter_dir=...)``; ``send()`` per round.
 
     ``base_urls``: the servers (default: the engine's client's ``base_urls`` /
-    ``base_url``). ``base_model`` goes into ``adapter_config.json`` (informational)."""
+    ``base_url``); ``api_key``: their API key, if they require one. ``base_model`` goes into
+    ``adapter_config.json`` (informational)."""
 
     def __init__(
         self,
@@ -55,6 +56,7 @@ class AdapterSync:
         adapter_dir: str | os.PathLike[str],
         base_urls: list[str] | None = None,
         base_model: str = "",
+        api_key: str | None = None,
         timeout_s: float = 120.0,
     ) -> None:
         self.engine = engine
@@ -66,6 +68,7 @@ class AdapterSync:
         self.base_urls = base_urls if base_urls is not None else _client_urls(engine.client)
         self.base_model = base_model
         self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.spec: LoRASpec | None = None
         """The adapter as registered (None before the first ``send``)."""
 
@@ -113,7 +116,7 @@ class AdapterSync:
 
     def _listed(self, url: str) -> bool:
         try:
-            r = httpx.get(f"{url}{MODELS_ROUTE}", timeout=self.timeout_s)
+            r = httpx.get(f"{url}{MODELS_ROUTE}", headers=self._headers, timeout=self.timeout_s)
         except httpx.HTTPError as exc:
             raise AdapterRefused(f"{url}: GET {MODELS_ROUTE} failed: {exc}") from exc
         if r.status_code != 200:
@@ -124,7 +127,9 @@ class AdapterSync:
     def _load(self, url: str) -> None:
         body = {"lora_name": self.adapter, "lora_path": str(self.adapter_dir)}
         try:
-            r = httpx.post(f"{url}{LOAD_ROUTE}", json=body, timeout=self.timeout_s)
+            r = httpx.post(
+                f"{url}{LOAD_ROUTE}", json=body, headers=self._headers, timeout=self.timeout_s
+            )
         except httpx.HTTPError as exc:
             raise AdapterRefused(f"{url}: POST {LOAD_ROUTE} failed: {exc}") from exc
         if r.status_code in (404, 405):
