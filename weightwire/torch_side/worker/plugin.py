@@ -48,10 +48,6 @@ def register() -> None:
         return
     # The round guard asks the workers whether their weights are whole (weightwire.vllm_guard).
     install_worker_method()
-    # Adapter rounds: vLLM's LoRA loading learns to serve a replaced adapter from memory.
-    from weightwire.torch_side.worker.vllm_lora import install as install_lora
-
-    install_lora()
     for name, (module, class_name) in engines().items():
         try:
             WeightTransferEngineFactory.register_engine(name, module, class_name)

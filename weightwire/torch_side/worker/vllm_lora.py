@@ -7,8 +7,9 @@ by ``reset_lora_state`` (every ``finish_weight_update`` in 0.32 and 0.33 drops t
 A swap that only rewrote the cached copy would be undone by the next such reload, which
 reads the directory, i.e. the adapter's first round.
 
-So the plugin (``install``, in every vLLM process) wraps two of vLLM's LoRA internals,
-changing nothing for adapters weightwire does not replace:
+So the plugin's engine (``install``, once per worker process, when vLLM runs with
+``--enable-lora``) wraps two of vLLM's LoRA internals, changing nothing for adapters
+weightwire does not replace:
 
 - ``WorkerLoRAManager._load_adapter``: records each adapter vLLM loads (name, integer
   id, absolute path, its shape read from the directory's safetensors header);
