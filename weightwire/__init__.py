@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.jax_side import pytree_from_hf as pytree_from_hf
     from weightwire.jax_side import read_safetensors as read_safetensors
     from weightwire.jax_side import register_family as register_family
+    from weightwire.jax_side.lora import lora_source as lora_source
     from weightwire.shared.errors import ConfigError as ConfigError
     from weightwire.shared.errors import ControlTimeout as ControlTimeout
     from weightwire.shared.errors import PeerLost as PeerLost
@@ -63,9 +64,12 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.tools.models.loading import load_decoder as load_decoder
     from weightwire.torch_side import ModuleSource as ModuleSource
     from weightwire.torch_side import TorchTrainerEngine as TorchTrainerEngine
+    from weightwire.torch_side.sender.lora import PeftAdapterSource as PeftAdapterSource
     from weightwire.trainer.config import TrainerInitInfo as TrainerInitInfo
     from weightwire.trainer.engine import EngineBroken as EngineBroken
     from weightwire.trainer.freshness import StaleCacheError as StaleCacheError
+    from weightwire.trainer.lora import AdapterRefused as AdapterRefused
+    from weightwire.trainer.lora import AdapterSync as AdapterSync
     from weightwire.trainer.metrics import RoundMetrics as RoundMetrics
     from weightwire.trainer.overlap import RoundHandle as RoundHandle
     from weightwire.trainer.overlap import RoundSkipped as RoundSkipped

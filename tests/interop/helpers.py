@@ -18,13 +18,18 @@ class VLLMServer:
     model_dir: str
 
     def greedy(
-        self, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS
+        self,
+        prompts: list[list[int]] = PROMPTS,
+        max_tokens: int = MAX_TOKENS,
+        model: str | None = None,
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """The server's greedy token ids and their logprobs, one row per prompt."""
+        """The server's greedy token ids and their logprobs, one row per prompt (``model``:
+        a LoRA adapter's name; None: the base model)."""
         reply = httpx.post(
             f"{self.url}/v1/completions",
             timeout=120,
             json={
+                **({"model": model} if model is not None else {}),
                 "prompt": prompts,
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
@@ -62,10 +67,15 @@ def hf_greedy(
 
 
 def assert_same_greedy(
-    server: VLLMServer, model: torch.nn.Module, what: str, prompts: list[list[int]] = PROMPTS
+    server: VLLMServer,
+    model: torch.nn.Module,
+    what: str,
+    prompts: list[list[int]] = PROMPTS,
+    served: str | None = None,
 ) -> list[list[int]]:
-    """Server greedy == HF greedy, token for token (and logprobs within 1e-3)."""
-    got, got_lp = server.greedy(prompts)
+    """Server greedy == HF greedy, token for token (and logprobs within 1e-3); ``served``
+    names the adapter the server applies (None: the base model)."""
+    got, got_lp = server.greedy(prompts, model=served)
     want, want_lp = hf_greedy(model, prompts)
     assert got == want, f"{what}: vLLM greedy {got} != Hugging Face {want}"
     diff = float(np.max(np.abs(np.asarray(got_lp) - np.asarray(want_lp))))

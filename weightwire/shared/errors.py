@@ -11,6 +11,7 @@ defined outside this module)::
         PlanError                            [weightwire.trainer.broadcast_plan]
         StockRefusal                         [weightwire.backends.base]
         SparseBaseUnknown                    [weightwire.trainer.patch_round]
+        AdapterRefused                       [weightwire.trainer.lora]
       TransferError (RuntimeError)
         TransferTimeout (TimeoutError)
         PeerLost (ConnectionError)

@@ -156,6 +156,18 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "(default: the trainer's per-broadcast timeout from its init info)",
     )
     p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: POST /v1/load_lora_adapter registers one from a PEFT "
+        "directory, completions name it as their model, adapter rounds replace it",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="the highest adapter rank --enable-lora accepts (default 16)",
+    )
+    p.add_argument(
         "--startup-timeout",
         type=float,
         default=600.0,
@@ -175,6 +187,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--port must be in [0, 65535], got {args.port}"
     if not 1 <= args.replicas <= 64:
         return f"--replicas must be in [1, 64], got {args.replicas}"
+    if not 1 <= args.max_lora_rank <= 4096:
+        return f"--max-lora-rank must be in [1, 4096], got {args.max_lora_rank}"
     if backends.get(args.backend).needs_cuda and args.device != "cuda":
         return f"--backend {args.backend} needs --device cuda"
     for name in (
@@ -422,6 +436,7 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
         threads=threads,
         max_reply_bytes=args.max_reply_bytes,
         check_finite=args.check_finite,
+        max_lora_rank=args.max_lora_rank if args.enable_lora else 0,
     )
     try:
         pool = await ReplicaPool.start(spec, startup_timeout=args.startup_timeout)
@@ -443,6 +458,7 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
             lease_s=args.round_lease,
             model_dir=os.path.abspath(model_dir),
             model_aliases=(args.model, model_dir, os.path.abspath(model_dir)),
+            max_lora_rank=spec.max_lora_rank,
         )
         app = create_app(ServerState(pool=pool, options=options))
         config = uvicorn.Config(

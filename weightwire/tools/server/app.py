@@ -65,6 +65,9 @@ def create_app(state: ServerState) -> FastAPI:
     from weightwire.tools.server.sleep_routes import install_sleep_routes
 
     install_sleep_routes(app, state)
+    from weightwire.tools.server.lora_routes import install_lora_routes
+
+    install_lora_routes(app, state)
     return app
 
 
@@ -86,7 +89,7 @@ def _completion_routes(app: FastAPI, state: ServerState) -> None:
             )
         except CompletionRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
-        check_model(opts, req)
+        check_model(opts, req, state.adapters)
         result, index = await generate_on_a_replica(state, req, request)
         result["model"] = req.model or opts.model_name
         return JSONResponse(result, headers={"x-weightwire-replica": str(index)})

@@ -259,9 +259,10 @@ def chat_reply(result: dict[str, Any], req: CompletionRequest, model: str) -> di
     }
 
 
-def check_model(opts: Any, req: CompletionRequest) -> None:
-    """404 for a request naming a model other than the served one (``opts``: ``ServerOptions``)."""
-    problem = check_model_name(req.model, opts.model_name, opts.model_aliases)
+def check_model(opts: Any, req: CompletionRequest, adapters: Any = ()) -> None:
+    """404 for a request naming a model other than the served one or a registered adapter
+    (``opts``: ``ServerOptions``)."""
+    problem = check_model_name(req.model, opts.model_name, (*opts.model_aliases, *adapters))
     if problem:
         raise ApiError(404, problem, param="model")
 
@@ -277,9 +278,13 @@ def install_openai_routes(app: FastAPI, state: Any, generate: Generate) -> None:
 
     @app.get(MODELS_PATH)
     async def models() -> dict[str, Any]:
-        return models_reply(
+        reply = models_reply(
             opts.model_name, opts.model_dir, pool.replicas[0].info["max_model_len"], created
         )
+        for name, path in state.adapters.items():  # vLLM lists its adapters the same way
+            card = {**reply["data"][0], "id": name, "root": path, "parent": opts.model_name}
+            reply["data"].append(card)
+        return reply
 
     @app.post(CHAT_PATH)
     async def chat_completions(request: Request) -> JSONResponse:
@@ -296,7 +301,7 @@ def install_openai_routes(app: FastAPI, state: Any, generate: Generate) -> None:
             )
         except CompletionRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
-        check_model(opts, req)
+        check_model(opts, req, state.adapters)
         result, index = await generate(state, req, request)
         return JSONResponse(
             chat_reply(result, req, req.model or opts.model_name),

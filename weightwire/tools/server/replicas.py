@@ -115,6 +115,8 @@ class WorkerSpec:
     """The worker answers an error instead of a reply line longer than this."""
     check_finite: bool = False
     """Refuse to commit a round whose floating-point tensors hold NaN or infinity."""
+    max_lora_rank: int = 0
+    """Serve LoRA adapters up to this rank (``--enable-lora``); 0: no adapters."""
 
 
 class Replica:

@@ -37,6 +37,8 @@ class ServerOptions:
     model_aliases: tuple[str, ...] = ()
     """Other ``model`` names a request may use for the served model (the ``--model`` value, its
     path)."""
+    max_lora_rank: int = 0
+    """Adapters up to this rank may be registered (``--enable-lora``); 0: none."""
 
 
 @dataclass
@@ -77,6 +79,8 @@ class ServerState:
     gate: PauseGate = field(default_factory=PauseGate)
     lease: RoundLease = field(default_factory=RoundLease)
     sleep: SleepState = field(default_factory=SleepState)
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Registered LoRA adapters: name -> the directory they were registered from."""
 
     @property
     def replicas(self) -> int:

@@ -56,7 +56,7 @@ from weightwire.tools.server.sleep import WorkerSleep
 
 log = logging.getLogger(__name__)
 
-_CONTROL_OPS = ("init", "start", "update", "finish", "shutdown", "sleep", "wake")
+_CONTROL_OPS = ("init", "start", "update", "finish", "shutdown", "sleep", "wake", "load_lora")
 _SERVE_OPS = ("generate", "checksum", "reset")
 
 
@@ -70,6 +70,7 @@ class Worker:
         from transformers.utils import logging as hf_logging
 
         from weightwire.tools.server.generate import Generator
+        from weightwire.tools.server.lora import HFAdapters
         from weightwire.torch_side.worker import HFModelHost
         from weightwire.torch_side.worker.strategy import WeightState
 
@@ -105,6 +106,7 @@ class Worker:
             max_model_len=self.max_model_len,
         )
         self.sleep = WorkerSleep(self.model, self.device, self.model_lock, self.host.param_names)
+        self.adapters = HFAdapters(self.model, spec.max_lora_rank) if spec.max_lora_rank else None
         self.engine: Any = None
         self.cancel_epoch = 0
         self.calls = LiveCalls()
@@ -126,7 +128,11 @@ class Worker:
     def _new_engine(self) -> Any:
         cls = backends.load(backends.get(self.spec.backend).worker_engine)
         return cls.standalone(
-            model=self.host, device=self.device, worker_rank=self.spec.index, weights=self.weights
+            model=self.host,
+            device=self.device,
+            worker_rank=self.spec.index,
+            weights=self.weights,
+            adapters=lambda: self.adapters,
         )
 
     def op_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
@@ -202,6 +208,13 @@ class Worker:
     def op_shutdown(self) -> None:
         self._teardown()
 
+    def op_load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Register adapter ``name`` from a PEFT directory (between completions)."""
+        if self.adapters is None:
+            raise ValueError("this server was started without --enable-lora")
+        with self.model_lock:
+            return self.adapters.load_dir(name, path)
+
     def op_sleep(self, level: int, epoch: int, timeout_s: float | None = None) -> dict[str, Any]:
         return self.sleep.sleep(
             level, epoch, timeout_s
@@ -247,7 +260,10 @@ class Worker:
                 refusal = self.refusal()
                 if refusal is not None:
                     raise ModelIncomplete(refusal)
-                return self.generator.complete(request, cancelled)
+                if self.adapters is None:
+                    return self.generator.complete(request, cancelled)
+                with self.adapters.applied(request.get("model")):
+                    return self.generator.complete(request, cancelled)
         finally:
             self.calls.ended(call_id)
 

@@ -52,6 +52,7 @@ from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.landing import LoaderMap, LoaderMapRefused, record_loader_map
 from weightwire.torch_side.worker.load import LOAD_BATCHING, FrameworkHooks, MetaCache, ReceiveStats
+from weightwire.torch_side.worker.lora import AdapterHostFn, adapter_round
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import (
     IncompleteRound,
@@ -110,6 +111,7 @@ class _ReceiverCore:
         spec: Callable[[], ModelSpec | None] | None = None,
         lease_s: float | None = None,
         weights: WeightState | None = None,
+        adapters: AdapterHostFn | None = None,
     ) -> None:
         if load_batching not in LOAD_BATCHING:
             raise ValueError(f"load_batching must be one of {LOAD_BATCHING}, got {load_batching!r}")
@@ -130,6 +132,7 @@ class _ReceiverCore:
         ] = {}
         self.lease_s = float(lease_s) if lease_s is not None else Timeouts.from_env().http_s
         self.weights = weights if weights is not None else WeightState()
+        self._adapters = adapters  # where adapter rounds go (torch_side.worker.lora)
         self._round: ReceiveStrategy | None = None
         self._touched = 0.0  # monotonic time of the session's last round call
         self.session: str | None = None
@@ -317,7 +320,10 @@ class _ReceiverCore:
                 buffer_size_bytes=self._info.packed_buffer_size_bytes,
             )
             metas, chunks = resolved.metas, resolved.chunks
-            spec = self._model_spec()
+            adapter = adapter_round(self._round, metas, self._adapters)
+            if adapter is not None:
+                self._round = adapter
+            spec = self._model_spec() if adapter is None else None
             if spec is not None and not resolved.spec_checked:  # once per metadata, not per round
                 spec.check(metas)
                 resolved.spec_checked = True

@@ -21,6 +21,7 @@ from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitIn
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.load import ReceiveStats
+from weightwire.torch_side.worker.lora import AdapterHostFn
 from weightwire.torch_side.worker.strategy import IncompleteRound, WeightState
 
 
@@ -116,6 +117,7 @@ class StandaloneEngine(EngineFacade):
         worker_rank: int = 0,
         load_batching: str = "chunk",
         weights: WeightState | None = None,
+        adapters: AdapterHostFn | None = None,
     ) -> None:
         if not callable(getattr(model, "load_weights", None)):
             raise TypeError(
@@ -133,6 +135,7 @@ class StandaloneEngine(EngineFacade):
             worker_rank=worker_rank,
             load_batching=load_batching,
             weights=weights,
+            adapters=adapters,
         )
 
     @classmethod
@@ -144,16 +147,19 @@ class StandaloneEngine(EngineFacade):
         worker_rank: int = 0,
         load_batching: str = "chunk",
         weights: WeightState | None = None,
+        adapters: AdapterHostFn | None = None,
     ) -> Any:
         """The reference server's constructor: ``worker_rank`` is this replica's index
         among the server's workers (its wire rank is ``rank_offset + worker_rank``);
-        ``weights``: the model's ``WeightState``, kept across this model's engines."""
+        ``weights``: the model's ``WeightState``, kept across this model's engines;
+        ``adapters``: where adapter rounds go (``torch_side.worker.lora``), if anywhere."""
         return cls(
             model=model,
             device=device,
             worker_rank=worker_rank,
             load_batching=load_batching,
             weights=weights,
+            adapters=adapters,
         )
 
     _connect = staticmethod(connect)

@@ -35,6 +35,8 @@ from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
 from weightwire.torch_side.worker.spec import ModelSpec
+from weightwire.torch_side.worker.vllm_lora import VllmAdapterHost
+from weightwire.torch_side.worker.vllm_lora import install as install_lora
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +252,12 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):
             framework=self._reload,
             # The served checkpoint describes the main model only; a draft round is not pre-checked.
             spec=lambda: checkpoint_spec(self.model_config, model) if self.model is model else None,
+            adapters=lambda: VllmAdapterHost(self._reload.worker),
         )
+        if getattr(vllm_config, "lora_config", None) is not None:
+            # Adapter rounds: this worker's LoRA loading learns to serve a replaced adapter
+            # from memory. vLLM makes this engine in load_model, before any adapter loads.
+            install_lora()
 
     def init_transfer_engine(self, init_info: Any) -> None:
         if self._reload.worker is None:

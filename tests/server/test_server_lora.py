@@ -1,0 +1,193 @@
+"""LoRA adapters on the reference server (``--enable-lora``), two replicas, one start.
+
+The same semantics as vLLM with the plugin: the first round registers the adapter from
+the trainer's PEFT directory, later rounds replace it in memory; completions naming the
+adapter equal Hugging Face + PEFT on the trainer's adapter, the base model's stay the
+same, a round that fails midway leaves the previous adapter serving, and what the server
+cannot take is refused before any byte of a round.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from tests.interop.helpers import VLLMServer, assert_same_greedy
+from tests.lora.adapters import (
+    ALPHA,
+    Breaking,
+    base_model,
+    into_peft,
+    jax_adapter,
+    peft_model,
+    randomize_peft,
+)
+from weightwire.control.client import HTTPWeightSyncClient
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.jax_side.lora import lora_source
+from weightwire.shared.errors import ConfigError, WeightwireError
+from weightwire.torch_side.sender.engine import TorchTrainerEngine
+from weightwire.torch_side.sender.lora import PeftAdapterSource, peft_alpha
+from weightwire.trainer.config import TrainerInitInfo
+from weightwire.trainer.lora import AdapterRefused, AdapterSync
+
+pytestmark = pytest.mark.timeout(600)
+MAX_RANK = 8
+INFO = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=8 << 10)
+
+
+@pytest.fixture(scope="module")
+def server(server_factory: Any, tiny_llama: str) -> VLLMServer:
+    args = ["--model", tiny_llama, "--replicas", "2", "--enable-lora"]
+    proc = server_factory([*args, "--max-lora-rank", str(MAX_RANK)])
+    return VLLMServer(proc.url, tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def base_tokens(server: VLLMServer) -> list[list[int]]:
+    return assert_same_greedy(server, base_model(server.model_dir), "base model")
+
+
+@pytest.fixture
+def client(server: VLLMServer) -> Iterator[HTTPWeightSyncClient]:
+    c = HTTPWeightSyncClient(server.url, timeout=120)
+    yield c
+    c.close()
+
+
+def _check(server: VLLMServer, ref: Any, base: list[list[int]], adapter: str, what: str) -> Any:
+    tokens = assert_same_greedy(server, ref, what, served=adapter)
+    assert server.greedy()[0] == base, f"{what}: the base model's completions changed"
+    assert tokens != base, f"{what}: the adapter changed nothing"
+    return tokens
+
+
+def test_jax_adapter_rounds_match_peft_and_a_broken_round_changes_nothing(
+    server: VLLMServer, base_tokens: list[list[int]], client: Any, tmp_path: Path
+) -> None:
+    ref = peft_model(server.model_dir)
+    live = {"tree": jax_adapter(0)}
+    source = lora_source(lambda: live["tree"], "jaxpol")
+    engine = JAXTrainerEngine.trainer_init(INFO, client=client, source=source)
+    sync = AdapterSync(engine, "jaxpol", alpha=ALPHA, adapter_dir=tmp_path / "jaxpol")
+    previous: Any = None
+    try:
+        for r in (1, 2, 3):
+            live["tree"] = jax_adapter(r)
+            assert sync.send(weight_version=f"jax-{r}").chunks > 1
+            into_peft(ref, source)
+            tokens = _check(server, ref, base_tokens, "jaxpol", f"JAX adapter round {r}")
+            assert tokens != previous
+            previous = tokens
+        # The adapter cannot change shape once registered: refused before any byte.
+        live["tree"] = jax_adapter(4, rank=2)
+        with pytest.raises(ConfigError, match="rank 2 differs from the registered rank 4"):
+            sync.send()
+    finally:
+        engine.shutdown()
+    live["tree"] = jax_adapter(99)
+    broken = JAXTrainerEngine.trainer_init(
+        INFO, client=client, source=Breaking(lora_source(lambda: live["tree"], "jaxpol"), 9)
+    )
+    try:
+        with pytest.raises(Exception, match="mid-round"):
+            broken.send_weights()
+    finally:
+        broken.shutdown()
+    assert _check(server, ref, base_tokens, "jaxpol", "after a broken round") == previous
+
+
+def test_peft_trainer_adapter_rounds(
+    server: VLLMServer, base_tokens: list[list[int]], client: Any, tmp_path: Path
+) -> None:
+    trainer = peft_model(server.model_dir)
+    engine = TorchTrainerEngine.trainer_init(
+        INFO, client=client, source=PeftAdapterSource(trainer, "torchpol")
+    )
+    sync = AdapterSync(
+        engine, "torchpol", alpha=peft_alpha(trainer), adapter_dir=tmp_path / "torchpol"
+    )
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for r in (1, 2):
+            randomize_peft(trainer, gen)
+            sync.send()
+            _check(server, trainer, base_tokens, "torchpol", f"PEFT adapter round {r}")
+    finally:
+        engine.shutdown()
+
+
+def test_what_the_server_cannot_serve_is_refused_before_a_round(
+    server: VLLMServer, client: Any, tmp_path: Path
+) -> None:
+    cases = [
+        ("toobig", jax_adapter(5, rank=MAX_RANK * 2), f"greater than --max-lora-rank {MAX_RANK}"),
+        ("badmod", jax_adapter(6), "act_fn is not a linear layer"),
+    ]
+    cases[1][1]["model"]["layers"][0]["mlp"]["act_fn"] = cases[1][1]["model"]["layers"][0]["mlp"][
+        "up_proj"
+    ]
+    for name, tree, match in cases:
+        engine = JAXTrainerEngine.trainer_init(INFO, client=client, source=lora_source(tree, name))
+        try:
+            sync = AdapterSync(engine, name, alpha=ALPHA, adapter_dir=tmp_path / name)
+            with pytest.raises(AdapterRefused, match=match):
+                sync.send()
+            assert engine.session.rounds == 0
+        finally:
+            engine.shutdown()
+    # A round for an adapter nobody registered: the workers refuse it before its bytes.
+    engine = JAXTrainerEngine.trainer_init(
+        INFO, client=client, source=lora_source(jax_adapter(7), "stranger")
+    )
+    try:
+        with pytest.raises(WeightwireError, match="'stranger' is not registered"):
+            engine.send_weights()
+    finally:
+        engine.shutdown()
+    reply = httpx.post(
+        f"{server.url}/v1/completions", json={"model": "stranger", "prompt": [1, 2]}, timeout=60
+    )
+    assert reply.status_code == 404, reply.text
+
+
+class _NoLoRA(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self._reply(b'{"object": "list", "data": []}', 200)
+
+    def do_POST(self) -> None:
+        self._reply(b'{"detail": "Not Found"}', 404)
+
+    def _reply(self, body: bytes, status: int) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_server_without_lora_is_named_as_such(tmp_path: Path) -> None:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoLoRA)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    source = lora_source(jax_adapter(1), "pol")
+    engine: Any = SimpleNamespace(source=source, client=SimpleNamespace(base_urls=["x"]))
+    engine.host_bytes = lambda t: np.asarray(t).reshape(-1).view(np.uint8)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    sync = AdapterSync(engine, "pol", alpha=ALPHA, adapter_dir=tmp_path / "pol", base_urls=[url])
+    try:
+        with pytest.raises(AdapterRefused, match="serves no adapters.*--enable-lora"):
+            sync.register()
+    finally:
+        httpd.shutdown()

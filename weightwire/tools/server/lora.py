@@ -1,0 +1,153 @@
+"""LoRA adapters on the reference server's Hugging Face model (``--enable-lora``).
+
+Each adapter is a PEFT directory at registration (``POST /v1/load_lora_adapter``) and
+then whatever its last adapter round sent. A completion naming an adapter runs the
+base model with ``W x + scale * B (A x)`` in every adapted linear (``scale = alpha /
+rank``, PEFT's LoRA), through forward hooks present only for that completion; the base
+weights are never written, so base-model completions are unchanged. The worker holds
+its model lock around a completion and around a round's finish, so a swap
+(``HFAdapters.swap``: one dict assignment) lands between completions, never inside one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from weightwire.shared.lora import PREFIX, LoRASpec, wire_name
+from weightwire.shared.meta import ParamMeta
+
+_CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One served adapter: its shape, PEFT scale and matrices (saved PEFT names)."""
+
+    spec: LoRASpec
+    scale: float
+    tensors: dict[str, torch.Tensor]
+
+
+class HFAdapters:
+    """The adapters of one worker's model; ``AdapterHost`` for its adapter rounds."""
+
+    def __init__(self, model: torch.nn.Module, max_rank: int) -> None:
+        self.model, self.max_rank = model, max_rank
+        self.linears = {
+            name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+        }
+        self.served: dict[str, Adapter] = {}
+        self._lock = threading.Lock()
+
+    # -- registration -----------------------------------------------------------------------
+
+    def load_dir(self, name: str, path: str) -> dict[str, object]:
+        """Register ``name`` from a PEFT directory (``ValueError`` saying what is wrong)."""
+        from safetensors.torch import load_file
+
+        root = Path(path)
+        if not (root / _CONFIG).is_file() or not (root / _WEIGHTS).is_file():
+            raise ValueError(f"{path} holds no {_CONFIG} and {_WEIGHTS}")
+        config = json.loads((root / _CONFIG).read_text())
+        for flag in ("use_rslora", "use_dora"):
+            if config.get(flag):
+                raise ValueError(f"{path}: {flag} adapters are not served here")
+        saved = load_file(str(root / _WEIGHTS))
+        metas, tensors = [], {}
+        for key, tensor in saved.items():
+            module, _, ab = key.removeprefix(PREFIX).removesuffix(".weight").rpartition(".lora_")
+            if not key.startswith(PREFIX) or ab not in ("A", "B"):
+                raise ValueError(f"{path}: {key!r} is not a LoRA matrix of PEFT's names")
+            metas.append(ParamMeta(wire_name(module, ab, name), "float32", tuple(tensor.shape)))
+            tensors[key] = tensor.float()
+        spec = LoRASpec.from_metas(metas)
+        if int(config.get("r", spec.rank)) != spec.rank:
+            raise ValueError(f"{path}: r {config.get('r')} but the matrices have rank {spec.rank}")
+        self._check_fits(spec)
+        alpha = float(config.get("lora_alpha", spec.rank))
+        with self._lock:
+            self.served[name] = Adapter(spec, alpha / spec.rank, self._on_device(tensors))
+        return {"rank": spec.rank, "modules": len(spec.modules)}
+
+    def _check_fits(self, spec: LoRASpec) -> None:
+        if spec.rank > self.max_rank:
+            raise ValueError(
+                f"adapter {spec.adapter!r}: LoRA rank {spec.rank} is greater than "
+                f"--max-lora-rank {self.max_rank}"
+            )
+        for m in spec.modules:
+            linear = self.linears.get(m.module)
+            if linear is None:
+                raise ValueError(
+                    f"adapter {spec.adapter!r}: {m.module} is not a linear layer of this model"
+                )
+            if (linear.in_features, linear.out_features) != (m.in_features, m.out_features):
+                raise ValueError(
+                    f"adapter {spec.adapter!r}: {m.module} is {linear.in_features} -> "
+                    f"{linear.out_features}, the adapter's {m.in_features} -> {m.out_features}"
+                )
+
+    def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        param = next(self.model.parameters())
+        return {k: v.to(param.device, param.dtype) for k, v in tensors.items()}
+
+    # -- AdapterHost ---------------------------------------------------------------------------
+
+    def check(self, spec: LoRASpec) -> None:
+        with self._lock:
+            known = self.served.get(spec.adapter)
+        if known is None:
+            raise ValueError(
+                f"adapter {spec.adapter!r} is not registered here: register it first "
+                "(POST /v1/load_lora_adapter)"
+            )
+        why = known.spec.same_shape(spec)
+        if why is not None:
+            raise ValueError(f"adapter {spec.adapter!r}: {why}")
+
+    def swap(self, spec: LoRASpec, tensors: dict[str, torch.Tensor]) -> None:
+        self.check(spec)
+        with self._lock:
+            known = self.served[spec.adapter]
+            self.served[spec.adapter] = Adapter(known.spec, known.scale, self._on_device(tensors))
+
+    # -- serving -------------------------------------------------------------------------------
+
+    @contextmanager
+    def applied(self, name: str | None) -> Iterator[None]:
+        """The model computes with adapter ``name`` inside (the base model for None or a
+        name that is not an adapter)."""
+        with self._lock:
+            adapter = self.served.get(name) if name is not None else None
+        if adapter is None:
+            yield
+            return
+        handles = []
+        for m in adapter.spec.modules:
+            a = adapter.tensors[f"{PREFIX}{m.module}.lora_A.weight"]
+            b = adapter.tensors[f"{PREFIX}{m.module}.lora_B.weight"]
+            handles.append(self.linears[m.module].register_forward_hook(_hook(a, b, adapter.scale)))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+Hook = Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]
+
+
+def _hook(a: torch.Tensor, b: torch.Tensor, scale: float) -> Hook:
+    def add_lora(
+        _module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
+    ) -> torch.Tensor:
+        return out + scale * ((args[0] @ a.T) @ b.T)
+
+    return add_lora
