@@ -39,12 +39,13 @@ from typing import Any
 import torch
 
 from weightwire.backends.base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
-from weightwire.shared.errors import WeightwireError
+from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.load import LOAD_BATCHING, FrameworkHooks, MetaCache, ReceiveStats
+from weightwire.torch_side.worker.sinks import MapProvider, SinkChooser
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import (
     IncompleteRound,
@@ -93,6 +94,7 @@ class _ReceiverCore:
         spec: Callable[[], ModelSpec | None] | None = None,
         lease_s: float | None = None,
         weights: WeightState | None = None,
+        loader_map: MapProvider | None = None,
     ) -> None:
         if load_batching not in LOAD_BATCHING:
             raise ValueError(f"load_batching must be one of {LOAD_BATCHING}, got {load_batching!r}")
@@ -119,6 +121,9 @@ class _ReceiverCore:
         self._active = False
         self._plans = MetaCache(backend)
         self.last_stats: ReceiveStats | None = None
+        self._sinks = SinkChooser(
+            self.weights, loader_map, whole_layers=framework is not None, spec=self._model_spec
+        )
 
     # ---------------------------------------------------------------- session
     @property
@@ -177,6 +182,7 @@ class _ReceiverCore:
         self._plans.clear()
         self._link = self._connect(info, rank=rank, device=self.device)
         self._info = info
+        self._sinks.session(bool(getattr(info, "delta_rounds", None)))
         self._broken = None
         previous, self.session = self.session, uuid.uuid4().hex[:12]
         log.info(
@@ -224,6 +230,8 @@ class _ReceiverCore:
         try:
             round_.commit()
         except BaseException as exc:
+            round_.delta.drop()
+            self.weights.forget()
             if not round_.wrote:
                 raise
             self.weights.broke(
@@ -237,6 +245,8 @@ class _ReceiverCore:
                 "the new round: send a full round again"
             ) from exc
         self.weights.committed(frozenset(round_.names))
+        if round_.delta.updates:  # a round without an update changed nothing
+            self.weights.adopt(round_.target.model, round_.delta.token)
 
     def shutdown(self) -> None:
         """Idempotent teardown; an active round is aborted (shutdown never raises for it)."""
@@ -283,10 +293,12 @@ class _ReceiverCore:
                 buffer_size_bytes=self._info.packed_buffer_size_bytes,
             )
             metas, chunks = resolved.metas, resolved.chunks
-            spec = self._model_spec()
-            if spec is not None and not resolved.spec_checked:  # once per metadata, not per round
-                spec.check(metas)
-                resolved.spec_checked = True
+            assert self._round is not None
+            # The round's token, a delta round's base, the model spec: all before any byte.
+            splitter = self._sinks.admit(self._round.delta, model, update, resolved)
+        except DeltaBaseMismatch as exc:
+            self._fail(exc, "checking the delta round's base")
+            raise
         except ValueError as exc:
             self._fail(exc, "checking the update info")
             raise ValueError(f"{exc} (round and communicator aborted)") from exc
@@ -294,9 +306,10 @@ class _ReceiverCore:
         started = time.perf_counter()
         progress = ReceiveProgress()
         try:
-            assert self._round is not None
             self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
-            self._round.receive(self._link.receive(turn, progress))
+            received = self._link.receive(turn, progress)
+            self._round.receive(received if splitter is None else splitter.split(received))
+            self._round.delta.took(update.round_token, splitter)
         except BaseException as exc:
             where = (
                 f"at chunk {progress.chunk + 1}/{len(chunks)}"
@@ -381,6 +394,7 @@ class _ReceiverCore:
         if round_ is None:
             return
         round_.abort(why)
+        self.weights.forget()  # whatever the round did, no base is known now
         if round_.wrote:
             self.weights.broke(
                 self.session,
