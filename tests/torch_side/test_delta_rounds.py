@@ -209,7 +209,13 @@ def test_reference_server_checksums_cover_patched_tensors_whole() -> None:
     trainer.step({"model.layers.0.mlp.experts.w13": 0.01})
     wire = trainer.encode(dense=False)
     assert wire.info.patches and wire.info.patches[0][0] == "model.layers.0.mlp.experts.w13"
-    session.send(wire)
+    session._queue.put(wire)
+    worker.engine.start_weight_update()
+    worker.engine.update_weights(wire.info.to_dict())
+    # Held until finish, where the server's --check-finite sees the values too.
+    held = dict(worker.engine.held_tensors())
+    assert host_bytes(held["model.layers.0.mlp.experts.w13@values"]) == wire.arrays[1].tobytes()
+    worker.engine.finish_weight_update()
     session.close()
     sums = worker.engine.model.state_checksums()
     for name, array in trainer.weights.items():

@@ -196,6 +196,9 @@ class RoundDelta:
         if splitter is not None:
             self.patches += splitter.patches
 
+    def held_values(self) -> Pairs:
+        return [(p.patch.values_name, p.values) for p in self.patches]
+
     def completion(self, loaded: set[str]) -> Pairs:
         return self.sink.completion(loaded, self.patches) if self.sink is not None else []
 

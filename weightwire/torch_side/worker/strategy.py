@@ -159,8 +159,8 @@ class ReceiveStrategy(ABC):
 
     def held_tensors(self) -> Pairs:
         """The received tensors not yet in the model (a check before commit can
-        still refuse them)."""
-        return []
+        still refuse them); a delta round's patches as their ``@values`` tensors."""
+        return self.delta.held_values()
 
     @abstractmethod
     def begin(self) -> None: ...
@@ -200,7 +200,7 @@ class StagedRound(ReceiveStrategy):
         self.held_bytes = 0
 
     def held_tensors(self) -> Pairs:
-        return list(self.held)
+        return [*self.held, *self.delta.held_values()]
 
     def admit(self, nbytes: int, budget_bytes: int) -> ReceiveStrategy:
         if not round_streams(self.held_bytes + nbytes, budget_bytes):
