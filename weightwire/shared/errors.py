@@ -24,6 +24,7 @@ defined outside this module)::
       VerifyError (RuntimeError)             [weightwire.trainer.verify]
       StaleCacheError (RuntimeError)         [weightwire.trainer.freshness]
       WeightReceiveError (RuntimeError)      [weightwire.torch_side.worker.core]
+      LoaderMapRefused                       [weightwire.torch_side.worker.landing_trace]
       UnavailableError
         MissingExtra (ModuleNotFoundError)   [weightwire._extras]
         NCCLUnavailable (RuntimeError)       [weightwire.backends.nccl.comm]

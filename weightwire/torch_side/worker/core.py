@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +42,10 @@ from weightwire.backends.base import Connect, ReceiveLink, ReceiveProgress, Rece
 from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
+from weightwire.torch_side.worker.landing import LoaderMap, LoaderMapRefused, record_loader_map
 from weightwire.torch_side.worker.load import LOAD_BATCHING, FrameworkHooks, MetaCache, ReceiveStats
 from weightwire.torch_side.worker.sinks import MapProvider, SinkChooser
 from weightwire.torch_side.worker.spec import ModelSpec
@@ -71,6 +73,14 @@ class _ModelSpecOf:
     model: Any
     """Kept so that another model at a recycled ``id`` is not taken for this one."""
     spec: ModelSpec | None
+
+
+@dataclass(frozen=True)
+class _LoaderMapOf:
+    """The landing map recorded for one model and metadata (None: the model refused)."""
+
+    model: Any
+    map: LoaderMap | None
 
 
 class _ReceiverCore:
@@ -110,6 +120,9 @@ class _ReceiverCore:
         self._load_batching = load_batching
         self._spec_fn = spec
         self._specs: dict[int, _ModelSpecOf] = {}
+        self._loader_maps: dict[
+            tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]], _LoaderMapOf
+        ] = {}
         self.lease_s = float(lease_s) if lease_s is not None else Timeouts.from_env().http_s
         self.weights = weights if weights is not None else WeightState()
         self._round: ReceiveStrategy | None = None
@@ -340,6 +353,25 @@ class _ReceiverCore:
             cached = _ModelSpecOf(model, self._spec_fn())
             self._specs[id(model)] = cached
         return cached.spec
+
+    def loader_map(self, metas: Sequence[ParamMeta]) -> LoaderMap | None:
+        """The target model's landing map for ``metas``, recorded once per model and metadata
+        (again if the model's parameters were reallocated since), or None when its loading
+        is not a set of plain copies: then one WARNING names why, and callers load through
+        ``load_weights``."""
+        model, _ = self._target()
+        key = (id(model), tuple((m.name, m.dtype, tuple(m.shape)) for m in metas))
+        cached = self._loader_maps.get(key)
+        live = cached is not None and (cached.map is None or cached.map.is_live(model))
+        if cached is not None and cached.model is model and live:
+            return cached.map
+        try:
+            found: LoaderMap | None = record_loader_map(model, metas)
+        except LoaderMapRefused as exc:
+            log.warning("%s: no landing map, loading through load_weights: %s", self.backend, exc)
+            found = None
+        self._loader_maps[key] = _LoaderMapOf(model, found)
+        return found
 
     # ---------------------------------------------------------------- failure
     def _require_ready(self) -> None:
