@@ -6,7 +6,8 @@ density threshold and the tensor itself above it, unchanged tensors left out. ``
 one trainer session over TCP (one link, many rounds). The workers: ``HFModelHost`` (patches
 in its own round), a plain model with a loader map (``IdentityMap``, the ``landing`` shape)
 and a plain model without one (the host-copy fallback), optionally under ``WholeLayers``
-(a framework that, like vLLM's layerwise reload, needs every tensor of a layer it loads).
+(a framework that, like vLLM's layerwise reload, needs every tensor of a layer it loads);
+``landing``: the plain model with the real ``record_loader_map``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
 from weightwire.torch_side.worker.hf_host import HFModelHost
+from weightwire.torch_side.worker.landing import record_loader_map
 
 LAYOUT: list[tuple[str, tuple[int, ...], str]] = [
     ("model.embed_tokens.weight", (16, 8), "bfloat16"),
@@ -130,6 +132,7 @@ class TensorLandings:
     shape: tuple[int, ...]
     dtype: str
     landings: tuple[Landing, ...]
+    complete: bool = True
 
 
 class IdentityMap:
@@ -157,12 +160,15 @@ class IdentityMap:
         assert not self.model.reloading, "read while the parameters are reloading"
         return self.params[name].clone()
 
+    def is_live(self, model: Any) -> bool:
+        return True
+
     def nbytes(self) -> int:
         return 0
 
 
-def identity_map(model: Any, metas: Any) -> tuple[IdentityMap, dict[str, str]]:
-    return IdentityMap(model, list(metas)), dict(TIED)
+def identity_map(model: Any, metas: Any) -> IdentityMap:
+    return IdentityMap(model, list(metas))
 
 
 class Engine(EngineFacade):
@@ -171,7 +177,7 @@ class Engine(EngineFacade):
     backend = TCP
     init_info_cls = TCPInitInfo
 
-    def __init__(self, model: Any, *, framework: Any = None, loader_map: Any = None) -> None:
+    def __init__(self, model: Any, *, framework: Any = None, map_recorder: Any = None) -> None:
         self.model = model
         self.device = torch.device("cpu")
         self._core = _ReceiverCore(
@@ -181,11 +187,11 @@ class Engine(EngineFacade):
             connect=connect,
             info_type=TCPInitInfo,
             framework=framework,
-            loader_map=loader_map,
+            map_recorder=map_recorder,
         )
 
 
-WORKERS = ("hf_host", "map", "copy", "map_whole", "copy_whole")
+WORKERS = ("hf_host", "map", "copy", "map_whole", "copy_whole", "landing")
 
 
 @dataclass
@@ -202,8 +208,8 @@ def make_worker(kind: str, seed: int = 99) -> Worker:
     if kind == "hf_host":
         engine = Engine(HFModelHost(net))
     else:
-        provider = identity_map if kind.startswith("map") else None
-        engine = Engine(net, framework=framework, loader_map=provider)
+        recorders = {"map": identity_map, "landing": record_loader_map}
+        engine = Engine(net, framework=framework, map_recorder=recorders.get(kind.split("_")[0]))
     return Worker(engine, dict(net.named_parameters()), framework, net)
 
 

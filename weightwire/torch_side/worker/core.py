@@ -47,7 +47,7 @@ from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.landing import LoaderMap, LoaderMapRefused, record_loader_map
 from weightwire.torch_side.worker.load import LOAD_BATCHING, FrameworkHooks, MetaCache, ReceiveStats
-from weightwire.torch_side.worker.sinks import MapProvider, SinkChooser
+from weightwire.torch_side.worker.sinks import MapRecorder, SinkChooser
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import (
     IncompleteRound,
@@ -104,7 +104,7 @@ class _ReceiverCore:
         spec: Callable[[], ModelSpec | None] | None = None,
         lease_s: float | None = None,
         weights: WeightState | None = None,
-        loader_map: MapProvider | None = None,
+        map_recorder: MapRecorder | None = None,
     ) -> None:
         if load_batching not in LOAD_BATCHING:
             raise ValueError(f"load_batching must be one of {LOAD_BATCHING}, got {load_batching!r}")
@@ -134,8 +134,12 @@ class _ReceiverCore:
         self._active = False
         self._plans = MetaCache(backend)
         self.last_stats: ReceiveStats | None = None
+        self._record_map = map_recorder or record_loader_map
         self._sinks = SinkChooser(
-            self.weights, loader_map, whole_layers=framework is not None, spec=self._model_spec
+            self.weights,
+            self.loader_map if map_recorder is not None else None,
+            whole_layers=framework is not None,
+            spec=self._model_spec,
         )
 
     # ---------------------------------------------------------------- session
@@ -366,7 +370,7 @@ class _ReceiverCore:
         if cached is not None and cached.model is model and live:
             return cached.map
         try:
-            found: LoaderMap | None = record_loader_map(model, metas)
+            found: LoaderMap | None = self._record_map(model, metas)
         except LoaderMapRefused as exc:
             log.warning("%s: no landing map, loading through load_weights: %s", self.backend, exc)
             found = None

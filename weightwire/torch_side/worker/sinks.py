@@ -11,15 +11,13 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from weightwire.shared.delta import Patch
-from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
+from weightwire.shared.errors import DeltaBaseMismatch
 from weightwire.shared.groups import layer_key
 from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
@@ -35,6 +33,7 @@ from weightwire.torch_side.worker.delta import (
     patch_tensor,
     refuse,
 )
+from weightwire.torch_side.worker.landing import LoaderMap
 from weightwire.torch_side.worker.load import Pairs, RoundPlan
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import WeightState
@@ -60,14 +59,16 @@ class MapSink(PatchSink):
     name = "loader_map"
     writes_live = True
 
-    def __init__(self, loader_map: Any, aliases: dict[str, str], *, whole_layers: bool) -> None:
+    def __init__(
+        self, loader_map: LoaderMap, aliases: dict[str, str], *, whole_layers: bool
+    ) -> None:
         self.map = loader_map
         self._aliases = aliases
         self.completes_layers = whole_layers
         self._mates_read: dict[str, torch.Tensor] = {}
 
     def _target(self, name: str) -> str:
-        return self._aliases.get(name, name)
+        return name if name in self.map.tensors else self._aliases.get(name, name)
 
     def _mates(self, loaded: set[str]) -> set[str]:
         if not self.completes_layers:
@@ -77,9 +78,7 @@ class MapSink(PatchSink):
 
     def _readable(self, name: str) -> bool:
         """This rank holds all of the tensor (``LoaderMap.read`` can rebuild it)."""
-        landings = self.map.tensors[name]
-        held = sum(math.prod(landing.shape) for landing in landings.landings)
-        return held >= math.prod(landings.shape)
+        return bool(self.map.tensors[name].complete)
 
     def refusal(self, dense: Sequence[str], patches: Sequence[Patch]) -> str | None:
         """Also reads the unsent tensors of the layers this update loads, now: once a
@@ -173,17 +172,22 @@ class CopySink(PatchSink):
         self._touched.clear()  # the copy now holds what the model holds
 
 
-MapProvider = Callable[[Any, Sequence[ParamMeta]], tuple[Any, dict[str, str]]]
-"""``(model, checkpoint metas) -> (LoaderMap, tied aliases {alias: canonical})``; raises a
-``WeightwireError`` (``LoaderMapRefused``) when the model's loading is not a plain copy."""
+MapRecorder = Callable[[Any, Sequence[ParamMeta]], LoaderMap]
+"""``landing.record_loader_map``'s shape: ``(model, checkpoint metas) -> LoaderMap``, raising
+``LoaderMapRefused`` where the model's loading is not a set of plain copies."""
+MapLookup = Callable[[Sequence[ParamMeta]], LoaderMap | None]
+"""The core's cached map of its target model (``_ReceiverCore.loader_map``); None: refused."""
 
 
-@dataclass(frozen=True)
-class _MapOf:
-    model: Any
-    """Kept so that another model at a recycled ``id`` is not taken for this one."""
-    found: tuple[Any, dict[str, str]] | None
-    reason: str
+def tied_names(model: Any) -> dict[str, str]:
+    """``{alias: canonical}`` for parameters shared between modules (a tied head)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(param), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
 
 
 class SinkChooser:
@@ -192,16 +196,17 @@ class SinkChooser:
     def __init__(
         self,
         weights: WeightState,
-        provider: MapProvider | None,
+        maps: MapLookup | None,
         *,
         whole_layers: bool,
         spec: Callable[[], ModelSpec | None],
     ) -> None:
         self._weights = weights
-        self._provider = provider
+        self._maps = maps
+        self._seen: dict[int, dict[str, ParamMeta]] = {}
+        """Per target model (by id; its map is cached by the core): every tensor seen."""
         self._whole_layers = whole_layers
         self._spec = spec
-        self._maps: dict[int, _MapOf] = {}
         self.delta_rounds = False
         self.why_none = "delta rounds are off on this worker (the trainer did not declare them)"
 
@@ -259,12 +264,23 @@ class SinkChooser:
             return ModelSink()
         if not (self.delta_rounds or patches):
             return None
-        if self._provider is not None:
-            found = self._map(model, logical_metas(metas, patches))
+        spec = self._spec()
+        if self._maps is not None:
+            # The whole checkpoint where known, else every tensor seen (the first, dense round
+            # lists them all): a map of some tensors of a parameter is refused.
+            seen = self._seen.setdefault(id(model), {})
+            for m in logical_metas(metas, patches):
+                seen.setdefault(m.name, m)
+            whole = (
+                [ParamMeta(n, t.dtype, t.shape) for n, t in spec.tensors.items()] if spec else []
+            )
+            found = self._maps(whole or list(seen.values()))
             if found is not None:
-                return MapSink(*found, whole_layers=self._whole_layers)
+                return MapSink(found, tied_names(model), whole_layers=self._whole_layers)
+            self.why_none = (
+                "the loader map was refused (see the worker's log) and delta rounds are off"
+            )
         if self.delta_rounds:
-            spec = self._spec()
             names = set(spec.tensors) if spec is not None else set()
             return CopySink(
                 self._weights.host_copy(model),
@@ -272,24 +288,3 @@ class SinkChooser:
                 layout=lambda: names,
             )
         return None
-
-    def _map(self, model: Any, metas: list[ParamMeta]) -> tuple[Any, dict[str, str]] | None:
-        cached = self._maps.get(id(model))
-        if cached is None or cached.model is not model:
-            assert self._provider is not None
-            spec = self._spec()
-            if spec is not None:  # the whole checkpoint, not only this round's tensors
-                metas = [ParamMeta(n, t.dtype, t.shape) for n, t in spec.tensors.items()]
-            try:
-                cached = _MapOf(model, self._provider(model, metas), "")
-            except (WeightwireError, ImportError) as exc:
-                cached = _MapOf(model, None, f"{type(exc).__name__}: {exc}")
-                log.warning(
-                    "the loader map was refused (%s): delta rounds fall back to a host copy of "
-                    "the checkpoint tensors when the trainer declares them",
-                    cached.reason,
-                )
-            self._maps[id(model)] = cached
-        if cached.found is None:
-            self.why_none = f"the loader map was refused ({cached.reason}) and delta rounds are off"
-        return cached.found

@@ -18,11 +18,9 @@ trainer keeps generation paused in a refusing mode until a complete round commit
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 import weakref
-from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from types import FrameType
 from typing import Any
@@ -33,10 +31,10 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from weightwire.backends import IPC, TCP, WEIGHTWIRE_NCCL
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.ipc_info import IPCInitInfo
-from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
+from weightwire.torch_side.worker.landing import record_loader_map
 from weightwire.torch_side.worker.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -208,13 +206,6 @@ def checkpoint_spec(model_config: Any, model: Any) -> ModelSpec | None:
     return spec
 
 
-def record_map(model: Any, metas: Sequence[ParamMeta]) -> tuple[Any, dict[str, str]]:
-    """The model's loader map (``landing``) and its tied aliases, for delta rounds' patches;
-    raises ``LoaderMapRefused`` where loading is not a plain copy (the worker falls back)."""
-    landing = importlib.import_module("weightwire.torch_side.worker.landing")
-    return landing.record_loader_map(model, metas), tied_aliases(model)
-
-
 def _find_worker(engine: Any) -> Any:
     """vLLM's worker that owns ``engine``: the caller of ``init_transfer_engine``.
 
@@ -260,7 +251,7 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):
             framework=self._reload,
             # The served checkpoint describes the main model only; a draft round is not pre-checked.
             spec=lambda: checkpoint_spec(self.model_config, model) if self.model is model else None,
-            loader_map=record_map,
+            map_recorder=record_loader_map,
         )
 
     def init_transfer_engine(self, init_info: Any) -> None:
