@@ -22,7 +22,9 @@ import jax
 import numpy as np
 
 from weightwire.backends.base import DevicePacker
+from weightwire.jax_side.delta import JaxDeltaKernel, Prefix
 from weightwire.jax_side.dtypes import describe as _describe
+from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
 
 
@@ -30,11 +32,13 @@ class JAXTrainerEngine(TrainerEngine):
     """Trainer engine over a ``WeightSource`` yielding JAX (or numpy) arrays."""
 
     def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
+        if isinstance(tensor, Prefix):  # a delta round's patch (a bucketed kernel output)
+            return tensor.describe()
         return _describe(tensor)
 
     def host_bytes(self, tensor: Any) -> np.ndarray:
         # np.asarray on a jax.Array is a device_get (zero-copy for CPU arrays).
-        array = np.asarray(tensor)
+        array = tensor.host() if isinstance(tensor, Prefix) else np.asarray(tensor)
         if array.dtype.byteorder == ">":  # the wire is little-endian
             array = array.astype(array.dtype.newbyteorder("<"))
         return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
@@ -42,8 +46,13 @@ class JAXTrainerEngine(TrainerEngine):
     def prefetch_host(self, tensors: list[Any]) -> None:
         # Start every device-to-host copy of the chunk before the first one is awaited.
         for tensor in tensors:
+            if isinstance(tensor, Prefix):
+                tensor = tensor.array
             if isinstance(tensor, jax.Array):
                 tensor.copy_to_host_async()
+
+    def delta_kernel(self) -> DeltaKernel:
+        return JaxDeltaKernel()
 
     def device_packer(self, device: int | None) -> DevicePacker:
         from weightwire.jax_side.packer import JaxDevicePacker

@@ -26,6 +26,7 @@ from jax import lax
 
 from weightwire.backends.base import DevicePacker
 from weightwire.backends.device import DeviceBytes
+from weightwire.jax_side.delta import arrays_of
 
 _WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -122,9 +123,10 @@ class JaxDevicePacker(DevicePacker):
         sharding comparison, one pointer read and a cached byte size: what
         ``array_device_bytes`` derives, for an array known to sit on this one device."""
         sharding = self._sharding
+        arrays, counts = arrays_of(tensors)  # a delta round's patches: a prefix of an array
         arrays = [
             x if isinstance(x, jax.Array) and x.sharding == sharding else self._here(x)
-            for x in tensors
+            for x in arrays
         ]
         # The copies read the buffers outside XLA's stream order: wait until they hold
         # their values (a no-op for arrays computed long ago, e.g. the trainer's params).
@@ -132,13 +134,15 @@ class JaxDevicePacker(DevicePacker):
         jax.block_until_ready(arrays)
         sizes, device = self._nbytes, self._hardware_id
         out = []
-        for x in arrays:
+        for x, count in zip(arrays, counts, strict=True):
             key = (x.shape, x.dtype)
             nbytes = sizes.get(key)
             if nbytes is None:
                 if len(sizes) > 4096:  # shapes that keep changing: stay bounded
                     sizes.clear()
                 nbytes = sizes[key] = int(x.nbytes)
+            if count is not None:
+                nbytes = count * x.dtype.itemsize
             # An empty array may have no buffer to point at.
             out.append(
                 DeviceBytes(int(x.unsafe_buffer_pointer()) if nbytes else 0, nbytes, device, x)

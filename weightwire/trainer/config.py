@@ -19,8 +19,11 @@ from weightwire.shared.routes import PAUSE_MODES
 from weightwire.shared.staging import check_stage_budget
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
-from weightwire.trainer.backends import backend_names
+from weightwire.trainer.backends import backend_names, get_backend
 from weightwire.trainer.handoff import round_interval_s
+
+DEFAULT_DELTA_DENSITY = 0.25
+"""Patch a tensor when under a quarter of it changed (a bf16 patch breaks even at 1/3)."""
 
 
 @dataclass(kw_only=True)
@@ -64,6 +67,17 @@ class TrainerInitInfo:
       apply a larger one in place as its bytes land (``0``: always in place). A round applied
       in place is guarded by ``pause_mode`` (see there); the worker's extra memory for a round
       is its receive buffers plus this budget, whatever the model's size.
+    - ``delta``: ``"off"`` (default) or ``"auto"``: send only what changed since the last
+      committed round (``docs/delta.md``). Rank 0 keeps one copy of the model on its device
+      (the workers' weights) and finds the changed elements there; per tensor, a patch (flat
+      ``int32`` indices + values) below ``delta_density`` of its elements changed, the tensor
+      dense at or above it, nothing if it did not change. Needs a ``weightwire_*`` backend
+      and one sender (no ``TrainerGroup``); draft rounds stay dense.
+    - ``delta_density``: the per-tensor changed fraction below which a tensor is patched
+      (``0 < delta_density <= 1``; a bf16 patch costs 6 bytes per changed element against
+      2 dense, so past 1/3 a patch is larger than the tensor).
+    - ``delta_anchor_every``: with ``delta``, every N-th round is dense (``0``: only the
+      first, a forced one and the one after a failure).
     - ``timeouts``: every wait's bound (default: ``Timeouts.from_env()``, so
       ``WEIGHTWIRE_TIMEOUT_<FIELD>`` variables apply).
     - ``verify``: after each round, compare the servers' per-tensor sha256 with what
@@ -94,6 +108,9 @@ class TrainerInitInfo:
     ipc_release_after_round: bool = False
     ipc_mode: str = "pull"
     stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
+    delta: str = "off"
+    delta_density: float = DEFAULT_DELTA_DENSITY
+    delta_anchor_every: int = 0
 
     def __post_init__(self) -> None:
         # Runtime-registered backends (register_backend) count too.
@@ -142,6 +159,22 @@ class TrainerInitInfo:
         world = self.inference_world_size
         if world is not None and (type(world) is not int or not 1 <= world < LIMITS.max_world_size):
             raise ConfigError(f"inference_world_size must be a positive int, got {world!r}")
+        self._check_delta()
+
+    def _check_delta(self) -> None:
+        if self.delta not in ("off", "auto"):
+            raise ConfigError(f"delta must be 'off' or 'auto', got {self.delta!r}")
+        density = self.delta_density
+        if type(density) not in (int, float) or not 0 < density <= 1:
+            raise ConfigError(f"delta_density must be in (0, 1], got {density!r}")
+        anchor = self.delta_anchor_every
+        if type(anchor) is not int or anchor < 0:
+            raise ConfigError(f"delta_anchor_every must be an int >= 0, got {anchor!r}")
+        if self.delta != "off" and get_backend(self.backend).caps.stock_receiver:
+            raise ConfigError(
+                f"delta={self.delta!r} needs a weightwire_* backend: a stock vLLM worker "
+                f"({self.backend!r}) cannot apply patches"
+            )
 
     @property
     def is_sender(self) -> bool:

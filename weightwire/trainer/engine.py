@@ -31,6 +31,7 @@ import hashlib
 import logging
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Self, cast
 
@@ -40,12 +41,14 @@ from weightwire.backends.base import DevicePacker, SenderParts
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient, WeightSyncClient
-from weightwire.shared.errors import RoundError
+from weightwire.shared.errors import ConfigError, RoundError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
+from weightwire.trainer.delta import DeltaKernel, DeltaTracker
+from weightwire.trainer.delta_round import DeltaRounds
 from weightwire.trainer.freshness import CommitPlan, commit_plan
 from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
@@ -90,6 +93,10 @@ class TrainerEngine(ABC):
         """What this engine lends a backend's data path."""
         return SenderParts(self.host_bytes, self.prefetch_host, packer)
 
+    def delta_kernel(self) -> DeltaKernel:
+        """The device kernels of ``delta="auto"`` rounds (``trainer.delta``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no delta kernels")
+
     def tensor_sha256(self, tensor: Any) -> str:
         return hashlib.sha256(
             self.host_bytes(tensor).data
@@ -119,6 +126,16 @@ class TrainerEngine(ABC):
         self._draft_confirmed = False
         self._closed = False
         self._multi: MultiSource | None = None  # built with a TrainerGroup
+        self._delta: DeltaRounds | None = None
+        if init_info.delta != "off" and init_info.is_sender:
+            tracker = DeltaTracker(
+                self.delta_kernel(),
+                density=init_info.delta_density,
+                anchor_every=init_info.delta_anchor_every,
+            )
+            self._delta = DeltaRounds(
+                self.session, tracker, self._sole_round, self._reopen, self.tensor_sha256
+            )
 
     @property
     def features(self) -> ServerFeatures | None:
@@ -162,6 +179,11 @@ class TrainerEngine(ABC):
         if init_info.is_sender:
             engine._check_client()
         if group is not None:
+            if init_info.delta != "off":
+                raise ConfigError(
+                    "delta rounds need one sender: a TrainerGroup's several broadcasters "
+                    "send dense rounds (delta='off')"
+                )
             engine._multi = MultiSource(engine.session, group, engine._sole_round)
             engine._multi.connect()
         elif init_info.is_sender:
@@ -178,7 +200,7 @@ class TrainerEngine(ABC):
     # -- a round -----------------------------------------------------------------------------
 
     def send_weights(
-        self, weight_version: str | None = None, *, draft: bool = False
+        self, weight_version: str | None = None, *, draft: bool = False, dense: bool = False
     ) -> RoundMetrics:
         """Push the source's current weights; every trainer rank calls this.
 
@@ -186,6 +208,7 @@ class TrainerEngine(ABC):
         ``weight_version`` (default: ``"1"``, ``"2"``, ... per successful round).
         ``draft=True`` opens the round with ``start_draft_weight_update``: the source's
         tensors load into the speculative draft model instead of the target.
+        ``dense=True`` (with ``delta="auto"``): send every tensor whole this round.
         """
         s = self.session
         if self._closed:
@@ -221,7 +244,10 @@ class TrainerEngine(ABC):
             raise s.broken
         if draft:
             self._check_draft()
-        metrics = self._sole_round(metas, version, clock, draft)
+        if self._delta is not None and not draft:
+            metrics = self._delta.send(metas, version, clock, dense=dense)
+        else:
+            metrics = self._sole_round(metas, version, clock, draft)
         logger.info("%s", metrics)  # formatted only when INFO is on
         return metrics
 
@@ -241,6 +267,8 @@ class TrainerEngine(ABC):
         clock: PhaseClock,
         draft: bool,
         end: RoundEnd | None = None,
+        *,
+        remap: Callable[[dict[str, str]], dict[str, str]] | None = None,
     ) -> RoundMetrics:
         """Rank 0 alone broadcasts: a one-turn plan through the round driver."""
         with clock("metadata"):
@@ -254,9 +282,22 @@ class TrainerEngine(ABC):
             version,
             clock,
             draft,
-            SoleWire(self.session, sole),
+            SoleWire(self.session, sole, remap),
             end,
         )
+
+    def _reopen(self) -> None:
+        """After a round the workers refused before any byte: a fresh wire to the same
+        servers (what ``shutdown()`` + ``trainer_init()`` do), when the refusal aborted it."""
+        s = self.session
+        if s.broken is None and s.link is not None:
+            return
+        if s.features is not None and s.features.shutdown_route:
+            shutdown_when_settled(self.client, self.info.timeouts.transfer_s)
+        s.close_link()
+        s.broken = None
+        s.sent.clear()  # a fresh worker engine holds no metadata to reuse
+        open_wire(s)
 
     def abort_requests(self, request_ids: list[str] | None = None) -> None:
         """Rank 0: abort in-flight generation on every server without pausing

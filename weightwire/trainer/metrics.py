@@ -28,6 +28,19 @@ class RoundMetrics:
     seconds: dict[str, float] = field(default_factory=dict)
     verify: Any = None
     """``verify.VerifyReport`` of the round when ``verify=True``: what the check proved."""
+    dense_bytes: int = 0
+    """Bytes the round stands for: every tensor of the source, dense (a delta round sends
+    fewer, ``wire_bytes``)."""
+    density: float | None = None
+    """A delta round: the fraction of the source's elements that changed (``None`` for a
+    dense round, which compares nothing)."""
+    extract_seconds: float = 0.0
+    """A delta round: device time finding the changed elements (also the ``extract`` phase)."""
+
+    @property
+    def wire_bytes(self) -> int:
+        """Payload bytes that crossed the wire (``nbytes``)."""
+        return self.nbytes
 
     @property
     def total_seconds(self) -> float:
@@ -45,9 +58,14 @@ class RoundMetrics:
         """One log line (no names, no secrets)."""
         phases = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.seconds.items())
         reuse = " reused-metadata" if self.reused_metadata else ""
+        delta = (
+            ""
+            if self.density is None
+            else f" (delta: {self.density:.2%} changed, {self.dense_bytes / 1e6:.1f} MB dense)"
+        )
         return (
             f"round {self.version}: {self.tensors} tensor{'' if self.tensors == 1 else 's'}, "
-            f"{self.nbytes / 1e6:.1f} MB in {self.chunks} "
+            f"{self.nbytes / 1e6:.1f} MB{delta} in {self.chunks} "
             f"broadcast{'' if self.chunks == 1 else 's'}, {self.gbps:.2f} GB/s{reuse}; {phases} "
             f"total={self.total_seconds * 1e3:.1f}ms"
         )

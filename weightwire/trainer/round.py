@@ -145,7 +145,14 @@ def lead_round(
     if end is not None:
         end.committed(version)
     return RoundMetrics(
-        version, sent.nbytes, len(metas), sent.sends, reused, seconds=clock.seconds, verify=report
+        version,
+        sent.nbytes,
+        len(metas),
+        sent.sends,
+        reused,
+        seconds=clock.seconds,
+        verify=report,
+        dense_bytes=sent.nbytes,
     )
 
 
@@ -167,14 +174,18 @@ def _payloads(s: Session, bplan: BroadcastPlan, draft: bool) -> tuple[list[dict[
     workers already hold (``reuse_metadata``). ``True`` when every turn was."""
     assert s.features is not None
     payloads, reused = [], True
+    extra = s.round_fields or {}
     for turn in bplan.turns:
         same = s.features.reuse_metadata and s.sent.get(SentKey(draft, turn.src)) == turn.metas
+        same &= not extra.get("patches")  # a delta round's patches name their wire tensors
         reused &= same
         info = (
             UpdateInfo(src=turn.src)
             if same
             else replace(UpdateInfo.from_metas(list(turn.metas)), src=turn.src)
         )
+        if extra:
+            info = replace(info, **extra)
         payloads.append(info.to_dict())
     return payloads, reused
 
@@ -213,8 +224,13 @@ class SoleWire:
     """Rank 0 alone: the update POST beside its broadcasts, control folded into the first
     chunk's preparation (``trainer.transfer.Transfer``)."""
 
-    def __init__(self, s: Session, sole: SolePlan) -> None:
-        self._s, self._sole = s, sole
+    def __init__(
+        self,
+        s: Session,
+        sole: SolePlan,
+        remap: Callable[[dict[str, str]], dict[str, str]] | None = None,
+    ) -> None:
+        self._s, self._sole, self._remap = s, sole, remap
 
     def transfer(
         self,
@@ -242,4 +258,6 @@ class SoleWire:
                 s.broken = step.broken
 
     def digests(self, own: dict[str, str]) -> dict[str, str]:
-        return own
+        """``own``, keyed by what the workers hold (``remap``: a delta round's wire tensors ->
+        the full tensors they patch)."""
+        return own if self._remap is None else self._remap(own)

@@ -73,6 +73,8 @@ class Session:
     rounds: int = 0
     sent: dict[SentKey, tuple[ParamMeta, ...]] = field(default_factory=dict)
     """Rank 0: what each broadcaster's slice is on the workers, until a round changes it."""
+    round_fields: dict[str, Any] | None = None
+    """This round's extra update-info fields (``round_token``, ``delta_base``, ``patches``)."""
     guard: bool | None = None
     """Whether the servers run the round guard: asked at the first round applied in place,
     then known (a server's middleware changes only with a restart, like its features)."""
@@ -156,6 +158,8 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     # not after the workers joined.
     packer = s.framework.device_packer(s.info.device) if s.backend.caps.on_device else None
     rdv = s.backend.open(s.info, world_size=trainer_ranks + world)
+    if s.info.delta != "off":  # the workers keep what delta rounds need (docs/delta.md)
+        rdv.payload = {**rdv.payload, "delta_rounds": True}
     if extend is not None:  # several broadcasters: the group's fields (multi_source)
         try:
             rdv.payload = extend(rdv.payload)

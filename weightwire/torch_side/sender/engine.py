@@ -20,6 +20,8 @@ import torch
 from weightwire.backends.base import DevicePacker
 from weightwire.backends.device import DeviceBytes, tensor_device_bytes
 from weightwire.torch_side.dtypes import wire_name
+from weightwire.torch_side.sender.delta import TorchDeltaKernel
+from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
 
 
@@ -38,6 +40,9 @@ class TorchTrainerEngine(TrainerEngine):
 
     def host_bytes(self, tensor: Any) -> np.ndarray:
         return tensor_bytes(tensor).cpu().numpy()
+
+    def delta_kernel(self) -> DeltaKernel:
+        return TorchDeltaKernel()
 
     def device_packer(self, device: int | None) -> DevicePacker:
         return TorchDevicePacker(device)

@@ -1,0 +1,210 @@
+"""Delta rounds, trainer side: what the workers hold, and the round that patches it.
+
+At RL learning rates most low-precision weights do not change between steps, so a
+round can send only the changed elements (``shared.delta``: per tensor a patch of flat
+``int32`` indices plus values, or the tensor dense when too much of it changed).
+
+``DeltaTracker`` keeps a device copy of every tensor as the workers hold it after the
+last committed round (the *base*: one copy of the model on the trainer's device) and the
+token of that round. A framework's ``DeltaKernel`` compares the new weights with the base
+on the device (bitcast compare, count, compaction) and writes the new bytes into the base
+as it goes, so after a round the base already is what the workers will hold. Bookkeeping:
+the base is adopted (its token becomes the round's) only once the round committed; any
+failure drops it, and the next round is dense. A dense round (the first, an anchor, a
+forced one) re-snapshots every tensor as it is sent.
+"""
+
+from __future__ import annotations
+
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightwire.shared.delta import MAX_PATCH_NUMEL, Patch
+from weightwire.shared.groups import batch_by_layer
+from weightwire.shared.meta import ParamMeta
+
+
+@dataclass
+class Scan:
+    """Changed-element counts of one group of tensors (``DeltaKernel.scan``); ``state`` is
+    the kernel's own (masks, packed words) for ``extract``."""
+
+    counts: list[int]
+    state: Any = None
+
+
+@dataclass
+class Extracted:
+    """One tensor's patch: the ``@index`` and ``@values`` wire tensors, and the base with
+    the patch applied (the tensor's new bytes)."""
+
+    index: Any
+    values: Any
+    base: Any
+
+
+class DeltaKernel(ABC):
+    """A framework's device kernels for delta rounds (``jax_side.delta``,
+    ``torch_side.sender.delta``). Tensors compare by their bytes (a bitcast), so a NaN
+    payload or a signed zero that changed is a change."""
+
+    @abstractmethod
+    def snapshot(self, tensor: Any) -> Any:
+        """A private copy of ``tensor`` on its device (the trainer may donate or overwrite
+        the original)."""
+
+    @abstractmethod
+    def scan(self, news: Sequence[Any], bases: Sequence[Any]) -> Scan:
+        """How many elements of each ``news[i]`` differ from ``bases[i]`` (one host sync)."""
+
+    @abstractmethod
+    def extract(self, scan: Scan, i: int, new: Any, base: Any) -> Extracted:
+        """Tensor ``i`` of ``scan``'s patch (``scan.counts[i]`` elements, strictly increasing
+        ``int32`` flat indices); ``base`` may be consumed."""
+
+    @abstractmethod
+    def refresh(self, new: Any, base: Any) -> Any:
+        """The base of a tensor sent dense: ``new``'s bytes (written into ``base`` where the
+        framework can)."""
+
+    @abstractmethod
+    def first(self, base: Any) -> Extracted:
+        """A one-element patch writing ``base``'s element 0 as it is (a round in which
+        nothing changed still carries a patch, so the workers check its base)."""
+
+
+@dataclass
+class DeltaRound:
+    """One delta round, ready to send: the wire tensors in broadcast order and what they
+    stand for."""
+
+    pairs: list[tuple[str, Any]]
+    metas: list[ParamMeta]
+    patches: list[Patch]
+    changed: int
+    """Elements that differ from the base, over every tensor of the source."""
+    elements: int
+    dense_bytes: int
+    """Bytes the round stands for: every tensor of the source, dense."""
+    patched: dict[str, Any] = field(default_factory=dict)
+    """Patched tensor name -> its full new bytes (the base), for ``verify``."""
+
+    @property
+    def density(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+
+@dataclass(frozen=True)
+class RoundTokens:
+    """One engine's round tokens: ``<session>:<n>``, a fresh ``n`` for every attempt, so
+    a failed attempt's token is never a later round's."""
+
+    session: str = field(default_factory=lambda: secrets.token_hex(6))
+
+    def token(self, attempt: int) -> str:
+        return f"{self.session}:{attempt}"
+
+
+class DeltaTracker:
+    """What the workers hold (``bases``, ``token``) and how the next round is built."""
+
+    def __init__(self, kernel: DeltaKernel, *, density: float, anchor_every: int) -> None:
+        self.kernel = kernel
+        self.density = density
+        self.anchor_every = anchor_every
+        self.bases: dict[str, Any] = {}
+        self.metas: list[ParamMeta] = []
+        self.token: str | None = None
+        """The committed round the bases are; ``None``: the next round is dense."""
+        self.since_dense = 0
+        self._tokens = RoundTokens()
+        self._attempts = 0
+
+    def next_token(self) -> str:
+        self._attempts += 1
+        return self._tokens.token(self._attempts)
+
+    def wants_dense(self, metas: Sequence[ParamMeta], *, forced: bool) -> bool:
+        anchor = self.anchor_every > 0 and self.since_dense + 1 >= self.anchor_every
+        return forced or anchor or self.token is None or list(metas) != self.metas
+
+    def drop(self) -> None:
+        """Forget the base (a failed round, a dense one about to re-snapshot)."""
+        self.bases.clear()
+        self.metas = []
+        self.token = None
+
+    def adopt(self, token: str, *, dense: bool) -> None:
+        """The round ``token`` committed: the bases are what the workers hold."""
+        self.token = token
+        self.since_dense = 0 if dense else self.since_dense + 1
+
+    def memory_bytes(self) -> int:
+        """Device bytes the base holds (one copy of the model)."""
+        return sum(m.nbytes for m in self.metas)
+
+    def snapshot_stream(
+        self, pairs: Iterable[tuple[str, Any]], metas: Sequence[ParamMeta]
+    ) -> Iterator[tuple[str, Any]]:
+        """A dense round's stream, unchanged, each tensor copied into the base as it passes."""
+        self.drop()
+        for name, tensor in pairs:
+            self.bases[name] = self.kernel.snapshot(tensor)
+            yield name, tensor
+        self.metas = list(metas)
+
+    def build(
+        self, pairs: Iterable[tuple[str, Any]], metas: Sequence[ParamMeta]
+    ) -> DeltaRound | None:
+        """Compare the checked stream ``pairs`` (every tensor of ``metas``, in order) with the
+        base, one layer group at a time; the base ends up holding the new bytes. ``None``:
+        the round must go dense (it is partial but has no tensor a patch can name)."""
+        by_name = {m.name: m for m in metas}
+        out = DeltaRound([], [], [], 0, sum(m.numel for m in metas), sum(m.nbytes for m in metas))
+        for group in batch_by_layer(pairs):
+            bases = [self.bases[name] for name, _ in group]
+            scan = self.kernel.scan([t for _, t in group], bases)
+            for i, ((name, new), count) in enumerate(zip(group, scan.counts, strict=True)):
+                if count:
+                    self._add(out, by_name[name], scan, i, new, count)
+        # A partial round still names its base, so the workers check it.
+        partial = not out.patches and len(out.pairs) != len(metas)
+        if partial and not self._first_patch(out, metas):
+            return None
+        return out
+
+    def _add(
+        self, out: DeltaRound, meta: ParamMeta, scan: Scan, i: int, new: Any, count: int
+    ) -> None:
+        out.changed += count
+        base = self.bases[meta.name]
+        if count >= self.density * meta.numel or meta.numel > MAX_PATCH_NUMEL:
+            self.bases[meta.name] = fresh = self.kernel.refresh(new, base)
+            out.pairs.append((meta.name, fresh))
+            out.metas.append(meta)
+            return
+        got = self.kernel.extract(scan, i, new, base)
+        self.bases[meta.name] = got.base
+        self._patch(out, meta, got, count)
+
+    def _patch(self, out: DeltaRound, meta: ParamMeta, got: Extracted, nnz: int) -> None:
+        patch = Patch(meta.name, meta.dtype, meta.shape, nnz)
+        out.patches.append(patch)
+        out.pairs += [(patch.index_name, got.index), (patch.values_name, got.values)]
+        out.metas += [
+            ParamMeta(patch.index_name, "int32", (nnz,)),
+            ParamMeta(patch.values_name, meta.dtype, (nnz,)),
+        ]
+        out.patched[meta.name] = got.base
+
+    def _first_patch(self, out: DeltaRound, metas: Sequence[ParamMeta]) -> bool:
+        sent = {name for name, _ in out.pairs}
+        free = (m for m in metas if m.name not in sent and 0 < m.numel <= MAX_PATCH_NUMEL)
+        meta = next(free, None)
+        if meta is None:
+            return False
+        self._patch(out, meta, self.kernel.first(self.bases[meta.name]), 1)
+        return True
