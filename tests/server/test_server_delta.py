@@ -122,3 +122,42 @@ def test_delta_rounds_land_whole_and_a_wrong_base_is_refused(
         assert checksums(http) == [sha(second)] * 2
     finally:
         sender.close()
+
+
+def test_torch_trainer_delta_rounds_verified_on_both_replicas(
+    server,
+    http: httpx.Client,
+    tiny_llama: str,
+    reference,  # noqa: F811
+) -> None:
+    """The torch trainer engine with ``delta="auto"`` and ``verify=True``: optimizer steps at
+    lr 1e-6 go as patches and changed tensors; the digest check passes on both replicas
+    (their checksums are over the patched tensors whole) and the model serves HF's output."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from weightwire.control import HTTPWeightSyncClient
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.torch_side.sender.source import ModuleSource
+    from weightwire.trainer.config import TrainerInitInfo
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama).float()
+    opt = torch.optim.SGD(hf.parameters(), lr=1e-6)
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3, 12, 8]])
+    info = TrainerInitInfo(backend="weightwire_tcp", delta="auto", verify=True)
+    with HTTPWeightSyncClient(server.url, timeout=60) as client:
+        engine = TorchTrainerEngine.trainer_init(info, client=client, source=ModuleSource(hf))
+        try:
+            first = engine.send_weights(weight_version="t-0")
+            assert first.density is None and first.verify.mode == "digest"
+            for step in (1, 2, 3):
+                hf(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                m = engine.send_weights(weight_version=f"t-{step}")
+                assert m.density is not None and m.wire_bytes < m.dense_bytes, m.summary()
+                assert m.verify.mode == "digest"
+            weights = {n: p.detach().numpy() for n, p in hf.state_dict().items()}
+            assert_serves(http, reference, weights)
+        finally:
+            engine.shutdown()
