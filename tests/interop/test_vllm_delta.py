@@ -7,10 +7,13 @@ vLLM the loader map is refused (the CPU kernels' prepacked weights), so the work
 applies patches through its host copy of the checkpoint tensors, loading whole layers
 through vLLM's layerwise reload. After every round vLLM's greedy output equals Hugging
 Face's on the trainer's weights. The wire bytes of each round are printed. The test puts
-the original weights back at the end.
+the original weights back at the end. A delta on a round the worker does not hold is
+refused through vLLM's reply and resent dense in the same call.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -27,7 +30,9 @@ pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 BATCH = torch.tensor([[21, 84, 133, 7, 402, 56, 99, 250, 18, 311, 64, 145]])
 
 
-def test_delta_rounds_of_optimizer_steps_match_hugging_face(vllm_server: VLLMServer) -> None:
+def test_delta_rounds_of_optimizer_steps_match_hugging_face(
+    vllm_server: VLLMServer, caplog: pytest.LogCaptureFixture
+) -> None:
     hf = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir, dtype=torch.float32).eval()
     pristine = {k: v.clone() for k, v in hf.state_dict().items()}
     original = assert_same_greedy(vllm_server, hf, "before the delta rounds")
@@ -50,6 +55,21 @@ def test_delta_rounds_of_optimizer_steps_match_hugging_face(vllm_server: VLLMSer
             assert m.density is not None and m.wire_bytes < m.dense_bytes, m.summary()
             assert vllm_server.weight_version() == f"delta-{step}"
             assert_same_greedy(vllm_server, hf, f"delta round {step}")
+        # A worker holding another round refuses the delta before any byte; its error text
+        # reaches the trainer through vLLM's reply, and the engine resends the round dense.
+        hf(input_ids=BATCH, labels=BATCH).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        held = engine._delta.tracker.token  # type: ignore[union-attr]
+        engine._delta.tracker.token = "another-trainer:9"  # type: ignore[union-attr]
+        with caplog.at_level(logging.WARNING, logger="weightwire.trainer.delta_round"):
+            m = engine.send_weights(weight_version="delta-refused")
+        assert m.density is None, m.summary()  # sent dense
+        assert (
+            f"built on round 'another-trainer:9' but this worker holds round '{held}'"
+            in caplog.text
+        )
+        assert_same_greedy(vllm_server, hf, "the dense resend")
         # A sparse change big enough to move the output: 3% of the embedding, patched.
         before = assert_same_greedy(vllm_server, hf, "before the big patch")
         embed = hf.get_input_embeddings().weight

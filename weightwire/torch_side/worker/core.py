@@ -15,6 +15,11 @@ the budget; a failure after the first in-place write leaves the model part new, 
 ``WeightState`` records (``incomplete_round``) until a complete round commits. The
 trainer refuses generation around such a round (``shared.staging.round_streams``).
 
+Delta rounds (``delta``, ``sinks``): an update's round token and a delta round's base
+are checked before any byte too (``DeltaBaseMismatch`` is refused like a bad spec); its
+patches are held and applied at finish; the token of each committed round is kept in
+``WeightState``.
+
 Failure rule: any error while a round is receiving aborts the communicator (the
 trainer then fails fast with ``PeerLost`` instead of waiting out its timeout, and a
 half-read byte stream is never resumed), aborts the round and raises. The engine
