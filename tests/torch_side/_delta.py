@@ -7,7 +7,8 @@ one trainer session over TCP (one link, many rounds). The workers: ``HFModelHost
 in its own round), a plain model with a loader map (``IdentityMap``, the ``landing`` shape)
 and a plain model without one (the host-copy fallback), optionally under ``WholeLayers``
 (a framework that, like vLLM's layerwise reload, needs every tensor of a layer it loads);
-``landing``: the plain model with the real ``record_loader_map``.
+``landing``: the plain model with the real ``record_loader_map``; ``store``: the loopback
+receiver's ``TensorStoreHost``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.groups import layer_key
 from weightwire.shared.info import TCPInitInfo, UpdateInfo
 from weightwire.shared.meta import ParamMeta
+from weightwire.testing.loopback import TensorStoreHost
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
@@ -191,7 +193,7 @@ class Engine(EngineFacade):
         )
 
 
-WORKERS = ("hf_host", "map", "copy", "map_whole", "copy_whole", "landing")
+WORKERS = ("hf_host", "map", "copy", "map_whole", "copy_whole", "landing", "store")
 
 
 @dataclass
@@ -207,6 +209,9 @@ def make_worker(kind: str, seed: int = 99) -> Worker:
     framework = WholeLayers() if kind.endswith("_whole") else None
     if kind == "hf_host":
         engine = Engine(HFModelHost(net))
+    elif kind == "store":  # the loopback receiver's model stand-in
+        store = TensorStoreHost()
+        return Worker(Engine(store), store.tensors, None, net)
     else:
         recorders = {"map": identity_map, "landing": record_loader_map}
         engine = Engine(net, framework=framework, map_recorder=recorders.get(kind.split("_")[0]))
@@ -319,4 +324,5 @@ def assert_holds(worker: Worker, weights: dict[str, np.ndarray]) -> None:
     """The worker's parameters hold exactly the trainer's bytes (and the tie holds)."""
     for name, array in weights.items():
         assert host_bytes(worker.params[name]) == array.tobytes(), name
-    assert worker.net.lm_head.weight is worker.params["model.embed_tokens.weight"]
+    if isinstance(worker.engine.model, (Net, HFModelHost)):
+        assert worker.net.lm_head.weight is worker.net.get_parameter("model.embed_tokens.weight")
