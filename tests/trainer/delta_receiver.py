@@ -6,6 +6,7 @@ error text), before using any byte."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -75,3 +76,7 @@ class DeltaReceiver:
             self.weights[p.name] = apply_patch(self.weights[p.name], index, values)
         self.token = info.round_token
         self._info = None
+        self.server.checksums = {  # what /weight_checker reports: sha256 of each whole tensor
+            n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+            for n, a in self.weights.items()
+        }

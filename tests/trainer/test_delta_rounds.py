@@ -14,6 +14,7 @@ import pytest
 
 from tests.trainer.delta_receiver import DeltaReceiver
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer
+from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
@@ -211,6 +212,16 @@ def test_a_failed_round_drops_the_base_and_anchors_are_dense(kind: Kind) -> None
     engine.shutdown()
 
 
+def test_verify_checks_patched_tensors_whole(kind: Kind) -> None:
+    engine, source, receiver, _ = start(kind, verify=True)
+    engine.send_weights()
+    step(kind, source, np.random.default_rng(9), {"lm_head.weight": 0.03})
+    metrics = engine.send_weights()
+    assert receiver.infos[-1].patches and metrics.verify is not None
+    assert metrics.verify.checked == 1  # lm_head, checked whole (not its @index / @values)
+    engine.shutdown()
+
+
 def test_delta_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="delta='auto' needs a weightwire_\\* backend"):
         TrainerInitInfo(backend="nccl", delta="auto")
@@ -220,3 +231,67 @@ def test_delta_settings_are_checked() -> None:
         TrainerInitInfo(backend="weightwire_tcp", delta="auto", delta_density=0)
     with pytest.raises(ConfigError, match="delta_anchor_every must be an int >= 0"):
         TrainerInitInfo(backend="weightwire_tcp", delta="auto", delta_anchor_every=-1)
+
+
+def adam_like_step(params: Any, key: Any, lr: float = 1e-5) -> Any:
+    """``bf16(w - lr * sign(noise))`` on every leaf (Adam's first step has unit magnitude)."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(
+        tree,
+        [
+            (x.astype(jnp.float32) - lr * jnp.sign(jax.random.normal(k, x.shape))).astype(x.dtype)
+            for x, k in zip(leaves, keys, strict=True)
+        ],
+    )
+
+
+@pytest.mark.slow  # compiles the kernels for every distinct tensor shape of the model
+def test_jax_pytree_source_scanned_moe_tied() -> None:
+    """A real ``PytreeSource``: a scanned Qwen2-MoE stack (biases, experts, a tied head), one
+    small Adam-like step per round; the worker ends up with exactly what the source yields."""
+    import jax
+
+    from weightwire.jax_side import PytreeSource
+    from weightwire.jax_side.engine import JAXTrainerEngine
+    from weightwire.tools.models import decoder
+
+    cfg = decoder.DecoderConfig.for_family(
+        "qwen2_moe",
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        scan_layers=True,
+        tie_word_embeddings=True,
+    )
+    state = {"params": decoder.init(jax.random.key(0), cfg)}
+    source = PytreeSource(lambda: state["params"], decoder.naming(cfg), dtype="bfloat16")
+    server = FakeServer()
+    receiver = DeltaReceiver(
+        server, {m.name: np.zeros(m.shape, wire_dtype(m.dtype).numpy) for m in source.metadata()}
+    )
+    init = TrainerInitInfo(backend="fake_host", timeouts=FAST, delta="auto")
+    engine = JAXTrainerEngine.trainer_init(init, client=server.client(), source=source)
+
+    def yielded() -> dict[str, bytes]:
+        return {n: np.asarray(a).tobytes() for n, a in source}
+
+    try:
+        for i in range(2):
+            if i:
+                state["params"] = adam_like_step(state["params"], jax.random.key(i))
+            metrics = engine.send_weights()
+            info = receiver.infos[-1]
+            assert (info.delta_base is not None) == (i > 0)
+            if i:
+                assert info.patches and 0 < (metrics.density or 0) < 1
+            assert {n: a.tobytes() for n, a in receiver.weights.items()} == yielded()
+    finally:
+        engine.shutdown()

@@ -6,10 +6,11 @@ the whole tensor, no host round trip per tensor):
 1. ``_scan_group`` (one jitted call per layer group): per tensor, bitcast compare new vs
    base and pack the mask into ``uint32`` words (32 elements per word, one read of each
    tensor), plus each tensor's popcount total. One host sync per group reads the counts.
-2. ``_expand`` (per patched tensor, compiled per shape and size bucket): an exclusive
-   prefix sum of the words' popcounts (32x shorter than the tensor) gives each set bit
-   its output slot; a scatter writes the flat indices, a gather the values, and the
-   patch is scattered into the (donated) base. Only the words are read again.
+2. ``_expand_search`` (per patched tensor, compiled per shape and size bucket): a prefix
+   sum of the words' popcounts (32x shorter than the tensor); each output slot finds its
+   word by binary search and its bit by a 5-step search within the word; a gather reads
+   the values and the patch is scattered into the (donated) base. Only the words are
+   read again, and the work scales with the patch, not the tensor.
 
 Output arrays are bucketed to a power of two (so a new count rarely compiles anything);
 ``Prefix`` marks how many leading elements are the patch: the engine sends exactly those.
@@ -73,9 +74,41 @@ def _scan_group(news: Sequence[jax.Array], bases: Sequence[jax.Array]) -> tuple[
     return words, jnp.stack(counts)
 
 
-def _expand_impl(
+def _select_bit(word: jax.Array, rank: jax.Array) -> jax.Array:
+    """The position of set bit number ``rank`` (0-based, from bit 0) of each ``word``: the
+    largest ``p`` with ``rank`` set bits below it, by a 5-step binary search."""
+    pos = jnp.zeros(word.shape, jnp.uint32)
+    for step in (16, 8, 4, 2, 1):
+        probe = pos + step
+        below = lax.population_count(word & ((jnp.uint32(1) << probe) - 1)).astype(jnp.int32)
+        pos = jnp.where(below <= rank, probe, pos)
+    return pos.astype(jnp.int32)
+
+
+def _expand_search(
     new: jax.Array, base: jax.Array, words: jax.Array, size: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Output slot ``j`` finds its word by binary search over the words' running popcount
+    and its bit within the word: work and traffic scale with ``size`` (the patch), not
+    with the tensor; only the words (1/16 of a bf16 tensor) are read."""
+    n = new.size
+    pc = lax.population_count(words).astype(jnp.int32)
+    ends = jnp.cumsum(pc)  # set bits in words [0, w]
+    slot = jnp.arange(size, dtype=jnp.int32)
+    # Unrolled: a fixed-depth search in one kernel, no device loop (JAX's own advice on GPU).
+    w = jnp.searchsorted(ends, slot, side="right", method="scan_unrolled").astype(jnp.int32)
+    valid = w < words.shape[0]
+    w = jnp.minimum(w, words.shape[0] - 1)
+    rank = slot - (ends[w] - pc[w])
+    index = jnp.where(valid, w * 32 + _select_bit(words[w], rank), n)
+    return _gather_patch(new, base, index)
+
+
+def _expand_scatter(
+    new: jax.Array, base: jax.Array, words: jax.Array, size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Every bit of every word scatters its flat index to its output slot (a scatter over
+    the whole tensor: the alternative the benchmark compares with ``_expand_search``)."""
     n = new.size
     pc = lax.population_count(words).astype(jnp.int32)
     start = jnp.cumsum(pc) - pc  # each word's first output slot
@@ -83,17 +116,28 @@ def _expand_impl(
     w = words[:, None]
     below = lax.population_count(w & ((jnp.uint32(1) << k) - 1)).astype(jnp.int32)
     dest = jnp.where((w >> k) & 1 == 1, start[:, None] + below, size).reshape(-1)
-    src = (jnp.arange(words.shape[0], dtype=jnp.int32)[:, None] * 32 + k.astype(jnp.int32)).reshape(
-        -1
-    )
+    word_index = jnp.arange(words.shape[0], dtype=jnp.int32)[:, None]
+    src = (word_index * 32 + k.astype(jnp.int32)).reshape(-1)
     index = jnp.full((size,), n, jnp.int32).at[dest].set(src, mode="drop")
+    return _gather_patch(new, base, index)
+
+
+def _gather_patch(
+    new: jax.Array, base: jax.Array, index: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The values at ``index`` (``n`` past the patch's end: filled, dropped) and the base
+    with them written."""
     values = new.reshape(-1).at[index].get(mode="fill", fill_value=0)
     patched = base.reshape(-1).at[index].set(values, mode="drop").reshape(base.shape)
     return index, values, patched
 
 
-_expand = jax.jit(_expand_impl, static_argnames=("size",))
-_expand_donating = jax.jit(_expand_impl, static_argnames=("size",), donate_argnums=(1,))
+EXPANDS = {"search": _expand_search, "scatter": _expand_scatter}
+"""Compaction variants (``benchmarks/bench_delta.py --jax-expand``); ``search`` is the default."""
+
+
+def _jitted(expand: Any, donate: bool) -> Any:
+    return jax.jit(expand, static_argnames=("size",), donate_argnums=(1,) if donate else ())
 
 
 @jax.jit
@@ -109,6 +153,9 @@ def bucket(count: int) -> int:
 class JaxDeltaKernel(DeltaKernel):
     """``DeltaKernel`` over JAX (or numpy) arrays on one device each."""
 
+    def __init__(self, expand: str = "search") -> None:
+        self._expand = {d: _jitted(EXPANDS[expand], d) for d in (False, True)}
+
     def snapshot(self, tensor: Any) -> Any:
         return _copy(jnp.asarray(tensor))
 
@@ -120,7 +167,7 @@ class JaxDeltaKernel(DeltaKernel):
     def extract(self, scan: Scan, i: int, new: Any, base: Any) -> Extracted:
         arrays, words = scan.state
         count = scan.counts[i]
-        expand = _expand_donating if _donates(base) else _expand
+        expand = self._expand[_donates(base)]
         index, values, patched = expand(arrays[i], base, words[i], size=bucket(count))
         return Extracted(Prefix(index, count), Prefix(values, count), patched)
 

@@ -151,10 +151,12 @@ class DeltaTracker:
     ) -> Iterator[tuple[str, Any]]:
         """A dense round's stream, unchanged, each tensor copied into the base as it passes."""
         self.drop()
+        # Set first: a consumer may stop pulling after the last tensor (a round that does not
+        # complete is dropped by the caller anyway).
+        self.metas = list(metas)
         for name, tensor in pairs:
             self.bases[name] = self.kernel.snapshot(tensor)
             yield name, tensor
-        self.metas = list(metas)
 
     def build(
         self, pairs: Iterable[tuple[str, Any]], metas: Sequence[ParamMeta]

@@ -29,7 +29,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class TorchDeltaKernel(DeltaKernel):
-    """``DeltaKernel`` over torch tensors (any device; the base stays on the tensor's)."""
+    """``DeltaKernel`` over torch tensors (any device; the base stays on the tensor's).
+
+    ``compaction``: ``static`` (``nonzero_static`` with the known count, no sync) or
+    ``nonzero`` (``torch.nonzero``, one sync per tensor), compared by the benchmark."""
+
+    def __init__(self, compaction: str = "static") -> None:
+        if compaction not in ("static", "nonzero"):
+            raise ValueError(f"compaction must be 'static' or 'nonzero', got {compaction!r}")
+        self._static = compaction == "static"
 
     def snapshot(self, tensor: Any) -> Any:
         return tensor.detach().clone(memory_format=torch.contiguous_format)
@@ -46,7 +54,10 @@ class TorchDeltaKernel(DeltaKernel):
 
     def extract(self, scan: Scan, i: int, new: Any, base: Any) -> Extracted:
         mask: torch.Tensor = scan.state[i]
-        index = torch.nonzero_static(mask, size=scan.counts[i]).reshape(-1)
+        if self._static:
+            index = torch.nonzero_static(mask, size=scan.counts[i]).reshape(-1)
+        else:
+            index = torch.nonzero(mask).reshape(-1)
         values = _bits(new)[index].view(new.dtype)
         _bits(base)[index] = _bits(values)
         return Extracted(index.to(torch.int32), values, base)

@@ -1,0 +1,323 @@
+"""Delta-round extraction on the device: time to find what one RL step changed, against one
+dense device copy of the same weights, and the payload against (changed elements x 6 bytes).
+
+    python benchmarks/bench_delta.py                    # GPU: Llama-3-8B shapes, bf16
+    python benchmarks/bench_delta.py --shape small      # CPU: a small model, same report
+    python benchmarks/bench_delta.py --framework torch --lrs 1e-6 --repeats 5
+
+One Adam-like step: ``new = bf16(w - lr * sign(g))`` (Adam's first step is ``lr`` times a
+unit-magnitude update per element) on weights drawn like an initialized model's
+(``N(0, 0.02)``), so the changed fraction is what bf16 rounding lets through at that
+learning rate. Extraction is ``trainer.delta.DeltaTracker.build`` with the framework's
+kernel (compare, count, compaction, the patch written into the base), timed until the
+device finished; the dense copy is one device-to-device copy of every tensor. A JSON
+report goes to ``--out`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from weightwire.shared.meta import ParamMeta
+from weightwire.trainer.delta import DeltaTracker
+
+# hidden, intermediate, layers, heads, kv heads, head dim, vocab
+SHAPES = {
+    "8b": (4096, 14336, 32, 32, 8, 128, 128256),  # Llama-3-8B
+    "small": (256, 688, 4, 8, 2, 32, 4096),
+}
+
+
+def llama_shapes(shape: str) -> dict[str, tuple[int, ...]]:
+    hidden, inter, layers, heads, kv, hd, vocab = SHAPES[shape]
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": (heads * hd, hidden),
+                p + "self_attn.k_proj.weight": (kv * hd, hidden),
+                p + "self_attn.v_proj.weight": (kv * hd, hidden),
+                p + "self_attn.o_proj.weight": (hidden, heads * hd),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
+    out.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
+    return out
+
+
+class Jax:
+    def __init__(self, variant: str) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from weightwire.jax_side.delta import JaxDeltaKernel, Prefix
+
+        self.name = f"jax/{variant}"
+        self.jax, self.jnp, self.prefix = jax, jnp, Prefix
+        self.kernel = JaxDeltaKernel(variant)
+        self.device = jax.devices()[0].platform
+        self._copy = jax.jit(lambda x: x.copy())
+        self._key = jax.random.key(0)
+
+    def weights(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        jax, jnp = self.jax, self.jnp
+        keys = jax.random.split(self._key, len(shapes))
+        return {
+            n: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(jnp.bfloat16)
+            for k, (n, s) in zip(keys, shapes.items(), strict=True)
+        }
+
+    def step(self, w: dict[str, Any], lr: float) -> dict[str, Any]:
+        jax, jnp = self.jax, self.jnp
+        keys = jax.random.split(jax.random.key(1), len(w))
+
+        @jax.jit
+        def one(x: Any, k: Any) -> Any:
+            sign = jnp.where(jax.random.bernoulli(k, 0.5, x.shape), 1.0, -1.0)
+            return (x.astype(jnp.float32) - lr * sign).astype(x.dtype)
+
+        return {n: one(x, k) for k, (n, x) in zip(keys, w.items(), strict=True)}
+
+    def copy_all(self, w: dict[str, Any]) -> Callable[[], Any]:
+        return lambda: [self._copy(x) for x in w.values()]
+
+    def sync(self, out: Any) -> None:
+        self.jax.block_until_ready(
+            self.jax.tree.map(
+                lambda x: x.array if isinstance(x, self.prefix) else x,
+                out,
+                is_leaf=lambda x: isinstance(x, self.prefix),
+            )
+        )
+
+    def snapshot(self, w: dict[str, Any]) -> dict[str, Any]:
+        return {n: self.kernel.snapshot(x) for n, x in w.items()}
+
+    def host(self, x: Any) -> Any:
+        import numpy as np
+
+        out = x.host() if isinstance(x, self.prefix) else np.asarray(x)
+        return out.reshape(-1).view(f"u{out.dtype.itemsize}")
+
+
+class Torch:
+    def __init__(self, variant: str) -> None:
+        import torch
+
+        from weightwire.torch_side.sender.delta import TorchDeltaKernel
+
+        self.name = f"torch/{variant}"
+        self.torch, self.kernel = torch, TorchDeltaKernel(variant)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._gen = torch.Generator(device=self.device).manual_seed(0)
+
+    def weights(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        t = self.torch
+        return {
+            n: (0.02 * t.randn(s, generator=self._gen, device=self.device)).to(t.bfloat16)
+            for n, s in shapes.items()
+        }
+
+    def step(self, w: dict[str, Any], lr: float) -> dict[str, Any]:
+        t = self.torch
+        out = {}
+        for n, x in w.items():
+            sign = t.randint(0, 2, x.shape, generator=self._gen, device=x.device) * 2 - 1
+            out[n] = (x.float() - lr * sign).to(x.dtype)
+        return out
+
+    def copy_all(self, w: dict[str, Any]) -> Callable[[], Any]:
+        dst = {n: self.torch.empty_like(x) for n, x in w.items()}
+        return lambda: [dst[n].copy_(x) for n, x in w.items()]
+
+    def sync(self, out: Any) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def snapshot(self, w: dict[str, Any]) -> dict[str, Any]:
+        return {n: self.kernel.snapshot(x) for n, x in w.items()}
+
+    def host(self, x: Any) -> Any:
+        flat = x.detach().reshape(-1)
+        words = {1: self.torch.uint8, 2: self.torch.int16, 4: self.torch.int32}
+        return flat.view(words[flat.element_size()]).cpu().numpy()
+
+
+def timed(fw: Any, fn: Callable[[], Any], repeats: int, prepare: Callable[[], Any]) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        arg = prepare()
+        fw.sync(arg)
+        t0 = time.perf_counter()
+        fw.sync(fn(arg) if arg is not None else fn())
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def check(fw: Any, base: dict, new: dict, bases: dict, built: Any, patches: int = 3) -> bool:
+    """The base after the build holds the new bytes, and the first ``patches`` patches,
+    applied to the old weights with numpy, give the new weights exactly."""
+    import numpy as np
+
+    from weightwire.shared.delta import apply_patch
+
+    if any(fw.host(bases[n]).tobytes() != fw.host(new[n]).tobytes() for n in new):
+        return False
+    wire = dict(built.pairs)
+    for p in built.patches[:patches]:
+        index = fw.host(wire[p.index_name]).view(np.int32)
+        values = fw.host(wire[p.values_name])
+        old = fw.host(base[p.name]).reshape(-1)
+        if apply_patch(old, index, values).tobytes() != fw.host(new[p.name]).tobytes():
+            return False
+    return True
+
+
+def encodings(fw: Any, built: Any, metas: list[ParamMeta]) -> dict[str, float]:
+    """Index bytes of the round's patches under other encodings, per changed element, and
+    zlib (level 1) of the flat int32 indices with its host speed: what the flat_i32 wire
+    encoding leaves on the table."""
+    import zlib
+
+    import numpy as np
+
+    wire = dict(built.pairs)
+    numel = {m.name: m.numel for m in metas}
+    sizes = {"flat_i32": 0, "gap_u16": 0, "gap_varint": 0, "bitmap": 0, "best_flat_bitmap": 0}
+    zipped, raw, seconds = 0, 0, 0.0
+    for p in built.patches:
+        index = fw.host(wire[p.index_name]).view(np.int32).astype(np.int64)
+        gaps = np.diff(index, prepend=-1)
+        bitmap = -(-numel[p.name] // 8)
+        sizes["flat_i32"] += 4 * index.size
+        sizes["gap_u16"] += int(2 * gaps.size + 4 * np.count_nonzero(gaps >= 65535))
+        sizes["gap_varint"] += int(
+            gaps.size + sum(np.count_nonzero(gaps >= 1 << (7 * k)) for k in range(1, 5))
+        )
+        sizes["bitmap"] += bitmap
+        sizes["best_flat_bitmap"] += min(4 * index.size, bitmap)
+        data = index.astype(np.int32).tobytes()
+        t0 = time.perf_counter()
+        zipped += len(zlib.compress(data, 1))
+        seconds += time.perf_counter() - t0
+        raw += len(data)
+    changed = max(built.changed, 1)
+    out = {f"index_bytes_per_changed_{k}": v / changed for k, v in sizes.items()}
+    out["index_bytes_per_changed_zlib1"] = zipped / changed
+    out["zlib1_host_mb_s"] = raw / seconds / 1e6 if seconds else 0.0
+    return out
+
+
+def run(
+    fw: Any, shape: str, lrs: list[float], repeats: int, density: float, encode: bool = False
+) -> list[dict]:
+    shapes = llama_shapes(shape)
+    metas = [ParamMeta(n, "bfloat16", s) for n, s in shapes.items()]
+    base = fw.weights(shapes)
+    dense_bytes = sum(m.nbytes for m in metas)
+    copy = fw.copy_all(base)
+    copy_s = statistics.median(timed(fw, copy, repeats + 1, lambda: None)[1:])
+    rows = []
+    for lr in lrs:
+        new = fw.step(base, lr)
+        tracker = DeltaTracker(fw.kernel, density=density, anchor_every=0)
+
+        def build(bases: dict[str, Any], tracker: DeltaTracker = tracker, new: Any = new) -> Any:
+            tracker.bases = bases
+            built = tracker.build(list(new.items()), metas)
+            return [p for _, p in built.pairs], tracker.bases, built
+
+        t0 = time.perf_counter()
+        first = build(fw.snapshot(base))
+        fw.sync(first[:2])
+        first_s = time.perf_counter() - t0
+        built = first[2]
+        exact = check(fw, base, new, first[1], built)
+        samples = timed(fw, lambda a: build(a)[:2], repeats, lambda: fw.snapshot(base))
+        wire = sum(m.nbytes for m in built.metas)
+        rows.append(
+            {
+                "framework": fw.name,
+                "device": fw.device,
+                "shape": shape,
+                "lr": lr,
+                "tensors": len(metas),
+                "density": built.density,
+                "changed": built.changed,
+                "patches": len(built.patches),
+                "dense_tensors": len(built.metas) - 2 * len(built.patches),
+                "dense_bytes": dense_bytes,
+                "wire_bytes": wire,
+                "changed_x6_bytes": 6 * built.changed,
+                "extract_ms": 1e3 * statistics.median(samples),
+                "first_extract_ms": 1e3 * first_s,
+                "dense_copy_ms": 1e3 * copy_s,
+                "exact": exact,
+            }
+        )
+        r = rows[-1]
+        print(
+            f"{fw.name:14} {fw.device:4} {shape:5} lr={lr:g}: density {r['density']:.3%}, "
+            f"extract {r['extract_ms']:.2f} ms (first {r['first_extract_ms']:.0f} ms) vs dense "
+            f"copy {r['dense_copy_ms']:.2f} ms = {r['extract_ms'] / r['dense_copy_ms']:.2f}x; "
+            f"wire {wire / 1e6:.1f} MB vs changed x 6 {6 * built.changed / 1e6:.1f} MB "
+            f"(dense {dense_bytes / 1e9:.2f} GB), {r['patches']} patches, "
+            f"{r['dense_tensors']} dense; exact={exact}",
+            flush=True,
+        )
+        if encode:
+            r.update(encodings(fw, built, metas))
+            shown = ", ".join(
+                f"{k.removeprefix('index_bytes_per_changed_')} {v:.2f}"
+                for k, v in r.items()
+                if k.startswith("index_bytes")
+            )
+            print(
+                f"  index bytes per changed element: {shown}; zlib-1 on the host at "
+                f"{r['zlib1_host_mb_s']:.0f} MB/s",
+                flush=True,
+            )
+        del new, first, built
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--framework", choices=["jax", "torch", "both"], default="both")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--density", type=float, default=0.25, help="TrainerInitInfo.delta_density")
+    ap.add_argument("--jax-expand", nargs="+", default=["search"], help="search, scatter")
+    ap.add_argument("--torch-compaction", nargs="+", default=["static"], help="static, nonzero")
+    ap.add_argument("--encodings", action="store_true", help="index sizes of other encodings")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    rows: list[dict] = []
+    kinds: list[tuple[Any, str]] = []
+    if args.framework in ("jax", "both"):
+        kinds += [(Jax, v) for v in args.jax_expand]
+    if args.framework in ("torch", "both"):
+        kinds += [(Torch, v) for v in args.torch_compaction]
+    for make, variant in kinds:
+        fw = make(variant)
+        shape = args.shape or ("8b" if fw.device in ("gpu", "cuda") else "small")
+        rows += run(fw, shape, args.lrs, args.repeats, args.density, args.encodings)
+        del fw
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
