@@ -145,7 +145,17 @@ LOADERS: dict[str, Any] = {
     "temporary": lambda p, t: p.data.copy_(torch.empty_like(p).copy_(t)),
     "concatenates": lambda p, t: p.data.copy_(torch.cat([t[:2], t[2:]])),
     "casts": lambda p, t: p.data.copy_(t.to(torch.float16)),
+    "rebinds": lambda p, t: setattr(p, "data", t),
+    "swallows": lambda p, t: _swallowing(p, t),
 }
+
+
+def _swallowing(p: torch.Tensor, t: torch.Tensor) -> None:
+    """A loader that catches what its arithmetic raised and loads anyway."""
+    try:
+        p.data.copy_(t + 1)
+    except Exception:
+        p.data.copy_(t)
 
 
 class Refusing(torch.nn.Module):

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from tests.torch_side._landing_models import LOADERS, Refusing, TinyTP, tiny_tp_shapes
+from tests.torch_side._landing_models import HIDDEN, LOADERS, Refusing, TinyTP, tiny_tp_shapes
 from tests.torch_side.vllm_stub import FakeLlama, hf_shapes
 from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
@@ -130,6 +130,15 @@ def test_tp_moe_vocab_tied_write_and_patch_equal_load_weights(rank: int, tied: b
     assert_same_params(a, b)
 
 
+def test_patch_of_another_ranks_slice_changes_nothing() -> None:
+    a, b = twins(lambda: TinyTP(rank=1, world=2))
+    m = record_loader_map(a, metas_of(tiny_tp_shapes()))
+    # rank 0's rows of q_proj, and of expert 1's gate_proj: rank 1 holds none of them
+    m.patch("model.layers.0.self_attn.q_proj.weight", torch.arange(4 * HIDDEN), torch.ones(64))
+    m.patch("model.mlp.experts.1.gate_proj.weight", torch.arange(4 * HIDDEN), torch.ones(64))
+    assert_same_params(a, b)
+
+
 def test_tied_head_lands_on_the_embedding_under_either_name() -> None:
     shapes = tiny_tp_shapes()
     a, b = twins(lambda: TinyTP(tied=True))
@@ -165,15 +174,18 @@ def test_expert_landing_is_one_slice_of_the_stacked_parameter() -> None:
         ("temporary", r"w\.weight: the loader copies it into a tensor that is not a parameter"),
         ("concatenates", r"w\.weight: the loader computes on it \(aten\.cat"),
         ("casts", r"w\.weight: the loader casts it to torch\.float16 before copying it"),
+        ("rebinds", r"parameter w\.weight: the loader rebinds or replaces it \(param\.data = "),
+        ("swallows", r"w\.weight: the loader computes on it \(aten\.add"),
     ],
 )
 def test_loaders_that_are_not_plain_copies_refuse(kind: str, message: str) -> None:
     assert set(LOADERS) >= {kind}
     model = Refusing(kind)
     before = model.w.weight.clone()
+    param = model.w.weight
     with pytest.raises(LoaderMapRefused, match=message):
         record_loader_map(model, [ParamMeta("w.weight", "bfloat16", (4, 4))])
-    assert torch.equal(model.w.weight, before)
+    assert model.w.weight is param and torch.equal(model.w.weight, before)
 
 
 class UnquantizedLinearMethod:

@@ -34,6 +34,13 @@ import torch
 
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.dtypes import torch_dtype
+from weightwire.torch_side.worker.landing_rules import (
+    Bindings,
+    check_coverage,
+    covers,
+    nested,
+    post_load_refusal,
+)
 from weightwire.torch_side.worker.landing_trace import (
     Copy,
     LoaderMapRefused,
@@ -41,12 +48,6 @@ from weightwire.torch_side.worker.landing_trace import (
     Tracer,
     View,
 )
-
-POST_LOAD_NO_OPS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
-"""Quant methods whose post-load processing leaves the parameters as loaded (on CUDA)."""
-MOE_METHOD = "UnquantizedFusedMoEMethod"
-MOE_PLAIN_BACKENDS = ("TRITON", "BATCHED_TRITON")
-"""Unquantized MoE kernels that run on the loaded layout (others shuffle the experts)."""
 
 
 @dataclass(frozen=True)
@@ -151,11 +152,7 @@ class LoaderMap:
                     )
                 idx, vals = moved[param.device]
                 keep, dst = _translate(ld, idx)
-                sel = keep.nonzero().squeeze(1)
-                flat = self._flat_of(ld.param)
-                flat.index_put_(
-                    (dst.index_select(0, sel),), vals.index_select(0, sel).to(flat.dtype)
-                )
+                _scatter_kept(self._flat_of(ld.param), keep, dst, vals)
 
     def read(self, name: str) -> torch.Tensor:
         """The checkpoint tensor as the parameters hold it now (wire dtype, parameter device)."""
@@ -197,6 +194,20 @@ class LoaderMap:
         return flat
 
 
+def _scatter_kept(
+    flat: torch.Tensor, keep: torch.Tensor, dst: torch.Tensor, vals: torch.Tensor
+) -> None:
+    """``flat[dst[keep]] = vals[keep]`` without a device sync (no ``nonzero``): the entries
+    not kept repeat the first kept entry (same place, same value), or, when none is kept,
+    write back what is already there."""
+    if dst.numel() == 0:
+        return
+    first = keep.to(torch.uint8).argmax()
+    target = torch.where(keep, dst, dst[first]).clamp_(0, flat.numel() - 1)
+    new = torch.where(keep, vals, vals[first]).to(flat.dtype)
+    flat.index_put_((target,), torch.where(keep[first], new, flat[target]))
+
+
 def _landing_bytes(ld: Landing) -> int:
     return sys.getsizeof(ld) + sum(
         sys.getsizeof(t) for t in (ld.shape, ld.src_strides, ld.dst_strides)
@@ -211,7 +222,7 @@ def _order(ld: Landing) -> list[int]:
 
 def _translate(ld: Landing, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(in this landing?, parameter storage index) per checkpoint flat index. The source
-    strides are nested (checked at recording), so the digits are unique."""
+    strides are nested (``landing_rules.nested``, checked at recording): the digits are unique."""
     rest = idx - ld.src_offset
     keep = rest >= 0
     dst = torch.full_like(idx, ld.dst_offset)
@@ -243,7 +254,7 @@ def record_loader_map(
     by_source: dict[str, list[Copy]] = {m.name: [] for m in metas}
     for c in recorder.copies:
         by_source[c.source].append(c)
-    _check_coverage(recorder, params)
+    check_coverage(recorder, params)
     tensors: dict[str, TensorLandings] = {}
     for m in metas:
         landings = tuple(
@@ -251,14 +262,16 @@ def record_loader_map(
             for c in by_source[m.name]
         )
         for ld in landings:
-            if not _nested(ld):
+            if not nested(View(ld.shape, ld.src_offset, ld.src_strides)):
                 raise LoaderMapRefused(f"{m.name}: the loader reads it through an overlapping view")
         fills = tuple(
             ConstantFill(f.param, f.dst.shape, f.dst.offset, f.dst.strides, f.value)
             for f in recorder.fills
             if f.source == m.name
         )
-        complete = _covers(landings, math.prod(m.shape))
+        complete = covers(
+            [View(ld.shape, ld.src_offset, ld.src_strides) for ld in landings], math.prod(m.shape)
+        )
         tensors[m.name] = TensorLandings(m.name, tuple(m.shape), m.dtype, landings, complete, fills)
     _alias_tied(model, tensors, params)
     return LoaderMap(tensors, params)
@@ -269,17 +282,29 @@ def _run_loader(
 ) -> Recorder:
     device = next(iter(params.values())).device if params else torch.device("cpu")
 
-    def tracers() -> Iterator[tuple[str, torch.Tensor]]:
-        for m in metas:
-            dtype = torch_dtype(m.dtype)
-            base = torch.empty(tuple(m.shape), dtype=dtype, device="meta")
-            recorder.current = m.name
-            yield m.name, Tracer(base, m.name, device, dtype, recorder)
-
     recorder = Recorder(params)
+    # Made before the recorder is entered: a factory call inside it costs torch's lazy
+    # imports (seconds, once per process) and would be recorded as the loader's.
+    made = [
+        Tracer(
+            torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype), device="meta"),
+            m.name,
+            device,
+            torch_dtype(m.dtype),
+            recorder,
+        )
+        for m in metas
+    ]
+
+    def tracers() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in made:
+            recorder.current = t.source
+            yield t.source, t
+
     load = getattr(model, "load_weights", None)
     if load is None:
         raise LoaderMapRefused(f"{type(model).__name__} has no load_weights")
+    bindings = Bindings.of(model)
     try:
         with torch.no_grad(), recorder:
             load(tracers())
@@ -290,86 +315,16 @@ def _run_loader(
             raise LoaderMapRefused(
                 f"the loader failed on tracer tensors ({type(exc).__name__}: {exc})"
             ) from exc
+    finally:
+        rebound = bindings.restore()
     if recorder.refusal is not None:
         raise LoaderMapRefused(recorder.refusal)
+    if rebound:
+        raise LoaderMapRefused(
+            f"parameter {rebound[0]}: the loader rebinds or replaces it (param.data = ..., "
+            "a new Parameter), not a copy into it"
+        )
     return recorder
-
-
-def _runs(v: View) -> tuple[torch.Tensor, int]:
-    """The view's elements as runs of consecutive storage elements: (starts, run length)."""
-    dims = sorted(((s, n) for n, s in zip(v.shape, v.strides, strict=True) if n > 1), reverse=True)
-    run = 1
-    while dims and dims[-1][0] == run:
-        run *= dims.pop()[1]
-    starts = torch.tensor([v.offset], dtype=torch.int64)
-    for s, n in dims:
-        starts = (starts[:, None] + torch.arange(n, dtype=torch.int64) * s).reshape(-1)
-    return starts, run
-
-
-def _intervals(views: Sequence[View]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted (starts, ends) of the runs of ``views`` (empty views skipped)."""
-    starts, ends = [torch.empty(0, dtype=torch.int64)], [torch.empty(0, dtype=torch.int64)]
-    for v in views:
-        if math.prod(v.shape) == 0:
-            continue
-        s, run = _runs(v)
-        starts.append(s)
-        ends.append(s + run)
-    s, e = torch.cat(starts), torch.cat(ends)
-    order = torch.argsort(s)
-    return s[order], e[order]
-
-
-def _check_coverage(recorder: Recorder, params: dict[str, torch.Tensor]) -> None:
-    """Each parameter a copy lands in is written exactly once, all of it (copies + fills)."""
-    regions: dict[str, list[tuple[str, View]]] = {}
-    for c in recorder.copies:
-        regions.setdefault(c.param, []).append((c.source, c.dst))
-    for f in recorder.fills:
-        if f.param in regions:
-            regions[f.param].append(("a constant fill", f.dst))
-    for name, parts in regions.items():
-        p = params[name]
-        if not p.is_contiguous():
-            raise LoaderMapRefused(f"parameter {name}: not contiguous, the map cannot hold it")
-        starts, ends = _intervals([v for _, v in parts])
-        lo, hi = p.storage_offset(), p.storage_offset() + p.numel()
-        sources = sorted({s for s, _ in parts})
-        if bool((ends[:-1] > starts[1:]).any()):
-            raise LoaderMapRefused(
-                f"parameter {name}: the loader writes some elements twice (from {sources})"
-            )
-        written = int((ends - starts).sum())
-        if int(starts[0]) < lo or int(ends[-1]) > hi:
-            raise LoaderMapRefused(f"parameter {name}: the loader writes outside it")
-        if written != p.numel():
-            raise LoaderMapRefused(
-                f"parameter {name}: the loader writes {written} of its {p.numel()} elements "
-                f"(from {sources}); the rest is never written"
-            )
-
-
-def _covers(landings: Sequence[Landing], numel: int) -> bool:
-    """Whether the landings' source views together cover all ``numel`` elements."""
-    if numel == 0:
-        return True
-    starts, ends = _intervals([View(ld.shape, ld.src_offset, ld.src_strides) for ld in landings])
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        return False
-    reach = torch.cummax(ends, 0).values
-    return not bool((starts[1:] > reach[:-1]).any()) and int(reach[-1]) >= numel
-
-
-def _nested(ld: Landing) -> bool:
-    """Each source stride exceeds the span of the smaller ones: the view is one-to-one and
-    ``_translate``'s digits are unique."""
-    span = 0
-    for d in reversed(_order(ld)):
-        if ld.src_strides[d] <= span:
-            return False
-        span += ld.src_strides[d] * (ld.shape[d] - 1)
-    return True
 
 
 def _alias_tied(
@@ -395,45 +350,6 @@ def _alias_tied(
             tensors[name] = TensorLandings(
                 name, tl.shape, tl.dtype, t.landings, t.complete, t.fills
             )
-
-
-# ---------------------------------------------------------------------- post-load
-def post_load_refusal(model: torch.nn.Module) -> str | None:
-    """Why post-load processing may change a served parameter, or None when it leaves them
-    as loaded: every module's ``quant_method`` is an unquantized one on CUDA (MoE with a
-    kernel that runs on the loaded layout); modules without one are plain."""
-    for mname, mod in model.named_modules():
-        method = getattr(mod, "quant_method", None)
-        if method is None:
-            continue
-        cls = type(method).__name__
-        where = mname or type(model).__name__
-        if cls not in (*POST_LOAD_NO_OPS, MOE_METHOD):
-            return f"{where}: {cls} processes the weights after loading (not a plain copy)"
-        device = _device_of(mod, model)
-        if device.type == "cpu":
-            return (
-                f"{where}: {cls} repacks the weights for the CPU kernels after loading "
-                "(CPU prepack)"
-            )
-        if device.type != "cuda" or torch.version.hip is not None:
-            return f"{where}: {cls} processes the weights after loading on {device.type}"
-        backend = getattr(method, "unquantized_backend", None)
-        if (
-            cls == MOE_METHOD
-            and backend is not None
-            and getattr(backend, "name", str(backend)) not in MOE_PLAIN_BACKENDS
-        ):
-            return f"{where}: the {backend} MoE kernel shuffles the expert weights after loading"
-    return None
-
-
-def _device_of(mod: torch.nn.Module, model: torch.nn.Module) -> torch.device:
-    for p in mod.parameters(recurse=False):
-        return p.device
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 __all__: list[str] = [
