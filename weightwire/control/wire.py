@@ -113,8 +113,8 @@ class KeepAliveTransport(httpx.BaseTransport):
     ``keepalive_expiry`` and only if the server has not closed it meanwhile (a readable
     idle socket means EOF or garbage: dropped, as httpcore does), so a POST never goes
     out on a connection the server already closed; a ``Connection: close`` or 5xx reply's
-    connection is not reused; the connect timeout bounds the connect, the read timeout every send and
-    receive; failures raise httpx's exceptions. Headers go out exactly as the request
+    connection is not reused; the connect timeout bounds the connect, the read timeout
+    every send and receive; failures raise httpx's exceptions. Headers go out exactly as the request
     holds them (httpx added Host, Content-Length, its defaults), head and body in one
     ``sendall``: ``http.client`` sends them apart, and on a busy host the server then
     wakes twice per request. Thread-safe: each request holds its socket alone.
