@@ -32,6 +32,7 @@ ROUND = st.tuples(
 )
 
 
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["staged", "streaming"])
 @pytest.mark.parametrize("kind", WORKERS)
 @settings(
     max_examples=6,
@@ -40,10 +41,14 @@ ROUND = st.tuples(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(rounds=st.lists(ROUND, min_size=1, max_size=6), seed=st.integers(0, 2**16))
-def test_any_round_sequence_lands_bit_exact(kind: str, rounds: list, seed: int) -> None:
+def test_any_round_sequence_lands_bit_exact(
+    kind: str, budget: int, rounds: list, seed: int
+) -> None:
+    """Staged rounds, and rounds applied in place as they land (stage budget 0): patches
+    still wait for finish, after the dense tensors."""
     worker = make_worker(kind)
     trainer = Trainer(seed)
-    session = Session(worker.engine, delta_rounds=True)
+    session = Session(worker.engine, delta_rounds=True, stage_budget_bytes=budget)
     try:
         first = trainer.encode(dense=True)
         session.send(first)
