@@ -227,3 +227,27 @@ def test_reference_server_checksums_cover_patched_tensors_whole() -> None:
     sums = worker.engine.model.state_checksums()
     for name, array in trainer.weights.items():
         assert sums[name] == hashlib.sha256(array.tobytes()).hexdigest(), name
+
+
+def test_reusing_a_delta_rounds_metadata_is_refused_before_any_byte() -> None:
+    """vLLM 0.33's "empty lists = the previous metadata" cannot stand for a delta round: its
+    patches would arrive undescribed (loaded as tensors named ``T@index``)."""
+    worker = make_worker("hf_host")
+    trainer = Trainer(10)
+    session = Session(worker.engine, delta_rounds=True)
+    first = trainer.encode(dense=True)
+    session.send(first)
+    trainer.committed(first)
+    trainer.step({"model.norm.weight": 0.2})
+    wire = trainer.encode(dense=False)
+    session.send(wire)
+    trainer.committed(wire)
+    before = {n: host_bytes(p) for n, p in worker.params.items()}
+    session._queue.put(wire)
+    worker.engine.start_weight_update()
+    with pytest.raises(ValueError, match="a delta round's patches must be described in full"):
+        worker.engine.update_weights({"round_token": "t:9"})  # names/dtypes/shapes left out
+    session._queue.put(wire)
+    session.sender.join()
+    assert {n: host_bytes(p) for n, p in worker.params.items()} == before
+    worker.engine.shutdown()

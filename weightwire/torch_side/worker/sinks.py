@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from weightwire.shared.delta import Patch
+from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
 from weightwire.shared.errors import DeltaBaseMismatch
 from weightwire.shared.groups import layer_key
 from weightwire.shared.info import UpdateInfo
@@ -39,6 +39,8 @@ from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import WeightState
 
 log = logging.getLogger(__name__)
+
+PATCH_SUFFIXES = (INDEX_SUFFIX, VALUES_SUFFIX)
 
 
 class ModelSink(PatchSink):
@@ -226,6 +228,11 @@ class SinkChooser:
         nothing for a sink)."""
         patches = update.patch_list()
         metas = plan.metas
+        if update.reuses_previous and any(m.name.endswith(PATCH_SUFFIXES) for m in metas):
+            raise ValueError(
+                "update info reuses the previous round's metadata, which lists patch wire "
+                "tensors: a delta round's patches must be described in full"
+            )
         if delta.updates and update.round_token != delta.token:
             raise ValueError(
                 f"round_token {update.round_token!r} differs from {delta.token!r} sent earlier "
