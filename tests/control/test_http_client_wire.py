@@ -197,6 +197,20 @@ def test_kept_alive_connections_are_reused_only_while_the_server_keeps_them(
     assert server.connections == 7
 
 
+def test_a_server_error_reply_is_not_reused(server: WireServer) -> None:
+    """uvicorn closes the connection after an unhandled exception (a 500) without saying
+    so: the next request, sent at once, goes out on a fresh connection, not into that close."""
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    client.start_weight_update()
+    server.reply = (500, b"Internal Server Error")
+    with pytest.raises(WeightSyncError) as info:
+        client.finish_weight_update("v")
+    assert info.value.status == 500 and server.connections == 1
+    server.reply = (200, b'{"message": "ok"}')
+    client.shutdown_weight_transfer_engine()
+    assert server.connections == 2
+
+
 def test_compressed_replies_are_decoded(server: WireServer) -> None:
     import gzip
 

@@ -246,7 +246,7 @@ class CountingSpec:
         self.checks = 0
         self.refuse = refuse
 
-    def check(self, metas: Sequence[ParamMeta]) -> None:
+    def check(self, metas: Sequence[ParamMeta], *, complete_layers: bool = True) -> None:
         self.checks += 1
         if self.refuse is not None and any(m.name == self.refuse for m in metas):
             raise ValueError(f"{self.refuse!r} is not a tensor of the model")

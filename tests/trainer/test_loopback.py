@@ -66,3 +66,39 @@ def test_loopback_receiver_gets_exact_bytes(loopback) -> None:
         WeightSyncError, match=r"start_weight_update failed on 127\.0\.0\.1:\d+ \(status 500\)"
     ):
         loopback.start_weight_update()  # the session was shut down: the receiver refuses
+
+
+def test_loopback_receiver_applies_delta_rounds(loopback) -> None:
+    """``delta="auto"``: the loopback receiver's store applies the patches at commit; its
+    checksums (verify) are over the full tensors."""
+    rng = np.random.default_rng(2)
+    weights = {
+        "model.embed_tokens.weight": rng.standard_normal((300, 64)).astype(ml_dtypes.bfloat16),
+        "model.layers.0.mlp.gate_proj.weight": rng.standard_normal((64, 96)).astype(np.float32),
+        "model.norm.weight": rng.standard_normal(64).astype(np.float32),
+    }
+    info = TrainerInitInfo(
+        backend="weightwire_tcp",
+        delta="auto",
+        verify=True,
+        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
+    )
+    engine = JAXTrainerEngine.trainer_init(
+        info, client=loopback, source=DictSource(weights, describe)
+    )
+    try:
+        engine.send_weights()
+        for step in range(3):
+            embed = weights["model.embed_tokens.weight"].copy()
+            embed[step * 7 : step * 7 + 3] += ml_dtypes.bfloat16(1.0)
+            weights["model.embed_tokens.weight"] = embed
+            metrics = engine.send_weights()
+            assert metrics.density is not None and metrics.wire_bytes < metrics.dense_bytes / 20
+            (reply,) = loopback.weight_checker("checksum")
+            want = {
+                n: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+                for n, a in weights.items()
+            }
+            assert {n: reply["checksums"][n] for n in want} == want
+    finally:
+        engine.shutdown()

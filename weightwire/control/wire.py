@@ -112,9 +112,9 @@ class KeepAliveTransport(httpx.BaseTransport):
     What it keeps from httpx's pool: an idle connection is reused only within
     ``keepalive_expiry`` and only if the server has not closed it meanwhile (a readable
     idle socket means EOF or garbage: dropped, as httpcore does), so a POST never goes
-    out on a connection the server already closed; a ``Connection: close`` reply is not
-    reused; the connect timeout bounds the connect, the read timeout every send and
-    receive; failures raise httpx's exceptions. Headers go out exactly as the request
+    out on a connection the server already closed; a ``Connection: close`` or 5xx reply's
+    connection is not reused; the connect timeout bounds the connect, the read timeout
+    every send and receive; failures raise httpx's exceptions. Headers go out exactly as the request
     holds them (httpx added Host, Content-Length, its defaults), head and body in one
     ``sendall``: ``http.client`` sends them apart, and on a busy host the server then
     wakes twice per request. Thread-safe: each request holds its socket alone.
@@ -175,9 +175,11 @@ class KeepAliveTransport(httpx.BaseTransport):
             sock.close()
             raise
         with self._lock:
-            keep = (
-                not reply.will_close and not self._closed
-            )  # a request in flight at close() keeps nothing
+            # A request in flight at close() keeps nothing. Nor does a server error: uvicorn
+            # closes the connection after an unhandled exception (vLLM's reply to a worker's
+            # refusal) without saying so, and the caller's next request (at once, e.g. the
+            # shutdown after a failed update) would race that close and meet a reset.
+            keep = not reply.will_close and reply.status < 500 and not self._closed
             if keep:
                 self._idle.append((time.monotonic(), sock))
         if not keep:

@@ -185,9 +185,22 @@ class TensorStoreHost:
     def __init__(self) -> None:
         self.tensors: dict[str, Any] = {}
         self._staged: dict[str, Any] | None = None
+        self._patches: list[Any] = []
 
     def begin_round(self) -> None:
         self._staged = {}
+        self._patches = []
+
+    def check_patches(self, patches: Any) -> None:
+        """Refuse (before any byte) a patch of a tensor this store never received."""
+        unknown = [p.name for p in patches if p.name not in self.tensors]
+        if unknown:
+            raise ValueError(f"TensorStoreHost: no tensor {unknown[0]!r} to patch")
+
+    def patch_weights(self, patches: Any) -> None:
+        """A delta round's patches (``torch_side.worker.delta.StagedPatch``): applied at
+        ``commit_round``, after the round's dense tensors."""
+        self._patches = list(patches)
 
     def load_weights(self, weights: Any) -> set[str]:
         target = self.tensors if self._staged is None else self._staged
@@ -198,12 +211,18 @@ class TensorStoreHost:
         return names
 
     def commit_round(self) -> int:
+        from weightwire.torch_side.worker.delta import patch_tensor
+
         staged, self._staged = self._staged or {}, None
+        patches, self._patches = self._patches, []
         self.tensors.update(staged)
-        return len(staged)
+        for p in patches:
+            patch_tensor(self.tensors[p.name], p.index, p.values)  # a tensor of its own
+        return len(staged) + len(patches)
 
     def abort_round(self) -> None:
         self._staged = None
+        self._patches = []
 
     def state_checksums(self) -> dict[str, str]:
         from weightwire.torch_side.worker.hf_host import tensor_sha256

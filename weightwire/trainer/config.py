@@ -207,6 +207,14 @@ class TrainerInitInfo:
                 f"delta={self.delta!r} needs a weightwire_* backend or sparse_nccl: a stock "
                 f"vLLM worker ({self.backend!r}) cannot apply patches"
             )
+        if self.delta != "off" and self.ipc_mode in ("write_through", "auto"):
+            # A written-through round is one device copy into the serving parameters: nothing
+            # for a delta to save, and patches have no place in the landing table.
+            raise ConfigError(
+                f"delta={self.delta!r} with ipc_mode={self.ipc_mode!r}: delta rounds over "
+                "weightwire_ipc go through its pull path; set ipc_mode='pull' (a written-through "
+                "dense round is already one device copy)"
+            )
 
     @property
     def is_sender(self) -> bool:

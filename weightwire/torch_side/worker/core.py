@@ -15,6 +15,11 @@ the budget; a failure after the first in-place write leaves the model part new, 
 ``WeightState`` records (``incomplete_round``) until a complete round commits. The
 trainer refuses generation around such a round (``shared.staging.round_streams``).
 
+Delta rounds (``delta``, ``sinks``): an update's round token and a delta round's base
+are checked before any byte too (``DeltaBaseMismatch`` is refused like a bad spec); its
+patches are held and applied at finish; the token of each committed round is kept in
+``WeightState``.
+
 Failure rule: any error while a round is receiving aborts the communicator (the
 trainer then fails fast with ``PeerLost`` instead of waiting out its timeout, and a
 half-read byte stream is never resumed), aborts the round and raises. The engine
@@ -38,13 +43,8 @@ from typing import Any
 
 import torch
 
-from weightwire.backends.base import (
-    Connect,
-    ReceiveLink,
-    ReceiveProgress,
-    ReceiveTurn,
-)
-from weightwire.shared.errors import WeightwireError
+from weightwire.backends.base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
+from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 from weightwire.shared.meta import ParamMeta
@@ -53,6 +53,7 @@ from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.landing import LoaderMap, LoaderMapRefused, record_loader_map
 from weightwire.torch_side.worker.load import LOAD_BATCHING, FrameworkHooks, MetaCache, ReceiveStats
 from weightwire.torch_side.worker.lora import AdapterHostFn, adapter_round
+from weightwire.torch_side.worker.sinks import MapRecorder, SinkChooser
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import (
     IncompleteRound,
@@ -112,6 +113,7 @@ class _ReceiverCore:
         lease_s: float | None = None,
         weights: WeightState | None = None,
         adapters: AdapterHostFn | None = None,
+        map_recorder: MapRecorder | None = None,
     ) -> None:
         if load_batching not in LOAD_BATCHING:
             raise ValueError(f"load_batching must be one of {LOAD_BATCHING}, got {load_batching!r}")
@@ -142,6 +144,13 @@ class _ReceiverCore:
         self._active = False
         self._plans = MetaCache(backend)
         self.last_stats: ReceiveStats | None = None
+        self._record_map = map_recorder or record_loader_map
+        self._sinks = SinkChooser(
+            self.weights,
+            self.loader_map if map_recorder is not None else None,
+            whole_layers=framework is not None,
+            spec=self._model_spec,
+        )
 
     # ---------------------------------------------------------------- session
     @property
@@ -201,6 +210,7 @@ class _ReceiverCore:
         self._plans.clear()
         self._link = self._connect(info, rank=rank, device=self.device)
         self._info = info
+        self._sinks.session(bool(getattr(info, "delta_rounds", None)))
         self._broken = None
         previous, self.session = self.session, uuid.uuid4().hex[:12]
         log.info(
@@ -261,6 +271,8 @@ class _ReceiverCore:
         try:
             round_.commit()
         except BaseException as exc:
+            round_.delta.drop()
+            self.weights.forget()
             if not round_.wrote:
                 raise
             self.weights.broke(
@@ -274,6 +286,8 @@ class _ReceiverCore:
                 "the new round: send a full round again"
             ) from exc
         self.weights.committed(frozenset(round_.names))
+        if round_.delta.updates:  # a round without an update changed nothing
+            self.weights.adopt(round_.target.model, round_.delta.token)
 
     def shutdown(self) -> None:
         """Idempotent teardown; an active round is aborted (shutdown never raises for it)."""
@@ -323,10 +337,17 @@ class _ReceiverCore:
             adapter = adapter_round(self._round, metas, self._adapters)
             if adapter is not None:
                 self._round = adapter
-            spec = self._model_spec() if adapter is None else None
-            if spec is not None and not resolved.spec_checked:  # once per metadata, not per round
-                spec.check(metas)
-                resolved.spec_checked = True
+            assert self._round is not None
+            # The round's token, a delta round's base, the model spec: all before any byte
+            # (an adapter round checks the adapter's own metadata instead).
+            splitter = (
+                None
+                if adapter is not None
+                else self._sinks.admit(self._round.delta, model, update, resolved)
+            )
+        except DeltaBaseMismatch as exc:
+            self._fail(exc, "checking the delta round's base")
+            raise
         except ValueError as exc:
             self._fail(exc, "checking the update info")
             raise ValueError(f"{exc} (round and communicator aborted)") from exc
@@ -342,12 +363,14 @@ class _ReceiverCore:
                 round_.names.update(m.name for m in metas)
                 if not self._link.lands(turn, record):  # other tensors, and not written through
                     self._round = round_.in_place()
-            elif round_.untouched and self._link.lands(turn, record):
+            elif splitter is None and round_.untouched and self._link.lands(turn, record):
                 self._round = WriteThroughRound(round_.target, self._settle)
                 self._round.names.update(m.name for m in metas)
             else:
                 self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
-            self._round.receive(self._link.receive(turn, progress))
+            received = self._link.receive(turn, progress)
+            self._round.receive(received if splitter is None else splitter.split(received))
+            self._round.delta.took(update.round_token, splitter)
         except BaseException as exc:
             where = (
                 f"at chunk {progress.chunk + 1}/{len(chunks)}"
@@ -397,7 +420,7 @@ class _ReceiverCore:
         if cached is not None and cached.model is model and live:
             return cached.map
         try:
-            found: LoaderMap | None = record_loader_map(model, metas)
+            found: LoaderMap | None = self._record_map(model, metas)
         except LoaderMapRefused as exc:
             log.warning("%s: no landing map, loading through load_weights: %s", self.backend, exc)
             found = None
@@ -457,6 +480,7 @@ class _ReceiverCore:
         if round_ is None:
             return
         round_.abort(why)
+        self.weights.forget()  # whatever the round did, no base is known now
         if round_.wrote:
             self.weights.broke(
                 self.session,

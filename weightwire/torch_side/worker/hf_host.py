@@ -4,7 +4,8 @@ The reference server's stand-in for vLLM's model: the engine hands it
 ``(hf_name, tensor)`` batches during a round; they are *staged*, validated on
 arrival, and copied into the parameters only at ``commit_round``. A round that fails
 midway (``abort_round``) therefore leaves the served weights exactly as they were,
-never a mix of two versions. A round opened with ``begin_in_place_round`` (the
+never a mix of two versions (a delta round's patches are staged with it and applied
+after its dense tensors, ``patch_weights``). A round opened with ``begin_in_place_round`` (the
 engines' streaming strategy) instead copies each tensor into its parameter as it
 arrives, holding nothing; a failure then leaves the model part new, which the engine
 records (``strategy.WeightState``) and the server refuses to serve.
@@ -14,10 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 
 import torch
+
+from weightwire.shared.delta import Patch
+from weightwire.torch_side.dtypes import torch_dtype
+from weightwire.torch_side.worker.delta import StagedPatch, check_index, patch_tensor
 
 
 class HFModelHost:
@@ -60,6 +65,8 @@ class HFModelHost:
         }
         self._tied = any(a != c for a, c in self._alias.items())
         self._stage: dict[str, torch.Tensor] | None = None
+        self._patches: list[StagedPatch] = []
+        """A staged round's patches, applied at commit after its dense tensors."""
         self._lock = threading.Lock()
         self._write_lock = write_lock
         """Held around each in-place write: whoever reads the parameters
@@ -125,6 +132,27 @@ class HFModelHost:
                 staged.add(key)
             return staged
 
+    def check_patches(self, patches: Iterable[Patch]) -> None:
+        """Raise ``ValueError`` naming the first patched tensor the model does not hold
+        with that shape and dtype (before any byte of the round)."""
+        for p in patches:
+            self._check(p.name, torch.empty(p.shape, dtype=torch_dtype(p.dtype), device="meta"))
+
+    def patch_weights(self, patches: Sequence[StagedPatch]) -> None:
+        """A delta round's patches: staged with the round's dense tensors and applied after
+        them at ``commit_round`` (in an in-place round, written now: it is at its commit)."""
+        for p in patches:
+            check_index(p)
+            key = self._alias[p.name]
+            if self._in_place:
+                with self._write_lock or nullcontext(), self._lock, torch.no_grad():
+                    patch_tensor(self._params[key].data, p.index, p.values)
+                continue
+            with self._lock:
+                if self._stage is None:
+                    raise RuntimeError("HFModelHost: patch_weights outside a round")
+                self._patches.append(p)
+
     def check_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Raise ``ValueError`` naming the first tensor ``load_weights`` would refuse."""
         for name, tensor in weights:
@@ -179,14 +207,17 @@ class HFModelHost:
             if self._stage is None:
                 raise RuntimeError("HFModelHost: commit_round without begin_round")
             stage, self._stage = self._stage, None
+            patches, self._patches = self._patches, []
             with torch.no_grad():
                 for key, tensor in stage.items():
                     self._params[key].copy_(tensor)
+                for p in patches:
+                    patch_tensor(self._params[self._alias[p.name]].data, p.index, p.values)
                 if self._tied:
                     self._retie()
             self.rounds_committed += 1
-            self.last_committed = frozenset(stage)
-            return len(stage)
+            self.last_committed = frozenset(stage) | {self._alias[p.name] for p in patches}
+            return len(stage) + len(patches)
 
     def staged_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The tensors staged for the open round, not yet in the parameters."""
@@ -198,6 +229,7 @@ class HFModelHost:
         writes stay: the engine records the model as incomplete). Safe without a round."""
         with self._lock:
             self._stage = None
+            self._patches = []
             self._in_place = False
 
     def _retie(self) -> None:

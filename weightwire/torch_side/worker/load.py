@@ -12,7 +12,7 @@ around these steps are ``core._ReceiverCore``'s.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -131,12 +131,20 @@ def load_batches(chunk_batches: Iterator[Pairs], load_batching: str) -> Iterator
     return batch_by_layer(pair for batch in chunk_batches for pair in batch)
 
 
-def load_staged(model: Any, staged: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_staged(
+    model: Any,
+    staged: Iterable[tuple[str, torch.Tensor]],
+    *,
+    before_commit: Callable[[], None] | None = None,
+) -> None:
     """A fully received round into ``model``, one ``load_weights`` call per decoder layer,
-    between the model's own ``begin_round`` / ``commit_round`` hooks."""
+    between the model's own ``begin_round`` / ``commit_round`` hooks (``before_commit``
+    runs just before the latter: a delta round's patches join the model's round there)."""
     call_hook(model, "begin_round")
     for batch in batch_by_layer(staged):
         model.load_weights(batch)
+    if before_commit is not None:
+        before_commit()
     call_hook(model, "commit_round")
 
 

@@ -68,9 +68,11 @@ class ModelSpec:
         canonical = self.aliases.get(name)
         return self.tensors.get(canonical) if canonical is not None else None
 
-    def check(self, metas: Sequence[ParamMeta]) -> None:
+    def check(self, metas: Sequence[ParamMeta], *, complete_layers: bool = True) -> None:
         """Raise ``ValueError`` listing what does not fit; returns only if every tensor
-        is known with this exact shape and dtype and every layer touched is complete."""
+        is known with this exact shape and dtype and (``complete_layers``) every layer
+        touched is complete. A delta round is checked without the latter: it leaves
+        unchanged tensors out, and the worker loads whole layers itself (``delta``)."""
         problems: list[str] = []
         seen: set[str] = set()
         for meta in metas:
@@ -90,7 +92,7 @@ class ModelSpec:
                 problems.append(
                     f"{meta.name!r} is {meta.dtype}, the model holds it as {dtype} (no silent cast)"
                 )
-        touched = {layer_key(n) for n in seen} - {None}
+        touched = {layer_key(n) for n in seen} - {None} if complete_layers else set()
         covered = seen | {self.aliases[n] for n in seen if n in self.aliases}
         for key in sorted(k for k in touched if k is not None):
             missing = [n for n in self.tensors if layer_key(n) == key and n not in covered]

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 from weightwire.backends.base import LandingRecord
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_streams
+from weightwire.torch_side.worker.delta import HostCopy, RoundDelta
 from weightwire.torch_side.worker.landing import LoaderMapRefused, record_loader_map
 from weightwire.torch_side.worker.load import (
     FrameworkHooks,
@@ -72,16 +73,56 @@ class IncompleteRound:
         )
 
 
+@dataclass
+class _Base:
+    """What a target model holds, for delta rounds: the last committed round's token and
+    (``CopySink`` only) the host copy of its checkpoint tensors."""
+
+    model: Any
+    """Kept so that another model at a recycled ``id`` is not taken for this one."""
+    token: str | None = None
+    copy: HostCopy = field(default_factory=HostCopy)
+
+
 class WeightState:
-    """Whether the served model is whole; shared by every engine that loads into it."""
+    """Whether the served model is whole, and which round it holds; shared by every engine
+    that loads into it (so both survive an engine's re-init)."""
 
     def __init__(self) -> None:
         self.incomplete: IncompleteRound | None = None
+        self._bases: dict[int, _Base] = {}
+
+    def _base(self, model: Any) -> _Base:
+        base = self._bases.get(id(model))
+        if base is None or base.model is not model:
+            base = self._bases[id(model)] = _Base(model)
+        return base
+
+    def token(self, model: Any) -> str | None:
+        """The token of the last round committed into ``model`` (None: unknown)."""
+        base = self._bases.get(id(model))
+        return base.token if base is not None and base.model is model else None
+
+    def host_copy(self, model: Any) -> HostCopy:
+        return self._base(model).copy
+
+    def adopt(self, model: Any, token: str | None) -> None:
+        """A round committed into ``model``; ``token`` None: a trainer that sends none."""
+        self._base(model).token = token
+
+    def forget(self, *, copies: bool = False) -> None:
+        """No model holds a known round any more (a failed round, another trainer);
+        ``copies``: also free the host copies (delta rounds are off)."""
+        for base in self._bases.values():
+            base.token = None
+            if copies:
+                base.copy.clear()
 
     def broke(self, session: str | None, reason: str, names: frozenset[str]) -> None:
         """A round that wrote in place ended without its commit."""
         names = names | (self.incomplete.names if self.incomplete is not None else frozenset())
         self.incomplete = IncompleteRound(session, reason, names)
+        self.forget()
         log.error("%s", self.incomplete.describe())
 
     def committed(self, names: frozenset[str]) -> None:
@@ -113,6 +154,7 @@ class ReceiveStrategy(ABC):
         self.names: set[str] = set()
         self.wrote = False
         """True once a byte of this round may be in the model (in place)."""
+        self.delta = RoundDelta()
 
     def admit(self, nbytes: int, budget_bytes: int) -> ReceiveStrategy:
         """The strategy for the round once an update of ``nbytes`` joins it."""
@@ -125,8 +167,8 @@ class ReceiveStrategy(ABC):
 
     def held_tensors(self) -> Pairs:
         """The received tensors not yet in the model (a check before commit can
-        still refuse them)."""
-        return []
+        still refuse them); a delta round's patches as their ``@values`` tensors."""
+        return self.delta.held_values()
 
     @abstractmethod
     def begin(self) -> None: ...
@@ -166,13 +208,14 @@ class StagedRound(ReceiveStrategy):
         self.held_bytes = 0
 
     def held_tensors(self) -> Pairs:
-        return list(self.held)
+        return [*self.held, *self.delta.held_values()]
 
     def admit(self, nbytes: int, budget_bytes: int) -> ReceiveStrategy:
         if not round_streams(self.held_bytes + nbytes, budget_bytes):
             return self
         streaming = StreamingRound(self.target)
         streaming.names = self.names
+        streaming.delta = self.delta
         streaming.begin()
         streaming.pending, self.held = self.held, []
         if streaming.pending:
@@ -204,24 +247,35 @@ class StagedRound(ReceiveStrategy):
 
     def commit(self) -> None:
         held, self.held = self.held, []
-        if not held:
-            return
+        delta = self.delta
+        extra = delta.completion({n for n, _ in held})  # the fallback's rebuilt tensors
+        self.names.update(n for n, _ in extra)
+        self.names.update(p.name for p in delta.patches)
+        held += extra
+        if held or delta.model_round:
+            self._load(held)
+        self.wrote = self.wrote or delta.writes_live
+        delta.after_commit()
+
+    def _load(self, held: Pairs) -> None:
         t = self.target
-        if t.framework is not None:
-            held = t.framework.prepare(t.model, held)
-            t.framework.begin(t.model)
+        framework = t.framework if held else None
+        if framework is not None:
+            held = framework.prepare(t.model, held)
+            framework.begin(t.model)
         # A load that fails midway leaves completed layers new, unless the model's own
         # begin_round .. commit_round is all-or-nothing (HFModelHost).
         self.wrote = not getattr(t.model, "transactional_rounds", False)
         try:
-            load_staged(t.model, held)
+            load_staged(t.model, held, before_commit=lambda: self.delta.in_round(t.model))
         except BaseException:
             self._abort_hooks()
             raise
-        if t.framework is not None:
-            t.framework.commit(t.model, t.model_config)
+        if framework is not None:
+            framework.commit(t.model, t.model_config)
 
     def abort(self, why: str) -> None:
+        self.delta.drop()
         dropped, self.held = len(self.held), []
         log.info(
             "%s: round dropped (%s); %d received tensors discarded, weights unchanged",
@@ -268,13 +322,13 @@ class StreamingRound(ReceiveStrategy):
 
     def receive(self, chunks: Iterator[Pairs]) -> None:
         t = self.target
-        if not self.opened:
-            self._open()
         if self.pending:
             chunks, self.pending = chain([self.pending], chunks), []
         check = getattr(t.model, "check_weights", None)
         with t.framework.receive_context() if t.framework is not None else nullcontext():
             for pairs in load_batches(chunks, t.load_batching):
+                if not self.opened:  # opened by the first tensor: an update may divert all
+                    self._open()
                 if callable(check):
                     check(pairs)  # a batch the model refuses is refused before any of it is written
                 self.names.update(n for n, _ in pairs)
@@ -286,17 +340,31 @@ class StreamingRound(ReceiveStrategy):
 
     def commit(self) -> None:
         t = self.target
-        if not self.opened:
-            return  # no update: nothing was opened, nothing to apply
-        try:
-            call_hook(t.model, "commit_round")
-        except BaseException:
-            self._abort_hooks()
-            raise
-        if t.framework is not None:
-            t.framework.commit(t.model, t.model_config)
+        delta = self.delta
+        extra = delta.completion(set(self.names))  # the fallback's rebuilt tensors
+        self.names.update(n for n, _ in extra)
+        self.names.update(p.name for p in delta.patches)
+        if not self.opened and (extra or delta.model_round):
+            self._open()
+        if self.opened:
+            try:
+                if extra:
+                    self.wrote = True
+                    t.model.load_weights(
+                        t.framework.prepare(t.model, extra) if t.framework is not None else extra
+                    )
+                delta.in_round(t.model)
+                call_hook(t.model, "commit_round")
+            except BaseException:
+                self._abort_hooks()
+                raise
+            if t.framework is not None:
+                t.framework.commit(t.model, t.model_config)
+        self.wrote = self.wrote or delta.writes_live
+        delta.after_commit()
 
     def abort(self, why: str) -> None:
+        self.delta.drop()
         if self.opened:
             self._abort_hooks()
 

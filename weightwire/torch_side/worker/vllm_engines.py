@@ -34,6 +34,7 @@ from weightwire.shared.ipc_info import IPCInitInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
+from weightwire.torch_side.worker.landing import record_loader_map
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.vllm_lora import VllmAdapterHost
 from weightwire.torch_side.worker.vllm_lora import install as install_lora
@@ -253,6 +254,7 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):
             # The served checkpoint describes the main model only; a draft round is not pre-checked.
             spec=lambda: checkpoint_spec(self.model_config, model) if self.model is model else None,
             adapters=lambda: VllmAdapterHost(self._reload.worker),
+            map_recorder=record_loader_map,
         )
         if getattr(vllm_config, "lora_config", None) is not None:
             # Adapter rounds: this worker's LoRA loading learns to serve a replaced adapter

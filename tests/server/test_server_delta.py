@@ -1,0 +1,163 @@
+"""Delta rounds against the reference server (``--replicas 2``, ``weightwire_tcp``): patches
+land in both replicas' HF models with the round's dense tensors, all or nothing; a delta on
+a round the server does not hold is refused before any byte, over HTTP, naming both tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from _server_sender import TCPSender, VLLMStyleClient
+from test_server_rounds import assert_serves, checksums, reference, sha  # noqa: F401
+
+from weightwire.shared.delta import FLAT_I32, extract_host
+from weightwire.shared.errors import TransferError
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, tiny_llama: str):
+    return server_factory(["--model", tiny_llama, "--replicas", "2"])
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def base_weights(tiny_llama: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(Path(tiny_llama) / "model.safetensors"))
+
+
+def stepped(weights: dict[str, np.ndarray], seed: int, density: float) -> dict[str, np.ndarray]:
+    """About ``density`` of every tensor's elements moved (an optimizer step at low lr moves
+    few of a low-precision model's elements)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, array in weights.items():
+        new = array.copy().reshape(-1)
+        idx = rng.choice(new.size, size=max(1, int(density * new.size)), replace=False)
+        new[idx] += rng.standard_normal(idx.size).astype(new.dtype) * 0.05
+        out[name] = new.reshape(array.shape)
+    return out
+
+
+def delta_round(
+    base: dict[str, np.ndarray], new: dict[str, np.ndarray], token: str, base_token: str
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The wire tensors and update info of a delta round: the norms dense, the rest patched."""
+    wire: dict[str, np.ndarray] = {}
+    patches: list[list[Any]] = []
+    for name, array in new.items():
+        if "norm" in name:
+            wire[name] = array
+            continue
+        index, values = extract_host(base[name], array)
+        wire[f"{name}@index"], wire[f"{name}@values"] = index, values
+        patches.append([name, str(array.dtype), list(array.shape), int(index.size), FLAT_I32])
+    info = {
+        "names": list(wire),
+        "dtype_names": [str(a.dtype) for a in wire.values()],
+        "shapes": [list(a.shape) for a in wire.values()],
+        "round_token": token,
+        "delta_base": base_token,
+        "patches": patches,
+    }
+    return wire, info
+
+
+def dense_info(weights: dict[str, np.ndarray], token: str) -> dict[str, Any]:
+    return {
+        "names": list(weights),
+        "dtype_names": [str(a.dtype) for a in weights.values()],
+        "shapes": [list(a.shape) for a in weights.values()],
+        "round_token": token,
+    }
+
+
+def test_delta_rounds_land_whole_and_a_wrong_base_is_refused(
+    server,
+    http: httpx.Client,
+    base_weights,
+    reference,  # noqa: F811  (the HF reference fixture of test_server_rounds)
+) -> None:
+    client = VLLMStyleClient(server.url)
+    sender = TCPSender(client, replicas=2)
+    sender.init(delta_rounds=True)
+    try:
+        first = stepped(base_weights, 1, 1.0)
+        client.start_weight_update()
+        sender.send_update(first, dense_info(first, "s:1")).result()
+        client.finish_weight_update("s:1")
+        assert checksums(http) == [sha(first)] * 2
+
+        second = stepped(first, 2, 0.01)
+        wire, info = delta_round(first, second, "s:2", "s:1")
+        assert sum(a.nbytes for a in wire.values()) < sum(a.nbytes for a in first.values()) / 10
+        client.start_weight_update()
+        sender.send_update(wire, info).result()
+        client.finish_weight_update("s:2")
+        # verify: every replica's checksum of a patched tensor is over its full new value.
+        assert_serves(http, reference, second)
+
+        third = stepped(second, 3, 0.01)
+        wire, info = delta_round(second, third, "s:3", "s:1")  # built on a round it replaced
+        client.start_weight_update()
+        with pytest.raises(httpx.HTTPStatusError) as refused:
+            sender.send_update(wire, info).result()
+        assert refused.value.response.status_code == 409
+        assert (
+            "DeltaBaseMismatch: the round's patches were built on round 's:1' but this worker "
+            "holds round 's:2'; send the round dense" in refused.value.response.text
+        )
+        with pytest.raises(TransferError):  # the data link was torn down with the round
+            for _ in range(50):
+                sender.comm.broadcast(np.zeros(8, np.uint8), timeout=10)
+        assert checksums(http) == [sha(second)] * 2
+    finally:
+        sender.close()
+
+
+def test_torch_trainer_delta_rounds_verified_on_both_replicas(
+    server,
+    http: httpx.Client,
+    tiny_llama: str,
+    reference,  # noqa: F811
+) -> None:
+    """The torch trainer engine with ``delta="auto"`` and ``verify=True``: optimizer steps at
+    lr 1e-6 go as patches and changed tensors; the digest check passes on both replicas
+    (their checksums are over the patched tensors whole) and the model serves HF's output."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from weightwire.control import HTTPWeightSyncClient
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.torch_side.sender.source import ModuleSource
+    from weightwire.trainer.config import TrainerInitInfo
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama).float()
+    opt = torch.optim.SGD(hf.parameters(), lr=1e-6)
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3, 12, 8]])
+    info = TrainerInitInfo(backend="weightwire_tcp", delta="auto", verify=True)
+    with HTTPWeightSyncClient(server.url, timeout=60) as client:
+        engine = TorchTrainerEngine.trainer_init(info, client=client, source=ModuleSource(hf))
+        try:
+            first = engine.send_weights(weight_version="t-0")
+            assert first.density is None and first.verify.mode == "digest"
+            for step in (1, 2, 3):
+                hf(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                m = engine.send_weights(weight_version=f"t-{step}")
+                assert m.density is not None and m.wire_bytes < m.dense_bytes, m.summary()
+                assert m.verify.mode == "digest"
+            weights = {n: p.detach().numpy() for n, p in hf.state_dict().items()}
+            assert_serves(http, reference, weights)
+        finally:
+            engine.shutdown()

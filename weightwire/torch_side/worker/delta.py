@@ -1,0 +1,231 @@
+"""Delta rounds on the worker: round tokens, patches staged until finish, and where they land.
+
+A delta round (``shared.delta``) sends some tensors dense and others as patches: a flat
+``int32`` index and the new values, as two wire tensors ``T@index`` / ``T@values``. The
+worker checks the round's ``delta_base`` against the token of the last round it committed
+(``WeightState``) before any byte, regroups the wire tensors into ``StagedPatch``es while the
+round receives (they are small, so they are held), and applies them at finish, after the
+round's dense tensors. A round that fails before finish applies none of them.
+
+Where a patch lands depends on the model (``PatchSink``):
+
+- ``ModelSink``: the model patches itself (``HFModelHost.patch_weights``, the reference
+  server): the patches join its all-or-nothing round.
+- ``MapSink``: a vLLM worker whose ``LoaderMap`` (``landing``) was recorded: the patches
+  go straight into the serving parameters (``LoaderMap.patch``), and so do the round's
+  dense tensors (``LoaderMap.write``) so no layer is reloaded for a few changed elements.
+- ``CopySink``: the fallback where the map is refused (e.g. a CPU worker's prepacked
+  weights) and the trainer declared delta rounds (``delta_rounds`` in the init info): the
+  worker keeps a host copy of every checkpoint tensor as last committed (``HostCopy``),
+  rebuilds each patched tensor from it and loads it through ``load_weights`` like a dense
+  one; under a framework that reloads whole layers (vLLM), the untouched tensors of every
+  layer the round loads are loaded from the copy too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
+from weightwire.shared.errors import DeltaBaseMismatch
+from weightwire.shared.meta import ParamMeta
+from weightwire.torch_side.worker.load import Pairs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StagedPatch:
+    """One received patch, held until finish: flat indices into ``patch.name`` and values."""
+
+    patch: Patch
+    index: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def name(self) -> str:
+        return self.patch.name
+
+
+def patch_tensor(base: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` at the flat C-order ``index`` of ``base`` (contiguous), in place.
+
+    Bits are copied as they are (an integer view of the same width), so NaN payloads and
+    signed zeros land exactly like the trainer's bytes."""
+    flat = base.view(-1)
+    if values.dtype != flat.dtype:
+        raise ValueError(f"patch values are {values.dtype}, the tensor is {flat.dtype}")
+    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    idx = index.to(device=flat.device, dtype=torch.int64)
+    flat.view(word).index_copy_(0, idx, values.to(flat.device).view(word))
+
+
+def check_index(patch: StagedPatch) -> None:
+    """``ValueError`` unless every index addresses an element of the tensor."""
+    idx = patch.index
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= patch.patch.numel):
+        raise ValueError(
+            f"patch of {patch.name!r}: an index is outside its {patch.patch.numel} elements"
+        )
+
+
+def logical_metas(metas: Sequence[ParamMeta], patches: Sequence[Patch]) -> list[ParamMeta]:
+    """The round's tensors as the model sees them: dense ones, then each patched tensor
+    whole (what a ``ModelSpec`` checks: names, shapes and dtypes of the model's tensors)."""
+    dense = set(dense_names(metas, patches))
+    return [m for m in metas if m.name in dense] + [
+        ParamMeta(p.name, p.dtype, p.shape) for p in patches
+    ]
+
+
+class PatchSplitter:
+    """Splits one update's received chunks: dense pairs go on, patch wire tensors are held.
+
+    The held ``@index`` / ``@values`` views are cloned (their chunk buffer can then go);
+    ``patches`` is filled only once the whole update arrived."""
+
+    def __init__(
+        self, patches: Sequence[Patch], *, observe: Callable[[Pairs], None] | None
+    ) -> None:
+        self._by_wire: dict[str, Patch] = {}
+        for p in patches:
+            self._by_wire[p.index_name] = p
+            self._by_wire[p.values_name] = p
+        self._observe = observe
+        self._parts: dict[str, torch.Tensor] = {}
+        self.patches: list[StagedPatch] = []
+
+    def split(self, chunks: Iterator[Pairs]) -> Iterator[Pairs]:
+        for pairs in chunks:
+            dense: Pairs = []
+            for name, tensor in pairs:
+                if name in self._by_wire:
+                    self._parts[name] = tensor.clone()
+                else:
+                    dense.append((name, tensor))
+            if not dense:
+                continue
+            if self._observe is not None:
+                self._observe(dense)
+            yield dense
+        staged = [
+            StagedPatch(p, self._parts[p.index_name], self._parts[p.values_name])
+            for p in {p.name: p for p in self._by_wire.values()}.values()
+        ]
+        for patch in staged:
+            check_index(patch)
+        self.patches = staged
+
+
+class PatchSink:
+    """Where a round's patches land (see the module docstring); the base applies nothing."""
+
+    name: ClassVar[str] = "none"
+    writes_live: ClassVar[bool] = False
+    """``after_commit`` writes into the live parameters (no rollback once it started)."""
+    completes_layers: bool = False
+    """Loads the unsent tensors of every layer a round loads (a partial round is fine)."""
+
+    def refusal(self, dense: Sequence[str], patches: Sequence[Patch]) -> str | None:
+        """Why this update cannot be applied on the held base (checked before any byte)."""
+        return None
+
+    def completion(self, loaded: set[str], patches: Sequence[StagedPatch]) -> Pairs:
+        """Full tensors to load with the round's dense ones, at finish."""
+        return []
+
+    def in_round(self, model: Any, patches: Sequence[StagedPatch]) -> None:
+        """Inside the model's own round, after its dense tensors (``ModelSink``)."""
+
+    def after_commit(self, patches: Sequence[StagedPatch]) -> None:
+        """After the framework's round closed (``MapSink``): the round is committed."""
+
+    @property
+    def observe_fn(self) -> Callable[[Pairs], None] | None:
+        """Called with the dense tensors of any round as they are received, if set."""
+        return None
+
+    def round_failed(self) -> None:
+        """The round ended without its commit: forget what it touched."""
+
+
+@dataclass
+class HostCopy:
+    """The checkpoint tensors a worker's model holds, on the host (the ``CopySink`` base)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def clear(self) -> None:
+        self.tensors.clear()
+
+
+@dataclass
+class RoundDelta:
+    """A round's delta part: its token, its staged patches and where they land."""
+
+    token: str | None = None
+    updates: int = 0
+    """Updates received whole so far; the token must be the same in each."""
+    sink: PatchSink | None = None
+    patches: list[StagedPatch] = field(default_factory=list)
+
+    @property
+    def model_round(self) -> bool:
+        """The patches go into the model's own round (``ModelSink``)."""
+        return self.sink is not None and self.sink.name == "model" and bool(self.patches)
+
+    @property
+    def writes_live(self) -> bool:
+        """``after_commit`` will write into the live parameters."""
+        return self.sink is not None and self.sink.writes_live and bool(self.patches)
+
+    def took(self, token: str | None, splitter: PatchSplitter | None) -> None:
+        """One update of the round was received whole."""
+        if self.updates == 0:
+            self.token = token
+        self.updates += 1
+        if splitter is not None:
+            self.patches += splitter.patches
+
+    def held_values(self) -> Pairs:
+        return [(p.patch.values_name, p.values) for p in self.patches]
+
+    def completion(self, loaded: set[str]) -> Pairs:
+        return self.sink.completion(loaded, self.patches) if self.sink is not None else []
+
+    def in_round(self, model: Any) -> None:
+        if self.sink is not None:
+            self.sink.in_round(model, self.patches)
+
+    def after_commit(self) -> None:
+        if self.sink is not None:
+            self.sink.after_commit(self.patches)
+
+    def drop(self) -> None:
+        self.patches = []
+        if self.sink is not None:
+            self.sink.round_failed()
+
+
+def refuse(delta_base: str, held: str | None, why: str | None = None) -> DeltaBaseMismatch:
+    """The refusal of a delta update; ``why``: the worker holds the base round but cannot
+    patch on it (said after the tokens)."""
+    exc = DeltaBaseMismatch(delta_base, held)
+    if why is not None:
+        exc.args = (f"{exc.args[0]} ({why})",)
+    return exc
+
+
+def dense_names(metas: Sequence[ParamMeta], patches: Sequence[Patch]) -> list[str]:
+    """The names of an update's dense tensors (its wire tensors that are no patch's)."""
+    wire = {p.name + INDEX_SUFFIX for p in patches} | {p.name + VALUES_SUFFIX for p in patches}
+    return [m.name for m in metas if m.name not in wire]

@@ -1,0 +1,297 @@
+"""Which ``PatchSink`` a worker's round uses (``delta``), decided at its first update.
+
+- a model that patches itself (``patch_weights``: ``HFModelHost``) -> ``ModelSink``;
+- a worker given a loader-map provider (vLLM) whose map of the model was recorded ->
+  ``MapSink`` (recorded once per model, kept across sessions; a refusal is kept too);
+- otherwise, while the session's trainer declared delta rounds -> ``CopySink`` over the
+  model's host copy (``WeightState``), which every round then keeps current;
+- otherwise none: a delta round is refused (``DeltaBaseMismatch``), the trainer sends dense.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
+from weightwire.shared.errors import DeltaBaseMismatch
+from weightwire.shared.groups import layer_key
+from weightwire.shared.info import UpdateInfo
+from weightwire.shared.meta import ParamMeta
+from weightwire.torch_side.dtypes import wire_name
+from weightwire.torch_side.worker.delta import (
+    HostCopy,
+    PatchSink,
+    PatchSplitter,
+    RoundDelta,
+    StagedPatch,
+    dense_names,
+    logical_metas,
+    patch_tensor,
+    refuse,
+)
+from weightwire.torch_side.worker.landing import LoaderMap
+from weightwire.torch_side.worker.load import Pairs, RoundPlan
+from weightwire.torch_side.worker.spec import ModelSpec
+from weightwire.torch_side.worker.strategy import WeightState
+
+log = logging.getLogger(__name__)
+
+PATCH_SUFFIXES = (INDEX_SUFFIX, VALUES_SUFFIX)
+
+
+class ModelSink(PatchSink):
+    """The model patches itself inside its own round (``HFModelHost.patch_weights``)."""
+
+    name = "model"
+
+    def in_round(self, model: Any, patches: Sequence[StagedPatch]) -> None:
+        if patches:
+            model.patch_weights(patches)
+
+
+class MapSink(PatchSink):
+    """A recorded ``LoaderMap``: patches written straight into the serving parameters, after
+    the round's dense tensors; under a framework that reloads whole layers, the unsent
+    tensors of a layer the round loads are read back from the parameters and loaded too."""
+
+    name = "loader_map"
+    writes_live = True
+
+    def __init__(
+        self, loader_map: LoaderMap, aliases: dict[str, str], *, whole_layers: bool
+    ) -> None:
+        self.map = loader_map
+        self._aliases = aliases
+        self.completes_layers = whole_layers
+        self._mates_read: dict[str, torch.Tensor] = {}
+
+    def _target(self, name: str) -> str:
+        return name if name in self.map.tensors else self._aliases.get(name, name)
+
+    def _mates(self, loaded: set[str]) -> set[str]:
+        if not self.completes_layers:
+            return set()
+        keys = {layer_key(n) for n in loaded} - {None}
+        return {n for n in self.map.tensors if layer_key(n) in keys} - loaded
+
+    def _readable(self, name: str) -> bool:
+        """This rank holds all of the tensor (``LoaderMap.read`` can rebuild it)."""
+        return bool(self.map.tensors[name].complete)
+
+    def refusal(self, dense: Sequence[str], patches: Sequence[Patch]) -> str | None:
+        """Also reads the unsent tensors of the layers this update loads, now: once a
+        framework round opened, the parameters are not readable until it commits."""
+        named = [*dense, *(p.name for p in patches)]
+        missing = [n for n in named if self._target(n) not in self.map.tensors]
+        if missing:
+            return f"the loader map has no landing for {missing[0]!r}"
+        mates = self._mates({self._target(n) for n in dense}) - set(self._mates_read)
+        unreadable = sorted(n for n in mates if not self._readable(n))
+        if unreadable:
+            return (
+                f"{unreadable[0]!r} is not sent but its layer is, and this rank holds only "
+                "part of it (cannot reload the layer whole)"
+            )
+        for name in sorted(mates):
+            tensor = self.map.read(name)
+            if tensor.device.type == "meta":
+                return f"{name!r} cannot be read back while the round is applied in place"
+            self._mates_read[name] = tensor
+        return None
+
+    def completion(self, loaded: set[str], patches: Sequence[StagedPatch]) -> Pairs:
+        targets = {self._target(n) for n in loaded}
+        return [(n, t) for n, t in sorted(self._mates_read.items()) if n not in targets]
+
+    def after_commit(self, patches: Sequence[StagedPatch]) -> None:
+        for p in patches:
+            self.map.patch(self._target(p.name), p.index, p.values)
+
+
+class CopySink(PatchSink):
+    """The fallback: patched tensors rebuilt from the host copy and loaded whole."""
+
+    name = "host_copy"
+
+    def __init__(self, copy: HostCopy, *, whole_layers: bool, layout: Callable[[], set[str]]):
+        self.copy = copy
+        self.completes_layers = whole_layers
+        """The framework reloads whole layers: every tensor of a loaded layer is loaded."""
+        self._layout = layout  # every checkpoint tensor name of the model
+        self._touched: set[str] = set()
+
+    def _layer_mates(self, names: set[str]) -> set[str]:
+        if not self.completes_layers:
+            return set()
+        keys = {layer_key(n) for n in names} - {None}
+        return {n for n in self._layout() | set(self.copy.tensors) if layer_key(n) in keys}
+
+    def refusal(self, dense: Sequence[str], patches: Sequence[Patch]) -> str | None:
+        patched = {p.name for p in patches}
+        need = patched | (self._layer_mates(patched | set(dense)) - set(dense))
+        missing = sorted(n for n in need if n not in self.copy.tensors)
+        if missing:
+            return f"the worker's host copy does not hold {missing[0]!r}"
+        for p in patches:
+            held = self.copy.tensors[p.name]
+            if tuple(held.shape) != p.shape or wire_name(held.dtype) != p.dtype:
+                return f"the worker's host copy of {p.name!r} is {held.dtype} {list(held.shape)}"
+        return None
+
+    @property
+    def observe_fn(self) -> Callable[[Pairs], None] | None:
+        return self.observe
+
+    def observe(self, pairs: Pairs) -> None:
+        for name, tensor in pairs:
+            self._touched.add(name)
+            self.copy.tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+
+    def completion(self, loaded: set[str], patches: Sequence[StagedPatch]) -> Pairs:
+        out: Pairs = []
+        for p in patches:
+            self._touched.add(p.name)
+            base = self.copy.tensors[p.name]
+            patch_tensor(base, p.index, p.values)
+            out.append((p.name, base))
+        rebuilt = {p.name for p in patches}
+        for name in sorted(self._layer_mates(loaded | rebuilt) - loaded - rebuilt):
+            out.append((name, self.copy.tensors[name]))
+        return out
+
+    def round_failed(self) -> None:
+        # What the failed round touched may differ from the model now: a later patch on it
+        # is refused (the trainer then sends it dense) instead of built on a wrong base.
+        for name in self._touched:
+            self.copy.tensors.pop(name, None)
+        self._touched.clear()
+
+    def after_commit(self, patches: Sequence[StagedPatch]) -> None:
+        self._touched.clear()  # the copy now holds what the model holds
+
+
+MapRecorder = Callable[[Any, Sequence[ParamMeta]], LoaderMap]
+"""``landing.record_loader_map``'s shape: ``(model, checkpoint metas) -> LoaderMap``, raising
+``LoaderMapRefused`` where the model's loading is not a set of plain copies."""
+MapLookup = Callable[[Sequence[ParamMeta]], LoaderMap | None]
+"""The core's cached map of its target model (``_ReceiverCore.loader_map``); None: refused."""
+
+
+def tied_names(model: Any) -> dict[str, str]:
+    """``{alias: canonical}`` for parameters shared between modules (a tied head)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(param), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
+class SinkChooser:
+    """Picks each round's sink; holds the recorded loader maps (one per target model)."""
+
+    def __init__(
+        self,
+        weights: WeightState,
+        maps: MapLookup | None,
+        *,
+        whole_layers: bool,
+        spec: Callable[[], ModelSpec | None],
+    ) -> None:
+        self._weights = weights
+        self._maps = maps
+        self._seen: dict[int, dict[str, ParamMeta]] = {}
+        """Per target model (by id; its map is cached by the core): every tensor seen."""
+        self._whole_layers = whole_layers
+        self._spec = spec
+        self.delta_rounds = False
+        self.why_none = "delta rounds are off on this worker (the trainer did not declare them)"
+
+    def session(self, delta_rounds: bool) -> None:
+        """A trainer's init: without delta rounds the held round is forgotten (it may be
+        another trainer's) and the host copies are freed."""
+        self.delta_rounds = delta_rounds
+        if not delta_rounds:
+            self._weights.forget(copies=True)
+
+    def admit(
+        self, delta: RoundDelta, model: Any, update: UpdateInfo, plan: RoundPlan
+    ) -> PatchSplitter | None:
+        """Check one update of a round before any byte: its round token (the same in every
+        update), a delta round's base (``DeltaBaseMismatch``), the model spec (``ValueError``),
+        and that the sink can apply it. Returns the splitter that holds its patches (None:
+        nothing for a sink)."""
+        patches = update.patch_list()
+        metas = plan.metas
+        if update.reuses_previous and any(m.name.endswith(PATCH_SUFFIXES) for m in metas):
+            raise ValueError(
+                "update info reuses the previous round's metadata, which lists patch wire "
+                "tensors: a delta round's patches must be described in full"
+            )
+        if delta.updates and update.round_token != delta.token:
+            raise ValueError(
+                f"round_token {update.round_token!r} differs from {delta.token!r} sent earlier "
+                "in the same round"
+            )
+        held = self._weights.token(model)
+        if update.delta_base is not None and update.delta_base != held:
+            raise DeltaBaseMismatch(update.delta_base, held)
+        if delta.updates == 0:
+            delta.sink = self.choose(model, metas, patches)
+        sink = delta.sink
+        spec = self._spec()
+        if spec is not None and not plan.spec_checked:  # once per metadata, not per round
+            # A delta round leaves unchanged tensors out: the worker completes the layers.
+            whole = not patches and not (sink is not None and sink.completes_layers)
+            spec.check(logical_metas(metas, patches), complete_layers=whole)
+            plan.spec_checked = True
+        if patches and sink is None:
+            raise refuse(update.delta_base or "", held, self.why_none)
+        if sink is None:
+            return None
+        why = sink.refusal(dense_names(metas, patches), patches)
+        if why is not None and patches:
+            raise refuse(update.delta_base or "", held, why)
+        if why is not None:
+            raise ValueError(f"this worker cannot apply the round: {why}")
+        check = getattr(model, "check_patches", None)
+        if patches and callable(check):
+            check(patches)  # a ValueError: a tensor the model does not have
+        return PatchSplitter(patches, observe=sink.observe_fn)
+
+    def choose(
+        self, model: Any, metas: Sequence[ParamMeta], patches: Sequence[Patch]
+    ) -> PatchSink | None:
+        if callable(getattr(model, "patch_weights", None)):
+            return ModelSink()
+        if not (self.delta_rounds or patches):
+            return None
+        spec = self._spec()
+        if self._maps is not None:
+            # The whole checkpoint where known, else every tensor seen (the first, dense round
+            # lists them all): a map of some tensors of a parameter is refused.
+            seen = self._seen.setdefault(id(model), {})
+            for m in logical_metas(metas, patches):
+                seen.setdefault(m.name, m)
+            whole = (
+                [ParamMeta(n, t.dtype, t.shape) for n, t in spec.tensors.items()] if spec else []
+            )
+            found = self._maps(whole or list(seen.values()))
+            if found is not None:
+                return MapSink(found, tied_names(model), whole_layers=self._whole_layers)
+            self.why_none = (
+                "the loader map was refused (see the worker's log) and delta rounds are off"
+            )
+        if self.delta_rounds:
+            names = set(spec.tensors) if spec is not None else set()
+            return CopySink(
+                self._weights.host_copy(model),
+                whole_layers=self._whole_layers,
+                layout=lambda: names,
+            )
+        return None
