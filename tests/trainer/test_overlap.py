@@ -22,7 +22,7 @@ from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.source import describe_tensor
 from weightwire.trainer import RoundHandle, RoundSkipped, RoundWaitTimeout, TrainerInitInfo
-from weightwire.trainer.overlap import RoundCancelled
+from weightwire.trainer.snapshot import RoundCancelled
 
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5, round_s=10)
 ROUND = ["start_weight_update", "update_weights", "finish_weight_update"]

@@ -18,7 +18,7 @@ from weightwire.backends.base import DevicePacker, SenderParts
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaKernel
-from weightwire.trainer.overlap import Snapshot
+from weightwire.trainer.snapshot import Snapshot
 
 __all__ = ["FrameworkHooks"]
 
