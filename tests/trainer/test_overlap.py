@@ -16,7 +16,8 @@ import torch
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer
 from weightwire.jax_side import PytreeSource
 from weightwire.jax_side.engine import JAXTrainerEngine
-from weightwire.jax_side.naming import Naming, Rule
+from weightwire.jax_side.naming import Naming
+from weightwire.jax_side.rules import Rule
 from weightwire.shared.errors import ConfigError, TransferError, WeightSyncError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
