@@ -32,7 +32,8 @@ import numpy as np
 import weightwire.jax_side.source as source_mod
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.layouts import preset_for_hf, preset_layout
-from weightwire.jax_side.naming import Naming, Rule
+from weightwire.jax_side.naming import Naming
+from weightwire.jax_side.rules import Rule
 from weightwire.jax_side.source import PytreeSource
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.loopback import spawn_loopback

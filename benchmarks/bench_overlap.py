@@ -369,7 +369,8 @@ def _jax_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: float
     import jax.numpy as jnp
 
     from weightwire.jax_side.engine import JAXTrainerEngine
-    from weightwire.jax_side.naming import Naming, Rule
+    from weightwire.jax_side.naming import Naming
+    from weightwire.jax_side.rules import Rule
     from weightwire.jax_side.source import PytreeSource
 
     state = {"params": params}

@@ -255,8 +255,8 @@ def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[
     import torch
 
     from weightwire.backends.base import check_chunk_bytes
-    from weightwire.shared.info import UpdateInfo
     from weightwire.shared.source import checked_iter
+    from weightwire.shared.update_info import UpdateInfo
     from weightwire.torch_side.worker.load import MetaCache, load_batches
     from weightwire.trainer.transfer import chunked, tensor_stream
 

@@ -54,13 +54,13 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.shared.errors import WeightwireError as WeightwireError
     from weightwire.shared.info import NCCLInitInfo as NCCLInitInfo
     from weightwire.shared.info import TCPInitInfo as TCPInitInfo
-    from weightwire.shared.info import UpdateInfo as UpdateInfo
     from weightwire.shared.info import WeightwireNCCLInitInfo as WeightwireNCCLInitInfo
     from weightwire.shared.ipc_info import IPCInitInfo as IPCInitInfo
     from weightwire.shared.meta import ParamMeta as ParamMeta
     from weightwire.shared.patches import SparsePatch as SparsePatch
     from weightwire.shared.source import WeightSource as WeightSource
     from weightwire.shared.timeouts import Timeouts as Timeouts
+    from weightwire.shared.update_info import UpdateInfo as UpdateInfo
     from weightwire.tools.models.loading import load_decoder as load_decoder
     from weightwire.torch_side import ModuleSource as ModuleSource
     from weightwire.torch_side import TorchTrainerEngine as TorchTrainerEngine

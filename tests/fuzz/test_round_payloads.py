@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from tests.fuzz.inproc import FuzzServer, rss_kib
 from tests.fuzz.strategies import update_infos
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
-from weightwire.shared.info import UpdateInfo
 from weightwire.shared.routes import ROUTES
+from weightwire.shared.update_info import UpdateInfo
 
 RSS_SLACK_KIB = 64 << 10  # 64 MiB: allocator noise, never a buffer sized from a payload
 

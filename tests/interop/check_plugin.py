@@ -56,8 +56,8 @@ def main() -> None:
 
     from weightwire.backends.tcp.rendezvous import TCPRendezvous
     from weightwire.shared.framing import pack_host, plan
-    from weightwire.shared.info import UpdateInfo
     from weightwire.shared.meta import ParamMeta
+    from weightwire.shared.update_info import UpdateInfo
     from weightwire.torch_side.worker import plugin
 
     load_general_plugins()
@@ -175,7 +175,7 @@ def check_llm(root: str) -> dict:
 
     from weightwire.backends.tcp.rendezvous import TCPRendezvous
     from weightwire.shared.framing import pack_host, plan
-    from weightwire.shared.info import UpdateInfo
+    from weightwire.shared.update_info import UpdateInfo
     from weightwire.torch_side.sender.source import ModuleSource
 
     d0, d1 = _tiny_dirs(root)

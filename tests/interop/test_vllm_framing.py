@@ -36,8 +36,9 @@ from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.backends.tcp.trainer import TCPBackend
 from weightwire.shared.dtypes import WIRE_DTYPES
-from weightwire.shared.info import TCPInitInfo, UpdateInfo
+from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.timeouts import Timeouts
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.backends import register_backend
 

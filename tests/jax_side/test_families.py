@@ -17,7 +17,8 @@ from weightwire.jax_side import PytreeSource, preset
 from weightwire.jax_side.checkpoint import CheckpointError, pytree_from_hf, read_safetensors
 from weightwire.jax_side.layouts import preset_for_hf
 from weightwire.jax_side.layouts import preset_layout as jax_template
-from weightwire.jax_side.naming import Naming, NamingError, Rule, Stacked, Transpose
+from weightwire.jax_side.naming import Naming, NamingError, Stacked, Transpose
+from weightwire.jax_side.rules import Rule
 from weightwire.shared.groups import layerwise_groups
 
 pytest.importorskip("torch")

@@ -16,13 +16,12 @@ from weightwire.jax_side.naming import (
     Naming,
     NamingError,
     Reshape,
-    Rule,
     Split,
     Stacked,
     Transpose,
-    drop,
     path_str,
 )
+from weightwire.jax_side.rules import Rule, drop
 from weightwire.jax_side.source import PytreeSource
 
 

@@ -16,7 +16,7 @@ import pytest
 from jaxside_util import perturbed
 
 from weightwire.jax_side import PytreeSource, preset
-from weightwire.jax_side.naming import Rule
+from weightwire.jax_side.rules import Rule
 from weightwire.tools.models import decoder, gpt2
 
 pytest.importorskip("torch")

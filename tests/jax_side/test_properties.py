@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from weightwire.jax_side import PytreeSource
 from weightwire.jax_side.dtypes import describe
-from weightwire.jax_side.naming import Naming, Rule, Stacked, Transpose
+from weightwire.jax_side.naming import Naming, Stacked, Transpose
+from weightwire.jax_side.rules import Rule
 from weightwire.shared.groups import layerwise_groups
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_]

@@ -234,7 +234,8 @@ def test_maxtext_style_scanned_tree_with_stacked_experts(tmp_path) -> None:
     # experts lead: kernels [experts, layers, in, out], router [in, layers, experts].
     from hf_tiny import tiny_checkpoint
 
-    from weightwire.jax_side.naming import Naming, Rule, Stacked, Transpose
+    from weightwire.jax_side.naming import Naming, Stacked, Transpose
+    from weightwire.jax_side.rules import Rule
 
     hf = tiny_checkpoint("mixtral", tmp_path)
     tensors = read_safetensors(tmp_path)

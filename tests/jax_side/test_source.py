@@ -16,7 +16,8 @@ import pytest
 import weightwire.jax_side.source as source_mod
 from weightwire.jax_side import PytreeSource, preset
 from weightwire.jax_side.dtypes import describe, jax_dtype, wire_name
-from weightwire.jax_side.naming import Naming, Rule, Transpose
+from weightwire.jax_side.naming import Naming, Transpose
+from weightwire.jax_side.rules import Rule
 from weightwire.shared import SUPPORTED_DTYPES, SourceMismatch
 from weightwire.shared.groups import layerwise_groups
 from weightwire.tools.models import llama

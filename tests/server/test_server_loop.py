@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from weightwire.shared.info import UpdateInfo
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.tools.server.app import ServerOptions, ServerState, create_app
 from weightwire.tools.server.session import Phase
 

@@ -19,7 +19,8 @@ from weightwire.shared.errors import (
     WeightSyncError,
     is_delta_base_mismatch,
 )
-from weightwire.shared.info import TCPInitInfo, UpdateInfo
+from weightwire.shared.info import TCPInitInfo
+from weightwire.shared.update_info import UpdateInfo
 
 
 def delta(**over: Any) -> dict[str, Any]:

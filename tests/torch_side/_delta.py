@@ -29,8 +29,9 @@ from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.shared.delta import FLAT_I32, extract_host
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.groups import layer_key
-from weightwire.shared.info import TCPInitInfo, UpdateInfo
+from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.testing.loopback import TensorStoreHost
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo, encode_secret
+from weightwire.shared.info import TCPInitInfo, WeightwireNCCLInitInfo, encode_secret
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.torch_side.worker.core import WeightReceiveError
 from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine

@@ -18,8 +18,8 @@ import torch
 from tests.torch_side.test_engine_rules import ThreadSender, Tiny, send_module
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.shared.framing import pack_host, plan
-from weightwire.shared.info import UpdateInfo
 from weightwire.shared.staging import round_bytes, round_streams
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.torch_side.worker.core import WeightReceiveError
 from weightwire.torch_side.worker.engines import WeightwireTCPEngine

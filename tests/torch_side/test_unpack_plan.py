@@ -14,8 +14,9 @@ from weightwire.backends.base import ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.backends.receiving import ChunkedLink
 from weightwire.shared.dtypes import SUPPORTED_DTYPES
 from weightwire.shared.framing import Chunk, pack_host, plan
-from weightwire.shared.info import TCPInitInfo, UpdateInfo, encode_secret
+from weightwire.shared.info import TCPInitInfo, encode_secret
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.dtypes import torch_dtype
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.load import MetaCache

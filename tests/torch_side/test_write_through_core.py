@@ -19,8 +19,9 @@ from weightwire.backends.base import (
     WorkerPairs,
 )
 from weightwire.shared.errors import PeerLost
-from weightwire.shared.info import TCPInitInfo, UpdateInfo, encode_secret
+from weightwire.shared.info import TCPInitInfo, encode_secret
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.core import WeightReceiveError, _ReceiverCore
 
 METAS = [ParamMeta("w", "float32", (2, 2)), ParamMeta("b", "float32", (2,))]

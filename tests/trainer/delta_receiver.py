@@ -15,8 +15,8 @@ from tests.trainer.fakes import FAKE, FakeComm, FakeServer
 from weightwire.shared.delta import apply_patch
 from weightwire.shared.errors import DeltaBaseMismatch
 from weightwire.shared.framing import plan, unpack_host
-from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.update_info import UpdateInfo
 
 
 class DeltaReceiver:

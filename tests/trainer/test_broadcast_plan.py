@@ -13,9 +13,10 @@ import torch
 
 from tests.torch_side.test_engine_rules import ThreadSender, Tiny, send_module
 from tests.trainer.fakes import DictSource
-from weightwire.shared.info import TCPInitInfo, UpdateInfo
+from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.owned import OwnedSource
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 from weightwire.torch_side.worker.hf_host import HFModelHost

@@ -289,7 +289,8 @@ def test_a_pytree_source_round_describes_each_tensor_once(monkeypatch: pytest.Mo
     import weightwire.jax_side.engine as jax_engine_mod
     import weightwire.jax_side.source as jax_source_mod
     from weightwire.jax_side import PytreeSource
-    from weightwire.jax_side.naming import Naming, Rule
+    from weightwire.jax_side.naming import Naming
+    from weightwire.jax_side.rules import Rule
 
     calls: list[str] = []
 

@@ -16,13 +16,14 @@ import torch
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer
 from weightwire.jax_side import PytreeSource
 from weightwire.jax_side.engine import JAXTrainerEngine
-from weightwire.jax_side.naming import Naming, Rule
+from weightwire.jax_side.naming import Naming
+from weightwire.jax_side.rules import Rule
 from weightwire.shared.errors import ConfigError, TransferError, WeightSyncError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.source import describe_tensor
 from weightwire.trainer import RoundHandle, RoundSkipped, RoundWaitTimeout, TrainerInitInfo
-from weightwire.trainer.overlap import RoundCancelled
+from weightwire.trainer.snapshot import RoundCancelled
 
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5, round_s=10)
 ROUND = ["start_weight_update", "update_weights", "finish_weight_update"]

@@ -20,9 +20,9 @@ from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.framing import pack_host, plan_packed, unpack_host
 from weightwire.shared.groups import layer_key
-from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.timeouts import Timeouts
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.backends import register_backend

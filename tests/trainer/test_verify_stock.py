@@ -14,8 +14,8 @@ from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.framing import plan_packed, unpack_host
-from weightwire.shared.info import UpdateInfo
 from weightwire.shared.timeouts import Timeouts
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer import TrainerInitInfo, VerifyError
 from weightwire.trainer.verify import vllm_param_name
 

@@ -23,12 +23,12 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.jax_side.naming import MergeAxes as MergeAxes
     from weightwire.jax_side.naming import Naming as Naming
     from weightwire.jax_side.naming import NamingError as NamingError
-    from weightwire.jax_side.naming import Rule as Rule
     from weightwire.jax_side.naming import Stacked as Stacked
     from weightwire.jax_side.naming import Transpose as Transpose
-    from weightwire.jax_side.naming import drop as drop
     from weightwire.jax_side.presets import preset as preset
     from weightwire.jax_side.presets import register_family as register_family
+    from weightwire.jax_side.rules import Rule as Rule
+    from weightwire.jax_side.rules import drop as drop
     from weightwire.jax_side.source import PytreeSource as PytreeSource
 
 __getattr__, __dir__ = attach(__name__, globals())

@@ -32,7 +32,7 @@ from weightwire.jax_side.source import PytreeSource
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
-from weightwire.trainer.overlap import FrozenSource, Snapshot
+from weightwire.trainer.snapshot import FrozenSource, Snapshot
 
 
 def _kept(tensor: Any) -> Any:

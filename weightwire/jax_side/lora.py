@@ -17,7 +17,8 @@ from typing import Any
 
 import jax
 
-from weightwire.jax_side.naming import Naming, Rule, Stacked, Transpose
+from weightwire.jax_side.naming import Naming, Stacked, Transpose
+from weightwire.jax_side.rules import Rule
 from weightwire.jax_side.source import PytreeSource
 from weightwire.shared.lora import check_adapter_name, wire_name
 

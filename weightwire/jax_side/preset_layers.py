@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightwire.jax_side.naming import Rule
+from weightwire.jax_side.rules import Rule
 from weightwire.jax_side.transforms import (
     Concat,
     MergeAxes,

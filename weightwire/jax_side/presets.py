@@ -30,11 +30,9 @@ from weightwire.jax_side.naming import (
     Naming,
     NamingError,
     Op,
-    Rule,
     Split,
     Stacked,
     Transpose,
-    drop,
 )
 from weightwire.jax_side.preset_layers import (
     hf_fused_mlp_rules,
@@ -42,6 +40,7 @@ from weightwire.jax_side.preset_layers import (
     moe_rules,
     need_sizes,
 )
+from weightwire.jax_side.rules import Rule, drop
 
 _DECODER: dict[str, Any] = {
     "tie_word_embeddings": False,

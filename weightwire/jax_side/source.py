@@ -20,17 +20,16 @@ that overlaps rounds with its next step (``send_weights(wait=False)``, which sen
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from weightwire.jax_side.dtypes import describe, jax_dtype, wire_name
 from weightwire.jax_side.naming import Entry, Naming, Plan, out_aval, run_entry
+from weightwire.jax_side.placement import Target, device_ids, replicated
 from weightwire.jax_side.transforms import out_avals
 from weightwire.jax_side.trees import kind_of, params_tree
 from weightwire.shared.errors import ConfigError
@@ -107,8 +106,7 @@ class PytreeSource(WeightSource):
                     f"device index {device} out of range: {len(devices)} local devices"
                 )
             device = devices[device]
-        self._device: jax.Device = device
-        self._target = SingleDeviceSharding(device)
+        self._place = Target(device)
         self._plan: Plan | None = None
         self._metas: list[ParamMeta] = []
         self._batches: dict[
@@ -127,12 +125,12 @@ class PytreeSource(WeightSource):
     def __repr__(self) -> str:
         return (
             f"PytreeSource({len(self._metas)} tensors, dtype={self._dtype or 'as-is'}, "
-            f"device={self._device})"
+            f"device={self._place.device})"
         )
 
     @property
     def device(self) -> jax.Device:
-        return self._device
+        return self._place.device
 
     def frozen(self) -> PytreeSource:
         """This source bound to the params as they are now (what an overlapped round sends).
@@ -298,28 +296,28 @@ class PytreeSource(WeightSource):
             leaf = leaves[batch[k].pieces[0].leaf]
             # Handed out as is when already on the target; else one device-to-device copy.
             outs[k] = (
-                leaf if self._on_target(leaf) else self._to_target(self._as_device_array(leaf))
+                leaf if self._place.holds(leaf) else self._place.move(self._place.upload(leaf))
             )
         if b.jitted:
-            inputs = [self._as_device_array(leaves[i]) for i in b.leaves]
+            inputs = [self._place.upload(leaves[i]) for i in b.leaves]
             first = inputs[
                 0
             ].sharding  # equal shardings share a device set (the usual case: one device)
             if (
                 any(x.sharding != first for x in inputs)
-                and len({_device_ids(x) for x in inputs}) > 1
+                and len({device_ids(x) for x in inputs}) > 1
             ):
                 # One jit needs one device set; inputs spread over several are gathered on the
                 # target first (device to device). Whole stacked leaves move here: rare layouts
                 # only.
-                inputs = [self._to_target(x) for x in inputs]
+                inputs = [self._place.move(x) for x in inputs]
             idx = b.idx
             if idx is not None:
                 # Placed once per sharding, not uploaded again every round (the indices are static).
                 sharding = inputs[0].sharding
                 placed = b.placed.get(sharding)
                 if placed is None:
-                    where = _replicated(sharding)
+                    where = replicated(sharding)
                     placed = idx if where is None else jax.device_put(idx, where)
                     if len(b.placed) < 8:  # a few shardings per batch at most, in practice one
                         b.placed[sharding] = placed
@@ -327,45 +325,8 @@ class PytreeSource(WeightSource):
             assert b.fn is not None
             results = list(b.fn(inputs, idx))
             for k, r in zip(b.jitted, results, strict=True):
-                outs[k] = r if self._on_target(r) else self._to_target(r)
+                outs[k] = r if self._place.holds(r) else self._place.move(r)
         return outs  # type: ignore[return-value]
-
-    def _on_target(self, x: Any) -> bool:
-        if not isinstance(x, jax.Array):
-            return False
-        sharding = x.sharding
-        if sharding == self._target:  # the common case, one comparison (per tensor, per round)
-            return True
-        # memory_kind: a pinned-host array on the right device is still host memory.
-        return sharding.device_set == {self._device} and sharding.memory_kind in (
-            None,
-            self._target.memory_kind,
-        )
-
-    def _to_target(self, x: jax.Array) -> jax.Array:
-        """``x`` whole on the target device, device to device only.
-
-        ``jax.device_put`` of a multi-device array onto one device takes a slow path
-        through host memory on GPU (seen with jax 0.11: a D2H copy per shard). Instead
-        the array is all-gathered on its own devices by XLA (replicated output sharding)
-        and the target's replica is taken as is, or copied over from another device.
-        """
-        if len(x.sharding.device_set) > 1:
-            if not x.is_fully_replicated:
-                where = _replicated(x.sharding)
-                if where is None:
-                    raise ValueError(
-                        f"cannot gather an array with sharding {x.sharding} on device; "
-                        "use NamedSharding or a single device"
-                    )
-                x = _replicate_on(where)(x)
-            shards = {s.device: s.data for s in x.addressable_shards}
-            x = shards.get(self._device, next(iter(shards.values())))
-        return x if self._on_target(x) else jax.device_put(x, self._target)
-
-    def _as_device_array(self, x: Any) -> jax.Array:
-        # Host (numpy) leaves must be uploaded somewhere; the target is where they end up.
-        return x if isinstance(x, jax.Array) else jax.device_put(x, self._target)
 
 
 @dataclass(frozen=True)
@@ -376,13 +337,6 @@ class _Batch:
     fn: Callable[..., tuple[jax.Array, ...]] | None
     idx: np.ndarray | None  # every stacked piece's indices, flattened in signature order
     placed: dict[Any, Any] = field(default_factory=dict)  # sharding -> ``idx`` on its devices
-
-
-@functools.lru_cache(maxsize=64)
-def _replicate_on(where: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Array]:
-    """A jitted identity whose output is replicated over ``where``: XLA all-gathers the
-    shards over the devices' own links, never through the host."""
-    return jax.jit(lambda a: a, out_shardings=where)
 
 
 def _is_callable_source(params: Any) -> bool:
@@ -404,20 +358,3 @@ def _held(plan: Plan, leaves: list[Any]) -> set[str] | None:
 
 def _addressable(x: Any) -> bool:
     return not isinstance(x, jax.Array) or x.is_fully_addressable
-
-
-def _device_ids(x: jax.Array) -> tuple[int, ...]:
-    devices: set[Any] = (
-        x.sharding.device_set
-    )  # jaxlib's Device has no stub: its .id is unknown to mypy
-    return tuple(sorted(d.id for d in devices))
-
-
-def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
-    """A replicated sharding over ``sharding``'s devices, so the layer-index vector is
-    placed explicitly (no implicit host-to-device transfer inside the jitted call)."""
-    if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, PartitionSpec())
-    if len(sharding.device_set) == 1:
-        return SingleDeviceSharding(next(iter(sharding.device_set)))
-    return None  # other sharding kinds: let jit place the (tiny) index vector itself

@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``)
     from weightwire.shared.framing import unpack_host as unpack_host
     from weightwire.shared.info import NCCLInitInfo as NCCLInitInfo
     from weightwire.shared.info import TCPInitInfo as TCPInitInfo
-    from weightwire.shared.info import UpdateInfo as UpdateInfo
     from weightwire.shared.info import WeightwireNCCLInitInfo as WeightwireNCCLInitInfo
     from weightwire.shared.ipc_info import IPCInitInfo as IPCInitInfo
     from weightwire.shared.limits import LIMITS as LIMITS
@@ -51,6 +50,7 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``)
     from weightwire.shared.source import WeightSource as WeightSource
     from weightwire.shared.timeouts import DEFAULT_TIMEOUTS as DEFAULT_TIMEOUTS
     from weightwire.shared.timeouts import Timeouts as Timeouts
+    from weightwire.shared.update_info import UpdateInfo as UpdateInfo
     from weightwire.shared.version import VERSION_GATES as VERSION_GATES
     from weightwire.shared.version import ServerFeatures as ServerFeatures
     from weightwire.shared.version import parse_version as parse_version

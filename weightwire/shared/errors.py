@@ -25,7 +25,7 @@ defined outside this module)::
         GroupTimeout (TimeoutError)          [weightwire.trainer.group]
         RoundSkipped (RuntimeError)          [weightwire.trainer.overlap]
         RoundWaitTimeout (TimeoutError)      [weightwire.trainer.overlap]
-        RoundCancelled (RuntimeError)        [weightwire.trainer.overlap]
+        RoundCancelled (RuntimeError)        [weightwire.trainer.snapshot]
       VerifyError (RuntimeError)             [weightwire.trainer.verify]
       StaleCacheError (RuntimeError)         [weightwire.trainer.freshness]
       WeightReceiveError (RuntimeError)      [weightwire.torch_side.worker.core]

@@ -1,5 +1,6 @@
-"""Init and update info: the JSON bodies of ``/init_weight_transfer_engine`` and
-``/update_weights``, parsed strictly on both sides.
+"""Init info: the JSON body of ``/init_weight_transfer_engine`` per backend, parsed strictly
+on both sides; ``_StrictInfo`` is the strict parser every info (``UpdateInfo``, in
+``shared.update_info``, too) is built on.
 
 Every parser rejects unknown keys, wrong types and out-of-limit values with a
 ``ConfigError`` (a ``ValueError``) naming the field, so a malformed payload fails the
@@ -11,18 +12,15 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import math
 import types
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Self
 
 from weightwire.shared.checks import check_buffer_size, check_num_buffers, check_seconds
-from weightwire.shared.delta import Patch, check_patches, check_token
-from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES, LIMITS, bounded_repr
-from weightwire.shared.meta import ParamMeta, load_json, validate_shape
+from weightwire.shared.meta import load_json
 from weightwire.shared.staging import check_stage_budget
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
@@ -337,115 +335,3 @@ def _check_host(ctx: str, host: str) -> None:
     # mangled config, better refused here than as an opaque resolver error later.
     if not host or len(host) > 255 or any(c.isspace() or not c.isprintable() for c in host):
         raise ConfigError(f"{ctx} must be a host name or address, got {bounded_repr(host)}")
-
-
-@dataclass(frozen=True, kw_only=True, repr=False)
-class UpdateInfo(_StrictInfo):
-    """Per-round metadata: three equal-length lists in broadcast order.
-
-    All three empty means "reuse the previous round's metadata" on servers >= 0.33
-    (see ``version.ServerFeatures.reuse_metadata``); on older ones, zero tensors.
-    ``src`` is the transfer-group rank that broadcasts this turn (several broadcasting
-    trainer ranks); it is omitted from the body when 0, so single-broadcaster payloads
-    stay exactly what a stock vLLM (which only takes ``src=0``) reads.
-
-    Weightwire trainers also send ``round_token`` (the same in every update POST of a
-    round); a delta round adds ``delta_base`` (the token of the round its patches were
-    built on: a worker holding another round refuses it with ``DeltaBaseMismatch``) and
-    ``patches`` (``shared.delta``: one ``[name, dtype_name, shape, nnz, "flat_i32"]`` per
-    patched tensor, whose ``@index`` / ``@values`` wire tensors ``names`` lists). Unset,
-    all three are left out of the body.
-    """
-
-    names: list[str] = field(default_factory=list)
-    dtype_names: list[str] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)
-    src: int = 0
-    round_token: str | None = None
-    delta_base: str | None = None
-    patches: list[list[Any]] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        if not self.src:
-            del out["src"]
-        if not self.patches:
-            out.pop("patches", None)
-        return out
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.src < LIMITS.max_world_size:
-            raise ConfigError(
-                f"src must be a group rank in [0, {LIMITS.max_world_size}), got {self.src}"
-            )
-        n = len(self.names)
-        if n > LIMITS.max_tensors:
-            raise ConfigError(f"names lists {n} tensors, over the limit {LIMITS.max_tensors}")
-        for key in ("dtype_names", "shapes"):
-            if len(getattr(self, key)) != n:
-                raise ConfigError(f"{key} has {len(getattr(self, key))} entries but names has {n}")
-        total = 0
-        for i, (name, dtype, shape) in enumerate(
-            zip(self.names, self.dtype_names, self.shapes, strict=True)
-        ):
-            if not isinstance(name, str) or not name or len(name) > LIMITS.max_name_length:
-                raise ConfigError(
-                    f"names[{i}] must be a non-empty string of <= {LIMITS.max_name_length} chars"
-                )
-            try:
-                row = wire_dtype(dtype)
-            except ValueError as exc:
-                raise ConfigError(f"dtype_names[{i}]: {exc}") from None
-            dims = validate_shape(shape, field=f"shapes[{i}]")
-            nbytes = math.prod(dims) * row.itemsize
-            if nbytes > LIMITS.max_tensor_bytes:
-                raise ConfigError(
-                    f"shapes[{i}] {list(dims)} is {nbytes} bytes, "
-                    f"over the per-tensor limit {LIMITS.max_tensor_bytes}"
-                )
-            total += nbytes
-        if total > LIMITS.max_round_bytes:
-            raise ConfigError(
-                f"shapes total {total} bytes, over the per-round limit {LIMITS.max_round_bytes}"
-            )
-        if len(set(self.names)) != n:
-            seen: set[str] = set()
-            dup = next(x for x in self.names if x in seen or seen.add(x))  # type: ignore[func-returns-value]
-            raise ConfigError(f"names lists {dup!r} more than once")
-        check_token("round_token", self.round_token)
-        check_token("delta_base", self.delta_base)
-        self.patch_list()
-
-    def patch_list(self) -> list[Patch]:
-        """The round's patches, checked against its wire listing (``shared.delta``)."""
-        return check_patches(
-            self.names,
-            self.dtype_names,
-            self.shapes,
-            self.patches or [],
-            delta_base=self.delta_base,
-            round_token=self.round_token,
-        )
-
-    @property
-    def reuses_previous(self) -> bool:
-        return not self.names
-
-    def metas(self) -> list[ParamMeta]:
-        return [
-            ParamMeta(n, d, tuple(s))
-            for n, d, s in zip(self.names, self.dtype_names, self.shapes, strict=True)
-        ]
-
-    @classmethod
-    def from_metas(cls, metas: list[ParamMeta]) -> UpdateInfo:
-        return cls(
-            names=[m.name for m in metas],
-            dtype_names=[m.dtype for m in metas],
-            shapes=[list(m.shape) for m in metas],
-        )
-
-    def __repr__(self) -> str:
-        src = f", src={self.src}" if self.src else ""
-        delta = f", {len(self.patches)} patches" if self.patches else ""
-        return f"UpdateInfo({len(self.names)} tensors{src}{delta})"

@@ -21,7 +21,8 @@ from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import backend_names, get_backend
 from weightwire.trainer.handoff import round_interval_s
-from weightwire.trainer.overlap import MAX_ROUNDS_IN_FLIGHT, SNAPSHOT_MODES
+from weightwire.trainer.overlap import MAX_ROUNDS_IN_FLIGHT
+from weightwire.trainer.snapshot import SNAPSHOT_MODES
 
 IPC_ASKED = ("pull", "push", "write_through", "auto")
 """What ``TrainerInitInfo.ipc_mode`` may ask for."""

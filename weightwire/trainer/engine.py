@@ -21,25 +21,17 @@ and its failure rules (which error is raised, what aborts what) live in
 ``weightwire.trainer.transfer``. A round that failed after the
 first broadcast leaves the communicator aborted: the engine refuses further rounds.
 
-Framework engines implement only ``describe``, ``host_bytes``, ``device_packer`` (and
-may override ``tensor_sha256`` / ``prefetch_host``).
+Framework engines implement only the hooks of ``trainer.framework.FrameworkHooks``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any, Literal, Self, cast, overload
 
-import numpy as np
-
-from weightwire.backends.base import DevicePacker, SenderParts
-from weightwire.control.fallback import FallbackClient, with_fallback_routes
-from weightwire.control.fanout import spawn
+from weightwire.control.fallback import with_fallback_routes
 from weightwire.shared.client import EngineClient, WeightSyncClient
 from weightwire.shared.errors import ConfigError, RoundError
 from weightwire.shared.meta import ParamMeta
@@ -48,19 +40,19 @@ from weightwire.shared.source import WeightSource, as_source
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
-from weightwire.trainer.delta import DeltaKernel, DeltaTracker
+from weightwire.trainer.delta import DeltaTracker
 from weightwire.trainer.delta_round import DeltaRounds
+from weightwire.trainer.framework import FrameworkHooks
 from weightwire.trainer.freshness import CommitPlan, commit_plan
 from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_source import MultiSource
-from weightwire.trainer.overlap import RoundHandle, Snapshot
+from weightwire.trainer.overlap import RoundHandle
 from weightwire.trainer.overlapped import OverlappedRounds
 from weightwire.trainer.patch_round import patch_round, refuse_patches
 from weightwire.trainer.round import RoundEnd, SolePlan, SoleWire, lead_round, sole_plan
-from weightwire.trainer.session import Session, open_wire
-from weightwire.trainer.transfer import shutdown_when_settled
+from weightwire.trainer.session import Session, close_wire, open_wire, reopen_wire
 from weightwire.trainer.verify import RoundVerifier
 
 logger = logging.getLogger(__name__)
@@ -73,43 +65,8 @@ class EngineBroken(RoundError, RuntimeError):
     ``trainer_init()`` again."""
 
 
-class TrainerEngine(ABC):
+class TrainerEngine(FrameworkHooks):
     """Shared trainer-side engine; see the module docstring for the protocol."""
-
-    # -- framework hooks ------------------------------------------------------------
-
-    @abstractmethod
-    def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
-        """``(wire dtype name, shape)`` of a yielded tensor."""
-
-    @abstractmethod
-    def host_bytes(self, tensor: Any) -> np.ndarray:
-        """The tensor's C-order little-endian bytes as a flat ``uint8`` host array."""
-
-    def prefetch_host(self, tensors: list[Any]) -> None:
-        """Start device-to-host copies of a chunk before ``host_bytes`` is called."""
-        return None
-
-    def device_packer(self, device: int | None) -> DevicePacker:
-        raise NotImplementedError(f"{type(self).__name__} cannot pack on a device")
-
-    def sender_parts(self, packer: DevicePacker | None) -> SenderParts:
-        """What this engine lends a backend's data path."""
-        return SenderParts(self.host_bytes, self.prefetch_host, packer)
-
-    def flat_index(self, n: int, like: Any) -> Any:
-        """A 1-D ``int32`` array ``0..n-1`` where ``like`` lives (a tensor patched whole, for a
-        receiver of patches only)."""
-        raise NotImplementedError(f"{type(self).__name__} has no flat_index")
-
-    def delta_kernel(self) -> DeltaKernel:
-        """The device kernels of ``delta="auto"`` rounds (``trainer.delta``)."""
-        raise NotImplementedError(f"{type(self).__name__} has no delta kernels")
-
-    def tensor_sha256(self, tensor: Any) -> str:
-        return hashlib.sha256(
-            self.host_bytes(tensor).data
-        ).hexdigest()  # .data: the array's memoryview
 
     # -- construction ------------------------------------------------------------------
 
@@ -153,7 +110,11 @@ class TrainerEngine(ABC):
                 anchor_every=init_info.delta_anchor_every,
             )
             self._delta = DeltaRounds(
-                self.session, tracker, self._sole_round, self._reopen, self.tensor_sha256
+                self.session,
+                tracker,
+                self._sole_round,
+                lambda: reopen_wire(self.session),
+                self.tensor_sha256,
             )
 
     @property
@@ -295,12 +256,6 @@ class TrainerEngine(ABC):
 
     # -- overlapped rounds ---------------------------------------------------------------------
 
-    def snapshot(self, source: WeightSource) -> Snapshot:
-        """The weights an overlapped round sends, fixed now, on the trainer's thread."""
-        raise ConfigError(
-            f"{type(self).__name__} cannot take a snapshot for send_weights(wait=False)"
-        )
-
     def _send_overlapped(self, weight_version: str | None, draft: bool, dense: bool) -> RoundHandle:
         if self._multi is not None:
             raise ConfigError(
@@ -384,19 +339,6 @@ class TrainerEngine(ABC):
             end,
         )
 
-    def _reopen(self) -> None:
-        """After a round the workers refused before any byte: a fresh wire to the same
-        servers (what ``shutdown()`` + ``trainer_init()`` do), when the refusal aborted it."""
-        s = self.session
-        if s.broken is None and s.link is not None:
-            return
-        if s.features is not None and s.features.shutdown_route:
-            shutdown_when_settled(self.client, self.info.timeouts.transfer_s)
-        s.close_link()
-        s.broken = None
-        s.sent.clear()  # a fresh worker engine holds no metadata to reuse
-        open_wire(s)
-
     def abort_requests(self, request_ids: list[str] | None = None) -> None:
         """Rank 0: abort in-flight generation on every server without pausing
         (all when ``None``)."""
@@ -432,47 +374,10 @@ class TrainerEngine(ABC):
         unseen = self._overlapped.stop(in_flight, timeout)
         self._closed = True
         try:
-            self._teardown()
+            close_wire(self.session, displaced=self._displaced())
         finally:
             if unseen is not None and sys.exc_info()[1] is None:
                 raise unseen
-
-    def _teardown(self) -> None:
-        s = self.session
-        displaced = self._displaced()
-        if s.link is None:
-            return
-        post: Future | None = None
-        if (
-            not displaced
-            and s.features is not None
-            and s.features.shutdown_route
-            and hasattr(self.client, "shutdown_weight_transfer_engine")
-        ):
-            transfer_s = self.info.timeouts.transfer_s
-            post = spawn(
-                lambda: shutdown_when_settled(self.client, transfer_s), name="weightwire-shutdown"
-            )
-        s.close_link()
-        try:
-            if post is None:
-                return
-            # Called from a `finally` after a failed round, the caller's own error is what
-            # matters: a shutdown failure is logged, never raised over it.
-            failing = sys.exc_info()[1]
-            try:
-                post.result(timeout=self.info.timeouts.http_s)
-            except BaseException as exc:
-                if failing is None:
-                    raise
-                logger.warning(
-                    "shutdown_weight_transfer_engine failed while %s propagated: %s",
-                    type(failing).__name__,
-                    exc,
-                )
-        finally:
-            if isinstance(self.client, FallbackClient):
-                self.client.close()  # only the connections the engine opened itself
 
     def __enter__(self) -> Self:
         return self

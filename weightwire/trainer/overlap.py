@@ -5,7 +5,8 @@ The trainer's thread takes a consistent snapshot of the weights (the framework e
 relies on the caller's promise not to write them), hands it to ``RoundRunner`` and returns
 a ``RoundHandle`` at once. The runner's single thread runs the engine's ordinary blocking
 round on each snapshot in call order, so versions, verification and the all-or-nothing
-rules are the blocking round's own.
+rules are the blocking round's own. What a round reads (``Snapshot``, its cancellable
+source) is ``trainer.snapshot``.
 
 Rules the runner enforces:
 
@@ -26,30 +27,26 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightwire.shared.errors import RoundError
-from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.metrics import RoundMetrics
+from weightwire.trainer.snapshot import Snapshot, cancellable
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FrozenSource",
-    "RoundCancelled",
     "RoundHandle",
     "RoundRunner",
     "RoundSkipped",
     "RoundWaitTimeout",
-    "Snapshot",
 ]
 
-SNAPSHOT_MODES = ("copy", "none")
 MAX_ROUNDS_IN_FLIGHT = 8
 """Each round in flight holds a snapshot (torch ``copy``: a model's size of device memory)."""
 DRAIN = "drain"
@@ -66,88 +63,6 @@ class RoundSkipped(RoundError, RuntimeError):
 class RoundWaitTimeout(RoundError, TimeoutError):
     """A wait for an overlapped round ran out (``result(timeout)``, a ``send_weights`` waiting
     for a free slot, ``shutdown``). The round itself goes on; its handle still reports it."""
-
-
-class RoundCancelled(RoundError, RuntimeError):
-    """``shutdown(in_flight="abort")`` stopped a running overlapped round before its last
-    tensor: the servers keep their previous weights."""
-
-
-def _nothing() -> None:
-    return None
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The weights one overlapped round sends, fixed when ``send_weights`` was called.
-
-    ``ready`` runs on the round's thread before the first read (torch: waits for the copy
-    into the buffers); ``release`` runs once the round ended, whatever its outcome (torch:
-    the buffers go back to the pool)."""
-
-    source: WeightSource
-    ready: Callable[[], None] = _nothing
-    release: Callable[[], None] = _nothing
-
-
-class FrozenSource(WeightSource):
-    """A source whose metadata and tensors were taken once: every pass yields the same
-    ``pairs``, checked against ``metas`` by the round like any source's."""
-
-    def __init__(self, metas: list[ParamMeta], pairs: list[tuple[str, Any]]) -> None:
-        self._metas = list(metas)
-        self._pairs = pairs
-
-    def __repr__(self) -> str:
-        return f"FrozenSource({len(self._pairs)} tensors)"
-
-    def metadata(self) -> list[ParamMeta]:
-        return list(self._metas)
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        return iter(self._pairs)
-
-
-class _Cancellable(WeightSource):
-    """``inner`` whose passes stop with ``RoundCancelled`` once ``stop`` is set."""
-
-    def __init__(self, inner: WeightSource, stop: threading.Event) -> None:
-        self.inner, self._stop = inner, stop
-
-    def metadata(self) -> list[ParamMeta]:
-        return self.inner.metadata()
-
-    def held_names(self) -> set[str] | None:
-        return self.inner.held_names()
-
-    def checks_own_stream(self, metas: Any) -> bool:
-        return self.inner.checks_own_stream(metas)
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        for pair in self.inner:
-            self._check()
-            yield pair
-
-    def _check(self) -> None:
-        if self._stop.is_set():
-            raise RoundCancelled("shutdown(in_flight='abort') stopped this round mid-transfer")
-
-
-class _CancellableGroups(_Cancellable):
-    """The same for a source with its own grouped passes (``PytreeSource``: one device call
-    per layer group), which the round then drives per group as it would the source itself."""
-
-    def iter_groups(self) -> Iterator[list[tuple[str, Any]]]:
-        for group in self.inner.iter_groups():
-            self._check()
-            yield group
-
-
-def cancellable(inner: WeightSource, stop: threading.Event) -> WeightSource:
-    """``inner``, its passes stopped with ``RoundCancelled`` once ``stop`` is set."""
-    if type(inner).iter_groups is WeightSource.iter_groups:
-        return _Cancellable(inner, stop)
-    return _CancellableGroups(inner, stop)
 
 
 class RoundHandle:

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.metrics import RoundMetrics
-from weightwire.trainer.overlap import IN_FLIGHT_MODES, RoundHandle, RoundRunner, Snapshot
+from weightwire.trainer.overlap import IN_FLIGHT_MODES, RoundHandle, RoundRunner
 from weightwire.trainer.session import Session
+from weightwire.trainer.snapshot import Snapshot
 
 Blocking = Callable[[str | None, bool, bool], RoundMetrics]
 """The engine's blocking round: ``(weight_version, draft, dense)``, reading ``session.source``."""

@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 from weightwire.backends.base import Sent, WirePlan
 from weightwire.shared.framing import Chunk, plan
-from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.freshness import StaleCacheError
 from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard

@@ -1,20 +1,25 @@
-"""``Session``: what a trainer engine holds between rounds, and rank 0's wire opening.
+"""``Session``: what a trainer engine holds between rounds, and rank 0's wire over its life.
 
 The engine (``trainer.engine``), the round driver (``trainer.round``) and the several-
 broadcaster plan (``trainer.multi_source``) all work on one ``Session``: its fields are
 the state they share, so none reads another's private attributes. ``open_wire`` is
 rank 0's trainer_init step: ask the server, open the backend's rendezvous, POST the
 worker init info on a side thread while rank 0 joins, warm up, build the data path.
+``reopen_wire`` opens it afresh after a refused round; ``close_wire`` is ``shutdown``'s end.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weightwire.backends.base import Backend, DevicePacker, Link, RoundSender, SenderParts
+from weightwire.control.fallback import FallbackClient
+from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.meta import ParamMeta
@@ -24,7 +29,13 @@ from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.freshness import CommitPlan
 from weightwire.trainer.gating import RoundPause, guard_installed, round_pause, server_features
-from weightwire.trainer.transfer import await_call, join_beside_init, real_cause, tap
+from weightwire.trainer.transfer import (
+    await_call,
+    join_beside_init,
+    real_cause,
+    shutdown_when_settled,
+    tap,
+)
 from weightwire.trainer.verify import RoundVerifier
 
 logger = logging.getLogger(__name__)
@@ -190,3 +201,55 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
         link.abort()
         raise real_cause(exc, post) from None
     s.link = link
+
+
+def reopen_wire(s: Session) -> None:
+    """After a round the workers refused before any byte: a fresh wire to the same servers
+    (what ``shutdown()`` + ``trainer_init()`` do), when the refusal aborted it."""
+    if s.broken is None and s.link is not None:
+        return
+    if s.features is not None and s.features.shutdown_route:
+        shutdown_when_settled(s.client, s.info.timeouts.transfer_s)
+    s.close_link()
+    s.broken = None
+    s.sent.clear()  # a fresh worker engine holds no metadata to reuse
+    open_wire(s)
+
+
+def close_wire(s: Session, *, displaced: bool) -> None:
+    """``shutdown``'s teardown: tell the servers (unless ``displaced``: their engine belongs to
+    another trainer now) concurrently with closing the link, so neither side's teardown waits
+    on the other's."""
+    if s.link is None:
+        return
+    post: Future | None = None
+    if (
+        not displaced
+        and s.features is not None
+        and s.features.shutdown_route
+        and hasattr(s.client, "shutdown_weight_transfer_engine")
+    ):
+        transfer_s = s.info.timeouts.transfer_s
+        post = spawn(
+            lambda: shutdown_when_settled(s.client, transfer_s), name="weightwire-shutdown"
+        )
+    s.close_link()
+    try:
+        if post is None:
+            return
+        # Called from a `finally` after a failed round, the caller's own error is what
+        # matters: a shutdown failure is logged, never raised over it.
+        failing = sys.exc_info()[1]
+        try:
+            post.result(timeout=s.info.timeouts.http_s)
+        except BaseException as exc:
+            if failing is None:
+                raise
+            logger.warning(
+                "shutdown_weight_transfer_engine failed while %s propagated: %s",
+                type(failing).__name__,
+                exc,
+            )
+    finally:
+        if isinstance(s.client, FallbackClient):
+            s.client.close()  # only the connections the engine opened itself

@@ -18,9 +18,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from weightwire import backends
-from weightwire.shared.info import UpdateInfo
 from weightwire.shared.routes import CHECKER_ACTIONS, ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.tools.server.replicas import FanOutError, ReplicaError, ReplicaPool
 from weightwire.tools.server.session import Phase, SessionError
 from weightwire.tools.server.state import ServerState

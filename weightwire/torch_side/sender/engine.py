@@ -25,7 +25,7 @@ from weightwire.torch_side.sender.delta import TorchDeltaKernel
 from weightwire.torch_side.sender.snapshot import CopySnapshots, live
 from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
-from weightwire.trainer.overlap import Snapshot
+from weightwire.trainer.snapshot import Snapshot
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.source import WeightSource
-from weightwire.trainer.overlap import FrozenSource, Snapshot
+from weightwire.trainer.snapshot import FrozenSource, Snapshot
 
 Buffers = dict[str, torch.Tensor]
 

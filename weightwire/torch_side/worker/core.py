@@ -45,11 +45,12 @@ import torch
 
 from weightwire.backends.base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
-from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared.info import TCPInitInfo, WeightwireNCCLInitInfo
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.landing import LoaderMap, LoaderMapRefused, record_loader_map
 from weightwire.torch_side.worker.load import LOAD_BATCHING, FrameworkHooks, MetaCache, ReceiveStats
 from weightwire.torch_side.worker.lora import AdapterHostFn, adapter_round

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from weightwire.backends import TCP, WEIGHTWIRE_NCCL
-from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared.info import TCPInitInfo, WeightwireNCCLInitInfo
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.load import ReceiveStats

@@ -21,8 +21,8 @@ import torch
 
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.groups import batch_by_layer
-from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.receive import UnpackPlan
 
 LOAD_BATCHING = ("chunk", "group")

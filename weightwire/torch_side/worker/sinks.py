@@ -19,8 +19,8 @@ import torch
 from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
 from weightwire.shared.errors import DeltaBaseMismatch
 from weightwire.shared.groups import layer_key
-from weightwire.shared.info import UpdateInfo
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.torch_side.worker.delta import (
     HostCopy,

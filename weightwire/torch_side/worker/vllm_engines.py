@@ -29,8 +29,9 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from weightwire.backends import IPC, TCP, WEIGHTWIRE_NCCL
-from weightwire.shared.info import TCPInitInfo, UpdateInfo, WeightwireNCCLInitInfo
+from weightwire.shared.info import TCPInitInfo, WeightwireNCCLInitInfo
 from weightwire.shared.ipc_info import IPCInitInfo
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
