@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from weightwire.backends.base import (
+from weightwire.backends.worker_base import (
     LandingRecord,
     ReceiveLink,
     ReceiveProgress,

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from weightwire.backends.base import ReceiveTurn, Unpacker, WorkerPairs
 from weightwire.backends.ipc.channel import Channel, check_int, dial
 from weightwire.backends.ipc.pool import ReceivePool
 from weightwire.backends.ipc.slots import (
@@ -46,6 +45,7 @@ from weightwire.backends.ipc.slots import (
     wait_mode,
 )
 from weightwire.backends.receiving import ChunkedLink
+from weightwire.backends.worker_base import ReceiveTurn, Unpacker, WorkerPairs
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.info import encode_secret

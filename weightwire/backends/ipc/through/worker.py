@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from weightwire.backends.base import LandingRecord, ReceiveProgress, ReceiveTurn, WorkerPairs
 from weightwire.backends.ipc import worker as ipc_worker
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.slots import dump_trace, record, stream_wait, trace, wait_event_host
@@ -38,6 +37,7 @@ from weightwire.backends.ipc.through.table import (
     table_messages,
 )
 from weightwire.backends.ipc.worker import IPCLink, IPCPullLink, IPCReceiver
+from weightwire.backends.worker_base import LandingRecord, ReceiveProgress, ReceiveTurn, WorkerPairs
 from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.errors import TransferError
 from weightwire.shared.ipc_info import IPCInitInfo
