@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from weightwire.backends.base import ReceiveTurn
 from weightwire.backends.ipc import worker as ipc_worker
 from weightwire.backends.ipc.channel import Channel, Listener
+from weightwire.backends.worker_base import ReceiveTurn
 from weightwire.shared.errors import PeerLost, TransferError
 from weightwire.shared.framing import plan
 from weightwire.shared.info import encode_secret

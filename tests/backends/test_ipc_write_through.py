@@ -20,7 +20,7 @@ import pytest
 from tests.backends.test_ipc_pull_worker import cp  # noqa: F401  (the fake CUDA fixture)
 from tests.trainer.test_ipc_pipeline import FakePacker
 from tests.trainer.test_ipc_pull import PullCupy, _join, handle
-from weightwire.backends.base import LandingRecord, RoundSender
+from weightwire.backends.base import RoundSender
 from weightwire.backends.ipc.channel import Channel
 from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.slots import IPCSlots
@@ -39,6 +39,7 @@ from weightwire.backends.ipc.through.table import (
     table_messages,
 )
 from weightwire.backends.ipc.trainer import choose_mode
+from weightwire.backends.worker_base import LandingRecord
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
@@ -396,9 +397,9 @@ def test_a_worker_whose_loader_refuses_says_so_once_and_takes_the_pull_path(
     import functools
 
     from tests.backends.test_ipc_pull_worker import _connect, _round
-    from weightwire.backends.base import ReceiveTurn
     from weightwire.backends.ipc import worker as ipc_worker
     from weightwire.backends.ipc.through.worker import IPCWriteThroughLink
+    from weightwire.backends.worker_base import ReceiveTurn
 
     through = functools.partial(ipc_worker.connect_ipc, through=IPCWriteThroughLink)
     monkeypatch.setattr(ipc_worker, "connect_ipc", through)

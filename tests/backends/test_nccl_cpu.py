@@ -19,14 +19,11 @@ import numpy as np
 import pytest
 
 import weightwire.backends.nccl.comm as nccl_mod
+import weightwire.backends.nccl.library as nccl_library
 from weightwire.backends.device import DeviceBytes, stream_pointer
-from weightwire.backends.nccl.comm import (
-    NCCLCommunicator,
-    NCCLUnavailable,
-    format_nccl_version,
-    unique_id_to_bytes,
-    unique_id_to_signed_tuple,
-)
+from weightwire.backends.nccl.comm import NCCLCommunicator
+from weightwire.backends.nccl.join import unique_id_to_bytes, unique_id_to_signed_tuple
+from weightwire.backends.nccl.library import NCCLUnavailable, format_nccl_version
 from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 
 UID = bytes(range(128))
@@ -152,7 +149,8 @@ def names(raw: FakeComm) -> list[str]:
 def test_import_without_cupy_is_harmless_and_pulls_no_framework() -> None:
     code = (
         "import sys; sys.modules['cupy'] = None\n"
-        "import weightwire.backends.nccl.comm as n\n"
+        "import weightwire.backends.nccl.comm\n"
+        "import weightwire.backends.nccl.library as n\n"
         "assert not n.nccl_available()\n"
         "assert 'torch' not in sys.modules and 'jax' not in sys.modules, sorted(sys.modules)\n"
         "print('ok')"
@@ -164,8 +162,8 @@ def test_import_without_cupy_is_harmless_and_pulls_no_framework() -> None:
 
 def test_use_without_cupy_raises_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)
-    assert nccl_mod.nccl_available() is False
-    for call in (nccl_mod.mint_unique_id, nccl_mod.nccl_version):
+    assert nccl_library.nccl_available() is False
+    for call in (nccl_library.mint_unique_id, nccl_library.nccl_version):
         with pytest.raises(NCCLUnavailable, match=r"needs CuPy with NCCL.*cupy-cuda13x"):
             call()
     with pytest.raises(NCCLUnavailable, match="needs CuPy with NCCL"):
@@ -242,7 +240,7 @@ def test_join_times_out_naming_rank_and_world_and_aborts_a_late_communicator(
         return late
 
     cp = FakeCupy()
-    monkeypatch.setattr(nccl_mod, "_cupy", lambda: (cp, fake_nccl(never_until_released)))
+    monkeypatch.setattr(nccl_mod, "load_nccl", lambda: (cp, fake_nccl(never_until_released)))
     start = time.monotonic()
     with pytest.raises(TransferTimeout, match=r"rank 1 of world size 3 .*never joined"):
         NCCLCommunicator.join(unique_id=UID, rank=1, world_size=3, device=1, timeout=0.3)
@@ -264,7 +262,7 @@ def test_join_falls_back_to_signed_tuple_for_older_cupy(monkeypatch: pytest.Monk
         seen.append(uid)
         return FakeComm()
 
-    monkeypatch.setattr(nccl_mod, "_cupy", lambda: (FakeCupy(), fake_nccl(cupy13)))
+    monkeypatch.setattr(nccl_mod, "load_nccl", lambda: (FakeCupy(), fake_nccl(cupy13)))
     uid = bytes(range(128, 256))
     comm = NCCLCommunicator.join(unique_id=uid, rank=0, world_size=2, timeout=5)
     assert seen == [unique_id_to_signed_tuple(uid)]
@@ -276,7 +274,7 @@ def test_join_failure_is_transfer_error(monkeypatch: pytest.MonkeyPatch) -> None
     def broken(world: int, uid: bytes, rank: int) -> FakeComm:
         raise RuntimeError("NCCL_ERROR_INVALID_USAGE: bad rank")
 
-    monkeypatch.setattr(nccl_mod, "_cupy", lambda: (FakeCupy(), fake_nccl(broken)))
+    monkeypatch.setattr(nccl_mod, "load_nccl", lambda: (FakeCupy(), fake_nccl(broken)))
     with pytest.raises(TransferError, match="rank 0 of world size 2.*NCCL_ERROR_INVALID_USAGE"):
         NCCLCommunicator.join(unique_id=UID, rank=0, world_size=2, timeout=5)
     with pytest.raises(ValueError, match=r"device must be a CUDA device index in \[0, 2\), got 5"):

@@ -171,7 +171,7 @@ def test_kept_alive_connections_are_reused_only_while_the_server_keeps_them(
 ) -> None:
     import time
 
-    from weightwire.control import client as client_mod
+    from weightwire.control import servers
 
     client = HTTPWeightSyncClient(server.url, timeout=5)
     for _ in range(3):
@@ -192,7 +192,7 @@ def test_kept_alive_connections_are_reused_only_while_the_server_keeps_them(
     client.start_weight_update()
     client.start_weight_update()
     assert server.connections == 6
-    time.sleep(client_mod._KEEPALIVE_S + 0.2)  # idle past the expiry: dropped, not reused
+    time.sleep(servers._KEEPALIVE_S + 0.2)  # idle past the expiry: dropped, not reused
     client.start_weight_update()
     assert server.connections == 7
 

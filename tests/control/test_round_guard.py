@@ -30,6 +30,7 @@ from weightwire.torch_side.worker.hf_host import HFModelHost
 from weightwire.torch_side.worker.strategy import WeightState
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.gating import RoundPause, after_failed_round, guard_installed, round_pause
+from weightwire.vllm_guard.worker import worker_round_state
 
 BROKEN = "the model holds an incomplete weight round"
 
@@ -67,7 +68,7 @@ class Worker:
     """A vLLM worker as the plugin leaves it: ``weight_transfer_engine`` and the method
     ``install_worker_method`` puts on vLLM's ``WorkerBase``."""
 
-    weightwire_round_state = vllm_guard.worker_round_state
+    weightwire_round_state = worker_round_state
 
     def __init__(self, weights: WeightState) -> None:
         self.weight_transfer_engine = WeightwireTCPEngine.standalone(
@@ -223,7 +224,7 @@ def test_release_fails_closed_when_workers_cannot_tell_or_do_not_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     stock = SimpleNamespace(weight_transfer_engine=object(), weightwire_round_state=None)
-    stock.weightwire_round_state = lambda: vllm_guard.worker_round_state(stock)
+    stock.weightwire_round_state = lambda: worker_round_state(stock)
     with TestClient(build_app([stock])) as http:
         http.post("/weightwire/round_guard/hold", json={"round": "v1"})
         reply = http.post("/weightwire/round_guard/release")

@@ -31,7 +31,7 @@ def fill(session: str, chunk: int) -> int:
 
 
 def unique_id(cfg: dict[str, Any], name: str) -> bytes:
-    from weightwire.backends.nccl.comm import mint_unique_id
+    from weightwire.backends.nccl.library import mint_unique_id
 
     path = Path(cfg["dir"]) / f"{name}.uid"
     if cfg["role"] == "sender":

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from weightwire.backends.nccl.comm import NCCLCommunicator, mint_unique_id
+from weightwire.backends.nccl.comm import NCCLCommunicator
+from weightwire.backends.nccl.library import mint_unique_id
 from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.framing import plan_packed
 from weightwire.shared.meta import ParamMeta

@@ -26,7 +26,8 @@ def test_nccl_round_into_a_cuda_worker(tiny_llama: str, monkeypatch: pytest.Monk
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
-    from weightwire.backends.nccl.comm import NCCLCommunicator, mint_unique_id
+    from weightwire.backends.nccl.comm import NCCLCommunicator
+    from weightwire.backends.nccl.library import mint_unique_id
     from weightwire.tools.server.completions import parse_completion_request
     from weightwire.tools.server.replicas import ReplicaPool, WorkerSpec
 

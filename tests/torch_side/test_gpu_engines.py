@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.gpu(count=2), pytest.mark.timeout(300)]
 
 
 def _start(cfg: dict, tmp_path, *, timeout_s: float = 60.0):
-    from weightwire.backends.nccl.comm import mint_unique_id  # cupy: GPU hosts only
+    from weightwire.backends.nccl.library import mint_unique_id  # cupy: GPU hosts only
 
     dtype = getattr(torch, cfg["dtype"])
     trainer_named = list(ModuleSource(tiny_llama(seed=1, dtype=dtype)))

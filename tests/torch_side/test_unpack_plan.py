@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from weightwire.backends.base import ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.backends.receiving import ChunkedLink
+from weightwire.backends.worker_base import ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.shared.dtypes import SUPPORTED_DTYPES
 from weightwire.shared.framing import Chunk, pack_host, plan
 from weightwire.shared.info import TCPInitInfo, encode_secret

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from weightwire.backends.base import (
+from weightwire.backends.worker_base import (
     LandingRecord,
     ReceiveLink,
     ReceiveProgress,
@@ -162,14 +162,14 @@ def test_an_early_round_whose_update_is_not_written_through_goes_on_in_place() -
 def test_the_round_guard_counts_an_open_written_through_round_as_not_whole() -> None:
     from types import SimpleNamespace
 
-    from weightwire import vllm_guard
+    from weightwire.vllm_guard.worker import worker_round_state
 
     core, model, (link,) = _core(True)
     engine = SimpleNamespace(incomplete_round=None, round_strategy=None)
     worker = SimpleNamespace(weight_transfer_engine=engine)
-    assert vllm_guard.worker_round_state(worker)["whole"] is True
+    assert worker_round_state(worker)["whole"] is True
     core.start()
     core.receive_dict(UpdateInfo.from_metas(METAS).to_dict())
     engine.round_strategy = core.strategy  # what the engine reports while the round is open
-    state = vllm_guard.worker_round_state(worker)
+    state = worker_round_state(worker)
     assert state["whole"] is False and "applied in place is open" in state["reason"]

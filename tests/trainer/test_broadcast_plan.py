@@ -208,8 +208,8 @@ def test_single_sender_worker_refuses_src_1() -> None:
 
 def test_nccl_link_receives_from_the_turns_root(monkeypatch: pytest.MonkeyPatch) -> None:
     """``weightwire_nccl``: one communicator, the turn's ``src`` is the broadcast root."""
-    from weightwire.backends.base import ReceiveTurn
     from weightwire.backends.nccl import worker as nccl_worker
+    from weightwire.backends.worker_base import ReceiveTurn
     from weightwire.shared.framing import plan
 
     calls: list[int] = []

@@ -308,7 +308,7 @@ def test_verify_covers_every_broadcaster_and_names_a_bad_tensors_broadcaster() -
 def test_weightwire_nccl_hands_the_other_broadcasters_only_the_join_fields() -> None:
     """The real backend's group hooks, as far as they run without cupy: the peer fields
     are the unique id and the group's world size, and joining needs NCCL on that rank."""
-    from weightwire.backends.nccl import comm as nccl
+    from weightwire.backends.nccl.library import nccl_available
     from weightwire.trainer.backends import get_backend
 
     backend = get_backend("weightwire_nccl")
@@ -320,7 +320,7 @@ def test_weightwire_nccl_hands_the_other_broadcasters_only_the_join_fields() -> 
         "timeout_s": 9.0,
     }
     assert backend.peer_fields(payload) == {"nccl_unique_id_b64": "A" * 172, "world_size": 5}
-    if not nccl.nccl_available():
+    if not nccl_available():
         with pytest.raises(
             RuntimeError, match="needs cupy with NCCL and a CUDA device on every broadcasting rank"
         ):

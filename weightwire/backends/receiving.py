@@ -1,7 +1,7 @@
 """The chunk-by-chunk receive loop the built-in backends' worker links share.
 
 A generic part a backend may use, like ``pipelines`` on rank 0's side; the contract itself
-is ``base.ReceiveLink``.
+is ``worker_base.ReceiveLink``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from abc import abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
-from weightwire.backends.base import (
+from weightwire.backends.worker_base import (
     ReceiveLink,
     ReceiveProgress,
     ReceiveTurn,

@@ -1,8 +1,8 @@
 """``HTTPWeightSyncClient``: vLLM's weight-sync HTTP routes, driven over httpx.
 
-Each call is built and sent by ``wire.Wire`` (httpx requests and responses, httpx's
-exceptions, a leaner path to the socket than ``httpx.Client.request``: a round's three
-calls are its fixed cost; see ``wire``).
+The plumbing under the routes is ``servers.ServerSet``. Each call is built and sent by
+``wire.Wire`` (httpx requests and responses, httpx's exceptions, a leaner path to the socket
+than ``httpx.Client.request``: a round's three calls are its fixed cost; see ``wire``).
 
 It satisfies the four-call client protocol trainer engines use
 (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
@@ -19,7 +19,6 @@ in reprs, logs or errors.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,29 +26,13 @@ import httpx
 
 from weightwire import vllm_guard
 from weightwire.control.dp import RankLayout, ServerTopology, plan_ranks
-from weightwire.control.errors import server_message
-from weightwire.control.fanout import fan_out
-from weightwire.control.wire import Wire
+from weightwire.control.servers import ServerSet
 from weightwire.shared import routes
-from weightwire.shared.checks import check_seconds
 from weightwire.shared.errors import WeightSyncError
-from weightwire.shared.routes import CHECKER_ACTIONS, PAUSE_MODES, SESSION_HEADER, Route
-
-_OWNED = frozenset(r.name for r in (routes.START, routes.UPDATE, routes.FINISH, routes.SHUTDOWN))
-"""Routes that carry the session id an init reply returned (``SESSION_HEADER``)."""
+from weightwire.shared.routes import CHECKER_ACTIONS, PAUSE_MODES
 
 
-_KEEPALIVE_S = 2.0
-_LIMITS = httpx.Limits(keepalive_expiry=_KEEPALIVE_S)
-"""Idle connections are dropped before uvicorn's 5 s keep-alive (vLLM's and ours) closes them:
-a POST on a connection the server just closed fails with a reset and is never retried."""
-
-
-_JSON = (b"Content-Type", b"application/json")
-_SESSION_KEY = SESSION_HEADER.encode("ascii")
-
-
-class HTTPWeightSyncClient:
+class HTTPWeightSyncClient(ServerSet):
     """Drive one or more vLLM servers' weight-sync routes.
 
     ``timeout`` bounds every single HTTP call (init and update block while the
@@ -65,106 +48,12 @@ class HTTPWeightSyncClient:
         api_key: str | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        urls = [base_url] if isinstance(base_url, str) else list(base_url)
-        if not urls or not all(
-            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
-        ):
-            raise ValueError(f"base_url must be one or more http(s):// URLs, got {urls!r:.200}")
-        if len(set(urls)) != len(urls):
-            raise ValueError(
-                "base_url lists the same server twice; every replica would get each call twice"
-            )
-        check_seconds("timeout", timeout)
-        self.base_urls = [u.rstrip("/") for u in urls]
-        self.timeout = float(timeout)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        http_timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, 30.0))
-        self._clients = [
-            httpx.Client(
-                base_url=u,
-                timeout=http_timeout,
-                headers=headers,
-                transport=transport,
-                limits=_LIMITS,
-            )
-            for u in self.base_urls
-        ]
-        self._wire = [
-            Wire(c, u, http_timeout, own_transport=transport is None, keepalive_expiry=_KEEPALIVE_S)
-            for c, u in zip(self._clients, self.base_urls, strict=True)
-        ]
+        super().__init__(base_url, timeout=timeout, api_key=api_key, transport=transport)
         self._layout: RankLayout | None = None
         self._servers: list[ServerTopology] = []
-        self._sessions: list[str | None] = [None] * len(urls)
-        """Per server: the ``session_id`` its last init returned (servers that return none:
-        None)."""
 
     def __repr__(self) -> str:
         return f"HTTPWeightSyncClient({self.base_urls!r}, timeout={self.timeout})"
-
-    # -- plumbing -------------------------------------------------------------------
-
-    def _request(
-        self, i: int, route: Route, body: Any = None, params: dict[str, Any] | None = None
-    ) -> Any:
-        server = self.base_urls[i]
-        session = self._sessions[i]
-        wire = self._wire[i]
-        headers = wire.headers
-        if body is not None:
-            content = json.dumps(body).encode()
-            headers = [*headers, _JSON]
-        else:
-            content = None
-        if session is not None and route.name in _OWNED:
-            headers = [
-                *headers,
-                (_SESSION_KEY, session.encode("ascii")),
-            ]  # as httpx encodes a str header
-        try:
-            response = wire.send(route, content, headers, params)
-        except httpx.TimeoutException as exc:
-            raise WeightSyncError(
-                route.name,
-                None,
-                f"no answer within {self.timeout} s ({type(exc).__name__})",
-                server,
-            ) from None
-        except httpx.HTTPError as exc:
-            raise WeightSyncError(
-                route.name, None, f"{type(exc).__name__}: {exc}", server
-            ) from None
-        if not 200 <= response.status_code < 300:
-            fallback = response.reason_phrase or "error"
-            raise WeightSyncError(
-                route.name,
-                response.status_code,
-                server_message(response.content, fallback=fallback),
-                server,
-            )
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            return response.text
-
-    def _all(
-        self,
-        route: Route,
-        body: Any = None,
-        params: dict[str, Any] | None = None,
-        bodies: Sequence[Any] | None = None,
-    ) -> list[Any]:
-        """Call ``route`` on every server (``bodies[i]`` for server i when given)."""
-        if len(self._clients) == 1:  # the common case: no closures, no fan-out bookkeeping
-            return [self._request(0, route, body if bodies is None else bodies[0], params)]
-        calls = [
-            (lambda i=i: self._request(i, route, body if bodies is None else bodies[i], params))
-            for i in range(len(self._clients))
-        ]
-        # Each call is bounded by the httpx timeout; the outer bound only guards a stuck thread.
-        return fan_out(calls, timeout=self.timeout + 30.0, name=f"weightwire-{route.name}")
 
     # -- the four-call protocol ---------------------------------------------------------
 
@@ -451,12 +340,6 @@ class HTTPWeightSyncClient:
             return [init_info] * len(self._clients)
         shift = init_info["rank_offset"] - 1  # layout offsets start at 1 (the trainer is rank 0)
         return [{**init_info, "rank_offset": offset + shift} for offset in self.rank_layout.offsets]
-
-    def close(self) -> None:
-        for wire in self._wire:
-            wire.close()
-        for client in self._clients:
-            client.close()
 
     def __enter__(self) -> HTTPWeightSyncClient:
         return self

@@ -32,7 +32,7 @@ defined outside this module)::
       LoaderMapRefused                       [weightwire.torch_side.worker.landing_trace]
       UnavailableError
         MissingExtra (ModuleNotFoundError)   [weightwire._extras]
-        NCCLUnavailable (RuntimeError)       [weightwire.backends.nccl.comm]
+        NCCLUnavailable (RuntimeError)       [weightwire.backends.nccl.library]
         IPCUnavailable (RuntimeError)        [weightwire.backends.ipc.slots]
       ReferenceServerError
         ApiError                             [weightwire.tools.server.web]

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from tests.backends.toy_backend.info import ToyFilesInitInfo, chunk_path, ready_path
-from weightwire.backends.base import ReceiveTurn
 from weightwire.backends.receiving import ChunkedLink
+from weightwire.backends.worker_base import ReceiveTurn
 from weightwire.shared.errors import TransferError, TransferTimeout
 from weightwire.shared.waiting import poll_until
 

@@ -1,5 +1,6 @@
 """The worker's end of ``weightwire_ipc``: connect (say which modes this worker takes,
-learn the session's), then ``IPCPullLink`` (pull mode) or ``IPCLink`` (push mode).
+learn the session's), then ``IPCPullLink`` (pull mode) or ``push.worker.IPCLink`` (push
+mode).
 
 Pull (packed rounds, the default): each chunk lands in a buffer of this worker's
 ``ReceivePool`` (exported once, reused every round); ``post`` names it to the trainer
@@ -7,13 +8,6 @@ Pull (packed rounds, the default): each chunk lands in a buffer of this worker's
 trainer copies the chunk's tensors straight into it and says "ready"; ``wait`` makes
 the current stream wait on the ready event and hands the buffer to torch as a lease
 (``pool.ReceivePool.lease``): no copy on this side.
-
-Push, per piece (the trainer's slots opened once per session): the copy stream waits (on
-the device) for the slot's ready event, copies the piece into the chunk's fresh buffer,
-records this worker's free event for the slot and only then says "free" to the trainer,
-which refills the slot after that event. The copy-out is needed: vLLM's layerwise reload
-and ``HFModelHost`` keep the tensors they are handed until their layer (round) completes,
-while the slot is refilled at once. Chunks land in fresh allocations, as on the other links.
 """
 
 from __future__ import annotations
@@ -26,11 +20,11 @@ from typing import Any
 
 import torch
 
-from weightwire.backends.base import ReceiveTurn, Unpacker, WorkerPairs
-from weightwire.backends.ipc.channel import Channel, check_int, dial
+from weightwire.backends.ipc.channel import check_int, dial
 from weightwire.backends.ipc.pool import ReceivePool
+from weightwire.backends.ipc.push.worker import IPCLink
+from weightwire.backends.ipc.receiver import IPCReceiver, Posted, posted_chunk
 from weightwire.backends.ipc.slots import (
-    MEMCPY_DEVICE_TO_DEVICE,
     OpenedSlots,
     cupy_module,
     device_uuid,
@@ -38,75 +32,17 @@ from weightwire.backends.ipc.slots import (
     event_handle,
     new_ipc_event,
     open_event,
-    record,
     stream_wait,
-    sync_stream,
     trace,
     wait_event_host,
     wait_mode,
 )
 from weightwire.backends.receiving import ChunkedLink
+from weightwire.backends.worker_base import ReceiveTurn, Unpacker, WorkerPairs
 from weightwire.shared.errors import TransferError
-from weightwire.shared.framing import Chunk
 from weightwire.shared.info import encode_secret
-from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo, decode_handles
+from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo
 from weightwire.shared.timeouts import Timeouts
-
-
-class IPCReceiver:
-    """A worker's session: channel, opened slots and ready events, its own free events."""
-
-    def __init__(
-        self,
-        cp: Any,
-        device: int,
-        channel: Channel,
-        slots: OpenedSlots,
-        ready: list[int],
-        free: list[int],
-        info: IPCInitInfo,
-    ) -> None:
-        self.cp, self.device, self.channel, self.slots = cp, device, channel, slots
-        self.ready, self.free, self.info = ready, free, info
-        self._state = "open"
-
-    @property
-    def same_gpu(self) -> bool:
-        return bool(self.info.device_uuid) and self.info.device_uuid == device_uuid(
-            self.cp, self.device
-        )
-
-    def alive(self) -> None:
-        if self._state != "open":
-            raise TransferError(
-                f"IPC receive link is {self._state}; call init_weight_transfer_engine again"
-            )
-
-    def warmup(self, *, timeout: float) -> None:
-        self.channel.expect(
-            "ping",
-            deadline=time.monotonic() + timeout,
-            what="the trainer's warm-up",
-            alive=self.alive,
-        )
-        self.channel.send({"op": "pong"})
-
-    def abort(self) -> None:
-        if self._state == "open":
-            self._state = "aborted"
-        self.channel.abort()
-        # Mappings stay until close: a copy-out may still be reading them.
-
-    def close(self) -> None:
-        if self._state == "closed":
-            return
-        self._state = "closed"
-        self.channel.close()
-        self.slots.close()
-        for e in self.free:
-            with suppress(Exception):
-                self.cp.cuda.runtime.eventDestroy(e)
-        self.free = []
 
 
 def connect_ipc(
@@ -198,153 +134,12 @@ def connect_ipc(
 
 
 @dataclass(frozen=True)
-class _Posted:
-    """A posted chunk: the buffer it lands in (``None``: an empty chunk, pull mode)."""
-
-    buffer: Any
-    chunk: Chunk
-    last: bool
-    """The round's last chunk: its end closes what the session releases after a round."""
-
-
-@dataclass(frozen=True)
 class _Early:
     """A pool buffer named to the trainer at the round's start, for one chunk."""
 
     buffer: Any
     nbytes: int
     """The size it was named for (the last update's size of that chunk)."""
-
-
-def _posted(buffer: Any, index: int, turn: ReceiveTurn) -> _Posted:
-    chunk = turn.chunks[index]
-    return _Posted(buffer, chunk, chunk.stop == len(turn.metas))
-
-
-class IPCLink(ChunkedLink):
-    """Chunks arrive as pieces through the trainer's slots (see the module docstring)."""
-
-    def __init__(
-        self, communicator: IPCReceiver, *, device: torch.device, timeout_s: float, depth: int
-    ) -> None:
-        super().__init__(device=device, timeout_s=timeout_s, depth=depth)
-        self.communicator = communicator
-        self._stream = torch.cuda.Stream(device=device)
-        self._pending: dict[int, _Posted] = {}
-        self._host_wait = wait_mode() == "host"
-
-    def post(self, index: int, turn: ReceiveTurn) -> None:
-        buf = torch.empty(turn.chunks[index].nbytes, dtype=torch.uint8, device=self.device)
-        # The fresh block may have been freed by work still queued on the current stream.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._pending[index] = _posted(buf, index, turn)
-
-    def wait(self, index: int) -> torch.Tensor:
-        posted = self._pending.pop(index)
-        buf, chunk, last = posted.buffer, posted.chunk, posted.last
-        rx = self.communicator
-        cp, ch, sptr = rx.cp, rx.channel, self._stream.cuda_stream
-        deadline = time.monotonic() + self.timeout_s
-        got, base, count = 0, buf.data_ptr(), len(rx.ready)
-        with cp.cuda.Device(rx.device):
-            while got < chunk.nbytes:
-                trace(f"wait c{index}")
-                msg = ch.recv(
-                    deadline=deadline, what=f"piece at byte {got} of chunk {index}", alive=rx.alive
-                )
-                trace(f"got {msg.get('s')}")
-                if msg["op"] == "slots":
-                    self._remap(msg)
-                    continue
-                if msg["op"] != "ready":
-                    raise TransferError(
-                        f"{ch.peer} sent {msg['op']!r} while chunk {index} was being received"
-                    )
-                if (
-                    check_int(msg, "c", 0, 1 << 62, ch.peer) != index
-                    or check_int(msg, "o", 0, 1 << 62, ch.peer) != got
-                ):
-                    raise TransferError(
-                        f"{ch.peer} announced chunk {msg['c']} at byte {msg['o']} "
-                        f"where chunk {index} at byte {got} "
-                        "was due: trainer and worker disagree on the round's plan"
-                    )
-                slot = check_int(msg, "s", 0, count - 1, ch.peer)
-                n = check_int(
-                    msg, "n", 1, min(chunk.nbytes - got, rx.info.packed_buffer_size_bytes), ch.peer
-                )
-                if self._host_wait:
-                    wait_event_host(
-                        cp,
-                        rx.ready[slot],
-                        deadline=deadline,
-                        what=f"the trainer's fill of IPC slot {slot}",
-                        alive=rx.alive,
-                    )
-                else:
-                    stream_wait(cp, sptr, rx.ready[slot])
-                cp.cuda.runtime.memcpyAsync(
-                    base + got, rx.slots.ptrs[slot], n, MEMCPY_DEVICE_TO_DEVICE, sptr
-                )
-                record(cp, rx.free[slot], sptr)
-                ch.send({"op": "free", "s": slot})
-                got += n
-            if last and rx.info.release_after_round:
-                # The trainer frees its slots after this round: copy-outs done, mappings closed
-                # first.
-                sync_stream(
-                    cp,
-                    rx.device,
-                    sptr,
-                    timeout=self.timeout_s,
-                    what="the IPC copy-out",
-                    alive=rx.alive,
-                )
-                rx.slots.close()
-                ch.send({"op": "closed"})
-        buf.record_stream(self._stream)
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        if last:
-            dump_trace("worker")
-        return buf
-
-    def _remap(self, msg: dict[str, Any]) -> None:
-        rx = self.communicator
-        handles = decode_handles(f"{rx.channel.peer} slots.mem", msg.get("mem"))
-        if len(handles) != len(rx.ready):
-            raise TransferError(
-                f"{rx.channel.peer} announced {len(handles)} slots, the session has {len(rx.ready)}"
-            )
-        rx.slots.open(handles)
-
-    def _settle(self, timeout: float) -> bool:
-        rx = self.communicator
-        try:
-            sync_stream(
-                rx.cp,
-                rx.device,
-                self._stream.cuda_stream,
-                timeout=timeout,
-                what="the IPC copy stream",
-            )
-        except Exception:
-            return False
-        return True
-
-    def abort(self) -> None:
-        self._pending.clear()
-        self.communicator.abort()
-        # Unmap once no copy-out reads the slots any more (bounded); a copy stream
-        # that will not settle keeps its mappings rather than read unmapped memory.
-        if self._settle(5.0):
-            self.communicator.close()
-
-    def close(self) -> None:
-        self._pending.clear()
-        if self._settle(30.0):
-            self.communicator.close()
-        else:
-            self.communicator.abort()
 
 
 class IPCPullLink(ChunkedLink):
@@ -373,7 +168,7 @@ class IPCPullLink(ChunkedLink):
         super().__init__(device=device, timeout_s=timeout_s, depth=depth)
         self.communicator = communicator
         self.pool = ReceivePool(communicator.cp, communicator.device)
-        self._pending: dict[int, _Posted] = {}
+        self._pending: dict[int, Posted] = {}
         self._host_wait = wait_mode() == "host"
         self._offer_early = early and not communicator.info.release_after_round
         self._early: dict[int, _Early] = {}  # by chunk index
@@ -421,14 +216,14 @@ class IPCPullLink(ChunkedLink):
         named = self._early.pop(index, None)
         if named is not None:
             if named.nbytes == chunk.nbytes:  # the trainer fills it without being asked
-                self._pending[index] = _posted(named.buffer, index, turn)
+                self._pending[index] = posted_chunk(named.buffer, index, turn)
                 return
             self.pool.unfill(named.buffer)  # the plan changed: the trainer skips it too
         if chunk.nbytes == 0:  # nothing to write (a round of empty tensors)
-            self._pending[index] = _posted(None, index, turn)
+            self._pending[index] = posted_chunk(None, index, turn)
             return
         buf = self.pool.acquire(chunk.nbytes, self._stream())
-        self._pending[index] = _posted(buf, index, turn)
+        self._pending[index] = posted_chunk(buf, index, turn)
         rx.channel.send({"op": "want", "c": index, "n": chunk.nbytes, **self.pool.describe(buf)})
 
     def wait(self, index: int) -> torch.Tensor:

@@ -24,93 +24,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from weightwire._extras import install_command
 from weightwire.backends.device import DeviceBytes, event_done, resolve_buffer, stream_pointer
-from weightwire.backends.nccl.join import (
-    check_join_args,
-    check_seconds,
-    init_rank,
-    unique_id_to_bytes,
+from weightwire.backends.nccl.join import check_join_args, check_seconds, init_rank
+from weightwire.backends.nccl.library import (
+    NCCL_FLOAT32,
+    NCCL_ITEMSIZE,
+    NCCL_SUM,
+    NCCL_UINT8,
+    format_nccl_version,
+    load_nccl,
 )
-from weightwire.backends.nccl.join import (
-    unique_id_to_signed_tuple as unique_id_to_signed_tuple,
-)  # re-export
-from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout, UnavailableError
+from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.waiting import poll_until
 
-# ncclDataType_t / ncclRedOp_t values from nccl.h (stable ABI).
-NCCL_UINT8, NCCL_FLOAT32, NCCL_SUM = 1, 7, 0
-NCCL_ITEMSIZE: dict[int, int] = {
-    0: 1,
-    1: 1,
-    2: 4,
-    3: 4,
-    4: 8,
-    5: 8,
-    6: 2,
-    7: 4,
-    8: 8,
-    9: 2,
-    10: 1,
-    11: 1,
-}
 _NCCL_REMOTE_ERROR = 6
 
 # A wait polls (``shared.waiting``), spinning long enough to cover a whole large round
 # (a sleep's wake-up latency would cost several percent of a 45 ms 16 GB transfer);
 # NCCL's asynchronous errors are asked for far less often.
 _ASYNC_CHECK_EVERY_S = 0.01
-
-
-class NCCLUnavailable(UnavailableError, RuntimeError):
-    """CuPy (with its NCCL binding) or a CUDA device is missing on this machine."""
-
-
-def _cupy() -> tuple[Any, Any]:
-    """``(cupy, cupy.cuda.nccl)`` or ``NCCLUnavailable`` saying how to get them."""
-    try:
-        import cupy  # optional dependency, GPU hosts only
-        from cupy.cuda import nccl
-    except Exception as exc:  # ImportError, or OSError/RuntimeError from CUDA libraries
-        raise NCCLUnavailable(
-            "the NCCL transport needs CuPy with NCCL: "
-            f"{install_command('cuda13')} (cupy-cuda13x) or "
-            f"[cuda12] (cupy-cuda12x), matching your CUDA, on a CUDA machine; import failed: {exc}"
-        ) from exc
-    if not getattr(nccl, "available", False):
-        raise NCCLUnavailable(
-            "CuPy is installed but its NCCL library could not be loaded (libnccl.so.2 missing?)"
-        )
-    return cupy, nccl
-
-
-def nccl_available() -> bool:
-    """True when CuPy's NCCL binding loads and at least one CUDA device is visible."""
-    try:
-        cp, _ = _cupy()
-        return int(cp.cuda.runtime.getDeviceCount()) > 0
-    except Exception:
-        return False
-
-
-def format_nccl_version(code: int) -> str:
-    """``ncclGetVersion`` code -> ``"2.28.9"`` (codes below 2.9 used ``x*1000 + y*100 + z``)."""
-    if code >= 10000:
-        return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
-    return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
-
-
-def nccl_version() -> str:
-    """The runtime NCCL version CuPy loaded, e.g. ``"2.28.9"``; keep it equal to the workers'."""
-    _, nccl = _cupy()
-    return format_nccl_version(int(nccl.get_version()))
-
-
-def mint_unique_id() -> bytes:
-    """A fresh 128-byte ``ncclUniqueId`` (a secret: whoever holds it can join the group)."""
-    _, nccl = _cupy()
-    return unique_id_to_bytes(nccl.get_unique_id())
 
 
 class NCCLCommunicator:
@@ -144,7 +77,7 @@ class NCCLCommunicator:
         (default: the current one). Every rank must enter concurrently; if they have not
         all arrived within ``timeout`` seconds this raises ``TransferTimeout``."""
         uid = check_join_args(unique_id, rank, world_size, timeout)
-        cp, nccl = _cupy()
+        cp, nccl = load_nccl()
         count = int(cp.cuda.runtime.getDeviceCount())
         if device is None:
             device = int(cp.cuda.runtime.getDevice())

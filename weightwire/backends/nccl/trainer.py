@@ -24,6 +24,7 @@ from weightwire.backends.base import (
 )
 from weightwire.backends.device import SlotBuffers
 from weightwire.backends.nccl import comm as nccl
+from weightwire.backends.nccl.library import mint_unique_id, nccl_available
 from weightwire.backends.nccl.sparse import sparse_nccl_round
 from weightwire.backends.nccl.stock import plan_for_stock
 from weightwire.backends.pipelines import DevicePipeline
@@ -92,11 +93,11 @@ class NCCLBackend(Backend):
         ).to_dict()
 
     def open(self, info: SenderSettings, *, world_size: int) -> Rendezvous:
-        if not nccl.nccl_available():  # cupy is imported here, on first use, not with this module
+        if not nccl_available():  # cupy is imported here, on first use, not with this module
             raise RuntimeError(
                 f"backend {self.name!r} needs cupy with NCCL and a CUDA device on the trainer host"
             )
-        unique_id = nccl.mint_unique_id()
+        unique_id = mint_unique_id()
         return _NCCLRendezvous(
             self._payload(info, unique_id, world_size), unique_id, world_size, info.device
         )
@@ -193,7 +194,7 @@ class WeightwireNCCLBackend(NCCLBackend):
     def join_peer(
         self, info: SenderSettings, fields: dict[str, Any], *, rank: int, timeout: float
     ) -> Communicator:
-        if not nccl.nccl_available():
+        if not nccl_available():
             raise RuntimeError(
                 f"backend {self.name!r} needs cupy with NCCL "
                 "and a CUDA device on every broadcasting rank"

@@ -22,7 +22,6 @@ aborted (every socket shut down) and later calls raise.
 from __future__ import annotations
 
 import logging
-import queue
 import select
 import selectors
 import socket
@@ -31,7 +30,8 @@ import time
 from typing import Any
 
 from weightwire.backends.tcp import wire
-from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
+from weightwire.backends.tcp.links import LinkGroup, PeerLink
+from weightwire.shared.errors import TransferError, TransferTimeout
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.timeouts import DEFAULT_TIMEOUTS
 
@@ -40,20 +40,6 @@ __all__ = ["SOCKET_BUFFER_BYTES", "TCPCommunicator"]
 logger = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = wire.DEFAULT_SOCKET_BUFFER_BYTES
-
-
-class _Link:
-    """One connection to a peer; on the root, optionally served by a persistent sender thread."""
-
-    def __init__(self, rank: int, sock: socket.socket, addr: str) -> None:
-        self.rank = rank
-        self.sock = sock
-        self.addr = addr
-        self.progress = [0]
-        self.jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-
-    def __str__(self) -> str:
-        return f"rank {self.rank} ({self.addr})"
 
 
 class _Batch:
@@ -79,7 +65,7 @@ class _Batch:
             )
 
 
-class TCPCommunicator:
+class TCPCommunicator(LinkGroup):
     """One rank's end of a TCP broadcast group (``shared.communicator.Communicator``).
 
     Build it with ``TCPRendezvous.accept`` (rank 0) or ``TCPCommunicator.connect``
@@ -91,13 +77,10 @@ class TCPCommunicator:
         *,
         rank: int,
         world_size: int,
-        links: list[_Link],
+        links: list[PeerLink],
         transfer_timeout: float | None = None,
         warmup_timeout: float | None = None,
     ) -> None:
-        self._rank = rank
-        self._world_size = world_size
-        self._links = links
         self._transfer_timeout = wire.positive_seconds(
             "transfer_timeout",
             DEFAULT_TIMEOUTS.transfer_s if transfer_timeout is None else transfer_timeout,
@@ -106,13 +89,8 @@ class TCPCommunicator:
             "warmup_timeout",
             DEFAULT_TIMEOUTS.warmup_s if warmup_timeout is None else warmup_timeout,
         )
+        super().__init__(rank=rank, world_size=world_size, links=links)
         self._seq = 0
-        self._lock = threading.Lock()
-        self._busy = threading.Lock()  # one warmup/broadcast at a time: frames must not interleave
-        self._state = "open"
-        self._active = 0
-        self._fds_closed = False
-        self._failure: TransferError | None = None
         self._workers: list[threading.Thread] = []
         if rank == 0:  # the caller's thread serves links[0]; one persistent thread per other link
             for link in links[1:]:
@@ -161,7 +139,7 @@ class TCPCommunicator:
         return cls(
             rank=rank,
             world_size=world_size,
-            links=[_Link(0, sock, f"sender at {host}:{port}")],
+            links=[PeerLink(0, sock, f"sender at {host}:{port}")],
             transfer_timeout=transfer_timeout,
             warmup_timeout=warmup_timeout,
         )
@@ -245,13 +223,6 @@ class TCPCommunicator:
                 return True
         return False
 
-    def abort(self) -> None:
-        """Shut every socket down at once (waking blocked threads); later calls raise."""
-        self._teardown("aborted")
-
-    def close(self) -> None:
-        self._teardown("closed")
-
     def __enter__(self) -> TCPCommunicator:
         return self
 
@@ -287,7 +258,7 @@ class TCPCommunicator:
         if batch.error is not None:
             raise self._fail(batch.error)
 
-    def _serve(self, link: _Link) -> None:
+    def _serve(self, link: PeerLink) -> None:
         while (job := link.jobs.get()) is not None:
             try:
                 self._send_job(link, *job)
@@ -296,7 +267,7 @@ class TCPCommunicator:
 
     def _send_job(
         self,
-        link: _Link,
+        link: PeerLink,
         payload: list[memoryview],
         deadline: float,
         batch: _Batch,
@@ -385,121 +356,6 @@ class TCPCommunicator:
                 ) from None
             raise self._fail(self._lost(link, where, short.cause)) from None
 
-    # -- shared helpers --------------------------------------------------------------
-
-    def _send(self, link: _Link, chunks: list[bytes], deadline: float, what: str) -> None:
-        try:
-            wire.send_all(link.sock, [memoryview(c) for c in chunks], deadline, [0])
-        except wire.WireShort as short:
-            if short.timed_out:
-                raise self._fail(
-                    TransferTimeout(f"TCP {what}: sending to {link} timed out")
-                ) from None
-            raise self._fail(self._lost(link, f"during {what}", short.cause)) from None
-
-    def _expect(
-        self,
-        link: _Link,
-        tag: bytes,
-        deadline: float,
-        limit: float,
-        what: str,
-        *,
-        seq: int | None = None,
-    ) -> int:
-        """Read one frame header from ``link``; check its tag (and seq); return its length."""
-        try:
-            got_tag, got_seq, length = wire.FRAME.unpack(
-                wire.recv_exact(link.sock, wire.FRAME.size, deadline)
-            )
-        except wire.WireShort as short:
-            if short.timed_out:
-                raise self._fail(
-                    TransferTimeout(f"TCP {what}: nothing from {link} within {limit:g} s")
-                ) from None
-            raise self._fail(
-                self._lost(
-                    link,
-                    f"before {what} (header byte {short.offset} of {wire.FRAME.size})",
-                    short.cause,
-                )
-            ) from None
-        if got_tag != tag:
-            raise self._fail(
-                TransferError(
-                    f"TCP stream desynchronized during {what}: "
-                    f"expected frame {tag!r} from {link}, got {got_tag!r}"
-                )
-            )
-        if seq is not None and got_seq != seq:
-            raise self._fail(
-                TransferError(
-                    "TCP stream desynchronized: "
-                    f"expected broadcast #{seq} from {link}, got #{got_seq}"
-                )
-            )
-        return length
-
-    def _lost(self, link: _Link, where: str, cause: str) -> TransferError:
-        if self._state != "open":
-            return TransferError(
-                f"TCP communicator (rank {self._rank}) was {self._state} {where} with {link}"
-            )
-        return PeerLost(f"lost {link} {where}: {cause}")
-
-    def _enter(self) -> None:
-        with self._lock:
-            if self._state != "open":
-                reason = f": {self._failure}" if self._failure is not None else ""
-                raise TransferError(
-                    f"TCP communicator (rank {self._rank}) is {self._state}{reason}"
-                )
-            if not self._busy.acquire(blocking=False):
-                raise RuntimeError(
-                    "TCPCommunicator: warmup/broadcast called while another is in progress; "
-                    "calls must be sequential"
-                )
-            self._active += 1
-
-    def _leave(self) -> None:
-        self._busy.release()
-        self._exit()
-
-    def _exit(self) -> None:
-        with self._lock:
-            self._active -= 1
-            close_now = self._state != "open" and self._active == 0 and not self._fds_closed
-            self._fds_closed |= close_now
-        if close_now:
-            self._close_fds()
-
-    def _fail(self, error: TransferError) -> TransferError:
-        with self._lock:
-            if self._failure is None:
-                self._failure = error
-            first = self._failure
-        self.abort()
-        return first
-
-    def _teardown(self, state: str) -> None:
-        with self._lock:
-            if self._state == "open":
-                self._state = state
-            if not self._fds_closed:
-                for link in self._links:
-                    wire.shutdown_quietly(link.sock)
-            # Never close an fd another thread may still be inside: the last _exit closes them.
-            close_now = self._active == 0 and not self._fds_closed
-            self._fds_closed |= close_now
-        for link in self._links[1:] if self._rank == 0 else ():
-            link.jobs.put(None)
-        if close_now:
-            self._close_fds()
-
-    def _close_fds(self) -> None:
-        for link in self._links:
-            link.sock.close()
-
 
 def root_communicator(
     links: list[tuple[int, socket.socket, str]],
@@ -515,7 +371,7 @@ def root_communicator(
     return TCPCommunicator(
         rank=0,
         world_size=world_size,
-        links=[_Link(r, s, a) for r, s, a in sorted(links, key=lambda x: x[0])],
+        links=[PeerLink(r, s, a) for r, s, a in sorted(links, key=lambda x: x[0])],
         transfer_timeout=transfer_timeout,
         warmup_timeout=warmup_timeout,
     )

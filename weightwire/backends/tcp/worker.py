@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from weightwire.backends.base import ReceiveTurn
 from weightwire.backends.receiving import ChunkedLink
 from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.worker_base import ReceiveTurn
 from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.timeouts import Timeouts

@@ -43,13 +43,8 @@ def _worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank: join, warm up, run the schedule, return its timings (seconds per block)."""
     import cupy as cp
 
-    from weightwire.backends.nccl.comm import (
-        NCCL_FLOAT32,
-        NCCL_SUM,
-        NCCL_UINT8,
-        NCCLCommunicator,
-        mint_unique_id,
-    )
+    from weightwire.backends.nccl.comm import NCCLCommunicator
+    from weightwire.backends.nccl.library import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, mint_unique_id
 
     uid_path = cfg["uid_path"]
     if rank == 0:

@@ -112,7 +112,7 @@ def run_config(
     nb: int,
     cfg: dict[str, Any],
 ) -> dict[str, Any]:
-    from weightwire.backends.nccl.comm import mint_unique_id
+    from weightwire.backends.nccl.library import mint_unique_id
     from weightwire.shared.framing import plan
     from weightwire.shared.timeouts import Timeouts
     from weightwire.trainer.config import TrainerInitInfo
@@ -221,7 +221,7 @@ def run_config(
 
 
 def sender_main(cfg: dict[str, Any]) -> None:
-    from weightwire.backends.nccl.comm import nccl_available
+    from weightwire.backends.nccl.library import nccl_available
 
     engine, control = cfg["engine"], cfg["control"]
     rows: list[dict[str, Any]] = []

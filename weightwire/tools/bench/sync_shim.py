@@ -261,7 +261,8 @@ def raw_rounds(uid: bytes, rank: int, sizes: list[int], rounds: int, timeout: fl
     """Raw CuPy NCCL: each round broadcasts ``sizes`` back to back on one stream, one buffer."""
     import cupy as cp
 
-    from weightwire.backends.nccl.comm import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8, NCCLCommunicator
+    from weightwire.backends.nccl.comm import NCCLCommunicator
+    from weightwire.backends.nccl.library import NCCL_FLOAT32, NCCL_SUM, NCCL_UINT8
 
     comm = NCCLCommunicator.join(unique_id=uid, rank=rank, world_size=2, device=0, timeout=timeout)
     comm.warmup(timeout=timeout)

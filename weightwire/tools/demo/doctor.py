@@ -270,7 +270,7 @@ def _backend(http: Prober, say: _Report) -> str | None:
 
 def _nccl(http: Prober, say: _Report, reference: bool) -> None:
     try:
-        from weightwire.backends.nccl.comm import nccl_available, nccl_version
+        from weightwire.backends.nccl.library import nccl_available, nccl_version
 
         local = nccl_version() if nccl_available() else "n/a (no cupy with NCCL, or no CUDA device)"
     except Exception as exc:  # any CUDA/cupy failure means "not available here"

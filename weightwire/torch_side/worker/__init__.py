@@ -1,7 +1,7 @@
 """The receiving side: worker engines, receive links, ``HFModelHost`` and the vLLM plugin.
 
 Where a byte lands: ``connect`` (rendezvous, through the backend registry: each
-backend's ``ReceiveLink``, ``weightwire.backends.base``, is in
+backend's ``ReceiveLink``, ``weightwire.backends.worker_base``, is in
 ``weightwire.backends.<name>.worker``) -> ``receive`` (unpack) -> ``core`` (session
 rules, failure handling, ``load_weights``) -> the model
 (``hf_host.HFModelHost`` in the reference server, vLLM's model inside vLLM).

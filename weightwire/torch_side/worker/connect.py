@@ -1,7 +1,7 @@
 """Rendezvous: from a validated init info to a connected, warmed-up ``ReceiveLink``.
 
 ``connect`` dispatches on the init info's ``backend`` through the registry
-(``weightwire.backends``): each backend's connect function (``backends.base.Connect``)
+(``weightwire.backends``): each backend's connect function (``backends.worker_base.Connect``)
 lives in its package and is imported on the first init, so a TCP-only CPU worker
 never imports the NCCL or IPC code (nor cupy), and a process that only registers the
 plugin imports none of them.
@@ -16,7 +16,7 @@ from weightwire import backends
 if TYPE_CHECKING:
     import torch
 
-    from weightwire.backends.base import ReceiveLink
+    from weightwire.backends.worker_base import ReceiveLink
 
 
 def connect(info: Any, *, rank: int, device: torch.device) -> ReceiveLink:

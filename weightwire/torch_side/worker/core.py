@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from weightwire.backends.base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
+from weightwire.backends.worker_base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.info import TCPInitInfo, WeightwireNCCLInitInfo
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES

@@ -3,7 +3,7 @@
 ``MetaCache.resolve`` turns an update info into the round's metadata, chunk plan (the
 same ``framing.plan`` the trainer cut the round with) and each chunk's ``UnpackPlan``,
 all kept for the next round with the same metadata; the backend's link
-(``backends.base.ReceiveLink.receive``) yields each chunk's ``(name, tensor)`` views;
+(``backends.worker_base.ReceiveLink.receive``) yields each chunk's ``(name, tensor)`` views;
 ``load_batches`` regroups them for ``load_weights``
 ("chunk": as received, "group": one decoder layer across chunk edges); ``load_staged``
 applies a fully received (staged) round layer by layer. The session and failure rules

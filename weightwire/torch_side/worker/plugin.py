@@ -18,7 +18,7 @@ import logging
 
 from weightwire import backends
 from weightwire.shared.timeouts import Timeouts
-from weightwire.vllm_guard import install_worker_method
+from weightwire.vllm_guard.worker import install_worker_method
 
 log = logging.getLogger(__name__)
 

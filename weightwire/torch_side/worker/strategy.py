@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, ClassVar
 
-from weightwire.backends.base import LandingRecord
+from weightwire.backends.worker_base import LandingRecord
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_streams
 from weightwire.torch_side.worker.delta import HostCopy, RoundDelta

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from weightwire.backends.base import LandingRecord, ReceiveProgress, ReceiveTurn, WorkerPairs
 from weightwire.backends.ipc import worker as ipc_worker
 from weightwire.backends.ipc.channel import check_int
+from weightwire.backends.ipc.push.worker import IPCLink
+from weightwire.backends.ipc.receiver import IPCReceiver
 from weightwire.backends.ipc.slots import dump_trace, record, stream_wait, trace, wait_event_host
 from weightwire.backends.ipc.through.table import (
     Alloc,
@@ -37,7 +38,8 @@ from weightwire.backends.ipc.through.table import (
     refusal_message,
     table_messages,
 )
-from weightwire.backends.ipc.worker import IPCLink, IPCPullLink, IPCReceiver
+from weightwire.backends.ipc.worker import IPCPullLink
+from weightwire.backends.worker_base import LandingRecord, ReceiveProgress, ReceiveTurn, WorkerPairs
 from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.errors import TransferError
 from weightwire.shared.ipc_info import IPCInitInfo

@@ -26,32 +26,37 @@ not whole. A release resumes generation too (``?resume=false`` keeps a pause).
 
 The guard's state lives in the API-server process. With ``--api-server-count`` above 1
 each process has its own, so the guard declines to hold (409) and reports
-``covers: false``; the trainer then warns. This module is torch-free and imports no vLLM
-at module level: it runs inside vLLM's API server and in the plugin's workers.
+``covers: false``; the trainer then warns. This package is torch-free and imports no vLLM
+at module level: it runs inside vLLM's API server and in the plugin's workers (``worker``:
+the workers' answer; ``asgi``: the plumbing the middleware runs on).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
 from weightwire.shared.routes import Route
+from weightwire.vllm_guard.asgi import (
+    ASGIApp,
+    Receive,
+    Reply,
+    Scope,
+    Send,
+    api_server_count,
+    authorized,
+    engine_client,
+    read_body,
+    send_reply,
+)
+from weightwire.vllm_guard.worker import WORKER_METHOD
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MIDDLEWARE = "weightwire.vllm_guard.RoundGuard"
 """What ``--middleware`` takes."""
@@ -59,10 +64,8 @@ GUARD_API = 1
 STATUS = Route("round_guard", "GET", "/weightwire/round_guard", weight_route=False)
 HOLD = Route("hold_round", "POST", "/weightwire/round_guard/hold", weight_route=False)
 RELEASE = Route("release_round", "POST", "/weightwire/round_guard/release", weight_route=False)
-WORKER_METHOD = "weightwire_round_state"
 WORKER_TIMEOUT_S = 30.0
 """Bound on asking the workers at a release (a worker busy in a round answers after it)."""
-_MAX_BODY = 64 << 10
 _MAX_TEXT = 200
 
 PASSING_POSTS = frozenset(
@@ -146,13 +149,6 @@ class Hold:
         return {"round": self.round, "session": self.session, "since": self.since}
 
 
-@dataclass(frozen=True)
-class Reply:
-    status: int
-    body: dict[str, Any]
-    headers: tuple[tuple[bytes, bytes], ...] = ()
-
-
 def _error(status: int, message: str, kind: str, **extra: Any) -> Reply:
     return Reply(status, {"error": {"message": message, "type": kind, "code": status, **extra}})
 
@@ -181,10 +177,10 @@ class RoundGuard:
                     f"round guard: {type(exc).__name__}: {str(exc)[:300]}",
                     "InternalServerError",
                 )
-            await _send_reply(send, reply)
+            await send_reply(send, reply)
             return
         hold = self.hold
-        if hold is None or not runs_model(scope) or not _authorized(scope):
+        if hold is None or not runs_model(scope) or not authorized(scope):
             # Unauthenticated requests go on to vLLM's own 401.
             await self.app(scope, receive, send)
             return
@@ -195,7 +191,7 @@ class RoundGuard:
             )  # a close reason is <= 123 bytes
             await send({"type": "websocket.close", "code": 1013, "reason": reason})
             return
-        await _send_reply(
+        await send_reply(
             send,
             _error(
                 503,
@@ -208,7 +204,7 @@ class RoundGuard:
 
     # ---------------------------------------------------------------- control routes
     async def _control(self, scope: Scope, receive: Receive, path: str) -> Reply:
-        if not _authorized(scope):
+        if not authorized(scope):
             return _error(401, "the round guard's routes need the server's API key", "Unauthorized")
         route = {r.path: r for r in (STATUS, HOLD, RELEASE)}.get(path.rstrip("/"))
         if route is None:
@@ -222,7 +218,7 @@ class RoundGuard:
         return await self._release(scope)
 
     def status(self, scope: Scope) -> dict[str, Any]:
-        count = _api_server_count(scope)
+        count = api_server_count(scope)
         return {
             "guard": "weightwire",
             "api": GUARD_API,
@@ -234,7 +230,7 @@ class RoundGuard:
         }
 
     async def _hold(self, scope: Scope, receive: Receive) -> Reply:
-        count = _api_server_count(scope)
+        count = api_server_count(scope)
         if count != 1:
             return _error(
                 409,
@@ -244,7 +240,7 @@ class RoundGuard:
                 "Conflict",
             )
         try:
-            body = json.loads(await _read_body(receive) or b"{}")
+            body = json.loads(await read_body(receive) or b"{}")
             hold = _parse_hold(body)
         except (ValueError, TypeError) as exc:
             return _error(400, f"bad hold request: {exc}", "BadRequest")
@@ -260,7 +256,7 @@ class RoundGuard:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         resume = query.get("resume", ["true"])[-1].lower() not in ("false", "0", "no")
         checked = self.hold
-        engine = _engine_client(scope)
+        engine = engine_client(scope)
         whole, why = await workers_whole(engine)
         if not whole:
             return _error(
@@ -331,95 +327,3 @@ async def workers_whole(engine: Any) -> tuple[bool, str]:
             why = answer.get("reason") if isinstance(answer, dict) else f"answered {answer!r:.100}"
             return False, f"worker {rank}: {why}"
     return True, ""
-
-
-def worker_round_state(worker: Any) -> dict[str, Any]:
-    """``WORKER_METHOD``: this worker's answer (installed on vLLM's ``WorkerBase``)."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    if engine is None:
-        return {"whole": True, "engine": None, "reason": None}
-    name = type(engine).__name__
-    if not hasattr(engine, "incomplete_round"):
-        return {
-            "whole": None,
-            "engine": name,
-            "reason": f"weight-transfer engine {name} is not weightwire's: "
-            "it cannot tell whether the weights are whole",
-        }
-    incomplete = engine.incomplete_round
-    if incomplete is not None:
-        return {"whole": False, "engine": name, "reason": incomplete.describe()}
-    if getattr(engine, "round_strategy", None) in ("streaming", "write_through"):
-        return {
-            "whole": False,
-            "engine": name,
-            "reason": "a round applied in place is open (not committed yet)",
-        }
-    return {"whole": True, "engine": name, "reason": None}
-
-
-def install_worker_method() -> None:
-    """Give vLLM's workers ``WORKER_METHOD`` (a new name; nothing of vLLM's is replaced)."""
-    try:
-        from vllm.v1.worker.worker_base import WorkerBase
-    except ImportError:
-        return
-    if not hasattr(WorkerBase, WORKER_METHOD):
-        setattr(WorkerBase, WORKER_METHOD, worker_round_state)
-
-
-# ---------------------------------------------------------------- ASGI plumbing
-def _app_state(scope: Scope) -> Any:
-    return getattr(scope.get("app"), "state", None)
-
-
-def _engine_client(scope: Scope) -> Any:
-    return getattr(_app_state(scope), "engine_client", None)
-
-
-def _api_server_count(scope: Scope) -> int:
-    count = getattr(getattr(_app_state(scope), "args", None), "api_server_count", None)
-    return count if isinstance(count, int) and count > 0 else 1
-
-
-def _api_keys(scope: Scope) -> list[str]:
-    keys = getattr(getattr(_app_state(scope), "args", None), "api_key", None)
-    if isinstance(keys, str):
-        keys = [keys]
-    keys = [k for k in keys or [os.environ.get("VLLM_API_KEY", "")] if k]
-    return keys
-
-
-def _authorized(scope: Scope) -> bool:
-    """The request carries one of the server's API keys (any request when it has none)."""
-    keys = _api_keys(scope)
-    if not keys:
-        return True
-    headers = dict(scope.get("headers") or [])
-    given = headers.get(b"authorization", b"").decode("latin-1")
-    token = given.removeprefix("Bearer ").encode()
-    return any(hmac.compare_digest(token, k.encode()) for k in keys)
-
-
-async def _read_body(receive: Receive) -> bytes:
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if len(body) > _MAX_BODY:
-            raise ValueError(f"body over {_MAX_BODY} bytes")
-        if not message.get("more_body"):
-            return body
-
-
-async def _send_reply(send: Send, reply: Reply) -> None:
-    data = json.dumps(reply.body).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(data)).encode()),
-        *reply.headers,
-    ]
-    if reply.status == 503:
-        headers.append((b"retry-after", b"10"))
-    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-    await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,143 @@
+"""The per-backend contract, the workers' half: what a backend gives a worker.
+
+The worker package (``weightwire.torch_side.worker``) consumes this module; a backend
+package implements it and imports nothing above ``backends/``. Rank 0's half is
+``backends.base``.
+"""
+
+# A backend gives a worker one function, ``Connect``: from the init info the trainer
+# posted, the worker's rank and its device, a connected, warmed-up ``ReceiveLink``. The
+# worker then receives every update of a round through ``ReceiveLink.receive`` (one
+# ``ReceiveTurn``: that update's chunks, in wire order) and ends the session with
+# ``close``, or with ``abort`` after any error. Tensors and devices are torch's; this
+# module names them ``Any`` so that importing it imports no framework.
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from weightwire.shared.framing import Chunk
+from weightwire.shared.meta import ParamMeta
+
+WorkerPairs = list[tuple[str, Any]]
+"""One chunk's ``(name, tensor)`` views, in wire order."""
+
+
+class Unpacker(Protocol):
+    """How one chunk's buffer becomes its tensors (the worker's ``UnpackPlan``)."""
+
+    @property
+    def in_place(self) -> bool:
+        """Only views (no device work): ``unpack`` may run before the buffer's bytes landed."""
+        ...
+
+    def unpack(self, buffer: Any) -> WorkerPairs:
+        """The chunk's tensors from ``buffer`` (1-D ``uint8`` on the worker's device)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReceiveTurn:
+    """One update of a round, as the worker resolved it before the first byte."""
+
+    src: int
+    """The group rank broadcasting this update (0 with one broadcaster)."""
+    metas: Sequence[ParamMeta]
+    chunks: Sequence[Chunk]
+    """The round's plan (``shared.framing.plan``), the one the trainer cut it with."""
+    unpackers: Sequence[Unpacker]
+    """One per chunk."""
+    packed: bool
+
+
+@dataclass
+class ReceiveProgress:
+    """Where a turn's receive is, for the worker's error messages."""
+
+    chunk: int = -1
+    """Index of the chunk being received or loaded; -1 before the first."""
+
+
+@dataclass(frozen=True)
+class LandingRecord:
+    """The worker model's landing map for a turn (``torch_side.worker.landing.LoaderMap``:
+    its ``tensors`` and ``params``), or why there is none (``refused``)."""
+
+    map: Any | None
+    refused: str | None = None
+
+
+class ReceiveLink(ABC):
+    """One worker's receiving end of a backend's wire, for one session.
+
+    ``receive`` yields a turn's chunks as they land. After any error the worker calls
+    ``abort``: a half-received stream is never resumed. ``abort`` may be called from
+    another thread and must wake a receive blocked in it.
+    """
+
+    def __init__(self, *, device: Any, timeout_s: float, depth: int, sources: int = 1) -> None:
+        self.device = device
+        self.timeout_s = float(timeout_s)
+        self.depth = int(depth)
+        """Chunks in flight at once (the init info's ``packed_num_buffers``)."""
+        self.sources = int(sources)
+        """Broadcasting trainer ranks a turn may name as its ``src``."""
+
+    def check_source(self, src: int) -> None:
+        """``ValueError`` unless this link receives turns from group rank ``src``."""
+        if self.sources == 1 and src != 0:
+            raise ValueError(
+                f"update info names src {src}, but this engine was initialized with "
+                "one broadcasting trainer rank (rank_offset 1): only src 0 can be "
+                "received"
+            )
+        if not 0 <= src < self.sources:
+            raise ValueError(
+                f"update info names src {src}, but the init info lists {self.sources} "
+                f"broadcasting trainer ranks: src must be in [0, {self.sources})"
+            )
+
+    def start_round(self) -> None:
+        """A round started on the worker; a link may get ready for its first update here.
+        Must not block on the trainer."""
+        return None
+
+    @abstractmethod
+    def receive(self, turn: ReceiveTurn, progress: ReceiveProgress) -> Iterator[WorkerPairs]:
+        """Each chunk's ``(name, tensor)`` pairs of ``turn`` as it lands (empty chunks are
+        skipped); ``progress.chunk`` follows the chunk in hand. The source was checked."""
+
+    def peer_closed(self) -> bool:
+        """True when the trainer is known to be gone (it closed the wire) without traffic."""
+        return False
+
+    def early_landing(self) -> frozenset[str] | None:
+        """At a round's start: the tensors the trainer may write straight into the serving
+        parameters from now on, before the update arrives (this session's landing table
+        still holds), or None. When not None the worker records the round as written in
+        place, then calls ``go_early``."""
+        return None
+
+    def go_early(self) -> None:
+        """Let the trainer write (after ``early_landing``); see there."""
+        raise NotImplementedError(f"{type(self).__name__} does not write through")
+
+    def lands(self, turn: ReceiveTurn, record: Callable[[], LandingRecord]) -> bool:
+        """Before ``turn``'s strategy is chosen: whether the trainer writes this turn
+        straight into the serving parameters (write-through; ``receive`` then yields no
+        tensor and returns once the bytes are in place). ``record`` gives the model's
+        landing map for the turn's tensors, or why there is none. Default: never."""
+        return False
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+Connect = Callable[..., ReceiveLink]
+"""A backend's ``connect(info, *, rank, device) -> ReceiveLink`` (its registry entry)."""

@@ -1,0 +1,148 @@
+"""``ServerSet``: one or more vLLM servers' HTTP routes, called as one.
+
+The plumbing under ``client.HTTPWeightSyncClient``: one kept-alive connection per server
+(``wire.Wire``), the session header on the routes an init's session owns, every non-2xx
+answer or transport failure as a ``WeightSyncError`` naming the route and the server, and
+one call on every server concurrently (``fanout.fan_out``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from weightwire.control.errors import server_message
+from weightwire.control.fanout import fan_out
+from weightwire.control.wire import Wire
+from weightwire.shared import routes
+from weightwire.shared.checks import check_seconds
+from weightwire.shared.errors import WeightSyncError
+from weightwire.shared.routes import SESSION_HEADER, Route
+
+_OWNED = frozenset(r.name for r in (routes.START, routes.UPDATE, routes.FINISH, routes.SHUTDOWN))
+"""Routes that carry the session id an init reply returned (``SESSION_HEADER``)."""
+
+
+_KEEPALIVE_S = 2.0
+_LIMITS = httpx.Limits(keepalive_expiry=_KEEPALIVE_S)
+"""Idle connections are dropped before uvicorn's 5 s keep-alive (vLLM's and ours) closes them:
+a POST on a connection the server just closed fails with a reset and is never retried."""
+
+
+_JSON = (b"Content-Type", b"application/json")
+_SESSION_KEY = SESSION_HEADER.encode("ascii")
+
+
+class ServerSet:
+    """The servers behind one client: ``base_urls[i]`` is server ``i``."""
+
+    def __init__(
+        self,
+        base_url: str | Sequence[str],
+        *,
+        timeout: float = 300,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls or not all(
+            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
+        ):
+            raise ValueError(f"base_url must be one or more http(s):// URLs, got {urls!r:.200}")
+        if len(set(urls)) != len(urls):
+            raise ValueError(
+                "base_url lists the same server twice; every replica would get each call twice"
+            )
+        check_seconds("timeout", timeout)
+        self.base_urls = [u.rstrip("/") for u in urls]
+        self.timeout = float(timeout)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        http_timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, 30.0))
+        self._clients = [
+            httpx.Client(
+                base_url=u,
+                timeout=http_timeout,
+                headers=headers,
+                transport=transport,
+                limits=_LIMITS,
+            )
+            for u in self.base_urls
+        ]
+        self._wire = [
+            Wire(c, u, http_timeout, own_transport=transport is None, keepalive_expiry=_KEEPALIVE_S)
+            for c, u in zip(self._clients, self.base_urls, strict=True)
+        ]
+        self._sessions: list[str | None] = [None] * len(urls)
+        """Per server: the ``session_id`` its last init returned (servers that return none:
+        None)."""
+
+    def _request(
+        self, i: int, route: Route, body: Any = None, params: dict[str, Any] | None = None
+    ) -> Any:
+        server = self.base_urls[i]
+        session = self._sessions[i]
+        wire = self._wire[i]
+        headers = wire.headers
+        if body is not None:
+            content = json.dumps(body).encode()
+            headers = [*headers, _JSON]
+        else:
+            content = None
+        if session is not None and route.name in _OWNED:
+            headers = [
+                *headers,
+                (_SESSION_KEY, session.encode("ascii")),
+            ]  # as httpx encodes a str header
+        try:
+            response = wire.send(route, content, headers, params)
+        except httpx.TimeoutException as exc:
+            raise WeightSyncError(
+                route.name,
+                None,
+                f"no answer within {self.timeout} s ({type(exc).__name__})",
+                server,
+            ) from None
+        except httpx.HTTPError as exc:
+            raise WeightSyncError(
+                route.name, None, f"{type(exc).__name__}: {exc}", server
+            ) from None
+        if not 200 <= response.status_code < 300:
+            fallback = response.reason_phrase or "error"
+            raise WeightSyncError(
+                route.name,
+                response.status_code,
+                server_message(response.content, fallback=fallback),
+                server,
+            )
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    def _all(
+        self,
+        route: Route,
+        body: Any = None,
+        params: dict[str, Any] | None = None,
+        bodies: Sequence[Any] | None = None,
+    ) -> list[Any]:
+        """Call ``route`` on every server (``bodies[i]`` for server i when given)."""
+        if len(self._clients) == 1:  # the common case: no closures, no fan-out bookkeeping
+            return [self._request(0, route, body if bodies is None else bodies[0], params)]
+        calls = [
+            (lambda i=i: self._request(i, route, body if bodies is None else bodies[i], params))
+            for i in range(len(self._clients))
+        ]
+        # Each call is bounded by the httpx timeout; the outer bound only guards a stuck thread.
+        return fan_out(calls, timeout=self.timeout + 30.0, name=f"weightwire-{route.name}")
+
+    def close(self) -> None:
+        for wire in self._wire:
+            wire.close()
+        for client in self._clients:
+            client.close()

@@ -1,0 +1,46 @@
+"""The workers' side of the round guard: ``WORKER_METHOD``, each worker's answer to whether
+its weights are whole, installed on vLLM's workers by the plugin. Torch-free; imports vLLM
+only inside ``install_worker_method``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+WORKER_METHOD = "weightwire_round_state"
+"""The worker method the guard calls through vLLM's ``collective_rpc`` at a release."""
+
+
+def worker_round_state(worker: Any) -> dict[str, Any]:
+    """``WORKER_METHOD``: this worker's answer (installed on vLLM's ``WorkerBase``)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is None:
+        return {"whole": True, "engine": None, "reason": None}
+    name = type(engine).__name__
+    if not hasattr(engine, "incomplete_round"):
+        return {
+            "whole": None,
+            "engine": name,
+            "reason": f"weight-transfer engine {name} is not weightwire's: "
+            "it cannot tell whether the weights are whole",
+        }
+    incomplete = engine.incomplete_round
+    if incomplete is not None:
+        return {"whole": False, "engine": name, "reason": incomplete.describe()}
+    if getattr(engine, "round_strategy", None) in ("streaming", "write_through"):
+        return {
+            "whole": False,
+            "engine": name,
+            "reason": "a round applied in place is open (not committed yet)",
+        }
+    return {"whole": True, "engine": name, "reason": None}
+
+
+def install_worker_method() -> None:
+    """Give vLLM's workers ``WORKER_METHOD`` (a new name; nothing of vLLM's is replaced)."""
+    try:
+        from vllm.v1.worker.worker_base import WorkerBase
+    except ImportError:
+        return
+    if not hasattr(WorkerBase, WORKER_METHOD):
+        setattr(WorkerBase, WORKER_METHOD, worker_round_state)
