@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from weightwire.backends import ALIASES, NCCL, canonical
+from weightwire.backends import ALIASES, IPC, NCCL, canonical
 from weightwire.shared.checks import check_buffer_size, check_num_buffers
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
@@ -208,7 +208,8 @@ class TrainerInitInfo:
                 f"delta={self.delta!r} needs a weightwire_* backend or sparse_nccl: a stock "
                 f"vLLM worker ({self.backend!r}) cannot apply patches"
             )
-        if self.delta != "off" and self.ipc_mode in ("write_through", "auto"):
+        written_through = self.ipc_mode in ("write_through", "auto")
+        if self.delta != "off" and written_through and canonical(self.backend) == IPC:
             # A written-through round is one device copy into the serving parameters: nothing
             # for a delta to save, and patches have no place in the landing table.
             raise ConfigError(
