@@ -178,7 +178,7 @@ MapRecorder = Callable[[Any, Sequence[ParamMeta]], LoaderMap]
 """``landing.record_loader_map``'s shape: ``(model, checkpoint metas) -> LoaderMap``, raising
 ``LoaderMapRefused`` where the model's loading is not a set of plain copies."""
 MapLookup = Callable[[Sequence[ParamMeta]], LoaderMap | None]
-"""The core's cached map of its target model (``_ReceiverCore.loader_map``); None: refused."""
+"""The core's cached map of its target model (``TargetCaches.loader_map``); None: refused."""
 
 
 def tied_names(model: Any) -> dict[str, str]:
