@@ -72,7 +72,7 @@ class Worker:
         from weightwire.tools.server.generate import Generator
         from weightwire.tools.server.lora import HFAdapters
         from weightwire.torch_side.worker import HFModelHost
-        from weightwire.torch_side.worker.strategy import WeightState
+        from weightwire.torch_side.worker.weight_state import WeightState
 
         self.spec = spec
         hf_logging.disable_progress_bar()  # the worker's stderr is the server's log

@@ -64,15 +64,14 @@ from weightwire.torch_side.worker.session import (
 from weightwire.torch_side.worker.sinks import MapRecorder, SinkChooser
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import (
-    IncompleteRound,
     ReceiveStrategy,
     RoundTarget,
-    WeightState,
     WriteThroughRound,
     first_strategy,
     record_landing,
 )
 from weightwire.torch_side.worker.target_caches import TargetCaches
+from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightState
 
 log = logging.getLogger(__name__)
 

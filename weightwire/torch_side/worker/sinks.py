@@ -36,7 +36,7 @@ from weightwire.torch_side.worker.delta import (
 from weightwire.torch_side.worker.landing import LoaderMap
 from weightwire.torch_side.worker.load import Pairs, RoundPlan
 from weightwire.torch_side.worker.spec import ModelSpec
-from weightwire.torch_side.worker.strategy import WeightState
+from weightwire.torch_side.worker.weight_state import WeightState
 
 log = logging.getLogger(__name__)
 
