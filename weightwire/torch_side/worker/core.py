@@ -25,11 +25,7 @@ trainer then fails fast with ``PeerLost`` instead of waiting out its timeout, an
 half-read byte stream is never resumed), aborts the round and raises. The engine
 must be re-initialized (``init_transfer_engine``) before the next round.
 
-Sessions: ``init`` records the trainer's session. A second init while a round of a
-live session is open is refused; between rounds it takes over and closes the old
-session's link, so the displaced trainer sees its link closed before its next round.
-A round whose trainer vanished (its link closed, or no call for ``lease_s``) is
-stale: the next init aborts it (state unchanged) instead of refusing.
+Sessions: see ``session``.
 """
 
 from __future__ import annotations

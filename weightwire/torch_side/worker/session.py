@@ -1,6 +1,12 @@
 """The worker's session rules: who may join, when a round's trainer counts as gone, and
 how a session's receive link is closed.
 
+Sessions: ``_ReceiverCore.init`` records the trainer's session. A second init while a round of a
+live session is open is refused; between rounds it takes over and closes the old
+session's link, so the displaced trainer sees its link closed before its next round.
+A round whose trainer vanished (its link closed, or no call for ``lease_s``) is
+stale: the next init aborts it (state unchanged) instead of refusing.
+
 ``_ReceiverCore`` holds the session's state; these are the rules it applies to it.
 """
 
