@@ -153,7 +153,7 @@ def test_plugin_registers_exactly_the_entries_with_a_vllm_engine(
 def test_commands_offer_the_registry_names() -> None:
     from weightwire.tools import _cli
     from weightwire.tools.demo.config import DEMO_BACKENDS
-    from weightwire.tools.server import build_parser
+    from weightwire.tools.server.serve_args import build_parser
 
     assert _cli.BACKENDS is backends.BACKEND_NAMES
     (action,) = [a for a in build_parser()._actions if "--backend" in a.option_strings]

@@ -20,7 +20,7 @@ from tests.cli.conftest import run_cli
 from weightwire._extras import EXTRA_OF, MissingExtra, install_command, missing_extra, require
 from weightwire.tools import _cli, cli
 from weightwire.tools.bench import comm, sync
-from weightwire.tools.server import build_parser as serve_parser
+from weightwire.tools.server.serve_args import build_parser as serve_parser
 
 
 def _python_m(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -19,7 +19,7 @@ import httpx
 from weightwire.tools import cli
 from weightwire.tools.bench import comm
 from weightwire.tools.demo.server import ReadyLine
-from weightwire.tools.server import build_parser as serve_parser
+from weightwire.tools.server.serve_args import build_parser as serve_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

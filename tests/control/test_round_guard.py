@@ -27,7 +27,7 @@ from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.shared.errors import WeightSyncError
 from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 from weightwire.torch_side.worker.hf_host import HFModelHost
-from weightwire.torch_side.worker.strategy import WeightState
+from weightwire.torch_side.worker.weight_state import WeightState
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.gating import RoundPause, after_failed_round, guard_installed, round_pause
 from weightwire.vllm_guard.worker import worker_round_state

@@ -124,7 +124,7 @@ def test_every_session_has_a_fresh_128_byte_secret(
 # ----------------------------------------------------------------------------- loopback
 def test_server_and_rendezvous_bind_loopback_by_default(shared_server: Server) -> None:
     from weightwire.backends.tcp.rendezvous import TCPRendezvous
-    from weightwire.tools.server import build_parser
+    from weightwire.tools.server.serve_args import build_parser
     from weightwire.trainer import TrainerInitInfo
 
     assert build_parser().parse_args(["--model", "m"]).host == "127.0.0.1"

@@ -148,7 +148,7 @@ def test_bearer_check() -> None:
 def test_api_key_sources(tmp_path) -> None:
     """--api-key-file (trailing newline stripped) and $WEIGHTWIRE_API_KEY carry no warning;
     --api-key on argv works but warns that the process list shows it; a bad file is an error."""
-    from weightwire.tools.server import build_parser, resolve_api_key
+    from weightwire.tools.server.serve_args import build_parser, resolve_api_key
 
     key_file = tmp_path / "key"
     key_file.write_text("k-from-file\n")

@@ -65,7 +65,7 @@ def test_any_round_sequence_lands_bit_exact(
     assert session.sender.error is None
     if worker.framework is not None:
         assert worker.framework.violations == []
-    maps = [m.map for m in worker.engine._core._loader_maps.values()]
+    maps = [m.map for m in worker.engine._core.caches.loader_maps.values()]
     assert any(m is not None for m in maps) == (kind in ("map", "map_whole", "landing"))
     copy = worker.engine._core.weights.host_copy(worker.net).nbytes
     # Only the fallback keeps a host copy: one copy of the checkpoint tensors.

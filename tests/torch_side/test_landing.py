@@ -244,11 +244,11 @@ def test_worker_records_the_map_once_per_model_and_metadata() -> None:
     model = FakeLlama("tiny", torch.float32, CPU)
     core = core_for(model)
     metas = metas_of(hf_shapes("tiny"))
-    first = core.loader_map(metas)
-    assert first is not None and core.loader_map(list(metas)) is first
-    assert core.loader_map(metas[:3]) is not first  # other metadata, its own map
+    first = core.caches.loader_map(metas)
+    assert first is not None and core.caches.loader_map(list(metas)) is first
+    assert core.caches.loader_map(metas[:3]) is not first  # other metadata, its own map
     model.layers[0].weight.data = torch.zeros_like(model.layers[0].weight)  # reallocated
-    again = core.loader_map(metas)
+    again = core.caches.loader_map(metas)
     assert again is not None and again is not first
     again.write(
         "model.embed_tokens.weight", torch.ones(hf_shapes("tiny")["model.embed_tokens.weight"])
@@ -259,9 +259,9 @@ def test_worker_records_the_map_once_per_model_and_metadata() -> None:
 def test_worker_refusal_is_none_and_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     core = core_for(Refusing("computes"))
     metas = [ParamMeta("w.weight", "bfloat16", (4, 4))]
-    with caplog.at_level(logging.WARNING, logger="weightwire.torch_side.worker.core"):
-        assert core.loader_map(metas) is None
-        assert core.loader_map(metas) is None
+    with caplog.at_level(logging.WARNING, logger="weightwire.torch_side.worker.target_caches"):
+        assert core.caches.loader_map(metas) is None
+        assert core.caches.loader_map(metas) is None
     (record,) = caplog.records
     assert record.levelno == logging.WARNING
     assert record.getMessage() == (

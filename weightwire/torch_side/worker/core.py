@@ -25,11 +25,7 @@ trainer then fails fast with ``PeerLost`` instead of waiting out its timeout, an
 half-read byte stream is never resumed), aborts the round and raises. The engine
 must be re-initialized (``init_transfer_engine``) before the next round.
 
-Sessions: ``init`` records the trainer's session. A second init while a round of a
-live session is open is refused; between rounds it takes over and closes the old
-session's link, so the displaced trainer sees its link closed before its next round.
-A round whose trainer vanished (its link closed, or no call for ``lease_s``) is
-stale: the next init aborts it (state unchanged) instead of refusing.
+Sessions: see ``session``.
 """
 
 from __future__ import annotations
@@ -37,59 +33,47 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from weightwire.backends.worker_base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
-from weightwire.shared.info import TCPInitInfo, WeightwireNCCLInitInfo
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
-from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
-from weightwire.torch_side.worker.landing import LoaderMap, LoaderMapRefused, record_loader_map
+from weightwire.torch_side.worker.landing import record_loader_map
 from weightwire.torch_side.worker.load import LOAD_BATCHING, FrameworkHooks, MetaCache, ReceiveStats
 from weightwire.torch_side.worker.lora import AdapterHostFn, adapter_round
+from weightwire.torch_side.worker.session import (
+    InitInfo,
+    abort_link,
+    busy_error,
+    check_info_type,
+    close_link,
+    not_ready_error,
+    session_rank,
+    stale_reason,
+)
 from weightwire.torch_side.worker.sinks import MapRecorder, SinkChooser
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import (
-    IncompleteRound,
     ReceiveStrategy,
     RoundTarget,
-    WeightState,
     WriteThroughRound,
     first_strategy,
     record_landing,
 )
+from weightwire.torch_side.worker.target_caches import TargetCaches
+from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightState
 
 log = logging.getLogger(__name__)
-
-InitInfo = TCPInitInfo | WeightwireNCCLInitInfo
 
 
 class WeightReceiveError(WeightwireError, RuntimeError):
     """A round failed while receiving or loading; the round and the communicator were aborted."""
-
-
-@dataclass(frozen=True)
-class _ModelSpecOf:
-    """The ``ModelSpec`` read for one target model (main or draft)."""
-
-    model: Any
-    """Kept so that another model at a recycled ``id`` is not taken for this one."""
-    spec: ModelSpec | None
-
-
-@dataclass(frozen=True)
-class _LoaderMapOf:
-    """The landing map recorded for one model and metadata (None: the model refused)."""
-
-    model: Any
-    map: LoaderMap | None
 
 
 class _ReceiverCore:
@@ -128,11 +112,6 @@ class _ReceiverCore:
         self._worker_rank = worker_rank
         self._framework = framework
         self._load_batching = load_batching
-        self._spec_fn = spec
-        self._specs: dict[int, _ModelSpecOf] = {}
-        self._loader_maps: dict[
-            tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]], _LoaderMapOf
-        ] = {}
         self.lease_s = float(lease_s) if lease_s is not None else Timeouts.from_env().http_s
         self.weights = weights if weights is not None else WeightState()
         self._adapters = adapters  # where adapter rounds go (torch_side.worker.lora)
@@ -145,12 +124,17 @@ class _ReceiverCore:
         self._active = False
         self._plans = MetaCache(backend)
         self.last_stats: ReceiveStats | None = None
-        self._record_map = map_recorder or record_loader_map
+        self.caches = TargetCaches(
+            backend=backend,
+            model=lambda: self._target()[0],
+            spec=spec,
+            record_map=map_recorder or record_loader_map,
+        )
         self._sinks = SinkChooser(
             self.weights,
-            self.loader_map if map_recorder is not None else None,
+            self.caches.loader_map if map_recorder is not None else None,
             whole_layers=framework is not None,
-            spec=self._model_spec,
+            spec=self.caches.model_spec,
         )
 
     # ---------------------------------------------------------------- session
@@ -182,31 +166,16 @@ class _ReceiverCore:
         return self._link is not None
 
     def init(self, info: InitInfo) -> None:
-        if not isinstance(info, self._info_type):
-            raise TypeError(
-                f"{self.backend}: init info must be {self._info_type.__name__}, got "
-                f"{type(info).__name__}"
-            )
+        check_info_type(self.backend, info, self._info_type)
         if self._active:
-            stale = self._stale_reason()
+            stale = stale_reason(self._link, self._touched, self.lease_s)
             if stale is None:
-                raise RuntimeError(
-                    f"{self.backend}: refused: a weight update of session {self.session} is in "
-                    f"progress (last call {time.monotonic() - self._touched:.0f} s ago); a new "
-                    "trainer can init once it finished, or once it is gone (link closed, or idle "
-                    f"for {self.lease_s:.0f} s)"
-                )
+                raise busy_error(self.backend, self.session, self._touched, self.lease_s)
             log.warning(
                 "%s: aborting the stale round of session %s (%s)", self.backend, self.session, stale
             )
             self._drop_round(f"stale: {stale}")
-        rank = info.rank_offset + self._worker_rank
-        if rank >= info.world_size:
-            raise ValueError(
-                f"{self.backend}: this worker's rank {rank} (rank_offset {info.rank_offset} + "
-                f"worker {self._worker_rank}) is outside world_size {info.world_size}; world_size "
-                "must be 1 + the number of inference workers (GET /get_world_size)"
-            )
+        rank = session_rank(self.backend, info, self._worker_rank)
         self._close_link()
         self._plans.clear()
         self._link = self._connect(info, rank=rank, device=self.device)
@@ -237,9 +206,8 @@ class _ReceiverCore:
                 f"{self.backend}: start_weight_update called twice; call finish_weight_update first"
             )
         if self._link is None:
-            self._raise_not_ready()
+            raise not_ready_error(self.backend, self._broken)
         self._touched = time.monotonic()
-        assert self._link is not None
         self._link.start_round()
         model, model_config = self._target()
         target = RoundTarget(
@@ -302,12 +270,7 @@ class _ReceiverCore:
     def abort_link(self) -> None:
         """Abort the communicator without touching round state (safe from another thread:
         a communicator's abort never blocks and wakes its blocked calls)."""
-        link = self._link
-        if link is not None:
-            try:
-                link.abort()
-            except Exception:
-                log.exception("%s: aborting the receive link failed", self.backend)
+        abort_link(self.backend, self._link, "aborting the receive link")
 
     # ---------------------------------------------------------------- receive
     def receive_dict(self, update: dict[str, Any]) -> None:
@@ -398,61 +361,17 @@ class _ReceiverCore:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _model_spec(self) -> ModelSpec | None:
-        """The target model's spec, read once per model (main vs draft)."""
-        if self._spec_fn is None:
-            return None
-        model, _ = self._target()
-        cached = self._specs.get(id(model))
-        if cached is None or cached.model is not model:
-            cached = _ModelSpecOf(model, self._spec_fn())
-            self._specs[id(model)] = cached
-        return cached.spec
-
-    def loader_map(self, metas: Sequence[ParamMeta]) -> LoaderMap | None:
-        """The target model's landing map for ``metas``, recorded once per model and metadata
-        (again if the model's parameters were reallocated since), or None when its loading
-        is not a set of plain copies: then one WARNING names why, and callers load through
-        ``load_weights``."""
-        model, _ = self._target()
-        key = (id(model), tuple((m.name, m.dtype, tuple(m.shape)) for m in metas))
-        cached = self._loader_maps.get(key)
-        live = cached is not None and (cached.map is None or cached.map.is_live(model))
-        if cached is not None and cached.model is model and live:
-            return cached.map
-        try:
-            found: LoaderMap | None = self._record_map(model, metas)
-        except LoaderMapRefused as exc:
-            log.warning("%s: no landing map, loading through load_weights: %s", self.backend, exc)
-            found = None
-        self._loader_maps[key] = _LoaderMapOf(model, found)
-        return found
-
     # ---------------------------------------------------------------- failure
     def _require_ready(self) -> None:
         if self._link is None:
-            self._raise_not_ready()
+            raise not_ready_error(self.backend, self._broken)
         if not self._active:
             raise RuntimeError(f"{self.backend}: update_weights called without start_weight_update")
-
-    def _raise_not_ready(self) -> None:
-        if self._broken is not None:
-            raise RuntimeError(
-                f"{self.backend}: the communicator was aborted after a failed round "
-                f"({self._broken}); call init_weight_transfer_engine again"
-            )
-        raise RuntimeError(
-            f"{self.backend}: not initialized; call init_weight_transfer_engine first"
-        )
 
     def _fail(self, exc: BaseException, where: str) -> None:
         self._broken = f"{type(exc).__name__} {where}"
         link, self._link = self._link, None
-        if link is not None:
-            try:
-                link.abort()
-            except Exception:  # the original error is the one to report
-                log.exception("%s: communicator abort failed", self.backend)
+        abort_link(self.backend, link, "communicator abort")
         self._drop_round(where)
         log.error("%s: round failed %s: %s: %s", self.backend, where, type(exc).__name__, exc)
 
@@ -460,19 +379,9 @@ class _ReceiverCore:
         """Why a new init may replace this session's round (see ``init``): no round open,
         or its trainer is gone; None while the round's trainer may still act. Only valid
         between weight calls."""
-        return self._stale_reason() if self._active else "no round is open on this worker"
-
-    def _stale_reason(self) -> str | None:
-        """Why the open round's trainer counts as gone, or None while it may still act."""
-        link = self._link
-        if link is None:
-            return "its link is gone"
-        if link.peer_closed():
-            return "its trainer closed the data link"
-        idle = time.monotonic() - self._touched
-        if idle > self.lease_s:
-            return f"no call for {idle:.0f} s (lease {self.lease_s:.0f} s)"
-        return None
+        if not self._active:
+            return "no round is open on this worker"
+        return stale_reason(self._link, self._touched, self.lease_s)
 
     def _end_round(self, why: str) -> None:
         """Abort the open round; one that wrote in place leaves the model incomplete."""
@@ -500,9 +409,4 @@ class _ReceiverCore:
 
     def _close_link(self) -> None:
         link, self._link = self._link, None
-        if link is not None:
-            try:
-                link.close()
-            except Exception:
-                log.exception("%s: communicator close failed; aborting it", self.backend)
-                link.abort()
+        close_link(self.backend, link)

@@ -23,7 +23,7 @@ from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.load import ReceiveStats
 from weightwire.torch_side.worker.lora import AdapterHostFn
-from weightwire.torch_side.worker.strategy import IncompleteRound, WeightState
+from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightState
 
 
 class EngineFacade:

@@ -8,7 +8,7 @@ never a mix of two versions (a delta round's patches are staged with it and appl
 after its dense tensors, ``patch_weights``). A round opened with ``begin_in_place_round`` (the
 engines' streaming strategy) instead copies each tensor into its parameter as it
 arrives, holding nothing; a failure then leaves the model part new, which the engine
-records (``strategy.WeightState``) and the server refuses to serve.
+records (``weight_state.WeightState``) and the server refuses to serve.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from weightwire.torch_side.worker.delta import (
 from weightwire.torch_side.worker.landing import LoaderMap
 from weightwire.torch_side.worker.load import Pairs, RoundPlan
 from weightwire.torch_side.worker.spec import ModelSpec
-from weightwire.torch_side.worker.strategy import WeightState
+from weightwire.torch_side.worker.weight_state import WeightState
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ MapRecorder = Callable[[Any, Sequence[ParamMeta]], LoaderMap]
 """``landing.record_loader_map``'s shape: ``(model, checkpoint metas) -> LoaderMap``, raising
 ``LoaderMapRefused`` where the model's loading is not a set of plain copies."""
 MapLookup = Callable[[Sequence[ParamMeta]], LoaderMap | None]
-"""The core's cached map of its target model (``_ReceiverCore.loader_map``); None: refused."""
+"""The core's cached map of its target model (``TargetCaches.loader_map``); None: refused."""
 
 
 def tied_names(model: Any) -> dict[str, str]:

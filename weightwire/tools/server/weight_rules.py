@@ -1,0 +1,213 @@
+"""The rules the weight-sync routes (``weight_routes``) share: the caller's session,
+the round lease, the fan-out to every replica and what a failed one leaves served, and
+the body fields they parse.
+
+A round holds a lease between calls (``arm_lease``): a trainer that vanishes mid-round
+has its round aborted instead of blocking the next init forever.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from weightwire import backends
+from weightwire.shared.routes import ROUTES, SESSION_HEADER
+from weightwire.shared.timeouts import Timeouts
+from weightwire.shared.update_info import UpdateInfo
+from weightwire.tools.server.replicas import FanOutError, ReplicaPool
+from weightwire.tools.server.session import Phase, SessionError
+from weightwire.tools.server.state import ServerState
+from weightwire.tools.server.web import ApiError
+
+_MAX_VERSION_CHARS = 1024
+
+
+def route_path(name: str) -> str:
+    return ROUTES[name].path
+
+
+def require_owner(
+    state: ServerState, request: Request, route: str, *, idempotent: bool = False
+) -> None:
+    state.session.check_owner(request.headers.get(SESSION_HEADER), route, idempotent=idempotent)
+
+
+def parse_init_info(state: ServerState, raw: Any) -> Any:
+    """The backend's init info parsed from ``raw`` (422 naming the field), sized for this server."""
+    if not isinstance(raw, dict):
+        raise ApiError(
+            422, f"init_info must be a JSON object, got {type(raw).__name__}", param="init_info"
+        )
+    try:
+        info = backends.init_info_type(state.options.backend).from_dict(raw)
+    except ValueError as exc:
+        raise ApiError(422, f"init_info: {exc}", param="init_info") from None
+    if info.rank_offset + state.replicas > info.world_size:
+        raise ApiError(
+            422,
+            (
+                f"init_info.world_size {info.world_size} is too small: this server's "
+                f"{state.replicas} worker(s) take ranks "
+                f"{info.rank_offset}..{info.rank_offset + state.replicas - 1} (GET "
+                "/get_world_size)"
+            ),
+            param="init_info.world_size",
+        )
+    return info
+
+
+def arm_lease(state: ServerState) -> None:
+    """(Re)start the round lease after start / each update returned."""
+    opts, session, pool = state.options, state.session, state.pool
+    seconds = opts.lease_s
+    if seconds is None:
+        raw = getattr(session.init_info, "timeout_s", None)
+        seconds = float(raw) if isinstance(raw, (int, float)) else Timeouts.from_env().transfer_s
+    round_id = session.round_id
+
+    async def expire() -> None:
+        if (
+            session.phase is not Phase.ROUND
+            or session.round_id != round_id
+            or session.busy is not None
+        ):
+            return  # the round moved on (or an operation now decides its fate)
+        async with session.operation("round lease"):
+            reason = (
+                f"round lease expired: the trainer sent no weight call for {seconds:g} s "
+                "during its round; the round was aborted and weight_version "
+                f"{session.weight_version!r} is still served"
+            )
+            await pool.abort_all()
+            session.failed(
+                reason
+            )  # logs the round's end; after the await: state and busy change together
+
+    state.lease.arm(seconds, expire)
+
+
+async def drop_stale_round(state: ServerState) -> None:
+    """An init while a round is open: refuse (409) unless every replica's worker finds the
+    round stale (its trainer closed the data link, or no call for the worker's lease);
+    then record the round as dropped. The init that follows tears it down."""
+    session, opts = state.session, state.options
+    try:
+        reasons = await state.pool.fan_out("round_stale", timeout=opts.op_timeout_s)
+    except FanOutError as exc:
+        raise ApiError(
+            exc.status,
+            f"init_weight_transfer_engine: cannot tell whether the open round is stale: {exc}",
+        ) from None
+    live = [i for i, r in enumerate(reasons) if not r]
+    if live:
+        raise SessionError(
+            409,
+            (
+                f"init_weight_transfer_engine refused: {session.active_round()} is in progress "
+                f"and its trainer is still connected (replica(s) {live}); a new trainer can init "
+                "once that round finished, or once it is gone (its data link closed, or no "
+                "weight call for the round lease, after which the server aborts the round "
+                "itself)"
+            ),
+        )
+    session.dropped(str(reasons[0]))
+
+
+def require_live(pool: ReplicaPool) -> None:
+    """A dead worker never rejoins (no respawn): refuse at once instead of letting the
+    live ones wait out a rendezvous it will never join."""
+    dead = [r for r in pool.health() if not r["alive"]]
+    if dead:
+        raise ApiError(
+            503,
+            "; ".join(f"replica {r['replica']}: {r['error']}" for r in dead)
+            + "; the reference server does not respawn workers: restart it",
+        )
+
+
+async def fan_out_or_fail(
+    state: ServerState,
+    what: str,
+    op: str,
+    args: Any = None,
+    *,
+    timeout: float,
+    abort_on_failure: bool = False,
+) -> list[Any]:
+    """Run a weight operation on every replica; on failure clear the session and raise
+    the HTTP error that says what survived."""
+    try:
+        return await state.pool.fan_out(
+            op, args, timeout=timeout, abort_on_failure=abort_on_failure
+        )
+    except FanOutError as exc:
+        raise _fail(state, what, exc) from None
+
+
+def _fail(state: ServerState, what: str, exc: FanOutError) -> ApiError:
+    """Clear the session after a failed weight operation and describe what survived."""
+    state.session.failed(f"{what}: {exc}")
+    failed = {e.replica for e in exc.errors} | set(exc.aborted)
+    ok = [r.index for r in state.pool.replicas if r.index not in failed]
+    tail = (
+        f"; the previous weights and weight_version {state.session.weight_version!r} are still "
+        "served; POST /init_weight_transfer_engine to start a new session"
+    )
+    if what == "finish_weight_update" and ok:
+        tail = (
+            f"; replicas {ok} committed the new weights but {sorted(failed)} did not: replicas "
+            "now differ (compare with /weight_checker); POST /init_weight_transfer_engine and "
+            "resend"
+        )
+    return ApiError(exc.status, f"{what} failed: {exc}{tail}")
+
+
+async def fan_out_or_raise(pool: ReplicaPool, op: str, timeout: float) -> Any:
+    try:
+        return await pool.fan_out(op, timeout=timeout)
+    except FanOutError as exc:
+        raise ApiError(exc.status, f"{op} failed: {exc}") from None
+
+
+def parse_update_payload(payload: Any, replicas: int) -> list[dict[str, Any]]:
+    """One validated update-info dict per replica (vLLM's single or per-worker list form)."""
+    if isinstance(payload, list):
+        if len(payload) != replicas:
+            raise ApiError(
+                422,
+                f"update_info lists {len(payload)} entries but this server has "
+                f"{replicas} worker(s); send one object, or one per worker",
+                param="update_info",
+            )
+        items = payload
+    elif isinstance(payload, dict):
+        items = [payload] * replicas
+    else:
+        raise ApiError(
+            422,
+            f"update_info must be a JSON object or a list of them, got {type(payload).__name__}",
+            param="update_info",
+        )
+    for i, item in enumerate(items if isinstance(payload, list) else items[:1]):
+        where = f"update_info[{i}]" if isinstance(payload, list) else "update_info"
+        try:
+            UpdateInfo.from_dict(item)
+        except ValueError as exc:
+            raise ApiError(422, f"{where}: {exc}", param=where) from None
+    return items
+
+
+def version_field(body: dict[str, Any], key: str, *, optional: bool) -> str | None:
+    value = body.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or len(value) > _MAX_VERSION_CHARS:
+        raise ApiError(
+            422,
+            f"{key} must be a non-empty string of at most {_MAX_VERSION_CHARS} characters, "
+            f"got {value!r:.60}",
+            param=key,
+        )
+    return value

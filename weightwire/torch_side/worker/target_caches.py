@@ -1,0 +1,87 @@
+"""What the worker reads once per target model: its ``ModelSpec`` and its landing maps.
+
+vLLM may retarget a session at the speculative draft model, so both are keyed by the
+model object (its ``id``, checked against the object kept, since ids are recycled).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weightwire.shared.meta import ParamMeta
+from weightwire.torch_side.worker.landing import LoaderMap, LoaderMapRefused
+from weightwire.torch_side.worker.sinks import MapRecorder
+from weightwire.torch_side.worker.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+_MapKey = tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]]
+
+
+@dataclass(frozen=True)
+class _ModelSpecOf:
+    """The ``ModelSpec`` read for one target model (main or draft)."""
+
+    model: Any
+    """Kept so that another model at a recycled ``id`` is not taken for this one."""
+    spec: ModelSpec | None
+
+
+@dataclass(frozen=True)
+class _LoaderMapOf:
+    """The landing map recorded for one model and metadata (None: the model refused)."""
+
+    model: Any
+    map: LoaderMap | None
+
+
+class TargetCaches:
+    """The spec and landing maps of whichever model ``model()`` returns at call time."""
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        model: Callable[[], Any],
+        spec: Callable[[], ModelSpec | None] | None,
+        record_map: MapRecorder,
+    ) -> None:
+        self._backend = backend
+        self._model = model
+        self._spec_fn = spec
+        self._record_map = record_map
+        self._specs: dict[int, _ModelSpecOf] = {}
+        self.loader_maps: dict[_MapKey, _LoaderMapOf] = {}
+
+    def model_spec(self) -> ModelSpec | None:
+        """The target model's spec, read once per model (main vs draft)."""
+        if self._spec_fn is None:
+            return None
+        model = self._model()
+        cached = self._specs.get(id(model))
+        if cached is None or cached.model is not model:
+            cached = _ModelSpecOf(model, self._spec_fn())
+            self._specs[id(model)] = cached
+        return cached.spec
+
+    def loader_map(self, metas: Sequence[ParamMeta]) -> LoaderMap | None:
+        """The target model's landing map for ``metas``, recorded once per model and metadata
+        (again if the model's parameters were reallocated since), or None when its loading
+        is not a set of plain copies: then one WARNING names why, and callers load through
+        ``load_weights``."""
+        model = self._model()
+        key = (id(model), tuple((m.name, m.dtype, tuple(m.shape)) for m in metas))
+        cached = self.loader_maps.get(key)
+        live = cached is not None and (cached.map is None or cached.map.is_live(model))
+        if cached is not None and cached.model is model and live:
+            return cached.map
+        try:
+            found: LoaderMap | None = self._record_map(model, metas)
+        except LoaderMapRefused as exc:
+            log.warning("%s: no landing map, loading through load_weights: %s", self._backend, exc)
+            found = None
+        self.loader_maps[key] = _LoaderMapOf(model, found)
+        return found
