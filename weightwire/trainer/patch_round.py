@@ -44,9 +44,9 @@ from weightwire.shared.source import checked_iter
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.gating import in_place_pause
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
-from weightwire.trainer.round import Control, lead_round, was_committed
+from weightwire.trainer.round import Control, lead_round, send_update, was_committed
 from weightwire.trainer.session import Session
-from weightwire.trainer.transfer import Transfer, chunked
+from weightwire.trainer.transfer import chunked
 
 _SURE: weakref.WeakKeyDictionary[Session, bool] = weakref.WeakKeyDictionary()
 """Per session: the trainer knows the workers' weights (see the module docstring)."""
@@ -112,22 +112,9 @@ class PatchWire:
         clock: PhaseClock,
     ) -> Sent:
         s, pplan = self._s, self._pplan
-        assert s.sender is not None
         (payload,) = payloads
         pairs = checked_iter(pplan.pairs(), pplan.metas, s.framework.describe)
-        step = Transfer(
-            s.link,
-            s.sender,
-            post_update=lambda: s.client.update_weights(payload),
-            control=control,
-            clock=clock,
-            http_s=s.info.timeouts.http_s,
-        )
-        try:
-            return step.run(chunked(pairs, pplan.chunks), pplan.metas)
-        finally:
-            if step.broken is not None:
-                s.broken = step.broken
+        return send_update(s, payload, chunked(pairs, pplan.chunks), pplan.metas, control, clock)
 
     def digests(self, own: dict[str, str]) -> dict[str, str]:
         return own

@@ -248,24 +248,44 @@ class SoleWire:
         clock: PhaseClock,
     ) -> Sent:
         s, sole = self._s, self._sole
-        assert s.sender is not None
         (payload,) = payloads
         pairs: Iterator[tuple[str, Any]] = s.stream(tensor_stream(s.source), sole.metas, own)
-        step = Transfer(
-            s.link,
-            s.sender,
-            post_update=lambda: s.client.update_weights(payload),
-            control=control,
-            clock=clock,
-            http_s=s.info.timeouts.http_s,
+        return send_update(
+            s,
+            payload,
+            chunked(sole.wire.reorder(pairs), sole.chunks),
+            sole.wire.metas,
+            control,
+            clock,
         )
-        try:
-            return step.run(chunked(sole.wire.reorder(pairs), sole.chunks), sole.wire.metas)
-        finally:
-            if step.broken is not None:
-                s.broken = step.broken
 
     def digests(self, own: dict[str, str]) -> dict[str, str]:
         """``own``, keyed by what the workers hold (``remap``: a delta round's wire tensors ->
         the full tensors they patch)."""
         return own if self._remap is None else self._remap(own)
+
+
+def send_update(
+    s: Session,
+    payload: dict[str, Any],
+    chunks: Iterator[Any],
+    metas: list[ParamMeta],
+    control: Control,
+    clock: PhaseClock,
+) -> Sent:
+    """Rank 0 alone: one update POST beside the broadcast of ``chunks``; a failure that
+    leaves the link unusable marks the session broken."""
+    assert s.sender is not None
+    step = Transfer(
+        s.link,
+        s.sender,
+        post_update=lambda: s.client.update_weights(payload),
+        control=control,
+        clock=clock,
+        http_s=s.info.timeouts.http_s,
+    )
+    try:
+        return step.run(chunks, metas)
+    finally:
+        if step.broken is not None:
+            s.broken = step.broken
