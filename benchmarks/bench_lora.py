@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -33,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jax
 import ml_dtypes
 import numpy as np
 
@@ -203,6 +203,11 @@ def main() -> None:
     p.add_argument("--backend", default="weightwire_tcp")
     p.add_argument("--workdir", default=None, help="keep the model and logs here")
     args = p.parse_args()
+    # The server shares the GPU: JAX must take memory as it needs it, not grab 75 % of the
+    # device up front (its default), nor cap itself at a fraction the server already holds.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    import jax
 
     from weightwire.control.client import HTTPWeightSyncClient
     from weightwire.jax_side.engine import JAXTrainerEngine
