@@ -1,25 +1,32 @@
 """Colocated weight sync on ONE GPU over ``weightwire_ipc``, through the reference server's HTTP
-routes.
+routes (or the shim).
 
     python benchmarks/bench_ipc.py --out bench_ipc.md [--engines jax,torch]
         [--models llama3-8b,qwen2-0.5b] [--rounds 5] [--warmup 2] [--control http|shim]
-        [--modes pull,push]
+        [--modes pull,push,write_through] [--sink]
 
 Three processes on the same GPU: the trainer (``JAXTrainerEngine`` torch-free, or
 ``TorchTrainerEngine``) with synthetic bf16 weights of the model's HF shapes; the
 reference server's FastAPI routes served by uvicorn (``weightwire.tools.bench.sync_http``); and the
-worker (``WeightwireIPCEngine.standalone(model=Sink)``: the sink counts what arrived and
-keeps nothing). Push mode: the trainer copies into its slots, the worker copies each
-piece out (two device copies per byte); pull mode: the trainer copies straight into
-the worker's pooled receive buffers (one copy).
+worker (``WeightwireIPCEngine.standalone``). By default the worker loads into a parameter set
+laid out as vLLM lays out Llama (``tests/torch_side/vllm_stub.py``'s ``FakeLlama``: fused
+``qkv_proj`` / ``gate_up_proj``, vLLM-style narrowing loaders; Qwen2-0.5B with its head tied
+to the embedding), and every Hugging Face tensor read back out of it is checked against the
+trainer's digest. ``--sink``: **transport only**, the worker loads into a sink that counts
+what arrived and keeps nothing (no write-through rows: a sink has nothing to write into).
+Push mode: the trainer copies into its slots, the worker copies each piece out (two device
+copies per byte); pull mode: the trainer copies straight into the worker's pooled receive
+buffers (one copy); write-through: straight into the serving parameters (one copy, no
+receive buffer).
 
 Per config: seconds per round (median of ``--rounds`` after ``--warmup``: the whole
-``send_weights``, HTTP start / update / finish included), GB/s, and the ratio to the
-same run's ceilings: two device copies of the same bytes back to back (every tensor
-into one buffer, then that buffer into another; CUDA events, median) and one (every
+``send_weights``, start / update / finish included), GB/s, and the ratio to the same run's
+ceilings: two device copies of the same bytes back to back (every tensor into one buffer,
+then that buffer into another; CUDA events, median) and one (the parameter set: one copy of
+every tensor into its place in the parameters, measured in the worker; the sink: every
 tensor into one buffer); the control ms (start) and finish ms; trainer extra memory
-(push: the slot ring, raw ``cudaMalloc``; pull: none) and worker extra (torch peak
-over a round, plus pull mode's receive pool). Same-host-other-GPU is not measured (one GPU).
+(push: the slot ring, raw ``cudaMalloc``; pull, write-through: none) and worker extra (torch
+peak over a round, plus pull mode's receive pool). Same-host-other-GPU is not measured (one GPU).
 """
 
 from __future__ import annotations
@@ -35,24 +42,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightwire.backends.ipc.slots import dump_trace, trace
-from weightwire.tools.bench import sync_shim as bench_sync_shim
-from weightwire.tools.bench.sync import MODELS, build_params, make_source
-from weightwire.tools.bench.sync_shim import ShimClient, receiver_main, rpc
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.torch_side.vllm_stub: the vLLM-layout parameter set
+
+from weightwire.backends.ipc.slots import dump_trace, trace  # noqa: E402
+from weightwire.tools.bench import sync_shim as bench_sync_shim  # noqa: E402
+from weightwire.tools.bench.sync import MODELS, build_params, make_source  # noqa: E402
+from weightwire.tools.bench.sync_shim import ShimClient, receiver_main, rpc  # noqa: E402
 
 TRACING = bool(os.environ.get("WEIGHTWIRE_IPC_TRACE"))  # the same switch as slots.trace
 
-REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 # (model, packed, buffer MiB, buffers, release after round, engines, IPC modes)
 CONFIGS = [
-    ("llama3-8b", True, 1024, 2, False, "jax,torch", "pull,push"),
+    ("llama3-8b", True, 1024, 2, False, "jax,torch", "pull,push,write_through"),
     ("llama3-8b", True, 2048, 2, False, "jax", "pull,push"),
     ("llama3-8b", True, 256, 2, False, "jax", "pull"),
     ("llama3-8b", True, 1024, 1, False, "jax", "pull"),
     ("llama3-8b", True, 1024, 2, True, "jax", "pull,push"),
     ("llama3-8b", False, 1024, 2, False, "jax", "push"),
-    ("qwen2-0.5b", True, 1024, 2, False, "jax,torch", "pull,push"),
+    ("qwen2-0.5b", True, 1024, 2, False, "jax,torch", "pull,push,write_through"),
     ("qwen2-0.5b", True, 256, 2, False, "jax,torch", "pull,push"),
     ("qwen2-0.5b", True, 1024, 2, True, "jax", "pull"),
     ("qwen2-0.5b", False, 1024, 2, False, "jax", "push"),
@@ -60,9 +69,14 @@ CONFIGS = [
 
 
 class IPCShimReceiver(bench_sync_shim.Receiver):
-    """The shim's receiver with the IPC engine instead of NCCL (same Sink, same memory probes)."""
+    """The shim's receiver with the IPC engine instead of NCCL (same memory probes), loading
+    into the sink or, once ``layout`` named a model, into its vLLM-layout parameters."""
+
+    layout: Any = None  # (FakeLlama, its stub kind) after a ``layout`` call
 
     def handle(self, call: str, args: dict[str, Any]) -> Any:
+        if call in ("layout", "digests", "floor"):
+            return self.on_layout(call, args)
         out = super().handle(call, args)
         if call == "mem_peak":  # pull mode's pool is raw cudaMalloc: not in torch's counters
             link = getattr(getattr(self.engine, "_core", None), "_link", None)
@@ -84,12 +98,59 @@ class IPCShimReceiver(bench_sync_shim.Receiver):
         with self.lock:
             if self.engine is not None:
                 self.engine.shutdown()
-            self.engine = WeightwireIPCEngine.standalone(model=self.sink, device=self.device)
+            model = self.sink if self.layout is None else self.layout[0]
+            self.engine = WeightwireIPCEngine.standalone(model=model, device=self.device)
             info = self.engine.parse_init_info(args["init_info"])
             self.engine.init_transfer_engine(info)
             if TRACING:
                 _trace_worker(self.engine, self.sink)
             return {"rank": info.rank_offset}
+
+    def on_layout(self, call: str, args: dict[str, Any]) -> Any:
+        from tests.torch_side import vllm_stub
+
+        with self.lock:
+            if call == "layout":  # the next sessions load into this model's parameters
+                kind = "llama-tied" if args["model"] == "qwen2-0.5b" else "llama"
+                self.layout = None
+                self.torch.cuda.empty_cache()
+                model = vllm_stub.make_model(kind, args["model"], self.device)
+                self.layout = (model, kind)
+                return None
+            model, kind = self.layout
+            if call == "digests":
+                return vllm_stub.model_digests(model, kind)
+            return vllm_stub.copy_floor_s(model, model.shape, self.device, int(args["reps"]))
+
+
+def layout_params(model: str, kind: str) -> dict[str, Any]:
+    """The round's tensors for the vLLM-layout parameter set (its stub's names and shapes; a
+    tied checkpoint has no ``lm_head.weight``), on the trainer's GPU."""
+    import torch
+
+    from tests.torch_side.vllm_stub import trainer_tensors
+
+    tensors = dict(trainer_tensors(model, torch.device("cuda", 0), seed=1))
+    if model == "qwen2-0.5b":
+        del tensors["lm_head.weight"]
+    if kind == "torch":
+        return tensors
+    import jax
+
+    return {n: jax.dlpack.from_dlpack(t) for n, t in tensors.items()}  # zero-copy
+
+
+def layout_digests(params: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The trainer's digest of every tensor as the worker reports them (the tied head is
+    read back as the embedding)."""
+    import torch
+
+    from tests.torch_side.vllm_stub import digest
+
+    out = {n: digest(a if kind == "torch" else torch.from_dlpack(a)) for n, a in params.items()}
+    if "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
 
 
 def _marked(fn: Any, name: str) -> Any:
@@ -203,6 +264,7 @@ def run_config(
         "mode": mode,
         "nbytes": nbytes,
         "tensors": len(params),
+        "target": "transport only (sink)" if cfg["sink"] else "vLLM-layout parameters",
     }
     if cfg["control"] == "http":
         from weightwire.control.client import HTTPWeightSyncClient
@@ -248,17 +310,24 @@ def run_config(
         else:
             engine.send_weights()
         got = rpc(cfg["port"], "mem_peak", t)
-        pull = type(engine.session.sender).__name__ == "IPCPullPipeline"
+        path = type(engine.session.sender).__name__
+        pull = path != "IPCPipeline"  # pull and write-through hold nothing on the trainer
+        if cfg["sink"]:
+            loaded = got["nbytes"] == nbytes and got["tensors"] == len(params)
+        else:
+            loaded = rpc(cfg["port"], "digests", t) == cfg["want"]
         row.update(
-            ipc_mode="pull" if pull else "push",
+            ipc_mode=path,
             trainer_extra=0 if pull else nb * buf,
             trainer_between=engine.session.sender.held_bytes(),
             worker_extra=got["peak_extra"] + got.get("pool", 0),
             worker_pool=got.get("pool", 0),
-            loaded_ok=got["nbytes"] == nbytes and got["tensors"] == len(params),
+            loaded_ok=loaded,
         )
         if not release:
             row["ceiling_s"], row["ceiling1_s"] = ceilings_s(engine, params, nbytes, 5)
+            if not cfg["sink"]:  # the floor of a whole round: one copy into the parameters
+                row["ceiling1_s"] = float(rpc(cfg["port"], "floor", t, reps=5))
     finally:
         engine.shutdown()
         getattr(client, "close", lambda: None)()
@@ -280,11 +349,16 @@ def sender_main(cfg: dict[str, Any]) -> None:
             for c in CONFIGS
             if c[0] == model and kind in c[5].split(",")
             for m in c[6].split(",")
-            if m in cfg["modes"]
+            if m in cfg["modes"] and not (cfg["sink"] and m == "write_through")
         ]
         if not todo:
             continue
-        params = build_params(model, kind)
+        if cfg["sink"]:
+            params = build_params(model, kind)
+        else:
+            rpc(cfg["port"], "layout", cfg["timeout"] + 60, model=model)
+            params = layout_params(model, kind)
+            cfg["want"] = layout_digests(params, kind)
         for _, packed, mib, nb, release, ipc_mode in todo:
             if time.time() > cfg["deadline"] - 20:
                 rows.append(
@@ -317,22 +391,23 @@ def sender_main(cfg: dict[str, Any]) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| engine | control | model | GB/round | mode | chunks | ms/round | GB/s | 2-copy "
+        "| engine | control | model | into | GB/round | mode | chunks | ms/round | GB/s | 2-copy "
         "ceiling ms | ratio | 1-copy ceiling ms | ratio | start ms | finish ms | trainer extra "
-        "GiB (between rounds) | worker extra GiB | loaded |\n" + "|---" * 17 + "|\n"
+        "GiB (between rounds) | worker extra GiB | loaded |\n" + "|---" * 18 + "|\n"
     )
     out = []
     for r in rows:
         if "error" in r:
             out.append(
-                f"| {r['engine']} | | {r['model']} | | {r['mode']} | | | | | | | | | | | | "
+                f"| {r['engine']} | | {r['model']} | | | {r['mode']} | | | | | | | | | | | | "
                 f"{r['error']} |"
             )
             continue
         gb, s = r["nbytes"] / 1e9, r["round_s"]
         c2, c1 = r.get("ceiling_s"), r.get("ceiling1_s")
         out.append(
-            f"| {r['engine']} | {r['control']} | {r['model']} | {gb:.2f} | {r['mode']} | "
+            f"| {r['engine']} | {r['control']} | {r['model']} | {r.get('target', '')} | {gb:.2f} "
+            f"| {r['mode']} ({r['ipc_mode']}) | "
             f"{r['pieces']} | {s * 1e3:.2f} | {gb / s:.0f} | "
             f"{'' if c2 is None else f'{c2 * 1e3:.2f}'} | "
             f"{'' if c2 is None else f'{c2 / s:.3f}'} | "
@@ -366,8 +441,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control", default="http", choices=("http", "shim"))
     ap.add_argument(
         "--modes",
-        default="pull,push",
-        help="IPC data paths to run: pull (one copy), push (slot ring)",
+        default="pull,push,write_through",
+        help="IPC data paths to run: pull (one copy), push (slot ring), write_through (one "
+        "copy, into the parameters)",
+    )
+    ap.add_argument(
+        "--sink",
+        action="store_true",
+        help="transport only: the worker loads into a sink that keeps nothing (default: a "
+        "vLLM-layout parameter set)",
     )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -391,7 +473,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sender_main(cfg)
         return 0
-    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if not args.sink:
+        from tests.torch_side.vllm_stub import SHAPES
+
+        known: Any = SHAPES
+    else:
+        known = MODELS
+    unknown = [m for m in args.models.split(",") if m not in known]
     if unknown:
         ap.error(f"unknown models {unknown}")
     deadline = time.time() + args.deadline_s
@@ -443,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rounds": args.rounds,
                     "warmup": args.warmup,
                     "modes": args.modes.split(","),
+                    "sink": args.sink,
                 }
                 sender = _spawn("sender", cfg, Path(tmp, f"s-{kind}.json"))
                 procs.append(sender)

@@ -295,6 +295,32 @@ def test_auto_pauses_a_round_applied_in_place_with_abort_and_resumes_after_commi
     assert server.bodies("pause") == [{"mode": "abort"}]  # refusing, not queueing
 
 
+class FailsOnce(DictSource):
+    """Its first pass raises before yielding a tensor (a trainer-side error before any byte)."""
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        self.iterations += 1
+        if self.iterations == 1:
+            raise RuntimeError("the trainer's weights are not ready")
+        yield from self.tensors.items()
+
+
+def test_a_round_in_place_that_fails_before_its_start_resumes_the_early_pause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The pause goes out beside the round's set-up; a round that fails before its start
+    # reached the workers wrote nothing, so generation is resumed, not left refused.
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
+    server = FakeServer()
+    engine = engine_for(server.client(), FailsOnce(numpy_weights(), describe), stage_budget_bytes=0)
+    with pytest.raises(RuntimeError, match="not ready"):
+        engine.send_weights()
+    assert round_routes(server) == [PROBE, "pause", "resume"]
+    assert "start_weight_update" not in server.routes()
+    engine.send_weights()  # the engine stays usable; the next round is whole
+    assert round_routes(server)[3:] == ROUND
+
+
 def test_a_round_in_place_holds_the_round_guard_until_after_the_commit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

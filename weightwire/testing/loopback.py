@@ -6,7 +6,9 @@ loading into a ``TensorStoreHost``, and answers the weight-sync calls over a loc
 socket; ``LoopbackClient`` speaks the same calls as ``HTTPWeightSyncClient``, so a
 trainer engine cannot tell the difference.
 
-Protocol: one request per connection, one JSON line each way (no pickle):
+Protocol: one JSON line each way per request (no pickle), one request at a time on a
+connection; the client keeps its connections open across calls (a fresh connection per call
+would add a connect and a server thread to every call of a round):
 ``{"op": "<route name>", "body": {...}}`` -> ``{"ok": true, "result": ...}`` or
 ``{"ok": false, "status": 400|500, "error": "..."}``.
 
@@ -21,7 +23,6 @@ and waits for that line. Only this module's ``serve`` imports torch.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
@@ -58,22 +59,45 @@ class LoopbackClient:
     def __init__(self, address: str, *, timeout: float = 300.0) -> None:
         host, _, port = address.rpartition(":")
         self.address, self._host, self._port, self.timeout = address, host, int(port), timeout
+        self._idle: list[socket.socket] = []  # kept-alive connections, one call at a time each
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"LoopbackClient({self.address!r})"
 
+    def _connection(self) -> socket.socket:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        sock = socket.create_connection((self._host, self._port), timeout=self.timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
     def call(self, op: str, body: Mapping[str, Any] | None = None) -> Any:
         try:
-            with socket.create_connection((self._host, self._port), timeout=self.timeout) as sock:
-                _send_line(sock, {"op": op, "body": dict(body or {})})
-                reply = _recv_line(sock)
-        except (OSError, ValueError) as exc:
+            sock = self._connection()
+        except OSError as exc:
             raise WeightSyncError(op, None, f"{type(exc).__name__}: {exc}", self.address) from None
+        try:
+            _send_line(sock, {"op": op, "body": dict(body or {})})
+            reply = _recv_line(sock)
+        except (OSError, ValueError) as exc:
+            sock.close()  # its state is unknown: never reused
+            raise WeightSyncError(op, None, f"{type(exc).__name__}: {exc}", self.address) from None
+        with self._lock:
+            self._idle.append(sock)
         if not reply.get("ok"):
             raise WeightSyncError(
                 op, reply.get("status", 500), str(reply.get("error")), self.address
             )
         return reply.get("result")
+
+    def close(self) -> None:
+        """Close the kept-alive connections (a later call opens a new one)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
 
     def version(self) -> str:
         return self.call("version")["version"]
@@ -300,20 +324,33 @@ def serve_ops(
     host: str = "127.0.0.1",
     port: int = 0,
 ) -> None:
-    """Answer one JSON line per connection with ``run(op, body)`` until ``done`` is set;
+    """Answer each JSON line of a connection with ``run(op, body)`` until ``done`` is set;
     prints ``READY host:port`` first (what ``spawn_loopback_cmd`` waits for)."""
 
     def handle(conn: socket.socket) -> None:
-        with conn:
-            try:
-                request = _recv_line(conn)
-                reply = {"ok": True, "result": run(str(request["op"]), request.get("body") or {})}
-            except (ValueError, KeyError, TypeError) as exc:
-                reply = {"ok": False, "status": 400, "error": f"{type(exc).__name__}: {exc}"}
-            except Exception as exc:
-                reply = {"ok": False, "status": 500, "error": f"{type(exc).__name__}: {exc}"}
-            with contextlib.suppress(OSError):  # the client gave up; nothing to tell it
-                _send_line(conn, reply)
+        with conn:  # one request at a time until the client closes the connection
+            while not done.is_set():
+                try:
+                    with conn.makefile("rb") as f:
+                        line = f.readline(_MAX_LINE + 1)
+                except OSError:
+                    return
+                if not line:  # the client closed the connection
+                    return
+                try:
+                    if not line.endswith(b"\n"):
+                        raise ValueError("over-long or unterminated request line")
+                    request = json.loads(line)
+                    result = run(str(request["op"]), request.get("body") or {})
+                    reply = {"ok": True, "result": result}
+                except (ValueError, KeyError, TypeError) as exc:
+                    reply = {"ok": False, "status": 400, "error": f"{type(exc).__name__}: {exc}"}
+                except Exception as exc:
+                    reply = {"ok": False, "status": 500, "error": f"{type(exc).__name__}: {exc}"}
+                try:
+                    _send_line(conn, reply)
+                except OSError:  # the client gave up; nothing to tell it
+                    return
 
     listener = socket.create_server((host, port))
     listener.settimeout(0.2)

@@ -337,6 +337,7 @@ class TrainerEngine(FrameworkHooks):
             draft,
             SoleWire(self.session, sole, remap),
             end,
+            early_pause=True,  # SoleWire runs control as soon as its first chunk is prepared
         )
 
     def abort_requests(self, request_ids: list[str] | None = None) -> None:

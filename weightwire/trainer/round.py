@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from weightwire.backends.base import Sent, WirePlan
+from weightwire.control.fanout import spawn
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
@@ -35,7 +37,13 @@ from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
-from weightwire.trainer.transfer import Transfer, best_effort_resume, chunked, tensor_stream
+from weightwire.trainer.transfer import (
+    Transfer,
+    await_call,
+    best_effort_resume,
+    chunked,
+    tensor_stream,
+)
 from weightwire.trainer.verify import VerifyError
 
 logger = logging.getLogger(__name__)
@@ -91,11 +99,14 @@ def lead_round(
     end: RoundEnd | None = None,
     payloads: list[dict[str, Any]] | None = None,
     pause: RoundPause | None = None,
+    early_pause: bool = False,
 ) -> RoundMetrics:
     """Rank 0's round over ``wire``; returns once the servers committed ``version``.
     ``payloads``: each turn's update info as the backend wrote it (a delta round's), instead
     of the dense one built from the turn's tensors; ``pause``: the round's pause, instead of
-    the session's rule for a round of ``metas``."""
+    the session's rule for a round of ``metas``; ``early_pause``: send the pause now, beside
+    the wire's own preparation (a wire that runs ``control`` soon: ``SoleWire``), instead of
+    from ``control``; the start still goes only after the pause returned."""
     reused = False
     if payloads is None:
         with clock("metadata"):
@@ -105,15 +116,23 @@ def lead_round(
     own: dict[str, str] | None = {} if s.verifier is not None else None
     if pause is None:
         pause = s.round_pause(metas)
-    paused = held = False
+    paused = held = started = False
+    # The pause's round trip overlaps the round's set-up; ordered before the start all the same.
+    # With the round guard, the guard is held first (requests are refused with its reason).
+    early = None
+    if early_pause and pause.mode is not None and not pause.guard:
+        early = spawn_pause(s, pause.mode)
 
     def control() -> None:
-        nonlocal paused, held
+        nonlocal paused, held, started
         if s.verifier is not None:
             s.verifier.before_round(s.client)  # a failure here sent nothing
         held = hold_guard(s.client, pause, version)  # refusing, with the reason, before any write
-        if pause.mode is not None:
+        if early is not None:
+            paused = await_call(early, s.info.timeouts.http_s, "pause")
+        elif pause.mode is not None:
             paused = s.pause(pause.mode)
+        started = True  # from here the workers may hold part of the round
         (s.client.start_draft_weight_update if draft else s.client.start_weight_update)()
 
     def record() -> None:  # committed: the next automatic version moves on even if a check fails
@@ -139,6 +158,10 @@ def lead_round(
                 )
     except BaseException as exc:
         committed = was_committed(exc)
+        if early is not None and not started:
+            # Failed before the start: nothing reached the workers, so an early pause is undone.
+            paused = False
+            undo_pause(s.client, early, s.info.timeouts.http_s)
         if end is not None:
             end.failed(exc, committed=committed)
         if committed:
@@ -162,6 +185,22 @@ def lead_round(
         verify=report,
         dense_bytes=sent.nbytes,
     )
+
+
+def spawn_pause(s: Session, mode: str) -> Future[bool]:
+    """``Session.pause(mode)`` on a helper thread (its answer: whether it paused)."""
+    return spawn(lambda: s.pause(mode), name="weightwire-pause")
+
+
+def undo_pause(client: Any, early: Future[bool], timeout: float) -> None:
+    """Resume after a pause sent early whose round failed before its start (best effort: the
+    round's own error is what raises)."""
+    try:
+        if not early.result(timeout=timeout):
+            return
+    except Exception:  # the pause itself failed or is still out: nothing of ours to undo
+        return
+    best_effort_resume(client)
 
 
 def _release_whole(client: Any, pause: RoundPause) -> None:

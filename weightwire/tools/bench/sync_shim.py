@@ -96,6 +96,14 @@ class ShimClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self._call("shutdown_weight_transfer_engine")
 
+    def pause(self, mode: str = "keep") -> None:
+        # The receiver serves no generation: a pause is its round trip only, as the loopback
+        # shim's (a round written in place pauses, and is timed with it).
+        self._call("pause", mode=mode)
+
+    def resume(self) -> None:
+        self._call("resume")
+
     def reset_prefix_cache(self) -> list[bool]:
         return [
             True
@@ -146,6 +154,8 @@ class Receiver:
             return self.abort()
         if call == "trace":
             return dict(self.trace)
+        if call in ("pause", "resume"):  # no generation runs here: nothing to hold back
+            return None
         if call == "mem_reset":
             self.torch.cuda.reset_peak_memory_stats(self.device)
             self.base, self.sink.tensors, self.sink.nbytes = (
