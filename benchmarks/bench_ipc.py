@@ -45,12 +45,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.torch_side.vllm_stub: the vLLM-layout parameter set
 
+from ipc_layout import TRACING, IPCShimReceiver, layout_digests, layout_params  # noqa: E402
+from ipc_probes import TracedClient, ceilings_s, profiled  # noqa: E402
+
 from weightwire.backends.ipc.slots import dump_trace, trace  # noqa: E402
 from weightwire.tools.bench import sync_shim as bench_sync_shim  # noqa: E402
 from weightwire.tools.bench.sync import MODELS, build_params, make_source  # noqa: E402
 from weightwire.tools.bench.sync_shim import ShimClient, receiver_main, rpc  # noqa: E402
-
-TRACING = bool(os.environ.get("WEIGHTWIRE_IPC_TRACE"))  # the same switch as slots.trace
 
 GIB = 1 << 30
 # (model, packed, buffer MiB, buffers, release after round, engines, IPC modes)
@@ -66,172 +67,6 @@ CONFIGS = [
     ("qwen2-0.5b", True, 1024, 2, True, "jax", "pull"),
     ("qwen2-0.5b", False, 1024, 2, False, "jax", "push"),
 ]
-
-
-class IPCShimReceiver(bench_sync_shim.Receiver):
-    """The shim's receiver with the IPC engine instead of NCCL (same memory probes), loading
-    into the sink or, once ``layout`` named a model, into its vLLM-layout parameters."""
-
-    layout: Any = None  # (FakeLlama, its stub kind) after a ``layout`` call
-
-    def handle(self, call: str, args: dict[str, Any]) -> Any:
-        if call in ("layout", "digests", "floor"):
-            return self.on_layout(call, args)
-        out = super().handle(call, args)
-        if call == "mem_peak":  # pull mode's pool is raw cudaMalloc: not in torch's counters
-            link = getattr(getattr(self.engine, "_core", None), "_link", None)
-            held = getattr(link, "held_bytes", None)
-            out["pool"] = int(held()) if callable(held) else 0
-        return out
-
-    def op(self, op: str, args: dict[str, Any]) -> Any:
-        if op == "update" and os.environ.get("BENCH_PROFILE") and self.sink.nbytes == 0:
-            return _profiled("worker update", lambda: super(IPCShimReceiver, self).op(op, args))
-        if op != "init":
-            trace(f"{op}>")
-            try:
-                return super().op(op, args)
-            finally:
-                trace(f"{op}<")
-        from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine
-
-        with self.lock:
-            if self.engine is not None:
-                self.engine.shutdown()
-            model = self.sink if self.layout is None else self.layout[0]
-            self.engine = WeightwireIPCEngine.standalone(model=model, device=self.device)
-            info = self.engine.parse_init_info(args["init_info"])
-            self.engine.init_transfer_engine(info)
-            if TRACING:
-                _trace_worker(self.engine, self.sink)
-            return {"rank": info.rank_offset}
-
-    def on_layout(self, call: str, args: dict[str, Any]) -> Any:
-        from tests.torch_side import vllm_stub
-
-        with self.lock:
-            if call == "layout":  # the next sessions load into this model's parameters
-                kind = "llama-tied" if args["model"] == "qwen2-0.5b" else "llama"
-                self.layout = None
-                self.torch.cuda.empty_cache()
-                model = vllm_stub.make_model(kind, args["model"], self.device)
-                self.layout = (model, kind)
-                return None
-            model, kind = self.layout
-            if call == "digests":
-                return vllm_stub.model_digests(model, kind)
-            return vllm_stub.copy_floor_s(model, model.shape, self.device, int(args["reps"]))
-
-
-def layout_params(model: str, kind: str) -> dict[str, Any]:
-    """The round's tensors for the vLLM-layout parameter set (its stub's names and shapes; a
-    tied checkpoint has no ``lm_head.weight``), on the trainer's GPU."""
-    import torch
-
-    from tests.torch_side.vllm_stub import trainer_tensors
-
-    tensors = dict(trainer_tensors(model, torch.device("cuda", 0), seed=1))
-    if model == "qwen2-0.5b":
-        del tensors["lm_head.weight"]
-    if kind == "torch":
-        return tensors
-    import jax
-
-    return {n: jax.dlpack.from_dlpack(t) for n, t in tensors.items()}  # zero-copy
-
-
-def layout_digests(params: dict[str, Any], kind: str) -> dict[str, Any]:
-    """The trainer's digest of every tensor as the worker reports them (the tied head is
-    read back as the embedding)."""
-    import torch
-
-    from tests.torch_side.vllm_stub import digest
-
-    out = {n: digest(a if kind == "torch" else torch.from_dlpack(a)) for n, a in params.items()}
-    if "lm_head.weight" not in out:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
-
-
-def _marked(fn: Any, name: str) -> Any:
-    def marked(*a: Any, **k: Any) -> Any:
-        trace(f"{name}>")
-        try:
-            return fn(*a, **k)
-        finally:
-            trace(f"{name}<")
-
-    return marked
-
-
-def _trace_worker(engine: Any, sink: Any) -> None:
-    """``WEIGHTWIRE_IPC_TRACE``: marks around the worker's plan lookup, unpack and load (private
-    access)."""
-    from weightwire.torch_side.worker.receive import UnpackPlan
-
-    plans = engine._core._plans
-    plans.resolve = _marked(plans.resolve, "resolve")
-    sink.load_weights = _marked(sink.load_weights, "load")
-    if not hasattr(UnpackPlan, "_untraced"):
-        UnpackPlan._untraced = UnpackPlan.unpack
-        UnpackPlan.unpack = lambda self, buf: _marked(UnpackPlan._untraced, "unpack")(self, buf)
-
-
-class _TracedClient:
-    """The trainer's client with a mark around every call (``WEIGHTWIRE_IPC_TRACE``)."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(self._inner, name)
-        return _marked(fn, name) if callable(fn) else fn
-
-
-def _profiled(what: str, fn: Any) -> Any:
-    """Run ``fn`` under cProfile and print the top functions by own time (to stderr)."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    try:
-        return prof.runcall(fn)
-    finally:
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
-        print(f"--- profile: {what}\n{text.getvalue()}", file=sys.stderr, flush=True)
-
-
-def ceilings_s(engine: Any, params: dict[str, Any], nbytes: int, reps: int) -> tuple[float, float]:
-    """Two device copies of the round's bytes (tensors -> A, one copy each, then A -> B:
-    what push does) and one (tensors -> A: what pull does); CUDA events, medians."""
-    import cupy as cp
-
-    pipe = engine.session.sender
-    stream = pipe._stream
-    regions = pipe._packer.regions(list(params.values()), stream)
-    a, b = cp.cuda.runtime.malloc(nbytes), cp.cuda.runtime.malloc(nbytes)
-    try:
-        sptr = int(getattr(stream, "ptr", 0))
-        two, one = [], []
-        for _ in range(reps + 1):
-            start, mid, end = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
-            start.record(cp.cuda.ExternalStream(sptr))
-            off = 0
-            for r in regions:
-                cp.cuda.runtime.memcpyAsync(a + off, r.ptr, r.nbytes, 3, sptr)
-                off += r.nbytes
-            mid.record(cp.cuda.ExternalStream(sptr))
-            cp.cuda.runtime.memcpyAsync(b, a, nbytes, 3, sptr)
-            end.record(cp.cuda.ExternalStream(sptr))
-            end.synchronize()
-            two.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-            one.append(cp.cuda.get_elapsed_time(start, mid) / 1e3)
-        return statistics.median(two[1:]), statistics.median(one[1:])
-    finally:
-        cp.cuda.runtime.free(a)
-        cp.cuda.runtime.free(b)
 
 
 def run_config(
@@ -286,7 +121,7 @@ def run_config(
     )
     engine = Engine.trainer_init(info, client=client, source=make_source(params))
     if TRACING:
-        engine.client = _TracedClient(engine.client)
+        engine.client = TracedClient(engine.client)
     try:
         for _ in range(cfg["warmup"]):
             engine.send_weights()
@@ -306,7 +141,7 @@ def run_config(
         )
         rpc(cfg["port"], "mem_reset", t)
         if os.environ.get("BENCH_PROFILE") and nbytes < 4 * GIB:
-            _profiled(f"trainer round {kind} {model} {mode}", engine.send_weights)
+            profiled(f"trainer round {kind} {model} {mode}", engine.send_weights)
         else:
             engine.send_weights()
         got = rpc(cfg["port"], "mem_peak", t)
