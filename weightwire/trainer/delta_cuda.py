@@ -145,9 +145,7 @@ class FusedDelta:
         self.device = int(device)
         self.vec = vec
         with cupy.cuda.Device(self.device):
-            module = cupy.RawModule(
-                code=SOURCE, options=("-std=c++17", f"-DWW_VEC={vec}"), name_expressions=()
-            )
+            module = cupy.RawModule(code=SOURCE, options=("-std=c++17", f"-DWW_VEC={vec}"))
             self._delta = module.get_function("ww_delta")
             self._pack = module.get_function("ww_pack")
 
@@ -196,12 +194,12 @@ class FusedDelta:
                     (THREADS,),
                     (np.uint64(scratch_ptr), np.int32(n), np.uint64(ticket), np.uint64(counts),
                      np.uint64(status)),
-                    stream=cp.cuda.ExternalStream(stream, self.device),
+                    stream=cp.cuda.ExternalStream(stream),
                 )  # fmt: skip
             if n:
                 runtime.memcpyAsync(host.ptr, counts, 8 * n, runtime.memcpyDeviceToHost, stream)
             event = cp.cuda.Event(block=False, disable_timing=True)
-            event.record(cp.cuda.ExternalStream(stream, self.device))
+            event.record(cp.cuda.ExternalStream(stream))
         return Pending(
             ops, stream, scratch, scratch_ptr, outputs, copies_at, host, counts_view, event, keep
         )
@@ -243,7 +241,7 @@ class FusedDelta:
                     grid,
                     (_PACK_THREADS,),
                     (np.uint64(dst), np.int32(len(copies))),
-                    stream=cp.cuda.ExternalStream(pending.stream, self.device),
+                    stream=cp.cuda.ExternalStream(pending.stream),
                 )
         # Stream-ordered memory: a later allocation on this stream reuses it only after
         # the copy above ran.
