@@ -68,7 +68,7 @@ def available() -> bool:
         return False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Operand:
     """One tensor of a group as device memory: ``new`` is read, ``base`` gets new's bytes."""
 
@@ -133,6 +133,18 @@ class Pending:
     """The caller's arrays, alive until the group's work is done."""
 
 
+class _StreamRef:
+    """What a CuPy kernel launch reads a stream from (its ``ptr``): a stream by pointer."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+_EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
+
+
 class FusedDelta:
     """The compiled kernels on one CUDA device (compiled on first use)."""
 
@@ -148,6 +160,8 @@ class FusedDelta:
             module = cupy.RawModule(code=SOURCE, options=("-std=c++17", f"-DWW_VEC={vec}"))
             self._delta = module.get_function("ww_delta")
             self._pack = module.get_function("ww_pack")
+        self._events: list[int] = []
+        """Idle CUDA events (a group's counts are read after one), reused."""
 
     def launch(self, operands: Sequence[Operand], stream: int, alloc: Alloc, keep: Any) -> Pending:
         """Enqueue the group on ``stream`` (a raw CUDA stream pointer); nothing waits."""
@@ -194,20 +208,22 @@ class FusedDelta:
                     (THREADS,),
                     (np.uint64(scratch_ptr), np.int32(n), np.uint64(ticket), np.uint64(counts),
                      np.uint64(status)),
-                    stream=cp.cuda.ExternalStream(stream),
+                    stream=_StreamRef(stream),
                 )  # fmt: skip
             if n:
                 runtime.memcpyAsync(host.ptr, counts, 8 * n, runtime.memcpyDeviceToHost, stream)
-            event = cp.cuda.Event(block=False, disable_timing=True)
-            event.record(cp.cuda.ExternalStream(stream))
+            event = self._event()
+            runtime.eventRecord(event, stream)
         return Pending(
             ops, stream, scratch, scratch_ptr, outputs, copies_at, host, counts_view, event, keep
         )
 
     def counts(self, pending: Pending) -> list[int]:
         """The group's changed-element counts (waits for its launch: the host sync)."""
-        pending.event.synchronize()
-        return [int(c) for c in pending.counts_view]
+        self._cp.cuda.runtime.eventSynchronize(pending.event)
+        self._events.append(pending.event)
+        pending.event = None
+        return pending.counts_view.tolist()
 
     def pack(
         self, pending: Pending, plan: Layout, counts: Sequence[int], index: int,
@@ -241,12 +257,17 @@ class FusedDelta:
                     grid,
                     (_PACK_THREADS,),
                     (np.uint64(dst), np.int32(len(copies))),
-                    stream=cp.cuda.ExternalStream(pending.stream),
+                    stream=_StreamRef(pending.stream),
                 )
         # Stream-ordered memory: a later allocation on this stream reuses it only after
         # the copy above ran.
         pending.scratch = None
         pending.keep = None
+
+    def _event(self) -> int:
+        if self._events:
+            return self._events.pop()
+        return int(self._cp.cuda.runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING))
 
 
 _COMPILED: dict[tuple[int, int], FusedDelta] = {}

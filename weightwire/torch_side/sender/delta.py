@@ -20,7 +20,7 @@ it): the base is allocated once, at the first (dense) round.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,13 +42,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Fused:
-    """A group on the fused kernel: launched (``pending``), later its tight outputs."""
+    """A group on the fused kernel: launched (``pending``), later its tight outputs (one
+    ``int32`` tensor of indices, one values tensor per dtype)."""
 
     pending: Any
-    news: list[torch.Tensor]
-    index: torch.Tensor | None = None
-    values: dict[str, torch.Tensor] | None = None
-    plan: delta_cuda.Layout | None = None
+    device: torch.device
+    dtypes: dict[str, torch.dtype]
+    index: Any = None
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    plan: Any = None
 
 
 class TorchDeltaKernel(DeltaKernel):
@@ -83,7 +85,7 @@ class TorchDeltaKernel(DeltaKernel):
         device = self._fusable(news, bases)
         if device is None:
             return self.scan(news, bases)
-        flat = [n.detach() if n.is_contiguous() else n.detach().contiguous() for n in news]
+        flat = [n if n.is_contiguous() else n.detach().contiguous() for n in news]
         ops = [
             delta_cuda.Operand(
                 n.data_ptr(), b.data_ptr(), n.numel(), n.element_size(), limit, str(n.dtype)
@@ -97,23 +99,22 @@ class TorchDeltaKernel(DeltaKernel):
             return t.data_ptr(), t
 
         kernel = delta_cuda.fused(device.index)
-        return _Fused(kernel.launch(ops, stream, alloc, (flat, list(bases))), flat)
+        dtypes = {str(n.dtype): n.dtype for n in flat}
+        return _Fused(kernel.launch(ops, stream, alloc, (flat, list(bases))), device, dtypes)
 
     def finish(self, started: Any) -> Scan:
         if not isinstance(started, _Fused):
             return started
-        pending = started.pending
-        device = started.news[0].device
+        pending, device = started.pending, started.device
         kernel = delta_cuda.fused(device.index)
         counts = kernel.counts(pending)
-        plan = delta_cuda.layout(pending.operands, counts)
-
-        def buffer(nbytes: int) -> torch.Tensor:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-        started.index = buffer(plan.index_bytes)
-        started.values = {k: buffer(n) for k, n in plan.values_bytes.items()}
-        started.plan = plan
+        plan = started.plan = delta_cuda.layout(pending.operands, counts)
+        # Typed tight buffers: a patch is one slice of each.
+        started.index = torch.empty(plan.index_bytes // 4, dtype=torch.int32, device=device)
+        for key, nbytes in plan.values_bytes.items():
+            dtype = started.dtypes[key]
+            size = nbytes // dtype.itemsize
+            started.values[key] = torch.empty(size, dtype=dtype, device=device)
         values = {k: v.data_ptr() for k, v in started.values.items()}
         kernel.pack(pending, plan, counts, started.index.data_ptr(), values)
         return Scan(counts, started, updated=True)
@@ -155,11 +156,8 @@ class TorchDeltaKernel(DeltaKernel):
 
     @staticmethod
     def _extract_fused(state: _Fused, count: int, i: int, new: Any, base: Any) -> Extracted:
-        plan, index, values = state.plan, state.index, state.values
-        assert plan is not None and index is not None and values is not None
-        at = plan.index_at[i]
-        idx = index[at : at + 4 * count].view(torch.int32)
-        key = str(new.dtype)
-        vat = plan.values_at[i]
-        vals = values[key][vat : vat + new.element_size() * count].view(new.dtype)
-        return Extracted(idx, vals, base)
+        plan = state.plan
+        at = plan.index_at[i] // 4
+        values = state.values[state.pending.operands[i].key]
+        vat = plan.values_at[i] // new.element_size()
+        return Extracted(state.index[at : at + count], values[vat : vat + count], base)
