@@ -1,14 +1,14 @@
-"""Delta rounds on a JAX device: find the elements that changed, as XLA kernels.
+"""Delta rounds on a JAX device: find the elements that changed.
 
-Two passes, both memory-bound and near the device's bandwidth (no per-tensor gather of
-the whole tensor, no host round trip per tensor):
+On a GPU with CuPy the default ``expand="auto"`` runs the fused CUDA kernel
+(``jax_side.delta_cuda``: one pass over the new weights and the base per layer group,
+shared with the torch trainer). The XLA kernels below are the fallback (CPU, no CuPy, arrays
+not on one GPU) and the ``search`` / ``scatter`` choices. Two passes, both memory-bound
+(no per-tensor gather of the whole tensor, no host round trip per tensor):
 
 1. ``_scan_group`` (one jitted call per layer group): per tensor, bitcast compare new vs
    base and pack the mask into ``uint32`` words (32 elements per word, one read of each
    tensor), plus each tensor's popcount total. One host sync per group reads the counts.
-This is the fallback (CPU, no CuPy, arrays not on one GPU): on a GPU with CuPy the default
-``expand="auto"`` runs the fused CUDA kernel instead (``jax_side.delta_cuda``: one pass over
-the new weights and the base per layer group, shared with the torch trainer).
 
 2. ``_expand_search`` (per patched tensor, compiled per shape and size bucket): a prefix
    sum of the words' popcounts (32x shorter than the tensor); each output slot finds its
@@ -17,7 +17,8 @@ the new weights and the base per layer group, shared with the torch trainer).
    read again, and the work scales with the patch, not the tensor.
 
 Output arrays are bucketed to a power of two (so a new count rarely compiles anything);
-``Prefix`` marks how many leading elements are the patch: the engine sends exactly those.
+``Prefix`` marks which elements are the patch (the leading ones here; a window of a group's
+tight buffer with the fused kernel): the engine sends exactly those.
 """
 
 from __future__ import annotations
