@@ -65,3 +65,23 @@ def test_layout_empty_group() -> None:
     plan = layout([], [])
     assert plan.index_bytes == 0 and plan.values_bytes == {} and plan.index_at == []
     assert np.all(np.array(plan.values_at) == 0)
+
+
+def test_choosing_the_cuda_kernel_without_cupy_is_refused() -> None:
+    import pytest
+
+    from weightwire.jax_side.delta import JaxDeltaKernel
+    from weightwire.shared.errors import ConfigError
+    from weightwire.torch_side.sender.delta import TorchDeltaKernel
+    from weightwire.trainer import delta_cuda
+
+    if delta_cuda.available():
+        pytest.skip("CuPy sees a GPU here")
+    with pytest.raises(ConfigError, match="compaction='cuda' needs CuPy"):
+        TorchDeltaKernel("cuda")
+    with pytest.raises(ConfigError, match="expand='cuda' needs CuPy"):
+        JaxDeltaKernel("cuda")
+    with pytest.raises(ConfigError, match="compaction must be one of"):
+        TorchDeltaKernel("fast")
+    TorchDeltaKernel()  # auto: the fallback
+    JaxDeltaKernel()

@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from weightwire.jax_side.dtypes import describe as describe_array
+from weightwire.shared.errors import ConfigError
 from weightwire.trainer import delta_cuda
 from weightwire.trainer.delta import DeltaKernel, Extracted, Scan
 
@@ -171,7 +172,7 @@ class JaxDeltaKernel(DeltaKernel):
 
     def __init__(self, expand: str = "auto") -> None:
         if expand not in EXPAND_CHOICES:
-            raise ValueError(f"expand must be one of {EXPAND_CHOICES}, got {expand!r}")
+            raise ConfigError(f"expand must be one of {EXPAND_CHOICES}, got {expand!r}")
         xla = EXPANDS.get(expand, _expand_search)
         self._expand = {d: _jitted(xla, d) for d in (False, True)}
         self._fused: Any = None
@@ -180,7 +181,7 @@ class JaxDeltaKernel(DeltaKernel):
 
             self._fused = JaxFused()
         if expand == "cuda" and self._fused is None:
-            raise ValueError("expand='cuda' needs CuPy and a CUDA device")
+            raise ConfigError("expand='cuda' needs CuPy and a CUDA device")
 
     def start(self, news: Sequence[Any], bases: Sequence[Any], limits: Sequence[int]) -> Any:
         device = self._fused.device_of(news, bases) if self._fused and news else None

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from weightwire.shared.errors import ConfigError
 from weightwire.trainer.delta_cuda_source import SOURCE
 
 THREADS = 256
@@ -150,7 +151,7 @@ class FusedDelta:
 
     def __init__(self, device: int, vec: int = VEC) -> None:
         if vec not in (1, 2, 4):
-            raise ValueError(f"vec must be 1, 2 or 4, got {vec}")
+            raise ConfigError(f"vec must be 1, 2 or 4, got {vec}")
         import cupy
 
         self._cp = cupy

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from weightwire.shared.errors import ConfigError
 from weightwire.trainer import delta_cuda
 from weightwire.trainer.delta import DeltaKernel, Extracted, Scan
 
@@ -62,11 +63,11 @@ class TorchDeltaKernel(DeltaKernel):
 
     def __init__(self, compaction: str = "auto") -> None:
         if compaction not in COMPACTIONS:
-            raise ValueError(f"compaction must be one of {COMPACTIONS}, got {compaction!r}")
+            raise ConfigError(f"compaction must be one of {COMPACTIONS}, got {compaction!r}")
         self._static = compaction != "nonzero"
         self._fused = compaction in ("auto", "cuda") and delta_cuda.available()
         if compaction == "cuda" and not self._fused:
-            raise ValueError("compaction='cuda' needs CuPy and a CUDA device")
+            raise ConfigError("compaction='cuda' needs CuPy and a CUDA device")
 
     def snapshot(self, tensor: Any) -> Any:
         return tensor.detach().clone(memory_format=torch.contiguous_format)
