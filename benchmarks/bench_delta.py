@@ -4,14 +4,18 @@ dense device copy of the same weights, and the payload against (changed elements
     python benchmarks/bench_delta.py                    # GPU: Llama-3-8B shapes, bf16
     python benchmarks/bench_delta.py --shape small      # CPU: a small model, same report
     python benchmarks/bench_delta.py --framework torch --lrs 1e-6 --repeats 5
+    python benchmarks/bench_delta.py --lrs 1e-6 --jax-expand search cuda \
+        --torch-compaction static cuda         # the fused CUDA kernel beside the others
 
 One Adam-like step: ``new = bf16(w - lr * sign(g))`` (Adam's first step is ``lr`` times a
 unit-magnitude update per element) on weights drawn like an initialized model's
 (``N(0, 0.02)``), so the changed fraction is what bf16 rounding lets through at that
 learning rate. Extraction is ``trainer.delta.DeltaTracker.build`` with the framework's
 kernel (compare, count, compaction, the patch written into the base), timed until the
-device finished; the dense copy is one device-to-device copy of every tensor. A JSON
-report goes to ``--out`` when given.
+device finished; the dense copy is one device-to-device copy of every tensor. ``scratch``:
+the peak device memory the first build allocated beyond the weights and the base (torch:
+the caching allocator's peak; JAX with the fused kernel: CuPy's pool, the scratch only).
+A JSON report goes to ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -103,6 +107,16 @@ class Jax:
     def snapshot(self, w: dict[str, Any]) -> dict[str, Any]:
         return {n: self.kernel.snapshot(x) for n, x in w.items()}
 
+    def mark(self) -> None:
+        pass
+
+    def scratch(self) -> int:
+        try:
+            import cupy
+        except ImportError:
+            return 0
+        return int(cupy.get_default_memory_pool().total_bytes())
+
     def host(self, x: Any) -> Any:
         import numpy as np
 
@@ -146,6 +160,16 @@ class Torch:
 
     def snapshot(self, w: dict[str, Any]) -> dict[str, Any]:
         return {n: self.kernel.snapshot(x) for n, x in w.items()}
+
+    def mark(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.reset_peak_memory_stats()
+            self._held = self.torch.cuda.memory_allocated()
+
+    def scratch(self) -> int:
+        if self.device != "cuda":
+            return 0
+        return int(self.torch.cuda.max_memory_allocated() - self._held)
 
     def host(self, x: Any) -> Any:
         flat = x.detach().reshape(-1)
@@ -218,6 +242,25 @@ def encodings(fw: Any, built: Any, metas: list[ParamMeta]) -> dict[str, float]:
     return out
 
 
+def groups_only(fw: Any, tracker: DeltaTracker, new: dict, metas: list, bases: dict) -> Any:
+    """The build without the per-tensor bookkeeping: every group started and finished
+    (compare, counts, compaction, base update, tight copy), the same one-ahead pipeline."""
+    from weightwire.shared.groups import batch_by_layer
+
+    by_name = {m.name: m for m in metas}
+    kernel, ahead = fw.kernel, None
+    for group in batch_by_layer(list(new.items())):
+        limits = [tracker.limit(by_name[n]) for n, _ in group]
+        started = kernel.start([t for _, t in group], [bases[n] for n, _ in group], limits)
+        if ahead is not None:
+            kernel.finish(ahead)
+        ahead = started
+    if ahead is not None:
+        kernel.finish(ahead)
+    kernel.settle()
+    return list(bases.values())
+
+
 def run(
     fw: Any, shape: str, lrs: list[float], repeats: int, density: float, encode: bool = False
 ) -> list[dict]:
@@ -237,14 +280,27 @@ def run(
             built = tracker.build(list(new.items()), metas)
             return [p for _, p in built.pairs], tracker.bases, built
 
+        bases = fw.snapshot(base)
+        fw.sync(bases)
+        fw.mark()
         t0 = time.perf_counter()
-        first = build(fw.snapshot(base))
+        first = build(bases)
         fw.sync(first[:2])
         first_s = time.perf_counter() - t0
+        scratch = fw.scratch()
         built = first[2]
         exact = check(fw, base, new, first[1], built)
         samples = timed(fw, lambda a: build(a)[:2], repeats, lambda: fw.snapshot(base))
         wire = sum(m.nbytes for m in built.metas)
+        groups_ms = None
+        if fw.name.endswith(("/cuda", "/auto")):
+            only = timed(
+                fw,
+                lambda a, t=tracker, n=new: groups_only(fw, t, n, metas, a),
+                repeats,
+                lambda: fw.snapshot(base),
+            )
+            groups_ms = 1e3 * statistics.median(only)
         rows.append(
             {
                 "framework": fw.name,
@@ -263,6 +319,8 @@ def run(
                 "first_extract_ms": 1e3 * first_s,
                 "dense_copy_ms": 1e3 * copy_s,
                 "exact": exact,
+                "scratch_bytes": scratch,
+                "groups_only_ms": groups_ms,
             }
         )
         r = rows[-1]
@@ -272,9 +330,11 @@ def run(
             f"copy {r['dense_copy_ms']:.2f} ms = {r['extract_ms'] / r['dense_copy_ms']:.2f}x; "
             f"wire {wire / 1e6:.1f} MB vs changed x 6 {6 * built.changed / 1e6:.1f} MB "
             f"(dense {dense_bytes / 1e9:.2f} GB), {r['patches']} patches, "
-            f"{r['dense_tensors']} dense; exact={exact}",
+            f"{r['dense_tensors']} dense; exact={exact}; scratch {scratch / 1e9:.2f} GB",
             flush=True,
         )
+        if groups_ms is not None:
+            print(f"  groups only (no per-tensor bookkeeping): {groups_ms:.2f} ms", flush=True)
         if encode:
             r.update(encodings(fw, built, metas))
             shown = ", ".join(
@@ -298,8 +358,12 @@ def main() -> None:
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--density", type=float, default=0.25, help="TrainerInitInfo.delta_density")
-    ap.add_argument("--jax-expand", nargs="+", default=["search"], help="search, scatter")
-    ap.add_argument("--torch-compaction", nargs="+", default=["static"], help="static, nonzero")
+    ap.add_argument(
+        "--jax-expand", nargs="+", default=["search"], help="auto, cuda, search, scatter"
+    )
+    ap.add_argument(
+        "--torch-compaction", nargs="+", default=["static"], help="auto, cuda, static, nonzero"
+    )
     ap.add_argument("--encodings", action="store_true", help="index sizes of other encodings")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()

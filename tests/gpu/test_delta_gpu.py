@@ -1,5 +1,6 @@
 """Delta-round kernels on a GPU (``pytest -m gpu tests/gpu/test_delta_gpu.py`` on the H200
-host): the JAX and torch kernels on device arrays give patches that, applied with numpy,
+host): the JAX and torch kernels (the XLA / torch compactions and the fused CUDA kernel) on
+device arrays give whole rounds (several layer groups) whose patches, applied with numpy,
 rebuild the new weights exactly; the JAX device packer hands out exactly a patch's bytes."""
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _check(kind: str, to_device: Any, to_host: Any, kernel: Any) -> None:
 
 
 @pytest.mark.gpu
-def test_jax_kernel_on_gpu() -> None:
+@pytest.mark.parametrize("expand", ["search", "cuda"])
+def test_jax_kernel_on_gpu(expand: str) -> None:
     import jax
 
     try:
@@ -71,11 +73,14 @@ def test_jax_kernel_on_gpu() -> None:
         out = t.host() if isinstance(t, Prefix) else np.asarray(t)
         return out.reshape(-1).view(f"u{out.dtype.itemsize}")
 
-    _check("jax", lambda a: jax.device_put(a, gpu), host, JaxDeltaKernel())
+    if expand == "cuda":
+        pytest.importorskip("cupy")
+    _check("jax", lambda a: jax.device_put(a, gpu), host, JaxDeltaKernel(expand))
 
 
 @pytest.mark.gpu
-def test_torch_kernel_on_gpu() -> None:
+@pytest.mark.parametrize("compaction", ["static", "cuda"])
+def test_torch_kernel_on_gpu(compaction: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
@@ -90,7 +95,9 @@ def test_torch_kernel_on_gpu() -> None:
         words = {2: torch.int16, 4: torch.int32}
         return flat.view(words[flat.element_size()]).cpu().numpy()
 
-    _check("torch", device, host, TorchDeltaKernel())
+    if compaction == "cuda":
+        pytest.importorskip("cupy")
+    _check("torch", device, host, TorchDeltaKernel(compaction))
 
 
 @pytest.mark.gpu

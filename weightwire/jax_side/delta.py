@@ -1,11 +1,15 @@
-"""Delta rounds on a JAX device: find the elements that changed, as XLA kernels.
+"""Delta rounds on a JAX device: find the elements that changed.
 
-Two passes, both memory-bound and near the device's bandwidth (no per-tensor gather of
-the whole tensor, no host round trip per tensor):
+On a GPU with CuPy the default ``expand="auto"`` runs the fused CUDA kernel
+(``jax_side.delta_cuda``: one pass over the new weights and the base per layer group,
+shared with the torch trainer). The XLA kernels below are the fallback (CPU, no CuPy, arrays
+not on one GPU) and the ``search`` / ``scatter`` choices. Two passes, both memory-bound
+(no per-tensor gather of the whole tensor, no host round trip per tensor):
 
 1. ``_scan_group`` (one jitted call per layer group): per tensor, bitcast compare new vs
    base and pack the mask into ``uint32`` words (32 elements per word, one read of each
    tensor), plus each tensor's popcount total. One host sync per group reads the counts.
+
 2. ``_expand_search`` (per patched tensor, compiled per shape and size bucket): a prefix
    sum of the words' popcounts (32x shorter than the tensor); each output slot finds its
    word by binary search and its bit by a 5-step search within the word; a gather reads
@@ -13,7 +17,8 @@ the whole tensor, no host round trip per tensor):
    read again, and the work scales with the patch, not the tensor.
 
 Output arrays are bucketed to a power of two (so a new count rarely compiles anything);
-``Prefix`` marks how many leading elements are the patch: the engine sends exactly those.
+``Prefix`` marks which elements are the patch (the leading ones here; a window of a group's
+tight buffer with the fused kernel): the engine sends exactly those.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import numpy as np
 from jax import lax
 
 from weightwire.jax_side.dtypes import describe as describe_array
+from weightwire.shared.errors import ConfigError
+from weightwire.trainer import delta_cuda
 from weightwire.trainer.delta import DeltaKernel, Extracted, Scan
 
 _WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
@@ -36,18 +43,20 @@ _MIN_BUCKET = 1024
 
 @dataclass(frozen=True)
 class Prefix:
-    """The first ``count`` elements of the 1-D ``array`` (a bucketed kernel output): a wire
-    tensor of shape ``[count]``. ``JAXTrainerEngine`` and ``JaxDevicePacker`` read just those."""
+    """Elements ``[offset, offset + count)`` of the 1-D ``array`` (a kernel output: a bucketed
+    one, or a group's tight buffer): a wire tensor of shape ``[count]``.
+    ``JAXTrainerEngine`` and ``JaxDevicePacker`` read just those."""
 
     array: jax.Array
     count: int
+    offset: int = 0
 
     def describe(self) -> tuple[str, tuple[int, ...]]:
         dtype, _ = describe_array(self.array)
         return dtype, (self.count,)
 
     def host(self) -> np.ndarray:
-        return np.asarray(self.array)[: self.count]
+        return np.asarray(self.array)[self.offset : self.offset + self.count]
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -150,11 +159,44 @@ def bucket(count: int) -> int:
     return max(_MIN_BUCKET, 1 << (count - 1).bit_length())
 
 
-class JaxDeltaKernel(DeltaKernel):
-    """``DeltaKernel`` over JAX (or numpy) arrays on one device each."""
+EXPAND_CHOICES = ("auto", "cuda", *EXPANDS)
 
-    def __init__(self, expand: str = "search") -> None:
-        self._expand = {d: _jitted(EXPANDS[expand], d) for d in (False, True)}
+
+class JaxDeltaKernel(DeltaKernel):
+    """``DeltaKernel`` over JAX (or numpy) arrays on one device each.
+
+    ``expand``: ``auto`` (``cuda`` for a group wholly on one GPU when CuPy imports, else
+    ``search``), ``cuda`` (the fused kernel; a group it cannot take falls back to
+    ``search``), ``search`` or ``scatter`` (the XLA compactions); the benchmark compares
+    them."""
+
+    def __init__(self, expand: str = "auto") -> None:
+        if expand not in EXPAND_CHOICES:
+            raise ConfigError(f"expand must be one of {EXPAND_CHOICES}, got {expand!r}")
+        xla = EXPANDS.get(expand, _expand_search)
+        self._expand = {d: _jitted(xla, d) for d in (False, True)}
+        self._fused: Any = None
+        if expand in ("auto", "cuda") and delta_cuda.available():
+            from weightwire.jax_side.delta_cuda import JaxFused
+
+            self._fused = JaxFused()
+        if expand == "cuda" and self._fused is None:
+            raise ConfigError("expand='cuda' needs CuPy and a CUDA device")
+
+    def start(self, news: Sequence[Any], bases: Sequence[Any], limits: Sequence[int]) -> Any:
+        device = self._fused.device_of(news, bases) if self._fused and news else None
+        if device is None:
+            return self.scan(news, bases)
+        return self._fused.start(device, news, bases, limits)
+
+    def finish(self, started: Any) -> Scan:
+        if isinstance(started, Scan):
+            return started
+        return self._fused.finish(started)
+
+    def settle(self) -> None:
+        if self._fused is not None:
+            self._fused.settle()
 
     def snapshot(self, tensor: Any) -> Any:
         return _copy(jnp.asarray(tensor))
@@ -165,6 +207,8 @@ class JaxDeltaKernel(DeltaKernel):
         return Scan([int(c) for c in np.asarray(counts)], (arrays, words))
 
     def extract(self, scan: Scan, i: int, new: Any, base: Any) -> Extracted:
+        if not isinstance(scan.state, tuple):  # the fused kernel's group: windows of its buffers
+            return _window(scan.state, i, scan.counts[i], base)
         arrays, words = scan.state
         count = scan.counts[i]
         expand = self._expand[_donates(base)]
@@ -179,24 +223,33 @@ class JaxDeltaKernel(DeltaKernel):
         return Extracted(jnp.zeros((1,), jnp.int32), flat[:1], base)
 
 
+def _window(group: Any, i: int, count: int, base: Any) -> Extracted:
+    """Tensor ``i``'s patch in a fused group's tight buffers (its base is already written)."""
+    plan = group.plan
+    key = group.pending.operands[i].key
+    values = group.values[key]
+    index = Prefix(group.index, count, plan.index_at[i] // 4)
+    return Extracted(index, Prefix(values, count, plan.values_at[i] // values.dtype.itemsize), base)
+
+
 def _donates(x: Any) -> bool:
     """Donate the base to the patch scatter where the platform reuses donated buffers."""
     return isinstance(x, jax.Array) and all(d.platform != "cpu" for d in x.devices())
 
 
-def arrays_of(tensors: Sequence[Any]) -> tuple[list[Any], list[int | None]]:
-    """``tensors`` with each ``Prefix`` replaced by its array, and each one's element count
-    (``None`` for a whole array)."""
+def arrays_of(tensors: Sequence[Any]) -> tuple[list[Any], list[tuple[int, int] | None]]:
+    """``tensors`` with each ``Prefix`` replaced by its array, and each one's window
+    ``(offset, count)`` in elements (``None`` for a whole array)."""
     arrays: list[Any] = []
-    counts: list[int | None] = []
+    windows: list[tuple[int, int] | None] = []
     for t in tensors:
         if isinstance(t, Prefix):
             arrays.append(t.array)
-            counts.append(t.count)
+            windows.append((t.offset, t.count))
         else:
             arrays.append(t)
-            counts.append(None)
-    return arrays, counts
+            windows.append(None)
+    return arrays, windows
 
 
 __all__ = ["JaxDeltaKernel", "Prefix", "bucket"]

@@ -123,7 +123,7 @@ class JaxDevicePacker(DevicePacker):
         sharding comparison, one pointer read and a cached byte size: what
         ``array_device_bytes`` derives, for an array known to sit on this one device."""
         sharding = self._sharding
-        arrays, counts = arrays_of(tensors)  # a delta round's patches: a prefix of an array
+        arrays, windows = arrays_of(tensors)  # a delta round's patches: windows of arrays
         arrays = [
             x if isinstance(x, jax.Array) and x.sharding == sharding else self._here(x)
             for x in arrays
@@ -134,19 +134,19 @@ class JaxDevicePacker(DevicePacker):
         jax.block_until_ready(arrays)
         sizes, device = self._nbytes, self._hardware_id
         out = []
-        for x, count in zip(arrays, counts, strict=True):
+        for x, window in zip(arrays, windows, strict=True):
             key = (x.shape, x.dtype)
             nbytes = sizes.get(key)
             if nbytes is None:
                 if len(sizes) > 4096:  # shapes that keep changing: stay bounded
                     sizes.clear()
                 nbytes = sizes[key] = int(x.nbytes)
-            if count is not None:
-                nbytes = count * x.dtype.itemsize
+            skip = 0
+            if window is not None:
+                skip, nbytes = window[0] * x.dtype.itemsize, window[1] * x.dtype.itemsize
             # An empty array may have no buffer to point at.
-            out.append(
-                DeviceBytes(int(x.unsafe_buffer_pointer()) if nbytes else 0, nbytes, device, x)
-            )
+            ptr = int(x.unsafe_buffer_pointer()) + skip if nbytes else 0
+            out.append(DeviceBytes(ptr, nbytes, device, x))
         return out
 
     def _here(self, x: Any) -> jax.Array:

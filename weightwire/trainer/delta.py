@@ -16,6 +16,7 @@ forced one) re-snapshots every tensor as it is sent.
 
 from __future__ import annotations
 
+import math
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
@@ -34,6 +35,9 @@ class Scan:
 
     counts: list[int]
     state: Any = None
+    updated: bool = False
+    """The scan already wrote every tensor's new bytes into its base (the fused CUDA
+    kernel): a tensor sent dense needs no ``refresh``."""
 
 
 @dataclass
@@ -59,6 +63,23 @@ class DeltaKernel(ABC):
     @abstractmethod
     def scan(self, news: Sequence[Any], bases: Sequence[Any]) -> Scan:
         """How many elements of each ``news[i]`` differ from ``bases[i]`` (one host sync)."""
+
+    def start(self, news: Sequence[Any], bases: Sequence[Any], limits: Sequence[int]) -> Any:
+        """Begin the scan of one group; ``finish`` waits for it, and the tracker starts the
+        next group in between. ``limits[i]``: the most changed elements tensor ``i`` may
+        have and still go as a patch (a kernel may size its outputs by it). The default
+        scans at once."""
+        return self.scan(news, bases)
+
+    def finish(self, started: Any) -> Scan:
+        """The ``Scan`` of a group ``start`` began."""
+        return started
+
+    def settle(self) -> None:
+        """Wait for all device work of the round so far (``build`` calls it on its way out,
+        also on an error): after it, other readers may read the outputs and the bases, and
+        the new tensors may be freed."""
+        return None
 
     @abstractmethod
     def extract(self, scan: Scan, i: int, new: Any, base: Any) -> Extracted:
@@ -122,6 +143,7 @@ class DeltaTracker:
         self.since_dense = 0
         self._tokens = RoundTokens()
         self._attempts = 0
+        self._limits: dict[str, tuple[ParamMeta, int]] = {}
 
     def next_token(self) -> str:
         self._attempts += 1
@@ -166,25 +188,65 @@ class DeltaTracker:
         the round must go dense (it is partial but has no tensor a patch can name)."""
         by_name = {m.name: m for m in metas}
         out = DeltaRound([], [], [], 0, sum(m.numel for m in metas), sum(m.nbytes for m in metas))
-        for group in batch_by_layer(pairs):
-            bases = [self.bases[name] for name, _ in group]
-            scan = self.kernel.scan([t for _, t in group], bases)
-            for i, ((name, new), count) in enumerate(zip(group, scan.counts, strict=True)):
-                if count:
-                    self._add(out, by_name[name], scan, i, new, count)
+        try:
+            self._compare(pairs, by_name, out)
+        finally:
+            self.kernel.settle()
         # A partial round still names its base, so the workers check it.
         partial = not out.patches and len(out.pairs) != len(metas)
         if partial and not self._first_patch(out, metas):
             return None
         return out
 
+    def limit(self, meta: ParamMeta) -> int:
+        """The most changed elements ``meta``'s tensor may have and still go as a patch
+        (fewer than ``density`` of its elements; none past the int32 index range)."""
+        cached = self._limits.get(meta.name)
+        if cached is not None and cached[0] is meta:  # the same metas round after round
+            return cached[1]
+        numel = meta.numel
+        got = 0 if numel > MAX_PATCH_NUMEL else math.ceil(self.density * numel) - 1
+        got = max(0, min(numel, got))
+        if len(self._limits) > 1 << 16:  # names that keep changing: stay bounded
+            self._limits.clear()
+        self._limits[meta.name] = (meta, got)
+        return got
+
+    def _compare(
+        self, pairs: Iterable[tuple[str, Any]], by_name: dict[str, ParamMeta], out: DeltaRound
+    ) -> None:
+        """One group at a time, the next group started before this one's counts are read."""
+        ahead: tuple[list[tuple[str, Any]], Any] | None = None
+        for group in batch_by_layer(pairs):
+            bases = [self.bases[name] for name, _ in group]
+            limits = [self.limit(by_name[name]) for name, _ in group]
+            started = self.kernel.start([t for _, t in group], bases, limits)
+            if ahead is not None:
+                self._take(out, by_name, *ahead)
+            ahead = (group, started)
+        if ahead is not None:
+            self._take(out, by_name, *ahead)
+
+    def _take(
+        self,
+        out: DeltaRound,
+        by_name: dict[str, ParamMeta],
+        group: list[tuple[str, Any]],
+        started: Any,
+    ) -> None:
+        scan = self.kernel.finish(started)
+        for i, ((name, new), count) in enumerate(zip(group, scan.counts, strict=True)):
+            if count:
+                self._add(out, by_name[name], scan, i, new, count)
+
     def _add(
         self, out: DeltaRound, meta: ParamMeta, scan: Scan, i: int, new: Any, count: int
     ) -> None:
         out.changed += count
         base = self.bases[meta.name]
-        if count >= self.density * meta.numel or meta.numel > MAX_PATCH_NUMEL:
-            self.bases[meta.name] = fresh = self.kernel.refresh(new, base)
+        if count > self.limit(meta):
+            fresh = base if scan.updated else self.kernel.refresh(new, base)
+            self.bases[meta.name] = fresh
             out.pairs.append((meta.name, fresh))
             out.metas.append(meta)
             return
