@@ -282,7 +282,7 @@ def run_logits_scenario(model_dir: str, monkeypatch: pytest.MonkeyPatch, sc: Sce
     from weightwire.shared.timeouts import Timeouts
     from weightwire.tools.models import llama
     from weightwire.tools.models.loading import load_decoder
-    from weightwire.tools.server.replicas import WorkerSpec
+    from weightwire.tools.server.replica import WorkerSpec
     from weightwire.trainer import TrainerInitInfo
 
     device = _jax_device(

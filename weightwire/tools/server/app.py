@@ -30,7 +30,7 @@ from weightwire.tools.server.completions import (
 )
 from weightwire.tools.server.control_routes import install_control_routes
 from weightwire.tools.server.openai import check_model, install_openai_routes
-from weightwire.tools.server.replicas import ReplicaError
+from weightwire.tools.server.replica import ReplicaError
 from weightwire.tools.server.reply_size import check_reply_size
 from weightwire.tools.server.state import SERVER_VERSION, ServerOptions, ServerState
 from weightwire.tools.server.web import (
