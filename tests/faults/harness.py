@@ -234,6 +234,21 @@ def fresh_round(
     return want
 
 
+def committed(probe: Probe) -> tuple[dict[str, str], str]:
+    """The server's served checksums and weight version."""
+    return probe.checksums()[0], probe.version()
+
+
+def wait_busy(probe: Probe, op: str) -> None:
+    """Until the server is running ``op`` (a round is mid-flight there)."""
+    probe.wait_session(lambda s: s["busy"] == op, timeout=10)
+
+
+def wait_idle(probe: Probe, timeout: float) -> float:
+    """Seconds until the server has no weight operation running (its update returned)."""
+    return probe.wait_session(lambda s: s["busy"] is None, timeout=timeout)[1]
+
+
 def assert_weights(probe: Probe, want: dict[str, str], version: str) -> None:
     """Every replica holds exactly ``want`` and the server reports ``version``."""
     for i, replica in enumerate(probe.checksums()):
