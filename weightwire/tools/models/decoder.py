@@ -12,7 +12,7 @@ Dense where HF has several Linear), ``head_axes`` (DenseGeneral with explicit he
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -27,6 +27,8 @@ from weightwire.tools.models.common import (
     attend,
     attention_bias,
     dense_init,
+    init_params,
+    lm_logits,
     positions_for,
     rope_inv_freq,
     rotary,
@@ -213,8 +215,7 @@ class CausalLM(nn.Module):
 
 def init(rng: jax.Array, cfg: DecoderConfig) -> dict[str, Any]:
     """Random parameters ``{"params": {...}}`` (normal(0.02) matrices, HF-default norms)."""
-    # A plain dict: flax returns a FrozenDict only when flax_return_frozendict is set.
-    return cast(dict[str, Any], CausalLM(cfg).init(rng, jnp.zeros((1, 1), jnp.int32)))
+    return init_params(CausalLM(cfg), rng)
 
 
 def apply(
@@ -229,8 +230,7 @@ def apply(
 
     ``attention_mask`` (1 = real token) masks padded keys; ``positions`` default to 0..T-1.
     """
-    # Without mutable=..., apply returns the output alone (no (output, state) pair).
-    return cast(jax.Array, CausalLM(cfg).apply(params, tokens, positions, attention_mask))
+    return lm_logits(CausalLM(cfg), params, tokens, positions, attention_mask)
 
 
 def naming(cfg: DecoderConfig) -> Naming:
