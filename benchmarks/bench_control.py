@@ -128,7 +128,8 @@ async def _app(kind: str) -> tuple[Any, Any]:
 
         pool: Any = InProcessPool(_Instant())
     else:
-        from weightwire.tools.server.replicas import _LINE_LIMIT, Replica, ReplicaPool
+        from weightwire.tools.server.replica import _LINE_LIMIT, Replica
+        from weightwire.tools.server.replicas import ReplicaPool
 
         proc = await asyncio.create_subprocess_exec(
             sys.executable,

@@ -14,7 +14,8 @@ share of the blocking round.
 ``--device cpu``: a JAX decoder (``tools.models.decoder``) trained by the demo's REINFORCE
 step on random tokens, synced over ``weightwire_tcp`` into the reference server (a child
 process) with ``verify=True`` (every round's checksums compared on the server). ``small``
-is a ~64 MB float32 Llama built next to tiny-llama's tokenizer; ``tiny`` is tiny-llama.
+is a ~64 MB float32 Llama built next to tiny-llama's tokenizer (the fault suite's,
+``tools.server.scaled``); ``tiny`` is tiny-llama.
 A training step runs as many updates as it takes to last ``--train-ratio`` times the
 blocking round (measured first), the regime overlap is for: with a step shorter than the
 round, the stall is the difference (one round in flight at most).
@@ -32,169 +33,17 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from overlap_phases import report, row_of, run_phases  # beside this script
+
 REPO = Path(__file__).resolve().parents[1]
-SMALL = {
-    "hidden_size": 512,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-}
-
-
-@dataclass
-class Phase:
-    """One phase's per-step seconds."""
-
-    name: str
-    train: list[float] = field(default_factory=list)
-    sync: list[float] = field(default_factory=list)
-    """blocking: the round's wall time; overlap: the stall (call + wait for the previous)."""
-    wait: list[float] = field(default_factory=list)
-    step: list[float] = field(default_factory=list)
-    versions: list[str] = field(default_factory=list)
-
-    def median(self, what: str) -> float:
-        values = getattr(self, what)
-        return statistics.median(values) if values else 0.0
-
-
-# -- the loop, whatever the device ----------------------------------------------------------
-
-
-def run_phases(engine: Any, train: Any, steps: int, first: int) -> tuple[Phase, Phase, int]:
-    """``steps`` blocking steps, then ``steps`` overlapped ones; versions count from
-    ``first``. Returns both phases and the next version number."""
-    blocking, overlap = Phase("blocking"), Phase("overlap")
-    n = first
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        train()
-        t1 = time.perf_counter()
-        metrics = engine.send_weights(str(n))
-        t2 = time.perf_counter()
-        blocking.train.append(t1 - t0)
-        blocking.sync.append(t2 - t1)
-        blocking.step.append(t2 - t0)
-        blocking.versions.append(str(metrics.version))
-        n += 1
-    pending = None
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        train()
-        t1 = time.perf_counter()
-        if pending is not None:
-            overlap.versions.append(str(pending.result().version))
-        t2 = time.perf_counter()
-        pending = engine.send_weights(str(n), wait=False)
-        t3 = time.perf_counter()
-        overlap.train.append(t1 - t0)
-        overlap.wait.append(t2 - t1)
-        overlap.sync.append(t3 - t1)
-        overlap.step.append(t3 - t0)
-        n += 1
-    assert pending is not None
-    overlap.versions.append(str(pending.result().version))
-    return blocking, overlap, n
-
-
-def report(rows: list[dict[str, Any]]) -> str:
-    head = (
-        "| engine | device | model | MB/round | updates/step | train ms blocking / overlap | "
-        "blocking round ms | overlap stall ms (wait) | stall / round | step ms blocking | "
-        "step ms overlap | rounds in order | verify |\n" + "|---" * 13 + "|\n"
-    )
-    lines = []
-    for r in rows:
-        b, o = r["blocking"], r["overlap"]
-        lines.append(
-            f"| {r['engine']} | {r['device']} | {r['model']} | {r['nbytes'] / 1e6:.1f} | "
-            f"{r.get('updates', '')} | {b['train_ms']:.1f} / {o['train_ms']:.1f} | "
-            f"{b['sync_ms']:.1f} | "
-            f"{o['sync_ms']:.2f} ({o['wait_ms']:.2f}) | {o['sync_ms'] / b['sync_ms']:.1%} | "
-            f"{b['step_ms']:.1f} | {o['step_ms']:.1f} | {'yes' if r['in_order'] else 'NO'} | "
-            f"{r['verify']} |"
-        )
-    return head + "\n".join(lines) + "\n"
-
-
-def summarize(phase: Phase) -> dict[str, Any]:
-    return {
-        "train_ms": 1e3 * phase.median("train"),
-        "sync_ms": 1e3 * phase.median("sync"),
-        "wait_ms": 1e3 * phase.median("wait"),
-        "step_ms": 1e3 * phase.median("step"),
-        "per_step": asdict(phase),
-    }
-
-
-def row_of(engine: str, device: str, model: str, nbytes: int, phases: Any, first: int) -> dict:
-    blocking, overlap, _ = phases
-    want = [str(first + i) for i in range(len(blocking.versions) + len(overlap.versions))]
-    return {
-        "engine": engine,
-        "device": device,
-        "model": model,
-        "nbytes": nbytes,
-        "blocking": summarize(blocking),
-        "overlap": summarize(overlap),
-        "in_order": blocking.versions + overlap.versions == want,
-    }
 
 
 # -- CPU: JAX decoder -> reference server over weightwire_tcp --------------------------------
-
-
-def small_model_dir(out: Path) -> Path:
-    """tiny-llama's tokenizer with a ~64 MB float32 Llama (random weights) next to it."""
-    import shutil
-
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    from weightwire.tools.server.tiny import tiny_model_dir
-
-    src = Path(tiny_model_dir("tiny-llama"))
-    out.mkdir(parents=True, exist_ok=True)
-    for item in src.iterdir():
-        if item.name not in ("model.safetensors", "config.json"):
-            shutil.copy2(item, out / item.name)
-    config = json.loads((src / "config.json").read_text())
-    config.update(SMALL)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    h, inter, v = SMALL["hidden_size"], SMALL["intermediate_size"], config["vocab_size"]
-    q = SMALL["num_attention_heads"] * SMALL["head_dim"]
-    kv = SMALL["num_key_value_heads"] * SMALL["head_dim"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(SMALL["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
-    shapes["model.norm.weight"] = (h,)
-    shapes["lm_head.weight"] = (v, h)
-    rng = np.random.default_rng(0)
-    weights = {n: rng.standard_normal(s, dtype=np.float32) * 0.02 for n, s in shapes.items()}
-    save_file(weights, str(out / "model.safetensors"))
-    return out
 
 
 def run_cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -209,11 +58,12 @@ def run_cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     from weightwire.tools.demo.server import EmbeddedServer
     from weightwire.tools.models import decoder
     from weightwire.tools.models.loading import load_decoder
+    from weightwire.tools.server.scaled import scaled_llama_dir
     from weightwire.trainer.config import TrainerInitInfo
 
     with tempfile.TemporaryDirectory(prefix="weightwire-bench-overlap-") as tmp:
         if args.size == "small":
-            model_dir = str(small_model_dir(Path(tmp) / "small-llama"))
+            model_dir = str(scaled_llama_dir(Path(tmp) / "small-llama"))
         else:
             from weightwire.tools.server.tiny import tiny_model_dir
 
@@ -332,7 +182,7 @@ def run_cuda(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def cuda_sender(cfg: dict[str, Any]) -> dict[str, Any]:
     from weightwire.shared.timeouts import Timeouts
-    from weightwire.tools.bench.sync import build_params
+    from weightwire.tools.bench.sync_models import build_params
     from weightwire.tools.bench.sync_shim import ShimClient
     from weightwire.trainer.config import TrainerInitInfo
 
@@ -393,7 +243,7 @@ def _jax_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: float
 def _torch_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: float) -> Any:
     import torch
 
-    from weightwire.tools.bench.sync import make_source
+    from weightwire.tools.bench.sync_models import make_source
     from weightwire.torch_side.sender.engine import TorchTrainerEngine
 
     device = next(iter(params.values())).device

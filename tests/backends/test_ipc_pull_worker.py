@@ -11,87 +11,20 @@ as ``PeerLost`` without freeing a buffer the trainer may still be writing.
 
 from __future__ import annotations
 
-import threading
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import pytest
 import torch
 
+from tests.backends.ipc_worker_fakes import Cupy, connect_scripted
 from weightwire.backends.ipc import worker as ipc_worker
-from weightwire.backends.ipc.channel import Channel, Listener
+from weightwire.backends.ipc.channel import Channel
 from weightwire.backends.worker_base import ReceiveTurn
 from weightwire.shared.errors import PeerLost, TransferError
 from weightwire.shared.framing import plan
-from weightwire.shared.info import encode_secret
-from weightwire.shared.ipc_info import IPCInitInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.worker.receive import UnpackPlan
-
-SECRET = bytes(range(128))
-
-
-def handle(n: int) -> str:
-    return encode_secret(n.to_bytes(8, "little") * 8)
-
-
-class Runtime:
-    CUDARuntimeError = RuntimeError
-
-    def __init__(self) -> None:
-        self.log: list[tuple] = []
-        self._next = 0
-
-    def _new(self) -> int:
-        self._next += 1
-        return self._next
-
-    def eventCreateWithFlags(self, flags: int) -> int:  # CUDA's names
-        return self._new()
-
-    def ipcGetEventHandle(self, e: int) -> bytes:
-        return e.to_bytes(8, "little") * 8
-
-    def ipcOpenEventHandle(self, h: bytes) -> int:
-        return 1000 + int.from_bytes(h[:8], "little")
-
-    def ipcGetMemHandle(self, p: int) -> bytes:
-        return p.to_bytes(8, "little") * 8
-
-    def ipcOpenMemHandle(self, h: bytes, flags: int) -> int:
-        self.log.append(("open_slot",))
-        return self._new() << 32
-
-    def ipcCloseMemHandle(self, p: int) -> None:
-        pass
-
-    def malloc(self, n: int) -> int:
-        ptr = self._new() << 32
-        self.log.append(("malloc", ptr, n))
-        return ptr
-
-    def free(self, p: int) -> None:
-        self.log.append(("free", p))
-
-    def eventDestroy(self, e: int) -> None:
-        pass
-
-    def eventRecord(self, e: int, s: int) -> None:
-        self.log.append(("record", e, s))
-
-    def streamWaitEvent(self, s: int, e: int, flags: int) -> None:
-        self.log.append(("wait", s, e))
-
-    def getDeviceProperties(self, i: int) -> dict:
-        return {"uuid": b"\x02" * 16}
-
-
-class Cupy:
-    def __init__(self) -> None:
-        self.cuda = type("cuda", (), {})()
-        self.cuda.runtime = Runtime()
-        self.cuda.Device = lambda i: nullcontext()
 
 
 @pytest.fixture
@@ -114,47 +47,6 @@ def cp(monkeypatch: pytest.MonkeyPatch) -> Cupy:
     return fake
 
 
-def _info(port: int, *, packed: bool = True, release: bool = False) -> IPCInitInfo:
-    return IPCInitInfo(
-        host="127.0.0.1",
-        port=port,
-        secret_b64=encode_secret(SECRET),
-        rank_offset=1,
-        world_size=2,
-        mem_handles_b64=[handle(5), handle(6)],
-        event_handles_b64=[handle(1), handle(2)],
-        packed=packed,
-        packed_buffer_size_bytes=100,
-        packed_num_buffers=2,
-        timeout_s=5.0,
-        release_after_round=release,
-    )
-
-
-def _connect(trainer_script: Any, **info_kw: Any) -> tuple[Any, Channel, dict]:
-    """``connect_ipc`` against a trainer whose join + warm-up is
-    ``trainer_script(channel, hello)``."""
-    listener = Listener("127.0.0.1", SECRET)
-    box: dict = {}
-
-    def trainer() -> None:
-        (ch,) = listener.accept(1, timeout=10)
-        box["ch"] = ch
-        box["hello"] = ch.expect("hello", deadline=time.monotonic() + 5, what="hello")
-        trainer_script(ch, box["hello"])
-
-    thread = threading.Thread(target=trainer)
-    thread.start()
-    try:
-        link = ipc_worker.connect_ipc(
-            _info(listener.address[1], **info_kw), rank=1, device=torch.device("cuda", 0)
-        )
-    finally:
-        thread.join(10)
-        listener.close()
-    return link, box["ch"], box["hello"]
-
-
 def _pull(ch: Channel, hello: dict) -> None:
     ch.send({"op": "mode", "mode": "pull"})
     ch.send({"op": "ping"})
@@ -172,7 +64,7 @@ def _round(sizes: list[int]) -> tuple[list[ParamMeta], list]:
 
 
 def test_pull_link_names_buffers_and_hands_them_on_after_the_ready_event(cp: Cupy) -> None:
-    link, ch, hello = _connect(_pull)
+    link, ch, hello = connect_scripted(_pull)
     assert hello["modes"] == ["pull", "push"] and isinstance(link, ipc_worker.IPCPullLink)
     assert ("open_slot",) not in cp.cuda.runtime.log  # pull: the trainer's slots are never mapped
     metas, chunks = _round([60, 70])
@@ -211,7 +103,7 @@ def test_an_unpacked_session_offers_push_only_and_opens_the_slots(
         ch.send({"op": "ping"})
         ch.expect("pong", deadline=time.monotonic() + 5, what="pong")
 
-    rx, _, hello = _connect(push, packed=False)
+    rx, _, hello = connect_scripted(push, packed=False)
     assert hello["modes"] == ["push"] and made == [rx]
     assert (
         "open_slot",
@@ -227,7 +119,7 @@ def test_a_trainer_that_names_no_mode_is_refused(cp: Cupy) -> None:
 
     refused = r"sent 'ping' where the session's mode \('mode'\) was due"
     with pytest.raises(TransferError, match=refused):
-        _connect(modeless)
+        connect_scripted(modeless)
 
 
 def test_a_mode_the_worker_did_not_offer_is_refused(cp: Cupy) -> None:
@@ -239,11 +131,11 @@ def test_a_mode_the_worker_did_not_offer_is_refused(cp: Cupy) -> None:
     with pytest.raises(
         TransferError, match="chose IPC mode 'pull', which this worker did not offer"
     ):
-        _connect(pushy, packed=False)
+        connect_scripted(pushy, packed=False)
 
 
 def test_release_after_round_frees_the_pool_only_after_unmapped(cp: Cupy) -> None:
-    link, ch, _ = _connect(_pull, release=True)
+    link, ch, _ = connect_scripted(_pull, release=True)
     metas, chunks = _round([60])
     _post(link, 0, chunks[0], metas)
     ch.expect("want", deadline=time.monotonic() + 5, what="want")
@@ -259,14 +151,14 @@ def test_release_after_round_frees_the_pool_only_after_unmapped(cp: Cupy) -> Non
 
 
 def test_out_of_step_and_dead_trainers_are_named_and_in_flight_buffers_stay(cp: Cupy) -> None:
-    link, ch, _ = _connect(_pull)
+    link, ch, _ = connect_scripted(_pull)
     metas, chunks = _round([60, 70])
     _post(link, 0, chunks[0], metas)
     _post(link, 1, chunks[1], metas)
     ch.send({"op": "ready", "c": 1, "e": 0})
     with pytest.raises(TransferError, match="announced chunk 1 where chunk 0 was due"):
         link.wait(0)
-    link2, ch2, _ = _connect(_pull)
+    link2, ch2, _ = connect_scripted(_pull)
     _post(link2, 0, chunks[0], metas)
     ch2.abort()  # the trainer dies mid-round
     with pytest.raises(
@@ -304,7 +196,7 @@ def _one_round(link: Any, ch: Channel, chunks: list, metas: list, *, wants: int)
 def test_round_start_names_the_last_rounds_buffers_early_and_post_then_asks_nothing(
     cp: Cupy,
 ) -> None:
-    link, ch, _ = _connect(_pull_early)
+    link, ch, _ = connect_scripted(_pull_early)
     metas, chunks = _round([60, 70])
     first = _one_round(link, ch, chunks, metas, wants=2)
     cp.leases.clear()  # type: ignore[attr-defined]  # round 1 loaded: its buffers are free again
@@ -322,7 +214,7 @@ def test_round_start_names_the_last_rounds_buffers_early_and_post_then_asks_noth
 
 
 def test_an_early_buffer_of_another_size_goes_back_and_the_chunk_is_asked_for(cp: Cupy) -> None:
-    link, ch, _ = _connect(_pull_early)
+    link, ch, _ = connect_scripted(_pull_early)
     metas, chunks = _round([60, 70])
     first = _one_round(link, ch, chunks, metas, wants=2)
     cp.leases.clear()  # type: ignore[attr-defined]
@@ -341,7 +233,7 @@ def test_an_early_buffer_of_another_size_goes_back_and_the_chunk_is_asked_for(cp
 
 
 def test_a_buffer_still_leased_is_not_named_early_and_nothing_is_allocated(cp: Cupy) -> None:
-    link, ch, _ = _connect(_pull_early)
+    link, ch, _ = connect_scripted(_pull_early)
     metas, chunks = _round([60])
     _one_round(link, ch, chunks, metas, wants=1)  # torch still holds chunk 0 (cp.leases)
     link.start_round()
@@ -351,7 +243,7 @@ def test_a_buffer_still_leased_is_not_named_early_and_nothing_is_allocated(cp: C
 
 
 def test_a_trainer_that_did_not_offer_early_wants_gets_none(cp: Cupy) -> None:
-    link, ch, _ = _connect(_pull)
+    link, ch, _ = connect_scripted(_pull)
     metas, chunks = _round([60])
     _one_round(link, ch, chunks, metas, wants=1)
     cp.leases.clear()  # type: ignore[attr-defined]
@@ -388,7 +280,7 @@ def test_views_are_made_before_the_ready_and_the_buffer_leased_after_it(
 ) -> None:
     _real_tensors(cp, monkeypatch)
     _logged_unpack(cp, monkeypatch)
-    link, ch, _ = _connect(_pull)
+    link, ch, _ = connect_scripted(_pull)
     metas = [ParamMeta("a", "bfloat16", (3, 4)), ParamMeta("b", "float32", (5,))]
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
     unpack_plan = UnpackPlan(metas, chunk)
@@ -418,7 +310,7 @@ def test_a_plan_that_copies_out_unpacks_only_after_the_ready(
 ) -> None:
     _real_tensors(cp, monkeypatch)
     _logged_unpack(cp, monkeypatch)
-    link, ch, _ = _connect(_pull)
+    link, ch, _ = connect_scripted(_pull)
     metas = [
         ParamMeta("odd", "uint8", (3,)),
         ParamMeta("f", "float32", (2,)),
@@ -440,7 +332,7 @@ def test_a_trainer_lost_before_the_ready_leaves_the_buffer_leased_ahead_unfreed(
     cp: Cupy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _real_tensors(cp, monkeypatch)
-    link, ch, _ = _connect(_pull)
+    link, ch, _ = connect_scripted(_pull)
     metas = [ParamMeta("a", "bfloat16", (8,))]
     (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
     _post(link, 0, chunk, metas)

@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 
+from tests.backends.ipc_through_worker import ThroughWorker
 from tests.backends.test_ipc_pull_worker import cp  # noqa: F401  (the fake CUDA fixture)
+from tests.trainer.ipc_pull_worker import PullCupy
 from tests.trainer.test_ipc_pipeline import FakePacker
-from tests.trainer.test_ipc_pull import PullCupy, _join, handle
+from tests.trainer.test_ipc_pull import _join
 from weightwire.backends.base import RoundSender
 from weightwire.backends.ipc.channel import Channel
 from weightwire.backends.ipc.link import IPCSenderComm
@@ -228,59 +230,6 @@ def test_a_written_through_round_refuses_generation_whatever_its_size() -> None:
 # -- the trainer's data path -----------------------------------------------------------------
 
 
-class ThroughWorker(threading.Thread):
-    """Each round: ``land`` (table or refusal) the first time, then ``go`` and ``done``; a
-    refused or declined worker asks for its chunks as in pull mode."""
-
-    def __init__(self, conn: Any, metas: list[ParamMeta], table: LandingTable | None) -> None:
-        super().__init__(daemon=True)
-        self.ch = Channel(conn, "trainer")
-        self.metas, self.table = metas, table
-        self.rounds = 1
-        self.seen: list[dict[str, Any]] = []
-        self.offered = False
-        self.go_table = 0
-        self.early = False  # the go comes at the round's start, before the update
-        self.started = threading.Semaphore(0)  # released by each round's begin (its start)
-
-    def run(self) -> None:
-        try:
-            for _ in range(self.rounds):
-                self._round()
-        except TransferError as exc:
-            self.seen.append({"op": "error", "why": str(exc)})
-
-    def _expect(self, op: str) -> dict[str, Any]:
-        msg = self.ch.expect(op, deadline=time.monotonic() + 10, what=op)
-        self.seen.append(msg)
-        return msg
-
-    def _round(self) -> None:
-        if not self.started.acquire(timeout=10):
-            return
-        through = True
-        if self.early and self.offered:
-            self.ch.send({"op": "go", "t": self.go_table, "early": True})
-            self._expect("done")
-            return
-        if not self.offered:
-            self.offered = True
-            if self.table is None:
-                self.ch.send(refusal_message(0, "lm_head is quantized"))
-                through = False
-            else:
-                for msg in table_messages(self.table, 0):
-                    self.ch.send(msg)
-                through = self._expect("path")["wt"]
-        if not through:
-            want = {"op": "want", "c": 0, "b": 0, "n": 40, "cap": 40}
-            self.ch.send({**want, "h": handle(100), "f": handle(200)})
-            self._expect("ready")
-            return
-        self.ch.send({"op": "go", "t": self.go_table})
-        self._expect("done")
-
-
 def _setup(table: LandingTable | None, metas: list[ParamMeta]) -> tuple[list, Any, Any, Any]:
     log: list = []
     fake = PullCupy(log)
@@ -396,7 +345,8 @@ def test_a_worker_whose_loader_refuses_says_so_once_and_takes_the_pull_path(
 ) -> None:
     import functools
 
-    from tests.backends.test_ipc_pull_worker import _connect, _round
+    from tests.backends.ipc_worker_fakes import connect_scripted
+    from tests.backends.test_ipc_pull_worker import _round
     from weightwire.backends.ipc import worker as ipc_worker
     from weightwire.backends.ipc.through.worker import IPCWriteThroughLink
     from weightwire.backends.worker_base import ReceiveTurn
@@ -409,7 +359,7 @@ def test_a_worker_whose_loader_refuses_says_so_once_and_takes_the_pull_path(
         ch.send({"op": "ping"})
         ch.expect("pong", deadline=time.monotonic() + 5, what="pong")
 
-    link, ch, hello = _connect(trainer)
+    link, ch, hello = connect_scripted(trainer)
     assert hello["modes"] == ALL and isinstance(link, IPCWriteThroughLink)
     metas, chunks = _round([30, 40])
     turn = ReceiveTurn(0, metas, chunks, [], packed=True)

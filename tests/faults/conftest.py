@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.harness import Probe, TensorSource, build_fault_model, load_weights
+from tests.faults.harness import Probe, TensorSource, load_weights
 from tests.faults.servers import Server, launch
+from weightwire.tools.server.scaled import scaled_llama_dir
 
 DEBUG_ENV = {"WEIGHTWIRE_LOG_LEVEL": "DEBUG"}  # the workers' log level
 
 
 @pytest.fixture(scope="session")
 def fault_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_fault_model(tmp_path_factory.mktemp("fault-model"))
+    return scaled_llama_dir(tmp_path_factory.mktemp("fault-model"))
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ Everything a case asserts about the receiver comes from the server's own routes
 trainer's view, so a round that "succeeded" on the trainer but not on the server is
 caught.
 
-The model served is a random Llama of about 64 MB (``build_fault_model``): larger
+The model served is a random Llama of about 64 MB (``tools.server.scaled.SMALL_LLAMA``): larger
 than what loopback socket buffers can absorb (4 MiB send + up to 32 MiB autotuned
 receive here), so a receiver that stops reading really stalls the sender instead of
 the whole round vanishing into kernel buffers.
@@ -18,7 +18,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,15 +42,6 @@ API_KEY = "faults-key-6d1f0c2b9a"
 """Every fault server runs with ``--api-key``: the weight routes are exercised authenticated."""
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
-# hidden 512, 4 layers, intermediate 2048, vocab 512: ~64 MB of float32.
-MODEL_SHAPE = {
-    "hidden_size": 512,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-}
 BUFFER_BYTES = 64 << 10  # below the first tensor's size: a hook at tensor >= 1 fires after start
 
 POSTED_INIT_INFOS: list[Any] = []
@@ -59,64 +49,6 @@ POSTED_INIT_INFOS: list[Any] = []
 
 
 # ----------------------------------------------------------------------------- model
-def llama_shapes(vocab: int, shape: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    """``named_parameters()`` names and shapes of an untied HF ``LlamaForCausalLM``."""
-    h, inter = shape["hidden_size"], shape["intermediate_size"]
-    kv = shape["num_key_value_heads"] * shape["head_dim"]
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
-    for i in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out.update(
-            {
-                p + "self_attn.q_proj.weight": (
-                    shape["num_attention_heads"] * shape["head_dim"],
-                    h,
-                ),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (
-                    h,
-                    shape["num_attention_heads"] * shape["head_dim"],
-                ),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
-    out["model.norm.weight"] = (h,)
-    out["lm_head.weight"] = (vocab, h)
-    return out
-
-
-def build_fault_model(out: Path) -> Path:
-    """An HF model dir: tiny-llama's tokenizer and config, scaled to ``MODEL_SHAPE``.
-
-    The weights are written with numpy (no transformers import in the test process);
-    the server checks on load that every name and shape matches its model class.
-    """
-    from safetensors.numpy import save_file
-
-    from weightwire.tools.server.tiny import tiny_model_dir
-
-    src = Path(tiny_model_dir("tiny-llama"))
-    out.mkdir(parents=True, exist_ok=True)
-    for item in src.iterdir():
-        if item.name not in ("model.safetensors", "config.json"):
-            shutil.copy2(item, out / item.name)
-    config = json.loads((src / "config.json").read_text())
-    config.update(MODEL_SHAPE)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    rng = np.random.default_rng(0)
-    weights = {
-        name: (rng.standard_normal(s, dtype=np.float32) * 0.02)
-        for name, s in llama_shapes(config["vocab_size"], MODEL_SHAPE).items()
-    }
-    save_file(weights, str(out / "model.safetensors"))
-    return out
-
-
 def load_weights(model_dir: Path) -> dict[str, Any]:
     """The checkpoint as torch tensors (the trainer's starting point)."""
     from safetensors.torch import load_file
@@ -300,6 +232,21 @@ def fresh_round(
         engine.shutdown()
     assert_weights(probe, want, version)
     return want
+
+
+def committed(probe: Probe) -> tuple[dict[str, str], str]:
+    """The server's served checksums and weight version."""
+    return probe.checksums()[0], probe.version()
+
+
+def wait_busy(probe: Probe, op: str) -> None:
+    """Until the server is running ``op`` (a round is mid-flight there)."""
+    probe.wait_session(lambda s: s["busy"] == op, timeout=10)
+
+
+def wait_idle(probe: Probe, timeout: float) -> float:
+    """Seconds until the server has no weight operation running (its update returned)."""
+    return probe.wait_session(lambda s: s["busy"] is None, timeout=timeout)[1]
 
 
 def assert_weights(probe: Probe, want: dict[str, str], version: str) -> None:

@@ -15,7 +15,8 @@ from tests.fuzz.inproc import API_KEY, FuzzServer
 @pytest.fixture(scope="session")
 def fuzz_server() -> Iterator[FuzzServer]:
     from weightwire.tools.server.app import ServerOptions, ServerState, create_app
-    from weightwire.tools.server.replicas import ReplicaPool, WorkerSpec
+    from weightwire.tools.server.replica import WorkerSpec
+    from weightwire.tools.server.replicas import ReplicaPool
     from weightwire.tools.server.tiny import tiny_model_dir
 
     loop = asyncio.new_event_loop()

@@ -29,6 +29,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -36,9 +37,19 @@ from tests.interop.helpers import VLLMServer
 
 STARTUP_TIMEOUT_S = float(os.environ.get("WEIGHTWIRE_INTEROP_STARTUP_TIMEOUT", "300"))
 WARM_TIMEOUT_S = 180.0
+OFFLINE_TIMEOUT_S = 540.0
+"""One offline check script's run (``Launcher.run_offline``), inside the tests' 600 s."""
 PREFIX_BLOCK_SIZE = 32
 LORA_MAX_RANK = 8
 _WARM_SCRIPT = Path(__file__).with_name("warm_modelinfo.py")
+
+
+def prefixed_json(stdout: str, prefix: str) -> list[dict[str, Any]]:
+    """The JSON objects a check script printed on lines starting with ``prefix``, in order
+    (its other output, vLLM's included, is left out)."""
+    return [
+        json.loads(ln.removeprefix(prefix)) for ln in stdout.splitlines() if ln.startswith(prefix)
+    ]
 
 
 def _free_port() -> int:
@@ -152,6 +163,37 @@ class Launcher:
                     f"(exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
                 )
         self.warm_s = time.monotonic() - started
+
+    def run_offline(
+        self, script: Path, args: list[str], tmp: Path, *, extra_env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``script`` in the interop venv with an offline ``vllm.LLM`` in mind: vLLM's engine
+        in the script's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine core or
+        worker process to start), the lane's warmed model-info cache, every other cache in
+        ``tmp``. Bounded by ``OFFLINE_TIMEOUT_S``; the caller reads the exit code and output."""
+        self.warm()
+        (tmp / "vllm").mkdir(exist_ok=True)
+        (tmp / "vllm" / "modelinfos").symlink_to(self.modelinfos, target_is_directory=True)
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "TMPDIR": str(tmp),
+            "VLLM_CACHE_ROOT": str(tmp / "vllm"),
+            "XDG_CACHE_HOME": str(tmp / "xdg"),
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
+            **(extra_env or {}),
+        }
+        env.pop("PYTHONPATH", None)  # the venv's editable install is the code under test
+        return subprocess.run(
+            [str(self.venv / "bin" / "python"), str(script), *args],
+            capture_output=True,
+            text=True,
+            timeout=OFFLINE_TIMEOUT_S,
+            env=env,
+            check=False,
+        )
 
     def _start(self, name: str, model_dir: str) -> RunningVLLM:
         self.warm()

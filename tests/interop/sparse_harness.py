@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.torch_side.vllm_stub import VLLM_SPARSE_FILES, FakeLlama, hf_shapes, install_vllm_sources
+from tests.torch_side.fake_llama import FakeLlama, hf_shapes
+from tests.torch_side.vllm_stub import VLLM_SPARSE_FILES, install_vllm_sources
 from tests.trainer.fakes import DictSource
 from weightwire.backends.base import PatchPlan, SenderCaps, WirePlan
 from weightwire.backends.nccl.sparse import sparse_nccl_round

@@ -14,16 +14,13 @@ prepack; a fresh CPU instance is refused for the same reason by the default chec
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.interop.families import FAMILIES, build_family
-from tests.interop.launcher import Launcher
+from tests.interop.launcher import Launcher, prefixed_json
 from weightwire.tools.server.tiny import build_tiny
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
@@ -40,44 +37,17 @@ CPU_PREPACK = (
 @pytest.fixture(scope="module")
 def checked(launcher: Launcher, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every result line of one ``check_landing.py`` run, by family (and ``live``)."""
-    launcher.warm()
     tmp = tmp_path_factory.mktemp("landing")
     tokenizer = Path(build_tiny("tiny-llama", str(tmp / "tokenizer")))
     dirs = {}
     for family in FAMILIES:
         (tmp / family).mkdir()
         dirs[family] = build_family(family, tmp / family, tokenizer)
-    (tmp / "vllm").mkdir()
-    (tmp / "vllm" / "modelinfos").symlink_to(launcher.modelinfos, target_is_directory=True)
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        TMPDIR=str(tmp),
-        VLLM_CACHE_ROOT=str(tmp / "vllm"),
-        XDG_CACHE_HOME=str(tmp / "xdg"),
-        TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
-    )
-    env.pop("PYTHONPATH", None)  # the venv's editable install is the code under test
-    proc = subprocess.run(
-        [
-            str(launcher.venv / "bin" / "python"),
-            str(CHECK),
-            str(dirs[LIVE]),
-            *(f"{f}={d}" for f, d in dirs.items()),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env=env,
-        check=False,
+    proc = launcher.run_offline(
+        CHECK, [str(dirs[LIVE]), *(f"{f}={d}" for f, d in dirs.items())], tmp
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    out: dict[str, Any] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith(PREFIX):
-            out.update(json.loads(line.removeprefix(PREFIX)))
+    out = {k: v for result in prefixed_json(proc.stdout, PREFIX) for k, v in result.items()}
     assert set(out) == {*FAMILIES, "live"}, proc.stdout[-2000:]
     return out
 

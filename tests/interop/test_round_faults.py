@@ -16,15 +16,21 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from tests.interop.helpers import PROMPTS, VLLMServer, assert_same_greedy
+from tests.interop.helpers import PROMPTS, assert_same_greedy
 from tests.interop.models import hf_model, jax_params, load_into_hf, perturbed
+from tests.interop.round_harness import (
+    PACKED_16K,
+    Served,
+    jax_engine,
+    serve_tiny_llama,
+    trainer_info,
+)
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.source import PytreeSource
@@ -36,76 +42,11 @@ from weightwire.trainer.engine import EngineBroken
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
-PACKED_16K = 16 << 10
-
-
-@dataclass
-class Served:
-    """What the server must be serving now: the HF twin of its weights and its version."""
-
-    server: VLLMServer
-    hf: torch.nn.Module
-    version: str
-    seed: int = 100
-
-    def checksums(self) -> dict:
-        reply = httpx.post(
-            f"{self.server.url}/weight_checker", json={"action": "checksum"}, timeout=60
-        )
-        assert reply.status_code == 200, reply.text
-        return reply.json()
-
-    def assert_state_b(self, what: str, before: dict) -> None:
-        """The previous weights exactly, under the previous version."""
-        assert self.server.weight_version() == self.version, f"{what}: version moved"
-        assert_same_greedy(self.server, self.hf, f"{what}: previous weights")
-        assert self.checksums() == before, f"{what}: weight checksums changed"
-
-    def fresh_round(self, what: str) -> list[list[int]]:
-        """A new JAX trainer's round (no manual finish first): state (a)."""
-        self.seed += 1
-        previous, _ = self.server.greedy()
-        params, naming = jax_params(self.server.model_dir)
-        params = perturbed(params, self.seed)
-        source = PytreeSource(lambda: params, naming)
-        version = f"fresh-{self.seed}"
-        with HTTPWeightSyncClient(self.server.url, timeout=120) as client:
-            engine = JAXTrainerEngine.trainer_init(_info(), client=client, source=source)
-            try:
-                engine.send_weights(weight_version=version)
-            finally:
-                engine.shutdown()
-        assert self.server.weight_version() == version
-        load_into_hf(self.hf, source)
-        self.version = version
-        tokens = assert_same_greedy(self.server, self.hf, f"{what}: fresh round")
-        assert tokens != previous, f"{what}: the fresh round did not change the output"
-        return tokens
-
-
-def _info(**kw: object) -> TrainerInitInfo:
-    return TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=PACKED_16K, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
 def served(launcher, model_dirs, tmp_path_factory) -> Iterator[Served]:
-    from tests.interop.conftest import serve
-
-    server = serve(launcher, model_dirs, "tiny-llama", tmp_path_factory.getbasetemp() / "models")
-    state = Served(server, hf_model(server.model_dir), server.weight_version())
-    assert_same_greedy(server, state.hf, "before the fault cases")  # the checkpoint's weights
-    yield state
-    # Leave the checkpoint's weights for the tests that run next on this server.
-    pristine = hf_model(server.model_dir)
-    with HTTPWeightSyncClient(server.url, timeout=120) as client:
-        engine = TorchTrainerEngine.trainer_init(
-            TrainerInitInfo(backend="weightwire_tcp"), client=client, source=ModuleSource(pristine)
-        )
-        try:
-            engine.send_weights(weight_version="checkpoint")
-        finally:
-            engine.shutdown()
-    assert_same_greedy(server, pristine, "checkpoint restored after the fault cases")
+    yield from serve_tiny_llama(launcher, model_dirs, tmp_path_factory)
 
 
 # ---------------------------------------------------------------- trainer death
@@ -243,7 +184,7 @@ def test_round_in_place_fails_midway_refuses_until_a_complete_round(
     source = PytreeSource(lambda: params, naming)
     with HTTPWeightSyncClient(url, timeout=120) as client:
         engine = JAXTrainerEngine.trainer_init(
-            _info(stage_budget_bytes=0), client=client, source=source
+            trainer_info(stage_budget_bytes=0), client=client, source=source
         )
         try:
             engine.send_weights(weight_version="in-place-fresh")
@@ -319,7 +260,7 @@ def test_bad_update_info_is_refused_before_any_byte(served: Served, kind: str) -
     before = served.checksums()
     source = ModuleSource(_bad_source(kind, served.hf))
     with HTTPWeightSyncClient(served.server.url, timeout=120) as client:
-        engine = TorchTrainerEngine.trainer_init(_info(), client=client, source=source)
+        engine = TorchTrainerEngine.trainer_init(trainer_info(), client=client, source=source)
         try:
             with pytest.raises(Exception) as err:
                 engine.send_weights(weight_version=f"bad-{kind}")
@@ -339,23 +280,14 @@ def test_bad_update_info_is_refused_before_any_byte(served: Served, kind: str) -
 
 
 # ---------------------------------------------------------------- session ownership
-def _jax_engine(
-    served: Served, seed: int, client: HTTPWeightSyncClient
-) -> tuple[JAXTrainerEngine, PytreeSource]:
-    params, naming = jax_params(served.server.model_dir)
-    params = perturbed(params, seed)
-    source = PytreeSource(lambda: params, naming)
-    return JAXTrainerEngine.trainer_init(_info(), client=client, source=source), source
-
-
 def test_second_trainer_between_rounds_displaces_the_first(served: Served) -> None:
     with (
         HTTPWeightSyncClient(served.server.url, timeout=120) as ca,
         HTTPWeightSyncClient(served.server.url, timeout=120) as cb,
     ):
-        a, _ = _jax_engine(served, 201, ca)
+        a, _ = jax_engine(served, 201, ca)
         a.send_weights(weight_version="A-1")
-        b, b_source = _jax_engine(served, 202, cb)  # takes the session over between rounds
+        b, b_source = jax_engine(served, 202, cb)  # takes the session over between rounds
         try:
             before = served.checksums()
             with pytest.raises(
@@ -386,14 +318,16 @@ def test_second_trainer_mid_round_is_refused(served: Served, when: str) -> None:
 
         def intrude() -> None:
             try:
-                intruder = JAXTrainerEngine.trainer_init(_info(), client=cb, source=intruder_source)
+                intruder = JAXTrainerEngine.trainer_init(
+                    trainer_info(), client=cb, source=intruder_source
+                )
             except Exception as exc:  # the refusal is what this test wants
                 refusals.append(str(exc))
             else:
                 intruder.shutdown()
                 refusals.append("ACCEPTED")
 
-        a, a_source = _jax_engine(served, 301, ca)
+        a, a_source = jax_engine(served, 301, ca)
         hook: Callable[..., None]
         if when == "after_start":
             real_start = ca.start_weight_update

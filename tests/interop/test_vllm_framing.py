@@ -29,13 +29,19 @@ import numpy as np
 import pytest
 import torch
 
+from tests.interop.framing_cases import (
+    REFUSED,
+    SENDABLE,
+    WIRE_DTYPES_BY_NUMPY,
+    assert_same_bytes,
+    framing_case,
+)
 from tests.trainer.fakes import DictSource
 from weightwire.backends.base import SenderCaps, StockRefusal, WirePlan
 from weightwire.backends.nccl.stock import plan_for_stock
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.backends.tcp.trainer import TCPBackend
-from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
@@ -143,126 +149,6 @@ class ShimGroup:
         self.comm.broadcast(
             tensor.numpy(), root=0, timeout=T
         )  # rank 0 sends; a receiver fills it in place
-
-
-# --- the awkward sets ---------------------------------------------------------------------
-
-
-def _arr(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    row = WIRE_DTYPES[dtype]
-    raw = rng.integers(0, 256, int(np.prod(shape, dtype=np.int64)) * row.itemsize, dtype=np.uint8)
-    if dtype == "bool":
-        raw = raw & 1
-    if dtype.startswith(
-        ("float", "bfloat")
-    ):  # no NaN payloads: torch and numpy may canonicalize them
-        vals = rng.standard_normal(int(np.prod(shape, dtype=np.int64))).astype(row.numpy)
-        return vals.reshape(shape)
-    return raw.view(row.numpy).reshape(shape)
-
-
-def _case(name: str, seed: int = 0) -> tuple[dict[str, np.ndarray], int]:
-    """``(tensors in source order, packed_buffer_size_bytes)``."""
-    rng = np.random.default_rng(seed)
-    L = "model.layers"
-    specs: list[tuple[str, str, tuple[int, ...]]]
-    size = 1 << 16
-    if name == "mixed-dtypes":  # every wire dtype in one layer: reordered so each offset is aligned
-        specs = [(f"{L}.0.t_{d}", d, (3,)) for d in sorted(WIRE_DTYPES)] + [
-            (f"{L}.0.pad", "int8", (1,))
-        ]
-    elif name == "mixed-dtypes-aligned":  # already aligned: sent in source order
-        specs = [
-            (f"{L}.0.t_{d}", d, (8,))
-            for d in (
-                "float64",
-                "int64",
-                "float32",
-                "int32",
-                "bfloat16",
-                "float16",
-                "int8",
-                "uint8",
-                "bool",
-                "float8_e4m3fn",
-                "float8_e5m2",
-            )
-        ]
-    elif name == "scalars":
-        specs = [
-            (f"{L}.0.scale", "float32", ()),
-            (f"{L}.0.w", "bfloat16", (4, 2)),
-            (f"{L}.0.step", "int64", ()),
-            ("model.norm.bias", "float16", ()),
-        ]
-    elif name == "zero-size":  # empty views need aligned offsets too: reordered inside layer 0
-        specs = [
-            (f"{L}.0.a", "int8", (3,)),
-            (f"{L}.0.empty", "float32", (0,)),
-            (f"{L}.0.e2", "bfloat16", (2, 0)),
-            (f"{L}.0.b", "float32", (5,)),
-            (f"{L}.0.pad", "int8", (1,)),
-            (f"{L}.1.only_empty", "int64", (0, 4)),
-        ]
-    elif name == "unaligned-in-layer":
-        specs = [
-            (f"{L}.0.mask", "bool", (1,)),
-            (f"{L}.0.w", "bfloat16", (3,)),
-            (f"{L}.0.q", "float8_e4m3fn", (5,)),
-            (f"{L}.0.idx", "int64", (2,)),
-            (f"{L}.0.pad", "int8", (7,)),
-        ]
-    elif (
-        name == "unaligned-across-layers"
-    ):  # layer 0 ends at byte 3: nothing inside layer 1 can fix it
-        specs = [(f"{L}.0.q", "int8", (3,)), (f"{L}.1.w", "float32", (2,))]
-    elif (
-        name == "buffer-edges"
-    ):  # exactly full (no close), one over (closes), bigger than the buffer, 1-byte tail
-        size = 64
-        specs = [
-            (f"{L}.0.full", "float32", (16,)),
-            (f"{L}.0.tail", "int8", (1,)),
-            (f"{L}.1.over", "float32", (17,)),
-            (f"{L}.2.huge", "bfloat16", (100,)),
-            (f"{L}.3.one", "uint8", (1,)),
-            (f"{L}.3.w", "float32", (15,)),
-        ]
-    elif name == "tiny-buffer":  # every tensor closes its own chunk
-        size = 1
-        specs = [
-            (f"{L}.0.a", "int8", (3,)),
-            (f"{L}.1.b", "float32", (2,)),
-            (f"{L}.2.c", "float64", ()),
-            (f"{L}.3.d", "bool", (0,)),
-        ]
-    else:
-        raise KeyError(name)
-    return {n: _arr(rng, d, s) for n, d, s in specs}, size
-
-
-SENDABLE = [
-    "mixed-dtypes",
-    "mixed-dtypes-aligned",
-    "scalars",
-    "zero-size",
-    "unaligned-in-layer",
-    "buffer-edges",
-    "tiny-buffer",
-]
-REFUSED = {"unaligned-across-layers": ("model.layers.1.w", "not a multiple of its 4-byte itemsize")}
-
-
-def _same(got: dict[str, torch.Tensor], want: dict[str, np.ndarray]) -> None:
-    assert list(sorted(got)) == list(sorted(want))
-    for name, arr in want.items():
-        t = got[name]
-        assert tuple(t.shape) == arr.shape, name
-        assert str(t.dtype).split(".")[-1] == WIRE_DTYPES_BY_NUMPY[arr.dtype], name
-        assert t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() == arr.tobytes(), name
-
-
-WIRE_DTYPES_BY_NUMPY = {row.numpy: name for name, row in WIRE_DTYPES.items()}
 
 
 # --- our senders -> vLLM's consumer ---------------------------------------------------------
@@ -397,7 +283,7 @@ def _to_torch(a: np.ndarray) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["jax", "torch"])
 @pytest.mark.parametrize("case", SENDABLE + sorted(REFUSED))
 def test_our_senders_to_vllm_consumer(vllm_packed: ModuleType, kind: str, case: str) -> None:
-    weights, size = _case(case)
+    weights, size = framing_case(case)
     client = VLLMConsumerClient(vllm_packed, "0.32.0")
     engine = _engine(kind, weights, size, client)
     try:
@@ -414,7 +300,7 @@ def test_our_senders_to_vllm_consumer(vllm_packed: ModuleType, kind: str, case: 
         ):  # round 2: the same plan again (0.32 has no reuse shorthand: full metadata)
             client.received.clear()
             engine.send_weights()
-            _same(client.received, weights)
+            assert_same_bytes(client.received, weights)
         assert client.calls == ["init"] + ["start", "update", "finish"] * 2
     finally:
         engine.shutdown()
@@ -425,7 +311,7 @@ def test_packed_scalars_are_refused_for_pre_032_consumers(
     vllm_packed: ModuleType, version: str
 ) -> None:
     # Their consumer reshapes with view(*shape), which raises on []: refused before the round.
-    weights, size = _case("scalars")
+    weights, size = framing_case("scalars")
     client = VLLMConsumerClient(vllm_packed, version)
     engine = _engine("torch", weights, size, client)
     try:
@@ -451,7 +337,7 @@ class Collector:
 def test_vllm_producer_to_our_receiver(vllm_packed: ModuleType, case: str) -> None:
     from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 
-    weights, size = _case(case)
+    weights, size = framing_case(case)
     tensors = {n: _to_torch(a) for n, a in weights.items()}
     rdv = TCPRendezvous(world_size=2)
     info = TCPInitInfo(
@@ -497,7 +383,7 @@ def test_vllm_producer_to_our_receiver(vllm_packed: ModuleType, case: str) -> No
         )
         thread.join(T)
         assert not thread.is_alive() and not errors, errors
-        _same(model.got, weights)
+        assert_same_bytes(model.got, weights)
         from weightwire.shared.framing import plan_packed
         from weightwire.shared.meta import ParamMeta
 

@@ -15,14 +15,11 @@ cache; the server tests cover vLLM's multi-process paths.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.interop.launcher import Launcher
+from tests.interop.launcher import Launcher, prefixed_json
 from weightwire import backends
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
@@ -34,36 +31,16 @@ PREFIX = "WEIGHTWIRE_CHECK "
 @pytest.fixture(scope="module")
 def checked(launcher: Launcher, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Both result lines of one ``check_plugin.py --all`` run, merged."""
-    launcher.warm()
     tmp = tmp_path_factory.mktemp("plugin")
-    (tmp / "vllm").mkdir()
-    (tmp / "vllm" / "modelinfos").symlink_to(launcher.modelinfos, target_is_directory=True)
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        TMPDIR=str(tmp),
-        VLLM_CACHE_ROOT=str(tmp / "vllm"),
-        XDG_CACHE_HOME=str(tmp / "xdg"),
-        TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
-        WEIGHTWIRE_CACHE=str(tmp / "ww"),
-    )
-    env.pop("PYTHONPATH", None)  # the venv's editable install is the code under test
-    proc = subprocess.run(
-        [str(launcher.venv / "bin" / "python"), str(CHECK), "--all"],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env=env,
-        check=False,
+    proc = launcher.run_offline(
+        CHECK, ["--all"], tmp, extra_env={"WEIGHTWIRE_CACHE": str(tmp / "ww")}
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [
-        line.removeprefix(PREFIX) for line in proc.stdout.splitlines() if line.startswith(PREFIX)
-    ]
-    assert len(lines) == 2, f"expected 2 result lines, got {len(lines)} in: {proc.stdout[-2000:]}"
-    return {k: v for line in lines for k, v in json.loads(line).items()}
+    results = prefixed_json(proc.stdout, PREFIX)
+    assert len(results) == 2, (
+        f"expected 2 result lines, got {len(results)} in: {proc.stdout[-2000:]}"
+    )
+    return {k: v for result in results for k, v in result.items()}
 
 
 def test_plugin_and_tcp_engine_inside_real_vllm(checked: dict) -> None:

@@ -41,7 +41,7 @@ from tests.interop.sparse_harness import (
     trainer,
     vllm_sparse,
 )
-from tests.torch_side.vllm_stub import FakeLlama
+from tests.torch_side.fake_llama import FakeLlama
 from tests.trainer.fakes import DictSource
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.engine import EngineBroken

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
 
 from weightwire.tools.demo.server import ReadyLine
@@ -95,3 +97,18 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
     yield make
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProc) -> Iterator[httpx.Client]:
+    """A client of the module's ``server`` fixture (a module with an API key defines its own)."""
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def base_weights(tiny_llama: str) -> dict[str, np.ndarray]:
+    """The tiny Llama's checkpoint, as the server loaded it (a module's own copy to perturb)."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(Path(tiny_llama) / "model.safetensors"))

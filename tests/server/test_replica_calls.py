@@ -1,7 +1,7 @@
 """``Replica.call`` / ``ReplicaPool.fan_out`` over a real pipe to a stub worker process:
 replies, timeouts, late replies, cancellation, a dying worker, and the one-replica fan-out
 (called directly, no task) failing exactly like the general one. The stub speaks the
-worker protocol (``replicas`` docstring) and nothing else, so no model is loaded."""
+worker protocol (``replica`` docstring) and nothing else, so no model is loaded."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from weightwire.tools.server import replicas
-from weightwire.tools.server.replicas import FanOutError, Replica, ReplicaError, ReplicaPool
+from weightwire.tools.server import replica
+from weightwire.tools.server.replica import Replica, ReplicaError
+from weightwire.tools.server.replicas import FanOutError, ReplicaPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,8 +152,8 @@ def test_only_a_big_update_is_encoded_off_the_event_loop(monkeypatch: pytest.Mon
         hops.append(fn.__name__)
         return await real(fn, *args)
 
-    monkeypatch.setattr(replicas.asyncio, "to_thread", to_thread)
-    many = replicas._INLINE_ENCODE_NAMES + 1
+    monkeypatch.setattr(replica.asyncio, "to_thread", to_thread)
+    many = replica._INLINE_ENCODE_NAMES + 1
 
     async def scenario(r: Replica) -> None:
         small = {"update_info": {"names": [], "dtype_names": [], "shapes": []}}

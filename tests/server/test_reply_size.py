@@ -69,8 +69,8 @@ def test_a_tiny_temperature_is_raised_to_vllms_floor() -> None:
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama: str) -> Any:
+    from weightwire.tools.server.replica import WorkerSpec
     from weightwire.tools.server.replica_worker import Worker
-    from weightwire.tools.server.replicas import WorkerSpec
 
     return Worker(
         WorkerSpec(

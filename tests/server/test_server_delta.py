@@ -4,7 +4,6 @@ a round the server does not hold is refused before any byte, over HTTP, naming b
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,19 +19,6 @@ from weightwire.shared.errors import TransferError
 @pytest.fixture(scope="module")
 def server(server_factory, tiny_llama: str):
     return server_factory(["--model", tiny_llama, "--replicas", "2"])
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def base_weights(tiny_llama: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    return load_file(str(Path(tiny_llama) / "model.safetensors"))
 
 
 def stepped(weights: dict[str, np.ndarray], seed: int, density: float) -> dict[str, np.ndarray]:

@@ -29,7 +29,8 @@ def test_nccl_round_into_a_cuda_worker(tiny_llama: str, monkeypatch: pytest.Monk
     from weightwire.backends.nccl.comm import NCCLCommunicator
     from weightwire.backends.nccl.library import mint_unique_id
     from weightwire.tools.server.completions import parse_completion_request
-    from weightwire.tools.server.replicas import ReplicaPool, WorkerSpec
+    from weightwire.tools.server.replica import WorkerSpec
+    from weightwire.tools.server.replicas import ReplicaPool
 
     cp.cuda.Device(0).use()
     cp.zeros(1)  # the test process owns GPU 0 before the worker env narrows to GPU 1

@@ -28,19 +28,6 @@ def server(server_factory, tiny_llama: str):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def base_weights(tiny_llama: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    return load_file(str(Path(tiny_llama) / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_llama: str):
     """Teacher-forced logprobs of given tokens under given weights, computed locally with HF."""
     import torch

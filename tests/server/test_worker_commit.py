@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from weightwire.tools.server.replica import WorkerSpec
 from weightwire.tools.server.replica_worker import Worker
-from weightwire.tools.server.replicas import WorkerSpec
 from weightwire.tools.server.sleep import WorkerSleep
 from weightwire.tools.server.worker_proc import Loop
 

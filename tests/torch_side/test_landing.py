@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.torch_side._landing_models import HIDDEN, LOADERS, Refusing, TinyTP, tiny_tp_shapes
-from tests.torch_side.vllm_stub import FakeLlama, hf_shapes
+from tests.torch_side.fake_llama import FakeLlama, hf_shapes
 from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.worker.core import _ReceiverCore

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.torch_side.vllm_stub import digest, hf_shapes, trainer_tensors
+from tests.torch_side.fake_llama import digest, hf_shapes, trainer_tensors
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.testing.loopback import LoopbackClient, spawn_loopback_cmd

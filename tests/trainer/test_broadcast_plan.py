@@ -13,9 +13,9 @@ import torch
 
 from tests.torch_side.test_engine_rules import ThreadSender, Tiny, send_module
 from tests.trainer.fakes import DictSource
+from tests.trainer.thread_ranks import run_ranks
 from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.owned import OwnedSource
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.torch_side.worker.engines import WeightwireTCPEngine
@@ -247,60 +247,6 @@ def test_nccl_link_receives_from_the_turns_root(monkeypatch: pytest.MonkeyPatch)
 
 
 # -- trainer side: gates and agreement, threads as ranks -------------------------------
-
-
-class StubClient:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def version(self) -> str:
-        return "0.33.0"
-
-    def get_world_size(self) -> int:
-        return 1
-
-    def __getattr__(self, name: str) -> Any:
-        if name in (
-            "init_weight_transfer_engine",
-            "start_weight_update",
-            "update_weights",
-            "finish_weight_update",
-            "reset_prefix_cache",
-        ):
-            return lambda *a, **k: self.calls.append(name)
-        raise AttributeError(name)
-
-
-def run_ranks(
-    backend: str, owner: Any, **info: Any
-) -> tuple[list[BaseException | None], StubClient]:
-    from weightwire.jax_side.dtypes import describe
-    from weightwire.jax_side.engine import JAXTrainerEngine
-
-    groups = DictGroup.make(2)
-    client = StubClient()
-    errors: list[BaseException | None] = [None, None]
-    tensors = {
-        "model.layers.0.w": np.zeros(2, np.float32),
-        "model.layers.1.w": np.ones(2, np.float32),
-    }
-
-    def rank(r: int) -> None:
-        try:
-            source = OwnedSource(
-                DictSource(dict(tensors), describe), lambda n, r=r: owner(n, r), rank=r
-            )
-            cfg = TrainerInitInfo(backend=backend, rank=r, pause_mode=None, **info)
-            JAXTrainerEngine.trainer_init(cfg, client=client, source=source, group=groups[r])
-        except BaseException as exc:  # recorded per rank
-            errors[r] = exc
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    return errors, client
 
 
 def test_stock_nccl_refuses_several_broadcasters_before_sending() -> None:

@@ -1,7 +1,8 @@
 """Overlapped rounds (``send_weights(wait=False)``) against a fake server and a recording
 communicator: the snapshot (JAX references, torch copies), rounds in call order with at
 most ``max_rounds_in_flight`` in flight, a failure that is never lost and never has a
-later round applied on top of it, and ``shutdown``'s drain / abort."""
+later round applied on top of it, and ``shutdown``'s drain / abort. (The torch trainer's
+snapshot copy: ``test_overlap_torch.py``.)"""
 
 from __future__ import annotations
 
@@ -13,27 +14,23 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer
+from tests.trainer.fakes import FAKE, DictSource, FakeServer
+from tests.trainer.overlap_helpers import (  # noqa: F401  (fresh_comm: autouse)
+    FAST,
+    ROUND,
+    fresh_comm,
+    gate,
+    round_routes,
+)
 from weightwire.jax_side import PytreeSource
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.naming import Naming
 from weightwire.jax_side.rules import Rule
 from weightwire.shared.errors import ConfigError, TransferError, WeightSyncError
-from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.source import describe_tensor
 from weightwire.trainer import RoundHandle, RoundSkipped, RoundWaitTimeout, TrainerInitInfo
 from weightwire.trainer.snapshot import RoundCancelled
-
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5, round_s=10)
-ROUND = ["start_weight_update", "update_weights", "finish_weight_update"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_comm() -> FakeComm:
-    FAKE.comm = FakeComm()
-    FAKE.opened.clear()
-    return FAKE.comm
 
 
 class Params:
@@ -55,22 +52,6 @@ def jax_engine(server: FakeServer, params: Params, **info: Any) -> JAXTrainerEng
     return JAXTrainerEngine.trainer_init(
         TrainerInitInfo(**kw), client=server.client(), source=source
     )
-
-
-def gate(server: FakeServer, route: str) -> tuple[threading.Event, threading.Event]:
-    """``route`` blocks inside the server until released; ``entered`` says it was reached."""
-    entered, release = threading.Event(), threading.Event()
-
-    def hook(body: Any) -> None:
-        entered.set()
-        assert release.wait(10)
-
-    server.hooks[route] = hook
-    return entered, release
-
-
-def round_routes(server: FakeServer) -> list[str]:
-    return [r for r in server.routes() if r in ROUND]
 
 
 def test_jax_round_sends_the_arrays_of_the_step_it_was_called_after() -> None:
@@ -254,55 +235,6 @@ def test_shutdown_abort_stops_a_round_at_its_next_tensor() -> None:
     assert server.weight_version == "default"
 
 
-def test_torch_copy_snapshot_is_isolated_from_in_place_steps_and_reused() -> None:
-    weights = {"w": torch.arange(8, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
-    server = FakeServer()
-    engine = TorchTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
-        client=server.client(),
-        source=DictSource(weights, describe_tensor),
-    )
-    try:
-        entered, release = gate(server, "start_weight_update")
-        sent = [t.view(torch.uint8).numpy().tobytes() for t in weights.values()]
-        handle = engine.send_weights(wait=False)
-        for t in weights.values():
-            t.add_(5)  # an optimizer step writes the parameters in place
-        assert entered.wait(10)
-        release.set()
-        handle.result()
-        assert FAKE.comm.broadcasts == sent
-        assert engine._copies is not None
-        (buffers,) = engine._copies._free
-        kept = {n: b.data_ptr() for n, b in buffers.items()}
-        server.hooks.clear()
-        engine.send_weights(wait=False).result()
-        assert FAKE.comm.broadcasts[2:] == [
-            t.view(torch.uint8).numpy().tobytes() for t in weights.values()
-        ]
-        (again,) = engine._copies._free
-        assert {n: b.data_ptr() for n, b in again.items()} == kept  # the same buffers reused
-    finally:
-        release.set()
-        engine.shutdown()
-
-
-def test_torch_snapshot_none_reads_the_live_parameters() -> None:
-    weights = {"w": torch.arange(4, dtype=torch.float32)}
-    server = FakeServer()
-    engine = TorchTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False, snapshot="none"),
-        client=server.client(),
-        source=DictSource(weights, describe_tensor),
-    )
-    try:
-        engine.send_weights(wait=False).result()
-        assert FAKE.comm.broadcasts == [weights["w"].numpy().tobytes()]
-        assert engine._copies is None  # nothing copied
-    finally:
-        engine.shutdown()
-
-
 def test_other_ranks_iterate_on_their_own_thread_and_get_a_finished_handle() -> None:
     params = Params()
     source = PytreeSource(lambda: params.tree, Naming([Rule("{x}", "{x}")]))
@@ -381,34 +313,6 @@ def test_snapshot_none_is_refused_with_several_trainer_processes(
             engine.send_weights(wait=False)
         assert "start_weight_update" not in server.routes()
     finally:
-        engine.shutdown()
-
-
-@pytest.mark.gpu
-def test_torch_copy_snapshot_on_the_gpu_is_ordered_after_the_step_and_before_the_next() -> None:
-    """The copy is queued on the trainer's stream after the step that wrote the weights, the
-    round waits for it on its own thread, and the next in-place step does not reach it."""
-    weights = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda")}
-    server = FakeServer()
-    engine = TorchTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
-        client=server.client(),
-        source=DictSource(weights, describe_tensor),
-    )
-    try:
-        entered, release = gate(server, "start_weight_update")
-        for t in weights.values():
-            t.mul_(3.0)  # the step that produced the round's weights
-        sent = [t.cpu().numpy().tobytes() for t in weights.values()]
-        handle = engine.send_weights(wait=False)
-        for t in weights.values():
-            t.add_(1.0)  # the next step, queued on the same stream right behind the copy
-        assert entered.wait(10)
-        release.set()
-        handle.result()
-        assert FAKE.comm.broadcasts == sent
-    finally:
-        release.set()
         engine.shutdown()
 
 

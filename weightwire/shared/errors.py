@@ -39,7 +39,7 @@ defined outside this module)::
           ClientGone                         [weightwire.tools.server.web]
           BodyTooLarge                       [weightwire.tools.server.web]
         SessionError                         [weightwire.tools.server.session]
-        ReplicaError                         [weightwire.tools.server.replicas]
+        ReplicaError                         [weightwire.tools.server.replica]
         FanOutError                          [weightwire.tools.server.replicas]
         GenerationAborted                    [weightwire.tools.server.failures]
         CommitAborted                        [weightwire.tools.server.failures]

@@ -85,7 +85,8 @@ class InProcessPool:
     async def fan_out(
         self, op: str, args: Any = None, *, timeout: float, abort_on_failure: bool = False
     ) -> list[Any]:
-        from weightwire.tools.server.replicas import FanOutError, ReplicaError
+        from weightwire.tools.server.replica import ReplicaError
+        from weightwire.tools.server.replicas import FanOutError
 
         one = (args[0] if isinstance(args, list) else args) or {}
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -118,3 +118,21 @@ def positions_for(tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
     if positions is not None:
         return positions
     return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
+def init_params(lm: nn.Module, rng: jax.Array) -> dict[str, Any]:
+    """Random parameters ``{"params": {...}}`` of a causal LM module, traced on one token."""
+    # A plain dict: flax returns a FrozenDict only when flax_return_frozendict is set.
+    return cast(dict[str, Any], lm.init(rng, jnp.zeros((1, 1), jnp.int32)))
+
+
+def lm_logits(
+    lm: nn.Module,
+    params: Any,
+    tokens: jax.Array,
+    positions: jax.Array | None,
+    attention_mask: jax.Array | None,
+) -> jax.Array:
+    """A causal LM module's logits ``[B, T, vocab]`` for ``tokens [B, T]``."""
+    # Without mutable=..., apply returns the output alone (no (output, state) pair).
+    return cast(jax.Array, lm.apply(params, tokens, positions, attention_mask))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -19,7 +19,14 @@ import jax.numpy as jnp
 
 from weightwire.jax_side.naming import Naming
 from weightwire.jax_side.presets import preset
-from weightwire.tools.models.common import attend, attention_bias, dense_init, positions_for
+from weightwire.tools.models.common import (
+    attend,
+    attention_bias,
+    dense_init,
+    init_params,
+    lm_logits,
+    positions_for,
+)
 
 _ACT = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
@@ -201,8 +208,7 @@ def config(**overrides: Any) -> GPT2Config:
 
 def init(rng: jax.Array, cfg: GPT2Config) -> dict[str, Any]:
     """Random parameters ``{"params": {...}}``."""
-    # A plain dict: flax returns a FrozenDict only when flax_return_frozendict is set.
-    return cast(dict[str, Any], GPT2LMHead(cfg).init(rng, jnp.zeros((1, 1), jnp.int32)))
+    return init_params(GPT2LMHead(cfg), rng)
 
 
 def apply(
@@ -214,8 +220,7 @@ def apply(
     attention_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Logits ``[B, T, vocab]``. Pure; jit with ``cfg`` static."""
-    # Without mutable=..., apply returns the output alone (no (output, state) pair).
-    return cast(jax.Array, GPT2LMHead(cfg).apply(params, tokens, positions, attention_mask))
+    return lm_logits(GPT2LMHead(cfg), params, tokens, positions, attention_mask)
 
 
 def naming(cfg: GPT2Config) -> Naming:

@@ -166,7 +166,8 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
 
     from weightwire.tools.server.app import ServerOptions, ServerState, create_app
     from weightwire.tools.server.openai import describe_routes
-    from weightwire.tools.server.replicas import ReplicaError, ReplicaPool, WorkerSpec
+    from weightwire.tools.server.replica import ReplicaError, WorkerSpec
+    from weightwire.tools.server.replicas import ReplicaPool
     from weightwire.tools.server.tiny import TINY_NAMES, resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)

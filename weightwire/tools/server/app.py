@@ -29,8 +29,8 @@ from weightwire.tools.server.completions import (
     parse_completion_request,
 )
 from weightwire.tools.server.control_routes import install_control_routes
-from weightwire.tools.server.openai import check_model, install_openai_routes
-from weightwire.tools.server.replicas import ReplicaError
+from weightwire.tools.server.openai import install_openai_routes, parse_generation
+from weightwire.tools.server.replica import ReplicaError
 from weightwire.tools.server.reply_size import check_reply_size
 from weightwire.tools.server.state import SERVER_VERSION, ServerOptions, ServerState
 from weightwire.tools.server.web import (
@@ -38,7 +38,6 @@ from weightwire.tools.server.web import (
     BodyLimitMiddleware,
     ClientGone,
     install_error_handlers,
-    read_json,
 )
 from weightwire.tools.server.weight_routes import install_weight_routes
 
@@ -72,24 +71,11 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 def _completion_routes(app: FastAPI, state: ServerState) -> None:
-    opts, pool = state.options, state.pool
+    opts = state.options
 
     @app.post(ROUTES["completions"].path)
     async def completions(request: Request) -> JSONResponse:
-        body = await read_json(request)
-        info = pool.replicas[0].info
-        try:
-            # Off the loop: a body near the size limit holds millions of token ids to check.
-            req = await asyncio.to_thread(
-                parse_completion_request,
-                body,
-                vocab_size=info["vocab_size"],
-                max_model_len=info["max_model_len"],
-                max_prompt_chars=info.get("max_prompt_chars"),
-            )
-        except CompletionRequestError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        check_model(opts, req, state.adapters)
+        req = await parse_generation(request, state, parse_completion_request)
         result, index = await generate_on_a_replica(state, req, request)
         result["model"] = req.model or opts.model_name
         return JSONResponse(result, headers={"x-weightwire-replica": str(index)})

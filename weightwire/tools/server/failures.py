@@ -1,5 +1,5 @@
 """What a worker operation's failure is: the reference server's own refusals, and the
-kind (``replicas.KIND_STATUS``) that decides the HTTP status the API answers with."""
+kind (``replica.KIND_STATUS``) that decides the HTTP status the API answers with."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class ModelIncomplete(ReferenceServerError):
 
 
 def classify(exc: BaseException) -> str:
-    """Failure kind (see ``replicas.KIND_STATUS``) of an exception raised by an operation."""
+    """Failure kind (see ``replica.KIND_STATUS``) of an exception raised by an operation."""
     from weightwire.tools.server.generate import NonFiniteOutput
     from weightwire.torch_side.worker.core import WeightReceiveError
 

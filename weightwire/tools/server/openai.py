@@ -270,6 +270,34 @@ def check_model(opts: Any, req: CompletionRequest, adapters: Any = ()) -> None:
 Generate = Callable[[Any, CompletionRequest, Request], Awaitable[tuple[dict[str, Any], int]]]
 
 
+Parser = Callable[..., CompletionRequest]
+"""``parse_completion_request`` or ``parse_chat_request``: a body against the model's limits."""
+
+
+async def parse_generation(request: Request, state: Any, parse: Parser) -> CompletionRequest:
+    """A generation request's body parsed against the served model's limits, and its model
+    checked (``state``: ``ServerState``): a malformed body is a 400 naming the field, another
+    model's name a 404.
+
+    Parsed off the event loop: a body near the size limit holds millions of token ids or
+    content parts to check, and the loop also serves the weight routes.
+    """
+    body = await read_json(request)
+    info = state.pool.replicas[0].info
+    try:
+        req = await asyncio.to_thread(
+            parse,
+            body,
+            vocab_size=info["vocab_size"],
+            max_model_len=info["max_model_len"],
+            max_prompt_chars=info.get("max_prompt_chars"),
+        )
+    except CompletionRequestError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    check_model(state.options, req, state.adapters)
+    return req
+
+
 def install_openai_routes(app: FastAPI, state: Any, generate: Generate) -> None:
     """Add ``/v1/models`` and ``/v1/chat/completions`` (``state``: ``ServerState``; ``generate``:
     ``app.generate_on_a_replica``, the same path ``/v1/completions`` takes)."""
@@ -288,20 +316,7 @@ def install_openai_routes(app: FastAPI, state: Any, generate: Generate) -> None:
 
     @app.post(CHAT_PATH)
     async def chat_completions(request: Request) -> JSONResponse:
-        body = await read_json(request)
-        info = pool.replicas[0].info
-        try:
-            # Off the loop: a body near the size limit can hold millions of content parts.
-            req = await asyncio.to_thread(
-                parse_chat_request,
-                body,
-                vocab_size=info["vocab_size"],
-                max_model_len=info["max_model_len"],
-                max_prompt_chars=info.get("max_prompt_chars"),
-            )
-        except CompletionRequestError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        check_model(opts, req, state.adapters)
+        req = await parse_generation(request, state, parse_chat_request)
         result, index = await generate(state, req, request)
         return JSONResponse(
             chat_reply(result, req, req.model or opts.model_name),

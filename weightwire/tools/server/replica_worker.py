@@ -23,7 +23,7 @@ from typing import Any
 from weightwire import backends
 from weightwire.tools.server.failures import CommitAborted, GenerationAborted, ModelIncomplete
 from weightwire.tools.server.guards import LiveCalls, refuse_non_finite
-from weightwire.tools.server.replicas import WorkerSpec
+from weightwire.tools.server.replica import WorkerSpec
 from weightwire.tools.server.reply_size import max_piece_json_bytes
 from weightwire.tools.server.sleep import WorkerSleep
 

@@ -8,7 +8,8 @@ from typing import Any
 from weightwire import __version__, backends
 from weightwire.tools.server.lease import RoundLease
 from weightwire.tools.server.pause import PauseGate
-from weightwire.tools.server.replicas import DEFAULT_MAX_REPLY_BYTES, ReplicaPool
+from weightwire.tools.server.replica import DEFAULT_MAX_REPLY_BYTES
+from weightwire.tools.server.replicas import ReplicaPool
 from weightwire.tools.server.session import Session
 from weightwire.tools.server.web import DEFAULT_MAX_BODY_BYTES
 

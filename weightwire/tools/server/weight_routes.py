@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from weightwire.shared.routes import CHECKER_ACTIONS
 from weightwire.shared.timeouts import Timeouts
-from weightwire.tools.server.replicas import ReplicaError
+from weightwire.tools.server.replica import ReplicaError
 from weightwire.tools.server.session import Phase, SessionError
 from weightwire.tools.server.state import ServerState
 from weightwire.tools.server.web import ApiError, error_response, read_no_body, read_object

@@ -33,8 +33,8 @@ from typing import Any, BinaryIO
 
 from weightwire.tools._cli import env_log_level
 from weightwire.tools.server.failures import classify
+from weightwire.tools.server.replica import WorkerSpec
 from weightwire.tools.server.replica_worker import Worker
-from weightwire.tools.server.replicas import WorkerSpec
 from weightwire.tools.server.reply_size import encode_reply
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,42 @@
+"""What the overlapped-round tests share (``test_overlap.py``, ``test_overlap_torch.py``): short
+timeouts, a fresh recording communicator per test, and a gate that holds a route inside the
+fake server until the test releases it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from tests.trainer.fakes import FAKE, FakeComm, FakeServer
+from weightwire.shared.timeouts import Timeouts
+
+FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5, round_s=10)
+ROUND = ["start_weight_update", "update_weights", "finish_weight_update"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_comm() -> FakeComm:
+    """Every test starts with an empty communicator and no open link (imported: autouse)."""
+    FAKE.comm = FakeComm()
+    FAKE.opened.clear()
+    return FAKE.comm
+
+
+def gate(server: FakeServer, route: str) -> tuple[threading.Event, threading.Event]:
+    """``route`` blocks inside the server until released; ``entered`` says it was reached."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hook(body: Any) -> None:
+        entered.set()
+        assert release.wait(10)
+
+    server.hooks[route] = hook
+    return entered, release
+
+
+def round_routes(server: FakeServer) -> list[str]:
+    """The round's own routes the server saw, in order."""
+    return [r for r in server.routes() if r in ROUND]

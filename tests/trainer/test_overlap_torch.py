@@ -1,0 +1,92 @@
+"""Overlapped rounds of the torch trainer: its snapshot is a copy into reused buffers, so an
+optimizer's in-place step after ``send_weights(wait=False)`` does not reach the round
+(``snapshot="none"`` reads the live parameters instead); on a GPU the copy is ordered on the
+trainer's stream after the step that wrote the weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainer.fakes import FAKE, DictSource, FakeServer
+from tests.trainer.overlap_helpers import FAST, fresh_comm, gate  # noqa: F401
+from weightwire.torch_side.sender.engine import TorchTrainerEngine
+from weightwire.torch_side.sender.source import describe_tensor
+from weightwire.trainer import TrainerInitInfo
+
+
+def test_torch_copy_snapshot_is_isolated_from_in_place_steps_and_reused() -> None:
+    weights = {"w": torch.arange(8, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
+    server = FakeServer()
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
+        client=server.client(),
+        source=DictSource(weights, describe_tensor),
+    )
+    try:
+        entered, release = gate(server, "start_weight_update")
+        sent = [t.view(torch.uint8).numpy().tobytes() for t in weights.values()]
+        handle = engine.send_weights(wait=False)
+        for t in weights.values():
+            t.add_(5)  # an optimizer step writes the parameters in place
+        assert entered.wait(10)
+        release.set()
+        handle.result()
+        assert FAKE.comm.broadcasts == sent
+        assert engine._copies is not None
+        (buffers,) = engine._copies._free
+        kept = {n: b.data_ptr() for n, b in buffers.items()}
+        server.hooks.clear()
+        engine.send_weights(wait=False).result()
+        assert FAKE.comm.broadcasts[2:] == [
+            t.view(torch.uint8).numpy().tobytes() for t in weights.values()
+        ]
+        (again,) = engine._copies._free
+        assert {n: b.data_ptr() for n, b in again.items()} == kept  # the same buffers reused
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_torch_snapshot_none_reads_the_live_parameters() -> None:
+    weights = {"w": torch.arange(4, dtype=torch.float32)}
+    server = FakeServer()
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False, snapshot="none"),
+        client=server.client(),
+        source=DictSource(weights, describe_tensor),
+    )
+    try:
+        engine.send_weights(wait=False).result()
+        assert FAKE.comm.broadcasts == [weights["w"].numpy().tobytes()]
+        assert engine._copies is None  # nothing copied
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_torch_copy_snapshot_on_the_gpu_is_ordered_after_the_step_and_before_the_next() -> None:
+    """The copy is queued on the trainer's stream after the step that wrote the weights, the
+    round waits for it on its own thread, and the next in-place step does not reach it."""
+    weights = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda")}
+    server = FakeServer()
+    engine = TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
+        client=server.client(),
+        source=DictSource(weights, describe_tensor),
+    )
+    try:
+        entered, release = gate(server, "start_weight_update")
+        for t in weights.values():
+            t.mul_(3.0)  # the step that produced the round's weights
+        sent = [t.cpu().numpy().tobytes() for t in weights.values()]
+        handle = engine.send_weights(wait=False)
+        for t in weights.values():
+            t.add_(1.0)  # the next step, queued on the same stream right behind the copy
+        assert entered.wait(10)
+        release.set()
+        handle.result()
+        assert FAKE.comm.broadcasts == sent
+    finally:
+        release.set()
+        engine.shutdown()
