@@ -46,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.shaped_link import RelayedClient, ShapedLink  # noqa: E402
+from benchmarks.shaped_link import RelayedClient, ShapedLink, relay_ceiling  # noqa: E402
 
 IPC, TCP = "weightwire_ipc", "weightwire_tcp"
 
@@ -285,30 +285,56 @@ def main(argv: list[str] | None = None) -> int:
     args.device = args.device or ("cuda:0" if gpu else "cpu")
     cuda = args.device.startswith("cuda")
     args.shape = args.shape or ("llama3-8b" if cuda else "small")
-    backends = (args.backends or (f"{TCP},{IPC}" if cuda else TCP)).split(",")
+    # ipc first: its rows take seconds, a dense 8B round over the shaped link ~13 s
+    backends = (args.backends or (f"{IPC},{TCP}" if cuda else TCP)).split(",")
+    if not set(backends) <= {IPC, TCP}:
+        ap.error(f"--backends: {IPC} and/or {TCP}, got {args.backends!r}")
+    if IPC in backends and not cuda:
+        ap.error(f"{IPC} needs a GPU (CUDA IPC); on a CPU run --backends {TCP}")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if cuda:
         torch.cuda.set_device(torch.device(args.device))
+    note = ""
+    if TCP in backends:
+        note = f"relay ceiling (not shaped): {relay_ceiling() / 1e9:.2f} GB/s"
+        print(note, flush=True)
     sets = weight_sets(args)
     rows: list[Row] = []
+    failed = False
     for backend in backends:
-        bench = Bench(args, backend, sets)
         try:
-            rows += bench.rows()
-        finally:
-            bench.close()
-            del bench  # the trainer's base goes before the next backend's trainer starts
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-        print(table(rows[-2:], args.rate_mb_s * 1e6), flush=True)
-    text = table(rows, args.rate_mb_s * 1e6)
-    print(text)
+            rows += run_backend(args, backend, sets)
+        except Exception as exc:  # one failed backend must not lose the other's rows
+            failed = True
+            note += f"\n{backend}: {type(exc).__name__}: {exc}"
+            print(f"{backend} failed: {type(exc).__name__}: {exc}", flush=True)
+        report(rows, note, args)
+    return 0 if rows and not failed and all(r.ok for r in rows) else 1
+
+
+def run_backend(args: argparse.Namespace, backend: str, sets: WeightSets) -> list[Row]:
+    """One backend's rows; its trainer (and base) and worker are gone when it returns."""
+    import torch
+
+    bench = Bench(args, backend, sets)
+    try:
+        return bench.rows()
+    finally:
+        bench.close()
+        del bench  # the trainer's base goes before the next backend's trainer starts
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def report(rows: list[Row], note: str, args: argparse.Namespace) -> None:
+    """Print the table so far and write it (and the rows as JSON) to ``--out``."""
+    text = table(rows, args.rate_mb_s * 1e6) + (f"\n\n{note.strip()}" if note else "")
+    print(text, flush=True)
     if args.out:
         Path(args.out).write_text(text + "\n")
         out = [{**asdict(r), "round_s": r.round_s} for r in rows]
         Path(args.out).with_suffix(".json").write_text(json.dumps(out, indent=1))
-    return 0 if rows and all(r.ok for r in rows) else 1
 
 
 if __name__ == "__main__":
