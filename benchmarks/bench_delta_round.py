@@ -85,7 +85,11 @@ class Bench:
         self.link = ShapedLink(args.rate_mb_s * 1e6) if backend == TCP else None
         self.proc, self.client = self._worker()
         self.before = self._allocated()
-        self.trainer = self._trainer()
+        try:
+            self.trainer = self._trainer()
+        except BaseException:
+            self._stop_worker()
+            raise
 
     def _worker(self) -> tuple[Any, Any]:
         from weightwire.testing.loopback import spawn_loopback_cmd
@@ -196,8 +200,15 @@ class Bench:
         try:
             self.trainer.shutdown()
         finally:
+            self._stop_worker()
+
+    def _stop_worker(self) -> None:
+        try:
             self.client.exit()
             self.proc.wait(timeout=120)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
             if self.link is not None:
                 self.link.close()
 
