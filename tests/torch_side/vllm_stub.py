@@ -42,7 +42,6 @@ SHAPES = {
     # hidden, intermediate, layers, heads, kv heads, head dim, vocab
     "llama3-8b": (4096, 14336, 32, 32, 8, 128, 128256),
     "qwen2-0.5b": (896, 4864, 24, 14, 2, 64, 151936),
-    "small": (256, 688, 4, 8, 2, 32, 4096),  # benchmarks/bench_delta.py's CPU shape
     "tiny": (64, 160, 3, 4, 2, 16, 96),
 }
 
