@@ -1,0 +1,352 @@
+"""Whole delta rounds against dense rounds of the same weights, in the same run.
+
+    python benchmarks/bench_delta_round.py --out delta_round.md      # GPU: 8B, tcp + ipc
+    python benchmarks/bench_delta_round.py --device cpu --shape small --rate-mb-s 50
+
+The trainer (``TorchTrainerEngine``, ``delta="auto"``) sends Llama-shaped bf16 weights drawn
+like bench_delta.py's (``N(0, 0.02)``) to a real worker: vLLM's plugin engine class run by
+``tests/torch_side/vllm_stub.py``, loading into parameters laid out like vLLM's Llama (the
+worker bench_vllm_layout.py measures). Per backend, one trainer and one worker:
+
+- dense rows: ``send_weights(dense=True)`` of the weights ``w0`` (the first of them is the
+  session's first round, dense anyway);
+- delta rows: ``send_weights()`` after one Adam-like step (bench_delta.py's own step,
+  imported: ``bf16(w - lr * sign(g))``, lr 1e-6 by default: ~2 % of the elements change),
+  alternating ``w1``, ``w0``, ``w1``, ... so every round differs from the last by one step.
+
+``weightwire_tcp`` runs through a link shaped IN THIS BENCHMARK (``shaped_link.py``: a relay
+process forwarding each direction through a token bucket, ``--rate-mb-s``, default 1250 =
+a 10 GbE line); the relay's count of forwarded bytes gives the link rate each round ran at.
+``weightwire_ipc`` (pull) runs on one GPU, with the floor (one device copy of every tensor
+into the serving parameters, measured in the worker) for reference.
+
+Per row: seconds per round (median of ``--rounds`` after ``--warmup``: the whole
+``send_weights()``), wire bytes, dense bytes, density and extraction seconds (the round's
+``RoundMetrics``), link bytes (tcp: what the relay forwarded per round), worker extra
+memory (torch's peak over its baseline in the last round plus the receive pool) and trainer
+extra memory (the trainer's device memory peak beyond the two weight sets: with
+``delta="auto"`` it holds the base, one copy of the model, in dense rows too). ``bytes`` is
+``ok`` when every tensor read back out of the worker's parameters has the trainer's digest.
+On a CPU only ``weightwire_tcp`` runs (a dry run: CUDA IPC needs a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.shaped_link import RelayedClient, ShapedLink, relay_ceiling  # noqa: E402
+
+IPC, TCP = "weightwire_ipc", "weightwire_tcp"
+
+
+@dataclass
+class Row:
+    """One row: a backend's dense or delta rounds."""
+
+    backend: str
+    kind: str  # "dense" | "delta"
+    walls: list[float]
+    wire_bytes: int
+    dense_bytes: int
+    density: float | None
+    extract_s: float
+    link_bytes: int | None  # tcp: bytes the relay forwarded to the worker per round
+    trainer_extra: int | None  # None: not measured (CPU)
+    worker_extra: int | None
+    ok: bool
+    floor_s: float | None = None  # ipc: one device copy into the serving parameters
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def round_s(self) -> float:
+        return statistics.median(self.walls)
+
+
+class Bench:
+    """One backend's trainer, worker and weight sets for a run of dense and delta rows."""
+
+    def __init__(self, args: argparse.Namespace, backend: str, sets: WeightSets) -> None:
+        self.args, self.backend, self.sets = args, backend, sets
+        self.cuda = args.device.startswith("cuda")
+        self.params: dict[str, Any] = dict(sets.native[0])  # the source iterates this dict
+        self.current = 0  # which set ``params`` holds
+        self.link = ShapedLink(args.rate_mb_s * 1e6) if backend == TCP else None
+        self.proc, self.client = self._worker()
+        self.before = self._allocated()
+        try:
+            self.trainer = self._trainer()
+        except BaseException:
+            self._stop_worker()
+            raise
+
+    def _worker(self) -> tuple[Any, Any]:
+        from weightwire.testing.loopback import spawn_loopback_cmd
+
+        env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        cmd = ["-m", "tests.torch_side.vllm_stub", "--backend", self.backend]
+        cmd += ["--device", self.args.device, "--shape", self.args.shape]
+        proc, client = spawn_loopback_cmd(cmd, env=env, timeout=300)
+        if self.link is not None:
+            client = RelayedClient(client.address, self.link)
+        return proc, client
+
+    def _trainer(self) -> Any:
+        from weightwire.tools.bench.sync_models import make_source
+        from weightwire.trainer import TrainerInitInfo
+
+        engine: Any
+        if self.args.engine == "jax":
+            from weightwire.jax_side.engine import JAXTrainerEngine as engine
+        else:
+            from weightwire.torch_side.sender.engine import TorchTrainerEngine as engine
+
+        info = TrainerInitInfo(
+            backend=self.backend,
+            delta="auto",
+            device=0 if self.cuda else None,  # ipc: the default pull (delta refuses the others)
+        )
+        return engine.trainer_init(info, client=self.client, source=make_source(self.params))
+
+    def _allocated(self) -> int:
+        if not self.cuda:
+            return 0
+        import torch
+
+        torch.cuda.synchronize()
+        return int(torch.cuda.memory_allocated())
+
+    def rows(self) -> list[Row]:
+        """Dense rows, then delta rows, then (ipc) the floor: it overwrites the parameters."""
+        out = [self._phase("dense", [0]), self._phase("delta", [1, 0])]
+        if self.backend == IPC:
+            floor = float(self.client.call("floor", {"reps": 5}))
+            for row in out:
+                row.floor_s = floor
+        return out
+
+    def _phase(self, kind: str, cycle: list[int]) -> Row:
+        """``--warmup`` + ``--rounds`` rounds of the weight sets in ``cycle``, in turn."""
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        walls, metrics, links = [], [], []
+        for i in range(self.args.warmup + self.args.rounds):
+            self.current = cycle[i % len(cycle)]
+            self.params.update(self.sets.native[self.current])
+            sent = self.link.forwarded() if self.link else 0
+            start = time.perf_counter()
+            m = self.trainer.send_weights(dense=kind == "dense")
+            wall = time.perf_counter() - start
+            if i >= self.args.warmup:
+                walls.append(wall)
+                metrics.append(m)
+                links.append(self.link.forwarded() - sent if self.link else 0)
+            print(f"  {self.backend} {kind} round {i}: {wall:.3f} s, {m.summary()}", flush=True)
+        trainer_extra = self._trainer_extra()
+        mem = self.client.call("memory")
+        worker_extra = mem["peak"] - mem["baseline"] + mem.get("pool", 0) if mem else None
+        last = metrics[-1]
+        return Row(
+            backend=self.backend,
+            kind=kind,
+            walls=walls,
+            wire_bytes=last.wire_bytes,
+            dense_bytes=last.dense_bytes,
+            density=last.density,
+            extract_s=statistics.median(m.extract_seconds for m in metrics),
+            link_bytes=int(statistics.median(links)) if self.link else None,
+            trainer_extra=trainer_extra,
+            worker_extra=worker_extra,
+            ok=self._holds(),
+            extra={"wire_bytes_each": [m.wire_bytes for m in metrics]},
+        )
+
+    def _trainer_extra(self) -> int | None:
+        """torch: the allocator's peak this phase beyond what it held before the trainer
+        started (the weight sets). JAX: every byte JAX allocated (its arrays share the
+        torch tensors' memory through DLPack), peak over the run so far."""
+        if not self.cuda:
+            return None
+        if self.args.engine == "jax":
+            import jax
+
+            return int(jax.devices()[0].memory_stats().get("peak_bytes_in_use", 0))
+        import torch
+
+        return int(torch.cuda.max_memory_allocated()) - self.before
+
+    def _holds(self) -> bool:
+        """Every tensor the worker holds has the digest of the trainer's current weights."""
+        from tests.torch_side.vllm_stub import digest
+
+        want = {n: digest(t) for n, t in self.sets.torch[self.current].items()}
+        return bool(self.client.call("digests") == want)
+
+    def close(self) -> None:
+        try:
+            self.trainer.shutdown()
+        finally:
+            self._stop_worker()
+
+    def _stop_worker(self) -> None:
+        try:
+            self.client.exit()
+            self.proc.wait(timeout=120)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            if self.link is not None:
+                self.link.close()
+
+
+@dataclass
+class WeightSets:
+    """``w0`` and ``w1`` as torch tensors (digests) and as the engine's arrays (the source)."""
+
+    torch: list[dict[str, Any]]
+    native: list[dict[str, Any]]
+
+
+def weight_sets(args: argparse.Namespace) -> WeightSets:
+    """``w0`` and ``w1`` = one Adam-like step of ``w0`` (bench_delta.py's step) on the
+    trainer's device, in the stub model's checkpoint names and shapes; JAX's arrays are the
+    same memory (DLPack)."""
+    from benchmarks.bench_delta import Torch
+    from tests.torch_side.vllm_stub import hf_shapes
+
+    fw = Torch("static")
+    w0 = fw.weights(hf_shapes(args.shape))
+    w1 = fw.step(w0, args.lr)
+    fw.sync(None)
+    sets = [w0, w1]
+    if args.engine != "jax":
+        return WeightSets(sets, sets)
+    import jax
+
+    native = [{n: jax.dlpack.from_dlpack(t) for n, t in w.items()} for w in sets]
+    jax.block_until_ready([list(w.values()) for w in native])
+    return WeightSets(sets, native)
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f}"
+
+
+def table(rows: list[Row], rate: float) -> str:
+    lines = [
+        "| backend | round | s/round (median) | x faster than dense | wire MB | dense MB "
+        "| density | extraction ms | link MB/round (GB/s) | floor s | trainer extra GB "
+        "| worker extra GB | bytes |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    dense = {r.backend: r.round_s for r in rows if r.kind == "dense"}
+    for r in rows:
+        speed = dense.get(r.backend, float("nan")) / r.round_s
+        link, floor = "-", "-"
+        if r.link_bytes is not None:  # the floor: the link's bytes at the shaped rate
+            link = f"{_mb(r.link_bytes)} ({r.link_bytes / r.round_s / 1e9:.2f})"
+            floor = f"{r.link_bytes / rate:.3f}"
+        elif r.floor_s is not None:
+            floor = f"{r.floor_s:.4f}"
+        lines.append(
+            f"| {r.backend}{f' @ {rate / 1e9:g} GB/s' if r.link_bytes is not None else ''} "
+            f"| {r.kind} | {r.round_s:.3f} | {speed:.1f}x | {_mb(r.wire_bytes)} "
+            f"| {_mb(r.dense_bytes)} | {'-' if r.density is None else f'{r.density:.3%}'} "
+            f"| {r.extract_s * 1e3:.1f} | {link} "
+            f"| {floor} "
+            f"| {_gb(r.trainer_extra)} | {_gb(r.worker_extra)} "
+            f"| {'ok' if r.ok else 'MISMATCH'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None, help="cuda:0 when a GPU is there, else cpu")
+    ap.add_argument("--shape", default=None, help="llama3-8b (GPU default), small (CPU), tiny")
+    ap.add_argument("--backends", default=None, help="weightwire_tcp,weightwire_ipc (GPU)")
+    ap.add_argument("--rate-mb-s", type=float, default=1250.0, help="the tcp link, MB/s")
+    ap.add_argument("--engine", choices=["torch", "jax"], default="torch")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--out", help="the table (markdown); the rows as JSON beside it")
+    args = ap.parse_args(argv)
+    import torch
+
+    gpu = torch.cuda.is_available()
+    args.device = args.device or ("cuda:0" if gpu else "cpu")
+    cuda = args.device.startswith("cuda")
+    args.shape = args.shape or ("llama3-8b" if cuda else "small")
+    # ipc first: its rows take seconds, a dense 8B round over the shaped link ~13 s
+    backends = (args.backends or (f"{IPC},{TCP}" if cuda else TCP)).split(",")
+    if not set(backends) <= {IPC, TCP}:
+        ap.error(f"--backends: {IPC} and/or {TCP}, got {args.backends!r}")
+    if IPC in backends and not cuda:
+        ap.error(f"{IPC} needs a GPU (CUDA IPC); on a CPU run --backends {TCP}")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if cuda:
+        torch.cuda.set_device(torch.device(args.device))
+    note = ""
+    if TCP in backends:
+        note = f"relay ceiling (not shaped): {relay_ceiling() / 1e9:.2f} GB/s"
+        print(note, flush=True)
+    sets = weight_sets(args)
+    rows: list[Row] = []
+    failed = False
+    for backend in backends:
+        try:
+            rows += run_backend(args, backend, sets)
+        except Exception as exc:  # one failed backend must not lose the other's rows
+            failed = True
+            note += f"\n{backend}: {type(exc).__name__}: {exc}"
+            print(f"{backend} failed: {type(exc).__name__}: {exc}", flush=True)
+        report(rows, note, args)
+    return 0 if rows and not failed and all(r.ok for r in rows) else 1
+
+
+def run_backend(args: argparse.Namespace, backend: str, sets: WeightSets) -> list[Row]:
+    """One backend's rows; its trainer (and base) and worker are gone when it returns."""
+    import torch
+
+    bench = Bench(args, backend, sets)
+    try:
+        return bench.rows()
+    finally:
+        bench.close()
+        del bench  # the trainer's base goes before the next backend's trainer starts
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def report(rows: list[Row], note: str, args: argparse.Namespace) -> None:
+    """Print the table so far and write it (and the rows as JSON) to ``--out``."""
+    text = table(rows, args.rate_mb_s * 1e6) + (f"\n\n{note.strip()}" if note else "")
+    print(text, flush=True)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        out = [{**asdict(r), "round_s": r.round_s} for r in rows]
+        Path(args.out).with_suffix(".json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
