@@ -118,9 +118,10 @@ def lead_round(
         pause = s.round_pause(metas)
     paused = held = started = False
     # The pause's round trip overlaps the round's set-up; ordered before the start all the same.
-    # With the round guard, the guard is held first (requests are refused with its reason).
+    # With the round guard, the guard is held first (requests are refused with its reason);
+    # with verify, the checker's snapshot goes first (its calls keep one order).
     early = None
-    if early_pause and pause.mode is not None and not pause.guard:
+    if early_pause and pause.mode is not None and not pause.guard and s.verifier is None:
         early = spawn_pause(s, pause.mode)
 
     def control() -> None:
