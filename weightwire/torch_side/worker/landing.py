@@ -327,6 +327,19 @@ def _run_loader(
     return recorder
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for parameters shared between modules (a tied head's
+    ``lm_head.weight`` -> ``model.embed_tokens.weight``), first name in module order
+    canonical, as vLLM's loader resolves them."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(param), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
 def _alias_tied(
     model: torch.nn.Module, tensors: dict[str, TensorLandings], params: dict[str, torch.Tensor]
 ) -> None:

@@ -33,7 +33,7 @@ from weightwire.torch_side.worker.delta import (
     patch_tensor,
     refuse,
 )
-from weightwire.torch_side.worker.landing import LoaderMap
+from weightwire.torch_side.worker.landing import LoaderMap, tied_aliases
 from weightwire.torch_side.worker.load import Pairs, RoundPlan
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.weight_state import WeightState
@@ -181,17 +181,6 @@ MapLookup = Callable[[Sequence[ParamMeta]], LoaderMap | None]
 """The core's cached map of its target model (``TargetCaches.loader_map``); None: refused."""
 
 
-def tied_names(model: Any) -> dict[str, str]:
-    """``{alias: canonical}`` for parameters shared between modules (a tied head)."""
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        canonical = first.setdefault(id(param), name)
-        if canonical != name:
-            aliases[name] = canonical
-    return aliases
-
-
 class SinkChooser:
     """Picks each round's sink; holds the recorded loader maps (one per target model)."""
 
@@ -283,7 +272,7 @@ class SinkChooser:
             )
             found = self._maps(whole or list(seen.values()))
             if found is not None:
-                return MapSink(found, tied_names(model), whole_layers=self._whole_layers)
+                return MapSink(found, tied_aliases(model), whole_layers=self._whole_layers)
             self.why_none = (
                 "the loader map was refused (see the worker's log) and delta rounds are off"
             )

@@ -35,25 +35,12 @@ from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade
-from weightwire.torch_side.worker.landing import record_loader_map
+from weightwire.torch_side.worker.landing import record_loader_map, tied_aliases
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.vllm_lora import VllmAdapterHost
 from weightwire.torch_side.worker.vllm_lora import install as install_lora
 
 log = logging.getLogger(__name__)
-
-
-def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """``{alias: canonical}`` for parameters shared between modules (a tied head's
-    ``lm_head.weight`` -> ``model.embed_tokens.weight``), first name in module order
-    canonical, as vLLM's loader resolves them."""
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        canonical = first.setdefault(id(param), name)
-        if canonical != name:
-            aliases[name] = canonical
-    return aliases
 
 
 class LayerwiseReload:
