@@ -51,7 +51,7 @@ from ipc_probes import TracedClient, ceilings_s, profiled  # noqa: E402
 from weightwire.backends.ipc.slots import dump_trace, trace  # noqa: E402
 from weightwire.tools.bench import sync_shim as bench_sync_shim  # noqa: E402
 from weightwire.tools.bench.sync import MODELS, build_params, make_source  # noqa: E402
-from weightwire.tools.bench.sync_shim import ShimClient, receiver_main, rpc  # noqa: E402
+from weightwire.tools.bench.sync_shim import control_client, receiver_main, rpc  # noqa: E402
 
 GIB = 1 << 30
 # (model, packed, buffer MiB, buffers, release after round, engines, IPC modes)
@@ -101,12 +101,7 @@ def run_config(
         "tensors": len(params),
         "target": "transport only (sink)" if cfg["sink"] else "vLLM-layout parameters",
     }
-    if cfg["control"] == "http":
-        from weightwire.control.client import HTTPWeightSyncClient
-
-        client: Any = HTTPWeightSyncClient(cfg["url"], timeout=t + 60)
-    else:
-        client = ShimClient(cfg["port"], timeout=t + 60)
+    client = control_client(cfg, t + 60)
     info = TrainerInitInfo(
         backend="weightwire_ipc",
         packed=packed,

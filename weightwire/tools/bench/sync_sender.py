@@ -19,7 +19,7 @@ from typing import Any
 
 from weightwire import backends
 from weightwire.tools.bench.sync_models import build_params, make_source
-from weightwire.tools.bench.sync_shim import ShimClient, raw_rounds, rpc
+from weightwire.tools.bench.sync_shim import control_client, raw_rounds, rpc
 from weightwire.tools.bench.sync_trace import trace_round
 
 
@@ -96,12 +96,7 @@ def run_config(
         "tensors": len(params),
     }
     source = make_source(params)
-    if cfg["control"] == "http":
-        from weightwire.control.client import HTTPWeightSyncClient
-
-        client: Any = HTTPWeightSyncClient(cfg["url"], timeout=t + 60)
-    else:
-        client = ShimClient(cfg["port"], timeout=t + 60)
+    client = control_client(cfg, t + 60)
     metas = source.metadata()
     row["largest"] = max(m.nbytes for m in metas)
     row["bound"] = nb * buf + row["largest"] if packed else row["largest"]

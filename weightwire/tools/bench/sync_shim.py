@@ -267,6 +267,16 @@ class Receiver:
             done({"error": f"{type(exc).__name__}: {exc}"})
 
 
+def control_client(cfg: dict[str, Any], timeout: float) -> Any:
+    """A sender's control client: the reference server's HTTP routes at ``cfg["url"]``
+    (``cfg["control"] == "http"``) or the shim at ``cfg["port"]``."""
+    if cfg["control"] == "http":
+        from weightwire.control.client import HTTPWeightSyncClient
+
+        return HTTPWeightSyncClient(cfg["url"], timeout=timeout)
+    return ShimClient(cfg["port"], timeout=timeout)
+
+
 def raw_rounds(uid: bytes, rank: int, sizes: list[int], rounds: int, timeout: float) -> list[float]:
     """Raw CuPy NCCL: each round broadcasts ``sizes`` back to back on one stream, one buffer."""
     import cupy as cp
