@@ -15,14 +15,18 @@ from weightwire.torch_side.sender.source import describe_tensor
 from weightwire.trainer import TrainerInitInfo
 
 
-def test_torch_copy_snapshot_is_isolated_from_in_place_steps_and_reused() -> None:
-    weights = {"w": torch.arange(8, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
-    server = FakeServer()
-    engine = TorchTrainerEngine.trainer_init(
+def unpacked_engine(server: FakeServer, weights: dict[str, torch.Tensor]) -> TorchTrainerEngine:
+    return TorchTrainerEngine.trainer_init(
         TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
         client=server.client(),
         source=DictSource(weights, describe_tensor),
     )
+
+
+def test_torch_copy_snapshot_is_isolated_from_in_place_steps_and_reused() -> None:
+    weights = {"w": torch.arange(8, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
+    server = FakeServer()
+    engine = unpacked_engine(server, weights)
     try:
         entered, release = gate(server, "start_weight_update")
         sent = [t.view(torch.uint8).numpy().tobytes() for t in weights.values()]
@@ -70,11 +74,7 @@ def test_torch_copy_snapshot_on_the_gpu_is_ordered_after_the_step_and_before_the
     round waits for it on its own thread, and the next in-place step does not reach it."""
     weights = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda")}
     server = FakeServer()
-    engine = TorchTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
-        client=server.client(),
-        source=DictSource(weights, describe_tensor),
-    )
+    engine = unpacked_engine(server, weights)
     try:
         entered, release = gate(server, "start_weight_update")
         for t in weights.values():
