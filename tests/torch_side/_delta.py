@@ -315,6 +315,13 @@ class Session:
         self.engine.update_weights(wire.info.to_dict())
         self.engine.finish_weight_update()
 
+    def anchor(self, trainer: Trainer) -> Wire:
+        """The session's first round: dense, committed on both sides."""
+        first = trainer.encode(dense=True)
+        self.send(first)
+        trainer.committed(first)
+        return first
+
     def close(self) -> None:
         self._queue.put(None)
         self.sender.join()

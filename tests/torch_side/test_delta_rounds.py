@@ -50,9 +50,7 @@ def test_any_round_sequence_lands_bit_exact(
     trainer = Trainer(seed)
     session = Session(worker.engine, delta_rounds=True, stage_budget_bytes=budget)
     try:
-        first = trainer.encode(dense=True)
-        session.send(first)
-        trainer.committed(first)
+        session.anchor(trainer)
         assert_holds(worker, trainer.weights)
         for delta, densities, threshold in rounds:
             trainer.step(densities)
@@ -79,9 +77,7 @@ def test_patches_only_touch_changed_elements_and_skip_the_reload() -> None:
     trainer = Trainer(3)
     session = Session(worker.engine, delta_rounds=True)
     try:
-        first = trainer.encode(dense=True)
-        session.send(first)
-        trainer.committed(first)
+        first = session.anchor(trainer)
         reloads = worker.framework.reloads  # type: ignore[union-attr]
         trainer.step({"model.layers.0.proj.weight": 0.05, "model.norm.weight": 0.2})
         wire = trainer.encode(dense=False, threshold=0.5)
@@ -101,9 +97,7 @@ def test_a_delta_on_a_base_the_worker_does_not_hold_is_refused_before_any_byte(
     worker = make_worker(kind)
     trainer = Trainer(5)
     session = Session(worker.engine, delta_rounds=True)
-    first = trainer.encode(dense=True)
-    session.send(first)
-    trainer.committed(first)
+    session.anchor(trainer)
     before = {n: host_bytes(p) for n, p in worker.params.items()}
     trainer.step({"model.layers.1.proj.weight": 0.1})
     trainer.base_token = "other:7"  # the trainer believes the worker holds another round
@@ -130,9 +124,7 @@ def test_a_worker_that_cannot_patch_refuses_a_delta_naming_why() -> None:
     worker = make_worker("copy")
     trainer = Trainer(6)
     session = Session(worker.engine)  # the trainer declared no delta rounds
-    first = trainer.encode(dense=True)
-    session.send(first)
-    trainer.committed(first)
+    session.anchor(trainer)
     trainer.step({"model.norm.weight": 0.2})
     wire = trainer.encode(dense=False)
     session._queue.put(wire)
@@ -150,9 +142,7 @@ def test_a_failed_round_applies_none_of_its_patches_and_forgets_the_base(kind: s
     worker = make_worker(kind)
     trainer = Trainer(7)
     session = Session(worker.engine, delta_rounds=True)
-    first = trainer.encode(dense=True)
-    session.send(first)
-    trainer.committed(first)
+    session.anchor(trainer)
     before = {n: host_bytes(p) for n, p in worker.params.items()}
     trainer.step({n: 0.05 for n, _, _ in LAYOUT})
     wire = trainer.encode(dense=False, threshold=1.0)
@@ -210,9 +200,7 @@ def test_reference_server_checksums_cover_patched_tensors_whole() -> None:
     worker = make_worker("hf_host")
     trainer = Trainer(9)
     session = Session(worker.engine, delta_rounds=True)
-    first = trainer.encode(dense=True)
-    session.send(first)
-    trainer.committed(first)
+    session.anchor(trainer)
     trainer.step({"model.layers.0.mlp.experts.w13": 0.01})
     wire = trainer.encode(dense=False)
     assert wire.info.patches and wire.info.patches[0][0] == "model.layers.0.mlp.experts.w13"
@@ -235,9 +223,7 @@ def test_reusing_a_delta_rounds_metadata_is_refused_before_any_byte() -> None:
     worker = make_worker("hf_host")
     trainer = Trainer(10)
     session = Session(worker.engine, delta_rounds=True)
-    first = trainer.encode(dense=True)
-    session.send(first)
-    trainer.committed(first)
+    session.anchor(trainer)
     trainer.step({"model.norm.weight": 0.2})
     wire = trainer.encode(dense=False)
     session.send(wire)
