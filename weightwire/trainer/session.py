@@ -118,15 +118,14 @@ class Session:
     def round_pause(self, metas: list[ParamMeta]) -> RoundPause:
         """This round's pause (``gating.round_pause``; a round applied in place:
         refusing, no resume on failure)."""
-        in_place = self.sender is not None and self.sender.in_place
         return round_pause(
             self.info,
             self.pause_mode,
             stock_receiver=self.backend.caps.stock_receiver,
-            nbytes=0 if in_place else round_bytes(metas),  # in place whatever its size
+            nbytes=round_bytes(metas),
             client=self.client,
             guard=self.guard_installed,
-            in_place=in_place,
+            in_place=self.sender is not None and self.sender.in_place,
         )
 
     def guard_installed(self) -> bool:
