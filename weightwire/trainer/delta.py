@@ -143,7 +143,6 @@ class DeltaTracker:
         self.since_dense = 0
         self._tokens = RoundTokens()
         self._attempts = 0
-        self._limits: dict[str, tuple[ParamMeta, int]] = {}
 
     def next_token(self) -> str:
         self._attempts += 1
@@ -201,16 +200,9 @@ class DeltaTracker:
     def limit(self, meta: ParamMeta) -> int:
         """The most changed elements ``meta``'s tensor may have and still go as a patch
         (fewer than ``density`` of its elements; none past the int32 index range)."""
-        cached = self._limits.get(meta.name)
-        if cached is not None and cached[0] is meta:  # the same metas round after round
-            return cached[1]
         numel = meta.numel
         got = 0 if numel > MAX_PATCH_NUMEL else math.ceil(self.density * numel) - 1
-        got = max(0, min(numel, got))
-        if len(self._limits) > 1 << 16:  # names that keep changing: stay bounded
-            self._limits.clear()
-        self._limits[meta.name] = (meta, got)
-        return got
+        return max(0, min(numel, got))
 
     def _compare(
         self, pairs: Iterable[tuple[str, Any]], by_name: dict[str, ParamMeta], out: DeltaRound
