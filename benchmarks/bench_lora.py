@@ -210,11 +210,11 @@ def main() -> None:
     import jax
 
     from weightwire.control.client import HTTPWeightSyncClient
+    from weightwire.jax_side.checkpoint import read_hf_config
     from weightwire.jax_side.engine import JAXTrainerEngine
     from weightwire.jax_side.lora import lora_source
     from weightwire.jax_side.source import PytreeSource
     from weightwire.tools.models import decoder
-    from weightwire.tools.models.loading import load_decoder
     from weightwire.trainer.config import TrainerInitInfo
     from weightwire.trainer.lora import AdapterSync
 
@@ -227,7 +227,12 @@ def main() -> None:
     info = TrainerInitInfo(backend=args.backend)
     results = []
     try:
-        cfg, params = load_decoder(model_dir)
+        # The trainer's parameters as the model initializes them (zeros, like the checkpoint;
+        # only shapes and bytes matter): loading the checkpoint through its inverse naming holds
+        # several copies of an 8B model at once, more than the GPU has beside the server's.
+        cfg = decoder.DecoderConfig.from_hf_config(read_hf_config(model_dir))
+        abstract = jax.eval_shape(lambda: decoder.init(jax.random.key(0), cfg))
+        params = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), abstract)
         dense = JAXTrainerEngine.trainer_init(
             info, client=client, source=PytreeSource(params, decoder.naming(cfg), dtype="bfloat16")
         )
