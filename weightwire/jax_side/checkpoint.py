@@ -31,7 +31,7 @@ import numpy as np
 
 from weightwire._extras import require
 from weightwire.jax_side.naming import Naming, Plan
-from weightwire.jax_side.transforms import run_entry
+from weightwire.jax_side.transforms import Entry, run_entry
 from weightwire.shared.errors import ConfigError
 
 
@@ -67,10 +67,37 @@ def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _forward(plan: Plan, leaves: list[jax.Array]) -> dict[str, jax.Array]:
-    out = {}
+def _components(plan: Plan) -> list[tuple[list[int], list[Entry]]]:
+    """The plan cut into independent parts: leaves and the HF tensors made from them, two
+    tensors in one part when they share a leaf (a fused or stacked leaf feeds several)."""
+    parent = list(range(len(plan.avals)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
     for entry in plan.entries:
-        xs = [leaves[p.leaf] for p in entry.pieces]
+        first = root(entry.pieces[0].leaf)
+        for piece in entry.pieces[1:]:
+            parent[root(piece.leaf)] = first
+    parts: dict[int, tuple[list[int], list[Entry]]] = {}
+    for entry in plan.entries:
+        parts.setdefault(root(entry.pieces[0].leaf), ([], []))[1].append(entry)
+    for leaf in range(len(plan.avals)):
+        part = parts.get(root(leaf))
+        if part is not None:
+            part[0].append(leaf)
+    return list(parts.values())
+
+
+def _forward(entries: list[Entry], at: dict[int, int], leaves: list[jax.Array]) -> dict[str, Any]:
+    """The HF tensors of ``entries`` from ``leaves`` (leaf ``i`` of the plan is
+    ``leaves[at[i]]``)."""
+    out = {}
+    for entry in entries:
+        xs = [leaves[at[p.leaf]] for p in entry.pieces]
         idxs = [p.indices for p in entry.pieces]
         out[entry.name] = run_entry(entry.structure, xs, idxs, xs[0].dtype)
     return out
@@ -82,7 +109,8 @@ def pytree_from_hf(naming: Naming, template: Any, tensors: Mapping[str, Any]) ->
 
     Raises ``CheckpointError`` naming missing / unexpected tensors or shape mismatches;
     leaves the naming drops (target ``None``) come from ``template`` if it holds arrays,
-    else zeros.
+    else zeros. Device memory: the loaded pytree plus one part of it at a time (a leaf and
+    the tensors made from it), not several copies of the model.
     """
     plan = naming.resolve(template)
     leaves_t, treedef = jax.tree_util.tree_flatten(template)
@@ -97,8 +125,28 @@ def pytree_from_hf(naming: Naming, template: Any, tensors: Mapping[str, Any]) ->
         raise CheckpointError(
             f"checkpoint has {len(extra)} tensor(s) the model does not map, e.g. {extra[:4]}"
         )
-    zeros = [jnp.zeros(x.shape, x.dtype) for x in leaves_t]
-    offset, vjp = jax.vjp(lambda ls: _forward(plan, ls), zeros)
+    dropped = set(plan.dropped)
+    leaves: list[Any] = [
+        leaves_t[i]
+        if plan.paths[i] in dropped and isinstance(leaves_t[i], jax.Array)
+        else jnp.zeros(a.shape, a.dtype)
+        for i, a in enumerate(plan.avals)
+    ]
+    for part_leaves, entries in _components(plan):
+        got = _invert(plan, part_leaves, entries, tensors)
+        for i, x in zip(part_leaves, got, strict=True):
+            leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _invert(
+    plan: Plan, part: list[int], entries: list[Entry], tensors: Mapping[str, Any]
+) -> list[jax.Array]:
+    """One part's leaves from its HF tensors: the forward map is a permutation plus a
+    constant, so the leaves are its transpose (``jax.vjp``) applied to ``tensor - f(0)``."""
+    at = {leaf: k for k, leaf in enumerate(part)}
+    zeros = [jnp.zeros(plan.avals[i].shape, plan.avals[i].dtype) for i in part]
+    offset, vjp = jax.vjp(lambda ls: _forward(entries, at, ls), zeros)
     target = {}
     for name, want_aval in offset.items():
         got = np.asarray(tensors[name])
@@ -108,13 +156,10 @@ def pytree_from_hf(naming: Naming, template: Any, tensors: Mapping[str, Any]) ->
             )
         target[name] = jnp.asarray(got).astype(want_aval.dtype) - offset[name]
     (leaves,) = vjp(target)
-    dropped = set(plan.dropped)
-    for i, path in enumerate(plan.paths):
-        if path in dropped and isinstance(leaves_t[i], jax.Array):
-            leaves[i] = leaves_t[i]
+    del target, offset, vjp, zeros
     # Guard: a Naming only ever partitions and rearranges leaves, so this holds by
     # construction; if a future transform breaks that, refuse rather than load garbage.
-    back = _forward(plan, leaves)
+    back = _forward(entries, at, leaves)
     for name, y in back.items():
         ref = jnp.asarray(np.asarray(tensors[name])).astype(y.dtype)
         if not bool(jnp.array_equal(y, ref)):
@@ -122,4 +167,4 @@ def pytree_from_hf(naming: Naming, template: Any, tensors: Mapping[str, Any]) ->
                 f"the naming does not map leaves to {name!r} one-to-one (a leaf used twice or a "
                 "lossy transform); it cannot be inverted to load this checkpoint"
             )
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    return list(leaves)
