@@ -9,7 +9,8 @@ broadcasters are the same round over stars or one group (``trainer.multi_star`` 
    first chunk is prepared): [verify snapshot] -> [pause] -> ``start_weight_update``
    (``start_draft_weight_update``);
 3. the wire's transfer, the turns' ``update_weights`` beside it;
-4. ``finish_weight_update(version)`` and the cache reset (``trainer.freshness``) -> [resume];
+4. ``finish_weight_update(version)`` and the cache reset (``trainer.freshness``: at once in a
+   round paused as a whole, else the finish first) -> [resume];
 5. [verify: every slice's digests against the servers'].
 
 A failure resumes a round paused as a whole only once it committed (only a check after
@@ -147,7 +148,10 @@ def lead_round(
         with clock("transfer"):
             sent = wire.transfer(payloads, control, own, clock)
         with clock("finish"):
-            s.commit_plan.commit(s.client, version, record=record)  # + the caches reset
+            # + the caches reset; beside the finish when nothing generates until the resume
+            s.commit_plan.commit(
+                s.client, version, record=record, paused=paused, timeout=s.info.timeouts.http_s
+            )
             if paused:
                 paused = False
                 s.client.resume()
