@@ -111,9 +111,7 @@ the client's timeout decides (as it does for a call made in line); this only gua
 client that has none."""
 
 
-def commit_paused(
-    client: Any, version: str, *, record: Callable[[], None], timeout: float
-) -> None:
+def commit_paused(client: Any, version: str, *, record: Callable[[], None], timeout: float) -> None:
     """A round paused as a whole: the finish and both resets at once, each awaited (bounded).
 
     A failed finish fails the round as it would in line; the resets that ran beside it are
@@ -145,9 +143,7 @@ def commit_paused(
             raise StaleCacheError(version, str(exc)) from exc
 
 
-def _outcome(
-    future: Future[Any], what: str, deadline: float, bound: float
-) -> BaseException | None:
+def _outcome(future: Future[Any], what: str, deadline: float, bound: float) -> BaseException | None:
     """The call's error (``ControlTimeout`` if it did not return by ``deadline``), or None."""
     try:
         future.result(timeout=max(0.0, deadline - time.monotonic()))
