@@ -89,20 +89,55 @@ class CommitPlan:
         record: Callable[[], None],
         paused: bool = False,
         timeout: float = 300.0,
-    ) -> None:
+    ) -> bool:
         """``finish_weight_update(version)``, ``record()`` as soon as it returned, then the reset
         (inside the round's pause when it has one: the caller resumes after this returns).
         ``paused``: the round is paused as a whole, so the resets go out beside the finish
-        (``timeout``: the client's own per-call bound; the waits here outlast it).
+        (``timeout``: the client's own per-call bound; the waits here outlast it), or with it,
+        resume included, where every server offers that (``commit_resumed``).
 
+        Returns whether the servers resumed themselves (the caller sends no resume then).
         Raises ``StaleCacheError`` when the commit held but the reset did not."""
         if paused and self.reset:
+            if finishes_with_resume(client):
+                commit_resumed(client, version, record=record)
+                return True
             commit_paused(client, version, record=record, timeout=timeout)
-            return
+            return False
         client.finish_weight_update(version)
         record()
         if self.reset:
             reset_after_commit(client, version)
+        return False
+
+
+def finishes_with_resume(client: Any) -> bool:
+    """Every server advertised a finish that also resets the caches and resumes
+    (``routes.FINISH_RESETS_RESUMES``: weightwire's reference server, never stock vLLM)."""
+    ask = getattr(client, "finishes_with_resume", None)
+    return callable(ask) and ask() is True
+
+
+def commit_resumed(client: Any, version: str, *, record: Callable[[], None]) -> None:
+    """One request per server: finish, then (once committed) the caches reset, then resume.
+
+    A failed finish fails the round (that server reset and resumed nothing; the pause's own
+    rule applies, as with separate calls); a resume a server refused after its commit raises
+    once the round is recorded, as a failed ``/resume`` would."""
+    try:
+        answers = client.finish_reset_resume(version)
+    except WeightSyncError as exc:
+        if exc.route == "resume":  # every finish committed; a server would not resume
+            record()
+        raise
+    record()
+    refused = [i for i, ok in enumerate(answers) if ok is not True]
+    if refused:
+        raise StaleCacheError(
+            version,
+            f"server(s) {', '.join(map(str, refused))} did not say they reset their caches "
+            "with the finish",
+        )
 
 
 _WAIT_GRACE_S = 30.0

@@ -179,12 +179,13 @@ def lead_round(
             sent = wire.transfer(payloads, control, own, clock)
         with clock("finish"):
             # + the caches reset; beside the finish when nothing generates until the resume
-            s.commit_plan.commit(
+            resumed = s.commit_plan.commit(
                 s.client, version, record=record, paused=paused, timeout=s.info.timeouts.http_s
             )
             if paused:
                 paused = False
-                s.client.resume()
+                if not resumed:  # else the finish resumed them (the reference server's offer)
+                    s.client.resume()
             held = release_guard(s.client, pause)  # the guard checks the workers are whole first
         if s.verifier is not None and own is not None:
             with clock("verify"):

@@ -17,8 +17,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from weightwire.shared.routes import CHECKER_ACTIONS
+from weightwire.shared.routes import CHECKER_ACTIONS, FINISH_RESETS_RESUMES
 from weightwire.shared.timeouts import Timeouts
+from weightwire.tools.server.after_commit import after_commit, after_commit_query
 from weightwire.tools.server.replica import ReplicaError
 from weightwire.tools.server.session import Phase, SessionError
 from weightwire.tools.server.state import ServerState
@@ -86,7 +87,11 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
                 abort_on_failure=True,
             )
             session_id = session.initialized(info)
-        return {"message": "Weight transfer initialized", "session_id": session_id}
+        return {
+            "message": "Weight transfer initialized",
+            "session_id": session_id,
+            "features": [FINISH_RESETS_RESUMES],  # the client uses only what is named here
+        }
 
     @app.post(route_path("shutdown_weight_transfer_engine"))
     async def shutdown_weight_transfer_engine(request: Request) -> dict[str, Any]:
@@ -185,6 +190,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
     async def finish_weight_update(request: Request) -> JSONResponse:
         body = await read_object(request, allowed=("weight_version",))
         version = version_field(body, "weight_version", optional=True)
+        then = after_commit_query(request)  # checked before anything is done
         require_owner(state, request, "finish_weight_update")
         session.check_finish()
         async with session.operation("finish_weight_update"):
@@ -209,9 +215,8 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                 f"/finish_weight_update): the round was closed and weight_version stays "
                 f"{session.weight_version!r}",
             )
-        return JSONResponse(
-            {"message": "Weight update finished", "weight_version": session.weight_version}
-        )
+        reply = {"message": "Weight update finished", "weight_version": session.weight_version}
+        return JSONResponse({**reply, **after_commit(state, then)})
 
 
 def _check_routes(app: FastAPI, state: ServerState) -> None:
