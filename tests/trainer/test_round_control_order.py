@@ -8,13 +8,18 @@
 - With the pause sent early, the start follows it from the helper thread, without waiting
   for the first chunk to be packed; a round that fails once that start went out counts
   as started.
+- Where every server offers a finish that also resets the caches and resumes (weightwire's
+  reference server), a paused round's commit is that one call; a failed one leaves the
+  resume to the round's own rule; an unpaused round keeps its separate calls.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, host_sender, numpy_weights
@@ -23,6 +28,7 @@ from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.client import CONTROL_CALLS, ROUND_CALLS
 from weightwire.shared.errors import WeightSyncError
+from weightwire.shared.routes import FINISH_RESETS_RESUMES
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.engine import EngineBroken
@@ -278,3 +284,71 @@ def test_a_failed_early_pause_sends_no_start(monkeypatch: pytest.MonkeyPatch) ->
         engine.send_weights()
     assert round_routes(server) == ["pause"]
     assert FAKE.comm.broadcasts == []
+
+
+# -- a server whose finish also resets and resumes (weightwire's reference server) -------------
+
+
+class Advertising(FakeServer):
+    """Names ``FINISH_RESETS_RESUMES`` at init and honours it at finish."""
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        route = request.url.path.lstrip("/")
+        if route == "init_weight_transfer_engine":
+            super().handler(request)
+            return httpx.Response(200, json={"features": [FINISH_RESETS_RESUMES]})
+        if route != "finish_weight_update" or not request.url.query:
+            return super().handler(request)
+        body = json.loads(request.content)
+        with self.lock:
+            self.calls.append((route, {**body, **dict(request.url.params)}))
+        if route in self.fail:
+            status, message = self.fail[route]
+            return httpx.Response(status, json={"error": message})
+        self.weight_version = body["weight_version"]
+        return httpx.Response(200, json={"caches_reset": True, "resumed": True})
+
+
+def test_a_paused_round_commits_resets_and_resumes_in_one_call_where_offered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    server = Advertising()
+    engine_for(server.client()).send_weights(weight_version="v1")
+    assert round_routes(server) == [
+        "pause",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ]
+    assert server.bodies("finish_weight_update") == [
+        {"weight_version": "v1", "reset_caches": "true", "resume": "true"}
+    ]
+    assert server.weight_version == "v1"
+
+
+def test_a_failed_finish_in_one_call_gets_the_rounds_own_resume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    server = Advertising()
+    server.fail["finish_weight_update"] = (500, "worker exploded")
+    engine = engine_for(server.client())
+    with pytest.raises(WeightSyncError, match="worker exploded"):
+        engine.send_weights()
+    assert round_routes(server)[-2:] == ["finish_weight_update", "resume"]
+
+
+def test_an_unpaused_round_keeps_separate_calls_where_one_is_offered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch, stock=False)
+    server = Advertising()
+    engine_for(server.client()).send_weights()
+    assert round_routes(server) == [
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reset_prefix_cache",
+        "reset_encoder_cache",
+    ]
