@@ -6,7 +6,10 @@ the start from the pause's helper as soon as the pause returned and the data pat
 ``ready``: the data path clears what an earlier round left on its channels before a start
 can reach a worker (``weightwire_ipc`` drops a stale "early" / "go" message there; one of
 *this* round's, sent by a worker from inside its start, must not be dropped), so the start
-never goes out before that. The wire's control plane then only awaits the helper.
+never goes out before that (``round.announced`` says so once the first chunk was made;
+the IPC data paths run the control plane at that point anyway, the host and device
+pipelines only after packing the first chunk). The wire's control plane then only awaits
+the helper.
 
 The main thread that fails before the control plane ran calls ``abandon``: from then on no
 start goes out, and it learns, once the helper settled (bounded), whether the pause held
@@ -64,7 +67,8 @@ class EarlyStart:
     def wait(self) -> None:
         """The control plane's turn: the pause and the start answered (their error raised)."""
         self.ready()  # a wire that never said so: the start goes now, as it used to
-        await_call(self._future, self._timeout, "pause / start_weight_update")
+        # Two calls one after the other, each bounded by the client's own timeout.
+        await_call(self._future, 2 * self._timeout, "pause / start_weight_update")
 
     def abandon(self) -> tuple[bool, bool, bool]:
         """The round failed before its control plane finished: no start from now on.
@@ -75,5 +79,5 @@ class EarlyStart:
             self._abandoned = True
         self._ready.set()  # a helper waiting for the data path: wake it, to send nothing
         with contextlib.suppress(Exception):  # its own error, or still out: the flags tell
-            self._future.result(timeout=self._timeout)
+            self._future.result(timeout=2 * self._timeout)
         return self.paused and self._future.done(), self.start_sent, self.start_returned
