@@ -7,8 +7,8 @@ the start from the pause's helper as soon as the pause returned and the data pat
 can reach a worker (``weightwire_ipc`` drops a stale "early" / "go" message there; one of
 *this* round's, sent by a worker from inside its start, must not be dropped), so the start
 never goes out before that (``round.announced`` says so once the first chunk was made;
-the IPC data paths run the control plane at that point anyway, the host and device
-pipelines only after packing the first chunk). The wire's control plane then only awaits
+the IPC data paths run the control plane as their pump starts, so there the start goes when
+it went before; the host and device pipelines run it only after packing the first chunk). The wire's control plane then only awaits
 the helper.
 
 The main thread that fails before the control plane ran calls ``abandon``: from then on no
