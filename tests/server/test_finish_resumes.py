@@ -1,4 +1,5 @@
-"""The reference server's finish that also resets the caches and resumes (advertised at init).
+"""The reference server's start that pauses first and finish that also resets the caches and
+resumes (both advertised at init).
 
 Over the real app (``create_app``) with an in-process pool whose receiver answers at once:
 the init reply names the feature; ``?reset_caches=true&resume=true`` resumes generation only
@@ -20,7 +21,7 @@ from weightwire import backends
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.info import encode_secret
-from weightwire.shared.routes import FINISH_RESETS_RESUMES
+from weightwire.shared.routes import FINISH_RESETS_RESUMES, START_PAUSES
 from weightwire.tools.bench.sync_http import InProcessPool
 from weightwire.tools.server.app import ServerOptions, ServerState, create_app
 
@@ -70,7 +71,7 @@ def client_for(http: TestClient) -> HTTPWeightSyncClient:
 def test_init_names_the_feature_and_a_committed_finish_resets_and_resumes(served: Any) -> None:
     state, http = served
     reply = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
-    assert reply["features"] == [FINISH_RESETS_RESUMES]
+    assert reply["features"] == [START_PAUSES, FINISH_RESETS_RESUMES]
     http.post("/pause", params={"mode": "abort"})
     http.post("/start_weight_update")
     http.post(
@@ -144,3 +145,23 @@ def test_the_client_asks_only_where_every_server_named_it() -> None:
     one = HTTPWeightSyncClient("http://a:1", transport=httpx.MockTransport(handler))
     one.init_weight_transfer_engine(INIT)
     assert one.finishes_with_resume()
+
+
+def test_a_start_that_pauses_holds_generation_then_starts(served: Any) -> None:
+    state, http = served
+    client = client_for(http)
+    client.init_weight_transfer_engine(INIT)
+    assert client.starts_with_pause() and not state.gate.paused
+    client.pause_and_start("abort")
+    assert state.gate.paused and state.gate.mode == "abort"
+    assert http.post("/start_weight_update").status_code == 409  # the round is open
+
+
+def test_a_refused_start_pauses_nothing_and_a_bad_mode_is_422(served: Any) -> None:
+    state, http = served
+    r = http.post("/start_weight_update", params={"pause": "keep"})  # no init: refused
+    assert r.status_code == 409 and not state.gate.paused
+    http.post("/init_weight_transfer_engine", json={"init_info": INIT})
+    r = http.post("/start_weight_update", params={"pause": "soon"})
+    assert r.status_code == 422 and "pause must be one of" in r.text
+    assert not state.gate.paused and state.session.phase.name != "ROUND"

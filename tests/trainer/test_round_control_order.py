@@ -8,9 +8,10 @@
 - With the pause sent early, the start follows it from the helper thread, without waiting
   for the first chunk to be packed; a round that fails once that start went out counts
   as started.
-- Where every server offers a finish that also resets the caches and resumes (weightwire's
-  reference server), a paused round's commit is that one call; a failed one leaves the
-  resume to the round's own rule; an unpaused round keeps its separate calls.
+- Where every server offers a start that pauses first and a finish that also resets the
+  caches and resumes (weightwire's reference server), a paused round is those calls and the
+  update; a failed one leaves the resume to the round's own rule; an unpaused round keeps
+  its separate calls.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.client import CONTROL_CALLS, ROUND_CALLS
 from weightwire.shared.errors import WeightSyncError
-from weightwire.shared.routes import FINISH_RESETS_RESUMES
+from weightwire.shared.routes import FINISH_RESETS_RESUMES, START_PAUSES
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.engine import EngineBroken
@@ -290,13 +291,18 @@ def test_a_failed_early_pause_sends_no_start(monkeypatch: pytest.MonkeyPatch) ->
 
 
 class Advertising(FakeServer):
-    """Names ``FINISH_RESETS_RESUMES`` at init and honours it at finish."""
+    """Names ``START_PAUSES`` and ``FINISH_RESETS_RESUMES`` at init and honours the finish's
+    (a start's ``pause`` is recorded as its body)."""
+
+    def __init__(self, features: tuple[str, ...] = (START_PAUSES, FINISH_RESETS_RESUMES)) -> None:
+        super().__init__()
+        self.features = list(features)
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         route = request.url.path.lstrip("/")
         if route == "init_weight_transfer_engine":
             super().handler(request)
-            return httpx.Response(200, json={"features": [FINISH_RESETS_RESUMES]})
+            return httpx.Response(200, json={"features": self.features})
         if route != "finish_weight_update" or not request.url.query:
             return super().handler(request)
         body = json.loads(request.content)
@@ -309,18 +315,14 @@ class Advertising(FakeServer):
         return httpx.Response(200, json={"caches_reset": True, "resumed": True})
 
 
-def test_a_paused_round_commits_resets_and_resumes_in_one_call_where_offered(
+def test_a_paused_round_is_three_calls_where_the_server_offers_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     stock_backend(monkeypatch)
     server = Advertising()
     engine_for(server.client()).send_weights(weight_version="v1")
-    assert round_routes(server) == [
-        "pause",
-        "start_weight_update",
-        "update_weights",
-        "finish_weight_update",
-    ]
+    assert round_routes(server) == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert server.bodies("start_weight_update") == [{"pause": "keep"}]
     assert server.bodies("finish_weight_update") == [
         {"weight_version": "v1", "reset_caches": "true", "resume": "true"}
     ]
@@ -352,3 +354,32 @@ def test_an_unpaused_round_keeps_separate_calls_where_one_is_offered(
         "reset_prefix_cache",
         "reset_encoder_cache",
     ]
+
+
+def test_only_the_finish_is_combined_where_only_it_is_offered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    server = Advertising((FINISH_RESETS_RESUMES,))
+    engine_for(server.client()).send_weights()
+    assert round_routes(server) == [
+        "pause",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ]
+
+
+def test_a_failed_start_that_pauses_counts_as_paused_and_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    server = Advertising()
+    server.fail["start_weight_update"] = (500, "worker refused")
+    engine = engine_for(server.client())
+    with pytest.raises(WeightSyncError, match="worker refused"):
+        engine.send_weights()
+    # The server may have paused before its start failed: the round's rule resumes it.
+    assert round_routes(server) == ["start_weight_update", "resume"]
+    del server.fail["start_weight_update"]
+    assert engine.send_weights().version == "1"  # a failed start opened nothing: usable

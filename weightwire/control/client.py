@@ -107,6 +107,21 @@ class HTTPWeightSyncClient(ServerSet):
             routes.FINISH, None if weight_version is None else {"weight_version": weight_version}
         )
 
+    def starts_with_pause(self) -> bool:
+        """Every server's init reply named ``START_PAUSES`` (the reference server; never stock
+        vLLM): ``pause_and_start`` may be used."""
+        return all(routes.START_PAUSES in f for f in self._features)
+
+    def pause_and_start(self, mode: str) -> None:
+        """``pause(mode)`` then ``start_weight_update()`` on every server, in one request each
+        (only where advertised: ``starts_with_pause``). A server whose start was refused by its
+        own checks paused nothing; one that failed after may be paused."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if not self.starts_with_pause():
+            raise RuntimeError("not every server advertised start_pauses at init")
+        self._all(routes.START, params={"pause": mode})
+
     def finishes_with_resume(self) -> bool:
         """Every server's init reply named ``FINISH_RESETS_RESUMES`` (weightwire's reference
         server does; stock vLLM does not): ``finish_reset_resume`` may be used."""

@@ -66,6 +66,10 @@ ROUTES: dict[str, Route] = {
 PAUSE_MODES = ("abort", "wait", "keep")
 CHECKER_ACTIONS = ("checksum", "reset", "compare")
 
+START_PAUSES = "start_pauses"
+"""A feature the reference server names in its init reply: its
+``/start_weight_update?pause=<mode>`` does ``/pause?mode=`` first, in the one request."""
+
 FINISH_RESETS_RESUMES = "finish_resets_resumes"
 """A feature the reference server names in its init reply (``features``): its
 ``/finish_weight_update?reset_caches=true&resume=true`` drops the caches and resumes

@@ -8,8 +8,8 @@ can reach a worker (``weightwire_ipc`` drops a stale "early" / "go" message ther
 *this* round's, sent by a worker from inside its start, must not be dropped), so the start
 never goes out before that (``round.announced`` says so once the first chunk was made;
 the IPC data paths run the control plane as their pump starts, so there the start goes when
-it went before; the host and device pipelines run it only after packing the first chunk). The wire's control plane then only awaits
-the helper.
+it went before; the host and device pipelines run it only after packing the first chunk).
+The wire's control plane then only awaits the helper.
 
 The main thread that fails before the control plane ran calls ``abandon``: from then on no
 start goes out, and it learns, once the helper settled (bounded), whether the pause held
@@ -32,8 +32,10 @@ class EarlyStart:
     """``pause()`` then, once ``ready()`` was called, ``start()``, on a helper thread."""
 
     def __init__(
-        self, pause: Callable[[], bool], start: Callable[[], object], timeout: float
+        self, pause: Callable[[], bool] | None, start: Callable[[], object], timeout: float
     ) -> None:
+        """``pause`` None: ``start`` pauses too (the reference server's ``START_PAUSES``), so
+        the pause counts as held once it was sent."""
         self._pause, self._start, self._timeout = pause, start, timeout
         self._ready = threading.Event()
         self._lock = threading.Lock()  # the start is sent, or abandoned: never both
@@ -47,7 +49,8 @@ class EarlyStart:
         self._future = spawn(self._run, name="weightwire-pause-start")
 
     def _run(self) -> None:
-        self.paused = self._pause()  # a pause that raised: no start goes out
+        if self._pause is not None:
+            self.paused = self._pause()  # a pause that raised: no start goes out
         if not self._ready.wait(self._timeout):
             raise ControlTimeout(
                 f"the round's data path was not ready for the start within {self._timeout:g} s",
@@ -57,6 +60,7 @@ class EarlyStart:
             if self._abandoned:
                 return
             self.start_sent = True
+            self.paused |= self._pause is None  # the start pauses: held, whatever it answers
         self._start()
         self.start_returned = True
 
@@ -81,3 +85,10 @@ class EarlyStart:
         with contextlib.suppress(Exception):  # its own error, or still out: the flags tell
             self._future.result(timeout=2 * self._timeout)
         return self.paused and self._future.done(), self.start_sent, self.start_returned
+
+
+def starts_with_pause(client: object) -> bool:
+    """Every server advertised a start that pauses first (``routes.START_PAUSES``: weightwire's
+    reference server, never stock vLLM)."""
+    ask = getattr(client, "starts_with_pause", None)
+    return callable(ask) and ask() is True

@@ -31,7 +31,7 @@ from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.early import EarlyStart
+from weightwire.trainer.early import EarlyStart, starts_with_pause
 from weightwire.trainer.freshness import StaleCacheError
 from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
@@ -148,8 +148,12 @@ def lead_round(
     # keep one order): neither starts early.
     early = None
     if early_pause and pause.mode is not None and not pause.guard and s.verifier is None:
-        mode = pause.mode
-        early = EarlyStart(lambda: s.pause(mode), start, s.info.timeouts.http_s)
+        mode, http_s = pause.mode, s.info.timeouts.http_s
+        if not draft and starts_with_pause(s.client):  # one call (the reference server's offer)
+            both = s.client.pause_and_start  # type: ignore[attr-defined]
+            early = EarlyStart(None, lambda: both(mode), http_s)
+        else:
+            early = EarlyStart(lambda: s.pause(mode), start, http_s)
 
     def run_control() -> None:
         nonlocal paused, held, started

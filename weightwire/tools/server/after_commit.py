@@ -1,4 +1,10 @@
-"""What ``/finish_weight_update`` may do once its round committed, asked in the same request.
+"""What the round's first and last calls may also do, asked in the same request.
+
+``/start_weight_update?pause=<mode>`` (advertised as ``START_PAUSES``) first does what
+``/pause?mode=`` does, once the start's own checks passed (a refused start pauses nothing);
+then the start. The trainer treats such a start, whatever it answered, as a pause held
+(its resume rules then apply as after a failed start).
+
 
 A colocated round's control calls are most of its fixed cost: after the commit a trainer
 drops the caches and resumes generation, three more requests one after another. This
@@ -24,6 +30,7 @@ from typing import Any
 
 from fastapi import Request
 
+from weightwire.shared.routes import PAUSE_MODES
 from weightwire.tools.server.state import ServerState
 from weightwire.tools.server.web import ApiError
 
@@ -68,3 +75,13 @@ def after_commit(state: ServerState, then: AfterCommit) -> dict[str, Any]:
             state.gate.resume()
             out["resumed"] = True
     return out
+
+
+def pause_query(request: Request) -> str | None:
+    """A start's ``pause`` mode (None: no pause asked; 422 naming a bad one)."""
+    mode = request.query_params.get("pause")
+    if mode is not None and mode not in PAUSE_MODES:
+        raise ApiError(
+            422, f"pause must be one of {list(PAUSE_MODES)}, got {mode!r:.40}", param="pause"
+        )
+    return mode

@@ -17,9 +17,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from weightwire.shared.routes import CHECKER_ACTIONS, FINISH_RESETS_RESUMES
+from weightwire.shared.routes import CHECKER_ACTIONS, FINISH_RESETS_RESUMES, START_PAUSES
 from weightwire.shared.timeouts import Timeouts
-from weightwire.tools.server.after_commit import after_commit, after_commit_query
+from weightwire.tools.server.after_commit import after_commit, after_commit_query, pause_query
+from weightwire.tools.server.control_routes import pause_generation
 from weightwire.tools.server.replica import ReplicaError
 from weightwire.tools.server.session import Phase, SessionError
 from weightwire.tools.server.state import ServerState
@@ -90,7 +91,8 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
         return {
             "message": "Weight transfer initialized",
             "session_id": session_id,
-            "features": [FINISH_RESETS_RESUMES],  # the client uses only what is named here
+            # the client uses only what is named here
+            "features": [START_PAUSES, FINISH_RESETS_RESUMES],
         }
 
     @app.post(route_path("shutdown_weight_transfer_engine"))
@@ -116,6 +118,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(route_path("start_weight_update"))
     async def start_weight_update(request: Request) -> JSONResponse:
         await read_no_body(request)
+        mode = pause_query(request)  # advertised (START_PAUSES): pause first, in this request
         require_owner(state, request, "start_weight_update")
         session.check_start()
         if state.sleep.weights_asleep:
@@ -125,6 +128,8 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                 f"{state.sleep.level}) and its weights are not loaded; POST "
                 "/wake_up?tags=weights before sending a round",
             )
+        if mode is not None:  # only once the start's own checks passed: a refusal pauses nothing
+            await pause_generation(state, mode)
         async with session.operation("start_weight_update"):
             await fan_out_or_fail(
                 state,
