@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--separate",
         action="store_true",
-        help="never use the server's finish that resets and resumes (separate calls, as to vLLM)",
+        help="never use the server's start that pauses nor its finish that resets and resumes "
+        "(separate calls, as to stock vLLM)",
     )
     args = p.parse_args(argv)
 
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     class Timed(HTTPWeightSyncClient):
         def finishes_with_resume(self) -> bool:
             return not args.separate and super().finishes_with_resume()
+
+        def starts_with_pause(self) -> bool:
+            return not args.separate and super().starts_with_pause()
 
         def _request(self, i: int, route: Any, *a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
