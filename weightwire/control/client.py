@@ -51,6 +51,8 @@ class HTTPWeightSyncClient(ServerSet):
         super().__init__(base_url, timeout=timeout, api_key=api_key, transport=transport)
         self._layout: RankLayout | None = None
         self._servers: list[ServerTopology] = []
+        self._features: list[frozenset[str]] = [frozenset()] * len(self._clients)
+        """Per server: the features its last init reply named (``routes.FINISH_RESETS_RESUMES``)."""
 
     def __repr__(self) -> str:
         return f"HTTPWeightSyncClient({self.base_urls!r}, timeout={self.timeout})"
@@ -75,6 +77,7 @@ class HTTPWeightSyncClient(ServerSet):
                 raise ValueError(f"got {len(infos)} init infos for {len(self._clients)} servers")
             bodies = [{"init_info": info} for info in infos]
         self._sessions = [None] * len(self._clients)  # a failed init leaves no session to claim
+        self._features = [frozenset()] * len(self._clients)
         replies = self._all(routes.INIT, bodies=bodies)
         # A server that owns sessions returns an id; later weight calls prove with it that
         # they come from this session, so a newer trainer's init makes them fail fast.
@@ -84,6 +87,7 @@ class HTTPWeightSyncClient(ServerSet):
             else None
             for r in replies
         ]
+        self._features = [_features(r) for r in replies]
 
     def start_weight_update(self) -> None:
         self._all(routes.START)
@@ -102,6 +106,48 @@ class HTTPWeightSyncClient(ServerSet):
         self._all(
             routes.FINISH, None if weight_version is None else {"weight_version": weight_version}
         )
+
+    def starts_with_pause(self) -> bool:
+        """Every server's init reply named ``START_PAUSES`` (the reference server; never stock
+        vLLM): ``pause_and_start`` may be used."""
+        return all(routes.START_PAUSES in f for f in self._features)
+
+    def pause_and_start(self, mode: str) -> None:
+        """``pause(mode)`` then ``start_weight_update()`` on every server, in one request each
+        (only where advertised: ``starts_with_pause``). A server whose start was refused by its
+        own checks paused nothing; one that failed after may be paused."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if not self.starts_with_pause():
+            raise RuntimeError("not every server advertised start_pauses at init")
+        self._all(routes.START, params={"pause": mode})
+
+    def finishes_with_resume(self) -> bool:
+        """Every server's init reply named ``FINISH_RESETS_RESUMES`` (weightwire's reference
+        server does; stock vLLM does not): ``finish_reset_resume`` may be used."""
+        return all(routes.FINISH_RESETS_RESUMES in f for f in self._features)
+
+    def finish_reset_resume(self, weight_version: str) -> list[bool]:
+        """``finish_weight_update(weight_version)`` that, on every server whose round committed,
+        also drops the caches and resumes generation, in the one request (only where
+        advertised: ``finishes_with_resume``). Per server, whether it reset its caches.
+
+        Raises as ``finish_weight_update`` does when a finish failed (that server reset and
+        resumed nothing); a server that committed but refused the resume (asleep) raises
+        ``WeightSyncError`` for ``resume`` after every server answered."""
+        if not self.finishes_with_resume():
+            raise RuntimeError("not every server advertised finish_resets_resumes at init")
+        params = {"reset_caches": "true", "resume": "true"}
+        replies = self._all(routes.FINISH, {"weight_version": weight_version}, params=params)
+        for i, reply in enumerate(replies):
+            if not (isinstance(reply, dict) and reply.get("resumed") is True):
+                raise WeightSyncError(
+                    routes.RESUME.name,
+                    None,
+                    str(reply.get("resume_error") or f"the finish did not resume: {reply!r:.200}"),
+                    self.base_urls[i],
+                )
+        return [isinstance(r, dict) and r.get("caches_reset") is True for r in replies]
 
     # -- the routes around a round -----------------------------------------------------
 
@@ -346,3 +392,11 @@ class HTTPWeightSyncClient(ServerSet):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _features(reply: Any) -> frozenset[str]:
+    """The features an init reply names (none: a server that names none, e.g. stock vLLM)."""
+    named = reply.get("features") if isinstance(reply, dict) else None
+    if not isinstance(named, list):
+        return frozenset()
+    return frozenset(f for f in named if isinstance(f, str))

@@ -66,6 +66,16 @@ ROUTES: dict[str, Route] = {
 PAUSE_MODES = ("abort", "wait", "keep")
 CHECKER_ACTIONS = ("checksum", "reset", "compare")
 
+START_PAUSES = "start_pauses"
+"""A feature the reference server names in its init reply: its
+``/start_weight_update?pause=<mode>`` does ``/pause?mode=`` first, in the one request."""
+
+FINISH_RESETS_RESUMES = "finish_resets_resumes"
+"""A feature the reference server names in its init reply (``features``): its
+``/finish_weight_update?reset_caches=true&resume=true`` drops the caches and resumes
+generation after a commit, in the one request (``finish_reply``). Stock vLLM has none:
+its clients send ``/reset_prefix_cache``, ``/reset_encoder_cache`` and ``/resume`` apart."""
+
 SESSION_HEADER = "X-Weightwire-Session"
 """Carries the ``session_id`` an init reply returned on the session's later weight calls;
 the reference server refuses (409) a call whose session a newer init replaced."""

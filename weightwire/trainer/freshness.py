@@ -8,6 +8,11 @@ before anything can be scheduled on the new weights:
 
     [pause] start update finish reset_prefix_cache reset_encoder_cache [resume]
 
+- A round paused as a whole sends the finish and both resets at once and resumes once all
+  three returned: nothing is scheduled between the pause and the resume, so a cache dropped
+  before the commit landed cannot be refilled from the old weights (the resets' order
+  against the finish does not matter there, and each is a separate route, as vLLM has them).
+
 - The reset asks vLLM to preempt running requests too (``reset_running_requests``), so a
   request frozen across the round (``pause`` ``keep``) or running when it landed
   recomputes its KV with the new weights instead of continuing on the old KV; and to reset
@@ -32,10 +37,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from weightwire.shared.errors import WeightSyncError, WeightwireError
+from weightwire.control.fanout import spawn
+from weightwire.shared.errors import ControlTimeout, WeightSyncError, WeightwireError
 from weightwire.trainer.config import TrainerInitInfo
 
 logger = logging.getLogger(__name__)
@@ -73,15 +81,114 @@ class CommitPlan:
     reset: bool = True
     """Reset the servers' caches after every commit (``TrainerInitInfo.reset_prefix_cache``)."""
 
-    def commit(self, client: Any, version: str, *, record: Callable[[], None]) -> None:
+    def commit(
+        self,
+        client: Any,
+        version: str,
+        *,
+        record: Callable[[], None],
+        paused: bool = False,
+        timeout: float = 300.0,
+    ) -> bool:
         """``finish_weight_update(version)``, ``record()`` as soon as it returned, then the reset
         (inside the round's pause when it has one: the caller resumes after this returns).
+        ``paused``: the round is paused as a whole, so the resets go out beside the finish
+        (``timeout``: the client's own per-call bound; the waits here outlast it), or with it,
+        resume included, where every server offers that (``commit_resumed``).
 
+        Returns whether the servers resumed themselves (the caller sends no resume then).
         Raises ``StaleCacheError`` when the commit held but the reset did not."""
+        if paused and self.reset:
+            if finishes_with_resume(client):
+                commit_resumed(client, version, record=record)
+                return True
+            commit_paused(client, version, record=record, timeout=timeout)
+            return False
         client.finish_weight_update(version)
         record()
         if self.reset:
             reset_after_commit(client, version)
+        return False
+
+
+def finishes_with_resume(client: Any) -> bool:
+    """Every server advertised a finish that also resets the caches and resumes
+    (``routes.FINISH_RESETS_RESUMES``: weightwire's reference server, never stock vLLM)."""
+    ask = getattr(client, "finishes_with_resume", None)
+    return callable(ask) and ask() is True
+
+
+def commit_resumed(client: Any, version: str, *, record: Callable[[], None]) -> None:
+    """One request per server: finish, then (once committed) the caches reset, then resume.
+
+    A failed finish fails the round (that server reset and resumed nothing; the pause's own
+    rule applies, as with separate calls); a resume a server refused after its commit raises
+    once the round is recorded, as a failed ``/resume`` would."""
+    try:
+        answers = client.finish_reset_resume(version)
+    except WeightSyncError as exc:
+        if exc.route == "resume":  # every finish committed; a server would not resume
+            record()
+        raise
+    record()
+    refused = [i for i, ok in enumerate(answers) if ok is not True]
+    if refused:
+        raise StaleCacheError(
+            version,
+            f"server(s) {', '.join(map(str, refused))} did not say they reset their caches "
+            "with the finish",
+        )
+
+
+_WAIT_GRACE_S = 30.0
+"""How much longer than the client's own per-call timeout the commit waits for its calls:
+the client's timeout decides (as it does for a call made in line); this only guards a
+client that has none."""
+
+
+def commit_paused(client: Any, version: str, *, record: Callable[[], None], timeout: float) -> None:
+    """A round paused as a whole: the finish and both resets at once, each awaited (bounded).
+
+    A failed finish fails the round as it would in line; the resets that ran beside it are
+    harmless then (they only dropped caches of the weights still served, under the pause).
+    A finish that held with a reset that did not: ``StaleCacheError`` (committed), as in line.
+    """
+    encoder = getattr(client, "reset_encoder_cache", None)
+    calls: list[tuple[str, Callable[[], Any]]] = [
+        ("finish_weight_update", lambda: client.finish_weight_update(version)),
+        ("reset_prefix_cache", lambda: reset_prefix(client, version)),
+    ]
+    if callable(encoder):
+        calls.append(("reset_encoder_cache", lambda: reset_encoder(encoder, version)))
+    futures = [spawn(call, name=f"weightwire-{what}") for what, call in calls]
+    # Every call is awaited, whatever the finish said: the caller resumes (or gives up) only
+    # once none of them is still on its way to a server.
+    bound = timeout + _WAIT_GRACE_S
+    deadline = time.monotonic() + bound
+    finish, *resets = [
+        _outcome(f, what, deadline, bound) for f, (what, _) in zip(futures, calls, strict=True)
+    ]
+    if finish is not None:
+        raise finish
+    record()
+    for exc in resets:
+        if isinstance(exc, StaleCacheError):
+            raise exc
+        if exc is not None:  # a reset that never answered: committed all the same
+            raise StaleCacheError(version, str(exc)) from exc
+
+
+def _outcome(future: Future[Any], what: str, deadline: float, bound: float) -> BaseException | None:
+    """The call's error (``ControlTimeout`` if it did not return by ``deadline``), or None."""
+    try:
+        future.result(timeout=max(0.0, deadline - time.monotonic()))
+    except FutureTimeout:
+        if not future.done():
+            return ControlTimeout(f"{what} did not return within {bound:g} s", route=what)
+        return future.exception()
+    except BaseException as exc:
+        return exc
+    return None
 
 
 def commit_plan(info: TrainerInitInfo, client: object, round_pause: str | None) -> CommitPlan:
@@ -118,6 +225,14 @@ def reset_after_commit(client: Any, version: str) -> None:
     ``client.reset_prefix_cache()`` returns one ``success`` per server (or nothing: a
     client that raised nothing is taken at its word); ``reset_encoder_cache`` is called
     when the client has it."""
+    reset_prefix(client, version)
+    encoder = getattr(client, "reset_encoder_cache", None)
+    if callable(encoder):
+        reset_encoder(encoder, version)
+
+
+def reset_prefix(client: Any, version: str) -> None:
+    """Every server's prefix cache, retried while one answers ``success: false``."""
     for attempt in range(1, _RESET_ATTEMPTS + 1):
         try:
             answers = client.reset_prefix_cache()
@@ -146,13 +261,15 @@ def reset_after_commit(client: Any, version: str) -> None:
                 "a KV connector's transfer in flight)",
             )
         time.sleep(_RESET_RETRY_S * attempt)
-    encoder = getattr(client, "reset_encoder_cache", None)
-    if callable(encoder):
-        try:
-            encoder()
-        except Exception as exc:
-            raise StaleCacheError(
-                version,
-                f"reset_encoder_cache failed ({exc}): a multimodal model's cached "
-                "encoder outputs may come from the previous weights",
-            ) from exc
+
+
+def reset_encoder(encoder: Callable[[], Any], version: str) -> None:
+    """``reset_encoder_cache`` (the client's bound method); a failure is a ``StaleCacheError``."""
+    try:
+        encoder()
+    except Exception as exc:
+        raise StaleCacheError(
+            version,
+            f"reset_encoder_cache failed ({exc}): a multimodal model's cached "
+            "encoder outputs may come from the previous weights",
+        ) from exc

@@ -9,7 +9,8 @@ broadcasters are the same round over stars or one group (``trainer.multi_star`` 
    first chunk is prepared): [verify snapshot] -> [pause] -> ``start_weight_update``
    (``start_draft_weight_update``);
 3. the wire's transfer, the turns' ``update_weights`` beside it;
-4. ``finish_weight_update(version)`` and the cache reset (``trainer.freshness``) -> [resume];
+4. ``finish_weight_update(version)`` and the cache reset (``trainer.freshness``: at once in a
+   round paused as a whole, else the finish first) -> [resume];
 5. [verify: every slice's digests against the servers'].
 
 A failure resumes a round paused as a whole only once it committed (only a check after
@@ -22,16 +23,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from weightwire.backends.base import Sent, WirePlan
-from weightwire.control.fanout import spawn
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
+from weightwire.trainer.early import EarlyStart, starts_with_pause
 from weightwire.trainer.freshness import StaleCacheError
 from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
@@ -39,7 +39,6 @@ from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
 from weightwire.trainer.transfer import (
     Transfer,
-    await_call,
     best_effort_resume,
     chunked,
     tensor_stream,
@@ -48,9 +47,33 @@ from weightwire.trainer.verify import VerifyError
 
 logger = logging.getLogger(__name__)
 
-Control = Callable[[], None]
-"""The round's control plane (verify snapshot, pause, start): the wire runs it once,
-before any byte."""
+
+class Control(Protocol):
+    """The round's control plane (verify snapshot, pause, start): the wire runs it once,
+    before any byte."""
+
+    def __call__(self) -> None: ...
+
+    def ready(self) -> None:
+        """The data path cleared what an earlier round left (a start sent early may go out
+        from now on: ``trainer.early``); a wire that never calls it gets the start when it
+        runs the control plane."""
+        ...
+
+
+class RoundControl:
+    """``Control`` for ``lead_round``: ``run`` the control plane, ``ready`` tells an early
+    start (if any) that it may go."""
+
+    def __init__(self, run: Callable[[], None], early: EarlyStart | None) -> None:
+        self._run, self._early = run, early
+
+    def __call__(self) -> None:
+        self._run()
+
+    def ready(self) -> None:
+        if self._early is not None:
+            self._early.ready()
 
 
 class Wire(Protocol):
@@ -104,9 +127,10 @@ def lead_round(
     """Rank 0's round over ``wire``; returns once the servers committed ``version``.
     ``payloads``: each turn's update info as the backend wrote it (a delta round's), instead
     of the dense one built from the turn's tensors; ``pause``: the round's pause, instead of
-    the session's rule for a round of ``metas``; ``early_pause``: send the pause now, beside
-    the wire's own preparation (a wire that runs ``control`` soon: ``SoleWire``), instead of
-    from ``control``; the start still goes only after the pause returned."""
+    the session's rule for a round of ``metas``; ``early_pause``: send the pause now, and the
+    start right after it once the data path is ready (``trainer.early``), beside the wire's
+    own preparation (a wire that runs ``control`` soon: ``SoleWire``), instead of from
+    ``control``, which then awaits them."""
     reused = False
     if payloads is None:
         with clock("metadata"):
@@ -117,24 +141,35 @@ def lead_round(
     if pause is None:
         pause = s.round_pause(metas)
     paused = held = started = False
-    # The pause's round trip overlaps the round's set-up; ordered before the start all the same.
-    # With the round guard, the guard is held first (requests are refused with its reason);
-    # with verify, the checker's snapshot goes first (its calls keep one order).
+    start = s.client.start_draft_weight_update if draft else s.client.start_weight_update
+    # The pause's and the start's round trips overlap the round's set-up; the start still goes
+    # only after the pause returned. With the round guard, the guard is held first (requests
+    # are refused with its reason); with verify, the checker's snapshot goes first (its calls
+    # keep one order): neither starts early.
     early = None
     if early_pause and pause.mode is not None and not pause.guard and s.verifier is None:
-        early = spawn_pause(s, pause.mode)
+        mode, http_s = pause.mode, s.info.timeouts.http_s
+        if not draft and starts_with_pause(s.client):  # one call (the reference server's offer)
+            both = s.client.pause_and_start  # type: ignore[attr-defined]
+            early = EarlyStart(None, lambda: both(mode), http_s)
+        else:
+            early = EarlyStart(lambda: s.pause(mode), start, http_s)
 
-    def control() -> None:
+    def run_control() -> None:
         nonlocal paused, held, started
+        if early is not None:
+            early.wait()  # on error: the failure path asks it what went out
+            paused, started = early.paused, True
+            return
         if s.verifier is not None:
             s.verifier.before_round(s.client)  # a failure here sent nothing
         held = hold_guard(s.client, pause, version)  # refusing, with the reason, before any write
-        if early is not None:
-            paused = await_call(early, s.info.timeouts.http_s, "pause")
-        elif pause.mode is not None:
+        if pause.mode is not None:
             paused = s.pause(pause.mode)
         started = True  # from here the workers may hold part of the round
-        (s.client.start_draft_weight_update if draft else s.client.start_weight_update)()
+        start()
+
+    control = RoundControl(run_control, early)
 
     def record() -> None:  # committed: the next automatic version moves on even if a check fails
         for turn in bplan.turns:
@@ -147,10 +182,14 @@ def lead_round(
         with clock("transfer"):
             sent = wire.transfer(payloads, control, own, clock)
         with clock("finish"):
-            s.commit_plan.commit(s.client, version, record=record)  # + the caches reset
+            # + the caches reset; beside the finish when nothing generates until the resume
+            resumed = s.commit_plan.commit(
+                s.client, version, record=record, paused=paused, timeout=s.info.timeouts.http_s
+            )
             if paused:
                 paused = False
-                s.client.resume()
+                if not resumed:  # else the finish resumed them (the reference server's offer)
+                    s.client.resume()
             held = release_guard(s.client, pause)  # the guard checks the workers are whole first
         if s.verifier is not None and own is not None:
             with clock("verify"):
@@ -160,9 +199,19 @@ def lead_round(
     except BaseException as exc:
         committed = was_committed(exc)
         if early is not None and not started:
-            # Failed before the start: nothing reached the workers, so an early pause is undone.
-            paused = False
-            undo_pause(s.client, early, s.info.timeouts.http_s)
+            # Failed before the control plane returned: no start goes out from now on. One that
+            # went out (whatever it answered) counts: the round failed after its start. Else
+            # nothing reached the workers, so a pause that held is undone.
+            paused, started, opened = early.abandon()
+            if paused and not started:
+                paused = False
+                best_effort_resume(s.client)
+            if opened and s.broken is None:
+                # The servers hold a round this trainer will send nothing more into (the
+                # reference server's lease aborts it; a stock worker may have begun a reload):
+                # like a round that failed after its first byte, the engine needs a new init.
+                # (A start that failed opened nothing: as in line, the engine stays usable.)
+                s.broken = exc
         if end is not None:
             end.failed(exc, committed=committed)
         if committed:
@@ -186,22 +235,6 @@ def lead_round(
         verify=report,
         dense_bytes=sent.nbytes,
     )
-
-
-def spawn_pause(s: Session, mode: str) -> Future[bool]:
-    """``Session.pause(mode)`` on a helper thread (its answer: whether it paused)."""
-    return spawn(lambda: s.pause(mode), name="weightwire-pause")
-
-
-def undo_pause(client: Any, early: Future[bool], timeout: float) -> None:
-    """Resume after a pause sent early whose round failed before its start (best effort: the
-    round's own error is what raises)."""
-    try:
-        if not early.result(timeout=timeout):
-            return
-    except Exception:  # the pause itself failed or is still out: nothing of ours to undo
-        return
-    best_effort_resume(client)
 
 
 def _release_whole(client: Any, pause: RoundPause) -> None:
@@ -325,7 +358,19 @@ def send_update(
         http_s=s.info.timeouts.http_s,
     )
     try:
-        return step.run(chunks, metas)
+        return step.run(announced(chunks, control.ready), metas)
     finally:
         if step.broken is not None:
             s.broken = step.broken
+
+
+def announced(chunks: Iterator[Any], ready: Callable[[], None]) -> Iterator[Any]:
+    """``chunks``, calling ``ready`` once the first was made: the data path pulls it only
+    after clearing what an earlier round left on its channels (``trainer.early``), and a
+    source that fails on its first tensors has not let a start out."""
+    first = True
+    for chunk in chunks:
+        if first:
+            ready()
+            first = False
+        yield chunk

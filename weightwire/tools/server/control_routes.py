@@ -28,19 +28,14 @@ def install_control_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _pause_routes(app: FastAPI, state: ServerState) -> None:
-    opts, pool, gate = state.options, state.pool, state.gate
+    pool, gate = state.pool, state.gate
 
     @app.post(ROUTES["pause"].path)
     async def pause(request: Request) -> dict[str, Any]:
         await read_no_body(request)
         mode = request.query_params.get("mode", "abort")
         _bool_query(request, "clear_cache", default=True)  # no KV cache outlives a request here
-        gate.pause(mode)
-        if mode == "abort":
-            with contextlib.suppress(FanOutError):  # a dead replica has nothing in flight to cancel
-                await pool.fan_out("cancel", timeout=_CANCEL_TIMEOUT_S)
-        elif mode == "wait":
-            await gate.drain(opts.generate_timeout_s)
+        await pause_generation(state, mode)
         return {"status": "paused"}
 
     @app.post(ROUTES["abort_requests"].path)
@@ -74,6 +69,18 @@ def _pause_routes(app: FastAPI, state: ServerState) -> None:
     @app.get(ROUTES["is_paused"].path)
     async def is_paused() -> dict[str, Any]:
         return {"is_paused": gate.paused}
+
+
+async def pause_generation(state: ServerState, mode: str) -> None:
+    """What ``/pause?mode=`` does (also asked by a start: ``weight_routes``): hold the gate;
+    ``abort`` cancels what runs, ``wait`` returns once it finished (bounded)."""
+    gate = state.gate
+    gate.pause(mode)
+    if mode == "abort":
+        with contextlib.suppress(FanOutError):  # a dead replica has nothing in flight to cancel
+            await state.pool.fan_out("cancel", timeout=_CANCEL_TIMEOUT_S)
+    elif mode == "wait":
+        await gate.drain(state.options.generate_timeout_s)
 
 
 def _cache_routes(app: FastAPI) -> None:

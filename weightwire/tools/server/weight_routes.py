@@ -17,8 +17,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from weightwire.shared.routes import CHECKER_ACTIONS
+from weightwire.shared.routes import CHECKER_ACTIONS, FINISH_RESETS_RESUMES, START_PAUSES
 from weightwire.shared.timeouts import Timeouts
+from weightwire.tools.server.after_commit import after_commit, after_commit_query, pause_query
+from weightwire.tools.server.control_routes import pause_generation
 from weightwire.tools.server.replica import ReplicaError
 from weightwire.tools.server.session import Phase, SessionError
 from weightwire.tools.server.state import ServerState
@@ -86,7 +88,12 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
                 abort_on_failure=True,
             )
             session_id = session.initialized(info)
-        return {"message": "Weight transfer initialized", "session_id": session_id}
+        return {
+            "message": "Weight transfer initialized",
+            "session_id": session_id,
+            # the client uses only what is named here
+            "features": [START_PAUSES, FINISH_RESETS_RESUMES],
+        }
 
     @app.post(route_path("shutdown_weight_transfer_engine"))
     async def shutdown_weight_transfer_engine(request: Request) -> dict[str, Any]:
@@ -111,6 +118,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(route_path("start_weight_update"))
     async def start_weight_update(request: Request) -> JSONResponse:
         await read_no_body(request)
+        mode = pause_query(request)  # advertised (START_PAUSES): pause first, in this request
         require_owner(state, request, "start_weight_update")
         session.check_start()
         if state.sleep.weights_asleep:
@@ -120,6 +128,8 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                 f"{state.sleep.level}) and its weights are not loaded; POST "
                 "/wake_up?tags=weights before sending a round",
             )
+        if mode is not None:  # only once the start's own checks passed: a refusal pauses nothing
+            await pause_generation(state, mode)
         async with session.operation("start_weight_update"):
             await fan_out_or_fail(
                 state,
@@ -185,6 +195,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
     async def finish_weight_update(request: Request) -> JSONResponse:
         body = await read_object(request, allowed=("weight_version",))
         version = version_field(body, "weight_version", optional=True)
+        then = after_commit_query(request)  # checked before anything is done
         require_owner(state, request, "finish_weight_update")
         session.check_finish()
         async with session.operation("finish_weight_update"):
@@ -209,9 +220,8 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                 f"/finish_weight_update): the round was closed and weight_version stays "
                 f"{session.weight_version!r}",
             )
-        return JSONResponse(
-            {"message": "Weight update finished", "weight_version": session.weight_version}
-        )
+        reply = {"message": "Weight update finished", "weight_version": session.weight_version}
+        return JSONResponse({**reply, **after_commit(state, then)})
 
 
 def _check_routes(app: FastAPI, state: ServerState) -> None:

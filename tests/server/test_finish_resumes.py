@@ -1,0 +1,167 @@
+"""The reference server's start that pauses first and finish that also resets the caches and
+resumes (both advertised at init).
+
+Over the real app (``create_app``) with an in-process pool whose receiver answers at once:
+the init reply names the feature; ``?reset_caches=true&resume=true`` resumes generation only
+after a commit (a finish that closed an empty round leaves the pause alone); an asleep server
+commits but says why it did not resume; bad flags are 422 before anything is done; and the
+client uses it only where every server named it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from weightwire import backends
+from weightwire.control.client import HTTPWeightSyncClient
+from weightwire.shared.errors import WeightSyncError
+from weightwire.shared.info import encode_secret
+from weightwire.shared.routes import FINISH_RESETS_RESUMES, START_PAUSES
+from weightwire.tools.bench.sync_http import InProcessPool
+from weightwire.tools.server.app import ServerOptions, ServerState, create_app
+
+INIT = {
+    "host": "127.0.0.1",
+    "port": 1,
+    "secret_b64": encode_secret(b"s" * 128),
+    "rank_offset": 1,
+    "world_size": 2,
+}
+THEN = {"reset_caches": "true", "resume": "true"}
+
+
+class Instant:
+    """A receiver that answers every op at once."""
+
+    async def call(self, op: str, args: dict[str, Any]) -> Any:
+        return {"tensors": 0} if op == "update" else None
+
+    def abort(self) -> None:
+        return None
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[ServerState, TestClient]]:
+    state = ServerState(
+        pool=InProcessPool(Instant()),  # type: ignore[arg-type]
+        options=ServerOptions(backend=backends.TCP),
+    )
+    with TestClient(create_app(state)) as http:
+        yield state, http
+
+
+def client_for(http: TestClient) -> HTTPWeightSyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        r = http.request(
+            request.method,
+            request.url.raw_path.decode(),
+            content=request.content,
+            headers=dict(request.headers),
+        )
+        return httpx.Response(r.status_code, content=r.content, headers=r.headers)
+
+    return HTTPWeightSyncClient("http://ref:1", timeout=10, transport=httpx.MockTransport(handler))
+
+
+def test_init_names_the_feature_and_a_committed_finish_resets_and_resumes(served: Any) -> None:
+    state, http = served
+    reply = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
+    assert reply["features"] == [START_PAUSES, FINISH_RESETS_RESUMES]
+    http.post("/pause", params={"mode": "abort"})
+    http.post("/start_weight_update")
+    http.post(
+        "/update_weights", json={"update_info": {"names": [], "dtype_names": [], "shapes": []}}
+    )
+    assert state.gate.paused
+    r = http.post("/finish_weight_update", params=THEN, json={"weight_version": "v1"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "message": "Weight update finished",
+        "weight_version": "v1",
+        "caches_reset": True,
+        "resumed": True,
+    }
+    assert not state.gate.paused
+
+
+def test_a_finish_that_committed_nothing_resumes_nothing(served: Any) -> None:
+    state, http = served
+    http.post("/init_weight_transfer_engine", json={"init_info": INIT})
+    http.post("/pause", params={"mode": "abort"})
+    http.post("/start_weight_update")
+    r = http.post("/finish_weight_update", params=THEN, json={"weight_version": "v1"})
+    assert r.status_code == 409 and "no weights were sent in this round" in r.text
+    assert state.gate.paused  # the trainer's own rule for a failed round decides
+
+
+def test_bad_flags_are_refused_before_the_finish(served: Any) -> None:
+    state, http = served
+    http.post("/init_weight_transfer_engine", json={"init_info": INIT})
+    http.post("/start_weight_update")
+    http.post(
+        "/update_weights", json={"update_info": {"names": [], "dtype_names": [], "shapes": []}}
+    )
+    r = http.post("/finish_weight_update", params={"resume": "soon"}, json={"weight_version": "v"})
+    assert r.status_code == 422 and "query parameter resume must be true or false" in r.text
+    assert state.session.weight_version != "v"  # nothing committed
+    assert http.post("/finish_weight_update", json={"weight_version": "v"}).status_code == 200
+
+
+def test_an_asleep_server_commits_and_the_client_raises_for_the_resume(served: Any) -> None:
+    state, http = served
+    client = client_for(http)
+    client.init_weight_transfer_engine(INIT)
+    assert client.finishes_with_resume()
+    client.pause("abort")
+    client.start_weight_update()
+    client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    state.sleep.level = 0  # /sleep?level=0 holds generation: /resume would refuse it too
+    with pytest.raises(WeightSyncError, match="the server is asleep") as caught:
+        client.finish_reset_resume("v2")
+    assert caught.value.route == "resume"
+    assert state.session.weight_version == "v2" and state.gate.paused  # committed, held
+
+
+def test_the_client_asks_only_where_every_server_named_it() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/init_weight_transfer_engine":
+            named = [FINISH_RESETS_RESUMES] if request.url.host == "a" else []
+            return httpx.Response(200, json={"session_id": "s", "features": named})
+        return httpx.Response(200, json={})
+
+    both = HTTPWeightSyncClient(
+        ["http://a:1", "http://b:1"], transport=httpx.MockTransport(handler)
+    )
+    assert not both.finishes_with_resume()  # before init: nothing named
+    both.init_weight_transfer_engine([INIT, INIT])
+    assert not both.finishes_with_resume()  # b (a stock vLLM, say) names nothing
+    with pytest.raises(RuntimeError, match="not every server advertised"):
+        both.finish_reset_resume("v")
+    one = HTTPWeightSyncClient("http://a:1", transport=httpx.MockTransport(handler))
+    one.init_weight_transfer_engine(INIT)
+    assert one.finishes_with_resume()
+
+
+def test_a_start_that_pauses_holds_generation_then_starts(served: Any) -> None:
+    state, http = served
+    client = client_for(http)
+    client.init_weight_transfer_engine(INIT)
+    assert client.starts_with_pause() and not state.gate.paused
+    client.pause_and_start("abort")
+    assert state.gate.paused and state.gate.mode == "abort"
+    assert http.post("/start_weight_update").status_code == 409  # the round is open
+
+
+def test_a_refused_start_pauses_nothing_and_a_bad_mode_is_422(served: Any) -> None:
+    state, http = served
+    r = http.post("/start_weight_update", params={"pause": "keep"})  # no init: refused
+    assert r.status_code == 409 and not state.gate.paused
+    http.post("/init_weight_transfer_engine", json={"init_info": INIT})
+    r = http.post("/start_weight_update", params={"pause": "soon"})
+    assert r.status_code == 422 and "pause must be one of" in r.text
+    assert not state.gate.paused and state.session.phase.name != "ROUND"

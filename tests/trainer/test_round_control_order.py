@@ -1,0 +1,385 @@
+"""The order of a round's control calls, where some of them go out at once.
+
+- A round paused as a whole sends its finish and both cache resets together (they must be
+  in flight at the same time here: the finish waits for both resets to arrive) and resumes
+  only after all three returned; an unpaused round keeps finish, then the resets.
+- A failed reset there is still a committed round (``StaleCacheError``) that resumes; a
+  failed finish is a failed round, whatever the resets said.
+- With the pause sent early, the start follows it from the helper thread, without waiting
+  for the first chunk to be packed; a round that fails once that start went out counts
+  as started.
+- Where every server offers a start that pauses first and a finish that also resets the
+  caches and resumes (weightwire's reference server), a paused round is those calls and the
+  update; a failed one leaves the resume to the round's own rule; an unpaused round keeps
+  its separate calls.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, host_sender, numpy_weights
+from weightwire.backends.base import SenderCaps, SenderParts
+from weightwire.jax_side.dtypes import describe
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.shared.client import CONTROL_CALLS, ROUND_CALLS
+from weightwire.shared.errors import WeightSyncError
+from weightwire.shared.routes import FINISH_RESETS_RESUMES, START_PAUSES
+from weightwire.shared.timeouts import Timeouts
+from weightwire.trainer import TrainerInitInfo
+from weightwire.trainer.engine import EngineBroken
+from weightwire.trainer.freshness import StaleCacheError
+
+FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
+COMMIT = ("finish_weight_update", "reset_prefix_cache", "reset_encoder_cache")
+WAIT_S = 5.0  # a bound on waits that only a broken ordering would reach
+
+
+@pytest.fixture(autouse=True)
+def fresh_comm() -> None:
+    FAKE.comm = FakeComm()
+
+
+def stock_backend(monkeypatch: pytest.MonkeyPatch, stock: bool = True) -> None:
+    """The fake backend as a stock worker (``auto`` pauses the whole round) or a staging one."""
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=stock))
+
+
+def engine_for(client: Any, **info: Any) -> JAXTrainerEngine:
+    return JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, **info),
+        client=client,
+        source=DictSource(numpy_weights(), describe),
+    )
+
+
+class Timeline:
+    """A client (no HTTP) that logs each call's entry and exit, in the order they happened.
+
+    ``concurrent_commit``: the finish returns only once both resets were entered, so a round
+    that sends them one after another fails (``BrokenBarrierError``, bounded)."""
+
+    def __init__(self, *, concurrent_commit: bool = False) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+        self.fail: dict[str, Exception] = {}
+        self.barrier = threading.Barrier(3, timeout=WAIT_S) if concurrent_commit else None
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in (*ROUND_CALLS, *CONTROL_CALLS):
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.lock:
+                self.events.append(("enter", name))
+            try:
+                if self.barrier is not None and name in COMMIT:
+                    self.barrier.wait()  # all three in flight at once
+                if name in self.fail:
+                    raise self.fail[name]
+                return {"version": "0.33.0", "get_world_size": 1, "reset_prefix_cache": [True]}.get(
+                    name
+                )
+            finally:
+                with self.lock:
+                    self.events.append(("exit", name))
+
+        return call
+
+    def at(self, kind: str, name: str, nth: int = 0) -> int:
+        """Index of the ``nth`` ``kind`` event of ``name``."""
+        hits = [i for i, e in enumerate(self.events) if e == (kind, name)]
+        assert len(hits) > nth, f"no {kind} of {name} #{nth} in {self.events}"
+        return hits[nth]
+
+
+def test_a_paused_round_sends_finish_and_resets_at_once_and_resumes_after_all_returned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    client = Timeline(concurrent_commit=True)
+    engine = engine_for(client)
+    engine.send_weights(weight_version="v1")
+    engine.send_weights(weight_version="v2")
+    for nth in (0, 1):
+        resume = client.at("enter", "resume", nth)
+        update_done = client.at("exit", "update_weights", nth)
+        for name in COMMIT:
+            assert update_done < client.at("enter", name, nth)
+            assert client.at("exit", name, nth) < resume  # never resumed before all returned
+    assert client.events.count(("enter", "resume")) == 2
+
+
+def test_an_unpaused_round_keeps_finish_then_the_resets(monkeypatch: pytest.MonkeyPatch) -> None:
+    stock_backend(monkeypatch, stock=False)  # a staging worker: auto does not pause
+    client = Timeline()
+    engine_for(client).send_weights()
+    assert ("enter", "pause") not in client.events
+    finish_done = client.at("exit", "finish_weight_update")
+    assert finish_done < client.at("enter", "reset_prefix_cache")
+    assert client.at("exit", "reset_prefix_cache") < client.at("enter", "reset_encoder_cache")
+
+
+def test_a_failed_reset_in_a_paused_round_is_committed_and_still_resumes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    client = Timeline(concurrent_commit=True)
+    client.fail["reset_encoder_cache"] = WeightSyncError("reset_encoder_cache", 500, "boom", "s")
+    engine = engine_for(client)
+    with pytest.raises(StaleCacheError, match="reset_encoder_cache failed") as caught:
+        engine.send_weights(weight_version="v1")
+    assert caught.value.committed and caught.value.weight_version == "v1"
+    resume = client.at("enter", "resume")
+    assert all(client.at("exit", name) < resume for name in COMMIT)
+    client.fail.clear()
+    assert engine.send_weights().version == "2"  # committed: the count moved on
+
+
+def test_a_failed_finish_fails_the_paused_round_whatever_the_resets_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    client = Timeline(concurrent_commit=True)
+    client.fail["finish_weight_update"] = WeightSyncError(
+        "finish_weight_update", 500, "worker exploded", "s"
+    )
+    client.fail["reset_prefix_cache"] = WeightSyncError("reset_prefix_cache", 500, "also", "s")
+    engine = engine_for(client)
+    with pytest.raises(WeightSyncError, match="worker exploded") as caught:
+        engine.send_weights(weight_version="v1")
+    assert not isinstance(caught.value, StaleCacheError)  # not committed
+    resume = client.at("enter", "resume")  # the pause's own rule: a failed round resumes
+    assert all(client.at("exit", name) < resume for name in COMMIT)
+    client.fail.clear()
+    assert engine.send_weights().version == "1"  # not committed: the count did not move
+
+
+# -- the early start ---------------------------------------------------------------------------
+
+
+class Gated:
+    """A backend whose first chunk's packing (``host_bytes``) runs ``gate`` first."""
+
+    def __init__(self, gate: Any) -> None:
+        self.gate, self.calls = gate, 0
+
+    def sender(self, link: Any, settings: Any, parts: SenderParts) -> Any:
+        host_bytes = parts.host_bytes
+
+        def gated(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.calls == 1:
+                self.gate()
+            return host_bytes(tensors, *args, **kwargs)
+
+        return host_sender(link, settings, SenderParts(gated, parts.prefetch, parts.packer))
+
+
+def gated_engine(
+    monkeypatch: pytest.MonkeyPatch, server: FakeServer, gate: Any, **info: Any
+) -> JAXTrainerEngine:
+    monkeypatch.setattr(type(FAKE), "sender", lambda self, *a: Gated(gate).sender(*a))
+    return JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, **info),
+        client=server.client(),
+        source=DictSource(numpy_weights(), describe),
+    )
+
+
+def round_routes(server: FakeServer) -> list[str]:
+    return [r for r in server.routes() if r not in ("version", "get_world_size")][1:]
+
+
+def test_the_start_follows_the_early_pause_before_the_first_chunk_is_packed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    server = FakeServer()
+    started = threading.Event()
+    server.hooks["start_weight_update"] = lambda _: started.set()
+    threads: dict[str, str] = {}
+    for route in ("pause", "start_weight_update"):
+        server.hooks.setdefault(route, lambda _: None)
+        hook = server.hooks[route]
+        server.hooks[route] = lambda b, r=route, h=hook: (
+            threads.setdefault(r, threading.current_thread().name),
+            h(b),
+        )
+
+    def gate() -> None:  # the start must not wait for this packing: it comes first
+        assert started.wait(WAIT_S), "the start waited for the first chunk's packing"
+
+    engine = gated_engine(monkeypatch, server, gate)
+    engine.send_weights()
+    assert threads["pause"] == threads["start_weight_update"] == "weightwire-pause-start"
+    assert round_routes(server)[:3] == ["pause", "start_weight_update", "update_weights"]
+
+
+def test_a_round_failing_after_its_early_start_counts_as_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    server = FakeServer()
+    started = threading.Event()
+    server.hooks["start_weight_update"] = lambda _: started.set()
+
+    def gate() -> None:
+        assert started.wait(WAIT_S)
+        raise RuntimeError("packing failed")
+
+    engine = gated_engine(monkeypatch, server, gate)
+    with pytest.raises(RuntimeError, match="packing failed"):
+        engine.send_weights()
+    # Started: the round's failure rule (a stock round resumes), no update, and the engine
+    # refuses further rounds (the servers hold a round it will never finish).
+    assert round_routes(server) == ["pause", "start_weight_update", "resume"]
+    with pytest.raises(EngineBroken, match="packing failed"):
+        engine.send_weights()
+
+
+def test_a_round_in_place_failing_after_its_early_start_stays_paused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch, stock=False)
+    server = FakeServer()
+    started = threading.Event()
+    server.hooks["start_weight_update"] = lambda _: started.set()
+
+    def gate() -> None:
+        assert started.wait(WAIT_S)
+        raise RuntimeError("packing failed")
+
+    engine = gated_engine(monkeypatch, server, gate, stage_budget_bytes=0)
+    with pytest.raises(RuntimeError, match="packing failed"):
+        engine.send_weights()
+    # Applied in place and started: the workers may hold part of it, so no resume.
+    assert round_routes(server)[1:] == ["pause", "start_weight_update"]
+
+
+def test_a_refused_early_start_fails_the_round_and_leaves_the_engine_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    server = FakeServer()
+    server.fail["start_weight_update"] = (409, "a weight update is already active")
+    engine = engine_for(server.client())
+    with pytest.raises(WeightSyncError, match="already active"):
+        engine.send_weights()
+    assert round_routes(server) == ["pause", "start_weight_update", "resume"]
+    del server.fail["start_weight_update"]
+    assert engine.send_weights().version == "1"  # nothing opened: usable, nothing committed
+
+
+def test_a_failed_early_pause_sends_no_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    stock_backend(monkeypatch)
+    server = FakeServer()
+    server.fail["pause"] = (500, "pause broke")
+    engine = engine_for(server.client())
+    with pytest.raises(WeightSyncError, match="pause broke"):
+        engine.send_weights()
+    assert round_routes(server) == ["pause"]
+    assert FAKE.comm.broadcasts == []
+
+
+# -- a server whose finish also resets and resumes (weightwire's reference server) -------------
+
+
+class Advertising(FakeServer):
+    """Names ``START_PAUSES`` and ``FINISH_RESETS_RESUMES`` at init and honours the finish's
+    (a start's ``pause`` is recorded as its body)."""
+
+    def __init__(self, features: tuple[str, ...] = (START_PAUSES, FINISH_RESETS_RESUMES)) -> None:
+        super().__init__()
+        self.features = list(features)
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        route = request.url.path.lstrip("/")
+        if route == "init_weight_transfer_engine":
+            super().handler(request)
+            return httpx.Response(200, json={"features": self.features})
+        if route != "finish_weight_update" or not request.url.query:
+            return super().handler(request)
+        body = json.loads(request.content)
+        with self.lock:
+            self.calls.append((route, {**body, **dict(request.url.params)}))
+        if route in self.fail:
+            status, message = self.fail[route]
+            return httpx.Response(status, json={"error": message})
+        self.weight_version = body["weight_version"]
+        return httpx.Response(200, json={"caches_reset": True, "resumed": True})
+
+
+def test_a_paused_round_is_three_calls_where_the_server_offers_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    server = Advertising()
+    engine_for(server.client()).send_weights(weight_version="v1")
+    assert round_routes(server) == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert server.bodies("start_weight_update") == [{"pause": "keep"}]
+    assert server.bodies("finish_weight_update") == [
+        {"weight_version": "v1", "reset_caches": "true", "resume": "true"}
+    ]
+    assert server.weight_version == "v1"
+
+
+def test_a_failed_finish_in_one_call_gets_the_rounds_own_resume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    server = Advertising()
+    server.fail["finish_weight_update"] = (500, "worker exploded")
+    engine = engine_for(server.client())
+    with pytest.raises(WeightSyncError, match="worker exploded"):
+        engine.send_weights()
+    assert round_routes(server)[-2:] == ["finish_weight_update", "resume"]
+
+
+def test_an_unpaused_round_keeps_separate_calls_where_one_is_offered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch, stock=False)
+    server = Advertising()
+    engine_for(server.client()).send_weights()
+    assert round_routes(server) == [
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reset_prefix_cache",
+        "reset_encoder_cache",
+    ]
+
+
+def test_only_the_finish_is_combined_where_only_it_is_offered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    server = Advertising((FINISH_RESETS_RESUMES,))
+    engine_for(server.client()).send_weights()
+    assert round_routes(server) == [
+        "pause",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ]
+
+
+def test_a_failed_start_that_pauses_counts_as_paused_and_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch)
+    server = Advertising()
+    server.fail["start_weight_update"] = (500, "worker refused")
+    engine = engine_for(server.client())
+    with pytest.raises(WeightSyncError, match="worker refused"):
+        engine.send_weights()
+    # The server may have paused before its start failed: the round's rule resumes it.
+    assert round_routes(server) == ["start_weight_update", "resume"]
+    del server.fail["start_weight_update"]
+    assert engine.send_weights().version == "1"  # a failed start opened nothing: usable

@@ -1,0 +1,87 @@
+"""What the round's first and last calls may also do, asked in the same request.
+
+``/start_weight_update?pause=<mode>`` (advertised as ``START_PAUSES``) first does what
+``/pause?mode=`` does, once the start's own checks passed (a refused start pauses nothing);
+then the start. The trainer treats such a start, whatever it answered, as a pause held
+(its resume rules then apply as after a failed start).
+
+
+A colocated round's control calls are most of its fixed cost: after the commit a trainer
+drops the caches and resumes generation, three more requests one after another. This
+server advertises ``FINISH_RESETS_RESUMES`` in its init reply; a client that saw it may ask
+``/finish_weight_update?reset_caches=true&resume=true`` instead. Only after a commit: a
+finish that failed (or closed an empty round) reset and resumed nothing, so the trainer's
+own rule for a failed round applies, as with separate calls.
+
+- ``reset_caches``: this server keeps no KV or encoder output beyond one request (a request
+  runs under the model lock a commit takes), so there is nothing to drop: as its
+  ``/reset_prefix_cache`` and ``/reset_encoder_cache`` routes, it answers success.
+- ``resume``: ``/resume``'s rule: refused (the reply says why, the round stays committed)
+  while ``/sleep`` holds the server.
+
+The reply adds ``caches_reset`` and ``resumed`` (booleans) and, when the resume was
+refused, ``resume_error``: the client raises that after the commit, as a failed ``/resume``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from weightwire.shared.routes import PAUSE_MODES
+from weightwire.tools.server.state import ServerState
+from weightwire.tools.server.web import ApiError
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+@dataclass(frozen=True)
+class AfterCommit:
+    reset_caches: bool = False
+    resume: bool = False
+
+
+def after_commit_query(request: Request) -> AfterCommit:
+    """The finish's ``reset_caches`` / ``resume`` query flags (422 naming a bad one)."""
+    flags = {}
+    for name in ("reset_caches", "resume"):
+        raw = request.query_params.get(name)
+        if raw is None or raw.lower() in _FALSE:
+            flags[name] = False
+        elif raw.lower() in _TRUE:
+            flags[name] = True
+        else:
+            raise ApiError(
+                422, f"query parameter {name} must be true or false, got {raw!r:.40}", param=name
+            )
+    return AfterCommit(**flags)
+
+
+def after_commit(state: ServerState, then: AfterCommit) -> dict[str, Any]:
+    """Do what ``then`` asks once the round committed; the reply's added fields."""
+    out: dict[str, Any] = {}
+    if then.reset_caches:
+        out["caches_reset"] = True  # nothing outlives a request here (module docstring)
+    if then.resume:
+        if state.sleep.level is not None:
+            out["resumed"] = False
+            out["resume_error"] = (
+                f"the server is asleep (/sleep level {state.sleep.level}): POST /wake_up to "
+                "wake it (that resumes generation); the round is committed"
+            )
+        else:
+            state.gate.resume()
+            out["resumed"] = True
+    return out
+
+
+def pause_query(request: Request) -> str | None:
+    """A start's ``pause`` mode (None: no pause asked; 422 naming a bad one)."""
+    mode = request.query_params.get("pause")
+    if mode is not None and mode not in PAUSE_MODES:
+        raise ApiError(
+            422, f"pause must be one of {list(PAUSE_MODES)}, got {mode!r:.40}", param="pause"
+        )
+    return mode

@@ -1,0 +1,94 @@
+"""A round's pause and start sent from a helper thread, ahead of the round's own set-up.
+
+With the pause sent early (``lead_round(early_pause=True)``), the start used to wait for
+both the pause's answer and the wire's call of the control plane. ``EarlyStart`` sends
+the start from the pause's helper as soon as the pause returned and the data path is
+``ready``: the data path clears what an earlier round left on its channels before a start
+can reach a worker (``weightwire_ipc`` drops a stale "early" / "go" message there; one of
+*this* round's, sent by a worker from inside its start, must not be dropped), so the start
+never goes out before that (``round.announced`` says so once the first chunk was made;
+the IPC data paths run the control plane as their pump starts, so there the start goes when
+it went before; the host and device pipelines run it only after packing the first chunk).
+The wire's control plane then only awaits the helper.
+
+The main thread that fails before the control plane ran calls ``abandon``: from then on no
+start goes out, and it learns, once the helper settled (bounded), whether the pause held
+and whether the start may have been sent: such a round counts as started (its failure
+rules are those of any round that failed after its start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+
+from weightwire.control.fanout import spawn
+from weightwire.shared.errors import ControlTimeout
+from weightwire.trainer.transfer import await_call
+
+
+class EarlyStart:
+    """``pause()`` then, once ``ready()`` was called, ``start()``, on a helper thread."""
+
+    def __init__(
+        self, pause: Callable[[], bool] | None, start: Callable[[], object], timeout: float
+    ) -> None:
+        """``pause`` None: ``start`` pauses too (the reference server's ``START_PAUSES``), so
+        the pause counts as held once it was sent."""
+        self._pause, self._start, self._timeout = pause, start, timeout
+        self._ready = threading.Event()
+        self._lock = threading.Lock()  # the start is sent, or abandoned: never both
+        self._abandoned = False
+        self.paused = False
+        """The pause returned and held (``Session.pause``'s answer)."""
+        self.start_sent = False
+        """The start went out (whatever it answered): the workers may be in the round."""
+        self.start_returned = False
+        """The start answered success: the servers are in the round."""
+        self._future = spawn(self._run, name="weightwire-pause-start")
+
+    def _run(self) -> None:
+        if self._pause is not None:
+            self.paused = self._pause()  # a pause that raised: no start goes out
+        if not self._ready.wait(self._timeout):
+            raise ControlTimeout(
+                f"the round's data path was not ready for the start within {self._timeout:g} s",
+                route="start_weight_update",
+            )
+        with self._lock:
+            if self._abandoned:
+                return
+            self.start_sent = True
+            self.paused |= self._pause is None  # the start pauses: held, whatever it answers
+        self._start()
+        self.start_returned = True
+
+    def ready(self) -> None:
+        """The data path did what must precede the start (called once per round, or more)."""
+        self._ready.set()
+
+    def wait(self) -> None:
+        """The control plane's turn: the pause and the start answered (their error raised)."""
+        self.ready()  # a wire that never said so: the start goes now, as it used to
+        # Two calls one after the other, each bounded by the client's own timeout.
+        await_call(self._future, 2 * self._timeout, "pause / start_weight_update")
+
+    def abandon(self) -> tuple[bool, bool, bool]:
+        """The round failed before its control plane finished: no start from now on.
+        Returns ``(paused, start_sent, start_returned)`` once the helper settled (bounded by
+        the timeout; a helper still out then sends no start, and its pause is taken as not
+        held: nothing of ours to undo)."""
+        with self._lock:
+            self._abandoned = True
+        self._ready.set()  # a helper waiting for the data path: wake it, to send nothing
+        with contextlib.suppress(Exception):  # its own error, or still out: the flags tell
+            self._future.result(timeout=2 * self._timeout)
+        return self.paused and self._future.done(), self.start_sent, self.start_returned
+
+
+def starts_with_pause(client: object) -> bool:
+    """Every server advertised a start that pauses first (``routes.START_PAUSES``: weightwire's
+    reference server, never stock vLLM)."""
+    ask = getattr(client, "starts_with_pause", None)
+    return callable(ask) and ask() is True
