@@ -85,6 +85,9 @@ class Emulator:
             eventRecord=lambda event, stream: None,
             eventSynchronize=lambda event: None,
             eventCreateWithFlags=lambda flags: next(self._events),
+            eventCreate=lambda: next(self._events),
+            eventElapsedTime=lambda start, end: 0.5,
+            eventDestroy=lambda event: None,
         )
         self.cupy = SimpleNamespace(
             cuda=SimpleNamespace(

@@ -133,6 +133,7 @@ class Pending:
     event: Any
     keep: Any
     """The caller's arrays, alive until the group's work is done."""
+    scratch_bytes: int = 0
 
 
 class _StreamRef:
@@ -173,6 +174,12 @@ class FusedDelta:
         """Idle pinned buffers for the counts, reused."""
         self.waited = 0.0
         """Seconds the host spent waiting for counts (the benchmark's host-time split)."""
+        self.scratch_live = 0
+        self.scratch_peak = 0
+        """Scratch bytes of the launches not yet packed, and their most at once."""
+        self.timing = False
+        """Record a timed event pair around every launch and pack (``device_seconds``)."""
+        self._spans: list[tuple[int, int]] = []
 
     def launch(self, operands: Sequence[Operand], stream: int, alloc: Alloc, keep: Any) -> Pending:
         """Enqueue the group on ``stream`` (a raw CUDA stream pointer); nothing waits."""
@@ -199,7 +206,10 @@ class FusedDelta:
         region_ends = start + np.cumsum(index_size + values_size)
         index_at = region_ends - index_size - values_size
         values_at = region_ends - values_size
-        scratch_ptr, scratch = alloc(int(region_ends[-1]) if n else start)
+        scratch_bytes = int(region_ends[-1]) if n else start
+        scratch_ptr, scratch = alloc(scratch_bytes)
+        self.scratch_live += scratch_bytes
+        self.scratch_peak = max(self.scratch_peak, self.scratch_live)
         table["fresh"] = fresh
         table["base"] = base
         table["index"] = index_at.astype(np.uint64) + np.uint64(scratch_ptr)
@@ -217,6 +227,7 @@ class FusedDelta:
             ticket = scratch_ptr + table_bytes
             counts = ticket + 16
             status = ticket + _up(16 + 8 * n)
+            span = self._span_start(stream)
             runtime.memsetAsync(ticket, 0, zeroed, stream)
             if n:
                 runtime.memcpyAsync(
@@ -234,10 +245,12 @@ class FusedDelta:
                 runtime.memcpyAsync(host.ptr, counts, 8 * n, runtime.memcpyDeviceToHost, stream)
             event = self._event()
             runtime.eventRecord(event, stream)
+            self._span_end(span, stream)
         outputs = list(zip(index_at.tolist(), values_at.tolist(), strict=True))
         return Pending(
-            ops, stream, scratch, scratch_ptr, outputs, copies_at, host, counts_view, event, keep
-        )
+            ops, stream, scratch, scratch_ptr, outputs, copies_at, host, counts_view, event, keep,
+            scratch_bytes,
+        )  # fmt: skip
 
     def counts(self, pending: Pending) -> list[int]:
         """The group's changed-element counts (waits for its launch: the host sync)."""
@@ -276,6 +289,7 @@ class FusedDelta:
             grid = (max(1, math.ceil(longest / _PACK_CHUNK)), min(len(copies), _MAX_GRID_Y))
             with cp.cuda.Device(self.device):
                 dst = pending.scratch_ptr + pending.copies_at
+                span = self._span_start(pending.stream)
                 runtime.memcpyAsync(
                     dst, table.ctypes.data, table.nbytes, runtime.memcpyHostToDevice,
                     pending.stream,
@@ -286,8 +300,10 @@ class FusedDelta:
                     (np.uint64(dst), np.int32(len(copies))),
                     stream=_StreamRef(pending.stream),
                 )
+                self._span_end(span, pending.stream)
         # Stream-ordered memory: a later allocation on this stream reuses it only after
         # the copy above ran.
+        self.scratch_live -= pending.scratch_bytes
         pending.scratch = None
         pending.keep = None
 
@@ -298,6 +314,32 @@ class FusedDelta:
             if memoryview(host).nbytes >= 8 * n:
                 return self._hosts.pop(i)
         return self._cp.cuda.alloc_pinned_memory(max(64, 8 * n))
+
+    def _span_start(self, stream: int) -> int | None:
+        if not self.timing:
+            return None
+        event = int(self._cp.cuda.runtime.eventCreate())
+        self._cp.cuda.runtime.eventRecord(event, stream)
+        return event
+
+    def _span_end(self, start: int | None, stream: int) -> None:
+        if start is not None:
+            end = int(self._cp.cuda.runtime.eventCreate())
+            self._cp.cuda.runtime.eventRecord(end, stream)
+            self._spans.append((start, end))
+
+    def device_seconds(self) -> float:
+        """The device time of the launches and packs timed since the last call (waits for
+        them): what a round costs the device with no host in the way."""
+        runtime = self._cp.cuda.runtime
+        total = 0.0
+        for start, end in self._spans:
+            runtime.eventSynchronize(end)
+            total += runtime.eventElapsedTime(start, end) / 1e3
+            runtime.eventDestroy(start)
+            runtime.eventDestroy(end)
+        self._spans.clear()
+        return total
 
     def _event(self) -> int:
         if self._events:
