@@ -1,13 +1,14 @@
 """Fused delta extraction on a CUDA device, shared by the JAX and the torch trainer.
 
-One pass over a layer group's new weights and base per round (``delta_cuda_source``: one
-launch per group): compare bit patterns, count per tensor, compact each tensor's changed
-elements (``int32`` flat indices and values, in increasing index order) into a scratch
-region sized by the tensor's patch limit, and write the changed elements into the base.
-The counts come back with one host sync per group; the caller can start the next group
-before waiting on this one (``DeltaTracker.build`` does), so the device does not idle on
-the sync. Then ``pack`` copies the tensors that go as patches out of the scratch into tight
-buffers the caller allocated (one launch), and the scratch is released.
+One pass over the new weights and the base per round, one launch per batch of layer groups
+(``DeltaTracker.group_bytes``; ``delta_cuda_source``): compare bit patterns, count per
+tensor, compact each tensor's changed elements (``int32`` flat indices and values, in
+increasing index order) into a scratch region sized by the tensor's patch limit, and write
+the changed elements into the base. The counts come back with one host sync per launch; the
+caller can start the next launch before waiting on this one (``DeltaTracker.build`` does),
+so the device does not idle on the sync. Then ``pack`` copies the tensors that go as patches
+out of the scratch into tight buffers the caller allocated (one launch), and the scratch is
+released.
 
 Framework-neutral: tensors reach it as raw device pointers (``Operand``), device memory
 comes from the caller's allocator (stream-ordered on the stream it launches on: torch's

@@ -3,7 +3,7 @@
 Two implementations behind one ``DeltaKernel``, chosen by ``compaction``:
 
 - ``cuda`` (the default on CUDA when CuPy imports: ``auto``): the fused kernel of
-  ``trainer.delta_cuda``, one launch per layer group on torch's current stream, reading
+  ``trainer.delta_cuda``, one launch per batch of layer groups on torch's current stream, reading
   the new weights and the base once (compare, counts, compaction, the base update); the
   counts come back with one host sync per group while the next group already runs. Its
   scratch and outputs come from torch's caching allocator on that stream.
