@@ -272,9 +272,10 @@ def _fused() -> list[Any]:
     return list(delta_cuda._COMPILED.values())
 
 
-def measure(fw: Any, tracker: DeltaTracker, new: dict, metas: list, base: dict) -> dict:
-    """One build: wall time to the device's end, and the host's part (the build's own time
-    less its waits for counts and for ``settle``)."""
+def measure(fw: Any, tracker: DeltaTracker, new: dict, metas: list, bases: dict) -> dict:
+    """One build on ``bases`` (a snapshot of the old weights, ready): wall time to the
+    device's end, and the host's part (the build's own time less its waits for counts and
+    for ``settle``)."""
     settled = [0.0]
     kernel = tracker.kernel
 
@@ -285,8 +286,6 @@ def measure(fw: Any, tracker: DeltaTracker, new: dict, metas: list, base: dict) 
         inner()
         settled[0] += time.perf_counter() - t0
 
-    bases = fw.snapshot(base)
-    fw.sync(bases)
     tracker.bases = bases
     waited = sum(k.waited for k in _fused())
     kernel.settle = settle  # the instance's: timed
@@ -324,22 +323,34 @@ def run(
                 fw.kernel, density=density, anchor_every=0, group_bytes=group_bytes, ahead=ahead
             )
             launches = len(list(batch_by_bytes(batch_by_layer(new.items()), by_name, group_bytes)))
+            bases = fw.snapshot(base)
+            fw.sync(bases)
             fw.forget_scratch()
             fw.mark()
             for k in _fused():
                 k.scratch_peak = k.scratch_live
-            first = measure(fw, tracker, new, metas, base)
+            first = measure(fw, tracker, new, metas, bases)
+            del bases
             scratch = fw.scratch()
             peak = max((k.scratch_peak for k in _fused()), default=0)
             built = first["built"]
             exact = check(fw, base, new, tracker.bases, built)
-            samples = [measure(fw, tracker, new, metas, base) for _ in range(repeats)]
+            samples = []
+            for _ in range(repeats):
+                bases = fw.snapshot(base)
+                fw.sync(bases)
+                got = measure(fw, tracker, new, metas, bases)
+                del got["built"], bases  # one round's base alive at a time (16 GB for 8B)
+                samples.append(got)
             device_ms = None
             if _fused():
                 for k in _fused():
                     k.device_seconds()
                     k.timing = True
-                measure(fw, tracker, new, metas, base)
+                bases = fw.snapshot(base)
+                fw.sync(bases)
+                measure(fw, tracker, new, metas, bases)
+                del bases
                 for k in _fused():
                     k.timing = False
                 device_ms = 1e3 * sum(k.device_seconds() for k in _fused())
