@@ -70,6 +70,7 @@ class Emulator:
 
     def __init__(self, counts: Counts | None = None, compute: bool = True) -> None:
         self.counts = counts
+        self.vec = delta_cuda.VEC
         self.compute = compute
         self.launches: list[int] = []
         self.packs: list[int] = []
@@ -101,6 +102,7 @@ class Emulator:
         )
 
     def fused(self, device: int = 0, vec: int = delta_cuda.VEC) -> FusedDelta:
+        self.vec = vec
         kernel = FusedDelta.__new__(FusedDelta)
         kernel._setup(self.cupy, device, vec, self._delta, self._pack)
         return kernel
@@ -137,6 +139,9 @@ class Emulator:
         assert ticket in self._zeroed
         tiles = table["tiles"]
         assert list(table["first_tile"]) == list(np.cumsum(tiles) - tiles)
+        for e in table:  # a tile: THREADS x vec 16-byte vectors of one tensor
+            per_tile = THREADS * self.vec * 16 // int(e["itemsize"])
+            assert int(e["tiles"]) == -(-int(e["numel"]) // per_tile)
         assert grid == (int(tiles.sum()),)
         assert not _view(status, 8 * grid[0]).any()
         counts = _view(counts_ptr, 8 * n).view(np.uint64)
