@@ -6,15 +6,21 @@ dense device copy of the same weights, and the payload against (changed elements
     python benchmarks/bench_delta.py --framework torch --lrs 1e-6 --repeats 5
     python benchmarks/bench_delta.py --lrs 1e-6 --jax-expand search cuda \
         --torch-compaction static cuda         # the fused CUDA kernel beside the others
+    python benchmarks/bench_delta.py --framework torch --torch-compaction cuda --lrs 1e-6 \
+        --group-mib 0,1024,2048,4096 --ahead 1,2   # sweep the launch batching (one row each)
 
 One Adam-like step: ``new = bf16(w - lr * sign(g))`` (Adam's first step is ``lr`` times a
 unit-magnitude update per element) on weights drawn like an initialized model's
 (``N(0, 0.02)``), so the changed fraction is what bf16 rounding lets through at that
 learning rate. Extraction is ``trainer.delta.DeltaTracker.build`` with the framework's
 kernel (compare, count, compaction, the patch written into the base), timed until the
-device finished; the dense copy is one device-to-device copy of every tensor. ``scratch``:
-the peak device memory the first build allocated beyond the weights and the base (torch:
-the caching allocator's peak; JAX with the fused kernel: CuPy's pool, the scratch only).
+device finished (``host``: the build's own time less its waits for counts and for the
+device; ``device``: timed events around every fused launch and pack, what the round costs
+the device with no host in the way); the dense copy is one device-to-device copy of every
+tensor. ``scratch peak``: the fused kernel's scratch of the launches in flight at once;
+``allocator``: the peak device memory the first build allocated beyond the weights and the
+base (torch: the caching allocator's peak, the patches included; JAX with the fused kernel:
+CuPy's pool, the scratch only).
 A JSON report goes to ``--out`` when given.
 """
 
