@@ -334,11 +334,12 @@ class FusedDelta:
         them): what a round costs the device with no host in the way."""
         runtime = self._cp.cuda.runtime
         total = 0.0
-        for start, end in self._spans:
-            runtime.eventSynchronize(end)
-            total += runtime.eventElapsedTime(start, end) / 1e3
-            runtime.eventDestroy(start)
-            runtime.eventDestroy(end)
+        with self._cp.cuda.Device(self.device):
+            for start, end in self._spans:
+                runtime.eventSynchronize(end)
+                total += runtime.eventElapsedTime(start, end) / 1e3
+                runtime.eventDestroy(start)
+                runtime.eventDestroy(end)
         self._spans.clear()
         return total
 
