@@ -229,9 +229,12 @@ class DeltaTracker:
         base, one layer group at a time; the base ends up holding the new bytes. ``None``:
         the round must go dense (it is partial but has no tensor a patch can name)."""
         by_name = {m.name: m for m in metas}
-        out = DeltaRound([], [], [], 0, sum(m.numel for m in metas), sum(m.nbytes for m in metas))
+        out = DeltaRound([], [], [], 0, 0, 0)
         try:
             self._compare(pairs, by_name, out)
+            # Summed once the last launch is queued: the device works meanwhile.
+            out.elements = sum(m.numel for m in metas)
+            out.dense_bytes = sum(m.nbytes for m in metas)
         finally:
             self.kernel.settle()
         # A partial round still names its base, so the workers check it.
