@@ -6,15 +6,21 @@ dense device copy of the same weights, and the payload against (changed elements
     python benchmarks/bench_delta.py --framework torch --lrs 1e-6 --repeats 5
     python benchmarks/bench_delta.py --lrs 1e-6 --jax-expand search cuda \
         --torch-compaction static cuda         # the fused CUDA kernel beside the others
+    python benchmarks/bench_delta.py --framework torch --torch-compaction cuda --lrs 1e-6 \
+        --group-mib 0,1024,2048,4096 --ahead 1,2   # sweep the launch batching (one row each)
 
 One Adam-like step: ``new = bf16(w - lr * sign(g))`` (Adam's first step is ``lr`` times a
 unit-magnitude update per element) on weights drawn like an initialized model's
 (``N(0, 0.02)``), so the changed fraction is what bf16 rounding lets through at that
 learning rate. Extraction is ``trainer.delta.DeltaTracker.build`` with the framework's
 kernel (compare, count, compaction, the patch written into the base), timed until the
-device finished; the dense copy is one device-to-device copy of every tensor. ``scratch``:
-the peak device memory the first build allocated beyond the weights and the base (torch:
-the caching allocator's peak; JAX with the fused kernel: CuPy's pool, the scratch only).
+device finished (``host``: the build's own time less its waits for counts and for the
+device; ``device``: timed events around every fused launch and pack, what the round costs
+the device with no host in the way); the dense copy is one device-to-device copy of every
+tensor. ``scratch peak``: the fused kernel's scratch of the launches in flight at once;
+``allocator``: the peak device memory the first build allocated beyond the weights and the
+base (torch: the caching allocator's peak, the patches included; JAX with the fused kernel:
+CuPy's pool, the scratch only).
 A JSON report goes to ``--out`` when given.
 """
 
@@ -28,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.delta import DeltaTracker
+from weightwire.trainer.delta import DEFAULT_AHEAD, DEFAULT_GROUP_BYTES, DeltaTracker
 
 # hidden, intermediate, layers, heads, kv heads, head dim, vocab
 SHAPES = {
@@ -123,6 +129,19 @@ class Jax:
         out = x.host() if isinstance(x, self.prefix) else np.asarray(x)
         return out.reshape(-1).view(f"u{out.dtype.itemsize}")
 
+    def same(self, a: Any, b: Any) -> bool:
+        """Bit-equal, compared on the device (no host copy of the model per row)."""
+        from weightwire.jax_side.delta import _bits
+
+        return bool(self.jnp.array_equal(_bits(a), _bits(b)))
+
+    def forget_scratch(self) -> None:
+        try:
+            import cupy
+        except ImportError:
+            return
+        cupy.get_default_memory_pool().free_all_blocks()
+
 
 class Torch:
     def __init__(self, variant: str) -> None:
@@ -176,6 +195,16 @@ class Torch:
         words = {1: self.torch.uint8, 2: self.torch.int16, 4: self.torch.int32}
         return flat.view(words[flat.element_size()]).cpu().numpy()
 
+    def same(self, a: Any, b: Any) -> bool:
+        """Bit-equal, compared on the device (no host copy of the model per row)."""
+        from weightwire.torch_side.sender.delta import _bits
+
+        return bool(self.torch.equal(_bits(a), _bits(b)))
+
+    def forget_scratch(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.empty_cache()
+
 
 def timed(fw: Any, fn: Callable[[], Any], repeats: int, prepare: Callable[[], Any]) -> list[float]:
     samples = []
@@ -195,7 +224,7 @@ def check(fw: Any, base: dict, new: dict, bases: dict, built: Any, patches: int 
 
     from weightwire.shared.delta import apply_patch
 
-    if any(fw.host(bases[n]).tobytes() != fw.host(new[n]).tobytes() for n in new):
+    if not all(fw.same(bases[n], new[n]) for n in new):
         return False
     wire = dict(built.pairs)
     for p in built.patches[:patches]:
@@ -242,30 +271,52 @@ def encodings(fw: Any, built: Any, metas: list[ParamMeta]) -> dict[str, float]:
     return out
 
 
-def groups_only(fw: Any, tracker: DeltaTracker, new: dict, metas: list, bases: dict) -> Any:
-    """The build without the per-tensor bookkeeping: every group started and finished
-    (compare, counts, compaction, base update, tight copy), the same one-ahead pipeline."""
-    from weightwire.shared.groups import batch_by_layer
+def _fused() -> list[Any]:
+    """The fused CUDA kernels compiled so far (their wait, scratch and timing counters)."""
+    from weightwire.trainer import delta_cuda
 
-    by_name = {m.name: m for m in metas}
-    kernel, ahead = fw.kernel, None
-    for group in batch_by_layer(list(new.items())):
-        limits = [tracker.limit(by_name[n]) for n, _ in group]
-        started = kernel.start([t for _, t in group], [bases[n] for n, _ in group], limits)
-        if ahead is not None:
-            kernel.finish(ahead)
-        ahead = started
-    if ahead is not None:
-        kernel.finish(ahead)
-    kernel.settle()
-    return list(bases.values())
+    return list(delta_cuda._COMPILED.values())
+
+
+def measure(fw: Any, tracker: DeltaTracker, new: dict, metas: list, bases: dict) -> dict:
+    """One build on ``bases`` (a snapshot of the old weights, ready): wall time to the
+    device's end, and the host's part (the build's own time less its waits for counts and
+    for ``settle``)."""
+    settled = [0.0]
+    kernel = tracker.kernel
+
+    inner = kernel.settle
+
+    def settle() -> None:
+        t0 = time.perf_counter()
+        inner()
+        settled[0] += time.perf_counter() - t0
+
+    tracker.bases = bases
+    waited = sum(k.waited for k in _fused())
+    kernel.settle = settle  # the instance's: timed
+    try:
+        t0 = time.perf_counter()
+        built = tracker.build(list(new.items()), metas)
+        t1 = time.perf_counter()
+        fw.sync([[p for _, p in built.pairs], tracker.bases])
+        t2 = time.perf_counter()
+    finally:
+        del kernel.settle
+    waited = sum(k.waited for k in _fused()) - waited
+    return {"wall": t2 - t0, "host": t1 - t0 - waited - settled[0], "built": built}
 
 
 def run(
-    fw: Any, shape: str, lrs: list[float], repeats: int, density: float, encode: bool = False
-) -> list[dict]:
+    fw: Any, shape: str, lrs: list[float], repeats: int, density: float,
+    configs: list[tuple[int, int]], encode: bool = False,
+) -> list[dict]:  # fmt: skip
+    from weightwire.shared.groups import batch_by_layer
+    from weightwire.trainer.delta import batch_by_bytes
+
     shapes = llama_shapes(shape)
     metas = [ParamMeta(n, "bfloat16", s) for n, s in shapes.items()]
+    by_name = {m.name: m for m in metas}
     base = fw.weights(shapes)
     dense_bytes = sum(m.nbytes for m in metas)
     copy = fw.copy_all(base)
@@ -273,82 +324,84 @@ def run(
     rows = []
     for lr in lrs:
         new = fw.step(base, lr)
-        tracker = DeltaTracker(fw.kernel, density=density, anchor_every=0)
-
-        def build(bases: dict[str, Any], tracker: DeltaTracker = tracker, new: Any = new) -> Any:
-            tracker.bases = bases
-            built = tracker.build(list(new.items()), metas)
-            return [p for _, p in built.pairs], tracker.bases, built
-
-        bases = fw.snapshot(base)
-        fw.sync(bases)
-        fw.mark()
-        t0 = time.perf_counter()
-        first = build(bases)
-        fw.sync(first[:2])
-        first_s = time.perf_counter() - t0
-        scratch = fw.scratch()
-        built = first[2]
-        exact = check(fw, base, new, first[1], built)
-        samples = timed(fw, lambda a: build(a)[:2], repeats, lambda: fw.snapshot(base))
-        wire = sum(m.nbytes for m in built.metas)
-        groups_ms = None
-        if fw.name.endswith(("/cuda", "/auto")):
-            only = timed(
-                fw,
-                lambda a, t=tracker, n=new: groups_only(fw, t, n, metas, a),
-                repeats,
-                lambda: fw.snapshot(base),
+        for group_bytes, ahead in configs:
+            tracker = DeltaTracker(
+                fw.kernel, density=density, anchor_every=0, group_bytes=group_bytes, ahead=ahead
             )
-            groups_ms = 1e3 * statistics.median(only)
-        rows.append(
-            {
-                "framework": fw.name,
-                "device": fw.device,
-                "shape": shape,
-                "lr": lr,
-                "tensors": len(metas),
-                "density": built.density,
-                "changed": built.changed,
+            launches = len(list(batch_by_bytes(batch_by_layer(new.items()), by_name, group_bytes)))
+            bases = fw.snapshot(base)
+            fw.sync(bases)
+            fw.forget_scratch()
+            fw.mark()
+            for k in _fused():
+                k.scratch_peak = k.scratch_live
+            first = measure(fw, tracker, new, metas, bases)
+            del bases
+            scratch = fw.scratch()
+            peak = max((k.scratch_peak for k in _fused()), default=0)
+            built = first["built"]
+            exact = check(fw, base, new, tracker.bases, built)
+            samples = []
+            for _ in range(repeats):
+                bases = fw.snapshot(base)
+                fw.sync(bases)
+                got = measure(fw, tracker, new, metas, bases)
+                del got["built"], bases  # one round's base alive at a time (16 GB for 8B)
+                samples.append(got)
+            device_ms = None
+            if _fused():
+                for k in _fused():
+                    k.device_seconds()
+                    k.timing = True
+                bases = fw.snapshot(base)
+                fw.sync(bases)
+                measure(fw, tracker, new, metas, bases)
+                del bases
+                for k in _fused():
+                    k.timing = False
+                device_ms = 1e3 * sum(k.device_seconds() for k in _fused())
+            extract_ms = 1e3 * statistics.median(s["wall"] for s in samples)
+            r = {
+                "framework": fw.name, "device": fw.device, "shape": shape, "lr": lr,
+                "group_mib": group_bytes / 2**20, "ahead": ahead, "launches": launches,
+                "tensors": len(metas), "density": built.density, "changed": built.changed,
                 "patches": len(built.patches),
                 "dense_tensors": len(built.metas) - 2 * len(built.patches),
-                "dense_bytes": dense_bytes,
-                "wire_bytes": wire,
-                "changed_x6_bytes": 6 * built.changed,
-                "extract_ms": 1e3 * statistics.median(samples),
-                "first_extract_ms": 1e3 * first_s,
-                "dense_copy_ms": 1e3 * copy_s,
-                "exact": exact,
-                "scratch_bytes": scratch,
-                "groups_only_ms": groups_ms,
-            }
-        )
-        r = rows[-1]
-        print(
-            f"{fw.name:14} {fw.device:4} {shape:5} lr={lr:g}: density {r['density']:.3%}, "
-            f"extract {r['extract_ms']:.2f} ms (first {r['first_extract_ms']:.0f} ms) vs dense "
-            f"copy {r['dense_copy_ms']:.2f} ms = {r['extract_ms'] / r['dense_copy_ms']:.2f}x; "
-            f"wire {wire / 1e6:.1f} MB vs changed x 6 {6 * built.changed / 1e6:.1f} MB "
-            f"(dense {dense_bytes / 1e9:.2f} GB), {r['patches']} patches, "
-            f"{r['dense_tensors']} dense; exact={exact}; scratch {scratch / 1e9:.2f} GB",
-            flush=True,
-        )
-        if groups_ms is not None:
-            print(f"  groups only (no per-tensor bookkeeping): {groups_ms:.2f} ms", flush=True)
-        if encode:
-            r.update(encodings(fw, built, metas))
-            shown = ", ".join(
-                f"{k.removeprefix('index_bytes_per_changed_')} {v:.2f}"
-                for k, v in r.items()
-                if k.startswith("index_bytes")
-            )
+                "dense_bytes": dense_bytes, "wire_bytes": sum(m.nbytes for m in built.metas),
+                "changed_x6_bytes": 6 * built.changed, "extract_ms": extract_ms,
+                "first_extract_ms": 1e3 * first["wall"], "dense_copy_ms": 1e3 * copy_s,
+                "ratio": extract_ms / (1e3 * copy_s),
+                "host_ms": 1e3 * statistics.median(s["host"] for s in samples),
+                "device_ms": device_ms, "exact": exact, "scratch_bytes": scratch,
+                "scratch_peak_bytes": peak,
+            }  # fmt: skip
+            rows.append(r)
+            dev = f"{device_ms:.2f}" if device_ms is not None else "-"
             print(
-                f"  index bytes per changed element: {shown}; zlib-1 on the host at "
-                f"{r['zlib1_host_mb_s']:.0f} MB/s",
+                f"{fw.name:11} {shape} lr={lr:g} group={r['group_mib']:.0f}MiB ahead={ahead} "
+                f"launches={launches}: extract {extract_ms:.2f} ms vs copy "
+                f"{r['dense_copy_ms']:.2f} ms = {r['ratio']:.2f}x | host {r['host_ms']:.2f} "
+                f"ms, device {dev} ms | scratch peak {peak / 1e9:.2f} GB (allocator "
+                f"{scratch / 1e9:.2f} GB) | density {r['density']:.3%}, {r['patches']} "
+                f"patches, {r['dense_tensors']} dense, wire {r['wire_bytes'] / 1e6:.1f} MB, "
+                f"first {r['first_extract_ms']:.0f} ms, exact={exact}",
                 flush=True,
             )
-        del new, first, built
+            if encode:
+                r.update(encodings(fw, built, metas))
+                shown = ", ".join(
+                    f"{k.removeprefix('index_bytes_per_changed_')} {v:.2f}"
+                    for k, v in r.items()
+                    if k.startswith("index_bytes")
+                )
+                print(f"  index bytes per changed element: {shown}", flush=True)
+            del first, built, samples, tracker
+        del new
     return rows
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def main() -> None:
@@ -364,6 +417,14 @@ def main() -> None:
     ap.add_argument(
         "--torch-compaction", nargs="+", default=["static"], help="auto, cuda, static, nonzero"
     )
+    ap.add_argument(
+        "--group-mib", type=_ints, default=[DEFAULT_GROUP_BYTES >> 20],
+        help="DeltaTracker.group_bytes to sweep, in MiB, comma-separated (0: a launch per layer)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--ahead", type=_ints, default=[DEFAULT_AHEAD],
+        help="DeltaTracker.ahead to sweep, comma-separated (launches in flight past the oldest)",
+    )  # fmt: skip
     ap.add_argument("--encodings", action="store_true", help="index sizes of other encodings")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
@@ -376,7 +437,8 @@ def main() -> None:
     for make, variant in kinds:
         fw = make(variant)
         shape = args.shape or ("8b" if fw.device in ("gpu", "cuda") else "small")
-        rows += run(fw, shape, args.lrs, args.repeats, args.density, args.encodings)
+        configs = [(g << 20, a) for g in args.group_mib for a in args.ahead]
+        rows += run(fw, shape, args.lrs, args.repeats, args.density, configs, args.encodings)
         del fw
     if args.out:
         with open(args.out, "w") as f:

@@ -19,13 +19,22 @@ from __future__ import annotations
 import math
 import secrets
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightwire.shared.delta import MAX_PATCH_NUMEL, Patch
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.groups import batch_by_layer
 from weightwire.shared.meta import ParamMeta
+
+DEFAULT_GROUP_BYTES = 2 << 30
+"""Whole layer groups per kernel launch up to this many bytes: every launch costs the host
+a fixed amount (tables, allocations, the counts' sync, the pack), which at one launch per
+decoder layer is more than the device's time for the layer. An 8B model in bf16 (16 GB):
+about 8 launches."""
+DEFAULT_AHEAD = 1
 
 
 @dataclass
@@ -129,13 +138,47 @@ class RoundTokens:
         return f"{self.session}:{attempt}"
 
 
+def batch_by_bytes(
+    groups: Iterable[list[tuple[str, Any]]], metas: dict[str, ParamMeta], budget: int
+) -> Iterator[list[tuple[str, Any]]]:
+    """Consecutive groups joined while their tensors' bytes stay within ``budget`` (a group
+    over it goes alone), in stream order. A stream that makes its tensors as it goes holds
+    up to ``budget`` bytes of them at once."""
+    batch: list[tuple[str, Any]] = []
+    held = 0
+    for group in groups:
+        size = sum(metas[name].nbytes for name, _ in group)
+        if batch and held + size > budget:
+            yield batch
+            batch, held = [], 0
+        batch += group
+        held += size
+    if batch:
+        yield batch
+
+
 class DeltaTracker:
     """What the workers hold (``bases``, ``token``) and how the next round is built."""
 
-    def __init__(self, kernel: DeltaKernel, *, density: float, anchor_every: int) -> None:
+    def __init__(
+        self,
+        kernel: DeltaKernel,
+        *,
+        density: float,
+        anchor_every: int,
+        group_bytes: int = DEFAULT_GROUP_BYTES,
+        ahead: int = DEFAULT_AHEAD,
+    ) -> None:
+        if group_bytes < 0 or ahead < 1:
+            raise ConfigError(f"need group_bytes >= 0 and ahead >= 1, got {group_bytes}, {ahead}")
         self.kernel = kernel
         self.density = density
         self.anchor_every = anchor_every
+        self.group_bytes = group_bytes
+        """A launch covers whole layer groups up to this many bytes of new weights (``0``:
+        one layer group each; a group larger than it goes alone)."""
+        self.ahead = ahead
+        """Launches started before the oldest one's counts are read."""
         self.bases: dict[str, Any] = {}
         self.metas: list[ParamMeta] = []
         self.token: str | None = None
@@ -186,9 +229,12 @@ class DeltaTracker:
         base, one layer group at a time; the base ends up holding the new bytes. ``None``:
         the round must go dense (it is partial but has no tensor a patch can name)."""
         by_name = {m.name: m for m in metas}
-        out = DeltaRound([], [], [], 0, sum(m.numel for m in metas), sum(m.nbytes for m in metas))
+        out = DeltaRound([], [], [], 0, 0, 0)
         try:
             self._compare(pairs, by_name, out)
+            # Summed once the last launch is queued: the device works meanwhile.
+            out.elements = sum(m.numel for m in metas)
+            out.dense_bytes = sum(m.nbytes for m in metas)
         finally:
             self.kernel.settle()
         # A partial round still names its base, so the workers check it.
@@ -207,36 +253,38 @@ class DeltaTracker:
     def _compare(
         self, pairs: Iterable[tuple[str, Any]], by_name: dict[str, ParamMeta], out: DeltaRound
     ) -> None:
-        """One group at a time, the next group started before this one's counts are read."""
-        ahead: tuple[list[tuple[str, Any]], Any] | None = None
-        for group in batch_by_layer(pairs):
-            bases = [self.bases[name] for name, _ in group]
-            limits = [self.limit(by_name[name]) for name, _ in group]
-            started = self.kernel.start([t for _, t in group], bases, limits)
-            if ahead is not None:
-                self._take(out, by_name, *ahead)
-            ahead = (group, started)
-        if ahead is not None:
-            self._take(out, by_name, *ahead)
+        """One launch at a time, ``ahead`` more started before its counts are read."""
+        flight: deque[tuple[list[tuple[str, Any]], list[ParamMeta], list[int], Any]] = deque()
+        for batch in batch_by_bytes(batch_by_layer(pairs), by_name, self.group_bytes):
+            metas = [by_name[name] for name, _ in batch]
+            limits = [self.limit(m) for m in metas]
+            bases = [self.bases[name] for name, _ in batch]
+            started = self.kernel.start([t for _, t in batch], bases, limits)
+            flight.append((batch, metas, limits, started))
+            if len(flight) > self.ahead:
+                self._take(out, *flight.popleft())
+        while flight:
+            self._take(out, *flight.popleft())
 
     def _take(
         self,
         out: DeltaRound,
-        by_name: dict[str, ParamMeta],
-        group: list[tuple[str, Any]],
+        batch: list[tuple[str, Any]],
+        metas: list[ParamMeta],
+        limits: list[int],
         started: Any,
     ) -> None:
         scan = self.kernel.finish(started)
-        for i, ((name, new), count) in enumerate(zip(group, scan.counts, strict=True)):
+        for i, count in enumerate(scan.counts):
             if count:
-                self._add(out, by_name[name], scan, i, new, count)
+                self._add(out, metas[i], limits[i], scan, i, batch[i][1], count)
 
     def _add(
-        self, out: DeltaRound, meta: ParamMeta, scan: Scan, i: int, new: Any, count: int
+        self, out: DeltaRound, meta: ParamMeta, limit: int, scan: Scan, i: int, new: Any, count: int
     ) -> None:
         out.changed += count
         base = self.bases[meta.name]
-        if count > self.limit(meta):
+        if count > limit:
             fresh = base if scan.updated else self.kernel.refresh(new, base)
             self.bases[meta.name] = fresh
             out.pairs.append((meta.name, fresh))

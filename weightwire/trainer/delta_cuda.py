@@ -1,13 +1,14 @@
 """Fused delta extraction on a CUDA device, shared by the JAX and the torch trainer.
 
-One pass over a layer group's new weights and base per round (``delta_cuda_source``: one
-launch per group): compare bit patterns, count per tensor, compact each tensor's changed
-elements (``int32`` flat indices and values, in increasing index order) into a scratch
-region sized by the tensor's patch limit, and write the changed elements into the base.
-The counts come back with one host sync per group; the caller can start the next group
-before waiting on this one (``DeltaTracker.build`` does), so the device does not idle on
-the sync. Then ``pack`` copies the tensors that go as patches out of the scratch into tight
-buffers the caller allocated (one launch), and the scratch is released.
+One pass over the new weights and the base per round, one launch per batch of layer groups
+(``DeltaTracker.group_bytes``; ``delta_cuda_source``): compare bit patterns, count per
+tensor, compact each tensor's changed elements (``int32`` flat indices and values, in
+increasing index order) into a scratch region sized by the tensor's patch limit, and write
+the changed elements into the base. The counts come back with one host sync per launch; the
+caller can start the next launch before waiting on this one (``DeltaTracker.build`` does),
+so the device does not idle on the sync. Then ``pack`` copies the tensors that go as patches
+out of the scratch into tight buffers the caller allocated (one launch), and the scratch is
+released.
 
 Framework-neutral: tensors reach it as raw device pointers (``Operand``), device memory
 comes from the caller's allocator (stream-ordered on the stream it launches on: torch's
@@ -18,6 +19,7 @@ and every launch goes on the caller's stream. CuPy is imported on first use.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +134,7 @@ class Pending:
     event: Any
     keep: Any
     """The caller's arrays, alive until the group's work is done."""
+    scratch_bytes: int = 0
 
 
 class _StreamRef:
@@ -154,50 +157,78 @@ class FusedDelta:
             raise ConfigError(f"vec must be 1, 2 or 4, got {vec}")
         import cupy
 
-        self._cp = cupy
-        self.device = int(device)
-        self.vec = vec
-        with cupy.cuda.Device(self.device):
+        with cupy.cuda.Device(int(device)):
             module = cupy.RawModule(code=SOURCE, options=("-std=c++17", f"-DWW_VEC={vec}"))
-            self._delta = module.get_function("ww_delta")
-            self._pack = module.get_function("ww_pack")
+            kernels = module.get_function("ww_delta"), module.get_function("ww_pack")
+        self._setup(cupy, int(device), vec, *kernels)
+
+    def _setup(self, cupy: Any, device: int, vec: int, delta: Any, pack: Any) -> None:
+        """Everything but the compilation (a CPU test hands in an emulation of CuPy)."""
+        self._cp = cupy
+        self.device = device
+        self.vec = vec
+        self._delta = delta
+        self._pack = pack
         self._events: list[int] = []
         """Idle CUDA events (a group's counts are read after one), reused."""
+        self._hosts: list[Any] = []
+        """Idle pinned buffers for the counts, reused."""
+        self.waited = 0.0
+        """Seconds the host spent waiting for counts (the benchmark's host-time split)."""
+        self.scratch_live = 0
+        self.scratch_peak = 0
+        """Scratch bytes of the launches not yet packed, and their most at once."""
+        self.timing = False
+        """Record a timed event pair around every launch and pack (``device_seconds``)."""
+        self._spans: list[tuple[int, int]] = []
 
     def launch(self, operands: Sequence[Operand], stream: int, alloc: Alloc, keep: Any) -> Pending:
         """Enqueue the group on ``stream`` (a raw CUDA stream pointer); nothing waits."""
         cp = self._cp
         ops = list(operands)
         n = len(ops)
-        table = np.zeros(n, _ENTRY)
-        tiles = [op.tiles(self.vec) for op in ops]
-        total = sum(tiles)
+        # Column by column in numpy: a launch covers many tensors (several layer groups), and
+        # per-row Python would cost the host more than the device spends on them.
+        table = np.empty(n, _ENTRY)
+        fresh = np.fromiter((op.new for op in ops), np.uint64, n)
+        base = np.fromiter((op.base for op in ops), np.uint64, n)
+        numel = np.fromiter((op.numel for op in ops), np.int64, n)
+        itemsize = np.fromiter((op.itemsize for op in ops), np.int64, n)
+        limit = np.fromiter((op.limit for op in ops), np.int64, n)
+        tiles = -(-numel // (THREADS * self.vec * 16 // itemsize))
+        ends = np.cumsum(tiles)
+        total = int(ends[-1]) if n else 0
         table_bytes = _up(max(1, n) * _ENTRY.itemsize)
         zeroed = _up(16 + 8 * n) + 8 * total  # ticket, counts, tile status words
         copies_at = table_bytes + _up(zeroed)
-        at = copies_at + _up(2 * n * _COPY.itemsize)
-        outputs = []
-        for op in ops:
-            index_at = at
-            at += _up(4 * op.limit)
-            outputs.append((index_at, at))
-            at += _up(op.itemsize * op.limit)
-        scratch_ptr, scratch = alloc(at)
-        first = 0
-        for i, (op, t) in enumerate(zip(ops, tiles, strict=True)):
-            aligned = op.new % _ALIGN == 0 and op.base % _ALIGN == 0
-            table[i] = (
-                op.new, op.base, scratch_ptr + outputs[i][0], scratch_ptr + outputs[i][1],
-                op.numel, op.limit, first, t, op.itemsize, int(aligned),
-            )  # fmt: skip
-            first += t
-        host = cp.cuda.alloc_pinned_memory(max(8, 8 * n))
+        start = copies_at + _up(2 * n * _COPY.itemsize)
+        index_size = (4 * limit + _ALIGN - 1) // _ALIGN * _ALIGN
+        values_size = (itemsize * limit + _ALIGN - 1) // _ALIGN * _ALIGN
+        region_ends = start + np.cumsum(index_size + values_size)
+        index_at = region_ends - index_size - values_size
+        values_at = region_ends - values_size
+        scratch_bytes = int(region_ends[-1]) if n else start
+        scratch_ptr, scratch = alloc(scratch_bytes)
+        self.scratch_live += scratch_bytes
+        self.scratch_peak = max(self.scratch_peak, self.scratch_live)
+        table["fresh"] = fresh
+        table["base"] = base
+        table["index"] = index_at.astype(np.uint64) + np.uint64(scratch_ptr)
+        table["values"] = values_at.astype(np.uint64) + np.uint64(scratch_ptr)
+        table["numel"] = numel
+        table["capacity"] = limit
+        table["first_tile"] = ends - tiles
+        table["tiles"] = tiles
+        table["itemsize"] = itemsize
+        table["aligned"] = ((fresh | base) % np.uint64(_ALIGN)) == 0
+        host = self._pinned(n)
         counts_view = np.frombuffer(host, np.uint64, n)
         runtime = cp.cuda.runtime
         with cp.cuda.Device(self.device):
             ticket = scratch_ptr + table_bytes
             counts = ticket + 16
             status = ticket + _up(16 + 8 * n)
+            span = self._span_start(stream)
             runtime.memsetAsync(ticket, 0, zeroed, stream)
             if n:
                 runtime.memcpyAsync(
@@ -215,16 +246,25 @@ class FusedDelta:
                 runtime.memcpyAsync(host.ptr, counts, 8 * n, runtime.memcpyDeviceToHost, stream)
             event = self._event()
             runtime.eventRecord(event, stream)
+            self._span_end(span, stream)
+        outputs = list(zip(index_at.tolist(), values_at.tolist(), strict=True))
         return Pending(
-            ops, stream, scratch, scratch_ptr, outputs, copies_at, host, counts_view, event, keep
-        )
+            ops, stream, scratch, scratch_ptr, outputs, copies_at, host, counts_view, event, keep,
+            scratch_bytes,
+        )  # fmt: skip
 
     def counts(self, pending: Pending) -> list[int]:
         """The group's changed-element counts (waits for its launch: the host sync)."""
+        t0 = time.perf_counter()
         self._cp.cuda.runtime.eventSynchronize(pending.event)
+        self.waited += time.perf_counter() - t0
         self._events.append(pending.event)
         pending.event = None
-        return pending.counts_view.tolist()
+        got = pending.counts_view.tolist()
+        # The counts are read: the pinned buffer serves a later launch.
+        self._hosts.append(pending.host)
+        pending.host = None
+        return got
 
     def pack(
         self, pending: Pending, plan: Layout, counts: Sequence[int], index: int,
@@ -250,6 +290,7 @@ class FusedDelta:
             grid = (max(1, math.ceil(longest / _PACK_CHUNK)), min(len(copies), _MAX_GRID_Y))
             with cp.cuda.Device(self.device):
                 dst = pending.scratch_ptr + pending.copies_at
+                span = self._span_start(pending.stream)
                 runtime.memcpyAsync(
                     dst, table.ctypes.data, table.nbytes, runtime.memcpyHostToDevice,
                     pending.stream,
@@ -260,10 +301,47 @@ class FusedDelta:
                     (np.uint64(dst), np.int32(len(copies))),
                     stream=_StreamRef(pending.stream),
                 )
+                self._span_end(span, pending.stream)
         # Stream-ordered memory: a later allocation on this stream reuses it only after
         # the copy above ran.
+        self.scratch_live -= pending.scratch_bytes
         pending.scratch = None
         pending.keep = None
+
+    def _pinned(self, n: int) -> Any:
+        """Pinned host memory for ``n`` counts: an idle buffer large enough, or a new one
+        (a round's launches reuse the same few)."""
+        for i, host in enumerate(self._hosts):
+            if memoryview(host).nbytes >= 8 * n:
+                return self._hosts.pop(i)
+        return self._cp.cuda.alloc_pinned_memory(max(64, 8 * n))
+
+    def _span_start(self, stream: int) -> int | None:
+        if not self.timing:
+            return None
+        event = int(self._cp.cuda.runtime.eventCreate())
+        self._cp.cuda.runtime.eventRecord(event, stream)
+        return event
+
+    def _span_end(self, start: int | None, stream: int) -> None:
+        if start is not None:
+            end = int(self._cp.cuda.runtime.eventCreate())
+            self._cp.cuda.runtime.eventRecord(end, stream)
+            self._spans.append((start, end))
+
+    def device_seconds(self) -> float:
+        """The device time of the launches and packs timed since the last call (waits for
+        them): what a round costs the device with no host in the way."""
+        runtime = self._cp.cuda.runtime
+        total = 0.0
+        with self._cp.cuda.Device(self.device):
+            for start, end in self._spans:
+                runtime.eventSynchronize(end)
+                total += runtime.eventElapsedTime(start, end) / 1e3
+                runtime.eventDestroy(start)
+                runtime.eventDestroy(end)
+        self._spans.clear()
+        return total
 
     def _event(self) -> int:
         if self._events:

@@ -3,7 +3,7 @@
 Two implementations behind one ``DeltaKernel``, chosen by ``compaction``:
 
 - ``cuda`` (the default on CUDA when CuPy imports: ``auto``): the fused kernel of
-  ``trainer.delta_cuda``, one launch per layer group on torch's current stream, reading
+  ``trainer.delta_cuda``, one launch per batch of layer groups on torch's current stream, reading
   the new weights and the base once (compare, counts, compaction, the base update); the
   counts come back with one host sync per group while the next group already runs. Its
   scratch and outputs come from torch's caching allocator on that stream.
@@ -93,7 +93,7 @@ class TorchDeltaKernel(DeltaKernel):
             )
             for n, b, limit in zip(flat, bases, limits, strict=True)
         ]
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = self._stream(device)
 
         def alloc(nbytes: int) -> tuple[int, Any]:
             t = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -141,12 +141,19 @@ class TorchDeltaKernel(DeltaKernel):
         index = torch.zeros(1, dtype=torch.int32, device=base.device)
         return Extracted(index, base.reshape(-1)[:1].clone(), base)
 
+    fused_type = "cuda"
+    """The device type the fused kernel takes (a CPU test emulates it on ``cpu``)."""
+
+    @staticmethod
+    def _stream(device: torch.device) -> int:
+        return int(torch.cuda.current_stream(device).cuda_stream)
+
     def _fusable(self, news: Sequence[Any], bases: Sequence[Any]) -> torch.device | None:
         """The one CUDA device of the whole group when the fused kernel can take it."""
         if not self._fused or not news:
             return None
         device = news[0].device
-        if device.type != "cuda":
+        if device.type != self.fused_type:
             return None
         for n, b in zip(news, bases, strict=True):
             same = n.device == device and b.device == device and n.dtype == b.dtype

@@ -1,0 +1,138 @@
+"""Delta launches batched by bytes, on CPU: which layer groups share a launch, and the fused
+kernel's host side (tables, scratch layout, pinned buffers, the pack) driven through an
+emulation of its CuPy calls (``fused_emulator``): the rounds are the reference kernel's byte
+for byte whatever ``group_bytes`` and ``ahead`` are."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.trainer.delta_batches import assert_same_rounds, batch_sizes, layered
+from tests.trainer.fused_emulator import Emulator, emulated
+from weightwire.shared.errors import ConfigError
+from weightwire.shared.meta import ParamMeta
+from weightwire.trainer.delta import DeltaTracker, batch_by_bytes
+
+CONFIGS = [(0, 1), (0, 3), (40_000, 1), (40_000, 2), (1 << 30, 1)]
+LAYERS = 5
+
+
+def _groups(sizes: list[tuple[str, int]], budget: int) -> list[list[str]]:
+    metas = {n: ParamMeta(n, "uint8", (s,)) for n, s in sizes}
+    groups = [[(n, None)] for n, _ in sizes]
+    return [[n for n, _ in b] for b in batch_by_bytes(groups, metas, budget)]
+
+
+def test_batches_join_whole_groups_within_the_budget() -> None:
+    sizes = [("a", 10), ("b", 10), ("c", 25), ("d", 5), ("e", 5)]
+    assert _groups(sizes, 0) == [["a"], ["b"], ["c"], ["d"], ["e"]]
+    assert _groups(sizes, 20) == [["a", "b"], ["c"], ["d", "e"]]  # c alone: over the budget
+    assert _groups(sizes, 25) == [["a", "b"], ["c"], ["d", "e"]]
+    assert _groups(sizes, 55) == [["a", "b", "c", "d", "e"]]
+    assert _groups([], 10) == []
+
+
+def test_layer_groups_stay_whole_in_a_batch() -> None:
+    model = layered(np.random.default_rng(0), LAYERS)
+    per_layer = batch_sizes(model, 0)
+    assert per_layer == [1] + [5] * LAYERS + [2]
+    # ~16.5 kB a layer, 10 kB the embedding and the tail: embed + layer 0, then two layers each.
+    assert batch_sizes(model, 40_000) == [6, 10, 10, 2]
+    assert batch_sizes(model, 1 << 30) == [len(model)]
+
+
+def test_tracker_refuses_bad_knobs() -> None:
+    with pytest.raises(ConfigError, match="group_bytes >= 0 and ahead >= 1"):
+        DeltaTracker(None, density=0.5, anchor_every=0, group_bytes=-1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="group_bytes >= 0 and ahead >= 1"):
+        DeltaTracker(None, density=0.5, anchor_every=0, ahead=0)  # type: ignore[arg-type]
+
+
+def test_torch_fused_batches_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from weightwire.torch_side.sender.delta import TorchDeltaKernel
+
+    words = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+    def to_device(dtype: str, bits: np.ndarray) -> Any:
+        signed = bits.view(f"i{bits.itemsize}") if bits.itemsize > 1 else bits
+        return torch.from_numpy(signed.copy()).view(getattr(torch, dtype))
+
+    def host(t: Any) -> np.ndarray:
+        flat = t.detach().reshape(-1)
+        return flat.view(words[flat.element_size()]).numpy()
+
+    emulator = Emulator()
+    monkeypatch.setattr(TorchDeltaKernel, "fused_type", "cpu")
+    monkeypatch.setattr(TorchDeltaKernel, "_stream", staticmethod(lambda device: 0))
+    model = layered(np.random.default_rng(1), LAYERS)
+    with emulated(monkeypatch, emulator):
+        fused = TorchDeltaKernel("cuda")
+        reference = TorchDeltaKernel("static")
+        assert_same_rounds(fused, reference, model, to_device, host, CONFIGS)
+        kernel = emulator.fused()
+    assert emulator.launches[: len(batch_sizes(model, 0))] == batch_sizes(model, 0)
+    assert emulator.launches[-1] == len(model)  # the last config: one launch
+    # The counts' pinned buffers are reused across launches and rounds.
+    assert emulator.pinned_allocs <= 4 + max(a for _, a in CONFIGS)
+    del kernel
+
+
+def test_fused_scratch_is_released_and_its_peak_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from weightwire.torch_side.sender.delta import TorchDeltaKernel
+    from weightwire.trainer import delta_cuda
+
+    emulator = Emulator()
+    monkeypatch.setattr(TorchDeltaKernel, "fused_type", "cpu")
+    monkeypatch.setattr(TorchDeltaKernel, "_stream", staticmethod(lambda device: 0))
+    with emulated(monkeypatch, emulator):
+        kernel = TorchDeltaKernel("cuda")
+        n, limit = 50_000, 10_000
+        news = [torch.arange(n, dtype=torch.int16).view(torch.bfloat16) for _ in range(2)]
+        bases = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)]
+        fused = delta_cuda.fused(0)
+        fused.timing = True
+        scan = kernel.finish(kernel.start(news, bases, [n, limit]))  # a patch, then dense
+        assert scan.counts == [n - 1, n - 1] and scan.updated  # element 0 is 0 in both
+        assert fused.scratch_live == 0
+        # Each tensor's region: its limit's int32 indices and bf16 values (16-byte aligned).
+        assert fused.scratch_peak >= (4 * n + 2 * n) + (4 * limit + 2 * limit)
+        assert fused.device_seconds() == pytest.approx(1e-3)  # one launch, one pack: 0.5 ms each
+        got = kernel.extract(scan, 0, news[0], bases[0])
+        assert torch.equal(got.index, torch.arange(1, n, dtype=torch.int32))
+        assert torch.equal(got.values.view(torch.int16), torch.arange(1, n, dtype=torch.int16))
+        assert all(
+            torch.equal(b.view(torch.int16), x.view(torch.int16))
+            for b, x in zip(bases, news, strict=True)
+        )
+
+
+def test_jax_fused_batches_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from weightwire.jax_side.delta import JaxDeltaKernel, Prefix
+    from weightwire.jax_side.delta_cuda import JaxFused
+
+    dtypes = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "bool": np.bool_}
+
+    def to_device(dtype: str, bits: np.ndarray) -> Any:
+        return jax.device_put(jnp.asarray(bits.view(dtypes[dtype])), jax.devices("cpu")[0])
+
+    def host(x: Any) -> np.ndarray:
+        out = x.host() if isinstance(x, Prefix) else np.asarray(x)
+        return out.reshape(-1).view(f"u{out.dtype.itemsize}")
+
+    emulator = Emulator()
+    model = layered(np.random.default_rng(2), LAYERS)
+    with emulated(monkeypatch, emulator):
+        fused = JaxDeltaKernel("search")
+        fused._fused = JaxFused(emulator.cupy)
+        fused._fused.platform = "cpu"
+        assert_same_rounds(fused, JaxDeltaKernel("search"), model, to_device, host, CONFIGS)
+    assert emulator.launches[-1] == len(model)
