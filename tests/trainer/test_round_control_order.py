@@ -383,3 +383,16 @@ def test_a_failed_start_that_pauses_counts_as_paused_and_started(
     assert round_routes(server) == ["start_weight_update", "resume"]
     del server.fail["start_weight_update"]
     assert engine.send_weights().version == "1"  # a failed start opened nothing: usable
+
+
+def test_several_servers_keep_separate_finish_calls_even_where_each_offers_one() -> None:
+    from types import SimpleNamespace
+
+    from weightwire.trainer.freshness import finishes_with_resume
+
+    def client(urls: list[str]) -> Any:
+        return SimpleNamespace(base_urls=urls, finishes_with_resume=lambda: True)
+
+    assert finishes_with_resume(client(["http://a:1"]))
+    # One server's commit must not resume it while another's failed finish keeps the old weights.
+    assert not finishes_with_resume(client(["http://a:1", "http://b:1"]))

@@ -112,10 +112,16 @@ class CommitPlan:
 
 
 def finishes_with_resume(client: Any) -> bool:
-    """Every server advertised a finish that also resets the caches and resumes
-    (``routes.FINISH_RESETS_RESUMES``: weightwire's reference server, never stock vLLM)."""
+    """One server, and it advertised a finish that also resets the caches and resumes
+    (``routes.FINISH_RESETS_RESUMES``: weightwire's reference server, never stock vLLM).
+
+    With several servers the calls stay separate: a server whose finish committed would
+    resume itself on the new weights while one whose finish failed stays on the old, where
+    separate calls keep every server paused until the round's failure rule decides."""
     ask = getattr(client, "finishes_with_resume", None)
-    return callable(ask) and ask() is True
+    servers = getattr(client, "base_urls", None)
+    one = servers is None or len(servers) == 1
+    return one and callable(ask) and ask() is True
 
 
 def commit_resumed(client: Any, version: str, *, record: Callable[[], None]) -> None:
