@@ -225,7 +225,7 @@ def weight_sets(args: argparse.Namespace) -> WeightSets:
     """``w0`` and ``w1`` = one Adam-like step of ``w0`` (bench_delta.py's step) on the
     trainer's device, in the stub model's checkpoint names and shapes; JAX's arrays are the
     same memory (DLPack)."""
-    from benchmarks.bench_delta import Torch
+    from benchmarks.delta_frameworks import Torch
     from tests.torch_side.vllm_stub import hf_shapes
 
     fw = Torch("static")
