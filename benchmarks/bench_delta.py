@@ -8,6 +8,8 @@ dense device copy of the same weights, and the payload against (changed elements
         --torch-compaction static cuda         # the fused CUDA kernel beside the others
     python benchmarks/bench_delta.py --framework torch --torch-compaction cuda --lrs 1e-6 \
         --group-mib 0,1024,2048,4096 --ahead 1,2   # sweep the launch batching (one row each)
+    python benchmarks/bench_delta.py --framework torch --torch-compaction cuda --lrs 1e-6 \
+        --tilings 256x4,256x8,512x8x2         # sweep the kernel's tiling (threads x vec [x blocks])
 
 One Adam-like step: ``new = bf16(w - lr * sign(g))`` (Adam's first step is ``lr`` times a
 unit-magnitude update per element) on weights drawn like an initialized model's
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from weightwire.shared.meta import ParamMeta
+from weightwire.trainer import delta_cuda
 from weightwire.trainer.delta import DEFAULT_AHEAD, DEFAULT_GROUP_BYTES, DeltaTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root
@@ -173,7 +176,7 @@ def measure(fw: Any, tracker: DeltaTracker, new: dict, metas: list, bases: dict)
 
 def run(
     fw: Any, shape: str, lrs: list[float], repeats: int, density: float,
-    configs: list[tuple[int, int]], encode: bool = False,
+    configs: list[tuple[int, int, Any]], encode: bool = False,
 ) -> list[dict]:  # fmt: skip
     from weightwire.shared.groups import batch_by_layer
     from weightwire.trainer.delta import batch_by_bytes
@@ -188,7 +191,8 @@ def run(
     rows = []
     for lr in lrs:
         new = fw.step(base, lr)
-        for group_bytes, ahead in configs:
+        for group_bytes, ahead, tiling in configs:
+            delta_cuda.TILING = tiling
             tracker = DeltaTracker(
                 fw.kernel, density=density, anchor_every=0, group_bytes=group_bytes, ahead=ahead
             )
@@ -228,6 +232,7 @@ def run(
             r = {
                 "framework": fw.name, "device": fw.device, "shape": shape, "lr": lr,
                 "group_mib": group_bytes / 2**20, "ahead": ahead, "launches": launches,
+                "tiling": f"{tiling.threads}x{tiling.vec}x{tiling.min_blocks}",
                 "tensors": len(metas), "density": built.density, "changed": built.changed,
                 "patches": len(built.patches),
                 "dense_tensors": len(built.metas) - 2 * len(built.patches),
@@ -243,6 +248,7 @@ def run(
             dev = f"{device_ms:.2f}" if device_ms is not None else "-"
             print(
                 f"{fw.name:11} {shape} lr={lr:g} group={r['group_mib']:.0f}MiB ahead={ahead} "
+                f"tiling={r['tiling']} "
                 f"launches={launches}: extract {extract_ms:.2f} ms vs copy "
                 f"{r['dense_copy_ms']:.2f} ms = {r['ratio']:.2f}x | host {r['host_ms']:.2f} "
                 f"ms, device {dev} ms | scratch peak {peak / 1e9:.2f} GB (allocator "
@@ -268,6 +274,11 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _tilings(text: str) -> list[Any]:
+    """``threads x vec [x min_blocks]``, comma-separated."""
+    return [delta_cuda.Tiling(*(int(v) for v in t.split("x"))) for t in text.split(",") if t]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--framework", choices=["jax", "torch", "both"], default="both")
@@ -289,6 +300,10 @@ def main() -> None:
         "--ahead", type=_ints, default=[DEFAULT_AHEAD],
         help="DeltaTracker.ahead to sweep, comma-separated (launches in flight past the oldest)",
     )  # fmt: skip
+    ap.add_argument(
+        "--tilings", type=_tilings, default=[delta_cuda.TILING],
+        help="the fused kernel's tilings to sweep: threads x vec [x min blocks], comma-separated",
+    )  # fmt: skip
     ap.add_argument("--encodings", action="store_true", help="index sizes of other encodings")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
@@ -301,7 +316,9 @@ def main() -> None:
     for make, variant in kinds:
         fw = make(variant)
         shape = args.shape or ("8b" if fw.device in ("gpu", "cuda") else "small")
-        configs = [(g << 20, a) for g in args.group_mib for a in args.ahead]
+        configs = [
+            (g << 20, a, t) for t in args.tilings for g in args.group_mib for a in args.ahead
+        ]
         rows += run(fw, shape, args.lrs, args.repeats, args.density, configs, args.encodings)
         del fw
     if args.out:

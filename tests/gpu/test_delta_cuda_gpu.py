@@ -139,6 +139,35 @@ def test_torch_fused_matches_reference(density: float | str) -> None:
     _compare(TorchDeltaKernel("cuda"), TorchDeltaKernel("static"), group, to_device, host)
 
 
+# Tilings the benchmark sweeps (threads, vec, min_blocks): every one compiles and matches.
+TILINGS = [(128, 1, 1), (256, 8, 1), (512, 8, 2), (1024, 16, 1), (256, 16, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", TILINGS, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("density", [0.02, 0.3, 1.0])
+def test_torch_fused_matches_reference_every_tiling(
+    tiling: tuple[int, int, int], density: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = _torch()
+    from weightwire.torch_side.sender.delta import TorchDeltaKernel
+    from weightwire.trainer import delta_cuda
+
+    monkeypatch.setattr(delta_cuda, "TILING", delta_cuda.Tiling(*tiling))
+    words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+    def to_device(name: str, bits: np.ndarray) -> Any:
+        t = torch.from_numpy(bits.view(f"i{bits.itemsize}") if bits.itemsize > 1 else bits)
+        return t.cuda().view(getattr(torch, name))
+
+    def host(t: Any) -> np.ndarray:
+        flat = t.detach().reshape(-1)
+        return flat.view(words[flat.element_size()]).cpu().numpy()
+
+    group = _group(np.random.default_rng(17), density, TORCH_WIDTHS)
+    _compare(TorchDeltaKernel("cuda"), TorchDeltaKernel("static"), group, to_device, host)
+
+
 @pytest.mark.gpu
 def test_torch_fused_misaligned_views_and_huge_tensor() -> None:
     """Views at odd offsets take the element path; a tensor past the int32 index range is

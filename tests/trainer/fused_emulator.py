@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from weightwire.trainer import delta_cuda
-from weightwire.trainer.delta_cuda import _COPY, _ENTRY, _PACK_CHUNK, THREADS, FusedDelta
+from weightwire.trainer.delta_cuda import _COPY, _ENTRY, _PACK_CHUNK, FusedDelta, Tiling
 
 Counts = Callable[[int, int], int]
 """``(changed, capacity) -> count`` the emulated kernel reports (profiling fakes cheap
@@ -70,7 +70,7 @@ class Emulator:
 
     def __init__(self, counts: Counts | None = None, compute: bool = True) -> None:
         self.counts = counts
-        self.vec = delta_cuda.VEC
+        self.tiling = delta_cuda.TILING
         self.compute = compute
         self.launches: list[int] = []
         self.packs: list[int] = []
@@ -101,10 +101,10 @@ class Emulator:
             uint8=np.uint8,
         )
 
-    def fused(self, device: int = 0, vec: int = delta_cuda.VEC) -> FusedDelta:
-        self.vec = vec
+    def fused(self, device: int = 0, tiling: Tiling | None = None) -> FusedDelta:
+        self.tiling = tiling or delta_cuda.TILING
         kernel = FusedDelta.__new__(FusedDelta)
-        kernel._setup(self.cupy, device, vec, self._delta, self._pack)
+        kernel._setup(self.cupy, device, self.tiling, self._delta, self._pack)
         return kernel
 
     def _pinned(self, nbytes: int) -> _Pinned:
@@ -131,7 +131,7 @@ class Emulator:
 
     def _delta(self, grid: tuple, block: tuple, args: tuple, stream: Any = None) -> None:
         table_ptr, n, ticket, counts_ptr, status = (int(a) for a in args)
-        assert block == (THREADS,)
+        assert block == (self.tiling.threads,)
         self.launches.append(n)
         if not self.compute:
             return
@@ -139,8 +139,8 @@ class Emulator:
         assert ticket in self._zeroed
         tiles = table["tiles"]
         assert list(table["first_tile"]) == list(np.cumsum(tiles) - tiles)
-        for e in table:  # a tile: THREADS x vec 16-byte vectors of one tensor
-            per_tile = THREADS * self.vec * 16 // int(e["itemsize"])
+        for e in table:  # a tile: threads x vec 16-byte vectors of one tensor
+            per_tile = self.tiling.threads * self.tiling.vec * 16 // int(e["itemsize"])
             assert int(e["tiles"]) == -(-int(e["numel"]) // per_tile)
         assert grid == (int(tiles.sum()),)
         assert not _view(status, 8 * grid[0]).any()
@@ -179,10 +179,10 @@ def emulated(monkeypatch: Any, emulator: Emulator) -> Iterator[Emulator]:
     tensors on the fused path."""
     kernels: dict[int, FusedDelta] = {}
 
-    def fused(device: int | None, vec: int = delta_cuda.VEC) -> FusedDelta:
+    def fused(device: int | None, tiling: Tiling | None = None) -> FusedDelta:
         key = device or 0
         if key not in kernels:
-            kernels[key] = emulator.fused(key, vec)
+            kernels[key] = emulator.fused(key, tiling)
         return kernels[key]
 
     monkeypatch.setattr(delta_cuda, "fused", fused)

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 from weightwire.shared.delta import MAX_PATCH_NUMEL
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.delta import DeltaTracker
-from weightwire.trainer.delta_cuda import THREADS, VEC, Operand, layout
+import pytest
+
+from weightwire.shared.errors import ConfigError
+from weightwire.trainer.delta_cuda import THREADS, VEC, Operand, Tiling, layout
 
 
 def test_layout_places_only_patches_aligned_and_apart() -> None:
@@ -38,6 +41,15 @@ def test_tiles_never_straddle_tensors() -> None:
     assert Operand(0, 0, per_tile[2], 2, 0, "x").tiles() == 1
     assert Operand(0, 0, per_tile[2] + 1, 2, 0, "x").tiles() == 2
     assert Operand(0, 0, 3 * per_tile[8] - 1, 8, 0, "x").tiles() == 3
+    wide = Tiling(threads=512, vec=8)  # 64 KiB of each operand per tile
+    assert Operand(0, 0, 32768, 2, 0, "x").tiles(wide) == 1
+    assert Operand(0, 0, 32769, 2, 0, "x").tiles(wide) == 2
+
+
+@pytest.mark.parametrize("bad", [dict(vec=3), dict(vec=32), dict(threads=64), dict(threads=300)])
+def test_a_tiling_the_kernel_cannot_compile_is_refused(bad: dict) -> None:
+    with pytest.raises(ConfigError, match="need vec in 1, 2, 4, 8, 16 and threads in"):
+        Tiling(**bad)
 
 
 @settings(max_examples=300, deadline=None)

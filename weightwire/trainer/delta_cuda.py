@@ -32,6 +32,30 @@ from weightwire.trainer.delta_cuda_source import SOURCE
 THREADS = 256
 VEC = 4
 """16-byte vectors per operand per thread: a tile is THREADS x VEC x 16 bytes of each."""
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How ``ww_delta`` cuts the work: ``threads`` per block, ``vec`` 16-byte vectors of each
+    operand per thread (a tile: threads x vec x 16 bytes), ``min_blocks`` per SM asked of
+    the compiler (``__launch_bounds__``; it caps the registers)."""
+
+    threads: int = THREADS
+    vec: int = VEC
+    min_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.vec not in (1, 2, 4, 8, 16) or self.threads not in (128, 256, 512, 1024):
+            raise ConfigError(
+                f"need vec in 1, 2, 4, 8, 16 and threads in 128, 256, 512, 1024, got {self}"
+            )
+
+    def tiles(self, numel: int, itemsize: int) -> int:
+        return -(-numel // (self.threads * self.vec * 16 // itemsize))
+
+
+TILING = Tiling()
+"""The tiling ``fused`` compiles by default."""
 _PACK_CHUNK = 65536
 _PACK_THREADS = 256
 _MAX_GRID_Y = 65535
@@ -84,8 +108,8 @@ class Operand:
     key: str
     """Which values buffer its patch goes to (one per dtype)."""
 
-    def tiles(self, vec: int = VEC) -> int:
-        return -(-self.numel // (THREADS * vec * 16 // self.itemsize))
+    def tiles(self, tiling: Tiling = TILING) -> int:
+        return tiling.tiles(self.numel, self.itemsize)
 
 
 @dataclass(frozen=True)
@@ -152,21 +176,23 @@ _EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
 class FusedDelta:
     """The compiled kernels on one CUDA device (compiled on first use)."""
 
-    def __init__(self, device: int, vec: int = VEC) -> None:
-        if vec not in (1, 2, 4):
-            raise ConfigError(f"vec must be 1, 2 or 4, got {vec}")
+    def __init__(self, device: int, tiling: Tiling = TILING) -> None:
         import cupy
 
+        options = (
+            "-std=c++17", f"-DWW_VEC={tiling.vec}", f"-DWW_THREADS={tiling.threads}",
+            f"-DWW_MIN_BLOCKS={tiling.min_blocks}",
+        )  # fmt: skip
         with cupy.cuda.Device(int(device)):
-            module = cupy.RawModule(code=SOURCE, options=("-std=c++17", f"-DWW_VEC={vec}"))
+            module = cupy.RawModule(code=SOURCE, options=options)
             kernels = module.get_function("ww_delta"), module.get_function("ww_pack")
-        self._setup(cupy, int(device), vec, *kernels)
+        self._setup(cupy, int(device), tiling, *kernels)
 
-    def _setup(self, cupy: Any, device: int, vec: int, delta: Any, pack: Any) -> None:
+    def _setup(self, cupy: Any, device: int, tiling: Tiling, delta: Any, pack: Any) -> None:
         """Everything but the compilation (a CPU test hands in an emulation of CuPy)."""
         self._cp = cupy
         self.device = device
-        self.vec = vec
+        self.tiling = tiling
         self._delta = delta
         self._pack = pack
         self._events: list[int] = []
@@ -195,7 +221,8 @@ class FusedDelta:
         numel = np.fromiter((op.numel for op in ops), np.int64, n)
         itemsize = np.fromiter((op.itemsize for op in ops), np.int64, n)
         limit = np.fromiter((op.limit for op in ops), np.int64, n)
-        tiles = -(-numel // (THREADS * self.vec * 16 // itemsize))
+        per_tile = self.tiling.threads * self.tiling.vec * 16 // itemsize
+        tiles = -(-numel // per_tile)
         ends = np.cumsum(tiles)
         total = int(ends[-1]) if n else 0
         table_bytes = _up(max(1, n) * _ENTRY.itemsize)
@@ -237,7 +264,7 @@ class FusedDelta:
             if total:
                 self._delta(
                     (total,),
-                    (THREADS,),
+                    (self.tiling.threads,),
                     (np.uint64(scratch_ptr), np.int32(n), np.uint64(ticket), np.uint64(counts),
                      np.uint64(status)),
                     stream=_StreamRef(stream),
@@ -349,12 +376,14 @@ class FusedDelta:
         return int(self._cp.cuda.runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING))
 
 
-_COMPILED: dict[tuple[int, int], FusedDelta] = {}
+_COMPILED: dict[tuple[int, Tiling], FusedDelta] = {}
 
 
-def fused(device: int, vec: int = VEC) -> FusedDelta:
-    """The kernels for ``device`` (compiled once per process)."""
-    got = _COMPILED.get((device, vec))
+def fused(device: int, tiling: Tiling | None = None) -> FusedDelta:
+    """The kernels for ``device`` (compiled once per process and tiling; ``None``: the
+    module's ``TILING``)."""
+    key = (device, tiling or TILING)
+    got = _COMPILED.get(key)
     if got is None:
-        got = _COMPILED[(device, vec)] = FusedDelta(device, vec)
+        got = _COMPILED[key] = FusedDelta(*key)
     return got

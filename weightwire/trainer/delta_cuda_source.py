@@ -15,7 +15,7 @@ the new bytes into the base. The tensor's last tile stores the tensor's count.
 Element order inside a tile: vector ``v`` of thread ``t`` holds elements
 ``(v * THREADS + t) * EPV + [0, EPV)`` (coalesced loads), so slots are ordered by ``v``,
 then ``t``, then the element within the vector; each thread's per-vector counts are packed
-as 16-bit fields of one 64-bit word and scanned once.
+as 16-bit fields of 64-bit words (four vectors a word) and scanned once.
 
 ``ww_pack``: copies byte ranges (each changed tensor's indices and values, out of the
 group's scratch into tight buffers), 16-byte vectors where both ends are aligned.
@@ -25,8 +25,11 @@ SOURCE = r"""
 typedef unsigned long long u64;
 typedef unsigned int u32;
 
+#ifndef WW_THREADS
 #define WW_THREADS 256
+#endif
 #define WW_WARPS (WW_THREADS / 32)
+#define WW_WORDS ((WW_VEC + 3) / 4)
 #define WW_FULL 0xffffffffu
 #define WW_AGG (1ull << 62)
 #define WW_INC (2ull << 62)
@@ -67,29 +70,46 @@ __device__ __forceinline__ W ww_word(const uint4& q, int k) {
     }
 }
 
-// Exclusive sum of x over the block; *total: the sum over every thread.
-__device__ __forceinline__ u64 ww_block_scan(u64 x, u64* total, u64* warp_sums) {
+// Exclusive sums of the WW_WORDS words x over the block (each word: four 16-bit fields);
+// total: the sums over every thread.
+__device__ __forceinline__ void ww_block_scan(
+    const u64 (&x)[WW_WORDS], u64 (&excl)[WW_WORDS], u64 (&total)[WW_WORDS], u64* warp_sums
+) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u64 incl = x;
+    u64 incl[WW_WORDS];
+#pragma unroll
+    for (int i = 0; i < WW_WORDS; ++i) incl[i] = x[i];
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        u64 y = __shfl_up_sync(WW_FULL, incl, o);
-        if (lane >= o) incl += y;
+#pragma unroll
+        for (int i = 0; i < WW_WORDS; ++i) {
+            u64 y = __shfl_up_sync(WW_FULL, incl[i], o);
+            if (lane >= o) incl[i] += y;
+        }
     }
-    if (lane == 31) warp_sums[warp] = incl;
+    if (lane == 31) {
+#pragma unroll
+        for (int i = 0; i < WW_WORDS; ++i) warp_sums[warp * WW_WORDS + i] = incl[i];
+    }
     __syncthreads();
     if (warp == 0) {
-        u64 w = lane < WW_WARPS ? warp_sums[lane] : 0;
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            u64 y = __shfl_up_sync(WW_FULL, w, o);
-            if (lane >= o) w += y;
+        for (int i = 0; i < WW_WORDS; ++i) {
+            u64 w = lane < WW_WARPS ? warp_sums[lane * WW_WORDS + i] : 0;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                u64 y = __shfl_up_sync(WW_FULL, w, o);
+                if (lane >= o) w += y;
+            }
+            if (lane < WW_WARPS) warp_sums[lane * WW_WORDS + i] = w;
         }
-        if (lane < WW_WARPS) warp_sums[lane] = w;
     }
     __syncthreads();
-    *total = warp_sums[WW_WARPS - 1];
-    return (warp ? warp_sums[warp - 1] : 0) + incl - x;
+#pragma unroll
+    for (int i = 0; i < WW_WORDS; ++i) {
+        total[i] = warp_sums[(WW_WARPS - 1) * WW_WORDS + i];
+        excl[i] = (warp ? warp_sums[(warp - 1) * WW_WORDS + i] : 0) + incl[i] - x[i];
+    }
 }
 
 // Warp 0: the sum of the counts of tiles [first, tile) from their published status words.
@@ -133,7 +153,7 @@ __device__ __forceinline__ void ww_tile(
 
     uint4 nv[WW_VEC];
     u32 mask[WW_VEC];
-    u64 packed = 0;
+    u64 packed[WW_WORDS] = {};
     if (fast) {
         uint4 bv[WW_VEC];
 #pragma unroll
@@ -164,16 +184,16 @@ __device__ __forceinline__ void ww_tile(
         }
     }
 #pragma unroll
-    for (int v = 0; v < WW_VEC; ++v) packed |= (u64)__popc(mask[v]) << (16 * v);
+    for (int v = 0; v < WW_VEC; ++v) packed[v / 4] |= (u64)__popc(mask[v]) << (16 * (v % 4));
 
-    u64 total;
-    const u64 excl = ww_block_scan(packed, &total, warp_sums);
+    u64 total[WW_WORDS], excl[WW_WORDS];
+    ww_block_scan(packed, excl, total, warp_sums);
     u64 row[WW_VEC];
     u64 agg = 0;
 #pragma unroll
     for (int v = 0; v < WW_VEC; ++v) {
         row[v] = agg;
-        agg += (total >> (16 * v)) & 0xffff;
+        agg += (total[v / 4] >> (16 * (v % 4))) & 0xffff;
     }
 
     if (threadIdx.x < 32) {
@@ -200,7 +220,7 @@ __device__ __forceinline__ void ww_tile(
         const u32 m = mask[v];
         if (!m) continue;
         const long long at = start + ((long long)v * WW_THREADS + threadIdx.x) * EPV;
-        u64 slot = prefix + row[v] + ((excl >> (16 * v)) & 0xffff);
+        u64 slot = prefix + row[v] + ((excl[v / 4] >> (16 * (v % 4))) & 0xffff);
         if (fast) *(uint4*)(base + at) = nv[v];  // unchanged words rewrite their own bytes
 #pragma unroll
         for (int k = 0; k < EPV; ++k) {
@@ -216,13 +236,17 @@ __device__ __forceinline__ void ww_tile(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WW_THREADS) ww_delta(
+#ifndef WW_MIN_BLOCKS
+#define WW_MIN_BLOCKS 1
+#endif
+
+extern "C" __global__ void __launch_bounds__(WW_THREADS, WW_MIN_BLOCKS) ww_delta(
     const WwEntry* table, int entries, u32* ticket, u64* counts, u64* status
 ) {
     __shared__ long long s_tile;
     __shared__ int s_entry;
     __shared__ u64 s_prefix;
-    __shared__ u64 s_warp[WW_WARPS];
+    __shared__ u64 s_warp[WW_WARPS * WW_WORDS];
     if (threadIdx.x == 0) s_tile = (long long)atomicAdd(ticket, 1u);
     __syncthreads();
     const long long tile = s_tile;
