@@ -7,15 +7,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightwire.shared.delta import MAX_PATCH_NUMEL
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.delta import DeltaTracker
-import pytest
-
-from weightwire.shared.errors import ConfigError
 from weightwire.trainer.delta_cuda import THREADS, VEC, Operand, Tiling, layout
 
 
