@@ -57,11 +57,20 @@ class _Stream:
 
 
 class _Array:
-    """``cupy.empty``: host memory kept alive by this object."""
+    """``cupy.empty``: host memory kept alive by this object, handed to JAX through DLPack
+    the way a CuPy array is (numpy's, on the CPU)."""
 
-    def __init__(self, n: int, dtype: Any = None) -> None:
-        self._buf = _Pinned(max(1, n))
+    def __init__(self, n: int, dtype: Any = np.uint8) -> None:
+        dtype = np.dtype(dtype)
+        self._buf = _Pinned(max(1, n * dtype.itemsize))
+        self._array = np.frombuffer(self._buf, dtype, n)
         self.data = SimpleNamespace(ptr=self._buf.ptr)
+
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._array.__dlpack_device__()
 
 
 class Emulator:
@@ -99,6 +108,7 @@ class Emulator:
             ),
             empty=_Array,
             uint8=np.uint8,
+            int32=np.int32,
         )
 
     def fused(self, device: int = 0, tiling: Tiling | None = None) -> FusedDelta:

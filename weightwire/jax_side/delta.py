@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from weightwire.jax_side.dtypes import describe as describe_array
+from weightwire.jax_side.dtypes import wire_name
 from weightwire.shared.errors import ConfigError
 from weightwire.trainer import delta_cuda
 from weightwire.trainer.delta import DeltaKernel, Extracted, Scan
@@ -45,18 +45,21 @@ _MIN_BUCKET = 1024
 class Prefix:
     """Elements ``[offset, offset + count)`` of the 1-D ``array`` (a kernel output: a bucketed
     one, or a group's tight buffer): a wire tensor of shape ``[count]``.
-    ``JAXTrainerEngine`` and ``JaxDevicePacker`` read just those."""
+    ``JAXTrainerEngine`` and ``JaxDevicePacker`` read just those. ``dtype``: the elements'
+    dtype where ``array`` holds their bits as unsigned words of the same width (a buffer
+    CuPy allocated: it has no bfloat16 or float8)."""
 
     array: jax.Array
     count: int
     offset: int = 0
+    dtype: np.dtype | None = None
 
     def describe(self) -> tuple[str, tuple[int, ...]]:
-        dtype, _ = describe_array(self.array)
-        return dtype, (self.count,)
+        return wire_name(self.array.dtype if self.dtype is None else self.dtype), (self.count,)
 
     def host(self) -> np.ndarray:
-        return np.asarray(self.array)[self.offset : self.offset + self.count]
+        out = np.asarray(self.array)[self.offset : self.offset + self.count]
+        return out if self.dtype is None else out.view(self.dtype)
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -229,7 +232,8 @@ def _window(group: Any, i: int, count: int, base: Any) -> Extracted:
     key = group.pending.operands[i].key
     values = group.values[key]
     index = Prefix(group.index, count, plan.index_at[i] // 4)
-    return Extracted(index, Prefix(values, count, plan.values_at[i] // values.dtype.itemsize), base)
+    at = plan.values_at[i] // values.dtype.itemsize
+    return Extracted(index, Prefix(values, count, at, group.dtypes[key]), base)
 
 
 def _donates(x: Any) -> bool:

@@ -1,26 +1,29 @@
 """The fused CUDA delta kernel (``trainer.delta_cuda``) for JAX arrays on a GPU.
 
-JAX does not expose its stream, so each GPU gets a CuPy stream of its own, and the hand-overs
-are host waits: a group's arrays are ready (``block_until_ready``) before the kernel reads
-them through their buffers (``unsafe_buffer_pointer``), and ``settle`` waits for the stream
-before anything JAX runs reads the outputs or the bases (written in place: the base is the
-tracker's private copy, never an array the trainer holds). The scratch comes from CuPy's
-pool on that stream; the tight outputs are JAX arrays (one ``int32`` array of indices and
-one values array per dtype per group), each patch a ``Prefix`` window of them.
+JAX does not expose its stream, so each GPU gets a CuPy stream of its own. A group's arrays
+are ready (``block_until_ready``) before the kernel reads them through their buffers
+(``unsafe_buffer_pointer``), and ``settle`` waits for the stream before anything JAX runs
+reads the bases (written in place: the base is the tracker's private copy, never an array
+the trainer holds). The scratch and the tight outputs (one ``int32`` array of indices and
+one array of unsigned words per dtype per group) come from CuPy's pool on that stream, so
+no launch waits on the host. The outputs reach JAX through DLPack, zero-copy and ordered
+after the pack on XLA's side; each patch is a ``Prefix`` window of them. (Outputs made by
+XLA, ``zeros`` say, waited on the host for the next group's kernel: it holds every SM.)
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import jax.dlpack
 
 from weightwire.trainer import delta_cuda
 from weightwire.trainer.delta import Scan
+
+_WORDS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 
 @dataclass
@@ -34,30 +37,6 @@ class FusedGroup:
     plan: delta_cuda.Layout | None = None
     index: Any = None
     values: dict[str, Any] = field(default_factory=dict)
-
-
-def coarse(n: int) -> int:
-    """``n`` rounded up to at most 8 sizes per power of two (at least 1024): XLA compiles
-    ``zeros`` once per shape, and a round's counts are new every round, so the buffers
-    take a few recurring sizes (< 1/8 more bytes) instead of a compilation each. Finer than
-    ``jax_side.delta.bucket`` (powers of two): a ``zeros`` compiles in a moment, the XLA
-    compaction ``bucket`` sizes does not, so memory wins here and compilations there."""
-    if n <= 1024:
-        return 1024
-    step = 1 << max(0, n.bit_length() - 4)
-    return -(-n // step) * step
-
-
-@functools.lru_cache(maxsize=256)
-def _zeros_of(n: int, dtype: Any, device: Any) -> Any:
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(lambda: jnp.zeros(n, dtype), out_shardings=sharding)
-
-
-def _zeros(n: int, dtype: Any, device: Any) -> jax.Array:
-    # A jitted zeros per size dispatches in microseconds; ``jnp.zeros(device=...)`` took
-    # about 0.2 ms a call, twice or more per launch.
-    return _zeros_of(coarse(n), jnp.dtype(dtype), device)()
 
 
 def _pointer(x: jax.Array) -> int:
@@ -121,17 +100,24 @@ class JaxFused:
         kernel = delta_cuda.fused(group.ordinal)
         counts = kernel.counts(group.pending)
         plan = group.plan = delta_cuda.layout(group.pending.operands, counts)
-        if plan.index_bytes:
-            group.index = _zeros(plan.index_bytes // 4, jnp.int32, group.device)
-            for key, nbytes in plan.values_bytes.items():
-                dtype = group.dtypes[key]
-                group.values[key] = _zeros(nbytes // dtype.itemsize, dtype, group.device)
-            # Written below on the CuPy stream: XLA must have made them first.
-            jax.block_until_ready([group.index, *group.values.values()])
-            values = {k: _pointer(v) for k, v in group.values.items()}
-            kernel.pack(group.pending, plan, counts, _pointer(group.index), values)
-        else:
+        if not plan.index_bytes:
             kernel.pack(group.pending, plan, counts, 0, {})
+            return Scan(counts, group, updated=True)
+        cp, stream = self._cp, self._stream(group.ordinal)
+        with cp.cuda.Device(group.ordinal), stream:
+            index = cp.empty(plan.index_bytes // 4, dtype=cp.int32)
+            values = {
+                key: cp.empty(nbytes // size, dtype=_WORDS[size])
+                for key, nbytes in plan.values_bytes.items()
+                for size in [group.dtypes[key].itemsize]
+            }
+        pointers = {k: int(v.data.ptr) for k, v in values.items()}
+        kernel.pack(group.pending, plan, counts, int(index.data.ptr), pointers)
+        with cp.cuda.Device(group.ordinal), stream:
+            # Imported with CuPy's current stream (this one) past the pack: XLA's reads of
+            # them wait for it on the device.
+            group.index = jax.dlpack.from_dlpack(index)
+            group.values = {k: jax.dlpack.from_dlpack(v) for k, v in values.items()}
         return Scan(counts, group, updated=True)
 
     def settle(self) -> None:
