@@ -222,9 +222,10 @@ __device__ __forceinline__ void ww_tile(
         const long long at = start + ((long long)v * WW_THREADS + threadIdx.x) * EPV;
         u64 slot = prefix + row[v] + ((excl[v / 4] >> (16 * (v % 4))) & 0xffff);
         if (fast) *(uint4*)(base + at) = nv[v];  // unchanged words rewrite their own bytes
-#pragma unroll
-        for (int k = 0; k < EPV; ++k) {
-            if (!((m >> k) & 1u)) continue;
+        // One pass per changed element, not per element: a warp's store instructions follow
+        // its lanes' most changes in this vector (one or two at a few percent), not EPV.
+        for (u32 left = m; left; left &= left - 1) {
+            const int k = __ffs(left) - 1;
             const W value = fast ? ww_word<W>(nv[v], k) : fresh[at + k];
             if (!fast) base[at + k] = value;
             if (slot < capacity) {
