@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
-    from tests.trainer.fakes import DictSource
     from weightwire.control import HTTPWeightSyncClient
     from weightwire.jax_side.dtypes import describe
     from weightwire.jax_side.engine import JAXTrainerEngine
     from weightwire.shared.timeouts import Timeouts
+    from weightwire.testing.sources import DictSource
     from weightwire.tools.demo.server import EmbeddedServer
     from weightwire.tools.server.tiny import resolve_model
     from weightwire.trainer import TrainerInitInfo

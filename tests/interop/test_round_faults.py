@@ -5,6 +5,8 @@
 (ids and logprobs), the weight checker's checksums unchanged, the previous version.
 Each case is followed by a fresh trainer's successful round (state (a)), with no
 manual finish. All cases share one vLLM; the module ends with the checkpoint restored.
+A round applied in place that fails midway (state (c), the round guard) is
+``test_round_in_place_faults.py``'s.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -85,141 +86,6 @@ def test_trainer_sigkilled_mid_round_leaves_previous_weights(served: Served, pha
     # State (b): serving goes on with the previous weights, though the round never ended.
     served.assert_state_b(f"trainer killed {phase}", before)
     served.fresh_round(f"after a trainer killed {phase}")
-
-
-# ---------------------------------------------------------------- a round applied in place
-def _log_count(log: Path, text: str) -> int:
-    return log.read_text(errors="replace").count(text)
-
-
-INCOMPLETE = "the model holds an incomplete weight round"
-
-
-@pytest.mark.parametrize("failure", ["trainer_killed", "worker_timeout"])
-def test_round_in_place_fails_midway_refuses_until_a_complete_round(
-    served: Served, launcher, failure: str
-) -> None:
-    """``stage_budget_bytes=0``: the worker applies the round in place. The trainer holds the
-    round guard (``weightwire.vllm_guard``) and pauses generation with ``abort``; mid-update it
-    is SIGKILLed (``trainer_killed``) or stalls past the worker's 3 s receive bound
-    (``worker_timeout``: the worker fails the round itself). The worker reports the model
-    incomplete; completions are answered at once with 503 and the reason (never by the
-    half-updated model, never left hanging); an operator's release is refused (409) with the
-    worker's reason. A fresh trainer's round (in place too) lands, releases, resumes, and
-    greedy equals Hugging Face."""
-    url = served.server.url
-    log = launcher.current.log
-    seen, whole = _log_count(log, INCOMPLETE), _log_count(log, "the model is whole again")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    extra = ["3"] if failure == "worker_timeout" else []
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "tests/interop/dying_trainer.py"),
-            url,
-            served.server.model_dir,
-            "mid_update",
-            "8",
-            "0",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-    )
-    try:
-        lines = []
-        assert child.stdout is not None
-        for line in child.stdout:
-            lines.append(line)
-            if line.startswith("PHASE"):
-                break
-        assert lines and lines[-1].strip() == "PHASE mid_update", "".join(lines[-30:])
-        deadline = time.monotonic() + 60
-        if (
-            failure == "worker_timeout"
-        ):  # the trainer lives on, stalled: the worker gives up by itself
-            while _log_count(log, INCOMPLETE) == seen:
-                assert time.monotonic() < deadline, "the worker never gave up on the stalled round"
-                time.sleep(0.5)
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
-    while _log_count(log, INCOMPLETE) == seen:
-        assert time.monotonic() < deadline, "the worker never reported the incomplete round"
-        time.sleep(0.5)
-    guard = httpx.get(f"{url}/weightwire/round_guard", timeout=30).json()
-    assert guard["held"] and guard["hold"]["round"] == "dying-mid_update", guard
-    # Bounded: a request queued behind the pause would time out here and fail the test.
-    refused = httpx.post(
-        f"{url}/v1/completions",
-        timeout=30,
-        json={"prompt": [[5, 17, 42]], "max_tokens": 2, "temperature": 0.0},
-    )
-    assert refused.status_code == 503, refused.text
-    error = refused.json()["error"]
-    assert error["reason"] == "weight_round_incomplete", error
-    expected = "the served weights are incomplete: weight round 'dying-mid_update'"
-    assert expected in error["message"], error
-    assert "has not committed" in error["message"], error
-    chat = httpx.post(
-        f"{url}/v1/chat/completions",
-        timeout=30,
-        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-    )
-    assert chat.status_code == 503 and "weights are incomplete" in chat.text, chat.text
-    # The operator's way out is refused while the workers' weights are not whole.
-    release = httpx.post(f"{url}/weightwire/round_guard/release", timeout=60)
-    assert release.status_code == 409, release.text
-    assert INCOMPLETE in release.json()["error"]["message"], release.text
-    assert httpx.get(f"{url}/weightwire/round_guard", timeout=30).json()["held"]
-    # A fresh trainer's complete round, in place too: hold, pause, commit, resume, release.
-    served.seed += 1
-    params, naming = jax_params(served.server.model_dir)
-    params = perturbed(params, served.seed)
-    source = PytreeSource(lambda: params, naming)
-    with HTTPWeightSyncClient(url, timeout=120) as client:
-        engine = JAXTrainerEngine.trainer_init(
-            trainer_info(stage_budget_bytes=0), client=client, source=source
-        )
-        try:
-            engine.send_weights(weight_version="in-place-fresh")
-        finally:
-            engine.shutdown()
-    assert not httpx.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
-    assert not httpx.get(f"{url}/weightwire/round_guard", timeout=30).json()["held"]
-    assert _log_count(log, "the model is whole again") == whole + 1
-    load_into_hf(served.hf, source)
-    served.version = "in-place-fresh"
-    assert served.server.weight_version() == "in-place-fresh"
-    assert_same_greedy(served.server, served.hf, "after a complete round in place")
-
-
-def test_round_guard_operator_release_when_whole(served: Served) -> None:
-    """A hold left by a trainer that died before its first write: the workers are whole, so
-    the operator's release lifts it and resumes generation; the model answers as before."""
-    url = served.server.url
-    held = httpx.post(
-        f"{url}/weightwire/round_guard/hold", json={"round": "never-written"}, timeout=30
-    )
-    assert held.status_code == 200 and held.json()["held"], held.text
-    httpx.post(f"{url}/pause", params={"mode": "abort"}, timeout=30).raise_for_status()
-    refused = httpx.post(
-        f"{url}/v1/completions",
-        timeout=30,
-        json={"prompt": [[5, 17, 42]], "max_tokens": 2, "temperature": 0.0},
-    )
-    assert refused.status_code == 503, refused.text
-    assert "'never-written'" in refused.json()["error"]["message"], refused.text
-    release = httpx.post(f"{url}/weightwire/round_guard/release", timeout=60)
-    assert release.status_code == 200, release.text
-    assert release.json()["released"] and release.json()["resumed"], release.text
-    assert not httpx.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
-    assert_same_greedy(served.server, served.hf, "after the operator's release")
 
 
 # ---------------------------------------------------------------- bad update info

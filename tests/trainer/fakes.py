@@ -1,11 +1,11 @@
 """Test doubles: a vLLM-like HTTP server (httpx.MockTransport), a recording / blocking
-communicator registered as a backend, and a dict-backed WeightSource."""
+communicator registered as a backend, and ``DictSource`` (``weightwire.testing.sources``)."""
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import httpx
@@ -15,8 +15,7 @@ from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCap
 from weightwire.backends.pipelines import HostPipeline
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.shared.errors import TransferError
-from weightwire.shared.meta import ParamMeta
-from weightwire.shared.source import WeightSource
+from weightwire.testing.sources import DictSource as DictSource  # the tests import it from here
 from weightwire.trainer.backends import register_backend
 
 
@@ -157,24 +156,6 @@ def host_sender(link: Any, settings: Any, parts: SenderParts) -> RoundSender:
 
 FAKE = FakeBackend()
 register_backend(FAKE, replace=True)
-
-
-class DictSource(WeightSource):
-    """Names -> arrays (numpy, jax or torch); ``describe`` comes from the engine."""
-
-    def __init__(
-        self, tensors: dict[str, Any], describe: Callable[[Any], tuple[str, tuple[int, ...]]]
-    ) -> None:
-        self.tensors = tensors
-        self._describe = describe
-        self.iterations = 0
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, *self._describe(t)) for n, t in self.tensors.items()]
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        self.iterations += 1
-        yield from self.tensors.items()
 
 
 def numpy_weights(seed: int = 0) -> dict[str, np.ndarray]:

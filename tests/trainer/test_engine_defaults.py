@@ -22,30 +22,25 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.trainer.commit_order import canonical
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
+from tests.trainer.pause_defaults import (
+    RESET,
+    ROUND,
+    UNPAUSED,
+    engine_for,
+    round_routes,
+    stock_fake_comm,
+)
 from weightwire.backends.base import SenderCaps
 from weightwire.control.fallback import FallbackClient, with_fallback_routes
 from weightwire.jax_side.dtypes import describe
-from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.source import as_source
-from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
-
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
-RESET = ["reset_prefix_cache", "reset_encoder_cache"]
-ROUND = ["pause", "start_weight_update", "update_weights", "finish_weight_update", *RESET, "resume"]
-PROBE = "weightwire/round_guard"
-UNPAUSED = ["start_weight_update", "update_weights", "finish_weight_update", *RESET]
 
 
 @pytest.fixture(autouse=True)
 def fresh_comm(monkeypatch: pytest.MonkeyPatch) -> FakeComm:
-    FAKE.comm = FakeComm()
-    FAKE.opened.clear()
-    # The fake backend stands in for a stock worker here: auto pauses only those.
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=True))
-    return FAKE.comm
+    return stock_fake_comm(monkeypatch)
 
 
 def test_auto_never_pauses_a_staging_plugin_worker(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,24 +49,6 @@ def test_auto_never_pauses_a_staging_plugin_worker(monkeypatch: pytest.MonkeyPat
     engine = engine_for(server.client(), DictSource(numpy_weights(), describe))
     engine.send_weights()
     assert round_routes(server) == UNPAUSED  # the caches are reset right after the commit
-
-
-def engine_for(client: Any, source: Any, **info: Any) -> JAXTrainerEngine:
-    return JAXTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", timeouts=FAST, **info), client=client, source=source
-    )
-
-
-def round_routes(server: FakeServer) -> list[str]:
-    """The round calls (a paused round's finish and resets in their in-line order:
-    ``commit_order``)."""
-    return canonical(
-        [
-            r
-            for r in server.routes()
-            if r not in ("version", "get_world_size", "init_weight_transfer_engine")
-        ]
-    )
 
 
 def test_default_pauses_with_keep_around_every_round() -> None:
@@ -282,155 +259,3 @@ def test_a_round_summary_counts_in_words() -> None:
     )
     assert "1 tensor, 0.0 MB in 1 broadcast," in one.summary()
     assert "2 tensors, 0.0 MB in 2 broadcasts," in two.summary()
-
-
-# -- a round the plugin workers apply in place (over stage_budget_bytes) ---------------------
-
-
-def test_auto_pauses_a_round_applied_in_place_with_abort_and_resumes_after_commit(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
-    server = FakeServer()
-    engine = engine_for(
-        server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0
-    )
-    engine.send_weights()
-    # No round guard installed: warned, paused all the same.
-    assert round_routes(server) == [PROBE, *ROUND]
-    assert server.bodies("pause") == [{"mode": "abort"}]  # refusing, not queueing
-
-
-class FailsOnce(DictSource):
-    """Its first pass raises before yielding a tensor (a trainer-side error before any byte)."""
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        self.iterations += 1
-        if self.iterations == 1:
-            raise RuntimeError("the trainer's weights are not ready")
-        yield from self.tensors.items()
-
-
-def test_a_round_in_place_that_fails_before_its_start_resumes_the_early_pause(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The pause goes out beside the round's set-up; a round that fails before its start
-    # reached the workers wrote nothing, so generation is resumed, not left refused.
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
-    server = FakeServer()
-    engine = engine_for(server.client(), FailsOnce(numpy_weights(), describe), stage_budget_bytes=0)
-    with pytest.raises(RuntimeError, match="not ready"):
-        engine.send_weights()
-    assert round_routes(server) == [PROBE, "pause", "resume"]
-    assert "start_weight_update" not in server.routes()
-    engine.send_weights()  # the engine stays usable; the next round is whole
-    assert round_routes(server)[3:] == ROUND
-
-
-def test_a_round_in_place_holds_the_round_guard_until_after_the_commit(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
-    server = FakeServer()
-    server.guard = True
-    source = DictSource(numpy_weights(), describe)
-    engine = engine_for(server.client(), source, stage_budget_bytes=0)
-    engine.send_weights(weight_version="v3")
-    assert round_routes(server) == [PROBE, f"{PROBE}/hold", *ROUND, f"{PROBE}/release"]
-    assert server.bodies(f"{PROBE}/hold") == [{"round": "v3", "session": None}]
-    assert server.bodies(f"{PROBE}/release") == [{"resume": "false"}]  # the trainer resumed itself
-
-
-def test_a_failed_round_in_place_leaves_the_guard_to_the_workers(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
-    server = FakeServer()
-    server.guard = True
-    server.fail["update_weights"] = (500, "worker 0: round failed at chunk 2/3")
-    server.fail[f"{PROBE}/release"] = (
-        409,
-        "not released: worker 0: the model holds an incomplete weight round",
-    )
-    source = DictSource(numpy_weights(), describe)
-    engine = engine_for(server.client(), source, stage_budget_bytes=0)
-    with caplog.at_level(logging.ERROR), pytest.raises(Exception, match="round failed at chunk"):
-        engine.send_weights()
-    routes = round_routes(server)
-    assert "resume" not in routes and routes[-1] == f"{PROBE}/release"
-    # The guard resumes only if the workers are whole.
-    assert server.bodies(f"{PROBE}/release") == [{"resume": "true"}]
-    assert "the servers refuse requests that run the model, saying why" in caplog.text
-
-
-def test_a_round_within_the_budget_is_staged_and_not_paused(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
-    weights = numpy_weights()
-    server = FakeServer()
-    exact = sum(a.nbytes for a in weights.values())
-    engine = engine_for(server.client(), DictSource(weights, describe), stage_budget_bytes=exact)
-    engine.send_weights()
-    # never paused: a trainer that dies mid-round must not leave the server paused; the
-    # reset follows the commit
-    assert round_routes(server) == UNPAUSED
-
-
-@pytest.mark.parametrize("route", ["update_weights", "finish_weight_update"])
-def test_a_failed_round_applied_in_place_leaves_the_server_refusing(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, route: str
-) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
-    server = FakeServer()
-    server.fail[route] = (500, "worker 0: round failed at chunk 2/3")
-    engine = engine_for(
-        server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0
-    )
-    with caplog.at_level(logging.ERROR), pytest.raises(Exception, match="round failed at chunk"):
-        engine.send_weights()
-    assert "resume" not in round_routes(server)
-    assert "the servers stay paused" in caplog.text
-
-
-def test_keep_becomes_abort_for_a_round_applied_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
-    server = FakeServer()
-    engine = engine_for(
-        server.client(),
-        DictSource(numpy_weights(), describe),
-        stage_budget_bytes=0,
-        pause_mode="keep",
-    )
-    engine.send_weights()
-    assert server.bodies("pause") == [{"mode": "abort"}]
-
-
-def test_none_opts_out_of_pausing_a_round_applied_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
-    server = FakeServer()
-    engine = engine_for(
-        server.client(),
-        DictSource(numpy_weights(), describe),
-        stage_budget_bytes=0,
-        pause_mode=None,
-    )
-    engine.send_weights()
-    assert round_routes(server) == UNPAUSED  # no pause at all; the cache reset still runs
-
-
-def test_stage_budget_is_validated_and_reaches_the_workers() -> None:
-    from weightwire.backends.tcp.trainer import TCPBackend
-    from weightwire.shared.info import TCPInitInfo
-
-    rdv = TCPBackend().open(
-        TrainerInitInfo(backend="weightwire_tcp", stage_budget_bytes=12345), world_size=2
-    )
-    try:
-        assert TCPInitInfo.from_dict(rdv.payload).stage_budget_bytes == 12345
-    finally:
-        rdv.cancel()
-    with pytest.raises(ValueError, match=r"stage_budget_bytes must be an int in \[0, "):
-        TrainerInitInfo(stage_budget_bytes=-1)
-    with pytest.raises(ValueError, match="stage_budget_bytes must be an int"):
-        TrainerInitInfo(stage_budget_bytes=True)

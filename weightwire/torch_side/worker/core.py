@@ -13,7 +13,8 @@ larger round streams (``strategy.StreamingRound``): each chunk goes into
 ``load_weights`` as it lands, so the worker's extra memory is its receive buffers plus
 the budget; a failure after the first in-place write leaves the model part new, which
 ``WeightState`` records (``incomplete_round``) until a complete round commits. The
-trainer refuses generation around such a round (``shared.staging.round_streams``).
+trainer refuses generation around such a round (``shared.staging.round_streams``). Which
+strategy takes each update, write-through included, is ``turn.turn_strategy``'s rule.
 
 Delta rounds (``delta``, ``sinks``): an update's round token and a delta round's base
 are checked before any byte too (``DeltaBaseMismatch`` is refused like a bad spec); its
@@ -41,7 +42,6 @@ import torch
 from weightwire.backends.worker_base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
-from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.landing import record_loader_map
@@ -59,14 +59,9 @@ from weightwire.torch_side.worker.session import (
 )
 from weightwire.torch_side.worker.sinks import MapRecorder, SinkChooser
 from weightwire.torch_side.worker.spec import ModelSpec
-from weightwire.torch_side.worker.strategy import (
-    ReceiveStrategy,
-    RoundTarget,
-    WriteThroughRound,
-    first_strategy,
-    record_landing,
-)
+from weightwire.torch_side.worker.strategy import ReceiveStrategy, RoundTarget, first_strategy
 from weightwire.torch_side.worker.target_caches import TargetCaches
+from weightwire.torch_side.worker.turn import early_round, failure_where, turn_strategy
 from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightState
 
 log = logging.getLogger(__name__)
@@ -217,9 +212,7 @@ class _ReceiverCore:
         self._active = True
         early = self._link.early_landing()
         if early is not None:  # in place from now on: the trainer writes once told so
-            self._round = WriteThroughRound(target, self._settle, early=True)
-            self._round.wrote = True
-            self._round.names.update(early)
+            self._round = early_round(target, self._settle, early)
             try:
                 self._link.go_early()
             except BaseException as exc:
@@ -320,31 +313,15 @@ class _ReceiverCore:
         progress = ReceiveProgress()
         try:
             assert self._round is not None
-            record = lambda: record_landing(model, metas)  # noqa: E731
-            round_ = self._round
-            if isinstance(round_, WriteThroughRound) and round_.early:
-                round_.early = False  # the update of a round the trainer may write since start
-                round_.names.update(m.name for m in metas)
-                if not self._link.lands(turn, record):  # other tensors, and not written through
-                    self._round = round_.in_place()
-            elif splitter is None and round_.untouched and self._link.lands(turn, record):
-                self._round = WriteThroughRound(round_.target, self._settle)
-                self._round.names.update(m.name for m in metas)
-            else:
-                self._round = self._round.admit(round_bytes(metas), self.stage_budget_bytes)
+            budget, plain = self.stage_budget_bytes, splitter is None
+            self._round = turn_strategy(
+                self._round, self._link, turn, model, self._settle, budget, plain=plain
+            )
             received = self._link.receive(turn, progress)
             self._round.receive(received if splitter is None else splitter.split(received))
             self._round.delta.took(update.round_token, splitter)
         except BaseException as exc:
-            where = (
-                f"at chunk {progress.chunk + 1}/{len(chunks)}"
-                if progress.chunk >= 0
-                else "before the first chunk"
-            )
-            if update.src:
-                where += (
-                    f" from src {update.src}"  # several broadcasters: name the one this turn lost
-                )
+            where = failure_where(turn, progress)
             self._fail(exc, where)
             raise WeightReceiveError(
                 f"{self.backend}: round failed {where} ({type(exc).__name__}: {exc}); the round "

@@ -1,0 +1,75 @@
+"""One update of a round on the worker (a turn): which strategy receives it, and where a
+failed one stopped.
+
+A round's first update may be written straight into the serving parameters by the trainer
+(``WriteThroughRound``) when the link says it lands there; a round the trainer was let write
+since its start (``early``) falls back to in place when this turn does not land. Otherwise the
+round stays staged while it fits the stage budget and streams past it (``ReceiveStrategy.admit``).
+``_ReceiverCore.receive`` applies these rules; they live here so the rules read on their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from weightwire.backends.worker_base import ReceiveLink, ReceiveProgress, ReceiveTurn
+from weightwire.shared.staging import round_bytes
+from weightwire.torch_side.worker.strategy import (
+    ReceiveStrategy,
+    RoundTarget,
+    WriteThroughRound,
+    record_landing,
+)
+
+
+def early_round(
+    target: RoundTarget, settle: Callable[[], None], names: Iterable[str]
+) -> WriteThroughRound:
+    """A round the trainer may write in place from its start (``ReceiveLink.early_landing``):
+    recorded as written from the outset, so a failure leaves the model marked incomplete."""
+    round_ = WriteThroughRound(target, settle, early=True)
+    round_.wrote = True
+    round_.names.update(names)
+    return round_
+
+
+def turn_strategy(
+    round_: ReceiveStrategy,
+    link: ReceiveLink,
+    turn: ReceiveTurn,
+    model: Any,
+    settle: Callable[[], None],
+    budget_bytes: int,
+    *,
+    plain: bool,
+) -> ReceiveStrategy:
+    """The strategy that receives ``turn`` (``round_`` itself or its successor).
+
+    ``plain``: the turn's tensors go to the model as sent (no delta splitter), so a round no
+    update joined yet may become write-through when the link lands the turn in place."""
+    metas = turn.metas
+    record = lambda: record_landing(model, metas)  # noqa: E731
+    if isinstance(round_, WriteThroughRound) and round_.early:
+        round_.early = False  # the update of a round the trainer may write since start
+        round_.names.update(m.name for m in metas)
+        if not link.lands(turn, record):  # other tensors, and not written through
+            return round_.in_place()
+        return round_
+    if plain and round_.untouched and link.lands(turn, record):
+        through = WriteThroughRound(round_.target, settle)
+        through.names.update(m.name for m in metas)
+        return through
+    return round_.admit(round_bytes(metas), budget_bytes)
+
+
+def failure_where(turn: ReceiveTurn, progress: ReceiveProgress) -> str:
+    """Where a turn's receive stopped, for the error the worker raises."""
+    where = (
+        f"at chunk {progress.chunk + 1}/{len(turn.chunks)}"
+        if progress.chunk >= 0
+        else "before the first chunk"
+    )
+    if turn.src:
+        where += f" from src {turn.src}"  # several broadcasters: name the one this turn lost
+    return where
