@@ -148,11 +148,12 @@ def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[
     from weightwire.shared.source import checked_iter
     from weightwire.shared.update_info import UpdateInfo
     from weightwire.torch_side.worker.load import MetaCache, load_batches
+    from weightwire.trainer.round import sole_plan
     from weightwire.trainer.transfer import chunked, tensor_stream
 
     source = engine.source
     metas = source.metadata()
-    wire, chunks = engine._plan(metas)
+    chunks = sole_plan(engine.session, metas, None).chunks
     pairs = list(tensor_stream(source))
     out: dict[str, float] = {}
     out["t.metadata"] = min_ms(source.metadata, repeats)
@@ -161,7 +162,7 @@ def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[
     out["t.check_skipped"] = float(source.checks_own_stream(metas))
 
     def plan() -> None:
-        engine._plan(source.metadata())
+        sole_plan(engine.session, source.metadata(), None)
         UpdateInfo().to_dict()
 
     out["t.plan"] = min_ms(plan, repeats)

@@ -116,6 +116,7 @@ def connect(make: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any, DropHost]:
     info = TrainerInitInfo(
         backend="weightwire_tcp",
         pause_mode=None,
+        reset_prefix_cache=False,  # the worker loads into a sink: no model, no KV cache
         timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
     )
     engine = engine_cls.trainer_init(info, client=InProcessClient(worker), source=source)
