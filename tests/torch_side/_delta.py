@@ -152,7 +152,9 @@ class IdentityMap:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.params[name].copy_(tensor)
 
-    def patch(self, name: str, flat_index: torch.Tensor, values: torch.Tensor) -> None:
+    def patch(
+        self, name: str, flat_index: torch.Tensor, values: torch.Tensor, *, in_range: bool = False
+    ) -> None:
         assert not self.model.reloading, "patched while the parameters are reloading"
         self.patched.append(name)
         flat = self.params[name].view(-1)

@@ -11,12 +11,15 @@ import torch
 
 from tests.torch_side._landing_models import HIDDEN, LOADERS, Refusing, TinyTP, tiny_tp_shapes
 from tests.torch_side.fake_llama import FakeLlama, hf_shapes
+from weightwire.shared.delta import Patch
 from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.worker.core import _ReceiverCore
+from weightwire.torch_side.worker.delta import StagedPatch, check_indices
 from weightwire.torch_side.worker.landing import (
     LoaderMap,
     LoaderMapRefused,
+    _whole,
     post_load_refusal,
     record_loader_map,
 )
@@ -97,6 +100,43 @@ def test_fake_llama_write_patch_read_equal_load_weights() -> None:
     b.load_weights(apply_dense(ck, patches).items())
     assert_same_params(a, b)
     assert 0 < m.nbytes() < 64 << 10
+
+
+def test_patch_in_range_takes_whole_landings_directly_and_equals_the_translation() -> None:
+    """``in_range=True``: q/k/v (rows of the fused qkv_proj), gate/up, plain tensors write
+    at ``index + offset``; the result equals the general translation's, bit for bit."""
+    shapes = hf_shapes("tiny")
+    a, b = twins(lambda: FakeLlama("tiny", torch.float32, CPU))
+    ma, mb = record_loader_map(a, metas_of(shapes)), record_loader_map(b, metas_of(shapes))
+    whole = [n for n, tl in ma.tensors.items() if all(_whole(ld, tl.shape) for ld in tl.landings)]
+    assert "model.layers.1.self_attn.v_proj.weight" in whole and len(whole) == len(shapes)
+    ck = checkpoint(shapes, 4)
+    write_all(ma, ck)
+    write_all(mb, ck)
+    for name, (idx, vals) in patched(ck, 5).items():
+        ma.patch(name, idx, vals, in_range=True)
+        mb.patch(name, idx, vals)
+    assert_same_params(a, b)
+
+
+def test_tensor_parallel_slices_are_not_whole_landings() -> None:
+    m = record_loader_map(TinyTP(rank=1, world=2), metas_of(tiny_tp_shapes()))
+    tl = m.tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert tl.landings and not any(_whole(ld, tl.shape) for ld in tl.landings)
+
+
+def test_received_indices_are_checked_together_and_the_bad_patch_named() -> None:
+    def staged(name: str, numel: int, index: list[int]) -> StagedPatch:
+        idx = torch.tensor(index, dtype=torch.int32)
+        return StagedPatch(
+            Patch(name, "float32", (numel,), len(index)), idx, torch.ones(len(index))
+        )
+
+    good = [staged("a", 10, [0, 9]), staged("b", 5, []), staged("c", 3, [2])]
+    check_indices(good)  # nothing raised
+    for bad in ([10], [-1], [3, 100]):
+        with pytest.raises(ValueError, match="patch of 'd': an index is outside its 10 elements"):
+            check_indices([*good, staged("d", 10, bad)])
 
 
 def test_recording_writes_no_parameter() -> None:

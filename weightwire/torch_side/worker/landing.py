@@ -126,10 +126,17 @@ class LoaderMap:
             for f in tl.fills:
                 self.params[f.param].as_strided(f.shape, f.dst_strides, f.dst_offset).fill_(f.value)
 
-    def patch(self, name: str, flat_index: torch.Tensor, values: torch.Tensor) -> None:
+    def patch(
+        self, name: str, flat_index: torch.Tensor, values: torch.Tensor, *, in_range: bool = False
+    ) -> None:
         """Write ``values`` at the checkpoint's flat (row-major) ``flat_index``; indices that no
         landing of this rank covers (another rank's slice, or outside the tensor) are ignored.
-        Duplicate indices leave one of their values (unspecified which)."""
+        Duplicate indices leave one of their values (unspecified which).
+
+        ``in_range``: the caller checked that every index is within the tensor. A landing that
+        takes the whole tensor in its own row-major layout (a plain or fused parameter) then
+        writes at ``index + offset``: two kernels, not the translation's dozen per tensor.
+        An index outside the tensor with ``in_range`` writes outside it."""
         tl = self._of(name)
         if flat_index.dtype not in (torch.int32, torch.int64) or flat_index.dim() != 1:
             raise ValueError(
@@ -151,8 +158,12 @@ class LoaderMap:
                         values.to(param.device),
                     )
                 idx, vals = moved[param.device]
+                flat = self._flat_of(ld.param)
+                if in_range and _whole(ld, tl.shape):
+                    flat.index_put_((idx + ld.dst_offset,), vals.to(flat.dtype))
+                    continue
                 keep, dst = _translate(ld, idx)
-                _scatter_kept(self._flat_of(ld.param), keep, dst, vals)
+                _scatter_kept(flat, keep, dst, vals)
 
     def read(self, name: str) -> torch.Tensor:
         """The checkpoint tensor as the parameters hold it now (wire dtype, parameter device)."""
@@ -218,6 +229,19 @@ def _order(ld: Landing) -> list[int]:
     """The landing's dims of size > 1, by source stride, largest first."""
     dims = [d for d, n in enumerate(ld.shape) if n > 1]
     return sorted(dims, key=lambda d: ld.src_strides[d], reverse=True)
+
+
+def _whole(ld: Landing, shape: tuple[int, ...]) -> bool:
+    """The landing copies the whole checkpoint tensor, in its row-major layout, to one
+    contiguous range of the parameter's storage (flat index ``i`` lands at ``dst_offset + i``)."""
+    if ld.src_offset != 0 or ld.shape != shape:
+        return False
+    stride = 1
+    for d in reversed(range(len(shape))):
+        if shape[d] > 1 and not ld.src_strides[d] == ld.dst_strides[d] == stride:
+            return False
+        stride *= shape[d]
+    return True
 
 
 def _translate(ld: Landing, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,7 +110,11 @@ class MapSink(PatchSink):
 
     def after_commit(self, patches: Sequence[StagedPatch]) -> None:
         for p in patches:
-            self.map.patch(self._target(p.name), p.index, p.values)
+            target = self._target(p.name)
+            # Indices were checked against the patch's shape on receipt (``PatchSplitter``):
+            # in range of the target too when the two hold as many elements.
+            same = math.prod(self.map.tensors[target].shape) == p.patch.numel
+            self.map.patch(target, p.index, p.values, in_range=same)
 
 
 class CopySink(PatchSink):
