@@ -136,3 +136,34 @@ def test_jax_fused_batches_match_the_reference(monkeypatch: pytest.MonkeyPatch) 
         fused._fused.platform = "cpu"
         assert_same_rounds(fused, JaxDeltaKernel("search"), model, to_device, host, CONFIGS)
     assert emulator.launches[-1] == len(model)
+
+
+def test_jax_fused_patches_describe_as_the_tensors_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused outputs are CuPy-made unsigned words (CuPy has no bfloat16): each patch
+    still describes itself, and reads back, as the tensor's dtype."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from weightwire.jax_side.delta import JaxDeltaKernel
+    from weightwire.jax_side.delta_cuda import JaxFused
+
+    cpu = jax.devices("cpu")[0]
+    old = np.arange(100, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    new = old.copy()
+    new[[3, 50, 99]] = ml_dtypes.bfloat16(-1.5)
+    emulator = Emulator()
+    with emulated(monkeypatch, emulator):
+        kernel = JaxDeltaKernel("search")
+        kernel._fused = JaxFused(emulator.cupy)
+        kernel._fused.platform = "cpu"
+        news = [jax.device_put(jnp.asarray(new), cpu)]
+        bases = [jax.device_put(jnp.asarray(old), cpu)]
+        scan = kernel.finish(kernel.start(news, bases, [50]))
+        got = kernel.extract(scan, 0, news[0], bases[0])
+    # What JAXTrainerEngine.describe answers for a patch (names the wire dtype in the plan).
+    assert got.values.describe() == ("bfloat16", (3,))
+    assert got.index.describe() == ("int32", (3,))
+    assert got.values.host().dtype == ml_dtypes.bfloat16
+    assert got.values.host().tolist() == [-1.5, -1.5, -1.5]
+    assert got.index.host().tolist() == [3, 50, 99]
