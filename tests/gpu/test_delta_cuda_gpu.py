@@ -122,6 +122,11 @@ def _torch() -> Any:
 @pytest.mark.gpu
 @pytest.mark.parametrize("density", DENSITIES)
 def test_torch_fused_matches_reference(density: float | str) -> None:
+    _torch_compare(7, density)
+
+
+def _torch_compare(seed: int, density: float | str) -> None:
+    """A group of every torch width through the fused kernel and the reference one."""
     torch = _torch()
     from weightwire.torch_side.sender.delta import TorchDeltaKernel
 
@@ -135,7 +140,7 @@ def test_torch_fused_matches_reference(density: float | str) -> None:
         flat = t.detach().reshape(-1)
         return flat.view(words[flat.element_size()]).cpu().numpy()
 
-    group = _group(np.random.default_rng(7), density, TORCH_WIDTHS)
+    group = _group(np.random.default_rng(seed), density, TORCH_WIDTHS)
     _compare(TorchDeltaKernel("cuda"), TorchDeltaKernel("static"), group, to_device, host)
 
 
@@ -149,23 +154,10 @@ TILINGS = [(128, 1, 1), (256, 8, 1), (512, 8, 2), (1024, 16, 1), (256, 16, 2)]
 def test_torch_fused_matches_reference_every_tiling(
     tiling: tuple[int, int, int], density: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    torch = _torch()
-    from weightwire.torch_side.sender.delta import TorchDeltaKernel
     from weightwire.trainer import delta_cuda
 
     monkeypatch.setattr(delta_cuda, "TILING", delta_cuda.Tiling(*tiling))
-    words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-    def to_device(name: str, bits: np.ndarray) -> Any:
-        t = torch.from_numpy(bits.view(f"i{bits.itemsize}") if bits.itemsize > 1 else bits)
-        return t.cuda().view(getattr(torch, name))
-
-    def host(t: Any) -> np.ndarray:
-        flat = t.detach().reshape(-1)
-        return flat.view(words[flat.element_size()]).cpu().numpy()
-
-    group = _group(np.random.default_rng(17), density, TORCH_WIDTHS)
-    _compare(TorchDeltaKernel("cuda"), TorchDeltaKernel("static"), group, to_device, host)
+    _torch_compare(17, density)
 
 
 @pytest.mark.gpu
