@@ -5,8 +5,13 @@ must reach state (a)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -105,3 +110,34 @@ def serve_tiny_llama(
         finally:
             engine.shutdown()
     assert_same_greedy(server, pristine, "checkpoint restored after the fault cases")
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def dying_trainer(url: str, model_dir: str, phase: str, *args: str) -> Iterator[subprocess.Popen]:
+    """``dying_trainer.py`` against the server, read until it reports ``phase`` (asserted);
+    the body kills it as its test needs, and it is killed on the way out if still alive."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen(
+        [sys.executable, str(REPO / "tests/interop/dying_trainer.py"), url, model_dir, phase,
+         *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        assert child.stdout is not None
+        for line in child.stdout:  # blocks until the child reports its phase (or dies)
+            lines.append(line)
+            if line.startswith("PHASE"):
+                break
+        assert lines and lines[-1].strip() == f"PHASE {phase}", "".join(lines[-30:])
+        yield child
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)

@@ -11,13 +11,9 @@ A round applied in place that fails midway (state (c), the round guard) is
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,6 +24,7 @@ from tests.interop.models import hf_model, jax_params, load_into_hf, perturbed
 from tests.interop.round_harness import (
     PACKED_16K,
     Served,
+    dying_trainer,
     jax_engine,
     serve_tiny_llama,
     trainer_info,
@@ -42,7 +39,6 @@ from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.engine import EngineBroken
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -54,35 +50,9 @@ def served(launcher, model_dirs, tmp_path_factory) -> Iterator[Served]:
 @pytest.mark.parametrize("phase", ["after_start", "mid_update", "before_finish"])
 def test_trainer_sigkilled_mid_round_leaves_previous_weights(served: Served, phase: str) -> None:
     before = served.checksums()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "tests/interop/dying_trainer.py"),
-            served.server.url,
-            served.server.model_dir,
-            phase,
-            "7",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-    )
-    try:
-        lines = []
-        assert child.stdout is not None
-        for line in child.stdout:  # blocks until the child reports its phase (or dies)
-            lines.append(line)
-            if line.startswith("PHASE"):
-                break
-        assert lines and lines[-1].strip() == f"PHASE {phase}", "".join(lines[-30:])
+    with dying_trainer(served.server.url, served.server.model_dir, phase, "7") as child:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
     # State (b): serving goes on with the previous weights, though the round never ended.
     served.assert_state_b(f"trainer killed {phase}", before)
     served.fresh_round(f"after a trainer killed {phase}")

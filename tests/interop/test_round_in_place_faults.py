@@ -10,10 +10,7 @@ launcher keeps one per model) and, like it, ends with the checkpoint restored.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,13 +20,12 @@ import pytest
 
 from tests.interop.helpers import assert_same_greedy
 from tests.interop.models import jax_params, load_into_hf, perturbed
-from tests.interop.round_harness import Served, serve_tiny_llama, trainer_info
+from tests.interop.round_harness import Served, dying_trainer, serve_tiny_llama, trainer_info
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.source import PytreeSource
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -59,45 +55,15 @@ def test_round_in_place_fails_midway_refuses_until_a_complete_round(
     url = served.server.url
     log = launcher.current.log
     seen, whole = _log_count(log, INCOMPLETE), _log_count(log, "the model is whole again")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     extra = ["3"] if failure == "worker_timeout" else []
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "tests/interop/dying_trainer.py"),
-            url,
-            served.server.model_dir,
-            "mid_update",
-            "8",
-            "0",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-    )
-    try:
-        lines = []
-        assert child.stdout is not None
-        for line in child.stdout:
-            lines.append(line)
-            if line.startswith("PHASE"):
-                break
-        assert lines and lines[-1].strip() == "PHASE mid_update", "".join(lines[-30:])
+    with dying_trainer(url, served.server.model_dir, "mid_update", "8", "0", *extra) as child:
         deadline = time.monotonic() + 60
-        if (
-            failure == "worker_timeout"
-        ):  # the trainer lives on, stalled: the worker gives up by itself
+        if failure == "worker_timeout":  # the trainer lives on, stalled: the worker gives up
             while _log_count(log, INCOMPLETE) == seen:
                 assert time.monotonic() < deadline, "the worker never gave up on the stalled round"
                 time.sleep(0.5)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
     while _log_count(log, INCOMPLETE) == seen:
         assert time.monotonic() < deadline, "the worker never reported the incomplete round"
         time.sleep(0.5)
