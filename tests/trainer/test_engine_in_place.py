@@ -29,13 +29,15 @@ from weightwire.trainer import TrainerInitInfo
 
 @pytest.fixture(autouse=True)
 def fresh_comm(monkeypatch: pytest.MonkeyPatch) -> FakeComm:
-    return stock_fake_comm(monkeypatch)
+    comm = stock_fake_comm(monkeypatch)
+    # Every round here goes to a plugin worker (a receiver that is not stock).
+    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
+    return comm
 
 
 def test_auto_pauses_a_round_applied_in_place_with_abort_and_resumes_after_commit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     engine = engine_for(
         server.client(), DictSource(numpy_weights(), describe), stage_budget_bytes=0
@@ -61,7 +63,6 @@ def test_a_round_in_place_that_fails_before_its_start_resumes_the_early_pause(
 ) -> None:
     # The pause goes out beside the round's set-up; a round that fails before its start
     # reached the workers wrote nothing, so generation is resumed, not left refused.
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     engine = engine_for(server.client(), FailsOnce(numpy_weights(), describe), stage_budget_bytes=0)
     with pytest.raises(RuntimeError, match="not ready"):
@@ -75,7 +76,6 @@ def test_a_round_in_place_that_fails_before_its_start_resumes_the_early_pause(
 def test_a_round_in_place_holds_the_round_guard_until_after_the_commit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     server.guard = True
     source = DictSource(numpy_weights(), describe)
@@ -89,7 +89,6 @@ def test_a_round_in_place_holds_the_round_guard_until_after_the_commit(
 def test_a_failed_round_in_place_leaves_the_guard_to_the_workers(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     server.guard = True
     server.fail["update_weights"] = (500, "worker 0: round failed at chunk 2/3")
@@ -111,7 +110,6 @@ def test_a_failed_round_in_place_leaves_the_guard_to_the_workers(
 def test_a_round_within_the_budget_is_staged_and_not_paused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     weights = numpy_weights()
     server = FakeServer()
     exact = sum(a.nbytes for a in weights.values())
@@ -126,7 +124,6 @@ def test_a_round_within_the_budget_is_staged_and_not_paused(
 def test_a_failed_round_applied_in_place_leaves_the_server_refusing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, route: str
 ) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     server.fail[route] = (500, "worker 0: round failed at chunk 2/3")
     engine = engine_for(
@@ -139,7 +136,6 @@ def test_a_failed_round_applied_in_place_leaves_the_server_refusing(
 
 
 def test_keep_becomes_abort_for_a_round_applied_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     engine = engine_for(
         server.client(),
@@ -152,7 +148,6 @@ def test_keep_becomes_abort_for_a_round_applied_in_place(monkeypatch: pytest.Mon
 
 
 def test_none_opts_out_of_pausing_a_round_applied_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(type(FAKE), "caps", SenderCaps(on_device=False, stock_receiver=False))
     server = FakeServer()
     engine = engine_for(
         server.client(),
