@@ -22,7 +22,7 @@ import torch
 
 from weightwire.shared.delta import Patch
 from weightwire.torch_side.dtypes import torch_dtype
-from weightwire.torch_side.worker.delta import StagedPatch, check_index, patch_tensor
+from weightwire.torch_side.worker.delta import StagedPatch, check_indices, patch_tensor
 
 
 class HFModelHost:
@@ -141,8 +141,8 @@ class HFModelHost:
     def patch_weights(self, patches: Sequence[StagedPatch]) -> None:
         """A delta round's patches: staged with the round's dense tensors and applied after
         them at ``commit_round`` (in an in-place round, written now: it is at its commit)."""
+        check_indices(patches)  # before any write: an in-place round writes as it goes
         for p in patches:
-            check_index(p)
             key = self._alias[p.name]
             if self._in_place:
                 with self._write_lock or nullcontext(), self._lock, torch.no_grad():
