@@ -150,8 +150,7 @@ class Emulator:
         tiles = table["tiles"]
         assert list(table["first_tile"]) == list(np.cumsum(tiles) - tiles)
         for e in table:  # a tile: threads x vec 16-byte vectors of one tensor
-            per_tile = self.tiling.threads * self.tiling.vec * 16 // int(e["itemsize"])
-            assert int(e["tiles"]) == -(-int(e["numel"]) // per_tile)
+            assert int(e["tiles"]) == self.tiling.tiles(int(e["numel"]), int(e["itemsize"]))
         assert grid == (int(tiles.sum()),)
         assert not _view(status, 8 * grid[0]).any()
         counts = _view(counts_ptr, 8 * n).view(np.uint64)

@@ -15,7 +15,7 @@ from weightwire.shared.delta import MAX_PATCH_NUMEL
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.delta import DeltaTracker
-from weightwire.trainer.delta_cuda import THREADS, VEC, Operand, Tiling, layout
+from weightwire.trainer.delta_cuda import TILING, Operand, Tiling, layout
 
 
 def test_layout_places_only_patches_aligned_and_apart() -> None:
@@ -34,7 +34,7 @@ def test_layout_places_only_patches_aligned_and_apart() -> None:
 
 
 def test_tiles_never_straddle_tensors() -> None:
-    per_tile = {size: THREADS * VEC * 16 // size for size in (1, 2, 4, 8)}
+    per_tile = {size: TILING.threads * TILING.vec * 16 // size for size in (1, 2, 4, 8)}
     assert Operand(0, 0, 0, 2, 0, "x").tiles() == 0
     assert Operand(0, 0, 1, 2, 0, "x").tiles() == 1
     assert Operand(0, 0, per_tile[2], 2, 0, "x").tiles() == 1
@@ -48,7 +48,7 @@ def test_tiles_never_straddle_tensors() -> None:
 @pytest.mark.parametrize("bad", [dict(vec=3), dict(vec=32), dict(threads=64), dict(threads=300)])
 def test_a_tiling_the_kernel_cannot_compile_is_refused(bad: dict) -> None:
     with pytest.raises(ConfigError, match="need vec in 1, 2, 4, 8, 16 and threads in"):
-        Tiling(**bad)
+        Tiling(**{"threads": 256, "vec": 4, **bad})
 
 
 @settings(max_examples=300, deadline=None)

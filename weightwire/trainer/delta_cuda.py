@@ -29,10 +29,6 @@ import numpy as np
 from weightwire.shared.errors import ConfigError
 from weightwire.trainer.delta_cuda_source import SOURCE
 
-THREADS = 256
-VEC = 4
-"""16-byte vectors per operand per thread: a tile is THREADS x VEC x 16 bytes of each."""
-
 
 @dataclass(frozen=True)
 class Tiling:
@@ -40,8 +36,8 @@ class Tiling:
     operand per thread (a tile: threads x vec x 16 bytes), ``min_blocks`` per SM asked of
     the compiler (``__launch_bounds__``; it caps the registers)."""
 
-    threads: int = THREADS
-    vec: int = VEC
+    threads: int
+    vec: int
     min_blocks: int = 1
 
     def __post_init__(self) -> None:
@@ -50,7 +46,9 @@ class Tiling:
                 f"need vec in 1, 2, 4, 8, 16 and threads in 128, 256, 512, 1024, got {self}"
             )
 
-    def tiles(self, numel: int, itemsize: int) -> int:
+    def tiles(self, numel: Any, itemsize: Any) -> Any:
+        """Tiles of a tensor of ``numel`` elements of ``itemsize`` bytes (ints, or numpy
+        arrays of them: a column per launch)."""
         return -(-numel // (self.threads * self.vec * 16 // itemsize))
 
 
@@ -112,7 +110,7 @@ class Operand:
     """Which values buffer its patch goes to (one per dtype)."""
 
     def tiles(self, tiling: Tiling = TILING) -> int:
-        return tiling.tiles(self.numel, self.itemsize)
+        return int(tiling.tiles(self.numel, self.itemsize))
 
 
 @dataclass(frozen=True)
@@ -224,8 +222,7 @@ class FusedDelta:
         numel = np.fromiter((op.numel for op in ops), np.int64, n)
         itemsize = np.fromiter((op.itemsize for op in ops), np.int64, n)
         limit = np.fromiter((op.limit for op in ops), np.int64, n)
-        per_tile = self.tiling.threads * self.tiling.vec * 16 // itemsize
-        tiles = -(-numel // per_tile)
+        tiles = self.tiling.tiles(numel, itemsize)
         ends = np.cumsum(tiles)
         total = int(ends[-1]) if n else 0
         table_bytes = _up(max(1, n) * _ENTRY.itemsize)

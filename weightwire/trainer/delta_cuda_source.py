@@ -13,7 +13,7 @@ at its slot (in increasing index order; slots past the tensor's capacity are dro
 the new bytes into the base. The tensor's last tile stores the tensor's count.
 
 Element order inside a tile: vector ``v`` of thread ``t`` holds elements
-``(v * THREADS + t) * EPV + [0, EPV)`` (coalesced loads), so slots are ordered by ``v``,
+``(v * WW_THREADS + t) * EPV + [0, EPV)`` (coalesced loads), so slots are ordered by ``v``,
 then ``t``, then the element within the vector; each thread's per-vector counts are packed
 as 16-bit fields of 64-bit words (four vectors a word) and scanned once.
 
