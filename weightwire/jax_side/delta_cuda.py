@@ -23,8 +23,6 @@ import jax.dlpack
 from weightwire.trainer import delta_cuda
 from weightwire.trainer.delta import Scan
 
-_WORDS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
-
 
 @dataclass
 class FusedGroup:
@@ -106,8 +104,8 @@ class JaxFused:
         cp, stream = self._cp, self._stream(group.ordinal)
         with cp.cuda.Device(group.ordinal), stream:
             index = cp.empty(plan.index_bytes // 4, dtype=cp.int32)
-            values = {
-                key: cp.empty(nbytes // size, dtype=_WORDS[size])
+            values = {  # unsigned words of each dtype's width (CuPy has no bfloat16)
+                key: cp.empty(nbytes // size, dtype=f"uint{8 * size}")
                 for key, nbytes in plan.values_bytes.items()
                 for size in [group.dtypes[key].itemsize]
             }
