@@ -339,9 +339,7 @@ def test_authorization_is_read_as_vllm_reads_it(
     """vLLM 0.33's --api-key check: the first Authorization header, its scheme compared
     without case up to the first space, the rest the token as it is."""
     with TestClient(build_app([Worker(WeightState())], api_key=["k1", "k2"])) as http:
-        reply = http.post(
-            "/weightwire/round_guard/hold", json={"round": "v1"}, headers=headers
-        )
+        reply = http.post("/weightwire/round_guard/hold", json={"round": "v1"}, headers=headers)
         assert reply.status_code == (200 if accepted else 401), reply.text
         scope = {
             "type": "http",

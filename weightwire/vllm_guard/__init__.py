@@ -251,7 +251,8 @@ class RoundGuard:
         message = hold.message() if known else ANONYMOUS_MESSAGE
         if kind == "websocket":
             await receive()  # websocket.connect
-            reason = message.encode()[:120].decode(errors="ignore")  # a close reason is <= 123 bytes
+            # A close reason is at most 123 bytes.
+            reason = message.encode()[:120].decode(errors="ignore")
             await send({"type": "websocket.close", "code": 1013, "reason": reason})
             return
         extra: dict[str, Any] = {"round": hold.to_json()} if known else {}
