@@ -314,6 +314,13 @@ def test_held_guard_refuses_model_routes_to_callers_without_the_key() -> None:
         for path in MODEL_ROUTES:
             reply = http.post(path, json={}, headers={"Authorization": "Bearer k1"})
             assert reply.status_code == 503 and reply.json()["error"]["round"]["round"] == "v3"
+        with (
+            pytest.raises(WebSocketDisconnect) as closed,
+            http.websocket_connect("/v1/realtime") as ws,
+        ):
+            ws.receive_text()
+        assert closed.value.code == 1013
+        assert vllm_guard.ANONYMOUS_MESSAGE.startswith(closed.value.reason)
         assert http.get("/health").status_code == 200
 
 
