@@ -255,7 +255,7 @@ def test_a_server_without_lora_is_named_as_such(tmp_path: Path) -> None:
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoLoRA)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     source = lora_source(jax_adapter(1), "pol")
-    engine: Any = SimpleNamespace(source=source, client=SimpleNamespace(base_urls=["x"]))
+    engine: Any = SimpleNamespace(info=INFO, source=source, client=SimpleNamespace(base_urls=["x"]))
     engine.host_bytes = lambda t: np.asarray(t).reshape(-1).view(np.uint8)
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
     sync = AdapterSync(engine, "pol", alpha=ALPHA, adapter_dir=tmp_path / "pol", base_urls=[url])

@@ -64,7 +64,7 @@ class AdapterSync:
         api_key: str | None = None,
         timeout_s: float = 120.0,
     ) -> None:
-        delta = getattr(engine.info, "delta", "off")
+        delta = engine.info.delta
         if delta != "off":
             # A delta round would patch the adapter's tensors by name, which the workers'
             # adapter rounds (staged whole, swapped at finish) do not take.
