@@ -157,7 +157,7 @@ later vLLM adds is refused, not served by a half-updated model."""
 
 
 def runs_model(scope: Scope) -> bool:
-    """Whether this request may run the model: it is not one known not to (see
+    """Whether this request may run the model: true unless it is known not to (the rule:
     ``PASSING_GETS``)."""
     if scope["type"] == "websocket":
         return True

@@ -84,8 +84,8 @@ def authorized(scope: Scope) -> bool:
 
 
 def route_path(scope: Scope) -> str:
-    """The request's path inside the app (``root_path`` removed, as vLLM's checks do), one
-    trailing slash dropped."""
+    """The request's path inside the app (``root_path`` removed, as vLLM's checks do), with
+    no trailing slash."""
     path = str(scope.get("path", "/")).removeprefix(str(scope.get("root_path", "")))
     return path.rstrip("/") or "/"
 
