@@ -9,6 +9,7 @@ GPU: ``tests/gpu/test_ipc_write_through_gpu.py``.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -26,6 +27,7 @@ from weightwire.backends.base import RoundSender
 from weightwire.backends.ipc.channel import Channel
 from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.slots import IPCSlots
+from weightwire.backends.ipc.through import table as through_table
 from weightwire.backends.ipc.through.pipeline import IPCWriteThroughPipeline
 from weightwire.backends.ipc.through.table import (
     PART_LANDINGS,
@@ -149,11 +151,11 @@ def test_strided_casting_and_column_slices_are_planned_as_kernel_copies_or_runs(
         ParamMeta("f", "float32", (16,)),  # a float32 tensor into a bfloat16 parameter
     ]
     params = (ParamSlot("p", 0, 0, 1 << 16, "bfloat16"),)
-    lands = [
+    lands = [  # each into its own elements of p
         Land(0, (4, 256), 256, (512, 1), 0, (1024, 1)),
-        Land(0, (64, 8), 0, (8, 1), 0, (16, 1)),
-        Land(0, (8, 4), 0, (4, 1), 0, (1, 8)),
-        Land(0, (16,), 0, (1,), 0, (1,)),
+        Land(0, (64, 8), 0, (8, 1), 4096, (16, 1)),
+        Land(0, (8, 4), 0, (4, 1), 6144, (1, 8)),
+        Land(0, (16,), 0, (1,), 8192, (1,)),
     ]
     table = LandingTable(
         (Alloc(H, 1 << 16),),
@@ -170,6 +172,72 @@ def test_strided_casting_and_column_slices_are_planned_as_kernel_copies_or_runs(
         "float32",
         "bfloat16",
     )
+
+
+def _one_param(metas: list[ParamMeta], holds: int, *lands: Land) -> LandingTable:
+    """Each of ``metas`` landed by the landing beside it, all into one float32 parameter."""
+    return LandingTable(
+        (Alloc(H, 4 * holds),),
+        (ParamSlot("p", 0, 0, 4 * holds, "float32"),),
+        tuple(TensorLands(m.name, (x,)) for m, x in zip(metas, lands, strict=True)),
+    )
+
+
+def test_a_view_that_repeats_elements_is_refused_before_any_copy_is_planned() -> None:
+    """A 3 KB table once planned 4.2 M runs (+492 MiB): 64 landings of a 128-element
+    tensor read 65536 times over (source stride 0), written as often onto one row."""
+    metas = [ParamMeta("w", "float32", (128,))]
+    repeat = Land(0, (65536, 128), 0, (0, 1), 0, (0, 1))
+    table = LandingTable(
+        (Alloc(H, 512),),
+        (ParamSlot("p", 0, 0, 512, "float32"),),
+        (TensorLands("w", (repeat,) * 64),),
+    )
+    msgs = table_messages(table, 0)
+    assert len(json.dumps(msgs)) < 4096
+    with pytest.raises(TransferError) as err:
+        _read(msgs, metas)
+    assert str(err.value) == (
+        "worker 1's landing table reads elements of 'w' more than once in one landing "
+        "(source strides [0, 1] for shape [65536, 128])"
+    )
+    big = [ParamMeta("w", "float32", (1024, 128))]
+    onto_one_row = _one_param(big, 1 << 17, Land(0, (1024, 128), 0, (128, 1), 0, (0, 1)))
+    with pytest.raises(TransferError, match="writes elements of 'p' more than once in one landing"):
+        _read(table_messages(onto_one_row, 0), big)
+    # Overlapping dims are a repeat too, however the strides are ordered.
+    folded = _one_param(big, 1 << 17, Land(0, (1024, 128), 0, (128, 1), 0, (64, 1)))
+    with pytest.raises(TransferError, match="destination strides \\[64, 1\\]"):
+        _read(table_messages(folded, 0), big)
+
+
+def test_landings_that_write_one_element_twice_are_refused() -> None:
+    metas, table = _fused()
+    (msg,) = table_messages(table, 0)
+    with pytest.raises(TransferError) as err:  # k's rows start inside q's
+        _read([_mutate(msg, ("tensors", 1, 1, 0, 4), 16)], metas)
+    assert str(err.value) == (
+        "worker 1's landing table writes elements of 'qkv' twice (landings of 'q' and 'k' overlap)"
+    )
+    two = [ParamMeta("a", "float32", (8,)), ParamMeta("b", "float32", (8,))]
+    both = _one_param(two, 8, Land(0, (8,), 0, (1,), 0, (1,)), Land(0, (8,), 0, (1,), 0, (1,)))
+    with pytest.raises(TransferError, match="writes 16 elements into 'p', which holds 8"):
+        _read(table_messages(both, 0), two)
+
+
+def test_interleaved_column_slices_are_checked_run_by_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two halves of each row of a 4 x 16 parameter: their spans interleave, their
+    elements do not; shifted by 4 columns they do."""
+    halves = [ParamMeta("left", "float32", (4, 8)), ParamMeta("right", "float32", (4, 8))]
+    left = Land(0, (4, 8), 0, (8, 1), 0, (16, 1))
+    table = _one_param(halves, 64, left, Land(0, (4, 8), 0, (8, 1), 8, (16, 1)))
+    assert _read(table_messages(table, 0), halves) == table
+    shifted = _one_param(halves, 64, left, Land(0, (4, 8), 0, (8, 1), 4, (16, 1)))
+    with pytest.raises(TransferError, match="landings of 'left' and 'right' overlap"):
+        _read(table_messages(shifted, 0), halves)
+    monkeypatch.setattr(through_table, "MAX_CHECK_RUNS", 7)
+    with pytest.raises(TransferError, match="interleaves 2 landings in 'p' in more than 7 runs"):
+        _read(table_messages(table, 0), halves)
 
 
 def test_a_refusal_is_one_short_message() -> None:

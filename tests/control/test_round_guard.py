@@ -114,6 +114,10 @@ def build_app(
         await ws.send_text("served")
         await ws.close()
 
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT"])
+    async def any_model_route(path: str) -> dict[str, Any]:
+        return {"ran_the_model": path}  # what a route this app does not know stands for
+
     app.add_middleware(vllm_guard.RoundGuard)
     return app
 
@@ -275,8 +279,103 @@ def test_guard_routes_need_the_api_key() -> None:
         assert ok.status_code == 200
         refused = http.post("/v1/completions", json={}, headers={"Authorization": "Bearer k1"})
         assert refused.status_code == 503
-        # Without the key the request goes on to vLLM's own authentication (absent from this app).
-        assert _complete(http).status_code == 200
+
+
+MODEL_ROUTES = (
+    "/v1/completions",
+    "/inference/v1/generate",
+    "/invocations",
+    "/classify",
+    "/pooling",
+    "/score",
+    "/rerank",
+    "/v2/some_new_route",  # a route a later vLLM adds
+)
+
+
+def test_held_guard_refuses_model_routes_to_callers_without_the_key() -> None:
+    """vLLM checks the key under some prefixes only: without the key (or with a wrong one)
+    a request is refused too, told less."""
+    with TestClient(build_app([Worker(WeightState())], api_key=["k1"])) as http:
+        held = http.post(
+            "/weightwire/round_guard/hold",
+            json={"round": "v3", "session": "s9"},
+            headers={"Authorization": "Bearer k1"},
+        )
+        assert held.status_code == 200, held.text
+        for headers in ({}, {"Authorization": "Bearer k2"}, {"Authorization": "Basic k1"}):
+            for path in MODEL_ROUTES:
+                reply = http.post(path, json={}, headers=headers)
+                assert reply.status_code == 503, (path, headers, reply.text)
+                error = reply.json()["error"]
+                assert error["message"] == vllm_guard.ANONYMOUS_MESSAGE
+                assert error["reason"] == "weight_round_incomplete" and "round" not in error
+                assert "v3" not in reply.text and "s9" not in reply.text
+        for path in MODEL_ROUTES:
+            reply = http.post(path, json={}, headers={"Authorization": "Bearer k1"})
+            assert reply.status_code == 503 and reply.json()["error"]["round"]["round"] == "v3"
+        with (
+            pytest.raises(WebSocketDisconnect) as closed,
+            http.websocket_connect("/v1/realtime") as ws,
+        ):
+            ws.receive_text()
+        assert closed.value.code == 1013
+        assert vllm_guard.ANONYMOUS_MESSAGE.startswith(closed.value.reason)
+        assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("headers", "accepted"),
+    [
+        ([("Authorization", "Bearer k1")], True),
+        ([("Authorization", "bearer k1")], True),
+        ([("Authorization", "BEARER k1")], True),
+        ([("Authorization", "Bearer k1"), ("Authorization", "Bearer nope")], True),
+        ([("Authorization", "Bearer nope"), ("Authorization", "Bearer k1")], False),
+        ([("Authorization", "Bearer  k1")], False),  # the token is " k1"
+        ([("Authorization", "Bearer\tk1")], False),
+        ([("Authorization", "Bearer k1x")], False),
+        ([("Authorization", "Token k1")], False),
+        ([("Authorization", "k1")], False),
+        ([], False),
+    ],
+)
+def test_authorization_is_read_as_vllm_reads_it(
+    headers: list[tuple[str, str]], accepted: bool
+) -> None:
+    """vLLM 0.33's --api-key check: the first Authorization header, its scheme compared
+    without case up to the first space, the rest the token as it is."""
+    with TestClient(build_app([Worker(WeightState())], api_key=["k1", "k2"])) as http:
+        reply = http.post("/weightwire/round_guard/hold", json={"round": "v1"}, headers=headers)
+        assert reply.status_code == (200 if accepted else 401), reply.text
+        scope = {
+            "type": "http",
+            "headers": [(k.lower().encode(), v.encode()) for k, v in headers],
+            "app": http.app,
+        }
+        assert vllm_guard.asgi.authorized(scope) is accepted
+
+
+def test_held_guard_passes_only_what_is_known_not_to_run_the_model(http: TestClient) -> None:
+    http.post("/weightwire/round_guard/hold", json={"round": "v1"})
+    for path in ("/health", "/metrics", "/v1/models", "/weight_info", "/v1/responses/resp_1"):
+        assert http.get(path).status_code != 503, path
+    assert http.post("/v1/responses/resp_1/cancel").status_code != 503
+    assert http.options("/v1/completions").status_code != 503
+    for method, path in (
+        ("GET", "/v1/some_new_stream"),
+        ("PUT", "/v1/completions"),
+        ("POST", "/v1/responses/a/b/cancel"),
+        ("POST", "/tokenize/more"),
+        ("GET", "/v1/responses/a/b"),
+    ):
+        reply = http.request(method, path, json={})
+        assert reply.status_code == 503, (method, path, reply.text)
+    # Paths are read inside the app, as vLLM reads them: root_path removed.
+    scope = {"type": "http", "method": "POST", "root_path": "/api"}
+    assert not vllm_guard.runs_model({**scope, "path": "/api/tokenize"})
+    assert vllm_guard.runs_model({**scope, "path": "/api/v1/completions"})
+    assert vllm_guard.runs_model({**scope, "method": "GET", "path": "/api/v1/new"})
 
 
 # ---------------------------------------------------------------- the trainer's side

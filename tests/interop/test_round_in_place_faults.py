@@ -130,6 +130,12 @@ def test_round_guard_operator_release_when_whole(served: Served) -> None:
     )
     assert refused.status_code == 503, refused.text
     assert "'never-written'" in refused.json()["error"]["message"], refused.text
+    # Closed by default: a model route outside vLLM's --api-key prefixes is refused too; what
+    # is known not to run the model passes.
+    invocations = httpx.post(f"{url}/invocations", json={"prompt": [5, 17]}, timeout=30)
+    assert invocations.status_code == 503, invocations.text
+    for path in ("/health", "/v1/models", "/is_paused"):
+        assert httpx.get(f"{url}{path}", timeout=30).status_code == 200, path
     release = httpx.post(f"{url}/weightwire/round_guard/release", timeout=60)
     assert release.status_code == 200, release.text
     assert release.json()["released"] and release.json()["resumed"], release.text

@@ -12,7 +12,10 @@ from safetensors.numpy import load_file
 
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.lora import (
+    MAX_LORA_ALPHA,
     LoRASpec,
+    check_lora_alpha,
+    check_peft_numbers,
     is_adapter_round,
     parse_name,
     wire_name,
@@ -129,3 +132,49 @@ def test_adapter_dir_refuses_another_adapters_tensor(tmp_path: Path) -> None:
         write_adapter_dir(
             tmp_path, spec, {wire_name(Q, "A", "x"): np.zeros((4, 64), np.float32)}, alpha=1
         )
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), 1e308, -1.0, 0.0, True, "8"])
+def test_an_alpha_no_served_adapter_can_use_is_refused(tmp_path: Path, alpha: object) -> None:
+    spec = LoRASpec.from_metas(_metas())
+    with pytest.raises(ConfigError, match="alpha must be a (finite )?number"):
+        write_adapter_dir(tmp_path, spec, {}, alpha=alpha)  # type: ignore[arg-type]
+    assert not (tmp_path / "adapter_config.json").exists()
+    with pytest.raises(ConfigError, match="adapter_config.json: lora_alpha must be"):
+        check_peft_numbers({"r": 4, "lora_alpha": alpha}, 4)
+
+
+def test_peft_numbers_give_the_scale_or_name_the_bad_field() -> None:
+    assert check_peft_numbers({"r": 4, "lora_alpha": 8.0, "lora_dropout": 0.1}, 4) == 2.0
+    assert check_peft_numbers({}, 4) == 1.0  # PEFT's defaults: alpha = r
+    assert check_lora_alpha(MAX_LORA_ALPHA) == MAX_LORA_ALPHA
+    for config, field in [
+        ({"r": 4.0}, "r is 4.0 but the matrices have rank 4"),
+        ({"r": "4"}, "r is '4'"),
+        ({"r": 8}, "r is 8 but"),
+        ({"lora_dropout": float("nan")}, "lora_dropout must be a number in \\[0, 1\\)"),
+        ({"lora_dropout": 1.0}, "lora_dropout"),
+        (
+            {"lora_alpha": MAX_LORA_ALPHA * 2},
+            "lora_alpha must be a finite number in \\(0, 65536\\]",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            check_peft_numbers(config, 4)
+
+
+def test_adapter_sync_refuses_a_delta_engine_and_a_bad_alpha(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from weightwire.trainer.config import TrainerInitInfo
+    from weightwire.trainer.lora import AdapterSync
+
+    delta = SimpleNamespace(info=TrainerInitInfo(backend="weightwire_tcp", delta="auto"))
+    with pytest.raises(ConfigError, match="its engine has delta='auto'.*delta='off'"):
+        AdapterSync(delta, "pol", alpha=8.0, adapter_dir=tmp_path, base_urls=["http://x"])  # type: ignore[arg-type]
+    dense = SimpleNamespace(info=TrainerInitInfo(backend="weightwire_tcp"))
+    for alpha in (float("inf"), 1e308, float("nan")):
+        with pytest.raises(ConfigError, match="alpha must be a finite number"):
+            AdapterSync(dense, "pol", alpha=alpha, adapter_dir=tmp_path, base_urls=["http://x"])  # type: ignore[arg-type]
+    sync = AdapterSync(dense, "pol", alpha=8, adapter_dir=tmp_path, base_urls=["http://x"])  # type: ignore[arg-type]
+    assert sync.alpha == 8.0

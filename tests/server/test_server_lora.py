@@ -10,6 +10,7 @@ cannot take is refused before any byte of a round.
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,8 @@ from tests.lora.adapters import (
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.lora import lora_source
-from weightwire.shared.errors import ConfigError, WeightwireError
+from weightwire.shared.errors import ConfigError, WeightSyncError, WeightwireError
+from weightwire.shared.lora import LoRASpec, write_adapter_dir
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.lora import PeftAdapterSource, peft_alpha
 from weightwire.trainer.config import TrainerInitInfo
@@ -47,7 +49,7 @@ INFO = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=8 << 1
 
 @pytest.fixture(scope="module")
 def server(server_factory: Any, tiny_llama: str) -> VLLMServer:
-    args = ["--model", tiny_llama, "--replicas", "2", "--enable-lora"]
+    args = ["--model", tiny_llama, "--replicas", "2", "--enable-lora", "--check-finite"]
     proc = server_factory([*args, "--max-lora-rank", str(MAX_RANK)])
     return VLLMServer(proc.url, tiny_llama)
 
@@ -160,6 +162,77 @@ def test_what_the_server_cannot_serve_is_refused_before_a_round(
     assert reply.status_code == 404, reply.text
 
 
+def test_a_non_finite_adapter_round_is_refused_and_the_previous_adapter_serves(
+    server: VLLMServer, client: Any, tmp_path: Path
+) -> None:
+    def send(tree: dict[str, Any]) -> None:
+        # A refused finish ends the trainer's session on the server: one engine per round.
+        engine = JAXTrainerEngine.trainer_init(
+            INFO, client=client, source=lora_source(tree, "finpol")
+        )
+        try:
+            AdapterSync(engine, "finpol", alpha=ALPHA, adapter_dir=tmp_path / "finpol").send()
+        finally:
+            engine.shutdown()
+
+    send(jax_adapter(11))
+    before = server.greedy(model="finpol")
+    for bad in (float("nan"), float("inf")):
+        tree = jax_adapter(12)
+        q = tree["model"]["layers"][1]["self_attn"]["q_proj"]
+        q["lora_a"] = q["lora_a"].at[3, 1].set(bad)
+        with pytest.raises(WeightSyncError) as refused:
+            send(tree)
+        assert refused.value.status == 400, refused.value
+        message = str(refused.value)
+        assert "'base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight'" in message
+        assert "NaN or infinite values (--check-finite)" in message
+        assert "nothing was committed" in message
+        assert server.greedy(model="finpol") == before
+    send(jax_adapter(13))  # a finite round after the refused ones commits
+    assert server.greedy(model="finpol")[0] != before[0]
+
+
+def test_an_adapter_config_with_unusable_numbers_is_refused_at_load(
+    server: VLLMServer, tmp_path: Path
+) -> None:
+    source = lora_source(jax_adapter(21), "cfgpol")
+    spec = LoRASpec.from_metas(source.metadata())
+    good = write_adapter_dir(
+        tmp_path / "good", spec, {n: np.asarray(t) for n, t in source}, alpha=ALPHA
+    )
+    config = json.loads((good / "adapter_config.json").read_text())
+    cases = [
+        ("lora_alpha", float("nan"), "lora_alpha must be a finite number in (0, 65536], got nan"),
+        ("lora_alpha", 1e308, "lora_alpha must be a finite number in (0, 65536], got 1e+308"),
+        ("lora_alpha", -8.0, "lora_alpha must be a finite number in (0, 65536], got -8.0"),
+        ("lora_alpha", "8", "lora_alpha must be a number, got '8'"),
+        ("r", 4.5, "r is 4.5 but the matrices have rank 4"),
+        ("lora_dropout", float("inf"), "lora_dropout must be a number in [0, 1), got inf"),
+    ]
+    for i, (field, value, message) in enumerate(cases):
+        bad = tmp_path / f"bad{i}"
+        bad.mkdir()
+        (bad / "adapter_model.safetensors").write_bytes(
+            (good / "adapter_model.safetensors").read_bytes()
+        )
+        (bad / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+        reply = httpx.post(
+            f"{server.url}/v1/load_lora_adapter",
+            json={"lora_name": f"cfg{i}", "lora_path": str(bad)},
+            timeout=60,
+        )
+        assert reply.status_code == 400, (field, value, reply.text)
+        assert message in reply.json()["error"]["message"], (field, value, reply.text)
+        assert f"{bad}: adapter_config.json: {field}" in reply.json()["error"]["message"]
+        served = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": f"cfg{i}", "prompt": [1, 2], "max_tokens": 2},
+            timeout=60,
+        )
+        assert served.status_code == 404, served.text
+
+
 class _NoLoRA(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._reply(b'{"object": "list", "data": []}', 200)
@@ -182,7 +255,7 @@ def test_a_server_without_lora_is_named_as_such(tmp_path: Path) -> None:
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoLoRA)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     source = lora_source(jax_adapter(1), "pol")
-    engine: Any = SimpleNamespace(source=source, client=SimpleNamespace(base_urls=["x"]))
+    engine: Any = SimpleNamespace(info=INFO, source=source, client=SimpleNamespace(base_urls=["x"]))
     engine.host_bytes = lambda t: np.asarray(t).reshape(-1).view(np.uint8)
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
     sync = AdapterSync(engine, "pol", alpha=ALPHA, adapter_dir=tmp_path / "pol", base_urls=[url])

@@ -20,6 +20,7 @@ the adapter segment (``base_model.model.<module>.lora_A.weight``). numpy only.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -65,6 +66,43 @@ def check_adapter_name(name: object) -> str:
             f"adapter name must be 1-64 characters of letters, digits, '_' or '-', got {name!r}"
         )
     return name
+
+
+MAX_LORA_ALPHA = float(1 << 16)
+"""The largest ``lora_alpha`` accepted. The served output adds ``alpha / rank * B(Ax)``:
+PEFT configs stay far below (alpha is usually 1-4x the rank, vLLM's ranks end at 512),
+and far above, a half-precision output overflows and every completion fails."""
+
+
+def check_lora_alpha(alpha: object, where: str = "alpha") -> float:
+    """``alpha`` as a float when it is a finite number in (0, ``MAX_LORA_ALPHA``]."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ConfigError(f"{where} must be a number, got {alpha!r:.40}")
+    if not math.isfinite(alpha) or not 0 < alpha <= MAX_LORA_ALPHA:
+        raise ConfigError(
+            f"{where} must be a finite number in (0, {MAX_LORA_ALPHA:g}], got {alpha!r}: "
+            "the adapter's scale is alpha / rank"
+        )
+    return float(alpha)
+
+
+def check_peft_numbers(config: Mapping[str, Any], rank: int) -> float:
+    """The scale (``lora_alpha / r``) of an ``adapter_config.json`` for matrices of ``rank``;
+    ``ConfigError`` naming the field that is not a number a served adapter can use."""
+    r = config.get("r", rank)
+    if isinstance(r, bool) or not isinstance(r, int) or r != rank:
+        raise ConfigError(f"adapter_config.json: r is {r!r:.40} but the matrices have rank {rank}")
+    alpha = check_lora_alpha(config.get("lora_alpha", rank), "adapter_config.json: lora_alpha")
+    dropout = config.get("lora_dropout", 0.0)
+    if (
+        isinstance(dropout, bool)
+        or not isinstance(dropout, (int, float))
+        or not 0 <= dropout < 1  # NaN fails this too
+    ):
+        raise ConfigError(
+            f"adapter_config.json: lora_dropout must be a number in [0, 1), got {dropout!r:.40}"
+        )
+    return alpha / rank
 
 
 def wire_name(module: str, ab: str, adapter: str) -> str:
@@ -176,7 +214,7 @@ class LoRASpec:
             "task_type": "CAUSAL_LM",
             "base_model_name_or_path": base_model,
             "r": self.rank,
-            "lora_alpha": alpha,
+            "lora_alpha": check_lora_alpha(alpha),
             "lora_dropout": 0.0,
             "bias": "none",
             "target_modules": list(self.target_modules),

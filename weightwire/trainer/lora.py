@@ -26,7 +26,12 @@ import numpy as np
 
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.lora import LoRASpec, check_adapter_name, write_adapter_dir
+from weightwire.shared.lora import (
+    LoRASpec,
+    check_adapter_name,
+    check_lora_alpha,
+    write_adapter_dir,
+)
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.engine import TrainerEngine
 from weightwire.trainer.metrics import RoundMetrics
@@ -59,11 +64,18 @@ class AdapterSync:
         api_key: str | None = None,
         timeout_s: float = 120.0,
     ) -> None:
+        delta = engine.info.delta
+        if delta != "off":
+            # A delta round would patch the adapter's tensors by name, which the workers'
+            # adapter rounds (staged whole, swapped at finish) do not take.
+            raise ConfigError(
+                f"AdapterSync sends the whole adapter every round; its engine has "
+                f"delta={delta!r}: build the adapter's engine with TrainerInitInfo(delta='off') "
+                "(an adapter round is small)"
+            )
         self.engine = engine
         self.adapter = check_adapter_name(adapter)
-        if not alpha > 0:
-            raise ConfigError(f"alpha must be positive, got {alpha!r}")
-        self.alpha = float(alpha)
+        self.alpha = check_lora_alpha(alpha)
         self.adapter_dir = Path(adapter_dir).absolute()
         self.base_urls = base_urls if base_urls is not None else _client_urls(engine.client)
         self.base_model = base_model

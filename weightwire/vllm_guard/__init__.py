@@ -15,8 +15,16 @@ With the guard, the trainer holds it (``POST /weightwire/round_guard/hold``) bef
 round and releases it after the commit. While held, every request that runs the model
 (completions, chat, responses, embeddings, scoring, the realtime websocket, ...) is
 answered at once with HTTP 503 and a JSON error saying which round left the weights
-incomplete, since when, and what lifts it. Control routes (weight transfer, pause,
-resume, cache resets, tokenize, health, metrics, every GET) pass.
+incomplete, since when, and what lifts it, whether the request carries the API key or not
+(without it, the answer does not name the round). Only requests known not to run the
+model pass (weight transfer, pause, resume, cache resets, tokenize, health, metrics, the
+models list, ...: ``PASSING_POSTS``, ``PASSING_GETS``); anything else, a route a later
+vLLM adds included, is refused.
+
+The guard's routes need the server's API key (``--api-key`` / ``VLLM_API_KEY``, read as
+vLLM reads ``Authorization``). Without an API key anyone who can reach the server can
+hold the guard (and refuse every request) or release it: give vLLM an API key when
+clients you do not trust reach it.
 
 The way out is bounded: the next trainer's complete round releases it, and an operator can
 ``POST /weightwire/round_guard/release``, which asks the workers first (the plugin's
@@ -52,6 +60,7 @@ from weightwire.vllm_guard.asgi import (
     authorized,
     engine_client,
     read_body,
+    route_path,
     send_reply,
 )
 from weightwire.vllm_guard.worker import WORKER_METHOD
@@ -109,21 +118,66 @@ PASSING_POSTS = frozenset(
         "/v1/chat/completions/derender",
     }
 )
-"""POST routes of vLLM 0.32/0.33 that never run the model. Any other POST (and every
-websocket) is refused while the guard is held: a route a later vLLM adds is refused, not
-served by a half-updated model."""
+"""POST routes of vLLM 0.32/0.33 that never run the model."""
+
+PASSING_GETS = frozenset(
+    {
+        # health, load and metrics
+        "/health",
+        "/ping",
+        "/load",
+        "/version",
+        "/metrics",
+        "/ready",
+        "/readyz",
+        # state the trainer and operators read
+        "/v1/models",
+        "/is_paused",
+        "/is_sleeping",
+        "/get_world_size",
+        "/weight_info",
+        "/server_info",
+        "/tokenizer_info",
+        "/kv_event_sources",
+        "/fault_tolerance/status",
+        # the API's own documentation
+        "/docs",
+        "/docs/oauth2-redirect",
+        "/redoc",
+        "/openapi.json",
+    }
+)
+"""GET (and HEAD) routes of vLLM 0.32/0.33 that never run the model, besides reading a
+stored response (``/v1/responses/{id}``).
+
+The rule is closed: while the guard is held, a request passes only when it is known not
+to run the model (these, ``PASSING_POSTS``, a stored response, an ``OPTIONS`` preflight).
+Any other request, whatever its method, and every websocket, is refused, so a route a
+later vLLM adds is refused, not served by a half-updated model."""
 
 
 def runs_model(scope: Scope) -> bool:
-    """Whether this request may run the model (see ``PASSING_POSTS``)."""
+    """Whether this request may run the model: true unless it is known not to (the rule:
+    ``PASSING_GETS``)."""
     if scope["type"] == "websocket":
         return True
-    if scope.get("method") != "POST":
+    method = scope.get("method")
+    path = route_path(scope)
+    if method == "OPTIONS":  # a CORS preflight: answered without reaching a route
         return False
-    path = scope.get("path", "/").rstrip("/") or "/"
-    if path.startswith("/v1/responses/") and path.endswith("/cancel"):
-        return False
-    return path not in PASSING_POSTS
+    if method in ("GET", "HEAD"):
+        return path not in PASSING_GETS and not _one_below(path, "/v1/responses/")
+    if method == "POST":
+        if path.startswith("/v1/responses/") and path.endswith("/cancel"):
+            return not _one_below(path.removesuffix("/cancel"), "/v1/responses/")
+        return path not in PASSING_POSTS
+    return True
+
+
+def _one_below(path: str, prefix: str) -> bool:
+    """``path`` is ``prefix`` and one more segment (``/v1/responses/{id}``)."""
+    rest = path.removeprefix(prefix)
+    return path.startswith(prefix) and bool(rest) and "/" not in rest
 
 
 @dataclass(frozen=True)
@@ -149,6 +203,13 @@ class Hold:
         return {"round": self.round, "session": self.session, "since": self.since}
 
 
+ANONYMOUS_MESSAGE = (
+    "the served weights are incomplete: a weight round is applied in place and has not "
+    "committed; requests that run the model are refused until it does (retry later)"
+)
+"""What a request without the server's API key is told while the guard is held."""
+
+
 def _error(status: int, message: str, kind: str, **extra: Any) -> Reply:
     return Reply(status, {"error": {"message": message, "type": kind, "code": status, **extra}})
 
@@ -166,7 +227,7 @@ class RoundGuard:
         if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
+        path = route_path(scope)
         if kind == "http" and path.startswith(STATUS.path):
             try:
                 reply = await self._control(scope, receive, path)
@@ -180,25 +241,25 @@ class RoundGuard:
             await send_reply(send, reply)
             return
         hold = self.hold
-        if hold is None or not runs_model(scope) or not authorized(scope):
-            # Unauthenticated requests go on to vLLM's own 401.
+        if hold is None or not runs_model(scope):
             await self.app(scope, receive, send)
             return
+        # Refused authenticated or not: vLLM checks keys on some prefixes only, so an
+        # unauthenticated request could reach the model. Only the key holder learns which
+        # round, of which session, since when.
+        known = authorized(scope)
+        message = hold.message() if known else ANONYMOUS_MESSAGE
         if kind == "websocket":
             await receive()  # websocket.connect
-            reason = (
-                hold.message().encode()[:120].decode(errors="ignore")
-            )  # a close reason is <= 123 bytes
+            # A close reason is at most 123 bytes.
+            reason = message.encode()[:120].decode(errors="ignore")
             await send({"type": "websocket.close", "code": 1013, "reason": reason})
             return
+        extra: dict[str, Any] = {"round": hold.to_json()} if known else {}
         await send_reply(
             send,
             _error(
-                503,
-                hold.message(),
-                "ServiceUnavailableError",
-                reason="weight_round_incomplete",
-                round=hold.to_json(),
+                503, message, "ServiceUnavailableError", reason="weight_round_incomplete", **extra
             ),
         )
 

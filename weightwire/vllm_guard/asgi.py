@@ -4,6 +4,7 @@ and what it reads of vLLM's app state (the engine client, the API-server count, 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -49,15 +50,44 @@ def api_keys(scope: Scope) -> list[str]:
     return keys
 
 
+def authorization(scope: Scope) -> str | None:
+    """The request's first ``Authorization`` header (the one vLLM reads: Starlette's
+    ``Headers.get``), decoded as latin-1; None when it has none."""
+    for name, value in scope.get("headers") or ():
+        if name == b"authorization":
+            return bytes(value).decode("latin-1")
+    return None
+
+
 def authorized(scope: Scope) -> bool:
-    """The request carries one of the server's API keys (any request when it has none)."""
+    """The request carries one of the server's API keys (any request when it has none).
+
+    Parsed as vLLM's ``--api-key`` middleware parses it, so the guard and vLLM never disagree
+    on who is authenticated: the first ``Authorization`` header, split at its first space
+    into a scheme compared without case (``bearer``) and a token taken as it is, no
+    whitespace stripped, compared as UTF-8 with every key (in constant time)."""
     keys = api_keys(scope)
     if not keys:
         return True
-    headers = dict(scope.get("headers") or [])
-    given = headers.get(b"authorization", b"").decode("latin-1")
-    token = given.removeprefix("Bearer ").encode()
-    return any(hmac.compare_digest(token, k.encode()) for k in keys)
+    given = authorization(scope)
+    if not given:
+        return False
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # Digests have one length, so the comparison takes as long for a key of any length.
+    digest = hashlib.sha256(token.encode("utf-8")).digest()
+    match = False
+    for key in keys:
+        match |= hmac.compare_digest(digest, hashlib.sha256(key.encode("utf-8")).digest())
+    return match
+
+
+def route_path(scope: Scope) -> str:
+    """The request's path inside the app (``root_path`` removed, as vLLM's checks do), with
+    no trailing slash."""
+    path = str(scope.get("path", "/")).removeprefix(str(scope.get("root_path", "")))
+    return path.rstrip("/") or "/"
 
 
 async def read_body(receive: Receive) -> bytes:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from weightwire.shared.lora import PREFIX, LoRASpec, wire_name
+from weightwire.shared.errors import ConfigError
+from weightwire.shared.lora import PREFIX, LoRASpec, check_peft_numbers, wire_name
 from weightwire.shared.meta import ParamMeta
 
 _CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -56,6 +57,8 @@ class HFAdapters:
         if not (root / _CONFIG).is_file() or not (root / _WEIGHTS).is_file():
             raise ValueError(f"{path} holds no {_CONFIG} and {_WEIGHTS}")
         config = json.loads((root / _CONFIG).read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: {_CONFIG} is not a JSON object")
         for flag in ("use_rslora", "use_dora"):
             if config.get(flag):
                 raise ValueError(f"{path}: {flag} adapters are not served here")
@@ -68,12 +71,13 @@ class HFAdapters:
             metas.append(ParamMeta(wire_name(module, ab, name), "float32", tuple(tensor.shape)))
             tensors[key] = tensor.float()
         spec = LoRASpec.from_metas(metas)
-        if int(config.get("r", spec.rank)) != spec.rank:
-            raise ValueError(f"{path}: r {config.get('r')} but the matrices have rank {spec.rank}")
+        try:
+            scale = check_peft_numbers(config, spec.rank)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
         self._check_fits(spec)
-        alpha = float(config.get("lora_alpha", spec.rank))
         with self._lock:
-            self.served[name] = Adapter(spec, alpha / spec.rank, self._on_device(tensors))
+            self.served[name] = Adapter(spec, scale, self._on_device(tensors))
         return {"rank": spec.rank, "modules": len(spec.modules)}
 
     def _check_fits(self, spec: LoRASpec) -> None:

@@ -50,6 +50,10 @@ class LoRARound(ReceiveStrategy):
         self.held: dict[str, torch.Tensor] = {}
         self.updates = 0
 
+    def held_tensors(self) -> Pairs:
+        # The adapter is applied only at commit: checks before it (--check-finite) see it all.
+        return [*self.held.items(), *self.delta.held_values()]
+
     def begin(self) -> None:
         pass
 

@@ -16,17 +16,23 @@ message (plus ``land_part`` messages when it is large):
 ``read_table`` checks every field before the trainer maps anything: the tensors are the
 round's, in its order; every view lies inside its tensor and inside its parameter's
 storage, which lies inside its allocation; the dtypes are wire dtypes and a cast is one
-``kernels`` does. ``plan_copies`` turns a checked table into copies: contiguous runs
-(byte rows for the gather kernel) where source and destination run together, a strided
-(or casting) copy per landing otherwise. Torch-free and CUDA-free: CPU-tested.
+``kernels`` does; no view reads or writes an element twice (no stride 0, no overlapping
+dims) and no two landings write the same parameter element, so the copies a table plans
+never write more bytes than its parameters hold (the worker's own map keeps the same
+rules: ``torch_side.worker.landing_rules``). ``plan_copies`` turns a checked table into
+copies: contiguous runs (byte rows for the gather kernel) where source and destination run
+together, a strided (or casting) copy per landing otherwise. Torch-free and CUDA-free: CPU-tested.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.errors import TransferError
@@ -46,6 +52,9 @@ MAX_RUNS = 1 << 16
 """A landing cut into more contiguous runs than this is copied by the strided kernel."""
 MIN_RUN_BYTES = 512
 """Runs shorter than this are copied by the strided kernel (a row per few bytes is slower)."""
+MAX_CHECK_RUNS = 1 << 20
+"""Destination runs the overlap check may list for one parameter's interleaved landings
+(column slices); a table cut finer is refused."""
 
 
 def can_cast(src: str, dst: str) -> bool:
@@ -162,6 +171,7 @@ def read_table(
     if len(rows) != len(metas):
         raise bad(f"lists {len(rows)} tensors for a round of {len(metas)}")
     tensors = tuple(_tensor(r, m, params, bad) for r, m in zip(rows, metas, strict=True))
+    _check_disjoint(params, tensors, bad)
     return LandingTable(allocs, params, tensors)
 
 
@@ -257,6 +267,17 @@ def _tensor(value: Any, meta: ParamMeta, params: tuple[ParamSlot, ...], bad: _Ba
         item = WIRE_DTYPES[slot.dtype].itemsize
         if _end(land.shape, land.dst_offset, land.dst_strides) * item > slot.nbytes:
             raise bad(f"writes {meta.name!r} past the end of {slot.name!r}")
+        if not _one_to_one(land.shape, land.src_strides):
+            raise bad(
+                f"reads elements of {meta.name!r} more than once in one landing (source "
+                f"strides {list(land.src_strides)} for shape {list(land.shape)})"
+            )
+        if not _one_to_one(land.shape, land.dst_strides):
+            raise bad(
+                f"writes elements of {slot.name!r} more than once in one landing of "
+                f"{meta.name!r} (destination strides {list(land.dst_strides)} for shape "
+                f"{list(land.shape)})"
+            )
         lands.append(land)
     return TensorLands(meta.name, tuple(lands))
 
@@ -266,6 +287,89 @@ def _end(shape: tuple[int, ...], offset: int, strides: tuple[int, ...]) -> int:
     if any(d == 0 for d in shape):
         return offset
     return offset + sum((d - 1) * s for d, s in zip(shape, strides, strict=True)) + 1
+
+
+def _one_to_one(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Each stride (of a dim of size > 1) exceeds the reach of the smaller ones, so the view
+    never names one element twice (a stride 0 repeats one)."""
+    reach = 0
+    for n, st in sorted((d for d in zip(shape, strides, strict=True) if d[0] > 1), key=_stride):
+        if st <= reach:
+            return False
+        reach += st * (n - 1)
+    return True
+
+
+def _stride(dim: tuple[int, int]) -> int:
+    return dim[1]
+
+
+def _check_disjoint(
+    params: tuple[ParamSlot, ...], tensors: tuple[TensorLands, ...], bad: _Bad
+) -> None:
+    """No parameter element is written by two landings: counted first (a parameter takes
+    at most the elements it holds), then spans compared, and runs only where the spans of
+    several landings interleave (column slices)."""
+    spans: dict[int, list[tuple[int, int, str, Land]]] = {}
+    for t in tensors:
+        for land in t.lands:
+            if math.prod(land.shape):
+                end = _end(land.shape, land.dst_offset, land.dst_strides)
+                spans.setdefault(land.param, []).append((land.dst_offset, end, t.name, land))
+    for p, rows in spans.items():
+        slot = params[p]
+        holds = slot.nbytes // WIRE_DTYPES[slot.dtype].itemsize
+        written = sum(math.prod(land.shape) for _, _, _, land in rows)
+        if written > holds:
+            raise bad(
+                f"writes {written} elements into {slot.name!r}, which holds {holds}: its "
+                "landings overlap"
+            )
+        rows.sort(key=lambda r: r[0])
+        group, reach = [rows[0]], rows[0][1]
+        for row in rows[1:]:
+            if row[0] >= reach:
+                _check_group(group, slot, bad)
+                group = []
+            group.append(row)
+            reach = max(reach, row[1])
+        _check_group(group, slot, bad)
+
+
+def _check_group(rows: list[tuple[int, int, str, Land]], slot: ParamSlot, bad: _Bad) -> None:
+    """Landings whose spans interleave write no element twice (their runs compared)."""
+    if len(rows) < 2:
+        return
+    starts, ends, owners = [], [], []
+    count = 0
+    for i, (_, _, _, land) in enumerate(rows):
+        dims = sorted(
+            ((d, st) for d, st in zip(land.shape, land.dst_strides, strict=True) if d > 1),
+            key=_stride,
+        )
+        inner, k = 1, 0
+        while k < len(dims) and dims[k][1] == inner:
+            inner *= dims[k][0]
+            k += 1
+        count += math.prod(land.shape) // inner
+        if count > MAX_CHECK_RUNS:
+            raise bad(
+                f"interleaves {len(rows)} landings in {slot.name!r} in more than "
+                f"{MAX_CHECK_RUNS} runs: too fine to check that they do not overlap"
+            )
+        at = np.array([land.dst_offset], dtype=np.int64)
+        for d, st in dims[k:]:
+            at = (at[:, None] + np.arange(d, dtype=np.int64) * st).ravel()
+        starts.append(at)
+        ends.append(at + inner)
+        owners.append(np.full(at.size, i))
+    start, end, owner = np.concatenate(starts), np.concatenate(ends), np.concatenate(owners)
+    order = np.argsort(start, kind="stable")
+    start, end, owner = start[order], end[order], owner[order]
+    clash = np.flatnonzero(end[:-1] > start[1:])
+    if clash.size:
+        a, b = rows[int(owner[clash[0]])][2], rows[int(owner[clash[0] + 1])][2]
+        raise bad(f"writes elements of {slot.name!r} twice (landings of {a!r} and {b!r} overlap)")
 
 
 # -- copies ------------------------------------------------------------------------------------
