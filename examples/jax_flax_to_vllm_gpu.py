@@ -11,7 +11,7 @@ Server (GPU 1), any vLLM >= 0.30 (the ``nccl_unique_id_b64`` rendezvous)::
 
 Trainer (GPU 0); cupy's NCCL must be the version vLLM's torch loads
 (``python -c "import torch; print(torch.cuda.nccl.version())"`` there;
-``weightwire doctor URL`` here)::
+``weightwire doctor URL`` here; step by step, versions pinned: ``docs/gpu-vllm.md``)::
 
     pip install -e ".[jax,cuda12]" 'jax[cuda12]'     # from this repository's checkout
     CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false \\

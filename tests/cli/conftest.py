@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -20,14 +20,15 @@ def tiny_dir() -> str:
 
 @pytest.fixture(scope="module")
 def launch_server() -> Iterator[Callable[..., EmbeddedServer]]:
-    """``launch_server(model, replicas=1)``: a launched (not yet ready) reference server; call
-    ``wait_ready()`` for its URL. Start several before waiting so their start-ups overlap.
-    Every server is stopped at module end."""
+    """``launch_server(model, replicas=1, extra_args=())``: a launched (not yet ready) reference
+    server (``extra_args``: more ``weightwire serve`` flags); call ``wait_ready()`` for its URL.
+    Start several before waiting so their start-ups overlap. Every server is stopped at module
+    end."""
     servers: list[EmbeddedServer] = []
 
-    def launch(model: str, *, replicas: int = 1) -> EmbeddedServer:
+    def launch(model: str, *, replicas: int = 1, extra_args: Sequence[str] = ()) -> EmbeddedServer:
         server = EmbeddedServer(
-            model, startup_timeout=180, extra_args=["--replicas", str(replicas)]
+            model, startup_timeout=180, extra_args=["--replicas", str(replicas), *extra_args]
         )
         servers.append(server)
         server.launch()

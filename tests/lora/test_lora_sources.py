@@ -87,6 +87,7 @@ def test_peft_source_renames_the_adapter_and_reads_alpha() -> None:
     want = model.base_model.model.model["proj"].lora_A["default"].weight
     assert torch.equal(pairs[metas[0].name], want.detach().to(torch.bfloat16))
     assert peft_alpha(model) == 6.0
+    assert source.alpha == 6.0
     with pytest.raises(ConfigError, match="no LoRA matrices of adapter 'nope'"):
         PeftAdapterSource(model, "served", peft_adapter="nope")
     with pytest.raises(ConfigError, match="adapter name"):

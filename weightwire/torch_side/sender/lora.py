@@ -39,6 +39,7 @@ class PeftAdapterSource(WeightSource):
         self.adapter = check_adapter_name(adapter)
         self.peft_adapter = peft_adapter or str(getattr(model, "active_adapter", "default"))
         self.dtype = dtype
+        self._model = model
         self._params: list[tuple[str, torch.nn.Parameter]] = []
         for name, param in model.named_parameters():
             m = _PEFT.fullmatch(name)
@@ -49,6 +50,12 @@ class PeftAdapterSource(WeightSource):
                 f"{type(model).__name__} has no LoRA matrices of adapter {self.peft_adapter!r} "
                 "(names base_model.model.<module>.lora_A.<adapter>.weight)"
             )
+
+    @property
+    def alpha(self) -> float:
+        """The adapter's ``lora_alpha`` from the PEFT config, for ``AdapterSync(alpha=...)``
+        (``ConfigError`` when the model has none, or uses rslora / per-module alphas)."""
+        return peft_alpha(self._model, self.peft_adapter)
 
     def metadata(self) -> list[ParamMeta]:
         return [
