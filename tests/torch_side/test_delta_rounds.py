@@ -25,6 +25,7 @@ from tests.torch_side._delta import (
 from weightwire.shared.errors import DeltaBaseMismatch, PeerLost
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.core import WeightReceiveError
+from weightwire.torch_side.worker.engines import watch_sleep
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -349,3 +350,46 @@ def test_both_names_of_a_tied_tensor_patched_differently_are_refused(
     agreeing.send(same)
     assert_holds(worker, trainer.weights)
     agreeing.close()
+
+
+class _SleepyWorker:
+    """vLLM's worker as far as sleep goes: ``collective_rpc("sleep", level)`` calls this."""
+
+    def __init__(self) -> None:
+        self.slept: list[int] = []
+
+    def sleep(self, level: int = 1) -> None:
+        self.slept.append(level)
+
+
+@pytest.mark.parametrize("kind", ["map", "copy"])
+def test_a_vllm_workers_sleep_level_2_forgets_the_delta_base(kind: str) -> None:
+    """The vLLM engine watches its worker's sleep (``watch_sleep``): level 1 keeps the
+    weights and the base; level 2 discards them, so a delta round on the last committed
+    round is refused before any byte, in the same session."""
+    worker = make_worker(kind)
+    trainer = Trainer(13)
+    session = Session(worker.engine, delta_rounds=True)
+    session.anchor(trainer)
+    host = _SleepyWorker()
+    watch_sleep(host, worker.engine)
+    watch_sleep(host, worker.engine)  # a second init watches nothing twice
+    host.sleep(1)
+    assert worker.engine._core.weights.token(worker.net) == "t:1"
+    host.sleep(level=2)
+    assert host.slept == [1, 2]
+    assert worker.engine._core.weights.token(worker.net) is None
+    assert worker.engine._core.weights.host_copy(worker.net).nbytes == 0
+    before = {n: host_bytes(p) for n, p in worker.params.items()}
+    trainer.step({"model.layers.1.proj.weight": 0.1})
+    wire = trainer.encode(dense=False)
+    session._queue.put(wire)
+    worker.engine.start_weight_update()
+    with pytest.raises(
+        DeltaBaseMismatch, match="built on round 't:1' but this worker holds round None"
+    ):
+        worker.engine.update_weights(wire.info.to_dict())
+    session._queue.put(wire)
+    session.sender.join()
+    assert {n: host_bytes(p) for n, p in worker.params.items()} == before
+    worker.engine.shutdown()

@@ -211,11 +211,9 @@ class SinkChooser:
         self.why_none = "delta rounds are off on this worker (the trainer did not declare them)"
 
     def session(self, delta_rounds: bool) -> None:
-        """A trainer's init: without delta rounds the held round is forgotten (it may be
-        another trainer's) and the host copies are freed."""
+        """A trainer's init (the core forgot the held round; without delta rounds it freed
+        the host copies too)."""
         self.delta_rounds = delta_rounds
-        if not delta_rounds:
-            self._weights.forget(copies=True)
 
     def admit(
         self, delta: RoundDelta, model: Any, update: UpdateInfo, plan: RoundPlan
