@@ -298,3 +298,48 @@ def test_a_failed_delta_round_forgets_the_base(
         sender.close()
     resend_dense(server.url, third, "f:3")
     assert_serves(http, reference, third)
+
+
+@pytest.mark.timeout(120)
+def test_torch_trainer_resends_dense_after_sleep_level_2(
+    server,
+    http: httpx.Client,
+    tiny_llama: str,
+    reference,  # noqa: F811
+) -> None:
+    """The torch trainer with ``delta="auto"`` and ``verify=True`` across ``/sleep?level=2``
+    + ``/wake_up``: its next delta round is refused before any byte, the same round goes
+    dense in the same call, the digests agree and the model serves the trainer's weights
+    (it used to commit patches onto zeros and fail verification after the commit)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from weightwire.control import HTTPWeightSyncClient
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.torch_side.sender.source import ModuleSource
+    from weightwire.trainer.config import TrainerInitInfo
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama).float()
+    opt = torch.optim.SGD(hf.parameters(), lr=1e-6)
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3, 12, 8]])
+
+    def step() -> None:
+        hf(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    info = TrainerInitInfo(backend="weightwire_tcp", delta="auto", verify=True)
+    with HTTPWeightSyncClient(server.url, timeout=60) as client:
+        engine = TorchTrainerEngine.trainer_init(info, client=client, source=ModuleSource(hf))
+        try:
+            engine.send_weights(weight_version="s-0")
+            step()
+            assert engine.send_weights(weight_version="s-1").density is not None
+            _sleep_level_2(http)
+            step()
+            m = engine.send_weights(weight_version="s-2")
+            assert m.density is None and m.verify.mode == "digest", m.summary()
+            weights = {n: p.detach().numpy() for n, p in hf.state_dict().items()}
+            assert_serves(http, reference, weights)
+        finally:
+            engine.shutdown()
