@@ -147,3 +147,199 @@ def test_torch_trainer_delta_rounds_verified_on_both_replicas(
             assert_serves(http, reference, weights)
         finally:
             engine.shutdown()
+
+
+def committed_pair(
+    client: VLLMStyleClient, sender: TCPSender, start: dict[str, np.ndarray], tag: str
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A dense round ``tag:1``, then a delta round ``tag:2`` on it, both committed."""
+    first = stepped(start, 21, 1.0)
+    client.start_weight_update()
+    sender.send_update(first, dense_info(first, f"{tag}:1")).result()
+    client.finish_weight_update(f"{tag}:1")
+    second = stepped(first, 22, 0.01)
+    wire, info = delta_round(first, second, f"{tag}:2", f"{tag}:1")
+    client.start_weight_update()
+    sender.send_update(wire, info).result()
+    client.finish_weight_update(f"{tag}:2")
+    return first, second
+
+
+def resend_dense(url: str, weights: dict[str, np.ndarray], token: str) -> None:
+    """What a trainer does after a refused base: the round again, dense, in a new session."""
+    client = VLLMStyleClient(url)
+    sender = TCPSender(client, replicas=2)
+    sender.init(delta_rounds=True)
+    try:
+        client.start_weight_update()
+        sender.send_update(weights, dense_info(weights, token)).result()
+        client.finish_weight_update(token)
+    finally:
+        sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_delta_round_applied_in_place_commits_and_serves(
+    server,
+    http: httpx.Client,
+    base_weights,
+    reference,  # noqa: F811
+) -> None:
+    """Stage budget 0: the delta round's dense tensors land in place as they arrive, its
+    patches at finish. The finish used to wait for the model lock it held itself (a 504
+    after --op-timeout, then every completion and init hung)."""
+    client = VLLMStyleClient(server.url, timeout=60)
+    sender = TCPSender(client, replicas=2)
+    sender.init(delta_rounds=True, stage_budget_bytes=0)
+    try:
+        _, second = committed_pair(client, sender, base_weights, "p")
+        assert_serves(http, reference, second)
+        third = stepped(second, 23, 0.01)  # the in-place round's token is the next base
+        wire, info = delta_round(second, third, "p:3", "p:2")
+        client.start_weight_update()
+        sender.send_update(wire, info).result()
+        client.finish_weight_update("p:3")
+        assert_serves(http, reference, third)
+        assert http.get("/health").status_code == 200
+    finally:
+        sender.close()
+
+
+def _sleep_level_2(http: httpx.Client) -> None:
+    assert http.post("/sleep", params={"level": 2}).status_code == 200
+    assert http.post("/wake_up").status_code == 200
+
+
+def _reset(http: httpx.Client) -> None:
+    assert http.post("/weight_checker", json={"action": "reset"}).json() == {"status": "reset"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", [_sleep_level_2, _reset], ids=["sleep_level_2", "reset"])
+def test_weights_changed_outside_a_round_forget_the_delta_base(
+    server,
+    http: httpx.Client,
+    base_weights,
+    reference,  # noqa: F811
+    change,
+) -> None:
+    """Sleep level 2 (+ wake: zeros) and a reset change every weight without a round: the
+    next delta round on the last committed round is refused before any byte (its patches
+    would land on zeros and serve under the new version), and the dense resend serves."""
+    client = VLLMStyleClient(server.url)
+    sender = TCPSender(client, replicas=2)
+    sender.init(delta_rounds=True)
+    try:
+        _, second = committed_pair(client, sender, base_weights, "z")
+        change(http)
+        zeros = checksums(http)
+        third = stepped(second, 24, 1.0)  # one RL step touches every tensor
+        wire, info = delta_round(second, third, "z:3", "z:2")
+        client.start_weight_update()
+        with pytest.raises(httpx.HTTPStatusError) as refused:
+            sender.send_update(wire, info).result()
+        assert refused.value.response.status_code == 409
+        assert (
+            "DeltaBaseMismatch: the round's patches were built on round 'z:2' but this worker "
+            "holds round None; send the round dense" in refused.value.response.text
+        )
+        assert checksums(http) == zeros
+    finally:
+        sender.close()
+    resend_dense(server.url, third, "z:3")
+    assert_serves(http, reference, third)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["staged", "in_place"])
+def test_a_failed_delta_round_forgets_the_base(
+    server,
+    http: httpx.Client,
+    base_weights,
+    reference,  # noqa: F811
+    budget: int,
+) -> None:
+    """A delta round whose indices are not strictly increasing is refused naming the tensor,
+    before any patch is written; the base died with the round, so the same delta sent
+    correctly is refused too, and the dense resend serves."""
+    client = VLLMStyleClient(server.url, timeout=60)
+    sender = TCPSender(client, replicas=2)
+    sender.init(delta_rounds=True, stage_budget_bytes=budget)
+    try:
+        _, second = committed_pair(client, sender, base_weights, "f")
+        before = checksums(http)
+        third = stepped(second, 25, 0.05)
+        wire, info = delta_round(second, third, "f:3", "f:2")
+        name = "model.layers.0.mlp.up_proj.weight"
+        index, values = wire[f"{name}@index"], wire[f"{name}@values"]
+        wire[f"{name}@index"], wire[f"{name}@values"] = index[::-1].copy(), values[::-1].copy()
+        client.start_weight_update()
+        with pytest.raises(httpx.HTTPStatusError) as failed:
+            sender.send_update(wire, info).result()
+        assert f"patch of {name!r}: indices must be strictly increasing" in (
+            failed.value.response.text
+        )
+        if budget:  # staged: the norms sent dense stayed out too
+            assert checksums(http) == before
+    finally:
+        sender.close()
+    client = VLLMStyleClient(server.url, timeout=60)
+    sender = TCPSender(client, replicas=2)
+    sender.init(delta_rounds=True, stage_budget_bytes=budget)
+    try:
+        wire, info = delta_round(second, third, "f:3", "f:2")
+        client.start_weight_update()
+        with pytest.raises(httpx.HTTPStatusError) as refused:
+            sender.send_update(wire, info).result()
+        assert "built on round 'f:2' but this worker holds round None" in (
+            refused.value.response.text
+        )
+    finally:
+        sender.close()
+    resend_dense(server.url, third, "f:3")
+    assert_serves(http, reference, third)
+
+
+@pytest.mark.timeout(120)
+def test_torch_trainer_resends_dense_after_sleep_level_2(
+    server,
+    http: httpx.Client,
+    tiny_llama: str,
+    reference,  # noqa: F811
+) -> None:
+    """The torch trainer with ``delta="auto"`` and ``verify=True`` across ``/sleep?level=2``
+    + ``/wake_up``: its next delta round is refused before any byte, the same round goes
+    dense in the same call, the digests agree and the model serves the trainer's weights
+    (it used to commit patches onto zeros and fail verification after the commit)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from weightwire.control import HTTPWeightSyncClient
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.torch_side.sender.source import ModuleSource
+    from weightwire.trainer.config import TrainerInitInfo
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama).float()
+    opt = torch.optim.SGD(hf.parameters(), lr=1e-6)
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3, 12, 8]])
+
+    def step() -> None:
+        hf(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    info = TrainerInitInfo(backend="weightwire_tcp", delta="auto", verify=True)
+    with HTTPWeightSyncClient(server.url, timeout=60) as client:
+        engine = TorchTrainerEngine.trainer_init(info, client=client, source=ModuleSource(hf))
+        try:
+            engine.send_weights(weight_version="s-0")
+            step()
+            assert engine.send_weights(weight_version="s-1").density is not None
+            _sleep_level_2(http)
+            step()
+            m = engine.send_weights(weight_version="s-2")
+            assert m.density is None and m.verify.mode == "digest", m.summary()
+            weights = {n: p.detach().numpy() for n, p in hf.state_dict().items()}
+            assert_serves(http, reference, weights)
+        finally:
+            engine.shutdown()

@@ -18,6 +18,7 @@ from weightwire.tools.server.replica import WorkerSpec
 from weightwire.tools.server.replica_worker import Worker
 from weightwire.tools.server.sleep import WorkerSleep
 from weightwire.tools.server.worker_proc import Loop
+from weightwire.torch_side.worker.weight_state import WeightState
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,6 +78,7 @@ def make_loop() -> tuple[Loop, Worker, RecordingEngine, Replies]:
     worker.model_lock = threading.Lock()
     worker.engine = engine = RecordingEngine()
     worker.host = Host()
+    worker.weights = WeightState()
     worker.cancel_epoch = 0
     worker.abort_epoch = 0
     worker.model = torch.nn.Linear(4, 2)
@@ -166,8 +168,10 @@ def test_cancel_sleep_cancels_a_sleep_waiting_for_the_model() -> None:
 
 def test_level_2_weights_must_all_be_sent_again_before_serving() -> None:
     loop, worker, _, out = make_loop()
+    worker.weights.adopt(worker.host, "t:1")
     loop.dispatch({"id": 1, "op": "sleep", "args": {"level": 2, "timeout_s": 5}})
     assert out.wait(1)["result"] == {"level": 2, "discarded": 2, "freed_bytes": 0}
+    assert worker.weights.token(worker.host) is None  # the delta base went with the weights
     loop.dispatch({"id": 2, "op": "wake", "args": {}})
     assert out.wait(2)["result"] == {"level": 0, "discarded": 2, "awake": True}
     with pytest.raises(Exception, match=r"discarded by /sleep\?level=2 and 2 of them"):

@@ -144,8 +144,10 @@ class IdentityMap:
     def __init__(self, model: Net, metas: list[ParamMeta]) -> None:
         self.model = model
         self.params = {n: p.data for n, p in model.named_parameters()}
-        self.tensors = {
-            m.name: TensorLandings(m.name, m.shape, m.dtype, (Landing(m.shape),)) for m in metas
+        self.tensors = {  # a tied alias is not a landing of its own: the sink resolves it
+            m.name: TensorLandings(m.name, m.shape, m.dtype, (Landing(m.shape),))
+            for m in metas
+            if m.name in self.params
         }
         self.patched: list[str] = []
 

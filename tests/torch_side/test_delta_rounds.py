@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,11 +17,15 @@ from tests.torch_side._delta import (
     WORKERS,
     Session,
     Trainer,
+    Wire,
     assert_holds,
     host_bytes,
     make_worker,
 )
 from weightwire.shared.errors import DeltaBaseMismatch, PeerLost
+from weightwire.shared.update_info import UpdateInfo
+from weightwire.torch_side.worker.core import WeightReceiveError
+from weightwire.torch_side.worker.engines import watch_sleep
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -233,6 +238,157 @@ def test_reusing_a_delta_rounds_metadata_is_refused_before_any_byte() -> None:
     worker.engine.start_weight_update()
     with pytest.raises(ValueError, match="a delta round's patches must be described in full"):
         worker.engine.update_weights({"round_token": "t:9"})  # names/dtypes/shapes left out
+    session._queue.put(wire)
+    session.sender.join()
+    assert {n: host_bytes(p) for n, p in worker.params.items()} == before
+    worker.engine.shutdown()
+
+
+def _wire_pair(wire: Wire, name: str) -> int:
+    """Where ``name``'s ``@index`` wire tensor is (its ``@values`` follows)."""
+    return wire.info.names.index(f"{name}@index")
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["staged", "streaming"])
+@pytest.mark.parametrize("kind", ["hf_host", "map", "copy"])
+@pytest.mark.parametrize("fault", ["unsorted", "repeated"])
+def test_patch_indices_not_strictly_increasing_are_refused_before_any_write(
+    kind: str, budget: int, fault: str
+) -> None:
+    """The wire's rule, checked with the range in one pass: an unsorted or repeated index
+    (two values for one element: the last wins on a CPU, any on a GPU) fails the round
+    naming the tensor, and nothing of it lands."""
+    worker = make_worker(kind)
+    trainer = Trainer(11)
+    session = Session(worker.engine, delta_rounds=True, stage_budget_bytes=budget)
+    session.anchor(trainer)
+    before = {n: host_bytes(p) for n, p in worker.params.items()}
+    name = "model.layers.0.proj.weight"
+    trainer.step({name: 0.2, "model.norm.weight": 1.0})  # the norm goes dense
+    wire = trainer.encode(dense=False, threshold=0.5)
+    i = _wire_pair(wire, name)
+    index, values = wire.arrays[i], wire.arrays[i + 1]
+    if fault == "unsorted":
+        wire.arrays[i], wire.arrays[i + 1] = index[::-1].copy(), values[::-1].copy()
+        want = f"index {index[-2]} at position 1 follows {index[-1]}"
+    else:
+        wire.arrays[i] = index = index.copy()
+        index[1] = index[0]
+        want = f"index {index[0]} at position 1 follows {index[0]}"
+    session._queue.put(wire)
+    worker.engine.start_weight_update()
+    with pytest.raises(WeightReceiveError) as failed:
+        worker.engine.update_weights(wire.info.to_dict())
+    assert f"patch of {name!r}: indices must be strictly increasing, but {want}" in str(
+        failed.value
+    )
+    session.close()
+    after = {n: host_bytes(p) for n, p in worker.params.items()}
+    if budget:
+        assert after == before
+    else:  # in place: the dense norm landed, no patch did
+        assert {n: b for n, b in after.items() if n != "model.norm.weight"} == {
+            n: b for n, b in before.items() if n != "model.norm.weight"
+        }
+        assert worker.engine.incomplete_round is not None
+
+
+def _with_tied_patch(wire: Wire, embed: str, values: np.ndarray) -> Wire:
+    """``wire`` with a patch of ``lm_head.weight`` (tied to ``embed``) at ``embed``'s indices."""
+    i = _wire_pair(wire, embed)
+    info = wire.info
+    entry = next(p for p in info.patches or [] if p[0] == embed)
+    head = ["lm_head.weight", *entry[1:]]
+    return Wire(
+        [*wire.arrays, wire.arrays[i].copy(), values],
+        UpdateInfo(
+            names=[*info.names, "lm_head.weight@index", "lm_head.weight@values"],
+            dtype_names=[*info.dtype_names, info.dtype_names[i], info.dtype_names[i + 1]],
+            shapes=[*info.shapes, info.shapes[i], info.shapes[i + 1]],
+            round_token=info.round_token,
+            delta_base=info.delta_base,
+            patches=[*(info.patches or []), head],
+        ),
+    )
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["staged", "streaming"])
+@pytest.mark.parametrize("kind", ["hf_host", "map"])
+def test_both_names_of_a_tied_tensor_patched_differently_are_refused(
+    kind: str, budget: int
+) -> None:
+    """``lm_head.weight`` is ``model.embed_tokens.weight``: patches of both names with
+    different values are refused as the same conflict sent dense is; the same values land."""
+    embed = "model.embed_tokens.weight"
+    worker = make_worker(kind)
+    trainer = Trainer(12)
+    session = Session(worker.engine, delta_rounds=True, stage_budget_bytes=budget)
+    session.anchor(trainer)
+    before = {n: host_bytes(p) for n, p in worker.params.items()}
+    trainer.step({embed: 0.05})
+    wire = trainer.encode(dense=False, threshold=1.0)
+    values = wire.arrays[_wire_pair(wire, embed) + 1]
+    other = (values.astype(np.float32) + 1).astype(values.dtype)
+    conflict = _with_tied_patch(wire, embed, other)
+    session._queue.put(conflict)
+    worker.engine.start_weight_update()
+    with pytest.raises(WeightReceiveError) as failed:
+        worker.engine.update_weights(conflict.info.to_dict())
+    assert (
+        f"'lm_head.weight' received twice in one round with different values: it is tied to "
+        f"{embed!r}" in str(failed.value)
+    )
+    session.close()
+    assert {n: host_bytes(p) for n, p in worker.params.items()} == before
+
+    agreeing = Session(worker.engine, delta_rounds=True, stage_budget_bytes=budget)
+    trainer.failed()
+    agreeing.anchor(trainer)
+    trainer.step({embed: 0.05})
+    wire = trainer.encode(dense=False, threshold=1.0)
+    same = _with_tied_patch(wire, embed, wire.arrays[_wire_pair(wire, embed) + 1].copy())
+    agreeing.send(same)
+    assert_holds(worker, trainer.weights)
+    agreeing.close()
+
+
+class _SleepyWorker:
+    """vLLM's worker as far as sleep goes: ``collective_rpc("sleep", level)`` calls this."""
+
+    def __init__(self) -> None:
+        self.slept: list[int] = []
+
+    def sleep(self, level: int = 1) -> None:
+        self.slept.append(level)
+
+
+@pytest.mark.parametrize("kind", ["map", "copy"])
+def test_a_vllm_workers_sleep_level_2_forgets_the_delta_base(kind: str) -> None:
+    """The vLLM engine watches its worker's sleep (``watch_sleep``): level 1 keeps the
+    weights and the base; level 2 discards them, so a delta round on the last committed
+    round is refused before any byte, in the same session."""
+    worker = make_worker(kind)
+    trainer = Trainer(13)
+    session = Session(worker.engine, delta_rounds=True)
+    session.anchor(trainer)
+    host = _SleepyWorker()
+    watch_sleep(host, worker.engine)
+    watch_sleep(host, worker.engine)  # a second init watches nothing twice
+    host.sleep(1)
+    assert worker.engine._core.weights.token(worker.net) == "t:1"
+    host.sleep(level=2)
+    assert host.slept == [1, 2]
+    assert worker.engine._core.weights.token(worker.net) is None
+    assert worker.engine._core.weights.host_copy(worker.net).nbytes == 0
+    before = {n: host_bytes(p) for n, p in worker.params.items()}
+    trainer.step({"model.layers.1.proj.weight": 0.1})
+    wire = trainer.encode(dense=False)
+    session._queue.put(wire)
+    worker.engine.start_weight_update()
+    with pytest.raises(
+        DeltaBaseMismatch, match="built on round 't:1' but this worker holds round None"
+    ):
+        worker.engine.update_weights(wire.info.to_dict())
     session._queue.put(wire)
     session.sender.join()
     assert {n: host_bytes(p) for n, p in worker.params.items()} == before

@@ -178,6 +178,8 @@ def apply_patch(base: np.ndarray, index: np.ndarray, values: np.ndarray) -> np.n
     idx = np.asarray(index)
     if idx.size and (idx.min() < 0 or idx.max() >= flat.size):
         raise ConfigError(f"patch index out of range for a tensor of {flat.size} elements")
+    if idx.size > 1 and bool((idx[1:] <= idx[:-1]).any()):
+        raise ConfigError("patch indices must be strictly increasing (each element once, in order)")
     word = np.dtype(f"u{flat.dtype.itemsize}") if flat.dtype.itemsize in (1, 2, 4, 8) else None
     if word is None:
         flat[idx] = values

@@ -185,9 +185,10 @@ class Worker:
             return self.adapters.load_dir(name, path)
 
     def op_sleep(self, level: int, epoch: int, timeout_s: float | None = None) -> dict[str, Any]:
-        return self.sleep.sleep(
-            level, epoch, timeout_s
-        )  # under the model lock: never under a generation
+        reply = self.sleep.sleep(level, epoch, timeout_s)  # under the model lock
+        if level == 2:  # the weights are gone, and with them the delta base
+            self.weights.weights_changed("/sleep?level=2 discarded the weights", copies=True)
+        return reply
 
     def op_wake(self, tags: list[str] | None = None) -> dict[str, Any]:
         return self.sleep.wake(tags)
@@ -268,6 +269,7 @@ class Worker:
         with self.model_lock, torch.no_grad():
             for p in self.model.parameters():
                 p.zero_()
+            self.weights.weights_changed("/weight_checker reset zeroed the weights", copies=True)
 
 
 def _load_model(model_dir: str) -> Any:

@@ -175,9 +175,13 @@ class _ReceiverCore:
         self._plans.clear()
         self._link = self._connect(info, rank=rank, device=self.device)
         self._info = info
-        self._sinks.session(bool(getattr(info, "delta_rounds", None)))
         self._broken = None
         previous, self.session = self.session, uuid.uuid4().hex[:12]
+        # A session's delta rounds start from a round it committed itself: whatever the
+        # model held before (another trainer's round, weights changed meanwhile) is no base.
+        delta_rounds = bool(getattr(info, "delta_rounds", None))
+        self.weights.weights_changed(f"session {self.session} starts", copies=not delta_rounds)
+        self._sinks.session(delta_rounds)
         log.info(
             "%s: session %s joined as rank %d of %d (packed=%s)%s",
             self.backend,
@@ -234,7 +238,7 @@ class _ReceiverCore:
             round_.commit()
         except BaseException as exc:
             round_.delta.drop()
-            self.weights.forget()
+            self.weights.weights_changed(f"applying the round failed: {type(exc).__name__}")
             if not round_.wrote:
                 raise
             self.weights.broke(
@@ -367,7 +371,8 @@ class _ReceiverCore:
         if round_ is None:
             return
         round_.abort(why)
-        self.weights.forget()  # whatever the round did, no base is known now
+        # Whatever the round did, no base is known now.
+        self.weights.weights_changed(f"a {round_.name} round ended without its commit: {why}")
         if round_.wrote:
             self.weights.broke(
                 self.session,

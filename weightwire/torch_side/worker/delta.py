@@ -25,7 +25,7 @@ Where a patch lands depends on the model (``PatchSink``):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -66,11 +66,23 @@ def patch_tensor(base: torch.Tensor, index: torch.Tensor, values: torch.Tensor) 
 
 
 def check_index(patch: StagedPatch) -> None:
-    """``ValueError`` unless every index addresses an element of the tensor."""
+    """``ValueError`` unless every index addresses an element of the tensor and the indices
+    are strictly increasing (the wire's rule: a repeated index would leave either of its
+    values, the last on a CPU and any on a GPU)."""
     idx = patch.index
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= patch.patch.numel):
+    if not idx.numel():
+        return
+    if int(idx.min()) < 0 or int(idx.max()) >= patch.patch.numel:
         raise ValueError(
             f"patch of {patch.name!r}: an index is outside its {patch.patch.numel} elements"
+        )
+    falls = torch.nonzero(idx[1:] <= idx[:-1])
+    if falls.numel():
+        at = int(falls[0, 0]) + 1
+        raise ValueError(
+            f"patch of {patch.name!r}: indices must be strictly increasing, but index "
+            f"{int(idx[at])} at position {at} follows {int(idx[at - 1])} (the trainer's "
+            "extraction sends each changed element once, in order)"
         )
 
 
@@ -80,12 +92,38 @@ def check_indices(patches: Sequence[StagedPatch]) -> None:
     to name the first bad patch."""
     flags: dict[torch.device, list[torch.Tensor]] = {}
     for p in patches:
-        if p.index.numel():
-            low, high = torch.aminmax(p.index)
-            flags.setdefault(p.index.device, []).append((low < 0) | (high >= p.patch.numel))
+        idx = p.index
+        if idx.numel():
+            low, high = torch.aminmax(idx)
+            bad = (low < 0) | (high >= p.patch.numel) | (idx[1:] <= idx[:-1]).any()
+            flags.setdefault(idx.device, []).append(bad)
     if any(bool(torch.stack(f).any()) for f in flags.values()):
         for p in patches:
             check_index(p)
+
+
+def check_tied(patches: Sequence[StagedPatch], aliases: Mapping[str, str]) -> None:
+    """``ValueError`` when two names of one tied tensor (``aliases``: alias -> canonical) are
+    patched with different values: the one tensor would keep whichever landed last, so the
+    conflict is refused as a dense round's is."""
+    if not aliases:
+        return
+    seen: dict[str, StagedPatch] = {}
+    for p in patches:
+        key = aliases.get(p.name, p.name)
+        first = seen.setdefault(key, p)
+        if first is p:
+            continue
+        same = (
+            first.index.shape == p.index.shape
+            and torch.equal(first.index, p.index.to(first.index.device))
+            and torch.equal(first.values, p.values.to(first.values.device))
+        )
+        if not same:
+            raise ValueError(
+                f"{p.name!r} received twice in one round with different values: it is tied to "
+                f"{first.name!r} (one tensor) and both were patched differently; patch one name"
+            )
 
 
 def logical_metas(metas: Sequence[ParamMeta], patches: Sequence[Patch]) -> list[ParamMeta]:
@@ -143,6 +181,8 @@ class PatchSink:
     """``after_commit`` writes into the live parameters (no rollback once it started)."""
     completes_layers: bool = False
     """Loads the unsent tensors of every layer a round loads (a partial round is fine)."""
+    aliases: Mapping[str, str] = {}
+    """The model's tied names (alias -> canonical): both patched differently is refused."""
 
     def refusal(self, dense: Sequence[str], patches: Sequence[Patch]) -> str | None:
         """Why this update cannot be applied on the held base (checked before any byte)."""
@@ -208,6 +248,8 @@ class RoundDelta:
         self.updates += 1
         if splitter is not None:
             self.patches += splitter.patches
+            if self.sink is not None:  # a tie's other name may have come in an earlier update
+                check_tied(self.patches, self.sink.aliases)
 
     def held_values(self) -> Pairs:
         return [(p.patch.values_name, p.values) for p in self.patches]

@@ -12,6 +12,8 @@ registry (``weightwire.backends``) by the init info's ``backend``.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,6 +54,11 @@ class EngineFacade:
 
     def start_weight_update(self) -> None:
         self._core.start()
+
+    def weights_changed(self, why: str) -> None:
+        """The model's weights changed outside a round (a sleep that discarded them, a
+        reset): the delta base and the host copies die with them (``WeightState``)."""
+        self._core.weights.weights_changed(why, copies=True)
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
         if not isinstance(update_info, UpdateInfo):
@@ -178,3 +185,23 @@ class WeightwireNCCLEngine(StandaloneEngine):
 
     backend = WEIGHTWIRE_NCCL
     init_info_cls = WeightwireNCCLInitInfo
+
+
+def watch_sleep(worker: Any, engine: EngineFacade) -> None:
+    """Make ``worker.sleep(level)`` (vLLM's worker: ``collective_rpc("sleep")`` looks the
+    method up on the instance) tell ``engine`` first at level 2, which discards the weights
+    (``wake_up`` gives the memory back, not the values). Once per worker; the engine is held
+    weakly (a dropped engine is no reason to keep a model alive)."""
+    sleep: Callable[..., Any] | None = getattr(worker, "sleep", None)
+    if not callable(sleep) or getattr(sleep, "weightwire_watched", False):
+        return
+    ref = weakref.ref(engine)
+
+    def watched(level: int = 1, *args: Any, **kwargs: Any) -> Any:
+        watching = ref()
+        if level == 2 and watching is not None:  # before: a sleep that fails midway lost them too
+            watching.weights_changed("sleep level 2 discards the weights")
+        return sleep(level, *args, **kwargs)
+
+    watched.weightwire_watched = True  # type: ignore[attr-defined]
+    worker.sleep = watched

@@ -22,7 +22,12 @@ import torch
 
 from weightwire.shared.delta import Patch
 from weightwire.torch_side.dtypes import torch_dtype
-from weightwire.torch_side.worker.delta import StagedPatch, check_indices, patch_tensor
+from weightwire.torch_side.worker.delta import (
+    StagedPatch,
+    check_indices,
+    check_tied,
+    patch_tensor,
+)
 
 
 class HFModelHost:
@@ -69,9 +74,12 @@ class HFModelHost:
         """A staged round's patches, applied at commit after its dense tensors."""
         self._lock = threading.Lock()
         self._write_lock = write_lock
-        """Held around each in-place write: whoever reads the parameters
-        (generation) holds it too."""
+        """Held around each in-place write of a receive: whoever reads the parameters
+        (generation) holds it too. ``commit_round`` does not take it: its caller owns it for
+        the whole commit (the server's finish), one owner per operation."""
         self._in_place = False
+        self._written: set[str] = set()
+        """Canonical names an in-place round wrote so far."""
         self.rounds_committed = 0
         self.last_committed: frozenset[str] = frozenset()
         """Canonical names the last committed round wrote."""
@@ -104,6 +112,8 @@ class HFModelHost:
                     "or abort it first"
                 )
             self._in_place = True
+            self._written = set()
+            self.last_committed = frozenset()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Validate and stage ``(name, tensor)`` pairs; returns the canonical names staged.
@@ -139,19 +149,23 @@ class HFModelHost:
             self._check(p.name, torch.empty(p.shape, dtype=torch_dtype(p.dtype), device="meta"))
 
     def patch_weights(self, patches: Sequence[StagedPatch]) -> None:
-        """A delta round's patches: staged with the round's dense tensors and applied after
-        them at ``commit_round`` (in an in-place round, written now: it is at its commit)."""
-        check_indices(patches)  # before any write: an in-place round writes as it goes
-        for p in patches:
-            key = self._alias[p.name]
-            if self._in_place:
-                with self._write_lock or nullcontext(), self._lock, torch.no_grad():
-                    patch_tensor(self._params[key].data, p.index, p.values)
-                continue
-            with self._lock:
-                if self._stage is None:
-                    raise RuntimeError("HFModelHost: patch_weights outside a round")
-                self._patches.append(p)
+        """A delta round's patches: held and applied after the round's dense tensors at
+        ``commit_round``, staged or in place alike (the caller of ``commit_round`` owns the
+        write lock for the whole commit: a write here that took it again would deadlock
+        the finish that holds it). Refused with ``ValueError`` before any is held: indices
+        out of range or not strictly increasing, or both names of a tied tensor patched
+        with different values."""
+        check_indices(patches)
+        check_tied(patches, self.tied_aliases())
+        with self._lock:
+            if not self.in_round:
+                raise RuntimeError("HFModelHost: patch_weights outside a round")
+            self._patches.extend(patches)
+
+    def tied_aliases(self) -> dict[str, str]:
+        """``{alias: canonical}`` of the model's tied parameters (``lm_head.weight`` ->
+        ``model.embed_tokens.weight``)."""
+        return {a: c for a, c in self._alias.items() if a != c}
 
     def check_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Raise ``ValueError`` naming the first tensor ``load_weights`` would refuse."""
@@ -169,6 +183,7 @@ class HFModelHost:
         ):
             for key, tensor in pairs:
                 self._params[key].copy_(tensor)
+            self._written.update(key for key, _ in pairs)
         return {key for key, _ in pairs}
 
     def _check(self, name: str, tensor: torch.Tensor) -> str:
@@ -201,9 +216,19 @@ class HFModelHost:
         """Copy every staged tensor into its parameter; returns how many were applied."""
         with self._lock:
             if self._in_place:
+                # The dense tensors are in already; the held patches go in now, under the
+                # same lock discipline as a staged commit.
                 self._in_place = False
+                patches, self._patches = self._patches, []
+                with torch.no_grad():
+                    for p in patches:
+                        patch_tensor(self._params[self._alias[p.name]].data, p.index, p.values)
                 self.rounds_committed += 1
-                return 0
+                self.last_committed = frozenset(self._written) | {
+                    self._alias[p.name] for p in patches
+                }
+                self._written = set()
+                return len(patches)
             if self._stage is None:
                 raise RuntimeError("HFModelHost: commit_round without begin_round")
             stage, self._stage = self._stage, None
@@ -231,6 +256,7 @@ class HFModelHost:
             self._stage = None
             self._patches = []
             self._in_place = False
+            self._written = set()
 
     def _retie(self) -> None:
         # copy_ writes into the shared Parameter, so ties survive; this guards

@@ -49,6 +49,10 @@ class ModelSink(PatchSink):
 
     name = "model"
 
+    def __init__(self, model: Any) -> None:
+        tied = getattr(model, "tied_aliases", None)
+        self.aliases = tied() if callable(tied) else {}
+
     def in_round(self, model: Any, patches: Sequence[StagedPatch]) -> None:
         if patches:
             model.patch_weights(patches)
@@ -66,7 +70,7 @@ class MapSink(PatchSink):
         self, loader_map: LoaderMap, aliases: dict[str, str], *, whole_layers: bool
     ) -> None:
         self.map = loader_map
-        self._aliases = aliases
+        self._aliases = self.aliases = aliases
         self.completes_layers = whole_layers
         self._mates_read: dict[str, torch.Tensor] = {}
 
@@ -207,11 +211,9 @@ class SinkChooser:
         self.why_none = "delta rounds are off on this worker (the trainer did not declare them)"
 
     def session(self, delta_rounds: bool) -> None:
-        """A trainer's init: without delta rounds the held round is forgotten (it may be
-        another trainer's) and the host copies are freed."""
+        """A trainer's init (the core forgot the held round; without delta rounds it freed
+        the host copies too)."""
         self.delta_rounds = delta_rounds
-        if not delta_rounds:
-            self._weights.forget(copies=True)
 
     def admit(
         self, delta: RoundDelta, model: Any, update: UpdateInfo, plan: RoundPlan
@@ -262,7 +264,7 @@ class SinkChooser:
         self, model: Any, metas: Sequence[ParamMeta], patches: Sequence[Patch]
     ) -> PatchSink | None:
         if callable(getattr(model, "patch_weights", None)):
-            return ModelSink()
+            return ModelSink(model)
         if not (self.delta_rounds or patches):
             return None
         spec = self._spec()
@@ -283,9 +285,12 @@ class SinkChooser:
             )
         if self.delta_rounds:
             names = set(spec.tensors) if spec is not None else set()
-            return CopySink(
+            sink = CopySink(
                 self._weights.host_copy(model),
                 whole_layers=self._whole_layers,
                 layout=lambda: names,
             )
+            if isinstance(model, torch.nn.Module):
+                sink.aliases = tied_aliases(model)
+            return sink
         return None

@@ -34,7 +34,7 @@ from weightwire.shared.ipc_info import IPCInitInfo
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
-from weightwire.torch_side.worker.engines import EngineFacade
+from weightwire.torch_side.worker.engines import EngineFacade, watch_sleep
 from weightwire.torch_side.worker.landing import record_loader_map, tied_aliases
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.vllm_lora import VllmAdapterHost
@@ -254,6 +254,8 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):
             worker = _find_worker(self)
             if worker is not None:
                 self._reload.worker = weakref.ref(worker)
+                # vLLM's sleep level 2 discards the weights: the delta base goes with them.
+                watch_sleep(worker, self)
         super().init_transfer_engine(init_info)
 
 

@@ -44,16 +44,27 @@ class _Base:
     model: Any
     """Kept so that another model at a recycled ``id`` is not taken for this one."""
     token: str | None = None
+    generation: int = -1
+    """``WeightState.generation`` when the token was adopted: the token names the model's
+    weights only while no other change came since."""
     copy: HostCopy = field(default_factory=HostCopy)
 
 
 class WeightState:
     """Whether the served model is whole, and which round it holds; shared by every engine
-    that loads into it (so both survive an engine's re-init)."""
+    that loads into it (so both survive an engine's re-init).
+
+    A delta base is only as good as the weights it describes: every change of the weights
+    that is not a committed round (a failed or refused round, a new session, sleep level 2,
+    a reset, ...) goes through ``weights_changed``, which bumps ``generation``; a token
+    adopted in an earlier generation is no base any more (``token`` says None), so the next
+    delta round is refused before any byte (``DeltaBaseMismatch``) and the trainer resends
+    dense."""
 
     def __init__(self) -> None:
         self.incomplete: IncompleteRound | None = None
         self._bases: dict[int, _Base] = {}
+        self.generation = 0
 
     def _base(self, model: Any) -> _Base:
         base = self._bases.get(id(model))
@@ -62,30 +73,38 @@ class WeightState:
         return base
 
     def token(self, model: Any) -> str | None:
-        """The token of the last round committed into ``model`` (None: unknown)."""
+        """The token of the last round committed into ``model`` (None: unknown, or the
+        weights changed since)."""
         base = self._bases.get(id(model))
-        return base.token if base is not None and base.model is model else None
+        if base is None or base.model is not model or base.generation != self.generation:
+            return None
+        return base.token
 
     def host_copy(self, model: Any) -> HostCopy:
         return self._base(model).copy
 
     def adopt(self, model: Any, token: str | None) -> None:
         """A round committed into ``model``; ``token`` None: a trainer that sends none."""
-        self._base(model).token = token
+        base = self._base(model)
+        base.token, base.generation = token, self.generation
 
-    def forget(self, *, copies: bool = False) -> None:
-        """No model holds a known round any more (a failed round, another trainer);
-        ``copies``: also free the host copies (delta rounds are off)."""
-        for base in self._bases.values():
-            base.token = None
-            if copies:
+    def weights_changed(self, why: str, *, copies: bool = False) -> None:
+        """The one place a delta base dies: the weights changed (or may have) without a
+        committed round, ``why``. ``copies``: the host copies no longer hold what the model
+        holds either (sleep level 2, a reset; a failed round's sink drops what it touched)."""
+        held = [b.token for b in self._bases.values() if b.generation == self.generation]
+        self.generation += 1
+        if copies:
+            for base in self._bases.values():
                 base.copy.clear()
+        if any(token is not None for token in held):
+            log.info("the delta base (round %s) is forgotten: %s", held[0], why)
 
     def broke(self, session: str | None, reason: str, names: frozenset[str]) -> None:
         """A round that wrote in place ended without its commit."""
         names = names | (self.incomplete.names if self.incomplete is not None else frozenset())
         self.incomplete = IncompleteRound(session, reason, names)
-        self.forget()
+        self.weights_changed(reason)
         log.error("%s", self.incomplete.describe())
 
     def committed(self, names: frozenset[str]) -> None:
