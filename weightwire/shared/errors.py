@@ -18,6 +18,7 @@ defined outside this module)::
         RoundAborted                         [weightwire.backends.base]
       WeightSyncError (RuntimeError)
         ControlTimeout (TimeoutError)
+        ServerNotReady (TimeoutError)        [weightwire.control.ready]
       RoundError
         DeltaBaseMismatch (RuntimeError)
         EngineBroken (RuntimeError)          [weightwire.trainer.engine]
