@@ -73,7 +73,7 @@ def wait_until_ready(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     start = time.monotonic()
     deadline = start + timeout
-    waiting = {url: ("no answer yet", None) for url in urls}
+    waiting: dict[str, tuple[str, int | None]] = {url: ("no answer yet", None) for url in urls}
     pause = FIRST_POLL_S
     with httpx.Client(headers=headers) as http:
         while True:

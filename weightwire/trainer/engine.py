@@ -42,7 +42,7 @@ from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.delta import DeltaTracker
 from weightwire.trainer.delta_round import DeltaRounds
-from weightwire.trainer.framework import FrameworkHooks
+from weightwire.trainer.framework import FrameworkHooks, refuse_other_framework
 from weightwire.trainer.freshness import CommitPlan, commit_plan
 from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
@@ -149,6 +149,7 @@ class TrainerEngine(FrameworkHooks):
         """
         if not isinstance(init_info, TrainerInitInfo):
             raise TypeError(f"init_info must be a TrainerInitInfo, got {type(init_info).__name__}")
+        refuse_other_framework(cls.__name__, cls.framework, source, "source")
         try:
             source = as_source(source)
         except TypeError as exc:

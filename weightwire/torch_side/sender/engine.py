@@ -25,6 +25,7 @@ from weightwire.torch_side.sender.delta import TorchDeltaKernel
 from weightwire.torch_side.sender.snapshot import CopySnapshots, live
 from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
+from weightwire.trainer.framework import refuse_other_framework
 from weightwire.trainer.snapshot import Snapshot
 
 
@@ -37,9 +38,11 @@ class TorchTrainerEngine(TrainerEngine):
     """Trainer engine over a ``WeightSource`` yielding torch tensors."""
 
     _copies: CopySnapshots | None = None
+    framework = "torch"
 
     def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
         if not isinstance(tensor, torch.Tensor):
+            refuse_other_framework(type(self).__name__, self.framework, tensor, "source's tensor")
             raise TypeError(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
         return wire_name(tensor.dtype), tuple(tensor.shape)
 
