@@ -214,3 +214,19 @@ def test_a_bare_weightwire_prints_the_help() -> None:
     assert (done.returncode, done.stderr) == (2, "")
     assert done.stdout == run_cli("--help", timeout=120).stdout
     assert done.stdout.startswith("usage: weightwire ") and "exit codes:" in done.stdout
+
+
+def test_the_demo_waits_for_its_server_only_when_asked_and_bounded(tiny_dir: str) -> None:
+    url = f"127.0.0.1:{_dead_port()}"
+    done = run_cli(
+        "demo", "--server", url, "--model-dir", tiny_dir, "--wait-ready", "0.5", timeout=120
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    line = done.stderr.strip()
+    assert line.startswith(
+        f"weightwire demo: error: the server at http://{url} was not ready after"
+    )
+    assert line.endswith("start it, check --server, or raise --wait-ready"), line
+    assert "importing JAX" not in done.stdout  # before the slow start-up
+    done = run_cli("demo", "--wait-ready", "5", timeout=120)
+    assert done.returncode == 2 and "--wait-ready waits for --server" in done.stderr

@@ -49,10 +49,11 @@ class ServerNotReady(WeightSyncError, TimeoutError):
             f"{last}): start it, check the URL, or wait longer (a larger timeout / ready_timeout)"
         )
         Exception.__init__(self, self.message)  # not WeightSyncError's "<route> failed" text
-        self._last = last
+        self.last = last
+        """The last poll's outcome (``status 503``, ``ConnectError: ...``)."""
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.server, self.waited, self._last, self.status))
+        return (type(self), (self.server, self.waited, self.last, self.status))
 
 
 def wait_until_ready(
