@@ -6,6 +6,7 @@ fix, before any request where the trainer can know it; a wait for a server never
 
 from __future__ import annotations
 
+import pickle
 import socket
 import time
 from collections.abc import Iterator
@@ -163,6 +164,7 @@ def test_waiting_for_a_server_that_never_comes_is_bounded_and_names_it(silent_po
     err = info.value
     assert isinstance(err, WeightSyncError) and isinstance(err, TimeoutError)
     assert (err.server, err.route, err.status) == (dead, "health", None)
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)  # crosses processes intact
     assert str(err).startswith(f"the server at {dead} was not ready after 0.")
     assert "(last GET /health: ConnectError" in str(err)
     assert str(err).endswith(

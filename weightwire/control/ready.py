@@ -38,12 +38,8 @@ class ServerNotReady(WeightSyncError, TimeoutError):
     """
 
     def __init__(self, server: str, waited: float, last: str, status: int | None) -> None:
-        self.route, self.status, self.server, self.waited = (
-            routes.HEALTH.name,
-            status,
-            server,
-            waited,
-        )
+        self.route, self.status, self.server = routes.HEALTH.name, status, server
+        self.waited = waited
         self.message = (
             f"the server at {server} was not ready after {waited:.1f} s (last GET /health: "
             f"{last}): start it, check the URL, or wait longer (a larger timeout / ready_timeout)"
