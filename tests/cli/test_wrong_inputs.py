@@ -30,6 +30,7 @@ from weightwire import (
     WeightwireError,
     wait_until_ready,
 )
+from weightwire.shared.errors import WrongType
 from weightwire.tools.demo.server import EmbeddedServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -150,8 +151,22 @@ def test_a_users_own_source_of_the_other_framework_is_named_at_its_first_tensor(
     torch_engine = object.__new__(TorchTrainerEngine)
     with pytest.raises(ConfigError, match="the source's tensor is a JAX .*: use JAXTrainerEngine"):
         torch_engine.describe(jnp.ones(2))
-    with pytest.raises(TypeError, match="expected torch.Tensor"):  # unknown: as before
+    with pytest.raises(WrongType, match="source yielded list, expected torch.Tensor"):
         torch_engine.describe([1.0])
+
+
+def test_arguments_of_the_wrong_kind_are_wrong_type_errors() -> None:
+    # Each is also the TypeError it was before it had a class in the tree.
+    client = HTTPWeightSyncClient(f"127.0.0.1:{_dead_port()}", timeout=5)
+    with pytest.raises(WrongType, match="init_info must be a TrainerInitInfo, got dict"):
+        JAXTrainerEngine.trainer_init({"backend": "weightwire_tcp"}, client=client)  # type: ignore[arg-type]
+    with pytest.raises(WrongType, match="a weight source needs metadata and iteration; .* lacks"):
+        JAXTrainerEngine.trainer_init(_INFO, client=client, source=object())
+    with pytest.raises(WrongType, match="naming must be a weightwire Naming, got dict"):
+        PytreeSource(lambda: {}, {"w": "w"})  # type: ignore[arg-type]
+    with pytest.raises(WrongType, match="weight_version must be a str, got int"):
+        client.finish_weight_update(3)  # type: ignore[arg-type]
+    assert issubclass(WrongType, TypeError) and issubclass(WrongType, ConfigError)
 
 
 # ------------------------------------------------------------------ a server that is not there

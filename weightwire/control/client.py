@@ -30,7 +30,7 @@ from weightwire.control.dp import RankLayout, ServerTopology, plan_ranks
 from weightwire.control.ready import wait_until_ready
 from weightwire.control.serving import ServingRoutes
 from weightwire.shared import routes
-from weightwire.shared.errors import ConfigError, WeightSyncError
+from weightwire.shared.errors import ConfigError, WeightSyncError, WrongType
 from weightwire.shared.routes import PAUSE_MODES
 
 
@@ -115,7 +115,7 @@ class HTTPWeightSyncClient(ServingRoutes):
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if weight_version is not None and not isinstance(weight_version, str):
-            raise TypeError(f"weight_version must be a str, got {type(weight_version).__name__}")
+            raise WrongType(f"weight_version must be a str, got {type(weight_version).__name__}")
         self._all(
             routes.FINISH, None if weight_version is None else {"weight_version": weight_version}
         )

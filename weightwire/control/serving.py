@@ -15,7 +15,7 @@ from typing import Any
 from weightwire import vllm_guard
 from weightwire.control.servers import ServerSet
 from weightwire.shared import routes
-from weightwire.shared.errors import ConfigError, WeightSyncError
+from weightwire.shared.errors import ConfigError, WeightSyncError, WrongType
 from weightwire.shared.routes import CHECKER_ACTIONS, PAUSE_MODES
 
 
@@ -67,7 +67,7 @@ class ServingRoutes(ServerSet):
         """vLLM's ``/wake_up`` (``tags``: weights / kv_cache / scheduling; None: all);
         per server, whether it is fully awake now."""
         if isinstance(tags, str):
-            raise TypeError("tags must be a list of tag names, not one string")
+            raise WrongType("tags must be a list of tag names, not one string")
         bad = [t for t in tags or () if t not in routes.WAKE_TAGS]
         if bad:
             raise ConfigError(f"unknown wake_up tags {bad}; known: {list(routes.WAKE_TAGS)}")
@@ -95,7 +95,7 @@ class ServingRoutes(ServerSet):
         if request_ids is not None and (
             isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids)
         ):
-            raise TypeError("request_ids must be a list of request id strings (or None for all)")
+            raise WrongType("request_ids must be a list of request id strings (or None for all)")
         return self._all(
             routes.ABORT_REQUESTS, {} if request_ids is None else {"request_ids": list(request_ids)}
         )

@@ -19,6 +19,7 @@ import torch
 
 from weightwire.backends.base import DevicePacker
 from weightwire.backends.device import DeviceBytes, tensor_device_bytes
+from weightwire.shared.errors import WrongType
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.torch_side.sender.delta import TorchDeltaKernel
@@ -43,7 +44,7 @@ class TorchTrainerEngine(TrainerEngine):
     def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
         if not isinstance(tensor, torch.Tensor):
             refuse_other_framework(type(self).__name__, self.framework, tensor, "source's tensor")
-            raise TypeError(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
+            raise WrongType(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
         return wire_name(tensor.dtype), tuple(tensor.shape)
 
     def host_bytes(self, tensor: Any) -> np.ndarray:
