@@ -75,6 +75,11 @@ def test_a_bare_host_port_means_http(given: str, meant: str) -> None:
         ("127.0.0.1:eighty", "its port is not a number in [0, 65535]"),
         ("http://[::1", "Invalid IPv6 URL"),
         ("http://my host:8000", "it contains white space"),
+        (
+            "http://127.0.0.1:8000/v1/",
+            "it ends in /v1, the OpenAI API's prefix; the weight-sync routes are at the root",
+        ),
+        ("127.0.0.1:8000/?key=1", "a base URL has no ?query or #fragment"),
     ],
 )
 def test_a_url_that_is_none_is_refused_naming_the_form(given: str, problem: str) -> None:

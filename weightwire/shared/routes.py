@@ -126,6 +126,13 @@ def server_url(value: object) -> str:
             problem = "it names no host"
         elif any(c.isspace() for c in text):
             problem = "it contains white space"
+        elif parts.query or parts.fragment:
+            problem = "a base URL has no ?query or #fragment"
+        elif parts.path.rstrip("/").endswith("/v1"):
+            # The OpenAI clients' base URL: the weight-sync routes are at the server's root.
+            problem = (
+                "it ends in /v1, the OpenAI API's prefix; the weight-sync routes are at the root"
+            )
         else:
             try:
                 parts.port  # noqa: B018 -- raises ValueError for a port not a number in range
