@@ -26,7 +26,8 @@ def report_and_send(source: PytreeSource, args: argparse.Namespace, label: str) 
     )
     if not args.server:
         return
-    client = HTTPWeightSyncClient(args.server, timeout=300)
+    # ready_timeout: a server started beside this script may still be loading (vLLM: minutes).
+    client = HTTPWeightSyncClient(args.server, timeout=300, ready_timeout=600)
     engine = JAXTrainerEngine.trainer_init(
         TrainerInitInfo(backend=args.backend), client=client, source=source
     )

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    client = HTTPWeightSyncClient(args.server, timeout=300)
+    # ready_timeout: a server started beside this script may still be loading (vLLM: minutes).
+    client = HTTPWeightSyncClient(args.server, timeout=300, ready_timeout=600)
     # The source reads the live params each round: no copy, no host round trip on GPU.
     source = PytreeSource(lambda: state["params"], decoder.naming(cfg), dtype=args.dtype)
     on_gpu = args.backend != "weightwire_tcp"

@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     live["params"] = jax.tree_util.tree_map_with_path(
         lambda path, x: x * 1.5 if "norm" in jax.tree_util.keystr(path) else x, params
     )
-    client = HTTPWeightSyncClient(args.server, timeout=300)
+    # ready_timeout: a server started beside this script may still be loading (vLLM: minutes).
+    client = HTTPWeightSyncClient(args.server, timeout=300, ready_timeout=600)
     engine = JAXTrainerEngine.trainer_init(
         TrainerInitInfo(backend=args.backend), client=client, source=source
     )

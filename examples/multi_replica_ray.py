@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             str
         ] = []  # vllm.LLM actors serve no HTTP: versions are checked, log-probs are not
     else:
-        client = HTTPWeightSyncClient(args.urls, timeout=300)
+        # ready_timeout: replicas started beside this script may still be loading.
+        client = HTTPWeightSyncClient(args.urls, timeout=300, ready_timeout=600)
         urls = args.urls
     live = {"params": params0}
     source = PytreeSource(lambda: live["params"], decoder.naming(cfg))

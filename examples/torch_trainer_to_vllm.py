@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     batch = torch.tensor([tokens], device=args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-    client = HTTPWeightSyncClient(args.server, timeout=300)
+    # ready_timeout: a server started beside this script may still be loading (vLLM: minutes).
+    client = HTTPWeightSyncClient(args.server, timeout=300, ready_timeout=600)
     device = None
     if args.device.startswith("cuda"):
         device = torch.device(args.device).index or 0  # the NCCL sender's CUDA ordinal

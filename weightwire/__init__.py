@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.backends.base import StockRefusal as StockRefusal
     from weightwire.control.client import HTTPWeightSyncClient as HTTPWeightSyncClient
     from weightwire.control.ray_client import RayWeightSyncClient as RayWeightSyncClient
+    from weightwire.control.ready import ServerNotReady as ServerNotReady
+    from weightwire.control.ready import wait_until_ready as wait_until_ready
     from weightwire.jax_side import JAXTrainerEngine as JAXTrainerEngine
     from weightwire.jax_side import MergeAxes as MergeAxes
     from weightwire.jax_side import Naming as Naming

@@ -215,38 +215,45 @@ def test_a_missing_extra_is_named_in_one_line(capsys: pytest.CaptureFixture[str]
     assert set(EXTRA_OF.values()) <= {"jax", "torch", "cuda12", "ray", "test"}
 
 
-def test_the_install_hint_works_for_a_clone_and_names_the_venv_pip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("folder", ["weightwire", "my-clone"])
+def test_the_install_hint_works_for_a_clone_and_names_the_venv_pip(
+    tmp_path: Path, folder: str
+) -> None:
     # From a checkout the package is not on any index: the hint is an editable install of the
     # checkout with this interpreter's pip (the README's set-up never activates its venv).
-    root = Path(weightwire.__file__).resolve().parents[1]
+    # A clone of its own, in a folder named as ``git clone`` names it and in another: the hint
+    # must not depend on the checkout's folder name (issue #50).
+    import shutil
+
+    here_root = Path(weightwire.__file__).resolve().parents[1]
+    root = tmp_path / folder
+    shutil.copytree(
+        here_root / "weightwire", root / "weightwire", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    shutil.copy(here_root / "pyproject.toml", root / "pyproject.toml")
+    elsewhere_dir = tmp_path / "elsewhere"
+    elsewhere_dir.mkdir()
     probe = "from weightwire._extras import MissingExtra; print(MissingExtra('flax'))"
     env = {**os.environ, "PYTHONPATH": str(root)}
-    here = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        env=env,
-        timeout=60,
-        check=True,
-    ).stdout.strip()
-    elsewhere = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=60,
-        check=True,
-    ).stdout.strip()
+
+    def hint(cwd: Path) -> str:
+        return subprocess.run(
+            [sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=env,
+            timeout=60,
+            check=True,
+        ).stdout.strip()
+
     pip = Path(sys.prefix, "bin", "pip")
-    shown = str(pip.relative_to(root)) if pip.is_relative_to(root) else str(pip)
+    shown = str(pip)  # the venv is not below the temporary clone
     if sys.prefix == sys.base_prefix or not pip.exists():
         shown = f"{sys.executable} -m pip"
-    assert here == f"'flax' is not installed: {shown} install -e \".[jax]\"", here
-    assert elsewhere.endswith(f' install -e "{root}[jax]"') and "weightwire[" not in elsewhere, (
-        elsewhere
-    )
+    assert hint(root) == f"'flax' is not installed: {shown} install -e \".[jax]\""
+    # Not the index name (``"weightwire[jax]"``, which no index serves), the clone's path.
+    assert hint(elsewhere_dir) == f"'flax' is not installed: {shown} install -e \"{root}[jax]\""
 
 
 # ------------------------------------------------------------------ serve: what it loads, routes,

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from weightwire.control import HTTPWeightSyncClient
-from weightwire.shared.errors import WeightSyncError
+from weightwire.shared.errors import ConfigError, WeightSyncError
 
 
 class Servers:
@@ -218,9 +218,11 @@ def test_api_key_travels_as_bearer_token() -> None:
 
 
 def test_bad_construction_is_refused() -> None:
-    with pytest.raises(ValueError, match="http"):
-        HTTPWeightSyncClient("vllm:8000")
-    with pytest.raises(ValueError, match="same server twice"):
-        HTTPWeightSyncClient(["http://a:1", "http://a:1"])
+    # A bare host:port is the CLI's reading too: http:// (issue #50).
+    assert HTTPWeightSyncClient("vllm:8000").base_urls == ["http://vllm:8000"]
+    with pytest.raises(ConfigError, match="'ftp://vllm:8000' is not a server URL .*http://"):
+        HTTPWeightSyncClient("ftp://vllm:8000")
+    with pytest.raises(ConfigError, match="same server twice"):
+        HTTPWeightSyncClient(["http://a:1", "a:1/"])
     with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
         HTTPWeightSyncClient("http://a:1", timeout=0)

@@ -35,7 +35,13 @@ class WireServer:
             False  # close the connection without saying so (an idle-timeout close)
         )
         self.reply_headers = b""
-        self.connections = 0
+        # Which connection each request came on (numbered as they first carry one: a stray
+        # connect from elsewhere on the host that sends nothing is not counted), and how many
+        # connections the server itself closed after a reply.
+        self.came_on: list[int] = []
+        self.server_closes = 0
+        self._carrying = 0
+        self._changed = threading.Condition()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -44,11 +50,11 @@ class WireServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            self.connections += 1
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         buf = b""
+        number: int | None = None
         with conn:
             while True:
                 while b"\r\n\r\n" not in buf:
@@ -63,6 +69,9 @@ class WireServer:
                 while len(buf) < length:
                     buf += conn.recv(65536)
                 body, buf = buf[:length], buf[length:]
+                if number is None:
+                    number, self._carrying = self._carrying, self._carrying + 1
+                self.came_on.append(number)
                 self.requests.append(([("request-line", lines[0]), *headers], body))
                 if self.silent:
                     continue
@@ -75,7 +84,18 @@ class WireServer:
                     b"%s" % (status, len(payload), self.reply_headers, payload)
                 )
                 if self.close_after_reply:
+                    conn.close()
+                    with self._changed:
+                        self.server_closes += 1
+                        self._changed.notify_all()
                     return
+
+    def wait_server_closes(self, count: int) -> None:
+        """Until the server has closed ``count`` connections after a reply (bounded)."""
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.server_closes >= count, timeout=10), (
+                f"the server closed {self.server_closes} connections, not {count}"
+            )
 
     def close(self) -> None:
         self.sock.close()
@@ -176,25 +196,29 @@ def test_kept_alive_connections_are_reused_only_while_the_server_keeps_them(
     client = HTTPWeightSyncClient(server.url, timeout=5)
     for _ in range(3):
         client.start_weight_update()
-    assert server.connections == 1  # one kept-alive connection
     server.close_after_reply = True  # the server now closes every connection after its reply
-    for _ in range(3):
-        time.sleep(0.05)  # the server's close lands first (as an idle-timeout close would)
+    for closed in range(3):
+        # The server's close has landed before the next request (as an idle-timeout close
+        # would): waited for, not slept for, so a busy host cannot reorder it.
+        server.wait_server_closes(closed)
         client.start_weight_update()  # never sent on a closed one: a closed idle socket is dropped
-    assert server.connections == 3  # the first of these still went out on the live connection
-    time.sleep(0.05)  # the server has closed the last one before the flag flips
+    server.wait_server_closes(3)
     server.close_after_reply = False
     server.reply_headers = b"connection: close\r\n"
     client.start_weight_update()
     client.start_weight_update()
-    assert server.connections == 5  # a "Connection: close" reply is not reused
     server.reply_headers = b""
     client.start_weight_update()
     client.start_weight_update()
-    assert server.connections == 6
     time.sleep(servers._KEEPALIVE_S + 0.2)  # idle past the expiry: dropped, not reused
     client.start_weight_update()
-    assert server.connections == 7
+    assert server.came_on == [
+        *(0, 0, 0),  # one kept-alive connection
+        *(0, 1, 2),  # the first after the flag still went out on the live connection
+        *(3, 4),  # a "Connection: close" reply is not reused
+        *(5, 5),  # kept alive again
+        6,  # expired
+    ]
 
 
 def test_a_server_error_reply_is_not_reused(server: WireServer) -> None:
@@ -205,10 +229,10 @@ def test_a_server_error_reply_is_not_reused(server: WireServer) -> None:
     server.reply = (500, b"Internal Server Error")
     with pytest.raises(WeightSyncError) as info:
         client.finish_weight_update("v")
-    assert info.value.status == 500 and server.connections == 1
+    assert info.value.status == 500 and server.came_on == [0, 0]
     server.reply = (200, b'{"message": "ok"}')
     client.shutdown_weight_transfer_engine()
-    assert server.connections == 2
+    assert server.came_on == [0, 0, 1]
 
 
 def test_compressed_replies_are_decoded(server: WireServer) -> None:

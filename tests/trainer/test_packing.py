@@ -281,8 +281,12 @@ def test_host_pipeline_reads_ahead_at_most_num_buffers_chunks() -> None:
         done.set()
 
     threading.Thread(target=run, daemon=True).start()
+    # While the first chunk is held on the wire, the producer runs as far ahead as it may:
+    # waited for (bounded), not slept for, so a busy host cannot make it look shallower.
+    deadline = time.monotonic() + 10
+    while max(ahead, default=-1) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
     for _ in range(12):
-        time.sleep(0.05)  # let the producer run as far ahead as it may
         comm.gate.release()
     assert done.wait(10)
     assert result == [(48, 12)] and comm.sent == [a.tobytes() for a in arrays]

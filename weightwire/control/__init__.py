@@ -6,6 +6,13 @@ actors (``ray`` imported lazily). Both raise ``WeightSyncError`` on any failure.
 
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.control.ray_client import RayWeightSyncClient
+from weightwire.control.ready import ServerNotReady, wait_until_ready
 from weightwire.shared.errors import WeightSyncError
 
-__all__ = ["HTTPWeightSyncClient", "RayWeightSyncClient", "WeightSyncError"]
+__all__ = [
+    "HTTPWeightSyncClient",
+    "RayWeightSyncClient",
+    "ServerNotReady",
+    "WeightSyncError",
+    "wait_until_ready",
+]

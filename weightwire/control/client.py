@@ -27,17 +27,22 @@ from typing import Any
 import httpx
 
 from weightwire.control.dp import RankLayout, ServerTopology, plan_ranks
+from weightwire.control.ready import wait_until_ready
 from weightwire.control.serving import ServingRoutes
 from weightwire.shared import routes
-from weightwire.shared.errors import WeightSyncError
+from weightwire.shared.errors import ConfigError, WeightSyncError, WrongType
 from weightwire.shared.routes import PAUSE_MODES
 
 
 class HTTPWeightSyncClient(ServingRoutes):
     """Drive one or more vLLM servers' weight-sync routes.
 
-    ``timeout`` bounds every single HTTP call (init and update block while the
-    workers rendezvous and receive, so it must cover a whole transfer).
+    ``base_url``: one server's base URL or a list (DP replicas); a bare ``host:port`` means
+    ``http://host:port``; anything else raises ``ConfigError``. ``timeout`` bounds every single
+    HTTP call (init and update block while the workers rendezvous and receive, so it must cover
+    a whole transfer). ``ready_timeout`` (seconds): first wait until every server answers
+    ``GET /health`` (``wait_until_ready``; ``ServerNotReady`` when it expires), for a trainer
+    started beside a server that is still loading; ``None`` (the default) waits for nothing.
     ``transport`` is for tests (``httpx.MockTransport``).
     """
 
@@ -47,9 +52,16 @@ class HTTPWeightSyncClient(ServingRoutes):
         *,
         timeout: float = 300,
         api_key: str | None = None,
+        ready_timeout: float | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         super().__init__(base_url, timeout=timeout, api_key=api_key, transport=transport)
+        if ready_timeout is not None:
+            try:
+                wait_until_ready(self.base_urls, ready_timeout, api_key=api_key)
+            except BaseException:
+                self.close()
+                raise
         self._layout: RankLayout | None = None
         self._servers: list[ServerTopology] = []
         self._features: list[frozenset[str]] = [frozenset()] * len(self._clients)
@@ -75,7 +87,7 @@ class HTTPWeightSyncClient(ServingRoutes):
         else:
             infos = list(init_info)
             if len(infos) != len(self._clients):
-                raise ValueError(f"got {len(infos)} init infos for {len(self._clients)} servers")
+                raise ConfigError(f"got {len(infos)} init infos for {len(self._clients)} servers")
             bodies = [{"init_info": info} for info in infos]
         self._sessions = [None] * len(self._clients)  # a failed init leaves no session to claim
         self._features = [frozenset()] * len(self._clients)
@@ -103,7 +115,7 @@ class HTTPWeightSyncClient(ServingRoutes):
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if weight_version is not None and not isinstance(weight_version, str):
-            raise TypeError(f"weight_version must be a str, got {type(weight_version).__name__}")
+            raise WrongType(f"weight_version must be a str, got {type(weight_version).__name__}")
         self._all(
             routes.FINISH, None if weight_version is None else {"weight_version": weight_version}
         )
@@ -118,7 +130,7 @@ class HTTPWeightSyncClient(ServingRoutes):
         (only where advertised: ``starts_with_pause``). A server whose start was refused by its
         own checks paused nothing; one that failed after may be paused."""
         if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+            raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if not self.starts_with_pause():
             raise RuntimeError("not every server advertised start_pauses at init")
         self._all(routes.START, params={"pause": mode})
@@ -188,7 +200,7 @@ class HTTPWeightSyncClient(ServingRoutes):
             if size != per:  # DP on this server: which DP ranks does its API drive?
                 parallel = self._parallel_config(i)
                 if parallel is None and len(self._clients) > 1:
-                    raise ValueError(
+                    raise ConfigError(
                         f"{url} runs data parallelism ({size} ranks, {per} per DP "
                         "rank) but does not answer /server_info, so its DP layout "
                         "(internal or external load balancing) is unknown; pass "

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightwire.shared.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ServerTopology:
@@ -87,7 +89,7 @@ def plan_ranks(servers: Sequence[ServerTopology], *, first_rank: int = 1) -> Ran
     """The rank layout (``ValueError`` naming the servers and DP ranks at fault)."""
     for s in servers:
         if s.per_dp < 1 or s.world_size % s.per_dp:
-            raise ValueError(
+            raise ConfigError(
                 f"{s.url}: world size with DP {s.world_size} is not a multiple of the per-DP-rank "
                 f"world size {s.per_dp}"
             )
@@ -98,7 +100,7 @@ def plan_ranks(servers: Sequence[ServerTopology], *, first_rank: int = 1) -> Ran
             order.append([i])
             continue
         if s.parallel is None or s.parallel.get("data_parallel_master_ip") is None:
-            raise ValueError(
+            raise ConfigError(
                 f"{s.url} is one of several API servers of a DP deployment, but its DP master "
                 "address is unknown; cannot tell which servers share a deployment"
             )
@@ -125,25 +127,25 @@ def _check_cover(members: Sequence[ServerTopology]) -> None:
     for s in members:
         owned = s.owned_dp_ranks()
         if not owned:
-            raise ValueError(
+            raise ConfigError(
                 f"{s.url} reports an external/hybrid-LB DP deployment without its "
                 "data_parallel_rank"
             )
         for r in owned:
             if not 0 <= r < size:
-                raise ValueError(
+                raise ConfigError(
                     f"{s.url} drives DP rank {r}, outside its deployment's "
                     f"data_parallel_size {size}"
                 )
             if r in seen:
-                raise ValueError(
+                raise ConfigError(
                     f"DP rank {r} is driven by both {seen[r]} and {s.url}; list each server once"
                 )
             seen[r] = s.url
     missing = sorted(set(range(size)) - set(seen))
     if missing:
         urls = ", ".join(s.url for s in members)
-        raise ValueError(
+        raise ConfigError(
             f"the DP deployment of {urls} has data_parallel_size {size}, but no "
             f"listed server drives DP rank(s) {missing}: their workers would never "
             "join the group; list every DP rank's API server"

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightwire._extras import install_command
-from weightwire.shared.errors import WeightSyncError
+from weightwire.shared.errors import ConfigError, WeightSyncError
 from weightwire.shared.routes import PAUSE_MODES
 
 logger = logging.getLogger(__name__)
@@ -107,13 +107,13 @@ class RayWeightSyncClient:
     ) -> None:
         self.handles = list(handles) if isinstance(handles, (list, tuple)) else [handles]
         if not self.handles:
-            raise ValueError("RayWeightSyncClient needs at least one actor handle")
+            raise ConfigError("RayWeightSyncClient needs at least one actor handle")
         if isinstance(world_sizes, int):
             world_sizes = [world_sizes] * len(self.handles)
         if world_sizes is not None and (
             len(world_sizes) != len(self.handles) or min(world_sizes) < 1
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"world_sizes must give one positive size per handle, got {world_sizes!r}"
             )
         self._world_sizes = None if world_sizes is None else list(world_sizes)
@@ -251,7 +251,7 @@ class RayWeightSyncClient:
 
     def _sizes(self) -> list[int]:
         if self._world_sizes is None:
-            raise ValueError(
+            raise ConfigError(
                 "RayWeightSyncClient(world_sizes=...) is required: actors expose no world size call"
             )
         return self._world_sizes
@@ -261,7 +261,7 @@ class RayWeightSyncClient:
 
     def pause(self, mode: str = "keep") -> None:
         if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+            raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._all("pause_generation", mode=mode)
 
     def resume(self) -> None:
@@ -300,7 +300,7 @@ class RayWeightSyncClient:
 
     def version(self) -> str:
         if self._server_version is None:
-            raise ValueError(
+            raise ConfigError(
                 "RayWeightSyncClient(server_version=...) is required to gate wire features"
             )
         return self._server_version

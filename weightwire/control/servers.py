@@ -19,8 +19,8 @@ from weightwire.control.fanout import fan_out
 from weightwire.control.wire import Wire
 from weightwire.shared import routes
 from weightwire.shared.checks import check_seconds
-from weightwire.shared.errors import WeightSyncError
-from weightwire.shared.routes import SESSION_HEADER, Route
+from weightwire.shared.errors import ConfigError, WeightSyncError
+from weightwire.shared.routes import SESSION_HEADER, Route, server_url
 
 _OWNED = frozenset(r.name for r in (routes.START, routes.UPDATE, routes.FINISH, routes.SHUTDOWN))
 """Routes that carry the session id an init reply returned (``SESSION_HEADER``)."""
@@ -36,6 +36,30 @@ _JSON = (b"Content-Type", b"application/json")
 _SESSION_KEY = SESSION_HEADER.encode("ascii")
 
 
+def server_urls(base_url: str | Sequence[str]) -> list[str]:
+    """One or more servers' base URLs, each read by ``routes.server_url`` (a bare
+    ``host:port`` is ``http://host:port``); ``ConfigError`` for none, one that is not a URL,
+    or the same server twice."""
+    if isinstance(base_url, str):
+        urls = [base_url]
+    elif isinstance(base_url, Sequence):
+        urls = list(base_url)
+    else:
+        raise ConfigError(
+            "base_url must be a server URL (http://127.0.0.1:8000) or a list of them, got "
+            f"{type(base_url).__name__}"
+        )
+    if not urls:
+        raise ConfigError("base_url is an empty list: give at least one server URL")
+    normal = [server_url(u) for u in urls]
+    if len(set(normal)) != len(normal):
+        raise ConfigError(
+            f"base_url lists the same server twice ({urls!r:.200}); every replica would get "
+            "each call twice: list each server once"
+        )
+    return normal
+
+
 class ServerSet:
     """The servers behind one client: ``base_urls[i]`` is server ``i``."""
 
@@ -47,17 +71,8 @@ class ServerSet:
         api_key: str | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        urls = [base_url] if isinstance(base_url, str) else list(base_url)
-        if not urls or not all(
-            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
-        ):
-            raise ValueError(f"base_url must be one or more http(s):// URLs, got {urls!r:.200}")
-        if len(set(urls)) != len(urls):
-            raise ValueError(
-                "base_url lists the same server twice; every replica would get each call twice"
-            )
+        self.base_urls = server_urls(base_url)
         check_seconds("timeout", timeout)
-        self.base_urls = [u.rstrip("/") for u in urls]
         self.timeout = float(timeout)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         http_timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, 30.0))
@@ -75,7 +90,7 @@ class ServerSet:
             Wire(c, u, http_timeout, own_transport=transport is None, keepalive_expiry=_KEEPALIVE_S)
             for c, u in zip(self._clients, self.base_urls, strict=True)
         ]
-        self._sessions: list[str | None] = [None] * len(urls)
+        self._sessions: list[str | None] = [None] * len(self.base_urls)
         """Per server: the ``session_id`` its last init returned (servers that return none:
         None)."""
 

@@ -15,7 +15,7 @@ from typing import Any
 from weightwire import vllm_guard
 from weightwire.control.servers import ServerSet
 from weightwire.shared import routes
-from weightwire.shared.errors import WeightSyncError
+from weightwire.shared.errors import ConfigError, WeightSyncError, WrongType
 from weightwire.shared.routes import CHECKER_ACTIONS, PAUSE_MODES
 
 
@@ -24,7 +24,7 @@ class ServingRoutes(ServerSet):
 
     def pause(self, mode: str = "keep", *, clear_cache: bool | None = None) -> None:
         if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+            raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         params: dict[str, Any] = {"mode": mode}
         if clear_cache is not None:
             params["clear_cache"] = "true" if clear_cache else "false"
@@ -58,19 +58,19 @@ class ServingRoutes(ServerSet):
         """vLLM's ``/sleep``: level 0 pauses generation, 1 offloads weights to host memory,
         2 discards them (send a full round after ``wake_up``). ``mode`` is the pause mode."""
         if type(level) is not int or level not in routes.SLEEP_LEVELS:
-            raise ValueError(f"sleep level must be one of {routes.SLEEP_LEVELS}, got {level!r}")
+            raise ConfigError(f"sleep level must be one of {routes.SLEEP_LEVELS}, got {level!r}")
         if mode not in PAUSE_MODES:
-            raise ValueError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
+            raise ConfigError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._all(routes.SLEEP, params={"level": level, "mode": mode})
 
     def wake_up(self, tags: Sequence[str] | None = None) -> list[bool]:
         """vLLM's ``/wake_up`` (``tags``: weights / kv_cache / scheduling; None: all);
         per server, whether it is fully awake now."""
         if isinstance(tags, str):
-            raise TypeError("tags must be a list of tag names, not one string")
+            raise WrongType("tags must be a list of tag names, not one string")
         bad = [t for t in tags or () if t not in routes.WAKE_TAGS]
         if bad:
-            raise ValueError(f"unknown wake_up tags {bad}; known: {list(routes.WAKE_TAGS)}")
+            raise ConfigError(f"unknown wake_up tags {bad}; known: {list(routes.WAKE_TAGS)}")
         replies = self._all(routes.WAKE_UP, params={"tags": list(tags)} if tags else None)
         return [isinstance(r, dict) and r.get("status") == "awake" for r in replies]
 
@@ -95,7 +95,7 @@ class ServingRoutes(ServerSet):
         if request_ids is not None and (
             isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids)
         ):
-            raise TypeError("request_ids must be a list of request id strings (or None for all)")
+            raise WrongType("request_ids must be a list of request id strings (or None for all)")
         return self._all(
             routes.ABORT_REQUESTS, {} if request_ids is None else {"request_ids": list(request_ids)}
         )
@@ -108,7 +108,7 @@ class ServingRoutes(ServerSet):
     ) -> list[dict[str, Any]]:
         """Each server's answer to ``/weight_checker`` (``checksum``: ``{"checksums": {...}}``)."""
         if action not in CHECKER_ACTIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"weight_checker action must be one of {CHECKER_ACTIONS}, got {action!r}"
             )
         body: dict[str, Any] = {"action": action}
@@ -156,7 +156,7 @@ class ServingRoutes(ServerSet):
             versions.append(v)
         if len(set(versions)) > 1:
             listed = ", ".join(f"{u}={v}" for u, v in zip(self.base_urls, versions, strict=True))
-            raise ValueError(
+            raise ConfigError(
                 f"servers run different versions ({listed}); drive one version at a time"
             )
         return versions[0]

@@ -32,6 +32,7 @@ from weightwire.jax_side.source import PytreeSource
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
+from weightwire.trainer.framework import refuse_other_framework
 from weightwire.trainer.snapshot import FrozenSource, Snapshot
 
 
@@ -45,10 +46,18 @@ def _kept(tensor: Any) -> Any:
 class JAXTrainerEngine(TrainerEngine):
     """Trainer engine over a ``WeightSource`` yielding JAX (or numpy) arrays."""
 
+    framework = "jax"
+
     def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
         if isinstance(tensor, Prefix):  # a delta round's patch (a bucketed kernel output)
             return tensor.describe()
-        return _describe(tensor)
+        try:
+            return _describe(tensor)
+        except (TypeError, ValueError, AttributeError):
+            # A user's own source yielding torch tensors: say so, not "torch.float32 is not a
+            # dtype" (checked only here, on the failure path: a round describes every tensor).
+            refuse_other_framework(type(self).__name__, self.framework, tensor, "source's tensor")
+            raise
 
     def host_bytes(self, tensor: Any) -> np.ndarray:
         # np.asarray on a jax.Array is a device_get (zero-copy for CPU arrays).

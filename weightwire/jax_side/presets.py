@@ -41,6 +41,7 @@ from weightwire.jax_side.preset_layers import (
     need_sizes,
 )
 from weightwire.jax_side.rules import Rule, drop
+from weightwire.shared.errors import WrongType
 
 _DECODER: dict[str, Any] = {
     "tie_word_embeddings": False,
@@ -127,7 +128,7 @@ def register_family(family: str, build: Callable[..., Naming], defaults: Mapping
             f"{family!r} is a built-in preset family; pick another name, or pass extra_rules to it"
         )
     if not callable(build):
-        raise TypeError(f"build must be a callable returning a Naming, got {type(build).__name__}")
+        raise WrongType(f"build must be a callable returning a Naming, got {type(build).__name__}")
     _REGISTERED[family] = (build, dict(defaults))
 
 
@@ -138,7 +139,7 @@ def preset(family: str, **options: Any) -> Naming:
         build, defaults = _REGISTERED[family]
         naming = build(**_options(family, defaults, options))
         if not isinstance(naming, Naming):
-            raise TypeError(
+            raise WrongType(
                 f"the builder registered for {family!r} returned "
                 f"{type(naming).__name__}, not a Naming"
             )
@@ -165,7 +166,7 @@ def preset(family: str, **options: Any) -> Naming:
 def _options(family: str, defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(given) - set(defaults))
     if unknown:
-        raise TypeError(
+        raise WrongType(
             f"preset {family!r} has no option(s) {unknown}; options: {sorted(defaults)}"
         )
     return {**defaults, **given}

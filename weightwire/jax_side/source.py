@@ -32,7 +32,7 @@ from weightwire.jax_side.naming import Entry, Naming, Plan, out_aval, run_entry
 from weightwire.jax_side.placement import Target, device_ids, replicated
 from weightwire.jax_side.transforms import out_avals
 from weightwire.jax_side.trees import kind_of, params_tree
-from weightwire.shared.errors import ConfigError
+from weightwire.shared.errors import ConfigError, WrongType
 from weightwire.shared.groups import layerwise_groups
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource, checked_iter
@@ -93,7 +93,7 @@ class PytreeSource(WeightSource):
         device: jax.Device | int | None = None,
     ) -> None:
         if not isinstance(naming, Naming):
-            raise TypeError(f"naming must be a weightwire Naming, got {type(naming).__name__}")
+            raise WrongType(f"naming must be a weightwire Naming, got {type(naming).__name__}")
         self._get: Callable[[], Any] = params if _is_callable_source(params) else (lambda: params)
         self._naming = naming
         self._dtype = None if dtype is None else wire_name(jax_dtype(dtype))

@@ -6,6 +6,7 @@ defined outside this module)::
     WeightwireError
       ConfigError (ValueError)
         SourceMismatch
+        WrongType (TypeError)
         NamingError                          [weightwire.jax_side.transforms]
         CheckpointError                      [weightwire.jax_side.checkpoint]
         PlanError                            [weightwire.trainer.broadcast_plan]
@@ -18,6 +19,7 @@ defined outside this module)::
         RoundAborted                         [weightwire.backends.base]
       WeightSyncError (RuntimeError)
         ControlTimeout (TimeoutError)
+        ServerNotReady (TimeoutError)        [weightwire.control.ready]
       RoundError
         DeltaBaseMismatch (RuntimeError)
         EngineBroken (RuntimeError)          [weightwire.trainer.engine]
@@ -109,6 +111,14 @@ class SourceMismatch(ConfigError):
     """Iteration disagreed with ``metadata()``; fix the source.
 
     Raised before the bad tensor is sent.
+    """
+
+
+class WrongType(ConfigError, TypeError):
+    """A user's argument of the wrong kind (an init info that is not a ``TrainerInitInfo``, a
+    client lacking a route the configuration needs); the message names what was expected.
+
+    Also a ``TypeError``, which such a mistake raised before it had a class of its own.
     """
 
 

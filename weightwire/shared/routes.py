@@ -1,12 +1,16 @@
 """The HTTP route table of vLLM's weight-sync API (dev-mode routes, root path).
 
 Client and reference server both read this table, so a path or body key can only be
-wrong in one place.
+wrong in one place. ``server_url`` is the one reading of a server's base URL (the client's
+and the command line's).
 """
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import dataclass
+
+from weightwire.shared.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -95,3 +99,48 @@ RESET_ENCODER_CACHE = Route("reset_encoder_cache", "POST", "/reset_encoder_cache
 ROUTES.update({r.name: r for r in (RESET_PREFIX_CACHE, RESET_ENCODER_CACHE)})
 SLEEP_LEVELS = (0, 1, 2)
 WAKE_TAGS = ("weights", "kv_cache", "scheduling")
+
+
+def server_url(value: object) -> str:
+    """A server's base URL as given by a user, as the client sends to it: ``http(s)://host:port``;
+    a bare ``host:port`` gets ``http://`` (what every server weightwire talks to speaks); a
+    trailing ``/`` is dropped. ``ConfigError`` naming the value and the expected form for
+    anything else (before any request is made)."""
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"a server URL must be a str such as http://127.0.0.1:8000, got "
+            f"{type(value).__name__} {value!r:.80}"
+        )
+    text = value.strip()
+    if "://" not in text:
+        text = f"http://{text}"
+    problem = None
+    try:
+        parts = urllib.parse.urlsplit(text)
+    except ValueError as exc:  # an unbalanced IPv6 bracket, say
+        problem = str(exc)
+    else:
+        if parts.scheme not in ("http", "https"):
+            problem = f"the scheme must be http:// or https://, not {parts.scheme}://"
+        elif not parts.hostname:
+            problem = "it names no host"
+        elif any(c.isspace() for c in text):
+            problem = "it contains white space"
+        elif parts.query or parts.fragment:
+            problem = "a base URL has no ?query or #fragment"
+        elif parts.path.rstrip("/").endswith("/v1"):
+            # The OpenAI clients' base URL: the weight-sync routes are at the server's root.
+            problem = (
+                "it ends in /v1, the OpenAI API's prefix; the weight-sync routes are at the root"
+            )
+        else:
+            try:
+                parts.port  # noqa: B018 -- raises ValueError for a port not a number in range
+            except ValueError:
+                problem = "its port is not a number in [0, 65535]"
+    if problem:
+        raise ConfigError(
+            f"{value!r:.200} is not a server URL ({problem}): give http://HOST:PORT, e.g. "
+            "http://127.0.0.1:8000 (a bare HOST:PORT means http://)"
+        )
+    return text.rstrip("/")

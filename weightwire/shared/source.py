@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from weightwire.shared.errors import SourceMismatch
+from weightwire.shared.errors import SourceMismatch, WrongType
 from weightwire.shared.groups import batch_by_layer, layerwise_groups
 from weightwire.shared.meta import ParamMeta
 
@@ -75,7 +75,7 @@ def as_source(obj: Any) -> WeightSource:
         missing = [
             w for w, ok in (("metadata", has_meta), ("__iter__ or iter_full()", has_iter)) if not ok
         ]
-        raise TypeError(
+        raise WrongType(
             "a weight source needs metadata and iteration; "
             f"{type(obj).__name__} lacks {' and '.join(missing)}"
         )
@@ -118,7 +118,7 @@ def _to_meta(item: Any) -> ParamMeta:
     try:
         name, dtype, shape = item.name, item.dtype, item.shape
     except AttributeError:
-        raise TypeError(
+        raise WrongType(
             f"metadata items need name, dtype and shape; got {type(item).__name__}"
         ) from None
     dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import urllib.parse
 from collections.abc import Callable
 from typing import TextIO
 
 from weightwire import backends
 from weightwire._extras import missing_extra
 from weightwire._lifetime import received, signal_name
+from weightwire.shared import routes
 from weightwire.shared.errors import ConfigError, WeightwireError
 
 EXIT_OK = 0
@@ -107,27 +107,12 @@ def backend_name(value: str) -> str:
 
 
 def server_url(value: str) -> str:
-    """argparse ``type=`` for a server's base URL: ``http(s)://host:port``; a bare ``host:port``
-    gets ``http://`` (what every server weightwire talks to speaks); a trailing ``/`` is dropped."""
-    text = value.strip()
-    if "://" not in text:
-        text = f"http://{text}"
-    parts = urllib.parse.urlsplit(text)
-    problem = None
-    if parts.scheme not in ("http", "https"):
-        problem = f"the scheme must be http:// or https://, not {parts.scheme}://"
-    elif not parts.hostname:
-        problem = "it names no host"
-    else:
-        try:
-            parts.port  # noqa: B018 -- raises ValueError for a port that is not a number in range
-        except ValueError:
-            problem = "its port is not a number in [0, 65535]"
-    if problem:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a server URL ({problem}); e.g. http://127.0.0.1:8000"
-        )
-    return text.rstrip("/")
+    """argparse ``type=`` for a server's base URL: ``routes.server_url``, its ``ConfigError`` as
+    argparse's usage error."""
+    try:
+        return routes.server_url(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def probe_server(url: str, *, timeout: float = 5.0) -> None:

@@ -29,6 +29,7 @@ from weightwire.tools._cli import (
     EXIT_USAGE,
     HelpFormatter,
     guarded,
+    server_url,
 )
 from weightwire.tools.demo import command as demo_command
 
@@ -121,7 +122,9 @@ def _doctor_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=HelpFormatter,
     )
     doc.add_argument(
-        "url", help="server base URL, e.g. http://127.0.0.1:8000 (a bare host:port gets http://)"
+        "url",
+        type=server_url,
+        help="server base URL, e.g. http://127.0.0.1:8000 (a bare host:port gets http://)",
     )
     doc.add_argument(
         "--api-key",
@@ -208,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         return _run_bench(argv[1:])
     parser = build_parser()
+    if not argv:
+        # A bare `weightwire` is someone finding out what it does: the help, not argparse's
+        # "the following arguments are required" line. Still exit 2 (bad arguments), not 0: no
+        # command ran, and a script that calls it with an empty variable must not pass.
+        parser.print_help()
+        return EXIT_USAGE
     args = parser.parse_args(argv)
     if args.command == "demo":
         return guarded("weightwire demo", lambda: demo_command.run(args))

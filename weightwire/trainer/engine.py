@@ -33,7 +33,7 @@ from typing import Any, Literal, Self, cast, overload
 
 from weightwire.control.fallback import with_fallback_routes
 from weightwire.shared.client import EngineClient, WeightSyncClient
-from weightwire.shared.errors import ConfigError, RoundError
+from weightwire.shared.errors import ConfigError, RoundError, WrongType
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.patches import SparsePatch
 from weightwire.shared.source import WeightSource, as_source
@@ -42,7 +42,7 @@ from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.delta import DeltaTracker
 from weightwire.trainer.delta_round import DeltaRounds
-from weightwire.trainer.framework import FrameworkHooks
+from weightwire.trainer.framework import FrameworkHooks, refuse_other_framework
 from weightwire.trainer.freshness import CommitPlan, commit_plan
 from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
@@ -148,11 +148,12 @@ class TrainerEngine(FrameworkHooks):
         (vLLM's ``HTTPVLLMWeightSyncClient``: see ``control.fallback``).
         """
         if not isinstance(init_info, TrainerInitInfo):
-            raise TypeError(f"init_info must be a TrainerInitInfo, got {type(init_info).__name__}")
+            raise WrongType(f"init_info must be a TrainerInitInfo, got {type(init_info).__name__}")
+        refuse_other_framework(cls.__name__, cls.framework, source, "source")
         try:
             source = as_source(source)
         except TypeError as exc:
-            raise TypeError(f"{cls.__name__}: {exc}") from None
+            raise WrongType(f"{cls.__name__}: {exc}") from None
         if init_info.is_sender:
             client = with_fallback_routes(client, timeout=init_info.timeouts.http_s)
         engine = cls(init_info, client=client, source=source)
@@ -308,7 +309,7 @@ class TrainerEngine(FrameworkHooks):
         assert self.features is not None
         self.features.require("draft_route", "a draft round starts with /start_draft_weight_update")
         if not callable(getattr(self.client, "start_draft_weight_update", None)):
-            raise TypeError(f"client {type(self.client).__name__} lacks start_draft_weight_update")
+            raise WrongType(f"client {type(self.client).__name__} lacks start_draft_weight_update")
         if not self._draft_confirmed:
             require_draft_model(self.client)
             self._draft_confirmed = True  # the server's config cannot change without a restart

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -20,11 +20,67 @@ from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.snapshot import Snapshot
 
-__all__ = ["FrameworkHooks"]
+__all__ = ["FrameworkHooks", "framework_of", "refuse_other_framework"]
+
+ENGINE_AND_SOURCE = {
+    "jax": ("JAXTrainerEngine", "PytreeSource"),
+    "torch": ("TorchTrainerEngine", "ModuleSource"),
+}
+"""Per framework: the engine that sends its tensors and the source that yields them."""
+
+_FRAMEWORK_OF_PACKAGE = {
+    "weightwire.jax_side": "jax",
+    "jax": "jax",
+    "jaxlib": "jax",
+    "flax": "jax",
+    "weightwire.torch_side": "torch",
+    "torch": "torch",
+    "peft": "torch",
+    "vllm": "torch",
+}
+"""Where a class is defined -> the framework of the tensors it holds (vLLM's own
+``ModuleSource`` yields torch tensors)."""
+
+
+def framework_of(obj: Any) -> str | None:
+    """``"jax"`` / ``"torch"`` when ``obj`` (a source, a tensor) belongs to that framework, told
+    by the module of its class or a base class (nothing is imported); ``None`` when unknown (a
+    numpy array, a user's own source)."""
+    inner = getattr(obj, "inner", None)  # ``as_source``'s adapter around a source-shaped object
+    for cls in type(obj).__mro__:
+        module = getattr(cls, "__module__", None) or ""
+        for package, framework in _FRAMEWORK_OF_PACKAGE.items():
+            if module == package or module.startswith(package + "."):
+                return framework
+    return framework_of(inner) if inner is not None and inner is not obj else None
+
+
+def refuse_other_framework(engine: str, framework: str | None, thing: Any, what: str) -> None:
+    """``ConfigError`` when ``thing`` (the ``what``: a source, a tensor it yielded) belongs to
+    another framework than ``engine``'s: its tensors would fail deep in the first round, with
+    a message that names neither mistake."""
+    theirs = framework_of(thing)
+    if framework is None or theirs is None or theirs == framework:
+        return
+    right_engine, right_source = ENGINE_AND_SOURCE[theirs]
+    _, our_source = ENGINE_AND_SOURCE[framework]
+    raise ConfigError(
+        f"{engine} sends {_TENSORS[framework]}, but the {what} is a {_NAME[theirs]} "
+        f"{type(thing).__name__}: use {right_engine} with {right_source} for a {_NAME[theirs]} "
+        f"model, or {engine} with a {our_source}"
+    )
+
+
+_NAME = {"jax": "JAX", "torch": "PyTorch"}
+_TENSORS = {"jax": "JAX arrays", "torch": "torch tensors"}
 
 
 class FrameworkHooks(ABC):
     """The framework's part of a trainer engine: tensors described, read and packed."""
+
+    framework: ClassVar[str | None] = None
+    """``"jax"`` / ``"torch"``: whose tensors this engine sends (a source of the other one is
+    refused at ``trainer_init``); ``None``: any."""
 
     @abstractmethod
     def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:

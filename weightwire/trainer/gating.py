@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.shared.client import ROUND_CALLS, ServerControls
+from weightwire.shared.errors import WrongType
 from weightwire.shared.staging import round_streams
 from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
 from weightwire.trainer.config import TrainerInitInfo
@@ -72,7 +73,7 @@ def require_draft_model(client: object) -> None:
     """
     ask = getattr(client, "has_draft_model", None)
     if not callable(ask):
-        raise TypeError(
+        raise WrongType(
             f"client {type(client).__name__} cannot confirm a speculative draft model (no "
             "has_draft_model()); a draft round on a server without one kills vLLM's engine"
         )
@@ -89,7 +90,7 @@ def require_draft_model(client: object) -> None:
 
 def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool) -> str | None:
     """The round's pause mode (``None``: no pause), after refusing a client that lacks a
-    call this engine will make (``TypeError`` naming every missing one, before any rendezvous).
+    call this engine will make (``WrongType`` naming every missing one, before any rendezvous).
 
     ``pause_mode="auto"`` resolves here for the session: only a stock worker loads into the
     running model mid-round (layerwise reload puts layers on the meta device: a request
@@ -121,7 +122,7 @@ def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool)
         needed.append("reset_prefix_cache")
     missing = [m for m in needed if not callable(getattr(client, m, None))]
     if missing:
-        raise TypeError(
+        raise WrongType(
             f"client {type(client).__name__} lacks {', '.join(missing)} (give server_version / "
             "inference_world_size in TrainerInitInfo, or drop verify / pause_mode; without "
             "reset_prefix_cache vLLM may serve KV of the previous weights after a round: "

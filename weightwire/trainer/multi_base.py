@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from weightwire.shared.errors import RoundError
+from weightwire.shared.errors import RoundError, WrongType
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
@@ -45,7 +45,7 @@ class PlannedBroadcast:
 class MultiBase:
     def __init__(self, session: Session, group: TrainerGroup) -> None:
         if not isinstance(group, TrainerGroup):
-            raise TypeError(f"group must be a weightwire TrainerGroup, got {type(group).__name__}")
+            raise WrongType(f"group must be a weightwire TrainerGroup, got {type(group).__name__}")
         if group.rank != session.info.rank:
             raise ValueError(
                 f"TrainerInitInfo.rank {session.info.rank} is not the group's rank {group.rank}"

@@ -49,6 +49,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: start the reference server)",
     )
     p.add_argument(
+        "--wait-ready",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --server: wait up to SECONDS for it to answer GET /health (a server started "
+        "beside the demo, still loading) instead of failing at once",
+    )
+    p.add_argument(
         "--model-dir",
         default=None,
         help="the model directory the server loaded (required with --server): initial "
@@ -198,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
             dummy_start=args.dummy_start,
             overlap=args.overlap,
             metrics_file=args.metrics_file,
+            wait_ready=args.wait_ready,
         )
     except ValueError as exc:
         return fail("weightwire demo", str(exc), EXIT_USAGE)

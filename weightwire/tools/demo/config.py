@@ -6,6 +6,7 @@ report), which both read these records; importing it stays free of jax.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,9 @@ class DemoConfig:
     metrics_file: str | None = None
     """One JSON line per step (``evidence.StepRecord``); with matplotlib, the reward curve as
     a PNG next to it."""
+    wait_ready: float | None = None
+    """With ``server``: wait up to this many seconds for it to answer ``GET /health`` (a server
+    started beside the demo, still loading) instead of failing at once when it does not."""
 
     def __post_init__(self) -> None:
         if self.backend not in DEMO_BACKENDS:
@@ -116,6 +120,15 @@ class DemoConfig:
                 "--overlap and --colocated exclude each other: a colocated server sleeps while "
                 "the policy trains, so no round can stream meanwhile"
             )
+        if self.wait_ready is not None:
+            if self.server is None:
+                raise ValueError(
+                    "--wait-ready waits for --server; the embedded server is waited for anyway"
+                )
+            if not 0 < self.wait_ready < math.inf:
+                raise ValueError(
+                    f"--wait-ready must be a finite number of seconds > 0, got {self.wait_ready}"
+                )
         if self.sleep_level not in (0, 1, 2):
             raise ValueError(f"--sleep-level must be 0, 1 or 2, got {self.sleep_level}")
 

@@ -24,6 +24,7 @@ import numpy as np
 from rich.console import Console
 
 from weightwire import backends
+from weightwire.shared import routes
 from weightwire.shared.dtypes import wire_name_of_numpy
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
@@ -99,9 +100,9 @@ def known_tensor(checksums: dict[str, str], max_len: int = 16384) -> tuple[str, 
 
 
 def normalize_url(url: str) -> str:
-    """``host:port`` -> ``http://host:port`` (what users type); no trailing slash."""
-    url = url.strip().rstrip("/")
-    return url if "://" in url else f"http://{url}"
+    """``host:port`` -> ``http://host:port`` (what users type); no trailing slash; ``ConfigError``
+    for what is not a server URL (``routes.server_url``, the client's reading)."""
+    return routes.server_url(url)
 
 
 def _obj(reply: Reply) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from rich.console import Console
 from weightwire import backends
 from weightwire._extras import require
 from weightwire._lifetime import raise_if_stopped
+from weightwire.control.ready import ServerNotReady, wait_until_ready
 from weightwire.tools._cli import CommandError, probe_server
 from weightwire.tools.demo.checks import first_sync, fixed_prompt_check, verdict
 from weightwire.tools.demo.config import DemoConfig, DemoContext, DemoResult
@@ -74,6 +75,14 @@ def _start(cfg: DemoConfig, console: Console, stack: ExitStack) -> DemoContext:
             "uvicorn",
             purpose="the embedded reference server (or pass --server URL --model-dir DIR)",
         )
+    elif cfg.wait_ready is not None:  # a server started beside the demo: wait, bounded
+        try:
+            wait_until_ready(cfg.server, cfg.wait_ready, api_key=cfg.api_key)
+        except ServerNotReady as exc:
+            raise CommandError(
+                f"the server at {exc.server} was not ready after {exc.waited:.1f} s (last GET "
+                f"/health: {exc.last}): start it, check --server, or raise --wait-ready"
+            ) from None
     else:  # a wrong URL or a stopped server fails here, in a second, not after JAX's start-up
         probe_server(cfg.server)
     if on_gpu:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
+from weightwire.shared.errors import ConfigError
+
 MAX_REPLY_BYTES = 8 << 20
 """A probe's reply body at most (vLLM's ``/server_info`` is well under 1 MiB)."""
 
@@ -46,7 +48,7 @@ class Prober:
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {base_url!r}")
+            raise ConfigError(f"not an http(s) URL: {base_url!r}: give http://HOST:PORT")
         self._parts = parts
         self._headers = {"Accept": "application/json", **headers}
         self.timeout, self.deadline, self.max_bytes = timeout, deadline, max_bytes

@@ -19,12 +19,14 @@ import torch
 
 from weightwire.backends.base import DevicePacker
 from weightwire.backends.device import DeviceBytes, tensor_device_bytes
+from weightwire.shared.errors import WrongType
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.torch_side.sender.delta import TorchDeltaKernel
 from weightwire.torch_side.sender.snapshot import CopySnapshots, live
 from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
+from weightwire.trainer.framework import refuse_other_framework
 from weightwire.trainer.snapshot import Snapshot
 
 
@@ -37,10 +39,12 @@ class TorchTrainerEngine(TrainerEngine):
     """Trainer engine over a ``WeightSource`` yielding torch tensors."""
 
     _copies: CopySnapshots | None = None
+    framework = "torch"
 
     def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
+            refuse_other_framework(type(self).__name__, self.framework, tensor, "source's tensor")
+            raise WrongType(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
         return wire_name(tensor.dtype), tuple(tensor.shape)
 
     def host_bytes(self, tensor: Any) -> np.ndarray:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from weightwire.shared.errors import ConfigError
+from weightwire.shared.errors import ConfigError, WrongType
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.snapshot import FrozenSource, Snapshot
 
@@ -60,7 +60,7 @@ def copy_into(buffer: torch.Tensor | None, tensor: torch.Tensor) -> torch.Tensor
     """``tensor``'s values in ``buffer`` when it fits (same shape, dtype, device), else in a
     new contiguous tensor that becomes the buffer."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
+        raise WrongType(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
     source = tensor.detach()
     if (
         buffer is None

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightwire.shared.errors import WrongType
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.dtypes import wire_name
@@ -94,7 +95,7 @@ class ModuleSource(WeightSource):
         keep_tied: bool = False,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"ModuleSource needs a torch.nn.Module, got {type(module).__name__}")
+            raise WrongType(f"ModuleSource needs a torch.nn.Module, got {type(module).__name__}")
         if dtype is not None:
             wire_name(dtype)  # refuse a cast target that cannot cross the wire, now
             if not dtype.is_floating_point:
