@@ -1,0 +1,174 @@
+"""``ServedModel``: the checkpoint tensors a worker's model takes, told to the trainer at init.
+
+A round that leaves some of them out, names one the model lacks, or sends one in another
+dtype or shape would otherwise be found by the workers after its bytes moved (or, for a
+missing tensor, never: the model serves part new, part old weights). The worker describes
+its model once per session (names, wire dtypes, full shapes, and which names are tied
+aliases of another); the trainer checks every round's metadata against it before the first
+byte (``check_round``), so each mismatch is a ``ServedModelMismatch`` that names the tensors
+and the fix, and nothing was sent.
+
+On the wire (``docs/wire-format.md``) it is the JSON object ``to_dict`` writes::
+
+    {"tensors": [{"name": ..., "dtype": ..., "shape": [...]}, ...],
+     "aliases": {"lm_head.weight": "model.embed_tokens.weight"},
+     "checks_dtype": true}
+
+``checks_dtype`` is ``false`` where the receiver casts on load (stock vLLM's loaders copy
+into the parameter whatever the sent dtype), so a dtype difference is not an error there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightwire.shared.errors import ConfigError
+from weightwire.shared.lora import is_adapter_round
+from weightwire.shared.meta import ParamMeta
+
+SHOWN = 8
+"""How many names a message lists per problem (the count says how many there are)."""
+
+_KEYS = frozenset({"tensors", "aliases", "checks_dtype"})
+
+
+class ServedModelMismatch(ConfigError):
+    """A round's tensors do not fit the served model (a tensor missing, unknown, or of
+    another dtype or shape); raised by the trainer before any byte of the round."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The served model's checkpoint tensors (canonical names) and its tied aliases."""
+
+    tensors: Mapping[str, ParamMeta]
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """An alias name -> the canonical name whose tensor it shares (``lm_head.weight`` of a
+    tied model): sending it loads that tensor, and it is never missing."""
+    checks_dtype: bool = True
+
+    def __post_init__(self) -> None:
+        for alias, canonical in self.aliases.items():
+            if canonical not in self.tensors:
+                raise ValueError(f"served model: alias {alias!r} names unknown {canonical!r}")
+            if alias in self.tensors:
+                raise ValueError(f"served model: {alias!r} is both a tensor and an alias")
+
+    @classmethod
+    def of(
+        cls,
+        metas: Iterable[ParamMeta],
+        aliases: Mapping[str, str] | None = None,
+        *,
+        checks_dtype: bool = True,
+    ) -> ServedModel:
+        return cls({m.name: m for m in metas}, dict(aliases or {}), checks_dtype)
+
+    def canonical(self, name: str) -> str | None:
+        """The served tensor ``name`` loads into (itself or what it aliases); None if unknown."""
+        if name in self.tensors:
+            return name
+        return self.aliases.get(name)
+
+    # -- the check ---------------------------------------------------------------------------
+
+    def problems(self, metas: Sequence[ParamMeta], *, partial: bool = False) -> list[str]:
+        """Each way ``metas`` (one round's dense metadata) does not fit, as a sentence that
+        names the tensors and the fix; empty when the round fits."""
+        unknown: list[str] = []
+        wrong_shape: list[str] = []
+        wrong_dtype: dict[str, list[str]] = {}
+        covered: set[str] = set()
+        for m in metas:
+            key = self.canonical(m.name)
+            if key is None:
+                unknown.append(m.name)
+                continue
+            covered.add(key)
+            want = self.tensors[key]
+            if m.shape != want.shape:
+                wrong_shape.append(f"{m.name} {list(m.shape)} (served: {list(want.shape)})")
+            if self.checks_dtype and m.dtype != want.dtype:
+                wrong_dtype.setdefault(want.dtype, []).append(f"{m.name} ({m.dtype})")
+        out: list[str] = []
+        if unknown:
+            sample = _listed(list(self.tensors)[:3], count=False)
+            out.append(
+                f"{_listed(unknown)} unknown to the served model (it takes "
+                f"{len(self.tensors)} tensors, e.g. {sample}): "
+                "name them as the served checkpoint does (the naming preset / rules) or leave "
+                "them out; a tree of another model family cannot be sent to this server"
+            )
+        if wrong_shape:
+            out.append(
+                f"shape differs from the served model's for {_listed(wrong_shape)}: the source "
+                "is not the served model's architecture or config (check the hidden size, vocab "
+                "and head counts)"
+            )
+        for dtype, names in wrong_dtype.items():
+            out.append(
+                f"dtype differs from the served model's {dtype} for {_listed(names)}: cast the "
+                f"source to {dtype} (the served weights keep the trainer's exact bytes, so the "
+                "workers do not cast)"
+            )
+        missing = [n for n in self.tensors if n not in covered]
+        if missing and not partial:
+            out.append(
+                f"{_listed(missing)} of the served model missing from the round "
+                f"({len(covered)} of {len(self.tensors)} sent): the model would serve them "
+                "unchanged beside the new ones. Send the whole model, or pass "
+                "TrainerInitInfo(partial=True) if the rounds leave them out on purpose (frozen "
+                "layers)"
+            )
+        return out
+
+    def check_round(self, metas: Sequence[ParamMeta], *, partial: bool = False) -> None:
+        """Raise ``ServedModelMismatch`` naming every problem of the round (``problems``).
+        An adapter round (LoRA tensors, ``shared.lora``) is not the base model's: it passes."""
+        if is_adapter_round([m.name for m in metas]):
+            return
+        found = self.problems(metas, partial=partial)
+        if found:
+            raise ServedModelMismatch(
+                "the round does not fit the served model; nothing was sent: " + "; ".join(found)
+            )
+
+    # -- the wire ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensors": [m.to_dict() for m in self.tensors.values()],
+            "aliases": dict(self.aliases),
+            "checks_dtype": self.checks_dtype,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object, ctx: str = "served_model") -> ServedModel:
+        """Strict parse: unknown keys, wrong types and bad tensors raise ``ValueError``."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{ctx} must be a JSON object, got {type(data).__name__}")
+        extra = sorted(str(k) for k in data if k not in _KEYS)
+        if extra:
+            raise ValueError(f"{ctx}: unknown keys {extra}; allowed: {sorted(_KEYS)}")
+        tensors = data.get("tensors")
+        if not isinstance(tensors, list) or not tensors:
+            raise ValueError(f"{ctx}.tensors must be a non-empty list")
+        aliases = data.get("aliases", {})
+        if not isinstance(aliases, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()
+        ):
+            raise ValueError(f"{ctx}.aliases must map names to names")
+        checks = data.get("checks_dtype", True)
+        if type(checks) is not bool:
+            raise ValueError(f"{ctx}.checks_dtype must be a bool, got {checks!r}")
+        metas = [ParamMeta.from_dict(t) for t in tensors]
+        if len({m.name for m in metas}) != len(metas):
+            raise ValueError(f"{ctx}.tensors names a tensor twice")
+        return cls.of(metas, aliases, checks_dtype=checks)
+
+
+def _listed(names: Sequence[str], *, count: bool = True) -> str:
+    shown = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
+    return f"{len(names)} tensor(s) [{shown}]" if count else shown
