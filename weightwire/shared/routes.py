@@ -76,6 +76,11 @@ FINISH_RESETS_RESUMES = "finish_resets_resumes"
 generation after a commit, in the one request (``finish_reply``). Stock vLLM has none:
 its clients send ``/reset_prefix_cache``, ``/reset_encoder_cache`` and ``/resume`` apart."""
 
+SERVED_MODEL = "served_model"
+"""A feature the reference server names in its init reply, and the reply's key that carries it:
+the checkpoint tensors its model takes (``shared.served.ServedModel``), which the trainer checks
+every round against before the first byte. Stock vLLM's init reply carries none."""
+
 SESSION_HEADER = "X-Weightwire-Session"
 """Carries the ``session_id`` an init reply returned on the session's later weight calls;
 the reference server refuses (409) a call whose session a newer init replaced."""

@@ -247,6 +247,8 @@ class TrainerEngine(FrameworkHooks):
         self._check_link()
         if draft:
             self._check_draft()
+        else:  # the served model is the target's: a draft model's names are its own
+            s.check_fits(metas)
         if self._delta is not None and not draft:
             metrics = self._delta.send(metas, version, clock, dense=dense)
         else:

@@ -23,6 +23,7 @@ from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.served import ServedModel
 from weightwire.shared.source import WeightSource, checked_iter
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.version import ServerFeatures
@@ -90,6 +91,9 @@ class Session:
     guard: bool | None = None
     """Whether the servers run the round guard: asked at the first round applied in place,
     then known (a server's middleware changes only with a restart, like its features)."""
+    served: ServedModel | None = None
+    """The tensors the served model takes, as the servers told them at init (``None``: they
+    told none, e.g. stock vLLM); every round is checked against it before its first byte."""
 
     def __repr__(self) -> str:  # the link and the client hold secrets: names only
         return (
@@ -114,6 +118,13 @@ class Session:
         if not self.source.checks_own_stream(metas):  # PytreeSource checks its own passes
             out = checked_iter(out, metas, self.framework.describe)
         return out if digests is None else tap(out, digests, self.framework.tensor_sha256)
+
+    def check_fits(self, metas: list[ParamMeta]) -> None:
+        """The one check of a round against the served model, before any call or byte:
+        ``ServedModelMismatch`` naming each tensor missing (unless ``info.partial``), unknown,
+        or of another dtype or shape. A no-op where the servers told nothing."""
+        if self.served is not None:
+            self.served.check_round(metas, partial=self.info.partial)
 
     def round_pause(self, metas: list[ParamMeta]) -> RoundPause:
         """This round's pause (``gating.round_pause``; a round applied in place:
@@ -196,11 +207,19 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     try:
         link.warmup(timeout=t.warmup_s)
         await_call(post, t.http_s, "init_weight_transfer_engine")
+        s.served = served_model(s.client)
         s.sender = s.backend.sender(link, s.info, s.framework.sender_parts(packer))
     except BaseException as exc:
         link.abort()
         raise real_cause(exc, post) from None
     s.link = link
+
+
+def served_model(client: EngineClient) -> ServedModel | None:
+    """What the client's servers said at init about the tensors their model takes (a client
+    that cannot tell: ``None``)."""
+    ask = getattr(client, "served_model", None)
+    return ask() if callable(ask) else None
 
 
 def reopen_wire(s: Session) -> None:

@@ -17,7 +17,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from weightwire.shared.routes import CHECKER_ACTIONS, FINISH_RESETS_RESUMES, START_PAUSES
+from weightwire.shared.routes import (
+    CHECKER_ACTIONS,
+    FINISH_RESETS_RESUMES,
+    SERVED_MODEL,
+    START_PAUSES,
+)
 from weightwire.shared.timeouts import Timeouts
 from weightwire.tools.server.after_commit import after_commit, after_commit_query, pause_query
 from weightwire.tools.server.control_routes import pause_generation
@@ -79,7 +84,7 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
             if session.phase is Phase.ROUND:
                 await drop_stale_round(state)  # or refuse (409): a live round is never taken over
             lease.disarm()
-            await fan_out_or_fail(
+            replies = await fan_out_or_fail(
                 state,
                 "init_weight_transfer_engine",
                 "init",
@@ -92,7 +97,9 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
             "message": "Weight transfer initialized",
             "session_id": session_id,
             # the client uses only what is named here
-            "features": [START_PAUSES, FINISH_RESETS_RESUMES],
+            "features": [START_PAUSES, FINISH_RESETS_RESUMES, SERVED_MODEL],
+            # every replica loads the one model directory: the first one's says it for all
+            SERVED_MODEL: replies[0][SERVED_MODEL],
         }
 
     @app.post(route_path("shutdown_weight_transfer_engine"))
