@@ -53,9 +53,14 @@ class Tensors(WeightSource):
 
 
 class Recording(HTTPWeightSyncClient):
-    """Records every route called after the init (a refused round must call none)."""
+    """Records every route called after the init (a refused round must call none);
+    ``tells_served=False``: as under stock vLLM's routes, the init reply says no model."""
 
     calls: list[str]
+    tells_served: bool = True
+
+    def served_model(self) -> Any:
+        return super().served_model() if self.tells_served else None
 
     def _all(
         self,
@@ -68,12 +73,15 @@ class Recording(HTTPWeightSyncClient):
         return super()._all(route, body, params, bodies)
 
 
-def engine(url: str, source: Tensors, **info: Any) -> tuple[Any, Recording]:
+def engine(
+    url: str, source: Tensors, *, tells_served: bool = True, **info: Any
+) -> tuple[Any, Recording]:
     from weightwire.torch_side.sender.engine import TorchTrainerEngine
     from weightwire.trainer import TrainerInitInfo
 
     client = Recording(url, timeout=60)
     client.calls = []
+    client.tells_served = tells_served
     init = TrainerInitInfo(backend="weightwire_tcp", **info)
     return TorchTrainerEngine.trainer_init(init, client=client, source=source), client
 
@@ -162,3 +170,27 @@ def test_rounds_that_do_not_fit_are_refused_before_any_byte(
         eng.shutdown()
     assert checksums(http) == {**sha(again), **sha(partial)}
     assert http.get("/weight_info").json()["weight_version"] == "partial"
+
+
+def test_a_server_that_does_not_tell_is_checked_against_served_checkpoint(
+    server, http: httpx.Client, weights: dict[str, Any], qwen2_tied: str, tmp_path
+) -> None:
+    """Stock vLLM's init reply names no model: the trainer reads the served checkpoint's
+    names and shapes from ``served_checkpoint`` (dtypes: vLLM casts on load)."""
+    from weightwire.shared.errors import ConfigError
+
+    new = {n: t + 0.02 for n, t in weights.items()}
+    source = Tensors({n: t for n, t in new.items() if not n.startswith("model.layers.1.")})
+    eng, client = engine(server.url, source, tells_served=False, served_checkpoint=qwen2_tied)
+    try:
+        client.calls.clear()
+        with pytest.raises(ServedModelMismatch, match=r"tensor\(s\) \[model.layers.1\."):
+            eng.send_weights("no-layer-1")
+        assert client.calls == []
+        source.tensors = new  # the tied head left out: the checkpoint has none either
+        eng.send_weights("checkpoint-checked")
+    finally:
+        eng.shutdown()
+    assert checksums(http) == sha(new)
+    with pytest.raises(ConfigError, match="holds no \\*.safetensors files"):
+        engine(server.url, source, tells_served=False, served_checkpoint=str(tmp_path))

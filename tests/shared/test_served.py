@@ -3,12 +3,17 @@ problem named with its fix; the record's strict JSON form."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 import pytest
 
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.lora import wire_name
+from weightwire.shared.lora import wire_name, write_safetensors
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.served import ServedModel, ServedModelMismatch
+from weightwire.shared.served import ServedModel, ServedModelMismatch, from_checkpoint
 
 EMBED = ParamMeta("model.embed_tokens.weight", "bfloat16", (32, 8))
 Q = ParamMeta("model.layers.0.self_attn.q_proj.weight", "bfloat16", (8, 8))
@@ -100,3 +105,34 @@ def test_the_json_form_round_trips_and_is_strict() -> None:
         ServedModel.from_dict({**TIED.to_dict(), "checks_dtype": "yes"})
     with pytest.raises(ValueError, match="names a tensor twice"):
         ServedModel.from_dict({"tensors": [Q.to_dict(), Q.to_dict()]})
+
+
+def _write_checkpoint(root: Path, tensors: dict[str, np.ndarray], config: dict[str, Any]) -> None:
+    root.mkdir()
+    write_safetensors(root / "model.safetensors", tensors)
+    (root / "config.json").write_text(json.dumps(config))
+
+
+def test_a_checkpoint_dir_gives_names_and_shapes_the_tied_head_an_alias(tmp_path: Path) -> None:
+    tensors = {
+        EMBED.name: np.zeros((32, 8), np.float32),
+        NORM.name: np.zeros((8,), np.float32),
+    }
+    _write_checkpoint(tmp_path / "tied", tensors, {"tie_word_embeddings": True})
+    served = from_checkpoint(tmp_path / "tied")
+    assert set(served.tensors) == {EMBED.name, NORM.name}
+    assert served.aliases == {"lm_head.weight": EMBED.name} and not served.checks_dtype
+    # stock vLLM casts on load: a bfloat16 embedding fits a float32 checkpoint; shapes count
+    served.check_round([EMBED, NORM, ParamMeta("lm_head.weight", "bfloat16", (32, 8))])
+    with pytest.raises(ServedModelMismatch, match=r"1 tensor\(s\) \[model.norm.weight\] of"):
+        served.check_round([EMBED])
+    _write_checkpoint(tmp_path / "untied", tensors, {"tie_word_embeddings": False})
+    assert from_checkpoint(tmp_path / "untied").aliases == {}
+
+
+def test_a_dir_without_a_checkpoint_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"holds no \*.safetensors files: pass the directory"):
+        from_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ConfigError, match="cannot read .* as a safetensors checkpoint"):
+        from_checkpoint(tmp_path)

@@ -20,8 +20,12 @@ into the parameter whatever the sent dtype), so a dtype difference is not an err
 
 from __future__ import annotations
 
+import json
+import os
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from weightwire.shared.errors import ConfigError
@@ -32,6 +36,22 @@ SHOWN = 8
 """How many names a message lists per problem (the count says how many there are)."""
 
 _KEYS = frozenset({"tensors", "aliases", "checks_dtype"})
+_SAFETENSORS_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "I8": "int8",
+    "U8": "uint8",
+    "I32": "int32",
+    "I64": "int64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "BOOL": "bool",
+}
+_MAX_HEADER = 100 << 20  # a safetensors header is JSON; a bigger one is not a checkpoint's
+_TIED_HEAD = "lm_head.weight"
+_EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "model.embed.weight")
 
 
 class ServedModelMismatch(ConfigError):
@@ -172,3 +192,62 @@ class ServedModel:
 def _listed(names: Sequence[str], *, count: bool = True) -> str:
     shown = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
     return f"{len(names)} tensor(s) [{shown}]" if count else shown
+
+
+def from_checkpoint(model_dir: str | os.PathLike[str]) -> ServedModel:
+    """What a server that cannot tell serves, read from its checkpoint directory (the
+    ``*.safetensors`` headers and ``config.json``): names and full shapes, the tied head an
+    alias of the embedding where the checkpoint leaves it out. Dtypes are not checked
+    (``checks_dtype=False``): stock vLLM casts every tensor into its parameter on load.
+    ``ConfigError`` naming the directory when it holds no readable safetensors checkpoint."""
+    root = Path(model_dir)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            f"served_checkpoint {str(root)!r} holds no *.safetensors files: pass the directory "
+            "the server loaded its model from (a local copy of it), or None"
+        )
+    metas: dict[str, ParamMeta] = {}
+    for path in files:
+        for name, meta in _safetensors_header(path).items():
+            metas.setdefault(name, meta)
+    aliases: dict[str, str] = {}
+    if _TIED_HEAD not in metas and _config(root).get("tie_word_embeddings", True) is not False:
+        embedding = next((e for e in _EMBEDDINGS if e in metas), None)
+        if embedding is not None:
+            aliases[_TIED_HEAD] = embedding
+    return ServedModel(metas, aliases, checks_dtype=False)
+
+
+def _safetensors_header(path: Path) -> dict[str, ParamMeta]:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            (size,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+            if not 0 < size <= _MAX_HEADER:
+                raise ValueError(f"header length {size}")
+            header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        out: dict[str, ParamMeta] = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise ValueError(f"{name!r} has dtype {entry['dtype']!r}, not a wire dtype")
+            out[name] = ParamMeta(name, dtype, tuple(entry["shape"]))
+        return out
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"served_checkpoint: cannot read {str(path)!r} as a safetensors checkpoint ({exc}); "
+            "pass the served model's directory, or None to skip the check"
+        ) from None
+
+
+def _config(root: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}

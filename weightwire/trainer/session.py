@@ -23,7 +23,7 @@ from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.served import ServedModel
+from weightwire.shared.served import ServedModel, from_checkpoint
 from weightwire.shared.source import WeightSource, checked_iter
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.version import ServerFeatures
@@ -178,6 +178,8 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
             "weight_checker_route", "verify=True compares /weight_checker before and after rounds"
         )
     world = s.info.inference_world_size or s.client.get_world_size()
+    # read before any rendezvous: a directory that is no checkpoint fails here
+    checkpoint = from_checkpoint(s.info.served_checkpoint) if s.info.served_checkpoint else None
     # Made before any rendezvous so a trainer without a usable device fails here,
     # not after the workers joined.
     packer = s.framework.device_packer(s.info.device) if s.backend.caps.on_device else None
@@ -207,7 +209,7 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     try:
         link.warmup(timeout=t.warmup_s)
         await_call(post, t.http_s, "init_weight_transfer_engine")
-        s.served = served_model(s.client)
+        s.served = served_model(s.client) or checkpoint
         s.sender = s.backend.sender(link, s.info, s.framework.sender_parts(packer))
     except BaseException as exc:
         link.abort()
