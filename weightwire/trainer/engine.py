@@ -266,6 +266,8 @@ class TrainerEngine(FrameworkHooks):
             )
         if draft and self.info.is_sender:
             self._check_draft()
+        elif self.info.is_sender:  # raised here, not by the handle: nothing was queued
+            self.session.check_fits(self.session.source.metadata())
         return self._overlapped.send(weight_version, draft, dense)
 
     def send_patches(
@@ -281,6 +283,8 @@ class TrainerEngine(FrameworkHooks):
             return RoundMetrics(None, 0, 0, 0, False, sender=False)
         self._check_link()
         s = self.session
+        # a patch round changes what changed: the served model's other tensors stay as they are
+        s.check_fits([ParamMeta(p.name, p.dtype, p.shape) for p in patches], partial=True)
         metrics = patch_round(s, patches, s.next_version(weight_version), PhaseClock())
         logger.info("%s", metrics)
         return metrics

@@ -119,12 +119,13 @@ class Session:
             out = checked_iter(out, metas, self.framework.describe)
         return out if digests is None else tap(out, digests, self.framework.tensor_sha256)
 
-    def check_fits(self, metas: list[ParamMeta]) -> None:
+    def check_fits(self, metas: list[ParamMeta], *, partial: bool = False) -> None:
         """The one check of a round against the served model, before any call or byte:
-        ``ServedModelMismatch`` naming each tensor missing (unless ``info.partial``), unknown,
-        or of another dtype or shape. A no-op where the servers told nothing."""
+        ``ServedModelMismatch`` naming each tensor missing (unless ``info.partial`` or
+        ``partial``: a round of patches), unknown, or of another dtype or shape. A no-op where
+        the servers told nothing."""
         if self.served is not None:
-            self.served.check_round(metas, partial=self.info.partial)
+            self.served.check_round(metas, partial=partial or self.info.partial)
 
     def round_pause(self, metas: list[ParamMeta]) -> RoundPause:
         """This round's pause (``gating.round_pause``; a round applied in place:
