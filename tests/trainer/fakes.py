@@ -36,6 +36,8 @@ class FakeServer:
         self.checksums: dict[str, str] = {}
         self.guard = False
         """Serve the round guard's status route (``weightwire.vllm_guard``)."""
+        self.served: dict[str, Any] | None = None
+        """Tell this served model in the init reply, as the reference server does."""
         self.lock = threading.Lock()
 
     def routes(self) -> list[str]:
@@ -72,6 +74,10 @@ class FakeServer:
             return httpx.Response(200, json={"guard": "weightwire", "covers": True})
         if route == "reset_prefix_cache":
             return httpx.Response(200, json={"success": True})
+        if route == "init_weight_transfer_engine" and self.served is not None:
+            return httpx.Response(
+                200, json={"features": ["served_model"], "served_model": self.served}
+            )
         return httpx.Response(200, json={"message": "ok"})
 
     def client(self, url: str = "http://fake:8000") -> HTTPWeightSyncClient:
