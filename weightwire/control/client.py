@@ -31,7 +31,7 @@ from weightwire.control.serving import ServingRoutes
 from weightwire.shared import routes
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import PAUSE_MODES, SERVED_MODEL
-from weightwire.shared.served import ServedModel
+from weightwire.shared.served import WORKER_METHOD, ServedModel, from_worker_answers
 
 
 class HTTPWeightSyncClient(ServingRoutes):
@@ -117,6 +117,39 @@ class HTTPWeightSyncClient(ServingRoutes):
                     200,
                     f"serves another model than {self.base_urls[0]} (their init replies name "
                     "different tensors); one trainer's rounds fit one model",
+                    url,
+                )
+        return models[0]
+
+    def workers_served_model(self) -> ServedModel | None:
+        """The served model as the servers' workers tell it (the weightwire vLLM plugin's
+        worker method, through vLLM's dev route ``POST /collective_rpc``), for servers whose
+        init reply tells nothing; ``None`` where a server has no such route or a worker
+        cannot tell. ``WeightSyncError`` for a malformed answer or servers that disagree."""
+        body = {"method": WORKER_METHOD, "timeout": self.timeout}
+        try:
+            replies = self._all(routes.COLLECTIVE_RPC, body)
+        except WeightSyncError as exc:
+            if exc.status is not None and 400 <= exc.status < 500:
+                return None  # no dev route, or no such worker method: nothing told
+            raise
+        models = []
+        for url, reply in zip(self.base_urls, replies, strict=True):
+            results = reply.get("results") if isinstance(reply, dict) else None
+            try:
+                model = from_worker_answers(results, f"{url} /collective_rpc")
+            except ValueError as exc:
+                raise WeightSyncError(routes.COLLECTIVE_RPC.name, 200, str(exc), url) from None
+            if model is None:
+                return None
+            models.append(model)
+        for url, model in zip(self.base_urls[1:], models[1:], strict=True):
+            if model != models[0]:
+                raise WeightSyncError(
+                    routes.COLLECTIVE_RPC.name,
+                    200,
+                    f"serves another model than {self.base_urls[0]}; one trainer's rounds fit "
+                    "one model",
                     url,
                 )
         return models[0]

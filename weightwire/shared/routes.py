@@ -39,6 +39,10 @@ VERSION = Route("version", "GET", "/version", weight_route=False)
 HEALTH = Route("health", "GET", "/health", weight_route=False)
 COMPLETIONS = Route("completions", "POST", "/v1/completions", weight_route=False)
 
+COLLECTIVE_RPC = Route("collective_rpc", "POST", "/collective_rpc")
+"""vLLM's dev route that calls a worker method on every worker (``shared.served.WORKER_METHOD``);
+not in ``ROUTES``: the reference server has none (its init reply tells what it serves)."""
+
 ROUTES: dict[str, Route] = {
     r.name: r
     for r in (

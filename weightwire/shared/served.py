@@ -54,6 +54,12 @@ _TIED_HEAD = "lm_head.weight"
 _EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "model.embed.weight")
 
 
+WORKER_METHOD = "weightwire_served_model"
+"""The worker method the weightwire vLLM plugin installs on vLLM's workers: each worker's
+``ServedModel.to_dict()`` (``None`` without a weightwire engine or a local safetensors
+checkpoint), asked through vLLM's ``POST /collective_rpc`` where an init reply tells nothing."""
+
+
 class ServedModelMismatch(ConfigError):
     """A round's tensors do not fit the served model (a tensor missing, unknown, or of
     another dtype or shape); raised by the trainer before any byte of the round."""
@@ -251,3 +257,17 @@ def _config(root: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return config if isinstance(config, dict) else {}
+
+
+def from_worker_answers(results: object, ctx: str) -> ServedModel | None:
+    """The served model every worker told (``/collective_rpc``'s ``results``); ``None`` when
+    one told nothing (vLLM's own engine, no local checkpoint). ``ValueError`` for a malformed
+    answer or workers that disagree."""
+    if not isinstance(results, list) or not results:
+        return None
+    if any(r is None for r in results):
+        return None
+    models = [ServedModel.from_dict(r, f"{ctx} worker {i}") for i, r in enumerate(results)]
+    if any(m != models[0] for m in models[1:]):
+        raise ValueError(f"{ctx}: the workers tell different models")
+    return models[0]

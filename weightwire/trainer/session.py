@@ -210,7 +210,8 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     try:
         link.warmup(timeout=t.warmup_s)
         await_call(post, t.http_s, "init_weight_transfer_engine")
-        s.served = served_model(s.client) or checkpoint
+        s.served = served_model(s.client, ask_workers=not s.backend.caps.stock_receiver)
+        s.served = s.served or checkpoint
         s.sender = s.backend.sender(link, s.info, s.framework.sender_parts(packer))
     except BaseException as exc:
         link.abort()
@@ -218,11 +219,17 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     s.link = link
 
 
-def served_model(client: EngineClient) -> ServedModel | None:
-    """What the client's servers said at init about the tensors their model takes (a client
-    that cannot tell: ``None``)."""
-    ask = getattr(client, "served_model", None)
-    return ask() if callable(ask) else None
+def served_model(client: EngineClient, *, ask_workers: bool) -> ServedModel | None:
+    """What the client's servers said at init about the tensors their model takes; where
+    their init reply tells nothing and the backend's workers are weightwire's
+    (``ask_workers``), what those workers tell (under vLLM's own routes); a client that
+    cannot tell: ``None``."""
+    told = getattr(client, "served_model", None)
+    served = told() if callable(told) else None
+    workers = getattr(client, "workers_served_model", None)
+    if served is None and ask_workers and callable(workers):
+        served = workers()
+    return served
 
 
 def reopen_wire(s: Session) -> None:
