@@ -93,14 +93,18 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
                 abort_on_failure=True,
             )
             session_id = session.initialized(info)
-        return {
+        reply: dict[str, Any] = {
             "message": "Weight transfer initialized",
             "session_id": session_id,
             # the client uses only what is named here
-            "features": [START_PAUSES, FINISH_RESETS_RESUMES, SERVED_MODEL],
-            # every replica loads the one model directory: the first one's says it for all
-            SERVED_MODEL: replies[0][SERVED_MODEL],
+            "features": [START_PAUSES, FINISH_RESETS_RESUMES],
         }
+        # every replica loads the one model directory: the first one's says it for all
+        served = replies[0].get(SERVED_MODEL) if replies and isinstance(replies[0], dict) else None
+        if served is not None:
+            reply["features"].append(SERVED_MODEL)
+            reply[SERVED_MODEL] = served
+        return reply
 
     @app.post(route_path("shutdown_weight_transfer_engine"))
     async def shutdown_weight_transfer_engine(request: Request) -> dict[str, Any]:
