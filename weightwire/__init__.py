@@ -60,6 +60,8 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.shared.ipc_info import IPCInitInfo as IPCInitInfo
     from weightwire.shared.meta import ParamMeta as ParamMeta
     from weightwire.shared.patches import SparsePatch as SparsePatch
+    from weightwire.shared.served import ServedModel as ServedModel
+    from weightwire.shared.served import ServedModelMismatch as ServedModelMismatch
     from weightwire.shared.source import WeightSource as WeightSource
     from weightwire.shared.timeouts import Timeouts as Timeouts
     from weightwire.shared.update_info import UpdateInfo as UpdateInfo

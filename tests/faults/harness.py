@@ -174,16 +174,22 @@ def client_for(url: str, **kw: Any) -> Any:
 
     class Recording(HTTPWeightSyncClient):
         posted: list[Any]
+        tells_served: bool
 
         def init_weight_transfer_engine(self, init_info: Any) -> None:
             self.posted.append(init_info)
             POSTED_INIT_INFOS.append(init_info)
             super().init_weight_transfer_engine(init_info)
 
+        def served_model(self) -> Any:
+            return super().served_model() if self.tells_served else None
+
+    tells_served = kw.pop("tells_served", True)
     client = Recording(
         url, timeout=kw.pop("timeout", CLIENT_TIMEOUT_S), api_key=kw.pop("api_key", API_KEY), **kw
     )
     client.posted = []
+    client.tells_served = tells_served
     return client
 
 

@@ -192,7 +192,10 @@ def test_control_plane_stalls(shared_server: Server, probe: Probe, source: Tenso
 def test_worker_refuses_a_tensor_mid_round(
     shared_server: Server, probe: Probe, source: TensorSource, strategy: str
 ) -> None:
-    """The worker refuses a tensor in the middle of a round (a name the model lacks). Staged:
+    """The worker refuses a tensor in the middle of a round (a name the model lacks), where the
+    trainer could not check the round first (a client that does not tell the served model, as
+    under stock vLLM's routes; the reference server's is refused before any byte:
+    ``tests/server/test_server_coverage.py``). Staged:
     nothing was applied, the previous weights stay served. Applied in place: the earlier
     chunks are in the model, so the server stays paused (the trainer does not resume) and
     answers 503 naming the incomplete round, until a complete round commits."""
@@ -205,7 +208,8 @@ def test_worker_refuses_a_tensor_mid_round(
     source.tensors = {
         ("model.layers.99.bogus.weight" if n == bogus else n): t for n, t in original.items()
     }
-    engine = engine_for(shared_server.url, source, stage_budget_bytes=budget)
+    client = client_for(shared_server.url, tells_served=False)
+    engine = engine_for(shared_server.url, source, client=client, stage_budget_bytes=budget)
     try:
         with (
             elapsed() as t,

@@ -33,6 +33,7 @@ from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.source import PytreeSource
 from weightwire.shared.errors import WeightSyncError
+from weightwire.shared.served import ServedModelMismatch
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.trainer.config import TrainerInitInfo
@@ -91,17 +92,47 @@ BAD = {
 }
 
 
+# The same sources, refused by the trainer: the workers told it what they serve at init
+# (the plugin's worker method over /collective_rpc), so no call of the round was made.
+UNFIT = {
+    "wrong_shape": (
+        "model.layers.0.self_attn.k_proj.weight [64, 32] (served: [32, 64])",
+        "shape differs",
+    ),
+    "wrong_dtype": ("[model.norm.weight (bfloat16)]", "cast the source to float32"),
+    "unknown_name": ("1 tensor(s) [model.extra_scale] unknown to the served model",),
+    "missing_tensor": (
+        "1 tensor(s) [model.layers.0.mlp.up_proj.weight] of the served model missing",
+        "TrainerInitInfo(partial=True)",
+    ),
+}
+
+
+class Untold(HTTPWeightSyncClient):
+    """A trainer that learned nothing of the served model: the workers' own checks refuse."""
+
+    def workers_served_model(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("where", ["trainer", "worker"])
 @pytest.mark.parametrize("kind", list(BAD))
-def test_bad_update_info_is_refused_before_any_byte(served: Served, kind: str) -> None:
+def test_bad_update_info_is_refused_before_any_byte(served: Served, kind: str, where: str) -> None:
     before = served.checksums()
     source = ModuleSource(_bad_source(kind, served.hf))
-    with HTTPWeightSyncClient(served.server.url, timeout=120) as client:
+    cls = HTTPWeightSyncClient if where == "trainer" else Untold
+    with cls(served.server.url, timeout=120) as client:
         engine = TorchTrainerEngine.trainer_init(trainer_info(), client=client, source=source)
         try:
             with pytest.raises(Exception) as err:
                 engine.send_weights(weight_version=f"bad-{kind}")
-            assert BAD[kind] in str(err.value), str(err.value)
-            assert "refused before any byte was received" in str(err.value)
+            if where == "trainer":
+                assert isinstance(err.value, ServedModelMismatch), repr(err.value)
+                for words in UNFIT[kind]:
+                    assert words in str(err.value), str(err.value)
+            else:
+                assert BAD[kind] in str(err.value), str(err.value)
+                assert "refused before any byte was received" in str(err.value)
         finally:
             try:
                 engine.shutdown()

@@ -84,3 +84,19 @@ def test_mismatches_are_refused_naming_the_problem(
 def test_no_safetensors_means_no_spec(tmp_path) -> None:
     assert ModelSpec.from_checkpoint(tmp_path, served_dtype="float32") is None
     assert ModelSpec.from_checkpoint(tmp_path / "hub-id-not-a-dir", served_dtype="float32") is None
+
+
+def test_the_spec_tells_the_trainer_the_same_model() -> None:
+    """What a plugin worker tells (``/collective_rpc``): the names, dtypes, shapes and tied
+    aliases it checks rounds against; nothing when a tensor is in no wire dtype."""
+    from weightwire.shared.served import ServedModel
+
+    spec = ModelSpec(
+        {"model.embed_tokens.weight": TensorSpec((16, 8), "bfloat16")},
+        {"lm_head.weight": "model.embed_tokens.weight"},
+    )
+    assert spec.served() == ServedModel.of(
+        [ParamMeta("model.embed_tokens.weight", "bfloat16", (16, 8))],
+        {"lm_head.weight": "model.embed_tokens.weight"},
+    )
+    assert ModelSpec({"model.step": TensorSpec((1,), "int16")}).served() is None

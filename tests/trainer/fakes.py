@@ -36,6 +36,10 @@ class FakeServer:
         self.checksums: dict[str, str] = {}
         self.guard = False
         """Serve the round guard's status route (``weightwire.vllm_guard``)."""
+        self.rpc: list[Any] = []
+        """The ``/collective_rpc`` bodies (trainer_init's question to the workers)."""
+        self.served: dict[str, Any] | None = None
+        """Tell this served model in the init reply, as the reference server does."""
         self.lock = threading.Lock()
 
     def routes(self) -> list[str]:
@@ -49,6 +53,11 @@ class FakeServer:
         body = json.loads(request.content) if request.content else None
         if request.url.query:
             body = dict(request.url.params)
+        if route == "collective_rpc":
+            # trainer_init asks a plugin backend's workers what they serve; kept out of ``calls``
+            # (the routes a round makes): a vLLM without the plugin's worker method says no
+            self.rpc.append(body)
+            return httpx.Response(400, json={"error": "no such worker method"})
         with self.lock:
             self.calls.append((route, body))
         if route in self.hooks:
@@ -72,6 +81,10 @@ class FakeServer:
             return httpx.Response(200, json={"guard": "weightwire", "covers": True})
         if route == "reset_prefix_cache":
             return httpx.Response(200, json={"success": True})
+        if route == "init_weight_transfer_engine" and self.served is not None:
+            return httpx.Response(
+                200, json={"features": ["served_model"], "served_model": self.served}
+            )
         return httpx.Response(200, json={"message": "ok"})
 
     def client(self, url: str = "http://fake:8000") -> HTTPWeightSyncClient:

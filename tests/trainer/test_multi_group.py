@@ -21,7 +21,9 @@ from tests.trainer.fakes import DictSource, FakeServer
 from weightwire.backends.pipelines import DevicePipeline
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.owned import OwnedSource
+from weightwire.shared.served import ServedModel, ServedModelMismatch
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer.broadcast_plan import PlanError
 from weightwire.trainer.config import TrainerInitInfo
@@ -264,6 +266,24 @@ def test_ranks_disagreeing_on_metadata_fail_before_any_request() -> None:
             res
         )
     assert "init_weight_transfer_engine" not in run.server.routes()
+
+
+def test_a_round_that_does_not_fit_the_served_model_fails_on_every_rank_before_any_call() -> None:
+    """The server tells a model with a fourth layer: rank 0 raises ``ServedModelMismatch``
+    naming it, every other rank a ``PlanError`` naming rank 0; no round call was made."""
+    run = Run(2, two)
+    extra = ParamMeta("model.layers.3.mlp.up_proj.weight", "float32", (12, 8))
+    tensors = [ParamMeta(n, *describe(t)) for n, t in model().items()]
+    run.server.served = ServedModel.of([*tensors, extra]).to_dict()
+    run.go(1)
+    (mismatch,), (plan,) = run.results
+    assert isinstance(mismatch, ServedModelMismatch), mismatch
+    assert "1 tensor(s) [model.layers.3.mlp.up_proj.weight] of the served model missing" in str(
+        mismatch
+    )
+    assert isinstance(plan, PlanError) and "trainer rank 0: the round does not fit" in str(plan)
+    assert "init_weight_transfer_engine" in run.server.routes()
+    assert "start_weight_update" not in run.server.routes()
 
 
 class Forgetful(DictSource):

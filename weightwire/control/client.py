@@ -31,7 +31,8 @@ from weightwire.control.ready import wait_until_ready
 from weightwire.control.serving import ServingRoutes
 from weightwire.shared import routes
 from weightwire.shared.errors import ConfigError, WeightSyncError, WrongType
-from weightwire.shared.routes import PAUSE_MODES
+from weightwire.shared.routes import PAUSE_MODES, SERVED_MODEL
+from weightwire.shared.served import WORKER_METHOD, ServedModel, from_worker_answers
 
 
 class HTTPWeightSyncClient(ServingRoutes):
@@ -66,6 +67,8 @@ class HTTPWeightSyncClient(ServingRoutes):
         self._servers: list[ServerTopology] = []
         self._features: list[frozenset[str]] = [frozenset()] * len(self._clients)
         """Per server: the features its last init reply named (``routes.FINISH_RESETS_RESUMES``)."""
+        self._served: list[Any] = [None] * len(self._clients)
+        """Per server: the ``served_model`` its last init reply carried (raw JSON), if any."""
 
     def __repr__(self) -> str:
         return f"HTTPWeightSyncClient({self.base_urls!r}, timeout={self.timeout})"
@@ -91,6 +94,7 @@ class HTTPWeightSyncClient(ServingRoutes):
             bodies = [{"init_info": info} for info in infos]
         self._sessions = [None] * len(self._clients)  # a failed init leaves no session to claim
         self._features = [frozenset()] * len(self._clients)
+        self._served = [None] * len(self._clients)
         replies = self._all(routes.INIT, bodies=bodies)
         # A server that owns sessions returns an id; later weight calls prove with it that
         # they come from this session, so a newer trainer's init makes them fail fast.
@@ -101,6 +105,66 @@ class HTTPWeightSyncClient(ServingRoutes):
             for r in replies
         ]
         self._features = [_features(r) for r in replies]
+        self._served = [
+            r.get(SERVED_MODEL) if SERVED_MODEL in f and isinstance(r, dict) else None
+            for r, f in zip(replies, self._features, strict=True)
+        ]
+
+    def served_model(self) -> ServedModel | None:
+        """The tensors the served model takes, as every server's last init reply told them
+        (``shared.served``); ``None`` when a server told none (stock vLLM's routes do not).
+        ``WeightSyncError`` for a malformed one, or servers that serve different models."""
+        if not self._served or any(raw is None for raw in self._served):
+            return None
+        models = []
+        for url, raw in zip(self.base_urls, self._served, strict=True):
+            try:
+                models.append(ServedModel.from_dict(raw, f"{url}'s init reply served_model"))
+            except ValueError as exc:
+                raise WeightSyncError(routes.INIT.name, 200, str(exc), url) from None
+        for url, model in zip(self.base_urls[1:], models[1:], strict=True):
+            if model != models[0]:
+                raise WeightSyncError(
+                    routes.INIT.name,
+                    200,
+                    f"serves another model than {self.base_urls[0]} (their init replies name "
+                    "different tensors); one trainer's rounds fit one model",
+                    url,
+                )
+        return models[0]
+
+    def workers_served_model(self) -> ServedModel | None:
+        """The served model as the servers' workers tell it (the weightwire vLLM plugin's
+        worker method, through vLLM's dev route ``POST /collective_rpc``), for servers whose
+        init reply tells nothing; ``None`` where a server has no such route or a worker
+        cannot tell. ``WeightSyncError`` for a malformed answer or servers that disagree."""
+        body = {"method": WORKER_METHOD, "timeout": self.timeout}
+        try:
+            replies = self._all(routes.COLLECTIVE_RPC, body)
+        except WeightSyncError as exc:
+            if exc.status is not None and 400 <= exc.status < 500:
+                return None  # no dev route, or no such worker method: nothing told
+            raise
+        models = []
+        for url, reply in zip(self.base_urls, replies, strict=True):
+            results = reply.get("results") if isinstance(reply, dict) else None
+            try:
+                model = from_worker_answers(results, f"{url} /collective_rpc")
+            except ValueError as exc:
+                raise WeightSyncError(routes.COLLECTIVE_RPC.name, 200, str(exc), url) from None
+            if model is None:
+                return None
+            models.append(model)
+        for url, model in zip(self.base_urls[1:], models[1:], strict=True):
+            if model != models[0]:
+                raise WeightSyncError(
+                    routes.COLLECTIVE_RPC.name,
+                    200,
+                    f"serves another model than {self.base_urls[0]}; one trainer's rounds fit "
+                    "one model",
+                    url,
+                )
+        return models[0]
 
     def start_weight_update(self) -> None:
         self._all(routes.START)

@@ -13,6 +13,7 @@ defined outside this module)::
         StockRefusal                         [weightwire.backends.base]
         SparseBaseUnknown                    [weightwire.trainer.patch_round]
         AdapterRefused                       [weightwire.trainer.lora]
+        ServedModelMismatch                  [weightwire.shared.served]
       TransferError (RuntimeError)
         TransferTimeout (TimeoutError)
         PeerLost (ConnectionError)

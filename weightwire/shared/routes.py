@@ -43,6 +43,10 @@ VERSION = Route("version", "GET", "/version", weight_route=False)
 HEALTH = Route("health", "GET", "/health", weight_route=False)
 COMPLETIONS = Route("completions", "POST", "/v1/completions", weight_route=False)
 
+COLLECTIVE_RPC = Route("collective_rpc", "POST", "/collective_rpc")
+"""vLLM's dev route that calls a worker method on every worker (``shared.served.WORKER_METHOD``);
+not in ``ROUTES``: the reference server has none (its init reply tells what it serves)."""
+
 ROUTES: dict[str, Route] = {
     r.name: r
     for r in (
@@ -79,6 +83,11 @@ FINISH_RESETS_RESUMES = "finish_resets_resumes"
 ``/finish_weight_update?reset_caches=true&resume=true`` drops the caches and resumes
 generation after a commit, in the one request (``finish_reply``). Stock vLLM has none:
 its clients send ``/reset_prefix_cache``, ``/reset_encoder_cache`` and ``/resume`` apart."""
+
+SERVED_MODEL = "served_model"
+"""A feature the reference server names in its init reply, and the reply's key that carries it:
+the checkpoint tensors its model takes (``shared.served.ServedModel``), which the trainer checks
+every round against before the first byte. Stock vLLM's init reply carries none."""
 
 SESSION_HEADER = "X-Weightwire-Session"
 """Carries the ``session_id`` an init reply returned on the session's later weight calls;

@@ -93,6 +93,16 @@ class TrainerInitInfo:
       first, a forced one and the one after a failure).
     - ``timeouts``: every wait's bound (default: ``Timeouts.from_env()``, so
       ``WEIGHTWIRE_TIMEOUT_<FIELD>`` variables apply).
+    - ``partial``: the rounds leave some of the served model's tensors out on purpose (frozen
+      layers). Where the server said at init which tensors its model takes
+      (``shared.served``), every round is checked against them before its first byte: a
+      tensor it lacks, or of another dtype or shape, is refused always; a missing one is
+      refused unless ``partial=True`` (an adapter round is never "missing" anything).
+    - ``served_checkpoint``: for a server that does not tell (stock vLLM: the ``nccl`` and
+      ``sparse_nccl`` backends, or the plugin backends under vLLM's own routes), the directory
+      of the checkpoint it serves (a local copy: its ``*.safetensors`` headers and
+      ``config.json`` are read at ``trainer_init``); rounds are then checked against its names
+      and shapes, not dtypes (vLLM casts on load). A server that tells wins.
     - ``verify``: after each round, compare the servers' per-tensor sha256 with what
       was sent (costs a host copy of every tensor; a debugging aid).
     - ``max_rounds_in_flight``: how many ``send_weights(wait=False)`` rounds may be in flight
@@ -123,6 +133,8 @@ class TrainerInitInfo:
     pause_mode: str | None = "auto"
     reset_prefix_cache: bool = True
     verify: bool = False
+    partial: bool = False
+    served_checkpoint: str | None = None
     max_rounds_in_flight: int = 1
     snapshot: str = "copy"
     server_version: str | None = None
@@ -163,6 +175,13 @@ class TrainerInitInfo:
                 f"ipc_release_after_round must be a bool, got {self.ipc_release_after_round!r}"
             )
         check_stage_budget("stage_budget_bytes", self.stage_budget_bytes)
+        if type(self.partial) is not bool:
+            raise ConfigError(f"partial must be a bool, got {self.partial!r}")
+        checkpoint = self.served_checkpoint
+        if checkpoint is not None and not (isinstance(checkpoint, str) and checkpoint):
+            raise ConfigError(
+                f"served_checkpoint must be a directory path (str) or None, got {checkpoint!r}"
+            )
         if type(self.reset_prefix_cache) is not bool:
             raise ConfigError(f"reset_prefix_cache must be a bool, got {self.reset_prefix_cache!r}")
         if self.ipc_mode not in IPC_ASKED:

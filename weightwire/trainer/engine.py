@@ -248,6 +248,8 @@ class TrainerEngine(FrameworkHooks):
         self._check_link()
         if draft:
             self._check_draft()
+        else:  # the served model is the target's: a draft model's names are its own
+            s.check_fits(metas)
         if self._delta is not None and not draft:
             metrics = self._delta.send(metas, version, clock, dense=dense)
         else:
@@ -265,6 +267,8 @@ class TrainerEngine(FrameworkHooks):
             )
         if draft and self.info.is_sender:
             self._check_draft()
+        elif self.info.is_sender:  # raised here, not by the handle: nothing was queued
+            self.session.check_fits(self.session.source.metadata())
         return self._overlapped.send(weight_version, draft, dense)
 
     def send_patches(
@@ -280,6 +284,8 @@ class TrainerEngine(FrameworkHooks):
             return RoundMetrics(None, 0, 0, 0, False, sender=False)
         self._check_link()
         s = self.session
+        # a patch round changes what changed: the served model's other tensors stay as they are
+        s.check_fits([ParamMeta(p.name, p.dtype, p.shape) for p in patches], partial=True)
         metrics = patch_round(s, patches, s.next_version(weight_version), PhaseClock())
         logger.info("%s", metrics)
         return metrics

@@ -44,6 +44,7 @@ from typing import Any
 from weightwire.backends.base import Sent
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.served import ServedModelMismatch
 from weightwire.trainer.broadcast_plan import (
     BroadcastPlan,
     PlanError,
@@ -114,9 +115,19 @@ class MultiSource(StarWire, GroupWire):
         extra: dict[str, Any],
         error: str | None,
         timeout: float,
+        *,
+        fits: bool = False,
     ) -> Agreement:
-        """Every rank's local verdict and metadata digest; every rank raises the same error."""
+        """Every rank's local verdict and metadata digest; every rank raises the same error.
+        ``fits``: rank 0 checks the round against the served model (every rank's ``metas``
+        are the whole round's); its own ``ServedModelMismatch`` is raised there as itself."""
         bplan: BroadcastPlan | None = None
+        unfit: ServedModelMismatch | None = None
+        if error is None and fits and self.rank == 0:
+            try:
+                self.session.check_fits(metas)
+            except ServedModelMismatch as exc:
+                unfit, error = exc, str(exc)
         if error is None:
             try:
                 bplan = self._plan(metas)
@@ -128,6 +139,8 @@ class MultiSource(StarWire, GroupWire):
         values = self.exchange.allgather(
             name, {"digest": digest(metas), "error": error, **extra}, timeout
         )
+        if unfit is not None:
+            raise unfit
         for r, v in enumerate(values):
             if v["error"] is not None:
                 raise PlanError(f"trainer rank {r}: {v['error']}")
@@ -173,7 +186,9 @@ class MultiSource(StarWire, GroupWire):
         clock = PhaseClock()
         with clock("metadata"):
             metas = s.source.metadata()
-            bplan = self._agree("round", metas, {}, None, s.info.timeouts.http_s).plan
+            bplan = self._agree(
+                "round", metas, {}, None, s.info.timeouts.http_s, fits=not draft
+            ).plan
         if self.rank == 0:
             self._round = bplan
             if not bplan.multi:

@@ -23,6 +23,7 @@ from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.served import ServedModel, from_checkpoint
 from weightwire.shared.source import WeightSource, checked_iter
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.version import ServerFeatures
@@ -90,6 +91,9 @@ class Session:
     guard: bool | None = None
     """Whether the servers run the round guard: asked at the first round applied in place,
     then known (a server's middleware changes only with a restart, like its features)."""
+    served: ServedModel | None = None
+    """The tensors the served model takes, as the servers told them at init (``None``: they
+    told none, e.g. stock vLLM); every round is checked against it before its first byte."""
 
     def __repr__(self) -> str:  # the link and the client hold secrets: names only
         return (
@@ -114,6 +118,14 @@ class Session:
         if not self.source.checks_own_stream(metas):  # PytreeSource checks its own passes
             out = checked_iter(out, metas, self.framework.describe)
         return out if digests is None else tap(out, digests, self.framework.tensor_sha256)
+
+    def check_fits(self, metas: list[ParamMeta], *, partial: bool = False) -> None:
+        """The one check of a round against the served model, before any call or byte:
+        ``ServedModelMismatch`` naming each tensor missing (unless ``info.partial`` or
+        ``partial``: a round of patches), unknown, or of another dtype or shape. A no-op where
+        the servers told nothing."""
+        if self.served is not None:
+            self.served.check_round(metas, partial=partial or self.info.partial)
 
     def round_pause(self, metas: list[ParamMeta]) -> RoundPause:
         """This round's pause (``gating.round_pause``; a round applied in place:
@@ -167,6 +179,8 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
             "weight_checker_route", "verify=True compares /weight_checker before and after rounds"
         )
     world = s.info.inference_world_size or s.client.get_world_size()
+    # read before any rendezvous: a directory that is no checkpoint fails here
+    checkpoint = from_checkpoint(s.info.served_checkpoint) if s.info.served_checkpoint else None
     # Made before any rendezvous so a trainer without a usable device fails here,
     # not after the workers joined.
     packer = s.framework.device_packer(s.info.device) if s.backend.caps.on_device else None
@@ -196,11 +210,26 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     try:
         link.warmup(timeout=t.warmup_s)
         await_call(post, t.http_s, "init_weight_transfer_engine")
+        s.served = served_model(s.client, ask_workers=not s.backend.caps.stock_receiver)
+        s.served = s.served or checkpoint
         s.sender = s.backend.sender(link, s.info, s.framework.sender_parts(packer))
     except BaseException as exc:
         link.abort()
         raise real_cause(exc, post) from None
     s.link = link
+
+
+def served_model(client: EngineClient, *, ask_workers: bool) -> ServedModel | None:
+    """What the client's servers said at init about the tensors their model takes; where
+    their init reply tells nothing and the backend's workers are weightwire's
+    (``ask_workers``), what those workers tell (under vLLM's own routes); a client that
+    cannot tell: ``None``."""
+    told = getattr(client, "served_model", None)
+    served = told() if callable(told) else None
+    workers = getattr(client, "workers_served_model", None)
+    if served is None and ask_workers and callable(workers):
+        served = workers()
+    return served
 
 
 def reopen_wire(s: Session) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from weightwire.shared.served import WORKER_METHOD as SERVED_METHOD
+
 WORKER_METHOD = "weightwire_round_state"
 """The worker method the guard calls through vLLM's ``collective_rpc`` at a release."""
 
@@ -36,11 +38,22 @@ def worker_round_state(worker: Any) -> dict[str, Any]:
     return {"whole": True, "engine": name, "reason": None}
 
 
+def worker_served_model(worker: Any) -> dict[str, Any] | None:
+    """``shared.served.WORKER_METHOD``: what this worker's model takes, as its weightwire
+    engine's spec says (``None``: no weightwire engine, or it cannot tell)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    tell = getattr(engine, "served_model", None)
+    return tell() if callable(tell) else None
+
+
 def install_worker_method() -> None:
-    """Give vLLM's workers ``WORKER_METHOD`` (a new name; nothing of vLLM's is replaced)."""
+    """Give vLLM's workers ``WORKER_METHOD`` and ``SERVED_METHOD`` (new names; nothing of
+    vLLM's is replaced)."""
     try:
         from vllm.v1.worker.worker_base import WorkerBase
     except ImportError:
         return
     if not hasattr(WorkerBase, WORKER_METHOD):
         setattr(WorkerBase, WORKER_METHOD, worker_round_state)
+    if not hasattr(WorkerBase, SERVED_METHOD):
+        setattr(WorkerBase, SERVED_METHOD, worker_served_model)

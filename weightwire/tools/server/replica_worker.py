@@ -114,7 +114,10 @@ class Worker:
             engine.shutdown()
             raise
         self.engine = engine
-        return {"rank": info.rank_offset + self.spec.index}
+        return {
+            "rank": info.rank_offset + self.spec.index,
+            "served_model": self.host.served_model().to_dict(),
+        }
 
     def _require_engine(self) -> Any:
         if self.engine is None:

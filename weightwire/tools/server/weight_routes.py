@@ -17,7 +17,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from weightwire.shared.routes import CHECKER_ACTIONS, FINISH_RESETS_RESUMES, START_PAUSES
+from weightwire.shared.routes import (
+    CHECKER_ACTIONS,
+    FINISH_RESETS_RESUMES,
+    SERVED_MODEL,
+    START_PAUSES,
+)
 from weightwire.shared.timeouts import Timeouts
 from weightwire.tools.server.after_commit import after_commit, after_commit_query, pause_query
 from weightwire.tools.server.control_routes import pause_generation
@@ -79,7 +84,7 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
             if session.phase is Phase.ROUND:
                 await drop_stale_round(state)  # or refuse (409): a live round is never taken over
             lease.disarm()
-            await fan_out_or_fail(
+            replies = await fan_out_or_fail(
                 state,
                 "init_weight_transfer_engine",
                 "init",
@@ -88,12 +93,18 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
                 abort_on_failure=True,
             )
             session_id = session.initialized(info)
-        return {
+        reply: dict[str, Any] = {
             "message": "Weight transfer initialized",
             "session_id": session_id,
             # the client uses only what is named here
             "features": [START_PAUSES, FINISH_RESETS_RESUMES],
         }
+        # every replica loads the one model directory: the first one's says it for all
+        served = replies[0].get(SERVED_MODEL) if replies and isinstance(replies[0], dict) else None
+        if served is not None:
+            reply["features"].append(SERVED_MODEL)
+            reply[SERVED_MODEL] = served
+        return reply
 
     @app.post(route_path("shutdown_weight_transfer_engine"))
     async def shutdown_weight_transfer_engine(request: Request) -> dict[str, Any]:

@@ -153,13 +153,14 @@ def _fail(state: ServerState, what: str, exc: FanOutError) -> ApiError:
     ok = [r.index for r in state.pool.replicas if r.index not in failed]
     tail = (
         f"; the previous weights and weight_version {state.session.weight_version!r} are still "
-        "served; POST /init_weight_transfer_engine to start a new session"
+        "served; start a new session (a weightwire trainer: engine.shutdown(), then "
+        "trainer_init() again)"
     )
     if what == "finish_weight_update" and ok:
         tail = (
             f"; replicas {ok} committed the new weights but {sorted(failed)} did not: replicas "
-            "now differ (compare with /weight_checker); POST /init_weight_transfer_engine and "
-            "resend"
+            "now differ (compare with /weight_checker); start a new session (a weightwire "
+            "trainer: engine.shutdown(), then trainer_init() again) and resend"
         )
     return ApiError(exc.status, f"{what} failed: {exc}{tail}")
 

@@ -79,6 +79,13 @@ class EngineFacade:
     def finish_weight_update(self) -> None:
         self._core.finish()
 
+    def served_model(self) -> dict[str, Any] | None:
+        """What the served model takes (``shared.served``), from the spec the worker checks
+        rounds against; ``None`` without one (no local safetensors checkpoint)."""
+        spec = self._core.caches.model_spec()
+        served = spec.served() if spec is not None else None
+        return served.to_dict() if served is not None else None
+
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The open round's tensors received but not yet applied (for checks before commit)."""
         return self._core.held_tensors()

@@ -21,7 +21,9 @@ from contextlib import nullcontext
 import torch
 
 from weightwire.shared.delta import Patch
-from weightwire.torch_side.dtypes import torch_dtype
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.served import ServedModel
+from weightwire.torch_side.dtypes import torch_dtype, wire_name
 from weightwire.torch_side.worker.delta import (
     StagedPatch,
     check_indices,
@@ -207,8 +209,7 @@ class HFModelHost:
         if tensor.dtype != param.dtype and not self.cast_to_param_dtype:
             raise ValueError(
                 f"HFModelHost: {name!r} has dtype {tensor.dtype}, the parameter has {param.dtype}; "
-                "refusing a silent cast (construct HFModelHost(..., "
-                "cast_to_param_dtype=True) to allow it)"
+                f"refusing a silent cast: cast the trainer's source to {param.dtype}"
             )
         return key
 
@@ -271,6 +272,14 @@ class HFModelHost:
     # ------------------------------------------------------------- inspection
     def param_names(self) -> list[str]:
         return list(self._params)
+
+    def served_model(self) -> ServedModel:
+        """The checkpoint tensors this model takes (its parameters, wire dtypes, shapes) and
+        its tied aliases: what the trainer checks each round against before any byte."""
+        return ServedModel.of(
+            (ParamMeta(n, wire_name(p.dtype), tuple(p.shape)) for n, p in self._params.items()),
+            {a: c for a, c in self._alias.items() if a != c},
+        )
 
     def state_checksums(self) -> dict[str, str]:
         """``{hf_name: sha256 hex of the parameter's raw C-order bytes}`` (tied aliases once)."""

@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from weightwire.shared.groups import layer_key
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.served import ServedModel
 
 # safetensors header dtype -> wire dtype name (torch attribute names).
 _ST_DTYPES = {
@@ -61,6 +62,15 @@ class ModelSpec:
     tensors: Mapping[str, TensorSpec]
     aliases: Mapping[str, str] = field(default_factory=dict)
     where: str = "the model"
+
+    def served(self) -> ServedModel | None:
+        """The same as the trainer's record (``shared.served``); ``None`` when a tensor is not
+        in a wire dtype (a checkpoint the trainer could not send anyway: nothing to tell)."""
+        try:
+            metas = [ParamMeta(n, t.dtype, t.shape) for n, t in self.tensors.items()]
+            return ServedModel.of(metas, self.aliases)
+        except ValueError:
+            return None
 
     def lookup(self, name: str) -> TensorSpec | None:
         if name in self.tensors:
