@@ -48,7 +48,7 @@ from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_source import MultiSource
-from weightwire.trainer.overlap import RoundHandle
+from weightwire.trainer.overlap import RoundHandle, RoundWaitTimeout
 from weightwire.trainer.overlapped import OverlappedRounds
 from weightwire.trainer.patch_round import patch_round, refuse_patches
 from weightwire.trainer.round import RoundEnd, SolePlan, SoleWire, lead_round, sole_plan
@@ -364,7 +364,10 @@ class TrainerEngine(FrameworkHooks):
         to its end) or abandoned (``"abort"``: the queued ones are never sent, the running one
         stops and its link is aborted; the servers keep their last committed weights), within
         ``timeout`` (default ``Timeouts.round_s``). A failure of theirs that nothing raised yet
-        is raised after the teardown.
+        is raised after the teardown. A drain that runs out of ``timeout`` abandons what is
+        left as ``"abort"`` does (a round that has not sent its finish can no longer commit)
+        and raises ``RoundWaitTimeout`` after the teardown, saying what the servers hold and
+        whether their session for this trainer was shut down.
 
         The server call runs concurrently with the local close: neither side's
         teardown may wait on the other's. A displaced trainer (its link closed by the
@@ -374,10 +377,13 @@ class TrainerEngine(FrameworkHooks):
             return
         unseen = self._overlapped.stop(in_flight, timeout)
         self._closed = True
+        told = False
         try:
-            close_wire(self.session, displaced=self._displaced())
+            told = close_wire(self.session, displaced=self._displaced())
         finally:
             if unseen is not None and sys.exc_info()[1] is None:
+                if isinstance(unseen, RoundWaitTimeout):
+                    unseen.add_note(_session_after(told))
                 raise unseen
 
     def __enter__(self) -> Self:
@@ -386,3 +392,16 @@ class TrainerEngine(FrameworkHooks):
     def __exit__(self, exc_type: object, *exc: object) -> None:
         # Leaving on an error: the rounds still in flight are abandoned, not waited for.
         self.shutdown(in_flight="drain" if exc_type is None else "abort")
+
+
+def _session_after(told: bool) -> str:
+    """After a shutdown whose wait ran out: the servers' session for this trainer."""
+    if told:
+        return (
+            "the servers shut this trainer's weight-transfer session down: nothing more of it "
+            "can commit there; trainer_init() opens a new one"
+        )
+    return (
+        "the servers were not told to shut the session down (a displaced trainer, or no "
+        "shutdown route): it stays theirs until a new init replaces it"
+    )

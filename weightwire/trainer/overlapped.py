@@ -16,7 +16,7 @@ from weightwire.shared.source import WeightSource
 from weightwire.trainer.metrics import RoundMetrics
 from weightwire.trainer.overlap import IN_FLIGHT_MODES, RoundHandle, RoundRunner
 from weightwire.trainer.session import Session
-from weightwire.trainer.snapshot import Snapshot
+from weightwire.trainer.snapshot import RoundCancelled, Snapshot
 
 Blocking = Callable[[str | None, bool, bool], RoundMetrics]
 """The engine's blocking round: ``(weight_version, draft, dense)``, reading ``session.source``."""
@@ -54,9 +54,12 @@ class OverlappedRounds:
                 wait_s=s.info.timeouts.round_s,
                 abort_link=self._abort_link,
             )
-        runner.raise_unseen()
-        runner.wait_slot()
-        self._usable()
+        runner.wait_slot()  # raises an earlier round's failure instead, if nothing raised it yet
+        try:
+            self._usable()
+        except BaseException:
+            runner.raise_unseen()  # a round that failed meanwhile broke the engine: its own error
+            raise
         return runner.submit(self._snapshot(), weight_version, draft, dense)
 
     def settle(self) -> None:
@@ -79,17 +82,28 @@ class OverlappedRounds:
             runner.close()
 
     def _in_flight(
-        self, source: WeightSource, version: str, draft: bool, dense: bool
+        self,
+        source: WeightSource,
+        version: str,
+        draft: bool,
+        dense: bool,
+        before_commit: Callable[[], None],
     ) -> RoundMetrics:
-        """The blocking round on the round thread; the session reads the snapshot meanwhile."""
+        """The blocking round on the round thread; the session reads the snapshot meanwhile
+        and asks ``before_commit`` before its finish (``shutdown`` may have stopped it)."""
         s = self._s
-        live, s.source = s.source, source
+        live, s.source, s.before_commit = s.source, source, before_commit
         try:
             return self._blocking(version, draft, dense)
         finally:
-            s.source = live
+            s.source, s.before_commit = live, None
 
     def _abort_link(self) -> None:
-        link = self._s.link
+        s = self._s
+        if s.broken is None:
+            # This trainer aborted its own link: not a server that dropped it (``shutdown``
+            # still tells the servers, so their session does not stay ready for it).
+            s.broken = RoundCancelled("shutdown aborted the data link under a round in flight")
+        link = s.link
         if link is not None:
             link.abort()
