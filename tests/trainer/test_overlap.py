@@ -266,6 +266,31 @@ def test_a_drain_that_runs_out_stops_the_round_before_its_commit(
         release.set()
 
 
+def test_a_drain_that_runs_out_after_the_finish_went_out_says_it_may_commit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A finish already sent cannot be withdrawn: the error says the servers may still commit
+    the round, and they do."""
+    monkeypatch.setattr(overlap, "_ABORT_WAIT_S", 0.2)
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)
+    entered, release = gate(server, "finish_weight_update")
+    try:
+        handle = engine.send_weights("f1", wait=False)
+        assert entered.wait(10)
+        with pytest.raises(RoundWaitTimeout) as info:
+            engine.shutdown(timeout=0.2)
+        assert (
+            "round 'f1' (overlapped round #1) had already sent its finish and had not returned: "
+            "the servers may still commit it"
+        ) in str(info.value)
+        release.set()
+        assert handle.result(timeout=10).version == "f1"
+        assert server.weight_version == "f1"
+    finally:
+        release.set()
+
+
 def test_result_timeout_leaves_the_round_running() -> None:
     server, params = FakeServer(), Params()
     engine = jax_engine(server, params)
