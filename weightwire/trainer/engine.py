@@ -354,6 +354,8 @@ class TrainerEngine(FrameworkHooks):
         """Did a server drop this trainer's link (checked between rounds, no traffic)?"""
         if self._was_displaced:
             return True
+        if self._overlapped.aborted_link:  # closed by this trainer's own shutdown, not a server
+            return False
         probe = getattr(self.session.link, "peer_closed", None)
         return self.session.broken is None and callable(probe) and bool(probe())
 
@@ -380,6 +382,10 @@ class TrainerEngine(FrameworkHooks):
         told = False
         try:
             told = close_wire(self.session, displaced=self._displaced())
+        except BaseException as exc:
+            if unseen is not None:  # raised over it: what became of the rounds still shows
+                exc.add_note(f"before this: {type(unseen).__name__}: {unseen}")
+            raise
         finally:
             if unseen is not None and sys.exc_info()[1] is None:
                 if isinstance(unseen, RoundWaitTimeout):

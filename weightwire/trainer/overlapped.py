@@ -16,7 +16,7 @@ from weightwire.shared.source import WeightSource
 from weightwire.trainer.metrics import RoundMetrics
 from weightwire.trainer.overlap import IN_FLIGHT_MODES, RoundHandle, RoundRunner
 from weightwire.trainer.session import Session
-from weightwire.trainer.snapshot import RoundCancelled, Snapshot
+from weightwire.trainer.snapshot import Snapshot
 
 Blocking = Callable[[str | None, bool, bool], RoundMetrics]
 """The engine's blocking round: ``(weight_version, draft, dense)``, reading ``session.source``."""
@@ -37,6 +37,9 @@ class OverlappedRounds:
         self._snapshot = snapshot
         self._usable = usable  # raises when the engine can send no round (a broken link)
         self._runner: RoundRunner | None = None
+        self.aborted_link = False
+        """``stop`` aborted the link under a running round: a closed link is this trainer's
+        doing then, not a server that dropped it (``shutdown`` still tells the servers)."""
 
     def send(self, weight_version: str | None, draft: bool, dense: bool = False) -> RoundHandle:
         """Wait for a free slot, take the snapshot, queue the round; its handle."""
@@ -99,11 +102,7 @@ class OverlappedRounds:
             s.source, s.before_commit = live, None
 
     def _abort_link(self) -> None:
-        s = self._s
-        if s.broken is None:
-            # This trainer aborted its own link: not a server that dropped it (``shutdown``
-            # still tells the servers, so their session does not stay ready for it).
-            s.broken = RoundCancelled("shutdown aborted the data link under a round in flight")
-        link = s.link
+        link = self._s.link
         if link is not None:
+            self.aborted_link = True
             link.abort()
