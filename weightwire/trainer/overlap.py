@@ -385,7 +385,10 @@ def _outcome(handle: RoundHandle, stopped: bool, ended: bool) -> str:
             f"{handle.name} had already sent its finish and had not returned: the servers may "
             "still commit it (their /weight_info weight_version tells)"
         )
-    error = handle._future.exception()
+    try:  # ended: the handle is settled right after the round left the runner
+        error = handle._future.exception(timeout=_ABORT_WAIT_S)
+    except FutureTimeout:
+        return f"{handle.name} had already sent its finish; its outcome is unknown"
     if error is None:
         return f"{handle.name} had already sent its finish and committed"
     return f"{handle.name} had already sent its finish, which failed ({type(error).__name__})"
