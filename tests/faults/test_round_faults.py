@@ -36,8 +36,12 @@ from tests.faults.harness import (
     wait_idle,
 )
 from tests.faults.servers import Server, listening_sockets
+from tests.trainer.overlap_helpers import slot_waiter
 from weightwire.shared.errors import TransferError, WeightSyncError
 from weightwire.shared.timeouts import Timeouts
+from weightwire.trainer import overlap
+from weightwire.trainer.overlap import RoundWaitTimeout
+from weightwire.trainer.snapshot import RoundCancelled
 
 pytestmark = pytest.mark.timeout(120)
 SLOW_RECEIVE = Timeouts(http_s=20.0, connect_s=8.0, warmup_s=8.0, transfer_s=15.0)
@@ -362,3 +366,116 @@ def test_shutdown_during_a_round(shared_server: Server, probe: Probe, source: Te
         source.hook = None
         quiet_shutdown(engine)
     fresh_round(url, source, probe, 13, "after-shutdown-mid-round")
+
+
+# ----------------------------------------------------------------------------- overlapped rounds
+def test_an_overlapped_failure_is_raised_by_the_call_waiting_for_its_slot(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """#46 (4): with one slot, round w2 fails (a trainer bug before its first chunk) while
+    ``send_weights("w3", wait=False)`` waits for the slot w2 frees: that call raises w2's own
+    error, w3 never reaches the server, and the engine goes on."""
+    url = shared_server.url
+    engine = engine_for(url, source, snapshot="none")  # the round thread reads the source
+    entered, release = threading.Event(), threading.Event()
+    outcome: list[object] = []
+
+    def bug() -> None:
+        entered.set()
+        assert release.wait(FAULT_TIMEOUTS.http_s)
+        raise _TrainerBug("the trainer's own bug, before the round's first chunk")
+
+    def next_round() -> None:
+        try:
+            outcome.append(engine.send_weights("w3", wait=False))
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=next_round)
+    try:
+        want = source.perturb(35)
+        assert engine.send_weights("w1", wait=False).result().version == "w1"
+        committed_before = probe.session()["rounds_committed"]
+        source.hook = hook_at(0, bug)
+        source.perturb(36)
+        failing = engine.send_weights("w2", wait=False)
+        assert entered.wait(FAULT_TIMEOUTS.http_s)  # w2 holds the only slot
+        waiting = slot_waiter(engine)
+        thread.start()
+        assert waiting.wait(FAULT_TIMEOUTS.http_s)  # w3's call waits for the slot ...
+        release.set()  # ... and w2 fails now
+        thread.join(FAULT_TIMEOUTS.http_s)
+        assert not thread.is_alive()
+        (raised,) = outcome
+        told = f"{raised} {getattr(raised, '__notes__', '')}"
+        observe(trainer=told)
+        assert isinstance(raised, _TrainerBug), told
+        assert "round 'w2' (overlapped round #2) failed in flight; no round after it was sent" in (
+            told
+        )
+        with pytest.raises(_TrainerBug) as again:
+            failing.result(timeout=0)
+        assert again.value is raised  # the round's own error, the same object
+        state = probe.session()
+        assert state["rounds_committed"] == committed_before and state["state"] == "ready", state
+        assert_weights(probe, want, "w1")  # w3 was never sent
+        source.hook = None
+        want = source.perturb(37)
+        assert engine.send_weights("w4").version == "w4"  # raised once: the engine goes on
+        assert_weights(probe, want, "w4")
+    finally:
+        release.set()
+        source.hook = None
+        if thread.is_alive():
+            thread.join(FAULT_TIMEOUTS.http_s)
+        quiet_shutdown(engine)
+
+
+def test_a_shutdown_that_runs_out_leaves_no_round_that_can_commit(
+    shared_server: Server, probe: Probe, source: TensorSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#46 (11): the server holds all of round t2 and waits for its finish while the trainer
+    stalls; ``shutdown(timeout=0.5)`` runs out: the round is stopped before its commit, the
+    server drops it at once (its data link closed) and shuts the session down (not left
+    ready), the error says both, and when the stall ends the round commits nothing."""
+    monkeypatch.setattr(overlap, "_ABORT_WAIT_S", 0.5)  # the round is still stalled after it
+    url = shared_server.url
+    client = client_for(url)
+    real_update = client.update_weights
+    stall, replied, release = threading.Event(), threading.Event(), threading.Event()
+
+    def update_then_stall(update_info: object) -> None:
+        real_update(update_info)  # the server received the whole round
+        if stall.is_set():
+            replied.set()
+            release.wait(FAULT_TIMEOUTS.http_s)  # the trainer stalls before its finish
+
+    client.update_weights = update_then_stall  # type: ignore[method-assign]
+    engine = engine_for(url, source, client=client)
+    try:
+        want = source.perturb(38)
+        engine.send_weights("t1")
+        stall.set()
+        source.perturb(39)
+        handle = engine.send_weights("t2", wait=False)
+        assert replied.wait(FAULT_TIMEOUTS.http_s)
+        with elapsed() as t, pytest.raises(RoundWaitTimeout) as info:
+            engine.shutdown(timeout=0.5)
+        told = f"{info.value} {getattr(info.value, '__notes__', '')}"
+        state = probe.session()
+        observe(trainer=told, trainer_s=t[0], server=state)
+        assert "round 't2' (overlapped round #1) is still in flight after 0.5 s" in told, told
+        assert "stopped before its commit (no finish sent)" in told, told
+        assert "shut this trainer's weight-transfer session down" in told, told
+        assert state["state"] == "uninitialized" and state["busy"] is None, state
+        assert "round dropped by its trainer's shutdown" in state["last_error"], state
+        assert t[0] < 1.0 + GRACE_S, t[0]  # not the round lease (transfer_s): dropped at once
+        release.set()  # the stall ends: the round must not commit now
+        with pytest.raises(RoundCancelled, match="its finish was never sent"):
+            handle.result(timeout=FAULT_TIMEOUTS.http_s)
+        assert_weights(probe, want, "t1")
+        assert probe.session()["state"] == "uninitialized"
+    finally:
+        release.set()
+        quiet_shutdown(engine)
+    fresh_round(url, source, probe, 40, "after-shutdown-timeout")

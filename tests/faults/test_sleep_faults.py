@@ -232,7 +232,6 @@ def test_second_trainer_cannot_take_over_a_live_round(
     a_client = client_for(server.url)
     a = engine_for(server.url, tiny_source, client=a_client)
     b = None
-    a_closing: threading.Thread | None = None
     try:
         failed_before = probe.session()["rounds_failed"]
         session = a_client._sessions[0]
@@ -247,8 +246,9 @@ def test_second_trainer_cannot_take_over_a_live_round(
         state = probe.session()
         assert state["state"] == "round_active" and state["rounds_failed"] == failed_before, state
 
-        a_closing = threading.Thread(target=quiet_shutdown, args=(a,))  # closes A's link at once
-        a_closing.start()
+        # A's data link closes, A posts nothing: B's init must find the round stale and drop it
+        # (A's own shutdown would drop it itself).
+        a.session.close_link()
         b = _init_once_stale(server.url, tiny_source)
         state = probe.session()
         observe(server=state)
@@ -258,8 +258,6 @@ def test_second_trainer_cannot_take_over_a_live_round(
         b.send_weights("b-after-drop")
         assert_weights(probe, want, "b-after-drop")
     finally:
-        if a_closing is not None:
-            a_closing.join(30)
         quiet_shutdown(a)
         if b is not None:
             quiet_shutdown(b)

@@ -40,3 +40,21 @@ def gate(server: FakeServer, route: str) -> tuple[threading.Event, threading.Eve
 def round_routes(server: FakeServer) -> list[str]:
     """The round's own routes the server saw, in order."""
     return [r for r in server.routes() if r in ROUND]
+
+
+def slot_waiter(engine: Any) -> threading.Event:
+    """Set once a thread other than the round thread waits on the engine's round runner: a
+    ``send_weights(wait=False)`` waiting for a free slot. (Lets a test fail a round exactly
+    while that call waits, without sleeping.)"""
+    runner = engine._overlapped._runner
+    assert runner is not None, "no overlapped round was sent yet"
+    cond, real = runner._cond, runner._cond.wait
+    waiting = threading.Event()
+
+    def wait(timeout: float | None = None) -> bool:
+        if not runner.on_round_thread():
+            waiting.set()
+        return real(timeout)
+
+    cond.wait = wait
+    return waiting

@@ -21,6 +21,7 @@ from tests.trainer.overlap_helpers import (  # noqa: F401  (fresh_comm: autouse)
     fresh_comm,
     gate,
     round_routes,
+    slot_waiter,
 )
 from weightwire.jax_side import PytreeSource
 from weightwire.jax_side.engine import JAXTrainerEngine
@@ -29,8 +30,9 @@ from weightwire.jax_side.rules import Rule
 from weightwire.shared.errors import ConfigError, TransferError, WeightSyncError
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.source import describe_tensor
-from weightwire.trainer import RoundHandle, RoundSkipped, RoundWaitTimeout, TrainerInitInfo
-from weightwire.trainer.snapshot import RoundCancelled
+from weightwire.trainer import RoundHandle, RoundSkipped, RoundWaitTimeout, TrainerInitInfo, overlap
+from weightwire.trainer.overlap import RoundRunner
+from weightwire.trainer.snapshot import RoundCancelled, Snapshot
 
 
 class Params:
@@ -157,6 +159,136 @@ def test_a_failure_nobody_asked_for_is_raised_by_the_next_send_weights() -> None
         assert engine.send_weights("v2").version == "v2"  # raised once: the engine goes on
     finally:
         engine.shutdown()
+
+
+def test_a_failure_while_the_next_call_waits_for_its_slot_is_raised_by_that_call() -> None:
+    """#46 (4): with one slot, round v1 fails while ``send_weights("v2")`` waits for the slot
+    it frees: that call raises v1's error (its note true) and v2 is never sent."""
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)  # max_rounds_in_flight=1
+    entered, release = gate(server, "start_weight_update")
+    server.fail["start_weight_update"] = (500, "worker 0 died")
+    outcome: list[object] = []
+
+    def second() -> None:
+        try:
+            outcome.append(engine.send_weights("v2", wait=False))
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=second)
+    try:
+        first = engine.send_weights("v1", wait=False)
+        assert entered.wait(10)  # v1 holds the only slot
+        waiting = slot_waiter(engine)
+        thread.start()
+        assert waiting.wait(10)  # v2's call waits for the slot ...
+        release.set()  # ... and v1 fails now
+        thread.join(10)
+        assert not thread.is_alive()
+        (raised,) = outcome
+        assert isinstance(raised, WeightSyncError), raised
+        assert raised is first._future.exception()  # v1's own error, not a later round's
+        assert "round 'v1' (overlapped round #1) failed in flight; no round after it was sent" in (
+            raised.__notes__
+        )
+        assert server.bodies("start_weight_update") == [None]  # v2 never started
+        assert "update_weights" not in server.routes()
+        del server.fail["start_weight_update"]
+        server.hooks.clear()
+        assert engine.send_weights("v3").version == "v3"  # raised once: the engine goes on
+    finally:
+        release.set()
+        thread.join(10)
+        engine.shutdown()
+
+
+def test_a_failure_after_the_slot_wait_queues_nothing() -> None:
+    """#46 (4), the runner alone (a fake round): a round that fails between a caller's slot
+    wait and its submit fails that submit, which releases the snapshot it was handed."""
+    failing, release = threading.Event(), threading.Event()
+
+    def run(source: Any, version: str, draft: bool, dense: bool, *commit_gate: Any) -> Any:
+        if version == "r1":
+            failing.set()
+            assert release.wait(10)
+            raise TransferError("r1 lost its receiver")
+        raise AssertionError(f"{version} was run after r1 failed")
+
+    runner = RoundRunner(run, lambda v: v or "?", limit=2, wait_s=10, abort_link=lambda: None)
+    released: list[str] = []
+
+    def snapshot(name: str) -> Snapshot:
+        return Snapshot(DictSource({}, describe_tensor), release=lambda: released.append(name))
+
+    try:
+        first = runner.submit(snapshot("r1"), "r1", False)
+        assert failing.wait(10)
+        runner.wait_slot()  # a second slot is free: the caller goes on to take its snapshot ...
+        release.set()  # ... while r1 fails
+        while not first.done():
+            first._future.exception(timeout=10)
+        with pytest.raises(TransferError, match="r1 lost its receiver") as info:
+            runner.submit(snapshot("r2"), "r2", False)
+        assert "round 'r1' (overlapped round #1) failed in flight" in str(info.value.__notes__)
+        assert released == ["r1", "r2"] and runner.in_flight() == 0
+    finally:
+        release.set()
+        runner.close()
+
+
+def test_a_drain_that_runs_out_stops_the_round_before_its_commit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """#46 (11): ``shutdown(timeout=...)`` runs out while the round waits for its update
+    reply: the round can no longer commit (no finish is ever sent, even once the reply
+    comes), the servers are told to shut the session down, and the error says so."""
+    monkeypatch.setattr(overlap, "_ABORT_WAIT_S", 0.2)  # the round stays stuck past the abort
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)
+    entered, release = gate(server, "update_weights")
+    try:
+        handle = engine.send_weights("d1", wait=False)
+        assert entered.wait(10)
+        with pytest.raises(RoundWaitTimeout) as info:
+            engine.shutdown(timeout=0.2)
+        told = f"{info.value} {getattr(info.value, '__notes__', [])}"
+        assert "round 'd1' (overlapped round #1) is still in flight after 0.2 s" in told, told
+        assert "stopped before its commit (no finish sent)" in told, told
+        assert "shut this trainer's weight-transfer session down" in told, told
+        assert "shutdown_weight_transfer_engine" in server.routes()
+        release.set()  # the update reply comes after shutdown returned
+        with pytest.raises(RoundCancelled, match="before its commit: its finish was never sent"):
+            handle.result(timeout=10)
+        assert "finish_weight_update" not in server.routes()
+        assert server.weight_version == "default"
+    finally:
+        release.set()
+
+
+def test_a_drain_that_runs_out_after_the_finish_went_out_says_it_may_commit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A finish already sent cannot be withdrawn: the error says the servers may still commit
+    the round, and they do."""
+    monkeypatch.setattr(overlap, "_ABORT_WAIT_S", 0.2)
+    server, params = FakeServer(), Params()
+    engine = jax_engine(server, params)
+    entered, release = gate(server, "finish_weight_update")
+    try:
+        handle = engine.send_weights("f1", wait=False)
+        assert entered.wait(10)
+        with pytest.raises(RoundWaitTimeout) as info:
+            engine.shutdown(timeout=0.2)
+        assert (
+            "round 'f1' (overlapped round #1) had already sent its finish and had not returned: "
+            "the servers may still commit it"
+        ) in str(info.value)
+        release.set()
+        assert handle.result(timeout=10).version == "f1"
+        assert server.weight_version == "f1"
+    finally:
+        release.set()
 
 
 def test_result_timeout_leaves_the_round_running() -> None:

@@ -48,7 +48,7 @@ from weightwire.trainer.gating import check_client, require_draft_model
 from weightwire.trainer.group import TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_source import MultiSource
-from weightwire.trainer.overlap import RoundHandle
+from weightwire.trainer.overlap import RoundHandle, RoundWaitTimeout
 from weightwire.trainer.overlapped import OverlappedRounds
 from weightwire.trainer.patch_round import patch_round, refuse_patches
 from weightwire.trainer.round import RoundEnd, SolePlan, SoleWire, lead_round, sole_plan
@@ -361,6 +361,8 @@ class TrainerEngine(FrameworkHooks):
         """Did a server drop this trainer's link (checked between rounds, no traffic)?"""
         if self._was_displaced:
             return True
+        if self._overlapped.aborted_link:  # closed by this trainer's own shutdown, not a server
+            return False
         probe = getattr(self.session.link, "peer_closed", None)
         return self.session.broken is None and callable(probe) and bool(probe())
 
@@ -371,7 +373,10 @@ class TrainerEngine(FrameworkHooks):
         to its end) or abandoned (``"abort"``: the queued ones are never sent, the running one
         stops and its link is aborted; the servers keep their last committed weights), within
         ``timeout`` (default ``Timeouts.round_s``). A failure of theirs that nothing raised yet
-        is raised after the teardown.
+        is raised after the teardown. A drain that runs out of ``timeout`` abandons what is
+        left as ``"abort"`` does (a round that has not sent its finish can no longer commit)
+        and raises ``RoundWaitTimeout`` after the teardown, saying what the servers hold and
+        whether their session for this trainer was shut down.
 
         The server call runs concurrently with the local close: neither side's
         teardown may wait on the other's. A displaced trainer (its link closed by the
@@ -381,10 +386,17 @@ class TrainerEngine(FrameworkHooks):
             return
         unseen = self._overlapped.stop(in_flight, timeout)
         self._closed = True
+        told = False
         try:
-            close_wire(self.session, displaced=self._displaced())
+            told = close_wire(self.session, displaced=self._displaced())
+        except BaseException as exc:
+            if unseen is not None:  # raised over it: what became of the rounds still shows
+                exc.add_note(f"before this: {type(unseen).__name__}: {unseen}")
+            raise
         finally:
             if unseen is not None and sys.exc_info()[1] is None:
+                if isinstance(unseen, RoundWaitTimeout):
+                    unseen.add_note(_session_after(told))
                 raise unseen
 
     def __enter__(self) -> Self:
@@ -393,3 +405,16 @@ class TrainerEngine(FrameworkHooks):
     def __exit__(self, exc_type: object, *exc: object) -> None:
         # Leaving on an error: the rounds still in flight are abandoned, not waited for.
         self.shutdown(in_flight="drain" if exc_type is None else "abort")
+
+
+def _session_after(told: bool) -> str:
+    """After a shutdown whose wait ran out: the servers' session for this trainer."""
+    if told:
+        return (
+            "the servers shut this trainer's weight-transfer session down: nothing more of it "
+            "can commit there; trainer_init() opens a new one"
+        )
+    return (
+        "the servers were not told to shut the session down (a displaced trainer, or no "
+        "shutdown route): it stays theirs until a new init replaces it"
+    )

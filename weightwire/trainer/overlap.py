@@ -15,10 +15,14 @@ Rules the runner enforces:
 - a failed round fails every round queued behind it with ``RoundSkipped`` (naming the
   failed round): nothing is applied on top of a round that did not land;
 - a failure is never lost: it is raised by the failed round's ``result()`` and, until some
-  ``result()`` raised it, by the next ``send_weights`` (which then sends nothing);
+  ``result()`` raised it, by the next ``send_weights``, which then sends nothing. That call
+  may be waiting for a slot when the round fails (the freed slot is not taken) or past its
+  wait (``submit`` queues nothing): one rule, ``_take_unseen``, under the runner's lock;
 - every wait is bounded (``Timeouts.round_s`` unless the caller gives a timeout);
 - ``stop`` drains (every queued round runs) or aborts (queued rounds are skipped, the
-  running one is stopped at its next tensor, its link aborted).
+  running one is stopped at its next tensor and before its commit, its link aborted). A
+  drain that runs out of time aborts what is left the same way and says whether the
+  running round could still commit (its finish was already sent) or not.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any
 from weightwire.shared.errors import RoundError
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.metrics import RoundMetrics
-from weightwire.trainer.snapshot import Snapshot, cancellable
+from weightwire.trainer.snapshot import RoundStop, Snapshot, cancellable
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +65,10 @@ class RoundSkipped(RoundError, RuntimeError):
 
 
 class RoundWaitTimeout(RoundError, TimeoutError):
-    """A wait for an overlapped round ran out (``result(timeout)``, a ``send_weights`` waiting
-    for a free slot, ``shutdown``). The round itself goes on; its handle still reports it."""
+    """A wait for an overlapped round ran out. After ``result(timeout)`` or a ``send_weights``
+    waiting for a free slot, the round itself goes on and its handle still reports it; after
+    ``shutdown``'s drain, what was left was abandoned and the message says what the servers
+    hold."""
 
 
 class RoundHandle:
@@ -142,11 +148,12 @@ class Job:
     weight_version: str | None
     draft: bool
     dense: bool
-    stop: threading.Event = field(default_factory=threading.Event)
+    stop: RoundStop = field(default_factory=RoundStop)
 
 
-RunRound = Callable[[WeightSource, str, bool, bool], RoundMetrics]
-"""The engine's blocking round over a given source: ``(source, weight_version, draft, dense)``."""
+RunRound = Callable[[WeightSource, str, bool, bool, Callable[[], None]], RoundMetrics]
+"""The engine's blocking round over a given source: ``(source, weight_version, draft, dense,
+before_commit)``; ``before_commit`` raises once ``shutdown`` stopped the round."""
 NextVersion = Callable[[str | None], str]
 """The version a round about to start sends (the session's ``next_version``)."""
 
@@ -189,21 +196,31 @@ class RoundRunner:
     def raise_unseen(self) -> None:
         """Raise the failure of an earlier round that nothing has raised yet (once)."""
         with self._cond:
-            unseen, self._unseen = self._unseen, None
-        if unseen is not None:
-            exc, name = unseen
-            exc.add_note(f"{name} failed in flight; no round after it was sent")
-            raise exc
+            self._take_unseen()
 
     def wait_slot(self) -> None:
         """Until fewer than ``limit`` rounds are in flight (``RoundWaitTimeout`` after
-        ``wait_s``)."""
-        self._wait_until(lambda: len(self._queue) + (self._running is not None) < self._limit)
+        ``wait_s``); raises instead an earlier round's failure nothing raised yet, also one
+        that freed the slot this call was waiting for."""
+        self._wait_until(
+            lambda: (
+                self._unseen is not None
+                or len(self._queue) + (self._running is not None) < self._limit
+            )
+        )
+        self.raise_unseen()
 
     def submit(
         self, snapshot: Snapshot, weight_version: str | None, draft: bool, dense: bool = False
     ) -> RoundHandle:
+        """Queue a round on ``snapshot``; raises (the snapshot released, nothing queued) an
+        earlier round's failure nothing raised yet, also one that came after ``wait_slot``."""
         with self._cond:
+            try:
+                self._take_unseen()
+            except BaseException:
+                _release(snapshot, "a round never queued")
+                raise
             self._calls += 1
             handle = RoundHandle(self._calls, weight_version, self._wait_s, self._mark_seen)
             self._queue.append(Job(handle, snapshot, weight_version, draft, dense))
@@ -224,40 +241,51 @@ class RoundRunner:
         """End every round in flight; returns what the caller must still raise.
 
         ``drain``: wait for each to end. ``abort``: skip the queued rounds, stop the running
-        one at its next tensor and abort its link.
+        one at its next tensor and before its commit, and abort its link.
         A drain that runs out of ``timeout`` (default ``wait_s``) aborts what is left and
-        returns its ``RoundWaitTimeout``; otherwise returns a failure nothing raised yet."""
+        returns a ``RoundWaitTimeout`` that says what the servers may still hold; otherwise
+        returns a failure nothing raised yet."""
         bound = self._wait_s if timeout is None else timeout
         if mode == DRAIN:
             try:
                 self._wait_until(lambda: not self._queue and self._running is None, bound)
             except RoundWaitTimeout as exc:
-                self._abort(_ABORT_WAIT_S)
-                return exc
+                told = self._abort(_ABORT_WAIT_S)
+                late = RoundWaitTimeout(f"shutdown: {exc}, so it was abandoned: {told}")
+                late.__suppress_context__ = True
+                return late
         else:
             self._abort(bound)
         with self._cond:
             unseen, self._unseen = self._unseen, None
         return None if unseen is None else unseen[0]
 
-    def _abort(self, bound: float) -> None:
+    def _abort(self, bound: float) -> str:
+        """Skip the queued rounds, stop the running one; what the servers may hold now."""
         with self._cond:
             self._aborting = True
             skipped = list(self._queue)
             self._queue.clear()
             running = self._running
-            if running is not None:
-                running.stop.set()
             self._cond.notify_all()
-        for job in skipped:
-            never = RoundSkipped(f"{job.handle.name} was never sent: shutdown(in_flight='abort')")
-            self._finish(job, None, never)
+        told = []
         if running is not None:
-            # The flag stops the round at its next tensor; a wire wait does not see it, the
-            # link's abort ends that (the engine is being shut down: the link goes anyway).
+            # Its commit closes first: from here the round cannot commit, unless its finish
+            # already went out. The flag also stops it at its next tensor; a wire wait does not
+            # see it, the link's abort ends that (the engine is being shut down: the link goes
+            # anyway).
+            stopped = running.stop.stop()
             self._abort_link()
-            if not self._idle_within(bound):
+            ended = self._idle_within(bound)
+            if not ended:
                 logger.error("%s did not end after its link was aborted", running.handle.name)
+            told.append(_outcome(running.handle, stopped, ended))
+        for job in skipped:
+            never = RoundSkipped(f"{job.handle.name} was never sent: shutdown abandoned it")
+            self._finish(job, None, never)
+        if skipped:
+            told.append(f"{len(skipped)} queued round(s) were never sent")
+        return "; ".join(told) or "no round was left"
 
     def close(self) -> None:
         """No more rounds: the idle thread exits now."""
@@ -284,6 +312,15 @@ class RoundRunner:
             return False
         return True
 
+    def _take_unseen(self) -> None:
+        """Under the lock: raise (once) a failure nothing raised yet. Every round is admitted
+        through here, so nothing is sent after a failed round until its error was raised."""
+        unseen, self._unseen = self._unseen, None
+        if unseen is not None:
+            exc, name = unseen
+            exc.add_note(f"{name} failed in flight; no round after it was sent")
+            raise exc
+
     def _mark_seen(self, exc: Any) -> None:
         with self._cond:
             failed = None if self._unseen is None else self._unseen[0]
@@ -309,17 +346,14 @@ class RoundRunner:
             version = self._next_version(job.weight_version)
             job.handle.version = version
             job.snapshot.ready()
-            source = cancellable(job.snapshot.source, job.stop)
-            metrics = self._run(source, version, job.draft, job.dense)
+            source = cancellable(job.snapshot.source, job.stop.event)
+            metrics = self._run(source, version, job.draft, job.dense, job.stop.before_commit)
         except BaseException as exc:  # handed to the handle: never lost, never raised here
             error = exc
         self._finish(job, metrics, error)
 
     def _finish(self, job: Job, metrics: RoundMetrics | None, error: BaseException | None) -> None:
-        try:
-            job.snapshot.release()
-        except Exception as exc:  # a pool's bookkeeping must not replace the round's outcome
-            logger.warning("releasing %s's snapshot failed: %s", job.handle.name, exc)
+        _release(job.snapshot, job.handle.name)
         skipped: list[Job] = []
         with self._cond:
             if self._running is job:
@@ -337,6 +371,34 @@ class RoundRunner:
             )
             why.__cause__ = error
             self._finish(later, None, why)
+
+
+def _outcome(handle: RoundHandle, stopped: bool, ended: bool) -> str:
+    """What the servers hold of an abandoned running round."""
+    if stopped:
+        return (
+            f"{handle.name} was stopped before its commit (no finish sent): the servers keep "
+            "their last committed weights"
+        )
+    if not ended:
+        return (
+            f"{handle.name} had already sent its finish and had not returned: the servers may "
+            "still commit it (their /weight_info weight_version tells)"
+        )
+    try:  # ended: the handle is settled right after the round left the runner
+        error = handle._future.exception(timeout=_ABORT_WAIT_S)
+    except FutureTimeout:
+        return f"{handle.name} had already sent its finish; its outcome is unknown"
+    if error is None:
+        return f"{handle.name} had already sent its finish and committed"
+    return f"{handle.name} had already sent its finish, which failed ({type(error).__name__})"
+
+
+def _release(snapshot: Snapshot, name: str) -> None:
+    try:
+        snapshot.release()
+    except Exception as exc:  # a pool's bookkeeping must not replace the round's outcome
+        logger.warning("releasing %s's snapshot failed: %s", name, exc)
 
 
 _ABORT_WAIT_S = 10.0

@@ -37,6 +37,9 @@ class OverlappedRounds:
         self._snapshot = snapshot
         self._usable = usable  # raises when the engine can send no round (a broken link)
         self._runner: RoundRunner | None = None
+        self.aborted_link = False
+        """``stop`` aborted the link under a running round: a closed link is this trainer's
+        doing then, not a server that dropped it (``shutdown`` still tells the servers)."""
 
     def send(self, weight_version: str | None, draft: bool, dense: bool = False) -> RoundHandle:
         """Wait for a free slot, take the snapshot, queue the round; its handle."""
@@ -54,9 +57,12 @@ class OverlappedRounds:
                 wait_s=s.info.timeouts.round_s,
                 abort_link=self._abort_link,
             )
-        runner.raise_unseen()
-        runner.wait_slot()
-        self._usable()
+        runner.wait_slot()  # raises an earlier round's failure instead, if nothing raised it yet
+        try:
+            self._usable()
+        except BaseException:
+            runner.raise_unseen()  # a round that failed meanwhile broke the engine: its own error
+            raise
         return runner.submit(self._snapshot(), weight_version, draft, dense)
 
     def settle(self) -> None:
@@ -79,17 +85,24 @@ class OverlappedRounds:
             runner.close()
 
     def _in_flight(
-        self, source: WeightSource, version: str, draft: bool, dense: bool
+        self,
+        source: WeightSource,
+        version: str,
+        draft: bool,
+        dense: bool,
+        before_commit: Callable[[], None],
     ) -> RoundMetrics:
-        """The blocking round on the round thread; the session reads the snapshot meanwhile."""
+        """The blocking round on the round thread; the session reads the snapshot meanwhile
+        and asks ``before_commit`` before its finish (``shutdown`` may have stopped it)."""
         s = self._s
-        live, s.source = s.source, source
+        live, s.source, s.before_commit = s.source, source, before_commit
         try:
             return self._blocking(version, draft, dense)
         finally:
-            s.source = live
+            s.source, s.before_commit = live, None
 
     def _abort_link(self) -> None:
         link = self._s.link
         if link is not None:
+            self.aborted_link = True
             link.abort()

@@ -182,6 +182,8 @@ def lead_round(
         with clock("transfer"):
             sent = wire.transfer(payloads, control, own, clock)
         with clock("finish"):
+            if s.before_commit is not None:  # an overlapped round that shutdown stopped
+                s.before_commit()
             # + the caches reset; beside the finish when nothing generates until the resume
             resumed = s.commit_plan.commit(
                 s.client, version, record=record, paused=paused, timeout=s.info.timeouts.http_s

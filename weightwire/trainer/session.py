@@ -88,6 +88,9 @@ class Session:
     """Rank 0: what each broadcaster's slice is on the workers, until a round changes it."""
     round_fields: dict[str, Any] | None = None
     """This round's extra update-info fields (``round_token``, ``delta_base``, ``patches``)."""
+    before_commit: Callable[[], None] | None = None
+    """An overlapped round's last chance to be stopped, asked right before its finish goes
+    out (``RoundStop.before_commit``: ``shutdown`` stopped it, nothing commits)."""
     guard: bool | None = None
     """Whether the servers run the round guard: asked at the first round applied in place,
     then known (a server's middleware changes only with a restart, like its features)."""
@@ -245,12 +248,12 @@ def reopen_wire(s: Session) -> None:
     open_wire(s)
 
 
-def close_wire(s: Session, *, displaced: bool) -> None:
+def close_wire(s: Session, *, displaced: bool) -> bool:
     """``shutdown``'s teardown: tell the servers (unless ``displaced``: their engine belongs to
     another trainer now) concurrently with closing the link, so neither side's teardown waits
-    on the other's."""
+    on the other's. ``True`` when the servers shut this trainer's session down."""
     if s.link is None:
-        return
+        return False
     post: Future | None = None
     if (
         not displaced
@@ -265,7 +268,7 @@ def close_wire(s: Session, *, displaced: bool) -> None:
     s.close_link()
     try:
         if post is None:
-            return
+            return False
         # Called from a `finally` after a failed round, the caller's own error is what
         # matters: a shutdown failure is logged, never raised over it.
         failing = sys.exc_info()[1]
@@ -279,6 +282,8 @@ def close_wire(s: Session, *, displaced: bool) -> None:
                 type(failing).__name__,
                 exc,
             )
+            return False
+        return True
     finally:
         if isinstance(s.client, FallbackClient):
             s.client.close()  # only the connections the engine opened itself

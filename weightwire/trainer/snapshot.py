@@ -1,6 +1,7 @@
 """What an overlapped round sends: the weights fixed when ``send_weights(wait=False)`` was
 called (``Snapshot``, ``FrozenSource``), read on the round thread through a source that a
-``shutdown(in_flight="abort")`` stops at its next tensor (``cancellable``).
+``shutdown`` stops at its next tensor (``cancellable``), and the round's ``RoundStop``: once
+stopped, the round can no longer commit.
 """
 
 from __future__ import annotations
@@ -14,14 +15,47 @@ from weightwire.shared.errors import RoundError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 
-__all__ = ["FrozenSource", "RoundCancelled", "Snapshot", "cancellable"]
+__all__ = ["FrozenSource", "RoundCancelled", "RoundStop", "Snapshot", "cancellable"]
 
 SNAPSHOT_MODES = ("copy", "none")
 
 
 class RoundCancelled(RoundError, RuntimeError):
-    """``shutdown(in_flight="abort")`` stopped a running overlapped round before its last
-    tensor: the servers keep their previous weights."""
+    """``shutdown`` stopped a running overlapped round (``in_flight="abort"``, or a drain
+    that ran out of its timeout) before its last tensor or before its commit: the servers
+    keep their previous weights."""
+
+
+class RoundStop:
+    """How ``shutdown`` stops one overlapped round, and whether it still could.
+
+    ``stop`` stops the round's source at its next tensor and closes its commit: the round
+    driver asks ``before_commit`` right before the finish goes out, and from then on no
+    stop can withdraw it. The lock makes "stopped" and "finish sent" exclusive, so the
+    caller of ``stop`` is told the truth about the servers."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._lock = threading.Lock()
+        self._committing = False
+
+    def stop(self) -> bool:
+        """Stop the round. ``True``: it can no longer commit; ``False``: its finish was
+        already sent (the servers may commit it)."""
+        with self._lock:
+            self.event.set()
+            return not self._committing
+
+    def before_commit(self) -> None:
+        """The round's last chance to be stopped: ``RoundCancelled`` once stopped, else the
+        finish may go out."""
+        with self._lock:
+            if self.event.is_set():
+                raise RoundCancelled(
+                    "shutdown stopped this round before its commit: its finish was never sent, "
+                    "the servers keep their previous weights"
+                )
+            self._committing = True
 
 
 def _nothing() -> None:
@@ -81,7 +115,7 @@ class _Cancellable(WeightSource):
 
     def _check(self) -> None:
         if self._stop.is_set():
-            raise RoundCancelled("shutdown(in_flight='abort') stopped this round mid-transfer")
+            raise RoundCancelled("shutdown stopped this round mid-transfer, before its last tensor")
 
 
 class _CancellableGroups(_Cancellable):

@@ -240,15 +240,13 @@ class Session:
         self.phase, self.updates_in_round = Phase.READY, 0
         self._end_round(f"closed empty (no update): weight_version stays {self.weight_version!r}")
 
-    def dropped(self, reason: str) -> None:
-        """A newer init drops the open, stale round (counted as failed); the init then replaces the
-        session."""
+    def dropped(self, reason: str, by: str = "a newer init") -> None:
+        """A newer init (or its own trainer's shutdown, ``by``) drops the open, stale round
+        (counted as failed); the init then replaces the session, the shutdown ends it."""
         self.phase, self.updates_in_round = Phase.READY, 0
         self.rounds_failed += 1
-        self.last_error = f"round dropped by a newer init: {reason}"
-        self._end_round(
-            f"dropped by a newer init ({reason}): nothing committed", level=logging.WARNING
-        )
+        self.last_error = f"round dropped by {by}: {reason}"
+        self._end_round(f"dropped by {by} ({reason}): nothing committed", level=logging.WARNING)
 
     def shut_down(self) -> None:
         self.phase, self.init_info, self.updates_in_round, self.session_id = (

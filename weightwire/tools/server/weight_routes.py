@@ -110,8 +110,13 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
     async def shutdown_weight_transfer_engine(request: Request) -> dict[str, Any]:
         await read_no_body(request)
         require_owner(state, request, "shutdown_weight_transfer_engine", idempotent=True)
-        session.check_shutdown()
+        if session.busy is not None:
+            session.check_shutdown()  # a round mid-call: 409 "a weight update is active"
         async with session.operation("shutdown_weight_transfer_engine"):
+            if session.phase is Phase.ROUND:
+                # Between the round's calls: a trainer that gave its round up (its data link
+                # closed) ends it now, not at its lease; a connected one is refused (409).
+                await drop_stale_round(state, shutdown=True)
             lease.disarm()
             await fan_out_or_fail(
                 state, "shutdown_weight_transfer_engine", "shutdown", timeout=opts.op_timeout_s

@@ -88,20 +88,23 @@ def arm_lease(state: ServerState) -> None:
     state.lease.arm(seconds, expire)
 
 
-async def drop_stale_round(state: ServerState) -> None:
-    """An init while a round is open: refuse (409) unless every replica's worker finds the
-    round stale (its trainer closed the data link, or no call for the worker's lease);
-    then record the round as dropped. The init that follows tears it down."""
+async def drop_stale_round(state: ServerState, *, shutdown: bool = False) -> None:
+    """An init (or, ``shutdown``, the round's own trainer's shutdown) while a round is open:
+    refuse (409) unless every replica's worker finds the round stale (its trainer closed the
+    data link, or no call for the worker's lease); then record the round as dropped. The init
+    or shutdown that follows tears it down."""
     session, opts = state.session, state.options
+    by = "shutdown_weight_transfer_engine" if shutdown else "init_weight_transfer_engine"
     try:
         reasons = await state.pool.fan_out("round_stale", timeout=opts.op_timeout_s)
     except FanOutError as exc:
         raise ApiError(
-            exc.status,
-            f"init_weight_transfer_engine: cannot tell whether the open round is stale: {exc}",
+            exc.status, f"{by}: cannot tell whether the open round is stale: {exc}"
         ) from None
     live = [i for i, r in enumerate(reasons) if not r]
     if live:
+        if shutdown:
+            session.check_shutdown()  # its trainer is still connected: a shutdown's usual 409
         raise SessionError(
             409,
             (
@@ -112,7 +115,7 @@ async def drop_stale_round(state: ServerState) -> None:
                 "itself)"
             ),
         )
-    session.dropped(str(reasons[0]))
+    session.dropped(str(reasons[0]), by="its trainer's shutdown" if shutdown else "a newer init")
 
 
 def require_live(pool: ReplicaPool) -> None:
