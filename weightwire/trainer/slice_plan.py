@@ -128,8 +128,12 @@ def build_plan(metas: Sequence[ParamMeta], holdings: Holdings, wants: Sequence[W
                     nbytes = box.volume * itemsize
                     out.setdefault((rank, w), []).append(Transfer(meta.name, box, nbytes))
                     got[w] += nbytes
+    order = {m.name: i for i, m in enumerate(metas)}
     return SlicePlan(
-        {k: tuple(v) for k, v in sorted(out.items())},
+        {
+            k: tuple(sorted(v, key=lambda t: (order[t.tensor], t.box.ranges)))
+            for k, v in sorted(out.items())
+        },
         len(wants),
         got,
         {r: n for r, n in sorted(sent.items()) if n},
@@ -179,7 +183,7 @@ def _cover(
             f"worker {worker} wants {name!r} {left[0].describe()}, which no trainer rank "
             "holds: the holdings must cover every tensor (a sharded array's every shard)"
         )
-    return sorted(pieces, key=lambda p: p[1].ranges)
+    return pieces
 
 
 __all__ = ["Held", "Holdings", "SlicePlan", "SlicePlanError", "Transfer", "build_plan"]
