@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box, Wants, union
-from weightwire.trainer.slice_plan import Held, Holdings, SlicePlanError, build_plan
+from weightwire.trainer.slice_plan import Held, Holdings, PlanCache, SlicePlanError, build_plan
 
 RANKS = 6
 
@@ -129,3 +129,16 @@ def test_refusals_name_the_problem() -> None:
         Holdings.of({"w": (4, 4)}, [Held("w", 2, Box.of((0, 5), (0, 4)))])
     with pytest.raises(SlicePlanError, match=r"a rank holds 'v', which has no declared shape"):
         Holdings.of({"w": (4, 4)}, [Held("v", 0, Box.of((0, 1), (0, 4)))])
+
+
+def test_the_plan_is_built_once_and_rebuilt_when_the_metadata_changes() -> None:
+    metas = [ParamMeta("w", "float32", (4, 4))]
+    holdings = Holdings.of({"w": (4, 4)}, [Held("w", 0, Box.whole((4, 4)))])
+    wants = [Wants({"w": (Box.of((0, 2), (0, 4)),)})]
+    cache = PlanCache()
+    first = cache.plan(metas, holdings, wants)
+    again = cache.plan(list(metas), Holdings.of({"w": (4, 4)}, holdings.held["w"]), list(wants))
+    assert again is first and cache.builds == 1
+    bf16 = [ParamMeta("w", "bfloat16", (4, 4))]
+    other = cache.plan(bf16, holdings, wants)
+    assert other is not first and cache.builds == 2 and other.worker_bytes == {0: 16}

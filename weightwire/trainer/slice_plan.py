@@ -140,6 +140,26 @@ def build_plan(metas: Sequence[ParamMeta], holdings: Holdings, wants: Sequence[W
     )
 
 
+class PlanCache:
+    """A session's plan: built on first use, the same object every round after while the
+    metadata, holdings and wants stay equal; rebuilt when any of them changes."""
+
+    def __init__(self) -> None:
+        self._key: tuple[tuple[ParamMeta, ...], Holdings, tuple[Wants, ...]] | None = None
+        self._plan: SlicePlan | None = None
+        self.builds = 0
+
+    def plan(
+        self, metas: Sequence[ParamMeta], holdings: Holdings, wants: Sequence[Wants]
+    ) -> SlicePlan:
+        key = (tuple(metas), holdings, tuple(wants))
+        if self._plan is None or key != self._key:
+            self._plan = build_plan(metas, holdings, wants)
+            self._key = key
+            self.builds += 1
+        return self._plan
+
+
 def _distinct(held: Sequence[Held]) -> list[tuple[Box, tuple[int, ...]]]:
     """Each distinct held box with the ranks holding it, largest first (fewer, bigger
     pieces), then by origin."""
@@ -186,4 +206,4 @@ def _cover(
     return pieces
 
 
-__all__ = ["Held", "Holdings", "SlicePlan", "SlicePlanError", "Transfer", "build_plan"]
+__all__ = ["Held", "Holdings", "PlanCache", "SlicePlan", "SlicePlanError", "Transfer", "build_plan"]
