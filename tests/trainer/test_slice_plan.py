@@ -116,6 +116,12 @@ def test_refusals_name_the_problem() -> None:
         SlicePlanError, match=r"worker 0 wants 'w' \[3:4, 0:4\], which no trainer rank holds"
     ):
         build_plan(metas, partial, [Wants({"w": (Box.whole((4, 4)),)})])
+    with pytest.raises(
+        SlicePlanError, match=r"worker 0 wants 'w' \[0:5, 0:4\], outside its shape \[4, 4\]"
+    ):
+        build_plan(metas, partial, [Wants({"w": (Box.of((0, 5), (0, 4)),)})])
+    with pytest.raises(SlicePlanError, match=r"worker 0 wants 'w' \[0:4\], outside its shape"):
+        build_plan(metas, partial, [Wants({"w": (Box.of((0, 4)),)})])
     with pytest.raises(SlicePlanError, match=r"worker 0's wants do not name 'w'"):
         build_plan(metas, partial, [Wants({})])
     other = Holdings.of({"w": (4, 5)}, [])

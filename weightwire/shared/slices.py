@@ -56,7 +56,7 @@ class Box:
 
     @property
     def empty(self) -> bool:
-        return self.volume == 0
+        return any(hi <= lo for lo, hi in self.ranges)
 
     @property
     def origin(self) -> Shape:
@@ -85,12 +85,13 @@ class Box:
     def intersect(self, other: Box) -> Box | None:
         """The common elements, or None when there are none."""
         self._same_rank(other)
-        out = tuple(
-            (max(lo, olo), min(hi, ohi))
-            for (lo, hi), (olo, ohi) in zip(self.ranges, other.ranges, strict=True)
-        )
-        box = Box(out)
-        return None if box.empty else box
+        out = []
+        for (lo, hi), (olo, ohi) in zip(self.ranges, other.ranges, strict=True):
+            lo, hi = max(lo, olo), min(hi, ohi)
+            if hi <= lo:
+                return None
+            out.append((lo, hi))
+        return Box(tuple(out))
 
     def minus(self, other: Box) -> tuple[Box, ...]:
         """This box without ``other``'s elements, as at most ``2 * ndim`` disjoint boxes (cut

@@ -124,6 +124,11 @@ def build_plan(metas: Sequence[ParamMeta], holdings: Holdings, wants: Sequence[W
                     "Wants.from_json against the session's tensors"
                 )
             for region in want.regions[meta.name]:
+                if not region.within(meta.shape):
+                    raise SlicePlanError(
+                        f"worker {w} wants {meta.name!r} {region.describe()}, outside its "
+                        f"shape {list(meta.shape)}: parse wants with Wants.from_json"
+                    )
                 for rank, box in _cover(meta.name, region, copies, sent, itemsize, w):
                     nbytes = box.volume * itemsize
                     out.setdefault((rank, w), []).append(Transfer(meta.name, box, nbytes))
@@ -173,6 +178,21 @@ def _distinct(held: Sequence[Held]) -> list[tuple[Box, tuple[int, ...]]]:
     )
 
 
+def _touching(
+    region: Box, copies: list[tuple[Box, tuple[int, ...]]]
+) -> list[tuple[Box, tuple[int, ...]]]:
+    """The held boxes sharing an element with ``region`` (a plain range test per box: a
+    trainer of hundreds of ranks holds hundreds of boxes of each tensor)."""
+    want = region.ranges
+    return [
+        (held, ranks)
+        for held, ranks in copies
+        if all(
+            lo < whi and wlo < hi for (lo, hi), (wlo, whi) in zip(held.ranges, want, strict=True)
+        )
+    ]
+
+
 def _cover(
     name: str,
     region: Box,
@@ -184,7 +204,7 @@ def _cover(
     """``region`` cut into pieces each inside one held box, each with the rank to send it."""
     left = [region]
     pieces: list[tuple[int, Box]] = []
-    for held, ranks in copies:
+    for held, ranks in _touching(region, copies):
         if not left:
             break
         rest: list[Box] = []
