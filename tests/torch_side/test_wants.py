@@ -16,10 +16,16 @@ import torch
 
 from tests.torch_side._landing_models import Refusing
 from tests.torch_side._sliced_models import HEAD_DIM, HIDDEN, SlicedTP, sliced_shapes
+from tests.torch_side.test_landing import core_for
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box, Wants, union
 from weightwire.torch_side.worker.landing import Landing, record_loader_map
-from weightwire.torch_side.worker.wants import derive_wants, landing_box, wants_from_map
+from weightwire.torch_side.worker.wants import (
+    derive_wants,
+    landing_box,
+    session_wants,
+    wants_from_map,
+)
 
 
 def metas_of(shapes: dict[str, tuple[int, ...]]) -> list[ParamMeta]:
@@ -179,3 +185,24 @@ def test_a_view_that_is_not_a_box_wants_the_whole_tensor() -> None:
 )
 def test_landing_box_of_each_view(landing: Landing, box: Box | None) -> None:
     assert landing_box((4, 4), landing) == box
+
+
+def test_session_wants_use_the_cached_map_and_its_refusal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shapes = sliced_shapes(8, 2)
+    model = SlicedTP(rank=2, world=4)
+    core = core_for(model)
+    wants = session_wants(core.caches, metas_of(shapes))
+    assert wants == derive_wants(model, metas_of(shapes))
+    assert core.caches.loader_map(metas_of(shapes)) is not None  # recorded once, kept
+    refusing = core_for(Refusing("computes"))
+    metas = [ParamMeta("w.weight", "bfloat16", (4, 4))]
+    with caplog.at_level(logging.WARNING, logger="weightwire.torch_side.worker.target_caches"):
+        first = session_wants(refusing.caches, metas)
+        assert session_wants(refusing.caches, metas) == first
+    assert first == Wants(
+        {"w.weight": (Box.whole((4, 4)),)},
+        "w.weight: the loader computes on it (aten.mul.Tensor), not a plain copy",
+    )
+    assert len(caplog.records) == 1  # said once

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from weightwire.torch_side.worker.landing import (
     LoaderMapRefused,
     record_loader_map,
 )
+
+if TYPE_CHECKING:
+    from weightwire.torch_side.worker.target_caches import TargetCaches
 
 log = logging.getLogger(__name__)
 
@@ -95,4 +99,15 @@ def derive_wants(
     return wants_from_map(lmap, metas)
 
 
-__all__ = ["derive_wants", "landing_box", "wants_from_map"]
+def session_wants(caches: TargetCaches, metas: Sequence[ParamMeta]) -> Wants:
+    """The wants a worker sends in its hello, from the landing map its caches record once
+    per model and metadata (the same map its rounds write through); every tensor whole,
+    with the caches' refusal (logged once there), when the model refuses."""
+    lmap = caches.loader_map(metas)
+    if lmap is None:
+        reason = caches.map_refusal(metas) or "no landing map"
+        return Wants.whole({m.name: tuple(m.shape) for m in metas}, reason)
+    return wants_from_map(lmap, metas)
+
+
+__all__ = ["derive_wants", "landing_box", "session_wants", "wants_from_map"]
