@@ -62,6 +62,15 @@ def test_union_is_disjoint_and_covers_exactly_the_boxes(case: tuple) -> None:
     assert np.array_equal(mask(shape, union(reversed(boxes))), mask(shape, merged))
 
 
+@settings(max_examples=100, deadline=None)
+@given(shape_and_boxes(n=3), st.text(max_size=20) | st.none())
+def test_any_disjoint_wants_survive_json(case: tuple, reason: str | None) -> None:
+    shape, boxes = case
+    wants = Wants({"t": union(boxes), "s": ()}, reason)
+    text = json.dumps(wants.to_json())
+    assert Wants.from_json(json.loads(text), {"t": shape, "s": (3,)}) == wants
+
+
 def test_union_merges_neighbours_into_one_box() -> None:
     rows = [Box.of((r, r + 1), (0, 8)) for r in (3, 0, 2, 1)]
     assert union(rows) == (Box.of((0, 4), (0, 8)),)
