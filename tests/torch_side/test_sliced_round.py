@@ -2,7 +2,8 @@
 replicas) of a vLLM-shaped checkpoint, the wants of stub workers (TP 2 / 4, fewer KV heads
 than ranks, fused qkv and gate_up, tied head, experts split per matrix or per rank), the
 slice plan, each transfer cut from the sending rank's own shard; every worker's
-parameters bit-identical to ``load_weights`` of the full tensors."""
+parameters bit-identical to ``load_weights`` of the full tensors, whether the received
+slices go through ``load_weights`` or each lands through the landing map (``write_box``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 from tests.torch_side._sliced_models import SlicedTP, sliced_shapes
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box, Wants
-from weightwire.torch_side.worker.wants import derive_wants
+from weightwire.torch_side.worker.landing import record_loader_map
+from weightwire.torch_side.worker.wants import derive_wants, write_box
 from weightwire.trainer.slice_plan import Held, Holdings, build_plan
 
 CONFIGS = [  # (world, heads, kv_heads, expert_parallel, tied)
@@ -81,6 +83,9 @@ def test_a_sliced_round_loads_what_load_weights_of_the_full_tensors_loads(
     plan = build_plan(metas, Holdings.of(shapes, held), list(wants))
     for w in range(world):
         received = {n: np.full(s, np.nan, np.float32) for n, s in shapes.items()}
+        torch.manual_seed(w)
+        c = make(config, w)  # lands each received slice through its landing map
+        cmap = record_loader_map(c, metas)
         for (rank, worker), transfers in plan.transfers.items():
             if worker != w:
                 continue
@@ -91,6 +96,7 @@ def test_a_sliced_round_loads_what_load_weights_of_the_full_tensors_loads(
                 piece = shards[key][t.box.relative_to(key[2]).slices()]
                 assert np.isnan(received[t.tensor][t.box.slices()]).all()  # once
                 received[t.tensor][t.box.slices()] = piece
+                write_box(cmap, t.tensor, t.box, torch.from_numpy(piece))
         torch.manual_seed(w)
         a = make(config, w)
         torch.manual_seed(w)
@@ -98,5 +104,7 @@ def test_a_sliced_round_loads_what_load_weights_of_the_full_tensors_loads(
         a.load_weights((n, torch.from_numpy(t)) for n, t in received.items())
         b.load_weights((n, torch.from_numpy(t)) for n, t in full.items())
         pb = dict(b.named_parameters())
+        pc = dict(c.named_parameters())
         for name, p in a.named_parameters():
             assert torch.equal(p, pb[name]), (config, w, name)
+            assert torch.equal(pc[name], pb[name]), ("write_box", config, w, name)

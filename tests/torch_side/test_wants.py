@@ -18,13 +18,14 @@ from tests.torch_side._landing_models import Refusing
 from tests.torch_side._sliced_models import HEAD_DIM, HIDDEN, SlicedTP, sliced_shapes
 from tests.torch_side.test_landing import core_for
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.slices import Box, Wants, union
+from weightwire.shared.slices import Box, SliceError, Wants, union
 from weightwire.torch_side.worker.landing import Landing, record_loader_map
 from weightwire.torch_side.worker.wants import (
     derive_wants,
     landing_box,
     session_wants,
     wants_from_map,
+    write_box,
 )
 
 
@@ -169,6 +170,17 @@ def test_a_view_that_is_not_a_box_wants_the_whole_tensor() -> None:
     (ld,) = lmap.tensors["w.weight"].landings
     assert landing_box((8, 4), ld) is None
     assert wants_from_map(lmap, metas).regions == {"w.weight": (Box.whole((8, 4)),)}
+
+
+def test_write_box_refuses_a_non_box_landing_and_a_wrong_piece() -> None:
+    metas = [ParamMeta("w.weight", "float32", (8, 4))]
+    lmap = record_loader_map(Strided(), metas)
+    with pytest.raises(SliceError, match=r"w\.weight: its loader reads a view that is not a box"):
+        write_box(lmap, "w.weight", Box.of((0, 2), (0, 4)), torch.zeros(2, 4))
+    with pytest.raises(SliceError, match=r"a \[2, 3\] piece for box \[0:2, 0:4\] of a \[8, 4\]"):
+        write_box(lmap, "w.weight", Box.of((0, 2), (0, 4)), torch.zeros(2, 3))
+    with pytest.raises(SliceError, match=r"a \[9, 4\] piece for box \[0:9, 0:4\]"):
+        write_box(lmap, "w.weight", Box.of((0, 9), (0, 4)), torch.zeros(9, 4))
 
 
 @pytest.mark.parametrize(
