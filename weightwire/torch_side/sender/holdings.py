@@ -1,0 +1,85 @@
+"""What each trainer rank holds of a torch trainer's tensors, for the slice plan.
+
+A plain tensor is held whole by the rank that has it. A DTensor (FSDP2's and TP's
+parameters) is held per its placements over its device mesh: ``Shard(d)`` splits
+dimension ``d`` as ``torch.chunk`` does (chunks of ``ceil(n / k)``, the last ones shorter
+or empty), several shards of one dimension applied in mesh-dimension order, and
+``Replicate`` keeps the whole range on every rank of that mesh dimension. The boxes of
+every rank follow from the mesh and placements alone: no data moves. ``Partial`` (a
+pending reduction) and strided shards (FSDP2 over TP re-sharding one dimension) are not
+held slices: refused by name.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from weightwire.shared.slices import Box, Shape
+from weightwire.trainer.slice_plan import Held, Holdings, SlicePlanError
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
+
+
+def placement_boxes(
+    shape: Shape, mesh: Sequence[Any] | Any, placements: Sequence[Any], *, name: str = "tensor"
+) -> list[tuple[int, Box]]:
+    """(global rank, box) for every rank of ``mesh`` (a nested list / array / tensor of
+    global ranks, one dimension per placement)."""
+    grid = torch.as_tensor(mesh)
+    if grid.dim() != len(placements):
+        raise SlicePlanError(
+            f"{name}: {len(placements)} placements for a {grid.dim()}-dimensional mesh"
+        )
+    out = []
+    for coord in itertools.product(*(range(n) for n in grid.shape)):
+        ranges = [(0, n) for n in shape]
+        for mesh_dim, p in enumerate(placements):
+            kind = type(p).__name__
+            if kind == "Replicate":
+                continue
+            if kind != "Shard":
+                raise SlicePlanError(
+                    f"{name}: placement {p} is not a held slice (only Shard and Replicate "
+                    "are): redistribute the DTensor to Shard / Replicate placements first"
+                )
+            dim = p.dim % len(shape)
+            lo, hi = ranges[dim]
+            k = int(grid.shape[mesh_dim])
+            chunk = -(-(hi - lo) // k)
+            start = min(lo + coord[mesh_dim] * chunk, hi)
+            ranges[dim] = (start, min(start + chunk, hi))
+        out.append((int(grid[coord]), Box(tuple(ranges))))
+    return out
+
+
+def tensor_holdings(name: str, tensor: torch.Tensor, *, rank: int) -> list[Held]:
+    """A DTensor's boxes on every rank of its mesh; a plain tensor whole on ``rank``."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        spread: Any = tensor  # a DTensor (not in torch's stubs' Tensor)
+        boxes = placement_boxes(
+            tuple(spread.shape), spread.device_mesh.mesh, spread.placements, name=name
+        )
+        return [Held(name, r, b) for r, b in boxes if not b.empty]
+    return [Held(name, rank, Box.whole(tuple(tensor.shape)))]
+
+
+def holdings_of(tensors: Mapping[str, torch.Tensor], *, rank: int) -> Holdings:
+    """Holdings of a trainer's tensors as rank ``rank`` sees them. DTensors describe every
+    rank; plain tensors only this one (gather the ranks' plain holdings to plan across
+    ranks that each hold different whole tensors)."""
+    held = [h for n, t in tensors.items() for h in tensor_holdings(n, t, rank=rank)]
+    return Holdings.of({n: tuple(t.shape) for n, t in tensors.items()}, held)
+
+
+__all__ = ["holdings_of", "placement_boxes", "tensor_holdings"]
