@@ -222,7 +222,9 @@ def quantize_tensor_reference(name: str, x: np.ndarray) -> tuple[np.ndarray, np.
     if not np.isfinite(amax):
         raise not_finite(name)
     amax = np.maximum(amax, np.asarray(TENSOR_AMAX_FLOOR).astype(dtype))
-    scale = (np.float32(FP8_MAX) / amax.astype(np.float32)).astype(dtype)
+    # torch evaluates ``448 / amax`` as ``amax.reciprocal() * 448``, each step rounded
+    recip = (np.float32(1.0) / amax.astype(np.float32)).astype(dtype)
+    scale = (recip.astype(np.float32) * np.float32(FP8_MAX)).astype(dtype)
     scaled = (x.astype(np.float32) * scale.astype(np.float32)).astype(dtype)
     q = _saturate_fp8(scaled.astype(np.float32))
     return q, np.asarray(np.float32(1.0) / scale.astype(np.float32), dtype=np.float32)
