@@ -12,6 +12,7 @@ defined outside this module)::
         StockRefusal                         [weightwire.backends.base]
         SparseBaseUnknown                    [weightwire.trainer.patch_round]
         AdapterRefused                       [weightwire.trainer.lora]
+        QuantizationError                    [weightwire.shared.quant]
       TransferError (RuntimeError)
         TransferTimeout (TimeoutError)
         PeerLost (ConnectionError)
