@@ -23,8 +23,9 @@ device-to-host read per tensor.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,8 @@ from weightwire.shared.quant import (
     not_finite,
     scale_shape,
 )
+from weightwire.shared.source import WeightSource, as_source
+from weightwire.trainer.fp8_source import Fp8Source
 
 
 class Fp8Arrays(NamedTuple):
@@ -160,3 +163,16 @@ def quantize_fp8(name: str, x: jax.Array, scheme: Fp8Scheme, *, stats: bool = Fa
     assert out[1].shape == scale_shape(tuple(x.shape), scheme)
     errors = QuantStats(float(out[3]), float(out[4])) if stats else None
     return Fp8Arrays(out[0], out[1], errors)
+
+
+def _quantize(name: str, x: Any, scheme: Fp8Scheme, stats: bool) -> tuple[Any, Any, Any]:
+    out = quantize_fp8(name, x, scheme, stats=stats)
+    return out.weight, out.scale, out.stats
+
+
+def fp8_source(
+    source: WeightSource | Any, spec: Mapping[str, Fp8Scheme], *, stats: bool = False
+) -> Fp8Source:
+    """``source`` with the ``spec``'s weights (name -> scheme) sent as FP8 checkpoint pairs,
+    quantized here as each round reads them (``trainer.fp8_source.Fp8Source``)."""
+    return Fp8Source(as_source(source), spec, _quantize, stats=stats)

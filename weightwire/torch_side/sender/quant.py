@@ -8,7 +8,8 @@ for what bit identity with vLLM's quantizers rests on), written out in eager tor
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,7 +25,9 @@ from weightwire.shared.quant import (
     check_input,
     not_finite,
 )
+from weightwire.shared.source import WeightSource, as_source
 from weightwire.torch_side.dtypes import wire_name
+from weightwire.trainer.fp8_source import Fp8Source
 
 _ROUND_DOWN = torch.from_numpy(UE8M0_ROUND_DOWN)
 _ROUND_DOWN_ON: dict[torch.device, torch.Tensor] = {}
@@ -116,3 +119,16 @@ def quantize_fp8(
     if not bool(finite):
         raise not_finite(name)
     return Fp8Tensors(weight, scale, errors)
+
+
+def _quantize(name: str, x: Any, scheme: Fp8Scheme, stats: bool) -> tuple[Any, Any, Any]:
+    out = quantize_fp8(name, x, scheme, stats=stats)
+    return out.weight, out.scale, out.stats
+
+
+def fp8_source(
+    source: WeightSource | Any, spec: Mapping[str, Fp8Scheme], *, stats: bool = False
+) -> Fp8Source:
+    """``source`` with the ``spec``'s weights (name -> scheme) sent as FP8 checkpoint pairs,
+    quantized here as each round reads them (``trainer.fp8_source.Fp8Source``)."""
+    return Fp8Source(as_source(source), spec, _quantize, stats=stats)
