@@ -89,7 +89,7 @@ def weights(draw: st.DrawFn) -> tuple[np.ndarray, Fp8Scheme]:
     return x, scheme
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(weights())
 def test_jax_torch_and_the_reference_quantize_to_the_same_bytes(
     case: tuple[np.ndarray, Fp8Scheme],
