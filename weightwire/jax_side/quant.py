@@ -24,7 +24,7 @@ device-to-host read per tensor.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
+from functools import cache, partial
 from typing import Any, NamedTuple
 
 import jax
@@ -66,6 +66,7 @@ class _Opaque(NamedTuple):
     zero: jax.Array  # 0, uint32
 
 
+@cache  # uncommitted scalars: jit places them beside any input
 def _opaque_args() -> _Opaque:
     return _Opaque(jnp.asarray(FP8_MAX, jnp.float32), jnp.asarray(0, jnp.uint32))
 
