@@ -16,6 +16,7 @@ defined outside this module)::
         SparseBaseUnknown                    [weightwire.trainer.patch_round]
         AdapterRefused                       [weightwire.trainer.lora]
         ServedModelMismatch                  [weightwire.shared.served]
+        QuantizationError                    [weightwire.shared.quant]
       TransferError (RuntimeError)
         TransferTimeout (TimeoutError)
         PeerLost (ConnectionError)

@@ -1,0 +1,213 @@
+"""``Fp8Source``: a round's named ``X.weight``s sent as FP8 checkpoint pairs, from either
+trainer. Its metadata and refusals, and whole rounds over the TCP wire into the loopback
+receiver: what arrives is the numpy reference's e4m3 bytes and scales (vLLM's, per
+``tests/interop/test_vllm_fp8.py``), dense and delta rounds."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from tests.trainer.fakes import DictSource
+from weightwire.jax_side.dtypes import describe
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.jax_side.quant import fp8_source as jax_fp8_source
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.quant import (
+    Fp8Block,
+    Fp8PerTensor,
+    Fp8Scheme,
+    QuantizationError,
+    quantize_block_reference,
+    quantize_tensor_reference,
+)
+from weightwire.shared.timeouts import Timeouts
+from weightwire.testing.loopback import spawn_loopback
+from weightwire.torch_side.sender.engine import TorchTrainerEngine
+from weightwire.torch_side.sender.quant import fp8_source as torch_fp8_source
+from weightwire.torch_side.sender.source import describe_tensor
+from weightwire.trainer import TrainerInitInfo
+
+L0 = "model.layers.0"
+SPEC: dict[str, Fp8Scheme] = {
+    f"{L0}.mlp.down_proj.weight": Fp8Block(),
+    f"{L0}.self_attn.o_proj.weight": Fp8Block(ue8m0=True),
+    f"{L0}.mlp.gate_proj.weight": Fp8PerTensor(),
+}
+
+
+def _weights(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+
+    def bf16(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.02).astype(ml_dtypes.bfloat16)
+
+    return {
+        "model.embed_tokens.weight": bf16(64, 32),
+        f"{L0}.mlp.down_proj.weight": bf16(130, 300),
+        f"{L0}.mlp.gate_proj.weight": bf16(96, 130),
+        f"{L0}.self_attn.o_proj.weight": bf16(129, 129),
+        "model.norm.weight": bf16(32),
+    }
+
+
+def _expected(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for name, x in weights.items():
+        scheme = SPEC.get(name)
+        if scheme is None:
+            out[name] = x
+        elif isinstance(scheme, Fp8PerTensor):
+            out[name], out[name + "_scale"] = quantize_tensor_reference(name, x)
+        else:
+            out[name], out[name + "_scale_inv"] = quantize_block_reference(name, x, scheme)
+    return out
+
+
+def _torch(x: np.ndarray) -> torch.Tensor:
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(x.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(x.copy())
+
+
+def _host(t: Any) -> bytes:
+    if isinstance(t, torch.Tensor):
+        return t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    return np.ascontiguousarray(np.asarray(t)).tobytes()
+
+
+def test_the_metadata_holds_each_pair_where_its_weight_was() -> None:
+    weights = _weights()
+    source = jax_fp8_source(DictSource(weights, describe), SPEC)
+    metas = source.metadata()
+    assert [(m.name, m.dtype, m.shape) for m in metas] == [
+        ("model.embed_tokens.weight", "bfloat16", (64, 32)),
+        (f"{L0}.mlp.down_proj.weight", "float8_e4m3fn", (130, 300)),
+        (f"{L0}.mlp.down_proj.weight_scale_inv", "float32", (2, 3)),
+        (f"{L0}.mlp.gate_proj.weight", "float8_e4m3fn", (96, 130)),
+        (f"{L0}.mlp.gate_proj.weight_scale", "float32", ()),
+        (f"{L0}.self_attn.o_proj.weight", "float8_e4m3fn", (129, 129)),
+        (f"{L0}.self_attn.o_proj.weight_scale_inv", "float32", (2, 2)),
+        ("model.norm.weight", "bfloat16", (32,)),
+    ]
+    # bf16 -> e4m3 halves each weight; the scales cost 4 bytes each
+    halves = sum(weights[n].size for n in SPEC)
+    assert source.bytes_saved() == halves - 4 * (6 + 1 + 4)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"model.layers.9.mlp.up_proj.weight": Fp8Block()}, "names 'model.layers.9.mlp.up_proj"),
+        ({"model.norm.weight": Fp8Block()}, r"'model.norm.weight' has shape \[32\]"),
+        ({"model.embed_tokens.bias": Fp8Block()}, "only a linear's 'X.weight'"),
+    ],
+)
+def test_a_spec_the_source_cannot_meet_is_refused_by_name(
+    spec: dict[str, Fp8Scheme], match: str
+) -> None:
+    with pytest.raises(QuantizationError, match=match):
+        jax_fp8_source(DictSource(_weights(), describe), spec)
+
+
+def test_a_scale_the_source_already_sends_is_refused() -> None:
+    weights = _weights()
+    weights[f"{L0}.mlp.down_proj.weight_scale_inv"] = np.ones((2, 3), np.float32)
+    with pytest.raises(QuantizationError, match="already sends .*down_proj.weight_scale_inv"):
+        torch_fp8_source(
+            DictSource({n: _torch(a) for n, a in weights.items()}, describe_tensor), SPEC
+        )
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_pass_yields_the_reference_bytes_and_the_error_stats(framework: str) -> None:
+    weights = _weights()
+    if framework == "jax":
+        source = jax_fp8_source(
+            DictSource({n: jnp.asarray(a) for n, a in weights.items()}, describe), SPEC, stats=True
+        )
+    else:
+        source = torch_fp8_source(
+            DictSource({n: _torch(a) for n, a in weights.items()}, describe_tensor),
+            SPEC,
+            stats=True,
+        )
+    want = _expected(weights)
+    got = list(source)
+    assert [n for n, _ in got] == [m.name for m in source.metadata()] == list(want)
+    for name, tensor in got:
+        assert _host(tensor) == want[name].tobytes(), name
+    assert set(source.last_stats) == set(SPEC)
+    assert all(0 < s.mean_abs_error < s.max_abs_error < 0.01 for s in source.last_stats.values())
+
+
+def test_held_names_follow_the_weights() -> None:
+    class Held(DictSource):
+        def held_names(self) -> set[str] | None:
+            return {f"{L0}.mlp.down_proj.weight", "model.norm.weight"}
+
+    source = jax_fp8_source(Held(_weights(), describe), SPEC)
+    assert source.held_names() == {
+        f"{L0}.mlp.down_proj.weight",
+        f"{L0}.mlp.down_proj.weight_scale_inv",
+        "model.norm.weight",
+    }
+    assert isinstance(source.metadata()[0], ParamMeta)
+
+
+@pytest.fixture(scope="module")
+def loopback():
+    proc, client = spawn_loopback("weightwire_tcp", "cpu", timeout=120)
+    try:
+        yield client
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _checksums(tensors: dict[str, np.ndarray]) -> dict[str, str]:
+    return {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in tensors.items()}
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_rounds_deliver_the_fp8_pairs_dense_then_delta(loopback: Any, framework: str) -> None:
+    info = TrainerInitInfo(
+        backend="weightwire_tcp",
+        delta="auto",
+        verify=True,
+        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
+    )
+    weights = _weights(1)
+    engine: Any
+    if framework == "jax":
+        inner: DictSource = DictSource(dict(weights), describe)
+        engine = JAXTrainerEngine.trainer_init(
+            info, client=loopback, source=jax_fp8_source(inner, SPEC)
+        )
+    else:
+        inner = DictSource({n: _torch(a) for n, a in weights.items()}, describe_tensor)
+        engine = TorchTrainerEngine.trainer_init(
+            info, client=loopback, source=torch_fp8_source(inner, SPEC)
+        )
+    try:
+        engine.send_weights()
+        (reply,) = loopback.weight_checker("checksum")
+        assert reply["checksums"] == _checksums(_expected(weights))
+        # one element of down_proj moves: only the e4m3 bytes that change are patched
+        name = f"{L0}.mlp.down_proj.weight"
+        moved = weights[name].copy()
+        moved[5, 7] = ml_dtypes.bfloat16(float(moved[5, 7]) * 1.5 + 0.001)
+        weights[name] = moved
+        inner.tensors[name] = jnp.asarray(moved) if framework == "jax" else _torch(moved)
+        metrics = engine.send_weights()
+        assert metrics.density is not None and metrics.wire_bytes < metrics.dense_bytes / 20
+        (reply,) = loopback.weight_checker("checksum")
+        assert reply["checksums"] == _checksums(_expected(weights))
+    finally:
+        engine.shutdown()

@@ -1,0 +1,134 @@
+"""FP8 quantization on the torch trainer's device (no jax).
+
+``quantize_fp8(name, x, scheme)``: the torch twin of ``jax_side.quant`` (read its docstring
+for what bit identity with vLLM's quantizers rests on), written out in eager torch:
+``per_block_cast_to_fp8``'s arithmetic for ``Fp8Block``, ``input_to_float8``'s for
+``Fp8PerTensor``. NaN / inf refused, naming the tensor, from one flag (one device sync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from weightwire.shared.quant import (
+    BLOCK_AMAX_FLOOR,
+    FP8_MAX,
+    TENSOR_AMAX_FLOOR,
+    UE8M0_ROUND_DOWN,
+    Fp8Block,
+    Fp8PerTensor,
+    Fp8Scheme,
+    QuantStats,
+    check_input,
+    not_finite,
+)
+from weightwire.shared.source import WeightSource, as_source
+from weightwire.torch_side.dtypes import wire_name
+from weightwire.trainer.fp8_source import Fp8Source
+
+_ROUND_DOWN = torch.from_numpy(UE8M0_ROUND_DOWN)
+_ROUND_DOWN_ON: dict[torch.device, torch.Tensor] = {}
+
+
+class Fp8Tensors(NamedTuple):
+    """One quantized ``X.weight``: the e4m3 weight, its float32 scale, the error (if asked)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    stats: QuantStats | None
+
+
+def _ue8m0_ceil(sf: torch.Tensor) -> torch.Tensor:
+    table = _ROUND_DOWN_ON.get(sf.device)
+    if table is None:
+        table = _ROUND_DOWN_ON.setdefault(sf.device, _ROUND_DOWN.to(sf.device))
+    bits = sf.view(torch.int32)  # positive floats: the sign bit is clear
+    exponent = bits >> 23
+    up = ((bits & 0x7FFFFF) > table[exponent.long()]).to(torch.int32)
+    return ((exponent + up) << 23).view(torch.float32)
+
+
+def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
+    # torch's cast saturates already; the clip keeps it equal to XLA's / ml_dtypes' cast.
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _errors(x: torch.Tensor, dequantized: torch.Tensor) -> QuantStats:
+    diff = (dequantized - x.float()).abs()
+    return QuantStats(float(diff.max()), float(diff.mean()))
+
+
+def _quantize_block(
+    x: torch.Tensor, scheme: Fp8Block, stats: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, QuantStats | None]:
+    m, n = x.shape
+    bm, bn = scheme.block
+    rows, cols = -(-m // bm), -(-n // bn)
+    padded = torch.zeros((rows * bm, cols * bn), dtype=torch.float32, device=x.device)
+    padded[:m, :n] = x
+    view = padded.view(rows, bm, cols, bn)
+    amax = view.abs().amax(dim=(1, 3), keepdim=True)
+    finite = torch.isfinite(amax).all()
+    sf = amax.clamp(min=BLOCK_AMAX_FLOOR) / FP8_MAX
+    if scheme.ue8m0:
+        sf = _ue8m0_ceil(sf)
+    q = _to_fp8(view * (1.0 / sf))
+    weight = q.view(padded.shape)[:m, :n].contiguous()
+    errors = None
+    if stats and bool(finite):
+        errors = _errors(x, (q.float() * sf).view(padded.shape)[:m, :n])
+    return weight, sf.view(rows, cols), finite, errors
+
+
+def _quantize_tensor(
+    x: torch.Tensor, stats: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, QuantStats | None]:
+    # input_to_float8's expressions, in the input's dtype as it computes them.
+    amax = x.abs().amax()
+    finite = torch.isfinite(amax)
+    scale = FP8_MAX / amax.clamp(min=TENSOR_AMAX_FLOOR)
+    q = _to_fp8(x * scale)
+    scale_inv = scale.float().reciprocal()
+    errors = None
+    if stats and bool(finite):
+        errors = _errors(x, q.float() * scale_inv)
+    return q, scale_inv, finite, errors
+
+
+@torch.no_grad()
+def quantize_fp8(
+    name: str, x: torch.Tensor, scheme: Fp8Scheme, *, stats: bool = False
+) -> Fp8Tensors:
+    """``X.weight`` -> its FP8 checkpoint tensors, on ``x``'s device.
+
+    ``stats``: also the max and mean abs error of the dequantized weight against ``x``.
+    Raises ``QuantizationError`` naming ``name`` for a shape, dtype or value (NaN / inf)
+    the scheme cannot take.
+    """
+    check_input(name, wire_name(x.dtype), tuple(x.shape), scheme)
+    x = x.detach()
+    if isinstance(scheme, Fp8Block):
+        weight, scale, finite, errors = _quantize_block(x, scheme, stats)
+    elif isinstance(scheme, Fp8PerTensor):
+        weight, scale, finite, errors = _quantize_tensor(x, stats)
+    else:
+        raise TypeError(f"not an FP8 scheme: {scheme!r}")
+    if not bool(finite):
+        raise not_finite(name)
+    return Fp8Tensors(weight, scale, errors)
+
+
+def _quantize(name: str, x: Any, scheme: Fp8Scheme, stats: bool) -> tuple[Any, Any, Any]:
+    out = quantize_fp8(name, x, scheme, stats=stats)
+    return out.weight, out.scale, out.stats
+
+
+def fp8_source(
+    source: WeightSource | Any, spec: Mapping[str, Fp8Scheme], *, stats: bool = False
+) -> Fp8Source:
+    """``source`` with the ``spec``'s weights (name -> scheme) sent as FP8 checkpoint pairs,
+    quantized here as each round reads them (``trainer.fp8_source.Fp8Source``)."""
+    return Fp8Source(as_source(source), spec, _quantize, stats=stats)

@@ -1,0 +1,130 @@
+"""``Fp8Source``: a source whose round sends the named ``X.weight``s in FP8.
+
+Wraps any ``WeightSource``: each ``X.weight`` the spec names becomes its checkpoint pair
+(``X.weight`` in ``float8_e4m3fn`` + ``X.weight_scale_inv`` / ``X.weight_scale``, in that
+order, where the weight was), quantized as it is read by the framework's quantizer
+(``jax_side.quant.fp8_source``, ``torch_side.sender.quant.fp8_source`` bind theirs);
+every other tensor passes unchanged. Framework-free: the quantizer is a callable.
+
+The spec is checked against the source's metadata up front (a name the source lacks, a
+tensor the scheme cannot take: ``QuantizationError`` naming it, before any rendezvous).
+Which names the served model expects in FP8 is not guessed here: the spec is the caller's
+until the worker reports it at init (docs/architecture.md, the FP8 note).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from weightwire.shared.dtypes import wire_dtype
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.quant import (
+    Fp8Scheme,
+    QuantizationError,
+    QuantStats,
+    check_input,
+    fp8_metas,
+    fp8_names,
+)
+from weightwire.shared.source import WeightSource
+
+Quantize = Callable[[str, Any, Fp8Scheme, bool], tuple[Any, Any, QuantStats | None]]
+"""``(name, tensor, scheme, stats) -> (e4m3 weight, float32 scale, error or None)``."""
+
+
+class Fp8Source(WeightSource):
+    """``inner`` with the ``spec``'s weights (name -> scheme) sent as FP8 checkpoint pairs.
+
+    ``stats``: after each pass, ``last_stats`` holds every quantized weight's error (one
+    device read per weight). ``bytes_saved()``: what the quantized tensors save per round.
+    """
+
+    def __init__(
+        self,
+        inner: WeightSource,
+        spec: Mapping[str, Fp8Scheme],
+        quantize: Quantize,
+        *,
+        stats: bool = False,
+    ) -> None:
+        self.inner = inner
+        self.spec = dict(spec)
+        self._quantize = quantize
+        self.stats = stats
+        self.last_stats: dict[str, QuantStats] = {}
+        for name, scheme in self.spec.items():
+            fp8_names(name, scheme)  # an X.weight name, or refused
+        self._check(inner.metadata())
+
+    def __repr__(self) -> str:
+        return f"Fp8Source({self.inner!r}, {len(self.spec)} weights)"
+
+    def _check(self, metas: list[ParamMeta]) -> None:
+        by_name = {m.name: m for m in metas}
+        missing = sorted(set(self.spec) - set(by_name))
+        if missing:
+            raise QuantizationError(
+                f"the FP8 spec names {missing[0]!r}, which the source does not send "
+                f"({len(missing)} such name(s)): fix the spec or the source's naming"
+            )
+        for name, scheme in self.spec.items():
+            meta = by_name[name]
+            check_input(name, meta.dtype, meta.shape, scheme)
+            clash = set(fp8_names(name, scheme)[1:]) & set(by_name)
+            if clash:
+                raise QuantizationError(
+                    f"the source already sends {min(clash)!r} beside {name!r}: "
+                    f"quantizing {name!r} would send it twice"
+                )
+
+    def metadata(self) -> list[ParamMeta]:
+        out: list[ParamMeta] = []
+        for meta in self.inner.metadata():
+            scheme = self.spec.get(meta.name)
+            if scheme is None:
+                out.append(meta)
+                continue
+            for part in fp8_metas(meta.name, meta.shape, scheme):
+                out.append(ParamMeta(part.name, part.dtype, part.shape, meta.owners))
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        self.last_stats = {}
+        for name, tensor in self.inner:
+            scheme = self.spec.get(name)
+            if scheme is None:
+                yield name, tensor
+                continue
+            weight, scale, errors = self._quantize(name, tensor, scheme, self.stats)
+            if errors is not None:
+                self.last_stats[name] = errors
+            names = fp8_names(name, scheme)
+            yield names.weight, weight
+            yield names.scale, scale
+
+    def held_names(self) -> set[str] | None:
+        held = self.inner.held_names()
+        if held is None:
+            return None
+        out = set(held)
+        for name, scheme in self.spec.items():
+            if name in held:
+                out.update(fp8_names(name, scheme))
+        return out
+
+    def bytes_saved(self) -> int:
+        """Bytes per round the FP8 pairs save against the tensors they replace."""
+        saved = 0
+        for meta in self.inner.metadata():
+            scheme = self.spec.get(meta.name)
+            if scheme is None:
+                continue
+            before = wire_dtype(meta.dtype).itemsize * math.prod(meta.shape)
+            after = sum(
+                wire_dtype(p.dtype).itemsize * math.prod(p.shape)
+                for p in fp8_metas(meta.name, meta.shape, scheme)
+            )
+            saved += before - after
+        return saved
