@@ -9,9 +9,12 @@ Layout, following a byte from trainer to worker (``docs/architecture.md``):
 - ``trainer``    the framework-neutral round driver (``TrainerInitInfo``, ``RoundMetrics``, verify).
 - ``control``    the HTTP / Ray clients that drive a vLLM server's weight-sync routes.
 - ``jax_side``   pytree -> HF names, ``PytreeSource``, ``JAXTrainerEngine`` (never torch).
-- ``torch_side`` ``sender`` (``ModuleSource``, ``TorchTrainerEngine``), ``worker`` (engines,
-                 vLLM plugin), ``server`` (the reference server); never jax.
-- ``testing``    test doubles for users' tests (a loopback receiver).
+- ``torch_side`` ``sender`` (``ModuleSource``, ``TorchTrainerEngine``) and ``worker`` (the
+                 receiving engines, the vLLM plugin); never jax.
+- ``vllm_guard`` the round guard: middleware for vLLM's API server (torch-free).
+- ``testing``    test doubles for users' tests (a loopback receiver, a dict source).
+- ``tools``      beside the library, never imported by it: the reference server
+                 (``weightwire serve``), the demo, the benchmarks, the CLI.
 
 ``from weightwire import JAXTrainerEngine, PytreeSource, TrainerInitInfo, ...``: every name
 below is imported on first use, so ``import weightwire`` loads no framework (nor httpx).
