@@ -38,17 +38,15 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from typing import Any
 
-from weightwire.backends.base import Begin, DevicePacker, Prepared, RoundAborted, Sent
+from weightwire.backends.base import Prepared, RoundAborted, Sent
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
-from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.pipeline import IPCDataPath, _Starter
 from weightwire.backends.ipc.slots import (
     CUDA_IPC_LAZY_PEER_ACCESS,
     open_event,
     record,
     stream_wait,
-    sync_stream,
     trace,
     wait_event_host,
 )
@@ -164,18 +162,8 @@ class IPCPullPipeline(IPCDataPath):
     Packed rounds only: the rendezvous picks pull only for them.
     """
 
-    def __init__(
-        self,
-        comm: IPCSenderComm,
-        packer: DevicePacker,
-        *,
-        num_buffers: int,
-        timeout: float,
-        hold_bytes: int,
-    ) -> None:
-        super().__init__(
-            comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes
-        )
+    def _setup(self) -> None:
+        comm = self._comm
         self._depth = len(comm.slots.events)
         self._buffers = [WorkerBuffers(comm.cp, comm.slots.device, ch.peer) for ch in comm.channels]
         self._gather = GatherCopy(comm.cp, comm.slots.device, self._sptr)
@@ -187,15 +175,7 @@ class IPCPullPipeline(IPCDataPath):
         None until its "early" message was read.
         """
 
-    def send(
-        self,
-        prepared: Iterable[Prepared],
-        stop: threading.Event,
-        begin: Begin = None,
-        *,
-        metas: Sequence[ParamMeta] = (),
-        root: int = 0,
-    ) -> Sent:
+    def _prepare(self, metas: Sequence[ParamMeta]) -> None:
         # Before this round's start can reach a worker, an early message already here is
         # from an earlier round that read none of it (its buffers were never filled) and void.
         for ch in self._comm.channels:
@@ -203,7 +183,6 @@ class IPCPullPipeline(IPCDataPath):
         self._early = [None] * len(self._comm.channels)
         self._last_ready = -1
         self._metas = metas
-        return self._run(begin, lambda starter: self._pump(prepared, stop, starter))
 
     def _want(self, w: int, ci: int, nbytes: int, deadline: float, alive: Any) -> dict[str, Any]:
         """Worker ``w``'s want for chunk ``ci``: its early one when that was named for
@@ -321,25 +300,17 @@ class IPCPullPipeline(IPCDataPath):
             self._comm.channels[w].send({"op": "unmapped"})
 
     def close(self) -> None:
-        comm = self._comm
         try:
-            sync_stream(
-                comm.cp,
-                comm.slots.device,
-                self._sptr,
-                timeout=min(self._timeout, 30.0),
-                what="the fill stream",
-            )
-        except Exception:  # a copy may still write through the mappings: leave them open
-            self._buffers = []
-        else:
-            self._gather.close()  # the stream settled: no upload reads its tables any more
+            if self._settled_quietly():
+                self._gather.close()  # no upload reads its tables any more
+            else:  # a copy may still write through the mappings: leave them open
+                self._buffers = []
         finally:
             for bufs in self._buffers:
                 bufs.close()
             self._buffers = []
             self._in_flight = [[]]
-            comm.release()
+            self._comm.release()
 
     def held_bytes(self) -> int:
         """Trainer-side extra device memory: none (the chunks land in the workers' buffers)."""
