@@ -30,6 +30,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
+from weightwire.backends.device import StreamRef
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
 from weightwire.backends.ipc.pipeline import _Starter
@@ -41,7 +42,7 @@ from weightwire.backends.ipc.slots import (
     trace,
     wait_event_host,
 )
-from weightwire.backends.ipc.through.kernels import Launch, StreamRef, StridedCopy
+from weightwire.backends.ipc.through.kernels import Launch, StridedCopy
 from weightwire.backends.ipc.through.table import LandingTable, plan_copies, read_table
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
