@@ -35,7 +35,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import suppress
 from typing import Any
 
 from weightwire.backends.base import Prepared, RoundAborted, Sent
@@ -43,8 +42,10 @@ from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
 from weightwire.backends.ipc.pipeline import IPCDataPath, _Starter
 from weightwire.backends.ipc.slots import (
-    CUDA_IPC_LAZY_PEER_ACCESS,
+    close_mappings,
+    destroy_events,
     open_event,
+    open_mapping,
     record,
     stream_wait,
     trace,
@@ -107,21 +108,17 @@ class WorkerBuffers:
             ValueError
         ) as exc:  # a malformed message of the peer's: a protocol error, not a config one
             raise TransferError(str(exc)) from None
-        runtime = self._cp.cuda.runtime
         with self._cp.cuda.Device(self.device):
-            try:
-                ptr = int(runtime.ipcOpenMemHandle(mem, CUDA_IPC_LAZY_PEER_ACCESS))
-            except Exception as exc:
-                raise TransferError(
-                    f"cannot open {self.peer}'s receive buffer {bid} "
-                    f"(cudaIpcOpenMemHandle: {exc}); "
-                    "the worker must run on this host and its GPU be reachable from this one"
-                ) from exc
+            ptr = open_mapping(
+                self._cp,
+                mem,
+                f"{self.peer}'s receive buffer {bid}",
+                "; the worker must run on this host and its GPU be reachable from this one",
+            )
             try:
                 event = open_event(self._cp, ev, f"{self.peer}'s free event of buffer {bid}")
             except BaseException:
-                with suppress(Exception):
-                    runtime.ipcCloseMemHandle(ptr)
+                close_mappings(self._cp, [ptr])
                 raise
         self.mapped[bid] = (ptr, cap, event)
         return ptr, event
@@ -129,11 +126,8 @@ class WorkerBuffers:
     def close(self) -> None:
         mapped, self.mapped = self.mapped, {}
         with self._cp.cuda.Device(self.device):
-            for ptr, _, event in mapped.values():
-                with suppress(Exception):
-                    self._cp.cuda.runtime.ipcCloseMemHandle(ptr)
-                with suppress(Exception):
-                    self._cp.cuda.runtime.eventDestroy(event)
+            close_mappings(self._cp, [ptr for ptr, _, _ in mapped.values()])
+            destroy_events(self._cp, [event for _, _, event in mapped.values()])
 
 
 def _early_wants(msg: dict[str, Any], depth: int, peer: str) -> dict[int, dict[str, Any]]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,8 @@ from weightwire.backends.ipc.gather import GatherCopy
 from weightwire.backends.ipc.pipeline import _Starter
 from weightwire.backends.ipc.pull import IPCPullPipeline
 from weightwire.backends.ipc.slots import (
-    CUDA_IPC_LAZY_PEER_ACCESS,
+    close_mappings,
+    open_mapping,
     record,
     stream_wait,
     trace,
@@ -79,21 +79,14 @@ class _Mappings:
         if known is not None:
             return known
         with self._cp.cuda.Device(self.device):
-            try:
-                ptr = int(self._cp.cuda.runtime.ipcOpenMemHandle(handle, CUDA_IPC_LAZY_PEER_ACCESS))
-            except Exception as exc:
-                raise TransferError(
-                    f"cannot open {self.peer}'s parameter memory (cudaIpcOpenMemHandle: {exc})"
-                ) from exc
+            ptr = open_mapping(self._cp, handle, f"{self.peer}'s parameter memory")
         self.mapped[handle] = ptr
         return ptr
 
     def close(self) -> None:
         mapped, self.mapped = self.mapped, {}
         with self._cp.cuda.Device(self.device):
-            for ptr in mapped.values():
-                with suppress(Exception):
-                    self._cp.cuda.runtime.ipcCloseMemHandle(ptr)
+            close_mappings(self._cp, mapped.values())
 
 
 class IPCWriteThroughPipeline(IPCPullPipeline):
