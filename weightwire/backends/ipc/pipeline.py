@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -113,15 +113,19 @@ class IPCDataPath(RoundSender):
     def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> Sent:
         """The round's chunks through this data path."""
 
-    def _regions(self, chunk: Chunk, tensors: list[Any]) -> list[Any]:
-        """The chunk's device regions, checked against the plan.
-
-        They are held until the fill stream settled.
-        """
-        regions = self._packer.regions(tensors, self._stream)
-        check_chunk_bytes(chunk, sum(r.nbytes for r in regions))
-        self._in_flight[0].append(regions)
-        return regions
+    def _chunks(
+        self, prepared: Iterable[Prepared], stop: threading.Event
+    ) -> Iterator[tuple[int, Chunk, list[Any]]]:
+        """Each chunk's index, the chunk and its device regions, checked against the plan and
+        held until the fill stream settled; ``RoundAborted`` once ``stop`` is set."""
+        for ci, (chunk, tensors) in enumerate(prepared):
+            if stop.is_set():
+                raise RoundAborted("round stopped between chunks")
+            self._comm.alive()
+            regions = self._packer.regions(tensors, self._stream)
+            check_chunk_bytes(chunk, sum(r.nbytes for r in regions))
+            self._in_flight[0].append(regions)
+            yield ci, chunk, regions
 
     def _sync_fill(self, what: str) -> None:
         comm = self._comm
@@ -210,11 +214,7 @@ class IPCPipeline(IPCDataPath):
             self._pending[slot] = True
 
         with cp.cuda.Device(slots.device):
-            for ci, (chunk, tensors) in enumerate(prepared):
-                if stop.is_set():
-                    raise RoundAborted("round stopped between chunks")
-                comm.alive()
-                regions = self._regions(chunk, tensors)
+            for ci, chunk, regions in self._chunks(prepared, stop):
                 offset, slot, fill, base = 0, -1, 0, 0
                 for region in regions:
                     done = 0

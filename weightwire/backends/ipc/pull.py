@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from weightwire.backends.base import Prepared, RoundAborted, Sent
+from weightwire.backends.base import Prepared, Sent
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
 from weightwire.backends.ipc.pipeline import IPCDataPath, _Starter
@@ -212,11 +212,7 @@ class IPCPullPipeline(IPCDataPath):
             starter.check()
 
         with cp.cuda.Device(comm.slots.device):
-            for ci, (chunk, tensors) in enumerate(prepared):
-                if stop.is_set():
-                    raise RoundAborted("round stopped between chunks")
-                comm.alive()
-                regions = self._regions(chunk, tensors)
+            for ci, chunk, regions in self._chunks(prepared, stop):
                 trace(f"regions {ci}")
                 count += 1
                 if not chunk.nbytes:  # nothing to write: the worker names no buffer for it either
