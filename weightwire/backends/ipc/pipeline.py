@@ -68,12 +68,12 @@ class IPCDataPath(RoundSender):
         timeout: float,
         hold_bytes: int,
     ) -> None:
+        # num_buffers, hold_bytes: the other device path's, unused here (the slots set the
+        # ring's depth; a round's regions are held until its fill stream settled).
         self._comm = comm
         self._packer = packer
         self._timeout = timeout
-        self._hold_bytes = hold_bytes
         self._stream = packer.new_stream()
-        self._streams = [self._stream]
         self._sptr = stream_pointer(self._stream)
         self._in_flight: list[list[Any]] = [[]]
         self._host_wait = wait_mode() == "host"
