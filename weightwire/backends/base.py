@@ -106,6 +106,27 @@ class SenderSettings(Protocol):
     def ipc_mode(self) -> str: ...
 
 
+def framing_fields(settings: SenderSettings, *, world_size: int) -> dict[str, Any]:
+    """The worker init info's fields every backend's payload carries: the group (the trainer
+    is rank 0, the workers follow it) and the round's framing."""
+    return {
+        "rank_offset": 1,
+        "world_size": world_size,
+        "packed": settings.packed,
+        "packed_buffer_size_bytes": settings.packed_buffer_size_bytes,
+        "packed_num_buffers": settings.packed_num_buffers,
+    }
+
+
+def receiver_fields(settings: SenderSettings) -> dict[str, Any]:
+    """The fields weightwire's own receivers add (vLLM's stock ones have neither): their
+    receive timeout and stage budget."""
+    return {
+        "timeout_s": float(settings.timeouts.transfer_s),
+        "stage_budget_bytes": settings.stage_budget_bytes,
+    }
+
+
 class Link(Protocol):
     """Rank 0's joined connection to the workers, as the trainer handles it between rounds."""
 

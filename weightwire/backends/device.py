@@ -161,6 +161,15 @@ def stream_pointer(stream: Any) -> int:
     )
 
 
+class StreamRef:
+    """What a CuPy ``RawKernel`` launch reads a stream from (its ``ptr``): a stream by pointer."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
 class SlotBuffers:
     """One reusable device byte buffer per pipeline slot, for packed chunks.
 

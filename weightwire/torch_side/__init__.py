@@ -1,6 +1,7 @@
-"""The PyTorch side: ``ModuleSource``, ``TorchTrainerEngine`` (``torch_side.sender``), the
-worker engines and vLLM plugin (``torch_side.worker``), and the reference server
-(``torch_side.server``).
+"""The PyTorch side: the torch trainer (``torch_side.sender``: ``TorchTrainerEngine``,
+``ModuleSource``), the receiving workers (``torch_side.worker``: the worker engines,
+``HFModelHost``, the vLLM plugin) and the torch <-> wire dtype names (``torch_side.dtypes``).
+The reference server is ``weightwire.tools.server`` (``weightwire serve``).
 
 Never imports jax. Importing this package is cheap: it loads neither torch nor vLLM;
 each export is resolved on first attribute access, so the vLLM plugin entry point

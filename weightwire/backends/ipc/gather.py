@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightwire.backends.device import DeviceBytes
+from weightwire.backends.device import DeviceBytes, StreamRef
 from weightwire.backends.ipc.slots import (
     CUDA_EVENT_DISABLE_TIMING,
     MEMCPY_DEVICE_TO_DEVICE,
@@ -87,15 +87,6 @@ def gather_enabled() -> bool:
     return value == "1"
 
 
-class _StreamRef:
-    """What ``RawKernel.__call__`` reads a stream from (its ``ptr``): the fill stream by pointer."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
 @dataclass(frozen=True)
 class _Table:
     """One ring slot's copy table: pinned host rows, their device copy, the upload's event."""
@@ -126,7 +117,7 @@ class GatherCopy:
     stream settled); ``close`` only after the stream settled."""
 
     def __init__(self, cp: Any, device: int, stream_ptr: int, *, ring: int = _RING) -> None:
-        self._cp, self._device, self._stream = cp, int(device), _StreamRef(int(stream_ptr))
+        self._cp, self._device, self._stream = cp, int(device), StreamRef(int(stream_ptr))
         self._ring = int(ring)
         self._kernel: Any = None
         self._broken = not gather_enabled()

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import suppress
 from typing import Any
 
 from weightwire.backends.ipc.channel import Channel
-from weightwire.backends.ipc.slots import IPCSlots, device_uuid
+from weightwire.backends.ipc.slots import IPCSlots, destroy_events, device_uuid
 from weightwire.shared.errors import TransferError
 
 
@@ -84,7 +83,5 @@ class IPCSenderComm:
         """
         self.slots.destroy()
         for events in self.free_events:
-            for e in events:
-                with suppress(Exception):
-                    self.cp.cuda.runtime.eventDestroy(e)
+            destroy_events(self.cp, events)
         self.free_events = []

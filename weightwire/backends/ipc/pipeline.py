@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from abc import abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -67,39 +68,64 @@ class IPCDataPath(RoundSender):
         timeout: float,
         hold_bytes: int,
     ) -> None:
+        # num_buffers, hold_bytes: the other device path's, unused here (the slots set the
+        # ring's depth; a round's regions are held until its fill stream settled).
         self._comm = comm
         self._packer = packer
         self._timeout = timeout
-        self._hold_bytes = hold_bytes
         self._stream = packer.new_stream()
-        self._streams = [self._stream]
         self._sptr = stream_pointer(self._stream)
         self._in_flight: list[list[Any]] = [[]]
         self._host_wait = wait_mode() == "host"
         self.rounds = 0
+        self._setup()
 
-    def _run(self, begin: Begin, pump: Callable[[_Starter], Sent]) -> Sent:
-        """``pump`` a round with the control plane (pause, start, then the update POST)
+    def _setup(self) -> None:
+        """A data path's own state, once ``IPCDataPath``'s is set."""
+
+    # root: IPC carries one broadcaster (check_receiver refuses several), always rank 0.
+    def send(
+        self,
+        prepared: Iterable[Prepared],
+        stop: threading.Event,
+        begin: Begin = None,
+        *,
+        metas: Sequence[ParamMeta] = (),
+        root: int = 0,
+    ) -> Sent:
+        """``_pump`` a round with the control plane (pause, start, then the update POST)
         running beside the first fills; the pump announces nothing before it returned.
         Joined on every exit path."""
+        self._prepare(metas)
         trace("round")
         starter = _Starter(begin, timeout=_CONTROL_BOUND_S + self._timeout)
         try:
-            return pump(starter)
+            return self._pump(prepared, stop, starter)
         finally:
             starter.join()
             trace("end")
             dump_trace("trainer")
 
-    def _regions(self, chunk: Chunk, tensors: list[Any]) -> list[Any]:
-        """The chunk's device regions, checked against the plan.
+    def _prepare(self, metas: Sequence[ParamMeta]) -> None:
+        """Before the round's control plane starts (``metas``: its tensors in wire order)."""
 
-        They are held until the fill stream settled.
-        """
-        regions = self._packer.regions(tensors, self._stream)
-        check_chunk_bytes(chunk, sum(r.nbytes for r in regions))
-        self._in_flight[0].append(regions)
-        return regions
+    @abstractmethod
+    def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> Sent:
+        """The round's chunks through this data path."""
+
+    def _chunks(
+        self, prepared: Iterable[Prepared], stop: threading.Event
+    ) -> Iterator[tuple[int, Chunk, list[Any]]]:
+        """Each chunk's index, the chunk and its device regions, checked against the plan and
+        held until the fill stream settled; ``RoundAborted`` once ``stop`` is set."""
+        for ci, (chunk, tensors) in enumerate(prepared):
+            if stop.is_set():
+                raise RoundAborted("round stopped between chunks")
+            self._comm.alive()
+            regions = self._packer.regions(tensors, self._stream)
+            check_chunk_bytes(chunk, sum(r.nbytes for r in regions))
+            self._in_flight[0].append(regions)
+            yield ci, chunk, regions
 
     def _sync_fill(self, what: str) -> None:
         comm = self._comm
@@ -116,45 +142,40 @@ class IPCDataPath(RoundSender):
         self._sync_fill("the IPC fill stream")
         self._in_flight[0].clear()
 
+    def _settled_quietly(self) -> bool:
+        """On close: whether the fill stream settled (bounded); False: a copy may still run,
+        so nothing it reads or writes may be freed or unmapped."""
+        comm = self._comm
+        try:
+            sync_stream(
+                comm.cp,
+                comm.slots.device,
+                self._sptr,
+                timeout=min(self._timeout, 30.0),
+                what="the fill stream",
+            )
+        except Exception:
+            return False
+        return True
+
 
 class IPCPipeline(IPCDataPath):
-    """Pieces through the slot ring."""
+    """Pieces through the slot ring. Packed or unpacked, a chunk goes through the ring as
+    pieces."""
 
-    def __init__(
-        self,
-        comm: IPCSenderComm,
-        packer: DevicePacker,
-        *,
-        num_buffers: int,
-        timeout: float,
-        hold_bytes: int,
-    ) -> None:
-        super().__init__(
-            comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes
-        )
-        self._pending = [False] * comm.slots.count  # slot written, its free not yet seen
+    def _setup(self) -> None:
+        self._pending = [False] * self._comm.slots.count  # slot written, its free not yet seen
         self._next = 0
         self._remap = False  # release-after-round: new handles to announce before the next piece
 
     # -- the RoundSender surface --------------------------------------------------------------
 
-    # root: IPC carries one broadcaster (check_receiver refuses several), always rank 0.
-    # Packed or unpacked, a chunk goes through the ring as pieces.
-    def send(
-        self,
-        prepared: Iterable[Prepared],
-        stop: threading.Event,
-        begin: Begin = None,
-        *,
-        metas: Sequence[ParamMeta] = (),
-        root: int = 0,
-    ) -> Sent:
-        return self._send(prepared, stop, begin)
-
     def close(self) -> None:
         try:
-            if self._comm.slots.allocated:
-                self._sync_quietly()
+            # A fill stream that will not settle: leak the slots rather than free memory under
+            # a copy.
+            if self._comm.slots.allocated and not self._settled_quietly():
+                self._comm.slots.ptrs = []
         finally:
             self._in_flight = [[]]
             self._comm.release()
@@ -168,26 +189,17 @@ class IPCPipeline(IPCDataPath):
 
     # -- a round ----------------------------------------------------------------------------
 
-    def _send(self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin) -> Sent:
-        slots, cp = self._comm.slots, self._comm.cp
+    def _prepare(self, metas: Sequence[ParamMeta]) -> None:
+        slots = self._comm.slots
         if not slots.allocated:
             slots.allocate()
             self._remap = True
+
+    def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> Sent:
+        # The slots are this side's own memory: filling them may start before start returned.
+        comm, slots, cp = self._comm, self._comm.slots, self._comm.cp
         copy = cp.cuda.runtime.memcpyAsync
         size, n = slots.nbytes, slots.count
-        # The slots are this side's own memory: filling them may start before start returned.
-        return self._run(begin, lambda starter: self._pump(prepared, stop, starter, copy, size, n))
-
-    def _pump(
-        self,
-        prepared: Iterable[Prepared],
-        stop: threading.Event,
-        starter: _Starter,
-        copy: Any,
-        size: int,
-        n: int,
-    ) -> Sent:
-        comm, slots, cp = self._comm, self._comm.slots, self._comm.cp
         nbytes = pieces = 0
 
         def flush(ci: int, slot: int, offset: int, fill: int) -> None:
@@ -202,11 +214,7 @@ class IPCPipeline(IPCDataPath):
             self._pending[slot] = True
 
         with cp.cuda.Device(slots.device):
-            for ci, (chunk, tensors) in enumerate(prepared):
-                if stop.is_set():
-                    raise RoundAborted("round stopped between chunks")
-                comm.alive()
-                regions = self._regions(chunk, tensors)
+            for ci, chunk, regions in self._chunks(prepared, stop):
                 offset, slot, fill, base = 0, -1, 0, 0
                 for region in regions:
                     done = 0
@@ -291,21 +299,6 @@ class IPCPipeline(IPCDataPath):
         for ch in self._comm.channels:
             ch.send(msg)
         self._remap = False
-
-    def _sync_quietly(self) -> None:
-        try:
-            comm = self._comm
-            sync_stream(
-                comm.cp,
-                comm.slots.device,
-                self._sptr,
-                timeout=min(self._timeout, 30.0),
-                what="the fill stream",
-            )
-        except Exception:
-            # A fill stream that will not settle: leak the slots rather than free memory under a
-            # copy.
-            self._comm.slots.ptrs = []
 
 
 _CONTROL_BOUND_S = 2 * 300.0

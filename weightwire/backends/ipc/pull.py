@@ -35,20 +35,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import suppress
 from typing import Any
 
-from weightwire.backends.base import Begin, DevicePacker, Prepared, RoundAborted, Sent
+from weightwire.backends.base import Prepared, Sent
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
-from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.pipeline import IPCDataPath, _Starter
 from weightwire.backends.ipc.slots import (
-    CUDA_IPC_LAZY_PEER_ACCESS,
+    close_mappings,
+    destroy_events,
     open_event,
+    open_mapping,
     record,
     stream_wait,
-    sync_stream,
     trace,
     wait_event_host,
 )
@@ -109,21 +108,17 @@ class WorkerBuffers:
             ValueError
         ) as exc:  # a malformed message of the peer's: a protocol error, not a config one
             raise TransferError(str(exc)) from None
-        runtime = self._cp.cuda.runtime
         with self._cp.cuda.Device(self.device):
-            try:
-                ptr = int(runtime.ipcOpenMemHandle(mem, CUDA_IPC_LAZY_PEER_ACCESS))
-            except Exception as exc:
-                raise TransferError(
-                    f"cannot open {self.peer}'s receive buffer {bid} "
-                    f"(cudaIpcOpenMemHandle: {exc}); "
-                    "the worker must run on this host and its GPU be reachable from this one"
-                ) from exc
+            ptr = open_mapping(
+                self._cp,
+                mem,
+                f"{self.peer}'s receive buffer {bid}",
+                "; the worker must run on this host and its GPU be reachable from this one",
+            )
             try:
                 event = open_event(self._cp, ev, f"{self.peer}'s free event of buffer {bid}")
             except BaseException:
-                with suppress(Exception):
-                    runtime.ipcCloseMemHandle(ptr)
+                close_mappings(self._cp, [ptr])
                 raise
         self.mapped[bid] = (ptr, cap, event)
         return ptr, event
@@ -131,11 +126,8 @@ class WorkerBuffers:
     def close(self) -> None:
         mapped, self.mapped = self.mapped, {}
         with self._cp.cuda.Device(self.device):
-            for ptr, _, event in mapped.values():
-                with suppress(Exception):
-                    self._cp.cuda.runtime.ipcCloseMemHandle(ptr)
-                with suppress(Exception):
-                    self._cp.cuda.runtime.eventDestroy(event)
+            close_mappings(self._cp, [ptr for ptr, _, _ in mapped.values()])
+            destroy_events(self._cp, [event for _, _, event in mapped.values()])
 
 
 def _early_wants(msg: dict[str, Any], depth: int, peer: str) -> dict[int, dict[str, Any]]:
@@ -164,18 +156,8 @@ class IPCPullPipeline(IPCDataPath):
     Packed rounds only: the rendezvous picks pull only for them.
     """
 
-    def __init__(
-        self,
-        comm: IPCSenderComm,
-        packer: DevicePacker,
-        *,
-        num_buffers: int,
-        timeout: float,
-        hold_bytes: int,
-    ) -> None:
-        super().__init__(
-            comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes
-        )
+    def _setup(self) -> None:
+        comm = self._comm
         self._depth = len(comm.slots.events)
         self._buffers = [WorkerBuffers(comm.cp, comm.slots.device, ch.peer) for ch in comm.channels]
         self._gather = GatherCopy(comm.cp, comm.slots.device, self._sptr)
@@ -187,15 +169,7 @@ class IPCPullPipeline(IPCDataPath):
         None until its "early" message was read.
         """
 
-    def send(
-        self,
-        prepared: Iterable[Prepared],
-        stop: threading.Event,
-        begin: Begin = None,
-        *,
-        metas: Sequence[ParamMeta] = (),
-        root: int = 0,
-    ) -> Sent:
+    def _prepare(self, metas: Sequence[ParamMeta]) -> None:
         # Before this round's start can reach a worker, an early message already here is
         # from an earlier round that read none of it (its buffers were never filled) and void.
         for ch in self._comm.channels:
@@ -203,7 +177,6 @@ class IPCPullPipeline(IPCDataPath):
         self._early = [None] * len(self._comm.channels)
         self._last_ready = -1
         self._metas = metas
-        return self._run(begin, lambda starter: self._pump(prepared, stop, starter))
 
     def _want(self, w: int, ci: int, nbytes: int, deadline: float, alive: Any) -> dict[str, Any]:
         """Worker ``w``'s want for chunk ``ci``: its early one when that was named for
@@ -239,11 +212,7 @@ class IPCPullPipeline(IPCDataPath):
             starter.check()
 
         with cp.cuda.Device(comm.slots.device):
-            for ci, (chunk, tensors) in enumerate(prepared):
-                if stop.is_set():
-                    raise RoundAborted("round stopped between chunks")
-                comm.alive()
-                regions = self._regions(chunk, tensors)
+            for ci, chunk, regions in self._chunks(prepared, stop):
                 trace(f"regions {ci}")
                 count += 1
                 if not chunk.nbytes:  # nothing to write: the worker names no buffer for it either
@@ -321,25 +290,17 @@ class IPCPullPipeline(IPCDataPath):
             self._comm.channels[w].send({"op": "unmapped"})
 
     def close(self) -> None:
-        comm = self._comm
         try:
-            sync_stream(
-                comm.cp,
-                comm.slots.device,
-                self._sptr,
-                timeout=min(self._timeout, 30.0),
-                what="the fill stream",
-            )
-        except Exception:  # a copy may still write through the mappings: leave them open
-            self._buffers = []
-        else:
-            self._gather.close()  # the stream settled: no upload reads its tables any more
+            if self._settled_quietly():
+                self._gather.close()  # no upload reads its tables any more
+            else:  # a copy may still write through the mappings: leave them open
+                self._buffers = []
         finally:
             for bufs in self._buffers:
                 bufs.close()
             self._buffers = []
             self._in_flight = [[]]
-            comm.release()
+            self._comm.release()
 
     def held_bytes(self) -> int:
         """Trainer-side extra device memory: none (the chunks land in the workers' buffers)."""

@@ -7,12 +7,11 @@ link (``push.worker.IPCLink``) and the write-through link receive rounds through
 from __future__ import annotations
 
 import time
-from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 from weightwire.backends.ipc.channel import Channel
-from weightwire.backends.ipc.slots import OpenedSlots, device_uuid
+from weightwire.backends.ipc.slots import OpenedSlots, destroy_events, device_uuid
 from weightwire.backends.worker_base import ReceiveTurn
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
@@ -69,9 +68,7 @@ class IPCReceiver:
         self._state = "closed"
         self.channel.close()
         self.slots.close()
-        for e in self.free:
-            with suppress(Exception):
-                self.cp.cuda.runtime.eventDestroy(e)
+        destroy_events(self.cp, self.free)
         self.free = []
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from typing import Any
 
@@ -120,6 +120,29 @@ def open_event(cp: Any, handle: bytes, what: str) -> int:
             f"cannot open {what} (cudaIpcOpenEventHandle: {exc}); "
             "is the peer on this host and alive?"
         ) from exc
+
+
+def destroy_events(cp: Any, events: Iterable[int]) -> None:
+    """Best effort, on teardown: a failure (its context already gone) leaves nothing to undo."""
+    for event in events:
+        with suppress(Exception):
+            cp.cuda.runtime.eventDestroy(event)
+
+
+def open_mapping(cp: Any, handle: bytes, what: str, hint: str = "") -> int:
+    """A peer's allocation mapped on the current device (``cudaIpcOpenMemHandle``, lazy peer
+    access); ``TransferError`` naming ``what``, then ``hint``, where it does not open."""
+    try:
+        return int(cp.cuda.runtime.ipcOpenMemHandle(handle, CUDA_IPC_LAZY_PEER_ACCESS))
+    except Exception as exc:
+        raise TransferError(f"cannot open {what} (cudaIpcOpenMemHandle: {exc}){hint}") from exc
+
+
+def close_mappings(cp: Any, ptrs: Iterable[int]) -> None:
+    """Best effort, on teardown, on the current device: each ``open_mapping`` closed."""
+    for ptr in ptrs:
+        with suppress(Exception):
+            cp.cuda.runtime.ipcCloseMemHandle(ptr)
 
 
 def stream_wait(cp: Any, stream_ptr: int, event: int) -> None:
@@ -263,9 +286,7 @@ class IPCSlots:
     def destroy(self) -> None:
         self.free_memory()
         events, self.events = self.events, []
-        for e in events:
-            with suppress(Exception):
-                self._cp.cuda.runtime.eventDestroy(e)
+        destroy_events(self._cp, events)
 
 
 class OpenedSlots:
@@ -278,22 +299,23 @@ class OpenedSlots:
 
     def open(self, handles: list[bytes]) -> None:
         self.close()
-        runtime = self._cp.cuda.runtime
         with self._cp.cuda.Device(self.device):
             for i, h in enumerate(handles):
                 try:
-                    self.ptrs.append(int(runtime.ipcOpenMemHandle(h, CUDA_IPC_LAZY_PEER_ACCESS)))
-                except Exception as exc:
+                    self.ptrs.append(
+                        open_mapping(
+                            self._cp,
+                            h,
+                            f"the trainer's IPC slot {i}",
+                            "; the trainer must run on this host, be alive, and its GPU be "
+                            "reachable from this one (same GPU or peer access)",
+                        )
+                    )
+                except TransferError:
                     self.close()
-                    raise TransferError(
-                        f"cannot open the trainer's IPC slot {i} (cudaIpcOpenMemHandle: {exc}); "
-                        "the trainer must run on this host, be alive, and its GPU be reachable "
-                        "from this one (same GPU or peer access)"
-                    ) from exc
+                    raise
 
     def close(self) -> None:
         ptrs, self.ptrs = self.ptrs, []
         with self._cp.cuda.Device(self.device):
-            for p in ptrs:
-                with suppress(Exception):
-                    self._cp.cuda.runtime.ipcCloseMemHandle(p)
+            close_mappings(self._cp, ptrs)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,7 @@ from weightwire.backends.ipc.receiver import IPCReceiver, Posted, posted_chunk
 from weightwire.backends.ipc.slots import (
     OpenedSlots,
     cupy_module,
+    destroy_events,
     device_uuid,
     dump_trace,
     event_handle,
@@ -85,9 +85,7 @@ def connect_ipc(
             peer=f"the IPC trainer at {info.host}:{info.port}",
         )
     except BaseException:
-        for e in free:
-            with suppress(Exception):
-                cp.cuda.runtime.eventDestroy(e)
+        destroy_events(cp, free)
         raise
     receiver = IPCReceiver(cp, index, channel, OpenedSlots(cp, index, []), ready, free, info)
     try:

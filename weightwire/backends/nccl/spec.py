@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from weightwire.backends.spec import BackendSpec
 
 _INFO = "weightwire.shared.info"
@@ -32,15 +34,10 @@ NCCL = BackendSpec(
 )
 """vLLM's own dense NCCL backend (unique-id rendezvous); no plugin."""
 
-SPARSE_NCCL = BackendSpec(
+SPARSE_NCCL = replace(
+    NCCL,
     name="sparse_nccl",
-    init_info=f"{_INFO}:NCCLInitInfo",
     trainer="weightwire.backends.nccl.trainer:SparseNCCLBackend",
-    connect=None,
-    worker_engine=f"{_ENGINES}:WeightwireNCCLEngine",
-    vllm_engine=None,
-    needs_cuda=True,
-    stock_receiver=True,
     dense_rounds=False,
 )
 """vLLM's own sparse NCCL backend (>= 0.30): delta rounds only, applied in place; no plugin.

@@ -21,6 +21,8 @@ from weightwire.backends.base import (
     SenderParts,
     SenderSettings,
     WirePlan,
+    framing_fields,
+    receiver_fields,
 )
 from weightwire.backends.device import SlotBuffers
 from weightwire.backends.nccl import comm as nccl
@@ -85,11 +87,7 @@ class NCCLBackend(Backend):
         # worker will parse it, and carries exactly vLLM's fields.
         return NCCLInitInfo(
             nccl_unique_id_b64=encode_secret(unique_id),
-            rank_offset=1,
-            world_size=world_size,
-            packed=info.packed,
-            packed_buffer_size_bytes=info.packed_buffer_size_bytes,
-            packed_num_buffers=info.packed_num_buffers,
+            **framing_fields(info, world_size=world_size),
         ).to_dict()
 
     def open(self, info: SenderSettings, *, world_size: int) -> Rendezvous:
@@ -163,26 +161,14 @@ class WeightwireNCCLBackend(NCCLBackend):
     # is its src.
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, several="group")
 
-    def plan_round(
-        self,
-        metas: Sequence[ParamMeta],
-        *,
-        features: ServerFeatures,
-        packed: bool,
-        buffer_size_bytes: int,
-    ) -> WirePlan:
-        return WirePlan(list(metas))
+    # Not a stock receiver: any wire order goes, as for every backend by default.
+    plan_round = Backend.plan_round
 
     def _payload(self, info: SenderSettings, unique_id: bytes, world_size: int) -> dict[str, Any]:
         return WeightwireNCCLInitInfo(
             nccl_unique_id_b64=encode_secret(unique_id),
-            rank_offset=1,
-            world_size=world_size,
-            packed=info.packed,
-            packed_buffer_size_bytes=info.packed_buffer_size_bytes,
-            packed_num_buffers=info.packed_num_buffers,
-            timeout_s=float(info.timeouts.transfer_s),
-            stage_budget_bytes=info.stage_budget_bytes,
+            **framing_fields(info, world_size=world_size),
+            **receiver_fields(info),
         ).to_dict()
 
     def peer_fields(self, payload: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from weightwire.backends.base import (
     SenderSettings,
     StarEndpoint,
     StarSource,
+    framing_fields,
+    receiver_fields,
 )
 from weightwire.backends.pipelines import HostPipeline
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
@@ -43,13 +45,8 @@ class TCPBackend(Backend):
         try:
             payload = TCPInitInfo(
                 **rdv.init_fields(),
-                rank_offset=1,
-                world_size=world_size,
-                packed=settings.packed,
-                packed_buffer_size_bytes=settings.packed_buffer_size_bytes,
-                packed_num_buffers=settings.packed_num_buffers,
-                timeout_s=float(settings.timeouts.transfer_s),
-                stage_budget_bytes=settings.stage_budget_bytes,
+                **framing_fields(settings, world_size=world_size),
+                **receiver_fields(settings),
             ).to_dict()
         except BaseException:
             rdv.close()

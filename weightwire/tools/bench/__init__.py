@@ -6,5 +6,5 @@
                  control planes; ``sync_trace``: where one round's time goes).
 
 Each module runs as ``python -m weightwire.tools.bench.<name>``; children it spawns run the
-same way.
+same way (``child.spawn_child``: with the parent's weightwire first on the import path).
 """

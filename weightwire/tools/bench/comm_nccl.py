@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]  # the directory holding the weightwire package
+from weightwire.tools.bench.child import spawn_child
+
 MODES = ("raw", "weightwire", "raw_sync", "weightwire_sync")
 DEFAULT_SIZES = (64 << 20, 256 << 20, 1 << 30)
 
@@ -123,23 +124,13 @@ def _worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _launch(rank: int, cfg_path: str) -> subprocess.Popen:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(rank))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "weightwire.tools.bench.comm_nccl",
-            "--worker",
-            str(rank),
-            "--config",
-            cfg_path,
-        ],
-        env=env,
+def _launch(rank: int, cfg_path: str) -> subprocess.Popen[str]:
+    return spawn_child(
+        "comm_nccl",
+        ["--worker", str(rank), "--config", cfg_path],
+        env={"CUDA_VISIBLE_DEVICES": str(rank)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
 
 

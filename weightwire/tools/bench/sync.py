@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -41,11 +40,11 @@ from typing import Any
 
 from weightwire._extras import require
 from weightwire.tools._cli import CommandError, HelpFormatter
+from weightwire.tools.bench.child import spawn_child
 from weightwire.tools.bench.sync_models import MODELS, build_params, hf_shapes, make_source
 from weightwire.tools.bench.sync_sender import error_row, sender_main
 from weightwire.tools.bench.sync_shim import receiver_main, rpc
 
-REPO = Path(__file__).resolve().parents[2]  # the directory holding the weightwire package
 GIB = 1 << 30
 
 __all__ = [
@@ -83,27 +82,16 @@ def table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def _spawn(role: str, gpu: int | None, cfg: dict[str, Any], path: Path) -> subprocess.Popen:
+def _spawn(role: str, gpu: int | None, cfg: dict[str, Any], path: Path) -> subprocess.Popen[str]:
     path.write_text(json.dumps(cfg))
-    env = dict(
-        os.environ,
-        CUDA_VISIBLE_DEVICES="" if gpu is None else str(gpu),
-        XLA_PYTHON_CLIENT_PREALLOCATE="false",
-    )
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "weightwire.tools.bench.sync",
-            "--role",
-            role,
-            "--config",
-            str(path),
-        ],
-        env=env,
+    return spawn_child(
+        "sync",
+        ["--role", role, "--config", str(path)],
+        env={
+            "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu),
+            "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        },
         stdout=subprocess.PIPE if role == "sender" else None,
-        text=True,
     )
 
 

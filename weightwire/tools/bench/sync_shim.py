@@ -25,10 +25,20 @@ from typing import Any
 
 def rpc(port: int, call: str, timeout: float, /, **args: Any) -> Any:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall((json.dumps({"call": call, "args": args}) + "\n").encode())
+        sock.sendall(_request(call, args))
         line = sock.makefile("rb").readline()
     if not line:
         raise ConnectionError(f"receiver closed the connection during {call}")
+    return _result(call, line)
+
+
+def _request(call: str, args: dict[str, Any]) -> bytes:
+    """One call to the receiver process: a JSON line."""
+    return (json.dumps({"call": call, "args": args}) + "\n").encode()
+
+
+def _result(call: str, line: bytes) -> Any:
+    """The receiver's reply line to ``call``: its result, or its error raised here."""
     reply = json.loads(line)
     if not reply["ok"]:
         raise RuntimeError(f"receiver {call} failed: {reply['error']}")
@@ -55,7 +65,7 @@ class ShimClient:
                 self._conn = (sock, sock.makefile("rb"))
             sock, reader = self._conn
             try:
-                sock.sendall((json.dumps({"call": call, "args": args}) + "\n").encode())
+                sock.sendall(_request(call, args))
                 line = reader.readline()
             except BaseException:
                 self.close()
@@ -63,10 +73,7 @@ class ShimClient:
             if not line:
                 self.close()
                 raise ConnectionError(f"receiver closed the connection during {call}")
-        reply = json.loads(line)
-        if not reply["ok"]:
-            raise RuntimeError(f"receiver {call} failed: {reply['error']}")
-        return reply.get("result")
+        return _result(call, line)
 
     def _call(self, call: str, **args: Any) -> Any:
         start = time.perf_counter()

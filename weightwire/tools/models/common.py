@@ -23,6 +23,25 @@ def dense_init() -> nn.initializers.Initializer:
     return nn.initializers.normal(INIT_STD)
 
 
+def dense(features: int, *, name: str, dtype: Any, param_dtype: Any, bias: bool = True) -> nn.Dense:
+    """A projection initialised as Hugging Face's models are (normal(0.02) kernel)."""
+    return nn.Dense(
+        features,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=dense_init(),
+        name=name,
+    )
+
+
+def embed(num: int, features: int, *, dtype: Any, param_dtype: Any) -> nn.Embed:
+    """An embedding table initialised as Hugging Face's models are (normal(0.02))."""
+    return nn.Embed(
+        num, features, dtype=dtype, param_dtype=param_dtype, embedding_init=dense_init()
+    )
+
+
 class RMSNorm(nn.Module):
     """RMS norm over the last axis.
 

@@ -26,7 +26,9 @@ from weightwire.tools.models.common import (
     apply_rotary,
     attend,
     attention_bias,
+    dense,
     dense_init,
+    embed,
     init_params,
     lm_logits,
     positions_for,
@@ -40,14 +42,7 @@ __all__ = ["FAMILIES", "DecoderConfig", "apply", "init", "naming"]
 
 
 def _dense(cfg: DecoderConfig, features: int, name: str, bias: bool) -> nn.Dense:
-    return nn.Dense(
-        features,
-        use_bias=bias,
-        dtype=cfg.jdtype,
-        param_dtype=cfg.jparam_dtype,
-        kernel_init=dense_init(),
-        name=name,
-    )
+    return dense(features, name=name, bias=bias, dtype=cfg.jdtype, param_dtype=cfg.jparam_dtype)
 
 
 def _norm(cfg: DecoderConfig, name: str) -> RMSNorm:
@@ -151,12 +146,8 @@ class DecoderModel(nn.Module):
 
     def setup(self) -> None:
         c = self.cfg
-        self.embed_tokens = nn.Embed(
-            c.vocab_size,
-            c.hidden_size,
-            dtype=c.jdtype,
-            param_dtype=c.jparam_dtype,
-            embedding_init=dense_init(),
+        self.embed_tokens = embed(
+            c.vocab_size, c.hidden_size, dtype=c.jdtype, param_dtype=c.jparam_dtype
         )
         if c.scan_layers:
             stack = nn.scan(

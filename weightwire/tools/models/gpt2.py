@@ -22,7 +22,8 @@ from weightwire.jax_side.presets import preset
 from weightwire.tools.models.common import (
     attend,
     attention_bias,
-    dense_init,
+    dense,
+    embed,
     init_params,
     lm_logits,
     positions_for,
@@ -89,10 +90,8 @@ class GPT2Config:
         return self.n_inner or 4 * self.n_embd
 
 
-def _dense(cfg: GPT2Config, n: int, name: str) -> nn.Dense:
-    return nn.Dense(
-        n, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=dense_init(), name=name
-    )
+def _dense(cfg: GPT2Config, n: int, name: str, bias: bool = True) -> nn.Dense:
+    return dense(n, name=name, bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
 
 
 def _ln(cfg: GPT2Config, name: str) -> nn.LayerNorm:
@@ -148,20 +147,8 @@ class Transformer(nn.Module):
 
     def setup(self) -> None:
         c = self.cfg
-        self.wte = nn.Embed(
-            c.vocab_size,
-            c.n_embd,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            embedding_init=dense_init(),
-        )
-        self.wpe = nn.Embed(
-            c.n_positions,
-            c.n_embd,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            embedding_init=dense_init(),
-        )
+        self.wte = embed(c.vocab_size, c.n_embd, dtype=c.dtype, param_dtype=c.param_dtype)
+        self.wpe = embed(c.n_positions, c.n_embd, dtype=c.dtype, param_dtype=c.param_dtype)
         self.h = [Block(c) for _ in range(c.n_layer)]
         self.ln_f = _ln(c, "ln_f")
 
@@ -192,14 +179,7 @@ class GPT2LMHead(nn.Module):
         h = tr(tokens, positions, attention_mask)
         if self.cfg.tie_word_embeddings:
             return tr.attend(h)
-        return nn.Dense(
-            self.cfg.vocab_size,
-            use_bias=False,
-            dtype=self.cfg.dtype,
-            param_dtype=self.cfg.param_dtype,
-            kernel_init=dense_init(),
-            name="lm_head",
-        )(h)
+        return _dense(self.cfg, self.cfg.vocab_size, "lm_head", bias=False)(h)
 
 
 def config(**overrides: Any) -> GPT2Config:

@@ -93,15 +93,6 @@ def _source(src: str, dst: str) -> str:
     return half + _HEAD + _BODY.substitute(ST=_RAW[src], DT=_RAW[dst], EXPR=expr)
 
 
-class StreamRef:
-    """What ``RawKernel.__call__`` reads a stream from (its ``ptr``): a stream by pointer."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
 @dataclass(frozen=True)
 class Launch:
     """One prepared strided copy: its kernel, geometry on the device and element count."""

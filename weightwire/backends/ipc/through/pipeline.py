@@ -25,26 +25,24 @@ weights are not whole from the first write until the round commits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightwire.backends.base import DevicePacker
+from weightwire.backends.device import StreamRef
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
-from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.pipeline import _Starter
 from weightwire.backends.ipc.pull import IPCPullPipeline
 from weightwire.backends.ipc.slots import (
-    CUDA_IPC_LAZY_PEER_ACCESS,
+    close_mappings,
+    open_mapping,
     record,
     stream_wait,
-    sync_stream,
     trace,
     wait_event_host,
 )
-from weightwire.backends.ipc.through.kernels import Launch, StreamRef, StridedCopy
+from weightwire.backends.ipc.through.kernels import Launch, StridedCopy
 from weightwire.backends.ipc.through.table import LandingTable, plan_copies, read_table
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
@@ -81,21 +79,14 @@ class _Mappings:
         if known is not None:
             return known
         with self._cp.cuda.Device(self.device):
-            try:
-                ptr = int(self._cp.cuda.runtime.ipcOpenMemHandle(handle, CUDA_IPC_LAZY_PEER_ACCESS))
-            except Exception as exc:
-                raise TransferError(
-                    f"cannot open {self.peer}'s parameter memory (cudaIpcOpenMemHandle: {exc})"
-                ) from exc
+            ptr = open_mapping(self._cp, handle, f"{self.peer}'s parameter memory")
         self.mapped[handle] = ptr
         return ptr
 
     def close(self) -> None:
         mapped, self.mapped = self.mapped, {}
         with self._cp.cuda.Device(self.device):
-            for ptr in mapped.values():
-                with suppress(Exception):
-                    self._cp.cuda.runtime.ipcCloseMemHandle(ptr)
+            close_mappings(self._cp, mapped.values())
 
 
 class IPCWriteThroughPipeline(IPCPullPipeline):
@@ -103,18 +94,9 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
 
     in_place = True
 
-    def __init__(
-        self,
-        comm: IPCSenderComm,
-        packer: DevicePacker,
-        *,
-        num_buffers: int,
-        timeout: float,
-        hold_bytes: int,
-    ) -> None:
-        super().__init__(
-            comm, packer, num_buffers=num_buffers, timeout=timeout, hold_bytes=hold_bytes
-        )
+    def _setup(self) -> None:
+        super()._setup()
+        comm = self._comm
         n, cp, device = len(comm.channels), comm.cp, comm.slots.device
         self._landed: list[_Landed | None] = [None] * n
         self._maps = [_Mappings(cp, device, ch.peer) for ch in comm.channels]
@@ -125,14 +107,14 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         self._stream_ref = StreamRef(self._sptr)
         self._told: set[str] = set()
 
-    def send(self, prepared: Any, stop: Any, begin: Any = None, **kw: Any) -> Any:
+    def _prepare(self, metas: Sequence[ParamMeta]) -> None:
         if self._in_flight[0]:  # the last round's copies: long done, but never settled
             self.settle()
         for ch in self._comm.channels:  # a go of a round that sent no byte: void
             ch.discard_delivered("go")
         self._through = [False] * len(self._comm.channels)
         self._known = False
-        return super().send(prepared, stop, begin, **kw)
+        super()._prepare(metas)
 
     def _pulling(self) -> list[int]:
         return [w for w, through in enumerate(self._through) if not through]
@@ -291,19 +273,11 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         self._runs.copy_rows(srcs, dsts, sizes, deadline=deadline, alive=alive)
 
     def close(self) -> None:
-        comm = self._comm
         try:
-            sync_stream(
-                comm.cp,
-                comm.slots.device,
-                self._sptr,
-                timeout=min(self._timeout, 30.0),
-                what="the fill stream",
-            )
-        except Exception:  # a copy may still write through the mappings: leave them open
-            self._maps = []
-        else:
-            self._runs.close()
+            if self._settled_quietly():
+                self._runs.close()
+            else:  # a copy may still write through the mappings: leave them open
+                self._maps = []
         finally:
             for maps in self._maps:
                 maps.close()
