@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from weightwire.backends.device import StreamRef
 from weightwire.shared.errors import ConfigError
 from weightwire.trainer.delta_cuda_source import SOURCE
 
@@ -162,15 +163,6 @@ class Pending:
     scratch_bytes: int = 0
 
 
-class _StreamRef:
-    """What a CuPy kernel launch reads a stream from (its ``ptr``): a stream by pointer."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
 _EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
 
 
@@ -267,7 +259,7 @@ class FusedDelta:
                     (self.tiling.threads,),
                     (np.uint64(scratch_ptr), np.int32(n), np.uint64(ticket), np.uint64(counts),
                      np.uint64(status)),
-                    stream=_StreamRef(stream),
+                    stream=StreamRef(stream),
                 )  # fmt: skip
             if n:
                 runtime.memcpyAsync(host.ptr, counts, 8 * n, runtime.memcpyDeviceToHost, stream)
@@ -326,7 +318,7 @@ class FusedDelta:
                     grid,
                     (_PACK_THREADS,),
                     (np.uint64(dst), np.int32(len(copies))),
-                    stream=_StreamRef(pending.stream),
+                    stream=StreamRef(pending.stream),
                 )
                 self._span_end(span, pending.stream)
         # Stream-ordered memory: a later allocation on this stream reuses it only after
