@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tests.trainer.commit_order import canonical
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
@@ -125,7 +126,7 @@ def test_round_order_versions_and_pause() -> None:
     engine.send_weights()
     round_routes = [
         r
-        for r in server.routes()
+        for r in canonical(server.routes())
         if r not in ("version", "get_world_size", "init_weight_transfer_engine")
     ]
     assert (

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.trainer.commit_order import canonical
 from tests.trainer.fakes import DictSource, FakeBackend, FakeServer
 from weightwire.backends.base import SenderCaps, StockRefusal, WirePlan
 from weightwire.backends.nccl.stock import plan_for_stock
@@ -262,7 +263,7 @@ def test_engine_refuses_before_pause_or_start_and_stays_usable() -> None:
     )  # no pause, start, update; no byte
     del weights["model.layers.0.scale"]
     engine.send_weights()
-    assert server.routes()[len(before) :] == [
+    assert canonical(server.routes()[len(before) :]) == [
         "pause",
         "start_weight_update",
         "update_weights",
