@@ -13,7 +13,8 @@ import pytest
 from weightwire.control import HTTPWeightSyncClient
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.served import WORKER_METHOD, ServedModel
+from weightwire.shared.routes import SERVED_MODEL_METHOD
+from weightwire.shared.served import ServedModel
 from weightwire.vllm_guard.worker import worker_served_model
 
 MODEL = ServedModel.of(
@@ -71,7 +72,7 @@ def test_the_workers_tell_through_collective_rpc() -> None:
     c, bodies = client({"a": ({}, answer), "b": ({}, answer)})
     assert c.served_model() is None
     assert c.workers_served_model() == MODEL
-    assert bodies == [{"method": WORKER_METHOD, "timeout": 5}] * 2
+    assert bodies == [{"method": SERVED_MODEL_METHOD, "timeout": 5}] * 2
 
 
 @pytest.mark.parametrize(

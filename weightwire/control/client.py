@@ -31,8 +31,8 @@ from weightwire.control.ready import wait_until_ready
 from weightwire.control.serving import ServingRoutes
 from weightwire.shared import routes
 from weightwire.shared.errors import ConfigError, WeightSyncError, WrongType
-from weightwire.shared.routes import PAUSE_MODES, SERVED_MODEL
-from weightwire.shared.served import WORKER_METHOD, ServedModel, from_worker_answers
+from weightwire.shared.routes import PAUSE_MODES, SERVED_MODEL, SERVED_MODEL_METHOD
+from weightwire.shared.served import ServedModel, from_worker_answers
 
 
 class HTTPWeightSyncClient(ServingRoutes):
@@ -138,7 +138,7 @@ class HTTPWeightSyncClient(ServingRoutes):
         worker method, through vLLM's dev route ``POST /collective_rpc``), for servers whose
         init reply tells nothing; ``None`` where a server has no such route or a worker
         cannot tell. ``WeightSyncError`` for a malformed answer or servers that disagree."""
-        body = {"method": WORKER_METHOD, "timeout": self.timeout}
+        body = {"method": SERVED_MODEL_METHOD, "timeout": self.timeout}
         try:
             replies = self._all(routes.COLLECTIVE_RPC, body)
         except WeightSyncError as exc:

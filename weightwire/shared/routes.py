@@ -44,8 +44,14 @@ HEALTH = Route("health", "GET", "/health", weight_route=False)
 COMPLETIONS = Route("completions", "POST", "/v1/completions", weight_route=False)
 
 COLLECTIVE_RPC = Route("collective_rpc", "POST", "/collective_rpc")
-"""vLLM's dev route that calls a worker method on every worker (``shared.served.WORKER_METHOD``);
+"""vLLM's dev route that calls a worker method on every worker (``SERVED_MODEL_METHOD``);
 not in ``ROUTES``: the reference server has none (its init reply tells what it serves)."""
+
+SERVED_MODEL_METHOD = "weightwire_served_model"
+"""The worker method the weightwire vLLM plugin installs on vLLM's workers: each worker's
+``ServedModel.to_dict()`` (``None`` without a weightwire engine or a local safetensors
+checkpoint), asked through ``COLLECTIVE_RPC`` where an init reply tells nothing. Here, not in
+``shared.served``, so the plugin that installs it stays free of numpy."""
 
 ROUTES: dict[str, Route] = {
     r.name: r

@@ -54,12 +54,6 @@ _TIED_HEAD = "lm_head.weight"
 _EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "model.embed.weight")
 
 
-WORKER_METHOD = "weightwire_served_model"
-"""The worker method the weightwire vLLM plugin installs on vLLM's workers: each worker's
-``ServedModel.to_dict()`` (``None`` without a weightwire engine or a local safetensors
-checkpoint), asked through vLLM's ``POST /collective_rpc`` where an init reply tells nothing."""
-
-
 class ServedModelMismatch(ConfigError):
     """A round's tensors do not fit the served model (a tensor missing, unknown, or of
     another dtype or shape); raised by the trainer before any byte of the round."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightwire.shared.served import WORKER_METHOD as SERVED_METHOD
+from weightwire.shared.routes import SERVED_MODEL_METHOD as SERVED_METHOD
 
 WORKER_METHOD = "weightwire_round_state"
 """The worker method the guard calls through vLLM's ``collective_rpc`` at a release."""
@@ -39,7 +39,7 @@ def worker_round_state(worker: Any) -> dict[str, Any]:
 
 
 def worker_served_model(worker: Any) -> dict[str, Any] | None:
-    """``shared.served.WORKER_METHOD``: what this worker's model takes, as its weightwire
+    """``SERVED_METHOD``: what this worker's model takes, as its weightwire
     engine's spec says (``None``: no weightwire engine, or it cannot tell)."""
     engine = getattr(worker, "weight_transfer_engine", None)
     tell = getattr(engine, "served_model", None)

@@ -341,7 +341,8 @@ def _round(
         try:
             left = Timeouts(http_s=timeout, connect_s=timeout, warmup_s=timeout, transfer_s=timeout)
             engine = NumpyTrainerEngine.trainer_init(
-                TrainerInitInfo(backend=backends.TCP, timeouts=left),
+                # One tensor of the model, resent unchanged: partial on purpose.
+                TrainerInitInfo(backend=backends.TCP, timeouts=left, partial=True),
                 client=client,
                 source=OneTensorSource(name, array),
             )
