@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -39,6 +39,14 @@ class FrameworkHooks(Protocol):
     def receive_context(self) -> AbstractContextManager[Any]: ...
     def prepare(self, model: Any, pairs: Pairs) -> Pairs: ...
     def round_dropped(self) -> None: ...
+
+
+@runtime_checkable
+class PatchingModel(Protocol):
+    """A model that applies a delta round's patches inside its own round, after its dense
+    tensors (``HFModelHost``): every round it takes runs between its own hooks."""
+
+    def patch_weights(self, patches: Any) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightwire.torch_side.worker.delta import HostCopy
+import torch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostCopy:
+    """The checkpoint tensors a worker's model holds, on the host (the ``CopySink`` base)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def clear(self) -> None:
+        self.tensors.clear()
 
 
 @dataclass(frozen=True)
