@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weightwire.backends.worker_base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
-from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX
+from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
 from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 from weightwire.shared.lora import is_adapter_round
@@ -308,13 +308,14 @@ class _ReceiverCore:
         splitter: PatchSplitter | None = None
         try:
             self._link.check_source(update.src)  # several broadcasters: this turn's sender
+            patches = update.patch_list() if update.patches else []  # a delta update's
             plan = self._resolve(model, update)
             # An adapter round checks the adapter's own metadata instead of the rest.
             if not self._adapter_step(plan):
                 self._check_round(model, update, plan)
-                delta = self._patch_step(model, update, plan)
-                self._check_spec(update, plan, delta)
-                splitter = self._admit_patches(model, update, plan, delta)
+                delta = self._patch_step(model, plan, patches)
+                self._check_spec(plan, patches, delta)
+                splitter = self._admit_patches(model, update, plan, patches, delta)
         except DeltaBaseMismatch as exc:
             self._fail(exc, "checking the delta round's base")
             raise
@@ -391,25 +392,24 @@ class _ReceiverCore:
         if update.delta_base is not None and update.delta_base != held:
             raise DeltaBaseMismatch(update.delta_base, held)
 
-    def _patch_step(self, model: Any, update: UpdateInfo, plan: RoundPlan) -> RoundDelta | None:
+    def _patch_step(self, model: Any, plan: RoundPlan, patches: list[Patch]) -> RoundDelta | None:
         """The round's delta part (its patches' sink), opened at the first update that carries
         patches, or at the first update of a session that declared delta rounds (its sink
         keeps what a later delta round patches: the host copy, the loader map); None: dense."""
         round_ = self._round
         assert round_ is not None
         first = round_.updates == 0
-        if round_.delta is None and (update.patches or (self._delta_rounds and first)):
-            round_.delta = self._sinks().open(model, plan, update, first=first)
+        if round_.delta is None and (patches or (self._delta_rounds and first)):
+            round_.delta = self._sinks().open(model, plan.metas, patches, first=first)
         return round_.delta
 
-    def _check_spec(self, update: UpdateInfo, plan: RoundPlan, delta: RoundDelta | None) -> None:
+    def _check_spec(self, plan: RoundPlan, patches: list[Patch], delta: RoundDelta | None) -> None:
         """The update against the served model's ``ModelSpec``: names, shapes, dtypes and
         whole layers (once per metadata, not per round)."""
         spec = self.caches.model_spec()
         if spec is None or plan.spec_checked:
             return
         metas: list[ParamMeta] = plan.metas
-        patches = update.patch_list() if update.patches else []
         if patches:  # each patched tensor as the model sees it, whole
             from weightwire.torch_side.worker.delta import logical_metas
 
@@ -420,13 +420,18 @@ class _ReceiverCore:
         plan.spec_checked = True
 
     def _admit_patches(
-        self, model: Any, update: UpdateInfo, plan: RoundPlan, delta: RoundDelta | None
+        self,
+        model: Any,
+        update: UpdateInfo,
+        plan: RoundPlan,
+        patches: list[Patch],
+        delta: RoundDelta | None,
     ) -> PatchSplitter | None:
         """Whether the round's sink can apply this update's patches on the held base; the
         splitter that holds them while the chunks arrive (None: a dense update)."""
         if delta is None:
             return None
-        return self._sinks().admit(delta, model, update, plan)
+        return self._sinks().admit(delta, model, update, plan, patches)
 
     def _choose_strategy(self, model: Any, turn: ReceiveTurn, *, plain: bool) -> ReceiveStrategy:
         """Staged, streaming or written through (``turn.turn_strategy``)."""

@@ -206,21 +206,27 @@ class SinkChooser:
         the host copies too)."""
         self.delta_rounds = delta_rounds
 
-    def open(self, model: Any, plan: RoundPlan, update: UpdateInfo, *, first: bool) -> RoundDelta:
+    def open(
+        self, model: Any, metas: Sequence[ParamMeta], patches: Sequence[Patch], *, first: bool
+    ) -> RoundDelta:
         """A round's delta part, at the first update that takes the patch step. ``first``:
         that is the round's first update; a later one (a dense update came first, in a session
         without delta rounds) gets a sink only from a model that patches itself."""
         if first:
-            return RoundDelta(self.choose(model, plan.metas, update.patch_list()))
+            return RoundDelta(self.choose(model, metas, patches))
         return RoundDelta(ModelSink(model) if isinstance(model, PatchingModel) else None)
 
     def admit(
-        self, delta: RoundDelta, model: Any, update: UpdateInfo, plan: RoundPlan
+        self,
+        delta: RoundDelta,
+        model: Any,
+        update: UpdateInfo,
+        plan: RoundPlan,
+        patches: Sequence[Patch],
     ) -> PatchSplitter | None:
         """Check, before any byte, that the round's sink can apply this update (the base it
         patches, the tensors it reloads); returns the splitter that holds its patches (None:
         nothing for a sink)."""
-        patches = update.patch_list()
         sink = delta.sink
         held = self._weights.token(model)
         if patches and sink is None:
