@@ -42,9 +42,20 @@ class FrameworkHooks(Protocol):
 
 
 @runtime_checkable
+class CheckingModel(Protocol):
+    """A model that checks received tensors without taking them (``HFModelHost``): a bad
+    name fails the update it came in, not the finish."""
+
+    def check_weights(self, weights: Pairs) -> None: ...
+
+
+@runtime_checkable
 class PatchingModel(Protocol):
     """A model that applies a delta round's patches inside its own round, after its dense
     tensors (``HFModelHost``): every round it takes runs between its own hooks."""
+
+    def check_patches(self, patches: Any) -> None:
+        """``ValueError`` naming a patched tensor the model does not have (before any byte)."""
 
     def patch_weights(self, patches: Any) -> None: ...
 

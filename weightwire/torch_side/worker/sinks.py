@@ -238,9 +238,8 @@ class SinkChooser:
             raise refuse(update.delta_base or "", held, why)
         if why is not None:
             raise ValueError(f"this worker cannot apply the round: {why}")
-        check = getattr(model, "check_patches", None)
-        if patches and callable(check):
-            check(patches)  # a ValueError: a tensor the model does not have
+        if patches and isinstance(model, PatchingModel):
+            model.check_patches(patches)
         return PatchSplitter(patches, observe=sink.observe_fn)
 
     def choose(

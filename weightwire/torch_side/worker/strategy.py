@@ -31,6 +31,7 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_streams
 from weightwire.torch_side.worker.landing import LoaderMapRefused, record_loader_map
 from weightwire.torch_side.worker.load import (
+    CheckingModel,
     FrameworkHooks,
     Pairs,
     call_hook,
@@ -156,11 +157,12 @@ class StagedRound(ReceiveStrategy):
     def receive(self, chunks: Iterator[Pairs]) -> None:
         # A model that can check tensors without taking them (HFModelHost) does so as they
         # land: a bad name fails this update, not the finish.
-        check = getattr(self.target.model, "check_weights", None)
+        model = self.target.model
+        checks = isinstance(model, CheckingModel)
         received: Pairs = []
         for pairs in chunks:
-            if callable(check):
-                check(pairs)
+            if checks:
+                model.check_weights(pairs)
             received.extend(pairs)
         # Only once every byte of this update landed: a failed update adds nothing.
         self.held.extend(received)
@@ -248,13 +250,13 @@ class StreamingRound(ReceiveStrategy):
         t = self.target
         if self.pending:
             chunks, self.pending = chain([self.pending], chunks), []
-        check = getattr(t.model, "check_weights", None)
+        checks = isinstance(t.model, CheckingModel)
         with t.framework.receive_context() if t.framework is not None else nullcontext():
             for pairs in load_batches(chunks, t.load_batching):
                 if not self.opened:  # opened by the first tensor: an update may divert all
                     self._open()
-                if callable(check):
-                    check(pairs)  # a batch the model refuses is refused before any of it is written
+                if checks:  # a batch the model refuses is refused before any of it is written
+                    t.model.check_weights(pairs)
                 self.names.update(n for n, _ in pairs)
                 if t.framework is not None:
                     pairs = t.framework.prepare(t.model, pairs)
