@@ -29,8 +29,9 @@ POISONED = [
     "weightwire.torch_side.worker.vllm_lora",
 ]
 
-# Two dense rounds through the standalone TCP engine over the reference server's host
-# (``HFModelHost``): one staged, one streaming (a zero stage budget).
+# Dense rounds through the standalone TCP engine over the reference server's host
+# (``HFModelHost``) and through vLLM's plugin engine class over a vLLM-laid-out model
+# (``vllm_stub``: its layerwise reload, the loader-map recorder): each staged, then streaming.
 _SCRIPT = r"""
 import json, sys, types
 
@@ -47,26 +48,59 @@ for name in json.loads(sys.argv[1]):
     sys.modules[name] = Poisoned(name)
 
 import torch
+from tests.torch_side.fake_llama import digest, trainer_tensors
 from tests.torch_side.test_engine_rules import ThreadSender, Tiny, make_engine, send_module
+from tests.torch_side.vllm_stub import _engine_class, make_model, model_digests
+from weightwire.shared.framing import pack_host, plan
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.sender.source import ModuleSource
 
+CPU = torch.device("cpu")
+BUDGETS = (1 << 30, 0)
 out = {"strategies": [], "equal": []}
-for budget in (1 << 20, 0):
-    trainer = Tiny(seed=budget % 7 + 1)
-    sender = ThreadSender(send_module(trainer))
-    engine, host = make_engine()
+
+
+def round_(engine, sender, budget, metas):
     engine.init_transfer_engine(sender.info(stage_budget_bytes=budget).to_dict())
     engine.start_weight_update()
-    engine.update_weights(UpdateInfo.from_metas(ModuleSource(trainer).metadata()).to_dict())
+    engine.update_weights(UpdateInfo.from_metas(metas).to_dict())
     out["strategies"].append(engine._core.strategy)
     engine.finish_weight_update()
     sender.join()
     assert sender.error is None, sender.error
+
+
+for budget in BUDGETS:  # the reference server's host
+    trainer = Tiny(seed=budget % 7 + 1)
+    engine, host = make_engine()
+    round_(engine, ThreadSender(send_module(trainer)), budget, ModuleSource(trainer).metadata())
     out["equal"].append(
         all(torch.equal(host.model.get_parameter(n), p) for n, p in trainer.named_parameters())
     )
     engine.shutdown()
+
+tensors = list(trainer_tensors("tiny", CPU, 3))
+metas = [ParamMeta(n, "bfloat16", tuple(t.shape)) for n, t in tensors]
+arrays = [t.view(torch.int16).numpy() for _, t in tensors]  # the same bytes
+
+
+def send_llama(comm):
+    for chunk in plan(metas, packed=True, buffer_size_bytes=256):
+        comm.broadcast(pack_host(arrays[chunk.start : chunk.stop], chunk), timeout=20)
+
+
+vllm_config = types.SimpleNamespace(
+    model_config=types.SimpleNamespace(model=None, dtype=torch.bfloat16),
+    parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
+)
+for budget in BUDGETS:  # vLLM's plugin engine class
+    model = make_model("llama", "tiny", CPU)
+    engine = _engine_class("weightwire_tcp", "weightwire")(None, vllm_config, CPU, model)
+    round_(engine, ThreadSender(send_llama), budget, metas)
+    out["equal"].append(model_digests(model, "llama") == {n: digest(t) for n, t in tensors})
+    engine.shutdown()
+
 out["touched"] = touched
 out["still_poisoned"] = [n for n in json.loads(sys.argv[1]) if isinstance(sys.modules[n], Poisoned)]
 print("RESULT " + json.dumps(out))
@@ -88,8 +122,8 @@ def test_a_dense_round_runs_no_delta_or_adapter_code() -> None:
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     out = json.loads(lines[-1].removeprefix("RESULT "))
     assert out["touched"] == []
-    assert out["strategies"] == ["staged", "streaming"]
-    assert out["equal"] == [True, True]  # both rounds committed the trainer's bytes
+    assert out["strategies"] == ["staged", "streaming"] * 2
+    assert out["equal"] == [True] * 4  # every round committed the trainer's bytes
     assert out["still_poisoned"] == POISONED  # nothing imported the real modules instead
 
 

@@ -12,13 +12,14 @@ around these steps are ``core._ReceiverCore``'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from weightwire.shared.delta import Patch
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.groups import batch_by_layer
 from weightwire.shared.meta import ParamMeta
@@ -54,7 +55,7 @@ class PatchingModel(Protocol):
     """A model that applies a delta round's patches inside its own round, after its dense
     tensors (``HFModelHost``): every round it takes runs between its own hooks."""
 
-    def check_patches(self, patches: Any) -> None:
+    def check_patches(self, patches: Sequence[Patch]) -> None:
         """``ValueError`` naming a patched tensor the model does not have (before any byte)."""
 
     def patch_weights(self, patches: Any) -> None: ...
