@@ -55,6 +55,7 @@ from weightwire.torch_side.worker.load import (
     LOAD_BATCHING,
     FrameworkHooks,
     MetaCache,
+    Model,
     ReceiveStats,
     RoundPlan,
 )
@@ -348,7 +349,7 @@ class _ReceiverCore:
         )
 
     # ------------------------------------------------------ the round's steps
-    def _resolve(self, model: Any, update: UpdateInfo) -> RoundPlan:
+    def _resolve(self, model: Model, update: UpdateInfo) -> RoundPlan:
         """The update's metadata, chunk plan and unpack plans (kept for the next round)."""
         assert self._info is not None
         return self._plans.resolve(
@@ -374,7 +375,7 @@ class _ReceiverCore:
         self._round = adapter
         return True
 
-    def _check_round(self, model: Any, update: UpdateInfo, plan: RoundPlan) -> None:
+    def _check_round(self, model: Model, update: UpdateInfo, plan: RoundPlan) -> None:
         """The round's token (the same in every update) and a delta round's base: the token
         of the round this model last committed (``DeltaBaseMismatch``)."""
         assert self._round is not None
@@ -392,7 +393,7 @@ class _ReceiverCore:
         if update.delta_base is not None and update.delta_base != held:
             raise DeltaBaseMismatch(update.delta_base, held)
 
-    def _patch_step(self, model: Any, plan: RoundPlan, patches: list[Patch]) -> RoundDelta | None:
+    def _patch_step(self, model: Model, plan: RoundPlan, patches: list[Patch]) -> RoundDelta | None:
         """The round's delta part (its patches' sink), opened at the first update that carries
         patches, or at the first update of a session that declared delta rounds (its sink
         keeps what a later delta round patches: the host copy, the loader map); None: dense."""
@@ -421,7 +422,7 @@ class _ReceiverCore:
 
     def _admit_patches(
         self,
-        model: Any,
+        model: Model,
         update: UpdateInfo,
         plan: RoundPlan,
         patches: list[Patch],
@@ -433,7 +434,7 @@ class _ReceiverCore:
             return None
         return self._sinks().admit(delta, model, update, plan, patches)
 
-    def _choose_strategy(self, model: Any, turn: ReceiveTurn, *, plain: bool) -> ReceiveStrategy:
+    def _choose_strategy(self, model: Model, turn: ReceiveTurn, *, plain: bool) -> ReceiveStrategy:
         """Staged, streaming or written through (``turn.turn_strategy``)."""
         assert self._round is not None and self._link is not None
         return turn_strategy(

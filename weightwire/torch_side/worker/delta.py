@@ -27,14 +27,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
 from weightwire.shared.errors import DeltaBaseMismatch
 from weightwire.shared.meta import ParamMeta
-from weightwire.torch_side.worker.load import Pairs
+from weightwire.torch_side.worker.load import Model, Pairs
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class PatchSink:
         """Full tensors to load with the round's dense ones, at finish."""
         return []
 
-    def in_round(self, model: Any, patches: Sequence[StagedPatch]) -> None:
+    def in_round(self, model: Model, patches: Sequence[StagedPatch]) -> None:
         """Inside the model's own round, after its dense tensors (``ModelSink``)."""
 
     def after_commit(self, patches: Sequence[StagedPatch]) -> None:
@@ -242,7 +242,7 @@ class RoundDelta:
         names.update(p.name for p in self.patches)
         return extra
 
-    def in_round(self, model: Any) -> None:
+    def in_round(self, model: Model) -> None:
         if self.sink is not None:
             self.sink.in_round(model, self.patches)
 

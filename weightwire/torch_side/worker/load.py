@@ -31,6 +31,13 @@ LOAD_BATCHING = ("chunk", "group")
 Pairs = list[tuple[str, torch.Tensor]]
 
 
+class Model(Protocol):
+    """What a worker loads rounds into: vLLM's model, ``HFModelHost``, a test's host. Its
+    other hooks are optional (``call_hook``, ``CheckingModel``, ``PatchingModel``)."""
+
+    def load_weights(self, weights: Pairs) -> object: ...
+
+
 class FrameworkHooks(Protocol):
     """What the hosting framework does around a round (vLLM: layerwise reload)."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import cast
 
 import torch
 
@@ -35,7 +35,7 @@ from weightwire.torch_side.worker.delta import (
     refuse,
 )
 from weightwire.torch_side.worker.landing import LoaderMap, MapLookup, tied_aliases
-from weightwire.torch_side.worker.load import Pairs, PatchingModel, RoundPlan
+from weightwire.torch_side.worker.load import Model, Pairs, PatchingModel, RoundPlan
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.weight_state import HostCopy, WeightState
 
@@ -47,13 +47,13 @@ class ModelSink(PatchSink):
 
     name = "model"
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Model) -> None:
         tied = getattr(model, "tied_aliases", None)
         self.aliases = tied() if callable(tied) else {}
 
-    def in_round(self, model: Any, patches: Sequence[StagedPatch]) -> None:
+    def in_round(self, model: Model, patches: Sequence[StagedPatch]) -> None:
         if patches:
-            model.patch_weights(patches)
+            cast(PatchingModel, model).patch_weights(patches)  # the model it was made for
 
 
 class MapSink(PatchSink):
@@ -207,7 +207,7 @@ class SinkChooser:
         self.delta_rounds = delta_rounds
 
     def open(
-        self, model: Any, metas: Sequence[ParamMeta], patches: Sequence[Patch], *, first: bool
+        self, model: Model, metas: Sequence[ParamMeta], patches: Sequence[Patch], *, first: bool
     ) -> RoundDelta:
         """A round's delta part, at the first update that takes the patch step. ``first``:
         that is the round's first update; a later one (a dense update came first, in a session
@@ -219,7 +219,7 @@ class SinkChooser:
     def admit(
         self,
         delta: RoundDelta,
-        model: Any,
+        model: Model,
         update: UpdateInfo,
         plan: RoundPlan,
         patches: Sequence[Patch],
@@ -243,7 +243,7 @@ class SinkChooser:
         return PatchSplitter(patches, observe=sink.observe_fn)
 
     def choose(
-        self, model: Any, metas: Sequence[ParamMeta], patches: Sequence[Patch]
+        self, model: Model, metas: Sequence[ParamMeta], patches: Sequence[Patch]
     ) -> PatchSink | None:
         if isinstance(model, PatchingModel):
             return ModelSink(model)
@@ -261,7 +261,9 @@ class SinkChooser:
             )
             found = self._maps(whole or list(seen.values()))
             if found is not None:
-                return MapSink(found, tied_aliases(model), whole_layers=self._whole_layers)
+                # A recorded map: the model is a torch module.
+                aliases = tied_aliases(cast(torch.nn.Module, model))
+                return MapSink(found, aliases, whole_layers=self._whole_layers)
             self.why_none = (
                 "the loader map was refused (see the worker's log) and delta rounds are off"
             )

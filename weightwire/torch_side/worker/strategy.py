@@ -33,6 +33,7 @@ from weightwire.torch_side.worker.landing import LoaderMapRefused, record_loader
 from weightwire.torch_side.worker.load import (
     CheckingModel,
     FrameworkHooks,
+    Model,
     Pairs,
     call_hook,
     load_batches,
@@ -50,7 +51,7 @@ class RoundTarget:
     """What one round loads into, fixed at its start."""
 
     backend: str
-    model: Any
+    model: Model
     model_config: Any
     framework: FrameworkHooks | None
     load_batching: str = "chunk"
@@ -158,11 +159,11 @@ class StagedRound(ReceiveStrategy):
         # A model that can check tensors without taking them (HFModelHost) does so as they
         # land: a bad name fails this update, not the finish.
         model = self.target.model
-        checks = isinstance(model, CheckingModel)
+        check = model.check_weights if isinstance(model, CheckingModel) else None
         received: Pairs = []
         for pairs in chunks:
-            if checks:
-                model.check_weights(pairs)
+            if check is not None:
+                check(pairs)
             received.extend(pairs)
         # Only once every byte of this update landed: a failed update adds nothing.
         self.held.extend(received)
@@ -250,13 +251,13 @@ class StreamingRound(ReceiveStrategy):
         t = self.target
         if self.pending:
             chunks, self.pending = chain([self.pending], chunks), []
-        checks = isinstance(t.model, CheckingModel)
+        check = t.model.check_weights if isinstance(t.model, CheckingModel) else None
         with t.framework.receive_context() if t.framework is not None else nullcontext():
             for pairs in load_batches(chunks, t.load_batching):
                 if not self.opened:  # opened by the first tensor: an update may divert all
                     self._open()
-                if checks:  # a batch the model refuses is refused before any of it is written
-                    t.model.check_weights(pairs)
+                if check is not None:  # a batch the model refuses is refused before any write
+                    check(pairs)
                 self.names.update(n for n, _ in pairs)
                 if t.framework is not None:
                     pairs = t.framework.prepare(t.model, pairs)

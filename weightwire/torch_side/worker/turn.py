@@ -11,11 +11,10 @@ round stays staged while it fits the stage budget and streams past it (``Receive
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from weightwire.backends.worker_base import ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.shared.staging import round_bytes
-from weightwire.torch_side.worker.load import PatchingModel
+from weightwire.torch_side.worker.load import Model, PatchingModel
 from weightwire.torch_side.worker.strategy import (
     ReceiveStrategy,
     RoundTarget,
@@ -39,7 +38,7 @@ def turn_strategy(
     round_: ReceiveStrategy,
     link: ReceiveLink,
     turn: ReceiveTurn,
-    model: Any,
+    model: Model,
     settle: Callable[[], None],
     budget_bytes: int,
     *,
