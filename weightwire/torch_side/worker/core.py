@@ -16,10 +16,13 @@ the budget; a failure after the first in-place write leaves the model part new, 
 trainer refuses generation around such a round (``shared.staging.round_streams``). Which
 strategy takes each update, write-through included, is ``turn.turn_strategy``'s rule.
 
-Delta rounds (``delta``, ``sinks``): an update's round token and a delta round's base
-are checked before any byte too (``DeltaBaseMismatch`` is refused like a bad spec); its
-patches are held and applied at finish; the token of each committed round is kept in
-``WeightState``.
+One update is ``receive``: its steps read top to bottom there (and in
+``docs/architecture.md``, "One worker round"). An update's round token and a delta round's
+base are checked before any byte too (``DeltaBaseMismatch`` is refused like a bad spec); the
+token of each committed round is kept in ``WeightState``. Delta rounds (``delta``, ``sinks``:
+patches held and applied at finish) and adapter rounds (``lora``) are steps of their own,
+taken only when an update carries them, and their modules are imported then: a dense round
+runs none of their code.
 
 Failure rule: any error while a round is receiving aborts the communicator (the
 trainer then fails fast with ``PeerLost`` instead of waiting out its timeout, and a
@@ -35,18 +38,27 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from weightwire.backends.worker_base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
+from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
 from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
+from weightwire.shared.lora import is_adapter_round
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
-from weightwire.torch_side.worker.landing import record_loader_map
-from weightwire.torch_side.worker.load import LOAD_BATCHING, FrameworkHooks, MetaCache, ReceiveStats
-from weightwire.torch_side.worker.lora import AdapterHostFn, adapter_round
+from weightwire.torch_side.worker.landing import MapRecorder, record_loader_map
+from weightwire.torch_side.worker.load import (
+    LOAD_BATCHING,
+    FrameworkHooks,
+    MetaCache,
+    Model,
+    ReceiveStats,
+    RoundPlan,
+)
 from weightwire.torch_side.worker.session import (
     InitInfo,
     abort_link,
@@ -57,14 +69,20 @@ from weightwire.torch_side.worker.session import (
     session_rank,
     stale_reason,
 )
-from weightwire.torch_side.worker.sinks import MapRecorder, SinkChooser
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import ReceiveStrategy, RoundTarget, first_strategy
 from weightwire.torch_side.worker.target_caches import TargetCaches
 from weightwire.torch_side.worker.turn import early_round, failure_where, turn_strategy
 from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightState
 
+if TYPE_CHECKING:  # delta and adapter rounds import their modules when one comes
+    from weightwire.torch_side.worker.delta import PatchSplitter, RoundDelta
+    from weightwire.torch_side.worker.lora import AdapterHostFn
+    from weightwire.torch_side.worker.sinks import SinkChooser
+
 log = logging.getLogger(__name__)
+
+PATCH_SUFFIXES = (INDEX_SUFFIX, VALUES_SUFFIX)
 
 
 class WeightReceiveError(WeightwireError, RuntimeError):
@@ -125,12 +143,9 @@ class _ReceiverCore:
             spec=spec,
             record_map=map_recorder or record_loader_map,
         )
-        self._sinks = SinkChooser(
-            self.weights,
-            self.caches.loader_map if map_recorder is not None else None,
-            whole_layers=framework is not None,
-            spec=self.caches.model_spec,
-        )
+        self._map_lookup = self.caches.loader_map if map_recorder is not None else None
+        self._delta_rounds = False  # the session's trainer declared delta rounds
+        self._sink_chooser: SinkChooser | None = None  # made by the first patch step
 
     # ---------------------------------------------------------------- session
     @property
@@ -181,7 +196,7 @@ class _ReceiverCore:
         # model held before (another trainer's round, weights changed meanwhile) is no base.
         delta_rounds = bool(getattr(info, "delta_rounds", None))
         self.weights.weights_changed(f"session {self.session} starts", copies=not delta_rounds)
-        self._sinks.session(delta_rounds)
+        self._delta_rounds = delta_rounds
         log.info(
             "%s: session %s joined as rank %d of %d (packed=%s)%s",
             self.backend,
@@ -237,7 +252,8 @@ class _ReceiverCore:
         try:
             round_.commit()
         except BaseException as exc:
-            round_.delta.drop()
+            if round_.delta is not None:
+                round_.delta.drop()
             self.weights.weights_changed(f"applying the round failed: {type(exc).__name__}")
             if not round_.wrote:
                 raise
@@ -252,8 +268,8 @@ class _ReceiverCore:
                 "the new round: send a full round again"
             ) from exc
         self.weights.committed(frozenset(round_.names))
-        if round_.delta.updates:  # a round without an update changed nothing
-            self.weights.adopt(round_.target.model, round_.delta.token)
+        if round_.updates:  # a round without an update changed nothing
+            self.weights.adopt(round_.target.model, round_.token)
 
     def shutdown(self) -> None:
         """Idempotent teardown; an active round is aborted (shutdown never raises for it)."""
@@ -282,48 +298,41 @@ class _ReceiverCore:
         self.receive(info)
 
     def receive(self, update: UpdateInfo) -> None:
+        """One update of the open round, step by step (``docs/architecture.md``: "One worker
+        round"). Every check runs before the first byte; a dense update takes neither the
+        adapter nor the patch step, so it imports and runs no delta or adapter code. Any
+        failure aborts the round and the link (the trainer then fails fast)."""
         self._require_ready()
-        assert self._link is not None and self._info is not None
+        assert self._link is not None and self._info is not None and self._round is not None
         model, _ = self._target()
         self._touched = time.monotonic()
+        splitter: PatchSplitter | None = None
         try:
             self._link.check_source(update.src)  # several broadcasters: this turn's sender
-            resolved = self._plans.resolve(
-                model,
-                update,
-                packed=self._info.packed,
-                buffer_size_bytes=self._info.packed_buffer_size_bytes,
-            )
-            metas, chunks = resolved.metas, resolved.chunks
-            adapter = adapter_round(self._round, metas, self._adapters)
-            if adapter is not None:
-                self._round = adapter
-            assert self._round is not None
-            # The round's token, a delta round's base, the model spec: all before any byte
-            # (an adapter round checks the adapter's own metadata instead).
-            splitter = (
-                None
-                if adapter is not None
-                else self._sinks.admit(self._round.delta, model, update, resolved)
-            )
+            patches = update.patch_list() if update.patches else []  # a delta update's
+            plan = self._resolve(model, update)
+            # An adapter round checks the adapter's own metadata instead of the rest.
+            if not self._adapter_step(plan):
+                self._check_round(model, update, plan)
+                delta = self._patch_step(model, plan, patches)
+                self._check_spec(plan, patches, delta)
+                splitter = self._admit_patches(model, update, plan, patches, delta)
         except DeltaBaseMismatch as exc:
             self._fail(exc, "checking the delta round's base")
             raise
         except ValueError as exc:
             self._fail(exc, "checking the update info")
             raise ValueError(f"{exc} (round and communicator aborted)") from exc
-        turn = ReceiveTurn(update.src, metas, chunks, resolved.unpack, self._info.packed)
+        turn = ReceiveTurn(update.src, plan.metas, plan.chunks, plan.unpack, self._info.packed)
         started = time.perf_counter()
         progress = ReceiveProgress()
         try:
-            assert self._round is not None
-            budget, plain = self.stage_budget_bytes, splitter is None
-            self._round = turn_strategy(
-                self._round, self._link, turn, model, self._settle, budget, plain=plain
-            )
+            self._round = self._choose_strategy(model, turn, plain=splitter is None)
             received = self._link.receive(turn, progress)
             self._round.receive(received if splitter is None else splitter.split(received))
-            self._round.delta.took(update.round_token, splitter)
+            self._round.took(update.round_token)
+            if splitter is not None:
+                self._hold_patches(splitter)
         except BaseException as exc:
             where = failure_where(turn, progress)
             self._fail(exc, where)
@@ -333,8 +342,130 @@ class _ReceiverCore:
             ) from exc
         self._touched = time.monotonic()
         self.last_stats = ReceiveStats(
-            len(metas), len(chunks), sum(c.nbytes for c in chunks), time.perf_counter() - started
+            len(plan.metas),
+            len(plan.chunks),
+            sum(c.nbytes for c in plan.chunks),
+            time.perf_counter() - started,
         )
+
+    # ------------------------------------------------------ the round's steps
+    def _resolve(self, model: Model, update: UpdateInfo) -> RoundPlan:
+        """The update's metadata, chunk plan and unpack plans (kept for the next round)."""
+        assert self._info is not None
+        return self._plans.resolve(
+            model,
+            update,
+            packed=self._info.packed,
+            buffer_size_bytes=self._info.packed_buffer_size_bytes,
+        )
+
+    def _adapter_step(self, plan: RoundPlan) -> bool:
+        """Whether the update is an adapter's (the round then becomes an adapter round,
+        checked against the served adapter); taken only when the update names an adapter or
+        the round already is one."""
+        assert self._round is not None
+        names = [m.name for m in plan.metas]
+        if not is_adapter_round(names) and self._round.name != "adapter":
+            return False
+        from weightwire.torch_side.worker.lora import adapter_round
+
+        adapter = adapter_round(self._round, plan.metas, self._adapters)
+        if adapter is None:
+            return False
+        self._round = adapter
+        return True
+
+    def _check_round(self, model: Model, update: UpdateInfo, plan: RoundPlan) -> None:
+        """The round's token (the same in every update) and a delta round's base: the token
+        of the round this model last committed (``DeltaBaseMismatch``)."""
+        assert self._round is not None
+        if update.reuses_previous and any(m.name.endswith(PATCH_SUFFIXES) for m in plan.metas):
+            raise ValueError(
+                "update info reuses the previous round's metadata, which lists patch wire "
+                "tensors: a delta round's patches must be described in full"
+            )
+        if self._round.updates and update.round_token != self._round.token:
+            raise ValueError(
+                f"round_token {update.round_token!r} differs from {self._round.token!r} sent "
+                "earlier in the same round"
+            )
+        held = self.weights.token(model)
+        if update.delta_base is not None and update.delta_base != held:
+            raise DeltaBaseMismatch(update.delta_base, held)
+
+    def _patch_step(self, model: Model, plan: RoundPlan, patches: list[Patch]) -> RoundDelta | None:
+        """The round's delta part (its patches' sink), opened at the first update that carries
+        patches, or at the first update of a session that declared delta rounds (its sink
+        keeps what a later delta round patches: the host copy, the loader map); None: dense."""
+        round_ = self._round
+        assert round_ is not None
+        first = round_.updates == 0
+        if round_.delta is None and (patches or (self._delta_rounds and first)):
+            round_.delta = self._sinks().open(model, plan.metas, patches, first=first)
+        return round_.delta
+
+    def _check_spec(self, plan: RoundPlan, patches: list[Patch], delta: RoundDelta | None) -> None:
+        """The update against the served model's ``ModelSpec``: names, shapes, dtypes and
+        whole layers (once per metadata, not per round)."""
+        spec = self.caches.model_spec()
+        if spec is None or plan.spec_checked:
+            return
+        metas: list[ParamMeta] = plan.metas
+        if patches:  # each patched tensor as the model sees it, whole
+            from weightwire.torch_side.worker.delta import logical_metas
+
+            metas = logical_metas(plan.metas, patches)
+        # A delta round leaves unchanged tensors out: a sink that completes layers loads them.
+        completes = delta is not None and delta.sink is not None and delta.sink.completes_layers
+        spec.check(metas, complete_layers=not patches and not completes)
+        plan.spec_checked = True
+
+    def _admit_patches(
+        self,
+        model: Model,
+        update: UpdateInfo,
+        plan: RoundPlan,
+        patches: list[Patch],
+        delta: RoundDelta | None,
+    ) -> PatchSplitter | None:
+        """Whether the round's sink can apply this update's patches on the held base; the
+        splitter that holds them while the chunks arrive (None: a dense update)."""
+        if delta is None:
+            return None
+        return self._sinks().admit(delta, model, update, plan, patches)
+
+    def _choose_strategy(self, model: Model, turn: ReceiveTurn, *, plain: bool) -> ReceiveStrategy:
+        """Staged, streaming or written through (``turn.turn_strategy``)."""
+        assert self._round is not None and self._link is not None
+        return turn_strategy(
+            self._round,
+            self._link,
+            turn,
+            model,
+            self._settle,
+            self.stage_budget_bytes,
+            plain=plain,
+        )
+
+    def _hold_patches(self, splitter: PatchSplitter) -> None:
+        """The update's patches, held until the round's commit."""
+        assert self._round is not None and self._round.delta is not None
+        self._round.delta.took(splitter)
+
+    def _sinks(self) -> SinkChooser:
+        """Where patches land (``sinks``), made at the first patch step: a worker that only
+        ever takes dense rounds never imports the delta modules."""
+        if self._sink_chooser is None:
+            from weightwire.torch_side.worker.sinks import SinkChooser
+
+            self._sink_chooser = SinkChooser(
+                self.weights,
+                self._map_lookup,
+                whole_layers=self._framework is not None,
+                spec=self.caches.model_spec,
+            )
+        self._sink_chooser.session(self._delta_rounds)
+        return self._sink_chooser
 
     def _settle(self) -> None:
         """Wait for the device work queued on this worker's stream (a write-through round's

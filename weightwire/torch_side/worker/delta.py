@@ -27,14 +27,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
 from weightwire.shared.errors import DeltaBaseMismatch
 from weightwire.shared.meta import ParamMeta
-from weightwire.torch_side.worker.load import Pairs
+from weightwire.torch_side.worker.load import Model, Pairs
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class PatchSink:
         """Full tensors to load with the round's dense ones, at finish."""
         return []
 
-    def in_round(self, model: Any, patches: Sequence[StagedPatch]) -> None:
+    def in_round(self, model: Model, patches: Sequence[StagedPatch]) -> None:
         """Inside the model's own round, after its dense tensors (``ModelSink``)."""
 
     def after_commit(self, patches: Sequence[StagedPatch]) -> None:
@@ -208,26 +208,10 @@ class PatchSink:
 
 
 @dataclass
-class HostCopy:
-    """The checkpoint tensors a worker's model holds, on the host (the ``CopySink`` base)."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    def clear(self) -> None:
-        self.tensors.clear()
-
-
-@dataclass
 class RoundDelta:
-    """A round's delta part: its token, its staged patches and where they land."""
+    """A round's delta part: its staged patches and where they land. A round gets one only
+    when it takes the patch step (``_ReceiverCore._patch_step``): a dense round has none."""
 
-    token: str | None = None
-    updates: int = 0
-    """Updates received whole so far; the token must be the same in each."""
     sink: PatchSink | None = None
     patches: list[StagedPatch] = field(default_factory=list)
 
@@ -241,23 +225,24 @@ class RoundDelta:
         """``after_commit`` will write into the live parameters."""
         return self.sink is not None and self.sink.writes_live and bool(self.patches)
 
-    def took(self, token: str | None, splitter: PatchSplitter | None) -> None:
-        """One update of the round was received whole."""
-        if self.updates == 0:
-            self.token = token
-        self.updates += 1
-        if splitter is not None:
-            self.patches += splitter.patches
-            if self.sink is not None:  # a tie's other name may have come in an earlier update
-                check_tied(self.patches, self.sink.aliases)
+    def took(self, splitter: PatchSplitter) -> None:
+        """One update of the round was received whole: hold its patches."""
+        self.patches += splitter.patches
+        if self.sink is not None:  # a tie's other name may have come in an earlier update
+            check_tied(self.patches, self.sink.aliases)
 
     def held_values(self) -> Pairs:
         return [(p.patch.values_name, p.values) for p in self.patches]
 
-    def completion(self, loaded: set[str]) -> Pairs:
-        return self.sink.completion(loaded, self.patches) if self.sink is not None else []
+    def finish(self, names: set[str], loaded: set[str]) -> Pairs:
+        """At commit: the full tensors to load beside the round's ``loaded`` dense ones (the
+        fallback's rebuilt tensors); adds them and the patched tensors to ``names``."""
+        extra = self.sink.completion(loaded, self.patches) if self.sink is not None else []
+        names.update(n for n, _ in extra)
+        names.update(p.name for p in self.patches)
+        return extra
 
-    def in_round(self, model: Any) -> None:
+    def in_round(self, model: Model) -> None:
         if self.sink is not None:
             self.sink.in_round(model, self.patches)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,8 +24,10 @@ from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.load import ReceiveStats
-from weightwire.torch_side.worker.lora import AdapterHostFn
 from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightState
+
+if TYPE_CHECKING:  # adapter rounds import their module when one comes
+    from weightwire.torch_side.worker.lora import AdapterHostFn
 
 
 class EngineFacade:

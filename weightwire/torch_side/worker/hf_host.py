@@ -17,6 +17,7 @@ import hashlib
 import threading
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,12 +25,9 @@ from weightwire.shared.delta import Patch
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.served import ServedModel
 from weightwire.torch_side.dtypes import torch_dtype, wire_name
-from weightwire.torch_side.worker.delta import (
-    StagedPatch,
-    check_indices,
-    check_tied,
-    patch_tensor,
-)
+
+if TYPE_CHECKING:  # the delta module is imported by a delta round only
+    from weightwire.torch_side.worker.delta import StagedPatch
 
 
 class HFModelHost:
@@ -157,12 +155,24 @@ class HFModelHost:
         the finish that holds it). Refused with ``ValueError`` before any is held: indices
         out of range or not strictly increasing, or both names of a tied tensor patched
         with different values."""
+        from weightwire.torch_side.worker.delta import check_indices, check_tied
+
         check_indices(patches)
         check_tied(patches, self.tied_aliases())
         with self._lock:
             if not self.in_round:
                 raise RuntimeError("HFModelHost: patch_weights outside a round")
             self._patches.extend(patches)
+
+    def _patch(self, patches: Sequence[StagedPatch]) -> None:
+        """Write the held patches into their parameters (the caller holds the lock)."""
+        if not patches:  # a dense round: the delta module stays unimported
+            return
+        from weightwire.torch_side.worker.delta import patch_tensor
+
+        with torch.no_grad():
+            for p in patches:
+                patch_tensor(self._params[self._alias[p.name]].data, p.index, p.values)
 
     def tied_aliases(self) -> dict[str, str]:
         """``{alias: canonical}`` of the model's tied parameters (``lm_head.weight`` ->
@@ -221,9 +231,7 @@ class HFModelHost:
                 # same lock discipline as a staged commit.
                 self._in_place = False
                 patches, self._patches = self._patches, []
-                with torch.no_grad():
-                    for p in patches:
-                        patch_tensor(self._params[self._alias[p.name]].data, p.index, p.values)
+                self._patch(patches)
                 self.rounds_committed += 1
                 self.last_committed = frozenset(self._written) | {
                     self._alias[p.name] for p in patches
@@ -237,8 +245,7 @@ class HFModelHost:
             with torch.no_grad():
                 for key, tensor in stage.items():
                     self._params[key].copy_(tensor)
-                for p in patches:
-                    patch_tensor(self._params[self._alias[p.name]].data, p.index, p.values)
+                self._patch(patches)
                 if self._tied:
                     self._retie()
             self.rounds_committed += 1

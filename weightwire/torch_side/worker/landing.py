@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -260,6 +261,13 @@ def _translate(ld: Landing, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 # ---------------------------------------------------------------------- recording
+MapRecorder = Callable[[Any, Sequence[ParamMeta]], LoaderMap]
+"""``record_loader_map``'s shape: ``(model, checkpoint metas) -> LoaderMap``, raising
+``LoaderMapRefused`` where the model's loading is not a set of plain copies."""
+MapLookup = Callable[[Sequence[ParamMeta]], LoaderMap | None]
+"""The core's cached map of its target model (``TargetCaches.loader_map``); None: refused."""
+
+
 def record_loader_map(
     model: torch.nn.Module, metas: Sequence[ParamMeta], *, check_post_load: bool = True
 ) -> LoaderMap:

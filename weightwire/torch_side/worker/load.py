@@ -12,13 +12,14 @@ around these steps are ``core._ReceiverCore``'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from weightwire.shared.delta import Patch
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.groups import batch_by_layer
 from weightwire.shared.meta import ParamMeta
@@ -30,6 +31,13 @@ LOAD_BATCHING = ("chunk", "group")
 Pairs = list[tuple[str, torch.Tensor]]
 
 
+class Model(Protocol):
+    """What a worker loads rounds into: vLLM's model, ``HFModelHost``, a test's host. Its
+    other hooks are optional (``call_hook``, ``CheckingModel``, ``PatchingModel``)."""
+
+    def load_weights(self, weights: Pairs) -> object: ...
+
+
 class FrameworkHooks(Protocol):
     """What the hosting framework does around a round (vLLM: layerwise reload)."""
 
@@ -39,6 +47,25 @@ class FrameworkHooks(Protocol):
     def receive_context(self) -> AbstractContextManager[Any]: ...
     def prepare(self, model: Any, pairs: Pairs) -> Pairs: ...
     def round_dropped(self) -> None: ...
+
+
+@runtime_checkable
+class CheckingModel(Protocol):
+    """A model that checks received tensors without taking them (``HFModelHost``): a bad
+    name fails the update it came in, not the finish."""
+
+    def check_weights(self, weights: Pairs) -> None: ...
+
+
+@runtime_checkable
+class PatchingModel(Protocol):
+    """A model that applies a delta round's patches inside its own round, after its dense
+    tensors (``HFModelHost``): every round it takes runs between its own hooks."""
+
+    def check_patches(self, patches: Sequence[Patch]) -> None:
+        """``ValueError`` naming a patched tensor the model does not have (before any byte)."""
+
+    def patch_weights(self, patches: Any) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""Which ``PatchSink`` a worker's round uses (``delta``), decided at its first update.
+"""Which ``PatchSink`` a worker's round uses (``delta``), decided at the first update that
+takes the patch step (``_ReceiverCore._patch_step``: an update with patches, or any update of
+a session that declared delta rounds; a dense round of another session never comes here).
 
 - a model that patches itself (``patch_weights``: ``HFModelHost``) -> ``ModelSink``;
 - a worker given a loader-map provider (vLLM) whose map of the model was recorded ->
@@ -13,18 +15,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import cast
 
 import torch
 
-from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
-from weightwire.shared.errors import DeltaBaseMismatch
+from weightwire.shared.delta import Patch
 from weightwire.shared.groups import layer_key
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.torch_side.worker.delta import (
-    HostCopy,
     PatchSink,
     PatchSplitter,
     RoundDelta,
@@ -34,14 +34,12 @@ from weightwire.torch_side.worker.delta import (
     patch_tensor,
     refuse,
 )
-from weightwire.torch_side.worker.landing import LoaderMap, tied_aliases
-from weightwire.torch_side.worker.load import Pairs, RoundPlan
+from weightwire.torch_side.worker.landing import LoaderMap, MapLookup, tied_aliases
+from weightwire.torch_side.worker.load import Model, Pairs, PatchingModel, RoundPlan
 from weightwire.torch_side.worker.spec import ModelSpec
-from weightwire.torch_side.worker.weight_state import WeightState
+from weightwire.torch_side.worker.weight_state import HostCopy, WeightState
 
 log = logging.getLogger(__name__)
-
-PATCH_SUFFIXES = (INDEX_SUFFIX, VALUES_SUFFIX)
 
 
 class ModelSink(PatchSink):
@@ -49,13 +47,13 @@ class ModelSink(PatchSink):
 
     name = "model"
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Model) -> None:
         tied = getattr(model, "tied_aliases", None)
         self.aliases = tied() if callable(tied) else {}
 
-    def in_round(self, model: Any, patches: Sequence[StagedPatch]) -> None:
+    def in_round(self, model: Model, patches: Sequence[StagedPatch]) -> None:
         if patches:
-            model.patch_weights(patches)
+            cast(PatchingModel, model).patch_weights(patches)  # the model it was made for
 
 
 class MapSink(PatchSink):
@@ -183,13 +181,6 @@ class CopySink(PatchSink):
         self._touched.clear()  # the copy now holds what the model holds
 
 
-MapRecorder = Callable[[Any, Sequence[ParamMeta]], LoaderMap]
-"""``landing.record_loader_map``'s shape: ``(model, checkpoint metas) -> LoaderMap``, raising
-``LoaderMapRefused`` where the model's loading is not a set of plain copies."""
-MapLookup = Callable[[Sequence[ParamMeta]], LoaderMap | None]
-"""The core's cached map of its target model (``TargetCaches.loader_map``); None: refused."""
-
-
 class SinkChooser:
     """Picks each round's sink; holds the recorded loader maps (one per target model)."""
 
@@ -215,55 +206,46 @@ class SinkChooser:
         the host copies too)."""
         self.delta_rounds = delta_rounds
 
+    def open(
+        self, model: Model, metas: Sequence[ParamMeta], patches: Sequence[Patch], *, first: bool
+    ) -> RoundDelta:
+        """A round's delta part, at the first update that takes the patch step. ``first``:
+        that is the round's first update; a later one (a dense update came first, in a session
+        without delta rounds) gets a sink only from a model that patches itself."""
+        if first:
+            return RoundDelta(self.choose(model, metas, patches))
+        return RoundDelta(ModelSink(model) if isinstance(model, PatchingModel) else None)
+
     def admit(
-        self, delta: RoundDelta, model: Any, update: UpdateInfo, plan: RoundPlan
+        self,
+        delta: RoundDelta,
+        model: Model,
+        update: UpdateInfo,
+        plan: RoundPlan,
+        patches: Sequence[Patch],
     ) -> PatchSplitter | None:
-        """Check one update of a round before any byte: its round token (the same in every
-        update), a delta round's base (``DeltaBaseMismatch``), the model spec (``ValueError``),
-        and that the sink can apply it. Returns the splitter that holds its patches (None:
+        """Check, before any byte, that the round's sink can apply this update (the base it
+        patches, the tensors it reloads); returns the splitter that holds its patches (None:
         nothing for a sink)."""
-        patches = update.patch_list()
-        metas = plan.metas
-        if update.reuses_previous and any(m.name.endswith(PATCH_SUFFIXES) for m in metas):
-            raise ValueError(
-                "update info reuses the previous round's metadata, which lists patch wire "
-                "tensors: a delta round's patches must be described in full"
-            )
-        if delta.updates and update.round_token != delta.token:
-            raise ValueError(
-                f"round_token {update.round_token!r} differs from {delta.token!r} sent earlier "
-                "in the same round"
-            )
-        held = self._weights.token(model)
-        if update.delta_base is not None and update.delta_base != held:
-            raise DeltaBaseMismatch(update.delta_base, held)
-        if delta.updates == 0:
-            delta.sink = self.choose(model, metas, patches)
         sink = delta.sink
-        spec = self._spec()
-        if spec is not None and not plan.spec_checked:  # once per metadata, not per round
-            # A delta round leaves unchanged tensors out: the worker completes the layers.
-            whole = not patches and not (sink is not None and sink.completes_layers)
-            spec.check(logical_metas(metas, patches), complete_layers=whole)
-            plan.spec_checked = True
+        held = self._weights.token(model)
         if patches and sink is None:
             raise refuse(update.delta_base or "", held, self.why_none)
         if sink is None:
             return None
-        why = sink.refusal(dense_names(metas, patches), patches)
+        why = sink.refusal(dense_names(plan.metas, patches), patches)
         if why is not None and patches:
             raise refuse(update.delta_base or "", held, why)
         if why is not None:
             raise ValueError(f"this worker cannot apply the round: {why}")
-        check = getattr(model, "check_patches", None)
-        if patches and callable(check):
-            check(patches)  # a ValueError: a tensor the model does not have
+        if patches and isinstance(model, PatchingModel):
+            model.check_patches(patches)
         return PatchSplitter(patches, observe=sink.observe_fn)
 
     def choose(
-        self, model: Any, metas: Sequence[ParamMeta], patches: Sequence[Patch]
+        self, model: Model, metas: Sequence[ParamMeta], patches: Sequence[Patch]
     ) -> PatchSink | None:
-        if callable(getattr(model, "patch_weights", None)):
+        if isinstance(model, PatchingModel):
             return ModelSink(model)
         if not (self.delta_rounds or patches):
             return None
@@ -279,7 +261,9 @@ class SinkChooser:
             )
             found = self._maps(whole or list(seen.values()))
             if found is not None:
-                return MapSink(found, tied_aliases(model), whole_layers=self._whole_layers)
+                # A recorded map: the model is a torch module.
+                aliases = tied_aliases(cast(torch.nn.Module, model))
+                return MapSink(found, aliases, whole_layers=self._whole_layers)
             self.why_none = (
                 "the loader map was refused (see the worker's log) and delta rounds are off"
             )

@@ -24,20 +24,24 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightwire.backends.worker_base import LandingRecord
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_streams
-from weightwire.torch_side.worker.delta import RoundDelta
 from weightwire.torch_side.worker.landing import LoaderMapRefused, record_loader_map
 from weightwire.torch_side.worker.load import (
+    CheckingModel,
     FrameworkHooks,
+    Model,
     Pairs,
     call_hook,
     load_batches,
     load_staged,
 )
+
+if TYPE_CHECKING:  # a delta round's part is built by the patch step (``sinks``) only
+    from weightwire.torch_side.worker.delta import RoundDelta
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ class RoundTarget:
     """What one round loads into, fixed at its start."""
 
     backend: str
-    model: Any
+    model: Model
     model_config: Any
     framework: FrameworkHooks | None
     load_batching: str = "chunk"
@@ -63,7 +67,18 @@ class ReceiveStrategy(ABC):
         self.names: set[str] = set()
         self.wrote = False
         """True once a byte of this round may be in the model (in place)."""
-        self.delta = RoundDelta()
+        self.token: str | None = None
+        """The round's token (``UpdateInfo.round_token``): the same in every update."""
+        self.updates = 0
+        """Updates received whole so far."""
+        self.delta: RoundDelta | None = None
+        """A delta round's patches and their sink; None on a dense round."""
+
+    def took(self, token: str | None) -> None:
+        """One update of the round was received whole."""
+        if self.updates == 0:
+            self.token = token
+        self.updates += 1
 
     def admit(self, nbytes: int, budget_bytes: int) -> ReceiveStrategy:
         """The strategy for the round once an update of ``nbytes`` joins it."""
@@ -77,7 +92,7 @@ class ReceiveStrategy(ABC):
     def held_tensors(self) -> Pairs:
         """The received tensors not yet in the model (a check before commit can
         still refuse them); a delta round's patches as their ``@values`` tensors."""
-        return self.delta.held_values()
+        return self.delta.held_values() if self.delta is not None else []
 
     @abstractmethod
     def begin(self) -> None: ...
@@ -117,14 +132,14 @@ class StagedRound(ReceiveStrategy):
         self.held_bytes = 0
 
     def held_tensors(self) -> Pairs:
-        return [*self.held, *self.delta.held_values()]
+        return [*self.held, *super().held_tensors()]
 
     def admit(self, nbytes: int, budget_bytes: int) -> ReceiveStrategy:
         if not round_streams(self.held_bytes + nbytes, budget_bytes):
             return self
         streaming = StreamingRound(self.target)
         streaming.names = self.names
-        streaming.delta = self.delta
+        streaming.token, streaming.updates, streaming.delta = self.token, self.updates, self.delta
         streaming.begin()
         streaming.pending, self.held = self.held, []
         if streaming.pending:
@@ -143,10 +158,11 @@ class StagedRound(ReceiveStrategy):
     def receive(self, chunks: Iterator[Pairs]) -> None:
         # A model that can check tensors without taking them (HFModelHost) does so as they
         # land: a bad name fails this update, not the finish.
-        check = getattr(self.target.model, "check_weights", None)
+        model = self.target.model
+        check = model.check_weights if isinstance(model, CheckingModel) else None
         received: Pairs = []
         for pairs in chunks:
-            if callable(check):
+            if check is not None:
                 check(pairs)
             received.extend(pairs)
         # Only once every byte of this update landed: a failed update adds nothing.
@@ -157,14 +173,13 @@ class StagedRound(ReceiveStrategy):
     def commit(self) -> None:
         held, self.held = self.held, []
         delta = self.delta
-        extra = delta.completion({n for n, _ in held})  # the fallback's rebuilt tensors
-        self.names.update(n for n, _ in extra)
-        self.names.update(p.name for p in delta.patches)
-        held += extra
-        if held or delta.model_round:
+        if delta is not None:  # the fallback's rebuilt tensors
+            held += delta.finish(self.names, {n for n, _ in held})
+        if held or (delta is not None and delta.model_round):
             self._load(held)
-        self.wrote = self.wrote or delta.writes_live
-        delta.after_commit()
+        if delta is not None:
+            self.wrote = self.wrote or delta.writes_live
+            delta.after_commit()
 
     def _load(self, held: Pairs) -> None:
         t = self.target
@@ -176,7 +191,9 @@ class StagedRound(ReceiveStrategy):
         # begin_round .. commit_round is all-or-nothing (HFModelHost).
         self.wrote = not getattr(t.model, "transactional_rounds", False)
         try:
-            load_staged(t.model, held, before_commit=lambda: self.delta.in_round(t.model))
+            delta = self.delta
+            in_round = (lambda: delta.in_round(t.model)) if delta is not None else None
+            load_staged(t.model, held, before_commit=in_round)
         except BaseException:
             self._abort_hooks()
             raise
@@ -184,7 +201,8 @@ class StagedRound(ReceiveStrategy):
             framework.commit(t.model, t.model_config)
 
     def abort(self, why: str) -> None:
-        self.delta.drop()
+        if self.delta is not None:
+            self.delta.drop()
         dropped, self.held = len(self.held), []
         log.info(
             "%s: round dropped (%s); %d received tensors discarded, weights unchanged",
@@ -233,13 +251,13 @@ class StreamingRound(ReceiveStrategy):
         t = self.target
         if self.pending:
             chunks, self.pending = chain([self.pending], chunks), []
-        check = getattr(t.model, "check_weights", None)
+        check = t.model.check_weights if isinstance(t.model, CheckingModel) else None
         with t.framework.receive_context() if t.framework is not None else nullcontext():
             for pairs in load_batches(chunks, t.load_batching):
                 if not self.opened:  # opened by the first tensor: an update may divert all
                     self._open()
-                if callable(check):
-                    check(pairs)  # a batch the model refuses is refused before any of it is written
+                if check is not None:  # a batch the model refuses is refused before any write
+                    check(pairs)
                 self.names.update(n for n, _ in pairs)
                 if t.framework is not None:
                     pairs = t.framework.prepare(t.model, pairs)
@@ -250,10 +268,9 @@ class StreamingRound(ReceiveStrategy):
     def commit(self) -> None:
         t = self.target
         delta = self.delta
-        extra = delta.completion(set(self.names))  # the fallback's rebuilt tensors
-        self.names.update(n for n, _ in extra)
-        self.names.update(p.name for p in delta.patches)
-        if not self.opened and (extra or delta.model_round):
+        # The fallback's rebuilt tensors
+        extra = delta.finish(self.names, set(self.names)) if delta is not None else []
+        if not self.opened and (extra or (delta is not None and delta.model_round)):
             self._open()
         if self.opened:
             try:
@@ -262,18 +279,21 @@ class StreamingRound(ReceiveStrategy):
                     t.model.load_weights(
                         t.framework.prepare(t.model, extra) if t.framework is not None else extra
                     )
-                delta.in_round(t.model)
+                if delta is not None:
+                    delta.in_round(t.model)
                 call_hook(t.model, "commit_round")
             except BaseException:
                 self._abort_hooks()
                 raise
             if t.framework is not None:
                 t.framework.commit(t.model, t.model_config)
-        self.wrote = self.wrote or delta.writes_live
-        delta.after_commit()
+        if delta is not None:
+            self.wrote = self.wrote or delta.writes_live
+            delta.after_commit()
 
     def abort(self, why: str) -> None:
-        self.delta.drop()
+        if self.delta is not None:
+            self.delta.drop()
         if self.opened:
             self._abort_hooks()
 

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.shared.meta import ParamMeta
-from weightwire.torch_side.worker.landing import LoaderMap, LoaderMapRefused
-from weightwire.torch_side.worker.sinks import MapRecorder
+from weightwire.torch_side.worker.landing import LoaderMap, LoaderMapRefused, MapRecorder
 from weightwire.torch_side.worker.spec import ModelSpec
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ round stays staged while it fits the stage budget and streams past it (``Receive
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from weightwire.backends.worker_base import ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.shared.staging import round_bytes
+from weightwire.torch_side.worker.load import Model, PatchingModel
 from weightwire.torch_side.worker.strategy import (
     ReceiveStrategy,
     RoundTarget,
@@ -38,7 +38,7 @@ def turn_strategy(
     round_: ReceiveStrategy,
     link: ReceiveLink,
     turn: ReceiveTurn,
-    model: Any,
+    model: Model,
     settle: Callable[[], None],
     budget_bytes: int,
     *,
@@ -46,8 +46,10 @@ def turn_strategy(
 ) -> ReceiveStrategy:
     """The strategy that receives ``turn`` (``round_`` itself or its successor).
 
-    ``plain``: the turn's tensors go to the model as sent (no delta splitter), so a round no
-    update joined yet may become write-through when the link lands the turn in place."""
+    ``plain``: the turn's tensors go to the model as sent (no patches split off), so a round
+    no update joined yet may become write-through when the link lands the turn in place; a
+    model that runs every round between its own hooks (``PatchingModel``: ``HFModelHost``)
+    takes none written through."""
     metas = turn.metas
     record = lambda: record_landing(model, metas)  # noqa: E731
     if isinstance(round_, WriteThroughRound) and round_.early:
@@ -56,6 +58,7 @@ def turn_strategy(
         if not link.lands(turn, record):  # other tensors, and not written through
             return round_.in_place()
         return round_
+    plain = plain and not isinstance(model, PatchingModel)
     if plain and round_.untouched and link.lands(turn, record):
         through = WriteThroughRound(round_.target, settle)
         through.names.update(m.name for m in metas)

@@ -23,7 +23,7 @@ import sys
 import weakref
 from contextlib import AbstractContextManager, nullcontext
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -37,8 +37,9 @@ from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.engines import EngineFacade, watch_sleep
 from weightwire.torch_side.worker.landing import record_loader_map, tied_aliases
 from weightwire.torch_side.worker.spec import ModelSpec
-from weightwire.torch_side.worker.vllm_lora import VllmAdapterHost
-from weightwire.torch_side.worker.vllm_lora import install as install_lora
+
+if TYPE_CHECKING:  # adapter rounds import it when one comes
+    from weightwire.torch_side.worker.vllm_lora import VllmAdapterHost
 
 log = logging.getLogger(__name__)
 
@@ -241,13 +242,21 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):
             framework=self._reload,
             # The served checkpoint describes the main model only; a draft round is not pre-checked.
             spec=lambda: checkpoint_spec(self.model_config, model) if self.model is model else None,
-            adapters=lambda: VllmAdapterHost(self._reload.worker),
+            adapters=self._adapter_host,
             map_recorder=record_loader_map,
         )
         if getattr(vllm_config, "lora_config", None) is not None:
             # Adapter rounds: this worker's LoRA loading learns to serve a replaced adapter
             # from memory. vLLM makes this engine in load_model, before any adapter loads.
+            from weightwire.torch_side.worker.vllm_lora import install as install_lora
+
             install_lora()
+
+    def _adapter_host(self) -> VllmAdapterHost:
+        """Where an adapter round goes (asked by the adapter step, the only importer)."""
+        from weightwire.torch_side.worker.vllm_lora import VllmAdapterHost
+
+        return VllmAdapterHost(self._reload.worker)
 
     def init_transfer_engine(self, init_info: Any) -> None:
         if self._reload.worker is None:

@@ -11,11 +11,26 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from weightwire.torch_side.worker.delta import HostCopy
+import torch
+
+from weightwire.torch_side.worker.load import Model
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostCopy:
+    """The checkpoint tensors a worker's model holds, on the host (the ``CopySink`` base)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def clear(self) -> None:
+        self.tensors.clear()
 
 
 @dataclass(frozen=True)
@@ -41,7 +56,7 @@ class _Base:
     """What a target model holds, for delta rounds: the last committed round's token and
     (``CopySink`` only) the host copy of its checkpoint tensors."""
 
-    model: Any
+    model: Model
     """Kept so that another model at a recycled ``id`` is not taken for this one."""
     token: str | None = None
     generation: int = -1
@@ -66,13 +81,13 @@ class WeightState:
         self._bases: dict[int, _Base] = {}
         self.generation = 0
 
-    def _base(self, model: Any) -> _Base:
+    def _base(self, model: Model) -> _Base:
         base = self._bases.get(id(model))
         if base is None or base.model is not model:
             base = self._bases[id(model)] = _Base(model)
         return base
 
-    def token(self, model: Any) -> str | None:
+    def token(self, model: Model) -> str | None:
         """The token of the last round committed into ``model`` (None: unknown, or the
         weights changed since)."""
         base = self._bases.get(id(model))
@@ -80,10 +95,10 @@ class WeightState:
             return None
         return base.token
 
-    def host_copy(self, model: Any) -> HostCopy:
+    def host_copy(self, model: Model) -> HostCopy:
         return self._base(model).copy
 
-    def adopt(self, model: Any, token: str | None) -> None:
+    def adopt(self, model: Model, token: str | None) -> None:
         """A round committed into ``model``; ``token`` None: a trainer that sends none."""
         base = self._base(model)
         base.token, base.generation = token, self.generation
