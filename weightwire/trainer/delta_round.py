@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 from weightwire.shared.errors import is_delta_base_mismatch
 from weightwire.shared.meta import ParamMeta
@@ -23,24 +23,13 @@ from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaRound, DeltaTracker
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.patch_round import patch_round, patches_from_wire
+from weightwire.trainer.round import SoleRound
 from weightwire.trainer.session import Session
 from weightwire.trainer.transfer import tensor_stream
 
 logger = logging.getLogger(__name__)
 
 Remap = Callable[[dict[str, str]], dict[str, str]]
-
-
-class SoleRoundFn(Protocol):
-    def __call__(
-        self,
-        metas: list[ParamMeta],
-        version: str,
-        clock: PhaseClock,
-        draft: bool,
-        *,
-        remap: Remap | None = None,
-    ) -> RoundMetrics: ...
 
 
 class _WireSource(WeightSource):
@@ -86,7 +75,7 @@ class DeltaRounds:
         self,
         session: Session,
         tracker: DeltaTracker,
-        sole_round: SoleRoundFn,
+        sole_round: SoleRound,
         reopen: Callable[[], None],
         sha: Callable[[Any], str],
     ) -> None:
@@ -119,7 +108,8 @@ class DeltaRounds:
         try:
             if not tracker.wants_dense(metas, forced=dense):
                 with clock("extract"):
-                    built = tracker.build(s.stream(tensor_stream(s.source), metas, None), metas)
+                    pairs = s.stream(s.source, tensor_stream(s.source), metas, None)
+                    built = tracker.build(pairs, metas)
             metrics = self._send(metas, version, clock, token, built)
         except BaseException:
             tracker.drop()  # the workers' state is unknown: the next round is dense
@@ -141,24 +131,23 @@ class DeltaRounds:
         token: str,
         built: DeltaRound | None,
     ) -> RoundMetrics:
-        s, source = self._s, self._s.source
+        s = self._s
         if s.backend.caps.delta:  # a receiver of patches only (stock sparse_nccl)
             return self._send_patches(metas, version, clock, built)
         fields: dict[str, Any] = {"round_token": token}
         remap: Remap | None = None
+        source: WeightSource
         if built is None:
-            s.source, wire = _Snapshotting(source, self.tracker, metas), metas
+            source, wire = _Snapshotting(s.source, self.tracker, metas), metas
         else:
-            s.source, wire = _WireSource(built), built.metas
+            source, wire = _WireSource(built), built.metas
             if built.patches:
                 fields["delta_base"] = self.tracker.token
                 fields["patches"] = [p.to_list() for p in built.patches]
                 remap = self._remapper(built)
-        s.round_fields = fields
-        try:
-            return self._sole_round(wire, version, clock, False, remap=remap)
-        finally:
-            s.source, s.round_fields = source, None
+        return self._sole_round(
+            wire, version, clock, False, source=source, fields=fields, remap=remap
+        )
 
     def _send_patches(
         self, metas: list[ParamMeta], version: str, clock: PhaseClock, built: DeltaRound | None
@@ -169,7 +158,7 @@ class DeltaRounds:
         s = self._s
         if built is None:
             pairs = self.tracker.snapshot_stream(
-                s.stream(tensor_stream(s.source), metas, None), metas
+                s.stream(s.source, tensor_stream(s.source), metas, None), metas
             )
         else:
             pairs = iter(built.pairs)

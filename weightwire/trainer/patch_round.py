@@ -44,7 +44,7 @@ from weightwire.shared.source import checked_iter
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.gating import in_place_pause
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
-from weightwire.trainer.round import Control, lead_round, send_update, was_committed
+from weightwire.trainer.round import Control, Round, lead_round, send_update, was_committed
 from weightwire.trainer.session import Session
 from weightwire.trainer.transfer import chunked
 
@@ -156,17 +156,15 @@ def patch_round(
     bplan = BroadcastPlan((0,), (Turn(0, 0, tuple(pplan.metas)),))
     _SURE[s] = False  # from the first call on, until the commit
     try:
-        metrics = lead_round(
-            s,
+        patches_round = Round(
+            version,
             bplan,
             pplan.metas,
-            version,
-            clock,
-            False,
             PatchWire(s, pplan),
             payloads=[pplan.update_info],
             pause=in_place_pause(s.info, s.client, _no_guard, IN_PLACE),
         )
+        metrics = lead_round(s, patches_round, clock)
     except BaseException as exc:
         if was_committed(exc):  # finish succeeded; only a check after it failed
             _SURE[s] = True
