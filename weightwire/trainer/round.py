@@ -112,7 +112,7 @@ class RoundEnd(Protocol):
 class SoleRound(Protocol):
     """The engine's one-turn round (rank 0 the only broadcaster), told how it ended.
     ``source``: what the round reads (default: the session's); ``fields``: extra update-info
-    fields; ``remap``: ``SoleWire``'s."""
+    fields; ``remap``: ``SoleWire``'s; ``before_commit``: ``Round``'s."""
 
     def __call__(
         self,
@@ -125,6 +125,7 @@ class SoleRound(Protocol):
         source: WeightSource | None = None,
         fields: Mapping[str, Any] | None = None,
         remap: Callable[[dict[str, str]], dict[str, str]] | None = None,
+        before_commit: Callable[[], None] | None = None,
     ) -> RoundMetrics: ...
 
 
@@ -147,6 +148,9 @@ class Round:
     one built from the turn's tensors."""
     pause: RoundPause | None = None
     """The round's pause, instead of the session's rule for a round of ``metas``."""
+    before_commit: Callable[[], None] | None = None
+    """An overlapped round's last chance to be stopped, asked right before its finish goes
+    out (``RoundStop.before_commit``: ``shutdown`` stopped it, nothing commits)."""
     early_pause: bool = False
     """Send the pause now, and the start right after it once the data path is ready, beside
     the wire's own preparation (a wire that runs ``control`` soon: ``SoleWire``)."""
@@ -265,8 +269,8 @@ def commit(s: Session, r: Round, pause: RoundPause, servers: _Servers, clock: Ph
     """Finish + the caches reset (beside the finish when nothing generates until the
     resume), then [resume], then [release the guard: it checks the workers are whole]."""
     with clock("finish"):
-        if s.before_commit is not None:  # an overlapped round that shutdown stopped
-            s.before_commit()
+        if r.before_commit is not None:  # an overlapped round that shutdown stopped
+            r.before_commit()
         # committed: the next automatic version moves on even if a check fails
         resumed = s.commit_plan.commit(
             s.client,

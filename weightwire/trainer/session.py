@@ -86,9 +86,6 @@ class Session:
     rounds: int = 0
     sent: dict[SentKey, tuple[ParamMeta, ...]] = field(default_factory=dict)
     """Rank 0: what each broadcaster's slice is on the workers, until a round changes it."""
-    before_commit: Callable[[], None] | None = None
-    """An overlapped round's last chance to be stopped, asked right before its finish goes
-    out (``RoundStop.before_commit``: ``shutdown`` stopped it, nothing commits)."""
     guard: bool | None = None
     """Whether the servers run the round guard: asked at the first round applied in place,
     then known (a server's middleware changes only with a restart, like its features)."""
