@@ -175,16 +175,31 @@ def was_committed(exc: BaseException) -> bool:
 def lead_round(
     s: Session, r: Round, clock: PhaseClock, end: RoundEnd | None = None
 ) -> RoundMetrics:
-    """Rank 0's round ``r``; returns once the servers committed ``r.version``."""
+    """Rank 0's round ``r``; returns once the servers committed ``r.version``.
+
+    What a failure leaves, step by step (``recover`` applies it, then the error is raised):
+    before ``open_round`` returned, nothing reached the workers (a pause that held is undone;
+    a start sent early that may have opened a round marks the engine broken); after the
+    start, the workers may hold part of the round: a round paused as a whole is resumed, one
+    applied in place stays paused / guarded (``gating.after_failed_round``), and a transfer
+    that lost its link leaves the engine broken (``trainer.transfer``); once the finish
+    committed, only a check failed (``StaleCacheError`` / ``VerifyError``, ``committed``):
+    the model is whole, so the servers are resumed and the guard lifted."""
+    # Fails: nothing was sent (the update infos are built here).
     payloads, reused = prepare(s, r, clock)
     pause = r.pause if r.pause is not None else s.round_pause(r.metas)
     servers = _Servers()
+    # Its failure surfaces from open_round, which awaits it.
     early = send_early(s, r, pause)
     control = RoundControl(lambda: open_round(s, r, pause, early, servers), early)
     own: dict[str, str] | None = {} if s.verifier is not None else None
     try:
+        # Fails before the start: nothing on the workers. After it: the servers are in a
+        # round that gets no more bytes (the reference server's lease aborts it).
         sent = transfer(r, payloads, control, own, clock)
+        # A failed finish: not committed. A failed cache reset after it: committed.
         commit(s, r, pause, servers, clock)
+        # Fails: committed (the digests are compared after the finish).
         report = verify(s, r, own, clock)
     except BaseException as exc:
         recover(s, pause, early, servers, exc, end)
