@@ -23,7 +23,7 @@ from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaRound, DeltaTracker
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.patch_round import patch_round, patches_from_wire
-from weightwire.trainer.round import SoleRound
+from weightwire.trainer.round import SoleRounds
 from weightwire.trainer.session import Session
 from weightwire.trainer.transfer import tensor_stream
 
@@ -86,7 +86,7 @@ class DeltaRounds:
         self,
         session: Session,
         tracker: DeltaTracker,
-        sole_round: SoleRound,
+        sole_round: SoleRounds,
         reopen: Callable[[], None],
         sha: Callable[[Any], str],
     ) -> None:

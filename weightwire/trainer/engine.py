@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Self, cast, overload
 
 from weightwire.control.fallback import with_fallback_routes
@@ -51,7 +51,7 @@ from weightwire.trainer.multi_source import MultiSource
 from weightwire.trainer.overlap import RoundHandle, RoundWaitTimeout
 from weightwire.trainer.overlapped import OverlappedRounds
 from weightwire.trainer.patch_round import patch_round, refuse_patches
-from weightwire.trainer.round import Round, RoundEnd, SolePlan, SoleWire, lead_round, sole_plan
+from weightwire.trainer.round import SoleRounds
 from weightwire.trainer.session import Session, close_wire, open_wire, reopen_wire
 from weightwire.trainer.verify import RoundVerifier
 
@@ -88,7 +88,7 @@ class TrainerEngine(FrameworkHooks):
             verifier=RoundVerifier() if init_info.verify else None,
         )
         self._was_displaced = False  # a server dropped our link: another trainer owns the session
-        self._planned: SolePlan | None = None
+        self._sole_round = SoleRounds(self.session)  # rank 0 the only broadcaster
         self._draft_confirmed = False
         self._overlapped = OverlappedRounds(  # send_weights(wait=False)
             self.session,
@@ -337,38 +337,6 @@ class TrainerEngine(FrameworkHooks):
         if not self._draft_confirmed:
             require_draft_model(self.client)
             self._draft_confirmed = True  # the server's config cannot change without a restart
-
-    def _sole_round(
-        self,
-        metas: list[ParamMeta],
-        version: str,
-        clock: PhaseClock,
-        draft: bool,
-        end: RoundEnd | None = None,
-        *,
-        source: WeightSource | None = None,
-        fields: Mapping[str, Any] | None = None,
-        remap: Callable[[dict[str, str]], dict[str, str]] | None = None,
-        before_commit: Callable[[], None] | None = None,
-    ) -> RoundMetrics:
-        """Rank 0 alone broadcasts: a one-turn plan through the round driver. ``source``: what
-        the round reads (a delta round's wire tensors; default: the session's source);
-        ``fields``: extra update-info fields (a delta round's); ``remap``: ``SoleWire``'s."""
-        s = self.session
-        with clock("metadata"):
-            self._planned = sole = sole_plan(s, metas, self._planned)  # a refusal: before any call
-        wire = SoleWire(s, sole, s.source if source is None else source, remap)
-        sole_round = Round(
-            version,
-            sole.bplan,
-            metas,
-            wire,
-            draft,
-            fields=fields or {},
-            before_commit=before_commit,
-            early_pause=True,  # SoleWire runs control as soon as its first chunk is prepared
-        )
-        return lead_round(s, sole_round, clock, end)
 
     def abort_requests(self, request_ids: list[str] | None = None) -> None:
         """Rank 0: abort in-flight generation on every server without pausing

@@ -62,7 +62,7 @@ from weightwire.trainer.multi_base import PlannedBroadcast, RoundFailed, TurnFai
 from weightwire.trainer.multi_group import GroupWire
 from weightwire.trainer.multi_star import StarWire
 from weightwire.trainer.multi_verify import gather_digests
-from weightwire.trainer.round import Control, Round, SoleRound, lead_round
+from weightwire.trainer.round import Control, Round, SoleRounds, lead_round
 from weightwire.trainer.session import Session, open_wire
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Agreement:
 
 
 class MultiSource(StarWire, GroupWire):
-    def __init__(self, session: Session, group: TrainerGroup, sole_round: SoleRound) -> None:
+    def __init__(self, session: Session, group: TrainerGroup, sole_round: SoleRounds) -> None:
         super().__init__(session, group)
         self._sole_round = sole_round  # the engine's one-turn round (rank 0, one broadcaster)
         self._round: BroadcastPlan | None = (

@@ -109,26 +109,6 @@ class RoundEnd(Protocol):
     def failed(self, exc: BaseException, *, committed: bool) -> None: ...
 
 
-class SoleRound(Protocol):
-    """The engine's one-turn round (rank 0 the only broadcaster), told how it ended.
-    ``source``: what the round reads (default: the session's); ``fields``: extra update-info
-    fields; ``remap``: ``SoleWire``'s; ``before_commit``: ``Round``'s."""
-
-    def __call__(
-        self,
-        metas: list[ParamMeta],
-        version: str,
-        clock: PhaseClock,
-        draft: bool,
-        end: RoundEnd | None = None,
-        *,
-        source: WeightSource | None = None,
-        fields: Mapping[str, Any] | None = None,
-        remap: Callable[[dict[str, str]], dict[str, str]] | None = None,
-        before_commit: Callable[[], None] | None = None,
-    ) -> RoundMetrics: ...
-
-
 @dataclass(frozen=True)
 class Round:
     """One round, as a value: built by a planning step, run by ``lead_round``."""
@@ -420,6 +400,48 @@ def sole_plan(s: Session, metas: list[ParamMeta], last: SolePlan | None) -> Sole
     chunks = plan(wire.metas, packed=s.info.packed, buffer_size_bytes=size)
     bplan = BroadcastPlan((0,), (Turn(0, 0, tuple(wire.metas)),))
     return SolePlan(list(metas), wire, chunks, bplan)
+
+
+class SoleRounds:
+    """The engine's one-turn rounds (rank 0 the only broadcaster): each round's plan (the
+    last one reused while the metadata stays the same) as a ``Round`` through ``lead_round``."""
+
+    def __init__(self, s: Session) -> None:
+        self._s = s
+        self._planned: SolePlan | None = None
+
+    def __call__(
+        self,
+        metas: list[ParamMeta],
+        version: str,
+        clock: PhaseClock,
+        draft: bool,
+        end: RoundEnd | None = None,
+        *,
+        source: WeightSource | None = None,
+        fields: Mapping[str, Any] | None = None,
+        remap: Callable[[dict[str, str]], dict[str, str]] | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> RoundMetrics:
+        """One round of ``metas``, told how it ended (``end``). ``source``: what the round
+        reads (a delta round's wire tensors; default: the session's source); ``fields``: extra
+        update-info fields (a delta round's); ``remap``: ``SoleWire``'s; ``before_commit``:
+        ``Round``'s."""
+        s = self._s
+        with clock("metadata"):
+            self._planned = sole = sole_plan(s, metas, self._planned)  # a refusal: before any call
+        wire = SoleWire(s, sole, s.source if source is None else source, remap)
+        sole_round = Round(
+            version,
+            sole.bplan,
+            metas,
+            wire,
+            draft,
+            fields=fields or {},
+            before_commit=before_commit,
+            early_pause=True,  # SoleWire runs control as soon as its first chunk is prepared
+        )
+        return lead_round(s, sole_round, clock, end)
 
 
 class SoleWire:
