@@ -147,3 +147,40 @@ def test_the_byte_path_never_returns_to_a_file_it_left(heading: str) -> None:
             assert file not in left, (
                 f"{heading}: the path returns to {file} after leaving it: {files}"
             )
+
+
+# -- one trainer round -----------------------------------------------------------------------
+
+_ROUND = PACKAGE / "trainer" / "round.py"
+_STEP_ROW = re.compile(r"^\| \d+ \| `([a-z_]+)`", re.MULTILINE)
+
+
+def _trainer_round_steps_in_doc() -> list[str]:
+    section = DOC[DOC.index("## One trainer round") :]
+    section = section[: section.index("\n## ")]
+    return _STEP_ROW.findall(section)
+
+
+def _trainer_round_steps_in_code() -> list[str]:
+    """The calls in ``lead_round``'s body of functions ``trainer/round.py`` defines, in the
+    order they are written (the steps a reader follows top to bottom)."""
+    tree = ast.parse(_ROUND.read_text())
+    functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    (lead,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "lead_round"]
+    calls = [
+        (node.lineno, node.col_offset, node.func.id)
+        for node in ast.walk(lead)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in functions
+    ]
+    return [name for _, _, name in sorted(calls)]
+
+
+def test_the_trainer_round_section_lists_lead_rounds_steps_in_order() -> None:
+    listed = _trainer_round_steps_in_doc()
+    assert len(listed) >= 5, listed
+    assert listed == _trainer_round_steps_in_code(), (
+        "docs/architecture.md's 'One trainer round' table must list trainer/round.py:lead_round's "
+        "step calls in the order its body makes them"
+    )

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
+from typing import Any
 
 from weightwire.shared.errors import is_delta_base_mismatch
 from weightwire.shared.meta import ParamMeta
@@ -23,6 +23,7 @@ from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaRound, DeltaTracker
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.patch_round import patch_round, patches_from_wire
+from weightwire.trainer.round import SoleRounds
 from weightwire.trainer.session import Session
 from weightwire.trainer.transfer import tensor_stream
 
@@ -31,16 +32,15 @@ logger = logging.getLogger(__name__)
 Remap = Callable[[dict[str, str]], dict[str, str]]
 
 
-class SoleRoundFn(Protocol):
-    def __call__(
-        self,
-        metas: list[ParamMeta],
-        version: str,
-        clock: PhaseClock,
-        draft: bool,
-        *,
-        remap: Remap | None = None,
-    ) -> RoundMetrics: ...
+@dataclass(frozen=True)
+class _Ask:
+    """What the caller asked of one round: read ``source`` (its ``metas``), commit
+    ``version``; ``before_commit``: an overlapped round's last chance to be stopped."""
+
+    source: WeightSource
+    metas: list[ParamMeta]
+    version: str
+    before_commit: Callable[[], None] | None
 
 
 class _WireSource(WeightSource):
@@ -86,7 +86,7 @@ class DeltaRounds:
         self,
         session: Session,
         tracker: DeltaTracker,
-        sole_round: SoleRoundFn,
+        sole_round: SoleRounds,
         reopen: Callable[[], None],
         sha: Callable[[Any], str],
     ) -> None:
@@ -94,10 +94,19 @@ class DeltaRounds:
         self._sole_round, self._reopen, self._sha = sole_round, reopen, sha
 
     def send(
-        self, metas: list[ParamMeta], version: str, clock: PhaseClock, *, dense: bool
+        self,
+        source: WeightSource,
+        metas: list[ParamMeta],
+        version: str,
+        clock: PhaseClock,
+        *,
+        dense: bool,
+        before_commit: Callable[[], None] | None = None,
     ) -> RoundMetrics:
+        """One round of ``source`` (``before_commit``: an overlapped round's, ``Round``'s)."""
+        ask = _Ask(source, metas, version, before_commit)
         try:
-            return self._round(metas, version, clock, dense)
+            return self._round(ask, clock, dense)
         except BaseException as exc:
             if dense or not is_delta_base_mismatch(exc):
                 raise
@@ -108,19 +117,18 @@ class DeltaRounds:
                 version,
             )
         self._reopen()
-        return self._round(metas, version, PhaseClock(), True)
+        return self._round(ask, PhaseClock(), True)
 
-    def _round(
-        self, metas: list[ParamMeta], version: str, clock: PhaseClock, dense: bool
-    ) -> RoundMetrics:
-        s, tracker = self._s, self.tracker
+    def _round(self, ask: _Ask, clock: PhaseClock, dense: bool) -> RoundMetrics:
+        s, tracker, metas = self._s, self.tracker, ask.metas
         token = tracker.next_token()
         built: DeltaRound | None = None
         try:
             if not tracker.wants_dense(metas, forced=dense):
                 with clock("extract"):
-                    built = tracker.build(s.stream(tensor_stream(s.source), metas, None), metas)
-            metrics = self._send(metas, version, clock, token, built)
+                    pairs = s.stream(ask.source, tensor_stream(ask.source), metas, None)
+                    built = tracker.build(pairs, metas)
+            metrics = self._send(ask, clock, token, built)
         except BaseException:
             tracker.drop()  # the workers' state is unknown: the next round is dense
             raise
@@ -134,48 +142,49 @@ class DeltaRounds:
         )
 
     def _send(
-        self,
-        metas: list[ParamMeta],
-        version: str,
-        clock: PhaseClock,
-        token: str,
-        built: DeltaRound | None,
+        self, ask: _Ask, clock: PhaseClock, token: str, built: DeltaRound | None
     ) -> RoundMetrics:
-        s, source = self._s, self._s.source
+        s, metas = self._s, ask.metas
         if s.backend.caps.delta:  # a receiver of patches only (stock sparse_nccl)
-            return self._send_patches(metas, version, clock, built)
+            return self._send_patches(ask, clock, built)
         fields: dict[str, Any] = {"round_token": token}
         remap: Remap | None = None
+        source: WeightSource
         if built is None:
-            s.source, wire = _Snapshotting(source, self.tracker, metas), metas
+            source, wire = _Snapshotting(ask.source, self.tracker, metas), metas
         else:
-            s.source, wire = _WireSource(built), built.metas
+            source, wire = _WireSource(built), built.metas
             if built.patches:
                 fields["delta_base"] = self.tracker.token
                 fields["patches"] = [p.to_list() for p in built.patches]
                 remap = self._remapper(built)
-        s.round_fields = fields
-        try:
-            return self._sole_round(wire, version, clock, False, remap=remap)
-        finally:
-            s.source, s.round_fields = source, None
+        return self._sole_round(
+            wire,
+            ask.version,
+            clock,
+            False,
+            source=source,
+            fields=fields,
+            remap=remap,
+            before_commit=ask.before_commit,
+        )
 
-    def _send_patches(
-        self, metas: list[ParamMeta], version: str, clock: PhaseClock, built: DeltaRound | None
-    ) -> RoundMetrics:
+    def _send_patches(self, ask: _Ask, clock: PhaseClock, built: DeltaRound | None) -> RoundMetrics:
         """The round as patches only: a tensor sent whole becomes a patch of every element
         (a dense round is the anchor ``trainer.patch_round`` asks for). No round token: the
         receiver has none; the base rule stands in for it."""
-        s = self._s
+        s, metas = self._s, ask.metas
         if built is None:
             pairs = self.tracker.snapshot_stream(
-                s.stream(tensor_stream(s.source), metas, None), metas
+                s.stream(ask.source, tensor_stream(ask.source), metas, None), metas
             )
         else:
             pairs = iter(built.pairs)
         shapes = {m.name: m.shape for m in metas}
         patches = patches_from_wire(pairs, s.framework.describe, s.framework.flat_index, shapes)
-        return patch_round(s, patches, version, clock)
+        return patch_round(
+            s, patches, ask.version, clock, source=ask.source, before_commit=ask.before_commit
+        )
 
     def _remapper(self, built: DeltaRound) -> Remap:
         """``verify``: the workers digest a patched tensor whole, so the trainer does too."""

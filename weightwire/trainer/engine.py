@@ -51,7 +51,7 @@ from weightwire.trainer.multi_source import MultiSource
 from weightwire.trainer.overlap import RoundHandle, RoundWaitTimeout
 from weightwire.trainer.overlapped import OverlappedRounds
 from weightwire.trainer.patch_round import patch_round, refuse_patches
-from weightwire.trainer.round import RoundEnd, SolePlan, SoleWire, lead_round, sole_plan
+from weightwire.trainer.round import SoleRounds
 from weightwire.trainer.session import Session, close_wire, open_wire, reopen_wire
 from weightwire.trainer.verify import RoundVerifier
 
@@ -88,11 +88,11 @@ class TrainerEngine(FrameworkHooks):
             verifier=RoundVerifier() if init_info.verify else None,
         )
         self._was_displaced = False  # a server dropped our link: another trainer owns the session
-        self._planned: SolePlan | None = None
+        self._sole_round = SoleRounds(self.session)  # rank 0 the only broadcaster
         self._draft_confirmed = False
         self._overlapped = OverlappedRounds(  # send_weights(wait=False)
             self.session,
-            lambda version, draft, dense: self.send_weights(version, draft=draft, dense=dense),
+            self._send_blocking,
             lambda: self.snapshot(self.source),
             self._check_usable,
         )
@@ -222,11 +222,25 @@ class TrainerEngine(FrameworkHooks):
         the next ``send_weights``.
         ``dense=True`` (with ``delta="auto"``): send every tensor whole this round.
         """
+        if not wait:
+            if self._closed:
+                raise RuntimeError(f"{type(self).__name__} was shut down")
+            return self._send_overlapped(weight_version, draft, dense)
+        return self._send_blocking(self.session.source, weight_version, draft, dense)
+
+    def _send_blocking(
+        self,
+        source: WeightSource,
+        weight_version: str | None,
+        draft: bool,
+        dense: bool,
+        before_commit: Callable[[], None] | None = None,
+    ) -> RoundMetrics:
+        """One blocking round of ``source``: the live source, or an overlapped round's snapshot
+        on the round thread, whose ``before_commit`` stops it right before its finish."""
         s = self.session
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} was shut down")
-        if not wait:
-            return self._send_overlapped(weight_version, draft, dense)
         self._overlapped.settle()  # the rounds in flight land first: rounds never reorder
         self._check_usable()
         if self._multi is not None:
@@ -238,10 +252,10 @@ class TrainerEngine(FrameworkHooks):
             return self._multi.send(weight_version, draft)
         clock = PhaseClock()
         with clock("metadata"):
-            metas = s.source.metadata()  # an overlapped round's snapshot on the round thread
+            metas = source.metadata()
         if not self.info.is_sender:
             with clock("transfer"):
-                for _ in s.source:
+                for _ in source:
                     pass
             return RoundMetrics(None, 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
         version = s.next_version(weight_version)
@@ -251,9 +265,13 @@ class TrainerEngine(FrameworkHooks):
         else:  # the served model is the target's: a draft model's names are its own
             s.check_fits(metas)
         if self._delta is not None and not draft:
-            metrics = self._delta.send(metas, version, clock, dense=dense)
+            metrics = self._delta.send(
+                source, metas, version, clock, dense=dense, before_commit=before_commit
+            )
         else:
-            metrics = self._sole_round(metas, version, clock, draft)
+            metrics = self._sole_round(
+                metas, version, clock, draft, source=source, before_commit=before_commit
+            )
         logger.info("%s", metrics)  # formatted only when INFO is on
         return metrics
 
@@ -319,33 +337,6 @@ class TrainerEngine(FrameworkHooks):
         if not self._draft_confirmed:
             require_draft_model(self.client)
             self._draft_confirmed = True  # the server's config cannot change without a restart
-
-    def _sole_round(
-        self,
-        metas: list[ParamMeta],
-        version: str,
-        clock: PhaseClock,
-        draft: bool,
-        end: RoundEnd | None = None,
-        *,
-        remap: Callable[[dict[str, str]], dict[str, str]] | None = None,
-    ) -> RoundMetrics:
-        """Rank 0 alone broadcasts: a one-turn plan through the round driver."""
-        with clock("metadata"):
-            self._planned = sole = sole_plan(
-                self.session, metas, self._planned
-            )  # a refusal: before any call
-        return lead_round(
-            self.session,
-            sole.bplan,
-            metas,
-            version,
-            clock,
-            draft,
-            SoleWire(self.session, sole, remap),
-            end,
-            early_pause=True,  # SoleWire runs control as soon as its first chunk is prepared
-        )
 
     def abort_requests(self, request_ids: list[str] | None = None) -> None:
         """Rank 0: abort in-flight generation on every server without pausing

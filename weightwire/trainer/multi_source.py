@@ -62,7 +62,7 @@ from weightwire.trainer.multi_base import PlannedBroadcast, RoundFailed, TurnFai
 from weightwire.trainer.multi_group import GroupWire
 from weightwire.trainer.multi_star import StarWire
 from weightwire.trainer.multi_verify import gather_digests
-from weightwire.trainer.round import Control, SoleRound, lead_round
+from weightwire.trainer.round import Control, Round, SoleRounds, lead_round
 from weightwire.trainer.session import Session, open_wire
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Agreement:
 
 
 class MultiSource(StarWire, GroupWire):
-    def __init__(self, session: Session, group: TrainerGroup, sole_round: SoleRound) -> None:
+    def __init__(self, session: Session, group: TrainerGroup, sole_round: SoleRounds) -> None:
         super().__init__(session, group)
         self._sole_round = sole_round  # the engine's one-turn round (rank 0, one broadcaster)
         self._round: BroadcastPlan | None = (
@@ -193,7 +193,9 @@ class MultiSource(StarWire, GroupWire):
             self._round = bplan
             if not bplan.multi:
                 return self._sole_round(metas, s.next_version(version), clock, draft, self)
-            metrics = lead_round(s, bplan, metas, s.next_version(version), clock, draft, self, self)
+            metrics = lead_round(
+                s, Round(s.next_version(version), bplan, metas, self, draft), clock, self
+            )
             logger.info("%s (%d broadcasters)", metrics.summary(), len(bplan.turns))
             return metrics
         if not bplan.multi:
@@ -251,9 +253,8 @@ class MultiSource(StarWire, GroupWire):
         self, turn: Turn | None, digests: dict[str, str] | None
     ) -> Iterator[tuple[str, Any]]:
         """This rank's checked stream (its own slice), digested for verify when asked."""
-        return self.session.stream(
-            iter(self.session.source), list(turn.metas) if turn else [], digests
-        )
+        source = self.session.source
+        return self.session.stream(source, iter(source), list(turn.metas) if turn else [], digests)
 
     def _await_verdict(self, bplan: BroadcastPlan | None) -> dict[str, Any]:
         t = self.session.info.timeouts

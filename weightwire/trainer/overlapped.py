@@ -2,9 +2,8 @@
 
 ``OverlappedRounds`` belongs to one ``TrainerEngine``. It takes the framework engine's snapshot
 on the trainer's thread and hands the engine's own blocking round to a ``RoundRunner``
-(``trainer.overlap``), which runs it on the round thread with the session reading the
-snapshot. A blocking ``send_weights()`` first ``settle``-s the rounds in flight; ``shutdown``
-``stop``-s them.
+(``trainer.overlap``), which runs it on the round thread over the snapshot. A blocking
+``send_weights()`` first ``settle``-s the rounds in flight; ``shutdown`` ``stop``-s them.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ from weightwire.trainer.overlap import IN_FLIGHT_MODES, RoundHandle, RoundRunner
 from weightwire.trainer.session import Session
 from weightwire.trainer.snapshot import Snapshot
 
-Blocking = Callable[[str | None, bool, bool], RoundMetrics]
-"""The engine's blocking round: ``(weight_version, draft, dense)``, reading ``session.source``."""
+Blocking = Callable[[WeightSource, str | None, bool, bool, Callable[[], None] | None], RoundMetrics]
+"""The engine's blocking round: ``(source, weight_version, draft, dense, before_commit)``."""
 
 
 class OverlappedRounds:
@@ -47,11 +46,13 @@ class OverlappedRounds:
         if weight_version is not None:
             s.next_version(weight_version)  # a bad version fails here, not on the round thread
         if not s.info.is_sender:  # other ranks only iterate (their gathers): done now
-            return RoundHandle.completed(self._blocking(weight_version, draft, dense))
+            return RoundHandle.completed(
+                self._blocking(s.source, weight_version, draft, dense, None)
+            )
         runner = self._runner
         if runner is None:
             runner = self._runner = RoundRunner(
-                self._in_flight,
+                self._blocking,  # over the snapshot, asking before_commit before its finish
                 s.next_version,
                 limit=s.info.max_rounds_in_flight,
                 wait_s=s.info.timeouts.round_s,
@@ -83,23 +84,6 @@ class OverlappedRounds:
             return runner.stop(in_flight, timeout)
         finally:
             runner.close()
-
-    def _in_flight(
-        self,
-        source: WeightSource,
-        version: str,
-        draft: bool,
-        dense: bool,
-        before_commit: Callable[[], None],
-    ) -> RoundMetrics:
-        """The blocking round on the round thread; the session reads the snapshot meanwhile
-        and asks ``before_commit`` before its finish (``shutdown`` may have stopped it)."""
-        s = self._s
-        live, s.source, s.before_commit = s.source, source, before_commit
-        try:
-            return self._blocking(version, draft, dense)
-        finally:
-            s.source, s.before_commit = live, None
 
     def _abort_link(self) -> None:
         link = self._s.link

@@ -40,11 +40,11 @@ from weightwire.shared.patches import (
     EveryIndex,
     SparsePatch,
 )
-from weightwire.shared.source import checked_iter
+from weightwire.shared.source import WeightSource, checked_iter
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.gating import in_place_pause
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
-from weightwire.trainer.round import Control, lead_round, send_update, was_committed
+from weightwire.trainer.round import Control, Round, lead_round, send_update, was_committed
 from weightwire.trainer.session import Session
 from weightwire.trainer.transfer import chunked
 
@@ -71,10 +71,12 @@ def base_known(s: Session) -> bool:
     return _SURE.get(s, False)
 
 
-def _check_against_source(s: Session, pplan: PatchPlan, patches: Sequence[SparsePatch]) -> None:
-    """Every patch names a tensor of the source, with its dtype and shape; without a sure base,
-    the round must be an anchor (every tensor of the source, every element)."""
-    metas = {m.name: m for m in s.source.metadata()}
+def _check_against_source(
+    s: Session, source: WeightSource, pplan: PatchPlan, patches: Sequence[SparsePatch]
+) -> None:
+    """Every patch names a tensor of ``source``, with its dtype and shape; without a sure
+    base, the round must be an anchor (every tensor of the source, every element)."""
+    metas = {m.name: m for m in source.metadata()}
     for p in patches:
         m = metas.get(p.name)
         if m is None:
@@ -132,9 +134,17 @@ def refuse_patches(*, group: bool, delta_auto: bool) -> None:
 
 
 def patch_round(
-    s: Session, patches: Sequence[SparsePatch], version: str, clock: PhaseClock
+    s: Session,
+    patches: Sequence[SparsePatch],
+    version: str,
+    clock: PhaseClock,
+    *,
+    source: WeightSource | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> RoundMetrics:
     """Rank 0's delta round of ``patches``; returns once the servers committed ``version``.
+    ``source``: the tensors the patches are checked against (default: the session's; an
+    overlapped round's snapshot); ``before_commit``: ``Round``'s.
 
     Refused before any call (``ConfigError``) when the backend takes no patches, when
     ``verify`` is on (the servers' checksums cover whole tensors; a patch round has none to
@@ -152,21 +162,20 @@ def patch_round(
         pplan = s.backend.plan_patches(
             list(patches), features=s.features, describe=s.framework.describe
         )
-        _check_against_source(s, pplan, patches)
+        _check_against_source(s, s.source if source is None else source, pplan, patches)
     bplan = BroadcastPlan((0,), (Turn(0, 0, tuple(pplan.metas)),))
     _SURE[s] = False  # from the first call on, until the commit
     try:
-        metrics = lead_round(
-            s,
+        patches_round = Round(
+            version,
             bplan,
             pplan.metas,
-            version,
-            clock,
-            False,
             PatchWire(s, pplan),
             payloads=[pplan.update_info],
             pause=in_place_pause(s.info, s.client, _no_guard, IN_PLACE),
+            before_commit=before_commit,
         )
+        metrics = lead_round(s, patches_round, clock)
     except BaseException as exc:
         if was_committed(exc):  # finish succeeded; only a check after it failed
             _SURE[s] = True

@@ -1,34 +1,41 @@
-"""The round driver: rank 0 runs one round of a ``BroadcastPlan``, whatever its wire.
+"""One trainer round, read top to bottom in ``lead_round``.
 
-A single sender is a plan with one turn (``sole_plan``) sent by ``SoleWire``; several
-broadcasters are the same round over stars or one group (``trainer.multi_star`` /
-``trainer.multi_group``). The driver owns what every round does, in order:
+A round is a value (``Round``): what it sends (the turns' tensors, or the update info a
+backend wrote for a delta round's patches, plus a delta round's extra update-info fields),
+to whom and in which order (its ``BroadcastPlan``: a single sender is a plan with one turn,
+``sole_plan``, sent by ``SoleWire``; several broadcasters are the same round over stars or
+one group, ``trainer.multi_star`` / ``trainer.multi_group``), its version, draft flag and
+pause. The ``Session`` keeps only what lives between rounds (the wire, the served model,
+what the workers hold, counters). ``lead_round`` runs any round on rank 0 in these steps:
 
-1. each turn's update info (reused when the workers already hold that slice's metadata);
-2. the control plane, run by the wire at the point it chooses (``SoleWire``: once the
-   first chunk is prepared): [verify snapshot] -> [pause] -> ``start_weight_update``
-   (``start_draft_weight_update``);
-3. the wire's transfer, the turns' ``update_weights`` beside it;
-4. ``finish_weight_update(version)`` and the cache reset (``trainer.freshness``: at once in a
-   round paused as a whole, else the finish first) -> [resume];
-5. [verify: every slice's digests against the servers'].
+1. ``prepare``: each turn's update info (reused when the workers already hold that slice's
+   metadata); what the workers hold becomes unknown until the finish succeeds;
+2. ``send_early``: the pause (and the start once the data path is ready) on a helper thread,
+   ahead of the round's set-up, where nothing must precede them (``trainer.early``);
+3. ``transfer``: the wire runs the control plane at the point it chooses (``SoleWire``: once
+   the first chunk is prepared; ``open_round``: [verify snapshot] -> [round guard] ->
+   [pause] -> ``start_weight_update`` / ``start_draft_weight_update``), then its broadcasts
+   with the turns' ``update_weights`` beside them;
+4. ``commit``: ``finish_weight_update(version)`` and the cache reset (``trainer.freshness``:
+   beside the finish in a round paused as a whole), [resume], [release the guard];
+5. ``verify``: every slice's digests against the servers';
+6. on any failure, ``recover`` (its rules at the point they apply), then the error is raised.
 
-A failure resumes a round paused as a whole only once it committed (only a check after
-the commit failed); otherwise the pause's own failure rule applies (``gating``). The
-wire hears how the round ended (``RoundEnd``): the multi-source plan tells the other
+The wire hears how the round ended (``RoundEnd``): the multi-source plan tells the other
 trainer ranks.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from weightwire.backends.base import Sent, WirePlan
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.source import WeightSource
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.early import EarlyStart, starts_with_pause
@@ -43,7 +50,7 @@ from weightwire.trainer.transfer import (
     chunked,
     tensor_stream,
 )
-from weightwire.trainer.verify import VerifyError
+from weightwire.trainer.verify import VerifyError, VerifyReport
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +109,42 @@ class RoundEnd(Protocol):
     def failed(self, exc: BaseException, *, committed: bool) -> None: ...
 
 
-SoleRound = Callable[[list[ParamMeta], str, PhaseClock, bool, "RoundEnd | None"], RoundMetrics]
-"""The engine's one-turn round (rank 0 the only broadcaster), told how it ended."""
+@dataclass(frozen=True)
+class Round:
+    """One round, as a value: built by a planning step, run by ``lead_round``."""
+
+    version: str
+    plan: BroadcastPlan
+    """Who sends which slice, in which order (one turn per broadcaster)."""
+    metas: list[ParamMeta]
+    """The round's tensors as the caller asked them (the pause's size, the metrics)."""
+    wire: Wire
+    draft: bool = False
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    """Extra update-info fields of every turn: a delta round's ``round_token``,
+    ``delta_base``, ``patches``."""
+    payloads: list[dict[str, Any]] | None = None
+    """Each turn's update info as the backend wrote it (a round of patches), instead of the
+    one built from the turn's tensors."""
+    pause: RoundPause | None = None
+    """The round's pause, instead of the session's rule for a round of ``metas``."""
+    before_commit: Callable[[], None] | None = None
+    """An overlapped round's last chance to be stopped, asked right before its finish goes
+    out (``RoundStop.before_commit``: ``shutdown`` stopped it, nothing commits)."""
+    early_pause: bool = False
+    """Send the pause now, and the start right after it once the data path is ready, beside
+    the wire's own preparation (a wire that runs ``control`` soon: ``SoleWire``)."""
+
+
+@dataclass
+class _Servers:
+    """What this round did to the servers so far: the failure rules read it."""
+
+    paused: bool = False
+    held: bool = False
+    """The round guard is held (requests that run the model are refused)."""
+    started: bool = False
+    """The start went out: from here the workers may hold part of the round."""
 
 
 def was_committed(exc: BaseException) -> bool:
@@ -112,131 +153,189 @@ def was_committed(exc: BaseException) -> bool:
 
 
 def lead_round(
-    s: Session,
-    bplan: BroadcastPlan,
-    metas: list[ParamMeta],
-    version: str,
-    clock: PhaseClock,
-    draft: bool,
-    wire: Wire,
-    end: RoundEnd | None = None,
-    payloads: list[dict[str, Any]] | None = None,
-    pause: RoundPause | None = None,
-    early_pause: bool = False,
+    s: Session, r: Round, clock: PhaseClock, end: RoundEnd | None = None
 ) -> RoundMetrics:
-    """Rank 0's round over ``wire``; returns once the servers committed ``version``.
-    ``payloads``: each turn's update info as the backend wrote it (a delta round's), instead
-    of the dense one built from the turn's tensors; ``pause``: the round's pause, instead of
-    the session's rule for a round of ``metas``; ``early_pause``: send the pause now, and the
-    start right after it once the data path is ready (``trainer.early``), beside the wire's
-    own preparation (a wire that runs ``control`` soon: ``SoleWire``), instead of from
-    ``control``, which then awaits them."""
-    reused = False
-    if payloads is None:
-        with clock("metadata"):
-            payloads, reused = _payloads(s, bplan, draft)
-    for turn in bplan.turns:
-        s.sent.pop(SentKey(draft, turn.src), None)  # unknown until finish succeeds
+    """Rank 0's round ``r``; returns once the servers committed ``r.version``.
+
+    What a failure leaves, step by step (``recover`` applies it, then the error is raised):
+    before ``open_round`` returned, nothing reached the workers (a pause that held is undone;
+    a start sent early that may have opened a round marks the engine broken); after the
+    start, the workers may hold part of the round: a round paused as a whole is resumed, one
+    applied in place stays paused / guarded (``gating.after_failed_round``), and a transfer
+    that lost its link leaves the engine broken (``trainer.transfer``); once the finish
+    committed, only a check failed (``StaleCacheError`` / ``VerifyError``, ``committed``):
+    the model is whole, so the servers are resumed and the guard lifted."""
+    # Fails: nothing was sent (the update infos are built here).
+    payloads, reused = prepare(s, r, clock)
+    pause = r.pause if r.pause is not None else s.round_pause(r.metas)
+    servers = _Servers()
+    # Its failure surfaces from open_round, which awaits it.
+    early = send_early(s, r, pause)
+    control = RoundControl(lambda: open_round(s, r, pause, early, servers), early)
     own: dict[str, str] | None = {} if s.verifier is not None else None
-    if pause is None:
-        pause = s.round_pause(metas)
-    paused = held = started = False
-    start = s.client.start_draft_weight_update if draft else s.client.start_weight_update
-    # The pause's and the start's round trips overlap the round's set-up; the start still goes
-    # only after the pause returned. With the round guard, the guard is held first (requests
-    # are refused with its reason); with verify, the checker's snapshot goes first (its calls
-    # keep one order): neither starts early.
-    early = None
-    if early_pause and pause.mode is not None and not pause.guard and s.verifier is None:
-        mode, http_s = pause.mode, s.info.timeouts.http_s
-        if not draft and starts_with_pause(s.client):  # one call (the reference server's offer)
-            both = s.client.pause_and_start  # type: ignore[attr-defined]
-            early = EarlyStart(None, lambda: both(mode), http_s)
-        else:
-            early = EarlyStart(lambda: s.pause(mode), start, http_s)
-
-    def run_control() -> None:
-        nonlocal paused, held, started
-        if early is not None:
-            early.wait()  # on error: the failure path asks it what went out
-            paused, started = early.paused, True
-            return
-        if s.verifier is not None:
-            s.verifier.before_round(s.client)  # a failure here sent nothing
-        held = hold_guard(s.client, pause, version)  # refusing, with the reason, before any write
-        if pause.mode is not None:
-            paused = s.pause(pause.mode)
-        started = True  # from here the workers may hold part of the round
-        start()
-
-    control = RoundControl(run_control, early)
-
-    def record() -> None:  # committed: the next automatic version moves on even if a check fails
-        for turn in bplan.turns:
-            s.sent[SentKey(draft, turn.src)] = turn.metas
-        s.rounds += 1
-
-    report = None
     try:
-        clock.seconds["control"] = 0.0  # booked from inside the transfer (listed first)
-        with clock("transfer"):
-            sent = wire.transfer(payloads, control, own, clock)
-        with clock("finish"):
-            if s.before_commit is not None:  # an overlapped round that shutdown stopped
-                s.before_commit()
-            # + the caches reset; beside the finish when nothing generates until the resume
-            resumed = s.commit_plan.commit(
-                s.client, version, record=record, paused=paused, timeout=s.info.timeouts.http_s
-            )
-            if paused:
-                paused = False
-                if not resumed:  # else the finish resumed them (the reference server's offer)
-                    s.client.resume()
-            held = release_guard(s.client, pause)  # the guard checks the workers are whole first
-        if s.verifier is not None and own is not None:
-            with clock("verify"):
-                report = verify_union(
-                    s.verifier, s.client, bplan, wire.digests(own), version, draft=draft
-                )
+        # Fails before the start: nothing on the workers. After it: the servers are in a
+        # round that gets no more bytes (the reference server's lease aborts it).
+        sent = transfer(r, payloads, control, own, clock)
+        # A failed finish: not committed. A failed cache reset after it: committed.
+        commit(s, r, pause, servers, clock)
+        # Fails: committed (the digests are compared after the finish).
+        report = verify(s, r, own, clock)
     except BaseException as exc:
-        committed = was_committed(exc)
-        if early is not None and not started:
-            # Failed before the control plane returned: no start goes out from now on. One that
-            # went out (whatever it answered) counts: the round failed after its start. Else
-            # nothing reached the workers, so a pause that held is undone.
-            paused, started, opened = early.abandon()
-            if paused and not started:
-                paused = False
-                best_effort_resume(s.client)
-            if opened and s.broken is None:
-                # The servers hold a round this trainer will send nothing more into (the
-                # reference server's lease aborts it; a stock worker may have begun a reload):
-                # like a round that failed after its first byte, the engine needs a new init.
-                # (A start that failed opened nothing: as in line, the engine stays usable.)
-                s.broken = exc
-        if end is not None:
-            end.failed(exc, committed=committed)
-        if committed:
-            # Committed: the model is whole, so a round paused as a whole resumes.
-            if paused:
-                best_effort_resume(s.client)
-            if held:
-                _release_whole(s.client, pause)
-        elif paused or held:
-            after_failed_round(s.client, pause)
+        recover(s, pause, early, servers, exc, end)
         raise
     if end is not None:
-        end.committed(version)
+        end.committed(r.version)
     return RoundMetrics(
-        version,
+        r.version,
         sent.nbytes,
-        len(metas),
+        len(r.metas),
         sent.sends,
         reused,
         seconds=clock.seconds,
         verify=report,
         dense_bytes=sent.nbytes,
     )
+
+
+def prepare(s: Session, r: Round, clock: PhaseClock) -> tuple[list[dict[str, Any]], bool]:
+    """Each turn's update info, and whether every turn's metadata was left out (the workers
+    hold it). What the workers hold is unknown from here until the finish succeeds."""
+    reused = False
+    payloads = r.payloads
+    if payloads is None:
+        with clock("metadata"):
+            payloads, reused = _payloads(s, r)
+    for turn in r.plan.turns:
+        s.sent.pop(SentKey(r.draft, turn.src), None)
+    return payloads, reused
+
+
+def send_early(s: Session, r: Round, pause: RoundPause) -> EarlyStart | None:
+    """The pause's and the start's round trips overlap the round's set-up; the start still
+    goes only after the pause returned. With the round guard, the guard is held first
+    (requests are refused with its reason); with verify, the checker's snapshot goes first
+    (its calls keep one order): neither starts early. ``None``: ``open_round`` sends them."""
+    if not r.early_pause or pause.mode is None or pause.guard or s.verifier is not None:
+        return None
+    mode, http_s = pause.mode, s.info.timeouts.http_s
+    if not r.draft and starts_with_pause(s.client):  # one call (the reference server's offer)
+        both = s.client.pause_and_start  # type: ignore[attr-defined]
+        return EarlyStart(None, lambda: both(mode), http_s)
+    return EarlyStart(lambda: s.pause(mode), _start_call(s, r), http_s)
+
+
+def _start_call(s: Session, r: Round) -> Callable[[], object]:
+    return s.client.start_draft_weight_update if r.draft else s.client.start_weight_update
+
+
+def open_round(
+    s: Session, r: Round, pause: RoundPause, early: EarlyStart | None, servers: _Servers
+) -> None:
+    """The control plane, run by the wire before its first byte: [verify snapshot] ->
+    [round guard] -> [pause] -> start (or, sent early, await them)."""
+    if early is not None:
+        early.wait()  # on error: ``recover`` asks it what went out
+        servers.paused, servers.started = early.paused, True
+        return
+    if s.verifier is not None:
+        s.verifier.before_round(s.client)  # a failure here sent nothing
+    servers.held = hold_guard(s.client, pause, r.version)  # refusing, with the reason
+    if pause.mode is not None:
+        servers.paused = s.pause(pause.mode)
+    servers.started = True  # from here the workers may hold part of the round
+    _start_call(s, r)()
+
+
+def transfer(
+    r: Round,
+    payloads: list[dict[str, Any]],
+    control: RoundControl,
+    own: dict[str, str] | None,
+    clock: PhaseClock,
+) -> Sent:
+    """The wire's turns (control first), ``update_weights`` beside its broadcasts."""
+    clock.seconds["control"] = 0.0  # booked from inside the transfer (listed first)
+    with clock("transfer"):
+        return r.wire.transfer(payloads, control, own, clock)
+
+
+def commit(s: Session, r: Round, pause: RoundPause, servers: _Servers, clock: PhaseClock) -> None:
+    """Finish + the caches reset (beside the finish when nothing generates until the
+    resume), then [resume], then [release the guard: it checks the workers are whole]."""
+    with clock("finish"):
+        if r.before_commit is not None:  # an overlapped round that shutdown stopped
+            r.before_commit()
+        # committed: the next automatic version moves on even if a check fails
+        resumed = s.commit_plan.commit(
+            s.client,
+            r.version,
+            record=lambda: _record(s, r),
+            paused=servers.paused,
+            timeout=s.info.timeouts.http_s,
+        )
+        if servers.paused:
+            servers.paused = False
+            if not resumed:  # else the finish resumed them (the reference server's offer)
+                s.client.resume()
+        servers.held = release_guard(s.client, pause)
+
+
+def _record(s: Session, r: Round) -> None:
+    for turn in r.plan.turns:
+        s.sent[SentKey(r.draft, turn.src)] = turn.metas
+    s.rounds += 1
+
+
+def verify(
+    s: Session, r: Round, own: dict[str, str] | None, clock: PhaseClock
+) -> VerifyReport | None:
+    """[verify: every slice's digests against the servers'] (``VerifyError(committed=True)``)."""
+    if s.verifier is None or own is None:
+        return None
+    with clock("verify"):
+        return verify_union(
+            s.verifier, s.client, r.plan, r.wire.digests(own), r.version, draft=r.draft
+        )
+
+
+def recover(
+    s: Session,
+    pause: RoundPause,
+    early: EarlyStart | None,
+    servers: _Servers,
+    exc: BaseException,
+    end: RoundEnd | None,
+) -> None:
+    """A failed round: undo what it did to the servers, as far as is safe; the caller raises."""
+    committed = was_committed(exc)
+    if early is not None and not servers.started:
+        # Failed before the control plane returned: no start goes out from now on. One that
+        # went out (whatever it answered) counts: the round failed after its start. Else
+        # nothing reached the workers, so a pause that held is undone.
+        paused, started, opened = early.abandon()
+        servers.paused, servers.started = paused, started
+        if paused and not started:
+            servers.paused = False
+            best_effort_resume(s.client)
+        if opened and s.broken is None:
+            # The servers hold a round this trainer will send nothing more into (the
+            # reference server's lease aborts it; a stock worker may have begun a reload):
+            # like a round that failed after its first byte, the engine needs a new init.
+            # (A start that failed opened nothing: as in line, the engine stays usable.)
+            s.broken = exc
+    if end is not None:
+        end.failed(exc, committed=committed)
+    if committed:
+        # Committed: the model is whole, so a round paused as a whole resumes.
+        if servers.paused:
+            best_effort_resume(s.client)
+        if servers.held:
+            _release_whole(s.client, pause)
+    elif servers.paused or servers.held:
+        # Not committed: the pause's own rule (``gating``): a round applied in place may
+        # have left the workers part-written, so it stays paused / guarded.
+        after_failed_round(s.client, pause)
 
 
 def _release_whole(client: Any, pause: RoundPause) -> None:
@@ -252,14 +351,14 @@ def _release_whole(client: Any, pause: RoundPause) -> None:
         )
 
 
-def _payloads(s: Session, bplan: BroadcastPlan, draft: bool) -> tuple[list[dict[str, Any]], bool]:
+def _payloads(s: Session, r: Round) -> tuple[list[dict[str, Any]], bool]:
     """Each turn's update info; the metadata alone is left out of a turn whose slice the
     workers already hold (``reuse_metadata``). ``True`` when every turn was."""
     assert s.features is not None
     payloads, reused = [], True
-    extra = s.round_fields or {}
-    for turn in bplan.turns:
-        same = s.features.reuse_metadata and s.sent.get(SentKey(draft, turn.src)) == turn.metas
+    extra = dict(r.fields)
+    for turn in r.plan.turns:
+        same = s.features.reuse_metadata and s.sent.get(SentKey(r.draft, turn.src)) == turn.metas
         same &= not extra.get("patches")  # a delta round's patches name their wire tensors
         reused &= same
         info = (
@@ -303,6 +402,48 @@ def sole_plan(s: Session, metas: list[ParamMeta], last: SolePlan | None) -> Sole
     return SolePlan(list(metas), wire, chunks, bplan)
 
 
+class SoleRounds:
+    """The engine's one-turn rounds (rank 0 the only broadcaster): each round's plan (the
+    last one reused while the metadata stays the same) as a ``Round`` through ``lead_round``."""
+
+    def __init__(self, s: Session) -> None:
+        self._s = s
+        self._planned: SolePlan | None = None
+
+    def __call__(
+        self,
+        metas: list[ParamMeta],
+        version: str,
+        clock: PhaseClock,
+        draft: bool,
+        end: RoundEnd | None = None,
+        *,
+        source: WeightSource | None = None,
+        fields: Mapping[str, Any] | None = None,
+        remap: Callable[[dict[str, str]], dict[str, str]] | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> RoundMetrics:
+        """One round of ``metas``, told how it ended (``end``). ``source``: what the round
+        reads (a delta round's wire tensors; default: the session's source); ``fields``: extra
+        update-info fields (a delta round's); ``remap``: ``SoleWire``'s; ``before_commit``:
+        ``Round``'s."""
+        s = self._s
+        with clock("metadata"):
+            self._planned = sole = sole_plan(s, metas, self._planned)  # a refusal: before any call
+        wire = SoleWire(s, sole, s.source if source is None else source, remap)
+        sole_round = Round(
+            version,
+            sole.bplan,
+            metas,
+            wire,
+            draft,
+            fields=fields or {},
+            before_commit=before_commit,
+            early_pause=True,  # SoleWire runs control as soon as its first chunk is prepared
+        )
+        return lead_round(s, sole_round, clock, end)
+
+
 class SoleWire:
     """Rank 0 alone: the update POST beside its broadcasts, control folded into the first
     chunk's preparation (``trainer.transfer.Transfer``)."""
@@ -311,9 +452,10 @@ class SoleWire:
         self,
         s: Session,
         sole: SolePlan,
+        source: WeightSource,
         remap: Callable[[dict[str, str]], dict[str, str]] | None = None,
     ) -> None:
-        self._s, self._sole, self._remap = s, sole, remap
+        self._s, self._sole, self._source, self._remap = s, sole, source, remap
 
     def transfer(
         self,
@@ -324,7 +466,8 @@ class SoleWire:
     ) -> Sent:
         s, sole = self._s, self._sole
         (payload,) = payloads
-        pairs: Iterator[tuple[str, Any]] = s.stream(tensor_stream(s.source), sole.metas, own)
+        source = self._source
+        pairs: Iterator[tuple[str, Any]] = s.stream(source, tensor_stream(source), sole.metas, own)
         return send_update(
             s,
             payload,

@@ -86,11 +86,6 @@ class Session:
     rounds: int = 0
     sent: dict[SentKey, tuple[ParamMeta, ...]] = field(default_factory=dict)
     """Rank 0: what each broadcaster's slice is on the workers, until a round changes it."""
-    round_fields: dict[str, Any] | None = None
-    """This round's extra update-info fields (``round_token``, ``delta_base``, ``patches``)."""
-    before_commit: Callable[[], None] | None = None
-    """An overlapped round's last chance to be stopped, asked right before its finish goes
-    out (``RoundStop.before_commit``: ``shutdown`` stopped it, nothing commits)."""
     guard: bool | None = None
     """Whether the servers run the round guard: asked at the first round applied in place,
     then known (a server's middleware changes only with a restart, like its features)."""
@@ -111,14 +106,16 @@ class Session:
 
     def stream(
         self,
+        source: WeightSource,
         pairs: Iterable[tuple[str, Any]],
         metas: list[ParamMeta],
         digests: dict[str, str] | None,
     ) -> Iterator[tuple[str, Any]]:
-        """``pairs`` checked against ``metas`` (unless the source checks its own passes) and,
-        with ``digests``, each tensor's digest recorded for the round's verify step."""
+        """``pairs`` (a pass over ``source``) checked against ``metas`` (unless ``source``
+        checks its own passes) and, with ``digests``, each tensor's digest recorded for the
+        round's verify step."""
         out = iter(pairs)
-        if not self.source.checks_own_stream(metas):  # PytreeSource checks its own passes
+        if not source.checks_own_stream(metas):  # PytreeSource checks its own passes
             out = checked_iter(out, metas, self.framework.describe)
         return out if digests is None else tap(out, digests, self.framework.tensor_sha256)
 
