@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from weightwire import backends
-from weightwire.shared.info import TCPInitInfo, encode_secret
+from weightwire.backends.tcp.info import TCPInitInfo
+from weightwire.shared.info import encode_secret
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -38,7 +39,7 @@ def test_every_module_path_imports(name: str, field: str) -> None:
 
 
 def test_init_info_types_by_backend() -> None:
-    from weightwire.shared import IPCInitInfo, NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
+    from weightwire import IPCInitInfo, NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
 
     want = {
         "nccl": NCCLInitInfo,
@@ -51,7 +52,7 @@ def test_init_info_types_by_backend() -> None:
     for name, cls in want.items():
         # Exact types: WeightwireNCCLInitInfo is an NCCLInitInfo, and still another backend's.
         # sparse_nccl shares nccl's, and the type names nccl (neither has a weightwire connect).
-        owner = backends.NCCL if name == backends.SPARSE_NCCL else name
+        owner = "nccl" if name == "sparse_nccl" else name
         assert backends.spec_of_init_info(cls) is backends.SPECS[owner]
     with pytest.raises(ValueError, match="dict is no backend's init info"):
         backends.spec_of_init_info(dict)
@@ -226,8 +227,8 @@ def test_every_alias_the_cli_takes_the_library_takes() -> None:
 
 def test_worker_connect_dispatches_through_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
+    from weightwire.backends.nccl.info import NCCLInitInfo
     from weightwire.backends.tcp import worker as tcp_worker
-    from weightwire.shared.info import NCCLInitInfo
     from weightwire.torch_side.worker.connect import connect
     from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 

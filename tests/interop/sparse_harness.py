@@ -24,8 +24,8 @@ from weightwire.backends.base import PatchPlan, SenderCaps, WirePlan
 from weightwire.backends.nccl.sparse import sparse_nccl_round
 from weightwire.backends.nccl.trainer import SparseNCCLBackend, UnpackedSettings
 from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.tcp.trainer import TCPBackend
-from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.patches import SparsePatch
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo

@@ -40,9 +40,9 @@ from tests.trainer.fakes import DictSource
 from weightwire.backends.base import SenderCaps, StockRefusal, WirePlan
 from weightwire.backends.nccl.stock import plan_for_stock
 from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.backends.tcp.trainer import TCPBackend
-from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer import TrainerInitInfo

@@ -9,12 +9,8 @@ import json
 
 import pytest
 
-from weightwire.shared import (
-    NCCLInitInfo,
-    TCPInitInfo,
-    UpdateInfo,
-    WeightwireNCCLInitInfo,
-)
+from weightwire import NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
+from weightwire.shared import UpdateInfo
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, encode_secret
 
 # Bytes 0xfb 0xff encode to "+/" in standard base64 and to "-_" in the URL-safe

@@ -26,10 +26,10 @@ import torch
 from tests.torch_side.test_engine_rules import ThreadSender
 from weightwire.backends import TCP
 from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.shared.delta import FLAT_I32, extract_host
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.groups import layer_key
-from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.testing.loopback import TensorStoreHost

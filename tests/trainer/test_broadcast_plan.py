@@ -14,7 +14,7 @@ import torch
 from tests.torch_side.test_engine_rules import ThreadSender, Tiny, send_module
 from tests.trainer.fakes import DictSource
 from tests.trainer.thread_ranks import run_ranks
-from weightwire.shared.info import TCPInitInfo
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.sender.source import ModuleSource

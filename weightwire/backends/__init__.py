@@ -6,7 +6,7 @@ classes that speak it on each side. Each backend package says what it is in its
 ``BackendSpec``); the registry lists the packages, one line each, and nothing else
 names a backend. ``BackendSpec`` fields are ``"module:attr"`` paths:
 
-- ``init_info``: the shared (numpy-only) parser of the worker init info
+- ``init_info``: the worker init info's strict (numpy-only) parser, in the backend's own package
   (``init_info_type`` / ``spec_of_init_info`` map between the two);
 - ``trainer``: rank 0's ``Backend`` (rendezvous, payload);
 - ``connect``: the worker's ``(info, *, rank, device) -> ReceiveLink`` (``None``:
@@ -130,6 +130,16 @@ def spec_of_init_info(info_type: type) -> BackendSpec:
     raise ValueError(f"{info_type.__name__} is no backend's init info; known: {known}")
 
 
+def spec_of_engine(engine: type) -> BackendSpec | None:
+    """The backend whose spec names ``engine`` as its worker or vLLM engine (a backend that
+    speaks its own wire first: stock ``nccl`` is received by ``weightwire_nccl``'s engine
+    outside vLLM); ``None`` when no spec names it (an abstract base, a test's engine)."""
+    path = f"{engine.__module__}:{engine.__qualname__}"
+    named = [s for s in SPECS.values() if path in (s.worker_engine, s.vllm_engine)]
+    named.sort(key=lambda s: s.stock_receiver)
+    return named[0] if named else None
+
+
 __all__ = [
     "ALIASES",
     "BACKEND_NAMES",
@@ -147,5 +157,6 @@ __all__ = [
     "init_info_type",
     "load",
     "register",
+    "spec_of_engine",
     "spec_of_init_info",
 ]

@@ -20,7 +20,8 @@ class BackendSpec:
     """The backend's name, as vLLM's ``--weight-transfer-config`` and ``TrainerInitInfo.backend``
     spell it. Written nowhere else in code."""
     init_info: str
-    """The shared (numpy-only) init-info class the worker parses its init info with."""
+    """The (numpy-only) init-info class the worker parses its init info with, in the backend's
+    package (``backends/<name>/info.py``)."""
     trainer: str
     """Rank 0's ``Backend`` subclass."""
     connect: str | None

@@ -35,6 +35,7 @@ from weightwire.backends.base import (
     SenderSettings,
 )
 from weightwire.backends.ipc.channel import Listener, check_int
+from weightwire.backends.ipc.info import IPC_MODES, IPCInitInfo, decode_handles
 from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.pipeline import IPCPipeline
 from weightwire.backends.ipc.pull import IPCPullPipeline
@@ -48,7 +49,6 @@ from weightwire.backends.ipc.slots import (
 from weightwire.backends.ipc.through.pipeline import IPCWriteThroughPipeline
 from weightwire.shared.errors import TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
-from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo, decode_handles
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 
 logger = logging.getLogger(__name__)

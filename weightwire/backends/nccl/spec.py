@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from weightwire.backends.spec import BackendSpec
 
-_INFO = "weightwire.shared.info"
+_INFO = "weightwire.backends.nccl.info"
 _ENGINES = "weightwire.torch_side.worker.engines"
 
 WEIGHTWIRE_NCCL = BackendSpec(

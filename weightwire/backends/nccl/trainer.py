@@ -24,19 +24,14 @@ from weightwire.backends.base import (
 )
 from weightwire.backends.device import SlotBuffers
 from weightwire.backends.nccl import comm as nccl
+from weightwire.backends.nccl.info import NCCL_UNIQUE_ID_BYTES, NCCLInitInfo, WeightwireNCCLInitInfo
 from weightwire.backends.nccl.library import mint_unique_id, nccl_available
 from weightwire.backends.nccl.sparse import sparse_nccl_round
 from weightwire.backends.nccl.stock import plan_for_stock
 from weightwire.backends.pipelines import DevicePipeline
 from weightwire.shared.communicator import Communicator
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.info import (
-    NCCL_UNIQUE_ID_BYTES,
-    NCCLInitInfo,
-    WeightwireNCCLInitInfo,
-    decode_secret,
-    encode_secret,
-)
+from weightwire.shared.info import decode_secret, encode_secret
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.version import ServerFeatures
 

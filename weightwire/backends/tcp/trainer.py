@@ -23,9 +23,10 @@ from weightwire.backends.base import (
     StarSource,
 )
 from weightwire.backends.pipelines import HostPipeline
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.communicator import Communicator
-from weightwire.shared.info import TCPInitInfo, encode_secret
+from weightwire.shared.info import encode_secret
 
 
 class TCPBackend(Backend):

@@ -1,4 +1,4 @@
-"""Worker engines for ``weightwire_tcp`` and ``weightwire_nccl``, outside vLLM.
+"""Worker engines outside vLLM, one per backend a weightwire worker receives.
 
 ``EngineFacade`` maps vLLM's ``WeightTransferEngine`` method set onto
 ``_ReceiverCore``; the standalone classes here (used by the reference server) and the
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from weightwire.backends import TCP, WEIGHTWIRE_NCCL
-from weightwire.shared.info import TCPInitInfo, WeightwireNCCLInitInfo
+from weightwire import backends
+from weightwire.backends.worker_base import WorkerInitInfo
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
@@ -31,15 +31,27 @@ from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightSta
 class EngineFacade:
     """vLLM's worker-engine method set, delegated to ``self._core``.
 
-    ``init_info_cls`` / ``update_info_cls`` are the strict ``shared`` parsers: unknown
-    keys, wrong types and out-of-limit values fail the request with a ``ValueError``
-    naming the field before anything is allocated or joined.
+    ``init_info_cls`` / ``update_info_cls`` are the strict parsers: unknown keys, wrong
+    types and out-of-limit values fail the request with a ``ValueError`` naming the field
+    before anything is allocated or joined.
+
+    A backend's engine class names no backend: the registry does. A subclass that some
+    backend's spec names (``worker_engine`` / ``vllm_engine``) takes that backend's name and
+    init-info class from it when defined; one that no spec names sets both itself.
     """
 
     backend: str
-    init_info_cls: type[TCPInitInfo] | type[WeightwireNCCLInitInfo]
+    init_info_cls: type[WorkerInitInfo]
     update_info_cls = UpdateInfo
     _core: _ReceiverCore
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        spec = backends.spec_of_engine(cls)
+        if spec is not None and "backend" not in cls.__dict__:
+            cls.backend = spec.name
+        if hasattr(cls, "backend") and "init_info_cls" not in cls.__dict__:
+            cls.init_info_cls = backends.init_info_type(cls.backend)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
         return self.init_info_cls.from_dict(init_dict)
@@ -180,18 +192,23 @@ class StandaloneEngine(EngineFacade):
     _connect = staticmethod(connect)
 
 
-class WeightwireTCPEngine(StandaloneEngine):
-    """``weightwire_tcp`` receiver: CPU or GPU worker, TCP data plane."""
+# The built-in backends' engines: each one's name and init info come from the spec naming it.
 
-    backend = TCP
-    init_info_cls = TCPInitInfo
+
+class WeightwireTCPEngine(StandaloneEngine):
+    """The TCP receiver: CPU or GPU worker, TCP data plane."""
 
 
 class WeightwireNCCLEngine(StandaloneEngine):
-    """``weightwire_nccl`` receiver: GPU worker, NCCL data plane via cupy, with timeouts."""
+    """The NCCL receiver: GPU worker, NCCL data plane via cupy, with timeouts (also what
+    receives vLLM's own NCCL wire outside vLLM: its init info parses a superset)."""
 
-    backend = WEIGHTWIRE_NCCL
-    init_info_cls = WeightwireNCCLInitInfo
+
+class WeightwireIPCEngine(StandaloneEngine):
+    """The CUDA IPC receiver: a GPU worker on the trainer's host (same GPU or a peer GPU).
+    Pull mode (packed, the default) lends the trainer exported receive buffers it writes
+    into, no copy here; push mode opens the trainer's slots once per session and copies
+    each piece out."""
 
 
 def watch_sleep(worker: Any, engine: EngineFacade) -> None:
