@@ -78,8 +78,8 @@ def test_each_package_declares_its_own_backends() -> None:
 
 @pytest.mark.parametrize("name", backends.BACKEND_NAMES)
 def test_trainer_backend_matches_its_entry(name: str) -> None:
+    from weightwire.backends import get_backend
     from weightwire.backends.base import Backend
-    from weightwire.trainer.backends import get_backend
 
     spec = backends.SPECS[name]
     cls = backends.load(spec.trainer)
@@ -195,7 +195,7 @@ def test_import_pulls_no_framework_and_nothing_else() -> None:
 
 
 def test_unknown_names_are_refused_naming_the_known_ones() -> None:
-    from weightwire.trainer.backends import get_backend
+    from weightwire.backends import get_backend
     from weightwire.trainer.config import TrainerInitInfo
 
     known = ", ".join(backends.BACKEND_NAMES)

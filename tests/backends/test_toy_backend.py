@@ -25,7 +25,6 @@ from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.loopback import LoopbackClient, spawn_loopback_cmd
 from weightwire.trainer import TrainerInitInfo
-from weightwire.trainer import backends as trainer_backends
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "tests.backends.toy_backend"
@@ -42,7 +41,7 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> BackendSpec:
     """The registration line, undone after the test: other tests see only the built-ins."""
     monkeypatch.setattr(backends, "SPECS", dict(backends.SPECS))
     monkeypatch.setattr(backends, "ALIASES", dict(backends.ALIASES))
-    monkeypatch.setattr(trainer_backends, "_BUILT_IN", dict(trainer_backends._BUILT_IN))
+    monkeypatch.setattr(backends, "_MADE", dict(backends._MADE))
     (spec,) = backends.register(PACKAGE)
     return spec
 

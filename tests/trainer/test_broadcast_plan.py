@@ -354,7 +354,7 @@ def test_receiver_gate() -> None:
 
 
 def test_backends_declare_how_they_carry_several_broadcasters() -> None:
-    from weightwire.trainer.backends import get_backend
+    from weightwire.backends import get_backend
 
     shapes = {
         n: get_backend(n).caps.several

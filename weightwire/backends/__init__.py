@@ -16,8 +16,8 @@ names a backend. ``BackendSpec`` fields are ``"module:attr"`` paths:
 - ``vllm_engine``: the ``WeightTransferEngine`` subclass the vLLM plugin registers
   under the backend's name (``None``: vLLM ships it, the stock ``nccl``).
 
-Every consumer reads this registry: the trainer (``trainer.backends.get_backend``), the
-worker engines (``torch_side.worker.connect``), the plugin, the reference server's and
+Every consumer reads this registry: the trainer (``get_backend``: rank 0's ``Backend``
+object), the worker engines (``torch_side.worker.connect``), the plugin, the reference server's and
 the CLI's ``--backend`` choices, the demo and the loopback receiver. That is the
 failure it prevents: a backend added, renamed or given a new engine in one of those
 places and forgotten in another (the CLI offering a name the server cannot run, the
@@ -31,9 +31,12 @@ first used.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightwire.backends.spec import BackendSpec
+
+if TYPE_CHECKING:
+    from weightwire.backends.base import Backend
 
 PACKAGES: tuple[str, ...] = (
     "weightwire.backends.tcp",
@@ -140,6 +143,54 @@ def spec_of_engine(engine: type) -> BackendSpec | None:
     return named[0] if named else None
 
 
+# -- rank 0's Backend objects ---------------------------------------------------------------
+
+_ADDED: dict[str, Backend] = {}
+"""``Backend`` objects registered at run time; a name here shadows a built-in (``replace=True``)."""
+_MADE: dict[str, Backend] = {}
+"""Registered backends' ``Backend`` objects made so far (one each, made on first use: a TCP
+trainer never imports the NCCL or IPC code)."""
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> None:
+    """Add a ``Backend`` object under its name (tests register fakes; users may add their own
+    transports without a package)."""
+    if backend.name in backend_names() and not replace:
+        raise ValueError(f"backend {backend.name!r} is already registered")
+    _ADDED[backend.name] = backend
+
+
+def unregister_backend(name: str) -> None:
+    if name in SPECS:
+        raise ValueError(f"built-in backend {name!r} cannot be removed")
+    _ADDED.pop(name, None)
+
+
+def get_backend(name: str) -> Backend:
+    """Rank 0's ``Backend`` called ``name``; ``ValueError`` listing the known names otherwise."""
+    added = _ADDED.get(name)
+    if added is not None:
+        return added
+    backend = _MADE.get(name)
+    if backend is None:
+        spec = SPECS.get(name)
+        if spec is None:
+            raise ValueError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
+        backend = load(spec.trainer)()
+        if backend.name != name:  # the spec and the class disagree: fail loudly, not on the wire
+            raise RuntimeError(
+                f"registry entry {name!r} loads {spec.trainer}, whose name is {backend.name!r}"
+            )
+        backend = _MADE.setdefault(name, backend)
+    return backend
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every backend the registry knows (built-in and ``register``-ed packages), then the
+    ``Backend`` objects ``register_backend``-ed at run time."""
+    return tuple(SPECS) + tuple(n for n in _ADDED if n not in SPECS)
+
+
 __all__ = [
     "ALIASES",
     "BACKEND_NAMES",
@@ -152,11 +203,15 @@ __all__ = [
     "TCP",
     "WEIGHTWIRE_NCCL",
     "BackendSpec",
+    "backend_names",
     "canonical",
     "get",
+    "get_backend",
     "init_info_type",
     "load",
     "register",
+    "register_backend",
     "spec_of_engine",
     "spec_of_init_info",
+    "unregister_backend",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from weightwire.backends import ALIASES, IPC, NCCL, canonical
+from weightwire.backends import ALIASES, IPC, NCCL, backend_names, canonical, get_backend
 from weightwire.shared.checks import check_buffer_size, check_num_buffers
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
@@ -19,7 +19,6 @@ from weightwire.shared.routes import PAUSE_MODES
 from weightwire.shared.staging import check_stage_budget
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
-from weightwire.trainer.backends import backend_names, get_backend
 from weightwire.trainer.handoff import round_interval_s
 from weightwire.trainer.overlap import MAX_ROUNDS_IN_FLIGHT
 from weightwire.trainer.snapshot import SNAPSHOT_MODES
