@@ -347,9 +347,14 @@ def test_receiver_gate() -> None:
     check_receiver(single, "nccl", stock=True, several=None)  # src 0 only: any receiver
     check_receiver(multi, "weightwire_tcp", stock=False, several="stars")
     check_receiver(multi, "weightwire_nccl", stock=False, several="group")
-    with pytest.raises(PlanError, match="receives only from src 0"):
+    # The backends to use instead are the registry's carriers of several, in its order.
+    with pytest.raises(PlanError, match="src 0; use weightwire_tcp or weightwire_nccl, or"):
         check_receiver(multi, "nccl", stock=True, several=None)
-    with pytest.raises(PlanError, match="backend 'weightwire_ipc' carries one broadcaster only"):
+    with pytest.raises(
+        PlanError,
+        match="backend 'weightwire_ipc' carries one broadcaster only; use weightwire_tcp or "
+        "weightwire_nccl, or",
+    ):
         check_receiver(multi, "weightwire_ipc", stock=False, several=None)
 
 

@@ -72,8 +72,11 @@ PLUGIN_BACKENDS: tuple[str, ...] = tuple(name for name, spec in SPECS.items() if
 (it stands in for a vLLM with the plugin)."""
 ALIASES: dict[str, str] = {alias: spec.name for spec in SPECS.values() for alias in spec.aliases}
 """Short spelling -> name, accepted wherever a backend is (``tcp``)."""
+(DEFAULT_BACKEND,) = (name for name, spec in SPECS.items() if spec.default)
+"""``TrainerInitInfo.backend``'s default: the built-in backend whose spec says ``default``."""
 
-# The built-in names, for code that picks one (spelled in the packages' specs).
+# The built-in names, for the tools that pick one (the CLI's and the demo's defaults); the
+# library's generic code reads the specs' flags instead (tests/shared/test_import_graph.py).
 (TCP,) = (spec.name for spec in _specs_of("weightwire.backends.tcp"))
 WEIGHTWIRE_NCCL, NCCL, SPARSE_NCCL = (spec.name for spec in _specs_of("weightwire.backends.nccl"))
 (IPC,) = (spec.name for spec in _specs_of("weightwire.backends.ipc"))
@@ -194,6 +197,7 @@ def backend_names() -> tuple[str, ...]:
 __all__ = [
     "ALIASES",
     "BACKEND_NAMES",
+    "DEFAULT_BACKEND",
     "IPC",
     "NCCL",
     "PACKAGES",

@@ -39,6 +39,8 @@ class BackendSpec:
     """Rounds may carry whole tensors (``False``: delta rounds of patches only)."""
     same_host: bool = False
     """Trainer and workers must share a host (CUDA IPC)."""
+    default: bool = False
+    """``TrainerInitInfo.backend``'s default (exactly one built-in backend says so)."""
     aliases: tuple[str, ...] = ()
     """Short spellings accepted wherever a backend name is (command line, ``TrainerInitInfo``)."""
 

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from weightwire.backends import ALIASES, IPC, NCCL, backend_names, canonical, get_backend
+from weightwire.backends import (
+    ALIASES,
+    DEFAULT_BACKEND,
+    backend_names,
+    canonical,
+    get_backend,
+)
 from weightwire.shared.checks import check_buffer_size, check_num_buffers
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
@@ -120,7 +126,7 @@ class TrainerInitInfo:
       a version newer than weightwire knows). Logged at every init.
     """
 
-    backend: str = NCCL
+    backend: str = DEFAULT_BACKEND
     rank: int = 0
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
@@ -226,15 +232,7 @@ class TrainerInitInfo:
                 f"delta={self.delta!r} needs a weightwire_* backend or sparse_nccl: a stock "
                 f"vLLM worker ({self.backend!r}) cannot apply patches"
             )
-        written_through = self.ipc_mode in ("write_through", "auto")
-        if self.delta != "off" and written_through and canonical(self.backend) == IPC:
-            # A written-through round is one device copy into the serving parameters: nothing
-            # for a delta to save, and patches have no place in the landing table.
-            raise ConfigError(
-                f"delta={self.delta!r} with ipc_mode={self.ipc_mode!r}: delta rounds over "
-                "weightwire_ipc go through its pull path; set ipc_mode='pull' (a written-through "
-                "dense round is already one device copy)"
-            )
+        get_backend(self.backend).check_config(self, delta=self.delta)
 
     @property
     def is_sender(self) -> bool:

@@ -29,6 +29,7 @@ NCCL = BackendSpec(
     vllm_engine=None,
     needs_cuda=True,
     stock_receiver=True,
+    default=True,  # what a stock vLLM serves with no plugin
 )
 """vLLM's own dense NCCL backend (unique-id rendezvous); no plugin."""
 

@@ -24,6 +24,7 @@ from weightwire.backends.base import (
 )
 from weightwire.backends.pipelines import HostPipeline
 from weightwire.backends.tcp.info import TCPInitInfo
+from weightwire.backends.tcp.options import tcp_options
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.communicator import Communicator
 from weightwire.shared.info import encode_secret
@@ -36,10 +37,11 @@ class TCPBackend(Backend):
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=False, several="stars")
 
     def open(self, settings: SenderSettings, *, world_size: int) -> Rendezvous:
+        options = tcp_options(settings, self.name)
         rdv = TCPRendezvous(
             world_size=world_size,
-            bind_host=settings.tcp_bind_host,
-            advertise_host=settings.tcp_advertise_host,
+            bind_host=options.tcp_bind_host,
+            advertise_host=options.tcp_advertise_host,
         )
         try:
             payload = TCPInitInfo(
@@ -69,10 +71,11 @@ class TCPBackend(Backend):
     def open_star(
         self, settings: SenderSettings, *, world_size: int, secret: bytes
     ) -> StarEndpoint:
+        options = tcp_options(settings, self.name)
         return TCPRendezvous(
             world_size=world_size,
-            bind_host=settings.tcp_bind_host,
-            advertise_host=settings.tcp_advertise_host,
+            bind_host=options.tcp_bind_host,
+            advertise_host=options.tcp_advertise_host,
             secret=secret,
         )
 
