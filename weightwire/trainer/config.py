@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from weightwire.backends import (
     ALIASES,
     DEFAULT_BACKEND,
+    SPECS,
     backend_names,
     canonical,
     get_backend,
 )
+from weightwire.backends.base import SenderCaps
 from weightwire.shared.checks import check_buffer_size, check_num_buffers
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
@@ -28,6 +30,13 @@ from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.handoff import round_interval_s
 from weightwire.trainer.overlap import MAX_ROUNDS_IN_FLIGHT
 from weightwire.trainer.snapshot import SNAPSHOT_MODES
+
+
+def _takes_patches(caps: SenderCaps) -> bool:
+    """A delta round reaches workers of this backend: ours apply patches, a stock receiver
+    only where its backend sends them (``caps.delta``)."""
+    return not caps.stock_receiver or caps.delta
+
 
 IPC_ASKED = ("pull", "push", "write_through", "auto")
 """What ``TrainerInitInfo.ipc_mode`` may ask for."""
@@ -228,9 +237,10 @@ class TrainerInitInfo:
             raise ConfigError(f"delta_anchor_every must be an int >= 0, got {anchor!r}")
         caps = get_backend(self.backend).caps
         if self.delta != "off" and caps.stock_receiver and not caps.delta:
+            takers = (n for n in SPECS if _takes_patches(get_backend(n).caps))
             raise ConfigError(
-                f"delta={self.delta!r} needs a weightwire_* backend or sparse_nccl: a stock "
-                f"vLLM worker ({self.backend!r}) cannot apply patches"
+                f"delta={self.delta!r} needs a backend whose workers take patches "
+                f"({', '.join(takers)}): a stock vLLM worker ({self.backend!r}) cannot apply them"
             )
         get_backend(self.backend).check_config(self, delta=self.delta)
 
