@@ -135,3 +135,22 @@ def test_missing_chunk_file_fails_the_round_within_the_timeout(
         assert reply["checksums"] == before  # the failed round left the first round's weights
     finally:
         engine.shutdown()
+
+
+def test_the_toy_engine_takes_its_name_and_init_info_from_the_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The engine class names no backend: what it receives is read from the spec naming it, so
+    # its module may be imported before the registration line runs, and resolves after it.
+    pytest.importorskip("torch")
+    from tests.backends.toy_backend.engine import ToyFilesEngine
+    from tests.backends.toy_backend.info import ToyFilesInitInfo
+
+    monkeypatch.setattr(backends, "SPECS", dict(backends.SPECS))
+    monkeypatch.setattr(backends, "ALIASES", dict(backends.ALIASES))
+    if "toy_files" not in backends.SPECS:
+        with pytest.raises(AttributeError, match="no backend's spec names this engine class"):
+            _ = ToyFilesEngine.backend
+        backends.register(PACKAGE)
+    assert ToyFilesEngine.backend == "toy_files"
+    assert ToyFilesEngine.init_info_cls is ToyFilesInitInfo

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from weightwire import backends
+from weightwire.backends.spec import BackendSpec
 from weightwire.backends.worker_base import WorkerInitInfo
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.connect import connect
@@ -26,6 +27,33 @@ from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.load import ReceiveStats
 from weightwire.torch_side.worker.lora import AdapterHostFn
 from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightState
+
+_T = TypeVar("_T")
+
+
+class _FromSpec(Generic[_T]):
+    """An engine class's attribute read from the spec of the backend it receives."""
+
+    def __init__(self, read: Callable[[BackendSpec], _T]) -> None:
+        self._read = read
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, engine: object, owner: type) -> _T:
+        for cls in owner.__mro__:
+            spec = backends.spec_of_engine(cls)
+            if spec is not None:
+                return self._read(spec)
+        raise AttributeError(
+            f"{owner.__name__}.{self._name}: no backend's spec names this engine class; name "
+            "it in a spec (worker_engine / vllm_engine) or set backend and init_info_cls"
+        )
+
+
+def _init_info_of(spec: BackendSpec) -> type[WorkerInitInfo]:
+    info: type[WorkerInitInfo] = backends.init_info_type(spec.name)
+    return info
 
 
 class EngineFacade:
@@ -35,23 +63,16 @@ class EngineFacade:
     types and out-of-limit values fail the request with a ``ValueError`` naming the field
     before anything is allocated or joined.
 
-    A backend's engine class names no backend: the registry does. A subclass that some
-    backend's spec names (``worker_engine`` / ``vllm_engine``) takes that backend's name and
-    init-info class from it when defined; one that no spec names sets both itself.
+    A backend's engine class names no backend: the registry does. ``backend`` and
+    ``init_info_cls`` are read from the spec naming the class (``worker_engine`` /
+    ``vllm_engine``) or its nearest base a spec names, when first asked (so an engine module
+    may be imported before its package is registered); an engine no spec names sets both.
     """
 
-    backend: str
-    init_info_cls: type[WorkerInitInfo]
+    backend = _FromSpec(lambda spec: spec.name)
+    init_info_cls = _FromSpec(_init_info_of)
     update_info_cls = UpdateInfo
     _core: _ReceiverCore
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        spec = backends.spec_of_engine(cls)
-        if spec is not None and "backend" not in cls.__dict__:
-            cls.backend = spec.name
-        if hasattr(cls, "backend") and "init_info_cls" not in cls.__dict__:
-            cls.init_info_cls = backends.init_info_type(cls.backend)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
         return self.init_info_cls.from_dict(init_dict)
