@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.shared.import_graph import docstring_ids
 from weightwire import backends
 from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.shared.info import encode_secret
@@ -251,14 +252,7 @@ def test_worker_connect_dispatches_through_the_registry(monkeypatch: pytest.Monk
 def _code_strings(path: Path) -> set[str]:
     """String constants of a module, docstrings left out."""
     tree = ast.parse(path.read_text())
-    docs = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
+    docs = docstring_ids(tree)
     return {
         n.value
         for n in ast.walk(tree)

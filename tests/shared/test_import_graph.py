@@ -47,6 +47,7 @@ from tests.shared.import_graph import (
     ROOT,
     TORCH,
     cycles,
+    docstring_ids,
     forbidden_reach,
     in_package,
 )
@@ -338,23 +339,12 @@ def _backend_words() -> tuple[set[str], set[str]]:
     return names, idents | constants
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    return {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
-
-
 def backend_mentions(tree: ast.AST, names: set[str], idents: set[str]) -> set[str]:
     """What in ``tree`` names a particular backend: a string constant (docstrings aside: they
     are the reader's documentation) holding a backend's name (``nccl`` only as a whole string,
     the word has other meanings), an identifier, attribute or imported name that is a
     backend's init-info class (or defines one) or a registry constant."""
-    docs = _docstrings(tree)
+    docs = docstring_ids(tree)
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
