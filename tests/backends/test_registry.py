@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import types
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from tests.shared.import_graph import docstring_ids
 from weightwire import backends
 from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.shared.info import encode_secret
+from weightwire.shared.timeouts import Timeouts
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -115,6 +117,46 @@ def test_flags_are_consistent() -> None:
         assert (spec.connect is None) is spec.stock_receiver is (not spec.needs_plugin)
     assert tuple(n for n, s in backends.SPECS.items() if s.vllm_engine) == backends.PLUGIN_BACKENDS
     assert all(backends.canonical(alias) in backends.SPECS for alias in backends.ALIASES)
+
+
+def test_the_default_backend_is_the_one_spec_saying_so() -> None:
+    from weightwire.trainer.config import TrainerInitInfo
+
+    # vLLM's own NCCL, as before the default became a spec flag.
+    assert [n for n, s in backends.SPECS.items() if s.default] == ["nccl"]
+    assert backends.DEFAULT_BACKEND == TrainerInitInfo().backend == "nccl"
+
+
+@dataclass(frozen=True)
+class _GenericSettings:
+    """Settings with ``SenderSettings``' generic fields only: no backend's own options."""
+
+    packed: bool = True
+    packed_buffer_size_bytes: int = 1 << 20
+    packed_num_buffers: int = 2
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    device: int | None = None
+    stage_budget_bytes: int = 1 << 30
+
+
+def test_a_backend_reads_its_own_options_or_names_what_is_missing() -> None:
+    from weightwire.backends.ipc.options import IPCOptions
+    from weightwire.backends.tcp.options import TCPOptions
+    from weightwire.shared.errors import ConfigError
+    from weightwire.trainer.config import TrainerInitInfo
+
+    info = TrainerInitInfo(backend="weightwire_tcp")
+    assert isinstance(info, TCPOptions) and isinstance(info, IPCOptions)  # the user's record
+    tcp = backends.get_backend("weightwire_tcp")
+    with pytest.raises(ConfigError, match="'weightwire_tcp' reads TCPOptions .* _GenericSettings"):
+        tcp.open(_GenericSettings(), world_size=2)
+    ipc = backends.get_backend("weightwire_ipc")
+    with pytest.raises(ConfigError, match="'weightwire_ipc' reads IPCOptions"):
+        ipc.check_config(_GenericSettings(), delta="auto")
+    # The IPC refusal is the backend's own, at TrainerInitInfo's construction.
+    with pytest.raises(ConfigError, match="delta rounds over weightwire_ipc go through its pull"):
+        TrainerInitInfo(backend="weightwire_ipc", delta="auto", ipc_mode="auto")
+    tcp.check_config(_GenericSettings(), delta="auto")  # most backends run every configuration
 
 
 class FakeFactory:
