@@ -18,7 +18,9 @@ import pytest
 
 from tests.shared.import_graph import docstring_ids
 from weightwire import backends
+from weightwire.backends.nccl.spec import NCCL
 from weightwire.backends.tcp.info import TCPInitInfo
+from weightwire.backends.tcp.spec import TCP
 from weightwire.shared.info import encode_secret
 from weightwire.shared.timeouts import Timeouts
 
@@ -189,9 +191,7 @@ def test_plugin_registers_exactly_the_entries_with_a_vllm_engine(
         if spec.vllm_engine
     }
     assert FakeFactory.registry == want
-    assert (
-        backends.NCCL not in FakeFactory.registry
-    )  # vLLM ships it; registering it would be refused
+    assert NCCL.name not in FakeFactory.registry  # vLLM ships it; registering it would be refused
 
 
 def test_commands_offer_the_registry_names() -> None:
@@ -250,7 +250,7 @@ def test_unknown_names_are_refused_naming_the_known_ones() -> None:
         with pytest.raises(ValueError) as err:
             call()
         assert "unknown backend 'weightwire_udp'" in str(err.value) and known in str(err.value)
-    assert backends.get("tcp") is backends.SPECS[backends.TCP]  # an alias is not unknown
+    assert backends.get("tcp") is backends.SPECS[TCP.name]  # an alias is not unknown
     with pytest.raises(ValueError, match="must be 'module:attr'"):
         backends.load("weightwire.backends.tcp.worker")
 

@@ -35,6 +35,7 @@ A failure names the offending import path, module by module.
 from __future__ import annotations
 
 import ast
+import importlib
 from collections.abc import Iterable
 
 import pytest
@@ -317,7 +318,8 @@ GENERIC = (
 )
 """Code that reaches backends through the registry and the contract only: it spells no backend's
 name and names no backend's init-info class; which backend does what comes from the specs'
-flags, the ``SenderCaps`` and the registry's answers (``DEFAULT_BACKEND``, ``get_backend``)."""
+flags, the ``SenderCaps`` and the registry's answers (``DEFAULT_BACKEND``, ``get_backend``).
+Tools and tests may name one (an app's default, a test's case)."""
 
 NAMED_ON_PURPOSE: set[tuple[str, str]] = {
     # vLLM's release feature (``VERSION_GATES``): the version that ships vLLM's sparse receiver,
@@ -329,14 +331,20 @@ NAMED_ON_PURPOSE: set[tuple[str, str]] = {
 
 def _backend_words() -> tuple[set[str], set[str]]:
     """The backends' names and the identifiers that are a particular backend's: its init-info
-    classes and the registry's name constants, read from the registry itself."""
+    classes and its spec's variable, read from the registry itself."""
     from weightwire import backends
+    from weightwire.backends.spec import BackendSpec
 
     names = set(backends.SPECS)
     idents = {backends.load(s.init_info).__name__ for s in backends.SPECS.values()}
-    constants = {"TCP", "NCCL", "IPC", "WEIGHTWIRE_NCCL", "SPARSE_NCCL"}
-    assert constants <= set(vars(backends)), "the registry's constants moved: update this list"
-    return names, idents | constants
+    specs = {  # the packages' spec variables (``TCP``, ``WEIGHTWIRE_NCCL``, ...)
+        name
+        for package in backends.PACKAGES
+        for name, value in vars(importlib.import_module(f"{package}.spec")).items()
+        if isinstance(value, BackendSpec)
+    }
+    assert {"TCP", "NCCL"} <= specs
+    return names, idents | specs
 
 
 def backend_mentions(tree: ast.AST, names: set[str], idents: set[str]) -> set[str]:
@@ -374,7 +382,7 @@ def test_the_backend_name_check_catches_every_spelling() -> None:
     names, idents = _backend_words()
     planted = '''
 """A docstring may name weightwire_tcp for the reader."""
-from weightwire.backends import TCP
+from weightwire.backends.tcp.spec import TCP
 from weightwire.backends.tcp.info import TCPInitInfo
 import weightwire
 x = f"dial {weightwire.IPCInitInfo} over weightwire_ipc"

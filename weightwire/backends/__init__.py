@@ -75,12 +75,6 @@ ALIASES: dict[str, str] = {alias: spec.name for spec in SPECS.values() for alias
 (DEFAULT_BACKEND,) = (name for name, spec in SPECS.items() if spec.default)
 """``TrainerInitInfo.backend``'s default: the built-in backend whose spec says ``default``."""
 
-# The built-in names, for the tools that pick one (the CLI's and the demo's defaults); the
-# library's generic code reads the specs' flags instead (tests/shared/test_import_graph.py).
-(TCP,) = (spec.name for spec in _specs_of("weightwire.backends.tcp"))
-WEIGHTWIRE_NCCL, NCCL, SPARSE_NCCL = (spec.name for spec in _specs_of("weightwire.backends.nccl"))
-(IPC,) = (spec.name for spec in _specs_of("weightwire.backends.ipc"))
-
 
 def register(package: str) -> tuple[BackendSpec, ...]:
     """Add a backend package at run time: what its line in ``PACKAGES`` does at import (a
@@ -198,14 +192,9 @@ __all__ = [
     "ALIASES",
     "BACKEND_NAMES",
     "DEFAULT_BACKEND",
-    "IPC",
-    "NCCL",
     "PACKAGES",
     "PLUGIN_BACKENDS",
-    "SPARSE_NCCL",
     "SPECS",
-    "TCP",
-    "WEIGHTWIRE_NCCL",
     "BackendSpec",
     "backend_names",
     "canonical",

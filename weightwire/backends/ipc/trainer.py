@@ -25,7 +25,6 @@ import time
 from contextlib import suppress
 from typing import Any, ClassVar
 
-from weightwire.backends import IPC
 from weightwire.backends.base import (
     Backend,
     Rendezvous,
@@ -47,6 +46,7 @@ from weightwire.backends.ipc.slots import (
     ipc_available,
     open_event,
 )
+from weightwire.backends.ipc.spec import IPC
 from weightwire.backends.ipc.through.pipeline import IPCWriteThroughPipeline
 from weightwire.shared.errors import ConfigError, TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
@@ -189,7 +189,7 @@ class IPCBackend(Backend):
     Rank 0 allocates the slot ring, exports its memory and ready-event handles in the
     init info (JSON, base64) and listens on loopback for the workers' control channels."""
 
-    name: ClassVar[str] = IPC
+    name: ClassVar[str] = IPC.name
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=True)
 
     def check_config(self, settings: SenderSettings, *, delta: str) -> None:

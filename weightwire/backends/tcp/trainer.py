@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from weightwire.backends import TCP
 from weightwire.backends.base import (
     Backend,
     Rendezvous,
@@ -26,6 +25,7 @@ from weightwire.backends.pipelines import HostPipeline
 from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.tcp.options import tcp_options
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
+from weightwire.backends.tcp.spec import TCP
 from weightwire.shared.communicator import Communicator
 from weightwire.shared.info import encode_secret
 
@@ -33,7 +33,7 @@ from weightwire.shared.info import encode_secret
 class TCPBackend(Backend):
     """``weightwire_tcp``: rank 0 listens; workers dial in and prove the secret."""
 
-    name: ClassVar[str] = TCP
+    name: ClassVar[str] = TCP.name
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=False, several="stars")
 
     def open(self, settings: SenderSettings, *, world_size: int) -> Rendezvous:
