@@ -17,8 +17,9 @@ names a backend. ``BackendSpec`` fields are ``"module:attr"`` paths:
   under the backend's name (``None``: vLLM ships it, the stock ``nccl``).
 
 Every consumer reads this registry: the trainer (``get_backend``: rank 0's ``Backend``
-object), the worker engines (``torch_side.worker.connect``), the plugin, the reference server's and
-the CLI's ``--backend`` choices, the demo and the loopback receiver. That is the
+object; ``DEFAULT_BACKEND``), the worker's ``connect`` and engines (``spec_of_engine``), the
+plugin, the reference server's and the CLI's ``--backend`` choices, the demo and the loopback
+receiver. That is the
 failure it prevents: a backend added, renamed or given a new engine in one of those
 places and forgotten in another (the CLI offering a name the server cannot run, the
 plugin registering fewer backends than the trainer can open).
