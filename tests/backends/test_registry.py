@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,9 @@ def test_the_default_backend_is_the_one_spec_saying_so() -> None:
     # vLLM's own NCCL, as before the default became a spec flag.
     assert [n for n, s in backends.SPECS.items() if s.default] == ["nccl"]
     assert backends.DEFAULT_BACKEND == TrainerInitInfo().backend == "nccl"
+    two = {n: replace(s, default=True) for n, s in backends.SPECS.items()}
+    with pytest.raises(RuntimeError, match="exactly one backend spec must say default=True"):
+        backends._the_default(two)
 
 
 @dataclass(frozen=True)

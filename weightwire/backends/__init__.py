@@ -73,7 +73,16 @@ PLUGIN_BACKENDS: tuple[str, ...] = tuple(name for name, spec in SPECS.items() if
 (it stands in for a vLLM with the plugin)."""
 ALIASES: dict[str, str] = {alias: spec.name for spec in SPECS.values() for alias in spec.aliases}
 """Short spelling -> name, accepted wherever a backend is (``tcp``)."""
-(DEFAULT_BACKEND,) = (name for name, spec in SPECS.items() if spec.default)
+
+
+def _the_default(specs: dict[str, BackendSpec]) -> str:
+    named = [name for name, spec in specs.items() if spec.default]
+    if len(named) != 1:
+        raise RuntimeError(f"exactly one backend spec must say default=True, got {named}")
+    return named[0]
+
+
+DEFAULT_BACKEND: str = _the_default(SPECS)
 """``TrainerInitInfo.backend``'s default: the built-in backend whose spec says ``default``."""
 
 
