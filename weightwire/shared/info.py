@@ -1,5 +1,5 @@
 """Init info: the JSON body of ``/init_weight_transfer_engine``, parsed strictly on both
-sides; ``_StrictInfo`` is the strict parser every info (each backend's init info, in
+sides; ``StrictInfo`` is the strict parser every info (each backend's init info, in
 ``backends/<name>/info.py``, and ``UpdateInfo``, in ``shared.update_info``) is built on, and
 the checks the backends' infos share (wire params, a listener's endpoint and secret).
 
@@ -74,7 +74,7 @@ def field_kinds(cls: type) -> dict[str, tuple[type, ...]]:
     return kinds
 
 
-class _StrictInfo:
+class StrictInfo:
     """Mixin: strict ``from_dict`` / ``to_dict`` / JSON round-trip for info dataclasses; a
     field's accepted types are its annotation's (``field_kinds``)."""
 

@@ -24,7 +24,7 @@ from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import (
     DEFAULT_PACKED_NUM_BUFFERS,
     TCP_SECRET_BYTES,
-    _StrictInfo,
+    StrictInfo,
     check_listener,
     decode_secret,
 )
@@ -44,7 +44,7 @@ copies)."""
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
-class IPCInitInfo(_StrictInfo):
+class IPCInitInfo(StrictInfo):
     """``weightwire_ipc``: slots in the trainer's GPU memory, opened by each worker.
 
     - ``mem_handles_b64`` / ``event_handles_b64``: one per slot

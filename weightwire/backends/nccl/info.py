@@ -12,7 +12,7 @@ from weightwire.shared.info import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     MAX_TIMEOUT_S,
-    _StrictInfo,
+    StrictInfo,
     check_host,
     check_wire_params,
     decode_secret,
@@ -24,7 +24,7 @@ NCCL_UNIQUE_ID_BYTES = 128
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
-class NCCLInitInfo(_StrictInfo):
+class NCCLInitInfo(StrictInfo):
     """Worker init info for vLLM's dense ``nccl`` backend (and ``weightwire_nccl``).
 
     Exactly one rendezvous: ``master_address`` + ``master_port`` (torch TCPStore) or

@@ -9,7 +9,7 @@ from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import (
     DEFAULT_PACKED_NUM_BUFFERS,
     TCP_SECRET_BYTES,
-    _StrictInfo,
+    StrictInfo,
     check_host,
     check_listener,
     check_type,
@@ -19,7 +19,7 @@ from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
-class TCPInitInfo(_StrictInfo):
+class TCPInitInfo(StrictInfo):
     """``weightwire_tcp``: the trainer (rank 0) listens at ``host:port``; each worker
     connects and proves ``secret_b64`` (128 random bytes) before any weight byte flows.
 
