@@ -112,7 +112,7 @@ async def _app(kind: str) -> tuple[Any, Any]:
     """``(app, pool or None)`` for one server kind."""
     from fastapi import FastAPI
 
-    from weightwire import backends
+    from weightwire.backends.tcp.spec import TCP
     from weightwire.tools.server.app import ServerOptions, ServerState, create_app
 
     if kind == "trivial":
@@ -141,7 +141,7 @@ async def _app(kind: str) -> tuple[Any, Any]:
         )
         pool = ReplicaPool([Replica(0, proc)])
         await pool.replicas[0].wait_ready(60)
-    return create_app(ServerState(pool=pool, options=ServerOptions(backend=backends.TCP))), pool
+    return create_app(ServerState(pool=pool, options=ServerOptions(backend=TCP.name))), pool
 
 
 def _http_server(kind: str, http_impl: str, loop_impl: str, conn: Any) -> None:

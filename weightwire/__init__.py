@@ -31,6 +31,10 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is imported on first use
     from weightwire._extras import MissingExtra as MissingExtra
     from weightwire.backends.base import StockRefusal as StockRefusal
+    from weightwire.backends.ipc.info import IPCInitInfo as IPCInitInfo
+    from weightwire.backends.nccl.info import NCCLInitInfo as NCCLInitInfo
+    from weightwire.backends.nccl.info import WeightwireNCCLInitInfo as WeightwireNCCLInitInfo
+    from weightwire.backends.tcp.info import TCPInitInfo as TCPInitInfo
     from weightwire.control.client import HTTPWeightSyncClient as HTTPWeightSyncClient
     from weightwire.control.ray_client import RayWeightSyncClient as RayWeightSyncClient
     from weightwire.control.ready import ServerNotReady as ServerNotReady
@@ -57,10 +61,6 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is import
     from weightwire.shared.errors import TransferTimeout as TransferTimeout
     from weightwire.shared.errors import WeightSyncError as WeightSyncError
     from weightwire.shared.errors import WeightwireError as WeightwireError
-    from weightwire.shared.info import NCCLInitInfo as NCCLInitInfo
-    from weightwire.shared.info import TCPInitInfo as TCPInitInfo
-    from weightwire.shared.info import WeightwireNCCLInitInfo as WeightwireNCCLInitInfo
-    from weightwire.shared.ipc_info import IPCInitInfo as IPCInitInfo
     from weightwire.shared.meta import ParamMeta as ParamMeta
     from weightwire.shared.patches import SparsePatch as SparsePatch
     from weightwire.shared.served import ServedModel as ServedModel

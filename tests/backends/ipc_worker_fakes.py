@@ -14,8 +14,8 @@ import torch
 
 from weightwire.backends.ipc import worker as ipc_worker
 from weightwire.backends.ipc.channel import Channel, Listener
+from weightwire.backends.ipc.info import IPCInitInfo
 from weightwire.shared.info import encode_secret
-from weightwire.shared.ipc_info import IPCInitInfo
 
 SECRET = bytes(range(128))
 

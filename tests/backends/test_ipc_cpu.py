@@ -12,11 +12,11 @@ import time
 import pytest
 
 from weightwire import backends
+from weightwire.backends import get_backend
 from weightwire.backends.ipc.channel import Channel, Listener, check_int, dial
+from weightwire.backends.ipc.info import IPC_HANDLE_BYTES, IPCInitInfo
 from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
 from weightwire.shared.info import encode_secret
-from weightwire.shared.ipc_info import IPC_HANDLE_BYTES, IPCInitInfo
-from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
 
 SECRET = encode_secret(bytes(range(128)))

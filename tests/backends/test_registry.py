@@ -10,13 +10,19 @@ import json
 import subprocess
 import sys
 import types
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.shared.import_graph import docstring_ids
 from weightwire import backends
-from weightwire.shared.info import TCPInitInfo, encode_secret
+from weightwire.backends.nccl.spec import NCCL
+from weightwire.backends.tcp.info import TCPInitInfo
+from weightwire.backends.tcp.spec import TCP
+from weightwire.shared.info import encode_secret
+from weightwire.shared.timeouts import Timeouts
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -38,7 +44,7 @@ def test_every_module_path_imports(name: str, field: str) -> None:
 
 
 def test_init_info_types_by_backend() -> None:
-    from weightwire.shared import IPCInitInfo, NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
+    from weightwire import IPCInitInfo, NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
 
     want = {
         "nccl": NCCLInitInfo,
@@ -51,7 +57,7 @@ def test_init_info_types_by_backend() -> None:
     for name, cls in want.items():
         # Exact types: WeightwireNCCLInitInfo is an NCCLInitInfo, and still another backend's.
         # sparse_nccl shares nccl's, and the type names nccl (neither has a weightwire connect).
-        owner = backends.NCCL if name == backends.SPARSE_NCCL else name
+        owner = "nccl" if name == "sparse_nccl" else name
         assert backends.spec_of_init_info(cls) is backends.SPECS[owner]
     with pytest.raises(ValueError, match="dict is no backend's init info"):
         backends.spec_of_init_info(dict)
@@ -77,8 +83,8 @@ def test_each_package_declares_its_own_backends() -> None:
 
 @pytest.mark.parametrize("name", backends.BACKEND_NAMES)
 def test_trainer_backend_matches_its_entry(name: str) -> None:
+    from weightwire.backends import get_backend
     from weightwire.backends.base import Backend
-    from weightwire.trainer.backends import get_backend
 
     spec = backends.SPECS[name]
     cls = backends.load(spec.trainer)
@@ -115,6 +121,49 @@ def test_flags_are_consistent() -> None:
     assert all(backends.canonical(alias) in backends.SPECS for alias in backends.ALIASES)
 
 
+def test_the_default_backend_is_the_one_spec_saying_so() -> None:
+    from weightwire.trainer.config import TrainerInitInfo
+
+    # vLLM's own NCCL, as before the default became a spec flag.
+    assert [n for n, s in backends.SPECS.items() if s.default] == ["nccl"]
+    assert backends.DEFAULT_BACKEND == TrainerInitInfo().backend == "nccl"
+    two = {n: replace(s, default=True) for n, s in backends.SPECS.items()}
+    with pytest.raises(RuntimeError, match="exactly one backend spec must say default=True"):
+        backends._the_default(two)
+
+
+@dataclass(frozen=True)
+class _GenericSettings:
+    """Settings with ``SenderSettings``' generic fields only: no backend's own options."""
+
+    packed: bool = True
+    packed_buffer_size_bytes: int = 1 << 20
+    packed_num_buffers: int = 2
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    device: int | None = None
+    stage_budget_bytes: int = 1 << 30
+
+
+def test_a_backend_reads_its_own_options_or_names_what_is_missing() -> None:
+    from weightwire.backends.ipc.options import IPCOptions
+    from weightwire.backends.tcp.options import TCPOptions
+    from weightwire.shared.errors import ConfigError
+    from weightwire.trainer.config import TrainerInitInfo
+
+    info = TrainerInitInfo(backend="weightwire_tcp")
+    assert isinstance(info, TCPOptions) and isinstance(info, IPCOptions)  # the user's record
+    tcp = backends.get_backend("weightwire_tcp")
+    with pytest.raises(ConfigError, match="'weightwire_tcp' reads TCPOptions .* _GenericSettings"):
+        tcp.open(_GenericSettings(), world_size=2)
+    ipc = backends.get_backend("weightwire_ipc")
+    with pytest.raises(ConfigError, match="'weightwire_ipc' reads IPCOptions"):
+        ipc.check_config(_GenericSettings(), delta="auto")
+    # The IPC refusal is the backend's own, at TrainerInitInfo's construction.
+    with pytest.raises(ConfigError, match="delta rounds over weightwire_ipc go through its pull"):
+        TrainerInitInfo(backend="weightwire_ipc", delta="auto", ipc_mode="auto")
+    tcp.check_config(_GenericSettings(), delta="auto")  # most backends run every configuration
+
+
 class FakeFactory:
     """vLLM 0.32/0.33's factory: lazy registration by module path, ValueError on a duplicate."""
 
@@ -145,9 +194,7 @@ def test_plugin_registers_exactly_the_entries_with_a_vllm_engine(
         if spec.vllm_engine
     }
     assert FakeFactory.registry == want
-    assert (
-        backends.NCCL not in FakeFactory.registry
-    )  # vLLM ships it; registering it would be refused
+    assert NCCL.name not in FakeFactory.registry  # vLLM ships it; registering it would be refused
 
 
 def test_commands_offer_the_registry_names() -> None:
@@ -194,7 +241,7 @@ def test_import_pulls_no_framework_and_nothing_else() -> None:
 
 
 def test_unknown_names_are_refused_naming_the_known_ones() -> None:
-    from weightwire.trainer.backends import get_backend
+    from weightwire.backends import get_backend
     from weightwire.trainer.config import TrainerInitInfo
 
     known = ", ".join(backends.BACKEND_NAMES)
@@ -206,7 +253,7 @@ def test_unknown_names_are_refused_naming_the_known_ones() -> None:
         with pytest.raises(ValueError) as err:
             call()
         assert "unknown backend 'weightwire_udp'" in str(err.value) and known in str(err.value)
-    assert backends.get("tcp") is backends.SPECS[backends.TCP]  # an alias is not unknown
+    assert backends.get("tcp") is backends.SPECS[TCP.name]  # an alias is not unknown
     with pytest.raises(ValueError, match="must be 'module:attr'"):
         backends.load("weightwire.backends.tcp.worker")
 
@@ -226,8 +273,8 @@ def test_every_alias_the_cli_takes_the_library_takes() -> None:
 
 def test_worker_connect_dispatches_through_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
+    from weightwire.backends.nccl.info import NCCLInitInfo
     from weightwire.backends.tcp import worker as tcp_worker
-    from weightwire.shared.info import NCCLInitInfo
     from weightwire.torch_side.worker.connect import connect
     from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 
@@ -250,14 +297,7 @@ def test_worker_connect_dispatches_through_the_registry(monkeypatch: pytest.Monk
 def _code_strings(path: Path) -> set[str]:
     """String constants of a module, docstrings left out."""
     tree = ast.parse(path.read_text())
-    docs = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
+    docs = docstring_ids(tree)
     return {
         n.value
         for n in ast.walk(tree)

@@ -11,11 +11,11 @@ import pytest
 
 from weightwire import backends
 from weightwire.backends.base import StockRefusal
+from weightwire.backends.nccl.info import NCCLInitInfo
 from weightwire.backends.nccl.sparse import sparse_nccl_round
 from weightwire.backends.nccl.trainer import SparseNCCLBackend
 from weightwire.shared.dtypes import wire_name_of_numpy
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.info import NCCLInitInfo
 from weightwire.shared.patches import SparsePatch
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer import TrainerInitInfo

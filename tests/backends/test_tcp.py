@@ -11,12 +11,12 @@ import pytest
 from test_tcp_peer import Peers, digest
 
 from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.communicator import Communicator
 from weightwire.shared.dtypes import SUPPORTED_DTYPES, wire_dtype
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import pack_host, plan
-from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
 
 BIG = 256 << 20

@@ -89,7 +89,8 @@ def test_worker_retries_a_dropped_handshake(monkeypatch: pytest.MonkeyPatch) -> 
     retry joins; a refusal is not retried."""
     torch = pytest.importorskip("torch")
     from weightwire.backends.tcp import worker as tcp_worker
-    from weightwire.shared.info import TCPInitInfo, encode_secret
+    from weightwire.backends.tcp.info import TCPInitInfo
+    from weightwire.shared.info import encode_secret
 
     rendezvous = TCPRendezvous(world_size=2)
     info = TCPInitInfo(

@@ -25,7 +25,6 @@ from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.loopback import LoopbackClient, spawn_loopback_cmd
 from weightwire.trainer import TrainerInitInfo
-from weightwire.trainer import backends as trainer_backends
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "tests.backends.toy_backend"
@@ -42,7 +41,7 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> BackendSpec:
     """The registration line, undone after the test: other tests see only the built-ins."""
     monkeypatch.setattr(backends, "SPECS", dict(backends.SPECS))
     monkeypatch.setattr(backends, "ALIASES", dict(backends.ALIASES))
-    monkeypatch.setattr(trainer_backends, "_BUILT_IN", dict(trainer_backends._BUILT_IN))
+    monkeypatch.setattr(backends, "_MADE", dict(backends._MADE))
     (spec,) = backends.register(PACKAGE)
     return spec
 
@@ -136,3 +135,22 @@ def test_missing_chunk_file_fails_the_round_within_the_timeout(
         assert reply["checksums"] == before  # the failed round left the first round's weights
     finally:
         engine.shutdown()
+
+
+def test_the_toy_engine_takes_its_name_and_init_info_from_the_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The engine class names no backend: what it receives is read from the spec naming it, so
+    # its module may be imported before the registration line runs, and resolves after it.
+    pytest.importorskip("torch")
+    from tests.backends.toy_backend.engine import ToyFilesEngine
+    from tests.backends.toy_backend.info import ToyFilesInitInfo
+
+    monkeypatch.setattr(backends, "SPECS", dict(backends.SPECS))
+    monkeypatch.setattr(backends, "ALIASES", dict(backends.ALIASES))
+    if "toy_files" not in backends.SPECS:
+        with pytest.raises(AttributeError, match="no backend's spec names this engine class"):
+            _ = ToyFilesEngine.backend
+        backends.register(PACKAGE)
+    assert ToyFilesEngine.backend == "toy_files"
+    assert ToyFilesEngine.init_info_cls is ToyFilesInitInfo

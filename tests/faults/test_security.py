@@ -283,7 +283,7 @@ def test_secrets_never_in_logs_or_reprs(
             repr(metrics),
             str(metrics.summary()),
         ]
-        from weightwire.shared.info import TCPInitInfo
+        from weightwire.backends.tcp.info import TCPInitInfo
 
         reprs.append(repr(TCPInitInfo.from_dict(client.posted[-1])))
     finally:

@@ -28,7 +28,7 @@ from tests.fuzz.strategies import (
     raw_bodies,
     update_infos,
 )
-from weightwire.shared.info import TCPInitInfo
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.shared.routes import ROUTES, Route
 
 SCALE = float(os.environ.get("WEIGHTWIRE_FUZZ_SCALE", "1"))

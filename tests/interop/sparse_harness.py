@@ -20,16 +20,16 @@ import torch
 from tests.torch_side.fake_llama import FakeLlama, hf_shapes
 from tests.torch_side.vllm_stub import VLLM_SPARSE_FILES, install_vllm_sources
 from tests.trainer.fakes import DictSource
+from weightwire.backends import register_backend
 from weightwire.backends.base import PatchPlan, SenderCaps, WirePlan
 from weightwire.backends.nccl.sparse import sparse_nccl_round
 from weightwire.backends.nccl.trainer import SparseNCCLBackend, UnpackedSettings
 from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.tcp.trainer import TCPBackend
-from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.patches import SparsePatch
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
-from weightwire.trainer.backends import register_backend
 
 T = 30.0
 TIMEOUTS = Timeouts(http_s=60, connect_s=T, warmup_s=T, transfer_s=T)

@@ -37,16 +37,16 @@ from tests.interop.framing_cases import (
     framing_case,
 )
 from tests.trainer.fakes import DictSource
+from weightwire.backends import register_backend
 from weightwire.backends.base import SenderCaps, StockRefusal, WirePlan
 from weightwire.backends.nccl.stock import plan_for_stock
 from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.backends.tcp.trainer import TCPBackend
-from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer import TrainerInitInfo
-from weightwire.trainer.backends import register_backend
 
 pytestmark = pytest.mark.interop
 T = 30.0

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from weightwire import backends
+from weightwire.backends.tcp.spec import TCP
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.info import encode_secret
@@ -49,7 +49,7 @@ class Instant:
 def served() -> Iterator[tuple[ServerState, TestClient]]:
     state = ServerState(
         pool=InProcessPool(Instant()),  # type: ignore[arg-type]
-        options=ServerOptions(backend=backends.TCP),
+        options=ServerOptions(backend=TCP.name),
     )
     with TestClient(create_app(state)) as http:
         yield state, http

@@ -50,6 +50,19 @@ class Module:
         return {**self.export_lines, **self.imports()}
 
 
+def docstring_ids(tree: ast.AST) -> set[int]:
+    """``id`` of every docstring node in ``tree`` (module, class, function): the text rules
+    that read string constants leave the reader's documentation out."""
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+
+
 def _module_name(path: Path) -> tuple[str, bool]:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     is_package = parts[-1] == "__init__"

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.shared import LIMITS
 from weightwire.shared.checks import (
     check_buffer_size,
@@ -16,7 +17,7 @@ from weightwire.shared.checks import (
 )
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.framing import plan_packed
-from weightwire.shared.info import TCPInitInfo, encode_secret
+from weightwire.shared.info import encode_secret
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer.config import TrainerInitInfo

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.shared.delta import apply_patch, extract_host
 from weightwire.shared.errors import (
     DeltaBaseMismatch,
@@ -19,7 +20,6 @@ from weightwire.shared.errors import (
     WeightSyncError,
     is_delta_base_mismatch,
 )
-from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.update_info import UpdateInfo
 
 

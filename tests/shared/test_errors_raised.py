@@ -21,7 +21,7 @@ from weightwire.shared.errors import (
 
 
 def test_a_bad_init_info_is_a_value_error_and_a_weightwire_error_naming_the_field() -> None:
-    from weightwire.shared.info import TCPInitInfo
+    from weightwire.backends.tcp.info import TCPInitInfo
 
     good = {
         "host": "127.0.0.1",

@@ -35,6 +35,7 @@ A failure names the offending import path, module by module.
 from __future__ import annotations
 
 import ast
+import importlib
 from collections.abc import Iterable
 
 import pytest
@@ -47,6 +48,7 @@ from tests.shared.import_graph import (
     ROOT,
     TORCH,
     cycles,
+    docstring_ids,
     forbidden_reach,
     in_package,
 )
@@ -300,3 +302,98 @@ def test_every_logger_is_named_after_its_module() -> None:
             ):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert bad == [], f"use logging.getLogger(__name__): {bad}"
+
+
+# -- generic code names no backend ---------------------------------------------------------------
+
+GENERIC = (
+    "weightwire/trainer",
+    "weightwire/torch_side/worker",
+    "weightwire/torch_side/sender",
+    "weightwire/jax_side",
+    "weightwire/shared",
+    "weightwire/control",
+    "weightwire/vllm_guard",
+    "weightwire/testing",
+)
+"""Code that reaches backends through the registry and the contract only: it spells no backend's
+name and names no backend's init-info class; which backend does what comes from the specs'
+flags, the ``SenderCaps`` and the registry's answers (``DEFAULT_BACKEND``, ``get_backend``).
+Tools and tests may name one (an app's default, a test's case)."""
+
+NAMED_ON_PURPOSE: set[tuple[str, str]] = {
+    # vLLM's release feature (``VERSION_GATES``): the version that ships vLLM's sparse receiver,
+    # whatever weightwire's registry holds.
+    ("weightwire/shared/version.py", "sparse_nccl"),
+}
+"""(file, name) pairs that stay: each says why in its comment. Only shrinks."""
+
+
+def _backend_words() -> tuple[set[str], set[str]]:
+    """The backends' names and the identifiers that are a particular backend's: its init-info
+    classes and its spec's variable, read from the registry itself."""
+    from weightwire import backends
+    from weightwire.backends.spec import BackendSpec
+
+    names = set(backends.SPECS)
+    idents = {backends.load(s.init_info).__name__ for s in backends.SPECS.values()}
+    specs = {  # the packages' spec variables (``TCP``, ``WEIGHTWIRE_NCCL``, ...)
+        name
+        for package in backends.PACKAGES
+        for name, value in vars(importlib.import_module(f"{package}.spec")).items()
+        if isinstance(value, BackendSpec)
+    }
+    assert {"TCP", "NCCL"} <= specs
+    return names, idents | specs
+
+
+def backend_mentions(tree: ast.AST, names: set[str], idents: set[str]) -> set[str]:
+    """What in ``tree`` names a particular backend: a string constant (docstrings aside: they
+    are the reader's documentation) holding a backend's name (``nccl`` only as a whole string,
+    the word has other meanings), an identifier, attribute or imported name that is a
+    backend's init-info class (or defines one) or a registry constant."""
+    docs = docstring_ids(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            found |= {n for n in names if n == node.value or ("_" in n and n in node.value)}
+        elif isinstance(node, ast.Name) and node.id in idents:
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute) and node.attr in idents:
+            found.add(node.attr)
+        elif isinstance(node, ast.alias | ast.ClassDef) and node.name in idents:
+            found.add(node.name)
+    return found
+
+
+def test_generic_code_names_no_backend() -> None:
+    names, idents = _backend_words()
+    found = {
+        (str(path.relative_to(ROOT)), word)
+        for package in GENERIC
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for word in backend_mentions(ast.parse(path.read_text()), names, idents)
+    }
+    assert sorted(found - NAMED_ON_PURPOSE) == [], "generic code naming a backend"
+    assert sorted(NAMED_ON_PURPOSE - found) == [], "remove from NAMED_ON_PURPOSE"
+
+
+def test_the_backend_name_check_catches_every_spelling() -> None:
+    names, idents = _backend_words()
+    planted = '''
+"""A docstring may name weightwire_tcp for the reader."""
+from weightwire.backends.tcp.spec import TCP
+from weightwire.backends.tcp.info import TCPInitInfo
+import weightwire
+x = f"dial {weightwire.IPCInitInfo} over weightwire_ipc"
+y = {"nccl": 1, "a nccl group": 2}
+class NCCLInitInfo: ...
+'''
+    assert backend_mentions(ast.parse(planted), names, idents) == {
+        "TCP",
+        "TCPInitInfo",
+        "IPCInitInfo",
+        "weightwire_ipc",
+        "nccl",
+        "NCCLInitInfo",
+    }

@@ -60,8 +60,11 @@ def test_shared_imports_no_framework() -> None:
         "import weightwire.shared\n"
         "import weightwire.shared.communicator, weightwire.shared.framing, "
         "weightwire.shared.groups\n"
-        "import weightwire.shared.info, weightwire.shared.ipc_info, weightwire.shared.routes\n"
-        "import weightwire.shared.source, weightwire.shared.timeouts, weightwire.shared.version"
+        "import weightwire.shared.info, weightwire.shared.routes\n"
+        "import weightwire.shared.source, weightwire.shared.timeouts, weightwire.shared.version\n"
+        # Each backend's init info is parsed on both sides: numpy-only like the contract.
+        "import weightwire.backends.tcp.info, weightwire.backends.nccl.info, "
+        "weightwire.backends.ipc.info"
     )
     assert "numpy" in got and not got & {"jax", "jaxlib", "flax", "torch", "cupy"}, got
 

@@ -9,12 +9,8 @@ import json
 
 import pytest
 
-from weightwire.shared import (
-    NCCLInitInfo,
-    TCPInitInfo,
-    UpdateInfo,
-    WeightwireNCCLInitInfo,
-)
+from weightwire import NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
+from weightwire.shared import UpdateInfo
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, encode_secret
 
 # Bytes 0xfb 0xff encode to "+/" in standard base64 and to "-_" in the URL-safe
@@ -256,10 +252,10 @@ def test_secret_not_echoed_in_errors() -> None:
 def test_field_types_are_read_from_the_annotations() -> None:
     from dataclasses import dataclass, field
 
-    from weightwire.shared.info import _StrictInfo, field_kinds
+    from weightwire.shared.info import StrictInfo, field_kinds
 
     @dataclass(frozen=True, kw_only=True)
-    class Toy(_StrictInfo):
+    class Toy(StrictInfo):
         count: int
         label: str | None = None
         items: list[str] = field(default_factory=list)

@@ -13,14 +13,8 @@ from collections.abc import Callable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightwire.shared import (
-    WIRE_DTYPES,
-    NCCLInitInfo,
-    ParamMeta,
-    TCPInitInfo,
-    UpdateInfo,
-    WeightwireNCCLInitInfo,
-)
+from weightwire import NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
+from weightwire.shared import WIRE_DTYPES, ParamMeta, UpdateInfo
 from weightwire.shared.info import encode_secret
 
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,13 +7,8 @@ import json
 
 import pytest
 
-from weightwire.shared import (
-    NCCLInitInfo,
-    ParamMeta,
-    TCPInitInfo,
-    UpdateInfo,
-    WeightwireNCCLInitInfo,
-)
+from weightwire import NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
+from weightwire.shared import ParamMeta, UpdateInfo
 
 
 def update(**over: object) -> dict:

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 
 from tests.torch_side.test_engine_rules import ThreadSender
-from weightwire.backends import TCP
 from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.info import TCPInitInfo
+from weightwire.backends.tcp.spec import TCP
 from weightwire.shared.delta import FLAT_I32, extract_host
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.groups import layer_key
-from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.testing.loopback import TensorStoreHost
@@ -181,14 +181,14 @@ def identity_map(model: Any, metas: Any) -> IdentityMap:
 class Engine(EngineFacade):
     """A worker engine over any target, with the core's framework and loader map exposed."""
 
-    backend = TCP
+    backend = TCP.name
     init_info_cls = TCPInitInfo
 
     def __init__(self, model: Any, *, framework: Any = None, map_recorder: Any = None) -> None:
         self.model = model
         self.device = torch.device("cpu")
         self._core = _ReceiverCore(
-            backend=TCP,
+            backend=TCP.name,
             device=self.device,
             target=lambda: (self.model, None),
             connect=connect,

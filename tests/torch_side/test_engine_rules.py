@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import pack_host, plan
-from weightwire.shared.info import TCPInitInfo, encode_secret
+from weightwire.shared.info import encode_secret
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.torch_side.worker.core import WeightReceiveError

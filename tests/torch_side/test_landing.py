@@ -11,8 +11,8 @@ import torch
 
 from tests.torch_side._landing_models import HIDDEN, LOADERS, Refusing, TinyTP, tiny_tp_shapes
 from tests.torch_side.fake_llama import FakeLlama, hf_shapes
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.shared.delta import Patch
-from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.worker.core import _ReceiverCore
 from weightwire.torch_side.worker.delta import StagedPatch, check_indices

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightwire.shared.info import TCPInitInfo, encode_secret
+from weightwire.backends.tcp.info import TCPInitInfo
+from weightwire.shared.info import encode_secret
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.torch_side.worker.core import WeightReceiveError

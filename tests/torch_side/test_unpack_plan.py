@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from weightwire.backends.receiving import ChunkedLink
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.worker_base import ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.shared.dtypes import SUPPORTED_DTYPES
 from weightwire.shared.framing import Chunk, pack_host, plan
-from weightwire.shared.info import TCPInitInfo, encode_secret
+from weightwire.shared.info import encode_secret
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.dtypes import torch_dtype

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.worker_base import (
     LandingRecord,
     ReceiveLink,
@@ -19,7 +20,7 @@ from weightwire.backends.worker_base import (
     WorkerPairs,
 )
 from weightwire.shared.errors import PeerLost
-from weightwire.shared.info import TCPInitInfo, encode_secret
+from weightwire.shared.info import encode_secret
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.core import WeightReceiveError, _ReceiverCore

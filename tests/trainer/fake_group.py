@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from tests.trainer.fakes import FakeServer
+from weightwire.backends import register_backend
 from weightwire.backends.base import (
     Backend,
     DevicePacker,
@@ -36,7 +37,6 @@ from weightwire.backends.pipelines import DevicePipeline
 from weightwire.shared.errors import TransferError, TransferTimeout
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
-from weightwire.trainer.backends import register_backend
 
 
 def as_bytes(buffer: Any) -> np.ndarray:

@@ -11,12 +11,12 @@ from typing import Any, ClassVar
 import httpx
 import numpy as np
 
+from weightwire.backends import register_backend
 from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCaps, SenderParts
 from weightwire.backends.pipelines import HostPipeline
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.shared.errors import TransferError
 from weightwire.testing.sources import DictSource as DictSource  # the tests import it from here
-from weightwire.trainer.backends import register_backend
 
 
 class FakeServer:

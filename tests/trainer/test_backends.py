@@ -7,13 +7,14 @@ import socket
 
 import pytest
 
+from weightwire.backends import get_backend
+from weightwire.backends.nccl.info import NCCLInitInfo, WeightwireNCCLInitInfo
 from weightwire.backends.nccl.trainer import NCCLBackend, WeightwireNCCLBackend
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.tcp.trainer import TCPBackend
-from weightwire.shared.info import NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer import TrainerInitInfo
-from weightwire.trainer.backends import get_backend
 
 UID = bytes(range(128))
 

@@ -14,7 +14,7 @@ import torch
 from tests.torch_side.test_engine_rules import ThreadSender, Tiny, send_module
 from tests.trainer.fakes import DictSource
 from tests.trainer.thread_ranks import run_ranks
-from weightwire.shared.info import TCPInitInfo
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.sender.source import ModuleSource
@@ -347,14 +347,19 @@ def test_receiver_gate() -> None:
     check_receiver(single, "nccl", stock=True, several=None)  # src 0 only: any receiver
     check_receiver(multi, "weightwire_tcp", stock=False, several="stars")
     check_receiver(multi, "weightwire_nccl", stock=False, several="group")
-    with pytest.raises(PlanError, match="receives only from src 0"):
+    # The backends to use instead are the registry's carriers of several, in its order.
+    with pytest.raises(PlanError, match="src 0; use weightwire_tcp or weightwire_nccl, or"):
         check_receiver(multi, "nccl", stock=True, several=None)
-    with pytest.raises(PlanError, match="backend 'weightwire_ipc' carries one broadcaster only"):
+    with pytest.raises(
+        PlanError,
+        match="backend 'weightwire_ipc' carries one broadcaster only; use weightwire_tcp or "
+        "weightwire_nccl, or",
+    ):
         check_receiver(multi, "weightwire_ipc", stock=False, several=None)
 
 
 def test_backends_declare_how_they_carry_several_broadcasters() -> None:
-    from weightwire.trainer.backends import get_backend
+    from weightwire.backends import get_backend
 
     shapes = {
         n: get_backend(n).caps.several

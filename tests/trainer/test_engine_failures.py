@@ -11,6 +11,7 @@ import pytest
 
 import weightwire.trainer.transfer as transfer_mod
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
+from weightwire.backends import register_backend, unregister_backend
 from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCaps, SenderParts
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
@@ -24,7 +25,6 @@ from weightwire.shared.errors import (
 )
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import EngineBroken, TrainerInitInfo
-from weightwire.trainer.backends import register_backend, unregister_backend
 
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=30)
 

@@ -160,8 +160,8 @@ def test_none_opts_out_of_pausing_a_round_applied_in_place(monkeypatch: pytest.M
 
 
 def test_stage_budget_is_validated_and_reaches_the_workers() -> None:
+    from weightwire.backends.tcp.info import TCPInitInfo
     from weightwire.backends.tcp.trainer import TCPBackend
-    from weightwire.shared.info import TCPInitInfo
 
     rdv = TCPBackend().open(
         TrainerInitInfo(backend="weightwire_tcp", stage_budget_bytes=12345), world_size=2

@@ -11,12 +11,12 @@ import pytest
 
 from tests.trainer.commit_order import canonical
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
+from weightwire.backends import get_backend
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import EngineBroken, TrainerInitInfo, VerifyError
-from weightwire.trainer.backends import get_backend
 
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 

@@ -214,7 +214,7 @@ def _join(monkeypatch: pytest.MonkeyPatch, *, packed: bool, mode: str, offer: li
     """A real rendezvous (fake CUDA) joined by one worker whose hello offers ``offer``."""
     from weightwire.backends.ipc import trainer as ipc_trainer
     from weightwire.backends.ipc.channel import dial
-    from weightwire.shared.ipc_info import IPCInitInfo
+    from weightwire.backends.ipc.info import IPCInitInfo
 
     log: list = []
     monkeypatch.setattr(ipc_trainer, "cupy_module", lambda: PullCupy(log))

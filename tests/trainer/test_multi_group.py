@@ -328,8 +328,8 @@ def test_verify_covers_every_broadcaster_and_names_a_bad_tensors_broadcaster() -
 def test_weightwire_nccl_hands_the_other_broadcasters_only_the_join_fields() -> None:
     """The real backend's group hooks, as far as they run without cupy: the peer fields
     are the unique id and the group's world size, and joining needs NCCL on that rank."""
+    from weightwire.backends import get_backend
     from weightwire.backends.nccl.library import nccl_available
-    from weightwire.trainer.backends import get_backend
 
     backend = get_backend("weightwire_nccl")
     payload = {

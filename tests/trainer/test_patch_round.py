@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.trainer.fakes import DictSource, FakeBackend, FakeComm, FakeServer
+from weightwire.backends import register_backend
 from weightwire.backends.base import PatchPlan, SenderCaps, WirePlan
 from weightwire.backends.nccl.sparse import sparse_nccl_round
 from weightwire.backends.nccl.trainer import SparseNCCLBackend
@@ -20,7 +21,6 @@ from weightwire.shared.errors import ConfigError
 from weightwire.shared.patches import SparsePatch
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
-from weightwire.trainer.backends import register_backend
 from weightwire.trainer.patch_round import (
     SparseBaseUnknown,
     anchor_patches,

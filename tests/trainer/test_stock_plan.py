@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from tests.trainer.commit_order import canonical
 from tests.trainer.fakes import DictSource, FakeBackend, FakeServer
+from weightwire.backends import register_backend
 from weightwire.backends.base import SenderCaps, StockRefusal, WirePlan
 from weightwire.backends.nccl.stock import plan_for_stock
 from weightwire.jax_side.dtypes import describe
@@ -26,7 +27,6 @@ from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer import TrainerInitInfo
-from weightwire.trainer.backends import register_backend
 
 F33, F31 = ServerFeatures.for_version("0.33.0"), ServerFeatures.for_version("0.31.0")
 BIG = 1 << 20

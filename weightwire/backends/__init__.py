@@ -6,7 +6,7 @@ classes that speak it on each side. Each backend package says what it is in its
 ``BackendSpec``); the registry lists the packages, one line each, and nothing else
 names a backend. ``BackendSpec`` fields are ``"module:attr"`` paths:
 
-- ``init_info``: the shared (numpy-only) parser of the worker init info
+- ``init_info``: the worker init info's strict (numpy-only) parser, in the backend's own package
   (``init_info_type`` / ``spec_of_init_info`` map between the two);
 - ``trainer``: rank 0's ``Backend`` (rendezvous, payload);
 - ``connect``: the worker's ``(info, *, rank, device) -> ReceiveLink`` (``None``:
@@ -16,9 +16,10 @@ names a backend. ``BackendSpec`` fields are ``"module:attr"`` paths:
 - ``vllm_engine``: the ``WeightTransferEngine`` subclass the vLLM plugin registers
   under the backend's name (``None``: vLLM ships it, the stock ``nccl``).
 
-Every consumer reads this registry: the trainer (``trainer.backends.get_backend``), the
-worker engines (``torch_side.worker.connect``), the plugin, the reference server's and
-the CLI's ``--backend`` choices, the demo and the loopback receiver. That is the
+Every consumer reads this registry: the trainer (``get_backend``: rank 0's ``Backend``
+object; ``DEFAULT_BACKEND``), the worker's ``connect`` and engines (``spec_of_engine``), the
+plugin, the reference server's and the CLI's ``--backend`` choices, the demo and the loopback
+receiver. That is the
 failure it prevents: a backend added, renamed or given a new engine in one of those
 places and forgotten in another (the CLI offering a name the server cannot run, the
 plugin registering fewer backends than the trainer can open).
@@ -31,9 +32,12 @@ first used.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightwire.backends.spec import BackendSpec
+
+if TYPE_CHECKING:
+    from weightwire.backends.base import Backend
 
 PACKAGES: tuple[str, ...] = (
     "weightwire.backends.tcp",
@@ -70,10 +74,16 @@ PLUGIN_BACKENDS: tuple[str, ...] = tuple(name for name, spec in SPECS.items() if
 ALIASES: dict[str, str] = {alias: spec.name for spec in SPECS.values() for alias in spec.aliases}
 """Short spelling -> name, accepted wherever a backend is (``tcp``)."""
 
-# The built-in names, for code that picks one (spelled in the packages' specs).
-(TCP,) = (spec.name for spec in _specs_of("weightwire.backends.tcp"))
-WEIGHTWIRE_NCCL, NCCL, SPARSE_NCCL = (spec.name for spec in _specs_of("weightwire.backends.nccl"))
-(IPC,) = (spec.name for spec in _specs_of("weightwire.backends.ipc"))
+
+def _the_default(specs: dict[str, BackendSpec]) -> str:
+    named = [name for name, spec in specs.items() if spec.default]
+    if len(named) != 1:
+        raise RuntimeError(f"exactly one backend spec must say default=True, got {named}")
+    return named[0]
+
+
+DEFAULT_BACKEND: str = _the_default(SPECS)
+"""``TrainerInitInfo.backend``'s default: the built-in backend whose spec says ``default``."""
 
 
 def register(package: str) -> tuple[BackendSpec, ...]:
@@ -130,22 +140,81 @@ def spec_of_init_info(info_type: type) -> BackendSpec:
     raise ValueError(f"{info_type.__name__} is no backend's init info; known: {known}")
 
 
+def spec_of_engine(engine: type) -> BackendSpec | None:
+    """The backend whose spec names ``engine`` as its worker or vLLM engine (a backend that
+    speaks its own wire first: stock ``nccl`` is received by ``weightwire_nccl``'s engine
+    outside vLLM); ``None`` when no spec names it (an abstract base, a test's engine)."""
+    path = f"{engine.__module__}:{engine.__qualname__}"
+    named = [s for s in SPECS.values() if path in (s.worker_engine, s.vllm_engine)]
+    named.sort(key=lambda s: s.stock_receiver)
+    return named[0] if named else None
+
+
+# -- rank 0's Backend objects ---------------------------------------------------------------
+
+_ADDED: dict[str, Backend] = {}
+"""``Backend`` objects registered at run time; a name here shadows a built-in (``replace=True``)."""
+_MADE: dict[str, Backend] = {}
+"""Registered backends' ``Backend`` objects made so far (one each, made on first use: a TCP
+trainer never imports the NCCL or IPC code)."""
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> None:
+    """Add a ``Backend`` object under its name (tests register fakes; users may add their own
+    transports without a package)."""
+    if backend.name in backend_names() and not replace:
+        raise ValueError(f"backend {backend.name!r} is already registered")
+    _ADDED[backend.name] = backend
+
+
+def unregister_backend(name: str) -> None:
+    if name in SPECS:
+        raise ValueError(f"built-in backend {name!r} cannot be removed")
+    _ADDED.pop(name, None)
+
+
+def get_backend(name: str) -> Backend:
+    """Rank 0's ``Backend`` called ``name``; ``ValueError`` listing the known names otherwise."""
+    added = _ADDED.get(name)
+    if added is not None:
+        return added
+    backend = _MADE.get(name)
+    if backend is None:
+        spec = SPECS.get(name)
+        if spec is None:
+            raise ValueError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
+        backend = load(spec.trainer)()
+        if backend.name != name:  # the spec and the class disagree: fail loudly, not on the wire
+            raise RuntimeError(
+                f"registry entry {name!r} loads {spec.trainer}, whose name is {backend.name!r}"
+            )
+        backend = _MADE.setdefault(name, backend)
+    return backend
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every backend the registry knows (built-in and ``register``-ed packages), then the
+    ``Backend`` objects ``register_backend``-ed at run time."""
+    return tuple(SPECS) + tuple(n for n in _ADDED if n not in SPECS)
+
+
 __all__ = [
     "ALIASES",
     "BACKEND_NAMES",
-    "IPC",
-    "NCCL",
+    "DEFAULT_BACKEND",
     "PACKAGES",
     "PLUGIN_BACKENDS",
-    "SPARSE_NCCL",
     "SPECS",
-    "TCP",
-    "WEIGHTWIRE_NCCL",
     "BackendSpec",
+    "backend_names",
     "canonical",
     "get",
+    "get_backend",
     "init_info_type",
     "load",
     "register",
+    "register_backend",
+    "spec_of_engine",
     "spec_of_init_info",
+    "unregister_backend",
 ]

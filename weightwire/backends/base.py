@@ -82,7 +82,9 @@ def run_once(begin: Begin) -> Begin:
 
 
 class SenderSettings(Protocol):
-    """What a backend reads of the trainer's configuration (``TrainerInitInfo`` is one)."""
+    """What every backend reads of the trainer's configuration (``TrainerInitInfo`` is one);
+    a backend's own options (the TCP listener's host, the IPC data path) are a ``Protocol`` in
+    its package (``options.py``), read through its checked accessor."""
 
     @property
     def packed(self) -> bool: ...
@@ -96,14 +98,15 @@ class SenderSettings(Protocol):
     def device(self) -> int | None: ...
     @property
     def stage_budget_bytes(self) -> int: ...
-    @property
-    def tcp_bind_host(self) -> str: ...
-    @property
-    def tcp_advertise_host(self) -> str | None: ...
-    @property
-    def ipc_release_after_round(self) -> bool: ...
-    @property
-    def ipc_mode(self) -> str: ...
+
+
+def missing_options(settings: SenderSettings, options: str, backend: str) -> ConfigError:
+    """The refusal of settings that lack a backend's own options (a ``runtime_checkable``
+    ``Protocol`` in its package, which ``TrainerInitInfo`` satisfies for every built-in one)."""
+    return ConfigError(
+        f"backend {backend!r} reads {options} from the trainer's settings, which "
+        f"{type(settings).__name__} lacks; configure it with a TrainerInitInfo"
+    )
 
 
 def framing_fields(settings: SenderSettings, *, world_size: int) -> dict[str, Any]:
@@ -326,6 +329,11 @@ class Backend(ABC):
 
     name: ClassVar[str]
     caps: ClassVar[SenderCaps]
+
+    def check_config(self, settings: SenderSettings, *, delta: str) -> None:  # noqa: B027
+        """Raise ``ConfigError`` for a configuration this backend cannot run (at
+        ``TrainerInitInfo``'s construction, before any rendezvous); ``delta``: its delta mode.
+        Optional: most backends run every configuration."""
 
     def check_server(self, features: ServerFeatures) -> None:
         """Raise ``ValueError`` if the server's version lacks what this backend needs."""

@@ -20,7 +20,8 @@ class BackendSpec:
     """The backend's name, as vLLM's ``--weight-transfer-config`` and ``TrainerInitInfo.backend``
     spell it. Written nowhere else in code."""
     init_info: str
-    """The shared (numpy-only) init-info class the worker parses its init info with."""
+    """The (numpy-only) init-info class the worker parses its init info with, in the backend's
+    package (``backends/<name>/info.py``)."""
     trainer: str
     """Rank 0's ``Backend`` subclass."""
     connect: str | None
@@ -38,6 +39,8 @@ class BackendSpec:
     """Rounds may carry whole tensors (``False``: delta rounds of patches only)."""
     same_host: bool = False
     """Trainer and workers must share a host (CUDA IPC)."""
+    default: bool = False
+    """``TrainerInitInfo.backend``'s default (exactly one built-in backend says so)."""
     aliases: tuple[str, ...] = ()
     """Short spellings accepted wherever a backend name is (command line, ``TrainerInitInfo``)."""
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
@@ -137,6 +137,25 @@ class ReceiveLink(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+class WorkerInitInfo(Protocol):
+    """What a worker reads from any backend's init info (each backend's own class, parsed
+    through the registry, adds its rendezvous): where this server's workers start in the
+    group, the group's size, and the wire params the trainer sent."""
+
+    @property
+    def rank_offset(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def packed(self) -> bool: ...
+    @property
+    def packed_buffer_size_bytes(self) -> int: ...
+    @classmethod
+    def from_dict(cls, data: object) -> Self:
+        """The strict parse of the init route's JSON body."""
+        ...
 
 
 Connect = Callable[..., ReceiveLink]

@@ -2,7 +2,7 @@
 
 What the two sides agree on, and only that (helpers such as ``checked_iter`` or the
 secret codecs stay in their modules): tensor metadata and the per-round update info,
-the worker init infos, the wire dtypes, vLLM's framing (plan / pack / unpack), the
+the init infos' strict parser, the wire dtypes, vLLM's framing (plan / pack / unpack), the
 HTTP routes, the server-version gates, the ``Communicator`` protocol a transport
 implements, the source protocol, timeouts and limits, and the data-plane errors.
 """
@@ -38,10 +38,6 @@ if TYPE_CHECKING:  # the export list (``weightwire._lazy``)
     from weightwire.shared.framing import plan_packed as plan_packed
     from weightwire.shared.framing import plan_unpacked as plan_unpacked
     from weightwire.shared.framing import unpack_host as unpack_host
-    from weightwire.shared.info import NCCLInitInfo as NCCLInitInfo
-    from weightwire.shared.info import TCPInitInfo as TCPInitInfo
-    from weightwire.shared.info import WeightwireNCCLInitInfo as WeightwireNCCLInitInfo
-    from weightwire.shared.ipc_info import IPCInitInfo as IPCInitInfo
     from weightwire.shared.limits import LIMITS as LIMITS
     from weightwire.shared.limits import Limits as Limits
     from weightwire.shared.meta import ParamMeta as ParamMeta

@@ -1,6 +1,7 @@
-"""Init info: the JSON body of ``/init_weight_transfer_engine`` per backend, parsed strictly
-on both sides; ``_StrictInfo`` is the strict parser every info (``UpdateInfo``, in
-``shared.update_info``, too) is built on.
+"""Init info: the JSON body of ``/init_weight_transfer_engine``, parsed strictly on both
+sides; ``StrictInfo`` is the strict parser every info (each backend's init info, in
+``backends/<name>/info.py``, and ``UpdateInfo``, in ``shared.update_info``) is built on, and
+the checks the backends' infos share (wire params, a listener's endpoint and secret).
 
 Every parser rejects unknown keys, wrong types and out-of-limit values with a
 ``ConfigError`` (a ``ValueError``) naming the field, so a malformed payload fails the
@@ -14,24 +15,24 @@ import binascii
 import json
 import types
 import typing
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, fields
 from typing import Any, ClassVar, Self
 
 from weightwire.shared.checks import check_buffer_size, check_num_buffers, check_seconds
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES, LIMITS, bounded_repr
+from weightwire.shared.limits import LIMITS, bounded_repr
 from weightwire.shared.meta import load_json
 from weightwire.shared.staging import check_stage_budget
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
-NCCL_UNIQUE_ID_BYTES = 128
 TCP_SECRET_BYTES = 128
+"""The size of a trainer-listens, workers-dial secret (``secret_b64``; TCP and IPC)."""
 MAX_TIMEOUT_S = 86_400
 """A worker's receive timeout is at most a day: a larger one is a unit mistake."""
 
 
-def _check_type(name: str, value: object, kind: type | tuple[type, ...], *, optional: bool) -> None:
+def check_type(name: str, value: object, kind: type | tuple[type, ...], *, optional: bool) -> None:
     if value is None and optional:
         return
     kinds = kind if isinstance(kind, tuple) else (kind,)
@@ -73,7 +74,7 @@ def field_kinds(cls: type) -> dict[str, tuple[type, ...]]:
     return kinds
 
 
-class _StrictInfo:
+class StrictInfo:
     """Mixin: strict ``from_dict`` / ``to_dict`` / JSON round-trip for info dataclasses; a
     field's accepted types are its annotation's (``field_kinds``)."""
 
@@ -98,7 +99,7 @@ class _StrictInfo:
                 raise ConfigError(f"{ctx}: missing required field {name!r}")
             if name in data:
                 optional = f.default is None
-                _check_type(f"{ctx}.{name}", data[name], kinds[name], optional=optional)
+                check_type(f"{ctx}.{name}", data[name], kinds[name], optional=optional)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,7 +123,7 @@ class _StrictInfo:
         return f"{type(self).__name__}({', '.join(parts)})"
 
 
-def _check_wire_params(
+def check_wire_params(
     ctx: str, buffer_size: int, num_buffers: int, world_size: int, rank_offset: int
 ) -> None:
     check_buffer_size(f"{ctx}.packed_buffer_size_bytes", buffer_size)
@@ -164,162 +165,14 @@ def encode_secret(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
-@dataclass(frozen=True, kw_only=True, repr=False)
-class NCCLInitInfo(_StrictInfo):
-    """Worker init info for vLLM's dense ``nccl`` backend (and ``weightwire_nccl``).
-
-    Exactly one rendezvous: ``master_address`` + ``master_port`` (torch TCPStore) or
-    ``nccl_unique_id_b64`` (a torch-free trainer mints the id). Defaults are vLLM's
-    worker defaults (``packed`` false); our trainer engines always send all three wire
-    params explicitly so the two sides cannot disagree.
-    """
-
-    _secret_fields: ClassVar[tuple[str, ...]] = ("nccl_unique_id_b64",)
-
-    master_address: str | None = None
-    master_port: int | None = None
-    nccl_unique_id_b64: str | None = None
-    rank_offset: int
-    world_size: int
-    packed: bool = False
-    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
-    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-
-    def __post_init__(self) -> None:
-        ctx = type(self).__name__
-        store = self.master_address is not None or self.master_port is not None
-        if store and self.nccl_unique_id_b64 is not None:
-            raise ConfigError(
-                f"{ctx}: give either master_address/master_port or nccl_unique_id_b64, not both"
-            )
-        if not store and self.nccl_unique_id_b64 is None:
-            raise ConfigError(
-                f"{ctx}: no rendezvous: give master_address/master_port or nccl_unique_id_b64"
-            )
-        if store and (self.master_address is None or self.master_port is None):
-            raise ConfigError(f"{ctx}: master_address and master_port must be given together")
-        if self.master_address is not None:
-            _check_host(f"{ctx}.master_address", self.master_address)
-        if self.master_port is not None and not 1 <= self.master_port <= 65535:
-            raise ConfigError(f"{ctx}.master_port must be in [1, 65535], got {self.master_port}")
-        _ = self.unique_id_bytes
-        _check_wire_params(
-            ctx,
-            self.packed_buffer_size_bytes,
-            self.packed_num_buffers,
-            self.world_size,
-            self.rank_offset,
-        )
-
-    @property
-    def unique_id_bytes(self) -> bytes | None:
-        if self.nccl_unique_id_b64 is None:
-            return None
-        return decode_secret(
-            f"{type(self).__name__}.nccl_unique_id_b64",
-            self.nccl_unique_id_b64,
-            NCCL_UNIQUE_ID_BYTES,
-        )
-
-
-@dataclass(frozen=True, kw_only=True, repr=False)
-class WeightwireNCCLInitInfo(NCCLInitInfo):
-    """``weightwire_nccl``: vLLM's fields plus a receive timeout (stock vLLM has none) and
-    the stage budget (``shared.staging``)."""
-
-    timeout_s: float = 300.0
-    stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
-    delta_rounds: bool | None = None
-    """The trainer may send delta rounds (``TrainerInitInfo.delta``); left out when unset."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_seconds(f"{type(self).__name__}.timeout_s", self.timeout_s, most=MAX_TIMEOUT_S)
-        check_stage_budget(f"{type(self).__name__}.stage_budget_bytes", self.stage_budget_bytes)
-
-
-@dataclass(frozen=True, kw_only=True, repr=False)
-class TCPInitInfo(_StrictInfo):
-    """``weightwire_tcp``: the trainer (rank 0) listens at ``host:port``; each worker
-    connects and proves ``secret_b64`` (128 random bytes) before any weight byte flows.
-
-    Several broadcasting trainer ranks: ``sources`` lists the endpoints of group ranks
-    ``1 .. B-1`` (``{"host", "port", "secret_b64"}`` each; ``host``/``port``/``secret_b64``
-    above are rank 0's), so ``B = 1 + len(sources)`` broadcasters. Every broadcaster listens
-    on its own endpoint and every worker dials all of them, so each turn's bytes come
-    straight from its ``src``; in each broadcaster's star the worker is rank
-    ``rank - B + 1`` of ``world_size - B + 1``. ``rank_offset`` is where this server's
-    workers start: ``B`` for the first server, more for later data-parallel servers."""
-
-    @property
-    def broadcasters(self) -> int:
-        return 1 + (0 if self.sources is None else len(self.sources))
-
-    _secret_fields: ClassVar[tuple[str, ...]] = ("secret_b64",)
-
-    host: str
-    port: int
-    secret_b64: str
-    rank_offset: int
-    world_size: int
-    packed: bool = True
-    packed_buffer_size_bytes: int = 64 << 20
-    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    timeout_s: float = 300.0
-    sources: list[dict[str, Any]] | None = None
-    stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
-    delta_rounds: bool | None = None
-    """The trainer may send delta rounds (``TrainerInitInfo.delta``); left out when unset."""
-
-    def __post_init__(self) -> None:
-        ctx = type(self).__name__
-        _check_listener(ctx, self)
-        got = 0 if self.sources is None else len(self.sources)
-        if got + 1 > self.rank_offset:
-            raise ConfigError(
-                f"{ctx}.sources lists {got} broadcasting rank(s) besides rank 0, but rank_offset "
-                f"{self.rank_offset} leaves only {self.rank_offset - 1} trainer rank(s) "
-                "below the workers"
-            )
-        _ = self.endpoints
-
-    @property
-    def secret(self) -> bytes:
-        return decode_secret(f"{type(self).__name__}.secret_b64", self.secret_b64, TCP_SECRET_BYTES)
-
-    @property
-    def endpoints(self) -> list[tuple[str, int, bytes]]:
-        """``(host, port, secret)`` of every broadcaster, by group rank (rank 0 first)."""
-        ctx = type(self).__name__
-        out = [(self.host, self.port, self.secret)]
-        for i, item in enumerate(self.sources or (), start=1):
-            where = f"{ctx}.sources[{i - 1}]"
-            if not isinstance(item, dict) or set(item) != {"host", "port", "secret_b64"}:
-                raise ConfigError(f"{where} must be an object with exactly host, port, secret_b64")
-            host, port = item["host"], item["port"]
-            _check_type(f"{where}.host", host, str, optional=False)
-            _check_type(f"{where}.port", port, int, optional=False)
-            _check_host(f"{where}.host", host)
-            if not 1 <= port <= 65535:
-                raise ConfigError(f"{where}.port must be in [1, 65535], got {port}")
-            out.append(
-                (
-                    host,
-                    port,
-                    decode_secret(f"{where}.secret_b64", item["secret_b64"], TCP_SECRET_BYTES),
-                )
-            )
-        return out
-
-
-def _check_listener(ctx: str, info: Any) -> None:
+def check_listener(ctx: str, info: Any) -> None:
     """The fields every trainer-listens, workers-dial init info shares (TCP, IPC): endpoint,
     secret, wire params and timeout."""
-    _check_host(f"{ctx}.host", info.host)
+    check_host(f"{ctx}.host", info.host)
     if not 1 <= info.port <= 65535:
         raise ConfigError(f"{ctx}.port must be in [1, 65535], got {info.port}")
     _ = info.secret
-    _check_wire_params(
+    check_wire_params(
         ctx,
         info.packed_buffer_size_bytes,
         info.packed_num_buffers,
@@ -330,7 +183,7 @@ def _check_listener(ctx: str, info: Any) -> None:
     check_stage_budget(f"{ctx}.stage_budget_bytes", info.stage_budget_bytes)
 
 
-def _check_host(ctx: str, host: str) -> None:
+def check_host(ctx: str, host: str) -> None:
     # A host name is at most 253 characters; whitespace or control characters mean a
     # mangled config, better refused here than as an opaque resolver error later.
     if not host or len(host) > 255 or any(c.isspace() or not c.isprintable() for c in host):

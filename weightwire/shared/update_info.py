@@ -1,6 +1,6 @@
 """``UpdateInfo``: the JSON body of ``/update_weights`` (one round's tensors in broadcast order,
 and a delta round's patches), parsed strictly on both sides like every info
-(``shared.info._StrictInfo``).
+(``shared.info.StrictInfo``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from weightwire.shared.delta import Patch, check_patches, check_token
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.info import _StrictInfo
+from weightwire.shared.info import StrictInfo
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.meta import ParamMeta, validate_shape
 
@@ -20,7 +20,7 @@ __all__ = ["UpdateInfo"]
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
-class UpdateInfo(_StrictInfo):
+class UpdateInfo(StrictInfo):
     """Per-round metadata: three equal-length lists in broadcast order.
 
     All three empty means "reuse the previous round's metadata" on servers >= 0.33

@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 from weightwire import backends
-from weightwire.backends import TCP
 
 
 def _field(request: Any, key: str) -> Any:
@@ -33,11 +32,21 @@ def _field(request: Any, key: str) -> Any:
     return request[key] if isinstance(request, dict) else getattr(request, key)
 
 
+def _cpu_backend() -> str:
+    """The first registered backend a CPU worker receives (the registry lists it first)."""
+    return next(n for n, s in backends.SPECS.items() if not s.needs_cuda and s.connect is not None)
+
+
 class ReplicaActor:
     """One replica: a Hugging Face model, its ``HFModelHost``, one transfer engine per session."""
 
     def __init__(
-        self, model_dir: str, *, backend: str = TCP, device: str = "cpu", threads: int = 1
+        self,
+        model_dir: str,
+        *,
+        backend: str | None = None,
+        device: str = "cpu",
+        threads: int = 1,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -47,7 +56,7 @@ class ReplicaActor:
 
         hf_logging.disable_progress_bar()
         torch.set_num_threads(threads)  # a replica shares the host's cores with its neighbours
-        self.backend = backend
+        self.backend = backend if backend is not None else _cpu_backend()
         self.device = torch.device(device)
         # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound
         # (self: the model).

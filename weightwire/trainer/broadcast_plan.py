@@ -38,6 +38,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from weightwire import backends
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.meta import ParamMeta
 
@@ -160,6 +161,11 @@ def check_agreement(digests: Sequence[str]) -> None:
         )
 
 
+def _carriers() -> str:
+    """The registered backends that carry several broadcasters (``SenderCaps.several``)."""
+    return " or ".join(n for n in backends.SPECS if backends.get_backend(n).caps.several)
+
+
 def check_receiver(plan: BroadcastPlan, backend: str, *, stock: bool, several: str | None) -> None:
     """The version gate: several broadcasters only to receivers that take ``src != 0``
     (our plugin's), over a backend that can carry them (``SenderCaps.several``:
@@ -170,12 +176,11 @@ def check_receiver(plan: BroadcastPlan, backend: str, *, stock: bool, several: s
         raise PlanError(
             f"the metadata has broadcasting ranks {list(plan.group_ranks)}, but backend "
             f"{backend!r} runs vLLM's own receiver, which (vLLM 0.33) receives only from src 0; "
-            "use weightwire_tcp or weightwire_nccl, or make rank 0 the first owner of "
-            "every parameter"
+            f"use {_carriers()}, or make rank 0 the first owner of every parameter"
         )
     if several not in ("stars", "group"):
         raise PlanError(
             f"the metadata has broadcasting ranks {list(plan.group_ranks)}, but backend "
-            f"{backend!r} carries one broadcaster only; use weightwire_tcp or weightwire_nccl, or "
-            "make rank 0 the first owner of every parameter"
+            f"{backend!r} carries one broadcaster only; use {_carriers()}, or make rank 0 the "
+            "first owner of every parameter"
         )

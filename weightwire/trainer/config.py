@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from weightwire.backends import ALIASES, IPC, NCCL, canonical
+from weightwire.backends import (
+    ALIASES,
+    DEFAULT_BACKEND,
+    SPECS,
+    backend_names,
+    canonical,
+    get_backend,
+)
+from weightwire.backends.base import SenderCaps
 from weightwire.shared.checks import check_buffer_size, check_num_buffers
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
@@ -19,10 +27,16 @@ from weightwire.shared.routes import PAUSE_MODES
 from weightwire.shared.staging import check_stage_budget
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
-from weightwire.trainer.backends import backend_names, get_backend
 from weightwire.trainer.handoff import round_interval_s
 from weightwire.trainer.overlap import MAX_ROUNDS_IN_FLIGHT
 from weightwire.trainer.snapshot import SNAPSHOT_MODES
+
+
+def _takes_patches(caps: SenderCaps) -> bool:
+    """A delta round reaches workers of this backend: ours apply patches, a stock receiver
+    only where its backend sends them (``caps.delta``)."""
+    return not caps.stock_receiver or caps.delta
+
 
 IPC_ASKED = ("pull", "push", "write_through", "auto")
 """What ``TrainerInitInfo.ipc_mode`` may ask for."""
@@ -121,7 +135,7 @@ class TrainerInitInfo:
       a version newer than weightwire knows). Logged at every init.
     """
 
-    backend: str = NCCL
+    backend: str = DEFAULT_BACKEND
     rank: int = 0
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
@@ -223,19 +237,12 @@ class TrainerInitInfo:
             raise ConfigError(f"delta_anchor_every must be an int >= 0, got {anchor!r}")
         caps = get_backend(self.backend).caps
         if self.delta != "off" and caps.stock_receiver and not caps.delta:
+            takers = (n for n in SPECS if _takes_patches(get_backend(n).caps))
             raise ConfigError(
-                f"delta={self.delta!r} needs a weightwire_* backend or sparse_nccl: a stock "
-                f"vLLM worker ({self.backend!r}) cannot apply patches"
+                f"delta={self.delta!r} needs a backend whose workers take patches "
+                f"({', '.join(takers)}): a stock vLLM worker ({self.backend!r}) cannot apply them"
             )
-        written_through = self.ipc_mode in ("write_through", "auto")
-        if self.delta != "off" and written_through and canonical(self.backend) == IPC:
-            # A written-through round is one device copy into the serving parameters: nothing
-            # for a delta to save, and patches have no place in the landing table.
-            raise ConfigError(
-                f"delta={self.delta!r} with ipc_mode={self.ipc_mode!r}: delta rounds over "
-                "weightwire_ipc go through its pull path; set ipc_mode='pull' (a written-through "
-                "dense round is already one device copy)"
-            )
+        get_backend(self.backend).check_config(self, delta=self.delta)
 
     @property
     def is_sender(self) -> bool:

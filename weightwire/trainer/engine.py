@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Self, cast, overload
 
+from weightwire.backends import get_backend
 from weightwire.control.fallback import with_fallback_routes
 from weightwire.shared.client import EngineClient, WeightSyncClient
 from weightwire.shared.errors import ConfigError, RoundError, WrongType
@@ -38,7 +39,6 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.patches import SparsePatch
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.shared.version import ServerFeatures
-from weightwire.trainer.backends import get_backend
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.delta import DeltaTracker
 from weightwire.trainer.delta_round import DeltaRounds

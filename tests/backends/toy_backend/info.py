@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from weightwire.shared.checks import check_buffer_size, check_num_buffers, check_seconds
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.info import DEFAULT_PACKED_NUM_BUFFERS, MAX_TIMEOUT_S, _StrictInfo
+from weightwire.shared.info import DEFAULT_PACKED_NUM_BUFFERS, MAX_TIMEOUT_S, StrictInfo
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 
 
@@ -22,7 +22,7 @@ def ready_path(directory: str, rank: int) -> str:
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
-class ToyFilesInitInfo(_StrictInfo):
+class ToyFilesInitInfo(StrictInfo):
     """``toy_files``: the directory rank 0 writes chunks into, plus the wire params."""
 
     dir: str

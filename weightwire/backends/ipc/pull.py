@@ -40,6 +40,7 @@ from typing import Any
 from weightwire.backends.base import Prepared, Sent
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
+from weightwire.backends.ipc.info import IPC_HANDLE_BYTES
 from weightwire.backends.ipc.pipeline import IPCDataPath, _Starter
 from weightwire.backends.ipc.slots import (
     close_mappings,
@@ -54,7 +55,6 @@ from weightwire.backends.ipc.slots import (
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.info import decode_secret
-from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
 from weightwire.shared.meta import ParamMeta
 
 MAX_BUFFERS = 1 << 16

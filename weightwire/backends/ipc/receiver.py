@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.backends.ipc.channel import Channel
+from weightwire.backends.ipc.info import IPCInitInfo
 from weightwire.backends.ipc.slots import OpenedSlots, destroy_events, device_uuid
 from weightwire.backends.worker_base import ReceiveTurn
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
-from weightwire.shared.ipc_info import IPCInitInfo
 
 
 class IPCReceiver:

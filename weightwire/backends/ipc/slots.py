@@ -33,9 +33,9 @@ from contextlib import suppress
 from typing import Any
 
 from weightwire._extras import install_command
+from weightwire.backends.ipc.info import IPC_HANDLE_BYTES
 from weightwire.shared.errors import TransferError, TransferTimeout, UnavailableError
 from weightwire.shared.info import encode_secret
-from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
 from weightwire.shared.waiting import poll_until
 
 CUDA_EVENT_DISABLE_TIMING, CUDA_EVENT_INTERPROCESS = 0x2, 0x4

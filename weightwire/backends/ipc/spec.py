@@ -6,10 +6,10 @@ from weightwire.backends.spec import BackendSpec
 
 IPC = BackendSpec(
     name="weightwire_ipc",
-    init_info="weightwire.shared.ipc_info:IPCInitInfo",
+    init_info="weightwire.backends.ipc.info:IPCInitInfo",
     trainer="weightwire.backends.ipc.trainer:IPCBackend",
     connect="weightwire.backends.ipc.through.worker:connect_ipc",
-    worker_engine="weightwire.torch_side.worker.ipc_engine:WeightwireIPCEngine",
+    worker_engine="weightwire.torch_side.worker.engines:WeightwireIPCEngine",
     vllm_engine="weightwire.torch_side.worker.vllm_engines:VllmWeightwireIPCEngine",
     needs_cuda=True,
     stock_receiver=False,

@@ -25,7 +25,6 @@ import time
 from contextlib import suppress
 from typing import Any, ClassVar
 
-from weightwire.backends import IPC
 from weightwire.backends.base import (
     Backend,
     Rendezvous,
@@ -35,7 +34,9 @@ from weightwire.backends.base import (
     SenderSettings,
 )
 from weightwire.backends.ipc.channel import Listener, check_int
+from weightwire.backends.ipc.info import IPC_MODES, IPCInitInfo, decode_handles
 from weightwire.backends.ipc.link import IPCSenderComm
+from weightwire.backends.ipc.options import ipc_options
 from weightwire.backends.ipc.pipeline import IPCPipeline
 from weightwire.backends.ipc.pull import IPCPullPipeline
 from weightwire.backends.ipc.slots import (
@@ -45,10 +46,10 @@ from weightwire.backends.ipc.slots import (
     ipc_available,
     open_event,
 )
+from weightwire.backends.ipc.spec import IPC
 from weightwire.backends.ipc.through.pipeline import IPCWriteThroughPipeline
-from weightwire.shared.errors import TransferError
+from weightwire.shared.errors import ConfigError, TransferError
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
-from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo, decode_handles
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 
 logger = logging.getLogger(__name__)
@@ -188,10 +189,22 @@ class IPCBackend(Backend):
     Rank 0 allocates the slot ring, exports its memory and ready-event handles in the
     init info (JSON, base64) and listens on loopback for the workers' control channels."""
 
-    name: ClassVar[str] = IPC
+    name: ClassVar[str] = IPC.name
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=True)
 
+    def check_config(self, settings: SenderSettings, *, delta: str) -> None:
+        mode = ipc_options(settings, self.name).ipc_mode
+        if delta != "off" and mode in ("write_through", "auto"):
+            # A written-through round is one device copy into the serving parameters: nothing
+            # for a delta to save, and patches have no place in the landing table.
+            raise ConfigError(
+                f"delta={delta!r} with ipc_mode={mode!r}: delta rounds over "
+                f"{self.name} go through its pull path; set ipc_mode='pull' (a written-through "
+                "dense round is already one device copy)"
+            )
+
     def open(self, info: SenderSettings, *, world_size: int) -> Rendezvous:
+        options = ipc_options(info, self.name)
         if not ipc_available():
             raise RuntimeError(
                 f"backend {self.name!r} needs cupy and a CUDA device on the trainer host"
@@ -203,8 +216,8 @@ class IPCBackend(Backend):
             num_slots=info.packed_num_buffers,
             packed=info.packed,
             timeout_s=float(info.timeouts.transfer_s),
-            release_after_round=info.ipc_release_after_round,
-            mode=info.ipc_mode,
+            release_after_round=options.ipc_release_after_round,
+            mode=options.ipc_mode,
             stage_budget_bytes=info.stage_budget_bytes,
         )
         return _PendingIPC(rdv.payload, rdv)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from weightwire.backends.ipc.channel import check_int, dial
+from weightwire.backends.ipc.info import IPC_MODES, IPCInitInfo
 from weightwire.backends.ipc.pool import ReceivePool
 from weightwire.backends.ipc.push.worker import IPCLink
 from weightwire.backends.ipc.receiver import IPCReceiver, Posted, posted_chunk
@@ -41,7 +42,6 @@ from weightwire.backends.receiving import ChunkedLink
 from weightwire.backends.worker_base import ReceiveTurn, Unpacker, WorkerPairs
 from weightwire.shared.errors import TransferError
 from weightwire.shared.info import encode_secret
-from weightwire.shared.ipc_info import IPC_MODES, IPCInitInfo
 from weightwire.shared.timeouts import Timeouts
 
 

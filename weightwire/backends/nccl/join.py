@@ -13,8 +13,8 @@ import threading
 from contextlib import suppress
 from typing import Any
 
+from weightwire.backends.nccl.info import NCCL_UNIQUE_ID_BYTES
 from weightwire.shared.errors import TransferError, TransferTimeout
-from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES
 
 
 def unique_id_to_bytes(raw: object) -> bytes:

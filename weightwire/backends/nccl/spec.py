@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from weightwire.backends.spec import BackendSpec
 
-_INFO = "weightwire.shared.info"
+_INFO = "weightwire.backends.nccl.info"
 _ENGINES = "weightwire.torch_side.worker.engines"
 
 WEIGHTWIRE_NCCL = BackendSpec(
@@ -31,6 +31,7 @@ NCCL = BackendSpec(
     vllm_engine=None,
     needs_cuda=True,
     stock_receiver=True,
+    default=True,  # what a stock vLLM serves with no plugin
 )
 """vLLM's own dense NCCL backend (unique-id rendezvous); no plugin."""
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from weightwire.backends import NCCL, SPARSE_NCCL, WEIGHTWIRE_NCCL
 from weightwire.backends.base import (
     Backend,
     PatchPlan,
@@ -26,19 +25,15 @@ from weightwire.backends.base import (
 )
 from weightwire.backends.device import SlotBuffers
 from weightwire.backends.nccl import comm as nccl
+from weightwire.backends.nccl.info import NCCL_UNIQUE_ID_BYTES, NCCLInitInfo, WeightwireNCCLInitInfo
 from weightwire.backends.nccl.library import mint_unique_id, nccl_available
 from weightwire.backends.nccl.sparse import sparse_nccl_round
+from weightwire.backends.nccl.spec import NCCL, SPARSE_NCCL, WEIGHTWIRE_NCCL
 from weightwire.backends.nccl.stock import plan_for_stock
 from weightwire.backends.pipelines import DevicePipeline
 from weightwire.shared.communicator import Communicator
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.info import (
-    NCCL_UNIQUE_ID_BYTES,
-    NCCLInitInfo,
-    WeightwireNCCLInitInfo,
-    decode_secret,
-    encode_secret,
-)
+from weightwire.shared.info import decode_secret, encode_secret
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.version import ServerFeatures
 
@@ -46,7 +41,7 @@ from weightwire.shared.version import ServerFeatures
 class NCCLBackend(Backend):
     """Stock vLLM ``nccl``: rank 0 mints an NCCL unique id and ships it base64-encoded."""
 
-    name: ClassVar[str] = NCCL
+    name: ClassVar[str] = NCCL.name
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, stock_receiver=True)
 
     def check_server(self, features: ServerFeatures) -> None:
@@ -105,7 +100,7 @@ class SparseNCCLBackend(NCCLBackend):
     """Stock vLLM ``sparse_nccl``: the ``nccl`` rendezvous, then delta rounds only, each patch
     an ``int32`` index broadcast and a values broadcast (``backends.nccl.sparse``)."""
 
-    name: ClassVar[str] = SPARSE_NCCL
+    name: ClassVar[str] = SPARSE_NCCL.name
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, stock_receiver=True, delta=True)
 
     def check_server(self, features: ServerFeatures) -> None:
@@ -156,7 +151,7 @@ class UnpackedSettings:
 class WeightwireNCCLBackend(NCCLBackend):
     """``weightwire_nccl``: vLLM's NCCL fields plus the worker-side receive timeout."""
 
-    name: ClassVar[str] = WEIGHTWIRE_NCCL
+    name: ClassVar[str] = WEIGHTWIRE_NCCL.name
     # The plugin's receiver takes any offset, dtype and shape; one communicator, each turn's root
     # is its src.
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, several="group")

@@ -17,10 +17,10 @@ import torch
 
 from weightwire.backends.device import tensor_device_bytes
 from weightwire.backends.nccl.comm import NCCLCommunicator
+from weightwire.backends.nccl.info import NCCL_UNIQUE_ID_BYTES, WeightwireNCCLInitInfo
 from weightwire.backends.receiving import ChunkedLink
 from weightwire.backends.worker_base import ReceiveTurn
 from weightwire.shared.dtypes import wire_dtype
-from weightwire.shared.info import NCCL_UNIQUE_ID_BYTES, WeightwireNCCLInitInfo
 from weightwire.shared.timeouts import Timeouts
 
 log = logging.getLogger(__name__)

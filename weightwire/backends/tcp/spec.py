@@ -9,7 +9,7 @@ _VLLM = "weightwire.torch_side.worker.vllm_engines"
 
 TCP = BackendSpec(
     name="weightwire_tcp",
-    init_info="weightwire.shared.info:TCPInitInfo",
+    init_info="weightwire.backends.tcp.info:TCPInitInfo",
     trainer="weightwire.backends.tcp.trainer:TCPBackend",
     connect="weightwire.backends.tcp.worker:connect_tcp",
     worker_engine=f"{_ENGINES}:WeightwireTCPEngine",

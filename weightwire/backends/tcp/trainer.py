@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from weightwire.backends import TCP
 from weightwire.backends.base import (
     Backend,
     Rendezvous,
@@ -25,22 +24,26 @@ from weightwire.backends.base import (
     receiver_fields,
 )
 from weightwire.backends.pipelines import HostPipeline
+from weightwire.backends.tcp.info import TCPInitInfo
+from weightwire.backends.tcp.options import tcp_options
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
+from weightwire.backends.tcp.spec import TCP
 from weightwire.shared.communicator import Communicator
-from weightwire.shared.info import TCPInitInfo, encode_secret
+from weightwire.shared.info import encode_secret
 
 
 class TCPBackend(Backend):
     """``weightwire_tcp``: rank 0 listens; workers dial in and prove the secret."""
 
-    name: ClassVar[str] = TCP
+    name: ClassVar[str] = TCP.name
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=False, several="stars")
 
     def open(self, settings: SenderSettings, *, world_size: int) -> Rendezvous:
+        options = tcp_options(settings, self.name)
         rdv = TCPRendezvous(
             world_size=world_size,
-            bind_host=settings.tcp_bind_host,
-            advertise_host=settings.tcp_advertise_host,
+            bind_host=options.tcp_bind_host,
+            advertise_host=options.tcp_advertise_host,
         )
         try:
             payload = TCPInitInfo(
@@ -65,10 +68,11 @@ class TCPBackend(Backend):
     def open_star(
         self, settings: SenderSettings, *, world_size: int, secret: bytes
     ) -> StarEndpoint:
+        options = tcp_options(settings, self.name)
         return TCPRendezvous(
             world_size=world_size,
-            bind_host=settings.tcp_bind_host,
-            advertise_host=settings.tcp_advertise_host,
+            bind_host=options.tcp_bind_host,
+            advertise_host=options.tcp_advertise_host,
             secret=secret,
         )
 

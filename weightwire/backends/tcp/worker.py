@@ -19,9 +19,9 @@ import torch
 
 from weightwire.backends.receiving import ChunkedLink
 from weightwire.backends.tcp.comm import TCPCommunicator
+from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.worker_base import ReceiveTurn
 from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
-from weightwire.shared.info import TCPInitInfo
 from weightwire.shared.timeouts import Timeouts
 
 log = logging.getLogger(__name__)

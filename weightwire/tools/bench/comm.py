@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from weightwire import backends
 from weightwire._extras import require
 from weightwire._lifetime import child_env, die_with_parent
+from weightwire.backends.nccl.spec import NCCL, WEIGHTWIRE_NCCL
+from weightwire.backends.tcp.spec import TCP
 from weightwire.tools._cli import HelpFormatter, backend_name
 
 _RECEIVER_ROLE = "tcp-receiver"
@@ -202,9 +203,9 @@ def _load_bench_nccl() -> Any:
 # Backend names as on every other command; the benchmark measures the communicator each uses
 # (weightwire_nccl and stock nccl share NCCLCommunicator's data path). Old --transport values stay.
 _BACKEND_TO_TRANSPORT = {
-    backends.TCP: "tcp",
-    backends.NCCL: "nccl",
-    backends.WEIGHTWIRE_NCCL: "nccl",
+    TCP.name: "tcp",
+    NCCL.name: "nccl",
+    WEIGHTWIRE_NCCL.name: "nccl",
     "all": "all",
 }
 
@@ -219,7 +220,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--backend",
         type=backend_name,
         choices=tuple(_BACKEND_TO_TRANSPORT),
-        default=backends.TCP,
+        default=TCP.name,
         help="data plane to measure: weightwire_tcp (TCPCommunicator, CPU loopback; alias tcp), "
         "nccl or weightwire_nccl (NCCLCommunicator, two GPUs), all (both)",
     )

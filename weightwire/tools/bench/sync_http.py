@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from weightwire.tools.server.replicas import ReplicaPool
 
-from weightwire import backends
+from weightwire.backends.nccl.spec import WEIGHTWIRE_NCCL
 
 
 @dataclass
@@ -105,7 +105,7 @@ class InProcessPool:
 
 
 def serve_http(
-    receiver: Any, *, timeout: float = 60.0, backend: str = backends.WEIGHTWIRE_NCCL
+    receiver: Any, *, timeout: float = 60.0, backend: str = WEIGHTWIRE_NCCL.name
 ) -> tuple[str, Any]:
     """Start the reference server's app for ``receiver`` on a loopback port; returns
     ``(url, uvicorn.Server)``."""
@@ -143,7 +143,7 @@ def api_main(cfg: dict[str, Any]) -> None:
 
     url, _ = serve_http(
         ShimReceiver(cfg["port"], cfg["timeout"]),
-        backend=cfg.get("backend", backends.WEIGHTWIRE_NCCL),
+        backend=cfg.get("backend", WEIGHTWIRE_NCCL.name),
     )
     Path(cfg["url_file"] + ".tmp").write_text(json.dumps({"url": url}))
     os.replace(cfg["url_file"] + ".tmp", cfg["url_file"])

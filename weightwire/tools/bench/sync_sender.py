@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from weightwire import backends
+from weightwire.backends.nccl.spec import WEIGHTWIRE_NCCL
 from weightwire.tools.bench.sync_models import build_params, make_source
 from weightwire.tools.bench.sync_shim import control_client, raw_rounds, rpc
 from weightwire.tools.bench.sync_trace import trace_round
@@ -101,7 +101,7 @@ def run_config(
     row["largest"] = max(m.nbytes for m in metas)
     row["bound"] = nb * buf + row["largest"] if packed else row["largest"]
     wanted: dict[str, Any] = dict(
-        backend=backends.WEIGHTWIRE_NCCL,
+        backend=WEIGHTWIRE_NCCL.name,
         packed=packed,
         packed_buffer_size_bytes=buf,
         packed_num_buffers=nb,

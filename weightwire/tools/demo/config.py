@@ -14,6 +14,9 @@ from typing import Any
 import numpy as np
 
 from weightwire import backends
+from weightwire.backends.ipc.spec import IPC
+from weightwire.backends.nccl.spec import NCCL, WEIGHTWIRE_NCCL
+from weightwire.backends.tcp.spec import TCP
 
 DEMO_BACKENDS = tuple(
     name
@@ -33,7 +36,7 @@ class DemoConfig:
     model: str = "tiny-llama"
     """Embedded server only: tiny model to build and serve."""
     steps: int = 12
-    backend: str = backends.TCP
+    backend: str = TCP.name
     """Weight-transfer backend (``weightwire.backends.BACKEND_NAMES``). ``nccl`` against the
     embedded server means its NCCL backend, ``weightwire_nccl`` (the reference server has no stock
     ``nccl``)."""
@@ -135,9 +138,9 @@ class DemoConfig:
     @property
     def backend_name(self) -> str:
         if self.colocated:
-            return backends.IPC
-        if self.backend == backends.NCCL and self.server is None:
-            return backends.WEIGHTWIRE_NCCL
+            return IPC.name
+        if self.backend == NCCL.name and self.server is None:
+            return WEIGHTWIRE_NCCL.name
         return self.backend
 
 

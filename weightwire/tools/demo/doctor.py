@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from weightwire import backends
+from weightwire.backends.nccl.spec import NCCL, WEIGHTWIRE_NCCL
+from weightwire.backends.tcp.spec import TCP
 from weightwire.shared import routes
 from weightwire.shared.dtypes import wire_name_of_numpy
 from weightwire.shared.meta import ParamMeta
@@ -261,9 +262,9 @@ def _backend(http: Prober, say: _Report) -> str | None:
         )
         return None
     hint = {
-        backends.NCCL: "trainer needs GPUs + cupy (--transport nccl)",
-        backends.TCP: "served by the weightwire plugin; works on CPU",
-        backends.WEIGHTWIRE_NCCL: "served by the weightwire plugin; trainer needs GPUs + cupy",
+        NCCL.name: "trainer needs GPUs + cupy (--transport nccl)",
+        TCP.name: "served by the weightwire plugin; works on CPU",
+        WEIGHTWIRE_NCCL.name: "served by the weightwire plugin; trainer needs GPUs + cupy",
     }.get(name, "")
     say("ok", "backend", f"{name}" + (f" ({hint})" if hint else ""))
     return name
@@ -307,7 +308,7 @@ def _round(
             "(on a real vLLM it would reload a layer)",
         )
         return
-    if backend not in (None, backends.TCP):
+    if backend not in (None, TCP.name):
         say(
             "skip",
             "1-tensor round",
@@ -342,7 +343,7 @@ def _round(
             left = Timeouts(http_s=timeout, connect_s=timeout, warmup_s=timeout, transfer_s=timeout)
             engine = NumpyTrainerEngine.trainer_init(
                 # One tensor of the model, resent unchanged: partial on purpose.
-                TrainerInitInfo(backend=backends.TCP, timeouts=left, partial=True),
+                TrainerInitInfo(backend=TCP.name, timeouts=left, partial=True),
                 client=client,
                 source=OneTensorSource(name, array),
             )

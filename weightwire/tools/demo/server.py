@@ -19,8 +19,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from weightwire import backends
 from weightwire._lifetime import child_env
+from weightwire.backends.tcp.spec import TCP
 from weightwire.shared.errors import WeightwireError
 
 READY_RE = re.compile(r"weightwire server ready on (http://\S+)")
@@ -103,7 +103,7 @@ class EmbeddedServer:
         self,
         model: str,
         *,
-        backend: str = backends.TCP,
+        backend: str = TCP.name,
         device: str = "cpu",
         cuda_visible_devices: str | None = None,
         threads: int | None = 1,

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from weightwire import backends
+from weightwire.backends.tcp.spec import TCP
 from weightwire.tools._cli import EXIT_CODES_HELP, HelpFormatter, backend_name, env_log_level
 
 BACKENDS = backends.PLUGIN_BACKENDS
@@ -44,7 +45,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--backend",
         type=backend_name,
         choices=BACKENDS,
-        default=backends.TCP,
+        default=TCP.name,
         help="weight-transfer backend the workers run: weightwire_tcp (CPU or GPU; alias tcp), "
         "weightwire_nccl or weightwire_ipc (CUDA IPC, trainer on the same GPU) (both need "
         "--device cuda) (default weightwire_tcp)",

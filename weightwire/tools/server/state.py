@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightwire import __version__, backends
+from weightwire import __version__
+from weightwire.backends.tcp.spec import TCP
 from weightwire.tools.server.lease import RoundLease
 from weightwire.tools.server.pause import PauseGate
 from weightwire.tools.server.replica import DEFAULT_MAX_REPLY_BYTES
@@ -19,7 +20,7 @@ SERVER_VERSION = f"0.33.0+weightwire.{__version__}"
 
 @dataclass
 class ServerOptions:
-    backend: str = backends.TCP
+    backend: str = TCP.name
     model_name: str = "model"
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

@@ -19,10 +19,10 @@ from weightwire._lazy import attach
 if TYPE_CHECKING:  # the export list (``weightwire._lazy``): each name is imported on first use
     from weightwire.torch_side.worker.core import WeightReceiveError as WeightReceiveError
     from weightwire.torch_side.worker.engines import EngineFacade as EngineFacade
+    from weightwire.torch_side.worker.engines import WeightwireIPCEngine as WeightwireIPCEngine
     from weightwire.torch_side.worker.engines import WeightwireNCCLEngine as WeightwireNCCLEngine
     from weightwire.torch_side.worker.engines import WeightwireTCPEngine as WeightwireTCPEngine
     from weightwire.torch_side.worker.hf_host import HFModelHost as HFModelHost
-    from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine as WeightwireIPCEngine
     from weightwire.torch_side.worker.load import ReceiveStats as ReceiveStats
     from weightwire.torch_side.worker.plugin import register as register
 

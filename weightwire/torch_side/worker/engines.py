@@ -1,4 +1,4 @@
-"""Worker engines for ``weightwire_tcp`` and ``weightwire_nccl``, outside vLLM.
+"""Worker engines outside vLLM, one per backend a weightwire worker receives.
 
 ``EngineFacade`` maps vLLM's ``WeightTransferEngine`` method set onto
 ``_ReceiverCore``; the standalone classes here (used by the reference server) and the
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from weightwire.backends import TCP, WEIGHTWIRE_NCCL
-from weightwire.shared.info import TCPInitInfo, WeightwireNCCLInitInfo
+from weightwire import backends
+from weightwire.backends.spec import BackendSpec
+from weightwire.backends.worker_base import WorkerInitInfo
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
@@ -29,17 +30,49 @@ from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightSta
 if TYPE_CHECKING:  # adapter rounds import their module when one comes
     from weightwire.torch_side.worker.lora import AdapterHostFn
 
+_T = TypeVar("_T")
+
+
+class _FromSpec(Generic[_T]):
+    """An engine class's attribute read from the spec of the backend it receives."""
+
+    def __init__(self, read: Callable[[BackendSpec], _T]) -> None:
+        self._read = read
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, engine: object, owner: type) -> _T:
+        for cls in owner.__mro__:
+            spec = backends.spec_of_engine(cls)
+            if spec is not None:
+                return self._read(spec)
+        raise AttributeError(
+            f"{owner.__name__}.{self._name}: no backend's spec names this engine class; name "
+            "it in a spec (worker_engine / vllm_engine) or set backend and init_info_cls"
+        )
+
+
+def _init_info_of(spec: BackendSpec) -> type[WorkerInitInfo]:
+    info: type[WorkerInitInfo] = backends.init_info_type(spec.name)
+    return info
+
 
 class EngineFacade:
     """vLLM's worker-engine method set, delegated to ``self._core``.
 
-    ``init_info_cls`` / ``update_info_cls`` are the strict ``shared`` parsers: unknown
-    keys, wrong types and out-of-limit values fail the request with a ``ValueError``
-    naming the field before anything is allocated or joined.
+    ``init_info_cls`` / ``update_info_cls`` are the strict parsers: unknown keys, wrong
+    types and out-of-limit values fail the request with a ``ValueError`` naming the field
+    before anything is allocated or joined.
+
+    A backend's engine class names no backend: the registry does. ``backend`` and
+    ``init_info_cls`` are read from the spec naming the class (``worker_engine`` /
+    ``vllm_engine``) or its nearest base a spec names, when first asked (so an engine module
+    may be imported before its package is registered); an engine no spec names sets both.
     """
 
-    backend: str
-    init_info_cls: type[TCPInitInfo] | type[WeightwireNCCLInitInfo]
+    backend = _FromSpec(lambda spec: spec.name)
+    init_info_cls = _FromSpec(_init_info_of)
     update_info_cls = UpdateInfo
     _core: _ReceiverCore
 
@@ -182,18 +215,23 @@ class StandaloneEngine(EngineFacade):
     _connect = staticmethod(connect)
 
 
-class WeightwireTCPEngine(StandaloneEngine):
-    """``weightwire_tcp`` receiver: CPU or GPU worker, TCP data plane."""
+# The built-in backends' engines: each one's name and init info come from the spec naming it.
 
-    backend = TCP
-    init_info_cls = TCPInitInfo
+
+class WeightwireTCPEngine(StandaloneEngine):
+    """The TCP receiver: CPU or GPU worker, TCP data plane."""
 
 
 class WeightwireNCCLEngine(StandaloneEngine):
-    """``weightwire_nccl`` receiver: GPU worker, NCCL data plane via cupy, with timeouts."""
+    """The NCCL receiver: GPU worker, NCCL data plane via cupy, with timeouts (also what
+    receives vLLM's own NCCL wire outside vLLM: its init info parses a superset)."""
 
-    backend = WEIGHTWIRE_NCCL
-    init_info_cls = WeightwireNCCLInitInfo
+
+class WeightwireIPCEngine(StandaloneEngine):
+    """The CUDA IPC receiver: a GPU worker on the trainer's host (same GPU or a peer GPU).
+    Pull mode (packed, the default) lends the trainer exported receive buffers it writes
+    into, no copy here; push mode opens the trainer's slots once per session and copies
+    each piece out."""
 
 
 def watch_sleep(worker: Any, engine: EngineFacade) -> None:

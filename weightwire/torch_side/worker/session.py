@@ -16,11 +16,9 @@ import logging
 import time
 
 from weightwire.backends.worker_base import ReceiveLink
-from weightwire.shared.info import TCPInitInfo, WeightwireNCCLInitInfo
+from weightwire.backends.worker_base import WorkerInitInfo as InitInfo
 
 log = logging.getLogger(__name__)
-
-InitInfo = TCPInitInfo | WeightwireNCCLInitInfo
 
 
 def check_info_type(backend: str, info: InitInfo, info_type: type[InitInfo]) -> None:

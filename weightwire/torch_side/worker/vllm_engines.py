@@ -28,9 +28,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from weightwire.backends import IPC, TCP, WEIGHTWIRE_NCCL
-from weightwire.shared.info import TCPInitInfo, WeightwireNCCLInitInfo
-from weightwire.shared.ipc_info import IPCInitInfo
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
@@ -268,28 +265,23 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):
         super().init_transfer_engine(init_info)
 
 
-class VllmWeightwireTCPEngine(_VllmEngine):
-    """``--weight-transfer-config '{"backend": "weightwire_tcp"}'``: TCP data plane,
-    CPU or GPU workers."""
+# The engines the plugin registers, one per plugin backend: each one's name and init info come
+# from the spec naming it (``vllm_engine``), as vLLM's ``--weight-transfer-config`` spells it.
 
-    backend = TCP
-    init_info_cls = TCPInitInfo
+
+class VllmWeightwireTCPEngine(_VllmEngine):
+    """The TCP data plane, CPU or GPU workers."""
+
     update_info_cls = UpdateInfo
 
 
 class VllmWeightwireNCCLEngine(_VllmEngine):
-    """``--weight-transfer-config '{"backend": "weightwire_nccl"}'``: NCCL via
-    cupy, with timeouts."""
+    """NCCL via cupy, with timeouts."""
 
-    backend = WEIGHTWIRE_NCCL
-    init_info_cls = WeightwireNCCLInitInfo
     update_info_cls = UpdateInfo
 
 
 class VllmWeightwireIPCEngine(_VllmEngine):
-    """``--weight-transfer-config '{"backend": "weightwire_ipc"}'``: CUDA IPC from a
-    trainer on this host."""
+    """CUDA IPC from a trainer on this host."""
 
-    backend = IPC
-    init_info_cls = IPCInitInfo  # type: ignore[assignment]
     update_info_cls = UpdateInfo

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from weightwire.backends.ipc.channel import check_int
+from weightwire.backends.ipc.info import decode_handles
 from weightwire.backends.ipc.receiver import IPCReceiver, Posted, posted_chunk
 from weightwire.backends.ipc.slots import (
     MEMCPY_DEVICE_TO_DEVICE,
@@ -31,7 +32,6 @@ from weightwire.backends.ipc.slots import (
 from weightwire.backends.receiving import ChunkedLink
 from weightwire.backends.worker_base import ReceiveTurn
 from weightwire.shared.errors import TransferError
-from weightwire.shared.ipc_info import decode_handles
 
 
 class IPCLink(ChunkedLink):

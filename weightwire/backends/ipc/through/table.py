@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from weightwire.backends.ipc.info import IPC_HANDLE_BYTES
 from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.errors import TransferError
 from weightwire.shared.info import decode_secret, encode_secret
-from weightwire.shared.ipc_info import IPC_HANDLE_BYTES
 from weightwire.shared.meta import ParamMeta
 
 FLOATS = ("bfloat16", "float16", "float32", "float64")

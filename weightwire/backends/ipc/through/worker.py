@@ -25,6 +25,7 @@ import torch
 
 from weightwire.backends.ipc import worker as ipc_worker
 from weightwire.backends.ipc.channel import check_int
+from weightwire.backends.ipc.info import IPCInitInfo
 from weightwire.backends.ipc.push.worker import IPCLink
 from weightwire.backends.ipc.receiver import IPCReceiver
 from weightwire.backends.ipc.slots import dump_trace, record, stream_wait, trace, wait_event_host
@@ -42,7 +43,6 @@ from weightwire.backends.ipc.worker import IPCPullLink
 from weightwire.backends.worker_base import LandingRecord, ReceiveProgress, ReceiveTurn, WorkerPairs
 from weightwire.shared.dtypes import WIRE_DTYPES
 from weightwire.shared.errors import TransferError
-from weightwire.shared.ipc_info import IPCInitInfo
 from weightwire.shared.meta import ParamMeta
 
 log = logging.getLogger(__name__)

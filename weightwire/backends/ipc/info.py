@@ -24,8 +24,8 @@ from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import (
     DEFAULT_PACKED_NUM_BUFFERS,
     TCP_SECRET_BYTES,
-    _check_listener,
-    _StrictInfo,
+    StrictInfo,
+    check_listener,
     decode_secret,
 )
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES, bounded_repr
@@ -44,7 +44,7 @@ copies)."""
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
-class IPCInitInfo(_StrictInfo):
+class IPCInitInfo(StrictInfo):
     """``weightwire_ipc``: slots in the trainer's GPU memory, opened by each worker.
 
     - ``mem_handles_b64`` / ``event_handles_b64``: one per slot
@@ -82,7 +82,7 @@ class IPCInitInfo(_StrictInfo):
 
     def __post_init__(self) -> None:
         ctx = type(self).__name__
-        _check_listener(ctx, self)
+        check_listener(ctx, self)
         for key in ("mem_handles_b64", "event_handles_b64"):
             got = getattr(self, key)
             if len(got) != self.packed_num_buffers:
