@@ -40,6 +40,7 @@ SPARSE_NCCL = replace(
     name="sparse_nccl",
     trainer="weightwire.backends.nccl.trainer:SparseNCCLBackend",
     dense_rounds=False,
+    default=False,  # nccl is the default backend; its sparse twin is not
 )
 """vLLM's own sparse NCCL backend (>= 0.30): delta rounds only, applied in place; no plugin.
 Outside vLLM nothing receives its rounds (the listed engine parses its init info and refuses
