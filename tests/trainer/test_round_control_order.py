@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, host_sender, numpy_weights
+from tests.trainer.pause_defaults import UNPAUSED
 from weightwire.backends.base import SenderCaps, SenderParts
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
@@ -347,13 +348,7 @@ def test_an_unpaused_round_keeps_separate_calls_where_one_is_offered(
     stock_backend(monkeypatch, stock=False)
     server = Advertising()
     engine_for(server.client()).send_weights()
-    assert round_routes(server) == [
-        "start_weight_update",
-        "update_weights",
-        "finish_weight_update",
-        "reset_prefix_cache",
-        "reset_encoder_cache",
-    ]
+    assert round_routes(server) == UNPAUSED
 
 
 def test_only_the_finish_is_combined_where_only_it_is_offered(
