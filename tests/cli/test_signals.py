@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.conftest import start_weightwire
+
 ROOT = Path(__file__).resolve().parents[2]
 STOPPABLE = [sys.executable, "-m", "tests.cli._stoppable"]
 
@@ -93,13 +95,7 @@ def test_a_child_goes_when_its_parent_is_killed() -> None:
 
 
 def test_sigterm_stops_the_demo_and_its_server_in_one_line() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "weightwire", "demo", "--steps", "50"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_weightwire("demo", "--steps", "50")
     children: set[int] = set()
     try:
         assert proc.stdout is not None
@@ -128,13 +124,7 @@ def test_sigterm_stops_the_demo_and_its_server_in_one_line() -> None:
 
 
 def test_sigterm_stops_serve_with_one_line(tiny_dir: str) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "weightwire", "serve", "--model", tiny_dir, "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_weightwire("serve", "--model", tiny_dir, "--port", "0")
     workers: set[int] = set()
     try:
         assert proc.stdout is not None
