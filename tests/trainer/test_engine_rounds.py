@@ -10,16 +10,13 @@ import numpy as np
 import pytest
 
 from tests.trainer.commit_order import canonical
-from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
+from tests.trainer.fakes import FAKE, FAST, DictSource, FakeComm, FakeServer, numpy_weights
 from tests.trainer.pause_defaults import ROUND
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.framing import pack_host, plan
-from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import EngineBroken, TrainerInitInfo, VerifyError
 from weightwire.trainer.backends import get_backend
-
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, host_sender, numpy_weights
+from tests.trainer.fakes import (
+    FAKE,
+    FAST,
+    DictSource,
+    FakeComm,
+    FakeServer,
+    host_sender,
+    numpy_weights,
+)
 from tests.trainer.pause_defaults import UNPAUSED
 from weightwire.backends.base import SenderCaps, SenderParts
 from weightwire.jax_side.dtypes import describe
@@ -31,12 +39,10 @@ from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.client import CONTROL_CALLS, ROUND_CALLS
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import FINISH_RESETS_RESUMES, START_PAUSES
-from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.engine import EngineBroken
 from weightwire.trainer.freshness import StaleCacheError
 
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 COMMIT = ("finish_weight_update", "reset_prefix_cache", "reset_encoder_cache")
 WAIT_S = 5.0  # a bound on waits that only a broken ordering would reach
 
@@ -186,11 +192,7 @@ def gated_engine(
     monkeypatch: pytest.MonkeyPatch, server: FakeServer, gate: Any, **info: Any
 ) -> JAXTrainerEngine:
     monkeypatch.setattr(type(FAKE), "sender", lambda self, *a: Gated(gate).sender(*a))
-    return JAXTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", timeouts=FAST, **info),
-        client=server.client(),
-        source=DictSource(numpy_weights(), describe),
-    )
+    return engine_for(server.client(), **info)
 
 
 def round_routes(server: FakeServer) -> list[str]:
