@@ -67,3 +67,21 @@ def two_rank_reports(script: Path, *args: str, timeout: float = 120) -> list[dic
     for rank in done:
         assert rank.returncode == 0, rank.stderr[-3000:]
     return [json.loads(rank.stdout.strip().splitlines()[-1]) for rank in done]
+
+
+def join_gloo_pair() -> int:
+    """In a rank script that ``two_rank_reports`` started (``script RANK PORT ...``): join the
+    two-rank gloo group at that port, bounded to 60 s, and return this rank."""
+    from datetime import timedelta
+
+    import torch.distributed as dist  # only rank scripts call this: the module stays torch-free
+
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=60),
+    )
+    return rank
