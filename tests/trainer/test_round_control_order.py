@@ -65,6 +65,19 @@ def engine_for(client: Any, **info: Any) -> JAXTrainerEngine:
     )
 
 
+def failing_round(
+    monkeypatch: pytest.MonkeyPatch, server: FakeServer, route: str, status: int, error: str
+) -> JAXTrainerEngine:
+    """A stock worker's round whose ``route`` answers ``status`` with ``error``: the round
+    raises naming it. The engine, for what the test checks next."""
+    stock_backend(monkeypatch)
+    server.fail[route] = (status, error)
+    engine = engine_for(server.client())
+    with pytest.raises(WeightSyncError, match=error):
+        engine.send_weights()
+    return engine
+
+
 class Timeline:
     """A client (no HTTP) that logs each call's entry and exit, in the order they happened.
 
@@ -268,24 +281,18 @@ def test_a_round_in_place_failing_after_its_early_start_stays_paused(
 def test_a_refused_early_start_fails_the_round_and_leaves_the_engine_usable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch)
     server = FakeServer()
-    server.fail["start_weight_update"] = (409, "a weight update is already active")
-    engine = engine_for(server.client())
-    with pytest.raises(WeightSyncError, match="already active"):
-        engine.send_weights()
+    engine = failing_round(
+        monkeypatch, server, "start_weight_update", 409, "a weight update is already active"
+    )
     assert round_routes(server) == ["pause", "start_weight_update", "resume"]
     del server.fail["start_weight_update"]
     assert engine.send_weights().version == "1"  # nothing opened: usable, nothing committed
 
 
 def test_a_failed_early_pause_sends_no_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    stock_backend(monkeypatch)
     server = FakeServer()
-    server.fail["pause"] = (500, "pause broke")
-    engine = engine_for(server.client())
-    with pytest.raises(WeightSyncError, match="pause broke"):
-        engine.send_weights()
+    failing_round(monkeypatch, server, "pause", 500, "pause broke")
     assert round_routes(server) == ["pause"]
     assert FAKE.comm.broadcasts == []
 
@@ -335,12 +342,8 @@ def test_a_paused_round_is_three_calls_where_the_server_offers_them(
 def test_a_failed_finish_in_one_call_gets_the_rounds_own_resume(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch)
     server = Advertising()
-    server.fail["finish_weight_update"] = (500, "worker exploded")
-    engine = engine_for(server.client())
-    with pytest.raises(WeightSyncError, match="worker exploded"):
-        engine.send_weights()
+    failing_round(monkeypatch, server, "finish_weight_update", 500, "worker exploded")
     assert round_routes(server)[-2:] == ["finish_weight_update", "resume"]
 
 
@@ -370,12 +373,8 @@ def test_only_the_finish_is_combined_where_only_it_is_offered(
 def test_a_failed_start_that_pauses_counts_as_paused_and_started(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch)
     server = Advertising()
-    server.fail["start_weight_update"] = (500, "worker refused")
-    engine = engine_for(server.client())
-    with pytest.raises(WeightSyncError, match="worker refused"):
-        engine.send_weights()
+    engine = failing_round(monkeypatch, server, "start_weight_update", 500, "worker refused")
     # The server may have paused before its start failed: the round's rule resumes it.
     assert round_routes(server) == ["start_weight_update", "resume"]
     del server.fail["start_weight_update"]
