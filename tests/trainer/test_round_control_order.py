@@ -208,6 +208,18 @@ def gated_engine(
     return engine_for(server.client(), **info)
 
 
+def start_watched(
+    monkeypatch: pytest.MonkeyPatch, stock: bool = True
+) -> tuple[FakeServer, threading.Event]:
+    """The fake backend as ``stock_backend`` makes it, and a server with an event set once its
+    start arrives."""
+    stock_backend(monkeypatch, stock)
+    server = FakeServer()
+    started = threading.Event()
+    server.hooks["start_weight_update"] = lambda _: started.set()
+    return server, started
+
+
 def round_routes(server: FakeServer) -> list[str]:
     return [r for r in server.routes() if r not in ("version", "get_world_size")][1:]
 
@@ -215,10 +227,7 @@ def round_routes(server: FakeServer) -> list[str]:
 def test_the_start_follows_the_early_pause_before_the_first_chunk_is_packed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch)
-    server = FakeServer()
-    started = threading.Event()
-    server.hooks["start_weight_update"] = lambda _: started.set()
+    server, started = start_watched(monkeypatch)
     threads: dict[str, str] = {}
     for route in ("pause", "start_weight_update"):
         server.hooks.setdefault(route, lambda _: None)
@@ -240,10 +249,7 @@ def test_the_start_follows_the_early_pause_before_the_first_chunk_is_packed(
 def test_a_round_failing_after_its_early_start_counts_as_started(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch)
-    server = FakeServer()
-    started = threading.Event()
-    server.hooks["start_weight_update"] = lambda _: started.set()
+    server, started = start_watched(monkeypatch)
 
     def gate() -> None:
         assert started.wait(WAIT_S)
@@ -262,10 +268,7 @@ def test_a_round_failing_after_its_early_start_counts_as_started(
 def test_a_round_in_place_failing_after_its_early_start_stays_paused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch, stock=False)
-    server = FakeServer()
-    started = threading.Event()
-    server.hooks["start_weight_update"] = lambda _: started.set()
+    server, started = start_watched(monkeypatch, stock=False)
 
     def gate() -> None:
         assert started.wait(WAIT_S)
