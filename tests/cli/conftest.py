@@ -41,12 +41,29 @@ def launch_server() -> Iterator[Callable[..., EmbeddedServer]]:
             server.stop()
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``weightwire ARGS`` in a fresh interpreter (the real entry point, no state shared)."""
+def run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGS`` in a fresh interpreter (no state shared), run to its end."""
     return subprocess.run(
-        [sys.executable, "-m", "weightwire.tools.cli", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+    )
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``weightwire ARGS`` in a fresh interpreter (the real entry point, no state shared)."""
+    return run_module("weightwire.tools.cli", *args, timeout=timeout)
+
+
+def start_weightwire(*args: str) -> subprocess.Popen[str]:
+    """``python -m weightwire ARGS`` started, not awaited, in its own session (what it starts is
+    its process group; a test's signal reaches only it), with its output piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "weightwire", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import weightwire
-from tests.cli.conftest import run_cli
+from tests.cli.conftest import run_cli, run_module, start_weightwire
 from weightwire._extras import EXTRA_OF, MissingExtra, install_command, missing_extra, require
 from weightwire.tools import _cli, cli
 from weightwire.tools.bench import comm, sync
@@ -24,13 +24,7 @@ from weightwire.tools.server.serve_args import build_parser as serve_parser
 
 
 def _python_m(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "weightwire", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_module("weightwire", *args, timeout=timeout)
 
 
 def test_version_and_python_m_weightwire() -> None:
@@ -259,13 +253,7 @@ def test_the_install_hint_works_for_a_clone_and_names_the_venv_pip(
 # ------------------------------------------------------------------ serve: what it loads, routes,
 # Ctrl-C
 def test_serve_says_what_it_loads_and_serves_and_stops_cleanly_on_ctrl_c(tiny_dir: str) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "weightwire", "serve", "--model", tiny_dir, "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_weightwire("serve", "--model", tiny_dir, "--port", "0")
     try:
         assert proc.stdout is not None and proc.stderr is not None
         loading = proc.stdout.readline()  # printed before the (slow) model load

@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tomllib
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.ranks import free_port
 from weightwire.tools import cli
 from weightwire.tools.bench import comm
 from weightwire.tools.demo.server import ReadyLine
@@ -101,12 +101,6 @@ def test_paths_and_links_in_the_readme_exist() -> None:
     assert missing == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _set_up_venv(where: Path) -> None:
     """``where/.venv/bin/{python,weightwire}`` as the set-up command leaves them: this interpreter
     and this checkout (no re-install: the test runs the commands, not pip)."""
@@ -139,7 +133,7 @@ def test_the_quick_start_runs_as_written_after_the_set_up_command(tmp_path: Path
     )
     assert 'url = "http://127.0.0.1:8000"' in code
     _set_up_venv(tmp_path)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = tmp_path / "server.log"
     with log.open(

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.conftest import start_weightwire
+
 ROOT = Path(__file__).resolve().parents[2]
 STOPPABLE = [sys.executable, "-m", "tests.cli._stoppable"]
 
@@ -57,6 +59,31 @@ def _kill_all(pids: set[int]) -> None:
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
+def _sigterm_once_ready(
+    proc: subprocess.Popen[str], ready: str, *, timeout: float
+) -> tuple[str, set[int], set[int]]:
+    """Read ``proc``'s output up to a line starting with ``ready``, then SIGTERM it (what
+    ``timeout``, ``kill`` and a CI cancellation send) and wait ``timeout`` for it to exit.
+    Its stderr, the processes below it when it was signalled, and those of them still
+    running 30 s later (killed now, so a failed case leaves none)."""
+    children: set[int] = set()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the test timeout bounds this
+            if line.startswith(ready):
+                break
+        children = _descendants(proc.pid)
+        proc.terminate()
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    left = _gone_within(children, 30)
+    _kill_all(left)
+    return err, children, left
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_signal_unwinds_the_command_and_its_child(sig: signal.Signals) -> None:
     proc = subprocess.Popen(
@@ -93,31 +120,10 @@ def test_a_child_goes_when_its_parent_is_killed() -> None:
 
 
 def test_sigterm_stops_the_demo_and_its_server_in_one_line() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "weightwire", "demo", "--steps", "50"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    children: set[int] = set()
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # the test timeout bounds this
-            if line.startswith(
-                "step-0 weights"
-            ):  # the server served the first check: it and its worker run
-                break
-        children = _descendants(proc.pid)
-        assert len(children) >= 2, children  # the reference server and its worker
-        proc.terminate()  # what `timeout`, `kill` and a CI cancellation send
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-    left = _gone_within(children, 30)
-    _kill_all(left)
+    proc = start_weightwire("demo", "--steps", "50")
+    # "step-0 weights": the server served the first check, so it and its worker run.
+    err, children, left = _sigterm_once_ready(proc, "step-0 weights", timeout=120)
+    assert len(children) >= 2, children  # the reference server and its worker
     assert proc.returncode == 143, (proc.returncode, err)
     assert (
         err.strip().splitlines()[-1]
@@ -128,29 +134,9 @@ def test_sigterm_stops_the_demo_and_its_server_in_one_line() -> None:
 
 
 def test_sigterm_stops_serve_with_one_line(tiny_dir: str) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "weightwire", "serve", "--model", tiny_dir, "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    workers: set[int] = set()
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("weightwire server ready on "):
-                break
-        workers = _descendants(proc.pid)
-        assert workers, "no worker process"
-        proc.terminate()
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-    left = _gone_within(workers, 30)
-    _kill_all(left)
+    proc = start_weightwire("serve", "--model", tiny_dir, "--port", "0")
+    err, workers, left = _sigterm_once_ready(proc, "weightwire server ready on ", timeout=60)
+    assert workers, "no worker process"
     assert proc.returncode == 0, err
     assert (
         err.strip().splitlines()[-1]

@@ -9,12 +9,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.faults.harness import API_KEY, FAULT_TIMEOUTS
-from weightwire.tools.demo.server import ReadyLine
+from tests.server_launch import start_server
 
 START_TIMEOUT_S = 180.0
 LAUNCHED: list[Server] = []
@@ -92,44 +91,21 @@ def launch(
     ``$WEIGHTWIRE_API_KEY``, never on a command line); wait
     (bounded) for its ready line. Its stderr (logs of the API and every worker) goes to
     ``log_path``; its stdout is kept in ``Server.stdout``."""
-    log = open(log_path, "w")  # noqa: SIM115  (the child writes to it for its whole life)
-    cmd = [
-        sys.executable,
-        "-m",
-        "weightwire.tools.server",
-        "--model",
-        str(model),
-        "--port",
-        "0",
-        "--backend",
-        "weightwire_tcp",
-        *extra,
-    ]
     # The workers bound their own rendezvous and warm-up (Timeouts.from_env): short here too.
     short = {f"WEIGHTWIRE_TIMEOUT_{k.upper()}": str(v) for k, v in vars(FAULT_TIMEOUTS).items()}
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        start_new_session=True,
+    proc, url, lines = start_server(
+        ["--model", str(model), "--backend", "weightwire_tcp", *extra],
+        log_path,
+        timeout=START_TIMEOUT_S,
         env={
-            **os.environ,
             "TOKENIZERS_PARALLELISM": "false",
             **short,
             **({"WEIGHTWIRE_API_KEY": api_key} if api_key else {}),
             **(env or {}),
         },
+        own_group=True,
     )
-    ready = ReadyLine(proc)
-    if not ready.wait(START_TIMEOUT_S) or ready.url is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        raise RuntimeError(
-            f"server did not become ready: {ready.lines!r}\n{log_path.read_text()[-3000:]}"
-        )
-    server = Server(proc, ready.url, log_path, ready.lines)
+    server = Server(proc, url, log_path, lines)
     LAUNCHED.append(server)
     return server
 

@@ -14,13 +14,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from tests.interop.helpers import VLLMServer, assert_same_greedy
+from tests.interop.models import perturbed
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.source import PytreeSource
@@ -35,16 +35,6 @@ pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 
 def _hf(model_dir: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def _perturbed(params: object, seed: int, scale: float = 0.05) -> object:
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [
-        x + scale * jax.random.normal(k, x.shape, x.dtype)
-        for x, k in zip(leaves, keys, strict=True)
-    ]
-    return jax.tree_util.tree_unflatten(treedef, noisy)
 
 
 def _load_into_hf(model: torch.nn.Module, source: PytreeSource) -> None:
@@ -66,7 +56,7 @@ def test_jax_trainer_three_rounds_match_hugging_face(vllm_server: VLLMServer) ->
     try:
         previous = original
         for r in (1, 2, 3):
-            live["params"] = _perturbed(params0, seed=r)
+            live["params"] = perturbed(params0, seed=r)
             metrics = engine.send_weights(weight_version=f"jax-{r}")
             assert metrics.chunks > 1 and metrics.tensors == len(source.metadata())
             assert vllm_server.weight_version() == f"jax-{r}"
@@ -141,7 +131,7 @@ def _prefix_round(trainer: str, model_dir: str, client: HTTPWeightSyncClient) ->
     source = PytreeSource(lambda: live["params"], decoder.naming(cfg))
 
     def perturb_jax() -> None:
-        live["params"] = _perturbed(params0, seed=11)
+        live["params"] = perturbed(params0, seed=11)
         _load_into_hf(hf, source)
 
     def restore_jax() -> None:

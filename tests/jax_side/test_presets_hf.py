@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_tiny import LLAMA3_ROPE
 from jaxside_util import perturbed
 
 from weightwire.jax_side import PytreeSource, preset
@@ -218,16 +219,8 @@ def test_llama_from_hf_config_dict_with_llama3_rope_matches_logits() -> None:
 
     from weightwire.tools.models import llama
 
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 4,
-    }
     hf_dict = transformers.LlamaConfig(
-        **HF_SMALL, rope_parameters=rope, tie_word_embeddings=True
+        **HF_SMALL, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True
     ).to_dict()
     cfg = llama.LlamaConfig.from_hf_config(hf_dict)
     params = perturbed(llama.init(jax.random.key(0), cfg))

@@ -10,10 +10,6 @@ XLA_FLAGS must precede the jax import: subprocesses."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.jax_side._slice_values import slice_values
+from tests.ranks import free_port, run_ranks
 from weightwire.shared.slices import Box, Wants
 
 torch = pytest.importorskip("torch")
@@ -29,7 +26,6 @@ from tests.torch_side._sliced_models import SlicedTP, sliced_shapes  # noqa: E40
 from weightwire.shared.meta import ParamMeta  # noqa: E402
 from weightwire.torch_side.worker.wants import derive_wants  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 RANK_SCRIPT = Path(__file__).with_name("_sliced_rank.py")
 SHAPES = sliced_shapes(8, 2)
 WORKERS: list[dict[str, Any]] = [
@@ -44,38 +40,18 @@ def session_wants() -> list[Wants]:
     return [*wants, Wants.whole(SHAPES, "refused: loads through load_weights")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_processes(mode: str, tmp_path: Path, wants: list[Wants]) -> list[dict[str, Any]]:
     session = tmp_path / "session.json"
     session.write_text(json.dumps({"shapes": SHAPES, "wants": [w.to_json() for w in wants]}))
     n = 1 if mode == "devices" else 2
     port = str(free_port())
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(RANK_SCRIPT), mode, str(p), port, str(session), str(tmp_path)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for p in range(n)
-    ]
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=180)
-            assert p.returncode == 0, out[-4000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    done = run_ranks(
+        [[str(RANK_SCRIPT), mode, str(p), port, str(session), str(tmp_path)] for p in range(n)],
+        timeout=180,
+        merge_stderr=True,
+    )
+    for proc in done:
+        assert proc.returncode == 0, proc.stdout[-4000:]
     return [json.loads((tmp_path / f"report_{p}.json").read_text()) for p in range(n)]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from weightwire.tools.demo.server import ReadyLine
+from tests.server_launch import start_server
 
 START_TIMEOUT_S = 120.0
 
@@ -64,23 +63,8 @@ def launch_server(
     args: list[str], log_path: Path, *, env: dict[str, str] | None = None
 ) -> ServerProc:
     """Start a server with ``--port 0`` and wait (bounded) for its ready line."""
-    log = open(log_path, "w")  # noqa: SIM115  (the child writes to it for its lifetime)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "weightwire.tools.server", "--port", "0", *args],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-    ready = ReadyLine(proc)
-    if not ready.wait(START_TIMEOUT_S) or ready.url is None:
-        proc.kill()
-        proc.wait(10)
-        raise RuntimeError(
-            f"server did not print its ready line; stdout={ready.lines!r}\n"
-            f"{log_path.read_text()[-4000:]}"
-        )
-    return ServerProc(proc, ready.url, log_path, ready.lines)
+    proc, url, lines = start_server(args, log_path, timeout=START_TIMEOUT_S, env=env)
+    return ServerProc(proc, url, log_path, lines)
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,18 @@ def delta_round(
     return wire, info
 
 
+def refused_round(
+    client: VLLMStyleClient, sender: TCPSender, wire: dict[str, np.ndarray], info: dict[str, Any]
+) -> str:
+    """Open a round and send ``wire``: the server refuses it with a 409 before any byte; the
+    refusal's text."""
+    client.start_weight_update()
+    with pytest.raises(httpx.HTTPStatusError) as refused:
+        sender.send_update(wire, info).result()
+    assert refused.value.response.status_code == 409
+    return refused.value.response.text
+
+
 def dense_info(weights: dict[str, np.ndarray], token: str) -> dict[str, Any]:
     return {
         "names": list(weights),
@@ -94,13 +106,9 @@ def test_delta_rounds_land_whole_and_a_wrong_base_is_refused(
 
         third = stepped(second, 3, 0.01)
         wire, info = delta_round(second, third, "s:3", "s:1")  # built on a round it replaced
-        client.start_weight_update()
-        with pytest.raises(httpx.HTTPStatusError) as refused:
-            sender.send_update(wire, info).result()
-        assert refused.value.response.status_code == 409
         assert (
             "DeltaBaseMismatch: the round's patches were built on round 's:1' but this worker "
-            "holds round 's:2'; send the round dense" in refused.value.response.text
+            "holds round 's:2'; send the round dense" in refused_round(client, sender, wire, info)
         )
         with pytest.raises(TransferError):  # the data link was torn down with the round
             for _ in range(50):
@@ -235,13 +243,9 @@ def test_weights_changed_outside_a_round_forget_the_delta_base(
         zeros = checksums(http)
         third = stepped(second, 24, 1.0)  # one RL step touches every tensor
         wire, info = delta_round(second, third, "z:3", "z:2")
-        client.start_weight_update()
-        with pytest.raises(httpx.HTTPStatusError) as refused:
-            sender.send_update(wire, info).result()
-        assert refused.value.response.status_code == 409
         assert (
             "DeltaBaseMismatch: the round's patches were built on round 'z:2' but this worker "
-            "holds round None; send the round dense" in refused.value.response.text
+            "holds round None; send the round dense" in refused_round(client, sender, wire, info)
         )
         assert checksums(http) == zeros
     finally:
@@ -288,11 +292,8 @@ def test_a_failed_delta_round_forgets_the_base(
     sender.init(delta_rounds=True, stage_budget_bytes=budget)
     try:
         wire, info = delta_round(second, third, "f:3", "f:2")
-        client.start_weight_update()
-        with pytest.raises(httpx.HTTPStatusError) as refused:
-            sender.send_update(wire, info).result()
-        assert "built on round 'f:2' but this worker holds round None" in (
-            refused.value.response.text
+        assert "built on round 'f:2' but this worker holds round None" in refused_round(
+            client, sender, wire, info
         )
     finally:
         sender.close()

@@ -32,6 +32,18 @@ from weightwire.shared.errors import (
 PACKAGE = Path(weightwire.__file__).parent
 ERRORS_MODULE = "weightwire.shared.errors"
 
+
+def _defined_classes() -> set[str]:
+    """The exception classes ``shared.errors`` defines (not those it imports)."""
+    return {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type)
+        and issubclass(value, BaseException)
+        and value.__module__ == ERRORS_MODULE
+    }
+
+
 _PROBE = r"""
 import importlib, json, pkgutil
 import weightwire
@@ -251,13 +263,7 @@ def test_docs_errors_md_shows_the_public_tree() -> None:
 
 def test_every_class_defined_in_the_errors_module_is_in_the_tree_and_documented() -> None:
     documented = {name for _, name, _, module in _documented_tree() if module == ERRORS_MODULE}
-    defined = {
-        name
-        for name, value in vars(errors).items()
-        if isinstance(value, type)
-        and issubclass(value, BaseException)
-        and value.__module__ == ERRORS_MODULE
-    }
+    defined = _defined_classes()
     assert documented == defined
     for name in defined:
         assert (getattr(errors, name).__doc__ or "").strip(), f"{name} has no docstring"
@@ -320,13 +326,7 @@ KNOWN_INDIRECT: set[tuple[str, str]] = set()
 def _indirect_error_imports() -> set[tuple[str, str]]:
     """(file, module) for each import of a ``shared.errors`` class from another weightwire
     module."""
-    defined = {
-        name
-        for name, value in vars(errors).items()
-        if isinstance(value, type)
-        and issubclass(value, BaseException)
-        and value.__module__ == ERRORS_MODULE
-    }
+    defined = _defined_classes()
     found = set()
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

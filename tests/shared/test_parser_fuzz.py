@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -155,39 +156,14 @@ def _check_text(cls: type, data: object) -> None:
         assert cls.from_json(parsed.to_json()) == parsed
 
 
+@pytest.mark.parametrize("which", list(PARSERS))
 @FUZZ
-@given(data=payloads(PARSERS["nccl"][1]))
-def test_fuzz_nccl_init_info(data: object) -> None:
-    _check_dict(NCCLInitInfo, data)
-    _check_text(NCCLInitInfo, data)
-
-
-@FUZZ
-@given(data=payloads(PARSERS["weightwire_nccl"][1]))
-def test_fuzz_weightwire_nccl_init_info(data: object) -> None:
-    _check_dict(WeightwireNCCLInitInfo, data)
-    _check_text(WeightwireNCCLInitInfo, data)
-
-
-@FUZZ
-@given(data=payloads(PARSERS["tcp"][1]))
-def test_fuzz_tcp_init_info(data: object) -> None:
-    _check_dict(TCPInitInfo, data)
-    _check_text(TCPInitInfo, data)
-
-
-@FUZZ
-@given(data=payloads(PARSERS["update"][1]))
-def test_fuzz_update_info(data: object) -> None:
-    _check_dict(UpdateInfo, data)
-    _check_text(UpdateInfo, data)
-
-
-@FUZZ
-@given(data=payloads(PARSERS["param"][1]))
-def test_fuzz_param_meta(data: object) -> None:
-    _check_dict(ParamMeta, data)
-    _check_text(ParamMeta, data)
+@given(data=st.data())
+def test_fuzz_parser(which: str, data: st.DataObject) -> None:
+    cls, keys = PARSERS[which]
+    payload = data.draw(payloads(keys), label=which)
+    _check_dict(cls, payload)
+    _check_text(cls, payload)
 
 
 _texts = (

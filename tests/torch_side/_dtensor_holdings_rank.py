@@ -7,25 +7,15 @@ and whether this rank's own box of each tensor is exactly its local shard's valu
 from __future__ import annotations
 
 import json
-import os
-import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.getcwd())
+from tests.ranks import join_gloo_pair
 
 
 def main() -> None:
-    rank, port = int(sys.argv[1]), int(sys.argv[2])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=60),
-    )
+    rank = join_gloo_pair()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

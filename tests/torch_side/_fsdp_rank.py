@@ -10,11 +10,12 @@ import hashlib
 import json
 import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.ranks import join_gloo_pair
 
 
 def build() -> torch.nn.Module:
@@ -44,14 +45,7 @@ class CountCollectives(TorchDispatchMode):
 
 
 def main() -> None:
-    rank, port = int(sys.argv[1]), int(sys.argv[2])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=60),
-    )
+    rank = join_gloo_pair()
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 

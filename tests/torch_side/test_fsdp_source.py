@@ -6,48 +6,19 @@ full, correct tensors on every rank (gathered with full_tensor() in lockstep).
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
+from tests.ranks import free_port, two_rank_reports
+
 pytestmark = pytest.mark.timeout(150)
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fsdp_rank.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SCRIPT = Path(__file__).with_name("_fsdp_rank.py")
 
 
 def test_fsdp2_metadata_is_collective_free_and_iteration_is_full_and_exact():
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, SCRIPT, str(r), str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    results = two_rank_reports(SCRIPT, str(free_port()))
     r0, r1 = results
     assert r0["metas"] == r1["metas"], "metadata must be identical on every rank"
     shapes = {m["name"]: m["shape"] for m in r0["metas"]}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.torch_side._landing_models import HIDDEN, LOADERS, Refusing, TinyTP, tiny_tp_shapes
+from tests.torch_side._local_core import local_core
 from tests.torch_side.fake_llama import FakeLlama, hf_shapes
-from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.shared.delta import Patch
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.worker.core import _ReceiverCore
@@ -272,13 +272,7 @@ def core_for(model: torch.nn.Module) -> _ReceiverCore:
     def connect(*_: object, **__: object) -> None:
         raise AssertionError("loader_map opens no link")
 
-    return _ReceiverCore(
-        backend="test",
-        device=CPU,
-        target=lambda: (model, None),
-        connect=connect,  # type: ignore[arg-type]
-        info_type=TCPInitInfo,
-    )
+    return local_core(model, connect)
 
 
 def test_worker_records_the_map_once_per_model_and_metadata() -> None:

@@ -6,25 +6,19 @@ The NCCL join itself needs GPUs (``test_nccl_gpu.py``); the store exchange does 
 from __future__ import annotations
 
 import secrets
-import socket
 import threading
 import time
 
 import pytest
 
+from tests.ranks import free_port
 from weightwire.backends.nccl.worker import fetch_unique_id, publish_unique_id
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unique_id_round_trips_even_when_the_worker_dials_first():
-    port = _free_port()
+    port = free_port()
     uid = secrets.token_bytes(128)
     got: list[bytes] = []
     stores = []
@@ -41,7 +35,7 @@ def test_unique_id_round_trips_even_when_the_worker_dials_first():
 
 
 def test_fetch_times_out_with_a_clear_error():
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=rf"TCPStore at 127.0.0.1:{port} within 2s"):
         fetch_unique_id("127.0.0.1", port, timeout_s=2)
@@ -50,4 +44,4 @@ def test_fetch_times_out_with_a_clear_error():
 
 def test_publish_refuses_a_wrong_size_id():
     with pytest.raises(ValueError, match="128 bytes"):
-        publish_unique_id("127.0.0.1", _free_port(), b"short", timeout_s=1)
+        publish_unique_id("127.0.0.1", free_port(), b"short", timeout_s=1)

@@ -5,11 +5,6 @@ to the local shards of real DTensors and FSDP2 parameters over 2 gloo processes.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +15,11 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
+from tests.ranks import free_port, two_rank_reports
 from weightwire.shared.slices import Box
 from weightwire.torch_side.sender.holdings import holdings_of, placement_boxes
 from weightwire.trainer.slice_plan import Held, SlicePlanError
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("_dtensor_holdings_rank.py")
 
 
@@ -72,38 +67,9 @@ def test_placements_that_are_not_held_slices_are_refused() -> None:
         placement_boxes((4,), [0, 1], [Shard(0), Shard(0)], name="w")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_real_dtensors_and_fsdp2_parameters_over_two_gloo_ranks() -> None:
-    port = str(free_port())
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(r), port],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    results = two_rank_reports(SCRIPT, str(free_port()))
     r0, r1 = results
     # every rank computes every rank's boxes of a DTensor alike; a plain tensor is its own
     assert r0["held"].pop("plain") == [[0, [[0, 5]]]] and r1["held"].pop("plain") == [[1, [[0, 5]]]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -133,45 +134,59 @@ def test_the_strategy_follows_the_budget(strategy: str) -> None:
     engine.shutdown()
 
 
-@STRATEGIES
-def test_trainer_dies_after_the_first_chunks(strategy: str) -> None:
+def fails_then_recovers(
+    strategy: str,
+    sender: ThreadSender,
+    update: dict[str, Any],
+    match: str,
+    *,
+    seed: int,
+    **info: Any,
+) -> None:
+    """A round from ``sender`` that the worker fails with ``match`` (``info``: more init
+    fields); the model is what ``strategy`` promises after a failed round; a fresh trainer's
+    round (``seed``) then lands whole."""
     engine, host = engine_and_host()
     before = params(host)
-    sender = ThreadSender(first_chunks(Tiny(seed=1), 3))
-    engine.init_transfer_engine(sender.info(stage_budget_bytes=BUDGETS[strategy]))
+    engine.init_transfer_engine(sender.info(stage_budget_bytes=BUDGETS[strategy], **info))
     engine.start_weight_update()
-    with pytest.raises(WeightReceiveError, match=r"round failed at chunk 4/\d+ .*PeerLost"):
-        engine.update_weights(update_of(Tiny(seed=1)))
+    with pytest.raises(WeightReceiveError, match=match):
+        engine.update_weights(update)
     sender.join()
     check_outcome(strategy, engine, host, before)
-    fresh_round(engine, host, BUDGETS[strategy], seed=2)
+    fresh_round(engine, host, BUDGETS[strategy], seed=seed)
     engine.shutdown()
+
+
+@STRATEGIES
+def test_trainer_dies_after_the_first_chunks(strategy: str) -> None:
+    fails_then_recovers(
+        strategy,
+        ThreadSender(first_chunks(Tiny(seed=1), 3)),
+        update_of(Tiny(seed=1)),
+        r"round failed at chunk 4/\d+ .*PeerLost",
+        seed=2,
+    )
 
 
 @STRATEGIES
 def test_worker_side_failure_mid_round(strategy: str) -> None:
-    engine, host = engine_and_host()
-    before = params(host)
     trainer = Tiny(seed=1)
-    sender = ThreadSender(send_module(trainer, rounds=0))
     update = update_of(trainer)
     update["names"][3] = (
         "layers.9.weight"  # same bytes; the model has no such tensor (chunk 2 or later)
     )
-    engine.init_transfer_engine(sender.info(stage_budget_bytes=BUDGETS[strategy]))
-    engine.start_weight_update()
-    with pytest.raises(WeightReceiveError, match="unknown weight name 'layers.9.weight'"):
-        engine.update_weights(update)
-    sender.join()
-    check_outcome(strategy, engine, host, before)
-    fresh_round(engine, host, BUDGETS[strategy], seed=3)
-    engine.shutdown()
+    fails_then_recovers(
+        strategy,
+        ThreadSender(send_module(trainer, rounds=0)),
+        update,
+        "unknown weight name 'layers.9.weight'",
+        seed=3,
+    )
 
 
 @STRATEGIES
 def test_bad_chunk_length_mid_round(strategy: str) -> None:
-    engine, host = engine_and_host()
-    before = params(host)
     trainer = Tiny(seed=1)
     named = [(n, t.detach().numpy().copy()) for n, t in ModuleSource(trainer)]
     chunks = plan(ModuleSource(trainer).metadata(), packed=True, buffer_size_bytes=256)
@@ -181,30 +196,21 @@ def test_bad_chunk_length_mid_round(strategy: str) -> None:
             data = pack_host([a for _, a in named[chunk.start : chunk.stop]], chunk)
             comm.broadcast(data[:-4] if i == 2 else data, timeout=20)  # the third chunk comes short
 
-    sender = ThreadSender(script)
-    engine.init_transfer_engine(sender.info(stage_budget_bytes=BUDGETS[strategy]))
-    engine.start_weight_update()
-    with pytest.raises(WeightReceiveError, match="round failed at chunk 3/"):
-        engine.update_weights(update_of(trainer))
-    sender.join()
-    check_outcome(strategy, engine, host, before)
-    fresh_round(engine, host, BUDGETS[strategy], seed=4)
-    engine.shutdown()
+    fails_then_recovers(
+        strategy, ThreadSender(script), update_of(trainer), "round failed at chunk 3/", seed=4
+    )
 
 
 @STRATEGIES
 def test_silent_trainer_after_the_first_chunks_times_out(strategy: str) -> None:
-    engine, host = engine_and_host()
-    before = params(host)
-    sender = ThreadSender(first_chunks(Tiny(seed=1), 2, then=lambda: time.sleep(3)))
-    engine.init_transfer_engine(sender.info(stage_budget_bytes=BUDGETS[strategy], timeout_s=1.0))
-    engine.start_weight_update()
-    with pytest.raises(WeightReceiveError, match="TransferTimeout"):
-        engine.update_weights(update_of(Tiny(seed=1)))
-    sender.join()
-    check_outcome(strategy, engine, host, before)
-    fresh_round(engine, host, BUDGETS[strategy], seed=5)
-    engine.shutdown()
+    fails_then_recovers(
+        strategy,
+        ThreadSender(first_chunks(Tiny(seed=1), 2, then=lambda: time.sleep(3))),
+        update_of(Tiny(seed=1)),
+        "TransferTimeout",
+        seed=5,
+        timeout_s=1.0,
+    )
 
 
 def test_a_partial_round_does_not_clear_an_incomplete_model() -> None:

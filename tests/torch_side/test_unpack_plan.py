@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.torch_side._local_core import local_core, local_init
 from weightwire.backends.receiving import ChunkedLink
-from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.worker_base import ReceiveLink, ReceiveProgress, ReceiveTurn
 from weightwire.shared.dtypes import SUPPORTED_DTYPES
 from weightwire.shared.framing import Chunk, pack_host, plan
-from weightwire.shared.info import encode_secret
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.dtypes import torch_dtype
@@ -265,24 +264,8 @@ def make_core(
         links.append(ListLink([random_buffer(chunk.nbytes, seed=len(links))] * 8))
         return links[-1]
 
-    core = _ReceiverCore(
-        backend="test",
-        device=torch.device("cpu"),
-        target=lambda: (store, None),
-        connect=connect,
-        info_type=TCPInitInfo,
-        spec=lambda: spec,
-    )  # type: ignore[arg-type,return-value]
-    core.init(
-        TCPInitInfo(
-            host="127.0.0.1",
-            port=1,
-            secret_b64=encode_secret(b"s" * 128),
-            rank_offset=1,
-            world_size=2,
-            packed_buffer_size_bytes=1 << 20,
-        )
-    )
+    core = local_core(store, connect, spec=lambda: spec)
+    core.init(local_init(packed_buffer_size_bytes=1 << 20))
     return core, store, links
 
 
@@ -317,16 +300,7 @@ def test_the_served_model_check_runs_once_per_metadata_and_still_refuses() -> No
         )  # new metadata: checked again, refused
     assert spec.checks == 2 and not core.initialized
     # The next session starts clean: the refused metadata is checked (and refused) again.
-    core.init(
-        TCPInitInfo(
-            host="127.0.0.1",
-            port=1,
-            secret_b64=encode_secret(b"s" * 128),
-            rank_offset=1,
-            world_size=2,
-            packed_buffer_size_bytes=1 << 20,
-        )
-    )
+    core.init(local_init(packed_buffer_size_bytes=1 << 20))
     core.start()
     with pytest.raises(ValueError, match="'extra.w' is not a tensor of the model"):
         core.receive_dict(UpdateInfo.from_metas(changed).to_dict())

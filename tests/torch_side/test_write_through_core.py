@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from weightwire.backends.tcp.info import TCPInitInfo
+from tests.torch_side._local_core import local_core, local_init
 from weightwire.backends.worker_base import (
     LandingRecord,
     ReceiveLink,
@@ -20,7 +20,6 @@ from weightwire.backends.worker_base import (
     WorkerPairs,
 )
 from weightwire.shared.errors import PeerLost
-from weightwire.shared.info import encode_secret
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.core import WeightReceiveError, _ReceiverCore
@@ -81,22 +80,8 @@ def _core(through: bool) -> tuple[_ReceiverCore, Model, list[ThroughLink]]:
         links.append(ThroughLink(through))
         return links[-1]
 
-    core = _ReceiverCore(
-        backend="test",
-        device=torch.device("cpu"),
-        target=lambda: (model, None),
-        connect=connect,
-        info_type=TCPInitInfo,
-    )  # type: ignore[arg-type]
-    core.init(
-        TCPInitInfo(
-            host="127.0.0.1",
-            port=1,
-            secret_b64=encode_secret(b"s" * 128),
-            rank_offset=1,
-            world_size=2,
-        )
-    )
+    core = local_core(model, connect)
+    core.init(local_init())
     return core, model, links
 
 

@@ -16,7 +16,11 @@ from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCap
 from weightwire.backends.pipelines import HostPipeline
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.shared.errors import TransferError
+from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.sources import DictSource as DictSource  # the tests import it from here
+
+FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
+"""The timeouts of a round against these fakes: nothing real is waited on, so short bounds."""
 
 
 class FakeServer:

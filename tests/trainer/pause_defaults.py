@@ -8,13 +8,11 @@ from typing import Any
 import pytest
 
 from tests.trainer.commit_order import canonical
-from tests.trainer.fakes import FAKE, FakeComm, FakeServer
+from tests.trainer.fakes import FAKE, FAST, FakeComm, FakeServer
 from weightwire.backends.base import SenderCaps
 from weightwire.jax_side.engine import JAXTrainerEngine
-from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 RESET = ["reset_prefix_cache", "reset_encoder_cache"]
 ROUND = ["pause", "start_weight_update", "update_weights", "finish_weight_update", *RESET, "resume"]
 PROBE = "weightwire/round_guard"

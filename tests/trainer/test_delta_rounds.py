@@ -13,13 +13,10 @@ import numpy as np
 import pytest
 
 from tests.trainer.delta_receiver import DeltaReceiver
-from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer
+from tests.trainer.fakes import FAKE, FAST, DictSource, FakeComm, FakeServer
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
-
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 
 
 @pytest.fixture(autouse=True)

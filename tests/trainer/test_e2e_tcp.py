@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -14,19 +13,9 @@ import pytest
 
 from weightwire.control import HTTPWeightSyncClient
 from weightwire.shared.timeouts import Timeouts
-from weightwire.tools.demo.server import EmbeddedServer
 from weightwire.trainer import TrainerInitInfo
 
 TIMEOUTS = Timeouts(http_s=120, connect_s=60, warmup_s=60, transfer_s=60)
-
-
-@pytest.fixture(scope="module")
-def server_url() -> Iterator[str]:
-    with EmbeddedServer(
-        "tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180
-    ) as server:
-        assert server.url is not None
-        yield server.url
 
 
 def model_dir() -> str:

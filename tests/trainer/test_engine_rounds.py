@@ -10,15 +10,13 @@ import numpy as np
 import pytest
 
 from tests.trainer.commit_order import canonical
-from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
+from tests.trainer.fakes import FAKE, FAST, DictSource, FakeComm, FakeServer, numpy_weights
+from tests.trainer.pause_defaults import ROUND
 from weightwire.backends import get_backend
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.framing import pack_host, plan
-from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import EngineBroken, TrainerInitInfo, VerifyError
-
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 
 
 @pytest.fixture(autouse=True)
@@ -129,19 +127,7 @@ def test_round_order_versions_and_pause() -> None:
         for r in canonical(server.routes())
         if r not in ("version", "get_world_size", "init_weight_transfer_engine")
     ]
-    assert (
-        round_routes
-        == [
-            "pause",
-            "start_weight_update",
-            "update_weights",
-            "finish_weight_update",
-            "reset_prefix_cache",
-            "reset_encoder_cache",
-            "resume",
-        ]
-        * 3
-    )
+    assert round_routes == ROUND * 3
     assert server.bodies("reset_prefix_cache")[0] == {
         "reset_running_requests": "true",
         "reset_external": "true",

@@ -28,7 +28,6 @@ from weightwire.shared.quant import (
     quantize_tensor_reference,
 )
 from weightwire.shared.timeouts import Timeouts
-from weightwire.testing.loopback import spawn_loopback
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.quant import fp8_source as torch_fp8_source
 from weightwire.torch_side.sender.source import describe_tensor
@@ -159,16 +158,6 @@ def test_held_names_follow_the_weights() -> None:
         "model.norm.weight",
     }
     assert isinstance(source.metadata()[0], ParamMeta)
-
-
-@pytest.fixture(scope="module")
-def loopback():
-    proc, client = spawn_loopback("weightwire_tcp", "cpu", timeout=120)
-    try:
-        yield client
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def _checksums(tensors: dict[str, np.ndarray]) -> dict[str, str]:

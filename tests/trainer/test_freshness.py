@@ -15,18 +15,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, numpy_weights
+from tests.trainer.fakes import FAKE, FAST, DictSource, FakeComm, FakeServer, numpy_weights
 from weightwire.backends.base import SenderCaps
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.client import CONTROL_CALLS, ROUND_CALLS
 from weightwire.shared.errors import WeightwireError
-from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.freshness import StaleCacheError
 
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 RESET = ["reset_prefix_cache", "reset_encoder_cache"]
 SETUP = ("version", "get_world_size", "init_weight_transfer_engine")
 

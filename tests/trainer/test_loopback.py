@@ -16,18 +16,8 @@ from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.served import ServedModel, ServedModelMismatch
 from weightwire.shared.timeouts import Timeouts
-from weightwire.testing.loopback import LOOPBACK_VERSION, spawn_loopback
+from weightwire.testing.loopback import LOOPBACK_VERSION
 from weightwire.trainer import TrainerInitInfo
-
-
-@pytest.fixture(scope="module")
-def loopback():
-    proc, client = spawn_loopback("weightwire_tcp", "cpu", timeout=120)
-    try:
-        yield client
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def test_loopback_receiver_gets_exact_bytes(loopback) -> None:

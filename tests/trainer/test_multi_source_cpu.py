@@ -14,63 +14,28 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from weightwire.tools.demo.server import EmbeddedServer
+from tests import ranks
 
-ROOT = Path(__file__).resolve().parents[2]
 RANK_SCRIPT = Path(__file__).with_name("_multi_source_rank.py")
-
-
-@pytest.fixture(scope="module")
-def server_url() -> Iterator[str]:
-    with EmbeddedServer(
-        "tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180
-    ) as server:
-        assert server.url is not None
-        yield server.url
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(
     mode: str, url: str, tmp_path: Path, timeout: float = 240
 ) -> tuple[dict[str, Any], list[int]]:
     out = tmp_path / f"{mode}.json"
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(RANK_SCRIPT), mode, str(r), str(port), url, str(out)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    codes = [p.returncode for p in procs]
+    port = ranks.free_port()
+    done = ranks.run_ranks(
+        [[str(RANK_SCRIPT), mode, str(r), str(port), url, str(out)] for r in (0, 1)],
+        timeout=timeout,
+        merge_stderr=True,
+    )
+    codes = [p.returncode for p in done]
+    logs = [p.stdout for p in done]
     assert out.exists(), f"rank 0 wrote no report (exit codes {codes}):\n" + "\n---\n".join(
         x[-3000:] for x in logs
     )

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.trainer.fakes import DictSource, FakeBackend, FakeComm, FakeServer
+from tests.trainer.fakes import FAST, DictSource, FakeBackend, FakeComm, FakeServer
 from weightwire.backends import register_backend
 from weightwire.backends.base import PatchPlan, SenderCaps, WirePlan
 from weightwire.backends.nccl.sparse import sparse_nccl_round
@@ -19,7 +19,6 @@ from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.patches import SparsePatch
-from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.patch_round import (
     SparseBaseUnknown,
@@ -28,7 +27,6 @@ from weightwire.trainer.patch_round import (
     patches_from_wire,
 )
 
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 ROUND = ["start_weight_update", "update_weights", "finish_weight_update"]
 
 

@@ -23,19 +23,26 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer, host_sender, numpy_weights
+from tests.trainer.fakes import (
+    FAKE,
+    FAST,
+    DictSource,
+    FakeComm,
+    FakeServer,
+    host_sender,
+    numpy_weights,
+)
+from tests.trainer.pause_defaults import UNPAUSED
 from weightwire.backends.base import SenderCaps, SenderParts
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.client import CONTROL_CALLS, ROUND_CALLS
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import FINISH_RESETS_RESUMES, START_PAUSES
-from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.engine import EngineBroken
 from weightwire.trainer.freshness import StaleCacheError
 
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 COMMIT = ("finish_weight_update", "reset_prefix_cache", "reset_encoder_cache")
 WAIT_S = 5.0  # a bound on waits that only a broken ordering would reach
 
@@ -56,6 +63,19 @@ def engine_for(client: Any, **info: Any) -> JAXTrainerEngine:
         client=client,
         source=DictSource(numpy_weights(), describe),
     )
+
+
+def failing_round(
+    monkeypatch: pytest.MonkeyPatch, server: FakeServer, route: str, status: int, error: str
+) -> JAXTrainerEngine:
+    """A stock worker's round whose ``route`` answers ``status`` with ``error``: the round
+    raises naming it. The engine, for what the test checks next."""
+    stock_backend(monkeypatch)
+    server.fail[route] = (status, error)
+    engine = engine_for(server.client())
+    with pytest.raises(WeightSyncError, match=error):
+        engine.send_weights()
+    return engine
 
 
 class Timeline:
@@ -185,11 +205,19 @@ def gated_engine(
     monkeypatch: pytest.MonkeyPatch, server: FakeServer, gate: Any, **info: Any
 ) -> JAXTrainerEngine:
     monkeypatch.setattr(type(FAKE), "sender", lambda self, *a: Gated(gate).sender(*a))
-    return JAXTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", timeouts=FAST, **info),
-        client=server.client(),
-        source=DictSource(numpy_weights(), describe),
-    )
+    return engine_for(server.client(), **info)
+
+
+def start_watched(
+    monkeypatch: pytest.MonkeyPatch, stock: bool = True
+) -> tuple[FakeServer, threading.Event]:
+    """The fake backend as ``stock_backend`` makes it, and a server with an event set once its
+    start arrives."""
+    stock_backend(monkeypatch, stock)
+    server = FakeServer()
+    started = threading.Event()
+    server.hooks["start_weight_update"] = lambda _: started.set()
+    return server, started
 
 
 def round_routes(server: FakeServer) -> list[str]:
@@ -199,10 +227,7 @@ def round_routes(server: FakeServer) -> list[str]:
 def test_the_start_follows_the_early_pause_before_the_first_chunk_is_packed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch)
-    server = FakeServer()
-    started = threading.Event()
-    server.hooks["start_weight_update"] = lambda _: started.set()
+    server, started = start_watched(monkeypatch)
     threads: dict[str, str] = {}
     for route in ("pause", "start_weight_update"):
         server.hooks.setdefault(route, lambda _: None)
@@ -224,10 +249,7 @@ def test_the_start_follows_the_early_pause_before_the_first_chunk_is_packed(
 def test_a_round_failing_after_its_early_start_counts_as_started(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch)
-    server = FakeServer()
-    started = threading.Event()
-    server.hooks["start_weight_update"] = lambda _: started.set()
+    server, started = start_watched(monkeypatch)
 
     def gate() -> None:
         assert started.wait(WAIT_S)
@@ -246,10 +268,7 @@ def test_a_round_failing_after_its_early_start_counts_as_started(
 def test_a_round_in_place_failing_after_its_early_start_stays_paused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch, stock=False)
-    server = FakeServer()
-    started = threading.Event()
-    server.hooks["start_weight_update"] = lambda _: started.set()
+    server, started = start_watched(monkeypatch, stock=False)
 
     def gate() -> None:
         assert started.wait(WAIT_S)
@@ -265,24 +284,18 @@ def test_a_round_in_place_failing_after_its_early_start_stays_paused(
 def test_a_refused_early_start_fails_the_round_and_leaves_the_engine_usable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch)
     server = FakeServer()
-    server.fail["start_weight_update"] = (409, "a weight update is already active")
-    engine = engine_for(server.client())
-    with pytest.raises(WeightSyncError, match="already active"):
-        engine.send_weights()
+    engine = failing_round(
+        monkeypatch, server, "start_weight_update", 409, "a weight update is already active"
+    )
     assert round_routes(server) == ["pause", "start_weight_update", "resume"]
     del server.fail["start_weight_update"]
     assert engine.send_weights().version == "1"  # nothing opened: usable, nothing committed
 
 
 def test_a_failed_early_pause_sends_no_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    stock_backend(monkeypatch)
     server = FakeServer()
-    server.fail["pause"] = (500, "pause broke")
-    engine = engine_for(server.client())
-    with pytest.raises(WeightSyncError, match="pause broke"):
-        engine.send_weights()
+    failing_round(monkeypatch, server, "pause", 500, "pause broke")
     assert round_routes(server) == ["pause"]
     assert FAKE.comm.broadcasts == []
 
@@ -332,12 +345,8 @@ def test_a_paused_round_is_three_calls_where_the_server_offers_them(
 def test_a_failed_finish_in_one_call_gets_the_rounds_own_resume(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch)
     server = Advertising()
-    server.fail["finish_weight_update"] = (500, "worker exploded")
-    engine = engine_for(server.client())
-    with pytest.raises(WeightSyncError, match="worker exploded"):
-        engine.send_weights()
+    failing_round(monkeypatch, server, "finish_weight_update", 500, "worker exploded")
     assert round_routes(server)[-2:] == ["finish_weight_update", "resume"]
 
 
@@ -347,13 +356,7 @@ def test_an_unpaused_round_keeps_separate_calls_where_one_is_offered(
     stock_backend(monkeypatch, stock=False)
     server = Advertising()
     engine_for(server.client()).send_weights()
-    assert round_routes(server) == [
-        "start_weight_update",
-        "update_weights",
-        "finish_weight_update",
-        "reset_prefix_cache",
-        "reset_encoder_cache",
-    ]
+    assert round_routes(server) == UNPAUSED
 
 
 def test_only_the_finish_is_combined_where_only_it_is_offered(
@@ -373,12 +376,8 @@ def test_only_the_finish_is_combined_where_only_it_is_offered(
 def test_a_failed_start_that_pauses_counts_as_paused_and_started(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stock_backend(monkeypatch)
     server = Advertising()
-    server.fail["start_weight_update"] = (500, "worker refused")
-    engine = engine_for(server.client())
-    with pytest.raises(WeightSyncError, match="worker refused"):
-        engine.send_weights()
+    engine = failing_round(monkeypatch, server, "start_weight_update", 500, "worker refused")
     # The server may have paused before its start failed: the round's rule resumes it.
     assert round_routes(server) == ["start_weight_update", "resume"]
     del server.fail["start_weight_update"]

@@ -16,39 +16,33 @@ from pathlib import Path
 import pytest
 
 from weightwire.control import HTTPWeightSyncClient
-from weightwire.tools.demo.server import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_sharded_source_fans_out_to_two_receivers_bit_exact() -> None:
+def test_sharded_source_fans_out_to_two_receivers_bit_exact(server_url: str) -> None:
     from weightwire.tools.server.tiny import resolve_model
 
     config = os.path.join(resolve_model("tiny-llama"), "config.json")
-    with EmbeddedServer(
-        "tiny-llama", extra_args=["--replicas", "2"], startup_timeout=180
-    ) as server:
-        url = server.url
-        assert url is not None
-        client = HTTPWeightSyncClient(url, timeout=60)
-        assert client.get_world_size() == 2
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("_sharded_sender.py")), url, config],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert result["sharded_leaves"] > 0  # the source really read sharded arrays
-        (reply,) = client.weight_checker("checksum")
-        replicas = reply["replica_checksums"]
-        assert len(replicas) == 2
-        last = result["rounds"][-1]
-        assert [r["version"] for r in result["rounds"]] == ["1", "2"]
-        for replica in replicas:
-            assert {n: replica.get(n) for n in last["expected"]} == last["expected"]
-        assert client.weight_info()[0]["weight_version"] == "2"
+    client = HTTPWeightSyncClient(server_url, timeout=60)
+    assert client.get_world_size() == 2
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("_sharded_sender.py")), server_url, config],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["sharded_leaves"] > 0  # the source really read sharded arrays
+    (reply,) = client.weight_checker("checksum")
+    replicas = reply["replica_checksums"]
+    assert len(replicas) == 2
+    last = result["rounds"][-1]
+    assert [r["version"] for r in result["rounds"]] == ["1", "2"]
+    for replica in replicas:
+        assert {n: replica.get(n) for n in last["expected"]} == last["expected"]
+    assert client.weight_info()[0]["weight_version"] == "2"

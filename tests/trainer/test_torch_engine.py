@@ -11,14 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer
+from tests.trainer.fakes import FAKE, FAST, DictSource, FakeComm, FakeServer
 from weightwire.shared.framing import pack_host, plan
-from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.source import describe_tensor
 from weightwire.trainer import TrainerInitInfo
-
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 
 
 def engine_for(

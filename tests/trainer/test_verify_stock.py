@@ -11,16 +11,14 @@ import numpy as np
 import pytest
 
 from tests.trainer.commit_order import canonical
-from tests.trainer.fakes import FAKE, DictSource, FakeComm, FakeServer
+from tests.trainer.fakes import FAKE, FAST, DictSource, FakeComm, FakeServer
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.framing import plan_packed, unpack_host
-from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer import TrainerInitInfo, VerifyError
 from weightwire.trainer.verify import vllm_param_name
 
-FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5)
 TP = 2
 
 
