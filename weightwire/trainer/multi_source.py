@@ -159,7 +159,7 @@ class MultiSource(StarWire, GroupWire):
         error = None
         if self.rank == 0:
             try:
-                s.features = server_features(s.info, s.client)
+                s.features = server_features(s.info, s.client, s.caps)
                 extra["workers"] = s.info.inference_world_size or s.client.get_world_size()
             except Exception as exc:
                 error = f"asking the server: {type(exc).__name__}: {exc}"
