@@ -48,6 +48,7 @@ from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer import TrainerInitInfo
+from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.gating import round_pause
 
 H = bytes(range(64))
@@ -288,7 +289,13 @@ def test_ipc_mode_takes_write_through_and_auto_and_refuses_others() -> None:
 def test_a_written_through_round_refuses_generation_whatever_its_size() -> None:
     info = TrainerInitInfo(backend="weightwire_ipc")  # a 1 GiB stage budget
     client = type("C", (), {"pause": lambda s, m: None, "resume": lambda s: None})()
-    small = {"stock_receiver": False, "nbytes": 1000, "client": client, "guard": lambda: True}
+    small = {
+        "stock_receiver": False,
+        "nbytes": 1000,
+        "client": client,
+        "caps": ClientCaps.of(client),
+        "guard": lambda: True,
+    }
     assert round_pause(info, None, **small).mode is None  # staged: all or nothing
     pause = round_pause(info, None, in_place=True, **small)
     assert (pause.mode, pause.resume_on_failure, pause.guard) == ("abort", False, True)

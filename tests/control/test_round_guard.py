@@ -28,6 +28,7 @@ from weightwire.shared.errors import WeightSyncError
 from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 from weightwire.torch_side.worker.hf_host import HFModelHost
 from weightwire.torch_side.worker.weight_state import WeightState
+from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.gating import RoundPause, after_failed_round, guard_installed, round_pause
 from weightwire.vllm_guard.worker import worker_round_state
@@ -408,7 +409,14 @@ def test_trainer_finds_the_guard_and_holds_it_for_a_round_in_place(
     with HTTPWeightSyncClient(served, timeout=30) as client:
         state = client.round_guard()[0]
         assert state is not None and state["covers"] is True and state["held"] is False
-        pause = round_pause(info, None, stock_receiver=False, nbytes=1 << 20, client=client)
+        pause = round_pause(
+            info,
+            None,
+            stock_receiver=False,
+            nbytes=1 << 20,
+            client=client,
+            caps=ClientCaps.of(client),
+        )
         assert pause == RoundPause("abort", resume_on_failure=False, guard=True)
         client.hold_round("v9")
         weights.broke(None, "worker gave up", frozenset({"w.weight"}))
@@ -427,17 +435,24 @@ def test_trainer_without_a_guard_warns_with_the_flag(caplog: pytest.LogCaptureFi
     with uvicorn_serving(FastAPI()) as url, HTTPWeightSyncClient(url, timeout=30) as client:
         assert client.round_guard() == [None]  # 404: no guard installed
         info = TrainerInitInfo(backend="weightwire_tcp", stage_budget_bytes=0)
-        pause = round_pause(info, None, stock_receiver=False, nbytes=1 << 20, client=client)
+        pause = round_pause(
+            info,
+            None,
+            stock_receiver=False,
+            nbytes=1 << 20,
+            client=client,
+            caps=ClientCaps.of(client),
+        )
         assert pause == RoundPause("abort", resume_on_failure=False, guard=False)
     assert "start vLLM with --middleware weightwire.vllm_guard.RoundGuard" in caplog.text
     caplog.clear()
     shared = SimpleNamespace(round_guard=lambda: [{"guard": "weightwire", "covers": False}])
-    assert guard_installed(shared) is False
+    assert guard_installed(shared, ClientCaps.of(shared)) is False
     assert "server(s) [0] run several API-server processes" in caplog.text
     caplog.clear()
     # weightwire's reference server refuses by itself while its model is incomplete: no warning.
     reference = SimpleNamespace(
         round_guard=lambda: [None], version=lambda: "0.33.0+weightwire.0.1.0"
     )
-    assert guard_installed(reference) is False
+    assert guard_installed(reference, ClientCaps.of(reference)) is False
     assert caplog.text == ""

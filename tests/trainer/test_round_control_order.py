@@ -387,11 +387,13 @@ def test_a_failed_start_that_pauses_counts_as_paused_and_started(
 def test_several_servers_keep_separate_finish_calls_even_where_each_offers_one() -> None:
     from types import SimpleNamespace
 
+    from weightwire.trainer.caps import ClientCaps
     from weightwire.trainer.freshness import finishes_with_resume
 
     def client(urls: list[str]) -> Any:
         return SimpleNamespace(base_urls=urls, finishes_with_resume=lambda: True)
 
-    assert finishes_with_resume(client(["http://a:1"]))
+    one, both = client(["http://a:1"]), client(["http://a:1", "http://b:1"])
+    assert finishes_with_resume(one, ClientCaps.of(one))
     # One server's commit must not resume it while another's failed finish keeps the old weights.
-    assert not finishes_with_resume(client(["http://a:1", "http://b:1"]))
+    assert not finishes_with_resume(both, ClientCaps.of(both))

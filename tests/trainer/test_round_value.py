@@ -7,7 +7,13 @@ from __future__ import annotations
 import ast
 from dataclasses import fields
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
+from weightwire.trainer.group import DictGroup
+from weightwire.trainer.multi_group import GroupWire
+from weightwire.trainer.multi_source import MultiSource
+from weightwire.trainer.multi_star import StarWire
 from weightwire.trainer.round import Round
 from weightwire.trainer.session import Session
 
@@ -49,3 +55,18 @@ def test_no_trainer_module_swaps_the_sessions_source() -> None:
         and ast.unparse(target.value) in _SESSION
     ]
     assert swaps == [], "a round's source belongs to the round, not to the Session: " + str(swaps)
+
+
+def test_several_broadcasters_run_over_a_wire_chosen_at_set_up_not_mixins() -> None:
+    # "stars" and "group" are two Wire values MultiSource holds (sharing Ranks), not base
+    # classes of it: one round's wire is what lead_round is handed.
+    for cls in (MultiSource, StarWire, GroupWire):
+        assert cls.__bases__ == (object,), cls
+    groups = DictGroup.make(2)
+    for several, wire in (("group", GroupWire), ("stars", StarWire), (None, StarWire)):
+        session: Any = SimpleNamespace(
+            info=SimpleNamespace(rank=0),
+            backend=SimpleNamespace(caps=SimpleNamespace(several=several)),
+        )
+        multi = MultiSource(session, groups[0], cast(Any, None))
+        assert type(multi.wire) is wire and multi.wire.ranks is multi.ranks

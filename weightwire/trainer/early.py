@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from weightwire.control.fanout import spawn
 from weightwire.shared.errors import ControlTimeout
+from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.transfer import await_call
 
 
@@ -87,8 +89,7 @@ class EarlyStart:
         return self.paused and self._future.done(), self.start_sent, self.start_returned
 
 
-def starts_with_pause(client: object) -> bool:
+def starts_with_pause(client: Any, caps: ClientCaps) -> bool:
     """Every server advertised a start that pauses first (``routes.START_PAUSES``: weightwire's
     reference server, never stock vLLM)."""
-    ask = getattr(client, "starts_with_pause", None)
-    return callable(ask) and ask() is True
+    return caps.starts_with_pause and client.starts_with_pause() is True

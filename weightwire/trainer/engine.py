@@ -39,6 +39,7 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.patches import SparsePatch
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.shared.version import ServerFeatures
+from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.delta import DeltaTracker
 from weightwire.trainer.delta_round import DeltaRounds
@@ -74,12 +75,14 @@ class TrainerEngine(FrameworkHooks):
         self, init_info: TrainerInitInfo, *, client: WeightSyncClient, source: WeightSource
     ) -> None:
         self.info = init_info
-        # The optional calls are checked by name (_check_client) or guarded where called.
+        # The optional calls are read from session.caps (probed once, below), never probed again.
         self.client = cast(EngineClient, client)
         self.source = source
         self.session = Session(
             info=init_info,
             client=self.client,
+            # after ``with_fallback_routes`` (trainer_init): the calls it filled in count
+            caps=ClientCaps.of(self.client),
             source=source,
             backend=get_backend(init_info.backend),
             framework=self,
@@ -174,9 +177,9 @@ class TrainerEngine(FrameworkHooks):
     def _check_client(self) -> None:
         s = self.session
         s.pause_mode = check_client(
-            self.info, self.client, stock_receiver=s.backend.caps.stock_receiver
+            self.info, self.client, s.caps, stock_receiver=s.backend.caps.stock_receiver
         )
-        s.commit_plan = commit_plan(self.info, self.client, s.pause_mode)
+        s.commit_plan = commit_plan(self.info, self.client, s.caps, s.pause_mode)
 
     # -- a round -----------------------------------------------------------------------------
 
@@ -332,10 +335,10 @@ class TrainerEngine(FrameworkHooks):
     def _check_draft(self) -> None:
         assert self.features is not None
         self.features.require("draft_route", "a draft round starts with /start_draft_weight_update")
-        if not callable(getattr(self.client, "start_draft_weight_update", None)):
+        if not self.session.caps.start_draft_weight_update:
             raise WrongType(f"client {type(self.client).__name__} lacks start_draft_weight_update")
         if not self._draft_confirmed:
-            require_draft_model(self.client)
+            require_draft_model(self.client, self.session.caps)
             self._draft_confirmed = True  # the server's config cannot change without a restart
 
     def abort_requests(self, request_ids: list[str] | None = None) -> None:

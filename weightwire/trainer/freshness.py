@@ -44,6 +44,7 @@ from typing import Any
 
 from weightwire.control.fanout import spawn
 from weightwire.shared.errors import ControlTimeout, WeightSyncError, WeightwireError
+from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.config import TrainerInitInfo
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class CommitPlan:
         client: Any,
         version: str,
         *,
+        caps: ClientCaps,
         record: Callable[[], None],
         paused: bool = False,
         timeout: float = 300.0,
@@ -99,29 +101,28 @@ class CommitPlan:
         Returns whether the servers resumed themselves (the caller sends no resume then).
         Raises ``StaleCacheError`` when the commit held but the reset did not."""
         if paused and self.reset:
-            if finishes_with_resume(client):
+            if finishes_with_resume(client, caps):
                 commit_resumed(client, version, record=record)
                 return True
-            commit_paused(client, version, record=record, timeout=timeout)
+            commit_paused(client, version, caps=caps, record=record, timeout=timeout)
             return False
         client.finish_weight_update(version)
         record()
         if self.reset:
-            reset_after_commit(client, version)
+            reset_after_commit(client, version, caps)
         return False
 
 
-def finishes_with_resume(client: Any) -> bool:
+def finishes_with_resume(client: Any, caps: ClientCaps) -> bool:
     """One server, and it advertised a finish that also resets the caches and resumes
     (``routes.FINISH_RESETS_RESUMES``: weightwire's reference server, never stock vLLM).
 
     With several servers the calls stay separate: a server whose finish committed would
     resume itself on the new weights while one whose finish failed stays on the old, where
     separate calls keep every server paused until the round's failure rule decides."""
-    ask = getattr(client, "finishes_with_resume", None)
-    servers = getattr(client, "base_urls", None)
+    servers = getattr(client, "base_urls", None)  # a value, not a call: read when asked
     one = servers is None or len(servers) == 1
-    return one and callable(ask) and ask() is True
+    return one and caps.finishes_with_resume and client.finishes_with_resume() is True
 
 
 def commit_resumed(client: Any, version: str, *, record: Callable[[], None]) -> None:
@@ -152,19 +153,26 @@ the client's timeout decides (as it does for a call made in line); this only gua
 client that has none."""
 
 
-def commit_paused(client: Any, version: str, *, record: Callable[[], None], timeout: float) -> None:
+def commit_paused(
+    client: Any,
+    version: str,
+    *,
+    caps: ClientCaps,
+    record: Callable[[], None],
+    timeout: float,
+) -> None:
     """A round paused as a whole: the finish and both resets at once, each awaited (bounded).
 
     A failed finish fails the round as it would in line; the resets that ran beside it are
     harmless then (they only dropped caches of the weights still served, under the pause).
     A finish that held with a reset that did not: ``StaleCacheError`` (committed), as in line.
     """
-    encoder = getattr(client, "reset_encoder_cache", None)
     calls: list[tuple[str, Callable[[], Any]]] = [
         ("finish_weight_update", lambda: client.finish_weight_update(version)),
         ("reset_prefix_cache", lambda: reset_prefix(client, version)),
     ]
-    if callable(encoder):
+    if caps.reset_encoder_cache:
+        encoder = client.reset_encoder_cache
         calls.append(("reset_encoder_cache", lambda: reset_encoder(encoder, version)))
     futures = [spawn(call, name=f"weightwire-{what}") for what, call in calls]
     # Every call is awaited, whatever the finish said: the caller resumes (or gives up) only
@@ -197,7 +205,9 @@ def _outcome(future: Future[Any], what: str, deadline: float, bound: float) -> B
     return None
 
 
-def commit_plan(info: TrainerInitInfo, client: object, round_pause: str | None) -> CommitPlan:
+def commit_plan(
+    info: TrainerInitInfo, client: object, caps: ClientCaps, round_pause: str | None
+) -> CommitPlan:
     """The plan for this engine; ``round_pause`` is the mode the whole round is
     paused in (or None)."""
     if not info.reset_prefix_cache:
@@ -207,8 +217,7 @@ def commit_plan(info: TrainerInitInfo, client: object, round_pause: str | None) 
         return CommitPlan(reset=False)
     if round_pause is not None:
         return CommitPlan(reset=True)
-    can_pause = all(callable(getattr(client, m, None)) for m in ("pause", "resume"))
-    if info.pause_mode == "auto" and can_pause:
+    if info.pause_mode == "auto" and caps.can_pause:
         return CommitPlan(
             reset=True
         )  # a staging plugin backend: unpaused by design (the module docstring)
@@ -225,16 +234,15 @@ def commit_plan(info: TrainerInitInfo, client: object, round_pause: str | None) 
     return CommitPlan(reset=True)
 
 
-def reset_after_commit(client: Any, version: str) -> None:
+def reset_after_commit(client: Any, version: str, caps: ClientCaps) -> None:
     """Every server's prefix cache (running requests preempted) and encoder cache, dropped.
 
     ``client.reset_prefix_cache()`` returns one ``success`` per server (or nothing: a
     client that raised nothing is taken at its word); ``reset_encoder_cache`` is called
     when the client has it."""
     reset_prefix(client, version)
-    encoder = getattr(client, "reset_encoder_cache", None)
-    if callable(encoder):
-        reset_encoder(encoder, version)
+    if caps.reset_encoder_cache:
+        reset_encoder(client.reset_encoder_cache, version)
 
 
 def reset_prefix(client: Any, version: str) -> None:

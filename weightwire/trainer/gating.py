@@ -18,6 +18,7 @@ from weightwire.shared.client import ROUND_CALLS, ServerControls
 from weightwire.shared.errors import WrongType
 from weightwire.shared.staging import round_streams
 from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
+from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.transfer import best_effort_resume
 from weightwire.vllm_guard import MIDDLEWARE
@@ -25,11 +26,13 @@ from weightwire.vllm_guard import MIDDLEWARE
 logger = logging.getLogger(__name__)
 
 
-def server_features(info: TrainerInitInfo, client: ServerControls) -> ServerFeatures:
+def server_features(
+    info: TrainerInitInfo, client: ServerControls, caps: ClientCaps
+) -> ServerFeatures:
     """The ``ServerFeatures`` for this engine (``ValueError`` naming what disagrees)."""
     stated = info.server_version
     asked = None
-    if callable(getattr(client, "version", None)):
+    if caps.version:
         try:
             asked = client.version()
         except Exception:
@@ -64,20 +67,19 @@ def server_features(info: TrainerInitInfo, client: ServerControls) -> ServerFeat
     return features
 
 
-def require_draft_model(client: object) -> None:
+def require_draft_model(client: Any, caps: ClientCaps) -> None:
     """Refuse a draft round unless every server confirms a speculative draft model.
 
     A stock vLLM (seen on 0.32) asked to start a draft update without one raises in
     its worker, and that kills the engine core: the server is gone, not just the round.
     So the answer must be a confirmed yes (``client.has_draft_model()``), never a guess.
     """
-    ask = getattr(client, "has_draft_model", None)
-    if not callable(ask):
+    if not caps.has_draft_model:
         raise WrongType(
             f"client {type(client).__name__} cannot confirm a speculative draft model (no "
             "has_draft_model()); a draft round on a server without one kills vLLM's engine"
         )
-    answers = list(ask())
+    answers = list(client.has_draft_model())
     missing = [i for i, ok in enumerate(answers) if not ok]
     if not answers or missing:
         which = ", ".join(str(i) for i in missing) or "all"
@@ -88,7 +90,9 @@ def require_draft_model(client: object) -> None:
         )
 
 
-def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool) -> str | None:
+def check_client(
+    info: TrainerInitInfo, client: object, caps: ClientCaps, *, stock_receiver: bool
+) -> str | None:
     """The round's pause mode (``None``: no pause), after refusing a client that lacks a
     call this engine will make (``WrongType`` naming every missing one, before any rendezvous).
 
@@ -102,9 +106,8 @@ def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool)
     needed = list(ROUND_CALLS)
     pause_mode = None if info.pause_mode == "auto" else info.pause_mode
     if info.pause_mode == "auto":
-        can_pause = all(callable(getattr(client, m, None)) for m in ("pause", "resume"))
-        pause_mode = "keep" if can_pause and stock_receiver else None
-        if stock_receiver and not can_pause:
+        pause_mode = "keep" if caps.can_pause and stock_receiver else None
+        if stock_receiver and not caps.can_pause:
             logger.warning(
                 "client %s cannot pause generation: rounds run under live traffic "
                 "(vLLM crashes when a request meets a layer mid-reload)",
@@ -120,7 +123,7 @@ def check_client(info: TrainerInitInfo, client: object, *, stock_receiver: bool)
         needed.append("get_world_size")
     if info.reset_prefix_cache:
         needed.append("reset_prefix_cache")
-    missing = [m for m in needed if not callable(getattr(client, m, None))]
+    missing = caps.lacks(needed)
     if missing:
         raise WrongType(
             f"client {type(client).__name__} lacks {', '.join(missing)} (give server_version / "
@@ -151,6 +154,7 @@ def round_pause(
     stock_receiver: bool,
     nbytes: int,
     client: object,
+    caps: ClientCaps,
     guard: Callable[[], bool] | None = None,
     in_place: bool = False,
 ) -> RoundPause:
@@ -174,19 +178,19 @@ def round_pause(
         else f"{nbytes} bytes > stage_budget_bytes {info.stage_budget_bytes}"
     )
     return in_place_pause(
-        info, client, (lambda: guard_installed(client)) if guard is None else guard, why
+        info, caps, (lambda: guard_installed(client, caps)) if guard is None else guard, why
     )
 
 
 def in_place_pause(
-    info: TrainerInitInfo, client: object, guard: Callable[[], bool], why: str
+    info: TrainerInitInfo, caps: ClientCaps, guard: Callable[[], bool], why: str
 ) -> RoundPause:
     """The pause of a round the workers apply in place as it arrives (``why``: what makes it
     so): refusing new requests from before the first write until a complete round commits;
     a failed round is not resumed. ``guard``: whether the servers run the round guard."""
     if info.pause_mode is None:
         return RoundPause(None, resume_on_failure=False)
-    if not all(callable(getattr(client, m, None)) for m in ("pause", "resume")):
+    if not caps.can_pause:
         logger.warning(
             "client cannot pause: a round applied in place (%s) runs under live traffic, "
             "and a failure would leave a half-updated model served",
@@ -202,14 +206,13 @@ def in_place_pause(
     return RoundPause(mode, resume_on_failure=False, guard=guard())
 
 
-def guard_installed(client: object) -> bool:
+def guard_installed(client: Any, caps: ClientCaps) -> bool:
     """Whether every server runs the round guard and it covers the server (one API-server
     process); otherwise a warning says what a failed round in place leaves and how to fix it."""
-    ask = getattr(client, "round_guard", None)
     states: list[Any] = []
-    if callable(ask):
+    if caps.round_guard:
         try:
-            states = list(ask())
+            states = list(client.round_guard())
         except Exception as exc:
             logger.warning("could not ask the servers for the round guard (%s)", exc)
     if states and all(isinstance(s, dict) and s.get("covers") is True for s in states):
@@ -217,7 +220,7 @@ def guard_installed(client: object) -> bool:
     if _reference_server(client):
         return False  # it refuses generation itself, with the reason, while its model is incomplete
     shared = [i for i, s in enumerate(states) if isinstance(s, dict) and not s.get("covers")]
-    if not callable(ask):
+    if not caps.round_guard:
         why = (
             f"client {type(client).__name__} cannot hold a round guard (an HTTP server's "
             f"--middleware {MIDDLEWARE})"

@@ -1,21 +1,28 @@
-"""The state and the small cross-rank helpers ``MultiSource`` and its two wires share.
+"""What ``MultiSource`` and its two wires share: ``Ranks`` (the cross-rank state and small
+helpers, held by each, never inherited) and ``SeveralWire`` (how several broadcasters' turns
+go out: ``multi_star.StarWire``, a star each; ``multi_group.GroupWire``, one group).
 
-``MultiSource`` (``trainer.multi_source``) is this plus ``StarWire`` (``multi_star``:
-a star per broadcaster) and ``GroupWire`` (``multi_group``: one group).
+``MultiSource`` (``trainer.multi_source``) chooses the wire once, at set-up, from the
+backend's ``caps.several``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from weightwire.backends.base import Sent
 from weightwire.shared.errors import RoundError, WrongType
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.group import Exchange, GroupTimeout, TrainerGroup
+from weightwire.trainer.metrics import PhaseClock
+from weightwire.trainer.multi_verify import gather_digests
+from weightwire.trainer.round import Control
 from weightwire.trainer.session import Session
 
 _GRACE_S = 2.0  # how long a rank waits for a failed broadcaster's own account of the failure
@@ -42,7 +49,10 @@ class PlannedBroadcast:
     chunks: dict[int, list[Chunk]]
 
 
-class MultiBase:
+class Ranks:
+    """This rank's place among the trainer ranks: the session, the exchange, the plan agreed
+    on, and the round rank 0 is leading."""
+
     def __init__(self, session: Session, group: TrainerGroup) -> None:
         if not isinstance(group, TrainerGroup):
             raise WrongType(f"group must be a weightwire TrainerGroup, got {type(group).__name__}")
@@ -53,21 +63,20 @@ class MultiBase:
         self.session = session
         self.rank = group.rank
         self.exchange = Exchange(group)
-        self._group_ranks: tuple[int, ...] | None = None
-        self._planned: PlannedBroadcast | None = None
-        self._went: set[int] = set()  # stars: the turns whose go was posted this round
+        self.group_ranks: tuple[int, ...] | None = None
+        """The broadcasting ranks agreed on at init (a round may not change them)."""
+        self.planned: PlannedBroadcast | None = None
+        self.round: BroadcastPlan | None = None
+        """Rank 0: the round in flight (its verdict is published)."""
+        self.went: set[int] = set()  # the turns whose go was posted this round
         self._go_lock = threading.Lock()
 
     @property
-    def _shape(self) -> str | None:
-        return self.session.backend.caps.several
+    def chunks(self) -> dict[int, list[Chunk]]:
+        assert self.planned is not None
+        return self.planned.chunks
 
-    @property
-    def _chunks(self) -> dict[int, list[Chunk]]:
-        assert self._planned is not None
-        return self._planned.chunks
-
-    def _report(self, name: str, fn: Callable[[], Any]) -> Any:
+    def report(self, name: str, fn: Callable[[], Any]) -> Any:
         try:
             out = fn()
         except BaseException as exc:
@@ -76,17 +85,17 @@ class MultiBase:
         self.exchange.post(name, {"error": None})
         return out
 
-    def _await_ok(self, name: str, timeout: float, rank: int = 0) -> dict[str, Any]:
+    def await_ok(self, name: str, timeout: float, rank: int = 0) -> dict[str, Any]:
         got = self.exchange.get(name, rank, timeout)
         if got.get("error"):
             raise RoundFailed(f"trainer rank {rank} failed ({name}): {got['error']}")
         return got
 
-    def _await_all(self, name: str, ranks: list[int], timeout: float) -> None:
+    def await_all(self, name: str, ranks: list[int], timeout: float) -> None:
         for r in ranks:
-            self._await_ok(name, timeout, rank=r)
+            self.await_ok(name, timeout, rank=r)
 
-    def _turn_error(self, failure: TurnFailure) -> BaseException:
+    def turn_error(self, failure: TurnFailure) -> BaseException:
         """A failed turn, named by its broadcaster (rank and ``src``) on every rank, with the
         broadcaster's own account when it gave one within ``_GRACE_S``."""
         turn, exc = failure.turn, failure.error
@@ -106,9 +115,73 @@ class MultiBase:
         err.__cause__ = exc
         return err
 
-    def _break(self, exc: BaseException) -> None:
+    def break_(self, exc: BaseException) -> None:
         self.session.broken = exc
         if (
             self.rank != 0 and self.session.link is not None
         ):  # rank 0's link: its own wire aborts it
             self.session.link.abort()
+
+    def go(self, turn: Turn, go: bool) -> None:
+        """Tell ``turn``'s broadcaster whether its turn runs (each key once per round: the JAX
+        store refuses to overwrite; rank 0's own turn needs none)."""
+        with self._go_lock:
+            if turn.rank == 0 or turn.src in self.went:
+                return
+            self.went.add(turn.src)
+        self.exchange.post(f"go{turn.src}", go)
+
+    def lead(
+        self,
+        control: Control,
+        own: dict[str, str] | None,
+        clock: PhaseClock,
+        run: Callable[[BroadcastPlan, Iterator[tuple[str, Any]], list[TurnFailure]], Sent],
+    ) -> Sent:
+        """Rank 0's transfer of the round in flight: its control plane first, then ``run``
+        (a wire's turns over rank 0's own stream); raises on the first failed turn."""
+        bplan = self.round
+        assert bplan is not None
+        started = time.perf_counter()
+        control()  # before any turn: rank 0's own slice is produced only after it
+        clock.shift("transfer", "control", time.perf_counter() - started)
+        pairs = self.pairs(bplan.turn_of(0), own)
+        failed: list[TurnFailure] = []
+        sent = run(bplan, pairs, failed)
+        if failed:
+            raise self.turn_error(failed[0])
+        return sent
+
+    def pairs(self, turn: Turn | None, digests: dict[str, str] | None) -> Iterator[tuple[str, Any]]:
+        """This rank's checked stream (its own slice), digested for verify when asked."""
+        source = self.session.source
+        return self.session.stream(source, iter(source), list(turn.metas) if turn else [], digests)
+
+    def digests(self, own: dict[str, str]) -> dict[str, str]:
+        """Every slice's digests of the round in flight (rank 0's are ``own``)."""
+        assert self.round is not None
+        return gather_digests(self.exchange, self.round, own, self.session.info.timeouts.http_s)
+
+
+class SeveralWire(Protocol):
+    """How several broadcasters' turns go out: set up at ``connect``, run by rank 0 as the
+    round's ``Wire``, and by every other rank as its part of the round (``follow``)."""
+
+    ranks: Ranks
+    """The cross-rank state and helpers, shared with ``MultiSource``."""
+
+    def connect(self, bplan: BroadcastPlan, workers: int) -> None: ...
+
+    def transfer(
+        self,
+        payloads: list[dict[str, Any]],
+        control: Control,
+        own: dict[str, str] | None,
+        clock: PhaseClock,
+    ) -> Sent: ...
+
+    def digests(self, own: dict[str, str]) -> dict[str, str]: ...
+
+    def follow(self, bplan: BroadcastPlan, pairs: Iterator[tuple[str, Any]]) -> Sent:
+        """A non-zero rank's part of every turn; what it sent itself (raises on a failed turn)."""
+        ...

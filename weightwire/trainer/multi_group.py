@@ -40,7 +40,9 @@ from weightwire.shared.errors import TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.multi_base import MultiBase, TurnFailure
+from weightwire.trainer.metrics import PhaseClock
+from weightwire.trainer.multi_base import Ranks, TurnFailure
+from weightwire.trainer.round import Control
 from weightwire.trainer.session import open_wire
 from weightwire.trainer.transfer import await_call, chunked
 
@@ -161,11 +163,17 @@ class GroupTurns:
             self.fail(turn, exc)
 
 
-class GroupWire(MultiBase):
-    """``MultiSource``'s ``"group"`` wire: one communicator, joined at init,
-    ``GroupTurns`` per round."""
+class GroupWire:
+    """``MultiSource``'s ``"group"`` wire (a ``multi_base.SeveralWire``): one communicator,
+    joined at init, ``GroupTurns`` per round."""
 
-    def _connect_group(self, bplan: BroadcastPlan) -> None:
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self.session = ranks.session
+        self.rank = ranks.rank
+        self.exchange = ranks.exchange
+
+    def connect(self, bplan: BroadcastPlan, workers: int) -> None:
         """One communicator for the group (see the module docstring, step 1 ``"group"``)."""
         s = self.session
         t = s.info.timeouts
@@ -182,24 +190,24 @@ class GroupWire(MultiBase):
                 return out
 
             try:
-                self._report("joined", lambda: open_wire(s, extend=extend, trainer_ranks=size))
+                self.ranks.report("joined", lambda: open_wire(s, extend=extend, trainer_ranks=size))
             except BaseException as exc:
                 if not posted:  # the other broadcasters wait for these fields: tell them now
                     self.exchange.post("group", {"error": f"{type(exc).__name__}: {exc}"})
                 raise
-            self._await_all(
+            self.ranks.await_all(
                 "ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s
             )
             return
         if not bplan.in_group(self.rank):
-            self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
+            self.ranks.await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
         comm = None
         try:
             packer = s.framework.device_packer(
                 s.info.device
             )  # a rank without a device fails before the rendezvous
-            fields = self._await_ok("group", t.connect_s + t.http_s)["fields"]
+            fields = self.ranks.await_ok("group", t.connect_s + t.http_s)["fields"]
             comm = backend.join_peer(
                 s.info, fields, rank=bplan.group_ranks.index(self.rank), timeout=t.connect_s
             )
@@ -212,16 +220,51 @@ class GroupWire(MultiBase):
             raise
         s.link = comm
         self.exchange.post("ready", {"error": None})
-        self._await_ok("joined", t.http_s + t.warmup_s)
+        self.ranks.await_ok("joined", t.http_s + t.warmup_s)
 
     def _group_turns(
         self, bplan: BroadcastPlan, update: Callable[[Turn], Future] | None = None
     ) -> GroupTurns:
         s = self.session
         assert s.sender is not None and s.link is not None
-        return GroupTurns(self.rank, bplan, self._chunks, s.sender, s.link, s.info.timeouts, update)
+        return GroupTurns(
+            self.rank, bplan, self.ranks.chunks, s.sender, s.link, s.info.timeouts, update
+        )
 
-    def _group_lead(
+    # -- rank 0: the round's wire (``round.Wire``) ----------------------------------------------
+
+    def transfer(
+        self,
+        payloads: list[dict[str, Any]],
+        control: Control,
+        own: dict[str, str] | None,
+        clock: PhaseClock,
+    ) -> Sent:
+        """Rank 0's transfer over one group, its control plane first."""
+        return self.ranks.lead(
+            control,
+            own,
+            clock,
+            lambda bplan, pairs, failed: self._lead(bplan, payloads, pairs, failed),
+        )
+
+    def digests(self, own: dict[str, str]) -> dict[str, str]:
+        return self.ranks.digests(own)
+
+    def follow(self, bplan: BroadcastPlan, pairs: Iterator[tuple[str, Any]]) -> Sent:
+        """A group member takes part in every turn (an NCCL broadcast is collective over the
+        communicator); a rank outside the group only joins the gathers."""
+        if not bplan.in_group(self.rank):
+            for _ in pairs:  # the turns' gathers; raises on an extra tensor
+                pass
+            return Sent(0, 0)
+        turns = self._group_turns(bplan)
+        sent = turns.run(pairs)
+        if turns.failed:
+            raise self.ranks.turn_error(turns.failed[0])
+        return sent
+
+    def _lead(
         self,
         bplan: BroadcastPlan,
         payloads: list[dict[str, Any]],

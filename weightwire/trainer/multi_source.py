@@ -16,13 +16,14 @@ Every rank runs the same steps:
 2. ``send``: agree again (metadata may change between rounds), then every rank iterates its
    source once, in lockstep (turn order is metadata order, rule 3 of ``broadcast_plan``).
    Rank 0 runs the round driver (``trainer.round.lead_round``) over this plan's wire
-   (``MultiSource.transfer``): ``start``, one ``update_weights`` per turn with its ``src``
-   (sequentially, on a side thread), then ``finish``. Stars: each broadcaster sends its own
-   slice on its own star while its turn's request is receiving. Group: the turn's
-   broadcaster broadcasts with root ``src`` and every other group rank receives and drops
-   the bytes (``multi_group``). Rank 0 publishes the verdict; the other ranks return or
-   raise with it. ``verify=True``: each broadcaster digests its slice and rank 0 checks
-   their union (``multi_verify``).
+   (``MultiSource.wire``, chosen at set-up: ``StarWire`` or ``GroupWire``, its ``transfer``):
+   ``start``, one ``update_weights`` per turn with its ``src`` (sequentially, on a side
+   thread), then ``finish``; the other ranks run the same wire's ``follow``. Stars: each
+   broadcaster sends its own slice on its own star while its turn's request is receiving
+   (``multi_star``). Group: the turn's broadcaster broadcasts with root ``src`` and every
+   other group rank receives and drops the bytes (``multi_group``). Rank 0 publishes the
+   verdict; the other ranks return or raise with it. ``verify=True``: each broadcaster
+   digests its slice and rank 0 checks their union (``multi_verify``).
 
 Failure rules: every cross-rank wait is bounded (``GroupTimeout`` names the rank); a
 failed turn names its broadcaster (rank and ``src``) and that rank's own error when it
@@ -35,9 +36,6 @@ a single-broadcaster plan is the engine's own one-turn round, its verdict publis
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +46,6 @@ from weightwire.shared.served import ServedModelMismatch
 from weightwire.trainer.broadcast_plan import (
     BroadcastPlan,
     PlanError,
-    Turn,
     check_agreement,
     check_holders,
     check_receiver,
@@ -58,11 +55,10 @@ from weightwire.trainer.broadcast_plan import (
 from weightwire.trainer.gating import server_features
 from weightwire.trainer.group import GroupTimeout, TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
-from weightwire.trainer.multi_base import PlannedBroadcast, RoundFailed, TurnFailure
+from weightwire.trainer.multi_base import PlannedBroadcast, Ranks, RoundFailed, SeveralWire
 from weightwire.trainer.multi_group import GroupWire
 from weightwire.trainer.multi_star import StarWire
-from weightwire.trainer.multi_verify import gather_digests
-from weightwire.trainer.round import Control, Round, SoleRounds, lead_round
+from weightwire.trainer.round import Round, SoleRounds, lead_round
 from weightwire.trainer.session import Session, open_wire
 
 logger = logging.getLogger(__name__)
@@ -78,22 +74,32 @@ class Agreement:
     values: list[dict[str, Any]]
 
 
-class MultiSource(StarWire, GroupWire):
+class MultiSource:
+    """Rounds of several broadcasting ranks (the module docstring); rank 0 tells the others
+    how each ended (``round.RoundEnd``)."""
+
     def __init__(self, session: Session, group: TrainerGroup, sole_round: SoleRounds) -> None:
-        super().__init__(session, group)
+        self.ranks = Ranks(session, group)
+        self.session = session
+        self.rank = self.ranks.rank
+        self.exchange = self.ranks.exchange
         self._sole_round = sole_round  # the engine's one-turn round (rank 0, one broadcaster)
-        self._round: BroadcastPlan | None = (
-            None  # rank 0: the round in flight (its verdict is published)
+        # chosen once: the backend's way to run several broadcasters
+        self.wire: SeveralWire = (
+            GroupWire(self.ranks)
+            if session.backend.caps.several == "group"
+            else StarWire(self.ranks)
         )
 
     # -- agreement ----------------------------------------------------------------------
 
     def _plan(self, metas: list[ParamMeta]) -> BroadcastPlan:
-        if self._planned is None or self._planned.metas != metas:
+        x = self.ranks
+        if x.planned is None or x.planned.metas != metas:
             bplan = plan_broadcast(metas)
-            if self._group_ranks is not None and bplan.group_ranks != self._group_ranks:
+            if x.group_ranks is not None and bplan.group_ranks != x.group_ranks:
                 raise PlanError(
-                    f"the broadcasting ranks changed from {list(self._group_ranks)} (at init) to "
+                    f"the broadcasting ranks changed from {list(x.group_ranks)} (at init) to "
                     f"{list(bplan.group_ranks)}; call shutdown() and trainer_init() again"
                 )
             info = self.session.info
@@ -105,8 +111,8 @@ class MultiSource(StarWire, GroupWire):
                 )
                 for t in bplan.turns
             }
-            self._planned = PlannedBroadcast(list(metas), bplan, chunks)
-        return self._planned.plan
+            x.planned = PlannedBroadcast(list(metas), bplan, chunks)
+        return x.planned.plan
 
     def _agree(
         self,
@@ -159,24 +165,21 @@ class MultiSource(StarWire, GroupWire):
         error = None
         if self.rank == 0:
             try:
-                s.features = server_features(s.info, s.client)
+                s.features = server_features(s.info, s.client, s.caps)
                 extra["workers"] = s.info.inference_world_size or s.client.get_world_size()
             except Exception as exc:
                 error = f"asking the server: {type(exc).__name__}: {exc}"
         agreed = self._agree("init", metas, extra, error, t.connect_s + t.http_s)
         bplan = agreed.plan
-        self._group_ranks = bplan.group_ranks
+        self.ranks.group_ranks = bplan.group_ranks
         workers = int(agreed.values[0]["workers"])
         if not bplan.multi:
             if self.rank == 0:
-                self._report("joined", lambda: open_wire(s))
+                self.ranks.report("joined", lambda: open_wire(s))
             else:
-                self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
+                self.ranks.await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
-        if self._shape == "group":
-            self._connect_group(bplan)
-            return
-        self._connect_stars(bplan, workers)
+        self.wire.connect(bplan, workers)
 
     # -- a round ------------------------------------------------------------------------
 
@@ -190,11 +193,11 @@ class MultiSource(StarWire, GroupWire):
                 "round", metas, {}, None, s.info.timeouts.http_s, fits=not draft
             ).plan
         if self.rank == 0:
-            self._round = bplan
+            self.ranks.round = bplan
             if not bplan.multi:
                 return self._sole_round(metas, s.next_version(version), clock, draft, self)
             metrics = lead_round(
-                s, Round(s.next_version(version), bplan, metas, self, draft), clock, self
+                s, Round(s.next_version(version), bplan, metas, self.wire, draft), clock, self
             )
             logger.info("%s (%d broadcasters)", metrics.summary(), len(bplan.turns))
             return metrics
@@ -217,19 +220,9 @@ class MultiSource(StarWire, GroupWire):
         digests: dict[str, str] | None = {} if s.info.verify and turn is not None else None
         try:
             with clock("transfer"):
-                pairs = self._pairs(turn, digests)
-                if self._shape == "group" and bplan.in_group(self.rank):
-                    turns = self._group_turns(bplan)
-                    sent = turns.run(pairs)
-                    if turns.failed:
-                        raise self._turn_error(turns.failed[0])
-                else:
-                    if turn is not None:
-                        sent = self._send_turn(turn, pairs, threading.Event())
-                    for _ in pairs:  # the later turns' gathers; raises on an extra tensor
-                        pass
+                sent = self.wire.follow(bplan, self.ranks.pairs(turn, digests))
         except BaseException as exc:
-            self._break(exc)
+            self.ranks.break_(exc)
             own = (
                 exc.__cause__ if isinstance(exc, RoundFailed) and exc.__cause__ is not None else exc
             )
@@ -249,68 +242,35 @@ class MultiSource(StarWire, GroupWire):
             seconds=clock.seconds,
         )
 
-    def _pairs(
-        self, turn: Turn | None, digests: dict[str, str] | None
-    ) -> Iterator[tuple[str, Any]]:
-        """This rank's checked stream (its own slice), digested for verify when asked."""
-        source = self.session.source
-        return self.session.stream(source, iter(source), list(turn.metas) if turn else [], digests)
-
     def _await_verdict(self, bplan: BroadcastPlan | None) -> dict[str, Any]:
         t = self.session.info.timeouts
         turns = 1 if bplan is None else len(bplan.turns)
         try:
             verdict = self.exchange.get("verdict", 0, t.http_s * (turns + 2) + t.transfer_s)
         except GroupTimeout as exc:
-            self._break(exc)
+            self.ranks.break_(exc)
             raise
         if verdict["error"]:
             failure = RoundFailed(f"trainer rank 0 reported the round failed: {verdict['error']}")
             if not verdict.get(
                 "committed"
             ):  # a committed round whose check failed leaves the wire usable
-                self._break(failure)
+                self.ranks.break_(failure)
             raise failure
         return verdict
 
-    # -- rank 0: the round's wire (``round.Wire``) and how it ended (``round.RoundEnd``) -----
-
-    def transfer(
-        self,
-        payloads: list[dict[str, Any]],
-        control: Control,
-        own: dict[str, str] | None,
-        clock: PhaseClock,
-    ) -> Sent:
-        """Rank 0's transfer over stars or one group, its control plane first."""
-        bplan = self._round
-        assert bplan is not None
-        started = time.perf_counter()
-        control()  # before any turn: rank 0's own slice is produced only after it
-        clock.shift("transfer", "control", time.perf_counter() - started)
-        pairs = self._pairs(bplan.turn_of(0), own)
-        failed: list[TurnFailure] = []
-        if self._shape == "group":
-            sent = self._group_lead(bplan, payloads, pairs, failed)
-        else:
-            sent = self._star_lead(bplan, payloads, pairs, failed)
-        if failed:
-            raise self._turn_error(failed[0])
-        return sent
-
-    def digests(self, own: dict[str, str]) -> dict[str, str]:
-        assert self._round is not None
-        return gather_digests(self.exchange, self._round, own, self.session.info.timeouts.http_s)
+    # -- rank 0: how the round ended (``round.RoundEnd``) ---------------------------------------
 
     def committed(self, version: str) -> None:
         self.exchange.post("verdict", {"error": None, "version": version})
 
     def failed(self, exc: BaseException, *, committed: bool) -> None:
         verdict: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "version": None}
-        if self._round is not None and self._round.multi:
+        bplan = self.ranks.round
+        if bplan is not None and bplan.multi:
             verdict["committed"] = committed
             if not committed:
-                self._break(exc)
-            for turn in self._round.turns:  # release broadcasters still waiting for their turn
-                self._go(turn, False)
+                self.ranks.break_(exc)
+            for turn in bplan.turns:  # release broadcasters still waiting for their turn
+                self.ranks.go(turn, False)
         self.exchange.post("verdict", verdict)

@@ -24,15 +24,26 @@ from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import TCP_SECRET_BYTES
 from weightwire.shared.keyshare import KeyShare
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.multi_base import MultiBase, RoundFailed, TurnFailure
+from weightwire.trainer.metrics import PhaseClock
+from weightwire.trainer.multi_base import Ranks, RoundFailed, TurnFailure
+from weightwire.trainer.round import Control
 from weightwire.trainer.session import open_wire
 from weightwire.trainer.transfer import await_call, chunked
 
 _STAR_CONTEXT = b"weightwire-tcp-star/1"
 
 
-class StarWire(MultiBase):
-    def _connect_stars(self, bplan: BroadcastPlan, workers: int) -> None:
+class StarWire:
+    """``MultiSource``'s ``"stars"`` wire (a ``multi_base.SeveralWire``): a star per
+    broadcaster, opened at init."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self.session = ranks.session
+        self.rank = ranks.rank
+        self.exchange = ranks.exchange
+
+    def connect(self, bplan: BroadcastPlan, workers: int) -> None:
         """Rank 0 and each other broadcaster agree that star's secret by key shares posted on
         the trainer group's store (``shared.keyshare``): the store holds public values only,
         and the secret reaches the workers inside rank 0's init POST alone."""
@@ -54,13 +65,13 @@ class StarWire(MultiBase):
                     world_size=bplan.world_size(workers),
                 )
 
-            self._report("joined", lambda: open_wire(s, extend=extend))
-            self._await_all(
+            self.ranks.report("joined", lambda: open_wire(s, extend=extend))
+            self.ranks.await_all(
                 "ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s
             )
             return
         if bplan.turn_of(self.rank) is None:
-            self._await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
+            self.ranks.await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
         rdv: StarEndpoint | None = None
         try:
@@ -88,7 +99,7 @@ class StarWire(MultiBase):
         s.link = comm
         s.sender = s.backend.sender(comm, s.info, s.framework.sender_parts(None))
         self.exchange.post("ready", {"error": None})
-        self._await_ok("joined", t.http_s)
+        self.ranks.await_ok("joined", t.http_s)
 
     @staticmethod
     def _source(share: KeyShare, endpoint: Any, rank: int) -> StarSource:
@@ -110,7 +121,9 @@ class StarWire(MultiBase):
         # later turn's gather, which can wait on a broadcaster blocked until its turn).
         mine = itertools.islice(pairs, len(turn.metas))
         begin = None if turn.rank == 0 else (lambda: self._await_go(turn))
-        return pipeline.send(chunked(mine, self._chunks[turn.src]), stop, begin, metas=turn.metas)
+        return pipeline.send(
+            chunked(mine, self.ranks.chunks[turn.src]), stop, begin, metas=turn.metas
+        )
 
     def _await_go(self, turn: Turn) -> None:
         """A broadcaster's first byte waits for its turn's request (its first chunk is
@@ -124,7 +137,38 @@ class StarWire(MultiBase):
                 f"(src {turn.src})"
             )
 
-    def _star_lead(
+    # -- rank 0: the round's wire (``round.Wire``) ----------------------------------------------
+
+    def transfer(
+        self,
+        payloads: list[dict[str, Any]],
+        control: Control,
+        own: dict[str, str] | None,
+        clock: PhaseClock,
+    ) -> Sent:
+        """Rank 0's transfer over stars, its control plane first."""
+        return self.ranks.lead(
+            control,
+            own,
+            clock,
+            lambda bplan, pairs, failed: self._lead(bplan, payloads, pairs, failed),
+        )
+
+    def digests(self, own: dict[str, str]) -> dict[str, str]:
+        return self.ranks.digests(own)
+
+    def follow(self, bplan: BroadcastPlan, pairs: Iterator[tuple[str, Any]]) -> Sent:
+        """A broadcaster sends its slice on its own star once its turn's request is out;
+        every rank then joins the later turns' gathers."""
+        turn = bplan.turn_of(self.rank)
+        sent = Sent(0, 0)
+        if turn is not None:
+            sent = self._send_turn(turn, pairs, threading.Event())
+        for _ in pairs:  # the later turns' gathers; raises on an extra tensor
+            pass
+        return sent
+
+    def _lead(
         self,
         bplan: BroadcastPlan,
         payloads: list[dict[str, Any]],
@@ -136,7 +180,7 @@ class StarWire(MultiBase):
         s = self.session
         t = s.info.timeouts
         stop = threading.Event()
-        self._went = set()
+        self.ranks.went = set()
         sent = Sent(0, 0)
         turns = spawn(
             lambda: self._run_turns(bplan, payloads, stop, failed), name="weightwire-turns"
@@ -156,15 +200,6 @@ class StarWire(MultiBase):
         _wait(turns, t.http_s * (len(bplan.turns) + 1))
         return sent
 
-    def _go(self, turn: Turn, go: bool) -> None:
-        # Each key once per round (the JAX store refuses to overwrite); rank 0's
-        # own turn needs none.
-        with self._go_lock:
-            if turn.rank == 0 or turn.src in self._went:
-                return
-            self._went.add(turn.src)
-        self.exchange.post(f"go{turn.src}", go)
-
     def _run_turns(
         self,
         bplan: BroadcastPlan,
@@ -179,7 +214,7 @@ class StarWire(MultiBase):
         for turn, payload in zip(bplan.turns, payloads, strict=True):
             if stop.is_set():
                 return
-            self._go(turn, True)
+            self.ranks.go(turn, True)
             try:
                 _wait(
                     spawn(

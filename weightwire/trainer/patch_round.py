@@ -172,7 +172,7 @@ def patch_round(
             pplan.metas,
             PatchWire(s, pplan),
             payloads=[pplan.update_info],
-            pause=in_place_pause(s.info, s.client, _no_guard, IN_PLACE),
+            pause=in_place_pause(s.info, s.caps, _no_guard, IN_PLACE),
             before_commit=before_commit,
         )
         metrics = lead_round(s, patches_round, clock)

@@ -219,7 +219,8 @@ def send_early(s: Session, r: Round, pause: RoundPause) -> EarlyStart | None:
     if not r.early_pause or pause.mode is None or pause.guard or s.verifier is not None:
         return None
     mode, http_s = pause.mode, s.info.timeouts.http_s
-    if not r.draft and starts_with_pause(s.client):  # one call (the reference server's offer)
+    # one call (the reference server's offer)
+    if not r.draft and starts_with_pause(s.client, s.caps):
         both = s.client.pause_and_start  # type: ignore[attr-defined]
         return EarlyStart(None, lambda: both(mode), http_s)
     return EarlyStart(lambda: s.pause(mode), _start_call(s, r), http_s)
@@ -270,6 +271,7 @@ def commit(s: Session, r: Round, pause: RoundPause, servers: _Servers, clock: Ph
         resumed = s.commit_plan.commit(
             s.client,
             r.version,
+            caps=s.caps,
             record=lambda: _record(s, r),
             paused=servers.paused,
             timeout=s.info.timeouts.http_s,

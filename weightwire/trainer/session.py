@@ -27,6 +27,7 @@ from weightwire.shared.served import ServedModel, from_checkpoint
 from weightwire.shared.source import WeightSource, checked_iter
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.version import ServerFeatures
+from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.freshness import CommitPlan
 from weightwire.trainer.gating import RoundPause, guard_installed, round_pause, server_features
@@ -70,6 +71,9 @@ class Session:
 
     info: TrainerInitInfo
     client: EngineClient
+    caps: ClientCaps
+    """Which optional calls ``client`` offers: probed once, after ``control.fallback`` filled in
+    what it could (``trainer_init``), and again by ``reopen_wire``."""
     source: WeightSource
     backend: Backend
     framework: Framework
@@ -136,13 +140,14 @@ class Session:
             stock_receiver=self.backend.caps.stock_receiver,
             nbytes=round_bytes(metas),
             client=self.client,
+            caps=self.caps,
             guard=self.guard_installed,
             in_place=self.sender is not None and self.sender.in_place,
         )
 
     def guard_installed(self) -> bool:
         if self.guard is None:
-            self.guard = guard_installed(self.client)
+            self.guard = guard_installed(self.client, self.caps)
         return self.guard
 
     def pause(self, mode: str) -> bool:
@@ -172,7 +177,7 @@ class Session:
 def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) -> None:
     """Rank 0 joins the workers (``trainer_ranks > 1``: broadcasters sharing one group)."""
     t = s.info.timeouts
-    s.features = server_features(s.info, s.client)
+    s.features = server_features(s.info, s.client, s.caps)
     s.backend.check_server(s.features)
     if s.info.verify:
         s.features.require(
@@ -210,7 +215,7 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     try:
         link.warmup(timeout=t.warmup_s)
         await_call(post, t.http_s, "init_weight_transfer_engine")
-        s.served = served_model(s.client, ask_workers=not s.backend.caps.stock_receiver)
+        s.served = served_model(s.client, s.caps, ask_workers=not s.backend.caps.stock_receiver)
         s.served = s.served or checkpoint
         s.sender = s.backend.sender(link, s.info, s.framework.sender_parts(packer))
     except BaseException as exc:
@@ -219,16 +224,14 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     s.link = link
 
 
-def served_model(client: EngineClient, *, ask_workers: bool) -> ServedModel | None:
+def served_model(client: Any, caps: ClientCaps, *, ask_workers: bool) -> ServedModel | None:
     """What the client's servers said at init about the tensors their model takes; where
     their init reply tells nothing and the backend's workers are weightwire's
     (``ask_workers``), what those workers tell (under vLLM's own routes); a client that
     cannot tell: ``None``."""
-    told = getattr(client, "served_model", None)
-    served = told() if callable(told) else None
-    workers = getattr(client, "workers_served_model", None)
-    if served is None and ask_workers and callable(workers):
-        served = workers()
+    served = client.served_model() if caps.served_model else None
+    if served is None and ask_workers and caps.workers_served_model:
+        served = client.workers_served_model()
     return served
 
 
@@ -242,6 +245,7 @@ def reopen_wire(s: Session) -> None:
     s.close_link()
     s.broken = None
     s.sent.clear()  # a fresh worker engine holds no metadata to reuse
+    s.caps = ClientCaps.of(s.client)
     open_wire(s)
 
 
@@ -256,7 +260,7 @@ def close_wire(s: Session, *, displaced: bool) -> bool:
         not displaced
         and s.features is not None
         and s.features.shutdown_route
-        and hasattr(s.client, "shutdown_weight_transfer_engine")
+        and s.caps.shutdown_weight_transfer_engine
     ):
         transfer_s = s.info.timeouts.transfer_s
         post = spawn(
