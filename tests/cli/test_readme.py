@@ -41,7 +41,9 @@ def test_set_up_has_exactly_two_commands_and_their_extras_exist() -> None:
     commands = _blocks("bash", _section("Set up (two commands)"))
     assert len(commands) == 2 and all(len(c.strip().splitlines()) == 1 for c in commands), commands
     assert commands[0].strip().endswith(".venv/bin/weightwire demo")
-    assert commands[1].strip().endswith(".venv/bin/python -m pytest -q")
+    assert commands[1].strip().endswith(".venv/bin/python -m pytest -q -n 3")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert '"$PY" -m pytest -q -n 3\n' in ci, "CI runs the README's test command"
     extras = set(
         tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     )
