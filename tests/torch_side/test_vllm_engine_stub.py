@@ -94,19 +94,24 @@ def test_vllm_engine_lands_rounds_and_reports_an_incomplete_one(
         want = source.reseed(1)
         engine.send_weights()
         assert worker.call("digests") == want
-        # The trainer fails mid-round, once several chunks were sent (and, streaming, applied).
+        # The trainer fails late in the round, once most chunks were broadcast.
         source.reseed(2)
-        source.fail_at = len(want) // 2
+        source.fail_at = len(want) - 1
         with pytest.raises(Exception, match="trainer crashed mid-round"):
             engine.send_weights()
     finally:
         engine.shutdown()
+    got = worker.call("digests")  # under the worker's lock: after its update call has ended
     incomplete = worker.call("incomplete")
-    got = worker.call("digests")
     if strategy == "staged":
         assert incomplete is None and got == want
+    elif incomplete is None:
+        # The worker's update began after the trainer had already dropped the link (a loaded
+        # host): nothing was applied, and the model is exactly the previous round's.
+        assert got == want
     else:
-        assert incomplete is not None and "incomplete weight round" in incomplete, incomplete
+        # Chunks were applied in place: the worker says so, and the model is part new.
+        assert "incomplete weight round" in incomplete, incomplete
         assert (
             got != want
             and got["model.layers.0.self_attn.q_proj.weight"]
