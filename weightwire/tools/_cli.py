@@ -115,6 +115,15 @@ def server_url(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def add_api_key(parser: argparse.ArgumentParser) -> None:
+    """``--api-key``, spelled and defaulted alike on every command that talks to a server."""
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("WEIGHTWIRE_API_KEY"),
+        help="bearer token for the server (default: $WEIGHTWIRE_API_KEY)",
+    )
+
+
 def probe_server(url: str, *, timeout: float = 5.0) -> None:
     """``CommandError`` unless something answers HTTP at ``url`` (any status: a 401 is an answer).
 
