@@ -99,9 +99,7 @@ class ReplicaActor:
 
     def shutdown_weight_transfer_engine(self) -> None:
         engine, self.engine = self.engine, None
-        if engine is not None:
-            engine.shutdown()  # aborts an open round; the served weights stay
-        self.host.abort_round()
+        self.host.close_engine(engine)
 
     def get_weight_version(self) -> str:
         return self.weight_version

@@ -204,9 +204,7 @@ class Worker:
 
     def _teardown(self) -> None:
         engine, self.engine = self.engine, None
-        if engine is not None:
-            engine.shutdown()  # aborts an open round; the served weights stay
-        self.host.abort_round()
+        self.host.close_engine(engine)
 
     def abort_link(self) -> None:
         """Out of band: wake a receive blocked on the control thread by aborting its link."""
