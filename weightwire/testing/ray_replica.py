@@ -99,7 +99,9 @@ class ReplicaActor:
 
     def shutdown_weight_transfer_engine(self) -> None:
         engine, self.engine = self.engine, None
-        self.host.close_engine(engine)
+        if engine is not None:
+            engine.shutdown()  # aborts an open round; the served weights stay
+        self.host.abort_round()
 
     def get_weight_version(self) -> str:
         return self.weight_version

@@ -204,7 +204,9 @@ class Worker:
 
     def _teardown(self) -> None:
         engine, self.engine = self.engine, None
-        self.host.close_engine(engine)
+        if engine is not None:
+            engine.shutdown()  # aborts an open round; the served weights stay
+        self.host.abort_round()
 
     def abort_link(self) -> None:
         """Out of band: wake a receive blocked on the control thread by aborting its link."""

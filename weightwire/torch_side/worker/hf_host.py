@@ -17,7 +17,7 @@ import hashlib
 import threading
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -256,13 +256,6 @@ class HFModelHost:
         """The tensors staged for the open round, not yet in the parameters."""
         with self._lock:
             return list((self._stage or {}).items())
-
-    def close_engine(self, engine: Any) -> None:
-        """Shut a replica's transfer engine down (None: there was none), then drop what was
-        staged here; the served weights stay."""
-        if engine is not None:
-            engine.shutdown()  # aborts an open round
-        self.abort_round()
 
     def abort_round(self) -> None:
         """Drop the staged tensors; the parameters are untouched (an in-place round's
