@@ -122,16 +122,9 @@ class HTTPWeightSyncClient(ServingRoutes):
                 models.append(ServedModel.from_dict(raw, f"{url}'s init reply served_model"))
             except ValueError as exc:
                 raise WeightSyncError(routes.INIT.name, 200, str(exc), url) from None
-        for url, model in zip(self.base_urls[1:], models[1:], strict=True):
-            if model != models[0]:
-                raise WeightSyncError(
-                    routes.INIT.name,
-                    200,
-                    f"serves another model than {self.base_urls[0]} (their init replies name "
-                    "different tensors); one trainer's rounds fit one model",
-                    url,
-                )
-        return models[0]
+        return self._one_model(
+            models, routes.INIT.name, " (their init replies name different tensors)"
+        )
 
     def workers_served_model(self) -> ServedModel | None:
         """The served model as the servers' workers tell it (the weightwire vLLM plugin's
@@ -155,13 +148,18 @@ class HTTPWeightSyncClient(ServingRoutes):
             if model is None:
                 return None
             models.append(model)
+        return self._one_model(models, routes.COLLECTIVE_RPC.name)
+
+    def _one_model(self, models: list[ServedModel], route: str, why: str = "") -> ServedModel:
+        """The model every server serves (``models``: one per base URL, as ``route`` told);
+        ``WeightSyncError`` naming the first server that serves another."""
         for url, model in zip(self.base_urls[1:], models[1:], strict=True):
             if model != models[0]:
                 raise WeightSyncError(
-                    routes.COLLECTIVE_RPC.name,
+                    route,
                     200,
-                    f"serves another model than {self.base_urls[0]}; one trainer's rounds fit "
-                    "one model",
+                    f"serves another model than {self.base_urls[0]}{why}; one trainer's rounds "
+                    "fit one model",
                     url,
                 )
         return models[0]

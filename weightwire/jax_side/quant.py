@@ -46,7 +46,7 @@ from weightwire.shared.quant import (
     scale_shape,
 )
 from weightwire.shared.source import WeightSource, as_source
-from weightwire.trainer.fp8_source import Fp8Source
+from weightwire.trainer.fp8_source import Fp8Source, as_quantize
 
 
 class Fp8Arrays(NamedTuple):
@@ -166,14 +166,9 @@ def quantize_fp8(name: str, x: jax.Array, scheme: Fp8Scheme, *, stats: bool = Fa
     return Fp8Arrays(out[0], out[1], errors)
 
 
-def _quantize(name: str, x: Any, scheme: Fp8Scheme, stats: bool) -> tuple[Any, Any, Any]:
-    out = quantize_fp8(name, x, scheme, stats=stats)
-    return out.weight, out.scale, out.stats
-
-
 def fp8_source(
     source: WeightSource | Any, spec: Mapping[str, Fp8Scheme], *, stats: bool = False
 ) -> Fp8Source:
     """``source`` with the ``spec``'s weights (name -> scheme) sent as FP8 checkpoint pairs,
     quantized here as each round reads them (``trainer.fp8_source.Fp8Source``)."""
-    return Fp8Source(as_source(source), spec, _quantize, stats=stats)
+    return Fp8Source(as_source(source), spec, as_quantize(quantize_fp8), stats=stats)

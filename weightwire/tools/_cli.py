@@ -115,6 +115,24 @@ def server_url(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def summary_parser(doc: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """A command's parser described by the first line of its module docstring ``doc``."""
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=doc.split("\n\n")[0].split("\n")[0],
+        formatter_class=HelpFormatter,
+    )
+
+
+def add_api_key(parser: argparse.ArgumentParser) -> None:
+    """``--api-key``, spelled and defaulted alike on every command that talks to a server."""
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("WEIGHTWIRE_API_KEY"),
+        help="bearer token for the server (default: $WEIGHTWIRE_API_KEY)",
+    )
+
+
 def probe_server(url: str, *, timeout: float = 5.0) -> None:
     """``CommandError`` unless something answers HTTP at ``url`` (any status: a 401 is an answer).
 

@@ -15,7 +15,6 @@ No expected failure prints a traceback (``WEIGHTWIRE_DEBUG=1`` shows it).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from weightwire import __version__
@@ -28,6 +27,7 @@ from weightwire.tools._cli import (
     EXIT_CODES_HELP,
     EXIT_USAGE,
     HelpFormatter,
+    add_api_key,
     guarded,
     server_url,
 )
@@ -126,11 +126,7 @@ def _doctor_parser(sub: argparse._SubParsersAction) -> None:
         type=server_url,
         help="server base URL, e.g. http://127.0.0.1:8000 (a bare host:port gets http://)",
     )
-    doc.add_argument(
-        "--api-key",
-        default=os.environ.get("WEIGHTWIRE_API_KEY"),
-        help="bearer token for the server (default: $WEIGHTWIRE_API_KEY)",
-    )
+    add_api_key(doc)
     doc.add_argument(
         "--timeout",
         type=_seconds,

@@ -34,6 +34,17 @@ Quantize = Callable[[str, Any, Fp8Scheme, bool], tuple[Any, Any, QuantStats | No
 """``(name, tensor, scheme, stats) -> (e4m3 weight, float32 scale, error or None)``."""
 
 
+def as_quantize(quantize_fp8: Callable[..., Any]) -> Quantize:
+    """A framework's ``quantize_fp8(name, x, scheme, *, stats)`` (its result has ``weight``,
+    ``scale`` and ``stats``) as ``Fp8Source``'s ``Quantize``."""
+
+    def quantize(name: str, x: Any, scheme: Fp8Scheme, stats: bool) -> tuple[Any, Any, Any]:
+        out = quantize_fp8(name, x, scheme, stats=stats)
+        return out.weight, out.scale, out.stats
+
+    return quantize
+
+
 class Fp8Source(WeightSource):
     """``inner`` with the ``spec``'s weights (name -> scheme) sent as FP8 checkpoint pairs.
 

@@ -185,3 +185,37 @@ class SeveralWire(Protocol):
     def follow(self, bplan: BroadcastPlan, pairs: Iterator[tuple[str, Any]]) -> Sent:
         """A non-zero rank's part of every turn; what it sent itself (raises on a failed turn)."""
         ...
+
+
+class _LeadsTurns(Protocol):
+    ranks: Ranks
+
+    def _lead(
+        self,
+        bplan: BroadcastPlan,
+        payloads: list[dict[str, Any]],
+        pairs: Iterator[tuple[str, Any]],
+        failed: list[TurnFailure],
+    ) -> Sent: ...
+
+
+# Stars and a group spell ``Wire.transfer`` / ``digests`` alike (only ``_lead`` differs): each
+# class binds these two as its methods, so both stay plain classes holding a ``Ranks``.
+def lead_transfer(
+    wire: _LeadsTurns,
+    payloads: list[dict[str, Any]],
+    control: Control,
+    own: dict[str, str] | None,
+    clock: PhaseClock,
+) -> Sent:
+    """Rank 0's transfer over ``wire``, its control plane first."""
+    return wire.ranks.lead(
+        control,
+        own,
+        clock,
+        lambda bplan, pairs, failed: wire._lead(bplan, payloads, pairs, failed),
+    )
+
+
+def ranks_digests(wire: _LeadsTurns, own: dict[str, str]) -> dict[str, str]:
+    return wire.ranks.digests(own)

@@ -40,9 +40,7 @@ from weightwire.shared.errors import TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.metrics import PhaseClock
-from weightwire.trainer.multi_base import Ranks, TurnFailure
-from weightwire.trainer.round import Control
+from weightwire.trainer.multi_base import Ranks, TurnFailure, lead_transfer, ranks_digests
 from weightwire.trainer.session import open_wire
 from weightwire.trainer.transfer import await_call, chunked
 
@@ -233,23 +231,8 @@ class GroupWire:
 
     # -- rank 0: the round's wire (``round.Wire``) ----------------------------------------------
 
-    def transfer(
-        self,
-        payloads: list[dict[str, Any]],
-        control: Control,
-        own: dict[str, str] | None,
-        clock: PhaseClock,
-    ) -> Sent:
-        """Rank 0's transfer over one group, its control plane first."""
-        return self.ranks.lead(
-            control,
-            own,
-            clock,
-            lambda bplan, pairs, failed: self._lead(bplan, payloads, pairs, failed),
-        )
-
-    def digests(self, own: dict[str, str]) -> dict[str, str]:
-        return self.ranks.digests(own)
+    transfer = lead_transfer
+    digests = ranks_digests
 
     def follow(self, bplan: BroadcastPlan, pairs: Iterator[tuple[str, Any]]) -> Sent:
         """A group member takes part in every turn (an NCCL broadcast is collective over the

@@ -24,9 +24,13 @@ from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import TCP_SECRET_BYTES
 from weightwire.shared.keyshare import KeyShare
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.metrics import PhaseClock
-from weightwire.trainer.multi_base import Ranks, RoundFailed, TurnFailure
-from weightwire.trainer.round import Control
+from weightwire.trainer.multi_base import (
+    Ranks,
+    RoundFailed,
+    TurnFailure,
+    lead_transfer,
+    ranks_digests,
+)
 from weightwire.trainer.session import open_wire
 from weightwire.trainer.transfer import await_call, chunked
 
@@ -139,23 +143,8 @@ class StarWire:
 
     # -- rank 0: the round's wire (``round.Wire``) ----------------------------------------------
 
-    def transfer(
-        self,
-        payloads: list[dict[str, Any]],
-        control: Control,
-        own: dict[str, str] | None,
-        clock: PhaseClock,
-    ) -> Sent:
-        """Rank 0's transfer over stars, its control plane first."""
-        return self.ranks.lead(
-            control,
-            own,
-            clock,
-            lambda bplan, pairs, failed: self._lead(bplan, payloads, pairs, failed),
-        )
-
-    def digests(self, own: dict[str, str]) -> dict[str, str]:
-        return self.ranks.digests(own)
+    transfer = lead_transfer
+    digests = ranks_digests
 
     def follow(self, bplan: BroadcastPlan, pairs: Iterator[tuple[str, Any]]) -> Sent:
         """A broadcaster sends its slice on its own star once its turn's request is out;

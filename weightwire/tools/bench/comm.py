@@ -30,7 +30,7 @@ from weightwire._extras import require
 from weightwire._lifetime import child_env, die_with_parent
 from weightwire.backends.nccl.spec import NCCL, WEIGHTWIRE_NCCL
 from weightwire.backends.tcp.spec import TCP
-from weightwire.tools._cli import HelpFormatter, backend_name
+from weightwire.tools._cli import backend_name, summary_parser
 
 _RECEIVER_ROLE = "tcp-receiver"
 
@@ -211,11 +211,7 @@ _BACKEND_TO_TRANSPORT = {
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=__doc__.split("\n\n")[0].split("\n")[0],
-        formatter_class=HelpFormatter,
-    )
+    parser = summary_parser(__doc__, prog)
     parser.add_argument(
         "--backend",
         type=backend_name,

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from weightwire._extras import require
-from weightwire.tools._cli import CommandError, HelpFormatter
+from weightwire.tools._cli import CommandError, summary_parser
 from weightwire.tools.bench.child import spawn_child
 from weightwire.tools.bench.sync_models import MODELS, build_params, hf_shapes, make_source
 from weightwire.tools.bench.sync_sender import error_row, sender_main
@@ -104,11 +104,7 @@ def _gpus() -> int:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog=prog,
-        description=__doc__.split("\n\n")[0].split("\n")[0],
-        formatter_class=HelpFormatter,
-    )
+    ap = summary_parser(__doc__, prog)
     ap.add_argument(
         "--engines",
         default="jax,torch",

@@ -15,6 +15,7 @@ from weightwire.tools._cli import (
     EXIT_USAGE,
     EXIT_VERDICT,
     HelpFormatter,
+    add_api_key,
     backend_name,
     fail,
     server_url,
@@ -109,11 +110,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=d.seed,
         help=f"seed of the prompts the demo draws (default {d.seed})",
     )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("WEIGHTWIRE_API_KEY"),
-        help="bearer token for the server (default: $WEIGHTWIRE_API_KEY)",
-    )
+    add_api_key(p)
     p.add_argument(
         "--served-model",
         default=None,

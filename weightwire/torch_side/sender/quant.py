@@ -27,7 +27,7 @@ from weightwire.shared.quant import (
 )
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.torch_side.dtypes import wire_name
-from weightwire.trainer.fp8_source import Fp8Source
+from weightwire.trainer.fp8_source import Fp8Source, as_quantize
 
 _ROUND_DOWN = torch.from_numpy(UE8M0_ROUND_DOWN)
 _ROUND_DOWN_ON: dict[torch.device, torch.Tensor] = {}
@@ -121,14 +121,9 @@ def quantize_fp8(
     return Fp8Tensors(weight, scale, errors)
 
 
-def _quantize(name: str, x: Any, scheme: Fp8Scheme, stats: bool) -> tuple[Any, Any, Any]:
-    out = quantize_fp8(name, x, scheme, stats=stats)
-    return out.weight, out.scale, out.stats
-
-
 def fp8_source(
     source: WeightSource | Any, spec: Mapping[str, Fp8Scheme], *, stats: bool = False
 ) -> Fp8Source:
     """``source`` with the ``spec``'s weights (name -> scheme) sent as FP8 checkpoint pairs,
     quantized here as each round reads them (``trainer.fp8_source.Fp8Source``)."""
-    return Fp8Source(as_source(source), spec, _quantize, stats=stats)
+    return Fp8Source(as_source(source), spec, as_quantize(quantize_fp8), stats=stats)
