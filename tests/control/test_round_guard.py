@@ -402,21 +402,21 @@ def served(weights: WeightState) -> Iterator[str]:
         yield url
 
 
+def in_place_pause(client: HTTPWeightSyncClient) -> RoundPause:
+    """The pause a 1 MiB round applied in place (``stage_budget_bytes=0``) gets on ``client``."""
+    info = TrainerInitInfo(backend="weightwire_tcp", stage_budget_bytes=0)
+    return round_pause(
+        info, None, stock_receiver=False, nbytes=1 << 20, client=client, caps=ClientCaps.of(client)
+    )
+
+
 def test_trainer_finds_the_guard_and_holds_it_for_a_round_in_place(
     served: str, weights: WeightState
 ) -> None:
-    info = TrainerInitInfo(backend="weightwire_tcp", stage_budget_bytes=0)
     with HTTPWeightSyncClient(served, timeout=30) as client:
         state = client.round_guard()[0]
         assert state is not None and state["covers"] is True and state["held"] is False
-        pause = round_pause(
-            info,
-            None,
-            stock_receiver=False,
-            nbytes=1 << 20,
-            client=client,
-            caps=ClientCaps.of(client),
-        )
+        pause = in_place_pause(client)
         assert pause == RoundPause("abort", resume_on_failure=False, guard=True)
         client.hold_round("v9")
         weights.broke(None, "worker gave up", frozenset({"w.weight"}))
@@ -434,15 +434,7 @@ def test_trainer_finds_the_guard_and_holds_it_for_a_round_in_place(
 def test_trainer_without_a_guard_warns_with_the_flag(caplog: pytest.LogCaptureFixture) -> None:
     with uvicorn_serving(FastAPI()) as url, HTTPWeightSyncClient(url, timeout=30) as client:
         assert client.round_guard() == [None]  # 404: no guard installed
-        info = TrainerInitInfo(backend="weightwire_tcp", stage_budget_bytes=0)
-        pause = round_pause(
-            info,
-            None,
-            stock_receiver=False,
-            nbytes=1 << 20,
-            client=client,
-            caps=ClientCaps.of(client),
-        )
+        pause = in_place_pause(client)
         assert pause == RoundPause("abort", resume_on_failure=False, guard=False)
     assert "start vLLM with --middleware weightwire.vllm_guard.RoundGuard" in caplog.text
     caplog.clear()
