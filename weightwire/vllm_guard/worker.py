@@ -15,8 +15,14 @@ WORKER_METHOD = "weightwire_round_state"
 """The worker method the guard calls through vLLM's ``collective_rpc`` at a release."""
 
 
-def worker_round_state(worker: Any) -> dict[str, Any]:
-    """``WORKER_METHOD``: this worker's answer (installed on vLLM's ``WorkerBase``)."""
+def worker_round_state(worker: Any, call: str | None = None) -> dict[str, Any]:
+    """``WORKER_METHOD``: this worker's answer (installed on vLLM's ``WorkerBase``), naming
+    the ``call`` it answers (the guard checks that each worker answered its call, not an
+    earlier one)."""
+    return {**_round_state(worker), "call": call}
+
+
+def _round_state(worker: Any) -> dict[str, Any]:
     engine = getattr(worker, "weight_transfer_engine", None)
     if engine is None:
         return {"whole": True, "engine": None, "reason": None}
