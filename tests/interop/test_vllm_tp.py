@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -192,6 +193,21 @@ VLLM_DESYNC = (
     "the killed round's error) until the server restarts; vllm-project/vllm#49972, "
     "open (fix proposed in #57846)"
 )
+
+
+def test_after_a_killed_round_the_guard_finds_the_workers_out_of_step(killed: Killed) -> None:
+    """``VLLM_DESYNC`` as the round guard meets it: its first release after the kill gets the
+    killed round's error (rank 1's queued reply), the next one rank 1's answer to the first
+    release, which the guard tells from this release's answer and refuses (a stale "whole"
+    must never lift it). Passes while vLLM's executor loses step; once vLLM fixes it both
+    releases answer 200 and this case, with the marker below, must go."""
+    url = killed.served.server.url
+    first = httpx.post(f"{url}/weightwire/round_guard/release", timeout=120)
+    assert first.status_code == 409, first.text
+    assert "asking the workers failed" in first.text and "round failed at chunk" in first.text
+    second = httpx.post(f"{url}/weightwire/round_guard/release", timeout=120)
+    assert second.status_code == 409, second.text
+    assert "worker 1: its answer is to an earlier call" in second.text, second.text
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=VLLM_DESYNC)
