@@ -30,7 +30,8 @@ The way out is bounded: the next trainer's complete round releases it, and an op
 ``POST /weightwire/round_guard/release``, which asks the workers first (the plugin's
 ``weightwire_round_state`` worker method, through vLLM's ``collective_rpc``, one call
 per release, never per request) and answers 409 with their reason while their weights are
-not whole. A release resumes generation too (``?resume=false`` keeps a pause).
+not whole, or while a worker's answer is to an earlier call (``OUT_OF_STEP``). A release
+resumes generation too (``?resume=false`` keeps a pause).
 
 The guard's state lives in the API-server process. With ``--api-server-count`` above 1
 each process has its own, so the guard declines to hold (409) and reports
