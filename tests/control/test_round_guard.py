@@ -52,9 +52,11 @@ class EngineClient:
         self.paused = False
         self.resume_error: Exception | None = None
 
-    async def collective_rpc(self, method: str, timeout: float | None = None) -> list[Any]:
+    async def collective_rpc(
+        self, method: str, timeout: float | None = None, args: tuple = ()
+    ) -> list[Any]:
         await asyncio.sleep(self.delay_s)
-        return [getattr(w, method)() for w in self.workers]
+        return [getattr(w, method)(*args) for w in self.workers]
 
     async def is_paused(self) -> bool:
         return self.paused
@@ -63,6 +65,23 @@ class EngineClient:
         if self.resume_error is not None:
             raise self.resume_error
         self.paused = False
+
+
+class LaggingEngineClient(EngineClient):
+    """vLLM 0.32's multiproc executor after a call failed on several workers
+    (vllm-project/vllm#49972): every worker after the first answers a call late, its reply
+    to the call before (``earlier``: its reply to a call before the first asked here)."""
+
+    def __init__(self, workers: list[Any], earlier: list[Any]) -> None:
+        super().__init__(workers)
+        self.late = list(earlier)
+
+    async def collective_rpc(
+        self, method: str, timeout: float | None = None, args: tuple = ()
+    ) -> list[Any]:
+        fresh = await super().collective_rpc(method, timeout, args)
+        answers, self.late = [fresh[0], *self.late], fresh[1:]
+        return answers
 
 
 class Worker:
@@ -229,7 +248,7 @@ def test_release_fails_closed_when_workers_cannot_tell_or_do_not_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     stock = SimpleNamespace(weight_transfer_engine=object(), weightwire_round_state=None)
-    stock.weightwire_round_state = lambda: worker_round_state(stock)
+    stock.weightwire_round_state = lambda *args: worker_round_state(stock, *args)
     with TestClient(build_app([stock])) as http:
         http.post("/weightwire/round_guard/hold", json={"round": "v1"})
         reply = http.post("/weightwire/round_guard/release")
@@ -243,6 +262,31 @@ def test_release_fails_closed_when_workers_cannot_tell_or_do_not_answer(
         reply = http.post("/weightwire/round_guard/release")
         assert reply.status_code == 409
         assert "the workers did not answer within 0 s (a round may be in progress)" in reply.text
+
+
+def test_release_is_refused_when_a_worker_answers_an_earlier_call(weights: WeightState) -> None:
+    """Worker 1 holds a broken round, but vLLM's executor hands the guard its reply to an
+    earlier release's question (whole then): the guard must not take it for this release's."""
+    workers = [Worker(WeightState()), Worker(weights)]
+    earlier = worker_round_state(workers[1], "an earlier release")
+    assert earlier["whole"] is True
+    app = build_app(workers)
+    app.state.engine_client = LaggingEngineClient(workers, [earlier])
+    with TestClient(app) as http:
+        http.post("/weightwire/round_guard/hold", json={"round": "v3"})
+        weights.broke("s1", "streaming round ended without its commit", frozenset({"w.weight"}))
+        reply = http.post("/weightwire/round_guard/release")
+        assert reply.status_code == 409, reply.text
+        message = reply.json()["error"]["message"]
+        assert message.startswith("not released: worker 1: its answer is to an earlier call")
+        assert "vllm-project/vllm#49972); restart the server" in message
+        assert http.get("/weightwire/round_guard").json()["held"] is True
+        # Still late: the next release reads worker 1's reply to this one (not whole now).
+        reply = http.post("/weightwire/round_guard/release")
+        assert (
+            reply.status_code == 409
+            and "worker 1: its answer is to an earlier call" in (reply.json()["error"]["message"])
+        )
 
 
 def test_several_api_server_processes_are_not_covered() -> None:

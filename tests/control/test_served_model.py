@@ -15,7 +15,7 @@ from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.routes import SERVED_MODEL_METHOD
 from weightwire.shared.served import ServedModel
-from weightwire.vllm_guard.worker import worker_served_model
+from weightwire.vllm_guard.worker import worker_round_stats, worker_served_model
 
 MODEL = ServedModel.of(
     [ParamMeta("model.embed_tokens.weight", "bfloat16", (8, 4))],
@@ -113,3 +113,21 @@ def test_the_worker_method_asks_its_weightwire_engine() -> None:
     assert worker_served_model(worker) is None
     worker.weight_transfer_engine = Engine()
     assert ServedModel.from_dict(worker_served_model(worker)) == MODEL
+
+
+def test_the_round_stats_worker_method_asks_its_weightwire_engine() -> None:
+    stats = {"rank": 1, "session": "s", "bytes_received": 7, "updates": 1, "committed": True}
+
+    class Engine:
+        def round_stats(self) -> dict[str, Any]:
+            return stats
+
+    class Worker:
+        weight_transfer_engine: Any = None
+
+    worker = Worker()
+    assert worker_round_stats(worker) is None  # no engine
+    worker.weight_transfer_engine = object()  # vLLM's own engine: counts nothing
+    assert worker_round_stats(worker) is None
+    worker.weight_transfer_engine = Engine()
+    assert worker_round_stats(worker) == stats

@@ -19,7 +19,7 @@ import pytest
 from tests.interop.families import FAMILIES
 from tests.interop.helpers import VLLMServer
 from tests.interop.launcher import Launcher
-from tests.interop.models import ARCHITECTURES
+from tests.interop.models import ARCHITECTURES, TP_MODEL, TP_SIZE
 from weightwire.tools.server.tiny import build_tiny
 
 _LAUNCHER: list[Launcher] = []
@@ -39,7 +39,9 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
         scratch = Path(keep)
         scratch.mkdir(parents=True, exist_ok=True)
     archs = dict.fromkeys([*ARCHITECTURES.values(), *(arch for _, arch, _, _ in FAMILIES.values())])
-    la = Launcher(Path(venv), scratch, architectures=tuple(archs))
+    la = Launcher(
+        Path(venv), scratch, architectures=tuple(archs), tensor_parallel={TP_MODEL: TP_SIZE}
+    )
     _LAUNCHER.append(la)
     try:
         yield la

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import numpy as np
 import torch
+
+from weightwire.shared.routes import ROUND_STATS_METHOD
 
 MAX_TOKENS = 12
 PROMPTS = [[5, 17, 42, 99, 123, 7, 256, 300], [3, 4, 5, 6], [400, 401, 402, 403, 404, 405], [77]]
@@ -44,6 +47,19 @@ class VLLMServer:
 
     def weight_version(self) -> str:
         return httpx.get(f"{self.url}/weight_info", timeout=30).json()["weight_version"]
+
+    def round_stats(self) -> list[dict[str, Any]]:
+        """Each worker's latest round as it counted it (the plugin's worker method
+        ``weightwire_round_stats`` through ``/collective_rpc``), one per worker, by rank."""
+        reply = httpx.post(
+            f"{self.url}/collective_rpc",
+            json={"method": ROUND_STATS_METHOD, "timeout": 60},
+            timeout=90,
+        )
+        assert reply.status_code == 200, reply.text
+        results = reply.json()["results"]
+        assert all(isinstance(r, dict) for r in results), f"a worker counted no round: {results}"
+        return sorted(results, key=lambda r: r["rank"])
 
 
 @torch.no_grad()

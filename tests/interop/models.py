@@ -26,6 +26,13 @@ FEATURES = {
     "tiny-gpt2": "tied, Conv1D fused c_attn, learned positions, LayerNorm with bias",
 }
 
+TP_MODEL = "tiny-llama-tied"
+"""The tensor-parallel lane's model (``test_vllm_tp.py``), served at ``TP_SIZE``: a Llama whose
+one KV head is fewer than TP (vLLM replicates k/v on both workers) and whose head is tied
+(vLLM's lm_head shares the embedding's vocab-parallel parameter); float32, 0.43 MB."""
+TP_SIZE = 2
+FEATURES[TP_MODEL] = f"tied, GQA 2:1, served at TP={TP_SIZE} (1 KV head, replicated)"
+
 # Their vLLM architectures (tiny.py's configs), warmed into vLLM's model-info cache
 # before the first server (launcher.py); one missing here only costs its start ~13 s.
 ARCHITECTURES = {
@@ -35,6 +42,7 @@ ARCHITECTURES = {
     "tiny-gemma": "GemmaForCausalLM",
     "tiny-qwen3": "Qwen3ForCausalLM",
     "tiny-gpt2": "GPT2LMHeadModel",
+    TP_MODEL: "LlamaForCausalLM",
 }
 
 

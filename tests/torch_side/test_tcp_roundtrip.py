@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import save_file
 
 from weightwire.backends.tcp.info import TCPInitInfo
+from weightwire.shared.framing import plan
 from weightwire.shared.info import encode_secret
+from weightwire.shared.staging import round_bytes
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.sender.source import ModuleSource
 from weightwire.torch_side.worker.core import WeightReceiveError
@@ -80,7 +82,9 @@ def _start(cfg: dict, tmp_path, *, load_batching: str = "chunk"):
 def test_three_rounds_bit_exact(packed, dtype, tied, buffer_size, reuse, batching, tmp_path):
     cfg = {"dtype": dtype, "tied": tied, "packed": packed, "buffer_size": buffer_size, "rounds": 3}
     sender, host, engine, update = _start(cfg, tmp_path, load_batching=batching)
+    dense = round_bytes(ModuleSource(host.model).metadata())
     try:
+        assert engine.round_stats() is None  # no round yet
         previous = host.state_checksums()
         for r in range(3):
             body = {"names": [], "dtype_names": [], "shapes": []} if reuse and r > 0 else update
@@ -95,6 +99,14 @@ def test_three_rounds_bit_exact(packed, dtype, tied, buffer_size, reuse, batchin
                 f"round {r}: some weights did not change"
             )
             assert engine.last_stats is not None and engine.last_stats.chunks == sent["chunks"]
+            # The worker's own count of the round: every byte of every tensor, once.
+            assert engine.round_stats() == {
+                "rank": 0,
+                "session": engine._core.session,
+                "bytes_received": dense,
+                "updates": 1,
+                "committed": True,
+            }
             previous = got
         assert host.rounds_committed == 3
         assert sender.read() == {"done": True}
@@ -139,6 +151,13 @@ def test_sender_dies_mid_stream_leaves_weights_unchanged(tmp_path):
             engine.update_weights(update)
         assert "call init_weight_transfer_engine again" in str(err.value)
         assert sender.wait() == 3
+        # The worker counted the three chunks that landed; the round is neither whole nor
+        # committed.
+        metas = ModuleSource(host.model).metadata()
+        landed = sum(c.nbytes for c in plan(metas, packed=True, buffer_size_bytes=2048)[:3])
+        stats = engine.round_stats()
+        assert stats is not None and (stats["bytes_received"], stats["updates"]) == (landed, 0)
+        assert not stats["committed"] and 0 < landed < round_bytes(metas)
         assert (
             aborts == []
         )  # staged (within the default budget): the model's own round was never opened

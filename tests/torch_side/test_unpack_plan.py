@@ -231,6 +231,7 @@ def test_a_chunked_link_posts_ahead_and_unpacks_with_the_turns_plans() -> None:
         assert_same(pairs, reference_unpack(buf, metas, chunk), buf)
     assert link.calls[:3] == [("post", 0), ("post", 1), ("wait", 0)]
     assert progress.chunk == len(chunks) - 1
+    assert progress.nbytes == sum(m.nbytes for m in metas)  # the link counted every chunk
 
 
 class Store:

@@ -37,6 +37,7 @@ class ChunkedLink(ReceiveLink):
                 self.post(posted, turn)
                 posted += 1
             pairs = self.take(i, turn.unpackers[i])
+            progress.nbytes += turn.chunks[i].nbytes
             if pairs:
                 yield pairs
             # Drop this chunk's views before the next post allocates: holding them

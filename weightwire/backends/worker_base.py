@@ -59,6 +59,9 @@ class ReceiveProgress:
 
     chunk: int = -1
     """Index of the chunk being received or loaded; -1 before the first."""
+    nbytes: int = 0
+    """Payload bytes of the turn that landed on this worker so far, counted by the link as
+    each chunk lands (the worker's round adds them up: ``core.RoundStats.bytes_received``)."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,12 @@ SERVED_MODEL_METHOD = "weightwire_served_model"
 checkpoint), asked through ``COLLECTIVE_RPC`` where an init reply tells nothing. Here, not in
 ``shared.served``, so the plugin that installs it stays free of numpy."""
 
+ROUND_STATS_METHOD = "weightwire_round_stats"
+"""The worker method the plugin installs beside ``SERVED_MODEL_METHOD``: each worker's latest
+round as its weightwire engine counted it, ``{"rank", "session", "bytes_received", "updates",
+"committed"}`` (``None`` before a round or without a weightwire engine); asked through
+``COLLECTIVE_RPC`` (a worker that received only its slice of a round shows it here)."""
+
 ROUTES: dict[str, Route] = {
     r.name: r
     for r in (

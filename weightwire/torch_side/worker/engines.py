@@ -121,6 +121,12 @@ class EngineFacade:
         served = spec.served() if spec is not None else None
         return served.to_dict() if served is not None else None
 
+    def round_stats(self) -> dict[str, Any] | None:
+        """What this worker received in its latest round (``core.RoundStats``) and its rank
+        among the workers; ``None`` before its first round."""
+        stats = self._core.last_round
+        return None if stats is None else {"rank": self._core.worker_rank, **stats.to_dict()}
+
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The open round's tensors received but not yet applied (for checks before commit)."""
         return self._core.held_tensors()

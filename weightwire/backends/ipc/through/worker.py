@@ -185,6 +185,7 @@ class IPCWriteThroughLink(IPCPullLink):
             else:
                 stream_wait(cp, stream, event)
         progress.chunk = len(turn.chunks) - 1
+        progress.nbytes += sum(c.nbytes for c in turn.chunks)  # written by the trainer
         trace("wt done")
         dump_trace("worker")
 
