@@ -50,15 +50,15 @@ def test_a_step_before_the_round_reads_copies_first_and_the_round_sends_the_old_
     cows = CowSnapshots(wait_s=10)
     before = bytes_of(m.parameters())
     snap = cows.take(ModuleSource(m))
-    assert cows.bytes.held == 0  # nothing copied up front
+    assert cows.stats.held == 0  # nothing copied up front
     step(opt, m)  # the hook copies every tensor the round has not read
     assert bytes_of(m.parameters()) != before
-    assert cows.bytes.held == cows.bytes.peak == total_bytes(m)
+    assert cows.stats.held == cows.stats.peak == total_bytes(m)
     snap.ready()
     assert read_all(snap) == before
     snap.before_commit()
     snap.release()
-    assert cows.bytes.held == 0 and cows.bytes.peak == total_bytes(m)
+    assert cows.stats.held == 0 and cows.stats.peak == total_bytes(m)
     assert cows._hook is None  # no round in flight: optimizers run without the hook
 
 
@@ -72,7 +72,7 @@ def test_a_round_that_read_everything_before_the_step_costs_no_copy() -> None:
     snap.before_commit()
     snap.release()
     step(opt, m)
-    assert cows.bytes.copied == cows.bytes.peak == 0
+    assert cows.stats.copied == cows.stats.peak == 0
 
 
 def test_a_step_while_the_round_reads_copies_the_rest_and_waits_for_the_handed_tensor() -> None:
@@ -98,7 +98,7 @@ def test_a_step_while_the_round_reads_copies_the_rest_and_waits_for_the_handed_t
     rest = bytes_of(t for _, t in pairs)
     assert [bytes_of([first])[0], *rest] == before
     first_bytes = next(iter(m.parameters())).nbytes
-    assert cows.bytes.peak == total_bytes(m) - first_bytes  # the handed one was not copied
+    assert cows.stats.peak == total_bytes(m) - first_bytes  # the handed one was not copied
     snap.before_commit()  # the round's data plane read everything: the step may go on
     assert stepped.wait(10)
     t.join(10)

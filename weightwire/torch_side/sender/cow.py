@@ -23,7 +23,7 @@ tensor with a version counter of its own) or through a pointer torch does not se
 kernel): with those, keep ``snapshot="copy"``.
 
 Memory: the copies of the tensors an optimizer step reached before the round read them
-(``CowBytes``); zero when the round ends before the next step.
+(``CowStats``); zero when the round ends before the next step.
 """
 
 from __future__ import annotations
@@ -47,13 +47,15 @@ _PENDING, _LIVE, _COPIED = "pending", "live", "copied"
 
 
 @dataclass
-class CowBytes:
-    """The snapshots' own accounting of trainer memory: bytes of copies held now, the most
-    held at once, and the total copied (one engine, every round)."""
+class CowStats:
+    """The snapshots' own accounting (one engine, every round): bytes of copies held now, the
+    most held at once, the total copied, and the seconds parameter writes waited for a round
+    to finish reading what it was handed."""
 
     held: int = 0
     peak: int = 0
     copied: int = 0
+    waited_s: float = 0.0
 
     def add(self, n: int) -> None:
         self.held += n
@@ -76,7 +78,7 @@ class _Entry:
 class CowRound:
     """One round's copy-on-write snapshot (see the module docstring)."""
 
-    def __init__(self, entries: list[_Entry], stats: CowBytes, wait_s: float) -> None:
+    def __init__(self, entries: list[_Entry], stats: CowStats, wait_s: float) -> None:
         self._entries = entries
         self._stats = stats
         self._wait_s = wait_s
@@ -110,7 +112,8 @@ class CowRound:
                         events[e.live.device] = e.event
                 self._held += copied
                 self._stats.add(copied)
-            deadline = time.monotonic() + self._wait_s
+            start = time.monotonic()
+            deadline = start + self._wait_s
             while not self._done and any(e.state == _LIVE for e in hit):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -119,6 +122,7 @@ class CowRound:
                         "(snapshot='cow') to finish reading the tensors it was handed"
                     )
                 self._cond.wait(left)
+            self._stats.waited_s += time.monotonic() - start
 
     # -- the round's thread
     def pairs(self) -> list[tuple[str, Any]]:
@@ -193,7 +197,7 @@ class CowSnapshots:
     """One engine's ``cow`` rounds in flight, and the optimizer hook while there are any."""
 
     def __init__(self, wait_s: float) -> None:
-        self.bytes = CowBytes()
+        self.stats = CowStats()
         self._wait_s = wait_s
         self._rounds: weakref.WeakSet[CowRound] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -206,7 +210,7 @@ class CowSnapshots:
             if not isinstance(tensor, torch.Tensor):
                 raise WrongType(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
             entries.append(_Entry(name, tensor.detach()))
-        r = CowRound(entries, self.bytes, self._wait_s)
+        r = CowRound(entries, self.stats, self._wait_s)
         with self._lock:
             self._rounds.add(r)
             if self._hook is None:

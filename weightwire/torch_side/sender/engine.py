@@ -56,8 +56,15 @@ class TorchTrainerEngine(TrainerEngine):
     def snapshot_bytes(self) -> int:
         """Trainer memory the overlapped rounds' snapshots hold now (``copy``: the buffer
         sets; ``cow``: the copies made before writes)."""
-        held = self._cows.bytes.held if self._cows is not None else 0
+        held = self._cows.stats.held if self._cows is not None else 0
         return held + (self._copies.nbytes if self._copies is not None else 0)
+
+    @property
+    def snapshot_peak_bytes(self) -> int:
+        """The most trainer memory the snapshots held at once (``copy``: its buffer sets,
+        kept for reuse; ``cow``: the most copies held at once)."""
+        peak = self._cows.stats.peak if self._cows is not None else 0
+        return peak + (self._copies.nbytes if self._copies is not None else 0)
 
     def _cow_snapshots(self) -> CowSnapshots:
         if self._cows is None:
