@@ -79,6 +79,7 @@ def _fused_vs_one_by_one(
     dtype: torch.dtype,
     seed: int,
     device: str = "cpu",
+    concat: bool | None = True,
 ) -> tuple[int, int, Patches]:
     """Patch two identical models, one with ``patch_all``, one with ``patch`` per tensor
     (today's path); returns (scatters launched, fused-eligible storages patched, patches)."""
@@ -94,7 +95,7 @@ def _fused_vs_one_by_one(
         # tied names carry the same patch (the worker refuses two different ones on receipt)
         emb = next(p for p in patches if p[0] == "model.embed_tokens.weight")
         patches = [p if p[0] != "lm_head.weight" else ("lm_head.weight", *emb[1:]) for p in patches]
-    launched = ma.patch_all(patches)
+    launched = ma.patch_all(patches, concat=concat)
     for name, idx, vals in patches:
         mb.patch(name, idx, vals)
     assert_bit_identical(a, b)
@@ -106,6 +107,7 @@ def _fused_vs_one_by_one(
 
 @pytest.mark.parametrize("seed", range(6))
 def test_fake_llama_fused_equals_one_by_one(seed: int) -> None:
+    """Concatenated (the GPU's way, forced here): one scatter per parameter storage."""
     dtype = torch.bfloat16 if seed % 2 else torch.float32
     tied = seed % 3 == 0
     shapes = hf_shapes("tiny")
@@ -120,14 +122,22 @@ def test_fake_llama_fused_equals_one_by_one(seed: int) -> None:
     assert sum(1 for _, i, _ in patches if i.numel()) >= storages
 
 
+@pytest.mark.parametrize("concat", [True, None])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("rank", "world", "tied"), [(0, 1, True), (0, 1, False), (1, 2, False)])
-def test_tp_moe_tied_fused_equals_one_by_one(seed: int, rank: int, world: int, tied: bool) -> None:
+def test_tp_moe_tied_fused_equals_one_by_one(
+    seed: int, rank: int, world: int, tied: bool, concat: bool | None
+) -> None:
     """Expert slices of stacked w13/w2 and tensor-parallel slices have no plain target: they
-    keep the per-tensor translation, beside the fused rest, with the same result."""
+    keep the per-tensor translation, beside the fused rest, with the same result; on a CPU
+    by default (``concat=None``) each plain patch is its own scatter."""
     shapes = tiny_tp_shapes()
     _fused_vs_one_by_one(
-        lambda: TinyTP(rank=rank, world=world, tied=tied), shapes, torch.float32, seed
+        lambda: TinyTP(rank=rank, world=world, tied=tied),
+        shapes,
+        torch.float32,
+        seed,
+        concat=concat,
     )
 
 
@@ -161,7 +171,7 @@ def test_mixed_dtypes_group_by_width_and_match_patch_tensor() -> None:
         vals = torch.randn(idx.numel(), generator=g).to(a[name].dtype)
         fused.append(FusedPatch(PatchTarget(name, 0), idx, vals, name))
         patch_tensor(b[name], idx, vals)
-    launched = apply_fused({n: t.view(-1) for n, t in a.items()}, fused)
+    launched = apply_fused({n: t.view(-1) for n, t in a.items()}, fused, concat=True)
     assert launched == sum(1 for p in fused if p.index.numel())
     for name in a:
         assert torch.equal(
@@ -170,7 +180,8 @@ def test_mixed_dtypes_group_by_width_and_match_patch_tensor() -> None:
         ), name
 
 
-def test_storage_indices_past_int32() -> None:
+@pytest.mark.parametrize("concat", [True, False])
+def test_storage_indices_past_int32(concat: bool) -> None:
     """int32 wire indices plus an offset beyond 2**31 land where int64 arithmetic puts them
     (the storage is reserved, not touched: only the patched pages are written)."""
     big = torch.empty(2**31 + 64, dtype=torch.uint8)
@@ -185,6 +196,7 @@ def test_storage_indices_past_int32() -> None:
             FusedPatch(PatchTarget("big", far), idx, torch.tensor([1, 2, 3], dtype=torch.uint8)),
             FusedPatch(PatchTarget("big", 40), int32_max, torch.tensor([9], dtype=torch.uint8)),
         ],
+        concat=concat,
     )
     assert [int(big[at]) for at in (far - 1, far, far + 1, far + 5, far + 6)] == [0, 1, 2, 3, 0]
     assert int(big[2**31 + 39]) == 9

@@ -183,12 +183,18 @@ class LoaderMap:
             self._plain[name] = PatchTarget(ld.param, ld.dst_offset) if plain and ld else None
         return self._plain[name]
 
-    def patch_all(self, patches: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> int:
+    def patch_all(
+        self,
+        patches: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
+        *,
+        concat: bool | None = None,
+    ) -> int:
         """A round's ``(name, flat index, values)`` patches, every index already checked to
         be within its tensor (``delta.check_indices``). Those of tensors with a
         ``plain_target`` go as one scatter per parameter storage (``fused_patch``); the others
         through ``patch``, one by one, after them. Returns the number of scatters the fused
-        part launched. Bit-identical to ``patch(name, index, values)`` for each in turn."""
+        part launched (``concat``: ``fused_patch.apply_fused``'s). Bit-identical to
+        ``patch(name, index, values)`` for each in turn."""
         fused: list[FusedPatch] = []
         rest: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for name, index, values in patches:
@@ -198,7 +204,8 @@ class LoaderMap:
             else:
                 fused.append(FusedPatch(target, index, values, name))
         with torch.no_grad():
-            launched = apply_fused({t: self._flat_of(t) for t in _storages(fused)}, fused)
+            flats = {t: self._flat_of(t) for t in _storages(fused)}
+            launched = apply_fused(flats, fused, concat=concat)
         for name, index, values in rest:
             self.patch(name, index, values, in_range=True)
         return launched
