@@ -13,9 +13,10 @@ import torch
 
 from tests.torch_side._landing_models import TinyTP, tiny_tp_shapes
 from tests.torch_side.fake_llama import FakeLlama, hf_shapes
+from weightwire.shared.delta import Patch
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.dtypes import wire_name
-from weightwire.torch_side.worker.delta import patch_tensor
+from weightwire.torch_side.worker.delta import StagedPatch, check_indices, patch_tensor
 from weightwire.torch_side.worker.fused_patch import (
     WORD,
     FusedPatch,
@@ -202,6 +203,56 @@ def test_storage_indices_past_int32(concat: bool) -> None:
     assert int(big[2**31 + 39]) == 9
 
 
+def _staged(name: str, numel: int, index: list[int]) -> StagedPatch:
+    idx = torch.tensor(index, dtype=torch.int32)
+    return StagedPatch(Patch(name, "float32", (numel,), len(index)), idx, torch.ones(len(index)))
+
+
+def _outcome(patches: list[StagedPatch], concat: bool) -> str:
+    try:
+        check_indices(patches, concat=concat)
+    except ValueError as exc:
+        return str(exc)
+    return "ok"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> None:
+    """The receipt check over a round's indices concatenated (a GPU's way) refuses exactly
+    what the per-patch check refuses, naming the same patch: out of range at either end,
+    repeated or falling within a patch; a patch starting below the previous one's last index
+    (a different tensor) and empty patches pass."""
+    g = torch.Generator().manual_seed(seed)
+    patches = []
+    for i in range(int(torch.randint(1, 6, (), generator=g))):
+        numel = int(torch.randint(1, 50, (), generator=g))
+        idx = sorted(
+            set(
+                torch.randint(
+                    0, numel, (int(torch.randint(0, 8, (), generator=g)),), generator=g
+                ).tolist()
+            )
+        )
+        fault = int(torch.randint(0, 6, (), generator=g))
+        if idx and fault == 1:
+            idx[-1] = numel  # one past the end
+        elif idx and fault == 2:
+            idx[0] = -1
+        elif len(idx) > 1 and fault == 3:
+            idx[1] = idx[0]  # repeated
+        elif len(idx) > 2 and fault == 4:
+            idx[1], idx[2] = idx[2], idx[1]  # falling
+        patches.append(_staged(f"p{i}", numel, idx))
+    assert _outcome(patches, concat=True) == _outcome(patches, concat=False)
+
+
+def test_a_patch_may_start_below_the_previous_ones_last_index() -> None:
+    patches = [_staged("a", 10, [3, 9]), _staged("b", 4, []), _staged("c", 10, [0, 1])]
+    check_indices(patches, concat=True)  # nothing raised
+    with pytest.raises(ValueError, match="index 1 at position 2 follows 1"):
+        check_indices([*patches, _staged("d", 5, [0, 1, 1])], concat=True)
+
+
 def test_a_bad_patch_is_named() -> None:
     flat = torch.zeros(8)
     with pytest.raises(
@@ -240,3 +291,15 @@ def test_fused_equals_one_by_one_on_cuda_without_a_sync(seed: int) -> None:
     for name, idx, vals in patches:
         mb.patch(name, idx, vals)
     assert_bit_identical(a, b)
+
+
+@pytest.mark.gpu
+def test_concatenated_index_check_on_cuda_names_the_bad_patch() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    good = [_staged("a", 10, [3, 9]), _staged("b", 4, []), _staged("c", 10, [0, 1])]
+    on_gpu = [StagedPatch(p.patch, p.index.cuda(), p.values.cuda()) for p in good]
+    check_indices(on_gpu)  # concatenated by default on a GPU: nothing raised
+    bad = _staged("d", 5, [0, 5])
+    with pytest.raises(ValueError, match="patch of 'd': an index is outside its 5 elements"):
+        check_indices([*on_gpu, StagedPatch(bad.patch, bad.index.cuda(), bad.values.cuda())])
