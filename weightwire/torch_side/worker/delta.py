@@ -63,7 +63,8 @@ def patch_tensor(base: torch.Tensor, index: torch.Tensor, values: torch.Tensor) 
         raise ValueError(f"patch values are {values.dtype}, the tensor is {flat.dtype}")
     word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     idx = index.to(device=flat.device, dtype=torch.int64)
-    flat.view(word).index_copy_(0, idx, values.to(flat.device).view(word))
+    # index_put_: on a CPU index_copy_ is a serial loop (~100x slower at a round's 2 %)
+    flat.view(word).index_put_((idx,), values.to(flat.device).view(word))
 
 
 def check_index(patch: StagedPatch) -> None:
