@@ -20,9 +20,19 @@ A training step runs as many updates as it takes to last ``--train-ratio`` times
 blocking round (measured first), the regime overlap is for: with a step shorter than the
 round, the stall is the difference (one round in flight at most).
 
+``--engines`` picks the trainers: ``jax``, ``torch`` (``snapshot="copy"``: every tensor
+copied before ``send_weights(wait=False)`` returns) and ``torch-cow`` (``snapshot="cow"``:
+nothing copied up front, a tensor copied only when the step would write it before the round
+read it). ``trainer extra MB`` is the most memory the snapshots held at once, by their own
+accounting (``TorchTrainerEngine.snapshot_peak_bytes``; JAX references its arrays: 0). On
+the CPU the torch trainers load the checkpoint's tensors and step them with ``torch.optim.SGD``
+on a quadratic loss (plus matmuls to last the step), so ``cow`` copies through the optimizer's
+step hook.
+
 ``--device cuda``: trainer and a sink receiver on ONE GPU over ``weightwire_ipc`` (the
 control shim of ``bench_ipc.py``; no vLLM needed): synthetic bf16 weights of ``--model``'s HF
-shapes; a training step rewrites every weight and runs matmuls for about ``--train-ms``.
+shapes; a training step rewrites every weight (``torch-cow``: after ``before_update()``)
+and runs matmuls for about ``--train-ms``.
 Besides the stall it reports the step time with and without overlap (the round's copies
 share the GPU with the step).
 """
@@ -80,45 +90,100 @@ def run_cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
             def update() -> None:
                 policy.step(seqs, 8, rewards)  # returns host logprobs: the update is done
 
-            client = HTTPWeightSyncClient(server.url, timeout=120.0)
-            info = TrainerInitInfo(
-                backend="weightwire_tcp", verify=args.verify, packed_buffer_size_bytes=16 << 20
-            )
-            source = PytreeSource(lambda: policy.params, decoder.naming(cfg))
-            engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
-            try:
-                for i in range(2):  # warm-up: plan, connections, compiled transforms
-                    engine.send_weights(f"w{i}")
-                t = time.perf_counter()
-                update()
-                one = time.perf_counter() - t
-                t = time.perf_counter()
-                metrics = engine.send_weights("w2")
-                round_s = time.perf_counter() - t
-                updates = args.updates or max(1, math.ceil(args.train_ratio * round_s / one))
-                print(
-                    f"calibration: one update {one * 1e3:.1f} ms, one blocking round "
-                    f"{round_s * 1e3:.1f} ms -> {updates} update(s) per step",
-                    file=sys.stderr,
+            rows = []
+            first = 1
+            for kind in args.engines.split(","):
+                client = HTTPWeightSyncClient(server.url, timeout=120.0)
+                info = TrainerInitInfo(
+                    backend="weightwire_tcp",
+                    verify=args.verify,
+                    packed_buffer_size_bytes=16 << 20,
+                    snapshot="cow" if kind == "torch-cow" else "copy",
                 )
+                if kind == "jax":
+                    source = PytreeSource(lambda: policy.params, decoder.naming(cfg))
+                    engine: Any = JAXTrainerEngine.trainer_init(info, client=client, source=source)
+                    one_update = update
+                else:
+                    engine, one_update = _torch_cpu_trainer(model_dir, info, client)
+                try:
+                    for i in range(2):  # warm-up: plan, connections, compiled transforms
+                        engine.send_weights(f"w{first + i}")
+                    t = time.perf_counter()
+                    one_update()
+                    one = time.perf_counter() - t
+                    t = time.perf_counter()
+                    metrics = engine.send_weights(f"w{first + 2}")
+                    round_s = time.perf_counter() - t
+                    updates = args.updates or max(1, math.ceil(args.train_ratio * round_s / one))
+                    print(
+                        f"{kind} calibration: one update {one * 1e3:.1f} ms, one blocking round "
+                        f"{round_s * 1e3:.1f} ms -> {updates} update(s) per step",
+                        file=sys.stderr,
+                    )
 
-                def train() -> None:
-                    for _ in range(updates):
-                        update()
+                    def train(update: Any = one_update, updates: int = updates) -> None:
+                        for _ in range(updates):
+                            update()
 
-                phases = run_phases(engine, train, args.steps, 1)
-                served = client.weight_info()[0]["weight_version"]
-            finally:
-                engine.shutdown()
-                client.close()
-    row = row_of("jax", "cpu", f"llama {args.size}", metrics.nbytes, phases, 1)
-    row.update(
-        updates=updates,
-        verify="passed every round" if args.verify else "off",
-        served_last=served,
-        in_order=row["in_order"] and served == str(phases[2] - 1),
-    )
-    return [row]
+                    phases = run_phases(engine, train, args.steps, first)
+                    served = client.weight_info()[0]["weight_version"]
+                finally:
+                    engine.shutdown()
+                    client.close()
+                row = row_of(kind, "cpu", f"llama {args.size}", metrics.nbytes, phases, first)
+                row.update(
+                    updates=updates,
+                    verify="passed every round" if args.verify else "off",
+                    served_last=served,
+                    in_order=row["in_order"] and served == str(phases[2] - 1),
+                    extra_bytes=getattr(engine, "snapshot_peak_bytes", 0),
+                )
+                cows = getattr(engine, "_cows", None)
+                if cows is not None:  # where a cow round's extra memory and waits came from
+                    row.update(cow=vars(cows.stats))
+                    print(f"{kind}: {cows.stats}", file=sys.stderr)
+                rows.append(row)
+                first = phases[2] + 3  # past the next engine's warm-up versions
+    return rows
+
+
+def _torch_cpu_trainer(model_dir: str, info: Any, client: Any) -> Any:
+    """The checkpoint's tensors as torch parameters; per call a few matmuls (a step's
+    compute), then one SGD update of a quadratic loss (every tensor written in place by the
+    optimizer's step, at the end of the step as in training)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.shared.source import WeightSource
+    from weightwire.torch_side.dtypes import wire_name
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+
+    params: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            params[name] = t.clone().requires_grad_(True)
+    opt = torch.optim.SGD(list(params.values()), lr=1e-4)
+    a = torch.ones((256, 256))
+
+    class Source(WeightSource):
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, wire_name(t.dtype), tuple(t.shape)) for n, t in params.items()]
+
+        def __iter__(self) -> Any:
+            return ((n, t.detach()) for n, t in params.items())
+
+    def update() -> None:
+        x = a  # the forward and backward passes' compute, before the step writes
+        for _ in range(20):
+            x = torch.tanh(x @ x * 1e-4)
+        opt.zero_grad()
+        sum((p * p).sum() for p in params.values()).backward()  # type: ignore[union-attr]
+        opt.step()
+
+    engine = TorchTrainerEngine.trainer_init(info, client=client, source=Source())
+    return engine, update
 
 
 # -- CUDA: one GPU, weightwire_ipc into a sink receiver ----------------------------------------
@@ -187,10 +252,11 @@ def cuda_sender(cfg: dict[str, Any]) -> dict[str, Any]:
     from weightwire.trainer.config import TrainerInitInfo
 
     kind, t = cfg["engine"], cfg["timeout"]
-    params = build_params(cfg["model"], kind)
+    params = build_params(cfg["model"], "jax" if kind == "jax" else "torch")
     nbytes = sum(int(a.nbytes) for a in params.values())
     info = TrainerInitInfo(
         backend="weightwire_ipc",
+        snapshot="cow" if kind == "torch-cow" else "copy",
         packed_buffer_size_bytes=1 << 30,
         packed_num_buffers=2,
         device=0,
@@ -210,7 +276,11 @@ def cuda_sender(cfg: dict[str, Any]) -> dict[str, Any]:
     finally:
         engine.shutdown()
     row = row_of(kind, "cuda (one GPU, ipc)", cfg["model"], nbytes, phases, 1)
-    row.update(verify="off (checksums of 16 GB per round)", train_ms_target=cfg["train_ms"])
+    row.update(
+        verify="off (checksums of 16 GB per round)",
+        train_ms_target=cfg["train_ms"],
+        extra_bytes=getattr(engine, "snapshot_peak_bytes", 0),
+    )
     return row
 
 
@@ -261,6 +331,7 @@ def _torch_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: flo
     matmuls = _calibrate(burn_once, train_ms)
 
     def train() -> None:
+        engine.before_update()  # snapshot="cow": what the round has not read is copied first
         with torch.no_grad():
             for p in params.values():
                 p.mul_(0.999)  # an optimizer writes in place: the snapshot copy is what is sent
@@ -292,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--updates", type=int, default=0, help="cpu: updates per step (0: auto)")
     ap.add_argument("--train-ratio", type=float, default=1.5, help="cpu: step / blocking round")
     ap.add_argument("--no-verify", dest="verify", action="store_false", help="cpu: verify off")
-    ap.add_argument("--engines", default="jax,torch", help="cuda: trainer engines")
+    ap.add_argument(
+        "--engines", default=None, help="jax, torch, torch-cow (cpu: jax; cuda: all three)"
+    )
     ap.add_argument("--model", default="llama3-8b", help="cuda: the HF shapes sent")
     ap.add_argument("--train-ms", type=float, default=400.0, help="cuda: a step's compute")
     ap.add_argument("--timeout", type=float, default=120.0, help="cuda: transfer bound")
@@ -300,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--role", choices=("sender",), help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.engines is None:
+        args.engines = "jax" if args.device == "cpu" else "jax,torch,torch-cow"
     if args.role == "sender":
         try:
             row = cuda_sender(json.loads(Path(args.config).read_text()))

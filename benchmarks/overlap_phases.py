@@ -73,7 +73,7 @@ def report(rows: list[dict[str, Any]]) -> str:
     head = (
         "| engine | device | model | MB/round | updates/step | train ms blocking / overlap | "
         "blocking round ms | overlap stall ms (wait) | stall / round | step ms blocking | "
-        "step ms overlap | rounds in order | verify |\n" + "|---" * 13 + "|\n"
+        "step ms overlap | trainer extra MB | rounds in order | verify |\n" + "|---" * 14 + "|\n"
     )
     lines = []
     for r in rows:
@@ -83,7 +83,8 @@ def report(rows: list[dict[str, Any]]) -> str:
             f"{r.get('updates', '')} | {b['train_ms']:.1f} / {o['train_ms']:.1f} | "
             f"{b['sync_ms']:.1f} | "
             f"{o['sync_ms']:.2f} ({o['wait_ms']:.2f}) | {o['sync_ms'] / b['sync_ms']:.1%} | "
-            f"{b['step_ms']:.1f} | {o['step_ms']:.1f} | {'yes' if r['in_order'] else 'NO'} | "
+            f"{b['step_ms']:.1f} | {o['step_ms']:.1f} | {r.get('extra_bytes', 0) / 1e6:.1f} | "
+            f"{'yes' if r['in_order'] else 'NO'} | "
             f"{r['verify']} |"
         )
     return head + "\n".join(lines) + "\n"

@@ -344,3 +344,39 @@ def test_torch_trainer_resends_dense_after_sleep_level_2(
             assert_serves(http, reference, weights)
         finally:
             engine.shutdown()
+
+
+def test_torch_cow_overlapped_rounds_send_the_weights_of_send_time(
+    server, http: httpx.Client, tiny_llama: str
+) -> None:
+    """``snapshot="cow"`` (nothing copied up front) with ``delta="auto"``: each overlapped round
+    runs while the next optimizer step trains; after each, both replicas hold exactly the
+    weights of its ``send_weights`` call (not the step's, not a mix), and the step's copies
+    are the snapshot's only memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from weightwire.control import HTTPWeightSyncClient
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.torch_side.sender.source import ModuleSource
+    from weightwire.trainer.config import TrainerInitInfo
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama).float()
+    opt = torch.optim.SGD(hf.parameters(), lr=1e-3)
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3, 12, 8]])
+    info = TrainerInitInfo(backend="weightwire_tcp", snapshot="cow", delta="auto", verify=True)
+    with HTTPWeightSyncClient(server.url, timeout=60) as client:
+        engine = TorchTrainerEngine.trainer_init(info, client=client, source=ModuleSource(hf))
+        try:
+            for step in range(3):
+                sent = {n: p.detach().numpy().copy() for n, p in hf.state_dict().items()}
+                handle = engine.send_weights(weight_version=f"cow-{step}", wait=False)
+                hf(input_ids=ids, labels=ids).loss.backward()
+                opt.step()  # overlapped with the round: copies first or waits, never reaches it
+                opt.zero_grad()
+                handle.result()
+                sums = checksums(http)
+                assert sums[0] == sums[1] == sha(sent), f"round {step}"
+            assert engine.snapshot_bytes == 0
+        finally:
+            engine.shutdown()

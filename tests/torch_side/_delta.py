@@ -163,6 +163,11 @@ class IdentityMap:
         word = {2: torch.int16, 4: torch.int32}[flat.element_size()]
         flat.view(word)[flat_index.long()] = values.view(word)
 
+    def patch_all(self, patches: list[tuple[str, torch.Tensor, torch.Tensor]]) -> int:
+        for name, flat_index, values in patches:
+            self.patch(name, flat_index, values, in_range=True)
+        return 0
+
     def read(self, name: str) -> torch.Tensor:
         assert not self.model.reloading, "read while the parameters are reloading"
         return self.params[name].clone()

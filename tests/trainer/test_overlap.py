@@ -385,7 +385,7 @@ def test_other_ranks_iterate_on_their_own_thread_and_get_a_finished_handle() -> 
     [
         ("max_rounds_in_flight", 0, r"max_rounds_in_flight must be an int in 1\.\.8, got 0"),
         ("max_rounds_in_flight", True, "max_rounds_in_flight must be an int"),
-        ("snapshot", "deep", r"snapshot must be one of \('copy', 'none'\), got 'deep'"),
+        ("snapshot", "deep", r"snapshot must be one of \('copy', 'none', 'cow'\), got 'deep'"),
     ],
 )
 def test_bad_overlap_settings_are_refused(field: str, value: object, message: str) -> None:

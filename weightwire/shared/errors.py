@@ -32,6 +32,7 @@ defined outside this module)::
         RoundSkipped (RuntimeError)          [weightwire.trainer.overlap]
         RoundWaitTimeout (TimeoutError)      [weightwire.trainer.overlap]
         RoundCancelled (RuntimeError)        [weightwire.trainer.snapshot]
+        SnapshotChanged (RuntimeError)       [weightwire.trainer.snapshot]
       VerifyError (RuntimeError)             [weightwire.trainer.verify]
       StaleCacheError (RuntimeError)         [weightwire.trainer.freshness]
       WeightReceiveError (RuntimeError)      [weightwire.torch_side.worker.core]

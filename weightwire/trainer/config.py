@@ -126,7 +126,10 @@ class TrainerInitInfo:
       (default): the torch engine copies every tensor into reusable buffers on its device
       (one set per round in flight: a model's size each) before returning; ``"none"``: no
       copy, the caller promises not to write the parameters until the round's handle is
-      done. JAX arrays are immutable: the JAX engine references them in both modes.
+      done; ``"cow"``: no copy up front, a torch optimizer's ``step`` (or
+      ``before_update()``) copies what the round has not read yet, any other in-place write
+      fails the round with ``SnapshotChanged`` (``torch_side.sender.cow``). JAX arrays are
+      immutable: the JAX engine references them in every mode.
     - ``server_version`` / ``inference_world_size``: for clients that cannot ask the
       server (a custom adapter with only the four calls). A client that can ask is
       still asked, and a ``server_version`` naming another release is refused.

@@ -347,7 +347,7 @@ class RoundRunner:
             job.handle.version = version
             job.snapshot.ready()
             source = cancellable(job.snapshot.source, job.stop.event)
-            metrics = self._run(source, version, job.draft, job.dense, job.stop.before_commit)
+            metrics = self._run(source, version, job.draft, job.dense, _before_commit(job))
         except BaseException as exc:  # handed to the handle: never lost, never raised here
             error = exc
         self._finish(job, metrics, error)
@@ -392,6 +392,17 @@ def _outcome(handle: RoundHandle, stopped: bool, ended: bool) -> str:
     if error is None:
         return f"{handle.name} had already sent its finish and committed"
     return f"{handle.name} had already sent its finish, which failed ({type(error).__name__})"
+
+
+def _before_commit(job: Job) -> Callable[[], None]:
+    """The snapshot's last check, then the stop's last chance (a stopped round never commits)."""
+    check = job.snapshot.before_commit
+
+    def before_commit() -> None:
+        check()
+        job.stop.before_commit()
+
+    return before_commit
 
 
 def _release(snapshot: Snapshot, name: str) -> None:

@@ -15,15 +15,29 @@ from weightwire.shared.errors import RoundError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 
-__all__ = ["FrozenSource", "RoundCancelled", "RoundStop", "Snapshot", "cancellable"]
+__all__ = [
+    "FrozenSource",
+    "RoundCancelled",
+    "RoundStop",
+    "Snapshot",
+    "SnapshotChanged",
+    "cancellable",
+]
 
-SNAPSHOT_MODES = ("copy", "none")
+SNAPSHOT_MODES = ("copy", "none", "cow")
 
 
 class RoundCancelled(RoundError, RuntimeError):
     """``shutdown`` stopped a running overlapped round (``in_flight="abort"``, or a drain
     that ran out of its timeout) before its last tensor or before its commit: the servers
     keep their previous weights."""
+
+
+class SnapshotChanged(RoundError, RuntimeError):
+    """An overlapped round's weights were written in place after ``send_weights(wait=False)``
+    and before the round had read them, by a write its snapshot could not see coming
+    (``snapshot="cow"``: not a torch optimizer's ``step`` nor after ``before_update``). The
+    round is not committed: the servers keep their previous weights."""
 
 
 class RoundStop:
@@ -67,12 +81,15 @@ class Snapshot:
     """The weights one overlapped round sends, fixed when ``send_weights`` was called.
 
     ``ready`` runs on the round's thread before the first read (torch: waits for the copy
-    into the buffers); ``release`` runs once the round ended, whatever its outcome (torch:
-    the buffers go back to the pool)."""
+    into the buffers); ``before_commit`` right before the round's finish goes out, once its
+    data plane has read every tensor (torch ``cow``: the last check that nothing it read was
+    written meanwhile; raising keeps the round from committing); ``release`` runs once the
+    round ended, whatever its outcome (torch: the buffers go back to the pool)."""
 
     source: WeightSource
     ready: Callable[[], None] = _nothing
     release: Callable[[], None] = _nothing
+    before_commit: Callable[[], None] = _nothing
 
 
 class FrozenSource(WeightSource):

@@ -22,6 +22,7 @@ from weightwire.backends.device import DeviceBytes, tensor_device_bytes
 from weightwire.shared.errors import WrongType
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.dtypes import wire_name
+from weightwire.torch_side.sender.cow import CowSnapshots
 from weightwire.torch_side.sender.delta import TorchDeltaKernel
 from weightwire.torch_side.sender.snapshot import CopySnapshots, live
 from weightwire.trainer.delta import DeltaKernel
@@ -39,7 +40,36 @@ class TorchTrainerEngine(TrainerEngine):
     """Trainer engine over a ``WeightSource`` yielding torch tensors."""
 
     _copies: CopySnapshots | None = None
+    _cows: CowSnapshots | None = None
     framework = "torch"
+
+    def before_update(self, params: Any = None) -> None:
+        """Call before writing the parameters in place outside a torch optimizer's ``step``
+        while an overlapped round with ``snapshot="cow"`` may be in flight: the tensors the
+        round has not read yet are copied first (``params``: the ones about to be written,
+        default all), and the call waits while the round may still be reading one. A no-op
+        in the other snapshot modes or with no round in flight."""
+        if self._cows is not None:
+            self._cows.protect(None if params is None else list(params))
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Trainer memory the overlapped rounds' snapshots hold now (``copy``: the buffer
+        sets; ``cow``: the copies made before writes)."""
+        held = self._cows.stats.held if self._cows is not None else 0
+        return held + (self._copies.nbytes if self._copies is not None else 0)
+
+    @property
+    def snapshot_peak_bytes(self) -> int:
+        """The most trainer memory the snapshots held at once (``copy``: its buffer sets,
+        kept for reuse; ``cow``: the most copies held at once)."""
+        peak = self._cows.stats.peak if self._cows is not None else 0
+        return peak + (self._copies.nbytes if self._copies is not None else 0)
+
+    def _cow_snapshots(self) -> CowSnapshots:
+        if self._cows is None:
+            self._cows = CowSnapshots(self.info.timeouts.round_s)
+        return self._cows
 
     def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
         if not isinstance(tensor, torch.Tensor):
@@ -61,9 +91,13 @@ class TorchTrainerEngine(TrainerEngine):
 
     def snapshot(self, source: WeightSource) -> Snapshot:
         """``snapshot="copy"``: every tensor copied into this engine's reusable buffers;
-        ``"none"``: the source itself (see ``TrainerInitInfo.snapshot``)."""
+        ``"cow"``: the live tensors, a tensor copied only before a write the round has not
+        read yet (``sender.cow``); ``"none"``: the source itself (see
+        ``TrainerInitInfo.snapshot``)."""
         if self.info.snapshot == "none":
             return live(source)
+        if self.info.snapshot == "cow":
+            return self._cow_snapshots().take(source)
         if self._copies is None:
             self._copies = CopySnapshots()
         return self._copies.take(source)

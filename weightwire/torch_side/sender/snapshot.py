@@ -28,7 +28,15 @@ class CopySnapshots:
 
     def __init__(self) -> None:
         self._free: list[Buffers] = []
+        self._in_use: dict[int, Buffers] = {}
         self._lock = threading.Lock()  # the round thread gives back, the trainer's thread takes
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the buffer sets hold (in use by a round or free for the next)."""
+        with self._lock:
+            sets = [*self._free, *self._in_use.values()]
+        return sum(t.nbytes for b in sets for t in b.values())
 
     def take(self, source: WeightSource) -> Snapshot:
         """Copy ``source``'s tensors now (the trainer's thread); the round waits for the copy
@@ -46,13 +54,16 @@ class CopySnapshots:
             self._give_back(kept)
             raise
         # Only this pass's names are kept: a renamed or dropped tensor frees its buffer.
-        ready = _device_wait(kept.values())
+        with self._lock:
+            self._in_use[id(kept)] = kept
+        ready = device_wait(kept.values())
         return Snapshot(
             FrozenSource(metas, pairs), ready=ready, release=lambda: self._give_back(kept)
         )
 
     def _give_back(self, buffers: Buffers) -> None:
         with self._lock:
+            self._in_use.pop(id(buffers), None)
             self._free.append(buffers)
 
 
@@ -73,7 +84,7 @@ def copy_into(buffer: torch.Tensor | None, tensor: torch.Tensor) -> torch.Tensor
     return buffer
 
 
-def _device_wait(tensors: Any) -> Any:
+def device_wait(tensors: Any) -> Any:
     """A callable that blocks until the copies just queued on each CUDA device are done
     (recorded on the trainer's current streams; the round runs on another thread)."""
     events = []

@@ -168,11 +168,19 @@ class HFModelHost:
         """Write the held patches into their parameters (the caller holds the lock)."""
         if not patches:  # a dense round: the delta module stays unimported
             return
-        from weightwire.torch_side.worker.delta import patch_tensor
+        from weightwire.torch_side.worker.fused_patch import FusedPatch, PatchTarget, apply_fused
 
-        with torch.no_grad():
-            for p in patches:
-                patch_tensor(self._params[self._alias[p.name]].data, p.index, p.values)
+        fused: list[FusedPatch] = []
+        flats: dict[str, torch.Tensor] = {}
+        for p in patches:
+            name = self._alias[p.name]
+            param = self._params[name].data
+            if p.values.dtype != param.dtype:  # checked on receipt (check_patches): a guard
+                raise ValueError(f"patch values are {p.values.dtype}, the tensor is {param.dtype}")
+            flats[name] = param.view(-1)
+            fused.append(FusedPatch(PatchTarget(name, 0), p.index, p.values, p.name))
+        with torch.no_grad():  # one scatter per parameter, the indices prepared together
+            apply_fused(flats, fused)
 
     def tied_aliases(self) -> dict[str, str]:
         """``{alias: canonical}`` of the model's tied parameters (``lm_head.weight`` ->

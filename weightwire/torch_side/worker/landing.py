@@ -11,6 +11,9 @@ copies per checkpoint tensor (``Landing``), so ``LoaderMap`` can then
 - ``patch`` a few elements: checkpoint flat indices are translated into parameter
   storage indices with tensor ops per landing (no per-element Python, no full-size
   tensor); indices another tensor-parallel rank holds fall out of every landing;
+  ``patch_all`` applies a round's patches, those of tensors that land whole in one
+  parameter (``plain_target``, cached) as one scatter per parameter storage
+  (``fused_patch``), the others one by one;
 - ``read`` the checkpoint tensor back from the parameters (checksums, verify).
 
 The map is only valid when loading IS a set of plain copies: any loader that computes,
@@ -35,6 +38,7 @@ import torch
 
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.dtypes import torch_dtype
+from weightwire.torch_side.worker.fused_patch import FusedPatch, PatchTarget, apply_fused
 from weightwire.torch_side.worker.landing_rules import (
     Bindings,
     check_coverage,
@@ -105,6 +109,7 @@ class LoaderMap:
     params: dict[str, torch.Tensor]
     """Name -> the serving parameter's data (the live storage)."""
     _flat: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _plain: dict[str, PatchTarget | None] = field(default_factory=dict, repr=False)
 
     def _of(self, name: str) -> TensorLandings:
         try:
@@ -166,6 +171,45 @@ class LoaderMap:
                 keep, dst = _translate(ld, idx)
                 _scatter_kept(flat, keep, dst, vals)
 
+    def plain_target(self, name: str) -> PatchTarget | None:
+        """Where the checkpoint tensor's flat index ``i`` lands when it lands whole, in its
+        row-major layout, in one parameter (flat storage index ``offset + i``); None for a
+        tensor-parallel slice, a transposed or scattered landing, several landings or a
+        constant fill. Worked out once per tensor (the landings never change)."""
+        if name not in self._plain:
+            tl = self._of(name)
+            (ld, *more) = tl.landings or (None,)
+            plain = ld is not None and not more and not tl.fills and _whole(ld, tl.shape)
+            self._plain[name] = PatchTarget(ld.param, ld.dst_offset) if plain and ld else None
+        return self._plain[name]
+
+    def patch_all(
+        self,
+        patches: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
+        *,
+        concat: bool | None = None,
+    ) -> int:
+        """A round's ``(name, flat index, values)`` patches, every index already checked to
+        be within its tensor (``delta.check_indices``). Those of tensors with a
+        ``plain_target`` go as one scatter per parameter storage (``fused_patch``); the others
+        through ``patch``, one by one, after them. Returns the number of scatters the fused
+        part launched (``concat``: ``fused_patch.apply_fused``'s). Bit-identical to
+        ``patch(name, index, values)`` for each in turn."""
+        fused: list[FusedPatch] = []
+        rest: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for name, index, values in patches:
+            target = self.plain_target(name)
+            if target is None or index.dim() != 1:
+                rest.append((name, index, values))
+            else:
+                fused.append(FusedPatch(target, index, values, name))
+        with torch.no_grad():
+            flats = {t: self._flat_of(t) for t in _storages(fused)}
+            launched = apply_fused(flats, fused, concat=concat)
+        for name, index, values in rest:
+            self.patch(name, index, values, in_range=True)
+        return launched
+
     def read(self, name: str) -> torch.Tensor:
         """The checkpoint tensor as the parameters hold it now (wire dtype, parameter device)."""
         tl = self._of(name)
@@ -204,6 +248,10 @@ class LoaderMap:
             elems = p.untyped_storage().nbytes() // p.element_size()
             flat = self._flat[param] = p.as_strided((elems,), (1,), 0)
         return flat
+
+
+def _storages(patches: Sequence[FusedPatch]) -> set[str]:
+    return {p.target.storage for p in patches}
 
 
 def _scatter_kept(

@@ -111,12 +111,16 @@ class MapSink(PatchSink):
         return [(n, t) for n, t in sorted(self._mates_read.items()) if n not in targets]
 
     def after_commit(self, patches: Sequence[StagedPatch]) -> None:
+        checked: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for p in patches:
             target = self._target(p.name)
             # Indices were checked against the patch's shape on receipt (``PatchSplitter``):
             # in range of the target too when the two hold as many elements.
-            same = math.prod(self.map.tensors[target].shape) == p.patch.numel
-            self.map.patch(target, p.index, p.values, in_range=same)
+            if math.prod(self.map.tensors[target].shape) == p.patch.numel:
+                checked.append((target, p.index, p.values))
+            else:
+                self.map.patch(target, p.index, p.values)
+        self.map.patch_all(checked)  # one scatter per parameter storage where it lands whole
 
 
 class CopySink(PatchSink):

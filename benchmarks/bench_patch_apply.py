@@ -1,0 +1,161 @@
+"""A delta round's patch application on the worker, against one dense device copy.
+
+    python benchmarks/bench_patch_apply.py                       # GPU: Llama-3-8B shapes, bf16
+    python benchmarks/bench_patch_apply.py --device cpu --shape small   # CPU smoke run
+
+Parameters laid out like vLLM's Llama (``tests/torch_side/fake_llama.py``: fused ``qkv_proj``
+and ``gate_up_proj``), their landing map recorded from the model's own loader; every tensor
+gets a patch of ``--density`` (2 % by default, what lr 1e-6 changes: bench_delta.py) random
+strictly increasing ``int32`` indices and random values, on the device, as the worker holds
+them after receipt. Timed until the device finished, median of ``--repeats`` after one
+warm-up, side by side:
+
+- ``one by one``: ``LoaderMap.patch`` per tensor (the path before the fused one);
+- ``fused``: ``LoaderMap.patch_all`` (one scatter per parameter storage over the
+  concatenated patches, ``fused_patch``; the default on a GPU);
+- ``fused, per patch``: ``patch_all`` with a scatter per patch at ``index + offset`` (the
+  default on a CPU, where a launch costs nothing and the concatenation is one more pass);
+- ``dense copy``: one ``copy_`` of every destination parameter into a buffer of its size
+  (the floor the issue compares with: the payload's destination tensors copied once).
+
+``exact``: a twin model patched one by one holds the fused model's bits (``--no-check``
+skips the twin, which doubles the memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.torch_side.fake_llama import SHAPES, FakeLlama, hf_shapes  # noqa: E402
+from weightwire.shared.meta import ParamMeta  # noqa: E402
+from weightwire.torch_side.worker.landing import LoaderMap, record_loader_map  # noqa: E402
+
+Patches = list[tuple[str, torch.Tensor, torch.Tensor]]
+
+
+def make_patches(
+    shapes: dict[str, tuple[int, ...]], density: float, device: torch.device, seed: int
+) -> Patches:
+    g = torch.Generator(device=device).manual_seed(seed)
+    out: Patches = []
+    for name, shape in shapes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        mask = torch.rand(n, generator=g, device=device) < density
+        idx = torch.nonzero(mask).reshape(-1).to(torch.int32)
+        del mask
+        vals = torch.randn(idx.numel(), generator=g, device=device).to(torch.bfloat16)
+        out.append((name, idx, vals))
+    return out
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()  # warm-up
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def model_and_map(shape: str, device: torch.device) -> tuple[FakeLlama, LoaderMap]:
+    model = FakeLlama(shape, torch.bfloat16, device)
+    metas = [ParamMeta(n, "bfloat16", s) for n, s in hf_shapes(shape).items()]
+    return model, record_loader_map(model, metas)
+
+
+def same_bits(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    pb = dict(b.named_parameters())
+    return all(
+        torch.equal(p.view(torch.int16), pb[n].view(torch.int16)) for n, p in a.named_parameters()
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    ap.add_argument("--density", type=float, default=0.0195)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-check", action="store_true", help="skip the twin model's check")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    shape = args.shape or ("llama3-8b" if device.type == "cuda" else "small")
+
+    model, m = model_and_map(shape, device)
+    patches = make_patches(hf_shapes(shape), args.density, device, seed=0)
+    changed = sum(i.numel() for _, i, _ in patches)
+    payload_mb = changed * 6 / 1e6
+    dests = [p.data for p in model.parameters()]
+    scratch = [torch.empty_like(d) for d in dests]
+    dense_mb = sum(d.nbytes for d in dests) / 1e6
+
+    def one_by_one() -> None:
+        for name, idx, vals in patches:
+            m.patch(name, idx, vals, in_range=True)
+
+    launched: dict[str, int] = {}
+
+    def fused() -> None:
+        launched["fused"] = m.patch_all(patches, concat=True)
+
+    def each() -> None:
+        launched["fused, per patch"] = m.patch_all(patches, concat=False)
+
+    def dense() -> None:
+        for s, d in zip(scratch, dests, strict=True):
+            s.copy_(d)
+
+    rows = {
+        "one by one": timed(one_by_one, device, args.repeats),
+        "fused": timed(fused, device, args.repeats),
+        "fused, per patch": timed(each, device, args.repeats),
+        "dense copy": timed(dense, device, args.repeats),
+    }
+    scratch.clear()  # its memory back before the twin
+    exact = "not checked"
+    if not args.no_check:
+        twin, tm = model_and_map(shape, device)
+        with torch.no_grad():
+            for p, q in zip(twin.parameters(), model.parameters(), strict=True):
+                p.copy_(q)
+        m.patch_all(patches)
+        for name, idx, vals in patches:
+            tm.patch(name, idx, vals)
+        exact = "yes" if same_bits(model, twin) else "NO"
+
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(
+        f"# patch application, {shape} ({len(patches)} tensors, {dense_mb:.1f} MB dense), "
+        f"{device}, density {changed / (dense_mb * 1e6 / 2):.3%}, payload {payload_mb:.1f} MB, "
+        f"median of {args.repeats}"
+    )
+    print("| path | ms | x dense copy | scatters |")
+    print("|---|---:|---:|---:|")
+    counts = {"one by one": "per landing", "dense copy": "-"}
+    counts.update((k, str(v)) for k, v in launched.items())
+    for k, v in med.items():
+        print(f"| {k} | {v:.2f} | {v / med['dense copy']:.2f}x | {counts[k]} |")
+    print(f"exact (fused == one by one, bit for bit): {exact}")
+
+
+if __name__ == "__main__":
+    main()
