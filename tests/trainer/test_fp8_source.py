@@ -26,6 +26,7 @@ from weightwire.shared.quant import (
     Fp8PerTensor,
     Fp8Scheme,
     QuantizationError,
+    dequantize_reference,
     quantize_block_reference,
     quantize_tensor_reference,
 )
@@ -180,17 +181,29 @@ def test_rounds_deliver_the_fp8_pairs_dense_then_delta(loopback: Any, framework:
     if framework == "jax":
         inner: DictSource = DictSource(dict(weights), describe)
         engine = JAXTrainerEngine.trainer_init(
-            info, client=loopback, source=jax_fp8_source(inner, SPEC)
+            info, client=loopback, source=jax_fp8_source(inner, SPEC, stats=True)
         )
     else:
         inner = DictSource({n: _torch(a) for n, a in weights.items()}, describe_tensor)
         engine = TorchTrainerEngine.trainer_init(
-            info, client=loopback, source=torch_fp8_source(inner, SPEC)
+            info, client=loopback, source=torch_fp8_source(inner, SPEC, stats=True)
         )
     try:
-        engine.send_weights()
+        first = engine.send_weights()
         (reply,) = loopback.weight_checker("checksum")
         assert reply["checksums"] == _checksums(_expected(weights))
+        # the round's report: what the pairs saved, each weight's error on the trainer's device
+        assert first.fp8 is not None and first.fp8.weights == len(SPEC)
+        halves = sum(weights[n].size for n in SPEC)
+        assert first.fp8.bytes_saved == halves - 4 * (6 + 1 + 4)
+        assert set(first.fp8.errors) == set(SPEC)
+        for name, scheme in SPEC.items():
+            x = weights[name]
+            q, scale = _expected({name: x}).values()
+            want = np.abs(dequantize_reference(q, scale, scheme) - x.astype(np.float32))
+            assert first.fp8.errors[name].max_abs_error == pytest.approx(want.max(), rel=1e-6)
+            assert first.fp8.errors[name].mean_abs_error == pytest.approx(want.mean(), rel=1e-4)
+        assert f"fp8: 3 weights, {first.fp8.bytes_saved / 1e6:.1f} MB saved" in first.summary()
         # one element of down_proj moves: only the e4m3 bytes that change are patched
         name = f"{L0}.mlp.down_proj.weight"
         moved = weights[name].copy()

@@ -33,6 +33,7 @@ from weightwire.shared.quant import (
 )
 from weightwire.shared.served import ServedModel, ServedModelMismatch
 from weightwire.shared.source import WeightSource
+from weightwire.trainer.metrics import Fp8Report
 
 Quantize = Callable[[str, Any, Fp8Scheme, bool], tuple[Any, Any, QuantStats | None]]
 """``(name, tensor, scheme, stats) -> (e4m3 weight, float32 scale, error or None)``."""
@@ -172,6 +173,10 @@ class Fp8Source(WeightSource):
             if name in held:
                 out.update(fp8_names(name, scheme))
         return out
+
+    def report(self) -> Fp8Report:
+        """The last pass's FP8 part of a round (``RoundMetrics.fp8``)."""
+        return Fp8Report(len(self._spec()), self.bytes_saved(), dict(self.last_stats))
 
     def bytes_saved(self) -> int:
         """Bytes per round the FP8 pairs save against the tensors they replace."""
