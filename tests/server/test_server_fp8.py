@@ -78,11 +78,17 @@ class Tensors(WeightSource):
         yield from self.tensors.items()
 
 
-def trainer(framework: str, url: str, weights: dict[str, np.ndarray], spec: Any = "auto") -> Any:
+def trainer(
+    framework: str,
+    url: str,
+    weights: dict[str, np.ndarray],
+    spec: Any = "auto",
+    **info_fields: Any,
+) -> Any:
     from weightwire.control import HTTPWeightSyncClient
     from weightwire.trainer import TrainerInitInfo
 
-    info = TrainerInitInfo(backend="weightwire_tcp")
+    info = TrainerInitInfo(backend="weightwire_tcp", **info_fields)
     client = HTTPWeightSyncClient(url, timeout=60)
     if framework == "jax":
         import jax.numpy as jnp
@@ -144,6 +150,26 @@ def test_a_round_lands_as_loading_the_same_fp8_checkpoint_from_disk(
     assert served(http) == loaded_from_disk(on_disk)
     reply = http.post("/v1/completions", json={"prompt": "The trainer", "max_tokens": 4})
     assert reply.status_code == 200, reply.text
+
+
+def test_delta_rounds_patch_the_e4m3_bytes_that_changed(
+    server, http: httpx.Client, tiny_llama: str, base_weights: dict[str, np.ndarray], tmp_path: Path
+) -> None:
+    import torch
+
+    new = {n: a.copy() for n, a in base_weights.items()}
+    engine = trainer("torch", server.url, new, delta="auto")
+    try:
+        engine.send_weights()
+        down = "model.layers.1.mlp.down_proj.weight"
+        new[down][3, :7] *= 1.5  # a few elements: their e4m3 bytes (and one scale) change
+        engine.source.inner.tensors[down] = torch.from_numpy(new[down].copy())
+        metrics = engine.send_weights()
+    finally:
+        engine.shutdown()
+    assert metrics.density is not None and metrics.wire_bytes < metrics.dense_bytes / 20
+    on_disk = write_fp8_checkpoint(tiny_llama, tmp_path / "new", new)
+    assert served(http) == loaded_from_disk(on_disk)
 
 
 def test_a_spec_of_another_block_size_is_refused_by_name_before_any_byte(
