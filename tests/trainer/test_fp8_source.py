@@ -315,3 +315,26 @@ def test_auto_rounds_deliver_the_served_checkpoints_bytes(
         }
     finally:
         engine.shutdown()
+
+
+def test_an_overlapped_round_sends_the_pairs_quantized_at_its_snapshot(loopback: Any) -> None:
+    info = TrainerInitInfo(
+        backend="weightwire_tcp",
+        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
+    )
+    weights = _weights(3)
+    inner = DictSource({n: _torch(a) for n, a in weights.items()}, describe_tensor)
+    engine = TorchTrainerEngine.trainer_init(
+        info, client=loopback, source=torch_fp8_source(inner, SPEC, stats=True)
+    )
+    try:
+        handle = engine.send_weights(wait=False)
+        # the trainer moves on: the round sends what the snapshot quantized
+        inner.tensors = {n: _torch(a + 1) for n, a in _weights(4).items()}
+        metrics = handle.result(timeout=60)
+        (reply,) = loopback.weight_checker("checksum")
+        want = _checksums(_expected(weights))
+        assert {n: reply["checksums"][n] for n in want} == want
+        assert metrics.fp8 is not None and set(metrics.fp8.errors) == set(SPEC)
+    finally:
+        engine.shutdown()
