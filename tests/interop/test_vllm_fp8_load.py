@@ -4,8 +4,8 @@ A served block-FP8 Llama (the tiny Llama's shapes, ``weight_block_size [32, 48]`
 with uneven edges, fused q/k/v and gate/up; scales as computed, or ue8m0: a case each) is
 told to the trainers by its checkpoint directory (``served_checkpoint``: stock vLLM's routes
 tell nothing). A bf16 JAX trainer and a bf16 torch trainer each send one round with
-``fp8_source(source, "auto")`` (to the loopback
-receiver, which holds what arrived: the round's tensors are read back by their digests).
+``fp8_source(source, "auto")`` (to the loopback receiver, which holds what arrived: the
+round's tensors are read back by their digests).
 ``check_fp8_load.py`` then, inside a real vLLM worker, loads vLLM's own quantization of the
 same bf16 weights (``per_block_cast_to_fp8``, written to disk and read back) into vLLM's FP8
 Llama (``Fp8LinearMethod``: e4m3 ``weight``, float32 ``weight_scale_inv``) and each round's
