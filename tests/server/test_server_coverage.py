@@ -194,3 +194,25 @@ def test_a_server_that_does_not_tell_is_checked_against_served_checkpoint(
     assert checksums(http) == sha(new)
     with pytest.raises(ConfigError, match="holds no \\*.safetensors files"):
         engine(server.url, source, tells_served=False, served_checkpoint=str(tmp_path))
+
+
+def test_an_fp8_spec_for_a_model_served_unquantized_is_refused_at_init(
+    server, http: httpx.Client, weights: dict[str, Any]
+) -> None:
+    """The reference server's model holds every linear in float32 and tells no FP8 linears:
+    an explicit FP8 spec, or ``auto``, is refused at ``trainer_init``, naming the tensor, and
+    the served weights are untouched."""
+    from weightwire.shared.quant import Fp8Block
+    from weightwire.torch_side.sender.quant import fp8_source
+
+    q = "model.layers.0.self_attn.q_proj.weight"
+    before = checksums(http)
+    with pytest.raises(ServedModelMismatch) as refused:
+        engine(server.url, fp8_source(Tensors(dict(weights)), {q: Fp8Block()}))
+    assert (
+        f"the FP8 spec quantizes 1 tensor(s) [{q}], which the served model does not take in "
+        f"FP8 (it holds {q} (float32))" in str(refused.value)
+    )
+    with pytest.raises(ServedModelMismatch, match="the served model takes no tensor in FP8"):
+        engine(server.url, fp8_source(Tensors(dict(weights)), "auto"))
+    assert checksums(http) == before

@@ -6,6 +6,7 @@ receiver: what arrives is the numpy reference's e4m3 bytes and scales (vLLM's, p
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import jax.numpy as jnp
@@ -18,15 +19,18 @@ from tests.trainer.fakes import DictSource
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.quant import fp8_source as jax_fp8_source
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.quant import (
     Fp8Block,
     Fp8PerTensor,
     Fp8Scheme,
     QuantizationError,
+    dequantize_reference,
     quantize_block_reference,
     quantize_tensor_reference,
 )
+from weightwire.shared.served import ServedModelMismatch
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.quant import fp8_source as torch_fp8_source
@@ -177,17 +181,29 @@ def test_rounds_deliver_the_fp8_pairs_dense_then_delta(loopback: Any, framework:
     if framework == "jax":
         inner: DictSource = DictSource(dict(weights), describe)
         engine = JAXTrainerEngine.trainer_init(
-            info, client=loopback, source=jax_fp8_source(inner, SPEC)
+            info, client=loopback, source=jax_fp8_source(inner, SPEC, stats=True)
         )
     else:
         inner = DictSource({n: _torch(a) for n, a in weights.items()}, describe_tensor)
         engine = TorchTrainerEngine.trainer_init(
-            info, client=loopback, source=torch_fp8_source(inner, SPEC)
+            info, client=loopback, source=torch_fp8_source(inner, SPEC, stats=True)
         )
     try:
-        engine.send_weights()
+        first = engine.send_weights()
         (reply,) = loopback.weight_checker("checksum")
         assert reply["checksums"] == _checksums(_expected(weights))
+        # the round's report: what the pairs saved, each weight's error on the trainer's device
+        assert first.fp8 is not None and first.fp8.weights == len(SPEC)
+        halves = sum(weights[n].size for n in SPEC)
+        assert first.fp8.bytes_saved == halves - 4 * (6 + 1 + 4)
+        assert set(first.fp8.errors) == set(SPEC)
+        for name, scheme in SPEC.items():
+            x = weights[name]
+            q, scale = _expected({name: x}).values()
+            want = np.abs(dequantize_reference(q, scale, scheme) - x.astype(np.float32))
+            assert first.fp8.errors[name].max_abs_error == pytest.approx(want.max(), rel=1e-6)
+            assert first.fp8.errors[name].mean_abs_error == pytest.approx(want.mean(), rel=1e-4)
+        assert f"fp8: 3 weights, {first.fp8.bytes_saved / 1e6:.1f} MB saved" in first.summary()
         # one element of down_proj moves: only the e4m3 bytes that change are patched
         name = f"{L0}.mlp.down_proj.weight"
         moved = weights[name].copy()
@@ -198,5 +214,127 @@ def test_rounds_deliver_the_fp8_pairs_dense_then_delta(loopback: Any, framework:
         assert metrics.density is not None and metrics.wire_bytes < metrics.dense_bytes / 20
         (reply,) = loopback.weight_checker("checksum")
         assert reply["checksums"] == _checksums(_expected(weights))
+    finally:
+        engine.shutdown()
+
+
+def _fp8_checkpoint(root: Any, weights: dict[str, np.ndarray], config: dict[str, Any]) -> None:
+    """A served FP8 checkpoint of ``weights``: each 2-D ``X.weight`` but the embedding
+    quantized as ``config`` says (the reference quantizer: vLLM's bytes), the rest as is."""
+    from safetensors.torch import save_file
+
+    from weightwire.shared.quant import scheme_of_config
+
+    scheme = scheme_of_config(config)
+    assert isinstance(scheme, Fp8Block)
+    out: dict[str, torch.Tensor] = {}
+    for name, x in weights.items():
+        if x.ndim == 2 and "embed" not in name:
+            q, s = quantize_block_reference(name, x, scheme)
+            out[name] = torch.from_numpy(q.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+            out[name + "_scale_inv"] = torch.from_numpy(s.copy())
+        else:
+            out[name] = _torch(x)
+    root.mkdir()
+    save_file(out, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps({"quantization_config": config}))
+
+
+def test_auto_takes_the_served_models_names_and_scheme() -> None:
+    from weightwire.shared.served import ServedModel
+
+    weights = _weights()
+    source = jax_fp8_source(DictSource(weights, describe), "auto")
+    with pytest.raises(ConfigError, match="learns its spec from the served model at trainer_init"):
+        source.metadata()
+    served_metas = [
+        ParamMeta(m.name, m.dtype, m.shape)
+        for m in jax_fp8_source(DictSource(weights, describe), SPEC).metadata()
+    ]
+    config = {"quant_method": "fp8", "weight_block_size": [64, 64], "scale_fmt": "ue8m0"}
+    for_block = [
+        ParamMeta(m.name + "_inv" if m.name.endswith("_scale") else m.name, m.dtype, m.shape)
+        for m in served_metas
+    ]
+    source.fit(ServedModel.of(for_block, quantization_config=config))
+    assert source.spec == {
+        f"{L0}.mlp.down_proj.weight": Fp8Block((64, 64), True),
+        f"{L0}.mlp.gate_proj.weight": Fp8Block((64, 64), True),
+        f"{L0}.self_attn.o_proj.weight": Fp8Block((64, 64), True),
+    }
+    with pytest.raises(ServedModelMismatch, match="the servers told no served model"):
+        jax_fp8_source(DictSource(weights, describe), "auto").fit(None)
+    plain = ServedModel.of(DictSource(weights, describe).metadata(), quantization_config=config)
+    with pytest.raises(ServedModelMismatch, match="takes no tensor in FP8"):
+        jax_fp8_source(DictSource(weights, describe), "auto").fit(plain)
+    with pytest.raises(ServedModelMismatch, match="does not take in FP8"):
+        jax_fp8_source(DictSource(weights, describe), SPEC).fit(plain)
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_auto_rounds_deliver_the_served_checkpoints_bytes(
+    loopback: Any, framework: str, tmp_path: Any
+) -> None:
+    """The served FP8 checkpoint (a directory, as a stock vLLM server's) says which weights
+    and how; an ``auto`` round's tensors are that checkpoint's, byte for byte."""
+    from safetensors.torch import load_file
+
+    weights = _weights(2)
+    config = {
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    }
+    _fp8_checkpoint(tmp_path / "fp8", weights, config)
+    info = TrainerInitInfo(
+        backend="weightwire_tcp",
+        served_checkpoint=str(tmp_path / "fp8"),
+        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
+    )
+    engine: Any
+    if framework == "jax":
+        source = jax_fp8_source(
+            DictSource({n: jnp.asarray(a) for n, a in weights.items()}, describe), "auto"
+        )
+        engine = JAXTrainerEngine.trainer_init(info, client=loopback, source=source)
+    else:
+        source = torch_fp8_source(
+            DictSource({n: _torch(a) for n, a in weights.items()}, describe_tensor), "auto"
+        )
+        engine = TorchTrainerEngine.trainer_init(info, client=loopback, source=source)
+    try:
+        assert set(source.spec) == {n for n, a in weights.items() if a.ndim == 2} - {
+            "model.embed_tokens.weight"
+        }
+        engine.send_weights()
+        (reply,) = loopback.weight_checker("checksum")
+        on_disk = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+        # (the loopback receiver keeps what earlier tests of the module sent under other names)
+        assert {n: reply["checksums"][n] for n in on_disk} == {
+            n: hashlib.sha256(_host(t)).hexdigest() for n, t in on_disk.items()
+        }
+    finally:
+        engine.shutdown()
+
+
+def test_an_overlapped_round_sends_the_pairs_quantized_at_its_snapshot(loopback: Any) -> None:
+    info = TrainerInitInfo(
+        backend="weightwire_tcp",
+        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
+    )
+    weights = _weights(3)
+    inner = DictSource({n: _torch(a) for n, a in weights.items()}, describe_tensor)
+    engine = TorchTrainerEngine.trainer_init(
+        info, client=loopback, source=torch_fp8_source(inner, SPEC, stats=True)
+    )
+    try:
+        handle = engine.send_weights(wait=False)
+        # the trainer moves on: the round sends what the snapshot quantized
+        inner.tensors = {n: _torch(a + 1) for n, a in _weights(4).items()}
+        metrics = handle.result(timeout=60)
+        (reply,) = loopback.weight_checker("checksum")
+        want = _checksums(_expected(weights))
+        assert {n: reply["checksums"][n] for n in want} == want
+        assert metrics.fp8 is not None and set(metrics.fp8.errors) == set(SPEC)
     finally:
         engine.shutdown()

@@ -239,3 +239,68 @@ def dequantize_reference(q: np.ndarray, scale: np.ndarray, scheme: Fp8Scheme) ->
     m, n = q.shape
     full = np.repeat(np.repeat(scale, bm, axis=0), bn, axis=1)[:m, :n]
     return values * full
+
+
+# -- the scheme a served checkpoint declares ----------------------------------------------
+
+
+def scheme_to_dict(scheme: Fp8Scheme) -> dict[str, object]:
+    """The scheme as JSON (the served model's ``fp8.scheme``, ``docs/wire-format.md``)."""
+    if isinstance(scheme, Fp8Block):
+        return {"kind": "block", "block": list(scheme.block), "ue8m0": scheme.ue8m0}
+    return {"kind": "tensor"}
+
+
+def scheme_from_dict(data: object, ctx: str) -> Fp8Scheme:
+    """Strict parse of ``scheme_to_dict``'s JSON: ``ValueError`` naming ``ctx``."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{ctx} must be a JSON object, got {type(data).__name__}")
+    kind = data.get("kind")
+    keys = {"block": {"kind", "block", "ue8m0"}, "tensor": {"kind"}}.get(str(kind))
+    if keys is None:
+        raise ValueError(f"{ctx}.kind must be 'block' or 'tensor', got {kind!r}")
+    extra = sorted(str(k) for k in data if k not in keys)
+    if extra:
+        raise ValueError(f"{ctx}: unknown keys {extra}; allowed: {sorted(keys)}")
+    if kind == "tensor":
+        return Fp8PerTensor()
+    block = data.get("block")
+    if not isinstance(block, list):
+        raise ValueError(f"{ctx}.block must be a list of two ints, got {block!r}")
+    try:
+        return Fp8Block(tuple(block), data.get("ue8m0", False))
+    except QuantizationError as exc:
+        raise ValueError(f"{ctx}: {exc}") from None
+
+
+def scheme_of_config(quantization_config: object) -> Fp8Scheme | None:
+    """The FP8 scheme an HF ``quantization_config`` declares (``quant_method: fp8``:
+    ``weight_block_size`` -> ``Fp8Block``, with ``scale_fmt: ue8m0`` its power-of-two scales;
+    none -> ``Fp8PerTensor``), ``None`` for no config or another method. A config that says
+    fp8 in a form this cannot read is a ``QuantizationError``: a scheme is never guessed."""
+    if not isinstance(quantization_config, dict):
+        return None
+    if quantization_config.get("quant_method") != "fp8":
+        return None
+    fmt = quantization_config.get("scale_fmt")
+    if fmt not in (None, "ue8m0"):
+        raise QuantizationError(
+            f"the served model's quantization_config has scale_fmt {fmt!r}; weightwire's FP8 "
+            "rounds know float32 scales and 'ue8m0': send this model's weights unquantized"
+        )
+    block = quantization_config.get("weight_block_size")
+    if block is None:
+        return Fp8PerTensor()
+    if not isinstance(block, list | tuple):
+        raise QuantizationError(
+            f"the served model's quantization_config has weight_block_size {block!r}, not "
+            "[rows, cols]"
+        )
+    return Fp8Block(tuple(block), fmt == "ue8m0")
+
+
+def describe_scheme(scheme: Fp8Scheme) -> str:
+    """``block [128, 128] e4m3`` (``+ ue8m0``) or ``per-tensor e4m3``: for messages."""
+    if isinstance(scheme, Fp8Block):
+        return f"block {list(scheme.block)} e4m3" + (" ue8m0" if scheme.ue8m0 else "")
+    return "per-tensor e4m3"

@@ -12,7 +12,15 @@ On the wire (``docs/wire-format.md``) it is the JSON object ``to_dict`` writes::
 
     {"tensors": [{"name": ..., "dtype": ..., "shape": [...]}, ...],
      "aliases": {"lm_head.weight": "model.embed_tokens.weight"},
-     "checks_dtype": true}
+     "checks_dtype": true,
+     "fp8": {"scheme": {"kind": "block", "block": [128, 128], "ue8m0": false},
+             "weights": ["model.layers.0.mlp.down_proj.weight", ...]}}
+
+``fp8`` (absent for a model served unquantized) names the checkpoint's ``X.weight``s the
+model takes in ``float8_e4m3fn`` beside their scale, and the one scheme its
+``quantization_config`` declares (``shared.quant``): a trainer's FP8 spec is checked
+against it (``check_fp8_spec``), and ``fp8_source(source, "auto")`` quantizes exactly those
+names with that scheme.
 
 ``checks_dtype`` is ``false`` where the receiver casts on load (stock vLLM's loaders copy
 into the parameter whatever the sent dtype), so a dtype difference is not an error there.
@@ -31,11 +39,21 @@ from typing import Any
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.lora import is_adapter_round
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.quant import (
+    FP8_DTYPE,
+    Fp8Scheme,
+    QuantizationError,
+    describe_scheme,
+    fp8_names,
+    scheme_from_dict,
+    scheme_of_config,
+    scheme_to_dict,
+)
 
 SHOWN = 8
 """How many names a message lists per problem (the count says how many there are)."""
 
-_KEYS = frozenset({"tensors", "aliases", "checks_dtype"})
+_KEYS = frozenset({"tensors", "aliases", "checks_dtype", "fp8"})
 _SAFETENSORS_DTYPES = {
     "BF16": "bfloat16",
     "F16": "float16",
@@ -60,6 +78,44 @@ class ServedModelMismatch(ConfigError):
 
 
 @dataclass(frozen=True)
+class Fp8Served:
+    """The served model's FP8 linears: their ``X.weight`` names and its one scheme."""
+
+    scheme: Fp8Scheme
+    weights: frozenset[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scheme": scheme_to_dict(self.scheme), "weights": sorted(self.weights)}
+
+    @classmethod
+    def from_dict(cls, data: object, ctx: str) -> Fp8Served:
+        if not isinstance(data, dict) or set(data) != {"scheme", "weights"}:
+            raise ValueError(f"{ctx} must be an object with 'scheme' and 'weights'")
+        weights = data["weights"]
+        if not isinstance(weights, list) or not all(isinstance(w, str) for w in weights):
+            raise ValueError(f"{ctx}.weights must be a list of names")
+        return cls(scheme_from_dict(data["scheme"], f"{ctx}.scheme"), frozenset(weights))
+
+
+def fp8_of(tensors: Mapping[str, ParamMeta], quantization_config: object) -> Fp8Served | None:
+    """The FP8 linears of a model holding ``tensors`` under ``quantization_config`` (the HF
+    config's, a dict): each ``X.weight`` held in ``float8_e4m3fn`` beside the scale its
+    scheme names. ``None`` for a model not served in FP8 (no fp8 config, or one whose
+    weights were dequantized on load: none is held in e4m3)."""
+    scheme = scheme_of_config(quantization_config)
+    if scheme is None:
+        return None
+    weights = frozenset(
+        name
+        for name, meta in tensors.items()
+        if meta.dtype == FP8_DTYPE
+        and name.endswith(".weight")
+        and fp8_names(name, scheme).scale in tensors
+    )
+    return Fp8Served(scheme, weights) if weights else None
+
+
+@dataclass(frozen=True)
 class ServedModel:
     """The served model's checkpoint tensors (canonical names) and its tied aliases."""
 
@@ -68,6 +124,8 @@ class ServedModel:
     """An alias name -> the canonical name whose tensor it shares (``lm_head.weight`` of a
     tied model): sending it loads that tensor, and it is never missing."""
     checks_dtype: bool = True
+    fp8: Fp8Served | None = None
+    """The linears the model takes in FP8 and their scheme (``None``: none)."""
 
     def __post_init__(self) -> None:
         for alias, canonical in self.aliases.items():
@@ -83,8 +141,12 @@ class ServedModel:
         aliases: Mapping[str, str] | None = None,
         *,
         checks_dtype: bool = True,
+        quantization_config: object = None,
     ) -> ServedModel:
-        return cls({m.name: m for m in metas}, dict(aliases or {}), checks_dtype)
+        """``quantization_config``: the HF config's (a dict), which tells the FP8 linears."""
+        tensors = {m.name: m for m in metas}
+        fp8 = fp8_of(tensors, quantization_config)
+        return cls(tensors, dict(aliases or {}), checks_dtype, fp8)
 
     def canonical(self, name: str) -> str | None:
         """The served tensor ``name`` loads into (itself or what it aliases); None if unknown."""
@@ -100,6 +162,8 @@ class ServedModel:
         unknown: list[str] = []
         wrong_shape: list[str] = []
         wrong_dtype: dict[str, list[str]] = {}
+        unquantized: list[str] = []
+        fp8 = self.fp8.weights if self.fp8 is not None else frozenset()
         covered: set[str] = set()
         for m in metas:
             key = self.canonical(m.name)
@@ -110,7 +174,9 @@ class ServedModel:
             want = self.tensors[key]
             if m.shape != want.shape:
                 wrong_shape.append(f"{m.name} {list(m.shape)} (served: {list(want.shape)})")
-            if self.checks_dtype and m.dtype != want.dtype:
+            if key in fp8 and m.dtype != FP8_DTYPE:
+                unquantized.append(f"{m.name} ({m.dtype})")
+            elif self.checks_dtype and m.dtype != want.dtype:
                 wrong_dtype.setdefault(want.dtype, []).append(f"{m.name} ({m.dtype})")
         out: list[str] = []
         if unknown:
@@ -132,6 +198,15 @@ class ServedModel:
                 f"dtype differs from the served model's {dtype} for {_listed(names)}: cast the "
                 f"source to {dtype} (the served weights keep the trainer's exact bytes, so the "
                 "workers do not cast)"
+            )
+        if unquantized:
+            assert self.fp8 is not None
+            out.append(
+                f"the served model takes {_listed(unquantized)} in FP8 "
+                f"({describe_scheme(self.fp8.scheme)}, beside its scale) and the round sends "
+                "them unquantized: send the source through fp8_source(source, 'auto') "
+                "(jax_side.quant / torch_side.sender.quant), which quantizes what the served "
+                "model takes in FP8"
             )
         missing = [n for n in self.tensors if n not in covered]
         if missing and not partial:
@@ -155,14 +230,50 @@ class ServedModel:
                 "the round does not fit the served model; nothing was sent: " + "; ".join(found)
             )
 
+    def check_fp8_spec(self, spec: Mapping[str, Fp8Scheme]) -> None:
+        """Raise ``ServedModelMismatch`` when a trainer's FP8 spec quantizes a tensor the
+        served model does not take in FP8, or takes with another scheme (block size, scale
+        rounding): before any byte, naming the tensors and the fix."""
+        served = self.fp8.weights if self.fp8 is not None else frozenset()
+        not_fp8 = sorted(n for n in spec if n not in served)
+        other = sorted(n for n in spec if n in served and spec[n] != self.fp8.scheme)  # type: ignore[union-attr]
+        out: list[str] = []
+        if not_fp8:
+            held = ", ".join(
+                f"{n} ({self.tensors[k].dtype})"
+                for n in not_fp8[:SHOWN]
+                if (k := self.canonical(n)) is not None
+            )
+            out.append(
+                f"the FP8 spec quantizes {_listed(not_fp8)}, which the served model does not "
+                f"take in FP8{' (it holds ' + held + ')' if held else ''}: leave them out of "
+                "the spec, or use fp8_source(source, 'auto'), which quantizes exactly what the "
+                "served model takes in FP8"
+            )
+        if other:
+            assert self.fp8 is not None
+            schemes = sorted({describe_scheme(spec[n]) for n in other})
+            out.append(
+                f"the FP8 spec quantizes {_listed(other)} as {' / '.join(schemes)}; the served "
+                f"model's checkpoint takes {describe_scheme(self.fp8.scheme)} (its "
+                "quantization_config): use that scheme, or fp8_source(source, 'auto')"
+            )
+        if out:
+            raise ServedModelMismatch(
+                "the FP8 spec does not fit the served model; nothing was sent: " + "; ".join(out)
+            )
+
     # -- the wire ----------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "tensors": [m.to_dict() for m in self.tensors.values()],
             "aliases": dict(self.aliases),
             "checks_dtype": self.checks_dtype,
         }
+        if self.fp8 is not None:  # absent otherwise: an older trainer's strict parse reads it
+            out["fp8"] = self.fp8.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: object, ctx: str = "served_model") -> ServedModel:
@@ -186,7 +297,15 @@ class ServedModel:
         metas = [ParamMeta.from_dict(t) for t in tensors]
         if len({m.name for m in metas}) != len(metas):
             raise ValueError(f"{ctx}.tensors names a tensor twice")
-        return cls.of(metas, aliases, checks_dtype=checks)
+        fp8 = data.get("fp8")
+        served = cls.of(metas, aliases, checks_dtype=checks)
+        if fp8 is None:
+            return served
+        told = Fp8Served.from_dict(fp8, f"{ctx}.fp8")
+        unknown = sorted(told.weights - set(served.tensors))
+        if unknown:
+            raise ValueError(f"{ctx}.fp8.weights names {unknown[0]!r}, not one of its tensors")
+        return cls(served.tensors, served.aliases, checks, told)
 
 
 def _listed(names: Sequence[str], *, count: bool = True) -> str:
@@ -212,11 +331,16 @@ def from_checkpoint(model_dir: str | os.PathLike[str]) -> ServedModel:
         for name, meta in _safetensors_header(path).items():
             metas.setdefault(name, meta)
     aliases: dict[str, str] = {}
-    if _TIED_HEAD not in metas and _config(root).get("tie_word_embeddings", True) is not False:
+    config = _config(root)
+    if _TIED_HEAD not in metas and config.get("tie_word_embeddings", True) is not False:
         embedding = next((e for e in _EMBEDDINGS if e in metas), None)
         if embedding is not None:
             aliases[_TIED_HEAD] = embedding
-    return ServedModel(metas, aliases, checks_dtype=False)
+    try:
+        fp8 = fp8_of(metas, config.get("quantization_config"))
+    except QuantizationError as exc:
+        raise ConfigError(f"served_checkpoint {str(root)!r}: {exc}") from None
+    return ServedModel(metas, aliases, checks_dtype=False, fp8=fp8)
 
 
 def _safetensors_header(path: Path) -> dict[str, ParamMeta]:

@@ -26,6 +26,7 @@ Framework engines implement only the hooks of ``trainer.framework.FrameworkHooks
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.delta import DeltaTracker
 from weightwire.trainer.delta_round import DeltaRounds
+from weightwire.trainer.fp8_source import Fp8Source
 from weightwire.trainer.framework import FrameworkHooks, refuse_other_framework
 from weightwire.trainer.freshness import CommitPlan, commit_plan
 from weightwire.trainer.gating import check_client, require_draft_model
@@ -275,6 +277,8 @@ class TrainerEngine(FrameworkHooks):
             metrics = self._sole_round(
                 metas, version, clock, draft, source=source, before_commit=before_commit
             )
+        if isinstance(s.source, Fp8Source):  # an overlapped round's snapshot read it too
+            metrics = dataclasses.replace(metrics, fp8=s.source.report())
         logger.info("%s", metrics)  # formatted only when INFO is on
         return metrics
 

@@ -7,18 +7,21 @@ order, where the weight was), quantized as it is read by the framework's quantiz
 every other tensor passes unchanged. Framework-free: the quantizer is a callable.
 
 The spec is checked against the source's metadata up front (a name the source lacks, a
-tensor the scheme cannot take: ``QuantizationError`` naming it, before any rendezvous).
-Which names the served model expects in FP8 is not guessed here: the spec is the caller's
-until the worker reports it at init (docs/architecture.md, the FP8 note).
+tensor the scheme cannot take: ``QuantizationError`` naming it, before any rendezvous),
+then at ``trainer_init`` against what the served model told (``fit``:
+``ServedModel.check_fp8_spec``, ``ServedModelMismatch`` naming the tensors). ``spec="auto"``
+is the served model's own list: which names it takes in FP8 and with which scheme, read at
+``trainer_init``, never guessed (a server that tells nothing: refused).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from weightwire.shared.dtypes import wire_dtype
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.quant import (
     Fp8Scheme,
@@ -28,7 +31,9 @@ from weightwire.shared.quant import (
     fp8_metas,
     fp8_names,
 )
+from weightwire.shared.served import ServedModel, ServedModelMismatch
 from weightwire.shared.source import WeightSource
+from weightwire.trainer.metrics import Fp8Report
 
 Quantize = Callable[[str, Any, Fp8Scheme, bool], tuple[Any, Any, QuantStats | None]]
 """``(name, tensor, scheme, stats) -> (e4m3 weight, float32 scale, error or None)``."""
@@ -48,6 +53,8 @@ def as_quantize(quantize_fp8: Callable[..., Any]) -> Quantize:
 class Fp8Source(WeightSource):
     """``inner`` with the ``spec``'s weights (name -> scheme) sent as FP8 checkpoint pairs.
 
+    ``spec="auto"``: the names and scheme the served model tells at ``trainer_init``
+    (``fit``); until then the source has no metadata.
     ``stats``: after each pass, ``last_stats`` holds every quantized weight's error (one
     device read per weight). ``bytes_saved()``: what the quantized tensors save per round.
     """
@@ -55,22 +62,62 @@ class Fp8Source(WeightSource):
     def __init__(
         self,
         inner: WeightSource,
-        spec: Mapping[str, Fp8Scheme],
+        spec: Mapping[str, Fp8Scheme] | Literal["auto"],
         quantize: Quantize,
         *,
         stats: bool = False,
     ) -> None:
         self.inner = inner
-        self.spec = dict(spec)
+        self.auto = isinstance(spec, str)
+        if self.auto and spec != "auto":
+            raise QuantizationError(f"an FP8 spec maps names to schemes, or is 'auto': {spec!r}")
+        self.spec: dict[str, Fp8Scheme] = {} if isinstance(spec, str) else dict(spec)
+        self._resolved = not self.auto
         self._quantize = quantize
         self.stats = stats
         self.last_stats: dict[str, QuantStats] = {}
         for name, scheme in self.spec.items():
             fp8_names(name, scheme)  # an X.weight name, or refused
-        self._check(inner.metadata())
+        if not self.auto:
+            self._check(inner.metadata())
 
     def __repr__(self) -> str:
-        return f"Fp8Source({self.inner!r}, {len(self.spec)} weights)"
+        what = "auto" if self.auto and not self._resolved else f"{len(self.spec)} weights"
+        return f"Fp8Source({self.inner!r}, {what})"
+
+    def fit(self, served: ServedModel | None) -> None:
+        """At ``trainer_init``, once the servers told their model: ``auto`` takes its FP8
+        names and scheme; an explicit spec must match them. ``ServedModelMismatch`` naming
+        the tensors; a server that told nothing leaves an explicit spec unchecked."""
+        if not self.auto:
+            if served is not None:
+                served.check_fp8_spec(self.spec)
+            return
+        if served is None or served.fp8 is None:
+            why = (
+                "the servers told no served model (stock vLLM's workers tell nothing; pass "
+                "TrainerInitInfo(served_checkpoint=<the FP8 checkpoint's directory>))"
+                if served is None
+                else "the served model takes no tensor in FP8 (its quantization_config is not "
+                "quant_method 'fp8', or its weights were dequantized on load)"
+            )
+            raise ServedModelMismatch(
+                f"fp8_source(source, 'auto') quantizes what the served model takes in FP8, and "
+                f"{why}: send the source unquantized, or pass the spec explicitly"
+            )
+        sent = {m.name for m in self.inner.metadata()}
+        self.spec = {n: served.fp8.scheme for n in sorted(served.fp8.weights) if n in sent}
+        self._check(self.inner.metadata())
+        self._resolved = True
+
+    def _spec(self) -> dict[str, Fp8Scheme]:
+        if not self._resolved:
+            raise ConfigError(
+                "fp8_source(source, 'auto') learns its spec from the served model at "
+                "trainer_init, on the sending rank only: on other ranks (a TrainerGroup) pass "
+                "the spec explicitly (the served model's fp8 weights and scheme)"
+            )
+        return self.spec
 
     def _check(self, metas: list[ParamMeta]) -> None:
         by_name = {m.name: m for m in metas}
@@ -91,9 +138,10 @@ class Fp8Source(WeightSource):
                 )
 
     def metadata(self) -> list[ParamMeta]:
+        spec = self._spec()
         out: list[ParamMeta] = []
         for meta in self.inner.metadata():
-            scheme = self.spec.get(meta.name)
+            scheme = spec.get(meta.name)
             if scheme is None:
                 out.append(meta)
                 continue
@@ -102,9 +150,10 @@ class Fp8Source(WeightSource):
         return out
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
+        spec = self._spec()
         self.last_stats = {}
         for name, tensor in self.inner:
-            scheme = self.spec.get(name)
+            scheme = spec.get(name)
             if scheme is None:
                 yield name, tensor
                 continue
@@ -120,16 +169,21 @@ class Fp8Source(WeightSource):
         if held is None:
             return None
         out = set(held)
-        for name, scheme in self.spec.items():
+        for name, scheme in self._spec().items():
             if name in held:
                 out.update(fp8_names(name, scheme))
         return out
 
+    def report(self) -> Fp8Report:
+        """The last pass's FP8 part of a round (``RoundMetrics.fp8``)."""
+        return Fp8Report(len(self._spec()), self.bytes_saved(), dict(self.last_stats))
+
     def bytes_saved(self) -> int:
         """Bytes per round the FP8 pairs save against the tensors they replace."""
+        spec = self._spec()
         saved = 0
         for meta in self.inner.metadata():
-            scheme = self.spec.get(meta.name)
+            scheme = spec.get(meta.name)
             if scheme is None:
                 continue
             before = wire_dtype(meta.dtype).itemsize * math.prod(meta.shape)

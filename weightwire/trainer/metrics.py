@@ -4,7 +4,27 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
+
+from weightwire.shared.quant import QuantStats
+
+
+class Fp8Report(NamedTuple):
+    """A round's FP8 part (``trainer.fp8_source``): what quantizing saved and cost."""
+
+    weights: int
+    """How many ``X.weight``s went as FP8 pairs."""
+    bytes_saved: int
+    """Wire bytes the pairs saved against the tensors they replace (a dense round's)."""
+    errors: dict[str, QuantStats]
+    """Per quantized weight, the max and mean abs error of its dequantized values against
+    the trainer's (``fp8_source(..., stats=True)``; empty when off), measured on the
+    trainer's device as the round quantized it."""
+
+    @property
+    def max_abs_error(self) -> float | None:
+        """The largest error of any weight (``None`` without stats)."""
+        return max((e.max_abs_error for e in self.errors.values()), default=None)
 
 
 @dataclass(frozen=True)
@@ -36,6 +56,8 @@ class RoundMetrics:
     dense round, which compares nothing)."""
     extract_seconds: float = 0.0
     """A delta round: device time finding the changed elements (also the ``extract`` phase)."""
+    fp8: Fp8Report | None = None
+    """A round of an FP8 source: weights quantized, bytes saved, their errors (if asked)."""
 
     @property
     def wire_bytes(self) -> int:
@@ -63,9 +85,17 @@ class RoundMetrics:
             if self.density is None
             else f" (delta: {self.density:.2%} changed, {self.dense_bytes / 1e6:.1f} MB dense)"
         )
+        fp8 = ""
+        if self.fp8 is not None:
+            worst = self.fp8.max_abs_error
+            fp8 = (
+                f" (fp8: {self.fp8.weights} weights, {self.fp8.bytes_saved / 1e6:.1f} MB saved"
+                + ("" if worst is None else f", max abs error {worst:.3g}")
+                + ")"
+            )
         return (
             f"round {self.version}: {self.tensors} tensor{'' if self.tensors == 1 else 's'}, "
-            f"{self.nbytes / 1e6:.1f} MB{delta} in {self.chunks} "
+            f"{self.nbytes / 1e6:.1f} MB{delta}{fp8} in {self.chunks} "
             f"broadcast{'' if self.chunks == 1 else 's'}, {self.gbps:.2f} GB/s{reuse}; {phases} "
             f"total={self.total_seconds * 1e3:.1f}ms"
         )

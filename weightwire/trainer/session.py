@@ -29,6 +29,7 @@ from weightwire.shared.staging import round_bytes
 from weightwire.shared.version import ServerFeatures
 from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.config import TrainerInitInfo
+from weightwire.trainer.fp8_source import Fp8Source
 from weightwire.trainer.freshness import CommitPlan
 from weightwire.trainer.gating import RoundPause, guard_installed, round_pause, server_features
 from weightwire.trainer.transfer import (
@@ -217,6 +218,8 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
         await_call(post, t.http_s, "init_weight_transfer_engine")
         s.served = served_model(s.client, s.caps, ask_workers=not s.backend.caps.stock_receiver)
         s.served = s.served or checkpoint
+        if isinstance(s.source, Fp8Source):  # its spec against the served model's FP8 linears
+            s.source.fit(s.served)
         s.sender = s.backend.sender(link, s.info, s.framework.sender_parts(packer))
     except BaseException as exc:
         link.abort()

@@ -281,8 +281,12 @@ def _load_model(model_dir: str) -> Any:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from weightwire.tools.server.fp8_model import fp8_scheme, load_fp8_model
     from weightwire.tools.server.model_check import shape_mismatch
 
+    scheme = fp8_scheme(model_dir)
+    if scheme is not None:  # served as stored, not dequantized (fp8_model)
+        return load_fp8_model(model_dir, scheme)
     quiet = not log.isEnabledFor(logging.DEBUG)
     before = hf_logging.get_verbosity()
     if quiet:

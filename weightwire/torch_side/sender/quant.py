@@ -9,7 +9,7 @@ for what bit identity with vLLM's quantizers rests on), written out in eager tor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -122,8 +122,13 @@ def quantize_fp8(
 
 
 def fp8_source(
-    source: WeightSource | Any, spec: Mapping[str, Fp8Scheme], *, stats: bool = False
+    source: WeightSource | Any,
+    spec: Mapping[str, Fp8Scheme] | Literal["auto"],
+    *,
+    stats: bool = False,
 ) -> Fp8Source:
     """``source`` with the ``spec``'s weights (name -> scheme) sent as FP8 checkpoint pairs,
-    quantized here as each round reads them (``trainer.fp8_source.Fp8Source``)."""
+    quantized here as each round reads them (``trainer.fp8_source.Fp8Source``); ``"auto"``:
+    exactly the weights the served model tells at ``trainer_init`` it takes in FP8, with its
+    scheme."""
     return Fp8Source(as_source(source), spec, as_quantize(quantize_fp8), stats=stats)

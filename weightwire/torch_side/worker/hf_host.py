@@ -290,16 +290,28 @@ class HFModelHost:
 
     def served_model(self) -> ServedModel:
         """The checkpoint tensors this model takes (its parameters, wire dtypes, shapes) and
-        its tied aliases: what the trainer checks each round against before any byte."""
+        its tied aliases, and the linears it holds in FP8 (its config's
+        ``quantization_config``): what the trainer checks each round against before any byte."""
         return ServedModel.of(
             (ParamMeta(n, wire_name(p.dtype), tuple(p.shape)) for n, p in self._params.items()),
             {a: c for a, c in self._alias.items() if a != c},
+            quantization_config=quantization_config(self.model),
         )
 
     def state_checksums(self) -> dict[str, str]:
         """``{hf_name: sha256 hex of the parameter's raw C-order bytes}`` (tied aliases once)."""
         with self._lock:
             return {name: tensor_sha256(p) for name, p in self._params.items()}
+
+
+def quantization_config(model: torch.nn.Module) -> dict[str, object] | None:
+    """The HF config's ``quantization_config`` as a dict (transformers keeps a dict or a
+    ``QuantizationConfigMixin``), ``None`` without one."""
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        config = to_dict()
+    return config if isinstance(config, dict) else None
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:

@@ -15,6 +15,7 @@ with the canonical tensor's shape and dtype.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from safetensors import safe_open
 
 from weightwire.shared.groups import layer_key
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.quant import FP8_DTYPE, QuantizationError, fp8_names, scheme_of_config
 from weightwire.shared.served import ServedModel
 
 # safetensors header dtype -> wire dtype name (torch attribute names).
@@ -62,13 +64,16 @@ class ModelSpec:
     tensors: Mapping[str, TensorSpec]
     aliases: Mapping[str, str] = field(default_factory=dict)
     where: str = "the model"
+    quantization_config: Mapping[str, object] | None = None
+    """The served model's HF ``quantization_config``: which linears it takes in FP8."""
 
     def served(self) -> ServedModel | None:
         """The same as the trainer's record (``shared.served``); ``None`` when a tensor is not
         in a wire dtype (a checkpoint the trainer could not send anyway: nothing to tell)."""
         try:
             metas = [ParamMeta(n, t.dtype, t.shape) for n, t in self.tensors.items()]
-            return ServedModel.of(metas, self.aliases)
+            config = dict(self.quantization_config) if self.quantization_config else None
+            return ServedModel.of(metas, self.aliases, quantization_config=config)
         except ValueError:
             return None
 
@@ -129,9 +134,14 @@ class ModelSpec:
         *,
         served_dtype: str | None,
         aliases: Mapping[str, str] | None = None,
+        quantization_config: Mapping[str, object] | None = None,
     ) -> ModelSpec | None:
         """The spec of a local HF directory's ``*.safetensors``; ``None`` when there are
-        none (a hub id or a .bin checkpoint: the round is then not pre-checked)."""
+        none (a hub id or a .bin checkpoint: the round is then not pre-checked).
+
+        An FP8 checkpoint's ``float8_e4m3fn`` weights and their float32 scales keep their
+        checkpoint dtypes (the served model holds them so); ``quantization_config`` defaults
+        to the one in the directory's ``config.json``."""
         root = Path(model_dir)
         files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
         if not files:
@@ -147,4 +157,44 @@ class ModelSpec:
                         dtype = served_dtype
                     tensors[name] = TensorSpec(tuple(int(d) for d in sl.get_shape()), dtype)
         accepted = {a: c for a, c in (aliases or {}).items() if c in tensors and a not in tensors}
-        return cls(tensors, accepted, where=f"the checkpoint at {root}")
+        quant = quantization_config
+        if quant is None:
+            found = _config(root).get("quantization_config")
+            quant = found if isinstance(found, Mapping) else None
+        if quant is not None:
+            _keep_fp8_pairs(files, tensors, quant)
+        return cls(tensors, accepted, f"the checkpoint at {root}", quant)
+
+
+def _config(root: Path) -> dict[str, object]:
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _keep_fp8_pairs(
+    files: Sequence[Path],
+    tensors: dict[str, TensorSpec],
+    quantization_config: Mapping[str, object],
+) -> None:
+    """The FP8 linears' weights and scales in their checkpoint dtypes (e4m3, float32), not
+    the served float dtype: vLLM's FP8 linear method holds them as the checkpoint does."""
+    try:
+        scheme = scheme_of_config(dict(quantization_config))
+    except QuantizationError:
+        return  # the served model then tells no FP8 linears; a spec for them is refused
+    if scheme is None:
+        return
+    stored: dict[str, str] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                stored[name] = _ST_DTYPES.get(f.get_slice(name).get_dtype(), "")
+    for name, dtype in stored.items():
+        if dtype == FP8_DTYPE and name.endswith(".weight"):
+            scale = fp8_names(name, scheme).scale
+            if scale in stored:
+                tensors[name] = TensorSpec(tensors[name].shape, FP8_DTYPE)
+                tensors[scale] = TensorSpec(tensors[scale].shape, stored[scale])

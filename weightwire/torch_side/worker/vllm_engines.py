@@ -186,7 +186,13 @@ def checkpoint_spec(model_config: Any, model: Any) -> ModelSpec | None:
     served = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
     if not isinstance(model_dir, str):
         return None
-    spec = ModelSpec.from_checkpoint(model_dir, served_dtype=served, aliases=tied_aliases(model))
+    quant = getattr(getattr(model_config, "hf_config", None), "quantization_config", None)
+    spec = ModelSpec.from_checkpoint(
+        model_dir,
+        served_dtype=served,
+        aliases=tied_aliases(model),
+        quantization_config=quant if isinstance(quant, dict) else None,
+    )
     if spec is None:
         log.warning(
             "no local safetensors under %s: update info is not checked against the model", model_dir

@@ -1,0 +1,284 @@
+"""FP8 rounds against bf16 rounds of the same weights, in the same run.
+
+    python benchmarks/bench_fp8.py --out fp8.md              # GPU: 8B shapes, ipc + tcp
+    python benchmarks/bench_fp8.py --smoke                   # CPU: small shapes, tcp only
+
+The trainer (``--engine torch`` or ``jax``) holds Llama-shaped bf16 weights (``N(0, 0.02)``,
+``tests/torch_side/fake_llama.py``'s shapes) on its device. Per backend, two trainers in
+turn against one loopback worker (``weightwire.testing.loopback``: it holds what it is sent):
+
+- ``bf16`` rows: the weights as they are;
+- ``fp8`` rows: ``fp8_source(source, spec)``, every linear of the decoder layers in block
+  128x128 e4m3 with float32 ``weight_scale_inv`` (embedding, head and norms stay bf16), the
+  quantization inside the round, on the trainer's device.
+
+``weightwire_tcp`` runs through a link shaped in this benchmark (``shaped_link.py``,
+``--rate-mb-s``, default 1250 = 10 GbE); ``weightwire_ipc`` (GPU) through CUDA IPC. Before
+the rounds, the quantization alone: every FP8 weight quantized once against one dense device
+copy of the same weights (median of ``--reps``). Per row: seconds per round (median of
+``--rounds`` after ``--warmup``: the whole ``send_weights()``), wire bytes and, with
+``--check`` (on with ``--smoke``), whether the worker holds the trainer's bytes. The issue's
+targets (#51, one H200): wire bytes <= 0.52x bf16, quantization <= 1.5x one dense copy,
+shaped-link round >= 1.8x faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.shaped_link import RelayedClient, ShapedLink  # noqa: E402
+
+IPC, TCP = "weightwire_ipc", "weightwire_tcp"
+
+
+@dataclass
+class Row:
+    backend: str
+    kind: str  # "bf16" | "fp8"
+    walls: list[float]
+    wire_bytes: int
+    link_bytes: int | None
+    ok: bool | None  # None: not checked
+
+    @property
+    def round_s(self) -> float:
+        return statistics.median(self.walls)
+
+
+def weights(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from tests.torch_side.fake_llama import hf_shapes
+
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    out = {}
+    for name, shape in hf_shapes(args.shape).items():
+        t = torch.empty(shape, dtype=torch.bfloat16, device=args.device)
+        out[name] = t.normal_(0.0, 0.02, generator=gen)
+    return out
+
+
+def fp8_spec(tensors: dict[str, Any]) -> dict[str, Any]:
+    from weightwire.shared.quant import Fp8Block
+
+    return {n: Fp8Block() for n, t in tensors.items() if t.ndim == 2 and ".layers." in n}
+
+
+def native(args: argparse.Namespace, tensors: dict[str, Any]) -> dict[str, Any]:
+    """The engine's arrays: torch tensors, or JAX arrays sharing their memory (DLPack)."""
+    if args.engine != "jax":
+        return tensors
+    import jax
+
+    arrays = {n: jax.dlpack.from_dlpack(t) for n, t in tensors.items()}
+    jax.block_until_ready(list(arrays.values()))
+    return arrays
+
+
+def quantize_cost(args: argparse.Namespace, arrays: dict[str, Any], spec: dict[str, Any]) -> dict:
+    """Seconds to quantize every FP8 weight once, and to copy the same weights once."""
+    if args.engine == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        from weightwire.jax_side.quant import quantize_fp8
+
+        def quantize() -> None:
+            outs = [quantize_fp8(n, arrays[n], s) for n, s in spec.items()]
+            jax.block_until_ready([(o.weight, o.scale) for o in outs])
+
+        def copy() -> None:
+            jax.block_until_ready([jnp.copy(arrays[n]) for n in spec])
+
+    else:
+        import torch
+
+        from weightwire.torch_side.sender.quant import quantize_fp8 as torch_quantize
+
+        def sync() -> None:
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+
+        def quantize() -> None:
+            for n, s in spec.items():
+                torch_quantize(n, arrays[n], s)
+            sync()
+
+        def copy() -> None:
+            for n in spec:
+                arrays[n].clone()
+            sync()
+
+    def median(fn: Any) -> float:
+        fn()  # compile / warm
+        walls = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            fn()
+            walls.append(time.perf_counter() - start)
+        return statistics.median(walls)
+
+    q, c = median(quantize), median(copy)
+    return {"quantize_s": q, "copy_s": c, "ratio": q / c}
+
+
+def expected_digests(args: argparse.Namespace, tensors: dict[str, Any], fp8: bool) -> dict:
+    """What the worker must hold: each wire tensor's sha256 (FP8: torch's quantizer, which
+    tests/interop holds bit-identical to vLLM's and to JAX's)."""
+    from weightwire.shared.quant import fp8_names
+    from weightwire.torch_side.sender.quant import quantize_fp8 as torch_quantize
+
+    def sha(t: Any) -> str:
+        flat = t.detach().contiguous().reshape(-1).view(__import__("torch").uint8).cpu()
+        return hashlib.sha256(flat.numpy().data).hexdigest()
+
+    spec = fp8_spec(tensors) if fp8 else {}
+    out = {}
+    for name, t in tensors.items():
+        if name in spec:
+            q = torch_quantize(name, t, spec[name])
+            names = fp8_names(name, spec[name])
+            out[names.weight], out[names.scale] = sha(q.weight), sha(q.scale)
+        else:
+            out[name] = sha(t)
+    return out
+
+
+def run_backend(args: argparse.Namespace, backend: str, tensors: dict[str, Any]) -> list[Row]:
+    from weightwire.testing.loopback import spawn_loopback
+    from weightwire.trainer import TrainerInitInfo
+
+    engine: Any
+    fp8_source: Any
+    if args.engine == "jax":
+        from weightwire.jax_side.engine import JAXTrainerEngine as engine
+        from weightwire.jax_side.quant import fp8_source
+    else:
+        from weightwire.torch_side.sender.engine import TorchTrainerEngine as engine
+        from weightwire.torch_side.sender.quant import fp8_source
+    from weightwire.tools.bench.sync_models import make_source
+
+    arrays = native(args, tensors)
+    link = ShapedLink(args.rate_mb_s * 1e6) if backend == TCP else None
+    proc, client = spawn_loopback(backend, args.device, timeout=300)
+    if link is not None:
+        client = RelayedClient(client.address, link)
+    rows = []
+    try:
+        for kind in ("bf16", "fp8"):
+            source = make_source(arrays)
+            if kind == "fp8":
+                source = fp8_source(source, fp8_spec(tensors))
+            cuda = args.device.startswith("cuda")
+            info = TrainerInitInfo(backend=backend, device=0 if cuda and backend == IPC else None)
+            trainer = engine.trainer_init(info, client=client, source=source)
+            walls, links, wire = [], [], 0
+            try:
+                for i in range(args.warmup + args.rounds):
+                    sent = link.forwarded() if link else 0
+                    start = time.perf_counter()
+                    m = trainer.send_weights()
+                    wall = time.perf_counter() - start
+                    print(f"  {backend} {kind} round {i}: {wall:.3f} s, {m.summary()}", flush=True)
+                    if i >= args.warmup:
+                        walls.append(wall)
+                        links.append(link.forwarded() - sent if link else 0)
+                        wire = m.wire_bytes
+            finally:
+                trainer.shutdown()
+            ok = None
+            if args.check:
+                (reply,) = client.weight_checker("checksum")
+                want = expected_digests(args, tensors, kind == "fp8")
+                ok = {n: reply["checksums"].get(n) for n in want} == want
+            rows.append(
+                Row(backend, kind, walls, wire, int(statistics.median(links)) if link else None, ok)
+            )
+    finally:
+        client.exit()
+        proc.wait(timeout=120)
+        if link is not None:
+            link.close()
+    return rows
+
+
+def table(rows: list[Row], cost: dict, rate: float) -> str:
+    lines = [
+        "| backend | weights | s/round (median) | x faster than bf16 | wire MB | x bf16 bytes "
+        "| link GB/s | bytes |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    bf16 = {r.backend: r for r in rows if r.kind == "bf16"}
+    for r in rows:
+        base = bf16.get(r.backend, r)
+        link = "-" if r.link_bytes is None else f"{r.link_bytes / r.round_s / 1e9:.2f}"
+        ok = "-" if r.ok is None else ("ok" if r.ok else "MISMATCH")
+        where = f" @ {rate / 1e9:g} GB/s" if r.link_bytes is not None else ""
+        lines.append(
+            f"| {r.backend}{where} | {r.kind} | {r.round_s:.3f} | {base.round_s / r.round_s:.2f}x "
+            f"| {r.wire_bytes / 1e6:.1f} | {r.wire_bytes / base.wire_bytes:.3f} | {link} | {ok} |"
+        )
+    lines.append(
+        f"\nquantization: {cost['quantize_s'] * 1e3:.1f} ms for every FP8 weight, one dense "
+        f"device copy of them {cost['copy_s'] * 1e3:.1f} ms: {cost['ratio']:.2f}x"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, small shapes, one round, checked")
+    ap.add_argument("--device", default=None, help="cuda:0 when a GPU is there, else cpu")
+    ap.add_argument("--shape", default=None, help="llama3-8b (GPU default), small, tiny")
+    ap.add_argument("--backends", default=None, help="weightwire_ipc,weightwire_tcp (GPU)")
+    ap.add_argument("--rate-mb-s", type=float, default=1250.0, help="the tcp link, MB/s")
+    ap.add_argument("--engine", choices=["torch", "jax"], default="torch")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5, help="quantize / copy timings")
+    ap.add_argument("--check", action="store_true", help="the worker holds the trainer's bytes")
+    ap.add_argument("--out", help="the table (markdown); the rows as JSON beside it")
+    args = ap.parse_args(argv)
+    import torch
+
+    if args.smoke:
+        args.device, args.shape = args.device or "cpu", args.shape or "small"
+        args.rounds, args.warmup, args.reps, args.check = 1, 0, 1, True
+    args.device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    cuda = args.device.startswith("cuda")
+    args.shape = args.shape or ("llama3-8b" if cuda else "small")
+    backends = (args.backends or (f"{IPC},{TCP}" if cuda else TCP)).split(",")
+    if IPC in backends and not cuda:
+        ap.error(f"{IPC} needs a GPU (CUDA IPC); on a CPU run --backends {TCP}")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    tensors = weights(args)
+    cost = quantize_cost(args, native(args, tensors), fp8_spec(tensors))
+    print(f"quantize {cost}", flush=True)
+    rows: list[Row] = []
+    for backend in backends:
+        rows += run_backend(args, backend, tensors)
+    text = table(rows, cost, args.rate_mb_s * 1e6)
+    print(text, flush=True)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        rows_json = [{**asdict(r), "round_s": r.round_s} for r in rows]
+        Path(args.out).with_suffix(".json").write_text(
+            json.dumps({"cost": cost, "rows": rows_json})
+        )
+    return 0 if all(r.ok is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
