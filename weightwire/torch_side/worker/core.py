@@ -42,7 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightwire.backends.worker_base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
+from weightwire.backends.worker_base import (
+    Connect,
+    ReceiveLink,
+    ReceiveProgress,
+    ReceiveTurn,
+    takes_landing,
+)
 from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
 from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
@@ -72,7 +78,12 @@ from weightwire.torch_side.worker.session import (
 from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import ReceiveStrategy, RoundTarget, first_strategy
 from weightwire.torch_side.worker.target_caches import TargetCaches
-from weightwire.torch_side.worker.turn import early_round, failure_where, turn_strategy
+from weightwire.torch_side.worker.turn import (
+    early_round,
+    failure_where,
+    join_landing,
+    turn_strategy,
+)
 from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightState
 
 if TYPE_CHECKING:  # delta and adapter rounds import their modules when one comes
@@ -188,7 +199,7 @@ class _ReceiverCore:
         rank = session_rank(self.backend, info, self._worker_rank)
         self._close_link()
         self._plans.clear()
-        self._link = self._connect(info, rank=rank, device=self.device)
+        self._link = self._connect(info, rank=rank, device=self.device, **self._join_options())
         self._info = info
         self._broken = None
         previous, self.session = self.session, uuid.uuid4().hex[:12]
@@ -213,6 +224,13 @@ class _ReceiverCore:
                 self.session,
                 self.weights.incomplete.describe(),
             )
+
+    def _join_options(self) -> dict[str, Any]:
+        """What a connect that asks for it learns at the join (``worker_base.Connect``): whether
+        the trainer may write this model's rounds into its parameters (``turn.join_landing``)."""
+        if not takes_landing(self._connect):
+            return {}
+        return {"landing": lambda: join_landing(self._target()[0], self.caches.model_spec())}
 
     def start(self) -> None:
         if self._active:

@@ -12,9 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from weightwire.backends.worker_base import ReceiveLink, ReceiveProgress, ReceiveTurn
+import torch
+
+from weightwire.backends.worker_base import (
+    LandingRecord,
+    ReceiveLink,
+    ReceiveProgress,
+    ReceiveTurn,
+)
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_bytes
+from weightwire.torch_side.worker.landing_rules import post_load_refusal
 from weightwire.torch_side.worker.load import Model, PatchingModel
+from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import (
     ReceiveStrategy,
     RoundTarget,
@@ -64,6 +74,24 @@ def turn_strategy(
         through.names.update(m.name for m in metas)
         return through
     return round_.admit(round_bytes(metas), budget_bytes)
+
+
+def join_landing(model: Model, spec: ModelSpec | None) -> LandingRecord:
+    """At a session's join: whether the trainer may write this model's rounds straight into
+    its parameters (a backend that can asks, ``worker_base.Connect``'s ``landing``), or why
+    not: a model that runs every round between its own hooks (``PatchingModel``, as
+    ``turn_strategy`` rules), post-load processing that is not a no-op, or a loader that is not
+    a set of plain copies for the served tensors (``spec``). Without a spec only the model is
+    checked here; its loader is then checked per round, as the link lands each turn."""
+    if isinstance(model, PatchingModel):
+        return LandingRecord(
+            None, f"{type(model).__name__} applies every round between its own hooks"
+        )
+    if spec is None:
+        why = post_load_refusal(model) if isinstance(model, torch.nn.Module) else None
+        return LandingRecord(None, why)
+    metas = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in spec.tensors.items()]
+    return record_landing(model, metas)
 
 
 def failure_where(turn: ReceiveTurn, progress: ReceiveProgress) -> str:
