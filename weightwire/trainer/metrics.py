@@ -36,6 +36,10 @@ class RoundMetrics:
     dense round, which compares nothing)."""
     extract_seconds: float = 0.0
     """A delta round: device time finding the changed elements (also the ``extract`` phase)."""
+    http_calls: int | None = None
+    """HTTP requests the engine's client sent while the round ran, every server's (the
+    control plane's fixed cost: ``HTTPWeightSyncClient.http_calls``); None for a client that
+    counts none."""
 
     @property
     def wire_bytes(self) -> int:
@@ -63,11 +67,12 @@ class RoundMetrics:
             if self.density is None
             else f" (delta: {self.density:.2%} changed, {self.dense_bytes / 1e6:.1f} MB dense)"
         )
+        calls = "" if self.http_calls is None else f" http_calls={self.http_calls}"
         return (
             f"round {self.version}: {self.tensors} tensor{'' if self.tensors == 1 else 's'}, "
             f"{self.nbytes / 1e6:.1f} MB{delta} in {self.chunks} "
             f"broadcast{'' if self.chunks == 1 else 's'}, {self.gbps:.2f} GB/s{reuse}; {phases} "
-            f"total={self.total_seconds * 1e3:.1f}ms"
+            f"total={self.total_seconds * 1e3:.1f}ms{calls}"
         )
 
 
