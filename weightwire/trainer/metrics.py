@@ -76,6 +76,19 @@ class RoundMetrics:
         )
 
 
+def http_calls(client: Any) -> int | None:
+    """The HTTP requests ``client`` sent so far (``HTTPWeightSyncClient.http_calls``), or None
+    for a client that counts none."""
+    n = getattr(client, "http_calls", None)
+    return n if type(n) is int else None
+
+
+def http_calls_since(before: int | None, client: Any) -> int | None:
+    """The HTTP requests ``client`` sent since it had sent ``before`` (None: not counted)."""
+    after = http_calls(client)
+    return None if before is None or after is None else after - before
+
+
 class PhaseClock:
     """Accumulates wall time per phase: ``with clock("transfer"): ...``."""
 

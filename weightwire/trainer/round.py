@@ -41,7 +41,7 @@ from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.early import EarlyStart, starts_with_pause
 from weightwire.trainer.freshness import StaleCacheError
 from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard
-from weightwire.trainer.metrics import PhaseClock, RoundMetrics
+from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
 from weightwire.trainer.transfer import (
@@ -165,7 +165,7 @@ def lead_round(
     that lost its link leaves the engine broken (``trainer.transfer``); once the finish
     committed, only a check failed (``StaleCacheError`` / ``VerifyError``, ``committed``):
     the model is whole, so the servers are resumed and the guard lifted."""
-    calls = http_calls(s.client)
+    calls = http_calls(s.client)  # the round's share: RoundMetrics.http_calls
     # Fails: nothing was sent (the update infos are built here).
     payloads, reused = prepare(s, r, clock)
     pause = r.pause if r.pause is not None else s.round_pause(r.metas)
@@ -196,19 +196,8 @@ def lead_round(
         seconds=clock.seconds,
         verify=report,
         dense_bytes=sent.nbytes,
-        http_calls=_since(calls, http_calls(s.client)),
+        http_calls=http_calls_since(calls, s.client),
     )
-
-
-def _since(before: int | None, after: int | None) -> int | None:
-    return None if before is None or after is None else after - before
-
-
-def http_calls(client: Any) -> int | None:
-    """The HTTP requests ``client`` sent so far (``HTTPWeightSyncClient.http_calls``), or None
-    for a client that counts none."""
-    n = getattr(client, "http_calls", None)
-    return n if type(n) is int else None
 
 
 def prepare(s: Session, r: Round, clock: PhaseClock) -> tuple[list[dict[str, Any]], bool]:
