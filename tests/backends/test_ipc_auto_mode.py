@@ -172,6 +172,30 @@ def test_the_join_check_names_why_and_runs_the_loader_only_with_a_spec() -> None
     assert join_landing(Refusing("computes"), None).refused is None
 
 
+def test_the_first_round_takes_the_map_the_join_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.torch_side.worker import core as worker_core
+
+    recorded: list[list[ParamMeta]] = []
+    fresh = worker_core.record_landing
+    monkeypatch.setattr(
+        worker_core,
+        "record_landing",
+        lambda m, metas: recorded.append(list(metas)) or fresh(m, metas),
+    )
+    model = Copies()
+    core = core_for(model)
+    metas = [ParamMeta("w.weight", "float32", (4, 4))]
+    joined = core._join_landing()
+    assert joined.map is not None
+    assert core._round_landing(model, metas) is joined and not recorded  # no second recording
+    again = core._round_landing(model, metas)  # used once: the link keeps its table after
+    assert again is not joined and recorded == [metas]
+    joined = core._join_landing()
+    other = [ParamMeta("w.weight", "bfloat16", (4, 4))]  # other tensors: recorded for them
+    assert core._round_landing(model, other) is not joined and recorded[-1] == other
+
+
 def test_a_worker_whose_connect_takes_no_landing_is_not_asked() -> None:
     from weightwire.backends.ipc.through.worker import connect_ipc
     from weightwire.backends.tcp.worker import connect_tcp

@@ -37,13 +37,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from weightwire.backends.worker_base import (
     Connect,
+    LandingRecord,
     ReceiveLink,
     ReceiveProgress,
     ReceiveTurn,
@@ -76,7 +77,12 @@ from weightwire.torch_side.worker.session import (
     stale_reason,
 )
 from weightwire.torch_side.worker.spec import ModelSpec
-from weightwire.torch_side.worker.strategy import ReceiveStrategy, RoundTarget, first_strategy
+from weightwire.torch_side.worker.strategy import (
+    ReceiveStrategy,
+    RoundTarget,
+    first_strategy,
+    record_landing,
+)
 from weightwire.torch_side.worker.target_caches import TargetCaches
 from weightwire.torch_side.worker.turn import (
     early_round,
@@ -156,6 +162,9 @@ class _ReceiverCore:
         )
         self._map_lookup = self.caches.loader_map if map_recorder is not None else None
         self._delta_rounds = False  # the session's trainer declared delta rounds
+        self._joined: tuple[Any, frozenset[Any], LandingRecord] | None = None
+        """The landing map the join recorded (model, its tensors' keys, the record): the
+        first round's, when it sends those tensors (``_round_landing``)."""
         self._sink_chooser: SinkChooser | None = None  # made by the first patch step
 
     # ---------------------------------------------------------------- session
@@ -199,6 +208,7 @@ class _ReceiverCore:
         rank = session_rank(self.backend, info, self._worker_rank)
         self._close_link()
         self._plans.clear()
+        self._joined = None
         self._link = self._connect(info, rank=rank, device=self.device, **self._join_options())
         self._info = info
         self._broken = None
@@ -230,7 +240,28 @@ class _ReceiverCore:
         the trainer may write this model's rounds into its parameters (``turn.join_landing``)."""
         if not takes_landing(self._connect):
             return {}
-        return {"landing": lambda: join_landing(self._target()[0], self.caches.model_spec())}
+        return {"landing": self._join_landing}
+
+    def _join_landing(self) -> LandingRecord:
+        model, spec = self._target()[0], self.caches.model_spec()
+        got = join_landing(model, spec)
+        if got.map is not None and spec is not None:  # the first round's tensors, most likely
+            keys = frozenset((n, t.dtype, tuple(t.shape)) for n, t in spec.tensors.items())
+            self._joined = (model, keys, got)
+        return got
+
+    def _round_landing(self, model: Model, metas: Sequence[ParamMeta]) -> LandingRecord:
+        """A turn's landing map: the one the join recorded when the turn sends exactly the
+        tensors it was recorded for and no parameter moved since (recording runs the model's
+        loader on tracers: once per session is enough), else a fresh one. The join's is used
+        once: the link keeps its own table from then on."""
+        joined, self._joined = self._joined, None
+        if joined is not None:
+            was, keys, got = joined
+            now = frozenset((m.name, m.dtype, tuple(m.shape)) for m in metas)
+            if was is model and keys == now and got.map is not None and got.map.is_live(model):
+                return got
+        return record_landing(model, metas)
 
     def start(self) -> None:
         if self._active:
@@ -296,6 +327,7 @@ class _ReceiverCore:
         self._close_link()
         self._info = None
         self._plans.clear()
+        self._joined = None
         self.session = None
 
     def abort_link(self) -> None:
@@ -463,6 +495,7 @@ class _ReceiverCore:
             self._settle,
             self.stage_budget_bytes,
             plain=plain,
+            landing=self._round_landing,
         )
 
     def _hold_patches(self, splitter: PatchSplitter) -> None:

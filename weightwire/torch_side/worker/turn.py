@@ -10,7 +10,7 @@ round stays staged while it fits the stage budget and streams past it (``Receive
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -53,15 +53,17 @@ def turn_strategy(
     budget_bytes: int,
     *,
     plain: bool,
+    landing: Callable[[Model, Sequence[ParamMeta]], LandingRecord] = record_landing,
 ) -> ReceiveStrategy:
     """The strategy that receives ``turn`` (``round_`` itself or its successor).
 
     ``plain``: the turn's tensors go to the model as sent (no patches split off), so a round
     no update joined yet may become write-through when the link lands the turn in place; a
     model that runs every round between its own hooks (``PatchingModel``: ``HFModelHost``)
-    takes none written through."""
+    takes none written through. ``landing``: the model's landing map for a turn's tensors,
+    asked only when the link needs it (the core's: the join's map when it still holds)."""
     metas = turn.metas
-    record = lambda: record_landing(model, metas)  # noqa: E731
+    record = lambda: landing(model, metas)  # noqa: E731
     if isinstance(round_, WriteThroughRound) and round_.early:
         round_.early = False  # the update of a round the trainer may write since start
         round_.names.update(m.name for m in metas)
