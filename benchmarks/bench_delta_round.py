@@ -115,7 +115,7 @@ class Bench:
         info = TrainerInitInfo(
             backend=self.backend,
             delta="auto",
-            device=0 if self.cuda else None,  # ipc: the default pull (delta refuses the others)
+            device=0 if self.cuda else None,  # ipc: the default auto pulls in a delta session
         )
         return engine.trainer_init(info, client=self.client, source=make_source(self.params))
 

@@ -3,7 +3,7 @@ routes (or the shim).
 
     python benchmarks/bench_ipc.py --out bench_ipc.md [--engines jax,torch]
         [--models llama3-8b,qwen2-0.5b] [--rounds 5] [--warmup 2] [--control http|shim]
-        [--modes pull,push,write_through] [--sink]
+        [--modes default,pull,push,write_through] [--sink]
 
 Three processes on the same GPU: the trainer (``JAXTrainerEngine`` torch-free, or
 ``TorchTrainerEngine``) with synthetic bf16 weights of the model's HF shapes; the
@@ -17,7 +17,9 @@ what arrived and keeps nothing (no write-through rows: a sink has nothing to wri
 Push mode: the trainer copies into its slots, the worker copies each piece out (two device
 copies per byte); pull mode: the trainer copies straight into the worker's pooled receive
 buffers (one copy); write-through: straight into the serving parameters (one copy, no
-receive buffer).
+receive buffer); ``default``: ``TrainerInitInfo``'s own ``ipc_mode`` left unset (``auto``:
+write-through where the worker's model takes it, else pull), the row a user who sets nothing
+gets (its mode column names the data path it resolved to).
 
 Per config: seconds per round (median of ``--rounds`` after ``--warmup``: the whole
 ``send_weights``, start / update / finish included), GB/s, and the ratio to the same run's
@@ -26,7 +28,9 @@ then that buffer into another; CUDA events, median) and one (the parameter set: 
 every tensor into its place in the parameters, measured in the worker; the sink: every
 tensor into one buffer); the control ms (start) and finish ms; trainer extra memory
 (push: the slot ring, raw ``cudaMalloc``; pull, write-through: none) and worker extra (torch
-peak over a round, plus pull mode's receive pool). Same-host-other-GPU is not measured (one GPU).
+peak over a round, plus pull mode's receive pool); the HTTP calls per round
+(``RoundMetrics.http_calls``, median; none over the shim). Same-host-other-GPU is not
+measured (one GPU).
 """
 
 from __future__ import annotations
@@ -56,13 +60,13 @@ from weightwire.tools.bench.sync_shim import control_client, receiver_main, rpc 
 GIB = 1 << 30
 # (model, packed, buffer MiB, buffers, release after round, engines, IPC modes)
 CONFIGS = [
-    ("llama3-8b", True, 1024, 2, False, "jax,torch", "pull,push,write_through"),
+    ("llama3-8b", True, 1024, 2, False, "jax,torch", "default,pull,push,write_through"),
     ("llama3-8b", True, 2048, 2, False, "jax", "pull,push"),
     ("llama3-8b", True, 256, 2, False, "jax", "pull"),
     ("llama3-8b", True, 1024, 1, False, "jax", "pull"),
     ("llama3-8b", True, 1024, 2, True, "jax", "pull,push"),
     ("llama3-8b", False, 1024, 2, False, "jax", "push"),
-    ("qwen2-0.5b", True, 1024, 2, False, "jax,torch", "pull,push,write_through"),
+    ("qwen2-0.5b", True, 1024, 2, False, "jax,torch", "default,pull,push,write_through"),
     ("qwen2-0.5b", True, 256, 2, False, "jax,torch", "pull,push"),
     ("qwen2-0.5b", True, 1024, 2, True, "jax", "pull"),
     ("qwen2-0.5b", False, 1024, 2, False, "jax", "push"),
@@ -89,6 +93,10 @@ def run_config(
         from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine
     t = cfg["timeout"]
     nbytes = sum(int(a.nbytes) for a in params.values())
+    # "default": the ipc_mode a user who sets none gets (TrainerInitInfo's own default)
+    asked = {} if ipc_mode == "default" else {"ipc_mode": ipc_mode}
+    if ipc_mode == "default":
+        ipc_mode = f"default ({TrainerInitInfo(backend='weightwire_ipc').ipc_mode})"
     mode = (f"{ipc_mode} packed {buf >> 20} MiB x{nb}" if packed else "push unpacked") + (
         " release" if release else ""
     )
@@ -111,7 +119,7 @@ def run_config(
         server_version="0.33.0",
         inference_world_size=1,
         ipc_release_after_round=release,
-        ipc_mode=ipc_mode,
+        **asked,
         timeouts=Timeouts(http_s=t + 30, connect_s=t, warmup_s=t, transfer_s=t),
     )
     engine = Engine.trainer_init(info, client=client, source=make_source(params))
@@ -120,7 +128,7 @@ def run_config(
     try:
         for _ in range(cfg["warmup"]):
             engine.send_weights()
-        walls, control, finish = [], [], []
+        walls, control, finish, calls = [], [], [], []
         for _ in range(cfg["rounds"]):
             start = time.perf_counter()
             trace(f"send> {kind} {model} {mode}")
@@ -129,6 +137,7 @@ def run_config(
             trace("send<")
             control.append(metrics.seconds.get("control", 0.0))
             finish.append(metrics.seconds.get("finish", 0.0))
+            calls.append(metrics.http_calls)
         dump_trace("trainer")
         row.update(
             pieces=metrics.chunks,
@@ -165,6 +174,7 @@ def run_config(
         round_s=statistics.median(walls),
         control_ms=1e3 * statistics.median(control),
         finish_ms=1e3 * statistics.median(finish),
+        http_calls=None if None in calls else statistics.median(calls),
         walls=walls,
     )
     return row
@@ -179,7 +189,8 @@ def sender_main(cfg: dict[str, Any]) -> None:
             for c in CONFIGS
             if c[0] == model and kind in c[5].split(",")
             for m in c[6].split(",")
-            if m in cfg["modes"] and not (cfg["sink"] and m == "write_through")
+            # a sink has no parameters to write through (nor a default row that resolves to it)
+            if m in cfg["modes"] and not (cfg["sink"] and m in ("write_through", "default"))
         ]
         if not todo:
             continue
@@ -222,19 +233,20 @@ def sender_main(cfg: dict[str, Any]) -> None:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| engine | control | model | into | GB/round | mode | chunks | ms/round | GB/s | 2-copy "
-        "ceiling ms | ratio | 1-copy ceiling ms | ratio | start ms | finish ms | trainer extra "
-        "GiB (between rounds) | worker extra GiB | loaded |\n" + "|---" * 18 + "|\n"
+        "ceiling ms | ratio | 1-copy ceiling ms | ratio | start ms | finish ms | HTTP calls "
+        "| trainer extra GiB (between rounds) | worker extra GiB | loaded |\n" + "|---" * 19 + "|\n"
     )
     out = []
     for r in rows:
         if "error" in r:
             out.append(
-                f"| {r['engine']} | | {r['model']} | | | {r['mode']} | | | | | | | | | | | | "
+                f"| {r['engine']} | | {r['model']} | | | {r['mode']} | | | | | | | | | | | | | "
                 f"{r['error']} |"
             )
             continue
         gb, s = r["nbytes"] / 1e9, r["round_s"]
         c2, c1 = r.get("ceiling_s"), r.get("ceiling1_s")
+        n = r.get("http_calls")
         out.append(
             f"| {r['engine']} | {r['control']} | {r['model']} | {r.get('target', '')} | {gb:.2f} "
             f"| {r['mode']} ({r['ipc_mode']}) | "
@@ -243,7 +255,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{'' if c2 is None else f'{c2 / s:.3f}'} | "
             f"{'' if c1 is None else f'{c1 * 1e3:.2f}'} | "
             f"{'' if c1 is None else f'{c1 / s:.3f}'} | {r['control_ms']:.2f} | "
-            f"{r['finish_ms']:.2f} | {r['trainer_extra'] / GIB:.2f} "
+            f"{r['finish_ms']:.2f} | {'-' if n is None else f'{n:g}'} | "
+            f"{r['trainer_extra'] / GIB:.2f} "
             f"({r['trainer_between'] / GIB:.2f}) | {r['worker_extra'] / GIB:.2f} | "
             f"{'ok' if r['loaded_ok'] else 'MISMATCH'} |"
         )
@@ -271,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control", default="http", choices=("http", "shim"))
     ap.add_argument(
         "--modes",
-        default="pull,push,write_through",
-        help="IPC data paths to run: pull (one copy), push (slot ring), write_through (one "
-        "copy, into the parameters)",
+        default="default,pull,push,write_through",
+        help="IPC data paths to run: default (TrainerInitInfo's own ipc_mode: auto), pull (one "
+        "copy), push (slot ring), write_through (one copy, into the parameters)",
     )
     ap.add_argument(
         "--sink",

@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                         "control": m.seconds.get("control", 0.0),
                         "finish": m.seconds.get("finish", 0.0),
                         "steps": len(steps),
+                        "http_calls": getattr(m, "http_calls", None),  # an older tree: none
                         "serial": sum(1 for s in steps if "update_weights" not in s),
                         "shape": " | ".join("+".join(s) for s in steps),
                     }
@@ -140,12 +141,21 @@ def main(argv: list[str] | None = None) -> int:
         f"  round {med['round'] * 1e3:.2f} ms   control (pause+start) {med['control'] * 1e3:.2f} ms"
         f"   finish (+resets+resume) {med['finish'] * 1e3:.2f} ms"
     )
-    print(f"  HTTP steps per round {med['steps']:.0f}, outside the update: {serial:.0f}")
+    counted = [r["http_calls"] for r in rows if r["http_calls"] is not None]
+    calls = statistics.median(counted) if counted else None
+    print(
+        f"  HTTP steps per round {med['steps']:.0f}, outside the update: {serial:.0f}; "
+        f"HTTP calls per round (RoundMetrics.http_calls) {'-' if calls is None else f'{calls:g}'}"
+    )
     for shape, n in sorted(shapes.items(), key=lambda kv: -kv[1])[:3]:
         print(f"  {n:4d} x  {shape}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"median": med, "serial": serial, "shapes": shapes}, f, indent=1)
+            json.dump(
+                {"median": med, "serial": serial, "http_calls": calls, "shapes": shapes},
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -87,7 +87,7 @@ def test_backend_is_registered_on_device_and_knob_is_checked() -> None:
     ).ipc_release_after_round
     with pytest.raises(ValueError, match="ipc_release_after_round must be a bool"):
         TrainerInitInfo(backend="weightwire_ipc", ipc_release_after_round=1)  # type: ignore[arg-type]
-    assert TrainerInitInfo(backend="weightwire_ipc").ipc_mode == "pull"
+    assert TrainerInitInfo(backend="weightwire_ipc").ipc_mode == "auto"
     assert TrainerInitInfo(backend="weightwire_ipc", ipc_mode="push").ipc_mode == "push"
     with pytest.raises(
         ValueError,

@@ -349,6 +349,31 @@ def test_tensors_are_written_into_the_parameters_after_the_go_and_done_follows()
     assert worker.seen[0] == {"op": "path", "t": 0, "wt": True}
 
 
+def test_a_pause_sent_beside_the_start_is_answered_before_the_first_write() -> None:
+    metas, table = _fused()
+    log, slots, worker, pipe = _setup(table, metas)
+    worker.rounds = 2
+    worker.start()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)  # the table, accepted
+    worker.early = True  # the next round's go comes from inside its start
+    pipe.control_first = True  # the trainer sent the pause beside the start
+    log.clear()
+
+    def begin() -> None:
+        worker.started.release()  # the start: the worker's go goes out
+        time.sleep(0.3)  # the pause beside it is still out
+        log.append(("begun",))
+
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
+    prepared = [(c, tensors[c.start : c.stop]) for c in chunks]
+    assert pipe.send(prepared, threading.Event(), begin=begin, metas=metas) == (112, 1)
+    worker.join(10)
+    ops = [e[0] for e in log if e[0] in ("begun", "copy")]
+    # the worker's go came long before the control plane returned; no write went before it
+    assert ops == ["begun", "copy", "copy", "copy"]
+
+
 def test_a_refusing_worker_gets_its_round_through_its_receive_buffer_and_it_is_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

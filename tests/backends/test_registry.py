@@ -160,7 +160,7 @@ def test_a_backend_reads_its_own_options_or_names_what_is_missing() -> None:
         ipc.check_config(_GenericSettings(), delta="auto")
     # The IPC refusal is the backend's own, at TrainerInitInfo's construction.
     with pytest.raises(ConfigError, match="delta rounds over weightwire_ipc go through its pull"):
-        TrainerInitInfo(backend="weightwire_ipc", delta="auto", ipc_mode="auto")
+        TrainerInitInfo(backend="weightwire_ipc", delta="auto", ipc_mode="write_through")
     tcp.check_config(_GenericSettings(), delta="auto")  # most backends run every configuration
 
 

@@ -79,6 +79,7 @@ def test_8b_round_into_vllm_layout_memory_and_bytes(worker: object, strategy: st
         packed_num_buffers=2,
         stage_budget_bytes=budget,
         device=0,
+        ipc_mode="pull",  # the staged and streaming strategies of the pull path (not auto's)
     )
     engine = TorchTrainerEngine.trainer_init(info, client=worker, source=source)
     try:

@@ -7,11 +7,13 @@
   failed finish is a failed round, whatever the resets said.
 - With the pause sent early, the start follows it from the helper thread, without waiting
   for the first chunk to be packed; a round that fails once that start went out counts
-  as started.
+  as started. To a plugin worker (whose start touches no weight) the pause and the start
+  are in flight at once, both answered before the update; a stock worker keeps pause, then
+  start.
 - Where every server offers a start that pauses first and a finish that also resets the
   caches and resumes (weightwire's reference server), a paused round is those calls and the
-  update; a failed one leaves the resume to the round's own rule; an unpaused round keeps
-  its separate calls.
+  update; a failed one leaves the resume to the round's own rule; an unpaused round's
+  finish resets the caches in the same request (and resumes nothing).
 """
 
 from __future__ import annotations
@@ -293,6 +295,59 @@ def test_a_refused_early_start_fails_the_round_and_leaves_the_engine_usable(
     assert engine.send_weights().version == "1"  # nothing opened: usable, nothing committed
 
 
+class PauseBesideStart(Timeline):
+    """The start returns only once the pause was entered too (and the pause once the start
+    was): a round that sends them one after another fails (``BrokenBarrierError``, bounded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.both = threading.Barrier(2, timeout=WAIT_S)
+
+    def __getattr__(self, name: str) -> Any:
+        call = super().__getattr__(name)
+        if name not in ("pause", "start_weight_update"):
+            return call
+
+        def met(*args: Any, **kwargs: Any) -> Any:
+            with self.lock:
+                self.events.append(("enter", name))
+            self.both.wait()
+            return call(*args, **kwargs)
+
+        return met
+
+
+def test_an_in_place_round_to_a_plugin_worker_sends_pause_and_start_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch, stock=False)
+    client = PauseBesideStart()
+    engine = engine_for(client, stage_budget_bytes=0)  # in place: paused with abort
+    engine.send_weights(weight_version="v1")
+    engine.send_weights(weight_version="v2")
+    for nth in (0, 1):
+        update = client.at("enter", "update_weights", nth)
+        # both answered before the update (and so before any byte)
+        assert client.at("exit", "pause", nth) < update
+        assert client.at("exit", "start_weight_update", nth) < update
+    assert engine.session.sender is not None and engine.session.sender.control_first
+
+
+def test_a_failed_pause_beside_an_opened_start_breaks_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch, stock=False)
+    client = Timeline()
+    client.fail["pause"] = WeightSyncError("pause", 500, "pause broke", "s")
+    engine = engine_for(client, stage_budget_bytes=0)
+    with pytest.raises(WeightSyncError, match="pause broke"):
+        engine.send_weights()
+    assert ("enter", "update_weights") not in client.events  # no byte, no update
+    # the servers hold a round this trainer will send nothing into: a new init is needed
+    with pytest.raises(EngineBroken, match="pause broke"):
+        engine.send_weights()
+
+
 def test_a_failed_early_pause_sends_no_start(monkeypatch: pytest.MonkeyPatch) -> None:
     server = FakeServer()
     failing_round(monkeypatch, server, "pause", 500, "pause broke")
@@ -350,11 +405,23 @@ def test_a_failed_finish_in_one_call_gets_the_rounds_own_resume(
     assert round_routes(server)[-2:] == ["finish_weight_update", "resume"]
 
 
-def test_an_unpaused_round_keeps_separate_calls_where_one_is_offered(
+def test_an_unpaused_round_resets_in_its_finish_where_one_is_offered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     stock_backend(monkeypatch, stock=False)
     server = Advertising()
+    engine_for(server.client()).send_weights(weight_version="v1")
+    assert round_routes(server) == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert server.bodies("finish_weight_update") == [
+        {"weight_version": "v1", "reset_caches": "true", "resume": "false"}  # no pause held
+    ]
+
+
+def test_an_unpaused_round_keeps_separate_calls_where_none_is_offered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stock_backend(monkeypatch, stock=False)
+    server = Advertising(())
     engine_for(server.client()).send_weights()
     assert round_routes(server) == UNPAUSED
 

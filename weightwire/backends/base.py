@@ -195,6 +195,12 @@ class RoundSender(ABC):
     the commit the workers' weights are not whole): the trainer refuses generation
     around every round, as around a round over the stage budget."""
 
+    control_first: bool = False
+    """Set by the trainer for a round whose pause goes out beside its start (both in flight
+    at once): an ``in_place`` sender that may write before ``begin`` returned (a worker's
+    go sent from inside its start) waits for ``begin`` first, so the pause is in effect
+    before its first byte lands."""
+
     @abstractmethod
     def send(
         self,

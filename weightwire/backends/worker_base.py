@@ -14,6 +14,7 @@ package implements it and imports nothing above ``backends/``. Rank 0's half is
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -162,4 +163,16 @@ class WorkerInitInfo(Protocol):
 
 
 Connect = Callable[..., ReceiveLink]
-"""A backend's ``connect(info, *, rank, device) -> ReceiveLink`` (its registry entry)."""
+"""A backend's ``connect(info, *, rank, device) -> ReceiveLink`` (its registry entry). A backend
+that writes into the serving parameters may also take ``landing``, a
+``Callable[[], LandingRecord]``: the model's landing map for the tensors it serves, or why
+there is none, asked at the join (the worker passes it to a connect that names it)."""
+
+
+def takes_landing(connect: Callable[..., Any]) -> bool:
+    """Whether ``connect`` names the ``landing`` keyword (``Connect``): only a backend that
+    writes into the serving parameters asks for it, so the others never pay for a landing map."""
+    try:
+        return "landing" in inspect.signature(connect).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature: not asked
+        return False

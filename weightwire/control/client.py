@@ -202,19 +202,19 @@ class HTTPWeightSyncClient(ServingRoutes):
         server does; stock vLLM does not): ``finish_reset_resume`` may be used."""
         return all(routes.FINISH_RESETS_RESUMES in f for f in self._features)
 
-    def finish_reset_resume(self, weight_version: str) -> list[bool]:
+    def finish_reset_resume(self, weight_version: str, *, resume: bool = True) -> list[bool]:
         """``finish_weight_update(weight_version)`` that, on every server whose round committed,
-        also drops the caches and resumes generation, in the one request (only where
-        advertised: ``finishes_with_resume``). Per server, whether it reset its caches.
+        also drops the caches and (``resume``) resumes generation, in the one request (only
+        where advertised: ``finishes_with_resume``). Per server, whether it reset its caches.
 
         Raises as ``finish_weight_update`` does when a finish failed (that server reset and
         resumed nothing); a server that committed but refused the resume (asleep) raises
         ``WeightSyncError`` for ``resume`` after every server answered."""
         if not self.finishes_with_resume():
             raise RuntimeError("not every server advertised finish_resets_resumes at init")
-        params = {"reset_caches": "true", "resume": "true"}
+        params = {"reset_caches": "true", "resume": "true" if resume else "false"}
         replies = self._all(routes.FINISH, {"weight_version": weight_version}, params=params)
-        for i, reply in enumerate(replies):
+        for i, reply in enumerate(replies if resume else ()):
             if not (isinstance(reply, dict) and reply.get("resumed") is True):
                 raise WeightSyncError(
                     routes.RESUME.name,

@@ -9,6 +9,7 @@ one call on every server concurrently (``fanout.fan_out``).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,6 +94,10 @@ class ServerSet:
         self._sessions: list[str | None] = [None] * len(self.base_urls)
         """Per server: the ``session_id`` its last init returned (servers that return none:
         None)."""
+        self._counted = threading.Lock()
+        self.http_calls = 0
+        """HTTP requests sent so far, every server's (a trainer round reports its share:
+        ``RoundMetrics.http_calls``)."""
 
     def _request(
         self, i: int, route: Route, body: Any = None, params: dict[str, Any] | None = None
@@ -111,6 +116,8 @@ class ServerSet:
                 *headers,
                 (_SESSION_KEY, session.encode("ascii")),
             ]  # as httpx encodes a str header
+        with self._counted:
+            self.http_calls += 1
         try:
             response = wire.send(route, content, headers, params)
         except httpx.TimeoutException as exc:

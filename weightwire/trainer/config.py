@@ -77,16 +77,21 @@ class TrainerInitInfo:
     - ``ipc_release_after_round``: ``weightwire_ipc`` frees its slots after every round
       (the memory goes back to training; handles are re-exported next round); in pull
       mode the workers free their receive buffers instead.
-    - ``ipc_mode``: ``weightwire_ipc``'s data path for packed rounds: ``pull`` (default:
-      the trainer writes straight into the workers' receive buffers, one device copy
-      per byte, no slots kept; the worker then loads them), ``write_through`` (the
-      trainer writes each tensor straight into the workers' serving parameters, where
-      their loader puts it: one copy per byte, no receive buffer; every round is applied
-      in place, so generation is refused around it as ``pause_mode`` says; a worker
-      whose loader is not a plain copy takes its rounds as in pull and logs why),
-      ``auto`` (write-through where every worker offers it, else pull) or ``push`` (the
-      slot ring: two copies). A worker that predates a mode gets the next one; every
-      unpacked session gets push.
+    - ``ipc_mode``: ``weightwire_ipc``'s data path for packed rounds. ``auto`` (default):
+      write-through where it is correct, else pull, chosen at the join: every worker says
+      in its hello whether its model can be written through (its landing map records and
+      its post-load processing is a no-op); one that cannot (a loader that computes, a
+      quantized or CPU-prepacked layer, a model that applies rounds between its own hooks)
+      makes the session pull, and the trainer logs one line naming the worker and why; a
+      session with ``delta`` pulls (one log line). ``write_through`` (the trainer writes
+      each tensor straight into the workers' serving parameters, where their loader puts
+      it: one copy per byte, no receive buffer; every round is applied in place, so
+      generation is refused around it as ``pause_mode`` says; a worker whose loader is
+      not a plain copy takes its rounds as in pull and logs why), ``pull`` (the trainer
+      writes straight into the workers' receive buffers, one device copy per byte, no
+      slots kept; the worker then loads them) or ``push`` (the slot ring: two copies).
+      A mode asked for explicitly is the one used; a worker that predates a mode gets the
+      next one; every unpacked session gets push.
     - ``stage_budget_bytes``: the plugin backends' workers stage a round of at most this
       many bytes (received whole into fresh memory, applied at finish: all or nothing) and
       apply a larger one in place as its bytes land (``0``: always in place). A round applied
@@ -158,7 +163,7 @@ class TrainerInitInfo:
     inference_world_size: int | None = None
     version_override: str | None = None
     ipc_release_after_round: bool = False
-    ipc_mode: str = "pull"
+    ipc_mode: str = "auto"
     stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
     delta: str = "off"
     delta_density: float = DEFAULT_DELTA_DENSITY

@@ -15,6 +15,15 @@ The main thread that fails before the control plane ran calls ``abandon``: from 
 start goes out, and it learns, once the helper settled (bounded), whether the pause held
 and whether the start may have been sent: such a round counts as started (its failure
 rules are those of any round that failed after its start).
+
+``together``: the pause and the start are independent calls that both must be in effect
+before the first byte lands, not one after the other: the pause goes out at once on a
+helper of its own, the start as above, and ``wait`` returns once both answered. Only for a
+plugin worker, whose start touches no weight (a stock vLLM worker's start opens its
+layerwise reload, so the pause must come first there), and with the data path told to
+hold a write into the serving parameters until both answered (``RoundSender.control_first``).
+A pause that fails beside a start that opened a round fails the round as one whose start
+opened a round that gets no bytes (the engine needs a new init).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from weightwire.control.fanout import spawn
@@ -34,10 +44,16 @@ class EarlyStart:
     """``pause()`` then, once ``ready()`` was called, ``start()``, on a helper thread."""
 
     def __init__(
-        self, pause: Callable[[], bool] | None, start: Callable[[], object], timeout: float
+        self,
+        pause: Callable[[], bool] | None,
+        start: Callable[[], object],
+        timeout: float,
+        *,
+        together: bool = False,
     ) -> None:
         """``pause`` None: ``start`` pauses too (the reference server's ``START_PAUSES``), so
-        the pause counts as held once it was sent."""
+        the pause counts as held once it was sent. ``together``: the pause goes out beside
+        the start, not before it (the module docstring)."""
         self._pause, self._start, self._timeout = pause, start, timeout
         self._ready = threading.Event()
         self._lock = threading.Lock()  # the start is sent, or abandoned: never both
@@ -48,10 +64,17 @@ class EarlyStart:
         """The start went out (whatever it answered): the workers may be in the round."""
         self.start_returned = False
         """The start answered success: the servers are in the round."""
+        self._beside: Future[None] | None = None
+        if together and pause is not None:
+            self._beside = spawn(self._pause_beside, name="weightwire-pause")
         self._future = spawn(self._run, name="weightwire-pause-start")
 
+    def _pause_beside(self) -> None:
+        assert self._pause is not None
+        self.paused = self._pause()
+
     def _run(self) -> None:
-        if self._pause is not None:
+        if self._pause is not None and self._beside is None:
             self.paused = self._pause()  # a pause that raised: no start goes out
         if not self._ready.wait(self._timeout):
             raise ControlTimeout(
@@ -75,6 +98,8 @@ class EarlyStart:
         self.ready()  # a wire that never said so: the start goes now, as it used to
         # Two calls one after the other, each bounded by the client's own timeout.
         await_call(self._future, 2 * self._timeout, "pause / start_weight_update")
+        if self._beside is not None:  # sent beside the start: out as long as the start, at most
+            await_call(self._beside, 2 * self._timeout, "pause")
 
     def abandon(self) -> tuple[bool, bool, bool]:
         """The round failed before its control plane finished: no start from now on.
@@ -86,7 +111,12 @@ class EarlyStart:
         self._ready.set()  # a helper waiting for the data path: wake it, to send nothing
         with contextlib.suppress(Exception):  # its own error, or still out: the flags tell
             self._future.result(timeout=2 * self._timeout)
-        return self.paused and self._future.done(), self.start_sent, self.start_returned
+        settled = self._future.done()
+        if self._beside is not None:
+            with contextlib.suppress(Exception):
+                self._beside.result(timeout=2 * self._timeout)
+            settled = settled and self._beside.done()
+        return self.paused and settled, self.start_sent, self.start_returned
 
 
 def starts_with_pause(client: Any, caps: ClientCaps) -> bool:

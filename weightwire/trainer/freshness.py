@@ -18,11 +18,12 @@ before anything can be scheduled on the new weights:
   recomputes its KV with the new weights instead of continuing on the old KV; and to reset
   a KV connector's external cache (``reset_external``).
 - A round not paused as a whole (the plugin backends stage a round and apply it at
-  finish, so ``pause_mode="auto"`` does not pause them) is reset right after its finish,
-  unpaused: a pause held across the commit would leave vLLM paused, its requests queued
-  with nobody to resume them, if the trainer died inside it, which is worse than the
-  window it closes. The reset preempts every request still running, so only a request
-  that both starts and ends within that one round trip can have used the old KV.
+  finish, so ``pause_mode="auto"`` does not pause them) is reset right after its finish
+  (in the finish's own request where every server offers it: ``commit_reset``), unpaused:
+  a pause held across the commit would leave vLLM paused, its requests queued with nobody
+  to resume them, if the trainer died inside it, which is worse than the window it closes.
+  The reset preempts every request still running, so only a request that both starts and
+  ends within that one round trip can have used the old KV.
   ``pause_mode="keep"`` closes the window at that price.
 - ``TrainerInitInfo(reset_prefix_cache=False)`` turns all of this off, for users who
   knowingly accept stale prefixes.
@@ -106,6 +107,9 @@ class CommitPlan:
                 return True
             commit_paused(client, version, caps=caps, record=record, timeout=timeout)
             return False
+        if self.reset and finishes_with_reset(client, caps):
+            commit_reset(client, version, record=record)
+            return False
         client.finish_weight_update(version)
         record()
         if self.reset:
@@ -123,6 +127,29 @@ def finishes_with_resume(client: Any, caps: ClientCaps) -> bool:
     servers = getattr(client, "base_urls", None)  # a value, not a call: read when asked
     one = servers is None or len(servers) == 1
     return one and caps.finishes_with_resume and client.finishes_with_resume() is True
+
+
+def finishes_with_reset(client: Any, caps: ClientCaps) -> bool:
+    """Every server advertised the finish that also resets its caches
+    (``routes.FINISH_RESETS_RESUMES``): an unpaused round asks for the resets in its finish.
+    Several servers too: a server whose finish failed reset nothing and keeps serving the
+    weights its caches were made with (only the resume is kept apart, ``finishes_with_resume``)."""
+    return caps.finishes_with_resume and client.finishes_with_resume() is True
+
+
+def commit_reset(client: Any, version: str, *, record: Callable[[], None]) -> None:
+    """An unpaused round's finish and, once it committed, the caches reset, in one request per
+    server (the reset right after the commit, as in line, with no round trip between). A
+    failed finish fails the round; a server that did not say it reset: ``StaleCacheError``."""
+    answers = client.finish_reset_resume(version, resume=False)
+    record()
+    refused = [i for i, ok in enumerate(answers) if ok is not True]
+    if refused:
+        raise StaleCacheError(
+            version,
+            f"server(s) {', '.join(map(str, refused))} did not say they reset their caches "
+            "with the finish",
+        )
 
 
 def commit_resumed(client: Any, version: str, *, record: Callable[[], None]) -> None:

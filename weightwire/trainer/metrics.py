@@ -58,6 +58,10 @@ class RoundMetrics:
     """A delta round: device time finding the changed elements (also the ``extract`` phase)."""
     fp8: Fp8Report | None = None
     """A round of an FP8 source: weights quantized, bytes saved, their errors (if asked)."""
+    http_calls: int | None = None
+    """HTTP requests the engine's client sent while the round ran, every server's (the
+    control plane's fixed cost: ``HTTPWeightSyncClient.http_calls``); None for a client that
+    counts none."""
 
     @property
     def wire_bytes(self) -> int:
@@ -93,12 +97,26 @@ class RoundMetrics:
                 + ("" if worst is None else f", max abs error {worst:.3g}")
                 + ")"
             )
+        calls = "" if self.http_calls is None else f" http_calls={self.http_calls}"
         return (
             f"round {self.version}: {self.tensors} tensor{'' if self.tensors == 1 else 's'}, "
             f"{self.nbytes / 1e6:.1f} MB{delta}{fp8} in {self.chunks} "
             f"broadcast{'' if self.chunks == 1 else 's'}, {self.gbps:.2f} GB/s{reuse}; {phases} "
-            f"total={self.total_seconds * 1e3:.1f}ms"
+            f"total={self.total_seconds * 1e3:.1f}ms{calls}"
         )
+
+
+def http_calls(client: Any) -> int | None:
+    """The HTTP requests ``client`` sent so far (``HTTPWeightSyncClient.http_calls``), or None
+    for a client that counts none."""
+    n = getattr(client, "http_calls", None)
+    return n if type(n) is int else None
+
+
+def http_calls_since(before: int | None, client: Any) -> int | None:
+    """The HTTP requests ``client`` sent since it had sent ``before`` (None: not counted)."""
+    after = http_calls(client)
+    return None if before is None or after is None else after - before
 
 
 class PhaseClock:

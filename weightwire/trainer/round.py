@@ -41,7 +41,7 @@ from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.early import EarlyStart, starts_with_pause
 from weightwire.trainer.freshness import StaleCacheError
 from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard
-from weightwire.trainer.metrics import PhaseClock, RoundMetrics
+from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
 from weightwire.trainer.transfer import (
@@ -165,6 +165,7 @@ def lead_round(
     that lost its link leaves the engine broken (``trainer.transfer``); once the finish
     committed, only a check failed (``StaleCacheError`` / ``VerifyError``, ``committed``):
     the model is whole, so the servers are resumed and the guard lifted."""
+    calls = http_calls(s.client)  # the round's share: RoundMetrics.http_calls
     # Fails: nothing was sent (the update infos are built here).
     payloads, reused = prepare(s, r, clock)
     pause = r.pause if r.pause is not None else s.round_pause(r.metas)
@@ -195,6 +196,7 @@ def lead_round(
         seconds=clock.seconds,
         verify=report,
         dense_bytes=sent.nbytes,
+        http_calls=http_calls_since(calls, s.client),
     )
 
 
@@ -221,9 +223,23 @@ def send_early(s: Session, r: Round, pause: RoundPause) -> EarlyStart | None:
     mode, http_s = pause.mode, s.info.timeouts.http_s
     # one call (the reference server's offer)
     if not r.draft and starts_with_pause(s.client, s.caps):
+        if s.sender is not None:
+            s.sender.control_first = False  # the server pauses before it starts
         both = s.client.pause_and_start  # type: ignore[attr-defined]
         return EarlyStart(None, lambda: both(mode), http_s)
-    return EarlyStart(lambda: s.pause(mode), _start_call(s, r), http_s)
+    together = pause_beside_start(s)
+    return EarlyStart(lambda: s.pause(mode), _start_call(s, r), http_s, together=together)
+
+
+def pause_beside_start(s: Session) -> bool:
+    """The round's pause and start go out at once (``trainer.early``: ``together``): both must
+    be in effect before the first byte lands, and a plugin worker's start touches no weight.
+    A stock worker's start opens vLLM's layerwise reload: there the pause comes first. The
+    data path is told to hold a write into the serving parameters until both answered."""
+    together = not s.backend.caps.stock_receiver
+    if s.sender is not None:
+        s.sender.control_first = together
+    return together
 
 
 def _start_call(s: Session, r: Round) -> Callable[[], object]:
@@ -242,10 +258,29 @@ def open_round(
     if s.verifier is not None:
         s.verifier.before_round(s.client)  # a failure here sent nothing
     servers.held = hold_guard(s.client, pause, r.version)  # refusing, with the reason
-    if pause.mode is not None:
-        servers.paused = s.pause(pause.mode)
-    servers.started = True  # from here the workers may hold part of the round
-    _start_call(s, r)()
+    if pause.mode is None:
+        servers.started = True  # from here the workers may hold part of the round
+        _start_call(s, r)()
+        return
+    mode = pause.mode
+    if not pause_beside_start(s):
+        servers.paused = s.pause(mode)
+        servers.started = True
+        _start_call(s, r)()
+        return
+    # Both at once (``pause_beside_start``), each awaited: a failed one fails the round.
+    both = EarlyStart(
+        lambda: s.pause(mode), _start_call(s, r), s.info.timeouts.http_s, together=True
+    )
+    try:
+        both.wait()
+    except BaseException as exc:
+        paused, started, opened = both.abandon()
+        servers.paused, servers.started = paused, started
+        if opened and s.broken is None:  # a round open on the servers that gets no bytes
+            s.broken = exc
+        raise
+    servers.paused, servers.started = both.paused, True
 
 
 def transfer(

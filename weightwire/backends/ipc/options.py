@@ -20,6 +20,11 @@ class IPCOptions(Protocol):
         """The data path asked for: ``pull``, ``push``, ``write_through`` or ``auto``."""
         ...
 
+    @property
+    def delta(self) -> str:
+        """The session's delta rounds (``"off"`` / ``"auto"``): ``auto`` resolves to pull then."""
+        ...
+
 
 def ipc_options(settings: SenderSettings, backend: str) -> IPCOptions:
     """``settings`` read as this backend's options; ``ConfigError`` when they lack them."""

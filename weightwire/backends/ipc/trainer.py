@@ -11,7 +11,10 @@ a plain copy takes its rounds as in pull), ``pull`` (the trainer copies straight
 workers' receive buffers, ``backends.ipc.pull``: one device copy per byte, then the
 worker loads) or ``push`` (the slot ring, ``backends.ipc.pipeline``: two copies). Pull and
 write-through need packed rounds and every worker offering them; then the slots are
-freed at once (only their ready events stay). The slots are made once per session and
+freed at once (only their ready events stay). ``auto`` (the default) is write-through
+where every worker says in its hello that its model can take it (``cannot_write_through``:
+why not, checked by the worker at join), else pull, logged once naming the worker and why;
+a delta session pulls (``IPCBackend.open``). The slots are made once per session and
 reused every round (``release_after_round`` frees them between rounds instead). The
 joined link is ``ipc.link.IPCSenderComm``; ``IPCBackend`` is the registry's trainer
 part: it opens an ``IPCRendezvous`` and makes the mode's pipeline the round's data path.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from contextlib import suppress
 from typing import Any, ClassVar
 
@@ -119,6 +123,7 @@ class IPCRendezvous:
         self._close_listener()
         want = len(accepted)
         channels, frees, uuids, ranks, offers = [], [], [], set(), []
+        cannot: list[tuple[str, str]] = []  # (worker, why its model cannot be written through)
         try:
             for ch in accepted:
                 channels.append(ch)
@@ -144,7 +149,10 @@ class IPCRendezvous:
                 uuid = hello.get("uuid")
                 uuids.append(uuid if isinstance(uuid, str) else "")
                 offers.append(_modes(hello, ch.peer))
-            mode, why = choose_mode(self._asked, self._packed, offers)
+                why_not = _cannot_write_through(hello, ch.peer)
+                if why_not is not None:
+                    cannot.append((ch.peer, why_not))
+            mode, why = choose_mode(self._asked, self._packed, offers, cannot=cannot)
             if why:
                 logger.warning("weightwire_ipc: mode %s: %s", mode, why)
             for ch in channels:
@@ -194,17 +202,18 @@ class IPCBackend(Backend):
 
     def check_config(self, settings: SenderSettings, *, delta: str) -> None:
         mode = ipc_options(settings, self.name).ipc_mode
-        if delta != "off" and mode in ("write_through", "auto"):
+        if delta != "off" and mode == "write_through":
             # A written-through round is one device copy into the serving parameters: nothing
             # for a delta to save, and patches have no place in the landing table.
             raise ConfigError(
                 f"delta={delta!r} with ipc_mode={mode!r}: delta rounds over "
-                f"{self.name} go through its pull path; set ipc_mode='pull' (a written-through "
-                "dense round is already one device copy)"
+                f"{self.name} go through its pull path; set ipc_mode='auto' or 'pull' (a "
+                "written-through dense round is already one device copy)"
             )
 
     def open(self, info: SenderSettings, *, world_size: int) -> Rendezvous:
         options = ipc_options(info, self.name)
+        mode = session_mode(options.ipc_mode, options.delta)
         if not ipc_available():
             raise RuntimeError(
                 f"backend {self.name!r} needs cupy and a CUDA device on the trainer host"
@@ -217,7 +226,7 @@ class IPCBackend(Backend):
             packed=info.packed,
             timeout_s=float(info.timeouts.transfer_s),
             release_after_round=options.ipc_release_after_round,
-            mode=options.ipc_mode,
+            mode=mode,
             stage_budget_bytes=info.stage_budget_bytes,
         )
         return _PendingIPC(rdv.payload, rdv)
@@ -243,20 +252,50 @@ class IPCBackend(Backend):
         )
 
 
-def choose_mode(asked: str, packed: bool, offers: list[list[str]]) -> tuple[str, str | None]:
+def session_mode(asked: str, delta: str) -> str:
+    """The mode the rendezvous negotiates for ``asked``: ``auto`` in a delta session is pull
+    (a delta round's patches go through the receive buffers; said once, here)."""
+    if asked == "auto" and delta != "off":
+        logger.info(
+            "weightwire_ipc: ipc_mode='auto' with delta=%r: rounds take the pull path "
+            "(patches land in the workers' receive buffers, not through the landing map)",
+            delta,
+        )
+        return "pull"
+    return asked
+
+
+def choose_mode(
+    asked: str,
+    packed: bool,
+    offers: list[list[str]],
+    *,
+    cannot: Sequence[tuple[str, str]] = (),
+) -> tuple[str, str | None]:
     """The session's mode for ``asked`` (``TrainerInitInfo.ipc_mode``) given every worker's
     offer, and why it is not the one asked for (None when it is, or ``auto`` found its
-    best). ``auto``: write-through where every worker takes it, else pull."""
+    best among workers that predate write-through). ``auto``: write-through where every
+    worker takes it, else pull; ``cannot``: ``(worker, why)`` for each worker whose hello
+    said its model cannot be written through (``auto`` then pulls and says so; an explicit
+    ``write_through`` is kept, and such a worker's rounds go through its receive buffers,
+    as a worker refusing its landing table's round does)."""
     if not packed:
         return "push", None if asked == "push" else "unpacked rounds go through the slot ring"
     if asked == "push":
         return "push", None
-    if asked in ("write_through", "auto") and all("write_through" in o for o in offers):
+    everyone = all("write_through" in o for o in offers)
+    if asked == "write_through" and everyone:
+        return "write_through", None
+    if asked == "auto" and everyone and not cannot:
         return "write_through", None
     older = "a worker does not offer it (an older weightwire)"
     if all("pull" in o for o in offers):
-        why = f"write-through asked for, but {older}" if asked == "write_through" else None
-        return "pull", why
+        if asked == "write_through":
+            return "pull", f"write-through asked for, but {older}"
+        if asked == "auto" and cannot:
+            named = "; ".join(f"{peer} cannot take it: {why}" for peer, why in cannot)
+            return "pull", f"ipc_mode='auto' pulls, not write-through: {named}"
+        return "pull", None
     return "push", f"{asked} asked for, but {older}"
 
 
@@ -275,6 +314,23 @@ def _modes(hello: dict[str, Any], peer: str) -> list[str]:
     return [
         m for m in offer if m in IPC_MODES
     ]  # a later worker's modes this trainer does not know: ignored
+
+
+_WHY_CHARS = 500
+"""The longest reason a worker's hello may give (a landing-map refusal names one tensor)."""
+
+
+def _cannot_write_through(hello: dict[str, Any], peer: str) -> str | None:
+    """Why a worker's model cannot be written through, as its hello says (None: it can, or
+    its weightwire predates the field and decides per round)."""
+    why = hello.get("cannot_write_through")
+    if why is None:
+        return None
+    if not isinstance(why, str) or not why:
+        raise TransferError(
+            f"{peer} sent hello.cannot_write_through {str(why)[:80]}, not a reason (a string)"
+        )
+    return why[:_WHY_CHARS]
 
 
 class _PendingIPC(Rendezvous):

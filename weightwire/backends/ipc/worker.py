@@ -12,6 +12,7 @@ the current stream wait on the ready event and hands the buffer to torch as a le
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,10 +40,12 @@ from weightwire.backends.ipc.slots import (
     wait_mode,
 )
 from weightwire.backends.receiving import ChunkedLink
-from weightwire.backends.worker_base import ReceiveTurn, Unpacker, WorkerPairs
+from weightwire.backends.worker_base import LandingRecord, ReceiveTurn, Unpacker, WorkerPairs
 from weightwire.shared.errors import TransferError
 from weightwire.shared.info import encode_secret
 from weightwire.shared.timeouts import Timeouts
+
+log = logging.getLogger(__name__)
 
 
 def connect_ipc(
@@ -51,12 +54,21 @@ def connect_ipc(
     rank: int,
     device: torch.device,
     through: Callable[..., IPCPullLink] | None = None,
+    landing: Callable[[], LandingRecord] | None = None,
 ) -> IPCLink | IPCPullLink:
     """Dial the trainer's channel, say hello (with the modes this worker takes), learn the
     session's mode, open the trainer's events (and, in push mode, its slots), warm up.
-    ``through``: the write-through link's class (``ipc.through.worker``), offered when given."""
+    ``through``: the write-through link's class (``ipc.through.worker``), offered when given.
+    ``landing``: the model's landing map for its served tensors, or why there is none
+    (``worker_base.Connect``); a refusal goes in the hello (``cannot_write_through``), so
+    a trainer asking ``auto`` pulls from the start."""
     if device.type != "cuda":
         raise ValueError(f"weightwire_ipc needs a CUDA worker device, got {device}")
+    cannot = None
+    if through is not None and info.packed and landing is not None:
+        cannot = landing().refused
+        if cannot is not None:
+            log.info("weightwire_ipc: the model cannot be written through: %s", cannot)
     cp = cupy_module()
     index = device.index if device.index is not None else torch.cuda.current_device()
     local = Timeouts.from_env()
@@ -76,6 +88,10 @@ def connect_ipc(
             "uuid": device_uuid(cp, index),
             "modes": modes,
         }
+        if cannot is not None:
+            # write-through stays offered: a trainer that asks for it explicitly gets it, and
+            # this worker's rounds then go through its receive buffers (``ipc.through.worker``)
+            hello["cannot_write_through"] = cannot[:500]
     try:
         channel = dial(
             info.host,

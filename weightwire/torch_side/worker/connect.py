@@ -9,23 +9,34 @@ plugin imports none of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from weightwire import backends
+from weightwire.backends.worker_base import takes_landing
 
 if TYPE_CHECKING:
     import torch
 
-    from weightwire.backends.worker_base import ReceiveLink
+    from weightwire.backends.worker_base import LandingRecord, ReceiveLink
 
 
-def connect(info: Any, *, rank: int, device: torch.device) -> ReceiveLink:
-    """Join the trainer's group as ``rank`` on ``device`` with ``info`` (a shared init info)."""
+def connect(
+    info: Any,
+    *,
+    rank: int,
+    device: torch.device,
+    landing: Callable[[], LandingRecord] | None = None,
+) -> ReceiveLink:
+    """Join the trainer's group as ``rank`` on ``device`` with ``info`` (a shared init info).
+    ``landing`` reaches a backend whose connect asks for it (``worker_base.Connect``)."""
     spec = backends.spec_of_init_info(type(info))
     if spec.connect is None:
         raise ValueError(
             f"backend {spec.name!r} is received by vLLM's own engine only; "
             f"a weightwire worker speaks {', '.join(backends.PLUGIN_BACKENDS)}"
         )
-    link: ReceiveLink = backends.load(spec.connect)(info, rank=rank, device=device)
+    backend_connect = backends.load(spec.connect)
+    extra = {"landing": landing} if landing is not None and takes_landing(backend_connect) else {}
+    link: ReceiveLink = backend_connect(info, rank=rank, device=device, **extra)
     return link

@@ -37,13 +37,20 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightwire.backends.worker_base import Connect, ReceiveLink, ReceiveProgress, ReceiveTurn
+from weightwire.backends.worker_base import (
+    Connect,
+    LandingRecord,
+    ReceiveLink,
+    ReceiveProgress,
+    ReceiveTurn,
+    takes_landing,
+)
 from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
 from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
@@ -71,9 +78,19 @@ from weightwire.torch_side.worker.session import (
     stale_reason,
 )
 from weightwire.torch_side.worker.spec import ModelSpec
-from weightwire.torch_side.worker.strategy import ReceiveStrategy, RoundTarget, first_strategy
+from weightwire.torch_side.worker.strategy import (
+    ReceiveStrategy,
+    RoundTarget,
+    first_strategy,
+    record_landing,
+)
 from weightwire.torch_side.worker.target_caches import TargetCaches
-from weightwire.torch_side.worker.turn import early_round, failure_where, turn_strategy
+from weightwire.torch_side.worker.turn import (
+    early_round,
+    failure_where,
+    join_landing,
+    turn_strategy,
+)
 from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightState
 
 if TYPE_CHECKING:  # delta and adapter rounds import their modules when one comes
@@ -164,6 +181,9 @@ class _ReceiverCore:
         )
         self._map_lookup = self.caches.loader_map if map_recorder is not None else None
         self._delta_rounds = False  # the session's trainer declared delta rounds
+        self._joined: tuple[Any, frozenset[Any], LandingRecord] | None = None
+        """The landing map the join recorded (model, its tensors' keys, the record): the
+        first round's, when it sends those tensors (``_round_landing``)."""
         self._sink_chooser: SinkChooser | None = None  # made by the first patch step
 
     # ---------------------------------------------------------------- session
@@ -212,7 +232,8 @@ class _ReceiverCore:
         rank = session_rank(self.backend, info, self._worker_rank)
         self._close_link()
         self._plans.clear()
-        self._link = self._connect(info, rank=rank, device=self.device)
+        self._joined = None
+        self._link = self._connect(info, rank=rank, device=self.device, **self._join_options())
         self._info = info
         self._broken = None
         previous, self.session = self.session, uuid.uuid4().hex[:12]
@@ -237,6 +258,34 @@ class _ReceiverCore:
                 self.session,
                 self.weights.incomplete.describe(),
             )
+
+    def _join_options(self) -> dict[str, Any]:
+        """What a connect that asks for it learns at the join (``worker_base.Connect``): whether
+        the trainer may write this model's rounds into its parameters (``turn.join_landing``)."""
+        if not takes_landing(self._connect):
+            return {}
+        return {"landing": self._join_landing}
+
+    def _join_landing(self) -> LandingRecord:
+        model, spec = self._target()[0], self.caches.model_spec()
+        got = join_landing(model, spec)
+        if got.map is not None and spec is not None:  # the first round's tensors, most likely
+            keys = frozenset((n, t.dtype, tuple(t.shape)) for n, t in spec.tensors.items())
+            self._joined = (model, keys, got)
+        return got
+
+    def _round_landing(self, model: Model, metas: Sequence[ParamMeta]) -> LandingRecord:
+        """A turn's landing map: the one the join recorded when the turn sends exactly the
+        tensors it was recorded for and no parameter moved since (recording runs the model's
+        loader on tracers: once per session is enough), else a fresh one. The join's is used
+        once: the link keeps its own table from then on."""
+        joined, self._joined = self._joined, None
+        if joined is not None:
+            was, keys, got = joined
+            now = frozenset((m.name, m.dtype, tuple(m.shape)) for m in metas)
+            if was is model and keys == now and got.map is not None and got.map.is_live(model):
+                return got
+        return record_landing(model, metas)
 
     def start(self) -> None:
         if self._active:
@@ -305,6 +354,7 @@ class _ReceiverCore:
         self._close_link()
         self._info = None
         self._plans.clear()
+        self._joined = None
         self.session = None
 
     def abort_link(self) -> None:
@@ -480,6 +530,7 @@ class _ReceiverCore:
             self._settle,
             self.stage_budget_bytes,
             plain=plain,
+            landing=self._round_landing,
         )
 
     def _hold_patches(self, splitter: PatchSplitter) -> None:

@@ -10,11 +10,21 @@ round stays staged while it fits the stage budget and streams past it (``Receive
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-from weightwire.backends.worker_base import ReceiveLink, ReceiveProgress, ReceiveTurn
+import torch
+
+from weightwire.backends.worker_base import (
+    LandingRecord,
+    ReceiveLink,
+    ReceiveProgress,
+    ReceiveTurn,
+)
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.staging import round_bytes
+from weightwire.torch_side.worker.landing_rules import post_load_refusal
 from weightwire.torch_side.worker.load import Model, PatchingModel
+from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import (
     ReceiveStrategy,
     RoundTarget,
@@ -43,15 +53,17 @@ def turn_strategy(
     budget_bytes: int,
     *,
     plain: bool,
+    landing: Callable[[Model, Sequence[ParamMeta]], LandingRecord] = record_landing,
 ) -> ReceiveStrategy:
     """The strategy that receives ``turn`` (``round_`` itself or its successor).
 
     ``plain``: the turn's tensors go to the model as sent (no patches split off), so a round
     no update joined yet may become write-through when the link lands the turn in place; a
     model that runs every round between its own hooks (``PatchingModel``: ``HFModelHost``)
-    takes none written through."""
+    takes none written through. ``landing``: the model's landing map for a turn's tensors,
+    asked only when the link needs it (the core's: the join's map when it still holds)."""
     metas = turn.metas
-    record = lambda: record_landing(model, metas)  # noqa: E731
+    record = lambda: landing(model, metas)  # noqa: E731
     if isinstance(round_, WriteThroughRound) and round_.early:
         round_.early = False  # the update of a round the trainer may write since start
         round_.names.update(m.name for m in metas)
@@ -64,6 +76,24 @@ def turn_strategy(
         through.names.update(m.name for m in metas)
         return through
     return round_.admit(round_bytes(metas), budget_bytes)
+
+
+def join_landing(model: Model, spec: ModelSpec | None) -> LandingRecord:
+    """At a session's join: whether the trainer may write this model's rounds straight into
+    its parameters (a backend that can asks, ``worker_base.Connect``'s ``landing``), or why
+    not: a model that runs every round between its own hooks (``PatchingModel``, as
+    ``turn_strategy`` rules), post-load processing that is not a no-op, or a loader that is not
+    a set of plain copies for the served tensors (``spec``). Without a spec only the model is
+    checked here; its loader is then checked per round, as the link lands each turn."""
+    if isinstance(model, PatchingModel):
+        return LandingRecord(
+            None, f"{type(model).__name__} applies every round between its own hooks"
+        )
+    if spec is None:
+        why = post_load_refusal(model) if isinstance(model, torch.nn.Module) else None
+        return LandingRecord(None, why)
+    metas = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in spec.tensors.items()]
+    return record_landing(model, metas)
 
 
 def failure_where(turn: ReceiveTurn, progress: ReceiveProgress) -> str:

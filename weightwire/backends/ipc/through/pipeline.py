@@ -130,6 +130,10 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
     ) -> None:
         if not self._known:
             self._paths(deadline, alive)
+            if self.control_first and any(self._through):
+                # A go sent from inside the start may precede the pause's answer: the pause
+                # must be in effect before the first write into the serving parameters.
+                starter.wait()
         for w, through in enumerate(self._through):
             if through:
                 self._write(w, chunk, regions, deadline, alive)

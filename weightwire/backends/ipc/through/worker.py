@@ -48,10 +48,19 @@ from weightwire.shared.meta import ParamMeta
 log = logging.getLogger(__name__)
 
 
-def connect_ipc(info: IPCInitInfo, *, rank: int, device: torch.device) -> IPCLink | IPCPullLink:
+def connect_ipc(
+    info: IPCInitInfo,
+    *,
+    rank: int,
+    device: torch.device,
+    landing: Callable[[], LandingRecord] | None = None,
+) -> IPCLink | IPCPullLink:
     """``weightwire_ipc``'s connect (the registry's): ``ipc.worker.connect_ipc``, offering
-    write-through to the trainer beside pull and push."""
-    return ipc_worker.connect_ipc(info, rank=rank, device=device, through=IPCWriteThroughLink)
+    write-through to the trainer beside pull and push (``landing``: whether the model can
+    take it, said in the hello)."""
+    return ipc_worker.connect_ipc(
+        info, rank=rank, device=device, through=IPCWriteThroughLink, landing=landing
+    )
 
 
 @dataclass(frozen=True)
