@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
 import torch
 
@@ -189,28 +189,13 @@ class StandaloneEngine(EngineFacade):
         )
 
     @classmethod
-    def standalone(
-        cls,
-        *,
-        model: Any,
-        device: torch.device | str | None = None,
-        worker_rank: int = 0,
-        load_batching: str = "chunk",
-        weights: WeightState | None = None,
-        adapters: AdapterHostFn | None = None,
-    ) -> Any:
-        """The reference server's constructor: ``worker_rank`` is this replica's index
-        among the server's workers (its wire rank is ``rank_offset + worker_rank``);
-        ``weights``: the model's ``WeightState``, kept across this model's engines;
-        ``adapters``: where adapter rounds go (``torch_side.worker.lora``), if anywhere."""
-        return cls(
-            model=model,
-            device=device,
-            worker_rank=worker_rank,
-            load_batching=load_batching,
-            weights=weights,
-            adapters=adapters,
-        )
+    def standalone(cls, **options: Any) -> Self:
+        """The reference server's constructor, ``__init__``'s keywords: ``worker_rank`` is this
+        replica's index among the server's workers (its wire rank is ``rank_offset +
+        worker_rank``); ``weights``: the model's ``WeightState``, kept across this model's
+        engines; ``adapters``: where adapter rounds go (``torch_side.worker.lora``), if
+        anywhere."""
+        return cls(**options)
 
     _connect = staticmethod(connect)
 
