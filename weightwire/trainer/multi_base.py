@@ -187,16 +187,18 @@ class SeveralWire(Protocol):
         ...
 
 
+Lead = Callable[
+    [BroadcastPlan, list[dict[str, Any]], Iterator[tuple[str, Any]], list[TurnFailure]], Sent
+]
+"""A wire's part of rank 0's transfer: every turn of the round's plan (its update ``payloads``),
+rank 0's own stream ``pairs``; a failed turn is appended to ``failed``; what rank 0 sent."""
+
+
 class _LeadsTurns(Protocol):
     ranks: Ranks
 
-    def _lead(
-        self,
-        bplan: BroadcastPlan,
-        payloads: list[dict[str, Any]],
-        pairs: Iterator[tuple[str, Any]],
-        failed: list[TurnFailure],
-    ) -> Sent: ...
+    @property
+    def _lead(self) -> Lead: ...
 
 
 # Stars and a group spell ``Wire.transfer`` / ``digests`` alike (only ``_lead`` differs): each
