@@ -242,6 +242,7 @@ class IPCPullPipeline(IPCDataPath):
         starter: _Starter,
     ) -> None:
         """Chunk ``ci`` into every pulling worker's buffer, then its ready message."""
+        self._fill_others(chunk, regions, deadline, alive)
         comm, cp = self._comm, self._comm.cp
         pulling = self._pulling()
         if not pulling:
@@ -275,6 +276,12 @@ class IPCPullPipeline(IPCDataPath):
         ready = {"op": "ready", "c": ci, "e": k}
         for w in pulling:
             comm.channels[w].send(ready)
+
+    def _fill_others(
+        self, chunk: Chunk, regions: list[Any], deadline: float, alive: Callable[[], None]
+    ) -> None:
+        """Before the pulling workers' copies: a chunk's way to the workers that do not pull
+        (``_pulling`` is read after it)."""
 
     def _end_round(self) -> bool:
         """Every chunk was enqueued and announced; True: settle the fill stream now (else the
