@@ -40,6 +40,20 @@ HostBytes = Callable[[Any], np.ndarray]
 Several = Literal["stars", "group"]
 
 
+@dataclass(frozen=True)
+class Outgoing:
+    """One broadcaster's part of a round, as its data path (``RoundSender.send``) takes it."""
+
+    prepared: Iterable[Prepared]
+    stop: threading.Event
+    """Set from outside (the update POST failed): the send stops with ``RoundAborted``."""
+    begin: Begin = None
+    metas: Sequence[ParamMeta] = ()
+    """The round's tensors in wire order."""
+    root: int = 0
+    """This broadcaster's rank on the wire."""
+
+
 class Sent(NamedTuple):
     """What one rank put on the wire in a round."""
 
@@ -196,18 +210,9 @@ class RoundSender(ABC):
     around every round, as around a round over the stage budget."""
 
     @abstractmethod
-    def send(
-        self,
-        prepared: Iterable[Prepared],
-        stop: threading.Event,
-        begin: Begin = None,
-        *,
-        metas: Sequence[ParamMeta] = (),
-        root: int = 0,
-    ) -> Sent:
-        """Send every chunk (``metas``: the round's wire order); returns once all left.
-        ``root``: this broadcaster's rank on the wire. Stops with ``RoundAborted`` once
-        ``stop`` is set."""
+    def send(self, out: Outgoing) -> Sent:
+        """Send every chunk of ``out``; returns once all left. Stops with ``RoundAborted`` once
+        ``out.stop`` is set."""
 
     def settle(self) -> None:
         """A round that failed before its first byte: finish the local work it queued."""

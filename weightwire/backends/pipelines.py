@@ -30,6 +30,7 @@ from weightwire.backends.base import (
     Begin,
     DevicePacker,
     HostBytes,
+    Outgoing,
     Prepared,
     RoundAborted,
     RoundSender,
@@ -62,21 +63,14 @@ class HostPipeline(RoundSender):
         self._timeout = timeout
         self._prefetch = prefetch
 
-    def send(
-        self,
-        prepared: Iterable[Prepared],
-        stop: threading.Event,
-        begin: Begin = None,
-        *,
-        metas: Sequence[ParamMeta] = (),
-        root: int = 0,
-    ) -> Sent:
+    def send(self, out: Outgoing) -> Sent:
         """Broadcast every chunk; returns ``(bytes, broadcasts)`` once all were sent."""
+        prepared, stop, begin = out.prepared, out.stop, out.begin
         work: queue.Queue[list[np.ndarray] | None] = queue.Queue(maxsize=self._depth)
         failure: list[BaseException] = []
         thread = threading.Thread(
             target=self._sender,
-            args=(work, stop, failure, root),
+            args=(work, stop, failure, out.root),
             name="weightwire-send",
             daemon=True,
         )
@@ -191,18 +185,10 @@ class DevicePipeline(RoundSender):
         self._in_flight = [[] for _ in self._streams]
         self._slots.release()
 
-    def send(
-        self,
-        prepared: Iterable[Prepared],
-        stop: threading.Event,
-        begin: Begin = None,
-        *,
-        metas: Sequence[ParamMeta] = (),
-        root: int = 0,
-    ) -> Sent:
+    def send(self, out: Outgoing) -> Sent:
         if self._packed:
-            return self._send_packed(prepared, stop, begin, root)
-        return self._send_unpacked(prepared, metas, stop, begin, root)
+            return self._send_packed(out.prepared, out.stop, out.begin, out.root)
+        return self._send_unpacked(out.prepared, out.metas, out.stop, out.begin, out.root)
 
     def _send_packed(
         self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin, root: int

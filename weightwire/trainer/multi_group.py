@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightwire.backends.base import Link, RoundAborted, RoundSender, Sent
+from weightwire.backends.base import Link, Outgoing, RoundAborted, RoundSender, Sent
 from weightwire.control.fanout import spawn
 from weightwire.shared.errors import TransferTimeout
 from weightwire.shared.framing import Chunk
@@ -97,7 +97,9 @@ class GroupTurns:
                 first = next(own, None)
                 self._await_reached(mine)
                 prepared = own if first is None else itertools.chain([first], own)
-                sent = self.pipeline.send(prepared, self.stop, metas=mine.metas, root=mine.src)
+                sent = self.pipeline.send(
+                    Outgoing(prepared, self.stop, metas=mine.metas, root=mine.src)
+                )
             # Before the later turns' gathers: the driver must receive those turns while this
             # thread joins their gathers, or a collective source would wait on itself.
             self._done.set()

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from weightwire.backends.base import Sent, StarEndpoint, StarSource
+from weightwire.backends.base import Outgoing, Sent, StarEndpoint, StarSource
 from weightwire.control.fanout import spawn
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import TCP_SECRET_BYTES
@@ -126,7 +126,7 @@ class StarWire:
         mine = itertools.islice(pairs, len(turn.metas))
         begin = None if turn.rank == 0 else (lambda: self._await_go(turn))
         return pipeline.send(
-            chunked(mine, self.ranks.chunks[turn.src]), stop, begin, metas=turn.metas
+            Outgoing(chunked(mine, self.ranks.chunks[turn.src]), stop, begin, metas=turn.metas)
         )
 
     def _await_go(self, turn: Turn) -> None:

@@ -26,7 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from weightwire.backends.base import Prepared, RoundSender, Sent
+from weightwire.backends.base import Outgoing, Prepared, RoundSender, Sent
 from weightwire.control.fanout import spawn
 from weightwire.shared.errors import ControlTimeout, TransferError, TransferTimeout
 from weightwire.shared.framing import Chunk
@@ -160,7 +160,7 @@ class Transfer:
     def _run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> Sent:
         pipeline, stop = self._pipeline, self._stop
         try:
-            sent = pipeline.send(prepared, stop, self._begin, metas=wire_metas)
+            sent = pipeline.send(Outgoing(prepared, stop, self._begin, metas=wire_metas))
             assert self._update is not None
             await_call(self._update, self._http_s, "update_weights (after the last broadcast)")
             return sent
