@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from weightwire.backends.base import Prepared, Sent
 from weightwire.backends.ipc.channel import check_int
@@ -59,6 +59,10 @@ from weightwire.shared.meta import ParamMeta
 
 MAX_BUFFERS = 1 << 16
 """Buffers one worker may name in a session (a bound on what the trainer maps for it)."""
+
+
+class _Closes(Protocol):
+    def close(self) -> None: ...
 
 
 class WorkerBuffers:
@@ -298,16 +302,26 @@ class IPCPullPipeline(IPCDataPath):
 
     def close(self) -> None:
         try:
-            if self._settled_quietly():
-                self._gather.close()  # no upload reads its tables any more
-            else:  # a copy may still write through the mappings: leave them open
-                self._buffers = []
+            self._close_settled(self._gather, self._buffers)
         finally:
-            for bufs in self._buffers:
-                bufs.close()
             self._buffers = []
             self._in_flight = [[]]
             self._comm.release()
+
+    def _close_settled(self, copier: _Closes, mappings: Sequence[_Closes]) -> None:
+        """Close ``copier`` (no upload reads its tables any more) and ``mappings`` once the
+        fill stream settled; while a copy may still write through the mappings, both stay
+        open. A failure on the way still closes the mappings."""
+        still_copying = False
+        try:
+            if self._settled_quietly():
+                copier.close()
+            else:
+                still_copying = True
+        finally:
+            if not still_copying:
+                for mapping in mappings:
+                    mapping.close()
 
     def held_bytes(self) -> int:
         """Trainer-side extra device memory: none (the chunks land in the workers' buffers)."""

@@ -267,12 +267,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
 
     def close(self) -> None:
         try:
-            if self._settled_quietly():
-                self._runs.close()
-            else:  # a copy may still write through the mappings: leave them open
-                self._maps = []
+            self._close_settled(self._runs, self._maps)
         finally:
-            for maps in self._maps:
-                maps.close()
             self._maps = []
             super().close()
