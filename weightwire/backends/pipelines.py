@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from weightwire.backends.base import (
-    Begin,
     DevicePacker,
     HostBytes,
     Outgoing,
-    Prepared,
     RoundAborted,
     RoundSender,
     Sent,
@@ -187,16 +185,14 @@ class DevicePipeline(RoundSender):
 
     def send(self, out: Outgoing) -> Sent:
         if self._packed:
-            return self._send_packed(out.prepared, out.stop, out.begin, out.root)
-        return self._send_unpacked(out.prepared, out.metas, out.stop, out.begin, out.root)
+            return self._send_packed(out)
+        return self._send_unpacked(out)
 
-    def _send_packed(
-        self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin, root: int
-    ) -> Sent:
-        n = len(self._streams)
+    def _send_packed(self, out: Outgoing) -> Sent:
+        n, begin = len(self._streams), out.begin
         nbytes = count = 0
-        for k, (chunk, tensors) in enumerate(prepared):
-            if stop.is_set():
+        for k, (chunk, tensors) in enumerate(out.prepared):
+            if out.stop.is_set():
                 raise RoundAborted("round stopped between chunks")
             slot = k % n
             if self._in_flight[slot]:
@@ -207,7 +203,7 @@ class DevicePipeline(RoundSender):
             )
             self._in_flight[slot].append((buf, tensors))
             begin = run_once(begin)  # the control plane's round trips overlap the first pack
-            self._comm.broadcast(buf, root=root, timeout=self._timeout, stream=stream)
+            self._comm.broadcast(buf, root=out.root, timeout=self._timeout, stream=stream)
             nbytes, count = nbytes + chunk.nbytes, count + 1
         run_once(begin)
         self.settle()
@@ -238,43 +234,21 @@ class DevicePipeline(RoundSender):
                     buf, root=root, timeout=self._timeout, stream=self._streams[slot]
                 )
             else:
-                meta = metas[chunk.start]
-                self._comm.broadcast_typed(
-                    buf,
-                    nccl_dtype=wire_dtype(meta.dtype).nccl,
-                    count=meta.numel,
-                    root=root,
-                    timeout=self._timeout,
-                    stream=self._streams[slot],
-                )
+                self._broadcast_tensor(buf, metas[chunk.start], root, self._streams[slot])
         self.settle()
 
-    def _send_unpacked(
-        self,
-        prepared: Iterable[Prepared],
-        metas: Sequence[ParamMeta],
-        stop: threading.Event,
-        begin: Begin,
-        root: int,
-    ) -> Sent:
+    def _send_unpacked(self, out: Outgoing) -> Sent:
         """One broadcast per tensor with its own NCCL dtype (what a stock vLLM worker posts)."""
-        stream, held = self._streams[0], 0
+        stream, held, begin = self._streams[0], 0, out.begin
         nbytes = count = 0
-        for chunk, tensors in prepared:
-            if stop.is_set():
+        for chunk, tensors in out.prepared:
+            if out.stop.is_set():
                 raise RoundAborted("round stopped between tensors")
-            meta = metas[chunk.start]
+            meta = out.metas[chunk.start]
             (buf,) = self._packer.regions(tensors[:1], stream)
             self._in_flight[0].append((buf, tensors))
             begin = run_once(begin)
-            self._comm.broadcast_typed(
-                buf,
-                nccl_dtype=wire_dtype(meta.dtype).nccl,
-                count=meta.numel,
-                root=root,
-                timeout=self._timeout,
-                stream=stream,
-            )
+            self._broadcast_tensor(buf, meta, out.root, stream)
             held += meta.nbytes
             nbytes, count = nbytes + meta.nbytes, count + 1
             if held > self._hold_bytes:  # bounds memory held by per-tensor temporaries (casts)
@@ -283,3 +257,14 @@ class DevicePipeline(RoundSender):
         run_once(begin)
         self.settle()
         return Sent(nbytes, count)
+
+    def _broadcast_tensor(self, buf: Any, meta: ParamMeta, root: int, stream: Any) -> None:
+        """One tensor's broadcast with its own NCCL dtype (unpacked rounds)."""
+        self._comm.broadcast_typed(
+            buf,
+            nccl_dtype=wire_dtype(meta.dtype).nccl,
+            count=meta.numel,
+            root=root,
+            timeout=self._timeout,
+            stream=stream,
+        )
