@@ -32,6 +32,8 @@ from weightwire.backends.base import (
     Outgoing,
     RoundAborted,
     RoundSender,
+    SenderParts,
+    SenderSettings,
     Sent,
     check_chunk_bytes,
     run_once,
@@ -130,6 +132,18 @@ class HostPipeline(RoundSender):
         except BaseException as exc:
             failure.append(exc)
             stop.set()
+
+
+def host_sender(link: Communicator, settings: SenderSettings, parts: SenderParts) -> HostPipeline:
+    """A host-bytes backend's ``Backend.sender``: the generic host pipeline over ``link``, as
+    deep as the session's ``packed_num_buffers``, each broadcast bounded by ``transfer_s``."""
+    return HostPipeline(
+        link,
+        parts.host_bytes,
+        num_buffers=settings.packed_num_buffers,
+        timeout=settings.timeouts.transfer_s,
+        prefetch=parts.prefetch,
+    )
 
 
 class SlotStore(Protocol):
