@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.control.fanout import spawn
+from weightwire.shared.client import named_servers
 from weightwire.shared.errors import ControlTimeout, WeightSyncError, WeightwireError
 from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.config import TrainerInitInfo
@@ -120,7 +121,7 @@ def finishes_with_resume(client: Any, caps: ClientCaps) -> bool:
     With several servers the calls stay separate: a server whose finish committed would
     resume itself on the new weights while one whose finish failed stays on the old, where
     separate calls keep every server paused until the round's failure rule decides."""
-    servers = getattr(client, "base_urls", None)  # a value, not a call: read when asked
+    servers = named_servers(client)
     one = servers is None or len(servers) == 1
     return one and caps.finishes_with_resume and client.finishes_with_resume() is True
 
