@@ -18,7 +18,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, NamedTuple, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -150,6 +150,14 @@ class Link(Protocol):
     def warmup(self, *, timeout: float | None = None) -> None: ...
     def abort(self) -> None: ...
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class WatchesPeer(Protocol):
+    """A ``Link`` that tells, without traffic, whether a worker closed it (a server that
+    dropped this trainer between rounds). Optional: a link without it is never displaced."""
+
+    def peer_closed(self) -> bool: ...
 
 
 class Rendezvous(ABC):

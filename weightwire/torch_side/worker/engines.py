@@ -24,7 +24,7 @@ from weightwire.backends.worker_base import WorkerInitInfo
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
-from weightwire.torch_side.worker.load import ReceiveStats
+from weightwire.torch_side.worker.load import Model, ReceiveStats
 from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightState
 
 if TYPE_CHECKING:  # adapter rounds import their module when one comes
@@ -162,14 +162,14 @@ class StandaloneEngine(EngineFacade):
     def __init__(
         self,
         *,
-        model: Any,
+        model: Model,
         device: torch.device | str | None = None,
         worker_rank: int = 0,
         load_batching: str = "chunk",
         weights: WeightState | None = None,
         adapters: AdapterHostFn | None = None,
     ) -> None:
-        if not callable(getattr(model, "load_weights", None)):
+        if not isinstance(model, Model):
             raise TypeError(
                 "model must have a load_weights(list[(name, tensor)]) method, got "
                 f"{type(model).__name__}"
