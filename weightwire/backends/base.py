@@ -26,6 +26,8 @@ from weightwire.shared.communicator import Communicator
 from weightwire.shared.errors import ConfigError, TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.patches import SparsePatch
+from weightwire.shared.source import Describe
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
 
@@ -373,7 +375,7 @@ class Backend(ABC):
         return WirePlan(list(metas))
 
     def plan_patches(
-        self, patches: Sequence[Any], *, features: ServerFeatures, describe: Any
+        self, patches: Sequence[SparsePatch], *, features: ServerFeatures, describe: Describe
     ) -> PatchPlan:
         """A delta round of ``patches`` (``shared.patches.SparsePatch``; ``describe``: the
         framework's array description) as this backend sends it; ``ConfigError`` before any byte

@@ -35,6 +35,8 @@ from weightwire.shared.communicator import Communicator
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import decode_secret, encode_secret
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.patches import SparsePatch
+from weightwire.shared.source import Describe
 from weightwire.shared.version import ServerFeatures
 
 
@@ -106,7 +108,7 @@ class SparseNCCLBackend(NCCLBackend):
         )
 
     def plan_patches(
-        self, patches: Sequence[Any], *, features: ServerFeatures, describe: Any
+        self, patches: Sequence[SparsePatch], *, features: ServerFeatures, describe: Describe
     ) -> PatchPlan:
         return sparse_nccl_round(patches, features=features, describe=describe)
 
