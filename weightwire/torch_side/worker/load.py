@@ -59,11 +59,11 @@ class TransactionalModel(Protocol):
 class FrameworkHooks(Protocol):
     """What the hosting framework does around a round (vLLM: layerwise reload)."""
 
-    def begin(self, model: Any) -> None: ...
-    def commit(self, model: Any, model_config: Any) -> None: ...
-    def abort(self, model: Any, model_config: Any) -> None: ...
+    def begin(self, model: Model) -> None: ...
+    def commit(self, model: Model, model_config: Any) -> None: ...
+    def abort(self, model: Model, model_config: Any) -> None: ...
     def receive_context(self) -> AbstractContextManager[Any]: ...
-    def prepare(self, model: Any, pairs: Pairs) -> Pairs: ...
+    def prepare(self, model: Model, pairs: Pairs) -> Pairs: ...
     def round_dropped(self) -> None: ...
 
 
@@ -114,7 +114,7 @@ class RoundPlan:
 class _Resolved:
     """The last round's update info for one (target model, broadcaster), and its plan."""
 
-    model: Any
+    model: object
     """Kept so that another model at a recycled ``id`` is not taken for this one."""
     update: UpdateInfo
     plan: RoundPlan
@@ -135,7 +135,7 @@ class MetaCache:
         self._last.clear()
 
     def resolve(
-        self, model: Any, update: UpdateInfo, *, packed: bool, buffer_size_bytes: int
+        self, model: object, update: UpdateInfo, *, packed: bool, buffer_size_bytes: int
     ) -> RoundPlan:
         """The round's plan; ``ValueError`` for a reuse shorthand with nothing to reuse."""
         key = (id(model), update.src)  # reuse is per broadcaster: each turn has its own slice
