@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.control.fanout import spawn
-from weightwire.shared.client import named_servers
+from weightwire.shared.client import EngineClient, named_servers
 from weightwire.shared.errors import ControlTimeout, WeightSyncError, WeightwireError
 from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.config import TrainerInitInfo
@@ -85,7 +85,7 @@ class CommitPlan:
 
     def commit(
         self,
-        client: Any,
+        client: EngineClient,
         version: str,
         *,
         caps: ClientCaps,
@@ -155,7 +155,7 @@ client that has none."""
 
 
 def commit_paused(
-    client: Any,
+    client: EngineClient,
     version: str,
     *,
     caps: ClientCaps,
@@ -235,7 +235,7 @@ def commit_plan(
     return CommitPlan(reset=True)
 
 
-def reset_after_commit(client: Any, version: str, caps: ClientCaps) -> None:
+def reset_after_commit(client: EngineClient, version: str, caps: ClientCaps) -> None:
     """Every server's prefix cache (running requests preempted) and encoder cache, dropped.
 
     ``client.reset_prefix_cache()`` returns one ``success`` per server (or nothing: a
@@ -246,7 +246,7 @@ def reset_after_commit(client: Any, version: str, caps: ClientCaps) -> None:
         reset_encoder(client.reset_encoder_cache, version)
 
 
-def reset_prefix(client: Any, version: str) -> None:
+def reset_prefix(client: EngineClient, version: str) -> None:
     """Every server's prefix cache, retried while one answers ``success: false``."""
     for attempt in range(1, _RESET_ATTEMPTS + 1):
         try:

@@ -162,7 +162,7 @@ class AdapterSync:
         return np.frombuffer(raw, dtype=wire_dtype(meta.dtype).numpy).reshape(meta.shape)
 
 
-def _client_urls(client: Any) -> list[str]:
+def _client_urls(client: object) -> list[str]:
     urls = named_servers(client)
     if not urls:
         raise ConfigError(

@@ -28,6 +28,7 @@ from typing import Any
 
 from weightwire.backends.base import Outgoing, Prepared, RoundSender, Sent
 from weightwire.control.fanout import spawn
+from weightwire.shared.client import EngineClient
 from weightwire.shared.errors import ControlTimeout, TransferError, TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
@@ -236,7 +237,7 @@ def tap(
 # -- around a round ------------------------------------------------------------------------
 
 
-def shutdown_when_settled(client: Any, transfer_s: float) -> None:
+def shutdown_when_settled(client: EngineClient, transfer_s: float) -> None:
     """``shutdown_weight_transfer_engine``, retried while the server answers 409 because it
     has not yet failed the round this trainer just abandoned.
 
