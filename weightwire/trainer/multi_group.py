@@ -40,7 +40,7 @@ from weightwire.shared.errors import TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.multi_base import Ranks, TurnFailure, lead_transfer, ranks_digests
+from weightwire.trainer.multi_base import Leading, Ranks, TurnFailure, lead_transfer, ranks_digests
 from weightwire.trainer.session import open_wire
 from weightwire.trainer.transfer import await_call, chunked
 
@@ -249,17 +249,11 @@ class GroupWire:
             raise self.ranks.turn_error(turns.failed[0])
         return sent
 
-    def _lead(
-        self,
-        bplan: BroadcastPlan,
-        payloads: list[dict[str, Any]],
-        pairs: Iterator[tuple[str, Any]],
-        failed: list[TurnFailure],
-    ) -> Sent:
+    def _lead(self, leading: Leading, pairs: Iterator[tuple[str, Any]]) -> Sent:
         """Rank 0's transfer over one group: each turn's request, then its collective
         (``multi_group``)."""
-        client = self.session.client
-        by_src = {turn.src: payload for turn, payload in zip(bplan.turns, payloads, strict=True)}
+        client, bplan = self.session.client, leading.bplan
+        by_src = {t.src: payload for t, payload in zip(bplan.turns, leading.payloads, strict=True)}
 
         def update(turn: Turn) -> Future:
             return spawn(
@@ -268,5 +262,5 @@ class GroupWire:
 
         turns = self._group_turns(bplan, update)
         out = turns.run(pairs)
-        failed.extend(turns.failed)
+        leading.failed.extend(turns.failed)
         return out
