@@ -23,7 +23,7 @@ from tests.backends.test_ipc_pull_worker import cp  # noqa: F401  (the fake CUDA
 from tests.trainer.ipc_pull_worker import PullCupy
 from tests.trainer.test_ipc_pipeline import FakePacker
 from tests.trainer.test_ipc_pull import _join
-from weightwire.backends.base import RoundSender
+from weightwire.backends.base import Outgoing, RoundSender
 from weightwire.backends.ipc.channel import Channel
 from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.slots import IPCSlots
@@ -323,7 +323,9 @@ def _send(pipe: Any, metas: list[ParamMeta], sizes: list[int], worker: Any) -> A
     tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate(sizes)]
     chunks = plan(metas, packed=True, buffer_size_bytes=100)
     prepared = [(c, tensors[c.start : c.stop]) for c in chunks]
-    return pipe.send(prepared, threading.Event(), begin=worker.started.release, metas=metas)
+    return pipe.send(
+        Outgoing(prepared, threading.Event(), begin=worker.started.release, metas=metas)
+    )
 
 
 def test_tensors_are_written_into_the_parameters_after_the_go_and_done_follows() -> None:

@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tests.shared.vllm_nccl import UNIQUE_ID_KEYS
 from weightwire import backends
 from weightwire.backends.base import StockRefusal
 from weightwire.backends.nccl.info import NCCLInitInfo
@@ -145,14 +146,7 @@ def test_the_init_payload_is_vllms_unpacked_nccl_one() -> None:
     payload = SparseNCCLBackend()._payload(info, bytes(range(128)), 3)
     parsed = NCCLInitInfo.from_dict(payload)
     assert parsed.packed is False and parsed.rank_offset == 1 and parsed.world_size == 3
-    assert set(payload) <= {
-        "nccl_unique_id_b64",
-        "rank_offset",
-        "world_size",
-        "packed",
-        "packed_buffer_size_bytes",
-        "packed_num_buffers",
-    }
+    assert set(payload) <= set(UNIQUE_ID_KEYS)
 
 
 def test_whole_tensor_rounds_are_refused_with_the_way_to_send() -> None:

@@ -68,17 +68,18 @@ def test_every_example_is_covered() -> None:
     )  # _score.py: the JAX-vs-server check of the two decoder examples
 
 
-def test_jax_flax_example_over_tcp(servers: tuple[str, str], tiny_dir: str) -> None:
+def _two_scored_steps(script: str, server: str, tiny_dir: str, *extra: str) -> str:
+    """A decoder example's two training steps over TCP; each step's logprobs (``_score.py``)
+    match the server's."""
     out = _run(
-        "jax_flax_to_vllm_gpu.py",
+        script,
         "--server",
-        servers[0],
+        server,
         "--model-dir",
         tiny_dir,
         "--backend",
         "weightwire_tcp",
-        "--dtype",
-        "float32",
+        *extra,
         "--steps",
         "2",
         "--lr",
@@ -86,24 +87,15 @@ def test_jax_flax_example_over_tcp(servers: tuple[str, str], tiny_dir: str) -> N
     )
     diffs = _diffs(out)
     assert len(diffs) == 2 and max(diffs) < 1e-3, out
+    return out
+
+
+def test_jax_flax_example_over_tcp(servers: tuple[str, str], tiny_dir: str) -> None:
+    _two_scored_steps("jax_flax_to_vllm_gpu.py", servers[0], tiny_dir, "--dtype", "float32")
 
 
 def test_torch_trainer_example_over_tcp(servers: tuple[str, str], tiny_dir: str) -> None:
-    out = _run(
-        "torch_trainer_to_vllm.py",
-        "--server",
-        servers[0],
-        "--model-dir",
-        tiny_dir,
-        "--backend",
-        "weightwire_tcp",
-        "--steps",
-        "2",
-        "--lr",
-        "3e-3",
-    )
-    diffs = _diffs(out)
-    assert len(diffs) == 2 and max(diffs) < 1e-3, out
+    out = _two_scored_steps("torch_trainer_to_vllm.py", servers[0], tiny_dir)
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
     assert losses[1] < losses[0], out
 

@@ -1,7 +1,8 @@
-"""``HTTPWeightSyncClient`` over a real loopback socket: what reaches the wire is what
+"""``HTTPWeightSyncClient`` over a real loopback socket: what reaches the socket is what
 ``httpx.Client.request`` would send, and every failure (no answer in time, refused,
 closed client) maps as it did. The client hands its requests to the transport directly
-(``client._Wire``); these tests pin that the shortcut changed nothing a server can see."""
+(``request_path.RequestPath``); these tests pin that the shortcut changed nothing a server
+can see."""
 
 from __future__ import annotations
 

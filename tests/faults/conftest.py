@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.harness import Probe, TensorSource, load_weights
-from tests.faults.servers import Server, launch
+from tests.faults.servers import Server, serving
 from weightwire.tools.server.scaled import scaled_llama_dir
 
 DEBUG_ENV = {"WEIGHTWIRE_LOG_LEVEL": "DEBUG"}  # the workers' log level
@@ -23,15 +23,10 @@ def fault_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def shared_server(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = launch(
-        fault_model,
-        tmp_path_factory.mktemp("shared-server") / "server.log",
-        "--log-level",
-        "debug",
-        env=DEBUG_ENV,
-    )
-    yield server
-    server.stop()
+    with serving(
+        fault_model, tmp_path_factory.mktemp("shared-server"), "--log-level", "debug", env=DEBUG_ENV
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

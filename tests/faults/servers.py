@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +109,20 @@ def launch(
     server = Server(proc, url, log_path, lines)
     LAUNCHED.append(server)
     return server
+
+
+@contextlib.contextmanager
+def serving(
+    model: str | Path,
+    log_dir: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+) -> Iterator[Server]:
+    """A fixture's own server (``launch`` with ``extra``, its log in ``log_dir``), stopped when
+    the fixture is torn down."""
+    server = launch(model, log_dir / "server.log", *extra, env=env)
+    yield server
+    server.stop()
 
 
 def listening_sockets(pid: int | str = "self") -> set[str]:

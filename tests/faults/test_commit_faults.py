@@ -26,7 +26,7 @@ from tests.faults.harness import (
     observe,
     quiet_shutdown,
 )
-from tests.faults.servers import Server, launch
+from tests.faults.servers import Server, serving
 from weightwire.shared.errors import WeightSyncError
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,14 +35,10 @@ OP_TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="module")
 def server(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = launch(
-        fault_model,
-        tmp_path_factory.mktemp("commit-faults") / "server.log",
-        "--op-timeout",
-        str(OP_TIMEOUT_S),
-    )
-    yield s
-    s.stop()
+    with serving(
+        fault_model, tmp_path_factory.mktemp("commit-faults"), "--op-timeout", str(OP_TIMEOUT_S)
+    ) as s:
+        yield s
 
 
 def test_finish_blocked_by_a_generation_times_out_and_never_commits(

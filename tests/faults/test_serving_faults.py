@@ -28,7 +28,7 @@ from tests.faults.harness import (
     observe,
     quiet_shutdown,
 )
-from tests.faults.servers import Server, launch
+from tests.faults.servers import Server, serving
 from weightwire.shared.errors import WeightSyncError
 
 pytestmark = pytest.mark.timeout(240)
@@ -42,17 +42,16 @@ FOLLOW_UP_TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def capped(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = launch(
+    with serving(
         fault_model,
-        tmp_path_factory.mktemp("serving-capped") / "server.log",
+        tmp_path_factory.mktemp("serving-capped"),
         "--generate-timeout",
         str(GENERATE_TIMEOUT_S),
         "--max-reply-bytes",
         str(MAX_REPLY_BYTES),
         "--check-finite",
-    )
-    yield s
-    s.stop()
+    ) as s:
+        yield s
 
 
 def _http(server: Server, timeout: float = FOLLOW_UP_TIMEOUT_S) -> httpx.Client:

@@ -29,7 +29,7 @@ from tests.faults.harness import (
     observe,
     quiet_shutdown,
 )
-from tests.faults.servers import Server, launch
+from tests.faults.servers import Server, serving
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import SESSION_HEADER
 
@@ -46,18 +46,17 @@ def tiny_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = launch(
+    with serving(
         tiny_dir,
-        tmp_path_factory.mktemp("sleep-faults") / "server.log",
+        tmp_path_factory.mktemp("sleep-faults"),
         "--op-timeout",
         str(OP_TIMEOUT_S),
         "--round-lease",
         "20",
         "--log-level",
         "info",
-    )
-    yield s
-    s.stop()
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ back afterwards.
 from __future__ import annotations
 
 import ast
-import glob
 import importlib.util
 import logging
 import os
@@ -25,10 +24,12 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 
-DEEP_GEMM = os.path.join("vllm", "utils", "deep_gemm.py")
+from tests.interop.trees import vllm_tree_root, vllm_trees
+
+DEEP_GEMM = os.path.join("utils", "deep_gemm.py")
+"""Inside the ``vllm`` package."""
 FP8_UTILS = os.path.join(
     "vllm", "model_executor", "layers", "quantization", "utils", "fp8_utils.py"
 )
@@ -36,26 +37,12 @@ FP8_UTILS = os.path.join(
 
 def trees() -> list[str]:
     """The interop venv's vLLM always; a source tree too when WEIGHTWIRE_VLLM_SRC names one."""
-    return ["venv"] + (["src"] if os.environ.get("WEIGHTWIRE_VLLM_SRC") else [])
+    return vllm_trees()
 
 
 def tree_path(kind: str) -> str:
     """The directory holding the ``vllm`` package of one tree (skips without the venv)."""
-    if kind == "src":
-        return os.environ["WEIGHTWIRE_VLLM_SRC"]
-    venv = os.environ.get("WEIGHTWIRE_INTEROP_VENV")
-    if not venv:
-        pytest.skip(
-            "no interop venv: run tests/interop/run.sh (it exports WEIGHTWIRE_INTEROP_VENV)"
-        )
-    found = [
-        p
-        for p in sorted(glob.glob(os.path.join(venv, "lib", "python*", "site-packages")))
-        if os.path.exists(os.path.join(p, DEEP_GEMM))
-    ]
-    if not found:
-        pytest.skip(f"{venv} holds no {DEEP_GEMM}")
-    return found[0]
+    return vllm_tree_root(kind, DEEP_GEMM)
 
 
 class CpuPlatform:
@@ -120,7 +107,7 @@ def _stand_ins(source: str) -> dict[str, types.ModuleType]:
 
 
 def load_per_block_cast_to_fp8(root: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    path = os.path.join(root, DEEP_GEMM)
+    path = os.path.join(root, "vllm", DEEP_GEMM)
     with open(path, encoding="utf-8") as f:
         stand_ins = _stand_ins(f.read())
     saved = {k: v for k, v in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}

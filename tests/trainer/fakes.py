@@ -13,7 +13,7 @@ import numpy as np
 
 from weightwire.backends import register_backend
 from weightwire.backends.base import Backend, Rendezvous, RoundSender, SenderCaps, SenderParts
-from weightwire.backends.pipelines import HostPipeline
+from weightwire.backends.pipelines import host_sender
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.shared.errors import TransferError
 from weightwire.shared.timeouts import Timeouts
@@ -158,17 +158,6 @@ class FakeBackend(Backend):
 
     def sender(self, link: Any, settings: Any, parts: SenderParts) -> RoundSender:
         return host_sender(link, settings, parts)
-
-
-def host_sender(link: Any, settings: Any, parts: SenderParts) -> RoundSender:
-    """A fake host backend's data path: the generic host pipeline over ``link``."""
-    return HostPipeline(
-        link,
-        parts.host_bytes,
-        num_buffers=settings.packed_num_buffers,
-        timeout=settings.timeouts.transfer_s,
-        prefetch=parts.prefetch,
-    )
 
 
 FAKE = FakeBackend()

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from weightwire.backends.base import Outgoing
 from weightwire.backends.device import DeviceBytes
 from weightwire.backends.ipc.channel import Channel
 from weightwire.backends.ipc.link import IPCSenderComm
@@ -176,7 +177,9 @@ def test_pieces_split_tensors_at_slot_edges_and_wait_for_releases() -> None:
     order: list[str] = []
     worker.log = order
     prepared = _prepared([30, 90, 50, 10], 100)  # chunks [t0 t1] = 120 B, [t2 t3] = 60 B
-    nbytes, pieces = pipe.send(prepared, threading.Event(), begin=lambda: order.append("begin"))
+    nbytes, pieces = pipe.send(
+        Outgoing(prepared, threading.Event(), begin=lambda: order.append("begin"))
+    )
     worker.join(10)
     assert (nbytes, pieces) == (180, 3)
     ready = [{k: m[k] for k in ("c", "s", "o", "n")} for m in worker.seen]
@@ -209,7 +212,7 @@ def test_pieces_split_tensors_at_slot_edges_and_wait_for_releases() -> None:
 def test_release_after_round_frees_slots_and_announces_new_ones() -> None:
     log, slots, worker, pipe = _setup(50, release=True)
     first = list(slots.ptrs)
-    pipe.send(_prepared([50], 100), threading.Event())
+    pipe.send(Outgoing(_prepared([50], 100), threading.Event()))
     worker.join(10)
     assert not slots.allocated and pipe.held_bytes() == 0
     assert [("free", p) for p in first] == [
@@ -220,7 +223,7 @@ def test_release_after_round_frees_slots_and_announces_new_ones() -> None:
     pipe._comm.channels[0] = Channel(a, "IPC worker rank 1")
     second = FakeWorker(b, 50, release=True)
     second.start()
-    pipe.send(_prepared([50], 100), threading.Event())
+    pipe.send(Outgoing(_prepared([50], 100), threading.Event()))
     second.join(10)
     assert [m["op"] for m in second.seen] == ["slots", "ready"]
     assert len(second.seen[0]["mem"]) == 2 and not slots.allocated
@@ -229,7 +232,7 @@ def test_release_after_round_frees_slots_and_announces_new_ones() -> None:
 def test_a_release_out_of_order_is_refused_by_name() -> None:
     _, _, _, pipe = _setup(300, misbehave="wrong_slot")
     with pytest.raises(TransferError, match="released IPC slot 1 where slot 0 was due"):
-        pipe.send(_prepared([100, 100, 100], 99), threading.Event())
+        pipe.send(Outgoing(_prepared([100, 100, 100], 99), threading.Event()))
 
 
 def test_a_dead_worker_is_peer_lost_not_a_hang() -> None:
@@ -239,7 +242,7 @@ def test_a_dead_worker_is_peer_lost_not_a_hang() -> None:
         PeerLost,
         match="lost IPC worker rank 1 while|IPC worker rank 1 closed the IPC control channel",
     ):
-        pipe.send(_prepared([100, 100, 100], 99), threading.Event())
+        pipe.send(Outgoing(_prepared([100, 100, 100], 99), threading.Event()))
 
 
 def test_a_refused_start_announces_nothing() -> None:
@@ -249,7 +252,7 @@ def test_a_refused_start_announces_nothing() -> None:
         raise RuntimeError("start_weight_update failed: 409 a round is already active")
 
     with pytest.raises(RuntimeError, match="409 a round is already active"):
-        pipe.send(_prepared([100], 200), threading.Event(), begin)
+        pipe.send(Outgoing(_prepared([100], 200), threading.Event(), begin))
     pipe._comm.abort()
     worker.join(10)
     assert worker.seen == []
@@ -257,7 +260,9 @@ def test_a_refused_start_announces_nothing() -> None:
 
 def test_unpacked_rounds_take_one_piece_per_tensor() -> None:
     _, _, worker, pipe = _setup(60)
-    nbytes, pieces = pipe.send(_prepared([10, 20, 30], 100, packed=False), threading.Event())
+    nbytes, pieces = pipe.send(
+        Outgoing(_prepared([10, 20, 30], 100, packed=False), threading.Event())
+    )
     worker.join(10)
     assert (nbytes, pieces) == (60, 3)
     assert [(m["c"], m["s"], m["n"]) for m in worker.seen] == [(0, 0, 10), (1, 1, 20), (2, 0, 30)]

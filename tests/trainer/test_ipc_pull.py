@@ -20,7 +20,7 @@ import pytest
 
 from tests.trainer.ipc_pull_worker import PullCupy, PullWorker, handle
 from tests.trainer.test_ipc_pipeline import FakePacker, _prepared
-from weightwire.backends.base import SenderParts
+from weightwire.backends.base import Outgoing, SenderParts
 from weightwire.backends.ipc.channel import Channel
 from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.pull import IPCPullPipeline, WorkerBuffers
@@ -67,7 +67,9 @@ def test_chunks_go_straight_into_the_named_buffers() -> None:
     prepared = _prepared(
         [30, 90, 50, 60, 90], 100
     )  # chunks [t0 t1] = 120, [t2 t3] = 110, [t4] = 90
-    assert (pipe.send(prepared, threading.Event(), begin=lambda: order.append("begin"))) == (320, 3)
+    assert (
+        pipe.send(Outgoing(prepared, threading.Event(), begin=lambda: order.append("begin")))
+    ) == (320, 3)
     worker.join(10)
     assert [(m["c"], m["e"]) for m in worker.seen] == [(0, 0), (1, 1), (2, 0)]
     b0, b1, b2 = 10_000 * 100, 10_000 * 101, 10_000 * 102
@@ -100,14 +102,14 @@ def test_chunks_go_straight_into_the_named_buffers() -> None:
 
 def test_a_second_round_reuses_the_mappings() -> None:
     log, _, worker, pipe = _setup([60, 60], ids=[0, 1])
-    pipe.send(_prepared([60, 60], 50), threading.Event())
+    pipe.send(Outgoing(_prepared([60, 60], 50), threading.Event()))
     worker.join(10)
     a, b = socket.socketpair()
     pipe._comm.channels[0] = Channel(a, "IPC worker rank 1")
     again = PullWorker(b, [60, 60], ids=[1, 0])
     again.named = {0, 1}  # the same session: the worker names known ids without handles
     again.start()
-    pipe.send(_prepared([60, 60], 50), threading.Event())
+    pipe.send(Outgoing(_prepared([60, 60], 50), threading.Event()))
     again.join(10)
     assert [op for op, *_ in log if op == "open"] == ["open", "open"]  # round 2 opened nothing
     copies = [e[1] for e in log if e[0] == "copy"]
@@ -119,7 +121,7 @@ def test_a_second_round_reuses_the_mappings() -> None:
 
 def test_release_after_round_closes_every_mapping_before_unmapped() -> None:
     log, _, worker, pipe = _setup([60, 60], release=True)
-    pipe.send(_prepared([60, 60], 50), threading.Event())
+    pipe.send(Outgoing(_prepared([60, 60], 50), threading.Event()))
     worker.join(10)
     assert worker.seen[-1]["op"] == "unmapped"
     assert sorted(e[1] for e in log if e[0] == "close") == [10_000 * 100, 10_000 * 101]
@@ -137,7 +139,7 @@ def test_release_after_round_closes_every_mapping_before_unmapped() -> None:
 def test_a_worker_out_of_step_is_refused_by_name(misbehave: str, needle: str) -> None:
     _, _, _, pipe = _setup([60, 60, 60], misbehave=misbehave)
     with pytest.raises(TransferError, match=needle) as err:
-        pipe.send(_prepared([60, 60, 60], 50), threading.Event())
+        pipe.send(Outgoing(_prepared([60, 60, 60], 50), threading.Event()))
     if misbehave == "die":
         assert isinstance(err.value, PeerLost)
 
@@ -145,7 +147,7 @@ def test_a_worker_out_of_step_is_refused_by_name(misbehave: str, needle: str) ->
 def test_a_buffer_takes_a_larger_chunk_within_its_announced_capacity() -> None:
     # Chunk 2 (80 B) reuses buffer 0, first named for chunk 0 (60 B) with a capacity of 80.
     log, _, worker, pipe = _setup([60, 70, 80], ids=[0, 1, 0], cap=80)
-    assert pipe.send(_prepared([60, 70, 80], 50), threading.Event()) == (210, 3)
+    assert pipe.send(Outgoing(_prepared([60, 70, 80], 50), threading.Event())) == (210, 3)
     worker.join(10)
     assert [e[1:] for e in log if e[0] == "copy"][-1] == (10_000 * 100, 3_000_000, 80)
 
@@ -153,13 +155,13 @@ def test_a_buffer_takes_a_larger_chunk_within_its_announced_capacity() -> None:
 def test_a_chunk_over_the_buffers_capacity_is_refused() -> None:
     _, _, _, pipe = _setup([60, 70, 80], ids=[0, 1, 0])  # capacity = the first chunk's 60 B
     with pytest.raises(TransferError, match="named buffer 0 of 60 bytes for a chunk of 80"):
-        pipe.send(_prepared([60, 70, 80], 50), threading.Event())
+        pipe.send(Outgoing(_prepared([60, 70, 80], 50), threading.Event()))
 
 
 def test_a_reannounced_buffer_is_refused() -> None:
     _, _, _, pipe = _setup([60, 60, 60], ids=[0, 1, 0], misbehave="reannounce")
     with pytest.raises(TransferError, match="announced buffer 0 again"):
-        pipe.send(_prepared([60, 60, 60], 50), threading.Event())
+        pipe.send(Outgoing(_prepared([60, 60, 60], 50), threading.Event()))
 
 
 def test_a_wrong_chunk_and_a_silent_worker_are_bounded() -> None:
@@ -187,7 +189,7 @@ def test_a_wrong_chunk_and_a_silent_worker_are_bounded() -> None:
         TransferError,
         match="the receive buffer of chunk 0 from IPC worker rank 1 did not arrive within",
     ):
-        pipe.send(_prepared([60], 50), threading.Event())
+        pipe.send(Outgoing(_prepared([60], 50), threading.Event()))
     assert time.monotonic() - start < 5
 
 
@@ -200,7 +202,7 @@ def test_a_refused_start_announces_nothing_and_unpacked_is_refused() -> None:
 
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="409"):
-        pipe.send(_prepared([60], 50), threading.Event(), begin)
+        pipe.send(Outgoing(_prepared([60], 50), threading.Event(), begin))
     assert time.monotonic() - start < 2  # at once, not at the 5 s transfer timeout
     pipe._comm.abort()
     worker.join(10)
@@ -303,7 +305,7 @@ def test_early_buffers_are_filled_before_the_start_returned_and_need_no_want() -
         assert copied.wait(5), "the trainer waited for the start before filling an early buffer"
         worker.gate.set()
 
-    assert pipe.send(_prepared([60, 60], 50), threading.Event(), begin) == (120, 2)
+    assert pipe.send(Outgoing(_prepared([60, 60], 50), threading.Event(), begin)) == (120, 2)
     worker.join(10)
     assert [(m["c"], m["e"]) for m in worker.seen] == [(0, 0), (1, 1)]
     assert [e[1] for e in log if e[0] == "copy"] == [10_000 * 104, 10_000 * 105]
@@ -314,7 +316,8 @@ def test_an_early_buffer_named_for_another_size_is_skipped_for_the_chunks_want()
     # The plan changed (chunk 0 is 60 B now, named early for 50): both sides drop it.
     log, _, worker, pipe = _setup([60, 60], ids=[0, 1], early={0: 50, 1: 60})
     worker.early_ids, worker.ids = [0, 1], [7, 1]  # the want for chunk 0 names another buffer
-    assert pipe.send(_prepared([60, 60], 50), threading.Event(), worker.started.set) == (120, 2)
+    out = Outgoing(_prepared([60, 60], 50), threading.Event(), worker.started.set)
+    assert pipe.send(out) == (120, 2)
     worker.join(10)
     assert [e[1] for e in log if e[0] == "copy"] == [10_000 * 107, 10_000 * 101]
 
@@ -328,7 +331,7 @@ def test_early_wants_left_from_an_earlier_round_are_void() -> None:
         }
     )
     worker.start()  # this round's worker names buffer 3 on demand
-    pipe.send(_prepared([60], 50), threading.Event())
+    pipe.send(Outgoing(_prepared([60], 50), threading.Event()))
     worker.join(10)
     assert [e[1] for e in log if e[0] == "copy"] == [10_000 * 103]  # never into the stale buffer 9
 
@@ -349,4 +352,4 @@ def test_a_malformed_early_message_is_refused(wants: list, needle: str) -> None:
         worker.ch.send({"op": "early", "wants": wants})
 
     with pytest.raises(TransferError, match=needle):
-        pipe.send(_prepared([60], 50), threading.Event(), begin)
+        pipe.send(Outgoing(_prepared([60], 50), threading.Event(), begin))

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from weightwire.backends.base import DevicePacker, RoundAborted
+from weightwire.backends.base import DevicePacker, Outgoing, RoundAborted
 from weightwire.backends.device import DeviceBytes, SlotBuffers
 from weightwire.backends.pipelines import DevicePipeline, HostPipeline
 from weightwire.jax_side.packer import pack_bytes
@@ -156,7 +156,9 @@ def test_device_pipeline_rotates_streams_and_waits_only_on_slot_reuse() -> None:
     assert [len(c) for c in chunks] == [2, 2, 1]
     pipe = device_pipeline(comm, packer)
     nbytes, count = pipe.send(
-        chunked(zip([m.name for m in metas], arrays, strict=True), chunks), threading.Event()
+        Outgoing(
+            chunked(zip([m.name for m in metas], arrays, strict=True), chunks), threading.Event()
+        )
     )
     assert (nbytes, count) == (60, len(chunks)) and packer.streams == 2
     kinds = [(e[0], e[1]) for e in comm.log]
@@ -188,9 +190,13 @@ def test_device_pipeline_unpacked_uses_each_tensors_nccl_dtype() -> None:
     comm = StreamComm()
     pipe = device_pipeline(comm, NumpyPacker(), packed=False, hold_bytes=16)
     pipe.send(
-        chunked(zip(names, arrays, strict=True), plan(metas, packed=False, buffer_size_bytes=1)),
-        threading.Event(),
-        metas=metas,
+        Outgoing(
+            chunked(
+                zip(names, arrays, strict=True), plan(metas, packed=False, buffer_size_bytes=1)
+            ),
+            threading.Event(),
+            metas=metas,
+        )
     )
     typed = [e for e in comm.log if e[0] == "typed"]
     assert [(e[2], e[3]) for e in typed] == [(wire_dtype(m.dtype).nccl, m.numel) for m in metas]
@@ -211,10 +217,12 @@ def test_device_pipeline_stops_between_chunks_when_asked() -> None:
     metas = [ParamMeta("a", "float32", (1,))]
     with pytest.raises(RoundAborted):
         pipe.send(
-            chunked(
-                [("a", np.zeros(1, np.float32))], plan(metas, packed=True, buffer_size_bytes=4)
-            ),
-            stop,
+            Outgoing(
+                chunked(
+                    [("a", np.zeros(1, np.float32))], plan(metas, packed=True, buffer_size_bytes=4)
+                ),
+                stop,
+            )
         )
 
 
@@ -251,7 +259,7 @@ def test_host_pipeline_raises_the_senders_error_and_stops_reading() -> None:
     comm = HostComm(fail_at=2)
     pipe = HostPipeline(comm, lambda a: a.view(np.uint8), num_buffers=2, timeout=5)
     with pytest.raises(PeerLost, match="rank 1 closed"):
-        pipe.send(chunked(pairs(), chunks), threading.Event())
+        pipe.send(Outgoing(chunked(pairs(), chunks), threading.Event()))
     assert (
         len(comm.sent) == 2 and len(pulled) < 10
     )  # stopped soon after the failure, not at the end
@@ -274,8 +282,10 @@ def test_host_pipeline_reads_ahead_at_most_num_buffers_chunks() -> None:
     def run() -> None:
         result.append(
             pipe.send(
-                chunked(zip([m.name for m in metas], arrays, strict=True), chunks),
-                threading.Event(),
+                Outgoing(
+                    chunked(zip([m.name for m in metas], arrays, strict=True), chunks),
+                    threading.Event(),
+                )
             )
         )
         done.set()

@@ -31,11 +31,11 @@ from tests.trainer.fakes import (
     DictSource,
     FakeComm,
     FakeServer,
-    host_sender,
     numpy_weights,
 )
 from tests.trainer.pause_defaults import UNPAUSED
 from weightwire.backends.base import SenderCaps, SenderParts
+from weightwire.backends.pipelines import host_sender
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.shared.client import CONTROL_CALLS, ROUND_CALLS

@@ -18,7 +18,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, NamedTuple, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -26,6 +26,8 @@ from weightwire.shared.communicator import Communicator
 from weightwire.shared.errors import ConfigError, TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.patches import SparsePatch
+from weightwire.shared.source import Describe
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
 
@@ -38,6 +40,20 @@ HostBytes = Callable[[Any], np.ndarray]
 """A tensor's C-order little-endian bytes as a flat ``uint8`` host array."""
 
 Several = Literal["stars", "group"]
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One broadcaster's part of a round, as its data path (``RoundSender.send``) takes it."""
+
+    prepared: Iterable[Prepared]
+    stop: threading.Event
+    """Set from outside (the update POST failed): the send stops with ``RoundAborted``."""
+    begin: Begin = None
+    metas: Sequence[ParamMeta] = ()
+    """The round's tensors in wire order."""
+    root: int = 0
+    """This broadcaster's rank on the wire."""
 
 
 class Sent(NamedTuple):
@@ -138,6 +154,14 @@ class Link(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class WatchesPeer(Protocol):
+    """A ``Link`` that tells, without traffic, whether a worker closed it (a server that
+    dropped this trainer between rounds). Optional: a link without it is never displaced."""
+
+    def peer_closed(self) -> bool: ...
+
+
 class Rendezvous(ABC):
     """One pending rendezvous: the payload to post, and rank 0's half of the join.
 
@@ -202,18 +226,9 @@ class RoundSender(ABC):
     before its first byte lands."""
 
     @abstractmethod
-    def send(
-        self,
-        prepared: Iterable[Prepared],
-        stop: threading.Event,
-        begin: Begin = None,
-        *,
-        metas: Sequence[ParamMeta] = (),
-        root: int = 0,
-    ) -> Sent:
-        """Send every chunk (``metas``: the round's wire order); returns once all left.
-        ``root``: this broadcaster's rank on the wire. Stops with ``RoundAborted`` once
-        ``stop`` is set."""
+    def send(self, out: Outgoing) -> Sent:
+        """Send every chunk of ``out``; returns once all left. Stops with ``RoundAborted`` once
+        ``out.stop`` is set."""
 
     def settle(self) -> None:
         """A round that failed before its first byte: finish the local work it queued."""
@@ -366,7 +381,7 @@ class Backend(ABC):
         return WirePlan(list(metas))
 
     def plan_patches(
-        self, patches: Sequence[Any], *, features: ServerFeatures, describe: Any
+        self, patches: Sequence[SparsePatch], *, features: ServerFeatures, describe: Describe
     ) -> PatchPlan:
         """A delta round of ``patches`` (``shared.patches.SparsePatch``; ``describe``: the
         framework's array description) as this backend sends it; ``ConfigError`` before any byte

@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from weightwire.backends.base import (
-    Begin,
     DevicePacker,
     HostBytes,
-    Prepared,
+    Outgoing,
     RoundAborted,
     RoundSender,
+    SenderParts,
+    SenderSettings,
     Sent,
     check_chunk_bytes,
     run_once,
@@ -62,21 +63,14 @@ class HostPipeline(RoundSender):
         self._timeout = timeout
         self._prefetch = prefetch
 
-    def send(
-        self,
-        prepared: Iterable[Prepared],
-        stop: threading.Event,
-        begin: Begin = None,
-        *,
-        metas: Sequence[ParamMeta] = (),
-        root: int = 0,
-    ) -> Sent:
+    def send(self, out: Outgoing) -> Sent:
         """Broadcast every chunk; returns ``(bytes, broadcasts)`` once all were sent."""
+        prepared, stop, begin = out.prepared, out.stop, out.begin
         work: queue.Queue[list[np.ndarray] | None] = queue.Queue(maxsize=self._depth)
         failure: list[BaseException] = []
         thread = threading.Thread(
             target=self._sender,
-            args=(work, stop, failure, root),
+            args=(work, stop, failure, out.root),
             name="weightwire-send",
             daemon=True,
         )
@@ -140,6 +134,18 @@ class HostPipeline(RoundSender):
             stop.set()
 
 
+def host_sender(link: Communicator, settings: SenderSettings, parts: SenderParts) -> HostPipeline:
+    """A host-bytes backend's ``Backend.sender``: the generic host pipeline over ``link``, as
+    deep as the session's ``packed_num_buffers``, each broadcast bounded by ``transfer_s``."""
+    return HostPipeline(
+        link,
+        parts.host_bytes,
+        num_buffers=settings.packed_num_buffers,
+        timeout=settings.timeouts.transfer_s,
+        prefetch=parts.prefetch,
+    )
+
+
 class SlotStore(Protocol):
     """One reusable device buffer per slot (``backends.device.SlotBuffers``)."""
 
@@ -191,26 +197,16 @@ class DevicePipeline(RoundSender):
         self._in_flight = [[] for _ in self._streams]
         self._slots.release()
 
-    def send(
-        self,
-        prepared: Iterable[Prepared],
-        stop: threading.Event,
-        begin: Begin = None,
-        *,
-        metas: Sequence[ParamMeta] = (),
-        root: int = 0,
-    ) -> Sent:
+    def send(self, out: Outgoing) -> Sent:
         if self._packed:
-            return self._send_packed(prepared, stop, begin, root)
-        return self._send_unpacked(prepared, metas, stop, begin, root)
+            return self._send_packed(out)
+        return self._send_unpacked(out)
 
-    def _send_packed(
-        self, prepared: Iterable[Prepared], stop: threading.Event, begin: Begin, root: int
-    ) -> Sent:
-        n = len(self._streams)
+    def _send_packed(self, out: Outgoing) -> Sent:
+        n, begin = len(self._streams), out.begin
         nbytes = count = 0
-        for k, (chunk, tensors) in enumerate(prepared):
-            if stop.is_set():
+        for k, (chunk, tensors) in enumerate(out.prepared):
+            if out.stop.is_set():
                 raise RoundAborted("round stopped between chunks")
             slot = k % n
             if self._in_flight[slot]:
@@ -221,7 +217,7 @@ class DevicePipeline(RoundSender):
             )
             self._in_flight[slot].append((buf, tensors))
             begin = run_once(begin)  # the control plane's round trips overlap the first pack
-            self._comm.broadcast(buf, root=root, timeout=self._timeout, stream=stream)
+            self._comm.broadcast(buf, root=out.root, timeout=self._timeout, stream=stream)
             nbytes, count = nbytes + chunk.nbytes, count + 1
         run_once(begin)
         self.settle()
@@ -252,43 +248,21 @@ class DevicePipeline(RoundSender):
                     buf, root=root, timeout=self._timeout, stream=self._streams[slot]
                 )
             else:
-                meta = metas[chunk.start]
-                self._comm.broadcast_typed(
-                    buf,
-                    nccl_dtype=wire_dtype(meta.dtype).nccl,
-                    count=meta.numel,
-                    root=root,
-                    timeout=self._timeout,
-                    stream=self._streams[slot],
-                )
+                self._broadcast_tensor(buf, metas[chunk.start], root, self._streams[slot])
         self.settle()
 
-    def _send_unpacked(
-        self,
-        prepared: Iterable[Prepared],
-        metas: Sequence[ParamMeta],
-        stop: threading.Event,
-        begin: Begin,
-        root: int,
-    ) -> Sent:
+    def _send_unpacked(self, out: Outgoing) -> Sent:
         """One broadcast per tensor with its own NCCL dtype (what a stock vLLM worker posts)."""
-        stream, held = self._streams[0], 0
+        stream, held, begin = self._streams[0], 0, out.begin
         nbytes = count = 0
-        for chunk, tensors in prepared:
-            if stop.is_set():
+        for chunk, tensors in out.prepared:
+            if out.stop.is_set():
                 raise RoundAborted("round stopped between tensors")
-            meta = metas[chunk.start]
+            meta = out.metas[chunk.start]
             (buf,) = self._packer.regions(tensors[:1], stream)
             self._in_flight[0].append((buf, tensors))
             begin = run_once(begin)
-            self._comm.broadcast_typed(
-                buf,
-                nccl_dtype=wire_dtype(meta.dtype).nccl,
-                count=meta.numel,
-                root=root,
-                timeout=self._timeout,
-                stream=stream,
-            )
+            self._broadcast_tensor(buf, meta, out.root, stream)
             held += meta.nbytes
             nbytes, count = nbytes + meta.nbytes, count + 1
             if held > self._hold_bytes:  # bounds memory held by per-tensor temporaries (casts)
@@ -297,3 +271,14 @@ class DevicePipeline(RoundSender):
         run_once(begin)
         self.settle()
         return Sent(nbytes, count)
+
+    def _broadcast_tensor(self, buf: Any, meta: ParamMeta, root: int, stream: Any) -> None:
+        """One tensor's broadcast with its own NCCL dtype (unpacked rounds)."""
+        self._comm.broadcast_typed(
+            buf,
+            nccl_dtype=wire_dtype(meta.dtype).nccl,
+            count=meta.numel,
+            root=root,
+            timeout=self._timeout,
+            stream=stream,
+        )

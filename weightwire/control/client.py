@@ -2,9 +2,10 @@
 
 The plumbing under the routes is ``servers.ServerSet``, and the serving-state routes (pause,
 caches, sleep, weight info and checksums, the round guard, version) come from
-``serving.ServingRoutes`` beneath this class. Each call is built and sent by ``wire.Wire``
-(httpx requests and responses, httpx's exceptions, a leaner path to the socket than
-``httpx.Client.request``: a round's three calls are its fixed cost; see ``wire``).
+``serving.ServingRoutes`` beneath this class. Each call is built and sent by
+``request_path.RequestPath`` (httpx requests and responses, httpx's exceptions, a leaner path
+to the socket than ``httpx.Client.request``: a round's three calls are its fixed cost; see
+``request_path``).
 
 It satisfies the four-call client protocol trainer engines use
 (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from weightwire.shared.client import WeightSyncClient
+from weightwire.shared.client import WeightSyncClient, named_servers
 
 if TYPE_CHECKING:
     from weightwire.control.client import HTTPWeightSyncClient
@@ -60,10 +60,7 @@ class FallbackClient:
 
 
 def _server_urls(client: object) -> list[str] | None:
-    urls = getattr(client, "base_urls", None)
-    if urls is None:
-        url = getattr(client, "base_url", None)
-        urls = [url] if url is not None else None
+    urls = named_servers(client)
     if not urls or not all(
         isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
     ):

@@ -1,9 +1,9 @@
 """``ServerSet``: one or more vLLM servers' HTTP routes, called as one.
 
 The plumbing under ``client.HTTPWeightSyncClient``: one kept-alive connection per server
-(``wire.Wire``), the session header on the routes an init's session owns, every non-2xx
-answer or transport failure as a ``WeightSyncError`` naming the route and the server, and
-one call on every server concurrently (``fanout.fan_out``).
+(``request_path.RequestPath``), the session header on the routes an init's session owns,
+every non-2xx answer or transport failure as a ``WeightSyncError`` naming the route and the
+server, and one call on every server concurrently (``fanout.fan_out``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx
 
 from weightwire.control.errors import server_message
 from weightwire.control.fanout import fan_out
-from weightwire.control.wire import Wire
+from weightwire.control.request_path import RequestPath
 from weightwire.shared import routes
 from weightwire.shared.checks import check_seconds
 from weightwire.shared.errors import ConfigError, WeightSyncError
@@ -87,8 +87,10 @@ class ServerSet:
             )
             for u in self.base_urls
         ]
-        self._wire = [
-            Wire(c, u, http_timeout, own_transport=transport is None, keepalive_expiry=_KEEPALIVE_S)
+        self._paths = [
+            RequestPath(
+                c, u, http_timeout, own_transport=transport is None, keepalive_expiry=_KEEPALIVE_S
+            )
             for c, u in zip(self._clients, self.base_urls, strict=True)
         ]
         self._sessions: list[str | None] = [None] * len(self.base_urls)
@@ -104,8 +106,8 @@ class ServerSet:
     ) -> Any:
         server = self.base_urls[i]
         session = self._sessions[i]
-        wire = self._wire[i]
-        headers = wire.headers
+        path = self._paths[i]
+        headers = path.headers
         if body is not None:
             content = json.dumps(body).encode()
             headers = [*headers, _JSON]
@@ -119,7 +121,7 @@ class ServerSet:
         with self._counted:
             self.http_calls += 1
         try:
-            response = wire.send(route, content, headers, params)
+            response = path.send(route, content, headers, params)
         except httpx.TimeoutException as exc:
             raise WeightSyncError(
                 route.name,
@@ -164,7 +166,7 @@ class ServerSet:
         return fan_out(calls, timeout=self.timeout + 30.0, name=f"weightwire-{route.name}")
 
     def close(self) -> None:
-        for wire in self._wire:
-            wire.close()
+        for path in self._paths:
+            path.close()
         for client in self._clients:
             client.close()

@@ -15,7 +15,7 @@ the engine ignores what a round call returns, so any client's answer is accepted
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 ROUND_CALLS = (
@@ -106,3 +106,24 @@ class ServerControls(Protocol):
 class EngineClient(WeightSyncClient, ServerControls, Protocol):
     """How an engine holds its client: the round calls, and the optional calls it may
     use once it checked them present (an unchecked one is guarded where it is called)."""
+
+
+@runtime_checkable
+class _ManyServers(Protocol):
+    base_urls: Sequence[str] | None
+
+
+@runtime_checkable
+class _OneServer(Protocol):
+    base_url: str | None
+
+
+def named_servers(client: object) -> list[str] | None:
+    """The server URLs ``client`` names: its ``base_urls``, else its ``base_url`` as one;
+    None when it names none (a Ray client, a user's adapter). A value, not a call: read
+    when asked, so a client whose servers change is read as it is now."""
+    if isinstance(client, _ManyServers) and client.base_urls is not None:
+        return list(client.base_urls)
+    if isinstance(client, _OneServer) and client.base_url is not None:
+        return [client.base_url]
+    return None

@@ -25,6 +25,7 @@ from weightwire.shared.delta import INDEX_DTYPE, INDEX_SUFFIX, MAX_PATCH_NUMEL, 
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import bounded_repr
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.source import Describe
 
 __all__ = [
     "INDEX_DTYPE",
@@ -38,9 +39,6 @@ __all__ = [
     "wire_metas",
     "wire_pairs",
 ]
-
-Describe = Callable[[Any], tuple[str, tuple[int, ...]]]
-"""The framework's ``describe``: an array's wire dtype name and shape."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from weightwire.shared.errors import SourceMismatch, WrongType
 from weightwire.shared.groups import batch_by_layer, layerwise_groups
@@ -55,6 +55,17 @@ class WeightSource(ABC):
         return False
 
 
+# What a source-shaped object may offer besides ``metadata`` (vLLM's sources: ``iter_full``).
+@runtime_checkable
+class _IteratesFull(Protocol):
+    def iter_full(self) -> Iterable[tuple[str, Any]]: ...
+
+
+@runtime_checkable
+class _HoldsNames(Protocol):
+    def held_names(self) -> Iterable[str] | None: ...
+
+
 def as_source(obj: Any) -> WeightSource:
     """``obj`` as a ``WeightSource``: ours as is, or any object shaped like one.
 
@@ -68,9 +79,7 @@ def as_source(obj: Any) -> WeightSource:
     if isinstance(obj, WeightSource):
         return obj
     has_meta = hasattr(type(obj), "metadata") or hasattr(obj, "metadata")
-    has_iter = callable(getattr(type(obj), "__iter__", None)) or callable(
-        getattr(obj, "iter_full", None)
-    )
+    has_iter = isinstance(obj, (Iterable, _IteratesFull))
     if not (has_meta and has_iter):
         missing = [
             w for w, ok in (("metadata", has_meta), ("__iter__ or iter_full()", has_iter)) if not ok
@@ -102,13 +111,12 @@ class _DuckSource(WeightSource):
         return list(self._metas)
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        if callable(getattr(type(self.inner), "__iter__", None)):
+        if isinstance(self.inner, Iterable):
             return iter(self.inner)
         return iter(self.inner.iter_full())
 
     def held_names(self) -> set[str] | None:
-        held = getattr(self.inner, "held_names", None)
-        names = held() if callable(held) else None
+        names = self.inner.held_names() if isinstance(self.inner, _HoldsNames) else None
         return None if names is None else set(names)
 
 

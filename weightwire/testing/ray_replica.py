@@ -98,10 +98,10 @@ class ReplicaActor:
             self.weight_version = weight_version
 
     def shutdown_weight_transfer_engine(self) -> None:
+        from weightwire.torch_side.worker.hf_host import close_engine
+
         engine, self.engine = self.engine, None
-        if engine is not None:
-            engine.shutdown()  # aborts an open round; the served weights stay
-        self.host.abort_round()
+        close_engine(engine, self.host)
 
     def get_weight_version(self) -> str:
         return self.weight_version

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Self, cast, overload
 
 from weightwire.backends import get_backend
+from weightwire.backends.base import WatchesPeer
 from weightwire.control.fallback import with_fallback_routes
 from weightwire.shared.client import EngineClient, WeightSyncClient
 from weightwire.shared.errors import ConfigError, RoundError, WrongType
@@ -361,8 +362,8 @@ class TrainerEngine(FrameworkHooks):
             return True
         if self._overlapped.aborted_link:  # closed by this trainer's own shutdown, not a server
             return False
-        probe = getattr(self.session.link, "peer_closed", None)
-        return self.session.broken is None and callable(probe) and bool(probe())
+        link = self.session.link
+        return self.session.broken is None and isinstance(link, WatchesPeer) and link.peer_closed()
 
     def shutdown(self, *, in_flight: str = "drain", timeout: float | None = None) -> None:
         """Release the servers' engines and close the communicator (idempotent).

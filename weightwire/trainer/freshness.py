@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.control.fanout import spawn
+from weightwire.shared.client import EngineClient, named_servers
 from weightwire.shared.errors import ControlTimeout, WeightSyncError, WeightwireError
 from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.config import TrainerInitInfo
@@ -85,7 +86,7 @@ class CommitPlan:
 
     def commit(
         self,
-        client: Any,
+        client: EngineClient,
         version: str,
         *,
         caps: ClientCaps,
@@ -124,7 +125,7 @@ def finishes_with_resume(client: Any, caps: ClientCaps) -> bool:
     With several servers the calls stay separate: a server whose finish committed would
     resume itself on the new weights while one whose finish failed stays on the old, where
     separate calls keep every server paused until the round's failure rule decides."""
-    servers = getattr(client, "base_urls", None)  # a value, not a call: read when asked
+    servers = named_servers(client)
     one = servers is None or len(servers) == 1
     return one and caps.finishes_with_resume and client.finishes_with_resume() is True
 
@@ -181,7 +182,7 @@ client that has none."""
 
 
 def commit_paused(
-    client: Any,
+    client: EngineClient,
     version: str,
     *,
     caps: ClientCaps,
@@ -261,7 +262,7 @@ def commit_plan(
     return CommitPlan(reset=True)
 
 
-def reset_after_commit(client: Any, version: str, caps: ClientCaps) -> None:
+def reset_after_commit(client: EngineClient, version: str, caps: ClientCaps) -> None:
     """Every server's prefix cache (running requests preempted) and encoder cache, dropped.
 
     ``client.reset_prefix_cache()`` returns one ``success`` per server (or nothing: a
@@ -272,7 +273,7 @@ def reset_after_commit(client: Any, version: str, caps: ClientCaps) -> None:
         reset_encoder(client.reset_encoder_cache, version)
 
 
-def reset_prefix(client: Any, version: str) -> None:
+def reset_prefix(client: EngineClient, version: str) -> None:
     """Every server's prefix cache, retried while one answers ``success: false``."""
     for attempt in range(1, _RESET_ATTEMPTS + 1):
         try:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from weightwire.shared.client import ROUND_CALLS, ServerControls
+from weightwire.shared.client import ROUND_CALLS, EngineClient, ServerControls
 from weightwire.shared.errors import WrongType
 from weightwire.shared.staging import round_streams
 from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
@@ -67,7 +67,7 @@ def server_features(
     return features
 
 
-def require_draft_model(client: Any, caps: ClientCaps) -> None:
+def require_draft_model(client: EngineClient, caps: ClientCaps) -> None:
     """Refuse a draft round unless every server confirms a speculative draft model.
 
     A stock vLLM (seen on 0.32) asked to start a draft update without one raises in

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from weightwire.shared.client import named_servers
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.lora import (
@@ -161,10 +162,8 @@ class AdapterSync:
         return np.frombuffer(raw, dtype=wire_dtype(meta.dtype).numpy).reshape(meta.shape)
 
 
-def _client_urls(client: Any) -> list[str]:
-    urls = getattr(client, "base_urls", None)
-    if urls is None and getattr(client, "base_url", None) is not None:
-        urls = [client.base_url]
+def _client_urls(client: object) -> list[str]:
+    urls = named_servers(client)
     if not urls:
         raise ConfigError(
             "the engine's client names no server URL (base_urls / base_url): pass base_urls"

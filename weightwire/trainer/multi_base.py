@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weightwire.backends.base import Sent
@@ -38,6 +38,22 @@ class TurnFailure:
 
     turn: Turn
     error: BaseException
+
+
+@dataclass
+class Leading:
+    """Rank 0's round over several broadcasters, while it runs: its plan, each turn's
+    ``update_weights`` payload (in turn order), the turns that failed (the first one is
+    raised once the wire returned)."""
+
+    bplan: BroadcastPlan
+    payloads: list[dict[str, Any]]
+    failed: list[TurnFailure] = field(default_factory=list)
+
+
+Lead = Callable[[Leading, Iterator[tuple[str, Any]]], Sent]
+"""A wire's part of rank 0's transfer: every turn of the round, beside rank 0's own stream of
+``(name, tensor)`` pairs (a failed turn joins ``Leading.failed``); what rank 0 sent."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +152,8 @@ class Ranks:
         control: Control,
         own: dict[str, str] | None,
         clock: PhaseClock,
-        run: Callable[[BroadcastPlan, Iterator[tuple[str, Any]], list[TurnFailure]], Sent],
+        payloads: list[dict[str, Any]],
+        run: Lead,
     ) -> Sent:
         """Rank 0's transfer of the round in flight: its control plane first, then ``run``
         (a wire's turns over rank 0's own stream); raises on the first failed turn."""
@@ -145,11 +162,10 @@ class Ranks:
         started = time.perf_counter()
         control()  # before any turn: rank 0's own slice is produced only after it
         clock.shift("transfer", "control", time.perf_counter() - started)
-        pairs = self.pairs(bplan.turn_of(0), own)
-        failed: list[TurnFailure] = []
-        sent = run(bplan, pairs, failed)
-        if failed:
-            raise self.turn_error(failed[0])
+        leading = Leading(bplan, payloads)
+        sent = run(leading, self.pairs(bplan.turn_of(0), own))
+        if leading.failed:
+            raise self.turn_error(leading.failed[0])
         return sent
 
     def pairs(self, turn: Turn | None, digests: dict[str, str] | None) -> Iterator[tuple[str, Any]]:
@@ -190,13 +206,8 @@ class SeveralWire(Protocol):
 class _LeadsTurns(Protocol):
     ranks: Ranks
 
-    def _lead(
-        self,
-        bplan: BroadcastPlan,
-        payloads: list[dict[str, Any]],
-        pairs: Iterator[tuple[str, Any]],
-        failed: list[TurnFailure],
-    ) -> Sent: ...
+    @property
+    def _lead(self) -> Lead: ...
 
 
 # Stars and a group spell ``Wire.transfer`` / ``digests`` alike (only ``_lead`` differs): each
@@ -209,12 +220,7 @@ def lead_transfer(
     clock: PhaseClock,
 ) -> Sent:
     """Rank 0's transfer over ``wire``, its control plane first."""
-    return wire.ranks.lead(
-        control,
-        own,
-        clock,
-        lambda bplan, pairs, failed: wire._lead(bplan, payloads, pairs, failed),
-    )
+    return wire.ranks.lead(control, own, clock, payloads, wire._lead)
 
 
 def ranks_digests(wire: _LeadsTurns, own: dict[str, str]) -> dict[str, str]:

@@ -34,13 +34,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightwire.backends.base import Link, RoundAborted, RoundSender, Sent
+from weightwire.backends.base import Link, Outgoing, RoundAborted, RoundSender, Sent
 from weightwire.control.fanout import spawn
 from weightwire.shared.errors import TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.multi_base import Ranks, TurnFailure, lead_transfer, ranks_digests
+from weightwire.trainer.multi_base import Leading, Ranks, TurnFailure, lead_transfer, ranks_digests
 from weightwire.trainer.session import open_wire
 from weightwire.trainer.transfer import await_call, chunked
 
@@ -97,7 +97,9 @@ class GroupTurns:
                 first = next(own, None)
                 self._await_reached(mine)
                 prepared = own if first is None else itertools.chain([first], own)
-                sent = self.pipeline.send(prepared, self.stop, metas=mine.metas, root=mine.src)
+                sent = self.pipeline.send(
+                    Outgoing(prepared, self.stop, metas=mine.metas, root=mine.src)
+                )
             # Before the later turns' gathers: the driver must receive those turns while this
             # thread joins their gathers, or a collective source would wait on itself.
             self._done.set()
@@ -247,17 +249,11 @@ class GroupWire:
             raise self.ranks.turn_error(turns.failed[0])
         return sent
 
-    def _lead(
-        self,
-        bplan: BroadcastPlan,
-        payloads: list[dict[str, Any]],
-        pairs: Iterator[tuple[str, Any]],
-        failed: list[TurnFailure],
-    ) -> Sent:
+    def _lead(self, leading: Leading, pairs: Iterator[tuple[str, Any]]) -> Sent:
         """Rank 0's transfer over one group: each turn's request, then its collective
         (``multi_group``)."""
-        client = self.session.client
-        by_src = {turn.src: payload for turn, payload in zip(bplan.turns, payloads, strict=True)}
+        client, bplan = self.session.client, leading.bplan
+        by_src = {t.src: payload for t, payload in zip(bplan.turns, leading.payloads, strict=True)}
 
         def update(turn: Turn) -> Future:
             return spawn(
@@ -266,5 +262,5 @@ class GroupWire:
 
         turns = self._group_turns(bplan, update)
         out = turns.run(pairs)
-        failed.extend(turns.failed)
+        leading.failed.extend(turns.failed)
         return out

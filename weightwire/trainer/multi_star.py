@@ -18,13 +18,14 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from weightwire.backends.base import Sent, StarEndpoint, StarSource
+from weightwire.backends.base import Outgoing, Sent, StarEndpoint, StarSource
 from weightwire.control.fanout import spawn
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import TCP_SECRET_BYTES
 from weightwire.shared.keyshare import KeyShare
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.multi_base import (
+    Leading,
     Ranks,
     RoundFailed,
     TurnFailure,
@@ -126,7 +127,7 @@ class StarWire:
         mine = itertools.islice(pairs, len(turn.metas))
         begin = None if turn.rank == 0 else (lambda: self._await_go(turn))
         return pipeline.send(
-            chunked(mine, self.ranks.chunks[turn.src]), stop, begin, metas=turn.metas
+            Outgoing(chunked(mine, self.ranks.chunks[turn.src]), stop, begin, metas=turn.metas)
         )
 
     def _await_go(self, turn: Turn) -> None:
@@ -157,13 +158,7 @@ class StarWire:
             pass
         return sent
 
-    def _lead(
-        self,
-        bplan: BroadcastPlan,
-        payloads: list[dict[str, Any]],
-        pairs: Iterator[tuple[str, Any]],
-        failed: list[TurnFailure],
-    ) -> Sent:
+    def _lead(self, leading: Leading, pairs: Iterator[tuple[str, Any]]) -> Sent:
         """Rank 0's transfer over stars: its own slice on its star, the turns'
         requests beside it."""
         s = self.session
@@ -171,9 +166,8 @@ class StarWire:
         stop = threading.Event()
         self.ranks.went = set()
         sent = Sent(0, 0)
-        turns = spawn(
-            lambda: self._run_turns(bplan, payloads, stop, failed), name="weightwire-turns"
-        )
+        turns = spawn(lambda: self._run_turns(leading, stop), name="weightwire-turns")
+        bplan, failed = leading.bplan, leading.failed
         mine = bplan.turn_of(0)
         try:
             if mine is not None:
@@ -189,18 +183,12 @@ class StarWire:
         _wait(turns, t.http_s * (len(bplan.turns) + 1))
         return sent
 
-    def _run_turns(
-        self,
-        bplan: BroadcastPlan,
-        payloads: list[dict[str, Any]],
-        stop: threading.Event,
-        failed: list[TurnFailure],
-    ) -> None:
+    def _run_turns(self, leading: Leading, stop: threading.Event) -> None:
         """The turns' ``update_weights``, one after another (a worker receives
         one turn at a time)."""
         s = self.session
         t = s.info.timeouts
-        for turn, payload in zip(bplan.turns, payloads, strict=True):
+        for turn, payload in zip(leading.bplan.turns, leading.payloads, strict=True):
             if stop.is_set():
                 return
             self.ranks.go(turn, True)
@@ -213,7 +201,7 @@ class StarWire:
                     t.http_s,
                 )
             except BaseException as exc:
-                failed.append(TurnFailure(turn, exc))
+                leading.failed.append(TurnFailure(turn, exc))
                 stop.set()
                 if s.link is not None:
                     s.link.abort()  # rank 0's own send may be blocked on a worker that gave up

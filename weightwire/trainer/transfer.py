@@ -26,8 +26,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from weightwire.backends.base import Prepared, RoundSender, Sent
+from weightwire.backends.base import Outgoing, Prepared, RoundSender, Sent
 from weightwire.control.fanout import spawn
+from weightwire.shared.client import EngineClient
 from weightwire.shared.errors import ControlTimeout, TransferError, TransferTimeout
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
@@ -160,7 +161,7 @@ class Transfer:
     def _run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> Sent:
         pipeline, stop = self._pipeline, self._stop
         try:
-            sent = pipeline.send(prepared, stop, self._begin, metas=wire_metas)
+            sent = pipeline.send(Outgoing(prepared, stop, self._begin, metas=wire_metas))
             assert self._update is not None
             await_call(self._update, self._http_s, "update_weights (after the last broadcast)")
             return sent
@@ -236,7 +237,7 @@ def tap(
 # -- around a round ------------------------------------------------------------------------
 
 
-def shutdown_when_settled(client: Any, transfer_s: float) -> None:
+def shutdown_when_settled(client: EngineClient, transfer_s: float) -> None:
     """``shutdown_weight_transfer_engine``, retried while the server answers 409 because it
     has not yet failed the round this trainer just abandoned.
 

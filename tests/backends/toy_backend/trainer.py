@@ -26,7 +26,7 @@ from weightwire.backends.base import (
     SenderParts,
     SenderSettings,
 )
-from weightwire.backends.pipelines import HostPipeline
+from weightwire.backends.pipelines import host_sender
 from weightwire.shared.errors import TransferError, TransferTimeout
 from weightwire.shared.waiting import poll_until
 
@@ -138,10 +138,4 @@ class ToyFilesBackend(Backend):
         return _FilesRendezvous(payload, FilesComm(directory, world_size))
 
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
-        return HostPipeline(
-            link,
-            parts.host_bytes,
-            num_buffers=settings.packed_num_buffers,
-            timeout=settings.timeouts.transfer_s,
-            prefetch=parts.prefetch,
-        )
+        return host_sender(link, settings, parts)

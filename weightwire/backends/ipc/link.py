@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from weightwire.backends.ipc.channel import Channel
@@ -61,20 +62,19 @@ class IPCSenderComm:
             ch.expect("pong", deadline=deadline, what="the warm-up answer", alive=self.alive)
 
     def abort(self) -> None:
-        with self._lock:
-            if self._state != "open":
-                return
-            self._state = "aborted"
-        for ch in self.channels:
-            ch.abort()
+        self._end("aborted", lambda ch: ch.abort())
 
     def close(self) -> None:
+        self._end("closed", lambda ch: ch.close())
+
+    def _end(self, state: str, end: Callable[[Channel], None]) -> None:
+        """The first of abort / close ends every channel its way; a later one does nothing."""
         with self._lock:
             if self._state != "open":
                 return
-            self._state = "closed"
+            self._state = state
         for ch in self.channels:
-            ch.close()
+            end(ch)
 
     def release(self) -> None:
         """Free the slots and events.

@@ -28,6 +28,7 @@ from typing import Any
 from weightwire.backends.base import (
     Begin,
     DevicePacker,
+    Outgoing,
     Prepared,
     RoundAborted,
     RoundSender,
@@ -83,24 +84,16 @@ class IPCDataPath(RoundSender):
     def _setup(self) -> None:
         """A data path's own state, once ``IPCDataPath``'s is set."""
 
-    # root: IPC carries one broadcaster (check_receiver refuses several), always rank 0.
-    def send(
-        self,
-        prepared: Iterable[Prepared],
-        stop: threading.Event,
-        begin: Begin = None,
-        *,
-        metas: Sequence[ParamMeta] = (),
-        root: int = 0,
-    ) -> Sent:
+    # out.root: IPC carries one broadcaster (check_receiver refuses several), always rank 0.
+    def send(self, out: Outgoing) -> Sent:
         """``_pump`` a round with the control plane (pause, start, then the update POST)
         running beside the first fills; the pump announces nothing before it returned.
         Joined on every exit path."""
-        self._prepare(metas)
+        self._prepare(out.metas)
         trace("round")
-        starter = _Starter(begin, timeout=_CONTROL_BOUND_S + self._timeout)
+        starter = _Starter(out.begin, timeout=_CONTROL_BOUND_S + self._timeout)
         try:
-            return self._pump(prepared, stop, starter)
+            return self._pump(out.prepared, out.stop, starter)
         finally:
             starter.join()
             trace("end")

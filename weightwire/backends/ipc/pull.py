@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from weightwire.backends.base import Prepared, Sent
 from weightwire.backends.ipc.channel import check_int
@@ -59,6 +59,10 @@ from weightwire.shared.meta import ParamMeta
 
 MAX_BUFFERS = 1 << 16
 """Buffers one worker may name in a session (a bound on what the trainer maps for it)."""
+
+
+class _Closes(Protocol):
+    def close(self) -> None: ...
 
 
 class WorkerBuffers:
@@ -242,6 +246,7 @@ class IPCPullPipeline(IPCDataPath):
         starter: _Starter,
     ) -> None:
         """Chunk ``ci`` into every pulling worker's buffer, then its ready message."""
+        self._fill_others(chunk, regions, deadline, alive)
         comm, cp = self._comm, self._comm.cp
         pulling = self._pulling()
         if not pulling:
@@ -276,6 +281,12 @@ class IPCPullPipeline(IPCDataPath):
         for w in pulling:
             comm.channels[w].send(ready)
 
+    def _fill_others(
+        self, chunk: Chunk, regions: list[Any], deadline: float, alive: Callable[[], None]
+    ) -> None:
+        """Before the pulling workers' copies: a chunk's way to the workers that do not pull
+        (``_pulling`` is read after it)."""
+
     def _end_round(self) -> bool:
         """Every chunk was enqueued and announced; True: settle the fill stream now (else the
         round's regions stay held until a later ``send``, ``settle`` or ``close`` settles it)."""
@@ -291,16 +302,26 @@ class IPCPullPipeline(IPCDataPath):
 
     def close(self) -> None:
         try:
-            if self._settled_quietly():
-                self._gather.close()  # no upload reads its tables any more
-            else:  # a copy may still write through the mappings: leave them open
-                self._buffers = []
+            self._close_settled(self._gather, self._buffers)
         finally:
-            for bufs in self._buffers:
-                bufs.close()
             self._buffers = []
             self._in_flight = [[]]
             self._comm.release()
+
+    def _close_settled(self, copier: _Closes, mappings: Sequence[_Closes]) -> None:
+        """Close ``copier`` (no upload reads its tables any more) and ``mappings`` once the
+        fill stream settled; while a copy may still write through the mappings, both stay
+        open. A failure on the way still closes the mappings."""
+        still_copying = False
+        try:
+            if self._settled_quietly():
+                copier.close()
+            else:
+                still_copying = True
+        finally:
+            if not still_copying:
+                for mapping in mappings:
+                    mapping.close()
 
     def held_bytes(self) -> int:
         """Trainer-side extra device memory: none (the chunks land in the workers' buffers)."""

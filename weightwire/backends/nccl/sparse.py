@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 
 from weightwire.backends.base import PatchPlan, StockRefusal
 from weightwire.shared.framing import plan_unpacked
-from weightwire.shared.patches import Describe, SparsePatch, check_patches, wire_metas, wire_pairs
+from weightwire.shared.patches import SparsePatch, check_patches, wire_metas, wire_pairs
+from weightwire.shared.source import Describe
 from weightwire.shared.version import ServerFeatures
 
 SPARSE_DTYPES = ("bfloat16", "float16", "float32", "float64")

@@ -35,6 +35,8 @@ from weightwire.shared.communicator import Communicator
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import decode_secret, encode_secret
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.patches import SparsePatch
+from weightwire.shared.source import Describe
 from weightwire.shared.version import ServerFeatures
 
 
@@ -49,17 +51,8 @@ class NCCLBackend(Backend):
             "unique_id_rendezvous", "a torch-free trainer joins NCCL through nccl_unique_id_b64"
         )
 
-    def plan_round(
-        self,
-        metas: Sequence[ParamMeta],
-        *,
-        features: ServerFeatures,
-        packed: bool,
-        buffer_size_bytes: int,
-    ) -> WirePlan:
-        return plan_for_stock(
-            metas, features=features, packed=packed, buffer_size_bytes=buffer_size_bytes
-        )
+    # vLLM's own receiver: its wire order (or its refusal, ``StockRefusal``).
+    plan_round = staticmethod(plan_for_stock)
 
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
         """Slot buffers broadcast on rotating streams (``link`` is an ``NCCLCommunicator``)."""
@@ -107,14 +100,7 @@ class SparseNCCLBackend(NCCLBackend):
         super().check_server(features)
         features.require("sparse_nccl", "the server's receiver is vLLM's sparse_nccl engine")
 
-    def plan_round(
-        self,
-        metas: Sequence[ParamMeta],
-        *,
-        features: ServerFeatures,
-        packed: bool,
-        buffer_size_bytes: int,
-    ) -> WirePlan:
+    def plan_round(self, metas: Sequence[ParamMeta], **_: Any) -> WirePlan:
         raise ConfigError(
             f"backend {self.name!r} receives patches only, not whole tensors: use "
             "TrainerInitInfo(delta='auto'), or send each round's patches with "
@@ -122,7 +108,7 @@ class SparseNCCLBackend(NCCLBackend):
         )
 
     def plan_patches(
-        self, patches: Sequence[Any], *, features: ServerFeatures, describe: Any
+        self, patches: Sequence[SparsePatch], *, features: ServerFeatures, describe: Describe
     ) -> PatchPlan:
         return sparse_nccl_round(patches, features=features, describe=describe)
 

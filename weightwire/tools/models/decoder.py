@@ -12,6 +12,7 @@ Dense where HF has several Linear), ``head_axes`` (DenseGeneral with explicit he
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -38,7 +39,7 @@ from weightwire.tools.models.common import (
 from weightwire.tools.models.decoder_config import ACTIVATIONS, FAMILIES, DecoderConfig
 from weightwire.tools.models.moe import MoE
 
-__all__ = ["FAMILIES", "DecoderConfig", "apply", "init", "naming"]
+__all__ = ["FAMILIES", "DecoderConfig", "apply", "family_config", "init", "naming"]
 
 
 def _dense(cfg: DecoderConfig, features: int, name: str, bias: bool) -> nn.Dense:
@@ -227,3 +228,14 @@ def apply(
 def naming(cfg: DecoderConfig) -> Naming:
     """The preset ``Naming`` matching ``init(rng, cfg)``'s pytree."""
     return preset(cfg.family, **cfg.preset_kwargs())
+
+
+def family_config(family: str) -> Callable[..., DecoderConfig]:
+    """A family module's ``config(**overrides)``: a tiny-by-default config of ``family``;
+    keywords override any field."""
+
+    def config(**overrides: Any) -> DecoderConfig:
+        return DecoderConfig.for_family(family, **overrides)
+
+    config.__doc__ = f"A tiny-by-default {family} config; keywords override any field."
+    return config

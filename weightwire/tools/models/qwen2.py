@@ -6,16 +6,10 @@ Same API as ``llama``: ``config(**kw)`` / ``DecoderConfig.from_hf_config(d)``, `
 
 from __future__ import annotations
 
-from typing import Any
-
-from weightwire.tools.models.decoder import DecoderConfig, apply, init, naming
+from weightwire.tools.models.decoder import DecoderConfig, apply, family_config, init, naming
 
 FAMILY = "qwen2"
-
-
-def config(**overrides: Any) -> DecoderConfig:
-    """A tiny-by-default config of this family; keywords override any field."""
-    return DecoderConfig.for_family(FAMILY, **overrides)
+config = family_config(FAMILY)
 
 
 __all__ = ["FAMILY", "DecoderConfig", "apply", "config", "init", "naming"]

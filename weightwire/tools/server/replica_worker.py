@@ -203,10 +203,10 @@ class Worker:
         return "this replica has no transfer engine" if engine is None else engine.stale_round()
 
     def _teardown(self) -> None:
+        from weightwire.torch_side.worker.hf_host import close_engine
+
         engine, self.engine = self.engine, None
-        if engine is not None:
-            engine.shutdown()  # aborts an open round; the served weights stay
-        self.host.abort_round()
+        close_engine(engine, self.host)
 
     def abort_link(self) -> None:
         """Out of band: wake a receive blocked on the control thread by aborting its link."""

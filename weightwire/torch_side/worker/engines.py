@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
 import torch
 
@@ -24,7 +24,7 @@ from weightwire.backends.worker_base import WorkerInitInfo
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.connect import connect
 from weightwire.torch_side.worker.core import _ReceiverCore
-from weightwire.torch_side.worker.load import ReceiveStats
+from weightwire.torch_side.worker.load import Model, ReceiveStats
 from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightState
 
 if TYPE_CHECKING:  # adapter rounds import their module when one comes
@@ -168,14 +168,14 @@ class StandaloneEngine(EngineFacade):
     def __init__(
         self,
         *,
-        model: Any,
+        model: Model,
         device: torch.device | str | None = None,
         worker_rank: int = 0,
         load_batching: str = "chunk",
         weights: WeightState | None = None,
         adapters: AdapterHostFn | None = None,
     ) -> None:
-        if not callable(getattr(model, "load_weights", None)):
+        if not isinstance(model, Model):
             raise TypeError(
                 "model must have a load_weights(list[(name, tensor)]) method, got "
                 f"{type(model).__name__}"
@@ -195,28 +195,13 @@ class StandaloneEngine(EngineFacade):
         )
 
     @classmethod
-    def standalone(
-        cls,
-        *,
-        model: Any,
-        device: torch.device | str | None = None,
-        worker_rank: int = 0,
-        load_batching: str = "chunk",
-        weights: WeightState | None = None,
-        adapters: AdapterHostFn | None = None,
-    ) -> Any:
-        """The reference server's constructor: ``worker_rank`` is this replica's index
-        among the server's workers (its wire rank is ``rank_offset + worker_rank``);
-        ``weights``: the model's ``WeightState``, kept across this model's engines;
-        ``adapters``: where adapter rounds go (``torch_side.worker.lora``), if anywhere."""
-        return cls(
-            model=model,
-            device=device,
-            worker_rank=worker_rank,
-            load_batching=load_batching,
-            weights=weights,
-            adapters=adapters,
-        )
+    def standalone(cls, **options: Any) -> Self:
+        """The reference server's constructor, ``__init__``'s keywords: ``worker_rank`` is this
+        replica's index among the server's workers (its wire rank is ``rank_offset +
+        worker_rank``); ``weights``: the model's ``WeightState``, kept across this model's
+        engines; ``adapters``: where adapter rounds go (``torch_side.worker.lora``), if
+        anywhere."""
+        return cls(**options)
 
     _connect = staticmethod(connect)
 

@@ -17,7 +17,7 @@ import hashlib
 import threading
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,6 +28,23 @@ from weightwire.torch_side.dtypes import torch_dtype, wire_name
 
 if TYPE_CHECKING:  # the delta module is imported by a delta round only
     from weightwire.torch_side.worker.delta import StagedPatch
+
+
+class _Engine(Protocol):
+    def shutdown(self) -> None: ...
+
+
+class _Host(Protocol):
+    def abort_round(self) -> None: ...
+
+
+def close_engine(engine: _Engine | None, host: _Host) -> None:
+    """A replica's teardown (the reference server's worker, the Ray test replica): shut its
+    transfer engine down (None: it had none; this aborts an open round), then drop what
+    ``host`` staged. The served weights stay."""
+    if engine is not None:
+        engine.shutdown()
+    host.abort_round()
 
 
 class HFModelHost:

@@ -53,6 +53,7 @@ from weightwire.torch_side.worker.landing_trace import (
     Tracer,
     View,
 )
+from weightwire.torch_side.worker.load import Model
 
 
 @dataclass(frozen=True)
@@ -381,9 +382,9 @@ def _run_loader(
             recorder.current = t.source
             yield t.source, t
 
-    load = getattr(model, "load_weights", None)
-    if load is None:
+    if not isinstance(model, Model):
         raise LoaderMapRefused(f"{type(model).__name__} has no load_weights")
+    load = model.load_weights
     bindings = Bindings.of(model)
     try:
         with torch.no_grad(), recorder:

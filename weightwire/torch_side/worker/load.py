@@ -31,21 +31,39 @@ LOAD_BATCHING = ("chunk", "group")
 Pairs = list[tuple[str, torch.Tensor]]
 
 
+@runtime_checkable
 class Model(Protocol):
     """What a worker loads rounds into: vLLM's model, ``HFModelHost``, a test's host. Its
-    other hooks are optional (``call_hook``, ``CheckingModel``, ``PatchingModel``)."""
+    other hooks are optional (``call_hook``, ``InPlaceModel``, ``TransactionalModel``,
+    ``CheckingModel``, ``PatchingModel``)."""
 
-    def load_weights(self, weights: Pairs) -> object: ...
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object: ...
+
+
+@runtime_checkable
+class InPlaceModel(Protocol):
+    """A model that can apply a round in place, opened with its own hook (``HFModelHost``);
+    a streaming round into any other model opens with ``begin_round``."""
+
+    def begin_in_place_round(self) -> None: ...
+
+
+@runtime_checkable
+class TransactionalModel(Protocol):
+    """A model whose ``begin_round`` .. ``commit_round`` is all-or-nothing when
+    ``transactional_rounds`` (``HFModelHost``): a load that fails midway wrote nothing."""
+
+    transactional_rounds: bool
 
 
 class FrameworkHooks(Protocol):
     """What the hosting framework does around a round (vLLM: layerwise reload)."""
 
-    def begin(self, model: Any) -> None: ...
-    def commit(self, model: Any, model_config: Any) -> None: ...
-    def abort(self, model: Any, model_config: Any) -> None: ...
+    def begin(self, model: Model) -> None: ...
+    def commit(self, model: Model, model_config: Any) -> None: ...
+    def abort(self, model: Model, model_config: Any) -> None: ...
     def receive_context(self) -> AbstractContextManager[Any]: ...
-    def prepare(self, model: Any, pairs: Pairs) -> Pairs: ...
+    def prepare(self, model: Model, pairs: Pairs) -> Pairs: ...
     def round_dropped(self) -> None: ...
 
 
@@ -96,7 +114,7 @@ class RoundPlan:
 class _Resolved:
     """The last round's update info for one (target model, broadcaster), and its plan."""
 
-    model: Any
+    model: object
     """Kept so that another model at a recycled ``id`` is not taken for this one."""
     update: UpdateInfo
     plan: RoundPlan
@@ -117,7 +135,7 @@ class MetaCache:
         self._last.clear()
 
     def resolve(
-        self, model: Any, update: UpdateInfo, *, packed: bool, buffer_size_bytes: int
+        self, model: object, update: UpdateInfo, *, packed: bool, buffer_size_bytes: int
     ) -> RoundPlan:
         """The round's plan; ``ValueError`` for a reuse shorthand with nothing to reuse."""
         key = (id(model), update.src)  # reuse is per broadcaster: each turn has its own slice
@@ -159,7 +177,7 @@ def load_batches(chunk_batches: Iterator[Pairs], load_batching: str) -> Iterator
 
 
 def load_staged(
-    model: Any,
+    model: Model,
     staged: Iterable[tuple[str, torch.Tensor]],
     *,
     before_commit: Callable[[], None] | None = None,
@@ -175,7 +193,7 @@ def load_staged(
     call_hook(model, "commit_round")
 
 
-def call_hook(model: Any, name: str) -> None:
+def call_hook(model: Model, name: str) -> None:
     """``model.<name>()`` when the model defines it (test models and staged adapters do)."""
     hook = getattr(model, name, None)
     if callable(hook):

@@ -33,8 +33,10 @@ from weightwire.torch_side.worker.landing import LoaderMapRefused, record_loader
 from weightwire.torch_side.worker.load import (
     CheckingModel,
     FrameworkHooks,
+    InPlaceModel,
     Model,
     Pairs,
+    TransactionalModel,
     call_hook,
     load_batches,
     load_staged,
@@ -189,7 +191,7 @@ class StagedRound(ReceiveStrategy):
             framework.begin(t.model)
         # A load that fails midway leaves completed layers new, unless the model's own
         # begin_round .. commit_round is all-or-nothing (HFModelHost).
-        self.wrote = not getattr(t.model, "transactional_rounds", False)
+        self.wrote = not (isinstance(t.model, TransactionalModel) and t.model.transactional_rounds)
         try:
             delta = self.delta
             in_round = (lambda: delta.in_round(t.model)) if delta is not None else None
@@ -237,12 +239,10 @@ class StreamingRound(ReceiveStrategy):
             t.framework.begin(t.model)
         try:
             # A model that can apply in place says so with its own hook (HFModelHost).
-            hook = (
-                "begin_in_place_round"
-                if callable(getattr(t.model, "begin_in_place_round", None))
-                else "begin_round"
+            call_hook(
+                t.model,
+                "begin_in_place_round" if isinstance(t.model, InPlaceModel) else "begin_round",
             )
-            call_hook(t.model, hook)
         except BaseException:
             self._abort_hooks()
             raise

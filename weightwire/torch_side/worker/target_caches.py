@@ -24,7 +24,7 @@ _MapKey = tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]]
 class _ModelSpecOf:
     """The ``ModelSpec`` read for one target model (main or draft)."""
 
-    model: Any
+    model: object
     """Kept so that another model at a recycled ``id`` is not taken for this one."""
     spec: ModelSpec | None
 
@@ -33,7 +33,7 @@ class _ModelSpecOf:
 class _LoaderMapOf:
     """The landing map recorded for one model and metadata (None: the model refused)."""
 
-    model: Any
+    model: object
     map: LoaderMap | None
     refusal: str | None = None
     """Why the model refused (``map`` is None)."""
@@ -94,5 +94,5 @@ class TargetCaches:
         return cached.refusal if cached is not None else None
 
 
-def _map_key(model: Any, metas: Sequence[ParamMeta]) -> _MapKey:
+def _map_key(model: object, metas: Sequence[ParamMeta]) -> _MapKey:
     return (id(model), tuple((m.name, m.dtype, tuple(m.shape)) for m in metas))

@@ -32,7 +32,6 @@ from typing import Any
 from weightwire.backends.device import StreamRef
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
-from weightwire.backends.ipc.pipeline import _Starter
 from weightwire.backends.ipc.pull import IPCPullPipeline
 from weightwire.backends.ipc.slots import (
     close_mappings,
@@ -119,15 +118,10 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
     def _pulling(self) -> list[int]:
         return [w for w, through in enumerate(self._through) if not through]
 
-    def _fill(
-        self,
-        ci: int,
-        chunk: Chunk,
-        regions: list[Any],
-        deadline: float,
-        alive: Callable[[], None],
-        starter: _Starter,
+    def _fill_others(
+        self, chunk: Chunk, regions: list[Any], deadline: float, alive: Callable[[], None]
     ) -> None:
+        """The workers written through: the round's paths first (they decide who pulls)."""
         if not self._known:
             self._paths(deadline, alive)
             if self.control_first and any(self._through):
@@ -137,7 +131,6 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         for w, through in enumerate(self._through):
             if through:
                 self._write(w, chunk, regions, deadline, alive)
-        super()._fill(ci, chunk, regions, deadline, alive, starter)
 
     def _end_round(self) -> bool:
         writing = [w for w, through in enumerate(self._through) if through]
@@ -278,12 +271,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
 
     def close(self) -> None:
         try:
-            if self._settled_quietly():
-                self._runs.close()
-            else:  # a copy may still write through the mappings: leave them open
-                self._maps = []
+            self._close_settled(self._runs, self._maps)
         finally:
-            for maps in self._maps:
-                maps.close()
             self._maps = []
             super().close()

@@ -1,4 +1,4 @@
-"""How ``HTTPWeightSyncClient`` puts one request on the wire, at the lowest fixed cost.
+"""How ``HTTPWeightSyncClient`` sends one request to a server, at the lowest fixed cost.
 
 A weight round is three calls (start / update / finish); with the bytes on a fast path
 (CUDA IPC) their fixed cost is most of a small model's round (issue 19: a 0.5B round in
@@ -11,7 +11,7 @@ A weight round is three calls (start / update / finish); with the bytes on a fas
   0.78: its pure-Python h11 state machine and pool bookkeeping).
 - stdlib ``http.client`` on a kept-alive connection: 0.52 ms.
 
-So ``Wire`` builds each request itself, as ``Client.build_request`` would (the client's
+So ``RequestPath`` builds each request itself, as ``Client.build_request`` would (the client's
 default headers, the API key, the timeout), and hands it to a transport: for a plain
 ``http://`` server reached without a proxy, ``KeepAliveTransport`` (``http.client``
 under httpx's transport interface); otherwise (``https``, an environment proxy, the
@@ -34,7 +34,7 @@ import httpx
 from weightwire.shared.routes import Route
 
 
-class Wire:
+class RequestPath:
     """One server's request path (see the module docstring)."""
 
     def __init__(
