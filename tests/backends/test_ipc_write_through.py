@@ -369,7 +369,7 @@ def test_a_pause_sent_beside_the_start_is_answered_before_the_first_write() -> N
     chunks = plan(metas, packed=True, buffer_size_bytes=100)
     tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
     prepared = [(c, tensors[c.start : c.stop]) for c in chunks]
-    assert pipe.send(prepared, threading.Event(), begin=begin, metas=metas) == (112, 1)
+    assert pipe.send(Outgoing(prepared, threading.Event(), begin=begin, metas=metas)) == (112, 1)
     worker.join(10)
     ops = [e[0] for e in log if e[0] in ("begun", "copy")]
     # the worker's go came long before the control plane returned; no write went before it

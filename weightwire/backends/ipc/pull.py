@@ -246,7 +246,7 @@ class IPCPullPipeline(IPCDataPath):
         starter: _Starter,
     ) -> None:
         """Chunk ``ci`` into every pulling worker's buffer, then its ready message."""
-        self._fill_others(chunk, regions, deadline, alive)
+        self._fill_others(chunk, regions, deadline, alive, starter)
         comm, cp = self._comm, self._comm.cp
         pulling = self._pulling()
         if not pulling:
@@ -282,10 +282,16 @@ class IPCPullPipeline(IPCDataPath):
             comm.channels[w].send(ready)
 
     def _fill_others(
-        self, chunk: Chunk, regions: list[Any], deadline: float, alive: Callable[[], None]
+        self,
+        chunk: Chunk,
+        regions: list[Any],
+        deadline: float,
+        alive: Callable[[], None],
+        starter: _Starter,
     ) -> None:
         """Before the pulling workers' copies: a chunk's way to the workers that do not pull
-        (``_pulling`` is read after it)."""
+        (``_pulling`` is read after it); ``starter`` holds what must wait for the control
+        plane."""
 
     def _end_round(self) -> bool:
         """Every chunk was enqueued and announced; True: settle the fill stream now (else the

@@ -32,6 +32,7 @@ from typing import Any
 from weightwire.backends.device import StreamRef
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
+from weightwire.backends.ipc.pipeline import _Starter
 from weightwire.backends.ipc.pull import IPCPullPipeline
 from weightwire.backends.ipc.slots import (
     close_mappings,
@@ -119,7 +120,12 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         return [w for w, through in enumerate(self._through) if not through]
 
     def _fill_others(
-        self, chunk: Chunk, regions: list[Any], deadline: float, alive: Callable[[], None]
+        self,
+        chunk: Chunk,
+        regions: list[Any],
+        deadline: float,
+        alive: Callable[[], None],
+        starter: _Starter,
     ) -> None:
         """The workers written through: the round's paths first (they decide who pulls)."""
         if not self._known:
