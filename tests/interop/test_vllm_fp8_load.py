@@ -35,7 +35,7 @@ from weightwire.tools.server.tiny import build_tiny
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(600)]
 
 CHECK = Path(__file__).with_name("check_fp8_load.py")
-PREFIX = "WEIGHTWIRE_FP8_LOAD "
+PREFIX = "FP8_LOAD_RESULT "
 BLOCK = [32, 48]
 CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": BLOCK}
 CASES = {"float32": CONFIG, "ue8m0": {**CONFIG, "scale_fmt": "ue8m0"}}
