@@ -19,13 +19,15 @@ if TYPE_CHECKING:
     from weightwire.backends.worker_base import ReceiveLink
 
 
-def connect(info: Any, *, rank: int, device: torch.device) -> ReceiveLink:
-    """Join the trainer's group as ``rank`` on ``device`` with ``info`` (a shared init info)."""
+def connect(info: Any, *, rank: int, device: torch.device, **hello: Any) -> ReceiveLink:
+    """Join the trainer's group as ``rank`` on ``device`` with ``info`` (a shared init info).
+    ``hello``: what the worker tells the trainer at the join, passed only where the init
+    info asked for it (``sliced``: ``hello=`` the wants' JSON)."""
     spec = backends.spec_of_init_info(type(info))
     if spec.connect is None:
         raise ValueError(
             f"backend {spec.name!r} is received by vLLM's own engine only; "
             f"a weightwire worker speaks {', '.join(backends.PLUGIN_BACKENDS)}"
         )
-    link: ReceiveLink = backends.load(spec.connect)(info, rank=rank, device=device)
+    link: ReceiveLink = backends.load(spec.connect)(info, rank=rank, device=device, **hello)
     return link

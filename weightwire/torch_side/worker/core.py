@@ -188,7 +188,12 @@ class _ReceiverCore:
         rank = session_rank(self.backend, info, self._worker_rank)
         self._close_link()
         self._plans.clear()
-        self._link = self._connect(info, rank=rank, device=self.device)
+        told: dict[str, Any] = {}
+        if getattr(info, "sliced", None):  # the trainer asks for this worker's wants
+            from weightwire.torch_side.worker.sliced import hello
+
+            told["hello"] = hello(self.caches, self.backend)
+        self._link = self._connect(info, rank=rank, device=self.device, **told)
         self._info = info
         self._broken = None
         previous, self.session = self.session, uuid.uuid4().hex[:12]
@@ -326,10 +331,16 @@ class _ReceiverCore:
         turn = ReceiveTurn(update.src, plan.metas, plan.chunks, plan.unpack, self._info.packed)
         started = time.perf_counter()
         progress = ReceiveProgress()
+        nbytes = sum(c.nbytes for c in plan.chunks)
         try:
-            self._round = self._choose_strategy(model, turn, plain=splitter is None)
-            received = self._link.receive(turn, progress)
-            self._round.receive(received if splitter is None else splitter.split(received))
+            if update.sliced:
+                if splitter is not None:
+                    raise ValueError("a sliced update carries no patches")
+                nbytes = self._sliced_step(model, plan.metas, progress)
+            else:
+                self._round = self._choose_strategy(model, turn, plain=splitter is None)
+                received = self._link.receive(turn, progress)
+                self._round.receive(received if splitter is None else splitter.split(received))
             self._round.took(update.round_token)
             if splitter is not None:
                 self._hold_patches(splitter)
@@ -343,8 +354,8 @@ class _ReceiverCore:
         self._touched = time.monotonic()
         self.last_stats = ReceiveStats(
             len(plan.metas),
-            len(plan.chunks),
-            sum(c.nbytes for c in plan.chunks),
+            progress.chunk + 1 if update.sliced else len(plan.chunks),
+            nbytes,
             time.perf_counter() - started,
         )
 
@@ -446,6 +457,30 @@ class _ReceiverCore:
             self.stage_budget_bytes,
             plain=plain,
         )
+
+    def _sliced_step(self, model: Model, metas: list[ParamMeta], progress: ReceiveProgress) -> int:
+        """A sliced update's pieces (``sliced``): through the landing map, staged or in
+        place as the budget says; without a map, assembled whole and loaded as a dense
+        update. Returns the payload bytes this worker received."""
+        from weightwire.torch_side.worker.sliced import SlicedRound, assembled, typed
+
+        assert self._round is not None and self._link is not None
+        pieces = typed(self._link.receive_sliced(metas, progress), metas)
+        lmap = self.caches.loader_map(metas)
+        if lmap is None:
+            pairs = assembled(pieces, metas, self.device)
+            nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+            self._round = self._round.admit(nbytes, self.stage_budget_bytes)
+            self._round.receive(iter([pairs]))
+            return nbytes
+        if not isinstance(self._round, SlicedRound):
+            if not self._round.untouched:
+                raise ValueError(
+                    f"a sliced update after a {self._round.name} one in the same round"
+                )
+            target = self._round.target
+            self._round = SlicedRound(target, lmap, self.stage_budget_bytes)
+        return self._round.receive_pieces(pieces)
 
     def _hold_patches(self, splitter: PatchSplitter) -> None:
         """The update's patches, held until the round's commit."""

@@ -1,0 +1,180 @@
+"""Sliced rounds over ``weightwire_tcp``, end to end on CPU: a trainer engine and in-process TCP
+workers hosting ``SlicedTP`` ranks (TP 2 and 4, fewer KV heads than ranks, fused qkv /
+gate_up, tied head). After each round every worker's parameters equal ``load_weights`` of the
+full tensors bit for bit, each worker received about its share of the bytes (counted by the
+worker), and the trainer sent about one model's bytes, not one per worker."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.trainer._sliced_workers import Config, TPClient, expected, shapes_of
+from weightwire.shared.errors import WeightwireError
+from weightwire.shared.slices import SliceError
+from weightwire.shared.timeouts import Timeouts
+from weightwire.testing.sources import DictSource
+from weightwire.trainer import TrainerInitInfo
+
+TIMEOUTS = Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30)
+TP2: Config = (2, 4, 1, False, True)  # one KV head on two ranks, tied head
+TP4: Config = (4, 8, 2, False, False)  # two KV heads on four ranks, own head
+
+
+def full_tensors(config: Config, step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes_of(config).items()}
+
+
+def replicated_bytes(config: Config) -> int:
+    """The tensors every rank takes whole (router, norm)."""
+    shapes = shapes_of(config)
+    names = ("model.layers.1.mlp.gate.weight", "model.norm.weight")
+    return sum(int(np.prod(shapes[n])) * 4 for n in names)
+
+
+def info(**kw: Any) -> TrainerInitInfo:
+    return TrainerInitInfo(
+        backend="weightwire_tcp",
+        pause_mode=None,
+        packed_buffer_size_bytes=1 << 10,  # several frames per worker
+        timeouts=TIMEOUTS,
+        **kw,
+    )
+
+
+def assert_loaded(client: TPClient, full: dict[str, np.ndarray]) -> None:
+    for rank in range(client.config[0]):
+        want = expected(client.config, full, rank)
+        got = client.params(rank)
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), f"rank {rank} {name}"
+
+
+def torch_engine(client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.torch_side.sender.source import describe_tensor
+
+    return TorchTrainerEngine.trainer_init(
+        info(**kw), client=client, source=DictSource(tensors, describe_tensor)
+    )
+
+
+@pytest.mark.parametrize("config", [TP2, TP4], ids=["tp2-tied-kv1", "tp4-kv2"])
+def test_torch_rounds_send_each_worker_its_slices(config: Config) -> None:
+    world = config[0]
+    client = TPClient(config)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        assert client.init_info["sliced"] is True
+        dense = sum(a.nbytes for a in full_tensors(config, 0).values())
+        for step in (1, 2, 3):
+            full = full_tensors(config, step)
+            tensors.clear()
+            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            metrics = engine.send_weights()
+            assert client.last_update["sliced"] is True
+            assert_loaded(client, full)
+            for got in client.received:
+                assert 0 < got <= 1.05 * dense / world + replicated_bytes(config)
+            # one model's bytes (replicated KV heads and norms go to each worker that wants
+            # them), not world of them
+            assert metrics.nbytes <= 1.3 * dense
+            assert sum(client.received) == metrics.nbytes
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_sliced_off_broadcasts_every_byte() -> None:
+    client = TPClient(TP2)
+    full = full_tensors(TP2, 1)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()}, sliced="off")
+    try:
+        assert "sliced" not in client.init_info
+        metrics = engine.send_weights()
+        assert "sliced" not in client.last_update
+        dense = sum(a.nbytes for a in full.values())
+        assert metrics.nbytes >= dense and client.received == [metrics.nbytes] * 2
+        assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_workers_without_a_spec_want_everything_and_get_the_broadcast() -> None:
+    """A worker that tells no wants (no served checkpoint known: an older hello) wants every
+    tensor whole: with no worker wanting less, the rounds are today's broadcast."""
+    client = TPClient(TP2, spec=False)
+    full = full_tensors(TP2, 1)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
+    try:
+        assert client.init_info["sliced"] is True
+        engine.send_weights()
+        assert "sliced" not in client.last_update
+        assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_bad_wants_are_refused_naming_the_worker_and_tensor(monkeypatch) -> None:
+    """A worker whose wants do not fit the round's tensors: the round is refused before any
+    call, naming the worker and the tensor."""
+    from weightwire.torch_side.worker import sliced
+
+    real = sliced.hello
+
+    def lying(caches: Any, backend: str) -> bytes:
+        told = json.loads(real(caches, backend))
+        told["tensors"]["model.norm.weight"] = [[[0, 999]]]
+        return json.dumps(told).encode()
+
+    monkeypatch.setattr(sliced, "hello", lying)
+    client = TPClient(TP2)
+    full = full_tensors(TP2, 1)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
+    try:
+        with pytest.raises(SliceError, match=r"worker 0's wants.*model\.norm\.weight.*0:999"):
+            engine.send_weights()
+        assert client.updates == 0
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_failed_sliced_round_leaves_the_previous_weights() -> None:
+    """A link lost mid-round (after some workers got their pieces): every worker keeps the
+    last committed round's weights exactly."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        full = full_tensors(TP2, 1)
+        tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+        engine.send_weights()
+        before = [client.params(r) for r in range(2)]
+
+        read, reads = engine.read_box, [0]
+
+        def cut(tensor: Any, box: Any) -> Any:  # worker 1's link drops mid-round
+            reads[0] += 1
+            if reads[0] == 20:
+                engine.session.link._links[1].sock.shutdown(2)
+            return read(tensor, box)
+
+        engine.read_box = cut
+        tensors.update({n: torch.from_numpy(a) for n, a in full_tensors(TP2, 2).items()})
+        with pytest.raises(WeightwireError):
+            engine.send_weights()
+        for rank in range(2):
+            after = client.params(rank)
+            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
+    finally:
+        engine.shutdown()
+        client.close()

@@ -1,0 +1,166 @@
+"""A worker's sliced rounds: its wants told at the join, its pieces landed through the map.
+
+At init, when the trainer asks (the init info's ``sliced``), the worker tells the trainer
+which boxes of each checkpoint tensor it reads (``hello``: ``wants.session_wants`` over the
+served checkpoint's tensors; every tensor whole, with the reason, when it has no spec or no
+landing map). A sliced update then brings only those boxes, as pieces
+(``ReceiveLink.receive_sliced``).
+
+``SlicedRound`` lands them as a dense round of the same size would: within the stage budget
+it holds every piece and writes them all at the commit (a round that fails before leaves the
+previous weights exactly); past it, it writes each piece in place as it lands
+(``write_box``), and the round counts as written in place. A worker without a landing map
+assembles the whole tensors it wanted and loads them through the round's own strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.slices import Box
+from weightwire.shared.staging import round_streams
+from weightwire.torch_side.dtypes import torch_dtype
+from weightwire.torch_side.worker.landing import LoaderMap
+from weightwire.torch_side.worker.load import Pairs
+from weightwire.torch_side.worker.strategy import ReceiveStrategy, RoundTarget
+from weightwire.torch_side.worker.target_caches import TargetCaches
+from weightwire.torch_side.worker.wants import session_wants, write_box
+
+log = logging.getLogger(__name__)
+
+Received = tuple[str, Box, torch.Tensor]
+"""One landed piece: ``box`` of checkpoint tensor ``name``, as a tensor of the box's shape."""
+
+
+def hello(caches: TargetCaches, backend: str) -> bytes:
+    """The wants' JSON this worker sends at the join; empty (every tensor whole) when the
+    served checkpoint's tensors are unknown here."""
+    spec = caches.model_spec()
+    if spec is None:
+        log.warning(
+            "%s: no served checkpoint spec on this worker: it wants every tensor whole "
+            "(sliced rounds send it whole tensors)",
+            backend,
+        )
+        return b""
+    metas = [ParamMeta(n, t.dtype, t.shape) for n, t in spec.tensors.items()]
+    wants = session_wants(caches, metas)
+    if wants.whole_reason is not None:
+        log.warning("%s: this worker wants every tensor whole: %s", backend, wants.whole_reason)
+    return json.dumps(wants.to_json(), separators=(",", ":")).encode()
+
+
+def typed(
+    pieces: Iterable[tuple[int, Box, torch.Tensor]], metas: Sequence[ParamMeta]
+) -> Iterator[Received]:
+    """Each piece's bytes as its tensor's dtype and its box's shape (a view)."""
+    for index, box, raw in pieces:
+        meta = metas[index]
+        yield meta.name, box, raw.view(torch_dtype(meta.dtype)).view(box.shape)
+
+
+def assembled(pieces: Iterable[Received], metas: Sequence[ParamMeta], device: Any) -> Pairs:
+    """A worker without a landing map (it wanted every tensor whole): the tensors its
+    pieces cover, assembled whole, each checked complete."""
+    by_name = {m.name: m for m in metas}
+    whole: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}
+    for name, box, piece in pieces:
+        meta = by_name[name]
+        if name not in whole:
+            whole[name] = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
+            filled[name] = 0
+        whole[name][box.slices()] = piece
+        filled[name] += box.volume
+    short = [n for n, got in filled.items() if got != whole[n].numel()]
+    if short:
+        raise ValueError(
+            f"a sliced round sent part of {short[0]!r} to a worker that wants it whole (no "
+            "landing map): the trainer planned from other wants than this worker's"
+        )
+    return list(whole.items())
+
+
+class SlicedRound(ReceiveStrategy):
+    """A round of pieces written through the landing map (module docstring)."""
+
+    name = "sliced"
+
+    def __init__(self, target: RoundTarget, lmap: LoaderMap, budget_bytes: int) -> None:
+        super().__init__(target)
+        self.lmap = lmap
+        self.budget_bytes = budget_bytes
+        self.held: list[Received] = []
+        self.held_bytes = 0
+        self.in_place = False
+
+    def begin(self) -> None:
+        pass
+
+    def receive(self, chunks: Iterator[Pairs]) -> None:
+        raise TypeError("a sliced round receives pieces (receive_pieces), not chunks")
+
+    def held_tensors(self) -> Pairs:
+        return [(name, piece) for name, _, piece in self.held]
+
+    def receive_pieces(self, pieces: Iterable[Received]) -> int:
+        """One update's pieces; held until every one landed (a failed update adds
+        nothing), or written as they land once the round outgrew the budget. Returns the
+        update's payload bytes."""
+        update: list[Received] = []
+        nbytes = 0
+        for name, box, piece in pieces:
+            size = piece.numel() * piece.element_size()
+            nbytes += size
+            if not self.in_place and round_streams(self.held_bytes + nbytes, self.budget_bytes):
+                self._go_in_place(update)
+                update = []
+            if self.in_place:
+                self._write([(name, box, piece)])
+            else:
+                update.append((name, box, piece))
+        self.held.extend(update)
+        self.held_bytes += sum(p.numel() * p.element_size() for _, _, p in update)
+        self.names.update(n for n, _, _ in update)
+        return nbytes
+
+    def _go_in_place(self, update: list[Received]) -> None:
+        log.info(
+            "%s: the sliced round outgrew the stage budget (%d bytes); it lands in place",
+            self.target.backend,
+            self.budget_bytes,
+        )
+        self.in_place = True
+        held, self.held, self.held_bytes = self.held, [], 0
+        self._write([*held, *update])
+
+    def _write(self, pieces: Sequence[Received]) -> None:
+        self.wrote = True
+        for name, box, piece in pieces:
+            write_box(self.lmap, name, box, piece)
+            self.names.add(name)
+
+    def commit(self) -> None:
+        held, self.held = self.held, []
+        self.held_bytes = 0
+        if held:
+            self._write(held)
+
+    def abort(self, why: str) -> None:
+        dropped, self.held = len(self.held), []
+        log.info(
+            "%s: sliced round dropped (%s); %d received pieces discarded%s",
+            self.target.backend,
+            why,
+            dropped,
+            ", some were written in place" if self.wrote else ", weights unchanged",
+        )
+
+
+__all__ = ["Received", "SlicedRound", "assembled", "hello", "typed"]
