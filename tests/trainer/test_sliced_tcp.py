@@ -7,6 +7,9 @@ worker), and the trainer sent about one model's bytes, not one per worker."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -14,7 +17,7 @@ import pytest
 import torch
 
 from tests.trainer._sliced_workers import Config, TPClient, expected, shapes_of
-from weightwire.shared.errors import WeightwireError
+from weightwire.shared.errors import ConfigError, WeightwireError
 from weightwire.shared.slices import SliceError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.sources import DictSource
@@ -178,3 +181,40 @@ def test_a_failed_sliced_round_leaves_the_previous_weights() -> None:
     finally:
         engine.shutdown()
         client.close()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [TP2, pytest.param(TP4, marks=pytest.mark.slow)],
+    ids=["tp2-tied-kv1", "tp4-kv2"],
+)
+def test_jax_rounds_from_an_fsdp_tp_mesh_never_gather(config: Config) -> None:
+    """A JAX trainer on 8 forced host devices (FSDP 4 x TP 2), in a subprocess (XLA_FLAGS
+    precede jax's import): 3 sliced rounds, every worker bit-identical to ``load_weights``
+    of the full tensors (checked there), the gather entry points raising throughout, each
+    host copy one planned piece, each worker its share of the bytes."""
+    world, heads, kv, _, tied = config
+    script = os.path.join(os.path.dirname(__file__), "_sliced_jax_trainer.py")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(
+        [sys.executable, script, str(world), str(heads), str(kv), str(int(tied))],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["whole"] == [] and report["copies"] > 0
+    dense = report["dense"]
+    assert len(report["rounds"]) == 3
+    for r in report["rounds"]:
+        assert sum(r["received"]) == r["sent"] <= 1.3 * dense
+        for got in r["received"]:
+            assert 0 < got <= 1.05 * dense / world + replicated_bytes(config)
+
+
+@pytest.mark.parametrize("value", ["on", True, None])
+def test_sliced_setting_is_checked(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"sliced must be one of 'auto', 'off', got"):
+        TrainerInitInfo(backend="weightwire_tcp", sliced=value)  # type: ignore[arg-type]

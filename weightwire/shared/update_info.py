@@ -45,9 +45,9 @@ class UpdateInfo(StrictInfo):
     delta_base: str | None = None
     patches: list[list[Any]] | None = None
     sliced: bool = False
-    """The round is sliced (a backend with sliced rounds): each worker receives only the boxes of each
-    tensor it wants, as framed pieces on its own link, instead of the broadcast chunks.
-    Left out of the body when False."""
+    """The round is sliced (a backend with sliced rounds): each worker receives only the
+    boxes of each tensor it wants, as framed pieces on its own link, instead of the
+    broadcast chunks. Left out of the body when False."""
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
