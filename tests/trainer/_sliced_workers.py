@@ -67,6 +67,7 @@ class TPClient:
         self.received: list[int] = [0] * world
         self.updates = 0
         self.before_update: Callable[[int], None] | None = None
+        self.before_finish: Callable[[], None] | None = None
         self._pool = cf.ThreadPoolExecutor(max_workers=world, thread_name_prefix="tp-worker")
 
     def _all(self, call: Callable[[int, WeightwireTCPEngine], Any]) -> None:
@@ -103,9 +104,17 @@ class TPClient:
         self._all(one)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if self.before_finish is not None:
+            self.before_finish()
         self._all(lambda r, e: e.finish_weight_update())
 
     def reset_prefix_cache(self) -> None:
+        return None
+
+    def pause(self, mode: str = "keep") -> None:
+        return None
+
+    def resume(self) -> None:
         return None
 
     def close(self) -> None:

@@ -41,13 +41,13 @@ def replicated_bytes(config: Config) -> int:
 
 
 def info(**kw: Any) -> TrainerInitInfo:
-    return TrainerInitInfo(
-        backend="weightwire_tcp",
-        pause_mode=None,
-        packed_buffer_size_bytes=1 << 10,  # several frames per worker
-        timeouts=TIMEOUTS,
-        **kw,
-    )
+    settings: dict[str, Any] = {
+        "backend": "weightwire_tcp",
+        "pause_mode": None,
+        "packed_buffer_size_bytes": 1 << 10,  # several frames per worker
+        "timeouts": TIMEOUTS,
+    }
+    return TrainerInitInfo(**{**settings, **kw})
 
 
 def assert_loaded(client: TPClient, full: dict[str, np.ndarray]) -> None:
@@ -218,3 +218,84 @@ def test_jax_rounds_from_an_fsdp_tp_mesh_never_gather(config: Config) -> None:
 def test_sliced_setting_is_checked(value: object) -> None:
     with pytest.raises(ConfigError, match=r"sliced must be one of 'auto', 'off', got"):
         TrainerInitInfo(backend="weightwire_tcp", sliced=value)  # type: ignore[arg-type]
+
+
+def test_a_worker_without_a_landing_map_gets_whole_tensors_beside_sliced_ones() -> None:
+    """Worker 1's loader is refused (not a plain copy): it wants every tensor whole, gets
+    them assembled from pieces and loads them through ``load_weights``; worker 0 still gets
+    only its slices."""
+    from weightwire.torch_side.worker.landing import LoaderMapRefused
+
+    client = TPClient(TP2)
+
+    def refuse(model: Any, metas: Any, **_: Any) -> Any:
+        raise LoaderMapRefused("the test's loader is not a plain copy")
+
+    client.engines[1]._core.caches._record_map = refuse
+    full = full_tensors(TP2, 1)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
+    try:
+        engine.send_weights()
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
+        dense = sum(a.nbytes for a in full.values())
+        assert client.received[1] == dense
+        assert client.received[0] <= 1.05 * dense / 2 + replicated_bytes(TP2)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_sliced_round_over_the_stage_budget_lands_in_place_and_overlapped() -> None:
+    """``stage_budget_bytes=0``: each piece is written as it lands (the worker reports the
+    round in place until its commit); an overlapped round (``wait=False``) is sliced too."""
+    client = TPClient(TP4)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, stage_budget_bytes=0, pause_mode="keep")
+    seen: list[str | None] = []
+    client.before_finish = lambda: seen.extend(e.round_strategy for e in client.engines)
+    try:
+        for step in (1, 2):
+            full = full_tensors(TP4, step)
+            tensors.clear()
+            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            engine.send_weights(wait=False).result(timeout=60)
+            assert client.last_update["sliced"] is True
+            assert_loaded(client, full)
+        assert seen == ["sliced_in_place"] * 8
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_plan_needing_another_trainer_process_is_refused() -> None:
+    """One sending process: a shard only another process holds is refused by name."""
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.shared.slices import Box, Wants
+    from weightwire.trainer.slice_plan import Held, Holdings
+    from weightwire.trainer.sliced import Slicing
+
+    metas = [ParamMeta("w", "float32", (4, 2))]
+    wants = Wants({"w": (Box.of((0, 2), (0, 2)),)})
+    slicing = Slicing([json.dumps(wants.to_json()).encode()], sender=None)  # type: ignore[arg-type]
+    held = Holdings.of({"w": (4, 2)}, [Held("w", 1, Box.of((0, 4), (0, 2)))])
+    with pytest.raises(
+        ConfigError, match=r"process\(es\) \[1\], not by this one \(0\).*sliced='off'"
+    ):
+        slicing.plan(metas, held, rank=0)
+
+
+@pytest.mark.parametrize(
+    ("hello", "match"),
+    [
+        (b"{not json", "worker 0's wants are not JSON"),
+        (b'{"tensors": {"w": [[[0, 2]]]}, "whole_reason": null}', "worker 0's wants.*'w'.*box"),
+        (b'{"tensors": {}, "extra": 1}', "worker 0's wants: wants must be an object"),
+    ],
+)
+def test_malformed_hellos_are_refused_naming_the_worker(hello: bytes, match: str) -> None:
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.trainer.sliced import parse_wants
+
+    with pytest.raises(SliceError, match=match):
+        parse_wants(hello, [ParamMeta("w", "float32", (4, 2))], 0)

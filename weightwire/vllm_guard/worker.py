@@ -29,7 +29,7 @@ def worker_round_state(worker: Any) -> dict[str, Any]:
     incomplete = engine.incomplete_round
     if incomplete is not None:
         return {"whole": False, "engine": name, "reason": incomplete.describe()}
-    if getattr(engine, "round_strategy", None) in ("streaming", "write_through"):
+    if getattr(engine, "round_strategy", None) in ("streaming", "write_through", "sliced_in_place"):
         return {
             "whole": False,
             "engine": name,

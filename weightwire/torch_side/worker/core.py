@@ -163,9 +163,9 @@ class _ReceiverCore:
 
     @property
     def strategy(self) -> str | None:
-        """The open round's strategy name (``staged`` / ``streaming`` / ``write_through``),
-        or None between rounds."""
-        return self._round.name if self._round is not None else None
+        """The open round's strategy (``staged`` / ``streaming`` / ``write_through`` /
+        ``sliced`` / ``sliced_in_place``), or None between rounds."""
+        return self._round.label if self._round is not None else None
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The open round's received tensors that are not in the model yet (none when streaming)."""

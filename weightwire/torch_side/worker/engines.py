@@ -148,7 +148,8 @@ class EngineFacade:
 
     @property
     def round_strategy(self) -> str | None:
-        """The open round's strategy (``staged`` / ``streaming``), or None between rounds."""
+        """The open round's strategy (``staged`` / ``streaming`` / ``sliced`` / ...), or None
+        between rounds."""
         return self._core.strategy
 
     @property

@@ -50,9 +50,7 @@ def hello(caches: TargetCaches, backend: str) -> bytes:
         )
         return b""
     metas = [ParamMeta(n, t.dtype, t.shape) for n, t in spec.tensors.items()]
-    wants = session_wants(caches, metas)
-    if wants.whole_reason is not None:
-        log.warning("%s: this worker wants every tensor whole: %s", backend, wants.whole_reason)
+    wants = session_wants(caches, metas)  # a refused map: logged once by the caches
     return json.dumps(wants.to_json(), separators=(",", ":")).encode()
 
 
@@ -99,6 +97,10 @@ class SlicedRound(ReceiveStrategy):
         self.held: list[Received] = []
         self.held_bytes = 0
         self.in_place = False
+
+    @property
+    def label(self) -> str:
+        return "sliced_in_place" if self.in_place else self.name
 
     def begin(self) -> None:
         pass
