@@ -2,9 +2,12 @@
 (an FSDP 4 x TP 2 mesh) sends 3 sliced rounds to in-process TCP workers hosting ``SlicedTP``
 ranks. XLA_FLAGS must precede the jax import, hence a process of its own.
 
-``python _sliced_jax_trainer.py WORLD HEADS KV_HEADS TIED`` prints one JSON line: each
-round's trainer bytes, each worker's received bytes, the dense bytes, how many host copies
-the trainer made (each exactly one piece: checked) and any read of a whole sharded array.
+``python _sliced_jax_trainer.py WORLD HEADS KV_HEADS TIED SOURCE`` (SOURCE ``dict``: a dict of
+the sharded arrays; ``pytree``: a ``PytreeSource`` over them, ``o_proj`` kept transposed in
+the tree as a Flax kernel and transposed back by a jitted rule, on its shards) prints one
+JSON line: each round's trainer bytes, each worker's received bytes, the dense bytes, how
+many host copies the trainer made (each exactly one piece: checked) and any read of a whole
+sharded array.
 During the rounds every gather entry point (``jax_side.placement``: ``Target.move``,
 ``_replicate_on``; the engine's whole-tensor ``host_bytes``) raises: nothing may assemble a
 whole sharded array. Any mismatch of a worker's parameters against ``load_weights`` of the
@@ -33,9 +36,15 @@ from tests.trainer._sliced_workers import TPClient, expected, shapes_of
 from weightwire.jax_side import placement
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.jax_side.naming import Naming
+from weightwire.jax_side.rules import Rule
+from weightwire.jax_side.source import PytreeSource
+from weightwire.jax_side.transforms import Transpose
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.sources import DictSource
 from weightwire.trainer import TrainerInitInfo
+
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
 
 
 def spec_for(name: str, shape: tuple[int, ...]) -> P:
@@ -59,6 +68,7 @@ def forbidden(what: str) -> Any:
 
 def main() -> None:
     world, heads, kv, tied = (int(a) for a in sys.argv[1:5])
+    kind = sys.argv[5]
     config = (world, heads, kv, False, bool(tied))
     shapes = shapes_of(config)
     devices = jax.devices()
@@ -72,7 +82,28 @@ def main() -> None:
         packed_buffer_size_bytes=1 << 10,
         timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
     )
-    engine = JAXTrainerEngine.trainer_init(info, client=client, source=DictSource(arrays, describe))
+
+    def fill(step: int) -> dict[str, np.ndarray]:
+        """The round's full tensors, put on the mesh shard by shard (the trainer's arrays)."""
+        rng = np.random.default_rng(step)
+        full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        arrays.clear()
+        for name, value in full.items():
+            arrays[name] = jax.device_put(value, NamedSharding(mesh, spec_for(name, value.shape)))
+        assert any(not a.is_fully_replicated for a in arrays.values())
+        return full
+
+    fill(0)
+    source: Any = DictSource(arrays, describe)
+    if kind == "pytree":  # o_proj held as a Flax kernel, transposed back on its shards
+        source = PytreeSource(
+            lambda: {
+                "o_kernel": arrays[O_PROJ].T,
+                **{n: a for n, a in arrays.items() if n != O_PROJ},
+            },
+            Naming([Rule("o_kernel", O_PROJ, Transpose()), Rule("{x}", "{x}")]),
+        )
+    engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
     host_copies: list[list[int]] = []
     device_get = jax.device_get
 
@@ -95,13 +126,7 @@ def main() -> None:
     rounds = []
     try:
         for step in (1, 2, 3):
-            rng = np.random.default_rng(step)
-            full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
-            arrays.clear()
-            for name, value in full.items():
-                sharding = NamedSharding(mesh, spec_for(name, value.shape))
-                arrays[name] = jax.device_put(value, sharding)
-            assert any(not a.is_fully_replicated for a in arrays.values())
+            full = fill(step)
             saved = (placement.Target.move, placement._replicate_on, JAXTrainerEngine.host_bytes)
             placement.Target.move = forbidden("Target.move")  # type: ignore[method-assign]
             placement._replicate_on = forbidden("_replicate_on")  # type: ignore[assignment]

@@ -184,20 +184,25 @@ def test_a_failed_sliced_round_leaves_the_previous_weights() -> None:
 
 
 @pytest.mark.parametrize(
-    "config",
-    [TP2, pytest.param(TP4, marks=pytest.mark.slow)],
-    ids=["tp2-tied-kv1", "tp4-kv2"],
+    ("config", "source"),
+    [
+        (TP2, "pytree"),
+        pytest.param(TP2, "dict", marks=pytest.mark.slow),
+        pytest.param(TP4, "dict", marks=pytest.mark.slow),
+    ],
+    ids=["tp2-tied-kv1-pytree", "tp2-tied-kv1-dict", "tp4-kv2-dict"],
 )
-def test_jax_rounds_from_an_fsdp_tp_mesh_never_gather(config: Config) -> None:
+def test_jax_rounds_from_an_fsdp_tp_mesh_never_gather(config: Config, source: str) -> None:
     """A JAX trainer on 8 forced host devices (FSDP 4 x TP 2), in a subprocess (XLA_FLAGS
-    precede jax's import): 3 sliced rounds, every worker bit-identical to ``load_weights``
-    of the full tensors (checked there), the gather entry points raising throughout, each
-    host copy one planned piece, each worker its share of the bytes."""
+    precede jax's import): 3 sliced rounds from a ``PytreeSource`` (a transform run on the
+    shards) or a dict of the arrays, every worker bit-identical to ``load_weights`` of the
+    full tensors (checked there), the gather entry points raising throughout, each host copy
+    one planned piece, each worker its share of the bytes."""
     world, heads, kv, _, tied = config
     script = os.path.join(os.path.dirname(__file__), "_sliced_jax_trainer.py")
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     done = subprocess.run(
-        [sys.executable, script, str(world), str(heads), str(kv), str(int(tied))],
+        [sys.executable, script, str(world), str(heads), str(kv), str(int(tied)), source],
         capture_output=True,
         text=True,
         timeout=240,

@@ -86,6 +86,10 @@ class JAXTrainerEngine(TrainerEngine):
                 held.append(Held(name, rank, Box.whole(self.describe(tensor)[1])))
         return Holdings.of({n: self.describe(t)[1] for n, t in tensors.items()}, held)
 
+    def sliced_source(self, source: WeightSource) -> WeightSource:
+        """A ``PytreeSource``'s outputs left sharded (``PytreeSource.sharded``)."""
+        return source.sharded() if isinstance(source, PytreeSource) else source
+
     def read_box(self, tensor: Any, box: Box) -> np.ndarray:
         """From the addressable shard holding ``box`` (``jax_side.holdings.read_box``): only
         the box's elements leave the device; a sharded array is never gathered."""

@@ -125,6 +125,11 @@ class FrameworkHooks(ABC):
         shapes = {n: self.describe(t)[1] for n, t in tensors.items()}
         return Holdings.of(shapes, [Held(n, rank, Box.whole(s)) for n, s in shapes.items()])
 
+    def sliced_source(self, source: WeightSource) -> WeightSource:
+        """The source a sliced round reads: one whose tensors stay where they are held
+        (not gathered to one device). Default: ``source`` itself."""
+        return source
+
     def read_box(self, tensor: Any, box: Box) -> np.ndarray:
         """``box`` of ``tensor`` as a C-contiguous little-endian host array (its bytes, in
         any numpy dtype), cut from what this process holds. Default: from the whole

@@ -528,6 +528,7 @@ class SlicedWire:
         if not slicing.slices(metas):
             slicing.note_once("every worker wants every tensor whole, so")
             return SoleWire(s, sole, source)
+        source = s.framework.sliced_source(source)  # tensors left where they are held
         tensors = dict(s.stream(source, tensor_stream(source), sole.metas, None))
         rank = s.framework.process_rank()
         plan = slicing.plan(metas, s.framework.slice_holdings(tensors), rank)
