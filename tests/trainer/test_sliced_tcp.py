@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from weightwire.shared.slices import SliceError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.sources import DictSource
 from weightwire.trainer import TrainerInitInfo
+from weightwire.vllm_guard.worker import worker_receive_stats
 
 TIMEOUTS = Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30)
 TP2: Config = (2, 4, 1, False, True)  # one KV head on two ranks, tied head
@@ -85,6 +87,10 @@ def test_torch_rounds_send_each_worker_its_slices(config: Config) -> None:
             assert_loaded(client, full)
             for got in client.received:
                 assert 0 < got <= 1.05 * dense / world + replicated_bytes(config)
+            # what a vLLM worker answers through collective_rpc (the plugin installs it)
+            for rank, engine_r in enumerate(client.engines):
+                told = worker_receive_stats(SimpleNamespace(weight_transfer_engine=engine_r))
+                assert told is not None and told["nbytes"] == client.received[rank]
             # one model's bytes (replicated KV heads and norms go to each worker that wants
             # them), not world of them
             assert metrics.nbytes <= 1.3 * dense

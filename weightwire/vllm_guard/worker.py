@@ -11,6 +11,8 @@ from weightwire.shared.routes import SERVED_MODEL_METHOD as SERVED_METHOD
 
 WORKER_METHOD = "weightwire_round_state"
 """The worker method the guard calls through vLLM's ``collective_rpc`` at a release."""
+STATS_METHOD = "weightwire_receive_stats"
+"""What the worker's last ``update_weights`` received (``collective_rpc``: one per worker)."""
 
 
 def worker_round_state(worker: Any) -> dict[str, Any]:
@@ -46,9 +48,25 @@ def worker_served_model(worker: Any) -> dict[str, Any] | None:
     return tell() if callable(tell) else None
 
 
+def worker_receive_stats(worker: Any) -> dict[str, Any] | None:
+    """``STATS_METHOD``: the tensors, frames or chunks, payload bytes and seconds this
+    worker's last ``update_weights`` received (a sliced round: only its slices' bytes);
+    ``None`` without a weightwire engine or before its first update."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    stats = getattr(engine, "last_stats", None)
+    if stats is None:
+        return None
+    return {
+        "tensors": stats.tensors,
+        "chunks": stats.chunks,
+        "nbytes": stats.nbytes,
+        "seconds": stats.seconds,
+    }
+
+
 def install_worker_method() -> None:
-    """Give vLLM's workers ``WORKER_METHOD`` and ``SERVED_METHOD`` (new names; nothing of
-    vLLM's is replaced)."""
+    """Give vLLM's workers ``WORKER_METHOD``, ``SERVED_METHOD`` and ``STATS_METHOD`` (new
+    names; nothing of vLLM's is replaced)."""
     try:
         from vllm.v1.worker.worker_base import WorkerBase
     except ImportError:
@@ -57,3 +75,5 @@ def install_worker_method() -> None:
         setattr(WorkerBase, WORKER_METHOD, worker_round_state)
     if not hasattr(WorkerBase, SERVED_METHOD):
         setattr(WorkerBase, SERVED_METHOD, worker_served_model)
+    if not hasattr(WorkerBase, STATS_METHOD):
+        setattr(WorkerBase, STATS_METHOD, worker_receive_stats)
