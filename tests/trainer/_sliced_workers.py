@@ -10,6 +10,7 @@ trainer its wants. ``received`` keeps every worker's payload bytes of the last u
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,20 @@ def expected(config: Config, full: dict[str, np.ndarray], rank: int) -> dict[str
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+VLLM_NAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "qkv_proj.weight": "model.layers.0.self_attn.qkv_proj.weight",
+    "qkv_proj.bias": "model.layers.0.self_attn.qkv_proj.bias",
+    "o_proj.weight": "model.layers.0.self_attn.o_proj.weight",
+    "gate_up_proj.weight": "model.layers.0.mlp.gate_up_proj.weight",
+    "down_proj.weight": "model.layers.0.mlp.down_proj.weight",
+    "router.weight": "model.layers.1.mlp.gate.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+"""``SlicedTP``'s parameters as a vLLM Llama / Qwen-MoE names them (its checker's keys)."""
+
+
 class TPClient:
     """The weight-sync calls a trainer makes, answered by ``world`` in-process workers."""
 
@@ -68,6 +83,7 @@ class TPClient:
         self.updates = 0
         self.before_update: Callable[[int], None] | None = None
         self.before_finish: Callable[[], None] | None = None
+        self.after_finish: Callable[[], None] | None = None
         self._pool = cf.ThreadPoolExecutor(max_workers=world, thread_name_prefix="tp-worker")
 
     def _all(self, call: Callable[[int, WeightwireTCPEngine], Any]) -> None:
@@ -107,6 +123,8 @@ class TPClient:
         if self.before_finish is not None:
             self.before_finish()
         self._all(lambda r, e: e.finish_weight_update())
+        if self.after_finish is not None:
+            self.after_finish()
 
     def reset_prefix_cache(self) -> None:
         return None
@@ -116,6 +134,19 @@ class TPClient:
 
     def resume(self) -> None:
         return None
+
+    def weight_checker(self, action: str) -> list[dict[str, Any]]:
+        """vLLM's per-shard checksums (``dp0:pp0:pcp0:tp{rank}:<param>``) of every worker's
+        parameters under vLLM's names (the experts are not covered)."""
+        assert action == "checksum"
+        sums = {}
+        for rank, model in enumerate(self.models):
+            for name, param in model.named_parameters():
+                if name in VLLM_NAMES:
+                    data = param.detach().contiguous().numpy().tobytes()
+                    key = f"dp0:pp0:pcp0:tp{rank}:{VLLM_NAMES[name]}"
+                    sums[key] = hashlib.sha256(data).hexdigest()
+        return [{"checksums": sums}]
 
     def close(self) -> None:
         for e in self.engines:

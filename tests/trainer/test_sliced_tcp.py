@@ -23,6 +23,7 @@ from weightwire.shared.slices import SliceError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.sources import DictSource
 from weightwire.trainer import TrainerInitInfo
+from weightwire.trainer.verify import VerifyError
 from weightwire.vllm_guard.worker import worker_receive_stats
 
 TIMEOUTS = Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30)
@@ -310,3 +311,28 @@ def test_malformed_hellos_are_refused_naming_the_worker(hello: bytes, match: str
 
     with pytest.raises(SliceError, match=match):
         parse_wants(hello, [ParamMeta("w", "float32", (4, 2))], 0)
+
+
+def test_verify_checks_sliced_rounds_against_the_workers_shards() -> None:
+    """``verify=True`` on a sliced session against a checker of vLLM shards (vllm-diff mode):
+    each round's digests are those of the slices sent; from the second round on a parameter
+    fed only by unchanged slices must not change, and one that changed is caught."""
+    client = TPClient(TP4)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, verify=True)
+    try:
+        for step in (1, 2):
+            full = full_tensors(TP4, step)
+            tensors.clear()
+            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            report = engine.send_weights().verify
+            assert client.last_update["sliced"] is True
+            assert report.mode == "vllm-diff"
+        assert "every parameter fed by changed tensors changed" in report.proves
+        # the same weights again, but worker 2's norm changes behind the round's back
+        client.after_finish = lambda: client.models[2].norm.weight.data.add_(1.0)
+        with pytest.raises(VerifyError, match=r"same bytes as last round.*tp2:model\.norm\.weight"):
+            engine.send_weights()
+    finally:
+        engine.shutdown()
+        client.close()

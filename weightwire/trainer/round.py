@@ -504,8 +504,9 @@ def sliced_round(
     if fields:
         slicing.note_once("delta")  # a delta round's patches go to every worker
         return False
-    if s.verifier is not None:
-        slicing.note_once("verify=True")  # its digests are of whole tensors
+    if s.verifier is not None and not s.verifier.vllm_keyed(s.client):
+        # digest mode compares whole tensors' sha256: only a broadcast sends them whole
+        slicing.note_once("verify=True against a checker of whole tensors,")
         return False
     return True
 
@@ -531,7 +532,10 @@ class SlicedWire:
         source = s.framework.sliced_source(source)  # tensors left where they are held
         tensors = dict(s.stream(source, tensor_stream(source), sole.metas, None))
         rank = s.framework.process_rank()
+        builds = slicing.plans.builds
         plan = slicing.plan(metas, s.framework.slice_holdings(tensors), rank)
+        if slicing.plans.builds != builds and s.verifier is not None:
+            s.verifier.forget_previous()  # the slices' digests follow the plan's cuts
         return cls(s, sole, tensors, plan)
 
     def transfer(
@@ -544,6 +548,7 @@ class SlicedWire:
         s, metas = self._s, self._sole.wire.metas
         assert s.slicing is not None
         (payload,) = payloads
+        hashes: dict[str, Any] | None = None if own is None else {}
         prepared = pieces(
             self._plan,
             metas,
@@ -551,10 +556,17 @@ class SlicedWire:
             rank=s.framework.process_rank(),
             read=s.framework.read_box,
             buffer_bytes=s.info.packed_buffer_size_bytes,
+            hashes=hashes,
         )
-        return send_update(s, payload, prepared, metas, control, clock, sender=s.slicing.sender)
+        sent = send_update(s, payload, prepared, metas, control, clock, sender=s.slicing.sender)
+        if own is not None and hashes is not None:
+            own.update({n: h.hexdigest() for n, h in hashes.items()})
+        return sent
 
     def digests(self, own: dict[str, str]) -> dict[str, str]:
+        """Per tensor, the sha256 of the pieces this round sent of it, in the plan's order:
+        the same bytes give the same digest while the plan stands (vllm-diff mode compares
+        them round to round; ``forget_previous`` when it was rebuilt)."""
         return own
 
 

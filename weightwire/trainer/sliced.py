@@ -19,7 +19,10 @@ import functools
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from hashlib import sha256
 from typing import Any
+
+import numpy as np
 
 from weightwire.backends.base import RoundSender, SlicePiece
 from weightwire.shared.dtypes import wire_dtype
@@ -111,9 +114,12 @@ def pieces(
     rank: int,
     read: Callable[[Any, Box], Any],
     buffer_bytes: int,
+    hashes: dict[str, Any] | None = None,
 ) -> Iterator[list[SlicePiece]]:
     """Per tensor of ``metas`` (the update's order), the pieces ``rank`` sends: each
-    planned transfer cut to at most ``buffer_bytes`` (``split_box``), read lazily."""
+    planned transfer cut to at most ``buffer_bytes`` (``split_box``), read lazily.
+    ``hashes``: each tensor's sha256 over its pieces' bytes, as they are read (verify; a
+    tensor no worker reads: the digest of no bytes)."""
     by_tensor: dict[str, list[tuple[int, Transfer]]] = {}
     for worker, transfers in sorted(plan.of_rank(rank).items()):
         for t in transfers:
@@ -121,11 +127,20 @@ def pieces(
     for index, meta in enumerate(metas):
         itemsize = wire_dtype(meta.dtype).itemsize
         tensor = tensors[meta.name]
+        reader = read
+        if hashes is not None:
+            reader = functools.partial(_hashed, read, hashes.setdefault(meta.name, sha256()))
         yield [
-            SlicePiece(worker, index, sub, functools.partial(read, tensor, sub))
+            SlicePiece(worker, index, sub, functools.partial(reader, tensor, sub))
             for worker, t in by_tensor.get(meta.name, ())
             for sub in split_box(t.box, itemsize, buffer_bytes)
         ]
+
+
+def _hashed(read: Callable[[Any, Box], Any], digest: Any, tensor: Any, box: Box) -> Any:
+    data = read(tensor, box)
+    digest.update(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+    return data
 
 
 __all__ = ["OLD_HELLO", "Slicing", "parse_wants", "pieces", "wants_less"]
