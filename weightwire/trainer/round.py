@@ -493,11 +493,22 @@ class SoleWire:
         return own if self._remap is None else self._remap(own)
 
 
+def sliced_instead_of_delta(s: Session, metas: list[ParamMeta]) -> bool:
+    """``delta="auto"`` on a session whose workers want slices: the rounds go dense and
+    sliced (each worker its slices, never an element outside them) instead of as patches,
+    which would reach every worker (said once in the log)."""
+    if s.slicing is None or not s.slicing.slices(metas):
+        return False
+    s.slicing.note_once("delta='auto' sends dense sliced rounds, not patches:", whole=False)
+    return True
+
+
 def sliced_round(
     s: Session, slicing: Slicing, *, draft: bool, fields: Mapping[str, Any] | None
 ) -> bool:
     """Whether this round of a session that asked for wants goes sliced: a dense round of
-    the target model without verify, when some worker wants less than a whole tensor."""
+    the target model (verify: against a vLLM shard checker), when some worker wants less
+    than a whole tensor."""
     if draft:
         slicing.note_once("draft")  # the draft model's wants were not told
         return False

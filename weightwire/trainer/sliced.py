@@ -99,11 +99,12 @@ class Slicing:
             )
         return plan
 
-    def note_once(self, why: str) -> None:
-        """One INFO line per reason a round of a sliced session is broadcast instead."""
+    def note_once(self, why: str, *, whole: bool = True) -> None:
+        """One INFO line per reason a round of a sliced session is not sent as usual
+        (``whole``: it is broadcast instead)."""
         if why not in self._told:
             self._told.add(why)
-            log.info("sliced session: %s rounds are broadcast whole", why)
+            log.info("sliced session: %s%s", why, " rounds are broadcast whole" if whole else "")
 
 
 def pieces(

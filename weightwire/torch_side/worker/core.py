@@ -317,9 +317,12 @@ class _ReceiverCore:
             patches = update.patch_list() if update.patches else []  # a delta update's
             plan = self._resolve(model, update)
             # An adapter round checks the adapter's own metadata instead of the rest.
+            if update.sliced and patches:
+                raise ValueError("a sliced update carries no patches: its patches are refused")
             if not self._adapter_step(plan):
                 self._check_round(model, update, plan)
-                delta = self._patch_step(model, plan, patches)
+                # a sliced update is dense: no patch step (its pieces land through the map)
+                delta = None if update.sliced else self._patch_step(model, plan, patches)
                 self._check_spec(plan, patches, delta)
                 splitter = self._admit_patches(model, update, plan, patches, delta)
         except DeltaBaseMismatch as exc:
@@ -334,8 +337,6 @@ class _ReceiverCore:
         nbytes = sum(c.nbytes for c in plan.chunks)
         try:
             if update.sliced:
-                if splitter is not None:
-                    raise ValueError("a sliced update carries no patches")
                 nbytes = self._sliced_step(model, plan.metas, progress)
             else:
                 self._round = self._choose_strategy(model, turn, plain=splitter is None)
