@@ -362,3 +362,23 @@ def test_delta_on_a_sliced_session_sends_dense_sliced_rounds(caplog) -> None:
     finally:
         engine.shutdown()
         client.close()
+
+
+def test_several_trainer_processes_keep_broadcasting(caplog) -> None:
+    """A source shared by several trainer processes (their passes gather through
+    collectives): rounds stay broadcasts, said once; nothing hangs or is refused."""
+    client = TPClient(TP2)
+    full = full_tensors(TP2, 1)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
+    engine.process_count = lambda: 2
+    try:
+        with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
+            engine.send_weights()
+            engine.send_weights()
+        assert "sliced" not in client.last_update
+        assert_loaded(client, full)
+        told = [r for r in caplog.records if "several trainer processes" in r.getMessage()]
+        assert len(told) == 1
+    finally:
+        engine.shutdown()
+        client.close()

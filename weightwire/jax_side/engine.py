@@ -72,6 +72,9 @@ class JAXTrainerEngine(TrainerEngine):
     def process_rank(self) -> int:
         return int(jax.process_index())
 
+    def process_count(self) -> int:
+        return int(jax.process_count())
+
     def slice_holdings(self, tensors: Mapping[str, Any]) -> Holdings:
         """A ``jax.Array``'s boxes per process from its sharding (``jax_side.holdings``: no
         data moves); anything else whole on this process."""

@@ -118,6 +118,12 @@ class FrameworkHooks(ABC):
         """This trainer process's rank in the holdings ``slice_holdings`` describes."""
         return 0
 
+    def process_count(self) -> int:
+        """How many trainer processes share the source's arrays (several: their passes
+        over the source take part in collectives, so one process alone cannot read them
+        sliced)."""
+        return 1
+
     def slice_holdings(self, tensors: Mapping[str, Any]) -> Holdings:
         """Which trainer rank holds which box of each tensor (sliced rounds; metadata
         only). Default: every tensor whole, on this process."""

@@ -497,9 +497,12 @@ def sliced_instead_of_delta(s: Session, metas: list[ParamMeta]) -> bool:
     """``delta="auto"`` on a session whose workers want slices: the rounds go dense and
     sliced (each worker its slices, never an element outside them) instead of as patches,
     which would reach every worker (said once in the log)."""
-    if s.slicing is None or not s.slicing.slices(metas):
+    slicing = s.slicing
+    if slicing is None or not slicing.slices(metas):
         return False
-    s.slicing.note_once("delta='auto' sends dense sliced rounds, not patches:", whole=False)
+    if not sliced_round(s, slicing, draft=False, fields=None):
+        return False
+    slicing.note_once("delta='auto' sends dense sliced rounds, not patches:", whole=False)
     return True
 
 
@@ -514,6 +517,11 @@ def sliced_round(
         return False
     if fields:
         slicing.note_once("delta")  # a delta round's patches go to every worker
+        return False
+    if s.framework.process_count() > 1:
+        # The other processes' passes over the source gather (collectives): one process
+        # cannot read its shards alone beside them. Several senders: not yet.
+        slicing.note_once("several trainer processes share the source (not yet sliced):")
         return False
     if s.verifier is not None and not s.verifier.vllm_keyed(s.client):
         # digest mode compares whole tensors' sha256: only a broadcast sends them whole

@@ -56,6 +56,10 @@ class TorchTrainerEngine(TrainerEngine):
         dist = torch.distributed
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
+    def process_count(self) -> int:
+        dist = torch.distributed
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
     def slice_holdings(self, tensors: Mapping[str, Any]) -> Holdings:
         """A DTensor's boxes per rank from its mesh and placements, a plain tensor whole on
         this process (``torch_side.sender.holdings``: no data moves)."""
