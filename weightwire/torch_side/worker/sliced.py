@@ -41,16 +41,23 @@ Received = tuple[str, Box, torch.Tensor]
 def hello(caches: TargetCaches, backend: str) -> bytes:
     """The wants' JSON this worker sends at the join; empty (every tensor whole) when the
     served checkpoint's tensors are unknown here."""
-    spec = caches.model_spec()
-    if spec is None:
+    try:
+        spec = caches.model_spec()
+        if spec is None:
+            log.info(
+                "%s: no served checkpoint spec here: this worker wants every tensor whole", backend
+            )
+            return b""
+        metas = [ParamMeta(n, t.dtype, t.shape) for n, t in spec.tensors.items()]
+        wants = session_wants(caches, metas)  # a refused map: logged once by the caches
+    except Exception as exc:  # never fail the join over an optimisation: whole tensors
         log.warning(
-            "%s: no served checkpoint spec on this worker: it wants every tensor whole "
-            "(sliced rounds send it whole tensors)",
+            "%s: this worker's wants could not be derived (%s: %s): it wants every tensor whole",
             backend,
+            type(exc).__name__,
+            exc,
         )
         return b""
-    metas = [ParamMeta(n, t.dtype, t.shape) for n, t in spec.tensors.items()]
-    wants = session_wants(caches, metas)  # a refused map: logged once by the caches
     return json.dumps(wants.to_json(), separators=(",", ":")).encode()
 
 
