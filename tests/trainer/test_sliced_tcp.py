@@ -1,8 +1,9 @@
 """Sliced rounds over ``weightwire_tcp``, end to end on CPU: a trainer engine and in-process TCP
 workers hosting ``SlicedTP`` ranks (TP 2 and 4, fewer KV heads than ranks, fused qkv /
-gate_up, tied head). After each round every worker's parameters equal ``load_weights`` of the
-full tensors bit for bit, each worker received about its share of the bytes (counted by the
-worker), and the trainer sent about one model's bytes, not one per worker."""
+gate_up, tied head, whole experts split over the ranks). After each round every worker's
+parameters equal ``load_weights`` of the full tensors bit for bit, each worker received about
+its share of the bytes (counted by the worker), and the trainer sent about one model's bytes,
+not one per worker."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from weightwire.vllm_guard.worker import worker_receive_stats
 TIMEOUTS = Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30)
 TP2: Config = (2, 4, 1, False, True)  # one KV head on two ranks, tied head
 TP4: Config = (4, 8, 2, False, False)  # two KV heads on four ranks, own head
+EP2: Config = (2, 8, 2, True, True)  # whole experts split over the ranks, tied head
 
 
 def full_tensors(config: Config, step: int) -> dict[str, np.ndarray]:
@@ -70,7 +72,7 @@ def torch_engine(client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
     )
 
 
-@pytest.mark.parametrize("config", [TP2, TP4], ids=["tp2-tied-kv1", "tp4-kv2"])
+@pytest.mark.parametrize("config", [TP2, TP4, EP2], ids=["tp2-tied-kv1", "tp4-kv2", "ep2"])
 def test_torch_rounds_send_each_worker_its_slices(config: Config) -> None:
     world = config[0]
     client = TPClient(config)
