@@ -44,7 +44,10 @@ def parse_wants(raw: bytes, metas: Sequence[ParamMeta], worker: int) -> Wants:
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
-        raise SliceError(f"worker {worker}'s wants are not JSON: {exc}") from None
+        raise SliceError(
+            f"worker {worker}'s wants are not JSON: {exc} (TrainerInitInfo(sliced='off') "
+            "sends broadcasts instead)"
+        ) from None
     if isinstance(obj, dict) and isinstance(obj.get("tensors"), dict):
         told = obj["tensors"]
         # The worker names its served checkpoint's tensors: the round's own are judged,
@@ -56,7 +59,10 @@ def parse_wants(raw: bytes, metas: Sequence[ParamMeta], worker: int) -> Wants:
     try:
         return Wants.from_json(obj, shapes)
     except SliceError as exc:
-        raise SliceError(f"worker {worker}'s wants: {exc}") from None
+        raise SliceError(
+            f"worker {worker}'s wants: {exc} (its served checkpoint differs from the trainer's "
+            "tensors; TrainerInitInfo(sliced='off') sends broadcasts instead)"
+        ) from None
 
 
 def wants_less(wants: Sequence[Wants], metas: Sequence[ParamMeta]) -> bool:
