@@ -142,10 +142,11 @@ def test_bad_wants_are_refused_naming_the_worker_and_tensor(monkeypatch) -> None
 
     real = sliced.hello
 
-    def lying(caches: Any, backend: str) -> bytes:
-        told = json.loads(real(caches, backend))
+    def lying(caches: Any, backend: str) -> tuple[bytes, Any]:
+        said, wants = real(caches, backend)
+        told = json.loads(said)
         told["tensors"]["model.norm.weight"] = [[[0, 999]]]
-        return json.dumps(told).encode()
+        return json.dumps(told).encode(), wants
 
     monkeypatch.setattr(sliced, "hello", lying)
     client = TPClient(TP2)
@@ -381,6 +382,39 @@ def test_several_trainer_processes_keep_broadcasting(caplog) -> None:
         assert_loaded(client, full)
         told = [r for r in caplog.records if "several trainer processes" in r.getMessage()]
         assert len(told) == 1
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_worker_refuses_a_sliced_round_that_leaves_out_part_of_its_slice(monkeypatch) -> None:
+    """A trainer that sends a worker less than the slice it told (here: one piece dropped):
+    the worker refuses the update once its last piece landed, before anything applies; every
+    worker keeps the previous weights."""
+    from weightwire.trainer import sliced
+
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        full = full_tensors(TP2, 1)
+        tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+        engine.send_weights()
+        before = [client.params(r) for r in range(2)]
+        real = sliced.pieces
+
+        def short(*args: Any, **kw: Any) -> Any:
+            for i, group in enumerate(real(*args, **kw)):
+                yield group[1:] if i == 0 else group  # the first tensor loses a piece
+
+        monkeypatch.setattr(sliced, "pieces", short)
+        monkeypatch.setattr("weightwire.trainer.round.pieces", short)
+        tensors.update({n: torch.from_numpy(a) for n, a in full_tensors(TP2, 2).items()})
+        with pytest.raises(WeightwireError, match=r"brought \d+ of the \d+ elements of"):
+            engine.send_weights()
+        for rank in range(2):
+            after = client.params(rank)
+            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
     finally:
         engine.shutdown()
         client.close()

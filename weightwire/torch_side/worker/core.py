@@ -48,6 +48,7 @@ from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 from weightwire.shared.lora import is_adapter_round
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.slices import Wants
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.landing import MapRecorder, record_loader_map
@@ -145,6 +146,7 @@ class _ReceiverCore:
         )
         self._map_lookup = self.caches.loader_map if map_recorder is not None else None
         self._delta_rounds = False  # the session's trainer declared delta rounds
+        self._told: Wants | None = None  # the wants this worker told its trainer at the join
         self._sink_chooser: SinkChooser | None = None  # made by the first patch step
 
     # ---------------------------------------------------------------- session
@@ -189,10 +191,11 @@ class _ReceiverCore:
         self._close_link()
         self._plans.clear()
         told: dict[str, Any] = {}
+        self._told = None
         if getattr(info, "sliced", None):  # the trainer asks for this worker's wants
             from weightwire.torch_side.worker.sliced import hello
 
-            told["hello"] = hello(self.caches, self.backend)
+            told["hello"], self._told = hello(self.caches, self.backend)
         self._link = self._connect(info, rank=rank, device=self.device, **told)
         self._info = info
         self._broken = None
@@ -463,10 +466,11 @@ class _ReceiverCore:
         """A sliced update's pieces (``sliced``): through the landing map, staged or in
         place as the budget says; without a map, assembled whole and loaded as a dense
         update. Returns the payload bytes this worker received."""
-        from weightwire.torch_side.worker.sliced import SlicedRound, assembled, typed
+        from weightwire.torch_side.worker.sliced import Cover, SlicedRound, assembled, typed
 
         assert self._round is not None and self._link is not None
-        pieces = typed(self._link.receive_sliced(metas, progress), metas)
+        cover = Cover(metas, self._told)  # exactly what this worker told it wants, or refused
+        pieces = cover.checked(typed(self._link.receive_sliced(metas, progress), metas))
         lmap = self.caches.loader_map(metas)
         if lmap is None:
             pairs = assembled(pieces, metas, self.device)

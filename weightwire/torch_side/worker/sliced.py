@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.slices import Box
+from weightwire.shared.slices import Box, Wants, first_overlap, volume
 from weightwire.shared.staging import round_streams
 from weightwire.torch_side.dtypes import torch_dtype
 from weightwire.torch_side.worker.landing import LoaderMap
@@ -38,16 +38,16 @@ Received = tuple[str, Box, torch.Tensor]
 """One landed piece: ``box`` of checkpoint tensor ``name``, as a tensor of the box's shape."""
 
 
-def hello(caches: TargetCaches, backend: str) -> bytes:
-    """The wants' JSON this worker sends at the join; empty (every tensor whole) when the
-    served checkpoint's tensors are unknown here."""
+def hello(caches: TargetCaches, backend: str) -> tuple[bytes, Wants | None]:
+    """The wants' JSON this worker sends at the join, and the wants (empty and None: every
+    tensor whole, when the served checkpoint's tensors are unknown here)."""
     try:
         spec = caches.model_spec()
         if spec is None:
             log.info(
                 "%s: no served checkpoint spec here: this worker wants every tensor whole", backend
             )
-            return b""
+            return b"", None
         metas = [ParamMeta(n, t.dtype, t.shape) for n, t in spec.tensors.items()]
         wants = session_wants(caches, metas)  # a refused map: logged once by the caches
     except Exception as exc:  # never fail the join over an optimisation: whole tensors
@@ -57,8 +57,8 @@ def hello(caches: TargetCaches, backend: str) -> bytes:
             type(exc).__name__,
             exc,
         )
-        return b""
-    return json.dumps(wants.to_json(), separators=(",", ":")).encode()
+        return b"", None
+    return json.dumps(wants.to_json(), separators=(",", ":")).encode(), wants
 
 
 def typed(
@@ -68,6 +68,42 @@ def typed(
     for index, box, raw in pieces:
         meta = metas[index]
         yield meta.name, box, raw.view(torch_dtype(meta.dtype)).view(box.shape)
+
+
+class Cover:
+    """What one sliced update must bring this worker: per tensor of the update, the boxes it
+    told the trainer it wants (one it did not name, or every one when it told none: whole,
+    as the trainer reads it). ``checked`` refuses a piece outside them and, once the update's
+    last piece landed, pieces that overlap or leave a wanted element out: a round never
+    commits half a worker's slice."""
+
+    def __init__(self, metas: Sequence[ParamMeta], told: Wants | None) -> None:
+        regions = told.regions if told is not None else {}
+        self.wanted = {m.name: regions.get(m.name, (Box.whole(m.shape),)) for m in metas}
+        self.got: dict[str, list[Box]] = {}
+
+    def checked(self, pieces: Iterable[Received]) -> Iterator[Received]:
+        for name, box, piece in pieces:
+            if not any(w.contains(box) for w in self.wanted[name]):
+                raise ValueError(
+                    f"a sliced round sent {name!r} box {box.describe()}, outside what this "
+                    "worker wants: the trainer planned from other wants"
+                )
+            self.got.setdefault(name, []).append(box)
+            yield name, box, piece
+        for name, wanted in self.wanted.items():
+            boxes = self.got.get(name, [])
+            overlap = first_overlap(boxes)
+            if overlap is not None:
+                raise ValueError(
+                    f"a sliced round sent {name!r} boxes {overlap[0].describe()} and "
+                    f"{overlap[1].describe()}, which overlap"
+                )
+            if volume(boxes) != volume(wanted):
+                raise ValueError(
+                    f"a sliced round brought {volume(boxes)} of the {volume(wanted)} elements "
+                    f"of {name!r} this worker wants: the round is refused, nothing of it applies"
+                )
 
 
 def assembled(pieces: Iterable[Received], metas: Sequence[ParamMeta], device: Any) -> Pairs:
@@ -172,4 +208,4 @@ class SlicedRound(ReceiveStrategy):
         )
 
 
-__all__ = ["Received", "SlicedRound", "assembled", "hello", "typed"]
+__all__ = ["Cover", "Received", "SlicedRound", "assembled", "hello", "typed"]
