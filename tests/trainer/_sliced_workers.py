@@ -66,10 +66,16 @@ VLLM_NAMES = {
 class TPClient:
     """The weight-sync calls a trainer makes, answered by ``world`` in-process workers."""
 
-    def __init__(self, config: Config, *, spec: bool = True) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        spec: bool = True,
+        model: Callable[[Config, int], torch.nn.Module] = make,
+    ) -> None:
         self.config = config
         world = config[0]
-        self.models = [make(config, r) for r in range(world)]
+        self.models = [model(config, r) for r in range(world)]
         self.engines = [
             WeightwireTCPEngine(
                 model=m,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.torch_side._sliced_models import SlicedTP
 from tests.trainer._sliced_workers import Config, TPClient, expected, shapes_of
 from weightwire.shared.errors import ConfigError, WeightwireError
 from weightwire.shared.slices import SliceError
@@ -415,6 +416,48 @@ def test_a_worker_refuses_a_sliced_round_that_leaves_out_part_of_its_slice(monke
         for rank in range(2):
             after = client.params(rank)
             assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+class SteppedNorm(SlicedTP):
+    """Loads the norm as two stepped copies (even, then odd elements): views that are not
+    boxes, so this worker wants the norm whole and lands it through the map whole."""
+
+    def load_weights(self, weights: Any) -> set[str]:
+        rest = []
+        for name, t in weights:
+            if name == "model.norm.weight":
+                self.norm.weight.data[::2].copy_(t[::2])
+                self.norm.weight.data[1::2].copy_(t[1::2])
+            else:
+                rest.append((name, t))
+        return super().load_weights(rest) | {"model.norm.weight"}
+
+
+def test_a_tensor_whose_loader_reads_no_box_lands_whole_beside_sliced_ones() -> None:
+    def stepped(config: Config, rank: int) -> SlicedTP:
+        world, heads, kv, ep, tied = config
+        torch.manual_seed(rank)
+        return SteppedNorm(
+            rank=rank, world=world, heads=heads, kv_heads=kv, tied=tied, expert_parallel=ep
+        )
+
+    client = TPClient(TP2, model=stepped)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        for step in (1, 2):
+            full = full_tensors(TP2, step)
+            tensors.clear()
+            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            engine.send_weights()
+            assert client.last_update["sliced"] is True
+            for rank in range(2):
+                got = client.params(rank)
+                want = expected(TP2, full, rank)
+                assert all(torch.equal(got[n], t) for n, t in want.items()), rank
     finally:
         engine.shutdown()
         client.close()

@@ -9,14 +9,14 @@ as ``WWSL`` frames on that worker's connection (``wire``). One frame's payload::
 ``tensor`` indexes the update's tensors (``UpdateInfo.names``); the pieces' bytes follow the
 headers, each a C-order box of the tensor in its wire dtype, each starting at a multiple of
 ``ALIGN`` bytes of the frame (zero padding), so the receiver views them in their dtype
-without a copy. ``last`` marks the
-update's final frame (a worker given nothing gets one empty last frame). Frames are cut at
-``buffer_bytes``; a piece larger than that is cut along its first dimension first
-(``shared.slices.split_box``), so a frame stays near the buffer's size whatever a tensor's.
+without a copy. ``last`` marks the update's final frame (a worker given nothing gets one
+empty last frame). A frame is sent once its pieces reach ``buffer_bytes``; the trainer cuts a
+piece larger than that along its first dimension first (``shared.slices.split_box``), so a
+frame stays near the buffer's size whatever a tensor's.
 
-The receiver checks every header against the update's tensors before it takes a byte of
+The receiver checks every header against the update's tensors before it uses a byte of
 the frame: index in range, rank equal to the tensor's, box inside it and non-empty, the
-bytes exactly the pieces' sizes.
+bytes exactly the pieces' sizes (the frame's length is bounded before it is read).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from weightwire.torch_side.worker.landing import LoaderMap
 from weightwire.torch_side.worker.load import Pairs
 from weightwire.torch_side.worker.strategy import ReceiveStrategy, RoundTarget
 from weightwire.torch_side.worker.target_caches import TargetCaches
-from weightwire.torch_side.worker.wants import session_wants, write_box
+from weightwire.torch_side.worker.wants import landing_box, session_wants, write_box
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,8 @@ class SlicedRound(ReceiveStrategy):
         self.held: list[Received] = []
         self.held_bytes = 0
         self.in_place = False
+        self._boxes: dict[str, bool] = {}  # per tensor: its landings all read boxes
+        self._wholes: dict[str, tuple[torch.Tensor, int]] = {}  # tensors assembled, filled
 
     @property
     def label(self) -> str:
@@ -188,8 +190,34 @@ class SlicedRound(ReceiveStrategy):
     def _write(self, pieces: Sequence[Received]) -> None:
         self.wrote = True
         for name, box, piece in pieces:
-            write_box(self.lmap, name, box, piece)
+            if self._boxed(name):
+                write_box(self.lmap, name, box, piece)
+            else:  # its loader reads a view that is not a box: the tensor goes whole
+                self._assemble(name, box, piece)
             self.names.add(name)
+
+    def _boxed(self, name: str) -> bool:
+        boxed = self._boxes.get(name)
+        if boxed is None:
+            tl = self.lmap.tensors[name]
+            boxed = all(landing_box(tl.shape, ld) is not None for ld in tl.landings if ld.numel)
+            self._boxes[name] = boxed
+        return boxed
+
+    def _assemble(self, name: str, box: Box, piece: torch.Tensor) -> None:
+        """A piece of a tensor wanted whole, into its whole copy; written through the map
+        (``LoaderMap.write``) once every element is there."""
+        shape = self.lmap.tensors[name].shape
+        whole, filled = self._wholes.get(name, (None, 0))
+        if whole is None:
+            whole = torch.empty(shape, dtype=piece.dtype, device=piece.device)
+        whole[box.slices()] = piece
+        filled += box.volume
+        if filled == whole.numel():
+            self._wholes.pop(name, None)
+            self.lmap.write(name, whole)
+        else:
+            self._wholes[name] = (whole, filled)
 
     def commit(self) -> None:
         held, self.held = self.held, []
