@@ -248,6 +248,7 @@ def test_a_worker_without_a_landing_map_gets_whole_tensors_beside_sliced_ones() 
         raise LoaderMapRefused("the test's loader is not a plain copy")
 
     client.engines[1]._core.caches._record_map = refuse
+    client.engines[1]._core.caches.reads_map = lambda metas: refuse(None, metas)
     full = full_tensors(TP2, 1)
     engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
     try:
@@ -458,6 +459,41 @@ def test_a_tensor_whose_loader_reads_no_box_lands_whole_beside_sliced_ones() -> 
                 got = client.params(rank)
                 want = expected(TP2, full, rank)
                 assert all(torch.equal(got[n], t) for n, t in want.items()), rank
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_worker_that_processes_weights_after_loading_still_gets_only_its_slices() -> None:
+    """A model whose modules process their weights after loading (a CPU vLLM's prepack) has
+    no landing map to write through, but its loader's reads are still recorded: it gets only
+    its slices, placed in full-shaped tensors for its own ``load_weights``."""
+
+    class Prepack:  # a quant method that is not a plain copy after loading
+        pass
+
+    def prepacked(config: Config, rank: int) -> SlicedTP:
+        from tests.trainer._sliced_workers import make
+
+        model = make(config, rank)
+        model.qkv_proj.quant_method = Prepack()
+        return model
+
+    client = TPClient(TP2, model=prepacked)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        dense = 0
+        for step in (1, 2):
+            full = full_tensors(TP2, step)
+            dense = sum(a.nbytes for a in full.values())
+            tensors.clear()
+            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            engine.send_weights()
+            assert client.last_update["sliced"] is True
+            assert_loaded(client, full)
+            for got in client.received:
+                assert 0 < got <= 1.05 * dense / 2 + replicated_bytes(TP2)
     finally:
         engine.shutdown()
         client.close()

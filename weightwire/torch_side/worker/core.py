@@ -466,18 +466,25 @@ class _ReceiverCore:
         """A sliced update's pieces (``sliced``): through the landing map, staged or in
         place as the budget says; without a map, assembled whole and loaded as a dense
         update. Returns the payload bytes this worker received."""
-        from weightwire.torch_side.worker.sliced import Cover, SlicedRound, assembled, typed
+        from weightwire.torch_side.worker.sliced import (
+            Cover,
+            SlicedRound,
+            assembled,
+            counted,
+            typed,
+        )
 
         assert self._round is not None and self._link is not None
         cover = Cover(metas, self._told)  # exactly what this worker told it wants, or refused
         pieces = cover.checked(typed(self._link.receive_sliced(metas, progress), metas))
         lmap = self.caches.loader_map(metas)
         if lmap is None:
-            pairs = assembled(pieces, metas, self.device)
-            nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
-            self._round = self._round.admit(nbytes, self.stage_budget_bytes)
+            got = [0]  # the pieces' bytes (what crossed the wire), not the assembled tensors'
+            pairs = assembled(counted(pieces, got), metas, self.device)
+            held = sum(t.numel() * t.element_size() for _, t in pairs)
+            self._round = self._round.admit(held, self.stage_budget_bytes)
             self._round.receive(iter([pairs]))
-            return nbytes
+            return got[0]
         if not isinstance(self._round, SlicedRound):
             if not self._round.untouched:
                 raise ValueError(

@@ -10,7 +10,9 @@ landing map). A sliced update then brings only those boxes, as pieces
 it holds every piece and writes them all at the commit (a round that fails before leaves the
 previous weights exactly); past it, it writes each piece in place as it lands
 (``write_box``), and the round counts as written in place. A worker without a landing map
-assembles the whole tensors it wanted and loads them through the round's own strategy.
+(its loader is a plain copy but its served parameters are processed after loading, or it
+wants every tensor whole) places its pieces in full-shaped tensors and loads them through
+the round's own strategy (``load_weights`` reads only what it wanted).
 """
 
 from __future__ import annotations
@@ -106,25 +108,25 @@ class Cover:
                 )
 
 
+def counted(pieces: Iterable[Received], total: list[int]) -> Iterator[Received]:
+    """``pieces``, their bytes added to ``total[0]`` as they pass."""
+    for name, box, piece in pieces:
+        total[0] += piece.numel() * piece.element_size()
+        yield name, box, piece
+
+
 def assembled(pieces: Iterable[Received], metas: Sequence[ParamMeta], device: Any) -> Pairs:
-    """A worker without a landing map (it wanted every tensor whole): the tensors its
-    pieces cover, assembled whole, each checked complete."""
+    """A worker without a landing map: each tensor it received pieces of, at its full shape,
+    its pieces in place and zeros elsewhere, for ``load_weights``. Its wants are what its
+    loader reads (``Cover`` checked every one arrived), so the zeros are never read: the
+    parameters get what ``load_weights`` of the full tensors gives them."""
     by_name = {m.name: m for m in metas}
     whole: dict[str, torch.Tensor] = {}
-    filled: dict[str, int] = {}
     for name, box, piece in pieces:
-        meta = by_name[name]
         if name not in whole:
-            whole[name] = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
-            filled[name] = 0
+            meta = by_name[name]
+            whole[name] = torch.zeros(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
         whole[name][box.slices()] = piece
-        filled[name] += box.volume
-    short = [n for n, got in filled.items() if got != whole[n].numel()]
-    if short:
-        raise ValueError(
-            f"a sliced round sent part of {short[0]!r} to a worker that wants it whole (no "
-            "landing map): the trainer planned from other wants than this worker's"
-        )
     return list(whole.items())
 
 
@@ -236,4 +238,4 @@ class SlicedRound(ReceiveStrategy):
         )
 
 
-__all__ = ["Cover", "Received", "SlicedRound", "assembled", "hello", "typed"]
+__all__ = ["Cover", "Received", "SlicedRound", "assembled", "counted", "hello", "typed"]
