@@ -116,16 +116,13 @@ def counted(pieces: Iterable[Received], total: list[int]) -> Iterator[Received]:
 
 
 def assembled(pieces: Iterable[Received], metas: Sequence[ParamMeta], device: Any) -> Pairs:
-    """A worker without a landing map: each tensor it received pieces of, at its full shape,
-    its pieces in place and zeros elsewhere, for ``load_weights``. Its wants are what its
-    loader reads (``Cover`` checked every one arrived), so the zeros are never read: the
-    parameters get what ``load_weights`` of the full tensors gives them."""
-    by_name = {m.name: m for m in metas}
-    whole: dict[str, torch.Tensor] = {}
+    """A worker without a landing map: every tensor of the update at its full shape, its
+    pieces in place and zeros elsewhere, for ``load_weights`` (called with the same tensors
+    as a dense round's). Its wants are what its loader reads (``Cover`` checked every one
+    arrived), so the zeros are never read: the parameters get what ``load_weights`` of the
+    full tensors gives them."""
+    whole = {m.name: torch.zeros(m.shape, dtype=torch_dtype(m.dtype), device=device) for m in metas}
     for name, box, piece in pieces:
-        if name not in whole:
-            meta = by_name[name]
-            whole[name] = torch.zeros(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
         whole[name][box.slices()] = piece
     return list(whole.items())
 
