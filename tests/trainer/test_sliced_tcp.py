@@ -99,6 +99,7 @@ def test_torch_rounds_send_each_worker_its_slices(config: Config) -> None:
             # them), not world of them
             assert metrics.nbytes <= 1.3 * dense
             assert sum(client.received) == metrics.nbytes
+        assert engine.session.slicing.plans.builds == 1  # planned once, reused every round
     finally:
         engine.shutdown()
         client.close()

@@ -436,11 +436,16 @@ class SoleRounds:
             self._planned = sole = sole_plan(s, metas, self._planned)  # a refusal: before any call
         source = s.source if source is None else source
         wire: Wire = SoleWire(s, sole, source, remap)
-        if s.slicing is not None and sliced_round(s, s.slicing, draft=draft, fields=fields):
+        slicing = s.slicing
+        # Every worker wants every tensor whole (TP=1): the broadcast, nothing else asked.
+        if (
+            slicing is not None
+            and slicing.slices(sole.wire.metas)
+            and sliced_round(s, slicing, draft=draft, fields=fields)
+        ):
             with clock("metadata"):  # the plan (built once), and a refusal: before any call
-                wire = SlicedWire.of(s, s.slicing, sole, source)
-            if isinstance(wire, SlicedWire):
-                fields = {**(fields or {}), "sliced": True}
+                wire = SlicedWire.of(s, slicing, sole, source)
+            fields = {**(fields or {}), "sliced": True}
         sole_round = Round(
             version,
             sole.bplan,
@@ -540,14 +545,11 @@ class SlicedWire:
         self._s, self._sole, self._tensors, self._plan = s, sole, tensors, plan
 
     @classmethod
-    def of(cls, s: Session, slicing: Slicing, sole: SolePlan, source: WeightSource) -> Wire:
-        """The round's wire: sliced when some worker wants less than a whole tensor, else
-        the broadcast (``SoleWire``). The source's tensors are referenced, not copied: the
-        plan reads their holdings (metadata), each piece is read from its shard later."""
+    def of(cls, s: Session, slicing: Slicing, sole: SolePlan, source: WeightSource) -> SlicedWire:
+        """The round's wire (some worker wants less than a whole tensor). The source's
+        tensors are referenced, not copied: the plan reads their holdings (metadata), each
+        piece is read from its shard later."""
         metas = sole.wire.metas
-        if not slicing.slices(metas):
-            slicing.note_once("every worker wants every tensor whole, so")
-            return SoleWire(s, sole, source)
         source = s.framework.sliced_source(source)  # tensors left where they are held
         tensors = dict(s.stream(source, tensor_stream(source), sole.metas, None))
         rank = s.framework.process_rank()

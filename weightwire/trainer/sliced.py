@@ -89,8 +89,12 @@ class Slicing:
         return self._wants[1]
 
     def slices(self, metas: Sequence[ParamMeta]) -> bool:
-        """This round of ``metas`` is sliced (some worker wants less than a whole tensor)."""
-        return wants_less(self.wants(metas), metas)
+        """Slicing a round of ``metas`` saves bytes (some worker wants less than a whole
+        tensor); else its rounds are broadcasts (said once)."""
+        if wants_less(self.wants(metas), metas):
+            return True
+        self.note_once("every worker wants every tensor whole:")
+        return False
 
     def plan(self, metas: Sequence[ParamMeta], holdings: Holdings, rank: int) -> SlicePlan:
         """The plan (cached); ``ConfigError`` before any call when it needs a shard that
