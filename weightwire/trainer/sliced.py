@@ -86,6 +86,11 @@ class Slicing:
         if self._wants is None or self._wants[0] != key:
             parsed = [parse_wants(raw, metas, w) for w, raw in enumerate(self.hellos)]
             self._wants = (key, parsed)
+            for w, want in enumerate(parsed):
+                if want.whole_reason is not None:
+                    self.note_once(
+                        f"worker {w} wants every tensor whole: {want.whole_reason}", whole=False
+                    )
         return self._wants[1]
 
     def slices(self, metas: Sequence[ParamMeta]) -> bool:
