@@ -498,3 +498,29 @@ def test_a_worker_that_processes_weights_after_loading_still_gets_only_its_slice
     finally:
         engine.shutdown()
         client.close()
+
+
+def test_verify_against_a_checker_of_whole_tensors_keeps_the_broadcast(caplog) -> None:
+    """A checker keyed by checkpoint names (digest mode: sha256 of whole tensors, as the
+    reference server answers) can only be matched by whole tensors: the rounds of a sliced
+    session stay broadcasts there, said once, and verify passes."""
+    import hashlib
+
+    full = full_tensors(TP2, 1)
+
+    class WholeChecker(TPClient):
+        def weight_checker(self, action: str) -> list[dict[str, Any]]:
+            sums = {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in full.items()}
+            return [{"checksums": sums}]
+
+    client = WholeChecker(TP2)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()}, verify=True)
+    try:
+        with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
+            report = engine.send_weights().verify
+        assert "sliced" not in client.last_update and report.mode == "digest"
+        assert any("checker of whole tensors" in r.getMessage() for r in caplog.records)
+        assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
