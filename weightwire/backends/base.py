@@ -27,6 +27,7 @@ from weightwire.shared.errors import ConfigError, TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.patches import SparsePatch
+from weightwire.shared.slices import Box
 from weightwire.shared.source import Describe
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
@@ -62,6 +63,18 @@ class Sent(NamedTuple):
     nbytes: int
     sends: int
     """Broadcasts, or pieces through a backend's own slots."""
+
+
+@dataclass(frozen=True)
+class SlicePiece:
+    """One piece of a sliced round: ``box`` of the update's tensor number ``tensor`` for
+    worker ``worker`` (0-based, the order of ``Backend.hellos``); ``read`` gives its bytes as
+    a C-contiguous host array of ``box.shape`` in the tensor's wire dtype."""
+
+    worker: int
+    tensor: int
+    box: Box
+    read: Callable[[], Any]
 
 
 class RoundAborted(TransferError):
@@ -324,6 +337,9 @@ class SenderCaps:
     """Rounds may carry only the tensors that changed (not yet offered by any backend)."""
     lora: bool = False
     """Rounds may carry LoRA adapters (not yet offered by any backend)."""
+    sliced: bool = False
+    """Rounds may be sliced: each worker says at init what it wants (``Backend.hellos``) and
+    gets only that, point to point (``Backend.sliced_sender``)."""
 
 
 @dataclass(frozen=True)
@@ -387,6 +403,16 @@ class Backend(ABC):
         framework's array description) as this backend sends it; ``ConfigError`` before any byte
         when its receiver cannot take them. Only backends with ``caps.delta`` implement it."""
         raise NotImplementedError(f"backend {self.name!r} sends no delta rounds (patches)")
+
+    def hellos(self, link: Any) -> list[bytes]:
+        """``caps.sliced``: each worker's hello (the JSON of its wants; empty: a worker that
+        told none), in worker order, as the join received them."""
+        raise NotImplementedError(f"backend {self.name!r} sends no sliced rounds")
+
+    def sliced_sender(self, link: Any, settings: SenderSettings) -> RoundSender:
+        """``caps.sliced``: the data path of a sliced round over ``link``: its ``send`` takes,
+        per tensor, the list of that tensor's ``SlicePiece`` s."""
+        raise NotImplementedError(f"backend {self.name!r} sends no sliced rounds")
 
     def open_star(
         self, settings: SenderSettings, *, world_size: int, secret: bytes

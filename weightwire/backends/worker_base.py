@@ -20,8 +20,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
+from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.slices import Box
 
 WorkerPairs = list[tuple[str, Any]]
 """One chunk's ``(name, tensor)`` views, in wire order."""
@@ -135,6 +137,13 @@ class ReceiveLink(ABC):
         tensor and returns once the bytes are in place). ``record`` gives the model's
         landing map for the turn's tensors, or why there is none. Default: never."""
         return False
+
+    def receive_sliced(
+        self, metas: Sequence[ParamMeta], progress: ReceiveProgress
+    ) -> Iterator[tuple[int, Box, Any]]:
+        """A sliced update's pieces as they land: ``(tensor index in metas, box, its bytes as
+        a flat uint8 tensor)``; ``progress.chunk`` counts the frames. Default: refused."""
+        raise TransferError(f"{type(self).__name__} receives no sliced rounds")
 
     @abstractmethod
     def abort(self) -> None: ...

@@ -20,6 +20,7 @@ a JAX array is described, read back to the host (TCP) and packed on the GPU (NCC
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -29,10 +30,12 @@ from weightwire.backends.base import DevicePacker
 from weightwire.jax_side.delta import JaxDeltaKernel, Prefix
 from weightwire.jax_side.dtypes import describe as _describe
 from weightwire.jax_side.source import PytreeSource
+from weightwire.shared.slices import Box
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
 from weightwire.trainer.framework import refuse_other_framework
+from weightwire.trainer.slice_plan import Held, Holdings
 from weightwire.trainer.snapshot import FrozenSource, Snapshot
 
 
@@ -65,6 +68,42 @@ class JAXTrainerEngine(TrainerEngine):
         if array.dtype.byteorder == ">":  # the wire is little-endian
             array = array.astype(array.dtype.newbyteorder("<"))
         return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+    def process_rank(self) -> int:
+        return int(jax.process_index())
+
+    def process_count(self) -> int:
+        return int(jax.process_count())
+
+    def slice_holdings(self, tensors: Mapping[str, Any]) -> Holdings:
+        """A ``jax.Array``'s boxes per process from its sharding (``jax_side.holdings``: no
+        data moves); anything else whole on this process."""
+        from weightwire.jax_side.holdings import array_holdings
+
+        rank = self.process_rank()
+        held: list[Held] = []
+        for name, tensor in tensors.items():
+            if isinstance(tensor, jax.Array):
+                held += array_holdings(name, tensor)
+            else:
+                held.append(Held(name, rank, Box.whole(self.describe(tensor)[1])))
+        return Holdings.of({n: self.describe(t)[1] for n, t in tensors.items()}, held)
+
+    def sliced_source(self, source: WeightSource) -> WeightSource:
+        """A ``PytreeSource``'s outputs left sharded (``PytreeSource.sharded``)."""
+        return source.sharded() if isinstance(source, PytreeSource) else source
+
+    def read_box(self, tensor: Any, box: Box) -> np.ndarray:
+        """From the addressable shard holding ``box`` (``jax_side.holdings.read_box``): only
+        the box's elements leave the device; a sharded array is never gathered."""
+        if not isinstance(tensor, jax.Array):
+            return super().read_box(tensor, box)
+        from weightwire.jax_side.holdings import read_box
+
+        array = read_box(tensor, box, rank=self.process_rank())
+        if array.dtype.byteorder == ">":  # the wire is little-endian
+            array = array.astype(array.dtype.newbyteorder("<"))
+        return np.ascontiguousarray(array)
 
     def prefetch_host(self, tensors: list[Any]) -> None:
         # Start every device-to-host copy of the chunk before the first one is awaited.

@@ -69,7 +69,8 @@ def read_box(
             continue
         held = index_box(shard.index, shape)
         if held.contains(box):
-            piece = shard.data[box.relative_to(held).slices()]  # cut on the shard's device
+            # cut on the shard's device (a whole shard: no slicing op to dispatch)
+            piece = shard.data if held == box else shard.data[box.relative_to(held).slices()]
             return np.asarray(jax.device_get(piece))
     where = f"rank {rank}'s" if rank is not None else "this process's"
     raise SlicePlanError(

@@ -107,6 +107,8 @@ class PytreeSource(WeightSource):
                 )
             device = devices[device]
         self._place = Target(device)
+        self._placing = True
+        """Outputs go whole to the target device (``sharded``: they stay where XLA put them)."""
         self._plan: Plan | None = None
         self._metas: list[ParamMeta] = []
         self._batches: dict[
@@ -159,6 +161,16 @@ class PytreeSource(WeightSource):
         tree = jax.tree_util.tree_unflatten(treedef, leaves)
         twin = copy.copy(self)
         twin._get = lambda: tree
+        return twin
+
+    def sharded(self) -> PytreeSource:
+        """This source with its outputs left where they are computed (a sharded leaf's
+        transform stays sharded) instead of moved whole to the target device: what a sliced
+        round reads, each piece from the shard that holds it (``jax_side.holdings``). Leaves
+        spread over several device sets that one transform takes together are still
+        gathered (rare layouts)."""
+        twin = copy.copy(self)
+        twin._placing = False
         return twin
 
     # -- the plan for the params as they are now
@@ -295,9 +307,12 @@ class PytreeSource(WeightSource):
         for k in b.direct:
             leaf = leaves[batch[k].pieces[0].leaf]
             # Handed out as is when already on the target; else one device-to-device copy.
-            outs[k] = (
-                leaf if self._place.holds(leaf) else self._place.move(self._place.upload(leaf))
-            )
+            if not self._placing and isinstance(leaf, jax.Array):
+                outs[k] = leaf
+            else:
+                outs[k] = (
+                    leaf if self._place.holds(leaf) else self._place.move(self._place.upload(leaf))
+                )
         if b.jitted:
             inputs = [self._place.upload(leaves[i]) for i in b.leaves]
             first = inputs[
@@ -325,7 +340,7 @@ class PytreeSource(WeightSource):
             assert b.fn is not None
             results = list(b.fn(inputs, idx))
             for k, r in zip(b.jitted, results, strict=True):
-                outs[k] = r if self._place.holds(r) else self._place.move(r)
+                outs[k] = r if not self._placing or self._place.holds(r) else self._place.move(r)
         return outs  # type: ignore[return-value]
 
 

@@ -14,7 +14,7 @@ built from it. numpy-free: plain ints only.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +158,19 @@ def union(boxes: Iterable[Box]) -> tuple[Box, ...]:
     return tuple(sorted(_coalesce(disjoint), key=lambda b: b.ranges))
 
 
+def split_box(box: Box, itemsize: int, max_bytes: int) -> Iterator[Box]:
+    """``box`` cut along its first dimension into boxes of at most ``max_bytes`` (one row of
+    that dimension at least: a row larger than the buffer goes whole)."""
+    if box.ndim == 0 or box.volume * itemsize <= max_bytes:
+        yield box
+        return
+    (lo, hi), rest = box.ranges[0], box.ranges[1:]
+    row = max(1, box.volume // max(1, hi - lo)) * itemsize
+    step = max(1, max_bytes // row)
+    for start in range(lo, hi, step):
+        yield Box(((start, min(hi, start + step)), *rest))
+
+
 def _coalesce(boxes: list[Box]) -> list[Box]:
     merged = True
     while merged:
@@ -284,4 +297,13 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-__all__ = ["Box", "Shape", "SliceError", "Wants", "first_overlap", "union", "volume"]
+__all__ = [
+    "Box",
+    "Shape",
+    "SliceError",
+    "Wants",
+    "first_overlap",
+    "split_box",
+    "union",
+    "volume",
+]

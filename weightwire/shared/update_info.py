@@ -44,6 +44,10 @@ class UpdateInfo(StrictInfo):
     round_token: str | None = None
     delta_base: str | None = None
     patches: list[list[Any]] | None = None
+    sliced: bool = False
+    """The round is sliced (a backend with sliced rounds): each worker receives only the
+    boxes of each tensor it wants, as framed pieces on its own link, instead of the
+    broadcast chunks. Left out of the body when False."""
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -51,6 +55,8 @@ class UpdateInfo(StrictInfo):
             del out["src"]
         if not self.patches:
             out.pop("patches", None)
+        if not self.sliced:
+            del out["sliced"]
         return out
 
     def __post_init__(self) -> None:
@@ -92,6 +98,8 @@ class UpdateInfo(StrictInfo):
             seen: set[str] = set()
             dup = next(x for x in self.names if x in seen or seen.add(x))  # type: ignore[func-returns-value]
             raise ConfigError(f"names lists {dup!r} more than once")
+        if type(self.sliced) is not bool:
+            raise ConfigError(f"sliced must be a bool, got {self.sliced!r}")
         check_token("round_token", self.round_token)
         check_token("delta_base", self.delta_base)
         self.patch_list()

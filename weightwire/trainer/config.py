@@ -41,6 +41,9 @@ def _takes_patches(caps: SenderCaps) -> bool:
 IPC_ASKED = ("pull", "push", "write_through", "auto")
 """What ``TrainerInitInfo.ipc_mode`` may ask for."""
 
+SLICED_MODES = ("auto", "off")
+"""``TrainerInitInfo.sliced``: each worker gets only its slices where that saves bytes, or never."""
+
 DEFAULT_DELTA_DENSITY = 0.25
 """Patch a tensor when under a quarter of it changed (a bf16 patch breaks even at 1/3)."""
 
@@ -110,6 +113,12 @@ class TrainerInitInfo:
       2 dense, so past 1/3 a patch is larger than the tensor).
     - ``delta_anchor_every``: with ``delta``, every N-th round is dense (``0``: only the
       first, a forced one and the one after a failure).
+    - ``sliced``: ``"auto"`` (default) or ``"off"``. With ``auto``, a backend that offers it
+      (``weightwire_tcp``) asks each worker at init which part of every tensor it serves
+      (its wants, from its landing map); when some worker wants less than a whole tensor
+      (tensor parallelism), every dense round sends each worker only its slices, read from
+      the shards the trainer holds (``docs/sliced.md``); when every worker wants every
+      tensor whole the rounds are broadcasts as before. ``off``: always broadcast.
     - ``timeouts``: every wait's bound (default: ``Timeouts.from_env()``, so
       ``WEIGHTWIRE_TIMEOUT_<FIELD>`` variables apply).
     - ``partial``: the rounds leave some of the served model's tensors out on purpose (frozen
@@ -168,6 +177,7 @@ class TrainerInitInfo:
     delta: str = "off"
     delta_density: float = DEFAULT_DELTA_DENSITY
     delta_anchor_every: int = 0
+    sliced: str = "auto"
 
     def __post_init__(self) -> None:
         # Runtime-registered backends (register_backend) count too.
@@ -232,6 +242,10 @@ class TrainerInitInfo:
         world = self.inference_world_size
         if world is not None and (type(world) is not int or not 1 <= world < LIMITS.max_world_size):
             raise ConfigError(f"inference_world_size must be a positive int, got {world!r}")
+        if self.sliced not in SLICED_MODES:
+            raise ConfigError(
+                f"sliced must be one of {', '.join(map(repr, SLICED_MODES))}, got {self.sliced!r}"
+            )
         self._check_delta()
 
     def _check_delta(self) -> None:

@@ -55,7 +55,7 @@ from weightwire.trainer.multi_source import MultiSource
 from weightwire.trainer.overlap import RoundHandle, RoundWaitTimeout
 from weightwire.trainer.overlapped import OverlappedRounds
 from weightwire.trainer.patch_round import patch_round, refuse_patches
-from weightwire.trainer.round import SoleRounds
+from weightwire.trainer.round import SoleRounds, sliced_instead_of_delta
 from weightwire.trainer.session import Session, close_wire, open_wire, reopen_wire
 from weightwire.trainer.verify import RoundVerifier
 
@@ -270,7 +270,7 @@ class TrainerEngine(FrameworkHooks):
             self._check_draft()
         else:  # the served model is the target's: a draft model's names are its own
             s.check_fits(metas)
-        if self._delta is not None and not draft:
+        if self._delta is not None and not draft and not sliced_instead_of_delta(s, metas):
             metrics = self._delta.send(
                 source, metas, version, clock, dense=dense, before_commit=before_commit
             )

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 
 from weightwire.backends.base import DevicePacker, SenderParts
+from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
+from weightwire.shared.slices import Box
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaKernel
+from weightwire.trainer.slice_plan import Held, Holdings
 from weightwire.trainer.snapshot import Snapshot
 
 __all__ = ["FrameworkHooks", "framework_of", "refuse_other_framework"]
@@ -109,6 +113,37 @@ class FrameworkHooks(ABC):
     def delta_kernel(self) -> DeltaKernel:
         """The device kernels of ``delta="auto"`` rounds (``trainer.delta``)."""
         raise NotImplementedError(f"{type(self).__name__} has no delta kernels")
+
+    def process_rank(self) -> int:
+        """This trainer process's rank in the holdings ``slice_holdings`` describes."""
+        return 0
+
+    def process_count(self) -> int:
+        """How many trainer processes share the source's arrays (several: their passes
+        over the source take part in collectives, so one process alone cannot read them
+        sliced)."""
+        return 1
+
+    def slice_holdings(self, tensors: Mapping[str, Any]) -> Holdings:
+        """Which trainer rank holds which box of each tensor (sliced rounds; metadata
+        only). Default: every tensor whole, on this process."""
+        rank = self.process_rank()
+        shapes = {n: self.describe(t)[1] for n, t in tensors.items()}
+        return Holdings.of(shapes, [Held(n, rank, Box.whole(s)) for n, s in shapes.items()])
+
+    def sliced_source(self, source: WeightSource) -> WeightSource:
+        """The source a sliced round reads: one whose tensors stay where they are held
+        (not gathered to one device). Default: ``source`` itself."""
+        return source
+
+    def read_box(self, tensor: Any, box: Box) -> np.ndarray:
+        """``box`` of ``tensor`` as a C-contiguous little-endian host array (its bytes, in
+        any numpy dtype), cut from what this process holds. Default: from the whole
+        tensor's host bytes."""
+        dtype, shape = self.describe(tensor)
+        flat = self.host_bytes(tensor)
+        cells = flat.reshape(*shape, wire_dtype(dtype).itemsize)
+        return np.ascontiguousarray(cells[box.slices()])
 
     def tensor_sha256(self, tensor: Any) -> str:
         return hashlib.sha256(

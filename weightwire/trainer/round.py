@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from weightwire.backends.base import Sent, WirePlan
+from weightwire.backends.base import RoundSender, Sent, WirePlan
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
@@ -44,6 +44,8 @@ from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
+from weightwire.trainer.slice_plan import SlicePlan
+from weightwire.trainer.sliced import Slicing, pieces
 from weightwire.trainer.transfer import (
     Transfer,
     best_effort_resume,
@@ -467,7 +469,18 @@ class SoleRounds:
         s = self._s
         with clock("metadata"):
             self._planned = sole = sole_plan(s, metas, self._planned)  # a refusal: before any call
-        wire = SoleWire(s, sole, s.source if source is None else source, remap)
+        source = s.source if source is None else source
+        wire: Wire = SoleWire(s, sole, source, remap)
+        slicing = s.slicing
+        # Every worker wants every tensor whole (TP=1): the broadcast, nothing else asked.
+        if (
+            slicing is not None
+            and slicing.slices(sole.wire.metas)
+            and sliced_round(s, slicing, draft=draft, fields=fields)
+        ):
+            with clock("metadata"):  # the plan (built once), and a refusal: before any call
+                wire = SlicedWire.of(s, slicing, sole, source)
+            fields = {**(fields or {}), "sliced": True}
         sole_round = Round(
             version,
             sole.bplan,
@@ -520,6 +533,99 @@ class SoleWire:
         return own if self._remap is None else self._remap(own)
 
 
+def sliced_instead_of_delta(s: Session, metas: list[ParamMeta]) -> bool:
+    """``delta="auto"`` on a session whose workers want slices: the rounds go dense and
+    sliced (each worker its slices, never an element outside them) instead of as patches,
+    which would reach every worker (said once in the log)."""
+    slicing = s.slicing
+    if slicing is None or not slicing.slices(metas):
+        return False
+    if not sliced_round(s, slicing, draft=False, fields=None):
+        return False
+    slicing.note_once("delta='auto' sends dense sliced rounds, not patches:", whole=False)
+    return True
+
+
+def sliced_round(
+    s: Session, slicing: Slicing, *, draft: bool, fields: Mapping[str, Any] | None
+) -> bool:
+    """Whether this round of a session that asked for wants goes sliced: a dense round of
+    the target model (verify: against a vLLM shard checker), when some worker wants less
+    than a whole tensor."""
+    if draft:
+        slicing.note_once("draft")  # the draft model's wants were not told
+        return False
+    if fields:
+        slicing.note_once("delta")  # a delta round's patches go to every worker
+        return False
+    if s.framework.process_count() > 1:
+        # The other processes' passes over the source gather (collectives): one process
+        # cannot read its shards alone beside them. Several senders: not yet.
+        slicing.note_once("several trainer processes share the source (not yet sliced):")
+        return False
+    if s.verifier is not None and not s.verifier.vllm_keyed(s.client):
+        # digest mode compares whole tensors' sha256: only a broadcast sends them whole
+        slicing.note_once("verify=True against a checker of whole tensors,")
+        return False
+    return True
+
+
+class SlicedWire:
+    """Rank 0 alone, sliced: the update POST (``sliced``) beside each worker's pieces on its
+    own link (``trainer.sliced``); control before the first byte, as ``SoleWire``."""
+
+    def __init__(
+        self, s: Session, sole: SolePlan, tensors: dict[str, Any], plan: SlicePlan
+    ) -> None:
+        self._s, self._sole, self._tensors, self._plan = s, sole, tensors, plan
+
+    @classmethod
+    def of(cls, s: Session, slicing: Slicing, sole: SolePlan, source: WeightSource) -> SlicedWire:
+        """The round's wire (some worker wants less than a whole tensor). The source's
+        tensors are referenced, not copied: the plan reads their holdings (metadata), each
+        piece is read from its shard later."""
+        metas = sole.wire.metas
+        source = s.framework.sliced_source(source)  # tensors left where they are held
+        tensors = dict(s.stream(source, tensor_stream(source), sole.metas, None))
+        rank = s.framework.process_rank()
+        builds = slicing.plans.builds
+        plan = slicing.plan(metas, s.framework.slice_holdings(tensors), rank)
+        if slicing.plans.builds != builds and s.verifier is not None:
+            s.verifier.forget_previous()  # the slices' digests follow the plan's cuts
+        return cls(s, sole, tensors, plan)
+
+    def transfer(
+        self,
+        payloads: list[dict[str, Any]],
+        control: Control,
+        own: dict[str, str] | None,
+        clock: PhaseClock,
+    ) -> Sent:
+        s, metas = self._s, self._sole.wire.metas
+        assert s.slicing is not None
+        (payload,) = payloads
+        hashes: dict[str, Any] | None = None if own is None else {}
+        prepared = pieces(
+            self._plan,
+            metas,
+            self._tensors,
+            rank=s.framework.process_rank(),
+            read=s.framework.read_box,
+            buffer_bytes=s.info.packed_buffer_size_bytes,
+            hashes=hashes,
+        )
+        sent = send_update(s, payload, prepared, metas, control, clock, sender=s.slicing.sender)
+        if own is not None and hashes is not None:
+            own.update({n: h.hexdigest() for n, h in hashes.items()})
+        return sent
+
+    def digests(self, own: dict[str, str]) -> dict[str, str]:
+        """Per tensor, the sha256 of the pieces this round sent of it, in the plan's order:
+        the same bytes give the same digest while the plan stands (vllm-diff mode compares
+        them round to round; ``forget_previous`` when it was rebuilt)."""
+        return own
+
+
 def send_update(
     s: Session,
     payload: dict[str, Any],
@@ -527,13 +633,17 @@ def send_update(
     metas: list[ParamMeta],
     control: Control,
     clock: PhaseClock,
+    *,
+    sender: RoundSender | None = None,
 ) -> Sent:
-    """Rank 0 alone: one update POST beside the broadcast of ``chunks``; a failure that
-    leaves the link unusable marks the session broken."""
-    assert s.sender is not None
+    """Rank 0 alone: one update POST beside the broadcast of ``chunks`` (``sender``: another
+    data path than the session's, a sliced round's); a failure that leaves the link unusable
+    marks the session broken."""
+    sender = s.sender if sender is None else sender
+    assert sender is not None
     step = Transfer(
         s.link,
-        s.sender,
+        sender,
         post_update=lambda: s.client.update_weights(payload),
         control=control,
         clock=clock,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +24,7 @@ from weightwire.shared.client import EngineClient
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.served import ServedModel, from_checkpoint
+from weightwire.shared.slices import Box
 from weightwire.shared.source import WeightSource, checked_iter
 from weightwire.shared.staging import round_bytes
 from weightwire.shared.version import ServerFeatures
@@ -32,6 +33,8 @@ from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.fp8_source import Fp8Source
 from weightwire.trainer.freshness import CommitPlan
 from weightwire.trainer.gating import RoundPause, guard_installed, round_pause, server_features
+from weightwire.trainer.slice_plan import Holdings
+from weightwire.trainer.sliced import Slicing
 from weightwire.trainer.transfer import (
     await_call,
     join_beside_init,
@@ -55,6 +58,11 @@ class Framework(Protocol):
     def device_packer(self, device: int | None) -> DevicePacker: ...
     def sender_parts(self, packer: DevicePacker | None) -> SenderParts: ...
     def flat_index(self, n: int, like: Any) -> Any: ...
+    def process_rank(self) -> int: ...
+    def process_count(self) -> int: ...
+    def slice_holdings(self, tensors: Mapping[str, Any]) -> Holdings: ...
+    def read_box(self, tensor: Any, box: Box) -> Any: ...
+    def sliced_source(self, source: WeightSource) -> WeightSource: ...
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,9 @@ class Session:
     guard: bool | None = None
     """Whether the servers run the round guard: asked at the first round applied in place,
     then known (a server's middleware changes only with a restart, like its features)."""
+    slicing: Slicing | None = None
+    """Sliced rounds' state (``trainer.sliced``): the workers' hellos, their parsed wants and
+    the plan; ``None`` unless the backend asked the workers for their wants."""
     served: ServedModel | None = None
     """The tensors the served model takes, as the servers told them at init (``None``: they
     told none, e.g. stock vLLM); every round is checked against it before its first byte."""
@@ -173,6 +184,7 @@ class Session:
                 link.close()
         if sender is not None:
             sender.close()  # after the link: no kernel may still read its buffers
+        self.slicing = None
 
 
 def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) -> None:
@@ -195,6 +207,11 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     # an init info with a field they do not know.
     if s.info.delta != "off" and not s.backend.caps.stock_receiver:
         rdv.payload = {**rdv.payload, "delta_rounds": True}
+    # The workers tell their wants at the join (one sender only: several broadcasters
+    # keep their turns).
+    asks_wants = s.info.sliced == "auto" and s.backend.caps.sliced and extend is None
+    if asks_wants:
+        rdv.payload = {**rdv.payload, "sliced": True}
     if extend is not None:  # several broadcasters: the group's fields (multi_source)
         try:
             rdv.payload = extend(rdv.payload)
@@ -221,6 +238,8 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
         if isinstance(s.source, Fp8Source):  # its spec against the served model's FP8 linears
             s.source.fit(s.served)
         s.sender = s.backend.sender(link, s.info, s.framework.sender_parts(packer))
+        if asks_wants:
+            s.slicing = Slicing(s.backend.hellos(link), s.backend.sliced_sender(link, s.info))
     except BaseException as exc:
         link.abort()
         raise real_cause(exc, post) from None

@@ -248,6 +248,19 @@ class RoundVerifier:
         self._before: list[Any] | None = None
         self._previous: dict[str, str] | None = None
         self._last_after: list[Any] | None = None
+        self._keyed: bool | None = None
+
+    def vllm_keyed(self, client: ServerControls) -> bool:
+        """Whether the servers' checker is per vLLM shard (vllm-diff mode), asked once (a
+        sliced round can be checked only there: its digests are of the slices it sent)."""
+        if self._keyed is None:
+            self._keyed = is_vllm_keyed(list(client.weight_checker("checksum")))
+        return self._keyed
+
+    def forget_previous(self) -> None:
+        """The next round's digests are not comparable with the last one's (a sliced
+        round's plan was rebuilt): change detection restarts from it."""
+        self._previous = None
 
     def before_round(self, client: ServerControls) -> None:
         """Snapshot the checker; called before ``start_weight_update`` (a failure

@@ -37,7 +37,7 @@ def _round_state(worker: Any) -> dict[str, Any]:
     incomplete = engine.incomplete_round
     if incomplete is not None:
         return {"whole": False, "engine": name, "reason": incomplete.describe()}
-    if getattr(engine, "round_strategy", None) in ("streaming", "write_through"):
+    if getattr(engine, "round_strategy", None) in ("streaming", "write_through", "sliced_in_place"):
         return {
             "whole": False,
             "engine": name,

@@ -91,6 +91,8 @@ class TCPCommunicator(LinkGroup):
         )
         super().__init__(rank=rank, world_size=world_size, links=links)
         self._seq = 0
+        self.hellos: dict[int, bytes] = {}
+        """Root: each receiver's hello (its warm-up ready's payload; empty: none), by rank."""
         self._workers: list[threading.Thread] = []
         if rank == 0:  # the caller's thread serves links[0]; one persistent thread per other link
             for link in links[1:]:
@@ -154,10 +156,11 @@ class TCPCommunicator(LinkGroup):
     def world_size(self) -> int:
         return self._world_size
 
-    def warmup(self, *, timeout: float | None = None) -> None:
+    def warmup(self, *, timeout: float | None = None, hello: bytes = b"") -> None:
         """Every receiver says ready, then the root says go.
 
-        Thus all peers are present before any broadcast.
+        Thus all peers are present before any broadcast. A receiver's ``hello`` rides on its
+        ready; the root keeps each in ``hellos``.
         """
         limit = (
             self._warmup_timeout if timeout is None else wire.positive_seconds("timeout", timeout)
@@ -168,7 +171,8 @@ class TCPCommunicator(LinkGroup):
             if self._rank == 0:
                 self._root_warmup(deadline, limit)
             else:
-                self._send(self._links[0], [wire.frame(wire.TAG_READY)], deadline, "warm-up")
+                ready = wire.frame(wire.TAG_READY, 0, len(hello))
+                self._send(self._links[0], [ready, hello], deadline, "warm-up")
                 self._expect(
                     self._links[0], wire.TAG_GO, deadline, limit, "warm-up (waiting for go)"
                 )
@@ -321,11 +325,84 @@ class TCPCommunicator(LinkGroup):
                     )
                 for key, _ in sel.select(remaining):
                     link = key.data
-                    self._expect(link, wire.TAG_READY, deadline, limit, "warm-up")
+                    length = self._expect(link, wire.TAG_READY, deadline, limit, "warm-up")
+                    self.hellos[link.rank] = self._read_hello(link, length, deadline, limit)
                     sel.unregister(link.sock)
                     del waiting[link.sock]
         for link in self._links:
             self._send(link, [wire.frame(wire.TAG_GO)], deadline, "warm-up (go)")
+
+    def _read_hello(self, link: PeerLink, length: int, deadline: float, limit: float) -> bytes:
+        if length > wire.MAX_HELLO_BYTES:
+            raise self._fail(
+                TransferError(
+                    f"TCP warm-up: {link} sent a {length}-byte hello, over the "
+                    f"{wire.MAX_HELLO_BYTES}-byte bound"
+                )
+            )
+        return self._read_payload(link, length, deadline, limit, "its warm-up hello")
+
+    def _read_payload(
+        self, link: PeerLink, length: int, deadline: float, limit: float, what: str
+    ) -> bytes:
+        buf = bytearray(length)
+        try:
+            wire.recv_into(link.sock, memoryview(buf), deadline)
+        except wire.WireShort as short:
+            if short.timed_out:
+                raise self._fail(
+                    TransferTimeout(f"TCP: {what} from {link} stalled after {limit:g} s")
+                ) from None
+            raise self._fail(
+                self._lost(link, f"at byte {short.offset} of {length} of {what}", short.cause)
+            ) from None
+        return bytes(buf)
+
+    # -- one receiver's frames (sliced rounds) ------------------------------------------
+
+    def send_frame(self, rank: int, parts: list[Any], *, seq: int, timeout: float | None) -> int:
+        """Root: one ``WWSL`` frame (``parts`` back to back) on receiver ``rank``'s link
+        only; returns the payload's bytes. Any failure aborts the communicator."""
+        views = wire.byte_views(parts, writable=False)
+        nbytes = sum(len(v) for v in views)
+        limit = self._limit(timeout)
+        deadline = time.monotonic() + limit
+        link = next((lk for lk in self._links if lk.rank == rank), None)
+        if link is None or self._rank != 0:
+            raise ValueError(f"rank {rank} is not a receiver of this root communicator")
+        self._enter()
+        try:
+            head = memoryview(wire.frame(wire.TAG_SLICE, seq, nbytes))
+            self._send(link, [head, *views], deadline, f"sliced frame #{seq}")
+        finally:
+            self._leave()
+        return nbytes
+
+    def recv_frame(self, *, seq: int, max_bytes: int, timeout: float | None) -> bytes:
+        """Receiver: the next ``WWSL`` frame's payload (its seq checked, at most
+        ``max_bytes``)."""
+        limit = self._limit(timeout)
+        deadline = time.monotonic() + limit
+        link = self._links[0]
+        self._enter()
+        try:
+            what = f"sliced frame #{seq}"
+            length = self._expect(link, wire.TAG_SLICE, deadline, limit, what, seq=seq)
+            if length > max_bytes:
+                raise self._fail(
+                    TransferError(
+                        f"TCP {what} from {link} is {length} bytes, over the {max_bytes} this "
+                        "round can hold: the two sides disagree on the round's tensors"
+                    )
+                )
+            return self._read_payload(link, length, deadline, limit, what)
+        finally:
+            self._leave()
+
+    def _limit(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self._transfer_timeout
+        return wire.positive_seconds("timeout", timeout)
 
     # -- receiver --------------------------------------------------------------------
 

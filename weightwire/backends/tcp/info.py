@@ -50,6 +50,9 @@ class TCPInitInfo(StrictInfo):
     stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
     delta_rounds: bool | None = None
     """The trainer may send delta rounds (``TrainerInitInfo.delta``); left out when unset."""
+    sliced: bool | None = None
+    """The trainer may send sliced rounds (``TrainerInitInfo.sliced``): each worker sends its
+    wants in its warm-up hello. Left out when unset (a worker that predates it never sees it)."""
 
     def __post_init__(self) -> None:
         ctx = type(self).__name__

@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import socket
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from weightwire.backends.tcp import wire
@@ -52,7 +53,9 @@ class LinkGroup:
     def close(self) -> None:
         self._teardown("closed")
 
-    def _send(self, link: PeerLink, chunks: list[bytes], deadline: float, what: str) -> None:
+    def _send(
+        self, link: PeerLink, chunks: Sequence[bytes | memoryview], deadline: float, what: str
+    ) -> None:
         try:
             wire.send_all(link.sock, [memoryview(c) for c in chunks], deadline, [0])
         except wire.WireShort as short:

@@ -24,9 +24,11 @@ from weightwire.backends.base import (
     receiver_fields,
 )
 from weightwire.backends.pipelines import HostPipeline
+from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.tcp.options import tcp_options
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
+from weightwire.backends.tcp.slices import TCPSlicedSender
 from weightwire.backends.tcp.spec import TCP
 from weightwire.shared.communicator import Communicator
 from weightwire.shared.info import encode_secret
@@ -36,7 +38,7 @@ class TCPBackend(Backend):
     """``weightwire_tcp``: rank 0 listens; workers dial in and prove the secret."""
 
     name: ClassVar[str] = TCP.name
-    caps: ClassVar[SenderCaps] = SenderCaps(on_device=False, several="stars")
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=False, several="stars", sliced=True)
 
     def open(self, settings: SenderSettings, *, world_size: int) -> Rendezvous:
         options = tcp_options(settings, self.name)
@@ -63,6 +65,17 @@ class TCPBackend(Backend):
             num_buffers=settings.packed_num_buffers,
             timeout=settings.timeouts.transfer_s,
             prefetch=parts.prefetch,
+        )
+
+    def hellos(self, link: Any) -> list[bytes]:
+        comm: TCPCommunicator = link
+        return [comm.hellos.get(rank, b"") for rank in range(1, comm.world_size)]
+
+    def sliced_sender(self, link: Any, settings: SenderSettings) -> RoundSender:
+        return TCPSlicedSender(
+            link,
+            buffer_bytes=settings.packed_buffer_size_bytes,
+            timeout=settings.timeouts.transfer_s,
         )
 
     def open_star(

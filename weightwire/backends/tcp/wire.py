@@ -30,6 +30,14 @@ After the handshake every message starts with a 16-byte frame header::
     "WWGO" sender -> receiver   warm-up: go, every receiver is ready (seq 0, length 0)
     "WWBC" sender -> receiver   broadcast number ``seq`` (0, 1, 2, ... mod 2**32 per
                                 connection), followed by exactly ``length`` payload bytes
+    "WWSL" sender -> receiver   a sliced round's frame number ``seq`` (0, 1, ... within one
+                                update) on this receiver's link only, followed by ``length``
+                                bytes: its pieces' headers, then their bytes
+                                (``tcp.slices``)
+
+A receiver's ready frame may carry a payload (``length`` bytes after the header): its hello,
+the JSON of its wants when the init info asked for them (``sliced``); an empty ready is a
+receiver that wants every tensor whole.
 
 The payload is the root's buffer bytes, unframed; a list of parts is sent back to back
 as one payload. A receiver compares tag, seq and length against what it expects
@@ -74,6 +82,9 @@ TAG_CONFIRM = b"WWOK"
 TAG_READY = b"WWRD"
 TAG_GO = b"WWGO"
 TAG_BROADCAST = b"WWBC"
+TAG_SLICE = b"WWSL"
+MAX_HELLO_BYTES = 64 << 20
+"""A hello's bound: a wants JSON is a few hundred bytes per tensor."""
 
 OK = 0
 BAD_SECRET = 1

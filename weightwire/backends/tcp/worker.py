@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +20,12 @@ import torch
 from weightwire.backends.receiving import ChunkedLink
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.info import TCPInitInfo
-from weightwire.backends.worker_base import ReceiveTurn
+from weightwire.backends.tcp.slices import parse_frame
+from weightwire.backends.worker_base import ReceiveProgress, ReceiveTurn
 from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.slices import Box
+from weightwire.shared.staging import round_bytes
 from weightwire.shared.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -29,15 +33,20 @@ log = logging.getLogger(__name__)
 # Extra seconds a pipelined wait allows beyond the communicator's own per-broadcast
 # timeout, so the communicator's clearer TransferTimeout wins the race.
 _WAIT_SLACK_S = 5.0
+# A sliced update's frames carry at most the round's bytes plus their piece headers.
+_FRAME_SLACK_BYTES = 16 << 20
 
 
-def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> TCPLink:
+def connect_tcp(
+    info: TCPInitInfo, *, rank: int, device: torch.device, hello: bytes = b""
+) -> TCPLink:
     """Dial the trainer at ``info.host:info.port`` as ``rank``, prove the secret, warm up.
 
     Rendezvous and warm-up are bounded by this worker's own ``Timeouts``; the init
     info's ``timeout_s`` bounds each transfer. A handshake the sender dropped before
     its verdict (it sheds idle connections when flooded) is retried until
-    ``connect_s`` runs out; a refusal (wrong secret, rank, size) is not.
+    ``connect_s`` runs out; a refusal (wrong secret, rank, size) is not. ``hello`` (the
+    wants' JSON, when the init info asked for them) rides on the warm-up ready to rank 0.
     """
     local = Timeouts.from_env()
     deadline = time.monotonic() + local.connect_s
@@ -71,7 +80,7 @@ def connect_tcp(info: TCPInitInfo, *, rank: int, device: torch.device) -> TCPLin
                     )
                     time.sleep(0.05)  # a sender that drops at once (closing) must not be spun on
             comms.append(comm)
-            comm.warmup(timeout=local.warmup_s)
+            comm.warmup(timeout=local.warmup_s, hello=hello if src == 0 else b"")
     except BaseException:
         for comm in comms:
             comm.abort()
@@ -152,6 +161,30 @@ class TCPLink(ChunkedLink):
         out = torch.empty(posted.nbytes, dtype=torch.uint8, device=self.device)
         out.copy_(host)  # synchronous: the staging slot is free after this
         return out
+
+    def receive_sliced(
+        self, metas: Sequence[ParamMeta], progress: ReceiveProgress
+    ) -> Iterator[tuple[int, Box, torch.Tensor]]:
+        """Rank 0's frames on this worker's link until the update's last; each piece's bytes
+        as a view of its frame (on this worker's device)."""
+        comm = self.comms[0]
+        bound = round_bytes(metas) + _FRAME_SLACK_BYTES
+        where = f"TCP sliced round from {comm!r}"
+        seq, last = 0, False
+        while not last:
+            progress.chunk = seq
+            payload = bytearray(comm.recv_frame(seq=seq, max_bytes=bound, timeout=self.timeout_s))
+            pieces, last = parse_frame(payload, metas, where)
+            got = sum(p.nbytes for p in pieces)
+            bound -= got
+            progress.nbytes += got
+            frame = torch.frombuffer(payload, dtype=torch.uint8) if payload else None
+            if frame is not None and self.device.type != "cpu":
+                frame = frame.to(self.device)
+            for p in pieces:
+                assert frame is not None
+                yield p.tensor, p.box, frame[p.offset : p.offset + p.nbytes]
+            seq += 1
 
     def peer_closed(self) -> bool:
         """Every broadcaster closed its connection (TCP tells without traffic)."""

@@ -11,7 +11,7 @@ because neither has a bfloat16 / float8 dtype; the view reinterprets, never conv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ import torch
 from weightwire.backends.base import DevicePacker
 from weightwire.backends.device import DeviceBytes, tensor_device_bytes
 from weightwire.shared.errors import WrongType
+from weightwire.shared.slices import Box
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.torch_side.sender.cow import CowSnapshots
@@ -28,6 +29,7 @@ from weightwire.torch_side.sender.snapshot import CopySnapshots, live
 from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
 from weightwire.trainer.framework import refuse_other_framework
+from weightwire.trainer.slice_plan import Holdings
 from weightwire.trainer.snapshot import Snapshot
 
 
@@ -79,6 +81,29 @@ class TorchTrainerEngine(TrainerEngine):
 
     def host_bytes(self, tensor: Any) -> np.ndarray:
         return tensor_bytes(tensor).cpu().numpy()
+
+    def process_rank(self) -> int:
+        dist = torch.distributed
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def process_count(self) -> int:
+        dist = torch.distributed
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def slice_holdings(self, tensors: Mapping[str, Any]) -> Holdings:
+        """A DTensor's boxes per rank from its mesh and placements, a plain tensor whole on
+        this process (``torch_side.sender.holdings``: no data moves)."""
+        from weightwire.torch_side.sender.holdings import holdings_of
+
+        return holdings_of(dict(tensors), rank=self.process_rank())
+
+    def read_box(self, tensor: Any, box: Box) -> np.ndarray:
+        """A view of the box in this process's tensor (a DTensor's local shard), copied
+        to the host: nothing is gathered."""
+        from weightwire.torch_side.sender.holdings import local_piece
+
+        piece = local_piece(tensor, box, rank=self.process_rank())
+        return tensor_bytes(piece).cpu().numpy()
 
     def delta_kernel(self) -> DeltaKernel:
         return TorchDeltaKernel()

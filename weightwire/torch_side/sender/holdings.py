@@ -82,4 +82,27 @@ def holdings_of(tensors: Mapping[str, torch.Tensor], *, rank: int) -> Holdings:
     return Holdings.of({n: tuple(t.shape) for n, t in tensors.items()}, held)
 
 
-__all__ = ["holdings_of", "placement_boxes", "tensor_holdings"]
+def local_piece(tensor: torch.Tensor, box: Box, *, rank: int) -> torch.Tensor:
+    """``box`` of ``tensor`` as a view of what ``rank`` holds: a DTensor's local shard (its
+    box on this rank must contain ``box``), a plain tensor itself. Nothing is gathered."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        spread: Any = tensor
+        mine = [
+            b
+            for r, b in placement_boxes(
+                tuple(spread.shape), spread.device_mesh.mesh, spread.placements
+            )
+            if r == rank
+        ]
+        if not mine or not mine[0].contains(box):
+            raise SlicePlanError(
+                f"rank {rank}'s shard does not hold box {box.describe()} of a DTensor of "
+                f"shape {list(spread.shape)}: the plan was built from other holdings"
+            )
+        local: torch.Tensor = spread.to_local()
+        return local[box.relative_to(mine[0]).slices()]
+    return tensor[box.slices()]
+
+
+__all__ = ["holdings_of", "local_piece", "placement_boxes", "tensor_holdings"]

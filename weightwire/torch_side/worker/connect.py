@@ -27,9 +27,12 @@ def connect(
     rank: int,
     device: torch.device,
     landing: Callable[[], LandingRecord] | None = None,
+    **hello: Any,
 ) -> ReceiveLink:
     """Join the trainer's group as ``rank`` on ``device`` with ``info`` (a shared init info).
-    ``landing`` reaches a backend whose connect asks for it (``worker_base.Connect``)."""
+    ``landing`` reaches a backend whose connect asks for it (``worker_base.Connect``);
+    ``hello``: what the worker tells the trainer at the join, passed only where the init
+    info asked for it (``sliced``: ``hello=`` the wants' JSON)."""
     spec = backends.spec_of_init_info(type(info))
     if spec.connect is None:
         raise ValueError(
@@ -38,5 +41,5 @@ def connect(
         )
     backend_connect = backends.load(spec.connect)
     extra = {"landing": landing} if landing is not None and takes_landing(backend_connect) else {}
-    link: ReceiveLink = backend_connect(info, rank=rank, device=device, **extra)
+    link: ReceiveLink = backend_connect(info, rank=rank, device=device, **extra, **hello)
     return link

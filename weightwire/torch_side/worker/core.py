@@ -56,6 +56,7 @@ from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 from weightwire.shared.lora import is_adapter_round
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.slices import Wants
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.worker.landing import MapRecorder, record_loader_map
@@ -184,6 +185,7 @@ class _ReceiverCore:
         self._joined: tuple[Any, frozenset[Any], LandingRecord] | None = None
         """The landing map the join recorded (model, its tensors' keys, the record): the
         first round's, when it sends those tensors (``_round_landing``)."""
+        self._told: Wants | None = None  # the wants this worker told its trainer at the join
         self._sink_chooser: SinkChooser | None = None  # made by the first patch step
 
     # ---------------------------------------------------------------- session
@@ -202,9 +204,9 @@ class _ReceiverCore:
 
     @property
     def strategy(self) -> str | None:
-        """The open round's strategy name (``staged`` / ``streaming`` / ``write_through``),
-        or None between rounds."""
-        return self._round.name if self._round is not None else None
+        """The open round's strategy (``staged`` / ``streaming`` / ``write_through`` /
+        ``sliced`` / ``sliced_in_place``), or None between rounds."""
+        return self._round.label if self._round is not None else None
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The open round's received tensors that are not in the model yet (none when streaming)."""
@@ -233,7 +235,15 @@ class _ReceiverCore:
         self._close_link()
         self._plans.clear()
         self._joined = None
-        self._link = self._connect(info, rank=rank, device=self.device, **self._join_options())
+        told: dict[str, Any] = {}
+        self._told = None
+        if getattr(info, "sliced", None):  # the trainer asks for this worker's wants
+            from weightwire.torch_side.worker.sliced import hello
+
+            told["hello"], self._told = hello(self.caches, self.backend)
+        self._link = self._connect(
+            info, rank=rank, device=self.device, **self._join_options(), **told
+        )
         self._info = info
         self._broken = None
         previous, self.session = self.session, uuid.uuid4().hex[:12]
@@ -389,9 +399,12 @@ class _ReceiverCore:
             patches = update.patch_list() if update.patches else []  # a delta update's
             plan = self._resolve(model, update)
             # An adapter round checks the adapter's own metadata instead of the rest.
+            if update.sliced and patches:
+                raise ValueError("a sliced update carries no patches: its patches are refused")
             if not self._adapter_step(plan):
                 self._check_round(model, update, plan)
-                delta = self._patch_step(model, plan, patches)
+                # a sliced update is dense: no patch step (its pieces land through the map)
+                delta = None if update.sliced else self._patch_step(model, plan, patches)
                 self._check_spec(plan, patches, delta)
                 splitter = self._admit_patches(model, update, plan, patches, delta)
         except DeltaBaseMismatch as exc:
@@ -403,10 +416,14 @@ class _ReceiverCore:
         turn = ReceiveTurn(update.src, plan.metas, plan.chunks, plan.unpack, self._info.packed)
         started = time.perf_counter()
         progress = ReceiveProgress()
+        nbytes = sum(c.nbytes for c in plan.chunks)
         try:
-            self._round = self._choose_strategy(model, turn, plain=splitter is None)
-            received = self._link.receive(turn, progress)
-            self._round.receive(received if splitter is None else splitter.split(received))
+            if update.sliced:
+                nbytes = self._sliced_step(model, plan.metas, progress)
+            else:
+                self._round = self._choose_strategy(model, turn, plain=splitter is None)
+                received = self._link.receive(turn, progress)
+                self._round.receive(received if splitter is None else splitter.split(received))
             self._round.took(update.round_token)
             if splitter is not None:
                 self._hold_patches(splitter)
@@ -422,8 +439,8 @@ class _ReceiverCore:
         self._touched = time.monotonic()
         self.last_stats = ReceiveStats(
             len(plan.metas),
-            len(plan.chunks),
-            sum(c.nbytes for c in plan.chunks),
+            progress.chunk + 1 if update.sliced else len(plan.chunks),
+            nbytes,
             time.perf_counter() - started,
         )
 
@@ -532,6 +549,38 @@ class _ReceiverCore:
             plain=plain,
             landing=self._round_landing,
         )
+
+    def _sliced_step(self, model: Model, metas: list[ParamMeta], progress: ReceiveProgress) -> int:
+        """A sliced update's pieces (``sliced``): through the landing map, staged or in
+        place as the budget says; without a map, assembled whole and loaded as a dense
+        update. Returns the payload bytes this worker received."""
+        from weightwire.torch_side.worker.sliced import (
+            Cover,
+            SlicedRound,
+            assembled,
+            counted,
+            typed,
+        )
+
+        assert self._round is not None and self._link is not None
+        cover = Cover(metas, self._told)  # exactly what this worker told it wants, or refused
+        pieces = cover.checked(typed(self._link.receive_sliced(metas, progress), metas))
+        lmap = self.caches.loader_map(metas)
+        if lmap is None:
+            got = [0]  # the pieces' bytes (what crossed the wire), not the assembled tensors'
+            pairs = assembled(counted(pieces, got), metas, self.device)
+            held = sum(t.numel() * t.element_size() for _, t in pairs)
+            self._round = self._round.admit(held, self.stage_budget_bytes)
+            self._round.receive(iter([pairs]))
+            return got[0]
+        if not isinstance(self._round, SlicedRound):
+            if not self._round.untouched:
+                raise ValueError(
+                    f"a sliced update after a {self._round.name} one in the same round"
+                )
+            target = self._round.target
+            self._round = SlicedRound(target, lmap, self.stage_budget_bytes)
+        return self._round.receive_pieces(pieces)
 
     def _hold_patches(self, splitter: PatchSplitter) -> None:
         """The update's patches, held until the round's commit."""

@@ -29,6 +29,7 @@ from weightwire.torch_side.worker.weight_state import IncompleteRound, WeightSta
 
 if TYPE_CHECKING:  # adapter rounds import their module when one comes
     from weightwire.torch_side.worker.lora import AdapterHostFn
+    from weightwire.torch_side.worker.spec import ModelSpec
 
 _T = TypeVar("_T")
 
@@ -153,7 +154,8 @@ class EngineFacade:
 
     @property
     def round_strategy(self) -> str | None:
-        """The open round's strategy (``staged`` / ``streaming``), or None between rounds."""
+        """The open round's strategy (``staged`` / ``streaming`` / ``sliced`` / ...), or None
+        between rounds."""
         return self._core.strategy
 
     @property
@@ -174,7 +176,10 @@ class StandaloneEngine(EngineFacade):
         load_batching: str = "chunk",
         weights: WeightState | None = None,
         adapters: AdapterHostFn | None = None,
+        spec: Callable[[], ModelSpec | None] | None = None,
     ) -> None:
+        """``spec``: the served checkpoint's tensors, when known (a worker then checks rounds
+        against it, and tells the trainer its wants for sliced rounds)."""
         if not isinstance(model, Model):
             raise TypeError(
                 "model must have a load_weights(list[(name, tensor)]) method, got "
@@ -192,6 +197,7 @@ class StandaloneEngine(EngineFacade):
             load_batching=load_batching,
             weights=weights,
             adapters=adapters,
+            spec=spec,
         )
 
     @classmethod

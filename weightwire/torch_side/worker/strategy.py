@@ -76,6 +76,12 @@ class ReceiveStrategy(ABC):
         self.delta: RoundDelta | None = None
         """A delta round's patches and their sink; None on a dense round."""
 
+    @property
+    def label(self) -> str:
+        """The strategy as the engine reports it (``round_strategy``): its name, or how far
+        it went (a sliced round that went in place)."""
+        return self.name
+
     def took(self, token: str | None) -> None:
         """One update of the round was received whole."""
         if self.updates == 0:

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.shared.meta import ParamMeta
-from weightwire.torch_side.worker.landing import LoaderMap, LoaderMapRefused, MapRecorder
+from weightwire.torch_side.worker.landing import (
+    LoaderMap,
+    LoaderMapRefused,
+    MapRecorder,
+    record_loader_map,
+)
 from weightwire.torch_side.worker.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -87,6 +92,14 @@ class TargetCaches:
             found, refusal = None, str(exc)
         self.loader_maps[key] = _LoaderMapOf(model, found, refusal)
         return found
+
+    def reads_map(self, metas: Sequence[ParamMeta]) -> LoaderMap:
+        """The target model's landing map for ``metas`` recorded without the post-load check:
+        which checkpoint elements its loader reads, for a model whose map is refused only
+        because it processes its parameters after loading (a CPU vLLM's prepack). Its
+        landings name where the loader copies, not where the served values end up: read its
+        sources only. Raises ``LoaderMapRefused`` when the loading itself is no plain copy."""
+        return record_loader_map(self._model(), metas, check_post_load=False)
 
     def map_refusal(self, metas: Sequence[ParamMeta]) -> str | None:
         """Why ``loader_map(metas)`` found no map (None: it found one, or was not asked)."""

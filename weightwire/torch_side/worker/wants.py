@@ -149,13 +149,19 @@ def write_box(lmap: LoaderMap, name: str, box: Box, piece: torch.Tensor) -> None
 
 def session_wants(caches: TargetCaches, metas: Sequence[ParamMeta]) -> Wants:
     """The wants a worker sends in its hello, from the landing map its caches record once
-    per model and metadata (the same map its rounds write through); every tensor whole,
-    with the caches' refusal (logged once there), when the model refuses."""
+    per model and metadata (the same map its rounds write through). A model refused only for
+    its post-load processing (a CPU vLLM's prepack) still wants what its loader reads (the
+    map recorded without that check: its rounds then go through ``load_weights``, which
+    reads nothing else); every tensor whole, with the refusal (logged once by the caches),
+    when its loading itself is no plain copy."""
     lmap = caches.loader_map(metas)
-    if lmap is None:
-        reason = caches.map_refusal(metas) or "no landing map"
-        return Wants.whole({m.name: tuple(m.shape) for m in metas}, reason)
-    return wants_from_map(lmap, metas)
+    if lmap is not None:
+        return wants_from_map(lmap, metas)
+    try:
+        reads = caches.reads_map(metas)
+    except LoaderMapRefused as exc:  # the loading itself: the same reason the caches logged
+        return Wants.whole({m.name: tuple(m.shape) for m in metas}, str(exc))
+    return wants_from_map(reads, metas)
 
 
 __all__ = ["derive_wants", "landing_box", "session_wants", "wants_from_map", "write_box"]

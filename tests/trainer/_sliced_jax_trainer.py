@@ -1,0 +1,157 @@
+"""Subprocess body of test_sliced_tcp's JAX case: a JAX trainer on 8 forced host devices
+(an FSDP 4 x TP 2 mesh) sends 3 sliced rounds to in-process TCP workers hosting ``SlicedTP``
+ranks. XLA_FLAGS must precede the jax import, hence a process of its own.
+
+``python _sliced_jax_trainer.py WORLD HEADS KV_HEADS TIED SOURCE`` (SOURCE ``dict``: a dict of
+the sharded arrays; ``pytree``: a ``PytreeSource`` over them, ``o_proj`` kept transposed in
+the tree as a Flax kernel and transposed back by a jitted rule, on its shards) prints one
+JSON line: each round's trainer bytes, each worker's received bytes, the dense bytes, how
+many host copies the trainer made (each exactly one piece: checked) and any read of a whole
+sharded array.
+During the rounds every gather entry point (``jax_side.placement``: ``Target.move``,
+``_replicate_on``; the engine's whole-tensor ``host_bytes``) raises: nothing may assemble a
+whole sharded array. Any mismatch of a worker's parameters against ``load_weights`` of the
+full tensors fails the process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.getcwd())
+from tests.trainer._sliced_workers import TPClient, expected, shapes_of
+from weightwire.jax_side import placement
+from weightwire.jax_side.dtypes import describe
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.jax_side.naming import Naming
+from weightwire.jax_side.rules import Rule
+from weightwire.jax_side.source import PytreeSource
+from weightwire.jax_side.transforms import Transpose
+from weightwire.shared.timeouts import Timeouts
+from weightwire.testing.sources import DictSource
+from weightwire.trainer import TrainerInitInfo
+
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
+
+
+def spec_for(name: str, shape: tuple[int, ...]) -> P:
+    """FSDP on the rows, TP on the columns where they divide; the rest replicated."""
+    if "norm" in name or "mlp.gate." in name:
+        return P()
+    axes: list[str | None] = [None] * len(shape)
+    if shape[0] % 4 == 0:
+        axes[0] = "fsdp"
+    if len(shape) > 1 and shape[-1] % 2 == 0:
+        axes[-1] = "tp"
+    return P(*axes)
+
+
+def forbidden(what: str) -> Any:
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise AssertionError(f"{what} during a sliced round: a whole sharded array was asked")
+
+    return refuse
+
+
+def main() -> None:
+    world, heads, kv, tied = (int(a) for a in sys.argv[1:5])
+    kind = sys.argv[5]
+    config = (world, heads, kv, False, bool(tied))
+    shapes = shapes_of(config)
+    devices = jax.devices()
+    assert len(devices) == 8, devices
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("fsdp", "tp"))
+    client = TPClient(config)
+    arrays: dict[str, Any] = {}
+    info = TrainerInitInfo(
+        backend="weightwire_tcp",
+        pause_mode=None,
+        packed_buffer_size_bytes=1 << 10,
+        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
+    )
+
+    def fill(step: int) -> dict[str, np.ndarray]:
+        """The round's full tensors, put on the mesh shard by shard (the trainer's arrays)."""
+        rng = np.random.default_rng(step)
+        full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        arrays.clear()
+        for name, value in full.items():
+            arrays[name] = jax.device_put(value, NamedSharding(mesh, spec_for(name, value.shape)))
+        assert any(not a.is_fully_replicated for a in arrays.values())
+        return full
+
+    fill(0)
+    source: Any = DictSource(arrays, describe)
+    if kind == "pytree":  # o_proj held as a Flax kernel, transposed back on its shards
+        source = PytreeSource(
+            lambda: {
+                "o_kernel": arrays[O_PROJ].T,
+                **{n: a for n, a in arrays.items() if n != O_PROJ},
+            },
+            Naming([Rule("o_kernel", O_PROJ, Transpose()), Rule("{x}", "{x}")]),
+        )
+    engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
+    host_copies: list[list[int]] = []
+    device_get = jax.device_get
+
+    def recorded(x: Any) -> Any:
+        host_copies.append(list(x.shape))
+        return device_get(x)
+
+    whole: list[str] = []  # a read of a whole sharded array (must stay empty)
+    read_box = engine.read_box
+
+    def watched(tensor: Any, box: Any) -> Any:
+        if box.shape == tuple(tensor.shape) and not tensor.is_fully_replicated:
+            whole.append(str(tensor.shape))
+        copies = len(host_copies)
+        out = read_box(tensor, box)
+        assert [list(box.shape)] == host_copies[copies:], "one host copy: the piece's"
+        return out
+
+    engine.read_box = watched  # type: ignore[method-assign]
+    rounds = []
+    try:
+        for step in (1, 2, 3):
+            full = fill(step)
+            saved = (placement.Target.move, placement._replicate_on, JAXTrainerEngine.host_bytes)
+            placement.Target.move = forbidden("Target.move")  # type: ignore[method-assign]
+            placement._replicate_on = forbidden("_replicate_on")  # type: ignore[assignment]
+            JAXTrainerEngine.host_bytes = forbidden("host_bytes")  # type: ignore[method-assign]
+            jax.device_get = recorded
+            try:
+                metrics = engine.send_weights()
+            finally:
+                placement.Target.move, placement._replicate_on = saved[0], saved[1]
+                JAXTrainerEngine.host_bytes = saved[2]  # type: ignore[method-assign]
+                jax.device_get = device_get
+            assert client.last_update.get("sliced") is True
+            for rank in range(world):
+                want, got = expected(config, full, rank), client.params(rank)
+                for name, tensor in want.items():
+                    assert torch.equal(got[name], tensor), f"round {step} rank {rank} {name}"
+            rounds.append({"sent": metrics.nbytes, "received": list(client.received)})
+    finally:
+        engine.shutdown()
+        client.close()
+    dense = sum(int(np.prod(s)) * 4 for s in shapes.values())
+    print(
+        json.dumps({"rounds": rounds, "dense": dense, "copies": len(host_copies), "whole": whole})
+    )
+
+
+if __name__ == "__main__":
+    main()

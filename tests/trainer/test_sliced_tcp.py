@@ -1,0 +1,526 @@
+"""Sliced rounds over ``weightwire_tcp``, end to end on CPU: a trainer engine and in-process TCP
+workers hosting ``SlicedTP`` ranks (TP 2 and 4, fewer KV heads than ranks, fused qkv /
+gate_up, tied head, whole experts split over the ranks). After each round every worker's
+parameters equal ``load_weights`` of the full tensors bit for bit, each worker received about
+its share of the bytes (counted by the worker), and the trainer sent about one model's bytes,
+not one per worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.torch_side._sliced_models import SlicedTP
+from tests.trainer._sliced_workers import Config, TPClient, expected, shapes_of
+from weightwire.shared.errors import ConfigError, WeightwireError
+from weightwire.shared.slices import SliceError
+from weightwire.shared.timeouts import Timeouts
+from weightwire.testing.sources import DictSource
+from weightwire.trainer import TrainerInitInfo
+from weightwire.trainer.verify import VerifyError
+from weightwire.vllm_guard.worker import worker_round_stats
+
+TIMEOUTS = Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30)
+TP2: Config = (2, 4, 1, False, True)  # one KV head on two ranks, tied head
+TP4: Config = (4, 8, 2, False, False)  # two KV heads on four ranks, own head
+EP2: Config = (2, 8, 2, True, True)  # whole experts split over the ranks, tied head
+
+
+def full_tensors(config: Config, step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes_of(config).items()}
+
+
+def replicated_bytes(config: Config) -> int:
+    """The tensors every rank takes whole (router, norm)."""
+    shapes = shapes_of(config)
+    names = ("model.layers.1.mlp.gate.weight", "model.norm.weight")
+    return sum(int(np.prod(shapes[n])) * 4 for n in names)
+
+
+def info(**kw: Any) -> TrainerInitInfo:
+    settings: dict[str, Any] = {
+        "backend": "weightwire_tcp",
+        "pause_mode": None,
+        "packed_buffer_size_bytes": 1 << 10,  # several frames per worker
+        "timeouts": TIMEOUTS,
+    }
+    return TrainerInitInfo(**{**settings, **kw})
+
+
+def assert_loaded(client: TPClient, full: dict[str, np.ndarray]) -> None:
+    for rank in range(client.config[0]):
+        want = expected(client.config, full, rank)
+        got = client.params(rank)
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), f"rank {rank} {name}"
+
+
+def torch_engine(client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.torch_side.sender.source import describe_tensor
+
+    return TorchTrainerEngine.trainer_init(
+        info(**kw), client=client, source=DictSource(tensors, describe_tensor)
+    )
+
+
+@pytest.mark.parametrize("config", [TP2, TP4, EP2], ids=["tp2-tied-kv1", "tp4-kv2", "ep2"])
+def test_torch_rounds_send_each_worker_its_slices(config: Config) -> None:
+    world = config[0]
+    client = TPClient(config)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        assert client.init_info["sliced"] is True
+        dense = sum(a.nbytes for a in full_tensors(config, 0).values())
+        for step in (1, 2, 3):
+            full = full_tensors(config, step)
+            tensors.clear()
+            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            metrics = engine.send_weights()
+            assert client.last_update["sliced"] is True
+            assert_loaded(client, full)
+            for got in client.received:
+                assert 0 < got <= 1.05 * dense / world + replicated_bytes(config)
+            # what a vLLM worker answers through collective_rpc (the plugin installs it)
+            for rank, engine_r in enumerate(client.engines):
+                told = worker_round_stats(SimpleNamespace(weight_transfer_engine=engine_r))
+                assert told is not None and told["bytes_received"] == client.received[rank]
+            # one model's bytes (replicated KV heads and norms go to each worker that wants
+            # them), not world of them
+            assert metrics.nbytes <= 1.3 * dense
+            assert sum(client.received) == metrics.nbytes
+        assert engine.session.slicing.plans.builds == 1  # planned once, reused every round
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_sliced_off_broadcasts_every_byte() -> None:
+    client = TPClient(TP2)
+    full = full_tensors(TP2, 1)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()}, sliced="off")
+    try:
+        assert "sliced" not in client.init_info
+        metrics = engine.send_weights()
+        assert "sliced" not in client.last_update
+        dense = sum(a.nbytes for a in full.values())
+        assert metrics.nbytes >= dense and client.received == [metrics.nbytes] * 2
+        assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_workers_without_a_spec_want_everything_and_get_the_broadcast() -> None:
+    """A worker that tells no wants (no served checkpoint known: an older hello) wants every
+    tensor whole: with no worker wanting less, the rounds are today's broadcast."""
+    client = TPClient(TP2, spec=False)
+    full = full_tensors(TP2, 1)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
+    try:
+        assert client.init_info["sliced"] is True
+        engine.send_weights()
+        assert "sliced" not in client.last_update
+        assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_bad_wants_are_refused_naming_the_worker_and_tensor(monkeypatch) -> None:
+    """A worker whose wants do not fit the round's tensors: the round is refused before any
+    call, naming the worker and the tensor."""
+    from weightwire.torch_side.worker import sliced
+
+    real = sliced.hello
+
+    def lying(caches: Any, backend: str) -> tuple[bytes, Any]:
+        said, wants = real(caches, backend)
+        told = json.loads(said)
+        told["tensors"]["model.norm.weight"] = [[[0, 999]]]
+        return json.dumps(told).encode(), wants
+
+    monkeypatch.setattr(sliced, "hello", lying)
+    client = TPClient(TP2)
+    full = full_tensors(TP2, 1)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
+    try:
+        with pytest.raises(SliceError, match=r"worker 0's wants.*model\.norm\.weight.*0:999"):
+            engine.send_weights()
+        assert client.updates == 0
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_failed_sliced_round_leaves_the_previous_weights() -> None:
+    """A link lost mid-round (after some workers got their pieces): every worker keeps the
+    last committed round's weights exactly."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        full = full_tensors(TP2, 1)
+        tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+        engine.send_weights()
+        before = [client.params(r) for r in range(2)]
+
+        read, reads = engine.read_box, [0]
+
+        def cut(tensor: Any, box: Any) -> Any:  # worker 1's link drops mid-round
+            reads[0] += 1
+            if reads[0] == 20:
+                engine.session.link._links[1].sock.shutdown(2)
+            return read(tensor, box)
+
+        engine.read_box = cut
+        tensors.update({n: torch.from_numpy(a) for n, a in full_tensors(TP2, 2).items()})
+        with pytest.raises(WeightwireError):
+            engine.send_weights()
+        for rank in range(2):
+            after = client.params(rank)
+            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "source"),
+    [
+        (TP2, "pytree"),
+        pytest.param(TP2, "dict", marks=pytest.mark.slow),
+        pytest.param(TP4, "dict", marks=pytest.mark.slow),
+    ],
+    ids=["tp2-tied-kv1-pytree", "tp2-tied-kv1-dict", "tp4-kv2-dict"],
+)
+def test_jax_rounds_from_an_fsdp_tp_mesh_never_gather(config: Config, source: str) -> None:
+    """A JAX trainer on 8 forced host devices (FSDP 4 x TP 2), in a subprocess (XLA_FLAGS
+    precede jax's import): 3 sliced rounds from a ``PytreeSource`` (a transform run on the
+    shards) or a dict of the arrays, every worker bit-identical to ``load_weights`` of the
+    full tensors (checked there), the gather entry points raising throughout, each host copy
+    one planned piece, each worker its share of the bytes."""
+    world, heads, kv, _, tied = config
+    script = os.path.join(os.path.dirname(__file__), "_sliced_jax_trainer.py")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(
+        [sys.executable, script, str(world), str(heads), str(kv), str(int(tied)), source],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["whole"] == [] and report["copies"] > 0
+    dense = report["dense"]
+    assert len(report["rounds"]) == 3
+    for r in report["rounds"]:
+        assert sum(r["received"]) == r["sent"] <= 1.3 * dense
+        for got in r["received"]:
+            assert 0 < got <= 1.05 * dense / world + replicated_bytes(config)
+
+
+@pytest.mark.parametrize("value", ["on", True, None])
+def test_sliced_setting_is_checked(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"sliced must be one of 'auto', 'off', got"):
+        TrainerInitInfo(backend="weightwire_tcp", sliced=value)  # type: ignore[arg-type]
+
+
+def test_a_worker_without_a_landing_map_gets_whole_tensors_beside_sliced_ones() -> None:
+    """Worker 1's loader is refused (not a plain copy): it wants every tensor whole, gets
+    them assembled from pieces and loads them through ``load_weights``; worker 0 still gets
+    only its slices."""
+    from weightwire.torch_side.worker.landing import LoaderMapRefused
+
+    client = TPClient(TP2)
+
+    def refuse(model: Any, metas: Any, **_: Any) -> Any:
+        raise LoaderMapRefused("the test's loader is not a plain copy")
+
+    client.engines[1]._core.caches._record_map = refuse
+    client.engines[1]._core.caches.reads_map = lambda metas: refuse(None, metas)
+    full = full_tensors(TP2, 1)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
+    try:
+        engine.send_weights()
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
+        dense = sum(a.nbytes for a in full.values())
+        assert client.received[1] == dense
+        assert client.received[0] <= 1.05 * dense / 2 + replicated_bytes(TP2)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_sliced_round_over_the_stage_budget_lands_in_place_and_overlapped() -> None:
+    """``stage_budget_bytes=0``: each piece is written as it lands (the worker reports the
+    round in place until its commit); an overlapped round (``wait=False``) is sliced too."""
+    client = TPClient(TP4)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, stage_budget_bytes=0, pause_mode="keep")
+    seen: list[str | None] = []
+    client.before_finish = lambda: seen.extend(e.round_strategy for e in client.engines)
+    try:
+        for step in (1, 2):
+            full = full_tensors(TP4, step)
+            tensors.clear()
+            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            engine.send_weights(wait=False).result(timeout=60)
+            assert client.last_update["sliced"] is True
+            assert_loaded(client, full)
+        assert seen == ["sliced_in_place"] * 8
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_plan_needing_another_trainer_process_is_refused() -> None:
+    """One sending process: a shard only another process holds is refused by name."""
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.shared.slices import Box, Wants
+    from weightwire.trainer.slice_plan import Held, Holdings
+    from weightwire.trainer.sliced import Slicing
+
+    metas = [ParamMeta("w", "float32", (4, 2))]
+    wants = Wants({"w": (Box.of((0, 2), (0, 2)),)})
+    slicing = Slicing([json.dumps(wants.to_json()).encode()], sender=None)  # type: ignore[arg-type]
+    held = Holdings.of({"w": (4, 2)}, [Held("w", 1, Box.of((0, 4), (0, 2)))])
+    with pytest.raises(
+        ConfigError, match=r"process\(es\) \[1\], not by this one \(0\).*sliced='off'"
+    ):
+        slicing.plan(metas, held, rank=0)
+
+
+@pytest.mark.parametrize(
+    ("hello", "match"),
+    [
+        (b"{not json", "worker 0's wants are not JSON"),
+        (b'{"tensors": {"w": [[[0, 2]]]}, "whole_reason": null}', "worker 0's wants.*'w'.*box"),
+        (b'{"tensors": {}, "extra": 1}', "worker 0's wants: wants must be an object"),
+    ],
+)
+def test_malformed_hellos_are_refused_naming_the_worker(hello: bytes, match: str) -> None:
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.trainer.sliced import parse_wants
+
+    with pytest.raises(SliceError, match=match):
+        parse_wants(hello, [ParamMeta("w", "float32", (4, 2))], 0)
+
+
+def test_verify_checks_sliced_rounds_against_the_workers_shards() -> None:
+    """``verify=True`` on a sliced session against a checker of vLLM shards (vllm-diff mode):
+    each round's digests are those of the slices sent; from the second round on a parameter
+    fed only by unchanged slices must not change, and one that changed is caught."""
+    client = TPClient(TP4)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, verify=True)
+    try:
+        for step in (1, 2):
+            full = full_tensors(TP4, step)
+            tensors.clear()
+            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            report = engine.send_weights().verify
+            assert client.last_update["sliced"] is True
+            assert report.mode == "vllm-diff"
+        assert "every parameter fed by changed tensors changed" in report.proves
+        # the same weights again, but worker 2's norm changes behind the round's back
+        client.after_finish = lambda: client.models[2].norm.weight.data.add_(1.0)
+        with pytest.raises(VerifyError, match=r"same bytes as last round.*tp2:model\.norm\.weight"):
+            engine.send_weights()
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_delta_on_a_sliced_session_sends_dense_sliced_rounds(caplog) -> None:
+    """``delta="auto"`` where the workers want slices: every round is dense and sliced (no
+    worker gets an element outside its wants), said once in the log; the weights are right."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, delta="auto")
+    try:
+        assert client.init_info["delta_rounds"] is True
+        for step in (1, 2, 3):
+            full = full_tensors(TP2, step)
+            if step == 3:  # a few elements change: a delta round would patch them
+                full = {n: a.copy() for n, a in full_tensors(TP2, 2).items()}
+                full["model.norm.weight"][0] += 1
+            tensors.clear()
+            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
+                engine.send_weights()
+            assert client.last_update["sliced"] is True and "patches" not in client.last_update
+            assert_loaded(client, full)
+        told = [r for r in caplog.records if "sends dense sliced rounds" in r.getMessage()]
+        assert len(told) == 1
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_several_trainer_processes_keep_broadcasting(caplog) -> None:
+    """A source shared by several trainer processes (their passes gather through
+    collectives): rounds stay broadcasts, said once; nothing hangs or is refused."""
+    client = TPClient(TP2)
+    full = full_tensors(TP2, 1)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
+    engine.process_count = lambda: 2
+    try:
+        with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
+            engine.send_weights()
+            engine.send_weights()
+        assert "sliced" not in client.last_update
+        assert_loaded(client, full)
+        told = [r for r in caplog.records if "several trainer processes" in r.getMessage()]
+        assert len(told) == 1
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_worker_refuses_a_sliced_round_that_leaves_out_part_of_its_slice(monkeypatch) -> None:
+    """A trainer that sends a worker less than the slice it told (here: one piece dropped):
+    the worker refuses the update once its last piece landed, before anything applies; every
+    worker keeps the previous weights."""
+    from weightwire.trainer import sliced
+
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        full = full_tensors(TP2, 1)
+        tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+        engine.send_weights()
+        before = [client.params(r) for r in range(2)]
+        real = sliced.pieces
+
+        def short(*args: Any, **kw: Any) -> Any:
+            for i, group in enumerate(real(*args, **kw)):
+                yield group[1:] if i == 0 else group  # the first tensor loses a piece
+
+        monkeypatch.setattr(sliced, "pieces", short)
+        monkeypatch.setattr("weightwire.trainer.round.pieces", short)
+        tensors.update({n: torch.from_numpy(a) for n, a in full_tensors(TP2, 2).items()})
+        with pytest.raises(WeightwireError, match=r"brought \d+ of the \d+ elements of"):
+            engine.send_weights()
+        for rank in range(2):
+            after = client.params(rank)
+            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+class SteppedNorm(SlicedTP):
+    """Loads the norm as two stepped copies (even, then odd elements): views that are not
+    boxes, so this worker wants the norm whole and lands it through the map whole."""
+
+    def load_weights(self, weights: Any) -> set[str]:
+        rest = []
+        for name, t in weights:
+            if name == "model.norm.weight":
+                self.norm.weight.data[::2].copy_(t[::2])
+                self.norm.weight.data[1::2].copy_(t[1::2])
+            else:
+                rest.append((name, t))
+        return super().load_weights(rest) | {"model.norm.weight"}
+
+
+def test_a_tensor_whose_loader_reads_no_box_lands_whole_beside_sliced_ones() -> None:
+    def stepped(config: Config, rank: int) -> SlicedTP:
+        world, heads, kv, ep, tied = config
+        torch.manual_seed(rank)
+        return SteppedNorm(
+            rank=rank, world=world, heads=heads, kv_heads=kv, tied=tied, expert_parallel=ep
+        )
+
+    client = TPClient(TP2, model=stepped)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        for step in (1, 2):
+            full = full_tensors(TP2, step)
+            tensors.clear()
+            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            engine.send_weights()
+            assert client.last_update["sliced"] is True
+            for rank in range(2):
+                got = client.params(rank)
+                want = expected(TP2, full, rank)
+                assert all(torch.equal(got[n], t) for n, t in want.items()), rank
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_worker_that_processes_weights_after_loading_still_gets_only_its_slices() -> None:
+    """A model whose modules process their weights after loading (a CPU vLLM's prepack) has
+    no landing map to write through, but its loader's reads are still recorded: it gets only
+    its slices, placed in full-shaped tensors for its own ``load_weights``."""
+
+    class Prepack:  # a quant method that is not a plain copy after loading
+        pass
+
+    def prepacked(config: Config, rank: int) -> SlicedTP:
+        from tests.trainer._sliced_workers import make
+
+        model = make(config, rank)
+        model.qkv_proj.quant_method = Prepack()
+        return model
+
+    client = TPClient(TP2, model=prepacked)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        dense = 0
+        for step in (1, 2):
+            full = full_tensors(TP2, step)
+            dense = sum(a.nbytes for a in full.values())
+            tensors.clear()
+            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            engine.send_weights()
+            assert client.last_update["sliced"] is True
+            assert_loaded(client, full)
+            for got in client.received:
+                assert 0 < got <= 1.05 * dense / 2 + replicated_bytes(TP2)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_verify_against_a_checker_of_whole_tensors_keeps_the_broadcast(caplog) -> None:
+    """A checker keyed by checkpoint names (digest mode: sha256 of whole tensors, as the
+    reference server answers) can only be matched by whole tensors: the rounds of a sliced
+    session stay broadcasts there, said once, and verify passes."""
+    import hashlib
+
+    full = full_tensors(TP2, 1)
+
+    class WholeChecker(TPClient):
+        def weight_checker(self, action: str) -> list[dict[str, Any]]:
+            sums = {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in full.items()}
+            return [{"checksums": sums}]
+
+    client = WholeChecker(TP2)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()}, verify=True)
+    try:
+        with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
+            report = engine.send_weights().verify
+        assert "sliced" not in client.last_update and report.mode == "digest"
+        assert any("checker of whole tensors" in r.getMessage() for r in caplog.records)
+        assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()

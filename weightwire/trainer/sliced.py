@@ -1,0 +1,162 @@
+"""Sliced rounds, rank 0's state: the workers' wants, whether slicing pays, the plan.
+
+At the join each worker told which boxes of every tensor it reads (its hello: the JSON of
+``shared.slices.Wants``; empty from a worker that told none, which wants everything whole).
+They are parsed once per round metadata against the session's tensors (``SliceError``
+naming the worker and the tensor, before any byte); a tensor a worker does not name (its
+spec lacks it, e.g. a tied head the trainer sends anyway) is wanted whole.
+
+Where every worker wants every tensor whole (tensor parallelism 1) rounds stay broadcasts.
+Else every dense round is sliced: the plan (``slice_plan.PlanCache``: rebuilt only when the
+metadata, the holdings or the wants change) gives each worker the pieces it wants, each read
+from a shard this process holds (``pieces``). One sending process only: a plan that needs
+another trainer process's shards is refused (``ConfigError``) before any call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from hashlib import sha256
+from typing import Any
+
+import numpy as np
+
+from weightwire.backends.base import RoundSender, SlicePiece
+from weightwire.shared.dtypes import wire_dtype
+from weightwire.shared.errors import ConfigError
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.slices import Box, SliceError, Wants, split_box
+from weightwire.trainer.slice_plan import Holdings, PlanCache, SlicePlan, Transfer
+
+log = logging.getLogger(__name__)
+
+OLD_HELLO = "the worker told no wants (it predates sliced rounds, or knows no served checkpoint)"
+
+
+def parse_wants(raw: bytes, metas: Sequence[ParamMeta], worker: int) -> Wants:
+    """Worker ``worker``'s hello as its wants of ``metas`` (module docstring)."""
+    shapes = {m.name: tuple(m.shape) for m in metas}
+    if not raw:
+        return Wants.whole(shapes, OLD_HELLO)
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise SliceError(
+            f"worker {worker}'s wants are not JSON: {exc} (TrainerInitInfo(sliced='off') "
+            "sends broadcasts instead)"
+        ) from None
+    if isinstance(obj, dict) and isinstance(obj.get("tensors"), dict):
+        told = obj["tensors"]
+        # The worker names its served checkpoint's tensors: the round's own are judged,
+        # one it does not name goes whole.
+        obj = {
+            **obj,
+            "tensors": {n: told.get(n, [[[0, d] for d in shape]]) for n, shape in shapes.items()},
+        }
+    try:
+        return Wants.from_json(obj, shapes)
+    except SliceError as exc:
+        raise SliceError(
+            f"worker {worker}'s wants: {exc} (its served checkpoint differs from the trainer's "
+            "tensors; TrainerInitInfo(sliced='off') sends broadcasts instead)"
+        ) from None
+
+
+def wants_less(wants: Sequence[Wants], metas: Sequence[ParamMeta]) -> bool:
+    """Some worker wants less than some whole tensor (slicing saves bytes)."""
+    return any(w.regions[m.name] != (Box.whole(m.shape),) for w in wants for m in metas if m.numel)
+
+
+class Slicing:
+    """A session's sliced-round state (rank 0, one sender)."""
+
+    def __init__(self, hellos: list[bytes], sender: RoundSender) -> None:
+        self.hellos = hellos
+        self.sender = sender
+        self.plans = PlanCache()
+        self._wants: tuple[tuple[ParamMeta, ...], list[Wants]] | None = None
+        self._told: set[str] = set()
+
+    def wants(self, metas: Sequence[ParamMeta]) -> list[Wants]:
+        """Every worker's wants of ``metas`` (parsed once per metadata)."""
+        key = tuple(metas)
+        if self._wants is None or self._wants[0] != key:
+            parsed = [parse_wants(raw, metas, w) for w, raw in enumerate(self.hellos)]
+            self._wants = (key, parsed)
+            for w, want in enumerate(parsed):
+                if want.whole_reason is not None:
+                    self.note_once(
+                        f"worker {w} wants every tensor whole: {want.whole_reason}", whole=False
+                    )
+        return self._wants[1]
+
+    def slices(self, metas: Sequence[ParamMeta]) -> bool:
+        """Slicing a round of ``metas`` saves bytes (some worker wants less than a whole
+        tensor); else its rounds are broadcasts (said once)."""
+        if wants_less(self.wants(metas), metas):
+            return True
+        self.note_once("every worker wants every tensor whole:")
+        return False
+
+    def plan(self, metas: Sequence[ParamMeta], holdings: Holdings, rank: int) -> SlicePlan:
+        """The plan (cached); ``ConfigError`` before any call when it needs a shard that
+        another trainer process holds."""
+        plan = self.plans.plan(metas, holdings, self.wants(metas))
+        others = sorted(set(plan.rank_bytes) - {rank})
+        if others:
+            raise ConfigError(
+                f"a sliced round needs shards held by trainer process(es) {others}, not by "
+                f"this one ({rank}): sliced rounds are sent by one trainer process (every "
+                "shard addressable here); pass TrainerInitInfo(sliced='off') to broadcast"
+            )
+        return plan
+
+    def note_once(self, why: str, *, whole: bool = True) -> None:
+        """One INFO line per reason a round of a sliced session is not sent as usual
+        (``whole``: it is broadcast instead)."""
+        if why not in self._told:
+            self._told.add(why)
+            log.info("sliced session: %s%s", why, " rounds are broadcast whole" if whole else "")
+
+
+def pieces(
+    plan: SlicePlan,
+    metas: Sequence[ParamMeta],
+    tensors: Mapping[str, Any],
+    *,
+    rank: int,
+    read: Callable[[Any, Box], Any],
+    buffer_bytes: int,
+    hashes: dict[str, Any] | None = None,
+) -> Iterator[list[SlicePiece]]:
+    """Per tensor of ``metas`` (the update's order), the pieces ``rank`` sends: each
+    planned transfer cut to at most ``buffer_bytes`` (``split_box``), read lazily.
+    ``hashes``: each tensor's sha256 over its pieces' bytes, as they are read (verify; a
+    tensor no worker reads: the digest of no bytes)."""
+    by_tensor: dict[str, list[tuple[int, Transfer]]] = {}
+    for worker, transfers in sorted(plan.of_rank(rank).items()):
+        for t in transfers:
+            by_tensor.setdefault(t.tensor, []).append((worker, t))
+    for index, meta in enumerate(metas):
+        itemsize = wire_dtype(meta.dtype).itemsize
+        tensor = tensors[meta.name]
+        reader = read
+        if hashes is not None:
+            reader = functools.partial(_hashed, read, hashes.setdefault(meta.name, sha256()))
+        yield [
+            SlicePiece(worker, index, sub, functools.partial(reader, tensor, sub))
+            for worker, t in by_tensor.get(meta.name, ())
+            for sub in split_box(t.box, itemsize, buffer_bytes)
+        ]
+
+
+def _hashed(read: Callable[[Any, Box], Any], digest: Any, tensor: Any, box: Box) -> Any:
+    data = read(tensor, box)
+    digest.update(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+    return data
+
+
+__all__ = ["OLD_HELLO", "Slicing", "parse_wants", "pieces", "wants_less"]
