@@ -11,10 +11,10 @@ them after receipt. Timed until the device finished, median of ``--repeats`` aft
 warm-up, side by side:
 
 - ``one by one``: ``LoaderMap.patch`` per tensor (the path before the fused one);
-- ``fused``: ``LoaderMap.patch_all`` (one scatter per parameter storage over the
-  concatenated patches, ``fused_patch``; the default on a GPU);
+- ``fused``: ``LoaderMap.patch_all(concat=True)`` (one scatter per parameter storage over
+  the concatenated patches, ``fused_patch``);
 - ``fused, per patch``: ``patch_all`` with a scatter per patch at ``index + offset`` (the
-  default on a CPU, where a launch costs nothing and the concatenation is one more pass);
+  default: the concatenation's two extra passes cost more than the launches it saves);
 - ``dense copy``: one ``copy_`` of every destination parameter into a buffer of its size
   (the floor the issue compares with: the payload's destination tensors copied once).
 

@@ -5,9 +5,9 @@ one KV head is fewer than TP, plugin backend ``weightwire_tcp``, default setting
 rounds from a JAX trainer, then three from a torch trainer, each with new random weights:
 after each, vLLM's greedy output (ids and logprobs) equals Hugging Face's on the weights
 just sent and differs from the previous round's, and each worker's own count of the bytes it
-received (``weightwire_round_stats`` through ``/collective_rpc``) is what the session
-negotiated: the whole round on a dense session; at most its slice (``1.05 x dense / TP``)
-plus the tensors it keeps whole on a sliced one. A trainer killed mid-round leaves the
+received (``weightwire_round_stats`` through ``/collective_rpc``) is at most its slice
+(``1.05 x dense / TP``) plus the tensors it keeps whole: default settings give a sliced
+session at TP > 1. A trainer killed mid-round leaves the
 previous weights on both workers; what vLLM's executor does with the workers' replies after
 it is ``VLLM_DESYNC`` (the module's last case, expected to fail until vLLM fixes it).
 """
@@ -58,10 +58,9 @@ def tp_server(
 
 
 def negotiated_sliced(engine: JAXTrainerEngine | TorchTrainerEngine) -> bool:
-    """Whether the trainer's session sends each worker only its slice (#48's sliced path), as
-    the engine's session reports it. No session does before that path lands: each worker must
-    then have received the whole round, so a path that slices without saying so fails too."""
-    return bool(getattr(engine.session, "sliced", False))
+    """Whether the trainer's session sends each worker only its slice: every worker told its
+    wants at the join (``Session.slicing``)."""
+    return engine.session.slicing is not None
 
 
 def replicated_bytes(metas: list[ParamMeta], model_dir: str) -> int:
@@ -88,21 +87,17 @@ def check_worker_bytes(
     dense = round_bytes(metas)
     assert metrics.dense_bytes == dense, f"{what}: the round stands for {metrics.dense_bytes}"
     got = [int(s["bytes_received"]) for s in stats]
-    if negotiated_sliced(engine):
-        whole = replicated_bytes(metas, server.model_dir)
-        bound = SLICE_SLACK * dense / TP_SIZE + whole
-        assert all(b <= bound for b in got), (
-            f"{what}: a sliced round's workers received {got} bytes, more than their slice "
-            f"({bound:.0f} = {SLICE_SLACK} x {dense} / {TP_SIZE} + {whole} replicated)"
-        )
-        # The trainer sends about one model's bytes per round, not one per worker.
-        assert sum(got) <= SLICE_SLACK * dense + (TP_SIZE - 1) * whole, f"{what}: {got}"
-    else:
-        assert got == [dense] * TP_SIZE, (
-            f"{what}: a dense round gives each worker every byte once ({dense}), "
-            f"the workers counted {got}"
-        )
-        assert metrics.nbytes == dense, f"{what}: the trainer sent {metrics.nbytes}"
+    # Default settings at TP=2: the round is sliced (#48), each worker gets its slice only.
+    assert negotiated_sliced(engine), f"{what}: the default session at TP={TP_SIZE} broadcast"
+    whole = replicated_bytes(metas, server.model_dir)
+    bound = SLICE_SLACK * dense / TP_SIZE + whole
+    assert all(b <= bound for b in got), (
+        f"{what}: a sliced round's workers received {got} bytes, more than their slice "
+        f"({bound:.0f} = {SLICE_SLACK} x {dense} / {TP_SIZE} + {whole} replicated)"
+    )
+    # The trainer sends about one model's bytes per round, not one per worker.
+    assert sum(got) <= SLICE_SLACK * dense + (TP_SIZE - 1) * whole, f"{what}: {got}"
+    assert metrics.nbytes == sum(got), f"{what}: sent {metrics.nbytes}, received {got}"
     print(f"{what}: dense {dense} B, per worker {got} B, sliced={negotiated_sliced(engine)}")
     return got
 
