@@ -52,8 +52,9 @@ def _ue8m0_ceil(sf: torch.Tensor) -> torch.Tensor:
 
 
 def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
-    # torch's cast saturates already; the clip keeps it equal to XLA's / ml_dtypes' cast.
-    return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    # in place: ``scaled`` is a fresh float32 product; the clip keeps the cast equal to
+    # vLLM's (and XLA's / ml_dtypes') for a product rounded just past the largest e4m3.
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def _errors(x: torch.Tensor, dequantized: torch.Tensor) -> QuantStats:
@@ -67,16 +68,25 @@ def _quantize_block(
     m, n = x.shape
     bm, bn = scheme.block
     rows, cols = -(-m // bm), -(-n // bn)
-    padded = torch.zeros((rows * bm, cols * bn), dtype=torch.float32, device=x.device)
-    padded[:m, :n] = x
+    if (m, n) == (rows * bm, cols * bn) and x.is_contiguous():
+        # Whole blocks (every real linear): a view, no padded copy. Absolute values and their
+        # maximum are exact in the input's own dtype, so the widening can wait until after
+        # the reduction, and the product below widens each element exactly as a float32
+        # copy would: the same bits as the padded float32 path, with fewer passes.
+        padded = x
+    else:
+        padded = torch.zeros((rows * bm, cols * bn), dtype=torch.float32, device=x.device)
+        padded[:m, :n] = x
     view = padded.view(rows, bm, cols, bn)
-    amax = view.abs().amax(dim=(1, 3), keepdim=True)
+    amax = view.abs().amax(dim=(1, 3), keepdim=True).float()
     finite = torch.isfinite(amax).all()
     sf = amax.clamp(min=BLOCK_AMAX_FLOOR) / FP8_MAX
     if scheme.ue8m0:
         sf = _ue8m0_ceil(sf)
-    q = _to_fp8(view * (1.0 / sf))
-    weight = q.view(padded.shape)[:m, :n].contiguous()
+    q = _to_fp8(torch.mul(view, 1.0 / sf))  # float32 out of the mixed product
+    weight = q.view(padded.shape)
+    if weight.shape != (m, n):
+        weight = weight[:m, :n].contiguous()
     errors = None
     if stats and bool(finite):
         errors = _errors(x, (q.float() * sf).view(padded.shape)[:m, :n])
