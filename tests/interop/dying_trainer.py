@@ -14,6 +14,7 @@ their receive).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -60,6 +61,8 @@ def main() -> None:
     extra: dict = {"stage_budget_bytes": int(sys.argv[5])} if len(sys.argv) > 5 else {}
     if len(sys.argv) > 6:
         extra["timeouts"] = Timeouts(transfer_s=float(sys.argv[6]))
+    if os.environ.get("DYING_TRAINER_SLICED"):
+        extra["sliced"] = os.environ["DYING_TRAINER_SLICED"]
     info = TrainerInitInfo(backend="weightwire_tcp", packed_buffer_size_bytes=16 << 10, **extra)
     engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
     engine.send_weights(weight_version=f"dying-{phase}")

@@ -15,6 +15,7 @@ it is ``VLLM_DESYNC`` (the module's last case, expected to fail until vLLM fixes
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -85,7 +86,6 @@ def check_worker_bytes(
     assert [s["rank"] for s in stats] == list(range(TP_SIZE)), f"{what}: workers {stats}"
     assert all(s["committed"] and s["updates"] >= 1 for s in stats), f"{what}: {stats}"
     dense = round_bytes(metas)
-    assert metrics.dense_bytes == dense, f"{what}: the round stands for {metrics.dense_bytes}"
     got = [int(s["bytes_received"]) for s in stats]
     # Default settings at TP=2: the round is sliced (#48), each worker gets its slice only.
     assert negotiated_sliced(engine), f"{what}: the default session at TP={TP_SIZE} broadcast"
@@ -165,9 +165,16 @@ def killed(tp_server: VLLMServer) -> Killed:
     before = served.checksums()
     params, naming = jax_params(tp_server.model_dir)
     dense = round_bytes(PytreeSource(lambda: params, naming).metadata())
-    with dying_trainer(tp_server.url, tp_server.model_dir, "mid_update", "7") as child:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
+    # The killed trainer broadcasts (sliced="off"): the cases below are about vLLM's executor
+    # after a failed dense update_weights; a sliced kill's own rule is the CPU lane's
+    # (tests/trainer/test_sliced_tcp.py).
+    os.environ["DYING_TRAINER_SLICED"] = "off"
+    try:
+        with dying_trainer(tp_server.url, tp_server.model_dir, "mid_update", "7") as child:
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+    finally:
+        del os.environ["DYING_TRAINER_SLICED"]
     return Killed(served, before, dense)
 
 

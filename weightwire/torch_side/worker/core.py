@@ -63,6 +63,7 @@ from weightwire.torch_side.worker.landing import MapRecorder, record_loader_map
 from weightwire.torch_side.worker.load import (
     LOAD_BATCHING,
     FrameworkHooks,
+    HasLoadedLayout,
     MetaCache,
     Model,
     ReceiveStats,
@@ -179,6 +180,9 @@ class _ReceiverCore:
             model=lambda: self._target()[0],
             spec=spec,
             record_map=map_recorder or record_loader_map,
+            loaded_layout=framework.loaded_layout
+            if isinstance(framework, HasLoadedLayout)
+            else None,
         )
         self._map_lookup = self.caches.loader_map if map_recorder is not None else None
         self._delta_rounds = False  # the session's trainer declared delta rounds
@@ -312,6 +316,7 @@ class _ReceiverCore:
         )
         self._round = first_strategy(target, self.stage_budget_bytes)
         self._active = True
+        self.caches.round_began()
         self.last_round = RoundStats(self.session)
         early = self._link.early_landing()
         if early is not None:  # in place from now on: the trainer writes once told so

