@@ -40,7 +40,7 @@ class IPCShimReceiver(bench_sync_shim.Receiver):
                 return super().op(op, args)
             finally:
                 trace(f"{op}<")
-        from weightwire.torch_side.worker.ipc_engine import WeightwireIPCEngine
+        from weightwire.torch_side.worker.engines import WeightwireIPCEngine
 
         with self.lock:
             if self.engine is not None:
