@@ -57,7 +57,7 @@ def _setup(
         log,
         slots,
         worker,
-        IPCPullPipeline(comm, FakePacker(), num_buffers=2, timeout=5.0, hold_bytes=0),
+        IPCPullPipeline(comm, FakePacker(), timeout=5.0),
     )
 
 
@@ -183,7 +183,7 @@ def test_a_wrong_chunk_and_a_silent_worker_are_bounded() -> None:
     comm = IPCSenderComm(
         cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "pull"
     )
-    pipe = IPCPullPipeline(comm, FakePacker(), num_buffers=2, timeout=0.2, hold_bytes=0)
+    pipe = IPCPullPipeline(comm, FakePacker(), timeout=0.2)
     start = time.monotonic()
     with pytest.raises(
         TransferError,
