@@ -20,8 +20,7 @@ import torch
 
 from tests.backends.test_ipc_pull_worker import cp  # noqa: F401  (the fake CUDA fixture)
 from tests.torch_side._landing_models import Refusing
-from tests.trainer.ipc_pull_worker import PullCupy
-from weightwire.backends.ipc import trainer as ipc_trainer
+from tests.trainer.ipc_pull_worker import pull_rendezvous
 from weightwire.backends.ipc.info import IPCInitInfo
 from weightwire.backends.ipc.through.worker import IPCWriteThroughLink
 from weightwire.backends.ipc.trainer import choose_mode, session_mode
@@ -69,17 +68,7 @@ def session(
 ) -> tuple[str, Any]:
     """One worker core joins a real rendezvous that asked for ``asked``: the session's mode
     and the worker's link."""
-    monkeypatch.setattr(ipc_trainer, "cupy_module", lambda: PullCupy([]))
-    rdv = ipc_trainer.IPCRendezvous(
-        world_size=2,
-        device=0,
-        slot_bytes=100,
-        num_slots=2,
-        packed=True,
-        timeout_s=5.0,
-        release_after_round=False,
-        mode=asked,
-    )
+    rdv = pull_rendezvous(monkeypatch, asked)
     joined: dict[str, Any] = {}
 
     def trainer() -> None:

@@ -315,7 +315,7 @@ def _setup(table: LandingTable | None, metas: list[ParamMeta]) -> tuple[list, An
         fake, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "write_through"
     )
     worker = ThroughWorker(b, metas, table)
-    pipe = IPCWriteThroughPipeline(comm, FakePacker(), num_buffers=2, timeout=5.0, hold_bytes=0)
+    pipe = IPCWriteThroughPipeline(comm, FakePacker(), timeout=5.0)
     return log, slots, worker, pipe
 
 

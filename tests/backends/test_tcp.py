@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ml_dtypes
 import numpy as np
 import pytest
+from tcp_pairs import accepted, joined
 from test_tcp_peer import Peers, digest
 
 from weightwire.backends.tcp.comm import TCPCommunicator
@@ -116,32 +117,8 @@ def test_unpacked_framing_one_broadcast_per_tensor():
 # -- in-process pairs (threads) for the finer contract ------------------------------
 
 
-def pair(world_size: int = 2, **connect_kw) -> tuple[TCPCommunicator, list[TCPCommunicator]]:
-    rendezvous = TCPRendezvous(world_size=world_size)
-    with ThreadPoolExecutor(world_size - 1) as pool:
-        futures = [
-            pool.submit(
-                TCPCommunicator.connect,
-                host=rendezvous.host,
-                port=rendezvous.port,
-                secret=rendezvous.secret,
-                rank=r,
-                world_size=world_size,
-                timeout=10,
-                **connect_kw,
-            )
-            for r in range(1, world_size)
-        ]
-        root = rendezvous.accept(timeout=10)
-        receivers = [f.result(timeout=10) for f in futures]
-    with ThreadPoolExecutor(world_size) as pool:
-        for f in [pool.submit(c.warmup, timeout=10) for c in (root, *receivers)]:
-            f.result(timeout=10)
-    return root, receivers
-
-
 def test_parts_are_one_logical_buffer_on_both_sides():
-    root, (recv,) = pair()
+    root, (recv,) = joined()
     parts = [
         np.arange(1000, dtype=np.float32),
         np.ones((3, 4), dtype=ml_dtypes.bfloat16),
@@ -167,7 +144,7 @@ def test_parts_are_one_logical_buffer_on_both_sides():
 
 
 def test_concurrent_receivers_get_the_same_bytes_repeatedly():
-    root, receivers = pair(4)
+    root, receivers = joined(4)
     data = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8)
     with ThreadPoolExecutor(3) as pool:
         for step in range(5):
@@ -186,7 +163,7 @@ def test_concurrent_receivers_get_the_same_bytes_repeatedly():
 
 
 def test_size_mismatch_is_a_clear_desync_error_not_garbage():
-    root, (recv,) = pair()
+    root, (recv,) = joined()
     buf = np.full(999, 7, dtype=np.uint8)
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(recv.broadcast, buf, timeout=10)
@@ -203,7 +180,7 @@ def test_size_mismatch_is_a_clear_desync_error_not_garbage():
 
 
 def test_bad_buffers_are_refused_before_any_byte_moves():
-    root, (recv,) = pair()
+    root, (recv,) = joined()
     with pytest.raises(ValueError, match="C-contiguous"):
         root.broadcast(np.zeros((4, 4), dtype=np.float32)[:, ::2])
     with pytest.raises(ValueError, match="read-only"):
@@ -226,22 +203,10 @@ def test_bad_buffers_are_refused_before_any_byte_moves():
 
 
 def test_explicit_socket_buffers_path_moves_bytes():
-    rendezvous = TCPRendezvous(
-        world_size=2, socket_buffer_bytes=1 << 30
-    )  # above any autotuning ceiling
+    above = 1 << 30  # above any autotuning ceiling
+    rendezvous = TCPRendezvous(world_size=2, socket_buffer_bytes=above)
+    root, (recv,) = accepted(rendezvous, socket_buffer_bytes=above)
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(
-            TCPCommunicator.connect,
-            host=rendezvous.host,
-            port=rendezvous.port,
-            secret=rendezvous.secret,
-            rank=1,
-            world_size=2,
-            timeout=10,
-            socket_buffer_bytes=1 << 30,
-        )
-        root = rendezvous.accept(timeout=10)
-        recv = fut.result(timeout=10)
         data = np.arange(1 << 20, dtype=np.int64)
         out = np.empty_like(data)
         fut = pool.submit(recv.broadcast, out, timeout=10)

@@ -14,30 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from tcp_pairs import accepted, dial
 from test_tcp_peer import Peers
 
 from weightwire.backends.tcp import wire
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
-
-
-def connect(
-    rendezvous: TCPRendezvous,
-    rank: int,
-    *,
-    secret: bytes | None = None,
-    world_size: int | None = None,
-    timeout: float = 10,
-) -> TCPCommunicator:
-    return TCPCommunicator.connect(
-        host=rendezvous.host,
-        port=rendezvous.port,
-        secret=secret or rendezvous.secret,
-        rank=rank,
-        world_size=world_size or rendezvous.world_size,
-        timeout=timeout,
-    )
 
 
 def raw_auth(rendezvous: TCPRendezvous, rank: int, world_size: int) -> int:
@@ -60,9 +43,9 @@ def test_wrong_secret_is_refused_on_both_sides_and_accept_waits_for_the_real_rec
     ):
         accepted = pool.submit(rendezvous.accept, timeout=20)
         with pytest.raises(TransferError, match=r"refused rank 1 \(world_size 2\): wrong secret"):
-            connect(rendezvous, 1, secret=secrets.token_bytes(128))
+            dial(rendezvous, 1, secret=secrets.token_bytes(128))
         assert not accepted.done()
-        good = connect(rendezvous, 1)
+        good = dial(rendezvous, 1)
         root = accepted.result(timeout=20)
     assert re.search(r"refused 127\.0\.0\.1:\d+: claimed rank 1: wrong secret", caplog.text)
     assert rendezvous.init_fields()["secret_b64"] not in caplog.text
@@ -76,7 +59,7 @@ def test_accept_times_out_naming_missing_rank_and_the_refusal():
     with ThreadPoolExecutor(1) as pool:
         accepted = pool.submit(rendezvous.accept, timeout=1.5)
         with pytest.raises(TransferError, match="wrong secret"):
-            connect(rendezvous, 1, secret=bytes(128))
+            dial(rendezvous, 1, secret=bytes(128))
         with pytest.raises(
             TransferTimeout,
             match=(
@@ -127,27 +110,27 @@ def test_rank_handling_duplicates_out_of_range_and_world_size():
     rendezvous = TCPRendezvous(world_size=3)
     with ThreadPoolExecutor(2) as pool:
         accepted = pool.submit(rendezvous.accept, timeout=2)
-        first = connect(rendezvous, 1)
+        first = dial(rendezvous, 1)
         with pytest.raises(TransferError, match="refused rank 1 .*rank already connected"):
-            connect(rendezvous, 1)
+            dial(rendezvous, 1)
         with pytest.raises(TransferError, match="world_size differs"):
-            connect(rendezvous, 2, world_size=4)
+            dial(rendezvous, 2, world_size=4)
         assert raw_auth(rendezvous, 3, 3) == wire.BAD_RANK
         assert raw_auth(rendezvous, 0, 3) == wire.BAD_RANK
         with pytest.raises(TransferTimeout, match=r"rank\(s\) \[2\] of world_size 3 did not join"):
             accepted.result(timeout=10)
     first.close()
     with pytest.raises(ValueError, match=r"receiver rank must be an int in \[1, 3\)"):
-        connect(rendezvous, 3)
+        dial(rendezvous, 3)
     with pytest.raises(ValueError, match="128 bytes"):
-        connect(rendezvous, 1, secret=b"short")
+        dial(rendezvous, 1, secret=b"short")
 
 
 def test_receiver_that_never_connects_times_out_accept_naming_missing_ranks():
     rendezvous = TCPRendezvous(world_size=4)
     with ThreadPoolExecutor(1) as pool:
         accepted = pool.submit(rendezvous.accept, timeout=1.0)
-        two = connect(rendezvous, 2)
+        two = dial(rendezvous, 2)
         with pytest.raises(
             TransferTimeout, match=r"rank\(s\) \[1, 3\] of world_size 4 did not join within 1 s"
         ):
@@ -162,7 +145,7 @@ def test_silent_connection_does_not_block_the_rendezvous():
     with ThreadPoolExecutor(1) as pool:
         accepted = pool.submit(rendezvous.accept, timeout=10)
         time.sleep(0.2)
-        good = connect(rendezvous, 1)
+        good = dial(rendezvous, 1)
         root = accepted.result(timeout=10)
     mute.settimeout(10)
     assert len(wire.recv_exact(mute, wire.HELLO.size, time.monotonic() + 10)) == wire.HELLO.size
@@ -175,7 +158,7 @@ def test_silent_connection_does_not_block_the_rendezvous():
 def test_connect_times_out_when_nobody_accepts():
     rendezvous = TCPRendezvous(world_size=2)  # listening, but accept() never called
     with pytest.raises(TransferTimeout, match="handshake .* did not finish in time"):
-        connect(rendezvous, 1, timeout=0.5)
+        dial(rendezvous, 1, timeout=0.5)
     port = rendezvous.port
     rendezvous.close()
     with pytest.raises(
@@ -187,10 +170,8 @@ def test_connect_times_out_when_nobody_accepts():
 
 
 def _pair() -> tuple[TCPCommunicator, TCPCommunicator]:
-    rendezvous = TCPRendezvous(world_size=2)
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(connect, rendezvous, 1)
-        return rendezvous.accept(timeout=10), fut.result(timeout=10)
+    root, (recv,) = accepted(TCPRendezvous(world_size=2))
+    return root, recv
 
 
 def test_warmup_times_out_naming_the_rank_that_never_said_ready():

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from tcp_pairs import dial
 
 from weightwire.backends.tcp import rendezvous as tcp_rendezvous
 from weightwire.backends.tcp import wire
@@ -37,14 +38,7 @@ def test_a_flood_of_idle_peers_does_not_lock_the_worker_out() -> None:
         accepted = pool.submit(rendezvous.accept, timeout=60)
         try:
             idle = [idle_peer(rendezvous) for _ in range(n)]  # every slot taken (and then some)
-            worker = TCPCommunicator.connect(
-                host=rendezvous.host,
-                port=rendezvous.port,
-                secret=rendezvous.secret,
-                rank=1,
-                world_size=2,
-                timeout=20,
-            )
+            worker = dial(rendezvous, 1, timeout=20)
             root = accepted.result(timeout=30)
         finally:
             for sock in idle:
@@ -71,14 +65,7 @@ def test_an_unproven_peer_is_dropped_after_the_handshake_deadline(
             )
         finally:
             sock.close()
-        worker = TCPCommunicator.connect(
-            host=rendezvous.host,
-            port=rendezvous.port,
-            secret=rendezvous.secret,
-            rank=1,
-            world_size=2,
-            timeout=20,
-        )
+        worker = dial(rendezvous, 1, timeout=20)
         root = accepted.result(timeout=30)
     root.close()
     worker.close()

@@ -7,10 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from tcp_pairs import joined
 
 from weightwire.backends.tcp import wire
-from weightwire.backends.tcp.comm import TCPCommunicator
-from weightwire.backends.tcp.rendezvous import TCPRendezvous
 from weightwire.backends.tcp.slices import frame_header, parse_frame, piece_header
 from weightwire.shared.errors import TransferError
 from weightwire.shared.meta import ParamMeta
@@ -19,37 +18,8 @@ from weightwire.shared.slices import Box
 METAS = [ParamMeta("a", "float32", (4, 3)), ParamMeta("b", "bfloat16", (5,))]
 
 
-def joined(hellos: list[bytes]) -> tuple[TCPCommunicator, list[TCPCommunicator]]:
-    """A root and one receiver per hello, warmed up (each receiver's hello on its ready)."""
-    world = len(hellos) + 1
-    rendezvous = TCPRendezvous(world_size=world)
-    with ThreadPoolExecutor(world) as pool:
-        futures = [
-            pool.submit(
-                TCPCommunicator.connect,
-                host=rendezvous.host,
-                port=rendezvous.port,
-                secret=rendezvous.secret,
-                rank=r,
-                world_size=world,
-                timeout=10,
-            )
-            for r in range(1, world)
-        ]
-        root = rendezvous.accept(timeout=10)
-        receivers = [f.result(timeout=10) for f in futures]
-        warm = [pool.submit(root.warmup, timeout=10)]
-        warm += [
-            pool.submit(c.warmup, timeout=10, hello=h)
-            for c, h in zip(receivers, hellos, strict=True)
-        ]
-        for f in warm:
-            f.result(timeout=10)
-    return root, receivers
-
-
 def test_each_receivers_hello_reaches_the_root_and_frames_reach_only_their_receiver() -> None:
-    root, (one, two) = joined([b'{"wants": 1}', b""])
+    root, (one, two) = joined(3, hellos=[b'{"wants": 1}', b""])
     try:
         assert root.hellos == {1: b'{"wants": 1}', 2: b""}
         payload = [frame_header(1, True), piece_header(0, Box.of((1, 2), (0, 3)))]
@@ -66,11 +36,11 @@ def test_each_receivers_hello_reaches_the_root_and_frames_reach_only_their_recei
 def test_an_oversized_hello_fails_the_warm_up_naming_the_peer(monkeypatch) -> None:
     monkeypatch.setattr(wire, "MAX_HELLO_BYTES", 8)
     with pytest.raises(TransferError, match=r"rank 1 .* sent a 9-byte hello, over the 8-byte"):
-        joined([b"123456789"])
+        joined(2, hellos=[b"123456789"])
 
 
 def test_a_frame_over_its_bound_or_out_of_order_is_refused_before_its_bytes() -> None:
-    root, (one,) = joined([b""])
+    root, (one,) = joined(2, hellos=[b""])
     try:
         with ThreadPoolExecutor(1) as pool:
             got = pool.submit(one.recv_frame, seq=0, max_bytes=4, timeout=10)
@@ -80,7 +50,7 @@ def test_a_frame_over_its_bound_or_out_of_order_is_refused_before_its_bytes() ->
     finally:
         root.close()
         one.close()
-    root, (one,) = joined([b""])
+    root, (one,) = joined(2, hellos=[b""])
     try:
         with ThreadPoolExecutor(1) as pool:
             got = pool.submit(one.recv_frame, seq=0, max_bytes=64, timeout=10)

@@ -119,6 +119,16 @@ def _torch() -> Any:
     return torch
 
 
+def _jax_gpu() -> tuple[Any, Any]:
+    jax = pytest.importorskip("jax")
+    try:
+        gpu = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("jax sees no GPU")
+    pytest.importorskip("cupy")
+    return jax, gpu
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("density", DENSITIES)
 def test_torch_fused_matches_reference(density: float | str) -> None:
@@ -197,12 +207,7 @@ def test_torch_fused_misaligned_views_and_huge_tensor() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("density", DENSITIES)
 def test_jax_fused_matches_reference(density: float | str) -> None:
-    jax = pytest.importorskip("jax")
-    try:
-        gpu = jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("jax sees no GPU")
-    pytest.importorskip("cupy")
+    jax, gpu = _jax_gpu()
     import jax.numpy as jnp
 
     from weightwire.jax_side.delta import JaxDeltaKernel, Prefix
@@ -250,12 +255,7 @@ def test_torch_fused_batched_launches_match_reference() -> None:
 
 @pytest.mark.gpu
 def test_jax_fused_batched_launches_match_reference() -> None:
-    jax = pytest.importorskip("jax")
-    try:
-        gpu = jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("jax sees no GPU")
-    pytest.importorskip("cupy")
+    jax, gpu = _jax_gpu()
     import jax.numpy as jnp
 
     from tests.trainer.delta_batches import assert_same_rounds, layered

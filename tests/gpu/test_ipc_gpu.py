@@ -59,6 +59,17 @@ def _sender(address: str, framework: str, *extra: str, **popen: object) -> list[
     ]
 
 
+def _stopped_sender(address: str, mode: str, stop: str) -> list[str]:
+    """One packed JAX round in ``mode`` whose sender stops (``kill``: dies by SIGKILL;
+    ``pause``: waits) at the round's tensor 20."""
+    return _sender(
+        address,
+        "jax",
+        *("--packed", "1", "--buffer-mib", "128", "--rounds", "1"),
+        *("--stop", stop, "--stop-at", "20", "--ipc-mode", mode),
+    )
+
+
 def _check_rounds(result: dict, n: int) -> list[dict]:
     rounds = result["rounds"]
     assert len(rounds) == n
@@ -166,22 +177,7 @@ def test_ipc_trainer_killed_mid_round_fails_the_worker_with_peer_lost(mode: str)
     proc, client = spawn_loopback("weightwire_ipc", "cuda:0", env=BASE, timeout=180)
     try:
         out = subprocess.run(
-            _sender(
-                client.address,
-                "jax",
-                "--packed",
-                "1",
-                "--buffer-mib",
-                "128",
-                "--rounds",
-                "1",
-                "--stop",
-                "kill",
-                "--stop-at",
-                "20",
-                "--ipc-mode",
-                mode,
-            ),
+            _stopped_sender(client.address, mode, "kill"),
             env={**os.environ, **BASE},
             capture_output=True,
             text=True,
@@ -217,22 +213,7 @@ def test_ipc_trainer_killed_mid_round_fails_the_worker_with_peer_lost(mode: str)
 def test_ipc_worker_killed_mid_round_fails_the_trainer_with_a_clear_error(mode: str) -> None:
     proc, client = spawn_loopback("weightwire_ipc", "cuda:0", env=BASE, timeout=180)
     sender = subprocess.Popen(
-        _sender(
-            client.address,
-            "jax",
-            "--packed",
-            "1",
-            "--buffer-mib",
-            "128",
-            "--rounds",
-            "1",
-            "--stop",
-            "pause",
-            "--stop-at",
-            "20",
-            "--ipc-mode",
-            mode,
-        ),
+        _stopped_sender(client.address, mode, "pause"),
         env={**os.environ, **BASE},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from tests.torch_side._procs import spawn_stub
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {
     "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -36,27 +38,12 @@ KINDS = ["llama", "llama-tied", "moe", "dtypes"]
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[Callable[[str], Any]]:
-    from weightwire.testing.loopback import spawn_loopback_cmd
-
     spawned: dict[str, tuple[Any, Any]] = {}
 
     def get(kind: str) -> Any:
         if kind not in spawned:
-            spawned[kind] = spawn_loopback_cmd(
-                [
-                    "-m",
-                    "tests.torch_side.vllm_stub",
-                    "--backend",
-                    "weightwire_ipc",
-                    "--device",
-                    "cuda:0",
-                    "--shape",
-                    "tiny",
-                    "--model",
-                    kind,
-                ],
-                env=ENV,
-                timeout=300,
+            spawned[kind] = spawn_stub(
+                "weightwire_ipc", "cuda:0", "tiny", "--model", kind, env=ENV, timeout=300
             )
         return spawned[kind][1]
 

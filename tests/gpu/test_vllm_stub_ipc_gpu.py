@@ -25,32 +25,17 @@ from collections.abc import Iterator
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.torch_side._procs import spawn_stub
+
 GIB = 1 << 30
 BUDGETS = {"streaming": 1 * GIB, "staged": 64 * GIB}
 
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[object]:
-    from weightwire.testing.loopback import spawn_loopback_cmd
-
-    env = {
-        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
-    }
-    proc, client = spawn_loopback_cmd(
-        [
-            "-m",
-            "tests.torch_side.vllm_stub",
-            "--backend",
-            "weightwire_ipc",
-            "--device",
-            "cuda:0",
-            "--shape",
-            "llama3-8b",
-        ],
-        env=env,
-        timeout=300,
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    proc, client = spawn_stub(
+        "weightwire_ipc", "cuda:0", "llama3-8b", env={"CUDA_VISIBLE_DEVICES": gpu}, timeout=300
     )
     yield client
     try:

@@ -5,17 +5,16 @@ one it lacks, or sends one in another dtype or shape, before any byte or round c
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 import pytest
+from torch_tensors import Tensors
 
 from weightwire.control import HTTPWeightSyncClient
-from weightwire.shared.meta import ParamMeta
 from weightwire.shared.routes import Route
 from weightwire.shared.served import ServedModelMismatch
-from weightwire.shared.source import WeightSource
 
 
 @pytest.fixture(scope="module")
@@ -37,19 +36,6 @@ def weights(qwen2_tied: str) -> dict[str, Any]:
 
     model = AutoModelForCausalLM.from_pretrained(qwen2_tied)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-class Tensors(WeightSource):
-    def __init__(self, tensors: dict[str, Any]) -> None:
-        self.tensors = tensors
-
-    def metadata(self) -> list[ParamMeta]:
-        from weightwire.torch_side.dtypes import wire_name
-
-        return [ParamMeta(n, wire_name(t.dtype), tuple(t.shape)) for n, t in self.tensors.items()]
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        yield from self.tensors.items()
 
 
 class Recording(HTTPWeightSyncClient):

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+from torch_tensors import Tensors
 
-from weightwire.shared.meta import ParamMeta
 from weightwire.shared.quant import Fp8Block, quantize_block_reference
 from weightwire.shared.served import ServedModelMismatch
-from weightwire.shared.source import WeightSource
 
 CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -63,19 +61,6 @@ def served_dir(tiny_llama: str, base_weights: dict[str, np.ndarray], tmp_path_fa
 @pytest.fixture(scope="module")
 def server(server_factory, served_dir: str):
     return server_factory(["--model", served_dir])
-
-
-class Tensors(WeightSource):
-    def __init__(self, tensors: dict[str, Any]) -> None:
-        self.tensors = tensors
-
-    def metadata(self) -> list[ParamMeta]:
-        from weightwire.torch_side.dtypes import wire_name
-
-        return [ParamMeta(n, wire_name(t.dtype), tuple(t.shape)) for n, t in self.tensors.items()]
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        yield from self.tensors.items()
 
 
 def trainer(

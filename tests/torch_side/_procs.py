@@ -1,4 +1,5 @@
-"""Run ``_sender.py`` as a separate process and read its JSON lines with timeouts."""
+"""Run ``_sender.py`` as a separate process and read its JSON lines with timeouts; start the
+stub vLLM worker (``vllm_stub``) as a loopback process."""
 
 from __future__ import annotations
 
@@ -10,7 +11,27 @@ import sys
 import threading
 from typing import Any
 
+from weightwire.testing.loopback import LoopbackClient, spawn_loopback_cmd
+
 SENDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sender.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def spawn_stub(
+    backend: str,
+    device: str,
+    shape: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    timeout: float,
+) -> tuple[subprocess.Popen, LoopbackClient]:
+    """The stub vLLM worker receiving over ``backend`` on ``device`` into a model of ``shape``
+    (``extra``: its other flags), this tree first on its path; its process and client."""
+    args = ["-m", "tests.torch_side.vllm_stub", "--backend", backend, "--device", device]
+    path = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return spawn_loopback_cmd(
+        [*args, "--shape", shape, *extra], env={**path, **(env or {})}, timeout=timeout
+    )
 
 
 class SenderProcess:

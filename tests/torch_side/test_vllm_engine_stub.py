@@ -8,22 +8,21 @@ engine the same way with an 8B-shaped round and measures its memory.)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from tests.torch_side._procs import spawn_stub
 from tests.torch_side.fake_llama import digest, hf_shapes, trainer_tensors
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
-from weightwire.testing.loopback import LoopbackClient, spawn_loopback_cmd
+from weightwire.testing.loopback import LoopbackClient
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.trainer import TrainerInitInfo
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUDGETS = {"staged": 1 << 30, "streaming": 0}
 
 
@@ -54,20 +53,7 @@ class RoundSource(WeightSource):
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[LoopbackClient]:
-    proc, client = spawn_loopback_cmd(
-        [
-            "-m",
-            "tests.torch_side.vllm_stub",
-            "--backend",
-            "weightwire_tcp",
-            "--device",
-            "cpu",
-            "--shape",
-            "tiny",
-        ],
-        env={"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
-        timeout=60,
-    )
+    proc, client = spawn_stub("weightwire_tcp", "cpu", "tiny", timeout=60)
     yield client
     try:
         client.exit()

@@ -10,6 +10,8 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from tests.trainer.test_ipc_pipeline import FakeCupy
 from weightwire.backends.ipc.channel import Channel
 from weightwire.shared.errors import TransferError
@@ -122,3 +124,24 @@ class PullCupy(FakeCupy):
         )
         rt.ipcCloseMemHandle = lambda p: log.append(("close", p))
         rt.ipcOpenEventHandle = lambda h: int.from_bytes(h[:8], "little")
+
+
+def pull_rendezvous(
+    monkeypatch: pytest.MonkeyPatch, mode: str, *, packed: bool = True, log: list | None = None
+) -> Any:
+    """A real ``IPCRendezvous`` for one worker asking for ``mode``, on fake CUDA (``PullCupy``
+    logging into ``log``): two slots of 100 bytes, 5 s transfers."""
+    from weightwire.backends.ipc import trainer as ipc_trainer
+
+    cupy = PullCupy([] if log is None else log)
+    monkeypatch.setattr(ipc_trainer, "cupy_module", lambda: cupy)
+    return ipc_trainer.IPCRendezvous(
+        world_size=2,
+        device=0,
+        slot_bytes=100,
+        num_slots=2,
+        packed=packed,
+        timeout_s=5.0,
+        release_after_round=False,
+        mode=mode,
+    )

@@ -1,6 +1,7 @@
-"""What the overlapped-round tests share (``test_overlap.py``, ``test_overlap_torch.py``): short
-timeouts, a fresh recording communicator per test, and a gate that holds a route inside the
-fake server until the test releases it.
+"""What the overlapped-round tests share (``test_overlap.py``, ``test_overlap_torch.py``,
+``test_overlap_cow.py``): short timeouts, a fresh recording communicator per test, a gate
+that holds a route inside the fake server until the test releases it, and the torch engine
+those tests send from.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.trainer.fakes import FAKE, FakeComm, FakeServer
+from weightwire.shared.source import WeightSource
 from weightwire.shared.timeouts import Timeouts
 
 FAST = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=5, round_s=10)
@@ -35,6 +37,19 @@ def gate(server: FakeServer, route: str) -> tuple[threading.Event, threading.Eve
 
     server.hooks[route] = hook
     return entered, release
+
+
+def torch_engine(server: FakeServer, source: WeightSource, *, snapshot: str = "copy") -> Any:
+    """A ``TorchTrainerEngine`` sending ``source`` unpacked to ``server`` over the fake host
+    backend, its overlapped rounds fixed by ``snapshot``."""
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine  # torch tests only
+    from weightwire.trainer import TrainerInitInfo
+
+    return TorchTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False, snapshot=snapshot),
+        client=server.client(),
+        source=source,
+    )
 
 
 def round_routes(server: FakeServer) -> list[str]:

@@ -161,7 +161,7 @@ def _setup(
     )
     worker = FakeWorker(b, total, release=release, misbehave=misbehave)
     worker.start()
-    pipe = IPCPipeline(comm, FakePacker(), num_buffers=count, timeout=10.0, hold_bytes=0)
+    pipe = IPCPipeline(comm, FakePacker(), timeout=10.0)
     return log, slots, worker, pipe
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.trainer.ipc_pull_worker import PullCupy, PullWorker, handle
+from tests.trainer.ipc_pull_worker import PullCupy, PullWorker, handle, pull_rendezvous
 from tests.trainer.test_ipc_pipeline import FakePacker, _prepared
 from weightwire.backends.base import Outgoing, SenderParts
 from weightwire.backends.ipc.channel import Channel
@@ -57,7 +57,7 @@ def _setup(
         log,
         slots,
         worker,
-        IPCPullPipeline(comm, FakePacker(), num_buffers=2, timeout=5.0, hold_bytes=0),
+        IPCPullPipeline(comm, FakePacker(), timeout=5.0),
     )
 
 
@@ -183,7 +183,7 @@ def test_a_wrong_chunk_and_a_silent_worker_are_bounded() -> None:
     comm = IPCSenderComm(
         cp, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "pull"
     )
-    pipe = IPCPullPipeline(comm, FakePacker(), num_buffers=2, timeout=0.2, hold_bytes=0)
+    pipe = IPCPullPipeline(comm, FakePacker(), timeout=0.2)
     start = time.monotonic()
     with pytest.raises(
         TransferError,
@@ -214,22 +214,11 @@ def test_a_refused_start_announces_nothing_and_unpacked_is_refused() -> None:
 
 def _join(monkeypatch: pytest.MonkeyPatch, *, packed: bool, mode: str, offer: list[str] | None):
     """A real rendezvous (fake CUDA) joined by one worker whose hello offers ``offer``."""
-    from weightwire.backends.ipc import trainer as ipc_trainer
     from weightwire.backends.ipc.channel import dial
     from weightwire.backends.ipc.info import IPCInitInfo
 
     log: list = []
-    monkeypatch.setattr(ipc_trainer, "cupy_module", lambda: PullCupy(log))
-    rdv = ipc_trainer.IPCRendezvous(
-        world_size=2,
-        device=0,
-        slot_bytes=100,
-        num_slots=2,
-        packed=packed,
-        timeout_s=5.0,
-        release_after_round=False,
-        mode=mode,
-    )
+    rdv = pull_rendezvous(monkeypatch, mode, packed=packed, log=log)
     info = IPCInitInfo.from_dict(rdv.payload)  # the init info is the same whatever the mode
     got: list = []
 

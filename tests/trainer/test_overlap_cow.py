@@ -12,11 +12,9 @@ import pytest
 import torch
 
 from tests.trainer.fakes import FAKE, DictSource, FakeServer
-from tests.trainer.overlap_helpers import FAST, fresh_comm, gate, round_routes  # noqa: F401
+from tests.trainer.overlap_helpers import fresh_comm, gate, round_routes, torch_engine  # noqa: F401
 from weightwire.torch_side.sender.cow import CowSnapshots
-from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.source import ModuleSource, describe_tensor
-from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.snapshot import SnapshotChanged
 
 
@@ -129,19 +127,11 @@ def test_an_unwatched_write_after_the_round_read_fails_it_before_its_commit() ->
     snap.release()
 
 
-def unpacked_engine(server: FakeServer, m: torch.nn.Module) -> TorchTrainerEngine:
-    return TorchTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False, snapshot="cow"),
-        client=server.client(),
-        source=ModuleSource(m),
-    )
-
-
 def test_engine_cow_round_overlapped_with_an_optimizer_step_sends_the_pre_step_bytes() -> None:
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.5)
     server = FakeServer()
-    engine = unpacked_engine(server, m)
+    engine = torch_engine(server, ModuleSource(m), snapshot="cow")
     try:
         entered, release = gate(server, "start_weight_update")
         before = bytes_of(m.parameters())
@@ -164,7 +154,7 @@ def test_engine_cow_round_overlapped_with_an_optimizer_step_sends_the_pre_step_b
 def test_engine_cow_round_with_an_unwatched_write_is_not_committed() -> None:
     m = model()
     server = FakeServer()
-    engine = unpacked_engine(server, m)
+    engine = torch_engine(server, ModuleSource(m), snapshot="cow")
     try:
         entered, release = gate(server, "start_weight_update")
         handle = engine.send_weights(wait=False)
@@ -183,11 +173,7 @@ def test_engine_cow_round_with_an_unwatched_write_is_not_committed() -> None:
 def test_before_update_copies_for_a_write_outside_an_optimizer() -> None:
     weights = {"w": torch.arange(8, dtype=torch.float32), "b": torch.ones(3)}
     server = FakeServer()
-    engine = TorchTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False, snapshot="cow"),
-        client=server.client(),
-        source=DictSource(weights, describe_tensor),
-    )
+    engine = torch_engine(server, DictSource(weights, describe_tensor), snapshot="cow")
     try:
         entered, release = gate(server, "start_weight_update")
         before = bytes_of(weights.values())
@@ -211,7 +197,7 @@ def test_engine_cow_round_on_the_gpu_sends_the_pre_step_bytes() -> None:
     m = model().cuda()
     opt = torch.optim.AdamW(m.parameters(), lr=0.1, foreach=True)
     server = FakeServer()
-    engine = unpacked_engine(server, m)
+    engine = torch_engine(server, ModuleSource(m), snapshot="cow")
     try:
         entered, release = gate(server, "start_weight_update")
         before = [p.detach().cpu().view(torch.uint8).numpy().tobytes() for p in m.parameters()]

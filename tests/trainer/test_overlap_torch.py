@@ -9,24 +9,14 @@ import pytest
 import torch
 
 from tests.trainer.fakes import FAKE, DictSource, FakeServer
-from tests.trainer.overlap_helpers import FAST, fresh_comm, gate  # noqa: F401
-from weightwire.torch_side.sender.engine import TorchTrainerEngine
+from tests.trainer.overlap_helpers import fresh_comm, gate, torch_engine  # noqa: F401
 from weightwire.torch_side.sender.source import describe_tensor
-from weightwire.trainer import TrainerInitInfo
-
-
-def unpacked_engine(server: FakeServer, weights: dict[str, torch.Tensor]) -> TorchTrainerEngine:
-    return TorchTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False),
-        client=server.client(),
-        source=DictSource(weights, describe_tensor),
-    )
 
 
 def test_torch_copy_snapshot_is_isolated_from_in_place_steps_and_reused() -> None:
     weights = {"w": torch.arange(8, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
     server = FakeServer()
-    engine = unpacked_engine(server, weights)
+    engine = torch_engine(server, DictSource(weights, describe_tensor))
     try:
         entered, release = gate(server, "start_weight_update")
         sent = [t.view(torch.uint8).numpy().tobytes() for t in weights.values()]
@@ -55,11 +45,7 @@ def test_torch_copy_snapshot_is_isolated_from_in_place_steps_and_reused() -> Non
 def test_torch_snapshot_none_reads_the_live_parameters() -> None:
     weights = {"w": torch.arange(4, dtype=torch.float32)}
     server = FakeServer()
-    engine = TorchTrainerEngine.trainer_init(
-        TrainerInitInfo(backend="fake_host", timeouts=FAST, packed=False, snapshot="none"),
-        client=server.client(),
-        source=DictSource(weights, describe_tensor),
-    )
+    engine = torch_engine(server, DictSource(weights, describe_tensor), snapshot="none")
     try:
         engine.send_weights(wait=False).result()
         assert FAKE.comm.broadcasts == [weights["w"].numpy().tobytes()]
@@ -74,7 +60,7 @@ def test_torch_copy_snapshot_on_the_gpu_is_ordered_after_the_step_and_before_the
     round waits for it on its own thread, and the next in-place step does not reach it."""
     weights = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda")}
     server = FakeServer()
-    engine = unpacked_engine(server, weights)
+    engine = torch_engine(server, DictSource(weights, describe_tensor))
     try:
         entered, release = gate(server, "start_weight_update")
         for t in weights.values():

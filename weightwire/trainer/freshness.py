@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -138,12 +138,8 @@ def finishes_with_reset(client: Any, caps: ClientCaps) -> bool:
     return caps.finishes_with_resume and client.finishes_with_resume() is True
 
 
-def commit_reset(client: Any, version: str, *, record: Callable[[], None]) -> None:
-    """An unpaused round's finish and, once it committed, the caches reset, in one request per
-    server (the reset right after the commit, as in line, with no round trip between). A
-    failed finish fails the round; a server that did not say it reset: ``StaleCacheError``."""
-    answers = client.finish_reset_resume(version, resume=False)
-    record()
+def _check_reset(version: str, answers: Sequence[object]) -> None:
+    """Each server's answer to a finish with the reset folded in: ``True`` once it reset."""
     refused = [i for i, ok in enumerate(answers) if ok is not True]
     if refused:
         raise StaleCacheError(
@@ -151,6 +147,15 @@ def commit_reset(client: Any, version: str, *, record: Callable[[], None]) -> No
             f"server(s) {', '.join(map(str, refused))} did not say they reset their caches "
             "with the finish",
         )
+
+
+def commit_reset(client: Any, version: str, *, record: Callable[[], None]) -> None:
+    """An unpaused round's finish and, once it committed, the caches reset, in one request per
+    server (the reset right after the commit, as in line, with no round trip between). A
+    failed finish fails the round; a server that did not say it reset: ``StaleCacheError``."""
+    answers = client.finish_reset_resume(version, resume=False)
+    record()
+    _check_reset(version, answers)
 
 
 def commit_resumed(client: Any, version: str, *, record: Callable[[], None]) -> None:
@@ -166,13 +171,7 @@ def commit_resumed(client: Any, version: str, *, record: Callable[[], None]) -> 
             record()
         raise
     record()
-    refused = [i for i, ok in enumerate(answers) if ok is not True]
-    if refused:
-        raise StaleCacheError(
-            version,
-            f"server(s) {', '.join(map(str, refused))} did not say they reset their caches "
-            "with the finish",
-        )
+    _check_reset(version, answers)
 
 
 _WAIT_GRACE_S = 30.0

@@ -20,9 +20,8 @@ from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.group import Exchange, GroupTimeout, TrainerGroup
-from weightwire.trainer.metrics import PhaseClock
 from weightwire.trainer.multi_verify import gather_digests
-from weightwire.trainer.round import Control
+from weightwire.trainer.round import Transmission
 from weightwire.trainer.session import Session
 
 _GRACE_S = 2.0  # how long a rank waits for a failed broadcaster's own account of the failure
@@ -147,23 +146,16 @@ class Ranks:
             self.went.add(turn.src)
         self.exchange.post(f"go{turn.src}", go)
 
-    def lead(
-        self,
-        control: Control,
-        own: dict[str, str] | None,
-        clock: PhaseClock,
-        payloads: list[dict[str, Any]],
-        run: Lead,
-    ) -> Sent:
+    def lead(self, t: Transmission, run: Lead) -> Sent:
         """Rank 0's transfer of the round in flight: its control plane first, then ``run``
         (a wire's turns over rank 0's own stream); raises on the first failed turn."""
         bplan = self.round
         assert bplan is not None
         started = time.perf_counter()
-        control()  # before any turn: rank 0's own slice is produced only after it
-        clock.shift("transfer", "control", time.perf_counter() - started)
-        leading = Leading(bplan, payloads)
-        sent = run(leading, self.pairs(bplan.turn_of(0), own))
+        t.control()  # before any turn: rank 0's own slice is produced only after it
+        t.clock.shift("transfer", "control", time.perf_counter() - started)
+        leading = Leading(bplan, t.payloads)
+        sent = run(leading, self.pairs(bplan.turn_of(0), t.own))
         if leading.failed:
             raise self.turn_error(leading.failed[0])
         return sent
@@ -188,13 +180,7 @@ class SeveralWire(Protocol):
 
     def connect(self, bplan: BroadcastPlan, workers: int) -> None: ...
 
-    def transfer(
-        self,
-        payloads: list[dict[str, Any]],
-        control: Control,
-        own: dict[str, str] | None,
-        clock: PhaseClock,
-    ) -> Sent: ...
+    def transfer(self, t: Transmission) -> Sent: ...
 
     def digests(self, own: dict[str, str]) -> dict[str, str]: ...
 
@@ -212,15 +198,9 @@ class _LeadsTurns(Protocol):
 
 # Stars and a group spell ``Wire.transfer`` / ``digests`` alike (only ``_lead`` differs): each
 # class binds these two as its methods, so both stay plain classes holding a ``Ranks``.
-def lead_transfer(
-    wire: _LeadsTurns,
-    payloads: list[dict[str, Any]],
-    control: Control,
-    own: dict[str, str] | None,
-    clock: PhaseClock,
-) -> Sent:
+def lead_transfer(wire: _LeadsTurns, t: Transmission) -> Sent:
     """Rank 0's transfer over ``wire``, its control plane first."""
-    return wire.ranks.lead(control, own, clock, payloads, wire._lead)
+    return wire.ranks.lead(t, wire._lead)
 
 
 def ranks_digests(wire: _LeadsTurns, own: dict[str, str]) -> dict[str, str]:

@@ -169,23 +169,22 @@ class GroupWire:
 
     def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks
-        self.session = ranks.session
-        self.rank = ranks.rank
-        self.exchange = ranks.exchange
 
     def connect(self, bplan: BroadcastPlan, workers: int) -> None:
         """One communicator for the group (see the module docstring, step 1 ``"group"``)."""
-        s = self.session
+        s = self.ranks.session
         t = s.info.timeouts
         backend = s.backend
         size = len(bplan.group_ranks)
-        if self.rank == 0:
+        if self.ranks.rank == 0:
             posted = False
 
             def extend(payload: dict[str, Any]) -> dict[str, Any]:
                 nonlocal posted
                 out = {**payload, "rank_offset": size}
-                self.exchange.post("group", {"error": None, "fields": backend.peer_fields(out)})
+                self.ranks.exchange.post(
+                    "group", {"error": None, "fields": backend.peer_fields(out)}
+                )
                 posted = True
                 return out
 
@@ -193,13 +192,13 @@ class GroupWire:
                 self.ranks.report("joined", lambda: open_wire(s, extend=extend, trainer_ranks=size))
             except BaseException as exc:
                 if not posted:  # the other broadcasters wait for these fields: tell them now
-                    self.exchange.post("group", {"error": f"{type(exc).__name__}: {exc}"})
+                    self.ranks.exchange.post("group", {"error": f"{type(exc).__name__}: {exc}"})
                 raise
             self.ranks.await_all(
                 "ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s
             )
             return
-        if not bplan.in_group(self.rank):
+        if not bplan.in_group(self.ranks.rank):
             self.ranks.await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
         comm = None
@@ -209,26 +208,26 @@ class GroupWire:
             )  # a rank without a device fails before the rendezvous
             fields = self.ranks.await_ok("group", t.connect_s + t.http_s)["fields"]
             comm = backend.join_peer(
-                s.info, fields, rank=bplan.group_ranks.index(self.rank), timeout=t.connect_s
+                s.info, fields, rank=bplan.group_ranks.index(self.ranks.rank), timeout=t.connect_s
             )
             comm.warmup(timeout=t.warmup_s)
             s.sender = backend.sender(comm, s.info, s.framework.sender_parts(packer))
         except BaseException as exc:
             if comm is not None:
                 comm.abort()
-            self.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
+            self.ranks.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
             raise
         s.link = comm
-        self.exchange.post("ready", {"error": None})
+        self.ranks.exchange.post("ready", {"error": None})
         self.ranks.await_ok("joined", t.http_s + t.warmup_s)
 
     def _group_turns(
         self, bplan: BroadcastPlan, update: Callable[[Turn], Future] | None = None
     ) -> GroupTurns:
-        s = self.session
+        s = self.ranks.session
         assert s.sender is not None and s.link is not None
         return GroupTurns(
-            self.rank, bplan, self.ranks.chunks, s.sender, s.link, s.info.timeouts, update
+            self.ranks.rank, bplan, self.ranks.chunks, s.sender, s.link, s.info.timeouts, update
         )
 
     # -- rank 0: the round's wire (``round.Wire``) ----------------------------------------------
@@ -239,7 +238,7 @@ class GroupWire:
     def follow(self, bplan: BroadcastPlan, pairs: Iterator[tuple[str, Any]]) -> Sent:
         """A group member takes part in every turn (an NCCL broadcast is collective over the
         communicator); a rank outside the group only joins the gathers."""
-        if not bplan.in_group(self.rank):
+        if not bplan.in_group(self.ranks.rank):
             for _ in pairs:  # the turns' gathers; raises on an extra tensor
                 pass
             return Sent(0, 0)
@@ -252,7 +251,7 @@ class GroupWire:
     def _lead(self, leading: Leading, pairs: Iterator[tuple[str, Any]]) -> Sent:
         """Rank 0's transfer over one group: each turn's request, then its collective
         (``multi_group``)."""
-        client, bplan = self.session.client, leading.bplan
+        client, bplan = self.ranks.session.client, leading.bplan
         by_src = {t.src: payload for t, payload in zip(bplan.turns, leading.payloads, strict=True)}
 
         def update(turn: Turn) -> Future:

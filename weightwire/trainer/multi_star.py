@@ -44,23 +44,20 @@ class StarWire:
 
     def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks
-        self.session = ranks.session
-        self.rank = ranks.rank
-        self.exchange = ranks.exchange
 
     def connect(self, bplan: BroadcastPlan, workers: int) -> None:
         """Rank 0 and each other broadcaster agree that star's secret by key shares posted on
         the trainer group's store (``shared.keyshare``): the store holds public values only,
         and the secret reaches the workers inside rank 0's init POST alone."""
-        s = self.session
+        s = self.ranks.session
         t = s.info.timeouts
         share = KeyShare.new()
-        if self.rank == 0:
-            self.exchange.post("keyshare", share.public_b64)
+        if self.ranks.rank == 0:
+            self.ranks.exchange.post("keyshare", share.public_b64)
 
             def extend(payload: dict[str, Any]) -> dict[str, Any]:
                 stars = [
-                    self._source(share, self.exchange.get("endpoint", r, t.connect_s), r)
+                    self._source(share, self.ranks.exchange.get("endpoint", r, t.connect_s), r)
                     for r in bplan.group_ranks[1:]
                 ]
                 return s.backend.with_stars(
@@ -75,35 +72,35 @@ class StarWire:
                 "ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s
             )
             return
-        if bplan.turn_of(self.rank) is None:
+        if bplan.turn_of(self.ranks.rank) is None:
             self.ranks.await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
             return
         rdv: StarEndpoint | None = None
         try:
             secret = share.secret_with(
-                self.exchange.get("keyshare", 0, t.connect_s),
+                self.ranks.exchange.get("keyshare", 0, t.connect_s),
                 length=TCP_SECRET_BYTES,
                 context=_STAR_CONTEXT,
             )
             rdv = s.backend.open_star(s.info, world_size=1 + workers, secret=secret)
-            self.exchange.post(
+            self.ranks.exchange.post(
                 "endpoint", {"host": rdv.host, "port": rdv.port, "keyshare": share.public_b64}
             )
             comm = rdv.accept(timeout=t.connect_s)
         except BaseException as exc:
             if rdv is not None:
                 rdv.close()
-            self.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
+            self.ranks.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
             raise
         try:
             comm.warmup(timeout=t.warmup_s)
         except BaseException as exc:
             comm.abort()
-            self.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
+            self.ranks.exchange.post("ready", {"error": f"{type(exc).__name__}: {exc}"})
             raise
         s.link = comm
         s.sender = s.backend.sender(comm, s.info, s.framework.sender_parts(None))
-        self.exchange.post("ready", {"error": None})
+        self.ranks.exchange.post("ready", {"error": None})
         self.ranks.await_ok("joined", t.http_s)
 
     @staticmethod
@@ -120,7 +117,7 @@ class StarWire:
     def _send_turn(
         self, turn: Turn, pairs: Iterator[tuple[str, Any]], stop: threading.Event
     ) -> Sent:
-        pipeline = self.session.sender
+        pipeline = self.ranks.session.sender
         assert pipeline is not None
         # islice: the pipeline must not pull past this turn (the next item may be a
         # later turn's gather, which can wait on a broadcaster blocked until its turn).
@@ -134,8 +131,8 @@ class StarWire:
         """A broadcaster's first byte waits for its turn's request (its first chunk is
         packed meanwhile): bytes queued behind earlier turns would run down the
         per-broadcast timeout for as long as those turns take."""
-        t = self.session.info.timeouts
-        go = self.exchange.get(f"go{turn.src}", 0, t.http_s * (turn.src + 1) + t.transfer_s)
+        t = self.ranks.session.info.timeouts
+        go = self.ranks.exchange.get(f"go{turn.src}", 0, t.http_s * (turn.src + 1) + t.transfer_s)
         if not go:
             raise RoundFailed(
                 f"trainer rank 0 ended the round before the turn of rank {turn.rank} "
@@ -150,7 +147,7 @@ class StarWire:
     def follow(self, bplan: BroadcastPlan, pairs: Iterator[tuple[str, Any]]) -> Sent:
         """A broadcaster sends its slice on its own star once its turn's request is out;
         every rank then joins the later turns' gathers."""
-        turn = bplan.turn_of(self.rank)
+        turn = bplan.turn_of(self.ranks.rank)
         sent = Sent(0, 0)
         if turn is not None:
             sent = self._send_turn(turn, pairs, threading.Event())
@@ -161,7 +158,7 @@ class StarWire:
     def _lead(self, leading: Leading, pairs: Iterator[tuple[str, Any]]) -> Sent:
         """Rank 0's transfer over stars: its own slice on its star, the turns'
         requests beside it."""
-        s = self.session
+        s = self.ranks.session
         t = s.info.timeouts
         stop = threading.Event()
         self.ranks.went = set()
@@ -186,7 +183,7 @@ class StarWire:
     def _run_turns(self, leading: Leading, stop: threading.Event) -> None:
         """The turns' ``update_weights``, one after another (a worker receives
         one turn at a time)."""
-        s = self.session
+        s = self.ranks.session
         t = s.info.timeouts
         for turn, payload in zip(leading.bplan.turns, leading.payloads, strict=True):
             if stop.is_set():

@@ -44,7 +44,13 @@ from weightwire.shared.source import WeightSource, checked_iter
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.gating import in_place_pause
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
-from weightwire.trainer.round import Control, Round, lead_round, send_update, was_committed
+from weightwire.trainer.round import (
+    Round,
+    Transmission,
+    lead_round,
+    send_update,
+    was_committed,
+)
 from weightwire.trainer.session import Session
 from weightwire.trainer.transfer import chunked
 
@@ -106,17 +112,10 @@ class PatchWire:
     def __init__(self, s: Session, pplan: PatchPlan) -> None:
         self._s, self._pplan = s, pplan
 
-    def transfer(
-        self,
-        payloads: list[dict[str, Any]],
-        control: Control,
-        own: dict[str, str] | None,
-        clock: PhaseClock,
-    ) -> Sent:
+    def transfer(self, t: Transmission) -> Sent:
         s, pplan = self._s, self._pplan
-        (payload,) = payloads
         pairs = checked_iter(pplan.pairs(), pplan.metas, s.framework.describe)
-        return send_update(s, payload, chunked(pairs, pplan.chunks), pplan.metas, control, clock)
+        return send_update(s, t, chunked(pairs, pplan.chunks), pplan.metas)
 
     def digests(self, own: dict[str, str]) -> dict[str, str]:
         return own

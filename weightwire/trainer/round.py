@@ -85,18 +85,30 @@ class RoundControl:
             self._early.ready()
 
 
+@dataclass(frozen=True)
+class Transmission:
+    """What a ``Wire`` sends of one round: each turn's ``update_weights`` payload, the
+    control plane it runs before any byte, where the digests of rank 0's own slice go
+    (``None``: not verified) and the round's clock."""
+
+    payloads: list[dict[str, Any]]
+    control: Control
+    own: dict[str, str] | None
+    clock: PhaseClock
+
+    @property
+    def sole_payload(self) -> dict[str, Any]:
+        """The one turn's payload of a round rank 0 sends alone."""
+        (payload,) = self.payloads
+        return payload
+
+
 class Wire(Protocol):
     """How one round's turns go out from rank 0."""
 
-    def transfer(
-        self,
-        payloads: list[dict[str, Any]],
-        control: Control,
-        own: dict[str, str] | None,
-        clock: PhaseClock,
-    ) -> Sent:
-        """Run ``control``, then every turn with its ``update_weights`` payload; ``own``: record
-        the digests of rank 0's own slice. Raises on the first failed turn."""
+    def transfer(self, t: Transmission) -> Sent:
+        """Run ``t.control``, then every turn with its ``update_weights`` payload, recording
+        the digests of rank 0's own slice in ``t.own``. Raises on the first failed turn."""
         ...
 
     def digests(self, own: dict[str, str]) -> dict[str, str]:
@@ -179,7 +191,7 @@ def lead_round(
     try:
         # Fails before the start: nothing on the workers. After it: the servers are in a
         # round that gets no more bytes (the reference server's lease aborts it).
-        sent = transfer(r, payloads, control, own, clock)
+        sent = transfer(r, Transmission(payloads, control, own, clock))
         # A failed finish: not committed. A failed cache reset after it: committed.
         commit(s, r, pause, servers, clock)
         # Fails: committed (the digests are compared after the finish).
@@ -285,17 +297,11 @@ def open_round(
     servers.paused, servers.started = both.paused, True
 
 
-def transfer(
-    r: Round,
-    payloads: list[dict[str, Any]],
-    control: RoundControl,
-    own: dict[str, str] | None,
-    clock: PhaseClock,
-) -> Sent:
+def transfer(r: Round, t: Transmission) -> Sent:
     """The wire's turns (control first), ``update_weights`` beside its broadcasts."""
-    clock.seconds["control"] = 0.0  # booked from inside the transfer (listed first)
-    with clock("transfer"):
-        return r.wire.transfer(payloads, control, own, clock)
+    t.clock.seconds["control"] = 0.0  # booked from inside the transfer (listed first)
+    with t.clock("transfer"):
+        return r.wire.transfer(t)
 
 
 def commit(s: Session, r: Round, pause: RoundPause, servers: _Servers, clock: PhaseClock) -> None:
@@ -507,25 +513,12 @@ class SoleWire:
     ) -> None:
         self._s, self._sole, self._source, self._remap = s, sole, source, remap
 
-    def transfer(
-        self,
-        payloads: list[dict[str, Any]],
-        control: Control,
-        own: dict[str, str] | None,
-        clock: PhaseClock,
-    ) -> Sent:
-        s, sole = self._s, self._sole
-        (payload,) = payloads
-        source = self._source
-        pairs: Iterator[tuple[str, Any]] = s.stream(source, tensor_stream(source), sole.metas, own)
-        return send_update(
-            s,
-            payload,
-            chunked(sole.wire.reorder(pairs), sole.chunks),
-            sole.wire.metas,
-            control,
-            clock,
+    def transfer(self, t: Transmission) -> Sent:
+        s, sole, source = self._s, self._sole, self._source
+        pairs: Iterator[tuple[str, Any]] = s.stream(
+            source, tensor_stream(source), sole.metas, t.own
         )
+        return send_update(s, t, chunked(sole.wire.reorder(pairs), sole.chunks), sole.wire.metas)
 
     def digests(self, own: dict[str, str]) -> dict[str, str]:
         """``own``, keyed by what the workers hold (``remap``: a delta round's wire tensors ->
@@ -594,16 +587,9 @@ class SlicedWire:
             s.verifier.forget_previous()  # the slices' digests follow the plan's cuts
         return cls(s, sole, tensors, plan)
 
-    def transfer(
-        self,
-        payloads: list[dict[str, Any]],
-        control: Control,
-        own: dict[str, str] | None,
-        clock: PhaseClock,
-    ) -> Sent:
-        s, metas = self._s, self._sole.wire.metas
+    def transfer(self, t: Transmission) -> Sent:
+        s, metas, own = self._s, self._sole.wire.metas, t.own
         assert s.slicing is not None
-        (payload,) = payloads
         hashes: dict[str, Any] | None = None if own is None else {}
         prepared = pieces(
             self._plan,
@@ -614,7 +600,7 @@ class SlicedWire:
             buffer_bytes=s.info.packed_buffer_size_bytes,
             hashes=hashes,
         )
-        sent = send_update(s, payload, prepared, metas, control, clock, sender=s.slicing.sender)
+        sent = send_update(s, t, prepared, metas, sender=s.slicing.sender)
         if own is not None and hashes is not None:
             own.update({n: h.hexdigest() for n, h in hashes.items()})
         return sent
@@ -628,25 +614,24 @@ class SlicedWire:
 
 def send_update(
     s: Session,
-    payload: dict[str, Any],
+    t: Transmission,
     chunks: Iterator[Any],
     metas: list[ParamMeta],
-    control: Control,
-    clock: PhaseClock,
     *,
     sender: RoundSender | None = None,
 ) -> Sent:
-    """Rank 0 alone: one update POST beside the broadcast of ``chunks`` (``sender``: another
+    """Rank 0 alone: its one update POST beside the broadcast of ``chunks`` (``sender``: another
     data path than the session's, a sliced round's); a failure that leaves the link unusable
     marks the session broken."""
     sender = s.sender if sender is None else sender
     assert sender is not None
+    payload, control = t.sole_payload, t.control
     step = Transfer(
         s.link,
         sender,
         post_update=lambda: s.client.update_weights(payload),
         control=control,
-        clock=clock,
+        clock=t.clock,
         http_s=s.info.timeouts.http_s,
     )
     try:

@@ -60,17 +60,9 @@ class IPCDataPath(RoundSender):
     each chunk's device regions checked against the plan and held until the fill stream
     settled."""
 
-    def __init__(
-        self,
-        comm: IPCSenderComm,
-        packer: DevicePacker,
-        *,
-        num_buffers: int,
-        timeout: float,
-        hold_bytes: int,
-    ) -> None:
-        # num_buffers, hold_bytes: the other device path's, unused here (the slots set the
-        # ring's depth; a round's regions are held until its fill stream settled).
+    def __init__(self, comm: IPCSenderComm, packer: DevicePacker, *, timeout: float) -> None:
+        # The slots set the ring's depth; a round's regions are held until its fill stream
+        # settled (no buffer count or hold bound, unlike ``pipelines.DevicePipeline``).
         self._comm = comm
         self._packer = packer
         self._timeout = timeout

@@ -35,6 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from weightwire.backends.base import Prepared, Sent
@@ -154,6 +155,20 @@ def _early_wants(msg: dict[str, Any], depth: int, peer: str) -> dict[int, dict[s
     return out
 
 
+@dataclass(frozen=True)
+class ChunkFill:
+    """One chunk's way into the workers' memory: its index in the round, its plan and device
+    regions, the deadline and liveness check of every wait on it, and the round's starter
+    (what must wait for the control plane)."""
+
+    ci: int
+    chunk: Chunk
+    regions: list[Any]
+    deadline: float
+    alive: Callable[[], None]
+    starter: _Starter
+
+
 class IPCPullPipeline(IPCDataPath):
     """Chunks straight into the workers' buffers.
 
@@ -221,7 +236,8 @@ class IPCPullPipeline(IPCDataPath):
                 count += 1
                 if not chunk.nbytes:  # nothing to write: the worker names no buffer for it either
                     continue
-                self._fill(ci, chunk, regions, time.monotonic() + self._timeout, alive, starter)
+                deadline = time.monotonic() + self._timeout
+                self._fill(ChunkFill(ci, chunk, regions, deadline, alive, starter))
                 nbytes += chunk.nbytes
             starter.wait()
             if self._end_round():
@@ -236,17 +252,10 @@ class IPCPullPipeline(IPCDataPath):
         """The workers this round's chunks go to through their receive buffers."""
         return list(range(len(self._comm.channels)))
 
-    def _fill(
-        self,
-        ci: int,
-        chunk: Chunk,
-        regions: list[Any],
-        deadline: float,
-        alive: Callable[[], None],
-        starter: _Starter,
-    ) -> None:
-        """Chunk ``ci`` into every pulling worker's buffer, then its ready message."""
-        self._fill_others(chunk, regions, deadline, alive, starter)
+    def _fill(self, f: ChunkFill) -> None:
+        """Chunk ``f.ci`` into every pulling worker's buffer, then its ready message."""
+        self._fill_others(f)
+        ci, chunk, regions, deadline, alive = f.ci, f.chunk, f.regions, f.deadline, f.alive
         comm, cp = self._comm, self._comm.cp
         pulling = self._pulling()
         if not pulling:
@@ -276,21 +285,14 @@ class IPCPullPipeline(IPCDataPath):
         record(cp, comm.slots.events[k], self._sptr)
         self._last_ready = k
         trace(f"filled {ci}")
-        starter.wait()  # start + update POST: nothing is announced before they returned
+        f.starter.wait()  # start + update POST: nothing is announced before they returned
         ready = {"op": "ready", "c": ci, "e": k}
         for w in pulling:
             comm.channels[w].send(ready)
 
-    def _fill_others(
-        self,
-        chunk: Chunk,
-        regions: list[Any],
-        deadline: float,
-        alive: Callable[[], None],
-        starter: _Starter,
-    ) -> None:
+    def _fill_others(self, f: ChunkFill) -> None:
         """Before the pulling workers' copies: a chunk's way to the workers that do not pull
-        (``_pulling`` is read after it); ``starter`` holds what must wait for the control
+        (``_pulling`` is read after it); ``f.starter`` holds what must wait for the control
         plane."""
 
     def _end_round(self) -> bool:

@@ -242,14 +242,7 @@ class IPCBackend(Backend):
             "pull": IPCPullPipeline,
             "write_through": IPCWriteThroughPipeline,
         }.get(link.mode, IPCPipeline)
-        count = settings.packed_num_buffers
-        return pipeline(
-            link,
-            parts.packer,
-            num_buffers=count,
-            timeout=settings.timeouts.transfer_s,
-            hold_bytes=settings.packed_buffer_size_bytes * count,
-        )
+        return pipeline(link, parts.packer, timeout=settings.timeouts.transfer_s)
 
 
 def session_mode(asked: str, delta: str) -> str:

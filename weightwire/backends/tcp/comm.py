@@ -349,12 +349,11 @@ class TCPCommunicator(LinkGroup):
         try:
             wire.recv_into(link.sock, memoryview(buf), deadline)
         except wire.WireShort as short:
-            if short.timed_out:
-                raise self._fail(
-                    TransferTimeout(f"TCP: {what} from {link} stalled after {limit:g} s")
-                ) from None
-            raise self._fail(
-                self._lost(link, f"at byte {short.offset} of {length} of {what}", short.cause)
+            raise self._short(
+                link,
+                short,
+                f"TCP: {what} from {link} stalled after {limit:g} s",
+                f"at byte {short.offset} of {length} of {what}",
             ) from None
         return bytes(buf)
 
@@ -427,11 +426,8 @@ class TCPCommunicator(LinkGroup):
                 wire.recv_into(link.sock, view, deadline, progress)
         except wire.WireShort as short:
             where = f"at byte {short.offset} of {nbytes} of broadcast #{seq}"
-            if short.timed_out:
-                raise self._fail(
-                    TransferTimeout(f"TCP receive from {link} stalled {where} after {limit:g} s")
-                ) from None
-            raise self._fail(self._lost(link, where, short.cause)) from None
+            stalled = f"TCP receive from {link} stalled {where} after {limit:g} s"
+            raise self._short(link, short, stalled, where) from None
 
 
 def root_communicator(

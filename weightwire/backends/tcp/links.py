@@ -59,11 +59,9 @@ class LinkGroup:
         try:
             wire.send_all(link.sock, [memoryview(c) for c in chunks], deadline, [0])
         except wire.WireShort as short:
-            if short.timed_out:
-                raise self._fail(
-                    TransferTimeout(f"TCP {what}: sending to {link} timed out")
-                ) from None
-            raise self._fail(self._lost(link, f"during {what}", short.cause)) from None
+            raise self._short(
+                link, short, f"TCP {what}: sending to {link} timed out", f"during {what}"
+            ) from None
 
     def _expect(
         self,
@@ -81,16 +79,11 @@ class LinkGroup:
                 wire.recv_exact(link.sock, wire.FRAME.size, deadline)
             )
         except wire.WireShort as short:
-            if short.timed_out:
-                raise self._fail(
-                    TransferTimeout(f"TCP {what}: nothing from {link} within {limit:g} s")
-                ) from None
-            raise self._fail(
-                self._lost(
-                    link,
-                    f"before {what} (header byte {short.offset} of {wire.FRAME.size})",
-                    short.cause,
-                )
+            raise self._short(
+                link,
+                short,
+                f"TCP {what}: nothing from {link} within {limit:g} s",
+                f"before {what} (header byte {short.offset} of {wire.FRAME.size})",
             ) from None
         if got_tag != tag:
             raise self._fail(
@@ -107,6 +100,15 @@ class LinkGroup:
                 )
             )
         return length
+
+    def _short(
+        self, link: PeerLink, short: wire.WireShort, stalled: str, where: str
+    ) -> TransferError:
+        """What a short send / receive on ``link`` fails the group with: ``stalled`` when its
+        deadline passed, else the link lost ``where``."""
+        if short.timed_out:
+            return self._fail(TransferTimeout(stalled))
+        return self._fail(self._lost(link, where, short.cause))
 
     def _lost(self, link: PeerLink, where: str, cause: str) -> TransferError:
         if self._state != "open":

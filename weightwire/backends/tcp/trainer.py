@@ -23,7 +23,7 @@ from weightwire.backends.base import (
     framing_fields,
     receiver_fields,
 )
-from weightwire.backends.pipelines import HostPipeline
+from weightwire.backends.pipelines import host_sender
 from weightwire.backends.tcp.comm import TCPCommunicator
 from weightwire.backends.tcp.info import TCPInitInfo
 from weightwire.backends.tcp.options import tcp_options
@@ -59,13 +59,7 @@ class TCPBackend(Backend):
         return _TCPRendezvous(payload, rdv)
 
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
-        return HostPipeline(
-            link,
-            parts.host_bytes,
-            num_buffers=settings.packed_num_buffers,
-            timeout=settings.timeouts.transfer_s,
-            prefetch=parts.prefetch,
-        )
+        return host_sender(link, settings, parts)
 
     def hellos(self, link: Any) -> list[bytes]:
         comm: TCPCommunicator = link

@@ -32,8 +32,7 @@ from typing import Any
 from weightwire.backends.device import StreamRef
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
-from weightwire.backends.ipc.pipeline import _Starter
-from weightwire.backends.ipc.pull import IPCPullPipeline
+from weightwire.backends.ipc.pull import ChunkFill, IPCPullPipeline
 from weightwire.backends.ipc.slots import (
     close_mappings,
     open_mapping,
@@ -119,24 +118,17 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
     def _pulling(self) -> list[int]:
         return [w for w, through in enumerate(self._through) if not through]
 
-    def _fill_others(
-        self,
-        chunk: Chunk,
-        regions: list[Any],
-        deadline: float,
-        alive: Callable[[], None],
-        starter: _Starter,
-    ) -> None:
+    def _fill_others(self, f: ChunkFill) -> None:
         """The workers written through: the round's paths first (they decide who pulls)."""
         if not self._known:
-            self._paths(deadline, alive)
+            self._paths(f.deadline, f.alive)
             if self.control_first and any(self._through):
                 # A go sent from inside the start may precede the pause's answer: the pause
                 # must be in effect before the first write into the serving parameters.
-                starter.wait()
+                f.starter.wait()
         for w, through in enumerate(self._through):
             if through:
-                self._write(w, chunk, regions, deadline, alive)
+                self._write(w, f.chunk, f.regions, f.deadline, f.alive)
 
     def _end_round(self) -> bool:
         writing = [w for w, through in enumerate(self._through) if through]
