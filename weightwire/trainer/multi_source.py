@@ -46,6 +46,7 @@ from weightwire.shared.served import ServedModelMismatch
 from weightwire.trainer.broadcast_plan import (
     BroadcastPlan,
     PlanError,
+    Turn,
     check_agreement,
     check_holders,
     check_receiver,
@@ -57,6 +58,7 @@ from weightwire.trainer.group import GroupTimeout, TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_base import PlannedBroadcast, Ranks, RoundFailed, SeveralWire
 from weightwire.trainer.multi_group import GroupWire
+from weightwire.trainer.multi_sliced import SeveralSlicing, slices_across
 from weightwire.trainer.multi_star import StarWire
 from weightwire.trainer.round import Round, SoleRounds, lead_round
 from weightwire.trainer.session import Session, open_wire
@@ -90,6 +92,10 @@ class MultiSource:
             if session.backend.caps.several == "group"
             else StarWire(self.ranks)
         )
+        # Sliced rounds from every process (``multi_sliced``): a star each, opened at init.
+        self.slicing: SeveralSlicing | None = (
+            SeveralSlicing(self.ranks) if slices_across(self.ranks) else None
+        )
 
     # -- agreement ----------------------------------------------------------------------
 
@@ -97,7 +103,13 @@ class MultiSource:
         x = self.ranks
         if x.planned is None or x.planned.metas != metas:
             bplan = plan_broadcast(metas)
-            if x.group_ranks is not None and bplan.group_ranks != x.group_ranks:
+            # every process has a star (sliced): rank 0 alone may still broadcast on its own
+            sole_on_stars = self.slicing is not None and not bplan.multi
+            if (
+                x.group_ranks is not None
+                and bplan.group_ranks != x.group_ranks
+                and not sole_on_stars
+            ):
                 raise PlanError(
                     f"the broadcasting ranks changed from {list(x.group_ranks)} (at init) to "
                     f"{list(bplan.group_ranks)}; call shutdown() and trainer_init() again"
@@ -173,6 +185,14 @@ class MultiSource:
         bplan = agreed.plan
         self.ranks.group_ranks = bplan.group_ranks
         workers = int(agreed.values[0]["workers"])
+        if self.slicing is not None:
+            size = self.exchange.group.size
+            every = BroadcastPlan(tuple(range(size)), tuple(Turn(r, r, ()) for r in range(size)))
+            self.ranks.group_ranks = every.group_ranks
+            self.wire.connect(every, workers, sliced=True)  # type: ignore[call-arg]
+            if self.session.slicing is not None:
+                self.slicing.attach(self.session.slicing)
+            return
         if not bplan.multi:
             if self.rank == 0:
                 self.ranks.report("joined", lambda: open_wire(s))
@@ -186,6 +206,8 @@ class MultiSource:
     def send(self, version: str | None, draft: bool) -> RoundMetrics:
         s = self.session
         self.exchange.step()
+        if self.slicing is not None:
+            self.slicing.new_round()
         clock = PhaseClock()
         with clock("metadata"):
             metas = s.source.metadata()
@@ -202,12 +224,26 @@ class MultiSource:
             logger.info("%s (%d broadcasters)", metrics.summary(), len(bplan.turns))
             return metrics
         if not bplan.multi:
+            sent: Sent | None = None
             with clock("transfer"):
-                for _ in s.source:
-                    pass
+                try:
+                    if self.slicing is not None:
+                        sent = self.slicing.follow(metas, draft)
+                except BaseException as exc:
+                    self.ranks.break_(exc)  # aborts this star: the workers fail the round now
+                    raise
+                if sent is None:
+                    for _ in s.source:
+                        pass
             verdict = self._await_verdict(None)
             return RoundMetrics(
-                verdict["version"], 0, len(metas), 0, False, sender=False, seconds=clock.seconds
+                verdict["version"],
+                0 if sent is None else sent.nbytes,
+                len(metas),
+                0 if sent is None else sent.sends,
+                False,
+                sender=sent is not None,
+                seconds=clock.seconds,
             )
         return self._follow(bplan, clock)
 
@@ -266,6 +302,8 @@ class MultiSource:
 
     def failed(self, exc: BaseException, *, committed: bool) -> None:
         verdict: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "version": None}
+        if self.slicing is not None:
+            self.slicing.release()  # the other senders may be waiting for their "go"
         bplan = self.ranks.round
         if bplan is not None and bplan.multi:
             verdict["committed"] = committed
