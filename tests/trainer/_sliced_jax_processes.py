@@ -141,22 +141,28 @@ def main() -> None:
         return out
 
     engine.read_box = watched  # type: ignore[method-assign]
+
+    def guarded(send: Any) -> Any:
+        """``send()`` with every gather entry point raising and every host copy recorded."""
+        saved = (placement.Target.move, placement._replicate_on, JAXTrainerEngine.host_bytes)
+        placement.Target.move = forbidden("Target.move")  # type: ignore[method-assign]
+        placement._replicate_on = forbidden("_replicate_on")  # type: ignore[assignment]
+        JAXTrainerEngine.host_bytes = forbidden("host_bytes")  # type: ignore[method-assign]
+        jax.device_get = recorded
+        try:
+            return send()
+        finally:
+            placement.Target.move, placement._replicate_on = saved[0], saved[1]
+            JAXTrainerEngine.host_bytes = saved[2]  # type: ignore[method-assign]
+            jax.device_get = device_get
+
     rounds = []
+    failure: dict[str, Any] = {}
     try:
         for step in (1, 2, 3):
             full = fill(step)
-            saved = (placement.Target.move, placement._replicate_on, JAXTrainerEngine.host_bytes)
-            placement.Target.move = forbidden("Target.move")  # type: ignore[method-assign]
-            placement._replicate_on = forbidden("_replicate_on")  # type: ignore[assignment]
-            JAXTrainerEngine.host_bytes = forbidden("host_bytes")  # type: ignore[method-assign]
-            jax.device_get = recorded
             before = len(reads)
-            try:
-                metrics = engine.send_weights()
-            finally:
-                placement.Target.move, placement._replicate_on = saved[0], saved[1]
-                JAXTrainerEngine.host_bytes = saved[2]  # type: ignore[method-assign]
-                jax.device_get = device_get
+            metrics = guarded(engine.send_weights)
             plan = engine.session.slicing.plans._plan  # type: ignore[union-attr]
             row: dict[str, Any] = {
                 "version": metrics.version,
@@ -173,6 +179,28 @@ def main() -> None:
                         assert torch.equal(got[name], tensor), f"round {step} rank {rank} {name}"
                 row["received"] = list(client.received)
             rounds.append(row)
+        # A 4th round in which process 1 fails after its first pieces went out: every
+        # worker refuses the round (nothing commits), every process raises, none hangs.
+        last = full
+        fill(4)
+        if PROCESS == 1:
+
+            def failing(tensor: Any, box: Any) -> Any:
+                if len(reads) >= before + 3:
+                    raise RuntimeError("process 1 lost its shard")
+                return watched(tensor, box)
+
+            engine.read_box = failing  # type: ignore[method-assign]
+        before = len(reads)
+        try:
+            guarded(engine.send_weights)
+        except Exception as exc:
+            failure = {"type": type(exc).__name__, "error": str(exc)[:400]}
+        if PROCESS == 0:
+            for rank in range(CONFIG[0]):
+                want, got = expected(CONFIG, last, rank), client.params(rank)
+                for name, tensor in want.items():
+                    assert torch.equal(got[name], tensor), f"failed round: rank {rank} {name}"
     finally:
         engine.shutdown()
         if PROCESS == 0:
@@ -187,6 +215,7 @@ def main() -> None:
                 "copies": len(host_copies),
                 "whole": whole,
                 "outside": outside,
+                "failure": failure,
             }
         ),
         flush=True,

@@ -239,7 +239,8 @@ def test_two_jax_processes_each_send_their_own_shards_pieces() -> None:
     star. Every worker bit-identical to ``load_weights`` of the full tensors (checked in
     process 0); both processes send, each exactly its plan's bytes, every wanted element once
     (the sum is the workers' total); the gather entry points raise throughout and every host
-    copy is one piece."""
+    copy is one piece. A 4th round in which process 1 fails mid-send fails on every worker
+    (nothing commits) and on both processes, within the timeouts."""
     from tests import ranks
 
     script = Path(__file__).with_name("_sliced_jax_processes.py")
@@ -260,6 +261,11 @@ def test_two_jax_processes_each_send_their_own_shards_pieces() -> None:
         assert sum(r0["received"]) == r0["sent"] + r1["sent"] <= 1.3 * dense
         for got in r0["received"]:
             assert 0 < got <= 1.05 * dense / 2 + replicated_bytes(TP2)
+    # round 4: process 1 fails after its first pieces; the workers refuse the round (process 0
+    # checked they still hold round 3's weights), both processes raise, neither hangs
+    assert reports[1]["failure"] == {"type": "RuntimeError", "error": "process 1 lost its shard"}
+    assert reports[0]["failure"]["type"] == "WeightReceiveError"
+    assert "PeerLost" in reports[0]["failure"]["error"]
 
 
 @pytest.mark.parametrize("value", ["on", True, None])

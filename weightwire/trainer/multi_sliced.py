@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import base64
 import threading
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, cast
 
-from weightwire.backends.base import Outgoing, Sent
+from weightwire.backends.base import Outgoing, Prepared, Sent
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.multi_base import Ranks, RoundFailed
 from weightwire.trainer.round import sliced_round
@@ -146,9 +147,11 @@ class SeveralSlicing:
             read=s.framework.read_box,
             buffer_bytes=s.info.packed_buffer_size_bytes,
         )
-        return slicing.sender.send(
-            Outgoing(prepared, threading.Event(), self._await_go, metas=metas)
+        # a sliced sender's prepared items are each tensor's pieces (``SlicePiece``)
+        outgoing = Outgoing(
+            cast(Iterable[Prepared], prepared), threading.Event(), self._await_go, metas=metas
         )
+        return slicing.sender.send(outgoing)
 
 
 __all__ = ["SeveralSlicing", "decode_hellos", "encode_hellos", "slices_across"]
