@@ -268,6 +268,26 @@ def test_two_jax_processes_each_send_their_own_shards_pieces() -> None:
     assert "PeerLost" in reports[0]["failure"]["error"]
 
 
+@pytest.mark.slow
+def test_two_torch_processes_each_send_their_own_shards_pieces() -> None:
+    """2 gloo ranks in a ``TrainerGroup``: the matrices DTensors sharded over both (uneven
+    where they do not divide), the rest plain tensors each rank holds whole (known only to
+    itself: the ranks tell each other). 3 sliced rounds, both ranks sending their plan's
+    bytes, every worker bit-identical to ``load_weights`` of the full tensors (checked in
+    rank 0), ``full_tensor`` raising throughout."""
+    from tests import ranks
+
+    script = Path(__file__).with_name("_sliced_torch_processes.py")
+    reports = ranks.two_rank_reports(script, str(ranks.free_port()), timeout=240)
+    for r0, r1 in zip(reports[0]["rounds"], reports[1]["rounds"], strict=True):
+        plan = r0["rank_bytes"]
+        assert plan == r1["rank_bytes"] and sorted(plan) == ["0", "1"]
+        assert r0["sent"] == plan["0"] > 0 and r1["sent"] == plan["1"] > 0
+        assert r0["received"] == [r0["worker_bytes"][str(w)] for w in range(2)]
+        assert sum(r0["received"]) == r0["sent"] + r1["sent"]
+    assert [r["version"] for r in reports[1]["rounds"]] == ["1", "2", "3"]
+
+
 @pytest.mark.parametrize("value", ["on", True, None])
 def test_sliced_setting_is_checked(value: object) -> None:
     with pytest.raises(ConfigError, match=r"sliced must be one of 'auto', 'off', got"):

@@ -1,12 +1,15 @@
 """Sliced rounds from several trainer processes (a ``TrainerGroup`` over ``weightwire_tcp``).
 
+It applies where the source names no broadcasters (no ``ParamMeta.owners``: without
+slicing rank 0 would send alone) and the session asks for wants (``sliced="auto"``).
 At init every trainer process opens a star (``multi_star.StarWire.connect`` with every rank
 a sender) and the workers tell their wants on rank 0's; rank 0 posts the hellos over the
 group, so every process holds the same ``trainer.sliced.Slicing``. In a round:
 
 1. every process reads its source's tensors where they are held (``sliced_source``: no
-   gather), takes the holdings from their shardings and builds the slice plan: the same
-   inputs give the same plan on every process (``slice_plan``'s order is deterministic);
+   gather) and says what its own rank holds of them (``merge``: a ``jax.Array``'s or
+   DTensor's sharding, a plain tensor whole); every process builds the slice plan from
+   the union: the same inputs give the same plan (``slice_plan``'s order is deterministic);
    the processes compare the plan's digest (``agree``) before any call, and a process that
    could not build it names itself on every rank;
 2. rank 0 runs the round as one sender does (``round.SoleRounds``: the control plane, the
@@ -27,15 +30,18 @@ no process waits longer than its timeouts.
 from __future__ import annotations
 
 import base64
+import json
 import threading
 from collections.abc import Iterable
+from hashlib import sha256
 from typing import Any, cast
 
 from weightwire.backends.base import Outgoing, Prepared, Sent
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.slices import Box
 from weightwire.trainer.multi_base import Ranks, RoundFailed
 from weightwire.trainer.round import sliced_round
-from weightwire.trainer.slice_plan import SlicePlan, SlicePlanError
+from weightwire.trainer.slice_plan import Held, Holdings, SlicePlan, SlicePlanError
 from weightwire.trainer.sliced import Slicing, pieces, plan_digest
 from weightwire.trainer.transfer import tensor_stream
 
@@ -73,8 +79,11 @@ class SeveralSlicing:
         """Rank 0: a sliced round's plan was agreed on this round."""
         self.went = False
         """Rank 0: this round's "go" (or its refusal) was posted."""
+        self._held: tuple[list[str], Holdings] | None = None
+        """The processes' holdings digests last exchanged, and their union."""
 
     def attach(self, slicing: Slicing) -> None:
+        slicing.merge = self.merge
         slicing.agree = self.agree
         if self.ranks.rank == 0:
             slicing.began = self.began
@@ -83,6 +92,32 @@ class SeveralSlicing:
         self.in_flight = self.went = False
 
     # -- every rank -------------------------------------------------------------------------
+
+    def merge(self, holdings: Holdings) -> Holdings:
+        """The union of what each process says it holds itself (its own rank's boxes: a
+        ``jax.Array``'s sharding tells every process's, a plain tensor only its holder's).
+        Every round the processes compare a digest of theirs; the boxes themselves cross
+        the group only when a digest changed."""
+        x = self.ranks
+        rank, timeout = x.rank, x.session.info.timeouts.http_s
+        mine = sorted(
+            [h.tensor, [list(r) for r in h.box.ranges]]
+            for hs in holdings.held.values()
+            for h in hs
+            if h.rank == rank
+        )
+        shapes = {n: list(s) for n, s in holdings.shapes.items()}
+        digest = sha256(json.dumps([shapes, mine]).encode()).hexdigest()[:32]
+        digests = x.exchange.allgather("slice_held_digest", digest, timeout)
+        if self._held is None or self._held[0] != digests:
+            told = x.exchange.allgather("slice_held", mine, timeout)
+            held = [
+                Held(name, r, Box(tuple((int(lo), int(hi)) for lo, hi in ranges)))
+                for r, boxes in enumerate(told)
+                for name, ranges in boxes
+            ]
+            self._held = (digests, Holdings.of(holdings.shapes, held))
+        return self._held[1]
 
     def agree(self, plan: SlicePlan | None, error: str | None) -> None:
         """Every process built the same plan (its digest), or every one raises naming the

@@ -92,7 +92,8 @@ class MultiSource:
             if session.backend.caps.several == "group"
             else StarWire(self.ranks)
         )
-        # Sliced rounds from every process (``multi_sliced``): a star each, opened at init.
+        # Sliced rounds from every process (``multi_sliced``): a star each, opened at init,
+        # where the source names no broadcasters (no owners: rank 0 would send alone).
         self.slicing: SeveralSlicing | None = (
             SeveralSlicing(self.ranks) if slices_across(self.ranks) else None
         )
@@ -185,6 +186,8 @@ class MultiSource:
         bplan = agreed.plan
         self.ranks.group_ranks = bplan.group_ranks
         workers = int(agreed.values[0]["workers"])
+        if bplan.multi:  # owners name the broadcasters: their turns, as before
+            self.slicing = None
         if self.slicing is not None:
             size = self.exchange.group.size
             every = BroadcastPlan(tuple(range(size)), tuple(Turn(r, r, ()) for r in range(size)))

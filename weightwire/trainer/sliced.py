@@ -84,6 +84,9 @@ class Slicing:
         self.agree: Callable[[SlicePlan | None, str | None], None] | None = None
         """Several processes: every rank checks it built the same plan, or learns which rank
         could not (before any call)."""
+        self.merge: Callable[[Holdings], Holdings] | None = None
+        """Several processes: what every process says it holds itself (a plain tensor is
+        known whole only to the process that has it), the same on every process."""
         self.began: Callable[[], None] | None = None
         """Several processes: rank 0 tells the others its control plane ran (they may send)."""
 
@@ -111,6 +114,8 @@ class Slicing:
     def plan(self, metas: Sequence[ParamMeta], holdings: Holdings, rank: int) -> SlicePlan:
         """The plan (cached); ``ConfigError`` before any call when it needs a shard that
         another trainer process holds."""
+        if self.merge is not None:
+            holdings = self.merge(holdings)
         try:
             plan = self.plans.plan(metas, holdings, self.wants(metas))
         except Exception as exc:
