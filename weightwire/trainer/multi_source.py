@@ -94,9 +94,7 @@ class MultiSource:
         )
         # Sliced rounds from every process (``multi_sliced``): a star each, opened at init,
         # where the source names no broadcasters (no owners: rank 0 would send alone).
-        self.slicing: SeveralSlicing | None = (
-            SeveralSlicing(self.ranks) if slices_across(self.ranks) else None
-        )
+        self.slicing: SeveralSlicing | None = None
 
     # -- agreement ----------------------------------------------------------------------
 
@@ -186,13 +184,13 @@ class MultiSource:
         bplan = agreed.plan
         self.ranks.group_ranks = bplan.group_ranks
         workers = int(agreed.values[0]["workers"])
-        if bplan.multi:  # owners name the broadcasters: their turns, as before
-            self.slicing = None
-        if self.slicing is not None:
+        if not bplan.multi and slices_across(self.ranks):  # else owners' turns, as before
+            self.slicing = SeveralSlicing(self.ranks)
             size = self.exchange.group.size
             every = BroadcastPlan(tuple(range(size)), tuple(Turn(r, r, ()) for r in range(size)))
             self.ranks.group_ranks = every.group_ranks
-            self.wire.connect(every, workers, sliced=True)  # type: ignore[call-arg]
+            assert isinstance(self.wire, StarWire)  # slices_across: a star per sender
+            self.wire.connect(every, workers, sliced=True)
             if self.session.slicing is not None:
                 self.slicing.attach(self.session.slicing)
             return
