@@ -3,7 +3,9 @@ processes (4 forced host devices each), an FSDP 4 x TP 2 mesh over the 8 devices
 across the processes), sending 3 sliced rounds to in-process TCP workers hosting
 ``SlicedTP`` ranks (TP 2, one KV head, tied head) that live in process 0.
 
-``python _sliced_jax_processes.py PROCESS PORT`` prints one JSON line: each round's bytes this
+``python _sliced_jax_processes.py PROCESS PORT [KIND]`` (KIND ``dict``: a dict of the sharded
+arrays; ``pytree``: a ``PytreeSource`` over them, ``o_proj`` kept transposed as a Flax kernel
+and transposed back by a jitted rule on its shards) prints one JSON line: each round's bytes this
 process sent, what its plan gives each rank, the pieces it read (each inside one of its own
 addressable shards: checked) and (process 0) each worker's received bytes. During the rounds
 every gather entry point (``jax_side.placement``: ``Target.move``, ``_replicate_on``; the
@@ -17,6 +19,7 @@ import os
 import sys
 
 PROCESS, PORT = int(sys.argv[1]), int(sys.argv[2])
+KIND = sys.argv[3] if len(sys.argv) > 3 else "dict"  # "pytree": a PytreeSource over the arrays
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
@@ -36,11 +39,16 @@ from weightwire.jax_side.dtypes import describe  # noqa: E402
 from weightwire.jax_side.engine import JAXTrainerEngine  # noqa: E402
 from weightwire.jax_side.holdings import index_box  # noqa: E402
 from weightwire.jax_side.multiprocess import JaxProcessGroup  # noqa: E402
+from weightwire.jax_side.naming import Naming  # noqa: E402
+from weightwire.jax_side.rules import Rule  # noqa: E402
+from weightwire.jax_side.source import PytreeSource  # noqa: E402
+from weightwire.jax_side.transforms import Transpose  # noqa: E402
 from weightwire.shared.timeouts import Timeouts  # noqa: E402
 from weightwire.testing.sources import DictSource  # noqa: E402
 from weightwire.trainer import TrainerInitInfo  # noqa: E402
 
 CONFIG = (2, 4, 1, False, True)  # TP 2, one KV head on two ranks, tied head
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
 
 
 def spec_for(name: str, shape: tuple[int, ...]) -> P:
@@ -113,8 +121,18 @@ def main() -> None:
         packed_buffer_size_bytes=1 << 10,  # several frames per worker and sender
         timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
     )
+    source: Any = DictSource(arrays, describe)
+    if KIND == "pytree":
+        # o_proj held as a Flax kernel, transposed back by a jitted rule on its shards
+        source = PytreeSource(
+            lambda: {
+                "o_kernel": arrays[O_PROJ].T,
+                **{n: a for n, a in arrays.items() if n != O_PROJ},
+            },
+            Naming([Rule("o_kernel", O_PROJ, Transpose()), Rule("{x}", "{x}")]),
+        )
     engine = JAXTrainerEngine.trainer_init(
-        info, client=client, source=DictSource(arrays, describe), group=JaxProcessGroup()
+        info, client=client, source=source, group=JaxProcessGroup()
     )
     host_copies: list[list[int]] = []
     device_get = jax.device_get

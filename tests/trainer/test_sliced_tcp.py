@@ -232,9 +232,11 @@ def test_jax_rounds_from_an_fsdp_tp_mesh_never_gather(config: Config, source: st
             assert 0 < got <= 1.05 * dense / world + replicated_bytes(config)
 
 
-def test_two_jax_processes_each_send_their_own_shards_pieces() -> None:
+@pytest.mark.parametrize("source", ["pytree", pytest.param("dict", marks=pytest.mark.slow)])
+def test_two_jax_processes_each_send_their_own_shards_pieces(source: str) -> None:
     """2 ``jax.distributed`` processes (4 host devices each, FSDP 4 x TP 2 over the 8, FSDP
-    across the processes) in a ``TrainerGroup``: 3 sliced rounds, each process sending each
+    across the processes) in a ``TrainerGroup``, the source a ``PytreeSource`` (a transform
+    run on the shards) or a dict of the arrays: 3 sliced rounds, each process sending each
     worker the pieces the plan gives its rank, read from its own addressable shards on its own
     star. Every worker bit-identical to ``load_weights`` of the full tensors (checked in
     process 0); both processes send, each exactly its plan's bytes, every wanted element once
@@ -244,7 +246,7 @@ def test_two_jax_processes_each_send_their_own_shards_pieces() -> None:
     from tests import ranks
 
     script = Path(__file__).with_name("_sliced_jax_processes.py")
-    reports = ranks.two_rank_reports(script, str(ranks.free_port()), timeout=240)
+    reports = ranks.two_rank_reports(script, str(ranks.free_port()), source, timeout=240)
     dense = reports[0]["dense"]
     for p, report in enumerate(reports):
         assert report["process"] == p
@@ -268,7 +270,6 @@ def test_two_jax_processes_each_send_their_own_shards_pieces() -> None:
     assert "PeerLost" in reports[0]["failure"]["error"]
 
 
-@pytest.mark.slow
 def test_two_torch_processes_each_send_their_own_shards_pieces() -> None:
     """2 gloo ranks in a ``TrainerGroup``: the matrices DTensors sharded over both (uneven
     where they do not divide), the rest plain tensors each rank holds whole (known only to

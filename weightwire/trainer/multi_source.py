@@ -60,7 +60,7 @@ from weightwire.trainer.multi_base import PlannedBroadcast, Ranks, RoundFailed, 
 from weightwire.trainer.multi_group import GroupWire
 from weightwire.trainer.multi_sliced import SeveralSlicing, slices_across
 from weightwire.trainer.multi_star import StarWire
-from weightwire.trainer.round import Round, SoleRounds, lead_round
+from weightwire.trainer.round import Round, SoleRounds, lead_round, sliced_round
 from weightwire.trainer.session import Session, open_wire
 
 logger = logging.getLogger(__name__)
@@ -134,10 +134,13 @@ class MultiSource:
         timeout: float,
         *,
         fits: bool = False,
+        sliced: bool = False,
     ) -> Agreement:
         """Every rank's local verdict and metadata digest; every rank raises the same error.
         ``fits``: rank 0 checks the round against the served model (every rank's ``metas``
-        are the whole round's); its own ``ServedModelMismatch`` is raised there as itself."""
+        are the whole round's); its own ``ServedModelMismatch`` is raised there as itself.
+        ``sliced``: a plan of one broadcaster goes sliced from every process (each reads
+        its own shards): rank 0 need not hold every tensor whole."""
         bplan: BroadcastPlan | None = None
         unfit: ServedModelMismatch | None = None
         if error is None and fits and self.rank == 0:
@@ -148,7 +151,8 @@ class MultiSource:
         if error is None:
             try:
                 bplan = self._plan(metas)
-                check_holders(bplan, self.rank, self.session.source.held_names())
+                if not (sliced and not bplan.multi):
+                    check_holders(bplan, self.rank, self.session.source.held_names())
                 b = self.session.backend
                 check_receiver(bplan, b.name, stock=b.caps.stock_receiver, several=b.caps.several)
             except (PlanError, ValueError, TypeError) as exc:
@@ -180,7 +184,9 @@ class MultiSource:
                 extra["workers"] = s.info.inference_world_size or s.client.get_world_size()
             except Exception as exc:
                 error = f"asking the server: {type(exc).__name__}: {exc}"
-        agreed = self._agree("init", metas, extra, error, t.connect_s + t.http_s)
+        agreed = self._agree(
+            "init", metas, extra, error, t.connect_s + t.http_s, sliced=slices_across(self.ranks)
+        )
         bplan = agreed.plan
         self.ranks.group_ranks = bplan.group_ranks
         workers = int(agreed.values[0]["workers"])
@@ -204,6 +210,17 @@ class MultiSource:
 
     # -- a round ------------------------------------------------------------------------
 
+    def _sliced(self, metas: list[ParamMeta], draft: bool) -> bool:
+        """This round goes sliced from every process (the same answer on every rank: the
+        workers' wants, the round's kind and the settings)."""
+        s = self.session
+        return (
+            self.slicing is not None
+            and s.slicing is not None
+            and s.slicing.slices(metas)
+            and sliced_round(s, s.slicing, draft=draft, fields=None)
+        )
+
     def send(self, version: str | None, draft: bool) -> RoundMetrics:
         s = self.session
         self.exchange.step()
@@ -213,7 +230,13 @@ class MultiSource:
         with clock("metadata"):
             metas = s.source.metadata()
             bplan = self._agree(
-                "round", metas, {}, None, s.info.timeouts.http_s, fits=not draft
+                "round",
+                metas,
+                {},
+                None,
+                s.info.timeouts.http_s,
+                fits=not draft,
+                sliced=self._sliced(metas, draft),
             ).plan
         if self.rank == 0:
             self.ranks.round = bplan
