@@ -87,6 +87,7 @@ def main() -> None:
         group=TorchStoreGroup(),
     )
     rounds = []
+    failure: dict[str, Any] = {}
     try:
         for step in (1, 2, 3):
             full = fill(step)
@@ -106,11 +107,30 @@ def main() -> None:
                         assert torch.equal(got[name], tensor), f"round {step} {worker} {name}"
                 row["received"] = list(client.received)
             rounds.append(row)
+        # A 4th round whose start the server refuses: rank 0 fails before its "go", rank 1
+        # learns it instead of waiting, nothing reached the workers.
+        last = full
+        fill(4)
+        if rank == 0:
+
+            def refused() -> None:
+                raise RuntimeError("the server refused the start")
+
+            client.start_weight_update = refused
+        try:
+            engine.send_weights()
+        except Exception as exc:
+            failure = {"type": type(exc).__name__, "error": str(exc)[:300]}
+        if rank == 0:
+            for worker in range(CONFIG[0]):
+                want, got = expected(CONFIG, last, worker), client.params(worker)
+                for name, tensor in want.items():
+                    assert torch.equal(got[name], tensor), f"refused round: {worker} {name}"
     finally:
         engine.shutdown()
         if rank == 0:
             client.close()
-    print(json.dumps({"rank": rank, "rounds": rounds}), flush=True)
+    print(json.dumps({"rank": rank, "rounds": rounds, "failure": failure}), flush=True)
     torch.distributed.destroy_process_group()
 
 

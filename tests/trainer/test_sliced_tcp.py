@@ -275,7 +275,8 @@ def test_two_torch_processes_each_send_their_own_shards_pieces() -> None:
     where they do not divide), the rest plain tensors each rank holds whole (known only to
     itself: the ranks tell each other). 3 sliced rounds, both ranks sending their plan's
     bytes, every worker bit-identical to ``load_weights`` of the full tensors (checked in
-    rank 0), ``full_tensor`` raising throughout."""
+    rank 0), ``full_tensor`` raising throughout. A 4th round whose start the server refuses
+    fails on rank 0 and, told by it, on rank 1 before it sends anything."""
     from tests import ranks
 
     script = Path(__file__).with_name("_sliced_torch_processes.py")
@@ -287,6 +288,17 @@ def test_two_torch_processes_each_send_their_own_shards_pieces() -> None:
         assert r0["received"] == [r0["worker_bytes"][str(w)] for w in range(2)]
         assert sum(r0["received"]) == r0["sent"] + r1["sent"]
     assert [r["version"] for r in reports[1]["rounds"]] == ["1", "2", "3"]
+    # round 4: the server refuses rank 0's start; rank 1 learns it before sending anything and
+    # the workers keep round 3's weights (checked in rank 0)
+    assert reports[0]["failure"] == {
+        "type": "RuntimeError",
+        "error": "the server refused the start",
+    }
+    assert reports[1]["failure"]["type"] == "RoundFailed"
+    assert reports[1]["failure"]["error"] == (
+        "trainer rank 0 ended the sliced round before its first byte: "
+        "RuntimeError: the server refused the start"
+    )
 
 
 @pytest.mark.parametrize("value", ["on", True, None])

@@ -30,6 +30,7 @@ no process waits longer than its timeouts.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import threading
 from collections.abc import Iterable
@@ -39,11 +40,14 @@ from typing import Any, cast
 from weightwire.backends.base import Outgoing, Prepared, Sent
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box
+from weightwire.trainer.group import GroupTimeout
 from weightwire.trainer.multi_base import Ranks, RoundFailed
 from weightwire.trainer.round import sliced_round
 from weightwire.trainer.slice_plan import Held, Holdings, SlicePlan, SlicePlanError
 from weightwire.trainer.sliced import Slicing, pieces, plan_digest
 from weightwire.trainer.transfer import tensor_stream
+
+_GRACE_S = 2.0  # how long a sender that was refused its "go" waits for rank 0's account
 
 
 def slices_across(ranks: Ranks) -> bool:
@@ -156,8 +160,12 @@ class SeveralSlicing:
 
     def _await_go(self) -> None:
         t = self.ranks.session.info.timeouts
-        if not self.ranks.exchange.get("slice_go", 0, 2 * t.http_s + t.transfer_s):
-            raise RoundFailed("trainer rank 0 ended the sliced round before its first byte")
+        x = self.ranks
+        if not x.exchange.get("slice_go", 0, 2 * t.http_s + t.transfer_s):
+            why = ""
+            with contextlib.suppress(GroupTimeout):  # rank 0 posts its verdict right after
+                why = f": {x.exchange.get('verdict', 0, _GRACE_S).get('error')}"
+            raise RoundFailed(f"trainer rank 0 ended the sliced round before its first byte{why}")
 
     def follow(self, metas: list[ParamMeta], draft: bool) -> Sent | None:
         """A non-zero rank's part of a sliced round: its pieces on its own star (``None``:
