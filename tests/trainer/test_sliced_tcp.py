@@ -267,7 +267,7 @@ def test_two_jax_processes_each_send_their_own_shards_pieces(source: str) -> Non
     # checked they still hold round 3's weights), both processes raise, neither hangs
     assert reports[1]["failure"] == {"type": "RuntimeError", "error": "process 1 lost its shard"}
     assert reports[0]["failure"]["type"] == "WeightReceiveError"
-    assert "PeerLost" in reports[0]["failure"]["error"]
+    assert "PeerLost: trainer sender src 1 of 2: lost rank 0" in reports[0]["failure"]["error"]
 
 
 def test_two_torch_processes_each_send_their_own_shards_pieces() -> None:

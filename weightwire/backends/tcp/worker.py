@@ -178,9 +178,17 @@ class TCPLink(ChunkedLink):
                 comm = self.comms[src]
                 where = f"TCP sliced round from {comm!r}"
                 progress.chunk = frames
-                payload = bytearray(
-                    comm.recv_frame(seq=seqs[src], max_bytes=bound, timeout=self.timeout_s)
-                )
+                try:
+                    payload = bytearray(
+                        comm.recv_frame(seq=seqs[src], max_bytes=bound, timeout=self.timeout_s)
+                    )
+                except TransferError as exc:
+                    if len(self.comms) == 1:
+                        raise
+                    # each star's root is its "rank 0": name the trainer sender instead
+                    raise type(exc)(
+                        f"trainer sender src {src} of {len(self.comms)}: {exc}"
+                    ) from exc
                 pieces, last = parse_frame(payload, metas, where)
                 got = sum(p.nbytes for p in pieces)
                 bound -= got
