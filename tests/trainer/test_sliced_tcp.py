@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -229,6 +230,75 @@ def test_jax_rounds_from_an_fsdp_tp_mesh_never_gather(config: Config, source: st
         assert sum(r["received"]) == r["sent"] <= 1.3 * dense
         for got in r["received"]:
             assert 0 < got <= 1.05 * dense / world + replicated_bytes(config)
+
+
+@pytest.mark.parametrize("source", ["pytree", pytest.param("dict", marks=pytest.mark.slow)])
+def test_two_jax_processes_each_send_their_own_shards_pieces(source: str) -> None:
+    """2 ``jax.distributed`` processes (4 host devices each, FSDP 4 x TP 2 over the 8, FSDP
+    across the processes) in a ``TrainerGroup``, the source a ``PytreeSource`` (a transform
+    run on the shards) or a dict of the arrays: 3 sliced rounds, each process sending each
+    worker the pieces the plan gives its rank, read from its own addressable shards on its own
+    star. Every worker bit-identical to ``load_weights`` of the full tensors (checked in
+    process 0); both processes send, each exactly its plan's bytes, every wanted element once
+    (the sum is the workers' total); the gather entry points raise throughout and every host
+    copy is one piece. A 4th round in which process 1 fails mid-send fails on every worker
+    (nothing commits) and on both processes, within the timeouts."""
+    from tests import ranks
+
+    script = Path(__file__).with_name("_sliced_jax_processes.py")
+    reports = ranks.two_rank_reports(script, str(ranks.free_port()), source, timeout=240)
+    dense = reports[0]["dense"]
+    for p, report in enumerate(reports):
+        assert report["process"] == p
+        assert report["whole"] == [] and report["outside"] == [] and report["copies"] > 0
+        assert [r["version"] for r in report["rounds"]] == ["1", "2", "3"]
+    for r0, r1 in zip(reports[0]["rounds"], reports[1]["rounds"], strict=True):
+        plan = r0["rank_bytes"]
+        assert plan == r1["rank_bytes"] and r0["worker_bytes"] == r1["worker_bytes"]
+        assert sorted(plan) == ["0", "1"]  # both processes send
+        assert r0["sent"] == r0["read"] == plan["0"] > 0
+        assert r1["sent"] == r1["read"] == plan["1"] > 0
+        # every wanted element once: what the workers received is what the plan gives them
+        assert r0["received"] == [r0["worker_bytes"][str(w)] for w in range(2)]
+        assert sum(r0["received"]) == r0["sent"] + r1["sent"] <= 1.3 * dense
+        for got in r0["received"]:
+            assert 0 < got <= 1.05 * dense / 2 + replicated_bytes(TP2)
+    # round 4: process 1 fails after its first pieces; the workers refuse the round (process 0
+    # checked they still hold round 3's weights), both processes raise, neither hangs
+    assert reports[1]["failure"] == {"type": "RuntimeError", "error": "process 1 lost its shard"}
+    assert reports[0]["failure"]["type"] == "WeightReceiveError"
+    assert "PeerLost: trainer sender src 1 of 2: lost rank 0" in reports[0]["failure"]["error"]
+
+
+def test_two_torch_processes_each_send_their_own_shards_pieces() -> None:
+    """2 gloo ranks in a ``TrainerGroup``: the matrices DTensors sharded over both (uneven
+    where they do not divide), the rest plain tensors each rank holds whole (known only to
+    itself: the ranks tell each other). 3 sliced rounds, both ranks sending their plan's
+    bytes, every worker bit-identical to ``load_weights`` of the full tensors (checked in
+    rank 0), ``full_tensor`` raising throughout. A 4th round whose start the server refuses
+    fails on rank 0 and, told by it, on rank 1 before it sends anything."""
+    from tests import ranks
+
+    script = Path(__file__).with_name("_sliced_torch_processes.py")
+    reports = ranks.two_rank_reports(script, str(ranks.free_port()), timeout=240)
+    for r0, r1 in zip(reports[0]["rounds"], reports[1]["rounds"], strict=True):
+        plan = r0["rank_bytes"]
+        assert plan == r1["rank_bytes"] and sorted(plan) == ["0", "1"]
+        assert r0["sent"] == plan["0"] > 0 and r1["sent"] == plan["1"] > 0
+        assert r0["received"] == [r0["worker_bytes"][str(w)] for w in range(2)]
+        assert sum(r0["received"]) == r0["sent"] + r1["sent"]
+    assert [r["version"] for r in reports[1]["rounds"]] == ["1", "2", "3"]
+    # round 4: the server refuses rank 0's start; rank 1 learns it before sending anything and
+    # the workers keep round 3's weights (checked in rank 0)
+    assert reports[0]["failure"] == {
+        "type": "RuntimeError",
+        "error": "the server refused the start",
+    }
+    assert reports[1]["failure"]["type"] == "RoundFailed"
+    assert reports[1]["failure"]["error"] == (
+        "trainer rank 0 ended the sliced round before its first byte: "
+        "RuntimeError: the server refused the start"
+    )
 
 
 @pytest.mark.parametrize("value", ["on", True, None])

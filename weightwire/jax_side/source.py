@@ -250,7 +250,9 @@ class PytreeSource(WeightSource):
         ``metadata()`` last declared (the receiver sized its buffers from that), else the
         current plan's."""
         plan, leaves = self._current()
-        held = _held(plan, leaves)
+        # left sharded (``sharded``), every process runs every transform on its shards: each
+        # pass yields every tensor, whatever this process addresses of it
+        held = _held(plan, leaves) if self._placing else None
         declared = self._metas if self._declared is None else self._declared
         if held is None:  # every tensor (one process, always): the pairs are the plan's, made once
             if self._todo is None:

@@ -46,6 +46,7 @@ from weightwire.shared.served import ServedModelMismatch
 from weightwire.trainer.broadcast_plan import (
     BroadcastPlan,
     PlanError,
+    Turn,
     check_agreement,
     check_holders,
     check_receiver,
@@ -57,8 +58,9 @@ from weightwire.trainer.group import GroupTimeout, TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_base import PlannedBroadcast, Ranks, RoundFailed, SeveralWire
 from weightwire.trainer.multi_group import GroupWire
+from weightwire.trainer.multi_sliced import SeveralSlicing, slices_across
 from weightwire.trainer.multi_star import StarWire
-from weightwire.trainer.round import Round, SoleRounds, lead_round
+from weightwire.trainer.round import Round, SoleRounds, lead_round, sliced_round
 from weightwire.trainer.session import Session, open_wire
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,9 @@ class MultiSource:
             if session.backend.caps.several == "group"
             else StarWire(self.ranks)
         )
+        # Sliced rounds from every process (``multi_sliced``): a star each, opened at init,
+        # where the source names no broadcasters (no owners: rank 0 would send alone).
+        self.slicing: SeveralSlicing | None = None
 
     # -- agreement ----------------------------------------------------------------------
 
@@ -97,7 +102,13 @@ class MultiSource:
         x = self.ranks
         if x.planned is None or x.planned.metas != metas:
             bplan = plan_broadcast(metas)
-            if x.group_ranks is not None and bplan.group_ranks != x.group_ranks:
+            # every process has a star (sliced): rank 0 alone may still broadcast on its own
+            sole_on_stars = self.slicing is not None and not bplan.multi
+            if (
+                x.group_ranks is not None
+                and bplan.group_ranks != x.group_ranks
+                and not sole_on_stars
+            ):
                 raise PlanError(
                     f"the broadcasting ranks changed from {list(x.group_ranks)} (at init) to "
                     f"{list(bplan.group_ranks)}; call shutdown() and trainer_init() again"
@@ -123,10 +134,13 @@ class MultiSource:
         timeout: float,
         *,
         fits: bool = False,
+        sliced: bool = False,
     ) -> Agreement:
         """Every rank's local verdict and metadata digest; every rank raises the same error.
         ``fits``: rank 0 checks the round against the served model (every rank's ``metas``
-        are the whole round's); its own ``ServedModelMismatch`` is raised there as itself."""
+        are the whole round's); its own ``ServedModelMismatch`` is raised there as itself.
+        ``sliced``: a plan of one broadcaster goes sliced from every process (each reads
+        its own shards): rank 0 need not hold every tensor whole."""
         bplan: BroadcastPlan | None = None
         unfit: ServedModelMismatch | None = None
         if error is None and fits and self.rank == 0:
@@ -137,7 +151,8 @@ class MultiSource:
         if error is None:
             try:
                 bplan = self._plan(metas)
-                check_holders(bplan, self.rank, self.session.source.held_names())
+                if not (sliced and not bplan.multi):
+                    check_holders(bplan, self.rank, self.session.source.held_names())
                 b = self.session.backend
                 check_receiver(bplan, b.name, stock=b.caps.stock_receiver, several=b.caps.several)
             except (PlanError, ValueError, TypeError) as exc:
@@ -169,10 +184,22 @@ class MultiSource:
                 extra["workers"] = s.info.inference_world_size or s.client.get_world_size()
             except Exception as exc:
                 error = f"asking the server: {type(exc).__name__}: {exc}"
-        agreed = self._agree("init", metas, extra, error, t.connect_s + t.http_s)
+        agreed = self._agree(
+            "init", metas, extra, error, t.connect_s + t.http_s, sliced=slices_across(self.ranks)
+        )
         bplan = agreed.plan
         self.ranks.group_ranks = bplan.group_ranks
         workers = int(agreed.values[0]["workers"])
+        if not bplan.multi and slices_across(self.ranks):  # else owners' turns, as before
+            self.slicing = SeveralSlicing(self.ranks)
+            size = self.exchange.group.size
+            every = BroadcastPlan(tuple(range(size)), tuple(Turn(r, r, ()) for r in range(size)))
+            self.ranks.group_ranks = every.group_ranks
+            assert isinstance(self.wire, StarWire)  # slices_across: a star per sender
+            self.wire.connect(every, workers, sliced=True)
+            if self.session.slicing is not None:
+                self.slicing.attach(self.session.slicing)
+            return
         if not bplan.multi:
             if self.rank == 0:
                 self.ranks.report("joined", lambda: open_wire(s))
@@ -183,14 +210,33 @@ class MultiSource:
 
     # -- a round ------------------------------------------------------------------------
 
+    def _sliced(self, metas: list[ParamMeta], draft: bool) -> bool:
+        """This round goes sliced from every process (the same answer on every rank: the
+        workers' wants, the round's kind and the settings)."""
+        s = self.session
+        return (
+            self.slicing is not None
+            and s.slicing is not None
+            and s.slicing.slices(metas)
+            and sliced_round(s, s.slicing, draft=draft, fields=None)
+        )
+
     def send(self, version: str | None, draft: bool) -> RoundMetrics:
         s = self.session
         self.exchange.step()
+        if self.slicing is not None:
+            self.slicing.new_round()
         clock = PhaseClock()
         with clock("metadata"):
             metas = s.source.metadata()
             bplan = self._agree(
-                "round", metas, {}, None, s.info.timeouts.http_s, fits=not draft
+                "round",
+                metas,
+                {},
+                None,
+                s.info.timeouts.http_s,
+                fits=not draft,
+                sliced=self._sliced(metas, draft),
             ).plan
         if self.rank == 0:
             self.ranks.round = bplan
@@ -202,12 +248,26 @@ class MultiSource:
             logger.info("%s (%d broadcasters)", metrics.summary(), len(bplan.turns))
             return metrics
         if not bplan.multi:
+            sent: Sent | None = None
             with clock("transfer"):
-                for _ in s.source:
-                    pass
+                try:
+                    if self.slicing is not None:
+                        sent = self.slicing.follow(metas, draft)
+                except BaseException as exc:
+                    self.ranks.break_(exc)  # aborts this star: the workers fail the round now
+                    raise
+                if sent is None:
+                    for _ in s.source:
+                        pass
             verdict = self._await_verdict(None)
             return RoundMetrics(
-                verdict["version"], 0, len(metas), 0, False, sender=False, seconds=clock.seconds
+                verdict["version"],
+                0 if sent is None else sent.nbytes,
+                len(metas),
+                0 if sent is None else sent.sends,
+                False,
+                sender=sent is not None,
+                seconds=clock.seconds,
             )
         return self._follow(bplan, clock)
 
@@ -266,6 +326,8 @@ class MultiSource:
 
     def failed(self, exc: BaseException, *, committed: bool) -> None:
         verdict: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "version": None}
+        if self.slicing is not None:
+            self.slicing.release()  # the other senders may be waiting for their "go"
         bplan = self.ranks.round
         if bplan is not None and bplan.multi:
             verdict["committed"] = committed

@@ -32,7 +32,9 @@ from weightwire.trainer.multi_base import (
     lead_transfer,
     ranks_digests,
 )
+from weightwire.trainer.multi_sliced import decode_hellos, encode_hellos
 from weightwire.trainer.session import open_wire
+from weightwire.trainer.sliced import Slicing
 from weightwire.trainer.transfer import await_call, chunked
 
 _STAR_CONTEXT = b"weightwire-tcp-star/1"
@@ -45,10 +47,12 @@ class StarWire:
     def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks
 
-    def connect(self, bplan: BroadcastPlan, workers: int) -> None:
+    def connect(self, bplan: BroadcastPlan, workers: int, *, sliced: bool = False) -> None:
         """Rank 0 and each other broadcaster agree that star's secret by key shares posted on
         the trainer group's store (``shared.keyshare``): the store holds public values only,
-        and the secret reaches the workers inside rank 0's init POST alone."""
+        and the secret reaches the workers inside rank 0's init POST alone. ``sliced``:
+        every rank is a sender of sliced rounds (``multi_sliced``): the workers tell their
+        wants on rank 0's star and rank 0 posts them for the others."""
         s = self.ranks.session
         t = s.info.timeouts
         share = KeyShare.new()
@@ -67,10 +71,13 @@ class StarWire:
                     world_size=bplan.world_size(workers),
                 )
 
-            self.ranks.report("joined", lambda: open_wire(s, extend=extend))
+            self.ranks.report("joined", lambda: open_wire(s, extend=extend, several_slice=sliced))
             self.ranks.await_all(
                 "ready", [r for r in bplan.group_ranks if r != 0], t.connect_s + t.warmup_s
             )
+            if sliced:
+                hellos = [] if s.slicing is None else s.slicing.hellos
+                self.ranks.exchange.post("hellos", encode_hellos(hellos))
             return
         if bplan.turn_of(self.ranks.rank) is None:
             self.ranks.await_ok("joined", t.connect_s + t.http_s + t.warmup_s)
@@ -102,6 +109,10 @@ class StarWire:
         s.sender = s.backend.sender(comm, s.info, s.framework.sender_parts(None))
         self.ranks.exchange.post("ready", {"error": None})
         self.ranks.await_ok("joined", t.http_s)
+        if sliced:
+            hellos = decode_hellos(self.ranks.exchange.get("hellos", 0, t.http_s))
+            if hellos:  # none: rank 0 asked no wants, rounds are broadcasts
+                s.slicing = Slicing(hellos, s.backend.sliced_sender(comm, s.info), several=True)
 
     @staticmethod
     def _source(share: KeyShare, endpoint: Any, rank: int) -> StarSource:

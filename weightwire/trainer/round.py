@@ -27,6 +27,7 @@ trainer ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -551,10 +552,14 @@ def sliced_round(
     if fields:
         slicing.note_once("delta")  # a delta round's patches go to every worker
         return False
-    if s.framework.process_count() > 1:
+    if s.framework.process_count() > 1 and not slicing.several:
         # The other processes' passes over the source gather (collectives): one process
-        # cannot read its shards alone beside them. Several senders: not yet.
-        slicing.note_once("several trainer processes share the source (not yet sliced):")
+        # cannot read its shards alone beside them. Several senders need a TrainerGroup.
+        slicing.note_once("several trainer processes share the source without a TrainerGroup:")
+        return False
+    if slicing.several and s.verifier is not None:
+        # each process would digest only its own pieces: the broadcast's digests are whole
+        slicing.note_once("verify=True with several sending processes:")
         return False
     if s.verifier is not None and not s.verifier.vllm_keyed(s.client):
         # digest mode compares whole tensors' sha256: only a broadcast sends them whole
@@ -600,6 +605,8 @@ class SlicedWire:
             buffer_bytes=s.info.packed_buffer_size_bytes,
             hashes=hashes,
         )
+        if s.slicing.began is not None:  # several processes: theirs go once control ran
+            t = dataclasses.replace(t, control=_Began(t.control, s.slicing.began))
         sent = send_update(s, t, prepared, metas, sender=s.slicing.sender)
         if own is not None and hashes is not None:
             own.update({n: h.hexdigest() for n, h in hashes.items()})
@@ -610,6 +617,20 @@ class SlicedWire:
         the same bytes give the same digest while the plan stands (vllm-diff mode compares
         them round to round; ``forget_previous`` when it was rebuilt)."""
         return own
+
+
+class _Began:
+    """``control``, then ``began`` (the other sending processes may start)."""
+
+    def __init__(self, control: Control, began: Callable[[], None]) -> None:
+        self._control, self._began = control, began
+
+    def __call__(self) -> None:
+        self._control()
+        self._began()
+
+    def ready(self) -> None:
+        self._control.ready()
 
 
 def send_update(

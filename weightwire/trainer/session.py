@@ -187,8 +187,16 @@ class Session:
         self.slicing = None
 
 
-def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) -> None:
-    """Rank 0 joins the workers (``trainer_ranks > 1``: broadcasters sharing one group)."""
+def open_wire(
+    s: Session,
+    extend: Extend | None = None,
+    trainer_ranks: int = 1,
+    *,
+    several_slice: bool = False,
+) -> None:
+    """Rank 0 joins the workers (``trainer_ranks > 1``: broadcasters sharing one group;
+    ``several_slice``: every trainer process has a star, and sliced rounds go from all of
+    them, ``trainer.multi_sliced``)."""
     t = s.info.timeouts
     s.features = server_features(s.info, s.client, s.caps)
     s.backend.check_server(s.features)
@@ -207,9 +215,11 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
     # an init info with a field they do not know.
     if s.info.delta != "off" and not s.backend.caps.stock_receiver:
         rdv.payload = {**rdv.payload, "delta_rounds": True}
-    # The workers tell their wants at the join (one sender only: several broadcasters
-    # keep their turns).
-    asks_wants = s.info.sliced == "auto" and s.backend.caps.sliced and extend is None
+    # The workers tell their wants at the join (one sender, or a star per trainer process
+    # for sliced rounds from all of them; other broadcasters' turns stay broadcasts).
+    asks_wants = (
+        s.info.sliced == "auto" and s.backend.caps.sliced and (extend is None or several_slice)
+    )
     if asks_wants:
         rdv.payload = {**rdv.payload, "sliced": True}
     if extend is not None:  # several broadcasters: the group's fields (multi_source)
@@ -239,7 +249,11 @@ def open_wire(s: Session, extend: Extend | None = None, trainer_ranks: int = 1) 
             s.source.fit(s.served)
         s.sender = s.backend.sender(link, s.info, s.framework.sender_parts(packer))
         if asks_wants:
-            s.slicing = Slicing(s.backend.hellos(link), s.backend.sliced_sender(link, s.info))
+            s.slicing = Slicing(
+                s.backend.hellos(link),
+                s.backend.sliced_sender(link, s.info),
+                several=several_slice,
+            )
     except BaseException as exc:
         link.abort()
         raise real_cause(exc, post) from None

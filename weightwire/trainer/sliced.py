@@ -71,14 +71,24 @@ def wants_less(wants: Sequence[Wants], metas: Sequence[ParamMeta]) -> bool:
 
 
 class Slicing:
-    """A session's sliced-round state (rank 0, one sender)."""
+    """A session's sliced-round state: rank 0's, or with several sending processes
+    (``several``) each process's, the hellos told by rank 0 over the trainer group."""
 
-    def __init__(self, hellos: list[bytes], sender: RoundSender) -> None:
+    def __init__(self, hellos: list[bytes], sender: RoundSender, *, several: bool = False) -> None:
         self.hellos = hellos
         self.sender = sender
+        self.several = several
         self.plans = PlanCache()
         self._wants: tuple[tuple[ParamMeta, ...], list[Wants]] | None = None
         self._told: set[str] = set()
+        self.agree: Callable[[SlicePlan | None, str | None], None] | None = None
+        """Several processes: every rank checks it built the same plan, or learns which rank
+        could not (before any call)."""
+        self.merge: Callable[[Holdings], Holdings] | None = None
+        """Several processes: what every process says it holds itself (a plain tensor is
+        known whole only to the process that has it), the same on every process."""
+        self.began: Callable[[], None] | None = None
+        """Several processes: rank 0 tells the others its control plane ran (they may send)."""
 
     def wants(self, metas: Sequence[ParamMeta]) -> list[Wants]:
         """Every worker's wants of ``metas`` (parsed once per metadata)."""
@@ -104,9 +114,18 @@ class Slicing:
     def plan(self, metas: Sequence[ParamMeta], holdings: Holdings, rank: int) -> SlicePlan:
         """The plan (cached); ``ConfigError`` before any call when it needs a shard that
         another trainer process holds."""
-        plan = self.plans.plan(metas, holdings, self.wants(metas))
+        if self.merge is not None:
+            holdings = self.merge(holdings)
+        try:
+            plan = self.plans.plan(metas, holdings, self.wants(metas))
+        except Exception as exc:
+            if self.agree is not None:  # the other processes learn it instead of waiting
+                self.agree(None, f"{type(exc).__name__}: {exc}")
+            raise
+        if self.agree is not None:
+            self.agree(plan, None)
         others = sorted(set(plan.rank_bytes) - {rank})
-        if others:
+        if others and not self.several:
             raise ConfigError(
                 f"a sliced round needs shards held by trainer process(es) {others}, not by "
                 f"this one ({rank}): sliced rounds are sent by one trainer process (every "
@@ -159,4 +178,13 @@ def _hashed(read: Callable[[Any, Box], Any], digest: Any, tensor: Any, box: Box)
     return data
 
 
-__all__ = ["OLD_HELLO", "Slicing", "parse_wants", "pieces", "wants_less"]
+def plan_digest(plan: SlicePlan) -> str:
+    """A short digest of ``plan`` (every transfer): the trainer processes compare theirs."""
+    h = sha256()
+    for (rank, worker), transfers in sorted(plan.transfers.items()):
+        for t in transfers:
+            h.update(f"{rank},{worker},{t.tensor},{t.box.ranges};".encode())
+    return h.hexdigest()[:32]
+
+
+__all__ = ["OLD_HELLO", "Slicing", "parse_wants", "pieces", "plan_digest", "wants_less"]

@@ -165,26 +165,45 @@ class TCPLink(ChunkedLink):
     def receive_sliced(
         self, metas: Sequence[ParamMeta], progress: ReceiveProgress
     ) -> Iterator[tuple[int, Box, torch.Tensor]]:
-        """Rank 0's frames on this worker's link until the update's last; each piece's bytes
-        as a view of its frame (on this worker's device)."""
-        comm = self.comms[0]
+        """Every sender's frames until each one's last: one sender (rank 0), or with several
+        trainer processes each on its own star, read a frame of each in turn (none of them
+        waits on its socket for the whole of another's part); each piece's bytes as a view
+        of its frame (on this worker's device). The caller checks the union (``Cover``)."""
         bound = round_bytes(metas) + _FRAME_SLACK_BYTES
-        where = f"TCP sliced round from {comm!r}"
-        seq, last = 0, False
-        while not last:
-            progress.chunk = seq
-            payload = bytearray(comm.recv_frame(seq=seq, max_bytes=bound, timeout=self.timeout_s))
-            pieces, last = parse_frame(payload, metas, where)
-            got = sum(p.nbytes for p in pieces)
-            bound -= got
-            progress.nbytes += got
-            frame = torch.frombuffer(payload, dtype=torch.uint8) if payload else None
-            if frame is not None and self.device.type != "cpu":
-                frame = frame.to(self.device)
-            for p in pieces:
-                assert frame is not None
-                yield p.tensor, p.box, frame[p.offset : p.offset + p.nbytes]
-            seq += 1
+        seqs = [0] * len(self.comms)
+        open_ = list(range(len(self.comms)))
+        frames = 0
+        while open_:
+            for src in list(open_):
+                comm = self.comms[src]
+                where = f"TCP sliced round from {comm!r}"
+                progress.chunk = frames
+                try:
+                    payload = bytearray(
+                        comm.recv_frame(seq=seqs[src], max_bytes=bound, timeout=self.timeout_s)
+                    )
+                except TransferError as exc:
+                    if len(self.comms) == 1:
+                        raise
+                    # each star's root is its "rank 0": name the trainer sender instead
+                    raise type(exc)(
+                        f"trainer sender src {src} of {len(self.comms)}: {exc}"
+                    ) from exc
+                pieces, last = parse_frame(payload, metas, where)
+                got = sum(p.nbytes for p in pieces)
+                bound -= got
+                progress.nbytes += got
+                frame = torch.frombuffer(payload, dtype=torch.uint8) if payload else None
+                if frame is not None and self.device.type != "cpu":
+                    frame = frame.to(self.device)
+                for p in pieces:
+                    assert frame is not None
+                    yield p.tensor, p.box, frame[p.offset : p.offset + p.nbytes]
+                seqs[src] += 1
+                frames += 1
+                if last:
+                    open_.remove(src)
+        progress.chunk = max(0, frames - 1)
 
     def peer_closed(self) -> bool:
         """Every broadcaster closed its connection (TCP tells without traffic)."""

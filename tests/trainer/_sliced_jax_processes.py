@@ -1,0 +1,245 @@
+"""Subprocess body of test_sliced_tcp's 2-process JAX case: one of 2 ``jax.distributed``
+processes (4 forced host devices each), an FSDP 4 x TP 2 mesh over the 8 devices (FSDP
+across the processes), sending 3 sliced rounds to in-process TCP workers hosting
+``SlicedTP`` ranks (TP 2, one KV head, tied head) that live in process 0.
+
+``python _sliced_jax_processes.py PROCESS PORT [KIND]`` (KIND ``dict``: a dict of the sharded
+arrays; ``pytree``: a ``PytreeSource`` over them, ``o_proj`` kept transposed as a Flax kernel
+and transposed back by a jitted rule on its shards) prints one JSON line: each round's bytes this
+process sent, what its plan gives each rank, the pieces it read (each inside one of its own
+addressable shards: checked) and (process 0) each worker's received bytes. During the rounds
+every gather entry point (``jax_side.placement``: ``Target.move``, ``_replicate_on``; the
+engine's whole-tensor ``host_bytes``) raises, and every host copy is exactly one piece's.
+Process 0 checks every worker's parameters against ``load_weights`` of the full tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+PROCESS, PORT = int(sys.argv[1]), int(sys.argv[2])
+KIND = sys.argv[3] if len(sys.argv) > 3 else "dict"  # "pytree": a PytreeSource over the arrays
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+import json  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.getcwd())
+from tests.trainer._sliced_workers import TPClient, expected, shapes_of  # noqa: E402
+from weightwire.jax_side import placement  # noqa: E402
+from weightwire.jax_side.dtypes import describe  # noqa: E402
+from weightwire.jax_side.engine import JAXTrainerEngine  # noqa: E402
+from weightwire.jax_side.holdings import index_box  # noqa: E402
+from weightwire.jax_side.multiprocess import JaxProcessGroup  # noqa: E402
+from weightwire.jax_side.naming import Naming  # noqa: E402
+from weightwire.jax_side.rules import Rule  # noqa: E402
+from weightwire.jax_side.source import PytreeSource  # noqa: E402
+from weightwire.jax_side.transforms import Transpose  # noqa: E402
+from weightwire.shared.timeouts import Timeouts  # noqa: E402
+from weightwire.testing.sources import DictSource  # noqa: E402
+from weightwire.trainer import TrainerInitInfo  # noqa: E402
+
+CONFIG = (2, 4, 1, False, True)  # TP 2, one KV head on two ranks, tied head
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
+
+
+def spec_for(name: str, shape: tuple[int, ...]) -> P:
+    """FSDP on the rows, TP on the columns where they divide; the rest replicated (as
+    ``_sliced_jax_trainer``, which sets its own device count on import)."""
+    if "norm" in name or "mlp.gate." in name:
+        return P()
+    axes: list[str | None] = [None] * len(shape)
+    if shape[0] % 4 == 0:
+        axes[0] = "fsdp"
+    if len(shape) > 1 and shape[-1] % 2 == 0:
+        axes[-1] = "tp"
+    return P(*axes)
+
+
+def forbidden(what: str) -> Any:
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise AssertionError(f"{what} during a sliced round: a whole sharded array was asked")
+
+    return refuse
+
+
+class NoCalls:
+    """Process 1's client: only rank 0 makes the control plane's calls."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*_: Any, **__: Any) -> Any:
+            raise AssertionError(f"trainer process 1 called the server ({name})")
+
+        return call
+
+
+def main() -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{PORT}",
+        num_processes=2,
+        process_id=PROCESS,
+        initialization_timeout=60,
+    )
+    shapes = shapes_of(CONFIG)
+    devices = jax.devices()
+    assert len(devices) == 8 and len(jax.local_devices()) == 4, devices
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("fsdp", "tp"))
+    arrays: dict[str, Any] = {}
+
+    def fill(step: int) -> dict[str, np.ndarray]:
+        """The round's full tensors (the same on both processes), each process putting only
+        its own shards on its devices."""
+        rng = np.random.default_rng(step)
+        full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        arrays.clear()
+        for name, value in full.items():
+            sharding = NamedSharding(mesh, spec_for(name, value.shape))
+            arrays[name] = jax.make_array_from_callback(
+                value.shape, sharding, lambda index, v=value: v[index]
+            )
+        assert any(not a.is_fully_addressable for a in arrays.values())
+        return full
+
+    fill(0)
+    client: Any = TPClient(CONFIG) if PROCESS == 0 else NoCalls()
+    info = TrainerInitInfo(
+        backend="weightwire_tcp",
+        rank=PROCESS,
+        pause_mode=None,
+        packed_buffer_size_bytes=1 << 10,  # several frames per worker and sender
+        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
+    )
+    source: Any = DictSource(arrays, describe)
+    if KIND == "pytree":
+        # o_proj held as a Flax kernel, transposed back by a jitted rule on its shards
+        source = PytreeSource(
+            lambda: {
+                "o_kernel": arrays[O_PROJ].T,
+                **{n: a for n, a in arrays.items() if n != O_PROJ},
+            },
+            Naming([Rule("o_kernel", O_PROJ, Transpose()), Rule("{x}", "{x}")]),
+        )
+    engine = JAXTrainerEngine.trainer_init(
+        info, client=client, source=source, group=JaxProcessGroup()
+    )
+    host_copies: list[list[int]] = []
+    device_get = jax.device_get
+
+    def recorded(x: Any) -> Any:
+        host_copies.append(list(x.shape))
+        return device_get(x)
+
+    reads: list[int] = []  # bytes of each piece this process read
+    outside: list[str] = []  # a piece read that none of this process's shards holds
+    whole: list[str] = []  # a read of a whole array that is not fully replicated
+    read_box = engine.read_box
+
+    def watched(tensor: Any, box: Any) -> Any:
+        if box.shape == tuple(tensor.shape) and not tensor.is_fully_replicated:
+            whole.append(str(tensor.shape))
+        shape = tuple(tensor.shape)
+        if not any(index_box(s.index, shape).contains(box) for s in tensor.addressable_shards):
+            outside.append(f"{list(shape)} {box.describe()}")
+        copies = len(host_copies)
+        out = read_box(tensor, box)
+        assert [list(box.shape)] == host_copies[copies:], "one host copy: the piece's"
+        reads.append(out.nbytes)
+        return out
+
+    engine.read_box = watched  # type: ignore[method-assign]
+
+    def guarded(send: Any) -> Any:
+        """``send()`` with every gather entry point raising and every host copy recorded."""
+        saved = (placement.Target.move, placement._replicate_on, JAXTrainerEngine.host_bytes)
+        placement.Target.move = forbidden("Target.move")  # type: ignore[method-assign]
+        placement._replicate_on = forbidden("_replicate_on")  # type: ignore[assignment]
+        JAXTrainerEngine.host_bytes = forbidden("host_bytes")  # type: ignore[method-assign]
+        jax.device_get = recorded
+        try:
+            return send()
+        finally:
+            placement.Target.move, placement._replicate_on = saved[0], saved[1]
+            JAXTrainerEngine.host_bytes = saved[2]  # type: ignore[method-assign]
+            jax.device_get = device_get
+
+    rounds = []
+    failure: dict[str, Any] = {}
+    try:
+        for step in (1, 2, 3):
+            full = fill(step)
+            before = len(reads)
+            metrics = guarded(engine.send_weights)
+            plan = engine.session.slicing.plans._plan  # type: ignore[union-attr]
+            row: dict[str, Any] = {
+                "version": metrics.version,
+                "sent": metrics.nbytes,
+                "read": sum(reads[before:]),
+                "rank_bytes": {str(r): n for r, n in plan.rank_bytes.items()},
+                "worker_bytes": {str(w): n for w, n in plan.worker_bytes.items()},
+            }
+            if PROCESS == 0:
+                assert client.last_update.get("sliced") is True
+                for rank in range(CONFIG[0]):
+                    want, got = expected(CONFIG, full, rank), client.params(rank)
+                    for name, tensor in want.items():
+                        assert torch.equal(got[name], tensor), f"round {step} rank {rank} {name}"
+                row["received"] = list(client.received)
+            rounds.append(row)
+        # A 4th round in which process 1 fails after its first pieces went out: every
+        # worker refuses the round (nothing commits), every process raises, none hangs.
+        last = full
+        fill(4)
+        if PROCESS == 1:
+
+            def failing(tensor: Any, box: Any) -> Any:
+                if len(reads) >= before + 3:
+                    raise RuntimeError("process 1 lost its shard")
+                return watched(tensor, box)
+
+            engine.read_box = failing  # type: ignore[method-assign]
+        before = len(reads)
+        try:
+            guarded(engine.send_weights)
+        except Exception as exc:
+            failure = {"type": type(exc).__name__, "error": str(exc)[:400]}
+        if PROCESS == 0:
+            for rank in range(CONFIG[0]):
+                want, got = expected(CONFIG, last, rank), client.params(rank)
+                for name, tensor in want.items():
+                    assert torch.equal(got[name], tensor), f"failed round: rank {rank} {name}"
+    finally:
+        engine.shutdown()
+        if PROCESS == 0:
+            client.close()
+    dense = sum(int(np.prod(s)) * 4 for s in shapes.values())
+    print(
+        json.dumps(
+            {
+                "process": PROCESS,
+                "rounds": rounds,
+                "dense": dense,
+                "copies": len(host_copies),
+                "whole": whole,
+                "outside": outside,
+                "failure": failure,
+            }
+        ),
+        flush=True,
+    )
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
