@@ -3,12 +3,13 @@
 ``quantize_fp8(name, x, scheme)``: the torch twin of ``jax_side.quant`` (read its docstring
 for what bit identity with vLLM's quantizers rests on), written out in eager torch:
 ``per_block_cast_to_fp8``'s arithmetic for ``Fp8Block``, ``input_to_float8``'s for
-``Fp8PerTensor``. NaN / inf refused, naming the tensor, from one flag (one device sync).
+``Fp8PerTensor``. NaN / inf refused, naming the tensor, from the amax's flag: one device
+read per layer group (``launch_fp8``, what ``Fp8Source`` drives), none per tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -23,11 +24,11 @@ from weightwire.shared.quant import (
     Fp8Scheme,
     QuantStats,
     check_input,
-    not_finite,
+    refuse_not_finite,
 )
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.torch_side.dtypes import wire_name
-from weightwire.trainer.fp8_source import Fp8Source, as_quantize
+from weightwire.trainer.fp8_source import Fp8Source, LaunchedGroup
 
 _ROUND_DOWN = torch.from_numpy(UE8M0_ROUND_DOWN)
 _ROUND_DOWN_ON: dict[torch.device, torch.Tensor] = {}
@@ -57,14 +58,17 @@ def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
     return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def _errors(x: torch.Tensor, dequantized: torch.Tensor) -> QuantStats:
+def _errors(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
     diff = (dequantized - x.float()).abs()
-    return QuantStats(float(diff.max()), float(diff.mean()))
+    return torch.stack([diff.max(), diff.mean()])
 
 
-def _quantize_block(
-    x: torch.Tensor, scheme: Fp8Block, stats: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, QuantStats | None]:
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""(e4m3 weight, float32 scale, finite flag, [max, mean] abs error or None), all on the
+device: nothing here reads a value back."""
+
+
+def _quantize_block(x: torch.Tensor, scheme: Fp8Block, stats: bool) -> Quantized:
     m, n = x.shape
     bm, bn = scheme.block
     rows, cols = -(-m // bm), -(-n // bn)
@@ -78,7 +82,7 @@ def _quantize_block(
         padded = torch.zeros((rows * bm, cols * bn), dtype=torch.float32, device=x.device)
         padded[:m, :n] = x
     view = padded.view(rows, bm, cols, bn)
-    amax = view.abs().amax(dim=(1, 3), keepdim=True).float()
+    amax = view.abs().amax(dim=(1, 3), keepdim=True).float()  # torch's amax propagates NaN
     finite = torch.isfinite(amax).all()
     sf = amax.clamp(min=BLOCK_AMAX_FLOOR) / FP8_MAX
     if scheme.ue8m0:
@@ -87,28 +91,65 @@ def _quantize_block(
     weight = q.view(padded.shape)
     if weight.shape != (m, n):
         weight = weight[:m, :n].contiguous()
-    errors = None
-    if stats and bool(finite):
-        errors = _errors(x, (q.float() * sf).view(padded.shape)[:m, :n])
+    errors = _errors(x, (q.float() * sf).view(padded.shape)[:m, :n]) if stats else None
     return weight, sf.view(rows, cols), finite, errors
 
 
-def _quantize_tensor(
-    x: torch.Tensor, stats: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, QuantStats | None]:
+def _quantize_tensor(x: torch.Tensor, stats: bool) -> Quantized:
     # input_to_float8's expressions, in the input's dtype as it computes them.
     amax = x.abs().amax()
     finite = torch.isfinite(amax)
     scale = FP8_MAX / amax.clamp(min=TENSOR_AMAX_FLOOR)
     q = _to_fp8(x * scale)
     scale_inv = scale.float().reciprocal()
-    errors = None
-    if stats and bool(finite):
-        errors = _errors(x, q.float() * scale_inv)
+    errors = _errors(x, q.float() * scale_inv) if stats else None
     return q, scale_inv, finite, errors
 
 
 @torch.no_grad()
+def launch_fp8(items: Sequence[tuple[str, torch.Tensor, Fp8Scheme]], stats: bool) -> LaunchedGroup:
+    """Quantize ``items`` (``(name, x, scheme)``: ``X.weight``s) as eager ops queued on the
+    device, with no host sync until the result's ``settle``: every weight's finite flag (and
+    errors) gathered into one tensor, copied back once (asynchronously on a GPU, so the
+    next group's ops queue meanwhile)."""
+    for name, x, scheme in items:
+        check_input(name, wire_name(x.dtype), tuple(x.shape), scheme)
+        if not isinstance(scheme, Fp8Block | Fp8PerTensor):
+            raise TypeError(f"not an FP8 scheme: {scheme!r}")
+    names = [name for name, _, _ in items]
+    pairs, flags, errors = [], [], []
+    for _, x, scheme in items:
+        x = x.detach()
+        if isinstance(scheme, Fp8Block):
+            weight, scale, finite, error = _quantize_block(x, scheme, stats)
+        else:
+            weight, scale, finite, error = _quantize_tensor(x, stats)
+        pairs.append((weight, scale))
+        flags.append(finite.float())
+        if error is not None:
+            errors.append(error)
+    packed = torch.cat([torch.stack(flags), *errors])
+    done: torch.cuda.Event | None = None
+    if packed.is_cuda:
+        packed = packed.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited
+        done = torch.cuda.Event()
+        done.record()
+    else:
+        packed = packed.cpu()
+
+    def settle() -> list[QuantStats | None]:
+        if done is not None:
+            done.synchronize()
+        values = packed.tolist()
+        refuse_not_finite(names, [v == 1.0 for v in values[: len(names)]])
+        if not stats:
+            return [None] * len(names)
+        rest = values[len(names) :]
+        return [QuantStats(rest[2 * i], rest[2 * i + 1]) for i in range(len(names))]
+
+    return LaunchedGroup(pairs, settle)
+
+
 def quantize_fp8(
     name: str, x: torch.Tensor, scheme: Fp8Scheme, *, stats: bool = False
 ) -> Fp8Tensors:
@@ -118,16 +159,9 @@ def quantize_fp8(
     Raises ``QuantizationError`` naming ``name`` for a shape, dtype or value (NaN / inf)
     the scheme cannot take.
     """
-    check_input(name, wire_name(x.dtype), tuple(x.shape), scheme)
-    x = x.detach()
-    if isinstance(scheme, Fp8Block):
-        weight, scale, finite, errors = _quantize_block(x, scheme, stats)
-    elif isinstance(scheme, Fp8PerTensor):
-        weight, scale, finite, errors = _quantize_tensor(x, stats)
-    else:
-        raise TypeError(f"not an FP8 scheme: {scheme!r}")
-    if not bool(finite):
-        raise not_finite(name)
+    launched = launch_fp8([(name, x, scheme)], stats)
+    (errors,) = launched.settle()
+    ((weight, scale),) = launched.pairs
     return Fp8Tensors(weight, scale, errors)
 
 
@@ -141,4 +175,4 @@ def fp8_source(
     quantized here as each round reads them (``trainer.fp8_source.Fp8Source``); ``"auto"``:
     exactly the weights the served model tells at ``trainer_init`` it takes in FP8, with its
     scheme."""
-    return Fp8Source(as_source(source), spec, as_quantize(quantize_fp8), stats=stats)
+    return Fp8Source(as_source(source), spec, launch_fp8, stats=stats)
