@@ -203,3 +203,22 @@ def test_a_group_with_non_finite_weights_is_refused_naming_each_of_them(framewor
         QuantizationError, match=r"'l.q_proj.weight' holds NaN or inf \(so do 'l.up_proj.weight'\)"
     ):
         launched.settle()
+
+
+@pytest.mark.gpu
+def test_a_group_on_a_gpu_reads_its_flags_back_once_and_gives_the_references_bytes() -> None:
+    # the CUDA path: flags and errors copied back asynchronously, one event per group
+    from weightwire.torch_side.sender.quant import launch_fp8 as launch_torch
+
+    case = _group_case()
+    launched = launch_torch([(n, _torch(x).cuda(), s) for n, x, s in case], True)
+    errors = launched.settle()
+    for (name, x, scheme), (weight, scale), error in zip(case, launched.pairs, errors, strict=True):
+        want_q, want_scale = _reference(x, scheme)
+        assert weight.is_cuda and _bits(weight.cpu()) == want_q.tobytes(), name
+        assert _bits(scale.cpu()) == want_scale.tobytes(), name
+        assert error is not None and error.max_abs_error > 0
+    case[2][1][5, 6] = np.inf
+    bad = launch_torch([(n, _torch(x).cuda(), s) for n, x, s in case], False)
+    with pytest.raises(QuantizationError, match="'l.o_proj.weight' holds NaN or inf"):
+        bad.settle()
