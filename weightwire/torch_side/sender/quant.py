@@ -52,13 +52,21 @@ def _ue8m0_ceil(sf: torch.Tensor) -> torch.Tensor:
     return ((exponent + up) << 23).view(torch.float32)
 
 
-def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
-    # No clip (the JAX twin and the reference clip to 448, free there): vLLM's own cast is
-    # unclipped, and its products stay below 464, the midpoint past 448 where casts part
-    # ways (at most 448 (1 + 2^-8) rounded to the input's dtype: a bfloat16 per-tensor
-    # scale rounded up; the block scales are float32, ue8m0's within ulps of the block's
-    # 448): every cast rounds them to 448. One pass over the float32 product saved.
-    return scaled.to(torch.float8_e4m3fn)
+def _scaled_fp8(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``(x * factor).to(float8_e4m3fn)`` as vLLM computes it (the product in the promoted
+    dtype: float32 for a block's float32 factor, the input's for a per-tensor scale), in one
+    pass where the device allows: an ``out`` of another dtype makes the kernel cast each
+    product as it stores it (c10's cast, the one ``.to`` uses; on a CPU torch goes through a
+    temporary instead), so no float32 product is written out and read back.
+
+    No clip (the JAX twin and the reference clip to 448, free there): vLLM's own cast is
+    unclipped, and its products stay below 464, the midpoint past 448 where casts part ways
+    (at most 448 (1 + 2^-8) rounded to the input's dtype: a bfloat16 per-tensor scale
+    rounded up; the block scales are float32, ue8m0's within ulps of the block's 448): every
+    cast rounds them to 448."""
+    shape = torch.broadcast_shapes(x.shape, factor.shape)
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
+    return torch.mul(x, factor, out=out)
 
 
 def _amax(x: torch.Tensor, blocks: bool) -> torch.Tensor:
@@ -102,7 +110,7 @@ def _quantize_block(x: torch.Tensor, scheme: Fp8Block, stats: bool) -> Quantized
     sf = amax.clamp(min=BLOCK_AMAX_FLOOR) / FP8_MAX
     if scheme.ue8m0:
         sf = _ue8m0_ceil(sf)
-    q = _to_fp8(torch.mul(view, 1.0 / sf))  # float32 out of the mixed product
+    q = _scaled_fp8(view, 1.0 / sf)  # float32 products of the mixed operands
     weight = q.view(padded.shape)
     if weight.shape != (m, n):
         weight = weight[:m, :n].contiguous()
@@ -115,7 +123,7 @@ def _quantize_tensor(x: torch.Tensor, stats: bool) -> Quantized:
     amax = _amax(x, blocks=False)
     finite = torch.isfinite(amax)
     scale = FP8_MAX / amax.clamp(min=TENSOR_AMAX_FLOOR)
-    q = _to_fp8(x * scale)
+    q = _scaled_fp8(x, scale)
     scale_inv = scale.float().reciprocal()
     errors = _errors(x, q.float() * scale_inv) if stats else None
     return q, scale_inv, finite, errors
