@@ -87,11 +87,21 @@ def _errors(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
 
 
 Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
-"""(e4m3 weight, float32 scale, finite flag, [max, mean] abs error or None), all on the
-device: nothing here reads a value back."""
+"""(e4m3 weight, float32 scale, the amax(es) its finite flag comes from, [max, mean] abs
+error or None), all on the device: nothing here reads a value back."""
 
 
-def _quantize_block(x: torch.Tensor, scheme: Fp8Block, stats: bool) -> Quantized:
+class _Blocks(NamedTuple):
+    """One block-quantized weight between the group's two stages."""
+
+    position: int  # in the group
+    x: torch.Tensor
+    scheme: Fp8Block
+    view: torch.Tensor  # (rows, bm, cols, bn): the weight, or its zero-padded float32 copy
+    amax: torch.Tensor  # float32 (rows, 1, cols, 1): each block's |x| max
+
+
+def _block_amax(index: int, x: torch.Tensor, scheme: Fp8Block) -> _Blocks:
     m, n = x.shape
     bm, bn = scheme.block
     rows, cols = -(-m // bm), -(-n // bn)
@@ -105,72 +115,95 @@ def _quantize_block(x: torch.Tensor, scheme: Fp8Block, stats: bool) -> Quantized
         padded = torch.zeros((rows * bm, cols * bn), dtype=torch.float32, device=x.device)
         padded[:m, :n] = x
     view = padded.view(rows, bm, cols, bn)
-    amax = _amax(view, blocks=True).float()
-    finite = torch.isfinite(amax).all()
-    sf = amax.clamp(min=BLOCK_AMAX_FLOOR) / FP8_MAX
-    if scheme.ue8m0:
-        sf = _ue8m0_ceil(sf)
-    q = _scaled_fp8(view, 1.0 / sf)  # float32 products of the mixed operands
-    weight = q.view(padded.shape)
+    return _Blocks(index, x, scheme, view, _amax(view, blocks=True).float())
+
+
+def _block_scales(blocks: list[_Blocks]) -> list[torch.Tensor]:
+    """Every block weight's ``sf`` (``amax.clamp(1e-4) / 448``, ue8m0-rounded where its
+    scheme says) from one run of elementwise ops over the group's amaxes together, not one
+    run of small launches per weight (the same elementwise arithmetic: the same bits)."""
+    flat = torch.cat([b.amax.view(-1) for b in blocks])
+    sf = flat.clamp(min=BLOCK_AMAX_FLOOR) / FP8_MAX
+    sf_up = _ue8m0_ceil(sf) if any(b.scheme.ue8m0 for b in blocks) else sf
+    out, offset = [], 0
+    for b in blocks:
+        count = b.amax.numel()
+        out.append((sf_up if b.scheme.ue8m0 else sf)[offset : offset + count].view(b.amax.shape))
+        offset += count
+    return out
+
+
+def _quantize_blocks(b: _Blocks, sf: torch.Tensor, stats: bool) -> Quantized:
+    m, n = b.x.shape
+    q = _scaled_fp8(b.view, 1.0 / sf)  # float32 products of the mixed operands
+    padded_shape = (b.view.shape[0] * b.view.shape[1], b.view.shape[2] * b.view.shape[3])
+    weight = q.view(padded_shape)
     if weight.shape != (m, n):
         weight = weight[:m, :n].contiguous()
-    errors = _errors(x, (q.float() * sf).view(padded.shape)[:m, :n]) if stats else None
-    return weight, sf.view(rows, cols), finite, errors
+    errors = _errors(b.x, (q.float() * sf).view(padded_shape)[:m, :n]) if stats else None
+    rows, cols = b.amax.shape[0], b.amax.shape[2]
+    return weight, sf.view(rows, cols), b.amax, errors
 
 
 def _quantize_tensor(x: torch.Tensor, stats: bool) -> Quantized:
     # input_to_float8's expressions, in the input's dtype as it computes them.
     amax = _amax(x, blocks=False)
-    finite = torch.isfinite(amax)
     scale = FP8_MAX / amax.clamp(min=TENSOR_AMAX_FLOOR)
     q = _scaled_fp8(x, scale)
     scale_inv = scale.float().reciprocal()
     errors = _errors(x, q.float() * scale_inv) if stats else None
-    return q, scale_inv, finite, errors
+    return q, scale_inv, amax, errors
 
 
 @torch.no_grad()
 def launch_fp8(items: Sequence[tuple[str, torch.Tensor, Fp8Scheme]], stats: bool) -> LaunchedGroup:
     """Quantize ``items`` (``(name, x, scheme)``: ``X.weight``s) as eager ops queued on the
-    device, with no host sync until the result's ``settle``: every weight's finite flag (and
-    errors) gathered into one tensor, copied back once (asynchronously on a GPU, so the
-    next group's ops queue meanwhile)."""
+    device, with no host sync until the result's ``settle``. Per weight only the passes
+    over its elements (the block maxima, the scaled cast); the small ops on the scales run
+    once for the group. One flag for the whole group (and the errors) is copied back once,
+    asynchronously on a GPU, so the next group's ops queue meanwhile; only a group that
+    holds NaN or inf reads its per-weight flags, to name them."""
     for name, x, scheme in items:
         check_input(name, wire_name(x.dtype), tuple(x.shape), scheme)
         if not isinstance(scheme, Fp8Block | Fp8PerTensor):
             raise TypeError(f"not an FP8 scheme: {scheme!r}")
     names = [name for name, _, _ in items]
-    pairs, flags, errors = [], [], []
-    for _, x, scheme in items:
-        x = x.detach()
-        if isinstance(scheme, Fp8Block):
-            weight, scale, finite, error = _quantize_block(x, scheme, stats)
-        else:
-            weight, scale, finite, error = _quantize_tensor(x, stats)
-        pairs.append((weight, scale))
-        flags.append(finite.float())
-        if error is not None:
-            errors.append(error)
-    packed = torch.cat([torch.stack(flags), *errors])
-    done: torch.cuda.Event | None = None
+    blocks = [
+        _block_amax(i, x.detach(), scheme)
+        for i, (_, x, scheme) in enumerate(items)
+        if isinstance(scheme, Fp8Block)
+    ]
+    done: list[Quantized | None] = [None] * len(items)
+    for b, sf in zip(blocks, _block_scales(blocks) if blocks else [], strict=True):
+        done[b.position] = _quantize_blocks(b, sf, stats)
+    for i, (_, x, _) in enumerate(items):
+        if done[i] is None:  # per-tensor: its scale is in the input's dtype, one weight's own
+            done[i] = _quantize_tensor(x.detach(), stats)
+    outs = [d for d in done if d is not None]
+    amaxes = [amax.float().view(-1) for _, _, amax, _ in outs]
+    finite = torch.isfinite(torch.cat(amaxes))
+    errors = [e for _, _, _, e in outs if e is not None]
+    packed = torch.cat([finite.all().float().view(1), *errors])
+    event: torch.cuda.Event | None = None
     if packed.is_cuda:
         packed = packed.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited
-        done = torch.cuda.Event()
-        done.record()
+        event = torch.cuda.Event()
+        event.record()
     else:
         packed = packed.cpu()
 
     def settle() -> list[QuantStats | None]:
-        if done is not None:
-            done.synchronize()
+        if event is not None:
+            event.synchronize()
         values = packed.tolist()
-        refuse_not_finite(names, [v == 1.0 for v in values[: len(names)]])
+        if values[0] != 1.0:  # the failure path: which weights (one more read)
+            per_weight = torch.split(finite, [a.numel() for a in amaxes])
+            refuse_not_finite(names, [bool(f.all()) for f in per_weight])
         if not stats:
             return [None] * len(names)
-        rest = values[len(names) :]
-        return [QuantStats(rest[2 * i], rest[2 * i + 1]) for i in range(len(names))]
+        return [QuantStats(values[1 + 2 * i], values[2 + 2 * i]) for i in range(len(names))]
 
-    return LaunchedGroup(pairs, settle)
+    return LaunchedGroup([(w, s) for w, s, _, _ in outs], settle)
 
 
 def quantize_fp8(
