@@ -415,3 +415,43 @@ def test_a_round_with_a_non_finite_weight_fails_naming_it_and_commits_nothing(
         }
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_pass_launches_and_reads_back_once_per_layer_group(framework: str) -> None:
+    from weightwire.jax_side.quant import launch_fp8 as launch_jax
+    from weightwire.torch_side.sender.quant import launch_fp8 as launch_torch
+    from weightwire.trainer.fp8_source import Fp8Source, LaunchedGroup
+
+    l1 = "model.layers.1"
+    spec = {**SPEC, **{n.replace(L0, l1): s for n, s in SPEC.items()}}
+    weights = _weights(6)
+    weights = {**weights, **{n.replace(L0, l1): a for n, a in weights.items() if L0 in n}}
+    launch: Any = launch_jax if framework == "jax" else launch_torch
+    wrap: Any = jnp.asarray if framework == "jax" else _torch
+    calls: list[list[str]] = []
+    settles: list[int] = []
+
+    def counted(items: Any, stats: bool) -> LaunchedGroup:
+        calls.append([name for name, _, _ in items])
+        launched = launch(items, stats)
+
+        def settle() -> Any:
+            settles.append(len(items))
+            return launched.settle()
+
+        return LaunchedGroup(launched.pairs, settle)
+
+    describe_any = describe if framework == "jax" else describe_tensor
+    source = Fp8Source(
+        DictSource({n: wrap(a) for n, a in weights.items()}, describe_any), spec, counted
+    )
+    got = dict(list(source))
+    # one launch and one read per layer group holding FP8 weights, none per tensor
+    assert calls == [
+        [n for n in weights if n in spec and n.startswith(L0)],
+        [n for n in weights if n in spec and n.startswith(l1)],
+    ]
+    assert settles == [3, 3]
+    want = _expected({n: a for n, a in weights.items() if l1 not in n})
+    assert all(_host(got[n]) == want[n].tobytes() for n in want)
