@@ -142,3 +142,83 @@ def test_the_error_stats_are_the_dequantized_weights_distance(scheme: Fp8Scheme)
         assert got.stats.mean_abs_error == pytest.approx(float(diff.mean()), rel=1e-4)
         assert 0 < got.stats.mean_abs_error < got.stats.max_abs_error
     assert quantize_torch("w.weight", _torch(x), scheme).stats is None
+
+
+def _group_case() -> list[tuple[str, np.ndarray, Fp8Scheme]]:
+    """A layer's worth of weights: whole 128-blocks (the view path, no padding) and ragged
+    ones, every scheme, every input dtype."""
+    rng = np.random.default_rng(11)
+
+    def w(shape: tuple[int, int], dtype: str, scale: float = 0.02) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(DTYPES[dtype])
+
+    return [
+        ("l.q_proj.weight", w((256, 384), "bfloat16"), Fp8Block()),
+        ("l.k_proj.weight", w((128, 384), "bfloat16"), Fp8Block(ue8m0=True)),
+        ("l.o_proj.weight", w((384, 256), "float16", 3.0), Fp8Block()),
+        ("l.gate_proj.weight", w((200, 130), "float32"), Fp8Block((16, 8), True)),
+        ("l.up_proj.weight", w((256, 256), "bfloat16"), Fp8PerTensor()),
+        ("l.down_proj.weight", w((130, 200), "float32", 1e-5), Fp8PerTensor()),
+    ]
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_group_launch_quantizes_each_weight_to_the_references_bytes(framework: str) -> None:
+    from weightwire.jax_side.quant import launch_fp8 as launch_jax
+    from weightwire.torch_side.sender.quant import launch_fp8 as launch_torch
+
+    case = _group_case()
+    if framework == "jax":
+        launched = launch_jax([(n, jnp.asarray(x), s) for n, x, s in case], True)
+    else:
+        launched = launch_torch([(n, _torch(x), s) for n, x, s in case], True)
+    errors = launched.settle()
+    assert len(launched.pairs) == len(errors) == len(case)
+    for (name, x, scheme), (weight, scale), error in zip(case, launched.pairs, errors, strict=True):
+        want_q, want_scale = _reference(x, scheme)
+        assert _bits(weight) == want_q.tobytes(), name
+        assert _bits(scale) == want_scale.tobytes(), name
+        diff = np.abs(dequantize_reference(want_q, want_scale, scheme) - x.astype(np.float32))
+        assert error is not None
+        assert error.max_abs_error == pytest.approx(float(diff.max()), rel=1e-5), name
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_group_with_non_finite_weights_is_refused_naming_each_of_them(framework: str) -> None:
+    from weightwire.jax_side.quant import launch_fp8 as launch_jax
+    from weightwire.torch_side.sender.quant import launch_fp8 as launch_torch
+
+    case = _group_case()
+    # a NaN inside a whole bf16 block (the view path) and an inf in a per-tensor weight
+    case[0][1][200, 300] = np.nan
+    case[4][1][0, 255] = -np.inf
+    items: list[tuple[str, Any, Fp8Scheme]]
+    if framework == "jax":
+        items = [(n, jnp.asarray(x), s) for n, x, s in case]
+        launched = launch_jax(items, False)
+    else:
+        items = [(n, _torch(x), s) for n, x, s in case]
+        launched = launch_torch(items, False)
+    with pytest.raises(
+        QuantizationError, match=r"'l.q_proj.weight' holds NaN or inf \(so do 'l.up_proj.weight'\)"
+    ):
+        launched.settle()
+
+
+@pytest.mark.gpu
+def test_a_group_on_a_gpu_reads_its_flags_back_once_and_gives_the_references_bytes() -> None:
+    # the CUDA path: flags and errors copied back asynchronously, one event per group
+    from weightwire.torch_side.sender.quant import launch_fp8 as launch_torch
+
+    case = _group_case()
+    launched = launch_torch([(n, _torch(x).cuda(), s) for n, x, s in case], True)
+    errors = launched.settle()
+    for (name, x, scheme), (weight, scale), error in zip(case, launched.pairs, errors, strict=True):
+        want_q, want_scale = _reference(x, scheme)
+        assert weight.is_cuda and _bits(weight.cpu()) == want_q.tobytes(), name
+        assert _bits(scale.cpu()) == want_scale.tobytes(), name
+        assert error is not None and error.max_abs_error > 0
+    case[2][1][5, 6] = np.inf
+    bad = launch_torch([(n, _torch(x).cuda(), s) for n, x, s in case], False)
+    with pytest.raises(QuantizationError, match="'l.o_proj.weight' holds NaN or inf"):
+        bad.settle()

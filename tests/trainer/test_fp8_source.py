@@ -338,3 +338,120 @@ def test_an_overlapped_round_sends_the_pairs_quantized_at_its_snapshot(loopback:
         assert metrics.fp8 is not None and set(metrics.fp8.errors) == set(SPEC)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("framework", "in_place"), [("jax", False), ("torch", False), ("torch", True)]
+)
+def test_a_round_with_a_non_finite_weight_fails_naming_it_and_commits_nothing(
+    loopback: Any, framework: str, in_place: bool
+) -> None:
+    info = TrainerInitInfo(
+        backend="weightwire_tcp",
+        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
+        **({"stage_budget_bytes": 0} if in_place else {}),
+    )
+    # two layer groups: layer 0 is read, quantized and yielded before layer 1's flags
+    l1 = "model.layers.1"
+    spec = {**SPEC, **{n.replace(L0, l1): s for n, s in SPEC.items()}}
+    weights = _weights(5)
+    weights = {
+        **{n: a for n, a in weights.items() if n != "model.norm.weight"},
+        **{n.replace(L0, l1): a + 1 for n, a in weights.items() if L0 in n},
+        "model.norm.weight": weights["model.norm.weight"],
+    }
+    engine: Any
+    inner: DictSource
+    if framework == "jax":
+        inner = DictSource({n: jnp.asarray(a) for n, a in weights.items()}, describe)
+        engine = JAXTrainerEngine.trainer_init(
+            info, client=loopback, source=jax_fp8_source(inner, spec)
+        )
+    else:
+        inner = DictSource({n: _torch(a) for n, a in weights.items()}, describe_tensor)
+        engine = TorchTrainerEngine.trainer_init(
+            info, client=loopback, source=torch_fp8_source(inner, spec)
+        )
+    try:
+        engine.send_weights()
+        (before,) = loopback.weight_checker("checksum")
+        # every tensor of the next round moves; layer 1's down_proj holds a NaN
+        bad = f"{l1}.mlp.down_proj.weight"
+        moved = {n: (a.astype(np.float32) * 2).astype(a.dtype) for n, a in weights.items()}
+        poisoned = dict(moved)
+        poisoned[bad] = moved[bad].copy()
+        poisoned[bad][3, 4] = np.nan
+        wrap = jnp.asarray if framework == "jax" else _torch
+        inner.tensors = {n: wrap(a) for n, a in poisoned.items()}
+        with pytest.raises(QuantizationError, match=f"'{bad}' holds NaN or inf"):
+            engine.send_weights()
+        (after,) = loopback.weight_checker("checksum")
+        if in_place:
+            # layer 0 landed as it arrived; the group holding the NaN never reached the wire
+            l1_names = [n for n in before["checksums"] if n.startswith(l1)]
+            assert len(l1_names) == 6
+            assert {n: after["checksums"][n] for n in l1_names} == {
+                n: before["checksums"][n] for n in l1_names
+            }
+        else:
+            assert after["checksums"] == before["checksums"]  # not even layer 0's new bytes
+        # the trainer fixes its step: the next round commits every weight
+        inner.tensors = {n: wrap(a) for n, a in moved.items()}
+        engine.send_weights()
+        (fixed,) = loopback.weight_checker("checksum")
+        want = {}
+        for name, x in moved.items():
+            scheme = spec.get(name)
+            if scheme is None:
+                want[name] = x.tobytes()
+            elif isinstance(scheme, Fp8PerTensor):
+                q, s = quantize_tensor_reference(name, x)
+                want[name], want[name + "_scale"] = q.tobytes(), s.tobytes()
+            else:
+                q, s = quantize_block_reference(name, x, scheme)
+                want[name], want[name + "_scale_inv"] = q.tobytes(), s.tobytes()
+        assert {n: fixed["checksums"][n] for n in want} == {
+            n: hashlib.sha256(b).hexdigest() for n, b in want.items()
+        }
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_pass_launches_and_reads_back_once_per_layer_group(framework: str) -> None:
+    from weightwire.jax_side.quant import launch_fp8 as launch_jax
+    from weightwire.torch_side.sender.quant import launch_fp8 as launch_torch
+    from weightwire.trainer.fp8_source import Fp8Source, LaunchedGroup
+
+    l1 = "model.layers.1"
+    spec = {**SPEC, **{n.replace(L0, l1): s for n, s in SPEC.items()}}
+    weights = _weights(6)
+    weights = {**weights, **{n.replace(L0, l1): a for n, a in weights.items() if L0 in n}}
+    launch: Any = launch_jax if framework == "jax" else launch_torch
+    wrap: Any = jnp.asarray if framework == "jax" else _torch
+    calls: list[list[str]] = []
+    settles: list[int] = []
+
+    def counted(items: Any, stats: bool) -> LaunchedGroup:
+        calls.append([name for name, _, _ in items])
+        launched = launch(items, stats)
+
+        def settle() -> Any:
+            settles.append(len(items))
+            return launched.settle()
+
+        return LaunchedGroup(launched.pairs, settle)
+
+    describe_any = describe if framework == "jax" else describe_tensor
+    source = Fp8Source(
+        DictSource({n: wrap(a) for n, a in weights.items()}, describe_any), spec, counted
+    )
+    got = dict(list(source))
+    # one launch and one read per layer group holding FP8 weights, none per tensor
+    assert calls == [
+        [n for n in weights if n in spec and n.startswith(L0)],
+        [n for n in weights if n in spec and n.startswith(l1)],
+    ]
+    assert settles == [3, 3]
+    want = _expected({n: a for n, a in weights.items() if l1 not in n})
+    assert all(_host(got[n]) == want[n].tobytes() for n in want)

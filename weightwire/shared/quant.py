@@ -19,6 +19,7 @@ only.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -146,11 +147,20 @@ def fp8_metas(name: str, shape: tuple[int, ...], scheme: Fp8Scheme) -> tuple[Par
     )
 
 
-def not_finite(name: str) -> QuantizationError:
+def not_finite(name: str, *others: str) -> QuantizationError:
+    also = f" (so do {', '.join(map(repr, others))})" if others else ""
     return QuantizationError(
-        f"{name!r} holds NaN or inf: an FP8 scale cannot represent it (vLLM's quantizer would "
-        f"send NaN); fix the training step before sending"
+        f"{name!r} holds NaN or inf{also}: an FP8 scale cannot represent it (vLLM's quantizer "
+        f"would send NaN); fix the training step before sending"
     )
+
+
+def refuse_not_finite(names: Sequence[str], finite: Sequence[bool]) -> None:
+    """A quantized group's finite flags, read back once: ``QuantizationError`` naming every
+    tensor of ``names`` whose flag is false."""
+    bad = [n for n, ok in zip(names, finite, strict=True) if not ok]
+    if bad:
+        raise not_finite(*bad)
 
 
 def _ue8m0_round_down_table() -> np.ndarray:

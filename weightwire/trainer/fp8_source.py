@@ -3,8 +3,9 @@
 Wraps any ``WeightSource``: each ``X.weight`` the spec names becomes its checkpoint pair
 (``X.weight`` in ``float8_e4m3fn`` + ``X.weight_scale_inv`` / ``X.weight_scale``, in that
 order, where the weight was), quantized as it is read by the framework's quantizer
-(``jax_side.quant.fp8_source``, ``torch_side.sender.quant.fp8_source`` bind theirs);
-every other tensor passes unchanged. Framework-free: the quantizer is a callable.
+(``jax_side.quant.fp8_source``, ``torch_side.sender.quant.fp8_source`` bind theirs), one
+launch and one device read per layer group; every other tensor passes unchanged.
+Framework-free: the quantizer is a callable.
 
 The spec is checked against the source's metadata up front (a name the source lacks, a
 tensor the scheme cannot take: ``QuantizationError`` naming it, before any rendezvous),
@@ -17,8 +18,8 @@ is the served model's own list: which names it takes in FP8 and with which schem
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
 
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
@@ -35,19 +36,20 @@ from weightwire.shared.served import ServedModel, ServedModelMismatch
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.metrics import Fp8Report
 
-Quantize = Callable[[str, Any, Fp8Scheme, bool], tuple[Any, Any, QuantStats | None]]
-"""``(name, tensor, scheme, stats) -> (e4m3 weight, float32 scale, error or None)``."""
+
+class LaunchedGroup(NamedTuple):
+    """One layer group's FP8 weights, quantized by one launch on the trainer's device: the
+    arrays may still be computing; ``settle`` reads the group's finite flags (and errors)
+    back in one device read and raises ``QuantizationError`` naming every weight that holds
+    NaN or inf."""
+
+    pairs: list[tuple[Any, Any]]  # (e4m3 weight, float32 scale) per quantized weight
+    settle: Callable[[], list[QuantStats | None]]
 
 
-def as_quantize(quantize_fp8: Callable[..., Any]) -> Quantize:
-    """A framework's ``quantize_fp8(name, x, scheme, *, stats)`` (its result has ``weight``,
-    ``scale`` and ``stats``) as ``Fp8Source``'s ``Quantize``."""
-
-    def quantize(name: str, x: Any, scheme: Fp8Scheme, stats: bool) -> tuple[Any, Any, Any]:
-        out = quantize_fp8(name, x, scheme, stats=stats)
-        return out.weight, out.scale, out.stats
-
-    return quantize
+QuantizeGroup = Callable[[Sequence[tuple[str, Any, Fp8Scheme]], bool], LaunchedGroup]
+"""``([(name, tensor, scheme), ...], stats) -> LaunchedGroup``: a framework's
+``launch_fp8`` (no host sync until ``settle``)."""
 
 
 class Fp8Source(WeightSource):
@@ -55,15 +57,15 @@ class Fp8Source(WeightSource):
 
     ``spec="auto"``: the names and scheme the served model tells at ``trainer_init``
     (``fit``); until then the source has no metadata.
-    ``stats``: after each pass, ``last_stats`` holds every quantized weight's error (one
-    device read per weight). ``bytes_saved()``: what the quantized tensors save per round.
+    ``stats``: after each pass, ``last_stats`` holds every quantized weight's error (read
+    with the group's finite flags). ``bytes_saved()``: what the quantized tensors save per round.
     """
 
     def __init__(
         self,
         inner: WeightSource,
         spec: Mapping[str, Fp8Scheme] | Literal["auto"],
-        quantize: Quantize,
+        quantize: QuantizeGroup,
         *,
         stats: bool = False,
     ) -> None:
@@ -150,19 +152,51 @@ class Fp8Source(WeightSource):
         return out
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for group in self.iter_groups():
+            yield from group
+
+    def iter_groups(self) -> Iterator[list[tuple[str, Any]]]:
+        """The inner source's layer groups, each group's FP8 weights quantized by one launch.
+
+        One group ahead: group k+1 is read and its quantization launched before group k's
+        flags are read back, so the device quantizes while the round packs the group before
+        (one device read per group, none per tensor). A group is yielded only once its flags
+        say every weight is finite: a weight with NaN or inf never reaches the wire, and the
+        round fails naming it before its commit."""
         spec = self._spec()
         self.last_stats = {}
-        for name, tensor in self.inner:
+        ahead: tuple[list[tuple[str, Any]], LaunchedGroup | None] | None = None
+        for group in self.inner.iter_groups():
+            items = [(n, t, spec[n]) for n, t in group if n in spec]
+            launched = self._quantize(items, self.stats) if items else None
+            if ahead is not None:
+                yield self._settled(*ahead, spec)
+            ahead = (group, launched)
+        if ahead is not None:
+            yield self._settled(*ahead, spec)
+
+    def _settled(
+        self,
+        group: list[tuple[str, Any]],
+        launched: LaunchedGroup | None,
+        spec: dict[str, Fp8Scheme],
+    ) -> list[tuple[str, Any]]:
+        if launched is None:
+            return group
+        errors = launched.settle()  # raises naming the non-finite weights, before any is sent
+        quantized = iter(zip(launched.pairs, errors, strict=True))
+        out: list[tuple[str, Any]] = []
+        for name, tensor in group:
             scheme = spec.get(name)
             if scheme is None:
-                yield name, tensor
+                out.append((name, tensor))
                 continue
-            weight, scale, errors = self._quantize(name, tensor, scheme, self.stats)
-            if errors is not None:
-                self.last_stats[name] = errors
+            (weight, scale), error = next(quantized)
+            if error is not None:
+                self.last_stats[name] = error
             names = fp8_names(name, scheme)
-            yield names.weight, weight
-            yield names.scale, scale
+            out += [(names.weight, weight), (names.scale, scale)]
+        return out
 
     def held_names(self) -> set[str] | None:
         held = self.inner.held_names()

@@ -3,12 +3,13 @@
 ``quantize_fp8(name, x, scheme)``: the torch twin of ``jax_side.quant`` (read its docstring
 for what bit identity with vLLM's quantizers rests on), written out in eager torch:
 ``per_block_cast_to_fp8``'s arithmetic for ``Fp8Block``, ``input_to_float8``'s for
-``Fp8PerTensor``. NaN / inf refused, naming the tensor, from one flag (one device sync).
+``Fp8PerTensor``. NaN / inf refused, naming the tensor, from the amax's flag: one device
+read per layer group (``launch_fp8``, what ``Fp8Source`` drives), none per tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -23,11 +24,11 @@ from weightwire.shared.quant import (
     Fp8Scheme,
     QuantStats,
     check_input,
-    not_finite,
+    refuse_not_finite,
 )
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.torch_side.dtypes import wire_name
-from weightwire.trainer.fp8_source import Fp8Source, as_quantize
+from weightwire.trainer.fp8_source import Fp8Source, LaunchedGroup
 
 _ROUND_DOWN = torch.from_numpy(UE8M0_ROUND_DOWN)
 _ROUND_DOWN_ON: dict[torch.device, torch.Tensor] = {}
@@ -51,20 +52,56 @@ def _ue8m0_ceil(sf: torch.Tensor) -> torch.Tensor:
     return ((exponent + up) << 23).view(torch.float32)
 
 
-def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
-    # in place: ``scaled`` is a fresh float32 product; the clip keeps the cast equal to
-    # vLLM's (and XLA's / ml_dtypes') for a product rounded just past the largest e4m3.
-    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+def _scaled_fp8(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``(x * factor).to(float8_e4m3fn)`` as vLLM computes it (the product in the promoted
+    dtype: float32 for a block's float32 factor, the input's for a per-tensor scale), in one
+    pass where the device allows: an ``out`` of another dtype makes the kernel cast each
+    product as it stores it (c10's cast, the one ``.to`` uses; on a CPU torch goes through a
+    temporary instead), so no float32 product is written out and read back.
+
+    No clip (the JAX twin and the reference clip to 448, free there): vLLM's own cast is
+    unclipped, and its products stay below 464, the midpoint past 448 where casts part ways
+    (at most 448 (1 + 2^-8) rounded to the input's dtype: a bfloat16 per-tensor scale
+    rounded up; the block scales are float32, ue8m0's within ulps of the block's 448): every
+    cast rounds them to 448."""
+    shape = torch.broadcast_shapes(x.shape, factor.shape)
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
+    return torch.mul(x, factor, out=out)
 
 
-def _errors(x: torch.Tensor, dequantized: torch.Tensor) -> QuantStats:
+def _amax(x: torch.Tensor, blocks: bool) -> torch.Tensor:
+    """``x.abs().amax()`` in ``x``'s dtype (over each block's dims 1 and 3 for a
+    ``(rows, bm, cols, bn)`` view, kept), from one ``aminmax`` pass: no ``|x|`` written out
+    (exact: a max and a negation). NaN propagates, so the flag comes from the result."""
+    if not blocks:
+        low, high = torch.aminmax(x)
+        return torch.maximum(high, low.neg())
+    # one reading pass along each row of a block; the second stage reads 1/bn of that
+    low, high = torch.aminmax(x, dim=3, keepdim=True)
+    return torch.maximum(high.amax(dim=1, keepdim=True), low.amin(dim=1, keepdim=True).neg())
+
+
+def _errors(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
     diff = (dequantized - x.float()).abs()
-    return QuantStats(float(diff.max()), float(diff.mean()))
+    return torch.stack([diff.max(), diff.mean()])
 
 
-def _quantize_block(
-    x: torch.Tensor, scheme: Fp8Block, stats: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, QuantStats | None]:
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""(e4m3 weight, float32 scale, the amax(es) its finite flag comes from, [max, mean] abs
+error or None), all on the device: nothing here reads a value back."""
+
+
+class _Blocks(NamedTuple):
+    """One block-quantized weight between the group's two stages."""
+
+    position: int  # in the group
+    x: torch.Tensor
+    scheme: Fp8Block
+    view: torch.Tensor  # (rows, bm, cols, bn): the weight, or its zero-padded float32 copy
+    amax: torch.Tensor  # float32 (rows, 1, cols, 1): each block's |x| max
+
+
+def _block_amax(index: int, x: torch.Tensor, scheme: Fp8Block) -> _Blocks:
     m, n = x.shape
     bm, bn = scheme.block
     rows, cols = -(-m // bm), -(-n // bn)
@@ -78,37 +115,97 @@ def _quantize_block(
         padded = torch.zeros((rows * bm, cols * bn), dtype=torch.float32, device=x.device)
         padded[:m, :n] = x
     view = padded.view(rows, bm, cols, bn)
-    amax = view.abs().amax(dim=(1, 3), keepdim=True).float()
-    finite = torch.isfinite(amax).all()
-    sf = amax.clamp(min=BLOCK_AMAX_FLOOR) / FP8_MAX
-    if scheme.ue8m0:
-        sf = _ue8m0_ceil(sf)
-    q = _to_fp8(torch.mul(view, 1.0 / sf))  # float32 out of the mixed product
-    weight = q.view(padded.shape)
+    return _Blocks(index, x, scheme, view, _amax(view, blocks=True).float())
+
+
+def _block_scales(blocks: list[_Blocks]) -> list[torch.Tensor]:
+    """Every block weight's ``sf`` (``amax.clamp(1e-4) / 448``, ue8m0-rounded where its
+    scheme says) from one run of elementwise ops over the group's amaxes together, not one
+    run of small launches per weight (the same elementwise arithmetic: the same bits)."""
+    flat = torch.cat([b.amax.view(-1) for b in blocks])
+    sf = flat.clamp(min=BLOCK_AMAX_FLOOR) / FP8_MAX
+    sf_up = _ue8m0_ceil(sf) if any(b.scheme.ue8m0 for b in blocks) else sf
+    out, offset = [], 0
+    for b in blocks:
+        count = b.amax.numel()
+        out.append((sf_up if b.scheme.ue8m0 else sf)[offset : offset + count].view(b.amax.shape))
+        offset += count
+    return out
+
+
+def _quantize_blocks(b: _Blocks, sf: torch.Tensor, stats: bool) -> Quantized:
+    m, n = b.x.shape
+    q = _scaled_fp8(b.view, 1.0 / sf)  # float32 products of the mixed operands
+    padded_shape = (b.view.shape[0] * b.view.shape[1], b.view.shape[2] * b.view.shape[3])
+    weight = q.view(padded_shape)
     if weight.shape != (m, n):
         weight = weight[:m, :n].contiguous()
-    errors = None
-    if stats and bool(finite):
-        errors = _errors(x, (q.float() * sf).view(padded.shape)[:m, :n])
-    return weight, sf.view(rows, cols), finite, errors
+    errors = _errors(b.x, (q.float() * sf).view(padded_shape)[:m, :n]) if stats else None
+    rows, cols = b.amax.shape[0], b.amax.shape[2]
+    return weight, sf.view(rows, cols), b.amax, errors
 
 
-def _quantize_tensor(
-    x: torch.Tensor, stats: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, QuantStats | None]:
+def _quantize_tensor(x: torch.Tensor, stats: bool) -> Quantized:
     # input_to_float8's expressions, in the input's dtype as it computes them.
-    amax = x.abs().amax()
-    finite = torch.isfinite(amax)
+    amax = _amax(x, blocks=False)
     scale = FP8_MAX / amax.clamp(min=TENSOR_AMAX_FLOOR)
-    q = _to_fp8(x * scale)
+    q = _scaled_fp8(x, scale)
     scale_inv = scale.float().reciprocal()
-    errors = None
-    if stats and bool(finite):
-        errors = _errors(x, q.float() * scale_inv)
-    return q, scale_inv, finite, errors
+    errors = _errors(x, q.float() * scale_inv) if stats else None
+    return q, scale_inv, amax, errors
 
 
 @torch.no_grad()
+def launch_fp8(items: Sequence[tuple[str, torch.Tensor, Fp8Scheme]], stats: bool) -> LaunchedGroup:
+    """Quantize ``items`` (``(name, x, scheme)``: ``X.weight``s) as eager ops queued on the
+    device, with no host sync until the result's ``settle``. Per weight only the passes
+    over its elements (the block maxima, the scaled cast); the small ops on the scales run
+    once for the group. One flag for the whole group (and the errors) is copied back once,
+    asynchronously on a GPU, so the next group's ops queue meanwhile; only a group that
+    holds NaN or inf reads its per-weight flags, to name them."""
+    for name, x, scheme in items:
+        check_input(name, wire_name(x.dtype), tuple(x.shape), scheme)
+        if not isinstance(scheme, Fp8Block | Fp8PerTensor):
+            raise TypeError(f"not an FP8 scheme: {scheme!r}")
+    names = [name for name, _, _ in items]
+    blocks = [
+        _block_amax(i, x.detach(), scheme)
+        for i, (_, x, scheme) in enumerate(items)
+        if isinstance(scheme, Fp8Block)
+    ]
+    done: list[Quantized | None] = [None] * len(items)
+    for b, sf in zip(blocks, _block_scales(blocks) if blocks else [], strict=True):
+        done[b.position] = _quantize_blocks(b, sf, stats)
+    for i, (_, x, _) in enumerate(items):
+        if done[i] is None:  # per-tensor: its scale is in the input's dtype, one weight's own
+            done[i] = _quantize_tensor(x.detach(), stats)
+    outs = [d for d in done if d is not None]
+    amaxes = [amax.float().view(-1) for _, _, amax, _ in outs]
+    finite = torch.isfinite(torch.cat(amaxes))
+    errors = [e for _, _, _, e in outs if e is not None]
+    packed = torch.cat([finite.all().float().view(1), *errors])
+    event: torch.cuda.Event | None = None
+    if packed.is_cuda:
+        packed = packed.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        packed = packed.cpu()
+
+    def settle() -> list[QuantStats | None]:
+        if event is not None:
+            event.synchronize()
+        values = packed.tolist()
+        if values[0] != 1.0:  # the failure path: which weights (one more read)
+            per_weight = torch.split(finite, [a.numel() for a in amaxes])
+            refuse_not_finite(names, [bool(f.all()) for f in per_weight])
+        if not stats:
+            return [None] * len(names)
+        return [QuantStats(values[1 + 2 * i], values[2 + 2 * i]) for i in range(len(names))]
+
+    return LaunchedGroup([(w, s) for w, s, _, _ in outs], settle)
+
+
 def quantize_fp8(
     name: str, x: torch.Tensor, scheme: Fp8Scheme, *, stats: bool = False
 ) -> Fp8Tensors:
@@ -118,16 +215,9 @@ def quantize_fp8(
     Raises ``QuantizationError`` naming ``name`` for a shape, dtype or value (NaN / inf)
     the scheme cannot take.
     """
-    check_input(name, wire_name(x.dtype), tuple(x.shape), scheme)
-    x = x.detach()
-    if isinstance(scheme, Fp8Block):
-        weight, scale, finite, errors = _quantize_block(x, scheme, stats)
-    elif isinstance(scheme, Fp8PerTensor):
-        weight, scale, finite, errors = _quantize_tensor(x, stats)
-    else:
-        raise TypeError(f"not an FP8 scheme: {scheme!r}")
-    if not bool(finite):
-        raise not_finite(name)
+    launched = launch_fp8([(name, x, scheme)], stats)
+    (errors,) = launched.settle()
+    ((weight, scale),) = launched.pairs
     return Fp8Tensors(weight, scale, errors)
 
 
@@ -141,4 +231,4 @@ def fp8_source(
     quantized here as each round reads them (``trainer.fp8_source.Fp8Source``); ``"auto"``:
     exactly the weights the served model tells at ``trainer_init`` it takes in FP8, with its
     scheme."""
-    return Fp8Source(as_source(source), spec, as_quantize(quantize_fp8), stats=stats)
+    return Fp8Source(as_source(source), spec, launch_fp8, stats=stats)
