@@ -187,8 +187,10 @@ def test_server_dies_before_broadcast(
         with (
             elapsed() as t,
             pytest.raises(
-                WeightSyncError,
-                match=r"(?:pause|start_weight_update) failed .*no response.*Connect",
+                (WeightSyncError, EngineBroken),
+                # the dead server's data link may be seen closed before the round's first call
+                match=r"(?:pause|start_weight_update) failed .*no response.*Connect"
+                r"|a server closed this trainer's data link.*nothing was sent",
             ) as info,
         ):
             engine.send_weights("b2")
