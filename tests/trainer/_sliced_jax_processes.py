@@ -30,9 +30,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.getcwd())
+from tests.trainer._sliced_mesh import O_PROJ, forbidden, spec_for  # noqa: E402
 from tests.trainer._sliced_workers import TPClient, expected, shapes_of  # noqa: E402
 from weightwire.jax_side import placement  # noqa: E402
 from weightwire.jax_side.dtypes import describe  # noqa: E402
@@ -48,27 +48,6 @@ from weightwire.testing.sources import DictSource  # noqa: E402
 from weightwire.trainer import TrainerInitInfo  # noqa: E402
 
 CONFIG = (2, 4, 1, False, True)  # TP 2, one KV head on two ranks, tied head
-O_PROJ = "model.layers.0.self_attn.o_proj.weight"
-
-
-def spec_for(name: str, shape: tuple[int, ...]) -> P:
-    """FSDP on the rows, TP on the columns where they divide; the rest replicated (as
-    ``_sliced_jax_trainer``, which sets its own device count on import)."""
-    if "norm" in name or "mlp.gate." in name:
-        return P()
-    axes: list[str | None] = [None] * len(shape)
-    if shape[0] % 4 == 0:
-        axes[0] = "fsdp"
-    if len(shape) > 1 and shape[-1] % 2 == 0:
-        axes[-1] = "tp"
-    return P(*axes)
-
-
-def forbidden(what: str) -> Any:
-    def refuse(*_: Any, **__: Any) -> Any:
-        raise AssertionError(f"{what} during a sliced round: a whole sharded array was asked")
-
-    return refuse
 
 
 class NoCalls:

@@ -29,9 +29,9 @@ import jax
 import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.getcwd())
+from tests.trainer._sliced_mesh import O_PROJ, forbidden, spec_for
 from tests.trainer._sliced_workers import TPClient, expected, shapes_of
 from weightwire.jax_side import placement
 from weightwire.jax_side.dtypes import describe
@@ -43,27 +43,6 @@ from weightwire.jax_side.transforms import Transpose
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.sources import DictSource
 from weightwire.trainer import TrainerInitInfo
-
-O_PROJ = "model.layers.0.self_attn.o_proj.weight"
-
-
-def spec_for(name: str, shape: tuple[int, ...]) -> P:
-    """FSDP on the rows, TP on the columns where they divide; the rest replicated."""
-    if "norm" in name or "mlp.gate." in name:
-        return P()
-    axes: list[str | None] = [None] * len(shape)
-    if shape[0] % 4 == 0:
-        axes[0] = "fsdp"
-    if len(shape) > 1 and shape[-1] % 2 == 0:
-        axes[-1] = "tp"
-    return P(*axes)
-
-
-def forbidden(what: str) -> Any:
-    def refuse(*_: Any, **__: Any) -> Any:
-        raise AssertionError(f"{what} during a sliced round: a whole sharded array was asked")
-
-    return refuse
 
 
 def main() -> None:
