@@ -56,11 +56,11 @@ def apply_fused(
     flats: Mapping[str, torch.Tensor],
     patches: Sequence[FusedPatch],
     *,
-    concat: bool | None = None,
+    concat: bool = False,
 ) -> int:
     """Write every patch into ``flats`` (storage name -> a flat view of the whole storage);
     returns the number of scatters launched. ``concat``: one scatter per storage over the
-    concatenated patches (None or False: one scatter per patch; see the module docstring).
+    concatenated patches (off: one scatter per patch; see the module docstring).
 
     Values are cast to the storage's dtype where they differ (a parameter that casts on load),
     then copied as bits. Two patches of the same target (a tied tensor's two names, checked
@@ -82,8 +82,7 @@ def apply_fused(
     launched = 0
     for (device, width), group in groups.items():
         group.sort(key=lambda p: p.target.storage)  # stable: one slice per storage
-        fuse = bool(concat)
-        if fuse:
+        if concat:
             launched += _apply_group(flats, group, device, WORD[width])
         else:
             launched += _apply_each(flats, group, device, WORD[width])

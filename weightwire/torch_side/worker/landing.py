@@ -188,7 +188,7 @@ class LoaderMap:
         self,
         patches: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
         *,
-        concat: bool | None = None,
+        concat: bool = False,
     ) -> int:
         """A round's ``(name, flat index, values)`` patches, every index already checked to
         be within its tensor (``delta.check_indices``). Those of tensors with a
