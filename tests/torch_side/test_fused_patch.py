@@ -131,7 +131,7 @@ def test_tp_moe_tied_fused_equals_one_by_one(
 ) -> None:
     """Expert slices of stacked w13/w2 and tensor-parallel slices have no plain target: they
     keep the per-tensor translation, beside the fused rest, with the same result; on a CPU
-    by default (``concat=None``) each plain patch is its own scatter."""
+    by default (``concat=False``) each plain patch is its own scatter."""
     shapes = tiny_tp_shapes()
     _fused_vs_one_by_one(
         lambda: TinyTP(rank=rank, world=world, tied=tied),
