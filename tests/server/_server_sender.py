@@ -21,6 +21,7 @@ import httpx
 import numpy as np
 
 from weightwire.backends.tcp.rendezvous import TCPRendezvous
+from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import pack_host, plan
 from weightwire.shared.meta import ParamMeta
 
@@ -144,7 +145,14 @@ class TCPSender:
         body = update_info_of(weights) if update_info is None else update_info
         posted = Background(lambda: self.client.update_weights(body))
         for i, buf in enumerate(self.chunks(weights)):
-            self.comm.broadcast(buf, timeout=TIMEOUT_S)
+            try:
+                self.comm.broadcast(buf, timeout=TIMEOUT_S)
+            except TransferError:
+                # A server that refuses the round drops its workers' links while the POST
+                # answers: the broadcast may see the closed link first. The refusal is the
+                # answer the round got; a link lost with the POST still pending is the error.
+                posted.result()
+                raise
             if after_chunk is not None:
                 after_chunk(i)
         return posted
