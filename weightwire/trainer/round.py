@@ -680,9 +680,7 @@ class SlicedWire:
         )
         if self.shares is not None:
             shared = self.shares.pieces(metas, s.info.packed_buffer_size_bytes)
-            prepared = (
-                shared.get(i, group) for i, group in enumerate(prepared)
-            )
+            prepared = (shared.get(i, group) for i, group in enumerate(prepared))
         if s.slicing.began is not None:  # several processes: theirs go once control ran
             t = dataclasses.replace(t, control=_Began(t.control, s.slicing.began))
         sent = send_update(s, t, prepared, metas, sender=s.slicing.sender)

@@ -65,9 +65,7 @@ class PatchShares:
             out[w] += index.nbytes + values.nbytes
         return out
 
-    def pieces(
-        self, metas: Sequence[ParamMeta], buffer_bytes: int
-    ) -> dict[int, list[SlicePiece]]:
+    def pieces(self, metas: Sequence[ParamMeta], buffer_bytes: int) -> dict[int, list[SlicePiece]]:
         """Per wire tensor (its index in ``metas``) of a patch, the pieces of it each worker
         gets: boxes of its ``[share]`` tensor, cut to ``buffer_bytes`` like any piece."""
         position = {m.name: i for i, m in enumerate(metas)}
@@ -89,7 +87,7 @@ class PatchShares:
 
 
 def _cut(data: np.ndarray, box: Box) -> Callable[[], np.ndarray]:
-    (lo, hi), = box.ranges
+    ((lo, hi),) = box.ranges
     return lambda: data[lo:hi]
 
 
