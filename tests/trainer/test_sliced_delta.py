@@ -186,7 +186,8 @@ def test_a_delta_round_on_a_wrong_base_is_refused_before_any_byte() -> None:
 def test_a_sliced_delta_round_over_the_stage_budget_lands_in_place_whole() -> None:
     """``stage_budget_bytes=0``: the delta round's dense tensor (o_proj, changed whole) is
     written piece by piece as it lands, its patches at the commit; every worker ends
-    bit-identical to ``load_weights`` of the full new tensors."""
+    bit-identical to ``load_weights`` of the full new tensors. The delta rounds are
+    overlapped (``wait=False``): sliced too."""
     client = TPClient(TP4)
     tensors: dict[str, Any] = {}
     engine = torch_engine(client, tensors, delta="auto", stage_budget_bytes=0, pause_mode="keep")
@@ -200,7 +201,7 @@ def test_a_sliced_delta_round_over_the_stage_budget_lands_in_place_whole() -> No
             full = changed(full, step)
             full[PATCHED] = full[PATCHED] + 1.0  # every element: sent dense
             put(tensors, full, "torch")
-            engine.send_weights()
+            engine.send_weights(wait=False).result(timeout=60)
             assert client.last_update["patches"] and PATCHED in client.last_update["names"]
             assert_loaded(client, full)
         assert seen == ["sliced_in_place"] * 12
@@ -255,9 +256,9 @@ def test_a_worker_refuses_patch_elements_outside_its_wants(monkeypatch) -> None:
         before = [client.params(r) for r in range(2)]
         real = round_.share_patches
 
-        def everything(patches: Any, tensors: Any, wants: Any, read: Any) -> Any:
+        def everything(patches: Any, tensors: Any, wants: Any, host_bytes: Any) -> Any:
             whole = {p.name: (Box.whole(p.shape),) for p in patches}
-            return real(patches, tensors, [Wants(whole) for _ in wants], read)
+            return real(patches, tensors, [Wants(whole) for _ in wants], host_bytes)
 
         monkeypatch.setattr(round_, "share_patches", everything)
         put(tensors, changed(full, 2), "torch")
@@ -358,3 +359,27 @@ def test_workers_with_a_landing_map_say_they_apply_sliced_patches() -> None:
     finally:
         engine.shutdown()
         client.close()
+
+
+@pytest.mark.slow
+def test_jax_delta_rounds_from_an_fsdp_tp_mesh() -> None:
+    """A JAX trainer whose arrays are sharded over 8 forced host devices (FSDP 4 x TP 2), in
+    a subprocess (XLA_FLAGS precede jax's import): a dense round then 2 sliced delta rounds,
+    every worker bit-identical to ``load_weights`` of the full tensors (checked there), each
+    delta round's share strictly less than the broadcast patches."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("_sliced_delta_jax_mesh.py")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    rounds = json.loads(done.stdout.strip().splitlines()[-1])["rounds"]
+    assert [r["patches"] for r in rounds] == [False, True, True]
+    for r in rounds[1:]:
+        assert sum(r["received"]) == r["sent"]
+        assert all(0 < got < r["broadcast"] for got in r["received"])

@@ -662,7 +662,7 @@ class SlicedWire:
                 f"a sliced delta round's dense tensors are held by trainer process(es) "
                 f"{others}, not by this one ({rank}); pass TrainerInitInfo(sliced='off')"
             )
-        shares = share_patches(patches, tensors, wants, s.framework.read_box)
+        shares = share_patches(patches, tensors, wants, s.framework.host_bytes)
         return cls(s, sole, tensors, plan, shares)
 
     def transfer(self, t: Transmission) -> Sent:

@@ -31,7 +31,7 @@ from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box, Wants, split_box
 
-Read = Callable[[Any, Box], Any]
+HostBytes = Callable[[Any], np.ndarray]
 
 
 def inside(coords: Sequence[np.ndarray], boxes: Sequence[Box]) -> np.ndarray:
@@ -95,18 +95,17 @@ def share_patches(
     patches: Sequence[Patch],
     tensors: Mapping[str, Any],
     wants: Sequence[Wants],
-    read: Read,
+    host_bytes: HostBytes,
 ) -> PatchShares:
     """Each worker's elements of every patch (module docstring). ``tensors``: the round's
-    wire tensors by name; ``read``: the framework's ``read_box`` (a whole 1-D wire tensor to
-    the host)."""
+    wire tensors by name; ``host_bytes``: the framework's (a whole wire tensor's bytes on
+    the host: the extraction left each patch on one device)."""
     counts = [[0] * len(patches) for _ in wants]
     shares = PatchShares(list(patches), counts)
     for p, patch in enumerate(patches):
         itemsize = wire_dtype(patch.dtype).itemsize
-        whole = Box.whole((patch.nnz,))
-        index = _host(read(tensors[patch.index_name], whole)).view("<i4")
-        values = _host(read(tensors[patch.values_name], whole)).reshape(patch.nnz, itemsize)
+        index = _host(host_bytes(tensors[patch.index_name])).view("<i4")
+        values = _host(host_bytes(tensors[patch.values_name])).reshape(patch.nnz, itemsize)
         coords: tuple[np.ndarray, ...] | None = None
         everything = (Box.whole(patch.shape),)
         for w, want in enumerate(wants):
@@ -128,7 +127,7 @@ def share_patches(
 
 
 def _host(data: Any) -> np.ndarray:
-    """A ``read_box`` result as its plain bytes."""
+    """A ``host_bytes`` result as a flat byte array."""
     return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
 
 
