@@ -383,3 +383,41 @@ def test_jax_delta_rounds_from_an_fsdp_tp_mesh() -> None:
     for r in rounds[1:]:
         assert sum(r["received"]) == r["sent"]
         assert all(0 < got < r["broadcast"] for got in r["received"])
+
+
+def test_share_patches_keeps_each_workers_elements_in_order() -> None:
+    """The vectorised filter against a per-element reference, over random patches and wants
+    (several boxes, a tensor wanted whole, one wanted not at all): each worker gets exactly
+    the elements inside its boxes, indices increasing, values with them."""
+    from weightwire.shared.delta import Patch
+    from weightwire.trainer.sliced_delta import share_patches
+
+    rng = np.random.default_rng(7)
+    shape = (6, 10)
+    index = np.sort(rng.choice(60, 25, replace=False)).astype(np.int32)
+    values = rng.standard_normal(25).astype(np.float32)
+    patch = Patch("w", "float32", shape, 25)
+    wants = [
+        Wants({"w": (Box.of((0, 3), (0, 10)), Box.of((3, 6), (4, 7)))}),
+        Wants({"w": (Box.whole(shape),)}),
+        Wants({"w": ()}),
+    ]
+    tensors = {"w@index": index, "w@values": values}
+    shares = share_patches([patch], tensors, wants, lambda a: a.reshape(-1).view(np.uint8))
+    for w, want in enumerate(wants):
+        keep = [
+            i
+            for i, flat in enumerate(index)
+            if any(
+                b.contains(Box.of(*((c, c + 1) for c in np.unravel_index(flat, shape))))
+                for b in want.regions["w"]
+            )
+        ]
+        assert shares.counts[w] == [len(keep)]
+        if not keep:
+            assert (w, 0) not in shares.parts
+            continue
+        got_index, got_values = shares.parts[(w, 0)]
+        assert got_index.view("<i4").tolist() == index[keep].tolist()
+        assert got_values.reshape(-1).view(np.float32).tolist() == values[keep].tolist()
+    assert shares.nbytes == [8 * n for (n,) in shares.counts]

@@ -599,7 +599,9 @@ class _ReceiverCore:
             # its dense pieces are written through the map, never reloaded with their layer
             self._round.delta = RoundDelta(MapSink(lmap, aliases, whole_layers=False))
         sink = self._round.delta.sink
-        why = sink.refusal((), share.patches) if sink is not None else "no patch sink"
+        # every tensor the update names must land through the map (no reload: no layer mates)
+        dense = [m.name for m in share.metas if m.name not in share.sizes]
+        why = sink.refusal(dense, share.patches) if sink is not None else "no patch sink"
         if why is not None:
             raise refuse(update.delta_base or "", held, why)
         share.lmap = lmap
