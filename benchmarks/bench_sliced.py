@@ -33,6 +33,20 @@ On loopback with both ends on two shared cores the wire is not the bottleneck, s
 bytes barely show in the round time; the JAX sliced round pays one device read per shard
 piece (32 layers x 8 shards here) where the broadcast copies each array to the host once.
 Across hosts, each worker's link carries half the bytes (1/TP in general).
+
+``--delta`` (torch, the same box, 2 % of the elements changed per round; the last delta
+round's bytes, the median of 5 delta rounds):
+
+  ===============  =======  ==============  ==============
+  mode             round s  per worker MB   on the wire MB
+  ===============  =======  ==============  ==============
+  sliced delta     0.107    1.29, 1.29      2.58
+  broadcast delta  0.125    2.58, 2.58      5.15
+  ===============  =======  ==============  ==============
+
+``--delta --engine jax`` on the forced 8-device host mesh ran at ``--mb 8`` (each worker half
+the patches) but at 64 MB stalled in XLA's CPU all-gather inside the delta extraction over
+the sharded arrays on this loaded 2-core box (the extraction's, not the sliced send's).
 """
 
 from __future__ import annotations
