@@ -11,6 +11,11 @@ Else every dense round is sliced: the plan (``slice_plan.PlanCache``: rebuilt on
 metadata, the holdings or the wants change) gives each worker the pieces it wants, each read
 from a shard this process holds (``pieces``). One sending process only: a plan that needs
 another trainer process's shards is refused (``ConfigError``) before any call.
+
+A hello may also say ``"patches": true`` (``takes_patches``): the worker lands its slices
+through its landing map and applies a sliced delta round's patches. Where every worker says
+so, ``delta="auto"`` rounds are sliced too (``trainer.sliced_delta``); else they go dense
+and sliced (``round.sliced_instead_of_delta``).
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ previous weights exactly); past it, it writes each piece in place as it lands
 (its loader is a plain copy but its served parameters are processed after loading, or it
 wants every tensor whole) places its pieces in full-shaped tensors and loads them through
 the round's own strategy (``load_weights`` reads only what it wanted).
+
+A sliced delta round (``UpdateInfo.shares``) brings this worker, of each patch, only the
+elements inside its wants (``PatchShare``: its ``[share]`` wire tensors, checked against its
+count by ``Cover`` and element by element by ``check_within``). The hello says whether it
+can take them (``"patches"``: it has a landing map); its dense pieces land as above and its
+patches through the same map at the commit (``MapSink``).
 """
 
 from __future__ import annotations
