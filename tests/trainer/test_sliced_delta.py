@@ -421,3 +421,28 @@ def test_share_patches_keeps_each_workers_elements_in_order() -> None:
         assert got_index.view("<i4").tolist() == index[keep].tolist()
         assert got_values.reshape(-1).view(np.float32).tolist() == values[keep].tolist()
     assert shares.nbytes == [8 * n for (n,) in shares.counts]
+
+
+def test_verify_keeps_a_sliced_sessions_delta_rounds_dense(caplog) -> None:
+    """``verify=True`` compares each round's slices (vllm-diff mode), which a delta round
+    does not send: with ``delta="auto"`` the rounds go dense and sliced, said once, and
+    verify passes."""
+    client = TPClient(TP4)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, delta="auto", verify=True)
+    try:
+        full = full_tensors(TP4, 1)
+        for step in (1, 2):
+            if step > 1:
+                full = changed(full, step)
+            put(tensors, full, "torch")
+            with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
+                report = engine.send_weights().verify
+            assert client.last_update["sliced"] is True and "patches" not in client.last_update
+            assert report is not None and report.mode == "vllm-diff"
+            assert_loaded(client, full)
+        said = [r.getMessage() for r in caplog.records if "verify=True compares" in r.getMessage()]
+        assert len(said) == 1 and "sends dense sliced rounds" in said[0]
+    finally:
+        engine.shutdown()
+        client.close()
