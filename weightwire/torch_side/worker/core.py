@@ -416,7 +416,7 @@ class _ReceiverCore:
                     delta = None if update.sliced else self._patch_step(model, plan, patches)
                 self._check_spec(plan, patches, delta)
                 if share is not None:
-                    splitter = self._sinks_splitter(share)
+                    splitter = self._share_splitter(share)
                 else:
                     splitter = self._admit_patches(model, update, plan, patches, delta)
         except DeltaBaseMismatch as exc:
@@ -607,7 +607,7 @@ class _ReceiverCore:
         share.lmap = lmap
         return self._round.delta
 
-    def _sinks_splitter(self, share: PatchShare) -> PatchSplitter:
+    def _share_splitter(self, share: PatchShare) -> PatchSplitter:
         """Holds a sliced delta update's patches (its shares) until the round's commit."""
         from weightwire.torch_side.worker.delta import PatchSplitter
 
