@@ -1,6 +1,7 @@
 """Sliced rounds against the broadcast, TP workers on CPU over ``weightwire_tcp``, one run.
 
     python benchmarks/bench_sliced.py [--tp 2] [--mb 64] [--rounds 5] [--engine torch|jax]
+                                      [--delta]
 
 A synthetic decoder-shaped model of about ``--mb`` MB (float32): per layer a fused-like
 ``[4H, H]`` matrix split by rows over the TP ranks, a ``[H, 4H]`` one split by columns and a
@@ -10,7 +11,11 @@ sent ``--rounds`` times with ``sliced="auto"`` and with ``sliced="off"``; per mo
 median round time, the bytes each worker received (counted by the worker) and their sum,
 what went over the trainer's links. Both ends share the host's cores (and, in one process, the GIL).
 ``--engine jax`` sends from a JAX trainer whose arrays sit on 8 forced host devices (an
-FSDP 4 x TP 2 mesh): the sliced rounds read each piece from its shard.
+FSDP 4 x TP 2 mesh): the sliced rounds read each piece from its shard. ``--delta``: both
+modes with ``delta="auto"``, a dense first round, then rounds that change ``--rate`` (2 %) of
+every tensor's elements: the sliced delta rounds send each worker only the patch elements in
+its slices, the broadcast delta rounds every patch to every worker (the rows: the delta
+rounds' median time, the last delta round's bytes).
 
 Numbers (2-core shared CPU box, torch 2.13 CPU, jax CPU; TP 2, 65 MB float32, 5 rounds,
 ``python benchmarks/bench_sliced.py [--engine jax]``):
@@ -28,6 +33,20 @@ On loopback with both ends on two shared cores the wire is not the bottleneck, s
 bytes barely show in the round time; the JAX sliced round pays one device read per shard
 piece (32 layers x 8 shards here) where the broadcast copies each array to the host once.
 Across hosts, each worker's link carries half the bytes (1/TP in general).
+
+``--delta`` (torch, the same box, 2 % of the elements changed per round; the last delta
+round's bytes, the median of 5 delta rounds):
+
+  ===============  =======  ==============  ==============
+  mode             round s  per worker MB   on the wire MB
+  ===============  =======  ==============  ==============
+  sliced delta     0.107    1.29, 1.29      2.58
+  broadcast delta  0.125    2.58, 2.58      5.15
+  ===============  =======  ==============  ==============
+
+``--delta --engine jax`` on the forced 8-device host mesh ran at ``--mb 8`` (each worker half
+the patches) but at 64 MB stalled in XLA's CPU all-gather inside the delta extraction over
+the sharded arrays on this loaded 2-core box (the extraction's, not the sliced send's).
 """
 
 from __future__ import annotations
@@ -139,20 +158,27 @@ class Workers:
     def reset_prefix_cache(self) -> None:
         return None
 
+    def shutdown_weight_transfer_engine(self) -> None:  # a refused delta round's reopen
+        self._all(lambda r, e: e.shutdown())
+
     def close(self) -> None:
         for e in self.engines:
             e.shutdown()
         self._pool.shutdown()
 
 
-def engine_for(kind: str, info: TrainerInitInfo, client: Workers, full: dict[str, Any]) -> Any:
+def engine_for(
+    kind: str, info: TrainerInitInfo, client: Workers, full: dict[str, Any]
+) -> tuple[Any, Callable[[dict[str, Any]], None]]:
+    """The trainer engine, and how to put new weights into its source."""
     if kind == "torch":
         from weightwire.torch_side.sender.engine import TorchTrainerEngine
         from weightwire.torch_side.sender.source import describe_tensor
 
         tensors = {n: torch.from_numpy(a) for n, a in full.items()}
         source = DictSource(tensors, describe_tensor)
-        return TorchTrainerEngine.trainer_init(info, client=client, source=source)
+        engine = TorchTrainerEngine.trainer_init(info, client=client, source=source)
+        return engine, lambda new: tensors.update({n: torch.from_numpy(a) for n, a in new.items()})
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -161,11 +187,32 @@ def engine_for(kind: str, info: TrainerInitInfo, client: Workers, full: dict[str
     from weightwire.jax_side.engine import JAXTrainerEngine
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tp"))
-    arrays = {
-        n: jax.device_put(a, NamedSharding(mesh, P("fsdp", "tp") if a.ndim == 2 else P()))
-        for n, a in full.items()
-    }
-    return JAXTrainerEngine.trainer_init(info, client=client, source=DictSource(arrays, describe))
+
+    def put(new: dict[str, Any]) -> None:
+        arrays.update(
+            {
+                n: jax.device_put(a, NamedSharding(mesh, P("fsdp", "tp") if a.ndim == 2 else P()))
+                for n, a in new.items()
+            }
+        )
+
+    arrays: dict[str, Any] = {}
+    put(full)
+    source = DictSource(arrays, describe)
+    return JAXTrainerEngine.trainer_init(info, client=client, source=source), put
+
+
+def changed(full: dict[str, np.ndarray], rate: float, seed: int) -> dict[str, np.ndarray]:
+    """``full`` with about ``rate`` of every tensor's elements changed (an optimizer step at a
+    small learning rate, roughly)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, a in full.items():
+        new = a.copy()
+        flat = new.reshape(-1)
+        flat[rng.integers(0, flat.size, max(1, int(flat.size * rate)))] += 1e-3
+        out[name] = new
+    return out
 
 
 def run(mode: str, args: argparse.Namespace, full: dict[str, Any]) -> dict[str, Any]:
@@ -174,15 +221,21 @@ def run(mode: str, args: argparse.Namespace, full: dict[str, Any]) -> dict[str, 
         backend="weightwire_tcp",
         sliced=mode,
         pause_mode=None,
+        delta="auto" if args.delta else "off",
         timeouts=Timeouts(http_s=600, connect_s=60, warmup_s=60, transfer_s=600),
     )
-    engine = engine_for(args.engine, info, client, full)
+    engine, put = engine_for(args.engine, info, client, full)
     try:
         times, sent = [], 0
-        for _ in range(args.rounds):
+        weights = full
+        for i in range(args.rounds + int(args.delta)):  # --delta: a dense first round, untimed
+            if args.delta and i:
+                weights = changed(weights, args.rate, seed=i)
+                put(weights)
             started = time.perf_counter()
             sent = engine.send_weights().nbytes
-            times.append(time.perf_counter() - started)
+            if not args.delta or i:
+                times.append(time.perf_counter() - started)
         return {
             "mode": mode,
             "round_s": statistics.median(times),
@@ -200,18 +253,21 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--engine", choices=("torch", "jax"), default="torch")
+    parser.add_argument("--delta", action="store_true", help="delta rounds (delta='auto')")
+    parser.add_argument("--rate", type=float, default=0.02, help="--delta: elements changed")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes(args.mb).items()}
     dense = sum(a.nbytes for a in full.values())
-    print(f"model {dense / 1e6:.1f} MB, TP {args.tp}, {args.engine} engine, {args.rounds} rounds")
-    print(f"{'mode':9} {'round s':>8} {'per worker MB':>20} {'on the wire MB':>15}")
+    what = f"delta rounds at {args.rate:.0%} changed" if args.delta else "rounds"
+    print(f"model {dense / 1e6:.1f} MB, TP {args.tp}, {args.engine} engine, {args.rounds} {what}")
+    print(f"{'mode':15} {'round s':>8} {'per worker MB':>20} {'on the wire MB':>15}")
     for mode in ("auto", "off"):
         row = run(mode, args, full)
-        each = ", ".join(f"{b / 1e6:.1f}" for b in row["per_worker"])
-        name = "sliced" if mode == "auto" else "broadcast"
+        each = ", ".join(f"{b / 1e6:.2f}" for b in row["per_worker"])
+        name = ("sliced" if mode == "auto" else "broadcast") + (" delta" if args.delta else "")
         wire = sum(row["per_worker"]) / 1e6  # a broadcast puts one copy on each worker's link
-        print(f"{name:9} {row['round_s']:8.3f} {each:>20} {wire:15.1f}")
+        print(f"{name:15} {row['round_s']:8.3f} {each:>20} {wire:15.2f}")
 
 
 if __name__ == "__main__":

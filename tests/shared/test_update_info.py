@@ -151,3 +151,49 @@ def test_param_meta_rejects_non_string_keys() -> None:
     # Only reachable from Python (JSON keys are strings), and must not be a TypeError.
     with pytest.raises(ValueError, match=r"unknown keys \[1\]"):
         ParamMeta.from_dict({1: 2, "name": "x", "dtype": "int8", "shape": []})
+
+
+# --- a sliced delta round's shares --------------------------------------------------
+
+
+def sliced_delta(**over: object) -> dict:
+    base = {
+        "names": ["w@index", "w@values"],
+        "dtype_names": ["int32", "float32"],
+        "shapes": [[3], [3]],
+        "round_token": "s:2",
+        "delta_base": "s:1",
+        "patches": [["w", "float32", [4, 2], 3, "flat_i32"]],
+        "sliced": True,
+        "shares": [[1], [3]],
+    }
+    return {**base, **over}
+
+
+def test_shares_round_trip_and_name_each_workers_share() -> None:
+    info = UpdateInfo.from_dict(json.loads(json.dumps(sliced_delta())))
+    assert info.to_dict()["shares"] == [[1], [3]]
+    assert info.share(0) == [1] and info.share(1) == [3]
+    assert "shares" not in UpdateInfo.from_dict(update()).to_dict()
+    with pytest.raises(ValueError, match=r"shares name 2 worker\(s\), none for worker 2"):
+        info.share(2)
+
+
+@pytest.mark.parametrize(
+    ("over", "match"),
+    [
+        (
+            {"shares": [[4], [0]]},
+            r"shares\[0\] must list, per patch, an int count in \[0, its nnz\]",
+        ),
+        ({"shares": [[1, 1]]}, r"shares\[0\] must list, per patch"),
+        ({"shares": [[True]]}, r"shares\[0\] must list, per patch"),
+        ({"shares": [[-1]]}, r"shares\[0\] must list, per patch"),
+        ({"shares": []}, "shares must be a list of 1 to"),
+        ({"sliced": False}, "shares are a sliced delta round's: they need sliced and patches"),
+    ],
+    ids=["over-nnz", "two-counts-one-patch", "bool", "negative", "no-worker", "not-sliced"],
+)
+def test_malformed_shares_are_refused_naming_the_field(over: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        UpdateInfo.from_dict(sliced_delta(**over))

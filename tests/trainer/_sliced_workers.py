@@ -132,6 +132,10 @@ class TPClient:
         if self.after_finish is not None:
             self.after_finish()
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """The trainer's reopen after a refused round (a delta round's dense retry)."""
+        self._all(lambda r, e: e.shutdown())
+
     def reset_prefix_cache(self) -> None:
         return None
 

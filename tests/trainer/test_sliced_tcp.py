@@ -414,32 +414,6 @@ def test_verify_checks_sliced_rounds_against_the_workers_shards() -> None:
         client.close()
 
 
-def test_delta_on_a_sliced_session_sends_dense_sliced_rounds(caplog) -> None:
-    """``delta="auto"`` where the workers want slices: every round is dense and sliced (no
-    worker gets an element outside its wants), said once in the log; the weights are right."""
-    client = TPClient(TP2)
-    tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto")
-    try:
-        assert client.init_info["delta_rounds"] is True
-        for step in (1, 2, 3):
-            full = full_tensors(TP2, step)
-            if step == 3:  # a few elements change: a delta round would patch them
-                full = {n: a.copy() for n, a in full_tensors(TP2, 2).items()}
-                full["model.norm.weight"][0] += 1
-            tensors.clear()
-            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
-            with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
-                engine.send_weights()
-            assert client.last_update["sliced"] is True and "patches" not in client.last_update
-            assert_loaded(client, full)
-        told = [r for r in caplog.records if "sends dense sliced rounds" in r.getMessage()]
-        assert len(told) == 1
-    finally:
-        engine.shutdown()
-        client.close()
-
-
 def test_several_trainer_processes_keep_broadcasting(caplog) -> None:
     """A source shared by several trainer processes (their passes gather through
     collectives): rounds stay broadcasts, said once; nothing hangs or is refused."""

@@ -48,6 +48,13 @@ class UpdateInfo(StrictInfo):
     """The round is sliced (a backend with sliced rounds): each worker receives only the
     boxes of each tensor it wants, as framed pieces on its own link, instead of the
     broadcast chunks. Left out of the body when False."""
+    shares: list[list[int]] | None = None
+    """A sliced delta round (``sliced`` with ``patches``): per worker (in the trainer's worker
+    order: a worker's session rank - 1), per patch (``patches``' order), how many of that
+    patch's elements the worker receives: those whose checkpoint coordinates fall in the
+    boxes it wants. Its ``@index`` / ``@values`` wire tensors then reach it as ``[share]``
+    (flat indices into the whole checkpoint tensor, increasing), not ``[nnz]``; a worker
+    checks it got exactly its share. Left out of the body when None."""
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -102,7 +109,9 @@ class UpdateInfo(StrictInfo):
             raise ConfigError(f"sliced must be a bool, got {self.sliced!r}")
         check_token("round_token", self.round_token)
         check_token("delta_base", self.delta_base)
-        self.patch_list()
+        patches = self.patch_list()
+        if self.shares is not None:
+            _check_shares(self.shares, patches, sliced=self.sliced)
 
     def patch_list(self) -> list[Patch]:
         """The round's patches, checked against its wire listing (``shared.delta``)."""
@@ -133,7 +142,41 @@ class UpdateInfo(StrictInfo):
             shapes=[list(m.shape) for m in metas],
         )
 
+    def share(self, worker: int) -> list[int]:
+        """Worker ``worker``'s elements of each patch (``shares``); ``ConfigError`` when the
+        round names no share for it (a trainer that counted fewer workers)."""
+        if self.shares is None:
+            raise ConfigError("the update has no shares (it is not a sliced delta round)")
+        if not 0 <= worker < len(self.shares):
+            raise ConfigError(
+                f"shares name {len(self.shares)} worker(s), none for worker {worker}: the "
+                "trainer planned for another set of workers"
+            )
+        return self.shares[worker]
+
     def __repr__(self) -> str:
         src = f", src={self.src}" if self.src else ""
         delta = f", {len(self.patches)} patches" if self.patches else ""
         return f"UpdateInfo({len(self.names)} tensors{src}{delta})"
+
+
+def _check_shares(shares: Any, patches: list[Patch], *, sliced: bool) -> None:
+    """``shares``: a sliced delta round's, one row per worker, one count in ``[0, nnz]`` per
+    patch."""
+    if not sliced or not patches:
+        raise ConfigError("shares are a sliced delta round's: they need sliced and patches")
+    if not isinstance(shares, list) or not 0 < len(shares) <= LIMITS.max_world_size:
+        raise ConfigError(
+            f"shares must be a list of 1 to {LIMITS.max_world_size} per-worker rows, "
+            f"got {type(shares).__name__}"
+        )
+    for w, row in enumerate(shares):
+        ok = isinstance(row, list) and len(row) == len(patches)
+        ok = ok and all(
+            type(n) is int and 0 <= n <= p.nnz for n, p in zip(row, patches, strict=True)
+        )
+        if not ok:
+            raise ConfigError(
+                f"shares[{w}] must list, per patch, an int count in [0, its nnz] "
+                f"({len(patches)} patches)"
+            )

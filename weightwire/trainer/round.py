@@ -33,7 +33,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from weightwire.backends.base import RoundSender, Sent, WirePlan
+from weightwire.backends.base import RoundSender, Sent, SlicePiece, WirePlan
+from weightwire.shared.delta import Patch, parse_patch
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
@@ -45,8 +47,9 @@ from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
-from weightwire.trainer.slice_plan import SlicePlan
+from weightwire.trainer.slice_plan import SlicePlan, build_plan
 from weightwire.trainer.sliced import Slicing, pieces
+from weightwire.trainer.sliced_delta import PatchShares, share_patches
 from weightwire.trainer.transfer import (
     Transfer,
     best_effort_resume,
@@ -479,14 +482,21 @@ class SoleRounds:
         source = s.source if source is None else source
         wire: Wire = SoleWire(s, sole, source, remap)
         slicing = s.slicing
+        patches = patch_entries(fields)
         # Every worker wants every tensor whole (TP=1): the broadcast, nothing else asked.
         if (
             slicing is not None
-            and slicing.slices(sole.wire.metas)
+            and slicing.slices(logical_metas(sole.wire.metas, patches))
             and sliced_round(s, slicing, draft=draft, fields=fields)
         ):
             with clock("metadata"):  # the plan (built once), and a refusal: before any call
-                wire = SlicedWire.of(s, slicing, sole, source)
+                if patches:  # each worker its share of the patches (the shares: before any call)
+                    sliced = SlicedWire.of_delta(s, slicing, sole, source, patches)
+                    assert sliced.shares is not None
+                    fields = {**(fields or {}), "shares": sliced.shares.counts}
+                else:
+                    sliced = SlicedWire.of(s, slicing, sole, source)
+            wire = sliced
             fields = {**(fields or {}), "sliced": True}
         sole_round = Round(
             version,
@@ -528,30 +538,56 @@ class SoleWire:
 
 
 def sliced_instead_of_delta(s: Session, metas: list[ParamMeta]) -> bool:
-    """``delta="auto"`` on a session whose workers want slices: the rounds go dense and
-    sliced (each worker its slices, never an element outside them) instead of as patches,
-    which would reach every worker (said once in the log)."""
+    """``delta="auto"`` on a session whose workers want slices but where some round could not
+    apply a sliced delta (``sliced_delta_refusal``): the rounds go dense and sliced (each
+    worker its slices, never an element outside them) instead of as patches, which would
+    reach every worker whole (said once in the log). False where the delta rounds go on:
+    sliced (each worker its share of the patches) or, where the session is not sliced, as
+    broadcasts."""
     slicing = s.slicing
     if slicing is None or not slicing.slices(metas):
         return False
     if not sliced_round(s, slicing, draft=False, fields=None):
         return False
-    slicing.note_once("delta='auto' sends dense sliced rounds, not patches:", whole=False)
+    why = sliced_delta_refusal(s, slicing)
+    if why is None:
+        return False
+    slicing.note_once(f"delta='auto' sends dense sliced rounds, not patches: {why};", whole=False)
     return True
+
+
+def sliced_delta_refusal(s: Session, slicing: Slicing) -> str | None:
+    """Why this sliced session's delta rounds cannot be sliced, or None: every worker said
+    at the join that it applies sliced patches (it lands its slices through its landing map;
+    one that loads them through ``load_weights``, e.g. vLLM on CPU, cannot), one sending
+    process, no verify (its digests are of the slices sent, a delta round sends patches)."""
+    if slicing.several:
+        return "several sending processes"
+    if s.verifier is not None:
+        return "verify=True compares each round's slices, which a delta round does not send"
+    unable = [w for w, ok in enumerate(slicing.patch_takers) if not ok]
+    if unable:
+        return (
+            f"worker {unable[0]} did not say it applies sliced patches (it loads its slices "
+            "through load_weights, or predates sliced delta rounds)"
+        )
+    return None
 
 
 def sliced_round(
     s: Session, slicing: Slicing, *, draft: bool, fields: Mapping[str, Any] | None
 ) -> bool:
-    """Whether this round of a session that asked for wants goes sliced: a dense round of
-    the target model (verify: against a vLLM shard checker), when some worker wants less
-    than a whole tensor."""
+    """Whether this round of a session that asked for wants goes sliced: a round of the
+    target model (verify: against a vLLM shard checker; a delta round: where every worker
+    applies sliced patches), when some worker wants less than a whole tensor."""
     if draft:
         slicing.note_once("draft")  # the draft model's wants were not told
         return False
-    if fields:
-        slicing.note_once("delta")  # a delta round's patches go to every worker
-        return False
+    if fields and fields.get("patches"):
+        why = sliced_delta_refusal(s, slicing)
+        if why is not None:  # a delta round's patches then go to every worker
+            slicing.note_once(f"a delta round's patches go whole: {why};")
+            return False
     if s.framework.process_count() > 1 and not slicing.several:
         # The other processes' passes over the source gather (collectives): one process
         # cannot read its shards alone beside them. Several senders need a TrainerGroup.
@@ -570,12 +606,20 @@ def sliced_round(
 
 class SlicedWire:
     """Rank 0 alone, sliced: the update POST (``sliced``) beside each worker's pieces on its
-    own link (``trainer.sliced``); control before the first byte, as ``SoleWire``."""
+    own link (``trainer.sliced``); control before the first byte, as ``SoleWire``. A delta
+    round's patch wire tensors go as each worker's share (``shares``:
+    ``trainer.sliced_delta``)."""
 
     def __init__(
-        self, s: Session, sole: SolePlan, tensors: dict[str, Any], plan: SlicePlan
+        self,
+        s: Session,
+        sole: SolePlan,
+        tensors: dict[str, Any],
+        plan: SlicePlan,
+        shares: PatchShares | None = None,
     ) -> None:
         self._s, self._sole, self._tensors, self._plan = s, sole, tensors, plan
+        self.shares = shares
 
     @classmethod
     def of(cls, s: Session, slicing: Slicing, sole: SolePlan, source: WeightSource) -> SlicedWire:
@@ -592,11 +636,40 @@ class SlicedWire:
             s.verifier.forget_previous()  # the slices' digests follow the plan's cuts
         return cls(s, sole, tensors, plan)
 
+    @classmethod
+    def of_delta(
+        cls,
+        s: Session,
+        slicing: Slicing,
+        sole: SolePlan,
+        source: WeightSource,
+        patches: list[Patch],
+    ) -> SlicedWire:
+        """A delta round's wire: its dense tensors (the base's copies, held whole here) sliced
+        by a plan of their own, each patch filtered per worker (``share_patches``, here:
+        the shares go in the update POST)."""
+        metas = sole.wire.metas
+        tensors = dict(s.stream(source, tensor_stream(source), sole.metas, None))
+        logical = logical_metas(metas, patches)
+        dense = logical[: len(logical) - len(patches)]
+        wants = slicing.wants(logical)
+        held = s.framework.slice_holdings({m.name: tensors[m.name] for m in dense})
+        plan = build_plan(dense, held, wants)
+        rank = s.framework.process_rank()
+        others = sorted(set(plan.rank_bytes) - {rank})
+        if others:
+            raise ConfigError(
+                f"a sliced delta round's dense tensors are held by trainer process(es) "
+                f"{others}, not by this one ({rank}); pass TrainerInitInfo(sliced='off')"
+            )
+        shares = share_patches(patches, tensors, wants, s.framework.host_bytes)
+        return cls(s, sole, tensors, plan, shares)
+
     def transfer(self, t: Transmission) -> Sent:
         s, metas, own = self._s, self._sole.wire.metas, t.own
         assert s.slicing is not None
         hashes: dict[str, Any] | None = None if own is None else {}
-        prepared = pieces(
+        prepared: Iterator[list[SlicePiece]] = pieces(
             self._plan,
             metas,
             self._tensors,
@@ -605,6 +678,9 @@ class SlicedWire:
             buffer_bytes=s.info.packed_buffer_size_bytes,
             hashes=hashes,
         )
+        if self.shares is not None:
+            shared = self.shares.pieces(metas, s.info.packed_buffer_size_bytes)
+            prepared = (shared.get(i, group) for i, group in enumerate(prepared))
         if s.slicing.began is not None:  # several processes: theirs go once control ran
             t = dataclasses.replace(t, control=_Began(t.control, s.slicing.began))
         sent = send_update(s, t, prepared, metas, sender=s.slicing.sender)
@@ -617,6 +693,22 @@ class SlicedWire:
         the same bytes give the same digest while the plan stands (vllm-diff mode compares
         them round to round; ``forget_previous`` when it was rebuilt)."""
         return own
+
+
+def logical_metas(metas: list[ParamMeta], patches: list[Patch]) -> list[ParamMeta]:
+    """A round's tensors as the workers' wants name them: its dense tensors, then each
+    patched tensor whole (a dense round: ``metas`` itself)."""
+    if not patches:
+        return metas
+    wire = {n for p in patches for n in (p.index_name, p.values_name)}
+    dense = [m for m in metas if m.name not in wire]
+    return dense + [ParamMeta(p.name, p.dtype, p.shape) for p in patches]
+
+
+def patch_entries(fields: Mapping[str, Any] | None) -> list[Patch]:
+    """A delta round's patches from its update-info fields (none: a dense round)."""
+    entries = (fields or {}).get("patches") or []
+    return [parse_patch(i, entry) for i, entry in enumerate(entries)]
 
 
 class _Began:

@@ -11,6 +11,11 @@ Else every dense round is sliced: the plan (``slice_plan.PlanCache``: rebuilt on
 metadata, the holdings or the wants change) gives each worker the pieces it wants, each read
 from a shard this process holds (``pieces``). One sending process only: a plan that needs
 another trainer process's shards is refused (``ConfigError``) before any call.
+
+A hello may also say ``"patches": true`` (``takes_patches``): the worker lands its slices
+through its landing map and applies a sliced delta round's patches. Where every worker says
+so, ``delta="auto"`` rounds are sliced too (``trainer.sliced_delta``); else they go dense
+and sliced (``round.sliced_instead_of_delta``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from weightwire.trainer.slice_plan import Holdings, PlanCache, SlicePlan, Transf
 
 log = logging.getLogger(__name__)
 
+PATCHES_KEY = "patches"
+"""The hello's key beside the wants: ``true`` from a worker that applies sliced patches."""
 OLD_HELLO = "the worker told no wants (it predates sliced rounds, or knows no served checkpoint)"
 
 
@@ -48,6 +55,8 @@ def parse_wants(raw: bytes, metas: Sequence[ParamMeta], worker: int) -> Wants:
             f"worker {worker}'s wants are not JSON: {exc} (TrainerInitInfo(sliced='off') "
             "sends broadcasts instead)"
         ) from None
+    if isinstance(obj, dict):
+        obj = {k: v for k, v in obj.items() if k != PATCHES_KEY}  # told apart: takes_patches
     if isinstance(obj, dict) and isinstance(obj.get("tensors"), dict):
         told = obj["tensors"]
         # The worker names its served checkpoint's tensors: the round's own are judged,
@@ -65,6 +74,18 @@ def parse_wants(raw: bytes, metas: Sequence[ParamMeta], worker: int) -> Wants:
         ) from None
 
 
+def takes_patches(raw: bytes) -> bool:
+    """The worker said at the join that it applies a sliced delta round's patches (it lands
+    its slices through its landing map); False from one that did not say (an older hello,
+    or a worker that loads its slices through ``load_weights``), or from a hello that is not
+    a JSON object (``parse_wants`` names that)."""
+    try:
+        obj = json.loads(raw) if raw else None
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(obj, dict) and obj.get(PATCHES_KEY) is True
+
+
 def wants_less(wants: Sequence[Wants], metas: Sequence[ParamMeta]) -> bool:
     """Some worker wants less than some whole tensor (slicing saves bytes)."""
     return any(w.regions[m.name] != (Box.whole(m.shape),) for w in wants for m in metas if m.numel)
@@ -79,6 +100,8 @@ class Slicing:
         self.sender = sender
         self.several = several
         self.plans = PlanCache()
+        self.patch_takers = [takes_patches(raw) for raw in hellos]
+        """Per worker: it applies a sliced delta round's patches (said at the join)."""
         self._wants: tuple[tuple[ParamMeta, ...], list[Wants]] | None = None
         self._told: set[str] = set()
         self.agree: Callable[[SlicePlan | None, str | None], None] | None = None
@@ -187,4 +210,13 @@ def plan_digest(plan: SlicePlan) -> str:
     return h.hexdigest()[:32]
 
 
-__all__ = ["OLD_HELLO", "Slicing", "parse_wants", "pieces", "plan_digest", "wants_less"]
+__all__ = [
+    "OLD_HELLO",
+    "PATCHES_KEY",
+    "Slicing",
+    "parse_wants",
+    "pieces",
+    "plan_digest",
+    "takes_patches",
+    "wants_less",
+]

@@ -52,14 +52,14 @@ from weightwire.backends.worker_base import (
     takes_landing,
 )
 from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
-from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
+from weightwire.shared.errors import ConfigError, DeltaBaseMismatch, WeightwireError
 from weightwire.shared.limits import DEFAULT_STAGE_BUDGET_BYTES
 from weightwire.shared.lora import is_adapter_round
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Wants
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
-from weightwire.torch_side.worker.landing import MapRecorder, record_loader_map
+from weightwire.torch_side.worker.landing import LoaderMap, MapRecorder, record_loader_map
 from weightwire.torch_side.worker.load import (
     LOAD_BATCHING,
     FrameworkHooks,
@@ -99,6 +99,7 @@ if TYPE_CHECKING:  # delta and adapter rounds import their modules when one come
     from weightwire.torch_side.worker.delta import PatchSplitter, RoundDelta
     from weightwire.torch_side.worker.lora import AdapterHostFn
     from weightwire.torch_side.worker.sinks import SinkChooser
+    from weightwire.torch_side.worker.sliced import PatchShare, SlicedRound
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ class _ReceiverCore:
         self._connect = connect
         self._info_type = info_type
         self._worker_rank = worker_rank
+        self._session_rank = worker_rank  # set by each init: rank_offset + worker_rank
         self._framework = framework
         self._load_batching = load_batching
         self.lease_s = float(lease_s) if lease_s is not None else Timeouts.from_env().http_s
@@ -236,6 +238,7 @@ class _ReceiverCore:
             )
             self._drop_round(f"stale: {stale}")
         rank = session_rank(self.backend, info, self._worker_rank)
+        self._session_rank = rank
         self._close_link()
         self._plans.clear()
         self._joined = None
@@ -404,14 +407,18 @@ class _ReceiverCore:
             patches = update.patch_list() if update.patches else []  # a delta update's
             plan = self._resolve(model, update)
             # An adapter round checks the adapter's own metadata instead of the rest.
-            if update.sliced and patches:
-                raise ValueError("a sliced update carries no patches: its patches are refused")
+            share = self._share(update, patches) if update.sliced and patches else None
             if not self._adapter_step(plan):
                 self._check_round(model, update, plan)
-                # a sliced update is dense: no patch step (its pieces land through the map)
-                delta = None if update.sliced else self._patch_step(model, plan, patches)
+                if share is not None:  # each patch's elements this worker serves
+                    delta: RoundDelta | None = self._sliced_patch_step(model, update, share)
+                else:  # a dense sliced update: no patch step (its pieces land through the map)
+                    delta = None if update.sliced else self._patch_step(model, plan, patches)
                 self._check_spec(plan, patches, delta)
-                splitter = self._admit_patches(model, update, plan, patches, delta)
+                if share is not None:
+                    splitter = self._share_splitter(share)
+                else:
+                    splitter = self._admit_patches(model, update, plan, patches, delta)
         except DeltaBaseMismatch as exc:
             self._fail(exc, "checking the delta round's base")
             raise
@@ -424,7 +431,8 @@ class _ReceiverCore:
         nbytes = sum(c.nbytes for c in plan.chunks)
         try:
             if update.sliced:
-                nbytes = self._sliced_step(model, plan.metas, progress)
+                metas = plan.metas if share is None else share.metas
+                nbytes = self._sliced_step(model, metas, progress, share, splitter)
             else:
                 self._round = self._choose_strategy(model, turn, plain=splitter is None)
                 received = self._link.receive(turn, progress)
@@ -555,14 +563,74 @@ class _ReceiverCore:
             landing=self._round_landing,
         )
 
-    def _sliced_step(self, model: Model, metas: list[ParamMeta], progress: ReceiveProgress) -> int:
+    def _share(self, update: UpdateInfo, patches: list[Patch]) -> PatchShare:
+        """A sliced delta update: this worker's share of its patches (``UpdateInfo.shares``,
+        indexed by its place among the trainer's workers: its session rank - 1)."""
+        from weightwire.torch_side.worker.sliced import PatchShare
+
+        try:
+            return PatchShare(update, patches, self._session_rank - 1)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    def _sliced_patch_step(self, model: Model, update: UpdateInfo, share: PatchShare) -> RoundDelta:
+        """A sliced delta round's patches land through this worker's landing map (as its
+        slices do), applied at the commit after its dense pieces; a worker that loads its
+        slices through ``load_weights`` (no map) cannot apply them: refused before any byte
+        (``DeltaBaseMismatch``: the trainer sends the round dense)."""
+        from weightwire.torch_side.worker.delta import RoundDelta, refuse
+        from weightwire.torch_side.worker.landing import tied_aliases
+        from weightwire.torch_side.worker.sinks import MapSink
+        from weightwire.torch_side.worker.sliced import spec_metas
+
+        assert self._round is not None
+        held = self.weights.token(model)
+        spec = self.caches.model_spec()
+        lmap = self.caches.loader_map(spec_metas(spec)) if spec is not None else None
+        if lmap is None:
+            raise refuse(
+                update.delta_base or "",
+                held,
+                "this worker loads its slices through load_weights: it cannot apply a sliced "
+                "round's patches",
+            )
+        if self._round.delta is None:
+            aliases = tied_aliases(model) if isinstance(model, torch.nn.Module) else {}
+            # its dense pieces are written through the map, never reloaded with their layer
+            self._round.delta = RoundDelta(MapSink(lmap, aliases, whole_layers=False))
+        sink = self._round.delta.sink
+        # every tensor the update names must land through the map (no reload: no layer mates)
+        dense = [m.name for m in share.metas if m.name not in share.sizes]
+        why = sink.refusal(dense, share.patches) if sink is not None else "no patch sink"
+        if why is not None:
+            raise refuse(update.delta_base or "", held, why)
+        share.lmap = lmap
+        return self._round.delta
+
+    def _share_splitter(self, share: PatchShare) -> PatchSplitter:
+        """Holds a sliced delta update's patches (its shares) until the round's commit."""
+        from weightwire.torch_side.worker.delta import PatchSplitter
+
+        return PatchSplitter(share.patches, observe=None)
+
+    def _sliced_step(
+        self,
+        model: Model,
+        metas: list[ParamMeta],
+        progress: ReceiveProgress,
+        share: PatchShare | None = None,
+        splitter: PatchSplitter | None = None,
+    ) -> int:
         """A sliced update's pieces (``sliced``): through the landing map, staged or in
         place as the budget says; without a map, assembled whole and loaded as a dense
-        update. Returns the payload bytes this worker received."""
+        update. A sliced delta update's (``share``): its patch shares held by ``splitter``
+        (checked to lie in this worker's wants) until the commit. Returns the payload bytes
+        this worker received."""
         from weightwire.torch_side.worker.sliced import (
             Cover,
             SlicedRound,
             assembled,
+            check_within,
             counted,
             typed,
         )
@@ -570,6 +638,13 @@ class _ReceiverCore:
         assert self._round is not None and self._link is not None
         cover = Cover(metas, self._told)  # exactly what this worker told it wants, or refused
         pieces = cover.checked(typed(self._link.receive_sliced(metas, progress), metas))
+        if share is not None:
+            assert splitter is not None and share.lmap is not None
+            nbytes = self._sliced_into(SlicedRound, share.lmap, share.split(pieces))
+            for _ in splitter.split(iter([share.pairs()])):
+                pass  # only patch wire tensors: nothing dense comes out
+            check_within(splitter.patches, self._told)
+            return nbytes + share.nbytes
         lmap = self.caches.loader_map(metas)
         if lmap is None:
             got = [0]  # the pieces' bytes (what crossed the wire), not the assembled tensors'
@@ -578,13 +653,21 @@ class _ReceiverCore:
             self._round = self._round.admit(held, self.stage_budget_bytes)
             self._round.receive(iter([pairs]))
             return got[0]
-        if not isinstance(self._round, SlicedRound):
+        return self._sliced_into(SlicedRound, lmap, pieces)
+
+    def _sliced_into(self, kind: type[SlicedRound], lmap: LoaderMap, pieces: Any) -> int:
+        """``pieces`` into the round, a ``SlicedRound`` from its first update on (a delta
+        round's patch part, opened before, goes with it)."""
+        assert self._round is not None
+        if not isinstance(self._round, kind):
             if not self._round.untouched:
                 raise ValueError(
                     f"a sliced update after a {self._round.name} one in the same round"
                 )
-            target = self._round.target
-            self._round = SlicedRound(target, lmap, self.stage_budget_bytes)
+            was = self._round
+            self._round = kind(was.target, lmap, self.stage_budget_bytes)
+            self._round.delta, self._round.token = was.delta, was.token
+            self._round.updates = was.updates
         return self._round.receive_pieces(pieces)
 
     def _hold_patches(self, splitter: PatchSplitter) -> None:

@@ -13,6 +13,12 @@ previous weights exactly); past it, it writes each piece in place as it lands
 (its loader is a plain copy but its served parameters are processed after loading, or it
 wants every tensor whole) places its pieces in full-shaped tensors and loads them through
 the round's own strategy (``load_weights`` reads only what it wanted).
+
+A sliced delta round (``UpdateInfo.shares``) brings this worker, of each patch, only the
+elements inside its wants (``PatchShare``: its ``[share]`` wire tensors, checked against its
+count by ``Cover`` and element by element by ``check_within``). The hello says whether it
+can take them (``"patches"``: it has a landing map); its dense pieces land as above and its
+patches through the same map at the commit (``MapSink``).
 """
 
 from __future__ import annotations
@@ -20,19 +26,26 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightwire.shared.delta import Patch
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box, Wants, first_overlap, volume
 from weightwire.shared.staging import round_streams
+from weightwire.shared.update_info import UpdateInfo
 from weightwire.torch_side.dtypes import torch_dtype
 from weightwire.torch_side.worker.landing import LoaderMap
 from weightwire.torch_side.worker.load import Pairs
+from weightwire.torch_side.worker.spec import ModelSpec
 from weightwire.torch_side.worker.strategy import ReceiveStrategy, RoundTarget
 from weightwire.torch_side.worker.target_caches import TargetCaches
 from weightwire.torch_side.worker.wants import landing_box, session_wants, write_box
+
+if TYPE_CHECKING:  # the delta modules load at a delta round's patch step only
+    from weightwire.torch_side.worker.delta import StagedPatch
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +63,10 @@ def hello(caches: TargetCaches, backend: str) -> tuple[bytes, Wants | None]:
                 "%s: no served checkpoint spec here: this worker wants every tensor whole", backend
             )
             return b"", None
-        metas = [ParamMeta(n, t.dtype, t.shape) for n, t in spec.tensors.items()]
+        metas = spec_metas(spec)
         wants = session_wants(caches, metas)  # a refused map: logged once by the caches
+        # Lands its slices through the map: it can apply a sliced delta round's patches too.
+        patches = wants.whole_reason is None and caches.loader_map(metas) is not None
     except Exception as exc:  # never fail the join over an optimisation: whole tensors
         log.warning(
             "%s: this worker's wants could not be derived (%s: %s): it wants every tensor whole",
@@ -60,7 +75,13 @@ def hello(caches: TargetCaches, backend: str) -> tuple[bytes, Wants | None]:
             exc,
         )
         return b"", None
-    return json.dumps(wants.to_json(), separators=(",", ":")).encode(), wants
+    told = {**wants.to_json(), "patches": patches}
+    return json.dumps(told, separators=(",", ":")).encode(), wants
+
+
+def spec_metas(spec: ModelSpec) -> list[ParamMeta]:
+    """The served checkpoint's tensors (what the wants and the landing map are of)."""
+    return [ParamMeta(n, t.dtype, t.shape) for n, t in spec.tensors.items()]
 
 
 def typed(
@@ -127,6 +148,75 @@ def assembled(pieces: Iterable[Received], metas: Sequence[ParamMeta], device: An
     return list(whole.items())
 
 
+class PatchShare:
+    """This worker's part of a sliced delta round (``UpdateInfo.shares``): the update's
+    tensors with each patch's ``@index`` / ``@values`` at its share's length (what the
+    pieces are checked against, ``Cover``), the patches it gets (those of a share of 0
+    left out), and, as the pieces land, each share's tensor. Indices are flat indices into
+    the whole checkpoint tensor, applied through the landing map like a broadcast
+    delta round's."""
+
+    def __init__(self, update: UpdateInfo, patches: Sequence[Patch], worker: int) -> None:
+        counts = update.share(worker)
+        self.patches = [replace(p, nnz=n) for p, n in zip(patches, counts, strict=True) if n]
+        self.sizes = {
+            name: n
+            for p, n in zip(patches, counts, strict=True)
+            for name in (p.index_name, p.values_name)
+        }
+        self.metas = [
+            ParamMeta(m.name, m.dtype, (self.sizes[m.name],)) if m.name in self.sizes else m
+            for m in update.metas()
+        ]
+        self.lmap: LoaderMap | None = None
+        """The landing map its patches and dense pieces land through (the patch step's)."""
+        self._parts: dict[str, torch.Tensor] = {}
+        self.nbytes = 0
+
+    def split(self, pieces: Iterable[Received]) -> Iterator[Received]:
+        """The dense tensors' pieces go on; the patch wire tensors' are copied into their
+        share's tensor (the frame's buffer is reused)."""
+        for name, box, piece in pieces:
+            if name not in self.sizes:
+                yield name, box, piece
+                continue
+            part = self._parts.get(name)
+            if part is None:
+                part = torch.empty(self.sizes[name], dtype=piece.dtype, device=piece.device)
+                self._parts[name] = part
+            part[box.slices()] = piece
+            self.nbytes += piece.numel() * piece.element_size()
+
+    def pairs(self) -> Pairs:
+        """Every received share, as the wire tensors of a delta round (``PatchSplitter``)."""
+        return list(self._parts.items())
+
+
+def check_within(patches: Sequence[StagedPatch], told: Wants | None) -> None:
+    """``ValueError`` when a patch writes an element outside the boxes this worker told it
+    wants (the trainer filtered by other wants): refused before anything of it applies."""
+    regions = told.regions if told is not None else {}
+    for staged in patches:
+        p = staged.patch
+        boxes = regions.get(p.name, (Box.whole(p.shape),))
+        if tuple(boxes) == (Box.whole(p.shape),) or not staged.index.numel():
+            continue
+        coords = torch.unravel_index(staged.index.to(torch.int64), p.shape)
+        keep = torch.zeros(staged.index.shape, dtype=torch.bool, device=staged.index.device)
+        for box in boxes:
+            hit = torch.ones_like(keep)
+            for c, (lo, hi) in zip(coords, box.ranges, strict=True):
+                hit &= (c >= lo) & (c < hi)
+            keep |= hit
+        if not bool(keep.all()):
+            at = int(torch.nonzero(~keep)[0, 0])
+            raise ValueError(
+                f"a sliced delta round patches {p.name!r} at flat index "
+                f"{int(staged.index[at])}, outside what this worker wants: the trainer "
+                "filtered its patches by other wants"
+            )
+
+
 class SlicedRound(ReceiveStrategy):
     """A round of pieces written through the landing map (module docstring)."""
 
@@ -153,7 +243,7 @@ class SlicedRound(ReceiveStrategy):
         raise TypeError("a sliced round receives pieces (receive_pieces), not chunks")
 
     def held_tensors(self) -> Pairs:
-        return [(name, piece) for name, _, piece in self.held]
+        return [*((name, piece) for name, _, piece in self.held), *super().held_tensors()]
 
     def receive_pieces(self, pieces: Iterable[Received]) -> int:
         """One update's pieces; held until every one landed (a failed update adds
@@ -223,6 +313,12 @@ class SlicedRound(ReceiveStrategy):
         self.held_bytes = 0
         if held:
             self._write(held)
+        delta = self.delta
+        if delta is not None:  # a sliced delta round: its patches, after the dense pieces
+            for name, tensor in delta.finish(self.names, set()):
+                self.lmap.write(name, tensor)  # a sink that rebuilds tensors (none today)
+            self.wrote = self.wrote or delta.writes_live
+            delta.after_commit()
 
     def abort(self, why: str) -> None:
         dropped, self.held = len(self.held), []
@@ -235,4 +331,15 @@ class SlicedRound(ReceiveStrategy):
         )
 
 
-__all__ = ["Cover", "Received", "SlicedRound", "assembled", "counted", "hello", "typed"]
+__all__ = [
+    "Cover",
+    "PatchShare",
+    "Received",
+    "SlicedRound",
+    "assembled",
+    "check_within",
+    "counted",
+    "hello",
+    "spec_metas",
+    "typed",
+]

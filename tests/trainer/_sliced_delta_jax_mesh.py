@@ -1,0 +1,77 @@
+"""Subprocess body of test_sliced_delta's mesh case: a JAX trainer on 8 forced host devices
+(an FSDP 4 x TP 2 mesh, the shardings of ``_sliced_mesh``) with ``delta="auto"`` sends a
+dense round, then 2 delta rounds at a 2 % change rate, to in-process TCP workers hosting
+``SlicedTP`` ranks (TP 2, one KV head, tied head). XLA_FLAGS must precede the jax import,
+hence a process of its own. Any mismatch of a worker's parameters against ``load_weights``
+of the full tensors fails the process; prints one JSON line: per round whether it carried
+patches, each worker's received bytes, the trainer's bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding
+
+from tests.trainer._sliced_mesh import spec_for
+from tests.trainer._sliced_workers import TPClient, expected, shapes_of
+from tests.trainer.test_sliced_delta import changed
+from tests.trainer.test_sliced_tcp import info
+from weightwire.jax_side.dtypes import describe
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.testing.sources import DictSource
+
+
+def main() -> None:
+    config = (2, 4, 1, False, True)
+    shapes = shapes_of(config)
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tp"))
+    client = TPClient(config)
+    arrays: dict[str, Any] = {}
+    source = DictSource(arrays, describe)
+    engine = JAXTrainerEngine.trainer_init(info(delta="auto"), client=client, source=source)
+    rng = np.random.default_rng(1)
+    full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    rounds = []
+    try:
+        for step in (1, 2, 3):
+            if step > 1:
+                full = changed(full, step)
+            arrays.clear()
+            arrays.update(
+                {
+                    n: jax.device_put(v, NamedSharding(mesh, spec_for(n, v.shape)))
+                    for n, v in full.items()
+                }
+            )
+            metrics = engine.send_weights()
+            assert client.last_update.get("sliced") is True
+            for rank in range(2):
+                want, got = expected(config, full, rank), client.params(rank)
+                for name, tensor in want.items():
+                    assert torch.equal(got[name], tensor), f"round {step} rank {rank} {name}"
+            rounds.append(
+                {
+                    "patches": bool(client.last_update.get("patches")),
+                    "received": list(client.received),
+                    "sent": metrics.nbytes,
+                    "broadcast": sum(4 * int(np.prod(s)) for s in client.last_update["shapes"]),
+                }
+            )
+    finally:
+        engine.shutdown()
+        client.close()
+    print(json.dumps({"rounds": rounds}))
+
+
+if __name__ == "__main__":
+    main()
