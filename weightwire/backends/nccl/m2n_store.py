@@ -35,6 +35,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from weightwire.shared.errors import PeerLost, TransferError, TransferTimeout
@@ -126,10 +127,21 @@ class MetadataStore:
             self._keys[key] = bytes(value)
             self._cond.notify_all()
 
-    def get(self, key: str, *, deadline: float, what: str) -> bytes:
-        """The value of ``key`` once set; ``TransferTimeout`` at ``deadline``."""
+    def get(
+        self, key: str, *, deadline: float, what: str, check: Callable[[], None] | None = None
+    ) -> bytes:
+        """The value of ``key`` once set; ``TransferTimeout`` at ``deadline``. ``check`` runs
+        between waits and raises to end it (the init call already failed)."""
         with self._cond:
             while key not in self._keys:
+                if check is not None:
+                    self._cond.release()
+                    try:
+                        check()
+                    finally:
+                        self._cond.acquire()
+                    if key in self._keys:
+                        break
                 left = deadline - time.monotonic()
                 if self._closed:
                     raise PeerLost(f"the metadata store closed while waiting for {what}")
@@ -237,10 +249,10 @@ class MetadataStore:
         elif q == GET:
             key = _recv_bytes(conn).decode()
             with self._cond:
-                value = self._keys.get(key)
-            if value is None:  # torch's server fails the query, and so the connection
+                found = self._keys.get(key)
+            if found is None:  # torch's server fails the query, and so the connection
                 raise _Closed
-            conn.sendall(_vector(value))
+            conn.sendall(_vector(found))
         elif q == ADD:
             key = _recv_bytes(conn).decode()
             (delta,) = struct.unpack("<q", _recv_exact(conn, 8))
@@ -325,49 +337,57 @@ def loads_plain(data: bytes) -> Any:
 
 
 class MetadataGroup:
-    """Group rank 0 of vLLM's ``StatelessProcessGroup`` key scheme, on a ``MetadataStore``.
+    """The trainer ranks' side of vLLM's ``StatelessProcessGroup`` key scheme, on a
+    ``MetadataStore``.
 
-    ``world_size`` counts every rank (the trainer ranks, then the workers). This process
-    speaks for rank 0 only; other trainer ranks of the same process are not supported here
-    (vLLM's trainer engine gives each trainer rank its own store client).
+    ``world_size`` counts every rank (the trainer ranks, then the workers); this process
+    speaks for trainer ranks ``[0, own)`` (one process driving all of its local devices'
+    ranks publishes each one's envelope, as vLLM's trainer ranks would each publish theirs).
     """
 
-    def __init__(self, store: MetadataStore, world_size: int, *, timeout_s: float) -> None:
+    def __init__(
+        self,
+        store: MetadataStore,
+        world_size: int,
+        *,
+        timeout_s: float,
+        own: int = 1,
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        if not 1 <= own < world_size:
+            raise ValueError(f"own ranks {own} must leave a worker in world size {world_size}")
         self.store, self.world_size, self.timeout_s = store, int(world_size), float(timeout_s)
-        self.rank = 0
-        self._broadcasts = 0
+        self.own, self.check = int(own), check
+        self._published = dict.fromkeys(range(self.own), 0)
         self._recv = dict.fromkeys(range(self.world_size), 0)
         self._sends = dict.fromkeys(range(self.world_size), 0)
-        store.set(INIT_KEY, b"1")  # the server's own join, as torch's master adds it
+        store.set(INIT_KEY, str(self.own).encode())  # the joins torch's master would count
 
-    def _deadline(self) -> float:
-        return time.monotonic() + self.timeout_s
+    def _publish(self, rank: int, obj: Any) -> None:
+        n = self._published[rank]
+        self.store.set(f"{KEY_PREFIX}broadcast_from/{rank}/{n}", pickle.dumps(obj))
+        self._published[rank] = n + 1
 
-    def broadcast_obj(self, obj: Any, src: int) -> Any:
-        if src == self.rank:
-            self.store.set(f"{KEY_PREFIX}broadcast_from/0/{self._broadcasts}", pickle.dumps(obj))
-            self._broadcasts += 1
-            return obj
+    def _read(self, src: int) -> Any:
         n = self._recv[src]
         data = self.store.get(
             f"{KEY_PREFIX}broadcast_from/{src}/{n}",
-            deadline=self._deadline(),
+            deadline=time.monotonic() + self.timeout_s,
             what=f"rank {src}'s envelope",
+            check=self.check,
         )
         self._recv[src] = n + 1
         return loads_plain(data)
 
     def all_gather_obj(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order (this rank's published first, as vLLM's
-        ranks each publish at their own turn: a key is written once and read by all)."""
-        out: list[Any] = []
-        for r in range(self.world_size):
-            out.append(
-                self.broadcast_obj(obj, r) if r == self.rank else self.broadcast_obj(None, r)
-            )
-        return out
+        """Every rank's envelope, in rank order; ``obj`` is each own rank's (a key is written
+        once and read by every rank, so publishing all of ours first is the same exchange)."""
+        for r in range(self.own):
+            self._publish(r, obj)
+        return [obj if r < self.own else self._read(r) for r in range(self.world_size)]
 
     def send_obj(self, obj: Any, dst: int) -> None:
+        """Rank 0's ``send_obj`` (vLLM's trainer uses it between its own ranks only)."""
         n = self._sends[dst]
         self.store.set(f"{KEY_PREFIX}send_to/{dst}/{n}", pickle.dumps(obj))
         self._sends[dst] = n + 1
