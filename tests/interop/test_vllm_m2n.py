@@ -49,10 +49,13 @@ from weightwire.shared.slices import Box
 
 SRC = os.environ.get("WEIGHTWIRE_VLLM_SRC", "")
 M2N_FILES = ("base", "packed_tensor", "nccl_common", "m2n_common", "m2n_layout", "m2n_engine")
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(os.path.join(SRC, "vllm/distributed/weight_transfer/m2n_engine.py")),
-    reason="WEIGHTWIRE_VLLM_SRC names no vLLM 0.33 tree (nccl_m2n is new in 0.33)",
-)
+pytestmark = [
+    pytest.mark.interop,
+    pytest.mark.skipif(
+        not os.path.exists(os.path.join(SRC, "vllm/distributed/weight_transfer/m2n_engine.py")),
+        reason="WEIGHTWIRE_VLLM_SRC names no vLLM 0.33 tree (nccl_m2n is new in 0.33)",
+    ),
+]
 
 H, TP = 8, 2
 KV = 4  # rows of k and v (fewer than q's H)

@@ -11,7 +11,7 @@ torch tensors (written through ``.numpy()``, so a worker's parameter is written 
 Group calls (``group_start`` / ``group_end``, ``m2n.group()``) arrive at once and wait at the
 group's end, so one thread can drive several ranks. Every wait is bounded (``TIMEOUT_S``).
 
-``install()`` puts ``nccl``, ``nccl.core`` and ``nccl.m2n`` into ``sys.modules``;
+``modules()`` / ``install()`` give ``nccl``, ``nccl.core`` and ``nccl.m2n`` as these fakes;
 ``FakeXP`` is the CuPy surface ``m2n_data.NcclM2NDataPlane`` uses.
 """
 
@@ -295,8 +295,8 @@ def group() -> Iterator[None]:
         group_end()
 
 
-def install() -> None:
-    """``nccl``, ``nccl.core``, ``nccl.m2n`` as this module's fakes (a test undoes it)."""
+def modules() -> dict[str, types.ModuleType]:
+    """``nccl``, ``nccl.core``, ``nccl.m2n`` as this module's fakes."""
     me = sys.modules[__name__]
     core = types.ModuleType("nccl.core")
     for name in ("UniqueId", "get_unique_id", "group_start", "group_end", "Communicator"):
@@ -307,7 +307,12 @@ def install() -> None:
     top = types.ModuleType("nccl")
     top.__path__ = []  # type: ignore[attr-defined]
     top.core, top.m2n = core, m2n  # type: ignore[attr-defined]
-    sys.modules.update({"nccl": top, "nccl.core": core, "nccl.m2n": m2n})
+    return {"nccl": top, "nccl.core": core, "nccl.m2n": m2n}
+
+
+def install() -> None:
+    """Put ``modules()`` into ``sys.modules`` (the caller restores what was there)."""
+    sys.modules.update(modules())
 
 
 # -- CuPy's surface for the data plane ------------------------------------------------------------
