@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -270,3 +272,24 @@ def test_an_init_the_server_refuses_fails_at_once_not_at_the_timeout(
     with pytest.raises(SourceMismatch, match=r"'w' on trainer rank 0 is \[4, 2\]; its layout"):
         s.send([[np.zeros((4, 2), np.float32)]])
     assert server.calls == ["init"]
+
+
+def test_an_fsdp_tp_jax_mesh_is_eight_trainer_ranks_each_sending_its_own_shard() -> None:
+    """8 forced host devices (FSDP 4 x TP 2) in a subprocess (XLA_FLAGS precede jax's
+    import): the layouts read from the shardings, each rank's shard a single-device view of
+    its local shape (no rank handed a whole split tensor), and the reshards through our data
+    plane on the fake ``nccl.m2n`` land every worker's TP slices bit-exactly."""
+    script = os.path.join(os.path.dirname(__file__), "_m2n_jax_mesh.py")
+    done = subprocess.run(
+        [sys.executable, script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "'both.weight': its shards (rank 0: [0:2, 0:4], rank 1: [0:2, 4:8]" in report["refused"]
+    assert report["whole_held"] == []
+    # per worker: half of rows (512 B) and cols (512 B), the 64 B bias and 32 B norm whole
+    assert report["received"] == [608, 608]

@@ -154,8 +154,7 @@ def layout_of(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> M2NLayou
         "cannot describe: it splits one tensor dim, evenly, over one axis of the trainer "
         "ranks as a row-major 2-D mesh (a tensor split over two mesh axes, or unevenly, is "
         "refused by its check_placements / validate_layout). Shard it over one mesh axis "
-        "(e.g. PartitionSpec('fsdp', None)), or use the weightwire_tcp / weightwire_nccl "
-        "backends, whose sliced rounds take any sharding",
+        "(e.g. PartitionSpec('fsdp', None)); weightwire_tcp's sliced rounds take any sharding",
         VERSION,
         backend=BACKEND,
     )
@@ -614,3 +613,63 @@ class StockM2NSession:
         finally:
             if store is not None:
                 store.close()
+
+
+# -- a JAX source (duck-typed: nothing here imports jax) ---------------------------------------
+
+
+def _index_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
+    ranges = []
+    for s, n in zip(index, shape, strict=True):
+        lo, hi, step = s.indices(int(n))
+        if step != 1:
+            raise ValueError(f"a shard index steps by {step}; only contiguous shards are held")
+        ranges.append((lo, max(lo, hi)))
+    return Box(tuple(ranges))
+
+
+def params_of_arrays(arrays: Mapping[str, Any], devices: Sequence[Any]) -> list[M2NParam]:
+    """The plan of ``arrays`` (``jax.Array``s, in round order) whose trainer rank r is
+    ``devices[r]`` (e.g. ``list(mesh.devices.flat)``: row-major over the mesh): each tensor's
+    layout read from its sharding (metadata only). ``StockRefusal`` for a tensor not on
+    every one of ``devices`` or split in a way nccl_m2n cannot describe."""
+    from weightwire.shared.dtypes import wire_name_of_numpy
+
+    out = []
+    for name, a in arrays.items():
+        shape = tuple(int(n) for n in a.shape)
+        index_map = a.sharding.devices_indices_map(shape)
+        missing = [r for r, d in enumerate(devices) if d not in index_map]
+        if missing:
+            raise StockRefusal(
+                name,
+                f"it is not placed on trainer rank {missing[0]}'s device {devices[missing[0]]}; "
+                "nccl_m2n needs every tensor on every trainer rank's device (whole or split)",
+                VERSION,
+                backend=BACKEND,
+            )
+        boxes = [_index_box(index_map[d], shape) for d in devices]
+        meta = ParamMeta(name, wire_name_of_numpy(a.dtype), shape)
+        out.append(M2NParam(meta, layout_of(name, shape, boxes)))
+    return out
+
+
+def shards_of_arrays(arrays: Mapping[str, Any], devices: Sequence[Any]) -> list[list[Any]]:
+    """One round's ``send`` argument: per tensor, each trainer rank's own shard (the
+    single-device array its device holds: a view, no copy, no gather), computed and ready."""
+    out = []
+    for name, a in arrays.items():
+        by_device = {s.device: s.data for s in a.addressable_shards}
+        try:
+            parts = [by_device[d] for d in devices]
+        except KeyError as exc:
+            raise SourceMismatch(
+                f"'{name}' has no shard on device {exc.args[0]} of this process (its sharding "
+                "changed since the session opened: open a new session)"
+            ) from None
+        for p in parts:
+            ready = getattr(p, "block_until_ready", None)
+            if ready is not None:
+                ready()  # nccl.m2n reads on its own stream: XLA's writes must be done
+        out.append(parts)
+    return out
