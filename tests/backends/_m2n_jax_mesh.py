@@ -31,6 +31,7 @@ from weightwire.backends.nccl.m2n_data import NcclM2NDataPlane
 from weightwire.backends.nccl.stock_m2n import M2NLayout, params_of_arrays, shards_of_arrays
 
 fake_m2n.install()
+fake_m2n.reset()
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tp"))
 devices = list(mesh.devices.flat)
 T, W = 8, 2

@@ -251,6 +251,7 @@ def test_an_init_the_server_refuses_fails_at_once_not_at_the_timeout(
 ) -> None:
     for name, module in fake_m2n.modules().items():
         monkeypatch.setitem(sys.modules, name, module)
+    fake_m2n.reset()
     p = M2NParam(ParamMeta("w", "float32", (4, 4)), M2NLayout((1, 1), None))
     server = RefusingServer()
     s = StockM2NSession(

@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -43,7 +44,7 @@ from weightwire.backends.nccl.stock_m2n import (
     layout_of,
     plan_bytes,
 )
-from weightwire.shared.errors import WeightwireError
+from weightwire.shared.errors import TransferError, WeightwireError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box
 
@@ -288,7 +289,9 @@ class VllmServer:
     """The server's weight-sync routes over TP workers of vLLM's own engine (one thread each
     per call, as vLLM's ``collective_rpc`` fans out; a call returns once every worker did)."""
 
-    def __init__(self, ns: types.SimpleNamespace, tamper: Any = None) -> None:
+    def __init__(
+        self, ns: types.SimpleNamespace, tamper: Any = None, tamper_update: Any = None
+    ) -> None:
         self.models = [ToyLayer(r) for r in range(TP)]
         cfg = [
             types.SimpleNamespace(
@@ -301,7 +304,7 @@ class VllmServer:
         ]
         cls = ns.m2n_engine.M2NWeightTransferEngine
         self.engines = [cls(None, cfg[r], torch.device("cpu"), self.models[r]) for r in range(TP)]
-        self.tamper = tamper
+        self.tamper, self.tamper_update = tamper, tamper_update
 
     def _all(self, call: Any) -> None:
         errors: list[BaseException] = []
@@ -329,6 +332,8 @@ class VllmServer:
         self._all(lambda e: e.start_weight_update())
 
     def update_weights(self, update: dict[str, Any]) -> None:
+        if self.tamper_update is not None:
+            update = self.tamper_update(update)
         self._all(lambda e: e.update_weights(update))
 
     def finish_weight_update(self, version: str) -> None:
@@ -365,6 +370,7 @@ def _shards(
 def session(
     ns: types.SimpleNamespace, ranks: int, **server_kw: Any
 ) -> Iterator[tuple[StockM2NSession, VllmServer, list[M2NParam]]]:
+    fake_m2n.reset()
     server = VllmServer(ns, **server_kw)
     params = _params(ranks)
     s = StockM2NSession(
@@ -381,6 +387,7 @@ def session(
         yield s, server, params
     finally:
         s.close()
+        fake_m2n.reset()
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -420,7 +427,6 @@ def test_three_rounds_land_as_vllms_loaders_would_each_worker_only_its_slices(
             whole = sum(int(np.prod(v)) * 4 for v in FULL.values())
             direct = (H * H + 2 * H * H) * 4
             assert got_bytes == [whole - direct // 2] * TP  # each worker: half of the direct bytes
-        fake_m2n.World.worlds.clear()
 
 
 def test_a_worker_that_refuses_the_plan_fails_the_init_on_every_rank(
@@ -438,4 +444,20 @@ def test_a_worker_that_refuses_the_plan_fails_the_init_on_every_rank(
         s.open()
     # vLLM's workers said why, through their envelopes; nothing was resharded
     assert "worker rank 1: ValueError" in str(raised.value)
-    fake_m2n.World.worlds.clear()
+
+
+def test_a_round_the_workers_refuse_fails_at_once_and_spends_the_session(
+    vllm_m2n: types.SimpleNamespace,
+) -> None:
+    def unknown(update: dict[str, Any]) -> dict[str, Any]:
+        return {"names": ["model.unknown.weight", *update["names"]]}
+
+    with session(vllm_m2n, 1, tamper_update=unknown) as (s, _server, params):
+        s.open()
+        full = {n: np.ones(shape, np.float32) for n, shape in FULL.items()}
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="'model.unknown.weight' was not declared at init"):
+            s.send(_shards(params, full, 1), "1")
+        assert time.monotonic() - t0 < 10  # the update's failure, not the 20 s timeout
+        with pytest.raises(TransferError, match="broken by a failed round.*not declared"):
+            s.send(_shards(params, full, 1), "2")

@@ -8,8 +8,9 @@ position's even split, as ``nccl.m2n`` lays them out) and writes each destinatio
 part into its buffer. Every rank must pass the same meshes and placements (else every rank
 of that call raises, where real NCCL would corrupt or hang). Buffers are numpy arrays or CPU
 torch tensors (written through ``.numpy()``, so a worker's parameter is written in place).
-Group calls (``group_start`` / ``group_end``, ``m2n.group()``) arrive at once and wait at the
-group's end, so one thread can drive several ranks. Every wait is bounded (``TIMEOUT_S``).
+Group calls (``group_start`` / ``group_end``, ``m2n.group()``) arrive at once and are only
+enqueued at the group's end (a ``FakeXP`` stream is done once they completed), so one thread
+can drive several ranks. Every wait is bounded (``TIMEOUT_S``).
 
 ``modules()`` / ``install()`` give ``nccl``, ``nccl.core`` and ``nccl.m2n`` as these fakes;
 ``FakeXP`` is the CuPy surface ``m2n_data.NcclM2NDataPlane`` uses.
@@ -183,10 +184,28 @@ def group_start() -> None:
     _local.pending = []
 
 
+OUTSTANDING: list[tuple[World, _Op]] = []
+"""What groups submitted: as with real NCCL a group's end only enqueues, and a stream is
+done (``FakeXP``'s streams) once every op enqueued before is."""
+
+
 def group_end() -> None:
     pending, _local.pending = _pending() or [], None
-    for world, op in pending:
-        world.wait(op)
+    OUTSTANDING.extend(pending)
+
+
+def drained() -> bool:
+    for _world, op in OUTSTANDING:
+        if op.error:
+            raise RuntimeError(f"fake NCCL: {op.kind} failed: {op.error}")
+    OUTSTANDING[:] = [(w, op) for w, op in OUTSTANDING if not (op.done or w.aborted)]
+    return not OUTSTANDING
+
+
+def reset() -> None:
+    """Forget every world and enqueued op (between tests)."""
+    World.worlds.clear()
+    OUTSTANDING.clear()
 
 
 class Communicator:
@@ -320,10 +339,13 @@ def install() -> None:
 
 class _Stream:
     ptr = 0
-    done = True
 
     def __init__(self, non_blocking: bool = False) -> None:
         pass
+
+    @property
+    def done(self) -> bool:
+        return drained()
 
 
 class FakeXP:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -164,9 +164,17 @@ class NcclM2NDataPlane:
                     handle=self._handles[r],
                 )
 
-    def wait(self, *, timeout_s: float, what: str = "the round's reshards") -> None:
+    def wait(
+        self,
+        *,
+        timeout_s: float,
+        what: str = "the round's reshards",
+        check: Callable[[], None] | None = None,
+    ) -> None:
         """Until every local stream drained; at the deadline the communicators are aborted
-        (a stuck collective never returns otherwise) and ``TransferTimeout`` is raised."""
+        (a stuck collective never returns otherwise) and ``TransferTimeout`` is raised.
+        ``check`` (it raises: the workers' update call failed) ends the wait sooner, the
+        communicators aborted too."""
 
         def expired() -> BaseException:
             self.abort()
@@ -176,11 +184,19 @@ class NcclM2NDataPlane:
                 "was aborted, open a new session"
             )
 
-        poll_until(
-            lambda: all(s.done for s in self._streams),
-            deadline=time.monotonic() + timeout_s,
-            expired=expired,
-        )
+        try:
+            poll_until(
+                lambda: all(s.done for s in self._streams),
+                deadline=time.monotonic() + timeout_s,
+                expired=expired,
+                check=check,
+                check_every_s=0.05,
+            )
+        except TransferTimeout:
+            raise
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
         comms, self._comms = self._comms, []

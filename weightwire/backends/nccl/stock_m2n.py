@@ -45,7 +45,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -445,7 +445,9 @@ class M2NDataPlane(Protocol):
         first_worker: int,
     ) -> None: ...
 
-    def wait(self, *, timeout_s: float, what: str = ...) -> None: ...
+    def wait(
+        self, *, timeout_s: float, what: str = ..., check: Callable[[], None] | None = ...
+    ) -> None: ...
 
     def close(self) -> None: ...
 
@@ -488,6 +490,7 @@ class StockM2NSession:
         self.max_cta = max_cta
         self.placements: list[tuple[int, int] | None] = []
         self._store: Any = None
+        self._broken: str | None = None
         names = [p.meta.name for p in self.params]
         if len(set(names)) != len(names):
             raise ValueError("nccl_m2n params name a tensor twice")
@@ -592,18 +595,30 @@ class StockM2NSession:
     def send(self, shards: Sequence[Sequence[Any]], weight_version: str = "") -> None:
         """One round: every shard checked first (nothing is sent for a wrong one), then
         start, the update posted beside one reshard per tensor, finish."""
+        if self._broken is not None:
+            raise TransferError(
+                f"this nccl_m2n session is broken by a failed round ({self._broken}): close() "
+                "it, POST /shutdown_weight_transfer_engine to the server and open a new one"
+            )
         if not self.placements and self.params:
             raise TransferError("the nccl_m2n session is not open (open() first)")
         self._check_shards(shards)
         self.client.start_weight_update()
-        posted = self._background(self.client.update_weights, update_info(self.params))
-        for i, parts in enumerate(shards):
-            self._raise_if_failed(posted)
-            self.data.reshard(
-                parts, self.params[i].layout.resolved(), self._dst(i), self.trainer_ranks
-            )
-        self.data.wait(timeout_s=self.timeout_s)
-        posted.result(timeout=self.timeout_s)
+        try:
+            posted = self._background(self.client.update_weights, update_info(self.params))
+            for i, parts in enumerate(shards):
+                self._raise_if_failed(posted)
+                self.data.reshard(
+                    parts, self.params[i].layout.resolved(), self._dst(i), self.trainer_ranks
+                )
+            self.data.wait(timeout_s=self.timeout_s, check=lambda: self._raise_if_failed(posted))
+            posted.result(timeout=self.timeout_s)
+        except BaseException as exc:
+            # vLLM's receiver has no timeout and its collectives cannot be resumed: the
+            # communicator is spent, whatever the workers did with the round
+            self._broken = _error_text(exc)
+            self.data.close()
+            raise
         self.client.finish_weight_update(weight_version)
 
     def close(self) -> None:
