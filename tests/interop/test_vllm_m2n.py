@@ -39,6 +39,7 @@ from tests.shared import fake_m2n
 from tests.torch_side.vllm_stub import install_vllm_sources
 from weightwire.backends.nccl.m2n_data import NcclM2NDataPlane
 from weightwire.backends.nccl.stock_m2n import (
+    M2NLayout,
     M2NParam,
     StockM2NSession,
     layout_of,
@@ -461,3 +462,67 @@ def test_a_round_the_workers_refuse_fails_at_once_and_spends_the_session(
         assert time.monotonic() - t0 < 10  # the update's failure, not the 20 s timeout
         with pytest.raises(TransferError, match="broken by a failed round.*not declared"):
             s.send(_shards(params, full, 1), "2")
+
+
+def test_our_plan_checks_and_digests_equal_vllms_over_random_layouts(
+    vllm_m2n: types.SimpleNamespace,
+) -> None:
+    """Random trainer meshes, placements, shapes and worker meshes: our digests are vLLM's
+    (``source_plan_digest``, ``complete_plan_digest``) and ``check_destinations`` refuses
+    exactly what vLLM's ``validate_transfer_plan`` refuses (uneven splits, fan-in / fan-out
+    over M2N's bounds)."""
+    from weightwire.backends.nccl.stock_m2n import (
+        check_destinations,
+        complete_digest,
+        source_digest,
+    )
+
+    common = vllm_m2n.m2n_common
+    rng = np.random.default_rng(48)
+    refused = accepted = 0
+    for _ in range(300):
+        t = int(rng.choice([1, 2, 3, 4, 6, 8, 16, 32]))
+        dims = [(t // d, d) for d in range(1, t + 1) if t % d == 0]
+        src_dims = dims[int(rng.integers(len(dims)))]
+        ndim = int(rng.integers(1, 4))
+        shape = tuple(int(rng.choice([1, 2, 3, 4, 6, 8, 12, 16, 32, 64])) for _ in range(ndim))
+        if rng.random() < 0.3:
+            src = M2NLayout(src_dims, None)
+        else:
+            axis = int(rng.integers(2))
+            codes = [-1, -1]
+            codes[axis] = int(rng.integers(ndim))
+            src = M2NLayout(src_dims, (codes[0], codes[1]))
+            if shape[codes[axis]] % src_dims[axis]:
+                continue  # layout_of never yields an uneven source
+        workers = int(rng.choice([1, 2, 4, 8, 64, 128]))
+        tp = int(rng.choice([d for d in (1, 2, 4, 8, 64, 128) if workers % d == 0]))
+        dst_dims = (workers // tp, tp)
+        place = None if rng.random() < 0.3 else (-1, int(rng.integers(ndim)))
+        p = M2NParam(ParamMeta("w", "float32", shape), src)
+        wire = common.M2NWireParam.from_dict(p.wire())
+        assert source_digest([p]) == common.source_plan_digest([wire])
+        meta = common.M2NParamMeta(
+            "w",
+            torch.float32,
+            shape,
+            common.M2NLayout(common.M2NMesh(src.dims, 0), src.placements),
+        )
+        dst_mesh = common.M2NMesh(dst_dims, t)
+        assert complete_digest("d", dst_dims, t, [place]) == common.complete_plan_digest(
+            "d", dst_mesh, [place]
+        )
+        try:
+            common.validate_transfer_plan([meta], dst_mesh, [place])
+            theirs = None
+        except ValueError as exc:
+            theirs = str(exc)
+        try:
+            check_destinations([p], dst_dims, [place])
+            ours = None
+        except ValueError as exc:
+            ours = str(exc)
+        assert (ours is None) == (theirs is None), (shape, src, dst_dims, place, ours, theirs)
+        refused += theirs is not None
+        accepted += theirs is None
+    assert refused > 10 and accepted > 10
