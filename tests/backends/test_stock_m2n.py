@@ -30,6 +30,7 @@ from weightwire.backends.nccl.stock_m2n import (
     check_destinations,
     check_gathered,
     check_param,
+    complete_digest,
     decode_placements,
     init_info,
     layout_of,
@@ -294,3 +295,185 @@ def test_an_fsdp_tp_jax_mesh_is_eight_trainer_ranks_each_sending_its_own_shard()
     assert report["whole_held"] == []
     # per worker: half of rows (512 B) and cols (512 B), the 64 B bias and 32 B norm whole
     assert report["received"] == [608, 608]
+
+
+# -- a whole session, the workers emulated (vLLM's own run in tests/interop/test_vllm_m2n.py) --
+
+
+class EmulatedWorkers:
+    """The worker side of the nccl_m2n protocol, written from its description (module
+    docstring of ``stock_m2n``), in threads: each worker joins the store with torch's own
+    ``TCPStore`` client, answers the four phases with its envelopes, joins the fake NCCL
+    world, the first one broadcasts ``placements``, and each update reshards every name
+    into that worker's buffer."""
+
+    def __init__(self, placements: list[tuple[int, int] | None], tp: int) -> None:
+        self.placements, self.tp = placements, tp
+        self.bufs: dict[int, dict[str, np.ndarray]] = {}
+        self.comm: dict[int, Any] = {}
+        self.calls: list[str] = []
+
+    def _all(self, call: Any) -> None:
+        errors: list[BaseException] = []
+
+        def run(w: int) -> None:
+            try:
+                call(w)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in range(self.tp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        if errors:
+            raise errors[0]
+
+    def init_weight_transfer_engine(self, info: dict[str, Any]) -> None:
+        self.calls.append("init")
+        self.info = info
+        t = info["rank_offset"]
+        params = [
+            M2NParam(
+                ParamMeta(p["name"], p["dtype_name"], tuple(p["shape"])),
+                M2NLayout(
+                    tuple(p["src_mesh_dims"]), p["src_placements"] and tuple(p["src_placements"])
+                ),
+            )
+            for p in info["params"]
+        ]
+        self.params, self.t = params, t
+        uid = __import__("base64").b64decode(info["nccl_unique_id_b64"])
+
+        def join(w: int) -> None:
+            rank, world = t + w, info["world_size"]
+            store = client_at(info["master_address"], info["master_port"], world)
+            n = [0]
+
+            def gather(obj: Any) -> list[Any]:
+                store.set(f"broadcast_from/{rank}/{n[0]}", pickle.dumps(obj))
+                out = [pickle.loads(store.get(f"broadcast_from/{r}/{n[0]}")) for r in range(world)]
+                n[0] += 1
+                return out
+
+            digest = hashlib.sha256(
+                json.dumps(
+                    {"schema_version": 2, "params": info["params"]},
+                    sort_keys=True,
+                    separators=(",", ":"),
+                ).encode()
+            ).hexdigest()
+            assert digest == info["source_digest"]
+            for env in (
+                {"phase": "source", "digest": digest, "declared_digest": digest, "error": None},
+                {
+                    "phase": "data_plane",
+                    "mode": "uid",
+                    "uid_digest": hashlib.sha256(uid).hexdigest(),
+                    "error": None,
+                },
+                {"phase": "runtime_ready", "error": None},
+            ):
+                assert all(e == env for e in gather(env))
+            comm = fake_m2n.Communicator.init(world, rank, fake_m2n.UniqueId.from_bytes(uid))
+            plan = np.array(
+                [[-2, -2] if p is None else list(p) for p in self.placements], dtype=np.int8
+            )
+            comm.broadcast(plan, plan, t)
+            whole = complete_digest(digest, tuple(info["dst_mesh_dims"]), t, self.placements)
+            env = {"phase": "complete_plan", "digest": whole, "error": None}
+            assert all(e == env for e in gather(env))
+            self.comm[w] = comm
+
+        self._all(join)
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, update: dict[str, Any]) -> None:
+        self.calls.append("update")
+        handle = fake_m2n.Handle.create()
+
+        def receive(w: int) -> None:
+            by_name = {
+                p.meta.name: (p, d) for p, d in zip(self.params, self.placements, strict=True)
+            }
+            out = {}
+            for name in update["names"]:
+                p, place = by_name[name]
+                dst = M2NLayout((1, self.tp), place) if place else M2NLayout((self.tp, 1), None)
+                buf = np.zeros(dst.box(p.meta.shape, w).shape, np.float32)
+                (sd, sp), (dd, dp) = p.layout.resolved(), dst.resolved()
+                fake_m2n.reshard(
+                    None, buf, self.comm[w], src_mesh=fake_m2n.Mesh(sd, 0),
+                    src_placements=_codes(sp), dst_mesh=fake_m2n.Mesh(dd, self.t),
+                    dst_placements=_codes(dp), handle=handle,
+                )  # fmt: skip
+                out[name] = buf
+            self.bufs[w] = out
+
+        self._all(receive)
+
+    def finish_weight_update(self, version: str) -> None:
+        self.calls.append(f"finish {version}")
+
+
+def _codes(codes: tuple[int, int]) -> list[Any]:
+    return [fake_m2n.Replicate() if c < 0 else fake_m2n.Shard(c) for c in codes]
+
+
+def client_at(host: str, port: int, world: int) -> Any:
+    return torch_dist.TCPStore(
+        host, port, world_size=world, is_master=False, timeout=timedelta(seconds=10),
+        use_libuv=False,
+    )  # fmt: skip
+
+
+def test_a_session_opens_and_sends_rounds_each_worker_its_part(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, module in fake_m2n.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    fake_m2n.reset()
+    shapes = {"rows": (8, 4), "cols": (4, 8), "norm": (4,)}
+    rowsplit = [Box(((r * 4, r * 4 + 4), (0, 4))) for r in range(2)]
+    boxes = {"rows": rowsplit, "cols": [Box.whole((4, 8))] * 2, "norm": [Box.whole((4,))] * 2}
+    params = [
+        M2NParam(ParamMeta(n, "float32", s), layout_of(n, s, boxes[n])) for n, s in shapes.items()
+    ]
+    workers = EmulatedWorkers([(-1, 0), (-1, 1), None], tp=2)
+    s = StockM2NSession(
+        workers,
+        params,
+        NcclM2NDataPlane([0, 1], xp=fake_m2n.FakeXP()),
+        workers=2,
+        host="127.0.0.1",
+        unique_id=bytes(range(128)),
+        dst_mesh_dims=(1, 2),
+        timeout_s=20,
+    )
+    try:
+        s.open()
+        assert s.placements == [(-1, 0), (-1, 1), None]
+        rng = np.random.default_rng(0)
+        for version in ("1", "2"):
+            full = {n: rng.standard_normal(sh).astype(np.float32) for n, sh in shapes.items()}
+            shards = [
+                [full[p.meta.name][p.layout.box(p.meta.shape, r).slices()] for r in range(2)]
+                for p in params
+            ]
+            s.send(shards, version)
+            for w in range(2):
+                got = workers.bufs[w]
+                np.testing.assert_array_equal(got["rows"], full["rows"][w * 4 : w * 4 + 4])
+                np.testing.assert_array_equal(got["cols"], full["cols"][:, w * 4 : w * 4 + 4])
+                np.testing.assert_array_equal(got["norm"], full["norm"])
+        assert workers.calls == ["init"] + ["start", "update", "finish 1"] + [
+            "start",
+            "update",
+            "finish 2",
+        ]
+    finally:
+        s.close()
+        fake_m2n.reset()
