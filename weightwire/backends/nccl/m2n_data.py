@@ -86,9 +86,17 @@ class NcclM2NDataPlane:
                 self._handles.append(m2n.Handle.create(m2n.Config(max_cta=self.max_cta)))
                 self._streams.append(xp.cuda.Stream(non_blocking=True))
 
-    def connect(self, world_size: int, unique_id: bytes, *, timeout_s: float) -> None:
+    def connect(
+        self,
+        world_size: int,
+        unique_id: bytes,
+        *,
+        timeout_s: float,
+        check: Callable[[], None] | None = None,
+    ) -> None:
         """Every local rank's ``ncclCommInitRank`` (blocking until the workers joined too),
-        in a helper thread so that the wait is bounded."""
+        in a helper thread so that the wait is bounded; ``check`` raises to end it sooner
+        (the init call failed)."""
         core, xp = self._core, self._xp
         uid = core.UniqueId.from_bytes(unique_id)
         box: dict[str, Any] = {}
@@ -111,7 +119,11 @@ class NcclM2NDataPlane:
 
         t = threading.Thread(target=init, name="m2n-comm-init", daemon=True)
         t.start()
-        t.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while t.is_alive() and time.monotonic() < deadline:
+            t.join(0.05)
+            if check is not None and t.is_alive():
+                check()
         if t.is_alive():
             raise TransferTimeout(
                 f"the nccl_m2n communicator did not form within {timeout_s:.0f}s: a worker did "
@@ -122,7 +134,9 @@ class NcclM2NDataPlane:
             raise TransferError(f"ncclCommInitRank failed: {box['error']}") from box["error"]
         self._comms = box["comms"]
 
-    def placements(self, n: int, root: int, *, timeout_s: float) -> np.ndarray:
+    def placements(
+        self, n: int, root: int, *, timeout_s: float, check: Callable[[], None] | None = None
+    ) -> np.ndarray:
         """The first worker's broadcast of the destination placements, as every local rank
         receives it (rank 0's copy, on the host)."""
         xp, core = self._xp, self._core
@@ -136,7 +150,7 @@ class NcclM2NDataPlane:
                 comm.broadcast(buf, buf, root, stream=int(stream.ptr))
         finally:
             core.group_end()
-        self.wait(timeout_s=timeout_s, what="the workers' placements broadcast")
+        self.wait(timeout_s=timeout_s, what="the workers' placements broadcast", check=check)
         return np.asarray(xp.asnumpy(bufs[0]))
 
     def reshard(self, shards: Sequence[Any], src: Mesh, dst: Mesh, first_worker: int) -> None:

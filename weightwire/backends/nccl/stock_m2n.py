@@ -433,9 +433,18 @@ class M2NDataPlane(Protocol):
 
     def prepare(self) -> None: ...
 
-    def connect(self, world_size: int, unique_id: bytes, *, timeout_s: float) -> None: ...
+    def connect(
+        self,
+        world_size: int,
+        unique_id: bytes,
+        *,
+        timeout_s: float,
+        check: Callable[[], None] | None = ...,
+    ) -> None: ...
 
-    def placements(self, n: int, root: int, *, timeout_s: float) -> np.ndarray: ...
+    def placements(
+        self, n: int, root: int, *, timeout_s: float, check: Callable[[], None] | None = ...
+    ) -> np.ndarray: ...
 
     def reshard(
         self,
@@ -549,8 +558,13 @@ class StockM2NSession:
             if failed is not None:
                 raise failed
             check_gathered("runtime_ready", gathered, t)
-            self.data.connect(self.world_size, self.unique_id, timeout_s=self.timeout_s)
-            rows = self.data.placements(len(self.params), t, timeout_s=self.timeout_s)
+            failed_post = group.check
+            self.data.connect(
+                self.world_size, self.unique_id, timeout_s=self.timeout_s, check=failed_post
+            )
+            rows = self.data.placements(
+                len(self.params), t, timeout_s=self.timeout_s, check=failed_post
+            )
             placements = decode_placements(rows, len(self.params))
             plan_error: str | None = None
             try:
