@@ -1,6 +1,7 @@
 """Subprocess body of test_sliced_tcp's JAX case: a JAX trainer on 8 forced host devices
 (an FSDP 4 x TP 2 mesh) sends 3 sliced rounds (the third overlapped: ``wait=False``) to
-in-process TCP workers hosting ``SlicedTP`` ranks. XLA_FLAGS must precede the jax import, hence a process of its own.
+in-process TCP workers hosting ``SlicedTP`` ranks. XLA_FLAGS must precede the jax import,
+hence a process of its own.
 
 ``python _sliced_jax_trainer.py WORLD HEADS KV_HEADS TIED SOURCE`` (SOURCE ``dict``: a dict of
 the sharded arrays; ``pytree``: a ``PytreeSource`` over them, ``o_proj`` kept transposed in
