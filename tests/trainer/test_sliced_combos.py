@@ -27,7 +27,7 @@ def load(tensors: dict[str, Any], step: int) -> dict[str, np.ndarray]:
     """The round ``step``'s full tensors, put in the trainer's source (``tensors``)."""
     full = full_tensors(TP2, step)
     tensors.clear()
-    tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+    tensors.update({n: torch.from_numpy(a.copy()) for n, a in full.items()})
     return full
 
 
@@ -41,6 +41,18 @@ def assert_kept(client: TPClient, before: list[dict[str, torch.Tensor]]) -> None
         now = client.params(rank)
         for name, tensor in was.items():
             assert torch.equal(now[name], tensor), f"rank {rank} {name} changed"
+
+
+def again(engine: Any, client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
+    """After a round that failed mid-transfer the engine is ``EngineBroken`` (as for any
+    round, ``docs/reliability.md``): ``shutdown()`` and ``trainer_init()`` again, on the same
+    workers (each drops what the failed round left open: its trainer's link is closed)."""
+    from weightwire.trainer.engine import EngineBroken
+
+    with pytest.raises(EngineBroken, match=r"shutdown\(\) and trainer_init\(\) again"):
+        engine.send_weights()
+    engine.shutdown()
+    return torch_engine(client, tensors, **kw)
 
 
 def state(client: TPClient) -> list[dict[str, Any]]:
@@ -107,6 +119,216 @@ def test_sleep_wake_and_reset_between_sliced_rounds(budget: int, mapped: bool) -
             engine.send_weights()
             assert client.last_update["sliced"] is True
             assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+# ------------------------------------------------------------------ 2. overlapped rounds
+
+
+def cut_link_at(engine: Any, worker: int, read: int) -> None:
+    """Worker ``worker``'s link drops at the trainer's ``read``-th piece read (the round is
+    then mid-transfer)."""
+    real, reads = engine.read_box, [0]
+
+    def cut(tensor: Any, box: Any) -> Any:
+        reads[0] += 1
+        if reads[0] == read:
+            engine.session.link._links[worker].sock.shutdown(2)
+        return real(tensor, box)
+
+    engine.read_box = cut
+
+
+def test_overlapped_sliced_rounds_snapshot_and_fail_on_their_own_round() -> None:
+    """``send_weights(wait=False)`` on a sliced session: the round is sliced and sends the
+    snapshot taken at the call (the tensors written right after it do not leak in); a round
+    whose link drops fails on its own handle, not a round late, leaving every worker on the
+    previous round exactly; after the engine's re-init the next overlapped round lands whole."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        full = load(tensors, 1)
+        handle = engine.send_weights(wait=False)
+        for t in tensors.values():  # the trainer's next step writes its weights in place
+            t.add_(1.0)
+        handle.result(timeout=60)
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
+        before = params(client)
+
+        cut_link_at(engine, worker=1, read=10)
+        load(tensors, 2)
+        failed = engine.send_weights(wait=False)
+        with pytest.raises(WeightwireError, match="lost|closed|reset|Broken|PeerLost"):
+            failed.result(timeout=60)
+        assert_kept(client, before)
+        engine = again(engine, client, tensors)
+        full = load(tensors, 3)
+        engine.send_weights(wait=False).result(timeout=60)
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_overlapped_jax_sliced_rounds_send_their_snapshot() -> None:
+    """A JAX trainer's overlapped rounds (``PytreeSource``: its snapshot references the
+    arrays of the call) on a sliced session: sliced, read from the snapshot where it is held
+    (``sharded``, as a blocking round reads it: never gathered; ``_sliced_jax_trainer``
+    checks that on a mesh), and the params replaced right after the call do not leak in."""
+    import jax.numpy as jnp
+
+    from weightwire.jax_side.engine import JAXTrainerEngine
+    from weightwire.jax_side.naming import Naming
+    from weightwire.jax_side.rules import Rule
+    from weightwire.jax_side.source import PytreeSource
+    from tests.trainer.test_sliced_tcp import info
+
+    client = TPClient(TP2)
+    arrays: dict[str, Any] = {}
+
+    def put(step: int) -> dict[str, np.ndarray]:
+        full = full_tensors(TP2, step)
+        arrays.clear()
+        arrays.update({n: jnp.asarray(a) for n, a in full.items()})
+        return full
+
+    put(0)
+    source = PytreeSource(lambda: dict(arrays), Naming([Rule("{x}", "{x}")]))
+    sharded, reads = PytreeSource.sharded, []
+
+    def watched(self: PytreeSource) -> PytreeSource:
+        reads.append(1)
+        return sharded(self)
+
+    engine = JAXTrainerEngine.trainer_init(info(), client=client, source=source)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(PytreeSource, "sharded", watched)
+            for step in (1, 2):
+                full = put(step)
+                handle = engine.send_weights(wait=False)
+                put(step + 10)  # the trainer's next step
+                handle.result(timeout=60)
+                assert client.last_update["sliced"] is True
+                assert_loaded(client, full)
+        assert len(reads) == 2
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+# ------------------------------------------------------------------ 3. stage budget, pause, guard
+
+
+class GuardClient(TPClient):
+    """``TPClient`` with a pause and a round guard that records what the trainer asked; its
+    release refuses while a worker's weights are not whole (``vllm_guard``'s rule)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.calls: list[str] = []
+        self.held = False
+
+    def pause(self, mode: str = "keep") -> None:
+        self.calls.append(f"pause:{mode}")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+    def round_guard(self) -> list[dict[str, Any]]:
+        return [{"guard": "weightwire", "covers": True}]
+
+    def hold_round(self, round_id: str, session: str | None = None) -> None:
+        self.calls.append("hold")
+        self.held = True
+
+    def release_round(self, *, resume: bool = True) -> None:
+        from weightwire.shared.errors import WeightSyncError
+
+        broken = [s["reason"] for s in state(self) if not s["whole"]]
+        if broken:
+            self.calls.append("release refused")
+            raise WeightSyncError(
+                "/weightwire/round_guard/release", 409, f"weights not whole: {broken}", "tp"
+            )
+        self.calls.append("release+resume" if resume else "release")
+        self.held = False
+
+
+def test_a_sliced_round_within_the_budget_is_staged_and_applied_at_finish() -> None:
+    """Within ``stage_budget_bytes`` each worker holds its pieces until the commit: before
+    the finish the model is unchanged and whole (the guard would let requests through), the
+    round is paused as a whole (``pause_mode``'s own mode, resumed after), no guard."""
+    client = GuardClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, pause_mode="keep", stage_budget_bytes=1 << 30)
+    try:
+        load(tensors, 1)
+        engine.send_weights()
+        before = params(client)
+        at_finish: list[Any] = []
+
+        def look() -> None:
+            assert_kept(client, before)  # nothing written yet
+            at_finish.append(([e.round_strategy for e in client.engines], state(client)))
+
+        client.before_finish = look
+        client.calls.clear()
+        full = load(tensors, 2)
+        engine.send_weights()
+        assert_loaded(client, full)
+        strategies, states = at_finish[0]
+        assert strategies == ["sliced", "sliced"] and all(s["whole"] for s in states)
+        assert client.calls == ["pause:keep", "resume"]
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_sliced_round_over_the_budget_lands_in_place_under_the_guard() -> None:
+    """Over ``stage_budget_bytes`` each piece is written as it lands: the trainer pauses with
+    ``abort`` and holds the round guard, the guard sees a round applied in place until the
+    commit. A round in place whose link drops leaves the workers incomplete: the guard keeps
+    refusing (no resume), the next complete round lifts it."""
+    client = GuardClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, pause_mode="auto", stage_budget_bytes=0)
+    at_finish: list[Any] = []
+    client.before_finish = lambda: at_finish.append(
+        ([e.round_strategy for e in client.engines], state(client))
+    )
+    try:
+        full = load(tensors, 1)
+        engine.send_weights()
+        assert_loaded(client, full)
+        strategies, states = at_finish[0]
+        assert strategies == ["sliced_in_place"] * 2
+        assert [s["whole"] for s in states] == [False, False]
+        assert "applied in place" in states[0]["reason"]
+        assert client.calls == ["hold", "pause:abort", "resume", "release"]
+
+        cut_link_at(engine, worker=1, read=10)
+        client.calls.clear()
+        load(tensors, 2)
+        with pytest.raises(WeightwireError):
+            engine.send_weights()
+        assert "resume" not in client.calls and client.calls[-1] == "release refused"
+        assert client.held
+        incomplete = [e.incomplete_round for e in client.engines if e.incomplete_round]
+        assert incomplete and all("sliced round ended" in i.reason for i in incomplete)
+
+        engine = again(engine, client, tensors, pause_mode="auto", stage_budget_bytes=0)
+        client.calls.clear()
+        full = load(tensors, 3)
+        engine.send_weights()
+        assert_loaded(client, full)
+        assert [e.incomplete_round for e in client.engines] == [None, None]
+        assert not client.held and client.calls[-2:] == ["resume", "release"]
     finally:
         engine.shutdown()
         client.close()
