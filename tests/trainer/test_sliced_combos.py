@@ -8,18 +8,17 @@ round's exactly; the round after a failure succeeds."""
 
 from __future__ import annotations
 
-import json
+import functools
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from tests.trainer._sliced_workers import TPClient, spec_of
+from tests.trainer._sliced_workers import TPClient
 from tests.trainer.test_sliced_tcp import TP2, assert_loaded, full_tensors, torch_engine
 from weightwire.shared.errors import WeightwireError
 from weightwire.tools.server.sleep import ModelSleeper
-from weightwire.torch_side.worker.spec import ModelSpec, TensorSpec
 from weightwire.vllm_guard.worker import worker_round_state
 
 
@@ -49,7 +48,7 @@ def again(engine: Any, client: TPClient, tensors: dict[str, Any], **kw: Any) -> 
     workers (each drops what the failed round left open: its trainer's link is closed)."""
     from weightwire.trainer.engine import EngineBroken
 
-    with pytest.raises(EngineBroken, match=r"shutdown\(\) and trainer_init\(\) again"):
+    with pytest.raises(EngineBroken, match=r"trainer_init\(\) again"):
         engine.send_weights()
     engine.shutdown()
     return torch_engine(client, tensors, **kw)
@@ -93,8 +92,9 @@ def reset(client: TPClient, value: float = 0.0) -> None:
 def test_sleep_wake_and_reset_between_sliced_rounds(budget: int, mapped: bool) -> None:
     """Level 1, level 2 + wake (zeroed, reallocated), a reset in place, and a level 2 whose
     wake leaves garbage (NaN: every element, the padding's constant fill too, must be
-    written again) between rounds: each next round is sliced and lands whole, whether through the landing map (re-recorded
-    for the reallocated parameters) or, for a worker without one, through ``load_weights``."""
+    written again) between rounds: each next round is sliced and lands whole, whether
+    through the landing map (re-recorded for the reallocated parameters) or, for a worker
+    without one, through ``load_weights``."""
     client = TPClient(TP2)
     if not mapped:  # worker 1 processes its weights after loading: no map to write through
         client.models[1].qkv_proj.quant_method = object()
@@ -182,11 +182,11 @@ def test_overlapped_jax_sliced_rounds_send_their_snapshot() -> None:
     checks that on a mesh), and the params replaced right after the call do not leak in."""
     import jax.numpy as jnp
 
+    from tests.trainer.test_sliced_tcp import info
     from weightwire.jax_side.engine import JAXTrainerEngine
     from weightwire.jax_side.naming import Naming
     from weightwire.jax_side.rules import Rule
     from weightwire.jax_side.source import PytreeSource
-    from tests.trainer.test_sliced_tcp import info
 
     client = TPClient(TP2)
     arrays: dict[str, Any] = {}
@@ -329,6 +329,130 @@ def test_a_sliced_round_over_the_budget_lands_in_place_under_the_guard() -> None
         assert_loaded(client, full)
         assert [e.incomplete_round for e in client.engines] == [None, None]
         assert not client.held and client.calls[-2:] == ["resume", "release"]
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+# ------------------------------------------------------------------ 4. failure in every phase
+
+
+def shifted(real: Any, worker: int) -> Any:
+    """``trainer.sliced.pieces`` whose first piece for ``worker`` (rank 0: the embedding's
+    rows 0:6 of 11) is moved one row down: a box inside the tensor, outside what that worker
+    wants (its last row is the next rank's)."""
+    from weightwire.backends.base import SlicePiece
+    from weightwire.shared.slices import Box
+
+    def pieces(*args: Any, **kw: Any) -> Any:
+        moved = False
+        for group in real(*args, **kw):
+            out = []
+            for p in group:
+                if not moved and p.worker == worker:
+                    (lo, hi), *rest = p.box.ranges
+                    box = Box(((lo + 1, hi + 1), *rest))
+                    read = functools.partial(p.read.func, p.read.args[0], box)
+                    p, moved = SlicePiece(p.worker, p.tensor, box, read), True
+                out.append(p)
+            yield out
+
+    return pieces
+
+
+def dropped(real: Any) -> Any:
+    """``trainer.sliced.pieces`` that leaves the first tensor's first piece out."""
+
+    def pieces(*args: Any, **kw: Any) -> Any:
+        for i, group in enumerate(real(*args, **kw)):
+            yield group[1:] if i == 0 else group
+
+    return pieces
+
+
+PHASES = ["worker-before", "worker-during", "trainer-during", "outside-wants", "missing-piece"]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_sliced_round_that_fails_leaves_every_worker_on_the_previous_round(
+    phase: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose link dies before its first piece or mid-round, the trainer's link
+    killed mid-round, a piece outside a worker's wants, a piece left out: the round raises
+    naming what happened, every worker keeps the previous round's weights exactly, and
+    after the engine's re-init the next round is sliced and lands whole."""
+    from weightwire.trainer import round as round_module
+    from weightwire.trainer import sliced
+
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        load(tensors, 1)
+        engine.send_weights()
+        before = params(client)
+        match = {
+            "worker-before": "lost|closed|aborted",
+            "worker-during": "lost|closed|aborted",
+            "trainer-during": "lost|closed|aborted",
+            "outside-wants": r"outside what this worker wants",
+            "missing-piece": r"brought \d+ of the \d+ elements of",
+        }[phase]
+        if phase == "worker-before":
+            client.before_update = lambda n: client.engines[1].abort_transfer()
+        elif phase == "worker-during":
+            cut_link_at(engine, worker=1, read=10)
+        elif phase == "trainer-during":
+            real, reads = engine.read_box, [0]
+
+            def killed(tensor: Any, box: Any) -> Any:
+                reads[0] += 1
+                if reads[0] == 10:
+                    engine.session.link.abort()
+                return real(tensor, box)
+
+            engine.read_box = killed
+        else:
+            real_pieces = sliced.pieces
+            fault = shifted(real_pieces, 0) if phase == "outside-wants" else dropped(real_pieces)
+            monkeypatch.setattr(round_module, "pieces", fault)
+        load(tensors, 2)
+        with pytest.raises(WeightwireError, match=match):
+            engine.send_weights()
+        assert_kept(client, before)
+        monkeypatch.undo()
+        client.before_update = None
+        engine = again(engine, client, tensors)
+        full = load(tensors, 3)
+        engine.send_weights()
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_a_worker_link_lost_after_its_pieces_commits_the_round_and_stops_the_next() -> None:
+    """Worker 1's link dies once every piece landed (before the finish): each worker holds
+    its whole slice, so the round commits on both; the next round is refused before any
+    call (the server closed this trainer's link), and after a re-init it lands whole."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        full = load(tensors, 1)
+        client.before_finish = lambda: client.engines[1].abort_transfer()
+        engine.send_weights()
+        assert_loaded(client, full)
+        client.before_finish = None
+        updates = client.updates
+        load(tensors, 2)
+        engine = again(engine, client, tensors)
+        assert client.updates == updates  # the refused round sent nothing
+        full = load(tensors, 3)
+        engine.send_weights()
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
     finally:
         engine.shutdown()
         client.close()
