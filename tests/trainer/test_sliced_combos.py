@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer._sliced_workers import TPClient
+from tests.trainer._sliced_workers import TPClient, expected
 from tests.trainer.test_sliced_tcp import TP2, assert_loaded, full_tensors, torch_engine
 from weightwire.shared.errors import WeightwireError
 from weightwire.tools.server.sleep import ModelSleeper
@@ -453,6 +453,133 @@ def test_a_worker_link_lost_after_its_pieces_commits_the_round_and_stops_the_nex
         engine.send_weights()
         assert client.last_update["sliced"] is True
         assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+# ------------------------------------------------------------------ 6. wants that do not fit
+
+ATTN_Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def lacks_layer(full: dict[str, np.ndarray]) -> None:
+    for name in [n for n in full if n.startswith("model.layers.1.")]:
+        del full[name]
+
+
+def lacks_one(full: dict[str, np.ndarray]) -> None:
+    del full["model.layers.0.mlp.up_proj.weight"]
+
+
+def smaller(full: dict[str, np.ndarray]) -> None:
+    full[ATTN_Q] = np.zeros((4, 8), np.float32)  # the served model's q_proj is [8, 8]
+
+
+def larger(full: dict[str, np.ndarray]) -> None:
+    full[ATTN_Q] = np.zeros((16, 8), np.float32)
+
+
+def unknown(full: dict[str, np.ndarray]) -> None:
+    full["model.layers.0.extra.weight"] = np.zeros((4, 8), np.float32)
+
+
+class ToldClient(TPClient):
+    """Workers that also tell the trainer their served model at init (what the plugin's
+    ``workers_served_model`` answers)."""
+
+    def workers_served_model(self) -> Any:
+        from weightwire.shared.served import ServedModel
+
+        return ServedModel.from_dict(self.engines[0].served_model())
+
+
+@pytest.mark.parametrize(
+    ("change", "told", "error", "match"),
+    [
+        (
+            lacks_layer,
+            False,
+            "ServedModelMismatch",
+            r"worker 0 reads 13 checkpoint tensor\(s\) "
+            r"the round lacks \[model\.layers\.1\..*partial=True",
+        ),
+        (
+            lacks_one,
+            False,
+            "ServedModelMismatch",
+            r"worker 0 reads 1 checkpoint tensor\(s\) "
+            r"the round lacks \[model\.layers\.0\.mlp\.up_proj\.weight\]",
+        ),
+        (
+            smaller,
+            False,
+            "SliceError",
+            r"worker 1's wants: .*q_proj\.weight.*box \[4:8, 0:8\] .*"
+            r"outside the tensor's shape \[4, 8\]: worker 1 serves a checkpoint whose tensors",
+        ),
+        (
+            larger,
+            False,
+            "ValueError",
+            r"q_proj\.weight' has shape \[16, 8\], the model's is "
+            r"\[8, 8\]; the round was refused before any byte",
+        ),
+        (unknown, False, "ValueError", r"'model\.layers\.0\.extra\.weight' is not a tensor of"),
+        (lacks_layer, True, "ServedModelMismatch", r"13 tensor\(s\) .* missing from the round"),
+        (larger, True, "ServedModelMismatch", r"q_proj\.weight \[16, 8\] \(served: \[8, 8\]\)"),
+        (unknown, True, "ServedModelMismatch", r"extra\.weight\] unknown to the served model"),
+    ],
+    ids=lambda v: getattr(v, "__name__", None) if callable(v) else None,
+)
+def test_a_source_that_does_not_fit_the_workers_wants_is_refused_before_any_byte(
+    change: Any, told: bool, error: str, match: str
+) -> None:
+    """A source whose tensors differ from the workers' served checkpoint (a layer or a tensor
+    missing, a smaller or larger shape, a tensor the workers lack): refused, naming the
+    worker or the served model, the tensor and the fix, and no worker's weights change. The
+    trainer refuses before any call where it can tell: a tensor a worker reads that the round
+    lacks (from the worker's hello, whether or not the servers told their served model), a
+    box outside the trainer's tensor, and, told the served model, every mismatch; else each
+    worker refuses the update before its first byte (``ValueError`` here: an HTTP server's
+    refusal is a ``WeightSyncError``)."""
+    client = (ToldClient if told else TPClient)(TP2)
+    before = params(client)
+    full = full_tensors(TP2, 1)
+    change(full)
+    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
+    try:
+        with pytest.raises(Exception, match=match) as got:
+            engine.send_weights()
+        assert type(got.value).__name__ == error
+        if error != "ValueError":
+            assert isinstance(got.value, WeightwireError)
+            assert client.updates == 0  # nothing sent: not even the update POST
+        assert_kept(client, before)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_partial_rounds_may_leave_out_what_the_workers_read() -> None:
+    """``partial=True``: a round that leaves a layer out on purpose is sliced and lands; the
+    layer it left out keeps its previous weights on every worker."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, partial=True)
+    try:
+        load(tensors, 1)
+        engine.send_weights()
+        frozen = params(client)
+        full = load(tensors, 2)
+        lacks_layer(tensors)
+        engine.send_weights()
+        assert client.last_update["sliced"] is True
+        layer1 = ("experts.w13_weight", "experts.w2_weight", "router.weight")
+        for rank, was in enumerate(frozen):
+            want, now = expected(TP2, full, rank), client.params(rank)
+            for name, tensor in now.items():
+                assert torch.equal(tensor, was[name] if name in layer1 else want[name]), name
     finally:
         engine.shutdown()
         client.close()
