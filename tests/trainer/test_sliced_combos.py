@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer._sliced_workers import TPClient, expected
+from tests.trainer._sliced_workers import TPClient, expected, spec_of
 from tests.trainer.test_sliced_tcp import TP2, assert_loaded, full_tensors, torch_engine
 from weightwire.shared.errors import WeightwireError
 from weightwire.tools.server.sleep import ModelSleeper
@@ -582,4 +582,84 @@ def test_partial_rounds_may_leave_out_what_the_workers_read() -> None:
                 assert torch.equal(tensor, was[name] if name in layer1 else want[name]), name
     finally:
         engine.shutdown()
+        client.close()
+
+
+# ------------------------------------------------------------------ 5. adapters
+
+
+class AdapterHost:
+    """A worker's in-memory adapter host (what ``torch_side.worker.vllm_lora`` is in vLLM):
+    the adapter each commit swapped in, whole."""
+
+    def __init__(self) -> None:
+        self.swapped: list[dict[str, torch.Tensor]] = []
+
+    def check(self, spec: Any) -> None:
+        pass
+
+    def swap(self, spec: Any, tensors: dict[str, torch.Tensor]) -> None:
+        self.swapped.append({n: t.clone() for n, t in tensors.items()})
+
+
+def test_adapter_rounds_on_a_sliced_session_go_whole_and_base_rounds_stay_sliced() -> None:
+    """A LoRA adapter sent in memory to TP workers that slice their base weights: its round
+    is a broadcast (the workers told no wants of the adapter's tensors; vLLM's LoRA layers
+    take the whole adapter and cut their own shard), every worker swaps in the whole adapter
+    at the commit and its base weights stay; the next base-weight round is sliced again."""
+    from tests.trainer.test_sliced_tcp import info
+    from weightwire.shared.lora import wire_name
+    from weightwire.testing.sources import DictSource
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.torch_side.sender.source import describe_tensor
+    from weightwire.torch_side.worker.engines import WeightwireTCPEngine
+
+    client = TPClient(TP2)
+    hosts = [AdapterHost() for _ in client.models]
+    client.engines = [
+        WeightwireTCPEngine(
+            model=m,
+            device="cpu",
+            worker_rank=r,
+            spec=lambda: spec_of(TP2),
+            adapters=lambda h=hosts[r]: h,  # type: ignore[misc]
+        )
+        for r, m in enumerate(client.models)
+    ]
+    tensors: dict[str, Any] = {}
+    base = torch_engine(client, tensors)
+    try:
+        load(tensors, 1)
+        base.send_weights()
+        assert client.last_update["sliced"] is True
+        base.shutdown()
+        before = params(client)
+        q = "model.layers.0.self_attn.q_proj"
+        gen = torch.Generator().manual_seed(0)
+        adapter = {
+            wire_name(q, "A", "pol"): torch.randn(2, 8, generator=gen),
+            wire_name(q, "B", "pol"): torch.randn(8, 2, generator=gen),
+        }
+        lora = TorchTrainerEngine.trainer_init(
+            info(), client=client, source=DictSource(adapter, describe_tensor)
+        )
+        try:
+            lora.send_weights()
+            assert "sliced" not in client.last_update
+        finally:
+            lora.shutdown()
+        for host in hosts:
+            ((swapped),) = host.swapped
+            assert sorted(swapped) == [f"base_model.model.{q}.lora_{x}.weight" for x in ("A", "B")]
+            for x in ("A", "B"):
+                want = adapter[wire_name(q, x, "pol")]
+                assert torch.equal(swapped[f"base_model.model.{q}.lora_{x}.weight"], want)
+        assert_kept(client, before)
+        base = torch_engine(client, tensors)
+        full = load(tensors, 2)
+        base.send_weights()
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
+    finally:
+        base.shutdown()
         client.close()
