@@ -663,3 +663,53 @@ def test_adapter_rounds_on_a_sliced_session_go_whole_and_base_rounds_stay_sliced
     finally:
         base.shutdown()
         client.close()
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["staged", "in-place"])
+def test_a_second_trainer_is_refused_while_a_sliced_round_is_open(budget: int) -> None:
+    """Another trainer's init reaching a worker while a live sliced round is open there
+    (staged or in place) is refused naming the session in progress; the open round is
+    untouched and commits whole."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, stage_budget_bytes=budget)
+    refused: list[str] = []
+
+    def second_trainer() -> None:
+        with pytest.raises(RuntimeError, match="refused: a weight update of session") as got:
+            client.engines[0].init_transfer_engine(dict(client.init_info))
+        refused.append(str(got.value))
+
+    client.before_finish = second_trainer
+    try:
+        full = load(tensors, 1)
+        engine.send_weights()
+        assert refused and client.last_update["sliced"] is True
+        assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+def test_an_overlapped_sliced_round_refused_before_any_call_leaves_the_session_usable() -> None:
+    """An overlapped round whose source lacks a tensor the workers read is refused on its own
+    handle before any call (``ServedModelMismatch``); the engine is not broken: the next
+    overlapped round, whole again, is sliced and lands without a re-init."""
+    from weightwire.shared.served import ServedModelMismatch
+
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors)
+    try:
+        load(tensors, 1)
+        lacks_one(tensors)
+        with pytest.raises(ServedModelMismatch, match=r"up_proj\.weight\]"):
+            engine.send_weights(wait=False).result(timeout=60)
+        assert client.updates == 0
+        full = load(tensors, 2)
+        engine.send_weights(wait=False).result(timeout=60)
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
