@@ -713,3 +713,34 @@ def test_an_overlapped_sliced_round_refused_before_any_call_leaves_the_session_u
     finally:
         engine.shutdown()
         client.close()
+
+
+@pytest.mark.parametrize("snapshot", ["copy", "cow"])
+def test_an_optimizer_step_during_an_overlapped_sliced_round_does_not_leak_in(
+    snapshot: str,
+) -> None:
+    """A torch optimizer's step right after ``send_weights(wait=False)`` on a sliced session:
+    the round sends the weights of the call (``copy``: its buffers; ``cow``: the step waits
+    for, or copies ahead of, the pieces the round still reads), never a mix of two steps."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, snapshot=snapshot)
+    try:
+        full = full_tensors(TP2, 1)
+        weights = {n: torch.nn.Parameter(torch.from_numpy(a.copy())) for n, a in full.items()}
+        tensors.update(weights)
+        step = torch.optim.SGD(list(weights.values()), lr=1.0)
+        for w in weights.values():
+            w.grad = torch.ones_like(w)
+        handle = engine.send_weights(wait=False)
+        step.step()  # every weight moves by -1
+        handle.result(timeout=60)
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
+        moved = {n: a - 1 for n, a in full.items()}
+        assert all(torch.equal(weights[n].detach(), torch.from_numpy(a)) for n, a in moved.items())
+        engine.send_weights(wait=False).result(timeout=60)
+        assert_loaded(client, moved)
+    finally:
+        engine.shutdown()
+        client.close()
