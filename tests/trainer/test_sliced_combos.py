@@ -66,14 +66,19 @@ def state(client: TPClient) -> list[dict[str, Any]]:
 
 
 def sleep_and_wake(client: TPClient, level: int) -> None:
-    """The reference server's sleep (``ModelSleeper``) on every worker's model, and what its
-    worker tells the engine at level 2 (the weights are gone), then a wake: level 1 keeps
-    the weights, level 2 wakes them zeroed in fresh storage."""
+    """Each worker sleeps through the hook the plugin installs on vLLM's worker
+    (``engines.watch_sleep``: at level 2 the engine is told its weights are gone), the
+    sleep itself the reference server's (``ModelSleeper``), then wakes: level 1 keeps the
+    weights, level 2 wakes them zeroed in fresh storage."""
+    from types import SimpleNamespace
+
+    from weightwire.torch_side.worker.engines import watch_sleep
+
     for model, engine in zip(client.models, client.engines, strict=True):
         sleeper = ModelSleeper(model, torch.device("cpu"))
-        if level == 2:
-            engine.weights_changed("sleep level 2 discards the weights")
-        sleeper.sleep(level)
+        worker = SimpleNamespace(sleep=sleeper.sleep)
+        watch_sleep(worker, engine)
+        worker.sleep(level)
         assert sleeper.wake(None)
 
 
@@ -530,7 +535,16 @@ class ToldClient(TPClient):
         (larger, True, "ServedModelMismatch", r"q_proj\.weight \[16, 8\] \(served: \[8, 8\]\)"),
         (unknown, True, "ServedModelMismatch", r"extra\.weight\] unknown to the served model"),
     ],
-    ids=lambda v: getattr(v, "__name__", None) if callable(v) else None,
+    ids=[
+        "lacks-layer",
+        "lacks-one",
+        "smaller",
+        "larger",
+        "unknown",
+        "told-lacks-layer",
+        "told-larger",
+        "told-unknown",
+    ],
 )
 def test_a_source_that_does_not_fit_the_workers_wants_is_refused_before_any_byte(
     change: Any, told: bool, error: str, match: str
