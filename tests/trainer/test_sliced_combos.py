@@ -265,6 +265,35 @@ class GuardClient(TPClient):
         self.held = False
 
 
+PAUSES = {  # pause_mode -> (the calls within the budget, over it)
+    "auto": ([], ["hold", "pause:abort", "resume", "release"]),
+    "keep": (["pause:keep", "resume"], ["hold", "pause:abort", "resume", "release"]),
+    "abort": (["pause:abort", "resume"], ["hold", "pause:abort", "resume", "release"]),
+    "wait": (["pause:wait", "resume"], ["hold", "pause:wait", "resume", "release"]),
+    None: ([], []),
+}
+
+
+@pytest.mark.parametrize("mode", list(PAUSES), ids=str)
+def test_every_pause_mode_treats_a_sliced_round_by_where_it_lands(mode: str | None) -> None:
+    """Each ``pause_mode`` pauses a sliced round within the stage budget as a staged round
+    (its own mode, ``auto``: none) and one over it as a round applied in place (the guard
+    held, ``abort`` for ``auto`` / ``keep``); ``None`` never pauses."""
+    for budget, want in zip((1 << 30, 0), PAUSES[mode], strict=True):
+        client = GuardClient(TP2)
+        tensors: dict[str, Any] = {}
+        engine = torch_engine(client, tensors, pause_mode=mode, stage_budget_bytes=budget)
+        try:
+            full = load(tensors, 1)
+            engine.send_weights()
+            assert client.last_update["sliced"] is True
+            assert client.calls == want, budget
+            assert_loaded(client, full)
+        finally:
+            engine.shutdown()
+            client.close()
+
+
 def test_a_sliced_round_within_the_budget_is_staged_and_applied_at_finish() -> None:
     """Within ``stage_budget_bytes`` each worker holds its pieces until the commit: before
     the finish the model is unchanged and whole (the guard would let requests through), the
