@@ -108,8 +108,11 @@ def test_sleep_wake_and_reset_between_sliced_rounds(budget: int, mapped: bool) -
     try:
         load(tensors, 1)
         engine.send_weights()
-        maps = client.engines[1]._core.caches.loader_maps.values()
-        assert [m.map is not None for m in maps] == [mapped]
+        caches = client.engines[1]._core.caches
+        assert [m.map is not None for m in caches.loader_maps.values()] == [mapped]
+        # what it records of its loader's reads holds no parameter (a sleep frees them)
+        assert all(not m.map.params for m in caches.reads_maps.values() if m.map)
+        assert len(caches.reads_maps) == (0 if mapped else 1)
         between = [
             lambda: sleep_and_wake(client, 1),
             lambda: sleep_and_wake(client, 2),
