@@ -4,7 +4,10 @@ At the join each worker told which boxes of every tensor it reads (its hello: th
 ``shared.slices.Wants``; empty from a worker that told none, which wants everything whole).
 They are parsed once per round metadata against the session's tensors (``SliceError``
 naming the worker and the tensor, before any byte); a tensor a worker does not name (its
-spec lacks it, e.g. a tied head the trainer sends anyway) is wanted whole.
+spec lacks it, e.g. a tied head the trainer sends anyway) is wanted whole. A hello names
+every tensor of the worker's served checkpoint, so a sliced round that lacks one a worker
+reads is refused before any call (``unsent``: ``ServedModelMismatch``, unless
+``TrainerInitInfo.partial``), whether or not the servers told their served model.
 
 Where every worker wants every tensor whole (tensor parallelism 1) rounds stay broadcasts.
 Else every dense round is sliced: the plan (``slice_plan.PlanCache``: rebuilt only when the
