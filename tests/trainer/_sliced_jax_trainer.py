@@ -1,6 +1,7 @@
 """Subprocess body of test_sliced_tcp's JAX case: a JAX trainer on 8 forced host devices
-(an FSDP 4 x TP 2 mesh) sends 3 sliced rounds to in-process TCP workers hosting ``SlicedTP``
-ranks. XLA_FLAGS must precede the jax import, hence a process of its own.
+(an FSDP 4 x TP 2 mesh) sends 3 sliced rounds (the third overlapped: ``wait=False``) to
+in-process TCP workers hosting ``SlicedTP`` ranks. XLA_FLAGS must precede the jax import,
+hence a process of its own.
 
 ``python _sliced_jax_trainer.py WORLD HEADS KV_HEADS TIED SOURCE`` (SOURCE ``dict``: a dict of
 the sharded arrays; ``pytree``: a ``PytreeSource`` over them, ``o_proj`` kept transposed in
@@ -112,7 +113,12 @@ def main() -> None:
             JAXTrainerEngine.host_bytes = forbidden("host_bytes")  # type: ignore[method-assign]
             jax.device_get = recorded
             try:
-                metrics = engine.send_weights()
+                # round 3 overlapped: its snapshot is read where it is held too
+                metrics = (
+                    engine.send_weights()
+                    if step < 3
+                    else engine.send_weights(wait=False).result(timeout=60)
+                )
             finally:
                 placement.Target.move, placement._replicate_on = saved[0], saved[1]
                 JAXTrainerEngine.host_bytes = saved[2]  # type: ignore[method-assign]

@@ -125,7 +125,9 @@ class TrainerInitInfo:
       layers). Where the server said at init which tensors its model takes
       (``shared.served``), every round is checked against them before its first byte: a
       tensor it lacks, or of another dtype or shape, is refused always; a missing one is
-      refused unless ``partial=True`` (an adapter round is never "missing" anything).
+      refused unless ``partial=True`` (an adapter round is never "missing" anything). A
+      sliced round is also checked against each worker's wants: a tensor a worker reads
+      that the round lacks is refused unless ``partial=True``.
     - ``served_checkpoint``: for a server that does not tell (stock vLLM: the ``nccl`` and
       ``sparse_nccl`` backends, or the plugin backends under vLLM's own routes), the directory
       of the checkpoint it serves (a local copy: its ``*.safetensors`` headers and

@@ -112,7 +112,12 @@ class StarWire:
         if sliced:
             hellos = decode_hellos(self.ranks.exchange.get("hellos", 0, t.http_s))
             if hellos:  # none: rank 0 asked no wants, rounds are broadcasts
-                s.slicing = Slicing(hellos, s.backend.sliced_sender(comm, s.info), several=True)
+                s.slicing = Slicing(
+                    hellos,
+                    s.backend.sliced_sender(comm, s.info),
+                    several=True,
+                    partial=s.info.partial,
+                )
 
     @staticmethod
     def _source(share: KeyShare, endpoint: Any, rank: int) -> StarSource:

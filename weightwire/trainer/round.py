@@ -50,6 +50,7 @@ from weightwire.trainer.session import SentKey, Session
 from weightwire.trainer.slice_plan import SlicePlan, build_plan
 from weightwire.trainer.sliced import Slicing, pieces
 from weightwire.trainer.sliced_delta import PatchShares, share_patches
+from weightwire.trainer.snapshot import rewrapped
 from weightwire.trainer.transfer import (
     Transfer,
     best_effort_resume,
@@ -627,7 +628,8 @@ class SlicedWire:
         tensors are referenced, not copied: the plan reads their holdings (metadata), each
         piece is read from its shard later."""
         metas = sole.wire.metas
-        source = s.framework.sliced_source(source)  # tensors left where they are held
+        # tensors left where they are held, an overlapped round's snapshot too
+        source = rewrapped(source, s.framework.sliced_source)
         tensors = dict(s.stream(source, tensor_stream(source), sole.metas, None))
         rank = s.framework.process_rank()
         builds = slicing.plans.builds

@@ -254,6 +254,7 @@ def open_wire(
                 s.backend.hellos(link),
                 s.backend.sliced_sender(link, s.info),
                 several=several_slice,
+                partial=s.info.partial,
             )
     except BaseException as exc:
         link.abort()

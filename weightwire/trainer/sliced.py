@@ -4,7 +4,10 @@ At the join each worker told which boxes of every tensor it reads (its hello: th
 ``shared.slices.Wants``; empty from a worker that told none, which wants everything whole).
 They are parsed once per round metadata against the session's tensors (``SliceError``
 naming the worker and the tensor, before any byte); a tensor a worker does not name (its
-spec lacks it, e.g. a tied head the trainer sends anyway) is wanted whole.
+spec lacks it, e.g. a tied head the trainer sends anyway) is wanted whole. A hello names
+every tensor of the worker's served checkpoint, so a sliced round that lacks one a worker
+reads is refused before any call (``unsent``: ``ServedModelMismatch``, unless
+``TrainerInitInfo.partial``), whether or not the servers told their served model.
 
 Where every worker wants every tensor whole (tensor parallelism 1) rounds stay broadcasts.
 Else every dense round is sliced: the plan (``slice_plan.PlanCache``: rebuilt only when the
@@ -33,6 +36,7 @@ from weightwire.backends.base import RoundSender, SlicePiece
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.served import SHOWN, ServedModelMismatch
 from weightwire.shared.slices import Box, SliceError, Wants, split_box
 from weightwire.trainer.slice_plan import Holdings, PlanCache, SlicePlan, Transfer
 
@@ -69,8 +73,10 @@ def parse_wants(raw: bytes, metas: Sequence[ParamMeta], worker: int) -> Wants:
         return Wants.from_json(obj, shapes)
     except SliceError as exc:
         raise SliceError(
-            f"worker {worker}'s wants: {exc} (its served checkpoint differs from the trainer's "
-            "tensors; TrainerInitInfo(sliced='off') sends broadcasts instead)"
+            f"worker {worker}'s wants: {exc}: worker {worker} serves a checkpoint whose tensors "
+            "differ from the trainer's (the source is not the served model's architecture or "
+            "config: check the hidden size, vocab and head counts); where the shapes do match, "
+            "TrainerInitInfo(sliced='off') sends broadcasts instead"
         ) from None
 
 
@@ -86,6 +92,41 @@ def takes_patches(raw: bytes) -> bool:
     return isinstance(obj, dict) and obj.get(PATCHES_KEY) is True
 
 
+def read_names(raw: bytes) -> frozenset[str]:
+    """The checkpoint tensors worker hello ``raw`` says the worker reads some element of
+    (its served model's tensors, less those held only by other ranks); empty for a hello that
+    told none or does not parse (``parse_wants`` names that)."""
+    try:
+        obj = json.loads(raw) if raw else None
+    except (UnicodeDecodeError, ValueError):
+        return frozenset()
+    told = obj.get("tensors") if isinstance(obj, dict) else None
+    if not isinstance(told, dict):
+        return frozenset()
+    return frozenset(n for n, boxes in told.items() if isinstance(boxes, list) and boxes)
+
+
+def unsent(hellos: Sequence[bytes], metas: Sequence[ParamMeta]) -> str | None:
+    """Why a round of ``metas`` does not fit the workers' served model (None: it does): the
+    tensors some worker reads that the round lacks, which it would keep serving unchanged
+    beside the new ones. Every worker's hello names its served checkpoint's tensors, so this
+    holds whether or not the servers told their served model at init."""
+    sent = {m.name for m in metas}
+    for worker, raw in enumerate(hellos):
+        missing = sorted(read_names(raw) - sent)
+        if missing:
+            shown = ", ".join(missing[:SHOWN]) + (", ..." if len(missing) > SHOWN else "")
+            return (
+                f"the round does not fit the served model; nothing was sent: worker {worker} "
+                f"reads {len(missing)} checkpoint tensor(s) the round lacks [{shown}] ("
+                f"{len(sent)} tensor(s) sent): the model would serve them unchanged beside the "
+                "new ones. Send the whole model (a source that misses a layer: check its naming "
+                "rules), or pass TrainerInitInfo(partial=True) if the rounds leave them out on "
+                "purpose (frozen layers)"
+            )
+    return None
+
+
 def wants_less(wants: Sequence[Wants], metas: Sequence[ParamMeta]) -> bool:
     """Some worker wants less than some whole tensor (slicing saves bytes)."""
     return any(w.regions[m.name] != (Box.whole(m.shape),) for w in wants for m in metas if m.numel)
@@ -95,10 +136,19 @@ class Slicing:
     """A session's sliced-round state: rank 0's, or with several sending processes
     (``several``) each process's, the hellos told by rank 0 over the trainer group."""
 
-    def __init__(self, hellos: list[bytes], sender: RoundSender, *, several: bool = False) -> None:
+    def __init__(
+        self,
+        hellos: list[bytes],
+        sender: RoundSender,
+        *,
+        several: bool = False,
+        partial: bool = False,
+    ) -> None:
         self.hellos = hellos
         self.sender = sender
         self.several = several
+        self.partial = partial
+        """``TrainerInitInfo.partial``: a round may leave out tensors the workers read."""
         self.plans = PlanCache()
         self.patch_takers = [takes_patches(raw) for raw in hellos]
         """Per worker: it applies a sliced delta round's patches (said at the join)."""
@@ -135,11 +185,15 @@ class Slicing:
         return False
 
     def plan(self, metas: Sequence[ParamMeta], holdings: Holdings, rank: int) -> SlicePlan:
-        """The plan (cached); ``ConfigError`` before any call when it needs a shard that
-        another trainer process holds."""
+        """The plan (cached); before any call, ``ServedModelMismatch`` when the round lacks
+        a tensor some worker reads (``unsent``; unless ``partial``), ``ConfigError`` when it
+        needs a shard that another trainer process holds."""
         if self.merge is not None:
             holdings = self.merge(holdings)
         try:
+            missing = None if self.partial else unsent(self.hellos, metas)
+            if missing is not None:
+                raise ServedModelMismatch(missing)
             plan = self.plans.plan(metas, holdings, self.wants(metas))
         except Exception as exc:
             if self.agree is not None:  # the other processes learn it instead of waiting
@@ -217,6 +271,8 @@ __all__ = [
     "parse_wants",
     "pieces",
     "plan_digest",
+    "read_names",
     "takes_patches",
+    "unsent",
     "wants_less",
 ]

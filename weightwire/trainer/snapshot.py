@@ -22,6 +22,7 @@ __all__ = [
     "Snapshot",
     "SnapshotChanged",
     "cancellable",
+    "rewrapped",
 ]
 
 SNAPSHOT_MODES = ("copy", "none", "cow")
@@ -150,3 +151,12 @@ def cancellable(inner: WeightSource, stop: threading.Event) -> WeightSource:
     if type(inner).iter_groups is WeightSource.iter_groups:
         return _Cancellable(inner, stop)
     return _CancellableGroups(inner, stop)
+
+
+def rewrapped(source: WeightSource, change: Callable[[WeightSource], WeightSource]) -> WeightSource:
+    """``change`` applied to the source an overlapped round reads (under its ``cancellable``
+    wrapper, which stays): a framework's own view of its source (a sliced round's
+    ``sliced_source``) must see the snapshot, not the wrapper it does not know."""
+    if isinstance(source, _Cancellable):
+        return cancellable(change(source.inner), source._stop)
+    return change(source)

@@ -107,7 +107,8 @@ class TargetCaches:
         which checkpoint elements its loader reads, for a model whose map is refused only
         because it processes its parameters after loading (a CPU vLLM's prepack). Its
         landings name where the loader copies, not where the served values end up: read its
-        sources only. Raises ``LoaderMapRefused`` when the loading itself is no plain copy."""
+        sources only (it holds no parameter: it cannot write). Raises ``LoaderMapRefused``
+        when the loading itself is no plain copy."""
         model = self._model()
         key = _map_key(model, metas)
         cached = self.reads_maps.get(key)
@@ -121,7 +122,11 @@ class TargetCaches:
             )
         layout = nullcontext() if self._loaded_layout is None else self._loaded_layout(model)
         with layout:  # the parameters the loader writes, not the processed ones served
-            found = record_loader_map(model, metas, check_post_load=False)
+            recorded = record_loader_map(model, metas, check_post_load=False)
+        # Only its sources are read: holding the parameters it recorded on (the loader's
+        # layout materialized for the recording, or the served storage) would keep a copy
+        # of the model alive for the session, and past a sleep that discards the weights.
+        found = LoaderMap(recorded.tensors, {})
         self.reads_maps[key] = _LoaderMapOf(model, found)
         return found
 
