@@ -72,12 +72,13 @@ class TPClient:
         *,
         spec: bool = True,
         model: Callable[[Config, int], torch.nn.Module] = make,
+        engine: type[Any] = WeightwireTCPEngine,
     ) -> None:
         self.config = config
         world = config[0]
         self.models = [model(config, r) for r in range(world)]
         self.engines = [
-            WeightwireTCPEngine(
+            engine(
                 model=m,
                 device="cpu",
                 worker_rank=r,

@@ -62,6 +62,7 @@ class Framework(Protocol):
     def process_count(self) -> int: ...
     def slice_holdings(self, tensors: Mapping[str, Any]) -> Holdings: ...
     def read_box(self, tensor: Any, box: Box) -> Any: ...
+    def cut_box(self, tensor: Any, box: Box) -> Any: ...
     def sliced_source(self, source: WeightSource) -> WeightSource: ...
 
 
@@ -247,11 +248,12 @@ def open_wire(
         s.served = s.served or checkpoint
         if isinstance(s.source, Fp8Source):  # its spec against the served model's FP8 linears
             s.source.fit(s.served)
-        s.sender = s.backend.sender(link, s.info, s.framework.sender_parts(packer))
+        parts = s.framework.sender_parts(packer)
+        s.sender = s.backend.sender(link, s.info, parts)
         if asks_wants:
             s.slicing = Slicing(
                 s.backend.hellos(link),
-                s.backend.sliced_sender(link, s.info),
+                s.backend.sliced_sender(link, s.info, parts),
                 several=several_slice,
             )
     except BaseException as exc:

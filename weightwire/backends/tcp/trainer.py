@@ -65,7 +65,9 @@ class TCPBackend(Backend):
         comm: TCPCommunicator = link
         return [comm.hellos.get(rank, b"") for rank in range(1, comm.world_size)]
 
-    def sliced_sender(self, link: Any, settings: SenderSettings) -> RoundSender:
+    def sliced_sender(
+        self, link: Any, settings: SenderSettings, parts: SenderParts | None = None
+    ) -> RoundSender:
         return TCPSlicedSender(
             link,
             buffer_bytes=settings.packed_buffer_size_bytes,

@@ -1,0 +1,141 @@
+"""Sliced rounds over ``weightwire_nccl`` on CPU: the trainer engine and ``SlicedTP`` workers
+(TP 2, one KV head, tied head) in one process, joined in an in-process NCCL world whose
+point-to-point sends and receives really move the bytes (``tests.backends.fake_nccl_p2p``).
+The hellos go on the communicator, each worker gets its table and its chunks only; after
+each round every worker's parameters equal ``load_weights`` of the full tensors bit for bit,
+each worker received about 1/TP of the model plus the replicated tensors, and rank 0 sent
+about one model's bytes (plus the tables), not one per worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.backends.fake_nccl_p2p import in_process_nccl
+from tests.trainer._sliced_workers import Config, TPClient, expected, shapes_of
+from weightwire.shared.errors import WeightwireError
+from weightwire.shared.timeouts import Timeouts
+from weightwire.testing.sources import DictSource
+from weightwire.torch_side.worker.engines import WeightwireNCCLEngine
+from weightwire.trainer import TrainerInitInfo
+
+TIMEOUTS = Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=10)
+TP2: Config = (2, 4, 1, False, True)
+
+
+def full_tensors(step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes_of(TP2).items()}
+
+
+def replicated_bytes() -> int:
+    shapes = shapes_of(TP2)
+    names = ("model.layers.1.mlp.gate.weight", "model.norm.weight")
+    return sum(int(np.prod(shapes[n])) * 4 for n in names)
+
+
+def info(**kw: Any) -> TrainerInitInfo:
+    settings: dict[str, Any] = {
+        "backend": "weightwire_nccl",
+        "pause_mode": None,
+        "packed_buffer_size_bytes": 1 << 10,  # several chunks per worker, several waves
+        "packed_num_buffers": 2,
+        "timeouts": TIMEOUTS,
+    }
+    return TrainerInitInfo(**{**settings, **kw})
+
+
+def engine_of(kind: str, client: TPClient, tensors: dict[str, Any]) -> Any:
+    if kind == "torch":
+        from weightwire.torch_side.sender.engine import TorchTrainerEngine
+        from weightwire.torch_side.sender.source import describe_tensor
+
+        return TorchTrainerEngine.trainer_init(
+            info(), client=client, source=DictSource(tensors, describe_tensor)
+        )
+    from weightwire.jax_side.dtypes import describe
+    from weightwire.jax_side.engine import JAXTrainerEngine
+
+    return JAXTrainerEngine.trainer_init(
+        info(), client=client, source=DictSource(tensors, describe)
+    )
+
+
+def as_source(kind: str, full: dict[str, np.ndarray]) -> dict[str, Any]:
+    if kind == "torch":
+        return {n: torch.from_numpy(a) for n, a in full.items()}
+    import jax.numpy as jnp
+
+    return {n: jnp.asarray(a) for n, a in full.items()}
+
+
+@pytest.mark.parametrize("kind", ["torch", "jax"])
+def test_sliced_rounds_over_nccl_send_each_worker_its_slices(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    with in_process_nccl(monkeypatch, 3) as world:
+        client = TPClient(TP2, engine=WeightwireNCCLEngine)
+        tensors: dict[str, Any] = {}
+        engine = engine_of(kind, client, tensors)
+        try:
+            assert client.init_info["sliced"] is True
+            dense = sum(a.nbytes for a in full_tensors(0).values())
+            for step in (1, 2, 3):
+                full = full_tensors(step)
+                tensors.clear()
+                tensors.update(as_source(kind, full))
+                before = world.sent_bytes[0]
+                metrics = engine.send_weights()
+                assert client.last_update["sliced"] is True
+                for rank in range(2):
+                    want, got = expected(TP2, full, rank), client.params(rank)
+                    for name, tensor in want.items():
+                        assert torch.equal(got[name], tensor), f"rank {rank} {name}"
+                for got in client.received:
+                    assert 0 < got <= 1.05 * dense / 2 + replicated_bytes()
+                assert sum(client.received) == metrics.nbytes <= 1.3 * dense
+                # on the wire: the pieces, their padding and the two tables, nothing else
+                wire = world.sent_bytes[0] - before
+                assert metrics.nbytes <= wire <= metrics.nbytes + 8 << 10
+            assert engine.session.slicing.plans.builds == 1
+            # every worker's own sends: its hello only (the join), nothing in the rounds
+            assert all(world.sent_bytes[r] < 64 << 10 for r in (1, 2))
+        finally:
+            engine.shutdown()
+            client.close()
+
+
+def test_a_sliced_nccl_round_that_loses_the_trainer_applies_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer fails between two waves (its source raises after some chunks left):
+    every worker's receive fails within its timeout and keeps round 1's weights exactly."""
+    with in_process_nccl(monkeypatch, 3):
+        client = TPClient(TP2, engine=WeightwireNCCLEngine)
+        tensors: dict[str, Any] = {}
+        engine = engine_of("torch", client, tensors)
+        try:
+            tensors.update(as_source("torch", full_tensors(1)))
+            engine.send_weights()
+            before = [client.params(r) for r in range(2)]
+            cut, reads = engine.cut_box, [0]
+
+            def failing(tensor: Any, box: Any) -> Any:
+                reads[0] += 1
+                if reads[0] == 12:
+                    raise RuntimeError("the trainer lost a shard")
+                return cut(tensor, box)
+
+            engine.cut_box = failing
+            tensors.update(as_source("torch", full_tensors(2)))
+            with pytest.raises((RuntimeError, WeightwireError)):
+                engine.send_weights()
+            for rank in range(2):
+                after = client.params(rank)
+                assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
+        finally:
+            engine.shutdown()
+            client.close()
