@@ -8,12 +8,19 @@ next message from its peer (NCCL's per-pair order, whatever the stream) once it 
 an event recorded after it is done only then, so a missing sender makes the communicator's
 watchdog time out as on a GPU. A message whose size differs from the receive is an error
 (NCCL would hang or corrupt), raised from the receiver's wait.
+
+NCCL connects a pair of ranks at their first point-to-point call, on the host, and each
+side waits there for the other: so the first ``send`` / ``recv`` between two ranks blocks
+until the peer made its own first call to this rank (``CONNECT_S`` at most, then an
+``AssertionError`` naming the deadlock a GPU would never leave).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -43,12 +50,18 @@ class FakeDeviceArray:
         return self.host.copy()
 
 
+CONNECT_S = 10.0
+_STREAMS = itertools.count(0x9000)
+
+
 class World:
     """The shared state of one fake NCCL group: each ordered pair's messages."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.lock = threading.Lock()
+        self.arrived = threading.Condition(self.lock)
+        self.calls: set[tuple[int, int]] = set()  # (rank, peer): rank called with peer
         self.mail: dict[tuple[int, int], list[bytes]] = {}
         self.taken: dict[tuple[int, int], int] = {}
         self.pending: dict[tuple[int, int], list[_Recv]] = {}  # (rank, stream) -> receives
@@ -60,6 +73,21 @@ class World:
             FakeP2PComm(self, rank), rank=rank, world_size=self.size, device=0,
             cp=FakeP2PCupy(self, rank), version="2.28.9",
         )  # fmt: skip
+
+    def connect(self, rank: int, peer: int) -> None:
+        """NCCL's lazy connection setup: wait until ``peer`` made a call with ``rank``."""
+        deadline = time.monotonic() + CONNECT_S
+        with self.arrived:
+            self.calls.add((rank, peer))
+            self.arrived.notify_all()
+            while (peer, rank) not in self.calls:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(
+                        f"rank {rank}'s first call with rank {peer} waited {CONNECT_S:g} s for "
+                        "the peer's: NCCL's connection setup would hang here"
+                    )
+                self.arrived.wait(left)
 
     def done(self, rank: int, ops: list[_Recv]) -> bool:
         with self.lock:
@@ -97,6 +125,7 @@ class FakeP2PComm:
     def send(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
         assert dtype == 1, "the sliced data path sends uint8"
         w = self.world
+        w.connect(self.rank, peer)
         with w.lock:
             w.mail.setdefault((self.rank, peer), []).append(ctypes.string_at(ptr, count))
             w.sent_bytes[self.rank] += count
@@ -104,6 +133,7 @@ class FakeP2PComm:
     def recv(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
         assert dtype == 1, "the sliced data path receives uint8"
         w = self.world
+        w.connect(self.rank, peer)
         with w.lock:
             ticket = w.taken.get((peer, self.rank), 0)
             w.taken[(peer, self.rank)] = ticket + 1
@@ -137,7 +167,6 @@ class FakeP2PCupy:
     def __init__(self, world: World, rank: int) -> None:
         self.world, self.rank = world, rank
         fake = self
-        counter = iter(range(0x9000, 1 << 30))
 
         class Device:
             def __init__(self, index: int = 0) -> None:
@@ -154,7 +183,7 @@ class FakeP2PCupy:
 
         class Stream(_Stream):
             def __init__(self, non_blocking: bool = False) -> None:
-                super().__init__(next(counter))
+                super().__init__(next(_STREAMS))
 
         class ExternalStream(_Stream):
             def __init__(self, ptr: int, device_id: int = -1) -> None:

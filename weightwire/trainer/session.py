@@ -243,6 +243,9 @@ def open_wire(
     )
     try:
         link.warmup(timeout=t.warmup_s)
+        # Read while the init POST is still in flight: a worker that tells its wants on the
+        # data plane (NCCL) may not return from its init before rank 0 took them.
+        hellos = s.backend.hellos(link) if asks_wants else []
         await_call(post, t.http_s, "init_weight_transfer_engine")
         s.served = served_model(s.client, s.caps, ask_workers=not s.backend.caps.stock_receiver)
         s.served = s.served or checkpoint
@@ -252,7 +255,7 @@ def open_wire(
         s.sender = s.backend.sender(link, s.info, parts)
         if asks_wants:
             s.slicing = Slicing(
-                s.backend.hellos(link),
+                hellos,
                 s.backend.sliced_sender(link, s.info, parts),
                 several=several_slice,
             )
