@@ -1,6 +1,8 @@
-"""Sliced rounds against the broadcast, TP workers on CPU over ``weightwire_tcp``, one run.
+"""Sliced rounds against the broadcast, TP workers on CPU over ``weightwire_tcp`` (or on GPUs
+over ``weightwire_nccl``), one run.
 
     python benchmarks/bench_sliced.py [--tp 2] [--mb 64] [--rounds 5] [--engine torch|jax]
+                                      [--backend tcp|nccl]
 
 A synthetic decoder-shaped model of about ``--mb`` MB (float32): per layer a fused-like
 ``[4H, H]`` matrix split by rows over the TP ranks, a ``[H, 4H]`` one split by columns and a
@@ -28,6 +30,12 @@ On loopback with both ends on two shared cores the wire is not the bottleneck, s
 bytes barely show in the round time; the JAX sliced round pays one device read per shard
 piece (32 layers x 8 shards here) where the broadcast copies each array to the host once.
 Across hosts, each worker's link carries half the bytes (1/TP in general).
+
+``--backend nccl`` needs ``--tp + 1`` GPUs and CuPy: the trainer sends from GPU 0 (torch
+tensors there, or a JAX array on the first GPU), each TP worker receives on its own GPU
+(GPU 1 ..), all in this process; the sliced rounds go by grouped ``ncclSend`` / ``ncclRecv``,
+the broadcast by ``ncclBroadcast``. Not yet run (needs a machine with 3 GPUs for TP 2):
+``python benchmarks/bench_sliced.py --backend nccl --mb 1024 [--engine jax]``.
 """
 
 from __future__ import annotations
@@ -41,7 +49,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-if "--engine" in sys.argv and sys.argv[sys.argv.index("--engine") + 1] == "jax":
+# the CPU mesh; over NCCL the trainer's arrays sit on a GPU
+if (
+    "--engine" in sys.argv
+    and sys.argv[sys.argv.index("--engine") + 1] == "jax"
+    and "nccl" not in sys.argv
+):
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -50,7 +63,7 @@ import torch
 
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.sources import DictSource
-from weightwire.torch_side.worker.engines import WeightwireTCPEngine
+from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine
 from weightwire.torch_side.worker.spec import ModelSpec, TensorSpec
 from weightwire.trainer import TrainerInitInfo
 
@@ -99,11 +112,17 @@ class RankModel(torch.nn.Module):
 class Workers:
     """The weight-sync calls, fanned out to ``tp`` in-process TCP workers."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], tp: int) -> None:
+    def __init__(self, shapes: dict[str, tuple[int, ...]], tp: int, backend: str) -> None:
         spec = ModelSpec({n: TensorSpec(s, "float32") for n, s in shapes.items()})
+        nccl = backend == "nccl"
+        engine = WeightwireNCCLEngine if nccl else WeightwireTCPEngine
+        devices = [f"cuda:{r + 1}" if nccl else "cpu" for r in range(tp)]
         self.engines = [
-            WeightwireTCPEngine(
-                model=RankModel(shapes, r, tp), device="cpu", worker_rank=r, spec=lambda: spec
+            engine(
+                model=RankModel(shapes, r, tp).to(devices[r]),
+                device=devices[r],
+                worker_rank=r,
+                spec=lambda: spec,
             )
             for r in range(tp)
         ]
@@ -145,12 +164,16 @@ class Workers:
         self._pool.shutdown()
 
 
-def engine_for(kind: str, info: TrainerInitInfo, client: Workers, full: dict[str, Any]) -> Any:
+def engine_for(
+    kind: str, info: TrainerInitInfo, client: Workers, full: dict[str, Any], backend: str
+) -> Any:
+    nccl = backend == "nccl"
     if kind == "torch":
         from weightwire.torch_side.sender.engine import TorchTrainerEngine
         from weightwire.torch_side.sender.source import describe_tensor
 
-        tensors = {n: torch.from_numpy(a) for n, a in full.items()}
+        where = "cuda:0" if nccl else "cpu"
+        tensors = {n: torch.from_numpy(a).to(where) for n, a in full.items()}
         source = DictSource(tensors, describe_tensor)
         return TorchTrainerEngine.trainer_init(info, client=client, source=source)
     import jax
@@ -160,6 +183,12 @@ def engine_for(kind: str, info: TrainerInitInfo, client: Workers, full: dict[str
     from weightwire.jax_side.dtypes import describe
     from weightwire.jax_side.engine import JAXTrainerEngine
 
+    if nccl:  # whole arrays on the trainer's GPU (the pieces are cut there)
+        gpu = jax.devices("gpu")[0]
+        on_gpu = {n: jax.device_put(a, gpu) for n, a in full.items()}
+        return JAXTrainerEngine.trainer_init(
+            info, client=client, source=DictSource(on_gpu, describe)
+        )
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tp"))
     arrays = {
         n: jax.device_put(a, NamedSharding(mesh, P("fsdp", "tp") if a.ndim == 2 else P()))
@@ -169,14 +198,15 @@ def engine_for(kind: str, info: TrainerInitInfo, client: Workers, full: dict[str
 
 
 def run(mode: str, args: argparse.Namespace, full: dict[str, Any]) -> dict[str, Any]:
-    client = Workers({n: a.shape for n, a in full.items()}, args.tp)
+    client = Workers({n: a.shape for n, a in full.items()}, args.tp, args.backend)
     info = TrainerInitInfo(
-        backend="weightwire_tcp",
+        backend=f"weightwire_{args.backend}",
+        device=0 if args.backend == "nccl" else None,
         sliced=mode,
         pause_mode=None,
         timeouts=Timeouts(http_s=600, connect_s=60, warmup_s=60, transfer_s=600),
     )
-    engine = engine_for(args.engine, info, client, full)
+    engine = engine_for(args.engine, info, client, full, args.backend)
     try:
         times, sent = [], 0
         for _ in range(args.rounds):
@@ -200,11 +230,15 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--engine", choices=("torch", "jax"), default="torch")
+    parser.add_argument("--backend", choices=("tcp", "nccl"), default="tcp")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes(args.mb).items()}
     dense = sum(a.nbytes for a in full.values())
-    print(f"model {dense / 1e6:.1f} MB, TP {args.tp}, {args.engine} engine, {args.rounds} rounds")
+    print(
+        f"model {dense / 1e6:.1f} MB, TP {args.tp}, {args.engine} engine, "
+        f"weightwire_{args.backend}, {args.rounds} rounds"
+    )
     print(f"{'mode':9} {'round s':>8} {'per worker MB':>20} {'on the wire MB':>15}")
     for mode in ("auto", "off"):
         row = run(mode, args, full)
