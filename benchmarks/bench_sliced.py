@@ -34,8 +34,9 @@ Across hosts, each worker's link carries half the bytes (1/TP in general).
 ``--backend nccl`` needs ``--tp + 1`` GPUs and CuPy: the trainer sends from GPU 0 (torch
 tensors there, or a JAX array on the first GPU), each TP worker receives on its own GPU
 (GPU 1 ..), all in this process; the sliced rounds go by grouped ``ncclSend`` / ``ncclRecv``,
-the broadcast by ``ncclBroadcast``. Not yet run (needs a machine with 3 GPUs for TP 2):
-``python benchmarks/bench_sliced.py --backend nccl --mb 1024 [--engine jax]``.
+the broadcast by ``ncclBroadcast``. On 2 GPUs, ``--hosted 1`` runs TP rank 0 alone (a TP 2
+worker: half the bytes). Not yet run (needs a machine with 2+ GPUs):
+``python benchmarks/bench_sliced.py --backend nccl --mb 1024 --hosted 1 [--engine jax]``.
 """
 
 from __future__ import annotations
@@ -112,11 +113,13 @@ class RankModel(torch.nn.Module):
 class Workers:
     """The weight-sync calls, fanned out to ``tp`` in-process TCP workers."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], tp: int, backend: str) -> None:
+    def __init__(
+        self, shapes: dict[str, tuple[int, ...]], tp: int, backend: str, hosted: int
+    ) -> None:
         spec = ModelSpec({n: TensorSpec(s, "float32") for n, s in shapes.items()})
         nccl = backend == "nccl"
         engine = WeightwireNCCLEngine if nccl else WeightwireTCPEngine
-        devices = [f"cuda:{r + 1}" if nccl else "cpu" for r in range(tp)]
+        devices = [f"cuda:{r + 1}" if nccl else "cpu" for r in range(hosted)]
         self.engines = [
             engine(
                 model=RankModel(shapes, r, tp).to(devices[r]),
@@ -124,10 +127,10 @@ class Workers:
                 worker_rank=r,
                 spec=lambda: spec,
             )
-            for r in range(tp)
+            for r in range(hosted)
         ]
-        self.received = [0] * tp
-        self._pool = cf.ThreadPoolExecutor(max_workers=tp)
+        self.received = [0] * hosted
+        self._pool = cf.ThreadPoolExecutor(max_workers=hosted)
 
     def _all(self, call: Callable[[int, Any], Any]) -> None:
         for f in [self._pool.submit(call, r, e) for r, e in enumerate(self.engines)]:
@@ -198,7 +201,8 @@ def engine_for(
 
 
 def run(mode: str, args: argparse.Namespace, full: dict[str, Any]) -> dict[str, Any]:
-    client = Workers({n: a.shape for n, a in full.items()}, args.tp, args.backend)
+    hosted = args.hosted or args.tp
+    client = Workers({n: a.shape for n, a in full.items()}, args.tp, args.backend, hosted)
     info = TrainerInitInfo(
         backend=f"weightwire_{args.backend}",
         device=0 if args.backend == "nccl" else None,
@@ -231,6 +235,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--engine", choices=("torch", "jax"), default="torch")
     parser.add_argument("--backend", choices=("tcp", "nccl"), default="tcp")
+    parser.add_argument(
+        "--hosted",
+        type=int,
+        default=0,
+        help="TP ranks that take part (the first ones; default all): 1 on a 2-GPU machine",
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes(args.mb).items()}
