@@ -1,5 +1,6 @@
 """An in-process NCCL world for CPU tests: ranks are threads, device memory is host memory,
-and point-to-point ``send`` / ``recv`` really move bytes between the ranks' buffers.
+and point-to-point ``send`` / ``recv`` (and ``broadcast``) really move bytes between the ranks'
+buffers.
 
 It stands in for the parts of CuPy that ``NCCLCommunicator`` and the sliced data path touch
 (streams, events, ``empty`` / ``asarray``, ``memcpyAsync``, ``nccl.groupStart`` /
@@ -31,6 +32,7 @@ import pytest
 
 from weightwire.backends.device import DeviceBytes
 from weightwire.backends.nccl.comm import NCCLCommunicator
+from weightwire.backends.nccl.library import NCCL_ITEMSIZE
 
 
 class FakeDeviceArray:
@@ -138,6 +140,26 @@ class FakeP2PComm:
             ticket = w.taken.get((peer, self.rank), 0)
             w.taken[(peer, self.rank)] = ticket + 1
             w.pending.setdefault((self.rank, stream), []).append(_Recv(peer, ticket, ptr, count))
+
+    def broadcast(
+        self, sendptr: int, recvptr: int, count: int, dtype: int, root: int, stream: int
+    ) -> None:
+        """Root: its bytes into every peer's mail from it; a peer: the next one from root
+        (a broadcast keeps the per-pair order as point-to-point calls do)."""
+        nbytes = count * NCCL_ITEMSIZE[dtype]
+        w = self.world
+        with w.lock:
+            if self.rank == root:
+                data = ctypes.string_at(sendptr, nbytes)
+                for peer in range(w.size):
+                    if peer != root:
+                        w.mail.setdefault((root, peer), []).append(data)
+                        w.sent_bytes[root] += nbytes
+                return
+            ticket = w.taken.get((root, self.rank), 0)
+            w.taken[(root, self.rank)] = ticket + 1
+            op = _Recv(root, ticket, recvptr, nbytes)
+            w.pending.setdefault((self.rank, stream), []).append(op)
 
     def check_async_error(self) -> None:
         return None

@@ -103,6 +103,38 @@ def test_sliced_rounds_over_nccl_send_each_worker_its_slices(
             assert engine.session.slicing.plans.builds == 1
             # every worker's own sends: its hello only (the join), nothing in the rounds
             assert all(world.sent_bytes[r] < 64 << 10 for r in (1, 2))
+            # rank 0's chunk buffers: depth x workers, each at most the buffer size
+            sender = engine.session.slicing.sender
+            assert 0 < sender.held_bytes() <= 2 * 2 * (1 << 10)
+        finally:
+            engine.shutdown()
+            client.close()
+        assert sender.held_bytes() == 0  # freed with the session
+
+
+def test_sliced_off_over_nccl_broadcasts_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sliced="off"``: no wants asked, no hello on the communicator, every worker gets
+    every byte by broadcast (the same in-process world)."""
+    with in_process_nccl(monkeypatch, 3) as world:
+        client = TPClient(TP2, engine=WeightwireNCCLEngine)
+        full = full_tensors(1)
+        tensors = as_source("torch", full)
+        from weightwire.torch_side.sender.engine import TorchTrainerEngine
+        from weightwire.torch_side.sender.source import describe_tensor
+
+        engine = TorchTrainerEngine.trainer_init(
+            info(sliced="off"), client=client, source=DictSource(tensors, describe_tensor)
+        )
+        try:
+            assert "sliced" not in client.init_info
+            metrics = engine.send_weights()
+            assert "sliced" not in client.last_update
+            dense = sum(a.nbytes for a in full.values())
+            assert metrics.nbytes >= dense and client.received == [metrics.nbytes] * 2
+            assert world.sent_bytes[1:] == [0, 0]  # no hellos
+            for rank in range(2):
+                want, got = expected(TP2, full, rank), client.params(rank)
+                assert all(torch.equal(got[n], t) for n, t in want.items()), rank
         finally:
             engine.shutdown()
             client.close()
@@ -136,6 +168,38 @@ def test_a_sliced_nccl_round_that_loses_the_trainer_applies_nothing(
             for rank in range(2):
                 after = client.params(rank)
                 assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
+        finally:
+            engine.shutdown()
+            client.close()
+
+
+def test_verify_over_nccl_keeps_the_broadcast_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``verify=True``: the slices' digests are of host bytes, which the NCCL sender (pieces
+    cut and packed on the device) never has; its rounds go as verified broadcasts."""
+    with in_process_nccl(monkeypatch, 3):
+        client = TPClient(TP2, engine=WeightwireNCCLEngine)
+        tensors: dict[str, Any] = {}
+        from weightwire.torch_side.sender.engine import TorchTrainerEngine
+        from weightwire.torch_side.sender.source import describe_tensor
+
+        engine = TorchTrainerEngine.trainer_init(
+            info(verify=True), client=client, source=DictSource(tensors, describe_tensor)
+        )
+        try:
+            with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
+                for step in (1, 2):
+                    full = full_tensors(step)
+                    tensors.clear()
+                    tensors.update(as_source("torch", full))
+                    report = engine.send_weights().verify
+                    assert "sliced" not in client.last_update and report is not None
+            said = [r for r in caplog.records if "verify=True on an on-device backend" in r.message]
+            assert len(said) == 1
+            for rank in range(2):
+                want, got = expected(TP2, full, rank), client.params(rank)
+                assert all(torch.equal(got[n], t) for n, t in want.items()), rank
         finally:
             engine.shutdown()
             client.close()

@@ -185,6 +185,8 @@ class Session:
                 link.close()
         if sender is not None:
             sender.close()  # after the link: no kernel may still read its buffers
+        if self.slicing is not None:
+            self.slicing.sender.close()  # an on-device sender's chunk buffers, likewise
         self.slicing = None
 
 

@@ -143,7 +143,8 @@ class _Posted:
     """A chunk whose broadcast is enqueued on ``stream``."""
 
     buffer: torch.Tensor
-    stream: torch.cuda.Stream
+    stream: int
+    """The stream's pointer."""
 
 
 class NCCLLink(ChunkedLink):
@@ -251,18 +252,12 @@ class NCCLLink(ChunkedLink):
 
     def post(self, index: int, turn: ReceiveTurn) -> None:
         chunk = turn.chunks[index]
-        stream = self._streams[index % self.depth]
-        buf = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
-        # The fresh block may have just been freed by work still queued on the
-        # current stream; the receive must not overwrite it before that work ends.
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        # Handed over as a raw pointer: the wait above already orders it, and going
-        # through DLPack costs ~0.2 ms per chunk on the round's critical path.
-        view = tensor_device_bytes(buf)
+        stream = self._stream_ptr(index % self.depth)
+        # Handed over as a raw pointer (``_buffer`` ordered it after the current stream):
+        # going through DLPack costs ~0.2 ms per chunk on the round's critical path.
+        buf, view = self._buffer(chunk.nbytes, stream)
         if turn.packed:
-            self.communicator.broadcast(
-                view, root=turn.src, timeout=self.timeout_s, stream=stream.cuda_stream
-            )
+            self.communicator.broadcast(view, root=turn.src, timeout=self.timeout_s, stream=stream)
         else:
             meta = turn.metas[chunk.start]
             self.communicator.broadcast_typed(
@@ -271,14 +266,13 @@ class NCCLLink(ChunkedLink):
                 count=meta.numel,
                 root=turn.src,
                 timeout=self.timeout_s,
-                stream=stream.cuda_stream,
+                stream=stream,
             )
-        buf.record_stream(stream)
         self._pending[index] = _Posted(buf, stream)
 
     def wait(self, index: int) -> torch.Tensor:
         posted = self._pending.pop(index)
-        self.communicator.synchronize(posted.stream.cuda_stream, timeout=self.timeout_s)
+        self.communicator.synchronize(posted.stream, timeout=self.timeout_s)
         return posted.buffer
 
     def abort(self) -> None:
