@@ -153,3 +153,20 @@ def test_a_worker_refuses_an_oversized_table_before_receiving_it() -> None:
     link = sent(LENGTH.pack(len(table)), table)
     with pytest.raises(TransferError, match="hold 96 bytes, more than the update's 58"):
         next(link.receive_sliced(METAS, ReceiveProgress()))
+
+
+def test_a_failed_group_aborts_the_communicator_naming_it() -> None:
+    comm, raw, cp = make_comm(world_size=2)
+
+    def fail() -> None:
+        raise RuntimeError("ncclInvalidUsage")
+
+    cp.cuda.nccl = type("N", (), {"groupStart": lambda: None, "groupEnd": fail})
+    failed = pytest.raises(
+        TransferError, match="NCCL group of calls failed on rank 0.*InvalidUsage"
+    )
+    with failed, comm.group():
+        pass
+    assert names(raw) == ["abort"]
+    with pytest.raises(TransferError, match="is aborted"):
+        comm.send(DeviceBytes(0xF100, 16, 0, None), peer=1, stream=0x77)

@@ -256,12 +256,18 @@ class NCCLCommunicator:
         """``ncclGroupStart`` / ``ncclGroupEnd`` around the sends and receives made inside:
         NCCL runs them together (one worker's chunk does not wait for another's)."""
         nccl = self._cp.cuda.nccl
+        self._live()
         with self._on_device():
             nccl.groupStart()
             try:
                 yield
             finally:
-                nccl.groupEnd()
+                try:
+                    nccl.groupEnd()  # where NCCL reports a grouped call's failure
+                except Exception as exc:
+                    raise self._fail(
+                        TransferError(f"NCCL group of calls failed on {self._where()}: {exc}")
+                    ) from exc
 
     def send(self, buffer: Any, *, peer: int, stream: Any) -> None:
         """Enqueue ``ncclSend`` of ``buffer``'s bytes to ``peer`` on ``stream`` (never waits;

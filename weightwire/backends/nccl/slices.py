@@ -185,7 +185,7 @@ class NCCLSlicedSender(RoundSender):
             chunk_layout([_nbytes(p, out.metas) for p in ps], self._buffer_bytes) for ps in mine
         ]
         first = next((ps[0] for ps in mine if ps), None)
-        early = None if first is None else self._region(first.read(), self._head_stream())
+        early = None if first is None else first.read()  # a failing source: before begin
         if out.begin is not None:
             out.begin()
         self._check(out)
@@ -209,9 +209,11 @@ class NCCLSlicedSender(RoundSender):
                 for i in range(span.start, span.stop):
                     piece = mine[w][i]
                     if early is not None and piece is first:
-                        region, early = early, None
+                        data, early = early, None
                     else:
-                        region = self._region(piece.read(), stream)
+                        data = piece.read()
+                    # ordered on this stream after whatever produced the piece
+                    region = self._region(data, stream)
                     comm.copy(base + offsets[i], region, stream)
                     keep.append(region.owner)
                     sent[0] += region.nbytes
