@@ -203,3 +203,34 @@ def test_verify_over_nccl_keeps_the_broadcast_said_once(
         finally:
             engine.shutdown()
             client.close()
+
+
+def test_jax_rounds_from_an_fsdp_tp_mesh_over_nccl_never_gather_nor_touch_the_host() -> None:
+    """A JAX trainer on 8 forced host devices (FSDP 4 x TP 2), in a subprocess (XLA_FLAGS
+    precede jax's import), over the in-process NCCL: 3 sliced rounds from a ``PytreeSource``
+    (a jitted transpose on the shards), every worker bit-identical to ``load_weights`` of the
+    full tensors (checked there), every gather entry point raising throughout, each piece
+    cut on its one shard's device and no host copy at all, each worker its share."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "_sliced_jax_trainer.py")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(
+        [sys.executable, script, "2", "4", "1", "1", "pytree", "nccl"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["whole"] == [] and report["copies"] == 0
+    dense = report["dense"]
+    assert len(report["rounds"]) == 3
+    for r in report["rounds"]:
+        assert sum(r["received"]) == r["sent"] <= 1.3 * dense
+        for got in r["received"]:
+            assert 0 < got <= 1.05 * dense / 2 + replicated_bytes()
