@@ -234,3 +234,44 @@ def test_jax_rounds_from_an_fsdp_tp_mesh_over_nccl_never_gather_nor_touch_the_ho
         assert sum(r["received"]) == r["sent"] <= 1.3 * dense
         for got in r["received"]:
             assert 0 < got <= 1.05 * dense / 2 + replicated_bytes()
+
+
+def test_a_worker_that_fails_mid_round_fails_it_everywhere_nothing_applied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Worker 1's receive fails after a few pieces: its update fails, so rank 0 stops the
+    round and aborts the communicator (its sends to worker 1 do not wait out the timeout);
+    the trainer raises and both workers keep round 1's weights exactly."""
+    import time
+
+    from weightwire.shared.errors import TransferError
+
+    with in_process_nccl(monkeypatch, 3):
+        client = TPClient(TP2, engine=WeightwireNCCLEngine)
+        tensors: dict[str, Any] = {}
+        engine = engine_of("torch", client, tensors)
+        try:
+            tensors.update(as_source("torch", full_tensors(1)))
+            engine.send_weights()
+            before = [client.params(r) for r in range(2)]
+            link = client.engines[1]._core._link
+            real = link.receive_sliced
+
+            def failing(metas: Any, progress: Any) -> Any:
+                for i, item in enumerate(real(metas, progress)):
+                    if i == 3:
+                        raise TransferError("worker 1 lost its receive buffer")
+                    yield item
+
+            link.receive_sliced = failing
+            tensors.update(as_source("torch", full_tensors(2)))
+            started = time.monotonic()
+            with pytest.raises(WeightwireError, match="worker 1 lost its receive buffer"):
+                engine.send_weights()
+            assert time.monotonic() - started < TIMEOUTS.transfer_s
+            for rank in range(2):
+                after = client.params(rank)
+                assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
+        finally:
+            engine.shutdown()
+            client.close()
