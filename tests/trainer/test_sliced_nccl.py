@@ -275,3 +275,33 @@ def test_a_worker_that_fails_mid_round_fails_it_everywhere_nothing_applied(
         finally:
             engine.shutdown()
             client.close()
+
+
+def test_a_source_failing_on_its_first_piece_sends_nothing_and_the_next_round_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first piece is read before the control plane: a source that fails there lets no
+    start, no update and no byte out, and the session stays usable."""
+    with in_process_nccl(monkeypatch, 3) as world:
+        client = TPClient(TP2, engine=WeightwireNCCLEngine)
+        tensors: dict[str, Any] = dict(as_source("torch", full_tensors(1)))
+        engine = engine_of("torch", client, tensors)
+        try:
+            cut = engine.cut_box
+
+            def broken(tensor: Any, box: Any) -> Any:
+                raise RuntimeError("the source's first shard is gone")
+
+            engine.cut_box = broken
+            sent = world.sent_bytes[0]
+            with pytest.raises(RuntimeError, match="first shard is gone"):
+                engine.send_weights()
+            assert client.updates == 0 and world.sent_bytes[0] == sent
+            engine.cut_box = cut
+            engine.send_weights()
+            for rank in range(2):
+                want, got = expected(TP2, full_tensors(1), rank), client.params(rank)
+                assert all(torch.equal(got[n], t) for n, t in want.items()), rank
+        finally:
+            engine.shutdown()
+            client.close()
