@@ -48,13 +48,13 @@ def info(**kw: Any) -> TrainerInitInfo:
     return TrainerInitInfo(**{**settings, **kw})
 
 
-def engine_of(kind: str, client: TPClient, tensors: dict[str, Any]) -> Any:
+def engine_of(kind: str, client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
     if kind == "torch":
         from weightwire.torch_side.sender.engine import TorchTrainerEngine
         from weightwire.torch_side.sender.source import describe_tensor
 
         return TorchTrainerEngine.trainer_init(
-            info(), client=client, source=DictSource(tensors, describe_tensor)
+            info(**kw), client=client, source=DictSource(tensors, describe_tensor)
         )
     from weightwire.jax_side.dtypes import describe
     from weightwire.jax_side.engine import JAXTrainerEngine
@@ -144,11 +144,13 @@ def test_a_sliced_nccl_round_that_loses_the_trainer_applies_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The trainer fails between two waves (its source raises after some chunks left):
-    every worker's receive fails within its timeout and keeps round 1's weights exactly."""
+    every worker's receive fails within its timeout (2 s here) and keeps round 1's weights
+    exactly."""
     with in_process_nccl(monkeypatch, 3):
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
         tensors: dict[str, Any] = {}
-        engine = engine_of("torch", client, tensors)
+        quick = Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=2)
+        engine = engine_of("torch", client, tensors, timeouts=quick)
         try:
             tensors.update(as_source("torch", full_tensors(1)))
             engine.send_weights()
