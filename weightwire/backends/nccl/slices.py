@@ -2,9 +2,11 @@
 to point (``ncclSend`` / ``ncclRecv``, grouped) on the session's one communicator.
 
 **Hellos.** A worker asked for its wants (the init info's ``sliced``) sends rank 0 two
-messages right after the warm-up, never waiting on them (rank 0 reads them after the init
-POST returned): its hello's length (``LENGTH``: u64), then the hello (none when empty).
-Rank 0 receives every worker's length in one group, then every hello in one group.
+messages right after the warm-up, never waiting on them in its init: its hello's length
+(``LENGTH``: u64), then the hello (none when empty). Rank 0 receives every worker's length
+in one group, then every hello in one group, right after its own warm-up while the init POST
+is still in flight (NCCL connects a pair of ranks on both sides' first call: a worker's
+first send waits there for rank 0's receive).
 
 **A sliced update**, per worker, in this order (all from rank 0)::
 
@@ -66,7 +68,7 @@ MAX_TABLE_BYTES = 256 << 20
 
 def send_hello(comm: NCCLCommunicator, hello: bytes, buffers: Any, stream: Any) -> None:
     """A worker's hello to rank 0, enqueued on ``stream`` (never waited on here: rank 0
-    receives it after the init POST returned). ``buffers(data)`` makes a device buffer of
+    receives it beside this worker's init). ``buffers(data)`` makes a device buffer of
     ``data`` the communicator can send."""
     if len(hello) > MAX_HELLO_BYTES:
         raise TransferError(

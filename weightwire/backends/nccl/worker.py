@@ -194,8 +194,9 @@ class NCCLLink(ChunkedLink):
         return buf, tensor_device_bytes(buf)
 
     def send_hello(self, hello: bytes) -> None:
-        """This worker's wants to rank 0, enqueued on stream 0 (waited on by its next
-        synchronize: rank 0 reads them only after the init POST returned)."""
+        """This worker's wants to rank 0, enqueued on stream 0 and not waited on here (rank 0
+        takes them after its warm-up, while this worker's init may still be running; the
+        next synchronize of stream 0 releases the buffers)."""
         stream = self._stream_ptr(0)
 
         def device(data: bytes) -> DeviceBytes:
