@@ -183,9 +183,8 @@ class NCCLSlicedSender(RoundSender):
         for pieces in prepared:
             for piece in pieces:
                 mine[piece.worker].append(piece)
-        layouts = [
-            chunk_layout([_nbytes(p, out.metas) for p in ps], self._buffer_bytes) for ps in mine
-        ]
+        sizes = [[_nbytes(p, out.metas) for p in ps] for ps in mine]
+        layouts = [chunk_layout(ns, self._buffer_bytes) for ns in sizes]
         first = next((ps[0] for ps in mine if ps), None)
         early = None if first is None else first.read()  # a failing source: before begin
         if out.begin is not None:
@@ -216,6 +215,11 @@ class NCCLSlicedSender(RoundSender):
                         data = piece.read()
                     # ordered on this stream after whatever produced the piece
                     region = self._region(data, stream)
+                    if region.nbytes != sizes[w][i]:  # the worker would read misplaced bytes
+                        raise TransferError(
+                            f"a piece of tensor #{piece.tensor}, box {piece.box.describe()}, "
+                            f"was read as {region.nbytes} bytes; its table says {sizes[w][i]}"
+                        )
                     comm.copy(base + offsets[i], region, stream)
                     keep.append(region.owner)
                     sent[0] += region.nbytes
@@ -225,7 +229,7 @@ class NCCLSlicedSender(RoundSender):
                     comm.send(view, peer=w + 1, stream=stream)
             sent[1] += len(sends)
             self._hold(stream, keep)
-        for stream in [self._head_stream(), *self._streams]:
+        for stream in self._streams:  # the tables' (head) stream and every wave's
             comm.synchronize(stream, timeout=self._timeout)
         return Sent(sent[0], sent[1])
 
