@@ -408,9 +408,10 @@ class Backend(ABC):
         when its receiver cannot take them. Only backends with ``caps.delta`` implement it."""
         raise NotImplementedError(f"backend {self.name!r} sends no delta rounds (patches)")
 
-    def hellos(self, link: Any) -> list[bytes]:
+    def hellos(self, link: Any, *, timeout: float | None = None) -> list[bytes]:
         """``caps.sliced``: each worker's hello (the JSON of its wants; empty: a worker that
-        told none), in worker order, as the join received them."""
+        told none), in worker order, as the join received them (called right after rank 0's
+        warm-up; a backend that still has to receive them waits at most ``timeout`` s)."""
         raise NotImplementedError(f"backend {self.name!r} sends no sliced rounds")
 
     def sliced_sender(

@@ -247,7 +247,7 @@ def open_wire(
         link.warmup(timeout=t.warmup_s)
         # Read while the init POST is still in flight: a worker that tells its wants on the
         # data plane (NCCL) may not return from its init before rank 0 took them.
-        hellos = s.backend.hellos(link) if asks_wants else []
+        hellos = s.backend.hellos(link, timeout=t.warmup_s) if asks_wants else []
         await_call(post, t.http_s, "init_weight_transfer_engine")
         s.served = served_model(s.client, s.caps, ask_workers=not s.backend.caps.stock_receiver)
         s.served = s.served or checkpoint

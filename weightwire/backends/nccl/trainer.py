@@ -143,9 +143,10 @@ class WeightwireNCCLBackend(NCCLBackend):
     # is its src.
     caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, several="group", sliced=True)
 
-    def hellos(self, link: Any) -> list[bytes]:
+    def hellos(self, link: Any, *, timeout: float | None = None) -> list[bytes]:
         """Each worker's hello, sent on the communicator right after its warm-up."""
-        return recv_hellos(link, timeout=Timeouts.from_env().warmup_s)
+        wait = Timeouts.from_env().warmup_s if timeout is None else timeout
+        return recv_hellos(link, timeout=wait)
 
     def sliced_sender(
         self, link: Any, settings: SenderSettings, parts: SenderParts | None = None
