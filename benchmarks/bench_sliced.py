@@ -1,7 +1,9 @@
-"""Sliced rounds against the broadcast, TP workers on CPU over ``weightwire_tcp``, one run.
+"""Sliced rounds against the broadcast, TP workers on CPU over ``weightwire_tcp`` (or on GPUs
+over ``weightwire_nccl``), one run.
 
     python benchmarks/bench_sliced.py [--tp 2] [--mb 64] [--rounds 5] [--engine torch|jax]
                                       [--delta]
+                                      [--backend tcp|nccl]
 
 A synthetic decoder-shaped model of about ``--mb`` MB (float32): per layer a fused-like
 ``[4H, H]`` matrix split by rows over the TP ranks, a ``[H, 4H]`` one split by columns and a
@@ -47,6 +49,12 @@ round's bytes, the median of 5 delta rounds):
 ``--delta --engine jax`` on the forced 8-device host mesh ran at ``--mb 8`` (each worker half
 the patches) but at 64 MB stalled in XLA's CPU all-gather inside the delta extraction over
 the sharded arrays on this loaded 2-core box (the extraction's, not the sliced send's).
+``--backend nccl`` needs ``--tp + 1`` GPUs and CuPy: the trainer sends from GPU 0 (torch
+tensors there, or a JAX array on the first GPU), each TP worker receives on its own GPU
+(GPU 1 ..), all in this process; the sliced rounds go by grouped ``ncclSend`` / ``ncclRecv``,
+the broadcast by ``ncclBroadcast``. On 2 GPUs, ``--hosted 1`` runs TP rank 0 alone (a TP 2
+worker: half the bytes). Not yet run (needs a machine with 2+ GPUs):
+``python benchmarks/bench_sliced.py --backend nccl --mb 1024 --hosted 1 [--engine jax]``.
 """
 
 from __future__ import annotations
@@ -60,7 +68,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-if "--engine" in sys.argv and sys.argv[sys.argv.index("--engine") + 1] == "jax":
+# the CPU mesh; over NCCL the trainer's arrays sit on a GPU
+if (
+    "--engine" in sys.argv
+    and sys.argv[sys.argv.index("--engine") + 1] == "jax"
+    and "nccl" not in sys.argv
+):
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -69,7 +82,7 @@ import torch
 
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.sources import DictSource
-from weightwire.torch_side.worker.engines import WeightwireTCPEngine
+from weightwire.torch_side.worker.engines import WeightwireNCCLEngine, WeightwireTCPEngine
 from weightwire.torch_side.worker.spec import ModelSpec, TensorSpec
 from weightwire.trainer import TrainerInitInfo
 
@@ -118,16 +131,24 @@ class RankModel(torch.nn.Module):
 class Workers:
     """The weight-sync calls, fanned out to ``tp`` in-process TCP workers."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], tp: int) -> None:
+    def __init__(
+        self, shapes: dict[str, tuple[int, ...]], tp: int, backend: str, hosted: int
+    ) -> None:
         spec = ModelSpec({n: TensorSpec(s, "float32") for n, s in shapes.items()})
+        nccl = backend == "nccl"
+        engine = WeightwireNCCLEngine if nccl else WeightwireTCPEngine
+        devices = [f"cuda:{r + 1}" if nccl else "cpu" for r in range(hosted)]
         self.engines = [
-            WeightwireTCPEngine(
-                model=RankModel(shapes, r, tp), device="cpu", worker_rank=r, spec=lambda: spec
+            engine(
+                model=RankModel(shapes, r, tp).to(devices[r]),
+                device=devices[r],
+                worker_rank=r,
+                spec=lambda: spec,
             )
-            for r in range(tp)
+            for r in range(hosted)
         ]
-        self.received = [0] * tp
-        self._pool = cf.ThreadPoolExecutor(max_workers=tp)
+        self.received = [0] * hosted
+        self._pool = cf.ThreadPoolExecutor(max_workers=hosted)
 
     def _all(self, call: Callable[[int, Any], Any]) -> None:
         for f in [self._pool.submit(call, r, e) for r, e in enumerate(self.engines)]:
@@ -168,17 +189,21 @@ class Workers:
 
 
 def engine_for(
-    kind: str, info: TrainerInitInfo, client: Workers, full: dict[str, Any]
+    kind: str, info: TrainerInitInfo, client: Workers, full: dict[str, Any], backend: str
 ) -> tuple[Any, Callable[[dict[str, Any]], None]]:
     """The trainer engine, and how to put new weights into its source."""
+    nccl = backend == "nccl"
     if kind == "torch":
         from weightwire.torch_side.sender.engine import TorchTrainerEngine
         from weightwire.torch_side.sender.source import describe_tensor
 
-        tensors = {n: torch.from_numpy(a) for n, a in full.items()}
+        where = "cuda:0" if nccl else "cpu"
+        tensors = {n: torch.from_numpy(a).to(where) for n, a in full.items()}
         source = DictSource(tensors, describe_tensor)
         engine = TorchTrainerEngine.trainer_init(info, client=client, source=source)
-        return engine, lambda new: tensors.update({n: torch.from_numpy(a) for n, a in new.items()})
+        return engine, lambda new: tensors.update(
+            {n: torch.from_numpy(a).to(where) for n, a in new.items()}
+        )
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -186,6 +211,15 @@ def engine_for(
     from weightwire.jax_side.dtypes import describe
     from weightwire.jax_side.engine import JAXTrainerEngine
 
+    if nccl:  # whole arrays on the trainer's GPU (the pieces are cut there)
+        gpu = jax.devices("gpu")[0]
+        on_gpu = {n: jax.device_put(a, gpu) for n, a in full.items()}
+        engine = JAXTrainerEngine.trainer_init(
+            info, client=client, source=DictSource(on_gpu, describe)
+        )
+        return engine, lambda new: on_gpu.update(
+            {n: jax.device_put(a, gpu) for n, a in new.items()}
+        )
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tp"))
 
     def put(new: dict[str, Any]) -> None:
@@ -216,15 +250,17 @@ def changed(full: dict[str, np.ndarray], rate: float, seed: int) -> dict[str, np
 
 
 def run(mode: str, args: argparse.Namespace, full: dict[str, Any]) -> dict[str, Any]:
-    client = Workers({n: a.shape for n, a in full.items()}, args.tp)
+    hosted = args.hosted or args.tp
+    client = Workers({n: a.shape for n, a in full.items()}, args.tp, args.backend, hosted)
     info = TrainerInitInfo(
-        backend="weightwire_tcp",
+        backend=f"weightwire_{args.backend}",
+        device=0 if args.backend == "nccl" else None,
         sliced=mode,
         pause_mode=None,
         delta="auto" if args.delta else "off",
         timeouts=Timeouts(http_s=600, connect_s=60, warmup_s=60, transfer_s=600),
     )
-    engine, put = engine_for(args.engine, info, client, full)
+    engine, put = engine_for(args.engine, info, client, full, args.backend)
     try:
         times, sent = [], 0
         weights = full
@@ -255,12 +291,22 @@ def main() -> None:
     parser.add_argument("--engine", choices=("torch", "jax"), default="torch")
     parser.add_argument("--delta", action="store_true", help="delta rounds (delta='auto')")
     parser.add_argument("--rate", type=float, default=0.02, help="--delta: elements changed")
+    parser.add_argument("--backend", choices=("tcp", "nccl"), default="tcp")
+    parser.add_argument(
+        "--hosted",
+        type=int,
+        default=0,
+        help="TP ranks that take part (the first ones; default all): 1 on a 2-GPU machine",
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes(args.mb).items()}
     dense = sum(a.nbytes for a in full.values())
     what = f"delta rounds at {args.rate:.0%} changed" if args.delta else "rounds"
-    print(f"model {dense / 1e6:.1f} MB, TP {args.tp}, {args.engine} engine, {args.rounds} {what}")
+    print(
+        f"model {dense / 1e6:.1f} MB, TP {args.tp}, {args.engine} engine, "
+        f"weightwire_{args.backend}, {args.rounds} {what}"
+    )
     print(f"{'mode':15} {'round s':>8} {'per worker MB':>20} {'on the wire MB':>15}")
     for mode in ("auto", "off"):
         row = run(mode, args, full)

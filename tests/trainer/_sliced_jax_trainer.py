@@ -3,12 +3,14 @@
 in-process TCP workers hosting ``SlicedTP`` ranks. XLA_FLAGS must precede the jax import,
 hence a process of its own.
 
-``python _sliced_jax_trainer.py WORLD HEADS KV_HEADS TIED SOURCE`` (SOURCE ``dict``: a dict of
-the sharded arrays; ``pytree``: a ``PytreeSource`` over them, ``o_proj`` kept transposed in
-the tree as a Flax kernel and transposed back by a jitted rule, on its shards) prints one
-JSON line: each round's trainer bytes, each worker's received bytes, the dense bytes, how
-many host copies the trainer made (each exactly one piece: checked) and any read of a whole
-sharded array.
+``python _sliced_jax_trainer.py WORLD HEADS KV_HEADS TIED SOURCE [BACKEND]`` (SOURCE ``dict``:
+a dict of the sharded arrays; ``pytree``: a ``PytreeSource`` over them, ``o_proj`` kept
+transposed in the tree as a Flax kernel and transposed back by a jitted rule, on its shards;
+BACKEND ``tcp`` (default) or ``nccl``: the in-process NCCL world of
+``tests.backends.fake_nccl_p2p``, the pieces cut on their shards' devices) prints one JSON
+line: each round's trainer bytes, each worker's received bytes, the dense bytes, how many
+host copies the trainer made (each exactly one piece: checked; over NCCL none) and any read
+of a whole sharded array.
 During the rounds every gather entry point (``jax_side.placement``: ``Target.move``,
 ``_replicate_on``; the engine's whole-tensor ``host_bytes``) raises: nothing may assemble a
 whole sharded array. Any mismatch of a worker's parameters against ``load_weights`` of the
@@ -49,15 +51,29 @@ from weightwire.trainer import TrainerInitInfo
 def main() -> None:
     world, heads, kv, tied = (int(a) for a in sys.argv[1:5])
     kind = sys.argv[5]
+    backend = sys.argv[6] if len(sys.argv) > 6 else "tcp"
     config = (world, heads, kv, False, bool(tied))
+    if backend == "nccl":
+        import pytest
+
+        from tests.backends.fake_nccl_p2p import in_process_nccl
+        from weightwire.torch_side.worker.engines import WeightwireNCCLEngine
+
+        with in_process_nccl(pytest.MonkeyPatch(), world + 1):
+            run(config, kind, backend, TPClient(config, engine=WeightwireNCCLEngine))
+    else:
+        run(config, kind, backend, TPClient(config))
+
+
+def run(config: Any, kind: str, backend: str, client: TPClient) -> None:
+    world = config[0]
     shapes = shapes_of(config)
     devices = jax.devices()
     assert len(devices) == 8, devices
     mesh = Mesh(np.array(devices).reshape(4, 2), ("fsdp", "tp"))
-    client = TPClient(config)
     arrays: dict[str, Any] = {}
     info = TrainerInitInfo(
-        backend="weightwire_tcp",
+        backend=f"weightwire_{backend}",
         pause_mode=None,
         packed_buffer_size_bytes=1 << 10,
         timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
@@ -92,7 +108,7 @@ def main() -> None:
         return device_get(x)
 
     whole: list[str] = []  # a read of a whole sharded array (must stay empty)
-    read_box = engine.read_box
+    read_box, cut_box = engine.read_box, engine.cut_box
 
     def watched(tensor: Any, box: Any) -> Any:
         if box.shape == tuple(tensor.shape) and not tensor.is_fully_replicated:
@@ -102,7 +118,15 @@ def main() -> None:
         assert [list(box.shape)] == host_copies[copies:], "one host copy: the piece's"
         return out
 
+    def cut(tensor: Any, box: Any) -> Any:  # NCCL: the piece stays on its shard's device
+        if box.shape == tuple(tensor.shape) and not tensor.is_fully_replicated:
+            whole.append(str(tensor.shape))
+        out = cut_box(tensor, box)
+        assert tuple(out.shape) == box.shape and len(out.devices()) == 1
+        return out
+
     engine.read_box = watched  # type: ignore[method-assign]
+    engine.cut_box = cut  # type: ignore[method-assign]
     rounds = []
     try:
         for step in (1, 2, 3):

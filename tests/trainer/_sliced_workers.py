@@ -72,18 +72,25 @@ class TPClient:
         *,
         spec: bool = True,
         model: Callable[[Config, int], torch.nn.Module] = make,
+        engine: type[Any] = WeightwireTCPEngine,
+        ranks: list[int] | None = None,
+        devices: list[str] | None = None,
     ) -> None:
+        """``ranks``: the TP ranks hosted (default all), the group's workers in that order;
+        ``devices``: each one's device (default CPU)."""
         self.config = config
-        world = config[0]
-        self.models = [model(config, r) for r in range(world)]
+        self.ranks = list(range(config[0])) if ranks is None else ranks
+        world = len(self.ranks)
+        devices = devices or ["cpu"] * world
+        self.models = [model(config, r).to(d) for r, d in zip(self.ranks, devices, strict=True)]
         self.engines = [
-            WeightwireTCPEngine(
+            engine(
                 model=m,
-                device="cpu",
-                worker_rank=r,
+                device=d,
+                worker_rank=i,
                 spec=(lambda: spec_of(config)) if spec else None,
             )
-            for r, m in enumerate(self.models)
+            for i, (m, d) in enumerate(zip(self.models, devices, strict=True))
         ]
         self.received: list[int] = [0] * world
         self.updates = 0
@@ -163,5 +170,6 @@ class TPClient:
             e.shutdown()
         self._pool.shutdown(wait=False)
 
-    def params(self, rank: int) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.models[rank].named_parameters()}
+    def params(self, index: int) -> dict[str, torch.Tensor]:
+        """The parameters of the ``index``-th hosted worker, on the CPU."""
+        return {n: p.detach().cpu().clone() for n, p in self.models[index].named_parameters()}

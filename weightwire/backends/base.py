@@ -232,6 +232,10 @@ class RoundSender(ABC):
     the commit the workers' weights are not whole): the trainer refuses generation
     around every round, as around a round over the stage budget."""
 
+    device_pieces: ClassVar[bool] = False
+    """A sliced round's pieces are read as device arrays cut on the shard's device
+    (``FrameworkHooks.cut_box``), not host bytes: the sender packs them on its device."""
+
     control_first: bool = False
     """Set by the trainer for a round whose pause goes out beside its start (both in flight
     at once): an ``in_place`` sender that may write before ``begin`` returned (a worker's
@@ -404,14 +408,18 @@ class Backend(ABC):
         when its receiver cannot take them. Only backends with ``caps.delta`` implement it."""
         raise NotImplementedError(f"backend {self.name!r} sends no delta rounds (patches)")
 
-    def hellos(self, link: Any) -> list[bytes]:
+    def hellos(self, link: Any, *, timeout: float | None = None) -> list[bytes]:
         """``caps.sliced``: each worker's hello (the JSON of its wants; empty: a worker that
-        told none), in worker order, as the join received them."""
+        told none), in worker order, as the join received them (called right after rank 0's
+        warm-up; a backend that still has to receive them waits at most ``timeout`` s)."""
         raise NotImplementedError(f"backend {self.name!r} sends no sliced rounds")
 
-    def sliced_sender(self, link: Any, settings: SenderSettings) -> RoundSender:
+    def sliced_sender(
+        self, link: Any, settings: SenderSettings, parts: SenderParts | None = None
+    ) -> RoundSender:
         """``caps.sliced``: the data path of a sliced round over ``link``: its ``send`` takes,
-        per tensor, the list of that tensor's ``SlicePiece`` s."""
+        per tensor, the list of that tensor's ``SlicePiece`` s (``parts``: what the framework
+        lends an on-device backend, its packer)."""
         raise NotImplementedError(f"backend {self.name!r} sends no sliced rounds")
 
     def open_star(

@@ -105,6 +105,15 @@ class JAXTrainerEngine(TrainerEngine):
             array = array.astype(array.dtype.newbyteorder("<"))
         return np.ascontiguousarray(array)
 
+    def cut_box(self, tensor: Any, box: Box) -> Any:
+        """The box as an array on the device of the addressable shard holding it
+        (``jax_side.holdings.cut_box``): nothing leaves the device, nothing is gathered."""
+        if not isinstance(tensor, jax.Array):
+            return super().cut_box(tensor, box)
+        from weightwire.jax_side.holdings import cut_box
+
+        return cut_box(tensor, box, rank=self.process_rank())
+
     def prefetch_host(self, tensors: list[Any]) -> None:
         # Start every device-to-host copy of the chunk before the first one is awaited.
         for tensor in tensors:

@@ -63,15 +63,22 @@ def read_box(
     """``box`` of ``array`` as a host array, taken from the first addressable shard that
     holds all of it (one of ``rank``'s devices when given). Only the box's elements
     leave the device."""
+    return np.asarray(jax.device_get(cut_box(array, box, rank=rank, rank_of=rank_of)))
+
+
+def cut_box(
+    array: jax.Array, box: Box, *, rank: int | None = None, rank_of: RankOf = process_rank
+) -> jax.Array:
+    """``box`` of ``array`` as an array on the device of the first addressable shard that
+    holds all of it (one of ``rank``'s devices when given), cut there."""
     shape = tuple(array.shape)
     for shard in array.addressable_shards:
         if rank is not None and rank_of(shard.device) != rank:
             continue
         held = index_box(shard.index, shape)
         if held.contains(box):
-            # cut on the shard's device (a whole shard: no slicing op to dispatch)
-            piece = shard.data if held == box else shard.data[box.relative_to(held).slices()]
-            return np.asarray(jax.device_get(piece))
+            # a whole shard: no slicing op to dispatch
+            return shard.data if held == box else shard.data[box.relative_to(held).slices()]
     where = f"rank {rank}'s" if rank is not None else "this process's"
     raise SlicePlanError(
         f"no shard on {where} devices holds box {box.describe()} of an array of shape "
@@ -79,4 +86,4 @@ def read_box(
     )
 
 
-__all__ = ["array_holdings", "holdings_of", "index_box", "process_rank", "read_box"]
+__all__ = ["array_holdings", "cut_box", "holdings_of", "index_box", "process_rank", "read_box"]

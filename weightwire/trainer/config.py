@@ -114,10 +114,10 @@ class TrainerInitInfo:
     - ``delta_anchor_every``: with ``delta``, every N-th round is dense (``0``: only the
       first, a forced one and the one after a failure).
     - ``sliced``: ``"auto"`` (default) or ``"off"``. With ``auto``, a backend that offers it
-      (``weightwire_tcp``) asks each worker at init which part of every tensor it serves
-      (its wants, from its landing map); when some worker wants less than a whole tensor
-      (tensor parallelism), every dense round sends each worker only its slices, read from
-      the shards the trainer holds (``docs/sliced.md``); when every worker wants every
+      (``weightwire_tcp``, ``weightwire_nccl``) asks each worker at init which part of every
+      tensor it serves (its wants, from its landing map); when some worker wants less than a
+      whole tensor (tensor parallelism), every dense round sends each worker only its slices,
+      read from the shards the trainer holds (``docs/sliced.md``); when every worker wants every
       tensor whole the rounds are broadcasts as before. ``off``: always broadcast.
     - ``timeouts``: every wait's bound (default: ``Timeouts.from_env()``, so
       ``WEIGHTWIRE_TIMEOUT_<FIELD>`` variables apply).

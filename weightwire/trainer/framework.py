@@ -145,6 +145,12 @@ class FrameworkHooks(ABC):
         cells = flat.reshape(*shape, wire_dtype(dtype).itemsize)
         return np.ascontiguousarray(cells[box.slices()])
 
+    def cut_box(self, tensor: Any, box: Box) -> Any:
+        """``box`` of ``tensor`` as a device array cut on the device of the shard that holds
+        it (an on-device sliced sender packs it: ``RoundSender.device_pieces``). Default:
+        ``read_box``'s host array (the sender copies it up)."""
+        return self.read_box(tensor, box)
+
     def tensor_sha256(self, tensor: Any) -> str:
         return hashlib.sha256(
             self.host_bytes(tensor).data

@@ -566,6 +566,8 @@ def sliced_delta_refusal(s: Session, slicing: Slicing) -> str | None:
         return "several sending processes"
     if s.verifier is not None:
         return "verify=True compares each round's slices, which a delta round does not send"
+    if slicing.sender.device_pieces:  # patch shares are filtered on the host
+        return "the backend packs sliced pieces on the device; sliced patches go over TCP only"
     unable = [w for w, ok in enumerate(slicing.patch_takers) if not ok]
     if unable:
         return (
@@ -597,6 +599,10 @@ def sliced_round(
     if slicing.several and s.verifier is not None:
         # each process would digest only its own pieces: the broadcast's digests are whole
         slicing.note_once("verify=True with several sending processes:")
+        return False
+    if s.verifier is not None and slicing.sender.device_pieces:
+        # the slices' digests are taken of host bytes; an on-device sender never has them
+        slicing.note_once("verify=True on an on-device backend:")
         return False
     if s.verifier is not None and not s.verifier.vllm_keyed(s.client):
         # digest mode compares whole tensors' sha256: only a broadcast sends them whole
@@ -671,12 +677,14 @@ class SlicedWire:
         s, metas, own = self._s, self._sole.wire.metas, t.own
         assert s.slicing is not None
         hashes: dict[str, Any] | None = None if own is None else {}
+        # an on-device sender packs pieces cut on their shards' devices
+        on_device = s.slicing.sender.device_pieces
         prepared: Iterator[list[SlicePiece]] = pieces(
             self._plan,
             metas,
             self._tensors,
             rank=s.framework.process_rank(),
-            read=s.framework.read_box,
+            read=s.framework.cut_box if on_device else s.framework.read_box,
             buffer_bytes=s.info.packed_buffer_size_bytes,
             hashes=hashes,
         )

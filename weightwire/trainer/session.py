@@ -63,6 +63,7 @@ class Framework(Protocol):
     def slice_holdings(self, tensors: Mapping[str, Any]) -> Holdings: ...
     def read_box(self, tensor: Any, box: Box) -> Any: ...
     def host_bytes(self, tensor: Any) -> Any: ...
+    def cut_box(self, tensor: Any, box: Box) -> Any: ...
     def sliced_source(self, source: WeightSource) -> WeightSource: ...
 
 
@@ -185,6 +186,8 @@ class Session:
                 link.close()
         if sender is not None:
             sender.close()  # after the link: no kernel may still read its buffers
+        if self.slicing is not None:
+            self.slicing.sender.close()  # an on-device sender's chunk buffers, likewise
         self.slicing = None
 
 
@@ -243,16 +246,20 @@ def open_wire(
     )
     try:
         link.warmup(timeout=t.warmup_s)
+        # Read while the init POST is still in flight: a worker that tells its wants on the
+        # data plane (NCCL) may not return from its init before rank 0 took them.
+        hellos = s.backend.hellos(link, timeout=t.warmup_s) if asks_wants else []
         await_call(post, t.http_s, "init_weight_transfer_engine")
         s.served = served_model(s.client, s.caps, ask_workers=not s.backend.caps.stock_receiver)
         s.served = s.served or checkpoint
         if isinstance(s.source, Fp8Source):  # its spec against the served model's FP8 linears
             s.source.fit(s.served)
-        s.sender = s.backend.sender(link, s.info, s.framework.sender_parts(packer))
+        parts = s.framework.sender_parts(packer)
+        s.sender = s.backend.sender(link, s.info, parts)
         if asks_wants:
             s.slicing = Slicing(
-                s.backend.hellos(link),
-                s.backend.sliced_sender(link, s.info),
+                hellos,
+                s.backend.sliced_sender(link, s.info, parts),
                 several=several_slice,
                 partial=s.info.partial,
             )

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+import numpy as np
+
 from weightwire.backends.device import DeviceBytes, event_done, resolve_buffer, stream_pointer
 from weightwire.backends.nccl.join import check_join_args, check_seconds, init_rank
 from weightwire.backends.nccl.library import (
@@ -96,6 +98,11 @@ class NCCLCommunicator:
     @property
     def world_size(self) -> int:
         return self._world_size
+
+    @property
+    def cupy(self) -> Any:
+        """The CuPy module this communicator drives (the data path's buffers use it too)."""
+        return self._cp
 
     @property
     def cupy_communicator(self) -> Any:
@@ -241,6 +248,94 @@ class NCCLCommunicator:
             # The exporter's memory must outlive the enqueued kernel even if the caller
             # drops its reference; released when this stream is next synchronized.
             self._inflight.setdefault(cs.ptr, []).append(view.owner)
+
+    # -- point to point (sliced rounds) ---------------------------------------------------
+
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        """``ncclGroupStart`` / ``ncclGroupEnd`` around the sends and receives made inside:
+        NCCL runs them together (one worker's chunk does not wait for another's)."""
+        nccl = self._cp.cuda.nccl
+        self._live()
+        with self._on_device():
+            nccl.groupStart()
+            try:
+                yield
+            finally:
+                try:
+                    nccl.groupEnd()  # where NCCL reports a grouped call's failure
+                except Exception as exc:
+                    raise self._fail(
+                        TransferError(f"NCCL group of calls failed on {self._where()}: {exc}")
+                    ) from exc
+
+    def send(self, buffer: Any, *, peer: int, stream: Any) -> None:
+        """Enqueue ``ncclSend`` of ``buffer``'s bytes to ``peer`` on ``stream`` (never waits;
+        ``synchronize(stream, timeout=...)`` before reusing the buffer)."""
+        self._p2p("send", buffer, peer, stream)
+
+    def recv(self, buffer: Any, *, peer: int, stream: Any) -> None:
+        """Enqueue ``ncclRecv`` of ``buffer``'s size in bytes from ``peer`` on ``stream``;
+        the bytes are there once ``synchronize(stream, timeout=...)`` returned."""
+        self._p2p("recv", buffer, peer, stream)
+
+    def _p2p(self, op: str, buffer: Any, peer: int, stream: Any) -> None:
+        comm = self._live()
+        if type(peer) is not int or not 0 <= peer < self._world_size or peer == self._rank:
+            raise ValueError(
+                f"peer must be another rank in [0, {self._world_size}), got {peer!r} "
+                f"on {self._where()}"
+            )
+        if stream is None:
+            raise ValueError(f"{op} enqueues on a stream: pass one, then synchronize it")
+        cs = self._cupy_stream(stream)
+        with self._on_device():
+            view = resolve_buffer(buffer, self._cp, cs, sync_fallback=False)
+        self._check_view(view)
+        if view.nbytes == 0:
+            return
+        try:
+            call = comm.send if op == "send" else comm.recv
+            call(view.ptr, view.nbytes, NCCL_UINT8, peer, cs.ptr)
+        except Exception as exc:
+            raise self._fail(
+                TransferError(
+                    f"NCCL {op} of {view.nbytes} bytes with rank {peer} failed on "
+                    f"{self._where()}: {exc}"
+                )
+            ) from exc
+        self._inflight.setdefault(cs.ptr, []).append(view.owner)
+
+    def keep(self, stream: Any, owners: list[Any]) -> None:
+        """Keep ``owners`` (memory that work enqueued on ``stream`` reads) alive until that
+        stream is next synchronized."""
+        self._inflight.setdefault(self._cupy_stream(stream).ptr, []).extend(owners)
+
+    def new_stream(self) -> Any:
+        """A fresh non-blocking CuPy stream on this communicator's device."""
+        with self._on_device():
+            return self._cp.cuda.Stream(non_blocking=True)
+
+    def buffer(self, nbytes: int) -> Any:
+        """An uninitialised ``uint8`` CuPy array of ``nbytes`` on this device."""
+        with self._on_device():
+            return self._cp.empty(nbytes, dtype=self._cp.uint8)
+
+    def upload(self, data: bytes | np.ndarray, stream: Any) -> Any:
+        """``data`` copied to this device on ``stream`` (a send on it reads it after)."""
+        cs = self._cupy_stream(stream)
+        with self._on_device(), cs:
+            return self._cp.asarray(np.frombuffer(data, dtype=np.uint8))
+
+    def copy(self, dst_ptr: int, src: DeviceBytes, stream: Any) -> None:
+        """Enqueue a device-to-device copy of ``src`` to ``dst_ptr`` on ``stream``."""
+        if src.nbytes == 0:
+            return
+        self._check_view(src)
+        cs = self._cupy_stream(stream)
+        runtime = self._cp.cuda.runtime
+        with self._on_device():
+            runtime.memcpyAsync(dst_ptr, src.ptr, src.nbytes, runtime.memcpyDeviceToDevice, cs.ptr)
 
     def _check_view(self, view: DeviceBytes) -> None:
         if view.device is not None and view.device != self.device:

@@ -90,6 +90,10 @@ class WeightwireNCCLInitInfo(NCCLInitInfo):
     stage_budget_bytes: int = DEFAULT_STAGE_BUDGET_BYTES
     delta_rounds: bool | None = None
     """The trainer may send delta rounds (``TrainerInitInfo.delta``); left out when unset."""
+    sliced: bool | None = None
+    """The trainer may send sliced rounds (``TrainerInitInfo.sliced``): each worker sends its
+    wants on the communicator right after the warm-up (``backends.nccl.slices``). Left out
+    when unset (a worker that predates it never sees it)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

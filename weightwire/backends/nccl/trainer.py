@@ -27,6 +27,7 @@ from weightwire.backends.device import SlotBuffers
 from weightwire.backends.nccl import comm as nccl
 from weightwire.backends.nccl.info import NCCL_UNIQUE_ID_BYTES, NCCLInitInfo, WeightwireNCCLInitInfo
 from weightwire.backends.nccl.library import mint_unique_id, nccl_available
+from weightwire.backends.nccl.slices import NCCLSlicedSender, recv_hellos
 from weightwire.backends.nccl.sparse import sparse_nccl_round
 from weightwire.backends.nccl.spec import NCCL, SPARSE_NCCL, WEIGHTWIRE_NCCL
 from weightwire.backends.nccl.stock import plan_for_stock
@@ -37,6 +38,7 @@ from weightwire.shared.info import decode_secret, encode_secret
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.patches import SparsePatch
 from weightwire.shared.source import Describe
+from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.version import ServerFeatures
 
 
@@ -57,13 +59,11 @@ class NCCLBackend(Backend):
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
         """Slot buffers broadcast on rotating streams (``link`` is an ``NCCLCommunicator``)."""
         assert parts.packer is not None, "an on-device backend is lent a packer"
-        import cupy  # GPU hosts only
-
         count = settings.packed_num_buffers
         return DevicePipeline(
             link,
             parts.packer,
-            SlotBuffers(cupy, parts.packer.ordinal),
+            SlotBuffers(link.cupy, parts.packer.ordinal),
             packed=settings.packed,
             num_buffers=count,
             timeout=settings.timeouts.transfer_s,
@@ -135,12 +135,30 @@ class UnpackedSettings:
 
 
 class WeightwireNCCLBackend(NCCLBackend):
-    """``weightwire_nccl``: vLLM's NCCL fields plus the worker-side receive timeout."""
+    """``weightwire_nccl``: vLLM's NCCL fields plus the worker-side receive timeout; sliced
+    rounds point to point on the same communicator (``backends.nccl.slices``)."""
 
     name: ClassVar[str] = WEIGHTWIRE_NCCL.name
     # The plugin's receiver takes any offset, dtype and shape; one communicator, each turn's root
     # is its src.
-    caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, several="group")
+    caps: ClassVar[SenderCaps] = SenderCaps(on_device=True, several="group", sliced=True)
+
+    def hellos(self, link: Any, *, timeout: float | None = None) -> list[bytes]:
+        """Each worker's hello, sent on the communicator right after its warm-up."""
+        wait = Timeouts.from_env().warmup_s if timeout is None else timeout
+        return recv_hellos(link, timeout=wait)
+
+    def sliced_sender(
+        self, link: Any, settings: SenderSettings, parts: SenderParts | None = None
+    ) -> RoundSender:
+        assert parts is not None and parts.packer is not None, "an on-device backend is lent one"
+        return NCCLSlicedSender(
+            link,
+            parts.packer,
+            buffer_bytes=settings.packed_buffer_size_bytes,
+            depth=settings.packed_num_buffers,
+            timeout=settings.timeouts.transfer_s,
+        )
 
     # Not a stock receiver: any wire order goes, as for every backend by default.
     plan_round = Backend.plan_round

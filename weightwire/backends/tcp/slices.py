@@ -7,9 +7,8 @@ as ``WWSL`` frames on that worker's connection (``wire``). One frame's payload::
     piece 0 | pad | piece 1 | pad | ...
 
 ``tensor`` indexes the update's tensors (``UpdateInfo.names``); the pieces' bytes follow the
-headers, each a C-order box of the tensor in its wire dtype, each starting at a multiple of
-``ALIGN`` bytes of the frame (zero padding), so the receiver views them in their dtype
-without a copy. ``last`` marks the update's final frame (a worker given nothing gets one
+headers (``shared.slice_wire``: the piece headers and the pieces' alignment both
+transports share). ``last`` marks the update's final frame (a worker given nothing gets one
 empty last frame). A frame is sent once its pieces reach ``buffer_bytes``; the trainer cuts a
 piece larger than that along its first dimension first (``shared.slices.split_box``), so a
 frame stays near the buffer's size whatever a tensor's.
@@ -23,44 +22,19 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 from weightwire.backends.base import Outgoing, RoundAborted, RoundSender, Sent, SlicePiece
 from weightwire.backends.tcp.comm import TCPCommunicator
-from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import TransferError
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.slices import Box
+from weightwire.shared.slice_wire import PAD, Piece, aligned, piece_header, place, read_heads
 
 FRAME_HEAD = struct.Struct("!IB")
-PIECE_HEAD = struct.Struct("!IB")
-RANGE = struct.Struct("!QQ")
-ALIGN = 8
-"""Each piece starts at a multiple of this many bytes (the largest wire itemsize)."""
-_PAD = bytes(ALIGN)
-
-
-def aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def piece_header(tensor: int, box: Box) -> bytes:
-    return PIECE_HEAD.pack(tensor, box.ndim) + b"".join(RANGE.pack(lo, hi) for lo, hi in box.ranges)
 
 
 def frame_header(count: int, last: bool) -> bytes:
     return FRAME_HEAD.pack(count, 1 if last else 0)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One received piece: ``box`` of ``metas[tensor]``, its bytes at ``offset`` of the frame."""
-
-    tensor: int
-    box: Box
-    offset: int
-    nbytes: int
 
 
 def parse_frame(
@@ -68,37 +42,13 @@ def parse_frame(
 ) -> tuple[list[Piece], bool]:
     """A frame's pieces (checked against ``metas``) and whether it is the update's last."""
     view = memoryview(payload)
+    what = f"{where}: a sliced frame"
     try:
         count, last = FRAME_HEAD.unpack_from(view, 0)
-        at = FRAME_HEAD.size
-        heads: list[tuple[int, Box]] = []
-        for _ in range(count):
-            tensor, ndim = PIECE_HEAD.unpack_from(view, at)
-            at += PIECE_HEAD.size
-            ranges = []
-            for _ in range(ndim):
-                ranges.append(RANGE.unpack_from(view, at))
-                at += RANGE.size
-            heads.append((tensor, Box(tuple(ranges))))
     except struct.error:
-        raise TransferError(
-            f"{where}: a sliced frame of {len(view)} bytes ends inside its piece headers"
-        ) from None
-    pieces, offset = [], aligned(at)
-    for tensor, box in heads:
-        if not 0 <= tensor < len(metas):
-            raise TransferError(
-                f"{where}: a piece names tensor #{tensor}; the update lists {len(metas)}"
-            )
-        meta = metas[tensor]
-        if box.empty or not box.within(meta.shape):
-            raise TransferError(
-                f"{where}: a piece of {meta.name!r} is box {box.describe()}, empty or outside "
-                f"its shape {list(meta.shape)}"
-            )
-        nbytes = box.volume * wire_dtype(meta.dtype).itemsize
-        pieces.append(Piece(tensor, box, offset, nbytes))
-        offset = aligned(offset + nbytes)
+        raise TransferError(f"{what} of {len(view)} bytes ends inside its piece headers") from None
+    heads, at = read_heads(view, FRAME_HEAD.size, count, what)
+    pieces, offset = place(heads, metas, at, where)
     if offset != len(view):
         raise TransferError(
             f"{where}: a sliced frame's pieces take {offset} bytes, the frame has {len(view)}"
@@ -133,9 +83,9 @@ class TCPSlicedSender(RoundSender):
                 raise RoundAborted("the sliced round was stopped (its update POST failed)")
             frame = frames[worker]
             head = b"".join([frame_header(len(frame.heads), last), *frame.heads])
-            parts: list[Any] = [head, _PAD[: aligned(len(head)) - len(head)]]
+            parts: list[Any] = [head, PAD[: aligned(len(head)) - len(head)]]
             for data in frame.data:
-                parts += [data, _PAD[: aligned(data.nbytes) - data.nbytes]]
+                parts += [data, PAD[: aligned(data.nbytes) - data.nbytes]]
             self._comm.send_frame(worker + 1, parts, seq=frame.seq, timeout=self._timeout)
             sent[0] += frame.nbytes
             sent[1] += 1

@@ -61,11 +61,13 @@ class TCPBackend(Backend):
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
         return host_sender(link, settings, parts)
 
-    def hellos(self, link: Any) -> list[bytes]:
+    def hellos(self, link: Any, *, timeout: float | None = None) -> list[bytes]:
         comm: TCPCommunicator = link
         return [comm.hellos.get(rank, b"") for rank in range(1, comm.world_size)]
 
-    def sliced_sender(self, link: Any, settings: SenderSettings) -> RoundSender:
+    def sliced_sender(
+        self, link: Any, settings: SenderSettings, parts: SenderParts | None = None
+    ) -> RoundSender:
         return TCPSlicedSender(
             link,
             buffer_bytes=settings.packed_buffer_size_bytes,

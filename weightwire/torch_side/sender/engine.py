@@ -105,6 +105,13 @@ class TorchTrainerEngine(TrainerEngine):
         piece = local_piece(tensor, box, rank=self.process_rank())
         return tensor_bytes(piece).cpu().numpy()
 
+    def cut_box(self, tensor: Any, box: Box) -> Any:
+        """The box of this process's tensor (a DTensor's local shard), contiguous on its
+        device: nothing is gathered, nothing goes through the host."""
+        from weightwire.torch_side.sender.holdings import local_piece
+
+        return local_piece(tensor, box, rank=self.process_rank()).contiguous()
+
     def delta_kernel(self) -> DeltaKernel:
         return TorchDeltaKernel()
 
