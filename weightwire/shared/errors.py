@@ -21,6 +21,7 @@ defined outside this module)::
         TransferTimeout (TimeoutError)
         PeerLost (ConnectionError)
         RoundAborted                         [weightwire.backends.base]
+        StoreError                           [weightwire.backends.nccl.m2n_store]
       WeightSyncError (RuntimeError)
         ControlTimeout (TimeoutError)
         ServerNotReady (TimeoutError)        [weightwire.control.ready]

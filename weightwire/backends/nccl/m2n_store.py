@@ -75,16 +75,12 @@ class StoreError(TransferError):
     """The metadata rendezvous failed: a peer sent something the store does not take."""
 
 
-class _Closed(Exception):
-    """Internal: the connection ended (or broke the protocol); drop it."""
-
-
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         part = conn.recv(n - len(buf))
         if not part:
-            raise _Closed
+            raise EOFError
         buf += part
     return bytes(buf)
 
@@ -96,7 +92,7 @@ def _recv_u64(conn: socket.socket) -> int:
 def _recv_bytes(conn: socket.socket) -> bytes:
     n = _recv_u64(conn)
     if n > MAX_VALUE_BYTES:
-        raise _Closed
+        raise EOFError
     return _recv_exact(conn, n)
 
 
@@ -193,7 +189,7 @@ class MetadataStore:
         try:
             while True:
                 self._query(conn, _recv_exact(conn, 1)[0])
-        except (_Closed, OSError):
+        except (EOFError, OSError):  # the connection ended or broke the protocol: drop it
             pass
         finally:
             with self._cond:
@@ -226,11 +222,11 @@ class MetadataStore:
                 except TimeoutError:
                     continue
                 if not peek:
-                    raise _Closed
+                    raise EOFError
                 if peek[0] == CANCEL_WAIT:
                     done.set()
                     return False
-                raise _Closed  # anything but a cancel while waiting breaks the protocol
+                raise EOFError  # anything but a cancel while waiting breaks the protocol
         finally:
             conn.settimeout(None)
             done.set()
@@ -240,7 +236,7 @@ class MetadataStore:
     def _query(self, conn: socket.socket, q: int) -> None:
         if q == VALIDATE:
             if struct.unpack("<I", _recv_exact(conn, 4))[0] != VALIDATION_MAGIC:
-                raise _Closed
+                raise EOFError
         elif q == PING:
             conn.sendall(_recv_exact(conn, 4))
         elif q == SET:
@@ -251,7 +247,7 @@ class MetadataStore:
             with self._cond:
                 found = self._keys.get(key)
             if found is None:  # torch's server fails the query, and so the connection
-                raise _Closed
+                raise EOFError
             conn.sendall(_vector(found))
         elif q == ADD:
             key = _recv_bytes(conn).decode()
@@ -303,14 +299,14 @@ class MetadataStore:
             with self._cond:
                 values = [self._keys.get(k) for k in keys]
             if any(v is None for v in values):
-                raise _Closed
+                raise EOFError
             conn.sendall(b"".join(_vector(v) for v in values if v is not None))
         elif q == MULTI_SET:
             for _ in range(_recv_u64(conn)):
                 key, value = _recv_bytes(conn).decode(), _recv_bytes(conn)
                 self.set(key, value)
         else:  # queues, key listing, barriers: no vLLM 0.33 worker asks for them
-            raise _Closed
+            raise EOFError
 
 
 _PLAIN = frozenset({"dict", "list", "tuple", "str", "bytes", "int", "float", "bool", "NoneType"})
