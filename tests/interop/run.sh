@@ -67,6 +67,30 @@ then
   "$VENV/bin/pip" install --quiet ml_dtypes httpx rich
 fi
 
+# vLLM 0.33's Python files, for the tests that run its weight-transfer code unchanged beside
+# the 0.32 server (its nccl_m2n receiver, its framing, sparse and FP8 code): the wheel's .py
+# files only (~57 MB of its 336 MB), cached. Without them (no network) those cases skip.
+SRC033="${WEIGHTWIRE_VLLM_SRC:-$HOME/.cache/weightwire/vllm-0.33.0-src}"
+if [[ -z "${WEIGHTWIRE_VLLM_SRC:-}" && ! -f "$SRC033/vllm/distributed/weight_transfer/m2n_engine.py" ]]; then
+  log "fetching vLLM 0.33.0's Python files into $SRC033"
+  WHEELS="$(mktemp -d)"
+  if "$VENV/bin/pip" download --quiet --no-deps vllm==0.33.0 -d "$WHEELS" \
+      && "$VENV/bin/python" -c '
+import glob, sys, zipfile
+with zipfile.ZipFile(glob.glob(f"{sys.argv[1]}/vllm-0.33.0-*.whl")[0]) as wheel:
+    wheel.extractall(sys.argv[2], [n for n in wheel.namelist() if n.endswith(".py")])
+' "$WHEELS" "$SRC033.part"; then
+    rm -rf "$SRC033" && mv "$SRC033.part" "$SRC033"
+  else
+    log "could not fetch vLLM 0.33.0: its cases skip"
+    rm -rf "$SRC033.part"
+  fi
+  rm -rf "$WHEELS"
+fi
+if [[ -f "$SRC033/vllm/distributed/weight_transfer/m2n_engine.py" ]]; then
+  export WEIGHTWIRE_VLLM_SRC="$SRC033"
+fi
+
 cd "$REPO"  # tests import tests.interop.* from the checkout root
 log "running tests/interop (the tests start one vLLM per model themselves)"
 WEIGHTWIRE_INTEROP_VENV="$VENV" "$PY" -m pytest "$REPO/tests/interop" -m interop -p no:cacheprovider -q -rA --durations=15 "$@"
