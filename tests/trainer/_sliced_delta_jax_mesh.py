@@ -1,10 +1,14 @@
 """Subprocess body of test_sliced_delta's mesh case: a JAX trainer on 8 forced host devices
 (an FSDP 4 x TP 2 mesh, the shardings of ``_sliced_mesh``) with ``delta="auto"`` sends a
 dense round, then 2 delta rounds at a 2 % change rate, to in-process TCP workers hosting
-``SlicedTP`` ranks (TP 2, one KV head, tied head). XLA_FLAGS must precede the jax import,
-hence a process of its own. Any mismatch of a worker's parameters against ``load_weights``
-of the full tensors fails the process; prints one JSON line: per round whether it carried
-patches, each worker's received bytes, the trainer's bytes.
+``SlicedTP`` ranks (TP 2, one KV head, tied head; tensors whose rows do not split 4 ways keep
+them replicated). XLA_FLAGS must precede the jax import, hence a process of its own. Every
+round runs under ``_no_gather``'s guard: the gather entry points raise, and no step of the
+extraction leaves a whole copy of a sharded array alive; the base stays sharded as the
+arrays are. Any mismatch of a worker's parameters against ``load_weights`` of the full
+tensors fails the process; prints one JSON line: per round whether it carried patches,
+each worker's received bytes, the trainer's bytes, the base's device bytes (this process's
+shards, replicas each) beside the addressable shards' bytes and the dense model's.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding
 
+from tests.jax_side._no_gather import guarded, no_whole_copies
 from tests.trainer._sliced_mesh import spec_for
 from tests.trainer._sliced_workers import TPClient, expected, shapes_of
 from tests.trainer.test_sliced_delta import changed
@@ -53,7 +58,11 @@ def main() -> None:
                     for n, v in full.items()
                 }
             )
-            metrics = engine.send_weights()
+            with no_whole_copies(guarded(arrays.values())):
+                metrics = engine.send_weights()
+            tracker = engine._delta.tracker
+            for name, base in tracker.bases.items():
+                assert base.sharding == arrays[name].sharding, f"round {step}: {name}'s base"
             assert client.last_update.get("sliced") is True
             for rank in range(2):
                 want, got = expected(config, full, rank), client.params(rank)
@@ -65,6 +74,11 @@ def main() -> None:
                     "received": list(client.received),
                     "sent": metrics.nbytes,
                     "broadcast": sum(4 * int(np.prod(s)) for s in client.last_update["shapes"]),
+                    "base": tracker.memory_bytes(),
+                    "shards": sum(
+                        s.data.nbytes for a in arrays.values() for s in a.addressable_shards
+                    ),
+                    "dense": sum(a.nbytes for a in full.values()),
                 }
             )
     finally:

@@ -366,7 +366,10 @@ def test_jax_delta_rounds_from_an_fsdp_tp_mesh() -> None:
     """A JAX trainer whose arrays are sharded over 8 forced host devices (FSDP 4 x TP 2), in
     a subprocess (XLA_FLAGS precede jax's import): a dense round then 2 sliced delta rounds,
     every worker bit-identical to ``load_weights`` of the full tensors (checked there), each
-    delta round's share strictly less than the broadcast patches."""
+    delta round's share strictly less than the broadcast patches. The patches are extracted
+    shard by shard: every round runs with the gather entry points refusing and no whole copy
+    of a sharded array alive at any extraction step (checked there); the base is sharded as
+    the arrays are, its bytes the addressable shards'."""
     import os
     import subprocess
     import sys
@@ -383,6 +386,8 @@ def test_jax_delta_rounds_from_an_fsdp_tp_mesh() -> None:
     for r in rounds[1:]:
         assert sum(r["received"]) == r["sent"]
         assert all(0 < got < r["broadcast"] for got in r["received"])
+    # the base: a copy of the addressable shards (replicas each), never a gathered copy
+    assert all(r["base"] == r["shards"] > r["dense"] for r in rounds)
 
 
 def test_share_patches_keeps_each_workers_elements_in_order() -> None:
