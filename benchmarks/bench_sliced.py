@@ -45,8 +45,8 @@ round's bytes, the median of 5 delta rounds):
   ===============  =======  ==============  ==============
 
 ``--delta --engine jax`` (the forced 8-device host mesh; the patches extracted shard by
-shard, ``jax_side.shard_delta``, never gathered): sliced delta 0.274 s, 1.29 + 1.29 MB, 2.58
-MB on the wire; broadcast delta 0.265 s, 2.58 + 2.58 MB, 5.15 MB.
+shard, ``jax_side.shard_delta``, never gathered): sliced delta 0.158 s, 1.29 + 1.29 MB, 2.58
+MB on the wire; broadcast delta 0.148 s, 2.58 + 2.58 MB, 5.15 MB.
 """
 
 from __future__ import annotations

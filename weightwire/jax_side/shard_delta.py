@@ -108,6 +108,13 @@ def _to_whole(index: jax.Array, origin: jax.Array, local: tuple[int, ...], whole
     return jnp.where(index < size, flat, math.prod(whole)).astype(jnp.int32)
 
 
+@functools.lru_cache(maxsize=4096)
+def _origin(device: Any, origin: tuple[int, ...]) -> jax.Array:
+    """A box's origin on its device, made once (a transfer per part and round costs more
+    than the part's kernels)."""
+    return jax.device_put(np.asarray(origin, np.int32), device)
+
+
 @jax.jit
 def _apply(base: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
     """A replica's base with a part's local patch written (fill slots dropped)."""
@@ -155,11 +162,12 @@ def extract_parts(
             continue
         local, values, written = expand(part.new, part.base, words, size=bucket(count))
         patched[part.device] = written
-        for replica in part.replicas:
-            (device,) = replica.devices()
-            at = jax.device_put((local, values), device)
-            patched[device] = _apply(replica, *at)
-        origin = jax.device_put(np.asarray(part.box.origin, np.int32), part.device)
+        if part.replicas:  # one batched transfer of the local patch to every replica's device
+            devices = [next(iter(r.devices())) for r in part.replicas]
+            moved = jax.device_put([(local, values)] * len(devices), devices)
+            for device, replica, at in zip(devices, part.replicas, moved, strict=True):
+                patched[device] = _apply(replica, *at)
+        origin = _origin(part.device, part.box.origin)
         pieces.append((_to_whole(local, origin, part.box.shape, shape), values, count))
     shards = [patched.get(s.device, s.data) for s in base.addressable_shards]
     rebuilt = jax.make_array_from_single_device_arrays(shape, base.sharding, shards)
@@ -168,8 +176,8 @@ def extract_parts(
         index, values, _ = pieces[0]
         return index, values, total, rebuilt
     home = next(iter(pieces[0][0].devices()))
-    moved = [jax.device_put((i, v), home) for i, v, _ in pieces]
-    index, values = _merge([i for i, _ in moved], [v for _, v in moved])
+    indices, values = jax.device_put(([i for i, _, _ in pieces], [v for _, v, _ in pieces]), home)
+    index, values = _merge(indices, values)
     return index, values, total, rebuilt
 
 
