@@ -3,7 +3,8 @@
 held whole on one device (indices and values, bit for bit; the bases after it too), over
 meshes (FSDP 4 x TP 2, 2 x 4), layouts (both axes, one, replicated, an axis that does not
 divide the dimension left replicated, both axes on one dimension, 3-D) and change patterns
-(none, every element, one element, a random subset, NaN-free random values). Every gather
+(none, every element, one element, a random subset, NaN-free random values); the one-element
+patch of an unchanged round (``first``) from the shard holding element 0. Every gather
 entry point refuses during the extraction, and no live array ever holds a whole copy of a
 sharded one. XLA_FLAGS must precede the jax import, hence a process of its own. Prints one
 JSON line: the cases checked."""
@@ -104,6 +105,10 @@ def main() -> None:
             new = jax.device_put(after, sharding)
             base = kernel.snapshot(jax.device_put(before, sharding))
             with no_whole_copies(guarded):
+                if kind == "none":  # a round where nothing changed still names its base
+                    first = kernel.first(base)
+                    assert np.asarray(first.index).tolist() == [0]
+                    assert np.asarray(first.values).tobytes() == before.reshape(-1)[:1].tobytes()
                 count, index, values, patched = patch_of(kernel, new, base)
             what = f"{mesh_shape} {shape} {spec} {np.dtype(dtype).name} {kind}"
             assert count == whole[0], f"{what}: {count} != {whole[0]} changed"
