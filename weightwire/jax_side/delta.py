@@ -247,8 +247,11 @@ class JaxDeltaKernel(DeltaKernel):
         count = scan.counts[i]
         if isinstance(state, _Mixed):
             if i in state.parts:
+                # Not donated (a shard's buffer is its global array's too), so popped: the
+                # old base's shards are then held only by the tracker until it takes the
+                # patched base (one tensor's changed shards twice, not a whole group's)
                 index, values, total, patched = shard_delta.extract_parts(
-                    state.parts[i], base, self._expand[False], bucket
+                    state.parts.pop(i), base, self._expand[False], bucket
                 )
                 return Extracted(Prefix(index, total), Prefix(values, total), patched)
             arrays, words = state.arrays, state.words
