@@ -1,10 +1,16 @@
 """Subprocess body of test_sliced_delta's mesh case: a JAX trainer on 8 forced host devices
 (an FSDP 4 x TP 2 mesh, the shardings of ``_sliced_mesh``) with ``delta="auto"`` sends a
-dense round, then 2 delta rounds at a 2 % change rate, to in-process TCP workers hosting
-``SlicedTP`` ranks (TP 2, one KV head, tied head). XLA_FLAGS must precede the jax import,
-hence a process of its own. Any mismatch of a worker's parameters against ``load_weights``
-of the full tensors fails the process; prints one JSON line: per round whether it carried
-patches, each worker's received bytes, the trainer's bytes.
+dense round, then 2 delta rounds at a 2 % change rate (the arrays themselves, or with
+``pytree`` a ``PytreeSource`` over them, ``o_proj`` held transposed and transposed back on its
+shards), to in-process TCP workers hosting
+``SlicedTP`` ranks (TP 2, one KV head, tied head; tensors whose rows do not split 4 ways keep
+them replicated). XLA_FLAGS must precede the jax import, hence a process of its own. Every
+round runs under ``_no_gather``'s guard: the gather entry points raise, and no step of the
+extraction leaves a whole copy of a sharded array alive; the base stays sharded as the
+arrays are. Any mismatch of a worker's parameters against ``load_weights`` of the full
+tensors fails the process; prints one JSON line: per round whether it carried patches,
+each worker's received bytes, the trainer's bytes, the base's device bytes (this process's
+shards, replicas each) beside the addressable shards' bytes and the dense model's.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json
+import sys
 from typing import Any
 
 import jax
@@ -22,12 +29,17 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding
 
-from tests.trainer._sliced_mesh import spec_for
+from tests.jax_side._no_gather import guarded, no_whole_copies
+from tests.trainer._sliced_mesh import O_PROJ, spec_for
 from tests.trainer._sliced_workers import TPClient, expected, shapes_of
 from tests.trainer.test_sliced_delta import changed
 from tests.trainer.test_sliced_tcp import info
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.jax_side.naming import Naming
+from weightwire.jax_side.rules import Rule
+from weightwire.jax_side.source import PytreeSource
+from weightwire.jax_side.transforms import Transpose
 from weightwire.testing.sources import DictSource
 
 
@@ -37,23 +49,41 @@ def main() -> None:
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tp"))
     client = TPClient(config)
     arrays: dict[str, Any] = {}
-    source = DictSource(arrays, describe)
-    engine = JAXTrainerEngine.trainer_init(info(delta="auto"), client=client, source=source)
     rng = np.random.default_rng(1)
     full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+
+    def put(full: dict[str, np.ndarray]) -> None:
+        arrays.clear()
+        arrays.update(
+            {
+                n: jax.device_put(v, NamedSharding(mesh, spec_for(n, v.shape)))
+                for n, v in full.items()
+            }
+        )
+
+    put(full)  # a PytreeSource resolves its names at once
+    source: Any = DictSource(arrays, describe)
+    if sys.argv[1:] == ["pytree"]:  # o_proj held as a Flax kernel, transposed back on its shards
+        source = PytreeSource(
+            lambda: {
+                "o_kernel": arrays[O_PROJ].T,
+                **{n: a for n, a in arrays.items() if n != O_PROJ},
+            },
+            Naming([Rule("o_kernel", O_PROJ, Transpose()), Rule("{x}", "{x}")]),
+        )
+    engine = JAXTrainerEngine.trainer_init(info(delta="auto"), client=client, source=source)
     rounds = []
     try:
         for step in (1, 2, 3):
             if step > 1:
                 full = changed(full, step)
-            arrays.clear()
-            arrays.update(
-                {
-                    n: jax.device_put(v, NamedSharding(mesh, spec_for(n, v.shape)))
-                    for n, v in full.items()
-                }
-            )
-            metrics = engine.send_weights()
+                put(full)
+            with no_whole_copies(guarded(arrays.values())):
+                metrics = engine.send_weights()
+            tracker = engine._delta.tracker
+            for name, base in tracker.bases.items():
+                assert not base.is_fully_replicated or arrays[name].is_fully_replicated, name
+                assert base.sharding.is_equivalent_to(arrays[name].sharding, base.ndim), name
             assert client.last_update.get("sliced") is True
             for rank in range(2):
                 want, got = expected(config, full, rank), client.params(rank)
@@ -65,6 +95,11 @@ def main() -> None:
                     "received": list(client.received),
                     "sent": metrics.nbytes,
                     "broadcast": sum(4 * int(np.prod(s)) for s in client.last_update["shapes"]),
+                    "base": tracker.memory_bytes(),
+                    "shards": sum(
+                        s.data.nbytes for a in arrays.values() for s in a.addressable_shards
+                    ),
+                    "dense": sum(a.nbytes for a in full.values()),
                 }
             )
     finally:

@@ -362,11 +362,16 @@ def test_workers_with_a_landing_map_say_they_apply_sliced_patches() -> None:
 
 
 @pytest.mark.slow
-def test_jax_delta_rounds_from_an_fsdp_tp_mesh() -> None:
+@pytest.mark.parametrize("kind", ["dict", "pytree"])
+def test_jax_delta_rounds_from_an_fsdp_tp_mesh(kind: str) -> None:
     """A JAX trainer whose arrays are sharded over 8 forced host devices (FSDP 4 x TP 2), in
     a subprocess (XLA_FLAGS precede jax's import): a dense round then 2 sliced delta rounds,
     every worker bit-identical to ``load_weights`` of the full tensors (checked there), each
-    delta round's share strictly less than the broadcast patches."""
+    delta round's share strictly less than the broadcast patches. The patches are extracted
+    shard by shard: every round runs with the gather entry points refusing and no whole copy
+    of a sharded array alive at any extraction step (checked there); the base is sharded as
+    the arrays are, its bytes the addressable shards'. ``pytree``: a ``PytreeSource`` over the
+    arrays (one of them transposed back on its shards) is compared where it is held too."""
     import os
     import subprocess
     import sys
@@ -375,7 +380,11 @@ def test_jax_delta_rounds_from_an_fsdp_tp_mesh() -> None:
     script = Path(__file__).with_name("_sliced_delta_jax_mesh.py")
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env
+        [sys.executable, str(script), kind],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     rounds = json.loads(done.stdout.strip().splitlines()[-1])["rounds"]
@@ -383,6 +392,8 @@ def test_jax_delta_rounds_from_an_fsdp_tp_mesh() -> None:
     for r in rounds[1:]:
         assert sum(r["received"]) == r["sent"]
         assert all(0 < got < r["broadcast"] for got in r["received"])
+    # the base: a copy of the addressable shards (replicas each), never a gathered copy
+    assert all(r["base"] == r["shards"] > r["dense"] for r in rounds)
 
 
 def test_share_patches_keeps_each_workers_elements_in_order() -> None:

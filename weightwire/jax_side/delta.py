@@ -16,6 +16,9 @@ not on one GPU) and the ``search`` / ``scatter`` choices. Two passes, both memor
    the values and the patch is scattered into the (donated) base. Only the words are
    read again, and the work scales with the patch, not the tensor.
 
+A sharded array (several devices of this process) is compared shard by shard where it lives,
+never gathered (``jax_side.shard_delta``); its base stays sharded the same way.
+
 Output arrays are bucketed to a power of two (so a new count rarely compiles anything);
 ``Prefix`` marks which elements are the patch (the leading ones here; a window of a group's
 tight buffer with the fused kernel): the engine sends exactly those.
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from weightwire.jax_side import shard_delta
 from weightwire.jax_side.dtypes import wire_name
 from weightwire.shared.errors import ConfigError
 from weightwire.trainer import delta_cuda
@@ -202,18 +206,59 @@ class JaxDeltaKernel(DeltaKernel):
             self._fused.settle()
 
     def snapshot(self, tensor: Any) -> Any:
+        # a sharded array's copy keeps its sharding: each device copies its own shard
         return _copy(jnp.asarray(tensor))
 
     def scan(self, news: Sequence[Any], bases: Sequence[Any]) -> Scan:
         arrays = [jnp.asarray(n) for n in news]
-        words, counts = _scan_group(arrays, list(bases))
-        return Scan([int(c) for c in np.asarray(counts)], (arrays, words))
+        sharded = [i for i, a in enumerate(arrays) if shard_delta.is_sharded(a)]
+        if not sharded:
+            words, counts = _scan_group(arrays, list(bases))
+            return Scan([int(c) for c in np.asarray(counts)], (arrays, words))
+        return self._scan_mixed(arrays, bases, set(sharded))
+
+    def _scan_mixed(self, arrays: list[Any], bases: Sequence[Any], sharded: set[int]) -> Scan:
+        """A group with sharded arrays: those part by part on their devices
+        (``shard_delta``), the rest in one call as usual."""
+        whole = [i for i in range(len(arrays)) if i not in sharded]
+        out = _Mixed(arrays)
+        counts = [0] * len(arrays)
+        pending = None
+        if whole:
+            pending = _scan_group([arrays[i] for i in whole], [bases[i] for i in whole])
+        groups = []
+        for i in sorted(sharded):
+            parts = shard_delta.parts_of(arrays[i], bases[i])
+            if parts is None:  # another layout: every element counts, the tensor goes dense
+                counts[i] = int(arrays[i].size)
+            else:
+                groups.append((i, parts))
+        out.parts = shard_delta.scan_parts(groups, _scan_group)
+        for i, got in out.parts.items():
+            counts[i] = sum(got.counts)
+        if pending is not None:
+            words, whole_counts = pending
+            for i, w, c in zip(whole, words, np.asarray(whole_counts), strict=True):
+                out.words[i], counts[i] = w, int(c)
+        return Scan(counts, out)
 
     def extract(self, scan: Scan, i: int, new: Any, base: Any) -> Extracted:
-        if not isinstance(scan.state, tuple):  # the fused kernel's group: windows of its buffers
-            return _window(scan.state, i, scan.counts[i], base)
-        arrays, words = scan.state
+        state = scan.state
         count = scan.counts[i]
+        if isinstance(state, _Mixed):
+            if i in state.parts:
+                # Not donated (a shard's buffer is its global array's too), so popped: the
+                # old base's shards are then held only by the tracker until it takes the
+                # patched base (one tensor's changed shards twice, not a whole group's)
+                index, values, total, patched = shard_delta.extract_parts(
+                    state.parts.pop(i), base, self._expand[False], bucket
+                )
+                return Extracted(Prefix(index, total), Prefix(values, total), patched)
+            arrays, words = state.arrays, state.words
+        elif isinstance(state, tuple):
+            arrays, words = state
+        else:  # the fused kernel's group: windows of its buffers
+            return _window(state, i, count, base)
         expand = self._expand[_donates(base)]
         index, values, patched = expand(arrays[i], base, words[i], size=bucket(count))
         return Extracted(Prefix(index, count), Prefix(values, count), patched)
@@ -222,8 +267,26 @@ class JaxDeltaKernel(DeltaKernel):
         return _copy(jnp.asarray(new))
 
     def first(self, base: Any) -> Extracted:
+        if shard_delta.is_sharded(base):
+            index, value = shard_delta.first_of(base)
+            return Extracted(index, value, base)
         flat = base.reshape(-1)
         return Extracted(jnp.zeros((1,), jnp.int32), flat[:1], base)
+
+    def held_bytes(self, base: Any) -> int | None:
+        if shard_delta.is_sharded(base):
+            return shard_delta.held_bytes(base)
+        return None
+
+
+class _Mixed:
+    """A scanned group holding sharded arrays: the arrays, the whole ones' mask words, the
+    sharded ones' parts (``shard_delta.ShardedScan``), by tensor."""
+
+    def __init__(self, arrays: list[Any]) -> None:
+        self.arrays = arrays
+        self.words: dict[int, Any] = {}
+        self.parts: dict[int, shard_delta.ShardedScan] = {}
 
 
 def _window(group: Any, i: int, count: int, base: Any) -> Extracted:

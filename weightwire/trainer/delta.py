@@ -100,6 +100,11 @@ class DeltaKernel(ABC):
         """The base of a tensor sent dense: ``new``'s bytes (written into ``base`` where the
         framework can)."""
 
+    def held_bytes(self, base: Any) -> int | None:
+        """Device bytes ``base`` holds where they differ from its tensor's (a sharded
+        array's base: its shards on this process, replicas each); ``None``: the tensor's."""
+        return None
+
     @abstractmethod
     def first(self, base: Any) -> Extracted:
         """A one-element patch writing ``base``'s element 0 as it is (a round in which
@@ -207,8 +212,14 @@ class DeltaTracker:
         self.since_dense = 0 if dense else self.since_dense + 1
 
     def memory_bytes(self) -> int:
-        """Device bytes the base holds (one copy of the model)."""
-        return sum(m.nbytes for m in self.metas)
+        """Device bytes the base holds: one copy of the model, or for a sharded tensor a copy
+        of this process's shards of it (``DeltaKernel.held_bytes``)."""
+        total = 0
+        for m in self.metas:
+            base = self.bases.get(m.name)
+            held = None if base is None else self.kernel.held_bytes(base)
+            total += m.nbytes if held is None else held
+        return total
 
     def snapshot_stream(
         self, pairs: Iterable[tuple[str, Any]], metas: Sequence[ParamMeta]

@@ -104,6 +104,11 @@ class DeltaRounds:
         before_commit: Callable[[], None] | None = None,
     ) -> RoundMetrics:
         """One round of ``source`` (``before_commit``: an overlapped round's, ``Round``'s)."""
+        slicing = self._s.slicing
+        if slicing is not None and slicing.slices(metas):
+            # compared and snapshotted where each shard lives, as a sliced round reads it: a
+            # sharded array is never gathered (its base stays sharded, ``jax_side.shard_delta``)
+            source = self._s.framework.sliced_source(source)
         ask = _Ask(source, metas, version, before_commit)
         try:
             return self._round(ask, clock, dense)

@@ -653,9 +653,10 @@ class SlicedWire:
         source: WeightSource,
         patches: list[Patch],
     ) -> SlicedWire:
-        """A delta round's wire: its dense tensors (the base's copies, held whole here) sliced
-        by a plan of their own, each patch filtered per worker (``share_patches``, here:
-        the shares go in the update POST)."""
+        """A delta round's wire: its dense tensors (the base's copies, sharded as the
+        source's arrays are: ``jax_side.shard_delta``) sliced by a plan of their own, each
+        patch filtered per worker (``share_patches``, here: the shares go in the update
+        POST)."""
         metas = sole.wire.metas
         tensors = dict(s.stream(source, tensor_stream(source), sole.metas, None))
         logical = logical_metas(metas, patches)
