@@ -137,6 +137,8 @@ def test_sliced_delta_rounds_send_each_worker_its_share(config: Config, framewor
                 stats = client.engines[rank].round_stats()
                 assert stats is not None and stats["bytes_received"] == client.received[rank]
             assert metrics.nbytes == sum(client.received)
+        slicing = engine.session.slicing
+        assert (slicing.plans.builds, slicing.delta_plans.builds) == (1, 1)  # each planned once
     finally:
         engine.shutdown()
         client.close()

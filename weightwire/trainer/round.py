@@ -47,7 +47,7 @@ from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
-from weightwire.trainer.slice_plan import SlicePlan, build_plan
+from weightwire.trainer.slice_plan import SlicePlan
 from weightwire.trainer.sliced import Slicing, pieces
 from weightwire.trainer.sliced_delta import PatchShares, share_patches
 from weightwire.trainer.snapshot import rewrapped
@@ -663,7 +663,7 @@ class SlicedWire:
         dense = logical[: len(logical) - len(patches)]
         wants = slicing.wants(logical)
         held = s.framework.slice_holdings({m.name: tensors[m.name] for m in dense})
-        plan = build_plan(dense, held, wants)
+        plan = slicing.delta_plans.plan(dense, held, wants)
         rank = s.framework.process_rank()
         others = sorted(set(plan.rank_bytes) - {rank})
         if others:

@@ -150,6 +150,9 @@ class Slicing:
         self.partial = partial
         """``TrainerInitInfo.partial``: a round may leave out tensors the workers read."""
         self.plans = PlanCache()
+        self.delta_plans = PlanCache()
+        """The plan of delta rounds' dense tensors (a set of its own: kept apart so dense and
+        delta rounds do not rebuild each other's plan every round)."""
         self.patch_takers = [takes_patches(raw) for raw in hellos]
         """Per worker: it applies a sliced delta round's patches (said at the join)."""
         self._wants: tuple[tuple[ParamMeta, ...], list[Wants]] | None = None
