@@ -338,6 +338,12 @@ class TrainerEngine(FrameworkHooks):
             raise self.session.broken
 
     def _check_draft(self) -> None:
+        if not self.session.backend.caps.draft:
+            raise ConfigError(
+                f"backend {self.info.backend!r} sends no draft rounds: its stock receiver is "
+                "planned against the target model at init and refuses "
+                "start_draft_weight_update; nothing was sent"
+            )
         assert self.features is not None
         self.features.require("draft_route", "a draft round starts with /start_draft_weight_update")
         if not self.session.caps.start_draft_weight_update:
