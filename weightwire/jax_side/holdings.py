@@ -15,6 +15,7 @@ not).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -123,8 +124,8 @@ class JaxLocalShards(LocalShards):
             out.append(int(d.id if hw is None else hw))
         return out
 
-    def boxes(self, name: str, tensor: object) -> list[Box]:
-        shape = tuple(int(n) for n in np.shape(tensor))  # type: ignore[arg-type]
+    def boxes(self, name: str, tensor: Any) -> list[Box]:
+        shape = tuple(int(n) for n in np.shape(tensor))
         if not isinstance(tensor, jax.Array):
             return [Box.whole(shape)] * len(self._jax_devices)
         index_map = tensor.sharding.devices_indices_map(shape)
@@ -138,7 +139,7 @@ class JaxLocalShards(LocalShards):
             )
         return [index_box(index_map[d], shape) for d in self._jax_devices]
 
-    def shards(self, name: str, tensor: object) -> list[object]:
+    def shards(self, name: str, tensor: Any) -> list[Any]:
         if not isinstance(tensor, jax.Array):
             return [jax.device_put(tensor, d) for d in self._jax_devices]
         by_device = {s.device: s.data for s in tensor.addressable_shards}

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 from weightwire.backends.base import (
     Backend,
     DevicePacker,
-    LocalShards,
     Link,
+    LocalShards,
     RoundSender,
     SenderParts,
     ShardLayout,

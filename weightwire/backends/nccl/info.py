@@ -146,4 +146,6 @@ class M2NInitInfo(StrictInfo):
         if not self.source_digest or not all(isinstance(p, dict) for p in self.params):
             raise ConfigError(f"{ctx}: source_digest and params (one mapping each) are required")
         if self.nccl_unique_id_b64 is not None:
-            decode_secret(f"{ctx}.nccl_unique_id_b64", self.nccl_unique_id_b64, NCCL_UNIQUE_ID_BYTES)
+            decode_secret(
+                f"{ctx}.nccl_unique_id_b64", self.nccl_unique_id_b64, NCCL_UNIQUE_ID_BYTES
+            )

@@ -545,7 +545,9 @@ class StockM2NSession:
         )
         return self.info
 
-    def join(self, *, check: Callable[[], None] | None = None, timeout_s: float | None = None) -> None:
+    def join(
+        self, *, check: Callable[[], None] | None = None, timeout_s: float | None = None
+    ) -> None:
         """Steps 2-3, beside the init POST: the four agreement phases, the communicator and
         the workers' placements, each wait bounded by ``timeout_s`` (default the session's)
         and ended sooner when ``check`` raises (the init call failed). On failure the session
