@@ -124,7 +124,10 @@ def test_a_torch_engine_sends_three_rounds_through_the_engine_round(fake_nccl: N
         for version in (1, 2, 3):
             full = weights(version)
             source.tensors = full
-            metrics = engine.send_weights()
+            if version == 3:  # an overlapped round: the same round on the engine's thread
+                metrics = engine.send_weights(wait=False).result(timeout=30)
+            else:
+                metrics = engine.send_weights()
             assert metrics.version == str(version) and metrics.tensors == 3
             # what the workers receive: half of rows and cols each, the norm whole to both
             assert metrics.nbytes == 2 * (16 * 4 + 16 * 4 + 4 * 4)
@@ -165,6 +168,7 @@ def test_a_failed_round_raises_on_that_round_and_breaks_the_engine(fake_nccl: No
         ({"verify": True}, "'nccl_m2n' cannot verify rounds"),
         ({"delta": "auto"}, r"a stock vLLM worker \('nccl_m2n'\) cannot apply them"),
         ({"inference_tensor_parallel_size": 0}, "inference_tensor_parallel_size must be"),
+        ({"sliced": "off"}, r"'nccl_m2n' cannot broadcast \(sliced='off'\)"),
     ],
 )
 def test_what_nccl_m2n_cannot_do_is_refused_at_the_config(kw: dict[str, Any], match: str) -> None:
@@ -188,6 +192,35 @@ def test_a_source_or_server_it_cannot_serve_is_refused_before_the_init(fake_nccl
             info(server_version="0.32.0"), client=_Old(server), source=DictSource({}, describe)
         )
     assert server.calls == []
+
+
+class _Group:
+    """A ``TrainerGroup`` of two processes (never exchanged over: refused first)."""
+
+    rank, size = 0, 2
+
+    def publish(self, key: str, value: str) -> None:
+        raise AssertionError("nothing is exchanged")
+
+    def read(self, key: str, timeout: float) -> str:
+        raise AssertionError("nothing is exchanged")
+
+
+def test_a_trainer_group_and_an_adapter_sync_are_refused(fake_nccl: None) -> None:
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+    from weightwire.trainer.lora import AdapterSync
+
+    server = Server(PLACEMENTS, tp=2)
+    source = DictSource(weights(0), describe)
+    with pytest.raises(ConfigError, match="a TrainerGroup's processes cannot share its session"):
+        TorchTrainerEngine.trainer_init(info(), client=server, source=source, group=_Group())
+    assert server.calls == []
+    engine = TorchTrainerEngine.trainer_init(info(), client=server, source=source)
+    try:
+        with pytest.raises(ConfigError, match="'nccl_m2n' is vLLM's own receiver, which loads"):
+            AdapterSync(engine, "a", alpha=16.0, adapter_dir="/nonexistent")
+    finally:
+        engine.shutdown()
 
 
 class _Old:

@@ -166,6 +166,12 @@ class TrainerEngine(FrameworkHooks):
         if init_info.is_sender:
             engine._check_client()
         if group is not None:
+            if engine.session.backend.caps.local_shards:
+                raise ConfigError(
+                    f"backend {init_info.backend!r} sends from the devices of one process, "
+                    "each its own shard: a TrainerGroup's processes cannot share its session; "
+                    "give the source's arrays to one process (its devices are the trainer ranks)"
+                )
             if init_info.delta != "off":
                 raise ConfigError(
                     "delta rounds need one sender: a TrainerGroup's several broadcasters "

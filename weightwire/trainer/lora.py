@@ -74,6 +74,14 @@ class AdapterSync:
                 f"delta={delta!r}: build the adapter's engine with TrainerInitInfo(delta='off') "
                 "(an adapter round is small)"
             )
+        if engine.session.backend.caps.stock_receiver:
+            # vLLM's own receivers load every round into the base model's parameters: an
+            # adapter's tensors name no base parameter (they would fail, or worse, mid-round).
+            raise ConfigError(
+                f"AdapterSync needs workers that take adapter rounds (the weightwire plugin's "
+                f"backends); backend {engine.info.backend!r} is vLLM's own receiver, which "
+                "loads base weights only"
+            )
         self.engine = engine
         self.adapter = check_adapter_name(adapter)
         self.alpha = check_lora_alpha(alpha)

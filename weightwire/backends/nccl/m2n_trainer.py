@@ -19,8 +19,10 @@ cache resets, metrics and the failure rules every backend gets):
   drained (bounded: ``Timeouts.transfer_s``).
 
 What the stock receiver cannot do is refused at ``TrainerInitInfo``'s construction
-(``check_config``: ``verify``; ``delta`` is refused for every stock receiver of whole
-tensors) or at the round (draft: ``SenderCaps.draft``). The metadata store listens on
+(``check_config``: ``verify``, ``sliced="off"``; ``delta`` is refused for every stock
+receiver of whole tensors), at ``trainer_init`` (a ``TrainerGroup``: the trainer ranks are one
+process's devices), by ``AdapterSync`` (a stock receiver loads base weights) or at the round
+(draft: ``SenderCaps.draft``). The metadata store listens on
 ``tcp_bind_host`` and the workers dial ``tcp_advertise_host`` (the TCP rendezvous' fields);
 the workers' mesh is ``(world / inference_tensor_parallel_size, inference_tensor_parallel_size)``.
 """
@@ -106,6 +108,13 @@ class NcclM2NBackend(Backend):
                 "writes most tensors straight into each worker's slice of the live parameters, "
                 "and its checksum route digests what the worker holds, not what was sent; "
                 "drop verify, or verify with weightwire_tcp"
+            )
+        if getattr(settings, "sliced", "auto") == "off":
+            raise ConfigError(
+                f"backend {self.name!r} cannot broadcast (sliced='off'): vLLM's nccl_m2n "
+                "reshards each trainer rank's shard into the workers' layout every round; for "
+                "broadcasts of whole tensors use backend 'nccl' (inference_tensor_parallel_size "
+                "left out sends every tensor whole to every worker)"
             )
         tp = m2n_options(settings).inference_tensor_parallel_size
         if tp is not None and (type(tp) is not int or tp < 1):
