@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from weightwire.backends import get_backend
 from weightwire.shared.client import named_servers
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
@@ -74,7 +75,7 @@ class AdapterSync:
                 f"delta={delta!r}: build the adapter's engine with TrainerInitInfo(delta='off') "
                 "(an adapter round is small)"
             )
-        if engine.session.backend.caps.stock_receiver:
+        if get_backend(engine.info.backend).caps.stock_receiver:
             # vLLM's own receivers load every round into the base model's parameters: an
             # adapter's tensors name no base parameter (they would fail, or worse, mid-round).
             raise ConfigError(
