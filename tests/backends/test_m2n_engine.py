@@ -187,6 +187,10 @@ def test_a_source_or_server_it_cannot_serve_is_refused_before_the_init(fake_nccl
         TorchTrainerEngine.trainer_init(
             info(inference_tensor_parallel_size=4), client=server, source=DictSource({}, describe)
         )
+    with pytest.raises(ConfigError, match="'0.0.0.0' is not an address the workers can dial"):
+        TorchTrainerEngine.trainer_init(
+            info(tcp_bind_host="0.0.0.0"), client=server, source=DictSource({}, describe)
+        )
     with pytest.raises(ValueError, match=r"lacks nccl_m2n \(needs >= 0\.33"):
         TorchTrainerEngine.trainer_init(
             info(server_version="0.32.0"), client=_Old(server), source=DictSource({}, describe)

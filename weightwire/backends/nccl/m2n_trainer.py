@@ -132,6 +132,11 @@ class NcclM2NBackend(Backend):
         from weightwire.backends.nccl.m2n_data import NcclM2NDataPlane, mint_m2n_unique_id
 
         options = m2n_options(settings)
+        if (options.tcp_advertise_host or options.tcp_bind_host) in ("0.0.0.0", "::", ""):
+            raise ConfigError(
+                f"tcp_bind_host {options.tcp_bind_host!r} is not an address the workers can "
+                "dial for nccl_m2n's metadata rendezvous; pass tcp_advertise_host"
+            )
         tp = options.inference_tensor_parallel_size or 1
         if workers % tp:
             raise ConfigError(
