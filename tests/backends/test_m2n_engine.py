@@ -198,6 +198,29 @@ def test_a_source_or_server_it_cannot_serve_is_refused_before_the_init(fake_nccl
     assert server.calls == []
 
 
+class _Unconfigured(Server):
+    """A server whose vLLM runs another backend: its init call fails at once."""
+
+    def init_weight_transfer_engine(self, info: dict[str, Any]) -> None:
+        self.calls.append("init")
+        raise TransferError("HTTP 400: weight transfer backend is 'nccl', not 'nccl_m2n'")
+
+
+def test_an_init_the_server_refuses_fails_trainer_init_at_once(fake_nccl: None) -> None:
+    import time
+
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+
+    server = _Unconfigured(PLACEMENTS, tp=2)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="backend is 'nccl', not 'nccl_m2n'"):
+        TorchTrainerEngine.trainer_init(
+            info(), client=server, source=DictSource(weights(0), describe)
+        )
+    assert time.monotonic() - t0 < 10  # the POST's error, not the 20 s connect timeout
+    assert server.calls == ["init"]
+
+
 class _Group:
     """A ``TrainerGroup`` of two processes (never exchanged over: refused first)."""
 
