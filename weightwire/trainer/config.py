@@ -253,6 +253,9 @@ class TrainerInitInfo:
         world = self.inference_world_size
         if world is not None and (type(world) is not int or not 1 <= world < LIMITS.max_world_size):
             raise ConfigError(f"inference_world_size must be a positive int, got {world!r}")
+        tp = self.inference_tensor_parallel_size
+        if tp is not None and (type(tp) is not int or not 1 <= tp < LIMITS.max_world_size):
+            raise ConfigError(f"inference_tensor_parallel_size must be an int >= 1, got {tp!r}")
         if self.sliced not in SLICED_MODES:
             raise ConfigError(
                 f"sliced must be one of {', '.join(map(repr, SLICED_MODES))}, got {self.sliced!r}"

@@ -116,9 +116,7 @@ class NcclM2NBackend(Backend):
                 "broadcasts of whole tensors use backend 'nccl' (inference_tensor_parallel_size "
                 "left out sends every tensor whole to every worker)"
             )
-        tp = m2n_options(settings).inference_tensor_parallel_size
-        if tp is not None and (type(tp) is not int or tp < 1):
-            raise ConfigError(f"inference_tensor_parallel_size must be an int >= 1, got {tp!r}")
+        m2n_options(settings)  # settings without nccl_m2n's options: named here
 
     def open(self, settings: SenderSettings, *, world_size: int) -> Rendezvous:
         raise ConfigError(
