@@ -110,6 +110,8 @@ class JaxLocalShards(LocalShards):
 
     @classmethod
     def of(cls, arrays: Mapping[str, object], device: int | None) -> JaxLocalShards:
+        """The ranks of the first ``jax.Array`` among ``arrays`` (else one: the local
+        device ``device``, or the first)."""
         for tensor in arrays.values():
             if isinstance(tensor, jax.Array):
                 return cls(_mesh_devices(tensor))

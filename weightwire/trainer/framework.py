@@ -132,10 +132,11 @@ class FrameworkHooks(ABC):
         return Holdings.of(shapes, [Held(n, rank, Box.whole(s)) for n, s in shapes.items()])
 
     def local_shards(self, tensors: Mapping[str, Any], device: int | None) -> LocalShards:
-        """Where ``tensors`` (one pass of the round's source, ``sliced_source``) live on this
-        process's devices, each device a trainer rank (a backend with
-        ``SenderCaps.local_shards``). Default: one rank, on ``device`` (or 0), holding every
-        tensor whole."""
+        """This process's devices as the trainer ranks of a backend with
+        ``SenderCaps.local_shards``, told by ``tensors`` (the source's first tensor, as
+        ``sliced_source`` yields it; empty for a source of none): its ``boxes`` and ``shards``
+        then read every tensor of the session. Default: one rank, on ``device`` (or 0),
+        holding every tensor whole."""
         return WholeOnOneDevice(0 if device is None else device, self.describe)
 
     def sliced_source(self, source: WeightSource) -> WeightSource:

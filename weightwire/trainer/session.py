@@ -290,13 +290,20 @@ def open_wire(
 
 def shard_layout(s: Session) -> ShardLayout:
     """The source's tensors and which box of each every trainer rank (a device of this
-    process) holds, read from one pass over the source left where it is held
-    (``sliced_source``): metadata only, no tensor is gathered."""
+    process) holds, from one pass over the source left where it is held (``sliced_source``):
+    nothing is gathered, and each tensor is dropped once its boxes are read (the trainer
+    ranks are told by the first tensor: ``FrameworkHooks.local_shards``)."""
     metas = s.source.metadata()
     source = rewrapped(s.source, s.framework.sliced_source)
-    tensors = dict(s.stream(source, tensor_stream(source), metas, None))
-    local = s.framework.local_shards(tensors, s.info.device)
-    return ShardLayout(metas, [local.boxes(m.name, tensors[m.name]) for m in metas], local)
+    local: LocalShards | None = None
+    boxes = []
+    for name, tensor in s.stream(source, tensor_stream(source), metas, None):
+        if local is None:
+            local = s.framework.local_shards({name: tensor}, s.info.device)
+        boxes.append(local.boxes(name, tensor))
+    if local is None:  # a source of no tensors: one rank, on the configured device
+        local = s.framework.local_shards({}, s.info.device)
+    return ShardLayout(metas, boxes, local)
 
 
 def served_model(client: Any, caps: ClientCaps, *, ask_workers: bool) -> ServedModel | None:

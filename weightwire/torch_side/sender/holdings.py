@@ -117,41 +117,43 @@ class TorchLocalShards(LocalShards):
 
     @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor], device: int | None) -> TorchLocalShards:
-        dtensor = _dtensor_type()
-        ordinals: dict[int, str] = {}
+        """The rank on the first CUDA tensor's device (else ``device``, or 0), every tensor
+        of ``tensors`` checked."""
+        ordinal = next(
+            (int(t.device.index or 0) for t in tensors.values() if t.is_cuda),
+            0 if device is None else device,
+        )
+        local = cls(ordinal)
         for name, tensor in tensors.items():
-            if dtensor is not None and isinstance(tensor, dtensor):
-                raise ConfigError(
-                    f"'{name}' is a DTensor: its shards are held by other trainer processes, "
-                    "and this backend's trainer ranks are the devices of the one process that "
-                    "sends (send plain tensors, e.g. full_tensor() per round on this rank, "
-                    "or use a backend with sliced rounds, which read DTensor shards)"
-                )
-            if tensor.is_cuda:
-                ordinals.setdefault(int(tensor.device.index or 0), name)
-        if len(ordinals) > 1:
-            shown = ", ".join(f"'{n}' on cuda:{d}" for d, n in sorted(ordinals.items())[:2])
+            local._check(name, tensor)
+        return local
+
+    def _check(self, name: str, tensor: torch.Tensor) -> None:
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(tensor, dtensor):
             raise ConfigError(
-                f"the source's tensors are on several devices ({shown}): a torch trainer "
-                "sends from one device, which holds every tensor whole"
+                f"'{name}' is a DTensor: its shards are held by other trainer processes, "
+                "and this backend's trainer ranks are the devices of the one process that "
+                "sends (send plain tensors, e.g. full_tensor() per round on this rank, "
+                "or use a backend with sliced rounds, which read DTensor shards)"
             )
-        ordinal = next(iter(ordinals), 0 if device is None else device)
-        return cls(ordinal)
+        if tensor.is_cuda and tensor.device.index != self._device:
+            raise SourceMismatch(
+                f"'{name}' is on {tensor.device}, the session sends from cuda:{self._device}: "
+                "a torch trainer sends from one device, which holds every tensor whole"
+            )
 
     @property
     def devices(self) -> list[int]:
         return [self._device]
 
     def boxes(self, name: str, tensor: Any) -> list[Box]:
+        self._check(name, tensor)
         return [Box.whole(tuple(tensor.shape))]
 
     def shards(self, name: str, tensor: Any) -> list[Any]:
+        self._check(name, tensor)
         if tensor.is_cuda:
-            if tensor.device.index != self._device:
-                raise SourceMismatch(
-                    f"'{name}' is on {tensor.device}, the session sends from cuda:{self._device} "
-                    "(the source moved: open a new session)"
-                )
             # the data plane reads on its own stream: the trainer's writes must be done
             torch.cuda.current_stream(tensor.device).synchronize()
         return [tensor.detach().contiguous()]
