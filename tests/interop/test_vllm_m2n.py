@@ -10,7 +10,9 @@ phases, the destination plan, the placements broadcast, ``receive_weights``),
 torch-free ``MetadataStore``. Replaced: NCCL4Py / ``nccl.m2n`` by ``tests.shared.fake_m2n``
 (it moves the bytes between the ranks' threads), vLLM's linear layers by classes carrying
 the loader methods ``m2n_layout`` recognizes, the layerwise reload by a recorder, device
-calls by CPU no-ops. Our side is the real ``StockM2NSession`` and ``NcclM2NDataPlane``.
+calls by CPU no-ops. Our side is the real ``StockM2NSession`` and ``NcclM2NDataPlane``, driven
+directly and, in one case, through the trainer engines (``TrainerInitInfo(backend="nccl_m2n")``,
+``trainer_init``, ``send_weights``).
 
 The workers serve a TP=2 toy decoder layer: ``o_proj`` (row-parallel) and ``up_proj``
 (column-parallel) are written straight into the live parameters, each worker only its half;
