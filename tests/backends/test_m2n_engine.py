@@ -285,3 +285,54 @@ def test_a_jax_mesh_engine_sends_each_rank_its_own_shard() -> None:
     assert report["rounds"] == ["1", "2", "3"]
     assert report["whole_handed"] == []
     assert report["parts_per_reshard"] == [8]
+
+
+def test_the_init_info_is_refused_as_vllm_would_before_the_post() -> None:
+    from weightwire.backends.nccl.info import M2NInitInfo
+
+    good = {
+        "schema_version": 2,
+        "master_address": "127.0.0.1",
+        "master_port": 1234,
+        "rank_offset": 1,
+        "world_size": 3,
+        "dst_mesh_dims": [1, 2],
+        "source_digest": "d",
+        "params": [{"name": "w"}],
+    }
+    M2NInitInfo.from_dict(good)
+    with pytest.raises(ConfigError, match=r"dst_mesh_dims \[1, 3\] must be two positive dims"):
+        M2NInitInfo.from_dict({**good, "dst_mesh_dims": [1, 3]})
+    with pytest.raises(ConfigError, match="must leave at least one trainer rank"):
+        M2NInitInfo.from_dict({**good, "rank_offset": 3})
+    with pytest.raises(ConfigError, match="unknown keys"):
+        M2NInitInfo.from_dict({**good, "packed": True})
+
+
+DTENSOR = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from weightwire.shared.errors import ConfigError
+from weightwire.torch_side.sender.holdings import TorchLocalShards
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+dt = distribute_tensor(torch.zeros(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+try:
+    TorchLocalShards.of({"w": dt}, None)
+except ConfigError as exc:
+    print(exc)
+dist.destroy_process_group()
+"""
+
+
+def test_a_dtensor_is_refused_by_name() -> None:
+    """A DTensor's other shards live in other processes (a subprocess: the process group)."""
+    done = subprocess.run(
+        [sys.executable, "-c", DTENSOR],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'w' is a DTensor: its shards are held by other trainer processes" in done.stdout
