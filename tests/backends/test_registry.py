@@ -45,6 +45,7 @@ def test_every_module_path_imports(name: str, field: str) -> None:
 
 def test_init_info_types_by_backend() -> None:
     from weightwire import IPCInitInfo, NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
+    from weightwire.backends.nccl.info import M2NInitInfo
 
     want = {
         "nccl": NCCLInitInfo,
@@ -52,6 +53,7 @@ def test_init_info_types_by_backend() -> None:
         "weightwire_nccl": WeightwireNCCLInitInfo,
         "weightwire_tcp": TCPInitInfo,
         "weightwire_ipc": IPCInitInfo,
+        "nccl_m2n": M2NInitInfo,
     }
     assert {name: backends.init_info_type(name) for name in backends.BACKEND_NAMES} == want
     for name, cls in want.items():
@@ -90,7 +92,8 @@ def test_trainer_backend_matches_its_entry(name: str) -> None:
     cls = backends.load(spec.trainer)
     assert issubclass(cls, Backend) and cls.name == name
     assert cls.caps.stock_receiver is spec.stock_receiver
-    assert cls.caps.on_device is spec.needs_cuda  # packing in device memory is what needs the GPU
+    # packing in device memory, or sending each device's own shard, is what needs the GPU
+    assert (cls.caps.on_device or cls.caps.local_shards) is spec.needs_cuda
     backend = get_backend(name)
     assert type(backend) is cls and get_backend(name) is backend  # one instance, made once
 
@@ -99,6 +102,11 @@ def test_trainer_backend_matches_its_entry(name: str) -> None:
 def test_worker_engines_match_their_entry(name: str) -> None:
     spec = backends.SPECS[name]
     info = backends.load(spec.init_info)
+    if spec.worker_engine is None:  # vLLM's own worker only (nccl_m2n)
+        assert spec.stock_receiver and spec.vllm_engine is None
+        with pytest.raises(ValueError, match=f"{name!r} is received only by vLLM's own worker"):
+            backends.worker_engine(name)
+        return
     engine = backends.load(spec.worker_engine)
     assert callable(engine.standalone)
     if spec.stock_receiver:

@@ -10,7 +10,9 @@ phases, the destination plan, the placements broadcast, ``receive_weights``),
 torch-free ``MetadataStore``. Replaced: NCCL4Py / ``nccl.m2n`` by ``tests.shared.fake_m2n``
 (it moves the bytes between the ranks' threads), vLLM's linear layers by classes carrying
 the loader methods ``m2n_layout`` recognizes, the layerwise reload by a recorder, device
-calls by CPU no-ops. Our side is the real ``StockM2NSession`` and ``NcclM2NDataPlane``.
+calls by CPU no-ops. Our side is the real ``StockM2NSession`` and ``NcclM2NDataPlane``, driven
+directly and, in one case, through the trainer engines (``TrainerInitInfo(backend="nccl_m2n")``,
+``trainer_init``, ``send_weights``).
 
 The workers serve a TP=2 toy decoder layer: ``o_proj`` (row-parallel) and ``up_proj``
 (column-parallel) are written straight into the live parameters, each worker only its half;
@@ -428,6 +430,88 @@ def test_three_rounds_land_as_vllms_loaders_would_each_worker_only_its_slices(
             whole = sum(int(np.prod(v)) * 4 for v in FULL.values())
             direct = (H * H + 2 * H * H) * 4
             assert got_bytes == [whole - direct // 2] * TP  # each worker: half of the direct bytes
+
+
+class _FakeCupy:
+    """``m2n_data.array_module``'s stand-in: the fake's CuPy surface."""
+
+    def __call__(self) -> Any:
+        return fake_m2n.FakeXP()
+
+
+@pytest.mark.parametrize("kind", ["torch", "jax"])
+def test_the_engine_api_drives_vllms_receiver_three_rounds_bit_exact(
+    vllm_m2n: types.SimpleNamespace, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TrainerInitInfo(backend="nccl_m2n")`` + ``trainer_init`` + ``send_weights`` against
+    vLLM's own worker engines: the engine's round (start, the update beside the reshards,
+    finish) lands every tensor as vLLM's loaders would, each worker only its slices of the
+    tensors vLLM places directly."""
+    from weightwire.backends.nccl import m2n_data
+    from weightwire.shared.timeouts import Timeouts
+    from weightwire.testing.sources import DictSource
+    from weightwire.trainer.config import TrainerInitInfo
+
+    monkeypatch.setattr(m2n_data, "array_module", _FakeCupy())
+    if kind == "jax":
+        import jax.numpy as jnp
+
+        from weightwire.jax_side.dtypes import describe
+        from weightwire.jax_side.engine import JAXTrainerEngine as Engine
+
+        def array(a: np.ndarray) -> Any:
+            return jnp.asarray(a)
+    else:
+        from weightwire.torch_side.dtypes import wire_name
+        from weightwire.torch_side.sender.engine import TorchTrainerEngine as Engine
+
+        def describe(t: Any) -> tuple[str, tuple[int, ...]]:
+            return wire_name(t.dtype), tuple(t.shape)
+
+        def array(a: np.ndarray) -> Any:
+            return torch.from_numpy(a.copy())
+
+    fake_m2n.reset()
+    server = VllmServer(vllm_m2n)
+    rng = np.random.default_rng(3)
+
+    def weights() -> dict[str, np.ndarray]:
+        return {n: rng.standard_normal(shape).astype(np.float32) for n, shape in FULL.items()}
+
+    full = weights()
+    source = DictSource({n: array(a) for n, a in full.items()}, describe)
+    info = TrainerInitInfo(
+        backend="nccl_m2n",
+        server_version="0.33.0",
+        inference_world_size=TP,
+        inference_tensor_parallel_size=TP,
+        pause_mode=None,
+        reset_prefix_cache=False,
+        timeouts=Timeouts(http_s=30, connect_s=20, warmup_s=20, transfer_s=20),
+    )
+    engine = Engine.trainer_init(info, client=server, source=source)
+    try:
+        world = next(iter(fake_m2n.World.worlds.values()))
+        direct = (H * H + 2 * H * H) * 4  # o_proj and up_proj: vLLM writes them in place
+        whole = sum(int(np.prod(v)) * 4 for v in FULL.values())
+        for version in ("1", "2", "3"):
+            full = weights()
+            source.tensors = {n: array(a) for n, a in full.items()}
+            before = dict(world.received)
+            RELOADS.clear()
+            metrics = engine.send_weights(version)
+            assert metrics.version == version
+            for m in server.models:
+                got = {k: v.detach().numpy() for k, v in m.params.items()}
+                for k, want in m.expected(full).items():
+                    np.testing.assert_array_equal(got[k], want, err_msg=f"{k} round {version}")
+            assert RELOADS == ["start"] * TP + ["finish"] * TP
+            got_bytes = [world.received[1 + w] - before[1 + w] for w in range(TP)]
+            assert got_bytes == [whole - direct // 2] * TP  # each worker: half of the direct
+            assert metrics.nbytes == sum(got_bytes)
+    finally:
+        engine.shutdown()
+        fake_m2n.reset()
 
 
 def test_a_worker_that_refuses_the_plan_fails_the_init_on_every_rank(

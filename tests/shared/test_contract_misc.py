@@ -57,6 +57,7 @@ _ALL = (
     "weight_checker_route",
     "packed_scalars",
     "sparse_nccl",
+    "nccl_m2n",
     "reuse_metadata",
 )
 
@@ -68,7 +69,7 @@ def _on(*names: str) -> set[str]:
 _R28 = _on("packed_in_init", "draft_route", "abort_route")
 _R30 = _R28 | {"unique_id_rendezvous", "sparse_nccl"}
 _R32 = _R30 | {"shutdown_route", "weight_checker_route", "packed_scalars"}
-_R33 = _R32 | {"reuse_metadata"}
+_R33 = _R32 | {"reuse_metadata", "nccl_m2n"}
 _NEWER = _R32 - {"sparse_nccl"}  # features whose wire form may change are not carried forward
 
 
@@ -119,6 +120,7 @@ def test_gate_table_rows() -> None:
         ((0, 32), "shutdown_route"),
         ((0, 32), "weight_checker_route"),
         ((0, 32), "packed_scalars"),
+        ((0, 33), "nccl_m2n"),
         ((0, 33), "reuse_metadata"),
     ]
 

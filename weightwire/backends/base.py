@@ -213,6 +213,38 @@ class DevicePacker(ABC):
         before ``stream``; each keeps its memory alive until the caller drops it."""
 
 
+class LocalShards(ABC):
+    """Where a source's tensors live on this process's devices, each device a trainer rank
+    (rank r on ``devices[r]``): what a backend whose trainer ranks each send their own shard
+    (``SenderCaps.local_shards``) reads. Lent by the framework (``FrameworkHooks.local_shards``),
+    fixed for the session: nothing is gathered."""
+
+    @property
+    @abstractmethod
+    def devices(self) -> list[int]:
+        """Each trainer rank's CUDA ordinal, in rank order."""
+
+    @abstractmethod
+    def boxes(self, name: str, tensor: Any) -> list[Box]:
+        """The box of ``tensor`` each rank holds, in rank order (metadata only);
+        ``ConfigError`` naming the tensor when it is not on every rank's device."""
+
+    @abstractmethod
+    def shards(self, name: str, tensor: Any) -> list[Any]:
+        """Each rank's own part of ``tensor`` (a device array of its box, no copy where it is
+        one already), its producers' writes done."""
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """A source as a backend with ``SenderCaps.local_shards`` is opened with: its tensors, in
+    round order, and per tensor the box each trainer rank holds (``LocalShards.boxes``)."""
+
+    metas: list[ParamMeta]
+    boxes: list[list[Box]]
+    shards: LocalShards
+
+
 @dataclass(frozen=True)
 class SenderParts:
     """What the trainer's framework lends a backend's data path."""
@@ -222,6 +254,8 @@ class SenderParts:
     """Start device-to-host copies of a chunk before ``host_bytes`` is called."""
     packer: DevicePacker | None = None
     """Set when the backend packs on a device (``SenderCaps.on_device``)."""
+    shards: LocalShards | None = None
+    """Set when each trainer rank sends its own shard (``SenderCaps.local_shards``)."""
 
 
 class RoundSender(ABC):
@@ -255,6 +289,12 @@ class RoundSender(ABC):
         """The session ended (after the link closed): free what the data path holds."""
         return None
 
+    def check_round(self, metas: Sequence[ParamMeta]) -> None:
+        """Refuse, when the round is planned (before any call), a round of ``metas`` this
+        session cannot send (``nccl_m2n``: a tensor its init did not declare, or declared
+        with another dtype or shape). Default: any round."""
+        return None
+
     def discard(
         self,
         chunks: Sequence[Chunk],
@@ -279,6 +319,9 @@ class WirePlan:
 
     metas: list[ParamMeta]
     order: tuple[int, ...] | None = None
+    update_info: dict[str, Any] | None = None
+    """The update info a stock receiver takes for this round, written by the backend
+    (``nccl_m2n``: the names); ``None``: the one built from ``metas``."""
 
     def reorder(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """Re-emit a source-order ``(name, tensor)`` stream in wire order.
@@ -344,6 +387,12 @@ class SenderCaps:
     sliced: bool = False
     """Rounds may be sliced: each worker says at init what it wants (``Backend.hellos``) and
     gets only that, point to point (``Backend.sliced_sender``)."""
+    local_shards: bool = False
+    """Every trainer rank is a device of this process and sends its own shard of each tensor,
+    nothing gathered; the init info carries the source's layout, so the backend is opened
+    with it (``Backend.open_sharded``) and its sender reads ``SenderParts.shards``."""
+    draft: bool = True
+    """Rounds may target the speculative draft model (``nccl_m2n``'s receiver refuses them)."""
 
 
 @dataclass(frozen=True)
@@ -387,6 +436,13 @@ class Backend(ABC):
     @abstractmethod
     def sender(self, link: Any, settings: SenderSettings, parts: SenderParts) -> RoundSender:
         """The data path over ``link`` (what this backend's rendezvous joined)."""
+
+    def open_sharded(
+        self, settings: SenderSettings, *, workers: int, layout: ShardLayout
+    ) -> Rendezvous:
+        """``caps.local_shards``: prepare rank 0's endpoint for ``workers`` inference workers
+        and the trainer ranks of ``layout`` (the source's tensors and who holds what)."""
+        raise NotImplementedError(f"backend {self.name!r} is not opened with the source's layout")
 
     def plan_round(
         self,

@@ -26,9 +26,10 @@ class BackendSpec:
     """Rank 0's ``Backend`` subclass."""
     connect: str | None
     """The worker's connect function; ``None``: only vLLM's own receiver speaks this wire."""
-    worker_engine: str
+    worker_engine: str | None
     """The standalone receiver (reference server, loopback). Stock ``nccl``: the
-    ``weightwire_nccl`` engine, whose init info is vLLM's plus a defaulted timeout."""
+    ``weightwire_nccl`` engine, whose init info is vLLM's plus a defaulted timeout. ``None``:
+    nothing outside vLLM receives this wire (``nccl_m2n``: vLLM's own worker only)."""
     vllm_engine: str | None
     """The engine class the plugin registers with vLLM; ``None``: vLLM has it built in."""
     needs_cuda: bool

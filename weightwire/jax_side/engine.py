@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from weightwire.backends.base import DevicePacker
+from weightwire.backends.base import DevicePacker, LocalShards
 from weightwire.jax_side.delta import JaxDeltaKernel, Prefix
 from weightwire.jax_side.dtypes import describe as _describe
 from weightwire.jax_side.source import PytreeSource
@@ -92,6 +92,13 @@ class JAXTrainerEngine(TrainerEngine):
     def sliced_source(self, source: WeightSource) -> WeightSource:
         """A ``PytreeSource``'s outputs left sharded (``PytreeSource.sharded``)."""
         return source.sharded() if isinstance(source, PytreeSource) else source
+
+    def local_shards(self, tensors: Mapping[str, Any], device: int | None) -> LocalShards:
+        """This process's devices as trainer ranks, in the first sharded array's mesh order;
+        each rank's part of an array the shard its device holds (``holdings.JaxLocalShards``)."""
+        from weightwire.jax_side.holdings import JaxLocalShards
+
+        return JaxLocalShards.of(tensors, device)
 
     def read_box(self, tensor: Any, box: Box) -> np.ndarray:
         """From the addressable shard holding ``box`` (``jax_side.holdings.read_box``): only

@@ -15,10 +15,13 @@ not).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
+from weightwire.backends.base import LocalShards
+from weightwire.shared.errors import ConfigError, SourceMismatch
 from weightwire.shared.slices import Box, Shape
 from weightwire.trainer.slice_plan import Held, Holdings, SlicePlanError
 
@@ -86,4 +89,82 @@ def cut_box(
     )
 
 
-__all__ = ["array_holdings", "cut_box", "holdings_of", "index_box", "process_rank", "read_box"]
+def _mesh_devices(array: jax.Array) -> list[jax.Device]:
+    """The devices of ``array``'s sharding in rank order: a ``NamedSharding``'s mesh
+    row-major, else by device id."""
+    mesh = getattr(array.sharding, "mesh", None)
+    devices = getattr(mesh, "devices", None)
+    if devices is not None:
+        return list(np.asarray(devices).flat)
+    return sorted(array.sharding.device_set, key=lambda d: d.id)
+
+
+class JaxLocalShards(LocalShards):
+    """A JAX trainer's devices as trainer ranks of this process (``SenderCaps.local_shards``):
+    rank r is ``devices[r]``, the mesh of the first sharded array (row-major), and each rank's
+    part of an array is the addressable shard its device holds (a view: nothing gathered). A
+    host array is held whole by every rank (put on each device per round)."""
+
+    def __init__(self, devices: Sequence[jax.Device]) -> None:
+        self._jax_devices = list(devices)
+
+    @classmethod
+    def of(cls, arrays: Mapping[str, object], device: int | None) -> JaxLocalShards:
+        """The ranks of the first ``jax.Array`` among ``arrays`` (else one: the local
+        device ``device``, or the first)."""
+        for tensor in arrays.values():
+            if isinstance(tensor, jax.Array):
+                return cls(_mesh_devices(tensor))
+        local = jax.local_devices()
+        return cls([local[device or 0]])
+
+    @property
+    def devices(self) -> list[int]:
+        out = []
+        for d in self._jax_devices:
+            hw = getattr(d, "local_hardware_id", None)
+            out.append(int(d.id if hw is None else hw))
+        return out
+
+    def boxes(self, name: str, tensor: Any) -> list[Box]:
+        shape = tuple(int(n) for n in np.shape(tensor))
+        if not isinstance(tensor, jax.Array):
+            return [Box.whole(shape)] * len(self._jax_devices)
+        index_map = tensor.sharding.devices_indices_map(shape)
+        missing = [r for r, d in enumerate(self._jax_devices) if d not in index_map]
+        if missing:
+            r = missing[0]
+            raise ConfigError(
+                f"'{name}' is not placed on trainer rank {r}'s device {self._jax_devices[r]}: "
+                f"every tensor must be on each of the trainer ranks' {len(self._jax_devices)} "
+                "devices (the first sharded array's mesh), whole or split"
+            )
+        return [index_box(index_map[d], shape) for d in self._jax_devices]
+
+    def shards(self, name: str, tensor: Any) -> list[Any]:
+        if not isinstance(tensor, jax.Array):
+            return [jax.device_put(tensor, d) for d in self._jax_devices]
+        by_device = {s.device: s.data for s in tensor.addressable_shards}
+        parts = []
+        for d in self._jax_devices:
+            part = by_device.get(d)
+            if part is None:
+                raise SourceMismatch(
+                    f"'{name}' has no shard on device {d} of this process (its sharding "
+                    "changed since the session opened: shutdown() and trainer_init() again)"
+                )
+            parts.append(part)
+        for part in parts:
+            part.block_until_ready()  # nccl.m2n reads on its own stream: XLA's writes first
+        return parts
+
+
+__all__ = [
+    "JaxLocalShards",
+    "array_holdings",
+    "cut_box",
+    "holdings_of",
+    "index_box",
+    "process_rank",
+    "read_box",
+]

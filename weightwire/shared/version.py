@@ -86,6 +86,13 @@ FEATURES: tuple[Feature, ...] = (
         "the packed consumer reshapes with view(shape): scalars ([]) load",
     ),
     Feature(
+        "nccl_m2n",
+        (0, 33),
+        False,
+        "the nccl_m2n backend: each trainer rank's shard resharded into the workers' layout "
+        "(nccl.m2n), the layouts fixed by the init info, a round's update info its names",
+    ),
+    Feature(
         "reuse_metadata",
         (0, 33),
         False,
@@ -167,6 +174,7 @@ class ServerFeatures:
     shutdown_route: bool
     weight_checker_route: bool
     packed_scalars: bool
+    nccl_m2n: bool
     reuse_metadata: bool
 
     @classmethod

@@ -258,7 +258,7 @@ def serve(backend: str, device: str, *, host: str = "127.0.0.1", port: int = 0) 
     import torch
 
     # Stock nccl is received by the weightwire_nccl engine here (the registry says so).
-    engine_cls = backends.load(backends.get(backend).worker_engine)
+    engine_cls = backends.worker_engine(backend)
     store = TensorStoreHost()
     engine = engine_cls.standalone(model=store, device=torch.device(device))
     state: dict[str, Any] = {"version": "default", "paused": False}

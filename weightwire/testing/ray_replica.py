@@ -76,7 +76,7 @@ class ReplicaActor:
 
     def init_weight_transfer_engine(self, request: Any) -> None:
         self.shutdown_weight_transfer_engine()  # a new trainer's session replaces the previous one
-        engine = backends.load(backends.get(self.backend).worker_engine).standalone(
+        engine = backends.worker_engine(self.backend).standalone(
             model=self.host, device=self.device
         )
         try:

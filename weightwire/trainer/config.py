@@ -53,14 +53,17 @@ class TrainerInitInfo:
     """Trainer-side configuration.
 
     - ``backend``: ``nccl`` (stock vLLM dense NCCL, unique-id rendezvous, vLLM >= 0.30),
+      ``nccl_m2n`` (vLLM 0.33's own: every trainer device sends its own shard, resharded
+      into the workers' layout; ``docs/sliced.md``),
       ``weightwire_nccl`` (the same plus a worker-side timeout; needs the weightwire
       plugin), ``weightwire_tcp`` (no GPU needed; needs the plugin), ``weightwire_ipc``
       (trainer and workers on one host, CUDA IPC; needs the plugin).
     - ``rank``: this trainer process's rank; rank 0 sends, the others only iterate the
       source so they stay in the trainer-side gathers (FSDP ``full_tensor``).
     - ``packed`` / ``packed_buffer_size_bytes`` / ``packed_num_buffers``: wire params.
-    - ``tcp_bind_host`` / ``tcp_advertise_host``: where the TCP rendezvous listens and
-      the address workers dial (set it when workers are on other hosts).
+    - ``tcp_bind_host`` / ``tcp_advertise_host``: where the TCP rendezvous (and
+      ``nccl_m2n``'s metadata store) listens and the address workers dial (set it when
+      workers are on other hosts).
     - ``device``: CUDA ordinal of the NCCL sender (``None``: the current device).
     - ``pause_mode``: pause generation around every round (``keep``/``wait``/``abort``).
       The default ``auto`` pauses with ``keep`` around rounds to a stock ``nccl`` worker
@@ -149,6 +152,11 @@ class TrainerInitInfo:
     - ``server_version`` / ``inference_world_size``: for clients that cannot ask the
       server (a custom adapter with only the four calls). A client that can ask is
       still asked, and a ``server_version`` naming another release is refused.
+    - ``inference_tensor_parallel_size``: ``nccl_m2n`` only: the servers'
+      ``--tensor-parallel-size``, so the workers are declared as ``(world / tp, tp)`` and vLLM
+      writes each tensor it can place straight into each worker's slice (``None``: 1, every
+      tensor reaches every worker whole; a wrong value is refused by vLLM's plan checks or
+      falls back to whole tensors, never lands wrong).
     - ``version_override``: gate the server as this known vLLM release (``"0.33"``)
       whatever it reports: the explicit way past a fail-closed gate (a pre-release or
       a version newer than weightwire knows). Logged at every init.
@@ -172,6 +180,7 @@ class TrainerInitInfo:
     snapshot: str = "copy"
     server_version: str | None = None
     inference_world_size: int | None = None
+    inference_tensor_parallel_size: int | None = None
     version_override: str | None = None
     ipc_release_after_round: bool = False
     ipc_mode: str = "auto"
@@ -244,6 +253,9 @@ class TrainerInitInfo:
         world = self.inference_world_size
         if world is not None and (type(world) is not int or not 1 <= world < LIMITS.max_world_size):
             raise ConfigError(f"inference_world_size must be a positive int, got {world!r}")
+        tp = self.inference_tensor_parallel_size
+        if tp is not None and (type(tp) is not int or not 1 <= tp < LIMITS.max_world_size):
+            raise ConfigError(f"inference_tensor_parallel_size must be an int >= 1, got {tp!r}")
         if self.sliced not in SLICED_MODES:
             raise ConfigError(
                 f"sliced must be one of {', '.join(map(repr, SLICED_MODES))}, got {self.sliced!r}"

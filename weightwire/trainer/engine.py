@@ -166,6 +166,12 @@ class TrainerEngine(FrameworkHooks):
         if init_info.is_sender:
             engine._check_client()
         if group is not None:
+            if engine.session.backend.caps.local_shards:
+                raise ConfigError(
+                    f"backend {init_info.backend!r} sends from the devices of one process, "
+                    "each its own shard: a TrainerGroup's processes cannot share its session; "
+                    "give the source's arrays to one process (its devices are the trainer ranks)"
+                )
             if init_info.delta != "off":
                 raise ConfigError(
                     "delta rounds need one sender: a TrainerGroup's several broadcasters "
@@ -338,6 +344,12 @@ class TrainerEngine(FrameworkHooks):
             raise self.session.broken
 
     def _check_draft(self) -> None:
+        if not self.session.backend.caps.draft:
+            raise ConfigError(
+                f"backend {self.info.backend!r} sends no draft rounds: its stock receiver is "
+                "planned against the target model at init and refuses "
+                "start_draft_weight_update; nothing was sent"
+            )
         assert self.features is not None
         self.features.require("draft_route", "a draft round starts with /start_draft_weight_update")
         if not self.session.caps.start_draft_weight_update:

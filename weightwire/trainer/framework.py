@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from weightwire.backends.base import DevicePacker, SenderParts
+from weightwire.backends.base import DevicePacker, LocalShards, SenderParts
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.slices import Box
@@ -131,6 +131,14 @@ class FrameworkHooks(ABC):
         shapes = {n: self.describe(t)[1] for n, t in tensors.items()}
         return Holdings.of(shapes, [Held(n, rank, Box.whole(s)) for n, s in shapes.items()])
 
+    def local_shards(self, tensors: Mapping[str, Any], device: int | None) -> LocalShards:
+        """This process's devices as the trainer ranks of a backend with
+        ``SenderCaps.local_shards``, told by ``tensors`` (the source's first tensor, as
+        ``sliced_source`` yields it; empty for a source of none): its ``boxes`` and ``shards``
+        then read every tensor of the session. Default: one rank, on ``device`` (or 0),
+        holding every tensor whole."""
+        return WholeOnOneDevice(0 if device is None else device, self.describe)
+
     def sliced_source(self, source: WeightSource) -> WeightSource:
         """The source a sliced round reads: one whose tensors stay where they are held
         (not gathered to one device). Default: ``source`` itself."""
@@ -161,3 +169,20 @@ class FrameworkHooks(ABC):
         raise ConfigError(
             f"{type(self).__name__} cannot take a snapshot for send_weights(wait=False)"
         )
+
+
+class WholeOnOneDevice(LocalShards):
+    """One trainer rank holding every tensor whole: its shard is the tensor itself."""
+
+    def __init__(self, device: int, describe: Any) -> None:
+        self._device, self._describe = device, describe
+
+    @property
+    def devices(self) -> list[int]:
+        return [self._device]
+
+    def boxes(self, name: str, tensor: Any) -> list[Box]:
+        return [Box.whole(self._describe(tensor)[1])]
+
+    def shards(self, name: str, tensor: Any) -> list[Any]:
+        return [tensor]

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from weightwire.backends import get_backend
 from weightwire.shared.client import named_servers
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
@@ -73,6 +74,14 @@ class AdapterSync:
                 f"AdapterSync sends the whole adapter every round; its engine has "
                 f"delta={delta!r}: build the adapter's engine with TrainerInitInfo(delta='off') "
                 "(an adapter round is small)"
+            )
+        if get_backend(engine.info.backend).caps.stock_receiver:
+            # vLLM's own receivers load every round into the base model's parameters: an
+            # adapter's tensors name no base parameter (they would fail, or worse, mid-round).
+            raise ConfigError(
+                f"AdapterSync needs workers that take adapter rounds (the weightwire plugin's "
+                f"backends); backend {engine.info.backend!r} is vLLM's own receiver, which "
+                "loads base weights only"
             )
         self.engine = engine
         self.adapter = check_adapter_name(adapter)

@@ -447,6 +447,8 @@ def sole_plan(s: Session, metas: list[ParamMeta], last: SolePlan | None) -> Sole
     wire = s.backend.plan_round(
         metas, features=s.features, packed=s.info.packed, buffer_size_bytes=size
     )
+    if s.sender is not None:  # what this session's data path was opened for
+        s.sender.check_round(wire.metas)
     chunks = plan(wire.metas, packed=s.info.packed, buffer_size_bytes=size)
     bplan = BroadcastPlan((0,), (Turn(0, 0, tuple(wire.metas)),))
     return SolePlan(list(metas), wire, chunks, bplan)
@@ -481,6 +483,8 @@ class SoleRounds:
         with clock("metadata"):
             self._planned = sole = sole_plan(s, metas, self._planned)  # a refusal: before any call
         source = s.source if source is None else source
+        if s.backend.caps.local_shards:  # each trainer rank sends its shard: left where held
+            source = rewrapped(source, s.framework.sliced_source)
         wire: Wire = SoleWire(s, sole, source, remap)
         slicing = s.slicing
         patches = patch_entries(fields)
@@ -506,6 +510,8 @@ class SoleRounds:
             wire,
             draft,
             fields=fields or {},
+            # a stock receiver's own update info (nccl_m2n: the names), else built from metas
+            payloads=None if sole.wire.update_info is None else [sole.wire.update_info],
             before_commit=before_commit,
             early_pause=True,  # SoleWire runs control as soon as its first chunk is prepared
         )

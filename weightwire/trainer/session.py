@@ -14,10 +14,18 @@ import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from weightwire.backends.base import Backend, DevicePacker, Link, RoundSender, SenderParts
+from weightwire.backends.base import (
+    Backend,
+    DevicePacker,
+    Link,
+    LocalShards,
+    RoundSender,
+    SenderParts,
+    ShardLayout,
+)
 from weightwire.control.fallback import FallbackClient
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient
@@ -35,12 +43,14 @@ from weightwire.trainer.freshness import CommitPlan
 from weightwire.trainer.gating import RoundPause, guard_installed, round_pause, server_features
 from weightwire.trainer.slice_plan import Holdings
 from weightwire.trainer.sliced import Slicing
+from weightwire.trainer.snapshot import rewrapped
 from weightwire.trainer.transfer import (
     await_call,
     join_beside_init,
     real_cause,
     shutdown_when_settled,
     tap,
+    tensor_stream,
 )
 from weightwire.trainer.verify import RoundVerifier
 
@@ -65,6 +75,7 @@ class Framework(Protocol):
     def host_bytes(self, tensor: Any) -> Any: ...
     def cut_box(self, tensor: Any, box: Box) -> Any: ...
     def sliced_source(self, source: WeightSource) -> WeightSource: ...
+    def local_shards(self, tensors: Mapping[str, Any], device: int | None) -> LocalShards: ...
 
 
 @dataclass(frozen=True)
@@ -214,7 +225,13 @@ def open_wire(
     # Made before any rendezvous so a trainer without a usable device fails here,
     # not after the workers joined.
     packer = s.framework.device_packer(s.info.device) if s.backend.caps.on_device else None
-    rdv = s.backend.open(s.info, world_size=trainer_ranks + world)
+    # A backend whose trainer ranks each send their own shard takes the source's layout in
+    # its init info: one pass over the source, where its tensors are held (nothing gathered).
+    layout = shard_layout(s) if s.backend.caps.local_shards else None
+    if layout is not None:
+        rdv = s.backend.open_sharded(s.info, workers=world, layout=layout)
+    else:
+        rdv = s.backend.open(s.info, world_size=trainer_ranks + world)
     # The workers keep what delta rounds need (docs/delta.md); vLLM's own workers refuse
     # an init info with a field they do not know.
     if s.info.delta != "off" and not s.backend.caps.stock_receiver:
@@ -255,6 +272,8 @@ def open_wire(
         if isinstance(s.source, Fp8Source):  # its spec against the served model's FP8 linears
             s.source.fit(s.served)
         parts = s.framework.sender_parts(packer)
+        if layout is not None:
+            parts = replace(parts, shards=layout.shards)
         s.sender = s.backend.sender(link, s.info, parts)
         if asks_wants:
             s.slicing = Slicing(
@@ -267,6 +286,24 @@ def open_wire(
         link.abort()
         raise real_cause(exc, post) from None
     s.link = link
+
+
+def shard_layout(s: Session) -> ShardLayout:
+    """The source's tensors and which box of each every trainer rank (a device of this
+    process) holds, from one pass over the source left where it is held (``sliced_source``):
+    nothing is gathered, and each tensor is dropped once its boxes are read (the trainer
+    ranks are told by the first tensor: ``FrameworkHooks.local_shards``)."""
+    metas = s.source.metadata()
+    source = rewrapped(s.source, s.framework.sliced_source)
+    local: LocalShards | None = None
+    boxes = []
+    for name, tensor in s.stream(source, tensor_stream(source), metas, None):
+        if local is None:
+            local = s.framework.local_shards({name: tensor}, s.info.device)
+        boxes.append(local.boxes(name, tensor))
+    if local is None:  # a source of no tensors: one rank, on the configured device
+        local = s.framework.local_shards({}, s.info.device)
+    return ShardLayout(metas, boxes, local)
 
 
 def served_model(client: Any, caps: ClientCaps, *, ask_workers: bool) -> ServedModel | None:

@@ -99,3 +99,53 @@ class WeightwireNCCLInitInfo(NCCLInitInfo):
         super().__post_init__()
         check_seconds(f"{type(self).__name__}.timeout_s", self.timeout_s, most=MAX_TIMEOUT_S)
         check_stage_budget(f"{type(self).__name__}.stage_budget_bytes", self.stage_budget_bytes)
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class M2NInitInfo(StrictInfo):
+    """Worker init info of vLLM 0.33's ``nccl_m2n`` receiver (``M2NWeightTransferInitInfo``:
+    the metadata rendezvous, the trainer ranks and the workers' mesh, and every tensor's
+    trainer-side layout; ``backends.nccl.stock_m2n`` builds it). The checks are vLLM's
+    ``__post_init__``'s, so rank 0 refuses what the workers would refuse, before the POST;
+    the params' digest is checked by the workers (``parse_wire_params``)."""
+
+    _secret_fields: ClassVar[tuple[str, ...]] = ("nccl_unique_id_b64",)
+
+    schema_version: int
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    dst_mesh_dims: list
+    source_digest: str
+    params: list
+    nccl_unique_id_b64: str | None = None
+    max_cta: int | None = None
+
+    def __post_init__(self) -> None:
+        ctx = type(self).__name__
+        check_host(f"{ctx}.master_address", self.master_address)
+        if not 0 < self.master_port < 65536:
+            raise ConfigError(f"{ctx}.master_port must be in [1, 65535], got {self.master_port}")
+        if not 1 <= self.rank_offset < self.world_size:
+            raise ConfigError(
+                f"{ctx}: rank_offset ({self.rank_offset}) must leave at least one trainer rank "
+                f"and one worker in world_size {self.world_size}"
+            )
+        dims = self.dst_mesh_dims
+        workers = self.world_size - self.rank_offset
+        if (
+            len(dims) != 2
+            or not all(type(d) is int and d > 0 for d in dims)
+            or dims[0] * dims[1] != workers
+        ):
+            raise ConfigError(
+                f"{ctx}.dst_mesh_dims {dims!r} must be two positive dims covering the "
+                f"{workers} inference workers"
+            )
+        if not self.source_digest or not all(isinstance(p, dict) for p in self.params):
+            raise ConfigError(f"{ctx}: source_digest and params (one mapping each) are required")
+        if self.nccl_unique_id_b64 is not None:
+            decode_secret(
+                f"{ctx}.nccl_unique_id_b64", self.nccl_unique_id_b64, NCCL_UNIQUE_ID_BYTES
+            )

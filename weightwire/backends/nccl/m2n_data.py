@@ -46,6 +46,14 @@ def load_m2n() -> tuple[Any, Any]:
     return core, m2n
 
 
+def array_module() -> Any:
+    """CuPy, the data plane's devices and streams (optional dependency, GPU hosts only; the
+    CPU tests put a fake in its place)."""
+    import cupy
+
+    return cupy
+
+
 def mint_m2n_unique_id() -> bytes:
     """A fresh 128-byte ``ncclUniqueId`` from NCCL4Py (a secret, as any unique id)."""
     core, _ = load_m2n()
@@ -77,9 +85,7 @@ class NcclM2NDataPlane:
         """The rank-local resources, before any NCCL call (the ``runtime_ready`` phase)."""
         self._core, self._m2n = load_m2n()
         if self._xp is None:
-            import cupy  # optional dependency, GPU hosts only
-
-            self._xp = cupy
+            self._xp = array_module()
         xp, m2n = self._xp, self._m2n
         for d in self.devices:
             with xp.cuda.Device(d):

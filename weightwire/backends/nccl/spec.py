@@ -1,5 +1,5 @@
-"""The specs of the two NCCL backends: vLLM's own ``nccl`` and ``weightwire_nccl``
-(data only: ``weightwire.backends.spec``)."""
+"""The specs of the NCCL backends: vLLM's own ``nccl``, ``sparse_nccl`` and ``nccl_m2n``, and
+``weightwire_nccl`` (data only: ``weightwire.backends.spec``)."""
 
 from __future__ import annotations
 
@@ -46,4 +46,18 @@ SPARSE_NCCL = replace(
 Outside vLLM nothing receives its rounds (the listed engine parses its init info and refuses
 its update info)."""
 
-SPECS = (WEIGHTWIRE_NCCL, NCCL, SPARSE_NCCL)
+NCCL_M2N = BackendSpec(
+    name="nccl_m2n",
+    init_info=f"{_INFO}:M2NInitInfo",
+    trainer="weightwire.backends.nccl.m2n_trainer:NcclM2NBackend",
+    connect=None,
+    worker_engine=None,
+    vllm_engine=None,
+    needs_cuda=True,
+    stock_receiver=True,
+)
+"""vLLM 0.33's own ``nccl_m2n``: every trainer device sends its own shard of each tensor,
+resharded into the workers' layout (``nccl.m2n``); no plugin, and nothing outside vLLM
+receives it."""
+
+SPECS = (WEIGHTWIRE_NCCL, NCCL, SPARSE_NCCL, NCCL_M2N)

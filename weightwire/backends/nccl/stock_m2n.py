@@ -475,6 +475,10 @@ class StockM2NSession:
     after its first reshard leaves the workers' communicator unusable (vLLM's receiver has
     no timeout): close the session and restart the server's engine
     (``/shutdown_weight_transfer_engine``, then a new ``open()``).
+
+    The trainer engines (``backends.nccl.m2n_trainer``) drive the same steps through their
+    own round: ``listen`` (the init info to post), ``join`` beside that POST, then per tensor
+    ``check_parts`` / ``reshard`` and ``wait``.
     """
 
     def __init__(
@@ -489,6 +493,7 @@ class StockM2NSession:
         dst_mesh_dims: tuple[int, int] | None = None,
         timeout_s: float = 300.0,
         max_cta: int | None = None,
+        advertise: str | None = None,
     ) -> None:
         self.client, self.params, self.data = client, list(params), data
         self.trainer_ranks = data.ranks
@@ -496,13 +501,16 @@ class StockM2NSession:
         self.world_size = self.trainer_ranks + self.workers
         self.dst_dims = dst_mesh_dims or (self.workers, 1)
         self.host, self.unique_id, self.timeout_s = host, unique_id, float(timeout_s)
+        self.advertise = advertise or host
         self.max_cta = max_cta
         self.placements: list[tuple[int, int] | None] = []
+        self.info: dict[str, Any] | None = None
         self._store: Any = None
         self._broken: str | None = None
         names = [p.meta.name for p in self.params]
         if len(set(names)) != len(names):
             raise ValueError("nccl_m2n params name a tensor twice")
+        self.index = {name: i for i, name in enumerate(names)}
         for p in self.params:
             check_param(p.meta, p.layout, self.trainer_ranks)
 
@@ -518,31 +526,39 @@ class StockM2NSession:
         if fut.done() and fut.exception() is not None:
             raise fut.exception()  # type: ignore[misc]
 
-    def open(self) -> None:
-        from weightwire.backends.nccl.m2n_store import MetadataGroup, MetadataStore
+    def listen(self) -> dict[str, Any]:
+        """Step 1: the metadata store is served (on ``host``) and the init info built (the
+        workers dial ``advertise``); post it to the server while ``join`` runs."""
+        from weightwire.backends.nccl.m2n_store import MetadataStore
 
-        t, store = self.trainer_ranks, MetadataStore(self.host)
+        store = MetadataStore(self.host)
         self._store = store
-        info = init_info(
+        self.info = init_info(
             self.params,
-            master_address=self.host,
+            master_address=self.advertise,
             master_port=store.port,
-            trainer_ranks=t,
+            trainer_ranks=self.trainer_ranks,
             world_size=self.world_size,
             dst_mesh_dims=self.dst_dims,
             unique_id=self.unique_id,
             max_cta=self.max_cta,
         )
-        posted = self._background(self.client.init_weight_transfer_engine, info)
-        group = MetadataGroup(
-            store,
-            self.world_size,
-            timeout_s=self.timeout_s,
-            own=t,
-            check=lambda: self._raise_if_failed(posted),
-        )
+        return self.info
+
+    def join(
+        self, *, check: Callable[[], None] | None = None, timeout_s: float | None = None
+    ) -> None:
+        """Steps 2-3, beside the init POST: the four agreement phases, the communicator and
+        the workers' placements, each wait bounded by ``timeout_s`` (default the session's)
+        and ended sooner when ``check`` raises (the init call failed). On failure the session
+        is closed."""
+        assert self.info is not None and self._store is not None, "listen() first"
+        t, wait_s = self.trainer_ranks, self.timeout_s if timeout_s is None else timeout_s
+        from weightwire.backends.nccl.m2n_store import MetadataGroup
+
+        group = MetadataGroup(self._store, self.world_size, timeout_s=wait_s, own=t, check=check)
         try:
-            digest = info["source_digest"]
+            digest = self.info["source_digest"]
             check_gathered("source", group.all_gather_obj(source_envelope(digest)), t)
             check_gathered(
                 "data_plane", group.all_gather_obj(data_plane_envelope(self.unique_id)), t
@@ -558,13 +574,8 @@ class StockM2NSession:
             if failed is not None:
                 raise failed
             check_gathered("runtime_ready", gathered, t)
-            failed_post = group.check
-            self.data.connect(
-                self.world_size, self.unique_id, timeout_s=self.timeout_s, check=failed_post
-            )
-            rows = self.data.placements(
-                len(self.params), t, timeout_s=self.timeout_s, check=failed_post
-            )
+            self.data.connect(self.world_size, self.unique_id, timeout_s=wait_s, check=check)
+            rows = self.data.placements(len(self.params), t, timeout_s=wait_s, check=check)
             placements = decode_placements(rows, len(self.params))
             plan_error: str | None = None
             try:
@@ -575,17 +586,65 @@ class StockM2NSession:
             check_gathered(
                 "complete_plan", group.all_gather_obj(complete_envelope(whole, plan_error)), t
             )
-            posted.result(timeout=self.timeout_s)
         except BaseException:
             self.close()
             raise
         self.placements = placements
+
+    def open(self) -> None:
+        info = self.listen()
+        posted = self._background(self.client.init_weight_transfer_engine, info)
+        try:
+            self.join(check=lambda: self._raise_if_failed(posted))
+            posted.result(timeout=self.timeout_s)
+        except BaseException:
+            self.close()
+            raise
 
     def _dst(self, i: int) -> tuple[tuple[int, int], tuple[int, int]]:
         place = self.placements[i]
         if place is None:
             return M2NLayout((self.workers, 1), None).resolved()
         return M2NLayout(self.dst_dims, place).resolved()
+
+    def check_round(self, metas: Sequence[ParamMeta]) -> None:
+        """A round of ``metas`` sends tensors the init declared, each once, with the declared
+        dtype and shape (vLLM's receiver refuses an undeclared name; a changed dtype or shape
+        would reshard into the wrong buffer): ``SourceMismatch`` naming the first that is not."""
+        seen: set[str] = set()
+        for m in metas:
+            i = self.index.get(m.name)
+            if i is None:
+                raise SourceMismatch(
+                    f"'{m.name}' was not declared at the nccl_m2n init (its {len(self.params)} "
+                    "tensors are fixed for the session): shutdown() and trainer_init() again to "
+                    "send another set of tensors"
+                )
+            declared = self.params[i].meta
+            if (m.dtype, tuple(m.shape)) != (declared.dtype, tuple(declared.shape)):
+                raise SourceMismatch(
+                    f"'{m.name}' is {m.dtype} {list(m.shape)}; the nccl_m2n init declared "
+                    f"{declared.dtype} {list(declared.shape)} (the layouts are fixed for the "
+                    "session: shutdown() and trainer_init() again)"
+                )
+            if m.name in seen:
+                raise SourceMismatch(f"'{m.name}' is sent twice in one nccl_m2n round")
+            seen.add(m.name)
+
+    def check_parts(self, name: str, parts: Sequence[Any]) -> None:
+        """Each trainer rank's part of tensor ``name`` has the shape its layout says."""
+        p = self.params[self.index[name]]
+        if len(parts) != self.trainer_ranks:
+            raise SourceMismatch(
+                f"'{p.meta.name}': {len(parts)} shards for {self.trainer_ranks} trainer ranks"
+            )
+        for r, part in enumerate(parts):
+            want = p.local_shape(r)
+            if tuple(part.shape) != want:
+                raise SourceMismatch(
+                    f"'{p.meta.name}' on trainer rank {r} is {list(part.shape)}; its layout "
+                    f"says {list(want)} (the source's sharding changed: open a new session)"
+                )
 
     def _check_shards(self, shards: Sequence[Sequence[Any]]) -> None:
         if len(shards) != len(self.params):
@@ -594,17 +653,24 @@ class StockM2NSession:
                 f"{len(self.params)}"
             )
         for p, parts in zip(self.params, shards, strict=True):
-            if len(parts) != self.trainer_ranks:
-                raise SourceMismatch(
-                    f"'{p.meta.name}': {len(parts)} shards for {self.trainer_ranks} trainer ranks"
-                )
-            for r, part in enumerate(parts):
-                want = p.local_shape(r)
-                if tuple(part.shape) != want:
-                    raise SourceMismatch(
-                        f"'{p.meta.name}' on trainer rank {r} is {list(part.shape)}; its layout "
-                        f"says {list(want)} (the source's sharding changed: open a new session)"
-                    )
+            self.check_parts(p.meta.name, parts)
+
+    def reshard(self, name: str, parts: Sequence[Any]) -> int:
+        """Tensor ``name``'s reshard, every local rank its part (checked first); returns the
+        bytes the workers receive of it."""
+        i = self.index[name]
+        p = self.params[i]
+        self.data.reshard(parts, p.layout.resolved(), self._dst(i), self.trainer_ranks)
+        shape = p.meta.shape
+        dst = self.placements[i]
+        per = [
+            (M2NLayout(self.dst_dims, dst).box(shape, w).volume if dst else math.prod(shape))
+            for w in range(self.workers)
+        ]
+        return sum(per) * p.meta.itemsize
+
+    def wait(self, *, check: Callable[[], None] | None = None) -> None:
+        self.data.wait(timeout_s=self.timeout_s, check=check)
 
     def send(self, shards: Sequence[Sequence[Any]], weight_version: str = "") -> None:
         """One round: every shard checked first (nothing is sent for a wrong one), then
@@ -620,12 +686,10 @@ class StockM2NSession:
         self.client.start_weight_update()
         try:
             posted = self._background(self.client.update_weights, update_info(self.params))
-            for i, parts in enumerate(shards):
+            for p, parts in zip(self.params, shards, strict=True):
                 self._raise_if_failed(posted)
-                self.data.reshard(
-                    parts, self.params[i].layout.resolved(), self._dst(i), self.trainer_ranks
-                )
-            self.data.wait(timeout_s=self.timeout_s, check=lambda: self._raise_if_failed(posted))
+                self.reshard(p.meta.name, parts)
+            self.wait(check=lambda: self._raise_if_failed(posted))
             posted.result(timeout=self.timeout_s)
         except BaseException as exc:
             # vLLM's receiver has no timeout and its collectives cannot be resumed: the

@@ -95,7 +95,7 @@ class Worker:
 
     # -- control lane ---------------------------------------------------------------
     def _new_engine(self) -> Any:
-        cls = backends.load(backends.get(self.spec.backend).worker_engine)
+        cls = backends.worker_engine(self.spec.backend)
         return cls.standalone(
             model=self.host,
             device=self.device,

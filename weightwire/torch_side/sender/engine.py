@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from weightwire.backends.base import DevicePacker
+from weightwire.backends.base import DevicePacker, LocalShards
 from weightwire.backends.device import DeviceBytes, tensor_device_bytes
 from weightwire.shared.errors import WrongType
 from weightwire.shared.slices import Box
@@ -96,6 +96,13 @@ class TorchTrainerEngine(TrainerEngine):
         from weightwire.torch_side.sender.holdings import holdings_of
 
         return holdings_of(dict(tensors), rank=self.process_rank())
+
+    def local_shards(self, tensors: Mapping[str, Any], device: int | None) -> LocalShards:
+        """One trainer rank: the device holding every plain tensor whole
+        (``holdings.TorchLocalShards``; a DTensor is refused by name)."""
+        from weightwire.torch_side.sender.holdings import TorchLocalShards
+
+        return TorchLocalShards.of(tensors, device)
 
     def read_box(self, tensor: Any, box: Box) -> np.ndarray:
         """A view of the box in this process's tensor (a DTensor's local shard), copied

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from weightwire.backends.base import LocalShards
+from weightwire.shared.errors import ConfigError, SourceMismatch
 from weightwire.shared.slices import Box, Shape
 from weightwire.trainer.slice_plan import Held, Holdings, SlicePlanError
 
@@ -105,4 +107,62 @@ def local_piece(tensor: torch.Tensor, box: Box, *, rank: int) -> torch.Tensor:
     return tensor[box.slices()]
 
 
-__all__ = ["holdings_of", "local_piece", "placement_boxes", "tensor_holdings"]
+class TorchLocalShards(LocalShards):
+    """A torch trainer as trainer ranks of this process (``SenderCaps.local_shards``): one
+    rank, the device holding every tensor whole. A DTensor is refused by name: its other
+    shards live in other processes, and such a backend's ranks are all devices of this one."""
+
+    def __init__(self, device: int) -> None:
+        self._device = device
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor], device: int | None) -> TorchLocalShards:
+        """The rank on the first CUDA tensor's device (else ``device``, or 0), every tensor
+        of ``tensors`` checked."""
+        ordinal = next(
+            (int(t.device.index or 0) for t in tensors.values() if t.is_cuda),
+            0 if device is None else device,
+        )
+        local = cls(ordinal)
+        for name, tensor in tensors.items():
+            local._check(name, tensor)
+        return local
+
+    def _check(self, name: str, tensor: torch.Tensor) -> None:
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(tensor, dtensor):
+            raise ConfigError(
+                f"'{name}' is a DTensor: its shards are held by other trainer processes, "
+                "and this backend's trainer ranks are the devices of the one process that "
+                "sends (send plain tensors, e.g. full_tensor() per round on this rank, "
+                "or use a backend with sliced rounds, which read DTensor shards)"
+            )
+        if tensor.is_cuda and tensor.device.index != self._device:
+            raise SourceMismatch(
+                f"'{name}' is on {tensor.device}, the session sends from cuda:{self._device}: "
+                "a torch trainer sends from one device, which holds every tensor whole"
+            )
+
+    @property
+    def devices(self) -> list[int]:
+        return [self._device]
+
+    def boxes(self, name: str, tensor: Any) -> list[Box]:
+        self._check(name, tensor)
+        return [Box.whole(tuple(tensor.shape))]
+
+    def shards(self, name: str, tensor: Any) -> list[Any]:
+        self._check(name, tensor)
+        if tensor.is_cuda:
+            # the data plane reads on its own stream: the trainer's writes must be done
+            torch.cuda.current_stream(tensor.device).synchronize()
+        return [tensor.detach().contiguous()]
+
+
+__all__ = [
+    "TorchLocalShards",
+    "holdings_of",
+    "local_piece",
+    "placement_boxes",
+    "tensor_holdings",
+]
