@@ -21,10 +21,13 @@ from weightwire.backends.tcp.spec import TCP
 DEMO_BACKENDS = tuple(
     name
     for name in backends.BACKEND_NAMES
-    if not backends.SPECS[name].same_host and backends.SPECS[name].dense_rounds
+    if not backends.SPECS[name].same_host
+    and backends.SPECS[name].dense_rounds
+    and backends.SPECS[name].worker_engine is not None
 )
 """``--backend`` choices; ``weightwire_ipc`` (one host) comes with ``--colocated`` (one GPU for
-both); ``sparse_nccl`` (delta rounds only) is not offered: the demo sends whole models."""
+both); ``sparse_nccl`` (delta rounds only) is not offered: the demo sends whole models; nor is
+a wire only vLLM's own workers receive (``nccl_m2n``): the demo's server could not take it."""
 
 
 @dataclass(frozen=True)
