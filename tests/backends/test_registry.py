@@ -216,8 +216,11 @@ def test_commands_offer_the_registry_names() -> None:
         tuple(action.choices) == backends.PLUGIN_BACKENDS
     )  # the reference server stands in for the plugin
     assert set(DEMO_BACKENDS) == {
-        n for n, s in backends.SPECS.items() if not s.same_host and s.dense_rounds
+        n
+        for n, s in backends.SPECS.items()
+        if not s.same_host and s.dense_rounds and s.worker_engine is not None
     }
+    assert "nccl_m2n" not in DEMO_BACKENDS  # only vLLM's own workers receive it
 
 
 def test_import_pulls_no_framework_and_nothing_else() -> None:
