@@ -9,7 +9,12 @@ weights. In combination with delta rounds, overlapped rounds, failures and parti
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -81,9 +86,7 @@ def fp8_client(inter: int = EVEN, world: int = 2) -> TPClient:
         torch.manual_seed(rank)
         return Fp8SlicedTP(rank=rank, world=world, inter=inter)
 
-    return TPClient(
-        (world, 0, 0, False, False), model=make, model_spec=lambda: served_spec(inter)
-    )
+    return TPClient((world, 0, 0, False, False), model=make, model_spec=lambda: served_spec(inter))
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -192,3 +195,28 @@ def test_each_worker_gets_its_slices_of_the_fp8_weight_and_its_scale(
         engine.shutdown()
         client.close()
 
+
+@pytest.mark.parametrize(
+    "inter", [EVEN, pytest.param(UNEVEN, marks=pytest.mark.slow)], ids=["blocks-whole", "block-cut"]
+)
+def test_a_sharded_pytree_source_is_quantized_on_its_shards_never_gathered(inter: int) -> None:
+    """A JAX trainer on a TP 2 mesh (each linear sharded as the workers split it), its
+    ``PytreeSource`` under ``fp8_source``: blocking and overlapped sliced rounds quantize
+    the arrays where they are sharded (the gather entry points raise) and every worker
+    serves the whole quantized checkpoint's slices."""
+    script = Path(__file__).with_name("_fp8_sliced_jax_mesh.py")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(inter)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spread = json.loads(proc.stdout.strip().splitlines()[-1])["spread"]
+    assert len(spread) == 2
+    for weights_read in spread:
+        assert len(weights_read) == 3
+        if inter == EVEN:  # whole blocks per shard: the e4m3 weights keep their sharding
+            assert all(weights_read.values()), weights_read
