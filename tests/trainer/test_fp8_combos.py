@@ -220,3 +220,86 @@ def test_a_sharded_pytree_source_is_quantized_on_its_shards_never_gathered(inter
         assert len(weights_read) == 3
         if inter == EVEN:  # whole blocks per shard: the e4m3 weights keep their sharding
             assert all(weights_read.values()), weights_read
+
+
+# ------------------------------------------------------------------ 2. FP8 x delta
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+GATE = "model.layers.0.mlp.gate_proj.weight"
+
+
+def unmoved_nudge(full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``full`` with one bf16 element of q_proj moved by one ulp where its e4m3 value (and
+    its block's scale) stay as they were."""
+    before = quantized(full)
+    x = full[Q_PROJ]
+    for flat in range(x.size):
+        nudged = x.copy()
+        cell = nudged.reshape(-1)[flat : flat + 1]
+        cell.view(np.uint16)[0] += 1
+        after = quantized({**full, Q_PROJ: nudged})
+        if all(after[n].tobytes() == before[n].tobytes() for n in before):
+            return {**full, Q_PROJ: nudged}
+    raise AssertionError("no element moves without moving its e4m3 value")
+
+
+def changed(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, int]:
+    """Per tensor of two quantized checkpoints, the elements whose bytes differ."""
+    out = {}
+    for name in a:
+        itemsize = a[name].dtype.itemsize
+        ca = a[name].reshape(-1).view(np.uint8).reshape(-1, itemsize)
+        cb = b[name].reshape(-1).view(np.uint8).reshape(-1, itemsize)
+        n = int((ca != cb).any(axis=1).sum())
+        if n:
+            out[name] = n
+    return out
+
+
+@pytest.mark.parametrize("sliced", ["auto", "off"], ids=["sliced", "broadcast"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_delta_round_compares_the_quantized_bytes(framework: str, sliced: str) -> None:
+    """``delta="auto"``: a bf16 change that leaves every e4m3 value and scale as it was sends
+    no element; a change that moves a block's scale sends that scale and the block's
+    elements whose e4m3 value moved, nothing else (sliced: only to the worker whose rows
+    hold the block); after each round every worker serves the new quantized checkpoint."""
+    client = fp8_client()
+    tensors: dict[str, Any] = {}
+    put = putter(framework, tensors)
+    first = weights(1)
+    put(first)
+    engine = engine_for(framework, client, tensors, delta="auto", sliced=sliced)
+    try:
+        engine.send_weights()  # the base
+        assert_serves(client, first)
+        total = sum(a.size for a in quantized(first).values())
+        # 1. one bf16 ulp that no e4m3 value sees: the round sends no element
+        same = unmoved_nudge(first)
+        put(same)
+        metrics = engine.send_weights()
+        assert metrics.density == 0.0 and metrics.nbytes < 100  # the base's one-element name
+        assert_serves(client, same)
+        # 2. a new block maximum in gate_proj's block (2, 0) (rank 1's rows): its scale
+        # moves, and with it every e4m3 value of the block (12.5% of the weight: a patch)
+        moved = {**same, GATE: same[GATE].copy()}
+        moved[GATE][300, 3] = ml_dtypes.bfloat16(float(np.abs(moved[GATE]).max()) * 3)
+        diff = changed(quantized(same), quantized(moved))
+        assert diff == {GATE: FP8_BLOCK * FP8_BLOCK, GATE + "_scale_inv": 1}
+        put(moved)
+        metrics = engine.send_weights()
+        assert metrics.density is not None
+        assert round(metrics.density * total) == sum(diff.values())
+        assert_serves(client, moved)
+        patches = {p[0]: p[1] for p in client.last_update["patches"]}
+        assert patches == {GATE: "float8_e4m3fn", GATE + "_scale_inv": "float32"}
+        patch_bytes = FP8_BLOCK * FP8_BLOCK * 5 + 8  # int32 index + e4m3 value; the scale's
+        if sliced == "auto":
+            assert client.last_update["sliced"] is True
+            # the block lies in rank 1's rows: rank 0 is sent none of its elements
+            assert client.received[0] < 100 and client.received[1] >= patch_bytes
+        else:
+            assert client.received == [metrics.nbytes] * 2
+            assert patch_bytes <= metrics.nbytes < patch_bytes + 100
+    finally:
+        engine.shutdown()
+        client.close()
