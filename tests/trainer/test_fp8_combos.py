@@ -303,3 +303,20 @@ def test_a_delta_round_compares_the_quantized_bytes(framework: str, sliced: str)
     finally:
         engine.shutdown()
         client.close()
+
+
+def test_an_e4m3_tensor_goes_dense_where_its_patch_would_be_larger() -> None:
+    """A patch costs an int32 index beside each value: for e4m3 (1 byte) it outgrows the
+    tensor from 1/5 of its elements changed, below the default ``delta_density`` (0.25):
+    such a tensor goes dense. bf16 and float32 keep the configured density; a receiver of
+    patches only (``sparse_nccl``: density 1, every tensor a patch) is not capped."""
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.trainer.delta import DeltaTracker
+
+    kernel: Any = None
+    capped = DeltaTracker(kernel, density=0.25, anchor_every=0, smaller_only=True)
+    assert capped.limit(ParamMeta("w", "float8_e4m3fn", (100, 100))) == 1999
+    assert capped.limit(ParamMeta("w", "bfloat16", (100, 100))) == 2499
+    assert capped.limit(ParamMeta("w", "float32", (100, 100))) == 2499
+    patches_only = DeltaTracker(kernel, density=1.0, anchor_every=0)
+    assert patches_only.limit(ParamMeta("w", "float8_e4m3fn", (100, 100))) == 9999
