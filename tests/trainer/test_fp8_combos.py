@@ -320,3 +320,53 @@ def test_an_e4m3_tensor_goes_dense_where_its_patch_would_be_larger() -> None:
     assert capped.limit(ParamMeta("w", "float32", (100, 100))) == 2499
     patches_only = DeltaTracker(kernel, density=1.0, anchor_every=0)
     assert patches_only.limit(ParamMeta("w", "float8_e4m3fn", (100, 100))) == 9999
+
+
+# ------------------------------------------------------------------ 3. FP8 x overlap
+
+
+@pytest.mark.parametrize(
+    ("framework", "snapshot"),
+    [("jax", "copy"), ("torch", "copy"), ("torch", "cow"), ("torch", "none")],
+)
+def test_an_overlapped_fp8_round_quantizes_the_weights_of_its_call(
+    framework: str, snapshot: str
+) -> None:
+    """``send_weights(wait=False)`` on a sliced FP8 session, then the trainer writes its
+    weights (torch: in place, as an optimizer step does; JAX: new arrays):
+    the round sends the quantization of the weights of the call, the next round the new
+    ones. ``snapshot="none"``: the caller keeps the weights until the handle is done."""
+    client = fp8_client()
+    tensors: dict[str, Any] = {}
+    put = putter(framework, tensors)
+    first = weights(1)
+    put(first)
+    kw = {"snapshot": snapshot} if framework == "torch" else {}
+    engine = engine_for(framework, client, tensors, **kw)
+    try:
+        engine.send_weights()
+        second, third = weights(2), weights(3)
+        if framework == "torch":
+            for name, value in second.items():
+                tensors[name].copy_(as_torch(value))
+        else:
+            put(second)
+        handle = engine.send_weights(wait=False)
+        if snapshot == "none":
+            handle.result(timeout=60)
+        if framework == "torch":  # the step writes the parameters the round was called on
+            if snapshot == "cow":  # a write outside an optimizer's step: told first
+                engine.before_update()
+            for name, value in third.items():
+                tensors[name].copy_(as_torch(value))
+        else:
+            put(third)
+        metrics = handle.result(timeout=60)
+        assert client.last_update["sliced"] is True
+        assert metrics.fp8 is not None and metrics.fp8.weights == 7
+        assert_serves(client, second)
+        engine.send_weights()
+        assert_serves(client, third)
+    finally:
+        engine.shutdown()
+        client.close()
