@@ -370,3 +370,107 @@ def test_an_overlapped_fp8_round_quantizes_the_weights_of_its_call(
     finally:
         engine.shutdown()
         client.close()
+
+
+# ------------------------------------------------------------------ 4. FP8 x failure
+
+DOWN = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize(
+    ("framework", "bad", "how"),
+    [
+        ("jax", float("nan"), "blocking"),
+        ("torch", float("inf"), "blocking"),
+        ("torch", float("nan"), "in-place"),
+        ("jax", float("inf"), "overlapped"),
+        ("torch", float("nan"), "overlapped"),
+    ],
+)
+def test_a_non_finite_weight_fails_the_sliced_round_before_any_byte(
+    framework: str, bad: float, how: str
+) -> None:
+    """NaN or inf in a weight to be quantized (down_proj: the round's last linear): the
+    round raises ``QuantizationError`` naming it before its update call (no worker is sent
+    a byte), every worker keeps the previous weights, and the fixed next round lands on the
+    same engine."""
+    from weightwire.shared.quant import QuantizationError
+
+    client = fp8_client()
+    tensors: dict[str, Any] = {}
+    put = putter(framework, tensors)
+    put(weights(1))
+    engine = engine_for(
+        framework, client, tensors, **({"stage_budget_bytes": 0} if how == "in-place" else {})
+    )
+    try:
+        engine.send_weights()
+        before, updates = held(client), client.updates
+        poisoned = weights(2)
+        poisoned[DOWN] = poisoned[DOWN].copy()
+        poisoned[DOWN][200, 300] = bad
+        put(poisoned)
+        with pytest.raises(QuantizationError, match=f"'{DOWN}' holds NaN or inf"):
+            if how == "overlapped":
+                engine.send_weights(wait=False).result(timeout=60)
+            else:
+                engine.send_weights()
+        assert client.updates == updates  # no update call: nothing went out
+        assert held(client) == before
+        fixed = weights(3)
+        put(fixed)
+        engine.send_weights()
+        assert client.last_update["sliced"] is True
+        assert_serves(client, fixed)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("where", ["worker", "trainer"])
+def test_a_link_lost_mid_fp8_round_leaves_every_worker_on_the_previous_weights(
+    framework: str, where: str
+) -> None:
+    """Worker 1's link, or the trainer's, dies at the round's 6th piece (mid-transfer of
+    the FP8 pairs): the round raises, every worker keeps the previous round's e4m3 weights
+    and scales exactly, and after a re-init the next round lands whole."""
+    from weightwire.shared.errors import WeightwireError
+    from weightwire.trainer.engine import EngineBroken
+
+    client = fp8_client()
+    tensors: dict[str, Any] = {}
+    put = putter(framework, tensors)
+    put(weights(1))
+    engine = engine_for(framework, client, tensors)
+    try:
+        engine.send_weights()
+        before = held(client)
+        real, reads = engine.read_box, [0]
+
+        def cut(tensor: Any, box: Any) -> Any:
+            reads[0] += 1
+            if reads[0] == 6:
+                if where == "worker":
+                    engine.session.link._links[1].sock.shutdown(2)
+                else:
+                    engine.session.link.abort()
+            return real(tensor, box)
+
+        engine.read_box = cut
+        put(weights(2))
+        with pytest.raises(WeightwireError, match="lost|closed|aborted"):
+            engine.send_weights()
+        assert reads[0] >= 6
+        assert held(client) == before
+        with pytest.raises(EngineBroken, match=r"trainer_init\(\) again"):
+            engine.send_weights()
+        engine.shutdown()
+        engine = engine_for(framework, client, tensors)
+        full = weights(3)
+        put(full)
+        engine.send_weights()
+        assert_serves(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
