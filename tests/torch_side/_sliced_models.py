@@ -196,11 +196,14 @@ class Fp8SlicedTP(torch.nn.Module):
     ``inter``: the MLP width. A multiple of ``128 * world`` splits on block boundaries
     (what vLLM's ``validate_fp8_block_shape`` asks); otherwise a rank's rows (or columns)
     cut a block, and its scale holds every block its rows touch: the block at the cut is
-    read by both ranks (a loader that reads what its own rows were scaled by)."""
+    read by both ranks (a loader that reads what its own rows were scaled by).
 
-    def __init__(self, *, rank: int, world: int, inter: int = 512) -> None:
+    ``layers=2``: a second decoder layer of an MLP alone (``gate_proj_1`` ...), what a
+    partial round can leave out whole."""
+
+    def __init__(self, *, rank: int, world: int, inter: int = 512, layers: int = 1) -> None:
         super().__init__()
-        self.rank, self.world, self.inter = rank, world, inter
+        self.rank, self.world, self.inter, self.layers = rank, world, inter, layers
         part = FP8_HIDDEN // world  # q, k, v each FP8_HIDDEN rows: split on blocks
         self.part = part
         self.mlp = inter // world
@@ -211,14 +214,16 @@ class Fp8SlicedTP(torch.nn.Module):
         self.o_proj.weight = _fp8_param(FP8_HIDDEN, part)
         self.o_proj.weight_scale_inv = _param(FP8_HIDDEN // FP8_BLOCK, part // FP8_BLOCK)
         _, blocks = _covering(rank * self.mlp, (rank + 1) * self.mlp, FP8_BLOCK)
-        for proj in ("gate_proj", "up_proj"):
-            module = torch.nn.Module()
-            module.weight = _fp8_param(self.mlp, FP8_HIDDEN)
-            module.weight_scale_inv = _param(blocks, FP8_HIDDEN // FP8_BLOCK)
-            setattr(self, proj, module)
-        self.down_proj = torch.nn.Module()
-        self.down_proj.weight = _fp8_param(FP8_HIDDEN, self.mlp)
-        self.down_proj.weight_scale_inv = _param(FP8_HIDDEN // FP8_BLOCK, blocks)
+        for suffix in ["", *(f"_{i}" for i in range(1, layers))]:
+            for proj in ("gate_proj", "up_proj"):
+                module = torch.nn.Module()
+                module.weight = _fp8_param(self.mlp, FP8_HIDDEN)
+                module.weight_scale_inv = _param(blocks, FP8_HIDDEN // FP8_BLOCK)
+                setattr(self, proj + suffix, module)
+            down = torch.nn.Module()
+            down.weight = _fp8_param(FP8_HIDDEN, self.mlp)
+            down.weight_scale_inv = _param(FP8_HIDDEN // FP8_BLOCK, blocks)
+            setattr(self, "down_proj" + suffix, down)
         self.norm = torch.nn.Module()
         self.norm.weight = _param(FP8_HIDDEN)
 
@@ -236,6 +241,8 @@ class Fp8SlicedTP(torch.nn.Module):
             done.add(name)
             parts = name.split(".")
             proj, leaf = parts[-2], parts[-1]
+            if parts[1] == "layers" and parts[2] != "0":
+                proj += f"_{parts[2]}"  # a later layer's MLP
             if name == "model.norm.weight":
                 self.norm.weight.data.copy_(t)
             elif proj in ("q_proj", "k_proj", "v_proj"):
@@ -246,19 +253,25 @@ class Fp8SlicedTP(torch.nn.Module):
                 at.copy_(t.narrow(0, self.rank * rows, rows))
             elif proj == "o_proj":
                 self._split(getattr(self.o_proj, leaf), t, 1, self.part)
-            elif proj in ("gate_proj", "up_proj"):
+            elif proj.startswith(("gate_proj", "up_proj")):
                 self._split(getattr(getattr(self, proj), leaf), t, 0, self.mlp)
-            elif proj == "down_proj":
-                self._split(getattr(self.down_proj, leaf), t, 1, self.mlp)
+            elif proj.startswith("down_proj"):
+                self._split(getattr(getattr(self, proj), leaf), t, 1, self.mlp)
             else:
                 raise ValueError(f"unknown weight {name}")
         return done
 
 
-def fp8_sliced_shapes(inter: int = 512) -> dict[str, tuple[int, ...]]:
+def fp8_sliced_shapes(inter: int = 512, layers: int = 1) -> dict[str, tuple[int, ...]]:
     """Hugging Face names and shapes of ``Fp8SlicedTP``'s bf16 weights (the trainer's: each
     ``X.weight`` but the norm goes as its e4m3 weight and ``weight_scale_inv``)."""
     attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    later = {}
+    for i in range(1, layers):
+        p = f"model.layers.{i}.mlp."
+        later[p + "gate_proj.weight"] = (inter, FP8_HIDDEN)
+        later[p + "up_proj.weight"] = (inter, FP8_HIDDEN)
+        later[p + "down_proj.weight"] = (FP8_HIDDEN, inter)
     return {
         attn + "q_proj.weight": (FP8_HIDDEN, FP8_HIDDEN),
         attn + "k_proj.weight": (FP8_HIDDEN, FP8_HIDDEN),
@@ -267,5 +280,6 @@ def fp8_sliced_shapes(inter: int = 512) -> dict[str, tuple[int, ...]]:
         mlp + "gate_proj.weight": (inter, FP8_HIDDEN),
         mlp + "up_proj.weight": (inter, FP8_HIDDEN),
         mlp + "down_proj.weight": (FP8_HIDDEN, inter),
+        **later,
         "model.norm.weight": (FP8_HIDDEN,),
     }

@@ -33,16 +33,16 @@ NORM = "model.norm.weight"
 EVEN, UNEVEN = 512, 384  # the MLP width: 256 rows per rank, or 192 (a block cut in two)
 
 
-def spec_of(inter: int) -> dict[str, Fp8Block]:
+def spec_of(inter: int, layers: int = 1) -> dict[str, Fp8Block]:
     """The FP8 spec: every linear's ``X.weight`` (not the norm)."""
-    return {n: Fp8Block() for n in fp8_sliced_shapes(inter) if n != NORM}
+    return {n: Fp8Block() for n in fp8_sliced_shapes(inter, layers) if n != NORM}
 
 
-def weights(step: int, inter: int = EVEN) -> dict[str, np.ndarray]:
+def weights(step: int, inter: int = EVEN, layers: int = 1) -> dict[str, np.ndarray]:
     """The trainer's round ``step``: bf16 linears, a float32 norm."""
     rng = np.random.default_rng(step)
     out: dict[str, np.ndarray] = {}
-    for name, shape in fp8_sliced_shapes(inter).items():
+    for name, shape in fp8_sliced_shapes(inter, layers).items():
         x = rng.standard_normal(shape).astype(np.float32) * 0.02
         out[name] = x if name == NORM else x.astype(ml_dtypes.bfloat16)
     return out
@@ -61,10 +61,10 @@ def quantized(full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def served_spec(inter: int) -> ModelSpec:
+def served_spec(inter: int, layers: int = 1) -> ModelSpec:
     """What the workers serve: the FP8 checkpoint's tensors (their wants name these)."""
     tensors = {NORM: TensorSpec((fp8_sliced_shapes(inter)[NORM][0],), "float32")}
-    for name, shape in fp8_sliced_shapes(inter).items():
+    for name, shape in fp8_sliced_shapes(inter, layers).items():
         if name != NORM:
             for meta in fp8_metas(name, shape, Fp8Block()):
                 tensors[meta.name] = TensorSpec(meta.shape, meta.dtype)
@@ -81,12 +81,14 @@ def as_torch(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(x.copy())
 
 
-def fp8_client(inter: int = EVEN, world: int = 2) -> TPClient:
+def fp8_client(inter: int = EVEN, world: int = 2, layers: int = 1) -> TPClient:
     def make(config: Any, rank: int) -> torch.nn.Module:
         torch.manual_seed(rank)
-        return Fp8SlicedTP(rank=rank, world=world, inter=inter)
+        return Fp8SlicedTP(rank=rank, world=world, inter=inter, layers=layers)
 
-    return TPClient((world, 0, 0, False, False), model=make, model_spec=lambda: served_spec(inter))
+    return TPClient(
+        (world, 0, 0, False, False), model=make, model_spec=lambda: served_spec(inter, layers)
+    )
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -102,7 +104,7 @@ def loaded(client: TPClient, checkpoint: dict[str, np.ndarray]) -> list[dict[str
     """What vLLM-style ``load_weights`` of the whole ``checkpoint`` leaves in each rank."""
     out = []
     for rank, model in enumerate(client.models):
-        fresh = Fp8SlicedTP(rank=rank, world=model.world, inter=model.inter)
+        fresh = Fp8SlicedTP(rank=rank, world=model.world, inter=model.inter, layers=model.layers)
         fresh.load_weights([(n, as_torch(a)) for n, a in checkpoint.items()])
         out.append({n: bits(p) for n, p in fresh.named_parameters()})
     return out
@@ -117,7 +119,12 @@ def assert_serves(client: TPClient, full: dict[str, np.ndarray]) -> None:
 
 
 def engine_for(
-    framework: str, client: TPClient, tensors: dict[str, Any], inter: int = EVEN, **kw: Any
+    framework: str,
+    client: TPClient,
+    tensors: dict[str, Any],
+    inter: int = EVEN,
+    layers: int = 1,
+    **kw: Any,
 ) -> Any:
     """A trainer engine whose source sends ``tensors`` (refilled by ``put``) with every
     linear quantized by its framework's quantizer."""
@@ -126,13 +133,13 @@ def engine_for(
         from weightwire.jax_side.engine import JAXTrainerEngine
         from weightwire.jax_side.quant import fp8_source as jax_fp8
 
-        source = jax_fp8(DictSource(tensors, describe), spec_of(inter))
+        source = jax_fp8(DictSource(tensors, describe), spec_of(inter, layers))
         return JAXTrainerEngine.trainer_init(info(**kw), client=client, source=source)
     from weightwire.torch_side.sender.engine import TorchTrainerEngine
     from weightwire.torch_side.sender.quant import fp8_source as torch_fp8
     from weightwire.torch_side.sender.source import describe_tensor
 
-    source = torch_fp8(DictSource(tensors, describe_tensor), spec_of(inter))
+    source = torch_fp8(DictSource(tensors, describe_tensor), spec_of(inter, layers))
     return TorchTrainerEngine.trainer_init(info(**kw), client=client, source=source)
 
 
@@ -196,9 +203,8 @@ def test_each_worker_gets_its_slices_of_the_fp8_weight_and_its_scale(
         client.close()
 
 
-@pytest.mark.parametrize(
-    "inter", [EVEN, pytest.param(UNEVEN, marks=pytest.mark.slow)], ids=["blocks-whole", "block-cut"]
-)
+@pytest.mark.slow  # a JAX process of its own (forced devices): about 5 s each
+@pytest.mark.parametrize("inter", [EVEN, UNEVEN], ids=["blocks-whole", "block-cut"])
 def test_a_sharded_pytree_source_is_quantized_on_its_shards_never_gathered(inter: int) -> None:
     """A JAX trainer on a TP 2 mesh (each linear sharded as the workers split it), its
     ``PytreeSource`` under ``fp8_source``: blocking and overlapped sliced rounds quantize
@@ -468,6 +474,49 @@ def test_a_link_lost_mid_fp8_round_leaves_every_worker_on_the_previous_weights(
         engine.shutdown()
         engine = engine_for(framework, client, tensors)
         full = weights(3)
+        put(full)
+        engine.send_weights()
+        assert_serves(client, full)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+# ------------------------------------------------------------------ 5. FP8 x partial
+
+
+@pytest.mark.parametrize(
+    ("framework", "delta"), [("jax", "off"), ("torch", "off"), ("torch", "auto")]
+)
+def test_a_partial_round_leaves_a_frozen_layers_fp8_weights_and_scales(
+    framework: str, delta: str
+) -> None:
+    """``partial=True``: a round that leaves layer 1 out (frozen) is sliced and lands; on
+    every worker layer 1's e4m3 weights and their scales both stay those of the last round
+    that sent them, the rest is the new round's."""
+    client = fp8_client(layers=2)
+    tensors: dict[str, Any] = {}
+    put = putter(framework, tensors)
+    first = weights(1, layers=2)
+    put(first)
+    engine = engine_for(framework, client, tensors, layers=2, partial=True, delta=delta)
+    try:
+        engine.send_weights()
+        second = {n: a for n, a in weights(2, layers=2).items() if ".layers.1." not in n}
+        put(second)
+        engine.send_weights()
+        assert client.last_update["sliced"] is True
+        frozen = [n for n in quantized(first) if ".layers.1." in n]
+        assert len(frozen) == 6  # gate, up, down: each weight and its scale
+        for rank, model in enumerate(client.models):
+            want = Fp8SlicedTP(rank=rank, world=2, inter=EVEN, layers=2)
+            want.load_weights([(n, as_torch(a)) for n, a in quantized(first).items()])
+            want.load_weights([(n, as_torch(a)) for n, a in quantized(second).items()])
+            got = {n: bits(p) for n, p in model.named_parameters()}
+            for name, p in want.named_parameters():
+                assert got[name] == bits(p), f"rank {rank} {name}"
+        # and the next whole round sends the layer again
+        full = weights(3, layers=2)
         put(full)
         engine.send_weights()
         assert_serves(client, full)
