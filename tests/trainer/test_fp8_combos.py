@@ -523,3 +523,28 @@ def test_a_partial_round_leaves_a_frozen_layers_fp8_weights_and_scales(
     finally:
         engine.shutdown()
         client.close()
+
+
+@pytest.mark.slow  # two trainer processes: about 15 s each
+@pytest.mark.parametrize("inter", [EVEN, UNEVEN], ids=["blocks-whole", "block-cut"])
+def test_dtensor_shards_are_quantized_where_they_are_held(inter: int) -> None:
+    """Two torch trainer processes (a ``TrainerGroup``) holding each linear as a DTensor
+    sharded as the workers split it: each quantizes its own shards (never gathered) and
+    sends its pieces; the workers serve the whole quantized checkpoint's slices. Where a
+    rank's rows cut a 128-row block (the MLP at 384: 192 rows each), both ranks refuse the
+    round naming the weight and the fix, before any byte."""
+    from tests import ranks
+
+    script = Path(__file__).with_name("_fp8_torch_processes.py")
+    reports = ranks.two_rank_reports(script, str(ranks.free_port()), str(inter), timeout=240)
+    if inter == EVEN:
+        for report in reports:
+            assert report["error"] is None and len(report["sent"]) == 2
+            assert all(n > 0 for n in report["sent"])  # each rank sends its own shards' pieces
+    else:
+        for report in reports:
+            assert report["sent"] == [] and report["error"]["type"] == "QuantizationError"
+            assert report["error"]["error"].startswith(
+                "'model.layers.0.mlp.gate_proj.weight' is a DTensor (S(0)): rank 1 holds "
+                "[192:384, 0:256], which cuts its 128 x 128 FP8 blocks"
+            )
