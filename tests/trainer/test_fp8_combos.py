@@ -181,6 +181,13 @@ def test_each_worker_gets_its_slices_of_the_fp8_weight_and_its_scale(
     engine = engine_for(framework, client, tensors, inter)
     try:
         assert client.init_info["sliced"] is True
+        # what each worker told it reads: its rows of gate_proj and its scale's blocks
+        half = inter // 2
+        cut = (0, -(-half // FP8_BLOCK)), (half // FP8_BLOCK, inter // FP8_BLOCK)
+        for rank, raw in enumerate(engine.session.slicing.hellos):
+            told = json.loads(raw)["tensors"]
+            assert told[GATE] == [[[rank * half, (rank + 1) * half], [0, 256]]]
+            assert told[GATE + "_scale_inv"] == [[list(cut[rank]), [0, 2]]]
         for step in (1, 2):
             full = weights(step, inter)
             put(full)
