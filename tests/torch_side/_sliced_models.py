@@ -170,3 +170,116 @@ def sliced_shapes(heads: int = 8, kv_heads: int = 2) -> dict[str, tuple[int, ...
         out[p + "up_proj.weight"] = (INTER, HIDDEN)
         out[p + "down_proj.weight"] = (HIDDEN, INTER)
     return out
+
+
+# ------------------------------------------------------------------ the FP8 sibling
+FP8_HIDDEN, FP8_BLOCK = 256, 128
+
+
+def _fp8_param(*shape: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.randn(*shape).to(torch.float8_e4m3fn), requires_grad=False)
+
+
+def _covering(start: int, stop: int, block: int) -> tuple[int, int]:
+    """The block rows (or columns) rows ``[start, stop)`` touch: ``(first, count)``."""
+    first = start // block
+    return first, -(-stop // block) - first
+
+
+class Fp8SlicedTP(torch.nn.Module):
+    """One TP rank of a block-FP8 decoder layer as vLLM's FP8 linears hold it: each linear's
+    ``weight`` in e4m3 beside ``weight_scale_inv`` (float32, one per 128 x 128 block), both
+    narrowed along the same dim by the layer's loader (a fused ``qkv_proj``, a row-parallel
+    ``o_proj``, column-parallel ``gate_proj`` / ``up_proj``, a row-parallel ``down_proj``),
+    and a replicated float32 norm that is not quantized.
+
+    ``inter``: the MLP width. A multiple of ``128 * world`` splits on block boundaries
+    (what vLLM's ``validate_fp8_block_shape`` asks); otherwise a rank's rows (or columns)
+    cut a block, and its scale holds every block its rows touch: the block at the cut is
+    read by both ranks (a loader that reads what its own rows were scaled by).
+
+    ``layers=2``: a second decoder layer of an MLP alone (``gate_proj_1`` ...), what a
+    partial round can leave out whole."""
+
+    def __init__(self, *, rank: int, world: int, inter: int = 512, layers: int = 1) -> None:
+        super().__init__()
+        self.rank, self.world, self.inter, self.layers = rank, world, inter, layers
+        part = FP8_HIDDEN // world  # q, k, v each FP8_HIDDEN rows: split on blocks
+        self.part = part
+        self.mlp = inter // world
+        self.qkv_proj = torch.nn.Module()
+        self.qkv_proj.weight = _fp8_param(3 * part, FP8_HIDDEN)
+        self.qkv_proj.weight_scale_inv = _param(3 * part // FP8_BLOCK, FP8_HIDDEN // FP8_BLOCK)
+        self.o_proj = torch.nn.Module()
+        self.o_proj.weight = _fp8_param(FP8_HIDDEN, part)
+        self.o_proj.weight_scale_inv = _param(FP8_HIDDEN // FP8_BLOCK, part // FP8_BLOCK)
+        _, blocks = _covering(rank * self.mlp, (rank + 1) * self.mlp, FP8_BLOCK)
+        for suffix in ["", *(f"_{i}" for i in range(1, layers))]:
+            for proj in ("gate_proj", "up_proj"):
+                module = torch.nn.Module()
+                module.weight = _fp8_param(self.mlp, FP8_HIDDEN)
+                module.weight_scale_inv = _param(blocks, FP8_HIDDEN // FP8_BLOCK)
+                setattr(self, proj + suffix, module)
+            down = torch.nn.Module()
+            down.weight = _fp8_param(FP8_HIDDEN, self.mlp)
+            down.weight_scale_inv = _param(FP8_HIDDEN // FP8_BLOCK, blocks)
+            setattr(self, "down_proj" + suffix, down)
+        self.norm = torch.nn.Module()
+        self.norm.weight = _param(FP8_HIDDEN)
+
+    def _split(self, param: torch.Tensor, loaded: torch.Tensor, dim: int, size: int) -> None:
+        """Rows (dim 0) or columns (dim 1) ``[rank * size, (rank + 1) * size)`` of a weight,
+        or, for its scale, the blocks those touch."""
+        start = self.rank * size
+        if loaded.dtype == torch.float32:  # the scale
+            start, size = _covering(start, start + size, FP8_BLOCK)
+        param.data.copy_(loaded.narrow(dim, start, size))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        done = set()
+        for name, t in weights:
+            done.add(name)
+            parts = name.split(".")
+            proj, leaf = parts[-2], parts[-1]
+            if parts[1] == "layers" and parts[2] != "0":
+                proj += f"_{parts[2]}"  # a later layer's MLP
+            if name == "model.norm.weight":
+                self.norm.weight.data.copy_(t)
+            elif proj in ("q_proj", "k_proj", "v_proj"):
+                param = getattr(self.qkv_proj, leaf)
+                shard = "qkv".index(proj[0])
+                rows = self.part if leaf == "weight" else self.part // FP8_BLOCK
+                at = param.data.narrow(0, shard * rows, rows)
+                at.copy_(t.narrow(0, self.rank * rows, rows))
+            elif proj == "o_proj":
+                self._split(getattr(self.o_proj, leaf), t, 1, self.part)
+            elif proj.startswith(("gate_proj", "up_proj")):
+                self._split(getattr(getattr(self, proj), leaf), t, 0, self.mlp)
+            elif proj.startswith("down_proj"):
+                self._split(getattr(getattr(self, proj), leaf), t, 1, self.mlp)
+            else:
+                raise ValueError(f"unknown weight {name}")
+        return done
+
+
+def fp8_sliced_shapes(inter: int = 512, layers: int = 1) -> dict[str, tuple[int, ...]]:
+    """Hugging Face names and shapes of ``Fp8SlicedTP``'s bf16 weights (the trainer's: each
+    ``X.weight`` but the norm goes as its e4m3 weight and ``weight_scale_inv``)."""
+    attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    later = {}
+    for i in range(1, layers):
+        p = f"model.layers.{i}.mlp."
+        later[p + "gate_proj.weight"] = (inter, FP8_HIDDEN)
+        later[p + "up_proj.weight"] = (inter, FP8_HIDDEN)
+        later[p + "down_proj.weight"] = (FP8_HIDDEN, inter)
+    return {
+        attn + "q_proj.weight": (FP8_HIDDEN, FP8_HIDDEN),
+        attn + "k_proj.weight": (FP8_HIDDEN, FP8_HIDDEN),
+        attn + "v_proj.weight": (FP8_HIDDEN, FP8_HIDDEN),
+        attn + "o_proj.weight": (FP8_HIDDEN, FP8_HIDDEN),
+        mlp + "gate_proj.weight": (inter, FP8_HIDDEN),
+        mlp + "up_proj.weight": (inter, FP8_HIDDEN),
+        mlp + "down_proj.weight": (FP8_HIDDEN, inter),
+        **later,
+        "model.norm.weight": (FP8_HIDDEN,),
+    }

@@ -75,9 +75,11 @@ class TPClient:
         engine: type[Any] = WeightwireTCPEngine,
         ranks: list[int] | None = None,
         devices: list[str] | None = None,
+        model_spec: Callable[[], ModelSpec] | None = None,
     ) -> None:
         """``ranks``: the TP ranks hosted (default all), the group's workers in that order;
-        ``devices``: each one's device (default CPU)."""
+        ``devices``: each one's device (default CPU); ``model_spec``: the served checkpoint
+        the workers tell their wants of (default ``spec_of(config)``)."""
         self.config = config
         self.ranks = list(range(config[0])) if ranks is None else ranks
         world = len(self.ranks)
@@ -88,7 +90,7 @@ class TPClient:
                 model=m,
                 device=d,
                 worker_rank=i,
-                spec=(lambda: spec_of(config)) if spec else None,
+                spec=(model_spec or (lambda: spec_of(config))) if spec else None,
             )
             for i, (m, d) in enumerate(zip(self.models, devices, strict=True))
         ]

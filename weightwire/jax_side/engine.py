@@ -20,6 +20,7 @@ a JAX array is described, read back to the host (TCP) and packed on the GPU (NCC
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,7 @@ from weightwire.shared.slices import Box
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
+from weightwire.trainer.fp8_source import Fp8Source
 from weightwire.trainer.framework import refuse_other_framework
 from weightwire.trainer.slice_plan import Held, Holdings
 from weightwire.trainer.snapshot import FrozenSource, Snapshot
@@ -90,7 +92,12 @@ class JAXTrainerEngine(TrainerEngine):
         return Holdings.of({n: self.describe(t)[1] for n, t in tensors.items()}, held)
 
     def sliced_source(self, source: WeightSource) -> WeightSource:
-        """A ``PytreeSource``'s outputs left sharded (``PytreeSource.sharded``)."""
+        """A ``PytreeSource``'s outputs left sharded (``PytreeSource.sharded``), also under
+        an ``Fp8Source``: its quantizer then runs on the shards (each keeps its sharding
+        where the shards hold whole blocks; a block cut by a shard boundary is reduced
+        across the devices holding it by XLA, never gathered whole by weightwire)."""
+        if isinstance(source, Fp8Source):
+            return source.over(self.sliced_source(source.inner))
         return source.sharded() if isinstance(source, PytreeSource) else source
 
     def local_shards(self, tensors: Mapping[str, Any], device: int | None) -> LocalShards:
@@ -143,7 +150,12 @@ class JAXTrainerEngine(TrainerEngine):
         return JaxDevicePacker(device)
 
     def snapshot(self, source: WeightSource) -> Snapshot:
-        """References, no copy: JAX arrays are immutable (numpy arrays are copied)."""
+        """References, no copy: JAX arrays are immutable (numpy arrays are copied). An
+        ``Fp8Source`` is snapshot beneath its quantizer: the round quantizes the arrays of
+        the call on its own thread (a sharded ``PytreeSource`` stays sharded)."""
+        if isinstance(source, Fp8Source):
+            inner = self.snapshot(source.inner)
+            return dataclasses.replace(inner, source=source.over(inner.source))
         if isinstance(source, PytreeSource):
             return Snapshot(source.frozen())
         metas = source.metadata()

@@ -113,7 +113,8 @@ class TrainerInitInfo:
       rounds stay dense.
     - ``delta_density``: the per-tensor changed fraction below which a tensor is patched
       (``0 < delta_density <= 1``; a bf16 patch costs 6 bytes per changed element against
-      2 dense, so past 1/3 a patch is larger than the tensor).
+      2 dense, so past 1/3 a patch is larger than the tensor; a tensor whose patch would not
+      be smaller than it goes dense whatever the density: an e4m3 weight from 1/5 changed).
     - ``delta_anchor_every``: with ``delta``, every N-th round is dense (``0``: only the
       first, a forced one and the one after a failure).
     - ``sliced``: ``"auto"`` (default) or ``"off"``. With ``auto``, a backend that offers it

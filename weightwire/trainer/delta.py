@@ -29,6 +29,9 @@ from weightwire.shared.errors import ConfigError
 from weightwire.shared.groups import batch_by_layer
 from weightwire.shared.meta import ParamMeta
 
+PATCH_INDEX_BYTES = 4
+"""A patch's ``@index`` element (``int32``), beside each changed value."""
+
 DEFAULT_GROUP_BYTES = 2 << 30
 """Whole layer groups per kernel launch up to this many bytes: every launch costs the host
 a fixed amount (tables, allocations, the counts' sync, the pack), which at one launch per
@@ -173,12 +176,16 @@ class DeltaTracker:
         anchor_every: int,
         group_bytes: int = DEFAULT_GROUP_BYTES,
         ahead: int = DEFAULT_AHEAD,
+        smaller_only: bool = False,
     ) -> None:
         if group_bytes < 0 or ahead < 1:
             raise ConfigError(f"need group_bytes >= 0 and ahead >= 1, got {group_bytes}, {ahead}")
         self.kernel = kernel
         self.density = density
         self.anchor_every = anchor_every
+        self.smaller_only = smaller_only
+        """A patch only where it is smaller than the tensor dense (a receiver that also
+        takes dense tensors): ``density`` capped per dtype."""
         self.group_bytes = group_bytes
         """A launch covers whole layer groups up to this many bytes of new weights (``0``:
         one layer group each; a group larger than it goes alone)."""
@@ -256,9 +263,15 @@ class DeltaTracker:
 
     def limit(self, meta: ParamMeta) -> int:
         """The most changed elements ``meta``'s tensor may have and still go as a patch
-        (fewer than ``density`` of its elements; none past the int32 index range)."""
+        (fewer than ``density`` of its elements; none past the int32 index range). With
+        ``smaller_only``, also fewer than make the patch as large as the tensor: a patch
+        costs 4 index bytes per element beside its value, so an e4m3 tensor (FP8 rounds)
+        goes dense from 1/5 of its elements changed, below the default density."""
         numel = meta.numel
         got = 0 if numel > MAX_PATCH_NUMEL else math.ceil(self.density * numel) - 1
+        if self.smaller_only and numel:
+            itemsize = meta.nbytes // numel
+            got = min(got, -(-numel * itemsize // (PATCH_INDEX_BYTES + itemsize)) - 1)
         return max(0, min(numel, got))
 
     def _compare(

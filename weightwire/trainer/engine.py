@@ -114,6 +114,7 @@ class TrainerEngine(FrameworkHooks):
                 self.delta_kernel(),
                 density=1.0 if patches_only else init_info.delta_density,
                 anchor_every=init_info.delta_anchor_every,
+                smaller_only=not patches_only,
             )
             self._delta = DeltaRounds(
                 self.session,

@@ -17,6 +17,7 @@ is the served model's own list: which names it takes in FP8 and with which schem
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -86,6 +87,15 @@ class Fp8Source(WeightSource):
     def __repr__(self) -> str:
         what = "auto" if self.auto and not self._resolved else f"{len(self.spec)} weights"
         return f"Fp8Source({self.inner!r}, {what})"
+
+    def over(self, inner: WeightSource) -> Fp8Source:
+        """This source quantizing ``inner`` instead: a framework's view of the inner source
+        (a sliced round's, left sharded; an overlapped round's snapshot), quantized on the
+        round's thread as the round reads it. The spec and the stats are shared: ``report``
+        of this source tells the last pass of either."""
+        twin = copy.copy(self)
+        twin.inner = inner
+        return twin
 
     def fit(self, served: ServedModel | None) -> None:
         """At ``trainer_init``, once the servers told their model: ``auto`` takes its FP8
@@ -164,7 +174,7 @@ class Fp8Source(WeightSource):
         say every weight is finite: a weight with NaN or inf never reaches the wire, and the
         round fails naming it before its commit."""
         spec = self._spec()
-        self.last_stats = {}
+        self.last_stats.clear()  # in place: shared with the twins ``over`` made
         ahead: tuple[list[tuple[str, Any]], LaunchedGroup | None] | None = None
         for group in self.inner.iter_groups():
             items = [(n, t, spec[n]) for n, t in group if n in spec]

@@ -22,9 +22,11 @@ from weightwire.shared.quant import (
     Fp8Block,
     Fp8PerTensor,
     Fp8Scheme,
+    QuantizationError,
     QuantStats,
     check_input,
     refuse_not_finite,
+    scale_shape,
 )
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.torch_side.dtypes import wire_name
@@ -155,8 +157,111 @@ def _quantize_tensor(x: torch.Tensor, stats: bool) -> Quantized:
     return q, scale_inv, amax, errors
 
 
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
+
+
+class _Shard(NamedTuple):
+    """A DTensor weight quantized on this rank's shard: how to put the results back."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: tuple[int, ...]
+    scale_shape: tuple[int, ...]
+
+
+def _shard_of(name: str, x: Any, scheme: Fp8Scheme) -> _Shard:
+    """How DTensor ``x`` is quantized without a gather: each rank its own shard, which
+    holds whole blocks (every shard boundary on a block boundary, so this rank's scales are
+    exactly its blocks' and torch shards the scale tensor alike). Else
+    ``QuantizationError`` naming the weight: a block cut by a shard boundary needs both
+    shards' maxima."""
+    from weightwire.torch_side.sender.holdings import placement_boxes
+    from weightwire.trainer.slice_plan import SlicePlanError
+
+    shape = tuple(x.shape)
+    placements = tuple(x.placements)
+    sharded = [p for p in placements if type(p).__name__ != "Replicate"]
+    how = f"{name!r} is a DTensor ({', '.join(map(str, placements))})"
+    sshape = scale_shape(shape, scheme)
+    if isinstance(scheme, Fp8PerTensor):
+        if sharded:
+            raise QuantizationError(
+                f"{how}: a per-tensor FP8 scale needs the whole tensor's maximum, not one "
+                "shard's; send its full_tensor() (or a block scheme)"
+            )
+        return _Shard(x.device_mesh, placements, shape, sshape)  # replicated: each rank whole
+    mesh = x.device_mesh.mesh
+    try:
+        weights = placement_boxes(shape, mesh, placements, name=name)
+        scales = dict(placement_boxes(sshape, mesh, placements, name=name))
+    except SlicePlanError as exc:
+        raise QuantizationError(f"{exc} (FP8 quantization of its shards)") from None
+    block = scheme.block
+    for rank, box in weights:
+        whole = tuple((lo // b, -(-hi // b)) for (lo, hi), b in zip(box.ranges, block, strict=True))
+        aligned = all(lo % b == 0 for (lo, _), b in zip(box.ranges, block, strict=True))
+        mine = scales[rank]
+        fits = not box.empty and aligned and mine.ranges == whole
+        if not fits:
+            raise QuantizationError(
+                f"{how}: rank {rank} holds {box.describe()}, which cuts its "
+                f"{' x '.join(map(str, block))} FP8 blocks; a block's scale needs all of its "
+                "elements, so the shards cannot be quantized apart. Shard it along whole "
+                "blocks, or send its full_tensor()"
+            )
+    return _Shard(x.device_mesh, placements, shape, sshape)
+
+
+def _as_dtensor(local: torch.Tensor, shard: _Shard, shape: tuple[int, ...]) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local,
+        shard.mesh,
+        shard.placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=stride,
+    )
+
+
 @torch.no_grad()
 def launch_fp8(items: Sequence[tuple[str, torch.Tensor, Fp8Scheme]], stats: bool) -> LaunchedGroup:
+    """``_launch`` on plain tensors; a DTensor is quantized on this rank's shard where its
+    shards hold whole blocks (``_shard_of``: never gathered, refused by name otherwise), the
+    results DTensors of its placements. A rank's flags and errors are its shards' (a NaN on
+    another rank's shard fails that rank's part of the round)."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not any(isinstance(x, dtensor) for _, x, _ in items):
+        return _launch(items, stats)
+    shards: list[_Shard | None] = []
+    local: list[tuple[str, torch.Tensor, Fp8Scheme]] = []
+    for name, x, scheme in items:
+        if not isinstance(x, dtensor):
+            shards.append(None)
+            local.append((name, x, scheme))
+            continue
+        check_input(name, wire_name(x.dtype), tuple(x.shape), scheme)
+        shards.append(_shard_of(name, x, scheme))
+        local.append((name, x.to_local(), scheme))  # type: ignore[attr-defined]
+    launched = _launch(local, stats)
+    pairs = []
+    for held, (weight, scale) in zip(shards, launched.pairs, strict=True):
+        if held is not None:
+            weight = _as_dtensor(weight, held, held.shape)
+            scale = _as_dtensor(scale, held, held.scale_shape)
+        pairs.append((weight, scale))
+
+    return LaunchedGroup(pairs, launched.settle)
+
+
+def _launch(items: Sequence[tuple[str, torch.Tensor, Fp8Scheme]], stats: bool) -> LaunchedGroup:
     """Quantize ``items`` (``(name, x, scheme)``: ``X.weight``s) as eager ops queued on the
     device, with no host sync until the result's ``settle``. Per weight only the passes
     over its elements (the block maxima, the scaled cast); the small ops on the scales run
