@@ -22,22 +22,17 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 from tests.ranks import join_gloo_pair
-from tests.trainer._sliced_workers import TPClient, expected, shapes_of
+from tests.trainer._sliced_session import (
+    TP2,
+    NoCalls,
+    assert_loaded,
+    full_tensors,
+    round_row,
+    torch_engine,
+)
+from tests.trainer._sliced_workers import TPClient
 
-CONFIG = (2, 4, 1, False, True)  # TP 2, one KV head on two ranks, tied head
-
-
-class NoCalls:
-    """Rank 1's client: only rank 0 makes the control plane's calls."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-
-        def call(*_: Any, **__: Any) -> Any:
-            raise AssertionError(f"trainer rank 1 called the server ({name})")
-
-        return call
+CONFIG = TP2  # TP 2, one KV head on two ranks, tied head
 
 
 def main() -> None:
@@ -45,20 +40,13 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from weightwire.shared.timeouts import Timeouts
-    from weightwire.testing.sources import DictSource
-    from weightwire.torch_side.sender.engine import TorchTrainerEngine
     from weightwire.torch_side.sender.group import TorchStoreGroup
-    from weightwire.torch_side.sender.source import describe_tensor
-    from weightwire.trainer import TrainerInitInfo
 
     mesh = init_device_mesh("cpu", (2,))
-    shapes = shapes_of(CONFIG)
     tensors: dict[str, Any] = {}
 
     def fill(step: int) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng(step)
-        full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        full = full_tensors(CONFIG, step)
         tensors.clear()
         for name, value in full.items():
             t = torch.from_numpy(value)
@@ -72,39 +60,18 @@ def main() -> None:
 
     DTensor.full_tensor = refuse  # type: ignore[method-assign]
     fill(0)
-    client: Any = TPClient(CONFIG) if rank == 0 else NoCalls()
-    info = TrainerInitInfo(
-        backend="weightwire_tcp",
-        rank=rank,
-        pause_mode=None,
-        packed_buffer_size_bytes=1 << 10,
-        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
-    )
-    engine = TorchTrainerEngine.trainer_init(
-        info,
-        client=client,
-        source=DictSource(tensors, describe_tensor),
-        group=TorchStoreGroup(),
-    )
+    client: Any = TPClient(CONFIG) if rank == 0 else NoCalls("rank 1")
+    engine = torch_engine(client, tensors, rank=rank, group=TorchStoreGroup())
     rounds = []
     failure: dict[str, Any] = {}
     try:
         for step in (1, 2, 3):
             full = fill(step)
             metrics = engine.send_weights()
-            plan = engine.session.slicing.plans._plan  # type: ignore[union-attr]
-            row: dict[str, Any] = {
-                "version": metrics.version,
-                "sent": metrics.nbytes,
-                "rank_bytes": {str(r): n for r, n in plan.rank_bytes.items()},
-                "worker_bytes": {str(w): n for w, n in plan.worker_bytes.items()},
-            }
+            row = round_row(engine, metrics)
             if rank == 0:
                 assert client.last_update.get("sliced") is True
-                for worker in range(CONFIG[0]):
-                    want, got = expected(CONFIG, full, worker), client.params(worker)
-                    for name, tensor in want.items():
-                        assert torch.equal(got[name], tensor), f"round {step} {worker} {name}"
+                assert_loaded(client, full, f"round {step} ")
                 row["received"] = list(client.received)
             rounds.append(row)
         # A 4th round whose start the server refuses: rank 0 fails before its "go", rank 1
@@ -122,10 +89,7 @@ def main() -> None:
         except Exception as exc:
             failure = {"type": type(exc).__name__, "error": str(exc)[:300]}
         if rank == 0:
-            for worker in range(CONFIG[0]):
-                want, got = expected(CONFIG, last, worker), client.params(worker)
-                for name, tensor in want.items():
-                    assert torch.equal(got[name], tensor), f"refused round: {worker} {name}"
+            assert_loaded(client, last, "refused round: ")
     finally:
         engine.shutdown()
         if rank == 0:

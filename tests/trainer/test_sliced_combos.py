@@ -15,8 +15,19 @@ import numpy as np
 import pytest
 import torch
 
+from tests.trainer._sliced_session import (
+    TP2,
+    as_source,
+    assert_kept,
+    assert_loaded,
+    cut_link_at,
+    full_tensors,
+    info,
+    params,
+    put,
+    torch_engine,
+)
 from tests.trainer._sliced_workers import TPClient, expected, spec_of
-from tests.trainer.test_sliced_tcp import TP2, assert_loaded, full_tensors, torch_engine
 from weightwire.shared.errors import WeightwireError
 from weightwire.tools.server.sleep import ModelSleeper
 from weightwire.vllm_guard.worker import worker_round_state
@@ -25,21 +36,8 @@ from weightwire.vllm_guard.worker import worker_round_state
 def load(tensors: dict[str, Any], step: int) -> dict[str, np.ndarray]:
     """The round ``step``'s full tensors, put in the trainer's source (``tensors``)."""
     full = full_tensors(TP2, step)
-    tensors.clear()
-    tensors.update({n: torch.from_numpy(a.copy()) for n, a in full.items()})
+    put(tensors, full)
     return full
-
-
-def params(client: TPClient) -> list[dict[str, torch.Tensor]]:
-    return [client.params(r) for r in range(client.config[0])]
-
-
-def assert_kept(client: TPClient, before: list[dict[str, torch.Tensor]]) -> None:
-    """Every worker holds exactly ``before`` (the last committed round's weights)."""
-    for rank, was in enumerate(before):
-        now = client.params(rank)
-        for name, tensor in was.items():
-            assert torch.equal(now[name], tensor), f"rank {rank} {name} changed"
 
 
 def again(engine: Any, client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
@@ -135,20 +133,6 @@ def test_sleep_wake_and_reset_between_sliced_rounds(budget: int, mapped: bool) -
 # ------------------------------------------------------------------ 2. overlapped rounds
 
 
-def cut_link_at(engine: Any, worker: int, read: int) -> None:
-    """Worker ``worker``'s link drops at the trainer's ``read``-th piece read (the round is
-    then mid-transfer)."""
-    real, reads = engine.read_box, [0]
-
-    def cut(tensor: Any, box: Any) -> Any:
-        reads[0] += 1
-        if reads[0] == read:
-            engine.session.link._links[worker].sock.shutdown(2)
-        return real(tensor, box)
-
-    engine.read_box = cut
-
-
 def test_overlapped_sliced_rounds_snapshot_and_fail_on_their_own_round() -> None:
     """``send_weights(wait=False)`` on a sliced session: the round is sliced and sends the
     snapshot taken at the call (the tensors written right after it do not leak in); a round
@@ -188,9 +172,6 @@ def test_overlapped_jax_sliced_rounds_send_their_snapshot() -> None:
     arrays of the call) on a sliced session: sliced, read from the snapshot where it is held
     (``sharded``, as a blocking round reads it: never gathered; ``_sliced_jax_trainer``
     checks that on a mesh), and the params replaced right after the call do not leak in."""
-    import jax.numpy as jnp
-
-    from tests.trainer.test_sliced_tcp import info
     from weightwire.jax_side.engine import JAXTrainerEngine
     from weightwire.jax_side.naming import Naming
     from weightwire.jax_side.rules import Rule
@@ -199,13 +180,12 @@ def test_overlapped_jax_sliced_rounds_send_their_snapshot() -> None:
     client = TPClient(TP2)
     arrays: dict[str, Any] = {}
 
-    def put(step: int) -> dict[str, np.ndarray]:
+    def put_step(step: int) -> dict[str, np.ndarray]:
         full = full_tensors(TP2, step)
-        arrays.clear()
-        arrays.update({n: jnp.asarray(a) for n, a in full.items()})
+        put(arrays, full, "jax")
         return full
 
-    put(0)
+    put_step(0)
     source = PytreeSource(lambda: dict(arrays), Naming([Rule("{x}", "{x}")]))
     sharded, reads = PytreeSource.sharded, []
 
@@ -218,9 +198,9 @@ def test_overlapped_jax_sliced_rounds_send_their_snapshot() -> None:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(PytreeSource, "sharded", watched)
             for step in (1, 2):
-                full = put(step)
+                full = put_step(step)
                 handle = engine.send_weights(wait=False)
-                put(step + 10)  # the trainer's next step
+                put_step(step + 10)  # the trainer's next step
                 handle.result(timeout=60)
                 assert client.last_update["sliced"] is True
                 assert_loaded(client, full)
@@ -593,7 +573,7 @@ def test_a_source_that_does_not_fit_the_workers_wants_is_refused_before_any_byte
     before = params(client)
     full = full_tensors(TP2, 1)
     change(full)
-    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
+    engine = torch_engine(client, as_source("torch", full))
     try:
         with pytest.raises(Exception, match=match) as got:
             engine.send_weights()
@@ -653,11 +633,7 @@ def test_adapter_rounds_on_a_sliced_session_go_whole_and_base_rounds_stay_sliced
     is a broadcast (the workers told no wants of the adapter's tensors; vLLM's LoRA layers
     take the whole adapter and cut their own shard), every worker swaps in the whole adapter
     at the commit and its base weights stay; the next base-weight round is sliced again."""
-    from tests.trainer.test_sliced_tcp import info
     from weightwire.shared.lora import wire_name
-    from weightwire.testing.sources import DictSource
-    from weightwire.torch_side.sender.engine import TorchTrainerEngine
-    from weightwire.torch_side.sender.source import describe_tensor
     from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 
     client = TPClient(TP2)
@@ -686,9 +662,7 @@ def test_adapter_rounds_on_a_sliced_session_go_whole_and_base_rounds_stay_sliced
             wire_name(q, "A", "pol"): torch.randn(2, 8, generator=gen),
             wire_name(q, "B", "pol"): torch.randn(8, 2, generator=gen),
         }
-        lora = TorchTrainerEngine.trainer_init(
-            info(), client=client, source=DictSource(adapter, describe_tensor)
-        )
+        lora = torch_engine(client, adapter)
         try:
             lora.send_weights()
             assert "sliced" not in client.last_update

@@ -15,33 +15,27 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer._sliced_workers import Config, TPClient
-from tests.trainer.test_sliced_tcp import (
+from tests.trainer._sliced_session import (
     TP2,
     TP4,
+    as_source,
+    assert_kept,
     assert_loaded,
+    assert_shares,
+    changed,
     full_tensors,
-    info,
-    replicated_bytes,
+    params,
+    prepacked,
+    put,
+    run_script,
     torch_engine,
+    trainer_engine,
 )
+from tests.trainer._sliced_workers import Config, TPClient
 from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
 from weightwire.shared.slices import Box, Wants, volume
-from weightwire.testing.sources import DictSource
 
 PATCHED = "model.layers.0.self_attn.o_proj.weight"
-
-
-def changed(before: dict[str, np.ndarray], step: int, rate: float = 0.02) -> dict[str, np.ndarray]:
-    """``before`` with about ``rate`` of every tensor's elements changed (one at least)."""
-    rng = np.random.default_rng(100 + step)
-    out = {}
-    for name, a in before.items():
-        new = a.copy()
-        flat = new.reshape(-1)
-        flat[rng.choice(flat.size, max(1, int(flat.size * rate)), replace=False)] += 1.0
-        out[name] = new
-    return out
 
 
 def told(client: TPClient, rank: int) -> Wants:
@@ -83,25 +77,6 @@ def broadcast_bytes(update: dict[str, Any]) -> int:
     return sum(4 * int(np.prod(s)) for s in update["shapes"])
 
 
-def jax_engine(client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
-    from weightwire.jax_side.dtypes import describe
-    from weightwire.jax_side.engine import JAXTrainerEngine
-
-    return JAXTrainerEngine.trainer_init(
-        info(**kw), client=client, source=DictSource(tensors, describe)
-    )
-
-
-def put(tensors: dict[str, Any], full: dict[str, np.ndarray], framework: str) -> None:
-    tensors.clear()
-    if framework == "jax":
-        import jax.numpy as jnp
-
-        tensors.update({n: jnp.asarray(a) for n, a in full.items()})
-    else:
-        tensors.update({n: torch.from_numpy(a.copy()) for n, a in full.items()})
-
-
 @pytest.mark.parametrize(
     ("config", "framework"),
     [(TP2, "torch"), (TP2, "jax"), (TP4, "torch")],
@@ -114,8 +89,7 @@ def test_sliced_delta_rounds_send_each_worker_its_share(config: Config, framewor
     ``bytes_received`` reports), strictly less than the broadcast delta round's bytes."""
     client = TPClient(config)
     tensors: dict[str, Any] = {}
-    make = jax_engine if framework == "jax" else torch_engine
-    engine = make(client, tensors, delta="auto")
+    engine = trainer_engine(framework, client, tensors, delta="auto")
     try:
         full = full_tensors(config, 1)
         put(tensors, full, framework)
@@ -156,7 +130,7 @@ def test_a_delta_round_on_a_wrong_base_is_refused_before_any_byte() -> None:
         full = full_tensors(TP2, 1)
         put(tensors, full, "torch")
         engine.send_weights()
-        before = [client.params(r) for r in range(2)]
+        before = params(client)
         for e in client.engines:
             e._core.weights.weights_changed("the test changed the weights")
             real = e.update_weights
@@ -222,7 +196,7 @@ def test_a_link_lost_mid_delta_round_leaves_the_previous_weights() -> None:
         full = full_tensors(TP2, 1)
         put(tensors, full, "torch")
         engine.send_weights()
-        before = [client.params(r) for r in range(2)]
+        before = params(client)
         comm = engine.session.link
         send_frame = comm.send_frame
 
@@ -235,9 +209,7 @@ def test_a_link_lost_mid_delta_round_leaves_the_previous_weights() -> None:
         put(tensors, changed(full, 2), "torch")
         with pytest.raises(WeightwireError):
             engine.send_weights()
-        for rank in range(2):
-            after = client.params(rank)
-            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
+        assert_kept(client, before)
     finally:
         engine.shutdown()
         client.close()
@@ -255,7 +227,7 @@ def test_a_worker_refuses_patch_elements_outside_its_wants(monkeypatch) -> None:
         full = full_tensors(TP2, 1)
         put(tensors, full, "torch")
         engine.send_weights()
-        before = [client.params(r) for r in range(2)]
+        before = params(client)
         real = round_.share_patches
 
         def everything(patches: Any, tensors: Any, wants: Any, host_bytes: Any) -> Any:
@@ -266,9 +238,7 @@ def test_a_worker_refuses_patch_elements_outside_its_wants(monkeypatch) -> None:
         put(tensors, changed(full, 2), "torch")
         with pytest.raises(WeightwireError, match=r"outside what this worker wants"):
             engine.send_weights()
-        for rank in range(2):
-            after = client.params(rank)
-            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
+        assert_kept(client, before)
     finally:
         engine.shutdown()
         client.close()
@@ -286,7 +256,7 @@ def test_a_worker_refuses_a_short_share(monkeypatch) -> None:
         full = full_tensors(TP2, 1)
         put(tensors, full, "torch")
         engine.send_weights()
-        before = [client.params(r) for r in range(2)]
+        before = params(client)
         real = PatchShares.pieces
 
         def short(self: PatchShares, *args: Any, **kw: Any) -> Any:
@@ -299,9 +269,7 @@ def test_a_worker_refuses_a_short_share(monkeypatch) -> None:
         put(tensors, changed(full, 2), "torch")
         with pytest.raises(WeightwireError, match=r"brought \d+ of the \d+ elements of"):
             engine.send_weights()
-        for rank in range(2):
-            after = client.params(rank)
-            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
+        assert_kept(client, before)
     finally:
         engine.shutdown()
         client.close()
@@ -312,16 +280,6 @@ def test_workers_that_load_through_load_weights_keep_dense_sliced_rounds(caplog)
     its slices through ``load_weights`` and says at the join that it applies no patches:
     the session's ``delta="auto"`` rounds go dense and sliced (no worker gets an element
     outside its wants), said once in the log; the weights are right."""
-
-    class Prepack:  # a quant method that is not a plain copy after loading
-        pass
-
-    def prepacked(config: Config, rank: int) -> Any:
-        from tests.trainer._sliced_workers import make
-
-        model = make(config, rank)
-        model.qkv_proj.quant_method = Prepack()
-        return model
 
     client = TPClient(TP2, model=prepacked)
     tensors: dict[str, Any] = {}
@@ -340,8 +298,7 @@ def test_workers_that_load_through_load_weights_keep_dense_sliced_rounds(caplog)
             assert client.last_update["sliced"] is True and "patches" not in client.last_update
             assert_loaded(client, full)
             dense = sum(a.nbytes for a in full.values())
-            for got in client.received:
-                assert 0 < got <= 1.05 * dense / 2 + replicated_bytes(TP2)
+            assert_shares(client.received, TP2, dense)
         said = [
             r.getMessage() for r in caplog.records if "sends dense sliced rounds" in r.getMessage()
         ]
@@ -353,7 +310,7 @@ def test_workers_that_load_through_load_weights_keep_dense_sliced_rounds(caplog)
 
 def test_workers_with_a_landing_map_say_they_apply_sliced_patches() -> None:
     client = TPClient(TP2)
-    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full_tensors(TP2, 1).items()})
+    engine = torch_engine(client, as_source("torch", full_tensors(TP2, 1)))
     try:
         hellos = [json.loads(h) for h in engine.session.slicing.hellos]
         assert [h["patches"] for h in hellos] == [True, True]
@@ -374,22 +331,7 @@ def test_jax_delta_rounds_from_an_fsdp_tp_mesh(kind: str) -> None:
     of a sharded array alive at any extraction step (checked there); the base is sharded as
     the arrays are, its bytes the addressable shards'. ``pytree``: a ``PytreeSource`` over the
     arrays (one of them transposed back on its shards) is compared where it is held too."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).with_name("_sliced_delta_jax_mesh.py")
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run(
-        [sys.executable, str(script), kind],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    rounds = json.loads(done.stdout.strip().splitlines()[-1])["rounds"]
+    rounds = run_script("_sliced_delta_jax_mesh.py", kind)["rounds"]
     assert [r["patches"] for r in rounds] == [False, True, True]
     for r in rounds[1:]:
         assert sum(r["received"]) == r["sent"]
