@@ -2,32 +2,39 @@
 ``weightwire_tcp`` or ``weightwire_nccl``) in front of a ``TPClient``, and the checks every
 one of those tests makes.
 
-- ``info`` / ``trainer_engine``: the one way to open a session on a ``TPClient``;
+- ``info`` / ``trainer_engine`` / ``opened``: the one way to open a session on a
+  ``TPClient`` (``opened``: for a block, the engine shut down and the workers closed after it);
 - ``full_tensors`` / ``changed`` / ``put``: a round's full tensors (or a delta round's:
-  a few elements changed), put in the trainer's source;
-- ``assert_loaded`` / ``assert_kept``: every worker equals ``load_weights`` of the full
-  tensors, or still holds the last committed round's weights;
+  a few elements changed), put in the trainer's source; ``committed_round``: one sent;
+- ``assert_loaded`` / ``assert_kept`` / ``fails_keeping``: every worker equals
+  ``load_weights`` of the full tensors, or still holds the last committed round's weights
+  (after a round that had to fail);
 - ``share_limit`` / ``assert_shares``: what one worker's slice of a round may weigh;
-- ``run_script``: a sliced trainer script in its own process (XLA_FLAGS precede jax's
-  import), its last JSON line; ``round_row`` / ``NoCalls``: the two-process scripts' rows
-  and their non-leading process's client.
+- ``cut_link_at`` / ``prepacked``: a link lost mid-round, a rank with no landing map;
+- ``run_script`` / ``two_process_reports``: a sliced trainer script in its own process(es)
+  (XLA_FLAGS precede jax's import), its last JSON line; ``rounds_then_failure`` /
+  ``round_row`` / ``NoCalls``: the two-process scripts' rounds, rows and the non-leading
+  process's client.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from tests.torch_side._sliced_models import SlicedTP
 from tests.trainer._sliced_workers import Config, TPClient, expected, make, shapes_of
+from weightwire.shared.errors import WeightwireError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.testing.sources import DictSource
 from weightwire.trainer import TrainerInitInfo
@@ -121,6 +128,24 @@ def trainer_engine(
     )
 
 
+@contextlib.contextmanager
+def opened(
+    client: TPClient,
+    tensors: dict[str, Any],
+    framework: str = "torch",
+    backend: str = "tcp",
+    **kw: Any,
+) -> Iterator[Any]:
+    """``trainer_engine`` for the block; the engine shut down and the workers closed after it,
+    whatever the block raised."""
+    engine = trainer_engine(framework, client, tensors, backend, **kw)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        client.close()
+
+
 def torch_engine(client: Any, tensors: dict[str, Any], **kw: Any) -> Any:
     return trainer_engine("torch", client, tensors, **kw)
 
@@ -152,6 +177,17 @@ def prepacked(config: Config, rank: int) -> SlicedTP:
     return model
 
 
+def committed_round(
+    engine: Any, client: TPClient, tensors: dict[str, Any], step: int = 1, framework: str = "torch"
+) -> tuple[dict[str, np.ndarray], list[dict[str, torch.Tensor]]]:
+    """Round ``step`` sent (its full tensors put in ``tensors``): those tensors and every
+    worker's weights after it, the ones a failed round after it must leave."""
+    full = full_tensors(client.config, step)
+    put(tensors, full, framework)
+    engine.send_weights()
+    return full, params(client)
+
+
 def params(client: TPClient) -> list[dict[str, torch.Tensor]]:
     return [client.params(r) for r in range(len(client.engines))]
 
@@ -171,6 +207,20 @@ def assert_kept(client: TPClient, before: list[dict[str, torch.Tensor]]) -> None
         now = client.params(rank)
         for name, tensor in was.items():
             assert torch.equal(now[name], tensor), f"rank {rank} {name} changed"
+
+
+def fails_keeping(
+    engine: Any,
+    client: TPClient,
+    before: list[dict[str, torch.Tensor]],
+    match: str | None = None,
+    error: type[BaseException] | tuple[type[BaseException], ...] = WeightwireError,
+) -> None:
+    """The next round raises ``error`` (matching ``match``) and every worker still holds
+    ``before`` exactly."""
+    with pytest.raises(error, match=match):
+        engine.send_weights()
+    assert_kept(client, before)
 
 
 def cut_link_at(engine: Any, worker: int, read: int) -> None:
@@ -233,6 +283,43 @@ def round_row(engine: Any, metrics: Any) -> dict[str, Any]:
         "rank_bytes": {str(r): n for r, n in plan.rank_bytes.items()},
         "worker_bytes": {str(w): n for w, n in plan.worker_bytes.items()},
     }
+
+
+def rounds_then_failure(
+    engine: Any,
+    client: Any,
+    lead: bool,
+    fill: Callable[[int], dict[str, np.ndarray]],
+    fail: Callable[[], None],
+    send: Callable[[], Any] | None = None,
+    row: Callable[[Any, Any], dict[str, Any]] = round_row,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A two-process script's rounds: 3 sliced rounds (``fill(step)`` puts round ``step``'s
+    tensors in the source and returns them; ``send``: the round, ``engine.send_weights`` by
+    default), each a ``row``; on the ``lead`` process (its ``client`` the workers') every
+    worker checked against ``load_weights`` and its bytes added. Then a 4th round after
+    ``fail()``, which must fail: its error, the workers still on round 3's weights."""
+    send = send or engine.send_weights
+    rounds, failure = [], {}
+    full: dict[str, np.ndarray] = {}
+    for step in (1, 2, 3):
+        full = fill(step)
+        metrics = send()
+        out = row(engine, metrics)
+        if lead:
+            assert client.last_update.get("sliced") is True
+            assert_loaded(client, full, f"round {step} ")
+            out["received"] = list(client.received)
+        rounds.append(out)
+    fill(4)
+    fail()
+    try:
+        send()
+    except Exception as exc:
+        failure = {"type": type(exc).__name__, "error": str(exc)[:400]}
+    if lead:
+        assert_loaded(client, full, "failed round: ")
+    return rounds, failure
 
 
 class NoCalls:

@@ -25,14 +25,11 @@ from tests.ranks import join_gloo_pair
 from tests.trainer._sliced_session import (
     TP2,
     NoCalls,
-    assert_loaded,
     full_tensors,
-    round_row,
+    rounds_then_failure,
     torch_engine,
 )
 from tests.trainer._sliced_workers import TPClient
-
-CONFIG = TP2  # TP 2, one KV head on two ranks, tied head
 
 
 def main() -> None:
@@ -46,7 +43,7 @@ def main() -> None:
     tensors: dict[str, Any] = {}
 
     def fill(step: int) -> dict[str, np.ndarray]:
-        full = full_tensors(CONFIG, step)
+        full = full_tensors(TP2, step)
         tensors.clear()
         for name, value in full.items():
             t = torch.from_numpy(value)
@@ -60,36 +57,20 @@ def main() -> None:
 
     DTensor.full_tensor = refuse  # type: ignore[method-assign]
     fill(0)
-    client: Any = TPClient(CONFIG) if rank == 0 else NoCalls("rank 1")
+    client: Any = TPClient(TP2) if rank == 0 else NoCalls("rank 1")
     engine = torch_engine(client, tensors, rank=rank, group=TorchStoreGroup())
-    rounds = []
-    failure: dict[str, Any] = {}
-    try:
-        for step in (1, 2, 3):
-            full = fill(step)
-            metrics = engine.send_weights()
-            row = round_row(engine, metrics)
-            if rank == 0:
-                assert client.last_update.get("sliced") is True
-                assert_loaded(client, full, f"round {step} ")
-                row["received"] = list(client.received)
-            rounds.append(row)
-        # A 4th round whose start the server refuses: rank 0 fails before its "go", rank 1
-        # learns it instead of waiting, nothing reached the workers.
-        last = full
-        fill(4)
+
+    # A 4th round whose start the server refuses: rank 0 fails before its "go", rank 1
+    # learns it instead of waiting, nothing reached the workers.
+    def refused() -> None:
+        raise RuntimeError("the server refused the start")
+
+    def refuse_the_start() -> None:
         if rank == 0:
-
-            def refused() -> None:
-                raise RuntimeError("the server refused the start")
-
             client.start_weight_update = refused
-        try:
-            engine.send_weights()
-        except Exception as exc:
-            failure = {"type": type(exc).__name__, "error": str(exc)[:300]}
-        if rank == 0:
-            assert_loaded(client, last, "refused round: ")
+
+    try:
+        rounds, failure = rounds_then_failure(engine, client, rank == 0, fill, refuse_the_start)
     finally:
         engine.shutdown()
         if rank == 0:

@@ -20,9 +20,12 @@ from tests.trainer._sliced_session import (
     as_source,
     assert_kept,
     assert_loaded,
+    committed_round,
     cut_link_at,
+    fails_keeping,
     full_tensors,
     info,
+    opened,
     params,
     put,
     torch_engine,
@@ -50,6 +53,22 @@ def again(engine: Any, client: TPClient, tensors: dict[str, Any], **kw: Any) -> 
         engine.send_weights()
     engine.shutdown()
     return torch_engine(client, tensors, **kw)
+
+
+def lands_after_reinit(
+    engine: Any, client: TPClient, tensors: dict[str, Any], *, overlapped: bool = False
+) -> Any:
+    """``again``, then round 3 (``overlapped``: ``wait=False``) is sliced and lands whole;
+    the new engine."""
+    engine = again(engine, client, tensors)
+    full = load(tensors, 3)
+    if overlapped:
+        engine.send_weights(wait=False).result(timeout=60)
+    else:
+        engine.send_weights()
+    assert client.last_update["sliced"] is True
+    assert_loaded(client, full)
+    return engine
 
 
 def state(client: TPClient) -> list[dict[str, Any]]:
@@ -102,8 +121,7 @@ def test_sleep_wake_and_reset_between_sliced_rounds(budget: int, mapped: bool) -
     if not mapped:  # worker 1 processes its weights after loading: no map to write through
         client.models[1].qkv_proj.quant_method = object()
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, stage_budget_bytes=budget)
-    try:
+    with opened(client, tensors, stage_budget_bytes=budget) as engine:
         load(tensors, 1)
         engine.send_weights()
         caches = client.engines[1]._core.caches
@@ -125,9 +143,6 @@ def test_sleep_wake_and_reset_between_sliced_rounds(budget: int, mapped: bool) -
             engine.send_weights()
             assert client.last_update["sliced"] is True
             assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 # ------------------------------------------------------------------ 2. overlapped rounds
@@ -157,11 +172,7 @@ def test_overlapped_sliced_rounds_snapshot_and_fail_on_their_own_round() -> None
         with pytest.raises(WeightwireError, match="lost|closed|reset|Broken|PeerLost"):
             failed.result(timeout=60)
         assert_kept(client, before)
-        engine = again(engine, client, tensors)
-        full = load(tensors, 3)
-        engine.send_weights(wait=False).result(timeout=60)
-        assert client.last_update["sliced"] is True
-        assert_loaded(client, full)
+        engine = lands_after_reinit(engine, client, tensors, overlapped=True)
     finally:
         engine.shutdown()
         client.close()
@@ -265,16 +276,12 @@ def test_every_pause_mode_treats_a_sliced_round_by_where_it_lands(mode: str | No
     for budget, want in zip((1 << 30, 0), PAUSES[mode], strict=True):
         client = GuardClient(TP2)
         tensors: dict[str, Any] = {}
-        engine = torch_engine(client, tensors, pause_mode=mode, stage_budget_bytes=budget)
-        try:
+        with opened(client, tensors, pause_mode=mode, stage_budget_bytes=budget) as engine:
             full = load(tensors, 1)
             engine.send_weights()
             assert client.last_update["sliced"] is True
             assert client.calls == want, budget
             assert_loaded(client, full)
-        finally:
-            engine.shutdown()
-            client.close()
 
 
 def test_a_sliced_round_within_the_budget_is_staged_and_applied_at_finish() -> None:
@@ -283,11 +290,8 @@ def test_a_sliced_round_within_the_budget_is_staged_and_applied_at_finish() -> N
     round is paused as a whole (``pause_mode``'s own mode, resumed after), no guard."""
     client = GuardClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, pause_mode="keep", stage_budget_bytes=1 << 30)
-    try:
-        load(tensors, 1)
-        engine.send_weights()
-        before = params(client)
+    with opened(client, tensors, pause_mode="keep", stage_budget_bytes=1 << 30) as engine:
+        _, before = committed_round(engine, client, tensors)
         at_finish: list[Any] = []
 
         def look() -> None:
@@ -302,9 +306,6 @@ def test_a_sliced_round_within_the_budget_is_staged_and_applied_at_finish() -> N
         strategies, states = at_finish[0]
         assert strategies == ["sliced", "sliced"] and all(s["whole"] for s in states)
         assert client.calls == ["pause:keep", "resume"]
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_sliced_round_over_the_budget_lands_in_place_under_the_guard() -> None:
@@ -405,9 +406,7 @@ def test_a_sliced_round_that_fails_leaves_every_worker_on_the_previous_round(
     tensors: dict[str, Any] = {}
     engine = torch_engine(client, tensors)
     try:
-        load(tensors, 1)
-        engine.send_weights()
-        before = params(client)
+        _, before = committed_round(engine, client, tensors)
         match = {
             "worker-before": "lost|closed|aborted",
             "worker-during": "lost|closed|aborted",
@@ -434,16 +433,10 @@ def test_a_sliced_round_that_fails_leaves_every_worker_on_the_previous_round(
             fault = shifted(real_pieces, 0) if phase == "outside-wants" else dropped(real_pieces)
             monkeypatch.setattr(round_module, "pieces", fault)
         load(tensors, 2)
-        with pytest.raises(WeightwireError, match=match):
-            engine.send_weights()
-        assert_kept(client, before)
+        fails_keeping(engine, client, before, match)
         monkeypatch.undo()
         client.before_update = None
-        engine = again(engine, client, tensors)
-        full = load(tensors, 3)
-        engine.send_weights()
-        assert client.last_update["sliced"] is True
-        assert_loaded(client, full)
+        engine = lands_after_reinit(engine, client, tensors)
     finally:
         engine.shutdown()
         client.close()
@@ -573,8 +566,7 @@ def test_a_source_that_does_not_fit_the_workers_wants_is_refused_before_any_byte
     before = params(client)
     full = full_tensors(TP2, 1)
     change(full)
-    engine = torch_engine(client, as_source("torch", full))
-    try:
+    with opened(client, as_source("torch", full)) as engine:
         with pytest.raises(Exception, match=match) as got:
             engine.send_weights()
         assert type(got.value).__name__ == error
@@ -582,9 +574,6 @@ def test_a_source_that_does_not_fit_the_workers_wants_is_refused_before_any_byte
             assert isinstance(got.value, WeightwireError)
             assert client.updates == 0  # nothing sent: not even the update POST
         assert_kept(client, before)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_partial_rounds_may_leave_out_what_the_workers_read() -> None:
@@ -592,8 +581,7 @@ def test_partial_rounds_may_leave_out_what_the_workers_read() -> None:
     layer it left out keeps its previous weights on every worker."""
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, partial=True)
-    try:
+    with opened(client, tensors, partial=True) as engine:
         load(tensors, 1)
         engine.send_weights()
         frozen = params(client)
@@ -606,9 +594,6 @@ def test_partial_rounds_may_leave_out_what_the_workers_read() -> None:
             want, now = expected(TP2, full, rank), client.params(rank)
             for name, tensor in now.items():
                 assert torch.equal(tensor, was[name] if name in layer1 else want[name]), name
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 # ------------------------------------------------------------------ 5. adapters
@@ -719,8 +704,7 @@ def test_an_overlapped_sliced_round_refused_before_any_call_leaves_the_session_u
 
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
+    with opened(client, tensors) as engine:
         load(tensors, 1)
         lacks_one(tensors)
         with pytest.raises(ServedModelMismatch, match=r"up_proj\.weight\]"):
@@ -730,9 +714,6 @@ def test_an_overlapped_sliced_round_refused_before_any_call_leaves_the_session_u
         engine.send_weights(wait=False).result(timeout=60)
         assert client.last_update["sliced"] is True
         assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 @pytest.mark.parametrize("snapshot", ["copy", "cow"])
@@ -744,8 +725,7 @@ def test_an_optimizer_step_during_an_overlapped_sliced_round_does_not_leak_in(
     for, or copies ahead of, the pieces the round still reads), never a mix of two steps."""
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, snapshot=snapshot)
-    try:
+    with opened(client, tensors, snapshot=snapshot) as engine:
         full = full_tensors(TP2, 1)
         weights = {n: torch.nn.Parameter(torch.from_numpy(a.copy())) for n, a in full.items()}
         tensors.update(weights)
@@ -761,6 +741,3 @@ def test_an_optimizer_step_during_an_overlapped_sliced_round_does_not_leak_in(
         assert all(torch.equal(weights[n].detach(), torch.from_numpy(a)) for n, a in moved.items())
         engine.send_weights(wait=False).result(timeout=60)
         assert_loaded(client, moved)
-    finally:
-        engine.shutdown()
-        client.close()

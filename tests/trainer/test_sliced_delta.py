@@ -19,20 +19,19 @@ from tests.trainer._sliced_session import (
     TP2,
     TP4,
     as_source,
-    assert_kept,
     assert_loaded,
     assert_shares,
     changed,
+    committed_round,
+    fails_keeping,
     full_tensors,
-    params,
+    opened,
     prepacked,
     put,
     run_script,
-    torch_engine,
-    trainer_engine,
 )
 from tests.trainer._sliced_workers import Config, TPClient
-from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
+from weightwire.shared.errors import DeltaBaseMismatch
 from weightwire.shared.slices import Box, Wants, volume
 
 PATCHED = "model.layers.0.self_attn.o_proj.weight"
@@ -89,8 +88,7 @@ def test_sliced_delta_rounds_send_each_worker_its_share(config: Config, framewor
     ``bytes_received`` reports), strictly less than the broadcast delta round's bytes."""
     client = TPClient(config)
     tensors: dict[str, Any] = {}
-    engine = trainer_engine(framework, client, tensors, delta="auto")
-    try:
+    with opened(client, tensors, framework, delta="auto") as engine:
         full = full_tensors(config, 1)
         put(tensors, full, framework)
         engine.send_weights()
@@ -113,9 +111,6 @@ def test_sliced_delta_rounds_send_each_worker_its_share(config: Config, framewor
             assert metrics.nbytes == sum(client.received)
         slicing = engine.session.slicing
         assert (slicing.plans.builds, slicing.delta_plans.builds) == (1, 1)  # each planned once
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_delta_round_on_a_wrong_base_is_refused_before_any_byte() -> None:
@@ -124,13 +119,9 @@ def test_a_delta_round_on_a_wrong_base_is_refused_before_any_byte() -> None:
     the previous weights kept; the trainer then sends the same round dense and sliced."""
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto")
-    refused: list[tuple[int, int, bool]] = []
-    try:
-        full = full_tensors(TP2, 1)
-        put(tensors, full, "torch")
-        engine.send_weights()
-        before = params(client)
+    with opened(client, tensors, delta="auto") as engine:
+        refused: list[tuple[int, int, bool]] = []
+        full, before = committed_round(engine, client, tensors)
         for e in client.engines:
             e._core.weights.weights_changed("the test changed the weights")
             real = e.update_weights
@@ -154,9 +145,6 @@ def test_a_delta_round_on_a_wrong_base_is_refused_before_any_byte() -> None:
         assert sorted(refused) == [(0, 0, True), (1, 0, True)]
         assert "patches" not in client.last_update and client.last_update["sliced"] is True
         assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_sliced_delta_round_over_the_stage_budget_lands_in_place_whole() -> None:
@@ -166,10 +154,9 @@ def test_a_sliced_delta_round_over_the_stage_budget_lands_in_place_whole() -> No
     overlapped (``wait=False``): sliced too."""
     client = TPClient(TP4)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto", stage_budget_bytes=0, pause_mode="keep")
-    seen: list[str | None] = []
-    client.before_finish = lambda: seen.extend(e.round_strategy for e in client.engines)
-    try:
+    with opened(client, tensors, delta="auto", stage_budget_bytes=0, pause_mode="keep") as engine:
+        seen: list[str | None] = []
+        client.before_finish = lambda: seen.extend(e.round_strategy for e in client.engines)
         full = full_tensors(TP4, 1)
         put(tensors, full, "torch")
         engine.send_weights()
@@ -181,9 +168,6 @@ def test_a_sliced_delta_round_over_the_stage_budget_lands_in_place_whole() -> No
             assert client.last_update["patches"] and PATCHED in client.last_update["names"]
             assert_loaded(client, full)
         assert seen == ["sliced_in_place"] * 12
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_link_lost_mid_delta_round_leaves_the_previous_weights() -> None:
@@ -191,12 +175,8 @@ def test_a_link_lost_mid_delta_round_leaves_the_previous_weights() -> None:
     trainer, nothing commits, both workers keep the previous round's weights exactly."""
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto")
-    try:
-        full = full_tensors(TP2, 1)
-        put(tensors, full, "torch")
-        engine.send_weights()
-        before = params(client)
+    with opened(client, tensors, delta="auto") as engine:
+        full, before = committed_round(engine, client, tensors)
         comm = engine.session.link
         send_frame = comm.send_frame
 
@@ -207,12 +187,7 @@ def test_a_link_lost_mid_delta_round_leaves_the_previous_weights() -> None:
 
         comm.send_frame = cut
         put(tensors, changed(full, 2), "torch")
-        with pytest.raises(WeightwireError):
-            engine.send_weights()
-        assert_kept(client, before)
-    finally:
-        engine.shutdown()
-        client.close()
+        fails_keeping(engine, client, before)
 
 
 def test_a_worker_refuses_patch_elements_outside_its_wants(monkeypatch) -> None:
@@ -222,12 +197,8 @@ def test_a_worker_refuses_patch_elements_outside_its_wants(monkeypatch) -> None:
 
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto")
-    try:
-        full = full_tensors(TP2, 1)
-        put(tensors, full, "torch")
-        engine.send_weights()
-        before = params(client)
+    with opened(client, tensors, delta="auto") as engine:
+        full, before = committed_round(engine, client, tensors)
         real = round_.share_patches
 
         def everything(patches: Any, tensors: Any, wants: Any, host_bytes: Any) -> Any:
@@ -236,12 +207,7 @@ def test_a_worker_refuses_patch_elements_outside_its_wants(monkeypatch) -> None:
 
         monkeypatch.setattr(round_, "share_patches", everything)
         put(tensors, changed(full, 2), "torch")
-        with pytest.raises(WeightwireError, match=r"outside what this worker wants"):
-            engine.send_weights()
-        assert_kept(client, before)
-    finally:
-        engine.shutdown()
-        client.close()
+        fails_keeping(engine, client, before, r"outside what this worker wants")
 
 
 def test_a_worker_refuses_a_short_share(monkeypatch) -> None:
@@ -251,12 +217,8 @@ def test_a_worker_refuses_a_short_share(monkeypatch) -> None:
 
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto")
-    try:
-        full = full_tensors(TP2, 1)
-        put(tensors, full, "torch")
-        engine.send_weights()
-        before = params(client)
+    with opened(client, tensors, delta="auto") as engine:
+        full, before = committed_round(engine, client, tensors)
         real = PatchShares.pieces
 
         def short(self: PatchShares, *args: Any, **kw: Any) -> Any:
@@ -267,12 +229,7 @@ def test_a_worker_refuses_a_short_share(monkeypatch) -> None:
 
         monkeypatch.setattr(PatchShares, "pieces", short)
         put(tensors, changed(full, 2), "torch")
-        with pytest.raises(WeightwireError, match=r"brought \d+ of the \d+ elements of"):
-            engine.send_weights()
-        assert_kept(client, before)
-    finally:
-        engine.shutdown()
-        client.close()
+        fails_keeping(engine, client, before, r"brought \d+ of the \d+ elements of")
 
 
 def test_workers_that_load_through_load_weights_keep_dense_sliced_rounds(caplog) -> None:
@@ -283,8 +240,7 @@ def test_workers_that_load_through_load_weights_keep_dense_sliced_rounds(caplog)
 
     client = TPClient(TP2, model=prepacked)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto")
-    try:
+    with opened(client, tensors, delta="auto") as engine:
         assert client.init_info["delta_rounds"] is True
         hellos = [json.loads(h) for h in engine.session.slicing.hellos]
         assert [h["patches"] for h in hellos] == [False, False]
@@ -303,21 +259,14 @@ def test_workers_that_load_through_load_weights_keep_dense_sliced_rounds(caplog)
             r.getMessage() for r in caplog.records if "sends dense sliced rounds" in r.getMessage()
         ]
         assert len(said) == 1 and "worker 0 did not say it applies sliced patches" in said[0]
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_workers_with_a_landing_map_say_they_apply_sliced_patches() -> None:
     client = TPClient(TP2)
-    engine = torch_engine(client, as_source("torch", full_tensors(TP2, 1)))
-    try:
+    with opened(client, as_source("torch", full_tensors(TP2, 1))) as engine:
         hellos = [json.loads(h) for h in engine.session.slicing.hellos]
         assert [h["patches"] for h in hellos] == [True, True]
         assert engine.session.slicing.patch_takers == [True, True]
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 @pytest.mark.slow
@@ -384,8 +333,7 @@ def test_verify_keeps_a_sliced_sessions_delta_rounds_dense(caplog) -> None:
     verify passes."""
     client = TPClient(TP4)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto", verify=True)
-    try:
+    with opened(client, tensors, delta="auto", verify=True) as engine:
         full = full_tensors(TP4, 1)
         for step in (1, 2):
             if step > 1:
@@ -398,6 +346,3 @@ def test_verify_keeps_a_sliced_sessions_delta_rounds_dense(caplog) -> None:
             assert_loaded(client, full)
         said = [r.getMessage() for r in caplog.records if "verify=True compares" in r.getMessage()]
         assert len(said) == 1 and "sends dense sliced rounds" in said[0]
-    finally:
-        engine.shutdown()
-        client.close()

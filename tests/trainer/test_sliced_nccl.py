@@ -21,20 +21,17 @@ from tests.trainer._sliced_session import (
     assert_loaded,
     assert_shares,
     assert_trainer_script_rounds,
+    committed_round,
+    fails_keeping,
     full_tensors,
-    params,
+    opened,
     put,
     run_script,
-    trainer_engine,
 )
 from tests.trainer._sliced_workers import TPClient
 from weightwire.shared.errors import WeightwireError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.torch_side.worker.engines import WeightwireNCCLEngine
-
-
-def engine_of(kind: str, client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
-    return trainer_engine(kind, client, tensors, "nccl", **kw)
 
 
 @pytest.mark.parametrize("kind", ["torch", "jax"])
@@ -44,8 +41,7 @@ def test_sliced_rounds_over_nccl_send_each_worker_its_slices(
     with in_process_nccl(monkeypatch, 3) as world:
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
         tensors: dict[str, Any] = {}
-        engine = engine_of(kind, client, tensors)
-        try:
+        with opened(client, tensors, kind, "nccl") as engine:
             assert client.init_info["sliced"] is True
             dense = sum(a.nbytes for a in full_tensors(TP2, 0).values())
             for step in (1, 2, 3):
@@ -66,9 +62,6 @@ def test_sliced_rounds_over_nccl_send_each_worker_its_slices(
             # rank 0's chunk buffers: depth x workers, each at most the buffer size
             sender = engine.session.slicing.sender
             assert 0 < sender.held_bytes() <= 2 * 2 * (1 << 10)
-        finally:
-            engine.shutdown()
-            client.close()
         assert sender.held_bytes() == 0  # freed with the session
 
 
@@ -79,8 +72,7 @@ def test_sliced_off_over_nccl_broadcasts_every_byte(monkeypatch: pytest.MonkeyPa
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
         full = full_tensors(TP2, 1)
         tensors = as_source("torch", full)
-        engine = engine_of("torch", client, tensors, sliced="off")
-        try:
+        with opened(client, tensors, "torch", "nccl", sliced="off") as engine:
             assert "sliced" not in client.init_info
             metrics = engine.send_weights()
             assert "sliced" not in client.last_update
@@ -88,9 +80,6 @@ def test_sliced_off_over_nccl_broadcasts_every_byte(monkeypatch: pytest.MonkeyPa
             assert metrics.nbytes >= dense and client.received == [metrics.nbytes] * 2
             assert world.sent_bytes[1:] == [0, 0]  # no hellos
             assert_loaded(client, full)
-        finally:
-            engine.shutdown()
-            client.close()
 
 
 def test_a_sliced_nccl_round_that_loses_the_trainer_applies_nothing(
@@ -103,11 +92,8 @@ def test_a_sliced_nccl_round_that_loses_the_trainer_applies_nothing(
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
         tensors: dict[str, Any] = {}
         quick = Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=2)
-        engine = engine_of("torch", client, tensors, timeouts=quick)
-        try:
-            put(tensors, full_tensors(TP2, 1))
-            engine.send_weights()
-            before = params(client)
+        with opened(client, tensors, "torch", "nccl", timeouts=quick) as engine:
+            _, before = committed_round(engine, client, tensors)
             cut, reads = engine.cut_box, [0]
 
             def failing(tensor: Any, box: Any) -> Any:
@@ -118,12 +104,7 @@ def test_a_sliced_nccl_round_that_loses_the_trainer_applies_nothing(
 
             engine.cut_box = failing
             put(tensors, full_tensors(TP2, 2))
-            with pytest.raises((RuntimeError, WeightwireError)):
-                engine.send_weights()
-            assert_kept(client, before)
-        finally:
-            engine.shutdown()
-            client.close()
+            fails_keeping(engine, client, before, error=(RuntimeError, WeightwireError))
 
 
 def test_verify_over_nccl_keeps_the_broadcast_said_once(
@@ -134,8 +115,7 @@ def test_verify_over_nccl_keeps_the_broadcast_said_once(
     with in_process_nccl(monkeypatch, 3):
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
         tensors: dict[str, Any] = {}
-        engine = engine_of("torch", client, tensors, verify=True)
-        try:
+        with opened(client, tensors, "torch", "nccl", verify=True) as engine:
             with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
                 for step in (1, 2):
                     full = full_tensors(TP2, step)
@@ -145,9 +125,6 @@ def test_verify_over_nccl_keeps_the_broadcast_said_once(
             said = [r for r in caplog.records if "verify=True on an on-device backend" in r.message]
             assert len(said) == 1
             assert_loaded(client, full)
-        finally:
-            engine.shutdown()
-            client.close()
 
 
 def test_jax_rounds_from_an_fsdp_tp_mesh_over_nccl_never_gather_nor_touch_the_host() -> None:
@@ -174,11 +151,8 @@ def test_a_worker_that_fails_mid_round_fails_it_everywhere_nothing_applied(
     with in_process_nccl(monkeypatch, 3):
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
         tensors: dict[str, Any] = {}
-        engine = engine_of("torch", client, tensors)
-        try:
-            put(tensors, full_tensors(TP2, 1))
-            engine.send_weights()
-            before = params(client)
+        with opened(client, tensors, "torch", "nccl") as engine:
+            _, before = committed_round(engine, client, tensors)
             link = client.engines[1]._core._link
             real = link.receive_sliced
 
@@ -195,9 +169,6 @@ def test_a_worker_that_fails_mid_round_fails_it_everywhere_nothing_applied(
                 engine.send_weights()
             assert time.monotonic() - started < NCCL_TIMEOUTS.transfer_s
             assert_kept(client, before)
-        finally:
-            engine.shutdown()
-            client.close()
 
 
 def test_a_source_failing_on_its_first_piece_sends_nothing_and_the_next_round_goes(
@@ -208,8 +179,7 @@ def test_a_source_failing_on_its_first_piece_sends_nothing_and_the_next_round_go
     with in_process_nccl(monkeypatch, 3) as world:
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
         tensors: dict[str, Any] = dict(as_source("torch", full_tensors(TP2, 1)))
-        engine = engine_of("torch", client, tensors)
-        try:
+        with opened(client, tensors, "torch", "nccl") as engine:
             cut = engine.cut_box
 
             def broken(tensor: Any, box: Any) -> Any:
@@ -223,6 +193,3 @@ def test_a_source_failing_on_its_first_piece_sends_nothing_and_the_next_round_go
             engine.cut_box = cut
             engine.send_weights()
             assert_loaded(client, full_tensors(TP2, 1))
-        finally:
-            engine.shutdown()
-            client.close()

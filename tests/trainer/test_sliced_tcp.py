@@ -20,22 +20,22 @@ from tests.trainer._sliced_session import (
     TP2,
     TP4,
     as_source,
-    assert_kept,
     assert_loaded,
     assert_shares,
     assert_trainer_script_rounds,
+    committed_round,
     cut_link_at,
+    fails_keeping,
     full_tensors,
-    params,
+    opened,
     prepacked,
     put,
     run_script,
     share_limit,
-    torch_engine,
     two_process_reports,
 )
 from tests.trainer._sliced_workers import Config, TPClient
-from weightwire.shared.errors import ConfigError, WeightwireError
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.slices import SliceError
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.verify import VerifyError
@@ -46,8 +46,7 @@ from weightwire.vllm_guard.worker import worker_round_stats
 def test_torch_rounds_send_each_worker_its_slices(config: Config) -> None:
     client = TPClient(config)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
+    with opened(client, tensors) as engine:
         assert client.init_info["sliced"] is True
         dense = sum(a.nbytes for a in full_tensors(config, 0).values())
         for step in (1, 2, 3):
@@ -66,25 +65,18 @@ def test_torch_rounds_send_each_worker_its_slices(config: Config) -> None:
             assert metrics.nbytes <= 1.3 * dense
             assert sum(client.received) == metrics.nbytes
         assert engine.session.slicing.plans.builds == 1  # planned once, reused every round
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_sliced_off_broadcasts_every_byte() -> None:
     client = TPClient(TP2)
     full = full_tensors(TP2, 1)
-    engine = torch_engine(client, as_source("torch", full), sliced="off")
-    try:
+    with opened(client, as_source("torch", full), sliced="off") as engine:
         assert "sliced" not in client.init_info
         metrics = engine.send_weights()
         assert "sliced" not in client.last_update
         dense = sum(a.nbytes for a in full.values())
         assert metrics.nbytes >= dense and client.received == [metrics.nbytes] * 2
         assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_workers_without_a_spec_want_everything_and_get_the_broadcast() -> None:
@@ -92,15 +84,11 @@ def test_workers_without_a_spec_want_everything_and_get_the_broadcast() -> None:
     tensor whole: with no worker wanting less, the rounds are today's broadcast."""
     client = TPClient(TP2, spec=False)
     full = full_tensors(TP2, 1)
-    engine = torch_engine(client, as_source("torch", full))
-    try:
+    with opened(client, as_source("torch", full)) as engine:
         assert client.init_info["sliced"] is True
         engine.send_weights()
         assert "sliced" not in client.last_update
         assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_bad_wants_are_refused_naming_the_worker_and_tensor(monkeypatch) -> None:
@@ -119,14 +107,10 @@ def test_bad_wants_are_refused_naming_the_worker_and_tensor(monkeypatch) -> None
     monkeypatch.setattr(sliced, "hello", lying)
     client = TPClient(TP2)
     full = full_tensors(TP2, 1)
-    engine = torch_engine(client, as_source("torch", full))
-    try:
+    with opened(client, as_source("torch", full)) as engine:
         with pytest.raises(SliceError, match=r"worker 0's wants.*model\.norm\.weight.*0:999"):
             engine.send_weights()
         assert client.updates == 0
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_failed_sliced_round_leaves_the_previous_weights() -> None:
@@ -134,21 +118,12 @@ def test_a_failed_sliced_round_leaves_the_previous_weights() -> None:
     last committed round's weights exactly."""
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
-        full = full_tensors(TP2, 1)
-        put(tensors, full)
-        engine.send_weights()
-        before = params(client)
+    with opened(client, tensors) as engine:
+        full, before = committed_round(engine, client, tensors)
 
         cut_link_at(engine, worker=1, read=20)  # worker 1's link drops mid-round
         put(tensors, full_tensors(TP2, 2))
-        with pytest.raises(WeightwireError):
-            engine.send_weights()
-        assert_kept(client, before)
-    finally:
-        engine.shutdown()
-        client.close()
+        fails_keeping(engine, client, before)
 
 
 @pytest.mark.parametrize(
@@ -256,17 +231,13 @@ def test_a_worker_without_a_landing_map_gets_whole_tensors_beside_sliced_ones() 
     client.engines[1]._core.caches._record_map = refuse
     client.engines[1]._core.caches.reads_map = lambda metas: refuse(None, metas)
     full = full_tensors(TP2, 1)
-    engine = torch_engine(client, as_source("torch", full))
-    try:
+    with opened(client, as_source("torch", full)) as engine:
         engine.send_weights()
         assert client.last_update["sliced"] is True
         assert_loaded(client, full)
         dense = sum(a.nbytes for a in full.values())
         assert client.received[1] == dense
         assert client.received[0] <= share_limit(TP2, dense)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_sliced_round_over_the_stage_budget_lands_in_place_and_overlapped() -> None:
@@ -274,10 +245,9 @@ def test_a_sliced_round_over_the_stage_budget_lands_in_place_and_overlapped() ->
     round in place until its commit); an overlapped round (``wait=False``) is sliced too."""
     client = TPClient(TP4)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, stage_budget_bytes=0, pause_mode="keep")
-    seen: list[str | None] = []
-    client.before_finish = lambda: seen.extend(e.round_strategy for e in client.engines)
-    try:
+    with opened(client, tensors, stage_budget_bytes=0, pause_mode="keep") as engine:
+        seen: list[str | None] = []
+        client.before_finish = lambda: seen.extend(e.round_strategy for e in client.engines)
         for step in (1, 2):
             full = full_tensors(TP4, step)
             put(tensors, full)
@@ -285,9 +255,6 @@ def test_a_sliced_round_over_the_stage_budget_lands_in_place_and_overlapped() ->
             assert client.last_update["sliced"] is True
             assert_loaded(client, full)
         assert seen == ["sliced_in_place"] * 8
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_plan_needing_another_trainer_process_is_refused() -> None:
@@ -329,8 +296,7 @@ def test_verify_checks_sliced_rounds_against_the_workers_shards() -> None:
     fed only by unchanged slices must not change, and one that changed is caught."""
     client = TPClient(TP4)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, verify=True)
-    try:
+    with opened(client, tensors, verify=True) as engine:
         for step in (1, 2):
             full = full_tensors(TP4, step)
             put(tensors, full)
@@ -342,9 +308,6 @@ def test_verify_checks_sliced_rounds_against_the_workers_shards() -> None:
         client.after_finish = lambda: client.models[2].norm.weight.data.add_(1.0)
         with pytest.raises(VerifyError, match=r"same bytes as last round.*tp2:model\.norm\.weight"):
             engine.send_weights()
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_several_trainer_processes_keep_broadcasting(caplog) -> None:
@@ -352,9 +315,8 @@ def test_several_trainer_processes_keep_broadcasting(caplog) -> None:
     collectives): rounds stay broadcasts, said once; nothing hangs or is refused."""
     client = TPClient(TP2)
     full = full_tensors(TP2, 1)
-    engine = torch_engine(client, as_source("torch", full))
-    engine.process_count = lambda: 2
-    try:
+    with opened(client, as_source("torch", full)) as engine:
+        engine.process_count = lambda: 2
         with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
             engine.send_weights()
             engine.send_weights()
@@ -362,9 +324,6 @@ def test_several_trainer_processes_keep_broadcasting(caplog) -> None:
         assert_loaded(client, full)
         told = [r for r in caplog.records if "several trainer processes" in r.getMessage()]
         assert len(told) == 1
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_worker_refuses_a_sliced_round_that_leaves_out_part_of_its_slice(monkeypatch) -> None:
@@ -375,12 +334,8 @@ def test_a_worker_refuses_a_sliced_round_that_leaves_out_part_of_its_slice(monke
 
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
-        full = full_tensors(TP2, 1)
-        put(tensors, full)
-        engine.send_weights()
-        before = params(client)
+    with opened(client, tensors) as engine:
+        full, before = committed_round(engine, client, tensors)
         real = sliced.pieces
 
         def short(*args: Any, **kw: Any) -> Any:
@@ -390,12 +345,7 @@ def test_a_worker_refuses_a_sliced_round_that_leaves_out_part_of_its_slice(monke
         monkeypatch.setattr(sliced, "pieces", short)
         monkeypatch.setattr("weightwire.trainer.round.pieces", short)
         put(tensors, full_tensors(TP2, 2))
-        with pytest.raises(WeightwireError, match=r"brought \d+ of the \d+ elements of"):
-            engine.send_weights()
-        assert_kept(client, before)
-    finally:
-        engine.shutdown()
-        client.close()
+        fails_keeping(engine, client, before, r"brought \d+ of the \d+ elements of")
 
 
 class SteppedNorm(SlicedTP):
@@ -423,17 +373,13 @@ def test_a_tensor_whose_loader_reads_no_box_lands_whole_beside_sliced_ones() -> 
 
     client = TPClient(TP2, model=stepped)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
+    with opened(client, tensors) as engine:
         for step in (1, 2):
             full = full_tensors(TP2, step)
             put(tensors, full)
             engine.send_weights()
             assert client.last_update["sliced"] is True
             assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_worker_that_processes_weights_after_loading_still_gets_only_its_slices() -> None:
@@ -443,8 +389,7 @@ def test_a_worker_that_processes_weights_after_loading_still_gets_only_its_slice
 
     client = TPClient(TP2, model=prepacked)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
+    with opened(client, tensors) as engine:
         dense = 0
         for step in (1, 2):
             full = full_tensors(TP2, step)
@@ -454,9 +399,6 @@ def test_a_worker_that_processes_weights_after_loading_still_gets_only_its_slice
             assert client.last_update["sliced"] is True
             assert_loaded(client, full)
             assert_shares(client.received, TP2, dense)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_verify_against_a_checker_of_whole_tensors_keeps_the_broadcast(caplog) -> None:
@@ -473,13 +415,9 @@ def test_verify_against_a_checker_of_whole_tensors_keeps_the_broadcast(caplog) -
             return [{"checksums": sums}]
 
     client = WholeChecker(TP2)
-    engine = torch_engine(client, as_source("torch", full), verify=True)
-    try:
+    with opened(client, as_source("torch", full), verify=True) as engine:
         with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
             report = engine.send_weights().verify
         assert "sliced" not in client.last_update and report.mode == "digest"
         assert any("checker of whole tensors" in r.getMessage() for r in caplog.records)
         assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
