@@ -5,7 +5,8 @@ one of those tests makes.
 - ``info`` / ``trainer_engine`` / ``opened``: the one way to open a session on a
   ``TPClient`` (``opened``: for a block, the engine shut down and the workers closed after it);
 - ``full_tensors`` / ``changed`` / ``put``: a round's full tensors (or a delta round's:
-  a few elements changed), put in the trainer's source; ``committed_round``: one sent;
+  a few elements changed), put in the trainer's source; ``committed_round`` /
+  ``lands_sliced``: one sent (and checked);
 - ``assert_loaded`` / ``assert_kept`` / ``fails_keeping``: every worker equals
   ``load_weights`` of the full tensors, or still holds the last committed round's weights
   (after a round that had to fail);
@@ -186,6 +187,19 @@ def committed_round(
     put(tensors, full, framework)
     engine.send_weights()
     return full, params(client)
+
+
+def lands_sliced(
+    engine: Any, client: TPClient, tensors: dict[str, Any], step: int, framework: str = "torch"
+) -> dict[str, np.ndarray]:
+    """Round ``step`` sent (its full tensors put in ``tensors``): it went sliced and every
+    worker equals ``load_weights`` of those tensors, which it returns."""
+    full = full_tensors(client.config, step)
+    put(tensors, full, framework)
+    engine.send_weights()
+    assert client.last_update["sliced"] is True
+    assert_loaded(client, full)
+    return full
 
 
 def params(client: TPClient) -> list[dict[str, torch.Tensor]]:

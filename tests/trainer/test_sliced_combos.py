@@ -25,6 +25,7 @@ from tests.trainer._sliced_session import (
     fails_keeping,
     full_tensors,
     info,
+    lands_sliced,
     opened,
     params,
     put,
@@ -61,13 +62,13 @@ def lands_after_reinit(
     """``again``, then round 3 (``overlapped``: ``wait=False``) is sliced and lands whole;
     the new engine."""
     engine = again(engine, client, tensors)
-    full = load(tensors, 3)
     if overlapped:
+        full = load(tensors, 3)
         engine.send_weights(wait=False).result(timeout=60)
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
     else:
-        engine.send_weights()
-    assert client.last_update["sliced"] is True
-    assert_loaded(client, full)
+        lands_sliced(engine, client, tensors, 3)
     return engine
 
 
@@ -459,10 +460,7 @@ def test_a_worker_link_lost_after_its_pieces_commits_the_round_and_stops_the_nex
         load(tensors, 2)
         engine = again(engine, client, tensors)
         assert client.updates == updates  # the refused round sent nothing
-        full = load(tensors, 3)
-        engine.send_weights()
-        assert client.last_update["sliced"] is True
-        assert_loaded(client, full)
+        lands_sliced(engine, client, tensors, 3)
     finally:
         engine.shutdown()
         client.close()
@@ -661,10 +659,7 @@ def test_adapter_rounds_on_a_sliced_session_go_whole_and_base_rounds_stay_sliced
                 assert torch.equal(swapped[f"base_model.model.{q}.lora_{x}.weight"], want)
         assert_kept(client, before)
         base = torch_engine(client, tensors)
-        full = load(tensors, 2)
-        base.send_weights()
-        assert client.last_update["sliced"] is True
-        assert_loaded(client, full)
+        lands_sliced(base, client, tensors, 2)
     finally:
         base.shutdown()
         client.close()

@@ -27,6 +27,7 @@ from tests.trainer._sliced_session import (
     cut_link_at,
     fails_keeping,
     full_tensors,
+    lands_sliced,
     opened,
     prepacked,
     put,
@@ -375,11 +376,7 @@ def test_a_tensor_whose_loader_reads_no_box_lands_whole_beside_sliced_ones() -> 
     tensors: dict[str, Any] = {}
     with opened(client, tensors) as engine:
         for step in (1, 2):
-            full = full_tensors(TP2, step)
-            put(tensors, full)
-            engine.send_weights()
-            assert client.last_update["sliced"] is True
-            assert_loaded(client, full)
+            lands_sliced(engine, client, tensors, step)
 
 
 def test_a_worker_that_processes_weights_after_loading_still_gets_only_its_slices() -> None:
