@@ -89,11 +89,10 @@ def test_sliced_rounds_over_real_nccl_land_bit_exact_with_half_the_bytes(
     trainer, _ = run(tmp_path, engine)
     assert trainer["sliced"], "the rounds went as broadcasts"
     dense, rounds = trainer["dense"], trainer["rounds"]
-    from tests.trainer.test_sliced_nccl import replicated_bytes
+    from tests.trainer._sliced_session import TP2, assert_shares
 
     assert len(rounds) == 3
     for r in rounds:
         assert r["wrong"] == [], r["wrong"][:5]
         assert sum(r["received"]) == r["sent"]
-        for got in r["received"]:
-            assert 0 < got <= 1.05 * dense / 2 + replicated_bytes()
+        assert_shares(r["received"], TP2, dense)

@@ -107,7 +107,7 @@ def main() -> None:
     holdings = holdings_of(arrays, rank_of=rank_of)
     plan = build_plan(metas, holdings, wants)
     sent = []
-    for (rank, worker), transfers in plan.transfers.items():
+    for (rank, worker), transfers in plan.pieces.items():
         if rank not in mine:
             continue
         for k, t in enumerate(transfers):
@@ -139,7 +139,7 @@ def main() -> None:
         "worker_bytes": {str(w): n for w, n in plan.worker_bytes.items()},
         "transfers": [
             [r, w, t.tensor, [list(x) for x in t.box.ranges]]
-            for (r, w), ts in plan.transfers.items()
+            for (r, w), ts in plan.pieces.items()
             for t in ts
         ],
     }

@@ -86,7 +86,7 @@ def test_a_sliced_round_loads_what_load_weights_of_the_full_tensors_loads(
         torch.manual_seed(w)
         c = make(config, w)  # lands each received slice through its landing map
         cmap = record_loader_map(c, metas)
-        for (rank, worker), transfers in plan.transfers.items():
+        for (rank, worker), transfers in plan.pieces.items():
             if worker != w:
                 continue
             for t in transfers:

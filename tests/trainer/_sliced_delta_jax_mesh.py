@@ -26,31 +26,21 @@ from typing import Any
 
 import jax
 import numpy as np
-import torch
 from jax.sharding import Mesh, NamedSharding
 
 from tests.jax_side._no_gather import guarded, no_whole_copies
-from tests.trainer._sliced_mesh import O_PROJ, spec_for
-from tests.trainer._sliced_workers import TPClient, expected, shapes_of
-from tests.trainer.test_sliced_delta import changed
-from tests.trainer.test_sliced_tcp import info
-from weightwire.jax_side.dtypes import describe
+from tests.trainer._sliced_mesh import mesh_source, spec_for
+from tests.trainer._sliced_session import TP2, assert_loaded, changed, full_tensors, info
+from tests.trainer._sliced_workers import TPClient
 from weightwire.jax_side.engine import JAXTrainerEngine
-from weightwire.jax_side.naming import Naming
-from weightwire.jax_side.rules import Rule
-from weightwire.jax_side.source import PytreeSource
-from weightwire.jax_side.transforms import Transpose
-from weightwire.testing.sources import DictSource
 
 
 def main() -> None:
-    config = (2, 4, 1, False, True)
-    shapes = shapes_of(config)
+    config = TP2
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tp"))
     client = TPClient(config)
     arrays: dict[str, Any] = {}
-    rng = np.random.default_rng(1)
-    full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    full = full_tensors(config, 1)
 
     def put(full: dict[str, np.ndarray]) -> None:
         arrays.clear()
@@ -62,15 +52,7 @@ def main() -> None:
         )
 
     put(full)  # a PytreeSource resolves its names at once
-    source: Any = DictSource(arrays, describe)
-    if sys.argv[1:] == ["pytree"]:  # o_proj held as a Flax kernel, transposed back on its shards
-        source = PytreeSource(
-            lambda: {
-                "o_kernel": arrays[O_PROJ].T,
-                **{n: a for n, a in arrays.items() if n != O_PROJ},
-            },
-            Naming([Rule("o_kernel", O_PROJ, Transpose()), Rule("{x}", "{x}")]),
-        )
+    source = mesh_source(arrays, sys.argv[1] if len(sys.argv) > 1 else "dict")
     engine = JAXTrainerEngine.trainer_init(info(delta="auto"), client=client, source=source)
     rounds = []
     try:
@@ -85,10 +67,7 @@ def main() -> None:
                 assert not base.is_fully_replicated or arrays[name].is_fully_replicated, name
                 assert base.sharding.is_equivalent_to(arrays[name].sharding, base.ndim), name
             assert client.last_update.get("sliced") is True
-            for rank in range(2):
-                want, got = expected(config, full, rank), client.params(rank)
-                for name, tensor in want.items():
-                    assert torch.equal(got[name], tensor), f"round {step} rank {rank} {name}"
+            assert_loaded(client, full, f"round {step} ")
             rounds.append(
                 {
                     "patches": bool(client.last_update.get("patches")),

@@ -28,39 +28,22 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 
 sys.path.insert(0, os.getcwd())
-from tests.trainer._sliced_mesh import O_PROJ, forbidden, spec_for  # noqa: E402
-from tests.trainer._sliced_workers import TPClient, expected, shapes_of  # noqa: E402
-from weightwire.jax_side import placement  # noqa: E402
-from weightwire.jax_side.dtypes import describe  # noqa: E402
+from tests.trainer._sliced_mesh import gathers_refused, mesh_source, spec_for  # noqa: E402
+from tests.trainer._sliced_session import (  # noqa: E402
+    TP2,
+    NoCalls,
+    full_tensors,
+    info,
+    round_row,
+    rounds_then_failure,
+)
+from tests.trainer._sliced_workers import TPClient, shapes_of  # noqa: E402
 from weightwire.jax_side.engine import JAXTrainerEngine  # noqa: E402
 from weightwire.jax_side.holdings import index_box  # noqa: E402
 from weightwire.jax_side.multiprocess import JaxProcessGroup  # noqa: E402
-from weightwire.jax_side.naming import Naming  # noqa: E402
-from weightwire.jax_side.rules import Rule  # noqa: E402
-from weightwire.jax_side.source import PytreeSource  # noqa: E402
-from weightwire.jax_side.transforms import Transpose  # noqa: E402
-from weightwire.shared.timeouts import Timeouts  # noqa: E402
-from weightwire.testing.sources import DictSource  # noqa: E402
-from weightwire.trainer import TrainerInitInfo  # noqa: E402
-
-CONFIG = (2, 4, 1, False, True)  # TP 2, one KV head on two ranks, tied head
-
-
-class NoCalls:
-    """Process 1's client: only rank 0 makes the control plane's calls."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-
-        def call(*_: Any, **__: Any) -> Any:
-            raise AssertionError(f"trainer process 1 called the server ({name})")
-
-        return call
 
 
 def main() -> None:
@@ -71,7 +54,7 @@ def main() -> None:
         process_id=PROCESS,
         initialization_timeout=60,
     )
-    shapes = shapes_of(CONFIG)
+    shapes = shapes_of(TP2)
     devices = jax.devices()
     assert len(devices) == 8 and len(jax.local_devices()) == 4, devices
     mesh = Mesh(np.array(devices).reshape(4, 2), ("fsdp", "tp"))
@@ -80,8 +63,7 @@ def main() -> None:
     def fill(step: int) -> dict[str, np.ndarray]:
         """The round's full tensors (the same on both processes), each process putting only
         its own shards on its devices."""
-        rng = np.random.default_rng(step)
-        full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        full = full_tensors(TP2, step)
         arrays.clear()
         for name, value in full.items():
             sharding = NamedSharding(mesh, spec_for(name, value.shape))
@@ -92,26 +74,10 @@ def main() -> None:
         return full
 
     fill(0)
-    client: Any = TPClient(CONFIG) if PROCESS == 0 else NoCalls()
-    info = TrainerInitInfo(
-        backend="weightwire_tcp",
-        rank=PROCESS,
-        pause_mode=None,
-        packed_buffer_size_bytes=1 << 10,  # several frames per worker and sender
-        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
-    )
-    source: Any = DictSource(arrays, describe)
-    if KIND == "pytree":
-        # o_proj held as a Flax kernel, transposed back by a jitted rule on its shards
-        source = PytreeSource(
-            lambda: {
-                "o_kernel": arrays[O_PROJ].T,
-                **{n: a for n, a in arrays.items() if n != O_PROJ},
-            },
-            Naming([Rule("o_kernel", O_PROJ, Transpose()), Rule("{x}", "{x}")]),
-        )
+    client: Any = TPClient(TP2) if PROCESS == 0 else NoCalls("process 1")
+    source = mesh_source(arrays, KIND)
     engine = JAXTrainerEngine.trainer_init(
-        info, client=client, source=source, group=JaxProcessGroup()
+        info(rank=PROCESS), client=client, source=source, group=JaxProcessGroup()
     )
     host_copies: list[list[int]] = []
     device_get = jax.device_get
@@ -139,65 +105,32 @@ def main() -> None:
 
     engine.read_box = watched  # type: ignore[method-assign]
 
-    def guarded(send: Any) -> Any:
-        """``send()`` with every gather entry point raising and every host copy recorded."""
-        saved = (placement.Target.move, placement._replicate_on, JAXTrainerEngine.host_bytes)
-        placement.Target.move = forbidden("Target.move")  # type: ignore[method-assign]
-        placement._replicate_on = forbidden("_replicate_on")  # type: ignore[assignment]
-        JAXTrainerEngine.host_bytes = forbidden("host_bytes")  # type: ignore[method-assign]
-        jax.device_get = recorded
-        try:
-            return send()
-        finally:
-            placement.Target.move, placement._replicate_on = saved[0], saved[1]
-            JAXTrainerEngine.host_bytes = saved[2]  # type: ignore[method-assign]
-            jax.device_get = device_get
+    mark = [0]  # where this round's reads start
 
-    rounds = []
-    failure: dict[str, Any] = {}
-    try:
-        for step in (1, 2, 3):
-            full = fill(step)
-            before = len(reads)
-            metrics = guarded(engine.send_weights)
-            plan = engine.session.slicing.plans._plan  # type: ignore[union-attr]
-            row: dict[str, Any] = {
-                "version": metrics.version,
-                "sent": metrics.nbytes,
-                "read": sum(reads[before:]),
-                "rank_bytes": {str(r): n for r, n in plan.rank_bytes.items()},
-                "worker_bytes": {str(w): n for w, n in plan.worker_bytes.items()},
-            }
-            if PROCESS == 0:
-                assert client.last_update.get("sliced") is True
-                for rank in range(CONFIG[0]):
-                    want, got = expected(CONFIG, full, rank), client.params(rank)
-                    for name, tensor in want.items():
-                        assert torch.equal(got[name], tensor), f"round {step} rank {rank} {name}"
-                row["received"] = list(client.received)
-            rounds.append(row)
-        # A 4th round in which process 1 fails after its first pieces went out: every
-        # worker refuses the round (nothing commits), every process raises, none hangs.
-        last = full
-        fill(4)
+    def send() -> Any:
+        """A round with every gather entry point raising and every host copy recorded."""
+        mark[0] = len(reads)
+        with gathers_refused(recorded):
+            return engine.send_weights()
+
+    def row(engine: Any, metrics: Any) -> dict[str, Any]:
+        return {**round_row(engine, metrics), "read": sum(reads[mark[0] :])}
+
+    # A 4th round in which process 1 fails after its first pieces went out: every worker
+    # refuses the round (nothing commits), every process raises, none hangs.
+    def failing(tensor: Any, box: Any) -> Any:
+        if len(reads) >= mark[0] + 3:
+            raise RuntimeError("process 1 lost its shard")
+        return watched(tensor, box)
+
+    def lose_a_shard() -> None:
         if PROCESS == 1:
-
-            def failing(tensor: Any, box: Any) -> Any:
-                if len(reads) >= before + 3:
-                    raise RuntimeError("process 1 lost its shard")
-                return watched(tensor, box)
-
             engine.read_box = failing  # type: ignore[method-assign]
-        before = len(reads)
-        try:
-            guarded(engine.send_weights)
-        except Exception as exc:
-            failure = {"type": type(exc).__name__, "error": str(exc)[:400]}
-        if PROCESS == 0:
-            for rank in range(CONFIG[0]):
-                want, got = expected(CONFIG, last, rank), client.params(rank)
-                for name, tensor in want.items():
-                    assert torch.equal(got[name], tensor), f"failed round: rank {rank} {name}"
+
+    try:
+        rounds, failure = rounds_then_failure(
+            engine, client, PROCESS == 0, fill, lose_a_shard, send=send, row=row
+        )
     finally:
         engine.shutdown()
         if PROCESS == 0:

@@ -30,22 +30,13 @@ from typing import Any
 
 import jax
 import numpy as np
-import torch
 from jax.sharding import Mesh, NamedSharding
 
 sys.path.insert(0, os.getcwd())
-from tests.trainer._sliced_mesh import O_PROJ, forbidden, spec_for
-from tests.trainer._sliced_workers import TPClient, expected, shapes_of
-from weightwire.jax_side import placement
-from weightwire.jax_side.dtypes import describe
+from tests.trainer._sliced_mesh import gathers_refused, mesh_source, spec_for
+from tests.trainer._sliced_session import assert_loaded, full_tensors, info
+from tests.trainer._sliced_workers import TPClient, shapes_of
 from weightwire.jax_side.engine import JAXTrainerEngine
-from weightwire.jax_side.naming import Naming
-from weightwire.jax_side.rules import Rule
-from weightwire.jax_side.source import PytreeSource
-from weightwire.jax_side.transforms import Transpose
-from weightwire.shared.timeouts import Timeouts
-from weightwire.testing.sources import DictSource
-from weightwire.trainer import TrainerInitInfo
 
 
 def main() -> None:
@@ -66,23 +57,15 @@ def main() -> None:
 
 
 def run(config: Any, kind: str, backend: str, client: TPClient) -> None:
-    world = config[0]
     shapes = shapes_of(config)
     devices = jax.devices()
     assert len(devices) == 8, devices
     mesh = Mesh(np.array(devices).reshape(4, 2), ("fsdp", "tp"))
     arrays: dict[str, Any] = {}
-    info = TrainerInitInfo(
-        backend=f"weightwire_{backend}",
-        pause_mode=None,
-        packed_buffer_size_bytes=1 << 10,
-        timeouts=Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30),
-    )
 
     def fill(step: int) -> dict[str, np.ndarray]:
         """The round's full tensors, put on the mesh shard by shard (the trainer's arrays)."""
-        rng = np.random.default_rng(step)
-        full = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        full = full_tensors(config, step)
         arrays.clear()
         for name, value in full.items():
             arrays[name] = jax.device_put(value, NamedSharding(mesh, spec_for(name, value.shape)))
@@ -90,16 +73,10 @@ def run(config: Any, kind: str, backend: str, client: TPClient) -> None:
         return full
 
     fill(0)
-    source: Any = DictSource(arrays, describe)
-    if kind == "pytree":  # o_proj held as a Flax kernel, transposed back on its shards
-        source = PytreeSource(
-            lambda: {
-                "o_kernel": arrays[O_PROJ].T,
-                **{n: a for n, a in arrays.items() if n != O_PROJ},
-            },
-            Naming([Rule("o_kernel", O_PROJ, Transpose()), Rule("{x}", "{x}")]),
-        )
-    engine = JAXTrainerEngine.trainer_init(info, client=client, source=source)
+    source = mesh_source(arrays, kind)
+    # the TCP lane's settings whichever the backend (one buffer size, the 30 s timeouts)
+    settings = info(backend=f"weightwire_{backend}")
+    engine = JAXTrainerEngine.trainer_init(settings, client=client, source=source)
     host_copies: list[list[int]] = []
     device_get = jax.device_get
 
@@ -131,27 +108,15 @@ def run(config: Any, kind: str, backend: str, client: TPClient) -> None:
     try:
         for step in (1, 2, 3):
             full = fill(step)
-            saved = (placement.Target.move, placement._replicate_on, JAXTrainerEngine.host_bytes)
-            placement.Target.move = forbidden("Target.move")  # type: ignore[method-assign]
-            placement._replicate_on = forbidden("_replicate_on")  # type: ignore[assignment]
-            JAXTrainerEngine.host_bytes = forbidden("host_bytes")  # type: ignore[method-assign]
-            jax.device_get = recorded
-            try:
+            with gathers_refused(recorded):
                 # round 3 overlapped: its snapshot is read where it is held too
                 metrics = (
                     engine.send_weights()
                     if step < 3
                     else engine.send_weights(wait=False).result(timeout=60)
                 )
-            finally:
-                placement.Target.move, placement._replicate_on = saved[0], saved[1]
-                JAXTrainerEngine.host_bytes = saved[2]  # type: ignore[method-assign]
-                jax.device_get = device_get
             assert client.last_update.get("sliced") is True
-            for rank in range(world):
-                want, got = expected(config, full, rank), client.params(rank)
-                for name, tensor in want.items():
-                    assert torch.equal(got[name], tensor), f"round {step} rank {rank} {name}"
+            assert_loaded(client, full, f"round {step} ")
             rounds.append({"sent": metrics.nbytes, "received": list(client.received)})
     finally:
         engine.shutdown()

@@ -69,7 +69,7 @@ def test_every_wanted_element_once_from_a_rank_holding_it(case: tuple) -> None:
     sizes = {
         m.name: np.dtype(m.dtype if m.dtype != "bfloat16" else "float16").itemsize for m in metas
     }
-    for (rank, w), transfers in plan.transfers.items():
+    for (rank, w), transfers in plan.pieces.items():
         assert transfers, "no empty transfer lists"
         for t in transfers:
             assert not t.box.empty and t.nbytes == t.box.volume * sizes[t.tensor]
@@ -81,7 +81,7 @@ def test_every_wanted_element_once_from_a_rank_holding_it(case: tuple) -> None:
         assert plan.worker_bytes[w] == sum(want.volume(m.name) * sizes[m.name] for m in metas)
     assert sum(plan.rank_bytes.values()) == sum(plan.worker_bytes.values())
     order = [m.name for m in metas]
-    for transfers in plan.transfers.values():
+    for transfers in plan.pieces.values():
         keys = [(order.index(t.tensor), t.box.ranges) for t in transfers]
         assert keys == sorted(keys)
 
@@ -102,11 +102,11 @@ def test_a_wanted_slice_cut_across_shards_comes_from_each_holder() -> None:
     plan = build_plan(
         metas, Holdings.of({"w": (6, 2)}, held), [Wants({"w": (Box.of((3, 6), (0, 2)),)})]
     )
-    assert {k: [t.box for t in v] for k, v in plan.transfers.items()} == {
+    assert {k: [t.box for t in v] for k, v in plan.pieces.items()} == {
         (0, 0): [Box.of((3, 4), (0, 2))],
         (1, 0): [Box.of((4, 6), (0, 2))],
     }
-    assert plan.of_rank(1) == {0: plan.transfers[(1, 0)]}
+    assert plan.of_rank(1) == {0: plan.pieces[(1, 0)]}
 
 
 def test_refusals_name_the_problem() -> None:

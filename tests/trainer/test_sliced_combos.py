@@ -15,8 +15,23 @@ import numpy as np
 import pytest
 import torch
 
+from tests.trainer._sliced_session import (
+    TP2,
+    as_source,
+    assert_kept,
+    assert_loaded,
+    committed_round,
+    cut_link_at,
+    fails_keeping,
+    full_tensors,
+    info,
+    lands_sliced,
+    opened,
+    params,
+    put,
+    torch_engine,
+)
 from tests.trainer._sliced_workers import TPClient, expected, spec_of
-from tests.trainer.test_sliced_tcp import TP2, assert_loaded, full_tensors, torch_engine
 from weightwire.shared.errors import WeightwireError
 from weightwire.tools.server.sleep import ModelSleeper
 from weightwire.vllm_guard.worker import worker_round_state
@@ -25,21 +40,8 @@ from weightwire.vllm_guard.worker import worker_round_state
 def load(tensors: dict[str, Any], step: int) -> dict[str, np.ndarray]:
     """The round ``step``'s full tensors, put in the trainer's source (``tensors``)."""
     full = full_tensors(TP2, step)
-    tensors.clear()
-    tensors.update({n: torch.from_numpy(a.copy()) for n, a in full.items()})
+    put(tensors, full)
     return full
-
-
-def params(client: TPClient) -> list[dict[str, torch.Tensor]]:
-    return [client.params(r) for r in range(client.config[0])]
-
-
-def assert_kept(client: TPClient, before: list[dict[str, torch.Tensor]]) -> None:
-    """Every worker holds exactly ``before`` (the last committed round's weights)."""
-    for rank, was in enumerate(before):
-        now = client.params(rank)
-        for name, tensor in was.items():
-            assert torch.equal(now[name], tensor), f"rank {rank} {name} changed"
 
 
 def again(engine: Any, client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
@@ -52,6 +54,22 @@ def again(engine: Any, client: TPClient, tensors: dict[str, Any], **kw: Any) -> 
         engine.send_weights()
     engine.shutdown()
     return torch_engine(client, tensors, **kw)
+
+
+def lands_after_reinit(
+    engine: Any, client: TPClient, tensors: dict[str, Any], *, overlapped: bool = False
+) -> Any:
+    """``again``, then round 3 (``overlapped``: ``wait=False``) is sliced and lands whole;
+    the new engine."""
+    engine = again(engine, client, tensors)
+    if overlapped:
+        full = load(tensors, 3)
+        engine.send_weights(wait=False).result(timeout=60)
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
+    else:
+        lands_sliced(engine, client, tensors, 3)
+    return engine
 
 
 def state(client: TPClient) -> list[dict[str, Any]]:
@@ -104,8 +122,7 @@ def test_sleep_wake_and_reset_between_sliced_rounds(budget: int, mapped: bool) -
     if not mapped:  # worker 1 processes its weights after loading: no map to write through
         client.models[1].qkv_proj.quant_method = object()
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, stage_budget_bytes=budget)
-    try:
+    with opened(client, tensors, stage_budget_bytes=budget) as engine:
         load(tensors, 1)
         engine.send_weights()
         caches = client.engines[1]._core.caches
@@ -127,26 +144,9 @@ def test_sleep_wake_and_reset_between_sliced_rounds(budget: int, mapped: bool) -
             engine.send_weights()
             assert client.last_update["sliced"] is True
             assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 # ------------------------------------------------------------------ 2. overlapped rounds
-
-
-def cut_link_at(engine: Any, worker: int, read: int) -> None:
-    """Worker ``worker``'s link drops at the trainer's ``read``-th piece read (the round is
-    then mid-transfer)."""
-    real, reads = engine.read_box, [0]
-
-    def cut(tensor: Any, box: Any) -> Any:
-        reads[0] += 1
-        if reads[0] == read:
-            engine.session.link._links[worker].sock.shutdown(2)
-        return real(tensor, box)
-
-    engine.read_box = cut
 
 
 def test_overlapped_sliced_rounds_snapshot_and_fail_on_their_own_round() -> None:
@@ -173,11 +173,7 @@ def test_overlapped_sliced_rounds_snapshot_and_fail_on_their_own_round() -> None
         with pytest.raises(WeightwireError, match="lost|closed|reset|Broken|PeerLost"):
             failed.result(timeout=60)
         assert_kept(client, before)
-        engine = again(engine, client, tensors)
-        full = load(tensors, 3)
-        engine.send_weights(wait=False).result(timeout=60)
-        assert client.last_update["sliced"] is True
-        assert_loaded(client, full)
+        engine = lands_after_reinit(engine, client, tensors, overlapped=True)
     finally:
         engine.shutdown()
         client.close()
@@ -188,9 +184,6 @@ def test_overlapped_jax_sliced_rounds_send_their_snapshot() -> None:
     arrays of the call) on a sliced session: sliced, read from the snapshot where it is held
     (``sharded``, as a blocking round reads it: never gathered; ``_sliced_jax_trainer``
     checks that on a mesh), and the params replaced right after the call do not leak in."""
-    import jax.numpy as jnp
-
-    from tests.trainer.test_sliced_tcp import info
     from weightwire.jax_side.engine import JAXTrainerEngine
     from weightwire.jax_side.naming import Naming
     from weightwire.jax_side.rules import Rule
@@ -199,13 +192,12 @@ def test_overlapped_jax_sliced_rounds_send_their_snapshot() -> None:
     client = TPClient(TP2)
     arrays: dict[str, Any] = {}
 
-    def put(step: int) -> dict[str, np.ndarray]:
+    def put_step(step: int) -> dict[str, np.ndarray]:
         full = full_tensors(TP2, step)
-        arrays.clear()
-        arrays.update({n: jnp.asarray(a) for n, a in full.items()})
+        put(arrays, full, "jax")
         return full
 
-    put(0)
+    put_step(0)
     source = PytreeSource(lambda: dict(arrays), Naming([Rule("{x}", "{x}")]))
     sharded, reads = PytreeSource.sharded, []
 
@@ -218,9 +210,9 @@ def test_overlapped_jax_sliced_rounds_send_their_snapshot() -> None:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(PytreeSource, "sharded", watched)
             for step in (1, 2):
-                full = put(step)
+                full = put_step(step)
                 handle = engine.send_weights(wait=False)
-                put(step + 10)  # the trainer's next step
+                put_step(step + 10)  # the trainer's next step
                 handle.result(timeout=60)
                 assert client.last_update["sliced"] is True
                 assert_loaded(client, full)
@@ -285,16 +277,12 @@ def test_every_pause_mode_treats_a_sliced_round_by_where_it_lands(mode: str | No
     for budget, want in zip((1 << 30, 0), PAUSES[mode], strict=True):
         client = GuardClient(TP2)
         tensors: dict[str, Any] = {}
-        engine = torch_engine(client, tensors, pause_mode=mode, stage_budget_bytes=budget)
-        try:
+        with opened(client, tensors, pause_mode=mode, stage_budget_bytes=budget) as engine:
             full = load(tensors, 1)
             engine.send_weights()
             assert client.last_update["sliced"] is True
             assert client.calls == want, budget
             assert_loaded(client, full)
-        finally:
-            engine.shutdown()
-            client.close()
 
 
 def test_a_sliced_round_within_the_budget_is_staged_and_applied_at_finish() -> None:
@@ -303,11 +291,8 @@ def test_a_sliced_round_within_the_budget_is_staged_and_applied_at_finish() -> N
     round is paused as a whole (``pause_mode``'s own mode, resumed after), no guard."""
     client = GuardClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, pause_mode="keep", stage_budget_bytes=1 << 30)
-    try:
-        load(tensors, 1)
-        engine.send_weights()
-        before = params(client)
+    with opened(client, tensors, pause_mode="keep", stage_budget_bytes=1 << 30) as engine:
+        _, before = committed_round(engine, client, tensors)
         at_finish: list[Any] = []
 
         def look() -> None:
@@ -322,9 +307,6 @@ def test_a_sliced_round_within_the_budget_is_staged_and_applied_at_finish() -> N
         strategies, states = at_finish[0]
         assert strategies == ["sliced", "sliced"] and all(s["whole"] for s in states)
         assert client.calls == ["pause:keep", "resume"]
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_sliced_round_over_the_budget_lands_in_place_under_the_guard() -> None:
@@ -425,9 +407,7 @@ def test_a_sliced_round_that_fails_leaves_every_worker_on_the_previous_round(
     tensors: dict[str, Any] = {}
     engine = torch_engine(client, tensors)
     try:
-        load(tensors, 1)
-        engine.send_weights()
-        before = params(client)
+        _, before = committed_round(engine, client, tensors)
         match = {
             "worker-before": "lost|closed|aborted",
             "worker-during": "lost|closed|aborted",
@@ -454,16 +434,10 @@ def test_a_sliced_round_that_fails_leaves_every_worker_on_the_previous_round(
             fault = shifted(real_pieces, 0) if phase == "outside-wants" else dropped(real_pieces)
             monkeypatch.setattr(round_module, "pieces", fault)
         load(tensors, 2)
-        with pytest.raises(WeightwireError, match=match):
-            engine.send_weights()
-        assert_kept(client, before)
+        fails_keeping(engine, client, before, match)
         monkeypatch.undo()
         client.before_update = None
-        engine = again(engine, client, tensors)
-        full = load(tensors, 3)
-        engine.send_weights()
-        assert client.last_update["sliced"] is True
-        assert_loaded(client, full)
+        engine = lands_after_reinit(engine, client, tensors)
     finally:
         engine.shutdown()
         client.close()
@@ -486,10 +460,7 @@ def test_a_worker_link_lost_after_its_pieces_commits_the_round_and_stops_the_nex
         load(tensors, 2)
         engine = again(engine, client, tensors)
         assert client.updates == updates  # the refused round sent nothing
-        full = load(tensors, 3)
-        engine.send_weights()
-        assert client.last_update["sliced"] is True
-        assert_loaded(client, full)
+        lands_sliced(engine, client, tensors, 3)
     finally:
         engine.shutdown()
         client.close()
@@ -593,8 +564,7 @@ def test_a_source_that_does_not_fit_the_workers_wants_is_refused_before_any_byte
     before = params(client)
     full = full_tensors(TP2, 1)
     change(full)
-    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
-    try:
+    with opened(client, as_source("torch", full)) as engine:
         with pytest.raises(Exception, match=match) as got:
             engine.send_weights()
         assert type(got.value).__name__ == error
@@ -602,9 +572,6 @@ def test_a_source_that_does_not_fit_the_workers_wants_is_refused_before_any_byte
             assert isinstance(got.value, WeightwireError)
             assert client.updates == 0  # nothing sent: not even the update POST
         assert_kept(client, before)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_partial_rounds_may_leave_out_what_the_workers_read() -> None:
@@ -612,8 +579,7 @@ def test_partial_rounds_may_leave_out_what_the_workers_read() -> None:
     layer it left out keeps its previous weights on every worker."""
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, partial=True)
-    try:
+    with opened(client, tensors, partial=True) as engine:
         load(tensors, 1)
         engine.send_weights()
         frozen = params(client)
@@ -626,9 +592,6 @@ def test_partial_rounds_may_leave_out_what_the_workers_read() -> None:
             want, now = expected(TP2, full, rank), client.params(rank)
             for name, tensor in now.items():
                 assert torch.equal(tensor, was[name] if name in layer1 else want[name]), name
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 # ------------------------------------------------------------------ 5. adapters
@@ -653,11 +616,7 @@ def test_adapter_rounds_on_a_sliced_session_go_whole_and_base_rounds_stay_sliced
     is a broadcast (the workers told no wants of the adapter's tensors; vLLM's LoRA layers
     take the whole adapter and cut their own shard), every worker swaps in the whole adapter
     at the commit and its base weights stay; the next base-weight round is sliced again."""
-    from tests.trainer.test_sliced_tcp import info
     from weightwire.shared.lora import wire_name
-    from weightwire.testing.sources import DictSource
-    from weightwire.torch_side.sender.engine import TorchTrainerEngine
-    from weightwire.torch_side.sender.source import describe_tensor
     from weightwire.torch_side.worker.engines import WeightwireTCPEngine
 
     client = TPClient(TP2)
@@ -686,9 +645,7 @@ def test_adapter_rounds_on_a_sliced_session_go_whole_and_base_rounds_stay_sliced
             wire_name(q, "A", "pol"): torch.randn(2, 8, generator=gen),
             wire_name(q, "B", "pol"): torch.randn(8, 2, generator=gen),
         }
-        lora = TorchTrainerEngine.trainer_init(
-            info(), client=client, source=DictSource(adapter, describe_tensor)
-        )
+        lora = torch_engine(client, adapter)
         try:
             lora.send_weights()
             assert "sliced" not in client.last_update
@@ -702,10 +659,7 @@ def test_adapter_rounds_on_a_sliced_session_go_whole_and_base_rounds_stay_sliced
                 assert torch.equal(swapped[f"base_model.model.{q}.lora_{x}.weight"], want)
         assert_kept(client, before)
         base = torch_engine(client, tensors)
-        full = load(tensors, 2)
-        base.send_weights()
-        assert client.last_update["sliced"] is True
-        assert_loaded(client, full)
+        lands_sliced(base, client, tensors, 2)
     finally:
         base.shutdown()
         client.close()
@@ -745,8 +699,7 @@ def test_an_overlapped_sliced_round_refused_before_any_call_leaves_the_session_u
 
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
+    with opened(client, tensors) as engine:
         load(tensors, 1)
         lacks_one(tensors)
         with pytest.raises(ServedModelMismatch, match=r"up_proj\.weight\]"):
@@ -756,9 +709,6 @@ def test_an_overlapped_sliced_round_refused_before_any_call_leaves_the_session_u
         engine.send_weights(wait=False).result(timeout=60)
         assert client.last_update["sliced"] is True
         assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 @pytest.mark.parametrize("snapshot", ["copy", "cow"])
@@ -770,8 +720,7 @@ def test_an_optimizer_step_during_an_overlapped_sliced_round_does_not_leak_in(
     for, or copies ahead of, the pieces the round still reads), never a mix of two steps."""
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, snapshot=snapshot)
-    try:
+    with opened(client, tensors, snapshot=snapshot) as engine:
         full = full_tensors(TP2, 1)
         weights = {n: torch.nn.Parameter(torch.from_numpy(a.copy())) for n, a in full.items()}
         tensors.update(weights)
@@ -787,6 +736,3 @@ def test_an_optimizer_step_during_an_overlapped_sliced_round_does_not_leak_in(
         assert all(torch.equal(weights[n].detach(), torch.from_numpy(a)) for n, a in moved.items())
         engine.send_weights(wait=False).result(timeout=60)
         assert_loaded(client, moved)
-    finally:
-        engine.shutdown()
-        client.close()

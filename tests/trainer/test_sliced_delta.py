@@ -15,33 +15,26 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer._sliced_workers import Config, TPClient
-from tests.trainer.test_sliced_tcp import (
+from tests.trainer._sliced_session import (
     TP2,
     TP4,
+    as_source,
     assert_loaded,
+    assert_shares,
+    changed,
+    committed_round,
+    fails_keeping,
     full_tensors,
-    info,
-    replicated_bytes,
-    torch_engine,
+    opened,
+    prepacked,
+    put,
+    run_script,
 )
-from weightwire.shared.errors import DeltaBaseMismatch, WeightwireError
+from tests.trainer._sliced_workers import Config, TPClient
+from weightwire.shared.errors import DeltaBaseMismatch
 from weightwire.shared.slices import Box, Wants, volume
-from weightwire.testing.sources import DictSource
 
 PATCHED = "model.layers.0.self_attn.o_proj.weight"
-
-
-def changed(before: dict[str, np.ndarray], step: int, rate: float = 0.02) -> dict[str, np.ndarray]:
-    """``before`` with about ``rate`` of every tensor's elements changed (one at least)."""
-    rng = np.random.default_rng(100 + step)
-    out = {}
-    for name, a in before.items():
-        new = a.copy()
-        flat = new.reshape(-1)
-        flat[rng.choice(flat.size, max(1, int(flat.size * rate)), replace=False)] += 1.0
-        out[name] = new
-    return out
 
 
 def told(client: TPClient, rank: int) -> Wants:
@@ -83,25 +76,6 @@ def broadcast_bytes(update: dict[str, Any]) -> int:
     return sum(4 * int(np.prod(s)) for s in update["shapes"])
 
 
-def jax_engine(client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
-    from weightwire.jax_side.dtypes import describe
-    from weightwire.jax_side.engine import JAXTrainerEngine
-
-    return JAXTrainerEngine.trainer_init(
-        info(**kw), client=client, source=DictSource(tensors, describe)
-    )
-
-
-def put(tensors: dict[str, Any], full: dict[str, np.ndarray], framework: str) -> None:
-    tensors.clear()
-    if framework == "jax":
-        import jax.numpy as jnp
-
-        tensors.update({n: jnp.asarray(a) for n, a in full.items()})
-    else:
-        tensors.update({n: torch.from_numpy(a.copy()) for n, a in full.items()})
-
-
 @pytest.mark.parametrize(
     ("config", "framework"),
     [(TP2, "torch"), (TP2, "jax"), (TP4, "torch")],
@@ -114,9 +88,7 @@ def test_sliced_delta_rounds_send_each_worker_its_share(config: Config, framewor
     ``bytes_received`` reports), strictly less than the broadcast delta round's bytes."""
     client = TPClient(config)
     tensors: dict[str, Any] = {}
-    make = jax_engine if framework == "jax" else torch_engine
-    engine = make(client, tensors, delta="auto")
-    try:
+    with opened(client, tensors, framework, delta="auto") as engine:
         full = full_tensors(config, 1)
         put(tensors, full, framework)
         engine.send_weights()
@@ -139,9 +111,6 @@ def test_sliced_delta_rounds_send_each_worker_its_share(config: Config, framewor
             assert metrics.nbytes == sum(client.received)
         slicing = engine.session.slicing
         assert (slicing.plans.builds, slicing.delta_plans.builds) == (1, 1)  # each planned once
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_delta_round_on_a_wrong_base_is_refused_before_any_byte() -> None:
@@ -150,13 +119,9 @@ def test_a_delta_round_on_a_wrong_base_is_refused_before_any_byte() -> None:
     the previous weights kept; the trainer then sends the same round dense and sliced."""
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto")
-    refused: list[tuple[int, int, bool]] = []
-    try:
-        full = full_tensors(TP2, 1)
-        put(tensors, full, "torch")
-        engine.send_weights()
-        before = [client.params(r) for r in range(2)]
+    with opened(client, tensors, delta="auto") as engine:
+        refused: list[tuple[int, int, bool]] = []
+        full, before = committed_round(engine, client, tensors)
         for e in client.engines:
             e._core.weights.weights_changed("the test changed the weights")
             real = e.update_weights
@@ -180,9 +145,6 @@ def test_a_delta_round_on_a_wrong_base_is_refused_before_any_byte() -> None:
         assert sorted(refused) == [(0, 0, True), (1, 0, True)]
         assert "patches" not in client.last_update and client.last_update["sliced"] is True
         assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_sliced_delta_round_over_the_stage_budget_lands_in_place_whole() -> None:
@@ -192,10 +154,9 @@ def test_a_sliced_delta_round_over_the_stage_budget_lands_in_place_whole() -> No
     overlapped (``wait=False``): sliced too."""
     client = TPClient(TP4)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto", stage_budget_bytes=0, pause_mode="keep")
-    seen: list[str | None] = []
-    client.before_finish = lambda: seen.extend(e.round_strategy for e in client.engines)
-    try:
+    with opened(client, tensors, delta="auto", stage_budget_bytes=0, pause_mode="keep") as engine:
+        seen: list[str | None] = []
+        client.before_finish = lambda: seen.extend(e.round_strategy for e in client.engines)
         full = full_tensors(TP4, 1)
         put(tensors, full, "torch")
         engine.send_weights()
@@ -207,9 +168,6 @@ def test_a_sliced_delta_round_over_the_stage_budget_lands_in_place_whole() -> No
             assert client.last_update["patches"] and PATCHED in client.last_update["names"]
             assert_loaded(client, full)
         assert seen == ["sliced_in_place"] * 12
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_link_lost_mid_delta_round_leaves_the_previous_weights() -> None:
@@ -217,12 +175,8 @@ def test_a_link_lost_mid_delta_round_leaves_the_previous_weights() -> None:
     trainer, nothing commits, both workers keep the previous round's weights exactly."""
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto")
-    try:
-        full = full_tensors(TP2, 1)
-        put(tensors, full, "torch")
-        engine.send_weights()
-        before = [client.params(r) for r in range(2)]
+    with opened(client, tensors, delta="auto") as engine:
+        full, before = committed_round(engine, client, tensors)
         comm = engine.session.link
         send_frame = comm.send_frame
 
@@ -233,14 +187,7 @@ def test_a_link_lost_mid_delta_round_leaves_the_previous_weights() -> None:
 
         comm.send_frame = cut
         put(tensors, changed(full, 2), "torch")
-        with pytest.raises(WeightwireError):
-            engine.send_weights()
-        for rank in range(2):
-            after = client.params(rank)
-            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
-    finally:
-        engine.shutdown()
-        client.close()
+        fails_keeping(engine, client, before)
 
 
 def test_a_worker_refuses_patch_elements_outside_its_wants(monkeypatch) -> None:
@@ -250,12 +197,8 @@ def test_a_worker_refuses_patch_elements_outside_its_wants(monkeypatch) -> None:
 
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto")
-    try:
-        full = full_tensors(TP2, 1)
-        put(tensors, full, "torch")
-        engine.send_weights()
-        before = [client.params(r) for r in range(2)]
+    with opened(client, tensors, delta="auto") as engine:
+        full, before = committed_round(engine, client, tensors)
         real = round_.share_patches
 
         def everything(patches: Any, tensors: Any, wants: Any, host_bytes: Any) -> Any:
@@ -264,14 +207,7 @@ def test_a_worker_refuses_patch_elements_outside_its_wants(monkeypatch) -> None:
 
         monkeypatch.setattr(round_, "share_patches", everything)
         put(tensors, changed(full, 2), "torch")
-        with pytest.raises(WeightwireError, match=r"outside what this worker wants"):
-            engine.send_weights()
-        for rank in range(2):
-            after = client.params(rank)
-            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
-    finally:
-        engine.shutdown()
-        client.close()
+        fails_keeping(engine, client, before, r"outside what this worker wants")
 
 
 def test_a_worker_refuses_a_short_share(monkeypatch) -> None:
@@ -281,12 +217,8 @@ def test_a_worker_refuses_a_short_share(monkeypatch) -> None:
 
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto")
-    try:
-        full = full_tensors(TP2, 1)
-        put(tensors, full, "torch")
-        engine.send_weights()
-        before = [client.params(r) for r in range(2)]
+    with opened(client, tensors, delta="auto") as engine:
+        full, before = committed_round(engine, client, tensors)
         real = PatchShares.pieces
 
         def short(self: PatchShares, *args: Any, **kw: Any) -> Any:
@@ -297,14 +229,7 @@ def test_a_worker_refuses_a_short_share(monkeypatch) -> None:
 
         monkeypatch.setattr(PatchShares, "pieces", short)
         put(tensors, changed(full, 2), "torch")
-        with pytest.raises(WeightwireError, match=r"brought \d+ of the \d+ elements of"):
-            engine.send_weights()
-        for rank in range(2):
-            after = client.params(rank)
-            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
-    finally:
-        engine.shutdown()
-        client.close()
+        fails_keeping(engine, client, before, r"brought \d+ of the \d+ elements of")
 
 
 def test_workers_that_load_through_load_weights_keep_dense_sliced_rounds(caplog) -> None:
@@ -313,20 +238,9 @@ def test_workers_that_load_through_load_weights_keep_dense_sliced_rounds(caplog)
     the session's ``delta="auto"`` rounds go dense and sliced (no worker gets an element
     outside its wants), said once in the log; the weights are right."""
 
-    class Prepack:  # a quant method that is not a plain copy after loading
-        pass
-
-    def prepacked(config: Config, rank: int) -> Any:
-        from tests.trainer._sliced_workers import make
-
-        model = make(config, rank)
-        model.qkv_proj.quant_method = Prepack()
-        return model
-
     client = TPClient(TP2, model=prepacked)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto")
-    try:
+    with opened(client, tensors, delta="auto") as engine:
         assert client.init_info["delta_rounds"] is True
         hellos = [json.loads(h) for h in engine.session.slicing.hellos]
         assert [h["patches"] for h in hellos] == [False, False]
@@ -340,27 +254,19 @@ def test_workers_that_load_through_load_weights_keep_dense_sliced_rounds(caplog)
             assert client.last_update["sliced"] is True and "patches" not in client.last_update
             assert_loaded(client, full)
             dense = sum(a.nbytes for a in full.values())
-            for got in client.received:
-                assert 0 < got <= 1.05 * dense / 2 + replicated_bytes(TP2)
+            assert_shares(client.received, TP2, dense)
         said = [
             r.getMessage() for r in caplog.records if "sends dense sliced rounds" in r.getMessage()
         ]
         assert len(said) == 1 and "worker 0 did not say it applies sliced patches" in said[0]
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_workers_with_a_landing_map_say_they_apply_sliced_patches() -> None:
     client = TPClient(TP2)
-    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full_tensors(TP2, 1).items()})
-    try:
+    with opened(client, as_source("torch", full_tensors(TP2, 1))) as engine:
         hellos = [json.loads(h) for h in engine.session.slicing.hellos]
         assert [h["patches"] for h in hellos] == [True, True]
         assert engine.session.slicing.patch_takers == [True, True]
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 @pytest.mark.slow
@@ -374,22 +280,7 @@ def test_jax_delta_rounds_from_an_fsdp_tp_mesh(kind: str) -> None:
     of a sharded array alive at any extraction step (checked there); the base is sharded as
     the arrays are, its bytes the addressable shards'. ``pytree``: a ``PytreeSource`` over the
     arrays (one of them transposed back on its shards) is compared where it is held too."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).with_name("_sliced_delta_jax_mesh.py")
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run(
-        [sys.executable, str(script), kind],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    rounds = json.loads(done.stdout.strip().splitlines()[-1])["rounds"]
+    rounds = run_script("_sliced_delta_jax_mesh.py", kind)["rounds"]
     assert [r["patches"] for r in rounds] == [False, True, True]
     for r in rounds[1:]:
         assert sum(r["received"]) == r["sent"]
@@ -442,8 +333,7 @@ def test_verify_keeps_a_sliced_sessions_delta_rounds_dense(caplog) -> None:
     verify passes."""
     client = TPClient(TP4)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, delta="auto", verify=True)
-    try:
+    with opened(client, tensors, delta="auto", verify=True) as engine:
         full = full_tensors(TP4, 1)
         for step in (1, 2):
             if step > 1:
@@ -456,6 +346,3 @@ def test_verify_keeps_a_sliced_sessions_delta_rounds_dense(caplog) -> None:
             assert_loaded(client, full)
         said = [r.getMessage() for r in caplog.records if "verify=True compares" in r.getMessage()]
         assert len(said) == 1 and "sends dense sliced rounds" in said[0]
-    finally:
-        engine.shutdown()
-        client.close()

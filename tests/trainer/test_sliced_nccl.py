@@ -10,66 +10,28 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
 
 from tests.backends.fake_nccl_p2p import in_process_nccl
-from tests.trainer._sliced_workers import Config, TPClient, expected, shapes_of
+from tests.trainer._sliced_session import (
+    NCCL_TIMEOUTS,
+    TP2,
+    as_source,
+    assert_kept,
+    assert_loaded,
+    assert_shares,
+    assert_trainer_script_rounds,
+    committed_round,
+    fails_keeping,
+    full_tensors,
+    opened,
+    put,
+    run_script,
+)
+from tests.trainer._sliced_workers import TPClient
 from weightwire.shared.errors import WeightwireError
 from weightwire.shared.timeouts import Timeouts
-from weightwire.testing.sources import DictSource
 from weightwire.torch_side.worker.engines import WeightwireNCCLEngine
-from weightwire.trainer import TrainerInitInfo
-
-TIMEOUTS = Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=10)
-TP2: Config = (2, 4, 1, False, True)
-
-
-def full_tensors(step: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(step)
-    return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes_of(TP2).items()}
-
-
-def replicated_bytes() -> int:
-    shapes = shapes_of(TP2)
-    names = ("model.layers.1.mlp.gate.weight", "model.norm.weight")
-    return sum(int(np.prod(shapes[n])) * 4 for n in names)
-
-
-def info(**kw: Any) -> TrainerInitInfo:
-    settings: dict[str, Any] = {
-        "backend": "weightwire_nccl",
-        "pause_mode": None,
-        "packed_buffer_size_bytes": 1 << 10,  # several chunks per worker, several waves
-        "packed_num_buffers": 2,
-        "timeouts": TIMEOUTS,
-    }
-    return TrainerInitInfo(**{**settings, **kw})
-
-
-def engine_of(kind: str, client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
-    if kind == "torch":
-        from weightwire.torch_side.sender.engine import TorchTrainerEngine
-        from weightwire.torch_side.sender.source import describe_tensor
-
-        return TorchTrainerEngine.trainer_init(
-            info(**kw), client=client, source=DictSource(tensors, describe_tensor)
-        )
-    from weightwire.jax_side.dtypes import describe
-    from weightwire.jax_side.engine import JAXTrainerEngine
-
-    return JAXTrainerEngine.trainer_init(
-        info(), client=client, source=DictSource(tensors, describe)
-    )
-
-
-def as_source(kind: str, full: dict[str, np.ndarray]) -> dict[str, Any]:
-    if kind == "torch":
-        return {n: torch.from_numpy(a) for n, a in full.items()}
-    import jax.numpy as jnp
-
-    return {n: jnp.asarray(a) for n, a in full.items()}
 
 
 @pytest.mark.parametrize("kind", ["torch", "jax"])
@@ -79,23 +41,17 @@ def test_sliced_rounds_over_nccl_send_each_worker_its_slices(
     with in_process_nccl(monkeypatch, 3) as world:
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
         tensors: dict[str, Any] = {}
-        engine = engine_of(kind, client, tensors)
-        try:
+        with opened(client, tensors, kind, "nccl") as engine:
             assert client.init_info["sliced"] is True
-            dense = sum(a.nbytes for a in full_tensors(0).values())
+            dense = sum(a.nbytes for a in full_tensors(TP2, 0).values())
             for step in (1, 2, 3):
-                full = full_tensors(step)
-                tensors.clear()
-                tensors.update(as_source(kind, full))
+                full = full_tensors(TP2, step)
+                put(tensors, full, kind)
                 before = world.sent_bytes[0]
                 metrics = engine.send_weights()
                 assert client.last_update["sliced"] is True
-                for rank in range(2):
-                    want, got = expected(TP2, full, rank), client.params(rank)
-                    for name, tensor in want.items():
-                        assert torch.equal(got[name], tensor), f"rank {rank} {name}"
-                for got in client.received:
-                    assert 0 < got <= 1.05 * dense / 2 + replicated_bytes()
+                assert_loaded(client, full)
+                assert_shares(client.received, TP2, dense)
                 assert sum(client.received) == metrics.nbytes <= 1.3 * dense
                 # on the wire: the pieces, their padding and the two tables, nothing else
                 wire = world.sent_bytes[0] - before
@@ -106,9 +62,6 @@ def test_sliced_rounds_over_nccl_send_each_worker_its_slices(
             # rank 0's chunk buffers: depth x workers, each at most the buffer size
             sender = engine.session.slicing.sender
             assert 0 < sender.held_bytes() <= 2 * 2 * (1 << 10)
-        finally:
-            engine.shutdown()
-            client.close()
         assert sender.held_bytes() == 0  # freed with the session
 
 
@@ -117,27 +70,16 @@ def test_sliced_off_over_nccl_broadcasts_every_byte(monkeypatch: pytest.MonkeyPa
     every byte by broadcast (the same in-process world)."""
     with in_process_nccl(monkeypatch, 3) as world:
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
-        full = full_tensors(1)
+        full = full_tensors(TP2, 1)
         tensors = as_source("torch", full)
-        from weightwire.torch_side.sender.engine import TorchTrainerEngine
-        from weightwire.torch_side.sender.source import describe_tensor
-
-        engine = TorchTrainerEngine.trainer_init(
-            info(sliced="off"), client=client, source=DictSource(tensors, describe_tensor)
-        )
-        try:
+        with opened(client, tensors, "torch", "nccl", sliced="off") as engine:
             assert "sliced" not in client.init_info
             metrics = engine.send_weights()
             assert "sliced" not in client.last_update
             dense = sum(a.nbytes for a in full.values())
             assert metrics.nbytes >= dense and client.received == [metrics.nbytes] * 2
             assert world.sent_bytes[1:] == [0, 0]  # no hellos
-            for rank in range(2):
-                want, got = expected(TP2, full, rank), client.params(rank)
-                assert all(torch.equal(got[n], t) for n, t in want.items()), rank
-        finally:
-            engine.shutdown()
-            client.close()
+            assert_loaded(client, full)
 
 
 def test_a_sliced_nccl_round_that_loses_the_trainer_applies_nothing(
@@ -150,11 +92,8 @@ def test_a_sliced_nccl_round_that_loses_the_trainer_applies_nothing(
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
         tensors: dict[str, Any] = {}
         quick = Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=2)
-        engine = engine_of("torch", client, tensors, timeouts=quick)
-        try:
-            tensors.update(as_source("torch", full_tensors(1)))
-            engine.send_weights()
-            before = [client.params(r) for r in range(2)]
+        with opened(client, tensors, "torch", "nccl", timeouts=quick) as engine:
+            _, before = committed_round(engine, client, tensors)
             cut, reads = engine.cut_box, [0]
 
             def failing(tensor: Any, box: Any) -> Any:
@@ -164,15 +103,8 @@ def test_a_sliced_nccl_round_that_loses_the_trainer_applies_nothing(
                 return cut(tensor, box)
 
             engine.cut_box = failing
-            tensors.update(as_source("torch", full_tensors(2)))
-            with pytest.raises((RuntimeError, WeightwireError)):
-                engine.send_weights()
-            for rank in range(2):
-                after = client.params(rank)
-                assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
-        finally:
-            engine.shutdown()
-            client.close()
+            put(tensors, full_tensors(TP2, 2))
+            fails_keeping(engine, client, before, error=(RuntimeError, WeightwireError))
 
 
 def test_verify_over_nccl_keeps_the_broadcast_said_once(
@@ -183,28 +115,16 @@ def test_verify_over_nccl_keeps_the_broadcast_said_once(
     with in_process_nccl(monkeypatch, 3):
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
         tensors: dict[str, Any] = {}
-        from weightwire.torch_side.sender.engine import TorchTrainerEngine
-        from weightwire.torch_side.sender.source import describe_tensor
-
-        engine = TorchTrainerEngine.trainer_init(
-            info(verify=True), client=client, source=DictSource(tensors, describe_tensor)
-        )
-        try:
+        with opened(client, tensors, "torch", "nccl", verify=True) as engine:
             with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
                 for step in (1, 2):
-                    full = full_tensors(step)
-                    tensors.clear()
-                    tensors.update(as_source("torch", full))
+                    full = full_tensors(TP2, step)
+                    put(tensors, full)
                     report = engine.send_weights().verify
                     assert "sliced" not in client.last_update and report is not None
             said = [r for r in caplog.records if "verify=True on an on-device backend" in r.message]
             assert len(said) == 1
-            for rank in range(2):
-                want, got = expected(TP2, full, rank), client.params(rank)
-                assert all(torch.equal(got[n], t) for n, t in want.items()), rank
-        finally:
-            engine.shutdown()
-            client.close()
+            assert_loaded(client, full)
 
 
 def test_jax_rounds_from_an_fsdp_tp_mesh_over_nccl_never_gather_nor_touch_the_host() -> None:
@@ -213,29 +133,9 @@ def test_jax_rounds_from_an_fsdp_tp_mesh_over_nccl_never_gather_nor_touch_the_ho
     (a jitted transpose on the shards), every worker bit-identical to ``load_weights`` of the
     full tensors (checked there), every gather entry point raising throughout, each piece
     cut on its one shard's device and no host copy at all, each worker its share."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    script = os.path.join(os.path.dirname(__file__), "_sliced_jax_trainer.py")
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run(
-        [sys.executable, script, "2", "4", "1", "1", "pytree", "nccl"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["whole"] == [] and report["copies"] == 0
-    dense = report["dense"]
-    assert len(report["rounds"]) == 3
-    for r in report["rounds"]:
-        assert sum(r["received"]) == r["sent"] <= 1.3 * dense
-        for got in r["received"]:
-            assert 0 < got <= 1.05 * dense / 2 + replicated_bytes()
+    report = run_script("_sliced_jax_trainer.py", "2", "4", "1", "1", "pytree", "nccl")
+    assert report["copies"] == 0
+    assert_trainer_script_rounds(report, TP2)
 
 
 def test_a_worker_that_fails_mid_round_fails_it_everywhere_nothing_applied(
@@ -251,11 +151,8 @@ def test_a_worker_that_fails_mid_round_fails_it_everywhere_nothing_applied(
     with in_process_nccl(monkeypatch, 3):
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
         tensors: dict[str, Any] = {}
-        engine = engine_of("torch", client, tensors)
-        try:
-            tensors.update(as_source("torch", full_tensors(1)))
-            engine.send_weights()
-            before = [client.params(r) for r in range(2)]
+        with opened(client, tensors, "torch", "nccl") as engine:
+            _, before = committed_round(engine, client, tensors)
             link = client.engines[1]._core._link
             real = link.receive_sliced
 
@@ -266,17 +163,12 @@ def test_a_worker_that_fails_mid_round_fails_it_everywhere_nothing_applied(
                     yield item
 
             link.receive_sliced = failing
-            tensors.update(as_source("torch", full_tensors(2)))
+            put(tensors, full_tensors(TP2, 2))
             started = time.monotonic()
             with pytest.raises(WeightwireError, match="worker 1 lost its receive buffer"):
                 engine.send_weights()
-            assert time.monotonic() - started < TIMEOUTS.transfer_s
-            for rank in range(2):
-                after = client.params(rank)
-                assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
-        finally:
-            engine.shutdown()
-            client.close()
+            assert time.monotonic() - started < NCCL_TIMEOUTS.transfer_s
+            assert_kept(client, before)
 
 
 def test_a_source_failing_on_its_first_piece_sends_nothing_and_the_next_round_goes(
@@ -286,9 +178,8 @@ def test_a_source_failing_on_its_first_piece_sends_nothing_and_the_next_round_go
     start, no update and no byte out, and the session stays usable."""
     with in_process_nccl(monkeypatch, 3) as world:
         client = TPClient(TP2, engine=WeightwireNCCLEngine)
-        tensors: dict[str, Any] = dict(as_source("torch", full_tensors(1)))
-        engine = engine_of("torch", client, tensors)
-        try:
+        tensors: dict[str, Any] = dict(as_source("torch", full_tensors(TP2, 1)))
+        with opened(client, tensors, "torch", "nccl") as engine:
             cut = engine.cut_box
 
             def broken(tensor: Any, box: Any) -> Any:
@@ -301,9 +192,4 @@ def test_a_source_failing_on_its_first_piece_sends_nothing_and_the_next_round_go
             assert client.updates == 0 and world.sent_bytes[0] == sent
             engine.cut_box = cut
             engine.send_weights()
-            for rank in range(2):
-                want, got = expected(TP2, full_tensors(1), rank), client.params(rank)
-                assert all(torch.equal(got[n], t) for n, t in want.items()), rank
-        finally:
-            engine.shutdown()
-            client.close()
+            assert_loaded(client, full_tensors(TP2, 1))

@@ -8,90 +8,55 @@ not one per worker."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from tests.torch_side._sliced_models import SlicedTP
-from tests.trainer._sliced_workers import Config, TPClient, expected, shapes_of
-from weightwire.shared.errors import ConfigError, WeightwireError
+from tests.trainer._sliced_session import (
+    EP2,
+    TP2,
+    TP4,
+    as_source,
+    assert_loaded,
+    assert_shares,
+    assert_trainer_script_rounds,
+    committed_round,
+    cut_link_at,
+    fails_keeping,
+    full_tensors,
+    lands_sliced,
+    opened,
+    prepacked,
+    put,
+    run_script,
+    share_limit,
+    two_process_reports,
+)
+from tests.trainer._sliced_workers import Config, TPClient
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.slices import SliceError
-from weightwire.shared.timeouts import Timeouts
-from weightwire.testing.sources import DictSource
 from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.verify import VerifyError
 from weightwire.vllm_guard.worker import worker_round_stats
 
-TIMEOUTS = Timeouts(http_s=60, connect_s=30, warmup_s=30, transfer_s=30)
-TP2: Config = (2, 4, 1, False, True)  # one KV head on two ranks, tied head
-TP4: Config = (4, 8, 2, False, False)  # two KV heads on four ranks, own head
-EP2: Config = (2, 8, 2, True, True)  # whole experts split over the ranks, tied head
-
-
-def full_tensors(config: Config, step: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(step)
-    return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes_of(config).items()}
-
-
-def replicated_bytes(config: Config) -> int:
-    """The tensors every rank takes whole (router, norm)."""
-    shapes = shapes_of(config)
-    names = ("model.layers.1.mlp.gate.weight", "model.norm.weight")
-    return sum(int(np.prod(shapes[n])) * 4 for n in names)
-
-
-def info(**kw: Any) -> TrainerInitInfo:
-    settings: dict[str, Any] = {
-        "backend": "weightwire_tcp",
-        "pause_mode": None,
-        "packed_buffer_size_bytes": 1 << 10,  # several frames per worker
-        "timeouts": TIMEOUTS,
-    }
-    return TrainerInitInfo(**{**settings, **kw})
-
-
-def assert_loaded(client: TPClient, full: dict[str, np.ndarray]) -> None:
-    for rank in range(client.config[0]):
-        want = expected(client.config, full, rank)
-        got = client.params(rank)
-        for name, tensor in want.items():
-            assert torch.equal(got[name], tensor), f"rank {rank} {name}"
-
-
-def torch_engine(client: TPClient, tensors: dict[str, Any], **kw: Any) -> Any:
-    from weightwire.torch_side.sender.engine import TorchTrainerEngine
-    from weightwire.torch_side.sender.source import describe_tensor
-
-    return TorchTrainerEngine.trainer_init(
-        info(**kw), client=client, source=DictSource(tensors, describe_tensor)
-    )
-
 
 @pytest.mark.parametrize("config", [TP2, TP4, EP2], ids=["tp2-tied-kv1", "tp4-kv2", "ep2"])
 def test_torch_rounds_send_each_worker_its_slices(config: Config) -> None:
-    world = config[0]
     client = TPClient(config)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
+    with opened(client, tensors) as engine:
         assert client.init_info["sliced"] is True
         dense = sum(a.nbytes for a in full_tensors(config, 0).values())
         for step in (1, 2, 3):
             full = full_tensors(config, step)
-            tensors.clear()
-            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            put(tensors, full)
             metrics = engine.send_weights()
             assert client.last_update["sliced"] is True
             assert_loaded(client, full)
-            for got in client.received:
-                assert 0 < got <= 1.05 * dense / world + replicated_bytes(config)
+            assert_shares(client.received, config, dense)
             # what a vLLM worker answers through collective_rpc (the plugin installs it)
             for rank, engine_r in enumerate(client.engines):
                 told = worker_round_stats(SimpleNamespace(weight_transfer_engine=engine_r))
@@ -101,25 +66,18 @@ def test_torch_rounds_send_each_worker_its_slices(config: Config) -> None:
             assert metrics.nbytes <= 1.3 * dense
             assert sum(client.received) == metrics.nbytes
         assert engine.session.slicing.plans.builds == 1  # planned once, reused every round
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_sliced_off_broadcasts_every_byte() -> None:
     client = TPClient(TP2)
     full = full_tensors(TP2, 1)
-    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()}, sliced="off")
-    try:
+    with opened(client, as_source("torch", full), sliced="off") as engine:
         assert "sliced" not in client.init_info
         metrics = engine.send_weights()
         assert "sliced" not in client.last_update
         dense = sum(a.nbytes for a in full.values())
         assert metrics.nbytes >= dense and client.received == [metrics.nbytes] * 2
         assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_workers_without_a_spec_want_everything_and_get_the_broadcast() -> None:
@@ -127,15 +85,11 @@ def test_workers_without_a_spec_want_everything_and_get_the_broadcast() -> None:
     tensor whole: with no worker wanting less, the rounds are today's broadcast."""
     client = TPClient(TP2, spec=False)
     full = full_tensors(TP2, 1)
-    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
-    try:
+    with opened(client, as_source("torch", full)) as engine:
         assert client.init_info["sliced"] is True
         engine.send_weights()
         assert "sliced" not in client.last_update
         assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_bad_wants_are_refused_naming_the_worker_and_tensor(monkeypatch) -> None:
@@ -154,14 +108,10 @@ def test_bad_wants_are_refused_naming_the_worker_and_tensor(monkeypatch) -> None
     monkeypatch.setattr(sliced, "hello", lying)
     client = TPClient(TP2)
     full = full_tensors(TP2, 1)
-    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
-    try:
+    with opened(client, as_source("torch", full)) as engine:
         with pytest.raises(SliceError, match=r"worker 0's wants.*model\.norm\.weight.*0:999"):
             engine.send_weights()
         assert client.updates == 0
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_failed_sliced_round_leaves_the_previous_weights() -> None:
@@ -169,31 +119,12 @@ def test_a_failed_sliced_round_leaves_the_previous_weights() -> None:
     last committed round's weights exactly."""
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
-        full = full_tensors(TP2, 1)
-        tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
-        engine.send_weights()
-        before = [client.params(r) for r in range(2)]
+    with opened(client, tensors) as engine:
+        full, before = committed_round(engine, client, tensors)
 
-        read, reads = engine.read_box, [0]
-
-        def cut(tensor: Any, box: Any) -> Any:  # worker 1's link drops mid-round
-            reads[0] += 1
-            if reads[0] == 20:
-                engine.session.link._links[1].sock.shutdown(2)
-            return read(tensor, box)
-
-        engine.read_box = cut
-        tensors.update({n: torch.from_numpy(a) for n, a in full_tensors(TP2, 2).items()})
-        with pytest.raises(WeightwireError):
-            engine.send_weights()
-        for rank in range(2):
-            after = client.params(rank)
-            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
-    finally:
-        engine.shutdown()
-        client.close()
+        cut_link_at(engine, worker=1, read=20)  # worker 1's link drops mid-round
+        put(tensors, full_tensors(TP2, 2))
+        fails_keeping(engine, client, before)
 
 
 @pytest.mark.parametrize(
@@ -212,24 +143,11 @@ def test_jax_rounds_from_an_fsdp_tp_mesh_never_gather(config: Config, source: st
     full tensors (checked there), the gather entry points raising throughout, each host copy
     one planned piece, each worker its share of the bytes."""
     world, heads, kv, _, tied = config
-    script = os.path.join(os.path.dirname(__file__), "_sliced_jax_trainer.py")
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run(
-        [sys.executable, script, str(world), str(heads), str(kv), str(int(tied)), source],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
+    report = run_script(
+        "_sliced_jax_trainer.py", str(world), str(heads), str(kv), str(int(tied)), source
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["whole"] == [] and report["copies"] > 0
-    dense = report["dense"]
-    assert len(report["rounds"]) == 3
-    for r in report["rounds"]:
-        assert sum(r["received"]) == r["sent"] <= 1.3 * dense
-        for got in r["received"]:
-            assert 0 < got <= 1.05 * dense / world + replicated_bytes(config)
+    assert report["copies"] > 0
+    assert_trainer_script_rounds(report, config)
 
 
 @pytest.mark.parametrize("source", ["pytree", pytest.param("dict", marks=pytest.mark.slow)])
@@ -243,10 +161,7 @@ def test_two_jax_processes_each_send_their_own_shards_pieces(source: str) -> Non
     (the sum is the workers' total); the gather entry points raise throughout and every host
     copy is one piece. A 4th round in which process 1 fails mid-send fails on every worker
     (nothing commits) and on both processes, within the timeouts."""
-    from tests import ranks
-
-    script = Path(__file__).with_name("_sliced_jax_processes.py")
-    reports = ranks.two_rank_reports(script, str(ranks.free_port()), source, timeout=240)
+    reports = two_process_reports("_sliced_jax_processes.py", source)
     dense = reports[0]["dense"]
     for p, report in enumerate(reports):
         assert report["process"] == p
@@ -261,8 +176,7 @@ def test_two_jax_processes_each_send_their_own_shards_pieces(source: str) -> Non
         # every wanted element once: what the workers received is what the plan gives them
         assert r0["received"] == [r0["worker_bytes"][str(w)] for w in range(2)]
         assert sum(r0["received"]) == r0["sent"] + r1["sent"] <= 1.3 * dense
-        for got in r0["received"]:
-            assert 0 < got <= 1.05 * dense / 2 + replicated_bytes(TP2)
+        assert_shares(r0["received"], TP2, dense)
     # round 4: process 1 fails after its first pieces; the workers refuse the round (process 0
     # checked they still hold round 3's weights), both processes raise, neither hangs
     assert reports[1]["failure"] == {"type": "RuntimeError", "error": "process 1 lost its shard"}
@@ -277,10 +191,7 @@ def test_two_torch_processes_each_send_their_own_shards_pieces() -> None:
     bytes, every worker bit-identical to ``load_weights`` of the full tensors (checked in
     rank 0), ``full_tensor`` raising throughout. A 4th round whose start the server refuses
     fails on rank 0 and, told by it, on rank 1 before it sends anything."""
-    from tests import ranks
-
-    script = Path(__file__).with_name("_sliced_torch_processes.py")
-    reports = ranks.two_rank_reports(script, str(ranks.free_port()), timeout=240)
+    reports = two_process_reports("_sliced_torch_processes.py")
     for r0, r1 in zip(reports[0]["rounds"], reports[1]["rounds"], strict=True):
         plan = r0["rank_bytes"]
         assert plan == r1["rank_bytes"] and sorted(plan) == ["0", "1"]
@@ -321,17 +232,13 @@ def test_a_worker_without_a_landing_map_gets_whole_tensors_beside_sliced_ones() 
     client.engines[1]._core.caches._record_map = refuse
     client.engines[1]._core.caches.reads_map = lambda metas: refuse(None, metas)
     full = full_tensors(TP2, 1)
-    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
-    try:
+    with opened(client, as_source("torch", full)) as engine:
         engine.send_weights()
         assert client.last_update["sliced"] is True
         assert_loaded(client, full)
         dense = sum(a.nbytes for a in full.values())
         assert client.received[1] == dense
-        assert client.received[0] <= 1.05 * dense / 2 + replicated_bytes(TP2)
-    finally:
-        engine.shutdown()
-        client.close()
+        assert client.received[0] <= share_limit(TP2, dense)
 
 
 def test_a_sliced_round_over_the_stage_budget_lands_in_place_and_overlapped() -> None:
@@ -339,21 +246,16 @@ def test_a_sliced_round_over_the_stage_budget_lands_in_place_and_overlapped() ->
     round in place until its commit); an overlapped round (``wait=False``) is sliced too."""
     client = TPClient(TP4)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, stage_budget_bytes=0, pause_mode="keep")
-    seen: list[str | None] = []
-    client.before_finish = lambda: seen.extend(e.round_strategy for e in client.engines)
-    try:
+    with opened(client, tensors, stage_budget_bytes=0, pause_mode="keep") as engine:
+        seen: list[str | None] = []
+        client.before_finish = lambda: seen.extend(e.round_strategy for e in client.engines)
         for step in (1, 2):
             full = full_tensors(TP4, step)
-            tensors.clear()
-            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            put(tensors, full)
             engine.send_weights(wait=False).result(timeout=60)
             assert client.last_update["sliced"] is True
             assert_loaded(client, full)
         assert seen == ["sliced_in_place"] * 8
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_plan_needing_another_trainer_process_is_refused() -> None:
@@ -395,12 +297,10 @@ def test_verify_checks_sliced_rounds_against_the_workers_shards() -> None:
     fed only by unchanged slices must not change, and one that changed is caught."""
     client = TPClient(TP4)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors, verify=True)
-    try:
+    with opened(client, tensors, verify=True) as engine:
         for step in (1, 2):
             full = full_tensors(TP4, step)
-            tensors.clear()
-            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            put(tensors, full)
             report = engine.send_weights().verify
             assert client.last_update["sliced"] is True
             assert report.mode == "vllm-diff"
@@ -409,9 +309,6 @@ def test_verify_checks_sliced_rounds_against_the_workers_shards() -> None:
         client.after_finish = lambda: client.models[2].norm.weight.data.add_(1.0)
         with pytest.raises(VerifyError, match=r"same bytes as last round.*tp2:model\.norm\.weight"):
             engine.send_weights()
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_several_trainer_processes_keep_broadcasting(caplog) -> None:
@@ -419,9 +316,8 @@ def test_several_trainer_processes_keep_broadcasting(caplog) -> None:
     collectives): rounds stay broadcasts, said once; nothing hangs or is refused."""
     client = TPClient(TP2)
     full = full_tensors(TP2, 1)
-    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()})
-    engine.process_count = lambda: 2
-    try:
+    with opened(client, as_source("torch", full)) as engine:
+        engine.process_count = lambda: 2
         with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
             engine.send_weights()
             engine.send_weights()
@@ -429,9 +325,6 @@ def test_several_trainer_processes_keep_broadcasting(caplog) -> None:
         assert_loaded(client, full)
         told = [r for r in caplog.records if "several trainer processes" in r.getMessage()]
         assert len(told) == 1
-    finally:
-        engine.shutdown()
-        client.close()
 
 
 def test_a_worker_refuses_a_sliced_round_that_leaves_out_part_of_its_slice(monkeypatch) -> None:
@@ -442,12 +335,8 @@ def test_a_worker_refuses_a_sliced_round_that_leaves_out_part_of_its_slice(monke
 
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
-        full = full_tensors(TP2, 1)
-        tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
-        engine.send_weights()
-        before = [client.params(r) for r in range(2)]
+    with opened(client, tensors) as engine:
+        full, before = committed_round(engine, client, tensors)
         real = sliced.pieces
 
         def short(*args: Any, **kw: Any) -> Any:
@@ -456,15 +345,8 @@ def test_a_worker_refuses_a_sliced_round_that_leaves_out_part_of_its_slice(monke
 
         monkeypatch.setattr(sliced, "pieces", short)
         monkeypatch.setattr("weightwire.trainer.round.pieces", short)
-        tensors.update({n: torch.from_numpy(a) for n, a in full_tensors(TP2, 2).items()})
-        with pytest.raises(WeightwireError, match=r"brought \d+ of the \d+ elements of"):
-            engine.send_weights()
-        for rank in range(2):
-            after = client.params(rank)
-            assert all(torch.equal(after[n], t) for n, t in before[rank].items()), rank
-    finally:
-        engine.shutdown()
-        client.close()
+        put(tensors, full_tensors(TP2, 2))
+        fails_keeping(engine, client, before, r"brought \d+ of the \d+ elements of")
 
 
 class SteppedNorm(SlicedTP):
@@ -492,21 +374,9 @@ def test_a_tensor_whose_loader_reads_no_box_lands_whole_beside_sliced_ones() -> 
 
     client = TPClient(TP2, model=stepped)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
+    with opened(client, tensors) as engine:
         for step in (1, 2):
-            full = full_tensors(TP2, step)
-            tensors.clear()
-            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
-            engine.send_weights()
-            assert client.last_update["sliced"] is True
-            for rank in range(2):
-                got = client.params(rank)
-                want = expected(TP2, full, rank)
-                assert all(torch.equal(got[n], t) for n, t in want.items()), rank
-    finally:
-        engine.shutdown()
-        client.close()
+            lands_sliced(engine, client, tensors, step)
 
 
 def test_a_worker_that_processes_weights_after_loading_still_gets_only_its_slices() -> None:
@@ -514,34 +384,18 @@ def test_a_worker_that_processes_weights_after_loading_still_gets_only_its_slice
     no landing map to write through, but its loader's reads are still recorded: it gets only
     its slices, placed in full-shaped tensors for its own ``load_weights``."""
 
-    class Prepack:  # a quant method that is not a plain copy after loading
-        pass
-
-    def prepacked(config: Config, rank: int) -> SlicedTP:
-        from tests.trainer._sliced_workers import make
-
-        model = make(config, rank)
-        model.qkv_proj.quant_method = Prepack()
-        return model
-
     client = TPClient(TP2, model=prepacked)
     tensors: dict[str, Any] = {}
-    engine = torch_engine(client, tensors)
-    try:
+    with opened(client, tensors) as engine:
         dense = 0
         for step in (1, 2):
             full = full_tensors(TP2, step)
             dense = sum(a.nbytes for a in full.values())
-            tensors.clear()
-            tensors.update({n: torch.from_numpy(a) for n, a in full.items()})
+            put(tensors, full)
             engine.send_weights()
             assert client.last_update["sliced"] is True
             assert_loaded(client, full)
-            for got in client.received:
-                assert 0 < got <= 1.05 * dense / 2 + replicated_bytes(TP2)
-    finally:
-        engine.shutdown()
-        client.close()
+            assert_shares(client.received, TP2, dense)
 
 
 def test_verify_against_a_checker_of_whole_tensors_keeps_the_broadcast(caplog) -> None:
@@ -558,13 +412,9 @@ def test_verify_against_a_checker_of_whole_tensors_keeps_the_broadcast(caplog) -
             return [{"checksums": sums}]
 
     client = WholeChecker(TP2)
-    engine = torch_engine(client, {n: torch.from_numpy(a) for n, a in full.items()}, verify=True)
-    try:
+    with opened(client, as_source("torch", full), verify=True) as engine:
         with caplog.at_level("INFO", logger="weightwire.trainer.sliced"):
             report = engine.send_weights().verify
         assert "sliced" not in client.last_update and report.mode == "digest"
         assert any("checker of whole tensors" in r.getMessage() for r in caplog.records)
         assert_loaded(client, full)
-    finally:
-        engine.shutdown()
-        client.close()

@@ -110,26 +110,29 @@ def hf_fused_qkv_rules(
         return rules
     kernel: tuple[Op, ...] = (MergeAxes(1, 2), _T) if o["head_axes"] else (_T,)
     bias_ops: tuple[Op, ...] = (MergeAxes(0, 1),) if o["head_axes"] else ()
+    return concat_qkv(f"{src}/self_attn", name, stack, kernel, 0, bias_ops if bias else None)
+
+
+def concat_qkv(
+    src: str,
+    dst: str,
+    stack: tuple[Stacked, ...],
+    kernel: tuple[Op, ...],
+    axis: int,
+    bias: tuple[Op, ...] | None,
+) -> list[Rule]:
+    """Separate ``{src}/{q,k,v}_proj`` kernels (each through ``kernel``) concatenated along
+    ``axis`` into the fused HF ``{dst}.weight``, and, unless ``bias`` is None, their biases
+    (each through ``bias``) along 0 into ``{dst}.bias``: a fused checkpoint tensor whose
+    parts a JAX model holds apart."""
     rules = []
     for i, p in enumerate("qkv"):
         rules.append(
-            Rule(
-                f"{src}/self_attn/{p}_proj/kernel",
-                f"{name}.weight",
-                *stack,
-                *kernel,
-                Concat(0, i, 3),
-            )
+            Rule(f"{src}/{p}_proj/kernel", f"{dst}.weight", *stack, *kernel, Concat(axis, i, 3))
         )
-        if bias:
+        if bias is not None:
             rules.append(
-                Rule(
-                    f"{src}/self_attn/{p}_proj/bias",
-                    f"{name}.bias",
-                    *stack,
-                    *bias_ops,
-                    Concat(0, i, 3),
-                )
+                Rule(f"{src}/{p}_proj/bias", f"{dst}.bias", *stack, *bias, Concat(0, i, 3))
             )
     return rules
 

@@ -25,7 +25,6 @@ from typing import Any
 
 from weightwire.jax_side.naming import (
     AddScalar,
-    Concat,
     MergeAxes,
     Naming,
     NamingError,
@@ -35,6 +34,7 @@ from weightwire.jax_side.naming import (
     Transpose,
 )
 from weightwire.jax_side.preset_layers import (
+    concat_qkv,
     hf_fused_mlp_rules,
     hf_fused_qkv_rules,
     moe_rules,
@@ -307,20 +307,7 @@ def _gpt2(**o: Any) -> Naming:
 
     affine("ln_1", "ln_1", "scale")
     if o["separate_qkv"]:
-        for i, p in enumerate("qkv"):
-            rules.append(
-                Rule(
-                    f"{src}/attn/{p}_proj/kernel",
-                    f"{dst}.attn.c_attn.weight",
-                    *stack,
-                    Concat(1, i, 3),
-                )
-            )
-            rules.append(
-                Rule(
-                    f"{src}/attn/{p}_proj/bias", f"{dst}.attn.c_attn.bias", *stack, Concat(0, i, 3)
-                )
-            )
+        rules += concat_qkv(f"{src}/attn", f"{dst}.attn.c_attn", stack, (), 1, ())
     else:
         affine("attn/c_attn", "attn.c_attn")
     affine("attn/c_proj", "attn.c_proj")

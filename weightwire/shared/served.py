@@ -331,7 +331,7 @@ def from_checkpoint(model_dir: str | os.PathLike[str]) -> ServedModel:
         for name, meta in _safetensors_header(path).items():
             metas.setdefault(name, meta)
     aliases: dict[str, str] = {}
-    config = _config(root)
+    config = checkpoint_config(root)
     if _TIED_HEAD not in metas and config.get("tie_word_embeddings", True) is not False:
         embedding = next((e for e in _EMBEDDINGS if e in metas), None)
         if embedding is not None:
@@ -369,7 +369,9 @@ def _safetensors_header(path: Path) -> dict[str, ParamMeta]:
         ) from None
 
 
-def _config(root: Path) -> dict[str, Any]:
+def checkpoint_config(root: Path) -> dict[str, Any]:
+    """The checkpoint directory ``root``'s ``config.json``; ``{}`` where it is missing or not
+    a JSON object (the caller then falls back to its defaults)."""
     try:
         config = json.loads((root / "config.json").read_text())
     except (OSError, ValueError):

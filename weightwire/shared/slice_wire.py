@@ -43,13 +43,19 @@ def piece_header(tensor: int, box: Box) -> bytes:
 
 
 def read_heads(
-    view: memoryview, at: int, count: int, what: str
-) -> tuple[list[tuple[int, Box]], int]:
-    """``count`` piece headers from ``view`` at ``at``, and where they end (``TransferError``
-    naming ``what`` when the bytes end inside them)."""
-    heads: list[tuple[int, Box]] = []
+    view: memoryview, head: struct.Struct, what: str, head_part: str = "head"
+) -> tuple[tuple[int, ...], list[tuple[int, Box]], int]:
+    """A message that starts with ``head`` (its first field the piece count) and that many
+    piece headers: the head's fields, the headers and where they end. ``TransferError``
+    naming ``what`` when the bytes end inside the head (called ``head_part`` there) or the
+    headers."""
     try:
-        for _ in range(count):
+        fields = head.unpack_from(view, 0)
+    except struct.error:
+        raise TransferError(f"{what} of {len(view)} bytes ends inside its {head_part}") from None
+    at, heads = head.size, []
+    try:
+        for _ in range(fields[0]):
             tensor, ndim = PIECE_HEAD.unpack_from(view, at)
             at += PIECE_HEAD.size
             ranges = []
@@ -59,7 +65,7 @@ def read_heads(
             heads.append((tensor, Box(tuple(ranges))))
     except struct.error:
         raise TransferError(f"{what} of {len(view)} bytes ends inside its piece headers") from None
-    return heads, at
+    return fields, heads, at
 
 
 @dataclass(frozen=True)

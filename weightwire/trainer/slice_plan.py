@@ -67,7 +67,7 @@ class Holdings:
 
 
 @dataclass(frozen=True)
-class Transfer:
+class PlannedPiece:
     """One slice on the wire: ``box`` of ``tensor``, from the plan's rank to its worker."""
 
     tensor: str
@@ -77,10 +77,10 @@ class Transfer:
 
 @dataclass(frozen=True)
 class SlicePlan:
-    """``transfers[(rank, worker)]``: what that rank sends that worker, in metadata order
+    """``pieces[(rank, worker)]``: what that rank sends that worker, in metadata order
     (tensor, then box origin). Workers are numbered by their place in the wants list."""
 
-    transfers: Mapping[tuple[int, int], tuple[Transfer, ...]]
+    pieces: Mapping[tuple[int, int], tuple[PlannedPiece, ...]]
     workers: int
     _worker_bytes: dict[int, int] = field(default_factory=dict, repr=False)
     _rank_bytes: dict[int, int] = field(default_factory=dict, repr=False)
@@ -95,9 +95,9 @@ class SlicePlan:
         """Bytes each trainer rank sends in a round (ranks that send nothing: absent)."""
         return self._rank_bytes
 
-    def of_rank(self, rank: int) -> dict[int, tuple[Transfer, ...]]:
+    def of_rank(self, rank: int) -> dict[int, tuple[PlannedPiece, ...]]:
         """Worker -> what ``rank`` sends it."""
-        return {w: ts for (r, w), ts in self.transfers.items() if r == rank}
+        return {w: ts for (r, w), ts in self.pieces.items() if r == rank}
 
 
 def build_plan(metas: Sequence[ParamMeta], holdings: Holdings, wants: Sequence[Wants]) -> SlicePlan:
@@ -113,7 +113,7 @@ def build_plan(metas: Sequence[ParamMeta], holdings: Holdings, wants: Sequence[W
             )
     sent: dict[int, int] = {}
     got: dict[int, int] = {w: 0 for w in range(len(wants))}
-    out: dict[tuple[int, int], list[Transfer]] = {}
+    out: dict[tuple[int, int], list[PlannedPiece]] = {}
     for meta in metas:
         itemsize = wire_dtype(meta.dtype).itemsize
         copies = _distinct(holdings.held.get(meta.name, ()))
@@ -131,7 +131,7 @@ def build_plan(metas: Sequence[ParamMeta], holdings: Holdings, wants: Sequence[W
                     )
                 for rank, box in _cover(meta.name, region, copies, sent, itemsize, w):
                     nbytes = box.volume * itemsize
-                    out.setdefault((rank, w), []).append(Transfer(meta.name, box, nbytes))
+                    out.setdefault((rank, w), []).append(PlannedPiece(meta.name, box, nbytes))
                     got[w] += nbytes
     order = {m.name: i for i, m in enumerate(metas)}
     return SlicePlan(
@@ -226,4 +226,12 @@ def _cover(
     return pieces
 
 
-__all__ = ["Held", "Holdings", "PlanCache", "SlicePlan", "SlicePlanError", "Transfer", "build_plan"]
+__all__ = [
+    "Held",
+    "Holdings",
+    "PlanCache",
+    "SlicePlan",
+    "SlicePlanError",
+    "PlannedPiece",
+    "build_plan",
+]

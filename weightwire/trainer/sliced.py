@@ -38,7 +38,7 @@ from weightwire.shared.errors import ConfigError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.served import SHOWN, ServedModelMismatch
 from weightwire.shared.slices import Box, SliceError, Wants, split_box
-from weightwire.trainer.slice_plan import Holdings, PlanCache, SlicePlan, Transfer
+from weightwire.trainer.slice_plan import Holdings, PlanCache, PlannedPiece, SlicePlan
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +232,12 @@ def pieces(
     hashes: dict[str, Any] | None = None,
 ) -> Iterator[list[SlicePiece]]:
     """Per tensor of ``metas`` (the update's order), the pieces ``rank`` sends: each
-    planned transfer cut to at most ``buffer_bytes`` (``split_box``), read lazily.
+    planned piece cut to at most ``buffer_bytes`` (``split_box``), read lazily.
     ``hashes``: each tensor's sha256 over its pieces' bytes, as they are read (verify; a
     tensor no worker reads: the digest of no bytes)."""
-    by_tensor: dict[str, list[tuple[int, Transfer]]] = {}
-    for worker, transfers in sorted(plan.of_rank(rank).items()):
-        for t in transfers:
+    by_tensor: dict[str, list[tuple[int, PlannedPiece]]] = {}
+    for worker, planned in sorted(plan.of_rank(rank).items()):
+        for t in planned:
             by_tensor.setdefault(t.tensor, []).append((worker, t))
     for index, meta in enumerate(metas):
         itemsize = wire_dtype(meta.dtype).itemsize
@@ -259,10 +259,10 @@ def _hashed(read: Callable[[Any, Box], Any], digest: Any, tensor: Any, box: Box)
 
 
 def plan_digest(plan: SlicePlan) -> str:
-    """A short digest of ``plan`` (every transfer): the trainer processes compare theirs."""
+    """A short digest of ``plan`` (every planned piece): the trainer processes compare theirs."""
     h = sha256()
-    for (rank, worker), transfers in sorted(plan.transfers.items()):
-        for t in transfers:
+    for (rank, worker), planned in sorted(plan.pieces.items()):
+        for t in planned:
             h.update(f"{rank},{worker},{t.tensor},{t.box.ranges};".encode())
     return h.hexdigest()[:32]
 

@@ -125,11 +125,7 @@ def parse_table(
     and the chunks that carry them."""
     view = memoryview(raw)
     what = f"{where}: a sliced table"
-    try:
-        count, buffer_bytes = TABLE_HEAD.unpack_from(view, 0)
-    except struct.error:
-        raise TransferError(f"{what} of {len(view)} bytes ends inside its head") from None
-    heads, end = read_heads(view, TABLE_HEAD.size, count, what)
+    (count, buffer_bytes), heads, end = read_heads(view, TABLE_HEAD, what)
     if end != len(view):
         raise TransferError(f"{what} holds {len(view) - end} bytes past its {count} headers")
     if count and buffer_bytes < 1:

@@ -43,11 +43,8 @@ def parse_frame(
     """A frame's pieces (checked against ``metas``) and whether it is the update's last."""
     view = memoryview(payload)
     what = f"{where}: a sliced frame"
-    try:
-        count, last = FRAME_HEAD.unpack_from(view, 0)
-    except struct.error:
-        raise TransferError(f"{what} of {len(view)} bytes ends inside its piece headers") from None
-    heads, at = read_heads(view, FRAME_HEAD.size, count, what)
+    # a frame's head is counted with its piece headers (one message for both)
+    (_, last), heads, at = read_heads(view, FRAME_HEAD, what, "piece headers")
     pieces, offset = place(heads, metas, at, where)
     if offset != len(view):
         raise TransferError(

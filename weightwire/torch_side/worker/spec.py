@@ -15,7 +15,6 @@ with the canonical tensor's shape and dtype.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from safetensors import safe_open
 from weightwire.shared.groups import layer_key
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.quant import FP8_DTYPE, QuantizationError, fp8_names, scheme_of_config
-from weightwire.shared.served import ServedModel
+from weightwire.shared.served import ServedModel, checkpoint_config
 
 # safetensors header dtype -> wire dtype name (torch attribute names).
 _ST_DTYPES = {
@@ -159,19 +158,11 @@ class ModelSpec:
         accepted = {a: c for a, c in (aliases or {}).items() if c in tensors and a not in tensors}
         quant = quantization_config
         if quant is None:
-            found = _config(root).get("quantization_config")
+            found = checkpoint_config(root).get("quantization_config")
             quant = found if isinstance(found, Mapping) else None
         if quant is not None:
             _keep_fp8_pairs(files, tensors, quant)
         return cls(tensors, accepted, f"the checkpoint at {root}", quant)
-
-
-def _config(root: Path) -> dict[str, object]:
-    try:
-        config = json.loads((root / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
 
 
 def _keep_fp8_pairs(
