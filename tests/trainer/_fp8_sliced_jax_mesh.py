@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.getcwd())
 from tests.trainer._sliced_mesh import forbidden
+from tests.trainer._sliced_session import info
 from tests.trainer.test_fp8_combos import (
     NORM,
     assert_serves,
@@ -36,7 +37,6 @@ from tests.trainer.test_fp8_combos import (
     spec_of,
     weights,
 )
-from tests.trainer.test_sliced_tcp import info
 from weightwire.jax_side import placement
 from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.naming import Naming

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 from tests.ranks import join_gloo_pair
-from tests.trainer._sliced_torch_processes import NoCalls
+from tests.trainer._sliced_session import NoCalls
 from tests.trainer.test_fp8_combos import NORM, as_torch, assert_serves, fp8_client, held, spec_of
 from tests.trainer.test_fp8_combos import weights as round_weights
 
@@ -60,7 +60,7 @@ def main() -> None:
 
     DTensor.full_tensor = refuse  # type: ignore[method-assign]
     fill(0)
-    client: Any = fp8_client(inter) if rank == 0 else NoCalls()
+    client: Any = fp8_client(inter) if rank == 0 else NoCalls("rank 1")
     info = TrainerInitInfo(
         backend="weightwire_tcp",
         rank=rank,

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from tests.torch_side._sliced_models import FP8_BLOCK, Fp8SlicedTP, fp8_sliced_shapes
+from tests.trainer._sliced_session import info
 from tests.trainer._sliced_workers import TPClient
-from tests.trainer.test_sliced_tcp import info
 from weightwire.shared.quant import Fp8Block, fp8_metas, quantize_block_reference
 from weightwire.testing.sources import DictSource
 from weightwire.torch_side.worker.spec import ModelSpec, TensorSpec
