@@ -90,10 +90,15 @@ def _case(src: str, dst: str) -> tuple[list[ParamMeta], LandingTable]:
     return metas, LandingTable((Alloc(H, at),), tuple(params), tensors)
 
 
-def _sources(metas: list[ParamMeta], rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+def _sources(
+    metas: list[ParamMeta],
+    rng: np.random.Generator,
+    arena: int = ARENA,
+    param_at: int = PARAM_AT,
+) -> tuple[np.ndarray, list[int]]:
     """The emulated memory with every tensor's values (finite, signed zeros, infinities,
     subnormals, values that round), and each tensor's offset in it."""
-    memory = np.zeros(ARENA, dtype=np.uint8)
+    memory = np.zeros(arena, dtype=np.uint8)
     offsets, at = [], 0
     for m in metas:
         dtype = WIRE_DTYPES[m.dtype].numpy
@@ -108,12 +113,16 @@ def _sources(metas: list[ParamMeta], rng: np.random.Generator) -> tuple[np.ndarr
         memory[at : at + raw.size] = raw
         offsets.append(at)
         at += -(-raw.size // 64) * 64
-    assert at < PARAM_AT
+    assert at < param_at
     return memory, offsets
 
 
 def _expected(
-    memory: np.ndarray, offsets: list[int], metas: list[ParamMeta], table: LandingTable
+    memory: np.ndarray,
+    offsets: list[int],
+    metas: list[ParamMeta],
+    table: LandingTable,
+    param_at: int = PARAM_AT,
 ) -> np.ndarray:
     """Each landing copied alone with numpy views, cast as torch's ``copy_`` (float64 through
     float32 into a 16-bit dtype)."""
@@ -124,7 +133,7 @@ def _expected(
         for land in t.lands:
             slot = table.params[land.param]
             dst_dtype = WIRE_DTYPES[slot.dtype].numpy
-            base = PARAM_AT + slot.offset
+            base = param_at + slot.offset
             dst = out[base : base + slot.nbytes].view(dst_dtype)
             s = np.lib.stride_tricks.as_strided(
                 src[land.src_offset :],
