@@ -18,7 +18,9 @@ Per call (``--per-call`` table, medians over the rounds): the call as the traine
 (``client``: from the request's first byte out to its reply read), as the server spends it
 (``app``: its handler, from the reply's ``Server-Timing`` header), the part of that spent
 waiting for the worker process (``worker``) and the pause a start does (``pause``); ``http``
-is ``client - app``: the client's encode and parse, the socket, uvicorn and FastAPI.
+is ``client - app``: the client's encode and parse, the socket, uvicorn and FastAPI;
+``sent`` and ``back``: when the request went out and its reply was read, since
+``send_weights()`` was called (the gaps between calls are the trainer's own work).
 
 Run it on two trees to compare (the script only uses the public API)::
 
@@ -61,7 +63,7 @@ def _per_call(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     for name in names:
         seen = [r["calls"][name] for r in rows if name in r["calls"]]
         med: dict[str, float] = {"n": float(len(seen))}
-        for key in ("client", "app", "worker", "pause"):
+        for key in ("client", "app", "worker", "pause", "sent", "back"):
             values = [c[key] for c in seen if key in c]
             if values:
                 med[key] = statistics.median(values)
@@ -155,15 +157,21 @@ def main(argv: list[str] | None = None) -> int:
                 with lock:
                     calls.clear()
                     told.clear()
-                t0 = time.perf_counter()
+                began = time.perf_counter()
                 m = engine.send_weights()
-                total = time.perf_counter() - t0
+                total = time.perf_counter() - began
                 if i < args.warmup:
                     continue
                 with lock:
                     steps = _steps(list(calls))
                     per = {
-                        name: {"client": t1 - t0, **told.get(name, {})} for t0, t1, name in calls
+                        name: {
+                            "client": t1 - t0,
+                            "sent": t0 - began,
+                            "back": t1 - began,
+                            **told.get(name, {}),
+                        }
+                        for t0, t1, name in calls
                     }
                 rows.append(
                     {
@@ -175,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                         "serial": sum(1 for s in steps if "update_weights" not in s),
                         "shape": " | ".join("+".join(s) for s in steps),
                         "calls": per,
+                        "phases": dict(m.seconds),
                     }
                 )
         finally:
@@ -200,16 +209,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     for shape, n in sorted(shapes.items(), key=lambda kv: -kv[1])[:3]:
         print(f"  {n:4d} x  {shape}")
-    per_call = _per_call(rows)
-    print("  per call, medians in ms (client: the trainer's; app, worker, pause: the server's)")
+    phases: dict[str, float] = {}
+    for key in dict.fromkeys(k for r in rows for k in r["phases"]):
+        phases[key] = statistics.median(r["phases"].get(key, 0.0) for r in rows)
     print(
-        f"  {'call':<26} {'n':>4} {'client':>8} {'app':>8} {'worker':>8} {'pause':>8} {'http':>8}"
+        "  the round's phases (RoundMetrics.seconds), medians in ms: "
+        + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items())
     )
+    per_call = _per_call(rows)
+    print(
+        "  per call, medians in ms (client: the trainer's; app, worker, pause: the server's; "
+        "sent, back: since the round began)"
+    )
+    cols = ("client", "app", "worker", "pause", "http", "sent", "back")
+    print(f"  {'call':<26} {'n':>4} " + " ".join(f"{c:>8}" for c in cols))
     for name, med_call in per_call.items():
-        cells = [
-            "-" if med_call.get(k) is None else f"{med_call[k] * 1e3:.3f}"
-            for k in ("client", "app", "worker", "pause", "http")
-        ]
+        cells = ["-" if med_call.get(k) is None else f"{med_call[k] * 1e3:.3f}" for k in cols]
         print(f"  {name:<26} {med_call['n']:>4.0f} " + " ".join(f"{c:>8}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:
@@ -220,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                     "http_calls": calls,
                     "shapes": shapes,
                     "per_call": per_call,
+                    "phases": phases,
                 },
                 f,
                 indent=1,

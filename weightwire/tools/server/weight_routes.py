@@ -30,7 +30,13 @@ from weightwire.tools.server.control_routes import pause_generation
 from weightwire.tools.server.replica import ReplicaError
 from weightwire.tools.server.session import Phase, SessionError
 from weightwire.tools.server.state import ServerState
-from weightwire.tools.server.web import ApiError, error_response, read_no_body, read_object
+from weightwire.tools.server.web import (
+    ApiError,
+    error_response,
+    plain_post,
+    read_no_body,
+    read_object,
+)
 from weightwire.tools.server.weight_rules import (
     arm_lease,
     drop_stale_round,
@@ -131,8 +137,9 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
 
     # The round's three routes return a JSONResponse built here: the same bytes FastAPI
     # would write for the dict, minus its response-model pass (jsonable_encoder and a
-    # pydantic validation of every reply), which is a share of each call's fixed cost.
-    @app.post(route_path("start_weight_update"))
+    # pydantic validation of every reply), which is a share of each call's fixed cost;
+    # and they are plain Starlette routes (``plain_post``): no dependency solving either.
+    @plain_post(app, route_path("start_weight_update"))
     async def start_weight_update(request: Request) -> JSONResponse:
         clock = CallClock()
         await read_no_body(request)
@@ -171,7 +178,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             "update to start; use /start_weight_update for the main model",
         )
 
-    @app.post(route_path("update_weights"))
+    @plain_post(app, route_path("update_weights"))
     async def update_weights(request: Request) -> JSONResponse:
         clock = CallClock()
         body = await read_object(request, allowed=("update_info",), required=("update_info",))
@@ -215,7 +222,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             {"message": "Weights updated", "replicas": results}, headers=clock.headers()
         )
 
-    @app.post(route_path("finish_weight_update"))
+    @plain_post(app, route_path("finish_weight_update"))
     async def finish_weight_update(request: Request) -> JSONResponse:
         clock = CallClock()
         body = await read_object(request, allowed=("weight_version",))
