@@ -7,7 +7,10 @@ landing (numpy views and ml_dtypes casts), and ``StridedCopy.launch_all`` on a f
 runtime whose kernels run those numpy references over one emulated device memory: one
 launch per dtype pair, the table uploaded from pinned memory on the fill stream, a repeated
 table launched again without an upload, and the same bytes as one launch per landing.
-The CUDA kernels themselves run in ``tests/gpu/test_ipc_write_through_gpu.py``.
+And the kernels' CUDA sources themselves, both the per-landing and the batched one of every
+dtype pair, compiled as host C++ (``g++``; skipped without it) with the thread indices as
+loops, against the same independent copy (ties, subnormals, overflow included). On a GPU:
+``tests/gpu/test_ipc_strided_batch_gpu.py``.
 """
 
 from __future__ import annotations
@@ -90,6 +93,21 @@ def _case(src: str, dst: str) -> tuple[list[ParamMeta], LandingTable]:
     return metas, LandingTable((Alloc(H, at),), tuple(params), tensors)
 
 
+_SPECIAL = [
+    0.0,
+    -0.0,
+    np.inf,
+    1e-40,  # a float32 subnormal
+    1 + 2**-8,  # ties in bfloat16: to even, down ...
+    1 + 3 * 2**-8,  # ... and up
+    1 + 2**-11,  # ties in float16
+    1 + 3 * 2**-11,
+    1 + 2**-8 + 2**-30,  # float64 -> bfloat16: a tie once narrowed to float32 (down), not before
+    65520.0,  # float16 overflows to infinity
+    -3.0000001,
+]
+
+
 def _sources(
     metas: list[ParamMeta],
     rng: np.random.Generator,
@@ -104,8 +122,10 @@ def _sources(
         dtype = WIRE_DTYPES[m.dtype].numpy
         if np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16:
             values = (rng.standard_normal(m.numel) * 3).astype(np.float64)
-            values[: min(4, m.numel)] = [0.0, -0.0, np.inf, 1e-40][: min(4, m.numel)]
-            raw = values.astype(dtype).view(np.uint8)
+            n = min(len(_SPECIAL), m.numel)
+            values[:n] = _SPECIAL[:n]
+            with np.errstate(over="ignore"):  # 65520 into float16: infinity, as the device
+                raw = values.astype(dtype).view(np.uint8)
         else:
             raw = rng.integers(0, 256, m.numel * WIRE_DTYPES[m.dtype].itemsize, dtype=np.uint8)
             if m.dtype == "bool":
@@ -148,7 +168,8 @@ def _expected(
             )
             if meta.dtype == "float64" and slot.dtype in ("bfloat16", "float16"):
                 s = s.astype(np.float32)
-            d[...] = s.astype(dst_dtype)
+            with np.errstate(over="ignore"):
+                d[...] = s.astype(dst_dtype)
     return out
 
 
@@ -389,3 +410,111 @@ def test_the_batch_switch_takes_0_or_1_only(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("WEIGHTWIRE_IPC_STRIDED_BATCH", "yes")
     with pytest.raises(ValueError, match="WEIGHTWIRE_IPC_STRIDED_BATCH must be '0' or '1'"):
         kernels.batch_enabled()
+
+
+# -- the CUDA sources themselves, compiled as host C++ -----------------------------------------
+
+_HOST = r"""
+#include <string.h>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+struct ww_dim { unsigned x; };
+static ww_dim blockIdx, threadIdx, blockDim, gridDim;
+static unsigned int __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+typedef _Float16 __half;
+static float __half2float(__half h) { return (float)h; }
+static __half __ushort_as_half(unsigned short x) { __half h; memcpy(&h, &x, 2); return h; }
+static __half __float2half_rn(float f) { return (__half)f; }
+static unsigned short __half_as_ushort(__half h) { unsigned short u; memcpy(&u, &h, 2); return u; }
+"""
+_GRID = r"""
+extern "C" void run_batch_$K(const long long* table, long long rows, long long tiles, int grid) {
+    gridDim.x = grid; blockDim.x = 256;
+    for (unsigned b = 0; b < (unsigned)grid; ++b)
+        for (unsigned t = 0; t < 256; ++t) {
+            blockIdx.x = b; threadIdx.x = t;
+            batch_$K(table, rows, tiles);
+        }
+}
+extern "C" void run_one_$K(unsigned long long s, unsigned long long d, const long long* geo,
+                           int ndim, long long n, int grid) {
+    gridDim.x = grid; blockDim.x = 256;
+    for (unsigned b = 0; b < (unsigned)grid; ++b)
+        for (unsigned t = 0; t < 256; ++t) {
+            blockIdx.x = b; threadIdx.x = t;
+            one_$K(s, d, geo, ndim, n);
+        }
+}
+"""
+
+
+def _host_library(tmp: Any) -> Any:
+    """Every pair's per-landing and batched kernel, as ``kernels`` writes them for NVRTC,
+    compiled by the host's C++ compiler: CUDA's thread indices become loops (the threads
+    share nothing, so running them one by one is what the device computes)."""
+    import shutil
+    import subprocess
+    from string import Template
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on this host to compile the kernels' sources")
+    parts = [_HOST, kernels._HALF.replace("#include <cuda_fp16.h>", ""), kernels._HEAD]
+    for k, (src, dst) in enumerate(PAIRS):
+        for body, name in ((kernels._BATCH_BODY, "batch"), (kernels._BODY, "one")):
+            text = kernels._source(src, dst, body)
+            text = text[text.index('extern "C"') :]  # the helpers once, above
+            text = text.replace("ww_strided_batch(", f"{name}_{k}(").replace(
+                "ww_strided(", f"{name}_{k}("
+            )
+            parts.append(text.replace('extern "C" ', "static "))
+        parts.append(Template(_GRID).substitute(K=k))
+    source, lib = tmp / "kernels.cpp", tmp / "kernels.so"
+    source.write_text("\n".join(parts))
+    subprocess.run(
+        ["g++", "-O1", "-shared", "-fPIC", "-o", str(lib), str(source)], check=True, timeout=120
+    )
+    return ctypes.CDLL(str(lib))
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_the_kernels_cuda_sources_write_what_each_landing_alone_writes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, batched: bool
+) -> None:
+    monkeypatch.setattr(through_table, "_runs", lambda *a: None)
+    lib = _host_library(tmp_path)
+    for k, (src, dst) in enumerate(PAIRS):
+        metas, table = _case(src, dst)
+        memory, offsets = _sources(metas, np.random.default_rng(k))
+        want = _expected(memory, offsets, metas, table)
+        base = memory.ctypes.data  # the "device" pointers: this array's own memory
+        items, singles = [], []
+        for at, c in zip(offsets, plan_copies(table, metas), strict=True):
+            for j in c.strided:
+                s = base + at + j.src_offset * WIRE_DTYPES[j.src_dtype].itemsize
+                items.append((geometry_row(j), s, base + PARAM_AT + j.dst))
+                singles.append((j, s, base + PARAM_AT + j.dst))
+        if batched:
+            table_, rows, tiles = batch_table(items)
+            grid = min(tiles, 4096)
+            getattr(lib, f"run_batch_{k}")(
+                table_.ctypes.data_as(ctypes.c_void_p),
+                ctypes.c_longlong(rows),
+                ctypes.c_longlong(tiles),
+                ctypes.c_int(grid),
+            )
+        else:
+            for j, s, d in singles:
+                geo = np.array(j.shape + j.src_strides + j.dst_strides or (0,), dtype=np.int64)
+                grid = min(max(1, -(-j.numel // 256)), 4096)
+                getattr(lib, f"run_one_{k}")(
+                    ctypes.c_ulonglong(s),
+                    ctypes.c_ulonglong(d),
+                    geo.ctypes.data_as(ctypes.c_void_p),
+                    ctypes.c_int(len(j.shape)),
+                    ctypes.c_longlong(j.numel),
+                    ctypes.c_int(grid),
+                )
+        diff = np.flatnonzero(memory != want)
+        assert not diff.size, f"{src} -> {dst}: {diff.size} bytes differ, first {diff[0]}"

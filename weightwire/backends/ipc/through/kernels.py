@@ -226,6 +226,11 @@ def convert_like_kernel(words: np.ndarray, src: str, dst: str) -> np.ndarray:
     ``ww_store_*`` do, as raw words of ``dst``."""
     if src == dst:
         return words
+    with np.errstate(over="ignore", invalid="ignore"):  # past a dtype's range: infinity
+        return _convert(words, src, dst)
+
+
+def _convert(words: np.ndarray, src: str, dst: str) -> np.ndarray:
     if src == "bfloat16":
         value: np.ndarray = (words.astype(np.uint32) << np.uint32(16)).view(np.float32)
     elif src == "float16":
