@@ -175,16 +175,16 @@ def batch_table(items: Sequence[tuple[np.ndarray, int, int]]) -> tuple[np.ndarra
     """The table of one batched launch: per ``(geometry row, source pointer, destination
     pointer)`` (the pointers of the landing's element 0) its row, then the tiles; returns
     the table (int64), its rows and its tiles. Empty landings take no row."""
-    kept = [(g, src, dst) for g, src, dst in items if g[3] > 0]
+    kept = [item for item in items if item[0][3] > 0]
     rows = len(kept)
-    numel = np.array([g[3] for g, _, _ in kept], dtype=np.int64)
-    per = (numel + (TILE - 1)) // TILE
+    head_rows = np.stack([g for g, _, _ in kept]) if kept else np.empty((0, ROW), np.int64)
+    per = (head_rows[:, 3] + (TILE - 1)) // TILE
     tiles = int(per.sum())
     table = np.empty(rows * ROW + 2 * tiles, dtype=np.int64)
     head = table[: rows * ROW].reshape(rows, ROW)
-    for k, (g, src, dst) in enumerate(kept):
-        head[k] = g
-        head[k, 0], head[k, 1] = src, dst
+    head[:] = head_rows
+    head[:, 0] = [src for _, src, _ in kept]  # one array op per column, not per landing
+    head[:, 1] = [dst for _, _, dst in kept]
     pairs = table[rows * ROW : rows * ROW + 2 * tiles].reshape(tiles, 2)
     owner = np.repeat(np.arange(rows, dtype=np.int64), per)
     pairs[:, 0] = owner
