@@ -45,6 +45,7 @@ from weightwire.backends.ipc.through.table import (
     plan_copies,
 )
 from weightwire.shared.dtypes import WIRE_DTYPES
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.meta import ParamMeta
 
 H = bytes(range(64))
@@ -408,7 +409,9 @@ def test_a_batched_kernel_that_does_not_compile_launches_each_landing_alone(
 
 def test_the_batch_switch_takes_0_or_1_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WEIGHTWIRE_IPC_STRIDED_BATCH", "yes")
-    with pytest.raises(ValueError, match="WEIGHTWIRE_IPC_STRIDED_BATCH must be '0' or '1'"):
+    with pytest.raises(
+        ConfigError, match="WEIGHTWIRE_IPC_STRIDED_BATCH must be '0' or '1', got 'yes'"
+    ):
         kernels.batch_enabled()
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from weightwire.backends.ipc.slots import CUDA_EVENT_DISABLE_TIMING, record, wait_event_host
 from weightwire.backends.ipc.through.table import MAX_NDIM, Strided
 from weightwire.shared.dtypes import WIRE_DTYPES
-from weightwire.shared.errors import TransferError
+from weightwire.shared.errors import ConfigError, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,10 @@ def batch_enabled() -> bool:
     of one dtype pair together, ``0`` one launch per landing (for comparisons)."""
     value = os.environ.get("WEIGHTWIRE_IPC_STRIDED_BATCH", "1")
     if value not in ("0", "1"):
-        raise ValueError(f"WEIGHTWIRE_IPC_STRIDED_BATCH must be '0' or '1', got {value[:20]!r}")
+        raise ConfigError(
+            f"WEIGHTWIRE_IPC_STRIDED_BATCH must be '0' or '1', got {value[:20]!r}: unset it "
+            "(one launch per chunk) or set 0 (one launch per landing)"
+        )
     return value == "1"
 
 
