@@ -36,6 +36,7 @@ import statistics
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 # -- the stub worker process (``--stub-worker``): the real worker_proc.Loop, ops that return at once
@@ -44,6 +45,7 @@ from typing import Any
 class _StubWorker:
     abort_epoch = 0
     cancel_epoch = 0
+    spec = SimpleNamespace(max_reply_bytes=1 << 20)  # the WorkerSpec field the loop reads
 
     def describe(self) -> dict[str, Any]:
         return {"pid": 0, "device": "cpu", "vocab_size": 1, "max_model_len": 1, "params": 0}
@@ -147,7 +149,7 @@ async def _app(kind: str) -> tuple[Any, Any]:
 def _http_server(kind: str, http_impl: str, loop_impl: str, conn: Any) -> None:
     import uvicorn
 
-    from weightwire.torch_side import server as srv
+    from weightwire.tools import server as srv
 
     _bind = srv._bind
     # Older trees (before/after runs) have no event_loop_factory: they served on asyncio.

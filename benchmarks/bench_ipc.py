@@ -167,6 +167,8 @@ def run_config(
             row["ceiling_s"], row["ceiling1_s"] = ceilings_s(engine, params, nbytes, 5)
             if not cfg["sink"]:  # the floor of a whole round: one copy into the parameters
                 row["ceiling1_s"] = float(rpc(cfg["port"], "floor", t, reps=5))
+                # the same copy with the write-through's own batching: a launch per chunk
+                row["ceiling1b_s"] = float(rpc(cfg["port"], "floor", t, reps=5, batched=True))
     finally:
         engine.shutdown()
         getattr(client, "close", lambda: None)()
@@ -233,19 +235,20 @@ def sender_main(cfg: dict[str, Any]) -> None:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| engine | control | model | into | GB/round | mode | chunks | ms/round | GB/s | 2-copy "
-        "ceiling ms | ratio | 1-copy ceiling ms | ratio | start ms | finish ms | HTTP calls "
-        "| trainer extra GiB (between rounds) | worker extra GiB | loaded |\n" + "|---" * 19 + "|\n"
+        "ceiling ms | ratio | 1-copy ceiling ms | ratio | 1-copy batched ms | ratio | start ms "
+        "| finish ms | HTTP calls | trainer extra GiB (between rounds) | worker extra GiB "
+        "| loaded |\n" + "|---" * 21 + "|\n"
     )
     out = []
     for r in rows:
         if "error" in r:
             out.append(
-                f"| {r['engine']} | | {r['model']} | | | {r['mode']} | | | | | | | | | | | | | "
+                f"| {r['engine']} | | {r['model']} | | | {r['mode']} | | | | | | | | | | | | | | | "
                 f"{r['error']} |"
             )
             continue
         gb, s = r["nbytes"] / 1e9, r["round_s"]
-        c2, c1 = r.get("ceiling_s"), r.get("ceiling1_s")
+        c2, c1, c1b = r.get("ceiling_s"), r.get("ceiling1_s"), r.get("ceiling1b_s")
         n = r.get("http_calls")
         out.append(
             f"| {r['engine']} | {r['control']} | {r['model']} | {r.get('target', '')} | {gb:.2f} "
@@ -254,7 +257,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{'' if c2 is None else f'{c2 * 1e3:.2f}'} | "
             f"{'' if c2 is None else f'{c2 / s:.3f}'} | "
             f"{'' if c1 is None else f'{c1 * 1e3:.2f}'} | "
-            f"{'' if c1 is None else f'{c1 / s:.3f}'} | {r['control_ms']:.2f} | "
+            f"{'' if c1 is None else f'{c1 / s:.3f}'} | "
+            f"{'' if c1b is None else f'{c1b * 1e3:.2f}'} | "
+            f"{'' if c1b is None else f'{c1b / s:.3f}'} | {r['control_ms']:.2f} | "
             f"{r['finish_ms']:.2f} | {'-' if n is None else f'{n:g}'} | "
             f"{r['trainer_extra'] / GIB:.2f} "
             f"({r['trainer_between'] / GIB:.2f}) | {r['worker_extra'] / GIB:.2f} | "

@@ -14,6 +14,14 @@ form one step (the update POST overlaps the transfer and is its own step). Repor
 ``finish`` phase (finish + resets + resume), the number of steps, and the steps outside the
 update (the calls one after another on the critical path).
 
+Per call (``--per-call`` table, medians over the rounds): the call as the trainer sees it
+(``client``: from the request's first byte out to its reply read), as the server spends it
+(``app``: its handler, from the reply's ``Server-Timing`` header), the part of that spent
+waiting for the worker process (``worker``) and the pause a start does (``pause``); ``http``
+is ``client - app``: the client's encode and parse, the socket, uvicorn and FastAPI;
+``sent`` and ``back``: when the request went out and its reply was read, since
+``send_weights()`` was called (the gaps between calls are the trainer's own work).
+
 Run it on two trees to compare (the script only uses the public API)::
 
     PYTHONPATH=/path/to/old/tree python benchmarks/bench_round_control.py
@@ -46,6 +54,26 @@ def _steps(calls: list[tuple[float, float, str]]) -> list[list[str]]:
     return steps
 
 
+def _per_call(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per route: the medians over the rounds of each time (and of ``client - app``)."""
+    names: list[str] = []
+    for r in rows:
+        names.extend(n for n in r["calls"] if n not in names)
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        seen = [r["calls"][name] for r in rows if name in r["calls"]]
+        med: dict[str, float] = {"n": float(len(seen))}
+        for key in ("client", "app", "worker", "pause", "sent", "back"):
+            values = [c[key] for c in seen if key in c]
+            if values:
+                med[key] = statistics.median(values)
+        http = [c["client"] - c["app"] for c in seen if "app" in c]
+        if http:
+            med["http"] = statistics.median(http)
+        out[name] = med
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=60)
@@ -68,11 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     from weightwire.shared.timeouts import Timeouts
     from weightwire.testing.sources import DictSource
     from weightwire.tools.demo.server import EmbeddedServer
+    from weightwire.tools.server.call_clock import HEADER, parse_server_timing
     from weightwire.tools.server.tiny import resolve_model
     from weightwire.trainer import TrainerInitInfo
 
     calls: list[tuple[float, float, str]] = []
     lock = threading.Lock()
+    told: dict[str, dict[str, float]] = {}
+    """Per call (route name) of the running round: what its Server-Timing header said."""
 
     class Timed(HTTPWeightSyncClient):
         def finishes_with_resume(self) -> bool:
@@ -80,6 +111,23 @@ def main(argv: list[str] | None = None) -> int:
 
         def starts_with_pause(self) -> bool:
             return not args.separate and super().starts_with_pause()
+
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            for path in self._paths:
+                path.send = self._read_timing(path.send)  # type: ignore[method-assign]
+
+        @staticmethod
+        def _read_timing(send: Any) -> Any:
+            def timed(route: Any, *a: Any, **k: Any) -> Any:
+                response = send(route, *a, **k)
+                value = response.headers.get(HEADER)
+                if value is not None:
+                    with lock:
+                        told[route.name] = parse_server_timing(value)
+                return response
+
+            return timed
 
         def _request(self, i: int, route: Any, *a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
@@ -108,13 +156,23 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.warmup + args.rounds):
                 with lock:
                     calls.clear()
-                t0 = time.perf_counter()
+                    told.clear()
+                began = time.perf_counter()
                 m = engine.send_weights()
-                total = time.perf_counter() - t0
+                total = time.perf_counter() - began
                 if i < args.warmup:
                     continue
                 with lock:
                     steps = _steps(list(calls))
+                    per = {
+                        name: {
+                            "client": t1 - t0,
+                            "sent": t0 - began,
+                            "back": t1 - began,
+                            **told.get(name, {}),
+                        }
+                        for t0, t1, name in calls
+                    }
                 rows.append(
                     {
                         "round": total,
@@ -124,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                         "http_calls": getattr(m, "http_calls", None),  # an older tree: none
                         "serial": sum(1 for s in steps if "update_weights" not in s),
                         "shape": " | ".join("+".join(s) for s in steps),
+                        "calls": per,
+                        "phases": dict(m.seconds),
                     }
                 )
         finally:
@@ -149,10 +209,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     for shape, n in sorted(shapes.items(), key=lambda kv: -kv[1])[:3]:
         print(f"  {n:4d} x  {shape}")
+    phases: dict[str, float] = {}
+    for key in dict.fromkeys(k for r in rows for k in r["phases"]):
+        phases[key] = statistics.median(r["phases"].get(key, 0.0) for r in rows)
+    print(
+        "  the round's phases (RoundMetrics.seconds), medians in ms: "
+        + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items())
+    )
+    per_call = _per_call(rows)
+    print(
+        "  per call, medians in ms (client: the trainer's; app, worker, pause: the server's; "
+        "sent, back: since the round began)"
+    )
+    cols = ("client", "app", "worker", "pause", "http", "sent", "back")
+    print(f"  {'call':<26} {'n':>4} " + " ".join(f"{c:>8}" for c in cols))
+    for name, med_call in per_call.items():
+        cells = ["-" if med_call.get(k) is None else f"{med_call[k] * 1e3:.3f}" for k in cols]
+        print(f"  {name:<26} {med_call['n']:>4.0f} " + " ".join(f"{c:>8}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"median": med, "serial": serial, "http_calls": calls, "shapes": shapes},
+                {
+                    "median": med,
+                    "serial": serial,
+                    "http_calls": calls,
+                    "shapes": shapes,
+                    "per_call": per_call,
+                    "phases": phases,
+                },
                 f,
                 indent=1,
             )

@@ -67,7 +67,9 @@ class IPCShimReceiver(bench_sync_shim.Receiver):
             model, kind = self.layout
             if call == "digests":
                 return vllm_stub.model_digests(model, kind)
-            return vllm_stub.copy_floor_s(model, model.shape, self.device, int(args["reps"]))
+            return vllm_stub.copy_floor_s(
+                model, model.shape, self.device, int(args["reps"]), bool(args.get("batched"))
+            )
 
 
 def layout_params(model: str, kind: str) -> dict[str, Any]:

@@ -254,3 +254,33 @@ def test_a_session_id_with_a_line_break_never_splits_the_request_head(server: Wi
     ):
         client.start_weight_update()
     assert not any(k.lower() == "x-injected" for head, _ in server.requests for k, _ in head)
+
+
+def test_a_query_built_once_per_route_goes_out_as_httpx_writes_it(server: WireServer) -> None:
+    from weightwire.shared import routes
+
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    queries = [
+        {"pause": "abort"},
+        {"pause": "abort"},  # the second time from the kept URL
+        {"reset_caches": "true", "resume": True},
+        {"tags": ["weights", "kv_cache"]},  # a list: built each time, not kept
+        {"level": 1, "mode": "wait"},
+        {},
+    ]
+    for params in queries:
+        client._request(0, routes.START, None, params)
+    ours = list(server.requests)
+    server.requests.clear()
+    plain = httpx.Client(base_url=server.url)
+    for params in queries:
+        plain.post("/start_weight_update", params=params)
+    assert ours == server.requests
+    lines = [head[0][1] for head, _ in ours]
+    assert lines[1] == "POST /start_weight_update?pause=abort HTTP/1.1"
+    assert lines[2] == "POST /start_weight_update?reset_caches=true&resume=true HTTP/1.1"
+    assert lines[3] == "POST /start_weight_update?tags=weights&tags=kv_cache HTTP/1.1"
+    assert lines[5] == "POST /start_weight_update HTTP/1.1"
+    assert len(client._paths[0]._urls) == 4  # one per route and query, the list's not kept
+    client.close()
+    plain.close()

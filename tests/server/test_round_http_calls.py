@@ -13,6 +13,7 @@ import pytest
 
 from weightwire.control import HTTPWeightSyncClient
 from weightwire.shared.routes import Route
+from weightwire.tools.server.call_clock import HEADER, parse_server_timing
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +22,22 @@ def server(server_factory: Any, tiny_llama: str) -> Any:
 
 
 class Routes(HTTPWeightSyncClient):
-    """Records each HTTP request's route and query."""
+    """Records each HTTP request's route and query, and each reply's Server-Timing."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sent: list[str] = []
+        self.timing: dict[str, str | None] = {}
+        for path in self._paths:
+            path.send = self._timed(path.send)  # type: ignore[method-assign]
+
+    def _timed(self, send: Any) -> Any:
+        def timed(route: Route, *args: Any, **kwargs: Any) -> Any:
+            response = send(route, *args, **kwargs)
+            self.timing[route.name] = response.headers.get(HEADER)
+            return response
+
+        return timed
 
     def _request(
         self, i: int, route: Route, body: Any = None, params: dict[str, Any] | None = None
@@ -35,8 +47,12 @@ class Routes(HTTPWeightSyncClient):
         return super()._request(i, route, body, params)
 
 
-def rounds(url: str, tiny_llama: str, **info: Any) -> list[tuple[int | None, list[str]]]:
-    """Two rounds of the checkpoint's tensors: each one's ``http_calls`` and its requests."""
+def rounds(
+    url: str, tiny_llama: str, timings: dict[str, str | None] | None = None, **info: Any
+) -> list[tuple[int | None, list[str]]]:
+    """Two rounds of the checkpoint's tensors: each one's ``http_calls`` and its requests
+    (into ``timings``: the last reply's Server-Timing header of each route)."""
+    timings = {} if timings is None else timings
     from safetensors.torch import load_file
 
     from weightwire.testing.sources import DictSource
@@ -57,6 +73,7 @@ def rounds(url: str, tiny_llama: str, **info: Any) -> list[tuple[int | None, lis
             client.sent.clear()
             metrics = engine.send_weights()
             out.append((metrics.http_calls, list(client.sent)))
+        timings.update(client.timing)
     finally:
         engine.shutdown()
         client.close()
@@ -83,3 +100,21 @@ def test_a_round_applied_in_place_is_three_http_calls(server: Any, tiny_llama: s
     assert calls == 3
     # the session's first round applied in place asks once whether a round guard is installed
     assert first == ["round_guard", "version", *sent] and first_calls == 5
+
+
+def test_each_round_call_tells_the_server_time_it_took(server: Any, tiny_llama: str) -> None:
+    timings: dict[str, str | None] = {}
+    rounds(server.url, tiny_llama, timings, stage_budget_bytes=0)
+    for route in ("start_weight_update", "update_weights", "finish_weight_update"):
+        header = timings[route]
+        assert header is not None, f"{route} answered without a Server-Timing header"
+        told = parse_server_timing(header)
+        # the handler's whole time, and the part of it spent waiting for the worker process
+        assert 0 < told["worker"] <= told["app"] < 60, (route, header)
+    # the start of a round applied in place paused first, in the same request
+    assert "pause" in parse_server_timing(timings["start_weight_update"] or "")
+
+
+def test_a_server_timing_header_is_read_in_seconds_skipping_what_it_cannot_read() -> None:
+    told = parse_server_timing("app;dur=1.500, worker;desc=x;dur=0.25, cache;desc=hit, x;dur=y")
+    assert told == {"app": 0.0015, "worker": 0.00025}

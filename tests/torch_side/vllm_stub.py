@@ -366,7 +366,8 @@ def serve(
             elif op == "digests":
                 return model_digests(model, kind)
             elif op == "floor":
-                return copy_floor_s(model, shape, device, int(body.get("reps", 5)))
+                reps, batched = int(body.get("reps", 5)), bool(body.get("batched"))
+                return copy_floor_s(model, shape, device, reps, batched)
             else:
                 raise ValueError(f"unknown op {op!r}")
         return None

@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Route
 
 from weightwire.shared.errors import ReferenceServerError
 
@@ -209,6 +210,23 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, counted, send)
+
+
+Endpoint = Callable[[Request], Awaitable[JSONResponse]]
+
+
+def plain_post(app: FastAPI, path: str) -> Callable[[Endpoint], Endpoint]:
+    """``@app.post(path)`` for a handler that takes the ``Request`` and builds its own
+    ``JSONResponse``, as a plain Starlette route: FastAPI's per-request dependency solving
+    and response handling have nothing to do for it and cost ~16 us a call (measured in
+    process, 30 vs 14 us); the app's exception handlers and the 405 for another method
+    apply as to any route. The round's routes (three calls a round) use it."""
+
+    def register(endpoint: Endpoint) -> Endpoint:
+        app.router.routes.append(Route(path, endpoint, methods=["POST"]))
+        return endpoint
+
+    return register
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -25,11 +25,18 @@ from weightwire.shared.routes import (
 )
 from weightwire.shared.timeouts import Timeouts
 from weightwire.tools.server.after_commit import after_commit, after_commit_query, pause_query
+from weightwire.tools.server.call_clock import CallClock
 from weightwire.tools.server.control_routes import pause_generation
 from weightwire.tools.server.replica import ReplicaError
 from weightwire.tools.server.session import Phase, SessionError
 from weightwire.tools.server.state import ServerState
-from weightwire.tools.server.web import ApiError, error_response, read_no_body, read_object
+from weightwire.tools.server.web import (
+    ApiError,
+    error_response,
+    plain_post,
+    read_no_body,
+    read_object,
+)
 from weightwire.tools.server.weight_rules import (
     arm_lease,
     drop_stale_round,
@@ -130,9 +137,11 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
 
     # The round's three routes return a JSONResponse built here: the same bytes FastAPI
     # would write for the dict, minus its response-model pass (jsonable_encoder and a
-    # pydantic validation of every reply), which is a share of each call's fixed cost.
-    @app.post(route_path("start_weight_update"))
+    # pydantic validation of every reply), which is a share of each call's fixed cost;
+    # and they are plain Starlette routes (``plain_post``): no dependency solving either.
+    @plain_post(app, route_path("start_weight_update"))
     async def start_weight_update(request: Request) -> JSONResponse:
+        clock = CallClock()
         await read_no_body(request)
         mode = pause_query(request)  # advertised (START_PAUSES): pause first, in this request
         require_owner(state, request, "start_weight_update")
@@ -145,18 +154,20 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                 "/wake_up?tags=weights before sending a round",
             )
         if mode is not None:  # only once the start's own checks passed: a refusal pauses nothing
-            await pause_generation(state, mode)
+            with clock.part("pause"):
+                await pause_generation(state, mode)
         async with session.operation("start_weight_update"):
-            await fan_out_or_fail(
-                state,
-                "start_weight_update",
-                "start",
-                timeout=opts.op_timeout_s,
-                abort_on_failure=True,
-            )
+            with clock.part("worker"):
+                await fan_out_or_fail(
+                    state,
+                    "start_weight_update",
+                    "start",
+                    timeout=opts.op_timeout_s,
+                    abort_on_failure=True,
+                )
             session.started()
             arm_lease(state)
-        return JSONResponse({"message": "Weight update started"})
+        return JSONResponse({"message": "Weight update started"}, headers=clock.headers())
 
     @app.post(route_path("start_draft_weight_update"))
     async def start_draft_weight_update(request: Request) -> dict[str, Any]:
@@ -167,8 +178,9 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             "update to start; use /start_weight_update for the main model",
         )
 
-    @app.post(route_path("update_weights"))
+    @plain_post(app, route_path("update_weights"))
     async def update_weights(request: Request) -> JSONResponse:
+        clock = CallClock()
         body = await read_object(request, allowed=("update_info",), required=("update_info",))
         require_owner(state, request, "update_weights")
         session.check_update()
@@ -195,20 +207,24 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                     "/init_weight_transfer_engine to start again",
                     param=exc.param,
                 ) from None
-            results = await fan_out_or_fail(
-                state,
-                "update_weights",
-                "update",
-                [{"update_info": p} for p in per],
-                timeout=opts.round_timeout_s,
-                abort_on_failure=True,
-            )
+            with clock.part("worker"):
+                results = await fan_out_or_fail(
+                    state,
+                    "update_weights",
+                    "update",
+                    [{"update_info": p} for p in per],
+                    timeout=opts.round_timeout_s,
+                    abort_on_failure=True,
+                )
             session.updated(results)
             arm_lease(state)
-        return JSONResponse({"message": "Weights updated", "replicas": results})
+        return JSONResponse(
+            {"message": "Weights updated", "replicas": results}, headers=clock.headers()
+        )
 
-    @app.post(route_path("finish_weight_update"))
+    @plain_post(app, route_path("finish_weight_update"))
     async def finish_weight_update(request: Request) -> JSONResponse:
+        clock = CallClock()
         body = await read_object(request, allowed=("weight_version",))
         version = version_field(body, "weight_version", optional=True)
         then = after_commit_query(request)  # checked before anything is done
@@ -218,14 +234,15 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             lease.disarm()
             # The worker itself gives up on the model lock after op_timeout (and then
             # commits nothing); our wait only has to outlast that verdict.
-            replies = await fan_out_or_fail(
-                state,
-                "finish_weight_update",
-                "finish",
-                {"timeout_s": opts.op_timeout_s},
-                timeout=opts.op_timeout_s + _VERDICT_GRACE_S,
-                abort_on_failure=True,
-            )
+            with clock.part("worker"):
+                replies = await fan_out_or_fail(
+                    state,
+                    "finish_weight_update",
+                    "finish",
+                    {"timeout_s": opts.op_timeout_s},
+                    timeout=opts.op_timeout_s + _VERDICT_GRACE_S,
+                    abort_on_failure=True,
+                )
             state.sleep.record(replies)
             empty = session.updates_in_round == 0
             session.closed_empty() if empty else session.committed(version)
@@ -237,7 +254,8 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                 f"{session.weight_version!r}",
             )
         reply = {"message": "Weight update finished", "weight_version": session.weight_version}
-        return JSONResponse({**reply, **after_commit(state, then)})
+        done = after_commit(state, then)
+        return JSONResponse({**reply, **done}, headers=clock.headers())
 
 
 def _check_routes(app: FastAPI, state: ServerState) -> None:

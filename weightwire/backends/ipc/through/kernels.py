@@ -10,21 +10,48 @@ round-to-nearest-even with NaN kept quiet, float64 narrowed through float32 for 
 float8 and bool included). One kernel per dtype pair, compiled with NVRTC on first use;
 the view's geometry is uploaded once per table (``prepare``) and kept on the device.
 
+A chunk's strided landings of one dtype pair go as ONE launch (``launch_all``): a
+Qwen2-0.5B-sized round cast or cut finely has hundreds of landings per chunk, and a launch
+costs ~5-10 us of host time each. The launch walks a table (``batch_table``): one row per
+landing (its element 0's source and destination pointers, ``ndim``, ``numel``, then shape,
+source strides and destination strides, ``MAX_NDIM`` slots each), followed by one
+``(row, first element)`` pair per tile of ``TILE`` elements, so a block takes a tile
+whatever the landings' sizes. Each thread's index math is the per-landing kernel's;
+``reference_batch`` is that math in numpy over the same table, which the CPU tests run
+against an independent copy of each landing. The table reaches the device as the gather
+kernel's does: from pinned memory on the fill stream, a ring of ``_RING`` tables each
+rewritten only after its last upload ran, and a table equal to one still held is launched
+again without an upload. ``WEIGHTWIRE_IPC_STRIDED_BATCH=0`` launches each landing alone.
+
 CUDA through CuPy, imported inside functions (a JAX trainer uses it without torch).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from string import Template
 from typing import Any
 
-from weightwire.backends.ipc.through.table import Strided
+import numpy as np
+
+from weightwire.backends.ipc.slots import CUDA_EVENT_DISABLE_TIMING, record, wait_event_host
+from weightwire.backends.ipc.through.table import MAX_NDIM, Strided
 from weightwire.shared.dtypes import WIRE_DTYPES
-from weightwire.shared.errors import TransferError
+from weightwire.shared.errors import ConfigError, TransferError
+
+log = logging.getLogger(__name__)
 
 _THREADS = 256
 _MAX_BLOCKS = 4096
+ROW = 4 + 3 * MAX_NDIM
+"""int64 slots of one landing's row of a batched launch's table (the module docstring)."""
+TILE = 1 << 14
+"""Elements of one tile: a block's share of a batched launch (64 per thread)."""
+_RING = 4
+_MEMCPY_HOST_TO_DEVICE = 1
 _WORDS = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
 
 _HALF = r"""
@@ -81,16 +108,152 @@ extern "C" __global__ void ww_strided(
 )
 
 
-def _source(src: str, dst: str) -> str:
-    """The kernel's source for one dtype pair."""
+_BATCH_BODY = Template(
+    r"""
+extern "C" __global__ void ww_strided_batch(const long long* table, long long rows,
+                                            long long tiles) {
+    const long long* tile_of = table + rows * $ROW;
+    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const long long* r = table + tile_of[2 * t] * $ROW;
+        const $ST* s = (const $ST*)(unsigned long long)r[0];
+        $DT* t_ = ($DT*)(unsigned long long)r[1];
+        const int ndim = (int)r[2];
+        const long long numel = r[3];
+        const long long* geo = r + 4;
+        const long long first = tile_of[2 * t + 1];
+        const long long end = first + $TILE < numel ? first + $TILE : numel;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            long long rem = i, so = 0, dof = 0;
+            for (int d = ndim - 1; d >= 0; --d) {
+                long long k = rem % geo[d];
+                rem /= geo[d];
+                so += k * geo[$NDIM + d];
+                dof += k * geo[2 * $NDIM + d];
+            }
+            t_[dof] = $EXPR;
+        }
+    }
+}
+"""
+)
+
+
+def _source(src: str, dst: str, body: Template = _BODY) -> str:
+    """The kernel's source for one dtype pair (``body``: per landing, or batched)."""
+    fixed = {"ROW": ROW, "NDIM": MAX_NDIM, "TILE": TILE}
     if src == dst:
         word = _WORDS[WIRE_DTYPES[src].itemsize]
-        return _BODY.substitute(ST=word, DT=word, EXPR="s[so]")
+        return body.substitute(ST=word, DT=word, EXPR="s[so]", **fixed)
     # float64 reaches a 16-bit dtype through float32, as torch converts it
     narrow = "(float)" if src == "float64" and dst != "float32" else ""
     expr = f"ww_store_{dst}({narrow}ww_load_{src}(s[so]))"
     half = _HALF if "float16" in (src, dst) else ""  # the header only where it is needed
-    return half + _HEAD + _BODY.substitute(ST=_RAW[src], DT=_RAW[dst], EXPR=expr)
+    return half + _HEAD + body.substitute(ST=_RAW[src], DT=_RAW[dst], EXPR=expr, **fixed)
+
+
+def batch_enabled() -> bool:
+    """``WEIGHTWIRE_IPC_STRIDED_BATCH``: ``1`` (default) launches a chunk's strided landings
+    of one dtype pair together, ``0`` one launch per landing (for comparisons)."""
+    value = os.environ.get("WEIGHTWIRE_IPC_STRIDED_BATCH", "1")
+    if value not in ("0", "1"):
+        raise ConfigError(
+            f"WEIGHTWIRE_IPC_STRIDED_BATCH must be '0' or '1', got {value[:20]!r}: unset it "
+            "(one launch per chunk) or set 0 (one launch per landing)"
+        )
+    return value == "1"
+
+
+def geometry_row(job: Strided) -> np.ndarray:
+    """``job``'s row of a batched table, its two pointers left 0 (``batch_table`` sets them)."""
+    row = np.zeros(ROW, dtype=np.int64)
+    n = len(job.shape)
+    row[2], row[3] = n, job.numel
+    row[4 : 4 + n] = job.shape
+    row[4 + MAX_NDIM : 4 + MAX_NDIM + n] = job.src_strides
+    row[4 + 2 * MAX_NDIM : 4 + 2 * MAX_NDIM + n] = job.dst_strides
+    return row
+
+
+def batch_table(items: Sequence[tuple[np.ndarray, int, int]]) -> tuple[np.ndarray, int, int]:
+    """The table of one batched launch: per ``(geometry row, source pointer, destination
+    pointer)`` (the pointers of the landing's element 0) its row, then the tiles; returns
+    the table (int64), its rows and its tiles. Empty landings take no row."""
+    kept = [item for item in items if item[0][3] > 0]
+    rows = len(kept)
+    head_rows = np.stack([g for g, _, _ in kept]) if kept else np.empty((0, ROW), np.int64)
+    per = (head_rows[:, 3] + (TILE - 1)) // TILE
+    tiles = int(per.sum())
+    table = np.empty(rows * ROW + 2 * tiles, dtype=np.int64)
+    head = table[: rows * ROW].reshape(rows, ROW)
+    head[:] = head_rows
+    head[:, 0] = [src for _, src, _ in kept]  # one array op per column, not per landing
+    head[:, 1] = [dst for _, _, dst in kept]
+    pairs = table[rows * ROW : rows * ROW + 2 * tiles].reshape(tiles, 2)
+    owner = np.repeat(np.arange(rows, dtype=np.int64), per)
+    pairs[:, 0] = owner
+    pairs[:, 1] = (np.arange(tiles, dtype=np.int64) - (np.cumsum(per) - per)[owner]) * TILE
+    return table, rows, tiles
+
+
+def reference_batch(
+    table: np.ndarray, rows: int, tiles: int, memory: np.ndarray, src: str, dst: str
+) -> None:
+    """What one batched launch of ``table`` writes, in numpy: ``memory`` (uint8) stands for
+    the device's, a pointer is a byte offset into it. Every tile's elements go through the
+    kernel's index math and its conversion (``convert_like_kernel``)."""
+    head = table[: rows * ROW].reshape(rows, ROW)
+    pairs = table[rows * ROW : rows * ROW + 2 * tiles].reshape(tiles, 2)
+    si, di = WIRE_DTYPES[src].itemsize, WIRE_DTYPES[dst].itemsize
+    for owner, first in pairs:
+        r = head[owner]
+        ndim, numel = int(r[2]), int(r[3])
+        i = np.arange(first, min(first + TILE, numel), dtype=np.int64)
+        rem, so, dof = i.copy(), np.zeros_like(i), np.zeros_like(i)
+        for d in range(ndim - 1, -1, -1):
+            k = rem % r[4 + d]
+            rem //= r[4 + d]
+            so += k * r[4 + MAX_NDIM + d]
+            dof += k * r[4 + 2 * MAX_NDIM + d]
+        at = (int(r[0]) + so * si)[:, None] + np.arange(si)
+        words: np.ndarray = memory[at].reshape(-1).view(_word(si))
+        out = convert_like_kernel(words, src, dst)
+        memory[(int(r[1]) + dof * di)[:, None] + np.arange(di)] = out.view(np.uint8).reshape(-1, di)
+
+
+def _word(size: int) -> type:
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
+
+
+def convert_like_kernel(words: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """Elements (raw words of ``src``) converted as the kernels' ``ww_load_*`` /
+    ``ww_store_*`` do, as raw words of ``dst``."""
+    if src == dst:
+        return words
+    with np.errstate(over="ignore", invalid="ignore"):  # past a dtype's range: infinity
+        return _convert(words, src, dst)
+
+
+def _convert(words: np.ndarray, src: str, dst: str) -> np.ndarray:
+    if src == "bfloat16":
+        value: np.ndarray = (words.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    elif src == "float16":
+        value = words.view(np.float16).astype(np.float32)
+    else:
+        value = words.view(np.float32 if src == "float32" else np.float64)
+    if src == "float64" and dst != "float32":
+        value = value.astype(np.float32)  # the kernel's (float): through float32, as torch
+    if dst == "bfloat16":
+        u = value.astype(np.float32).view(np.uint32)
+        nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> 16).astype(
+            np.uint16
+        )
+        return np.where(nan, np.uint16(0x7FC0), rounded)
+    if dst == "float16":
+        return value.astype(np.float32).astype(np.float16).view(np.uint16)
+    return value.astype(np.float32 if dst == "float32" else np.float64).view(
+        _word(WIRE_DTYPES[dst].itemsize)
+    )
 
 
 @dataclass(frozen=True)
@@ -104,14 +267,21 @@ class Launch:
     src_offset_bytes: int
     alloc: int
     dst: int
+    key: tuple[str, str] = ("", "")
+    """Its dtype pair: the batched kernel it goes through."""
+    row: Any = None
+    """Its geometry row of a batched table (``geometry_row``)."""
 
 
 class StridedCopy:
     """Compiles and launches ``Strided`` copies on one stream (see the module docstring)."""
 
-    def __init__(self, cp: Any, device: int) -> None:
+    def __init__(self, cp: Any, device: int, stream_ptr: int = 0) -> None:
         self._cp, self._device = cp, int(device)
         self._kernels: dict[tuple[str, str], Any] = {}
+        self._batch_kernels: dict[tuple[str, str], Any] = {}
+        self._batch = batch_enabled()
+        self._uploads = _Uploads(cp, int(device), int(stream_ptr))
 
     def prepare(self, job: Strided) -> Launch:
         """Compile the job's kernel (once per dtype pair) and upload its geometry; raises
@@ -136,8 +306,74 @@ class StridedCopy:
             device_geo = cp.asarray(geo) if geo.size else cp.zeros(1, dtype=cp.int64)
         item = WIRE_DTYPES[job.src_dtype].itemsize
         return Launch(
-            kernel, device_geo, len(job.shape), job.numel, job.src_offset * item, job.alloc, job.dst
+            kernel,
+            device_geo,
+            len(job.shape),
+            job.numel,
+            job.src_offset * item,
+            job.alloc,
+            job.dst,
+            key,
+            geometry_row(job),
         )
+
+    def launch_all(
+        self,
+        jobs: Sequence[tuple[Launch, int, int]],
+        stream: Any,
+        *,
+        deadline: float,
+        alive: Callable[[], None],
+    ) -> None:
+        """Enqueue every ``(job, tensor pointer, allocation pointer)``: one launch per dtype
+        pair (a lone landing, or batching off: its own launch, as ``launch``)."""
+        groups: dict[tuple[str, str], list[tuple[Launch, int, int]]] = {}
+        for item in jobs:
+            if item[0].numel:
+                groups.setdefault(item[0].key, []).append(item)
+        for key, group in groups.items():
+            kernel = self._batch_kernel(key) if self._batch and len(group) > 1 else None
+            if kernel is None:
+                for job, src, dst in group:
+                    self.launch(job, src, dst, stream)
+                continue
+            table, rows, tiles = batch_table(
+                [(j.row, src + j.src_offset_bytes, dst + j.dst) for j, src, dst in group]
+            )
+            device = self._uploads.put(table, deadline=deadline, alive=alive)
+            kernel(
+                (min(tiles, _MAX_BLOCKS),),
+                (_THREADS,),
+                (device, np.int64(rows), np.int64(tiles)),
+                stream=stream,
+            )
+            self._uploads.launched()
+
+    def _batch_kernel(self, key: tuple[str, str]) -> Any:
+        """The batched kernel of ``key``, compiled once; None (each landing alone, said
+        once) where it does not compile though the per-landing one did."""
+        if key in self._batch_kernels:
+            return self._batch_kernels[key]
+        kernel = None
+        try:
+            with self._cp.cuda.Device(self._device):
+                kernel = self._cp.RawKernel(_source(*key, _BATCH_BODY), "ww_strided_batch")
+                kernel.compile()
+        except Exception as exc:  # correct without it: one launch per landing
+            log.warning(
+                "weightwire_ipc: the batched write-through copy for %s -> %s did not compile "
+                "(%s: %s); each landing is launched alone",
+                *key,
+                type(exc).__name__,
+                str(exc)[:200],
+            )
+            kernel = None
+        self._batch_kernels[key] = kernel
+        return kernel
+
+    def close(self) -> None:
+        """Free the batched tables (after the stream settled: a launch may still read them)."""
+        self._uploads.close()
 
     def launch(self, job: Launch, src: int, dst: int, stream: Any) -> None:
         """Enqueue ``job`` reading the tensor at ``src`` into the allocation at ``dst``."""
@@ -158,3 +394,76 @@ class StridedCopy:
             ),
             stream=stream,
         )
+
+
+class _Uploads:
+    """A ring of batched tables on the device, each uploaded from pinned memory on the fill
+    stream (the module docstring); ``put`` returns the device table to launch on, then the
+    caller launches and calls ``launched``."""
+
+    def __init__(self, cp: Any, device: int, stream_ptr: int) -> None:
+        self._cp, self._device, self._stream = cp, device, stream_ptr
+        self._slots: list[tuple[Any, Any, int]] = []  # pinned host, device table, event
+        self._held: list[np.ndarray | None] = [None] * _RING
+        self._capacity = 0  # int64s per table
+        self._next = 0
+        self._last = 0
+
+    def put(self, table: np.ndarray, *, deadline: float, alive: Callable[[], None]) -> Any:
+        for k, held in enumerate(self._held):
+            # every later upload into slot k is queued behind the launch that reads it now
+            if held is not None and held.size == table.size and np.array_equal(held, table):
+                self._last = k
+                return self._slots[k][1]
+        if table.size > self._capacity:
+            self._grow(table.size, deadline=deadline, alive=alive)
+        k = self._last = self._next
+        self._next = (k + 1) % _RING
+        host, device, event = self._slots[k]
+        self._held[k] = None
+        wait_event_host(
+            self._cp,
+            event,
+            deadline=deadline,
+            what="the batched copy table's previous upload",
+            alive=alive,
+        )
+        staged = np.frombuffer(host, dtype=np.int64, count=table.size)
+        staged[:] = table
+        self._cp.cuda.runtime.memcpyAsync(
+            device.data.ptr, staged.ctypes.data, table.nbytes, _MEMCPY_HOST_TO_DEVICE, self._stream
+        )
+        self._held[k] = table
+        return device
+
+    def launched(self) -> None:
+        record(self._cp, self._slots[self._last][2], self._stream)
+
+    def _grow(self, size: int, *, deadline: float, alive: Callable[[], None]) -> None:
+        for _, _, event in self._slots:  # an upload from an old table may still be queued
+            wait_event_host(
+                self._cp,
+                event,
+                deadline=deadline,
+                what="the batched copy table's previous upload",
+                alive=alive,
+            )
+        self.close()
+        capacity = max(1024, 1 << (size - 1).bit_length())
+        cp = self._cp
+        with cp.cuda.Device(self._device):
+            for _ in range(_RING):
+                host = cp.cuda.alloc_pinned_memory(capacity * 8)
+                device = cp.empty(capacity, dtype=cp.int64)
+                event = cp.cuda.runtime.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING)
+                self._slots.append((host, device, event))
+        self._capacity = capacity
+
+    def close(self) -> None:
+        slots, self._slots, self._capacity = self._slots, [], 0
+        self._held = [None] * _RING
+        for _, _, event in slots:
+            try:
+                self._cp.cuda.runtime.eventDestroy(event)
+            except Exception:  # teardown: an event that will not go is the driver's to reclaim
+                log.debug("weightwire_ipc: destroying a batched-table event failed", exc_info=True)

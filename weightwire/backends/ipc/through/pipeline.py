@@ -15,9 +15,10 @@ Per worker and round, the worker's first message says how the round reaches it:
   buffers (``ipc.pull``), and only it: each worker has its own path.
 
 Per chunk the copies into a worker are one gather launch (contiguous runs, cached device
-tables: a torch trainer's rounds reuse them) plus one strided / casting launch per
-landing that is neither (``kernels``). After the last chunk: ``{"op": "done", "e": k}``
-once ready event ``k`` was recorded behind every copy; the worker's stream waits on it.
+tables: a torch trainer's rounds reuse them) plus one strided / casting launch per dtype
+pair for the landings that are neither (``kernels``: a table of the chunk's landings).
+After the last chunk: ``{"op": "done", "e": k}`` once ready event ``k`` was recorded
+behind every copy; the worker's stream waits on it.
 Generation stays refused around every round (``RoundSender.in_place``): a worker's
 weights are not whole from the first write until the round commits.
 """
@@ -88,6 +89,17 @@ class _Mappings:
             close_mappings(self._cp, mapped.values())
 
 
+class _Copiers:
+    """The gather and strided copiers, closed together once the fill stream settled."""
+
+    def __init__(self, *copiers: Any) -> None:
+        self._copiers = copiers
+
+    def close(self) -> None:
+        for copier in self._copiers:
+            copier.close()
+
+
 class IPCWriteThroughPipeline(IPCPullPipeline):
     """Rounds written into the workers' parameters (see the module docstring)."""
 
@@ -102,7 +114,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         self._through = [False] * n
         self._known = False  # this round's paths are known
         self._runs = GatherCopy(cp, device, self._sptr, ring=_RING)
-        self._strided = StridedCopy(cp, device)
+        self._strided = StridedCopy(cp, device, self._sptr)
         self._stream_ref = StreamRef(self._sptr)
         self._told: set[str] = set()
 
@@ -257,19 +269,20 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         srcs: list[int] = []
         dsts: list[int] = []
         sizes: list[int] = []
+        strided: list[tuple[Launch, int, int]] = []
         for i, region in zip(range(chunk.start, chunk.stop), regions, strict=True):
             base = region.ptr
             for src, dst, n in landed.runs[i]:
                 srcs.append(base + src)
                 dsts.append(dst)
                 sizes.append(n)
-            for launch, alloc in landed.strided[i]:
-                self._strided.launch(launch, base, alloc, self._stream_ref)
+            strided.extend((launch, base, alloc) for launch, alloc in landed.strided[i])
+        self._strided.launch_all(strided, self._stream_ref, deadline=deadline, alive=alive)
         self._runs.copy_rows(srcs, dsts, sizes, deadline=deadline, alive=alive)
 
     def close(self) -> None:
         try:
-            self._close_settled(self._runs, self._maps)
+            self._close_settled(_Copiers(self._runs, self._strided), self._maps)
         finally:
             self._maps = []
             super().close()
