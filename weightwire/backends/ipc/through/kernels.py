@@ -21,7 +21,8 @@ whatever the landings' sizes. Each thread's index math is the per-landing kernel
 against an independent copy of each landing. The table reaches the device as the gather
 kernel's does: from pinned memory on the fill stream, a ring of ``_RING`` tables each
 rewritten only after its last upload ran, and a table equal to one still held is launched
-again without an upload. ``WEIGHTWIRE_IPC_STRIDED_BATCH=0`` launches each landing alone.
+again without an upload. It runs with ``WEIGHTWIRE_IPC_STRIDED_BATCH=1``; by default each
+landing is launched alone (see ``batch_enabled``).
 
 CUDA through CuPy, imported inside functions (a JAX trainer uses it without torch).
 """
@@ -152,13 +153,15 @@ def _source(src: str, dst: str, body: Template = _BODY) -> str:
 
 
 def batch_enabled() -> bool:
-    """``WEIGHTWIRE_IPC_STRIDED_BATCH``: ``1`` (default) launches a chunk's strided landings
-    of one dtype pair together, ``0`` one launch per landing (for comparisons)."""
-    value = os.environ.get("WEIGHTWIRE_IPC_STRIDED_BATCH", "1")
+    """``WEIGHTWIRE_IPC_STRIDED_BATCH``: ``1`` launches a chunk's strided landings of one
+    dtype pair together, ``0`` (default) one launch per landing. Off by default until the GPU
+    lane (``tests/gpu/test_ipc_strided_batch_gpu.py``) and ``bench_strided.py`` have run on a
+    GPU: a wrong cast there would be served silently."""
+    value = os.environ.get("WEIGHTWIRE_IPC_STRIDED_BATCH", "0")
     if value not in ("0", "1"):
         raise ConfigError(
             f"WEIGHTWIRE_IPC_STRIDED_BATCH must be '0' or '1', got {value[:20]!r}: unset it "
-            "(one launch per chunk) or set 0 (one launch per landing)"
+            "or set 0 (one launch per landing), or 1 (one launch per chunk)"
         )
     return value == "1"
 
