@@ -243,13 +243,33 @@ def test_the_pickle_scanner_catches_each_pattern() -> None:
         assert len(pickle_uses(src)) == n, (src, pickle_uses(src))
 
 
+# vLLM 0.33's nccl_m2n workers publish their metadata as pickles on a store the trainer must
+# serve (vLLM's design): the one module that reads them builds plain data only.
+M2N_STORE = "weightwire/backends/nccl/m2n_store.py"
+
+
 def test_no_pickle_anywhere_in_weightwire() -> None:
     files = sorted(PACKAGE.rglob("*.py"))
     assert len(files) > 20
     found = [
         hit for f in files for hit in pickle_uses(f.read_text(), str(f.relative_to(PACKAGE.parent)))
     ]
-    assert not found, found
+    assert [h.split(":")[0] for h in found] == [M2N_STORE], found
+
+
+def test_the_m2n_store_unpickles_plain_data_only() -> None:
+    """Its only unpickling is ``loads_plain`` (no ``pickle.load[s]`` call); a pickle that names
+    any callable, even a harmless one, is refused before anything of it is built."""
+    import pickle
+
+    from weightwire.backends.nccl.m2n_store import StoreError, loads_plain
+
+    source = (PACKAGE.parent / M2N_STORE).read_text()
+    assert "pickle.loads(" not in source and "pickle.load(" not in source
+    envelope = {"rank": 1, "names": ["a", "b"], "shape": (2, 3), "ok": True, "err": None}
+    assert loads_plain(pickle.dumps(envelope)) == envelope
+    with pytest.raises(StoreError, match=r"names builtins\.print; only plain data"):
+        loads_plain(pickle.dumps(print))
 
 
 # ----------------------------------------------------------------------------- secrets in logs
