@@ -1,6 +1,6 @@
 """Subprocess body of test_sliced_delta's mesh case: a JAX trainer on 8 forced host devices
 (an FSDP 4 x TP 2 mesh, the shardings of ``_sliced_mesh``) with ``delta="auto"`` sends a
-dense round, then 2 delta rounds at a 2 % change rate (the arrays themselves, or with
+dense round, then 3 delta rounds at a 2 % change rate (the last one overlapped) (the arrays themselves, or with
 ``pytree`` a ``PytreeSource`` over them, ``o_proj`` held transposed and transposed back on its
 shards), to in-process TCP workers hosting
 ``SlicedTP`` ranks (TP 2, one KV head, tied head; tensors whose rows do not split 4 ways keep
@@ -56,12 +56,15 @@ def main() -> None:
     engine = JAXTrainerEngine.trainer_init(info(delta="auto"), client=client, source=source)
     rounds = []
     try:
-        for step in (1, 2, 3):
+        for step in (1, 2, 3, 4):
             if step > 1:
                 full = changed(full, step)
                 put(full)
             with no_whole_copies(guarded(arrays.values())):
-                metrics = engine.send_weights()
+                if step == 4:  # overlapped: its snapshot is read sharded too
+                    metrics = engine.send_weights(wait=False).result(timeout=120)
+                else:
+                    metrics = engine.send_weights()
             tracker = engine._delta.tracker
             for name, base in tracker.bases.items():
                 assert not base.is_fully_replicated or arrays[name].is_fully_replicated, name

@@ -25,6 +25,7 @@ from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.patch_round import patch_round, patches_from_wire
 from weightwire.trainer.round import SoleRounds
 from weightwire.trainer.session import Session
+from weightwire.trainer.snapshot import rewrapped
 from weightwire.trainer.transfer import tensor_stream
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class DeltaRounds:
         if slicing is not None and slicing.slices(metas):
             # compared and snapshotted where each shard lives, as a sliced round reads it: a
             # sharded array is never gathered (its base stays sharded, ``jax_side.shard_delta``)
-            source = self._s.framework.sliced_source(source)
+            source = rewrapped(source, self._s.framework.sliced_source)
         ask = _Ask(source, metas, version, before_commit)
         try:
             return self._round(ask, clock, dense)
