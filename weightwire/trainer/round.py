@@ -35,7 +35,6 @@ from typing import Any, Protocol
 
 from weightwire.backends.base import RoundSender, Sent, SlicePiece, WirePlan
 from weightwire.shared.delta import Patch, parse_patch
-from weightwire.shared.errors import ConfigError
 from weightwire.shared.framing import Chunk, plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
@@ -667,16 +666,9 @@ class SlicedWire:
         tensors = dict(s.stream(source, tensor_stream(source), sole.metas, None))
         logical = logical_metas(metas, patches)
         dense = logical[: len(logical) - len(patches)]
-        wants = slicing.wants(logical)
         held = s.framework.slice_holdings({m.name: tensors[m.name] for m in dense})
-        plan = slicing.delta_plans.plan(dense, held, wants)
-        rank = s.framework.process_rank()
-        others = sorted(set(plan.rank_bytes) - {rank})
-        if others:
-            raise ConfigError(
-                f"a sliced delta round's dense tensors are held by trainer process(es) "
-                f"{others}, not by this one ({rank}); pass TrainerInitInfo(sliced='off')"
-            )
+        plan = slicing.plan(dense, held, s.framework.process_rank(), carried=logical)
+        wants = slicing.wants(logical)
         shares = share_patches(patches, tensors, wants, s.framework.host_bytes)
         return cls(s, sole, tensors, plan, shares)
 

@@ -106,14 +106,15 @@ def read_names(raw: bytes) -> frozenset[str]:
     return frozenset(n for n, boxes in told.items() if isinstance(boxes, list) and boxes)
 
 
-def unsent(hellos: Sequence[bytes], metas: Sequence[ParamMeta]) -> str | None:
+def unsent(reads: Sequence[frozenset[str]], metas: Sequence[ParamMeta]) -> str | None:
     """Why a round of ``metas`` does not fit the workers' served model (None: it does): the
-    tensors some worker reads that the round lacks, which it would keep serving unchanged
-    beside the new ones. Every worker's hello names its served checkpoint's tensors, so this
-    holds whether or not the servers told their served model at init."""
+    tensors some worker reads (``reads``: each worker's ``read_names``) that the round lacks,
+    which it would keep serving unchanged beside the new ones. Every worker's hello names its
+    served checkpoint's tensors, so this holds whether or not the servers told their served
+    model at init."""
     sent = {m.name for m in metas}
-    for worker, raw in enumerate(hellos):
-        missing = sorted(read_names(raw) - sent)
+    for worker, read in enumerate(reads):
+        missing = sorted(read - sent)
         if missing:
             shown = ", ".join(missing[:SHOWN]) + (", ..." if len(missing) > SHOWN else "")
             return (
@@ -155,7 +156,8 @@ class Slicing:
         delta rounds do not rebuild each other's plan every round)."""
         self.patch_takers = [takes_patches(raw) for raw in hellos]
         """Per worker: it applies a sliced delta round's patches (said at the join)."""
-        self._wants: tuple[tuple[ParamMeta, ...], list[Wants]] | None = None
+        self._reads = [read_names(raw) for raw in hellos]
+        self._wants: dict[frozenset[ParamMeta], list[Wants]] = {}
         self._told: set[str] = set()
         self.agree: Callable[[SlicePlan | None, str | None], None] | None = None
         """Several processes: every rank checks it built the same plan, or learns which rank
@@ -167,17 +169,20 @@ class Slicing:
         """Several processes: rank 0 tells the others its control plane ran (they may send)."""
 
     def wants(self, metas: Sequence[ParamMeta]) -> list[Wants]:
-        """Every worker's wants of ``metas`` (parsed once per metadata)."""
-        key = tuple(metas)
-        if self._wants is None or self._wants[0] != key:
+        """Every worker's wants of ``metas`` (parsed once per set of tensors: a delta session
+        asks for its model's tensors and for a delta round's, in another order)."""
+        key = frozenset(metas)
+        if key not in self._wants:
+            if len(self._wants) >= 8:  # the source's metadata changed: start afresh
+                self._wants.clear()
             parsed = [parse_wants(raw, metas, w) for w, raw in enumerate(self.hellos)]
-            self._wants = (key, parsed)
+            self._wants[key] = parsed
             for w, want in enumerate(parsed):
                 if want.whole_reason is not None:
                     self.note_once(
                         f"worker {w} wants every tensor whole: {want.whole_reason}", whole=False
                     )
-        return self._wants[1]
+        return self._wants[key]
 
     def slices(self, metas: Sequence[ParamMeta]) -> bool:
         """Slicing a round of ``metas`` saves bytes (some worker wants less than a whole
@@ -187,17 +192,29 @@ class Slicing:
         self.note_once("every worker wants every tensor whole:")
         return False
 
-    def plan(self, metas: Sequence[ParamMeta], holdings: Holdings, rank: int) -> SlicePlan:
-        """The plan (cached); before any call, ``ServedModelMismatch`` when the round lacks
-        a tensor some worker reads (``unsent``; unless ``partial``), ``ConfigError`` when it
-        needs a shard that another trainer process holds."""
+    def plan(
+        self,
+        metas: Sequence[ParamMeta],
+        holdings: Holdings,
+        rank: int,
+        *,
+        carried: Sequence[ParamMeta] | None = None,
+    ) -> SlicePlan:
+        """The plan of ``metas`` (cached); before any call, ``ServedModelMismatch`` when the
+        round lacks a tensor some worker reads (``unsent``; unless ``partial``), ``ConfigError``
+        when it needs a shard that another trainer process holds. ``carried``: a delta round's
+        tensors, its dense ones (``metas``, planned apart from the dense rounds') and each
+        patched one; it leaves out what did not change (its base, a whole round the workers
+        hold, was checked when it was sent), so it is not checked against the workers' reads."""
         if self.merge is not None:
             holdings = self.merge(holdings)
+        told = metas if carried is None else carried
         try:
-            missing = None if self.partial else unsent(self.hellos, metas)
+            missing = None if self.partial or carried is not None else unsent(self._reads, told)
             if missing is not None:
                 raise ServedModelMismatch(missing)
-            plan = self.plans.plan(metas, holdings, self.wants(metas))
+            cache = self.plans if carried is None else self.delta_plans
+            plan = cache.plan(metas, holdings, self.wants(told))
         except Exception as exc:
             if self.agree is not None:  # the other processes learn it instead of waiting
                 self.agree(None, f"{type(exc).__name__}: {exc}")
