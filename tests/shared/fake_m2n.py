@@ -347,6 +347,12 @@ class _Stream:
     def done(self) -> bool:
         return drained()
 
+    def __enter__(self) -> _Stream:  # CuPy's: the current stream inside the block
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
 
 class FakeXP:
     """What ``NcclM2NDataPlane`` asks of CuPy: devices, streams, an int8 buffer, a copy back."""

@@ -1,8 +1,8 @@
 """Subprocess body of test_sliced_delta's mesh case: a JAX trainer on 8 forced host devices
 (an FSDP 4 x TP 2 mesh, the shardings of ``_sliced_mesh``) with ``delta="auto"`` sends a
-dense round, then 3 delta rounds at a 2 % change rate (the last one overlapped) (the arrays themselves, or with
-``pytree`` a ``PytreeSource`` over them, ``o_proj`` held transposed and transposed back on its
-shards), to in-process TCP workers hosting
+dense round, then 3 delta rounds at a 2 % change rate, the last one overlapped (the arrays
+themselves, or with ``pytree`` a ``PytreeSource`` over them, ``o_proj`` held transposed and
+transposed back on its shards), to in-process TCP workers hosting
 ``SlicedTP`` ranks (TP 2, one KV head, tied head; tensors whose rows do not split 4 ways keep
 them replicated). XLA_FLAGS must precede the jax import, hence a process of its own. Every
 round runs under ``_no_gather``'s guard: the gather entry points raise, and no step of the

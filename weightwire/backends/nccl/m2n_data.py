@@ -147,8 +147,8 @@ class NcclM2NDataPlane:
         receives it (rank 0's copy, on the host)."""
         xp, core = self._xp, self._core
         bufs = []
-        for d in self.devices:
-            with xp.cuda.Device(d):
+        for d, stream in zip(self.devices, self._streams, strict=True):
+            with xp.cuda.Device(d), stream:  # filled on the broadcast's own stream: ordered
                 bufs.append(xp.full((n, 2), WHOLE_ROW, dtype=xp.int8))
         core.group_start()
         try:
@@ -225,9 +225,9 @@ class NcclM2NDataPlane:
                 comm.abort()
 
     def close(self) -> None:
+        self.abort()  # first: nothing queued still runs on the handles destroyed next
         handles, self._handles = self._handles, []
         for h in handles:
             with contextlib.suppress(Exception):  # tearing down
                 h.destroy()
-        self.abort()
         self._streams = []

@@ -212,7 +212,7 @@ class M2NLink:
         return None  # the communicator formed and the placements came inside the join
 
     def abort(self) -> None:
-        self.session.close()  # aborts the communicators: a stuck reshard returns
+        self.session.abort()  # a stuck reshard returns; the round's thread still holds handles
 
     def close(self) -> None:
         self.session.close()
@@ -232,6 +232,10 @@ class M2NSender(RoundSender):
         session, begin, stop = self._session, out.begin, out.stop
         metas = iter(out.metas)
         nbytes = sends = 0
+        # Every part stays referenced until the streams are waited on: a source that makes
+        # its arrays a layer group at a time drops them, and their memory could be reused
+        # while nccl.m2n still reads it.
+        kept: list[Any] = []
 
         def stopped() -> None:
             if stop.is_set():
@@ -241,6 +245,7 @@ class M2NSender(RoundSender):
             for tensor in tensors:
                 name = next(metas).name
                 parts = self._shards.shards(name, tensor)
+                kept.append(parts)
                 session.check_parts(name, parts)  # the first tensor's: before any call
                 begin = run_once(begin)
                 stopped()
@@ -248,4 +253,5 @@ class M2NSender(RoundSender):
                 sends += 1
         run_once(begin)
         session.wait(check=stopped)
+        kept.clear()
         return Sent(nbytes, sends)

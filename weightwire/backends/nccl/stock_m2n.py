@@ -458,6 +458,8 @@ class M2NDataPlane(Protocol):
         self, *, timeout_s: float, what: str = ..., check: Callable[[], None] | None = ...
     ) -> None: ...
 
+    def abort(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -698,6 +700,11 @@ class StockM2NSession:
             self.data.close()
             raise
         self.client.finish_weight_update(weight_version)
+
+    def abort(self) -> None:
+        """Aborts the communicators (a stuck reshard returns), from any thread; the handles
+        a running round may still use and the store go at ``close``, once it settled."""
+        self.data.abort()
 
     def close(self) -> None:
         store, self._store = self._store, None
