@@ -46,6 +46,7 @@ from weightwire.trainer.sliced import Slicing
 from weightwire.trainer.snapshot import rewrapped
 from weightwire.trainer.transfer import (
     await_call,
+    beside_init,
     join_beside_init,
     real_cause,
     shutdown_when_settled,
@@ -262,10 +263,14 @@ def open_wire(
         what=s.info.backend,
     )
     try:
-        link.warmup(timeout=t.warmup_s)
-        # Read while the init POST is still in flight: a worker that tells its wants on the
-        # data plane (NCCL) may not return from its init before rank 0 took them.
-        hellos = s.backend.hellos(link, timeout=t.warmup_s) if asks_wants else []
+
+        def warm_and_hear() -> list[bytes]:
+            link.warmup(timeout=t.warmup_s)
+            # Read while the init POST is still in flight: a worker that tells its wants on
+            # the data plane (NCCL) may not return from its init before rank 0 took them.
+            return s.backend.hellos(link, timeout=t.warmup_s) if asks_wants else []
+
+        hellos = beside_init(post, link, warm_and_hear)
         await_call(post, t.http_s, "init_weight_transfer_engine")
         s.served = served_model(s.client, s.caps, ask_workers=not s.backend.caps.stock_receiver)
         s.served = s.served or checkpoint

@@ -80,6 +80,26 @@ def real_cause(exc: BaseException, post: Future) -> BaseException:
 # -- init ----------------------------------------------------------------------------------
 
 
+def beside_init(post: Future, link: Any, step: Callable[[], Any]) -> Any:
+    """``step`` on the joined link while the init POST may still be in flight (a worker that
+    tells its wants on the data plane answers its init only after): a POST that fails
+    meanwhile aborts the link, so the step ends at once, and the POST's error is raised."""
+    waiting = threading.Event()
+    waiting.set()
+
+    def on_done(f: Future) -> None:
+        if waiting.is_set() and f.exception() is not None:
+            link.abort()  # no worker will send: end the step's wait now, not at its timeout
+
+    post.add_done_callback(on_done)
+    try:
+        return step()
+    except BaseException as exc:
+        raise real_cause(exc, post) from None
+    finally:
+        waiting.clear()
+
+
 def join_beside_init(
     rdv: Any, post_init: Callable[[], Any], *, connect_s: float, what: str
 ) -> tuple[Any, Future]:
