@@ -477,3 +477,44 @@ def test_a_session_opens_and_sends_rounds_each_worker_its_part(
     finally:
         s.close()
         fake_m2n.reset()
+
+
+def test_communicators_formed_after_the_init_wait_gave_up_are_aborted() -> None:
+    """``connect`` times out while ``ncclCommInitRank`` still blocks; when it returns later,
+    the init thread aborts what it formed (no communicator is left behind)."""
+    import contextlib
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from weightwire.backends.nccl.m2n_data import NcclM2NDataPlane
+    from weightwire.shared.errors import TransferTimeout
+
+    formed: list[SimpleNamespace] = []
+    release = threading.Event()
+
+    def init(*, nranks: int, rank: int, unique_id: object) -> SimpleNamespace:
+        release.wait(10)  # the workers join only after the trainer's wait gave up
+        comm = SimpleNamespace(aborted=False)
+        comm.abort = lambda: setattr(comm, "aborted", True)
+        formed.append(comm)
+        return comm
+
+    core = SimpleNamespace(
+        UniqueId=SimpleNamespace(from_bytes=lambda b: b),
+        Communicator=SimpleNamespace(init=init),
+        group_start=lambda: None,
+        group_end=lambda: None,
+    )
+    xp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: contextlib.nullcontext()))
+    data = NcclM2NDataPlane([0, 1], xp=xp)
+    data._core = core
+    with pytest.raises(TransferTimeout, match="did not form within"):
+        data.connect(3, b"uid", timeout_s=0.2)
+    release.set()
+    deadline = time.monotonic() + 5
+    while len(formed) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert len(formed) == 2 and all(c.aborted for c in formed)
+    assert data._comms == []

@@ -106,6 +106,7 @@ class NcclM2NDataPlane:
         core, xp = self._core, self._xp
         uid = core.UniqueId.from_bytes(unique_id)
         box: dict[str, Any] = {}
+        lock, abandoned = threading.Lock(), threading.Event()
 
         def init() -> None:
             try:
@@ -119,18 +120,29 @@ class NcclM2NDataPlane:
                             )
                 finally:
                     core.group_end()
-                box["comms"] = comms
+                with lock:
+                    box["comms"] = comms
+                    late = abandoned.is_set()
+                if late:  # the wait gave up: communicators formed after it are released
+                    for comm in comms:
+                        with contextlib.suppress(Exception):
+                            comm.abort()
             except BaseException as exc:
                 box["error"] = exc
 
         t = threading.Thread(target=init, name="m2n-comm-init", daemon=True)
         t.start()
         deadline = time.monotonic() + timeout_s
-        while t.is_alive() and time.monotonic() < deadline:
-            t.join(0.05)
-            if check is not None and t.is_alive():
-                check()
+        try:
+            while t.is_alive() and time.monotonic() < deadline:
+                t.join(0.05)
+                if check is not None and t.is_alive():
+                    check()
+        except BaseException:
+            self._abandon(lock, abandoned, box)
+            raise
         if t.is_alive():
+            self._abandon(lock, abandoned, box)
             raise TransferTimeout(
                 f"the nccl_m2n communicator did not form within {timeout_s:.0f}s: a worker did "
                 "not join ncclCommInitRank (NCCL versions differ, or the workers failed: see "
@@ -139,6 +151,17 @@ class NcclM2NDataPlane:
         if "error" in box:
             raise TransferError(f"ncclCommInitRank failed: {box['error']}") from box["error"]
         self._comms = box["comms"]
+
+    @staticmethod
+    def _abandon(lock: threading.Lock, abandoned: threading.Event, box: dict[str, Any]) -> None:
+        """The init wait gave up: the init thread releases what it forms later; what it
+        already formed is released here."""
+        with lock:
+            abandoned.set()
+            formed = box.get("comms", [])
+        for comm in formed:
+            with contextlib.suppress(Exception):  # tearing down: the failure is being raised
+                comm.abort()
 
     def placements(
         self, n: int, root: int, *, timeout_s: float, check: Callable[[], None] | None = None
