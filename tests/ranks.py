@@ -55,6 +55,21 @@ def run_ranks(
     return done
 
 
+def script_report(script: Path, *args: str, timeout: float = 240) -> dict[str, Any]:
+    """Run ``script *args`` in a process of its own (this checkout importable) and return the
+    JSON object it printed last; a failed run fails the test with the end of its stderr."""
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
+
+
 def two_rank_reports(script: Path, *args: str, timeout: float = 120) -> list[dict[str, Any]]:
     """Run ``script RANK *args`` as ranks 0 and 1 (one OpenMP thread each: the host's cores
     are shared) and return the JSON object each one printed last; a failed rank fails the

@@ -8,17 +8,18 @@ into the emulated workers of ``test_stock_m2n`` (vLLM's own worker code: the int
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.backends.test_stock_m2n import EmulatedWorkers
+from tests.ranks import script_report
 from tests.shared import fake_m2n
 from weightwire.backends.base import StockRefusal
 from weightwire.backends.nccl import m2n_data
@@ -266,16 +267,7 @@ def test_a_jax_mesh_engine_sends_each_rank_its_own_shard() -> None:
     """8 emulated devices (FSDP 4 x TP 2) as 8 trainer ranks of ``JAXTrainerEngine``: three
     rounds through ``trainer_init`` / ``send_weights``, each worker's slices bit-exact, and no
     rank ever handed more than its own shard."""
-    script = os.path.join(os.path.dirname(__file__), "_m2n_engine_jax.py")
-    done = subprocess.run(
-        [sys.executable, script],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = script_report(Path(__file__).with_name("_m2n_engine_jax.py"))
     assert report["layouts"] == {
         "rows.weight": [[4, 2], [0, -1]],
         "cols.weight": [[4, 2], [-1, 1]],

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import socket
-import subprocess
 import sys
 import threading
 import time
 from collections import OrderedDict
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from tests.ranks import script_report
 from tests.shared import fake_m2n
 from weightwire.backends.base import StockRefusal
 from weightwire.backends.nccl.m2n_data import NcclM2NDataPlane
@@ -281,16 +281,7 @@ def test_an_fsdp_tp_jax_mesh_is_eight_trainer_ranks_each_sending_its_own_shard()
     import): the layouts read from the shardings, each rank's shard a single-device view of
     its local shape (no rank handed a whole split tensor), and the reshards through our data
     plane on the fake ``nccl.m2n`` land every worker's TP slices bit-exactly."""
-    script = os.path.join(os.path.dirname(__file__), "_m2n_jax_mesh.py")
-    done = subprocess.run(
-        [sys.executable, script],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = script_report(Path(__file__).with_name("_m2n_jax_mesh.py"))
     assert "'both.weight': its shards (rank 0: [0:2, 0:4], rank 1: [0:2, 4:8]" in report["refused"]
     assert report["whole_held"] == []
     # per worker: half of rows (512 B) and cols (512 B), the 64 B bias and 32 B norm whole

@@ -21,10 +21,6 @@ one of those tests makes.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -254,17 +250,9 @@ def cut_link_at(engine: Any, worker: int, read: int) -> None:
 def run_script(name: str, *args: str, timeout: float = 240) -> dict[str, Any]:
     """Run ``tests/trainer/<name> *args`` in a process of its own and return the JSON object
     it printed last; a failed run fails the test with the end of its stderr."""
-    script = Path(__file__).with_name(name)
-    done = subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return report
+    from tests.ranks import script_report
+
+    return script_report(Path(__file__).with_name(name), *args, timeout=timeout)
 
 
 def two_process_reports(name: str, *args: str) -> list[dict[str, Any]]:
