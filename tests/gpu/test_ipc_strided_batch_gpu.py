@@ -62,7 +62,8 @@ def _write(
     ]
     ref = StreamRef(stream.ptr)
     for _ in range(rounds):
-        device[param_at:] = 0
+        with stream:  # on the copies' stream: a non-blocking stream does not wait for the legacy one
+            device[param_at:] = 0
         jobs = [
             (launch, base + at, alloc)
             for at, p in zip(offsets, prepared, strict=True)

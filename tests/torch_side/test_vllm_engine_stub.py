@@ -35,6 +35,7 @@ class RoundSource(WeightSource):
 
     def reseed(self, seed: int) -> dict[str, list[int]]:
         self.seed = seed
+        self.tensors = {}  # the old set goes first: two 8B sets and a staged pool pass 80 GB
         self.tensors = dict(trainer_tensors(self.shape, self.device, seed))
         return {n: digest(t) for n, t in self.tensors.items()}
 

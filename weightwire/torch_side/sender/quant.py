@@ -34,6 +34,7 @@ from weightwire.trainer.fp8_source import Fp8Source, LaunchedGroup
 
 _ROUND_DOWN = torch.from_numpy(UE8M0_ROUND_DOWN)
 _ROUND_DOWN_ON: dict[torch.device, torch.Tensor] = {}
+_FP8_MAX_ON: dict[torch.device, torch.Tensor] = {}
 
 
 class Fp8Tensors(NamedTuple):
@@ -42,6 +43,16 @@ class Fp8Tensors(NamedTuple):
     weight: torch.Tensor
     scale: torch.Tensor
     stats: QuantStats | None
+
+
+def _fp8_max_on(device: torch.device) -> torch.Tensor:
+    """448 as a tensor on ``device``: CUDA torch divides by a Python number as a multiply by
+    its reciprocal (one ulp off some scales); by a device tensor, it divides, as vLLM's
+    ``x_amax / 448.0`` on a CPU does, so the scales do not depend on the device."""
+    value = _FP8_MAX_ON.get(device)
+    if value is None:
+        value = _FP8_MAX_ON.setdefault(device, torch.tensor(FP8_MAX, dtype=torch.float32, device=device))
+    return value
 
 
 def _ue8m0_ceil(sf: torch.Tensor) -> torch.Tensor:
@@ -125,7 +136,7 @@ def _block_scales(blocks: list[_Blocks]) -> list[torch.Tensor]:
     scheme says) from one run of elementwise ops over the group's amaxes together, not one
     run of small launches per weight (the same elementwise arithmetic: the same bits)."""
     flat = torch.cat([b.amax.view(-1) for b in blocks])
-    sf = flat.clamp(min=BLOCK_AMAX_FLOOR) / FP8_MAX
+    sf = flat.clamp(min=BLOCK_AMAX_FLOOR) / _fp8_max_on(flat.device)
     sf_up = _ue8m0_ceil(sf) if any(b.scheme.ue8m0 for b in blocks) else sf
     out, offset = [], 0
     for b in blocks:

@@ -78,6 +78,26 @@ __device__ __forceinline__ unsigned short ww_store_bfloat16(float f) {
 }
 __device__ __forceinline__ float ww_store_float32(float f) { return f; }
 __device__ __forceinline__ double ww_store_float64(double f) { return f; }
+// CuPy compiles with -ftz=true, which flushes subnormals in a plain (float) / (double)
+// conversion; these keep them, as torch's copy_ and numpy do
+__device__ __forceinline__ float ww_narrow(double x) {
+#ifdef __CUDA_ARCH__
+    float r;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
+    return r;
+#else
+    return (float)x;
+#endif
+}
+__device__ __forceinline__ double ww_widen(float x) {
+#ifdef __CUDA_ARCH__
+    double r;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(x));
+    return r;
+#else
+    return (double)x;
+#endif
+}
 """
 _RAW = {
     "bfloat16": "unsigned short",
@@ -146,8 +166,12 @@ def _source(src: str, dst: str, body: Template = _BODY) -> str:
         word = _WORDS[WIRE_DTYPES[src].itemsize]
         return body.substitute(ST=word, DT=word, EXPR="s[so]", **fixed)
     # float64 reaches a 16-bit dtype through float32, as torch converts it
-    narrow = "(float)" if src == "float64" and dst != "float32" else ""
-    expr = f"ww_store_{dst}({narrow}ww_load_{src}(s[so]))"
+    value = f"ww_load_{src}(s[so])"
+    if src == "float64":
+        value = f"ww_narrow({value})"
+    elif dst == "float64":
+        value = f"ww_widen({value})"
+    expr = f"ww_store_{dst}({value})"
     half = _HALF if "float16" in (src, dst) else ""  # the header only where it is needed
     return half + _HEAD + body.substitute(ST=_RAW[src], DT=_RAW[dst], EXPR=expr, **fixed)
 

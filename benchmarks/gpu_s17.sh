@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One batch of single-GPU work: the lanes and benchmarks written without a GPU.
+#   OUT=/path bash benchmarks/gpu_s17.sh [deps tests strided fp8_torch fp8_jax ipc overlap ...]
+# Each step runs under `timeout`, logs to $OUT/<step>.log, appends its exit code to $OUT/summary.txt.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
+export PYTHONPATH="$PWD:/tmp/ww-deps:$PWD/benchmarks" XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY="${PYTHON:-$(command -v python3)}"
+T0=$(date +%s); BUDGET="${BUDGET_S:-580}"
+step() { local name=$1 limit=$2; shift 2; local t0 left; t0=$(date +%s)
+  left=$(( BUDGET - (t0 - T0) )); [ "$left" -lt 15 ] && { echo "== $name skipped (budget)" | tee -a "$OUT/summary.txt"; return; }
+  [ "$limit" -gt "$left" ] && limit=$left
+  timeout --kill-after=5 "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  echo "== $name exit=$rc after $(( $(date +%s) - t0 ))s" | tee -a "$OUT/summary.txt"; tail -n "${TAIL:-15}" "$OUT/$name.log"; }
+PYT=("$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts="")
+for s in "$@"; do case $s in
+  deps) step deps 60 bash -c "'$PY' -m pip install -q --no-index --no-deps --target /tmp/ww-deps .whl/gpu/*.whl && nvidia-smi -L" ;;
+  tests) step tests 200 "${PYT[@]}" tests/gpu/test_ipc_strided_batch_gpu.py tests/trainer/test_fp8_quant.py tests/gpu/test_ipc_write_through_gpu.py ;;
+  all_gpu) step all_gpu "${ALL_LIMIT:-300}" "${PYT[@]}" tests ;;
+  strided) step strided 60 bash -c "'$PY' benchmarks/bench_strided.py --model qwen2-0.5b --reps 10 && '$PY' benchmarks/bench_strided.py --model llama3-8b --reps 5" ;;
+  fp8_torch) step fp8_torch 100 "$PY" benchmarks/bench_fp8.py --engine torch --backends weightwire_ipc --rounds 2 --reps 3 --out "$OUT/fp8_torch.md" ;;
+  fp8_jax) step fp8_jax 100 "$PY" benchmarks/bench_fp8.py --engine jax --backends weightwire_ipc --rounds 2 --reps 3 --out "$OUT/fp8_jax.md" ;;
+  ipc) step ipc 170 "$PY" benchmarks/bench_ipc.py --modes default --rounds 5 --deadline-s 160 --out "$OUT/ipc.md" ;;
+  ipc_batch) step ipc_batch 120 env WEIGHTWIRE_IPC_STRIDED_BATCH=1 "$PY" benchmarks/bench_ipc.py --modes default --rounds 5 --deadline-s 110 --out "$OUT/ipc_batch.md" ;;
+  overlap) step overlap 120 "$PY" benchmarks/bench_overlap.py --device cuda --engines torch-cow --steps 5 --deadline-s 100 --out "$OUT/overlap.md" ;;
+  delta) step delta 120 "$PY" benchmarks/bench_delta_round.py --backends weightwire_ipc --rounds 2 --out "$OUT/delta_round.md" ;;
+  patch) step patch 80 "$PY" benchmarks/bench_patch_apply.py --repeats 3 ;;
+esac; done
+echo "== total $(( $(date +%s) - T0 ))s"
