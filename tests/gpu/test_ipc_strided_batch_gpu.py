@@ -62,7 +62,7 @@ def _write(
     ]
     ref = StreamRef(stream.ptr)
     for _ in range(rounds):
-        with stream:  # on the copies' stream: a non-blocking stream does not wait for the legacy one
+        with stream:  # on the copies' stream: a non-blocking one does not wait for the legacy
             device[param_at:] = 0
         jobs = [
             (launch, base + at, alloc)

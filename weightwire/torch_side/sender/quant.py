@@ -51,7 +51,8 @@ def _fp8_max_on(device: torch.device) -> torch.Tensor:
     ``x_amax / 448.0`` on a CPU does, so the scales do not depend on the device."""
     value = _FP8_MAX_ON.get(device)
     if value is None:
-        value = _FP8_MAX_ON.setdefault(device, torch.tensor(FP8_MAX, dtype=torch.float32, device=device))
+        value = torch.tensor(FP8_MAX, dtype=torch.float32, device=device)
+        value = _FP8_MAX_ON.setdefault(device, value)
     return value
 
 
