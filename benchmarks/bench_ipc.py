@@ -164,7 +164,10 @@ def run_config(
             loaded_ok=loaded,
         )
         if not release:
-            row["ceiling_s"], row["ceiling1_s"] = ceilings_s(engine, params, nbytes, 5)
+            if cfg["sink"] or path != "IPCWriteThroughPipeline":
+                # the two-copy ceiling is push's; written through, it would only take two more
+                # round-sized buffers on the trainer's GPU (an 8B torch row then passes 80 GB)
+                row["ceiling_s"], row["ceiling1_s"] = ceilings_s(engine, params, nbytes, 5)
             if not cfg["sink"]:  # the floor of a whole round: one copy into the parameters
                 row["ceiling1_s"] = float(rpc(cfg["port"], "floor", t, reps=5))
                 # the same copy with the write-through's own batching: a launch per chunk
