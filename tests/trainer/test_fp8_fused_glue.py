@@ -138,3 +138,62 @@ def test_a_kernel_that_does_not_compile_falls_back_said_once(
         "the fused FP8 quantization kernel is unavailable on CUDA device 0 (RuntimeError: "
         "nvrtc: no); FP8 weights are quantized with the framework's ops"
     ]
+
+
+DTENSOR = """
+import ctypes, json, sys
+import numpy as np, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from tests.trainer.test_fp8_fused_glue import HostKernels
+from tests.trainer.test_fp8_quant import _bits
+from weightwire.shared.quant import Fp8Block, quantize_block_reference
+from weightwire.torch_side.sender import quant_cuda
+from weightwire.torch_side.sender.quant import launch_fp8
+kernels = HostKernels(ctypes.CDLL(sys.argv[1]))
+quant_cuda.FUSED_TYPE = "cpu"
+quant_cuda.kernels_for = lambda device: kernels
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+x = torch.randn(384, 260, generator=torch.Generator().manual_seed(1)) * 0.02
+dt = distribute_tensor(x, init_device_mesh("cpu", (1,)), [Shard(0)])
+launched = launch_fp8([("w.weight", dt, Fp8Block())], False)
+launched.settle()
+((weight, scale),) = launched.pairs
+want_q, want_scale = quantize_block_reference("w.weight", x.numpy(), Fp8Block())
+print(json.dumps({
+    "dtensors": isinstance(weight, DTensor) and isinstance(scale, DTensor),
+    "placements": [str(p) for p in weight.placements],
+    "weight": _bits(weight.to_local()) == want_q.tobytes(),
+    "scale": _bits(scale.to_local()) == want_scale.tobytes(),
+    "launches": kernels.launches,
+}))
+dist.destroy_process_group()
+"""
+
+
+def test_a_dtensor_is_quantized_by_the_kernel_on_its_local_shard(
+    lib: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """One gloo rank in a subprocess (the process group): the DTensor's shard goes through the
+    kernel, the results are DTensors of its placements with the reference's bytes."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", DTENSOR, lib._name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {
+        "dtensors": True,
+        "placements": ["S(0)"],
+        "weight": True,
+        "scale": True,
+        "launches": [["float32", 1, 9]],
+    }
