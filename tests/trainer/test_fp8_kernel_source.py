@@ -17,6 +17,7 @@ on a GPU: ``tests/gpu/test_fp8_kernel_gpu.py``.
 from __future__ import annotations
 
 import ctypes
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -187,7 +188,9 @@ def test_the_kernels_source_gives_the_references_bytes_and_scales(
             assert np.isfinite(out.amax).all()
 
 
-@pytest.mark.parametrize("block", [(16, 8), (8, 32), (1, 128), (128, 1), (64, 256), (256, 128)])
+@pytest.mark.parametrize(
+    "block", [(16, 8), (8, 32), (1, 128), (128, 1), (64, 256), (256, 128), (8, 384)]
+)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_other_block_shapes_and_a_grid_smaller_than_the_tiles(
     lib: Any, block: tuple[int, int], dtype: str
@@ -282,3 +285,28 @@ def test_the_e4m3_conversion_saturates_past_464_and_keeps_nan(lib: Any) -> None:
     # comes near 464)
     assert got.tolist()[:5] == [0x7E, 0x7E, 0x7E, 0x7E, 0xFE]
     assert got[5] & 0x7F == 0x7F
+
+
+def test_the_source_compiles_for_hopper_with_cupys_flush_to_zero(tmp_path: Path) -> None:
+    """Where ``nvcc`` is installed (no GPU needed): the CUDA branch (warp shuffles, shared
+    memory, inline PTX) builds for sm_90 under ``-ftz=true`` as CuPy passes it to NVRTC,
+    without spills, and the scale's division and the products stay unflushed IEEE ops."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc on this host")
+    source = tmp_path / "fp8.cu"
+    source.write_text(SOURCE)
+    ptx = tmp_path / "fp8.ptx"
+    flags = ["-arch=sm_90", "-std=c++17", "-ftz=true"]
+    subprocess.run(["nvcc", *flags, "-ptx", "-o", str(ptx), str(source)], check=True, timeout=300)
+    text = ptx.read_text()
+    ops = re.findall(r"\b(?:mul|div|fma)\.[a-z0-9.]*f32\b", text)
+    assert "div.rn.f32" in ops and "mul.rn.f32" in ops
+    assert not [op for op in ops if "ftz" in op or op.startswith("fma")], sorted(set(ops))
+    built = subprocess.run(
+        ["nvcc", *flags, "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "fp8.cubin"), str(source)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
+    assert built.stderr.count("0 bytes spill stores") == len(KERNELS), built.stderr

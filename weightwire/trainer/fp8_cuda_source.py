@@ -262,16 +262,33 @@ __device__ __forceinline__ void ww_store_vectors(const ww_row& r, const ww_tile&
     }
 }
 
-// Thread tid's share of any tile, element by element (edges, unaligned, large blocks).
+// Thread tid's share of any tile, element by element (edges, unaligned, large blocks): its
+// elements tid, tid + THREADS, ... in row-major order, walked as (row, column) with two
+// divisions per tile (a 64-bit division per element would dominate).
+struct ww_walk {
+    long long rr, c, step_r, step_c;
+};
+__device__ __forceinline__ ww_walk ww_walk_of(const ww_tile& g, int tid) {
+    ww_walk k;
+    k.rr = tid / g.w;
+    k.c = tid - k.rr * g.w;
+    k.step_r = WW_THREADS / g.w;
+    k.step_c = WW_THREADS - k.step_r * g.w;
+    return k;
+}
+__device__ __forceinline__ void ww_step(ww_walk& k, const ww_tile& g) {
+    k.rr += k.step_r;
+    k.c += k.step_c;
+    if (k.c >= g.w) { k.c -= g.w; ++k.rr; }
+}
+
 template <int K>
 __device__ __forceinline__ ww_u32 ww_load_elements(const ww_row& r, const ww_tile& g, int tid) {
     typedef typename ww_in<K>::raw raw;
-    const raw* src = (const raw*)r.src;
+    const raw* src = (const raw*)r.src + g.row0 * r.ld + g.col0;
     ww_u32 amax = 0u;
-    for (long long i = tid; i < g.h * g.w; i += WW_THREADS) {
-        const long long rr = i / g.w, c = i - rr * g.w;
-        amax = ww_umax(amax, ww_in<K>::bits(src[(g.row0 + rr) * r.ld + g.col0 + c]) & 0x7fffffffu);
-    }
+    for (ww_walk k = ww_walk_of(g, tid); k.rr < g.h; ww_step(k, g))
+        amax = ww_umax(amax, ww_in<K>::bits(src[k.rr * r.ld + k.c]) & 0x7fffffffu);
     return amax;
 }
 
@@ -279,12 +296,11 @@ template <int K>
 __device__ __forceinline__ void ww_store_elements(const ww_row& r, const ww_tile& g, int tid,
                                                   float inv) {
     typedef typename ww_in<K>::raw raw;
-    const raw* src = (const raw*)r.src;
-    unsigned char* dst = (unsigned char*)r.dst;
-    for (long long i = tid; i < g.h * g.w; i += WW_THREADS) {
-        const long long rr = i / g.w, c = i - rr * g.w;
-        float x = __uint_as_float(ww_in<K>::bits(src[(g.row0 + rr) * r.ld + g.col0 + c]));
-        dst[(g.row0 + rr) * r.n + g.col0 + c] = ww_e4m3(ww_mul(x, inv));
+    const raw* src = (const raw*)r.src + g.row0 * r.ld + g.col0;
+    unsigned char* dst = (unsigned char*)r.dst + g.row0 * r.n + g.col0;
+    for (ww_walk k = ww_walk_of(g, tid); k.rr < g.h; ww_step(k, g)) {
+        float x = __uint_as_float(ww_in<K>::bits(src[k.rr * r.ld + k.c]));
+        dst[k.rr * r.n + k.c] = ww_e4m3(ww_mul(x, inv));
     }
 }
 
