@@ -282,11 +282,11 @@ def launch_fp8(items: Sequence[tuple[str, torch.Tensor, Fp8Scheme]], stats: bool
 def _launch(items: Sequence[tuple[str, torch.Tensor, Fp8Scheme]], stats: bool) -> LaunchedGroup:
     """Quantize ``items`` (``(name, x, scheme)``: ``X.weight``s) as eager ops or the fused
     kernel's launches queued on the device, with no host sync until the result's ``settle``.
-    Per weight only the passes
-    over its elements (the block maxima, the scaled cast); the small ops on the scales run
-    once for the group. One flag for the whole group (and the errors) is copied back once,
-    asynchronously on a GPU, so the next group's ops queue meanwhile; only a group that
-    holds NaN or inf reads its per-weight flags, to name them."""
+    Per weight only the passes over its elements (the block maxima, the scaled cast; the
+    kernel: one); the small ops on the scales run once for the group. One flag for the whole
+    group (and the errors) is copied back once, asynchronously on a GPU, so the next group's
+    ops queue meanwhile; only a group that holds NaN or inf reads its per-weight flags, to
+    name them."""
     for name, x, scheme in items:
         check_input(name, wire_name(x.dtype), tuple(x.shape), scheme)
         if not isinstance(scheme, Fp8Block | Fp8PerTensor):
