@@ -10,8 +10,8 @@ bfloat16 / float16 / float32 inputs, values that tie in e4m3, several weights of
 launch, strided rows, unaligned pointers (the element path); the amaxes it writes flag NaN
 and inf. And its float32 -> e4m3 conversion (``ww_e4m3``) against torch's CPU cast over a
 sweep of float32 bit patterns in [-464, 464] with every e4m3 tie point and subnormal
-boundary. ``launch_fp8`` driving this kernel (the torch glue): ``test_fp8_fused_glue.py``;
-on a GPU: ``tests/gpu/test_fp8_kernel_gpu.py``.
+boundary, and on every positive float32 up to 464. ``launch_fp8`` driving this kernel
+(the torch glue): ``test_fp8_fused_glue.py``; on a GPU: ``tests/gpu/test_fp8_kernel_gpu.py``.
 """
 
 from __future__ import annotations
@@ -310,3 +310,23 @@ def test_the_source_compiles_for_hopper_with_cupys_flush_to_zero(tmp_path: Path)
         text=True,
     )
     assert built.stderr.count("0 bytes spill stores") == len(KERNELS), built.stderr
+
+
+def test_the_e4m3_conversion_is_torchs_cast_on_every_float32_up_to_464(lib: Any) -> None:
+    # every pattern of [0, 464] (1.14e9, a few seconds in chunks); the sign bit is one OR,
+    # checked on the sweep above
+    top = int(np.float32(464.0).view(np.uint32))
+    chunk = 1 << 24
+    got = np.empty(chunk, dtype=np.uint8)
+    for start in range(0, top + 1, chunk):
+        bits = np.arange(start, min(start + chunk, top + 1), dtype=np.uint32)
+        x = bits.view(np.float32)
+        out = got[: x.size]
+        lib.convert(
+            x.ctypes.data_as(ctypes.c_void_p),
+            out.ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_longlong(x.size),
+        )
+        want = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        diff = np.flatnonzero(out != want)
+        assert not diff.size, f"{x[diff[0]]!r}: {out[diff[0]]:#x} vs {want[diff[0]]:#x}"
