@@ -16,7 +16,9 @@ turn against one loopback worker (``weightwire.testing.loopback``: it holds what
 ``--rate-mb-s``, default 1250 = 10 GbE); ``weightwire_ipc`` (GPU) through CUDA IPC. Before
 the rounds, the quantization alone: every FP8 weight quantized once against one dense device
 copy of the same weights (median of ``--reps``), both per tensor (``quantize_fp8``) and as
-the round runs it (``Fp8Source``: one launch per layer group). Per row: seconds per round
+the round runs it (``Fp8Source``: one launch per layer group; torch on a GPU: the fused
+kernel, and again on torch ops, the "torch ops" row, ``WEIGHTWIRE_FP8_KERNEL=0``;
+``--quantize-only`` stops there). Per row: seconds per round
 (median of ``--rounds`` after ``--warmup``: the whole ``send_weights()``), wire bytes and, with
 ``--check`` (on with ``--smoke``), whether the worker holds the trainer's bytes. The issue's
 targets (#51, one H200): wire bytes <= 0.52x bf16, quantization <= 1.5x one dense copy,
@@ -146,7 +148,35 @@ def quantize_cost(args: argparse.Namespace, arrays: dict[str, Any], spec: dict[s
         return statistics.median(walls)
 
     q, g, c = median(quantize), median(grouped), median(copy)
-    return {"quantize_s": q, "grouped_s": g, "copy_s": c, "ratio": q / c, "grouped_ratio": g / c}
+    cost = {"quantize_s": q, "grouped_s": g, "copy_s": c, "ratio": q / c, "grouped_ratio": g / c}
+    if args.engine == "torch":
+        cost["kernel"] = fused_kernel(args)
+        # the same round's quantization on torch's eager ops (what runs without the kernel)
+        before = os.environ.get("WEIGHTWIRE_FP8_KERNEL")
+        os.environ["WEIGHTWIRE_FP8_KERNEL"] = "0"
+        try:
+            ops = median(grouped)
+        finally:
+            if before is None:
+                del os.environ["WEIGHTWIRE_FP8_KERNEL"]
+            else:
+                os.environ["WEIGHTWIRE_FP8_KERNEL"] = before
+        cost |= {"ops_s": ops, "ops_ratio": ops / c}
+    return cost
+
+
+def fused_kernel(args: argparse.Namespace) -> str:
+    """Which path the torch engine's block weights take: the fused CUDA kernel, or torch ops
+    (a CPU run, the switch off, or a kernel that did not compile: the log says why)."""
+    if not args.device.startswith("cuda"):
+        return "torch ops (cpu)"
+    from weightwire.torch_side.sender import quant_cuda
+    from weightwire.trainer import fp8_cuda
+
+    if not quant_cuda.enabled():
+        return "torch ops (WEIGHTWIRE_FP8_KERNEL=0)"
+    index = int(args.device.split(":")[1]) if ":" in args.device else 0
+    return "fused kernel" if fp8_cuda.kernels(index) is not None else "torch ops (no kernel)"
 
 
 def expected_digests(args: argparse.Namespace, tensors: dict[str, Any], fp8: bool) -> dict:
@@ -245,13 +275,28 @@ def table(rows: list[Row], cost: dict, rate: float) -> str:
             f"| {r.backend}{where} | {r.kind} | {r.round_s:.3f} | {base.round_s / r.round_s:.2f}x "
             f"| {r.wire_bytes / 1e6:.1f} | {r.wire_bytes / base.wire_bytes:.3f} | {link} | {ok} |"
         )
-    lines.append(
-        f"\nquantization of every FP8 weight against one dense device copy of them "
-        f"({cost['copy_s'] * 1e3:.1f} ms): as a round runs it (one launch and one device read "
-        f"per layer group) {cost['grouped_s'] * 1e3:.1f} ms, {cost['grouped_ratio']:.2f}x; "
-        f"per tensor (one read each) {cost['quantize_s'] * 1e3:.1f} ms, {cost['ratio']:.2f}x"
-    )
+    lines.append("\n" + quantize_table(cost))
     return "\n".join(lines)
+
+
+def quantize_table(cost: dict) -> str:
+    """The quantization rows: each path against one dense device copy of the same weights."""
+    copy = cost["copy_s"]
+    how = cost.get("kernel", "")
+    rows = [
+        "| quantization of every FP8 weight | ms | x one dense copy |",
+        "|---|---:|---:|",
+        f"| one dense device copy | {copy * 1e3:.1f} | 1.00x |",
+        f"| as a round runs it ({how or 'one launch per layer group'}) "
+        f"| {cost['grouped_s'] * 1e3:.1f} | {cost['grouped_ratio']:.2f}x |",
+        f"| per tensor (quantize_fp8) | {cost['quantize_s'] * 1e3:.1f} | {cost['ratio']:.2f}x |",
+    ]
+    if "ops_s" in cost:
+        rows.append(
+            f"| torch ops (WEIGHTWIRE_FP8_KERNEL=0, as a round runs it) "
+            f"| {cost['ops_s'] * 1e3:.1f} | {cost['ops_ratio']:.2f}x |"
+        )
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5, help="quantize / copy timings")
     ap.add_argument("--check", action="store_true", help="the worker holds the trainer's bytes")
+    ap.add_argument(
+        "--quantize-only", action="store_true", help="the quantization rows only, no rounds"
+    )
     ap.add_argument("--out", help="the table (markdown); the rows as JSON beside it")
     args = ap.parse_args(argv)
     import torch
@@ -283,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     tensors = weights(args)
     cost = quantize_cost(args, native(args, tensors), fp8_spec(tensors))
     print(f"quantize {cost}", flush=True)
+    if args.quantize_only:
+        text = quantize_table(cost)
+        print(text, flush=True)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+            Path(args.out).with_suffix(".json").write_text(json.dumps({"cost": cost}))
+        return 0
     rows: list[Row] = []
     for backend in backends:
         rows += run_backend(args, backend, tensors)

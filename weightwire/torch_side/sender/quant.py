@@ -5,6 +5,11 @@ for what bit identity with vLLM's quantizers rests on), written out in eager tor
 ``per_block_cast_to_fp8``'s arithmetic for ``Fp8Block``, ``input_to_float8``'s for
 ``Fp8PerTensor``. NaN / inf refused, naming the tensor, from the amax's flag: one device
 read per layer group (``launch_fp8``, what ``Fp8Source`` drives), none per tensor.
+
+On a CUDA device the block weights go through the fused kernel (``quant_cuda``: one read
+of each tile, one launch per input dtype of a group; the same bytes) where CuPy compiles
+it and no error stats are asked; per-tensor weights, stats and every other device run the
+eager ops here.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from weightwire.shared.quant import (
 )
 from weightwire.shared.source import WeightSource, as_source
 from weightwire.torch_side.dtypes import wire_name
+from weightwire.torch_side.sender import quant_cuda
 from weightwire.trainer.fp8_source import Fp8Source, LaunchedGroup
 
 _ROUND_DOWN = torch.from_numpy(UE8M0_ROUND_DOWN)
@@ -274,23 +280,29 @@ def launch_fp8(items: Sequence[tuple[str, torch.Tensor, Fp8Scheme]], stats: bool
 
 
 def _launch(items: Sequence[tuple[str, torch.Tensor, Fp8Scheme]], stats: bool) -> LaunchedGroup:
-    """Quantize ``items`` (``(name, x, scheme)``: ``X.weight``s) as eager ops queued on the
-    device, with no host sync until the result's ``settle``. Per weight only the passes
-    over its elements (the block maxima, the scaled cast); the small ops on the scales run
-    once for the group. One flag for the whole group (and the errors) is copied back once,
-    asynchronously on a GPU, so the next group's ops queue meanwhile; only a group that
-    holds NaN or inf reads its per-weight flags, to name them."""
+    """Quantize ``items`` (``(name, x, scheme)``: ``X.weight``s) as eager ops or the fused
+    kernel's launches queued on the device, with no host sync until the result's ``settle``.
+    Per weight only the passes over its elements (the block maxima, the scaled cast; the
+    kernel: one); the small ops on the scales run once for the group. One flag for the whole
+    group (and the errors) is copied back once, asynchronously on a GPU, so the next group's
+    ops queue meanwhile; only a group that holds NaN or inf reads its per-weight flags, to
+    name them."""
     for name, x, scheme in items:
         check_input(name, wire_name(x.dtype), tuple(x.shape), scheme)
         if not isinstance(scheme, Fp8Block | Fp8PerTensor):
             raise TypeError(f"not an FP8 scheme: {scheme!r}")
     names = [name for name, _, _ in items]
-    blocks = [
-        _block_amax(i, x.detach(), scheme)
+    block_items = [
+        (i, x.detach(), scheme)
         for i, (_, x, scheme) in enumerate(items)
         if isinstance(scheme, Fp8Block)
     ]
+    # the fused kernel where it takes them (CUDA, no stats asked); the rest as torch ops
+    fused = {} if stats else quant_cuda.quantize_blocks(block_items)
+    blocks = [_block_amax(i, x, scheme) for i, x, scheme in block_items if i not in fused]
     done: list[Quantized | None] = [None] * len(items)
+    for i, (weight, scale, amax) in fused.items():
+        done[i] = (weight, scale, amax, None)
     for b, sf in zip(blocks, _block_scales(blocks) if blocks else [], strict=True):
         done[b.position] = _quantize_blocks(b, sf, stats)
     for i, (_, x, _) in enumerate(items):
