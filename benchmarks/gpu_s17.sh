@@ -18,6 +18,8 @@ PYT=("$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o addopts="")
 for s in "$@"; do case $s in
   deps) step deps 60 bash -c "'$PY' -m pip install -q --no-index --no-deps --target /tmp/ww-deps .whl/gpu/*.whl && nvidia-smi -L" ;;
   tests) step tests 200 "${PYT[@]}" tests/gpu/test_ipc_strided_batch_gpu.py tests/trainer/test_fp8_quant.py tests/gpu/test_ipc_write_through_gpu.py ;;
+  mid) step mid 200 "${PYT[@]}" tests/gpu/test_fp8_kernel_gpu.py tests/trainer/test_fp8_quant.py tests/gpu/test_ipc_strided_batch_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py ;;
+  fp8q) step fp8q 90 bash -c "'$PY' benchmarks/bench_fp8.py --engine torch --backends weightwire_ipc --quantize-only --reps 5 && '$PY' benchmarks/bench_fp8.py --engine jax --backends weightwire_ipc --quantize-only --reps 5" ;;
   all_gpu) step all_gpu "${ALL_LIMIT:-300}" "${PYT[@]}" tests ;;
   strided) step strided 60 bash -c "'$PY' benchmarks/bench_strided.py --model qwen2-0.5b --reps 10 && '$PY' benchmarks/bench_strided.py --model llama3-8b --reps 5" ;;
   fp8_torch) step fp8_torch 100 "$PY" benchmarks/bench_fp8.py --engine torch --backends weightwire_ipc --rounds 2 --reps 3 --out "$OUT/fp8_torch.md" ;;
