@@ -40,7 +40,7 @@ _HOST = r"""
 #define __device__
 #define __forceinline__ inline
 #define __constant__
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 struct ww_dim { unsigned x; };
 static ww_dim blockIdx, threadIdx, blockDim, gridDim;
 struct alignas(16) uint4 { unsigned x, y, z, w; };

@@ -98,13 +98,15 @@ def block_table(jobs: Sequence[BlockJob]) -> tuple[np.ndarray, int]:
 class Fp8Kernels:
     """The compiled kernels on one CUDA device."""
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, defines: Sequence[str] = ()) -> None:
+        """``defines``: ``-DWW_MIN_BLOCKS=n`` / ``-DWW_HW_CVT=0`` (``bench_fp8_kernel.py``
+        compares them); the defaults are what a round uses."""
         import cupy
 
         self._cp = cupy
         self.device = int(device)
         with cupy.cuda.Device(self.device):
-            module = cupy.RawModule(code=SOURCE, options=("-std=c++17",))
+            module = cupy.RawModule(code=SOURCE, options=("-std=c++17", *defines))
             # get_function compiles the module (NVRTC): a failure raises here, not at launch
             self._kernels = {dtype: module.get_function(name) for dtype, name in KERNELS.items()}
 

@@ -48,6 +48,12 @@ SOURCE = (
     + str(THREADS)
     + r"""
 #endif
+#ifndef WW_MIN_BLOCKS
+#define WW_MIN_BLOCKS 1
+#endif
+#ifndef WW_HW_CVT
+#define WW_HW_CVT 1
+#endif
 typedef unsigned int ww_u32;
 typedef unsigned long long ww_u64;
 
@@ -119,6 +125,20 @@ __device__ __forceinline__ unsigned char ww_e4m3(float f) {
         }
     }
     return (unsigned char)(r | sign);
+}
+
+// two products -> their e4m3 bytes (lo in the low byte). On sm_89+ one hardware
+// conversion (round to nearest even, saturating: the same bytes as ww_e4m3 for every
+// product below 464 and for NaN's class; a block's products stay below 450); elsewhere,
+// and with -DWW_HW_CVT=0, ww_e4m3 twice.
+__device__ __forceinline__ ww_u32 ww_e4m3_pair(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && WW_HW_CVT
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return (ww_u32)r;
+#else
+    return (ww_u32)ww_e4m3(lo) | ((ww_u32)ww_e4m3(hi) << 8);
+#endif
 }
 
 // amax (bits of |x|'s maximum) -> the block's sf, as per_block_cast_to_fp8 computes it
@@ -248,8 +268,9 @@ __device__ __forceinline__ void ww_store_vectors(const ww_row& r, const ww_tile&
             const int rr = i / g.vpr, c = (i - rr * g.vpr) * In::VEC;
             ww_u32 out[2] = {0u, 0u};
 #pragma unroll
-            for (int j = 0; j < In::VEC; ++j) {
-                ww_u32 q = ww_e4m3(ww_mul(__uint_as_float(In::lane(v[k], j)), inv));
+            for (int j = 0; j < In::VEC; j += 2) {
+                ww_u32 q = ww_e4m3_pair(ww_mul(__uint_as_float(In::lane(v[k], j)), inv),
+                                        ww_mul(__uint_as_float(In::lane(v[k], j + 1)), inv));
                 out[j >> 2] |= q << (8 * (j & 3));
             }
             unsigned char* at = dst + (g.row0 + rr) * r.n + g.col0 + c;
@@ -371,15 +392,15 @@ static void ww_quantize(const long long* table, int rows, long long tiles) {
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(WW_THREADS)
+extern "C" __global__ void __launch_bounds__(WW_THREADS, WW_MIN_BLOCKS)
 ww_fp8_block_bf16(const long long* table, int rows, long long tiles) {
     ww_quantize<0>(table, rows, tiles);
 }
-extern "C" __global__ void __launch_bounds__(WW_THREADS)
+extern "C" __global__ void __launch_bounds__(WW_THREADS, WW_MIN_BLOCKS)
 ww_fp8_block_f16(const long long* table, int rows, long long tiles) {
     ww_quantize<1>(table, rows, tiles);
 }
-extern "C" __global__ void __launch_bounds__(WW_THREADS)
+extern "C" __global__ void __launch_bounds__(WW_THREADS, WW_MIN_BLOCKS)
 ww_fp8_block_f32(const long long* table, int rows, long long tiles) {
     ww_quantize<2>(table, rows, tiles);
 }
