@@ -15,8 +15,8 @@ start's answer and the first write, and under every chunk.
 Two numbers per model (medians over ``--rounds`` after a warm-up):
 
 Each model runs twice: the same source buffers every round (a torch trainer's parameters,
-updated in place: the gather tables are reused) and new ones every other round (a JAX
-trainer's step makes new arrays: every chunk's table is built and uploaded again).
+updated in place: the gather tables are reused) and new ones every round (a JAX trainer's
+step makes new arrays: every chunk's table is built and uploaded again).
 
 - ``round``: the whole ``send`` with a start that answers at once: the enqueue path's host
   cost of a round (regions, each chunk's copy plan, table builds and uploads, launches,
@@ -290,18 +290,19 @@ def measure(
     worker.start()
     pipe = IPCWriteThroughPipeline(comm, _Packer(), timeout=30.0)
     chunks = plan(metas, packed=True, buffer_size_bytes=CHUNK)
-    sources: list[list[tuple[int, int]]] = [[], []]  # two places: a JAX step's new buffers
-    for k, at in enumerate((SOURCES_AT, 2 * SOURCES_AT)):
-        for m in metas:
-            n = 2 * int(np.prod(m.shape))
-            sources[k].append((at, n))
-            at += n + 256 - n % 256
+    sources: list[tuple[int, int]] = []
+    at = SOURCES_AT
+    for m in metas:
+        n = 2 * int(np.prod(m.shape))
+        sources.append((at, n))
+        at += n + 256 - n % 256
     turn = [0]
 
     def one(delay: float) -> tuple[float, float, float]:
-        if moving:
-            turn[0] ^= 1
-        tensors = sources[turn[0]]
+        tensors = sources
+        if moving:  # a JAX step's new arrays: buffers never seen before
+            turn[0] += 1
+            tensors = [(ptr + (turn[0] << 36), n) for ptr, n in sources]
         answered: list[float] = []
 
         def begin() -> None:
