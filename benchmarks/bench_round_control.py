@@ -2,12 +2,15 @@
 are on the critical path and what they cost.
 
     python benchmarks/bench_round_control.py [--rounds 60] [--warmup 5] [--json PATH]
+        [--pause-mode keep|abort|wait]
 
 A JAX trainer engine sends the tiny-llama weights (~1 MB: the bytes cost little) to
 ``weightwire serve`` (one replica, its real worker process, ``weightwire_tcp``) with
 ``pause_mode="keep"``: every round is paused as a whole, as a colocated write-through round
 is (the control sequence is the same: pause, start, update beside the bytes, finish, cache
-resets, resume). Every HTTP call of a round is timed on the client (``HTTPWeightSyncClient``'s
+resets, resume). ``--pause-mode abort`` pauses as a write-through round does by default
+(in flight generation cancelled: the start's cancel reaches the worker process too).
+Every HTTP call of a round is timed on the client (``HTTPWeightSyncClient``'s
 per-call path), and the round's calls are merged into *steps*: calls whose time spans overlap
 form one step (the update POST overlaps the transfer and is its own step). Reported per round
 (medians): the round, its ``control`` phase (pause + start, as the engine books it), its
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         help="never use the server's start that pauses nor its finish that resets and resumes "
         "(separate calls, as to stock vLLM)",
     )
+    p.add_argument("--pause-mode", default="keep", choices=("keep", "abort", "wait"))
     args = p.parse_args(argv)
 
     import jax.numpy as jnp
@@ -148,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     with EmbeddedServer("tiny-llama", startup_timeout=180) as server:
         assert server.url is not None
         client = Timed(server.url, timeout=60)
-        info = TrainerInitInfo(backend="weightwire_tcp", pause_mode="keep", timeouts=timeouts)
+        info = TrainerInitInfo(
+            backend="weightwire_tcp", pause_mode=args.pause_mode, timeouts=timeouts
+        )
         engine = JAXTrainerEngine.trainer_init(
             info, client=client, source=DictSource(params, describe)
         )

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.backends.ipc_through_worker import ThroughWorker
@@ -51,7 +52,7 @@ from weightwire.trainer import TrainerInitInfo
 from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.gating import round_pause
 
-H = bytes(range(64))
+H = (7).to_bytes(8, "little") + bytes(range(8, 64))  # maps at 70_000 (a uint64 pointer)
 
 
 def _fused() -> tuple[list[ParamMeta], LandingTable]:
@@ -351,19 +352,18 @@ def test_tensors_are_written_into_the_parameters_after_the_go_and_done_follows()
     assert worker.seen[0] == {"op": "path", "t": 0, "wt": True}
 
 
-def test_a_pause_sent_beside_the_start_is_answered_before_the_first_write() -> None:
+def test_a_go_from_inside_the_start_writes_nothing_before_the_start_answered() -> None:
     metas, table = _fused()
     log, slots, worker, pipe = _setup(table, metas)
     worker.rounds = 2
     worker.start()
     assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)  # the table, accepted
     worker.early = True  # the next round's go comes from inside its start
-    pipe.control_first = True  # the trainer sent the pause beside the start
     log.clear()
 
     def begin() -> None:
         worker.started.release()  # the start: the worker's go goes out
-        time.sleep(0.3)  # the pause beside it is still out
+        time.sleep(0.3)  # the start (and the pause it carries) is still out
         log.append(("begun",))
 
     chunks = plan(metas, packed=True, buffer_size_bytes=100)
@@ -374,6 +374,106 @@ def test_a_pause_sent_beside_the_start_is_answered_before_the_first_write() -> N
     ops = [e[0] for e in log if e[0] in ("begun", "copy")]
     # the worker's go came long before the control plane returned; no write went before it
     assert ops == ["begun", "copy", "copy", "copy"]
+
+
+class KernelCupy(PullCupy):
+    """``PullCupy`` with NVRTC: the gather kernel compiles, each launch is logged, a table's
+    upload is a copy into device memory below the parameters (at 5)."""
+
+    uint64 = np.uint64
+
+    def __init__(self, log: list) -> None:
+        super().__init__(log)
+        self.log = log
+        self.cuda.alloc_pinned_memory = lambda n: bytearray(n)
+        self.cuda.runtime.eventQuery = lambda e: 0
+
+    def RawKernel(self, source: str, name: str) -> Any:  # CuPy's name
+        log = self.log
+
+        class Kernel:
+            def compile(self) -> None:
+                pass
+
+            def __call__(self, grid: Any, block: Any, args: Any, stream: Any = None) -> None:
+                log.append(("launch", name))
+
+        return Kernel()
+
+    def empty(self, n: int, dtype: Any = None) -> Any:
+        return type("A", (), {"data": type("D", (), {"ptr": 5})()})()
+
+
+def test_a_refused_start_writes_nothing_though_the_go_came_and_the_next_round_lands() -> None:
+    # nine small tensors, each its own parameter: the first chunk's copies are one gather
+    # table, staged (planned, uploaded) while the start is out
+    n = 9
+    metas = [ParamMeta(f"t{i}", "uint8", (16,)) for i in range(n)]
+    params = tuple(ParamSlot(f"p{i}", 0, 64 * i, 16, "uint8") for i in range(n))
+    lands = tuple(TensorLands(f"t{i}", (Land(i, (16,), 0, (1,), 0, (1,)),)) for i in range(n))
+    table = LandingTable((Alloc(H, 64 * n),), params, lands)
+    log: list = []
+    fake = KernelCupy(log)
+    slots = IPCSlots(fake, 0, 1000, 2)
+    slots.free_memory()
+    a, b = socket.socketpair()
+    comm = IPCSenderComm(
+        fake, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "write_through"
+    )
+    worker = ThroughWorker(b, metas, table)
+    pipe = IPCWriteThroughPipeline(comm, FakePacker(), timeout=5.0)
+    worker.start()
+    chunks = plan(metas, packed=True, buffer_size_bytes=1000)
+    tensors = [(1_000_000 * (i + 1), 16) for i in range(n)]
+
+    def send(begin: Any) -> Any:
+        prepared = [(c, tensors[c.start : c.stop]) for c in chunks]
+        return pipe.send(Outgoing(prepared, threading.Event(), begin=begin, metas=metas))
+
+    assert send(worker.started.release) == (16 * n, 1)  # the table, accepted
+    worker.join(10)
+    assert [e for e in log if e[0] == "launch"] == [("launch", "weightwire_gather")]
+    params_at = 70_000  # where the fake maps the parameters' allocation
+
+    def writes() -> list:
+        copies = [e for e in log if e[0] == "copy" and e[1] >= params_at]
+        return copies + [e for e in log if e[0] == "launch"]
+
+    class Refused(Exception):
+        pass
+
+    # The worker's go comes from inside its start, then the start is refused (another
+    # replica said no): with everything staged beside the start, still no write.
+    ch = worker.ch
+    refusal = Refused("start_weight_update: 409 another replica refused the round")
+
+    def refused_begin() -> None:
+        ch.send({"op": "go", "t": 0, "early": True})
+        time.sleep(0.2)  # the go is read and the chunk staged meanwhile
+        raise refusal
+
+    for _ in range(2):
+        log.clear()
+        with pytest.raises(Refused) as got:
+            send(refused_begin)
+        assert got.value is refusal  # the start's own error, as without the overlap
+        assert writes() == []  # nothing written into the parameters
+        pipe.settle()  # what a round that failed before its first byte gets (trainer.transfer)
+
+    # The next round lands: the staged tables were let go (the ring is not held by them).
+    def landing_begin() -> None:
+        ch.send({"op": "go", "t": 0, "early": True})
+
+    def done() -> None:
+        ch.expect("done", deadline=time.monotonic() + 10, what="done")
+
+    waiter = threading.Thread(target=done)
+    waiter.start()
+    log.clear()
+    assert send(landing_begin) == (16 * n, 1)
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert [e for e in log if e[0] == "launch"] == [("launch", "weightwire_gather")]
 
 
 def test_a_refusing_worker_gets_its_round_through_its_receive_buffer_and_it_is_logged(

@@ -226,3 +226,17 @@ def test_a_generation_the_api_gives_up_on_is_cancelled_on_the_worker() -> None:
         assert r.alive and r._pending == {}
 
     _run(scenario)
+
+
+def test_a_posted_request_is_read_before_a_later_call_and_its_reply_is_dropped() -> None:
+    async def scenario(r: Replica) -> None:
+        r.post("cancel_call", {"target": 99})  # not awaited: a start's cancel, posted ahead
+        # the stub lists what it was told to cancel: the posted line came first
+        assert await r.call("cancelled", timeout=5) == {
+            "op": "cancelled",
+            "args": {"targets": [99]},
+        }
+        assert r._pending == {} and r.alive  # the post's reply found no one waiting
+        assert await r.call("start", timeout=5) == {"op": "start", "args": {}}
+
+    _run(scenario)

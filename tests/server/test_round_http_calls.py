@@ -118,3 +118,31 @@ def test_each_round_call_tells_the_server_time_it_took(server: Any, tiny_llama: 
 def test_a_server_timing_header_is_read_in_seconds_skipping_what_it_cannot_read() -> None:
     told = parse_server_timing("app;dur=1.500, worker;desc=x;dur=0.25, cache;desc=hit, x;dur=y")
     assert told == {"app": 0.0015, "worker": 0.00025}
+
+
+def test_a_start_that_pauses_with_abort_cancels_a_running_generation(
+    server: Any, tiny_llama: str
+) -> None:
+    """The start's cancel is posted ahead of the start on the worker's pipe (not awaited):
+    a generation running when a round applied in place starts still stops at its next step."""
+    import threading
+    import time
+
+    import httpx
+
+    out: list[httpx.Response] = []
+    body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+    t = threading.Thread(
+        target=lambda: out.append(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+    )
+    t.start()
+    deadline = time.monotonic() + 30
+    while httpx.get(server.url + "/health").json()["replicas"][0]["generations_in_flight"] == 0:
+        assert time.monotonic() < deadline and not out, "the request never reached the replica"
+        time.sleep(0.005)
+    (_, first), _ = rounds(server.url, tiny_llama, stage_budget_bytes=0)
+    assert "start_weight_update?pause=abort" in first
+    t.join(60)
+    assert out and out[0].status_code == 200, out
+    choice = out[0].json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and out[0].json()["usage"]["completion_tokens"] < 240

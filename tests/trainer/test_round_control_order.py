@@ -330,7 +330,6 @@ def test_an_in_place_round_to_a_plugin_worker_sends_pause_and_start_at_once(
         # both answered before the update (and so before any byte)
         assert client.at("exit", "pause", nth) < update
         assert client.at("exit", "start_weight_update", nth) < update
-    assert engine.session.sender is not None and engine.session.sender.control_first
 
 
 def test_a_failed_pause_beside_an_opened_start_breaks_the_engine(

@@ -36,7 +36,10 @@ Prepared = tuple[Chunk, list[Any]]
 """One chunk of the round's plan with its tensors, in wire order."""
 Begin = Callable[[], None] | None
 """Run once, after the first chunk is prepared and before its first byte goes out (the
-trainer's control plane: pause, start, the update POST). If it raises, nothing was sent."""
+trainer's control plane: pause, start, the update POST). If it raises, nothing was sent.
+A data path may run it beside its own preparation (a thread), but writes nothing into a
+worker's serving parameters and announces nothing before it returned: it returns once
+the start answered, so the round is accepted and paused on every server."""
 HostBytes = Callable[[Any], np.ndarray]
 """A tensor's C-order little-endian bytes as a flat ``uint8`` host array."""
 
@@ -269,12 +272,6 @@ class RoundSender(ABC):
     device_pieces: ClassVar[bool] = False
     """A sliced round's pieces are read as device arrays cut on the shard's device
     (``FrameworkHooks.cut_box``), not host bytes: the sender packs them on its device."""
-
-    control_first: bool = False
-    """Set by the trainer for a round whose pause goes out beside its start (both in flight
-    at once): an ``in_place`` sender that may write before ``begin`` returned (a worker's
-    go sent from inside its start) waits for ``begin`` first, so the pause is in effect
-    before its first byte lands."""
 
     @abstractmethod
     def send(self, out: Outgoing) -> Sent:

@@ -21,7 +21,8 @@ before the first byte lands, not one after the other: the pause goes out at once
 helper of its own, the start as above, and ``wait`` returns once both answered. Only for a
 plugin worker, whose start touches no weight (a stock vLLM worker's start opens its
 layerwise reload, so the pause must come first there), and with the data path told to
-hold a write into the serving parameters until both answered (``RoundSender.control_first``).
+hold a write into the serving parameters until both answered (the data path's ``begin``,
+``backends.base.Begin``, returns only then).
 A pause that fails beside a start that opened a round fails the round as one whose start
 opened a round that gets no bytes (the engine needs a new init).
 """

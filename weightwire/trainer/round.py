@@ -241,8 +241,6 @@ def send_early(s: Session, r: Round, pause: RoundPause) -> EarlyStart | None:
     mode, http_s = pause.mode, s.info.timeouts.http_s
     # one call (the reference server's offer)
     if not r.draft and starts_with_pause(s.client, s.caps):
-        if s.sender is not None:
-            s.sender.control_first = False  # the server pauses before it starts
         both = s.client.pause_and_start  # type: ignore[attr-defined]
         return EarlyStart(None, lambda: both(mode), http_s)
     together = pause_beside_start(s)
@@ -252,12 +250,10 @@ def send_early(s: Session, r: Round, pause: RoundPause) -> EarlyStart | None:
 def pause_beside_start(s: Session) -> bool:
     """The round's pause and start go out at once (``trainer.early``: ``together``): both must
     be in effect before the first byte lands, and a plugin worker's start touches no weight.
-    A stock worker's start opens vLLM's layerwise reload: there the pause comes first. The
-    data path is told to hold a write into the serving parameters until both answered."""
-    together = not s.backend.caps.stock_receiver
-    if s.sender is not None:
-        s.sender.control_first = together
-    return together
+    A stock worker's start opens vLLM's layerwise reload: there the pause comes first. No
+    data path writes into the serving parameters before ``begin`` returned (both answered:
+    ``RoundSender.send``)."""
+    return not s.backend.caps.stock_receiver
 
 
 def _start_call(s: Session, r: Round) -> Callable[[], object]:

@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from weightwire.backends.device import DeviceBytes, StreamRef
 from weightwire.backends.ipc.slots import (
     CUDA_EVENT_DISABLE_TIMING,
@@ -98,15 +100,29 @@ class _Table:
 
 @dataclass(frozen=True)
 class _Held:
-    """The copies a ring slot's device table describes, and its row count."""
+    """The copies a ring slot's device table describes (their rows' bytes: one compare),
+    and its row count."""
 
-    srcs: list[int]
-    dsts: list[int]
-    sizes: list[int]
+    copies: bytes
     rows: int
 
-    def same(self, srcs: list[int], dsts: list[int], sizes: list[int]) -> bool:
-        return self.sizes == sizes and self.srcs == srcs and self.dsts == dsts
+
+def _copies(srcs: np.ndarray, dsts: np.ndarray, sizes: np.ndarray) -> bytes:
+    return srcs.tobytes() + dsts.tobytes() + sizes.tobytes()
+
+
+@dataclass
+class StagedRows:
+    """Copies planned by ``GatherCopy.stage`` and not yet enqueued: their own memcpys
+    (``(dst, src, bytes)``) and the gather table the kernel walks, already on the device
+    (``table``, ``rows``, its ring ``slot``) or, where every ring slot still waited for a
+    launch, its rows (``later``: uploaded at ``launch``)."""
+
+    memcpys: list[tuple[int, int, int]]
+    table: Any = None
+    rows: int = 0
+    slot: int = -1
+    later: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 class GatherCopy:
@@ -114,7 +130,12 @@ class GatherCopy:
 
     The caller keeps the source tensors alive and the destination writable until the
     stream passed that point (the pull pipeline holds a chunk's regions until its fill
-    stream settled); ``close`` only after the stream settled."""
+    stream settled); ``close`` only after the stream settled.
+
+    ``stage`` does everything but the writes (the plan, the table's build and upload, which
+    touch only this copier's own memory) and ``launch`` enqueues them: a written-through
+    round stages its first chunk while its start is out and launches once it answered. A
+    staged table's ring slot is not rewritten until it was launched (or ``discard``-ed)."""
 
     def __init__(self, cp: Any, device: int, stream_ptr: int, *, ring: int = _RING) -> None:
         self._cp, self._device, self._stream = cp, int(device), StreamRef(int(stream_ptr))
@@ -126,6 +147,8 @@ class GatherCopy:
         self._next = 0
         self._held: list[_Held | None] = [None] * self._ring
         """Per ring slot: the copies its device table holds."""
+        self._staged = [0] * self._ring
+        """Per ring slot: staged launches that will read its table (not to be rewritten)."""
 
     def copy(
         self,
@@ -139,46 +162,73 @@ class GatherCopy:
 
         They land at ``dst``, ``dst + regions[0].nbytes``, ... in order.
         """
-        srcs: list[int] = []
-        dsts: list[int] = []
-        sizes: list[int] = []
-        off = 0
-        for r in regions:
-            srcs.append(r.ptr)
-            dsts.append(dst + off)
-            sizes.append(r.nbytes)
-            off += r.nbytes
-        self.copy_rows(srcs, dsts, sizes, deadline=deadline, alive=alive)
+        sizes = np.fromiter((r.nbytes for r in regions), dtype=np.int64, count=len(regions))
+        srcs = np.fromiter((r.ptr for r in regions), dtype=np.uint64, count=len(regions))
+        offsets = (np.cumsum(sizes) - sizes).astype(np.uint64)
+        self.copy_rows(srcs, np.uint64(dst) + offsets, sizes, deadline=deadline, alive=alive)
 
     def copy_rows(
         self,
-        all_srcs: list[int],
-        all_dsts: list[int],
-        all_sizes: list[int],
+        all_srcs: Sequence[int] | np.ndarray,
+        all_dsts: Sequence[int] | np.ndarray,
+        all_sizes: Sequence[int] | np.ndarray,
         *,
         deadline: float,
         alive: Callable[[], None],
     ) -> None:
         """Enqueue ``all_sizes[i]`` bytes from ``all_srcs[i]`` to ``all_dsts[i]``, each i."""
-        copy = self._cp.cuda.runtime.memcpyAsync
-        stream = self._stream.ptr
-        srcs: list[int] = []
-        dsts: list[int] = []
-        sizes: list[int] = []
-        for s, d, n in zip(all_srcs, all_dsts, all_sizes, strict=True):
-            if n >= SMALL_BYTES or self._broken:
-                copy(d, s, n, MEMCPY_DEVICE_TO_DEVICE, stream)
-            elif n:
-                srcs.append(s)
-                dsts.append(d)
-                sizes.append(n)
-        if not sizes:
-            return
+        staged = self.stage(all_srcs, all_dsts, all_sizes, deadline=deadline, alive=alive)
+        self.launch(staged, deadline=deadline, alive=alive)
+
+    def stage(
+        self,
+        all_srcs: Sequence[int] | np.ndarray,
+        all_dsts: Sequence[int] | np.ndarray,
+        all_sizes: Sequence[int] | np.ndarray,
+        *,
+        deadline: float,
+        alive: Callable[[], None],
+    ) -> StagedRows:
+        """The copies of ``copy_rows``, planned (and their table uploaded), not enqueued."""
+        srcs = np.asarray(all_srcs, dtype=np.uint64)
+        dsts = np.asarray(all_dsts, dtype=np.uint64)
+        sizes = np.asarray(all_sizes, dtype=np.int64)
+        some = sizes > 0
+        big = some if self._broken else some & (sizes >= SMALL_BYTES)
+        memcpys = list(
+            zip(dsts[big].tolist(), srcs[big].tolist(), sizes[big].tolist(), strict=True)
+        )
+        small = some & ~big
+        if not small.any():
+            return StagedRows(memcpys)
+        srcs, dsts, sizes = srcs[small], dsts[small], sizes[small]
         if len(sizes) < MIN_BATCH or not self._ready():
-            for s, d, n in zip(srcs, dsts, sizes, strict=True):
-                copy(d, s, n, MEMCPY_DEVICE_TO_DEVICE, stream)
+            memcpys += zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True)
+            return StagedRows(memcpys)
+        return self._stage_table(memcpys, srcs, dsts, sizes, deadline=deadline, alive=alive)
+
+    def launch(self, staged: StagedRows, *, deadline: float, alive: Callable[[], None]) -> None:
+        """Enqueue ``staged`` (from ``stage``) on the stream: its memcpys, then the kernel."""
+        copy, stream = self._cp.cuda.runtime.memcpyAsync, self._stream.ptr
+        for d, s, n in staged.memcpys:
+            copy(d, s, n, MEMCPY_DEVICE_TO_DEVICE, stream)
+        if staged.later is not None:
+            srcs, dsts, sizes = staged.later
+            staged = self._stage_table([], srcs, dsts, sizes, deadline=deadline, alive=alive)
+            if staged.later is not None:  # every ring slot still waits for a launch
+                for s, d, n in zip(srcs.tolist(), dsts.tolist(), sizes.tolist(), strict=True):
+                    copy(d, s, n, MEMCPY_DEVICE_TO_DEVICE, stream)
+                return
+        if staged.table is None:
             return
-        self._launch(srcs, dsts, sizes, deadline=deadline, alive=alive)
+        self._run(staged.table, staged.rows)
+        self.discard(staged)
+
+    def discard(self, staged: StagedRows) -> None:
+        """``staged`` will not be launched (or just was): its ring slot may be rewritten."""
+        if staged.table is not None and staged.slot >= 0:
+            self._staged[staged.slot] -= 1
+            staged.slot = -1
 
     def _ready(self) -> bool:
         """Compile the kernel once.
@@ -205,30 +255,32 @@ class GatherCopy:
         self._kernel = kernel
         return True
 
-    def _launch(
+    def _stage_table(
         self,
-        srcs: list[int],
-        dsts: list[int],
-        sizes: list[int],
+        memcpys: list[tuple[int, int, int]],
+        srcs: np.ndarray,
+        dsts: np.ndarray,
+        sizes: np.ndarray,
         *,
         deadline: float,
         alive: Callable[[], None],
-    ) -> None:
-        import numpy as np
-
+    ) -> StagedRows:
         cp = self._cp
+        copies = _copies(srcs, dsts, sizes)
         for slot, held in enumerate(self._held):
             # The same copies as a table still on the device: every later upload into that
             # slot is ordered after this launch on the same stream, so it reads this table.
-            if held is not None and held.same(srcs, dsts, sizes):
-                self._run(self._tables[slot].device, held.rows)
-                return
-        n = np.array(sizes, dtype=np.int64)
-        tiles = (n + (TILE_BYTES - 1)) // TILE_BYTES
+            if held is not None and held.copies == copies:
+                self._staged[slot] += 1
+                return StagedRows(memcpys, self._tables[slot].device, held.rows, slot)
+        tiles = (sizes + (TILE_BYTES - 1)) // TILE_BYTES
         rows = int(tiles.sum())
+        slot = self._next
+        if (rows > self._capacity and any(self._staged)) or self._staged[slot]:
+            # a staged launch still reads that table (or every table, to grow): upload later
+            return StagedRows(memcpys, later=(srcs, dsts, sizes))
         if rows > self._capacity:
             self._grow(rows, deadline=deadline, alive=alive)
-        slot = self._next
         table_slot = self._tables[slot]
         host, dev, event = table_slot.host, table_slot.device, table_slot.event
         self._next = (self._next + 1) % self._ring
@@ -243,21 +295,19 @@ class GatherCopy:
         off = (
             np.arange(rows, dtype=np.int64) - first[seg]
         ) * TILE_BYTES  # a tile's offset in its tensor
-        table[:, 2] = np.minimum(TILE_BYTES, n[seg] - off)
+        table[:, 2] = np.minimum(TILE_BYTES, sizes[seg] - off)
         uoff = off.astype(np.uint64)  # pointers are uint64: int64 + uint64 would go through float64
-        table[:, 0] = np.array(srcs, dtype=np.uint64)[seg] + uoff
-        table[:, 1] = np.array(dsts, dtype=np.uint64)[seg] + uoff
+        table[:, 0] = srcs[seg] + uoff
+        table[:, 1] = dsts[seg] + uoff
         cp.cuda.runtime.memcpyAsync(
             dev.data.ptr, table.ctypes.data, table.nbytes, _MEMCPY_HOST_TO_DEVICE, self._stream.ptr
         )
-        self._run(dev, rows)
-        record(cp, event, self._stream.ptr)
-        # This call's own lists: nobody else changes them.
-        self._held[slot] = _Held(srcs, dsts, sizes, rows)
+        record(cp, event, self._stream.ptr)  # behind the upload: the pinned rows are free then
+        self._held[slot] = _Held(copies, rows)
+        self._staged[slot] += 1
+        return StagedRows(memcpys, dev, rows, slot)
 
     def _run(self, table: Any, rows: int) -> None:
-        import numpy as np
-
         self._kernel(
             (min(rows, _MAX_BLOCKS),), (_THREADS,), (table, np.int64(rows)), stream=self._stream
         )
@@ -286,6 +336,7 @@ class GatherCopy:
         """Free the tables (after the stream settled: a launch may still read them)."""
         tables, self._tables, self._capacity = self._tables, [], 0
         self._held = [None] * self._ring
+        self._staged = [0] * self._ring
         for table in tables:
             try:
                 self._cp.cuda.runtime.eventDestroy(table.event)

@@ -100,6 +100,10 @@ class InProcessPool:
             ) from None
         return [result]
 
+    def post(self, op: str) -> None:
+        """A request nobody awaits: only a start's cancel, and the receiver runs no
+        generation to cancel (a worker answers it on arrival), so nothing is sent."""
+
     async def abort_all(self, timeout: float = 30.0) -> None:
         await asyncio.to_thread(self._receiver.abort)
 

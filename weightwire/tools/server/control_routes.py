@@ -71,12 +71,19 @@ def _pause_routes(app: FastAPI, state: ServerState) -> None:
         return {"is_paused": gate.paused}
 
 
-async def pause_generation(state: ServerState, mode: str) -> None:
+async def pause_generation(state: ServerState, mode: str, *, ahead: bool = False) -> None:
     """What ``/pause?mode=`` does (also asked by a start: ``weight_routes``): hold the gate;
-    ``abort`` cancels what runs, ``wait`` returns once it finished (bounded)."""
+    ``abort`` cancels what runs, ``wait`` returns once it finished (bounded).
+
+    ``ahead`` (a start that pauses): the cancel is posted, not awaited: the start's own call
+    follows it on each worker's pipe, so every worker takes the cancel first, as when its
+    answer was awaited (a cancel is answered at once, on arrival: its answer says no more),
+    and the start costs one worker round trip, not two."""
     gate = state.gate
     gate.pause(mode)
-    if mode == "abort":
+    if mode == "abort" and ahead:
+        state.pool.post("cancel")
+    elif mode == "abort":
         with contextlib.suppress(FanOutError):  # a dead replica has nothing in flight to cancel
             await state.pool.fan_out("cancel", timeout=_CANCEL_TIMEOUT_S)
     elif mode == "wait":

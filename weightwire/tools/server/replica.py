@@ -260,6 +260,17 @@ class Replica:
             self._cancel_on_worker(op, msg_id)
             raise
 
+    def post(self, op: str, args: dict[str, Any] | None = None) -> None:
+        """Send one request whose reply nobody awaits (dropped on arrival, as a late one):
+        written at once, so the worker reads it before any call sent after it (it reads its
+        pipe in order). Without the write lock and without a drain, as ``_cancel_on_worker``:
+        one ``write`` appends a whole line. Nothing is sent to a dead worker."""
+        if self.proc.stdin is None or self._dead_reason is not None:
+            return
+        line = _encode_line({"id": next(self._ids), "op": op, "args": args or {}})
+        with contextlib.suppress(ConnectionError, RuntimeError):  # a closing pipe: going anyway
+            self.proc.stdin.write(line.encode())
+
     def _cancel_on_worker(self, op: str, msg_id: int) -> None:
         """Tell the worker that nobody waits for call ``msg_id`` any more (generations stop at
         their next step). Written without the write lock and without a drain: one

@@ -116,6 +116,13 @@ class ReplicaPool:
             raise FanOutError(op, errors, sorted(secondary))
         return [t.result() for t in tasks]
 
+    def post(self, op: str) -> None:
+        """``op`` to every live replica without awaiting a reply (``Replica.post``): each
+        worker reads it before any call sent after it."""
+        for r in self.replicas:
+            if r.alive:
+                r.post(op)
+
     async def abort_all(self, timeout: float = 30.0) -> None:
         """Tear down every replica's transfer engine now (handled out of band by workers)."""
         await asyncio.gather(

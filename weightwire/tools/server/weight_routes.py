@@ -155,7 +155,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             )
         if mode is not None:  # only once the start's own checks passed: a refusal pauses nothing
             with clock.part("pause"):
-                await pause_generation(state, mode)
+                await pause_generation(state, mode, ahead=True)
         async with session.operation("start_weight_update"):
             with clock.part("worker"):
                 await fan_out_or_fail(

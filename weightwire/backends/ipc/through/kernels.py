@@ -354,27 +354,49 @@ class StridedCopy:
     ) -> None:
         """Enqueue every ``(job, tensor pointer, allocation pointer)``: one launch per dtype
         pair (a lone landing, or batching off: its own launch, as ``launch``)."""
+        self.launch_staged(self.stage_all(jobs, deadline=deadline, alive=alive), stream)
+
+    def stage_all(
+        self,
+        jobs: Sequence[tuple[Launch, int, int]],
+        *,
+        deadline: float,
+        alive: Callable[[], None],
+    ) -> StagedLaunches:
+        """``launch_all``'s launches with their arguments built and their batched tables
+        uploaded (only this copier's memory is written), enqueued by ``launch_staged``."""
         groups: dict[tuple[str, str], list[tuple[Launch, int, int]]] = {}
         for item in jobs:
             if item[0].numel:
                 groups.setdefault(item[0].key, []).append(item)
+        staged = StagedLaunches([], [])
         for key, group in groups.items():
             kernel = self._batch_kernel(key) if self._batch and len(group) > 1 else None
-            if kernel is None:
-                for job, src, dst in group:
-                    self.launch(job, src, dst, stream)
+            put = None
+            if kernel is not None:
+                table, rows, tiles = batch_table(
+                    [(j.row, src + j.src_offset_bytes, dst + j.dst) for j, src, dst in group]
+                )
+                put = self._uploads.put(table, deadline=deadline, alive=alive)
+            if put is None:  # one launch per landing (or every table still awaits its launch)
+                staged.calls.extend(_call(job, src, dst) for job, src, dst in group)
                 continue
-            table, rows, tiles = batch_table(
-                [(j.row, src + j.src_offset_bytes, dst + j.dst) for j, src, dst in group]
-            )
-            device = self._uploads.put(table, deadline=deadline, alive=alive)
-            kernel(
-                (min(tiles, _MAX_BLOCKS),),
-                (_THREADS,),
-                (device, np.int64(rows), np.int64(tiles)),
-                stream=stream,
-            )
-            self._uploads.launched()
+            device, slot = put
+            args = (device, np.int64(rows), np.int64(tiles))
+            staged.calls.append((kernel, (min(tiles, _MAX_BLOCKS),), args))
+            staged.slots.append(slot)
+        return staged
+
+    def launch_staged(self, staged: StagedLaunches, stream: Any) -> None:
+        """Enqueue ``staged`` (from ``stage_all``) on ``stream``."""
+        for kernel, grid, args in staged.calls:
+            kernel(grid, (_THREADS,), args, stream=stream)
+        self.discard(staged)
+
+    def discard(self, staged: StagedLaunches) -> None:
+        """``staged`` will not be launched (or just was): its tables' slots may be rewritten."""
+        slots, staged.slots = staged.slots, []
+        self._uploads.release(slots)
 
     def _batch_kernel(self, key: tuple[str, str]) -> Any:
         """The batched kernel of ``key``, compiled once; None (each landing alone, said
@@ -404,47 +426,63 @@ class StridedCopy:
 
     def launch(self, job: Launch, src: int, dst: int, stream: Any) -> None:
         """Enqueue ``job`` reading the tensor at ``src`` into the allocation at ``dst``."""
-        import numpy as np
-
         if not job.numel:
             return
-        blocks = min(-(-job.numel // _THREADS), _MAX_BLOCKS)
-        job.kernel(
-            (blocks,),
-            (_THREADS,),
-            (
-                np.uint64(src + job.src_offset_bytes),
-                np.uint64(dst + job.dst),
-                job.geo,
-                np.int32(job.ndim),
-                np.int64(job.numel),
-            ),
-            stream=stream,
-        )
+        kernel, grid, args = _call(job, src, dst)
+        kernel(grid, (_THREADS,), args, stream=stream)
+
+
+@dataclass
+class StagedLaunches:
+    """Kernel launches ready to enqueue: ``(kernel, grid, arguments)`` each, and the ring
+    slots of the batched tables they read (held until they were enqueued)."""
+
+    calls: list[tuple[Any, tuple[int], tuple[Any, ...]]]
+    slots: list[int]
+
+
+def _call(job: Launch, src: int, dst: int) -> tuple[Any, tuple[int], tuple[Any, ...]]:
+    """``job``'s own launch reading the tensor at ``src`` into the allocation at ``dst``."""
+    blocks = min(-(-job.numel // _THREADS), _MAX_BLOCKS)
+    args = (
+        np.uint64(src + job.src_offset_bytes),
+        np.uint64(dst + job.dst),
+        job.geo,
+        np.int32(job.ndim),
+        np.int64(job.numel),
+    )
+    return job.kernel, (blocks,), args
 
 
 class _Uploads:
     """A ring of batched tables on the device, each uploaded from pinned memory on the fill
-    stream (the module docstring); ``put`` returns the device table to launch on, then the
-    caller launches and calls ``launched``."""
+    stream (the module docstring); ``put`` returns the device table to launch on and its
+    slot, which the caller ``release``-s once the launch was enqueued (or dropped): a slot
+    with a launch still to come is not rewritten."""
 
     def __init__(self, cp: Any, device: int, stream_ptr: int) -> None:
         self._cp, self._device, self._stream = cp, device, stream_ptr
         self._slots: list[tuple[Any, Any, int]] = []  # pinned host, device table, event
         self._held: list[np.ndarray | None] = [None] * _RING
+        self._staged = [0] * _RING
         self._capacity = 0  # int64s per table
         self._next = 0
-        self._last = 0
 
-    def put(self, table: np.ndarray, *, deadline: float, alive: Callable[[], None]) -> Any:
+    def put(
+        self, table: np.ndarray, *, deadline: float, alive: Callable[[], None]
+    ) -> tuple[Any, int] | None:
+        """``(device table, slot)``; None where the slot to write (or, to grow, any slot)
+        still waits for a launch."""
         for k, held in enumerate(self._held):
             # every later upload into slot k is queued behind the launch that reads it now
             if held is not None and held.size == table.size and np.array_equal(held, table):
-                self._last = k
-                return self._slots[k][1]
+                self._staged[k] += 1
+                return self._slots[k][1], k
+        k = self._next
+        if self._staged[k] or (table.size > self._capacity and any(self._staged)):
+            return None
         if table.size > self._capacity:
             self._grow(table.size, deadline=deadline, alive=alive)
-        k = self._last = self._next
         self._next = (k + 1) % _RING
         host, device, event = self._slots[k]
         self._held[k] = None
@@ -460,11 +498,14 @@ class _Uploads:
         self._cp.cuda.runtime.memcpyAsync(
             device.data.ptr, staged.ctypes.data, table.nbytes, _MEMCPY_HOST_TO_DEVICE, self._stream
         )
+        record(self._cp, event, self._stream)  # behind the upload: the pinned copy is free then
         self._held[k] = table
-        return device
+        self._staged[k] += 1
+        return device, k
 
-    def launched(self) -> None:
-        record(self._cp, self._slots[self._last][2], self._stream)
+    def release(self, slots: Sequence[int]) -> None:
+        for k in slots:
+            self._staged[k] -= 1
 
     def _grow(self, size: int, *, deadline: float, alive: Callable[[], None]) -> None:
         for _, _, event in self._slots:  # an upload from an old table may still be queued
@@ -489,6 +530,7 @@ class _Uploads:
     def close(self) -> None:
         slots, self._slots, self._capacity = self._slots, [], 0
         self._held = [None] * _RING
+        self._staged = [0] * _RING
         for _, _, event in slots:
             try:
                 self._cp.cuda.runtime.eventDestroy(event)

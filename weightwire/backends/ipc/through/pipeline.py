@@ -16,7 +16,12 @@ Per worker and round, the worker's first message says how the round reaches it:
 
 Per chunk the copies into a worker are one gather launch (contiguous runs, cached device
 tables: a torch trainer's rounds reuse them) plus one strided / casting launch per dtype
-pair for the landings that are neither (``kernels``: a table of the chunk's landings).
+pair for the landings that are neither (``kernels``: a table of the chunk's landings);
+each chunk's runs are kept as arrays (``_ChunkCopies``: a round adds its tensors' pointers).
+Nothing is written before the round's ``begin`` returned (the start answered: the round
+accepted and paused on every server, whatever a go said before); the first chunk's copies
+are staged while the start is out (planned, their tables built and uploaded) and launched
+then, so the start's answer is followed by launches only.
 After the last chunk: ``{"op": "done", "e": k}`` once ready event ``k`` was recorded
 behind every copy; the worker's stream waits on it.
 Generation stays refused around every round (``RoundSender.in_place``): a worker's
@@ -27,12 +32,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from weightwire.backends.device import StreamRef
 from weightwire.backends.ipc.channel import check_int
-from weightwire.backends.ipc.gather import GatherCopy
+from weightwire.backends.ipc.gather import GatherCopy, StagedRows
 from weightwire.backends.ipc.pull import ChunkFill, IPCPullPipeline
 from weightwire.backends.ipc.slots import (
     close_mappings,
@@ -42,7 +49,7 @@ from weightwire.backends.ipc.slots import (
     trace,
     wait_event_host,
 )
-from weightwire.backends.ipc.through.kernels import Launch, StridedCopy
+from weightwire.backends.ipc.through.kernels import Launch, StagedLaunches, StridedCopy
 from weightwire.backends.ipc.through.table import LandingTable, plan_copies, read_table
 from weightwire.shared.errors import TransferError
 from weightwire.shared.framing import Chunk
@@ -52,6 +59,19 @@ log = logging.getLogger(__name__)
 
 _RING = 32
 """Gather tables kept on the device: a round of up to this many chunks reuses every one."""
+
+
+@dataclass(frozen=True)
+class _ChunkCopies:
+    """One chunk's copies into one worker, by array: per contiguous run its tensor (index
+    in the chunk), source offset in that tensor, destination pointer and bytes; its strided
+    launches as ``(launch, tensor index in the chunk, allocation pointer)``."""
+
+    tensor: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    strided: list[tuple[Launch, int, int]]
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,41 @@ class _Landed:
     """The round's metadata list it was planned for (the same object every round of a plan)."""
     runs: list[list[tuple[int, int, int]]]
     strided: list[list[tuple[Launch, int]]]
+    chunks: dict[tuple[int, int], _ChunkCopies] = field(default_factory=dict)
+    """Per chunk (its tensors' range), its copies as arrays: built on its first round."""
+
+    def of_chunk(self, chunk: Chunk) -> _ChunkCopies:
+        """Chunk ``chunk``'s copies (built once: every round of a plan cuts the same chunks)."""
+        key = (chunk.start, chunk.stop)
+        known = self.chunks.get(key)
+        if known is not None:
+            return known
+        tensor, src, dst, nbytes = [], [], [], []
+        strided: list[tuple[Launch, int, int]] = []
+        for k, i in enumerate(range(chunk.start, chunk.stop)):
+            for s, d, n in self.runs[i]:
+                tensor.append(k)
+                src.append(s)
+                dst.append(d)
+                nbytes.append(n)
+            strided.extend((launch, k, alloc) for launch, alloc in self.strided[i])
+        made = self.chunks[key] = _ChunkCopies(
+            np.array(tensor, dtype=np.int64),
+            np.array(src, dtype=np.uint64),
+            np.array(dst, dtype=np.uint64),
+            np.array(nbytes, dtype=np.int64),
+            strided,
+        )
+        return made
+
+
+@dataclass
+class _Staged:
+    """One chunk's copies into one worker, staged (``_stage``): launched by ``_launch``."""
+
+    landed: _Landed
+    rows: StagedRows
+    strided: StagedLaunches
 
 
 class _Mappings:
@@ -131,16 +186,40 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         return [w for w, through in enumerate(self._through) if not through]
 
     def _fill_others(self, f: ChunkFill) -> None:
-        """The workers written through: the round's paths first (they decide who pulls)."""
-        if not self._known:
+        """The workers written through: the round's paths first (they decide who pulls).
+
+        Nothing is written into a worker's parameters before ``begin`` returned: the start
+        answered, so the round is accepted and paused on every server (a go sent from
+        inside a start may come long before, and another replica may still refuse that
+        start). Everything else of the first chunk runs while the start is out: its copies
+        are staged (plan, tables built and uploaded) for each worker whose table holds,
+        before its go is even read."""
+        if self._known:
+            for w, through in enumerate(self._through):
+                if through:
+                    self._launch(self._stage(w, f), f)
+            return
+        staged: dict[int, _Staged] = {}
+        try:
+            for w, landed in enumerate(self._landed):
+                if landed is not None and self._planned_for(landed):
+                    staged[w] = self._stage(w, f)
             self._paths(f.deadline, f.alive)
-            if self.control_first and any(self._through):
-                # A go sent from inside the start may precede the pause's answer: the pause
-                # must be in effect before the first write into the serving parameters.
+            for w, through in enumerate(self._through):
+                known = staged.get(w)
+                if known is not None and (not through or known.landed is not self._landed[w]):
+                    self._discard(staged.pop(w))  # its table changed, or it pulls this round
+                if through and w not in staged:
+                    staged[w] = self._stage(w, f)
+            if staged:
                 f.starter.wait()
-        for w, through in enumerate(self._through):
-            if through:
-                self._write(w, f.chunk, f.regions, f.deadline, f.alive)
+        except BaseException:
+            for st in staged.values():
+                self._discard(st)
+            raise
+        trace("wt start answered")
+        for st in staged.values():  # in the order staged: a ring slot is reused in that order
+            self._launch(st, f)
 
     def _end_round(self) -> bool:
         writing = [w for w, through in enumerate(self._through) if through]
@@ -208,11 +287,11 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
     def _holds(self, w: int, go: dict[str, Any]) -> bool:
         """Whether worker ``w``'s accepted table is the one ``go`` names, for this round."""
         landed = self._landed[w]
-        return (
-            landed is not None
-            and go.get("t") == landed.tid
-            and (landed.wire is self._metas or landed.metas == tuple(self._metas))
-        )
+        return landed is not None and go.get("t") == landed.tid and self._planned_for(landed)
+
+    def _planned_for(self, landed: _Landed) -> bool:
+        """Whether ``landed`` was planned for this round's tensors."""
+        return landed.wire is self._metas or landed.metas == tuple(self._metas)
 
     def _table(self, w: int, head: dict[str, Any], deadline: float, alive: Any) -> bool:
         """Read worker ``w``'s ``land`` message; True when its table was accepted."""
@@ -256,29 +335,39 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
 
     # -- the copies -------------------------------------------------------------------------
 
-    def _write(
-        self,
-        w: int,
-        chunk: Chunk,
-        regions: list[Any],
-        deadline: float,
-        alive: Callable[[], None],
-    ) -> None:
+    def _stage(self, w: int, f: ChunkFill) -> _Staged:
+        """Chunk ``f``'s copies into worker ``w``, planned and their tables uploaded (nothing
+        written into its parameters)."""
         landed = self._landed[w]
         assert landed is not None
-        srcs: list[int] = []
-        dsts: list[int] = []
-        sizes: list[int] = []
-        strided: list[tuple[Launch, int, int]] = []
-        for i, region in zip(range(chunk.start, chunk.stop), regions, strict=True):
-            base = region.ptr
-            for src, dst, n in landed.runs[i]:
-                srcs.append(base + src)
-                dsts.append(dst)
-                sizes.append(n)
-            strided.extend((launch, base, alloc) for launch, alloc in landed.strided[i])
-        self._strided.launch_all(strided, self._stream_ref, deadline=deadline, alive=alive)
-        self._runs.copy_rows(srcs, dsts, sizes, deadline=deadline, alive=alive)
+        copies = landed.of_chunk(f.chunk)
+        regions = f.regions
+        bases = np.fromiter((r.ptr for r in regions), dtype=np.uint64, count=len(regions))
+        srcs = bases[copies.tensor] + copies.src
+        rows = self._runs.stage(srcs, copies.dst, copies.nbytes, deadline=f.deadline, alive=f.alive)
+        try:
+            strided = self._strided.stage_all(
+                [(launch, regions[k].ptr, alloc) for launch, k, alloc in copies.strided],
+                deadline=f.deadline,
+                alive=f.alive,
+            )
+        except BaseException:
+            self._runs.discard(rows)
+            raise
+        return _Staged(landed, rows, strided)
+
+    def _launch(self, st: _Staged, f: ChunkFill) -> None:
+        """Enqueue ``st``'s writes (the strided launches, then the runs)."""
+        try:
+            self._strided.launch_staged(st.strided, self._stream_ref)
+        except BaseException:
+            self._runs.discard(st.rows)
+            raise
+        self._runs.launch(st.rows, deadline=f.deadline, alive=f.alive)
+
+    def _discard(self, st: _Staged) -> None:
+        self._strided.discard(st.strided)
+        self._runs.discard(st.rows)
 
     def close(self) -> None:
         try:
