@@ -76,3 +76,32 @@ def test_torch_copy_snapshot_on_the_gpu_is_ordered_after_the_step_and_before_the
     finally:
         release.set()
         engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("snapshot", ["copy", "cow", "none"])
+def test_an_overlapped_round_on_the_gpu_does_not_wait_for_the_next_step(snapshot: str) -> None:
+    """#49: the round reads on its own stream, ordered after the snapshot only: it ends while
+    the trainer's stream still runs the next step (on the default stream it waited for the
+    whole step), and sends the snapshot's bytes."""
+    weights = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda")}
+    server = FakeServer()
+    engine = torch_engine(server, DictSource(weights, describe_tensor), snapshot=snapshot)
+    try:
+        entered, release = gate(server, "start_weight_update")
+        sent = [t.cpu().numpy().tobytes() for t in weights.values()]
+        handle = engine.send_weights(wait=False)
+        if snapshot != "none":  # "none": the caller does not write until the round is done
+            engine.before_update()  # cow: copies first (nothing read yet); copy: a no-op
+            for t in weights.values():
+                t.add_(1.0)
+        torch.cuda._sleep(3_000_000_000)  # the rest of the step: ~1-2 s on the trainer's stream
+        assert entered.wait(10)
+        release.set()
+        handle.result(timeout=30)
+        assert not torch.cuda.current_stream().query()  # the step still runs
+        assert FAKE.comm.broadcasts == sent
+    finally:
+        release.set()
+        torch.cuda.synchronize()
+        engine.shutdown()

@@ -39,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from weightwire.shared.errors import WrongType
 from weightwire.shared.source import WeightSource
-from weightwire.torch_side.sender.snapshot import device_wait
+from weightwire.torch_side.sender.snapshot import RoundStreams, cuda_devices, device_wait
 from weightwire.trainer.overlap import RoundWaitTimeout
 from weightwire.trainer.snapshot import FrozenSource, Snapshot, SnapshotChanged
 
@@ -64,28 +64,37 @@ class CowStats:
 
 
 class _Entry:
-    __slots__ = ("copy", "event", "live", "name", "state", "storage", "version")
+    __slots__ = ("_storage", "copy", "event", "live", "name", "state", "version")
 
     def __init__(self, name: str, live: torch.Tensor) -> None:
         self.name, self.live = name, live
         self.version = live._version
-        self.storage = live.untyped_storage().data_ptr()
+        self._storage: int | None = None  # found when a write first asks (one after the
+        # round ended never does: send_weights pays no storage lookup per tensor)
         self.state = _PENDING
         self.copy: torch.Tensor | None = None
         self.event: Any = None
+
+    @property
+    def storage(self) -> int:
+        if self._storage is None:
+            self._storage = self.live.untyped_storage().data_ptr()
+        return self._storage
 
 
 class CowRound:
     """One round's copy-on-write snapshot (see the module docstring)."""
 
-    def __init__(self, entries: list[_Entry], stats: CowStats, wait_s: float) -> None:
+    def __init__(
+        self, entries: list[_Entry], stats: CowStats, wait_s: float, devices: list[int]
+    ) -> None:
         self._entries = entries
         self._stats = stats
         self._wait_s = wait_s
         self._cond = threading.Condition()
         self._done = False  # the round's data plane read everything, or the round ended
         self._held = 0
-        self.ready = device_wait([e.live for e in entries])
+        self.ready = device_wait(devices)
         """On the round's thread before its first read: the trainer's queued work is done."""
 
     # -- the trainer's thread
@@ -196,9 +205,10 @@ class CowSource(FrozenSource):
 class CowSnapshots:
     """One engine's ``cow`` rounds in flight, and the optimizer hook while there are any."""
 
-    def __init__(self, wait_s: float) -> None:
+    def __init__(self, wait_s: float, streams: RoundStreams | None = None) -> None:
         self.stats = CowStats()
         self._wait_s = wait_s
+        self._streams = streams or RoundStreams(wait_s)
         self._rounds: weakref.WeakSet[CowRound] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._hook: Any = None
@@ -209,8 +219,11 @@ class CowSnapshots:
         for name, tensor in source:
             if not isinstance(tensor, torch.Tensor):
                 raise WrongType(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
-            entries.append(_Entry(name, tensor.detach()))
-        r = CowRound(entries, self.stats, self._wait_s)
+            # detach (a new tensor object, same storage and version counter) only where
+            # autograd could see the round's reads
+            entries.append(_Entry(name, tensor.detach() if tensor.requires_grad else tensor))
+        devices = cuda_devices(e.live for e in entries)
+        r = CowRound(entries, self.stats, self._wait_s, devices)
         with self._lock:
             self._rounds.add(r)
             if self._hook is None:
@@ -229,13 +242,16 @@ class CowSnapshots:
             ready=r.ready,
             release=release,
             before_commit=r.before_commit,
+            context=self._streams.context(devices),
         )
 
     def protect(self, params: Any = None) -> None:
         """Before the trainer writes ``params`` (None: every tensor of the rounds in flight)."""
-        storages = None if params is None else {p.untyped_storage().data_ptr() for p in params}
         with self._lock:
             rounds = list(self._rounds)
+        if not rounds:  # the usual step: the round ended before it
+            return
+        storages = None if params is None else {p.untyped_storage().data_ptr() for p in params}
         for r in rounds:
             r.protect(storages)
 

@@ -7,26 +7,119 @@ every tensor keeps its shape, dtype and device: a round costs one device-to-devi
 per tensor on the trainer's thread, on its current stream, and no allocation.
 ``snapshot="none"`` skips the copy on the caller's promise not to write the parameters
 until the round's handle is done.
+
+Every mode's round runs on its own CUDA stream per device (``RoundStreams``): the round
+thread's device work (the packer's streams wait on the round thread's current stream) is
+then ordered after the snapshot (``ready``, the copies' events) and never after the trainer's
+next step, which it queues meanwhile on its own stream.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
-from weightwire.shared.errors import ConfigError, WrongType
+from weightwire.shared.errors import ConfigError, TransferTimeout, WrongType
 from weightwire.shared.source import WeightSource
+from weightwire.shared.waiting import poll_until
 from weightwire.trainer.snapshot import FrozenSource, Snapshot
 
+logger = logging.getLogger(__name__)
+
 Buffers = dict[str, torch.Tensor]
+
+
+class RoundStreams:
+    """One engine's overlapped rounds' CUDA streams: one per device, made at the first round
+    on it and current on the round thread while a round reads its snapshot (one round runs at
+    a time, on the runner's one thread).
+
+    Why: a thread's current stream starts as the device's default stream, the one a trainer
+    usually queues its steps on, and the round's device work waits on the round thread's
+    current stream (``TorchDevicePacker.regions``). On the default stream a round queued
+    behind the whole next training step (on one H100, a 20 ms round ended after the 400 ms
+    step). On its own stream it waits only for what the snapshot says: ``ready`` (the
+    trainer's work up to ``send_weights``, waited on the host) and a copy's event (``cow``).
+    """
+
+    def __init__(self, wait_s: float) -> None:
+        self._wait_s = wait_s
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def context(self, devices: Sequence[int]) -> Callable[[], AbstractContextManager[Any]]:
+        """What ``Snapshot.context`` enters on the round thread for tensors on ``devices``
+        (CUDA indices; none: nothing to do)."""
+        if not devices:
+            return nullcontext
+        return lambda: self._current(devices)
+
+    @contextmanager
+    def _current(self, devices: Sequence[int]) -> Iterator[None]:
+        here = torch.cuda.current_device()
+        before = [torch.cuda.current_stream(d) for d in devices]
+        ours = [self._stream(d) for d in devices]
+        ended = False
+        try:
+            for stream in ours:
+                torch.cuda.set_stream(stream)  # it also makes the stream's device current
+            torch.cuda.set_device(here)
+            yield
+            ended = True
+        finally:
+            try:
+                # The round's work on our streams may read the snapshot (a copy allocated on
+                # the trainer's stream): done before ``release`` lets the allocator reuse it.
+                for stream in ours:
+                    self._settle(stream, raising=ended)
+            finally:
+                for stream in before:
+                    torch.cuda.set_stream(stream)
+                torch.cuda.set_device(here)
+
+    def _stream(self, device: int) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _settle(self, stream: torch.cuda.Stream, *, raising: bool) -> None:
+        """Until ``stream`` ran its work, bounded; a round that failed keeps its own error
+        (this one is logged)."""
+        bound = self._wait_s
+
+        def expired() -> BaseException:
+            return TransferTimeout(
+                f"the overlapped round's CUDA stream on device {stream.device_index} still had "
+                f"work queued {bound:g} s after the round ended (a hung kernel?): the round's "
+                "outcome stands, its snapshot is released; check the GPU (nvidia-smi) before "
+                "the next round"
+            )
+
+        try:
+            poll_until(stream.query, deadline=time.monotonic() + bound, expired=expired)
+        except TransferTimeout as exc:
+            if raising:
+                raise
+            logger.error("%s", exc)
+
+
+def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The CUDA device indices of ``tensors`` (``get_device``: -1 on the CPU; an int per
+    tensor, no ``torch.device`` object: a snapshot asks this of every tensor)."""
+    return sorted({t.get_device() for t in tensors} - {-1})
 
 
 class CopySnapshots:
     """A pool of buffer sets; ``take`` fills one, the round's end gives it back."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: RoundStreams) -> None:
+        self._streams = streams
         self._free: list[Buffers] = []
         self._in_use: dict[int, Buffers] = {}
         self._lock = threading.Lock()  # the round thread gives back, the trainer's thread takes
@@ -56,9 +149,12 @@ class CopySnapshots:
         # Only this pass's names are kept: a renamed or dropped tensor frees its buffer.
         with self._lock:
             self._in_use[id(kept)] = kept
-        ready = device_wait(kept.values())
+        devices = cuda_devices(kept.values())
         return Snapshot(
-            FrozenSource(metas, pairs), ready=ready, release=lambda: self._give_back(kept)
+            FrozenSource(metas, pairs),
+            ready=device_wait(devices),
+            release=lambda: self._give_back(kept),
+            context=self._streams.context(devices),
         )
 
     def _give_back(self, buffers: Buffers) -> None:
@@ -84,11 +180,12 @@ def copy_into(buffer: torch.Tensor | None, tensor: torch.Tensor) -> torch.Tensor
     return buffer
 
 
-def device_wait(tensors: Any) -> Any:
-    """A callable that blocks until the copies just queued on each CUDA device are done
-    (recorded on the trainer's current streams; the round runs on another thread)."""
+def device_wait(devices: Sequence[int]) -> Callable[[], None]:
+    """A callable that blocks until the work queued so far on each CUDA device's current
+    stream (the trainer's: the last step, a snapshot's copies) is done; the round runs it on
+    its own thread."""
     events = []
-    for device in {t.device for t in tensors if t.is_cuda}:
+    for device in devices:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         events.append(event)
@@ -100,7 +197,7 @@ def device_wait(tensors: Any) -> Any:
     return ready
 
 
-def live(source: WeightSource) -> Snapshot:
+def live(source: WeightSource, streams: RoundStreams) -> Snapshot:
     """``snapshot="none"``: the source itself, read while the round runs (the caller keeps
     the parameters unchanged until the handle is done). The round still waits for the work
     queued so far on the trainer's current CUDA stream, so it reads the last step's values."""
@@ -111,14 +208,6 @@ def live(source: WeightSource) -> Snapshot:
             "full_tensor) would interleave with the training step's collectives; use the "
             'default snapshot="copy" with several trainer processes'
         )
-    events = []
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
-        events.append(event)
-
-    def ready() -> None:
-        for event in events:
-            event.synchronize()
-
-    return Snapshot(source, ready=ready)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = [torch.cuda.current_device()] if cuda else []
+    return Snapshot(source, ready=device_wait(devices), context=streams.context(devices))
