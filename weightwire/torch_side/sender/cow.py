@@ -38,6 +38,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from weightwire.shared.errors import WrongType
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.sender.snapshot import RoundStreams, cuda_devices, device_wait
 from weightwire.trainer.overlap import RoundWaitTimeout
@@ -213,8 +214,10 @@ class CowSnapshots:
         self._lock = threading.Lock()
         self._hook: Any = None
 
-    def take(self, source: WeightSource) -> Snapshot:
-        metas = source.metadata()
+    def take(self, source: WeightSource, metas: list[ParamMeta] | None = None) -> Snapshot:
+        """Reference every tensor of ``source`` and its version now (the trainer's thread);
+        ``metas``: its ``metadata()``, if the caller just read it."""
+        metas = source.metadata() if metas is None else metas
         entries = []
         for name, tensor in source:
             if not isinstance(tensor, torch.Tensor):

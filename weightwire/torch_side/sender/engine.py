@@ -20,6 +20,7 @@ import torch
 from weightwire.backends.base import DevicePacker, LocalShards
 from weightwire.backends.device import DeviceBytes, tensor_device_bytes
 from weightwire.shared.errors import WrongType
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.dtypes import wire_name
@@ -134,7 +135,7 @@ class TorchTrainerEngine(TrainerEngine):
     def device_packer(self, device: int | None) -> DevicePacker:
         return TorchDevicePacker(device)
 
-    def snapshot(self, source: WeightSource) -> Snapshot:
+    def snapshot(self, source: WeightSource, metas: list[ParamMeta] | None = None) -> Snapshot:
         """``snapshot="copy"``: every tensor copied into this engine's reusable buffers;
         ``"cow"``: the live tensors, a tensor copied only before a write the round has not
         read yet (``sender.cow``); ``"none"``: the source itself (see
@@ -142,10 +143,10 @@ class TorchTrainerEngine(TrainerEngine):
         if self.info.snapshot == "none":
             return live(source, self._round_streams())
         if self.info.snapshot == "cow":
-            return self._cow_snapshots().take(source)
+            return self._cow_snapshots().take(source, metas)
         if self._copies is None:
             self._copies = CopySnapshots(self._round_streams())
-        return self._copies.take(source)
+        return self._copies.take(source, metas)
 
 
 class TorchDevicePacker(DevicePacker):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from weightwire.shared.errors import ConfigError, TransferTimeout, WrongType
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.shared.waiting import poll_until
 from weightwire.trainer.snapshot import FrozenSource, Snapshot
@@ -131,12 +132,12 @@ class CopySnapshots:
             sets = [*self._free, *self._in_use.values()]
         return sum(t.nbytes for b in sets for t in b.values())
 
-    def take(self, source: WeightSource) -> Snapshot:
+    def take(self, source: WeightSource, metas: list[ParamMeta] | None = None) -> Snapshot:
         """Copy ``source``'s tensors now (the trainer's thread); the round waits for the copy
         to finish on the device before reading (``Snapshot.ready``)."""
         with self._lock:
             buffers = self._free.pop() if self._free else {}
-        metas = source.metadata()
+        metas = source.metadata() if metas is None else metas
         pairs: list[tuple[str, Any]] = []
         kept: Buffers = {}
         try:
