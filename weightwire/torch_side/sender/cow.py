@@ -40,7 +40,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from weightwire.shared.errors import WrongType
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
-from weightwire.torch_side.sender.snapshot import RoundStreams, cuda_devices, device_wait
+from weightwire.torch_side.sender.snapshot import (
+    RoundStreams,
+    cuda_devices,
+    device_wait,
+    settle,
+)
 from weightwire.trainer.overlap import RoundWaitTimeout
 from weightwire.trainer.snapshot import FrozenSource, Snapshot, SnapshotChanged
 
@@ -95,6 +100,7 @@ class CowRound:
         self._cond = threading.Condition()
         self._done = False  # the round's data plane read everything, or the round ended
         self._held = 0
+        self._devices = devices
         self.ready = device_wait(devices)
         """On the round's thread before its first read: the trainer's queued work is done."""
 
@@ -154,6 +160,11 @@ class CowRound:
         that the optimizer hook waits on: no step it guards has written one yet)."""
         with self._cond:
             try:
+                # The round's device reads of the live tensors ran on its own streams
+                # (``RoundStreams``), not in order with the trainer's: done before a step
+                # this lets go may write them.
+                for device in self._devices:
+                    settle(torch.cuda.current_stream(device), self._wait_s)
                 for e in self._entries:
                     if e.state == _LIVE:
                         self._check(e)

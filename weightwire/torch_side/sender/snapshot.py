@@ -77,7 +77,7 @@ class RoundStreams:
                 # The round's work on our streams may read the snapshot (a copy allocated on
                 # the trainer's stream): done before ``release`` lets the allocator reuse it.
                 for stream in ours:
-                    self._settle(stream, raising=ended)
+                    settle(stream, self._wait_s, raising=ended)
             finally:
                 for stream in before:
                     torch.cuda.set_stream(stream)
@@ -89,25 +89,25 @@ class RoundStreams:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
         return stream
 
-    def _settle(self, stream: torch.cuda.Stream, *, raising: bool) -> None:
-        """Until ``stream`` ran its work, bounded; a round that failed keeps its own error
-        (this one is logged)."""
-        bound = self._wait_s
 
-        def expired() -> BaseException:
-            return TransferTimeout(
-                f"the overlapped round's CUDA stream on device {stream.device_index} still had "
-                f"work queued {bound:g} s after the round ended (a hung kernel?): the round's "
-                "outcome stands, its snapshot is released; check the GPU (nvidia-smi) before "
-                "the next round"
-            )
+def settle(stream: torch.cuda.Stream, bound: float, *, raising: bool = True) -> None:
+    """Until ``stream`` ran the work queued on it, at most ``bound`` seconds
+    (``TransferTimeout``; ``raising=False``: logged, for a round that failed already and
+    keeps its own error)."""
 
-        try:
-            poll_until(stream.query, deadline=time.monotonic() + bound, expired=expired)
-        except TransferTimeout as exc:
-            if raising:
-                raise
-            logger.error("%s", exc)
+    def expired() -> BaseException:
+        return TransferTimeout(
+            f"the overlapped round's CUDA stream on device {stream.device_index} still had "
+            f"work queued after {bound:g} s (a hung kernel?); check the GPU (nvidia-smi) "
+            "before the next round"
+        )
+
+    try:
+        poll_until(stream.query, deadline=time.monotonic() + bound, expired=expired)
+    except TransferTimeout as exc:
+        if raising:
+            raise
+        logger.error("%s", exc)
 
 
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
