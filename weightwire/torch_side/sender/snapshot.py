@@ -140,10 +140,24 @@ class CopySnapshots:
         metas = source.metadata() if metas is None else metas
         pairs: list[tuple[str, Any]] = []
         kept: Buffers = {}
+        # One foreach copy per group instead of one copy_ per tensor (on a GPU ~10 us of the
+        # trainer's thread each: 3-4 ms for a 291-tensor model). A group is bounded so that
+        # a source yielding new tensors (a cast) is not held whole meanwhile.
+        dests: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        held = 0
         try:
             for name, tensor in source:
-                kept[name] = copy_into(buffers.get(name), tensor)
-                pairs.append((name, kept[name]))
+                src = _detached(tensor)
+                buffer = kept[name] = fitting(buffers.get(name), src)
+                pairs.append((name, buffer))
+                dests.append(buffer)
+                srcs.append(src)
+                held += src.nbytes
+                if held >= GROUP_BYTES:
+                    _copy_all(dests, srcs)
+                    dests, srcs, held = [], [], 0
+            _copy_all(dests, srcs)
         except BaseException:
             self._give_back(kept)
             raise
@@ -164,21 +178,34 @@ class CopySnapshots:
             self._free.append(buffers)
 
 
-def copy_into(buffer: torch.Tensor | None, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values in ``buffer`` when it fits (same shape, dtype, device), else in a
-    new contiguous tensor that becomes the buffer."""
+GROUP_BYTES = 1 << 30
+"""The most source bytes one foreach copy of ``CopySnapshots.take`` takes."""
+
+
+def _detached(tensor: Any) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise WrongType(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
-    source = tensor.detach()
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
+def fitting(buffer: torch.Tensor | None, source: torch.Tensor) -> torch.Tensor:
+    """``buffer`` when it can take ``source``'s values (same shape, dtype, device), else a new
+    contiguous tensor that becomes the buffer."""
     if (
         buffer is None
         or buffer.shape != source.shape
         or buffer.dtype != source.dtype
-        or buffer.device != source.device
+        or buffer.is_cuda != source.is_cuda
+        or buffer.get_device() != source.get_device()  # an int: no torch.device per tensor
     ):
         buffer = torch.empty(source.shape, dtype=source.dtype, device=source.device)
-    buffer.copy_(source, non_blocking=source.is_cuda)
     return buffer
+
+
+def _copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dests[i] <- srcs[i]``, queued on the current streams (no host wait on a GPU)."""
+    if dests:
+        torch._foreach_copy_(dests, srcs, non_blocking=True)
 
 
 def device_wait(devices: Sequence[int]) -> Callable[[], None]:
