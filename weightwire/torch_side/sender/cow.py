@@ -42,6 +42,7 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.sender.snapshot import (
     RoundStreams,
+    copy_all,
     cuda_devices,
     device_wait,
     settle,
@@ -112,14 +113,15 @@ class CowRound:
             if self._done:
                 return
             hit = [e for e in self._entries if storages is None or e.storage in storages]
+            # A counter already moved: the round refuses the tensor when it gets there (a copy
+            # now would be of the new values).
+            due = [e for e in hit if e.state == _PENDING and e.live._version == e.version]
+            copies = [torch.empty_like(e.live) for e in due]
+            copy_all(copies, [e.live for e in due])  # one foreach copy, not a clone each
             copied = 0
-            for e in hit:
-                # A counter already moved: the round refuses the tensor when it gets there
-                # (a copy now would be of the new values).
-                if e.state == _PENDING and e.live._version == e.version:
-                    e.copy = e.live.clone()
-                    e.state = _COPIED
-                    copied += e.copy.nbytes
+            for e, c in zip(due, copies, strict=True):
+                e.copy, e.state = c, _COPIED
+                copied += c.nbytes
             if copied:
                 events: dict[torch.device, Any] = {}
                 for e in hit:

@@ -155,9 +155,9 @@ class CopySnapshots:
                 srcs.append(src)
                 held += src.nbytes
                 if held >= GROUP_BYTES:
-                    _copy_all(dests, srcs)
+                    copy_all(dests, srcs)
                     dests, srcs, held = [], [], 0
-            _copy_all(dests, srcs)
+            copy_all(dests, srcs)
         except BaseException:
             self._give_back(kept)
             raise
@@ -202,7 +202,7 @@ def fitting(buffer: torch.Tensor | None, source: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
-def _copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+def copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``dests[i] <- srcs[i]``, queued on the current streams (no host wait on a GPU)."""
     if dests:
         torch._foreach_copy_(dests, srcs, non_blocking=True)
