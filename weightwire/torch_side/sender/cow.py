@@ -8,10 +8,11 @@ in its own order. A write the snapshot sees coming is made safe first:
 
 - every torch optimizer's ``step`` (a global step pre-hook, held while a ``cow`` round is
   in flight): each tensor of that optimizer's parameters the round has not read yet is
-  copied first (on the trainer's current stream, ahead of the step's kernels; the round
-  then sends the copy); if the round was already handed one of them, the step waits until
-  the round's data plane has read everything (its ``before_commit``), bounded by the
-  round's timeout;
+  copied first (one foreach copy on the trainer's current stream, ahead of the step's
+  kernels, no host wait; the round's own stream waits for it, then sends the copy); if the
+  round was already handed one of them, the step waits until the round's data plane has
+  read everything (its ``before_commit``, which also waits for the round's own streams),
+  bounded by the round's timeout;
 - ``TorchTrainerEngine.before_update()``: the same for every tensor of the round, for a
   trainer that writes its parameters without a torch optimizer.
 
