@@ -3,8 +3,9 @@
 A torch optimizer writes its parameters in place, so a round that streams while the next
 step trains must read a copy. ``CopySnapshots`` keeps one set of buffers per round in
 flight (``max_rounds_in_flight``), allocated at the first round and reused after while
-every tensor keeps its shape, dtype and device: a round costs one device-to-device copy
-per tensor on the trainer's thread, on its current stream, and no allocation.
+every tensor keeps its shape, dtype and device: a round costs a device-to-device copy of
+every tensor, queued on the trainer's current stream from its thread (one foreach call per
+group of tensors, no host wait), and no allocation.
 ``snapshot="none"`` skips the copy on the caller's promise not to write the parameters
 until the round's handle is done.
 
