@@ -150,7 +150,7 @@ def test_ipc_overlapped_torch_rounds_do_not_queue_behind_the_next_step(
     snapshot: str, mode: str
 ) -> None:
     """#49: ``send_weights(wait=False)``, then at once the next step writes every tensor in
-    place and keeps the trainer's stream busy for ~1 s: the round sends the call's bytes
+    place and keeps the trainer's stream busy for ~3 s: the round sends the call's bytes
     (the receiver's checksums) and has ended while the step still runs (the round reads on
     its own stream; on the default stream its copies waited for the whole step)."""
     result, _ = _run("torch", "--packed", "1", "--ipc-mode", mode, "--overlap", snapshot)

@@ -158,7 +158,7 @@ def torch_side(spec: list, seed: int) -> tuple[Any, dict[str, Any], Any]:
 
 def overlapped(engine: Any, tensors: dict[str, Any], spec: list, build: Any, r: int) -> Any:
     """One overlapped round: ``send_weights(wait=False)``, then the next step at once (every
-    tensor written in place, after ``before_update``, then ~1 s more on the trainer's stream),
+    tensor written in place, after ``before_update``, then ~3 s more on the trainer's stream),
     then the wait. Returns the round's metrics and whether the step still ran when the round
     had ended (its reads did not queue behind the step)."""
     import torch
@@ -168,7 +168,7 @@ def overlapped(engine: Any, tensors: dict[str, Any], spec: list, build: Any, r: 
     engine.before_update()  # cow: what the round has not read is copied first
     for name, t in tensors.items():
         t.copy_(fresh[name])
-    torch.cuda._sleep(2_000_000_000)
+    torch.cuda._sleep(5_000_000_000)  # ~2.5-3 s: longer than a first round with its set-up
     metrics = handle.result(timeout=300)
     running = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
@@ -203,7 +203,7 @@ def main() -> int:
         choices=("", "copy", "cow"),
         default="",
         help="torch: send_weights(wait=False) with this snapshot, then the next step writes "
-        "every tensor in place and keeps the trainer's stream busy (~1 s) before the wait",
+        "every tensor in place and keeps the trainer's stream busy (~3 s) before the wait",
     )
     args = ap.parse_args()
     spec = shapes(args.mib, args.framework)
