@@ -32,7 +32,12 @@ step hook.
 ``--device cuda``: trainer and a sink receiver on ONE GPU over ``weightwire_ipc`` (the
 control shim of ``bench_ipc.py``; no vLLM needed): synthetic bf16 weights of ``--model``'s HF
 shapes; a training step rewrites every weight (``torch-cow``: after ``before_update()``)
-and runs matmuls for about ``--train-ms``.
+and runs matmuls for about ``--train-ms``. ``--write-at start`` (the default) rewrites first,
+right after ``send_weights(wait=False)`` returned: ``torch-cow`` then copies every tensor the
+round has not read yet (all of them). ``--write-at end`` rewrites after the step's matmuls
+finished, as an optimizer's step ends a training step: a round shorter than the step has
+read everything by then, so ``torch-cow`` copies nothing. The row's ``cow`` field is the
+snapshots' own accounting (bytes copied, the most held, seconds a write waited).
 Besides the stall it reports the step time with and without overlap (the round's copies
 share the GPU with the step).
 """
@@ -266,9 +271,9 @@ def cuda_sender(cfg: dict[str, Any]) -> dict[str, Any]:
     )
     client = ShimClient(cfg["port"], timeout=t + 60)
     if kind == "jax":
-        engine, train = _jax_trainer(params, info, client, cfg["train_ms"])
+        engine, train = _jax_trainer(params, info, client, cfg["train_ms"], cfg["write_at"])
     else:
-        engine, train = _torch_trainer(params, info, client, cfg["train_ms"])
+        engine, train = _torch_trainer(params, info, client, cfg["train_ms"], cfg["write_at"])
     try:
         for i in range(2):
             engine.send_weights(f"w{i}")
@@ -279,12 +284,18 @@ def cuda_sender(cfg: dict[str, Any]) -> dict[str, Any]:
     row.update(
         verify="off (checksums of 16 GB per round)",
         train_ms_target=cfg["train_ms"],
+        write_at=cfg["write_at"],
         extra_bytes=getattr(engine, "snapshot_peak_bytes", 0),
     )
+    cows = getattr(engine, "_cows", None)
+    if cows is not None:  # where a cow round's extra memory and waits came from
+        row.update(cow=vars(cows.stats))
     return row
 
 
-def _jax_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: float) -> Any:
+def _jax_trainer(
+    params: dict[str, Any], info: Any, client: Any, train_ms: float, write_at: str
+) -> Any:
     import jax
     import jax.numpy as jnp
 
@@ -300,17 +311,23 @@ def _jax_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: float
     matmuls = _calibrate(lambda: burn(a).block_until_ready(), train_ms)
 
     def train() -> None:
-        state["params"] = rewrite(state["params"])
+        if write_at == "start":
+            state["params"] = rewrite(state["params"])
         x = a
         for _ in range(matmuls):
             x = burn(x)
+        if write_at == "end":
+            x.block_until_ready()
+            state["params"] = rewrite(state["params"])
         jax.block_until_ready((x, state["params"]))
 
     source = PytreeSource(lambda: state["params"], Naming([Rule("{x}", "{x}")]))
     return JAXTrainerEngine.trainer_init(info, client=client, source=source), train
 
 
-def _torch_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: float) -> Any:
+def _torch_trainer(
+    params: dict[str, Any], info: Any, client: Any, train_ms: float, write_at: str
+) -> Any:
     import torch
 
     from weightwire.tools.bench.sync_models import make_source
@@ -330,14 +347,22 @@ def _torch_trainer(params: dict[str, Any], info: Any, client: Any, train_ms: flo
 
     matmuls = _calibrate(burn_once, train_ms)
 
-    def train() -> None:
+    def write() -> None:
         engine.before_update()  # snapshot="cow": what the round has not read is copied first
         with torch.no_grad():
             for p in params.values():
                 p.mul_(0.999)  # an optimizer writes in place: the snapshot copy is what is sent
+
+    def train() -> None:
+        if write_at == "start":
+            write()
+        with torch.no_grad():
             x = a
             for _ in range(matmuls):
                 x = torch.tanh(x @ x * 1e-4)
+        if write_at == "end":
+            sync()  # the step's compute done, as when a trainer reads its loss before stepping
+            write()
         sync()
 
     engine = TorchTrainerEngine.trainer_init(info, client=client, source=make_source(params))
@@ -368,6 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model", default="llama3-8b", help="cuda: the HF shapes sent")
     ap.add_argument("--train-ms", type=float, default=400.0, help="cuda: a step's compute")
+    ap.add_argument(
+        "--write-at",
+        choices=("start", "end"),
+        default="start",
+        help="cuda: a step rewrites the weights before its compute or after it",
+    )
     ap.add_argument("--timeout", type=float, default=120.0, help="cuda: transfer bound")
     ap.add_argument("--deadline-s", type=float, default=240.0, help="cuda: per engine")
     ap.add_argument("--role", choices=("sender",), help=argparse.SUPPRESS)

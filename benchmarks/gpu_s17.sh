@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One batch of single-GPU work: the lanes and benchmarks written without a GPU.
 #   OUT=/path bash benchmarks/gpu_s17.sh [deps tests strided fp8_torch fp8_jax ipc overlap ...]
+#   (#49: overlap_tests overlap overlap_copy overlap_end)
 # Each step runs under `timeout`, logs to $OUT/<step>.log, appends its exit code to $OUT/summary.txt.
 set -u
 cd "$(dirname "$0")/.."
@@ -27,6 +28,9 @@ for s in "$@"; do case $s in
   ipc) step ipc 170 "$PY" benchmarks/bench_ipc.py --modes default --rounds 5 --deadline-s 160 --out "$OUT/ipc.md" ;;
   ipc_batch) step ipc_batch 120 env WEIGHTWIRE_IPC_STRIDED_BATCH=1 "$PY" benchmarks/bench_ipc.py --modes default --rounds 5 --deadline-s 110 --out "$OUT/ipc_batch.md" ;;
   overlap) step overlap 120 "$PY" benchmarks/bench_overlap.py --device cuda --engines torch-cow --steps 5 --deadline-s 100 --out "$OUT/overlap.md" ;;
+  overlap_copy) step overlap_copy 120 "$PY" benchmarks/bench_overlap.py --device cuda --engines torch --steps 5 --deadline-s 100 --out "$OUT/overlap_copy.md" ;;
+  overlap_end) step overlap_end 120 "$PY" benchmarks/bench_overlap.py --device cuda --engines torch-cow --steps 5 --write-at end --deadline-s 100 --out "$OUT/overlap_end.md" ;;
+  overlap_tests) step overlap_tests 240 "${PYT[@]}" tests/trainer/test_overlap_torch.py tests/trainer/test_overlap_cow.py tests/gpu/test_ipc_gpu.py -k overlap ;;
   delta) step delta 120 "$PY" benchmarks/bench_delta_round.py --backends weightwire_ipc --rounds 2 --out "$OUT/delta_round.md" ;;
   patch) step patch 80 "$PY" benchmarks/bench_patch_apply.py --repeats 3 ;;
 esac; done

@@ -140,6 +140,25 @@ def test_ipc_rounds_arrive_bit_exact_on_one_gpu(framework: str, packed: int, mod
         )
 
 
+OVERLAPPED = [("cow", "push"), ("cow", "pull"), ("copy", "push")]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("snapshot", "mode"), OVERLAPPED, ids=[f"{s}-{m}" for s, m in OVERLAPPED])
+def test_ipc_overlapped_torch_rounds_do_not_queue_behind_the_next_step(
+    snapshot: str, mode: str
+) -> None:
+    """#49: ``send_weights(wait=False)``, then at once the next step writes every tensor in
+    place and keeps the trainer's stream busy for ~3 s: the round sends the call's bytes
+    (the receiver's checksums) and has ended while the step still runs (the round reads on
+    its own stream; on the default stream its copies waited for the whole step)."""
+    result, _ = _run("torch", "--packed", "1", "--ipc-mode", mode, "--overlap", snapshot)
+    rounds = _check_rounds(result, 2)
+    assert result["final_checksums"] == rounds[-1]["digests"]
+    assert [r["step_running"] for r in rounds] == [True, True]
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["pull", "push"])

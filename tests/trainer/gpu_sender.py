@@ -156,6 +156,25 @@ def torch_side(spec: list, seed: int) -> tuple[Any, dict[str, Any], Any]:
     return TorchTrainerEngine, tensors, sha
 
 
+def overlapped(engine: Any, tensors: dict[str, Any], spec: list, build: Any, r: int) -> Any:
+    """One overlapped round: ``send_weights(wait=False)``, then the next step at once (every
+    tensor written in place, after ``before_update``, then ~3 s more on the trainer's stream),
+    then the wait. Returns the round's metrics and whether the step still ran when the round
+    had ended (its reads did not queue behind the step)."""
+    import torch
+
+    fresh = build(spec, 100 + r)[1]  # made before the call: the step itself only writes
+    handle = engine.send_weights(wait=False)
+    engine.before_update()  # cow: what the round has not read is copied first
+    for name, t in tensors.items():
+        t.copy_(fresh[name])
+    torch.cuda._sleep(5_000_000_000)  # ~2.5-3 s: longer than a first round with its set-up
+    metrics = handle.result(timeout=300)
+    running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    return metrics, running
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--address", required=True)
@@ -179,6 +198,13 @@ def main() -> int:
         "--stop-at", type=int, default=-1, help="fault tests: tensor index of round 1 to stop at"
     )
     ap.add_argument("--stop", choices=("", "kill", "pause"), default="")
+    ap.add_argument(
+        "--overlap",
+        choices=("", "copy", "cow"),
+        default="",
+        help="torch: send_weights(wait=False) with this snapshot, then the next step writes "
+        "every tensor in place and keeps the trainer's stream busy (~3 s) before the wait",
+    )
     args = ap.parse_args()
     spec = shapes(args.mib, args.framework)
     metas = [ParamMeta(n, d, s) for n, d, s in spec]
@@ -193,6 +219,7 @@ def main() -> int:
         timeouts=Timeouts(http_s=300, connect_s=120, warmup_s=60, transfer_s=120),
         ipc_release_after_round=bool(args.release),
         ipc_mode=args.ipc_mode,
+        snapshot=args.overlap or "copy",
     )
     engine_cls, tensors, sha = build(spec, 0)
     source = Dict(tensors, metas, stop_at=args.stop_at, stop=args.stop)
@@ -200,19 +227,25 @@ def main() -> int:
     rounds = []
     try:
         for r in range(args.rounds):
-            if r:
+            if r and not args.overlap:  # overlapped: the step after each round wrote new values
                 source.tensors = build(spec, r)[1]  # fresh values every round
                 source.stop_at = -1
             start = time.perf_counter()
+            step_running = None
             try:
-                metrics = engine.send_weights()
+                if args.overlap:
+                    sent = {n: sha(t) for n, t in source.tensors.items()}
+                    metrics, step_running = overlapped(engine, source.tensors, spec, build, r)
+                else:
+                    metrics = engine.send_weights()
             except Exception as exc:  # fault tests read the error the trainer got
                 print(
                     json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True
                 )
                 return 3
             wall = time.perf_counter() - start
-            sent = {n: sha(t) for n, t in source.tensors.items()}
+            if not args.overlap:
+                sent = {n: sha(t) for n, t in source.tensors.items()}
             (reply,) = client.weight_checker("checksum")
             bad = sorted(n for n, d in sent.items() if reply["checksums"].get(n) != d)
             held = getattr(engine.session.sender, "held_bytes", None)
@@ -231,6 +264,7 @@ def main() -> int:
                     "receiver": client.stats(),
                     "weight_version": client.weight_info()[0]["weight_version"],
                     "digests": sent,
+                    "step_running": step_running,
                 }
             )
     finally:

@@ -7,6 +7,7 @@ snapshot copy: ``test_overlap_torch.py``.)"""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import jax.numpy as jnp
@@ -234,6 +235,54 @@ def test_a_failure_after_the_slot_wait_queues_nothing() -> None:
         assert released == ["r1", "r2"] and runner.in_flight() == 0
     finally:
         release.set()
+        runner.close()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_round_reads_its_snapshot_inside_the_snapshot_context_on_the_round_thread(
+    fails: bool,
+) -> None:
+    """#49: ``Snapshot.context`` (torch: the round's own CUDA streams) is entered on the
+    round thread before ``ready`` and left after the round, before ``release``, whether the
+    round committed or failed."""
+    events: list[tuple[str, bool]] = []
+    trainer = threading.current_thread()
+
+    def on_round() -> bool:
+        return threading.current_thread() is not trainer
+
+    class Context:
+        def __enter__(self) -> None:
+            events.append(("enter", on_round()))
+
+        def __exit__(self, *exc: object) -> None:
+            events.append(("exit", on_round()))
+
+    def run(source: Any, version: str, draft: bool, dense: bool, before_commit: Any) -> Any:
+        events.append(("run", on_round()))
+        if fails:
+            raise TransferError("the receiver went away")
+        before_commit()
+        return SimpleNamespace(version=version)
+
+    runner = RoundRunner(run, lambda v: v or "?", limit=1, wait_s=10, abort_link=lambda: None)
+    snap = Snapshot(
+        DictSource({}, describe_tensor),
+        ready=lambda: events.append(("ready", on_round())),
+        release=lambda: events.append(("release", on_round())),
+        before_commit=lambda: events.append(("before_commit", on_round())),
+        context=Context,
+    )
+    try:
+        handle = runner.submit(snap, "c1", False)
+        if fails:
+            with pytest.raises(TransferError, match="the receiver went away"):
+                handle.result()
+        else:
+            assert handle.result().version == "c1"
+        steps = ["enter", "ready", "run", *([] if fails else ["before_commit"]), "exit"]
+        assert events == [(e, True) for e in [*steps, "release"]]
+    finally:
         runner.close()
 
 

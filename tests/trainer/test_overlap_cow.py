@@ -13,6 +13,7 @@ import torch
 
 from tests.trainer.fakes import FAKE, DictSource, FakeServer
 from tests.trainer.overlap_helpers import fresh_comm, gate, round_routes, torch_engine  # noqa: F401
+from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.sender.cow import CowSnapshots
 from weightwire.torch_side.sender.source import ModuleSource, describe_tensor
 from weightwire.trainer.snapshot import SnapshotChanged
@@ -211,4 +212,35 @@ def test_engine_cow_round_on_the_gpu_sends_the_pre_step_bytes() -> None:
         assert FAKE.comm.broadcasts == before
     finally:
         release.set()
+        engine.shutdown()
+
+
+class CountedSource(DictSource):
+    """A ``DictSource`` that counts its ``metadata()`` calls (a module's walks)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors, describe_tensor)
+        self.declared = 0
+
+    def metadata(self) -> list[ParamMeta]:
+        self.declared += 1
+        return super().metadata()
+
+
+@pytest.mark.parametrize("snapshot", ["cow", "copy"])
+def test_send_weights_without_waiting_reads_the_metadata_once(snapshot: str) -> None:
+    """#49: the trainer's thread declares the source once per overlapped round (the served
+    model's check and the snapshot share it); the round thread reads the snapshot's."""
+    weights = {"w": torch.arange(8, dtype=torch.float32), "b": torch.ones(3)}
+    source = CountedSource(weights)
+    server = FakeServer()
+    engine = torch_engine(server, source, snapshot=snapshot)
+    try:
+        source.declared = 0
+        handle = engine.send_weights(wait=False)
+        assert source.declared == 1
+        handle.result()
+        assert source.declared == 1
+        assert FAKE.comm.broadcasts == bytes_of(weights.values())
+    finally:
         engine.shutdown()

@@ -31,6 +31,7 @@ from weightwire.backends.base import DevicePacker, LocalShards
 from weightwire.jax_side.delta import JaxDeltaKernel, Prefix
 from weightwire.jax_side.dtypes import describe as _describe
 from weightwire.jax_side.source import PytreeSource
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaKernel
@@ -149,15 +150,15 @@ class JAXTrainerEngine(TrainerEngine):
 
         return JaxDevicePacker(device)
 
-    def snapshot(self, source: WeightSource) -> Snapshot:
+    def snapshot(self, source: WeightSource, metas: list[ParamMeta] | None = None) -> Snapshot:
         """References, no copy: JAX arrays are immutable (numpy arrays are copied). An
         ``Fp8Source`` is snapshot beneath its quantizer: the round quantizes the arrays of
         the call on its own thread (a sharded ``PytreeSource`` stays sharded)."""
         if isinstance(source, Fp8Source):
-            inner = self.snapshot(source.inner)
+            inner = self.snapshot(source.inner)  # the inner source's metadata is its own
             return dataclasses.replace(inner, source=source.over(inner.source))
         if isinstance(source, PytreeSource):
             return Snapshot(source.frozen())
-        metas = source.metadata()
+        metas = source.metadata() if metas is None else metas
         pairs = [(name, _kept(tensor)) for name, tensor in source]
         return Snapshot(FrozenSource(metas, pairs))

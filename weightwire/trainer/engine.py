@@ -99,7 +99,7 @@ class TrainerEngine(FrameworkHooks):
         self._overlapped = OverlappedRounds(  # send_weights(wait=False)
             self.session,
             self._send_blocking,
-            lambda: self.snapshot(self.source),
+            lambda metas: self.snapshot(self.source, metas),
             self._check_usable,
         )
         self._closed = False
@@ -298,11 +298,13 @@ class TrainerEngine(FrameworkHooks):
                 "send_weights(wait=False) needs a single broadcaster: with a TrainerGroup "
                 "every rank takes part in each round, so its rounds stay blocking"
             )
+        metas = None
         if draft and self.info.is_sender:
             self._check_draft()
         elif self.info.is_sender:  # raised here, not by the handle: nothing was queued
-            self.session.check_fits(self.session.source.metadata())
-        return self._overlapped.send(weight_version, draft, dense)
+            metas = self.session.source.metadata()  # the snapshot's too: one call, not two
+            self.session.check_fits(metas)
+        return self._overlapped.send(weight_version, draft, dense, metas)
 
     def send_patches(
         self, patches: Sequence[SparsePatch], weight_version: str | None = None

@@ -18,6 +18,7 @@ import numpy as np
 from weightwire.backends.base import DevicePacker, LocalShards, SenderParts
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaKernel
@@ -164,8 +165,9 @@ class FrameworkHooks(ABC):
             self.host_bytes(tensor).data
         ).hexdigest()  # .data: the array's memoryview
 
-    def snapshot(self, source: WeightSource) -> Snapshot:
-        """The weights an overlapped round sends, fixed now, on the trainer's thread."""
+    def snapshot(self, source: WeightSource, metas: list[ParamMeta] | None = None) -> Snapshot:
+        """The weights an overlapped round sends, fixed now, on the trainer's thread.
+        ``metas``: ``source.metadata()`` when the caller has just read it (not read again)."""
         raise ConfigError(
             f"{type(self).__name__} cannot take a snapshot for send_weights(wait=False)"
         )

@@ -345,9 +345,10 @@ class RoundRunner:
         try:
             version = self._next_version(job.weight_version)
             job.handle.version = version
-            job.snapshot.ready()
-            source = cancellable(job.snapshot.source, job.stop.event)
-            metrics = self._run(source, version, job.draft, job.dense, _before_commit(job))
+            with job.snapshot.context():
+                job.snapshot.ready()
+                source = cancellable(job.snapshot.source, job.stop.event)
+                metrics = self._run(source, version, job.draft, job.dense, _before_commit(job))
         except BaseException as exc:  # handed to the handle: never lost, never raised here
             error = exc
         self._finish(job, metrics, error)

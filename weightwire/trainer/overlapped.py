@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from weightwire.shared.errors import ConfigError
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.metrics import RoundMetrics
 from weightwire.trainer.overlap import IN_FLIGHT_MODES, RoundHandle, RoundRunner
@@ -28,7 +29,7 @@ class OverlappedRounds:
         self,
         session: Session,
         blocking: Blocking,
-        snapshot: Callable[[], Snapshot],
+        snapshot: Callable[[list[ParamMeta] | None], Snapshot],
         usable: Callable[[], None],
     ) -> None:
         self._s = session
@@ -40,8 +41,15 @@ class OverlappedRounds:
         """``stop`` aborted the link under a running round: a closed link is this trainer's
         doing then, not a server that dropped it (``shutdown`` still tells the servers)."""
 
-    def send(self, weight_version: str | None, draft: bool, dense: bool = False) -> RoundHandle:
-        """Wait for a free slot, take the snapshot, queue the round; its handle."""
+    def send(
+        self,
+        weight_version: str | None,
+        draft: bool,
+        dense: bool = False,
+        metas: list[ParamMeta] | None = None,
+    ) -> RoundHandle:
+        """Wait for a free slot, take the snapshot, queue the round; its handle. ``metas``:
+        the source's ``metadata()`` if the caller just read it (the snapshot's, then)."""
         s = self._s
         if weight_version is not None:
             s.next_version(weight_version)  # a bad version fails here, not on the round thread
@@ -64,7 +72,7 @@ class OverlappedRounds:
         except BaseException:
             runner.raise_unseen()  # a round that failed meanwhile broke the engine: its own error
             raise
-        return runner.submit(self._snapshot(), weight_version, draft, dense)
+        return runner.submit(self._snapshot(metas), weight_version, draft, dense)
 
     def settle(self) -> None:
         """Before a blocking round: the rounds in flight end first (their failure is raised).

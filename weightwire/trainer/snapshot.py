@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,16 +82,20 @@ def _nothing() -> None:
 class Snapshot:
     """The weights one overlapped round sends, fixed when ``send_weights`` was called.
 
-    ``ready`` runs on the round's thread before the first read (torch: waits for the copy
-    into the buffers); ``before_commit`` right before the round's finish goes out, once its
-    data plane has read every tensor (torch ``cow``: the last check that nothing it read was
-    written meanwhile; raising keeps the round from committing); ``release`` runs once the
-    round ended, whatever its outcome (torch: the buffers go back to the pool)."""
+    ``context`` is entered on the round's thread around everything below and exited before
+    ``release`` (torch: the round's own CUDA streams, so that its device work is ordered
+    after the snapshot and never queues behind the trainer's next step); ``ready`` runs on
+    the round's thread before the first read (torch: waits for the copy into the buffers);
+    ``before_commit`` right before the round's finish goes out, once its data plane has read
+    every tensor (torch ``cow``: the last check that nothing it read was written meanwhile;
+    raising keeps the round from committing); ``release`` runs once the round ended,
+    whatever its outcome (torch: the buffers go back to the pool)."""
 
     source: WeightSource
     ready: Callable[[], None] = _nothing
     release: Callable[[], None] = _nothing
     before_commit: Callable[[], None] = _nothing
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext
 
 
 class FrozenSource(WeightSource):

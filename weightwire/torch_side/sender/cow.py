@@ -8,10 +8,11 @@ in its own order. A write the snapshot sees coming is made safe first:
 
 - every torch optimizer's ``step`` (a global step pre-hook, held while a ``cow`` round is
   in flight): each tensor of that optimizer's parameters the round has not read yet is
-  copied first (on the trainer's current stream, ahead of the step's kernels; the round
-  then sends the copy); if the round was already handed one of them, the step waits until
-  the round's data plane has read everything (its ``before_commit``), bounded by the
-  round's timeout;
+  copied first (one foreach copy on the trainer's current stream, ahead of the step's
+  kernels, no host wait; the round's own stream waits for it, then sends the copy); if the
+  round was already handed one of them, the step waits until the round's data plane has
+  read everything (its ``before_commit``, which also waits for the round's own streams),
+  bounded by the round's timeout;
 - ``TorchTrainerEngine.before_update()``: the same for every tensor of the round, for a
   trainer that writes its parameters without a torch optimizer.
 
@@ -38,12 +39,19 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from weightwire.shared.errors import WrongType
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
-from weightwire.torch_side.sender.snapshot import device_wait
+from weightwire.torch_side.sender.snapshot import (
+    RoundStreams,
+    copy_all,
+    cuda_devices,
+    device_wait,
+    settle,
+)
 from weightwire.trainer.overlap import RoundWaitTimeout
 from weightwire.trainer.snapshot import FrozenSource, Snapshot, SnapshotChanged
 
-_PENDING, _LIVE, _COPIED = "pending", "live", "copied"
+_PENDING, _LIVE, _COPIED = 0, 1, 2  # a tensor's state in ``CowRound._states``
 
 
 @dataclass
@@ -63,29 +71,36 @@ class CowStats:
         self.peak = max(self.peak, self.held)
 
 
-class _Entry:
-    __slots__ = ("copy", "event", "live", "name", "state", "storage", "version")
-
-    def __init__(self, name: str, live: torch.Tensor) -> None:
-        self.name, self.live = name, live
-        self.version = live._version
-        self.storage = live.untyped_storage().data_ptr()
-        self.state = _PENDING
-        self.copy: torch.Tensor | None = None
-        self.event: Any = None
-
-
 class CowRound:
-    """One round's copy-on-write snapshot (see the module docstring)."""
+    """One round's copy-on-write snapshot (see the module docstring).
 
-    def __init__(self, entries: list[_Entry], stats: CowStats, wait_s: float) -> None:
-        self._entries = entries
+    Per tensor, parallel lists indexed by its place in the source (no object per tensor: a
+    snapshot is taken on the trainer's thread at every overlapped call, and a few hundred
+    allocations there are also the garbage collector's next pass)."""
+
+    def __init__(
+        self,
+        names: list[str],
+        lives: list[torch.Tensor],
+        stats: CowStats,
+        wait_s: float,
+        devices: list[int],
+    ) -> None:
+        self.names = names
+        self._lives = lives
+        self._versions = [t._version for t in lives]
+        self._storages: list[int] | None = None  # looked up when a write first asks (one
+        # after the round ended never does)
+        self._states = bytearray(len(lives))  # _PENDING
+        self._copies: dict[int, torch.Tensor] = {}
+        self._events: dict[int, Any] = {}  # a CUDA copy's event on the trainer's stream
         self._stats = stats
         self._wait_s = wait_s
         self._cond = threading.Condition()
         self._done = False  # the round's data plane read everything, or the round ended
         self._held = 0
-        self.ready = device_wait([e.live for e in entries])
+        self._devices = devices
+        self.ready = device_wait(devices)
         """On the round's thread before its first read: the trainer's queued work is done."""
 
     # -- the trainer's thread
@@ -95,26 +110,37 @@ class CowRound:
         with self._cond:
             if self._done:
                 return
-            hit = [e for e in self._entries if storages is None or e.storage in storages]
+            lives, states = self._lives, self._states
+            if storages is None:
+                hit: Any = range(len(lives))
+            else:
+                if self._storages is None:
+                    self._storages = [t.untyped_storage().data_ptr() for t in lives]
+                hit = [i for i, ptr in enumerate(self._storages) if ptr in storages]
+            # A counter already moved: the round refuses the tensor when it gets there (a copy
+            # now would be of the new values).
+            versions = self._versions
+            due = [i for i in hit if states[i] == _PENDING and lives[i]._version == versions[i]]
+            copies = [torch.empty_like(lives[i]) for i in due]
+            copy_all(copies, [lives[i] for i in due])  # one foreach copy, not a clone each
             copied = 0
-            for e in hit:
-                # A counter already moved: the round refuses the tensor when it gets there
-                # (a copy now would be of the new values).
-                if e.state == _PENDING and e.live._version == e.version:
-                    e.copy = e.live.clone()
-                    e.state = _COPIED
-                    copied += e.copy.nbytes
+            events: dict[int, Any] = {}
+            for i, c in zip(due, copies, strict=True):
+                self._copies[i] = c
+                states[i] = _COPIED
+                copied += c.nbytes
+                if c.is_cuda:  # one event per device, after every copy of this call
+                    device = c.get_device()
+                    event = events.get(device)
+                    if event is None:
+                        event = events[device] = _stream_event(device)
+                    self._events[i] = event
             if copied:
-                events: dict[torch.device, Any] = {}
-                for e in hit:
-                    if e.state == _COPIED and e.event is None and e.live.is_cuda:
-                        e.event = events.get(e.live.device) or _stream_event(e.live.device)
-                        events[e.live.device] = e.event
                 self._held += copied
                 self._stats.add(copied)
             start = time.monotonic()
             deadline = start + self._wait_s
-            while not self._done and any(e.state == _LIVE for e in hit):
+            while not self._done and any(states[i] == _LIVE for i in hit):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RoundWaitTimeout(
@@ -125,28 +151,31 @@ class CowRound:
             self._stats.waited_s += time.monotonic() - start
 
     # -- the round's thread
-    def pairs(self) -> list[tuple[str, Any]]:
-        return [(e.name, _Read(self, e)) for e in self._entries]
-
-    def read(self, e: _Entry) -> torch.Tensor:
+    def read(self, i: int) -> torch.Tensor:
         with self._cond:
-            if e.state == _COPIED:
-                assert e.copy is not None
-                if e.event is not None:
-                    torch.cuda.current_stream(e.copy.device).wait_event(e.event)
-                return e.copy
-            self._check(e)
-            e.state = _LIVE
-            return e.live
+            if self._states[i] == _COPIED:
+                copy = self._copies[i]
+                event = self._events.get(i)
+                if event is not None:
+                    torch.cuda.current_stream(copy.device).wait_event(event)
+                return copy
+            self._check(i)
+            self._states[i] = _LIVE
+            return self._lives[i]
 
     def before_commit(self) -> None:
         """Every tensor read live still holds the snapshot's version (checked under the lock
         that the optimizer hook waits on: no step it guards has written one yet)."""
         with self._cond:
             try:
-                for e in self._entries:
-                    if e.state == _LIVE:
-                        self._check(e)
+                # The round's device reads of the live tensors ran on its own streams
+                # (``RoundStreams``), not in order with the trainer's: done before a step
+                # this lets go may write them.
+                for device in self._devices:
+                    settle(torch.cuda.current_stream(device), self._wait_s)
+                for i, state in enumerate(self._states):
+                    if state == _LIVE:
+                        self._check(i)
             finally:
                 self._done = True
                 self._cond.notify_all()
@@ -155,62 +184,66 @@ class CowRound:
         with self._cond:
             self._done = True
             self._cond.notify_all()
-            for e in self._entries:
-                e.copy = e.event = None
-                e.live = _GONE
+            self._copies.clear()
+            self._events.clear()
+            self._lives = []
             self._stats.held -= self._held
             self._held = 0
 
-    def _check(self, e: _Entry) -> None:
-        if e.live._version != e.version:
+    def _check(self, i: int) -> None:
+        if self._lives[i]._version != self._versions[i]:
             raise SnapshotChanged(
-                f"{e.name!r} was written in place after send_weights(wait=False) while the "
-                "round could still read it, by a write snapshot='cow' does not watch (not a "
-                "torch optimizer's step, no before_update() first): the round was not "
+                f"{self.names[i]!r} was written in place after send_weights(wait=False) while "
+                "the round could still read it, by a write snapshot='cow' does not watch (not "
+                "a torch optimizer's step, no before_update() first): the round was not "
                 "committed; call engine.before_update() before such writes or use "
                 "snapshot='copy'"
             )
-
-
-_GONE = torch.empty(0)
-
-
-class _Read:
-    """A pair's tensor, resolved when the round reaches it (see ``CowSource``)."""
-
-    __slots__ = ("entry", "round")
-
-    def __init__(self, round_: CowRound, entry: _Entry) -> None:
-        self.round, self.entry = round_, entry
 
 
 class CowSource(FrozenSource):
     """The snapshot's tensors in the source's order, each the live tensor or its copy as
     decided when the round reaches it."""
 
+    def __init__(self, metas: list[ParamMeta], round_: CowRound) -> None:
+        super().__init__(metas, [])
+        self._round = round_
+
+    def __repr__(self) -> str:
+        return f"CowSource({len(self._round.names)} tensors)"
+
     def __iter__(self) -> Any:
-        for name, read in self._pairs:
-            yield name, read.round.read(read.entry)
+        read = self._round.read
+        for i, name in enumerate(self._round.names):
+            yield name, read(i)
 
 
 class CowSnapshots:
     """One engine's ``cow`` rounds in flight, and the optimizer hook while there are any."""
 
-    def __init__(self, wait_s: float) -> None:
+    def __init__(self, wait_s: float, streams: RoundStreams | None = None) -> None:
         self.stats = CowStats()
         self._wait_s = wait_s
+        self._streams = streams or RoundStreams(wait_s)
         self._rounds: weakref.WeakSet[CowRound] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._hook: Any = None
 
-    def take(self, source: WeightSource) -> Snapshot:
-        metas = source.metadata()
-        entries = []
+    def take(self, source: WeightSource, metas: list[ParamMeta] | None = None) -> Snapshot:
+        """Reference every tensor of ``source`` and its version now (the trainer's thread);
+        ``metas``: its ``metadata()``, if the caller just read it."""
+        metas = source.metadata() if metas is None else metas
+        names: list[str] = []
+        lives: list[torch.Tensor] = []
         for name, tensor in source:
             if not isinstance(tensor, torch.Tensor):
                 raise WrongType(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
-            entries.append(_Entry(name, tensor.detach()))
-        r = CowRound(entries, self.stats, self._wait_s)
+            names.append(name)
+            # detach (a new tensor object, same storage and version counter) only where
+            # autograd could see the round's reads
+            lives.append(tensor.detach() if tensor.requires_grad else tensor)
+        devices = cuda_devices(lives)
+        r = CowRound(names, lives, self.stats, self._wait_s, devices)
         with self._lock:
             self._rounds.add(r)
             if self._hook is None:
@@ -225,17 +258,20 @@ class CowSnapshots:
                     self._hook = None
 
         return Snapshot(
-            CowSource(metas, r.pairs()),
+            CowSource(metas, r),
             ready=r.ready,
             release=release,
             before_commit=r.before_commit,
+            context=self._streams.context(devices),
         )
 
     def protect(self, params: Any = None) -> None:
         """Before the trainer writes ``params`` (None: every tensor of the rounds in flight)."""
-        storages = None if params is None else {p.untyped_storage().data_ptr() for p in params}
         with self._lock:
             rounds = list(self._rounds)
+        if not rounds:  # the usual step: the round ended before it
+            return
+        storages = None if params is None else {p.untyped_storage().data_ptr() for p in params}
         for r in rounds:
             r.protect(storages)
 
@@ -243,7 +279,7 @@ class CowSnapshots:
         self.protect(p for group in optimizer.param_groups for p in group["params"])
 
 
-def _stream_event(device: torch.device) -> Any:
+def _stream_event(device: int) -> Any:
     """An event after the work queued so far on the calling thread's current stream."""
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))

@@ -20,12 +20,13 @@ import torch
 from weightwire.backends.base import DevicePacker, LocalShards
 from weightwire.backends.device import DeviceBytes, tensor_device_bytes
 from weightwire.shared.errors import WrongType
+from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.torch_side.sender.cow import CowSnapshots
 from weightwire.torch_side.sender.delta import TorchDeltaKernel
-from weightwire.torch_side.sender.snapshot import CopySnapshots, live
+from weightwire.torch_side.sender.snapshot import CopySnapshots, RoundStreams, live
 from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
 from weightwire.trainer.framework import refuse_other_framework
@@ -43,6 +44,7 @@ class TorchTrainerEngine(TrainerEngine):
 
     _copies: CopySnapshots | None = None
     _cows: CowSnapshots | None = None
+    _streams: RoundStreams | None = None
     framework = "torch"
 
     def before_update(self, params: Any = None) -> None:
@@ -70,8 +72,13 @@ class TorchTrainerEngine(TrainerEngine):
 
     def _cow_snapshots(self) -> CowSnapshots:
         if self._cows is None:
-            self._cows = CowSnapshots(self.info.timeouts.round_s)
+            self._cows = CowSnapshots(self.info.timeouts.round_s, self._round_streams())
         return self._cows
+
+    def _round_streams(self) -> RoundStreams:
+        if self._streams is None:
+            self._streams = RoundStreams(self.info.timeouts.transfer_s)
+        return self._streams
 
     def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
         if not isinstance(tensor, torch.Tensor):
@@ -128,18 +135,18 @@ class TorchTrainerEngine(TrainerEngine):
     def device_packer(self, device: int | None) -> DevicePacker:
         return TorchDevicePacker(device)
 
-    def snapshot(self, source: WeightSource) -> Snapshot:
+    def snapshot(self, source: WeightSource, metas: list[ParamMeta] | None = None) -> Snapshot:
         """``snapshot="copy"``: every tensor copied into this engine's reusable buffers;
         ``"cow"``: the live tensors, a tensor copied only before a write the round has not
         read yet (``sender.cow``); ``"none"``: the source itself (see
         ``TrainerInitInfo.snapshot``)."""
         if self.info.snapshot == "none":
-            return live(source)
+            return live(source, self._round_streams())
         if self.info.snapshot == "cow":
-            return self._cow_snapshots().take(source)
+            return self._cow_snapshots().take(source, metas)
         if self._copies is None:
-            self._copies = CopySnapshots()
-        return self._copies.take(source)
+            self._copies = CopySnapshots(self._round_streams())
+        return self._copies.take(source, metas)
 
 
 class TorchDevicePacker(DevicePacker):
