@@ -21,6 +21,10 @@ for s in "$@"; do case $s in
   tests) step tests 200 "${PYT[@]}" tests/gpu/test_ipc_strided_batch_gpu.py tests/trainer/test_fp8_quant.py tests/gpu/test_ipc_write_through_gpu.py ;;
   mid) step mid 200 "${PYT[@]}" tests/gpu/test_fp8_kernel_gpu.py tests/trainer/test_fp8_quant.py tests/gpu/test_ipc_strided_batch_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py ;;
   fp8q) step fp8q 90 bash -c "'$PY' benchmarks/bench_fp8.py --engine torch --backends weightwire_ipc --quantize-only --reps 5 && '$PY' benchmarks/bench_fp8.py --engine jax --backends weightwire_ipc --quantize-only --reps 5" ;;
+  fp8kvar) step fp8kvar 90 "$PY" benchmarks/bench_fp8_kernel.py --reps 5 ;;
+  fp8qt) step fp8qt 60 "$PY" benchmarks/bench_fp8.py --engine torch --backends weightwire_ipc --quantize-only --reps 5 ;;
+  ipc_before) [ -d _before ] && step ipc_before 120 env PYTHONPATH="$PWD/_before:/tmp/ww-deps:$PWD/_before/benchmarks" "$PY" _before/benchmarks/bench_ipc.py --modes default --rounds 5 --deadline-s 110 --out "$OUT/ipc_before.md" ;;
+  gpu_v) step gpu_v "${ALL_LIMIT:-300}" "${PYT[@]}" -v --durations=20 tests/gpu/test_ipc_write_through_gpu.py tests/gpu/test_ipc_strided_batch_gpu.py tests/gpu/test_fp8_kernel_gpu.py tests/trainer/test_fp8_quant.py tests/trainer/test_overlap_torch.py tests/trainer/test_overlap_cow.py tests/gpu/test_delta_gpu.py tests/gpu/test_delta_cuda_gpu.py tests/torch_side/test_fused_patch.py tests/gpu/test_ipc_gather_gpu.py tests/gpu/test_ipc_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py tests ;;
   all_gpu) step all_gpu "${ALL_LIMIT:-300}" "${PYT[@]}" tests ;;
   strided) step strided 60 bash -c "'$PY' benchmarks/bench_strided.py --model qwen2-0.5b --reps 10 && '$PY' benchmarks/bench_strided.py --model llama3-8b --reps 5" ;;
   fp8_torch) step fp8_torch 100 "$PY" benchmarks/bench_fp8.py --engine torch --backends weightwire_ipc --rounds 2 --reps 3 --out "$OUT/fp8_torch.md" ;;
