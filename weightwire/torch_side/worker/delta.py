@@ -118,12 +118,15 @@ def _bad_concatenated(group: Sequence[StagedPatch], device: torch.device) -> tor
     is exempt from the order check."""
     counts = [p.index.numel() for p in group]
     total = sum(counts)
-    idx = torch.cat([p.index for p in group]).to(torch.int64)
+    # In the wire's dtype (int32): half the bytes of an int64 copy, in every pass below
+    idx = torch.cat([p.index for p in group])
     starts = list(itertools.accumulate(counts))[:-1]  # where patches 2.. begin
     host = torch.tensor([p.patch.numel for p in group] + counts + [s - 1 for s in starts])
     dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     n = len(group)
-    bound = torch.repeat_interleave(dev[:n], dev[n : 2 * n], output_size=total)
+    # A patch's tensor has at most MAX_PATCH_NUMEL elements: its bound fits int32
+    sizes = dev[:n].to(idx.dtype) if idx.dtype in (torch.int32, torch.int64) else dev[:n]
+    bound = torch.repeat_interleave(sizes, dev[n : 2 * n], output_size=total)
     bad = ((idx < 0) | (idx >= bound)).any()
     rising = idx[1:] > idx[:-1]
     if starts:
@@ -167,8 +170,13 @@ def logical_metas(metas: Sequence[ParamMeta], patches: Sequence[Patch]) -> list[
 class PatchSplitter:
     """Splits one update's received chunks: dense pairs go on, patch wire tensors are held.
 
-    The held ``@index`` / ``@values`` views are cloned (their chunk buffer can then go);
-    ``patches`` is filled only once the whole update arrived."""
+    A chunk of patch wire tensors only is held as it landed (views of its buffer, which
+    holds nothing else: every link lands a chunk in memory of its own, never reused under
+    a live view); beside dense tensors, the ``@index`` / ``@values`` views are cloned, so
+    the chunk's buffer can go once those are loaded. A delta round is mostly patches, so
+    its chunks are held without a copy (an 8B round's 582 wire tensors: as many launches
+    and 0.94 GB of device copies saved on a GPU). ``patches`` is filled only once the
+    whole update arrived."""
 
     def __init__(
         self, patches: Sequence[Patch], *, observe: Callable[[Pairs], None] | None
@@ -184,11 +192,11 @@ class PatchSplitter:
     def split(self, chunks: Iterator[Pairs]) -> Iterator[Pairs]:
         for pairs in chunks:
             dense: Pairs = []
+            held: Pairs = []
             for name, tensor in pairs:
-                if name in self._by_wire:
-                    self._parts[name] = tensor.clone()
-                else:
-                    dense.append((name, tensor))
+                (held if name in self._by_wire else dense).append((name, tensor))
+            for name, tensor in held:
+                self._parts[name] = tensor.clone() if dense else tensor
             if not dense:
                 continue
             if self._observe is not None:

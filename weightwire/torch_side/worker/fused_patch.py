@@ -102,7 +102,9 @@ def _apply_each(
         flat = flats[p.target.storage]
         where = p.index.to(device=device, dtype=torch.int64)
         if p.target.offset:
-            where = where + p.target.offset
+            # in place on the int64 copy (the staged index itself is never written)
+            owned = where is not p.index
+            where = where.add_(p.target.offset) if owned else where + p.target.offset
         flat.view(word).index_put_((where,), _bits(flat, p.values, device, word))
         launched += 1
     return launched
