@@ -23,7 +23,8 @@ torch peak since the round's start, the IPC receive pool), ``digests`` (per Hugg
 tensor, read back out of the fused parameters), ``incomplete``, ``floor`` (the physical floor of
 a round: one device copy of every Hugging Face tensor into its place in the fused parameters),
 ``seconds`` (the last round's start / update / finish calls as this worker timed them; the
-finish after its device sync). ``WEIGHTWIRE_STUB_PROFILE=PATH`` profiles those calls.
+finish after its device sync). ``WEIGHTWIRE_STUB_PROFILE=PATH`` profiles those calls;
+``WEIGHTWIRE_STUB_PROBE=1`` times the round's steps too (``probe_steps``).
 """
 
 from __future__ import annotations
@@ -332,6 +333,8 @@ def serve(
     memory: dict[str, int] = {}
     seconds: dict[str, float] = {}  # the last round's weight calls, as this worker timed them
     profile = _Profile.of_env()
+    if os.environ.get("WEIGHTWIRE_STUB_PROBE"):
+        probe_steps(seconds, device)
 
     def pool_bytes() -> int:
         held = getattr(getattr(getattr(engine, "_core", None), "_link", None), "held_bytes", None)
@@ -406,6 +409,55 @@ def _timed(op: str, seconds: dict[str, float]) -> Iterator[None]:
         yield
     finally:
         seconds[op] = seconds.get(op, 0.0) + time.perf_counter() - start
+
+
+PROBED = (
+    # (module, class, method, key): a worker round's steps, outermost first
+    ("weightwire.torch_side.worker.core", "_ReceiverCore", "_resolve", "plan"),
+    ("weightwire.torch_side.worker.core", "_ReceiverCore", "_check_spec", "spec"),
+    ("weightwire.torch_side.worker.core", "_ReceiverCore", "_patch_step", "sink"),
+    ("weightwire.torch_side.worker.core", "_ReceiverCore", "_admit_patches", "admit"),
+    ("weightwire.torch_side.worker.strategy", "StagedRound", "receive", "receive"),
+    ("weightwire.torch_side.worker.strategy", "StreamingRound", "receive", "receive"),
+    ("weightwire.torch_side.worker.delta", None, "check_indices", "check"),
+    ("weightwire.torch_side.worker.strategy", "StagedRound", "commit", "commit"),
+    ("weightwire.torch_side.worker.strategy", "StreamingRound", "commit", "commit"),
+    ("weightwire.torch_side.worker.landing", "LoaderMap", "patch_all", "apply"),
+)
+"""The steps ``WEIGHTWIRE_STUB_PROBE=1`` times (``probe_steps``)."""
+
+
+def probe_steps(seconds: dict[str, float], device: torch.device) -> None:
+    """Time each of ``PROBED``'s steps of every round into ``seconds["w.<key>"]`` (summed
+    over the round; nested steps are counted in their callers too). On a GPU the device is
+    synchronized before and after each step, so a step's device work is its own (the round
+    runs slower: a probe, not a benchmark). With ``WEIGHTWIRE_IPC_TRACE`` each step also
+    leaves ``w.<key>>`` / ``w.<key><`` marks for ``benchmarks/ipc_timeline.py``."""
+    import importlib
+
+    from weightwire.backends.ipc.slots import trace
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def timed(fn: Any, key: str) -> Any:
+        def probe(*args: Any, **kwargs: Any) -> Any:
+            sync()
+            trace(f"w.{key}>")
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync()
+                seconds[f"w.{key}"] = seconds.get(f"w.{key}", 0.0) + time.perf_counter() - start
+                trace(f"w.{key}<")
+
+        return probe
+
+    for module_name, cls_name, method, key in PROBED:
+        module = importlib.import_module(module_name)
+        owner = module if cls_name is None else getattr(module, cls_name)
+        # a module function is looked up in its module at each call (``PatchSplitter``)
+        setattr(owner, method, timed(getattr(owner, method), key))
 
 
 class _Profile:
