@@ -246,6 +246,29 @@ def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> No
     assert _outcome(patches, concat=True) == _outcome(patches, concat=False)
 
 
+@pytest.mark.parametrize("concat", [True, False])
+def test_the_index_check_spans_int32s_whole_range(concat: bool) -> None:
+    """The check runs in the wire's int32: a tensor of MAX_PATCH_NUMEL elements takes its
+    last index and refuses the one past it (only the patch's declared shape is read)."""
+    top = 2**31 - 1
+    check_indices([_staged("big", top, [0, top - 1])], concat=concat)  # nothing raised
+    with pytest.raises(ValueError, match="'big': an index is outside its 2147483647"):
+        check_indices([_staged("big", top, [0, top])], concat=concat)
+    with pytest.raises(ValueError, match="'big': an index is outside"):
+        check_indices([_staged("a", 4, [1]), _staged("big", top, [-1, 5])], concat=concat)
+
+
+def test_an_offset_patch_leaves_the_held_index_as_received() -> None:
+    """A patch landing at an offset of its storage adds the offset to a copy of its indices:
+    an int64 index (held as received, maybe a view of the chunk) is not written."""
+    flat = torch.zeros(16)
+    for dtype in (torch.int32, torch.int64):
+        idx = torch.tensor([0, 2], dtype=dtype)
+        apply_fused({"s": flat}, [FusedPatch(PatchTarget("s", 8), idx, torch.ones(2))])
+        assert idx.tolist() == [0, 2] and idx.dtype == dtype
+    assert flat.nonzero().view(-1).tolist() == [8, 10]
+
+
 def test_a_patch_may_start_below_the_previous_ones_last_index() -> None:
     patches = [_staged("a", 10, [3, 9]), _staged("b", 4, []), _staged("c", 10, [0, 1])]
     check_indices(patches, concat=True)  # nothing raised

@@ -404,11 +404,17 @@ def _timed(op: str, seconds: dict[str, float]) -> Iterator[None]:
         return
     if op == "start_weight_update":
         seconds.clear()
+    from weightwire.backends.ipc.slots import dump_trace, trace
+
+    trace(f"w.{op}>")  # WEIGHTWIRE_IPC_TRACE: the calls on benchmarks/ipc_timeline.py's timeline
     start = time.perf_counter()
     try:
         yield
     finally:
         seconds[op] = seconds.get(op, 0.0) + time.perf_counter() - start
+        trace(f"w.{op}<")
+        if op == "finish_weight_update":
+            dump_trace("worker")
 
 
 PROBED = (

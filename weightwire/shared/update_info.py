@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from weightwire.shared.delta import Patch, check_patches, check_token
 from weightwire.shared.dtypes import wire_dtype
@@ -55,6 +55,10 @@ class UpdateInfo(StrictInfo):
     boxes it wants. Its ``@index`` / ``@values`` wire tensors then reach it as ``[share]``
     (flat indices into the whole checkpoint tensor, increasing), not ``[nnz]``; a worker
     checks it got exactly its share. Left out of the body when None."""
+
+    _patch_list: ClassVar[tuple[Patch, ...]] = ()
+    """The patches as ``__post_init__`` checked them (set per instance; not a field, so
+    never in the body)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
