@@ -267,10 +267,23 @@ def round_phases(
 def probe_base(trainer: Any, base_s: list[float], cuda: bool) -> None:
     """``--probe``: time the trainer's base refresh outside the fused extraction (a dense
     round's snapshot of every tensor, a delta round's tensor sent dense) into ``base_s[0]``,
-    each call device-synchronized."""
+    each call device-synchronized; mark the extraction for ``WEIGHTWIRE_IPC_TRACE``."""
     import torch
 
-    kernel = trainer._delta.tracker.kernel  # the engine's own DeltaTracker
+    from weightwire.backends.ipc.slots import trace
+
+    tracker = trainer._delta.tracker  # the engine's own DeltaTracker
+    build = tracker.build
+
+    def traced(*a: Any) -> Any:  # the extraction on ipc_timeline.py's timeline
+        trace("t.extract>")
+        try:
+            return build(*a)
+        finally:
+            trace("t.extract<")
+
+    tracker.build = traced
+    kernel = tracker.kernel
     for method in ("snapshot", "refresh"):
         fn = getattr(kernel, method)
 

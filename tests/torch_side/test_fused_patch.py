@@ -216,12 +216,12 @@ def _outcome(patches: list[StagedPatch], concat: bool) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> None:
     """The receipt check over a round's indices concatenated (a GPU's way) refuses exactly
-    what the per-patch check refuses, naming the same patch: out of range at either end,
-    repeated or falling within a patch; a patch starting below the previous one's last index
-    (a different tensor) and empty patches pass."""
+    what the per-patch check refuses, naming the same patch: out of range at either end or
+    over a rising run's half, repeated or falling within a patch; a patch starting below the
+    previous one's last index (a different tensor) and empty patches pass."""
     g = torch.Generator().manual_seed(seed)
     patches = []
     for i in range(int(torch.randint(1, 6, (), generator=g))):
@@ -233,7 +233,7 @@ def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> No
                 ).tolist()
             )
         )
-        fault = int(torch.randint(0, 6, (), generator=g))
+        fault = int(torch.randint(0, 7, (), generator=g))
         if idx and fault == 1:
             idx[-1] = numel  # one past the end
         elif idx and fault == 2:
@@ -242,6 +242,12 @@ def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> No
             idx[1] = idx[0]  # repeated
         elif len(idx) > 2 and fault == 4:
             idx[1], idx[2] = idx[2], idx[1]  # falling
+        elif idx and fault == 5:
+            idx = [
+                i + numel - idx[len(idx) // 2] for i in idx
+            ]  # rising, its upper half past the end
+        elif len(idx) > 1 and fault == 6:
+            idx = [i - idx[-1] for i in idx]  # rising, all but the last below 0
         patches.append(_staged(f"p{i}", numel, idx))
     assert _outcome(patches, concat=True) == _outcome(patches, concat=False)
 

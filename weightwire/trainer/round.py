@@ -490,7 +490,8 @@ class SoleRounds:
             source = rewrapped(source, s.framework.sliced_source)
         wire: Wire = SoleWire(s, sole, source, remap)
         slicing = s.slicing
-        patches = patch_entries(fields)
+        # read back for the workers' wants only (a session without them: not parsed again)
+        patches = patch_entries(fields) if slicing is not None else []
         # Every worker wants every tensor whole (TP=1): the broadcast, nothing else asked.
         if (
             slicing is not None
