@@ -18,6 +18,19 @@ warm-up, side by side:
 - ``dense copy``: one ``copy_`` of every destination parameter into a buffer of its size
   (the floor the issue compares with: the payload's destination tensors copied once).
 
+Before the application, on receipt (``update_weights``), the same rows time what the worker
+does with the patches there, each until its host sync:
+
+- ``index check``: ``delta.check_indices`` over the round's patches, concatenated (the
+  GPU's path, taken here on any device): one order check, each patch's first and last
+  index against its bounds, one sync;
+- ``index check, per-index bound (before)``: the formulation it replaced, each index
+  compared with its tensor's size expanded by ``repeat_interleave`` (int64), which CUDA
+  runs one warp per patch;
+- ``copy every wire tensor (before)``: one ``clone`` per ``@index`` / ``@values`` tensor,
+  what the worker's ``PatchSplitter`` did to every received patch (it now holds a chunk of
+  patches only as it landed).
+
 ``exact``: a twin model patched one by one holds the fused model's bits (``--no-check``
 skips the twin, which doubles the memory).
 """
@@ -37,7 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.torch_side.fake_llama import SHAPES, FakeLlama, hf_shapes  # noqa: E402
+from weightwire.shared.delta import Patch  # noqa: E402
 from weightwire.shared.meta import ParamMeta  # noqa: E402
+from weightwire.torch_side.worker.delta import StagedPatch, check_indices  # noqa: E402
 from weightwire.torch_side.worker.landing import LoaderMap, record_loader_map  # noqa: E402
 
 Patches = list[tuple[str, torch.Tensor, torch.Tensor]]
@@ -82,6 +97,23 @@ def model_and_map(shape: str, device: torch.device) -> tuple[FakeLlama, LoaderMa
     return model, record_loader_map(model, metas)
 
 
+def bound_check_before(patches: list[StagedPatch], device: torch.device) -> bool:
+    """The receipt check as it was: every index against its tensor's size, expanded per
+    index (``repeat_interleave``, int64), then the order check; one host sync."""
+    counts = [p.index.numel() for p in patches]
+    total = sum(counts)
+    idx = torch.cat([p.index for p in patches]).to(torch.int64)
+    starts = [sum(counts[: i + 1]) for i in range(len(counts) - 1)]
+    host = torch.tensor([p.patch.numel for p in patches] + counts + [s - 1 for s in starts])
+    dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    n = len(patches)
+    bound = torch.repeat_interleave(dev[:n], dev[n : 2 * n], output_size=total)
+    bad = ((idx < 0) | (idx >= bound)).any()
+    rising = idx[1:] > idx[:-1]
+    rising.index_fill_(0, dev[2 * n :], True)
+    return bool(bad | ~rising.all())
+
+
 def same_bits(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     pb = dict(b.named_parameters())
     return all(
@@ -124,7 +156,28 @@ def main() -> None:
         for s, d in zip(scratch, dests, strict=True):
             s.copy_(d)
 
+    shapes = hf_shapes(shape)
+    staged = [
+        StagedPatch(Patch(name, "bfloat16", shapes[name], idx.numel()), idx, vals)
+        for name, idx, vals in patches
+        if idx.numel()
+    ]
+
+    def check() -> None:
+        check_indices(staged, concat=True)  # the GPU's path, on any device here
+
+    def check_before() -> None:
+        assert not bound_check_before(staged, device)
+
+    def copies_before() -> None:
+        for _, idx, vals in patches:
+            idx.clone()
+            vals.clone()
+
     rows = {
+        "index check": timed(check, device, args.repeats),
+        "index check, per-index bound (before)": timed(check_before, device, args.repeats),
+        "copy every wire tensor (before)": timed(copies_before, device, args.repeats),
         "one by one": timed(one_by_one, device, args.repeats),
         "fused": timed(fused, device, args.repeats),
         "fused, per patch": timed(each, device, args.repeats),
@@ -151,6 +204,7 @@ def main() -> None:
     print("| path | ms | x dense copy | scatters |")
     print("|---|---:|---:|---:|")
     counts = {"one by one": "per landing", "dense copy": "-"}
+    counts.update((k, "-") for k in rows if k.startswith(("index check", "copy every")))
     counts.update((k, str(v)) for k, v in launched.items())
     for k, v in med.items():
         print(f"| {k} | {v:.2f} | {v / med['dense copy']:.2f}x | {counts[k]} |")
