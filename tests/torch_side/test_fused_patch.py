@@ -21,6 +21,7 @@ from weightwire.torch_side.worker.fused_patch import (
     WORD,
     FusedPatch,
     PatchTarget,
+    _offsets,
     apply_fused,
 )
 from weightwire.torch_side.worker.landing import record_loader_map
@@ -201,6 +202,19 @@ def test_storage_indices_past_int32(concat: bool) -> None:
     )
     assert [int(big[at]) for at in (far - 1, far, far + 1, far + 5, far + 6)] == [0, 1, 2, 3, 0]
     assert int(big[2**31 + 39]) == 9
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_offsets_scan_repeats_each_patchs_offset_once_per_index(seed: int) -> None:
+    """The concatenated path's per-index storage offsets (a step per patch, summed) are each
+    patch's offset repeated over its indices, empty patches and offsets past int32 included."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 9, (), generator=g))
+    counts = torch.randint(0, 4, (n,), generator=g).tolist()
+    offsets = (torch.randint(0, 2**33, (n,), generator=g) * (seed % 2)).tolist()
+    got = _offsets(offsets, counts, sum(counts), torch.device("cpu"))
+    want = torch.repeat_interleave(torch.tensor(offsets), torch.tensor(counts))
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
 
 
 def _staged(name: str, numel: int, index: list[int]) -> StagedPatch:
