@@ -410,9 +410,10 @@ def _payloads(s: Session, r: Round) -> tuple[list[dict[str, Any]], bool]:
         same = s.features.reuse_metadata and s.sent.get(SentKey(r.draft, turn.src)) == turn.metas
         same &= not extra.get("patches")  # a delta round's patches name their wire tensors
         reused &= same
-        # One construction, one validation (a delta round lists hundreds of wire tensors)
+        # One construction, one validation (a delta round lists hundreds of wire tensors);
+        # the round's fields override, as they did replacing a built info's
         listing = {} if same else _listing(turn.metas)
-        payloads.append(UpdateInfo(src=turn.src, **listing, **extra).to_dict())
+        payloads.append(UpdateInfo(**{"src": turn.src, **listing, **extra}).to_dict())
     return payloads, reused
 
 
