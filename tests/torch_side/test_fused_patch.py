@@ -222,7 +222,7 @@ def _staged(name: str, numel: int, index: list[int]) -> StagedPatch:
     return StagedPatch(Patch(name, "float32", (numel,), len(index)), idx, torch.ones(len(index)))
 
 
-def _outcome(patches: list[StagedPatch], concat: bool) -> str:
+def _outcome(patches: list[StagedPatch], concat: bool | None) -> str:
     try:
         check_indices(patches, concat=concat)
     except ValueError as exc:
@@ -230,12 +230,9 @@ def _outcome(patches: list[StagedPatch], concat: bool) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> None:
-    """The receipt check over a round's indices concatenated (a GPU's way) refuses exactly
-    what the per-patch check refuses, naming the same patch: out of range at either end or
-    over a rising run's half, repeated or falling within a patch; a patch starting below the
-    previous one's last index (a different tensor) and empty patches pass."""
+def _random_case(seed: int) -> list[StagedPatch]:
+    """A round's patches on the host, maybe one of them bad: out of range at either end or
+    over a rising run's half, repeated or falling within a patch."""
     g = torch.Generator().manual_seed(seed)
     patches = []
     for i in range(int(torch.randint(1, 6, (), generator=g))):
@@ -263,7 +260,27 @@ def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> No
         elif len(idx) > 1 and fault == 6:
             idx = [i - idx[-1] for i in idx]  # rising, all but the last below 0
         patches.append(_staged(f"p{i}", numel, idx))
+    return patches
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> None:
+    """The receipt check over a round's indices concatenated (a GPU's way) refuses exactly
+    what the per-patch check refuses, naming the same patch: out of range at either end or
+    over a rising run's half, repeated or falling within a patch; a patch starting below the
+    previous one's last index (a different tensor) and empty patches pass."""
+    patches = _random_case(seed)
     assert _outcome(patches, concat=True) == _outcome(patches, concat=False)
+
+
+@pytest.mark.gpu
+def test_the_index_check_on_cuda_agrees_with_the_per_patch_one_on_the_host() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    for seed in range(60):
+        patches = _random_case(seed)
+        on_gpu = [StagedPatch(p.patch, p.index.cuda(), p.values.cuda()) for p in patches]
+        assert _outcome(on_gpu, concat=None) == _outcome(patches, concat=False), seed
 
 
 @pytest.mark.parametrize("concat", [True, False])
