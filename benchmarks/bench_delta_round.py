@@ -68,6 +68,8 @@ class Row:
     ok: bool
     floor_s: float | None = None  # ipc: one device copy into the serving parameters
     extra: dict[str, Any] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    """Median seconds per phase (``PHASES``): the trainer's clock, the worker's calls."""
 
     @property
     def round_s(self) -> float:
@@ -85,6 +87,7 @@ class Bench:
         self.link = ShapedLink(args.rate_mb_s * 1e6) if backend == TCP else None
         self.proc, self.client = self._worker()
         self.before = self._allocated()
+        self.base_s = [0.0]  # --probe: this round's base refresh (device-synchronized)
         try:
             self.trainer = self._trainer()
         except BaseException:
@@ -95,6 +98,8 @@ class Bench:
         from weightwire.testing.loopback import spawn_loopback_cmd
 
         env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        if self.args.probe:
+            env["WEIGHTWIRE_STUB_PROBE"] = "1"
         cmd = ["-m", "tests.torch_side.vllm_stub", "--backend", self.backend]
         cmd += ["--device", self.args.device, "--shape", self.args.shape]
         proc, client = spawn_loopback_cmd(cmd, env=env, timeout=300)
@@ -117,7 +122,10 @@ class Bench:
             delta="auto",
             device=0 if self.cuda else None,  # ipc: the default auto pulls in a delta session
         )
-        return engine.trainer_init(info, client=self.client, source=make_source(self.params))
+        trainer = engine.trainer_init(info, client=self.client, source=make_source(self.params))
+        if self.args.probe:
+            probe_base(trainer, self.base_s, self.cuda)
+        return trainer
 
     def _allocated(self) -> int:
         if not self.cuda:
@@ -143,19 +151,29 @@ class Bench:
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        walls, metrics, links = [], [], []
+        from weightwire.backends.ipc.slots import dump_trace, trace
+
+        walls, metrics, links, phases = [], [], [], []
         for i in range(self.args.warmup + self.args.rounds):
             self.current = cycle[i % len(cycle)]
             self.params.update(self.sets.native[self.current])
             sent = self.link.forwarded() if self.link else 0
+            self.base_s[0] = 0.0
+            trace(f"send> {self.backend} {kind}")  # WEIGHTWIRE_IPC_TRACE: ipc_timeline.py's rounds
             start = time.perf_counter()
             m = self.trainer.send_weights(dense=kind == "dense")
             wall = time.perf_counter() - start
+            trace("send<")
+            dump_trace("trainer")
+            got = round_phases(wall, m.seconds, self.client.call("seconds"), self.base_s[0])
             if i >= self.args.warmup:
                 walls.append(wall)
                 metrics.append(m)
                 links.append(self.link.forwarded() - sent if self.link else 0)
+                phases.append(got)
+            shown = " ".join(f"{k}={v * 1e3:.1f}" for k, v in got.items() if k != "total")
             print(f"  {self.backend} {kind} round {i}: {wall:.3f} s, {m.summary()}", flush=True)
+            print(f"    phases ms: {shown}", flush=True)
         trainer_extra = self._trainer_extra()
         mem = self.client.call("memory")
         worker_extra = mem["peak"] - mem["baseline"] + mem.get("pool", 0) if mem else None
@@ -173,6 +191,7 @@ class Bench:
             worker_extra=worker_extra,
             ok=self._holds(),
             extra={"wire_bytes_each": [m.wire_bytes for m in metrics]},
+            phases={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[-1]},
         )
 
     def _trainer_extra(self) -> int | None:
@@ -211,6 +230,75 @@ class Bench:
                 self.proc.kill()
             if self.link is not None:
                 self.link.close()
+
+
+PHASES = (
+    # (key, what): the trainer's RoundMetrics phases, then the worker's calls as it timed them
+    ("total", "send_weights() wall"),
+    ("metadata", "trainer: the round's plan and update info"),
+    ("extract", "trainer: delta extraction on the device (the base refreshed in the same pass)"),
+    ("base", "trainer (--probe): base refresh outside extraction (a dense round's snapshot)"),
+    ("control", "trainer: pause + start_weight_update"),
+    ("transfer", "trainer: the data path beside the update POST, until the worker received"),
+    ("w.update", "worker: update_weights (checks, receive, patches held and checked)"),
+    ("finish", "trainer: finish_weight_update (+ resume)"),
+    ("w.finish", "worker: finish_weight_update (patches applied) + its device sync"),
+    ("other", "total less the trainer phases above"),
+)
+"""The phase breakdown's columns; ``--probe`` adds the worker's steps (``w.<step>``, see
+``tests/torch_side/vllm_stub.py:PROBED``: each device-synchronized, so the round is slower)."""
+
+
+def round_phases(
+    wall: float, trainer: dict[str, float], worker: dict[str, float], base: float
+) -> dict[str, float]:
+    """One round's phases in seconds (``PHASES`` then the worker's probed steps)."""
+    out = {"total": wall, **{k: trainer.get(k, 0.0) for k in ("metadata", "extract")}}
+    out["base"] = base
+    out.update({k: trainer.get(k, 0.0) for k in ("control", "transfer")})
+    out["w.update"] = worker.get("update_weights", 0.0)
+    out["finish"] = trainer.get("finish", 0.0)
+    out["w.finish"] = worker.get("finish_weight_update", 0.0)
+    out["other"] = wall - sum(trainer.values())
+    out.update({k: v for k, v in sorted(worker.items()) if k.startswith("w.")})
+    return out
+
+
+def probe_base(trainer: Any, base_s: list[float], cuda: bool) -> None:
+    """``--probe``: time the trainer's base refresh outside the fused extraction (a dense
+    round's snapshot of every tensor, a delta round's tensor sent dense) into ``base_s[0]``,
+    each call device-synchronized; mark the extraction for ``WEIGHTWIRE_IPC_TRACE``."""
+    import torch
+
+    from weightwire.backends.ipc.slots import trace
+
+    tracker = trainer._delta.tracker  # the engine's own DeltaTracker
+    build = tracker.build
+
+    def traced(*a: Any) -> Any:  # the extraction on ipc_timeline.py's timeline
+        trace("t.extract>")
+        try:
+            return build(*a)
+        finally:
+            trace("t.extract<")
+
+    tracker.build = traced
+    kernel = tracker.kernel
+    for method in ("snapshot", "refresh"):
+        fn = getattr(kernel, method)
+
+        def timed(*a: Any, _fn: Any = fn) -> Any:
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                return _fn(*a)
+            finally:
+                if cuda:
+                    torch.cuda.synchronize()
+                base_s[0] += time.perf_counter() - start
+
+        setattr(kernel, method, timed)
 
 
 @dataclass
@@ -278,6 +366,21 @@ def table(rows: list[Row], rate: float) -> str:
     return "\n".join(lines)
 
 
+def phase_table(rows: list[Row]) -> str:
+    """Where each row's round went: median ms per phase (``PHASES``, then probed steps)."""
+    keys = [k for k, _ in PHASES]
+    keys += sorted({k for r in rows for k in r.phases} - set(keys))
+    lines = [
+        "| backend | round | " + " | ".join(keys) + " |",
+        "|---|---|" + "---:|" * len(keys),
+    ]
+    for r in rows:
+        cells = [f"{r.phases[k] * 1e3:.1f}" if k in r.phases else "-" for k in keys]
+        lines.append(f"| {r.backend} | {r.kind} | " + " | ".join(cells) + " |")
+    legend = "; ".join(f"{k}: {what}" for k, what in PHASES)
+    return "\n".join(lines) + f"\n\nms, median per row. {legend}."
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default=None, help="cuda:0 when a GPU is there, else cpu")
@@ -289,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", help="the table (markdown); the rows as JSON beside it")
+    ap.add_argument(
+        "--probe",
+        action="store_true",
+        help="also time the worker's round steps and the trainer's base refresh, each "
+        "device-synchronized (slower rounds: where the time goes, not how fast)",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -341,6 +450,8 @@ def run_backend(args: argparse.Namespace, backend: str, sets: WeightSets) -> lis
 def report(rows: list[Row], note: str, args: argparse.Namespace) -> None:
     """Print the table so far and write it (and the rows as JSON) to ``--out``."""
     text = table(rows, args.rate_mb_s * 1e6) + (f"\n\n{note.strip()}" if note else "")
+    if rows:
+        text += "\n\n" + phase_table(rows)
     print(text, flush=True)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -18,6 +18,24 @@ warm-up, side by side:
 - ``dense copy``: one ``copy_`` of every destination parameter into a buffer of its size
   (the floor the issue compares with: the payload's destination tensors copied once).
 
+Before the application, on receipt (``update_weights``), the same rows time what the worker
+does with the patches there, each until its host sync:
+
+- ``index check``: ``delta.check_indices`` over the round's patches, concatenated (the
+  GPU's path, taken here on any device): one order check, each patch's first and last
+  index against its bounds, one sync;
+- ``index check, per-index bound (before)``: the formulation it replaced, each index
+  compared with its tensor's size expanded by ``repeat_interleave`` (int64), which CUDA
+  runs one warp per patch;
+- ``copy every wire tensor (before)``: one ``clone`` per ``@index`` / ``@values`` tensor,
+  what the worker's ``PatchSplitter`` did to every received patch (it now holds a chunk of
+  patches only as it landed);
+- ``unpack``: the patches packed as the wire lays them out (``T@index`` then ``T@values``,
+  back to back, one chunk), unpacked by the worker's ``UnpackPlan`` (views; the ``@index``
+  tensors an odd-sized ``@values`` left misaligned copied out in one ``cat``);
+- ``unpack, a clone per misaligned tensor (before)``: the same chunk, each misaligned
+  tensor cloned on its own.
+
 ``exact``: a twin model patched one by one holds the fused model's bits (``--no-check``
 skips the twin, which doubles the memory).
 """
@@ -37,8 +55,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.torch_side.fake_llama import SHAPES, FakeLlama, hf_shapes  # noqa: E402
+from weightwire.shared.delta import Patch  # noqa: E402
+from weightwire.shared.framing import plan as plan_chunks  # noqa: E402
 from weightwire.shared.meta import ParamMeta  # noqa: E402
+from weightwire.torch_side.worker.delta import StagedPatch, check_indices  # noqa: E402
 from weightwire.torch_side.worker.landing import LoaderMap, record_loader_map  # noqa: E402
+from weightwire.torch_side.worker.receive import UnpackPlan  # noqa: E402
 
 Patches = list[tuple[str, torch.Tensor, torch.Tensor]]
 
@@ -80,6 +102,57 @@ def model_and_map(shape: str, device: torch.device) -> tuple[FakeLlama, LoaderMa
     model = FakeLlama(shape, torch.bfloat16, device)
     metas = [ParamMeta(n, "bfloat16", s) for n, s in hf_shapes(shape).items()]
     return model, record_loader_map(model, metas)
+
+
+def bound_check_before(patches: list[StagedPatch], device: torch.device) -> bool:
+    """The receipt check as it was: every index against its tensor's size, expanded per
+    index (``repeat_interleave``, int64), then the order check; one host sync."""
+    counts = [p.index.numel() for p in patches]
+    total = sum(counts)
+    idx = torch.cat([p.index for p in patches]).to(torch.int64)
+    starts = [sum(counts[: i + 1]) for i in range(len(counts) - 1)]
+    host = torch.tensor([p.patch.numel for p in patches] + counts + [s - 1 for s in starts])
+    dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    n = len(patches)
+    bound = torch.repeat_interleave(dev[:n], dev[n : 2 * n], output_size=total)
+    bad = ((idx < 0) | (idx >= bound)).any()
+    rising = idx[1:] > idx[:-1]
+    rising.index_fill_(0, dev[2 * n :], True)
+    return bool(bad | ~rising.all())
+
+
+def wire_chunk(patches: Patches, device: torch.device) -> tuple[torch.Tensor, UnpackPlan]:
+    """The patches as one packed chunk in wire order (each ``@index`` then its ``@values``)
+    and the worker's plan for it."""
+    metas: list[ParamMeta] = []
+    parts: list[torch.Tensor] = []
+    for name, idx, vals in patches:
+        if not idx.numel():
+            continue
+        metas += [
+            ParamMeta(name + "@index", "int32", (idx.numel(),)),
+            ParamMeta(name + "@values", "bfloat16", (vals.numel(),)),
+        ]
+        parts += [idx.view(torch.uint8), vals.view(torch.uint8)]
+    (chunk,) = plan_chunks(metas, packed=True, buffer_size_bytes=1 << 36)
+    return torch.cat(parts), UnpackPlan(metas, chunk)
+
+
+def unpack_before(buffer: torch.Tensor, layout: UnpackPlan) -> list[torch.Tensor]:
+    """``UnpackPlan.unpack`` as it was: the same views, each misaligned tensor cloned on
+    its own."""
+    views = {}
+    for dtype, end in layout._typed:
+        view = buffer[:end].view(dtype)
+        views[dtype] = (view.as_strided, view.storage_offset())
+    out = []
+    for _, kind, dtype, shape, strides, element, offset, nbytes, _ in layout._entries:
+        if kind.value == "view":
+            strided, base = views[dtype]
+            out.append(strided(shape, strides, base + element))
+        elif kind.value == "clone":
+            out.append(buffer[offset : offset + nbytes].clone().view(dtype).view(shape))
+    return out
 
 
 def same_bits(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -124,7 +197,37 @@ def main() -> None:
         for s, d in zip(scratch, dests, strict=True):
             s.copy_(d)
 
+    shapes = hf_shapes(shape)
+    staged = [
+        StagedPatch(Patch(name, "bfloat16", shapes[name], idx.numel()), idx, vals)
+        for name, idx, vals in patches
+        if idx.numel()
+    ]
+
+    def check() -> None:
+        check_indices(staged, concat=True)  # the GPU's path, on any device here
+
+    def check_before() -> None:
+        assert not bound_check_before(staged, device)
+
+    def copies_before() -> None:
+        for _, idx, vals in patches:
+            idx.clone()
+            vals.clone()
+
+    buffer, layout = wire_chunk(patches, device)
+
+    def unpack() -> None:
+        layout.unpack(buffer)
+
     rows = {
+        "unpack": timed(unpack, device, args.repeats),
+        "unpack, a clone per misaligned tensor (before)": timed(
+            lambda: unpack_before(buffer, layout), device, args.repeats
+        ),
+        "index check": timed(check, device, args.repeats),
+        "index check, per-index bound (before)": timed(check_before, device, args.repeats),
+        "copy every wire tensor (before)": timed(copies_before, device, args.repeats),
         "one by one": timed(one_by_one, device, args.repeats),
         "fused": timed(fused, device, args.repeats),
         "fused, per patch": timed(each, device, args.repeats),
@@ -151,6 +254,7 @@ def main() -> None:
     print("| path | ms | x dense copy | scatters |")
     print("|---|---:|---:|---:|")
     counts = {"one by one": "per landing", "dense copy": "-"}
+    counts.update((k, "-") for k in rows if k.startswith(("index check", "copy every", "unpack")))
     counts.update((k, str(v)) for k, v in launched.items())
     for k, v in med.items():
         print(f"| {k} | {v:.2f} | {v / med['dense copy']:.2f}x | {counts[k]} |")

@@ -9,6 +9,8 @@ import pytest
 
 from weightwire import NCCLInitInfo, TCPInitInfo, WeightwireNCCLInitInfo
 from weightwire.shared import ParamMeta, UpdateInfo
+from weightwire.shared.delta import Patch
+from weightwire.shared.errors import ConfigError
 
 
 def update(**over: object) -> dict:
@@ -197,3 +199,29 @@ def test_shares_round_trip_and_name_each_workers_share() -> None:
 def test_malformed_shares_are_refused_naming_the_field(over: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         UpdateInfo.from_dict(sliced_delta(**over))
+
+
+def test_a_delta_updates_patches_are_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The patch list is validated when the info is made (parsed or built) and kept: a
+    delta round's hundreds of entries are not checked again per reader."""
+    import weightwire.shared.update_info as update_info
+
+    calls = []
+    real = update_info.check_patches
+    monkeypatch.setattr(
+        update_info, "check_patches", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    info = UpdateInfo(
+        names=["w@index", "w@values"],
+        dtype_names=["int32", "bfloat16"],
+        shapes=[[2], [2]],
+        round_token="s:2",
+        delta_base="s:1",
+        patches=[["w", "bfloat16", [4], 2, "flat_i32"]],
+    )
+    parsed = UpdateInfo.from_dict(info.to_dict())
+    assert len(calls) == 2  # each made once
+    assert parsed.patch_list() == info.patch_list() == [Patch("w", "bfloat16", (4,), 2)]
+    assert len(calls) == 2
+    with pytest.raises(ConfigError, match="must list 'w@index' then 'w@values'"):
+        UpdateInfo.from_dict({**info.to_dict(), "names": ["w@values", "w@index"]})

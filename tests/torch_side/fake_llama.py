@@ -21,6 +21,8 @@ SHAPES = {
     "qwen2-0.5b": (896, 4864, 24, 14, 2, 64, 151936),
     "small": (256, 688, 4, 8, 2, 32, 4096),  # benchmarks/bench_delta.py's CPU shape
     "tiny": (64, 160, 3, 4, 2, 16, 96),
+    # Llama-3-8B's 291 tensors at tiny sizes: a round's per-tensor host cost on a CPU
+    "tiny32": (64, 160, 32, 4, 2, 16, 96),
 }
 
 

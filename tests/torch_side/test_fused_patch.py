@@ -21,6 +21,7 @@ from weightwire.torch_side.worker.fused_patch import (
     WORD,
     FusedPatch,
     PatchTarget,
+    _offsets,
     apply_fused,
 )
 from weightwire.torch_side.worker.landing import record_loader_map
@@ -203,12 +204,25 @@ def test_storage_indices_past_int32(concat: bool) -> None:
     assert int(big[2**31 + 39]) == 9
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_the_offsets_scan_repeats_each_patchs_offset_once_per_index(seed: int) -> None:
+    """The concatenated path's per-index storage offsets (a step per patch, summed) are each
+    patch's offset repeated over its indices, empty patches and offsets past int32 included."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 9, (), generator=g))
+    counts = torch.randint(0, 4, (n,), generator=g).tolist()
+    offsets = (torch.randint(0, 2**33, (n,), generator=g) * (seed % 2)).tolist()
+    got = _offsets(offsets, counts, sum(counts), torch.device("cpu"))
+    want = torch.repeat_interleave(torch.tensor(offsets), torch.tensor(counts))
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+
+
 def _staged(name: str, numel: int, index: list[int]) -> StagedPatch:
     idx = torch.tensor(index, dtype=torch.int32)
     return StagedPatch(Patch(name, "float32", (numel,), len(index)), idx, torch.ones(len(index)))
 
 
-def _outcome(patches: list[StagedPatch], concat: bool) -> str:
+def _outcome(patches: list[StagedPatch], concat: bool | None) -> str:
     try:
         check_indices(patches, concat=concat)
     except ValueError as exc:
@@ -216,12 +230,9 @@ def _outcome(patches: list[StagedPatch], concat: bool) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> None:
-    """The receipt check over a round's indices concatenated (a GPU's way) refuses exactly
-    what the per-patch check refuses, naming the same patch: out of range at either end,
-    repeated or falling within a patch; a patch starting below the previous one's last index
-    (a different tensor) and empty patches pass."""
+def _random_case(seed: int) -> list[StagedPatch]:
+    """A round's patches on the host, maybe one of them bad: out of range at either end or
+    over a rising run's half, repeated or falling within a patch."""
     g = torch.Generator().manual_seed(seed)
     patches = []
     for i in range(int(torch.randint(1, 6, (), generator=g))):
@@ -233,7 +244,7 @@ def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> No
                 ).tolist()
             )
         )
-        fault = int(torch.randint(0, 6, (), generator=g))
+        fault = int(torch.randint(0, 7, (), generator=g))
         if idx and fault == 1:
             idx[-1] = numel  # one past the end
         elif idx and fault == 2:
@@ -242,8 +253,57 @@ def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> No
             idx[1] = idx[0]  # repeated
         elif len(idx) > 2 and fault == 4:
             idx[1], idx[2] = idx[2], idx[1]  # falling
+        elif idx and fault == 5:
+            idx = [
+                i + numel - idx[len(idx) // 2] for i in idx
+            ]  # rising, its upper half past the end
+        elif len(idx) > 1 and fault == 6:
+            idx = [i - idx[-1] for i in idx]  # rising, all but the last below 0
         patches.append(_staged(f"p{i}", numel, idx))
+    return patches
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_concatenated_index_check_agrees_with_the_per_patch_one(seed: int) -> None:
+    """The receipt check over a round's indices concatenated (a GPU's way) refuses exactly
+    what the per-patch check refuses, naming the same patch: out of range at either end or
+    over a rising run's half, repeated or falling within a patch; a patch starting below the
+    previous one's last index (a different tensor) and empty patches pass."""
+    patches = _random_case(seed)
     assert _outcome(patches, concat=True) == _outcome(patches, concat=False)
+
+
+@pytest.mark.gpu
+def test_the_index_check_on_cuda_agrees_with_the_per_patch_one_on_the_host() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    for seed in range(60):
+        patches = _random_case(seed)
+        on_gpu = [StagedPatch(p.patch, p.index.cuda(), p.values.cuda()) for p in patches]
+        assert _outcome(on_gpu, concat=None) == _outcome(patches, concat=False), seed
+
+
+@pytest.mark.parametrize("concat", [True, False])
+def test_the_index_check_spans_int32s_whole_range(concat: bool) -> None:
+    """The check runs in the wire's int32: a tensor of MAX_PATCH_NUMEL elements takes its
+    last index and refuses the one past it (only the patch's declared shape is read)."""
+    top = 2**31 - 1
+    check_indices([_staged("big", top, [0, top - 1])], concat=concat)  # nothing raised
+    with pytest.raises(ValueError, match="'big': an index is outside its 2147483647"):
+        check_indices([_staged("big", top, [0, top])], concat=concat)
+    with pytest.raises(ValueError, match="'big': an index is outside"):
+        check_indices([_staged("a", 4, [1]), _staged("big", top, [-1, 5])], concat=concat)
+
+
+def test_an_offset_patch_leaves_the_held_index_as_received() -> None:
+    """A patch landing at an offset of its storage adds the offset to a copy of its indices:
+    an int64 index (held as received, maybe a view of the chunk) is not written."""
+    flat = torch.zeros(16)
+    for dtype in (torch.int32, torch.int64):
+        idx = torch.tensor([0, 2], dtype=dtype)
+        apply_fused({"s": flat}, [FusedPatch(PatchTarget("s", 8), idx, torch.ones(2))])
+        assert idx.tolist() == [0, 2] and idx.dtype == dtype
+    assert flat.nonzero().view(-1).tolist() == [8, 10]
 
 
 def test_a_patch_may_start_below_the_previous_ones_last_index() -> None:

@@ -96,6 +96,25 @@ def test_every_wire_dtype_matches_the_reference_unpacking() -> None:
     assert_same(unpack_chunk(buf, metas, chunk), reference_unpack(buf, metas, chunk), buf)
 
 
+def test_a_chunks_misaligned_tensors_are_copied_out_together_each_aligned() -> None:
+    """A chunk's tensors that cannot be viewed in place are copied out in one copy (one
+    launch on a GPU, not one per tensor: a delta round's chunk has one misaligned
+    ``@index`` per odd-sized ``@values`` before it), each at a multiple of its itemsize."""
+    metas = every_dtype_metas()
+    (chunk,) = plan(metas, packed=True, buffer_size_bytes=1 << 20)
+    buf = random_buffer(chunk.nbytes)
+    got = dict(UnpackPlan(metas, chunk).unpack(buf))
+    copied = [
+        got[m.name]
+        for m, o in zip(metas, chunk.offsets, strict=True)
+        if m.nbytes and o % torch_dtype(m.dtype).itemsize
+    ]
+    assert len({t.element_size() for t in copied}) > 1  # several widths among them
+    assert len({t.untyped_storage().data_ptr() for t in copied}) == 1
+    assert copied[0].untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    assert all(t.data_ptr() % t.element_size() == 0 for t in copied)
+
+
 @pytest.mark.parametrize("buffer_size", [1, 7, 40, 128])
 def test_every_chunk_of_a_round_including_middle_ones(buffer_size: int) -> None:
     metas = every_dtype_metas()

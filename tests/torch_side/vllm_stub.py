@@ -21,15 +21,23 @@ Run as a worker (the trainer drives it with ``LoopbackClient``)::
 It prints ``weightwire loopback ready on HOST:PORT``. Extra ops: ``memory`` (baseline,
 torch peak since the round's start, the IPC receive pool), ``digests`` (per Hugging Face
 tensor, read back out of the fused parameters), ``incomplete``, ``floor`` (the physical floor of
-a round: one device copy of every Hugging Face tensor into its place in the fused parameters).
+a round: one device copy of every Hugging Face tensor into its place in the fused parameters),
+``seconds`` (the last round's start / update / finish calls as this worker timed them; the
+finish after its device sync). ``WEIGHTWIRE_STUB_PROFILE=PATH`` profiles those calls;
+``WEIGHTWIRE_STUB_PROBE=1`` times the round's steps too (``probe_steps``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import os
 import sys
 import threading
+import time
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -323,6 +331,10 @@ def serve(
     engine = cls(None, cfg, device, model)
     lock, done = threading.Lock(), threading.Event()
     memory: dict[str, int] = {}
+    seconds: dict[str, float] = {}  # the last round's weight calls, as this worker timed them
+    profile = _Profile.of_env()
+    if os.environ.get("WEIGHTWIRE_STUB_PROBE"):
+        probe_steps(seconds, device)
 
     def pool_bytes() -> int:
         held = getattr(getattr(getattr(engine, "_core", None), "_link", None), "held_bytes", None)
@@ -341,7 +353,7 @@ def serve(
         if op == "incomplete":
             incomplete = getattr(engine, "incomplete_round", None)
             return None if incomplete is None else incomplete.describe()
-        with lock:
+        with lock, profile.on(op in _TIMED), _timed(op, seconds):
             if op == "init_weight_transfer_engine":
                 engine.init_transfer_engine(engine.parse_init_info(body["init_info"]))
             elif op == "start_weight_update":
@@ -363,6 +375,8 @@ def serve(
                 engine.shutdown()
             elif op == "memory":
                 return dict(memory)
+            elif op == "seconds":
+                return dict(seconds)
             elif op == "digests":
                 return model_digests(model, kind)
             elif op == "floor":
@@ -374,6 +388,111 @@ def serve(
 
     serve_ops(run, done)
     engine.shutdown()
+    profile.dump()
+
+
+_TIMED = ("start_weight_update", "update_weights", "finish_weight_update")
+
+
+@contextlib.contextmanager
+def _timed(op: str, seconds: dict[str, float]) -> Iterator[None]:
+    """A round's weight call's wall time in this worker (the finish's includes the device
+    sync the stub runs after it: the patches applied), under ``seconds[op]``; the start
+    clears the previous round's."""
+    if op not in _TIMED:
+        yield
+        return
+    if op == "start_weight_update":
+        seconds.clear()
+    from weightwire.backends.ipc.slots import dump_trace, trace
+
+    trace(f"w.{op}>")  # WEIGHTWIRE_IPC_TRACE: the calls on benchmarks/ipc_timeline.py's timeline
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[op] = seconds.get(op, 0.0) + time.perf_counter() - start
+        trace(f"w.{op}<")
+        if op == "finish_weight_update":
+            dump_trace("worker")
+
+
+PROBED = (
+    # (module, class, method, key): a worker round's steps, outermost first
+    ("weightwire.torch_side.worker.core", "_ReceiverCore", "_resolve", "plan"),
+    ("weightwire.torch_side.worker.core", "_ReceiverCore", "_check_spec", "spec"),
+    ("weightwire.torch_side.worker.core", "_ReceiverCore", "_patch_step", "sink"),
+    ("weightwire.torch_side.worker.core", "_ReceiverCore", "_admit_patches", "admit"),
+    ("weightwire.torch_side.worker.strategy", "StagedRound", "receive", "receive"),
+    ("weightwire.torch_side.worker.strategy", "StreamingRound", "receive", "receive"),
+    ("weightwire.torch_side.worker.delta", None, "check_indices", "check"),
+    ("weightwire.torch_side.worker.strategy", "StagedRound", "commit", "commit"),
+    ("weightwire.torch_side.worker.strategy", "StreamingRound", "commit", "commit"),
+    ("weightwire.torch_side.worker.landing", "LoaderMap", "patch_all", "apply"),
+)
+"""The steps ``WEIGHTWIRE_STUB_PROBE=1`` times (``probe_steps``)."""
+
+
+def probe_steps(seconds: dict[str, float], device: torch.device) -> None:
+    """Time each of ``PROBED``'s steps of every round into ``seconds["w.<key>"]`` (summed
+    over the round; nested steps are counted in their callers too). On a GPU the device is
+    synchronized before and after each step, so a step's device work is its own (the round
+    runs slower: a probe, not a benchmark). With ``WEIGHTWIRE_IPC_TRACE`` each step also
+    leaves ``w.<key>>`` / ``w.<key><`` marks for ``benchmarks/ipc_timeline.py``."""
+    import importlib
+
+    from weightwire.backends.ipc.slots import trace
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def timed(fn: Any, key: str) -> Any:
+        def probe(*args: Any, **kwargs: Any) -> Any:
+            sync()
+            trace(f"w.{key}>")
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync()
+                seconds[f"w.{key}"] = seconds.get(f"w.{key}", 0.0) + time.perf_counter() - start
+                trace(f"w.{key}<")
+
+        return probe
+
+    for module_name, cls_name, method, key in PROBED:
+        module = importlib.import_module(module_name)
+        owner = module if cls_name is None else getattr(module, cls_name)
+        # a module function is looked up in its module at each call (``PatchSplitter``)
+        setattr(owner, method, timed(getattr(owner, method), key))
+
+
+class _Profile:
+    """``WEIGHTWIRE_STUB_PROFILE=PATH``: cProfile the round's weight calls (they run on the
+    loopback's connection threads, which a ``python -m cProfile`` of the worker misses) and
+    dump the stats to PATH at exit."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._prof = cProfile.Profile() if path else None
+
+    @classmethod
+    def of_env(cls) -> _Profile:
+        return cls(os.environ.get("WEIGHTWIRE_STUB_PROFILE") or None)
+
+    @contextlib.contextmanager
+    def on(self, wanted: bool) -> Iterator[None]:
+        if self._prof is None or not wanted:
+            yield
+            return
+        self._prof.enable()
+        try:
+            yield
+        finally:
+            self._prof.disable()
+
+    def dump(self) -> None:
+        if self._prof is not None and self.path:
+            self._prof.dump_stats(self.path)
 
 
 def main(argv: list[str] | None = None) -> int:

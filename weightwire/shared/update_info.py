@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from weightwire.shared.delta import Patch, check_patches, check_token
 from weightwire.shared.dtypes import wire_dtype
@@ -55,6 +55,10 @@ class UpdateInfo(StrictInfo):
     boxes it wants. Its ``@index`` / ``@values`` wire tensors then reach it as ``[share]``
     (flat indices into the whole checkpoint tensor, increasing), not ``[nnz]``; a worker
     checks it got exactly its share. Left out of the body when None."""
+
+    _patch_list: ClassVar[tuple[Patch, ...]] = ()
+    """The patches as ``__post_init__`` checked them (set per instance; not a field, so
+    never in the body)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -109,13 +113,7 @@ class UpdateInfo(StrictInfo):
             raise ConfigError(f"sliced must be a bool, got {self.sliced!r}")
         check_token("round_token", self.round_token)
         check_token("delta_base", self.delta_base)
-        patches = self.patch_list()
-        if self.shares is not None:
-            _check_shares(self.shares, patches, sliced=self.sliced)
-
-    def patch_list(self) -> list[Patch]:
-        """The round's patches, checked against its wire listing (``shared.delta``)."""
-        return check_patches(
+        patches = check_patches(
             self.names,
             self.dtype_names,
             self.shapes,
@@ -123,6 +121,16 @@ class UpdateInfo(StrictInfo):
             delta_base=self.delta_base,
             round_token=self.round_token,
         )
+        # Checked once here (a delta round's hundreds of entries cost the worker milliseconds
+        # per pass, on the round's critical path); the fields are frozen, so it stays true.
+        object.__setattr__(self, "_patch_list", tuple(patches))
+        if self.shares is not None:
+            _check_shares(self.shares, patches, sliced=self.sliced)
+
+    def patch_list(self) -> list[Patch]:
+        """The round's patches, checked against its wire listing (``shared.delta``) when the
+        info was made."""
+        return list(self._patch_list)
 
     @property
     def reuses_previous(self) -> bool:

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weightwire.backends.base import RoundSender, Sent, SlicePiece, WirePlan
@@ -406,15 +406,20 @@ def _payloads(s: Session, r: Round) -> tuple[list[dict[str, Any]], bool]:
         same = s.features.reuse_metadata and s.sent.get(SentKey(r.draft, turn.src)) == turn.metas
         same &= not extra.get("patches")  # a delta round's patches name their wire tensors
         reused &= same
-        info = (
-            UpdateInfo(src=turn.src)
-            if same
-            else replace(UpdateInfo.from_metas(list(turn.metas)), src=turn.src)
-        )
-        if extra:
-            info = replace(info, **extra)
-        payloads.append(info.to_dict())
+        # One construction, one validation (a delta round lists hundreds of wire tensors);
+        # the round's fields override, as they did replacing a built info's
+        listing = {} if same else _listing(turn.metas)
+        payloads.append(UpdateInfo(**{"src": turn.src, **listing, **extra}).to_dict())
     return payloads, reused
+
+
+def _listing(metas: Sequence[ParamMeta]) -> dict[str, Any]:
+    """A turn's tensors as the update info lists them (``UpdateInfo.from_metas``' fields)."""
+    return {
+        "names": [m.name for m in metas],
+        "dtype_names": [m.dtype for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+    }
 
 
 # -- one broadcaster ---------------------------------------------------------------------------
@@ -482,7 +487,8 @@ class SoleRounds:
             source = rewrapped(source, s.framework.sliced_source)
         wire: Wire = SoleWire(s, sole, source, remap)
         slicing = s.slicing
-        patches = patch_entries(fields)
+        # read back for the workers' wants only (a session without them: not parsed again)
+        patches = patch_entries(fields) if slicing is not None else []
         # Every worker wants every tensor whole (TP=1): the broadcast, nothing else asked.
         if (
             slicing is not None

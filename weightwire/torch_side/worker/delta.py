@@ -113,21 +113,30 @@ def check_indices(patches: Sequence[StagedPatch], *, concat: bool | None = None)
 
 def _bad_concatenated(group: Sequence[StagedPatch], device: torch.device) -> torch.Tensor:
     """Whether any patch of ``group`` (none empty, all on ``device``) has an index out of its
-    tensor or not above the one before it, from their indices concatenated: each index's
-    bound is its tensor's size repeated once per index, and the first index of each patch
-    is exempt from the order check."""
+    tensor or not above the one before it, from their indices concatenated (in the wire's
+    int32): one order check over them all (each patch's first index exempt: it follows
+    another tensor's), then only each patch's first and last index against its bounds, which
+    while the order holds are its smallest and largest. No per-index bound is built (an
+    expansion of every tensor's size runs one warp per patch on a GPU: an 8B round's largest
+    patch, ~10 M indices, took that warp milliseconds), and a patch out of order is refused
+    by the order check whatever its ends."""
     counts = [p.index.numel() for p in group]
-    total = sum(counts)
-    idx = torch.cat([p.index for p in group]).to(torch.int64)
-    starts = list(itertools.accumulate(counts))[:-1]  # where patches 2.. begin
-    host = torch.tensor([p.patch.numel for p in group] + counts + [s - 1 for s in starts])
+    idx = torch.cat([p.index for p in group])
+    ends = list(itertools.accumulate(counts))  # one past each patch's last index
+    firsts = [e - c for e, c in zip(ends, counts, strict=True)]
+    host = torch.tensor(
+        [p.patch.numel for p in group]
+        + firsts
+        + [e - 1 for e in ends]
+        + [f - 1 for f in firsts[1:]]
+    )
     dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     n = len(group)
-    bound = torch.repeat_interleave(dev[:n], dev[n : 2 * n], output_size=total)
-    bad = ((idx < 0) | (idx >= bound)).any()
+    first, last = idx.index_select(0, dev[n : 2 * n]), idx.index_select(0, dev[2 * n : 3 * n])
+    bad = (first < 0).any() | (last >= dev[:n]).any()
     rising = idx[1:] > idx[:-1]
-    if starts:
-        rising.index_fill_(0, dev[2 * n :], True)  # a patch's first index follows another's
+    if n > 1:
+        rising.index_fill_(0, dev[3 * n :], True)  # a patch's first index follows another's
     return bad | ~rising.all()
 
 
@@ -167,8 +176,13 @@ def logical_metas(metas: Sequence[ParamMeta], patches: Sequence[Patch]) -> list[
 class PatchSplitter:
     """Splits one update's received chunks: dense pairs go on, patch wire tensors are held.
 
-    The held ``@index`` / ``@values`` views are cloned (their chunk buffer can then go);
-    ``patches`` is filled only once the whole update arrived."""
+    A chunk of patch wire tensors only is held as it landed (views of its buffer, which
+    holds nothing else: every link lands a chunk in memory of its own, never reused under
+    a live view); beside dense tensors, the ``@index`` / ``@values`` views are cloned, so
+    the chunk's buffer can go once those are loaded. A delta round is mostly patches, so
+    its chunks are held without a copy (an 8B round's 582 wire tensors: as many launches
+    and 0.94 GB of device copies saved on a GPU). ``patches`` is filled only once the
+    whole update arrived."""
 
     def __init__(
         self, patches: Sequence[Patch], *, observe: Callable[[Pairs], None] | None
@@ -184,11 +198,11 @@ class PatchSplitter:
     def split(self, chunks: Iterator[Pairs]) -> Iterator[Pairs]:
         for pairs in chunks:
             dense: Pairs = []
+            held: Pairs = []
             for name, tensor in pairs:
-                if name in self._by_wire:
-                    self._parts[name] = tensor.clone()
-                else:
-                    dense.append((name, tensor))
+                (held if name in self._by_wire else dense).append((name, tensor))
+            for name, tensor in held:
+                self._parts[name] = tensor.clone() if dense else tensor
             if not dense:
                 continue
             if self._observe is not None:

@@ -9,11 +9,13 @@ per patch, no allocation beyond the offset indices.
 
 ``concat=True`` instead groups the tensors of a (device, element width) group: one ``cat`` of
 their indices and of their values (bit views, so NaN payloads and signed zeros land as sent),
-one ``repeat_interleave`` of the storage offsets, one ``index_put_`` per storage. Fewer
-launches, but two more passes over the patches' bytes: on one H200, an 8B round's patches at
-2 % changed (0.94 GB) took 12.8 ms that way against 8.7 ms one patch at a time (one dense
-copy of the destination parameters: 8.1 ms; ``benchmarks/bench_patch_apply.py``), so one
-scatter per patch is the default on every device.
+the storage offsets expanded per index (a scan of one step per patch), one ``index_put_`` per
+storage. Fewer launches, but two more passes over the patches' bytes: on one H200, an 8B
+round's patches at 2 % changed (0.94 GB) took 12.8 ms that way against 8.7 ms one patch at a
+time (one dense copy of the destination parameters: 8.1 ms; ``benchmarks/bench_patch_apply.py``),
+so one scatter per patch is the default on every device. That run expanded the offsets with
+``repeat_interleave``, which CUDA runs one warp per patch (milliseconds for the embedding's
+~10 M indices alone); the scan that replaced it is not measured on a GPU yet.
 
 No ``.item()``, ``.cpu()`` or synchronisation per patch; the indices were checked on receipt
 (``delta.check_indices``: in range and strictly increasing, one sync per round), so a storage
@@ -96,14 +98,25 @@ def _apply_each(
     word: torch.dtype,
 ) -> int:
     launched = 0
+    words: dict[str, torch.Tensor] = {}  # each storage's integer view, made once
     for p in group:
         if not p.index.numel():
             continue
         flat = flats[p.target.storage]
+        dst = words.get(p.target.storage)
+        if dst is None:
+            dst = words[p.target.storage] = flat.view(word)
         where = p.index.to(device=device, dtype=torch.int64)
         if p.target.offset:
-            where = where + p.target.offset
-        flat.view(word).index_put_((where,), _bits(flat, p.values, device, word))
+            # in place on the int64 copy (the staged index itself is never written)
+            owned = where is not p.index
+            where = where.add_(p.target.offset) if owned else where + p.target.offset
+        values = p.values
+        if values.dtype == flat.dtype and values.device == device:  # as received: no cast
+            bits = values.view(word)
+        else:
+            bits = _bits(flat, values, device, word)
+        dst.index_put_((where,), bits)
         launched += 1
     return launched
 
@@ -152,10 +165,24 @@ def _offsets(
     offsets: list[int], counts: list[int], total: int, device: torch.device
 ) -> torch.Tensor:
     """Each patch's storage offset repeated once per index, made on the device from two small
-    host lists (pinned and copied asynchronously to a GPU)."""
-    host = torch.tensor([offsets, counts], dtype=torch.int64)
+    host lists (pinned and copied asynchronously to a GPU): the step from the previous
+    patch's offset written at each patch's first index, then summed (one scan). Not
+    ``repeat_interleave``: CUDA's writes each patch's run with one warp, which for a large
+    patch (an 8B round's embedding: ~10 M indices) takes milliseconds alone."""
+    starts: list[int] = []
+    steps: list[int] = []
+    at = previous = 0
+    for offset, n in zip(offsets, counts, strict=True):
+        if n:  # an empty patch has no first index (and would share the next one's)
+            starts.append(at)
+            steps.append(offset - previous)
+            previous = offset
+        at += n
+    host = torch.tensor([starts, steps], dtype=torch.int64)
     if device.type == "cuda":
         dev = host.pin_memory().to(device, non_blocking=True)
     else:
         dev = host.to(device)
-    return torch.repeat_interleave(dev[0], dev[1], output_size=total)
+    marks = torch.zeros(total, dtype=torch.int64, device=device)
+    marks.index_put_((dev[0],), dev[1])  # distinct positions: one step each
+    return marks.cumsum(0)

@@ -52,6 +52,8 @@ class _Entry(NamedTuple):
     offset: int
     """Offset in bytes in the buffer."""
     nbytes: int
+    copied_at: int = 0
+    """A copied-out (unaligned) tensor: its byte offset in the chunk's one copy of them."""
 
 
 def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -72,11 +74,14 @@ class UnpackPlan:
     dtype: the same storage, offset, shape and strides as ``buffer[o:o + n].view(dtype)
     .view(shape)``. The packed framing has no alignment, so a tensor whose offset is
     not a multiple of its itemsize cannot be viewed in place (torch refuses): it is
-    copied out. A zero-size tensor is a fresh empty tensor (torch cannot reinterpret
-    an empty slice's zero stride).
+    copied out, all of a chunk's such tensors in one ``cat`` (a delta round's chunk has
+    one misaligned ``@index`` tensor per odd-sized ``@values`` before it: an 8B round's
+    ~145, one launch each before), widest itemsize first so that each lands aligned in
+    the copy. A zero-size tensor is a fresh empty tensor (torch cannot reinterpret an
+    empty slice's zero stride).
     """
 
-    __slots__ = ("nbytes", "in_place", "_entries", "_typed")
+    __slots__ = ("nbytes", "in_place", "_entries", "_typed", "_copied")
 
     def __init__(self, metas: Sequence[ParamMeta], chunk: Chunk) -> None:
         self.nbytes = chunk.nbytes
@@ -105,6 +110,18 @@ class UnpackPlan:
                     nbytes,
                 )
             )
+        # The copied-out tensors' places in their one copy: widest itemsize first, so each
+        # starts at a multiple of its own itemsize (every size before it is a multiple of it).
+        copied = sorted(
+            (i for i, e in enumerate(entries) if e.kind is _Kind.CLONE),
+            key=lambda i: -entries[i].dtype.itemsize,
+        )
+        at = 0
+        for i in copied:
+            entries[i] = entries[i]._replace(copied_at=at)
+            at += entries[i].nbytes
+        self._copied = tuple((entries[i].offset, entries[i].nbytes) for i in copied)
+        """The copied-out tensors' byte ranges in the buffer, in their copy's order."""
         self._entries = tuple(entries)
         self._typed = tuple(typed.items())
         self.in_place = all(e.kind is not _Kind.CLONE for e in entries)
@@ -124,15 +141,19 @@ class UnpackPlan:
         for dtype, end in self._typed:
             view = buffer[:end].view(dtype)
             views[dtype] = (view.as_strided, view.storage_offset())
+        copy = None
+        if self._copied:  # one fresh (aligned) allocation for the chunk's misaligned tensors
+            copy = torch.cat([buffer[o : o + n] for o, n in self._copied])
         out: list[tuple[str, torch.Tensor]] = []
         append = out.append
         view_kind, clone_kind = _Kind.VIEW, _Kind.CLONE
-        for name, kind, dtype, shape, strides, element, offset, nbytes in self._entries:
+        for name, kind, dtype, shape, strides, element, _, nbytes, at in self._entries:
             if kind is view_kind:
                 strided, base = views[dtype]
                 append((name, strided(shape, strides, base + element)))
             elif kind is clone_kind:
-                append((name, buffer[offset : offset + nbytes].clone().view(dtype).view(shape)))
+                assert copy is not None
+                append((name, copy[at : at + nbytes].view(dtype).view(shape)))
             else:
                 append((name, torch.empty(shape, dtype=dtype, device=buffer.device)))
         return out
