@@ -23,7 +23,7 @@ VARIANTS = [
     ("int rounding, 1 block/SM bound", ("-DWW_HW_CVT=0", "-DWW_MIN_BLOCKS=1")),
     ("hw pair cvt, 1 block/SM bound", ("-DWW_HW_CVT=1", "-DWW_MIN_BLOCKS=1")),
     ("hw pair cvt, 2 blocks/SM", ("-DWW_HW_CVT=1", "-DWW_MIN_BLOCKS=2")),
-    ("hw pair cvt, 3 blocks/SM", ("-DWW_HW_CVT=1", "-DWW_MIN_BLOCKS=3")),
+    ("hw pair cvt, 3 blocks/SM (the default)", ("-DWW_HW_CVT=1", "-DWW_MIN_BLOCKS=3")),
     ("hw pair cvt, 4 blocks/SM", ("-DWW_HW_CVT=1", "-DWW_MIN_BLOCKS=4")),
     ("int rounding, 3 blocks/SM", ("-DWW_HW_CVT=0", "-DWW_MIN_BLOCKS=3")),
 ]

@@ -290,7 +290,8 @@ def test_the_e4m3_conversion_saturates_past_464_and_keeps_nan(lib: Any) -> None:
 def test_the_source_compiles_for_hopper_with_cupys_flush_to_zero(tmp_path: Path) -> None:
     """Where ``nvcc`` is installed (no GPU needed): the CUDA branch (warp shuffles, shared
     memory, inline PTX) builds for sm_90 under ``-ftz=true`` as CuPy passes it to NVRTC,
-    without spills, and the scale's division and the products stay unflushed IEEE ops."""
+    with the hardware pair conversion, at most a few spilled words, and the scale's division
+    and the products unflushed IEEE ops."""
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc on this host")
     source = tmp_path / "fp8.cu"
@@ -309,7 +310,11 @@ def test_the_source_compiles_for_hopper_with_cupys_flush_to_zero(tmp_path: Path)
         capture_output=True,
         text=True,
     )
-    assert built.stderr.count("0 bytes spill stores") == len(KERNELS), built.stderr
+    # the 2-byte kernels are bounded to 3 blocks per SM (faster on an H100 though ptxas
+    # spills a few words at that bound); the float32 one is unbounded and spills nothing
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", built.stderr)]
+    assert len(spills) == len(KERNELS) and max(spills) <= 32 and 0 in spills, built.stderr
+    assert "cvt.rn.satfinite.e4m3x2.f32" in text  # sm_89+: the hardware pair conversion
 
 
 def test_the_e4m3_conversion_is_torchs_cast_on_every_float32_up_to_464(lib: Any) -> None:
