@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of single-GPU work: the lanes and benchmarks written without a GPU.
-#   OUT=/path bash benchmarks/gpu_s17.sh [deps tests strided fp8_torch fp8_jax ipc overlap ...]
+#   OUT=/path bash benchmarks/gpu_one.sh [deps tests strided fp8_torch fp8_jax ipc overlap ...]
 #   (#49: overlap_tests overlap overlap_copy overlap_end)
 # Each step runs under `timeout`, logs to $OUT/<step>.log, appends its exit code to $OUT/summary.txt.
 set -u
