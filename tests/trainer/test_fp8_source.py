@@ -417,11 +417,18 @@ def test_a_round_with_a_non_finite_weight_fails_naming_it_and_commits_nothing(
         engine.shutdown()
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["a-launch-per-group", "one-batch"])
 @pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_a_pass_launches_and_reads_back_once_per_layer_group(framework: str) -> None:
+def test_a_pass_launches_and_reads_back_once_per_batch_of_layer_groups(
+    framework: str, batched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from weightwire.jax_side.quant import launch_fp8 as launch_jax
     from weightwire.torch_side.sender.quant import launch_fp8 as launch_torch
+    from weightwire.trainer import fp8_source
     from weightwire.trainer.fp8_source import Fp8Source, LaunchedGroup
+
+    if not batched:  # every layer group past the launch's bytes: a launch each
+        monkeypatch.setattr(fp8_source, "LAUNCH_BYTES", 1)
 
     l1 = "model.layers.1"
     spec = {**SPEC, **{n.replace(L0, l1): s for n, s in SPEC.items()}}
@@ -446,12 +453,15 @@ def test_a_pass_launches_and_reads_back_once_per_layer_group(framework: str) -> 
     source = Fp8Source(
         DictSource({n: wrap(a) for n, a in weights.items()}, describe_any), spec, counted
     )
-    got = dict(list(source))
-    # one launch and one read per layer group holding FP8 weights, none per tensor
-    assert calls == [
-        [n for n in weights if n in spec and n.startswith(L0)],
-        [n for n in weights if n in spec and n.startswith(l1)],
-    ]
-    assert settles == [3, 3]
+    groups = list(source.iter_groups())
+    got = dict(pair for group in groups for pair in group)
+    # one launch and one read per batch of layer groups holding FP8 weights, none per tensor
+    first = [n for n in weights if n in spec and n.startswith(L0)]
+    second = [n for n in weights if n in spec and n.startswith(l1)]
+    assert calls == ([first + second] if batched else [first, second])
+    assert settles == ([6] if batched else [3, 3])
+    # the inner source's groups come out as they went in, each weight as its pair
+    inner = list(source.inner.iter_groups())
+    assert [len(g) for g in groups] == [len(g) + sum(1 for n, _ in g if n in spec) for g in inner]
     want = _expected({n: a for n, a in weights.items() if l1 not in n})
     assert all(_host(got[n]) == want[n].tobytes() for n in want)

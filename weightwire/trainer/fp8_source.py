@@ -4,7 +4,7 @@ Wraps any ``WeightSource``: each ``X.weight`` the spec names becomes its checkpo
 (``X.weight`` in ``float8_e4m3fn`` + ``X.weight_scale_inv`` / ``X.weight_scale``, in that
 order, where the weight was), quantized as it is read by the framework's quantizer
 (``jax_side.quant.fp8_source``, ``torch_side.sender.quant.fp8_source`` bind theirs), one
-launch and one device read per layer group; every other tensor passes unchanged.
+launch and one device read per batch of layer groups; every other tensor passes unchanged.
 Framework-free: the quantizer is a callable.
 
 The spec is checked against the source's metadata up front (a name the source lacks, a
@@ -36,6 +36,10 @@ from weightwire.shared.quant import (
 from weightwire.shared.served import ServedModel, ServedModelMismatch
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.metrics import Fp8Report
+
+LAUNCH_BYTES = 1 << 30
+"""Bytes of source weights one quantization launch takes at least (but its last): about
+two Llama-3-8B layers' linears; the outputs of two batches are alive at once."""
 
 
 class LaunchedGroup(NamedTuple):
@@ -166,47 +170,66 @@ class Fp8Source(WeightSource):
             yield from group
 
     def iter_groups(self) -> Iterator[list[tuple[str, Any]]]:
-        """The inner source's layer groups, each group's FP8 weights quantized by one launch.
+        """The inner source's layer groups, their FP8 weights quantized by one launch per
+        batch of groups (consecutive groups until ``LAUNCH_BYTES`` of weights to quantize:
+        a launch's host work, about half a millisecond, stays under its device time).
 
-        One group ahead: group k+1 is read and its quantization launched before group k's
-        flags are read back, so the device quantizes while the round packs the group before
-        (one device read per group, none per tensor). A group is yielded only once its flags
-        say every weight is finite: a weight with NaN or inf never reaches the wire, and the
-        round fails naming it before its commit."""
+        One batch ahead: batch k+1 is read and its quantization launched before batch k's
+        flags are read back, so the device quantizes while the round packs the batch before
+        (one device read per batch, none per tensor). A batch's groups are yielded only once
+        its flags say every weight is finite: a weight with NaN or inf never reaches the
+        wire, and the round fails naming it before its commit."""
         spec = self._spec()
         self.last_stats.clear()  # in place: shared with the twins ``over`` made
-        ahead: tuple[list[tuple[str, Any]], LaunchedGroup | None] | None = None
-        for group in self.inner.iter_groups():
-            items = [(n, t, spec[n]) for n, t in group if n in spec]
+        ahead: tuple[list[list[tuple[str, Any]]], LaunchedGroup | None] | None = None
+        for batch in self._batches(spec):
+            items = [(n, t, spec[n]) for group in batch for n, t in group if n in spec]
             launched = self._quantize(items, self.stats) if items else None
             if ahead is not None:
-                yield self._settled(*ahead, spec)
-            ahead = (group, launched)
+                yield from self._settled(*ahead, spec)
+            ahead = (batch, launched)
         if ahead is not None:
-            yield self._settled(*ahead, spec)
+            yield from self._settled(*ahead, spec)
+
+    def _batches(self, spec: dict[str, Fp8Scheme]) -> Iterator[list[list[tuple[str, Any]]]]:
+        """The inner source's groups, gathered until a batch holds ``LAUNCH_BYTES`` of
+        weights to quantize (its last batch: what is left)."""
+        sizes = {m.name: m.nbytes for m in self.inner.metadata() if m.name in spec}
+        batch: list[list[tuple[str, Any]]] = []
+        held = 0
+        for group in self.inner.iter_groups():
+            batch.append(group)
+            held += sum(sizes.get(n, 0) for n, _ in group)
+            if held >= LAUNCH_BYTES:
+                yield batch
+                batch, held = [], 0
+        if batch:
+            yield batch
 
     def _settled(
         self,
-        group: list[tuple[str, Any]],
+        batch: list[list[tuple[str, Any]]],
         launched: LaunchedGroup | None,
         spec: dict[str, Fp8Scheme],
-    ) -> list[tuple[str, Any]]:
+    ) -> Iterator[list[tuple[str, Any]]]:
         if launched is None:
-            return group
+            yield from batch
+            return
         errors = launched.settle()  # raises naming the non-finite weights, before any is sent
         quantized = iter(zip(launched.pairs, errors, strict=True))
-        out: list[tuple[str, Any]] = []
-        for name, tensor in group:
-            scheme = spec.get(name)
-            if scheme is None:
-                out.append((name, tensor))
-                continue
-            (weight, scale), error = next(quantized)
-            if error is not None:
-                self.last_stats[name] = error
-            names = fp8_names(name, scheme)
-            out += [(names.weight, weight), (names.scale, scale)]
-        return out
+        for group in batch:
+            out: list[tuple[str, Any]] = []
+            for name, tensor in group:
+                scheme = spec.get(name)
+                if scheme is None:
+                    out.append((name, tensor))
+                    continue
+                (weight, scale), error = next(quantized)
+                if error is not None:
+                    self.last_stats[name] = error
+                names = fp8_names(name, scheme)
+                out += [(names.weight, weight), (names.scale, scale)]
+            yield out
 
     def held_names(self) -> set[str] | None:
         held = self.inner.held_names()
