@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -229,6 +230,15 @@ class GatherCopy:
         if staged.table is not None and staged.slot >= 0:
             self._staged[staged.slot] -= 1
             staged.slot = -1
+
+    def warm(self, chunk_bytes: int) -> None:
+        """The one-time set-up now, on the caller's thread, not in a first round: the
+        kernel's compile and module load (a module load synchronizes the whole CUDA
+        context, so inside a round it waits for whatever a training step queued) and
+        tables for a chunk of ``chunk_bytes`` (its most rows: one per tile)."""
+        rows = max(1, chunk_bytes // TILE_BYTES)
+        if self._ready() and rows > self._capacity:
+            self._grow(rows, deadline=time.monotonic() + 60.0, alive=lambda: None)
 
     def _ready(self) -> bool:
         """Compile the kernel once.

@@ -180,6 +180,7 @@ class IPCPullPipeline(IPCDataPath):
         self._depth = len(comm.slots.events)
         self._buffers = [WorkerBuffers(comm.cp, comm.slots.device, ch.peer) for ch in comm.channels]
         self._gather = GatherCopy(comm.cp, comm.slots.device, self._sptr)
+        self._gather.warm(comm.slots.nbytes)  # at the join, not beside a first round's step
         self._last_ready = -1  # the ready event of the round's last chunk (-1: none yet)
         self._metas: Sequence[ParamMeta] = ()  # the round's tensors in wire order
         self._early: list[dict[int, dict[str, Any]] | None] = [None] * len(comm.channels)

@@ -169,6 +169,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         self._through = [False] * n
         self._known = False  # this round's paths are known
         self._runs = GatherCopy(cp, device, self._sptr, ring=_RING)
+        self._runs.warm(comm.slots.nbytes)
         self._strided = StridedCopy(cp, device, self._sptr)
         self._stream_ref = StreamRef(self._sptr)
         self._told: set[str] = set()
