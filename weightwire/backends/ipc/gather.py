@@ -209,7 +209,16 @@ class GatherCopy:
         return self._stage_table(memcpys, srcs, dsts, sizes, deadline=deadline, alive=alive)
 
     def launch(self, staged: StagedRows, *, deadline: float, alive: Callable[[], None]) -> None:
-        """Enqueue ``staged`` (from ``stage``) on the stream: its memcpys, then the kernel."""
+        """Enqueue ``staged`` (from ``stage``) on the stream: its memcpys, then the kernel;
+        its ring slot is released whatever happens (a slot held for good stalls the ring)."""
+        try:
+            self._launch_staged(staged, deadline=deadline, alive=alive)
+        finally:
+            self.discard(staged)
+
+    def _launch_staged(
+        self, staged: StagedRows, *, deadline: float, alive: Callable[[], None]
+    ) -> None:
         copy, stream = self._cp.cuda.runtime.memcpyAsync, self._stream.ptr
         for d, s, n in staged.memcpys:
             copy(d, s, n, MEMCPY_DEVICE_TO_DEVICE, stream)
@@ -222,8 +231,10 @@ class GatherCopy:
                 return
         if staged.table is None:
             return
-        self._run(staged.table, staged.rows)
-        self.discard(staged)
+        try:
+            self._run(staged.table, staged.rows)
+        finally:
+            self.discard(staged)
 
     def discard(self, staged: StagedRows) -> None:
         """``staged`` will not be launched (or just was): its ring slot may be rewritten."""
@@ -324,12 +335,17 @@ class GatherCopy:
 
     def _grow(self, rows: int, *, deadline: float, alive: Callable[[], None]) -> None:
         cp = self._cp
-        for old in self._tables:  # an upload from an old table may still be queued
+        if self._tables:
+            # every queued upload and launch that reads an old table is on this stream: one
+            # event behind them all ran before the tables go (a slot's own event is behind
+            # its upload only, not behind the kernel that reads it)
+            last = self._tables[0].event
+            record(cp, last, self._stream.ptr)
             wait_event_host(
                 cp,
-                old.event,
+                last,
                 deadline=deadline,
-                what="the gather table's previous upload",
+                what="the gather tables' last launch",
                 alive=alive,
             )
         self.close()

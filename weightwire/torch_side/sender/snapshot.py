@@ -66,19 +66,20 @@ class RoundStreams:
         here = torch.cuda.current_device()
         before = [torch.cuda.current_stream(d) for d in devices]
         ours = [self._stream(d) for d in devices]
-        ended = False
         try:
             for stream in ours:
                 torch.cuda.set_stream(stream)  # it also makes the stream's device current
             torch.cuda.set_device(here)
             yield
-            ended = True
         finally:
             try:
                 # The round's work on our streams may read the snapshot (a copy allocated on
                 # the trainer's stream): done before ``release`` lets the allocator reuse it.
+                # Never the round's error: a round that ran to its end has committed (a
+                # failure reported now would be one that took effect), a failed one keeps
+                # its own; a stream that will not drain is logged.
                 for stream in ours:
-                    settle(stream, self._wait_s, raising=ended)
+                    settle(stream, self._wait_s, raising=False)
             finally:
                 for stream in before:
                     torch.cuda.set_stream(stream)

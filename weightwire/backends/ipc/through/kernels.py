@@ -370,28 +370,35 @@ class StridedCopy:
             if item[0].numel:
                 groups.setdefault(item[0].key, []).append(item)
         staged = StagedLaunches([], [])
-        for key, group in groups.items():
-            kernel = self._batch_kernel(key) if self._batch and len(group) > 1 else None
-            put = None
-            if kernel is not None:
-                table, rows, tiles = batch_table(
-                    [(j.row, src + j.src_offset_bytes, dst + j.dst) for j, src, dst in group]
-                )
-                put = self._uploads.put(table, deadline=deadline, alive=alive)
-            if put is None:  # one launch per landing (or every table still awaits its launch)
-                staged.calls.extend(_call(job, src, dst) for job, src, dst in group)
-                continue
-            device, slot = put
-            args = (device, np.int64(rows), np.int64(tiles))
-            staged.calls.append((kernel, (min(tiles, _MAX_BLOCKS),), args))
-            staged.slots.append(slot)
+        try:
+            for key, group in groups.items():
+                kernel = self._batch_kernel(key) if self._batch and len(group) > 1 else None
+                put = None
+                if kernel is not None:
+                    table, rows, tiles = batch_table(
+                        [(j.row, src + j.src_offset_bytes, dst + j.dst) for j, src, dst in group]
+                    )
+                    put = self._uploads.put(table, deadline=deadline, alive=alive)
+                if put is None:  # one launch per landing (or every table awaits its launch)
+                    staged.calls.extend(_call(job, src, dst) for job, src, dst in group)
+                    continue
+                device, slot = put
+                args = (device, np.int64(rows), np.int64(tiles))
+                staged.calls.append((kernel, (min(tiles, _MAX_BLOCKS),), args))
+                staged.slots.append(slot)
+        except BaseException:
+            self.discard(staged)  # the groups staged before: their slots would stall the ring
+            raise
         return staged
 
     def launch_staged(self, staged: StagedLaunches, stream: Any) -> None:
-        """Enqueue ``staged`` (from ``stage_all``) on ``stream``."""
-        for kernel, grid, args in staged.calls:
-            kernel(grid, (_THREADS,), args, stream=stream)
-        self.discard(staged)
+        """Enqueue ``staged`` (from ``stage_all``) on ``stream``; its slots are released
+        whatever happens."""
+        try:
+            for kernel, grid, args in staged.calls:
+                kernel(grid, (_THREADS,), args, stream=stream)
+        finally:
+            self.discard(staged)
 
     def discard(self, staged: StagedLaunches) -> None:
         """``staged`` will not be launched (or just was): its tables' slots may be rewritten."""
@@ -508,12 +515,16 @@ class _Uploads:
             self._staged[k] -= 1
 
     def _grow(self, size: int, *, deadline: float, alive: Callable[[], None]) -> None:
-        for _, _, event in self._slots:  # an upload from an old table may still be queued
+        if self._slots:
+            # one event behind every queued upload and launch that reads an old table (all
+            # on this stream) ran before the tables go
+            last = self._slots[0][2]
+            record(self._cp, last, self._stream)
             wait_event_host(
                 self._cp,
-                event,
+                last,
                 deadline=deadline,
-                what="the batched copy table's previous upload",
+                what="the batched copy tables' last launch",
                 alive=alive,
             )
         self.close()

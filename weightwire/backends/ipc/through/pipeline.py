@@ -219,8 +219,14 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
                 self._discard(st)
             raise
         trace("wt start answered")
-        for st in staged.values():  # in the order staged: a ring slot is reused in that order
-            self._launch(st, f)
+        todo = list(staged.values())  # in the order staged: a ring slot is reused in that order
+        for n, st in enumerate(todo):
+            try:
+                self._launch(st, f)
+            except BaseException:
+                for rest in todo[n + 1 :]:  # a slot held past this round stalls its ring
+                    self._discard(rest)
+                raise
 
     def _end_round(self) -> bool:
         writing = [w for w, through in enumerate(self._through) if through]
@@ -358,13 +364,17 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         return _Staged(landed, rows, strided)
 
     def _launch(self, st: _Staged, f: ChunkFill) -> None:
-        """Enqueue ``st``'s writes (the strided launches, then the runs)."""
+        """Enqueue ``st``'s writes (the strided launches, then the runs); its ring slots are
+        released whatever happens."""
         try:
             self._strided.launch_staged(st.strided, self._stream_ref)
         except BaseException:
             self._runs.discard(st.rows)
             raise
-        self._runs.launch(st.rows, deadline=f.deadline, alive=f.alive)
+        try:
+            self._runs.launch(st.rows, deadline=f.deadline, alive=f.alive)
+        finally:
+            self._runs.discard(st.rows)
 
     def _discard(self, st: _Staged) -> None:
         self._strided.discard(st.strided)
