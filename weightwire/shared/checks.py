@@ -9,6 +9,7 @@ the same wherever it is made. Each raises ``ConfigError`` (a ``ValueError``) nam
 from __future__ import annotations
 
 import math
+import os
 
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import LIMITS, bounded_repr
@@ -50,3 +51,15 @@ def check_seconds(what: str, value: object, *, most: float = math.inf) -> float:
             f"{what} must be a finite number of seconds > 0{bound}, got {bounded_repr(value)}"
         )
     return value  # type: ignore[return-value]  # an int is a number of seconds too
+
+
+def env_switch(name: str, default: bool, on: str, off: str) -> bool:
+    """The ``0`` / ``1`` environment variable ``name`` (unset: ``default``); ``on`` and
+    ``off`` say what each value does, for the message naming the fix."""
+    value = os.environ.get(name, "1" if default else "0")
+    if value not in ("0", "1"):
+        raise ConfigError(
+            f"{name} must be '0' or '1', got {bounded_repr(value)}: unset it or set "
+            f"1 ({on}), or 0 ({off})"
+        )
+    return value == "1"

@@ -31,7 +31,6 @@ copies fall back to one ``cudaMemcpyAsync`` each.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from weightwire.backends.ipc.slots import (
     record,
     wait_event_host,
 )
+from weightwire.shared.checks import env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +84,9 @@ extern "C" __global__ void weightwire_gather(const unsigned long long* table, lo
 def gather_enabled() -> bool:
     """``WEIGHTWIRE_IPC_GATHER``: ``1`` (default) batches small tensors into the gather
     kernel, ``0`` copies every tensor with its own memcpy (for comparisons)."""
-    value = os.environ.get("WEIGHTWIRE_IPC_GATHER", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"WEIGHTWIRE_IPC_GATHER must be '0' or '1', got {value[:20]!r}")
-    return value == "1"
+    return env_switch(
+        "WEIGHTWIRE_IPC_GATHER", True, "small tensors through the gather kernel", "a memcpy each"
+    )
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,12 @@ bytes.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from weightwire.shared.errors import ConfigError
+from weightwire.shared.checks import env_switch
 from weightwire.shared.quant import Fp8Block
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.trainer import fp8_cuda
@@ -38,13 +37,9 @@ class FusedBlocks(NamedTuple):
 def enabled() -> bool:
     """``WEIGHTWIRE_FP8_KERNEL``: ``1`` (default) quantizes CUDA block weights with the fused
     kernel where it compiles, ``0`` with torch ops (the same bytes; slower)."""
-    value = os.environ.get("WEIGHTWIRE_FP8_KERNEL", "1")
-    if value not in ("0", "1"):
-        raise ConfigError(
-            f"WEIGHTWIRE_FP8_KERNEL must be '0' or '1', got {value[:20]!r}: unset it or set 1 "
-            "(the fused CUDA kernel where it compiles), or 0 (torch ops)"
-        )
-    return value == "1"
+    return env_switch(
+        "WEIGHTWIRE_FP8_KERNEL", True, "the fused CUDA kernel where it compiles", "torch ops"
+    )
 
 
 def kernels_for(device: torch.device) -> Any:

@@ -30,7 +30,6 @@ CUDA through CuPy, imported inside functions (a JAX trainer uses it without torc
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from string import Template
@@ -40,8 +39,9 @@ import numpy as np
 
 from weightwire.backends.ipc.slots import CUDA_EVENT_DISABLE_TIMING, record, wait_event_host
 from weightwire.backends.ipc.through.table import MAX_NDIM, Strided
+from weightwire.shared.checks import env_switch
 from weightwire.shared.dtypes import WIRE_DTYPES
-from weightwire.shared.errors import ConfigError, TransferError
+from weightwire.shared.errors import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -181,13 +181,9 @@ def batch_enabled() -> bool:
     dtype pair together, ``0`` (default) one launch per landing. Off by default until the GPU
     lane (``tests/gpu/test_ipc_strided_batch_gpu.py``) and ``bench_strided.py`` have run on a
     GPU: a wrong cast there would be served silently."""
-    value = os.environ.get("WEIGHTWIRE_IPC_STRIDED_BATCH", "0")
-    if value not in ("0", "1"):
-        raise ConfigError(
-            f"WEIGHTWIRE_IPC_STRIDED_BATCH must be '0' or '1', got {value[:20]!r}: unset it "
-            "or set 0 (one launch per landing), or 1 (one launch per chunk)"
-        )
-    return value == "1"
+    return env_switch(
+        "WEIGHTWIRE_IPC_STRIDED_BATCH", False, "one launch per chunk", "one launch per landing"
+    )
 
 
 def geometry_row(job: Strided) -> np.ndarray:
