@@ -306,10 +306,17 @@ def test_a_written_through_round_refuses_generation_whatever_its_size() -> None:
 # -- the trainer's data path -----------------------------------------------------------------
 
 
-def _setup(table: LandingTable | None, metas: list[ParamMeta]) -> tuple[list, Any, Any, Any]:
+def _setup(
+    table: LandingTable | None,
+    metas: list[ParamMeta],
+    cupy: Any = None,
+    slot_bytes: int = 100,
+) -> tuple[list, Any, Any, Any]:
+    """The trainer's write-through pipeline on ``cupy`` (a ``PullCupy`` by default: its
+    log is returned) and a worker holding ``table``."""
     log: list = []
-    fake = PullCupy(log)
-    slots = IPCSlots(fake, 0, 100, 2)
+    fake = (cupy or PullCupy)(log)
+    slots = IPCSlots(fake, 0, slot_bytes, 2)
     slots.free_memory()
     a, b = socket.socketpair()
     comm = IPCSenderComm(
@@ -412,16 +419,7 @@ def test_a_refused_start_writes_nothing_though_the_go_came_and_the_next_round_la
     params = tuple(ParamSlot(f"p{i}", 0, 64 * i, 16, "uint8") for i in range(n))
     lands = tuple(TensorLands(f"t{i}", (Land(i, (16,), 0, (1,), 0, (1,)),)) for i in range(n))
     table = LandingTable((Alloc(H, 64 * n),), params, lands)
-    log: list = []
-    fake = KernelCupy(log)
-    slots = IPCSlots(fake, 0, 1000, 2)
-    slots.free_memory()
-    a, b = socket.socketpair()
-    comm = IPCSenderComm(
-        fake, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], False, "write_through"
-    )
-    worker = ThroughWorker(b, metas, table)
-    pipe = IPCWriteThroughPipeline(comm, FakePacker(), timeout=5.0)
+    log, _, worker, pipe = _setup(table, metas, KernelCupy, slot_bytes=1000)
     worker.start()
     chunks = plan(metas, packed=True, buffer_size_bytes=1000)
     tensors = [(1_000_000 * (i + 1), 16) for i in range(n)]

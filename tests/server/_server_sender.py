@@ -193,3 +193,19 @@ def _subprocess_main() -> int:
 
 if __name__ == "__main__":
     sys.exit(_subprocess_main())
+
+
+def running_generation(url: str) -> tuple[threading.Thread, list[httpx.Response]]:
+    """A long greedy completion posted on a thread, returned once the server's replica 0
+    holds it (``generations_in_flight`` > 0); its response lands in the list."""
+    out: list[httpx.Response] = []
+    body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+    t = threading.Thread(
+        target=lambda: out.append(httpx.post(url + "/v1/completions", json=body, timeout=60))
+    )
+    t.start()
+    deadline = time.monotonic() + 30
+    while httpx.get(url + "/health").json()["replicas"][0]["generations_in_flight"] == 0:
+        assert time.monotonic() < deadline and not out, "the request never reached the replica"
+        time.sleep(0.005)
+    return t, out

@@ -6,11 +6,13 @@ start that pauses first, its update and a finish that also resets the caches and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.server._server_sender import running_generation
 from weightwire.control import HTTPWeightSyncClient
 from weightwire.shared.routes import Route
 from weightwire.tools.server.call_clock import HEADER, parse_server_timing
@@ -48,10 +50,15 @@ class Routes(HTTPWeightSyncClient):
 
 
 def rounds(
-    url: str, tiny_llama: str, timings: dict[str, str | None] | None = None, **info: Any
+    url: str,
+    tiny_llama: str,
+    timings: dict[str, str | None] | None = None,
+    before: Callable[[], object] | None = None,
+    **info: Any,
 ) -> list[tuple[int | None, list[str]]]:
     """Two rounds of the checkpoint's tensors: each one's ``http_calls`` and its requests
-    (into ``timings``: the last reply's Server-Timing header of each route)."""
+    (into ``timings``: the last reply's Server-Timing header of each route); ``before``
+    runs after the trainer's init, right before the first round."""
     timings = {} if timings is None else timings
     from safetensors.torch import load_file
 
@@ -69,6 +76,8 @@ def rounds(
     )
     out = []
     try:
+        if before is not None:
+            before()
         for _ in range(2):
             client.sent.clear()
             metrics = engine.send_weights()
@@ -125,23 +134,16 @@ def test_a_start_that_pauses_with_abort_cancels_a_running_generation(
 ) -> None:
     """The start's cancel is posted ahead of the start on the worker's pipe (not awaited):
     a generation running when a round applied in place starts still stops at its next step."""
-    import threading
-    import time
-
-    import httpx
-
-    out: list[httpx.Response] = []
-    body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
-    t = threading.Thread(
-        target=lambda: out.append(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+    running: list[tuple[Any, list[Any]]] = []
+    # started once the trainer is set up: only the start call lies between it and the cancel
+    (_, first), _ = rounds(
+        server.url,
+        tiny_llama,
+        before=lambda: running.append(running_generation(server.url)),
+        stage_budget_bytes=0,
     )
-    t.start()
-    deadline = time.monotonic() + 30
-    while httpx.get(server.url + "/health").json()["replicas"][0]["generations_in_flight"] == 0:
-        assert time.monotonic() < deadline and not out, "the request never reached the replica"
-        time.sleep(0.005)
-    (_, first), _ = rounds(server.url, tiny_llama, stage_budget_bytes=0)
     assert "start_weight_update?pause=abort" in first
+    ((t, out),) = running
     t.join(60)
     assert out and out[0].status_code == 200, out
     choice = out[0].json()["choices"][0]

@@ -3,13 +3,12 @@ through ``HTTPWeightSyncClient`` (the calls a trainer makes)."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from tests.server._server_sender import running_generation
 from weightwire.control import HTTPWeightSyncClient
 from weightwire.shared.errors import WeightSyncError
 
@@ -28,23 +27,15 @@ def client(server) -> Iterator[HTTPWeightSyncClient]:
 def test_abort_requests_stops_a_running_generation_without_pausing(
     server, client: HTTPWeightSyncClient
 ) -> None:
-    out: list[httpx.Response] = []
-    body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
-    t = threading.Thread(
-        target=lambda: out.append(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
-    )
-    t.start()
-    deadline = time.monotonic() + 30
-    while httpx.get(server.url + "/health").json()["replicas"][0]["generations_in_flight"] == 0:
-        assert time.monotonic() < deadline and not out, "the request never reached the replica"
-        time.sleep(0.005)
+    t, out = running_generation(server.url)
     assert client.abort_requests() == [{"status": "aborted", "aborted": 1}]
     t.join(60)
     assert out and out[0].status_code == 200, out
     choice = out[0].json()["choices"][0]
     assert choice["finish_reason"] == "abort" and out[0].json()["usage"]["completion_tokens"] < 240
     assert client.is_paused() == [False]  # abort is not a pause: the next request runs
-    again = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=60)
+    short = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    again = httpx.post(server.url + "/v1/completions", json=short, timeout=60)
     assert again.json()["choices"][0]["finish_reason"] == "length"
 
 
