@@ -36,6 +36,9 @@ for s in "$@"; do case $s in
   overlap_end) step overlap_end 120 "$PY" benchmarks/bench_overlap.py --device cuda --engines torch-cow --steps 5 --write-at end --deadline-s 100 --out "$OUT/overlap_end.md" ;;
   overlap_tests) step overlap_tests 240 "${PYT[@]}" tests/trainer/test_overlap_torch.py tests/trainer/test_overlap_cow.py tests/gpu/test_ipc_gpu.py -k overlap ;;
   delta) step delta 120 "$PY" benchmarks/bench_delta_round.py --backends weightwire_ipc --rounds 2 --out "$OUT/delta_round.md" ;;
+  ipc_trace) step ipc_trace 200 bash -c "mkdir -p '$OUT/tr' && WEIGHTWIRE_IPC_TRACE='$OUT/tr/x' '$PY' benchmarks/bench_ipc.py --modes default --rounds 10 --deadline-s 180 --out '$OUT/ipc_trace.md' && '$PY' benchmarks/ipc_timeline.py '$OUT/tr/x'" ;;
+  cowpull) step cowpull 150 "${PYT[@]}" -v tests/gpu/test_ipc_gpu.py -k overlapped ;;
+  delta_probe) step delta_probe 150 "$PY" benchmarks/bench_delta_round.py --backends weightwire_ipc --rounds 2 --probe --out "$OUT/delta_probe.md" ;;
   patch) step patch 80 "$PY" benchmarks/bench_patch_apply.py --repeats 3 ;;
 esac; done
 echo "== total $(( $(date +%s) - T0 ))s"
