@@ -167,3 +167,61 @@ def test_jax_fused_patches_describe_as_the_tensors_dtype(monkeypatch: pytest.Mon
     assert got.values.host().dtype == ml_dtypes.bfloat16
     assert got.values.host().tolist() == [-1.5, -1.5, -1.5]
     assert got.index.host().tolist() == [3, 50, 99]
+
+
+def test_torch_fused_rounds_allocate_nothing_once_warm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """#49: per-round device allocations of data-dependent sizes (the patches' outputs) made
+    the caching allocator retry on a full card, by turns. After the session's first delta
+    round the fused path's scratch and outputs come from its workspace: no ``torch.empty``
+    in a round's extraction, whatever its changed fraction; the bytes stay the reference's."""
+    torch = pytest.importorskip("torch")
+    from tests.trainer.delta_batches import DENSITY, metas_of
+    from weightwire.torch_side.sender.delta import TorchDeltaKernel
+
+    def tensor(dtype: str, bits: np.ndarray) -> Any:
+        signed = bits.view(f"i{bits.itemsize}") if bits.itemsize > 1 else bits
+        return torch.from_numpy(signed.copy()).view(getattr(torch, dtype))
+
+    def wire(built: Any) -> list[tuple[str, bytes]]:
+        return [
+            (n, t.detach().reshape(-1).view(torch.uint8).numpy().tobytes()) for n, t in built.pairs
+        ]
+
+    model = layered(np.random.default_rng(3), LAYERS)
+    metas = metas_of(model)
+    w0 = [(n, d, old) for n, d, old, _ in model]
+    w1 = [(n, d, new) for n, d, _, new in model]
+    half = [(n, d, np.where(np.arange(old.size) % 2 == 0, new, old)) for n, d, old, new in model]
+    monkeypatch.setattr(TorchDeltaKernel, "fused_type", "cpu")
+    monkeypatch.setattr(TorchDeltaKernel, "_stream", staticmethod(lambda device: 0))
+    allocated: list[int] = []
+    empty = torch.empty
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        got = empty(*args, **kwargs)
+        if got.numel():
+            allocated.append(got.numel())
+        return got
+
+    with emulated(monkeypatch, Emulator()):
+        kernels = {"fused": TorchDeltaKernel("cuda"), "reference": TorchDeltaKernel("static")}
+        trackers = {
+            k: DeltaTracker(kernel, density=DENSITY, anchor_every=0, group_bytes=40_000)
+            for k, kernel in kernels.items()
+        }
+        for k, tracker in trackers.items():
+            tracker.bases = {n: kernels[k].snapshot(tensor(d, b)) for n, d, b in w0}
+        for i, weights in enumerate([w1, w0, w1, half, w1, w0]):
+            want = trackers["reference"].build([(n, tensor(d, b)) for n, d, b in weights], metas)
+            pairs = [(n, tensor(d, b)) for n, d, b in weights]
+            allocated.clear()
+            monkeypatch.setattr(torch, "empty", counting)
+            got = trackers["fused"].build(pairs, metas)
+            monkeypatch.setattr(torch, "empty", empty)
+            assert got is not None and want is not None and got.patches
+            assert wire(got) == wire(want), i
+            assert got.metas == want.metas
+            if i:  # the first delta round sizes the workspace
+                assert allocated == [], (i, allocated)
+    workspace = kernels["fused"].workspaces[torch.device("cpu")]
+    assert workspace.scratch_bytes > 0 and workspace.allocations >= 3  # 2 scratch + the arenas

@@ -87,6 +87,12 @@ class DeltaKernel(ABC):
         """The ``Scan`` of a group ``start`` began."""
         return started
 
+    def begin(self) -> None:
+        """A round's extraction starts (``build`` calls it first): the last round's wire
+        tensors are no longer read (rounds run one at a time), so a kernel may reuse their
+        memory from here on."""
+        return None
+
     def settle(self) -> None:
         """Wait for all device work of the round so far (``build`` calls it on its way out,
         also on an error): after it, other readers may read the outputs and the bases, and
@@ -248,6 +254,7 @@ class DeltaTracker:
         the round must go dense (it is partial but has no tensor a patch can name)."""
         by_name = {m.name: m for m in metas}
         out = DeltaRound([], [], [], 0, 0, 0)
+        self.kernel.begin()
         try:
             self._compare(pairs, by_name, out)
             # Summed once the last launch is queued: the device works meanwhile.

@@ -11,8 +11,9 @@ out of the scratch into tight buffers the caller allocated (one launch), and the
 released.
 
 Framework-neutral: tensors reach it as raw device pointers (``Operand``), device memory
-comes from the caller's allocator (stream-ordered on the stream it launches on: torch's
-caching allocator on torch's current stream, CuPy's pool on the JAX kernel's own stream),
+comes from the caller's allocator (stream-ordered on the stream it launches on: the torch
+kernel's session workspace, ``torch_side.sender.delta.Workspace``, CuPy's pool on the JAX
+kernel's own stream),
 and every launch goes on the caller's stream. CuPy is imported on first use.
 """
 
