@@ -225,3 +225,28 @@ def test_torch_fused_rounds_allocate_nothing_once_warm(monkeypatch: pytest.Monke
                 assert allocated == [], (i, allocated)
     workspace = kernels["fused"].workspaces[torch.device("cpu")]
     assert workspace.scratch_bytes > 0 and workspace.allocations >= 3  # 2 scratch + the arenas
+
+
+def test_dense_round_refreshes_the_held_base_in_place() -> None:
+    """An anchor or forced dense round copies into the base it holds (no new copy of the
+    model each dense round); a tensor whose shape changed, or a base dropped by a failed
+    round, is copied anew. The base is the new bytes either way."""
+    torch = pytest.importorskip("torch")
+    from weightwire.torch_side.sender.delta import TorchDeltaKernel
+
+    tracker = DeltaTracker(TorchDeltaKernel("static"), density=0.5, anchor_every=0)
+    w0 = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(4, dtype=torch.bfloat16)}
+    metas = [ParamMeta("a", "float32", (6,)), ParamMeta("b", "bfloat16", (4,))]
+    assert [n for n, _ in tracker.snapshot_stream(w0.items(), metas)] == ["a", "b"]
+    held = dict(tracker.bases)
+    assert held["a"] is not w0["a"] and torch.equal(held["a"], w0["a"])
+    w1 = {"a": w0["a"] + 1, "b": torch.zeros(5, dtype=torch.bfloat16)}
+    metas[1] = ParamMeta("b", "bfloat16", (5,))
+    list(tracker.snapshot_stream(w1.items(), metas))
+    assert tracker.bases["a"] is held["a"]  # in place
+    assert tracker.bases["b"] is not held["b"] and tracker.bases["b"].shape == (5,)
+    assert all(torch.equal(tracker.bases[n], w1[n]) for n in w1)
+    assert tracker.metas == metas
+    tracker.drop()  # a failed round
+    list(tracker.snapshot_stream(w1.items(), metas))
+    assert tracker.bases["a"] is not held["a"] and torch.equal(tracker.bases["a"], w1["a"])
