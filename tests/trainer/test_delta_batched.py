@@ -175,23 +175,13 @@ def test_torch_fused_rounds_allocate_nothing_once_warm(monkeypatch: pytest.Monke
     round the fused path's scratch and outputs come from its workspace: no ``torch.empty``
     in a round's extraction, whatever its changed fraction; the bytes stay the reference's."""
     torch = pytest.importorskip("torch")
-    from tests.trainer.delta_batches import DENSITY, metas_of
+    from tests.trainer.delta_batches import assert_steady_rounds
     from weightwire.torch_side.sender.delta import TorchDeltaKernel
 
     def tensor(dtype: str, bits: np.ndarray) -> Any:
         signed = bits.view(f"i{bits.itemsize}") if bits.itemsize > 1 else bits
         return torch.from_numpy(signed.copy()).view(getattr(torch, dtype))
 
-    def wire(built: Any) -> list[tuple[str, bytes]]:
-        return [
-            (n, t.detach().reshape(-1).view(torch.uint8).numpy().tobytes()) for n, t in built.pairs
-        ]
-
-    model = layered(np.random.default_rng(3), LAYERS)
-    metas = metas_of(model)
-    w0 = [(n, d, old) for n, d, old, _ in model]
-    w1 = [(n, d, new) for n, d, _, new in model]
-    half = [(n, d, np.where(np.arange(old.size) % 2 == 0, new, old)) for n, d, old, new in model]
     monkeypatch.setattr(TorchDeltaKernel, "fused_type", "cpu")
     monkeypatch.setattr(TorchDeltaKernel, "_stream", staticmethod(lambda device: 0))
     allocated: list[int] = []
@@ -203,27 +193,16 @@ def test_torch_fused_rounds_allocate_nothing_once_warm(monkeypatch: pytest.Monke
             allocated.append(got.numel())
         return got
 
+    def host(t: Any) -> np.ndarray:
+        return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+    monkeypatch.setattr(torch, "empty", counting)
     with emulated(monkeypatch, Emulator()):
-        kernels = {"fused": TorchDeltaKernel("cuda"), "reference": TorchDeltaKernel("static")}
-        trackers = {
-            k: DeltaTracker(kernel, density=DENSITY, anchor_every=0, group_bytes=40_000)
-            for k, kernel in kernels.items()
-        }
-        for k, tracker in trackers.items():
-            tracker.bases = {n: kernels[k].snapshot(tensor(d, b)) for n, d, b in w0}
-        for i, weights in enumerate([w1, w0, w1, half, w1, w0]):
-            want = trackers["reference"].build([(n, tensor(d, b)) for n, d, b in weights], metas)
-            pairs = [(n, tensor(d, b)) for n, d, b in weights]
-            allocated.clear()
-            monkeypatch.setattr(torch, "empty", counting)
-            got = trackers["fused"].build(pairs, metas)
-            monkeypatch.setattr(torch, "empty", empty)
-            assert got is not None and want is not None and got.patches
-            assert wire(got) == wire(want), i
-            assert got.metas == want.metas
-            if i:  # the first delta round sizes the workspace
-                assert allocated == [], (i, allocated)
-    workspace = kernels["fused"].workspaces[torch.device("cpu")]
+        fused = TorchDeltaKernel("cuda")
+        model = layered(np.random.default_rng(3), LAYERS)
+        reference = TorchDeltaKernel("static")
+        assert_steady_rounds(fused, reference, model, tensor, host, allocated.__len__)
+    workspace = fused.workspaces[torch.device("cpu")]
     assert workspace.scratch_bytes > 0 and workspace.allocations >= 3  # 2 scratch + the arenas
 
 

@@ -117,7 +117,10 @@ class Workspace:
         if self._idle:
             buf, event = self._idle.pop()
             if event is not None:
-                torch.cuda.ExternalStream(stream, device=self.device).wait_event(event)
+                on = torch.cuda.ExternalStream(stream, device=self.device)
+                on.wait_event(event)
+                # Freed one day (outgrown, forgotten): not reused before this stream's work.
+                buf.record_stream(on)
         else:
             buf = self._empty(self.scratch_bytes, torch.uint8)
         return buf.data_ptr(), buf
