@@ -146,6 +146,7 @@ class Bench:
         trainer = engine.trainer_init(info, client=self.client, source=make_source(self.params))
         if self.args.probe:
             probe_base(trainer, self.base_s, self.cuda, self.extract_mem)
+            GC.install()
         return trainer
 
     def _allocated(self) -> int:
@@ -179,7 +180,7 @@ class Bench:
             sent = self.link.forwarded() if self.link else 0
             self.base_s[0] = 0.0
             self.extract_mem.clear()
-            before = allocator_stats(self.cuda and self.args.probe)
+            before = allocator_stats(self.cuda) if self.args.probe else {}
             trace(f"send> {self.backend} {kind}")  # WEIGHTWIRE_IPC_TRACE: ipc_timeline.py's rounds
             start = time.perf_counter()
             m = self.trainer.send_weights(dense=kind == "dense")
@@ -187,9 +188,8 @@ class Bench:
             trace("send<")
             dump_trace("trainer")
             got = round_phases(wall, m.seconds, self.client.call("seconds"), self.base_s[0])
-            mem = round_memory(
-                before, allocator_stats(self.cuda and self.args.probe), self.extract_mem
-            )
+            after = allocator_stats(self.cuda) if self.args.probe else {}
+            mem = round_memory(before, after, self.extract_mem)
             if i >= self.args.warmup:
                 walls.append(wall)
                 metrics.append(m)
@@ -305,14 +305,42 @@ ALLOCATOR = (
 retries that coincide with slow rounds are the allocator's (#49)."""
 
 
+class GcClock:
+    """Microseconds the trainer's Python spent in garbage collection (``gc.callbacks``), read
+    beside the allocator: a collection pause in a round is the other host stall a slow
+    round may hide."""
+
+    def __init__(self) -> None:
+        self.us = 0
+        self._start = 0.0
+        self.installed = False
+
+    def install(self) -> None:
+        if not self.installed:
+            gc.callbacks.append(self._tick)
+            self.installed = True
+
+    def _tick(self, phase: str, info: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._start = now
+        else:
+            self.us += int((now - self._start) * 1e6)
+
+
+GC = GcClock()
+
+
 def allocator_stats(cuda: bool) -> dict[str, int]:
-    """The trainer's ``ALLOCATOR`` counters now (nothing on a CPU or without ``--probe``)."""
+    """The trainer's ``ALLOCATOR`` counters now (on a GPU) and its GC time so far
+    (``gc_us``, once ``GC`` is installed: ``--probe``)."""
+    out = {"gc_us": GC.us} if GC.installed else {}
     if not cuda:
-        return {}
+        return out
     import torch
 
     stats = torch.cuda.memory_stats()
-    return {key: int(stats.get(name, 0)) for key, name in ALLOCATOR}
+    return out | {key: int(stats.get(name, 0)) for key, name in ALLOCATOR}
 
 
 def round_memory(
@@ -323,7 +351,7 @@ def round_memory(
     round's build), and the card's free bytes after (``free``)."""
     out = {f"round.{k}": after[k] - before[k] for k in after if k in before}
     out.update({f"extract.{k}": v for k, v in extract.items()})
-    if after:
+    if "reserved" in after:  # a GPU
         out["free"] = card_free()
     return out
 
@@ -337,6 +365,7 @@ def memory_line(mem: dict[str, int]) -> str:
             counts = ("retries", "mallocs", "frees", "workspace")
             shown = [f"{k}={got[k]:+d}" for k in counts if k in got]
             shown += [f"{k}={got[k] / 1e6:+.1f}MB" for k in ("allocated", "reserved") if k in got]
+            shown += [f"gc={got['gc_us'] / 1e3:.1f}ms"] if "gc_us" in got else []
             parts.append(f"{scope}: " + " ".join(shown))
     if "free" in mem:
         parts.append(f"card free {mem['free'] / 1e9:.2f} GB")
@@ -502,8 +531,8 @@ def memory_table(rows: list[Row]) -> str:
     lines = [
         "| backend | round | # | s | extract retries / mallocs / workspace | extract "
         "allocated / reserved MB | round retries / mallocs / frees | round allocated / "
-        "reserved MB | card free GB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "reserved MB | gc ms extract / round | card free GB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def cell(m: dict[str, Any], scope: str, keys: tuple[str, ...], mb: bool = False) -> str:
@@ -511,6 +540,10 @@ def memory_table(rows: list[Row]) -> str:
         if all(v is None for v in got):
             return "-"
         return " / ".join("-" if v is None else f"{v / 1e6:+.1f}" if mb else f"{v:+d}" for v in got)
+
+    def gc_cell(m: dict[str, Any]) -> str:
+        got = [m.get(f"{scope}.gc_us") for scope in ("extract", "round")]
+        return " / ".join("-" if v is None else f"{v / 1e3:.1f}" for v in got)
 
     for r in rows:
         for m in r.extra.get("memory", []):
@@ -520,13 +553,14 @@ def memory_table(rows: list[Row]) -> str:
                 f"| {m['s']:.4f} | {cell(m, 'extract', ('retries', 'mallocs', 'workspace'))} "
                 f"| {cell(m, 'extract', ('allocated', 'reserved'), True)} "
                 f"| {cell(m, 'round', ('retries', 'mallocs', 'frees'))} "
-                f"| {cell(m, 'round', ('allocated', 'reserved'), True)} | {free} |"
+                f"| {cell(m, 'round', ('allocated', 'reserved'), True)} "
+                f"| {gc_cell(m)} | {free} |"
             )
     return "\n".join(lines) + (
         "\n\nThe trainer's torch.cuda.memory_stats() deltas per round (--probe): retries = "
         "num_alloc_retries (a miss that freed the cache, synchronizing the device), mallocs / "
         "frees = cudaMalloc / cudaFree calls, workspace = device buffers the delta kernel's "
-        "workspace allocated."
+        "workspace allocated; gc = the trainer's Python garbage collection time."
     )
 
 

@@ -58,6 +58,7 @@ def test_round_memory_is_the_allocator_deltas(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(bench, "card_free", lambda: 5_260_000_000)
     before = {"retries": 3, "mallocs": 10, "frees": 4, "allocated": 100, "reserved": 1000}
     after = {"retries": 5, "mallocs": 12, "frees": 9, "allocated": 100, "reserved": 3_000_000}
+    before["gc_us"], after["gc_us"] = 500, 2000
     extract = {"retries": 2, "mallocs": 1, "workspace": 0, "allocated": 0, "reserved": 0}
     got = bench.round_memory(before, after, extract)
     assert got["round.retries"] == 2 and got["round.frees"] == 5
@@ -65,6 +66,8 @@ def test_round_memory_is_the_allocator_deltas(monkeypatch: pytest.MonkeyPatch) -
     assert got["free"] == 5_260_000_000
     line = bench.memory_line(got)
     assert line.startswith("extract: retries=+2 mallocs=+1 workspace=+0")
-    assert "round: retries=+2 mallocs=+2 frees=+5 allocated=+0.0MB reserved=+3.0MB" in line
+    assert "round: retries=+2 mallocs=+2 frees=+5 allocated=+0.0MB reserved=+3.0MB gc=1.5ms" in line
     assert line.endswith("card free 5.26 GB")
-    assert bench.round_memory({}, {}, {}) == {}  # CPU, or no --probe: nothing read
+    assert bench.round_memory({}, {}, {}) == {}  # no --probe: nothing read
+    cpu = bench.round_memory({"gc_us": 0}, {"gc_us": 7}, {})
+    assert cpu == {"round.gc_us": 7}  # a CPU: no allocator, no card
