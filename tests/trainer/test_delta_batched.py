@@ -229,3 +229,39 @@ def test_dense_round_refreshes_the_held_base_in_place() -> None:
     tracker.drop()  # a failed round
     list(tracker.snapshot_stream(w1.items(), metas))
     assert tracker.bases["a"] is not held["a"] and torch.equal(tracker.bases["a"], w1["a"])
+
+
+def test_jax_fused_scratch_is_kept_across_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JAX caller's launch scratch (the largest allocations of a round: its patch
+    limits' slots) is a ring kept for the session; only its patches come from CuPy's pool
+    each round (they reach JAX as arrays). The bytes stay the reference's."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from tests.trainer.delta_batches import assert_steady_rounds
+    from weightwire.jax_side.delta import JaxDeltaKernel, Prefix
+    from weightwire.jax_side.delta_cuda import JaxFused
+
+    dtypes = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "bool": np.bool_}
+
+    def to_device(dtype: str, bits: np.ndarray) -> Any:
+        return jax.device_put(jnp.asarray(bits.view(dtypes[dtype])), jax.devices("cpu")[0])
+
+    def host(x: Any) -> np.ndarray:
+        out = x.host() if isinstance(x, Prefix) else np.asarray(x)
+        return out.reshape(-1).view(np.uint8)
+
+    emulator = Emulator()
+    with emulated(monkeypatch, emulator):
+        fused = JaxDeltaKernel("search")
+        fused._fused = JaxFused(emulator.cupy)
+        fused._fused.platform = "cpu"
+
+        def scratch_allocations() -> int:
+            return sum(r.allocations for r in fused._fused._scratch.values())
+
+        model = layered(np.random.default_rng(5), LAYERS)
+        reference = JaxDeltaKernel("search")
+        assert_steady_rounds(fused, reference, model, to_device, host, scratch_allocations)
+    assert scratch_allocations()  # the first round's, each launch larger than the last
