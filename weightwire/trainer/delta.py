@@ -246,9 +246,9 @@ class DeltaTracker:
         # Set first: a consumer may stop pulling after the last tensor (a round that does not
         # complete is dropped by the caller anyway).
         self.metas = list(metas)
+        kernel = self.kernel
         for name, tensor in pairs:
             prior = held.pop(name, None)
-            kernel = self.kernel
             self.bases[name] = (
                 kernel.snapshot(tensor) if prior is None else kernel.refresh(tensor, prior)
             )
