@@ -265,3 +265,37 @@ def test_jax_fused_scratch_is_kept_across_rounds(monkeypatch: pytest.MonkeyPatch
         reference = JaxDeltaKernel("search")
         assert_steady_rounds(fused, reference, model, to_device, host, scratch_allocations)
     assert scratch_allocations()  # the first round's, each launch larger than the last
+
+
+def test_workspace_arenas_carve_overflow_and_grow() -> None:
+    """The output arenas: a round's launches are carved one after another; a round larger
+    than the arena (the first, or more changed than any before) packs the rest into buffers
+    of their own and the arena grows to it plus a quarter at ``settle``; ``begin`` and
+    ``settle`` rewind. Scratch buffers are the largest launch's size, reused in turn."""
+    torch = pytest.importorskip("torch")
+    from weightwire.torch_side.sender.delta import ARENA_HEADROOM, Workspace
+
+    ws = Workspace(torch.device("cpu"))
+    first = [ws.outputs("index", torch.int32, n) for n in (100, 60)]
+    assert ws.allocations == 2 and first[0].data_ptr() != first[1].data_ptr()  # no arena yet
+    ws.settle()
+    arena_size = ws._arenas["index"].numel()
+    assert arena_size >= 160 * ARENA_HEADROOM and ws.allocations == 3
+    ws.begin()
+    a, b = ws.outputs("index", torch.int32, 100), ws.outputs("index", torch.int32, 60)
+    assert ws.allocations == 3  # carved: the arena, then right behind the first
+    assert b.data_ptr() == a.data_ptr() + 100 * 4 == ws._arenas["index"].data_ptr() + 400
+    over = ws.outputs("index", torch.int32, arena_size)  # past the arena's end
+    assert ws.allocations == 4 and over.numel() == arena_size
+    ws.settle()
+    assert ws._arenas["index"].numel() >= (160 + arena_size) * ARENA_HEADROOM
+    assert ws.allocations == 5
+    ws.begin()
+    assert ws.outputs("index", torch.int32, 0).numel() == 0 and ws.allocations == 5
+    # Scratch: the largest launch's size, given back and taken again without allocating.
+    p1, s1 = ws.scratch(1000, 0)
+    p2, s2 = ws.scratch(3000, 0)  # larger: every buffer from now on is 3000
+    ws.give_back(s1, 0)  # outgrown: dropped
+    ws.give_back(s2, 0)
+    p3, s3 = ws.scratch(500, 0)
+    assert p3 == p2 and s3.numel() == 3000 and ws.allocations == 7
