@@ -18,7 +18,9 @@ worker bench_vllm_layout.py measures). Per backend, one trainer and one worker:
 process forwarding each direction through a token bucket, ``--rate-mb-s``, default 1250 =
 a 10 GbE line); the relay's count of forwarded bytes gives the link rate each round ran at.
 ``weightwire_ipc`` (pull) runs on one GPU, with the floor (one device copy of every tensor
-into the serving parameters, measured in the worker) for reference.
+into the serving parameters, measured in the worker before the trainer joins: its source
+buffer, a round's bytes, fits on an 80 GB card beside the weight sets then, not beside the
+trainer's base as well) for reference.
 
 Per row: seconds per round (median of ``--rounds`` after ``--warmup``: the whole
 ``send_weights()``), wire bytes, dense bytes, density and extraction seconds (the round's
@@ -86,13 +88,32 @@ class Bench:
         self.current = 0  # which set ``params`` holds
         self.link = ShapedLink(args.rate_mb_s * 1e6) if backend == TCP else None
         self.proc, self.client = self._worker()
-        self.before = self._allocated()
         self.base_s = [0.0]  # --probe: this round's base refresh (device-synchronized)
+        self.extract_mem: dict[str, int] = {}  # --probe: the allocator over this round's build
+        self.floor_s: float | None = None
+        self.floor_note = ""
         try:
+            card(args, f"{backend}: worker up")
+            if backend == IPC:
+                self._floor()
+            self.before = self._allocated()
             self.trainer = self._trainer()
+            card(args, f"{backend}: trainer joined")
         except BaseException:
             self._stop_worker()
             raise
+
+    def _floor(self) -> None:
+        """The floor, measured first: its source buffer on the worker is a round's bytes
+        (15 GiB for an 8B model), which fits beside the worker's model and the weight sets,
+        not beside the trainer's base and a round's memory as well (an 80 GB card ran out
+        when it came last). The first round (dense) overwrites the parameters it wrote."""
+        try:
+            self.floor_s = float(self.client.call("floor", {"reps": 5}))
+        except Exception as exc:  # the rows are still worth having
+            self.floor_note = f"{self.backend} floor failed: {type(exc).__name__}: {exc}"
+            print(self.floor_note, flush=True)
+        card(self.args, f"{self.backend}: floor measured")
 
     def _worker(self) -> tuple[Any, Any]:
         from weightwire.testing.loopback import spawn_loopback_cmd
@@ -124,7 +145,8 @@ class Bench:
         )
         trainer = engine.trainer_init(info, client=self.client, source=make_source(self.params))
         if self.args.probe:
-            probe_base(trainer, self.base_s, self.cuda)
+            probe_base(trainer, self.base_s, self.cuda, self.extract_mem)
+            GC.install()
         return trainer
 
     def _allocated(self) -> int:
@@ -136,12 +158,10 @@ class Bench:
         return int(torch.cuda.memory_allocated())
 
     def rows(self) -> list[Row]:
-        """Dense rows, then delta rows, then (ipc) the floor: it overwrites the parameters."""
+        """Dense rows, then delta rows (with the floor measured before the trainer joined)."""
         out = [self._phase("dense", [0]), self._phase("delta", [1, 0])]
-        if self.backend == IPC:
-            floor = float(self.client.call("floor", {"reps": 5}))
-            for row in out:
-                row.floor_s = floor
+        for row in out:
+            row.floor_s = self.floor_s
         return out
 
     def _phase(self, kind: str, cycle: list[int]) -> Row:
@@ -153,12 +173,14 @@ class Bench:
             torch.cuda.reset_peak_memory_stats()
         from weightwire.backends.ipc.slots import dump_trace, trace
 
-        walls, metrics, links, phases = [], [], [], []
+        walls, metrics, links, phases, memory = [], [], [], [], []
         for i in range(self.args.warmup + self.args.rounds):
             self.current = cycle[i % len(cycle)]
             self.params.update(self.sets.native[self.current])
             sent = self.link.forwarded() if self.link else 0
             self.base_s[0] = 0.0
+            self.extract_mem.clear()
+            before = allocator_stats(self.cuda) if self.args.probe else {}
             trace(f"send> {self.backend} {kind}")  # WEIGHTWIRE_IPC_TRACE: ipc_timeline.py's rounds
             start = time.perf_counter()
             m = self.trainer.send_weights(dense=kind == "dense")
@@ -166,14 +188,21 @@ class Bench:
             trace("send<")
             dump_trace("trainer")
             got = round_phases(wall, m.seconds, self.client.call("seconds"), self.base_s[0])
+            after = allocator_stats(self.cuda) if self.args.probe else {}
+            mem = round_memory(before, after, self.extract_mem)
             if i >= self.args.warmup:
                 walls.append(wall)
                 metrics.append(m)
                 links.append(self.link.forwarded() - sent if self.link else 0)
                 phases.append(got)
+            if mem:
+                memory.append({"round": i, "warmup": i < self.args.warmup, "s": wall, **mem})
             shown = " ".join(f"{k}={v * 1e3:.1f}" for k, v in got.items() if k != "total")
             print(f"  {self.backend} {kind} round {i}: {wall:.3f} s, {m.summary()}", flush=True)
             print(f"    phases ms: {shown}", flush=True)
+            if mem:
+                print(f"    trainer allocator: {memory_line(mem)}", flush=True)
+        card(self.args, f"{self.backend}: {kind} rounds done")
         trainer_extra = self._trainer_extra()
         mem = self.client.call("memory")
         worker_extra = mem["peak"] - mem["baseline"] + mem.get("pool", 0) if mem else None
@@ -190,7 +219,7 @@ class Bench:
             trainer_extra=trainer_extra,
             worker_extra=worker_extra,
             ok=self._holds(),
-            extra={"wire_bytes_each": [m.wire_bytes for m in metrics]},
+            extra={"wire_bytes_each": [m.wire_bytes for m in metrics], "memory": memory},
             phases={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[-1]},
         )
 
@@ -264,10 +293,116 @@ def round_phases(
     return out
 
 
-def probe_base(trainer: Any, base_s: list[float], cuda: bool) -> None:
+ALLOCATOR = (
+    # (key, torch.cuda.memory_stats()'s counter): the trainer's caching allocator
+    ("retries", "num_alloc_retries"),  # a miss that freed the cache (a device sync) and retried
+    ("mallocs", "num_device_alloc"),  # cudaMalloc calls
+    ("frees", "num_device_free"),  # cudaFree calls
+    ("allocated", "allocated_bytes.all.current"),
+    ("reserved", "reserved_bytes.all.current"),
+)
+"""What ``--probe`` reads of the trainer's allocator around each round and its extraction:
+retries that coincide with slow rounds are the allocator's (#49)."""
+
+
+class GcClock:
+    """Microseconds the trainer's Python spent in garbage collection (``gc.callbacks``), read
+    beside the allocator: a collection pause in a round is the other host stall a slow
+    round may hide."""
+
+    def __init__(self) -> None:
+        self.us = 0
+        self._start = 0.0
+        self.installed = False
+
+    def install(self) -> None:
+        if not self.installed:
+            gc.callbacks.append(self._tick)
+            self.installed = True
+
+    def _tick(self, phase: str, info: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._start = now
+        else:
+            self.us += int((now - self._start) * 1e6)
+
+
+GC = GcClock()
+
+
+def allocator_stats(cuda: bool) -> dict[str, int]:
+    """The trainer's ``ALLOCATOR`` counters now (on a GPU) and its GC time so far
+    (``gc_us``, once ``GC`` is installed: ``--probe``)."""
+    out = {"gc_us": GC.us} if GC.installed else {}
+    if not cuda:
+        return out
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return out | {key: int(stats.get(name, 0)) for key, name in ALLOCATOR}
+
+
+def round_memory(
+    before: dict[str, int], after: dict[str, int], extract: dict[str, int]
+) -> dict[str, int]:
+    """One round's allocator deltas: ``round.<key>`` over the whole ``send_weights``,
+    ``extract.<key>`` over its extraction (``probe_base`` fills ``extract``: a delta
+    round's build), and the card's free bytes after (``free``)."""
+    out = {f"round.{k}": after[k] - before[k] for k in after if k in before}
+    out.update({f"extract.{k}": v for k, v in extract.items()})
+    if "reserved" in after:  # a GPU
+        out["free"] = card_free()
+    return out
+
+
+def memory_line(mem: dict[str, int]) -> str:
+    """``round`` and ``extract`` deltas, bytes as MB; the card's free GB."""
+    parts = []
+    for scope in ("extract", "round"):
+        got = {k.split(".", 1)[1]: v for k, v in mem.items() if k.startswith(scope + ".")}
+        if got:
+            counts = ("retries", "mallocs", "frees", "workspace")
+            shown = [f"{k}={got[k]:+d}" for k in counts if k in got]
+            shown += [f"{k}={got[k] / 1e6:+.1f}MB" for k in ("allocated", "reserved") if k in got]
+            shown += [f"gc={got['gc_us'] / 1e3:.1f}ms"] if "gc_us" in got else []
+            parts.append(f"{scope}: " + " ".join(shown))
+    if "free" in mem:
+        parts.append(f"card free {mem['free'] / 1e9:.2f} GB")
+    return "; ".join(parts)
+
+
+def card_free() -> int:
+    """Free bytes on the current CUDA device (every process's use counted)."""
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def card(args: argparse.Namespace, where: str) -> None:
+    """``--probe`` on a GPU: the card's free memory and this process's allocator at a step of
+    the run (the harness must fit one 80 GB card: trainer and worker share it)."""
+    if not (args.probe and args.device.startswith("cuda")):
+        return
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    print(
+        f"  card at {where}: free {free / 1e9:.2f} of {total / 1e9:.2f} GB; this process "
+        f"allocated {torch.cuda.memory_allocated() / 1e9:.2f}, reserved "
+        f"{torch.cuda.memory_reserved() / 1e9:.2f} GB",
+        flush=True,
+    )
+
+
+def probe_base(
+    trainer: Any, base_s: list[float], cuda: bool, extract_mem: dict[str, int] | None = None
+) -> None:
     """``--probe``: time the trainer's base refresh outside the fused extraction (a dense
     round's snapshot of every tensor, a delta round's tensor sent dense) into ``base_s[0]``,
-    each call device-synchronized; mark the extraction for ``WEIGHTWIRE_IPC_TRACE``."""
+    each call device-synchronized; mark the extraction for ``WEIGHTWIRE_IPC_TRACE``; the
+    allocator's deltas over the extraction into ``extract_mem`` (``ALLOCATOR``; the
+    kernel's workspace allocations as ``workspace``)."""
     import torch
 
     from weightwire.backends.ipc.slots import trace
@@ -275,12 +410,21 @@ def probe_base(trainer: Any, base_s: list[float], cuda: bool) -> None:
     tracker = trainer._delta.tracker  # the engine's own DeltaTracker
     build = tracker.build
 
+    def workspace_allocations() -> int:
+        spaces = getattr(tracker.kernel, "workspaces", {})
+        return sum(getattr(w, "allocations", 0) for w in spaces.values())
+
     def traced(*a: Any) -> Any:  # the extraction on ipc_timeline.py's timeline
+        before, made = allocator_stats(cuda), workspace_allocations()
         trace("t.extract>")
         try:
             return build(*a)
         finally:
             trace("t.extract<")
+            if extract_mem is not None:
+                after = allocator_stats(cuda)
+                extract_mem.update({k: after[k] - before[k] for k in after})
+                extract_mem["workspace"] = workspace_allocations() - made
 
     tracker.build = traced
     kernel = tracker.kernel
@@ -381,6 +525,45 @@ def phase_table(rows: list[Row]) -> str:
     return "\n".join(lines) + f"\n\nms, median per row. {legend}."
 
 
+def memory_table(rows: list[Row]) -> str:
+    """``--probe``: each round's trainer allocator deltas (``round_memory``), warm-up rounds
+    too, beside the round's seconds: retries in the slow rounds only is the allocator."""
+    lines = [
+        "| backend | round | # | s | extract retries / mallocs / workspace | extract "
+        "allocated / reserved MB | round retries / mallocs / frees | round allocated / "
+        "reserved MB | gc ms extract / round | card free GB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def cell(m: dict[str, Any], scope: str, keys: tuple[str, ...], mb: bool = False) -> str:
+        got = [m.get(f"{scope}.{k}") for k in keys]
+        if all(v is None for v in got):
+            return "-"
+        return " / ".join("-" if v is None else f"{v / 1e6:+.1f}" if mb else f"{v:+d}" for v in got)
+
+    def gc_cell(m: dict[str, Any]) -> str:
+        got = [m.get(f"{scope}.gc_us") for scope in ("extract", "round")]
+        return " / ".join("-" if v is None else f"{v / 1e3:.1f}" for v in got)
+
+    for r in rows:
+        for m in r.extra.get("memory", []):
+            free = f"{m['free'] / 1e9:.2f}" if "free" in m else "-"
+            lines.append(
+                f"| {r.backend} | {r.kind} | {m['round']}{' (warm-up)' if m['warmup'] else ''} "
+                f"| {m['s']:.4f} | {cell(m, 'extract', ('retries', 'mallocs', 'workspace'))} "
+                f"| {cell(m, 'extract', ('allocated', 'reserved'), True)} "
+                f"| {cell(m, 'round', ('retries', 'mallocs', 'frees'))} "
+                f"| {cell(m, 'round', ('allocated', 'reserved'), True)} "
+                f"| {gc_cell(m)} | {free} |"
+            )
+    return "\n".join(lines) + (
+        "\n\nThe trainer's torch.cuda.memory_stats() deltas per round (--probe): retries = "
+        "num_alloc_retries (a miss that freed the cache, synchronizing the device), mallocs / "
+        "frees = cudaMalloc / cudaFree calls, workspace = device buffers the delta kernel's "
+        "workspace allocated; gc = the trainer's Python garbage collection time."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default=None, help="cuda:0 when a GPU is there, else cpu")
@@ -396,7 +579,9 @@ def main(argv: list[str] | None = None) -> int:
         "--probe",
         action="store_true",
         help="also time the worker's round steps and the trainer's base refresh, each "
-        "device-synchronized (slower rounds: where the time goes, not how fast)",
+        "device-synchronized (slower rounds: where the time goes, not how fast); print the "
+        "trainer allocator's deltas per round and extraction (retries, cudaMalloc calls, "
+        "allocated / reserved) and the card's free memory at each step",
     )
     args = ap.parse_args(argv)
     import torch
@@ -418,25 +603,34 @@ def main(argv: list[str] | None = None) -> int:
     if TCP in backends:
         note = f"relay ceiling (not shaped): {relay_ceiling() / 1e9:.2f} GB/s"
         print(note, flush=True)
+    card(args, "start")
     sets = weight_sets(args)
+    card(args, "weight sets built")
     rows: list[Row] = []
     failed = False
     for backend in backends:
+        notes: list[str] = []
         try:
-            rows += run_backend(args, backend, sets)
+            rows += run_backend(args, backend, sets, notes)
         except Exception as exc:  # one failed backend must not lose the other's rows
             failed = True
-            note += f"\n{backend}: {type(exc).__name__}: {exc}"
+            notes.append(f"{backend}: {type(exc).__name__}: {exc}")
             print(f"{backend} failed: {type(exc).__name__}: {exc}", flush=True)
+        note += "".join(f"\n{n}" for n in notes)
         report(rows, note, args)
     return 0 if rows and not failed and all(r.ok for r in rows) else 1
 
 
-def run_backend(args: argparse.Namespace, backend: str, sets: WeightSets) -> list[Row]:
-    """One backend's rows; its trainer (and base) and worker are gone when it returns."""
+def run_backend(
+    args: argparse.Namespace, backend: str, sets: WeightSets, notes: list[str]
+) -> list[Row]:
+    """One backend's rows; its trainer (and base) and worker are gone when it returns.
+    What went wrong short of losing the rows (the floor) is added to ``notes``."""
     import torch
 
     bench = Bench(args, backend, sets)
+    if bench.floor_note:
+        notes.append(bench.floor_note)
     try:
         return bench.rows()
     finally:
@@ -452,6 +646,8 @@ def report(rows: list[Row], note: str, args: argparse.Namespace) -> None:
     text = table(rows, args.rate_mb_s * 1e6) + (f"\n\n{note.strip()}" if note else "")
     if rows:
         text += "\n\n" + phase_table(rows)
+    if any(m for r in rows for m in r.extra.get("memory", [])):
+        text += "\n\n" + memory_table(rows)
     print(text, flush=True)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -144,5 +144,6 @@ class Torch:
         return bool(self.torch.equal(_bits(a), _bits(b)))
 
     def forget_scratch(self) -> None:
+        self.kernel.forget()  # the fused path's workspace: each config's scratch measured anew
         if self.device == "cuda":
             self.torch.cuda.empty_cache()

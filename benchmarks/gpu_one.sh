@@ -26,6 +26,7 @@ for s in "$@"; do case $s in
   ipc_before) [ -d _before ] && step ipc_before 120 env PYTHONPATH="$PWD/_before:/tmp/ww-deps:$PWD/_before/benchmarks" "$PY" _before/benchmarks/bench_ipc.py --modes default --rounds 5 --deadline-s 110 --out "$OUT/ipc_before.md" ;;
   gpu_v) step gpu_v "${ALL_LIMIT:-300}" "${PYT[@]}" -v --durations=20 tests/gpu/test_ipc_write_through_gpu.py tests/gpu/test_ipc_strided_batch_gpu.py tests/gpu/test_fp8_kernel_gpu.py tests/trainer/test_fp8_quant.py tests/trainer/test_overlap_torch.py tests/trainer/test_overlap_cow.py tests/gpu/test_delta_gpu.py tests/gpu/test_delta_cuda_gpu.py tests/torch_side/test_fused_patch.py tests/gpu/test_ipc_gather_gpu.py tests/gpu/test_ipc_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py tests ;;
   all_gpu) step all_gpu "${ALL_LIMIT:-300}" "${PYT[@]}" tests ;;
+  delta_tests) step delta_tests 200 "${PYT[@]}" -v tests/gpu/test_delta_cuda_gpu.py tests/gpu/test_delta_gpu.py ;;
   strided) step strided 60 bash -c "'$PY' benchmarks/bench_strided.py --model qwen2-0.5b --reps 10 && '$PY' benchmarks/bench_strided.py --model llama3-8b --reps 5" ;;
   fp8_torch) step fp8_torch 100 "$PY" benchmarks/bench_fp8.py --engine torch --backends weightwire_ipc --rounds 2 --reps 3 --out "$OUT/fp8_torch.md" ;;
   fp8_jax) step fp8_jax 100 "$PY" benchmarks/bench_fp8.py --engine jax --backends weightwire_ipc --rounds 2 --reps 3 --out "$OUT/fp8_jax.md" ;;

@@ -276,6 +276,47 @@ def test_jax_fused_batched_launches_match_reference() -> None:
 
 
 @pytest.mark.gpu
+def test_torch_fused_rounds_allocate_nothing_once_warm() -> None:
+    """#49: after a session's first delta round, a round's extraction asks torch's caching
+    allocator for nothing (no per-round block of a data-dependent size to miss the cache
+    and retry on a full card), two rounds built on a stream of their own included (a
+    scratch buffer taken there waits for its last use); the bytes stay the reference's."""
+    torch = _torch()
+    import contextlib
+
+    from tests.trainer.delta_batches import assert_steady_rounds, layered
+    from weightwire.torch_side.sender.delta import TorchDeltaKernel
+
+    def to_device(dtype: str, bits: np.ndarray) -> Any:
+        signed = bits.view(f"i{bits.itemsize}") if bits.itemsize > 1 else bits
+        return torch.from_numpy(signed.copy()).cuda().view(getattr(torch, dtype))
+
+    def host(t: Any) -> np.ndarray:
+        return t.detach().reshape(-1).view(torch.uint8).cpu().numpy()
+
+    def allocations() -> int:
+        return int(torch.cuda.memory_stats()["allocation.all.allocated"])
+
+    side = torch.cuda.Stream()
+
+    @contextlib.contextmanager
+    def around(i: int) -> Any:
+        if i not in (2, 3):
+            yield
+            return
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            yield
+        main.wait_stream(side)
+
+    model = layered(np.random.default_rng(6), 6)
+    fused, reference = TorchDeltaKernel("cuda"), TorchDeltaKernel("static")
+    assert_steady_rounds(fused, reference, model, to_device, host, allocations, around)
+    assert fused.workspaces[torch.device("cuda", torch.cuda.current_device())].allocations
+
+
+@pytest.mark.gpu
 def test_torch_fused_large_batch_scratch_and_timing() -> None:
     """One launch over many tensors of a few MB (tiles numbered across them all): counts,
     bases and patches right, the scratch released, the device time measured."""

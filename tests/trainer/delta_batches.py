@@ -4,6 +4,7 @@ and depth (``ahead``): shared by the CPU tests (the fused kernel emulated) and t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -107,3 +108,42 @@ def batch_sizes(
     metas = {m.name: m for m in metas_of(model)}
     pairs = [(name, None) for name, _, _, _ in model]
     return [len(b) for b in batch_by_bytes(batch_by_layer(pairs), metas, group_bytes)]
+
+
+def assert_steady_rounds(
+    fused: DeltaKernel,
+    reference: DeltaKernel,
+    model: list[tuple[str, str, np.ndarray, np.ndarray]],
+    to_device: Callable[[str, np.ndarray], Any],
+    host: Callable[[Any], np.ndarray],
+    allocations: Callable[[], int],
+    around: Callable[[int], Any] | None = None,
+) -> None:
+    """Rounds of one session (``w1``, ``w0``, ``w1``, half of the changes, ...): each
+    ``fused`` round's wire bytes are ``reference``'s, and after the first none of them
+    allocates (``allocations()``: a running count of device allocations). ``around(i)``: a
+    context round ``i`` is built in (a stream of its own, say)."""
+    metas = metas_of(model)
+    w0 = [(n, d, old) for n, d, old, _ in model]
+    w1 = [(n, d, new) for n, d, _, new in model]
+    half = [(n, d, np.where(np.arange(old.size) % 2 == 0, new, old)) for n, d, old, new in model]
+    kernels = {"fused": fused, "reference": reference}
+    trackers = {
+        k: DeltaTracker(kernel, density=DENSITY, anchor_every=0, group_bytes=40_000)
+        for k, kernel in kernels.items()
+    }
+    for k, tracker in trackers.items():
+        tracker.bases = {n: kernels[k].snapshot(to_device(d, b)) for n, d, b in w0}
+    for i, weights in enumerate([w1, w0, w1, half, w1, w0]):
+        want = trackers["reference"].build([(n, to_device(d, b)) for n, d, b in weights], metas)
+        pairs = [(n, to_device(d, b)) for n, d, b in weights]
+        with around(i) if around is not None else contextlib.nullcontext():
+            before = allocations()
+            got = trackers["fused"].build(pairs, metas)
+            made = allocations() - before
+        assert got is not None and want is not None and got.patches
+        wire = [(n, host(t).tobytes()) for n, t in got.pairs]  # read before the next round
+        assert wire == [(n, host(t).tobytes()) for n, t in want.pairs], i
+        assert got.metas == want.metas
+        if i:  # the first delta round sizes the workspace
+            assert made == 0, (i, made)

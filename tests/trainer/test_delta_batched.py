@@ -167,3 +167,135 @@ def test_jax_fused_patches_describe_as_the_tensors_dtype(monkeypatch: pytest.Mon
     assert got.values.host().dtype == ml_dtypes.bfloat16
     assert got.values.host().tolist() == [-1.5, -1.5, -1.5]
     assert got.index.host().tolist() == [3, 50, 99]
+
+
+def test_torch_fused_rounds_allocate_nothing_once_warm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """#49: per-round device allocations of data-dependent sizes (the patches' outputs) made
+    the caching allocator retry on a full card, by turns. After the session's first delta
+    round the fused path's scratch and outputs come from its workspace: no ``torch.empty``
+    in a round's extraction, whatever its changed fraction; the bytes stay the reference's."""
+    torch = pytest.importorskip("torch")
+    from tests.trainer.delta_batches import assert_steady_rounds
+    from weightwire.torch_side.sender.delta import TorchDeltaKernel
+
+    def tensor(dtype: str, bits: np.ndarray) -> Any:
+        signed = bits.view(f"i{bits.itemsize}") if bits.itemsize > 1 else bits
+        return torch.from_numpy(signed.copy()).view(getattr(torch, dtype))
+
+    monkeypatch.setattr(TorchDeltaKernel, "fused_type", "cpu")
+    monkeypatch.setattr(TorchDeltaKernel, "_stream", staticmethod(lambda device: 0))
+    allocated: list[int] = []
+    empty = torch.empty
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        got = empty(*args, **kwargs)
+        if got.numel():
+            allocated.append(got.numel())
+        return got
+
+    def host(t: Any) -> np.ndarray:
+        return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+    monkeypatch.setattr(torch, "empty", counting)
+    with emulated(monkeypatch, Emulator()):
+        fused = TorchDeltaKernel("cuda")
+        model = layered(np.random.default_rng(3), LAYERS)
+        reference = TorchDeltaKernel("static")
+        assert_steady_rounds(fused, reference, model, tensor, host, allocated.__len__)
+    workspace = fused.workspaces[torch.device("cpu")]
+    assert workspace.scratch_bytes > 0 and workspace.allocations >= 3  # 2 scratch + the arenas
+
+
+def test_dense_round_refreshes_the_held_base_in_place() -> None:
+    """An anchor or forced dense round copies into the base it holds (no new copy of the
+    model each dense round); a tensor whose shape changed, or a base dropped by a failed
+    round, is copied anew. The base is the new bytes either way."""
+    torch = pytest.importorskip("torch")
+    from weightwire.torch_side.sender.delta import TorchDeltaKernel
+
+    tracker = DeltaTracker(TorchDeltaKernel("static"), density=0.5, anchor_every=0)
+    w0 = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(4, dtype=torch.bfloat16)}
+    metas = [ParamMeta("a", "float32", (6,)), ParamMeta("b", "bfloat16", (4,))]
+    assert [n for n, _ in tracker.snapshot_stream(w0.items(), metas)] == ["a", "b"]
+    held = dict(tracker.bases)
+    assert held["a"] is not w0["a"] and torch.equal(held["a"], w0["a"])
+    w1 = {"a": w0["a"] + 1, "b": torch.zeros(5, dtype=torch.bfloat16)}
+    metas[1] = ParamMeta("b", "bfloat16", (5,))
+    list(tracker.snapshot_stream(w1.items(), metas))
+    assert tracker.bases["a"] is held["a"]  # in place
+    assert tracker.bases["b"] is not held["b"] and tracker.bases["b"].shape == (5,)
+    assert all(torch.equal(tracker.bases[n], w1[n]) for n in w1)
+    assert tracker.metas == metas
+    tracker.drop()  # a failed round
+    list(tracker.snapshot_stream(w1.items(), metas))
+    assert tracker.bases["a"] is not held["a"] and torch.equal(tracker.bases["a"], w1["a"])
+
+
+def test_jax_fused_scratch_is_kept_across_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JAX caller's launch scratch (the largest allocations of a round: its patch
+    limits' slots) is a ring kept for the session; only its patches come from CuPy's pool
+    each round (they reach JAX as arrays). The bytes stay the reference's."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from tests.trainer.delta_batches import assert_steady_rounds
+    from weightwire.jax_side.delta import JaxDeltaKernel, Prefix
+    from weightwire.jax_side.delta_cuda import JaxFused
+
+    dtypes = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "bool": np.bool_}
+
+    def to_device(dtype: str, bits: np.ndarray) -> Any:
+        return jax.device_put(jnp.asarray(bits.view(dtypes[dtype])), jax.devices("cpu")[0])
+
+    def host(x: Any) -> np.ndarray:
+        out = x.host() if isinstance(x, Prefix) else np.asarray(x)
+        return out.reshape(-1).view(np.uint8)
+
+    emulator = Emulator()
+    with emulated(monkeypatch, emulator):
+        fused = JaxDeltaKernel("search")
+        fused._fused = JaxFused(emulator.cupy)
+        fused._fused.platform = "cpu"
+
+        def scratch_allocations() -> int:
+            return sum(r.allocations for r in fused._fused._scratch.values())
+
+        model = layered(np.random.default_rng(5), LAYERS)
+        reference = JaxDeltaKernel("search")
+        assert_steady_rounds(fused, reference, model, to_device, host, scratch_allocations)
+    assert scratch_allocations()  # the first round's, each launch larger than the last
+
+
+def test_workspace_arenas_carve_overflow_and_grow() -> None:
+    """The output arenas: a round's launches are carved one after another; a round larger
+    than the arena (the first, or more changed than any before) packs the rest into buffers
+    of their own and the arena grows to it plus a quarter at ``settle``; ``begin`` and
+    ``settle`` rewind. Scratch buffers are the largest launch's size, reused in turn."""
+    torch = pytest.importorskip("torch")
+    from weightwire.torch_side.sender.delta import ARENA_HEADROOM, Workspace
+
+    ws = Workspace(torch.device("cpu"))
+    first = [ws.outputs("index", torch.int32, n) for n in (100, 60)]
+    assert ws.allocations == 2 and first[0].data_ptr() != first[1].data_ptr()  # no arena yet
+    ws.settle()
+    arena_size = ws._arenas["index"].numel()
+    assert arena_size >= 160 * ARENA_HEADROOM and ws.allocations == 3
+    ws.begin()
+    a, b = ws.outputs("index", torch.int32, 100), ws.outputs("index", torch.int32, 60)
+    assert ws.allocations == 3  # carved: the arena, then right behind the first
+    assert b.data_ptr() == a.data_ptr() + 100 * 4 == ws._arenas["index"].data_ptr() + 400
+    over = ws.outputs("index", torch.int32, arena_size)  # past the arena's end
+    assert ws.allocations == 4 and over.numel() == arena_size
+    ws.settle()
+    assert ws._arenas["index"].numel() >= (160 + arena_size) * ARENA_HEADROOM
+    assert ws.allocations == 5
+    ws.begin()
+    assert ws.outputs("index", torch.int32, 0).numel() == 0 and ws.allocations == 5
+    # Scratch: the largest launch's size, given back and taken again without allocating.
+    p1, s1 = ws.scratch(1000, 0)
+    p2, s2 = ws.scratch(3000, 0)  # larger: every buffer from now on is 3000
+    ws.give_back(s1, 0)  # outgrown: dropped
+    ws.give_back(s2, 0)
+    p3, s3 = ws.scratch(500, 0)
+    assert p3 == p2 and s3.numel() == 3000 and ws.allocations == 7

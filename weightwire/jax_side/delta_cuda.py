@@ -4,11 +4,13 @@ JAX does not expose its stream, so each GPU gets a CuPy stream of its own. A gro
 are ready (``block_until_ready``) before the kernel reads them through their buffers
 (``unsafe_buffer_pointer``), and ``settle`` waits for the stream before anything JAX runs
 reads the bases (written in place: the base is the tracker's private copy, never an array
-the trainer holds). The scratch and the tight outputs (one ``int32`` array of indices and
-one array of unsigned words per dtype per group) come from CuPy's pool on that stream, so
-no launch waits on the host. The outputs reach JAX through DLPack, zero-copy and ordered
-after the pack on XLA's side; each patch is a ``Prefix`` window of them. (Outputs made by
-XLA, ``zeros`` say, waited on the host for the next group's kernel: it holds every SM.)
+the trainer holds). The scratch (``delta_cuda.ScratchRing``: kept across rounds) and the
+tight outputs (one ``int32`` array of indices and one array of unsigned words per dtype per
+group) come from CuPy's pool on that stream, so no launch waits on the host. The outputs
+reach JAX through DLPack, zero-copy and ordered after the pack on XLA's side (so they are
+not reused under a live array: each round's come from the pool); each patch is a ``Prefix``
+window of them. (Outputs made by XLA, ``zeros`` say, waited on the host for the next
+group's kernel: it holds every SM.)
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class JaxFused:
             cupy = imported
         self._cp = cupy
         self._streams: dict[int, Any] = {}
+        self._scratch: dict[int, delta_cuda.ScratchRing] = {}
+        """Per device, the launches' scratch on its stream, kept across rounds."""
 
     def device_of(self, news: Sequence[Any], bases: Sequence[Any]) -> Any:
         """The one GPU every array of the group sits on alone, or ``None``."""
@@ -82,15 +86,10 @@ class JaxFused:
             )
             for n, b, limit in zip(news, bases, limits, strict=True)
         ]
-        cp, stream = self._cp, self._stream(ordinal)
-
-        def alloc(nbytes: int) -> tuple[int, Any]:
-            with cp.cuda.Device(ordinal), stream:
-                a = cp.empty(nbytes, dtype=cp.uint8)
-            return int(a.data.ptr), a
-
+        stream = self._stream(ordinal)
         kernel = delta_cuda.fused(ordinal)
-        pending = kernel.launch(ops, stream.ptr, alloc, (list(news), list(bases)))
+        ring = self._ring(ordinal)
+        pending = kernel.launch(ops, stream.ptr, ring.take, (list(news), list(bases)))
         dtypes = {n.dtype.name: n.dtype for n in news}
         return FusedGroup(pending, ordinal, device, dtypes)
 
@@ -98,8 +97,10 @@ class JaxFused:
         kernel = delta_cuda.fused(group.ordinal)
         counts = kernel.counts(group.pending)
         plan = group.plan = delta_cuda.layout(group.pending.operands, counts)
+        scratch = group.pending.scratch_ptr, group.pending.scratch
         if not plan.index_bytes:
             kernel.pack(group.pending, plan, counts, 0, {})
+            self._ring(group.ordinal).give_back(*scratch)
             return Scan(counts, group, updated=True)
         cp, stream = self._cp, self._stream(group.ordinal)
         with cp.cuda.Device(group.ordinal), stream:
@@ -111,6 +112,7 @@ class JaxFused:
             }
         pointers = {k: int(v.data.ptr) for k, v in values.items()}
         kernel.pack(group.pending, plan, counts, int(index.data.ptr), pointers)
+        self._ring(group.ordinal).give_back(*scratch)
         with cp.cuda.Device(group.ordinal), stream:
             # Imported with CuPy's current stream (this one) past the pack: XLA's reads of
             # them wait for it on the device.
@@ -121,6 +123,19 @@ class JaxFused:
     def settle(self) -> None:
         for stream in self._streams.values():
             stream.synchronize()
+
+    def _ring(self, ordinal: int) -> delta_cuda.ScratchRing:
+        ring = self._scratch.get(ordinal)
+        if ring is None:
+            cp, stream = self._cp, self._stream(ordinal)
+
+            def alloc(nbytes: int) -> tuple[int, Any]:
+                with cp.cuda.Device(ordinal), stream:
+                    a = cp.empty(nbytes, dtype=cp.uint8)
+                return int(a.data.ptr), a
+
+            ring = self._scratch[ordinal] = delta_cuda.ScratchRing(alloc)
+        return ring
 
     def _stream(self, ordinal: int) -> Any:
         stream = self._streams.get(ordinal)

@@ -87,6 +87,12 @@ class DeltaKernel(ABC):
         """The ``Scan`` of a group ``start`` began."""
         return started
 
+    def begin(self) -> None:
+        """A round's extraction starts (``build`` calls it first): the last round's wire
+        tensors are no longer read (rounds run one at a time), so a kernel may reuse their
+        memory from here on."""
+        return None
+
     def settle(self) -> None:
         """Wait for all device work of the round so far (``build`` calls it on its way out,
         also on an error): after it, other readers may read the outputs and the bases, and
@@ -231,13 +237,21 @@ class DeltaTracker:
     def snapshot_stream(
         self, pairs: Iterable[tuple[str, Any]], metas: Sequence[ParamMeta]
     ) -> Iterator[tuple[str, Any]]:
-        """A dense round's stream, unchanged, each tensor copied into the base as it passes."""
+        """A dense round's stream, unchanged, each tensor copied into the base as it passes:
+        into the tensor's base in place where one is held (``refresh``: an anchor or a forced
+        dense round allocates nothing; a fresh copy each round freed and allocated the model
+        again, 291 tensors of an 8B model), a new copy otherwise."""
+        held, self.bases = self.bases, {}
         self.drop()
         # Set first: a consumer may stop pulling after the last tensor (a round that does not
         # complete is dropped by the caller anyway).
         self.metas = list(metas)
+        kernel = self.kernel
         for name, tensor in pairs:
-            self.bases[name] = self.kernel.snapshot(tensor)
+            prior = held.pop(name, None)
+            self.bases[name] = (
+                kernel.snapshot(tensor) if prior is None else kernel.refresh(tensor, prior)
+            )
             yield name, tensor
 
     def build(
@@ -248,6 +262,7 @@ class DeltaTracker:
         the round must go dense (it is partial but has no tensor a patch can name)."""
         by_name = {m.name: m for m in metas}
         out = DeltaRound([], [], [], 0, 0, 0)
+        self.kernel.begin()
         try:
             self._compare(pairs, by_name, out)
             # Summed once the last launch is queued: the device works meanwhile.

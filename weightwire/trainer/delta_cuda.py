@@ -11,8 +11,9 @@ out of the scratch into tight buffers the caller allocated (one launch), and the
 released.
 
 Framework-neutral: tensors reach it as raw device pointers (``Operand``), device memory
-comes from the caller's allocator (stream-ordered on the stream it launches on: torch's
-caching allocator on torch's current stream, CuPy's pool on the JAX kernel's own stream),
+comes from the caller's allocator (stream-ordered on the stream it launches on: the torch
+kernel's session workspace, ``torch_side.sender.delta.Workspace``, CuPy's pool on the JAX
+kernel's own stream),
 and every launch goes on the caller's stream. CuPy is imported on first use.
 """
 
@@ -95,6 +96,42 @@ def available() -> bool:
         return bool(cupy.cuda.runtime.getDeviceCount())
     except Exception:
         return False
+
+
+class ScratchRing:
+    """Launch scratch kept across rounds for one stream: each buffer the size of the largest
+    launch so far (a launch's scratch is sized by its tensors' patch limits, the same every
+    round of a session), taken by a launch and given back once its pack is enqueued. On one
+    stream a buffer given back is reused in stream order, with no event; ``ahead + 1``
+    buffers serve a round. Per-round allocations of the scratch's size from a shared pool
+    miss on a nearly full card and free the pool to retry, a device sync mid-round (#49)."""
+
+    def __init__(self, alloc: Alloc) -> None:
+        self._alloc = alloc
+        self.nbytes = 0
+        self._idle: list[tuple[int, Any]] = []
+        self._sizes: dict[int, int] = {}
+        """Pointer -> size of each buffer taken and not given back."""
+        self.allocations = 0
+        """Buffers allocated: the first round's only, in a steady session."""
+
+    def take(self, nbytes: int) -> tuple[int, Any]:
+        """``Alloc``: an idle buffer of at least ``nbytes``, or a new one of the largest size."""
+        if nbytes > self.nbytes:
+            self.nbytes = nbytes
+            self._idle.clear()  # outgrown: back to the pool they came from
+        if self._idle:
+            got = self._idle.pop()
+        else:
+            self.allocations += 1
+            got = self._alloc(self.nbytes)
+        self._sizes[got[0]] = self.nbytes
+        return got
+
+    def give_back(self, ptr: int, owner: Any) -> None:
+        """A buffer ``take`` gave, its launch packed on the ring's stream."""
+        if self._sizes.pop(ptr, 0) >= self.nbytes:
+            self._idle.append((ptr, owner))
 
 
 @dataclass(slots=True)
