@@ -54,6 +54,7 @@ def rounds(
     tiny_llama: str,
     timings: dict[str, str | None] | None = None,
     before: Callable[[], object] | None = None,
+    accepts: list[bool] | None = None,
     **info: Any,
 ) -> list[tuple[int | None, list[str]]]:
     """Two rounds of the checkpoint's tensors: each one's ``http_calls`` and its requests
@@ -75,6 +76,15 @@ def rounds(
         source=DictSource(weights, lambda t: (wire_name(t.dtype), tuple(t.shape))),
     )
     out = []
+    sender = engine.session.sender
+    if accepts is not None and sender is not None:  # each round's Outgoing.go_accepts
+        send = sender.send
+
+        def seen(outgoing: Any) -> Any:
+            accepts.append(outgoing.go_accepts)
+            return send(outgoing)
+
+        sender.send = seen  # type: ignore[method-assign]
     try:
         if before is not None:
             before()
@@ -109,6 +119,20 @@ def test_a_round_applied_in_place_is_three_http_calls(server: Any, tiny_llama: s
     assert calls == 3
     # the session's first round applied in place asks once whether a round guard is installed
     assert first == ["round_guard", "version", *sent] and first_calls == 5
+
+
+def test_a_round_of_one_server_whose_start_pauses_first_is_accepted_at_the_go(
+    server: Any, tiny_llama: str
+) -> None:
+    """What the data path is told (``Outgoing.go_accepts``): a round applied in place on one
+    reference server (its start pauses first) may be written at its workers' go; a staged
+    round (no pause, its start sent in line) may not."""
+    accepts: list[bool] = []
+    rounds(server.url, tiny_llama, accepts=accepts, stage_budget_bytes=0)
+    assert accepts == [True, True]
+    accepts.clear()
+    rounds(server.url, tiny_llama, accepts=accepts)
+    assert accepts == [False, False]
 
 
 def test_each_round_call_tells_the_server_time_it_took(server: Any, tiny_llama: str) -> None:

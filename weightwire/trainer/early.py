@@ -65,6 +65,8 @@ class EarlyStart:
         """The start went out (whatever it answered): the workers may be in the round."""
         self.start_returned = False
         """The start answered success: the servers are in the round."""
+        self.start_pauses = pause is None
+        """The start pauses generation first, in its one request (``START_PAUSES``)."""
         self._beside: Future[None] | None = None
         if together and pause is not None:
             self._beside = spawn(self._pause_beside, name="weightwire-pause")
@@ -124,3 +126,19 @@ def starts_with_pause(client: Any, caps: ClientCaps) -> bool:
     """Every server advertised a start that pauses first (``routes.START_PAUSES``: weightwire's
     reference server, never stock vLLM)."""
     return caps.starts_with_pause and client.starts_with_pause() is True
+
+
+def one_server(client: Any) -> bool:
+    """The client drives exactly one server (one base URL); a client that does not tell
+    (``base_urls``) counts as several."""
+    urls = getattr(client, "base_urls", None)
+    return isinstance(urls, (list, tuple)) and len(urls) == 1
+
+
+def go_accepts(client: Any, early: EarlyStart | None) -> bool:
+    """The workers' word from inside their start accepts the round: it has one server (a go
+    from inside one server's start says nothing of another's), whose start pauses generation
+    before its workers' start (the reference server's ``START_PAUSES``: a pause sent beside
+    the start may land after a worker's go). The failure rule for a start that fails after
+    the go is ``backends.ipc.through.pipeline``'s."""
+    return early is not None and early.start_pauses and one_server(client)

@@ -40,7 +40,7 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.early import EarlyStart, starts_with_pause
+from weightwire.trainer.early import EarlyStart, go_accepts, starts_with_pause
 from weightwire.trainer.freshness import StaleCacheError
 from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
@@ -99,6 +99,9 @@ class Transmission:
     control: Control
     own: dict[str, str] | None
     clock: PhaseClock
+    go_accepts: bool = False
+    """The workers' word from inside their start is the round's acceptance
+    (``backends.base.Outgoing.go_accepts``; ``trainer.early.go_accepts``)."""
 
     @property
     def sole_payload(self) -> dict[str, Any]:
@@ -195,7 +198,7 @@ def lead_round(
     try:
         # Fails before the start: nothing on the workers. After it: the servers are in a
         # round that gets no more bytes (the reference server's lease aborts it).
-        sent = transfer(r, Transmission(payloads, control, own, clock))
+        sent = transfer(r, Transmission(payloads, control, own, clock, go_accepts(s.client, early)))
         # A failed finish: not committed. A failed cache reset after it: committed.
         commit(s, r, pause, servers, clock)
         # Fails: committed (the digests are compared after the finish).
@@ -757,6 +760,7 @@ def send_update(
         control=control,
         clock=t.clock,
         http_s=s.info.timeouts.http_s,
+        go_accepts=t.go_accepts,
     )
     try:
         return step.run(announced(chunks, control.ready), metas)
