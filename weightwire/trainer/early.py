@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from weightwire.control.fanout import spawn
+from weightwire.shared.client import named_servers
 from weightwire.shared.errors import ControlTimeout
 from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.transfer import await_call
@@ -129,10 +130,10 @@ def starts_with_pause(client: Any, caps: ClientCaps) -> bool:
 
 
 def one_server(client: Any) -> bool:
-    """The client drives exactly one server (one base URL); a client that does not tell
-    (``base_urls``) counts as several."""
-    urls = getattr(client, "base_urls", None)
-    return isinstance(urls, (list, tuple)) and len(urls) == 1
+    """The client drives exactly one server (one base URL); a client that names none (a Ray
+    client, a user's adapter) counts as several."""
+    servers = named_servers(client)
+    return servers is not None and len(servers) == 1
 
 
 def go_accepts(client: Any, early: EarlyStart | None) -> bool:

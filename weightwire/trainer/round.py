@@ -41,7 +41,7 @@ from weightwire.shared.source import WeightSource
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.early import EarlyStart, go_accepts, starts_with_pause
-from weightwire.trainer.freshness import StaleCacheError
+from weightwire.trainer.freshness import FinishInUpdate, StaleCacheError, finish_in_update
 from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
@@ -102,6 +102,9 @@ class Transmission:
     go_accepts: bool = False
     """The workers' word from inside their start is the round's acceptance
     (``backends.base.Outgoing.go_accepts``; ``trainer.early.go_accepts``)."""
+    post_update: Callable[[dict[str, Any]], None] | None = None
+    """The one turn's update POST, when it carries more than the update (the round's finish:
+    ``freshness.FinishInUpdate``); None: ``update_weights``."""
 
     @property
     def sole_payload(self) -> dict[str, Any]:
@@ -195,12 +198,29 @@ def lead_round(
     early = send_early(s, r, pause)
     control = RoundControl(lambda: open_round(s, r, pause, early, servers), early)
     own: dict[str, str] | None = {} if s.verifier is not None else None
+    # the finish in the update POST where the server offers it (one server, one update)
+    finish = finish_in_update(
+        s.client,
+        s.caps,
+        r.version,
+        reset=s.commit_plan.reset,
+        paused=lambda: servers.paused,
+        single=len(r.plan.turns) == 1 and r.before_commit is None,
+    )
+    sending = Transmission(
+        payloads,
+        control,
+        own,
+        clock,
+        go_accepts(s.client, early),
+        None if finish is None else finish.post,
+    )
     try:
         # Fails before the start: nothing on the workers. After it: the servers are in a
         # round that gets no more bytes (the reference server's lease aborts it).
-        sent = transfer(r, Transmission(payloads, control, own, clock, go_accepts(s.client, early)))
+        sent = transfer(r, sending)
         # A failed finish: not committed. A failed cache reset after it: committed.
-        commit(s, r, pause, servers, clock)
+        commit(s, r, pause, servers, clock, finish)
         # Fails: committed (the digests are compared after the finish).
         report = verify(s, r, own, clock)
     except BaseException as exc:
@@ -307,21 +327,33 @@ def transfer(r: Round, t: Transmission) -> Sent:
         return r.wire.transfer(t)
 
 
-def commit(s: Session, r: Round, pause: RoundPause, servers: _Servers, clock: PhaseClock) -> None:
+def commit(
+    s: Session,
+    r: Round,
+    pause: RoundPause,
+    servers: _Servers,
+    clock: PhaseClock,
+    finish: FinishInUpdate | None = None,
+) -> None:
     """Finish + the caches reset (beside the finish when nothing generates until the
-    resume), then [resume], then [release the guard: it checks the workers are whole]."""
+    resume), then [resume], then [release the guard: it checks the workers are whole].
+    A round whose update POST carried its finish (``finish.posted``) committed with it: only
+    its answers are read here."""
     with clock("finish"):
         if r.before_commit is not None:  # an overlapped round that shutdown stopped
             r.before_commit()
         # committed: the next automatic version moves on even if a check fails
-        resumed = s.commit_plan.commit(
-            s.client,
-            r.version,
-            caps=s.caps,
-            record=lambda: _record(s, r),
-            paused=servers.paused,
-            timeout=s.info.timeouts.http_s,
-        )
+        if finish is not None and finish.posted:
+            resumed = finish.committed(lambda: _record(s, r))
+        else:
+            resumed = s.commit_plan.commit(
+                s.client,
+                r.version,
+                caps=s.caps,
+                record=lambda: _record(s, r),
+                paused=servers.paused,
+                timeout=s.info.timeouts.http_s,
+            )
         if servers.paused:
             servers.paused = False
             if not resumed:  # else the finish resumed them (the reference server's offer)
@@ -753,10 +785,11 @@ def send_update(
     sender = s.sender if sender is None else sender
     assert sender is not None
     payload, control = t.sole_payload, t.control
+    post = s.client.update_weights if t.post_update is None else t.post_update
     step = Transfer(
         s.link,
         sender,
-        post_update=lambda: s.client.update_weights(payload),
+        post_update=lambda: post(payload),
         control=control,
         clock=t.clock,
         http_s=s.info.timeouts.http_s,
