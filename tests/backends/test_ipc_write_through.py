@@ -419,6 +419,31 @@ def test_one_servers_gos_accept_the_round_and_its_first_write_goes_before_the_st
     assert [m["op"] for m in worker.seen] == ["path", "done", "done"]  # done after the start
 
 
+def test_the_start_is_released_before_the_first_chunk_is_read_or_begin_runs() -> None:
+    metas, table = _fused()
+    _, _, worker, pipe = _setup(table, metas)
+    worker.start()
+    order: list[str] = []
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
+
+    def prepared() -> Any:
+        for c in chunks:
+            order.append("chunk read")
+            yield c, tensors[c.start : c.stop]
+
+    def begin() -> None:
+        order.append("begin")
+        worker.started.release()
+
+    out = Outgoing(
+        prepared(), threading.Event(), begin=begin, metas=metas, ready=lambda: order.append("ready")
+    )
+    assert pipe.send(out) == (112, 1)
+    worker.join(10)
+    assert order[0] == "ready" and sorted(order[1:]) == ["begin", "chunk read"]
+
+
 def test_a_go_that_came_with_the_update_is_no_acceptance() -> None:
     """One server, but the worker's go came from its update (its table was new this round):
     the start answered long before; nothing is marked as written early."""

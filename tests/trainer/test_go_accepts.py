@@ -99,3 +99,39 @@ def test_the_go_accepts_a_round_of_one_server_whose_start_pauses_first(
     early = types.SimpleNamespace(start_pauses=start_pauses)
     assert go_accepts(_client(urls), early) is accepts  # type: ignore[arg-type]
     assert go_accepts(_client(urls), None) is False  # no early start: sent in line
+
+
+# -- the start released before the data path's first work ---------------------------------
+
+
+def test_release_returns_once_the_helper_took_the_start_it_carries() -> None:
+    import threading
+    import time
+
+    from weightwire.trainer.early import EarlyStart
+
+    started = threading.Event()
+    early = EarlyStart(None, started.set, 5.0)  # the start pauses (START_PAUSES)
+    time.sleep(0.05)  # the helper is waiting for the data path
+    assert not early.start_sent
+    early.release()
+    assert early.start_sent  # the helper is in its start call, ahead of the caller's work
+    early.wait()
+    assert started.is_set()
+
+
+def test_release_does_not_wait_for_a_start_behind_its_own_pause() -> None:
+    import time
+
+    from weightwire.trainer.early import EarlyStart
+
+    def slow_pause() -> bool:
+        time.sleep(0.5)
+        return True
+
+    early = EarlyStart(slow_pause, lambda: None, 5.0)
+    t0 = time.perf_counter()
+    early.release()
+    assert time.perf_counter() - t0 < 0.3  # the pause is out: nothing to hand over yet
+    early.wait()
+    assert early.paused and early.start_returned

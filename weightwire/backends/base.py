@@ -64,6 +64,11 @@ class Outgoing:
     start pauses generation before its workers' start (``routes.START_PAUSES``). A data path
     whose every worker said so from inside its start (``weightwire_ipc``'s early go) may write
     into the serving parameters before ``begin`` returned; it sets ``wrote_early`` first."""
+    ready: Callable[[], None] | None = None
+    """Called by a data path that runs ``begin`` from its start (``weightwire_ipc``) once it
+    cleared what an earlier round left on its channels, before its first chunk's work: a
+    start sent ahead of ``begin`` (``trainer.early``) goes out then, not when ``begin`` runs
+    on its helper thread."""
     wrote_early: threading.Event = field(default_factory=threading.Event)
     """Set by a data path that wrote before ``begin`` returned: a ``begin`` that then fails
     failed a round after its first byte (the workers hold part of it)."""

@@ -41,6 +41,10 @@ from weightwire.shared.errors import ControlTimeout
 from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.transfer import await_call
 
+_RELEASE_BOUND_S = 0.002
+"""How long ``release`` lets the helper take the start: it wakes within tens of microseconds;
+the bound only keeps a slow wake from holding the data path up."""
+
 
 class EarlyStart:
     """``pause()`` then, once ``ready()`` was called, ``start()``, on a helper thread."""
@@ -58,6 +62,7 @@ class EarlyStart:
         the start, not before it (the module docstring)."""
         self._pause, self._start, self._timeout = pause, start, timeout
         self._ready = threading.Event()
+        self._going = threading.Event()  # the helper took the start call
         self._lock = threading.Lock()  # the start is sent, or abandoned: never both
         self._abandoned = False
         self.paused = False
@@ -90,12 +95,23 @@ class EarlyStart:
                 return
             self.start_sent = True
             self.paused |= self._pause is None  # the start pauses: held, whatever it answers
+        self._going.set()
         self._start()
         self.start_returned = True
 
     def ready(self) -> None:
         """The data path did what must precede the start (called once per round, or more)."""
         self._ready.set()
+
+    def release(self, bound_s: float = _RELEASE_BOUND_S) -> None:
+        """``ready``, then, where the start is the helper's next call (it carries the pause,
+        or the pause goes beside it), block until the helper took it, at most ``bound_s``:
+        the helper then holds the interpreter while it builds and writes the request, ahead
+        of the caller's own work (a data path's first chunk), instead of contending with it
+        at every switch interval. A start behind a pause of its own is not waited for."""
+        self.ready()
+        if self._pause is None or self._beside is not None:
+            self._going.wait(bound_s)
 
     def wait(self) -> None:
         """The control plane's turn: the pause and the start answered (their error raised)."""

@@ -73,6 +73,11 @@ class Control(Protocol):
         runs the control plane."""
         ...
 
+    def release(self) -> None:
+        """``ready``, said by a data path that does its first work right after: the start
+        (sent early) is on its way before that work begins (``EarlyStart.release``)."""
+        ...
+
 
 class RoundControl:
     """``Control`` for ``lead_round``: ``run`` the control plane, ``ready`` tells an early
@@ -87,6 +92,10 @@ class RoundControl:
     def ready(self) -> None:
         if self._early is not None:
             self._early.ready()
+
+    def release(self) -> None:
+        if self._early is not None:
+            self._early.release()
 
 
 @dataclass(frozen=True)
@@ -770,6 +779,9 @@ class _Began:
     def ready(self) -> None:
         self._control.ready()
 
+    def release(self) -> None:
+        self._control.release()
+
 
 def send_update(
     s: Session,
@@ -794,6 +806,7 @@ def send_update(
         clock=t.clock,
         http_s=s.info.timeouts.http_s,
         go_accepts=t.go_accepts,
+        ready=control.release,
     )
     try:
         return step.run(announced(chunks, control.ready), metas)

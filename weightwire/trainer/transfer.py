@@ -165,9 +165,11 @@ class Transfer:
         clock: PhaseClock,
         http_s: float,
         go_accepts: bool = False,
+        ready: Callable[[], None] | None = None,
     ) -> None:
         self._comm = comm
         self._go_accepts = go_accepts
+        self._ready = ready
         self._pipeline = pipeline
         self._post_update = post_update
         self._control = control
@@ -185,7 +187,14 @@ class Transfer:
 
     def _run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> Sent:
         pipeline, stop = self._pipeline, self._stop
-        out = Outgoing(prepared, stop, self._begin, metas=wire_metas, go_accepts=self._go_accepts)
+        out = Outgoing(
+            prepared,
+            stop,
+            self._begin,
+            metas=wire_metas,
+            go_accepts=self._go_accepts,
+            ready=self._ready,
+        )
         try:
             sent = pipeline.send(out)
             assert self._update is not None

@@ -83,6 +83,9 @@ class IPCDataPath(RoundSender):
         Joined on every exit path."""
         self._prepare(out.metas)
         trace("round")
+        if out.ready is not None:  # the start goes now, before the first chunk's work
+            out.ready()
+            trace("start released")
         starter = _Starter(
             out.begin,
             timeout=_CONTROL_BOUND_S + self._timeout,
