@@ -444,6 +444,31 @@ def test_the_start_is_released_before_the_first_chunk_is_read_or_begin_runs() ->
     assert order[0] == "ready" and sorted(order[1:]) == ["begin", "chunk read"]
 
 
+def test_the_last_rounds_settle_waits_until_the_start_was_released() -> None:
+    """A round written through to every worker leaves its fill stream unsettled (the
+    workers' commits wait for it); the next round settles it only after releasing its start."""
+    metas, table = _fused()
+    _, _, worker, pipe = _setup(table, metas)
+    worker.rounds = 2
+    worker.start()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)
+    order: list[str] = []
+    settle = pipe.settle
+    pipe.settle = lambda: (order.append("settle"), settle())[1]
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
+    out = Outgoing(
+        [(c, tensors[c.start : c.stop]) for c in chunks],
+        threading.Event(),
+        begin=worker.started.release,
+        metas=metas,
+        ready=lambda: order.append("ready"),
+    )
+    assert pipe.send(out) == (112, 1)
+    worker.join(10)
+    assert order == ["ready", "settle"]
+
+
 def test_a_go_that_came_with_the_update_is_no_acceptance() -> None:
     """One server, but the worker's go came from its update (its table was new this round):
     the start answered long before; nothing is marked as written early."""

@@ -551,7 +551,7 @@ class SoleRounds:
         sole_round = Round(
             version,
             sole.bplan,
-            metas,
+            sole.metas,  # ``metas``' equal: the same list every round of the plan
             wire,
             draft,
             fields=fields or {},

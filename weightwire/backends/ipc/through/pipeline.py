@@ -189,9 +189,11 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         self._stream_ref = StreamRef(self._sptr)
         self._told: set[str] = set()
 
-    def _prepare(self, metas: Sequence[ParamMeta]) -> None:
+    def _after_release(self) -> None:
         if self._in_flight[0]:  # the last round's copies: long done, but never settled
             self.settle()
+
+    def _prepare(self, metas: Sequence[ParamMeta]) -> None:
         for ch in self._comm.channels:  # a go of a round that sent no byte: void
             ch.discard_delivered("go")
         self._through = [False] * len(self._comm.channels)
