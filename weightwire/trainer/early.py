@@ -25,6 +25,12 @@ hold a write into the serving parameters until both answered (the data path's ``
 ``backends.base.Begin``, returns only then).
 A pause that fails beside a start that opened a round fails the round as one whose start
 opened a round that gets no bytes (the engine needs a new init).
+
+``go_accepts``: where the start carries the pause (``START_PAUSES``) and the round has one
+server, the workers' go from inside that start accepts the round: the data path may write
+before the start answered (``backends.base.Outgoing.go_accepts``). ``release``: a data path
+that clears its channels at once (``weightwire_ipc``) lets the start go from its own thread
+and gives the helper the interpreter until it took the start, before its first chunk's work.
 """
 
 from __future__ import annotations

@@ -192,7 +192,9 @@ def lead_round(
 
     What a failure leaves, step by step (``recover`` applies it, then the error is raised):
     before ``open_round`` returned, nothing reached the workers (a pause that held is undone;
-    a start sent early that may have opened a round marks the engine broken); after the
+    a start sent early that may have opened a round marks the engine broken), unless the
+    data path wrote at the workers' go (``early.go_accepts``: then as after the first byte,
+    the engine broken); after the
     start, the workers may hold part of the round: a round paused as a whole is resumed, one
     applied in place stays paused / guarded (``gating.after_failed_round``), and a transfer
     that lost its link leaves the engine broken (``trainer.transfer``); once the finish

@@ -343,15 +343,16 @@ class _Starter:
         if self._error is not None:
             self.wait()
 
-    def before_write(self, gone: bool) -> None:
+    def before_write(self, gone: bool) -> bool:
         """Before the round's first write into a worker's serving parameters. ``gone``: every
         worker said from inside its start that it is in the round; where that is the round's
         acceptance (``Outgoing.go_accepts``) the write goes now, beside the start's answer,
-        and is recorded as early; else it waits for ``begin`` (its error raised here)."""
+        and is recorded as early (True); else it waits for ``begin`` (its error raised here)."""
         if gone and self._go_accepts and self._done is not None and not self._done.done():
             self._wrote_early.set()  # before the write: a begin failing from now on sees it
-            return
+            return True
         self.wait()
+        return False
 
     def wait(self) -> None:
         """Block until ``begin`` returned; re-raise its error here."""

@@ -218,6 +218,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
                     self._launch(self._stage(w, f), f)
             return
         staged: dict[int, _Staged] = {}
+        early = False
         try:
             for w, landed in enumerate(self._landed):
                 if landed is not None and self._planned_for(landed):
@@ -230,12 +231,12 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
                 if through and w not in staged:
                     staged[w] = self._stage(w, f)
             if staged:
-                f.starter.before_write(all(self._early_go))
+                early = f.starter.before_write(all(self._early_go))
         except BaseException:
             for st in staged.values():
                 self._discard(st)
             raise
-        trace("wt start answered")  # or accepted by the workers' gos
+        trace("wt go accepted" if early else "wt start answered")
         todo = list(staged.values())  # in the order staged: a ring slot is reused in that order
         for n, st in enumerate(todo):
             try:
