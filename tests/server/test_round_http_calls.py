@@ -50,7 +50,7 @@ class Routes(HTTPWeightSyncClient):
 
 
 def rounds(
-    url: str,
+    url: str | list[str],
     tiny_llama: str,
     timings: dict[str, str | None] | None = None,
     before: Callable[[], object] | None = None,
@@ -132,6 +132,21 @@ def test_a_round_of_one_server_whose_start_pauses_first_is_accepted_at_the_go(
     accepts.clear()
     rounds(server.url, tiny_llama, accepts=accepts)
     assert accepts == [False, False]
+
+
+def test_two_servers_are_not_accepted_at_a_go_and_keep_their_finish_apart(
+    server: Any, server_factory: Any, tiny_llama: str
+) -> None:
+    """Two reference servers: a go from inside one server's start says nothing of the other's
+    (the data path waits for both starts' answers), and the finish stays its own call (one
+    server could commit while the other's update failed)."""
+    other = server_factory(["--model", tiny_llama])
+    accepts: list[bool] = []
+    done = rounds([server.url, other.url], tiny_llama, accepts=accepts, stage_budget_bytes=0)
+    assert accepts == [False, False]
+    for _, sent in done[1:]:
+        assert sent.count("update_weights") == 2  # one per server, nothing riding on it
+        assert sent.count("finish_weight_update") == 2
 
 
 def test_each_round_call_tells_the_server_time_it_took(server: Any, tiny_llama: str) -> None:
