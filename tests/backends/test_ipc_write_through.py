@@ -383,6 +383,13 @@ def test_a_go_from_inside_the_start_writes_nothing_before_the_start_answered() -
     assert ops == ["begun", "copy", "copy", "copy"]
 
 
+def _until(cond: Any, bound_s: float) -> None:
+    """Poll ``cond`` until it holds or ``bound_s`` passed."""
+    deadline = time.monotonic() + bound_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("go_accepts", [True, False], ids=["one_server", "several_servers"])
 def test_one_servers_gos_accept_the_round_and_its_first_write_goes_before_the_start_answered(
     go_accepts: bool,
@@ -397,7 +404,8 @@ def test_one_servers_gos_accept_the_round_and_its_first_write_goes_before_the_st
 
     def begin() -> None:
         worker.started.release()  # the start: the worker's go goes out
-        time.sleep(0.3)  # the start's answer is still out
+        # the start's answer is still out: until the first write (bounded), or a while
+        _until(lambda: any(e[0] == "copy" for e in log), 10.0 if go_accepts else 0.3)
         log.append(("begun",))
 
     chunks = plan(metas, packed=True, buffer_size_bytes=100)
@@ -627,7 +635,7 @@ def test_one_servers_start_refused_writes_nothing_and_failing_after_the_go_fails
 
     def failing_after_the_go() -> None:
         ch.send({"op": "go", "t": 0, "early": True})
-        time.sleep(0.3)  # written meanwhile
+        _until(lambda: bool(launches()), 10.0)  # written meanwhile
         raise lost
 
     log.clear()
