@@ -20,7 +20,8 @@ update (the calls one after another on the critical path).
 Per call (``--per-call`` table, medians over the rounds): the call as the trainer sees it
 (``client``: from the request's first byte out to its reply read), as the server spends it
 (``app``: its handler, from the reply's ``Server-Timing`` header), the part of that spent
-waiting for the worker process (``worker``) and the pause a start does (``pause``); ``http``
+waiting for the worker process (``worker``), the pause a start does (``pause``) and the
+commit an update that finishes does (``commit``, ``--finish-apart``: none); ``http``
 is ``client - app``: the client's encode and parse, the socket, uvicorn and FastAPI;
 ``sent`` and ``back``: when the request went out and its reply was read, since
 ``send_weights()`` was called (the gaps between calls are the trainer's own work).
@@ -28,7 +29,7 @@ is ``client - app``: the client's encode and parse, the socket, uvicorn and Fast
 Run it on two trees to compare (the script only uses the public API)::
 
     PYTHONPATH=/path/to/old/tree python benchmarks/bench_round_control.py
-    PYTHONPATH=$PWD python benchmarks/bench_round_control.py [--separate]
+    PYTHONPATH=$PWD python benchmarks/bench_round_control.py [--separate | --finish-apart]
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _per_call(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     for name in names:
         seen = [r["calls"][name] for r in rows if name in r["calls"]]
         med: dict[str, float] = {"n": float(len(seen))}
-        for key in ("client", "app", "worker", "pause", "sent", "back"):
+        for key in ("client", "app", "worker", "pause", "commit", "sent", "back"):
             values = [c[key] for c in seen if key in c]
             if values:
                 med[key] = statistics.median(values)
@@ -87,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="never use the server's start that pauses nor its finish that resets and resumes "
         "(separate calls, as to stock vLLM)",
+    )
+    p.add_argument(
+        "--finish-apart",
+        action="store_true",
+        help="never use the server's update that also finishes (the finish its own call, "
+        "as before it)",
     )
     p.add_argument("--pause-mode", default="keep", choices=("keep", "abort", "wait"))
     args = p.parse_args(argv)
@@ -115,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def starts_with_pause(self) -> bool:
             return not args.separate and super().starts_with_pause()
+
+        def updates_with_finish(self) -> bool:  # an older tree has none: never called there
+            return not (args.separate or args.finish_apart) and super().updates_with_finish()
 
         def __init__(self, *a: Any, **k: Any) -> None:
             super().__init__(*a, **k)
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "  per call, medians in ms (client: the trainer's; app, worker, pause: the server's; "
         "sent, back: since the round began)"
     )
-    cols = ("client", "app", "worker", "pause", "http", "sent", "back")
+    cols = ("client", "app", "worker", "pause", "commit", "http", "sent", "back")
     print(f"  {'call':<26} {'n':>4} " + " ".join(f"{c:>8}" for c in cols))
     for name, med_call in per_call.items():
         cells = ["-" if med_call.get(k) is None else f"{med_call[k] * 1e3:.3f}" for k in cols]

@@ -383,6 +383,120 @@ def test_a_go_from_inside_the_start_writes_nothing_before_the_start_answered() -
     assert ops == ["begun", "copy", "copy", "copy"]
 
 
+def _until(cond: Any, bound_s: float) -> None:
+    """Poll ``cond`` until it holds or ``bound_s`` passed."""
+    deadline = time.monotonic() + bound_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("go_accepts", [True, False], ids=["one_server", "several_servers"])
+def test_one_servers_gos_accept_the_round_and_its_first_write_goes_before_the_start_answered(
+    go_accepts: bool,
+) -> None:
+    metas, table = _fused()
+    log, slots, worker, pipe = _setup(table, metas)
+    worker.rounds = 2
+    worker.start()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)  # the table, accepted
+    worker.early = True  # the next round's go comes from inside its start
+    log.clear()
+
+    def begin() -> None:
+        worker.started.release()  # the start: the worker's go goes out
+        # the start's answer is still out: until the first write (bounded), or a while
+        _until(lambda: any(e[0] == "copy" for e in log), 10.0 if go_accepts else 0.3)
+        log.append(("begun",))
+
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
+    out = Outgoing(
+        [(c, tensors[c.start : c.stop]) for c in chunks],
+        threading.Event(),
+        begin=begin,
+        metas=metas,
+        go_accepts=go_accepts,
+    )
+    assert pipe.send(out) == (112, 1)
+    worker.join(10)
+    ops = [e[0] for e in log if e[0] in ("begun", "copy")]
+    if go_accepts:  # the go is the acceptance: written while the start's answer is out
+        assert ops == ["copy", "copy", "copy", "begun"] and out.wrote_early.is_set()
+    else:  # a go from one server's start says nothing of another's: the answer first
+        assert ops == ["begun", "copy", "copy", "copy"] and not out.wrote_early.is_set()
+    assert [m["op"] for m in worker.seen] == ["path", "done", "done"]  # done after the start
+
+
+def test_the_start_is_released_before_the_first_chunk_is_read_or_begin_runs() -> None:
+    metas, table = _fused()
+    _, _, worker, pipe = _setup(table, metas)
+    worker.start()
+    order: list[str] = []
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
+
+    def prepared() -> Any:
+        for c in chunks:
+            order.append("chunk read")
+            yield c, tensors[c.start : c.stop]
+
+    def begin() -> None:
+        order.append("begin")
+        worker.started.release()
+
+    out = Outgoing(
+        prepared(), threading.Event(), begin=begin, metas=metas, ready=lambda: order.append("ready")
+    )
+    assert pipe.send(out) == (112, 1)
+    worker.join(10)
+    assert order[0] == "ready" and sorted(order[1:]) == ["begin", "chunk read"]
+
+
+def test_the_last_rounds_settle_waits_until_the_start_was_released() -> None:
+    """A round written through to every worker leaves its fill stream unsettled (the
+    workers' commits wait for it); the next round settles it only after releasing its start."""
+    metas, table = _fused()
+    _, _, worker, pipe = _setup(table, metas)
+    worker.rounds = 2
+    worker.start()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)
+    order: list[str] = []
+    settle = pipe.settle
+    pipe.settle = lambda: (order.append("settle"), settle())[1]
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
+    out = Outgoing(
+        [(c, tensors[c.start : c.stop]) for c in chunks],
+        threading.Event(),
+        begin=worker.started.release,
+        metas=metas,
+        ready=lambda: order.append("ready"),
+    )
+    assert pipe.send(out) == (112, 1)
+    worker.join(10)
+    assert order == ["ready", "settle"]
+
+
+def test_a_go_that_came_with_the_update_is_no_acceptance() -> None:
+    """One server, but the worker's go came from its update (its table was new this round):
+    the start answered long before; nothing is marked as written early."""
+    metas, table = _fused()
+    _, _, worker, pipe = _setup(table, metas)
+    worker.start()
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
+    out = Outgoing(
+        [(c, tensors[c.start : c.stop]) for c in chunks],
+        threading.Event(),
+        begin=worker.started.release,
+        metas=metas,
+        go_accepts=True,
+    )
+    assert pipe.send(out) == (112, 1)
+    worker.join(10)
+    assert not out.wrote_early.is_set()
+
+
 class KernelCupy(PullCupy):
     """``PullCupy`` with NVRTC: the gather kernel compiles, each launch is logged, a table's
     upload is a copy into device memory below the parameters (at 5)."""
@@ -472,6 +586,70 @@ def test_a_refused_start_writes_nothing_though_the_go_came_and_the_next_round_la
     waiter.join(10)
     assert not waiter.is_alive()
     assert [e for e in log if e[0] == "launch"] == [("launch", "weightwire_gather")]
+
+
+def test_one_servers_start_refused_writes_nothing_and_failing_after_the_go_fails() -> None:
+    """One server (the gos accept the round): a start refused before its workers' start (no
+    go) writes nothing and is no early write; a start that fails after every go (a replica's
+    reply lost) was written at the go: its error is the round's, marked as written early."""
+    n = 9
+    metas = [ParamMeta(f"t{i}", "uint8", (16,)) for i in range(n)]
+    params = tuple(ParamSlot(f"p{i}", 0, 64 * i, 16, "uint8") for i in range(n))
+    lands = tuple(TensorLands(f"t{i}", (Land(i, (16,), 0, (1,), 0, (1,)),)) for i in range(n))
+    table = LandingTable((Alloc(H, 64 * n),), params, lands)
+    log, _, worker, pipe = _setup(table, metas, KernelCupy, slot_bytes=1000)
+    worker.start()
+    chunks = plan(metas, packed=True, buffer_size_bytes=1000)
+    tensors = [(1_000_000 * (i + 1), 16) for i in range(n)]
+
+    def send(begin: Any) -> Outgoing:
+        prepared = [(c, tensors[c.start : c.stop]) for c in chunks]
+        out = Outgoing(prepared, threading.Event(), begin=begin, metas=metas, go_accepts=True)
+        pipe.send(out)
+        return out
+
+    send(worker.started.release)  # the table, accepted
+    worker.join(10)
+
+    def launches() -> list:
+        return [e for e in log if e[0] == "launch"]
+
+    class Refused(Exception):
+        pass
+
+    ch = worker.ch
+    refusal = Refused("start_weight_update: 409 a weight update is already active")
+
+    def refused_begin() -> None:  # refused by the server's own checks: no worker started
+        time.sleep(0.2)
+        raise refusal
+
+    log.clear()
+    with pytest.raises(Refused) as got:
+        send(refused_begin)
+    assert got.value is refusal and launches() == []
+    pipe.settle()
+
+    lost = Refused("start_weight_update: 500 replica 0's reply was lost")
+    outs: list[Outgoing] = []
+
+    def failing_after_the_go() -> None:
+        ch.send({"op": "go", "t": 0, "early": True})
+        _until(lambda: bool(launches()), 10.0)  # written meanwhile
+        raise lost
+
+    log.clear()
+    prepared = [(c, tensors[c.start : c.stop]) for c in chunks]
+    outs.append(
+        Outgoing(
+            prepared, threading.Event(), begin=failing_after_the_go, metas=metas, go_accepts=True
+        )
+    )
+    with pytest.raises(Refused) as got:
+        pipe.send(outs[0])
+    assert got.value is lost  # the start's own error
+    assert launches() == [("launch", "weightwire_gather")]  # written at the go
+    assert outs[0].wrote_early.is_set()  # the trainer fails the round as after a first byte
 
 
 def test_a_refusing_worker_gets_its_round_through_its_receive_buffer_and_it_is_logged(

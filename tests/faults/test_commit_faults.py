@@ -92,6 +92,8 @@ def test_finish_blocked_by_a_generation_times_out_and_never_commits(
         assert_weights(probe, want, "g1")
         assert probe.session()["state"] == "uninitialized"
         assert refused.status == 504 and "was not committed" in refused.message, refused
+        # the finish rode on the update (update_finishes): its failure still names the finish
+        assert refused.route == "finish_weight_update", refused
         assert "weight_version 'g1' are still served" in refused.message, refused
         assert t[0] < OP_TIMEOUT_S + GRACE_S, (
             f"finish answered after {t[0]:.1f} s, not its {OP_TIMEOUT_S} s"

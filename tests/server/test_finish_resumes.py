@@ -1,5 +1,5 @@
-"""The reference server's start that pauses first and finish that also resets the caches and
-resumes (both advertised at init).
+"""The reference server's start that pauses first, finish that also resets the caches and
+resumes, and update that also commits (all advertised at init).
 
 Over the real app (``create_app``) with an in-process pool whose receiver answers at once:
 the init reply names the feature; ``?reset_caches=true&resume=true`` resumes generation only
@@ -21,7 +21,7 @@ from weightwire.backends.tcp.spec import TCP
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.info import encode_secret
-from weightwire.shared.routes import FINISH_RESETS_RESUMES, START_PAUSES
+from weightwire.shared.routes import FINISH_RESETS_RESUMES, START_PAUSES, UPDATE_FINISHES
 from weightwire.tools.bench.sync_http import InProcessPool
 from weightwire.tools.server.app import ServerOptions, ServerState, create_app
 
@@ -36,9 +36,16 @@ THEN = {"reset_caches": "true", "resume": "true"}
 
 
 class Instant:
-    """A receiver that answers every op at once."""
+    """A receiver that answers every op at once (``fails``: the op it fails, naming it)."""
+
+    def __init__(self, fails: str | None = None) -> None:
+        self.fails = fails
+        self.ops: list[str] = []
 
     async def call(self, op: str, args: dict[str, Any]) -> Any:
+        self.ops.append(op)
+        if op == self.fails:
+            raise RuntimeError(f"the worker's {op} failed")
         return {"tensors": 0} if op == "update" else None
 
     def abort(self) -> None:
@@ -71,7 +78,7 @@ def client_for(http: TestClient) -> HTTPWeightSyncClient:
 def test_init_names_the_feature_and_a_committed_finish_resets_and_resumes(served: Any) -> None:
     state, http = served
     reply = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
-    assert reply["features"] == [START_PAUSES, FINISH_RESETS_RESUMES]
+    assert reply["features"] == [START_PAUSES, FINISH_RESETS_RESUMES, UPDATE_FINISHES]
     http.post("/pause", params={"mode": "abort"})
     http.post("/start_weight_update")
     http.post(
@@ -165,3 +172,71 @@ def test_a_refused_start_pauses_nothing_and_a_bad_mode_is_422(served: Any) -> No
     r = http.post("/start_weight_update", params={"pause": "soon"})
     assert r.status_code == 422 and "pause must be one of" in r.text
     assert not state.gate.paused and state.session.phase.name != "ROUND"
+
+
+EMPTY = {"names": [], "dtype_names": [], "shapes": []}
+
+
+def _serve(receiver: Instant) -> Any:
+    state = ServerState(
+        pool=InProcessPool(receiver),  # type: ignore[arg-type]
+        options=ServerOptions(backend=TCP.name),
+    )
+    return state, TestClient(create_app(state))
+
+
+def test_an_update_that_finishes_commits_resets_and_resumes_in_one_request() -> None:
+    receiver = Instant()
+    state, http = _serve(receiver)
+    with http:
+        client = client_for(http)
+        client.init_weight_transfer_engine(INIT)
+        assert client.updates_with_finish()
+        client.pause_and_start("abort")
+        assert state.gate.paused
+        (reply,) = client.update_and_finish(EMPTY, "v1", reset_caches=True, resume=True)
+        assert reply["weight_version"] == "v1" and reply["caches_reset"] is True
+        assert reply["resumed"] is True and reply["replicas"] == [{"tensors": 0}]
+        assert receiver.ops[-2:] == ["update", "finish"]  # committed after the update held
+        assert state.session.weight_version == "v1" and not state.gate.paused
+        assert state.session.describe()["state"] != "round_active"
+        # an unpaused round's: the resets, no resume
+        client.start_weight_update()
+        (reply,) = client.update_and_finish(EMPTY, None, reset_caches=True, resume=False)
+        assert reply["weight_version"] == "v1" and "resumed" not in reply
+
+
+def test_a_failed_update_commits_nothing_and_a_failed_commit_fails_as_a_finish() -> None:
+    for fails, route in (("update", "update_weights"), ("finish", "finish_weight_update")):
+        receiver = Instant(fails)
+        state, http = _serve(receiver)
+        with http:
+            client = client_for(http)
+            client.init_weight_transfer_engine(INIT)
+            client.pause_and_start("abort")
+            with pytest.raises(WeightSyncError, match=f"the worker's {fails} failed") as caught:
+                client.update_and_finish(EMPTY, "v1", reset_caches=True, resume=True)
+            assert caught.value.route == route  # what failed, whichever request carried it
+            if fails == "update":
+                assert "finish" not in receiver.ops  # nothing committed after a failed update
+            assert state.session.weight_version != "v1" and state.gate.paused  # held
+            assert "start a new session" in caught.value.message
+
+
+def test_a_finishs_flags_without_finish_and_bad_flags_are_refused_before_the_update() -> None:
+    receiver = Instant()
+    _, http = _serve(receiver)
+    with http:
+        http.post("/init_weight_transfer_engine", json={"init_info": INIT})
+        http.post("/start_weight_update")
+        body = {"update_info": EMPTY, "weight_version": "v"}
+        for params, says in (
+            ({"resume": "true"}, "query parameter resume is a finish's: give finish=true"),
+            ({"finish": "soon"}, "query parameter finish must be true or false"),
+            ({"finish": "true", "resume": "x"}, "query parameter resume must be true or false"),
+        ):
+            r = http.post("/update_weights", params=params, json=body)
+            assert r.status_code == 422 and says in r.text, r.text
+        # a plain update takes no weight_version
+        assert http.post("/update_weights", json=body).status_code == 422
+        assert "update" not in receiver.ops

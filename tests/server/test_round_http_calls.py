@@ -1,8 +1,8 @@
 """The HTTP calls of one round against the reference server (``weightwire serve``, one replica,
 ``weightwire_tcp``), as ``RoundMetrics.http_calls`` counts them: a dense (staged) round is its
-start, its update and a finish that also resets the caches; a round applied in place is a
-start that pauses first, its update and a finish that also resets the caches and resumes
-(the session's first such round also asks once whether a round guard is installed)."""
+start and an update that also commits and resets the caches; a round applied in place is a
+start that pauses first and an update that also commits, resets the caches and resumes (the
+session's first such round also asks once whether a round guard is installed)."""
 
 from __future__ import annotations
 
@@ -50,10 +50,11 @@ class Routes(HTTPWeightSyncClient):
 
 
 def rounds(
-    url: str,
+    url: str | list[str],
     tiny_llama: str,
     timings: dict[str, str | None] | None = None,
     before: Callable[[], object] | None = None,
+    accepts: list[bool] | None = None,
     **info: Any,
 ) -> list[tuple[int | None, list[str]]]:
     """Two rounds of the checkpoint's tensors: each one's ``http_calls`` and its requests
@@ -75,6 +76,15 @@ def rounds(
         source=DictSource(weights, lambda t: (wire_name(t.dtype), tuple(t.shape))),
     )
     out = []
+    sender = engine.session.sender
+    if accepts is not None and sender is not None:  # each round's Outgoing.go_accepts
+        send = sender.send
+
+        def seen(outgoing: Any) -> Any:
+            accepts.append(outgoing.go_accepts)
+            return send(outgoing)
+
+        sender.send = seen  # type: ignore[method-assign]
     try:
         if before is not None:
             before()
@@ -89,39 +99,70 @@ def rounds(
     return out
 
 
-def test_a_dense_round_is_three_http_calls(server: Any, tiny_llama: str) -> None:
+def test_a_dense_round_is_two_http_calls(server: Any, tiny_llama: str) -> None:
     for calls, sent in rounds(server.url, tiny_llama):
         assert sent == [
             "start_weight_update",
-            "update_weights",
-            "finish_weight_update?reset_caches=true&resume=false",
+            # the finish (and the caches reset) rides on the update (UPDATE_FINISHES)
+            "update_weights?finish=true&reset_caches=true&resume=false",
         ]
         assert calls == len(sent)
 
 
-def test_a_round_applied_in_place_is_three_http_calls(server: Any, tiny_llama: str) -> None:
+def test_a_round_applied_in_place_is_two_http_calls(server: Any, tiny_llama: str) -> None:
     (first_calls, first), (calls, sent) = rounds(server.url, tiny_llama, stage_budget_bytes=0)
     assert sent == [
         "start_weight_update?pause=abort",  # the pause rides on the start
-        "update_weights",
-        "finish_weight_update?reset_caches=true&resume=true",
+        "update_weights?finish=true&reset_caches=true&resume=true",  # the finish on the update
     ]
-    assert calls == 3
+    assert calls == 2
     # the session's first round applied in place asks once whether a round guard is installed
-    assert first == ["round_guard", "version", *sent] and first_calls == 5
+    assert first == ["round_guard", "version", *sent] and first_calls == 4
+
+
+def test_a_round_of_one_server_whose_start_pauses_first_is_accepted_at_the_go(
+    server: Any, tiny_llama: str
+) -> None:
+    """What the data path is told (``Outgoing.go_accepts``): a round applied in place on one
+    reference server (its start pauses first) may be written at its workers' go; a staged
+    round (no pause, its start sent in line) may not."""
+    accepts: list[bool] = []
+    rounds(server.url, tiny_llama, accepts=accepts, stage_budget_bytes=0)
+    assert accepts == [True, True]
+    accepts.clear()
+    rounds(server.url, tiny_llama, accepts=accepts)
+    assert accepts == [False, False]
+
+
+def test_two_servers_are_not_accepted_at_a_go_and_keep_their_finish_apart(
+    server: Any, server_factory: Any, tiny_llama: str
+) -> None:
+    """Two reference servers: a go from inside one server's start says nothing of the other's
+    (the data path waits for both starts' answers), and the finish stays its own call (one
+    server could commit while the other's update failed)."""
+    other = server_factory(["--model", tiny_llama])
+    accepts: list[bool] = []
+    done = rounds([server.url, other.url], tiny_llama, accepts=accepts, stage_budget_bytes=0)
+    assert accepts == [False, False]
+    for _, sent in done[1:]:
+        assert sent.count("update_weights") == 2  # one per server, nothing riding on it
+        assert sent.count("finish_weight_update") == 2
 
 
 def test_each_round_call_tells_the_server_time_it_took(server: Any, tiny_llama: str) -> None:
     timings: dict[str, str | None] = {}
     rounds(server.url, tiny_llama, timings, stage_budget_bytes=0)
-    for route in ("start_weight_update", "update_weights", "finish_weight_update"):
+    for route in ("start_weight_update", "update_weights"):
         header = timings[route]
         assert header is not None, f"{route} answered without a Server-Timing header"
         told = parse_server_timing(header)
         # the handler's whole time, and the part of it spent waiting for the worker process
         assert 0 < told["worker"] <= told["app"] < 60, (route, header)
-    # the start of a round applied in place paused first, in the same request
+    # the start of a round applied in place paused first, in the same request; its update
+    # committed after the workers' update, in the same request
     assert "pause" in parse_server_timing(timings["start_weight_update"] or "")
+    assert "commit" in parse_server_timing(timings["update_weights"] or "")
+    assert "finish_weight_update" not in timings
 
 
 def test_a_server_timing_header_is_read_in_seconds_skipping_what_it_cannot_read() -> None:

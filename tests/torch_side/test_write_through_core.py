@@ -135,6 +135,25 @@ def test_a_round_the_trainer_may_write_from_its_start_is_in_place_from_its_start
     assert incomplete is not None and incomplete.names == {"w", "b"}
 
 
+def test_a_start_that_fails_after_the_go_leaves_the_model_incomplete_until_a_whole_round() -> None:
+    """The server's start failed after this worker's go (another replica's reply lost, the
+    answer lost): its failure tears the engine down (the reference server's ``abort``: the
+    replica's teardown), and the trainer may have written at the go, so generation stays
+    refused (the model is incomplete) until a whole round commits, after the next init."""
+    core, model, (link,) = _core(True)
+    link.early = frozenset({"w", "b"})
+    core.start()
+    assert link.went == [True]  # the go: the last step of the worker's start
+    info = core._info
+    core.shutdown()  # the replica's teardown on the failed start
+    incomplete = core.incomplete_round
+    assert incomplete is not None and incomplete.names == {"w", "b"}
+    core.init(info)  # type: ignore[arg-type]  # the trainer's new init
+    assert core.incomplete_round is not None  # a new session alone repairs nothing
+    _round(core)
+    assert core.incomplete_round is None
+
+
 def test_an_early_round_whose_update_is_not_written_through_goes_on_in_place() -> None:
     core, model, (link,) = _core(False)
     link.early = frozenset({"w", "b"})

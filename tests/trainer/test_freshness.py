@@ -272,3 +272,71 @@ def test_http_client_reset_reads_success_per_server() -> None:
         ["http://a:1", "http://b:1", "http://c:1"], transport=httpx.MockTransport(handler)
     )
     assert client.reset_prefix_cache(reset_running_requests=False) == [True, False, False]
+
+
+class Finishing:
+    """A one-server client whose update also finishes (``UPDATE_FINISHES``), answering
+    ``reply`` (a server's reply to such an update)."""
+
+    base_urls = ["http://ref:1"]
+
+    def __init__(self, reply: dict[str, Any]) -> None:
+        self.reply = reply
+        self.asked: list[tuple[str | None, bool, bool]] = []
+
+    def updates_with_finish(self) -> bool:
+        return True
+
+    def update_and_finish(
+        self, payload: Any, version: str | None, *, reset_caches: bool, resume: bool
+    ) -> list[dict[str, Any]]:
+        self.asked.append((version, reset_caches, resume))
+        return [self.reply]
+
+
+def _finish(client: Any, paused: bool = True, **caps: bool) -> Any:
+    from weightwire.trainer.caps import ClientCaps
+    from weightwire.trainer.freshness import finish_in_update
+
+    offered = ClientCaps(**{"updates_with_finish": True, **caps})
+    return finish_in_update(client, offered, "v1", reset=True, paused=lambda: paused, single=True)
+
+
+def test_an_update_that_finished_is_the_commit_its_resume_and_reset_read_from_its_reply() -> None:
+    from weightwire.shared.errors import WeightSyncError
+
+    ok = Finishing({"weight_version": "v1", "caches_reset": True, "resumed": True})
+    finish = _finish(ok)
+    finish.post({"names": []})
+    recorded: list[bool] = []
+    assert finish.posted and ok.asked == [("v1", True, True)]
+    assert finish.committed(lambda: recorded.append(True)) is True and recorded == [True]
+    # asleep: committed (recorded), the resume refused as a failed /resume
+    asleep = Finishing({"caches_reset": True, "resumed": False, "resume_error": "asleep"})
+    finish = _finish(asleep)
+    finish.post({})
+    with pytest.raises(WeightSyncError, match="asleep") as got:
+        finish.committed(lambda: recorded.append(True))
+    assert got.value.route == "resume" and recorded == [True, True]
+    # the caches not reset: committed all the same, said so
+    stale = Finishing({"caches_reset": False})
+    finish = _finish(stale, paused=False)
+    finish.post({})
+    with pytest.raises(StaleCacheError):
+        finish.committed(lambda: recorded.append(True))
+    assert stale.asked == [("v1", True, False)] and len(recorded) == 3
+
+
+def test_the_finish_rides_on_the_update_only_for_one_server_that_offers_it() -> None:
+    from weightwire.trainer.caps import ClientCaps
+    from weightwire.trainer.freshness import finish_in_update
+
+    one = Finishing({})
+    assert _finish(one) is not None
+    assert _finish(one, updates_with_finish=False) is None  # not offered
+    two = Finishing({})
+    two.base_urls = ["http://a:1", "http://b:1"]  # type: ignore[misc]
+    assert _finish(two) is None  # one server could commit while the other's update failed
+    caps = ClientCaps(updates_with_finish=True)
+    kw: dict[str, Any] = {"reset": True, "paused": lambda: True}
+    assert finish_in_update(one, caps, "v", single=False, **kw) is None  # several updates

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -36,10 +36,11 @@ Prepared = tuple[Chunk, list[Any]]
 """One chunk of the round's plan with its tensors, in wire order."""
 Begin = Callable[[], None] | None
 """Run once, after the first chunk is prepared and before its first byte goes out (the
-trainer's control plane: pause, start, the update POST). If it raises, nothing was sent.
-A data path may run it beside its own preparation (a thread), but writes nothing into a
-worker's serving parameters and announces nothing before it returned: it returns once
-the start answered, so the round is accepted and paused on every server."""
+trainer's control plane: pause, start, the update POST). If it raises, nothing was sent
+(but see ``Outgoing.go_accepts``). A data path may run it beside its own preparation (a
+thread), but writes nothing into a worker's serving parameters and announces nothing before
+it returned: it returns once the start answered, so the round is accepted and paused on
+every server."""
 HostBytes = Callable[[Any], np.ndarray]
 """A tensor's C-order little-endian bytes as a flat ``uint8`` host array."""
 
@@ -58,6 +59,19 @@ class Outgoing:
     """The round's tensors in wire order."""
     root: int = 0
     """This broadcaster's rank on the wire."""
+    go_accepts: bool = False
+    """The workers' own word that they are in the round is its acceptance: one server, whose
+    start pauses generation before its workers' start (``routes.START_PAUSES``). A data path
+    whose every worker said so from inside its start (``weightwire_ipc``'s early go) may write
+    into the serving parameters before ``begin`` returned; it sets ``wrote_early`` first."""
+    ready: Callable[[], None] | None = None
+    """Called by a data path that runs ``begin`` from its start (``weightwire_ipc``) once it
+    cleared what an earlier round left on its channels, before its first chunk's work: a
+    start sent ahead of ``begin`` (``trainer.early``) goes out then, not when ``begin`` runs
+    on its helper thread."""
+    wrote_early: threading.Event = field(default_factory=threading.Event)
+    """Set by a data path that wrote before ``begin`` returned: a ``begin`` that then fails
+    failed a round after its first byte (the workers hold part of it)."""
 
 
 class Sent(NamedTuple):

@@ -225,6 +225,49 @@ class HTTPWeightSyncClient(ServingRoutes):
                 )
         return [isinstance(r, dict) and r.get("caches_reset") is True for r in replies]
 
+    def updates_with_finish(self) -> bool:
+        """Every server's init reply named ``UPDATE_FINISHES`` (weightwire's reference server;
+        never stock vLLM): ``update_and_finish`` may be used."""
+        return all(routes.UPDATE_FINISHES in f for f in self._features)
+
+    def update_and_finish(
+        self,
+        update_info: dict[str, Any] | list[dict[str, Any]],
+        weight_version: str | None,
+        *,
+        reset_caches: bool,
+        resume: bool,
+    ) -> list[dict[str, Any]]:
+        """``update_weights(update_info)`` then, once it succeeded, the round's
+        ``finish_weight_update(weight_version)`` with the finish's ``reset_caches`` / ``resume``
+        (``finish_reset_resume``), in one request per server (only where advertised:
+        ``updates_with_finish``). Per server its reply (``caches_reset``, ``resumed``,
+        ``resume_error`` as a finish's).
+
+        A failed update raises as ``update_weights`` does (nothing committed); a failed
+        commit raises ``WeightSyncError`` for ``finish_weight_update``, as a failed finish."""
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise WrongType(f"weight_version must be a str, got {type(weight_version).__name__}")
+        if not self.updates_with_finish():
+            raise RuntimeError("not every server advertised update_finishes at init")
+        body: dict[str, Any] = {"update_info": update_info}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        params = {
+            "finish": "true",
+            "reset_caches": "true" if reset_caches else "false",
+            "resume": "true" if resume else "false",
+        }
+        try:
+            replies = self._all(routes.UPDATE, body, params=params)
+        except WeightSyncError as exc:
+            if exc.message.startswith(f"{routes.FINISH.name} failed"):  # the server's _commit
+                raise WeightSyncError(
+                    routes.FINISH.name, exc.status, exc.message, exc.server
+                ) from None
+            raise
+        return [r if isinstance(r, dict) else {} for r in replies]
+
     # -- the routes around a round (the serving-state ones: ``ServingRoutes``) ------------
 
     def shutdown_weight_transfer_engine(self) -> None:

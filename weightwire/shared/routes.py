@@ -96,6 +96,14 @@ FINISH_RESETS_RESUMES = "finish_resets_resumes"
 generation after a commit, in the one request (``finish_reply``). Stock vLLM has none:
 its clients send ``/reset_prefix_cache``, ``/reset_encoder_cache`` and ``/resume`` apart."""
 
+UPDATE_FINISHES = "update_finishes"
+"""A feature the reference server names in its init reply: its
+``/update_weights?finish=true[&reset_caches=true][&resume=true]`` (body: ``update_info`` and
+the finish's ``weight_version``) commits the round right after its update succeeded, as
+``/finish_weight_update`` with those flags would, in the one request. A failed update
+commits nothing; a failed commit answers as a failed finish (its message names
+``finish_weight_update``). Stock vLLM has none: its rounds keep the separate finish."""
+
 SERVED_MODEL = "served_model"
 """A feature the reference server names in its init reply, and the reply's key that carries it:
 the checkpoint tensors its model takes (``shared.served.ServedModel``), which the trainer checks

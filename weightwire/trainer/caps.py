@@ -43,6 +43,8 @@ class ClientCaps:
     """The reference server's start that pauses first (``early.starts_with_pause``)."""
     finishes_with_resume: bool = False
     """The reference server's finish that resets the caches and resumes."""
+    updates_with_finish: bool = False
+    """The reference server's update that commits the round (``freshness.FinishInUpdate``)."""
     served_model: bool = False
     """``served_model()``: what the servers said at init about the tensors they take."""
     workers_served_model: bool = False

@@ -25,6 +25,12 @@ hold a write into the serving parameters until both answered (the data path's ``
 ``backends.base.Begin``, returns only then).
 A pause that fails beside a start that opened a round fails the round as one whose start
 opened a round that gets no bytes (the engine needs a new init).
+
+``go_accepts``: where the start carries the pause (``START_PAUSES``) and the round has one
+server, the workers' go from inside that start accepts the round: the data path may write
+before the start answered (``backends.base.Outgoing.go_accepts``). ``release``: a data path
+that clears its channels at once (``weightwire_ipc``) lets the start go from its own thread
+and gives the helper the interpreter until it took the start, before its first chunk's work.
 """
 
 from __future__ import annotations
@@ -36,9 +42,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from weightwire.control.fanout import spawn
+from weightwire.shared.client import named_servers
 from weightwire.shared.errors import ControlTimeout
 from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.transfer import await_call
+
+_RELEASE_BOUND_S = 0.002
+"""How long ``release`` lets the helper take the start: it wakes within tens of microseconds;
+the bound only keeps a slow wake from holding the data path up."""
 
 
 class EarlyStart:
@@ -57,6 +68,7 @@ class EarlyStart:
         the start, not before it (the module docstring)."""
         self._pause, self._start, self._timeout = pause, start, timeout
         self._ready = threading.Event()
+        self._going = threading.Event()  # the helper took the start call
         self._lock = threading.Lock()  # the start is sent, or abandoned: never both
         self._abandoned = False
         self.paused = False
@@ -65,6 +77,8 @@ class EarlyStart:
         """The start went out (whatever it answered): the workers may be in the round."""
         self.start_returned = False
         """The start answered success: the servers are in the round."""
+        self.start_pauses = pause is None
+        """The start pauses generation first, in its one request (``START_PAUSES``)."""
         self._beside: Future[None] | None = None
         if together and pause is not None:
             self._beside = spawn(self._pause_beside, name="weightwire-pause")
@@ -87,12 +101,23 @@ class EarlyStart:
                 return
             self.start_sent = True
             self.paused |= self._pause is None  # the start pauses: held, whatever it answers
+        self._going.set()
         self._start()
         self.start_returned = True
 
     def ready(self) -> None:
         """The data path did what must precede the start (called once per round, or more)."""
         self._ready.set()
+
+    def release(self, bound_s: float = _RELEASE_BOUND_S) -> None:
+        """``ready``, then, where the start is the helper's next call (it carries the pause,
+        or the pause goes beside it), block until the helper took it, at most ``bound_s``:
+        the helper then holds the interpreter while it builds and writes the request, ahead
+        of the caller's own work (a data path's first chunk), instead of contending with it
+        at every switch interval. A start behind a pause of its own is not waited for."""
+        self.ready()
+        if self._pause is None or self._beside is not None:
+            self._going.wait(bound_s)
 
     def wait(self) -> None:
         """The control plane's turn: the pause and the start answered (their error raised)."""
@@ -124,3 +149,19 @@ def starts_with_pause(client: Any, caps: ClientCaps) -> bool:
     """Every server advertised a start that pauses first (``routes.START_PAUSES``: weightwire's
     reference server, never stock vLLM)."""
     return caps.starts_with_pause and client.starts_with_pause() is True
+
+
+def one_server(client: Any) -> bool:
+    """The client drives exactly one server (one base URL); a client that names none (a Ray
+    client, a user's adapter) counts as several."""
+    servers = named_servers(client)
+    return servers is not None and len(servers) == 1
+
+
+def go_accepts(client: Any, early: EarlyStart | None) -> bool:
+    """The workers' word from inside their start accepts the round: it has one server (a go
+    from inside one server's start says nothing of another's), whose start pauses generation
+    before its workers' start (the reference server's ``START_PAUSES``: a pause sent beside
+    the start may land after a worker's go). The failure rule for a start that fails after
+    the go is ``backends.ipc.through.pipeline``'s."""
+    return early is not None and early.start_pauses and one_server(client)

@@ -174,6 +174,69 @@ def commit_resumed(client: Any, version: str, *, record: Callable[[], None]) -> 
     _check_reset(version, answers)
 
 
+class FinishInUpdate:
+    """A round's finish carried by its update POST (``routes.UPDATE_FINISHES``: the reference
+    server commits right after the update succeeded, then resets / resumes as the finish's
+    flags ask): a round is its start and its update. ``post`` is the round's update POST
+    (``paused``: asked when it goes, whether the round is paused as a whole, so the server
+    resumes it); ``committed`` is the round's commit step once that POST returned.
+
+    Only for one server (``finish_in_update``): with several, one server would commit while
+    another's update failed. A failed update commits nothing; a failed commit raises for
+    ``finish_weight_update`` from the update POST (the round failed after its bytes: the
+    engine needs a new init, as the server's session does)."""
+
+    def __init__(
+        self, client: Any, version: str, *, reset: bool, paused: Callable[[], bool]
+    ) -> None:
+        self._client, self._version, self._reset, self._paused = client, version, reset, paused
+        self.posted = False
+        """The update POST carried the finish and returned: the round committed."""
+        self._resume = False
+        self._replies: list[dict[str, Any]] = []
+
+    def post(self, payload: dict[str, Any]) -> None:
+        self._resume = self._paused()
+        self._replies = self._client.update_and_finish(
+            payload, self._version, reset_caches=self._reset, resume=self._resume
+        )
+        self.posted = True
+
+    def committed(self, record: Callable[[], None]) -> bool:
+        """The commit step of a round whose update committed it: ``record()``, then the
+        resume and the resets as ``commit_resumed`` / ``commit_reset`` check them. Returns
+        whether the server resumed itself."""
+        record()
+        servers = named_servers(self._client) or ["the server"]
+        for server, reply in zip(servers, self._replies, strict=False):
+            if self._resume and reply.get("resumed") is not True:
+                why = reply.get("resume_error") or f"the update did not resume: {reply!r:.200}"
+                raise WeightSyncError("resume", None, str(why), server)
+        if self._reset:
+            _check_reset(self._version, [r.get("caches_reset") is True for r in self._replies])
+        return self._resume
+
+
+def finish_in_update(
+    client: Any,
+    caps: ClientCaps,
+    version: str,
+    *,
+    reset: bool,
+    paused: Callable[[], bool],
+    single: bool,
+) -> FinishInUpdate | None:
+    """The round's finish in its update POST (``FinishInUpdate``), where the client drives
+    one server that advertised it and the round is ``single``: one update POST, committed as
+    soon as it landed (no overlapped round's last-moment stop). Else None: a separate finish."""
+    servers = named_servers(client)
+    if not (single and servers is not None and len(servers) == 1):
+        return None
+    if not (caps.updates_with_finish and client.updates_with_finish() is True):
+        return None
+    return FinishInUpdate(client, version, reset=reset, paused=paused)
+
+
 _WAIT_GRACE_S = 30.0
 """How much longer than the client's own per-call timeout the commit waits for its calls:
 the client's timeout decides (as it does for a call made in line); this only guards a

@@ -40,8 +40,8 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.early import EarlyStart, starts_with_pause
-from weightwire.trainer.freshness import StaleCacheError
+from weightwire.trainer.early import EarlyStart, go_accepts, starts_with_pause
+from weightwire.trainer.freshness import FinishInUpdate, StaleCacheError, finish_in_update
 from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
@@ -73,6 +73,11 @@ class Control(Protocol):
         runs the control plane."""
         ...
 
+    def release(self) -> None:
+        """``ready``, said by a data path that does its first work right after: the start
+        (sent early) is on its way before that work begins (``EarlyStart.release``)."""
+        ...
+
 
 class RoundControl:
     """``Control`` for ``lead_round``: ``run`` the control plane, ``ready`` tells an early
@@ -88,6 +93,10 @@ class RoundControl:
         if self._early is not None:
             self._early.ready()
 
+    def release(self) -> None:
+        if self._early is not None:
+            self._early.release()
+
 
 @dataclass(frozen=True)
 class Transmission:
@@ -99,6 +108,12 @@ class Transmission:
     control: Control
     own: dict[str, str] | None
     clock: PhaseClock
+    go_accepts: bool = False
+    """The workers' word from inside their start is the round's acceptance
+    (``backends.base.Outgoing.go_accepts``; ``trainer.early.go_accepts``)."""
+    post_update: Callable[[dict[str, Any]], None] | None = None
+    """The one turn's update POST, when it carries more than the update (the round's finish:
+    ``freshness.FinishInUpdate``); None: ``update_weights``."""
 
     @property
     def sole_payload(self) -> dict[str, Any]:
@@ -177,7 +192,9 @@ def lead_round(
 
     What a failure leaves, step by step (``recover`` applies it, then the error is raised):
     before ``open_round`` returned, nothing reached the workers (a pause that held is undone;
-    a start sent early that may have opened a round marks the engine broken); after the
+    a start sent early that may have opened a round marks the engine broken), unless the
+    data path wrote at the workers' go (``early.go_accepts``: then as after the first byte,
+    the engine broken); after the
     start, the workers may hold part of the round: a round paused as a whole is resumed, one
     applied in place stays paused / guarded (``gating.after_failed_round``), and a transfer
     that lost its link leaves the engine broken (``trainer.transfer``); once the finish
@@ -192,12 +209,29 @@ def lead_round(
     early = send_early(s, r, pause)
     control = RoundControl(lambda: open_round(s, r, pause, early, servers), early)
     own: dict[str, str] | None = {} if s.verifier is not None else None
+    # the finish in the update POST where the server offers it (one server, one update)
+    finish = finish_in_update(
+        s.client,
+        s.caps,
+        r.version,
+        reset=s.commit_plan.reset,
+        paused=lambda: servers.paused,
+        single=len(r.plan.turns) == 1 and r.before_commit is None,
+    )
+    sending = Transmission(
+        payloads,
+        control,
+        own,
+        clock,
+        go_accepts(s.client, early),
+        None if finish is None else finish.post,
+    )
     try:
         # Fails before the start: nothing on the workers. After it: the servers are in a
         # round that gets no more bytes (the reference server's lease aborts it).
-        sent = transfer(r, Transmission(payloads, control, own, clock))
+        sent = transfer(r, sending)
         # A failed finish: not committed. A failed cache reset after it: committed.
-        commit(s, r, pause, servers, clock)
+        commit(s, r, pause, servers, clock, finish)
         # Fails: committed (the digests are compared after the finish).
         report = verify(s, r, own, clock)
     except BaseException as exc:
@@ -304,21 +338,33 @@ def transfer(r: Round, t: Transmission) -> Sent:
         return r.wire.transfer(t)
 
 
-def commit(s: Session, r: Round, pause: RoundPause, servers: _Servers, clock: PhaseClock) -> None:
+def commit(
+    s: Session,
+    r: Round,
+    pause: RoundPause,
+    servers: _Servers,
+    clock: PhaseClock,
+    finish: FinishInUpdate | None = None,
+) -> None:
     """Finish + the caches reset (beside the finish when nothing generates until the
-    resume), then [resume], then [release the guard: it checks the workers are whole]."""
+    resume), then [resume], then [release the guard: it checks the workers are whole].
+    A round whose update POST carried its finish (``finish.posted``) committed with it: only
+    its answers are read here."""
     with clock("finish"):
         if r.before_commit is not None:  # an overlapped round that shutdown stopped
             r.before_commit()
         # committed: the next automatic version moves on even if a check fails
-        resumed = s.commit_plan.commit(
-            s.client,
-            r.version,
-            caps=s.caps,
-            record=lambda: _record(s, r),
-            paused=servers.paused,
-            timeout=s.info.timeouts.http_s,
-        )
+        if finish is not None and finish.posted:
+            resumed = finish.committed(lambda: _record(s, r))
+        else:
+            resumed = s.commit_plan.commit(
+                s.client,
+                r.version,
+                caps=s.caps,
+                record=lambda: _record(s, r),
+                paused=servers.paused,
+                timeout=s.info.timeouts.http_s,
+            )
         if servers.paused:
             servers.paused = False
             if not resumed:  # else the finish resumed them (the reference server's offer)
@@ -507,7 +553,7 @@ class SoleRounds:
         sole_round = Round(
             version,
             sole.bplan,
-            metas,
+            sole.metas,  # ``metas``' equal: the same list every round of the plan
             wire,
             draft,
             fields=fields or {},
@@ -735,6 +781,9 @@ class _Began:
     def ready(self) -> None:
         self._control.ready()
 
+    def release(self) -> None:
+        self._control.release()
+
 
 def send_update(
     s: Session,
@@ -750,13 +799,16 @@ def send_update(
     sender = s.sender if sender is None else sender
     assert sender is not None
     payload, control = t.sole_payload, t.control
+    post = s.client.update_weights if t.post_update is None else t.post_update
     step = Transfer(
         s.link,
         sender,
-        post_update=lambda: s.client.update_weights(payload),
+        post_update=lambda: post(payload),
         control=control,
         clock=t.clock,
         http_s=s.info.timeouts.http_s,
+        go_accepts=t.go_accepts,
+        ready=control.release,
     )
     try:
         return step.run(announced(chunks, control.ready), metas)

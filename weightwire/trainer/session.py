@@ -122,6 +122,8 @@ class Session:
     served: ServedModel | None = None
     """The tensors the served model takes, as the servers told them at init (``None``: they
     told none, e.g. stock vLLM); every round is checked against it before its first byte."""
+    _sized: tuple[list[ParamMeta], int] | None = field(default=None, init=False)
+    """The last round's tensor list and its bytes: a plan's rounds pass the same list."""
 
     def __repr__(self) -> str:  # the link and the client hold secrets: names only
         return (
@@ -160,11 +162,14 @@ class Session:
     def round_pause(self, metas: list[ParamMeta]) -> RoundPause:
         """This round's pause (``gating.round_pause``; a round applied in place:
         refusing, no resume on failure)."""
+        sized = self._sized
+        if sized is None or sized[0] is not metas:  # summed once per plan, not per round
+            sized = self._sized = (metas, round_bytes(metas))
         return round_pause(
             self.info,
             self.pause_mode,
             stock_receiver=self.backend.caps.stock_receiver,
-            nbytes=round_bytes(metas),
+            nbytes=sized[1],
             client=self.client,
             caps=self.caps,
             guard=self.guard_installed,

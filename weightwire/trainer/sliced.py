@@ -158,6 +158,8 @@ class Slicing:
         """Per worker: it applies a sliced delta round's patches (said at the join)."""
         self._reads = [read_names(raw) for raw in hellos]
         self._wants: dict[frozenset[ParamMeta], list[Wants]] = {}
+        self._sliced: tuple[Sequence[ParamMeta], bool] | None = None
+        """The last ``slices`` answer and its tensor list (a plan's rounds pass the same)."""
         self._told: set[str] = set()
         self.agree: Callable[[SlicePlan | None, str | None], None] | None = None
         """Several processes: every rank checks it built the same plan, or learns which rank
@@ -187,7 +189,11 @@ class Slicing:
     def slices(self, metas: Sequence[ParamMeta]) -> bool:
         """Slicing a round of ``metas`` saves bytes (some worker wants less than a whole
         tensor); else its rounds are broadcasts (said once)."""
-        if wants_less(self.wants(metas), metas):
+        if self._sliced is not None and self._sliced[0] is metas:
+            return self._sliced[1]
+        less = wants_less(self.wants(metas), metas)
+        self._sliced = (metas, less)
+        if less:
             return True
         self.note_once("every worker wants every tensor whole:")
         return False

@@ -147,9 +147,12 @@ class Transfer:
     The pipeline prepares the first chunk, then calls ``begin``: ``control`` (pause +
     start, booked as the ``control`` phase), then the update POST on a side thread;
     only then does the first byte go out, so the first chunk's packing overlaps the
-    start round trip. A failure before ``begin`` finished sent nothing: the pipeline is
-    settled and ``broken`` stays ``None`` (the engine stays usable). After it,
-    ``broken`` is the error the engine must refuse further rounds with.
+    start round trip (``go_accepts``: a data path may write once the workers said from
+    inside their start that they are in the round, ``Outgoing.go_accepts``). A failure
+    before ``begin`` finished sent nothing, unless the data path wrote at the go: the
+    pipeline is settled and ``broken`` stays ``None`` (the engine stays usable). After it,
+    or after a write at the go, ``broken`` is the error the engine must refuse further
+    rounds with.
     """
 
     def __init__(
@@ -161,8 +164,12 @@ class Transfer:
         control: Callable[[], None],
         clock: PhaseClock,
         http_s: float,
+        go_accepts: bool = False,
+        ready: Callable[[], None] | None = None,
     ) -> None:
         self._comm = comm
+        self._go_accepts = go_accepts
+        self._ready = ready
         self._pipeline = pipeline
         self._post_update = post_update
         self._control = control
@@ -180,13 +187,32 @@ class Transfer:
 
     def _run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> Sent:
         pipeline, stop = self._pipeline, self._stop
+        out = Outgoing(
+            prepared,
+            stop,
+            self._begin,
+            metas=wire_metas,
+            go_accepts=self._go_accepts,
+            ready=self._ready,
+        )
         try:
-            sent = pipeline.send(Outgoing(prepared, stop, self._begin, metas=wire_metas))
+            sent = pipeline.send(out)
             assert self._update is not None
             await_call(self._update, self._http_s, "update_weights (after the last broadcast)")
             return sent
         except BaseException as exc:
             stop.set()
+            if self._update is None and out.wrote_early.is_set():
+                # Written at the workers' go, then the start failed: the workers hold part
+                # of a round their server gave up (it refuses generation until a whole
+                # round commits), as after a failed first byte.
+                exc.add_note(
+                    "the round was being written into the workers' parameters (their start "
+                    "had accepted it): they refuse generation until a whole round commits"
+                )
+                self.broken = exc
+                self._comm.abort()
+                raise
             if (
                 self._update is None
             ):  # nothing went on the wire: settle the local work, keep the engine

@@ -83,7 +83,16 @@ class IPCDataPath(RoundSender):
         Joined on every exit path."""
         self._prepare(out.metas)
         trace("round")
-        starter = _Starter(out.begin, timeout=_CONTROL_BOUND_S + self._timeout)
+        if out.ready is not None:  # the start goes now, before the first chunk's work
+            out.ready()
+            trace("start released")
+        self._after_release()
+        starter = _Starter(
+            out.begin,
+            timeout=_CONTROL_BOUND_S + self._timeout,
+            go_accepts=out.go_accepts,
+            wrote_early=out.wrote_early,
+        )
         try:
             return self._pump(out.prepared, out.stop, starter)
         finally:
@@ -93,6 +102,10 @@ class IPCDataPath(RoundSender):
 
     def _prepare(self, metas: Sequence[ParamMeta]) -> None:
         """Before the round's control plane starts (``metas``: its tensors in wire order)."""
+
+    def _after_release(self) -> None:
+        """Once the round's start may be on its way, before the first chunk: what an earlier
+        round left to settle (kept off the start's path)."""
 
     @abstractmethod
     def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> Sent:
@@ -294,8 +307,17 @@ own HTTP timeout (``Timeouts.http_s``, 300 s by default); this only guards a cli
 class _Starter:
     """Runs the round's ``begin`` (control plane) on a helper thread from the start."""
 
-    def __init__(self, begin: Begin, *, timeout: float) -> None:
+    def __init__(
+        self,
+        begin: Begin,
+        *,
+        timeout: float,
+        go_accepts: bool = False,
+        wrote_early: threading.Event | None = None,
+    ) -> None:
         self._timeout = timeout
+        self._go_accepts = go_accepts
+        self._wrote_early = threading.Event() if wrote_early is None else wrote_early
         self._error: BaseException | None = None
         self._done: Future[None] | None = None
         if begin is not None:
@@ -320,6 +342,17 @@ class _Starter:
         first message, which never comes when the start was refused)."""
         if self._error is not None:
             self.wait()
+
+    def before_write(self, gone: bool) -> bool:
+        """Before the round's first write into a worker's serving parameters. ``gone``: every
+        worker said from inside its start that it is in the round; where that is the round's
+        acceptance (``Outgoing.go_accepts``) the write goes now, beside the start's answer,
+        and is recorded as early (True); else it waits for ``begin`` (its error raised here)."""
+        if gone and self._go_accepts and self._done is not None and not self._done.done():
+            self._wrote_early.set()  # before the write: a begin failing from now on sees it
+            return True
+        self.wait()
+        return False
 
     def wait(self) -> None:
         """Block until ``begin`` returned; re-raise its error here."""

@@ -21,6 +21,13 @@ own rule for a failed round applies, as with separate calls.
 
 The reply adds ``caches_reset`` and ``resumed`` (booleans) and, when the resume was
 refused, ``resume_error``: the client raises that after the commit, as a failed ``/resume``.
+
+``UPDATE_FINISHES`` (advertised in the init reply too): ``/update_weights?finish=true``
+(with the finish's ``reset_caches`` / ``resume`` flags and its ``weight_version`` in the
+body beside ``update_info``) commits the round right after its update succeeded, answering
+once: a round is two requests, its start and its update. A failed update commits nothing
+(as always); a failed commit fails as a failed finish does (its error names
+``finish_weight_update``); after the commit, what the flags ask, as above.
 """
 
 from __future__ import annotations
@@ -85,3 +92,23 @@ def pause_query(request: Request) -> str | None:
             422, f"pause must be one of {list(PAUSE_MODES)}, got {mode!r:.40}", param="pause"
         )
     return mode
+
+
+def update_finish_query(request: Request) -> AfterCommit | None:
+    """An update's ``finish`` flag and, with it, the finish's ``reset_caches`` / ``resume``
+    (None: a plain update; 422 naming a bad flag, or a finish's flag without ``finish``)."""
+    raw = request.query_params.get("finish")
+    if raw is None or raw.lower() in _FALSE:
+        for name in ("reset_caches", "resume"):
+            if name in request.query_params:
+                raise ApiError(
+                    422,
+                    f"query parameter {name} is a finish's: give finish=true with it",
+                    param=name,
+                )
+        return None
+    if raw.lower() not in _TRUE:
+        raise ApiError(
+            422, f"query parameter finish must be true or false, got {raw!r:.40}", param="finish"
+        )
+    return after_commit_query(request)

@@ -22,9 +22,15 @@ from weightwire.shared.routes import (
     FINISH_RESETS_RESUMES,
     SERVED_MODEL,
     START_PAUSES,
+    UPDATE_FINISHES,
 )
 from weightwire.shared.timeouts import Timeouts
-from weightwire.tools.server.after_commit import after_commit, after_commit_query, pause_query
+from weightwire.tools.server.after_commit import (
+    after_commit,
+    after_commit_query,
+    pause_query,
+    update_finish_query,
+)
 from weightwire.tools.server.call_clock import CallClock
 from weightwire.tools.server.control_routes import pause_generation
 from weightwire.tools.server.replica import ReplicaError
@@ -104,7 +110,7 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
             "message": "Weight transfer initialized",
             "session_id": session_id,
             # the client uses only what is named here
-            "features": [START_PAUSES, FINISH_RESETS_RESUMES],
+            "features": [START_PAUSES, FINISH_RESETS_RESUMES, UPDATE_FINISHES],
         }
         # every replica loads the one model directory: the first one's says it for all
         served = replies[0].get(SERVED_MODEL) if replies and isinstance(replies[0], dict) else None
@@ -181,7 +187,13 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
     @plain_post(app, route_path("update_weights"))
     async def update_weights(request: Request) -> JSONResponse:
         clock = CallClock()
-        body = await read_object(request, allowed=("update_info",), required=("update_info",))
+        then = update_finish_query(request)  # advertised (UPDATE_FINISHES); checked first
+        body = await read_object(
+            request,
+            allowed=("update_info",) if then is None else ("update_info", "weight_version"),
+            required=("update_info",),
+        )
+        version = None if then is None else version_field(body, "weight_version", optional=True)
         require_owner(state, request, "update_weights")
         session.check_update()
         async with session.operation("update_weights"):
@@ -217,10 +229,21 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                     abort_on_failure=True,
                 )
             session.updated(results)
-            arm_lease(state)
-        return JSONResponse(
-            {"message": "Weights updated", "replicas": results}, headers=clock.headers()
-        )
+            if then is None:
+                arm_lease(state)
+            else:  # the round's finish, in this request: committed only after the update held
+                with clock.part("commit"):
+                    await _commit(state, version)
+        if then is None:
+            return JSONResponse(
+                {"message": "Weights updated", "replicas": results}, headers=clock.headers()
+            )
+        reply = {
+            "message": "Weights updated and finished",
+            "replicas": results,
+            "weight_version": session.weight_version,
+        }
+        return JSONResponse({**reply, **after_commit(state, then)}, headers=clock.headers())
 
     @plain_post(app, route_path("finish_weight_update"))
     async def finish_weight_update(request: Request) -> JSONResponse:
@@ -232,20 +255,8 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         session.check_finish()
         async with session.operation("finish_weight_update"):
             lease.disarm()
-            # The worker itself gives up on the model lock after op_timeout (and then
-            # commits nothing); our wait only has to outlast that verdict.
             with clock.part("worker"):
-                replies = await fan_out_or_fail(
-                    state,
-                    "finish_weight_update",
-                    "finish",
-                    {"timeout_s": opts.op_timeout_s},
-                    timeout=opts.op_timeout_s + _VERDICT_GRACE_S,
-                    abort_on_failure=True,
-                )
-            state.sleep.record(replies)
-            empty = session.updates_in_round == 0
-            session.closed_empty() if empty else session.committed(version)
+                empty = await _commit(state, version)
         if empty:
             raise ApiError(
                 409,
@@ -256,6 +267,28 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         reply = {"message": "Weight update finished", "weight_version": session.weight_version}
         done = after_commit(state, then)
         return JSONResponse({**reply, **done}, headers=clock.headers())
+
+
+async def _commit(state: ServerState, version: str | None) -> bool:
+    """The round's commit on every replica (a finish, or an update that finishes), inside
+    the caller's session operation; True when the round had no update (closed, nothing
+    committed). A replica that fails: the session fails and the error names
+    ``finish_weight_update`` (what failed, whichever request carried it)."""
+    opts, session = state.options, state.session
+    # The worker itself gives up on the model lock after op_timeout (and then commits
+    # nothing); our wait only has to outlast that verdict.
+    replies = await fan_out_or_fail(
+        state,
+        "finish_weight_update",
+        "finish",
+        {"timeout_s": opts.op_timeout_s},
+        timeout=opts.op_timeout_s + _VERDICT_GRACE_S,
+        abort_on_failure=True,
+    )
+    state.sleep.record(replies)
+    empty = session.updates_in_round == 0
+    session.closed_empty() if empty else session.committed(version)
+    return empty
 
 
 def _check_routes(app: FastAPI, state: ServerState) -> None:

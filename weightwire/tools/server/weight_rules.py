@@ -159,6 +159,16 @@ def _fail(state: ServerState, what: str, exc: FanOutError) -> ApiError:
         "served; start a new session (a weightwire trainer: engine.shutdown(), then "
         "trainer_init() again)"
     )
+    if what == "start_weight_update":
+        # A worker written through sends its go from inside its start: on one server the
+        # trainer may have written at it, so that replica refuses generation until a whole
+        # round commits (/weight_info's round_incomplete says which).
+        tail = (
+            f"; weight_version {state.session.weight_version!r} is kept (a replica whose round "
+            "was written in place from its start refuses generation until a whole round "
+            "commits: /weight_info says); start a new session (a weightwire trainer: "
+            "engine.shutdown(), then trainer_init() again)"
+        )
     if what == "finish_weight_update" and ok:
         tail = (
             f"; replicas {ok} committed the new weights but {sorted(failed)} did not: replicas "

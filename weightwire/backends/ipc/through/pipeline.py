@@ -18,10 +18,24 @@ Per chunk the copies into a worker are one gather launch (contiguous runs, cache
 tables: a torch trainer's rounds reuse them) plus one strided / casting launch per dtype
 pair for the landings that are neither (``kernels``: a table of the chunk's landings);
 each chunk's runs are kept as arrays (``_ChunkCopies``: a round adds its tensors' pointers).
-Nothing is written before the round's ``begin`` returned (the start answered: the round
-accepted and paused on every server, whatever a go said before); the first chunk's copies
-are staged while the start is out (planned, their tables built and uploaded) and launched
-then, so the start's answer is followed by launches only.
+When the first write may go (the failure rule):
+
+- one server whose start pauses before its workers' start (``Outgoing.go_accepts``), and
+  every worker's go came from inside its start (``early``): the gos are the round's
+  acceptance (each worker sends its go as the last step of its start, once the round is
+  recorded as written in place), so the first chunk is written at the go, beside the
+  start's answer. A start that fails after that (a replica's reply lost, the server's
+  answer lost) fails the round as one failed after its first byte: each worker's round was
+  recorded as written in place from its start, so an aborted one leaves its model marked
+  incomplete and generation refused until a whole round commits; the trainer reports the
+  round failed and its engine broken (``trainer.transfer``: ``wrote_early``);
+- otherwise (several servers, where a go sent from inside one server's start does not say
+  another accepted; a stock start; a worker whose go comes with its update) nothing is
+  written before the round's ``begin`` returned (the start answered: the round accepted
+  and paused on every server).
+
+Either way the first chunk's copies are staged while the start is out (planned, their
+tables built and uploaded), so the acceptance is followed by launches only.
 After the last chunk: ``{"op": "done", "e": k}`` once ready event ``k`` was recorded
 behind every copy; the worker's stream waits on it.
 Generation stays refused around every round (``RoundSender.in_place``): a worker's
@@ -167,6 +181,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         self._landed: list[_Landed | None] = [None] * n
         self._maps = [_Mappings(cp, device, ch.peer) for ch in comm.channels]
         self._through = [False] * n
+        self._early_go = [False] * n  # per worker: this round's go came from inside its start
         self._known = False  # this round's paths are known
         self._runs = GatherCopy(cp, device, self._sptr, ring=_RING)
         self._runs.warm(comm.slots.nbytes)
@@ -174,12 +189,15 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         self._stream_ref = StreamRef(self._sptr)
         self._told: set[str] = set()
 
-    def _prepare(self, metas: Sequence[ParamMeta]) -> None:
+    def _after_release(self) -> None:
         if self._in_flight[0]:  # the last round's copies: long done, but never settled
             self.settle()
+
+    def _prepare(self, metas: Sequence[ParamMeta]) -> None:
         for ch in self._comm.channels:  # a go of a round that sent no byte: void
             ch.discard_delivered("go")
         self._through = [False] * len(self._comm.channels)
+        self._early_go = [False] * len(self._comm.channels)
         self._known = False
         super()._prepare(metas)
 
@@ -189,18 +207,18 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
     def _fill_others(self, f: ChunkFill) -> None:
         """The workers written through: the round's paths first (they decide who pulls).
 
-        Nothing is written into a worker's parameters before ``begin`` returned: the start
-        answered, so the round is accepted and paused on every server (a go sent from
-        inside a start may come long before, and another replica may still refuse that
-        start). Everything else of the first chunk runs while the start is out: its copies
-        are staged (plan, tables built and uploaded) for each worker whose table holds,
-        before its go is even read."""
+        Nothing is written into a worker's parameters before the round is accepted (the
+        module docstring: every worker's go from inside its start where that is the
+        acceptance, else ``begin`` returned). Everything else of the first chunk runs while
+        the start is out: its copies are staged (plan, tables built and uploaded) for each
+        worker whose table holds, before its go is even read."""
         if self._known:
             for w, through in enumerate(self._through):
                 if through:
                     self._launch(self._stage(w, f), f)
             return
         staged: dict[int, _Staged] = {}
+        early = False
         try:
             for w, landed in enumerate(self._landed):
                 if landed is not None and self._planned_for(landed):
@@ -213,12 +231,12 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
                 if through and w not in staged:
                     staged[w] = self._stage(w, f)
             if staged:
-                f.starter.wait()
+                early = f.starter.before_write(all(self._early_go))
         except BaseException:
             for st in staged.values():
                 self._discard(st)
             raise
-        trace("wt start answered")
+        trace("wt go accepted" if early else "wt start answered")
         todo = list(staged.values())  # in the order staged: a ring slot is reused in that order
         for n, st in enumerate(todo):
             try:
@@ -287,6 +305,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
                     f"{ch.peer} asked to be written through with table {msg.get('t')!r}, which "
                     "this trainer did not accept for this round's tensors"
                 )
+            self._early_go[w] = msg.get("early") is True
             return True
         ch.unread(msg)  # its round goes through its receive buffers: the pull path reads it
         return False

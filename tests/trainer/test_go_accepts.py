@@ -1,0 +1,137 @@
+"""The round's acceptance at the workers' go (``Outgoing.go_accepts``), on the trainer's side:
+which rounds get it, and a start that fails after the data path wrote at the go fails the round
+as one failed after its first byte (``Transfer.broken``: the engine needs a new init), where a
+start that failed before any write keeps the engine usable."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+
+from weightwire.backends.base import Outgoing, Sent
+from weightwire.trainer.early import go_accepts
+from weightwire.trainer.metrics import PhaseClock
+from weightwire.trainer.transfer import Transfer
+
+
+class Comm:
+    def __init__(self) -> None:
+        self.aborted = 0
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+class Pipeline:
+    """Writes at the go (``early``) or not, then runs ``begin`` (the start), as the
+    write-through data path does when every worker's go came from inside its start."""
+
+    def __init__(self, early: bool) -> None:
+        self.early, self.settled, self.seen = early, 0, False
+
+    def send(self, out: Outgoing) -> Sent:
+        self.seen = out.go_accepts
+        if self.early and out.go_accepts:
+            out.wrote_early.set()
+        assert out.begin is not None
+        out.begin()
+        return Sent(0, 0)
+
+    def settle(self) -> None:
+        self.settled += 1
+
+
+class StartFailed(Exception):
+    pass
+
+
+def _transfer(early: bool) -> tuple[Transfer, Pipeline, Comm]:
+    def start() -> None:
+        raise StartFailed("start_weight_update: 500 replica 0 did not answer")
+
+    pipe, comm = Pipeline(early), Comm()
+    step = Transfer(
+        comm,
+        pipe,  # type: ignore[arg-type]
+        post_update=lambda: None,
+        control=start,
+        clock=PhaseClock(),
+        http_s=5.0,
+        go_accepts=True,
+    )
+    return step, pipe, comm
+
+
+def test_a_start_failing_after_a_write_at_the_go_breaks_the_engine() -> None:
+    step, pipe, comm = _transfer(early=True)
+    with pytest.raises(StartFailed) as got:
+        step.run([], [])
+    assert pipe.seen is True
+    assert step.broken is got.value and comm.aborted == 1 and pipe.settled == 0
+    assert "refuse generation until a whole round commits" in "".join(got.value.__notes__)
+
+
+def test_a_start_failing_before_any_write_keeps_the_engine() -> None:
+    step, pipe, comm = _transfer(early=False)
+    with pytest.raises(StartFailed):
+        step.run([], [])
+    assert step.broken is None and comm.aborted == 0 and pipe.settled == 1
+
+
+def _client(urls: Any) -> Any:
+    return types.SimpleNamespace(base_urls=urls)
+
+
+@pytest.mark.parametrize(
+    ("urls", "start_pauses", "accepts"),
+    [
+        (["http://a:1"], True, True),  # one server, its start pauses first
+        (["http://a:1", "http://b:1"], True, False),  # another server may still refuse
+        (["http://a:1"], False, False),  # a pause beside the start may land after the go
+        (None, True, False),  # a client that does not tell its servers
+    ],
+)
+def test_the_go_accepts_a_round_of_one_server_whose_start_pauses_first(
+    urls: Any, start_pauses: bool, accepts: bool
+) -> None:
+    early = types.SimpleNamespace(start_pauses=start_pauses)
+    assert go_accepts(_client(urls), early) is accepts  # type: ignore[arg-type]
+    assert go_accepts(_client(urls), None) is False  # no early start: sent in line
+
+
+# -- the start released before the data path's first work ---------------------------------
+
+
+def test_release_returns_once_the_helper_took_the_start_it_carries() -> None:
+    import threading
+    import time
+
+    from weightwire.trainer.early import EarlyStart
+
+    started = threading.Event()
+    early = EarlyStart(None, started.set, 5.0)  # the start pauses (START_PAUSES)
+    time.sleep(0.05)  # the helper is waiting for the data path
+    assert not early.start_sent
+    early.release(bound_s=10.0)  # the round's bound is 2 ms; a loaded test box may be slower
+    assert early.start_sent  # the helper is in its start call, ahead of the caller's work
+    early.wait()
+    assert started.is_set()
+
+
+def test_release_does_not_wait_for_a_start_behind_its_own_pause() -> None:
+    import time
+
+    from weightwire.trainer.early import EarlyStart
+
+    def slow_pause() -> bool:
+        time.sleep(0.5)
+        return True
+
+    early = EarlyStart(slow_pause, lambda: None, 5.0)
+    t0 = time.perf_counter()
+    early.release(bound_s=10.0)
+    assert time.perf_counter() - t0 < 0.3  # the pause is out: nothing to hand over yet
+    early.wait()
+    assert early.paused and early.start_returned
