@@ -40,6 +40,7 @@ for s in "$@"; do case $s in
   ipc_trace) step ipc_trace 200 bash -c "mkdir -p '$OUT/tr' && WEIGHTWIRE_IPC_TRACE='$OUT/tr/x' '$PY' benchmarks/bench_ipc.py --modes default --rounds 10 --deadline-s 180 --out '$OUT/ipc_trace.md' && '$PY' benchmarks/ipc_timeline.py '$OUT/tr/x'" ;;
   cowpull) step cowpull 150 "${PYT[@]}" -v tests/gpu/test_ipc_gpu.py -k overlapped ;;
   delta_probe) step delta_probe 150 "$PY" benchmarks/bench_delta_round.py --backends weightwire_ipc --rounds 2 --probe --out "$OUT/delta_probe.md" ;;
+  wt_tests) step wt_tests 300 "${PYT[@]}" tests/gpu/test_ipc_write_through_gpu.py tests/gpu/test_ipc_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py tests/gpu/test_ipc_gather_gpu.py ;;
   patch) step patch 80 "$PY" benchmarks/bench_patch_apply.py --repeats 3 ;;
 esac; done
 echo "== total $(( $(date +%s) - T0 ))s"
