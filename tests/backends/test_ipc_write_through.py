@@ -525,9 +525,9 @@ class KernelCupy(PullCupy):
         return type("A", (), {"data": type("D", (), {"ptr": 5})()})()
 
 
-def test_a_refused_start_writes_nothing_though_the_go_came_and_the_next_round_lands() -> None:
-    # nine small tensors, each its own parameter: the first chunk's copies are one gather
-    # table, staged (planned, uploaded) while the start is out
+def _nine_tensors() -> tuple[int, list[ParamMeta], list, list, list, Any, Any]:
+    """Nine 16-byte tensors, each its own parameter, one packed chunk (its copies one gather
+    table); the worker started: ``(n, metas, chunks, tensors, log, worker, pipe)``."""
     n = 9
     metas = [ParamMeta(f"t{i}", "uint8", (16,)) for i in range(n)]
     params = tuple(ParamSlot(f"p{i}", 0, 64 * i, 16, "uint8") for i in range(n))
@@ -537,6 +537,13 @@ def test_a_refused_start_writes_nothing_though_the_go_came_and_the_next_round_la
     worker.start()
     chunks = plan(metas, packed=True, buffer_size_bytes=1000)
     tensors = [(1_000_000 * (i + 1), 16) for i in range(n)]
+    return n, metas, chunks, tensors, log, worker, pipe
+
+
+def test_a_refused_start_writes_nothing_though_the_go_came_and_the_next_round_lands() -> None:
+    # nine small tensors, each its own parameter: the first chunk's copies are one gather
+    # table, staged (planned, uploaded) while the start is out
+    n, metas, chunks, tensors, log, worker, pipe = _nine_tensors()
 
     def send(begin: Any) -> Any:
         prepared = [(c, tensors[c.start : c.stop]) for c in chunks]
@@ -592,15 +599,7 @@ def test_one_servers_start_refused_writes_nothing_and_failing_after_the_go_fails
     """One server (the gos accept the round): a start refused before its workers' start (no
     go) writes nothing and is no early write; a start that fails after every go (a replica's
     reply lost) was written at the go: its error is the round's, marked as written early."""
-    n = 9
-    metas = [ParamMeta(f"t{i}", "uint8", (16,)) for i in range(n)]
-    params = tuple(ParamSlot(f"p{i}", 0, 64 * i, 16, "uint8") for i in range(n))
-    lands = tuple(TensorLands(f"t{i}", (Land(i, (16,), 0, (1,), 0, (1,)),)) for i in range(n))
-    table = LandingTable((Alloc(H, 64 * n),), params, lands)
-    log, _, worker, pipe = _setup(table, metas, KernelCupy, slot_bytes=1000)
-    worker.start()
-    chunks = plan(metas, packed=True, buffer_size_bytes=1000)
-    tensors = [(1_000_000 * (i + 1), 16) for i in range(n)]
+    n, metas, chunks, tensors, log, worker, pipe = _nine_tensors()
 
     def send(begin: Any) -> Outgoing:
         prepared = [(c, tensors[c.start : c.stop]) for c in chunks]
