@@ -44,6 +44,7 @@ for s in "$@"; do case $s in
   ab_now*) step "$s" 80 bash -c "rm -rf /tmp/$s && mkdir -p /tmp/$s && WEIGHTWIRE_IPC_TRACE=/tmp/$s/x '$PY' benchmarks/bench_ipc.py --modes default --rounds 10 --deadline-s 75 --out /tmp/$s.md && '$PY' benchmarks/ipc_timeline.py /tmp/$s/x" ;;
   ab_before*) [ -d _before ] && step "$s" 80 bash -c "rm -rf /tmp/$s && mkdir -p /tmp/$s && cd _before && WEIGHTWIRE_IPC_TRACE=/tmp/$s/x PYTHONPATH=\$PWD:/tmp/ww-deps:\$PWD/benchmarks '$PY' benchmarks/bench_ipc.py --modes default --rounds 10 --deadline-s 75 --out /tmp/$s.md && '$PY' benchmarks/ipc_timeline.py /tmp/$s/x" ;;
   rest) step rest "${ALL_LIMIT:-120}" "${PYT[@]}" -v tests/gpu/test_vllm_stub_ipc_gpu.py tests/gpu/test_ipc_gather_gpu.py ;;
+  delta6) step delta6 100 "$PY" benchmarks/bench_delta_round.py --backends weightwire_ipc --rounds 6 --out /tmp/delta6.md ;;
   patch) step patch 80 "$PY" benchmarks/bench_patch_apply.py --repeats 3 ;;
 esac; done
 echo "== total $(( $(date +%s) - T0 ))s"
