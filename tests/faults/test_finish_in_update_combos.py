@@ -3,7 +3,8 @@ commits right after the update held) combined with the round's other features, a
 real server (``weightwire serve``, ``weightwire_tcp``): every pause mode and a round without
 the caches reset resume once committed; a delta round's patches commit inside the update and
 a refused base is resent dense; a source that yields an extra tensor after the last chunk
-commits nothing; an overlapped round keeps its finish apart; a ``weight_version`` the server
+commits nothing; an overlapped round keeps its finish apart; ``verify`` reads the servers'
+digests after it; a ``weight_version`` the server
 would refuse is refused before the round's first call (not by the update that carries the
 finish, with the bytes on the wire)."""
 
@@ -173,5 +174,25 @@ def test_an_overlapped_round_keeps_its_finish_apart(
         assert not any(sent.startswith(IN_UPDATE) for sent in client.sent)
         assert any(sent.startswith("finish_weight_update") for sent in client.sent)
         assert_weights(probe, want, "overlapped")
+    finally:
+        quiet_shutdown(engine)
+
+
+def test_verify_reads_the_servers_digests_after_the_commit_in_the_update(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """``verify=True``: the round's check reads /weight_checker once the update that carried
+    the finish returned (the committed weights), and passes."""
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, verify=True, stage_budget_bytes=0)
+    try:
+        want = source.perturb(7)
+        client.sent.clear()
+        metrics = engine.send_weights("verified")
+        committed = next(i for i, sent in enumerate(client.sent) if sent.startswith(IN_UPDATE))
+        assert client.sent[committed + 1 :] == ["weight_checker"], client.sent
+        assert metrics.verify is not None
+        assert_weights(probe, want, "verified")
+        assert not _paused(probe)
     finally:
         quiet_shutdown(engine)
