@@ -4,9 +4,8 @@ real server (``weightwire serve``, ``weightwire_tcp``): every pause mode and a r
 the caches reset resume once committed; a delta round's patches commit inside the update and
 a refused base is resent dense; a source that yields an extra tensor after the last chunk
 commits nothing; an overlapped round keeps its finish apart; ``verify`` reads the servers'
-digests after it; a ``weight_version`` the server
-would refuse is refused before the round's first call (not by the update that carries the
-finish, with the bytes on the wire)."""
+digests after it; a ``weight_version`` the server would refuse is refused before the round's
+first call (not by the update that carries the finish, with the bytes on the wire)."""
 
 from __future__ import annotations
 
