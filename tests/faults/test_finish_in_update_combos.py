@@ -9,6 +9,12 @@ first call (not by the update that carries the finish, with the bytes on the wir
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -195,3 +201,40 @@ def test_verify_reads_the_servers_digests_after_the_commit_in_the_update(
         assert not _paused(probe)
     finally:
         quiet_shutdown(engine)
+
+
+@pytest.mark.slow  # ~5 s: a trainer process of its own
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["staged", "in_place"])
+def test_a_trainer_killed_after_its_last_byte_commits_the_whole_round(
+    shared_server: Server, probe: Probe, fault_model: Path, budget: int
+) -> None:
+    """SIGKILL once the data path sent the round's last byte, before its update answered:
+    every worker holds the whole round and the update carries the finish, so the round
+    commits (and, applied in place, resumes), where a separate finish would never have been
+    sent (the round lease aborting it). A trainer killed mid-broadcast still commits nothing
+    (``test_process_faults``)."""
+    repo = Path(__file__).resolve().parents[2]
+    cfg = {
+        "url": shared_server.url,
+        "model_dir": str(fault_model),
+        "kill_at": "last_byte",
+        "stage_budget_bytes": budget,
+    }
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.faults._trainer_proc", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo,
+        env=env,
+    )
+    assert proc.returncode == -signal.SIGKILL, f"rc={proc.returncode}\n{proc.stderr[-3000:]}"
+    sent = json.loads(proc.stdout.splitlines()[1])["sent"]
+    probe.wait_session(lambda s: s["busy"] is None and s["state"] != "round_active", timeout=10)
+    assert_weights(probe, sent, "t2")
+    info = probe.http.get("/weight_info").json()
+    assert not info["round_incomplete"] and not _paused(probe), info
