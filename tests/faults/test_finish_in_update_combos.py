@@ -238,3 +238,36 @@ def test_a_trainer_killed_after_its_last_byte_commits_the_whole_round(
     assert_weights(probe, sent, "t2")
     info = probe.http.get("/weight_info").json()
     assert not info["round_incomplete"] and not _paused(probe), info
+
+
+def test_a_round_whose_source_fails_on_its_first_tensor_sends_nothing_and_the_next_commits(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """The start that pauses goes only once the first chunk was made (``announced``): a
+    source failing on its first tensor sent no call (nothing paused, no round opened), the
+    engine stays usable, and the next round, back to back, commits in its update."""
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, stage_budget_bytes=0)
+
+    def broken(i: int) -> None:
+        if i == 0:
+            raise RuntimeError("the source broke on its first tensor")
+
+    try:
+        engine.send_weights("first")
+        failed = probe.session()["rounds_failed"]
+        client.sent.clear()
+        source.perturb(8)
+        source.hook = broken
+        with pytest.raises(RuntimeError, match="broke on its first tensor"):
+            engine.send_weights("never")
+        assert client.sent == [] and not _paused(probe)
+        source.hook = None
+        want = source.perturb(9)
+        engine.send_weights("next")
+        assert client.sent[-1].startswith(IN_UPDATE)
+        assert_weights(probe, want, "next")
+        assert probe.session()["rounds_failed"] == failed and not _paused(probe)
+    finally:
+        source.hook = None
+        quiet_shutdown(engine)
