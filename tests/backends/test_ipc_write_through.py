@@ -427,7 +427,10 @@ def test_one_servers_gos_accept_the_round_and_its_first_write_goes_before_the_st
     assert [m["op"] for m in worker.seen] == ["path", "done", "done"]  # done after the start
 
 
-def test_the_start_is_released_before_the_first_chunk_is_read_or_begin_runs() -> None:
+def test_the_start_is_released_once_the_first_chunk_was_made_before_begin_runs() -> None:
+    """The first chunk's tensors are read from the source, then the start is released (its
+    staging and ``begin`` follow): a source that fails on its first tensors lets no start
+    out."""
     metas, table = _fused()
     _, _, worker, pipe = _setup(table, metas)
     worker.start()
@@ -449,7 +452,36 @@ def test_the_start_is_released_before_the_first_chunk_is_read_or_begin_runs() ->
     )
     assert pipe.send(out) == (112, 1)
     worker.join(10)
-    assert order[0] == "ready" and sorted(order[1:]) == ["begin", "chunk read"]
+    assert order[:2] == ["chunk read", "ready"] and order.count("begin") == 1
+    assert order.index("ready") < order.index("begin")
+
+
+def test_a_source_failing_on_its_first_tensors_releases_no_start() -> None:
+    """The main thread fails making its first chunk: no start was released and ``begin`` never
+    ran (no server opened a round; a worker written through from its start would refuse
+    generation until a whole round commits), and the next round goes through."""
+    metas, table = _fused()
+    _, _, worker, pipe = _setup(table, metas)
+    worker.start()
+    order: list[str] = []
+
+    def failing() -> Any:
+        raise RuntimeError("the source broke on its first tensor")
+        yield  # a generator
+
+    out = Outgoing(
+        failing(),
+        threading.Event(),
+        begin=lambda: order.append("begin"),
+        metas=metas,
+        ready=lambda: order.append("ready"),
+    )
+    with pytest.raises(RuntimeError, match="broke on its first tensor"):
+        pipe.send(out)
+    assert order == []
+    pipe.settle()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)
+    worker.join(10)
 
 
 def test_the_last_rounds_settle_waits_until_the_start_was_released() -> None:
