@@ -251,11 +251,15 @@ def _until(cond: Any, bound_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_a_start_whose_pause_waited_while_a_newer_init_replaced_its_session_opens_nothing() -> None:
+@pytest.mark.parametrize("second_starts", [False, True], ids=["after", "meanwhile"])
+def test_a_start_whose_pause_waited_while_a_newer_init_replaced_its_session_opens_nothing(
+    second_starts: bool,
+) -> None:
     """``start?pause=wait`` waits for the running requests; a second trainer's init lands
     meanwhile (no round is open yet). The first start must not then open a round in the new
     session (whose own start would be refused 409 until the round lease): refused naming the
-    replacement, no worker started, the pause it took undone; the new trainer's start goes."""
+    replacement, no worker started by it, the pause it took undone; the new trainer's start
+    goes, after it or meanwhile (then its own pause stays: its round is in place)."""
     import threading
 
     from weightwire.shared.routes import SESSION_HEADER
@@ -279,14 +283,22 @@ def test_a_start_whose_pause_waited_while_a_newer_init_replaced_its_session_open
         _until(lambda: state.gate.mode == "wait")  # the start is draining
         second = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
         assert second["session_id"] != first["session_id"]
+        own = {SESSION_HEADER: second["session_id"]}
+        if second_starts:
+            r = http.post("/start_weight_update", params={"pause": "abort"}, headers=own)
+            assert r.status_code == 200 and receiver.ops.count("start") == 1, r.text
         http.portal.call(state.gate.leave)  # the running request ends: the drain returns
         starting.join(10)
         (refused,) = answer
         assert refused.status_code == 409, refused.text
         assert "replaced this trainer's session while its start waited" in refused.text
+        if second_starts:  # the new session's round and pause stand
+            assert state.session.phase.name == "ROUND" and state.gate.mode == "abort"
+            assert receiver.ops.count("start") == 1
+            return
         assert state.session.phase.name != "ROUND" and not state.gate.paused
         assert "start" not in receiver.ops  # no worker started
-        r = http.post("/start_weight_update", headers={SESSION_HEADER: second["session_id"]})
+        r = http.post("/start_weight_update", headers=own)
         assert r.status_code == 200, r.text
 
 

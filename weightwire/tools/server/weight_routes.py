@@ -275,9 +275,10 @@ async def _pause_first(state: ServerState, mode: str) -> None:
     meanwhile: the start is checked again once the pause returned, so a replaced session's
     start opens no round in the new one (whose trainer's own start would then be refused).
     A start that fails here started no worker: the pause it took is undone (a pause held
-    before it stays)."""
+    before it stays), unless another pause or a resume came since (the new session's own
+    start, an operator)."""
     session, gate = state.session, state.gate
-    serial, held = session.serial, gate.mode
+    serial, held, ours = session.serial, gate.mode, gate.pauses + 1
     try:
         await pause_generation(state, mode, ahead=True)
         if session.serial != serial:
@@ -289,10 +290,11 @@ async def _pause_first(state: ServerState, mode: str) -> None:
             )
         session.check_start()
     except BaseException:
-        if held is None:
-            gate.resume()
-        else:
-            gate.pause(held)
+        if gate.pauses == ours and gate.mode == mode:  # still this start's pause
+            if held is None:
+                gate.resume()
+            else:
+                gate.pause(held)
         raise
 
 
