@@ -427,7 +427,10 @@ def test_one_servers_gos_accept_the_round_and_its_first_write_goes_before_the_st
     assert [m["op"] for m in worker.seen] == ["path", "done", "done"]  # done after the start
 
 
-def test_the_start_is_released_before_the_first_chunk_is_read_or_begin_runs() -> None:
+def test_the_start_is_released_once_the_first_chunk_was_made_before_begin_runs() -> None:
+    """The first chunk's tensors are read from the source, then the start is released (its
+    staging and ``begin`` follow): a source that fails on its first tensors lets no start
+    out."""
     metas, table = _fused()
     _, _, worker, pipe = _setup(table, metas)
     worker.start()
@@ -449,7 +452,36 @@ def test_the_start_is_released_before_the_first_chunk_is_read_or_begin_runs() ->
     )
     assert pipe.send(out) == (112, 1)
     worker.join(10)
-    assert order[0] == "ready" and sorted(order[1:]) == ["begin", "chunk read"]
+    assert order[:2] == ["chunk read", "ready"] and order.count("begin") == 1
+    assert order.index("ready") < order.index("begin")
+
+
+def test_a_source_failing_on_its_first_tensors_releases_no_start() -> None:
+    """The main thread fails making its first chunk: no start was released and ``begin`` never
+    ran (no server opened a round; a worker written through from its start would refuse
+    generation until a whole round commits), and the next round goes through."""
+    metas, table = _fused()
+    _, _, worker, pipe = _setup(table, metas)
+    worker.start()
+    order: list[str] = []
+
+    def failing() -> Any:
+        raise RuntimeError("the source broke on its first tensor")
+        yield  # a generator
+
+    out = Outgoing(
+        failing(),
+        threading.Event(),
+        begin=lambda: order.append("begin"),
+        metas=metas,
+        ready=lambda: order.append("ready"),
+    )
+    with pytest.raises(RuntimeError, match="broke on its first tensor"):
+        pipe.send(out)
+    assert order == []
+    pipe.settle()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)
+    worker.join(10)
 
 
 def test_the_last_rounds_settle_waits_until_the_start_was_released() -> None:
@@ -753,3 +785,65 @@ def test_a_worker_whose_loader_refuses_says_so_once_and_takes_the_pull_path(
     assert msg == {"op": "land", "t": 0, "refused": "'lm_head' is quantized: not a plain copy"}
     assert calls == [1] and caplog.text.count("lm_head") == 1
     link.close()
+
+
+def test_one_server_of_two_workers_writes_at_the_go_only_once_both_went() -> None:
+    """The reference server with two replicas (one URL, two workers written through): the
+    gos accept the round only once every worker's came from inside its start; one worker's
+    go alone writes into neither (the other's start may still fail)."""
+    metas, table = _fused()
+    log: list = []
+    fake = PullCupy(log)
+    slots = IPCSlots(fake, 0, 100, 2)
+    slots.free_memory()
+    ends = [socket.socketpair() for _ in range(2)]
+    comm = IPCSenderComm(
+        fake,
+        slots,
+        [Channel(a, f"IPC worker rank {w + 1}") for w, (a, _) in enumerate(ends)],
+        [[11, 12], [13, 14]],
+        ["", ""],
+        False,
+        "write_through",
+    )
+    workers = [ThroughWorker(b, metas, table) for _, b in ends]
+    pipe = IPCWriteThroughPipeline(comm, FakePacker(), timeout=5.0)
+    for worker in workers:
+        worker.rounds = 2
+        worker.start()
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
+
+    def both() -> None:
+        for worker in workers:
+            worker.started.release()
+
+    out = Outgoing([(c, tensors[c.start : c.stop]) for c in chunks], threading.Event(), both, metas)
+    assert pipe.send(out) == (112, 1)  # the tables, accepted
+    for worker in workers:
+        worker.early = True  # the next round's gos come from inside their starts
+    log.clear()
+    order: list[str] = []
+
+    def begin() -> None:
+        workers[0].started.release()  # worker 0's start sent its go; worker 1's is still out
+        _until(lambda: any(e[0] == "copy" for e in log), 0.3)
+        early = any(e[0] == "copy" for e in log)
+        order.append("copies before worker 1's go" if early else "worker 1 goes")
+        workers[1].started.release()
+        _until(lambda: any(e[0] == "copy" for e in log), 10.0)  # written at both gos
+        order.append("begun")
+
+    out = Outgoing(
+        [(c, tensors[c.start : c.stop]) for c in chunks],
+        threading.Event(),
+        begin=begin,
+        metas=metas,
+        go_accepts=True,
+    )
+    assert pipe.send(out) == (112, 1)
+    for worker in workers:
+        worker.join(10)
+    assert order == ["worker 1 goes", "begun"]
+    assert out.wrote_early.is_set()  # both gos came from inside the start: accepted at them
+    assert [e[0] for e in log].count("copy") == 6  # three tensors into each worker

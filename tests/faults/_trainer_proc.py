@@ -4,6 +4,8 @@ Config: ``{"url", "model_dir", "kill_at", "stage_budget_bytes"?}``. It runs one 
 round (version ``t1``), prints ``{"committed": {name: sha256}}`` as one JSON line, then
 starts a second round and SIGKILLs itself just before yielding tensor ``kill_at``, once the server
 is inside ``update_weights``: earlier chunks are on the wire, as in a trainer crash.
+``kill_at`` ``"last_byte"``: it dies once its data path sent the second round's last byte,
+before its update answered (printing ``{"sent": {name: sha256}}`` first).
 """
 
 from __future__ import annotations
@@ -33,6 +35,19 @@ def main() -> int:
         probe.wait_session(lambda s: s["busy"] == "update_weights", timeout=10)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    if cfg["kill_at"] == "last_byte":
+        sender, sent = engine.session.sender, source.perturb(102)
+        send = sender.send
+
+        def then_die(outgoing: object) -> object:
+            done = send(outgoing)
+            print(json.dumps({"sent": sent}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return done
+
+        sender.send = then_die
+        engine.send_weights("t2")
+        return 1
     source.hook = hook_at(cfg["kill_at"], die)
     source.perturb(102)
     engine.send_weights("t2")

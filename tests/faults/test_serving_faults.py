@@ -181,3 +181,42 @@ def test_check_finite_refuses_a_round_with_nan(capped: Server, source: TensorSou
     fresh_round(capped.url, source, probe, 404, "finite-2")
     probe.close()
     observe(trainer=info.value, trainer_s=t[0])
+
+
+@pytest.mark.slow  # ~4 s: three rounds of the 64 MB model's delta extraction on the CPU
+def test_check_finite_refuses_a_delta_round_whose_patches_hold_nan(
+    capped: Server, source: TensorSource
+) -> None:
+    """A delta round's patches are applied at the commit, which rides on its update
+    (``UPDATE_FINISHES``): a NaN among their values fails that update naming the finish,
+    nothing is committed, the previous round is served."""
+    probe = Probe(capped.url)
+    engine = engine_for(capped.url, source, delta="auto")
+
+    def moved(step: int, nan: bool = False) -> dict[str, str]:
+        for i, (name, t) in enumerate(source.tensors.items()):
+            t = t.clone()
+            t.view(-1)[0] += 0.5 * step
+            if nan and i == 3:
+                t.view(-1)[1] = float("nan")
+            source.tensors[name] = t
+        return source.expected()
+
+    try:
+        moved(1)
+        engine.send_weights("dn-1")  # dense: the base
+        want = moved(2)
+        assert engine.send_weights("dn-2").nbytes < 1 << 12  # patches only
+        moved(3, nan=True)
+        with pytest.raises(WeightSyncError) as info:
+            engine.send_weights("dn-3")
+    finally:
+        quiet_shutdown(engine)
+    assert info.value.route == "finish_weight_update" and info.value.status == 400, info.value
+    assert "@values' hold NaN or infinite" in str(info.value), info.value
+    assert "nothing was committed" in str(info.value)
+    assert_weights(probe, want, "dn-2")
+    for name, t in source.tensors.items():  # the NaN out of the source
+        source.tensors[name] = torch.nan_to_num(t)
+    fresh_round(capped.url, source, probe, 405, "finite-3")
+    probe.close()

@@ -240,3 +240,88 @@ def test_a_finishs_flags_without_finish_and_bad_flags_are_refused_before_the_upd
         # a plain update takes no weight_version
         assert http.post("/update_weights", json=body).status_code == 422
         assert "update" not in receiver.ops
+
+
+def _until(cond: Any, bound_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + bound_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("second_starts", [False, True], ids=["after", "meanwhile"])
+def test_a_start_whose_pause_waited_while_a_newer_init_replaced_its_session_opens_nothing(
+    second_starts: bool,
+) -> None:
+    """``start?pause=wait`` waits for the running requests; a second trainer's init lands
+    meanwhile (no round is open yet). The first start must not then open a round in the new
+    session (whose own start would be refused 409 until the round lease): refused naming the
+    replacement, no worker started by it, the pause it took undone; the new trainer's start
+    goes, after it or meanwhile (then its own pause stays: its round is in place)."""
+    import threading
+
+    from weightwire.shared.routes import SESSION_HEADER
+
+    receiver = Instant()
+    state, http = _serve(receiver)
+    with http:
+        first = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
+        http.portal.call(state.gate.enter)  # a request running: the wait-mode pause drains it
+        answer: list[Any] = []
+        starting = threading.Thread(
+            target=lambda: answer.append(
+                http.post(
+                    "/start_weight_update",
+                    params={"pause": "wait"},
+                    headers={SESSION_HEADER: first["session_id"]},
+                )
+            )
+        )
+        starting.start()
+        _until(lambda: state.gate.mode == "wait")  # the start is draining
+        second = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
+        assert second["session_id"] != first["session_id"]
+        own = {SESSION_HEADER: second["session_id"]}
+        if second_starts:
+            r = http.post("/start_weight_update", params={"pause": "abort"}, headers=own)
+            assert r.status_code == 200 and receiver.ops.count("start") == 1, r.text
+        http.portal.call(state.gate.leave)  # the running request ends: the drain returns
+        starting.join(10)
+        (refused,) = answer
+        assert refused.status_code == 409, refused.text
+        assert "replaced this trainer's session while its start waited" in refused.text
+        if second_starts:  # the new session's round and pause stand
+            assert state.session.phase.name == "ROUND" and state.gate.mode == "abort"
+            assert receiver.ops.count("start") == 1
+            return
+        assert state.session.phase.name != "ROUND" and not state.gate.paused
+        assert "start" not in receiver.ops  # no worker started
+        r = http.post("/start_weight_update", headers=own)
+        assert r.status_code == 200, r.text
+
+
+def test_a_start_whose_wait_pause_timed_out_started_nothing_and_undid_its_pause() -> None:
+    """``start?pause=wait`` whose running requests outlast the generate timeout: 504 before
+    any worker started, so the pause it took is undone (the trainer's round failed before
+    its start opened anything); a pause held before it stays."""
+    from weightwire.tools.server.app import ServerOptions
+
+    receiver = Instant()
+    state = ServerState(
+        pool=InProcessPool(receiver),  # type: ignore[arg-type]
+        options=ServerOptions(backend=TCP.name, generate_timeout_s=0.05),
+    )
+    with TestClient(create_app(state)) as http:
+        client = client_for(http)
+        client.init_weight_transfer_engine(INIT)
+        http.portal.call(state.gate.enter)  # a request that outlasts the timeout
+        for held in (None, "abort"):
+            if held is not None:
+                http.post("/pause", params={"mode": held})
+            with pytest.raises(WeightSyncError) as refused:
+                client.pause_and_start("wait")
+            assert refused.value.status == 504 and "still running" in refused.value.message
+            assert state.gate.mode == held and state.session.phase.name != "ROUND"
+            assert "start" not in receiver.ops

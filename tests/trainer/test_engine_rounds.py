@@ -142,6 +142,29 @@ def test_round_order_versions_and_pause() -> None:
         engine.send_weights(weight_version="")
 
 
+def test_a_weight_version_over_the_limit_fails_every_rank_before_any_cross_rank_wait() -> None:
+    """Several trainer ranks: each one checks the version it was given before the round's
+    first exchange, so a bad one fails every rank at once (rank 0 alone raising would leave
+    the others waiting for its verdict until their timeout)."""
+    import types
+
+    from weightwire.shared.errors import ConfigError
+    from weightwire.shared.limits import LIMITS
+    from weightwire.trainer.multi_source import MultiSource
+    from weightwire.trainer.session import Session
+
+    steps: list[str] = []
+    session = types.SimpleNamespace(rounds=0)
+    session.next_version = lambda v: Session.next_version(session, v)  # type: ignore[arg-type]
+    rank = types.SimpleNamespace(
+        session=session, exchange=types.SimpleNamespace(step=lambda: steps.append("step"))
+    )
+    too_long = "v" * (LIMITS.max_weight_version_chars + 1)
+    with pytest.raises(ConfigError, match="over the 1024 a server takes"):
+        MultiSource.send(rank, too_long, False)  # type: ignore[arg-type]
+    assert steps == []
+
+
 def test_failed_round_still_resumes_and_breaks_the_engine() -> None:
     server = FakeServer()
     server.fail["update_weights"] = (500, "worker 0: CUDA error: out of memory")

@@ -80,6 +80,36 @@ def test_a_start_failing_before_any_write_keeps_the_engine() -> None:
     assert step.broken is None and comm.aborted == 0 and pipe.settled == 1
 
 
+@pytest.mark.parametrize("finishes", [False, True], ids=["update", "update_and_finish"])
+def test_an_update_that_carries_the_finish_names_the_commit_when_it_does_not_answer(
+    finishes: bool,
+) -> None:
+    """The wait after the last broadcast is the update's, and with the finish riding on it
+    (``UPDATE_FINISHES``) the servers' commit's too (a generation holding the model lock):
+    its timeout says so."""
+    import threading
+
+    from weightwire.shared.errors import ControlTimeout
+
+    answer = threading.Event()
+    step = Transfer(
+        Comm(),
+        Pipeline(early=False),  # type: ignore[arg-type]
+        post_update=lambda: answer.wait(5.0),
+        control=lambda: None,
+        clock=PhaseClock(),
+        http_s=0.05,
+        finishes=finishes,
+    )
+    try:
+        with pytest.raises(ControlTimeout) as got:
+            step.run([], [])
+    finally:
+        answer.set()
+    assert got.value.route == "update_weights" and step.broken is got.value
+    assert ("it carries the round's finish" in got.value.message) is finishes
+
+
 def _client(urls: Any) -> Any:
     return types.SimpleNamespace(base_urls=urls)
 

@@ -736,3 +736,59 @@ def test_an_optimizer_step_during_an_overlapped_sliced_round_does_not_leak_in(
         assert all(torch.equal(weights[n].detach(), torch.from_numpy(a)) for n, a in moved.items())
         engine.send_weights(wait=False).result(timeout=60)
         assert_loaded(client, moved)
+
+
+class FinishingTP(TPClient):
+    """``TPClient`` as one server whose update also commits (``routes.UPDATE_FINISHES``, the
+    reference server's offer): ``update_and_finish`` is the update, then (once it held) the
+    finish, in one call."""
+
+    base_url = "http://tp:1"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_update: list[tuple[str | None, bool, bool]] = []
+
+    def updates_with_finish(self) -> bool:
+        return True
+
+    def update_and_finish(
+        self, update_info: Any, weight_version: str | None, *, reset_caches: bool, resume: bool
+    ) -> list[dict[str, Any]]:
+        self.in_update.append((weight_version, reset_caches, resume))
+        self.update_weights(update_info)
+        self.finish_weight_update(weight_version)
+        return [{"caches_reset": reset_caches, **({"resumed": True} if resume else {})}]
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["staged", "in_place"])
+def test_sliced_rounds_commit_in_their_update_and_a_failed_one_commits_nothing(
+    budget: int,
+) -> None:
+    """One server whose update commits: each sliced round (TP 2) is one update that finishes
+    (the finish in the same call), lands whole on both workers; a round whose link is cut
+    mid-transfer fails on its update, so its finish never runs (staged: both keep the
+    previous round); after a re-init the next round lands whole."""
+    client = FinishingTP(TP2)
+    tensors: dict[str, Any] = {}
+    engine = torch_engine(client, tensors, stage_budget_bytes=budget, pause_mode="auto")
+    try:
+        lands_sliced(engine, client, tensors, 1)
+        full = lands_sliced(engine, client, tensors, 2)
+        assert [v for v, _, _ in client.in_update] == ["1", "2"]
+        finishes = []
+        client.before_finish = lambda: finishes.append(True)
+        before = params(client)
+        cut_link_at(engine, worker=1, read=10)
+        load(tensors, 3)
+        with pytest.raises(WeightwireError, match="lost|closed|aborted"):
+            engine.send_weights()
+        assert finishes == [] and len(client.in_update) == 3  # the update failed: no commit
+        if budget:  # in place, a worker that took a piece before the cut holds part of it
+            assert_kept(client, before)
+            assert_loaded(client, full)
+        client.before_finish = None
+        engine = lands_after_reinit(engine, client, tensors)
+    finally:
+        engine.shutdown()
+        client.close()

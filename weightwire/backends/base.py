@@ -66,7 +66,8 @@ class Outgoing:
     into the serving parameters before ``begin`` returned; it sets ``wrote_early`` first."""
     ready: Callable[[], None] | None = None
     """Called by a data path that runs ``begin`` from its start (``weightwire_ipc``) once it
-    cleared what an earlier round left on its channels, before its first chunk's work: a
+    cleared what an earlier round left on its channels and made its first chunk (read from
+    the source: one that fails there lets no start out), before that chunk's staging: a
     start sent ahead of ``begin`` (``trainer.early``) goes out then, not when ``begin`` runs
     on its helper thread."""
     wrote_early: threading.Event = field(default_factory=threading.Event)

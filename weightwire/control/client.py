@@ -215,14 +215,9 @@ class HTTPWeightSyncClient(ServingRoutes):
             raise RuntimeError("not every server advertised finish_resets_resumes at init")
         params = {"reset_caches": "true", "resume": "true" if resume else "false"}
         replies = self._all(routes.FINISH, {"weight_version": weight_version}, params=params)
-        for i, reply in enumerate(replies if resume else ()):
-            if not (isinstance(reply, dict) and reply.get("resumed") is True):
-                raise WeightSyncError(
-                    routes.RESUME.name,
-                    None,
-                    str(reply.get("resume_error") or f"the finish did not resume: {reply!r:.200}"),
-                    self.base_urls[i],
-                )
+        refused = refused_resume(replies, self.base_urls, "finish") if resume else None
+        if refused is not None:
+            raise refused
         return [isinstance(r, dict) and r.get("caches_reset") is True for r in replies]
 
     def updates_with_finish(self) -> bool:
@@ -372,6 +367,24 @@ class HTTPWeightSyncClient(ServingRoutes):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def refused_resume(
+    replies: Sequence[Any], servers: Sequence[str], carrier: str
+) -> WeightSyncError | None:
+    """The first server whose reply to a request that committed and was asked to resume
+    (``carrier``: the finish, or the update that finished) says it did not (asleep: its
+    ``resume_error``), as a failed ``/resume``; None when every one resumed."""
+    for server, reply in zip(servers, replies, strict=False):
+        if not (isinstance(reply, dict) and reply.get("resumed") is True):
+            why = reply.get("resume_error") if isinstance(reply, dict) else None
+            return WeightSyncError(
+                routes.RESUME.name,
+                None,
+                str(why or f"the {carrier} did not resume: {reply!r:.200}"),
+                server,
+            )
+    return None
 
 
 def _features(reply: Any) -> frozenset[str]:

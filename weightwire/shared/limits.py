@@ -20,6 +20,10 @@ class Limits:
     max_buffer_size_bytes: int = 1 << 36  # 64 GiB packing buffer
     max_num_buffers: int = 16
     max_world_size: int = 65_536
+    max_weight_version_chars: int = 1024
+    """A round's ``weight_version``: the reference server refuses a longer one, so the trainer
+    refuses it before the round's first call (a version refused by the update that carries
+    the finish would fail a round already on the wire)."""
 
 
 LIMITS = Limits()

@@ -43,6 +43,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+from weightwire.control.client import refused_resume
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient, named_servers
 from weightwire.shared.errors import ControlTimeout, WeightSyncError, WeightwireError
@@ -208,10 +209,9 @@ class FinishInUpdate:
         whether the server resumed itself."""
         record()
         servers = named_servers(self._client) or ["the server"]
-        for server, reply in zip(servers, self._replies, strict=False):
-            if self._resume and reply.get("resumed") is not True:
-                why = reply.get("resume_error") or f"the update did not resume: {reply!r:.200}"
-                raise WeightSyncError("resume", None, str(why), server)
+        refused = refused_resume(self._replies, servers, "update") if self._resume else None
+        if refused is not None:
+            raise refused
         if self._reset:
             _check_reset(self._version, [r.get("caches_reset") is True for r in self._replies])
         return self._resume

@@ -223,6 +223,8 @@ class MultiSource:
 
     def send(self, version: str | None, draft: bool) -> RoundMetrics:
         s = self.session
+        if version is not None:  # a bad one fails every rank here, before any cross-rank wait
+            s.next_version(version)
         self.exchange.step()
         if self.slicing is not None:
             self.slicing.new_round()

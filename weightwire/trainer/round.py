@@ -809,6 +809,7 @@ def send_update(
         http_s=s.info.timeouts.http_s,
         go_accepts=t.go_accepts,
         ready=control.release,
+        finishes=t.post_update is not None,
     )
     try:
         return step.run(announced(chunks, control.ready), metas)

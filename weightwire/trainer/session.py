@@ -29,7 +29,8 @@ from weightwire.backends.base import (
 from weightwire.control.fallback import FallbackClient
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient
-from weightwire.shared.errors import WeightSyncError
+from weightwire.shared.errors import ConfigError, WeightSyncError
+from weightwire.shared.limits import LIMITS, bounded_repr
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.served import ServedModel, from_checkpoint
 from weightwire.shared.slices import Box
@@ -133,7 +134,17 @@ class Session:
     def next_version(self, weight_version: str | None) -> str:
         version = str(self.rounds + 1) if weight_version is None else weight_version
         if not isinstance(version, str) or not version:
-            raise ValueError(f"weight_version must be a non-empty str, got {weight_version!r}")
+            raise ConfigError(
+                f"weight_version must be a non-empty str, got {bounded_repr(weight_version)}"
+            )
+        most = LIMITS.max_weight_version_chars
+        if len(version) > most:
+            # Refused here, before the round's first call: the server would refuse it only
+            # at the commit (with UPDATE_FINISHES: the update POST, the bytes on the wire).
+            raise ConfigError(
+                f"weight_version is {len(version)} characters, over the {most} a server takes "
+                f"({bounded_repr(version)}); pass a shorter weight_version"
+            )
         return version
 
     def stream(

@@ -166,8 +166,13 @@ class Transfer:
         http_s: float,
         go_accepts: bool = False,
         ready: Callable[[], None] | None = None,
+        finishes: bool = False,
     ) -> None:
+        """``finishes``: the update POST carries the round's finish (``freshness.FinishInUpdate``),
+        so its wait after the last broadcast includes the servers' commit (named so when it
+        times out)."""
         self._comm = comm
+        self._finishes = finishes
         self._go_accepts = go_accepts
         self._ready = ready
         self._pipeline = pipeline
@@ -198,7 +203,11 @@ class Transfer:
         try:
             sent = pipeline.send(out)
             assert self._update is not None
-            await_call(self._update, self._http_s, "update_weights (after the last broadcast)")
+            what = "update_weights (after the last broadcast)"
+            if self._finishes:  # a commit held up (the model lock) is what a user should look at
+                what = "update_weights (after the last broadcast; it carries the round's finish: "
+                what += "the servers' commit runs in it)"
+            await_call(self._update, self._http_s, what)
             return sent
         except BaseException as exc:
             stop.set()

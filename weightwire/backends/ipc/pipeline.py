@@ -18,6 +18,7 @@ transfer timeout, and once per round for the fill stream.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from abc import abstractmethod
@@ -83,6 +84,12 @@ class IPCDataPath(RoundSender):
         Joined on every exit path."""
         self._prepare(out.metas)
         trace("round")
+        # The first chunk is made (its tensors read from the source) before the start may go:
+        # a source that fails on its first tensors lets no start out, so no server opens a
+        # round that gets no byte (a worker written through from its start would refuse
+        # generation until a whole round commits). Its staging comes after the release.
+        chunks = iter(out.prepared)
+        first = list(itertools.islice(chunks, 1))
         if out.ready is not None:  # the start goes now, before the first chunk's work
             out.ready()
             trace("start released")
@@ -94,7 +101,7 @@ class IPCDataPath(RoundSender):
             wrote_early=out.wrote_early,
         )
         try:
-            return self._pump(out.prepared, out.stop, starter)
+            return self._pump(itertools.chain(first, chunks), out.stop, starter)
         finally:
             starter.join()
             trace("end")

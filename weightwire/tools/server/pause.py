@@ -25,6 +25,8 @@ class PauseGate:
         self.sleep_mode: str | None = None
         """The pause mode ``/sleep`` holds generation in while the server sleeps, or None."""
         self.inflight = 0
+        self.pauses = 0
+        """How many times ``pause`` was called: whether anyone paused since a given moment."""
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._idle = asyncio.Event()
@@ -69,6 +71,7 @@ class PauseGate:
 
     def pause(self, mode: str) -> None:
         self.mode = _checked(mode)
+        self.pauses += 1
         self._resumed.clear()
 
     def resume(self) -> None:

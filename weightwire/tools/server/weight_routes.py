@@ -161,7 +161,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             )
         if mode is not None:  # only once the start's own checks passed: a refusal pauses nothing
             with clock.part("pause"):
-                await pause_generation(state, mode, ahead=True)
+                await _pause_first(state, mode)
         async with session.operation("start_weight_update"):
             with clock.part("worker"):
                 await fan_out_or_fail(
@@ -267,6 +267,35 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         reply = {"message": "Weight update finished", "weight_version": session.weight_version}
         done = after_commit(state, then)
         return JSONResponse({**reply, **done}, headers=clock.headers())
+
+
+async def _pause_first(state: ServerState, mode: str) -> None:
+    """A start's own pause (``START_PAUSES``), before any of its workers starts. It may wait
+    (``wait``: the running requests drain), and a newer init may replace the session
+    meanwhile: the start is checked again once the pause returned, so a replaced session's
+    start opens no round in the new one (whose trainer's own start would then be refused).
+    A start that fails here started no worker: the pause it took is undone (a pause held
+    before it stays), unless another pause or a resume came since (the new session's own
+    start, an operator)."""
+    session, gate = state.session, state.gate
+    serial, held, ours = session.serial, gate.mode, gate.pauses + 1
+    try:
+        await pause_generation(state, mode, ahead=True)
+        if session.serial != serial:
+            raise SessionError(
+                409,
+                "start_weight_update refused: a newer /init_weight_transfer_engine replaced "
+                f"this trainer's session while its start waited for the pause (mode={mode}); "
+                "no round was opened. Re-initialize (trainer_init) to take over again",
+            )
+        session.check_start()
+    except BaseException:
+        if gate.pauses == ours and gate.mode == mode:  # still this start's pause
+            if held is None:
+                gate.resume()
+            else:
+                gate.pause(held)
+        raise
 
 
 async def _commit(state: ServerState, version: str | None) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 
 from weightwire import backends
+from weightwire.shared.limits import LIMITS
 from weightwire.shared.routes import ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
@@ -20,8 +21,6 @@ from weightwire.tools.server.replicas import FanOutError, ReplicaPool
 from weightwire.tools.server.session import Phase, SessionError
 from weightwire.tools.server.state import ServerState
 from weightwire.tools.server.web import ApiError
-
-_MAX_VERSION_CHARS = 1024
 
 
 def route_path(name: str) -> str:
@@ -217,11 +216,11 @@ def version_field(body: dict[str, Any], key: str, *, optional: bool) -> str | No
     value = body.get(key)
     if value is None and optional:
         return None
-    if not isinstance(value, str) or not value or len(value) > _MAX_VERSION_CHARS:
+    most = LIMITS.max_weight_version_chars
+    if not isinstance(value, str) or not value or len(value) > most:
         raise ApiError(
             422,
-            f"{key} must be a non-empty string of at most {_MAX_VERSION_CHARS} characters, "
-            f"got {value!r:.60}",
+            f"{key} must be a non-empty string of at most {most} characters, got {value!r:.60}",
             param=key,
         )
     return value
