@@ -23,7 +23,8 @@ torch peak since the round's start, the IPC receive pool), ``digests`` (per Hugg
 tensor, read back out of the fused parameters), ``incomplete``, ``floor`` (the physical floor of
 a round: one device copy of every Hugging Face tensor into its place in the fused parameters),
 ``seconds`` (the last round's start / update / finish calls as this worker timed them; the
-finish after its device sync). ``WEIGHTWIRE_STUB_PROFILE=PATH`` profiles those calls;
+finish after its device sync), ``gc`` (``gc_probe``: this process's garbage collector, for the
+steady-round checks). ``WEIGHTWIRE_STUB_PROFILE=PATH`` profiles those calls;
 ``WEIGHTWIRE_STUB_PROBE=1`` times the round's steps too (``probe_steps``).
 """
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import os
 import sys
 import threading
@@ -377,6 +379,8 @@ def serve(
                 return dict(memory)
             elif op == "seconds":
                 return dict(seconds)
+            elif op == "gc":
+                return gc_probe(body)
             elif op == "digests":
                 return model_digests(model, kind)
             elif op == "floor":
@@ -392,6 +396,16 @@ def serve(
 
 
 _TIMED = ("start_weight_update", "update_weights", "finish_weight_update")
+
+
+def gc_probe(body: dict[str, Any]) -> dict[str, int]:
+    """The ``gc`` op: ``{"enabled": bool}`` switches the collector (a test disables it so
+    that what cycles a round left are counted, not collected behind its back), then a full
+    collection: what only cycles kept (``unreachable``) and the tracked objects left."""
+    if "enabled" in body:
+        (gc.enable if body["enabled"] else gc.disable)()
+    unreachable = gc.collect()
+    return {"unreachable": unreachable, "objects": len(gc.get_objects())}
 
 
 @contextlib.contextmanager
