@@ -133,3 +133,39 @@ def test_steady_rounds_leave_no_cycles_and_no_survivors(kind: str, worker: Loopb
                 assert growth <= DRIFT, f"{side}: the tracked objects grew by {growth}, {what}"
     finally:
         trainer.shutdown()
+
+
+def test_a_broadcast_sessions_delta_rounds_add_nothing_to_the_wants_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each delta round asks ``Slicing.slices`` of a new list (its changed tensors, varying
+    round to round): once every worker wants the model's tensors whole, the answer comes
+    without parsing the hellos again nor caching their wants per round (a long-lived cache
+    that grew each round fed full collections); a tensor some worker slices still slices."""
+    import json
+
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.shared.slices import Box, Wants
+    from weightwire.trainer import sliced
+
+    model = [ParamMeta(f"w{i}", "bfloat16", (4, 2)) for i in range(6)]
+    shapes = {m.name: m.shape for m in model}
+    whole = json.dumps(Wants.whole(shapes, "TP=1").to_json()).encode()
+    parsed: list[int] = []
+    parse = sliced.parse_wants
+    monkeypatch.setattr(
+        sliced,
+        "parse_wants",
+        lambda *a: parsed.append(1) or parse(*a),  # type: ignore[func-returns-value]
+    )
+    slicing = sliced.Slicing([whole, whole], sender=None)  # type: ignore[arg-type]
+    assert slicing.slices(model) is False
+    first = len(parsed)
+    for k in range(1, 6):  # a round's changed tensors, a new list (and set) each round
+        assert slicing.slices([ParamMeta(m.name, m.dtype, m.shape) for m in model[:k]]) is False
+    assert len(parsed) == first and len(slicing._wants) == 1
+
+    halves = Wants({**Wants.whole(shapes, "-").regions, "w5": (Box.of((0, 2), (0, 2)),)})
+    slicing = sliced.Slicing([whole, json.dumps(halves.to_json()).encode()], sender=None)  # type: ignore[arg-type]
+    assert slicing.slices(model[:5]) is False  # every worker wants these whole
+    assert slicing.slices(model[3:]) is True  # w5: worker 1 wants half of it

@@ -533,15 +533,14 @@ class SoleRounds:
             source = rewrapped(source, s.framework.sliced_source)
         wire: Wire = SoleWire(s, sole, source, remap)
         slicing = s.slicing
-        # read back for the workers' wants only (a session without them: not parsed again)
-        patches = patch_entries(fields) if slicing is not None else []
         # Every worker wants every tensor whole (TP=1): the broadcast, nothing else asked.
         if (
             slicing is not None
-            and slicing.slices(logical_metas(sole.wire.metas, patches))
+            and slices_round(slicing, sole.wire.metas, fields)
             and sliced_round(s, slicing, draft=draft, fields=fields)
         ):
             with clock("metadata"):  # the plan (built once), and a refusal: before any call
+                patches = patch_entries(fields)
                 if patches:  # each worker its share of the patches (the shares: before any call)
                     sliced = SlicedWire.of_delta(s, slicing, sole, source, patches)
                     assert sliced.shares is not None
@@ -760,6 +759,16 @@ def logical_metas(metas: list[ParamMeta], patches: list[Patch]) -> list[ParamMet
     wire = {n for p in patches for n in (p.index_name, p.values_name)}
     dense = [m for m in metas if m.name not in wire]
     return dense + [ParamMeta(p.name, p.dtype, p.shape) for p in patches]
+
+
+def slices_round(
+    slicing: Slicing, wire_metas: list[ParamMeta], fields: Mapping[str, Any] | None
+) -> bool:
+    """``slicing.slices`` of a round's tensors as the workers' wants name them (a delta
+    round's patched tensors whole, read back from its update-info ``fields``). What it reads
+    back dies on return, not held through the round's transfer (#49: fewer objects alive
+    in a round, fewer promoted by the collections it meets)."""
+    return slicing.slices(logical_metas(wire_metas, patch_entries(fields)))
 
 
 def patch_entries(fields: Mapping[str, Any] | None) -> list[Patch]:
