@@ -203,7 +203,9 @@ def lead_round(
     calls = http_calls(s.client)  # the round's share: RoundMetrics.http_calls
     # Fails: nothing was sent (the update infos are built here).
     payloads, reused = prepare(s, r, clock)
-    pause = r.pause if r.pause is not None else s.round_pause(r.metas)
+    pause = r.pause
+    if pause is None:
+        pause = s.round_pause(r.metas, keep=not r.fields.get("patches"))
     servers = _Servers()
     # Its failure surfaces from open_round, which awaits it.
     early = send_early(s, r, pause)
@@ -374,7 +376,11 @@ def commit(
 
 def _record(s: Session, r: Round) -> None:
     for turn in r.plan.turns:
-        s.sent[SentKey(r.draft, turn.src)] = turn.metas
+        key = SentKey(r.draft, turn.src)
+        if r.fields.get("patches"):  # never reused (its patches are described in full), so
+            s.sent.pop(key, None)  # not kept: a delta round's metadata is never a later one's
+        else:
+            s.sent[key] = turn.metas
     s.rounds += 1
 
 
@@ -527,7 +533,12 @@ class SoleRounds:
         ``Round``'s."""
         s = self._s
         with clock("metadata"):
-            self._planned = sole = sole_plan(s, metas, self._planned)  # a refusal: before any call
+            sole = sole_plan(s, metas, self._planned)  # a refusal: before any call
+        if not (fields and fields.get("patches")):
+            # A delta round's plan is not kept: its metadata (patch sizes) is never a later
+            # round's, and a plan swapped in every round is long-lived garbage that feeds
+            # the process's full collections (#49); the dense rounds' plan stays.
+            self._planned = sole
         source = s.source if source is None else source
         if s.backend.caps.local_shards:  # each trainer rank sends its shard: left where held
             source = rewrapped(source, s.framework.sliced_source)
