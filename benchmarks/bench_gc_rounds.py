@@ -7,13 +7,18 @@ A trainer (``delta="auto"``) and vLLM's plugin engine class (``tests/torch_side/
 fake vLLM, a ``FakeLlama`` of ``--shape``, default ``tiny32``: Llama-3-8B's 291 tensors at
 tiny sizes) run in ONE process over ``weightwire_tcp`` on loopback, so both sides' objects
 are counted (the worker's calls come through the loopback shim's socket threads, as its
-RPCs would). Per kind (dense rounds, then delta rounds alternating two weight sets one
-Adam-like step apart), after ``--warmup`` rounds:
+RPCs would). Per kind (dense rounds, then delta rounds through weight sets one
+Adam-like step apart: ``--sets`` of them, each one step on from the last, so every
+round's changed elements and patch sizes differ, as a training run's do), after
+``--warmup`` rounds:
 
 - cycles: with the collector disabled, ``gc.collect()`` after each round returns the
   objects that only reference cycles kept (what a full collection would have to find);
-- survivors: the GC-tracked objects (``len(gc.get_objects())``) after the round and that
-  collection, less before it: what the round added to the long-lived heap;
+- survivors: the GC-tracked objects the round made that are still alive after it (the heap
+  frozen before the round, ``gc.freeze``, so only the round's own are counted): what a round
+  adds to the long-lived heap, or swaps into it (a cache entry replacing last round's), which
+  the collections it meets promote towards the full one;
+- growth: the tracked objects after the round less before it;
 - collections per 100 rounds, per generation, with the collector enabled as a user's
   process runs it (``gc.get_stats()``); generation 2 is the ~100 ms pause of issue #49.
 
@@ -69,15 +74,16 @@ def start_worker(shape: str) -> tuple[Any, Any]:
     return client, thread
 
 
-def weight_sets(shape: str, engine: str) -> list[dict[str, Any]]:
+def weight_sets(shape: str, engine: str, count: int) -> list[dict[str, Any]]:
     from benchmarks.delta_frameworks import Torch
     from tests.torch_side.vllm_stub import hf_shapes
 
     fw = Torch("static")
-    w0 = fw.weights(hf_shapes(shape))
-    w1 = fw.step(w0, 1e-6)
+    sets = [fw.weights(hf_shapes(shape))]
+    while len(sets) < count:
+        sets.append(fw.step(sets[-1], 1e-6))
     if engine != "jax":
-        return [w0, w1]
+        return sets
     import jax.numpy as jnp
     import ml_dtypes
     import torch
@@ -86,7 +92,7 @@ def weight_sets(shape: str, engine: str) -> list[dict[str, Any]]:
         bf16 = ml_dtypes.bfloat16
         return {n: jnp.asarray(t.view(torch.int16).numpy().view(bf16)) for n, t in w.items()}
 
-    return [to_jax(w0), to_jax(w1)]
+    return [to_jax(w) for w in sets]
 
 
 def trainer(engine: str, client: Any, params: dict[str, Any]) -> Any:
@@ -119,7 +125,7 @@ def measure(
     label: str, send: Any, sets: list[dict[str, Any]], params: dict[str, Any], args: Any
 ) -> dict[str, float]:
     """Cycles and survivors per round (collector off), then collections per 100 rounds."""
-    cycle = [0] if label == "dense" else [1, 0]
+    cycle = [0] if label == "dense" else [*range(1, len(sets)), 0]
 
     def one(i: int) -> None:
         params.update(sets[cycle[i % len(cycle)]])
@@ -130,10 +136,11 @@ def measure(
     gc.disable()
     try:
         gc.collect()
-        cycles, survivors = [], []
+        cycles, survivors, growth = [], [], []
         shown: list[str] = []
         for i in range(args.rounds):
             before = len(gc.get_objects())
+            gc.freeze()
             one(i)
             if args.show and i == args.rounds - 1:
                 gc.set_debug(gc.DEBUG_SAVEALL)
@@ -143,8 +150,13 @@ def measure(
                 gc.set_debug(0)
                 gc.garbage.clear()
                 gc.collect()
-            survivors.append(len(gc.get_objects()) - before)
+            survivors.append(len(gc.get_objects()))
+            if args.show and i == args.rounds - 1:
+                shown += ["    survivors:", *garbage_report(gc.get_objects(), args.show)]
+            gc.unfreeze()
+            growth.append(len(gc.get_objects()) - before)
     finally:
+        gc.unfreeze()
         gc.set_debug(0)
         gc.enable()
     gc.collect()
@@ -157,6 +169,7 @@ def measure(
         "cycles": sum(cycles) / len(cycles),
         "cycles_max": max(cycles),
         "survivors": sum(survivors) / len(survivors),
+        "growth": sum(growth) / len(growth),
         "gen0": per100[0],
         "gen1": per100[1],
         "gen2": per100[2],
@@ -164,6 +177,7 @@ def measure(
     print(
         f"  {label}: cycles/round {out['cycles']:.1f} (max {out['cycles_max']}), "
         f"survivors/round {out['survivors']:.1f} (first {survivors[:3]}), "
+        f"growth/round {out['growth']:.1f}, "
         "collections per 100 rounds "
         f"gen0 {per100[0]:.0f} gen1 {per100[1]:.0f} gen2 {per100[2]:.0f}",
         flush=True,
@@ -180,10 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--show", type=int, default=0, help="the N commonest garbage types")
+    parser.add_argument("--sets", type=int, default=6, help="weight sets the delta rounds visit")
     args = parser.parse_args(argv)
     client, _ = start_worker(args.shape)
     for engine in ("torch", "jax") if args.engine == "both" else (args.engine,):
-        sets = weight_sets(args.shape, engine)
+        sets = weight_sets(args.shape, engine, args.sets)
         params = dict(sets[0])
         t = trainer(engine, client, params)
         print(f"{engine} trainer, {TCP}, {args.shape} ({len(params)} tensors):", flush=True)

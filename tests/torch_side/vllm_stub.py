@@ -31,6 +31,7 @@ steady-round checks). ``WEIGHTWIRE_STUB_PROFILE=PATH`` profiles those calls;
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import gc
@@ -398,14 +399,23 @@ def serve(
 _TIMED = ("start_weight_update", "update_weights", "finish_weight_update")
 
 
-def gc_probe(body: dict[str, Any]) -> dict[str, int]:
+def gc_probe(body: dict[str, Any]) -> dict[str, Any]:
     """The ``gc`` op: ``{"enabled": bool}`` switches the collector (a test disables it so
     that what cycles a round left are counted, not collected behind its back), then a full
-    collection: what only cycles kept (``unreachable``) and the tracked objects left."""
+    collection: what only cycles kept (``unreachable``) and the tracked objects left outside
+    the frozen heap (``objects``); then ``{"freeze": bool}`` freezes what is left (the next
+    probe's ``objects`` are what was made since and survived; ``kinds``: their commonest
+    types) or thaws it."""
     if "enabled" in body:
         (gc.enable if body["enabled"] else gc.disable)()
     unreachable = gc.collect()
-    return {"unreachable": unreachable, "objects": len(gc.get_objects())}
+    objects = gc.get_objects()
+    kinds = collections.Counter(type(o).__qualname__ for o in objects)
+    out = {"unreachable": unreachable, "objects": len(objects), "kinds": dict(kinds.most_common(8))}
+    del objects
+    if "freeze" in body:
+        (gc.freeze if body["freeze"] else gc.unfreeze)()
+    return out
 
 
 @contextlib.contextmanager
