@@ -48,7 +48,7 @@ def survivors_bound(side: str, round_kind: str, engine: str) -> int:
     arrays are immutable: each round's base is a new one), plus in a dense round on the
     worker the stub's fake vLLM's layerwise-reload records (one list per layer module,
     made afresh each round, as vLLM's own are: not weightwire's). Before #49's fixes a
-    delta round of this 30-tensor model left 300 to 400 on each side (its plans, its
+    delta round of this 30-tensor model left ~350 over the two sides (its plans, its
     metadata, its patches: swapped into caches, last round's let go)."""
     bound = 8
     if side == "worker":  # the probe's own call: its context managers, generators, methods
