@@ -23,15 +23,18 @@ torch peak since the round's start, the IPC receive pool), ``digests`` (per Hugg
 tensor, read back out of the fused parameters), ``incomplete``, ``floor`` (the physical floor of
 a round: one device copy of every Hugging Face tensor into its place in the fused parameters),
 ``seconds`` (the last round's start / update / finish calls as this worker timed them; the
-finish after its device sync). ``WEIGHTWIRE_STUB_PROFILE=PATH`` profiles those calls;
+finish after its device sync), ``gc`` (``gc_probe``: this process's garbage collector, for the
+steady-round checks). ``WEIGHTWIRE_STUB_PROFILE=PATH`` profiles those calls;
 ``WEIGHTWIRE_STUB_PROBE=1`` times the round's steps too (``probe_steps``).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
+import gc
 import os
 import sys
 import threading
@@ -377,6 +380,8 @@ def serve(
                 return dict(memory)
             elif op == "seconds":
                 return dict(seconds)
+            elif op == "gc":
+                return gc_probe(body)
             elif op == "digests":
                 return model_digests(model, kind)
             elif op == "floor":
@@ -392,6 +397,25 @@ def serve(
 
 
 _TIMED = ("start_weight_update", "update_weights", "finish_weight_update")
+
+
+def gc_probe(body: dict[str, Any]) -> dict[str, Any]:
+    """The ``gc`` op: ``{"enabled": bool}`` switches the collector (a test disables it so
+    that what cycles a round left are counted, not collected behind its back), then a full
+    collection: what only cycles kept (``unreachable``) and the tracked objects left outside
+    the frozen heap (``objects``); then ``{"freeze": bool}`` freezes what is left (the next
+    probe's ``objects`` are what was made since and survived; ``kinds``: their commonest
+    types) or thaws it."""
+    if "enabled" in body:
+        (gc.enable if body["enabled"] else gc.disable)()
+    unreachable = gc.collect()
+    objects = gc.get_objects()
+    kinds = collections.Counter(type(o).__qualname__ for o in objects)
+    out = {"unreachable": unreachable, "objects": len(objects), "kinds": dict(kinds.most_common(8))}
+    del objects
+    if "freeze" in body:
+        (gc.freeze if body["freeze"] else gc.unfreeze)()
+    return out
 
 
 @contextlib.contextmanager

@@ -241,11 +241,13 @@ class DeltaTracker:
         into the tensor's base in place where one is held (``refresh``: an anchor or a forced
         dense round allocates nothing; a fresh copy each round freed and allocated the model
         again, 291 tensors of an 8B model), a new copy otherwise."""
-        held, self.bases = self.bases, {}
+        held, last = dict(self.bases), self.metas
         self.drop()
         # Set first: a consumer may stop pulling after the last tensor (a round that does not
-        # complete is dropped by the caller anyway).
-        self.metas = list(metas)
+        # complete is dropped by the caller anyway). The same dict and, for the same model,
+        # the same list as last round: a source's fresh metadata each round, kept here, would
+        # be objects swapped into the long-lived heap every round (#49).
+        self.metas = last if last == list(metas) else list(metas)
         kernel = self.kernel
         for name, tensor in pairs:
             prior = held.pop(name, None)

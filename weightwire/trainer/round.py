@@ -203,7 +203,9 @@ def lead_round(
     calls = http_calls(s.client)  # the round's share: RoundMetrics.http_calls
     # Fails: nothing was sent (the update infos are built here).
     payloads, reused = prepare(s, r, clock)
-    pause = r.pause if r.pause is not None else s.round_pause(r.metas)
+    pause = r.pause
+    if pause is None:
+        pause = s.round_pause(r.metas, keep=not r.fields.get("patches"))
     servers = _Servers()
     # Its failure surfaces from open_round, which awaits it.
     early = send_early(s, r, pause)
@@ -374,7 +376,11 @@ def commit(
 
 def _record(s: Session, r: Round) -> None:
     for turn in r.plan.turns:
-        s.sent[SentKey(r.draft, turn.src)] = turn.metas
+        key = SentKey(r.draft, turn.src)
+        if r.fields.get("patches"):  # never reused (its patches are described in full), so
+            s.sent.pop(key, None)  # not kept: a delta round's metadata is never a later one's
+        else:
+            s.sent[key] = turn.metas
     s.rounds += 1
 
 
@@ -527,21 +533,25 @@ class SoleRounds:
         ``Round``'s."""
         s = self._s
         with clock("metadata"):
-            self._planned = sole = sole_plan(s, metas, self._planned)  # a refusal: before any call
+            sole = sole_plan(s, metas, self._planned)  # a refusal: before any call
+        if not (fields and fields.get("patches")):
+            # A delta round's plan is not kept: its metadata (patch sizes) is never a later
+            # round's, and a plan swapped in every round is long-lived garbage that feeds
+            # the process's full collections (#49); the dense rounds' plan stays.
+            self._planned = sole
         source = s.source if source is None else source
         if s.backend.caps.local_shards:  # each trainer rank sends its shard: left where held
             source = rewrapped(source, s.framework.sliced_source)
         wire: Wire = SoleWire(s, sole, source, remap)
         slicing = s.slicing
-        # read back for the workers' wants only (a session without them: not parsed again)
-        patches = patch_entries(fields) if slicing is not None else []
         # Every worker wants every tensor whole (TP=1): the broadcast, nothing else asked.
         if (
             slicing is not None
-            and slicing.slices(logical_metas(sole.wire.metas, patches))
+            and slices_round(slicing, sole.wire.metas, fields)
             and sliced_round(s, slicing, draft=draft, fields=fields)
         ):
             with clock("metadata"):  # the plan (built once), and a refusal: before any call
+                patches = patch_entries(fields)
                 if patches:  # each worker its share of the patches (the shares: before any call)
                     sliced = SlicedWire.of_delta(s, slicing, sole, source, patches)
                     assert sliced.shares is not None
@@ -760,6 +770,16 @@ def logical_metas(metas: list[ParamMeta], patches: list[Patch]) -> list[ParamMet
     wire = {n for p in patches for n in (p.index_name, p.values_name)}
     dense = [m for m in metas if m.name not in wire]
     return dense + [ParamMeta(p.name, p.dtype, p.shape) for p in patches]
+
+
+def slices_round(
+    slicing: Slicing, wire_metas: list[ParamMeta], fields: Mapping[str, Any] | None
+) -> bool:
+    """``slicing.slices`` of a round's tensors as the workers' wants name them (a delta
+    round's patched tensors whole, read back from its update-info ``fields``). What it reads
+    back dies on return, not held through the round's transfer (#49: fewer objects alive
+    in a round, fewer promoted by the collections it meets)."""
+    return slicing.slices(logical_metas(wire_metas, patch_entries(fields)))
 
 
 def patch_entries(fields: Mapping[str, Any] | None) -> list[Patch]:

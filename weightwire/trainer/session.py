@@ -170,12 +170,15 @@ class Session:
         if self.served is not None:
             self.served.check_round(metas, partial=partial or self.info.partial)
 
-    def round_pause(self, metas: list[ParamMeta]) -> RoundPause:
+    def round_pause(self, metas: list[ParamMeta], *, keep: bool = True) -> RoundPause:
         """This round's pause (``gating.round_pause``; a round applied in place:
-        refusing, no resume on failure)."""
+        refusing, no resume on failure). ``keep=False``: a list no later round passes (a
+        delta round's): its byte count is not remembered, nor the list with it (#49)."""
         sized = self._sized
         if sized is None or sized[0] is not metas:  # summed once per plan, not per round
-            sized = self._sized = (metas, round_bytes(metas))
+            sized = (metas, round_bytes(metas))
+            if keep:
+                self._sized = sized
         return round_pause(
             self.info,
             self.pause_mode,

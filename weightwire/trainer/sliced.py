@@ -160,6 +160,10 @@ class Slicing:
         self._wants: dict[frozenset[ParamMeta], list[Wants]] = {}
         self._sliced: tuple[Sequence[ParamMeta], bool] | None = None
         """The last ``slices`` answer and its tensor list (a plan's rounds pass the same)."""
+        self._whole: set[ParamMeta] = set()
+        """Tensors every worker wants whole (a ``slices`` answer of no): a delta round's,
+        a new list each round, answered without parsing the wants again nor caching them
+        per round (#49: per-round additions to long-lived caches feed full collections)."""
         self._told: set[str] = set()
         self.agree: Callable[[SlicePlan | None, str | None], None] | None = None
         """Several processes: every rank checks it built the same plan, or learns which rank
@@ -191,10 +195,13 @@ class Slicing:
         tensor); else its rounds are broadcasts (said once)."""
         if self._sliced is not None and self._sliced[0] is metas:
             return self._sliced[1]
+        if self._whole and all(m in self._whole for m in metas):
+            return False  # a delta round's tensors: each one every worker wants whole
         less = wants_less(self.wants(metas), metas)
         self._sliced = (metas, less)
         if less:
             return True
+        self._whole.update(metas)
         self.note_once("every worker wants every tensor whole:")
         return False
 

@@ -246,15 +246,20 @@ class Transfer:
         finally:
             self._clock.shift("transfer", "control", time.perf_counter() - started)
         future = spawn(self._post_update, name="weightwire-update")
-        future.add_done_callback(self._on_update_done)
+        # Not a bound method: a done future keeps its callbacks, and one holding this
+        # Transfer would make a cycle (the future is ``_update``) that keeps the whole
+        # round (its payload, patches, control) for the garbage collector (#49).
+        stop, comm = self._stop, self._comm
+        future.add_done_callback(lambda f: _on_update_done(f, stop, comm))
         self._update = future
 
-    def _on_update_done(self, future: Future) -> None:
-        if future.exception() is not None:
-            # The workers gave up on this round: nothing will ever receive the
-            # pending broadcast, so unblock it now instead of at its timeout.
-            self._stop.set()
-            self._comm.abort()
+
+def _on_update_done(future: Future, stop: threading.Event, comm: Any) -> None:
+    if future.exception() is not None:
+        # The workers gave up on this round: nothing will ever receive the
+        # pending broadcast, so unblock it now instead of at its timeout.
+        stop.set()
+        comm.abort()
 
 
 def chunked(pairs: Iterable[tuple[str, Any]], chunks: Sequence[Chunk]) -> Iterator[Prepared]:

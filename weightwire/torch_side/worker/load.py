@@ -138,9 +138,15 @@ class MetaCache:
     def __init__(self, backend: str) -> None:
         self._backend = backend
         self._last: dict[tuple[int, int], _Resolved] = {}
+        self._after_delta: set[tuple[int, int]] = set()
+        """Keys whose previous round was a delta round: its plan is not kept (its metadata,
+        patch sizes included, is never a later round's, and a plan swapped into this cache
+        every round is the long-lived garbage that feeds the process's full collections,
+        #49), and the shorthand cannot stand for it."""
 
     def clear(self) -> None:
         self._last.clear()
+        self._after_delta.clear()
 
     def resolve(
         self, model: object, update: UpdateInfo, *, packed: bool, buffer_size_bytes: int
@@ -151,12 +157,21 @@ class MetaCache:
         if cached is not None and cached.model is not model:
             cached = None  # another model at a recycled id
         if update.reuses_previous:
+            if key in self._after_delta:
+                raise ValueError(
+                    "update info reuses the previous round's metadata, which lists patch wire "
+                    "tensors: a delta round's patches must be described in full"
+                )
             if cached is None:
                 raise ValueError(
                     f"{self._backend}: update info has empty names/dtype_names/shapes (reuse the "
                     "previous round's metadata) but this engine has received no round since init"
                 )
             return cached.plan
+        if update.patches:
+            self._after_delta.add(key)
+        else:
+            self._after_delta.discard(key)
         if (
             cached is not None
             and cached.packed == packed
@@ -167,7 +182,8 @@ class MetaCache:
         metas = update.metas()
         chunks = plan(metas, packed=packed, buffer_size_bytes=buffer_size_bytes)
         resolved = RoundPlan(metas, chunks, [UnpackPlan(metas, c) for c in chunks])
-        self._last[key] = _Resolved(model, update, resolved, packed, buffer_size_bytes)
+        if not update.patches:  # a dense round's plan stays for the next dense round
+            self._last[key] = _Resolved(model, update, resolved, packed, buffer_size_bytes)
         return resolved
 
 

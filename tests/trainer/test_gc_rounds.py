@@ -1,0 +1,200 @@
+"""Steady-state rounds feed Python's garbage collector nothing (issue #49): a round's objects
+are freed by reference counting when it ends, on both sides, so no round leaves a reference
+cycle (which only a collection frees: the full one walks every object of a process that
+imported torch and JAX, ~100 ms) and none swaps its objects into a long-lived cache (the
+collections a round meets promote such survivors, and promotions are what bring on the full
+collection, even where the count of objects stays flat: last round's entry goes).
+
+A torch or JAX trainer (``delta="auto"``) sends dense rounds, then delta rounds through
+weight sets that differ from each other by different elements (so each delta round's patch
+sizes, and so its metadata, are new, as in training), to vLLM's plugin engine class over
+``weightwire_tcp`` (the stub worker, its own process: ``tests/torch_side/vllm_stub.py``, whose
+``gc`` op probes its collector). After warm-up rounds the collector is off in both processes
+and the heap frozen before each round (``gc.freeze``): after it, a collection must find no
+cycle and the objects outside the frozen heap (the round's survivors) stay within a small
+bound. ``benchmarks/bench_gc_rounds.py`` measures the same per round, and the collections.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.torch_side._procs import spawn_stub
+from tests.torch_side.fake_llama import trainer_tensors
+from weightwire.testing.loopback import LoopbackClient
+from weightwire.testing.sources import DictSource
+from weightwire.trainer import TrainerInitInfo
+
+pytestmark = pytest.mark.timeout(300)
+
+SHAPE = "tiny"
+SETS = 4
+WARMUP = SETS + 1
+"""Rounds before the check: the first is dense, then a delta round of each set (their
+caches' first entries)."""
+ROUNDS = 4
+
+
+def survivors_bound(side: str, round_kind: str, engine: str) -> int:
+    """Objects a steady round may leave alive (made in it, alive after it), per side: a few
+    (the worker's last round's statistics, ``RoundStats`` / ``ReceiveStats``, what
+    ``last_stats`` reports; the TCP link's last count; the loopback shim's reader of the
+    next request), plus on a JAX trainer one base array per tensor of the model (its
+    arrays are immutable: each round's base is a new one), plus in a dense round on the
+    worker the stub's fake vLLM's layerwise-reload records (one list per layer module,
+    made afresh each round, as vLLM's own are: not weightwire's). Before #49's fixes a
+    delta round of this 30-tensor model left ~350 over the two sides (its plans, its
+    metadata, its patches: swapped into caches, last round's let go)."""
+    bound = 8
+    if side == "worker":  # the probe's own call: its context managers, generators, methods
+        bound += 8
+    if side == "trainer" and engine == "jax":
+        bound += len(weight_sets()[0])
+    if side == "worker" and round_kind == "dense":
+        bound += 32
+    return bound
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[LoopbackClient]:
+    proc, client = spawn_stub("weightwire_tcp", "cpu", SHAPE, timeout=120)
+    yield client
+    try:
+        client.exit()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def weight_sets() -> list[dict[str, torch.Tensor]]:
+    """``SETS`` sets: set ``k`` has every ``(31 + 6k)``-th element of each tensor doubled
+    (an exact bf16 change), so a round from one set to the next changes a different count."""
+    w0 = dict(trainer_tensors(SHAPE, torch.device("cpu"), seed=0))
+    sets = [w0]
+    for k in range(1, SETS):
+        step = {}
+        for name, t in w0.items():
+            t = t.clone()
+            t.view(-1)[:: 31 + 6 * k] *= 2
+            step[name] = t
+        sets.append(step)
+    return sets
+
+
+def engine_for(kind: str) -> tuple[Any, Callable[[torch.Tensor], Any], Callable[[Any], Any]]:
+    """The trainer engine class, how it holds a set's tensor, and its ``describe``."""
+    if kind == "jax":
+        import jax.numpy as jnp
+        import ml_dtypes
+
+        from weightwire.jax_side.dtypes import describe
+        from weightwire.jax_side.engine import JAXTrainerEngine
+
+        def to_jax(t: torch.Tensor) -> Any:
+            return jnp.asarray(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+
+        return JAXTrainerEngine, to_jax, describe
+    from weightwire.torch_side.sender.engine import TorchTrainerEngine
+
+    def describe_torch(t: Any) -> tuple[str, tuple[int, ...]]:
+        return TorchTrainerEngine.describe(None, t)  # type: ignore[arg-type]
+
+    return TorchTrainerEngine, lambda t: t, describe_torch
+
+
+def steady_rounds(send: Callable[[int], None], worker: LoopbackClient) -> dict[str, Any]:
+    """``WARMUP`` rounds, then ``ROUNDS`` with the collector off on both sides, the heap
+    frozen before each: per round and side, the objects a collection found only cycles
+    holding, and the round's objects still alive after it."""
+    for i in range(WARMUP):
+        send(i)
+    out: dict[str, Any] = {k: [] for k in ("trainer cycles", "trainer", "worker cycles", "worker")}
+    gc.disable()
+    try:
+        gc.collect()
+        worker.call("gc", {"enabled": False, "freeze": True})
+        for i in range(WARMUP, WARMUP + ROUNDS):
+            gc.freeze()
+            send(i)
+            out["trainer cycles"].append(gc.collect())
+            out["trainer"].append(len(gc.get_objects()))
+            gc.unfreeze()
+            probe = worker.call("gc", {"freeze": True})
+            out["worker cycles"].append(probe["unreachable"])
+            out["worker"].append(probe["objects"])
+            out["worker kinds"] = probe["kinds"]
+    finally:
+        gc.unfreeze()
+        gc.enable()
+        worker.call("gc", {"enabled": True, "freeze": False})
+    return out
+
+
+@pytest.mark.parametrize("kind", ["torch", "jax"])
+def test_steady_rounds_leave_no_cycles_and_no_survivors(kind: str, worker: LoopbackClient) -> None:
+    cls, hold, describe = engine_for(kind)
+    sets = [{n: hold(t) for n, t in w.items()} for w in weight_sets()]
+    source = DictSource(dict(sets[0]), describe)
+    trainer = cls.trainer_init(
+        TrainerInitInfo(backend="weightwire_tcp", delta="auto"), client=worker, source=source
+    )
+    try:
+        for round_kind in ("dense", "delta"):
+            cycle = [0] if round_kind == "dense" else [*range(1, SETS), 0]
+
+            def send(i: int, cycle: list[int] = cycle, dense: bool = round_kind == "dense") -> None:
+                source.tensors.update(sets[cycle[i % len(cycle)]])
+                metrics = trainer.send_weights(dense=dense)
+                # the delta rounds must be delta rounds (patches), not dense resends
+                assert (metrics.density is None) == dense or i == 0, metrics.summary()
+
+            got = steady_rounds(send, worker)
+            what = f"{kind} {round_kind} rounds: {got}"
+            for side in ("trainer", "worker"):
+                assert got[f"{side} cycles"] == [0] * ROUNDS, f"the {side} left cycles, {what}"
+                bound = survivors_bound(side, round_kind, kind)
+                assert max(got[side]) <= bound, f"the {side}'s rounds left survivors, {what}"
+    finally:
+        trainer.shutdown()
+
+
+def test_a_broadcast_sessions_delta_rounds_add_nothing_to_the_wants_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each delta round asks ``Slicing.slices`` of a new list (its changed tensors, varying
+    round to round): once every worker wants the model's tensors whole, the answer comes
+    without parsing the hellos again nor caching their wants per round (a long-lived cache
+    that grew each round fed full collections); a tensor some worker slices still slices."""
+    import json
+
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.shared.slices import Box, Wants
+    from weightwire.trainer import sliced
+
+    model = [ParamMeta(f"w{i}", "bfloat16", (4, 2)) for i in range(6)]
+    shapes = {m.name: m.shape for m in model}
+    whole = json.dumps(Wants.whole(shapes, "TP=1").to_json()).encode()
+    parsed: list[int] = []
+    parse = sliced.parse_wants
+    monkeypatch.setattr(
+        sliced,
+        "parse_wants",
+        lambda *a: parsed.append(1) or parse(*a),  # type: ignore[func-returns-value]
+    )
+    slicing = sliced.Slicing([whole, whole], sender=None)  # type: ignore[arg-type]
+    assert slicing.slices(model) is False
+    first = len(parsed)
+    for k in range(1, 6):  # a round's changed tensors, a new list (and set) each round
+        assert slicing.slices([ParamMeta(m.name, m.dtype, m.shape) for m in model[:k]]) is False
+    assert len(parsed) == first and len(slicing._wants) == 1
+
+    halves = Wants({**Wants.whole(shapes, "-").regions, "w5": (Box.of((0, 2), (0, 2)),)})
+    slicing = sliced.Slicing([whole, json.dumps(halves.to_json()).encode()], sender=None)  # type: ignore[arg-type]
+    assert slicing.slices(model[:5]) is False  # every worker wants these whole
+    assert slicing.slices(model[3:]) is True  # w5: worker 1 wants half of it
