@@ -205,7 +205,7 @@ def lead_round(
     payloads, reused = prepare(s, r, clock)
     pause = r.pause
     if pause is None:
-        pause = s.round_pause(r.metas, keep=not r.fields.get("patches"))
+        pause = s.round_pause(r.metas, keep=not carries_patches(r.fields))
     servers = _Servers()
     # Its failure surfaces from open_round, which awaits it.
     early = send_early(s, r, pause)
@@ -377,7 +377,7 @@ def commit(
 def _record(s: Session, r: Round) -> None:
     for turn in r.plan.turns:
         key = SentKey(r.draft, turn.src)
-        if r.fields.get("patches"):  # never reused (its patches are described in full), so
+        if carries_patches(r.fields):  # never reused (its patches are described in full), so
             s.sent.pop(key, None)  # not kept: a delta round's metadata is never a later one's
         else:
             s.sent[key] = turn.metas
@@ -456,7 +456,7 @@ def _payloads(s: Session, r: Round) -> tuple[list[dict[str, Any]], bool]:
     extra = dict(r.fields)
     for turn in r.plan.turns:
         same = s.features.reuse_metadata and s.sent.get(SentKey(r.draft, turn.src)) == turn.metas
-        same &= not extra.get("patches")  # a delta round's patches name their wire tensors
+        same &= not carries_patches(extra)  # a delta round's patches name their wire tensors
         reused &= same
         # One construction, one validation (a delta round lists hundreds of wire tensors);
         # the round's fields override, as they did replacing a built info's
@@ -534,7 +534,7 @@ class SoleRounds:
         s = self._s
         with clock("metadata"):
             sole = sole_plan(s, metas, self._planned)  # a refusal: before any call
-        if not (fields and fields.get("patches")):
+        if not carries_patches(fields):
             # A delta round's plan is not kept: its metadata (patch sizes) is never a later
             # round's, and a plan swapped in every round is long-lived garbage that feeds
             # the process's full collections (#49); the dense rounds' plan stays.
@@ -649,7 +649,7 @@ def sliced_round(
     if draft:
         slicing.note_once("draft")  # the draft model's wants were not told
         return False
-    if fields and fields.get("patches"):
+    if carries_patches(fields):
         why = sliced_delta_refusal(s, slicing)
         if why is not None:  # a delta round's patches then go to every worker
             slicing.note_once(f"a delta round's patches go whole: {why};")
@@ -780,6 +780,11 @@ def slices_round(
     back dies on return, not held through the round's transfer (#49: fewer objects alive
     in a round, fewer promoted by the collections it meets)."""
     return slicing.slices(logical_metas(wire_metas, patch_entries(fields)))
+
+
+def carries_patches(fields: Mapping[str, Any] | None) -> bool:
+    """Whether a round's update-info ``fields`` make it a delta round (it carries patches)."""
+    return bool((fields or {}).get("patches"))
 
 
 def patch_entries(fields: Mapping[str, Any] | None) -> list[Patch]:
