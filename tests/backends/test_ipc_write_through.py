@@ -359,24 +359,36 @@ def test_tensors_are_written_into_the_parameters_after_the_go_and_done_follows()
     assert worker.seen[0] == {"op": "path", "t": 0, "wt": True}
 
 
-def test_a_go_from_inside_the_start_writes_nothing_before_the_start_answered() -> None:
+def _accepted_then_early() -> tuple[list[ParamMeta], list, Any, Any]:
+    """The fused set's table accepted in a first round, the worker's next go set to come
+    from inside its start: ``(metas, log, worker, pipe)``, the log cleared."""
     metas, table = _fused()
-    log, slots, worker, pipe = _setup(table, metas)
+    log, _, worker, pipe = _setup(table, metas)
     worker.rounds = 2
     worker.start()
     assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)  # the table, accepted
     worker.early = True  # the next round's go comes from inside its start
     log.clear()
+    return metas, log, worker, pipe
+
+
+def _fused_chunks(metas: list[ParamMeta]) -> list[tuple[Any, list[tuple[int, int]]]]:
+    """The fused set's (64, 32, 16 bytes) chunks, each with its tensors' (pointer, bytes)."""
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
+    return [(c, tensors[c.start : c.stop]) for c in chunks]
+
+
+def test_a_go_from_inside_the_start_writes_nothing_before_the_start_answered() -> None:
+    metas, log, worker, pipe = _accepted_then_early()
 
     def begin() -> None:
         worker.started.release()  # the start: the worker's go goes out
         time.sleep(0.3)  # the start (and the pause it carries) is still out
         log.append(("begun",))
 
-    chunks = plan(metas, packed=True, buffer_size_bytes=100)
-    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
-    prepared = [(c, tensors[c.start : c.stop]) for c in chunks]
-    assert pipe.send(Outgoing(prepared, threading.Event(), begin=begin, metas=metas)) == (112, 1)
+    out = Outgoing(_fused_chunks(metas), threading.Event(), begin=begin, metas=metas)
+    assert pipe.send(out) == (112, 1)
     worker.join(10)
     ops = [e[0] for e in log if e[0] in ("begun", "copy")]
     # the worker's go came long before the control plane returned; no write went before it
@@ -394,13 +406,7 @@ def _until(cond: Any, bound_s: float) -> None:
 def test_one_servers_gos_accept_the_round_and_its_first_write_goes_before_the_start_answered(
     go_accepts: bool,
 ) -> None:
-    metas, table = _fused()
-    log, slots, worker, pipe = _setup(table, metas)
-    worker.rounds = 2
-    worker.start()
-    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)  # the table, accepted
-    worker.early = True  # the next round's go comes from inside its start
-    log.clear()
+    metas, log, worker, pipe = _accepted_then_early()
 
     def begin() -> None:
         worker.started.release()  # the start: the worker's go goes out
@@ -408,10 +414,8 @@ def test_one_servers_gos_accept_the_round_and_its_first_write_goes_before_the_st
         _until(lambda: any(e[0] == "copy" for e in log), 10.0 if go_accepts else 0.3)
         log.append(("begun",))
 
-    chunks = plan(metas, packed=True, buffer_size_bytes=100)
-    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
     out = Outgoing(
-        [(c, tensors[c.start : c.stop]) for c in chunks],
+        _fused_chunks(metas),
         threading.Event(),
         begin=begin,
         metas=metas,
@@ -495,10 +499,8 @@ def test_the_last_rounds_settle_waits_until_the_start_was_released() -> None:
     order: list[str] = []
     settle = pipe.settle
     pipe.settle = lambda: (order.append("settle"), settle())[1]
-    chunks = plan(metas, packed=True, buffer_size_bytes=100)
-    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
     out = Outgoing(
-        [(c, tensors[c.start : c.stop]) for c in chunks],
+        _fused_chunks(metas),
         threading.Event(),
         begin=worker.started.release,
         metas=metas,
@@ -515,10 +517,8 @@ def test_a_go_that_came_with_the_update_is_no_acceptance() -> None:
     metas, table = _fused()
     _, _, worker, pipe = _setup(table, metas)
     worker.start()
-    chunks = plan(metas, packed=True, buffer_size_bytes=100)
-    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
     out = Outgoing(
-        [(c, tensors[c.start : c.stop]) for c in chunks],
+        _fused_chunks(metas),
         threading.Event(),
         begin=worker.started.release,
         metas=metas,
