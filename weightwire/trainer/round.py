@@ -168,6 +168,11 @@ class Round:
     """Send the pause now, and the start right after it once the data path is ready, beside
     the wire's own preparation (a wire that runs ``control`` soon: ``SoleWire``)."""
 
+    @property
+    def delta(self) -> bool:
+        """A delta round: its fields carry patches."""
+        return carries_patches(self.fields)
+
 
 @dataclass
 class _Servers:
@@ -205,7 +210,7 @@ def lead_round(
     payloads, reused = prepare(s, r, clock)
     pause = r.pause
     if pause is None:
-        pause = s.round_pause(r.metas, keep=not carries_patches(r.fields))
+        pause = s.round_pause(r.metas, keep=not r.delta)
     servers = _Servers()
     # Its failure surfaces from open_round, which awaits it.
     early = send_early(s, r, pause)
@@ -377,7 +382,7 @@ def commit(
 def _record(s: Session, r: Round) -> None:
     for turn in r.plan.turns:
         key = SentKey(r.draft, turn.src)
-        if carries_patches(r.fields):  # never reused (its patches are described in full), so
+        if r.delta:  # never reused (its patches are described in full), so
             s.sent.pop(key, None)  # not kept: a delta round's metadata is never a later one's
         else:
             s.sent[key] = turn.metas
