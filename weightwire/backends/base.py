@@ -73,6 +73,15 @@ class Outgoing:
     wrote_early: threading.Event = field(default_factory=threading.Event)
     """Set by a data path that wrote before ``begin`` returned: a ``begin`` that then fails
     failed a round after its first byte (the workers hold part of it)."""
+    one_request: bool = False
+    """The round's start, update and finish are one request (``routes.UPDATE_STARTS``;
+    only to a data path that ``hears_workers``): every worker's word of the round comes from
+    inside it, after its server's checks and pause, so any of them accepts the round (a go
+    from inside the update too). ``begin`` sends that request and returns once ``heard`` was
+    called (or the request failed: its error raised, nothing written)."""
+    heard: Callable[[], None] | None = None
+    """Called by a data path that ``hears_workers`` once it read every worker's first word
+    of the round, before its first write."""
 
 
 class Sent(NamedTuple):
@@ -283,6 +292,11 @@ class RoundSender(ABC):
     """Rounds may write straight into the serving parameters (from the first byte until
     the commit the workers' weights are not whole): the trainer refuses generation
     around every round, as around a round over the stage budget."""
+
+    hears_workers: ClassVar[bool] = False
+    """Writes nothing to a worker before that worker's own first word of the round (its go
+    or its want, sent from inside its start or its update) and calls ``Outgoing.heard`` once
+    every worker's was read: a round may then be one request (``Outgoing.one_request``)."""
 
     device_pieces: ClassVar[bool] = False
     """A sliced round's pieces are read as device arrays cut on the shard's device

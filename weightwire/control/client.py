@@ -256,11 +256,52 @@ class HTTPWeightSyncClient(ServingRoutes):
         try:
             replies = self._all(routes.UPDATE, body, params=params)
         except WeightSyncError as exc:
-            if exc.message.startswith(f"{routes.FINISH.name} failed"):  # the server's _commit
-                raise WeightSyncError(
-                    routes.FINISH.name, exc.status, exc.message, exc.server
-                ) from None
-            raise
+            raise _step_named(exc, (routes.FINISH,)) from None
+        return [r if isinstance(r, dict) else {} for r in replies]
+
+    def updates_with_start(self) -> bool:
+        """Every server's init reply named ``UPDATE_STARTS`` (weightwire's reference server;
+        never stock vLLM): ``start_update_finish`` may be used."""
+        return all(routes.UPDATE_STARTS in f for f in self._features)
+
+    def start_update_finish(
+        self,
+        update_info: dict[str, Any] | list[dict[str, Any]],
+        weight_version: str | None,
+        *,
+        pause: str | None,
+        reset_caches: bool,
+        resume: bool,
+    ) -> list[dict[str, Any]]:
+        """The whole round in one request per server (only where advertised:
+        ``updates_with_start``): ``pause_and_start(pause)`` (no pause: ``None``), then
+        ``update_and_finish`` with the same arguments. Per server its reply, as
+        ``update_and_finish``'s.
+
+        A refused or failed step raises ``WeightSyncError`` for that step's route:
+        ``start_weight_update`` (refused by the start's checks: nothing paused or started),
+        ``update_weights`` (nothing committed) or ``finish_weight_update``."""
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise WrongType(f"weight_version must be a str, got {type(weight_version).__name__}")
+        if pause is not None and pause not in PAUSE_MODES:
+            raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {pause!r}")
+        if not self.updates_with_start():
+            raise RuntimeError("not every server advertised update_starts at init")
+        body: dict[str, Any] = {"update_info": update_info}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        params = {"start": "true"}
+        if pause is not None:
+            params["pause"] = pause
+        params.update(
+            finish="true",
+            reset_caches="true" if reset_caches else "false",
+            resume="true" if resume else "false",
+        )
+        try:
+            replies = self._all(routes.UPDATE, body, params=params)
+        except WeightSyncError as exc:
+            raise _step_named(exc, (routes.START, routes.FINISH)) from None
         return [r if isinstance(r, dict) else {} for r in replies]
 
     # -- the routes around a round (the serving-state ones: ``ServingRoutes``) ------------
@@ -385,6 +426,16 @@ def refused_resume(
                 server,
             )
     return None
+
+
+def _step_named(exc: WeightSyncError, steps: Sequence[routes.Route]) -> WeightSyncError:
+    """An error of an update that carried other steps, named for the step that failed: the
+    server's message begins with that step's route (``start_weight_update refused: ...``,
+    ``finish_weight_update failed: ...``); any other is the update's own."""
+    for step in steps:
+        if exc.message.startswith(f"{step.name} "):
+            return WeightSyncError(step.name, exc.status, exc.message, exc.server)
+    return exc
 
 
 def _features(reply: Any) -> frozenset[str]:

@@ -104,6 +104,16 @@ the finish's ``weight_version``) commits the round right after its update succee
 commits nothing; a failed commit answers as a failed finish (its message names
 ``finish_weight_update``). Stock vLLM has none: its rounds keep the separate finish."""
 
+UPDATE_STARTS = "update_starts"
+"""A feature the reference server names in its init reply: its
+``/update_weights?start=true[&pause=<mode>]&finish=true[&reset_caches=true][&resume=true]``
+(body: ``update_info`` and the finish's ``weight_version``) is the whole round in one request:
+what ``/start_weight_update?pause=<mode>`` does (its checks, its pause, the workers' start),
+then the update, then the commit and what the finish's flags ask. Every check that can
+refuse runs before the pause and before any worker starts; an error's message begins with
+the step that failed (``start_weight_update``, ``update_weights`` or
+``finish_weight_update``). Stock vLLM has none: its rounds keep their separate calls."""
+
 SERVED_MODEL = "served_model"
 """A feature the reference server names in its init reply, and the reply's key that carries it:
 the checkpoint tensors its model takes (``shared.served.ServedModel``), which the trainer checks

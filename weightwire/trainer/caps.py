@@ -45,6 +45,8 @@ class ClientCaps:
     """The reference server's finish that resets the caches and resumes."""
     updates_with_finish: bool = False
     """The reference server's update that commits the round (``freshness.FinishInUpdate``)."""
+    updates_with_start: bool = False
+    """The reference server's update that also starts the round (``early.one_request``)."""
     served_model: bool = False
     """``served_model()``: what the servers said at init about the tensors they take."""
     workers_served_model: bool = False

@@ -43,7 +43,7 @@ from typing import Any
 
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import named_servers
-from weightwire.shared.errors import ControlTimeout
+from weightwire.shared.errors import ControlTimeout, WeightSyncError
 from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.transfer import await_call
 
@@ -158,6 +158,23 @@ def one_server(client: Any) -> bool:
     return servers is not None and len(servers) == 1
 
 
+def one_request(client: Any, caps: ClientCaps, sender: Any, finish: Any) -> bool:
+    """The round's start may ride on its update, which carries its finish already (``finish``:
+    ``freshness.FinishInUpdate``, so one server and a single round): the whole round one
+    request (``routes.UPDATE_STARTS``). Only over a data path that writes nothing before each
+    worker's own word from inside the round (``RoundSender.hears_workers``: ``weightwire_ipc``
+    written through): a refused start then finds nothing written, as a refused start of its
+    own would. Asked only where the start would carry the pause (``starts_with_pause``, one
+    server: where the workers' go accepts the round, ``go_accepts``)."""
+    return (
+        finish is not None
+        and getattr(sender, "hears_workers", False) is True
+        and one_server(client)
+        and caps.updates_with_start
+        and client.updates_with_start() is True
+    )
+
+
 def go_accepts(client: Any, early: EarlyStart | None) -> bool:
     """The workers' word from inside their start accepts the round: it has one server (a go
     from inside one server's start says nothing of another's), whose start pauses generation
@@ -165,3 +182,14 @@ def go_accepts(client: Any, early: EarlyStart | None) -> bool:
     the start may land after a worker's go). The failure rule for a start that fails after
     the go is ``backends.ipc.through.pipeline``'s."""
     return early is not None and early.start_pauses and one_server(client)
+
+
+def start_refused(exc: BaseException) -> bool:
+    """``exc`` is a start its server refused by its own checks (a 4xx answer for
+    ``start_weight_update``): that server paused nothing and started no worker."""
+    return (
+        isinstance(exc, WeightSyncError)
+        and exc.route == "start_weight_update"
+        and exc.status is not None
+        and 400 <= exc.status < 500
+    )

@@ -195,12 +195,29 @@ class FinishInUpdate:
         """The update POST carried the finish and returned: the round committed."""
         self._resume = False
         self._replies: list[dict[str, Any]] = []
+        self.starts: str | None = None
+        """The round's start rides on the update too, pausing in this mode
+        (``start_in_update``): the whole round is one request."""
+
+    def start_in_update(self, mode: str) -> None:
+        """The update POST also carries the round's start, which pauses (``mode``) before its
+        workers start (``routes.UPDATE_STARTS``; ``early.one_request`` says where)."""
+        self.starts = mode
 
     def post(self, payload: dict[str, Any]) -> None:
         self._resume = self._paused()
-        self._replies = self._client.update_and_finish(
-            payload, self._version, reset_caches=self._reset, resume=self._resume
-        )
+        if self.starts is not None:
+            self._replies = self._client.start_update_finish(
+                payload,
+                self._version,
+                pause=self.starts,
+                reset_caches=self._reset,
+                resume=self._resume,
+            )
+        else:
+            self._replies = self._client.update_and_finish(
+                payload, self._version, reset_caches=self._reset, resume=self._resume
+            )
         self.posted = True
 
     def committed(self, record: Callable[[], None]) -> bool:

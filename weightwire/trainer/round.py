@@ -40,7 +40,13 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
-from weightwire.trainer.early import EarlyStart, go_accepts, starts_with_pause
+from weightwire.trainer.early import (
+    EarlyStart,
+    go_accepts,
+    one_request,
+    start_refused,
+    starts_with_pause,
+)
 from weightwire.trainer.freshness import FinishInUpdate, StaleCacheError, finish_in_update
 from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
@@ -114,6 +120,9 @@ class Transmission:
     post_update: Callable[[dict[str, Any]], None] | None = None
     """The one turn's update POST, when it carries more than the update (the round's finish:
     ``freshness.FinishInUpdate``); None: ``update_weights``."""
+    one_request: bool = False
+    """``post_update`` carries the round's start too: the round is one request, sent by the
+    data path's ``begin`` (``trainer.transfer.Transfer``: ``one_request``)."""
 
     @property
     def sole_payload(self) -> dict[str, Any]:
@@ -183,6 +192,9 @@ class _Servers:
     """The round guard is held (requests that run the model are refused)."""
     started: bool = False
     """The start went out: from here the workers may hold part of the round."""
+    one_request: bool = False
+    """The round's start (with its pause) rides on its update, which carries its finish:
+    one request (``early.one_request``)."""
 
 
 def was_committed(exc: BaseException) -> bool:
@@ -204,7 +216,25 @@ def lead_round(
     applied in place stays paused / guarded (``gating.after_failed_round``), and a transfer
     that lost its link leaves the engine broken (``trainer.transfer``); once the finish
     committed, only a check failed (``StaleCacheError`` / ``VerifyError``, ``committed``):
-    the model is whole, so the servers are resumed and the guard lifted."""
+    the model is whole, so the servers are resumed and the guard lifted.
+
+    A round in one request (``early.one_request``: its start, with the pause, rides on the
+    update that carries the finish; its data path writes nothing before every worker's word
+    from inside that request) fails by these rules:
+
+    - refused before the go (asleep, not the owner, a round already open, a bad version or
+      update info: the server's start refused it, ``start_weight_update``): nothing was
+      written, paused or started; the engine stays usable, as after a refused start;
+    - failing after the go (a worker's start failing after its go, the update, the commit:
+      the error names ``start_weight_update`` / ``update_weights`` /
+      ``finish_weight_update``): the round failed after its bytes could land; the link is
+      aborted and the engine refuses rounds until a new init, and the server refuses
+      generation on that model until a whole round commits (the round stays paused);
+    - the trainer's own failure with the request out (its source mid-round, a kill): the
+      link closes, so the workers fail their update and the server's round fails, nothing
+      half-new served; the engine needs a new init;
+    - every wait is bounded (the client's ``http_s`` for the request, the data path's own
+      timeouts for the workers' word and the bytes)."""
     calls = http_calls(s.client)  # the round's share: RoundMetrics.http_calls
     # Fails: nothing was sent (the update infos are built here).
     payloads, reused = prepare(s, r, clock)
@@ -212,10 +242,6 @@ def lead_round(
     if pause is None:
         pause = s.round_pause(r.metas, keep=not r.delta)
     servers = _Servers()
-    # Its failure surfaces from open_round, which awaits it.
-    early = send_early(s, r, pause)
-    control = RoundControl(lambda: open_round(s, r, pause, early, servers), early)
-    own: dict[str, str] | None = {} if s.verifier is not None else None
     # the finish in the update POST where the server offers it (one server, one update)
     finish = finish_in_update(
         s.client,
@@ -225,6 +251,11 @@ def lead_round(
         paused=lambda: servers.paused,
         single=len(r.plan.turns) == 1 and r.before_commit is None,
     )
+    # Its failure surfaces from open_round, which awaits it. None too where the start rides
+    # on the update (the round in one request: ``servers.one_request``).
+    early = send_early(s, r, pause, finish, servers)
+    control = RoundControl(lambda: open_round(s, r, pause, early, servers), early)
+    own: dict[str, str] | None = {} if s.verifier is not None else None
     sending = Transmission(
         payloads,
         control,
@@ -232,6 +263,7 @@ def lead_round(
         clock,
         go_accepts(s.client, early),
         None if finish is None else finish.post,
+        servers.one_request,
     )
     try:
         # Fails before the start: nothing on the workers. After it: the servers are in a
@@ -272,16 +304,32 @@ def prepare(s: Session, r: Round, clock: PhaseClock) -> tuple[list[dict[str, Any
     return payloads, reused
 
 
-def send_early(s: Session, r: Round, pause: RoundPause) -> EarlyStart | None:
+def send_early(
+    s: Session,
+    r: Round,
+    pause: RoundPause,
+    finish: FinishInUpdate | None = None,
+    servers: _Servers | None = None,
+) -> EarlyStart | None:
     """The pause's and the start's round trips overlap the round's set-up; the start still
     goes only after the pause returned. With the round guard, the guard is held first
     (requests are refused with its reason); with verify, the checker's snapshot goes first
-    (its calls keep one order): neither starts early. ``None``: ``open_round`` sends them."""
+    (its calls keep one order): neither starts early. ``None``: ``open_round`` sends them,
+    or the start (with its pause) rides on the update that carries the finish (``finish``:
+    the round in one request, ``early.one_request``; ``servers.one_request`` set)."""
     if not r.early_pause or pause.mode is None or pause.guard or s.verifier is not None:
         return None
     mode, http_s = pause.mode, s.info.timeouts.http_s
     # one call (the reference server's offer)
     if not r.draft and starts_with_pause(s.client, s.caps):
+        if (
+            servers is not None
+            and finish is not None
+            and one_request(s.client, s.caps, s.sender, finish)
+        ):
+            finish.start_in_update(mode)
+            servers.one_request = True
+            return None
         both = s.client.pause_and_start  # type: ignore[attr-defined]
         return EarlyStart(None, lambda: both(mode), http_s)
     together = pause_beside_start(s)
@@ -305,7 +353,11 @@ def open_round(
     s: Session, r: Round, pause: RoundPause, early: EarlyStart | None, servers: _Servers
 ) -> None:
     """The control plane, run by the wire before its first byte: [verify snapshot] ->
-    [round guard] -> [pause] -> start (or, sent early, await them)."""
+    [round guard] -> [pause] -> start (or, sent early, await them; or, riding on the
+    update, count them as sent: the data path sends that request right after)."""
+    if servers.one_request:  # the request pauses first, and counts as a held pause once sent
+        servers.paused = servers.started = True
+        return
     if early is not None:
         early.wait()  # on error: ``recover`` asks it what went out
         servers.paused, servers.started = early.paused, True
@@ -411,6 +463,10 @@ def recover(
 ) -> None:
     """A failed round: undo what it did to the servers, as far as is safe; the caller raises."""
     committed = was_committed(exc)
+    if servers.one_request and start_refused(exc):
+        # The request's start was refused by its checks, before its pause: nothing paused,
+        # nothing started (the data path wrote nothing: ``Transfer`` kept the engine).
+        servers.paused = servers.started = False
     if early is not None and not servers.started:
         # Failed before the control plane returned: no start goes out from now on. One that
         # went out (whatever it answered) counts: the round failed after its start. Else
@@ -840,6 +896,7 @@ def send_update(
         go_accepts=t.go_accepts,
         ready=control.release,
         finishes=t.post_update is not None,
+        one_request=t.one_request,
     )
     try:
         return step.run(announced(chunks, control.ready), metas)

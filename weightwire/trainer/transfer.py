@@ -167,12 +167,18 @@ class Transfer:
         go_accepts: bool = False,
         ready: Callable[[], None] | None = None,
         finishes: bool = False,
+        one_request: bool = False,
     ) -> None:
         """``finishes``: the update POST carries the round's finish (``freshness.FinishInUpdate``),
         so its wait after the last broadcast includes the servers' commit (named so when it
-        times out)."""
+        times out). ``one_request``: it carries the start too (``Outgoing.one_request``; only
+        over a data path that ``hears_workers``): ``begin`` runs ``control`` (nothing sent),
+        sends the request and returns once the data path heard every worker's word."""
         self._comm = comm
         self._finishes = finishes
+        self._one_request = one_request
+        self._heard = threading.Event()  # every worker spoke from inside the request
+        self._answered = threading.Event()  # the request answered, or the workers spoke
         self._go_accepts = go_accepts
         self._ready = ready
         self._pipeline = pipeline
@@ -195,22 +201,32 @@ class Transfer:
         out = Outgoing(
             prepared,
             stop,
-            self._begin,
+            self._begin_one if self._one_request else self._begin,
             metas=wire_metas,
             go_accepts=self._go_accepts,
             ready=self._ready,
+            one_request=self._one_request,
+            heard=self._on_heard if self._one_request else None,
         )
         try:
             sent = pipeline.send(out)
             assert self._update is not None
             what = "update_weights (after the last broadcast)"
-            if self._finishes:  # a commit held up (the model lock) is what a user should look at
+            if self._one_request:
+                what = "update_weights (after the last broadcast; it carries the round's start "
+                what += "and finish: the servers' commit runs in it)"
+            elif self._finishes:  # a commit held up (the model lock) is what a user should see
                 what = "update_weights (after the last broadcast; it carries the round's finish: "
                 what += "the servers' commit runs in it)"
             await_call(self._update, self._http_s, what)
             return sent
         except BaseException as exc:
             stop.set()
+            if self._one_request and self._update is not None and not self._heard.is_set():
+                cause = self._unheard(exc)
+                if cause is exc:
+                    raise
+                raise cause from None
             if self._update is None and out.wrote_early.is_set():
                 # Written at the workers' go, then the start failed: the workers hold part
                 # of a round their server gave up (it refuses generation until a whole
@@ -252,6 +268,70 @@ class Transfer:
         stop, comm = self._stop, self._comm
         future.add_done_callback(lambda f: _on_update_done(f, stop, comm))
         self._update = future
+
+    def _begin_one(self) -> None:
+        """The round in one request: ``control`` (it sends nothing: it records the request as
+        the round's pause and start), then the request on a helper thread; returns once the
+        data path heard every worker's word from inside it (then the request's failure is one
+        after the go: the link is aborted, as after a first byte), or raises the request's
+        own error when it failed before that (a start its server refused: nothing written)."""
+        started = time.perf_counter()
+        try:
+            self._control()
+            future = spawn(self._post_update, name="weightwire-round")
+            stop, comm, heard, answered = self._stop, self._comm, self._heard, self._answered
+
+            def done(f: Future) -> None:  # not a bound method: no cycle through the future
+                answered.set()
+                if f.exception() is not None:
+                    stop.set()
+                    if heard.is_set():  # the workers are in the round: stop them now
+                        comm.abort()
+
+            future.add_done_callback(done)
+            self._update = future
+            if not answered.wait(self._http_s + _GRACE_S):
+                raise ControlTimeout(
+                    f"update_weights (it carries the round's start) neither answered nor let "
+                    f"the workers speak on the data path within {self._http_s:g} s",
+                    route="update_weights",
+                )
+            if not heard.is_set():
+                future.result()  # its error: refused before any worker spoke
+        finally:
+            self._clock.shift("transfer", "control", time.perf_counter() - started)
+
+    def _on_heard(self) -> None:
+        self._heard.set()
+        self._answered.set()
+
+    def _unheard(self, exc: BaseException) -> BaseException:
+        """A round of one request failed before the data path heard any worker's word: the
+        trainer wrote nothing. Where the request itself failed (its server refused the start,
+        or failed it before any worker spoke) the local work is settled and the engine kept,
+        as after a refused start; else (the trainer's own failure with the request still out)
+        the servers may open a round that gets no byte: the link is aborted (the workers see
+        it close) and the engine needs a new init. Returns the error to raise (the request's
+        own where it failed)."""
+        update = self._update
+        assert update is not None
+        cause = update.exception() if update.done() else None
+        if cause is not None:
+            try:
+                self._pipeline.settle()
+            except BaseException as settle_exc:
+                self.broken = settle_exc
+                self._comm.abort()
+            if cause is not exc:
+                cause.add_note(f"the data path then stopped: {type(exc).__name__}: {exc}")
+            return cause
+        exc.add_note(
+            "the round's one request (start, update, finish) was out: its servers may have "
+            "opened a round that gets no byte; the data link was closed"
+        )
+        self.broken = exc
+        self._comm.abort()
+        return exc
 
 
 def _on_update_done(future: Future, stop: threading.Event, comm: Any) -> None:

@@ -22,7 +22,7 @@ import itertools
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -97,8 +97,9 @@ class IPCDataPath(RoundSender):
         starter = _Starter(
             out.begin,
             timeout=_CONTROL_BOUND_S + self._timeout,
-            go_accepts=out.go_accepts,
+            go_accepts=out.go_accepts or out.one_request,
             wrote_early=out.wrote_early,
+            heard=out.heard if out.one_request else None,
         )
         try:
             return self._pump(itertools.chain(first, chunks), out.stop, starter)
@@ -321,9 +322,13 @@ class _Starter:
         timeout: float,
         go_accepts: bool = False,
         wrote_early: threading.Event | None = None,
+        heard: Callable[[], None] | None = None,
     ) -> None:
+        """``heard``: the round is one request (``Outgoing.one_request``): told once every
+        worker's first word was read, which is then the round's acceptance."""
         self._timeout = timeout
         self._go_accepts = go_accepts
+        self._heard = heard
         self._wrote_early = threading.Event() if wrote_early is None else wrote_early
         self._error: BaseException | None = None
         self._done: Future[None] | None = None
@@ -350,11 +355,19 @@ class _Starter:
         if self._error is not None:
             self.wait()
 
+    def heard_all(self) -> None:
+        """Every worker's first word of the round was read (each its go or its want). In a
+        round of one request (``heard`` given) that accepts it: ``begin`` returns now."""
+        if self._heard is not None:
+            self._heard()
+
     def before_write(self, gone: bool) -> bool:
         """Before the round's first write into a worker's serving parameters. ``gone``: every
         worker said from inside its start that it is in the round; where that is the round's
         acceptance (``Outgoing.go_accepts``) the write goes now, beside the start's answer,
-        and is recorded as early (True); else it waits for ``begin`` (its error raised here)."""
+        and is recorded as early (True); else it waits for ``begin`` (its error raised here).
+        In a round of one request every worker's go accepts it, from its update too."""
+        gone = gone or self._heard is not None
         if gone and self._go_accepts and self._done is not None and not self._done.done():
             self._wrote_early.set()  # before the write: a begin failing from now on sees it
             return True

@@ -28,6 +28,14 @@ body beside ``update_info``) commits the round right after its update succeeded,
 once: a round is two requests, its start and its update. A failed update commits nothing
 (as always); a failed commit fails as a failed finish does (its error names
 ``finish_weight_update``); after the commit, what the flags ask, as above.
+
+``UPDATE_STARTS`` (advertised too): ``/update_weights?start=true&pause=<mode>&finish=true``
+is the round in one request, for a trainer whose data path writes nothing before the
+workers' own word from inside their start or update (``weightwire_ipc`` written through):
+the start's checks and the update's body checks first (a refusal pauses and starts
+nothing), then the start's own pause and its workers' start, the update, the commit and the
+finish's flags. ``start`` needs ``finish``: a start and an update that leave the round open
+would only move the trainer's third call.
 """
 
 from __future__ import annotations
@@ -92,6 +100,38 @@ def pause_query(request: Request) -> str | None:
             422, f"pause must be one of {list(PAUSE_MODES)}, got {mode!r:.40}", param="pause"
         )
     return mode
+
+
+@dataclass(frozen=True)
+class StartAsked:
+    """An update's ``start=true``: the round's start (and its ``pause``) in the same request."""
+
+    pause: str | None = None
+
+
+def update_start_query(request: Request, then: AfterCommit | None) -> StartAsked | None:
+    """An update's ``start`` flag and, with it, the start's ``pause`` (None: the round was
+    started apart; 422 naming a bad flag, a start without ``finish=true``, or a ``pause``
+    without ``start``)."""
+    raw = request.query_params.get("start")
+    if raw is None or raw.lower() in _FALSE:
+        if "pause" in request.query_params:
+            raise ApiError(
+                422, "query parameter pause is a start's: give start=true with it", param="pause"
+            )
+        return None
+    if raw.lower() not in _TRUE:
+        raise ApiError(
+            422, f"query parameter start must be true or false, got {raw!r:.40}", param="start"
+        )
+    if then is None:
+        raise ApiError(
+            422,
+            "start=true needs finish=true: the round in one request is its start, its update "
+            "and its commit (start the round apart with /start_weight_update otherwise)",
+            param="start",
+        )
+    return StartAsked(pause_query(request))
 
 
 def update_finish_query(request: Request) -> AfterCommit | None:

@@ -23,13 +23,16 @@ from weightwire.shared.routes import (
     SERVED_MODEL,
     START_PAUSES,
     UPDATE_FINISHES,
+    UPDATE_STARTS,
 )
 from weightwire.shared.timeouts import Timeouts
 from weightwire.tools.server.after_commit import (
+    StartAsked,
     after_commit,
     after_commit_query,
     pause_query,
     update_finish_query,
+    update_start_query,
 )
 from weightwire.tools.server.call_clock import CallClock
 from weightwire.tools.server.control_routes import pause_generation
@@ -110,7 +113,7 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
             "message": "Weight transfer initialized",
             "session_id": session_id,
             # the client uses only what is named here
-            "features": [START_PAUSES, FINISH_RESETS_RESUMES, UPDATE_FINISHES],
+            "features": [START_PAUSES, FINISH_RESETS_RESUMES, UPDATE_FINISHES, UPDATE_STARTS],
         }
         # every replica loads the one model directory: the first one's says it for all
         served = replies[0].get(SERVED_MODEL) if replies and isinstance(replies[0], dict) else None
@@ -150,29 +153,9 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         clock = CallClock()
         await read_no_body(request)
         mode = pause_query(request)  # advertised (START_PAUSES): pause first, in this request
-        require_owner(state, request, "start_weight_update")
-        session.check_start()
-        if state.sleep.weights_asleep:
-            raise SessionError(
-                409,
-                f"start_weight_update refused: the server is asleep (/sleep level "
-                f"{state.sleep.level}) and its weights are not loaded; POST "
-                "/wake_up?tags=weights before sending a round",
-            )
-        if mode is not None:  # only once the start's own checks passed: a refusal pauses nothing
-            with clock.part("pause"):
-                await _pause_first(state, mode)
-        async with session.operation("start_weight_update"):
-            with clock.part("worker"):
-                await fan_out_or_fail(
-                    state,
-                    "start_weight_update",
-                    "start",
-                    timeout=opts.op_timeout_s,
-                    abort_on_failure=True,
-                )
-            session.started()
-            arm_lease(state)
+        _start_checks(state, request)
+        await _open_round(state, mode, clock)
+        arm_lease(state)
         return JSONResponse({"message": "Weight update started"}, headers=clock.headers())
 
     @app.post(route_path("start_draft_weight_update"))
@@ -188,37 +171,45 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
     async def update_weights(request: Request) -> JSONResponse:
         clock = CallClock()
         then = update_finish_query(request)  # advertised (UPDATE_FINISHES); checked first
+        starts = update_start_query(request, then)  # advertised (UPDATE_STARTS)
         body = await read_object(
             request,
             allowed=("update_info",) if then is None else ("update_info", "weight_version"),
             required=("update_info",),
         )
-        version = None if then is None else version_field(body, "weight_version", optional=True)
-        require_owner(state, request, "update_weights")
-        session.check_update()
+        try:
+            version = None if then is None else version_field(body, "weight_version", optional=True)
+        except ApiError as exc:
+            if starts is None:
+                raise
+            raise ApiError(
+                exc.status,
+                f"start_weight_update refused: {exc.message}; nothing was paused or started",
+                param=exc.param,
+            ) from None
+        per: list[dict[str, Any]] | None = None
+        if starts is not None:  # the round in one request: the start's steps first
+            per = await _start_in_update(state, request, body, starts, clock)
+        else:
+            require_owner(state, request, "update_weights")
+            session.check_update()
+        # No await between the start's end and the update's operation: nothing else runs
+        # between the two steps of a round in one request.
         async with session.operation("update_weights"):
             lease.disarm()
-            try:
-                # A round's metadata can list a million names: validate off the event loop. A small
-                # body (metadata reuse: empty lists) is checked in microseconds, less than the hop.
-                if (
-                    len(await request.body()) > INLINE_UPDATE_BYTES
-                ):  # the body is cached: no second read
-                    per = await asyncio.to_thread(
-                        parse_update_payload, body["update_info"], state.replicas
-                    )
-                else:
-                    per = parse_update_payload(body["update_info"], state.replicas)
-            except ApiError as exc:
-                # The trainer is already broadcasting: tear the group down so it fails fast.
-                await pool.abort_all()
-                session.failed(f"update_weights: {exc.message}")
-                raise ApiError(
-                    exc.status,
-                    f"{exc.message}; the round was aborted, POST "
-                    "/init_weight_transfer_engine to start again",
-                    param=exc.param,
-                ) from None
+            if per is None:
+                try:
+                    per = await _update_payload(state, request, body)
+                except ApiError as exc:
+                    # The trainer is already broadcasting: tear the group down so it fails fast.
+                    await pool.abort_all()
+                    session.failed(f"update_weights: {exc.message}")
+                    raise ApiError(
+                        exc.status,
+                        f"{exc.message}; the round was aborted, POST "
+                        "/init_weight_transfer_engine to start again",
+                        param=exc.param,
+                    ) from None
             with clock.part("worker"):
                 results = await fan_out_or_fail(
                     state,
@@ -239,7 +230,9 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                 {"message": "Weights updated", "replicas": results}, headers=clock.headers()
             )
         reply = {
-            "message": "Weights updated and finished",
+            "message": "Weights updated and finished"
+            if starts is None
+            else "Weight update started, weights updated and finished",
             "replicas": results,
             "weight_version": session.weight_version,
         }
@@ -267,6 +260,86 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         reply = {"message": "Weight update finished", "weight_version": session.weight_version}
         done = after_commit(state, then)
         return JSONResponse({**reply, **done}, headers=clock.headers())
+
+
+def _start_checks(state: ServerState, request: Request) -> None:
+    """What refuses a start before anything is done (the caller's session, the round's
+    phase, sleep): the start's and the update's that starts (one definition)."""
+    require_owner(state, request, "start_weight_update")
+    state.session.check_start()
+    if state.sleep.weights_asleep:
+        raise SessionError(
+            409,
+            f"start_weight_update refused: the server is asleep (/sleep level "
+            f"{state.sleep.level}) and its weights are not loaded; POST "
+            "/wake_up?tags=weights before sending a round",
+        )
+
+
+async def _open_round(state: ServerState, mode: str | None, clock: CallClock) -> None:
+    """The start once its checks passed: its own pause (``START_PAUSES``; only now, so a
+    refusal paused nothing), then every worker's start (a worker written through sends its go
+    on the data plane from inside it), and the round is open."""
+    session = state.session
+    if mode is not None:
+        with clock.part("pause"):
+            await _pause_first(state, mode)
+    async with session.operation("start_weight_update"):
+        with clock.part("worker"):
+            await fan_out_or_fail(
+                state,
+                "start_weight_update",
+                "start",
+                timeout=state.options.op_timeout_s,
+                abort_on_failure=True,
+            )
+        session.started()
+
+
+async def _update_payload(
+    state: ServerState, request: Request, body: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The update info checked, one per replica (``ApiError`` 422 naming the field)."""
+    # A round's metadata can list a million names: validate off the event loop. A small
+    # body (metadata reuse: empty lists) is checked in microseconds, less than the hop.
+    if len(await request.body()) > INLINE_UPDATE_BYTES:  # the body is cached: no second read
+        return await asyncio.to_thread(parse_update_payload, body["update_info"], state.replicas)
+    return parse_update_payload(body["update_info"], state.replicas)
+
+
+async def _start_in_update(
+    state: ServerState,
+    request: Request,
+    body: dict[str, Any],
+    starts: StartAsked,
+    clock: CallClock,
+) -> list[dict[str, Any]]:
+    """``UPDATE_STARTS``: the start's checks and the update info's, then the start (its pause,
+    its workers' start); returns the update info per replica. Every refusal comes before the
+    pause and before any worker starts: the session and the engine stay as they were (the
+    trainer wrote nothing: its data path waits for the workers' word from inside the round).
+    Every error's message begins with ``start_weight_update`` (what failed)."""
+    try:
+        _start_checks(state, request)
+        try:
+            per = await _update_payload(state, request, body)
+        except ApiError as exc:
+            raise ApiError(
+                exc.status,
+                f"start_weight_update refused: the update's {exc.message}; nothing was paused "
+                "or started",
+                param=exc.param,
+            ) from None
+        await _open_round(state, starts.pause, clock)
+    except (ApiError, SessionError) as exc:
+        message = exc.message
+        if not message.startswith("start_weight_update"):
+            verb = "refused" if exc.status < 500 else "failed"
+            message = f"start_weight_update {verb}: {message}"
+        if isinstance(exc, SessionError):
+            raise SessionError(exc.status, message) from None
+        raise ApiError(exc.status, message, param=exc.param) from None
+    return per
 
 
 async def _pause_first(state: ServerState, mode: str) -> None:

@@ -173,6 +173,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
     """Rounds written into the workers' parameters (see the module docstring)."""
 
     in_place = True
+    hears_workers = True  # every worker's first message is read before any write
 
     def _setup(self) -> None:
         super()._setup()
@@ -224,6 +225,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
                 if landed is not None and self._planned_for(landed):
                     staged[w] = self._stage(w, f)
             self._paths(f.deadline, f.alive)
+            f.starter.heard_all()
             for w, through in enumerate(self._through):
                 known = staged.get(w)
                 if known is not None and (not through or known.landed is not self._landed[w]):
