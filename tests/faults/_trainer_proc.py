@@ -1,6 +1,8 @@
 """A trainer process that dies mid-broadcast: ``python -m tests.faults._trainer_proc CONFIG_JSON``.
 
-Config: ``{"url", "model_dir", "kill_at", "stage_budget_bytes"?}``. It runs one good
+Config: ``{"url", "model_dir", "kill_at", "stage_budget_bytes"?, "one_request"?}``
+(``one_request``: its data path hears the workers, ``tests.faults.one_request``, so each
+round is one request). It runs one good
 round (version ``t1``), prints ``{"committed": {name: sha256}}`` as one JSON line, then
 starts a second round and SIGKILLs itself just before yielding tensor ``kill_at``, once the server
 is inside ``update_weights``: earlier chunks are on the wire, as in a trainer crash.
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 from tests.faults.harness import Probe, TensorSource, engine_for, hook_at, load_weights
+from tests.faults.one_request import hearing
 
 
 def main() -> int:
@@ -26,9 +29,13 @@ def main() -> int:
         {"stage_budget_bytes": cfg["stage_budget_bytes"]} if "stage_budget_bytes" in cfg else {}
     )
     engine = engine_for(cfg["url"], source, **budget)
+    wire = hearing(engine, cfg["url"]) if cfg.get("one_request") else None
     committed = source.perturb(101)
     engine.send_weights("t1")
-    print(json.dumps({"committed": committed}), flush=True)
+    told: dict[str, object] = {"committed": committed}
+    if wire is not None:
+        told["one_request"] = wire.rounds[-1]
+    print(json.dumps(told), flush=True)
     probe = Probe(cfg["url"])
 
     def die() -> None:  # once the server is inside update_weights, receiving this round

@@ -1,0 +1,372 @@
+"""The round in one request (``routes.UPDATE_STARTS``: the reference server's
+``/update_weights?start=true&pause=..&finish=true``), against the real server (``weightwire
+serve``), over a data path that writes nothing before its workers' word from inside the
+round (``tests.faults.one_request``: the TCP data path told so, as ``weightwire_ipc`` written
+through is): one HTTP call a round in every pause mode; a start refused (asleep, a bad
+``weight_version`` or update info) writes, pauses and starts nothing and the engine stays
+usable; a source failing on its first tensor sends nothing; one failing mid-round, or a
+trainer killed mid-round, fails the server's round (nothing half-new served, the engine needs
+a new init); a second trainer's init during the request is refused; an overlapped round and
+a delta round keep their rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.faults.harness import (
+    Probe,
+    TensorSource,
+    assert_weights,
+    engine_for,
+    hook_at,
+    quiet_shutdown,
+)
+from tests.faults.one_request import ONE_REQUEST, hearing
+from tests.faults.servers import Server
+from tests.faults.test_finish_in_update_combos import _recording, _sparse
+from weightwire.shared.errors import ConfigError, RoundError, WeightSyncError
+from weightwire.shared.limits import LIMITS
+
+IN_PLACE = {"stage_budget_bytes": 0}  # a round applied in place: paused as a whole
+
+
+def _paused(probe: Probe) -> bool:
+    return bool(probe.http.get("/is_paused").json()["is_paused"])
+
+
+def _one(mode: str = "abort", reset: str = "true") -> str:
+    return ONE_REQUEST.format(mode=mode, reset=reset)
+
+
+@pytest.mark.parametrize(
+    ("info", "mode", "reset"),
+    [
+        ({"pause_mode": "abort"}, "abort", "true"),
+        ({"pause_mode": "wait"}, "wait", "true"),
+        # keep would queue requests behind a round applied in place: paused with abort
+        ({"pause_mode": "keep"}, "abort", "true"),
+        ({"reset_prefix_cache": False}, "abort", "false"),
+    ],
+    ids=["abort", "wait", "keep", "no_reset"],
+)
+def test_a_round_is_one_request_in_every_pause_mode_and_serves_what_it_sent(
+    shared_server: Server,
+    probe: Probe,
+    source: TensorSource,
+    info: dict[str, Any],
+    mode: str,
+    reset: str,
+) -> None:
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE, **info)
+    wire = hearing(engine, shared_server.url)
+    try:
+        for step, version in ((11, "one-a"), (12, "one-b")):
+            want = source.perturb(step)
+            client.sent.clear()
+            metrics = engine.send_weights(version)
+            # (the session's first round applied in place asks once for a round guard)
+            assert client.sent[-1] == _one(mode, reset) and len(client.sent) in (1, 3)
+            assert metrics.http_calls == len(client.sent) and wire.rounds[-1] is True
+            assert_weights(probe, want, version)
+            assert not _paused(probe)  # the request's commit resumed it
+        assert client.sent == [_one(mode, reset)] and metrics.http_calls == 1
+        probe.greedy()  # generation runs on what was sent
+    finally:
+        quiet_shutdown(engine)
+
+
+def test_an_asleep_server_refuses_the_request_before_anything_and_the_engine_stays_usable(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
+    hearing(engine, shared_server.url)
+    try:
+        want = source.perturb(13)
+        engine.send_weights("awake")
+        failed = probe.session()["rounds_failed"]
+        assert probe.http.post("/sleep", params={"level": 1}).status_code == 200
+        source.perturb(14)
+        client.sent.clear()
+        with pytest.raises(WeightSyncError, match="asleep") as got:
+            engine.send_weights("asleep")
+        assert got.value.route == "start_weight_update" and got.value.status == 409
+        assert client.sent == [_one()]  # the one request, refused: no resume sent after it
+        session = probe.session()
+        assert session["rounds_failed"] == failed and session["state"] != "round_active"
+        assert probe.http.post("/wake_up").status_code == 200
+        assert not _paused(probe)  # the refused start paused nothing (a trainer pause stays)
+        assert_weights(probe, want, "awake")  # nothing written
+        want = source.perturb(15)
+        client.sent.clear()
+        engine.send_weights("after-sleep")  # the same engine, its link intact
+        assert client.sent == [_one()]
+        assert_weights(probe, want, "after-sleep")
+    finally:
+        quiet_shutdown(engine)
+
+
+def test_a_bad_version_or_update_info_is_refused_by_the_start_before_its_pause(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """The server checks the request's ``weight_version`` and update info with the start's
+    own checks: a refusal names ``start_weight_update``, pauses and starts nothing, and the
+    session lives on (the trainer refuses an over-long version before any call)."""
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
+    hearing(engine, shared_server.url)
+    try:
+        want = source.perturb(16)
+        engine.send_weights("good")
+        failed = probe.session()["rounds_failed"]
+        too_long = "v" * (LIMITS.max_weight_version_chars + 1)
+        client.sent.clear()
+        with pytest.raises(ConfigError, match="over the 1024 a server takes"):
+            engine.send_weights(too_long)
+        assert client.sent == []
+        bad = [
+            ({"names": ["a"], "dtype_names": ["float32"], "shapes": [[2]]}, too_long, "weight_v"),
+            ({"names": ["a"], "dtype_names": ["float99"], "shapes": [[2]]}, "v", "update's"),
+        ]
+        for update_info, version, needle in bad:
+            with pytest.raises(WeightSyncError, match=needle) as got:
+                client.start_update_finish(
+                    update_info, version, pause="abort", reset_caches=True, resume=True
+                )
+            assert got.value.route == "start_weight_update" and got.value.status == 422
+            assert "start_weight_update refused" in got.value.message
+            assert "nothing was paused or started" in got.value.message
+            assert not _paused(probe)
+            assert probe.session()["rounds_failed"] == failed
+        want = source.perturb(17)
+        engine.send_weights("still-good")
+        assert_weights(probe, want, "still-good")
+    finally:
+        quiet_shutdown(engine)
+
+
+def test_a_source_failing_on_its_first_tensor_sends_nothing_and_the_next_is_one_request(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
+    hearing(engine, shared_server.url)
+
+    def broken(i: int) -> None:
+        if i == 0:
+            raise RuntimeError("the source broke on its first tensor")
+
+    try:
+        engine.send_weights("first")
+        failed = probe.session()["rounds_failed"]
+        client.sent.clear()
+        source.hook = broken
+        source.perturb(18)
+        with pytest.raises(RuntimeError, match="broke on its first tensor"):
+            engine.send_weights("never")
+        assert client.sent == [] and not _paused(probe)
+        source.hook = None
+        want = source.perturb(19)
+        engine.send_weights("next")
+        assert client.sent == [_one()]
+        assert_weights(probe, want, "next")
+        assert probe.session()["rounds_failed"] == failed
+    finally:
+        source.hook = None
+        quiet_shutdown(engine)
+
+
+def test_a_source_failing_mid_round_fails_the_servers_round_and_breaks_the_engine(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """After the workers' word the trainer wrote: its link is aborted, the workers' update
+    fails, the server's round fails (version kept, the model refused until a whole round
+    commits); the engine refuses rounds until a new init, whose round commits in one request."""
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
+    hearing(engine, shared_server.url)
+
+    def fail() -> None:
+        raise RuntimeError("the source broke mid-round")
+
+    try:
+        engine.send_weights("before")
+        failed = probe.session()["rounds_failed"]
+        source.perturb(20)
+        source.hook = hook_at(3, fail)
+        client.sent.clear()
+        with pytest.raises(RuntimeError, match="broke mid-round"):
+            engine.send_weights("half")
+        assert client.sent == [_one()]
+        probe.wait_session(
+            lambda s: s["rounds_failed"] == failed + 1 and s["busy"] is None, timeout=15
+        )
+        assert probe.version() == "before"  # nothing half-new named as served
+        info = probe.http.get("/weight_info").json()
+        assert info["round_incomplete"] or _paused(probe), info  # and nothing half-new served
+        source.hook = None
+        with pytest.raises(RoundError):
+            engine.send_weights("refused")
+    finally:
+        source.hook = None
+        quiet_shutdown(engine)
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
+    hearing(engine, shared_server.url)
+    try:
+        want = source.perturb(21)
+        client.sent.clear()
+        engine.send_weights("whole")
+        assert client.sent[-1] == _one()
+        assert_weights(probe, want, "whole")
+        assert not _paused(probe)
+    finally:
+        quiet_shutdown(engine)
+
+
+def test_a_second_trainers_init_during_the_request_is_refused_and_the_round_commits(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
+    hearing(engine, shared_server.url)
+    refused: list[BaseException] = []
+
+    def intruder() -> None:  # mid-round, inside the one request
+        other = TensorSource(dict(source.tensors))
+        try:
+            engine_for(shared_server.url, other)
+        except WeightSyncError as exc:
+            refused.append(exc)
+
+    try:
+        engine.send_weights("owner")
+        want = source.perturb(22)
+        source.hook = hook_at(3, intruder)
+        client.sent.clear()
+        engine.send_weights("kept")
+        assert client.sent == [_one()]
+        assert_weights(probe, want, "kept")
+        (exc,) = refused  # the round's request holds the session: refused, not queued
+        assert isinstance(exc, WeightSyncError) and exc.route == "init_weight_transfer_engine"
+        assert exc.status == 409 and "(update_weights) is in progress" in exc.message
+    finally:
+        source.hook = None
+        quiet_shutdown(engine)
+
+
+def test_an_overlapped_round_is_not_one_request(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """``wait=False``: shutdown may stop the round right before its commit, so its finish is
+    its own call, and so its start is too."""
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
+    wire = hearing(engine, shared_server.url)
+    try:
+        want = source.perturb(23)
+        client.sent.clear()
+        engine.send_weights("overlapped", wait=False).result(timeout=60)
+        assert wire.rounds[-1] is False
+        assert "start_weight_update?pause=abort" in client.sent
+        assert "update_weights" in client.sent
+        assert any(sent.startswith("finish_weight_update") for sent in client.sent)
+        assert_weights(probe, want, "overlapped")
+    finally:
+        quiet_shutdown(engine)
+
+
+@pytest.mark.slow  # ~4 s: two rounds of the 64 MB model's delta extraction on the CPU
+def test_a_delta_round_goes_in_one_request(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, delta="auto", **IN_PLACE)
+    hearing(engine, shared_server.url)
+    try:
+        _sparse(source, 31)
+        engine.send_weights("base")  # dense: the base
+        want = _sparse(source, 32)
+        client.sent.clear()
+        delta = engine.send_weights("patched")
+        assert delta.nbytes < delta.dense_bytes // 100  # patches only
+        assert client.sent == [_one()] and delta.http_calls == 1
+        assert_weights(probe, want, "patched")
+    finally:
+        quiet_shutdown(engine)
+
+
+@pytest.mark.slow  # ~5 s: a trainer process of its own
+def test_a_trainer_killed_mid_request_settles_the_servers_round(
+    shared_server: Server, probe: Probe, fault_model: Path, source: TensorSource
+) -> None:
+    """SIGKILL mid-round, inside its one request: the workers see the link close, the
+    server's round fails (nothing committed, the previous version named), and a new
+    trainer's round in one request commits."""
+    repo = Path(__file__).resolve().parents[2]
+    cfg = {
+        "url": shared_server.url,
+        "model_dir": str(fault_model),
+        "kill_at": 3,
+        "stage_budget_bytes": 0,
+        "one_request": True,
+    }
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+    }
+    failed = probe.session()["rounds_failed"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.faults._trainer_proc", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo,
+        env=env,
+    )
+    assert proc.returncode == -signal.SIGKILL, f"rc={proc.returncode}\n{proc.stderr[-3000:]}"
+    assert json.loads(proc.stdout.splitlines()[0])["one_request"] is True  # its first round
+    probe.wait_session(lambda s: s["busy"] is None and s["rounds_failed"] == failed + 1, timeout=15)
+    assert probe.version() == "t1"
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
+    hearing(engine, shared_server.url)
+    try:
+        want = source.perturb(33)
+        engine.send_weights("after-kill")
+        assert client.sent[-1] == _one()
+        assert_weights(probe, want, "after-kill")
+    finally:
+        quiet_shutdown(engine)
+
+
+def test_without_the_servers_offer_the_round_keeps_its_two_calls(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """A server that did not name ``update_starts`` (stock vLLM names nothing): the start
+    that pauses and the update that finishes, as before."""
+
+    client = _recording(shared_server.url)
+    client.updates_with_start = lambda: False  # what a server that named none answers
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
+    wire = hearing(engine, shared_server.url)
+    try:
+        want = source.perturb(34)
+        client.sent.clear()
+        engine.send_weights("two")
+        assert client.sent[-2:] == [
+            "start_weight_update?pause=abort",
+            "update_weights?finish=true&reset_caches=true&resume=true",
+        ]
+        assert wire.rounds[-1] is False
+        assert_weights(probe, want, "two")
+    finally:
+        quiet_shutdown(engine)
