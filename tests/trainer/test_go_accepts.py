@@ -165,3 +165,135 @@ def test_release_does_not_wait_for_a_start_behind_its_own_pause() -> None:
     assert time.perf_counter() - t0 < 0.3  # the pause is out: nothing to hand over yet
     early.wait()
     assert early.paused and early.start_returned
+
+
+# -- the round in one request (UPDATE_STARTS) ----------------------------------------------
+
+
+class Hearing:
+    """A data path that hears its workers (``RoundSender.hears_workers``): ``begin`` on a
+    helper (as ``weightwire_ipc``'s starter runs it), every worker's word heard (``hear``)
+    or not, then its own failure (``fail``) or none."""
+
+    hears_workers = True
+
+    def __init__(self, hear: bool, fail: BaseException | None = None) -> None:
+        self.hear, self.fail, self.settled = hear, fail, 0
+
+    def send(self, out: Outgoing) -> Sent:
+        import threading
+
+        assert out.one_request and out.heard is not None and out.begin is not None
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                out.begin()  # type: ignore[misc]
+            except BaseException as exc:
+                errors.append(exc)
+
+        helper = threading.Thread(target=run)
+        helper.start()
+        if self.hear:
+            out.heard()
+        helper.join(5.0)
+        assert not helper.is_alive(), "begin did not return"
+        if self.fail is not None:
+            raise self.fail
+        if errors:
+            raise errors[0]
+        return Sent(0, 0)
+
+    def settle(self) -> None:
+        self.settled += 1
+
+
+def _one_request(pipe: Hearing, post: Any, order: list[str] | None = None) -> tuple[Transfer, Comm]:
+    comm = Comm()
+    log = [] if order is None else order
+    step = Transfer(
+        comm,
+        pipe,  # type: ignore[arg-type]
+        post_update=lambda: (log.append("request"), post())[1],
+        control=lambda: log.append("control"),
+        clock=PhaseClock(),
+        http_s=5.0,
+        finishes=True,
+        one_request=True,
+    )
+    return step, comm
+
+
+def test_a_round_in_one_request_runs_control_then_sends_it_and_returns_its_answer() -> None:
+    order: list[str] = []
+    step, comm = _one_request(Hearing(hear=True), lambda: None, order)
+    assert step.run([], []) == Sent(0, 0)
+    assert order == ["control", "request"]  # control sends nothing: it records the request
+    assert step.broken is None and comm.aborted == 0
+
+
+def test_a_request_refused_before_the_workers_spoke_keeps_the_engine() -> None:
+    from weightwire.shared.errors import WeightSyncError
+
+    refused = WeightSyncError("start_weight_update", 409, "start_weight_update refused", "s")
+
+    def post() -> None:
+        raise refused
+
+    pipe = Hearing(hear=False)
+    step, comm = _one_request(pipe, post)
+    with pytest.raises(WeightSyncError) as got:
+        step.run([], [])
+    assert got.value is refused  # the server's own word, named for the start
+    assert step.broken is None and comm.aborted == 0 and pipe.settled == 1
+
+
+def test_a_request_failing_after_the_workers_spoke_breaks_the_engine() -> None:
+    import threading
+
+    from weightwire.shared.errors import WeightSyncError
+
+    failed = WeightSyncError("update_weights", 500, "update_weights failed: replica 0", "s")
+    heard = threading.Event()
+
+    def post() -> None:
+        heard.wait(5.0)  # the data path wrote: the workers are in the round
+        raise failed
+
+    pipe = Hearing(hear=True)
+    original = pipe.send
+
+    def send(out: Outgoing) -> Sent:
+        sent = original(out)
+        heard.set()
+        return sent
+
+    pipe.send = send  # type: ignore[method-assign]
+    step, comm = _one_request(pipe, post)
+    with pytest.raises(WeightSyncError) as got:
+        step.run([], [])
+    assert got.value is failed and step.broken is failed
+    assert comm.aborted >= 1 and pipe.settled == 0
+
+
+def test_the_trainers_own_failure_with_the_request_out_closes_the_link() -> None:
+    """Its source failed before any worker spoke, the request still out: the servers may
+    open a round that gets no byte, so the link is aborted (the workers see it close) and
+    the engine needs a new init."""
+    import threading
+
+    answer = threading.Event()
+    pipe = Hearing(hear=False, fail=RuntimeError("the source broke"))
+    step, comm = _one_request(pipe, lambda: answer.wait(5.0))
+
+    def answered_late() -> None:
+        answer.set()
+
+    try:
+        # begin waits for the workers' word or the answer: let the answer come late
+        threading.Timer(0.2, answered_late).start()
+        with pytest.raises(RuntimeError, match="the source broke") as got:
+            step.run([], [])
+    finally:
+        answer.set()
+    assert step.broken is got.value and comm.aborted >= 1
