@@ -1,5 +1,6 @@
 """The reference server's start that pauses first, finish that also resets the caches and
-resumes, and update that also commits (all advertised at init).
+resumes, update that also commits, and update that also starts: the round in one request
+(all advertised at init).
 
 Over the real app (``create_app``) with an in-process pool whose receiver answers at once:
 the init reply names the feature; ``?reset_caches=true&resume=true`` resumes generation only
@@ -21,7 +22,12 @@ from weightwire.backends.tcp.spec import TCP
 from weightwire.control.client import HTTPWeightSyncClient
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.info import encode_secret
-from weightwire.shared.routes import FINISH_RESETS_RESUMES, START_PAUSES, UPDATE_FINISHES
+from weightwire.shared.routes import (
+    FINISH_RESETS_RESUMES,
+    START_PAUSES,
+    UPDATE_FINISHES,
+    UPDATE_STARTS,
+)
 from weightwire.tools.bench.sync_http import InProcessPool
 from weightwire.tools.server.app import ServerOptions, ServerState, create_app
 
@@ -78,7 +84,12 @@ def client_for(http: TestClient) -> HTTPWeightSyncClient:
 def test_init_names_the_feature_and_a_committed_finish_resets_and_resumes(served: Any) -> None:
     state, http = served
     reply = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
-    assert reply["features"] == [START_PAUSES, FINISH_RESETS_RESUMES, UPDATE_FINISHES]
+    assert reply["features"] == [
+        START_PAUSES,
+        FINISH_RESETS_RESUMES,
+        UPDATE_FINISHES,
+        UPDATE_STARTS,
+    ]
     http.post("/pause", params={"mode": "abort"})
     http.post("/start_weight_update")
     http.post(
@@ -325,3 +336,110 @@ def test_a_start_whose_wait_pause_timed_out_started_nothing_and_undid_its_pause(
             assert refused.value.status == 504 and "still running" in refused.value.message
             assert state.gate.mode == held and state.session.phase.name != "ROUND"
             assert "start" not in receiver.ops
+
+
+# -- the round in one request (UPDATE_STARTS) ------------------------------------------------
+
+ONE = {"start": "true", "pause": "abort", "finish": "true", **THEN}
+
+
+def test_the_round_in_one_request_starts_pauses_updates_commits_and_resumes() -> None:
+    receiver = Instant()
+    state, http = _serve(receiver)
+    with http:
+        client = client_for(http)
+        client.init_weight_transfer_engine(INIT)
+        assert client.updates_with_start()
+        (reply,) = client.start_update_finish(
+            EMPTY, "v1", pause="abort", reset_caches=True, resume=True
+        )
+        assert reply["message"] == "Weight update started, weights updated and finished"
+        assert reply["weight_version"] == "v1" and reply["resumed"] and reply["caches_reset"]
+        # the start's cancel, its workers' start, the update, the commit: in that order
+        assert receiver.ops[-3:] == ["start", "update", "finish"]
+        assert state.session.describe()["state"] != "round_active" and not state.gate.paused
+        assert state.session.rounds_committed == 1
+        # without a pause the start pauses nothing (a staged round's shape)
+        (reply,) = client.start_update_finish(
+            EMPTY, "v2", pause=None, reset_caches=True, resume=False
+        )
+        assert reply["weight_version"] == "v2" and "resumed" not in reply
+
+
+def test_the_round_in_one_request_is_refused_before_its_pause_naming_the_start() -> None:
+    """Every check that can refuse (a bad flag, the caller's session, a round already open,
+    sleep, the version, the update info) runs before the start's pause and before any worker
+    starts; the refusal names ``start_weight_update`` and the session lives on."""
+    from weightwire.shared.routes import SESSION_HEADER
+
+    receiver = Instant()
+    state, http = _serve(receiver)
+    with http:
+        sid = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
+        own = {SESSION_HEADER: sid["session_id"]}
+        body = {"update_info": EMPTY, "weight_version": "v"}
+        for params, says in (
+            ({"start": "true", "pause": "abort"}, "start=true needs finish=true"),
+            ({"pause": "abort", "finish": "true"}, "query parameter pause is a start's"),
+            ({**ONE, "pause": "soon"}, "pause must be one of"),
+            ({**ONE, "start": "maybe"}, "query parameter start must be true or false"),
+        ):
+            r = http.post("/update_weights", params=params, json=body, headers=own)
+            assert r.status_code == 422 and says in r.text, r.text
+        refusals: list[tuple[dict[str, Any], dict[str, str], int, str]] = [
+            (body, {SESSION_HEADER: "another"}, 409, "was replaced by a newer"),
+            ({**body, "weight_version": "v" * 5000}, own, 422, "weight_version must be"),
+            ({"update_info": {"names": [1]}, "weight_version": "v"}, own, 422, "update's"),
+        ]
+        for sent, headers, status, says in refusals:
+            r = http.post("/update_weights", params=ONE, json=sent, headers=headers)
+            assert r.status_code == status and says in r.text, r.text
+            assert "start_weight_update refused" in r.text
+        state.sleep.weights_asleep, state.sleep.level = True, 1
+        r = http.post("/update_weights", params=ONE, json=body, headers=own)
+        assert r.status_code == 409 and "start_weight_update refused: the server is asleep" in (
+            r.text
+        )
+        state.sleep.weights_asleep, state.sleep.level = False, None
+        assert receiver.ops.count("start") == 0 and "update" not in receiver.ops
+        assert not state.gate.paused and state.session.session_id == sid["session_id"]
+        assert state.session.rounds_failed == 0
+        http.post("/start_weight_update", headers=own)  # a round already open
+        r = http.post("/update_weights", params=ONE, json=body, headers=own)
+        assert r.status_code == 409 and "start_weight_update refused: a weight update is" in (
+            r.text
+        )
+        assert receiver.ops.count("start") == 1 and not state.gate.paused
+
+
+@pytest.mark.parametrize(
+    ("fails", "route"),
+    [
+        ("start", "start_weight_update"),
+        ("update", "update_weights"),
+        ("finish", "finish_weight_update"),
+    ],
+)
+def test_a_step_failing_inside_the_one_request_is_named_and_commits_nothing(
+    fails: str, route: str
+) -> None:
+    receiver = Instant(fails)
+    state, http = _serve(receiver)
+    with http:
+        client = client_for(http)
+        client.init_weight_transfer_engine(INIT)
+        with pytest.raises(WeightSyncError, match=f"the worker's {fails} failed") as caught:
+            client.start_update_finish(EMPTY, "v1", pause="abort", reset_caches=True, resume=True)
+        assert caught.value.route == route  # the step that failed, inside the one request
+        assert caught.value.status is not None and caught.value.status >= 500
+        ops = receiver.ops
+        assert (
+            ops[ops.index("start") :][: ["start", "update", "finish"].index(fails) + 1]
+            == [
+                "start",
+                "update",
+                "finish",
+            ][: ["start", "update", "finish"].index(fails) + 1]
+        )
+        assert state.session.weight_version != "v1" and state.gate.paused  # held, not resumed
+        assert state.session.session_id is None  # the session failed: a new init is needed
