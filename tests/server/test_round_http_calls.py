@@ -55,11 +55,14 @@ def rounds(
     timings: dict[str, str | None] | None = None,
     before: Callable[[], object] | None = None,
     accepts: list[bool] | None = None,
+    hears: bool = False,
     **info: Any,
 ) -> list[tuple[int | None, list[str]]]:
     """Two rounds of the checkpoint's tensors: each one's ``http_calls`` and its requests
     (into ``timings``: the last reply's Server-Timing header of each route); ``before``
-    runs after the trainer's init, right before the first round."""
+    runs after the trainer's init, right before the first round. ``hears``: the data path
+    hears its workers before it writes (``tests.faults.one_request``: a round may then be
+    one request)."""
     timings = {} if timings is None else timings
     from safetensors.torch import load_file
 
@@ -76,6 +79,10 @@ def rounds(
         source=DictSource(weights, lambda t: (wire_name(t.dtype), tuple(t.shape))),
     )
     out = []
+    if hears:
+        from tests.faults.one_request import hearing
+
+        hearing(engine, url if isinstance(url, str) else url[0])
     sender = engine.session.sender
     if accepts is not None and sender is not None:  # each round's Outgoing.go_accepts
         send = sender.send
@@ -147,6 +154,37 @@ def test_two_servers_are_not_accepted_at_a_go_and_keep_their_finish_apart(
     for _, sent in done[1:]:
         assert sent.count("update_weights") == 2  # one per server, nothing riding on it
         assert sent.count("finish_weight_update") == 2
+
+
+def test_a_round_over_a_data_path_that_hears_its_workers_is_one_http_call(
+    server: Any, tiny_llama: str
+) -> None:
+    """``UPDATE_STARTS``: where the data path writes nothing before its workers' word from
+    inside the round (``weightwire_ipc`` written through), the start rides on the update that
+    carries the finish; a staged round (its start does not pause) keeps its two calls."""
+    (first_calls, first), (calls, sent) = rounds(
+        server.url, tiny_llama, hears=True, stage_budget_bytes=0
+    )
+    one = "update_weights?start=true&pause=abort&finish=true&reset_caches=true&resume=true"
+    assert sent == [one] and calls == 1
+    assert first == ["round_guard", "version", one] and first_calls == 3
+    for calls, sent in rounds(server.url, tiny_llama, hears=True):
+        assert sent[0] == "start_weight_update" and calls == 2
+
+
+def test_two_servers_never_take_the_round_in_one_request(
+    server: Any, server_factory: Any, tiny_llama: str
+) -> None:
+    """A go from inside one server's start says nothing of another's, and one server could
+    commit while the other's update failed: two servers keep every call apart, whatever the
+    data path."""
+    other = server_factory(["--model", tiny_llama])
+    done = rounds([server.url, other.url], tiny_llama, hears=True, stage_budget_bytes=0)
+    for calls, sent in done[1:]:
+        assert not any("start=true" in call for call in sent)
+        assert sent.count("start_weight_update?pause=abort") == 2
+        assert sent.count("update_weights") == 2 and sent.count("finish_weight_update") == 2
+        assert calls is not None and calls >= 6
 
 
 def test_each_round_call_tells_the_server_time_it_took(server: Any, tiny_llama: str) -> None:
