@@ -431,6 +431,42 @@ def test_one_servers_gos_accept_the_round_and_its_first_write_goes_before_the_st
     assert [m["op"] for m in worker.seen] == ["path", "done", "done"]  # done after the start
 
 
+@pytest.mark.parametrize("early", [True, False], ids=["go_at_start", "go_with_update"])
+def test_a_round_in_one_request_is_accepted_at_any_go_and_says_it_heard_the_workers(
+    early: bool,
+) -> None:
+    """``Outgoing.one_request`` (``routes.UPDATE_STARTS``): every word of the round comes from
+    inside the one request, so the worker's go accepts it whether it came from its start or
+    (its table offered again, say) its update: written before ``begin`` returned, once
+    ``heard`` was told; nothing before the go."""
+    metas, table = _fused()
+    log, _, worker, pipe = _setup(table, metas)
+    worker.rounds = 2
+    worker.start()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)  # the table, accepted
+    worker.early = early
+    log.clear()
+
+    def begin() -> None:  # the request: answered only once the round committed
+        worker.started.release()
+        _until(lambda: any(e[0] == "copy" for e in log), 10.0)
+        log.append(("begun",))
+
+    out = Outgoing(
+        _fused_chunks(metas),
+        threading.Event(),
+        begin=begin,
+        metas=metas,
+        one_request=True,
+        heard=lambda: log.append(("heard",)),
+    )
+    assert pipe.send(out) == (112, 1)
+    worker.join(10)
+    ops = [e[0] for e in log if e[0] in ("begun", "copy", "heard")]
+    assert ops == ["heard", "copy", "copy", "copy", "begun"]
+    assert [m["op"] for m in worker.seen] == ["path", "done", "done"]
+
+
 def test_the_start_is_released_once_the_first_chunk_was_made_before_begin_runs() -> None:
     """The first chunk's tensors are read from the source, then the start is released (its
     staging and ``begin`` follow): a source that fails on its first tensors lets no start
