@@ -3,7 +3,7 @@ routes (or the shim).
 
     python benchmarks/bench_ipc.py --out bench_ipc.md [--engines jax,torch]
         [--models llama3-8b,qwen2-0.5b] [--rounds 5] [--warmup 2] [--control http|shim]
-        [--modes default,pull,push,write_through] [--sink]
+        [--modes default,pull,push,write_through] [--sink] [--two-calls]
 
 Three processes on the same GPU: the trainer (``JAXTrainerEngine`` torch-free, or
 ``TorchTrainerEngine``) with synthetic bf16 weights of the model's HF shapes; the
@@ -29,8 +29,9 @@ every tensor into its place in the parameters, measured in the worker; the sink:
 tensor into one buffer); the control ms (start) and finish ms; trainer extra memory
 (push: the slot ring, raw ``cudaMalloc``; pull, write-through: none) and worker extra (torch
 peak over a round, plus pull mode's receive pool); the HTTP calls per round
-(``RoundMetrics.http_calls``, median; none over the shim). Same-host-other-GPU is not
-measured (one GPU).
+(``RoundMetrics.http_calls``, median; none over the shim: a written-through round on the
+reference routes is one request, ``--two-calls`` keeps its start apart). Same-host-other-GPU
+is not measured (one GPU).
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def run_config(
         "target": "transport only (sink)" if cfg["sink"] else "vLLM-layout parameters",
     }
     client = control_client(cfg, t + 60)
+    if cfg.get("two_calls"):  # as a server that offers no round in one request (UPDATE_STARTS)
+        client.updates_with_start = lambda: False
     info = TrainerInitInfo(
         backend="weightwire_ipc",
         packed=packed,
@@ -302,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         help="transport only: the worker loads into a sink that keeps nothing (default: a "
         "vLLM-layout parameter set)",
     )
+    ap.add_argument(
+        "--two-calls",
+        action="store_true",
+        help="never send the round in one request (the reference server's UPDATE_STARTS): "
+        "its start apart, as before it (the same tree's baseline)",
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=60.0)
@@ -383,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                     "warmup": args.warmup,
                     "modes": args.modes.split(","),
                     "sink": args.sink,
+                    "two_calls": args.two_calls,
                 }
                 sender = _spawn("sender", cfg, Path(tmp, f"s-{kind}.json"))
                 procs.append(sender)

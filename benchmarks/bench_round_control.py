@@ -2,7 +2,7 @@
 are on the critical path and what they cost.
 
     python benchmarks/bench_round_control.py [--rounds 60] [--warmup 5] [--json PATH]
-        [--pause-mode keep|abort|wait]
+        [--pause-mode keep|abort|wait] [--one-request]
 
 A JAX trainer engine sends the tiny-llama weights (~1 MB: the bytes cost little) to
 ``weightwire serve`` (one replica, its real worker process, ``weightwire_tcp``) with
@@ -78,6 +78,26 @@ def _per_call(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+class _HeardAtOnce:
+    """``--one-request``: the session's TCP data path, saying at once that it heard its
+    workers (``RoundSender.hears_workers``), so the engine sends the round in one request.
+    Only for measuring the control path: a real data path that hears its workers
+    (``weightwire_ipc`` written through) writes nothing before their go."""
+
+    hears_workers = True
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def send(self, out: Any) -> Any:
+        if out.one_request and out.heard is not None:
+            out.heard()
+        return self._inner.send(out)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=60)
@@ -94,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="never use the server's update that also finishes (the finish its own call, "
         "as before it)",
+    )
+    p.add_argument(
+        "--one-request",
+        action="store_true",
+        help="the round in one request (the server's UPDATE_STARTS), as a colocated "
+        "written-through round goes: the TCP data path is told it heard its workers at once "
+        "(a stand-in for weightwire_ipc's go, which needs CUDA: its bytes wait in the socket "
+        "until the workers read them in the update)",
     )
     p.add_argument("--pause-mode", default="keep", choices=("keep", "abort", "wait"))
     args = p.parse_args(argv)
@@ -168,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = JAXTrainerEngine.trainer_init(
             info, client=client, source=DictSource(params, describe)
         )
+        if args.one_request:
+            engine.session.sender = _HeardAtOnce(engine.session.sender)
         try:
             for i in range(args.warmup + args.rounds):
                 with lock:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batch of single-GPU work: the lanes and benchmarks written without a GPU.
 #   OUT=/path bash benchmarks/gpu_one.sh [deps tests strided fp8_torch fp8_jax ipc overlap ...]
-#   (#49: overlap_tests overlap overlap_copy overlap_end)
+#   (#49: overlap_tests overlap overlap_copy overlap_end; the round in one request against its
+#   start apart, same tree, alternately: two_calls1 one_call1 two_calls2 one_call2)
 # Each step runs under `timeout`, logs to $OUT/<step>.log, appends its exit code to $OUT/summary.txt.
 set -u
 cd "$(dirname "$0")/.."
@@ -43,6 +44,8 @@ for s in "$@"; do case $s in
   wt_tests) step wt_tests 300 "${PYT[@]}" tests/gpu/test_ipc_write_through_gpu.py tests/gpu/test_ipc_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py tests/gpu/test_ipc_gather_gpu.py ;;
   ab_now*) step "$s" 80 bash -c "rm -rf /tmp/$s && mkdir -p /tmp/$s && WEIGHTWIRE_IPC_TRACE=/tmp/$s/x '$PY' benchmarks/bench_ipc.py --modes default --rounds 10 --deadline-s 75 --out /tmp/$s.md && '$PY' benchmarks/ipc_timeline.py /tmp/$s/x" ;;
   ab_before*) [ -d _before ] && step "$s" 80 bash -c "rm -rf /tmp/$s && mkdir -p /tmp/$s && cd _before && WEIGHTWIRE_IPC_TRACE=/tmp/$s/x PYTHONPATH=\$PWD:/tmp/ww-deps:\$PWD/benchmarks '$PY' benchmarks/bench_ipc.py --modes default --rounds 10 --deadline-s 75 --out /tmp/$s.md && '$PY' benchmarks/ipc_timeline.py /tmp/$s/x" ;;
+  one_call*) step "$s" 150 "$PY" benchmarks/bench_ipc.py --modes default --engines jax --models qwen2-0.5b,llama3-8b --rounds 10 --deadline-s 140 --out "/tmp/$s.md" ;;
+  two_calls*) step "$s" 150 "$PY" benchmarks/bench_ipc.py --modes default --engines jax --models qwen2-0.5b,llama3-8b --rounds 10 --deadline-s 140 --two-calls --out "/tmp/$s.md" ;;
   rest) step rest "${ALL_LIMIT:-120}" "${PYT[@]}" -v tests/gpu/test_vllm_stub_ipc_gpu.py tests/gpu/test_ipc_gather_gpu.py ;;
   delta6) step delta6 100 "$PY" benchmarks/bench_delta_round.py --backends weightwire_ipc --rounds 6 --out /tmp/delta6.md ;;
   patch) step patch 80 "$PY" benchmarks/bench_patch_apply.py --repeats 3 ;;
