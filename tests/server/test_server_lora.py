@@ -128,6 +128,40 @@ def test_peft_trainer_adapter_rounds(
         engine.shutdown()
 
 
+def test_an_adapter_round_goes_in_one_request_where_its_data_path_hears_the_workers(
+    server: VLLMServer, base_tokens: list[list[int]], tmp_path: Path
+) -> None:
+    """A paused adapter round over a data path that writes nothing before its workers' word
+    (``tests.faults.one_request``, as ``weightwire_ipc`` written through) is one request
+    (``routes.UPDATE_STARTS``): the adapter committed in it serves as PEFT does."""
+    from tests.faults.one_request import ONE_REQUEST, hearing
+    from tests.server.test_round_http_calls import Routes
+
+    client = Routes(server.url, timeout=120)
+    trainer = peft_model(server.model_dir)
+    info = TrainerInitInfo(
+        backend="weightwire_tcp", packed_buffer_size_bytes=8 << 10, pause_mode="abort"
+    )
+    engine = TorchTrainerEngine.trainer_init(
+        info, client=client, source=PeftAdapterSource(trainer, "onepol")
+    )
+    wire = hearing(engine, server.url)
+    sync = AdapterSync(engine, "onepol", alpha=peft_alpha(trainer), adapter_dir=tmp_path / "one")
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for r in (1, 2):
+            randomize_peft(trainer, gen)
+            client.sent.clear()
+            sync.send()
+            _check(server, trainer, base_tokens, "onepol", f"adapter round {r} in one request")
+        # the second round: the adapter registered, replaced in memory by the one request
+        assert client.sent == [ONE_REQUEST.format(mode="abort", reset="true")], client.sent
+        assert wire.rounds[-1] is True
+    finally:
+        engine.shutdown()
+        client.close()
+
+
 def test_what_the_server_cannot_serve_is_refused_before_a_round(
     server: VLLMServer, client: Any, tmp_path: Path
 ) -> None:
