@@ -22,9 +22,11 @@ from typing import Any
 import pytest
 
 from tests.faults.harness import (
+    GRACE_S,
     Probe,
     TensorSource,
     assert_weights,
+    elapsed,
     engine_for,
     hook_at,
     quiet_shutdown,
@@ -216,6 +218,9 @@ def test_a_source_failing_mid_round_fails_the_servers_round_and_breaks_the_engin
         source.hook = None
         with pytest.raises(RoundError):
             engine.send_weights("refused")
+        with elapsed() as took:
+            quiet_shutdown(engine)
+        assert took[0] < GRACE_S  # the server's round settled: nothing to wait out
     finally:
         source.hook = None
         quiet_shutdown(engine)

@@ -31,6 +31,12 @@ server, the workers' go from inside that start accepts the round: the data path 
 before the start answered (``backends.base.Outgoing.go_accepts``). ``release``: a data path
 that clears its channels at once (``weightwire_ipc``) lets the start go from its own thread
 and gives the helper the interpreter until it took the start, before its first chunk's work.
+
+``one_request``: where, besides, the update carries the finish (``freshness.FinishInUpdate``),
+the server offers ``UPDATE_STARTS`` and the data path writes nothing before each worker's
+own word (``RoundSender.hears_workers``), no start is sent early at all: it rides on the
+update (``FinishInUpdate.start_in_update``), which the data path's ``begin`` sends
+(``transfer.Transfer``: ``one_request``); the round is one request.
 """
 
 from __future__ import annotations
