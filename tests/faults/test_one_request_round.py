@@ -4,7 +4,8 @@ serve``), over a data path that writes nothing before its workers' word from ins
 round (``tests.faults.one_request``: the TCP data path told so, as ``weightwire_ipc`` written
 through is): one HTTP call a round in every pause mode; a start refused (asleep, a bad
 ``weight_version`` or update info) writes, pauses and starts nothing and the engine stays
-usable; a source failing on its first tensor sends nothing; one failing mid-round, or a
+usable; a server gated as any vLLM release still takes it; a source failing on its first
+tensor sends nothing; one failing mid-round, or a
 trainer killed mid-round, fails the server's round (nothing half-new served, the engine needs
 a new init); a second trainer's init during the request is refused; an overlapped round and
 a delta round keep their rules."""
@@ -82,6 +83,28 @@ def test_a_round_is_one_request_in_every_pause_mode_and_serves_what_it_sent(
             assert not _paused(probe)  # the request's commit resumed it
         assert client.sent == [_one(mode, reset)] and metrics.http_calls == 1
         probe.greedy()  # generation runs on what was sent
+    finally:
+        quiet_shutdown(engine)
+
+
+@pytest.mark.parametrize("release", ["0.28", "0.33"])
+def test_the_round_is_one_request_whatever_vllm_release_the_server_is_gated_as(
+    shared_server: Server, probe: Probe, source: TensorSource, release: str
+) -> None:
+    """The server's version gates (``version_override``) decide the update info's features
+    (metadata reuse); whether the round goes in one request is what its init reply named."""
+    client = _recording(shared_server.url)
+    engine = engine_for(
+        shared_server.url, source, client=client, version_override=release, **IN_PLACE
+    )
+    hearing(engine, shared_server.url)
+    try:
+        engine.send_weights(f"gated-{release}")
+        want = source.perturb(24)
+        client.sent.clear()
+        metrics = engine.send_weights(f"gated-{release}-2")
+        assert client.sent == [_one()] and metrics.http_calls == 1
+        assert_weights(probe, want, f"gated-{release}-2")
     finally:
         quiet_shutdown(engine)
 
