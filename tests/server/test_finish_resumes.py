@@ -437,3 +437,43 @@ def test_a_step_failing_inside_the_one_request_is_named_and_commits_nothing(
         assert ops[ops.index("start") :] == steps[: steps.index(fails) + 1]  # none after it
         assert state.session.weight_version != "v1" and state.gate.paused  # held, not resumed
         assert state.session.session_id is None  # the session failed: a new init is needed
+
+
+def test_a_round_in_one_request_whose_pause_waited_while_a_newer_init_replaced_it_opens_nothing() -> (
+    None
+):
+    """The one request's start waits in its ``wait`` pause; a second trainer's init replaces
+    the session meanwhile: the request is refused naming the start and the replacement, no
+    worker started or updated, its pause undone, the new session untouched."""
+    import threading
+
+    from weightwire.shared.routes import SESSION_HEADER
+
+    receiver = Instant()
+    state, http = _serve(receiver)
+    with http:
+        first = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
+        http.portal.call(state.gate.enter)  # a request running: the wait-mode pause drains it
+        answer: list[Any] = []
+        body = {"update_info": EMPTY, "weight_version": "v1"}
+        sending = threading.Thread(
+            target=lambda: answer.append(
+                http.post(
+                    "/update_weights",
+                    params={**ONE, "pause": "wait"},
+                    json=body,
+                    headers={SESSION_HEADER: first["session_id"]},
+                )
+            )
+        )
+        sending.start()
+        _until(lambda: state.gate.mode == "wait")  # the request's start is draining
+        second = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
+        http.portal.call(state.gate.leave)  # the running request ends: the drain returns
+        sending.join(10)
+        (refused,) = answer
+        assert refused.status_code == 409, refused.text
+        assert "start_weight_update refused: a newer /init_weight_transfer_engine" in refused.text
+        assert "start" not in receiver.ops and "update" not in receiver.ops
+        assert not state.gate.paused and state.session.session_id == second["session_id"]
+        assert state.session.weight_version != "v1"
