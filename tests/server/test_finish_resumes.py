@@ -439,9 +439,7 @@ def test_a_step_failing_inside_the_one_request_is_named_and_commits_nothing(
         assert state.session.session_id is None  # the session failed: a new init is needed
 
 
-def test_a_round_in_one_request_whose_pause_waited_while_a_newer_init_replaced_it_opens_nothing() -> (
-    None
-):
+def test_a_round_in_one_request_whose_wait_pause_a_newer_init_outlived_opens_nothing() -> None:
     """The one request's start waits in its ``wait`` pause; a second trainer's init replaces
     the session meanwhile: the request is refused naming the start and the replacement, no
     worker started or updated, its pause undone, the new session untouched."""
