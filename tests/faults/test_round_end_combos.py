@@ -2,15 +2,21 @@
 round checked in combination with the features it meets: what the trainer says of the
 servers' pause after a round applied in place whose start (which carried the pause,
 ``START_PAUSES``) the server refused, and ``shutdown()`` against a server that keeps a round
-active."""
+active; a round whose start meets a generation step in progress (the worker's start waits
+for that step, not for the request)."""
 
 from __future__ import annotations
 
 import logging
+import threading
+from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from tests.faults.harness import (
+    AUTH,
     Probe,
     TensorSource,
     assert_weights,
@@ -71,4 +77,77 @@ def test_a_refused_start_that_carried_the_pause_logs_the_pause_the_server_left(
     finally:
         probe.http.post("/wake_up")
         probe.http.post("/resume")
+        quiet_shutdown(engine)
+
+
+def _served_by(model_dir: Path, tensors: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """``body``'s first choice as the reference server's generator answers it over a model
+    holding ``tensors`` (loaded here, apart from the server)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from weightwire.tools.server.completions import parse_completion_request
+    from weightwire.tools.server.generate import Generator
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, tensor in tensors.items():
+            if name in params:
+                params[name].copy_(tensor)
+    cfg = model.config
+    generator = Generator(
+        model,
+        AutoTokenizer.from_pretrained(model_dir),
+        device=torch.device("cpu"),
+        model_name=model_dir.name,
+        max_model_len=cfg.max_position_embeddings,
+    )
+    req = parse_completion_request(
+        body, vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings
+    )
+    return generator.complete(req.to_worker(), lambda: False)["choices"][0]
+
+
+@pytest.mark.slow  # ~5 s: a 64-row generation, and the model loaded again to check the answer
+def test_a_round_in_place_meets_a_generation_step_in_progress_and_serves_the_new_weights(
+    shared_server: Server, probe: Probe, source: TensorSource, fault_model: Path
+) -> None:
+    """A long generation in flight when a round applied in place starts with ``pause=abort``:
+    the worker's start waits for the step in progress only (the request stops at its next
+    step, aborted, long before it would have ended), the round commits, and a generation
+    after it is the new weights' (the same generator over a model loaded with them)."""
+    engine = engine_for(shared_server.url, source, stage_budget_bytes=0)
+    generation: list[httpx.Response] = []
+    long = {"prompt": "The trainer sends", "max_tokens": 200, "n": 64, "ignore_eos": True}
+
+    def long_generation() -> None:
+        with httpx.Client(base_url=shared_server.url, headers=AUTH, timeout=120) as http:
+            generation.append(http.post("/v1/completions", json={**long, "temperature": 0}))
+
+    reader = threading.Thread(target=long_generation)
+    try:
+        engine.send_weights("warm")
+        reader.start()
+        probe.wait_session(
+            lambda _: probe.http.get("/health").json()["replicas"][0]["generations_in_flight"] == 1,
+            timeout=30,
+        )
+        want = source.perturb(34)
+        engine.send_weights("mid-generation")
+        reader.join(120)
+        assert generation and generation[0].status_code == 200, generation
+        reasons = {c["finish_reason"] for c in generation[0].json()["choices"]}
+        assert reasons == {"abort"}, reasons  # stopped at its next step
+        assert_weights(probe, want, "mid-generation")
+        assert not probe.http.get("/is_paused").json()["is_paused"]
+        body = {"prompt": "The trainer sends", "max_tokens": 4, "temperature": 0, "logprobs": 1}
+        served = probe.http.post("/v1/completions", json=body).json()["choices"][0]
+        expected = _served_by(fault_model, source.tensors, body)
+        assert served["text"] == expected["text"]
+        assert served["logprobs"]["token_logprobs"] == pytest.approx(
+            expected["logprobs"]["token_logprobs"], abs=1e-4
+        )
+    finally:
+        reader.join(120)
         quiet_shutdown(engine)

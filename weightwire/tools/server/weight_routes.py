@@ -176,6 +176,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                     state,
                     "start_weight_update",
                     "start",
+                    {"timeout_s": opts.op_timeout_s},  # its wait for a generation step
                     timeout=opts.op_timeout_s,
                     abort_on_failure=True,
                 )
