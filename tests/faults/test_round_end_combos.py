@@ -1,5 +1,8 @@
 """How a round ends on the real reference server (``weightwire serve``), each a property of the
-round checked in combination with the features it meets: what the trainer says of the
+round checked in combination with the features it meets: a ``weightwire_ipc`` write-through
+round whose previous round's copies fail to settle (the data path on the fake CUDA runtime of
+``tests/backends/test_ipc_write_through.py``, its start going to the real server); what the
+trainer says of the
 servers' pause after a round applied in place whose start (which carried the pause,
 ``START_PAUSES``) the server refused, and ``shutdown()`` against a server that keeps a round
 active; a round whose start meets a generation step in progress (the worker's start waits
@@ -26,6 +29,7 @@ from tests.faults.harness import (
 )
 from tests.faults.servers import Server
 from weightwire.shared.errors import WeightSyncError
+from weightwire.trainer import EngineBroken
 
 
 def _paused(probe: Probe) -> bool:
@@ -151,3 +155,61 @@ def test_a_round_in_place_meets_a_generation_step_in_progress_and_serves_the_new
     finally:
         reader.join(120)
         quiet_shutdown(engine)
+
+
+def test_a_write_through_round_whose_last_copies_fail_to_settle_opens_no_round(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """A round applied in place through ``weightwire_ipc`` write-through (one server, its start
+    carrying the pause: the start goes as soon as the first chunk was made), while the
+    previous round's copies, never waited for, fail on the device when settled: the round
+    fails naming that, before any call (the server neither paused nor in a round, the
+    previous weights served), the engine is broken (its device is), and a new init
+    at once commits the next round."""
+    from tests.backends.test_ipc_write_through import _fused, _send, _setup
+
+    metas, table = _fused()
+    _, _, worker, pipe = _setup(table, metas)
+    worker.start()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)  # its copies left unsettled
+    pipe._comm.cp.cuda.runtime.eventQuery = lambda e: 600  # not done: settled in full
+
+    def device_error() -> None:
+        raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+    pipe.settle = device_error
+    engine = engine_for(shared_server.url, source, stage_budget_bytes=0)
+    fresh = None
+    try:
+        want = source.perturb(35)
+        engine.send_weights("before")
+        failed = probe.session()["rounds_failed"]
+        session = engine.session
+        tcp = session.sender, session.link
+        session.sender, session.link = pipe, pipe._comm  # the round's data path: write-through
+        calls = engine.client.http_calls
+        source.perturb(36)
+        try:
+            with pytest.raises(RuntimeError, match="illegal memory access") as got:
+                engine.send_weights("never")
+        finally:
+            session.sender, session.link = tcp
+        observe(trainer=str(got.value), notes=" ".join(got.value.__notes__))
+        assert "this round sent nothing (no start)" in "".join(got.value.__notes__)
+        assert engine.client.http_calls == calls  # no pause, no start, no update
+        info = probe.session()
+        assert info["state"] != "round_active" and info["rounds_failed"] == failed, info
+        assert not _paused(probe)
+        assert_weights(probe, want, "before")  # nothing half-new served
+        with pytest.raises(EngineBroken):
+            engine.send_weights("refused")
+        quiet_shutdown(engine)
+        fresh = engine_for(shared_server.url, source, stage_budget_bytes=0)  # at once
+        want = source.perturb(37)
+        fresh.send_weights("after")
+        assert_weights(probe, want, "after")
+    finally:
+        quiet_shutdown(engine)
+        if fresh is not None:
+            quiet_shutdown(fresh)
+        worker.join(5)
