@@ -2,11 +2,9 @@
 round checked in combination with the features it meets: a ``weightwire_ipc`` write-through
 round whose previous round's copies fail to settle (the data path on the fake CUDA runtime of
 ``tests/backends/test_ipc_write_through.py``, its start going to the real server); what the
-trainer says of the
-servers' pause after a round applied in place whose start (which carried the pause,
-``START_PAUSES``) the server refused, and ``shutdown()`` against a server that keeps a round
-active; a round whose start meets a generation step in progress (the worker's start waits
-for that step, not for the request)."""
+trainer says of the servers' pause after a round applied in place whose start (which carried
+the pause, ``START_PAUSES``) the server refused; a round whose start meets a generation step
+in progress (the worker's start waits for that step, not for the request)."""
 
 from __future__ import annotations
 
