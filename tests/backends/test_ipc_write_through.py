@@ -531,11 +531,45 @@ def test_the_last_rounds_copies_are_settled_before_the_next_start_can_go(last: s
         assert "this round sent nothing (no start)" in "".join(got.value.__notes__)
         assert order == ["query", "settle"]  # no chunk read, no start released, no begin
         return
+    assert pipe._unsettled is None
     assert pipe.send(out) == (112, 1)
     worker.join(10)
     waited = ["settle"] if last == "running" else []
     assert order[: 3 + len(waited)] == ["query", *waited, "chunk read", "ready"]
     assert "settle" not in order[3 + len(waited) :]
+
+
+def test_copies_that_never_end_fail_the_next_round_once_without_a_second_wait() -> None:
+    """The last round's copies still running past the timeout: the next round fails before
+    its start, naming the fill stream; the failed round's own settle (``Transfer``: nothing
+    went out) fails at once with that error instead of waiting out the timeout again."""
+    metas, table = _fused()
+    _, _, worker, pipe = _setup(table, metas)
+    worker.start()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)
+    pipe._timeout = 0.2
+    pipe._comm.cp.cuda.runtime.eventQuery = lambda e: 600  # never done
+    waits: list[float] = []
+
+    class Stuck:  # the fill stream's sync event: never done
+        done = False
+
+        def __init__(self, **_: Any) -> None:
+            waits.append(time.monotonic())
+
+        def record(self, stream: Any) -> None:
+            pass
+
+    pipe._comm.cp.cuda.Event = Stuck
+    out = Outgoing(_fused_chunks(metas), threading.Event(), begin=lambda: None, metas=metas)
+    with pytest.raises(TransferError, match="the IPC fill stream did not finish") as got:
+        pipe.send(out)
+    assert "this round sent nothing (no start)" in "".join(got.value.__notes__)
+    began = time.monotonic()
+    with pytest.raises(TransferError) as again:
+        pipe.settle()
+    assert again.value is got.value and time.monotonic() - began < 0.1
+    assert len(waits) == 1
 
 
 def test_a_go_that_came_with_the_update_is_no_acceptance() -> None:

@@ -191,6 +191,8 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         self._told: set[str] = set()
         self._tail: int | None = None
         """The event recorded behind the last round's copies, while they are unsettled."""
+        self._unsettled: BaseException | None = None
+        """Why those copies did not settle: a later ``settle`` fails with it, not waiting again."""
 
     def _prepare(self, metas: Sequence[ParamMeta]) -> None:
         if self._in_flight[0]:
@@ -220,7 +222,13 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
                 "the previous round's copies into the workers' parameters did not settle on "
                 "the trainer's device: this round sent nothing (no start)"
             )
+            self._unsettled = exc
             raise
+
+    def settle(self) -> None:
+        if self._unsettled is not None:  # copies that never ended: one bounded wait was enough
+            raise self._unsettled
+        super().settle()
 
     def _pulling(self) -> list[int]:
         return [w for w, through in enumerate(self._through) if not through]
