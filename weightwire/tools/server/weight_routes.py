@@ -21,7 +21,10 @@ from weightwire.shared.routes import (
     CHECKER_ACTIONS,
     FINISH_RESETS_RESUMES,
     SERVED_MODEL,
+    START_KEPT_HELD,
+    START_PAUSED_NOTHING,
     START_PAUSES,
+    START_UNDID_PAUSE,
     UPDATE_FINISHES,
 )
 from weightwire.shared.timeouts import Timeouts
@@ -150,15 +153,20 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         clock = CallClock()
         await read_no_body(request)
         mode = pause_query(request)  # advertised (START_PAUSES): pause first, in this request
-        require_owner(state, request, "start_weight_update")
-        session.check_start()
-        if state.sleep.weights_asleep:
-            raise SessionError(
-                409,
-                f"start_weight_update refused: the server is asleep (/sleep level "
-                f"{state.sleep.level}) and its weights are not loaded; POST "
-                "/wake_up?tags=weights before sending a round",
-            )
+        try:
+            require_owner(state, request, "start_weight_update")
+            session.check_start()
+            if state.sleep.weights_asleep:
+                raise SessionError(
+                    409,
+                    f"start_weight_update refused: the server is asleep (/sleep level "
+                    f"{state.sleep.level}) and its weights are not loaded; POST "
+                    "/wake_up?tags=weights before sending a round",
+                )
+        except (ApiError, SessionError) as exc:
+            if mode is not None:  # the trainer reads what its pause became (start_left_paused)
+                exc.message += f"; {START_PAUSED_NOTHING}{_held(state.gate.mode)}"
+            raise
         if mode is not None:  # only once the start's own checks passed: a refusal pauses nothing
             with clock.part("pause"):
                 await _pause_first(state, mode)
@@ -168,6 +176,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                     state,
                     "start_weight_update",
                     "start",
+                    {"timeout_s": opts.op_timeout_s},  # its wait for a generation step
                     timeout=opts.op_timeout_s,
                     abort_on_failure=True,
                 )
@@ -289,13 +298,19 @@ async def _pause_first(state: ServerState, mode: str) -> None:
                 "no round was opened. Re-initialize (trainer_init) to take over again",
             )
         session.check_start()
-    except BaseException:
+    except BaseException as exc:
         if gate.pauses == ours and gate.mode == mode:  # still this start's pause
             if held is None:
                 gate.resume()
             else:
                 gate.pause(held)
+            if isinstance(exc, (ApiError, SessionError)):  # the refusal says what it left
+                exc.message += f"; {START_UNDID_PAUSE}{_held(held)}"
         raise
+
+
+def _held(mode: str | None) -> str:
+    return "" if mode is None else f"; {START_KEPT_HELD} (mode={mode})"
 
 
 async def _commit(state: ServerState, version: str | None) -> bool:
