@@ -524,27 +524,88 @@ def test_a_source_failing_on_its_first_tensors_releases_no_start() -> None:
     worker.join(10)
 
 
-def test_the_last_rounds_settle_waits_until_the_start_was_released() -> None:
+@pytest.mark.parametrize("last", ["done", "running", "device_error"])
+def test_the_last_rounds_copies_are_settled_before_the_next_start_can_go(last: str) -> None:
     """A round written through to every worker leaves its fill stream unsettled (the
-    workers' commits wait for it); the next round settles it only after releasing its start."""
+    workers' commits wait for it). The next round settles it before its start can go (the
+    first chunk is made, ``ready``): long done, one query of the event behind its copies and
+    no wait; still running, a wait; failing on the device, the round fails naming it with no
+    start released and ``begin`` never run (no server opened a round)."""
     metas, table = _fused()
     _, _, worker, pipe = _setup(table, metas)
     worker.rounds = 2
     worker.start()
     assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)
     order: list[str] = []
+    runtime = pipe._comm.cp.cuda.runtime
+    runtime.eventQuery = lambda e: (order.append("query"), 0 if last == "done" else 600)[1]
     settle = pipe.settle
-    pipe.settle = lambda: (order.append("settle"), settle())[1]
+
+    def settling() -> None:
+        order.append("settle")
+        if last == "device_error":
+            raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+        settle()
+
+    pipe.settle = settling
+
+    def begin() -> None:
+        order.append("begin")
+        worker.started.release()
+
+    def prepared() -> Any:
+        for chunk in _fused_chunks(metas):
+            order.append("chunk read")
+            yield chunk
+
     out = Outgoing(
-        _fused_chunks(metas),
-        threading.Event(),
-        begin=worker.started.release,
-        metas=metas,
-        ready=lambda: order.append("ready"),
+        prepared(), threading.Event(), begin=begin, metas=metas, ready=lambda: order.append("ready")
     )
+    if last == "device_error":
+        with pytest.raises(RuntimeError, match="illegal memory access") as got:
+            pipe.send(out)
+        assert "this round sent nothing (no start)" in "".join(got.value.__notes__)
+        assert order == ["query", "settle"]  # no chunk read, no start released, no begin
+        return
+    assert pipe._unsettled is None
     assert pipe.send(out) == (112, 1)
     worker.join(10)
-    assert order == ["ready", "settle"]
+    waited = ["settle"] if last == "running" else []
+    assert order[: 3 + len(waited)] == ["query", *waited, "chunk read", "ready"]
+    assert "settle" not in order[3 + len(waited) :]
+
+
+def test_copies_that_never_end_fail_the_next_round_once_without_a_second_wait() -> None:
+    """The last round's copies still running past the timeout: the next round fails before
+    its start, naming the fill stream; the failed round's own settle (``Transfer``: nothing
+    went out) fails at once with that error instead of waiting out the timeout again."""
+    metas, table = _fused()
+    _, _, worker, pipe = _setup(table, metas)
+    worker.start()
+    assert _send(pipe, metas, [64, 32, 16], worker) == (112, 1)
+    pipe._timeout = 0.2
+    pipe._comm.cp.cuda.runtime.eventQuery = lambda e: 600  # never done
+    waits: list[float] = []
+
+    class Stuck:  # the fill stream's sync event: never done
+        done = False
+
+        def __init__(self, **_: Any) -> None:
+            waits.append(time.monotonic())
+
+        def record(self, stream: Any) -> None:
+            pass
+
+    pipe._comm.cp.cuda.Event = Stuck
+    out = Outgoing(_fused_chunks(metas), threading.Event(), begin=lambda: None, metas=metas)
+    with pytest.raises(TransferError, match="the IPC fill stream did not finish") as got:
+        pipe.send(out)
+    assert "this round sent nothing (no start)" in "".join(got.value.__notes__)
+    began = time.monotonic()
+    with pytest.raises(TransferError) as again:
+        pipe.settle()
+    assert again.value is got.value and time.monotonic() - began < 0.1
+    assert len(waits) == 1
 
 
 def test_a_go_that_came_with_the_update_is_no_acceptance() -> None:

@@ -267,3 +267,29 @@ def test_sender_killed_mid_transfer_makes_receivers_raise_peer_lost():
             )
             assert match, result["error"]
             assert 0 < int(match.group(1)) < total
+
+
+@pytest.mark.parametrize("end", ["abort", "close"])
+def test_a_sender_gone_after_bytes_nobody_read_counts_as_closed(end: str) -> None:
+    """A trainer that gave a round up after its first broadcast, before its workers' update
+    read it: its bytes wait unread in the receiver's socket, and the receiver must still see
+    the trainer gone (a server then drops the round at once, not at its lease)."""
+    root, (one, two) = accepted(TCPRendezvous(world_size=3))
+    try:
+        threads = [threading.Thread(target=c.warmup, kwargs={"timeout": 10}) for c in (one, two)]
+        for t in threads:
+            t.start()
+        root.warmup(timeout=10)
+        for t in threads:
+            t.join(10)
+        assert not one.peer_closed() and not two.peer_closed()
+        root.broadcast(np.arange(64, dtype=np.uint8), timeout=10)  # nobody receives it
+        assert not one.peer_closed(), "bytes waiting from a live sender are not a close"
+        getattr(root, end)()
+        deadline = time.monotonic() + 5
+        while not (one.peer_closed() and two.peer_closed()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert one.peer_closed() and two.peer_closed()
+    finally:
+        for c in (root, one, two):
+            c.close()

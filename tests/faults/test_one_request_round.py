@@ -37,6 +37,7 @@ from tests.faults.servers import Server
 from tests.faults.test_finish_in_update_combos import _recording, _sparse
 from weightwire.shared.errors import ConfigError, RoundError, WeightSyncError
 from weightwire.shared.limits import LIMITS
+from weightwire.shared.routes import start_left_paused
 
 IN_PLACE = {"stage_budget_bytes": 0}  # a round applied in place: paused as a whole
 
@@ -125,6 +126,7 @@ def test_an_asleep_server_refuses_the_request_before_anything_and_the_engine_sta
         with pytest.raises(WeightSyncError, match="asleep") as got:
             engine.send_weights("asleep")
         assert got.value.route == "start_weight_update" and got.value.status == 409
+        assert start_left_paused(got.value.message) is False  # "this start paused nothing"
         assert client.sent == [_one()]  # the one request, refused: no resume sent after it
         session = probe.session()
         assert session["rounds_failed"] == failed and session["state"] != "round_active"

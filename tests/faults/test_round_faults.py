@@ -249,6 +249,10 @@ class _TrainerBug(Exception):
     pass
 
 
+def _source_fails() -> None:
+    raise _TrainerBug("the source failed mid-round")
+
+
 def test_shutdown_right_after_a_failed_round_keeps_the_round_error(
     shared_server: Server, probe: Probe, source: TensorSource
 ) -> None:
@@ -304,6 +308,48 @@ def test_shutdown_right_after_a_failed_round_keeps_the_round_error(
     assert state["state"] == "uninitialized" and state["busy"] is None, state
     assert_weights(probe, want, "x1")
     fresh_round(url, source, probe, 34, "after-shutdown-after-failure")
+
+
+def test_a_trainer_gone_after_its_first_bytes_with_its_update_lost_is_dropped_at_once(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """The round's first chunks went out, its update POST never reached the workers (lost;
+    or refused 409 because the trainer's own shutdown held the session), then the source
+    failed: the bytes wait unread in the worker's socket. The trainer's shutdown finds the
+    round stale at once (its data link closed), not after the round lease's 409s; the
+    last committed weights stay served."""
+    url = shared_server.url
+    client = client_for(url)
+    lost = threading.Event()
+
+    def update_lost(*args: object, **kwargs: object) -> None:
+        lost.wait(SLOW_RECEIVE.http_s)
+        raise ConnectionError("the update POST was lost")
+
+    engine = engine_for(url, source, client=client, timeouts=SLOW_RECEIVE)
+    try:
+        want = source.perturb(35)
+        engine.send_weights("g1")
+        client.update_weights = update_lost  # type: ignore[method-assign]
+        client.update_and_finish = update_lost  # type: ignore[method-assign]
+        source.hook = hook_at(3, _source_fails)
+        source.perturb(36)
+        with elapsed() as t, pytest.raises(_TrainerBug):
+            try:
+                engine.send_weights("g2")
+            finally:
+                engine.shutdown()
+        observe(trainer_s=t[0], server=probe.session()["last_error"])
+        assert t[0] < GRACE_S, f"shutdown waited {t[0]:.1f} s: the round was not seen stale"
+    finally:
+        lost.set()
+        source.hook = None
+        quiet_shutdown(engine)
+    state = probe.session()
+    assert state["state"] == "uninitialized" and state["busy"] is None, state
+    assert "closed the data link" in str(state["last_error"]), state
+    assert_weights(probe, want, "g1")
+    fresh_round(url, source, probe, 37, "after-lost-update")
 
 
 # ----------------------------------------------------------------------------- shutdown

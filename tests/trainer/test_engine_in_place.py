@@ -174,3 +174,41 @@ def test_stage_budget_is_validated_and_reaches_the_workers() -> None:
         TrainerInitInfo(stage_budget_bytes=-1)
     with pytest.raises(ValueError, match="stage_budget_bytes must be an int"):
         TrainerInitInfo(stage_budget_bytes=True)
+
+
+@pytest.mark.parametrize(
+    ("urls", "refusal", "says"),
+    [
+        (["http://a:1"], "asleep; this start paused nothing", "not paused by this round"),
+        (["http://a:1"], "drain timed out; the pause this start took was undone", "not paused"),
+        (
+            ["http://a:1"],
+            "asleep; this start paused nothing; the pause held before it stays (mode=keep)",
+            "says a pause held before it stays",
+        ),
+        # another server's start may have paused it: one refusal says nothing of the others
+        (["http://a:1", "http://b:1"], "asleep; this start paused nothing", "stay paused"),
+        (["http://a:1"], "replica 0 did not answer", "may hold part of it"),  # no word: may
+    ],
+    ids=["paused_nothing", "undone", "held_before", "several_servers", "no_word"],
+)
+def test_a_refused_start_that_carried_the_pause_is_logged_as_the_server_said(
+    caplog: pytest.LogCaptureFixture, urls: list[str], refusal: str, says: str
+) -> None:
+    """After a round in place whose start carried its pause (``START_PAUSES``) and was
+    refused, the log says what that refusal says of the pause, and only for one server."""
+    import types
+
+    from weightwire.shared.errors import WeightSyncError
+    from weightwire.trainer.gating import RoundPause, after_failed_round
+
+    client = types.SimpleNamespace(base_urls=urls)
+    refused = WeightSyncError("start_weight_update", 409, refusal, urls[0])
+    with caplog.at_level(logging.WARNING, logger="weightwire"):
+        after_failed_round(
+            client, RoundPause("abort", resume_on_failure=False), refused_start=refused
+        )
+    assert says in caplog.text
+    assert ("stay paused" in caplog.text) is (
+        says not in ("not paused by this round", "not paused")
+    )

@@ -90,6 +90,25 @@ START_PAUSES = "start_pauses"
 """A feature the reference server names in its init reply: its
 ``/start_weight_update?pause=<mode>`` does ``/pause?mode=`` first, in the one request."""
 
+START_PAUSED_NOTHING = "this start paused nothing"
+START_UNDID_PAUSE = "the pause this start took was undone"
+START_KEPT_HELD = "the pause held before it stays"
+"""What the reference server's refusal of a start that carried a pause (``START_PAUSES``)
+ends with: refused before its pause, or refused after it and the pause undone; a pause held
+before the start is named beside either (``start_left_paused`` reads them). A start that
+failed once its workers started says none: its pause stays."""
+
+
+def start_left_paused(message: str) -> bool | None:
+    """Whether a refused start that carried a pause left the server paused, as its message
+    says (``START_PAUSED_NOTHING``...); ``None``: it says nothing (then it may be paused)."""
+    if START_KEPT_HELD in message:
+        return True
+    if START_PAUSED_NOTHING in message or START_UNDID_PAUSE in message:
+        return False
+    return None
+
+
 FINISH_RESETS_RESUMES = "finish_resets_resumes"
 """A feature the reference server names in its init reply (``features``): its
 ``/finish_weight_update?reset_caches=true&resume=true`` drops the caches and resumes

@@ -85,6 +85,8 @@ class EarlyStart:
         """The start answered success: the servers are in the round."""
         self.start_pauses = pause is None
         """The start pauses generation first, in its one request (``START_PAUSES``)."""
+        self.start_error: BaseException | None = None
+        """What the start raised (its refusal says what became of a pause it carried)."""
         self._beside: Future[None] | None = None
         if together and pause is not None:
             self._beside = spawn(self._pause_beside, name="weightwire-pause")
@@ -108,7 +110,11 @@ class EarlyStart:
             self.start_sent = True
             self.paused |= self._pause is None  # the start pauses: held, whatever it answers
         self._going.set()
-        self._start()
+        try:
+            self._start()
+        except BaseException as exc:
+            self.start_error = exc
+            raise
         self.start_returned = True
 
     def ready(self) -> None:

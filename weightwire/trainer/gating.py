@@ -16,10 +16,12 @@ from typing import Any
 
 from weightwire.shared.client import ROUND_CALLS, EngineClient, ServerControls
 from weightwire.shared.errors import WrongType
+from weightwire.shared.routes import start_left_paused
 from weightwire.shared.staging import round_streams
 from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
 from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.config import TrainerInitInfo
+from weightwire.trainer.early import one_server
 from weightwire.trainer.transfer import best_effort_resume
 from weightwire.vllm_guard import MIDDLEWARE
 
@@ -268,8 +270,14 @@ def release_guard(client: Any, pause: RoundPause) -> bool:
     return False
 
 
-def after_failed_round(client: object, pause: RoundPause) -> None:
-    """A paused round failed: resume, unless the workers may hold part of it in place."""
+def after_failed_round(
+    client: object, pause: RoundPause, *, refused_start: BaseException | None = None
+) -> None:
+    """A paused round failed: resume, unless the workers may hold part of it in place.
+    ``refused_start``: the error of the round's start that carried its pause
+    (``START_PAUSES``), whose refusal says what became of that pause
+    (``routes.start_left_paused``: it paused nothing, or undid its pause; a pause held
+    before it stays); only a client of one server reads it (another may have paused)."""
     if pause.resume_on_failure:
         best_effort_resume(client)
         return
@@ -292,9 +300,23 @@ def after_failed_round(client: object, pause: RoundPause) -> None:
                 "the servers serve the previous weights again"
             )
         return
+    said = None
+    if refused_start is not None and one_server(client):
+        said = start_left_paused(str(getattr(refused_start, "message", refused_start)))
+    if said is False:
+        logger.warning(
+            "a round applied in place failed at its start, which the server refused: it says "
+            "the start paused nothing or undid its pause, so generation is not paused by this "
+            "round and the previous weights are served"
+        )
+        return
+    why = "because their models may hold part of it"
+    if said is True:
+        why = "(the server refused the start and says a pause held before it stays)"
     logger.error(
         "a round applied in place failed: the servers stay paused (mode=%s, new requests refused) "
-        "because their models may hold part of it; the next complete round resumes them "
+        "%s; the next complete round resumes them "
         "(docs/reliability.md, 'Rounds over the stage budget': the operator's way out)",
         pause.mode,
+        why,
     )

@@ -467,12 +467,15 @@ def recover(
         # The request's start was refused by its checks, before its pause: nothing paused,
         # nothing started (the data path wrote nothing: ``Transfer`` kept the engine).
         servers.paused = servers.started = False
+    refused: BaseException | None = None  # a start that carried the pause, and failed
     if early is not None and not servers.started:
         # Failed before the control plane returned: no start goes out from now on. One that
         # went out (whatever it answered) counts: the round failed after its start. Else
         # nothing reached the workers, so a pause that held is undone.
         paused, started, opened = early.abandon()
         servers.paused, servers.started = paused, started
+        if early.start_pauses and started and not opened:
+            refused = early.start_error
         if paused and not started:
             servers.paused = False
             best_effort_resume(s.client)
@@ -493,7 +496,7 @@ def recover(
     elif servers.paused or servers.held:
         # Not committed: the pause's own rule (``gating``): a round applied in place may
         # have left the workers part-written, so it stays paused / guarded.
-        after_failed_round(s.client, pause)
+        after_failed_round(s.client, pause, refused_start=refused)
 
 
 def _release_whole(client: Any, pause: RoundPause) -> None:

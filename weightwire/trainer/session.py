@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -50,6 +52,7 @@ from weightwire.trainer.transfer import (
     beside_init,
     join_beside_init,
     real_cause,
+    settle_bound,
     shutdown_when_settled,
     tap,
     tensor_stream,
@@ -362,15 +365,21 @@ def close_wire(s: Session, *, displaced: bool) -> bool:
     if s.link is None:
         return False
     post: Future | None = None
+    stop = threading.Event()  # set once this stops waiting: the poll then calls no more
+    deadline = 0.0
     if (
         not displaced
         and s.features is not None
         and s.features.shutdown_route
         and s.caps.shutdown_weight_transfer_engine
     ):
+        # One bound for the server to settle and for this wait: a server still in a round
+        # answers 409 until it failed it (``settle_bound``), and no later.
         transfer_s = s.info.timeouts.transfer_s
+        deadline = time.monotonic() + settle_bound(transfer_s)
         post = spawn(
-            lambda: shutdown_when_settled(s.client, transfer_s), name="weightwire-shutdown"
+            lambda: shutdown_when_settled(s.client, transfer_s, deadline=deadline, stop=stop),
+            name="weightwire-shutdown",
         )
     s.close_link()
     try:
@@ -380,7 +389,11 @@ def close_wire(s: Session, *, displaced: bool) -> bool:
         # matters: a shutdown failure is logged, never raised over it.
         failing = sys.exc_info()[1]
         try:
-            post.result(timeout=s.info.timeouts.http_s)
+            await_call(
+                post,
+                max(0.0, deadline - time.monotonic()),
+                "shutdown_weight_transfer_engine (retried while the server had a round active)",
+            )
         except BaseException as exc:
             if failing is None:
                 raise
@@ -392,5 +405,6 @@ def close_wire(s: Session, *, displaced: bool) -> bool:
             return False
         return True
     finally:
+        stop.set()
         if isinstance(s.client, FallbackClient):
             s.client.close()  # only the connections the engine opened itself

@@ -377,14 +377,30 @@ def tap(
 # -- around a round ------------------------------------------------------------------------
 
 
-def shutdown_when_settled(client: EngineClient, transfer_s: float) -> None:
+def settle_bound(transfer_s: float) -> float:
+    """How long a server may take to fail a round its trainer abandoned: one broadcast
+    timeout (its worker's receive) or its round lease (the same bound), twice, plus slack."""
+    return 2 * transfer_s + _GRACE_S
+
+
+def shutdown_when_settled(
+    client: EngineClient,
+    transfer_s: float,
+    *,
+    deadline: float | None = None,
+    stop: threading.Event | None = None,
+) -> None:
     """``shutdown_weight_transfer_engine``, retried while the server answers 409 because it
     has not yet failed the round this trainer just abandoned.
 
-    The server fails an abandoned round within one broadcast timeout (its worker's
-    receive) or its round lease (the same bound): bounded by twice that, plus slack.
-    """
-    deadline = time.monotonic() + 2 * transfer_s + _GRACE_S
+    No attempt starts after ``deadline`` (``time.monotonic()``; default ``settle_bound``
+    from now), nor once ``stop`` is set (its caller stopped waiting: a poll left behind
+    ends at once instead of calling on). Either way a server still in its round raises
+    ``ControlTimeout`` naming the route and the server's last answer."""
+    started = time.monotonic()
+    if deadline is None:
+        deadline = started + settle_bound(transfer_s)
+    stop = threading.Event() if stop is None else stop
     while True:
         try:
             client.shutdown_weight_transfer_engine()
@@ -394,9 +410,22 @@ def shutdown_when_settled(client: EngineClient, transfer_s: float) -> None:
             settling = getattr(exc, "status", None) == 409 and (
                 "a weight update is active" in message or "another weight operation" in message
             )
-            if not settling or time.monotonic() + _SETTLE_POLL_S >= deadline:
+            if not settling:
                 raise
-        time.sleep(_SETTLE_POLL_S)
+            if stop.is_set() or time.monotonic() + _SETTLE_POLL_S >= deadline:
+                raise _still_active(time.monotonic() - started, message) from exc
+        if stop.wait(_SETTLE_POLL_S):
+            raise _still_active(time.monotonic() - started, message)
+
+
+def _still_active(waited: float, answer: str) -> ControlTimeout:
+    return ControlTimeout(
+        f"shutdown_weight_transfer_engine: the server still had a round active after {waited:.1f} "
+        f"s of retries (its last answer, 409: {answer}); a server fails a round its trainer "
+        "abandoned within its broadcast timeout or round lease (2 x Timeouts.transfer_s): "
+        "look at the server's log for the round that stays open, or restart it",
+        route="shutdown_weight_transfer_engine",
+    )
 
 
 def best_effort_resume(client: Any) -> None:

@@ -93,7 +93,6 @@ class IPCDataPath(RoundSender):
         if out.ready is not None:  # the start goes now, before the first chunk's work
             out.ready()
             trace("start released")
-        self._after_release()
         starter = _Starter(
             out.begin,
             timeout=_CONTROL_BOUND_S + self._timeout,
@@ -109,11 +108,9 @@ class IPCDataPath(RoundSender):
             dump_trace("trainer")
 
     def _prepare(self, metas: Sequence[ParamMeta]) -> None:
-        """Before the round's control plane starts (``metas``: its tensors in wire order)."""
-
-    def _after_release(self) -> None:
-        """Once the round's start may be on its way, before the first chunk: what an earlier
-        round left to settle (kept off the start's path)."""
+        """Before the round's control plane starts (``metas``: its tensors in wire order):
+        no start can have gone out yet (``trainer.round.announced`` lets it go once the
+        first chunk was made)."""
 
     @abstractmethod
     def _pump(self, prepared: Iterable[Prepared], stop: threading.Event, starter: _Starter) -> Sent:

@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 SOCKET_BUFFER_BYTES = wire.DEFAULT_SOCKET_BUFFER_BYTES
 
 
+_HUNG_UP = getattr(select, "POLLRDHUP", 0)
+"""The peer shut its sending side (Linux); elsewhere only an EOF peek tells (0: not asked)."""
+
+
 class _Batch:
     """Completion of one broadcast across links; the first error wins."""
 
@@ -207,17 +211,24 @@ class TCPCommunicator(LinkGroup):
 
     def peer_closed(self) -> bool:
         """True if this communicator is closed or a peer closed its connection (checked
-        without blocking or consuming data; only valid between broadcasts, when no peer
-        has anything to send). Lets a worker see that its trainer is gone, and a trainer
-        that a worker dropped it (another trainer took the session over)."""
+        without blocking or consuming data). Lets a worker see that its trainer is gone, and
+        a trainer that a worker dropped it (another trainer took the session over).
+
+        A peer that closed after sending bytes nobody read (a trainer that gave a round up
+        after its first broadcast, before its workers' update read it) leaves the socket
+        readable with data, so a peek alone would call it connected until the round's lease:
+        Linux says the peer hung up (``POLLRDHUP``) whatever is still queued."""
         if self._state != "open":
             return True
         for link in self._links:
             try:
                 poller = select.poll()
-                poller.register(link.sock, select.POLLIN)
-                if not poller.poll(0):
+                poller.register(link.sock, select.POLLIN | _HUNG_UP)
+                events = poller.poll(0)
+                if not events:
                     continue  # nothing to read: the peer is still there
+                if events[0][1] & (_HUNG_UP | select.POLLHUP | select.POLLERR):
+                    return True
                 # Readable with no data means an orderly close (EOF).
                 if link.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
                     return True

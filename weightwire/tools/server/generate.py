@@ -14,6 +14,7 @@ exposes together.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -54,10 +55,20 @@ class Generator:
         device: torch.device,
         model_name: str,
         max_model_len: int,
+        step_lock: threading.Lock | None = None,
     ) -> None:
+        """``step_lock``: held through each forward pass (a prefill, one decode step), so a
+        round's start waits for the step in progress, never for the whole request."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.model_name, self.max_model_len = model_name, max_model_len
         self.eos_token_id = tokenizer.eos_token_id
+        self.step_lock = threading.Lock() if step_lock is None else step_lock
+
+    def _step(self, **inputs: Any) -> tuple[Any, torch.Tensor]:
+        """One forward pass: its KV cache and the last position's logits (float32)."""
+        with self.step_lock:
+            out = self.model(**inputs, use_cache=True)
+            return out.past_key_values, out.logits[:, -1, :].float()
 
     def _encode(self, prompt: str | list[int], index: int) -> list[int]:
         if isinstance(prompt, list):
@@ -102,8 +113,7 @@ class Generator:
         want_top = req["logprobs"] or 0
         as_ids = req["return_tokens_as_token_ids"]
         rows = torch.tensor([ids] * n, dtype=torch.long, device=self.device)
-        out = self.model(input_ids=rows, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1, :].float()
+        past, logits = self._step(input_ids=rows)
         tokens: list[list[int]] = [[] for _ in range(n)]
         lps: list[list[float]] = [[] for _ in range(n)]
         tops: list[list[dict[str, float]]] = [[] for _ in range(n)]
@@ -154,8 +164,7 @@ class Generator:
             if cancelled():
                 finish = ["abort" if not d else f for d, f in zip(done, finish, strict=True)]
                 break
-            out = self.model(input_ids=nxt.view(n, 1), past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1, :].float()
+            past, logits = self._step(input_ids=nxt.view(n, 1), past_key_values=past)
         return [
             (
                 self._choice(tokens[i], lps[i], tops[i] if want_top else None, finish[i], req),

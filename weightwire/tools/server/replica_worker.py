@@ -54,6 +54,8 @@ class Worker:
         self.model = _load_model(spec.model_dir).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
         self.model_lock = threading.Lock()
+        self.step_lock = threading.Lock()
+        """Held by a generation through each forward pass; a round's start takes it."""
         self.host = HFModelHost(self.model, write_lock=self.model_lock)
         self.weights = WeightState()
         """Whether the model is whole: kept across this replica's engines (sessions)."""
@@ -73,6 +75,7 @@ class Worker:
             device=self.device,
             model_name=os.path.basename(os.path.normpath(spec.model_dir)),
             max_model_len=self.max_model_len,
+            step_lock=self.step_lock,
         )
         self.sleep = WorkerSleep(self.model, self.device, self.model_lock, self.host.param_names)
         self.adapters = HFAdapters(self.model, spec.max_lora_rank) if spec.max_lora_rank else None
@@ -124,10 +127,23 @@ class Worker:
             raise RuntimeError("weight transfer engine is not initialized on this replica")
         return self.engine
 
-    def op_start(self) -> None:
+    def op_start(self, timeout_s: float | None = None) -> None:
+        """Open the round between two generation steps, as vLLM's ``collective_rpc`` runs: a
+        worker written through sends its go from inside its start, and the trainer writes
+        the parameters from that go on, so the forward pass in progress (which a
+        ``pause=abort`` cancel stops only after it) must have ended first. Raises
+        ``TimeoutError`` if it did not within ``timeout_s``; nothing is started then."""
         engine = self._require_engine()
         self.sleep.check_round()
-        engine.start_weight_update()
+        if not self.step_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise TimeoutError(
+                f"a generation step kept the model for {timeout_s:g} s, so the round was not "
+                "started (nothing was written)"
+            )
+        try:  # no step starts until the start returned: a cancelled request stops before it
+            engine.start_weight_update()
+        finally:
+            self.step_lock.release()
 
     def op_update(self, update_info: dict[str, Any]) -> dict[str, Any]:
         engine = self._require_engine()

@@ -21,7 +21,10 @@ from weightwire.shared.routes import (
     CHECKER_ACTIONS,
     FINISH_RESETS_RESUMES,
     SERVED_MODEL,
+    START_KEPT_HELD,
+    START_PAUSED_NOTHING,
     START_PAUSES,
+    START_UNDID_PAUSE,
     UPDATE_FINISHES,
     UPDATE_STARTS,
 )
@@ -153,7 +156,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         clock = CallClock()
         await read_no_body(request)
         mode = pause_query(request)  # advertised (START_PAUSES): pause first, in this request
-        _start_checks(state, request)
+        _start_checks(state, request, mode)
         await _open_round(state, mode, clock)
         arm_lease(state)
         return JSONResponse({"message": "Weight update started"}, headers=clock.headers())
@@ -182,9 +185,10 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         except ApiError as exc:
             if starts is None:
                 raise
+            said = "" if starts.pause is None else _paused_nothing(state)
             raise ApiError(
                 exc.status,
-                f"start_weight_update refused: {exc.message}; nothing was paused or started",
+                f"start_weight_update refused: {exc.message}; nothing was paused or started{said}",
                 param=exc.param,
             ) from None
         per: list[dict[str, Any]] | None = None
@@ -262,18 +266,29 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({**reply, **done}, headers=clock.headers())
 
 
-def _start_checks(state: ServerState, request: Request) -> None:
+def _start_checks(state: ServerState, request: Request, mode: str | None) -> None:
     """What refuses a start before anything is done (the caller's session, the round's
-    phase, sleep): the start's and the update's that starts (one definition)."""
-    require_owner(state, request, "start_weight_update")
-    state.session.check_start()
-    if state.sleep.weights_asleep:
-        raise SessionError(
-            409,
-            f"start_weight_update refused: the server is asleep (/sleep level "
-            f"{state.sleep.level}) and its weights are not loaded; POST "
-            "/wake_up?tags=weights before sending a round",
-        )
+    phase, sleep): the start's and the update's that starts (one definition). A refusal of
+    a start that carries a pause (``mode``) says it paused nothing (``start_left_paused``)."""
+    try:
+        require_owner(state, request, "start_weight_update")
+        state.session.check_start()
+        if state.sleep.weights_asleep:
+            raise SessionError(
+                409,
+                f"start_weight_update refused: the server is asleep (/sleep level "
+                f"{state.sleep.level}) and its weights are not loaded; POST "
+                "/wake_up?tags=weights before sending a round",
+            )
+    except (ApiError, SessionError) as exc:
+        if mode is not None:  # the trainer reads what its pause became (start_left_paused)
+            exc.message += _paused_nothing(state)
+        raise
+
+
+def _paused_nothing(state: ServerState) -> str:
+    """What a start refused before its pause adds to its message (``START_PAUSED_NOTHING``)."""
+    return f"; {START_PAUSED_NOTHING}{_held(state.gate.mode)}"
 
 
 async def _open_round(state: ServerState, mode: str | None, clock: CallClock) -> None:
@@ -290,6 +305,7 @@ async def _open_round(state: ServerState, mode: str | None, clock: CallClock) ->
                 state,
                 "start_weight_update",
                 "start",
+                {"timeout_s": state.options.op_timeout_s},  # its wait for a generation step
                 timeout=state.options.op_timeout_s,
                 abort_on_failure=True,
             )
@@ -320,14 +336,15 @@ async def _start_in_update(
     trainer wrote nothing: its data path waits for the workers' word from inside the round).
     Every error's message begins with ``start_weight_update`` (what failed)."""
     try:
-        _start_checks(state, request)
+        _start_checks(state, request, starts.pause)
         try:
             per = await _update_payload(state, request, body)
         except ApiError as exc:
+            said = "" if starts.pause is None else _paused_nothing(state)
             raise ApiError(
                 exc.status,
                 f"start_weight_update refused: the update's {exc.message}; nothing was paused "
-                "or started",
+                f"or started{said}",
                 param=exc.param,
             ) from None
         await _open_round(state, starts.pause, clock)
@@ -362,13 +379,19 @@ async def _pause_first(state: ServerState, mode: str) -> None:
                 "no round was opened. Re-initialize (trainer_init) to take over again",
             )
         session.check_start()
-    except BaseException:
+    except BaseException as exc:
         if gate.pauses == ours and gate.mode == mode:  # still this start's pause
             if held is None:
                 gate.resume()
             else:
                 gate.pause(held)
+            if isinstance(exc, (ApiError, SessionError)):  # the refusal says what it left
+                exc.message += f"; {START_UNDID_PAUSE}{_held(held)}"
         raise
+
+
+def _held(mode: str | None) -> str:
+    return "" if mode is None else f"; {START_KEPT_HELD} (mode={mode})"
 
 
 async def _commit(state: ServerState, version: str | None) -> bool:

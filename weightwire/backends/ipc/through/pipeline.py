@@ -57,6 +57,7 @@ from weightwire.backends.ipc.gather import GatherCopy, StagedRows
 from weightwire.backends.ipc.pull import ChunkFill, IPCPullPipeline
 from weightwire.backends.ipc.slots import (
     close_mappings,
+    event_query,
     open_mapping,
     record,
     stream_wait,
@@ -189,18 +190,46 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
         self._strided = StridedCopy(cp, device, self._sptr)
         self._stream_ref = StreamRef(self._sptr)
         self._told: set[str] = set()
-
-    def _after_release(self) -> None:
-        if self._in_flight[0]:  # the last round's copies: long done, but never settled
-            self.settle()
+        self._tail: int | None = None
+        """The event recorded behind the last round's copies, while they are unsettled."""
+        self._unsettled: BaseException | None = None
+        """Why those copies did not settle: a later ``settle`` fails with it, not waiting again."""
 
     def _prepare(self, metas: Sequence[ParamMeta]) -> None:
+        if self._in_flight[0]:
+            self._settle_last()
         for ch in self._comm.channels:  # a go of a round that sent no byte: void
             ch.discard_delivered("go")
         self._through = [False] * len(self._comm.channels)
         self._early_go = [False] * len(self._comm.channels)
         self._known = False
         super()._prepare(metas)
+
+    def _settle_last(self) -> None:
+        """The last round's copies, written through to every worker and never waited for
+        here (each worker's commit waits for them): settled before this round's start can
+        go, so a failure of theirs (a device error, copies that never end) fails this round
+        before any server opened it (its workers would refuse generation until a whole
+        round commits). Long done in the common case: one query of the event recorded
+        behind them, no wait."""
+        try:
+            tail, self._tail = self._tail, None
+            if tail is not None and event_query(self._comm.cp, tail):
+                self._in_flight[0].clear()
+                return
+            self.settle()
+        except BaseException as exc:
+            exc.add_note(
+                "the previous round's copies into the workers' parameters did not settle on "
+                "the trainer's device: this round sent nothing (no start)"
+            )
+            self._unsettled = exc
+            raise
+
+    def settle(self) -> None:
+        if self._unsettled is not None:  # copies that never ended: one bounded wait was enough
+            raise self._unsettled
+        super().settle()
 
     def _pulling(self) -> list[int]:
         return [w for w, through in enumerate(self._through) if not through]
@@ -257,6 +286,7 @@ class IPCWriteThroughPipeline(IPCPullPipeline):
             e = 0
             record(self._comm.cp, self._comm.slots.events[0], self._sptr)
         trace("wt enqueued")
+        self._tail = self._comm.slots.events[e]  # queried before the next round's start
         for w in writing:
             self._comm.channels[w].send({"op": "done", "e": e})
         # Written through to every worker: each one's commit waits for this round's ready

@@ -1,0 +1,89 @@
+"""``shutdown()`` against a server that keeps answering 409 (a round still active there): the
+retries and the wait for them are one bound (``transfer.settle_bound``), the error is a
+``ControlTimeout`` naming ``shutdown_weight_transfer_engine`` and the server's answer, and no
+retry goes out once ``shutdown()`` returned (a poll the caller stopped waiting for ends)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.trainer.fakes import DictSource, FakeServer, numpy_weights
+from tests.trainer.pause_defaults import stock_fake_comm
+from weightwire.jax_side.dtypes import describe
+from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.shared.errors import ControlTimeout
+from weightwire.shared.timeouts import Timeouts
+from weightwire.trainer import TrainerInitInfo, transfer
+
+ROUTE = "shutdown_weight_transfer_engine"
+ACTIVE = (409, "shutdown_weight_transfer_engine refused: a weight update is active (round 3)")
+TRANSFER_S, GRACE_S = 0.4, 0.2
+BOUND = 2 * TRANSFER_S + GRACE_S
+
+
+@pytest.fixture(autouse=True)
+def short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    stock_fake_comm(monkeypatch)
+    monkeypatch.setattr(transfer, "_GRACE_S", GRACE_S)
+
+
+def _engine(server: FakeServer) -> JAXTrainerEngine:
+    timeouts = Timeouts(http_s=10, connect_s=5, warmup_s=5, transfer_s=TRANSFER_S)
+    return JAXTrainerEngine.trainer_init(
+        TrainerInitInfo(backend="fake_host", timeouts=timeouts),
+        client=server.client(),
+        source=DictSource(numpy_weights(), describe),
+    )
+
+
+def _calls(server: FakeServer) -> int:
+    return len(server.bodies(ROUTE))
+
+
+def test_a_server_that_keeps_its_round_active_fails_shutdown_by_name_within_the_bound() -> None:
+    server = FakeServer()
+    engine = _engine(server)
+    server.fail[ROUTE] = ACTIVE
+    began = time.monotonic()
+    with pytest.raises(ControlTimeout) as got:
+        engine.shutdown()
+    took = time.monotonic() - began
+    assert got.value.route == ROUTE
+    assert "the server still had a round active" in got.value.message
+    assert "a weight update is active (round 3)" in got.value.message  # its last answer
+    assert _calls(server) > 2  # retried meanwhile
+    assert BOUND - 0.2 <= took < BOUND + 1.0, took
+    calls = _calls(server)
+    time.sleep(0.3)
+    assert _calls(server) == calls  # nothing polls after shutdown() raised
+
+
+def test_a_retry_still_out_at_the_bound_is_abandoned_and_calls_no_more() -> None:
+    """A call that answers only past the bound: shutdown() raises at the bound, naming the
+    route; the poll left behind takes that late 409 and sends nothing after it."""
+    server = FakeServer()
+    engine = _engine(server)
+    server.fail[ROUTE] = ACTIVE
+    late, answered = threading.Event(), threading.Event()
+
+    def hold_the_second(_: object) -> None:
+        if _calls(server) == 2:
+            late.wait(BOUND + 2.0)  # out past the bound
+            answered.set()
+
+    server.hooks[ROUTE] = hold_the_second
+    began = time.monotonic()
+    try:
+        with pytest.raises(ControlTimeout, match=ROUTE) as got:
+            engine.shutdown()
+        took = time.monotonic() - began
+    finally:
+        late.set()
+    assert got.value.route == ROUTE and "did not return within" in got.value.message
+    assert took < BOUND + 1.0, took
+    assert answered.wait(5.0)
+    time.sleep(0.3)
+    assert _calls(server) == 2  # the abandoned poll took its late 409 and stopped
