@@ -304,6 +304,15 @@ def prepare(s: Session, r: Round, clock: PhaseClock) -> tuple[list[dict[str, Any
     return payloads, reused
 
 
+def _round_sender(s: Session, r: Round) -> Any:
+    """The data path this round's bytes go through: a sliced round's own sender (each
+    worker its pieces), else the session's."""
+    if isinstance(r.wire, SlicedWire):
+        assert s.slicing is not None
+        return s.slicing.sender
+    return s.sender
+
+
 def send_early(
     s: Session,
     r: Round,
@@ -325,7 +334,7 @@ def send_early(
         if (
             servers is not None
             and finish is not None
-            and one_request(s.client, s.caps, s.sender, finish)
+            and one_request(s.client, s.caps, _round_sender(s, r), finish)
         ):
             finish.start_in_update(mode)
             servers.one_request = True
