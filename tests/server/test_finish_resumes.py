@@ -173,7 +173,10 @@ def test_a_refused_start_pauses_nothing_and_a_bad_mode_is_422(served: Any) -> No
     state, http = served
     r = http.post("/start_weight_update", params={"pause": "keep"})  # no init: refused
     assert r.status_code == 409 and not state.gate.paused
-    assert "this start paused nothing" in r.text  # what the trainer reads (start_left_paused)
+    assert "this start paused nothing" in r.json()["error"]["message"]  # for a person
+    assert r.json()["error"]["pause"] == "none"  # what the trainer reads (start_left_paused)
+    r = http.post("/start_weight_update")  # a start without a pause says nothing of one
+    assert r.status_code == 409 and "pause" not in r.json()["error"]
     http.post("/init_weight_transfer_engine", json={"init_info": INIT})
     r = http.post("/start_weight_update", params={"pause": "soon"})
     assert r.status_code == 422 and "pause must be one of" in r.text
@@ -304,6 +307,7 @@ def test_a_start_whose_pause_waited_while_a_newer_init_replaced_its_session_open
             return
         assert state.session.phase.name != "ROUND" and not state.gate.paused
         assert "the pause this start took was undone" in refused.text
+        assert refused.json()["error"]["pause"] == "undone"
         assert "start" not in receiver.ops  # no worker started
         r = http.post("/start_weight_update", headers=own)
         assert r.status_code == 200, r.text
@@ -330,7 +334,8 @@ def test_a_start_whose_wait_pause_timed_out_started_nothing_and_undid_its_pause(
             with pytest.raises(WeightSyncError) as refused:
                 client.pause_and_start("wait")
             assert refused.value.status == 504 and "still running" in refused.value.message
-            assert start_left_paused(refused.value.message) is (held is not None)
+            assert refused.value.pause == ("undone" if held is None else "held")
+            assert start_left_paused(refused.value.pause) is (held is not None)
             assert "the pause this start took was undone" in refused.value.message
             assert state.gate.mode == held and state.session.phase.name != "ROUND"
             assert "start" not in receiver.ops

@@ -22,6 +22,10 @@ from weightwire.shared.routes import (
     FINISH_RESETS_RESUMES,
     SERVED_MODEL,
     START_KEPT_HELD,
+    START_PAUSE_FIELD,
+    START_PAUSE_HELD,
+    START_PAUSE_NONE,
+    START_PAUSE_UNDONE,
     START_PAUSED_NOTHING,
     START_PAUSES,
     START_UNDID_PAUSE,
@@ -76,7 +80,7 @@ def install_weight_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(SessionError)
     async def _session_error(_: Request, exc: SessionError) -> JSONResponse:
-        return error_response(exc.status, exc.message)
+        return error_response(exc.status, exc.message, fields=exc.fields)
 
     _session_routes(app, state)
     _round_routes(app, state)
@@ -165,7 +169,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                 )
         except (ApiError, SessionError) as exc:
             if mode is not None:  # the trainer reads what its pause became (start_left_paused)
-                exc.message += f"; {START_PAUSED_NOTHING}{_held(state.gate.mode)}"
+                _say_pause(exc, START_PAUSED_NOTHING, START_PAUSE_NONE, state.gate.mode)
             raise
         if mode is not None:  # only once the start's own checks passed: a refusal pauses nothing
             with clock.part("pause"):
@@ -305,12 +309,18 @@ async def _pause_first(state: ServerState, mode: str) -> None:
             else:
                 gate.pause(held)
             if isinstance(exc, (ApiError, SessionError)):  # the refusal says what it left
-                exc.message += f"; {START_UNDID_PAUSE}{_held(held)}"
+                _say_pause(exc, START_UNDID_PAUSE, START_PAUSE_UNDONE, held)
         raise
 
 
-def _held(mode: str | None) -> str:
-    return "" if mode is None else f"; {START_KEPT_HELD} (mode={mode})"
+def _say_pause(exc: ApiError | SessionError, words: str, word: str, held: str | None) -> None:
+    """A refused start's word on what its pause became: for a person at the end of its
+    message, for the trainer as the error body's field (``START_PAUSE_FIELD``)."""
+    exc.message += f"; {words}"
+    if held is not None:
+        exc.message += f"; {START_KEPT_HELD} (mode={held})"
+        word = START_PAUSE_HELD
+    exc.fields[START_PAUSE_FIELD] = word
 
 
 async def _commit(state: ServerState, version: str | None) -> bool:
