@@ -1,0 +1,87 @@
+"""The trainer API misused as a new user would, against the real reference server (``weightwire
+serve``): a call of an engine after its ``shutdown()``, a second thread's ``send_weights`` while
+a round runs. Each is refused with a
+``WeightwireError`` naming the problem before anything of it is sent, the server keeps serving
+its committed weights, and the engine (where it was not shut down) stays usable."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from tests.faults.harness import (
+    Probe,
+    TensorSource,
+    assert_weights,
+    engine_for,
+    hook_at,
+    observe,
+    quiet_shutdown,
+)
+from tests.faults.servers import Server
+from weightwire.shared.errors import ConfigError
+from weightwire.trainer import EngineBroken
+
+
+def test_a_call_after_shutdown_is_refused_naming_it(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """``send_weights`` (blocking or not), ``send_patches`` and ``abort_requests`` on an engine
+    that was shut down raise ``EngineBroken`` saying so and what to do (was: a bare
+    ``RuntimeError``, and ``abort_requests`` still posted to a server whose session may be
+    another trainer's by now); nothing reaches the server."""
+    engine = engine_for(shared_server.url, source)
+    want = source.perturb(41)
+    engine.send_weights("before-shutdown")
+    engine.shutdown()
+    calls: dict[str, Any] = {
+        "send_weights": lambda: engine.send_weights("late"),
+        "send_weights(wait=False)": lambda: engine.send_weights("late", wait=False),
+        "send_patches": lambda: engine.send_patches([], "late"),
+        "abort_requests": lambda: engine.abort_requests(),
+    }
+    for what, call in calls.items():
+        with pytest.raises(EngineBroken, match="was shut down") as refused:
+            call()
+        assert "trainer_init()" in str(refused.value), what
+    observe(refused=str(refused.value))
+    engine.shutdown()  # still idempotent
+    assert_weights(probe, want, "before-shutdown")
+
+
+def test_a_second_threads_send_weights_is_refused_while_a_round_runs(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """Two threads call ``send_weights`` of one engine: the second, made while the first's
+    round is mid-transfer, raises ``ConfigError`` at once naming the misuse, and sends nothing
+    (was: it ran its own round on the same session, its start refused by the server's open
+    round or, earlier in the first round, a whole round of its own beside it); the first
+    round commits, and the engine goes on."""
+    engine = engine_for(shared_server.url, source)
+    try:
+        engine.send_weights("base")
+        want = source.perturb(42)
+        inside, go_on = threading.Event(), threading.Event()
+        source.hook = hook_at(1, lambda: (inside.set(), go_on.wait(30)))
+        first: list[Any] = []
+        runner = threading.Thread(target=lambda: first.append(engine.send_weights("first")))
+        runner.start()
+        try:
+            assert inside.wait(30), "the first round never reached its second tensor"
+            with pytest.raises(ConfigError, match="another send_weights / send_patches call"):
+                engine.send_weights("second")
+            with pytest.raises(ConfigError, match="from another thread"):
+                engine.send_weights("second", wait=False)
+        finally:
+            go_on.set()
+            runner.join(60)
+        assert not runner.is_alive() and first[0].version == "first"
+        assert_weights(probe, want, "first")
+        source.hook = None
+        want = source.perturb(43)
+        engine.send_weights("after")
+        assert_weights(probe, want, "after")
+    finally:
+        quiet_shutdown(engine)
