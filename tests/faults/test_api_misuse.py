@@ -1,6 +1,6 @@
 """The trainer API misused as a new user would, against the real reference server (``weightwire
 serve``): a call of an engine after its ``shutdown()``, a second thread's ``send_weights`` while
-a round runs. Each is refused with a
+a round runs, a source that yields a tensor on torch's meta device. Each is refused with a
 ``WeightwireError`` naming the problem before anything of it is sent, the server keeps serving
 its committed weights, and the engine (where it was not shut down) stays usable."""
 
@@ -83,5 +83,50 @@ def test_a_second_threads_send_weights_is_refused_while_a_round_runs(
         want = source.perturb(43)
         engine.send_weights("after")
         assert_weights(probe, want, "after")
+    finally:
+        quiet_shutdown(engine)
+
+
+@pytest.mark.parametrize(
+    ("wait", "index"),
+    [(True, 0), (True, 2), (False, 2)],
+    ids=["first_tensor", "mid_round", "overlapped"],
+)
+def test_a_meta_tensor_is_refused_naming_it(
+    shared_server: Server, probe: Probe, source: TensorSource, wait: bool, index: int
+) -> None:
+    """A source that yields a tensor on torch's meta device (a model built without its
+    weights) with the right dtype and shape: ``ConfigError`` naming the tensor and the fix
+    (was: torch's bare ``NotImplementedError: Cannot copy out of meta tensor``, from the
+    packer or the overlapped round's snapshot). The served weights stay. Refused before the
+    round's start (the first tensor, or an overlapped round's snapshot, taken before it
+    returns), the engine goes on; met mid-round (after its start, tensors streamed), the
+    round fails as a source that disagrees with its metadata there does: a new engine goes
+    on."""
+    engine = engine_for(shared_server.url, source)
+    try:
+        want = source.perturb(44)
+        engine.send_weights("whole")
+        empty = list(source.tensors)[index]
+
+        def on_meta(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+            return [(n, t.to("meta") if n == empty else t) for n, t in pairs]
+
+        source.mutate = on_meta
+        source.perturb(45)
+        with pytest.raises(ConfigError, match="meta device") as refused:
+            engine.send_weights("empty", wait=wait)
+        assert repr(empty) in str(refused.value) and "materialize" in str(refused.value)
+        observe(refused=str(refused.value))
+        assert_weights(probe, want, "whole")
+        source.mutate = None
+        want = source.expected()
+        if index > 0 and wait:
+            with pytest.raises(EngineBroken, match="meta device"):
+                engine.send_weights("full")
+            engine.shutdown()
+            engine = engine_for(shared_server.url, source)
+        engine.send_weights("full")
+        assert_weights(probe, want, "full")
     finally:
         quiet_shutdown(engine)
