@@ -119,7 +119,8 @@ class Worker:
         self.engine = engine
         return {
             "rank": info.rank_offset + self.spec.index,
-            "served_model": self.host.served_model().to_dict(),
+            # asleep at level 2, the parameters are empty: tell the shapes the wake restores
+            "served_model": self.host.served_model(self.sleep.sleeper.shape_of).to_dict(),
         }
 
     def _require_engine(self) -> Any:
