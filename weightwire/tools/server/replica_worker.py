@@ -280,7 +280,10 @@ class Worker:
 
     def op_checksum(self) -> dict[str, str]:
         with self.model_lock:
-            return self.host.state_checksums()
+            sums = self.host.state_checksums()
+            if self.adapters is not None:  # an adapter round's tensors, under its names
+                sums.update(self.adapters.checksums())
+            return sums
 
     def op_reset(self) -> None:
         """Zero every weight, so a later compare shows which tensors an update did not write."""
