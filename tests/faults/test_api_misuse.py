@@ -1,20 +1,25 @@
 """The trainer API misused as a new user would, against the real reference server (``weightwire
 serve``): a call of an engine after its ``shutdown()``, a second thread's ``send_weights`` while
-a round runs, a source that yields a tensor on torch's meta device. Each is refused with a
-``WeightwireError`` naming the problem before anything of it is sent, the server keeps serving
-its committed weights, and the engine (where it was not shut down) stays usable."""
+a round runs, a source that yields a tensor on torch's meta device, a JAX getter that returns
+deleted (donated) arrays. Each is refused with a ``WeightwireError`` naming the problem before
+anything of it is sent, the server keeps serving its committed weights, and the engine (where it
+was not shut down) stays usable."""
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.faults.harness import (
+    BUFFER_BYTES,
+    FAULT_TIMEOUTS,
     Probe,
     TensorSource,
     assert_weights,
+    client_for,
     engine_for,
     hook_at,
     observe,
@@ -128,5 +133,49 @@ def test_a_meta_tensor_is_refused_naming_it(
             engine = engine_for(shared_server.url, source)
         engine.send_weights("full")
         assert_weights(probe, want, "full")
+    finally:
+        quiet_shutdown(engine)
+
+
+def test_a_jax_leaf_deleted_before_a_round_is_refused_naming_it(
+    shared_server: Server, probe: Probe, fault_model: Path
+) -> None:
+    """A JAX trainer whose getter still returns params a step deleted (donated buffers):
+    ``ConfigError`` naming the leaf's path and the fix, from ``send_weights`` before anything
+    is sent, blocking or not (was, blocking: JAX's bare ``RuntimeError: Array has been
+    deleted``); the server keeps its round, and once the getter returns live params the same
+    engine commits."""
+    import jax
+
+    from weightwire.jax_side.engine import JAXTrainerEngine
+    from weightwire.jax_side.source import PytreeSource
+    from weightwire.tools.models import decoder
+    from weightwire.tools.models.loading import load_decoder
+    from weightwire.trainer import TrainerInitInfo
+
+    cfg, params = load_decoder(fault_model)
+    live = {"params": params}
+    info = TrainerInitInfo(
+        backend="weightwire_tcp", packed_buffer_size_bytes=BUFFER_BYTES, timeouts=FAULT_TIMEOUTS
+    )
+    engine = JAXTrainerEngine.trainer_init(
+        info,
+        client=client_for(shared_server.url),
+        source=PytreeSource(lambda: live["params"], decoder.naming(cfg)),
+    )
+    try:
+        engine.send_weights("jax-live")
+        donated = jax.tree.map(lambda x: x + 0, params)
+        jax.tree.leaves(donated)[1].delete()  # what a step with donate_argnums leaves behind
+        live["params"] = donated
+        for wait in (True, False):
+            with pytest.raises(ConfigError, match="was deleted") as refused:
+                engine.send_weights("jax-deleted", wait=wait)
+            observe(refused=str(refused.value))
+        assert "donat" in str(refused.value)
+        assert probe.version() == "jax-live"
+        live["params"] = jax.tree.map(lambda x: x * 0.5, params)
+        engine.send_weights("jax-after")
+        assert probe.version() == "jax-after"
     finally:
         quiet_shutdown(engine)
