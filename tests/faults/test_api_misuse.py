@@ -30,6 +30,12 @@ from weightwire.shared.errors import ConfigError
 from weightwire.trainer import EngineBroken
 
 
+def _gpu_host() -> bool:
+    from weightwire.backends.nccl.library import nccl_available
+
+    return nccl_available()
+
+
 def test_a_call_after_shutdown_is_refused_naming_it(
     shared_server: Server, probe: Probe, source: TensorSource
 ) -> None:
@@ -179,3 +185,59 @@ def test_a_jax_leaf_deleted_before_a_round_is_refused_naming_it(
         assert probe.version() == "jax-after"
     finally:
         quiet_shutdown(engine)
+
+
+@pytest.mark.skipif(_gpu_host(), reason="this host has CuPy and a CUDA device")
+@pytest.mark.parametrize(
+    ("framework", "backend", "error"),
+    [
+        ("torch", "nccl", "NCCLUnavailable"),
+        ("torch", "weightwire_ipc", "IPCUnavailable"),
+        ("jax", "weightwire_nccl", "NCCLUnavailable"),
+        ("jax", "weightwire_ipc", "IPCUnavailable"),
+    ],
+    ids=["torch_nccl", "torch_ipc", "jax_weightwire_nccl", "jax_ipc"],
+)
+def test_a_gpu_backend_on_a_host_without_one_is_refused_naming_the_fix(
+    shared_server: Server,
+    probe: Probe,
+    source: TensorSource,
+    framework: str,
+    backend: str,
+    error: str,
+) -> None:
+    """``trainer_init`` with a GPU backend on a host without CuPy or a CUDA device: the
+    backend's ``UnavailableError`` naming it, what is missing (CuPy's install command, or no
+    device) and ``weightwire_tcp``, before any rendezvous (the server's session is untouched)
+    (was: torch's packer's bare ``RuntimeError: the NCCL path needs CUDA tensors`` for every
+    one, IPC included; JAX's bare ``ModuleNotFoundError: No module named 'cupy'``)."""
+    from weightwire.shared.errors import UnavailableError
+    from weightwire.trainer import TrainerInitInfo
+
+    before = probe.session()
+    info = TrainerInitInfo(backend=backend, timeouts=FAULT_TIMEOUTS)
+    with pytest.raises(UnavailableError) as refused:
+        if framework == "torch":
+            from weightwire.torch_side.sender.engine import TorchTrainerEngine
+
+            TorchTrainerEngine.trainer_init(
+                info, client=client_for(shared_server.url), source=source
+            )
+        else:
+            import jax.numpy as jnp
+
+            from weightwire.jax_side.engine import JAXTrainerEngine
+            from weightwire.jax_side.naming import Naming
+            from weightwire.jax_side.rules import Rule
+            from weightwire.jax_side.source import PytreeSource
+
+            JAXTrainerEngine.trainer_init(
+                info,
+                client=client_for(shared_server.url),
+                source=PytreeSource({"w": jnp.zeros(2)}, Naming([Rule("w", "w")])),
+            )
+    assert type(refused.value).__name__ == error and isinstance(refused.value, RuntimeError)
+    message = str(refused.value)
+    assert repr(backend) in message and "weightwire_tcp" in message
+    observe(refused=message)
+    assert probe.session() == before
