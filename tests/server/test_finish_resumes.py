@@ -251,6 +251,36 @@ def test_a_finishs_flags_without_finish_and_bad_flags_are_refused_before_the_upd
         assert "update" not in receiver.ops
 
 
+def test_a_flag_given_twice_is_refused_before_anything_is_done() -> None:
+    """A round's query flag given twice (``pause=abort&pause=keep``, ``finish=true&finish=
+    false``, ``resume=true&resume=false``) is a 422 naming it, before the request does
+    anything (was: the last one silently held, so ``finish=true&finish=false`` was a plain
+    update and the round stayed open uncommitted)."""
+    receiver = Instant()
+    state, http = _serve(receiver)
+    with http:
+        http.post("/init_weight_transfer_engine", json={"init_info": INIT})
+        r = http.post("/start_weight_update", params=[("pause", "abort"), ("pause", "keep")])
+        assert r.status_code == 422 and "pause is given 2 times" in r.text, r.text
+        assert not state.gate.paused and "start" not in receiver.ops
+        assert http.post("/start_weight_update").status_code == 200
+        body = {"update_info": EMPTY, "weight_version": "v"}
+        for params in (
+            [("finish", "true"), ("finish", "false")],
+            [("finish", "true"), ("resume", "true"), ("resume", "false")],
+            [("finish", "true"), ("reset_caches", "1"), ("reset_caches", "0")],
+        ):
+            r = http.post("/update_weights", params=params, json=body)
+            assert r.status_code == 422 and "is given 2 times" in r.text, r.text
+            assert "give it once" in r.json()["error"]["message"]
+        assert "update" not in receiver.ops
+        r = http.post("/finish_weight_update", params=[("resume", "1"), ("resume", "0")])
+        assert r.status_code == 422 and "resume is given 2 times" in r.text, r.text
+        assert state.session.phase.name == "ROUND"  # nothing above touched the open round
+        r = http.post("/update_weights", params={"finish": "true"}, json=body)
+        assert r.status_code == 200 and state.session.weight_version == "v", r.text
+
+
 def _until(cond: Any, bound_s: float = 10.0) -> None:
     import time
 
