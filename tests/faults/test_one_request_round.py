@@ -126,7 +126,7 @@ def test_an_asleep_server_refuses_the_request_before_anything_and_the_engine_sta
         with pytest.raises(WeightSyncError, match="asleep") as got:
             engine.send_weights("asleep")
         assert got.value.route == "start_weight_update" and got.value.status == 409
-        assert start_left_paused(got.value.message) is False  # "this start paused nothing"
+        assert start_left_paused(got.value.pause) is False  # the field: it paused nothing
         assert client.sent == [_one()]  # the one request, refused: no resume sent after it
         session = probe.session()
         assert session["rounds_failed"] == failed and session["state"] != "round_active"

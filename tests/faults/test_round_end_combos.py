@@ -38,9 +38,10 @@ def test_a_refused_start_that_carried_the_pause_logs_the_pause_the_server_left(
     shared_server: Server, probe: Probe, source: TensorSource, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A round applied in place whose start, carrying its pause, the server refused (asleep):
-    the refusal says the start paused nothing, and the trainer says generation is not paused
-    by the round (it is not, once awake), never that the servers stay paused; with a pause
-    held before the round, both say it stays (it does)."""
+    the refusal says the start paused nothing (its error body's ``pause`` field), and the
+    trainer says generation is not paused by the round (it is not, once awake), never that
+    the servers stay paused; with a pause held before the round, both say it stays (it
+    does)."""
     engine = engine_for(shared_server.url, source, stage_budget_bytes=0)
     try:
         want = source.perturb(31)
@@ -54,7 +55,8 @@ def test_a_refused_start_that_carried_the_pause_logs_the_pause_the_server_left(
             engine.send_weights("refused")
         observe(refused=refused.value.message)
         assert refused.value.route == "start_weight_update"
-        assert "this start paused nothing" in refused.value.message
+        assert "this start paused nothing" in refused.value.message  # for a person
+        assert refused.value.pause == "none"  # for the trainer: the error body's field
         assert "not paused by this round" in caplog.text and "stay paused" not in caplog.text
         assert probe.http.post("/wake_up").status_code == 200
         assert not _paused(probe)
@@ -63,9 +65,10 @@ def test_a_refused_start_that_carried_the_pause_logs_the_pause_the_server_left(
         assert probe.http.post("/sleep", params={"level": 1}).status_code == 200
         with (
             caplog.at_level(logging.WARNING, logger="weightwire"),
-            pytest.raises(WeightSyncError, match="the pause held before it stays"),
+            pytest.raises(WeightSyncError, match="the pause held before it stays") as held,
         ):
             engine.send_weights("refused-held")
+        assert held.value.pause == "held"
         assert "the servers stay paused" in caplog.text
         assert "says a pause held before it stays" in caplog.text
         assert probe.http.post("/wake_up").status_code == 200

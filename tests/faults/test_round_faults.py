@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -350,6 +351,43 @@ def test_a_trainer_gone_after_its_first_bytes_with_its_update_lost_is_dropped_at
     assert "closed the data link" in str(state["last_error"]), state
     assert_weights(probe, want, "g1")
     fresh_round(url, source, probe, 37, "after-lost-update")
+
+
+def test_a_trainer_failing_mid_round_raises_once_its_servers_ended_the_round(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """The trainer's own failure mid-round while its update POST is still on its way (a
+    loaded host): ``send_weights`` raises only once that POST answered, so the server has
+    failed the round on the closed link by then, and the caller's next call (a shutdown,
+    which a stock vLLM refuses with a 500 while its worker's update is active) meets no
+    round; the last committed weights stay served."""
+    url = shared_server.url
+    client = client_for(url)
+    engine = engine_for(url, source, client=client)
+    try:
+        want = source.perturb(38)
+        engine.send_weights("v1")
+        for name in ("update_weights", "update_and_finish"):
+            slow = getattr(client, name)
+
+            def late(*args: object, _post: Any = slow, **kwargs: object) -> Any:
+                time.sleep(0.5)  # the trainer's own failure comes first
+                return _post(*args, **kwargs)
+
+            setattr(client, name, late)
+        source.hook = hook_at(3, _source_fails)
+        source.perturb(39)
+        with elapsed() as t, pytest.raises(_TrainerBug):
+            engine.send_weights("v2")
+        state = probe.session()
+        observe(trainer_s=t[0], server=state["last_error"])
+        assert state["state"] != "round_active" and state["busy"] is None, state
+        assert t[0] < GRACE_S
+    finally:
+        source.hook = None
+        quiet_shutdown(engine)
+    assert_weights(probe, want, "v1")
+    fresh_round(url, source, probe, 40, "after-late-update")
 
 
 # ----------------------------------------------------------------------------- shutdown

@@ -222,6 +222,35 @@ def test_level_2_refuses_generation_until_a_full_round(
         _awake(probe)
 
 
+def test_a_trainer_initialized_while_asleep_at_level_2_is_told_to_wake_the_weights(
+    server: Server, probe: Probe, tiny_source: TensorSource
+) -> None:
+    """A trainer that initializes while the server sleeps at level 2 (its weights discarded,
+    not woken): its round is refused by the server's start naming the sleep and the wake
+    that ends it (was: the init told the served model's tensors as the empty placeholders
+    the sleep left, so the trainer refused every round as "shape differs from the served
+    model's ... (served: [0]): the source is not the served model's architecture"); after
+    ``/wake_up`` the same engine's round commits and generation serves it."""
+    try:
+        assert probe.http.post("/sleep", params={"level": 2}).status_code == 200
+        engine = engine_for(server.url, tiny_source)
+        try:
+            want = tiny_source.perturb(5)
+            with pytest.raises(WeightSyncError, match="asleep") as refused:
+                engine.send_weights("asleep")
+            observe(refused=refused.value.message)
+            assert refused.value.route == "start_weight_update"
+            assert "/wake_up?tags=weights" in refused.value.message
+            assert probe.http.post("/wake_up").json()["status"] == "awake"
+            engine.send_weights("woken")
+        finally:
+            quiet_shutdown(engine)
+        assert_weights(probe, want, "woken")
+        assert _completion(probe.http).status_code == 200
+    finally:
+        _awake(probe)
+
+
 def test_second_trainer_cannot_take_over_a_live_round(
     server: Server, probe: Probe, tiny_source: TensorSource
 ) -> None:

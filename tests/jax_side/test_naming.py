@@ -23,6 +23,7 @@ from weightwire.jax_side.naming import (
 )
 from weightwire.jax_side.rules import Rule, drop
 from weightwire.jax_side.source import PytreeSource
+from weightwire.shared.errors import ConfigError
 
 
 def arange(*shape: int, dtype=jnp.float32) -> jax.Array:
@@ -212,7 +213,7 @@ def test_nnx_state_paths_drop_value() -> None:
 
 
 def test_preset_rejects_unknown_family_and_option() -> None:
-    with pytest.raises(ValueError, match="unknown preset family 'bert'"):
+    with pytest.raises(ConfigError, match="unknown preset family 'bert'"):  # a ValueError
         preset("bert")
     with pytest.raises(TypeError, match=r"preset 'llama' has no option\(s\) \['tie_embeddings'\]"):
         preset("llama", tie_embeddings=True)

@@ -19,6 +19,7 @@ from weightwire.jax_side.dtypes import describe, jax_dtype, wire_name
 from weightwire.jax_side.naming import Naming, Transpose
 from weightwire.jax_side.rules import Rule
 from weightwire.shared import SUPPORTED_DTYPES, SourceMismatch
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.groups import layerwise_groups
 from weightwire.tools.models import llama
 
@@ -199,14 +200,18 @@ def test_host_numpy_leaves_and_device_choice() -> None:
 
 
 def test_bad_dtype_arguments() -> None:
+    """Each a ``ConfigError`` (a ``ValueError``), as every refusal of the user's input: a
+    leaf of a dtype no wire carries (complex64, int4) was a bare ``ValueError``."""
     naming = Naming([Rule("w", "w")])
-    with pytest.raises(ValueError, match="unsupported dtype|has no wire name|is not a dtype"):
+    with pytest.raises(ConfigError, match="unsupported dtype|has no wire name|is not a dtype"):
         PytreeSource({"w": jnp.zeros(2)}, naming, dtype="float13")
     if not jax.config.read("jax_enable_x64"):
-        with pytest.raises(ValueError, match="float64 needs jax_enable_x64"):
+        with pytest.raises(ConfigError, match="float64 needs jax_enable_x64"):
             PytreeSource({"w": jnp.zeros(2)}, naming, dtype="float64")
-    with pytest.raises(ValueError, match=r"HF tensor 'w'.*int4 has no wire name"):
+    with pytest.raises(ConfigError, match=r"HF tensor 'w'.*int4 has no wire name"):
         PytreeSource({"w": jnp.zeros(2, jnp.int4)}, naming)
+    with pytest.raises(ConfigError, match=r"HF tensor 'w'.*complex64 has no wire name"):
+        PytreeSource({"w": jnp.zeros(2, jnp.complex64)}, naming)
     with pytest.raises(TypeError, match="naming must be a weightwire Naming"):
         PytreeSource({"w": jnp.zeros(2)}, {"w": "w"})
 

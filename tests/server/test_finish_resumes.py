@@ -180,7 +180,10 @@ def test_a_refused_start_pauses_nothing_and_a_bad_mode_is_422(served: Any) -> No
     state, http = served
     r = http.post("/start_weight_update", params={"pause": "keep"})  # no init: refused
     assert r.status_code == 409 and not state.gate.paused
-    assert "this start paused nothing" in r.text  # what the trainer reads (start_left_paused)
+    assert "this start paused nothing" in r.json()["error"]["message"]  # for a person
+    assert r.json()["error"]["pause"] == "none"  # what the trainer reads (start_left_paused)
+    r = http.post("/start_weight_update")  # a start without a pause says nothing of one
+    assert r.status_code == 409 and "pause" not in r.json()["error"]
     http.post("/init_weight_transfer_engine", json={"init_info": INIT})
     r = http.post("/start_weight_update", params={"pause": "soon"})
     assert r.status_code == 422 and "pause must be one of" in r.text
@@ -255,6 +258,36 @@ def test_a_finishs_flags_without_finish_and_bad_flags_are_refused_before_the_upd
         assert "update" not in receiver.ops
 
 
+def test_a_flag_given_twice_is_refused_before_anything_is_done() -> None:
+    """A round's query flag given twice (``pause=abort&pause=keep``, ``finish=true&finish=
+    false``, ``resume=true&resume=false``) is a 422 naming it, before the request does
+    anything (was: the last one silently held, so ``finish=true&finish=false`` was a plain
+    update and the round stayed open uncommitted)."""
+    receiver = Instant()
+    state, http = _serve(receiver)
+    with http:
+        http.post("/init_weight_transfer_engine", json={"init_info": INIT})
+        r = http.post("/start_weight_update", params=[("pause", "abort"), ("pause", "keep")])
+        assert r.status_code == 422 and "pause is given 2 times" in r.text, r.text
+        assert not state.gate.paused and "start" not in receiver.ops
+        assert http.post("/start_weight_update").status_code == 200
+        body = {"update_info": EMPTY, "weight_version": "v"}
+        for params in (
+            [("finish", "true"), ("finish", "false")],
+            [("finish", "true"), ("resume", "true"), ("resume", "false")],
+            [("finish", "true"), ("reset_caches", "1"), ("reset_caches", "0")],
+        ):
+            r = http.post("/update_weights", params=params, json=body)
+            assert r.status_code == 422 and "is given 2 times" in r.text, r.text
+            assert "give it once" in r.json()["error"]["message"]
+        assert "update" not in receiver.ops
+        r = http.post("/finish_weight_update", params=[("resume", "1"), ("resume", "0")])
+        assert r.status_code == 422 and "resume is given 2 times" in r.text, r.text
+        assert state.session.phase.name == "ROUND"  # nothing above touched the open round
+        r = http.post("/update_weights", params={"finish": "true"}, json=body)
+        assert r.status_code == 200 and state.session.weight_version == "v", r.text
+
+
 def _until(cond: Any, bound_s: float = 10.0) -> None:
     import time
 
@@ -311,6 +344,7 @@ def test_a_start_whose_pause_waited_while_a_newer_init_replaced_its_session_open
             return
         assert state.session.phase.name != "ROUND" and not state.gate.paused
         assert "the pause this start took was undone" in refused.text
+        assert refused.json()["error"]["pause"] == "undone"
         assert "start" not in receiver.ops  # no worker started
         r = http.post("/start_weight_update", headers=own)
         assert r.status_code == 200, r.text
@@ -337,7 +371,8 @@ def test_a_start_whose_wait_pause_timed_out_started_nothing_and_undid_its_pause(
             with pytest.raises(WeightSyncError) as refused:
                 client.pause_and_start("wait")
             assert refused.value.status == 504 and "still running" in refused.value.message
-            assert start_left_paused(refused.value.message) is (held is not None)
+            assert refused.value.pause == ("undone" if held is None else "held")
+            assert start_left_paused(refused.value.pause) is (held is not None)
             assert "the pause this start took was undone" in refused.value.message
             assert state.gate.mode == held and state.session.phase.name != "ROUND"
             assert "start" not in receiver.ops

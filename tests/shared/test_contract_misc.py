@@ -3,6 +3,8 @@ table (layer grouping: ``test_layer_groups``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ from weightwire.shared import (
     wire_dtype,
 )
 from weightwire.shared.dtypes import wire_name_of_numpy
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.source import checked_iter
 
 # --- version gates ------------------------------------------------------------------
@@ -182,6 +185,30 @@ def test_timeouts_from_env_rejects(monkeypatch: pytest.MonkeyPatch, raw: str) ->
     monkeypatch.setenv("WEIGHTWIRE_TIMEOUT_WARMUP_S", raw)
     with pytest.raises(ValueError, match="WEIGHTWIRE_TIMEOUT_WARMUP_S"):
         Timeouts.from_env()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("http_s", -1),
+        ("transfer_s", 0),
+        ("connect_s", float("nan")),
+        ("round_s", float("inf")),
+        ("warmup_s", "5"),
+        ("http_s", True),
+    ],
+)
+def test_timeouts_refuse_a_bound_that_is_no_finite_positive_number(
+    field: str, value: object
+) -> None:
+    """``Timeouts(...)`` refuses a bound that is no finite number of seconds > 0, naming the
+    field, where it is written (was: accepted; ``http_s=-1`` then gave up on the init POST
+    at once, leaving the server busy with the half-made session: the next trainer's init
+    got 409 "another weight operation (init_weight_transfer_engine) is in progress")."""
+    with pytest.raises(ConfigError, match=rf"Timeouts\.{field} must be a finite number"):
+        Timeouts(**{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=rf"Timeouts\.{field}"):
+        dataclasses.replace(DEFAULT_TIMEOUTS, **{field: value})
 
 
 # --- checked_iter --------------------------------------------------------------------

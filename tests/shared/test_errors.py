@@ -347,3 +347,17 @@ def test_error_classes_are_imported_from_shared_errors() -> None:
     found = _indirect_error_imports()
     assert sorted(found - KNOWN_INDIRECT) == [], "import these from weightwire.shared.errors"
     assert sorted(KNOWN_INDIRECT - found) == [], "remove from KNOWN_INDIRECT"
+
+
+def test_a_weight_sync_error_keeps_its_pause_word_through_a_copy() -> None:
+    """``WeightSyncError.pause`` (a refused start's word on its pause) survives the copy
+    concurrent.futures and logging make (pickle), and a ``ControlTimeout`` has none."""
+    import pickle
+
+    from weightwire.shared.errors import ControlTimeout, WeightSyncError
+
+    error = WeightSyncError("start_weight_update", 409, "asleep", "http://a:1", pause="held")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.pause, copy.message, str(copy)) == ("held", "asleep", str(error))
+    assert WeightSyncError("update_weights", 500, "x", "http://a:1").pause is None
+    assert pickle.loads(pickle.dumps(ControlTimeout("late", route="r"))).pause is None

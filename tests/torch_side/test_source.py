@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightwire.shared.errors import SourceMismatch
+from weightwire.shared.errors import ConfigError, SourceMismatch
 from weightwire.shared.groups import layerwise_groups
 from weightwire.shared.source import WeightSource, checked_iter
 from weightwire.torch_side.sender.source import ModuleSource, describe_tensor
@@ -59,9 +59,10 @@ def test_dtype_cast_applies_to_floating_tensors_only():
     assert got["head.weight"].dtype == torch.bfloat16
     assert torch.equal(got["head.weight"], model.head.weight.detach().to(torch.bfloat16))
     list(checked_iter(src, src.metadata(), describe_tensor))
-    with pytest.raises(ValueError, match="floating-point"):
+    # ConfigError (a ValueError), as every refusal of the user's input (was a bare ValueError)
+    with pytest.raises(ConfigError, match="floating-point"):
         ModuleSource(model, dtype=torch.int32)
-    with pytest.raises(ValueError, match="cannot cross the wire"):
+    with pytest.raises(ConfigError, match="cannot cross the wire"):
         ModuleSource(model, dtype=torch.complex64)
 
 
@@ -164,5 +165,5 @@ def test_metadata_is_reused_while_nothing_changed_and_rebuilt_when_something_did
     model[0].bias = None  # a tensor gone
     assert [m.name for m in src.metadata()] == ["0.weight", "1.weight", "1.bias"]
     model[1].weight = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
-    with pytest.raises(ValueError, match="cannot cross the wire"):
+    with pytest.raises(ConfigError, match="cannot cross the wire"):
         src.metadata()  # an unsupported dtype is still refused on every declaration

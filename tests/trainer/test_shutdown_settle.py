@@ -87,3 +87,19 @@ def test_a_retry_still_out_at_the_bound_is_abandoned_and_calls_no_more() -> None
     assert answered.wait(5.0)
     time.sleep(0.3)
     assert _calls(server) == 2  # the abandoned poll took its late 409 and stopped
+
+
+def test_stock_vllms_refusal_while_its_update_is_active_is_retried_until_it_ends() -> None:
+    """Stock vLLM's worker refuses a shutdown with a 500 while its update is active (the
+    update POST of a round the trainer gave up may land just after the shutdown): retried as
+    the 409 is, so the shutdown lands once the update failed on the closed link."""
+    server = FakeServer()
+    engine = _engine(server)
+    server.fail[ROUTE] = (
+        500,
+        "Call to collective_rpc method failed: Cannot release a trainer connection during a "
+        "weight update",
+    )
+    threading.Timer(0.15, lambda: server.fail.pop(ROUTE)).start()
+    engine.shutdown()  # no error: the refusal ended within the bound
+    assert _calls(server) >= 2

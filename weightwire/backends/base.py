@@ -451,6 +451,11 @@ class Backend(ABC):
         ``TrainerInitInfo``'s construction, before any rendezvous); ``delta``: its delta mode.
         Optional: most backends run every configuration."""
 
+    def check_host(self) -> None:  # noqa: B027
+        """Raise an ``UnavailableError`` naming what this host lacks for the backend's rank 0
+        (CuPy, a CUDA device) and the fix, before any device work or rendezvous (``trainer_init``).
+        Optional: a backend that runs on any host needs nothing."""
+
     def check_server(self, features: ServerFeatures) -> None:
         """Raise ``ValueError`` if the server's version lacks what this backend needs."""
         features.require("packed_in_init", "the wire params travel in the init info")

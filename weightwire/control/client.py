@@ -434,7 +434,7 @@ def _step_named(exc: WeightSyncError, steps: Sequence[routes.Route]) -> WeightSy
     ``finish_weight_update failed: ...``); any other is the update's own."""
     for step in steps:
         if exc.message.startswith(f"{step.name} "):
-            return WeightSyncError(step.name, exc.status, exc.message, exc.server)
+            return WeightSyncError(step.name, exc.status, exc.message, exc.server, pause=exc.pause)
     return exc
 
 

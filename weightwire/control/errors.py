@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["server_message"]
+__all__ = ["server_error_field", "server_message"]
 
 _MAX_MESSAGE = 2000
 
@@ -33,6 +33,21 @@ def server_message(body: bytes, *, fallback: str = "") -> str:
                 break
     text = text or fallback
     return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
+
+
+def server_error_field(body: bytes, key: str) -> str | None:
+    """A string field the reference server's error body carries beside its message
+    (``{"error": {"message": ..., key: ...}}``, e.g. ``routes.START_PAUSE_FIELD``); ``None``
+    where the body has none (stock vLLM, a proxy's page, a non-string value)."""
+    if len(body) > 1 << 20:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    value = error.get(key) if isinstance(error, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _flatten(value: object) -> str:

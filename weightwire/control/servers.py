@@ -15,13 +15,13 @@ from typing import Any
 
 import httpx
 
-from weightwire.control.errors import server_message
+from weightwire.control.errors import server_error_field, server_message
 from weightwire.control.fanout import fan_out
 from weightwire.control.request_path import RequestPath
 from weightwire.shared import routes
 from weightwire.shared.checks import check_seconds
 from weightwire.shared.errors import ConfigError, WeightSyncError
-from weightwire.shared.routes import SESSION_HEADER, Route, server_url
+from weightwire.shared.routes import SESSION_HEADER, START_PAUSE_FIELD, Route, server_url
 
 _OWNED = frozenset(r.name for r in (routes.START, routes.UPDATE, routes.FINISH, routes.SHUTDOWN))
 """Routes that carry the session id an init reply returned (``SESSION_HEADER``)."""
@@ -135,11 +135,19 @@ class ServerSet:
             ) from None
         if not 200 <= response.status_code < 300:
             fallback = response.reason_phrase or "error"
+            # A refused start says what became of the pause it carried (START_PAUSE_FIELD),
+            # also from inside an update that carried it (the round in one request).
+            pause = (
+                server_error_field(response.content, START_PAUSE_FIELD)
+                if route is routes.START or route is routes.UPDATE
+                else None
+            )
             raise WeightSyncError(
                 route.name,
                 response.status_code,
                 server_message(response.content, fallback=fallback),
                 server,
+                pause=pause,
             )
         if not response.content:
             return None

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from weightwire.shared.dtypes import SUPPORTED_DTYPES, wire_dtype
+from weightwire.shared.errors import ConfigError
 
 _X64_ONLY = frozenset({"float64", "int64"})
 
@@ -23,7 +24,8 @@ _NAMES: dict[Any, str] = {}  # dtype -> wire name: ``describe`` runs twice per t
 
 
 def wire_name(dtype: Any) -> str:
-    """The wire name of a JAX / numpy dtype; ``ValueError`` naming the supported set."""
+    """The wire name of a JAX / numpy dtype; ``ConfigError`` (a ``ValueError``) naming the
+    supported set."""
     try:
         return _NAMES[dtype]
     except (KeyError, TypeError):  # TypeError: an unhashable dtype-like, resolved the slow way
@@ -38,13 +40,13 @@ def _wire_name(dtype: Any) -> str:
     try:
         np_dtype = np.dtype(dtype)
     except TypeError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"{dtype!r} is not a dtype; supported wire dtypes: {', '.join(SUPPORTED_DTYPES)}"
         ) from exc
     for name in SUPPORTED_DTYPES:
         if wire_dtype(name).numpy == np_dtype:
             return name
-    raise ValueError(
+    raise ConfigError(
         f"jax dtype {np_dtype} has no wire name; supported: {', '.join(SUPPORTED_DTYPES)}"
     )
 
@@ -57,7 +59,7 @@ def jax_dtype(dtype: Any) -> np.dtype:
     """
     name = dtype if isinstance(dtype, str) and dtype in SUPPORTED_DTYPES else wire_name(dtype)
     if name in _X64_ONLY and not jax.config.read("jax_enable_x64"):
-        raise ValueError(
+        raise ConfigError(
             f"dtype {name} needs jax_enable_x64 (JAX would produce a 32-bit array instead)"
         )
     return wire_dtype(name).numpy

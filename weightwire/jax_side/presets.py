@@ -41,7 +41,7 @@ from weightwire.jax_side.preset_layers import (
     need_sizes,
 )
 from weightwire.jax_side.rules import Rule, drop
-from weightwire.shared.errors import WrongType
+from weightwire.shared.errors import ConfigError, WrongType
 
 _DECODER: dict[str, Any] = {
     "tie_word_embeddings": False,
@@ -107,9 +107,9 @@ _REGISTERED: dict[str, tuple[Callable[..., Naming], dict[str, Any]]] = {}
 def family_options(family: str) -> dict[str, Any]:
     """Every decoder option of ``family``'s preset: the shared defaults with the family's own
     switches applied (``qkv_bias``, ``qk_norm``, ``tie_word_embeddings``, ``moe``, ...).
-    ``ValueError`` for a family that is not a built-in decoder family."""
+    ``ConfigError`` (a ``ValueError``) for a family that is not a built-in decoder family."""
     if family not in _FAMILY:
-        raise ValueError(
+        raise ConfigError(
             f"{family!r} is not a built-in decoder family; known: {', '.join(DECODER_FAMILIES)}"
         )
     return {**_DECODER, **_FAMILY[family]}
@@ -124,7 +124,7 @@ def register_family(family: str, build: Callable[..., Naming], defaults: Mapping
     the same custom name again replaces it (re-running a notebook cell).
     """
     if family in FAMILIES:
-        raise ValueError(
+        raise ConfigError(
             f"{family!r} is a built-in preset family; pick another name, or pass extra_rules to it"
         )
     if not callable(build):
@@ -147,7 +147,7 @@ def preset(family: str, **options: Any) -> Naming:
     if family == "gpt2":
         return _list_indices(_gpt2(**_options(family, _GPT2, options)))
     if family not in _FAMILY:
-        raise ValueError(
+        raise ConfigError(
             f"unknown preset family {family!r}; known: {', '.join((*FAMILIES, *_REGISTERED))}"
         )
     o = _options(family, family_options(family), options)

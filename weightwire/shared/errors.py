@@ -148,20 +148,38 @@ class WeightSyncError(WeightwireError, RuntimeError):
 
     ``route`` is the route name (``update_weights``), ``status`` the HTTP status (or
     ``None`` when no response arrived: connection refused, timeout), ``message`` the
-    server's own error text, ``server`` the base URL (or actor) that failed.
+    server's own error text, ``server`` the base URL (or actor) that failed. ``pause``: what a
+    refused start that carried the round's pause says became of it, a field of the error
+    body beside the message (``routes.START_PAUSE_FIELD``: ``"none"``, ``"undone"`` or
+    ``"held"``); ``None`` where the reply carries none.
     """
 
-    def __init__(self, route: str, status: int | None, message: str, server: str) -> None:
+    pause: str | None = None
+
+    def __init__(
+        self,
+        route: str,
+        status: int | None,
+        message: str,
+        server: str,
+        *,
+        pause: str | None = None,
+    ) -> None:
         self.route = route
         self.status = status
         self.message = message
         self.server = server
+        self.pause = pause
         where = f"status {status}" if status is not None else "no response"
         super().__init__(f"{route} failed on {server} ({where}): {message}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keeps the exception copyable by concurrent.futures / logging machinery.
-        return (type(self), (self.route, self.status, self.message, self.server))
+        return (
+            type(self),
+            (self.route, self.status, self.message, self.server),
+            {"pause": self.pause},
+        )
 
 
 class ControlTimeout(WeightSyncError, TimeoutError):

@@ -94,17 +94,30 @@ START_PAUSED_NOTHING = "this start paused nothing"
 START_UNDID_PAUSE = "the pause this start took was undone"
 START_KEPT_HELD = "the pause held before it stays"
 """What the reference server's refusal of a start that carried a pause (``START_PAUSES``)
-ends with: refused before its pause, or refused after it and the pause undone; a pause held
-before the start is named beside either (``start_left_paused`` reads them). A start that
-failed once its workers started says none: its pause stays."""
+says to a person, at the end of its message: refused before its pause, or refused after it
+and the pause undone; a pause held before the start is named beside either. The trainer
+reads the error body's ``START_PAUSE_FIELD`` instead, never these words."""
+
+START_PAUSE_FIELD = "pause"
+"""The key, inside the error body's ``"error"`` object, of what a refused start that carried
+a pause (``START_PAUSES``) left: ``START_PAUSE_WORDS``. A start that failed once its workers
+started carries none: its pause stays."""
+
+START_PAUSE_NONE = "none"
+START_PAUSE_UNDONE = "undone"
+START_PAUSE_HELD = "held"
+START_PAUSE_WORDS = (START_PAUSE_NONE, START_PAUSE_UNDONE, START_PAUSE_HELD)
+"""``START_PAUSE_FIELD``'s values: the start paused nothing; it paused, and undid that pause;
+a pause held before the start stays (whichever of the two the start did)."""
 
 
-def start_left_paused(message: str) -> bool | None:
-    """Whether a refused start that carried a pause left the server paused, as its message
-    says (``START_PAUSED_NOTHING``...); ``None``: it says nothing (then it may be paused)."""
-    if START_KEPT_HELD in message:
+def start_left_paused(pause: str | None) -> bool | None:
+    """Whether a refused start that carried a pause left the server paused, as its error
+    body's ``START_PAUSE_FIELD`` says (``WeightSyncError.pause``); ``None``: it says nothing
+    (absent, or a word this version does not know: then it may be paused)."""
+    if pause == START_PAUSE_HELD:
         return True
-    if START_PAUSED_NOTHING in message or START_UNDID_PAUSE in message:
+    if pause in (START_PAUSE_NONE, START_PAUSE_UNDONE):
         return False
     return None
 

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from weightwire.shared.errors import SourceMismatch, WrongType
+from weightwire.shared.errors import ConfigError, SourceMismatch, WrongType
 from weightwire.shared.groups import batch_by_layer, layerwise_groups
 from weightwire.shared.meta import ParamMeta
 
@@ -147,7 +147,11 @@ def checked_iter(
                 f"first extra is {name!r}"
             )
         want = metas[i]
-        dtype, shape = describe(tensor)
+        try:
+            dtype, shape = describe(tensor)
+        except ConfigError as exc:  # the framework's refusal of the tensor itself: name it
+            exc.args = (f"tensor {name!r} (index {i}): {exc}", *exc.args[1:])
+            raise
         # ``shape`` is usually a tuple already: compare first, convert only if that failed.
         if (
             name != want.name

@@ -29,6 +29,13 @@ class Timeouts:
     """A wait for an overlapped round (``send_weights(wait=False)``): its handle's
     ``result()``, a ``send_weights`` waiting for a free slot, ``shutdown``'s drain."""
 
+    def __post_init__(self) -> None:
+        # A bound that is no finite positive number is refused where it is written, not
+        # after the init POST left: a ``-1`` abandoned the init at once and left the server
+        # busy with the half-made session until its own connect timeout.
+        for f in fields(self):
+            check_seconds(f"Timeouts.{f.name}", getattr(self, f.name))
+
     @classmethod
     def from_env(cls) -> Timeouts:
         """Defaults overridden by ``WEIGHTWIRE_TIMEOUT_<FIELD>``.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from weightwire.shared.dtypes import SUPPORTED_DTYPES, wire_dtype
+from weightwire.shared.errors import ConfigError
 
 _TO_TORCH: dict[str, torch.dtype] = {name: getattr(torch, name) for name in SUPPORTED_DTYPES}
 _TO_WIRE: dict[torch.dtype, str] = {dtype: name for name, dtype in _TO_TORCH.items()}
@@ -23,11 +24,12 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def wire_name(dtype: torch.dtype) -> str:
-    """The wire name of a torch dtype (``ValueError`` for e.g. complex or float8_e4m3fnuz)."""
+    """The wire name of a torch dtype (``ConfigError``, a ``ValueError``, for e.g. complex or
+    float8_e4m3fnuz)."""
     try:
         return _TO_WIRE[dtype]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"torch dtype {dtype} cannot cross the wire; supported: {', '.join(SUPPORTED_DTYPES)}"
         ) from None
 

@@ -29,7 +29,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal, Self, cast, overload
 
 from weightwire.backends import get_backend
@@ -66,7 +68,7 @@ __all__ = ["EngineBroken", "TrainerEngine"]
 
 class EngineBroken(RoundError, RuntimeError):
     """A previous round failed mid-transfer (communicator aborted): ``shutdown()``, then
-    ``trainer_init()`` again."""
+    ``trainer_init()`` again. Also what a call of an engine that was shut down raises."""
 
 
 class TrainerEngine(FrameworkHooks):
@@ -103,6 +105,9 @@ class TrainerEngine(FrameworkHooks):
             self._check_usable,
         )
         self._closed = False
+        # Held by a send_weights / send_patches call: a second thread's call is refused, not
+        # run beside it (two rounds of one session would share its link, versions and base).
+        self._calling = threading.Lock()
         self._multi: MultiSource | None = None  # built with a TrainerGroup
         self._delta: DeltaRounds | None = None
         if init_info.delta != "off" and init_info.is_sender:
@@ -235,11 +240,34 @@ class TrainerEngine(FrameworkHooks):
         the next ``send_weights``.
         ``dense=True`` (with ``delta="auto"``): send every tensor whole this round.
         """
-        if not wait:
-            if self._closed:
-                raise RuntimeError(f"{type(self).__name__} was shut down")
-            return self._send_overlapped(weight_version, draft, dense)
-        return self._send_blocking(self.session.source, weight_version, draft, dense)
+        with self._one_call("send_weights"):
+            if not wait:
+                self._refuse_closed()
+                return self._send_overlapped(weight_version, draft, dense)
+            return self._send_blocking(self.session.source, weight_version, draft, dense)
+
+    @contextmanager
+    def _one_call(self, what: str) -> Iterator[None]:
+        """The caller's round call, refused at once (nothing sent) while another thread's
+        runs: its round would interleave with that one's on the same session."""
+        if not self._calling.acquire(blocking=False):
+            raise ConfigError(
+                f"{what} was called while another send_weights / send_patches call of this "
+                f"{type(self).__name__} is running (from another thread); nothing of this call "
+                "was sent. An engine runs one round at a time: call it from one thread "
+                "(send_weights(wait=False) runs a round beside the training step)"
+            )
+        try:
+            yield
+        finally:
+            self._calling.release()
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise EngineBroken(
+                f"this {type(self).__name__} was shut down, so it sends nothing more (nothing "
+                "was sent); build a new engine with trainer_init()"
+            )
 
     def _send_blocking(
         self,
@@ -252,8 +280,7 @@ class TrainerEngine(FrameworkHooks):
         """One blocking round of ``source``: the live source, or an overlapped round's snapshot
         on the round thread, whose ``before_commit`` stops it right before its finish."""
         s = self.session
-        if self._closed:
-            raise RuntimeError(f"{type(self).__name__} was shut down")
+        self._refuse_closed()
         self._overlapped.settle()  # the rounds in flight land first: rounds never reorder
         self._check_usable()
         if self._multi is not None:
@@ -313,6 +340,12 @@ class TrainerEngine(FrameworkHooks):
         tensor) through a backend that takes them (stock ``sparse_nccl``); other ranks return
         at once. The trainer must be sure of the workers' weights, or the round must be an
         anchor (``trainer.patch_round``); every refusal comes before any call."""
+        with self._one_call("send_patches"):
+            return self._send_patches(patches, weight_version)
+
+    def _send_patches(
+        self, patches: Sequence[SparsePatch], weight_version: str | None
+    ) -> RoundMetrics:
         self._check_usable()
         refuse_patches(group=self._multi is not None, delta_auto=self._delta is not None)
         if not self.info.is_sender:
@@ -327,8 +360,7 @@ class TrainerEngine(FrameworkHooks):
 
     def _check_usable(self) -> None:
         s = self.session
-        if self._closed:
-            raise RuntimeError(f"{type(self).__name__} was shut down")
+        self._refuse_closed()
         if s.broken is not None:
             raise EngineBroken(
                 f"a previous round failed ({type(s.broken).__name__}: {s.broken}); "
@@ -364,6 +396,7 @@ class TrainerEngine(FrameworkHooks):
     def abort_requests(self, request_ids: list[str] | None = None) -> None:
         """Rank 0: abort in-flight generation on every server without pausing
         (all when ``None``)."""
+        self._refuse_closed()  # the servers' sessions may be another trainer's by now
         if self.info.is_sender:
             assert self.features is not None, "trainer_init() first"
             self.features.require("abort_route", "abort_requests posts /abort_requests")

@@ -275,9 +275,10 @@ def after_failed_round(
 ) -> None:
     """A paused round failed: resume, unless the workers may hold part of it in place.
     ``refused_start``: the error of the round's start that carried its pause
-    (``START_PAUSES``), whose refusal says what became of that pause
-    (``routes.start_left_paused``: it paused nothing, or undid its pause; a pause held
-    before it stays); only a client of one server reads it (another may have paused)."""
+    (``START_PAUSES``), whose refusal says what became of that pause in its error body's
+    field (``WeightSyncError.pause``, read by ``routes.start_left_paused``: it paused
+    nothing, or undid its pause; a pause held before it stays); only a client of one server
+    reads it (another may have paused)."""
     if pause.resume_on_failure:
         best_effort_resume(client)
         return
@@ -302,7 +303,7 @@ def after_failed_round(
         return
     said = None
     if refused_start is not None and one_server(client):
-        said = start_left_paused(str(getattr(refused_start, "message", refused_start)))
+        said = start_left_paused(getattr(refused_start, "pause", None))
     if said is False:
         logger.warning(
             "a round applied in place failed at its start, which the server refused: it says "

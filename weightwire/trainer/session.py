@@ -246,7 +246,9 @@ def open_wire(
     # read before any rendezvous: a directory that is no checkpoint fails here
     checkpoint = from_checkpoint(s.info.served_checkpoint) if s.info.served_checkpoint else None
     # Made before any rendezvous so a trainer without a usable device fails here,
-    # not after the workers joined.
+    # not after the workers joined; a host without what the backend needs (CuPy, a GPU)
+    # is told so by the backend first, not by the framework's packer.
+    s.backend.check_host()
     packer = s.framework.device_packer(s.info.device) if s.backend.caps.on_device else None
     # A backend whose trainer ranks each send their own shard takes the source's layout in
     # its init info: one pass over the source, where its tensors are held (nothing gathered).

@@ -17,6 +17,7 @@ leaves the communicator aborted (``Transfer.broken``): the engine refuses furthe
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -43,6 +44,10 @@ _GRACE_S = 2.0
 (a worker that failed answers its request within milliseconds)."""
 
 _SETTLE_POLL_S = 0.05
+
+_VLLM_UPDATE_ACTIVE = "Cannot release a trainer connection during a weight update"
+"""Stock vLLM's worker refusing a shutdown while its update is active (a 500): its 409
+"a weight update is active", retried the same way (the update's failure clears it)."""
 
 
 def await_call(future: Future, timeout: float, what: str) -> Any:
@@ -251,6 +256,8 @@ class Transfer:
             self._comm.abort()
             cause = real_cause(exc, self._update)
             if cause is exc:
+                if not isinstance(exc, TransferError):  # real_cause waited for it already
+                    _await_verdict(self._update)
                 raise
             self.broken = cause
             raise cause from None
@@ -334,6 +341,16 @@ class Transfer:
         return exc
 
 
+def _await_verdict(update: Future) -> None:
+    """After the trainer's own failure mid-round (the link aborted), the update POST's answer,
+    for at most ``_GRACE_S``: its workers fail the round at once on the closed link, so the
+    servers have ended the round before the caller's next call (a stock vLLM refuses the
+    shutdown that usually follows with a 500 while its worker's update is active, and its
+    update POST may still be on its way when this raises)."""
+    with contextlib.suppress(FutureTimeout):
+        update.exception(timeout=_GRACE_S)
+
+
 def _on_update_done(future: Future, stop: threading.Event, comm: Any) -> None:
     if future.exception() is not None:
         # The workers gave up on this round: nothing will ever receive the
@@ -407,9 +424,13 @@ def shutdown_when_settled(
             return
         except Exception as exc:
             message = str(getattr(exc, "message", exc))
-            settling = getattr(exc, "status", None) == 409 and (
-                "a weight update is active" in message or "another weight operation" in message
-            )
+            status = getattr(exc, "status", None)
+            settling = (
+                status == 409
+                and (
+                    "a weight update is active" in message or "another weight operation" in message
+                )
+            ) or (status == 500 and _VLLM_UPDATE_ACTIVE in message)
             if not settling:
                 raise
             if stop.is_set() or time.monotonic() + _SETTLE_POLL_S >= deadline:

@@ -81,6 +81,21 @@ def cupy_module() -> Any:
     return cupy
 
 
+def ipc_unavailable(backend: str) -> IPCUnavailable:
+    """Why ``backend`` cannot run here (``ipc_available()`` said no): CuPy missing (its
+    install command), or no CUDA device."""
+    try:
+        why = f"CuPy sees {int(cupy_module().cuda.runtime.getDeviceCount())} CUDA devices"
+    except IPCUnavailable as exc:
+        why = str(exc)
+    except Exception as exc:  # the CUDA runtime itself failed (no driver)
+        why = f"CuPy could not count CUDA devices ({type(exc).__name__}: {exc})"
+    return IPCUnavailable(
+        f"backend {backend!r} needs cupy and a CUDA device on the trainer host: {why}. On a "
+        "host without a GPU use backend='weightwire_tcp' (the plugin's TCP data plane)"
+    )
+
+
 def ipc_available() -> bool:
     try:
         return int(cupy_module().cuda.runtime.getDeviceCount()) > 0

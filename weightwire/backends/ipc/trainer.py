@@ -48,6 +48,7 @@ from weightwire.backends.ipc.slots import (
     cupy_module,
     device_uuid,
     ipc_available,
+    ipc_unavailable,
     open_event,
 )
 from weightwire.backends.ipc.spec import IPC
@@ -211,13 +212,14 @@ class IPCBackend(Backend):
                 "written-through dense round is already one device copy)"
             )
 
+    def check_host(self) -> None:
+        if not ipc_available():
+            raise ipc_unavailable(self.name)
+
     def open(self, info: SenderSettings, *, world_size: int) -> Rendezvous:
         options = ipc_options(info, self.name)
         mode = session_mode(options.ipc_mode, options.delta)
-        if not ipc_available():
-            raise RuntimeError(
-                f"backend {self.name!r} needs cupy and a CUDA device on the trainer host"
-            )
+        self.check_host()
         rdv = IPCRendezvous(
             world_size=world_size,
             device=info.device,

@@ -52,6 +52,22 @@ def load_nccl() -> tuple[Any, Any]:
     return cupy, nccl
 
 
+def nccl_unavailable(backend: str, needs: str) -> NCCLUnavailable:
+    """Why ``backend`` cannot run here (``nccl_available()`` said no), ``needs`` what it
+    needs where: CuPy's NCCL that does not load (its install command), or no CUDA device."""
+    try:
+        cp, _ = load_nccl()
+        why = f"CuPy sees {int(cp.cuda.runtime.getDeviceCount())} CUDA devices"
+    except NCCLUnavailable as exc:
+        why = str(exc)
+    except Exception as exc:  # the CUDA runtime itself failed (no driver)
+        why = f"CuPy could not count CUDA devices ({type(exc).__name__}: {exc})"
+    return NCCLUnavailable(
+        f"backend {backend!r} {needs}: {why}. On a host without a GPU use "
+        "backend='weightwire_tcp' (the plugin's TCP data plane)"
+    )
+
+
 def nccl_available() -> bool:
     """True when CuPy's NCCL binding loads and at least one CUDA device is visible."""
     try:

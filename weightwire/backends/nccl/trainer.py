@@ -26,7 +26,7 @@ from weightwire.backends.base import (
 from weightwire.backends.device import SlotBuffers
 from weightwire.backends.nccl import comm as nccl
 from weightwire.backends.nccl.info import NCCL_UNIQUE_ID_BYTES, NCCLInitInfo, WeightwireNCCLInitInfo
-from weightwire.backends.nccl.library import mint_unique_id, nccl_available
+from weightwire.backends.nccl.library import mint_unique_id, nccl_available, nccl_unavailable
 from weightwire.backends.nccl.slices import NCCLSlicedSender, recv_hellos
 from weightwire.backends.nccl.sparse import sparse_nccl_round
 from weightwire.backends.nccl.spec import NCCL, SPARSE_NCCL, WEIGHTWIRE_NCCL
@@ -78,11 +78,14 @@ class NCCLBackend(Backend):
             **framing_fields(info, world_size=world_size),
         ).to_dict()
 
-    def open(self, info: SenderSettings, *, world_size: int) -> Rendezvous:
+    def check_host(self) -> None:
         if not nccl_available():  # cupy is imported here, on first use, not with this module
-            raise RuntimeError(
-                f"backend {self.name!r} needs cupy with NCCL and a CUDA device on the trainer host"
+            raise nccl_unavailable(
+                self.name, "needs cupy with NCCL and a CUDA device on the trainer host"
             )
+
+    def open(self, info: SenderSettings, *, world_size: int) -> Rendezvous:
+        self.check_host()
         unique_id = mint_unique_id()
         return _NCCLRendezvous(
             self._payload(info, unique_id, world_size), unique_id, world_size, info.device
@@ -180,9 +183,8 @@ class WeightwireNCCLBackend(NCCLBackend):
         self, info: SenderSettings, fields: dict[str, Any], *, rank: int, timeout: float
     ) -> Communicator:
         if not nccl_available():
-            raise RuntimeError(
-                f"backend {self.name!r} needs cupy with NCCL "
-                "and a CUDA device on every broadcasting rank"
+            raise nccl_unavailable(
+                self.name, "needs cupy with NCCL and a CUDA device on every broadcasting rank"
             )
         unique_id = decode_secret(
             "nccl_unique_id_b64", fields["nccl_unique_id_b64"], NCCL_UNIQUE_ID_BYTES

@@ -58,11 +58,25 @@ class AfterCommit:
     resume: bool = False
 
 
+def query_once(request: Request, name: str) -> str | None:
+    """Query parameter ``name``'s value (None: absent); 422 when it is given more than once,
+    since which one holds would be a guess (Starlette keeps the last: ``finish=true&finish=
+    false`` was a plain update, ``pause=abort&pause=keep`` a keep)."""
+    given = request.query_params.getlist(name)
+    if len(given) > 1:
+        raise ApiError(
+            422,
+            f"query parameter {name} is given {len(given)} times ({given[:4]!r:.80}); give it once",
+            param=name,
+        )
+    return given[0] if given else None
+
+
 def after_commit_query(request: Request) -> AfterCommit:
     """The finish's ``reset_caches`` / ``resume`` query flags (422 naming a bad one)."""
     flags = {}
     for name in ("reset_caches", "resume"):
-        raw = request.query_params.get(name)
+        raw = query_once(request, name)
         if raw is None or raw.lower() in _FALSE:
             flags[name] = False
         elif raw.lower() in _TRUE:
@@ -94,7 +108,7 @@ def after_commit(state: ServerState, then: AfterCommit) -> dict[str, Any]:
 
 def pause_query(request: Request) -> str | None:
     """A start's ``pause`` mode (None: no pause asked; 422 naming a bad one)."""
-    mode = request.query_params.get("pause")
+    mode = query_once(request, "pause")
     if mode is not None and mode not in PAUSE_MODES:
         raise ApiError(
             422, f"pause must be one of {list(PAUSE_MODES)}, got {mode!r:.40}", param="pause"
@@ -137,7 +151,7 @@ def update_start_query(request: Request, then: AfterCommit | None) -> StartAsked
 def update_finish_query(request: Request) -> AfterCommit | None:
     """An update's ``finish`` flag and, with it, the finish's ``reset_caches`` / ``resume``
     (None: a plain update; 422 naming a bad flag, or a finish's flag without ``finish``)."""
-    raw = request.query_params.get("finish")
+    raw = query_once(request, "finish")
     if raw is None or raw.lower() in _FALSE:
         for name in ("reset_caches", "resume"):
             if name in request.query_params:

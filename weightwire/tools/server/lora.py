@@ -122,6 +122,23 @@ class HFAdapters:
             known = self.served[spec.adapter]
             self.served[spec.adapter] = Adapter(known.spec, known.scale, self._on_device(tensors))
 
+    def checksums(self) -> dict[str, str]:
+        """``{wire name: sha256 of the held matrix}`` of every served adapter: the keys an
+        adapter round sends (``shared.lora.wire_name``), so ``/weight_checker``'s checksums
+        cover adapter rounds as they cover the base model's (``verify=True``)."""
+        from weightwire.torch_side.worker.hf_host import tensor_sha256
+
+        with self._lock:
+            served = dict(self.served)
+        return {
+            wire_name(m.module, ab, name): tensor_sha256(
+                adapter.tensors[f"{PREFIX}{m.module}.lora_{ab}.weight"]
+            )
+            for name, adapter in served.items()
+            for m in adapter.spec.modules
+            for ab in ("A", "B")
+        }
+
     # -- serving -------------------------------------------------------------------------------
 
     @contextmanager

@@ -119,7 +119,8 @@ class Worker:
         self.engine = engine
         return {
             "rank": info.rank_offset + self.spec.index,
-            "served_model": self.host.served_model().to_dict(),
+            # asleep at level 2, the parameters are empty: tell the shapes the wake restores
+            "served_model": self.host.served_model(self.sleep.sleeper.shape_of).to_dict(),
         }
 
     def _require_engine(self) -> Any:
@@ -279,7 +280,10 @@ class Worker:
 
     def op_checksum(self) -> dict[str, str]:
         with self.model_lock:
-            return self.host.state_checksums()
+            sums = self.host.state_checksums()
+            if self.adapters is not None:  # an adapter round's tensors, under its names
+                sums.update(self.adapters.checksums())
+            return sums
 
     def op_reset(self) -> None:
         """Zero every weight, so a later compare shows which tensors an update did not write."""

@@ -56,6 +56,8 @@ class SessionError(ReferenceServerError):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.fields: dict[str, str] = {}
+        """Keys the reply's ``"error"`` object carries beside its message (``ApiError``'s)."""
 
 
 class Phase(enum.Enum):

@@ -65,6 +65,14 @@ class ModelSleeper:
         self.level = level
         return freed
 
+    def shape_of(self, param: Any) -> tuple[int, ...] | None:
+        """The shape ``param`` takes back at ``wake`` when level 2 discarded it (its storage
+        is empty until then); None for a parameter that holds its own."""
+        for p, shape, _ in self._shapes:
+            if p is param:
+                return shape
+        return None
+
     def wake(self, tags: Sequence[str] | None) -> bool:
         """Bring back what ``tags`` name (None: everything); True once fully awake."""
         import torch

@@ -56,6 +56,9 @@ class ApiError(ReferenceServerError):
     def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.fields: dict[str, str] = {}
+        """Keys the reply's ``"error"`` object carries beside its message, for a client to
+        read instead of the message's words (``routes.START_PAUSE_FIELD``)."""
 
 
 def error_response(
@@ -65,6 +68,7 @@ def error_response(
     param: str | None = None,
     kind: str | None = None,
     headers: dict[str, str] | None = None,
+    fields: dict[str, str] | None = None,
 ) -> JSONResponse:
     body = {
         "error": {
@@ -72,6 +76,7 @@ def error_response(
             "type": kind or _TYPES.get(status, "error"),
             "param": param,
             "code": status,
+            **(fields or {}),
         },
         "detail": message,
     }
@@ -232,7 +237,7 @@ def plain_post(app: FastAPI, path: str) -> Callable[[Endpoint], Endpoint]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, param=exc.param)
+        return error_response(exc.status, exc.message, param=exc.param, fields=exc.fields)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

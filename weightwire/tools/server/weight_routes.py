@@ -22,6 +22,10 @@ from weightwire.shared.routes import (
     FINISH_RESETS_RESUMES,
     SERVED_MODEL,
     START_KEPT_HELD,
+    START_PAUSE_FIELD,
+    START_PAUSE_HELD,
+    START_PAUSE_NONE,
+    START_PAUSE_UNDONE,
     START_PAUSED_NOTHING,
     START_PAUSES,
     START_UNDID_PAUSE,
@@ -79,7 +83,7 @@ def install_weight_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(SessionError)
     async def _session_error(_: Request, exc: SessionError) -> JSONResponse:
-        return error_response(exc.status, exc.message)
+        return error_response(exc.status, exc.message, fields=exc.fields)
 
     _session_routes(app, state)
     _round_routes(app, state)
@@ -185,12 +189,14 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         except ApiError as exc:
             if starts is None:
                 raise
-            said = "" if starts.pause is None else _paused_nothing(state)
-            raise ApiError(
+            refused = ApiError(
                 exc.status,
-                f"start_weight_update refused: {exc.message}; nothing was paused or started{said}",
+                f"start_weight_update refused: {exc.message}; nothing was paused or started",
                 param=exc.param,
-            ) from None
+            )
+            if starts.pause is not None:
+                _say_pause(refused, START_PAUSED_NOTHING, START_PAUSE_NONE, state.gate.mode)
+            raise refused from None
         per: list[dict[str, Any]] | None = None
         if starts is not None:  # the round in one request: the start's steps first
             per = await _start_in_update(state, request, body, starts, clock)
@@ -282,13 +288,8 @@ def _start_checks(state: ServerState, request: Request, mode: str | None) -> Non
             )
     except (ApiError, SessionError) as exc:
         if mode is not None:  # the trainer reads what its pause became (start_left_paused)
-            exc.message += _paused_nothing(state)
+            _say_pause(exc, START_PAUSED_NOTHING, START_PAUSE_NONE, state.gate.mode)
         raise
-
-
-def _paused_nothing(state: ServerState) -> str:
-    """What a start refused before its pause adds to its message (``START_PAUSED_NOTHING``)."""
-    return f"; {START_PAUSED_NOTHING}{_held(state.gate.mode)}"
 
 
 async def _open_round(state: ServerState, mode: str | None, clock: CallClock) -> None:
@@ -340,22 +341,21 @@ async def _start_in_update(
         try:
             per = await _update_payload(state, request, body)
         except ApiError as exc:
-            said = "" if starts.pause is None else _paused_nothing(state)
-            raise ApiError(
+            refused = ApiError(
                 exc.status,
                 f"start_weight_update refused: the update's {exc.message}; nothing was paused "
-                f"or started{said}",
+                "or started",
                 param=exc.param,
-            ) from None
+            )
+            if starts.pause is not None:
+                _say_pause(refused, START_PAUSED_NOTHING, START_PAUSE_NONE, state.gate.mode)
+            raise refused from None
         await _open_round(state, starts.pause, clock)
     except (ApiError, SessionError) as exc:
-        message = exc.message
-        if not message.startswith("start_weight_update"):
+        if not exc.message.startswith("start_weight_update"):
             verb = "refused" if exc.status < 500 else "failed"
-            message = f"start_weight_update {verb}: {message}"
-        if isinstance(exc, SessionError):
-            raise SessionError(exc.status, message) from None
-        raise ApiError(exc.status, message, param=exc.param) from None
+            exc.message = f"start_weight_update {verb}: {exc.message}"
+        raise  # the same error: its fields (what the pause became) go with it
     return per
 
 
@@ -386,12 +386,18 @@ async def _pause_first(state: ServerState, mode: str) -> None:
             else:
                 gate.pause(held)
             if isinstance(exc, (ApiError, SessionError)):  # the refusal says what it left
-                exc.message += f"; {START_UNDID_PAUSE}{_held(held)}"
+                _say_pause(exc, START_UNDID_PAUSE, START_PAUSE_UNDONE, held)
         raise
 
 
-def _held(mode: str | None) -> str:
-    return "" if mode is None else f"; {START_KEPT_HELD} (mode={mode})"
+def _say_pause(exc: ApiError | SessionError, words: str, word: str, held: str | None) -> None:
+    """A refused start's word on what its pause became: for a person at the end of its
+    message, for the trainer as the error body's field (``START_PAUSE_FIELD``)."""
+    exc.message += f"; {words}"
+    if held is not None:
+        exc.message += f"; {START_KEPT_HELD} (mode={held})"
+        word = START_PAUSE_HELD
+    exc.fields[START_PAUSE_FIELD] = word
 
 
 async def _commit(state: ServerState, version: str | None) -> bool:

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from weightwire.shared.errors import WrongType
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.sender.snapshot import (
@@ -47,6 +46,7 @@ from weightwire.torch_side.sender.snapshot import (
     cuda_devices,
     device_wait,
     settle,
+    source_tensor,
 )
 from weightwire.trainer.overlap import RoundWaitTimeout
 from weightwire.trainer.snapshot import FrozenSource, Snapshot, SnapshotChanged
@@ -236,8 +236,7 @@ class CowSnapshots:
         names: list[str] = []
         lives: list[torch.Tensor] = []
         for name, tensor in source:
-            if not isinstance(tensor, torch.Tensor):
-                raise WrongType(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
+            tensor = source_tensor(tensor, name)
             names.append(name)
             # detach (a new tensor object, same storage and version counter) only where
             # autograd could see the round's reads

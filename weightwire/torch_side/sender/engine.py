@@ -19,14 +19,18 @@ import torch
 
 from weightwire.backends.base import DevicePacker, LocalShards
 from weightwire.backends.device import DeviceBytes, tensor_device_bytes
-from weightwire.shared.errors import WrongType
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.dtypes import wire_name
 from weightwire.torch_side.sender.cow import CowSnapshots
 from weightwire.torch_side.sender.delta import TorchDeltaKernel
-from weightwire.torch_side.sender.snapshot import CopySnapshots, RoundStreams, live
+from weightwire.torch_side.sender.snapshot import (
+    CopySnapshots,
+    RoundStreams,
+    live,
+    source_tensor,
+)
 from weightwire.trainer.delta import DeltaKernel
 from weightwire.trainer.engine import TrainerEngine
 from weightwire.trainer.framework import refuse_other_framework
@@ -83,7 +87,7 @@ class TorchTrainerEngine(TrainerEngine):
     def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]:
         if not isinstance(tensor, torch.Tensor):
             refuse_other_framework(type(self).__name__, self.framework, tensor, "source's tensor")
-            raise WrongType(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
+        source_tensor(tensor)  # a meta tensor is refused here, before its chunk is packed
         return wire_name(tensor.dtype), tuple(tensor.shape)
 
     def host_bytes(self, tensor: Any) -> np.ndarray:

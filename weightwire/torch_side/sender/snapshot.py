@@ -150,7 +150,7 @@ class CopySnapshots:
         held = 0
         try:
             for name, tensor in source:
-                src = _detached(tensor)
+                src = _detached(tensor, name)
                 buffer = kept[name] = fitting(buffers.get(name), src)
                 pairs.append((name, buffer))
                 dests.append(buffer)
@@ -184,10 +184,26 @@ GROUP_BYTES = 1 << 30
 """The most source bytes one foreach copy of ``CopySnapshots.take`` takes."""
 
 
-def _detached(tensor: Any) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise WrongType(f"source yielded {type(tensor).__name__}, expected torch.Tensor")
+def _detached(tensor: Any, name: str) -> torch.Tensor:
+    tensor = source_tensor(tensor, name)
     return tensor.detach() if tensor.requires_grad else tensor
+
+
+def source_tensor(tensor: Any, name: str | None = None) -> torch.Tensor:
+    """``tensor`` when a round can read its values: a ``torch.Tensor`` (``WrongType``
+    otherwise) that holds data (``ConfigError`` for one on the ``meta`` device, which only
+    torch's own copy would otherwise refuse, as a bare ``NotImplementedError``)."""
+    which = f" for {name!r}" if name is not None else ""
+    if not isinstance(tensor, torch.Tensor):
+        raise WrongType(f"source yielded {type(tensor).__name__}, expected torch.Tensor{which}")
+    if tensor.is_meta:
+        raise ConfigError(
+            f"source yielded{which} a tensor on torch's meta device, which holds no values to "
+            "send (a model built under init_empty_weights / device='meta', or a parameter not "
+            "yet materialized); load or materialize its weights (to_empty() then load them) "
+            "before sending"
+        )
+    return tensor
 
 
 def fitting(buffer: torch.Tensor | None, source: torch.Tensor) -> torch.Tensor:

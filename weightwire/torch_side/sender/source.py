@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightwire.shared.errors import WrongType
+from weightwire.shared.errors import ConfigError, WrongType
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.torch_side.dtypes import wire_name
@@ -99,7 +99,7 @@ class ModuleSource(WeightSource):
         if dtype is not None:
             wire_name(dtype)  # refuse a cast target that cannot cross the wire, now
             if not dtype.is_floating_point:
-                raise ValueError(f"ModuleSource dtype must be a floating-point dtype, got {dtype}")
+                raise ConfigError(f"ModuleSource dtype must be a floating-point dtype, got {dtype}")
         self._module = module
         self._dtype = dtype
         self._include_buffers = include_buffers

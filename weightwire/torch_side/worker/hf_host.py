@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Protocol
 
@@ -305,12 +305,21 @@ class HFModelHost:
     def param_names(self) -> list[str]:
         return list(self._params)
 
-    def served_model(self) -> ServedModel:
+    def served_model(
+        self, shape_of: Callable[[torch.nn.Parameter], tuple[int, ...] | None] | None = None
+    ) -> ServedModel:
         """The checkpoint tensors this model takes (its parameters, wire dtypes, shapes) and
         its tied aliases, and the linears it holds in FP8 (its config's
-        ``quantization_config``): what the trainer checks each round against before any byte."""
+        ``quantization_config``): what the trainer checks each round against before any byte.
+        ``shape_of``: a parameter's shape where its own is not it (a level-2 sleep left it
+        empty until the wake; the trainer's rounds are checked against the model's shapes)."""
+
+        def shape(p: torch.nn.Parameter) -> tuple[int, ...]:
+            told = shape_of(p) if shape_of is not None else None
+            return tuple(p.shape) if told is None else told
+
         return ServedModel.of(
-            (ParamMeta(n, wire_name(p.dtype), tuple(p.shape)) for n, p in self._params.items()),
+            (ParamMeta(n, wire_name(p.dtype), shape(p)) for n, p in self._params.items()),
             {a: c for a, c in self._alias.items() if a != c},
             quantization_config=quantization_config(self.model),
         )
