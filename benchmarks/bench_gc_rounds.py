@@ -19,11 +19,23 @@ round's changed elements and patch sizes differ, as a training run's do), after
   adds to the long-lived heap, or swaps into it (a cache entry replacing last round's), which
   the collections it meets promote towards the full one;
 - growth: the tracked objects after the round less before it;
+- peak: the most GC-tracked objects the round's own made were alive at once (the heap frozen
+  before the round, a young collection every ``PEAK_STEP`` net allocations counting
+  what is alive then: ``gc.callbacks``), split by side (``Sides``: trainer, worker,
+  unattributed) at the peak;
+- promoted: with the collector as a user's process runs it, the objects per round that
+  generation-1 collections moved into generation 2 (alive then, even if freed right
+  after the round): Python 3.11 runs a full collection once generation 1 was collected 10
+  times AND the promotions since the last full one exceed a quarter of the long-lived heap
+  (``long-lived``: generation 2 after a full collection), so ``long-lived / 4 / promoted``
+  is the rounds between full collections;
 - collections per 100 rounds, per generation, with the collector enabled as a user's
   process runs it (``gc.get_stats()``); generation 2 is the ~100 ms pause of issue #49.
 
 ``--show N`` prints the most common types among a round's cyclic garbage (``gc.DEBUG_SAVEALL``)
-and, for functions and frames, their code's place: where to look.
+and, for functions and frames, their code's place: where to look; and the commonest kinds of
+the objects alive at the round's peak, per side, and of those the generation-1 collections
+promoted.
 """
 
 from __future__ import annotations
@@ -34,6 +46,9 @@ import gc
 import socket
 import sys
 import threading
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +56,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 TCP = "weightwire_tcp"
+PEAK_STEP = 100
+"""Net allocations between the peak pass's young collections (the peak's resolution)."""
+WORKER_CODE = (
+    "/torch_side/worker/",
+    "vllm_stub",
+    "/tcp/worker.py",
+    "worker_base.py",
+    "receiving.py",
+)
+"""A thread whose stack runs any of these files is the worker's (its RPCs, its links)."""
+LOOPBACK_SERVER = ("handle", "serve", "serve_ops")
+""" ``testing/loopback.py``'s functions that answer the trainer's calls (the worker's side)."""
 
 
 def _free_port() -> int:
@@ -121,6 +148,189 @@ def garbage_report(garbage: list[Any], show: int) -> list[str]:
     return [f"      {n:5d} {k}" for k, n in kinds.most_common(show)]
 
 
+def kind(obj: Any) -> str:
+    """A tag for an object of a round: its type, a container's size (a per-tensor record
+    shows as many of one size), a weightwire class's module."""
+    t = type(obj)
+    if t in (list, tuple, set, dict):
+        n = len(obj)
+        size = str(n) if n <= 8 else ">8"
+        if t is dict and 0 < n <= 8:
+            size = ",".join(str(k)[:12] for k in obj)
+        return f"{t.__name__}[{size}]"
+    code = getattr(obj, "__code__", None) or getattr(obj, "f_code", None)
+    if code is not None:
+        return f"{t.__name__} {code.co_name} {Path(code.co_filename).name}:{code.co_firstlineno}"
+    if t.__module__ == "builtins":
+        return t.__name__
+    if t.__module__ == "torch" and t.__name__ == "Tensor":  # a view, or its own storage
+        return (
+            f"torch.Tensor {obj.dtype} {obj.dim()}-D {'view' if obj._base is not None else 'own'}"
+        )
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def thread_side(frame: Any) -> str:
+    """``worker`` for a thread that runs the worker's code (``WORKER_CODE``, the loopback
+    shim's server), else ``trainer``."""
+    while frame is not None:
+        code = frame.f_code
+        path = code.co_filename
+        if any(m in path for m in WORKER_CODE):
+            return "worker"
+        if path.endswith("loopback.py") and code.co_name in LOOPBACK_SERVER:
+            return "worker"
+        frame = frame.f_back
+    return "trainer"
+
+
+def sides(young: list[Any]) -> collections.Counter[tuple[str, str]]:
+    """``young`` by (side, kind): an object belongs to the side of the first thread whose
+    stack reaches it (through young objects, or at most two old ones: an old object's
+    ``__dict__`` holding a new value); one no stack reaches is ``other``. A running frame's
+    locals are read through ``f_locals``, which keeps them until the frame returns: take
+    the numbers from a run without ``--show``."""
+    ids = {id(o) for o in young}
+    owner: dict[int, str] = {}
+    seen: set[int] = set()
+    frames = sorted(sys._current_frames().items(), key=lambda kv: thread_side(kv[1]))
+    for _, top in frames:
+        side = thread_side(top)
+        todo: list[tuple[Any, int]] = []
+        frame = top
+        while frame is not None:
+            todo.append((frame, 0))
+            frame = frame.f_back
+        while todo:
+            obj, hops = todo.pop()
+            # a running frame's locals only through f_locals (its traversal skips them)
+            refs = obj.f_locals.values() if isinstance(obj, types.FrameType) else ()
+            for ref in [*refs, *gc.get_referents(obj)]:
+                i = id(ref)
+                if i in seen:
+                    continue
+                seen.add(i)
+                if i in ids:
+                    owner[i] = side
+                    todo.append((ref, hops))
+                elif (
+                    hops < 2
+                    and gc.is_tracked(ref)
+                    and not isinstance(ref, (type, types.ModuleType))
+                ):
+                    todo.append((ref, hops + 1))
+    return collections.Counter((owner.get(id(o), "other"), kind(o)) for o in young)
+
+
+def tracked(*generations: int) -> int:
+    """The objects of ``generations``, counted in C: a list of them held across a bytecode
+    would let another thread run while it holds a reference to every young object (a
+    ``tuple()`` being built there fails to resize: ``SystemError``)."""
+    return sum(map(len, map(gc.get_objects, generations)))
+
+
+@contextmanager
+def no_switch() -> Iterator[None]:
+    """``--show``'s walks hold lists of the young objects: other threads wait meanwhile
+    (a switch already asked for may still happen: ``--show`` is for looking, not counting)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def young_objects() -> list[Any]:
+    return [o for g in (0, 1) for o in gc.get_objects(g)]
+
+
+class Peak:
+    """A ``gc.callbacks`` hook for the peak pass: at each young collection, the round's
+    objects alive (the heap was frozen before it), the most seen, and (``show``) their
+    sides and kinds at the highest point."""
+
+    def __init__(self, show: int) -> None:
+        self.show, self.most = show, 0
+        self.at: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase != "stop":  # after it: the tuples of atoms it untracked are not counted
+            return
+        alive = tracked(0, 1, 2)
+        if alive <= self.most:
+            return
+        self.most = alive
+        if self.show:
+            with no_switch():
+                self.at = sides([o for g in range(3) for o in gc.get_objects(g)])
+
+
+class Promotions:
+    """A ``gc.callbacks`` hook: the objects generation-1 collections move into generation 2
+    (those alive as it runs, less the tuples of atoms it untracks: generation 2's size
+    before and after), and (``show``) the sides and kinds of the young objects then."""
+
+    def __init__(self, show: int) -> None:
+        self.show, self.promoted, self._old = show, 0, 0
+        self.kinds: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 1:
+            return
+        if phase == "start":
+            self._old = tracked(2)
+            if self.show:
+                with no_switch():
+                    self.kinds.update(sides(young_objects()))
+        else:
+            self.promoted += tracked(2) - self._old
+
+
+@contextmanager
+def hooked(hook: Any) -> Iterator[None]:
+    gc.callbacks.append(hook)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(hook)
+
+
+def by_side(kinds: collections.Counter[tuple[str, str]], show: int, per: float) -> list[str]:
+    out = []
+    for side in ("trainer", "worker", "other"):
+        mine = collections.Counter({k: n for (s, k), n in kinds.items() if s == side})
+        total = sum(mine.values())
+        out.append(f"      {side}: {total / per:.0f}")
+        out += [f"        {n / per:7.1f} {k}" for k, n in mine.most_common(show)]
+    return out
+
+
+def peak_pass(one: Any, rounds: int, show: int) -> tuple[list[int], Peak]:
+    """Per round, the most of its own objects alive at once (collector on, heap frozen
+    before it, a young collection every ``PEAK_STEP`` net allocations)."""
+    peaks, last = [], Peak(show)
+    thresholds = gc.get_threshold()
+    try:
+        for i in range(rounds):
+            gc.collect()
+            gc.freeze()
+            peak = Peak(show if i == rounds - 1 else 0)
+            gc.set_threshold(PEAK_STEP, 10**6, 10**6)
+            with hooked(peak):
+                gc.enable()
+                one(i)
+                gc.disable()
+            gc.unfreeze()
+            peaks.append(peak.most)
+            last = peak
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+        gc.enable()
+    return peaks, last
+
+
 def measure(
     label: str, send: Any, sets: list[dict[str, Any]], params: dict[str, Any], args: Any
 ) -> dict[str, float]:
@@ -139,7 +349,7 @@ def measure(
         cycles, survivors, growth = [], [], []
         shown: list[str] = []
         for i in range(args.rounds):
-            before = len(gc.get_objects())
+            before = tracked(0, 1, 2)
             gc.freeze()
             one(i)
             if args.show and i == args.rounds - 1:
@@ -150,19 +360,24 @@ def measure(
                 gc.set_debug(0)
                 gc.garbage.clear()
                 gc.collect()
-            survivors.append(len(gc.get_objects()))
+            survivors.append(tracked(0, 1, 2))
             if args.show and i == args.rounds - 1:
                 shown += ["    survivors:", *garbage_report(gc.get_objects(), args.show)]
             gc.unfreeze()
-            growth.append(len(gc.get_objects()) - before)
+            growth.append(tracked(0, 1, 2) - before)
     finally:
         gc.unfreeze()
         gc.set_debug(0)
         gc.enable()
+    gc.disable()
+    peaks, peak = peak_pass(one, args.rounds, args.show)
     gc.collect()
+    long_lived = tracked(2)
     counts = [s["collections"] for s in gc.get_stats()]
-    for i in range(args.rounds):
-        one(i)
+    promotions = Promotions(args.show)
+    with hooked(promotions):
+        for i in range(args.rounds):
+            one(i)
     after = [s["collections"] for s in gc.get_stats()]
     per100 = [(a - b) * 100 / args.rounds for a, b in zip(after, counts, strict=True)]
     out = {
@@ -173,6 +388,13 @@ def measure(
         "gen0": per100[0],
         "gen1": per100[1],
         "gen2": per100[2],
+        "peak": sum(peaks) / len(peaks),
+        "promoted": promotions.promoted / args.rounds,
+        "long_lived": long_lived,
+    }
+    at_peak = {
+        s: sum(n for (side, _), n in peak.at.items() if side == s)
+        for s in ("trainer", "worker", "other")
     }
     print(
         f"  {label}: cycles/round {out['cycles']:.1f} (max {out['cycles_max']}), "
@@ -180,10 +402,24 @@ def measure(
         f"growth/round {out['growth']:.1f}, "
         "collections per 100 rounds "
         f"gen0 {per100[0]:.0f} gen1 {per100[1]:.0f} gen2 {per100[2]:.0f}",
+        f"\n    peak tracked objects/round {out['peak']:.0f} (max {max(peaks)}"
+        + (
+            f"; at the last round's: trainer {at_peak['trainer']}, worker {at_peak['worker']}, "
+            f"other {at_peak['other']}"
+            if args.show
+            else ""
+        )
+        + f"), promoted to gen2/round {out['promoted']:.0f} "
+        f"(long-lived {long_lived}: a full collection needs {long_lived // 4} promoted)",
         flush=True,
     )
     for line in shown:
         print(line)
+    if args.show:
+        print("    alive at the last round's peak, per side:")
+        print("\n".join(by_side(peak.at, args.show, 1)))
+        print("    promoted to gen2, per round, per side:")
+        print("\n".join(by_side(promotions.kinds, args.show, args.rounds)))
     return out
 
 
