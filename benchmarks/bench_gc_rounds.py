@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gc_rounds.py                      # torch + jax, tiny32, tcp
     python benchmarks/bench_gc_rounds.py --engine torch --rounds 100 --show 12
+    python benchmarks/bench_gc_rounds.py --worker-process --rounds 100  # each process's own
 
 A trainer (``delta="auto"``) and vLLM's plugin engine class (``tests/torch_side/vllm_stub.py``'s
 fake vLLM, a ``FakeLlama`` of ``--shape``, default ``tiny32``: Llama-3-8B's 291 tensors at
@@ -20,9 +21,9 @@ round's changed elements and patch sizes differ, as a training run's do), after
   the collections it meets promote towards the full one;
 - growth: the tracked objects after the round less before it;
 - peak: the most GC-tracked objects the round's own made were alive at once (the heap frozen
-  before the round, a young collection every ``PEAK_STEP`` net allocations counting
-  what is alive then: ``gc.callbacks``), split by side (``Sides``: trainer, worker,
-  unattributed) at the peak;
+  before the round, a young collection every ``PEAK_STEP`` net allocations, counting what
+  is alive after it: ``gc.callbacks``; the stub's ``RoundPeak``), split with ``--show`` by
+  side (``sides``: trainer, worker, other) at the peak;
 - promoted: with the collector as a user's process runs it, the objects per round that
   generation-1 collections moved into generation 2 (alive then, even if freed right
   after the round): Python 3.11 runs a full collection once generation 1 was collected 10
@@ -31,6 +32,11 @@ round's changed elements and patch sizes differ, as a training run's do), after
   is the rounds between full collections;
 - collections per 100 rounds, per generation, with the collector enabled as a user's
   process runs it (``gc.get_stats()``); generation 2 is the ~100 ms pause of issue #49.
+
+``--worker-process`` runs the worker in its own process instead (``spawn_stub``), as a
+deployment does: the passes above count the trainer's process, and the worker's peak,
+promotions and collections are asked of its ``gc`` op; each process's collections then see
+only its own side's objects against its own long-lived heap.
 
 ``--show N`` prints the most common types among a round's cyclic garbage (``gc.DEBUG_SAVEALL``)
 and, for functions and frames, their code's place: where to look; and the commonest kinds of
@@ -55,9 +61,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.torch_side.vllm_stub import PEAK_STEP, tracked  # noqa: E402
+
 TCP = "weightwire_tcp"
-PEAK_STEP = 100
-"""Net allocations between the peak pass's young collections (the peak's resolution)."""
 WORKER_CODE = (
     "/torch_side/worker/",
     "vllm_stub",
@@ -222,13 +228,6 @@ def sides(young: list[Any]) -> collections.Counter[tuple[str, str]]:
     return collections.Counter((owner.get(id(o), "other"), kind(o)) for o in young)
 
 
-def tracked(*generations: int) -> int:
-    """The objects of ``generations``, counted in C: a list of them held across a bytecode
-    would let another thread run while it holds a reference to every young object (a
-    ``tuple()`` being built there fails to resize: ``SystemError``)."""
-    return sum(map(len, map(gc.get_objects, generations)))
-
-
 @contextmanager
 def no_switch() -> Iterator[None]:
     """``--show``'s walks hold lists of the young objects: other threads wait meanwhile
@@ -306,13 +305,18 @@ def by_side(kinds: collections.Counter[tuple[str, str]], show: int, per: float) 
     return out
 
 
-def peak_pass(one: Any, rounds: int, show: int) -> tuple[list[int], Peak]:
+def peak_pass(
+    one: Any, rounds: int, show: int, worker: Any = None
+) -> tuple[list[int], Peak, list[int]]:
     """Per round, the most of its own objects alive at once (collector on, heap frozen
-    before it, a young collection every ``PEAK_STEP`` net allocations)."""
-    peaks, last = [], Peak(show)
+    before it, a young collection every ``PEAK_STEP`` net allocations); ``worker``: a
+    worker process's client, whose own are counted the same (the stub's ``gc`` op)."""
+    peaks, last, theirs = [], Peak(show), []
     thresholds = gc.get_threshold()
     try:
         for i in range(rounds):
+            if worker is not None:
+                worker.call("gc", {"peak": True})
             gc.collect()
             gc.freeze()
             peak = Peak(show if i == rounds - 1 else 0)
@@ -324,17 +328,26 @@ def peak_pass(one: Any, rounds: int, show: int) -> tuple[list[int], Peak]:
             gc.unfreeze()
             peaks.append(peak.most)
             last = peak
+            if worker is not None:
+                theirs.append(worker.call("gc", {"peak": False})["peak"])
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()
         gc.enable()
-    return peaks, last
+    return peaks, last, theirs
 
 
 def measure(
-    label: str, send: Any, sets: list[dict[str, Any]], params: dict[str, Any], args: Any
+    label: str,
+    send: Any,
+    sets: list[dict[str, Any]],
+    params: dict[str, Any],
+    args: Any,
+    worker: Any = None,
 ) -> dict[str, float]:
-    """Cycles and survivors per round (collector off), then collections per 100 rounds."""
+    """Cycles and survivors per round (collector off), then collections per 100 rounds;
+    ``worker``: the worker process's client (``--worker-process``), whose peak, promotions
+    and collections are asked of it beside this process's."""
     cycle = [0] if label == "dense" else [*range(1, len(sets)), 0]
 
     def one(i: int) -> None:
@@ -370,7 +383,9 @@ def measure(
         gc.set_debug(0)
         gc.enable()
     gc.disable()
-    peaks, peak = peak_pass(one, args.rounds, args.show)
+    peaks, peak, worker_peaks = peak_pass(one, args.rounds, args.show, worker)
+    if worker is not None:
+        worker.call("gc", {"promotions": True})
     gc.collect()
     long_lived = tracked(2)
     counts = [s["collections"] for s in gc.get_stats()]
@@ -379,6 +394,7 @@ def measure(
         for i in range(args.rounds):
             one(i)
     after = [s["collections"] for s in gc.get_stats()]
+    theirs = None if worker is None else worker.call("gc", {"promotions": False})
     per100 = [(a - b) * 100 / args.rounds for a, b in zip(after, counts, strict=True)]
     out = {
         "cycles": sum(cycles) / len(cycles),
@@ -413,6 +429,16 @@ def measure(
         f"(long-lived {long_lived}: a full collection needs {long_lived // 4} promoted)",
         flush=True,
     )
+    if theirs is not None:
+        n, lived = args.rounds, theirs["long_lived"]
+        gens = " ".join(f"gen{g} {c * 100 / n:.0f}" for g, c in enumerate(theirs["collections"]))
+        print(
+            f"    worker process: peak tracked objects/round "
+            f"{sum(worker_peaks) / len(worker_peaks):.0f} (max {max(worker_peaks)}), "
+            f"promoted to gen2/round {theirs['promoted'] / n:.0f} (long-lived {lived}: a "
+            f"full collection needs {lived // 4} promoted), collections per 100 rounds {gens}",
+            flush=True,
+        )
     for line in shown:
         print(line)
     if args.show:
@@ -431,8 +457,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--show", type=int, default=0, help="the N commonest garbage types")
     parser.add_argument("--sets", type=int, default=6, help="weight sets the delta rounds visit")
+    parser.add_argument(
+        "--worker-process",
+        action="store_true",
+        help="the worker in its own process, as deployed: each process's own counts",
+    )
     args = parser.parse_args(argv)
-    client, _ = start_worker(args.shape)
+    proc = None
+    if args.worker_process:
+        from tests.torch_side._procs import spawn_stub
+
+        proc, client = spawn_stub(TCP, "cpu", args.shape, timeout=300)
+    else:
+        client, _ = start_worker(args.shape)
     for engine in ("torch", "jax") if args.engine == "both" else (args.engine,):
         sets = weight_sets(args.shape, engine, args.sets)
         params = dict(sets[0])
@@ -440,10 +477,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{engine} trainer, {TCP}, {args.shape} ({len(params)} tensors):", flush=True)
         try:
             for kind in ("dense", "delta"):
-                measure(kind, t.send_weights, sets, params, args)
+                measure(kind, t.send_weights, sets, params, args, proc and client)
         finally:
             t.shutdown()
     client.exit()
+    if proc is not None:
+        proc.wait(timeout=60)
     return 0
 
 

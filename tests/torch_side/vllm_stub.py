@@ -446,12 +446,50 @@ class RoundPeak:
         return self.most
 
 
+class Promotions:
+    """While it counts (``start``, ``stop``), with the collector as a process runs it: the
+    collections per generation, and the objects generation-1 collections moved into
+    generation 2 (its size before and after each: the tuples of atoms a collection
+    untracks are not counted). ``long_lived``: generation 2 after a full collection at
+    the start; a full collection waits until the promotions since the last one exceed a
+    quarter of it (Python 3.11)."""
+
+    def __init__(self) -> None:
+        self.promoted = self._before = self.long_lived = 0
+        self._stats: list[int] = []
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 1:
+            return
+        if phase == "start":
+            self._before = tracked(2)
+        else:
+            self.promoted += tracked(2) - self._before
+
+    def start(self) -> None:
+        gc.collect()
+        self.long_lived = tracked(2)
+        self._stats = [s["collections"] for s in gc.get_stats()]
+        gc.callbacks.append(self)
+
+    def stop(self) -> dict[str, Any]:
+        gc.callbacks.remove(self)
+        after = [s["collections"] for s in gc.get_stats()]
+        return {
+            "collections": [a - b for a, b in zip(after, self._stats, strict=True)],
+            "promoted": self.promoted,
+            "long_lived": self.long_lived,
+        }
+
+
 _PEAK: list[RoundPeak] = []
+_PROMOTIONS: list[Promotions] = []
 
 
 def gc_probe(body: dict[str, Any]) -> dict[str, Any]:
     """The ``gc`` op: ``{"peak": true}`` starts a ``RoundPeak`` (and returns); ``{"peak":
-    false}`` ends it: ``{"peak": the most objects}``. Else ``{"enabled": bool}`` switches
+    false}`` ends it: ``{"peak": the most objects}``; ``{"promotions": true / false}`` the
+    same for a ``Promotions`` (its ``stop``'s answer). Else ``{"enabled": bool}`` switches
     the collector (a test disables it so that what cycles a round left are counted, not
     collected behind its back), then a full collection: what only cycles kept
     (``unreachable``) and the tracked objects left outside the frozen heap (``objects``);
@@ -463,6 +501,12 @@ def gc_probe(body: dict[str, Any]) -> dict[str, Any]:
         return {}
     if body.get("peak") is False:
         return {"peak": _PEAK.pop().stop()}
+    if body.get("promotions") is True:
+        _PROMOTIONS.append(Promotions())
+        _PROMOTIONS[-1].start()
+        return {}
+    if body.get("promotions") is False:
+        return _PROMOTIONS.pop().stop()
     if "enabled" in body:
         (gc.enable if body["enabled"] else gc.disable)()
     unreachable = gc.collect()
