@@ -41,7 +41,9 @@ only its own side's objects against its own long-lived heap.
 ``--show N`` prints the most common types among a round's cyclic garbage (``gc.DEBUG_SAVEALL``)
 and, for functions and frames, their code's place: where to look; and the commonest kinds of
 the objects alive at the round's peak, per side, and of those the generation-1 collections
-promoted.
+promoted. Those walks hold every young object from inside a collection (and read running
+frames' locals): now and then one breaks a round (``SystemError`` from a tuple being built
+as the collection landed). ``--show`` is for looking; take the numbers from a run without it.
 """
 
 from __future__ import annotations
