@@ -147,10 +147,10 @@ def unpack_before(buffer: torch.Tensor, layout: UnpackPlan) -> list[torch.Tensor
         views[dtype] = (view.as_strided, view.storage_offset())
     out = []
     for _, kind, dtype, shape, strides, element, offset, nbytes, _ in layout._entries:
-        if kind.value == "view":
+        if kind == "view":
             strided, base = views[dtype]
             out.append(strided(shape, strides, base + element))
-        elif kind.value == "clone":
+        elif kind == "clone":
             out.append(buffer[offset : offset + nbytes].clone().view(dtype).view(shape))
     return out
 

@@ -46,6 +46,20 @@ def test_delta_info_round_trips() -> None:
     assert repr(info) == "UpdateInfo(3 tensors, 1 patches)"
 
 
+def test_a_trainers_tuples_are_the_same_json_as_lists() -> None:
+    """A trainer lists shapes and patch entries as tuples of atoms (untracked by the
+    collector, #49): the body on the wire is the same bytes, and a worker given the tuples
+    themselves (an in-process or pickled call) takes them as it takes the JSON's lists."""
+    body = delta()
+    tuples = delta(
+        shapes=[tuple(s) for s in body["shapes"]],
+        patches=[("w", "bfloat16", (2, 8), 3, "flat_i32")],
+    )
+    assert json.dumps(UpdateInfo(**tuples).to_dict()) == json.dumps(body)
+    assert UpdateInfo(**tuples).patch_list() == UpdateInfo.from_dict(body).patch_list()
+    assert UpdateInfo.from_json(json.dumps(UpdateInfo(**tuples).to_dict())) == UpdateInfo(**body)
+
+
 def test_unset_fields_leave_the_body_unchanged() -> None:
     plain = {"names": ["a"], "dtype_names": ["float32"], "shapes": [[2]]}
     assert UpdateInfo.from_dict(plain).to_dict() == plain

@@ -399,13 +399,114 @@ def serve(
 _TIMED = ("start_weight_update", "update_weights", "finish_weight_update")
 
 
+PEAK_STEP = 100
+"""Net allocations between the young collections that count a round's objects alive."""
+
+
+def tracked(*generations: int) -> int:
+    """The GC-tracked objects of ``generations``, counted in C: a list of them held across
+    a bytecode would let another thread run while it holds a reference to every young
+    object (a ``tuple()`` being built there then fails to resize: ``SystemError``)."""
+    return sum(map(len, map(gc.get_objects, generations)))
+
+
+class RoundPeak:
+    """The most GC-tracked objects alive at once outside the frozen heap, while it counts
+    (``start``, ``stop``): the collector runs a young collection every ``PEAK_STEP`` net
+    allocations (none older: nothing is promoted meanwhile), and this ``gc.callbacks`` hook
+    counts after each (the tuples of atoms it untracked are no longer counted). A round's
+    objects alive at its worst moment: what a generation-1 collection landing then promotes
+    into generation 2, towards a full collection (#49)."""
+
+    def __init__(self) -> None:
+        self.most = 0
+        self._was: tuple[bool, tuple[int, int, int]] | None = None
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "stop":
+            self.most = max(self.most, tracked(0, 1, 2))
+
+    def start(self) -> None:
+        self._was = (gc.isenabled(), gc.get_threshold())
+        gc.disable()
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(PEAK_STEP, 10**6, 10**6)
+        gc.callbacks.append(self)
+        gc.enable()
+
+    def stop(self) -> int:
+        assert self._was is not None
+        enabled, thresholds = self._was
+        gc.disable()
+        gc.callbacks.remove(self)
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+        (gc.enable if enabled else gc.disable)()
+        return self.most
+
+
+class Promotions:
+    """While it counts (``start``, ``stop``), with the collector as a process runs it: the
+    collections per generation, and the objects generation-1 collections moved into
+    generation 2 (its size before and after each: the tuples of atoms a collection
+    untracks are not counted). ``long_lived``: generation 2 after a full collection at
+    the start; a full collection waits until the promotions since the last one exceed a
+    quarter of it (Python 3.11)."""
+
+    def __init__(self) -> None:
+        self.promoted = self._before = self.long_lived = 0
+        self._stats: list[int] = []
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 1:
+            return
+        if phase == "start":
+            self._before = tracked(2)
+        else:
+            self.promoted += tracked(2) - self._before
+
+    def start(self) -> None:
+        gc.collect()
+        self.long_lived = tracked(2)
+        self._stats = [s["collections"] for s in gc.get_stats()]
+        gc.callbacks.append(self)
+
+    def stop(self) -> dict[str, Any]:
+        gc.callbacks.remove(self)
+        after = [s["collections"] for s in gc.get_stats()]
+        return {
+            "collections": [a - b for a, b in zip(after, self._stats, strict=True)],
+            "promoted": self.promoted,
+            "long_lived": self.long_lived,
+        }
+
+
+_PEAK: list[RoundPeak] = []
+_PROMOTIONS: list[Promotions] = []
+
+
 def gc_probe(body: dict[str, Any]) -> dict[str, Any]:
-    """The ``gc`` op: ``{"enabled": bool}`` switches the collector (a test disables it so
-    that what cycles a round left are counted, not collected behind its back), then a full
-    collection: what only cycles kept (``unreachable``) and the tracked objects left outside
-    the frozen heap (``objects``); then ``{"freeze": bool}`` freezes what is left (the next
-    probe's ``objects`` are what was made since and survived; ``kinds``: their commonest
-    types) or thaws it."""
+    """The ``gc`` op: ``{"peak": true}`` starts a ``RoundPeak`` (and returns); ``{"peak":
+    false}`` ends it: ``{"peak": the most objects}``; ``{"promotions": true / false}`` the
+    same for a ``Promotions`` (its ``stop``'s answer). Else ``{"enabled": bool}`` switches
+    the collector (a test disables it so that what cycles a round left are counted, not
+    collected behind its back), then a full collection: what only cycles kept
+    (``unreachable``) and the tracked objects left outside the frozen heap (``objects``);
+    then ``{"freeze": bool}`` freezes what is left (the next probe's ``objects`` are what
+    was made since and survived; ``kinds``: their commonest types) or thaws it."""
+    if body.get("peak") is True:
+        _PEAK.append(RoundPeak())
+        _PEAK[-1].start()
+        return {}
+    if body.get("peak") is False:
+        return {"peak": _PEAK.pop().stop()}
+    if body.get("promotions") is True:
+        _PROMOTIONS.append(Promotions())
+        _PROMOTIONS[-1].start()
+        return {}
+    if body.get("promotions") is False:
+        return _PROMOTIONS.pop().stop()
     if "enabled" in body:
         (gc.enable if body["enabled"] else gc.disable)()
     unreachable = gc.collect()

@@ -13,6 +13,12 @@ sizes, and so its metadata, are new, as in training), to vLLM's plugin engine cl
 and the heap frozen before each round (``gc.freeze``): after it, a collection must find no
 cycle and the objects outside the frozen heap (the round's survivors) stay within a small
 bound. ``benchmarks/bench_gc_rounds.py`` measures the same per round, and the collections.
+
+A delta round's objects alive at its worst moment (``RoundPeak``) stay within a few per
+changed tensor on each side: what a generation-1 collection landing in the round promotes
+into generation 2. Python 3.11 runs a full collection once those promotions reach a quarter
+of the long-lived heap, so a round that held a dozen objects per tensor brought one on every
+~20 delta rounds of an 8B-sized model (the pause of #49).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 
 from tests.torch_side._procs import spawn_stub
 from tests.torch_side.fake_llama import trainer_tensors
+from tests.torch_side.vllm_stub import RoundPeak
 from weightwire.testing.loopback import LoopbackClient
 from weightwire.testing.sources import DictSource
 from weightwire.trainer import TrainerInitInfo
@@ -160,6 +167,73 @@ def test_steady_rounds_leave_no_cycles_and_no_survivors(kind: str, worker: Loopb
                 assert got[f"{side} cycles"] == [0] * ROUNDS, f"the {side} left cycles, {what}"
                 bound = survivors_bound(side, round_kind, kind)
                 assert max(got[side]) <= bound, f"the {side}'s rounds left survivors, {what}"
+    finally:
+        trainer.shutdown()
+
+
+PEAK_PER_TENSOR = {"trainer": 6, "worker": 11}
+"""Objects a delta round may hold at its worst moment, per changed tensor (measured on this
+model, less ``PEAK_BASE``: ~5 on a torch trainer, ~10 on a JAX one, 6 to 10 on the worker,
+by the round: those with dense tensors beside the patches hold copies of the patches'). The
+trainer: its patch's two arrays and their two wire ``ParamMeta``, the ``Patch`` its update
+info is checked as, the source's own record of the tensor (``DictSource`` describes each
+round afresh). The worker: the update info's JSON entry and shape lists (its caller's, as
+parsed: four), the ``Patch`` and two wire ``ParamMeta`` it is checked and planned as, the
+received tensors, the ``StagedPatch`` (its plan's entries are tuples of atoms, untracked).
+Before #49's fixes a torch trainer held ~20 per changed tensor, a JAX trainer ~28 (the
+payload's lists, a ``Patch`` record and a pair per wire tensor for the whole round, and
+while its chunk was sent a memoryview, its managed buffer and a ``uint8`` tensor per wire
+tensor; on JAX, a single-device array and its sharding left by each host prefetch), the
+worker ~12 to ~15 (a named tuple per plan entry, another pair per held tensor, a flag tensor
+per patch checked): ~680, ~910 and ~510 (its first round) here, over these bounds."""
+PEAK_JAX_TRAINER = 6
+"""A JAX trainer's patch also holds its two ``Prefix`` windows, the kernel's outputs (index,
+values, the patched base: JAX arrays are immutable, so each round's base is a new one) and,
+as its chunk is sent, the host arrays' buffers."""
+PEAK_BASE = 160
+"""Round-wide objects on either side: threads' locks and events, the round's records."""
+
+
+def changed_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> int:
+    return sum(not torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("kind", ["torch", "jax"])
+def test_a_delta_round_holds_few_objects_per_changed_tensor(
+    kind: str, worker: LoopbackClient
+) -> None:
+    cls, hold, describe = engine_for(kind)
+    raw = weight_sets()
+    sets = [{n: hold(t) for n, t in w.items()} for w in raw]
+    source = DictSource(dict(sets[0]), describe)
+    trainer = cls.trainer_init(
+        TrainerInitInfo(backend="weightwire_tcp", delta="auto"), client=worker, source=source
+    )
+    cycle = [*range(1, SETS), 0]
+    try:
+        trainer.send_weights(dense=True)
+        for i in range(WARMUP + ROUNDS):
+            k, last = cycle[i % len(cycle)], cycle[(i - 1) % len(cycle)] if i else 0
+            source.tensors.update(sets[k])
+            peak = RoundPeak()
+            if i >= WARMUP:
+                worker.call("gc", {"peak": True})
+                peak.start()
+            try:
+                metrics = trainer.send_weights()
+            finally:
+                if i >= WARMUP:
+                    here = peak.stop()
+                    there = worker.call("gc", {"peak": False})["peak"]
+            assert metrics.density is not None, metrics.summary()  # a delta round
+            if i < WARMUP:
+                continue
+            changed = changed_tensors(raw[last], raw[k])
+            per = {s: PEAK_PER_TENSOR[s] * changed + PEAK_BASE for s in PEAK_PER_TENSOR}
+            if kind == "jax":
+                per["trainer"] += PEAK_JAX_TRAINER * changed
+            what = f"{kind}: {changed} changed tensors, peaks trainer {here} worker {there}"
+            assert here <= per["trainer"] and there <= per["worker"], what
     finally:
         trainer.shutdown()
 

@@ -49,6 +49,10 @@ def _kept(tensor: Any) -> Any:
     return np.array(tensor, copy=True)
 
 
+def _on_host(array: jax.Array) -> bool:
+    return all(d.platform == "cpu" for d in array.devices())
+
+
 class JAXTrainerEngine(TrainerEngine):
     """Trainer engine over a ``WeightSource`` yielding JAX (or numpy) arrays."""
 
@@ -130,11 +134,15 @@ class JAXTrainerEngine(TrainerEngine):
         return cut_box(tensor, box, rank=self.process_rank())
 
     def prefetch_host(self, tensors: list[Any]) -> None:
-        # Start every device-to-host copy of the chunk before the first one is awaited.
+        # Start every device-to-host copy of the chunk before the first one is awaited. Not
+        # for an array in host memory already: nothing to overlap, and the call leaves a
+        # single-device array and its sharding on each (two objects per wire tensor alive
+        # through the round: a delta round's hundreds, promoted by its young collections
+        # towards a full one, #49).
         for tensor in tensors:
             if isinstance(tensor, Prefix):
                 tensor = tensor.array
-            if isinstance(tensor, jax.Array):
+            if isinstance(tensor, jax.Array) and not _on_host(tensor):
                 tensor.copy_to_host_async()
 
     def delta_kernel(self) -> DeltaKernel:

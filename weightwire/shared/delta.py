@@ -37,6 +37,10 @@ MAX_PATCH_NUMEL = 2**31 - 1
 MAX_TOKEN_LENGTH = 256
 
 
+PatchEntry = tuple[str, str, tuple[int, ...], int, str]
+"""A patch as its update-info entry: ``(name, dtype_name, shape, nnz, encoding)``."""
+
+
 @dataclass(frozen=True)
 class Patch:
     """One patched tensor of a delta round (an entry of ``UpdateInfo.patches``)."""
@@ -62,6 +66,12 @@ class Patch:
     def to_list(self) -> list[Any]:
         return [self.name, self.dtype, list(self.shape), self.nnz, self.encoding]
 
+    def to_entry(self) -> PatchEntry:
+        """``to_list`` as a tuple (JSON writes it the same): a round's entries, of atoms and a
+        tuple of ints, are untracked by the first collection that sees them, so the young
+        collections during the round never promote them towards a full one (#49)."""
+        return (self.name, self.dtype, self.shape, self.nnz, self.encoding)
+
 
 def check_token(field: str, value: str | None) -> None:
     """A round token: a non-empty printable string of at most ``MAX_TOKEN_LENGTH`` chars."""
@@ -77,7 +87,7 @@ def check_token(field: str, value: str | None) -> None:
 def parse_patch(i: int, entry: object) -> Patch:
     """``patches[i]`` as a ``Patch``; every field checked (types, dtype, shape, nnz range)."""
     where = f"patches[{i}]"
-    if not isinstance(entry, list) or len(entry) != 5:
+    if not isinstance(entry, (list, tuple)) or len(entry) != 5:
         raise ConfigError(
             f"{where} must be [name, dtype_name, shape, nnz, encoding], got {bounded_repr(entry)}"
         )

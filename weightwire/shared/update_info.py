@@ -6,6 +6,7 @@ and a delta round's patches), parsed strictly on both sides like every info
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -39,11 +40,12 @@ class UpdateInfo(StrictInfo):
 
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)
+    shapes: list[Sequence[int]] = field(default_factory=list)
+    """Lists (JSON) or tuples (a trainer's own metas' shapes, written the same)."""
     src: int = 0
     round_token: str | None = None
     delta_base: str | None = None
-    patches: list[list[Any]] | None = None
+    patches: list[Sequence[Any]] | None = None
     sliced: bool = False
     """The round is sliced (a backend with sliced rounds): each worker receives only the
     boxes of each tensor it wants, as framed pieces on its own link, instead of the

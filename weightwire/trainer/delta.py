@@ -24,7 +24,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightwire.shared.delta import MAX_PATCH_NUMEL, Patch
+from weightwire.shared.delta import (
+    FLAT_I32,
+    INDEX_SUFFIX,
+    MAX_PATCH_NUMEL,
+    VALUES_SUFFIX,
+    Patch,
+    PatchEntry,
+)
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.groups import batch_by_layer
 from weightwire.shared.meta import ParamMeta
@@ -125,9 +132,15 @@ class DeltaRound:
     """One delta round, ready to send: the wire tensors in broadcast order and what they
     stand for."""
 
-    pairs: list[tuple[str, Any]]
+    arrays: list[Any]
+    """The wire tensors' arrays, ``metas``' order (a list beside it rather than a
+    ``(name, array)`` pair each: a pair held for the whole round, per wire tensor, was
+    objects the round's young collections promoted towards a full one, #49)."""
     metas: list[ParamMeta]
-    patches: list[Patch]
+    entries: list[PatchEntry]
+    """Each patch as its update-info entry (``Patch.to_entry``): tuples of atoms, untracked
+    by the first collection that sees them, where a ``Patch`` each, held for the round, was
+    objects its young collections promoted towards a full one (#49)."""
     changed: int
     """Elements that differ from the base, over every tensor of the source."""
     elements: int
@@ -135,6 +148,16 @@ class DeltaRound:
     """Bytes the round stands for: every tensor of the source, dense."""
     patched: dict[str, Any] = field(default_factory=dict)
     """Patched tensor name -> its full new bytes (the base), for ``verify``."""
+
+    @property
+    def patches(self) -> list[Patch]:
+        """The round's patches, made as asked."""
+        return [Patch(*e) for e in self.entries]
+
+    @property
+    def pairs(self) -> Iterator[tuple[str, Any]]:
+        """``(wire name, array)`` in broadcast order, made as they are pulled."""
+        return zip((m.name for m in self.metas), self.arrays, strict=True)
 
     @property
     def density(self) -> float:
@@ -273,7 +296,7 @@ class DeltaTracker:
         finally:
             self.kernel.settle()
         # A partial round still names its base, so the workers check it.
-        partial = not out.patches and len(out.pairs) != len(metas)
+        partial = not out.entries and len(out.arrays) != len(metas)
         if partial and not self._first_patch(out, metas):
             return None
         return out
@@ -328,7 +351,7 @@ class DeltaTracker:
         if count > limit:
             fresh = base if scan.updated else self.kernel.refresh(new, base)
             self.bases[meta.name] = fresh
-            out.pairs.append((meta.name, fresh))
+            out.arrays.append(fresh)
             out.metas.append(meta)
             return
         got = self.kernel.extract(scan, i, new, base)
@@ -336,17 +359,16 @@ class DeltaTracker:
         self._patch(out, meta, got, count)
 
     def _patch(self, out: DeltaRound, meta: ParamMeta, got: Extracted, nnz: int) -> None:
-        patch = Patch(meta.name, meta.dtype, meta.shape, nnz)
-        out.patches.append(patch)
-        out.pairs += [(patch.index_name, got.index), (patch.values_name, got.values)]
+        out.entries.append((meta.name, meta.dtype, meta.shape, nnz, FLAT_I32))
+        out.arrays += (got.index, got.values)
         out.metas += [
-            ParamMeta(patch.index_name, "int32", (nnz,)),
-            ParamMeta(patch.values_name, meta.dtype, (nnz,)),
+            ParamMeta(meta.name + INDEX_SUFFIX, "int32", (nnz,)),
+            ParamMeta(meta.name + VALUES_SUFFIX, meta.dtype, (nnz,)),
         ]
         out.patched[meta.name] = got.base
 
     def _first_patch(self, out: DeltaRound, metas: Sequence[ParamMeta]) -> bool:
-        sent = {name for name, _ in out.pairs}
+        sent = {m.name for m in out.metas}
         free = (m for m in metas if m.name not in sent and 0 < m.numel <= MAX_PATCH_NUMEL)
         meta = next(free, None)
         if meta is None:

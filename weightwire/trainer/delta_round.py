@@ -138,7 +138,7 @@ class DeltaRounds:
         except BaseException:
             tracker.drop()  # the workers' state is unknown: the next round is dense
             raise
-        is_dense = built is None or not built.patches
+        is_dense = built is None or not built.entries
         tracker.adopt(token, dense=is_dense)
         return replace(
             metrics,
@@ -160,9 +160,9 @@ class DeltaRounds:
             source, wire = _Snapshotting(ask.source, self.tracker, metas), metas
         else:
             source, wire = _WireSource(built), built.metas
-            if built.patches:
+            if built.entries:
                 fields["delta_base"] = self.tracker.token
-                fields["patches"] = [p.to_list() for p in built.patches]
+                fields["patches"] = built.entries
                 remap = self._remapper(built)
         return self._sole_round(
             wire,
@@ -196,7 +196,7 @@ class DeltaRounds:
         """``verify``: the workers digest a patched tensor whole, so the trainer does too."""
 
         def remap(own: dict[str, str]) -> dict[str, str]:
-            wire = {n for p in built.patches for n in (p.index_name, p.values_name)}
+            wire = {n for p in built.patches for n in (p.index_name, p.values_name)}  # verify only
             out = {n: d for n, d in own.items() if n not in wire}
             out.update({name: self._sha(base) for name, base in built.patched.items()})
             return out

@@ -539,11 +539,14 @@ def _payloads(s: Session, r: Round) -> tuple[list[dict[str, Any]], bool]:
 
 
 def _listing(metas: Sequence[ParamMeta]) -> dict[str, Any]:
-    """A turn's tensors as the update info lists them (``UpdateInfo.from_metas``' fields)."""
+    """A turn's tensors as the update info lists them (``UpdateInfo.from_metas``' fields).
+    The shapes are the metas' own tuples (JSON writes them as lists): no object per tensor,
+    where a list each was a delta round's hundreds of objects the young collections during
+    the round promoted towards a full one (#49)."""
     return {
         "names": [m.name for m in metas],
         "dtype_names": [m.dtype for m in metas],
-        "shapes": [list(m.shape) for m in metas],
+        "shapes": [m.shape for m in metas],
     }
 
 

@@ -254,7 +254,7 @@ class TCPCommunicator(LinkGroup):
     # -- root ------------------------------------------------------------------------
 
     def _root_broadcast(
-        self, views: list[memoryview], nbytes: int, seq: int, deadline: float, limit: float
+        self, views: list[wire.ByteView], nbytes: int, seq: int, deadline: float, limit: float
     ) -> None:
         payload = [memoryview(wire.frame(wire.TAG_BROADCAST, seq, nbytes)), *views]
         batch = _Batch({link.rank for link in self._links})
@@ -283,7 +283,7 @@ class TCPCommunicator(LinkGroup):
     def _send_job(
         self,
         link: PeerLink,
-        payload: list[memoryview],
+        payload: list[wire.ByteView],
         deadline: float,
         batch: _Batch,
         seq: int,
@@ -417,7 +417,7 @@ class TCPCommunicator(LinkGroup):
     # -- receiver --------------------------------------------------------------------
 
     def _recv_broadcast(
-        self, views: list[memoryview], nbytes: int, seq: int, deadline: float, limit: float
+        self, views: list[wire.ByteView], nbytes: int, seq: int, deadline: float, limit: float
     ) -> None:
         link = self._links[0]
         length = self._expect(

@@ -54,10 +54,15 @@ class LinkGroup:
         self._teardown("closed")
 
     def _send(
-        self, link: PeerLink, chunks: Sequence[bytes | memoryview], deadline: float, what: str
+        self,
+        link: PeerLink,
+        chunks: Sequence[bytes | wire.ByteView],
+        deadline: float,
+        what: str,
     ) -> None:
+        views = [memoryview(c) if isinstance(c, bytes) else c for c in chunks]
         try:
-            wire.send_all(link.sock, [memoryview(c) for c in chunks], deadline, [0])
+            wire.send_all(link.sock, views, deadline, [0])
         except wire.WireShort as short:
             raise self._short(
                 link, short, f"TCP {what}: sending to {link} timed out", f"during {what}"

@@ -138,8 +138,16 @@ class WireShort(WeightwireError):
         self.cause = cause
 
 
-def byte_view(obj: object, *, writable: bool) -> memoryview:
-    """A flat ``uint8`` memoryview of a host buffer, without copying.
+ByteView = memoryview | np.ndarray
+"""A flat ``uint8`` host buffer: what ``sendmsg`` / ``recv_into`` take, ``len`` its bytes,
+a slice the rest of it."""
+
+
+def byte_view(obj: object, *, writable: bool) -> ByteView:
+    """A flat ``uint8`` view of a host buffer, without copying: a numpy array's own
+    ``uint8`` view (the socket calls take it as it is: no memoryview, whose two
+    GC-tracked objects per tensor a delta round's hundreds of wire tensors made objects
+    its young collections promoted towards a full one, #49), else a ``memoryview``.
 
     Refuses non-contiguous or (for receiving) read-only buffers instead of silently
     sending from / receiving into a temporary copy.
@@ -149,8 +157,10 @@ def byte_view(obj: object, *, writable: bool) -> memoryview:
             raise ValueError(
                 f"buffer must be C-contiguous, got a strided array of shape {obj.shape}"
             )
+        if writable and not obj.flags.writeable:
+            raise ValueError("receive buffer is read-only (ndarray); pass a writable array")
         # via uint8: memoryview cannot export ml_dtypes (bfloat16, float8) formats
-        obj = obj.reshape(-1).view(np.uint8)
+        return obj.reshape(-1).view(np.uint8)
     try:
         view = memoryview(obj)  # type: ignore[arg-type]
     except TypeError:
@@ -168,14 +178,14 @@ def byte_view(obj: object, *, writable: bool) -> memoryview:
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
-def byte_views(buffer: object, *, writable: bool) -> list[memoryview]:
+def byte_views(buffer: object, *, writable: bool) -> list[ByteView]:
     """One logical buffer as its list of parts (a single buffer is a list of one)."""
     parts = buffer if isinstance(buffer, (list, tuple)) else [buffer]
     return [byte_view(part, writable=writable) for part in parts]
 
 
 def send_all(
-    sock: socket.socket, views: Sequence[memoryview], deadline: float, progress: list[int]
+    sock: socket.socket, views: Sequence[ByteView], deadline: float, progress: list[int]
 ) -> None:
     """Send ``views`` back to back by ``deadline`` (``time.monotonic``), zero-copy.
 
@@ -189,7 +199,8 @@ def send_all(
             raise WireShort(progress[0], timed_out=True)
         try:
             sock.settimeout(remaining)
-            sent = sock.sendmsg(pending[:_IOV_BATCH], (), _SEND_FLAGS)
+            # numpy arrays export the buffer protocol; their stubs do not say so
+            sent = sock.sendmsg(pending[:_IOV_BATCH], (), _SEND_FLAGS)  # type: ignore[arg-type]
         except TimeoutError:
             raise WireShort(progress[0], timed_out=True) from None
         except OSError as exc:
@@ -206,7 +217,7 @@ def send_all(
 
 
 def recv_into(
-    sock: socket.socket, view: memoryview, deadline: float, progress: list[int] | None = None
+    sock: socket.socket, view: ByteView, deadline: float, progress: list[int] | None = None
 ) -> None:
     """Fill ``view`` exactly by ``deadline``; EOF, reset or timeout raise ``WireShort``."""
     total = len(view)
@@ -218,7 +229,7 @@ def recv_into(
             raise WireShort(base + got, timed_out=True)
         try:
             sock.settimeout(remaining)
-            n = sock.recv_into(view[got:], total - got)
+            n = sock.recv_into(view[got:], total - got)  # type: ignore[arg-type]
         except TimeoutError:
             raise WireShort(base + got, timed_out=True) from None
         except OSError as exc:

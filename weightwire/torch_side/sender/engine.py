@@ -37,6 +37,30 @@ from weightwire.trainer.framework import refuse_other_framework
 from weightwire.trainer.slice_plan import Holdings
 from weightwire.trainer.snapshot import Snapshot
 
+_NUMPY_NATIVE = frozenset(
+    (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    + (torch.float16, torch.float32, torch.float64)
+)
+"""Dtypes ``Tensor.numpy()`` takes as they are (no bfloat16 nor float8 in numpy)."""
+
+
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A flat ``uint8`` array of a tensor's C-order bytes on the host: a contiguous CPU
+    tensor of a dtype numpy has is read through its own ``numpy()`` (the array holds the
+    tensor itself), where ``tensor_bytes`` makes a ``uint8`` tensor view the array holds:
+    one more GC-tracked object per tensor while its chunk is sent, hundreds in a delta
+    round, which its young collections promoted towards a full one (#49)."""
+    if (
+        tensor.device.type == "cpu"
+        and tensor.dtype in _NUMPY_NATIVE
+        and tensor.is_contiguous()
+        and not tensor.requires_grad
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    ):
+        return tensor.numpy().reshape(-1).view(np.uint8)
+    return tensor_bytes(tensor).cpu().numpy()
+
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of a tensor's C-order bytes (a copy only if non-contiguous)."""
@@ -91,7 +115,7 @@ class TorchTrainerEngine(TrainerEngine):
         return wire_name(tensor.dtype), tuple(tensor.shape)
 
     def host_bytes(self, tensor: Any) -> np.ndarray:
-        return tensor_bytes(tensor).cpu().numpy()
+        return host_array(tensor)
 
     def process_rank(self) -> int:
         dist = torch.distributed

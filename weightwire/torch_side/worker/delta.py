@@ -102,10 +102,16 @@ def check_indices(patches: Sequence[StagedPatch], *, concat: bool | None = None)
         if device.type == "cuda" if concat is None else concat:
             flags.append(_bad_concatenated(group, device))
             continue
+        bad: torch.Tensor | None = None
         for p in group:
             idx = p.index
             low, high = torch.aminmax(idx)
-            flags.append((low < 0) | (high >= p.patch.numel) | (idx[1:] <= idx[:-1]).any())
+            flag = (low < 0) | (high >= p.patch.numel) | (idx[1:] <= idx[:-1]).any()
+            # folded as it goes (no sync): a flag per patch held to the end was hundreds of
+            # objects alive through the round's young collections (#49)
+            bad = flag if bad is None else bad | flag
+        if bad is not None:
+            flags.append(bad)
     if flags and any(bool(f.any()) for f in flags):  # one sync per device's last flag
         for p in patches:
             check_index(p)
@@ -199,8 +205,8 @@ class PatchSplitter:
         for pairs in chunks:
             dense: Pairs = []
             held: Pairs = []
-            for name, tensor in pairs:
-                (held if name in self._by_wire else dense).append((name, tensor))
+            for pair in pairs:  # the pair itself: a new tuple each was objects of the round
+                (held if pair[0] in self._by_wire else dense).append(pair)
             for name, tensor in held:
                 self._parts[name] = tensor.clone() if dense else tensor
             if not dense:

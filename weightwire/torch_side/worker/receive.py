@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
-from typing import NamedTuple
 
 import torch
 
@@ -37,26 +36,24 @@ class _Kind(Enum):
     EMPTY = "empty"  # a fresh empty tensor (zero size)
 
 
-class _Entry(NamedTuple):
-    """One tensor of a chunk, worked out once per metadata. A named tuple: ``unpack``
-    reads every field of every entry on each round's critical path, and a tuple unpacks
-    in one step (attribute reads made a 580-tensor chunk ~40% slower)."""
+_Entry = tuple[str, str, torch.dtype, tuple[int, ...], tuple[int, ...], int, int, int, int]
+"""One tensor of a chunk, worked out once per metadata: ``(name, kind, dtype, shape,
+strides, element, offset, nbytes, copied_at)``: ``kind`` a ``_Kind``'s value, ``element``
+its offset in elements of the dtype's typed view of the buffer (a view's storage offset),
+``offset`` in bytes in the buffer, ``copied_at`` (a copied-out, unaligned tensor) its byte
+offset in the chunk's one copy of them. A plain tuple: ``unpack`` reads every field of
+every entry on each round's critical path, and a tuple unpacks in one step (attribute reads
+made a 580-tensor chunk ~40% slower); of atoms only (no enum member), so the first
+collection that sees it untracks it: a delta round's plan, new each round with an entry per
+wire tensor, is then not promoted towards a full collection by the round's young ones (#49).
+"""
 
-    name: str
-    kind: _Kind
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    element: int
-    """Offset in elements of the dtype's typed view of the buffer (a view's storage offset)."""
-    offset: int
-    """Offset in bytes in the buffer."""
-    nbytes: int
-    copied_at: int = 0
-    """A copied-out (unaligned) tensor: its byte offset in the chunk's one copy of them."""
+_ONE = (1,)
 
 
 def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    if len(shape) == 1:  # a patch's wire tensors: one shared tuple, not one per tensor
+        return _ONE
     strides, step = [], 1
     for dim in reversed(shape):
         strides.append(step)
@@ -99,32 +96,35 @@ class UnpackPlan:
                 kind = _Kind.VIEW
                 typed[dtype] = max(typed.get(dtype, 0), offset + nbytes)  # a multiple of itemsize
             entries.append(
-                _Entry(
+                (
                     meta.name,
-                    kind,
+                    kind.value,
                     dtype,
                     meta.shape,
                     _c_strides(meta.shape),
                     offset // itemsize,
                     offset,
                     nbytes,
+                    0,
                 )
             )
         # The copied-out tensors' places in their one copy: widest itemsize first, so each
         # starts at a multiple of its own itemsize (every size before it is a multiple of it).
+        clone = _Kind.CLONE.value
         copied = sorted(
-            (i for i, e in enumerate(entries) if e.kind is _Kind.CLONE),
-            key=lambda i: -entries[i].dtype.itemsize,
+            (i for i, e in enumerate(entries) if e[1] == clone),
+            key=lambda i: -entries[i][2].itemsize,
         )
         at = 0
         for i in copied:
-            entries[i] = entries[i]._replace(copied_at=at)
-            at += entries[i].nbytes
-        self._copied = tuple((entries[i].offset, entries[i].nbytes) for i in copied)
+            name, kind_, dtype, shape, strides, element, offset, nbytes, _ = entries[i]
+            entries[i] = (name, kind_, dtype, shape, strides, element, offset, nbytes, at)
+            at += nbytes
+        self._copied = tuple((entries[i][6], entries[i][7]) for i in copied)
         """The copied-out tensors' byte ranges in the buffer, in their copy's order."""
         self._entries = tuple(entries)
         self._typed = tuple(typed.items())
-        self.in_place = all(e.kind is not _Kind.CLONE for e in entries)
+        self.in_place = not copied
         """Only views and fresh empties: ``unpack`` runs no device work, so it may run
         before the buffer's bytes landed (``receiving.ChunkedLink.take``)."""
 
@@ -146,12 +146,12 @@ class UnpackPlan:
             copy = torch.cat([buffer[o : o + n] for o, n in self._copied])
         out: list[tuple[str, torch.Tensor]] = []
         append = out.append
-        view_kind, clone_kind = _Kind.VIEW, _Kind.CLONE
+        view_kind, clone_kind = _Kind.VIEW.value, _Kind.CLONE.value
         for name, kind, dtype, shape, strides, element, _, nbytes, at in self._entries:
-            if kind is view_kind:
+            if kind == view_kind:
                 strided, base = views[dtype]
                 append((name, strided(shape, strides, base + element)))
-            elif kind is clone_kind:
+            elif kind == clone_kind:
                 assert copy is not None
                 append((name, copy[at : at + nbytes].view(dtype).view(shape)))
             else:
