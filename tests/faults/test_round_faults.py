@@ -41,6 +41,7 @@ from tests.trainer.overlap_helpers import slot_waiter
 from weightwire.shared.errors import TransferError, WeightSyncError
 from weightwire.shared.timeouts import Timeouts
 from weightwire.trainer import overlap
+from weightwire.trainer.engine import EngineBroken
 from weightwire.trainer.overlap import RoundWaitTimeout
 from weightwire.trainer.snapshot import RoundCancelled
 
@@ -174,7 +175,6 @@ def test_second_trainer_takes_over_an_idle_session(
     shutdown cannot end B's session (it is not posted, and a stale one is refused 409), and
     B carries on without re-init; A's weights stay served until B commits."""
     from weightwire.shared.routes import SESSION_HEADER
-    from weightwire.trainer.engine import EngineBroken
 
     url = shared_server.url
     a_client = client_for(url)
@@ -393,7 +393,9 @@ def test_a_trainer_failing_mid_round_raises_once_its_servers_ended_the_round(
 # ----------------------------------------------------------------------------- shutdown
 def test_shutdown_during_a_round(shared_server: Server, probe: Probe, source: TensorSource) -> None:
     """Shutdown is refused while a round is open or receiving; the round then completes.
-    A trainer that closes its own engine mid-round fails fast and the server keeps its weights."""
+    A trainer that closes its own engine from another thread mid-round stops that round: its
+    ``send_weights`` fails fast with ``EngineBroken`` naming the shutdown, shutdown returns
+    once it ended, and the server keeps its weights."""
     url = shared_server.url
     engine = engine_for(url, source, timeouts=SLOW_RECEIVE)
     answers: list[httpx.Response] = []
@@ -436,13 +438,19 @@ def test_shutdown_during_a_round(shared_server: Server, probe: Probe, source: Te
         source.perturb(12)
         with (
             elapsed() as t,
-            pytest.raises((TransferError, RuntimeError), match=r"closed|shut down") as info,
+            pytest.raises(
+                EngineBroken, match=r"send_weights was stopped: shutdown\(\) was called"
+            ) as info,
         ):
             engine.send_weights("s3")
         observe(trainer=info.value, trainer_s=t[0])
         assert t[0] < GRACE_S
-        closer[0].join(FAULT_TIMEOUTS.http_s)
+        assert isinstance(info.value.__cause__, (TransferError, WeightSyncError))
+        assert "uncommitted" in str(info.value) and "trainer_init()" in str(info.value)
+        closer[0].join(GRACE_S)  # shutdown waited for the stopped round, and no longer
         assert not closer[0].is_alive(), "engine.shutdown() hung while a round was in flight"
+        with pytest.raises(EngineBroken, match="was shut down, so it sends nothing more"):
+            engine.send_weights("s4")
         waited = wait_idle(probe, FAULT_TIMEOUTS.transfer_s + GRACE_S)
         observe(server=probe.session()["last_error"], server_s=waited)
         assert_weights(probe, want, "s2")

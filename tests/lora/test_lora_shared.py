@@ -178,3 +178,12 @@ def test_adapter_sync_refuses_a_delta_engine_and_a_bad_alpha(tmp_path: Path) -> 
             AdapterSync(dense, "pol", alpha=alpha, adapter_dir=tmp_path, base_urls=["http://x"])  # type: ignore[arg-type]
     sync = AdapterSync(dense, "pol", alpha=8, adapter_dir=tmp_path, base_urls=["http://x"])  # type: ignore[arg-type]
     assert sync.alpha == 8.0
+
+
+def test_adapter_sync_without_an_engine_is_a_config_error(tmp_path: Path) -> None:
+    """``AdapterSync(None, ...)`` names its engine argument (was: ``AttributeError``)."""
+    from weightwire.trainer.lora import AdapterSync
+
+    for engine in (None, "http://x"):
+        with pytest.raises(ConfigError, match="AdapterSync's engine must be a trainer engine.*"):
+            AdapterSync(engine, "pol", alpha=8.0, adapter_dir=tmp_path)  # type: ignore[arg-type]

@@ -288,6 +288,31 @@ def test_a_flag_given_twice_is_refused_before_anything_is_done() -> None:
         assert r.status_code == 200 and state.session.weight_version == "v", r.text
 
 
+def test_pause_and_sleep_flags_given_twice_are_refused_before_anything_is_done() -> None:
+    """``/pause?mode=`` and ``/sleep?level=`` (and their other flags) given twice are a 422
+    naming the flag, before anything is paused or put to sleep, as the round's flags are (was:
+    the last one held, so ``level=1&level=2`` discarded the weights)."""
+    receiver = Instant()
+    state, http = _serve(receiver)
+    with http:
+        for route, params, flag in (
+            ("/pause", [("mode", "keep"), ("mode", "abort")], "mode"),
+            ("/pause", [("clear_cache", "true"), ("clear_cache", "false")], "clear_cache"),
+            ("/sleep", [("level", "1"), ("level", "2")], "level"),
+            ("/sleep", [("level", "1"), ("mode", "wait"), ("mode", "keep")], "mode"),
+        ):
+            r = http.post(route, params=params)
+            assert r.status_code == 422, (route, r.text)
+            error = r.json()["error"]
+            assert error["param"] == flag and f"{flag} is given 2 times" in error["message"]
+            assert not state.gate.paused and state.sleep.level is None, route
+        assert receiver.ops == []
+        assert http.post("/sleep", params={"level": "1"}).json() == {
+            "status": "sleeping",
+            "level": 1,
+        }
+
+
 def _until(cond: Any, bound_s: float = 10.0) -> None:
     import time
 

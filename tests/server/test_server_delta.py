@@ -13,7 +13,8 @@ from _server_sender import TCPSender, VLLMStyleClient
 from test_server_rounds import assert_serves, checksums, reference, sha  # noqa: F401
 
 from weightwire.shared.delta import FLAT_I32, extract_host
-from weightwire.shared.errors import TransferError
+from weightwire.shared.errors import DELTA_BASE_MISMATCH, TransferError
+from weightwire.shared.routes import REFUSAL_FIELD
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,8 @@ def refused_round(
     with pytest.raises(httpx.HTTPStatusError) as refused:
         sender.send_update(wire, info).result()
     assert refused.value.response.status_code == 409
+    # the refusal named as a field too, for the trainer to read instead of the words
+    assert refused.value.response.json()["error"][REFUSAL_FIELD] == DELTA_BASE_MISMATCH
     return refused.value.response.text
 
 

@@ -305,6 +305,14 @@ def test_query_params_are_validated(http: httpx.Client, clean) -> None:
         422,
         "include_dp must be true or false",
     )
+    # a flag given twice: a 422 naming it, nothing paused or put to sleep (not the last one)
+    for route, flag, values in (("/pause", "mode", ("keep", "abort")), ("/sleep", "level", "12")):
+        err(
+            http.post(route, params=[(flag, v) for v in values]),
+            422,
+            f"query parameter {flag} is given 2 times",
+        )
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
     assert http.get("/is_paused").json() == {"is_paused": False}
 
 

@@ -184,6 +184,36 @@ def test_delta_base_mismatch_is_recognised_across_http() -> None:
     assert not is_delta_base_mismatch(WeightSyncError("update_weights", 500, "boom", "x"))
 
 
+def test_delta_base_mismatch_is_read_from_the_error_field_else_from_the_words() -> None:
+    """The reference server names the refusal in its error body (``routes.REFUSAL_FIELD``):
+    the trainer reads that field, whatever the message says; stock vLLM's body carries only
+    the message (the plugin's words pass through its 500), read as before."""
+    import httpx
+
+    from weightwire.control.client import HTTPWeightSyncClient
+    from weightwire.shared.errors import DELTA_BASE_MISMATCH
+    from weightwire.shared.routes import REFUSAL_FIELD
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        error = {"message": "update_weights failed: replica 0: base differs", "code": 409}
+        return httpx.Response(409, json={"error": {**error, REFUSAL_FIELD: DELTA_BASE_MISMATCH}})
+
+    client = HTTPWeightSyncClient("http://ref:1", transport=httpx.MockTransport(handler))
+    with pytest.raises(WeightSyncError) as refused:
+        client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    assert refused.value.refusal == DELTA_BASE_MISMATCH and refused.value.status == 409
+    assert DELTA_BASE_MISMATCH not in refused.value.message  # the field alone says it
+    assert is_delta_base_mismatch(refused.value)
+    assert pickle.loads(pickle.dumps(refused.value)).refusal == DELTA_BASE_MISMATCH
+    # a field naming another refusal wins over words quoted in the message
+    other = WeightSyncError("update_weights", 409, DELTA_BASE_MISMATCH, "x", refusal="Other")
+    assert not is_delta_base_mismatch(other)
+    stock = WeightSyncError(  # stock vLLM: no field, the worker's words inside its 500
+        "update_weights", 500, f"EngineCore: {DeltaBaseMismatch('s:1', 's:2')}", "http://v"
+    )
+    assert stock.refusal is None and is_delta_base_mismatch(stock)
+
+
 @pytest.mark.parametrize(
     "dtype", [np.float32, ml_dtypes.bfloat16, np.float16, np.int8, np.bool_, np.float64]
 )

@@ -21,7 +21,13 @@ from weightwire.control.request_path import RequestPath
 from weightwire.shared import routes
 from weightwire.shared.checks import check_seconds
 from weightwire.shared.errors import ConfigError, WeightSyncError
-from weightwire.shared.routes import SESSION_HEADER, START_PAUSE_FIELD, Route, server_url
+from weightwire.shared.routes import (
+    REFUSAL_FIELD,
+    SESSION_HEADER,
+    START_PAUSE_FIELD,
+    Route,
+    server_url,
+)
 
 _OWNED = frozenset(r.name for r in (routes.START, routes.UPDATE, routes.FINISH, routes.SHUTDOWN))
 """Routes that carry the session id an init reply returned (``SESSION_HEADER``)."""
@@ -148,6 +154,7 @@ class ServerSet:
                 server_message(response.content, fallback=fallback),
                 server,
                 pause=pause,
+                refusal=server_error_field(response.content, REFUSAL_FIELD),
             )
         if not response.content:
             return None

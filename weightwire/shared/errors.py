@@ -151,10 +151,14 @@ class WeightSyncError(WeightwireError, RuntimeError):
     server's own error text, ``server`` the base URL (or actor) that failed. ``pause``: what a
     refused start that carried the round's pause says became of it, a field of the error
     body beside the message (``routes.START_PAUSE_FIELD``: ``"none"``, ``"undone"`` or
-    ``"held"``); ``None`` where the reply carries none.
+    ``"held"``); ``None`` where the reply carries none. ``refusal``: the worker's refusal
+    named as a field of the error body (``routes.REFUSAL_FIELD``, e.g.
+    ``DELTA_BASE_MISMATCH``), for the trainer to read instead of the message's words;
+    ``None`` where the reply carries none (stock vLLM: only the message).
     """
 
     pause: str | None = None
+    refusal: str | None = None
 
     def __init__(
         self,
@@ -164,12 +168,14 @@ class WeightSyncError(WeightwireError, RuntimeError):
         server: str,
         *,
         pause: str | None = None,
+        refusal: str | None = None,
     ) -> None:
         self.route = route
         self.status = status
         self.message = message
         self.server = server
         self.pause = pause
+        self.refusal = refusal
         where = f"status {status}" if status is not None else "no response"
         super().__init__(f"{route} failed on {server} ({where}): {message}")
 
@@ -178,7 +184,7 @@ class WeightSyncError(WeightwireError, RuntimeError):
         return (
             type(self),
             (self.route, self.status, self.message, self.server),
-            {"pause": self.pause},
+            {"pause": self.pause, "refusal": self.refusal},
         )
 
 
@@ -206,7 +212,10 @@ class RoundError(WeightwireError):
 
 
 DELTA_BASE_MISMATCH = "DeltaBaseMismatch"
-"""How a worker's refusal starts; the marker a trainer looks for in a server's error text."""
+"""How a worker's refusal starts; the value of the reference server's error-body field
+``routes.REFUSAL_FIELD`` for it (``WeightSyncError.refusal``), and the marker a trainer looks
+for in the error text of a server that carries no such field (stock vLLM with the plugin:
+vLLM answers a worker's exception as its own error, with the message only)."""
 
 
 class DeltaBaseMismatch(RoundError, RuntimeError):
@@ -231,15 +240,21 @@ class DeltaBaseMismatch(RoundError, RuntimeError):
 
 
 def is_delta_base_mismatch(exc: BaseException) -> bool:
-    """``exc`` is a worker's ``DeltaBaseMismatch``, raised here or carried in a server's
-    error text (a ``WeightSyncError`` naming it, directly or as the cause of another error)."""
+    """``exc`` is a worker's ``DeltaBaseMismatch``, raised here or carried by a server's
+    error (a ``WeightSyncError``, directly or as the cause of another error): in its body's
+    field (``refusal``, the reference server) or, where the body has none (stock vLLM, whose
+    plugin path passes only the worker's message through), in its words."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, DeltaBaseMismatch):
             return True
-        if isinstance(current, WeightSyncError) and DELTA_BASE_MISMATCH in current.message:
+        if isinstance(current, WeightSyncError) and (
+            current.refusal == DELTA_BASE_MISMATCH
+            if current.refusal is not None
+            else DELTA_BASE_MISMATCH in current.message
+        ):
             return True
         current = current.__cause__ or current.__context__
     return False

@@ -103,6 +103,13 @@ START_PAUSE_FIELD = "pause"
 a pause (``START_PAUSES``) left: ``START_PAUSE_WORDS``. A start that failed once its workers
 started carries none: its pause stays."""
 
+REFUSAL_FIELD = "refusal"
+"""The key, inside the error body's ``"error"`` object, naming what a worker refused as a
+word a trainer reads instead of the message (``errors.DELTA_BASE_MISMATCH``: the round's
+patches were built on a round the worker does not hold, so the trainer resends it dense).
+The reference server sets it; stock vLLM's error bodies carry only the message, whose words
+the trainer reads there (``errors.is_delta_base_mismatch``)."""
+
 START_PAUSE_NONE = "none"
 START_PAUSE_UNDONE = "undone"
 START_PAUSE_HELD = "held"

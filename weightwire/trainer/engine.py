@@ -108,6 +108,7 @@ class TrainerEngine(FrameworkHooks):
         # Held by a send_weights / send_patches call: a second thread's call is refused, not
         # run beside it (two rounds of one session would share its link, versions and base).
         self._calling = threading.Lock()
+        self._caller: int | None = None  # the thread holding _calling (shutdown never waits on it)
         self._multi: MultiSource | None = None  # built with a TrainerGroup
         self._delta: DeltaRounds | None = None
         if init_info.delta != "off" and init_info.is_sender:
@@ -257,9 +258,23 @@ class TrainerEngine(FrameworkHooks):
                 "was sent. An engine runs one round at a time: call it from one thread "
                 "(send_weights(wait=False) runs a round beside the training step)"
             )
+        self._caller = threading.get_ident()
+        closed_before = self._closed
         try:
             yield
+        except Exception as exc:
+            if closed_before or not self._closed:
+                raise
+            # shutdown() from another thread closed the link under this round: say so, not
+            # only the closed link's own words (which read as a network fault).
+            raise EngineBroken(
+                f"{what} was stopped: shutdown() was called (from another thread) while its "
+                f"round ran, and closed this trainer's link ({type(exc).__name__}: {exc}); the "
+                "servers end the round uncommitted and keep the weights they committed before. "
+                "Build a new engine with trainer_init() to send again"
+            ) from exc
         finally:
+            self._caller = None
             self._calling.release()
 
     def _refuse_closed(self) -> None:
@@ -425,6 +440,12 @@ class TrainerEngine(FrameworkHooks):
         and raises ``RoundWaitTimeout`` after the teardown, saying what the servers hold and
         whether their session for this trainer was shut down.
 
+        A ``send_weights`` / ``send_patches`` another thread is running is stopped, not
+        waited for (only overlapped rounds are drained): the link closes under it, the servers
+        end its round uncommitted (a round whose finish was already sent commits whole), and
+        that call raises ``EngineBroken`` naming the shutdown; shutdown returns once that call
+        has ended (at most ``Timeouts.http_s`` later).
+
         The server call runs concurrently with the local close: neither side's
         teardown may wait on the other's. A displaced trainer (its link closed by the
         server) does not post: the server's engine belongs to another trainer now.
@@ -436,6 +457,7 @@ class TrainerEngine(FrameworkHooks):
         told = False
         try:
             told = close_wire(self.session, displaced=self._displaced())
+            self._await_caller()
         except BaseException as exc:
             if unseen is not None:  # raised over it: what became of the rounds still shows
                 exc.add_note(f"before this: {type(unseen).__name__}: {unseen}")
@@ -445,6 +467,23 @@ class TrainerEngine(FrameworkHooks):
                 if isinstance(unseen, RoundWaitTimeout):
                     unseen.add_note(_session_after(told))
                 raise unseen
+
+    def _await_caller(self) -> None:
+        """A ``send_weights`` / ``send_patches`` of another thread, stopped by the closed link:
+        wait (bounded) until it has failed, so nothing of this engine runs once shutdown
+        returned. Not from that call's own thread (a hook of its source), which would wait
+        on itself."""
+        if self._caller is None or self._caller == threading.get_ident():
+            return
+        bound = self.info.timeouts.http_s
+        if self._calling.acquire(timeout=bound):
+            self._calling.release()
+        else:
+            logger.warning(
+                "shutdown: the round another thread is running did not end within %s s of "
+                "its link closing; returning without it",
+                bound,
+            )
 
     def __enter__(self) -> Self:
         return self

@@ -35,6 +35,7 @@ from weightwire.shared.lora import (
     write_adapter_dir,
 )
 from weightwire.shared.meta import ParamMeta
+from weightwire.trainer.config import TrainerInitInfo
 from weightwire.trainer.engine import TrainerEngine
 from weightwire.trainer.metrics import RoundMetrics
 
@@ -66,6 +67,11 @@ class AdapterSync:
         api_key: str | None = None,
         timeout_s: float = 120.0,
     ) -> None:
+        if not isinstance(getattr(engine, "info", None), TrainerInitInfo):
+            raise ConfigError(
+                f"AdapterSync's engine must be a trainer engine (the adapter's own, from "
+                f"trainer_init), got {type(engine).__name__}"
+            )
         delta = engine.info.delta
         if delta != "off":
             # A delta round would patch the adapter's tensors by name, which the workers'

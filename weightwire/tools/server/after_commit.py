@@ -47,7 +47,7 @@ from fastapi import Request
 
 from weightwire.shared.routes import PAUSE_MODES
 from weightwire.tools.server.state import ServerState
-from weightwire.tools.server.web import ApiError
+from weightwire.tools.server.web import ApiError, query_once
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -56,20 +56,6 @@ _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 class AfterCommit:
     reset_caches: bool = False
     resume: bool = False
-
-
-def query_once(request: Request, name: str) -> str | None:
-    """Query parameter ``name``'s value (None: absent); 422 when it is given more than once,
-    since which one holds would be a guess (Starlette keeps the last: ``finish=true&finish=
-    false`` was a plain update, ``pause=abort&pause=keep`` a keep)."""
-    given = request.query_params.getlist(name)
-    if len(given) > 1:
-        raise ApiError(
-            422,
-            f"query parameter {name} is given {len(given)} times ({given[:4]!r:.80}); give it once",
-            param=name,
-        )
-    return given[0] if given else None
 
 
 def after_commit_query(request: Request) -> AfterCommit:

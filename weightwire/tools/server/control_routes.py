@@ -15,7 +15,13 @@ from fastapi.responses import JSONResponse
 from weightwire.shared.routes import ROUTES
 from weightwire.tools.server.replicas import FanOutError
 from weightwire.tools.server.state import SERVER_VERSION, ServerState
-from weightwire.tools.server.web import ApiError, error_response, read_no_body, read_object
+from weightwire.tools.server.web import (
+    ApiError,
+    error_response,
+    query_once,
+    read_no_body,
+    read_object,
+)
 
 _CANCEL_TIMEOUT_S = 30.0
 
@@ -33,7 +39,8 @@ def _pause_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(ROUTES["pause"].path)
     async def pause(request: Request) -> dict[str, Any]:
         await read_no_body(request)
-        mode = request.query_params.get("mode", "abort")
+        mode = query_once(request, "mode")
+        mode = "abort" if mode is None else mode
         _bool_query(request, "clear_cache", default=True)  # no KV cache outlives a request here
         await pause_generation(state, mode)
         return {"status": "paused"}
@@ -145,7 +152,7 @@ _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def _bool_query(request: Request, name: str, *, default: bool) -> bool:
-    raw = request.query_params.get(name)
+    raw = query_once(request, name)
     if raw is None:
         return default
     if raw.lower() in _TRUE:

@@ -3,7 +3,12 @@ kind (``replica.KIND_STATUS``) that decides the HTTP status the API answers with
 
 from __future__ import annotations
 
-from weightwire.shared.errors import ReferenceServerError, TransferError, TransferTimeout
+from weightwire.shared.errors import (
+    DeltaBaseMismatch,
+    ReferenceServerError,
+    TransferError,
+    TransferTimeout,
+)
 from weightwire.tools.server.sleep import SleepCancelled, WeightsUnavailable
 
 
@@ -26,6 +31,8 @@ def classify(exc: BaseException) -> str:
 
     if isinstance(exc, GenerationAborted):
         return "aborted"
+    if isinstance(exc, DeltaBaseMismatch):
+        return "delta_base"
     if isinstance(exc, NonFiniteOutput):
         return "model"
     if isinstance(exc, WeightsUnavailable):

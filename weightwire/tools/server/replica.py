@@ -47,6 +47,7 @@ _REPLY_ID = re.compile(rb'^\{"id":(\d+),')
 KIND_STATUS = {
     "invalid": 400,
     "conflict": 409,
+    "delta_base": 409,  # errors.DeltaBaseMismatch: the reply names it (routes.REFUSAL_FIELD)
     "transfer": 502,
     "timeout": 504,
     "internal": 500,

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from weightwire.shared.routes import PAUSE_MODES, SLEEP_LEVELS, WAKE_TAGS
 from weightwire.tools.server.replicas import FanOutError
 from weightwire.tools.server.state import ServerState
-from weightwire.tools.server.web import ApiError, read_no_body
+from weightwire.tools.server.web import ApiError, query_once, read_no_body
 
 _VERDICT_GRACE_S = 10.0
 """How much longer than its own ``timeout_s`` the API waits for a worker's sleep verdict."""
@@ -94,10 +94,8 @@ def install_sleep_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/sleep")
     async def sleep(request: Request) -> dict[str, Any]:
         await read_no_body(request)
-        raw, mode = (
-            request.query_params.get("level", "1"),
-            request.query_params.get("mode", "abort"),
-        )
+        raw, mode = query_once(request, "level"), query_once(request, "mode")
+        raw, mode = ("1" if raw is None else raw), ("abort" if mode is None else mode)
         if raw not in {str(x) for x in SLEEP_LEVELS}:
             raise ApiError(
                 422, f"level must be one of {list(SLEEP_LEVELS)}, got {raw[:20]!r}", param="level"

@@ -172,6 +172,21 @@ async def read_object(
     return body
 
 
+def query_once(request: Request, name: str) -> str | None:
+    """Query parameter ``name``'s value (None: absent); 422 when it is given more than once,
+    since which one holds would be a guess (Starlette keeps the last: ``finish=true&finish=
+    false`` was a plain update, ``pause=abort&pause=keep`` a keep, ``/sleep?level=1&level=2``
+    a level 2 that discards the weights)."""
+    given = request.query_params.getlist(name)
+    if len(given) > 1:
+        raise ApiError(
+            422,
+            f"query parameter {name} is given {len(given)} times ({given[:4]!r:.80}); give it once",
+            param=name,
+        )
+    return given[0] if given else None
+
+
 async def read_no_body(request: Request) -> None:
     """Routes that take no body accept nothing, ``null`` or ``{}``."""
     await read_object(request, allowed=())

@@ -13,8 +13,9 @@ from typing import Any
 from fastapi import Request
 
 from weightwire import backends
+from weightwire.shared.errors import DELTA_BASE_MISMATCH
 from weightwire.shared.limits import LIMITS
-from weightwire.shared.routes import ROUTES, SESSION_HEADER
+from weightwire.shared.routes import REFUSAL_FIELD, ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.tools.server.replicas import FanOutError, ReplicaPool
@@ -174,7 +175,10 @@ def _fail(state: ServerState, what: str, exc: FanOutError) -> ApiError:
             "now differ (compare with /weight_checker); start a new session (a weightwire "
             "trainer: engine.shutdown(), then trainer_init() again) and resend"
         )
-    return ApiError(exc.status, f"{what} failed: {exc}{tail}")
+    error = ApiError(exc.status, f"{what} failed: {exc}{tail}")
+    if any(e.kind == "delta_base" for e in exc.errors):  # the trainer resends the round dense
+        error.fields[REFUSAL_FIELD] = DELTA_BASE_MISMATCH
+    return error
 
 
 async def fan_out_or_raise(pool: ReplicaPool, op: str, timeout: float) -> Any:
