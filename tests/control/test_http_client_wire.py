@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -187,6 +188,21 @@ def test_a_closed_client_refuses_like_httpx(server: WireServer) -> None:
         client.start_weight_update()
 
 
+def _until_idle_sockets_show_the_close(client: HTTPWeightSyncClient) -> None:
+    import time
+
+    from weightwire.control.request_path import _readable
+
+    transport: Any = client._paths[0].transport
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with transport._lock:
+            idle = [sock for _, sock in transport._idle]
+        if all(_readable(sock) for sock in idle):
+            return
+        time.sleep(0.001)
+
+
 def test_kept_alive_connections_are_reused_only_while_the_server_keeps_them(
     server: WireServer,
 ) -> None:
@@ -200,8 +216,12 @@ def test_kept_alive_connections_are_reused_only_while_the_server_keeps_them(
     server.close_after_reply = True  # the server now closes every connection after its reply
     for closed in range(3):
         # The server's close has landed before the next request (as an idle-timeout close
-        # would): waited for, not slept for, so a busy host cannot reorder it.
+        # would): waited for, not slept for, so a busy host cannot reorder it; on a loaded
+        # host the kernel may deliver the close's FIN a moment after close() returned, so
+        # the wait ends once the client's idle socket shows it.
         server.wait_server_closes(closed)
+        if closed:
+            _until_idle_sockets_show_the_close(client)
         client.start_weight_update()  # never sent on a closed one: a closed idle socket is dropped
     server.wait_server_closes(3)
     server.close_after_reply = False
