@@ -944,3 +944,71 @@ def test_one_server_of_two_workers_writes_at_the_go_only_once_both_went() -> Non
     assert order == ["worker 1 goes", "begun"]
     assert out.wrote_early.is_set()  # both gos came from inside the start: accepted at them
     assert [e[0] for e in log].count("copy") == 6  # three tensors into each worker
+
+
+def _empty_round_worker(ch: Channel, answered: threading.Event, started: threading.Event) -> None:
+    """A worker of a round of empty tensors with release-after-round, as the real one is:
+    no byte, so no table, go or want; its update (and so its server's request) returns
+    only once the trainer said it closed its mappings (``unmapped``)."""
+    if not started.wait(10):
+        return
+    try:
+        ch.expect("unmapped", deadline=time.monotonic() + 1.0, what="the trainer's unmapped")
+    except TransferError:
+        return
+    answered.set()
+
+
+@pytest.mark.parametrize("one_request", [False, True], ids=["two_calls", "one_request"])
+def test_a_round_of_empty_tensors_never_hears_its_workers_so_it_keeps_its_start_as_a_call(
+    one_request: bool,
+) -> None:
+    """A round with no byte to write (every tensor empty): the data path reads no worker's
+    word (none is sent), so ``heard`` is never told. With its start a call of its own
+    (``trainer.round.writes_a_byte``) ``begin`` returns at the start's answer, ``unmapped``
+    goes and the round ends at once; in one request ``begin`` would wait for the request,
+    which waits for that ``unmapped``: it ends only at a bound (here 0.5 s)."""
+    metas = [ParamMeta("e", "float32", (0,)), ParamMeta("f", "bfloat16", (0, 4))]
+    fake = PullCupy([])
+    slots = IPCSlots(fake, 0, 100, 2)
+    slots.free_memory()
+    a, b = socket.socketpair()
+    comm = IPCSenderComm(
+        fake, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], True, "write_through"
+    )
+    pipe = IPCWriteThroughPipeline(comm, FakePacker(), timeout=5.0)
+    started, answered, heard = threading.Event(), threading.Event(), threading.Event()
+    worker = threading.Thread(
+        target=_empty_round_worker, args=(Channel(b, "trainer"), answered, started), daemon=True
+    )
+    worker.start()
+
+    def begin() -> None:
+        started.set()  # the start (or the one request) reached the worker
+        if one_request and not answered.wait(0.5):  # Transfer._begin_one: its http_s bound
+            raise TimeoutError("update_weights (it carries the round's start) did not answer")
+
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    out = Outgoing(
+        [(c, [(1_000_000, 0)] * (c.stop - c.start)) for c in chunks],
+        threading.Event(),
+        begin=begin,
+        metas=metas,
+        go_accepts=one_request,
+        one_request=one_request,
+        heard=heard.set if one_request else None,
+    )
+    t0 = time.monotonic()
+    try:
+        if one_request:
+            with pytest.raises(TimeoutError, match="did not answer"):
+                pipe.send(out)
+            assert time.monotonic() - t0 >= 0.5 and not heard.is_set()
+        else:
+            assert pipe.send(out) == (0, len(chunks))
+            worker.join(5)
+            assert answered.is_set() and time.monotonic() - t0 < 0.5
+    finally:
+        started.set()
+        worker.join(5)
+        pipe.close()
