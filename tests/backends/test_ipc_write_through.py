@@ -953,7 +953,7 @@ def _empty_round_worker(ch: Channel, answered: threading.Event, started: threadi
     if not started.wait(10):
         return
     try:
-        ch.expect("unmapped", deadline=time.monotonic() + 1.0, what="the trainer's unmapped")
+        ch.expect("unmapped", deadline=time.monotonic() + 5.0, what="the trainer's unmapped")
     except TransferError:
         return
     answered.set()
@@ -963,11 +963,15 @@ def _empty_round_worker(ch: Channel, answered: threading.Event, started: threadi
 def test_a_round_of_empty_tensors_never_hears_its_workers_so_it_keeps_its_start_as_a_call(
     one_request: bool,
 ) -> None:
-    """A round with no byte to write (every tensor empty): the data path reads no worker's
-    word (none is sent), so ``heard`` is never told. With its start a call of its own
-    (``trainer.round.writes_a_byte``) ``begin`` returns at the start's answer, ``unmapped``
-    goes and the round ends at once; in one request ``begin`` would wait for the request,
-    which waits for that ``unmapped``: it ends only at a bound (here 0.5 s)."""
+    """A round with no byte to write (every tensor empty), release-after-round: the data path
+    reads no worker's word (none is sent), so ``heard`` is never told. With its start a call
+    of its own (what ``trainer.round.writes_a_byte`` picks) ``begin`` returns at the start's
+    answer, ``unmapped`` goes and the round ends at once; in one request ``begin`` waits for
+    the request, which waits for that ``unmapped``: the round fails on ``http_s``."""
+    from weightwire.shared.errors import ControlTimeout
+    from weightwire.trainer.metrics import PhaseClock
+    from weightwire.trainer.transfer import Transfer
+
     metas = [ParamMeta("e", "float32", (0,)), ParamMeta("f", "bfloat16", (0, 4))]
     fake = PullCupy([])
     slots = IPCSlots(fake, 0, 100, 2)
@@ -977,38 +981,40 @@ def test_a_round_of_empty_tensors_never_hears_its_workers_so_it_keeps_its_start_
         fake, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], True, "write_through"
     )
     pipe = IPCWriteThroughPipeline(comm, FakePacker(), timeout=5.0)
-    started, answered, heard = threading.Event(), threading.Event(), threading.Event()
+    started, answered = threading.Event(), threading.Event()
     worker = threading.Thread(
         target=_empty_round_worker, args=(Channel(b, "trainer"), answered, started), daemon=True
     )
     worker.start()
 
-    def begin() -> None:
-        started.set()  # the start (or the one request) reached the worker
-        if one_request and not answered.wait(0.5):  # Transfer._begin_one: its http_s bound
-            raise TimeoutError("update_weights (it carries the round's start) did not answer")
-
-    chunks = plan(metas, packed=True, buffer_size_bytes=100)
-    out = Outgoing(
-        [(c, [(1_000_000, 0)] * (c.stop - c.start)) for c in chunks],
-        threading.Event(),
-        begin=begin,
-        metas=metas,
-        go_accepts=one_request,
-        one_request=one_request,
-        heard=heard.set if one_request else None,
-    )
-    t0 = time.monotonic()
-    try:
-        if one_request:
-            with pytest.raises(TimeoutError, match="did not answer"):
-                pipe.send(out)
-            assert time.monotonic() - t0 >= 0.5 and not heard.is_set()
-        else:
-            assert pipe.send(out) == (0, len(chunks))
-            worker.join(5)
-            assert answered.is_set() and time.monotonic() - t0 < 0.5
-    finally:
+    def request() -> None:  # the update (with the start in one request): the worker's answer
         started.set()
-        worker.join(5)
+        if not answered.wait(10.0):
+            raise TimeoutError("the worker never answered")
+
+    step = Transfer(
+        comm,
+        pipe,
+        post_update=request,
+        control=started.set,  # two calls: the start reached the worker and answered
+        clock=PhaseClock(),
+        http_s=0.2,
+        finishes=True,
+        one_request=one_request,
+    )
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    prepared = [(c, [(1_000_000, 0)] * (c.stop - c.start)) for c in chunks]
+    try:
+        t0 = time.monotonic()
+        if one_request:
+            with pytest.raises(ControlTimeout, match="neither answered nor let the workers"):
+                step.run(prepared, metas)
+            assert not answered.is_set() and step.broken is not None
+        else:
+            assert step.run(prepared, metas) == (0, len(chunks))
+            assert answered.is_set() and time.monotonic() - t0 < 1.0 and step.broken is None
+    finally:
+        answered.set()
+        started.set()
+        worker.join(10)
         pipe.close()
