@@ -944,3 +944,77 @@ def test_one_server_of_two_workers_writes_at_the_go_only_once_both_went() -> Non
     assert order == ["worker 1 goes", "begun"]
     assert out.wrote_early.is_set()  # both gos came from inside the start: accepted at them
     assert [e[0] for e in log].count("copy") == 6  # three tensors into each worker
+
+
+def _empty_round_worker(ch: Channel, answered: threading.Event, started: threading.Event) -> None:
+    """A worker of a round of empty tensors with release-after-round, as the real one is:
+    no byte, so no table, go or want; its update (and so its server's request) returns
+    only once the trainer said it closed its mappings (``unmapped``)."""
+    if not started.wait(10):
+        return
+    try:
+        ch.expect("unmapped", deadline=time.monotonic() + 5.0, what="the trainer's unmapped")
+    except TransferError:
+        return
+    answered.set()
+
+
+@pytest.mark.parametrize("one_request", [False, True], ids=["two_calls", "one_request"])
+def test_a_round_of_empty_tensors_never_hears_its_workers_so_it_keeps_its_start_as_a_call(
+    one_request: bool,
+) -> None:
+    """A round with no byte to write (every tensor empty), release-after-round: the data path
+    reads no worker's word (none is sent), so ``heard`` is never told. With its start a call
+    of its own (what ``trainer.round.writes_a_byte`` picks) ``begin`` returns at the start's
+    answer, ``unmapped`` goes and the round ends at once; in one request ``begin`` waits for
+    the request, which waits for that ``unmapped``: the round fails on ``http_s``."""
+    from weightwire.shared.errors import ControlTimeout
+    from weightwire.trainer.metrics import PhaseClock
+    from weightwire.trainer.transfer import Transfer
+
+    metas = [ParamMeta("e", "float32", (0,)), ParamMeta("f", "bfloat16", (0, 4))]
+    fake = PullCupy([])
+    slots = IPCSlots(fake, 0, 100, 2)
+    slots.free_memory()
+    a, b = socket.socketpair()
+    comm = IPCSenderComm(
+        fake, slots, [Channel(a, "IPC worker rank 1")], [[11, 12]], [""], True, "write_through"
+    )
+    pipe = IPCWriteThroughPipeline(comm, FakePacker(), timeout=5.0)
+    started, answered = threading.Event(), threading.Event()
+    worker = threading.Thread(
+        target=_empty_round_worker, args=(Channel(b, "trainer"), answered, started), daemon=True
+    )
+    worker.start()
+
+    def request() -> None:  # the update (with the start in one request): the worker's answer
+        started.set()
+        if not answered.wait(10.0):
+            raise TimeoutError("the worker never answered")
+
+    step = Transfer(
+        comm,
+        pipe,
+        post_update=request,
+        control=started.set,  # two calls: the start reached the worker and answered
+        clock=PhaseClock(),
+        http_s=0.2,
+        finishes=True,
+        one_request=one_request,
+    )
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    prepared = [(c, [(1_000_000, 0)] * (c.stop - c.start)) for c in chunks]
+    try:
+        t0 = time.monotonic()
+        if one_request:
+            with pytest.raises(ControlTimeout, match="neither answered nor let the workers"):
+                step.run(prepared, metas)
+            assert not answered.is_set() and step.broken is not None
+        else:
+            assert step.run(prepared, metas) == (0, len(chunks))
+            assert answered.is_set() and time.monotonic() - t0 < 1.0 and step.broken is None
+    finally:
+        answered.set()
+        started.set()
+        worker.join(10)
+        pipe.close()

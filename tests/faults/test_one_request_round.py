@@ -17,12 +17,14 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.faults.harness import (
+    FAULT_TIMEOUTS,
     GRACE_S,
     Probe,
     TensorSource,
@@ -330,6 +332,34 @@ def test_a_delta_round_goes_in_one_request(
         assert delta.nbytes < delta.dense_bytes // 100  # patches only
         assert client.sent == [_one()] and delta.http_calls == 1
         assert_weights(probe, want, "patched")
+    finally:
+        quiet_shutdown(engine)
+
+
+@pytest.mark.slow  # ~4 s: two rounds of the 64 MB model's delta extraction on the CPU
+def test_a_delta_round_with_no_changed_element_goes_in_one_request_and_commits_at_once(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """``send_weights`` twice with no training step between (``delta="auto"``): nothing
+    changed, yet the round still carries a patch (its workers check its base), so it has bytes
+    to write and its data path hears the workers at its first chunk (``weightwire_ipc``
+    written through); it is one request and commits well inside ``http_s``."""
+    client = _recording(shared_server.url)
+    timeouts = replace(FAULT_TIMEOUTS, http_s=6.0)
+    engine = engine_for(
+        shared_server.url, source, client=client, delta="auto", timeouts=timeouts, **IN_PLACE
+    )
+    wire = hearing(engine, shared_server.url)
+    try:
+        want = _sparse(source, 41)
+        engine.send_weights("base")  # dense: the base
+        client.sent.clear()
+        with elapsed() as took:
+            same = engine.send_weights("unchanged")
+        assert 0 < same.nbytes < 1024  # a patch of no change: bytes all the same
+        assert client.sent == [_one()] and same.http_calls == 1 and wire.rounds[-1] is True
+        assert took[0] < timeouts.http_s / 2
+        assert_weights(probe, want, "unchanged")
     finally:
         quiet_shutdown(engine)
 

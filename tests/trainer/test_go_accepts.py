@@ -297,3 +297,77 @@ def test_the_trainers_own_failure_with_the_request_out_closes_the_link() -> None
     finally:
         answer.set()
     assert step.broken is got.value and comm.aborted >= 1
+
+
+class _Offers:
+    """The reference server's client, one URL: its start pauses first and rides on the update
+    (``routes.START_PAUSES``, ``routes.UPDATE_STARTS``)."""
+
+    base_urls = ["http://a:1"]
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def starts_with_pause(self) -> bool:
+        return True
+
+    def updates_with_start(self) -> bool:
+        return True
+
+    def pause_and_start(self, mode: str) -> None:
+        self.started.append(mode)
+
+
+class _Finish:
+    def __init__(self) -> None:
+        self.start_in: list[str] = []
+
+    def start_in_update(self, mode: str) -> None:
+        self.start_in.append(mode)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "one"),
+    [
+        ([(0,), (0, 4)], False),  # every tensor empty: no byte, so no worker's word is heard
+        ([], False),  # no tensor at all
+        ([(0,), (2, 4)], True),
+    ],
+    ids=["empty_tensors", "no_tensors", "one_byte_or_more"],
+)
+def test_a_round_with_no_byte_to_write_keeps_its_start_as_a_call_of_its_own(
+    shapes: list[tuple[int, ...]], one: bool
+) -> None:
+    """The data path hears its workers' word at its first chunk with bytes; a round of one
+    request with none would wait for the request, which waits for the trainer
+    (``test_ipc_write_through``: ``..._never_hears_its_workers_...``). Such a round keeps its
+    start (with its pause) as a call of its own, its finish still on the update."""
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
+    from weightwire.trainer.caps import ClientCaps
+    from weightwire.trainer.round import _Servers, send_early
+
+    client = _Offers()
+    metas = tuple(ParamMeta(f"t{i}", "float32", shape) for i, shape in enumerate(shapes))
+    session = types.SimpleNamespace(
+        client=client,
+        caps=ClientCaps.of(client),
+        sender=Hearing(hear=True),
+        verifier=None,
+        slicing=None,
+        info=types.SimpleNamespace(timeouts=types.SimpleNamespace(http_s=5.0)),
+    )
+    turns = (Turn(0, 0, metas),) if metas else ()
+    r = types.SimpleNamespace(
+        early_pause=True, draft=False, plan=BroadcastPlan((0,), turns), wire=None
+    )
+    pause = types.SimpleNamespace(mode="abort", guard=False)
+    finish, servers = _Finish(), _Servers()
+    early = send_early(session, r, pause, finish, servers)  # type: ignore[arg-type]
+    assert servers.one_request is one
+    assert finish.start_in == (["abort"] if one else [])
+    assert (early is None) is one
+    if early is not None:  # two calls: the start, with its pause, goes ahead of the update
+        early.release(bound_s=10.0)
+        early.wait()
+        assert client.started == ["abort"]

@@ -177,7 +177,8 @@ def one_request(client: Any, caps: ClientCaps, sender: Any, finish: Any) -> bool
     worker's own word from inside the round (``RoundSender.hears_workers``: ``weightwire_ipc``
     written through): a refused start then finds nothing written, as a refused start of its
     own would. Asked only where the start would carry the pause (``starts_with_pause``, one
-    server: where the workers' go accepts the round, ``go_accepts``)."""
+    server: where the workers' go accepts the round, ``go_accepts``). A round with no byte to
+    write is never offered here (``round.writes_a_byte``)."""
     return (
         finish is not None
         and getattr(sender, "hears_workers", False) is True

@@ -334,6 +334,7 @@ def send_early(
         if (
             servers is not None
             and finish is not None
+            and writes_a_byte(r)
             and one_request(s.client, s.caps, _round_sender(s, r), finish)
         ):
             finish.start_in_update(mode)
@@ -343,6 +344,16 @@ def send_early(
         return EarlyStart(None, lambda: both(mode), http_s)
     together = pause_beside_start(s)
     return EarlyStart(lambda: s.pause(mode), _start_call(s, r), http_s, together=together)
+
+
+def writes_a_byte(r: Round) -> bool:
+    """The round puts at least one byte on the wire. A round of one request needs one: its
+    data path hears the workers' word (``Outgoing.heard``) at its first chunk with bytes, and
+    a round of empty tensors has none, so ``begin`` would wait for the request's answer while
+    the workers wait for the trainer (``weightwire_ipc``'s release-after-round ``unmapped``,
+    sent once ``begin`` returned): the round would hang until a timeout. Such a round keeps
+    its start as a call of its own."""
+    return any(m.nbytes for turn in r.plan.turns for m in turn.metas)
 
 
 def pause_beside_start(s: Session) -> bool:
