@@ -148,7 +148,7 @@ def bench_split(engine: Any, worker: Any, host: DropHost, repeats: int) -> dict[
     from weightwire.shared.source import checked_iter
     from weightwire.shared.update_info import UpdateInfo
     from weightwire.torch_side.worker.load import MetaCache, load_batches
-    from weightwire.trainer.round import sole_plan
+    from weightwire.trainer.sole_round import sole_plan
     from weightwire.trainer.transfer import chunked, tensor_stream
 
     source = engine.source

@@ -359,7 +359,11 @@ def test_a_round_with_no_byte_to_write_keeps_its_start_as_a_call_of_its_own(
     )
     turns = (Turn(0, 0, metas),) if metas else ()
     r = types.SimpleNamespace(
-        early_pause=True, draft=False, plan=BroadcastPlan((0,), turns), wire=None
+        early_pause=True,
+        draft=False,
+        plan=BroadcastPlan((0,), turns),
+        wire=None,
+        sender=session.sender,
     )
     pause = types.SimpleNamespace(mode="abort", guard=False)
     finish, servers = _Finish(), _Servers()

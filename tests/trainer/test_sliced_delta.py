@@ -193,7 +193,7 @@ def test_a_link_lost_mid_delta_round_leaves_the_previous_weights() -> None:
 def test_a_worker_refuses_patch_elements_outside_its_wants(monkeypatch) -> None:
     """A trainer that filtered by other wants (here: every worker given every element, the
     shares told to match): the worker refuses the update before anything of it applies."""
-    from weightwire.trainer import round as round_
+    from weightwire.trainer import sole_round as round_
 
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}

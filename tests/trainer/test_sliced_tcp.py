@@ -344,7 +344,7 @@ def test_a_worker_refuses_a_sliced_round_that_leaves_out_part_of_its_slice(monke
                 yield group[1:] if i == 0 else group  # the first tensor loses a piece
 
         monkeypatch.setattr(sliced, "pieces", short)
-        monkeypatch.setattr("weightwire.trainer.round.pieces", short)
+        monkeypatch.setattr("weightwire.trainer.sole_round.pieces", short)
         put(tensors, full_tensors(TP2, 2))
         fails_keeping(engine, client, before, r"brought \d+ of the \d+ elements of")
 

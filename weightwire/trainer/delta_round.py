@@ -23,9 +23,9 @@ from weightwire.shared.source import WeightSource
 from weightwire.trainer.delta import DeltaRound, DeltaTracker
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.patch_round import patch_round, patches_from_wire
-from weightwire.trainer.round import SoleRounds
 from weightwire.trainer.session import Session
 from weightwire.trainer.snapshot import rewrapped
+from weightwire.trainer.sole_round import SoleRounds
 from weightwire.trainer.transfer import tensor_stream
 
 logger = logging.getLogger(__name__)

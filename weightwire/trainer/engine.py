@@ -57,8 +57,8 @@ from weightwire.trainer.multi_source import MultiSource
 from weightwire.trainer.overlap import RoundHandle, RoundWaitTimeout
 from weightwire.trainer.overlapped import OverlappedRounds
 from weightwire.trainer.patch_round import patch_round, refuse_patches
-from weightwire.trainer.round import SoleRounds, sliced_instead_of_delta
 from weightwire.trainer.session import Session, close_wire, open_wire, reopen_wire
+from weightwire.trainer.sole_round import SoleRounds, sliced_instead_of_delta
 from weightwire.trainer.verify import RoundVerifier
 
 logger = logging.getLogger(__name__)

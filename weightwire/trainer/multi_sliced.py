@@ -12,7 +12,7 @@ group, so every process holds the same ``trainer.sliced.Slicing``. In a round:
    the union: the same inputs give the same plan (``slice_plan``'s order is deterministic);
    the processes compare the plan's digest (``agree``) before any call, and a process that
    could not build it names itself on every rank;
-2. rank 0 runs the round as one sender does (``round.SoleRounds``: the control plane, the
+2. rank 0 runs the round as one sender does (``sole_round.SoleRounds``: the control plane, the
    ``sliced`` update POST, its own pieces) and posts "go" once its control plane ran
    (``began``); each other process waits for it (bounded), then sends each worker the pieces
    ``plan.of_rank(rank)`` gives it, read from its own addressable shards, on its own star;
@@ -42,9 +42,9 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box
 from weightwire.trainer.group import GroupTimeout
 from weightwire.trainer.multi_base import Ranks, RoundFailed
-from weightwire.trainer.round import sliced_round
 from weightwire.trainer.slice_plan import Held, Holdings, SlicePlan, SlicePlanError
 from weightwire.trainer.sliced import Slicing, pieces, plan_digest
+from weightwire.trainer.sole_round import sliced_round
 from weightwire.trainer.transfer import tensor_stream
 
 _GRACE_S = 2.0  # how long a sender that was refused its "go" waits for rank 0's account

@@ -60,8 +60,9 @@ from weightwire.trainer.multi_base import PlannedBroadcast, Ranks, RoundFailed, 
 from weightwire.trainer.multi_group import GroupWire
 from weightwire.trainer.multi_sliced import SeveralSlicing, slices_across
 from weightwire.trainer.multi_star import StarWire
-from weightwire.trainer.round import Round, SoleRounds, lead_round, sliced_round
+from weightwire.trainer.round import Round, lead_round
 from weightwire.trainer.session import Session, open_wire
+from weightwire.trainer.sole_round import SoleRounds, sliced_round
 
 logger = logging.getLogger(__name__)
 
