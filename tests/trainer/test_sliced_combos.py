@@ -400,8 +400,8 @@ def test_a_sliced_round_that_fails_leaves_every_worker_on_the_previous_round(
     killed mid-round, a piece outside a worker's wants, a piece left out: the round raises
     naming what happened, every worker keeps the previous round's weights exactly, and
     after the engine's re-init the next round is sliced and lands whole."""
-    from weightwire.trainer import sole_round as round_module
     from weightwire.trainer import sliced
+    from weightwire.trainer import sole_round as round_module
 
     client = TPClient(TP2)
     tensors: dict[str, Any] = {}
