@@ -460,6 +460,59 @@ def test_shutdown_during_a_round(shared_server: Server, probe: Probe, source: Te
     fresh_round(url, source, probe, 13, "after-shutdown-mid-round")
 
 
+def test_a_round_failing_on_its_own_keeps_its_error_when_another_thread_shuts_down(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """The trainer's own failure mid-round, then (while the round still waits for its update
+    POST's answer) ``shutdown()`` from another thread: ``send_weights`` raises the round's
+    own error, the shutdown only a note on it (was: ``EngineBroken`` naming the shutdown,
+    the real error only its ``__cause__``); shutdown returns once that call ended and the
+    last committed weights stay served."""
+    url = shared_server.url
+    client = client_for(url)
+    engine = engine_for(url, source, client=client)
+    closer: list[threading.Thread] = []
+    try:
+        want = source.perturb(41)
+        engine.send_weights("o1")
+        for name in ("update_weights", "update_and_finish"):
+            post = getattr(client, name)
+
+            def answered_then_shut(*args: object, _post: Any = post, **kwargs: object) -> Any:
+                try:
+                    return _post(*args, **kwargs)  # fails: the bug closed the data link
+                finally:  # the round's error came first; the shutdown begins before it raises
+                    closer.append(threading.Thread(target=quiet_shutdown, args=(engine,)))
+                    closer[0].start()
+                    deadline = time.monotonic() + FAULT_TIMEOUTS.http_s
+                    while not engine._closed and time.monotonic() < deadline:
+                        time.sleep(0.01)
+
+            setattr(client, name, answered_then_shut)
+        source.hook = hook_at(3, _source_fails)
+        source.perturb(42)
+        with (
+            elapsed() as t,
+            pytest.raises(_TrainerBug, match="the source failed mid-round") as info,
+        ):
+            engine.send_weights("o2")
+        observe(trainer=info.value, notes=getattr(info.value, "__notes__", []), trainer_s=t[0])
+        assert t[0] < GRACE_S
+        assert closer, "the update POST never went out: the case tested nothing"
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        assert "shutdown() was called (from another thread)" in notes, notes
+        closer[0].join(GRACE_S)
+        assert not closer[0].is_alive(), "engine.shutdown() hung after the failed round"
+        with pytest.raises(EngineBroken, match="was shut down, so it sends nothing more"):
+            engine.send_weights("o3")
+    finally:
+        source.hook = None
+        quiet_shutdown(engine)
+    wait_idle(probe, FAULT_TIMEOUTS.transfer_s + GRACE_S)
+    assert_weights(probe, want, "o1")
+    fresh_round(url, source, probe, 43, "after-failed-round-and-shutdown")
+
+
 # ----------------------------------------------------------------------------- overlapped rounds
 def test_an_overlapped_failure_is_raised_by_the_call_waiting_for_its_slot(
     shared_server: Server, probe: Probe, source: TensorSource

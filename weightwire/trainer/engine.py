@@ -260,10 +260,22 @@ class TrainerEngine(FrameworkHooks):
             )
         self._caller = threading.get_ident()
         closed_before = self._closed
+        failed_first = self.session.failed_first
+        failed_first.begin()
         try:
             yield
         except Exception as exc:
+            failed_first.failed(exc)  # one that failed outside the round driver
             if closed_before or not self._closed:
+                raise
+            if failed_first.came_first(exc):
+                # The round had failed on its own before the shutdown closed anything: its
+                # error is the story; the stop only ended what its failure left.
+                exc.add_note(
+                    f"shutdown() was called (from another thread) while this {what} was "
+                    "failing, after its error; this engine is shut down: build a new one with "
+                    "trainer_init() to send again"
+                )
                 raise
             # shutdown() from another thread closed the link under this round: say so, not
             # only the closed link's own words (which read as a network fault).
@@ -444,7 +456,9 @@ class TrainerEngine(FrameworkHooks):
         waited for (only overlapped rounds are drained): the link closes under it, the servers
         end its round uncommitted (a round whose finish was already sent commits whole), and
         that call raises ``EngineBroken`` naming the shutdown; shutdown returns once that call
-        has ended (at most ``Timeouts.http_s`` later).
+        has ended (at most ``Timeouts.http_s`` later). A round that had already failed on its
+        own (its error caught before the shutdown began) raises that error, the shutdown
+        only a note on it.
 
         The server call runs concurrently with the local close: neither side's
         teardown may wait on the other's. A displaced trainer (its link closed by the
@@ -453,6 +467,7 @@ class TrainerEngine(FrameworkHooks):
         if self._closed:
             return
         unseen = self._overlapped.stop(in_flight, timeout)
+        self.session.failed_first.stopping()  # a running call's error from now on may be ours
         self._closed = True
         told = False
         try:

@@ -268,6 +268,7 @@ def lead_round(
         # Fails: committed (the digests are compared after the finish).
         report = verify(s, r, own, clock)
     except BaseException as exc:
+        s.failed_first.failed(exc)  # before recover's calls, which a shutdown may meet
         recover(s, pause, early, servers, exc, end)
         raise
     if end is not None:
@@ -594,6 +595,7 @@ def send_update(
         ready=control.release,
         finishes=t.post_update is not None,
         one_request=t.one_request,
+        failed=s.failed_first.failed,
     )
     try:
         return step.run(announced(chunks, control.ready), metas)

@@ -46,7 +46,7 @@ from weightwire.trainer.freshness import CommitPlan
 from weightwire.trainer.gating import RoundPause, guard_installed, round_pause, server_features
 from weightwire.trainer.slice_plan import Holdings
 from weightwire.trainer.sliced import Slicing
-from weightwire.trainer.snapshot import rewrapped
+from weightwire.trainer.snapshot import FailedFirst, rewrapped
 from weightwire.trainer.transfer import (
     await_call,
     beside_init,
@@ -126,6 +126,9 @@ class Session:
     served: ServedModel | None = None
     """The tensors the served model takes, as the servers told them at init (``None``: they
     told none, e.g. stock vLLM); every round is checked against it before its first byte."""
+    failed_first: FailedFirst = field(default_factory=FailedFirst, init=False)
+    """Whether the running call's round failed on its own before another thread's
+    ``shutdown`` stopped it (the engine raises that error, not the stop)."""
     _sized: tuple[list[ParamMeta], int] | None = field(default=None, init=False)
     """The last round's tensor list and its bytes: a plan's rounds pass the same list."""
 

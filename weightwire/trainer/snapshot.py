@@ -1,7 +1,8 @@
 """What an overlapped round sends: the weights fixed when ``send_weights(wait=False)`` was
 called (``Snapshot``, ``FrozenSource``), read on the round thread through a source that a
 ``shutdown`` stops at its next tensor (``cancellable``), and the round's ``RoundStop``: once
-stopped, the round can no longer commit.
+stopped, the round can no longer commit. ``FailedFirst``: whether a blocking round that
+another thread's ``shutdown`` stopped had failed on its own before.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from weightwire.shared.meta import ParamMeta
 from weightwire.shared.source import WeightSource
 
 __all__ = [
+    "FailedFirst",
     "FrozenSource",
     "RoundCancelled",
     "RoundStop",
@@ -72,6 +74,53 @@ class RoundStop:
                     "the servers keep their previous weights"
                 )
             self._committing = True
+
+
+class FailedFirst:
+    """A blocking ``send_weights`` / ``send_patches`` that ``shutdown`` (from another thread)
+    stopped: had its round failed on its own before the stop?
+
+    The round's failure points report their error (``failed``) as soon as they catch it;
+    ``shutdown`` calls ``stopping`` before it closes anything, so an error reported before
+    that cannot be the closed link's (the lock orders the two). The caller then raises the
+    round's own error, not the stop (``came_first``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._own: BaseException | None = None
+
+    def begin(self) -> None:
+        """A new call: nothing failed yet (a failure an earlier call handled is not this one's)."""
+        with self._lock:
+            self._own = None
+
+    def failed(self, exc: BaseException) -> None:
+        """A round's failure point caught ``exc``: its own if no stop came before it."""
+        with self._lock:
+            if not self._stopping and self._own is None:
+                self._own = exc
+
+    def stopping(self) -> None:
+        """``shutdown``, before it closes the link: errors from now on may be the stop's."""
+        with self._lock:
+            self._stopping = True
+
+    def came_first(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (what the call raises) is the round's own failure, reported before
+        the stop: that error itself, or one it led to (its cause or context chain, as the
+        server's verdict raised for a failed data plane). An error the round recovered from
+        (a delta round retried dense) is in no chain of the one it raises."""
+        with self._lock:
+            own = self._own
+        seen: set[int] = set()
+        link: BaseException | None = exc
+        while own is not None and link is not None and id(link) not in seen:
+            if link is own:
+                return True
+            seen.add(id(link))
+            link = link.__cause__ or link.__context__
+        return False
 
 
 def _nothing() -> None:

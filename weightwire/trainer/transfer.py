@@ -173,12 +173,16 @@ class Transfer:
         ready: Callable[[], None] | None = None,
         finishes: bool = False,
         one_request: bool = False,
+        failed: Callable[[BaseException], None] | None = None,
     ) -> None:
         """``finishes``: the update POST carries the round's finish (``freshness.FinishInUpdate``),
         so its wait after the last broadcast includes the servers' commit (named so when it
         times out). ``one_request``: it carries the start too (``Outgoing.one_request``; only
         over a data path that ``hears_workers``): ``begin`` runs ``control`` (nothing sent),
-        sends the request and returns once the data path heard every worker's word."""
+        sends the request and returns once the data path heard every worker's word.
+        ``failed`` is told the round's error as soon as it is caught, before the waits of its
+        failure rules (``snapshot.FailedFirst``: a shutdown meanwhile did not cause it)."""
+        self._failed = failed
         self._comm = comm
         self._finishes = finishes
         self._one_request = one_request
@@ -227,6 +231,8 @@ class Transfer:
             return sent
         except BaseException as exc:
             stop.set()
+            if self._failed is not None:
+                self._failed(exc)
             if self._one_request and self._update is not None and not self._heard.is_set():
                 cause = self._unheard(exc)
                 if cause is exc:
