@@ -13,6 +13,7 @@ import dataclasses
 import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,8 @@ from weightwire.jax_side.engine import JAXTrainerEngine
 from weightwire.jax_side.lora import lora_source
 from weightwire.shared.errors import ConfigError, WeightSyncError, WeightwireError
 from weightwire.shared.lora import LoRASpec, write_adapter_dir
+from weightwire.shared.meta import ParamMeta
+from weightwire.shared.source import WeightSource
 from weightwire.torch_side.sender.engine import TorchTrainerEngine
 from weightwire.torch_side.sender.lora import PeftAdapterSource, peft_alpha
 from weightwire.trainer.config import TrainerInitInfo
@@ -293,6 +296,125 @@ def test_an_adapter_config_with_unusable_numbers_is_refused_at_load(
             timeout=60,
         )
         assert served.status_code == 404, served.text
+
+
+class _AtTensor(WeightSource):
+    """The inner source's tensors; once ``action`` is set, it runs (once) before tensor
+    ``at`` of the next pass: the round is open on the server and its update (it names the
+    adapter) in flight, the first chunks sent."""
+
+    def __init__(self, inner: WeightSource, at: int) -> None:
+        self.inner, self.at = inner, at
+        self.action: Any = None
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.inner.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for i, pair in enumerate(self.inner):
+            if i == self.at and self.action is not None:
+                action, self.action = self.action, None
+                action()
+            yield pair
+
+
+def _unload(server: VLLMServer, body: Any) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/unload_lora_adapter", json=body, timeout=60)
+
+
+def _served(server: VLLMServer) -> set[str]:
+    models = httpx.get(f"{server.url}/v1/models", timeout=60).json()["data"]
+    return {m["id"] for m in models}
+
+
+def _wait_busy(server: VLLMServer, op: str) -> None:
+    """Until the server runs weight operation ``op`` (its update is in flight), bounded."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state = httpx.get(f"{server.url}/weight_info", timeout=10).json()["session"]
+        if state["busy"] == op:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the server never ran {op}")
+
+
+def test_unload_drops_an_adapter_a_round_replaced_or_the_route_loaded(
+    server: VLLMServer, base_tokens: list[list[int]], client: Any, tmp_path: Path
+) -> None:
+    """``POST /v1/unload_lora_adapter`` (vLLM's body, ``lora_name``): refused 409 naming the
+    adapter while the open round writes it (its finish swaps it in; the round then commits),
+    then 200 for an adapter ``AdapterSync`` registered and a round replaced, and for one the
+    load route loaded: neither is listed or served (404) after, every replica's checksums
+    drop its matrices and base completions are unchanged; 404 naming an unknown adapter,
+    400 without a name. ``AdapterSync.register`` registers an unloaded adapter again."""
+    live = {"tree": jax_adapter(31)}
+    refusals: list[httpx.Response] = []
+
+    def unload_mid_round() -> None:
+        _wait_busy(server, "update_weights")
+        refusals.append(_unload(server, {"lora_name": "unpol"}))
+
+    # 28 tensors of 1-2 KiB in 8 KiB chunks: tensor 20 is read after the update went out
+    source = _AtTensor(lora_source(lambda: live["tree"], "unpol"), 20)
+    engine = JAXTrainerEngine.trainer_init(INFO, client=client, source=source)
+    try:
+        sync = AdapterSync(engine, "unpol", alpha=ALPHA, adapter_dir=tmp_path / "unpol")
+        sync.send()  # registered from its directory, then replaced by the round
+        live["tree"] = jax_adapter(32)
+        source.action = unload_mid_round
+        sync.send(weight_version="unpol-2")  # the refusal changed nothing of this round
+        assert [r.status_code for r in refusals] == [409], [r.text for r in refusals]
+        message = refusals[0].json()["error"]["message"]
+        assert "adapter 'unpol' not unloaded" in message and "writes it" in message, message
+        replaced = server.greedy(model="unpol")[0]
+        assert replaced != base_tokens
+
+        other = lora_source(jax_adapter(33), "loaded")
+        directory = write_adapter_dir(
+            tmp_path / "loaded",
+            LoRASpec.from_metas(other.metadata()),
+            {n: np.asarray(t) for n, t in other},
+            alpha=ALPHA,
+        )
+        reply = httpx.post(
+            f"{server.url}/v1/load_lora_adapter",
+            json={"lora_name": "loaded", "lora_path": str(directory)},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert {"unpol", "loaded"} <= _served(server)
+
+        for name in ("unpol", "loaded"):
+            reply = _unload(server, {"lora_name": name})
+            assert reply.status_code == 200, reply.text
+            assert f"LoRA adapter '{name}' removed" in reply.text
+            assert name not in _served(server)
+            gone = httpx.post(
+                f"{server.url}/v1/completions",
+                json={"model": name, "prompt": [1, 2], "max_tokens": 2},
+                timeout=60,
+            )
+            assert gone.status_code == 404, gone.text
+        sums = httpx.post(
+            f"{server.url}/weight_checker", json={"action": "checksum"}, timeout=60
+        ).json()["replica_checksums"]
+        assert len(sums) == 2
+        assert not [k for replica in sums for k in replica if ".unpol." in k or ".loaded." in k]
+        assert server.greedy()[0] == base_tokens
+
+        unknown = _unload(server, {"lora_name": "unpol"})
+        assert unknown.status_code == 404, unknown.text
+        assert "'unpol' cannot be found" in unknown.json()["error"]["message"]
+        for body in ({}, {"lora_name": ""}, None):
+            nameless = _unload(server, body)
+            assert nameless.status_code == 400, nameless.text
+            assert "'lora_name' needs to be provided" in nameless.json()["error"]["message"]
+
+        assert sync.register()  # not listed any more: loaded again from its directory
+        sync.send(weight_version="unpol-3")
+        assert server.greedy(model="unpol")[0] == replaced  # the same tensors as round 2
+    finally:
+        engine.shutdown()
 
 
 class _NoLoRA(http.server.BaseHTTPRequestHandler):

@@ -80,6 +80,13 @@ class HFAdapters:
             self.served[name] = Adapter(spec, scale, self._on_device(tensors))
         return {"rank": spec.rank, "modules": len(spec.modules)}
 
+    def unload(self, name: str) -> None:
+        """Stop serving ``name`` (``/v1/unload_lora_adapter``): a completion already running
+        with it ends with it; ``ValueError`` when it is not served here."""
+        with self._lock:
+            if self.served.pop(name, None) is None:
+                raise ValueError(f"adapter {name!r} is not registered here")
+
     def _check_fits(self, spec: LoRASpec) -> None:
         if spec.rank > self.max_rank:
             raise ValueError(

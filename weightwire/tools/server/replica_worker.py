@@ -204,6 +204,13 @@ class Worker:
         with self.model_lock:
             return self.adapters.load_dir(name, path)
 
+    def op_unload_lora(self, name: str) -> None:
+        """Unregister adapter ``name`` (between completions)."""
+        if self.adapters is None:
+            raise ValueError("this server was started without --enable-lora")
+        with self.model_lock:
+            self.adapters.unload(name)
+
     def op_sleep(self, level: int, epoch: int, timeout_s: float | None = None) -> dict[str, Any]:
         reply = self.sleep.sleep(level, epoch, timeout_s)  # under the model lock
         if level == 2:  # the weights are gone, and with them the delta base

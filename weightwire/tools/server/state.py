@@ -7,11 +7,12 @@ from typing import Any
 
 from weightwire import __version__
 from weightwire.backends.tcp.spec import TCP
+from weightwire.shared.lora import parse_name
 from weightwire.tools.server.lease import RoundLease
 from weightwire.tools.server.pause import PauseGate
 from weightwire.tools.server.replica import DEFAULT_MAX_REPLY_BYTES
 from weightwire.tools.server.replicas import ReplicaPool
-from weightwire.tools.server.session import Session
+from weightwire.tools.server.session import Phase, Session
 from weightwire.tools.server.web import DEFAULT_MAX_BODY_BYTES
 
 SERVER_VERSION = f"0.33.0+weightwire.{__version__}"
@@ -83,6 +84,29 @@ class ServerState:
     sleep: SleepState = field(default_factory=SleepState)
     adapters: dict[str, str] = field(default_factory=dict)
     """Registered LoRA adapters: name -> the directory they were registered from."""
+    listed_adapter: str | None = None
+    """The adapter whose tensors the last update info that listed any named (None: the base
+    model's): what an update reusing that listing (no names) writes."""
+    round_adapter: tuple[int, str] | None = None
+    """``(round id, adapter)``: the round an update wrote that adapter in."""
+
+    def note_update(self, per: list[dict[str, Any]]) -> None:
+        """An update of the open round, checked (one update info per replica, the same
+        tensors on each): the adapter it writes, if any (``writing_adapter``)."""
+        names = per[0].get("names") if per else None
+        if names:
+            parsed = parse_name(names[0]) if isinstance(names[0], str) else None
+            self.listed_adapter = None if parsed is None else parsed.adapter
+        if self.listed_adapter is not None:
+            self.round_adapter = (self.session.round_id, self.listed_adapter)
+
+    def writing_adapter(self, name: str) -> bool:
+        """Whether the open round writes adapter ``name`` (an update of it named it): its
+        finish swaps that adapter in, so it must stay registered until the round ends."""
+        return self.session.phase is Phase.ROUND and self.round_adapter == (
+            self.session.round_id,
+            name,
+        )
 
     @property
     def replicas(self) -> int:

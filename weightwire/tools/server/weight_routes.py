@@ -220,6 +220,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                         "/init_weight_transfer_engine to start again",
                         param=exc.param,
                     ) from None
+            state.note_update(per)  # an adapter it writes is not unloaded until the round ends
             with clock.part("worker"):
                 results = await fan_out_or_fail(
                     state,

@@ -39,7 +39,17 @@ from weightwire.tools.server.reply_size import encode_reply
 
 log = logging.getLogger(__name__)
 
-_CONTROL_OPS = ("init", "start", "update", "finish", "shutdown", "sleep", "wake", "load_lora")
+_CONTROL_OPS = (
+    "init",
+    "start",
+    "update",
+    "finish",
+    "shutdown",
+    "sleep",
+    "wake",
+    "load_lora",
+    "unload_lora",
+)
 _SERVE_OPS = ("generate", "checksum", "reset")
 
 
