@@ -201,3 +201,26 @@ def test_session_ownership_rules() -> None:
         s.initialized(object())
         s.check_owner(first, "update_weights")
     assert s.session_id is not None and s.session_id not in info.value.message  # never echoed
+
+
+def test_the_adapter_an_open_round_writes_is_known_from_its_updates() -> None:
+    """``/v1/unload_lora_adapter``'s 409: an update that lists an adapter's tensors marks it
+    written by the open round, as does one reusing that listing (no names); a base-model
+    listing or the next round clears it."""
+    from weightwire.shared.lora import wire_name
+    from weightwire.tools.server.state import ServerState
+
+    state = ServerState(pool=None, options=None)  # type: ignore[arg-type]
+    listing = {"names": [wire_name("model.layers.0.mlp.up_proj", "A", "pol")]}
+    state.session.started()
+    assert not state.writing_adapter("pol")  # no update yet: nothing of it written
+    state.note_update([listing, listing])
+    assert state.writing_adapter("pol") and not state.writing_adapter("other")
+    state.session.committed("v1")
+    assert not state.writing_adapter("pol")  # the round ended
+    state.session.started()
+    state.note_update([{"names": []}])  # the listing reused: the same adapter's tensors
+    assert state.writing_adapter("pol")
+    state.session.started()
+    state.note_update([{"names": ["model.embed_tokens.weight"]}])
+    assert not state.writing_adapter("pol")
