@@ -11,6 +11,7 @@ as ``PeerLost`` without freeing a buffer the trainer may still be writing.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -344,3 +345,50 @@ def test_a_trainer_lost_before_the_ready_leaves_the_buffer_leased_ahead_unfreed(
     assert link.pool._buffers[want["b"]].state == "filling"  # not free: the copy may still run
     link.abort()
     assert not [e for e in cp.cuda.runtime.log if e[0] == "free"]
+
+
+# -- a round of no tensors, release-after-round: the real trainer pipeline on the channel ------
+
+
+def test_a_round_of_no_tensors_leaves_no_unmapped_for_the_next_round_to_meet(cp: Cupy) -> None:
+    """Release-after-round, a round with no tensors at all (``partial=True``): no chunk, so
+    the worker never reaches the round tail that reads "unmapped" (its last chunk's). The
+    trainer's ``IPCPullPipeline`` (on this link's channel, its own fake runtime) says none for
+    it (was: sent, left unread, and the next round's worker met it where chunk 0's "ready"
+    was due: "sent 'unmapped' where chunk 0 ('ready') was due", the round failed); the next
+    round reads its own and frees the pool after it."""
+    from tests.trainer.ipc_pull_worker import PullCupy
+    from tests.trainer.test_ipc_pipeline import FakePacker, _prepared
+    from weightwire.backends.base import Outgoing
+    from weightwire.backends.ipc.link import IPCSenderComm
+    from weightwire.backends.ipc.pull import IPCPullPipeline
+    from weightwire.backends.ipc.slots import IPCSlots
+    from weightwire.backends.worker_base import ReceiveProgress
+
+    link, ch, _ = connect_scripted(_pull, release=True)
+    trainer_cp = PullCupy([])
+    slots = IPCSlots(trainer_cp, 0, 100, 2)
+    slots.free_memory()  # pull: the ring's buffers go at join, its ready events stay
+    comm = IPCSenderComm(trainer_cp, slots, [ch], [[11, 12]], [""], True, "pull")
+    pipe = IPCPullPipeline(comm, FakePacker(), timeout=5.0)
+    try:
+        assert pipe.send(Outgoing([], threading.Event())) == (0, 0)
+        empty = ReceiveTurn(0, [], [], [], packed=True)
+        assert list(link.receive(empty, ReceiveProgress())) == []
+
+        sent: list[Any] = []
+        trainer = threading.Thread(
+            target=lambda: sent.append(pipe.send(Outgoing(_prepared([60], 100), threading.Event())))
+        )
+        trainer.start()
+        metas, chunks = _round([60])
+        _post(link, 0, chunks[0], metas)  # its only chunk: the round's tail reads "unmapped"
+        link.wait(0)
+        trainer.join(10)
+        assert sent == [(60, 1)]
+        cp.leases.clear()  # type: ignore[attr-defined]  # loaded: the lease dies, the pool goes
+        assert link.held_bytes() == 0
+        assert [e[0] for e in cp.cuda.runtime.log if e[0] == "free"] == ["free"]
+    finally:
+        pipe.close()
+        link.close()

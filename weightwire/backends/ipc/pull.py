@@ -22,7 +22,8 @@ recorded again only after the "want" of chunk ``c + depth`` arrived, which the w
 sends after its wait on ``k`` for chunk ``c`` was enqueued, so no wait sees a later
 record. Handles are opened once per session (cached by id; the worker never reuses an
 id); with release-after-round the trainer closes every mapping after the round and
-says "unmapped", and only then does the worker free its pool.
+says "unmapped" (after a round of at least one chunk: the worker reads it at its last),
+and only then does the worker free its pool.
 
 Every host wait is bounded by the transfer timeout; a dead worker is ``PeerLost``
 (its channel end closed). On close, mappings are closed only after the fill stream
@@ -244,7 +245,11 @@ class IPCPullPipeline(IPCDataPath):
             if self._end_round():
                 self._sync_fill("the IPC fill stream at the end of the round")
                 self._in_flight[0].clear()
-            if comm.release_after_round:
+            if comm.release_after_round and count:
+                # A round of no tensors has no chunk, so its workers never reach the tail
+                # that reads "unmapped" (``IPCPullLink._round_tail``, at the last chunk): one
+                # sent anyway would wait unread and fail their next round's first "ready".
+                # Nothing was mapped in it either (the last round's mappings are closed).
                 self._unmap()
         self.rounds += 1
         return Sent(nbytes, count)
