@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -230,6 +231,26 @@ def test_release_after_round_frees_slots_and_announces_new_ones() -> None:
     second.join(10)
     assert [m["op"] for m in second.seen] == ["slots", "ready"]
     assert len(second.seen[0]["mem"]) == 2 and not slots.allocated
+
+
+def test_release_after_round_a_round_of_no_tensors_waits_for_no_close() -> None:
+    """A round with no tensors at all (``partial=True``) has no chunk: the worker's push link
+    never reaches the last chunk where it closes its slot mappings and says "closed" (it
+    never mapped them: they are announced with a round's first piece). The trainer neither
+    waits for that word (was: until its transfer timeout, then ``TransferTimeout``) nor keeps
+    the slots it made for the round; the next round announces fresh ones."""
+    log, slots, _, pipe = _setup(0, release=True)  # a worker that says nothing, as a real one
+    a, b = socket.socketpair()
+    pipe._comm.channels[0] = Channel(a, "IPC worker rank 1")
+    t0 = time.monotonic()
+    assert pipe.send(Outgoing([], threading.Event())) == (0, 0)
+    assert time.monotonic() - t0 < 2.0
+    assert not slots.allocated and pipe.held_bytes() == 0
+    worker = FakeWorker(b, 50, release=True)
+    worker.start()
+    pipe.send(Outgoing(_prepared([50], 100), threading.Event()))
+    worker.join(10)
+    assert [m["op"] for m in worker.seen] == ["slots", "ready"] and not slots.allocated
 
 
 def test_a_release_out_of_order_is_refused_by_name() -> None:

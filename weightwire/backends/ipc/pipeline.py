@@ -203,7 +203,7 @@ class IPCPipeline(IPCDataPath):
         comm, slots, cp = self._comm, self._comm.slots, self._comm.cp
         copy = cp.cuda.runtime.memcpyAsync
         size, n = slots.nbytes, slots.count
-        nbytes = pieces = 0
+        nbytes = pieces = chunks = 0
 
         def flush(ci: int, slot: int, offset: int, fill: int) -> None:
             record(cp, slots.events[slot], self._sptr)
@@ -244,8 +244,9 @@ class IPCPipeline(IPCDataPath):
                     pieces += 1
                     self._next = (self._next + 1) % n
                 nbytes += chunk.nbytes
+                chunks += 1
             starter.wait()
-            self._end_round()
+            self._end_round(closing=chunks > 0)
         self.rounds += 1
         return Sent(nbytes, pieces)
 
@@ -277,9 +278,12 @@ class IPCPipeline(IPCDataPath):
         self._pending[slot] = False
         trace(f"acquired {slot}")
 
-    def _end_round(self) -> None:
+    def _end_round(self, *, closing: bool) -> None:
         """Collect the last releases, settle the fill stream (bounded), and with
-        release-after-round free the slots once every worker closed its mappings."""
+        release-after-round free the slots once every worker closed its mappings.
+        ``closing``: the round had a chunk, at whose end each worker says "closed"; a round
+        of no tensors has none, so none says it (and none mapped the slots: they are
+        announced with the first piece)."""
         comm = self._comm
         n = comm.slots.count
         for k in range(n):  # oldest piece first: releases arrive in ring order
@@ -288,7 +292,7 @@ class IPCPipeline(IPCDataPath):
         self._in_flight[0].clear()
         if comm.release_after_round:
             deadline = time.monotonic() + self._timeout
-            for ch in comm.channels:
+            for ch in comm.channels if closing else ():
                 ch.expect(
                     "closed",
                     deadline=deadline,
