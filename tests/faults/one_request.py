@@ -7,17 +7,21 @@ on its channels before it writes a byte; that needs CUDA. ``HearsWorkers`` gives
 ``begin`` then returns) only once the server's session says the round is open, which it does
 once every worker's start returned, inside the one request. Everything else is real: the
 server process, its worker, the route, the client, the engine's round and the bytes.
+
+``recorded_engine`` is the set-up those tests (and the finish-in-update combinations) share:
+a client that records each request (``recording``), an engine on it, and its data path told
+to hear the workers.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
-from tests.faults.harness import AUTH
+from tests.faults.harness import AUTH, TensorSource, client_for, engine_for
 
 ONE_REQUEST = "update_weights?start=true&pause={mode}&finish=true&reset_caches={reset}&resume=true"
 
@@ -73,3 +77,38 @@ def hearing(engine: Any, url: str) -> HearsWorkers:
     wrapped = HearsWorkers(engine.session.sender, url)
     engine.session.sender = wrapped
     return wrapped
+
+
+def recording(url: str) -> Any:
+    """A client that records each request's route and query (``client.sent``)."""
+    client = client_for(url)
+    client.sent = []
+    request = client._request
+
+    def recorded(i: int, route: Any, body: Any = None, params: Any = None) -> Any:
+        query = "&".join(f"{k}={v}" for k, v in (params or {}).items())
+        client.sent.append(route.name + (f"?{query}" if query else ""))
+        return request(i, route, body, params)
+
+    client._request = recorded
+    return client
+
+
+class Recorded(NamedTuple):
+    """``recorded_engine``'s client (``client.sent``), engine and data path (None unless it
+    hears the workers)."""
+
+    client: Any
+    engine: Any
+    wire: HearsWorkers | None
+
+
+def recorded_engine(
+    url: str, source: TensorSource, *, client: Any = None, hears: bool = True, **info: Any
+) -> Recorded:
+    """An engine with ``info`` on ``client`` (default: a new ``recording`` one) against the
+    server at ``url``; ``hears``: its data path hears the workers (``hearing``), so its rounds
+    go in one request where the server offers it."""
+    client = recording(url) if client is None else client
+    engine = engine_for(url, source, client=client, **info)
+    return Recorded(client, engine, hearing(engine, url) if hears else None)

@@ -24,30 +24,15 @@ from tests.faults.harness import (
     Probe,
     TensorSource,
     assert_weights,
-    client_for,
     engine_for,
     quiet_shutdown,
 )
+from tests.faults.one_request import recorded_engine
 from tests.faults.servers import Server
 from weightwire.shared.errors import ConfigError, SourceMismatch
 from weightwire.shared.limits import LIMITS
 
 IN_UPDATE = "update_weights?finish=true"
-
-
-def _recording(url: str) -> Any:
-    """A client that records each request's route and query (``client.sent``)."""
-    client = client_for(url)
-    client.sent = []
-    request = client._request
-
-    def recorded(i: int, route: Any, body: Any = None, params: Any = None) -> Any:
-        query = "&".join(f"{k}={v}" for k, v in (params or {}).items())
-        client.sent.append(route.name + (f"?{query}" if query else ""))
-        return request(i, route, body, params)
-
-    client._request = recorded
-    return client
 
 
 def _sparse(source: TensorSource, step: int) -> dict[str, str]:
@@ -66,8 +51,9 @@ def _paused(probe: Probe) -> bool:
 def test_a_weight_version_over_the_servers_limit_fails_before_any_call(
     shared_server: Server, probe: Probe, source: TensorSource
 ) -> None:
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, stage_budget_bytes=0)
+    client, engine, _ = recorded_engine(
+        shared_server.url, source, hears=False, stage_budget_bytes=0
+    )
     try:
         failed = probe.session()["rounds_failed"]
         client.sent.clear()
@@ -100,8 +86,9 @@ def test_a_weight_version_over_the_servers_limit_fails_before_any_call(
 def test_a_round_applied_in_place_commits_in_its_update_and_resumes_in_every_pause_mode(
     shared_server: Server, probe: Probe, source: TensorSource, info: dict[str, Any], query: str
 ) -> None:
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, stage_budget_bytes=0, **info)
+    client, engine, _ = recorded_engine(
+        shared_server.url, source, hears=False, stage_budget_bytes=0, **info
+    )
     reset = "false" if info.get("reset_prefix_cache") is False else "true"
     try:
         want = source.perturb(2)
@@ -118,8 +105,7 @@ def test_a_round_applied_in_place_commits_in_its_update_and_resumes_in_every_pau
 def test_a_delta_round_commits_its_patches_in_the_update_and_a_refused_base_goes_dense(
     shared_server: Server, probe: Probe, source: TensorSource
 ) -> None:
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, delta="auto")
+    client, engine, _ = recorded_engine(shared_server.url, source, hears=False, delta="auto")
     try:
         _sparse(source, 1)
         engine.send_weights("d1")  # dense: the base
@@ -169,8 +155,7 @@ def test_an_overlapped_round_keeps_its_finish_apart(
 ) -> None:
     """``wait=False``: shutdown may stop the round right before its commit, so the finish is
     its own call (the update commits nothing)."""
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client)
+    client, engine, _ = recorded_engine(shared_server.url, source, hears=False)
     try:
         want = source.perturb(6)
         client.sent.clear()
@@ -188,8 +173,9 @@ def test_verify_reads_the_servers_digests_after_the_commit_in_the_update(
 ) -> None:
     """``verify=True``: the round's check reads /weight_checker once the update that carried
     the finish returned (the committed weights), and passes."""
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, verify=True, stage_budget_bytes=0)
+    client, engine, _ = recorded_engine(
+        shared_server.url, source, hears=False, verify=True, stage_budget_bytes=0
+    )
     try:
         want = source.perturb(7)
         client.sent.clear()
@@ -246,8 +232,9 @@ def test_a_round_whose_source_fails_on_its_first_tensor_sends_nothing_and_the_ne
     """The start that pauses goes only once the first chunk was made (``announced``): a
     source failing on its first tensor sent no call (nothing paused, no round opened), the
     engine stays usable, and the next round, back to back, commits in its update."""
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, stage_budget_bytes=0)
+    client, engine, _ = recorded_engine(
+        shared_server.url, source, hears=False, stage_budget_bytes=0
+    )
 
     def broken(i: int) -> None:
         if i == 0:

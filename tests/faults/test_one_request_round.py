@@ -34,9 +34,9 @@ from tests.faults.harness import (
     hook_at,
     quiet_shutdown,
 )
-from tests.faults.one_request import ONE_REQUEST, hearing
+from tests.faults.one_request import ONE_REQUEST, recorded_engine, recording
 from tests.faults.servers import Server
-from tests.faults.test_finish_in_update_combos import _recording, _sparse
+from tests.faults.test_finish_in_update_combos import _sparse
 from weightwire.shared.errors import ConfigError, RoundError, WeightSyncError
 from weightwire.shared.limits import LIMITS
 from weightwire.shared.routes import start_left_paused
@@ -71,9 +71,7 @@ def test_a_round_is_one_request_in_every_pause_mode_and_serves_what_it_sent(
     mode: str,
     reset: str,
 ) -> None:
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE, **info)
-    wire = hearing(engine, shared_server.url)
+    client, engine, wire = recorded_engine(shared_server.url, source, **IN_PLACE, **info)
     try:
         for step, version in ((11, "one-a"), (12, "one-b")):
             want = source.perturb(step)
@@ -96,11 +94,9 @@ def test_the_round_is_one_request_whatever_vllm_release_the_server_is_gated_as(
 ) -> None:
     """The server's version gates (``version_override``) decide the update info's features
     (metadata reuse); whether the round goes in one request is what its init reply named."""
-    client = _recording(shared_server.url)
-    engine = engine_for(
-        shared_server.url, source, client=client, version_override=release, **IN_PLACE
+    client, engine, _ = recorded_engine(
+        shared_server.url, source, version_override=release, **IN_PLACE
     )
-    hearing(engine, shared_server.url)
     try:
         engine.send_weights(f"gated-{release}")
         want = source.perturb(24)
@@ -115,9 +111,7 @@ def test_the_round_is_one_request_whatever_vllm_release_the_server_is_gated_as(
 def test_an_asleep_server_refuses_the_request_before_anything_and_the_engine_stays_usable(
     shared_server: Server, probe: Probe, source: TensorSource
 ) -> None:
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
-    hearing(engine, shared_server.url)
+    client, engine, _ = recorded_engine(shared_server.url, source, **IN_PLACE)
     try:
         want = source.perturb(13)
         engine.send_weights("awake")
@@ -150,9 +144,7 @@ def test_a_bad_version_or_update_info_is_refused_by_the_start_before_its_pause(
     """The server checks the request's ``weight_version`` and update info with the start's
     own checks: a refusal names ``start_weight_update``, pauses and starts nothing, and the
     session lives on (the trainer refuses an over-long version before any call)."""
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
-    hearing(engine, shared_server.url)
+    client, engine, _ = recorded_engine(shared_server.url, source, **IN_PLACE)
     try:
         want = source.perturb(16)
         engine.send_weights("good")
@@ -186,9 +178,7 @@ def test_a_bad_version_or_update_info_is_refused_by_the_start_before_its_pause(
 def test_a_source_failing_on_its_first_tensor_sends_nothing_and_the_next_is_one_request(
     shared_server: Server, probe: Probe, source: TensorSource
 ) -> None:
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
-    hearing(engine, shared_server.url)
+    client, engine, _ = recorded_engine(shared_server.url, source, **IN_PLACE)
 
     def broken(i: int) -> None:
         if i == 0:
@@ -220,9 +210,7 @@ def test_a_source_failing_mid_round_fails_the_servers_round_and_breaks_the_engin
     """After the workers' word the trainer wrote: its link is aborted, the workers' update
     fails, the server's round fails (version kept, the model refused until a whole round
     commits); the engine refuses rounds until a new init, whose round commits in one request."""
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
-    hearing(engine, shared_server.url)
+    client, engine, _ = recorded_engine(shared_server.url, source, **IN_PLACE)
 
     def fail() -> None:
         raise RuntimeError("the source broke mid-round")
@@ -251,8 +239,7 @@ def test_a_source_failing_mid_round_fails_the_servers_round_and_breaks_the_engin
     finally:
         source.hook = None
         quiet_shutdown(engine)
-    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
-    hearing(engine, shared_server.url)
+    _, engine, _ = recorded_engine(shared_server.url, source, client=client, **IN_PLACE)
     try:
         want = source.perturb(21)
         client.sent.clear()
@@ -267,9 +254,7 @@ def test_a_source_failing_mid_round_fails_the_servers_round_and_breaks_the_engin
 def test_a_second_trainers_init_during_the_request_is_refused_and_the_round_commits(
     shared_server: Server, probe: Probe, source: TensorSource
 ) -> None:
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
-    hearing(engine, shared_server.url)
+    client, engine, _ = recorded_engine(shared_server.url, source, **IN_PLACE)
     refused: list[BaseException] = []
 
     def intruder() -> None:  # mid-round, inside the one request
@@ -300,9 +285,7 @@ def test_an_overlapped_round_is_not_one_request(
 ) -> None:
     """``wait=False``: shutdown may stop the round right before its commit, so its finish is
     its own call, and so its start is too."""
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
-    wire = hearing(engine, shared_server.url)
+    client, engine, wire = recorded_engine(shared_server.url, source, **IN_PLACE)
     try:
         want = source.perturb(23)
         client.sent.clear()
@@ -320,9 +303,7 @@ def test_an_overlapped_round_is_not_one_request(
 def test_a_delta_round_goes_in_one_request(
     shared_server: Server, probe: Probe, source: TensorSource
 ) -> None:
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, delta="auto", **IN_PLACE)
-    hearing(engine, shared_server.url)
+    client, engine, _ = recorded_engine(shared_server.url, source, delta="auto", **IN_PLACE)
     try:
         _sparse(source, 31)
         engine.send_weights("base")  # dense: the base
@@ -344,12 +325,10 @@ def test_a_delta_round_with_no_changed_element_goes_in_one_request_and_commits_a
     changed, yet the round still carries a patch (its workers check its base), so it has bytes
     to write and its data path hears the workers at its first chunk (``weightwire_ipc``
     written through); it is one request and commits well inside ``http_s``."""
-    client = _recording(shared_server.url)
     timeouts = replace(FAULT_TIMEOUTS, http_s=6.0)
-    engine = engine_for(
-        shared_server.url, source, client=client, delta="auto", timeouts=timeouts, **IN_PLACE
+    client, engine, wire = recorded_engine(
+        shared_server.url, source, delta="auto", timeouts=timeouts, **IN_PLACE
     )
-    wire = hearing(engine, shared_server.url)
     try:
         want = _sparse(source, 41)
         engine.send_weights("base")  # dense: the base
@@ -396,9 +375,7 @@ def test_a_trainer_killed_mid_request_settles_the_servers_round(
     assert json.loads(proc.stdout.splitlines()[0])["one_request"] is True  # its first round
     probe.wait_session(lambda s: s["busy"] is None and s["rounds_failed"] == failed + 1, timeout=15)
     assert probe.version() == "t1"
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
-    hearing(engine, shared_server.url)
+    client, engine, _ = recorded_engine(shared_server.url, source, **IN_PLACE)
     try:
         want = source.perturb(33)
         engine.send_weights("after-kill")
@@ -414,10 +391,9 @@ def test_without_the_servers_offer_the_round_keeps_its_two_calls(
     """A server that did not name ``update_starts`` (stock vLLM names nothing): the start
     that pauses and the update that finishes, as before."""
 
-    client = _recording(shared_server.url)
+    client = recording(shared_server.url)
     client.updates_with_start = lambda: False  # what a server that named none answers
-    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
-    wire = hearing(engine, shared_server.url)
+    _, engine, wire = recorded_engine(shared_server.url, source, client=client, **IN_PLACE)
     try:
         want = source.perturb(34)
         client.sent.clear()
