@@ -351,12 +351,14 @@ def test_a_trainer_lost_before_the_ready_leaves_the_buffer_leased_ahead_unfreed(
 
 
 def test_a_round_of_no_tensors_leaves_no_unmapped_for_the_next_round_to_meet(cp: Cupy) -> None:
-    """Release-after-round, a round with no tensors at all (``partial=True``): no chunk, so
-    the worker never reaches the round tail that reads "unmapped" (its last chunk's). The
-    trainer's ``IPCPullPipeline`` (on this link's channel, its own fake runtime) says none for
-    it (was: sent, left unread, and the next round's worker met it where chunk 0's "ready"
-    was due: "sent 'unmapped' where chunk 0 ('ready') was due", the round failed); the next
-    round reads its own and frees the pool after it."""
+    """Release-after-round, a turn of no chunk (a round of no tensors): the worker never
+    reaches the round tail that reads "unmapped" (its last chunk's), so the trainer's
+    ``IPCPullPipeline`` (on this link's channel, its own fake runtime) says none for it (was:
+    sent, left unread, and the next round met it where chunk 0's "ready" was due: "sent
+    'unmapped' where chunk 0 ('ready') was due", that round failed); the next round reads its
+    own and frees the pool after it. (The engine sends no round of no tensors: its update
+    info would read as metadata reuse, ``tests/faults/test_api_misuse.py``; this is the
+    data path's own rule.)"""
     from tests.trainer.ipc_pull_worker import PullCupy
     from tests.trainer.test_ipc_pipeline import FakePacker, _prepared
     from weightwire.backends.base import Outgoing

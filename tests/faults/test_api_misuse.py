@@ -1,9 +1,9 @@
 """The trainer API misused as a new user would, against the real reference server (``weightwire
 serve``): a call of an engine after its ``shutdown()``, a second thread's ``send_weights`` while
 a round runs, a source that yields a tensor on torch's meta device, a JAX getter that returns
-deleted (donated) arrays. Each is refused with a ``WeightwireError`` naming the problem before
-anything of it is sent, the server keeps serving its committed weights, and the engine (where it
-was not shut down) stays usable."""
+deleted (donated) arrays, a round of no tensors. Each is refused with a ``WeightwireError``
+naming the problem before anything of it is sent, the server keeps serving its committed
+weights, and the engine (where it was not shut down) stays usable."""
 
 from __future__ import annotations
 
@@ -139,6 +139,49 @@ def test_a_meta_tensor_is_refused_naming_it(
             engine = engine_for(shared_server.url, source)
         engine.send_weights("full")
         assert_weights(probe, want, "full")
+    finally:
+        quiet_shutdown(engine)
+
+
+def test_a_round_of_no_tensors_is_refused_before_any_call(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """A source with no tensors (``partial=True``: a round may leave tensors out), blocking
+    or overlapped, as the session's first round or after one, and ``send_patches([])``:
+    ``ConfigError`` saying why before any call (was: the update info listed no tensor, which
+    the workers read as "the previous round's tensors again": after a round, they waited for
+    its bytes until their timeout, the round failed and the engine needed a new init; as the
+    first round, refused 400). The served weights stay and the engine goes on."""
+    from tests.faults.one_request import recording
+
+    client = recording(shared_server.url)
+    live = TensorSource(dict(source.tensors))
+    engine = engine_for(shared_server.url, live, client=client, partial=True)
+    everything = dict(live.tensors)
+    try:
+        for first in (True, False):
+            if not first:
+                live.tensors = everything
+                want = live.perturb(46)
+                engine.send_weights("whole")
+            live.tensors = {}
+            client.sent.clear()
+            for call in (
+                lambda: engine.send_weights("none"),
+                lambda: engine.send_weights("none", wait=False),
+                lambda: engine.send_patches([], "none"),
+            ):
+                with pytest.raises(
+                    ConfigError, match="a round of no tensors cannot be sent"
+                ) as refused:
+                    call()
+            assert client.sent == [], client.sent
+        observe(refused=str(refused.value))
+        assert_weights(probe, want, "whole")
+        live.tensors = everything
+        want = live.perturb(47)
+        engine.send_weights("after")
+        assert_weights(probe, want, "after")
     finally:
         quiet_shutdown(engine)
 

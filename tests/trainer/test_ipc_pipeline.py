@@ -234,11 +234,12 @@ def test_release_after_round_frees_slots_and_announces_new_ones() -> None:
 
 
 def test_release_after_round_a_round_of_no_tensors_waits_for_no_close() -> None:
-    """A round with no tensors at all (``partial=True``) has no chunk: the worker's push link
-    never reaches the last chunk where it closes its slot mappings and says "closed" (it
-    never mapped them: they are announced with a round's first piece). The trainer neither
-    waits for that word (was: until its transfer timeout, then ``TransferTimeout``) nor keeps
-    the slots it made for the round; the next round announces fresh ones."""
+    """A round of no tensors has no chunk: the worker's push link never reaches the last
+    chunk where it closes its slot mappings and says "closed" (it never mapped them: they are
+    announced with a round's first piece). The trainer neither waits for that word (was: until
+    its transfer timeout, then ``TransferTimeout``) nor keeps the slots it made for the round;
+    the next round announces fresh ones. (The engine sends no round of no tensors,
+    ``tests/faults/test_api_misuse.py``: this is the data path's own rule.)"""
     log, slots, _, pipe = _setup(0, release=True)  # a worker that says nothing, as a real one
     a, b = socket.socketpair()
     pipe._comm.channels[0] = Channel(a, "IPC worker rank 1")
