@@ -147,11 +147,11 @@ def test_a_round_of_no_tensors_is_refused_before_any_call(
     shared_server: Server, probe: Probe, source: TensorSource
 ) -> None:
     """A source with no tensors (``partial=True``: a round may leave tensors out), blocking
-    or overlapped, as the session's first round or after one, and ``send_patches([])``:
-    ``ConfigError`` saying why before any call (was: the update info listed no tensor, which
-    the workers read as "the previous round's tensors again": after a round, they waited for
-    its bytes until their timeout, the round failed and the engine needed a new init; as the
-    first round, refused 400). The served weights stay and the engine goes on."""
+    or overlapped, as the session's first round or after one: ``ConfigError`` saying why
+    before any call (was: the update info listed no tensor, which the workers read as "the
+    previous round's tensors again": after a round, they waited for its bytes until their
+    timeout, the round failed and the engine needed a new init; as the first round, refused
+    400). The served weights stay and the engine goes on."""
     from tests.faults.one_request import recording
 
     client = recording(shared_server.url)
@@ -166,15 +166,11 @@ def test_a_round_of_no_tensors_is_refused_before_any_call(
                 engine.send_weights("whole")
             live.tensors = {}
             client.sent.clear()
-            for call in (
-                lambda: engine.send_weights("none"),
-                lambda: engine.send_weights("none", wait=False),
-                lambda: engine.send_patches([], "none"),
-            ):
+            for wait in (True, False):
                 with pytest.raises(
                     ConfigError, match="a round of no tensors cannot be sent"
                 ) as refused:
-                    call()
+                    engine.send_weights("none", wait=wait)
             assert client.sent == [], client.sent
         observe(refused=str(refused.value))
         assert_weights(probe, want, "whole")

@@ -325,7 +325,7 @@ class TrainerEngine(FrameworkHooks):
                 for _ in source:
                     pass
             return RoundMetrics(None, 0, len(metas), 0, False, sender=False, seconds=clock.seconds)
-        refuse_no_tensors(metas, "send_weights")
+        refuse_no_tensors(metas)
         version = s.next_version(weight_version)
         self._check_link()
         if draft:
@@ -358,7 +358,7 @@ class TrainerEngine(FrameworkHooks):
             self._check_draft()
         elif self.info.is_sender:  # raised here, not by the handle: nothing was queued
             metas = self.session.source.metadata()  # the snapshot's too: one call, not two
-            refuse_no_tensors(metas, "send_weights")
+            refuse_no_tensors(metas)
             self.session.check_fits(metas)
         return self._overlapped.send(weight_version, draft, dense, metas)
 
@@ -379,7 +379,6 @@ class TrainerEngine(FrameworkHooks):
         refuse_patches(group=self._multi is not None, delta_auto=self._delta is not None)
         if not self.info.is_sender:
             return RoundMetrics(None, 0, 0, 0, False, sender=False)
-        refuse_no_tensors(patches, "send_patches")
         self._check_link()
         s = self.session
         # a patch round changes what changed: the served model's other tensors stay as they are
@@ -511,19 +510,18 @@ class TrainerEngine(FrameworkHooks):
         self.shutdown(in_flight="drain" if exc_type is None else "abort")
 
 
-def refuse_no_tensors(tensors: Sequence[object], what: str) -> None:
+def refuse_no_tensors(metas: Sequence[ParamMeta]) -> None:
     """A round of no tensors at all is refused before any call (``ConfigError``): its update
     info would list none, which the workers read as "the previous round's tensors again"
     (vLLM's metadata reuse), so they would wait for bytes that never come (or, after an
-    init, refuse the round)."""
-    if tensors:
-        return
-    given = "no patch" if what == "send_patches" else "a source with no tensors"
-    raise ConfigError(
-        f"{what} was given {given}: a round of no tensors cannot be sent (its update info, "
-        "listing none, reads as 'the previous round's tensors again' on the workers); nothing "
-        "was sent. Send at least one tensor (partial=True lets a round leave the others out)"
-    )
+    init, refuse the round). (``send_patches([])`` is refused by its own checks.)"""
+    if not metas:
+        raise ConfigError(
+            "send_weights was given a source with no tensors: a round of no tensors cannot be "
+            "sent (its update info, listing none, reads as 'the previous round's tensors "
+            "again' on the workers); nothing was sent. Send at least one tensor (partial=True "
+            "lets a round leave the others out)"
+        )
 
 
 def _session_after(told: bool) -> str:
