@@ -296,6 +296,10 @@ def test_an_adapter_config_with_unusable_numbers_is_refused_at_load(
             timeout=60,
         )
         assert served.status_code == 404, served.text
+    for body in ([], None, "cfg"):  # a JSON body that is no object: a 400, not a 500
+        reply = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=60)
+        assert reply.status_code == 400, (body, reply.text)
+        assert "must be a JSON object" in reply.json()["error"]["message"], reply.text
 
 
 class _AtTensor(WeightSource):

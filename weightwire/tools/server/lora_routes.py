@@ -36,6 +36,8 @@ def install_lora_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(LOAD_PATH)
     async def load_lora_adapter(request: Request) -> Any:
         body = await read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object with lora_name and lora_path")
         name, path = body.get("lora_name"), body.get("lora_path")
         try:
             check_adapter_name(name)
