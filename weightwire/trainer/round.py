@@ -40,7 +40,6 @@ from weightwire.trainer.early import (
     EarlyStart,
     go_accepts,
     one_request,
-    start_refused,
     starts_with_pause,
 )
 from weightwire.trainer.freshness import FinishInUpdate, StaleCacheError, finish_in_update
@@ -48,10 +47,7 @@ from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
-from weightwire.trainer.transfer import (
-    Transfer,
-    best_effort_resume,
-)
+from weightwire.trainer.transfer import Transfer, best_effort_resume, start_refused
 from weightwire.trainer.verify import VerifyError, VerifyReport
 
 logger = logging.getLogger(__name__)
@@ -219,6 +215,10 @@ def lead_round(
     - refused before the go (asleep, not the owner, a round already open, a bad version or
       update info: the server's start refused it, ``start_weight_update``): nothing was
       written, paused or started; the engine stays usable, as after a refused start;
+    - failed by its server past the start's checks but before any worker's word (a worker's
+      update refusing a delta round's base): the server failed the round and ended the
+      session, so the engine needs a new init (``DeltaRounds`` takes it at once for its
+      dense resend);
     - failing after the go (a worker's start failing after its go, the update, the commit:
       the error names ``start_weight_update`` / ``update_weights`` /
       ``finish_weight_update``): the round failed after its bytes could land; the link is
