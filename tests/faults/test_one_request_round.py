@@ -32,6 +32,7 @@ from tests.faults.harness import (
     elapsed,
     engine_for,
     hook_at,
+    observe,
     quiet_shutdown,
 )
 from tests.faults.one_request import ONE_REQUEST, hearing
@@ -360,6 +361,45 @@ def test_a_delta_round_with_no_changed_element_goes_in_one_request_and_commits_a
         assert client.sent == [_one()] and same.http_calls == 1 and wire.rounds[-1] is True
         assert took[0] < timeouts.http_s / 2
         assert_weights(probe, want, "unchanged")
+    finally:
+        quiet_shutdown(engine)
+
+
+@pytest.mark.slow  # ~5 s: three rounds of the 64 MB model's delta extraction on the CPU
+def test_a_delta_round_whose_base_a_sleep_dropped_is_refused_in_its_update_and_resent_dense(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """``/sleep?level=2`` drops the workers' base: the next delta round's one request passes
+    the start's checks, opens the round, and its update refuses the base before any worker's
+    word (``DeltaBaseMismatch``), which fails the server's round and ends its session. The
+    trainer then takes a new session and resends the round dense in the same call (was: the
+    engine was kept as after a refused start, so the dense resend went to a session the
+    server had ended: ``start_weight_update refused: this trainer's session ... has
+    ended``)."""
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, delta="auto", **IN_PLACE)
+    hearing(engine, shared_server.url, first_s=0.5)  # the workers' word after the update's check
+    try:
+        _sparse(source, 51)
+        engine.send_weights("base")  # dense: the base
+        want = _sparse(source, 52)
+        client.sent.clear()
+        assert engine.send_weights("patched").nbytes < 1024
+        assert client.sent == [_one()]
+        assert_weights(probe, want, "patched")
+        failed = probe.session()["rounds_failed"]
+        assert probe.http.post("/sleep", params={"level": 2}).status_code == 200
+        assert probe.http.post("/wake_up").status_code == 200
+        want = _sparse(source, 53)
+        client.sent.clear()
+        metrics = engine.send_weights("after-sleep")
+        assert client.sent[0] == _one()  # the delta round, refused by its update
+        assert "init_weight_transfer_engine" in client.sent[1:]  # a new session for the resend
+        assert metrics.nbytes == metrics.dense_bytes  # resent dense
+        assert_weights(probe, want, "after-sleep")
+        assert probe.session()["rounds_failed"] == failed + 1
+        assert not _paused(probe)  # the dense round's commit resumed what the refused one held
+        observe(refused=client.sent[0], then=client.sent[1])
     finally:
         quiet_shutdown(engine)
 
