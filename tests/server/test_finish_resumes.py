@@ -260,9 +260,9 @@ def test_a_finishs_flags_without_finish_and_bad_flags_are_refused_before_the_upd
 
 def test_a_flag_given_twice_is_refused_before_anything_is_done() -> None:
     """A round's query flag given twice (``pause=abort&pause=keep``, ``finish=true&finish=
-    false``, ``resume=true&resume=false``) is a 422 naming it, before the request does
-    anything (was: the last one silently held, so ``finish=true&finish=false`` was a plain
-    update and the round stayed open uncommitted)."""
+    false``, ``resume=true&resume=false``, ``start=true&start=false``) is a 422 naming it,
+    before the request does anything (was: the last one silently held, so ``finish=true&
+    finish=false`` was a plain update and the round stayed open uncommitted)."""
     receiver = Instant()
     state, http = _serve(receiver)
     with http:
@@ -276,6 +276,10 @@ def test_a_flag_given_twice_is_refused_before_anything_is_done() -> None:
             [("finish", "true"), ("finish", "false")],
             [("finish", "true"), ("resume", "true"), ("resume", "false")],
             [("finish", "true"), ("reset_caches", "1"), ("reset_caches", "0")],
+            # was: the last start held, so this one committed the open round as a plain
+            # update that finishes (and start=false&start=true opened one)
+            [("start", "true"), ("start", "false"), ("finish", "true")],
+            [("start", "false"), ("start", "true"), ("finish", "true")],
         ):
             r = http.post("/update_weights", params=params, json=body)
             assert r.status_code == 422 and "is given 2 times" in r.text, r.text

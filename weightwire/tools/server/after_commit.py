@@ -111,9 +111,9 @@ class StartAsked:
 
 def update_start_query(request: Request, then: AfterCommit | None) -> StartAsked | None:
     """An update's ``start`` flag and, with it, the start's ``pause`` (None: the round was
-    started apart; 422 naming a bad flag, a start without ``finish=true``, or a ``pause``
-    without ``start``)."""
-    raw = request.query_params.get("start")
+    started apart; 422 naming a bad flag, one given twice, a start without ``finish=true``,
+    or a ``pause`` without ``start``)."""
+    raw = query_once(request, "start")
     if raw is None or raw.lower() in _FALSE:
         if "pause" in request.query_params:
             raise ApiError(
