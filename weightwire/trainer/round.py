@@ -47,7 +47,7 @@ from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
-from weightwire.trainer.transfer import Transfer, best_effort_resume, start_refused
+from weightwire.trainer.transfer import Transfer, best_effort_resume, start_opened_nothing
 from weightwire.trainer.verify import VerifyError, VerifyReport
 
 logger = logging.getLogger(__name__)
@@ -213,9 +213,10 @@ def lead_round(
     from inside that request) fails by these rules:
 
     - refused before the go (asleep, not the owner, a round already open, a bad version or
-      update info: the server's start refused it, ``start_weight_update``): nothing was
-      written, paused or started; the engine stays usable, as after a refused start;
-    - failed by its server past the start's checks but before any worker's word (a worker's
+      update info: the server's start refused it, ``start_weight_update``; or its pause
+      failed, undone: a ``wait`` that did not drain): nothing was written, paused or
+      started; the engine stays usable, as after a refused start;
+    - failed by its server past the start's pause but before any worker's word (a worker's
       update refusing a delta round's base): the server failed the round and ended the
       session, so the engine needs a new init (``DeltaRounds`` takes it at once for its
       dense resend);
@@ -468,9 +469,10 @@ def recover(
 ) -> None:
     """A failed round: undo what it did to the servers, as far as is safe; the caller raises."""
     committed = was_committed(exc)
-    if servers.one_request and start_refused(exc):
-        # The request's start was refused by its checks, before its pause: nothing paused,
-        # nothing started (the data path wrote nothing: ``Transfer`` kept the engine).
+    if servers.one_request and start_opened_nothing(exc):
+        # The request's start was refused by its checks, before its pause, or failed at its
+        # pause, which it undid: nothing paused by it, nothing started (the data path wrote
+        # nothing: ``Transfer`` kept the engine).
         servers.paused = servers.started = False
     refused: BaseException | None = None  # a start that carried the pause, and failed
     if early is not None and not servers.started:

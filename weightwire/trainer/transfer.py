@@ -38,6 +38,7 @@ from weightwire.shared.errors import (
 )
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.routes import start_left_paused
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.handoff import quick_handoffs
 from weightwire.trainer.metrics import PhaseClock
@@ -320,9 +321,9 @@ class Transfer:
     def _unheard(self, exc: BaseException) -> BaseException:
         """A round of one request failed before the data path heard any worker's word: the
         trainer wrote nothing. Where the request itself failed the local work is settled; the
-        engine is kept where its server refused the start (``start_refused``: nothing paused
-        or started), as after a refused start, and needs a new init where the server failed
-        the round past those checks (it ended the session); else (the trainer's own failure
+        engine is kept where its server says the start opened no round
+        (``start_opened_nothing``), as after a refused start, and needs a new init where the
+        server failed the round past that (it ended the session); else (the trainer's own failure
         with the request still out) the servers may open a round that gets no byte: the link
         is aborted (the workers see it close) and the engine needs a new init. Returns the
         error to raise (the request's own where it failed)."""
@@ -337,7 +338,7 @@ class Transfer:
                 self._comm.abort()
             if cause is not exc:
                 cause.add_note(f"the data path then stopped: {type(exc).__name__}: {exc}")
-            if not start_refused(cause) and self.broken is None:
+            if not start_opened_nothing(cause) and self.broken is None:
                 # Past the start's checks its server opened the round, and failing it there
                 # ended the session (a worker refusing a delta round's base at its update,
                 # before its word): kept, the engine's next round would be refused by a
@@ -362,6 +363,18 @@ def start_refused(exc: BaseException) -> bool:
         and exc.route == "start_weight_update"
         and exc.status is not None
         and 400 <= exc.status < 500
+    )
+
+
+def start_opened_nothing(exc: BaseException) -> bool:
+    """``exc`` is a start (its own call, or riding on an update) that its server says opened
+    no round: refused by its checks (``start_refused``), or failed at its own pause before any
+    worker's start (a ``wait`` pause that did not drain: its error body says what became of
+    that pause, ``WeightSyncError.pause``; only a start that started no worker says it)."""
+    return start_refused(exc) or (
+        isinstance(exc, WeightSyncError)
+        and exc.route == "start_weight_update"
+        and start_left_paused(exc.pause) is not None
     )
 
 
