@@ -379,6 +379,53 @@ def test_a_start_whose_pause_waited_while_a_newer_init_replaced_its_session_open
         assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("one_request", [False, True], ids=["start", "one_request"])
+def test_a_start_whose_pause_waited_while_a_sleep_put_the_weights_away_opens_nothing(
+    one_request: bool,
+) -> None:
+    """``pause=wait`` waits for the running requests; a ``/sleep?level=1`` lands meanwhile
+    (no round is open yet, so it is not refused) and puts the weights away. The start is
+    refused as an asleep server's start is at its first check: 409 saying so, its pause
+    undone, no worker started, the session kept (was: its workers were asked to start, which
+    a real worker refuses while asleep: a 5xx that failed the trainer's session)."""
+    import threading
+
+    from weightwire.shared.routes import SESSION_HEADER
+
+    receiver = Instant()
+    state, http = _serve(receiver)
+    with http:
+        sid = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
+        own = {SESSION_HEADER: sid["session_id"]}
+        route, params, body = "/start_weight_update", {"pause": "wait"}, None
+        if one_request:
+            route, params = "/update_weights", {**ONE, "pause": "wait"}
+            body = {"update_info": EMPTY, "weight_version": "v"}
+        http.portal.call(state.gate.enter)  # a request running: the wait-mode pause drains it
+        answer: list[Any] = []
+        starting = threading.Thread(
+            target=lambda: answer.append(http.post(route, params=params, json=body, headers=own))
+        )
+        starting.start()
+        _until(lambda: state.gate.mode == "wait")  # the start is draining
+        r = http.post("/sleep", params={"level": 1, "mode": "keep"})
+        assert r.status_code == 200 and state.sleep.weights_asleep, r.text
+        http.portal.call(state.gate.leave)  # the running request ends: the drain returns
+        starting.join(10)
+        (refused,) = answer
+        assert refused.status_code == 409, refused.text
+        assert "start_weight_update refused: the server is asleep (/sleep level 1)" in (
+            refused.text
+        )
+        assert refused.json()["error"]["pause"] == "undone"
+        assert state.gate.mode is None and "start" not in receiver.ops
+        assert state.session.session_id == sid["session_id"] and state.session.rounds_failed == 0
+        state.sleep.weights_asleep, state.sleep.level = False, None  # (this receiver never wakes)
+        state.gate.hold_for_sleep(None)
+        r = http.post("/start_weight_update", params={"pause": "abort"}, headers=own)
+        assert r.status_code == 200, r.text
+
+
 def test_a_start_whose_wait_pause_timed_out_started_nothing_and_undid_its_pause() -> None:
     """``start?pause=wait`` whose running requests outlast the generate timeout: 504 before
     any worker started, so the pause it took is undone (the trainer's round failed before

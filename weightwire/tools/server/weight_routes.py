@@ -279,17 +279,23 @@ def _start_checks(state: ServerState, request: Request, mode: str | None) -> Non
     try:
         require_owner(state, request, "start_weight_update")
         state.session.check_start()
-        if state.sleep.weights_asleep:
-            raise SessionError(
-                409,
-                f"start_weight_update refused: the server is asleep (/sleep level "
-                f"{state.sleep.level}) and its weights are not loaded; POST "
-                "/wake_up?tags=weights before sending a round",
-            )
+        _check_awake(state)
     except (ApiError, SessionError) as exc:
         if mode is not None:  # the trainer reads what its pause became (start_left_paused)
             _say_pause(exc, START_PAUSED_NOTHING, START_PAUSE_NONE, state.gate.mode)
         raise
+
+
+def _check_awake(state: ServerState) -> None:
+    """A start is refused while ``/sleep`` holds the weights (its workers would refuse it,
+    failing the session): 409 saying how to wake them."""
+    if state.sleep.weights_asleep:
+        raise SessionError(
+            409,
+            f"start_weight_update refused: the server is asleep (/sleep level "
+            f"{state.sleep.level}) and its weights are not loaded; POST "
+            "/wake_up?tags=weights before sending a round",
+        )
 
 
 async def _open_round(state: ServerState, mode: str | None, clock: CallClock) -> None:
@@ -362,8 +368,10 @@ async def _start_in_update(
 async def _pause_first(state: ServerState, mode: str) -> None:
     """A start's own pause (``START_PAUSES``), before any of its workers starts. It may wait
     (``wait``: the running requests drain), and a newer init may replace the session
-    meanwhile: the start is checked again once the pause returned, so a replaced session's
-    start opens no round in the new one (whose trainer's own start would then be refused).
+    meanwhile, or a ``/sleep`` put the weights away: the start is checked again once the
+    pause returned, so a replaced session's start opens no round in the new one (whose
+    trainer's own start would then be refused), and an asleep server's start is refused as
+    at its first check (was: its workers refused it, which failed the session).
     A start that fails here started no worker: the pause it took is undone (a pause held
     before it stays), unless another pause or a resume came since (the new session's own
     start, an operator)."""
@@ -379,6 +387,7 @@ async def _pause_first(state: ServerState, mode: str) -> None:
                 "no round was opened. Re-initialize (trainer_init) to take over again",
             )
         session.check_start()
+        _check_awake(state)
     except BaseException as exc:
         if gate.pauses == ours and gate.mode == mode:  # still this start's pause
             if held is None:
