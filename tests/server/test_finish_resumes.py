@@ -131,7 +131,13 @@ def test_bad_flags_are_refused_before_the_finish(served: Any) -> None:
     assert http.post("/finish_weight_update", json={"weight_version": "v"}).status_code == 200
 
 
-def test_an_asleep_server_commits_and_the_client_raises_for_the_resume(served: Any) -> None:
+def test_an_asleep_server_commits_lifts_the_rounds_pause_and_its_sleep_holds(
+    served: Any,
+) -> None:
+    """A finish asked to resume while ``/sleep`` holds the server commits and lifts the
+    round's pause; generation stays held by the sleep until ``/wake_up`` (was: the resume was
+    refused, the committed round raised, and the round's pause outlived the wake that the
+    error said would resume generation)."""
     state, http = served
     client = client_for(http)
     client.init_weight_transfer_engine(INIT)
@@ -139,11 +145,25 @@ def test_an_asleep_server_commits_and_the_client_raises_for_the_resume(served: A
     client.pause("abort")
     client.start_weight_update()
     client.update_weights({"names": [], "dtype_names": [], "shapes": []})
-    state.sleep.level = 0  # /sleep?level=0 holds generation: /resume would refuse it too
-    with pytest.raises(WeightSyncError, match="the server is asleep") as caught:
-        client.finish_reset_resume("v2")
-    assert caught.value.route == "resume"
-    assert state.session.weight_version == "v2" and state.gate.paused  # committed, held
+    r = http.post("/sleep", params={"level": 0})  # a round is open: refused
+    assert r.status_code == 409, r.text
+    state.sleep.level = 0  # as a /sleep?level=0 that landed (it holds generation)
+    state.gate.hold_for_sleep("abort")
+    client.finish_reset_resume("v2")  # no resume refused: nothing raised
+    client.pause("abort")
+    client.start_weight_update()
+    client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    r = http.post("/finish_weight_update", params=THEN, json={"weight_version": "v2"})
+    reply = r.json()
+    assert reply["resumed"] is True and "until POST /wake_up" in reply["held_by_sleep"]
+    assert state.session.weight_version == "v2" and state.gate.mode is None  # committed
+    assert state.gate.paused  # by the sleep's own hold
+    resumed = http.post("/resume")  # asleep: it would not resume generation
+    assert resumed.status_code == 503 and "(that resumes generation)" in resumed.text
+    client.pause("keep")  # a /pause outlives the wake: the refusal names both steps
+    resumed = http.post("/resume")
+    assert resumed.status_code == 503, resumed.text
+    assert "then POST /resume again to lift the /pause (mode=keep)" in resumed.text
 
 
 def test_the_client_asks_only_where_every_server_named_it() -> None:
