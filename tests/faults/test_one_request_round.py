@@ -49,6 +49,12 @@ def _paused(probe: Probe) -> bool:
     return bool(probe.http.get("/is_paused").json()["is_paused"])
 
 
+def _awake(probe: Probe) -> None:
+    """Wake the shared server and lift any pause a failed case left."""
+    probe.http.post("/wake_up")
+    probe.http.post("/resume")
+
+
 def _one(mode: str = "abort", reset: str = "true") -> str:
     return ONE_REQUEST.format(mode=mode, reset=reset)
 
@@ -142,6 +148,37 @@ def test_an_asleep_server_refuses_the_request_before_anything_and_the_engine_sta
         assert client.sent == [_one()]
         assert_weights(probe, want, "after-sleep")
     finally:
+        quiet_shutdown(engine)
+
+
+def test_a_round_while_asleep_at_level_0_commits_and_the_wake_resumes_generation(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """``/sleep?level=0`` holds generation but keeps the weights: the round's start is taken,
+    and its commit lifts the round's pause without an error; generation stays held by the
+    sleep until ``/wake_up``, which then serves the new weights (was: the resume was refused,
+    the committed round raised ``WeightSyncError`` for ``resume`` saying that ``/wake_up``
+    resumes generation, and after the wake the round's pause still refused every request)."""
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
+    hearing(engine, shared_server.url)
+    try:
+        engine.send_weights("awake")
+        assert probe.http.post("/sleep", params={"level": 0}).status_code == 200
+        want = source.perturb(35)
+        client.sent.clear()
+        engine.send_weights("at-level-0")
+        assert client.sent == [_one()]
+        assert_weights(probe, want, "at-level-0")
+        assert _paused(probe)  # by the sleep
+        assert probe.http.post("/wake_up").json()["status"] == "awake"
+        assert not _paused(probe)  # the round's pause went with its commit
+        probe.greedy()
+        want = source.perturb(36)
+        engine.send_weights("after-wake")
+        assert_weights(probe, want, "after-wake")
+    finally:
+        _awake(probe)
         quiet_shutdown(engine)
 
 
