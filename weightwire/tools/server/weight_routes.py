@@ -246,6 +246,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             "replicas": results,
             "weight_version": session.weight_version,
         }
+        reply.update(_still_discarded(state))
         return JSONResponse({**reply, **after_commit(state, then)}, headers=clock.headers())
 
     @plain_post(app, route_path("finish_weight_update"))
@@ -268,6 +269,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                 f"{session.weight_version!r}",
             )
         reply = {"message": "Weight update finished", "weight_version": session.weight_version}
+        reply.update(_still_discarded(state))
         done = after_commit(state, then)
         return JSONResponse({**reply, **done}, headers=clock.headers())
 
@@ -427,8 +429,38 @@ async def _commit(state: ServerState, version: str | None) -> bool:
     )
     state.sleep.record(replies)
     empty = session.updates_in_round == 0
-    session.closed_empty() if empty else session.committed(version)
+    if empty:
+        session.closed_empty()
+    elif state.sleep.missing:
+        # /sleep?level=2 discarded tensors that no round has sent since: zeros under a name
+        # would say the model is whole (as /update_weight_version refuses to). The round's
+        # tensors are committed; its version waits for the round that sends the rest.
+        log.warning(
+            "round committed, but %d tensor(s) discarded by /sleep?level=2 have not been sent "
+            "since: weight_version stays %r (not %r) until a round sends them",
+            state.sleep.missing,
+            session.weight_version,
+            version,
+        )
+        session.committed(None)
+    else:
+        session.committed(version)
     return empty
+
+
+def _still_discarded(state: ServerState) -> dict[str, Any]:
+    """A commit's reply while tensors ``/sleep?level=2`` discarded are still unsent: their
+    count and why the round's version was not taken (empty otherwise)."""
+    missing = state.sleep.missing
+    if not missing:
+        return {}
+    return {
+        "discarded_tensors": missing,
+        "weight_version_note": (
+            f"{missing} tensor(s) discarded by /sleep?level=2 have not been sent since: "
+            "weight_version stays unset and generation is refused until a round sends them"
+        ),
+    }
 
 
 def _check_routes(app: FastAPI, state: ServerState) -> None:
