@@ -34,6 +34,7 @@ from tests.faults.harness import (
     hook_at,
     observe,
     quiet_shutdown,
+    sha256_of,
 )
 from tests.faults.one_request import ONE_REQUEST, hearing
 from tests.faults.servers import Server
@@ -179,6 +180,44 @@ def test_a_round_while_asleep_at_level_0_commits_and_the_wake_resumes_generation
         assert_weights(probe, want, "after-wake")
     finally:
         _awake(probe)
+        quiet_shutdown(engine)
+
+
+def test_a_partial_round_after_level_2_commits_its_tensors_but_names_no_version(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """``/sleep?level=2`` discarded every tensor; a round of some of them
+    (``partial=True``) commits those, yet ``weight_version`` stays unset (and generation
+    refused) while any discarded tensor is unsent; the full round that follows names its
+    version and serves (was: the partial round's version was named over zeroed tensors,
+    which ``/update_weight_version`` refuses to do)."""
+    some = sorted(source.tensors)[:-3]
+    part = TensorSource({name: source.tensors[name] for name in some})
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, part, client=client, partial=True, **IN_PLACE)
+    hearing(engine, shared_server.url)
+    try:
+        assert probe.http.post("/sleep", params={"level": 2}).status_code == 200
+        assert probe.http.post("/wake_up").json()["status"] == "awake"
+        client.sent.clear()
+        engine.send_weights("some")
+        assert client.sent[-1] == _one()  # (after the first round's ask for a round guard)
+        info = probe.http.get("/weight_info").json()
+        assert info["weight_version"] is None and info["sleep"]["discarded_tensors"] == 3, info
+        served = probe.checksums()[0]
+        assert all(served[name] == sha256_of(part.tensors[name]) for name in some)
+        refused = probe.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        assert refused.status_code == 503 and "discarded by /sleep?level=2" in refused.text
+        observe(weight_info=info["weight_version"], generation=refused.json()["error"]["message"])
+    finally:
+        quiet_shutdown(engine)
+    engine = engine_for(shared_server.url, source, **IN_PLACE)
+    try:
+        want = source.perturb(37)
+        engine.send_weights("all")
+        assert_weights(probe, want, "all")
+        probe.greedy()
+    finally:
         quiet_shutdown(engine)
 
 
