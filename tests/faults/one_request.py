@@ -32,8 +32,8 @@ class HearsWorkers:
 
     hears_workers = True
 
-    def __init__(self, inner: Any, url: str, poll_s: float = 0.002) -> None:
-        self._inner, self._poll_s = inner, poll_s
+    def __init__(self, inner: Any, url: str, poll_s: float = 0.002, first_s: float = 0.0) -> None:
+        self._inner, self._poll_s, self._first_s = inner, poll_s, first_s
         self._http = httpx.Client(base_url=url, timeout=10, headers=AUTH)
         self.rounds: list[bool] = []
         """Per round sent: whether it went in one request (``Outgoing.one_request``)."""
@@ -45,6 +45,8 @@ class HearsWorkers:
         done = threading.Event()
 
         def watch() -> None:
+            if done.wait(self._first_s):
+                return
             while not done.is_set():
                 try:
                     state = self._http.get("/weight_info").json()["session"]["state"]
@@ -72,9 +74,12 @@ class HearsWorkers:
         return getattr(self._inner, name)
 
 
-def hearing(engine: Any, url: str) -> HearsWorkers:
-    """Put ``HearsWorkers`` under ``engine``'s session (after its init); returns it."""
-    wrapped = HearsWorkers(engine.session.sender, url)
+def hearing(engine: Any, url: str, first_s: float = 0.0) -> HearsWorkers:
+    """Put ``HearsWorkers`` under ``engine``'s session (after its init); returns it.
+    ``first_s``: it looks only that long after the round's send began, so it hears the
+    workers well after their start: as a data path whose workers' first word comes from
+    their update (``weightwire_ipc``'s want), after the update's checks."""
+    wrapped = HearsWorkers(engine.session.sender, url, first_s=first_s)
     engine.session.sender = wrapped
     return wrapped
 

@@ -32,7 +32,9 @@ from tests.faults.harness import (
     elapsed,
     engine_for,
     hook_at,
+    observe,
     quiet_shutdown,
+    sha256_of,
 )
 from tests.faults.one_request import ONE_REQUEST, recorded_engine, recording
 from tests.faults.servers import Server
@@ -46,6 +48,12 @@ IN_PLACE = {"stage_budget_bytes": 0}  # a round applied in place: paused as a wh
 
 def _paused(probe: Probe) -> bool:
     return bool(probe.http.get("/is_paused").json()["is_paused"])
+
+
+def _awake(probe: Probe) -> None:
+    """Wake the shared server and lift any pause a failed case left."""
+    probe.http.post("/wake_up")
+    probe.http.post("/resume")
 
 
 def _one(mode: str = "abort", reset: str = "true") -> str:
@@ -134,6 +142,75 @@ def test_an_asleep_server_refuses_the_request_before_anything_and_the_engine_sta
         engine.send_weights("after-sleep")  # the same engine, its link intact
         assert client.sent == [_one()]
         assert_weights(probe, want, "after-sleep")
+    finally:
+        quiet_shutdown(engine)
+
+
+def test_a_round_while_asleep_at_level_0_commits_and_the_wake_resumes_generation(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """``/sleep?level=0`` holds generation but keeps the weights: the round's start is taken,
+    and its commit lifts the round's pause without an error; generation stays held by the
+    sleep until ``/wake_up``, which then serves the new weights (was: the resume was refused,
+    the committed round raised ``WeightSyncError`` for ``resume`` saying that ``/wake_up``
+    resumes generation, and after the wake the round's pause still refused every request)."""
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
+    hearing(engine, shared_server.url)
+    try:
+        engine.send_weights("awake")
+        assert probe.http.post("/sleep", params={"level": 0}).status_code == 200
+        want = source.perturb(35)
+        client.sent.clear()
+        engine.send_weights("at-level-0")
+        assert client.sent == [_one()]
+        assert_weights(probe, want, "at-level-0")
+        assert _paused(probe)  # by the sleep
+        assert probe.http.post("/wake_up").json()["status"] == "awake"
+        assert not _paused(probe)  # the round's pause went with its commit
+        probe.greedy()
+        want = source.perturb(36)
+        engine.send_weights("after-wake")
+        assert_weights(probe, want, "after-wake")
+    finally:
+        _awake(probe)
+        quiet_shutdown(engine)
+
+
+def test_a_partial_round_after_level_2_commits_its_tensors_but_names_no_version(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """``/sleep?level=2`` discarded every tensor; a round of some of them
+    (``partial=True``) commits those, yet ``weight_version`` stays unset (and generation
+    refused) while any discarded tensor is unsent; the full round that follows names its
+    version and serves (was: the partial round's version was named over zeroed tensors,
+    which ``/update_weight_version`` refuses to do)."""
+    some = sorted(source.tensors)[:-3]
+    part = TensorSource({name: source.tensors[name] for name in some})
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, part, client=client, partial=True, **IN_PLACE)
+    hearing(engine, shared_server.url)
+    try:
+        assert probe.http.post("/sleep", params={"level": 2}).status_code == 200
+        assert probe.http.post("/wake_up").json()["status"] == "awake"
+        client.sent.clear()
+        engine.send_weights("some")
+        assert client.sent[-1] == _one()  # (after the first round's ask for a round guard)
+        info = probe.http.get("/weight_info").json()
+        assert info["weight_version"] is None and info["sleep"]["discarded_tensors"] == 3, info
+        served = probe.checksums()[0]
+        assert all(served[name] == sha256_of(part.tensors[name]) for name in some)
+        refused = probe.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        assert refused.status_code == 503 and "discarded by /sleep?level=2" in refused.text
+        observe(weight_info=info["weight_version"], generation=refused.json()["error"]["message"])
+    finally:
+        quiet_shutdown(engine)
+    engine = engine_for(shared_server.url, source, **IN_PLACE)
+    try:
+        want = source.perturb(37)
+        engine.send_weights("all")
+        assert_weights(probe, want, "all")
+        probe.greedy()
     finally:
         quiet_shutdown(engine)
 
@@ -339,6 +416,45 @@ def test_a_delta_round_with_no_changed_element_goes_in_one_request_and_commits_a
         assert client.sent == [_one()] and same.http_calls == 1 and wire.rounds[-1] is True
         assert took[0] < timeouts.http_s / 2
         assert_weights(probe, want, "unchanged")
+    finally:
+        quiet_shutdown(engine)
+
+
+@pytest.mark.slow  # ~5 s: three rounds of the 64 MB model's delta extraction on the CPU
+def test_a_delta_round_whose_base_a_sleep_dropped_is_refused_in_its_update_and_resent_dense(
+    shared_server: Server, probe: Probe, source: TensorSource
+) -> None:
+    """``/sleep?level=2`` drops the workers' base: the next delta round's one request passes
+    the start's checks, opens the round, and its update refuses the base before any worker's
+    word (``DeltaBaseMismatch``), which fails the server's round and ends its session. The
+    trainer then takes a new session and resends the round dense in the same call (was: the
+    engine was kept as after a refused start, so the dense resend went to a session the
+    server had ended: ``start_weight_update refused: this trainer's session ... has
+    ended``)."""
+    client = _recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=client, delta="auto", **IN_PLACE)
+    hearing(engine, shared_server.url, first_s=0.5)  # the workers' word after the update's check
+    try:
+        _sparse(source, 51)
+        engine.send_weights("base")  # dense: the base
+        want = _sparse(source, 52)
+        client.sent.clear()
+        assert engine.send_weights("patched").nbytes < 1024
+        assert client.sent == [_one()]
+        assert_weights(probe, want, "patched")
+        failed = probe.session()["rounds_failed"]
+        assert probe.http.post("/sleep", params={"level": 2}).status_code == 200
+        assert probe.http.post("/wake_up").status_code == 200
+        want = _sparse(source, 53)
+        client.sent.clear()
+        metrics = engine.send_weights("after-sleep")
+        assert client.sent[0] == _one()  # the delta round, refused by its update
+        assert "init_weight_transfer_engine" in client.sent[1:]  # a new session for the resend
+        assert metrics.nbytes == metrics.dense_bytes  # resent dense
+        assert_weights(probe, want, "after-sleep")
+        assert probe.session()["rounds_failed"] == failed + 1
+        assert not _paused(probe)  # the dense round's commit resumed what the refused one held
+        observe(refused=client.sent[0], then=client.sent[1])
     finally:
         quiet_shutdown(engine)
 

@@ -131,7 +131,13 @@ def test_bad_flags_are_refused_before_the_finish(served: Any) -> None:
     assert http.post("/finish_weight_update", json={"weight_version": "v"}).status_code == 200
 
 
-def test_an_asleep_server_commits_and_the_client_raises_for_the_resume(served: Any) -> None:
+def test_an_asleep_server_commits_lifts_the_rounds_pause_and_its_sleep_holds(
+    served: Any,
+) -> None:
+    """A finish asked to resume while ``/sleep`` holds the server commits and lifts the
+    round's pause; generation stays held by the sleep until ``/wake_up`` (was: the resume was
+    refused, the committed round raised, and the round's pause outlived the wake that the
+    error said would resume generation)."""
     state, http = served
     client = client_for(http)
     client.init_weight_transfer_engine(INIT)
@@ -139,11 +145,25 @@ def test_an_asleep_server_commits_and_the_client_raises_for_the_resume(served: A
     client.pause("abort")
     client.start_weight_update()
     client.update_weights({"names": [], "dtype_names": [], "shapes": []})
-    state.sleep.level = 0  # /sleep?level=0 holds generation: /resume would refuse it too
-    with pytest.raises(WeightSyncError, match="the server is asleep") as caught:
-        client.finish_reset_resume("v2")
-    assert caught.value.route == "resume"
-    assert state.session.weight_version == "v2" and state.gate.paused  # committed, held
+    r = http.post("/sleep", params={"level": 0})  # a round is open: refused
+    assert r.status_code == 409, r.text
+    state.sleep.level = 0  # as a /sleep?level=0 that landed (it holds generation)
+    state.gate.hold_for_sleep("abort")
+    client.finish_reset_resume("v2")  # no resume refused: nothing raised
+    client.pause("abort")
+    client.start_weight_update()
+    client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    r = http.post("/finish_weight_update", params=THEN, json={"weight_version": "v2"})
+    reply = r.json()
+    assert reply["resumed"] is True and "until POST /wake_up" in reply["held_by_sleep"]
+    assert state.session.weight_version == "v2" and state.gate.mode is None  # committed
+    assert state.gate.paused  # by the sleep's own hold
+    resumed = http.post("/resume")  # asleep: it would not resume generation
+    assert resumed.status_code == 503 and "(that resumes generation)" in resumed.text
+    client.pause("keep")  # a /pause outlives the wake: the refusal names both steps
+    resumed = http.post("/resume")
+    assert resumed.status_code == 503, resumed.text
+    assert "then POST /resume again to lift the /pause (mode=keep)" in resumed.text
 
 
 def test_the_client_asks_only_where_every_server_named_it() -> None:
@@ -260,9 +280,9 @@ def test_a_finishs_flags_without_finish_and_bad_flags_are_refused_before_the_upd
 
 def test_a_flag_given_twice_is_refused_before_anything_is_done() -> None:
     """A round's query flag given twice (``pause=abort&pause=keep``, ``finish=true&finish=
-    false``, ``resume=true&resume=false``) is a 422 naming it, before the request does
-    anything (was: the last one silently held, so ``finish=true&finish=false`` was a plain
-    update and the round stayed open uncommitted)."""
+    false``, ``resume=true&resume=false``, ``start=true&start=false``) is a 422 naming it,
+    before the request does anything (was: the last one silently held, so ``finish=true&
+    finish=false`` was a plain update and the round stayed open uncommitted)."""
     receiver = Instant()
     state, http = _serve(receiver)
     with http:
@@ -276,6 +296,10 @@ def test_a_flag_given_twice_is_refused_before_anything_is_done() -> None:
             [("finish", "true"), ("finish", "false")],
             [("finish", "true"), ("resume", "true"), ("resume", "false")],
             [("finish", "true"), ("reset_caches", "1"), ("reset_caches", "0")],
+            # was: the last start held, so this one committed the open round as a plain
+            # update that finishes (and start=false&start=true opened one)
+            [("start", "true"), ("start", "false"), ("finish", "true")],
+            [("start", "false"), ("start", "true"), ("finish", "true")],
         ):
             r = http.post("/update_weights", params=params, json=body)
             assert r.status_code == 422 and "is given 2 times" in r.text, r.text
@@ -372,6 +396,53 @@ def test_a_start_whose_pause_waited_while_a_newer_init_replaced_its_session_open
         assert refused.json()["error"]["pause"] == "undone"
         assert "start" not in receiver.ops  # no worker started
         r = http.post("/start_weight_update", headers=own)
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("one_request", [False, True], ids=["start", "one_request"])
+def test_a_start_whose_pause_waited_while_a_sleep_put_the_weights_away_opens_nothing(
+    one_request: bool,
+) -> None:
+    """``pause=wait`` waits for the running requests; a ``/sleep?level=1`` lands meanwhile
+    (no round is open yet, so it is not refused) and puts the weights away. The start is
+    refused as an asleep server's start is at its first check: 409 saying so, its pause
+    undone, no worker started, the session kept (was: its workers were asked to start, which
+    a real worker refuses while asleep: a 5xx that failed the trainer's session)."""
+    import threading
+
+    from weightwire.shared.routes import SESSION_HEADER
+
+    receiver = Instant()
+    state, http = _serve(receiver)
+    with http:
+        sid = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
+        own = {SESSION_HEADER: sid["session_id"]}
+        route, params, body = "/start_weight_update", {"pause": "wait"}, None
+        if one_request:
+            route, params = "/update_weights", {**ONE, "pause": "wait"}
+            body = {"update_info": EMPTY, "weight_version": "v"}
+        http.portal.call(state.gate.enter)  # a request running: the wait-mode pause drains it
+        answer: list[Any] = []
+        starting = threading.Thread(
+            target=lambda: answer.append(http.post(route, params=params, json=body, headers=own))
+        )
+        starting.start()
+        _until(lambda: state.gate.mode == "wait")  # the start is draining
+        r = http.post("/sleep", params={"level": 1, "mode": "keep"})
+        assert r.status_code == 200 and state.sleep.weights_asleep, r.text
+        http.portal.call(state.gate.leave)  # the running request ends: the drain returns
+        starting.join(10)
+        (refused,) = answer
+        assert refused.status_code == 409, refused.text
+        assert "start_weight_update refused: the server is asleep (/sleep level 1)" in (
+            refused.text
+        )
+        assert refused.json()["error"]["pause"] == "undone"
+        assert state.gate.mode is None and "start" not in receiver.ops
+        assert state.session.session_id == sid["session_id"] and state.session.rounds_failed == 0
+        state.sleep.weights_asleep, state.sleep.level = False, None  # (this receiver never wakes)
+        state.gate.hold_for_sleep(None)
+        r = http.post("/start_weight_update", params={"pause": "abort"}, headers=own)
         assert r.status_code == 200, r.text
 
 

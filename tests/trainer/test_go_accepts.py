@@ -248,6 +248,42 @@ def test_a_request_refused_before_the_workers_spoke_keeps_the_engine() -> None:
     assert step.broken is None and comm.aborted == 0 and pipe.settled == 1
 
 
+@pytest.mark.parametrize(
+    ("route", "status", "pause", "kept"),
+    [
+        # its start's own pause failed (a wait that did not drain), undone: nothing started
+        ("start_weight_update", 504, "undone", True),
+        # past the start: a worker's update refused a delta round's base, the session ended
+        ("update_weights", 409, None, False),
+        # a worker's start failed: the server failed the round and ended the session
+        ("start_weight_update", 502, None, False),
+    ],
+    ids=["pause_failed", "update_refused", "worker_start_failed"],
+)
+def test_a_request_failed_by_its_server_before_the_workers_spoke(
+    route: str, status: int, pause: str | None, kept: bool
+) -> None:
+    """The engine is kept only where the server says its start opened no round (was: kept
+    whatever failed, so after an update refused past the start the engine's next round, a
+    delta round's dense resend too, went to a session its server had ended)."""
+    from weightwire.shared.errors import WeightSyncError
+
+    failed = WeightSyncError(route, status, f"{route} failed", "s", pause=pause)
+
+    def post() -> None:
+        raise failed
+
+    pipe = Hearing(hear=False)
+    step, comm = _one_request(pipe, post)
+    with pytest.raises(WeightSyncError) as got:
+        step.run([], [])
+    assert got.value is failed and pipe.settled == 1
+    if kept:
+        assert step.broken is None and comm.aborted == 0
+    else:
+        assert step.broken is failed and comm.aborted >= 1
+
+
 def test_a_request_failing_after_the_workers_spoke_breaks_the_engine() -> None:
     import threading
 

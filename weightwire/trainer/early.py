@@ -49,7 +49,7 @@ from typing import Any
 
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import named_servers
-from weightwire.shared.errors import ControlTimeout, WeightSyncError
+from weightwire.shared.errors import ControlTimeout
 from weightwire.trainer.caps import ClientCaps
 from weightwire.trainer.transfer import await_call
 
@@ -195,14 +195,3 @@ def go_accepts(client: Any, early: EarlyStart | None) -> bool:
     the start may land after a worker's go). The failure rule for a start that fails after
     the go is ``backends.ipc.through.pipeline``'s."""
     return early is not None and early.start_pauses and one_server(client)
-
-
-def start_refused(exc: BaseException) -> bool:
-    """``exc`` is a start its server refused by its own checks (a 4xx answer for
-    ``start_weight_update``): that server paused nothing and started no worker."""
-    return (
-        isinstance(exc, WeightSyncError)
-        and exc.route == "start_weight_update"
-        and exc.status is not None
-        and 400 <= exc.status < 500
-    )

@@ -40,7 +40,7 @@ from weightwire.trainer.early import (
     EarlyStart,
     go_accepts,
     one_request,
-    start_refused,
+    one_server,
     starts_with_pause,
 )
 from weightwire.trainer.freshness import FinishInUpdate, StaleCacheError, finish_in_update
@@ -48,10 +48,7 @@ from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
-from weightwire.trainer.transfer import (
-    Transfer,
-    best_effort_resume,
-)
+from weightwire.trainer.transfer import Transfer, best_effort_resume, start_opened_nothing
 from weightwire.trainer.verify import VerifyError, VerifyReport
 
 logger = logging.getLogger(__name__)
@@ -217,8 +214,13 @@ def lead_round(
     from inside that request) fails by these rules:
 
     - refused before the go (asleep, not the owner, a round already open, a bad version or
-      update info: the server's start refused it, ``start_weight_update``): nothing was
-      written, paused or started; the engine stays usable, as after a refused start;
+      update info: the server's start refused it, ``start_weight_update``; or its pause
+      failed, undone: a ``wait`` that did not drain): nothing was written, paused or
+      started; the engine stays usable, as after a refused start;
+    - failed by its server past the start's pause but before any worker's word (a worker's
+      update refusing a delta round's base): the server failed the round and ended the
+      session, so the engine needs a new init (``DeltaRounds`` takes it at once for its
+      dense resend);
     - failing after the go (a worker's start failing after its go, the update, the commit:
       the error names ``start_weight_update`` / ``update_weights`` /
       ``finish_weight_update``): the round failed after its bytes could land; the link is
@@ -373,13 +375,13 @@ def open_round(
     servers.held = hold_guard(s.client, pause, r.version)  # refusing, with the reason
     if pause.mode is None:
         servers.started = True  # from here the workers may hold part of the round
-        _start_call(s, r)()
+        _send_start(s, _start_call(s, r))
         return
     mode = pause.mode
     if not pause_beside_start(s):
         servers.paused = s.pause(mode)
         servers.started = True
-        _start_call(s, r)()
+        _send_start(s, _start_call(s, r))
         return
     # Both at once (``pause_beside_start``), each awaited: a failed one fails the round.
     both = EarlyStart(
@@ -390,10 +392,31 @@ def open_round(
     except BaseException as exc:
         paused, started, opened = both.abandon()
         servers.paused, servers.started = paused, started
-        if opened and s.broken is None:  # a round open on the servers that gets no bytes
-            s.broken = exc
+        if may_have_opened(s, started, opened) and s.broken is None:
+            s.broken = exc  # a round open on the servers that gets no bytes
         raise
     servers.paused, servers.started = both.paused, True
+
+
+def may_have_opened(s: Session, started: bool, opened: bool) -> bool:
+    """A round's start may have opened a round on some server: it answered success, or it went
+    to several servers and failed. One server's refusal says nothing of another's start,
+    which may have opened its round, or still may (the client raises the first error without
+    waiting for the rest): that round gets no bytes, and its server refuses the next round's
+    start until its lease ends it (was: the engine was kept, and each following round failed
+    on "a weight update is already active", opening a round wherever it could)."""
+    return opened or (started and not one_server(s.client))
+
+
+def _send_start(s: Session, start: Callable[[], object]) -> None:
+    """The round's start, in line: a failure that may have opened a round on some server
+    (``may_have_opened``) marks the engine broken."""
+    try:
+        start()
+    except BaseException as exc:
+        if may_have_opened(s, True, False) and s.broken is None:
+            s.broken = exc
+        raise
 
 
 def transfer(r: Round, t: Transmission) -> Sent:
@@ -469,9 +492,10 @@ def recover(
 ) -> None:
     """A failed round: undo what it did to the servers, as far as is safe; the caller raises."""
     committed = was_committed(exc)
-    if servers.one_request and start_refused(exc):
-        # The request's start was refused by its checks, before its pause: nothing paused,
-        # nothing started (the data path wrote nothing: ``Transfer`` kept the engine).
+    if servers.one_request and start_opened_nothing(exc):
+        # The request's start was refused by its checks, before its pause, or failed at its
+        # pause, which it undid: nothing paused by it, nothing started (the data path wrote
+        # nothing: ``Transfer`` kept the engine).
         servers.paused = servers.started = False
     refused: BaseException | None = None  # a start that carried the pause, and failed
     if early is not None and not servers.started:
@@ -485,11 +509,12 @@ def recover(
         if paused and not started:
             servers.paused = False
             best_effort_resume(s.client)
-        if opened and s.broken is None:
+        if may_have_opened(s, started, opened) and s.broken is None:
             # The servers hold a round this trainer will send nothing more into (the
             # reference server's lease aborts it; a stock worker may have begun a reload):
             # like a round that failed after its first byte, the engine needs a new init.
-            # (A start that failed opened nothing: as in line, the engine stays usable.)
+            # (A start that failed on its one server opened nothing: as in line, the engine
+            # stays usable.)
             s.broken = exc
     if end is not None:
         end.failed(exc, committed=committed)

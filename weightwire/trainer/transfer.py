@@ -30,9 +30,15 @@ from typing import Any
 from weightwire.backends.base import Outgoing, Prepared, RoundSender, Sent
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient
-from weightwire.shared.errors import ControlTimeout, TransferError, TransferTimeout
+from weightwire.shared.errors import (
+    ControlTimeout,
+    TransferError,
+    TransferTimeout,
+    WeightSyncError,
+)
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.routes import start_left_paused
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.handoff import quick_handoffs
 from weightwire.trainer.metrics import PhaseClock
@@ -320,12 +326,13 @@ class Transfer:
 
     def _unheard(self, exc: BaseException) -> BaseException:
         """A round of one request failed before the data path heard any worker's word: the
-        trainer wrote nothing. Where the request itself failed (its server refused the start,
-        or failed it before any worker spoke) the local work is settled and the engine kept,
-        as after a refused start; else (the trainer's own failure with the request still out)
-        the servers may open a round that gets no byte: the link is aborted (the workers see
-        it close) and the engine needs a new init. Returns the error to raise (the request's
-        own where it failed)."""
+        trainer wrote nothing. Where the request itself failed the local work is settled; the
+        engine is kept where its server says the start opened no round
+        (``start_opened_nothing``), as after a refused start, and needs a new init where the
+        server failed the round past that (it ended the session); else (the trainer's own failure
+        with the request still out) the servers may open a round that gets no byte: the link
+        is aborted (the workers see it close) and the engine needs a new init. Returns the
+        error to raise (the request's own where it failed)."""
         update = self._update
         assert update is not None
         cause = update.exception() if update.done() else None
@@ -337,6 +344,13 @@ class Transfer:
                 self._comm.abort()
             if cause is not exc:
                 cause.add_note(f"the data path then stopped: {type(exc).__name__}: {exc}")
+            if not start_opened_nothing(cause) and self.broken is None:
+                # Past the start's checks its server opened the round, and failing it there
+                # ended the session (a worker refusing a delta round's base at its update,
+                # before its word): kept, the engine's next round would be refused by a
+                # server that no longer knows it, and a delta round's dense retry with it.
+                self.broken = cause
+                self._comm.abort()
             return cause
         exc.add_note(
             "the round's one request (start, update, finish) was out: its servers may have "
@@ -345,6 +359,29 @@ class Transfer:
         self.broken = exc
         self._comm.abort()
         return exc
+
+
+def start_refused(exc: BaseException) -> bool:
+    """``exc`` is a start its server refused by its own checks (a 4xx answer for
+    ``start_weight_update``): that server paused nothing and started no worker."""
+    return (
+        isinstance(exc, WeightSyncError)
+        and exc.route == "start_weight_update"
+        and exc.status is not None
+        and 400 <= exc.status < 500
+    )
+
+
+def start_opened_nothing(exc: BaseException) -> bool:
+    """``exc`` is a start (its own call, or riding on an update) that its server says opened
+    no round: refused by its checks (``start_refused``), or failed at its own pause before any
+    worker's start (a ``wait`` pause that did not drain: its error body says what became of
+    that pause, ``WeightSyncError.pause``; only a start that started no worker says it)."""
+    return start_refused(exc) or (
+        isinstance(exc, WeightSyncError)
+        and exc.route == "start_weight_update"
+        and start_left_paused(exc.pause) is not None
+    )
 
 
 def _await_verdict(update: Future) -> None:

@@ -16,11 +16,13 @@ own rule for a failed round applies, as with separate calls.
 - ``reset_caches``: this server keeps no KV or encoder output beyond one request (a request
   runs under the model lock a commit takes), so there is nothing to drop: as its
   ``/reset_prefix_cache`` and ``/reset_encoder_cache`` routes, it answers success.
-- ``resume``: ``/resume``'s rule: refused (the reply says why, the round stays committed)
-  while ``/sleep`` holds the server.
+- ``resume``: lifts the round's pause (``/resume``'s hold) once it committed. While
+  ``/sleep`` holds the server too, generation stays held by the sleep's own hold until
+  ``/wake_up`` (the reply's ``held_by_sleep`` says so); the ``/resume`` route itself
+  refuses then, telling an operator that it would not wake the server.
 
-The reply adds ``caches_reset`` and ``resumed`` (booleans) and, when the resume was
-refused, ``resume_error``: the client raises that after the commit, as a failed ``/resume``.
+The reply adds ``caches_reset`` and ``resumed`` (booleans); an older server's refused
+resume came back as ``resume_error``, which the client raises after the commit.
 
 ``UPDATE_FINISHES`` (advertised in the init reply too): ``/update_weights?finish=true``
 (with the finish's ``reset_caches`` / ``resume`` flags and its ``weight_version`` in the
@@ -80,15 +82,17 @@ def after_commit(state: ServerState, then: AfterCommit) -> dict[str, Any]:
     if then.reset_caches:
         out["caches_reset"] = True  # nothing outlives a request here (module docstring)
     if then.resume:
+        # The round's own pause is lifted once it committed, asleep or not: the sleep holds
+        # generation with a hold of its own (``PauseGate``), which /wake_up lifts. (Was:
+        # refused while asleep, so the committed round raised and its pause outlived the
+        # /wake_up that its error said would resume generation.)
+        state.gate.resume()
+        out["resumed"] = True
         if state.sleep.level is not None:
-            out["resumed"] = False
-            out["resume_error"] = (
-                f"the server is asleep (/sleep level {state.sleep.level}): POST /wake_up to "
-                "wake it (that resumes generation); the round is committed"
+            out["held_by_sleep"] = (
+                f"the server is asleep (/sleep level {state.sleep.level}): generation stays "
+                "held until POST /wake_up"
             )
-        else:
-            state.gate.resume()
-            out["resumed"] = True
     return out
 
 
@@ -111,9 +115,9 @@ class StartAsked:
 
 def update_start_query(request: Request, then: AfterCommit | None) -> StartAsked | None:
     """An update's ``start`` flag and, with it, the start's ``pause`` (None: the round was
-    started apart; 422 naming a bad flag, a start without ``finish=true``, or a ``pause``
-    without ``start``)."""
-    raw = request.query_params.get("start")
+    started apart; 422 naming a bad flag, one given twice, a start without ``finish=true``,
+    or a ``pause`` without ``start``)."""
+    raw = query_once(request, "start")
     if raw is None or raw.lower() in _FALSE:
         if "pause" in request.query_params:
             raise ApiError(

@@ -64,11 +64,14 @@ def _pause_routes(app: FastAPI, state: ServerState) -> None:
     async def resume(request: Request) -> dict[str, Any]:
         await read_no_body(request)
         if state.sleep.level is not None:
-            # Resuming would run requests against offloaded or discarded weights.
+            # /resume lifts only a /pause: while asleep it would not resume generation.
+            then = "that resumes generation"
+            if gate.mode is not None:  # the /pause outlives the wake: say both steps
+                then = f"then POST /resume again to lift the /pause (mode={gate.mode})"
             raise ApiError(
                 503,
                 f"the server is asleep (/sleep level {state.sleep.level}): POST /wake_up to wake "
-                "it (that resumes generation); /resume lifts only a /pause",
+                f"it ({then}); /resume lifts only a /pause",
             )
         gate.resume()
         return {"status": "resumed"}

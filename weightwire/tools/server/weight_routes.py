@@ -247,6 +247,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             "replicas": results,
             "weight_version": session.weight_version,
         }
+        reply.update(_still_discarded(state))
         return JSONResponse({**reply, **after_commit(state, then)}, headers=clock.headers())
 
     @plain_post(app, route_path("finish_weight_update"))
@@ -269,6 +270,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                 f"{session.weight_version!r}",
             )
         reply = {"message": "Weight update finished", "weight_version": session.weight_version}
+        reply.update(_still_discarded(state))
         done = after_commit(state, then)
         return JSONResponse({**reply, **done}, headers=clock.headers())
 
@@ -280,17 +282,23 @@ def _start_checks(state: ServerState, request: Request, mode: str | None) -> Non
     try:
         require_owner(state, request, "start_weight_update")
         state.session.check_start()
-        if state.sleep.weights_asleep:
-            raise SessionError(
-                409,
-                f"start_weight_update refused: the server is asleep (/sleep level "
-                f"{state.sleep.level}) and its weights are not loaded; POST "
-                "/wake_up?tags=weights before sending a round",
-            )
+        _check_awake(state)
     except (ApiError, SessionError) as exc:
         if mode is not None:  # the trainer reads what its pause became (start_left_paused)
             _say_pause(exc, START_PAUSED_NOTHING, START_PAUSE_NONE, state.gate.mode)
         raise
+
+
+def _check_awake(state: ServerState) -> None:
+    """A start is refused while ``/sleep`` holds the weights (its workers would refuse it,
+    failing the session): 409 saying how to wake them."""
+    if state.sleep.weights_asleep:
+        raise SessionError(
+            409,
+            f"start_weight_update refused: the server is asleep (/sleep level "
+            f"{state.sleep.level}) and its weights are not loaded; POST "
+            "/wake_up?tags=weights before sending a round",
+        )
 
 
 async def _open_round(state: ServerState, mode: str | None, clock: CallClock) -> None:
@@ -363,8 +371,10 @@ async def _start_in_update(
 async def _pause_first(state: ServerState, mode: str) -> None:
     """A start's own pause (``START_PAUSES``), before any of its workers starts. It may wait
     (``wait``: the running requests drain), and a newer init may replace the session
-    meanwhile: the start is checked again once the pause returned, so a replaced session's
-    start opens no round in the new one (whose trainer's own start would then be refused).
+    meanwhile, or a ``/sleep`` put the weights away: the start is checked again once the
+    pause returned, so a replaced session's start opens no round in the new one (whose
+    trainer's own start would then be refused), and an asleep server's start is refused as
+    at its first check (was: its workers refused it, which failed the session).
     A start that fails here started no worker: the pause it took is undone (a pause held
     before it stays), unless another pause or a resume came since (the new session's own
     start, an operator)."""
@@ -380,6 +390,7 @@ async def _pause_first(state: ServerState, mode: str) -> None:
                 "no round was opened. Re-initialize (trainer_init) to take over again",
             )
         session.check_start()
+        _check_awake(state)
     except BaseException as exc:
         if gate.pauses == ours and gate.mode == mode:  # still this start's pause
             if held is None:
@@ -419,8 +430,38 @@ async def _commit(state: ServerState, version: str | None) -> bool:
     )
     state.sleep.record(replies)
     empty = session.updates_in_round == 0
-    session.closed_empty() if empty else session.committed(version)
+    if empty:
+        session.closed_empty()
+    elif state.sleep.missing:
+        # /sleep?level=2 discarded tensors that no round has sent since: zeros under a name
+        # would say the model is whole (as /update_weight_version refuses to). The round's
+        # tensors are committed; its version waits for the round that sends the rest.
+        log.warning(
+            "round committed, but %d tensor(s) discarded by /sleep?level=2 have not been sent "
+            "since: weight_version stays %r (not %r) until a round sends them",
+            state.sleep.missing,
+            session.weight_version,
+            version,
+        )
+        session.committed(None)
+    else:
+        session.committed(version)
     return empty
+
+
+def _still_discarded(state: ServerState) -> dict[str, Any]:
+    """A commit's reply while tensors ``/sleep?level=2`` discarded are still unsent: their
+    count and why the round's version was not taken (empty otherwise)."""
+    missing = state.sleep.missing
+    if not missing:
+        return {}
+    return {
+        "discarded_tensors": missing,
+        "weight_version_note": (
+            f"{missing} tensor(s) discarded by /sleep?level=2 have not been sent since: "
+            "weight_version stays unset and generation is refused until a round sends them"
+        ),
+    }
 
 
 def _check_routes(app: FastAPI, state: ServerState) -> None:
