@@ -36,7 +36,7 @@ from tests.faults.harness import (
     quiet_shutdown,
     sha256_of,
 )
-from tests.faults.one_request import ONE_REQUEST, recorded_engine, recording
+from tests.faults.one_request import ONE_REQUEST, hearing, recorded_engine, recording
 from tests.faults.servers import Server
 from tests.faults.test_finish_in_update_combos import _sparse
 from weightwire.shared.errors import ConfigError, RoundError, WeightSyncError
@@ -154,9 +154,7 @@ def test_a_round_while_asleep_at_level_0_commits_and_the_wake_resumes_generation
     sleep until ``/wake_up``, which then serves the new weights (was: the resume was refused,
     the committed round raised ``WeightSyncError`` for ``resume`` saying that ``/wake_up``
     resumes generation, and after the wake the round's pause still refused every request)."""
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, **IN_PLACE)
-    hearing(engine, shared_server.url)
+    client, engine, _ = recorded_engine(shared_server.url, source, **IN_PLACE)
     try:
         engine.send_weights("awake")
         assert probe.http.post("/sleep", params={"level": 0}).status_code == 200
@@ -187,9 +185,7 @@ def test_a_partial_round_after_level_2_commits_its_tensors_but_names_no_version(
     which ``/update_weight_version`` refuses to do)."""
     some = sorted(source.tensors)[:-3]
     part = TensorSource({name: source.tensors[name] for name in some})
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, part, client=client, partial=True, **IN_PLACE)
-    hearing(engine, shared_server.url)
+    client, engine, _ = recorded_engine(shared_server.url, part, partial=True, **IN_PLACE)
     try:
         assert probe.http.post("/sleep", params={"level": 2}).status_code == 200
         assert probe.http.post("/wake_up").json()["status"] == "awake"
@@ -431,8 +427,9 @@ def test_a_delta_round_whose_base_a_sleep_dropped_is_refused_in_its_update_and_r
     engine was kept as after a refused start, so the dense resend went to a session the
     server had ended: ``start_weight_update refused: this trainer's session ... has
     ended``)."""
-    client = _recording(shared_server.url)
-    engine = engine_for(shared_server.url, source, client=client, delta="auto", **IN_PLACE)
+    client, engine, _ = recorded_engine(
+        shared_server.url, source, hears=False, delta="auto", **IN_PLACE
+    )
     hearing(engine, shared_server.url, first_s=0.5)  # the workers' word after the update's check
     try:
         _sparse(source, 51)
