@@ -21,6 +21,7 @@ from tests.trainer.fakes import DictSource, FakeServer
 from weightwire.backends.pipelines import DevicePipeline
 from weightwire.jax_side.dtypes import describe
 from weightwire.jax_side.engine import JAXTrainerEngine
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.owned import OwnedSource
 from weightwire.shared.served import ServedModel, ServedModelMismatch
@@ -92,10 +93,12 @@ class Run:
         packed: bool = True,
         inner: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
         owner_of_rank: Callable[[int], Callable[[str], int]] | None = None,
+        partial: bool = False,
     ) -> None:
         self.server = FakeServer(world_size=2)
         self.workers = FakeWorkers(self.server)
         self.size, self.owner, self.verify, self.packed = size, owner, verify, packed
+        self.partial = partial
         self.inner = inner or (lambda r, tensors: DictSource(tensors, describe))
         self.owner_of_rank = owner_of_rank or (lambda r: owner)
         self.results: list[list[Any]] = [[] for _ in range(size)]
@@ -120,6 +123,7 @@ class Run:
                     packed=self.packed,
                     packed_buffer_size_bytes=300,
                     verify=self.verify,
+                    partial=self.partial,
                 )
                 engine = FakeDeviceEngine.trainer_init(
                     cfg, client=self.server.client(), source=source, group=groups[r]
@@ -352,3 +356,63 @@ def test_weightwire_nccl_hands_the_other_broadcasters_only_the_join_fields() -> 
             )
     with pytest.raises(NotImplementedError, match="no shared group"):
         get_backend("weightwire_tcp").peer_fields(payload)
+
+
+class Emptied(DictSource):
+    """Lists no tensors once ``EMPTIED`` is set (after the init): a round of none."""
+
+    def metadata(self) -> list[ParamMeta]:
+        return [] if EMPTIED[self.rank] else super().metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(()) if EMPTIED[self.rank] else super().__iter__()
+
+    rank = 0
+
+
+EMPTIED = [False] * 4
+
+
+def _emptied(ranks: set[int]) -> Callable[[int, dict[str, np.ndarray]], Any]:
+    def inner(r: int, tensors: dict[str, np.ndarray]) -> DictSource:
+        src = Emptied(tensors, describe)
+        src.rank = r
+        return src
+
+    EMPTIED[:] = [False] * 4
+
+    def before_round(step: int) -> None:
+        for r in ranks:
+            EMPTIED[r] = True
+
+    inner.before_round = before_round  # type: ignore[attr-defined]
+    return inner
+
+
+def one(name: str) -> int:
+    """Rank 0 broadcasts every tensor: a group of one broadcaster (its sole round)."""
+    return 0
+
+
+@pytest.mark.parametrize("owner", [one, two], ids=["1-broadcaster", "2-broadcasters"])
+@pytest.mark.parametrize("empty", [{0, 1}, {0}, {1}], ids=["every-rank", "rank-0", "rank-1"])
+def test_a_round_of_no_tensors_is_refused_on_every_rank_before_any_call(
+    empty: set[int], owner: Callable[[str], int]
+) -> None:
+    """A group round whose source lists no tensors (``partial=True``, so no tensor counts as
+    missing): every rank raises ``ConfigError`` naming it, at once, and no round call was
+    made (its update info, listing none, would read as the previous round's on the workers:
+    with one broadcaster rank 0 sent it and the workers waited for bytes)."""
+    inner = _emptied(empty)
+    run = Run(2, owner, inner=inner, partial=True)
+    run.before_round = inner.before_round  # type: ignore[attr-defined]
+    began = time.monotonic()
+    run.go(1)
+    elapsed = time.monotonic() - began
+    for r, (res,) in enumerate(run.results):
+        assert isinstance(res, ConfigError), (r, res)
+        assert "a round of no tensors cannot be sent" in str(res), res
+        assert f"(on trainer rank(s) {sorted(empty)})" in str(res), res
+    assert "start_weight_update" not in run.server.routes()
+    assert "update_weights" not in run.server.routes()
+    assert elapsed < TIMEOUTS.http_s, elapsed

@@ -57,7 +57,13 @@ from weightwire.trainer.multi_source import MultiSource
 from weightwire.trainer.overlap import RoundHandle, RoundWaitTimeout
 from weightwire.trainer.overlapped import OverlappedRounds
 from weightwire.trainer.patch_round import patch_round, refuse_patches
-from weightwire.trainer.session import Session, close_wire, open_wire, reopen_wire
+from weightwire.trainer.session import (
+    Session,
+    close_wire,
+    open_wire,
+    refuse_no_tensors,
+    reopen_wire,
+)
 from weightwire.trainer.sole_round import SoleRounds, sliced_instead_of_delta
 from weightwire.trainer.verify import RoundVerifier
 
@@ -508,20 +514,6 @@ class TrainerEngine(FrameworkHooks):
     def __exit__(self, exc_type: object, *exc: object) -> None:
         # Leaving on an error: the rounds still in flight are abandoned, not waited for.
         self.shutdown(in_flight="drain" if exc_type is None else "abort")
-
-
-def refuse_no_tensors(metas: Sequence[ParamMeta]) -> None:
-    """A round of no tensors at all is refused before any call (``ConfigError``): its update
-    info would list none, which the workers read as "the previous round's tensors again"
-    (vLLM's metadata reuse), so they would wait for bytes that never come (or, after an
-    init, refuse the round). (``send_patches([])`` is refused by its own checks.)"""
-    if not metas:
-        raise ConfigError(
-            "send_weights was given a source with no tensors: a round of no tensors cannot be "
-            "sent (its update info, listing none, reads as 'the previous round's tensors "
-            "again' on the workers); nothing was sent. Send at least one tensor (partial=True "
-            "lets a round leave the others out)"
-        )
 
 
 def _session_after(told: bool) -> str:

@@ -61,7 +61,7 @@ from weightwire.trainer.multi_group import GroupWire
 from weightwire.trainer.multi_sliced import SeveralSlicing, slices_across
 from weightwire.trainer.multi_star import StarWire
 from weightwire.trainer.round import Round, lead_round
-from weightwire.trainer.session import Session, open_wire
+from weightwire.trainer.session import Session, open_wire, refuse_no_tensors
 from weightwire.trainer.sole_round import SoleRounds, sliced_round
 
 logger = logging.getLogger(__name__)
@@ -136,14 +136,20 @@ class MultiSource:
         *,
         fits: bool = False,
         sliced: bool = False,
+        tensors: bool = False,
     ) -> Agreement:
         """Every rank's local verdict and metadata digest; every rank raises the same error.
         ``fits``: rank 0 checks the round against the served model (every rank's ``metas``
         are the whole round's); its own ``ServedModelMismatch`` is raised there as itself.
         ``sliced``: a plan of one broadcaster goes sliced from every process (each reads
-        its own shards): rank 0 need not hold every tensor whole."""
+        its own shards): rank 0 need not hold every tensor whole. ``tensors``: a round, which
+        lists at least one tensor: a rank whose source lists none makes every rank raise
+        ``refuse_no_tensors``' ``ConfigError`` (told through the exchange, so none waits)."""
         bplan: BroadcastPlan | None = None
         unfit: ServedModelMismatch | None = None
+        none_listed = tensors and not metas
+        if error is None and none_listed:
+            error = "its source lists no tensors"
         if error is None and fits and self.rank == 0:
             try:
                 self.session.check_fits(metas)
@@ -159,8 +165,13 @@ class MultiSource:
             except (PlanError, ValueError, TypeError) as exc:
                 error = str(exc)
         values = self.exchange.allgather(
-            name, {"digest": digest(metas), "error": error, **extra}, timeout
+            name,
+            {"digest": digest(metas), "error": error, "none": none_listed, **extra},
+            timeout,
         )
+        listed_none = [r for r, v in enumerate(values) if v["none"]]
+        if listed_none:
+            refuse_no_tensors([], ranks=listed_none)
         if unfit is not None:
             raise unfit
         for r, v in enumerate(values):
@@ -239,7 +250,8 @@ class MultiSource:
                 None,
                 s.info.timeouts.http_s,
                 fits=not draft,
-                sliced=self._sliced(metas, draft),
+                sliced=bool(metas) and self._sliced(metas, draft),
+                tensors=True,
             ).plan
         if self.rank == 0:
             self.ranks.round = bplan

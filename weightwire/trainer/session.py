@@ -14,7 +14,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -413,3 +413,19 @@ def close_wire(s: Session, *, displaced: bool) -> bool:
         stop.set()
         if isinstance(s.client, FallbackClient):
             s.client.close()  # only the connections the engine opened itself
+
+
+def refuse_no_tensors(metas: Sequence[ParamMeta], *, ranks: Sequence[int] = ()) -> None:
+    """A round of no tensors at all is refused before any call (``ConfigError``): its update
+    info would list none, which the workers read as "the previous round's tensors again"
+    (vLLM's metadata reuse), so they would wait for bytes that never come (or, after an
+    init, refuse the round). (``send_patches([])`` is refused by its own checks.) ``ranks``:
+    a group's ranks whose source listed none (every rank raises it, ``multi_source``)."""
+    if not metas:
+        whose = f" (on trainer rank(s) {list(ranks)})" if ranks else ""
+        raise ConfigError(
+            f"send_weights was given a source with no tensors{whose}: a round of no tensors "
+            "cannot be sent (its update info, listing none, reads as 'the previous round's "
+            "tensors again' on the workers); nothing was sent. Send at least one tensor "
+            "(partial=True lets a round leave the others out)"
+        )
