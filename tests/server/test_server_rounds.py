@@ -139,6 +139,47 @@ def test_list_form_and_metadata_reuse(server, http: httpx.Client, base_weights, 
     assert_serves(http, reference, new3)
 
 
+EMPTY_LISTS = {"names": [], "dtype_names": [], "shapes": []}
+
+
+def test_metadata_reuse_with_no_previous_listing_is_refused_before_the_workers(
+    server, http: httpx.Client, base_weights, reference
+) -> None:
+    """Empty lists on a session's first update ("the previous round's tensors") have nothing
+    to reuse: the update's own checks answer 400 saying so, before any worker acts; the
+    open round and the session stay usable (was: the workers refused it, which ended the
+    session). The round in one request is refused as its start, opening no round."""
+    client = VLLMStyleClient(server.url)
+    sender = TCPSender(client, replicas=2)
+    new = perturbed(base_weights, 4)
+    try:
+        sender.init()
+        resp = http.post(
+            "/update_weights?start=true&finish=true", json={"update_info": EMPTY_LISTS}
+        )
+        assert resp.status_code == 400, resp.text
+        detail = resp.json()["detail"]
+        assert detail.startswith("start_weight_update refused: the update's"), detail
+        assert "no previous round's tensor list to reuse" in detail, detail
+        assert http.get("/weight_info").json()["session"]["state"] == "ready"
+        client.start_weight_update()
+        for info, where in ((EMPTY_LISTS, "update_info"), ([EMPTY_LISTS] * 2, "update_info[0]")):
+            resp = http.post("/update_weights", json={"update_info": info})
+            assert resp.status_code == 400, resp.text
+            detail = resp.json()["detail"]
+            assert detail.startswith(f"{where} lists no tensors"), detail
+            assert "no previous round's tensor list to reuse" in detail, detail
+            assert "send the round's names, dtype_names and shapes" in detail, detail
+            session = http.get("/weight_info").json()["session"]
+            assert session["state"] == "round_active", session
+        sender.send_update(new).result()  # the open round takes a listing update
+        client.finish_weight_update("step-4")
+    finally:
+        sender.close()
+    assert http.get("/weight_info").json()["weight_version"] == "step-4"
+    assert_serves(http, reference, new)
+
+
 def test_init_and_update_shapes_that_do_not_fit_two_replicas(server, http: httpx.Client) -> None:
     info = {
         "host": "127.0.0.1",

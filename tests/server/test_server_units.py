@@ -224,3 +224,28 @@ def test_the_adapter_an_open_round_writes_is_known_from_its_updates() -> None:
     state.session.started()
     state.note_update([{"names": ["model.embed_tokens.weight"]}])
     assert not state.writing_adapter("pol")
+
+
+def test_an_update_of_empty_lists_reuses_its_broadcasters_last_dense_listing_only() -> None:
+    """``check_reuse``: empty lists pass once their broadcaster listed a dense round in this
+    session; refused (400, naming the src) before, or after a delta round's patch listing."""
+    from weightwire.tools.server.weight_rules import NothingToReuse, check_reuse, note_listing
+
+    empty = {"names": [], "dtype_names": [], "shapes": []}
+    listings: dict[int, bool] = {}
+    with pytest.raises(NothingToReuse, match="no previous round's tensor list to reuse"):
+        check_reuse([empty], listings, per_worker=False)
+    note_listing([{"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]]}], listings)
+    check_reuse([empty, empty], listings, per_worker=True)
+    with pytest.raises(NothingToReuse, match=r"update_info\[1\] .* to reuse from src 1") as info:
+        check_reuse([empty, {**empty, "src": 1}], listings, per_worker=True)
+    assert info.value.status == 400
+    note_listing(
+        [{"names": ["a@index"], "patches": [["a", "float32", [1], 1, "flat_i32"]]}], listings
+    )
+    with pytest.raises(NothingToReuse, match="was a delta round's patch tensors"):
+        check_reuse([empty], listings, per_worker=False)
+    s = Session()  # a new session remembers no listing
+    s.listings[0] = False
+    s.initialized(None)
+    assert s.listings == {}

@@ -122,6 +122,10 @@ class Session:
     """Bumped by every successful init: names the session in logs and messages (the id is a
     token)."""
     record: RoundRecord | None = None
+    listings: dict[int, bool] = field(default_factory=dict)
+    """Broadcaster (``src``) -> whether the last update info of this session that listed its
+    tensors was a delta round's (patches): what an update of empty lists (vLLM 0.33's "the
+    previous round's tensors") reuses on the workers, whose list is per session."""
 
     # -- ownership ----------------------------------------------------------------------
     def check_owner(self, claimed: str | None, route: str, *, idempotent: bool = False) -> None:
@@ -217,6 +221,7 @@ class Session:
         )
         self.session_id = secrets.token_urlsafe(12)
         self.serial += 1
+        self.listings = {}  # the workers' new engine remembers no listing
         log.info("session #%d initialized", self.serial)
         return self.session_id
 

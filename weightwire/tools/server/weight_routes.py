@@ -54,10 +54,13 @@ from weightwire.tools.server.web import (
     read_object,
 )
 from weightwire.tools.server.weight_rules import (
+    NothingToReuse,
     arm_lease,
+    check_reuse,
     drop_stale_round,
     fan_out_or_fail,
     fan_out_or_raise,
+    note_listing,
     parse_init_info,
     parse_update_payload,
     require_live,
@@ -210,6 +213,9 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             if per is None:
                 try:
                     per = await _update_payload(state, request, body)
+                except NothingToReuse as exc:  # no worker acted: the round stays usable
+                    exc.message += "; nothing was done: the round stays open"
+                    raise
                 except ApiError as exc:
                     # The trainer is already broadcasting: tear the group down so it fails fast.
                     await pool.abort_all()
@@ -231,6 +237,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                     abort_on_failure=True,
                 )
             session.updated(results)
+            note_listing(per, session.listings)
             if then is None:
                 arm_lease(state)
             else:  # the round's finish, in this request: committed only after the update held
@@ -325,12 +332,16 @@ async def _open_round(state: ServerState, mode: str | None, clock: CallClock) ->
 async def _update_payload(
     state: ServerState, request: Request, body: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    """The update info checked, one per replica (``ApiError`` 422 naming the field)."""
+    """The update info checked, one per replica (``ApiError`` 422 naming the field; 400,
+    ``NothingToReuse``, for empty lists with no listing to reuse)."""
     # A round's metadata can list a million names: validate off the event loop. A small
     # body (metadata reuse: empty lists) is checked in microseconds, less than the hop.
     if len(await request.body()) > INLINE_UPDATE_BYTES:  # the body is cached: no second read
-        return await asyncio.to_thread(parse_update_payload, body["update_info"], state.replicas)
-    return parse_update_payload(body["update_info"], state.replicas)
+        per = await asyncio.to_thread(parse_update_payload, body["update_info"], state.replicas)
+    else:
+        per = parse_update_payload(body["update_info"], state.replicas)
+    check_reuse(per, state.session.listings, per_worker=isinstance(body["update_info"], list))
+    return per
 
 
 async def _start_in_update(

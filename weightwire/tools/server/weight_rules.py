@@ -216,6 +216,50 @@ def parse_update_payload(payload: Any, replicas: int) -> list[dict[str, Any]]:
     return items
 
 
+class NothingToReuse(ApiError):
+    """An update of empty lists (vLLM 0.33's "reuse the previous round's tensors") whose
+    broadcaster has no listing to reuse in this session: refused before any worker acts,
+    the open round kept (``check_reuse``)."""
+
+
+def check_reuse(
+    items: list[dict[str, Any]], listings: dict[int, bool], *, per_worker: bool
+) -> None:
+    """``NothingToReuse`` (400) for an update info that lists no tensors where its broadcaster
+    listed none since the init, or last listed a delta round's patch tensors: the workers
+    would refuse it after the round opened, which fails the session."""
+    for i, item in enumerate(items if per_worker else items[:1]):
+        if item.get("names"):
+            continue
+        src = item.get("src", 0)
+        where = f"update_info[{i}]" if per_worker else "update_info"
+        whose = f" from src {src}" if src else ""
+        if src not in listings:
+            raise NothingToReuse(
+                400,
+                f"{where} lists no tensors (empty names, dtype_names and shapes: reuse the "
+                f"previous round's tensor list) but this session has no previous round's "
+                f"tensor list to reuse{whose}: no update since /init_weight_transfer_engine "
+                "listed any; send the round's names, dtype_names and shapes",
+                param=where,
+            )
+        if listings[src]:
+            raise NothingToReuse(
+                400,
+                f"{where} lists no tensors (reuse the previous round's tensor list), but the "
+                f"previous list{whose} was a delta round's patch tensors, which a round "
+                "describes in full; send the round's names, dtype_names and shapes",
+                param=where,
+            )
+
+
+def note_listing(items: list[dict[str, Any]], listings: dict[int, bool]) -> None:
+    """An update the workers took: the list its broadcaster's next empty update reuses."""
+    for item in items[:1]:  # every replica's update names the same tensors
+        if item.get("names"):
+            listings[item.get("src", 0)] = bool(item.get("patches"))
+
+
 def version_field(body: dict[str, Any], key: str, *, optional: bool) -> str | None:
     value = body.get(key)
     if value is None and optional:
