@@ -40,6 +40,9 @@ INIT = {
     "world_size": 2,
 }
 THEN = {"reset_caches": "true", "resume": "true"}
+LISTED = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[1]]}
+"""An update info that lists a tensor (the receiver takes any): empty lists, "the previous
+round's", are refused where a session listed none."""
 
 
 class Instant:
@@ -93,9 +96,7 @@ def test_init_names_the_feature_and_a_committed_finish_resets_and_resumes(served
     ]
     http.post("/pause", params={"mode": "abort"})
     http.post("/start_weight_update")
-    http.post(
-        "/update_weights", json={"update_info": {"names": [], "dtype_names": [], "shapes": []}}
-    )
+    http.post("/update_weights", json={"update_info": LISTED})
     assert state.gate.paused
     r = http.post("/finish_weight_update", params=THEN, json={"weight_version": "v1"})
     assert r.status_code == 200, r.text
@@ -122,9 +123,7 @@ def test_bad_flags_are_refused_before_the_finish(served: Any) -> None:
     state, http = served
     http.post("/init_weight_transfer_engine", json={"init_info": INIT})
     http.post("/start_weight_update")
-    http.post(
-        "/update_weights", json={"update_info": {"names": [], "dtype_names": [], "shapes": []}}
-    )
+    http.post("/update_weights", json={"update_info": LISTED})
     r = http.post("/finish_weight_update", params={"resume": "soon"}, json={"weight_version": "v"})
     assert r.status_code == 422 and "query parameter resume must be true or false" in r.text
     assert state.session.weight_version != "v"  # nothing committed
@@ -144,7 +143,7 @@ def test_an_asleep_server_commits_lifts_the_rounds_pause_and_its_sleep_holds(
     assert client.finishes_with_resume()
     client.pause("abort")
     client.start_weight_update()
-    client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    client.update_weights(LISTED)
     r = http.post("/sleep", params={"level": 0})  # a round is open: refused
     assert r.status_code == 409, r.text
     state.sleep.level = 0  # as a /sleep?level=0 that landed (it holds generation)
@@ -152,7 +151,7 @@ def test_an_asleep_server_commits_lifts_the_rounds_pause_and_its_sleep_holds(
     client.finish_reset_resume("v2")  # no resume refused: nothing raised
     client.pause("abort")
     client.start_weight_update()
-    client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    client.update_weights(LISTED)
     r = http.post("/finish_weight_update", params=THEN, json={"weight_version": "v2"})
     reply = r.json()
     assert reply["resumed"] is True and "until POST /wake_up" in reply["held_by_sleep"]
@@ -210,9 +209,6 @@ def test_a_refused_start_pauses_nothing_and_a_bad_mode_is_422(served: Any) -> No
     assert not state.gate.paused and state.session.phase.name != "ROUND"
 
 
-EMPTY = {"names": [], "dtype_names": [], "shapes": []}
-
-
 def _serve(receiver: Instant) -> Any:
     state = ServerState(
         pool=InProcessPool(receiver),  # type: ignore[arg-type]
@@ -230,7 +226,7 @@ def test_an_update_that_finishes_commits_resets_and_resumes_in_one_request() -> 
         assert client.updates_with_finish()
         client.pause_and_start("abort")
         assert state.gate.paused
-        (reply,) = client.update_and_finish(EMPTY, "v1", reset_caches=True, resume=True)
+        (reply,) = client.update_and_finish(LISTED, "v1", reset_caches=True, resume=True)
         assert reply["weight_version"] == "v1" and reply["caches_reset"] is True
         assert reply["resumed"] is True and reply["replicas"] == [{"tensors": 0}]
         assert receiver.ops[-2:] == ["update", "finish"]  # committed after the update held
@@ -238,7 +234,7 @@ def test_an_update_that_finishes_commits_resets_and_resumes_in_one_request() -> 
         assert state.session.describe()["state"] != "round_active"
         # an unpaused round's: the resets, no resume
         client.start_weight_update()
-        (reply,) = client.update_and_finish(EMPTY, None, reset_caches=True, resume=False)
+        (reply,) = client.update_and_finish(LISTED, None, reset_caches=True, resume=False)
         assert reply["weight_version"] == "v1" and "resumed" not in reply
 
 
@@ -251,7 +247,7 @@ def test_a_failed_update_commits_nothing_and_a_failed_commit_fails_as_a_finish()
             client.init_weight_transfer_engine(INIT)
             client.pause_and_start("abort")
             with pytest.raises(WeightSyncError, match=f"the worker's {fails} failed") as caught:
-                client.update_and_finish(EMPTY, "v1", reset_caches=True, resume=True)
+                client.update_and_finish(LISTED, "v1", reset_caches=True, resume=True)
             assert caught.value.route == route  # what failed, whichever request carried it
             if fails == "update":
                 assert "finish" not in receiver.ops  # nothing committed after a failed update
@@ -265,7 +261,7 @@ def test_a_finishs_flags_without_finish_and_bad_flags_are_refused_before_the_upd
     with http:
         http.post("/init_weight_transfer_engine", json={"init_info": INIT})
         http.post("/start_weight_update")
-        body = {"update_info": EMPTY, "weight_version": "v"}
+        body = {"update_info": LISTED, "weight_version": "v"}
         for params, says in (
             ({"resume": "true"}, "query parameter resume is a finish's: give finish=true"),
             ({"finish": "soon"}, "query parameter finish must be true or false"),
@@ -291,7 +287,7 @@ def test_a_flag_given_twice_is_refused_before_anything_is_done() -> None:
         assert r.status_code == 422 and "pause is given 2 times" in r.text, r.text
         assert not state.gate.paused and "start" not in receiver.ops
         assert http.post("/start_weight_update").status_code == 200
-        body = {"update_info": EMPTY, "weight_version": "v"}
+        body = {"update_info": LISTED, "weight_version": "v"}
         for params in (
             [("finish", "true"), ("finish", "false")],
             [("finish", "true"), ("resume", "true"), ("resume", "false")],
@@ -420,7 +416,7 @@ def test_a_start_whose_pause_waited_while_a_sleep_put_the_weights_away_opens_not
         route, params, body = "/start_weight_update", {"pause": "wait"}, None
         if one_request:
             route, params = "/update_weights", {**ONE, "pause": "wait"}
-            body = {"update_info": EMPTY, "weight_version": "v"}
+            body = {"update_info": LISTED, "weight_version": "v"}
         http.portal.call(state.gate.enter)  # a request running: the wait-mode pause drains it
         answer: list[Any] = []
         starting = threading.Thread(
@@ -487,7 +483,7 @@ def test_the_round_in_one_request_starts_pauses_updates_commits_and_resumes() ->
         client.init_weight_transfer_engine(INIT)
         assert client.updates_with_start()
         (reply,) = client.start_update_finish(
-            EMPTY, "v1", pause="abort", reset_caches=True, resume=True
+            LISTED, "v1", pause="abort", reset_caches=True, resume=True
         )
         assert reply["message"] == "Weight update started, weights updated and finished"
         assert reply["weight_version"] == "v1" and reply["resumed"] and reply["caches_reset"]
@@ -497,7 +493,7 @@ def test_the_round_in_one_request_starts_pauses_updates_commits_and_resumes() ->
         assert state.session.rounds_committed == 1
         # without a pause the start pauses nothing (a staged round's shape)
         (reply,) = client.start_update_finish(
-            EMPTY, "v2", pause=None, reset_caches=True, resume=False
+            LISTED, "v2", pause=None, reset_caches=True, resume=False
         )
         assert reply["weight_version"] == "v2" and "resumed" not in reply
 
@@ -513,7 +509,7 @@ def test_the_round_in_one_request_is_refused_before_its_pause_naming_the_start()
     with http:
         sid = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
         own = {SESSION_HEADER: sid["session_id"]}
-        body = {"update_info": EMPTY, "weight_version": "v"}
+        body = {"update_info": LISTED, "weight_version": "v"}
         for params, says in (
             ({"start": "true", "pause": "abort"}, "start=true needs finish=true"),
             ({"pause": "abort", "finish": "true"}, "query parameter pause is a start's"),
@@ -565,7 +561,7 @@ def test_a_step_failing_inside_the_one_request_is_named_and_commits_nothing(
         client = client_for(http)
         client.init_weight_transfer_engine(INIT)
         with pytest.raises(WeightSyncError, match=f"the worker's {fails} failed") as caught:
-            client.start_update_finish(EMPTY, "v1", pause="abort", reset_caches=True, resume=True)
+            client.start_update_finish(LISTED, "v1", pause="abort", reset_caches=True, resume=True)
         assert caught.value.route == route  # the step that failed, inside the one request
         assert caught.value.status is not None and caught.value.status >= 500
         steps = ["start", "update", "finish"]
@@ -589,7 +585,7 @@ def test_a_round_in_one_request_whose_wait_pause_a_newer_init_outlived_opens_not
         first = http.post("/init_weight_transfer_engine", json={"init_info": INIT}).json()
         http.portal.call(state.gate.enter)  # a request running: the wait-mode pause drains it
         answer: list[Any] = []
-        body = {"update_info": EMPTY, "weight_version": "v1"}
+        body = {"update_info": LISTED, "weight_version": "v1"}
         sending = threading.Thread(
             target=lambda: answer.append(
                 http.post(
