@@ -10,6 +10,7 @@ first call (not by the update that carries the finish, with the bytes on the wir
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -25,11 +26,12 @@ from tests.faults.harness import (
     TensorSource,
     assert_weights,
     engine_for,
+    observe,
     quiet_shutdown,
 )
-from tests.faults.one_request import recorded_engine
+from tests.faults.one_request import recorded_engine, recording
 from tests.faults.servers import Server
-from weightwire.shared.errors import ConfigError, SourceMismatch
+from weightwire.shared.errors import ConfigError, SourceMismatch, WeightSyncError
 from weightwire.shared.limits import LIMITS
 
 IN_UPDATE = "update_weights?finish=true"
@@ -258,3 +260,97 @@ def test_a_round_whose_source_fails_on_its_first_tensor_sends_nothing_and_the_ne
     finally:
         source.hook = None
         quiet_shutdown(engine)
+
+
+OLDER_ASLEEP = (
+    "the server is asleep (/sleep level 0): POST /wake_up to wake it (that resumes "
+    "generation); the round is committed"
+)
+
+
+def test_a_resume_an_older_server_refused_in_its_commits_reply_is_its_answer_and_a_committed_round(
+    shared_server: Server, probe: Probe, source: TensorSource, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older server asleep committed the round its update carried but refused the resume in
+    that reply (``resumed: false`` + ``resume_error``, its pause kept; emulated over the real
+    server's reply): ``WeightSyncError`` for ``resume`` with the reply's status (200) and the
+    server's words (was: status None, "no response"); logged as a committed round whose
+    resume was refused, never as one the models may hold part of; the engine goes on."""
+    client = recording(shared_server.url)
+    request = client._request
+    older = [True]
+
+    def as_older(i: int, route: Any, body: Any = None, params: Any = None) -> Any:
+        reply = request(i, route, body, params)
+        if older[0] and (params or {}).get("resume") == "true" and isinstance(reply, dict):
+            assert probe.http.post("/pause?mode=abort").status_code == 200  # kept, as it did
+            reply = {**reply, "resumed": False, "resume_error": OLDER_ASLEEP}
+        return reply
+
+    client._request = as_older
+    _, engine, _ = recorded_engine(
+        shared_server.url, source, client=client, hears=False, stage_budget_bytes=0
+    )
+    try:
+        want = source.perturb(7)
+        with (
+            caplog.at_level(logging.WARNING, logger="weightwire"),
+            pytest.raises(WeightSyncError) as got,
+        ):
+            engine.send_weights("resume-refused")
+        observe(error=got.value)
+        assert got.value.route == "resume" and got.value.status == 200, got.value
+        assert got.value.message == OLDER_ASLEEP and "no response" not in str(got.value)
+        assert_weights(probe, want, "resume-refused")  # committed
+        assert "may hold part of it" not in caplog.text, caplog.text
+        assert "committed on every server (the model is whole)" in caplog.text, caplog.text
+        assert "also failed" not in caplog.text  # its refused resume is not asked again
+        assert _paused(probe)  # the older server's pause stays until a resume succeeds
+        older[0] = False
+        want = source.perturb(8)
+        engine.send_weights("after-refused-resume")  # the engine goes on; this one resumes
+        assert_weights(probe, want, "after-refused-resume")
+        assert not _paused(probe)
+    finally:
+        quiet_shutdown(engine)
+        probe.http.post("/resume")
+
+
+def test_a_resume_the_server_refused_after_a_separate_commit_is_its_answer_and_a_committed_round(
+    shared_server: Server, probe: Probe, source: TensorSource, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trainer that resumes with its own ``/resume`` (a server whose finish does not, as stock
+    vLLM's): the server, put to sleep between the commit and the resume, refuses it (503 naming
+    /wake_up): raised with that status and message, logged as a committed round whose resume
+    was refused (not as one the models may hold part of)."""
+    client = recording(shared_server.url)
+    client.finishes_with_resume = lambda: False
+    client.updates_with_finish = lambda: False
+    resume = client.resume
+
+    def asleep_first() -> None:
+        assert probe.http.post("/sleep", params={"level": 0}).status_code == 200
+        resume()
+
+    client.resume = asleep_first
+    _, engine, _ = recorded_engine(
+        shared_server.url, source, client=client, hears=False, stage_budget_bytes=0
+    )
+    try:
+        want = source.perturb(9)
+        with (
+            caplog.at_level(logging.WARNING, logger="weightwire"),
+            pytest.raises(WeightSyncError) as got,
+        ):
+            engine.send_weights("separate-resume-refused")
+        observe(error=got.value)
+        assert got.value.route == "resume" and got.value.status == 503, got.value
+        assert "the server is asleep (/sleep level 0): POST /wake_up" in got.value.message
+        assert_weights(probe, want, "separate-resume-refused")  # committed
+        assert "may hold part of it" not in caplog.text, caplog.text
+        assert "committed on every server (the model is whole)" in caplog.text, caplog.text
+    finally:
+        quiet_shutdown(engine)
+        probe.http.post("/wake_up")
+        probe.http.post("/resume")
+    assert not _paused(probe)

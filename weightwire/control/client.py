@@ -421,11 +421,17 @@ def refused_resume(
             why = reply.get("resume_error") if isinstance(reply, dict) else None
             return WeightSyncError(
                 routes.RESUME.name,
-                None,
+                _ANSWERED,  # the server answered (was None: "no response")
                 str(why or f"the {carrier} did not resume: {reply!r:.200}"),
                 server,
             )
     return None
+
+
+_ANSWERED = 200
+"""The status of a reply that carried a resume's refusal in its body: the finish (or update)
+succeeded (``_request`` raises for any non-2xx status, and the reference server answers them
+200); its ``resumed: false`` and ``resume_error`` are the server's word on the resume."""
 
 
 def _step_named(exc: WeightSyncError, steps: Sequence[routes.Route]) -> WeightSyncError:

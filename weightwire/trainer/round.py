@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weightwire.backends.base import RoundSender, Sent
+from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.meta import ParamMeta
+from weightwire.shared.routes import RESUME
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer.broadcast_plan import BroadcastPlan
 from weightwire.trainer.early import (
@@ -183,6 +185,9 @@ class _Servers:
     """The round guard is held (requests that run the model are refused)."""
     started: bool = False
     """The start went out: from here the workers may hold part of the round."""
+    committed: bool = False
+    """Every server's finish committed the round (recorded): a later step's failure (the
+    resume, a cache reset) leaves the model whole."""
     one_request: bool = False
     """The round's start (with its pause) rides on its update, which carries its finish:
     one request (``early.one_request``)."""
@@ -438,25 +443,44 @@ def commit(
     resume), then [resume], then [release the guard: it checks the workers are whole].
     A round whose update POST carried its finish (``finish.posted``) committed with it: only
     its answers are read here."""
+
+    def recorded() -> None:
+        # committed: the next automatic version moves on even if a check fails
+        _record(s, r)
+        servers.committed = True
+
     with clock("finish"):
         if r.before_commit is not None:  # an overlapped round that shutdown stopped
             r.before_commit()
-        # committed: the next automatic version moves on even if a check fails
-        if finish is not None and finish.posted:
-            resumed = finish.committed(lambda: _record(s, r))
-        else:
-            resumed = s.commit_plan.commit(
-                s.client,
-                r.version,
-                caps=s.caps,
-                record=lambda: _record(s, r),
-                paused=servers.paused,
-                timeout=s.info.timeouts.http_s,
-            )
-        if servers.paused:
-            servers.paused = False
-            if not resumed:  # else the finish resumed them (the reference server's offer)
-                s.client.resume()
+        try:
+            if finish is not None and finish.posted:
+                resumed = finish.committed(recorded)
+            else:
+                resumed = s.commit_plan.commit(
+                    s.client,
+                    r.version,
+                    caps=s.caps,
+                    record=recorded,
+                    paused=servers.paused,
+                    timeout=s.info.timeouts.http_s,
+                )
+            if servers.paused:
+                servers.paused = False
+                if not resumed:  # else the finish resumed them (the reference server's offer)
+                    s.client.resume()
+        except WeightSyncError as exc:
+            if exc.route == RESUME.name and servers.committed:
+                # A server answered the resume and refused it (an older server asleep, a
+                # stock one): asking again gets the same answer, so it is not re-sent.
+                servers.paused = False
+                logger.error(
+                    "round %r committed on every server (the model is whole), but its resume "
+                    "was refused: %s. Generation stays paused there until POST /resume "
+                    "succeeds",
+                    r.version,
+                    exc,
+                )
+            raise
         servers.held = release_guard(s.client, pause)
 
 
@@ -491,7 +515,7 @@ def recover(
     end: RoundEnd | None,
 ) -> None:
     """A failed round: undo what it did to the servers, as far as is safe; the caller raises."""
-    committed = was_committed(exc)
+    committed = was_committed(exc) or servers.committed
     if servers.one_request and start_opened_nothing(exc):
         # The request's start was refused by its checks, before its pause, or failed at its
         # pause, which it undid: nothing paused by it, nothing started (the data path wrote
